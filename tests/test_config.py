@@ -1,0 +1,139 @@
+import threading
+
+import pytest
+
+import wsarena
+from wsarena import Config, config, configure, format_size, get_config, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", 0),
+        ("512", 512),
+        (512, 512),
+        ("64KiB", 64 * 1024),
+        ("256MiB", 256 * 2**20),
+        ("1.5GiB", 3 * 2**29),
+        ("2GB", 2 * 10**9),
+        ("1kB", 1000),
+        ("3 MB", 3 * 10**6),
+        ("7B", 7),
+        ("1TiB", 2**40),
+        ("0.5KiB", 512),
+    ],
+)
+def test_parse_size_accepts(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1", "1.5", "1.5.3GiB", "12 parsecs", "MiB", "1e3", "0x10", "inf", "nan", "1 GiB B"])
+def test_parse_size_rejects_with_value_error(text):
+    with pytest.raises(ValueError, match="size|unit|bytes"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("value", [1.5, 2.0, None, True, [1], b"1"])
+def test_parse_size_rejects_other_types(value):
+    with pytest.raises(TypeError):
+        parse_size(value)
+
+
+def test_parse_size_rejects_negative_int():
+    with pytest.raises(ValueError, match="negative"):
+        parse_size(-5)
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 B"), (512, "512 B"), (1 << 20, "1 MiB"), (3 << 29, "1.5 GiB"), (1536, "1.5 KiB"), (2**40 * 3, "3 TiB")],
+)
+def test_format_size(n, text):
+    assert format_size(n) == text
+
+
+def test_format_parse_round_trip():
+    for n in (0, 1, 1023, 1024, 1 << 20, 5 << 30):
+        assert parse_size(format_size(n).replace(" ", "")) == n
+
+
+def test_defaults():
+    c = get_config()
+    assert c == Config(cap_workspace=None, algo_search="heuristic", backend="auto", debug=False)
+
+
+def test_environment_is_read(monkeypatch):
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", "64MiB")
+    monkeypatch.setenv("WSARENA_ALGO_SEARCH", "exhaustive")
+    monkeypatch.setenv("WSARENA_BACKEND", "cpu")
+    monkeypatch.setenv("WSARENA_DEBUG", "1")
+    wsarena._config._reset()
+    assert get_config() == Config(cap_workspace=64 << 20, algo_search="exhaustive", backend="cpu", debug=True)
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [("WSARENA_CAP_WORKSPACE", "lots"), ("WSARENA_ALGO_SEARCH", "fast"), ("WSARENA_BACKEND", "tpu"), ("WSARENA_DEBUG", "maybe")],
+)
+def test_bad_environment_names_the_variable(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    wsarena._config._reset()
+    with pytest.raises(ValueError, match=var):
+        get_config()
+
+
+def test_configure_and_bad_values_change_nothing():
+    configure(cap_workspace="1MiB")
+    assert get_config().cap_workspace == 1 << 20
+    before = get_config()
+    with pytest.raises(ValueError):
+        configure(cap_workspace="1MiB", algo_search="fastest")
+    with pytest.raises(TypeError, match="capacity"):
+        configure(capacity=3)
+    with pytest.raises(ValueError):
+        configure(backend="tpu")
+    assert get_config() == before
+    configure(cap_workspace=None)
+    assert get_config().cap_workspace is None
+
+
+def test_config_block_overrides_and_restores():
+    configure(cap_workspace="8MiB")
+    with config(cap_workspace=0) as c:
+        assert c.cap_workspace == 0
+        assert get_config().cap_workspace == 0
+        with config(algo_search="exhaustive"):
+            assert get_config() == Config(cap_workspace=0, algo_search="exhaustive")
+        assert get_config().algo_search == "heuristic"
+    assert get_config().cap_workspace == 8 << 20
+
+
+def test_config_block_restores_after_error():
+    with pytest.raises(RuntimeError):
+        with config(cap_workspace=0):
+            raise RuntimeError
+    assert get_config().cap_workspace is None
+
+
+def test_config_block_is_local_to_its_thread():
+    seen = []
+    inside = threading.Event()
+    done = threading.Event()
+
+    def other():
+        inside.wait()
+        seen.append(get_config().cap_workspace)
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with config(cap_workspace=0):
+        inside.set()
+        done.wait()
+    t.join()
+    assert seen == [None]
+
+
+def test_config_is_frozen():
+    with pytest.raises(AttributeError):
+        get_config().cap_workspace = 1

@@ -1,0 +1,73 @@
+"""wsarena: one shared, capped cuDNN convolution workspace per device.
+
+Every convolution call leases its scratch memory from one arena per device. Per stream the arena holds a
+single buffer sized to the largest workspace any call on that stream needs, so memory is the *maximum* over
+layers and passes, not their sum; calls on different streams get disjoint sub-arenas.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from . import errors
+from ._config import Config, config, configure, get_config
+from ._sizes import format_size, parse_size
+from .errors import (
+    ArenaOutOfMemoryError,
+    BackendUnavailableError,
+    NoAlgorithmFitsError,
+    WorkspaceCapError,
+    WorkspaceMemoryError,
+    WsarenaError,
+)
+
+__version__ = "0.1.0"
+
+# Names served from submodules on first use, so that `import wsarena` stays light and never loads libcudnn.
+_LAZY = {
+    "Arena": "wsarena.arena",
+    "get_arena": "wsarena.arena",
+    "conv_forward": "wsarena.ops",
+    "conv_backward_data": "wsarena.ops",
+    "conv_backward_filter": "wsarena.ops",
+    "ConvLayer": "wsarena.models",
+    "load_model": "wsarena.models",
+    "Plan": "wsarena.planner",
+    "plan": "wsarena.planner",
+    "cudnn": "wsarena.cudnn",
+}
+
+__all__ = sorted(
+    [
+        "ArenaOutOfMemoryError",
+        "BackendUnavailableError",
+        "Config",
+        "NoAlgorithmFitsError",
+        "WorkspaceCapError",
+        "WorkspaceMemoryError",
+        "WsarenaError",
+        "__version__",
+        "config",
+        "configure",
+        "errors",
+        "format_size",
+        "get_config",
+        "parse_size",
+        *_LAZY,
+    ]
+)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wsarena' has no attribute {name!r}")
+    mod = importlib.import_module(module)
+    value = mod if name == "cudnn" else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,220 @@
+"""The shape of one convolution, checked once, shared by every backend, the planner and the reports.
+
+Layouts: ``"NCHW"`` means channels first, ``x`` is ``(N, C, *spatial)`` and ``w`` is ``(K, C/groups, *kernel)``;
+``"NHWC"`` means channels last, ``x`` is ``(N, *spatial, C)`` and ``w`` is ``(K, *kernel, C/groups)``. The same two
+names serve 1-D and 3-D convolutions. Padding is symmetric: ``padding[i]`` zeros on each side of dimension ``i``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["LAYOUTS", "PASSES", "ConvGeometry", "conv_geometry", "output_size"]
+
+LAYOUTS = ("NCHW", "NHWC")
+PASSES = ("fwd", "bwd_data", "bwd_filter")
+
+
+def output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    """Output length of one spatial dimension (may be < 1 for an impossible geometry)."""
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvGeometry:
+    """A checked convolution geometry. Build it with :func:`conv_geometry`."""
+
+    batch: int
+    in_channels: int
+    out_channels: int
+    groups: int
+    input_size: tuple[int, ...]
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    layout: str = "NCHW"
+    dtype: str = "float32"
+
+    @property
+    def nd(self) -> int:
+        """Number of spatial dimensions (1, 2 or 3)."""
+        return len(self.input_size)
+
+    @property
+    def output_size(self) -> tuple[int, ...]:
+        return tuple(
+            output_size(i, k, s, p, d)
+            for i, k, s, p, d in zip(self.input_size, self.kernel_size, self.stride, self.padding, self.dilation)
+        )
+
+    def _shape(self, n: int, c: int, spatial: tuple[int, ...]) -> tuple[int, ...]:
+        return (n, c, *spatial) if self.layout == "NCHW" else (n, *spatial, c)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self._shape(self.batch, self.in_channels, self.input_size)
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        return self._shape(self.out_channels, self.in_channels // self.groups, self.kernel_size)
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return self._shape(self.batch, self.out_channels, self.output_size)
+
+    @property
+    def macs(self) -> int:
+        """Multiply-accumulates of one forward pass (the same count for each backward pass)."""
+        return (
+            self.batch
+            * self.out_channels
+            * math.prod(self.output_size)
+            * (self.in_channels // self.groups)
+            * math.prod(self.kernel_size)
+        )
+
+    def with_batch(self, batch: int) -> ConvGeometry:
+        return dataclasses.replace(self, batch=_positive_or_zero("batch", batch))
+
+    def with_dtype(self, dtype: str) -> ConvGeometry:
+        return dataclasses.replace(self, dtype=str(dtype))
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, not {value!r}")
+    return int(value.__index__())
+
+
+def _positive_or_zero(name: str, value: Any) -> int:
+    v = _int(name, value)
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, not {v}")
+    return v
+
+
+def _per_dim(name: str, value: Any, nd: int, *, minimum: int) -> tuple[int, ...]:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != nd:
+            raise ValueError(f"{name}={value!r} must have one entry per spatial dimension ({nd})")
+        values = tuple(_int(name, v) for v in value)
+    else:
+        values = (_int(name, value),) * nd
+    if any(v < minimum for v in values):
+        raise ValueError(f"{name}={value!r} must be >= {minimum} in every dimension")
+    return values
+
+
+def _padding(
+    value: Any, nd: int, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...]
+) -> tuple[int, ...]:
+    if isinstance(value, str):
+        if value == "valid":
+            return (0,) * nd
+        if value == "same":
+            total = [d * (k - 1) for k, d in zip(kernel, dilation)]
+            if any(s != 1 for s in stride):
+                raise ValueError(f"padding='same' needs stride 1, not stride={stride}")
+            if any(t % 2 for t in total):
+                raise ValueError(
+                    f"padding='same' with kernel {kernel} and dilation {dilation} needs asymmetric padding "
+                    f"(total {tuple(total)}); pass explicit symmetric padding instead"
+                )
+            return tuple(t // 2 for t in total)
+        raise ValueError(f"padding must be an int, a sequence, 'valid' or 'same', not {value!r}")
+    if isinstance(value, Sequence):
+        if len(value) != nd:
+            raise ValueError(f"padding={value!r} must have one entry per spatial dimension ({nd})")
+        out = []
+        for entry in value:
+            if isinstance(entry, Sequence) and not isinstance(entry, str):
+                if len(entry) != 2:
+                    raise ValueError(f"padding={value!r}: each pair must be (before, after)")
+                lo, hi = (_int("padding", e) for e in entry)
+                if lo != hi:
+                    raise ValueError(f"padding={value!r} is asymmetric; only symmetric padding is supported")
+                out.append(lo)
+            else:
+                out.append(_int("padding", entry))
+        values = tuple(out)
+    else:
+        values = (_int("padding", value),) * nd
+    if any(v < 0 for v in values):
+        raise ValueError(f"padding={value!r} must be >= 0")
+    return values
+
+
+def conv_geometry(
+    input_shape: Sequence[int],
+    weight_shape: Sequence[int],
+    *,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+    layout: str = "NCHW",
+    dtype: Any = "float32",
+) -> ConvGeometry:
+    """Check a convolution's shapes and parameters and return its :class:`ConvGeometry`.
+
+    Raises ``ValueError`` or ``TypeError`` naming the offending argument and its value.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    input_shape = tuple(_positive_or_zero("input_shape", d) for d in input_shape)
+    weight_shape = tuple(_positive_or_zero("weight_shape", d) for d in weight_shape)
+    if len(input_shape) not in (3, 4, 5):
+        raise ValueError(f"input_shape={input_shape} must have 3, 4 or 5 dimensions (1-, 2- or 3-D convolution)")
+    if len(weight_shape) != len(input_shape):
+        raise ValueError(
+            f"weight_shape={weight_shape} must have as many dimensions as input_shape={input_shape}"
+        )
+    nd = len(input_shape) - 2
+    if layout == "NCHW":
+        batch, in_channels, size = input_shape[0], input_shape[1], input_shape[2:]
+        out_channels, w_channels, kernel = weight_shape[0], weight_shape[1], weight_shape[2:]
+    else:
+        batch, in_channels, size = input_shape[0], input_shape[-1], input_shape[1:-1]
+        out_channels, w_channels, kernel = weight_shape[0], weight_shape[-1], weight_shape[1:-1]
+    if in_channels < 1 or any(s < 1 for s in size):
+        raise ValueError(f"input_shape={input_shape} needs at least one channel and one element per dimension")
+    if out_channels < 1 or w_channels < 1 or any(k < 1 for k in kernel):
+        raise ValueError(f"weight_shape={weight_shape} has a zero dimension")
+    groups = _int("groups", groups)
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, not {groups}")
+    if in_channels % groups or out_channels % groups:
+        raise ValueError(
+            f"groups={groups} must divide the input channels ({in_channels}) and output channels ({out_channels})"
+        )
+    if w_channels * groups != in_channels:
+        raise ValueError(
+            f"weight_shape={weight_shape} has {w_channels} input channels per group; input_shape={input_shape} "
+            f"with groups={groups} needs {in_channels // groups}"
+        )
+    stride_t = _per_dim("stride", stride, nd, minimum=1)
+    dilation_t = _per_dim("dilation", dilation, nd, minimum=1)
+    padding_t = _padding(padding, nd, kernel, stride_t, dilation_t)
+    for i, (s, k, p, d) in enumerate(zip(size, kernel, padding_t, dilation_t)):
+        if d * (k - 1) + 1 > s + 2 * p:
+            raise ValueError(
+                f"kernel {tuple(kernel)} (dilation {dilation_t}) is larger than the padded input "
+                f"{tuple(x + 2 * q for x, q in zip(size, padding_t))} in dimension {i}"
+            )
+    return ConvGeometry(
+        batch=batch,
+        in_channels=in_channels,
+        out_channels=out_channels,
+        groups=groups,
+        input_size=tuple(size),
+        kernel_size=tuple(kernel),
+        stride=stride_t,
+        padding=padding_t,
+        dilation=dilation_t,
+        layout=layout,
+        dtype=str(dtype),
+    )

@@ -1,0 +1,69 @@
+"""Byte sizes written for people: ``"256MiB"``, ``"1.5GiB"``, ``"2GB"``.
+
+Binary units (KiB, MiB, GiB, TiB) are powers of 1024; decimal units (kB, MB, GB, TB) are powers of 1000.
+A size must come out as a whole, non-negative number of bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+__all__ = ["format_size", "parse_size"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(value: int | str) -> int:
+    """Return ``value`` as a number of bytes.
+
+    Accepts a non-negative ``int`` or a string such as ``"0"``, ``"512"``, ``"64KiB"``, ``"1.5GiB"`` or
+    ``"2GB"`` (units are case-insensitive). Raises ``TypeError`` for other types and ``ValueError`` for a
+    negative size, an unknown unit, or a size that is not a whole number of bytes.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"a size must be an int or a string such as '256MiB', not {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative: {value!r}")
+        return value
+    match = _SIZE.fullmatch(value)
+    if match is None:
+        raise ValueError(f"not a size: {value!r} (expected e.g. '512', '64KiB', '1.5GiB', '2GB')")
+    number, unit = match.groups()
+    scale = _UNITS.get(unit.lower())
+    if scale is None:
+        known = ", ".join(u for u in ("B", "kB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"))
+        raise ValueError(f"unknown size unit {unit!r} in {value!r} (known: {known})")
+    try:
+        nbytes = Decimal(number) * scale
+    except InvalidOperation:  # pragma: no cover - the regex admits only decimal numerals
+        raise ValueError(f"not a size: {value!r}") from None
+    if nbytes != nbytes.to_integral_value():
+        raise ValueError(f"{value!r} is not a whole number of bytes")
+    return int(nbytes)
+
+
+def format_size(nbytes: int) -> str:
+    """Format a byte count with the largest binary unit that keeps it at or above 1 (``"1.5 MiB"``)."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(f"format_size takes an int, not {nbytes!r}")
+    sign = "-" if nbytes < 0 else ""
+    n = abs(nbytes)
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            text = f"{n / scale:.2f}".rstrip("0").rstrip(".")
+            return f"{sign}{text} {unit}"
+    return f"{sign}{n} B"

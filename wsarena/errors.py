@@ -1,0 +1,69 @@
+"""Exceptions raised by wsarena.
+
+Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argument. Everything else::
+
+    WsarenaError
+    ├── BackendUnavailableError (RuntimeError)     the environment cannot do it: no GPU, no libcudnn
+    │   └── wsarena.cudnn.CudnnNotFoundError
+    ├── wsarena.cudnn.CudnnError (RuntimeError)    a cuDNN status; one subclass per status
+    └── WorkspaceMemoryError (MemoryError)         carries requested, held and cap, in bytes
+        ├── WorkspaceCapError                      the request is above the workspace cap
+        ├── ArenaOutOfMemoryError                  the memory provider could not grow the arena
+        └── NoAlgorithmFitsError                   no algorithm can run within the cap and memory
+"""
+
+from __future__ import annotations
+
+from ._sizes import format_size
+
+__all__ = [
+    "ArenaOutOfMemoryError",
+    "BackendUnavailableError",
+    "NoAlgorithmFitsError",
+    "WorkspaceCapError",
+    "WorkspaceMemoryError",
+    "WsarenaError",
+]
+
+
+class WsarenaError(Exception):
+    """Base class of wsarena's own exceptions."""
+
+
+class BackendUnavailableError(WsarenaError, RuntimeError):
+    """The requested backend cannot run here (no usable GPU, no libcudnn, ...)."""
+
+
+class WorkspaceMemoryError(WsarenaError, MemoryError):
+    """Workspace memory could not be provided.
+
+    Attributes
+    ----------
+    requested : int
+        Bytes asked for.
+    held : int
+        Bytes the sub-arena held when the request failed.
+    cap : int or None
+        The workspace cap in force, or ``None``.
+    """
+
+    def __init__(self, message: str, *, requested: int, held: int, cap: int | None) -> None:
+        self.requested = requested
+        self.held = held
+        self.cap = cap
+        cap_text = "none" if cap is None else format_size(cap)
+        super().__init__(
+            f"{message} (requested {format_size(requested)}, held {format_size(held)}, cap {cap_text})"
+        )
+
+
+class WorkspaceCapError(WorkspaceMemoryError):
+    """A workspace above the configured cap was requested."""
+
+
+class ArenaOutOfMemoryError(WorkspaceMemoryError):
+    """The memory provider failed while growing a sub-arena; the arena is unchanged and usable."""
+
+
+class NoAlgorithmFitsError(WorkspaceMemoryError):
+    """No algorithm of the requested pass can run within the cap and the memory available."""
