@@ -10,6 +10,8 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
         ├── WorkspaceCapError                      the request is above the workspace cap
         ├── ArenaOutOfMemoryError                  the memory provider could not grow the arena
         └── NoAlgorithmFitsError                   no algorithm can run within the cap and memory
+
+    WorkspaceCapWarning (UserWarning)              the cap excluded the fastest algorithm (once per shape)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ __all__ = [
     "BackendUnavailableError",
     "NoAlgorithmFitsError",
     "WorkspaceCapError",
+    "WorkspaceCapWarning",
     "WorkspaceMemoryError",
     "WsarenaError",
 ]
@@ -67,3 +70,7 @@ class ArenaOutOfMemoryError(WorkspaceMemoryError):
 
 class NoAlgorithmFitsError(WorkspaceMemoryError):
     """No algorithm of the requested pass can run within the cap and the memory available."""
+
+
+class WorkspaceCapWarning(UserWarning):
+    """The workspace cap excluded a faster algorithm; issued once per convolution shape and cap."""

@@ -1,0 +1,181 @@
+"""Algorithm choice, caching and the out-of-memory fallback, against a scripted backend and arena."""
+
+import contextlib
+import warnings
+
+import pytest
+
+from wsarena import algos
+from wsarena._geometry import conv_geometry
+from wsarena.algos import choose, forced, run_with_fallback, select
+from wsarena.backends import Candidate
+from wsarena.errors import ArenaOutOfMemoryError, NoAlgorithmFitsError, WorkspaceCapWarning
+
+GEOM = conv_geometry((2, 3, 8, 8), (4, 3, 3, 3), padding=1)
+
+
+class FakeWorkspace:
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+        self.ptr = 0
+
+
+class FakeArena:
+    """Holds one buffer per stream; growth beyond ``memory`` bytes fails like a real provider."""
+
+    def __init__(self, memory):
+        self.memory = memory
+        self.held = {}
+        self.leases = []
+
+    def held_bytes(self, *, stream=None):
+        return self.held.get(stream, 0)
+
+    @contextlib.contextmanager
+    def lease(self, nbytes, *, stream=None):
+        if nbytes > self.held_bytes(stream=stream):
+            if nbytes > self.memory:
+                raise ArenaOutOfMemoryError("grow", requested=nbytes, held=self.held_bytes(stream=stream), cap=None)
+            self.held[stream] = nbytes
+        self.leases.append(nbytes)
+        yield FakeWorkspace(nbytes)
+
+
+class FakeBackend:
+    name = "fake"
+
+    def __init__(self, table, times=None):
+        self.table = table  # algo -> workspace, in heuristic order
+        self.times = times or {}
+        self.measured = []
+        self._arena = FakeArena(memory=1 << 40)
+
+    def device_key(self):
+        return id(self)
+
+    def arena(self):
+        return self._arena
+
+    def candidates(self, pass_, geom):
+        return [Candidate(a, n) for a, n in self.table.items()]
+
+    def algorithms(self, pass_):
+        return tuple(self.table)
+
+    def workspace_size(self, pass_, algo, geom):
+        return self.table[algo]
+
+    def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+        assert all(c.workspace_bytes <= workspace.nbytes for c in candidates)
+        self.measured.append([c.algo for c in candidates])
+        return sorted((Candidate(c.algo, c.workspace_bytes, self.times[c.algo]) for c in candidates), key=lambda c: c.time_ms)
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache():
+    algos.cache_clear()
+    yield
+    algos.cache_clear()
+
+
+def test_no_cap_takes_the_fastest():
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0})
+    assert choose(b, "fwd", GEOM, cap=None)[0].algo == "fft"
+
+
+def test_cap_takes_the_first_that_fits_and_warns_once():
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0})
+    with pytest.warns(WorkspaceCapWarning, match="excludes fft"):
+        got = choose(b, "fwd", GEOM, cap=150)
+    assert [c.algo for c in got] == ["gemm", "implicit"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose(b, "fwd", GEOM, cap=150)[0].algo == "gemm"  # cached: no second warning
+
+
+def test_cap_zero_takes_the_zero_workspace_algorithm():
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0})
+    with pytest.warns(WorkspaceCapWarning):
+        assert choose(b, "fwd", GEOM, cap=0)[0].algo == "implicit"
+
+
+def test_cap_is_part_of_the_cache_key():
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0})
+    assert choose(b, "fwd", GEOM, cap=None)[0].algo == "fft"
+    with pytest.warns(WorkspaceCapWarning):
+        assert choose(b, "fwd", GEOM, cap=100)[0].algo == "gemm"
+    assert choose(b, "fwd", GEOM, cap=1000)[0].algo == "fft"
+
+
+def test_geometry_and_pass_are_part_of_the_cache_key():
+    b = FakeBackend({"a": 10, "b": 0})
+    choose(b, "fwd", GEOM, cap=None)
+    b.table = {"b": 0, "a": 10}
+    assert choose(b, "fwd", GEOM, cap=None)[0].algo == "a"  # cached
+    assert choose(b, "bwd_data", GEOM, cap=None)[0].algo == "b"
+    assert choose(b, "fwd", GEOM.with_batch(3), cap=None)[0].algo == "b"
+
+
+def test_nothing_fits_raises_memory_error_with_numbers():
+    b = FakeBackend({"fft": 300, "gemm": 100})
+    with pytest.raises(NoAlgorithmFitsError) as info:
+        choose(b, "fwd", GEOM, cap=50)
+    assert isinstance(info.value, MemoryError)
+    assert (info.value.requested, info.value.cap) == (100, 50)
+
+
+def test_exhaustive_ranks_by_measured_time_and_times_only_what_fits():
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
+    with pytest.warns(WorkspaceCapWarning):
+        got = select(b, "fwd", GEOM, cap=200, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["gemm", "implicit"]
+    assert b.measured == [["gemm", "implicit"]]
+    assert b.arena().leases == [100]  # one lease, sized for the largest candidate under the cap
+
+
+def test_exhaustive_under_memory_pressure_times_what_the_arena_holds():
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
+    b._arena = FakeArena(memory=150)
+    b._arena.held[None] = 120
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["gemm", "implicit"]
+
+
+def test_forced_algorithm_checks_name_and_cap():
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0})
+    assert forced(b, "fwd", GEOM, "gemm", cap=100) == (Candidate("gemm", 100),)
+    with pytest.raises(ValueError, match="not a fake fwd algorithm"):
+        forced(b, "fwd", GEOM, "winograd", cap=None)
+    with pytest.raises(ValueError, match="above the cap"):
+        forced(b, "fwd", GEOM, "fft", cap=100)
+
+
+def test_out_of_memory_falls_back_to_what_is_held():
+    arena = FakeArena(memory=200)
+    arena.held["s"] = 120
+    ran = []
+    cands = (Candidate("fft", 300), Candidate("gemm_big", 150), Candidate("gemm", 100), Candidate("implicit", 0))
+    used = run_with_fallback(arena, cands, lambda c, ws: ran.append((c.algo, ws.nbytes)), stream="s", cap=None)
+    # fft cannot grow the arena; gemm_big would still need growth, so the next that fits the 120 held bytes runs
+    assert used.algo == "gemm" and ran == [("gemm", 100)]
+    assert arena.held["s"] == 120
+
+
+def test_out_of_memory_with_nothing_that_fits_raises_and_arena_stays_usable():
+    arena = FakeArena(memory=50)
+    cands = (Candidate("fft", 300), Candidate("gemm", 100))
+    with pytest.raises(NoAlgorithmFitsError, match="out of memory") as info:
+        run_with_fallback(arena, cands, lambda c, ws: None, stream=None, cap=None)
+    assert isinstance(info.value.__cause__, ArenaOutOfMemoryError)
+    assert (info.value.requested, info.value.held) == (300, 0)
+    assert run_with_fallback(arena, (Candidate("implicit", 0),), lambda c, ws: None, stream=None, cap=None).algo == "implicit"
+
+
+def test_errors_from_the_run_itself_propagate():
+    arena = FakeArena(memory=1000)
+
+    def boom(c, ws):
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        run_with_fallback(arena, (Candidate("gemm", 10),), boom, stream=None, cap=None)

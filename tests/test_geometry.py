@@ -1,0 +1,90 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wsarena._geometry import conv_geometry, output_size
+
+
+def test_nchw_shapes_and_output():
+    g = conv_geometry((2, 6, 9, 10), (4, 3, 3, 2), stride=(2, 1), padding=1, dilation=(1, 2), groups=2)
+    assert g.nd == 2
+    assert g.input_size == (9, 10) and g.kernel_size == (3, 2)
+    assert g.output_size == ((9 + 2 - 2 - 1) // 2 + 1, (10 + 2 - 2 - 1) // 1 + 1)
+    assert g.output_shape == (2, 4, *g.output_size)
+    assert g.weight_shape == (4, 3, 3, 2)
+    assert g.macs == 2 * 4 * g.output_size[0] * g.output_size[1] * 3 * 6
+
+
+def test_nhwc_shapes():
+    g = conv_geometry((1, 8, 8, 6), (4, 3, 3, 3), padding=1, groups=2, layout="NHWC")
+    assert (g.in_channels, g.out_channels, g.groups) == (6, 4, 2)
+    assert g.input_shape == (1, 8, 8, 6) and g.weight_shape == (4, 3, 3, 3) and g.output_shape == (1, 8, 8, 4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    nd=st.integers(1, 3), size=st.integers(1, 12), k=st.integers(1, 5), s=st.integers(1, 3),
+    p=st.integers(0, 3), d=st.integers(1, 3),
+)
+def test_output_size_counts_windows(nd, size, k, s, p, d):
+    """The output length equals the number of window positions, counted one by one."""
+    span = d * (k - 1) + 1
+    if span > size + 2 * p:
+        with pytest.raises(ValueError, match="larger than the padded input"):
+            conv_geometry((1, 1, *(size,) * nd), (1, 1, *(k,) * nd), stride=s, padding=p, dilation=d)
+        return
+    counted = len(range(0, size + 2 * p - span + 1, s))
+    assert output_size(size, k, s, p, d) == counted
+    g = conv_geometry((1, 1, *(size,) * nd), (1, 1, *(k,) * nd), stride=s, padding=p, dilation=d)
+    assert g.output_size == (counted,) * nd
+
+
+def test_same_and_valid_padding():
+    assert conv_geometry((1, 1, 7, 7), (1, 1, 3, 5), padding="same").padding == (1, 2)
+    assert conv_geometry((1, 1, 7, 7), (1, 1, 3, 3), padding="same", dilation=2).output_size == (7, 7)
+    assert conv_geometry((1, 1, 7, 7), (1, 1, 3, 3), padding="valid").padding == (0, 0)
+    assert conv_geometry((1, 1, 7, 7), (1, 1, 3, 3), padding=((1, 1), (2, 2))).padding == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(padding="same", stride=2), "stride 1"),
+        (dict(padding="same", kernel=(2, 2)), "asymmetric"),
+        (dict(padding=((1, 0), (1, 1))), "asymmetric"),
+        (dict(padding="full"), "padding"),
+        (dict(padding=-1), "padding"),
+        (dict(stride=0), "stride"),
+        (dict(stride=(1, 1, 1)), "stride"),
+        (dict(dilation=0), "dilation"),
+        (dict(groups=0), "groups"),
+        (dict(groups=3), "groups=3"),
+        (dict(layout="NCWH"), "layout"),
+        (dict(kernel=(9, 9)), "larger than the padded input"),
+        (dict(weight_channels=2), "input channels per group"),
+    ],
+)
+def test_bad_parameters_name_the_argument(kwargs, match):
+    kernel = kwargs.pop("kernel", (3, 3))
+    wc = kwargs.pop("weight_channels", 4)
+    with pytest.raises(ValueError, match=match):
+        conv_geometry((2, 4, 8, 8), (6, wc, *kernel), **kwargs)
+
+
+@pytest.mark.parametrize("bad", [1.5, "2", True, None])
+def test_non_integer_parameters_are_type_errors(bad):
+    with pytest.raises(TypeError, match="stride"):
+        conv_geometry((1, 1, 5, 5), (1, 1, 3, 3), stride=bad)
+
+
+def test_rank_mismatch_and_unsupported_rank():
+    with pytest.raises(ValueError, match="3, 4 or 5"):
+        conv_geometry((1, 1, 5, 5, 5, 5), (1, 1, 3, 3, 3, 3))
+    with pytest.raises(ValueError, match="as many dimensions"):
+        conv_geometry((1, 1, 5, 5), (1, 1, 3))
+
+
+def test_zero_batch_is_legal_and_empty_channel_is_not():
+    assert conv_geometry((0, 3, 5, 5), (2, 3, 3, 3)).output_shape == (0, 2, 3, 3)
+    with pytest.raises(ValueError):
+        conv_geometry((1, 0, 5, 5), (2, 0, 3, 3))

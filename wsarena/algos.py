@@ -1,0 +1,185 @@
+"""Algorithm choice under the workspace cap, shared by every backend, the ops and the planner.
+
+``heuristic`` takes the backend's ranked list (cuDNN's ``_v7`` heuristics; a fixed order on the CPU).
+``exhaustive`` times the candidates on real operands (cuDNN's ``Find...AlgorithmEx`` with the arena as its
+scratch; on the CPU each algorithm once) and ranks them by measured time. Either way the choice is the first
+candidate whose workspace fits the cap. Results are cached per (backend, device, pass, geometry, search, cap):
+the geometry includes shapes, dtype, layout and every convolution parameter, and the cap is part of the key,
+so changing the cap never serves a choice made under another one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ._geometry import PASSES, ConvGeometry
+from ._sizes import format_size
+from .backends import Backend, Candidate
+from .errors import ArenaOutOfMemoryError, NoAlgorithmFitsError, WorkspaceCapWarning
+
+__all__ = ["cache_clear", "choose", "forced", "run_with_fallback", "select"]
+
+_cache: dict[tuple, tuple[Candidate, ...]] = {}
+_warned: set[tuple] = set()
+_lock = threading.Lock()  # guards _cache and _warned; never held while a backend runs or measures
+
+
+def cache_clear() -> None:
+    """Forget every cached choice (and which cap warnings were already given)."""
+    with _lock:
+        _cache.clear()
+        _warned.clear()
+
+
+def _fits(cands: list[Candidate], cap: int | None) -> list[Candidate]:
+    return [c for c in cands if cap is None or c.workspace_bytes <= cap]
+
+
+def choose(
+    backend: Backend,
+    pass_: str,
+    geom: ConvGeometry,
+    *,
+    cap: int | None,
+    search: str = "heuristic",
+    measure: Callable[[list[Candidate]], list[Candidate]] | None = None,
+) -> tuple[Candidate, ...]:
+    """Return the usable candidates under ``cap``, best first; the first is the choice.
+
+    Parameters
+    ----------
+    measure
+        For ``search="exhaustive"``: a function that times the given candidates on real operands and returns
+        them sorted by time (the ops and the planner provide one that leases the workspace from the arena).
+        Without it the heuristic order is used.
+
+    Raises
+    ------
+    NoAlgorithmFitsError
+        When no algorithm of the pass fits in ``cap``.
+    """
+    if pass_ not in PASSES:
+        raise ValueError(f"pass must be one of {PASSES}, not {pass_!r}")
+    exhaustive = search == "exhaustive" and measure is not None
+    key = (backend.name, backend.device_key(), pass_, geom, "exhaustive" if exhaustive else "heuristic", cap)
+    hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    ranked = backend.candidates(pass_, geom)
+    usable = _fits(ranked, cap)
+    if not usable:
+        smallest = min((c.workspace_bytes for c in ranked), default=0)
+        raise NoAlgorithmFitsError(
+            f"no {backend.name} algorithm for {pass_} of {_describe(geom)} fits the workspace cap",
+            requested=smallest,
+            held=0,
+            cap=cap,
+        )
+    excluded = ranked[0] not in usable
+    if exhaustive:
+        usable = list(measure(usable))  # only what fits the cap is ever timed
+    best = tuple(usable)
+    with _lock:
+        _cache[key] = best
+        if excluded and key not in _warned:
+            _warned.add(key)
+            warnings.warn(
+                f"workspace cap {format_size(cap or 0)} excludes {ranked[0].algo} "
+                f"({format_size(ranked[0].workspace_bytes)}) for {pass_} of {_describe(geom)}; "
+                f"using {best[0].algo} ({format_size(best[0].workspace_bytes)})",
+                WorkspaceCapWarning,
+                stacklevel=4,
+            )
+    return best
+
+
+def select(
+    backend: Backend,
+    pass_: str,
+    geom: ConvGeometry,
+    *,
+    cap: int | None,
+    search: str,
+    operands: tuple[Any, Any, Any] | None = None,
+    stream: Any = None,
+) -> tuple[Candidate, ...]:
+    """:func:`choose`, with an exhaustive search timed on ``operands`` (``(a, b, out)`` of the pass).
+
+    The search leases one workspace from the backend's arena, as large as the largest candidate under the cap
+    needs (or, if that cannot be had, what the stream's sub-arena holds), and times every candidate that fits.
+    """
+    if search != "exhaustive" or operands is None:
+        return choose(backend, pass_, geom, cap=cap, search="heuristic")
+    a, b, out = operands
+    arena = backend.arena()
+
+    def measure(cands: list[Candidate]) -> list[Candidate]:
+        timed: list[Candidate] = []
+
+        def time_fitting(largest: Candidate, ws: Any) -> None:
+            fitting = [c for c in cands if c.workspace_bytes <= ws.nbytes]
+            timed.extend(backend.measure(pass_, geom, a, b, out, ws, fitting, stream))
+
+        by_size = tuple(sorted(cands, key=lambda c: c.workspace_bytes, reverse=True))
+        run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap)
+        return timed
+
+    return choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure)
+
+
+def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: int | None) -> tuple[Candidate, ...]:
+    """The single candidate ``algo``, checked against the backend's algorithms and the cap."""
+    known = backend.algorithms(pass_)
+    if algo not in known:
+        raise ValueError(f"algo={algo!r} is not a {backend.name} {pass_} algorithm; known: {', '.join(known)}")
+    nbytes = backend.workspace_size(pass_, algo, geom)
+    if cap is not None and nbytes > cap:
+        raise ValueError(
+            f"algo={algo!r} needs {format_size(nbytes)} of workspace for this {pass_}, "
+            f"above the cap of {format_size(cap)}"
+        )
+    return (Candidate(algo, nbytes),)
+
+
+def run_with_fallback(
+    arena: Any,
+    candidates: tuple[Candidate, ...],
+    run: Callable[[Candidate, Any], None],
+    *,
+    stream: Any,
+    cap: int | None,
+) -> Candidate:
+    """Lease a workspace for the first candidate that gets one and run it; return the candidate that ran.
+
+    If growing the arena fails, fall back to the next candidates that fit in what the stream's sub-arena already
+    holds. Raises :class:`NoAlgorithmFitsError` (a ``MemoryError``) with the numbers when none can run.
+    """
+    limit: int | None = None
+    failure: ArenaOutOfMemoryError | None = None
+    for cand in candidates:
+        if limit is not None and cand.workspace_bytes > limit:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                ws = stack.enter_context(arena.lease(cand.workspace_bytes, stream=stream))
+            except ArenaOutOfMemoryError as exc:
+                failure = exc
+                limit = arena.held_bytes(stream=stream)
+                continue
+            run(cand, ws)
+            return cand
+    assert failure is not None  # a zero-byte lease never grows, so only growth can have failed
+    raise NoAlgorithmFitsError(
+        "out of memory: no algorithm fits in the workspace the arena could provide",
+        requested=candidates[0].workspace_bytes,
+        held=limit or 0,
+        cap=cap,
+    ) from failure
+
+
+def _describe(geom: ConvGeometry) -> str:
+    return f"input {geom.input_shape} weight {geom.weight_shape} {geom.dtype} {geom.layout}"

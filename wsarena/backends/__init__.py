@@ -1,0 +1,112 @@
+"""Backends: the same three passes on two kinds of arrays.
+
+A backend answers four questions for a checked :class:`~wsarena._geometry.ConvGeometry` and a pass
+(``"fwd"``, ``"bwd_data"``, ``"bwd_filter"``): which algorithms it would try, in order of expected speed, with
+their workspace sizes (:meth:`Backend.candidates`); how fast each one really is on given operands
+(:meth:`Backend.measure`); how to run one with a given workspace (:meth:`Backend.run`); and which arena its
+workspaces come from (:meth:`Backend.arena`). Everything else (choice under the cap, caching, fallback when
+memory runs out) is shared code in :mod:`wsarena.ops`, which the CPU backend exercises on every machine.
+
+``cpu``   NumPy arrays; Caffe's GEMM convolution, algorithms in :mod:`wsarena.backends.cpu`.
+``cudnn`` CuPy arrays; cuDNN's legacy convolution API through :mod:`wsarena.cudnn`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from .._gpu import gpu_unusable_reason
+from ..errors import BackendUnavailableError
+
+__all__ = ["Backend", "Candidate", "array_backend_name", "get_backend", "resolve_backend_name"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One algorithm a backend can run for a pass and geometry.
+
+    ``time_ms`` is set only by an exhaustive search (a measurement); heuristic lists leave it ``None``.
+    """
+
+    algo: str
+    workspace_bytes: int
+    time_ms: float | None = None
+
+
+class Backend(Protocol):
+    name: str
+
+    def device_label(self) -> str:
+        """What the report prints as the device (``"cpu"``, ``"NVIDIA H100 80GB HBM3 (0)"``)."""
+
+    def device_key(self) -> Any:
+        """A hashable that tells this backend's devices apart in the algorithm cache."""
+
+    def arena(self) -> Any:
+        """The arena this backend's workspaces are leased from (for the current device)."""
+
+    def check_dtype(self, dtype: str) -> None:
+        """Raise ``TypeError`` if this backend cannot compute in ``dtype``."""
+
+    def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
+        """Usable algorithms for ``pass_`` on ``geom``, fastest expected first, with exact workspace sizes."""
+
+    def measure(
+        self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate], stream: Any
+    ) -> list[Candidate]:
+        """Time ``candidates`` (all fit in ``workspace``) on real operands; return them sorted by time."""
+
+    def run(self, pass_: str, algo: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any) -> None:
+        """Run one pass with ``algo``, writing ``out``, using ``workspace`` (a leased :class:`Workspace`)."""
+
+
+def array_backend_name(array: Any) -> str | None:
+    """``"cpu"`` for a NumPy array, ``"cudnn"`` for a CuPy array, ``None`` for anything else."""
+    module = type(array).__module__
+    if module == "numpy":
+        return "cpu" if type(array).__name__ == "ndarray" else None
+    if module.startswith("cupy"):
+        return "cudnn" if type(array).__name__ == "ndarray" else None
+    return None
+
+
+def resolve_backend_name(name: str) -> str:
+    """Turn ``"auto"`` into ``"cudnn"`` when a GPU is usable, else ``"cpu"``; check other names."""
+    if name == "auto":
+        return "cudnn" if gpu_unusable_reason() is None else "cpu"
+    if name not in ("cpu", "cudnn"):
+        raise ValueError(f"backend must be 'auto', 'cudnn' or 'cpu', not {name!r}")
+    return name
+
+
+_backends: dict[str, Backend] = {}
+_lock = threading.Lock()  # guards _backends: each backend is built once per process
+
+
+def get_backend(name: str) -> Backend:
+    """The process's backend ``"cpu"`` or ``"cudnn"`` (``"auto"`` resolved first).
+
+    Raises :class:`~wsarena.errors.BackendUnavailableError` for ``"cudnn"`` when no GPU is usable.
+    """
+    name = resolve_backend_name(name)
+    backend = _backends.get(name)
+    if backend is not None:
+        return backend
+    if name == "cudnn":
+        reason = gpu_unusable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(f"the cudnn backend needs a usable CUDA GPU: {reason}")
+    with _lock:
+        if name not in _backends:
+            if name == "cpu":
+                from ._cpu_backend import CpuBackend
+
+                _backends[name] = CpuBackend()
+            else:
+                from ._cudnn_backend import CudnnBackend
+
+                _backends[name] = CudnnBackend()
+        return _backends[name]

@@ -1,0 +1,60 @@
+"""The ``cpu`` backend: NumPy arrays, the GEMM convolutions of :mod:`wsarena.backends.cpu`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import Candidate, cpu
+
+_DTYPES = ("float32", "float64")
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def device_label(self) -> str:
+        return "cpu"
+
+    def device_key(self) -> Any:
+        return "cpu"
+
+    def arena(self) -> Any:
+        from ..arena import get_arena
+
+        return get_arena("cpu")
+
+    def check_dtype(self, dtype: str) -> None:
+        if dtype not in _DTYPES:
+            raise TypeError(f"the cpu backend computes in {' or '.join(_DTYPES)}, not {dtype}")
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.empty(shape, dtype=dtype)
+
+    def random(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.random.default_rng(0).standard_normal(shape, dtype=dtype)
+
+    def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
+        return [Candidate(algo, cpu.workspace_size(pass_, algo, geom)) for algo in cpu.candidates(pass_, geom)]
+
+    def algorithms(self, pass_: str) -> tuple[str, ...]:
+        return cpu.ALGORITHMS[pass_]
+
+    def workspace_size(self, pass_: str, algo: str, geom: Any) -> int:
+        return cpu.workspace_size(pass_, algo, geom)
+
+    def measure(
+        self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate], stream: Any
+    ) -> list[Candidate]:
+        timed = []
+        for cand in candidates:
+            start = time.perf_counter()
+            cpu.run(pass_, cand.algo, geom, a, b, out, workspace.array)
+            timed.append(Candidate(cand.algo, cand.workspace_bytes, (time.perf_counter() - start) * 1e3))
+        return sorted(timed, key=lambda c: c.time_ms)
+
+    def run(self, pass_: str, algo: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any) -> None:
+        cpu.run(pass_, algo, geom, a, b, out, workspace.array)
