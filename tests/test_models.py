@@ -1,0 +1,617 @@
+"""Layer tables: the zoo against the reference architectures, ONNX import, the JSON schema, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+import wsarena
+from wsarena.errors import WsarenaError
+from wsarena.models import ConvLayer, ModelError, layers_from_json, layers_to_json, load_model, total_macs, zoo_names
+
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
+
+
+def by_name(layers):
+    return {layer.name: layer for layer in layers}
+
+
+def out_shape(layer):
+    return layer.geometry().output_shape
+
+
+# --------------------------------------------------------------------------------------------------- the zoo
+
+# (convs, depthwise, transposed, published MACs of the convolutions at batch 1)
+ZOO = {
+    "resnet50": (53, 0, 0, 4.09e9),  # 4.1 GMACs with the fc layer (2M), torchvision's figure
+    "vgg16": (13, 0, 0, 15.35e9),  # 15.47 GMACs with the three fc layers (124M)
+    "inception_v3": (94, 0, 0, 5.71e9),  # torchvision's 5.71 G (the fc adds 2M)
+    "googlenet": (57, 0, 0, 1.50e9),  # torchvision's 1.50 G
+    "mobilenet_v2": (52, 17, 0, 0.30e9),  # the paper's 300M multiply-adds (the fc adds 1.3M)
+    "unet": (23, 0, 4, None),
+}
+
+
+def test_zoo_names_and_public_names():
+    assert zoo_names() == list(ZOO)
+    assert wsarena.load_model is load_model and wsarena.ConvLayer is ConvLayer
+    assert issubclass(ModelError, WsarenaError) and issubclass(ModelError, ValueError)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_counts_geometry_and_macs(name):
+    convs, depthwise, transposed, macs = ZOO[name]
+    layers = load_model(name)
+    assert len(layers) == convs
+    assert sum(layer.depthwise for layer in layers) == depthwise
+    assert sum(layer.transposed for layer in layers) == transposed
+    assert len({layer.name for layer in layers}) == convs  # names are unique
+    for layer in layers:
+        assert layer.input_shape[0] == 1
+        g = layer.geometry()
+        assert all(s >= 1 for s in g.output_size), layer
+        assert g.input_shape == layer.input_shape and g.weight_shape == layer.weight_shape
+    if macs is not None:
+        assert total_macs(layers) == pytest.approx(macs, rel=0.02)
+    assert load_model(name) is not layers and load_model(name) == layers  # fresh lists, same data
+
+
+def test_zoo_names_are_forgiving():
+    assert load_model("ResNet50") == load_model("resnet50")
+    assert load_model("mobilenet-v2") == load_model("mobilenet_v2")
+
+
+def test_resnet50_reference_shapes():
+    layers = load_model("resnet50")
+    d = by_name(layers)
+    first = layers[0]
+    assert (first.name, first.input_shape, first.weight_shape) == ("conv1", (1, 3, 224, 224), (64, 3, 7, 7))
+    assert (first.stride, first.padding) == ((2, 2), (3, 3)) and out_shape(first) == (1, 64, 112, 112)
+    assert d["layer1.0.conv1"].input_shape == (1, 64, 56, 56)  # after the 3x3/2 max pool
+    downsample = [layer for layer in layers if "downsample" in layer.name]
+    assert [(l.input_shape, l.weight_shape, l.stride) for l in downsample] == [
+        ((1, 64, 56, 56), (256, 64, 1, 1), (1, 1)),
+        ((1, 256, 56, 56), (512, 256, 1, 1), (2, 2)),
+        ((1, 512, 28, 28), (1024, 512, 1, 1), (2, 2)),
+        ((1, 1024, 14, 14), (2048, 1024, 1, 1), (2, 2)),
+    ]
+    # v1.5: the stride sits on the 3x3, the first 1x1 of a block keeps the resolution
+    assert d["layer2.0.conv1"].stride == (1, 1) and d["layer2.0.conv1"].input_shape == (1, 256, 56, 56)
+    assert d["layer2.0.conv2"].stride == (2, 2) and out_shape(d["layer2.0.conv2"]) == (1, 128, 28, 28)
+    last = layers[-1]
+    assert (last.name, last.input_shape, last.weight_shape) == ("layer4.2.conv3", (1, 512, 7, 7), (2048, 512, 1, 1))
+    assert d["layer4.2.conv2"].input_shape == (1, 512, 7, 7) and d["layer4.2.conv2"].weight_shape == (512, 512, 3, 3)
+    assert [l.name for l in layers[1:5]] == ["layer1.0.conv1", "layer1.0.conv2", "layer1.0.conv3",
+                                             "layer1.0.downsample.0"]
+    assert total_macs(layers) == 4_087_136_256
+
+
+def test_resnet50_chains():
+    d = by_name(load_model("resnet50"))
+    blocks = [(s, b) for s, n in enumerate([3, 4, 6, 3], 1) for b in range(n)]
+    for (s, b), nxt in zip(blocks, blocks[1:] + [None]):
+        p = f"layer{s}.{b}"
+        assert out_shape(d[f"{p}.conv1"]) == d[f"{p}.conv2"].input_shape
+        assert out_shape(d[f"{p}.conv2"]) == d[f"{p}.conv3"].input_shape
+        if b == 0:  # the shortcut reads the block's input and lands on the block's output
+            assert d[f"{p}.downsample.0"].input_shape == d[f"{p}.conv1"].input_shape
+            assert out_shape(d[f"{p}.downsample.0"]) == out_shape(d[f"{p}.conv3"])
+        if nxt is not None:
+            assert out_shape(d[f"{p}.conv3"]) == d[f"layer{nxt[0]}.{nxt[1]}.conv1"].input_shape
+
+
+def test_vgg16_reference_shapes():
+    layers = load_model("vgg16")
+    assert [l.name for l in layers] == [f"features.{i}" for i in (0, 2, 5, 7, 10, 12, 14, 17, 19, 21, 24, 26, 28)]
+    assert all(l.weight_shape[2:] == (3, 3) and l.padding == (1, 1) and l.stride == (1, 1) for l in layers)
+    assert [l.input_shape[2] for l in layers] == [224] * 2 + [112] * 2 + [56] * 3 + [28] * 3 + [14] * 3
+    assert layers[-1].input_shape == (1, 512, 14, 14) and layers[-1].weight_shape == (512, 512, 3, 3)
+    for a, b in zip(layers, layers[1:]):
+        assert out_shape(a)[1] == b.input_shape[1]
+        assert out_shape(a)[2] in (b.input_shape[2], 2 * b.input_shape[2])  # same size, or a 2x2 max pool
+
+
+def test_inception_v3_reference_shapes():
+    layers = load_model("inception_v3")
+    d = by_name(layers)
+    assert layers[0].input_shape == (1, 3, 299, 299) and out_shape(layers[0]) == (1, 32, 149, 149)
+    assert d["Conv2d_4a_3x3.conv"].input_shape == (1, 80, 73, 73)
+    assert d["Mixed_5b.branch1x1.conv"].input_shape == (1, 192, 35, 35)
+    assert d["Mixed_5d.branch_pool.conv"].weight_shape == (64, 288, 1, 1)
+    assert d["Mixed_6a.branch3x3.conv"].weight_shape == (384, 288, 3, 3)
+    assert out_shape(d["Mixed_6a.branch3x3.conv"]) == (1, 384, 17, 17)
+    c7 = d["Mixed_6b.branch7x7_2.conv"]
+    assert (c7.input_shape, c7.weight_shape, c7.padding) == ((1, 128, 17, 17), (128, 128, 1, 7), (0, 3))
+    assert d["Mixed_6e.branch7x7dbl_5.conv"].weight_shape == (192, 192, 1, 7)
+    assert d["Mixed_7a.branch3x3_1.conv"].input_shape == (1, 768, 17, 17)
+    assert out_shape(d["Mixed_7a.branch7x7x3_4.conv"]) == (1, 192, 8, 8)
+    assert d["Mixed_7b.branch1x1.conv"].input_shape == (1, 1280, 8, 8)
+    # Mixed_7c: the last InceptionE, on 8x8x2048
+    m = {k[len("Mixed_7c."):]: v for k, v in d.items() if k.startswith("Mixed_7c.")}
+    assert len(m) == 9
+    assert all(l.input_shape[2:] == (8, 8) for l in m.values())
+    assert m["branch1x1.conv"].weight_shape == (320, 2048, 1, 1)
+    assert m["branch3x3dbl_1.conv"].weight_shape == (448, 2048, 1, 1)
+    assert m["branch3x3dbl_3b.conv"].weight_shape == (384, 384, 3, 1) and m["branch3x3dbl_3b.conv"].padding == (1, 0)
+    assert layers[-1].name == "Mixed_7c.branch_pool.conv" and layers[-1].weight_shape == (192, 2048, 1, 1)
+    per_module = {}
+    for layer in layers:
+        per_module[layer.name.split(".")[0]] = per_module.get(layer.name.split(".")[0], 0) + 1
+    assert [per_module[f"Mixed_{m}"] for m in ("5b", "5c", "5d", "6a", "6b", "6c", "6d", "6e", "7a", "7b", "7c")] == [
+        7, 7, 7, 4, 10, 10, 10, 10, 6, 9, 9]
+    # the output channels of a module's branches add up to the next module's input channels
+    assert sum(out_shape(m[b])[1] for b in ("branch1x1.conv", "branch3x3_2a.conv", "branch3x3_2b.conv",
+                                          "branch3x3dbl_3a.conv", "branch3x3dbl_3b.conv",
+                                          "branch_pool.conv")) == 2048
+
+
+def test_googlenet_reference_shapes():
+    layers = load_model("googlenet")
+    d = by_name(layers)
+    assert [l.name for l in layers[:3]] == ["conv1.conv", "conv2.conv", "conv3.conv"]
+    assert d["conv2.conv"].input_shape == (1, 64, 56, 56)  # ceil-mode pooling: 112 -> 56
+    assert d["inception3a.branch1.conv"].input_shape == (1, 192, 28, 28)
+    assert d["inception4a.branch1.conv"].input_shape == (1, 480, 14, 14)
+    assert d["inception5a.branch1.conv"].input_shape == (1, 832, 7, 7)
+    assert d["inception5b.branch4.1.conv"].weight_shape == (128, 832, 1, 1)
+    assert d["inception4e.branch3.1.conv"].weight_shape == (128, 32, 3, 3)  # torchvision's 3x3 "5x5" branch
+    ends = ("branch1.conv", "branch2.1.conv", "branch3.1.conv", "branch4.1.conv")
+    order = ["3a", "3b", "4a", "4b", "4c", "4d", "4e", "5a", "5b"]
+    for m, nxt in zip(order, order[1:]):
+        assert sum(out_shape(d[f"inception{m}.{e}"])[1] for e in ends) == d[f"inception{nxt}.branch1.conv"].input_shape[1]
+
+
+def test_mobilenet_v2_reference_shapes():
+    layers = load_model("mobilenet_v2")
+    d = by_name(layers)
+    dw = [l for l in layers if l.depthwise]
+    assert len(dw) == 17
+    assert all(l.weight_shape[1:] == (1, 3, 3) and l.groups == l.input_shape[1] == l.weight_shape[0] for l in dw)
+    assert [l.name for l in dw if l.stride == (2, 2)] == [f"features.{i}.conv.1.0" for i in (2, 4, 7, 14)]
+    assert d["features.0.0"].input_shape == (1, 3, 224, 224) and d["features.0.0"].stride == (2, 2)
+    assert d["features.1.conv.0.0"].weight_shape == (32, 1, 3, 3) and d["features.1.conv.1"].weight_shape == (16, 32, 1, 1)
+    assert d["features.3.conv.1.0"].input_shape == (1, 144, 56, 56)
+    assert d["features.17.conv.2"].weight_shape == (320, 960, 1, 1)
+    last = layers[-1]
+    assert (last.name, last.input_shape, last.weight_shape) == ("features.18.0", (1, 320, 7, 7), (1280, 320, 1, 1))
+    for a, b in zip(layers, layers[1:]):  # a plain chain: every conv feeds the next
+        assert out_shape(a) == b.input_shape, (a.name, b.name)
+
+
+def test_unet_reference_shapes():
+    layers = load_model("unet")
+    d = by_name(layers)
+    first = layers[0]
+    assert (first.input_shape, first.weight_shape, first.padding) == ((1, 1, 572, 572), (64, 1, 3, 3), (0, 0))
+    assert out_shape(first) == (1, 64, 570, 570)
+    assert out_shape(d["down1.conv2"]) == (1, 64, 568, 568)
+    assert out_shape(d["down5.conv2"]) == (1, 1024, 28, 28)
+    up = [l for l in layers if l.transposed]
+    assert [l.name for l in up] == [f"up{i}.upconv" for i in range(1, 5)]
+    u1 = d["up1.upconv"]  # 1024 x 28x28 -> 512 x 56x56, stored as the conv from 56x56x512 back to 28x28x1024
+    assert (u1.input_shape, u1.weight_shape, u1.stride) == ((1, 512, 56, 56), (1024, 512, 2, 2), (2, 2))
+    assert out_shape(u1) == out_shape(d["down5.conv2"])
+    assert d["up1.conv1"].input_shape == (1, 1024, 56, 56)  # up-convolution + cropped skip connection
+    assert out_shape(d["up4.conv2"]) == (1, 64, 388, 388)
+    last = layers[-1]
+    assert (last.name, last.weight_shape) == ("final.conv", (2, 64, 1, 1))
+    assert out_shape(last) == (1, 2, 388, 388)
+    for a, b in zip(layers, layers[1:]):  # spatial chaining: same size, 2x2 pool, or through an up-convolution
+        if b.transposed:
+            assert out_shape(b) == out_shape(a)
+        elif a.transposed:
+            assert a.input_shape[2:] == b.input_shape[2:] and b.input_shape[1] == 2 * a.input_shape[1]
+        else:
+            assert out_shape(a)[2] in (b.input_shape[2], 2 * b.input_shape[2])
+
+
+# ----------------------------------------------------------------------------------------------- ConvLayer
+
+def test_geometry_batch_dtype_layout():
+    layer = by_name(load_model("resnet50"))["layer1.0.conv2"]
+    g = layer.geometry(batch=32, dtype="float16")
+    assert (g.batch, g.dtype, g.layout) == (32, "float16", "NCHW")
+    assert g.input_shape == (32, 64, 56, 56) and g.output_shape == (32, 64, 56, 56)
+    assert g.macs == 32 * layer.macs
+    h = layer.geometry(batch=2, layout="NHWC")
+    assert h.input_shape == (2, 56, 56, 64) and h.weight_shape == (64, 3, 3, 64) and h.output_shape == (2, 56, 56, 64)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="batch"):
+            layer.geometry(batch=bad)
+    with pytest.raises(ValueError, match="layout"):
+        layer.geometry(layout="CHWN")
+
+
+def test_layer_normalizes_and_checks():
+    layer = ConvLayer("c", [8, 4, 10], [6, 2, 3], stride=2, padding=1, groups=2)  # 1-D, batch read as 1
+    assert layer.input_shape == (1, 4, 10) and layer.stride == (2,) and layer.padding == (1,)
+    assert out_shape(layer) == (1, 6, 5)
+    with pytest.raises(ModelError, match=r"layer 'big'.*larger than the padded input"):
+        ConvLayer("big", (1, 3, 4, 4), (8, 3, 7, 7))
+    with pytest.raises(ModelError, match="groups"):
+        ConvLayer("g", (1, 6, 8, 8), (6, 2, 3, 3), groups=4)
+    with pytest.raises(ModelError, match="one entry per spatial dimension"):
+        ConvLayer("s", (1, 3, 8, 8), (4, 3, 3, 3), stride=(1, 1, 1))
+    with pytest.raises(ModelError, match="name"):
+        ConvLayer("", (1, 3, 8, 8), (4, 3, 3, 3))
+
+
+# -------------------------------------------------------------------------------------------------- JSON
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_json_round_trip(tmp_path, name):
+    layers = load_model(name)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(layers_to_json(layers)))
+    assert load_model(path) == layers
+    assert load_model(str(path)) == layers
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps([layer.to_dict() for layer in layers]))
+    assert load_model(bare) == layers
+    assert load_model([layer.to_dict() for layer in layers]) == layers
+    assert load_model(layers) == layers and load_model(layers) is not layers
+
+
+def test_json_defaults_and_report_keys(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"model": "x", "batch": 32, "layers": [
+        {"name": "a", "input_shape": [32, 3, 32, 32], "weight_shape": [8, 3, 3, 3], "padding": 1,
+         "fwd": {"algo": "gemm", "workspace_bytes": 0}, "bwd_data": {}, "bwd_filter": {}},
+    ]}))
+    (layer,) = load_model(path)
+    assert layer == ConvLayer("a", (1, 3, 32, 32), (8, 3, 3, 3), stride=1, padding=1, dilation=1, groups=1)
+    assert layer.to_dict() == {"name": "a", "input_shape": [1, 3, 32, 32], "weight_shape": [8, 3, 3, 3],
+                               "stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1,
+                               "transposed": False}
+
+
+GOOD = {"name": "a", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", r"is not valid JSON: .* line 1 column 2"),
+    ('{"model": "x"}', "needs a 'layers' list"),
+    ('"resnet50"', "expected a list of layers"),
+    ("[]", "layer list is empty"),
+    ("[1]", r"layers\[0\] must be an object"),
+    (json.dumps([GOOD, {"name": "b", "input_shape": [1, 3, 8, 8]}]), r"layers\[1\] lacks 'weight_shape'"),
+    (json.dumps([{**GOOD, "strides": [2, 2]}]), r"unknown key\(s\) 'strides'"),
+    (json.dumps([{**GOOD, "input_shape": [1, 3, 8.0, 8]}]), "must be an integer, not 8.0"),
+    (json.dumps([{**GOOD, "groups": True}]), "must be an integer, not True"),
+    (json.dumps([{**GOOD, "input_shape": "1x3x8x8"}]), "must be a list of integers"),
+    (json.dumps([{**GOOD, "name": 3}]), "name must be a non-empty string"),
+    (json.dumps([{**GOOD, "transposed": "yes"}]), "transposed must be true or false"),
+    (json.dumps([{**GOOD, "input_shape": [1, 3, 2, 2]}]), r"layers\[0\]: layer 'a': kernel .* larger"),
+    (json.dumps([{**GOOD, "input_shape": [1, 3, 8, 8, 8, 8]}]), "must have 3, 4 or 5 entries"),
+    (json.dumps([{**GOOD, "padding": [1, 1, 1]}]), "one entry per spatial dimension"),
+    (json.dumps([{**GOOD, "weight_shape": [4, 2, 3, 3]}]), "input channels per group"),
+])
+def test_malformed_json(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ModelError, match=message) as info:
+        load_model(path)
+    assert "\n" not in str(info.value)
+
+
+def test_json_not_utf8(tmp_path):
+    path = tmp_path / "bin.json"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ModelError, match="not a JSON text file"):
+        load_model(path)
+
+
+def test_layers_from_json_names_its_source():
+    with pytest.raises(ModelError, match=r"^mine: layers\[0\]"):
+        layers_from_json([{"name": "x"}], source="mine")
+
+
+# -------------------------------------------------------------------------------------------- sources
+
+def test_unknown_zoo_name_lists_the_zoo():
+    with pytest.raises(ModelError) as info:
+        load_model("resnet5")
+    msg = str(info.value)
+    assert "unknown model 'resnet5'" in msg and all(n in msg for n in zoo_names()) and "did you mean 'resnet50'" in msg
+
+
+def test_unknown_extension_unreadable_and_not_onnx(tmp_path):
+    weights = tmp_path / "model.pt"
+    weights.write_bytes(b"\x00")
+    with pytest.raises(ModelError, match=r"unknown model file extension '\.pt'; expected \.onnx or \.json"):
+        load_model(weights)
+    with pytest.raises(ModelError, match="cannot read .*missing.onnx"):
+        load_model(tmp_path / "missing.onnx")
+    with pytest.raises(ModelError, match="cannot read .*missing.json"):
+        load_model(tmp_path / "missing.json")
+    text = tmp_path / "text.onnx"
+    text.write_text("this is not a protobuf, just some text\n" * 3)
+    with pytest.raises(ModelError, match="is not an ONNX model"):
+        load_model(text)
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    with pytest.raises(ModelError, match=r"is not an ONNX model \(no graph nodes\)"):
+        load_model(empty)
+    directory = tmp_path / "dir.onnx"
+    directory.mkdir()
+    with pytest.raises(ModelError, match="cannot read"):
+        load_model(directory)
+    with pytest.raises(TypeError, match="source must be"):
+        load_model(42)
+
+
+# ------------------------------------------------------------------------------- ONNX: the light models
+
+def light(name):
+    path = os.path.join(LIGHT, f"light_{name}.onnx")
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not in this onnx wheel")
+    return path
+
+
+@pytest.mark.parametrize("name, convs, grouped, depthwise", [
+    ("resnet50", 53, 0, 0), ("inception_v1", 57, 0, 0), ("inception_v2", 69, 0, 0), ("vgg19", 16, 0, 0),
+    ("densenet121", 121, 0, 0), ("squeezenet", 26, 0, 0), ("shufflenet", 49, 48, 16), ("bvlc_alexnet", 5, 3, 0),
+    ("zfnet512", 5, 0, 0),
+])
+def test_light_models_import(name, convs, grouped, depthwise):
+    layers = load_model(light(name))
+    assert len(layers) == convs
+    assert sum(layer.groups > 1 for layer in layers) == grouped
+    assert sum(layer.depthwise for layer in layers) == depthwise
+    assert layers[0].input_shape == (1, 3, 224, 224)
+    assert not any(layer.transposed for layer in layers)
+
+
+def test_light_resnet50_matches_the_zoo():
+    # Caffe2's ResNet-50 puts the stride on the 3x3 and runs the shortcut after the main branch, like
+    # torchvision's v1.5: all 53 convolutions agree in order, shapes, strides and padding.
+    onnx_layers, zoo = load_model(light("resnet50")), load_model("resnet50")
+    key = lambda l: (l.input_shape, l.weight_shape, l.stride, l.padding, l.dilation, l.groups)  # noqa: E731
+    assert [key(l) for l in onnx_layers] == [key(l) for l in zoo]
+    assert total_macs(onnx_layers) == total_macs(zoo)
+
+
+def test_light_inception_v1_matches_googlenet_weights():
+    # BVLC GoogLeNet: the paper's 5x5 in the third branch (torchvision has 3x3), and the ONNX export pools
+    # with floor rounding (55x55 after the first pool where torchvision's ceil mode gives 56x56).
+    onnx_layers, zoo = load_model(light("inception_v1")), load_model("googlenet")
+    for o, z in zip(onnx_layers, zoo, strict=True):
+        assert o.input_shape[1] == z.input_shape[1] and o.weight_shape[:2] == z.weight_shape[:2], z.name
+        if z.name.endswith("branch3.1.conv"):
+            assert (o.weight_shape[2:], o.padding, z.weight_shape[2:], z.padding) == ((5, 5), (2, 2), (3, 3), (1, 1))
+        else:
+            assert (o.weight_shape, o.stride, o.padding) == (z.weight_shape, z.stride, z.padding), z.name
+    assert onnx_layers[1].input_shape == (1, 64, 55, 55) and zoo[1].input_shape == (1, 64, 56, 56)
+
+
+def test_light_vgg19_has_vgg16s_shapes():
+    shapes = lambda ls: {(l.input_shape, l.weight_shape, l.padding) for l in ls}  # noqa: E731
+    assert shapes(load_model(light("vgg19"))) == shapes(load_model("vgg16"))
+
+
+# ---------------------------------------------------------------------------------- ONNX: built graphs
+
+def vi(name, shape):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def weight(name, shape):
+    return numpy_helper.from_array(np.zeros(shape, dtype=np.float32), name)
+
+
+def save(tmp_path, nodes, inputs, initializers=(), name="m.onnx", outputs=None, opset=17):
+    out = outputs if outputs is not None else [vi(nodes[-1].output[0], None)]
+    graph = helper.make_graph(nodes, "g", inputs, out, initializer=list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    path = tmp_path / name
+    onnx.save(model, str(path))
+    return path
+
+
+def conv(name, x, w, y, op="Conv", **attrs):
+    return helper.make_node(op, [x, w], [y], name=name, **attrs)
+
+
+def inferred_output(path, tensor):
+    m = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
+    for v in [*m.graph.value_info, *m.graph.output]:
+        if v.name == tensor:
+            return tuple(d.dim_value for d in v.type.tensor_type.shape.dim)
+    raise AssertionError(tensor)
+
+
+def test_onnx_attributes(tmp_path):
+    nodes = [
+        conv("plain", "x", "w0", "y0"),
+        conv("strided", "y0", "w1", "y1", strides=[2, 2], pads=[1, 1, 1, 1]),
+        conv("dilated", "y1", "w2", "y2", dilations=[2, 2], pads=[2, 2, 2, 2], kernel_shape=[3, 3]),
+        conv("grouped", "y2", "w3", "y3", group=4, pads=[1, 1, 1, 1]),
+        conv("rect", "y3", "w4", "y4", pads=[0, 3, 0, 3]),
+        conv("", "y4", "w5", "y5", auto_pad="VALID"),  # unnamed: named after its output
+    ]
+    inits = [weight("w0", (8, 3, 3, 3)), weight("w1", (16, 8, 3, 3)), weight("w2", (16, 16, 3, 3)),
+             weight("w3", (32, 4, 3, 3)), weight("w4", (32, 32, 1, 7)), weight("w5", (8, 32, 3, 3))]
+    path = save(tmp_path, nodes, [vi("x", ["N", 3, 34, 34])], inits)  # symbolic batch
+    layers = load_model(path)
+    assert [l.name for l in layers] == ["plain", "strided", "dilated", "grouped", "rect", "y5"]
+    plain, strided, dilated, grouped, rect, valid = layers
+    assert plain.input_shape == (1, 3, 34, 34) and plain.padding == (0, 0)
+    assert strided.input_shape == (1, 8, 32, 32) and strided.stride == (2, 2) and strided.padding == (1, 1)
+    assert dilated.dilation == (2, 2) and dilated.input_shape == (1, 16, 16, 16)
+    assert grouped.groups == 4 and grouped.weight_shape == (32, 4, 3, 3)
+    assert rect.padding == (0, 3) and rect.weight_shape == (32, 32, 1, 7)
+    assert valid.padding == (0, 0)
+    for layer, tensor in zip(layers, ["y0", "y1", "y2", "y3", "y4", "y5"]):
+        assert out_shape(layer)[1:] == inferred_output(path, tensor)[1:]
+
+
+def test_onnx_fixed_batch_becomes_one_and_1d_3d(tmp_path):
+    nodes = [conv("c1", "x", "w", "y", pads=[1, 1])]
+    path = save(tmp_path, nodes, [vi("x", [8, 4, 20])], [weight("w", (6, 4, 3))], name="c1.onnx")
+    (layer,) = load_model(path)
+    assert layer.input_shape == (1, 4, 20) and layer.padding == (1,)
+    nodes = [conv("c3", "x", "w", "y", strides=[1, 2, 2])]
+    path = save(tmp_path, nodes, [vi("x", [2, 2, 5, 9, 9])], [weight("w", (4, 2, 3, 3, 3))], name="c3.onnx")
+    (layer,) = load_model(path)
+    assert layer.input_shape == (1, 2, 5, 9, 9) and out_shape(layer) == (1, 4, 3, 4, 4)
+
+
+def test_onnx_weight_from_graph_input(tmp_path):
+    path = save(tmp_path, [conv("c", "x", "w", "y")], [vi("x", [1, 3, 8, 8]), vi("w", [5, 3, 3, 3])])
+    (layer,) = load_model(path)
+    assert layer.weight_shape == (5, 3, 3, 3)
+
+
+@pytest.mark.parametrize("auto_pad, size, stride, expect_pad, asymmetric", [
+    ("SAME_UPPER", 16, 1, 1, False),  # 3x3 stride 1: one on each side
+    ("SAME_LOWER", 15, 1, 1, False),
+    ("SAME_UPPER", 16, 2, 1, True),  # 3x3 stride 2 on an even size: total 1, all of it at the end
+    ("SAME_LOWER", 16, 2, 1, True),
+    ("SAME_UPPER", 15, 2, 1, False),  # odd size: total 2
+    ("VALID", 16, 2, 0, False),
+])
+def test_onnx_auto_pad(tmp_path, auto_pad, size, stride, expect_pad, asymmetric):
+    nodes = [conv("c", "x", "w", "y", auto_pad=auto_pad, strides=[stride, stride])]
+    path = save(tmp_path, nodes, [vi("x", [1, 4, size, size])], [weight("w", (4, 4, 3, 3))])
+    (layer,) = load_model(path)
+    assert layer.padding == (expect_pad, expect_pad)
+    inferred = inferred_output(path, "y")[2:]
+    got = out_shape(layer)[2:]
+    if asymmetric:  # widened like onnxruntime's CUDA provider: the larger pad on both sides, one extra to slice
+        assert all(g - i in (0, 1) for g, i in zip(got, inferred))
+        with pytest.raises(ModelError, match=r"'c' \(asymmetric pads \(begin \[0, 0\], end \[1, 1\]\)\)|"
+                                             r"'c' \(asymmetric pads \(begin \[1, 1\], end \[0, 0\]\)\)"):
+            load_model(path, asymmetric_pads="error")
+    else:
+        assert got == inferred
+
+
+def test_onnx_asymmetric_pads(tmp_path):
+    nodes = [conv("sym", "x", "w", "y0", pads=[1, 1, 1, 1]), conv("asym", "y0", "w", "y1", pads=[0, 1, 2, 1])]
+    path = save(tmp_path, nodes, [vi("x", [1, 4, 10, 10])], [weight("w", (4, 4, 3, 3))])
+    sym, asym = load_model(path)
+    assert asym.padding == (2, 1) and asym.input_shape == (1, 4, 10, 10)
+    with pytest.raises(ModelError, match=r"1 conv node\(s\) cannot be planned: 'asym' \(asymmetric pads "
+                                         r"\(begin \[0, 1\], end \[2, 1\]\)\)") as info:
+        load_model(path, asymmetric_pads="error")
+    assert "skip_unknown" in str(info.value)
+    with pytest.warns(UserWarning, match=r"skipped 1 conv node\(s\): 'asym'"):
+        assert load_model(path, skip_unknown=True, asymmetric_pads="error") == [sym]
+    with pytest.raises(ValueError, match="asymmetric_pads"):
+        load_model(path, asymmetric_pads="crop")
+
+
+def test_onnx_unknown_input_shape(tmp_path):
+    # "r" is reshaped to a runtime shape: nothing downstream of it has a known shape
+    nodes = [
+        conv("known", "x", "w", "y0", pads=[1, 1, 1, 1]),
+        helper.make_node("Reshape", ["y0", "s"], ["r"], name="reshape"),
+        conv("lost1", "r", "w", "y1"),
+        conv("lost2", "y1", "w", "y2"),
+    ]
+    path = save(tmp_path, nodes, [vi("x", [1, 4, 8, 8]), helper.make_tensor_value_info("s", TensorProto.INT64, [4])],
+                [weight("w", (4, 4, 3, 3))])
+    with pytest.raises(ModelError, match=r"2 conv node\(s\) cannot be planned: 'lost1' \(input shape .* unknown\); "
+                                         r"'lost2'") as info:
+        load_model(path)
+    assert "\n" not in str(info.value)
+    with pytest.warns(UserWarning, match=r"skipped 2 conv node\(s\): 'lost1'"):
+        layers = load_model(path, skip_unknown=True)
+    assert [l.name for l in layers] == ["known"]
+
+
+def test_onnx_symbolic_spatial_size_is_unknown(tmp_path):
+    path = save(tmp_path, [conv("c", "x", "w", "y")], [vi("x", ["N", 3, "H", "W"])], [weight("w", (4, 3, 3, 3))])
+    with pytest.raises(ModelError, match=r"'c' \(input shape \[1, 3, \?, \?\] unknown\)"):
+        load_model(path)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with pytest.raises(ModelError, match="none of the model's 1 conv node"):
+            load_model(path, skip_unknown=True)
+
+
+def test_onnx_without_conv(tmp_path):
+    path = save(tmp_path, [helper.make_node("Relu", ["x"], ["y"])], [vi("x", [1, 3, 8, 8])])
+    with pytest.raises(ModelError, match="has no Conv or ConvTranspose node"):
+        load_model(path)
+
+
+def test_onnx_impossible_geometry(tmp_path):
+    path = save(tmp_path, [conv("huge", "x", "w", "y")], [vi("x", [1, 3, 4, 4])], [weight("w", (4, 3, 7, 7))])
+    with pytest.raises(ModelError, match=r"layer 'huge': kernel .* larger than the padded input"):
+        load_model(path)
+
+
+def test_onnx_convs_in_subgraphs_are_left_out_with_a_warning(tmp_path):
+    branch = helper.make_graph([conv("inner", "x", "w", "yi")], "then", [], [vi("yi", None)])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["yo"])], "else", [], [vi("yo", None)])
+    nodes = [conv("outer", "x", "w", "y0"),
+             helper.make_node("If", ["cond"], ["z"], name="if", then_branch=branch, else_branch=other)]
+    path = save(tmp_path, nodes, [vi("x", [1, 3, 8, 8]), helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                [weight("w", (3, 3, 3, 3))], outputs=[vi("y0", None), vi("z", None)])
+    with pytest.warns(UserWarning, match=r"1 conv node\(s\) inside subgraphs"):
+        layers = load_model(path)
+    assert [l.name for l in layers] == ["outer"]
+
+
+# ConvTranspose: (attributes, input spatial size); the equivalent conv must map the (uncropped) output to the input
+CONV_T = [
+    (dict(strides=[2, 2]), 7),  # U-Net's 2x2 up-convolution
+    (dict(strides=[2, 2], pads=[1, 1, 1, 1]), 7),
+    (dict(strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1]), 7),
+    (dict(strides=[3, 3], dilations=[2, 2]), 5),
+    (dict(strides=[2, 2], output_shape=[14, 14]), 7),
+    (dict(strides=[2, 2], output_shape=[13, 13]), 7),  # total padding 2: one each side
+    (dict(strides=[2, 2], auto_pad="SAME_UPPER"), 7),
+    (dict(strides=[2, 2], auto_pad="SAME_LOWER"), 6),
+    (dict(strides=[2, 2], pads=[0, 0, 1, 1]), 7),  # asymmetric: widened
+    (dict(strides=[1, 1], pads=[1, 1, 1, 1], group=2), 9),
+]
+
+
+@pytest.mark.parametrize("attrs, size", CONV_T)
+def test_onnx_conv_transpose(tmp_path, attrs, size):
+    c_in, c_out, group = 6, 4, attrs.get("group", 1)
+    w_shape = (c_in, c_out // group, 3, 3)
+    nodes = [conv("up", "x", "w", "y", op="ConvTranspose", **attrs)]
+    path = save(tmp_path, nodes, [vi("x", [1, c_in, size, size])], [weight("w", w_shape)])
+    (layer,) = load_model(path)
+    assert layer.transposed and layer.weight_shape == w_shape and layer.groups == group
+    g = layer.geometry()
+    assert g.output_shape == (1, c_in, size, size)  # the equivalent conv lands on the ConvTranspose's input
+    expected = inferred_output(path, "y")
+    pads = attrs.get("pads", [0] * 4)
+    extra = abs(pads[0] - pads[2]) if "output_shape" not in attrs and "auto_pad" not in attrs else None
+    if extra is not None:
+        assert layer.input_shape == (1, c_out, expected[2] + extra, expected[3] + extra)
+    else:
+        assert layer.input_shape[:2] == (1, c_out) and all(0 <= a - b <= 1 for a, b in
+                                                           zip(layer.input_shape[2:], expected[2:]))
+
+
+def test_onnx_conv_transpose_reference_output_shape(tmp_path):
+    # an independent check through onnx's reference evaluator: ConvTranspose's output size is the input size
+    # of the equivalent convolution, and running that convolution's shapes back gives the ConvTranspose's input
+    from onnx.reference import ReferenceEvaluator
+
+    nodes = [conv("up", "x", "w", "y", op="ConvTranspose", strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1])]
+    path = save(tmp_path, nodes, [vi("x", [1, 2, 5, 5])], [weight("w", (2, 3, 3, 3))])
+    (y,) = ReferenceEvaluator(str(path)).run(None, {"x": np.ones((1, 2, 5, 5), np.float32)})
+    (layer,) = load_model(path)
+    assert layer.input_shape == (1, *y.shape[1:]) == (1, 3, 10, 10)
+
+
+def test_onnx_conv_transpose_with_impossible_output_padding(tmp_path):
+    nodes = [conv("bad", "x", "w", "y", op="ConvTranspose", strides=[2, 2], output_padding=[3, 3])]
+    path = save(tmp_path, nodes, [vi("x", [1, 2, 5, 5])], [weight("w", (2, 3, 3, 3))])
+    with pytest.raises(ModelError, match=r"'bad' \(output_padding \[3, 3\] with strides \[2, 2\]"):
+        load_model(path)

@@ -1,0 +1,123 @@
+"""Layer tables: the convolutions of a network, from the built-in zoo, an ONNX file or a JSON layer list.
+
+>>> import wsarena
+>>> layers = wsarena.load_model("resnet50")
+>>> len(layers), layers[0].name, layers[0].weight_shape
+(53, 'conv1', (64, 3, 7, 7))
+
+Every source gives a list of :class:`ConvLayer` at batch 1, NCHW, in execution order; the planner scales them
+to its batch, dtype and layout with :meth:`ConvLayer.geometry`.
+
+Sources
+-------
+zoo name
+    One of :func:`zoo_names`: ``resnet50``, ``vgg16``, ``inception_v3``, ``googlenet``, ``mobilenet_v2``,
+    ``unet``. See :mod:`wsarena.models._zoo` for the reference each one follows.
+``*.onnx``
+    Every ``Conv`` and ``ConvTranspose`` node of the main graph, with shapes from ONNX shape inference. See
+    :mod:`wsarena.models._onnx` for batch, ``auto_pad``, asymmetric padding, unknown shapes and subgraphs.
+``*.json``
+    A layer list in the schema below, for any network the other two cannot describe.
+
+JSON schema
+-----------
+Either an object with a ``"layers"`` list (other top-level keys are ignored, so a ``wsarena report --format
+json`` output can be read back) or a bare list. Each layer is an object::
+
+    {
+      "name":         "layer1.0.conv2",     # required, non-empty string
+      "input_shape":  [1, 64, 56, 56],      # required, [N, C, *spatial] with 1-3 spatial dims; N is read as 1
+      "weight_shape": [64, 64, 3, 3],       # required, [K, C / groups, *kernel]
+      "stride":       [1, 1],               # optional, an int or one per spatial dim, default 1
+      "padding":      [1, 1],               # optional, symmetric (each side), default 0
+      "dilation":     [1, 1],               # optional, default 1
+      "groups":       1,                    # optional, default 1
+      "transposed":   false                 # optional, default false; see below
+    }
+
+Numbers must be JSON integers. A layer with ``"transposed": true`` is a transposed convolution stored as its
+forward-equivalent convolution: ``input_shape`` is the ConvTranspose's *output* shape and ``weight_shape`` its
+weight ``(C_in, C_out / groups, *kernel)``, so that the ConvTranspose's forward pass is this convolution's
+backward-data pass (details in :class:`ConvLayer`). Unknown keys are an error (a misspelt ``"strides"`` would
+otherwise be ignored), except the per-pass keys a report adds (``fwd``, ``bwd_data``, ``bwd_filter``). Every
+layer's geometry is checked when it is read. :func:`layers_to_json` writes this schema.
+
+Errors
+------
+Everything that is wrong with the model, rather than with the call, raises :class:`ModelError` (a
+``ValueError`` and a :class:`~wsarena.errors.WsarenaError`) with one line naming the problem: an unknown zoo
+name (the message lists the zoo), an unreadable file, a file that is not ONNX or not JSON, an ONNX model with
+no convolution, convolutions whose shapes stay unknown, malformed layers, impossible geometry, an unknown file
+extension.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ._json import layers_from_json, layers_to_json, load_json
+from ._layer import ConvLayer, ModelError
+from ._onnx import load_onnx
+from ._zoo import total_macs, zoo_model, zoo_names
+
+__all__ = ["ConvLayer", "ModelError", "layers_from_json", "layers_to_json", "load_model", "total_macs", "zoo_names"]
+
+
+def load_model(
+    source: str | os.PathLike[str] | Sequence[ConvLayer | dict[str, Any]],
+    *,
+    skip_unknown: bool = False,
+    asymmetric_pads: str = "widen",
+) -> list[ConvLayer]:
+    """The convolution layers of a model, at batch 1, in execution order.
+
+    Parameters
+    ----------
+    source : str, path-like or sequence
+        A zoo name (see :func:`zoo_names`; case and ``-``/``_`` do not matter), a path to a ``.onnx`` model or
+        a ``.json`` layer list, or a sequence of :class:`ConvLayer` or of layer dicts in the JSON schema.
+    skip_unknown : bool
+        ONNX only: leave out, with a warning, convolutions whose shapes stay unknown after shape inference
+        (or that cannot be expressed, see ``asymmetric_pads``), instead of raising.
+    asymmetric_pads : {"widen", "error"}
+        ONNX only: how to treat asymmetric padding, which cuDNN cannot take. ``"widen"`` models the convolution
+        onnxruntime's CUDA provider runs (see :mod:`wsarena.models._onnx`); ``"error"`` treats such nodes like
+        unknown shapes.
+
+    Returns
+    -------
+    list of ConvLayer
+        A new list; the caller may change it.
+
+    Raises
+    ------
+    ModelError
+        One line naming the problem (see the module docstring).
+    """
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if isinstance(source, str):
+            layers = zoo_model(text)
+            if layers is not None:
+                return layers
+        ext = os.path.splitext(text)[1].lower()
+        if ext == ".onnx":
+            return load_onnx(text, skip_unknown=skip_unknown, asymmetric_pads=asymmetric_pads)
+        if ext == ".json":
+            return load_json(text)
+        zoo = ", ".join(zoo_names())
+        if os.path.exists(text):
+            raise ModelError(f"{text!r}: unknown model file extension {ext or '(none)'!r}; expected .onnx or .json")
+        close = difflib.get_close_matches(text.lower(), zoo_names(), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ModelError(f"unknown model {text!r}: not a zoo model ({zoo}) nor a .onnx or .json file{hint}")
+    if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
+        if all(isinstance(layer, ConvLayer) for layer in source):
+            if not source:
+                raise ModelError("the layer list is empty")
+            return list(source)  # type: ignore[arg-type]
+        return layers_from_json(list(source), source="layer list")
+    raise TypeError(f"source must be a zoo name, a path or a list of layers, not {type(source).__name__}")

@@ -1,0 +1,238 @@
+"""Convolutions of an ONNX model, through the ``onnx`` package and its shape inference.
+
+Every ``Conv`` and ``ConvTranspose`` node of the main graph (default domain) becomes a :class:`ConvLayer`, in
+node order, named after the node (its first output when the node has no name).
+
+* Attributes: ``kernel_shape``, ``strides``, ``dilations``, ``group``, ``pads``, ``auto_pad``
+  (``NOTSET``, ``VALID``, ``SAME_UPPER``, ``SAME_LOWER``), and for ``ConvTranspose`` ``output_padding`` and
+  ``output_shape``, with the defaults and formulas of the ONNX operator specification.
+* Shapes: the weight shape from an initializer or the inferred value info; the input shape from the graph
+  inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation). A symbolic or missing batch dimension
+  is taken as 1, and any batch in the file is replaced by 1: the planner applies its own batch.
+* A convolution whose input or weight shape is still unknown after inference is an error naming the nodes, or,
+  with ``skip_unknown=True``, is left out with a warning.
+* Asymmetric padding (explicit ``pads`` or ``SAME_*`` with an odd total) cannot be given to cuDNN. With
+  ``asymmetric_pads="widen"`` (the default) a ``Conv`` is modelled the way onnxruntime's CUDA provider runs it:
+  the larger of the two pads on both sides, then the extra output row or column sliced off; a
+  ``ConvTranspose`` gets the smaller pad, its backward-data computes the larger output and the extra is sliced
+  off. Either way the layer is the convolution cuDNN actually runs. With ``asymmetric_pads="error"`` such nodes
+  are treated like unknown shapes (an error naming them, or skipped with a warning under ``skip_unknown``).
+* Nested subgraphs (the bodies of ``If``, ``Loop``, ``Scan``) are not searched; a warning says how many convs
+  they hold. Ops of other domains (e.g. ``com.microsoft.FusedConv``) are not convolutions here.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+from ._layer import ConvLayer, ModelError
+
+__all__ = ["load_onnx"]
+
+_CONV_OPS = ("Conv", "ConvTranspose")
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+class _Unsupported(Exception):
+    """One node cannot become a layer; the message says why (collected, then raised or warned)."""
+
+
+def _dims(type_proto: Any) -> tuple[int | None, ...] | None:
+    """The shape in a TypeProto as ints (``None`` for a symbolic dim), or ``None`` when there is no shape."""
+    if not type_proto.HasField("tensor_type") or not type_proto.tensor_type.HasField("shape"):
+        return None
+    return tuple(d.dim_value if d.HasField("dim_value") else None for d in type_proto.tensor_type.shape.dim)
+
+
+def _shape_table(graph: Any) -> dict[str, tuple[int | None, ...]]:
+    shapes: dict[str, tuple[int | None, ...]] = {}
+    for vi in [*graph.value_info, *graph.output, *graph.input]:  # graph inputs last: they win
+        dims = _dims(vi.type)
+        if dims is not None:
+            shapes[vi.name] = dims
+    for init in graph.initializer:  # an initializer's dims are authoritative, data or not
+        shapes[init.name] = tuple(init.dims)
+    return shapes
+
+
+def _attrs(node: Any) -> dict[str, Any]:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _split_pads(pads: list[int], nd: int, node: str) -> tuple[list[int], list[int]]:
+    if len(pads) != 2 * nd:
+        raise ModelError(f"ONNX node {node!r}: pads={pads} must have {2 * nd} entries (begin and end per dim)")
+    return list(pads[:nd]), list(pads[nd:])
+
+
+def _same_split(total: int, upper: bool) -> tuple[int, int]:
+    """Begin and end padding for a SAME_* total: SAME_UPPER puts the odd one at the end."""
+    small, large = total // 2, total - total // 2
+    return (small, large) if upper else (large, small)
+
+
+def _conv_layer(node: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, Any], transposed: bool,
+                widen: bool) -> ConvLayer:
+    """The layer for one Conv or ConvTranspose node with known input ``x`` and weight ``w`` shapes."""
+    name, nd = node, len(x) - 2
+    kernel = list(a.get("kernel_shape") or w[2:])
+    if len(kernel) != nd or list(w[2:]) != kernel:
+        raise ModelError(f"ONNX node {node!r}: kernel_shape={kernel} does not match weight shape {list(w)}")
+    stride = list(a.get("strides") or [1] * nd)
+    dilation = list(a.get("dilations") or [1] * nd)
+    group = int(a.get("group", 1))
+    auto_pad = _text(a.get("auto_pad", "NOTSET")) or "NOTSET"
+    if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
+        raise ModelError(f"ONNX node {node!r}: unknown auto_pad {auto_pad!r}")
+    if len(stride) != nd or len(dilation) != nd:
+        raise ModelError(f"ONNX node {node!r}: strides={stride} and dilations={dilation} need {nd} entries")
+    eff = [d * (k - 1) + 1 for k, d in zip(kernel, dilation)]  # the dilated kernel's extent
+    size = list(x[2:])
+    if auto_pad == "VALID":
+        begin, end = [0] * nd, [0] * nd
+    elif auto_pad == "NOTSET":
+        begin, end = _split_pads(list(a.get("pads") or [0] * (2 * nd)), nd, node)
+    if not transposed:
+        if auto_pad.startswith("SAME"):
+            totals = [max(0, (-(-s // st) - 1) * st + e - s) for s, st, e in zip(size, stride, eff)]
+            begin, end = map(list, zip(*(_same_split(t, auto_pad == "SAME_UPPER") for t in totals)))
+        if begin != end:
+            if not widen:
+                raise _Unsupported(f"asymmetric pads (begin {begin}, end {end})")
+            begin = [max(b, e) for b, e in zip(begin, end)]  # onnxruntime's CUDA provider: widen, then slice
+        return ConvLayer(name, (1, x[1], *size), w, stride=stride, padding=begin, dilation=dilation, groups=group)
+
+    # ConvTranspose: the forward-equivalent convolution maps the uncropped output back to the input `x`.
+    if w[0] != x[1]:
+        raise ModelError(f"ONNX node {node!r}: ConvTranspose weight {list(w)} needs {w[0]} input channels, not {x[1]}")
+    out_pad = list(a.get("output_padding") or [0] * nd)
+    full = [st * (s - 1) + op + e for s, st, op, e in zip(size, stride, out_pad, eff)]  # before any cropping
+    out_shape = list(a["output_shape"])[-nd:] if a.get("output_shape") else None  # spatial, or N, C too
+    if auto_pad.startswith("SAME") and out_shape is None:
+        out_shape = [s * st for s, st in zip(size, stride)]
+    if out_shape is not None:
+        totals = [f - o for f, o in zip(full, out_shape)]
+        if any(t < 0 for t in totals):
+            raise _Unsupported(f"output_shape {out_shape} larger than the full output {full}")
+        # The spec: output_shape overrides pads; SAME_UPPER puts the odd one at the end, anything else at the start.
+        begin, end = map(list, zip(*(_same_split(t, auto_pad == "SAME_UPPER") for t in totals)))
+    if begin != end and not widen:
+        raise _Unsupported(f"asymmetric pads (begin {begin}, end {end})")
+    pad = [min(b, e) for b, e in zip(begin, end)]
+    out = [f - 2 * p for f, p in zip(full, pad)]
+    if any(o < 1 for o in out):
+        raise _Unsupported(f"padding {begin}/{end} leaves no output")
+    # ConvTranspose weight (C_in, C_out/group, *k) is the equivalent conv's (K, C/group, *k): same tensor.
+    layer = ConvLayer(name, (1, w[1] * group, *out), w, stride=stride, padding=pad, dilation=dilation,
+                      groups=group, transposed=True)
+    if layer.geometry().output_size != tuple(size):  # output_padding >= stride: no such backward-data
+        raise _Unsupported(f"output_padding {out_pad} with strides {stride} has no equivalent convolution")
+    return layer
+
+
+def _count_subgraph_convs(graph: Any) -> int:
+    from onnx import AttributeProto
+
+    n = 0
+    for node in graph.node:
+        for attr in node.attribute:
+            subs = [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs)
+            for sub in subs:
+                n += sum(1 for m in sub.node if m.op_type in _CONV_OPS) + _count_subgraph_convs(sub)
+    return n
+
+
+def _names(items: list[tuple[str, str]], limit: int = 5) -> str:
+    shown = "; ".join(f"{n!r} ({why})" for n, why in items[:limit])
+    return shown + (f"; and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
+              asymmetric_pads: str = "widen") -> list[ConvLayer]:
+    """The convolutions of the ONNX model at ``path``; see the module docstring for the rules.
+
+    Raises
+    ------
+    ModelError
+        Unreadable file, not an ONNX model, no convolution, or (without ``skip_unknown``) convs whose shapes
+        stay unknown, naming them.
+    """
+    if asymmetric_pads not in ("widen", "error"):
+        raise ValueError(f"asymmetric_pads must be 'widen' or 'error', not {asymmetric_pads!r}")
+    try:
+        import onnx
+        from google.protobuf.message import DecodeError
+    except ImportError as exc:  # pragma: no cover - onnx is a dependency
+        raise ModelError(f"reading ONNX models needs the onnx package ({exc})") from None
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ModelError(f"cannot read {path!r}: {exc.strerror or exc}") from None
+    try:
+        model = onnx.load_model_from_string(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise ModelError(f"{path!r} is not an ONNX model ({type(exc).__name__}: {exc})".splitlines()[0]) from None
+    # Protobuf parses many byte strings (an empty file, for one) as an empty message: no graph means not ONNX.
+    if not model.HasField("graph") or not model.graph.node:
+        raise ModelError(f"{path!r} is not an ONNX model (no graph nodes)")
+    convs = [(i, n) for i, n in enumerate(model.graph.node)
+             if n.op_type in _CONV_OPS and n.domain in _DEFAULT_DOMAINS]
+    nested = _count_subgraph_convs(model.graph)
+    if nested:
+        warnings.warn(f"{path}: {nested} conv node(s) inside subgraphs (If/Loop/Scan bodies) are not included",
+                      stacklevel=3)
+    if not convs:
+        raise ModelError(f"{path!r}: the ONNX model has no Conv or ConvTranspose node in its main graph")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+    except Exception as exc:  # inference errors come in several types; any of them means no shapes
+        raise ModelError(f"{path!r}: ONNX shape inference failed: {exc}".splitlines()[0]) from None
+    shapes = _shape_table(inferred.graph)
+
+    layers: list[ConvLayer] = []
+    unknown: list[tuple[str, str]] = []
+    for index, node in convs:
+        name = node.name or (node.output[0] if node.output and node.output[0] else f"{node.op_type}_{index}")
+        x, w = (shapes.get(node.input[i]) if len(node.input) > i else None for i in (0, 1))
+        if x is not None and len(x) >= 1:
+            x = (1, *x[1:])  # symbolic or fixed batch: the planner sets its own
+        if x is None or None in x:
+            unknown.append((name, f"input shape {_show(x)} unknown"))
+            continue
+        if w is None or None in w:
+            unknown.append((name, f"weight shape {_show(w)} unknown"))
+            continue
+        if len(x) not in (3, 4, 5) or len(w) != len(x):
+            unknown.append((name, f"input {list(x)} and weight {list(w)} are not a 1-, 2- or 3-D convolution"))
+            continue
+        try:
+            layers.append(_conv_layer(name, x, w, _attrs(node), node.op_type == "ConvTranspose",
+                                      asymmetric_pads == "widen"))
+        except _Unsupported as exc:
+            unknown.append((name, str(exc)))
+        except ModelError as exc:
+            raise ModelError(f"{path!r}: {exc}") from None
+    if unknown and not skip_unknown:
+        raise ModelError(
+            f"{path!r}: {len(unknown)} conv node(s) cannot be planned: {_names(unknown)} "
+            "(fix the model's input shapes, or skip them with skip_unknown=True / --skip-unknown)"
+        )
+    if unknown:
+        warnings.warn(f"{path}: skipped {len(unknown)} conv node(s): {_names(unknown)}", stacklevel=3)
+    if not layers:
+        raise ModelError(f"{path!r}: none of the model's {len(convs)} conv node(s) could be planned")
+    return layers
+
+
+def _show(dims: tuple[int | None, ...] | None) -> str:
+    return "?" if dims is None else "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
