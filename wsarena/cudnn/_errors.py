@@ -1,0 +1,208 @@
+"""Exceptions of the cuDNN bindings and the one :func:`check` every status goes through.
+
+::
+
+    WsarenaError
+    ├── BackendUnavailableError (RuntimeError)
+    │   ├── CudnnNotFoundError          no loadable libcudnn; lists every place tried and why it failed
+    │   ├── CudnnVersionError           libcudnn was found but its major version is not 9
+    │   ├── CudnnSymbolError            libcudnn lacks a function wsarena binds
+    │   └── CudnnGpuUnavailableError    cudnnCreate failed because no GPU is usable (also a CudnnError)
+    └── CudnnError (RuntimeError)       a status other than SUCCESS; ``.status``
+        ├── CudnnNotInitializedError, CudnnLicenseError, ...   1xxx, one class each
+        ├── CudnnBadParamError                                      2000
+        │   └── CudnnBadParamNullPointerError, ...                  2xxx: subclasses of their category
+        ├── CudnnNotSupportedError                                  3000
+        │   └── CudnnNotSupportedShapeError, ...                    3xxx
+        ├── CudnnInternalError                                      4000
+        │   └── ...                                                 4xxx
+        └── CudnnExecutionFailedError                               5000
+            └── ...                                                 5xxx
+
+There is one subclass per :class:`~wsarena.cudnn.Status` value, generated from the enum. ``CudnnError(status)``
+itself returns an instance of the matching subclass, so ``except CudnnBadParamError`` catches every 2xxx status.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+from ..errors import BackendUnavailableError, WsarenaError
+from ._enums import Status
+
+__all__ = [
+    "STATUS_ERRORS",
+    "CudnnError",
+    "CudnnGpuUnavailableError",
+    "CudnnNotFoundError",
+    "CudnnSymbolError",
+    "CudnnVersionError",
+    "check",
+    "error_class",
+    "status_message",
+]
+
+
+class CudnnNotFoundError(BackendUnavailableError):
+    """No loadable libcudnn 9 was found.
+
+    Attributes
+    ----------
+    tried : list of tuple of str
+        ``(place, why it failed)`` for every place searched, in search order.
+    """
+
+    def __init__(self, tried: list[tuple[str, str]]) -> None:
+        self.tried = list(tried)
+        lines = "\n".join(f"  - {place}: {why}" for place, why in self.tried) or "  (nothing to try)"
+        super().__init__(
+            "libcudnn.so.9 could not be loaded (install nvidia-cudnn-cu13, or set CUDNN_PATH). Tried:\n" + lines
+        )
+
+
+class CudnnVersionError(BackendUnavailableError):
+    """A libcudnn was loaded, but it is not cuDNN 9, the only major version wsarena binds."""
+
+
+class CudnnSymbolError(BackendUnavailableError, AttributeError):
+    """The loaded libcudnn does not export a function wsarena needs (raised when it is first bound)."""
+
+
+class CudnnError(WsarenaError, RuntimeError):
+    """A cuDNN call returned a status other than ``SUCCESS``.
+
+    ``CudnnError(status, message)`` returns an instance of the subclass for ``status`` (see the module
+    docstring); unknown status values stay plain :class:`CudnnError`.
+
+    Attributes
+    ----------
+    status : Status or int
+        The status the call returned (an ``int`` when this cuDNN is newer than the enum).
+    func_name : str or None
+        The C function that returned it.
+    context : str
+        What wsarena was doing (shapes, parameters), or ``""``.
+    """
+
+    def __new__(cls, status: int = -1, *args: object, **kwargs: object) -> CudnnError:
+        if cls is CudnnError:
+            cls = STATUS_ERRORS.get(int(status), CudnnError)
+        return super().__new__(cls)
+
+    def __init__(self, status: int, message: str = "", func_name: str | None = None, context: str = "") -> None:
+        try:
+            self.status: Status | int = Status(status)
+        except ValueError:
+            self.status = int(status)
+        self.func_name = func_name
+        self.context = context
+        super().__init__(message or _status_text(status))
+
+    def __reduce__(self):  # keeps pickling (multiprocessing, pytest-xdist) working despite __new__
+        return (type(self), (int(self.status), str(self), self.func_name, self.context))
+
+
+class CudnnGpuUnavailableError(BackendUnavailableError, CudnnError):
+    """``cudnnCreate`` failed and no CUDA GPU is usable; the message says why (no driver, no device...)."""
+
+
+def _class_name(member: Status) -> str:
+    # BAD_PARAM -> CudnnBadParamError; INTERNAL_ERROR -> CudnnInternalError (no doubled "Error").
+    camel = "Cudnn" + "".join(word.capitalize() for word in member.name.split("_"))
+    return camel if camel.endswith("Error") else camel + "Error"
+
+
+def _build_status_errors() -> dict[int, type[CudnnError]]:
+    """One subclass per status value; a specific status (2003) derives from its category's class (2000)."""
+    classes: dict[int, type[CudnnError]] = {}
+    # Canonical members only (aliases share a class), categories (x000) first so children find their parent.
+    members = sorted((m for m in Status if m is not Status.SUCCESS), key=lambda m: (m.value % 1000 != 0, m.value))
+    for member in members:
+        parent = classes.get(member.value // 1000 * 1000, CudnnError)
+        doc = f"cuDNN returned ``CUDNN_STATUS_{member.name}`` ({member.value})."
+        classes[member.value] = type(_class_name(member), (parent,), {"__doc__": doc, "__module__": __name__})
+    return classes
+
+
+STATUS_ERRORS: dict[int, type[CudnnError]] = _build_status_errors()
+globals().update({cls.__name__: cls for cls in STATUS_ERRORS.values()})
+__all__ += sorted(cls.__name__ for cls in STATUS_ERRORS.values())
+
+
+def error_class(status: int) -> type[CudnnError]:
+    """The exception class raised for ``status`` (plain :class:`CudnnError` for an unknown value)."""
+    return STATUS_ERRORS.get(int(status), CudnnError)
+
+
+def _status_name(status: int) -> str:
+    try:
+        return f"CUDNN_STATUS_{Status(status).name}"
+    except ValueError:
+        return f"unknown cuDNN status {int(status)}"
+
+
+def _status_text(status: int) -> str:
+    return f"{_status_name(status)} ({int(status)})"
+
+
+# Set by the loader once libcudnn is bound: status -> cudnnGetErrorString text, and the last-error reader.
+# Kept as hooks so that building an error never loads the library by itself.
+_error_string: Callable[[int], str] | None = None
+_last_error: Callable[[], str] | None = None
+
+
+def _describe(status: int) -> str:
+    parts = []
+    if _error_string is not None:
+        try:
+            parts.append(_error_string(status))
+        except Exception:  # noqa: BLE001 - the description is a courtesy; never mask the real error
+            pass
+    if _last_error is not None:
+        try:
+            last = _last_error()
+        except Exception:  # noqa: BLE001
+            last = ""
+        if last and last not in parts:
+            parts.append(last)
+    return "; ".join(p for p in parts if p)
+
+
+def check(status: int, func_name: str, context: str = "") -> None:
+    """Raise the :class:`CudnnError` subclass for ``status`` unless it is ``SUCCESS``.
+
+    The message names ``func_name``, the status, cuDNN's own description (``cudnnGetErrorString`` and, when it
+    has one, ``cudnnGetLastErrorString``), and ``context`` (what wsarena was doing, e.g. the shapes).
+    """
+    if status == 0:
+        return
+    raise CudnnError(status, status_message(status, func_name, context), func_name, context)
+
+
+def status_message(status: int, func_name: str, context: str = "") -> str:
+    """The text :func:`check` puts in its exception (reads, and so clears, cuDNN's last-error message)."""
+    message = f"{func_name} returned {_status_text(status)}"
+    described = _describe(status)
+    if described:
+        message += f": {described}"
+    if context:
+        message += f" [{context}]"
+    return message
+
+
+def _install_describers(lib: ctypes.CDLL) -> None:
+    """Let :func:`check` add cuDNN's own texts; called by the loader with the declared library."""
+    global _error_string, _last_error
+
+    def error_string(status: int) -> str:
+        text = lib.cudnnGetErrorString(int(status))
+        return text.decode(errors="replace") if text else ""
+
+    def last_error() -> str:
+        buffer = ctypes.create_string_buffer(1024)
+        lib.cudnnGetLastErrorString(buffer, len(buffer))
+        return buffer.value.decode(errors="replace").strip()
+
+    _error_string = error_string
+    _last_error = last_error

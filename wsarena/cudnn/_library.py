@@ -1,0 +1,305 @@
+"""Find and load libcudnn 9 on first use, once per process.
+
+Search order (the first place that gives a cuDNN 9 wins)::
+
+    1. cuda.pathfinder   load_nvidia_dynamic_lib("cudnn"): the nvidia-cudnn wheel in site-packages, a copy
+                         another package (PyTorch, ...) already loaded, then the places cuda.pathfinder knows.
+    2. site-packages     <nvidia.cudnn package>/lib/libcudnn.so.9, found through importlib (or next to the
+                         header folder cuda.pathfinder.find_nvidia_header_directory("cudnn") reports).
+    3. system loader     dlopen("libcudnn.so.9"): LD_LIBRARY_PATH, the ld.so cache, /usr/lib...
+    4. CUDNN_PATH        $CUDNN_PATH/lib/libcudnn.so.9.
+
+A place that yields a libcudnn whose major version is not 9 is recorded and skipped. When nothing works,
+:class:`~wsarena.cudnn.CudnnNotFoundError` (or :class:`~wsarena.cudnn.CudnnVersionError` when only other majors
+were found) lists every place tried and why it failed. The outcome, success or failure, is cached; library
+handles are never closed (the shim libcudnn.so.9 loads its sub-libraries on demand and keeps pointers into them).
+
+Nothing here runs at import time: ``import wsarena.cudnn`` does not load libcudnn.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.util
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ._errors import CudnnNotFoundError, CudnnVersionError
+
+__all__ = ["LIBRARY_NAME", "LoadedLibrary", "library_info", "load_library"]
+
+LIBRARY_NAME = "libcudnn.so.9"
+REQUIRED_MAJOR = 9
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedLibrary:
+    """The libcudnn this process uses.
+
+    Attributes
+    ----------
+    cdll : ctypes.CDLL
+        The library; functions are declared on it by :func:`wsarena.cudnn.bind_all`.
+    path : str
+        Absolute path of the file loaded (or the name given to the loader when the path cannot be read back).
+    found_via : str
+        Which step of the search order found it (``"cuda.pathfinder (site-packages)"``, ``"site-packages"``,
+        ``"system loader"``, ``"CUDNN_PATH"``).
+    version : int
+        ``cudnnGetVersion()``, e.g. 92800 for 9.28.0.
+    """
+
+    cdll: ctypes.CDLL
+    path: str
+    found_via: str
+    version: int
+
+    @property
+    def version_string(self) -> str:
+        """``"9.28.0"`` for version 92800."""
+        return _version_string(self.version)
+
+
+class _Miss(Exception):
+    """One search step found nothing usable; ``place`` and the reason go into the not-found report."""
+
+    def __init__(self, place: str, reason: str) -> None:
+        super().__init__(reason)
+        self.place = place
+
+
+def _version_string(version: int) -> str:
+    if version >= 10000:  # cuDNN >= 9: major * 10000 + minor * 100 + patch
+        return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+    return f"{version // 1000}.{version // 100 % 10}.{version % 100}"  # cuDNN <= 8: major * 1000 + ...
+
+
+def _major(version: int) -> int:
+    return version // 10000 if version >= 10000 else version // 1000
+
+
+def _path_of(cdll: ctypes.CDLL, fallback: str) -> str:
+    """Absolute path of a loaded library, read back from the dynamic loader (glibc ``dlinfo``)."""
+
+    class _LinkMap(ctypes.Structure):
+        _fields_ = [("l_addr", ctypes.c_void_p), ("l_name", ctypes.c_char_p)]
+
+    try:
+        libc = ctypes.CDLL(None)
+        dlinfo = libc.dlinfo
+        dlinfo.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        dlinfo.restype = ctypes.c_int
+        link_map = ctypes.POINTER(_LinkMap)()
+        rtld_di_linkmap = 2
+        if dlinfo(cdll._handle, rtld_di_linkmap, ctypes.byref(link_map)) == 0 and link_map:
+            name = link_map.contents.l_name
+            if name:
+                return os.path.realpath(name.decode())
+    except (AttributeError, OSError, ValueError):
+        pass
+    return fallback
+
+
+def _open(path: str, place: str) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(path)
+    except OSError as exc:
+        raise _Miss(place, f"dlopen failed: {exc}") from None
+
+
+def _via_pathfinder() -> tuple[ctypes.CDLL, str, str]:
+    place = "cuda.pathfinder.load_nvidia_dynamic_lib('cudnn')"
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+    except ImportError as exc:
+        raise _Miss(place, f"cuda-pathfinder is not importable ({exc})") from None
+    try:
+        loaded = load_nvidia_dynamic_lib("cudnn")
+    except Exception as exc:  # noqa: BLE001 - DynamicLibNotFoundError, DynamicLibUnknownError (< 1.7), ...
+        raise _Miss(place, f"{type(exc).__name__}: {exc}") from None
+    via = f"cuda.pathfinder ({getattr(loaded, 'found_via', None) or 'unknown'})"
+    if loaded.abs_path:
+        return _open(loaded.abs_path, place), loaded.abs_path, via
+    # Loaded earlier by someone else without a recorded path: wrap the handle cuda.pathfinder holds.
+    cdll = ctypes.CDLL(LIBRARY_NAME, handle=loaded._handle_uint)
+    return cdll, _path_of(cdll, LIBRARY_NAME), via
+
+
+def _wheel_lib_dirs() -> list[Path]:
+    dirs: list[Path] = []
+    try:
+        spec = importlib.util.find_spec("nvidia.cudnn")
+    except (ImportError, ValueError):
+        spec = None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        dirs.append(Path(location) / "lib")
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        include = find_nvidia_header_directory("cudnn")
+        if include:
+            dirs.append(Path(include).parent / "lib")
+    except Exception:  # noqa: BLE001 - just one more place to look
+        pass
+    return list(dict.fromkeys(dirs))
+
+
+def _via_wheel() -> tuple[ctypes.CDLL, str, str]:
+    dirs = _wheel_lib_dirs()
+    if not dirs:
+        raise _Miss("site-packages nvidia/cudnn/lib", "the nvidia.cudnn package is not installed")
+    reasons = []
+    for folder in dirs:
+        path = folder / LIBRARY_NAME
+        if not path.is_file():
+            reasons.append(f"{path}: no such file")
+            continue
+        try:
+            return ctypes.CDLL(str(path)), str(path), "site-packages"
+        except OSError as exc:
+            reasons.append(f"{path}: dlopen failed: {exc}")
+    raise _Miss("site-packages nvidia/cudnn/lib", "; ".join(reasons))
+
+
+def _via_system() -> tuple[ctypes.CDLL, str, str]:
+    cdll = _open(LIBRARY_NAME, f"system loader dlopen('{LIBRARY_NAME}')")
+    return cdll, _path_of(cdll, LIBRARY_NAME), "system loader"
+
+
+def _via_cudnn_path() -> tuple[ctypes.CDLL, str, str]:
+    root = os.environ.get("CUDNN_PATH")
+    if not root:
+        raise _Miss(f"$CUDNN_PATH/lib/{LIBRARY_NAME}", "CUDNN_PATH is not set")
+    path = Path(root) / "lib" / LIBRARY_NAME
+    if not path.is_file():
+        raise _Miss(str(path), "no such file")
+    return _open(str(path), str(path)), str(path), "CUDNN_PATH"
+
+
+# The search order; tests replace it to simulate a machine without cuDNN.
+SEARCH_STEPS: list[tuple[str, Callable[[], tuple[ctypes.CDLL, str, str]]]] = [
+    ("cuda.pathfinder", _via_pathfinder),
+    ("site-packages", _via_wheel),
+    ("system loader", _via_system),
+    ("CUDNN_PATH", _via_cudnn_path),
+]
+
+_lock = threading.Lock()  # guards _loaded/_failure: one thread searches, the others wait for its outcome
+_loaded: LoadedLibrary | None = None
+_failure: Exception | None = None
+
+
+def _read_version(cdll: ctypes.CDLL) -> int:
+    get_version = cdll.cudnnGetVersion
+    get_version.argtypes = []
+    get_version.restype = ctypes.c_size_t
+    return int(get_version())
+
+
+def _search() -> LoadedLibrary:
+    tried: list[tuple[str, str]] = []
+    wrong_major = False
+    for label, step in SEARCH_STEPS:
+        try:
+            cdll, path, via = step()
+        except _Miss as miss:
+            tried.append((miss.place, str(miss)))
+            continue
+        except Exception as exc:  # noqa: BLE001 - a broken step must not hide the others
+            tried.append((label, f"{type(exc).__name__}: {exc}"))
+            continue
+        try:
+            version = _read_version(cdll)
+        except AttributeError:
+            tried.append((path, "loaded, but it exports no cudnnGetVersion (not a cuDNN library)"))
+            continue
+        if _major(version) != REQUIRED_MAJOR:
+            wrong_major = True
+            tried.append((path, f"is cuDNN {_version_string(version)}; wsarena needs cuDNN {REQUIRED_MAJOR}"))
+            continue
+        return LoadedLibrary(cdll=cdll, path=path, found_via=via, version=version)
+    if wrong_major:
+        lines = "; ".join(f"{place}: {why}" for place, why in tried)
+        raise CudnnVersionError(f"no cuDNN {REQUIRED_MAJOR} found ({lines})")
+    raise CudnnNotFoundError(tried)
+
+
+def load_library() -> LoadedLibrary:
+    """Load libcudnn 9 (first call) or return the library already loaded.
+
+    Raises
+    ------
+    CudnnNotFoundError
+        No place in the search order (module docstring) gave a loadable libcudnn.
+    CudnnVersionError
+        Only libraries of another major version were found.
+    """
+    global _loaded, _failure
+    loaded = _loaded
+    if loaded is not None:
+        return loaded
+    with _lock:
+        if _loaded is None:
+            if _failure is not None:
+                raise _failure
+            try:
+                _loaded = _search()
+            except (CudnnNotFoundError, CudnnVersionError) as exc:
+                _failure = exc
+                raise
+        return _loaded
+
+
+def _reset() -> None:
+    """Forget the cached outcome so the next call searches again (for tests; never unloads anything)."""
+    global _loaded, _failure
+    with _lock:
+        _loaded = None
+        _failure = None
+
+
+def library_info() -> dict[str, Any]:
+    """What ``wsarena info`` reports about cuDNN, loading it if needed; never raises.
+
+    Returns
+    -------
+    dict
+        ``found`` (bool), ``version`` (int, e.g. 92800, or ``None``), ``version_string`` (``"9.28.0"``),
+        ``cudart_version`` (the CUDA runtime cuDNN was built for), ``path``, ``found_via``, and ``error``
+        (``None``, or why cuDNN is not usable). When not found, ``tried`` lists ``[place, reason]`` pairs.
+    """
+    info: dict[str, Any] = {
+        "found": False,
+        "version": None,
+        "version_string": None,
+        "cudart_version": None,
+        "path": None,
+        "found_via": None,
+        "error": None,
+    }
+    try:
+        loaded = load_library()
+    except Exception as exc:  # noqa: BLE001 - this function reports, it does not raise
+        info["error"] = str(exc)
+        if isinstance(exc, CudnnNotFoundError):
+            info["tried"] = [list(pair) for pair in exc.tried]
+        return info
+    info.update(
+        found=True,
+        version=loaded.version,
+        version_string=loaded.version_string,
+        path=loaded.path,
+        found_via=loaded.found_via,
+    )
+    try:
+        get_cudart = loaded.cdll.cudnnGetCudartVersion
+        get_cudart.argtypes = []
+        get_cudart.restype = ctypes.c_size_t
+        info["cudart_version"] = int(get_cudart())
+    except Exception:  # noqa: BLE001
+        pass
+    return info
