@@ -1,0 +1,246 @@
+"""Index arithmetic shared by the CPU convolution algorithms: views, kernel offsets, im2col and col2im.
+
+Every algorithm works on *pixel-major canonical views* of its operands, whatever the memory layout:
+
+- an activation ``x`` (``N, C, *S`` for NCHW or ``N, *S, C`` for NHWC) is seen as ``(N, *S, G, Cg)``;
+- a filter ``w`` (``K, Cg, *R`` or ``K, *R, Cg``) is seen as ``(G, Kg, Cg, *R)``;
+- a column matrix, whatever its memory order, is seen as ``(B, *O, G, Cg, *R)``.
+
+These are views (``transpose``/``reshape`` of contiguous arrays), never copies, so one piece of index
+arithmetic serves both layouts; the layout only decides which memory order is cheap for the GEMM.
+
+Padding is handled by index arithmetic, not by a padded copy. For kernel index ``j`` in one spatial
+dimension (stride ``s``, padding ``p``, dilation ``d``, input length ``S``, output length ``O``), output ``o``
+reads input ``i = o*s - p + j*d``, which lies inside the input exactly for ``o`` in ``[lo, hi)`` with
+``lo = max(0, ceil((p - j*d) / s))`` and ``hi = min(O, floor((S - 1 + p - j*d) / s) + 1)``. Outputs outside
+``[lo, hi)`` read padding (zeros): im2col writes zeros there, the other algorithms skip them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from .._geometry import ConvGeometry
+
+__all__ = [
+    "Offset",
+    "Plan",
+    "act_view",
+    "col2im",
+    "col_view",
+    "im2col",
+    "merge_pixels",
+    "plan",
+    "weight_view",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Offset:
+    """One kernel position and the part of the output that reads real (non-padding) input there.
+
+    ``out`` slices the output's spatial dimensions (step 1), ``inp`` the matching input elements (step =
+    stride); ``lo``/``hi`` bound the valid outputs per dimension. ``full_out``: every output reads real
+    input at this position; ``full_in``: every input element is read (so a scatter-add can start with a copy).
+    """
+
+    index: tuple[int, ...]
+    out: tuple[slice, ...]
+    inp: tuple[slice, ...]
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    empty: bool
+    full_out: bool
+    full_in: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What every algorithm needs to know about a geometry, computed once (cached per geometry)."""
+
+    geom: ConvGeometry
+    groups: int
+    cg: int  # input channels per group
+    kg: int  # output channels per group
+    kprod: int  # kernel elements
+    oprod: int  # output pixels per image
+    offsets: tuple[Offset, ...]  # a fully covering offset first when there is one
+    padded: bool  # some offset reads padding (im2col must write zeros)
+    itemsize: int
+
+
+def _dim_range(size: int, out: int, j: int, s: int, p: int, d: int) -> tuple[int, int]:
+    shift = j * d - p
+    lo = max(0, -(shift // s)) if shift < 0 else 0  # ceil(-shift / s) for negative shift
+    hi = min(out, (size - 1 - shift) // s + 1) if size - 1 - shift >= 0 else 0
+    return lo, max(lo, hi)
+
+
+@functools.lru_cache(maxsize=512)
+def plan(geom: ConvGeometry) -> Plan:
+    """The cached :class:`Plan` of ``geom``."""
+    nd = geom.nd
+    osz = geom.output_size
+    offsets = []
+    for index in itertools.product(*(range(k) for k in geom.kernel_size)):
+        out, inp, los, his = [], [], [], []
+        full_in = True
+        for i in range(nd):
+            s, p, d = geom.stride[i], geom.padding[i], geom.dilation[i]
+            lo, hi = _dim_range(geom.input_size[i], osz[i], index[i], s, p, d)
+            start = lo * s - p + index[i] * d
+            out.append(slice(lo, hi))
+            inp.append(slice(start, start + (hi - lo - 1) * s + 1, s) if hi > lo else slice(0, 0))
+            los.append(lo)
+            his.append(hi)
+            if not (hi - lo == geom.input_size[i] and (s == 1 or hi - lo == 1)):
+                full_in = False
+        empty = any(h <= l for l, h in zip(los, his))
+        full_out = all(l == 0 and h == o for l, h, o in zip(los, his, osz))
+        offsets.append(Offset(index, tuple(out), tuple(inp), tuple(los), tuple(his), empty, full_out, full_in))
+    # A covering offset first: the forward pass then writes it with out= instead of zero-filling and adding.
+    offsets.sort(key=lambda o: not o.full_out)
+    return Plan(
+        geom=geom,
+        groups=geom.groups,
+        cg=geom.in_channels // geom.groups,
+        kg=geom.out_channels // geom.groups,
+        kprod=math.prod(geom.kernel_size),
+        oprod=math.prod(osz),
+        offsets=tuple(offsets),
+        padded=not all(o.full_out for o in offsets),
+        itemsize=np.dtype(geom.dtype).itemsize,
+    )
+
+
+def act_view(a: np.ndarray, layout: str, groups: int) -> np.ndarray:
+    """``(N, C, *S)`` or ``(N, *S, C)`` -> the pixel-major view ``(N, *S, G, Cg)`` (no copy)."""
+    n, nd = a.shape[0], a.ndim - 2
+    if layout == "NCHW":
+        c, sp = a.shape[1], a.shape[2:]
+        v = a.reshape(n, groups, c // groups, *sp)
+        return v.transpose(0, *range(3, 3 + nd), 1, 2)
+    c, sp = a.shape[-1], a.shape[1:-1]
+    return a.reshape(n, *sp, groups, c // groups)
+
+
+def weight_view(w: np.ndarray, layout: str, groups: int) -> np.ndarray:
+    """``(K, Cg, *R)`` or ``(K, *R, Cg)`` -> the view ``(G, Kg, Cg, *R)`` (no copy)."""
+    k, nd = w.shape[0], w.ndim - 2
+    if layout == "NCHW":
+        return w.reshape(groups, k // groups, *w.shape[1:])
+    v = w.reshape(groups, k // groups, *w.shape[1:])
+    return v.transpose(0, 1, 2 + nd, *range(2, 2 + nd))
+
+
+# Column memory orders, as labels: b = image, o = output pixel axes, g = group, c = channel in group,
+# r = kernel axes. The canonical view every helper indexes is ("b", "o", "g", "c", "r").
+COL_NCHW = ("b", "g", "c", "r", "o")  # per (image, group) a (Cg*kprod, oprod) matrix: W @ col
+COL_NCHW_T = ("g", "c", "r", "b", "o")  # per group a (Cg*kprod, B*oprod) matrix: dy @ col^T over the batch
+COL_NHWC = ("b", "o", "g", "r", "c")  # per group a (B*oprod, kprod*Cg) matrix with row stride C*kprod
+_CANON = ("b", "o", "g", "c", "r")
+
+
+def col_view(mem: np.ndarray, order: tuple[str, ...], batch: int, p: Plan) -> np.ndarray:
+    """Canonical ``(B, *O, G, Cg, *R)`` view of a column buffer ``mem`` laid out as ``order``."""
+    g = p.geom
+    nd = g.nd
+    sizes = {"b": (batch,), "o": g.output_size, "g": (p.groups,), "c": (p.cg,), "r": g.kernel_size}
+    shape, axes, pos = [], {}, 0
+    for label in order:
+        axes[label] = list(range(pos, pos + len(sizes[label])))
+        shape.extend(sizes[label])
+        pos += len(sizes[label])
+    assert len(shape) == 2 * nd + 3
+    v = mem.reshape(shape)
+    return v.transpose([a for label in _CANON for a in axes[label]])
+
+
+def _window(xp: np.ndarray, p: Plan) -> np.ndarray:
+    """Sliding-window view ``(B, *O, G, Cg, *R)`` of an unpadded pixel-major input (valid only without padding)."""
+    g = p.geom
+    nd = g.nd
+    st = xp.strides
+    shape = (xp.shape[0], *g.output_size, *xp.shape[nd + 1 :], *g.kernel_size)
+    strides = (
+        st[0],
+        *(st[1 + i] * g.stride[i] for i in range(nd)),
+        *st[nd + 1 :],
+        *(st[1 + i] * g.dilation[i] for i in range(nd)),
+    )
+    return as_strided(xp, shape, strides, writeable=False)
+
+
+def im2col(xp: np.ndarray, col: np.ndarray, p: Plan) -> None:
+    """Lower the pixel-major input ``xp`` ``(B, *S, G, Cg)`` into the canonical column view ``col``.
+
+    Every element of ``col`` is written (zeros where the kernel reads padding), so ``col`` may start as garbage.
+    Without padding this is one strided copy; with padding, one copy per kernel offset plus zeroed frames.
+    """
+    nd = p.geom.nd
+    if not p.padded:
+        np.copyto(col, _window(xp, p))
+        return
+    lead = (slice(None),)
+    for off in p.offsets:
+        dst = col[(Ellipsis, *off.index)]  # (B, *O, G, Cg)
+        if off.empty:
+            dst[...] = 0
+            continue
+        # Zero the frame of outputs that read padding: per dimension, the slabs below lo and above hi.
+        for i in range(nd):
+            before = lead + (slice(None),) * i
+            if off.lo[i] > 0:
+                dst[before + (slice(0, off.lo[i]),)] = 0
+            if off.hi[i] < dst.shape[1 + i]:
+                dst[before + (slice(off.hi[i], None),)] = 0
+        dst[lead + off.out] = xp[lead + off.inp]
+
+
+def col2im(col: np.ndarray, xp: np.ndarray, p: Plan) -> None:
+    """Scatter-add the canonical column view ``col`` into the pixel-major ``xp`` ``(B, *S, G, Cg)``, overwriting it.
+
+    For one kernel offset distinct outputs read distinct inputs, so each offset's in-place add on a strided
+    view is race-free and makes no temporary.
+    """
+    lead = (slice(None),)
+    offsets = p.offsets
+    first = next((o for o in offsets if o.full_in and not o.empty), None)
+    if first is not None:
+        np.copyto(xp[lead + first.inp], col[(*lead, *first.out, Ellipsis, *first.index)])
+    else:
+        xp[...] = 0
+    for off in offsets:
+        if off.empty or off is first:
+            continue
+        dst = xp[lead + off.inp]
+        np.add(dst, col[(*lead, *off.out, Ellipsis, *off.index)], out=dst)
+
+
+def merge_pixels(views: list[np.ndarray], npix: int) -> list[np.ndarray]:
+    """Merge adjacent leading (pixel) axes ``0..npix-1`` of all ``views`` wherever every view allows it.
+
+    Axes ``i`` and ``i+1`` merge when, in every view, ``stride[i] == stride[i+1] * shape[i+1]`` (the pair
+    walks memory like one axis). The views must agree on the leading shape. Returns views (``as_strided`` of
+    the same memory; writeable where the input was) whose leading axes are the merged pixel axes; longer
+    pixel axes make larger GEMMs.
+    """
+    shapes = [list(v.shape) for v in views]
+    strides = [list(v.strides) for v in views]
+    i = npix - 2
+    while i >= 0:
+        if all(st[i] == st[i + 1] * sh[i + 1] for sh, st in zip(shapes, strides)):
+            for sh, st in zip(shapes, strides):
+                sh[i] *= sh.pop(i + 1)
+                st[i] = st.pop(i + 1)
+        i -= 1
+    return [
+        as_strided(v, tuple(sh), tuple(st), writeable=v.flags.writeable)
+        for v, sh, st in zip(views, shapes, strides)
+    ]

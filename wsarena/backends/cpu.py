@@ -1,0 +1,200 @@
+"""The CPU convolution algorithms: NumPy only, three families per pass with different workspace sizes.
+
+This is the convolution Caffe runs and shares its column buffer for (im2col, one GEMM, col2im), plus the
+zero-workspace variant that cuDNN calls implicit GEMM. Like cuDNN's algorithms, each one states the exact
+scratch memory it needs (:func:`workspace_size`) and uses nothing else: :func:`run` takes a caller-owned
+``uint8`` workspace (in practice a lease from the arena) and carves its buffers out of it with
+``workspace[:nbytes].view(dtype)``. GEMM results go straight into the output with ``np.matmul(out=)``.
+
+Notation: ``N`` batch, ``C``/``K`` input/output channels, ``G`` groups, ``Cg = C/G``, ``Kg = K/G``,
+``kprod`` = product of the kernel size, ``oprod`` = product of the output size, ``s`` = itemsize of the
+dtype (4 for float32, 8 for float64).
+
+=============  =====================  ==============================================================
+pass           algorithm              workspace bytes
+=============  =====================  ==============================================================
+fwd            ``implicit_gemm``      0
+fwd            ``gemm_per_image``     ``C * kprod * oprod * s`` (one image's column matrix)
+fwd            ``gemm_batch``         ``N * C * kprod * oprod * s`` (the whole batch's)
+bwd_data       ``implicit_gemm``      0
+bwd_data       ``col2im_per_image``   ``C * kprod * oprod * s``
+bwd_data       ``col2im_batch``       ``N * C * kprod * oprod * s``
+bwd_filter     ``implicit_gemm``      0
+bwd_filter     ``im2col_per_image``   ``C * kprod * oprod * s``
+bwd_filter     ``im2col_batch``       ``N * C * kprod * oprod * s``, plus ``N * K * oprod * s`` in NCHW
+=============  =====================  ==============================================================
+
+So for ``N > 1`` the sizes are strictly ordered ``0 < per_image < batch``; for ``N == 1`` the per-image and
+batch column matrices coincide (the NCHW batch filter gradient still adds its ``dy`` copy). The formulas
+do not special-case 1x1 kernels: a pointwise convolution is run without any copy by ``implicit_gemm``,
+which :func:`candidates` lists first for it.
+
+Padding is index arithmetic (see :mod:`._cpu_lowering`), never a padded copy, so no formula has a padding
+term. Temporaries NumPy makes on its own (``matmul`` cannot accumulate, so ``out += a @ b`` needs one) are
+bounded by one output-sized array per step and documented with each algorithm; they do not depend on the
+workspace the algorithm was given.
+
+Algorithms
+----------
+``implicit_gemm`` (all passes)
+    Loop over kernel offsets; per offset one batched GEMM on strided views of the operands (no copy),
+    restricted to the outputs that read real input. Forward and backward-data write a fully covering offset
+    with ``out=`` and accumulate the rest through one temporary of at most the output's size; depthwise
+    layers use broadcast multiply-adds (and ``einsum`` for the filter gradient) instead of tiny GEMMs.
+``gemm_per_image`` / ``col2im_per_image`` / ``im2col_per_image``
+    Caffe's: per image, im2col into the column buffer then one GEMM per group (``y = W @ col``); backward
+    data is ``col = W^T @ dy`` then col2im (scatter-add, no temporary); the filter gradient accumulates one
+    ``dw``-sized temporary per image after the first.
+``gemm_batch`` / ``col2im_batch`` / ``im2col_batch``
+    The same over the whole batch at once: one im2col, one batched GEMM call (in NHWC, and for the NCHW
+    filter gradient, a single GEMM per group with the batch folded into the GEMM's long dimension).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._geometry import PASSES, ConvGeometry
+from . import _cpu_gemm, _cpu_implicit
+from ._cpu_lowering import plan
+
+__all__ = ["ALGORITHMS", "candidates", "run", "workspace_size"]
+
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "fwd": ("implicit_gemm", "gemm_per_image", "gemm_batch"),
+    "bwd_data": ("implicit_gemm", "col2im_per_image", "col2im_batch"),
+    "bwd_filter": ("implicit_gemm", "im2col_per_image", "im2col_batch"),
+}
+
+_DTYPES = ("float32", "float64")
+
+
+def _check(pass_: str, algo: str | None = None) -> tuple[str, ...]:
+    if pass_ not in ALGORITHMS:
+        raise ValueError(f"unknown convolution pass {pass_!r}; expected one of {PASSES}")
+    algos = ALGORITHMS[pass_]
+    if algo is not None and algo not in algos:
+        raise ValueError(f"unknown cpu algorithm {algo!r} for pass {pass_!r}; expected one of {algos}")
+    return algos
+
+
+def _kind(algo: str) -> str:
+    """The family of an algorithm name: ``"implicit"``, ``"per_image"`` or ``"batch"``."""
+    if algo == "implicit_gemm":
+        return "implicit"
+    return "per_image" if algo.endswith("_per_image") else "batch"
+
+
+def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
+    """This geometry's algorithms for ``pass_``, fastest expected first.
+
+    - Pointwise (1x1 kernel, stride 1, no padding): ``implicit_gemm`` first. Its single offset is the whole
+      input, so it is exactly one GEMM on the operands themselves, with no copy and no workspace.
+    - Depthwise-like (one input channel per group): ``implicit_gemm`` first. Broadcast multiply-adds beat a
+      GEMM per group on a column matrix ``kprod`` times larger than the input.
+    - Otherwise the batch column algorithm, then the per-image one, then ``implicit_gemm``: the batch GEMM is
+      the largest (best BLAS efficiency on late layers with few pixels) and needs the fewest Python steps;
+      ``implicit_gemm`` runs many smaller GEMMs on strided views and pays a temporary per kernel offset.
+    """
+    implicit, per_image, batch = _check(pass_)
+    pointwise = all(k == 1 for k in geom.kernel_size) and all(s == 1 for s in geom.stride) and not any(geom.padding)
+    if pointwise or geom.in_channels == geom.groups:
+        return [implicit, batch, per_image]
+    return [batch, per_image, implicit]
+
+
+def workspace_size(pass_: str, algo: str, geom: ConvGeometry) -> int:
+    """Exact workspace bytes of ``algo`` for ``pass_`` on ``geom`` (see the table in the module docstring)."""
+    _check(pass_, algo)
+    kind = _kind(algo)
+    if kind == "implicit":
+        return 0
+    p = plan(geom)
+    return _cpu_gemm.workspace_elements(pass_, p, batch=kind == "batch") * p.itemsize
+
+
+def _shapes(pass_: str, geom: ConvGeometry) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    if pass_ == "fwd":
+        return geom.input_shape, geom.weight_shape, geom.output_shape
+    if pass_ == "bwd_data":
+        return geom.output_shape, geom.weight_shape, geom.input_shape
+    return geom.input_shape, geom.output_shape, geom.weight_shape
+
+
+def _check_arrays(pass_: str, geom: ConvGeometry, a, b, out) -> None:
+    if geom.dtype not in _DTYPES:
+        raise TypeError(f"the cpu backend computes in {' or '.join(_DTYPES)}, not {geom.dtype}")
+    for name, arr, shape in zip(("a", "b", "out"), (a, b, out), _shapes(pass_, geom)):
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"{name} must be a NumPy array, not {type(arr).__name__}")
+        if arr.shape != shape:
+            raise ValueError(f"{name} has shape {arr.shape}; {pass_} on this geometry needs {shape}")
+        if arr.dtype != geom.dtype:
+            raise TypeError(f"{name} has dtype {arr.dtype}; the geometry says {geom.dtype}")
+        if not arr.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+    if not out.flags.writeable:
+        raise ValueError("out must be writeable")
+
+
+def run(pass_: str, algo: str, geom: ConvGeometry, a, b, out, workspace) -> None:
+    """Run one convolution pass with ``algo``, overwriting ``out``.
+
+    Parameters
+    ----------
+    pass_ : {"fwd", "bwd_data", "bwd_filter"}
+        ``fwd``: ``a = x``, ``b = w``, ``out = y``; ``bwd_data``: ``a = dy``, ``b = w``, ``out = dx``;
+        ``bwd_filter``: ``a = x``, ``b = dy``, ``out = dw``.
+    algo : str
+        One of ``ALGORITHMS[pass_]``.
+    geom : ConvGeometry
+        The checked geometry; the arrays must have its shapes, layout and dtype (float32 or float64) and be
+        C-contiguous.
+    a, b, out : numpy.ndarray
+        Operands and result. ``out`` is overwritten, never accumulated into.
+    workspace : numpy.ndarray or None
+        1-D ``uint8`` array of at least ``workspace_size(pass_, algo, geom)`` bytes, any content. Only the
+        first ``workspace_size`` bytes are used. ``None`` is accepted where that size is 0.
+
+    Raises
+    ------
+    ValueError
+        Unknown pass or algorithm, wrong shapes, non-contiguous arrays, or a workspace that is too small.
+    TypeError
+        Non-NumPy arrays or a dtype other than the geometry's.
+
+    Notes
+    -----
+    A zero-size batch touches no workspace: ``y``/``dx`` are empty and ``dw`` is set to zeros (the
+    gradient summed over no images).
+    """
+    _check(pass_, algo)
+    kind = _kind(algo)
+    _check_arrays(pass_, geom, a, b, out)
+    if geom.batch == 0:
+        if pass_ == "bwd_filter":
+            out[...] = 0
+        return
+    p = plan(geom)
+    if kind == "implicit":
+        if pass_ == "fwd":
+            _cpu_implicit.forward(p, a, b, out)
+        elif pass_ == "bwd_data":
+            _cpu_implicit.backward_data(p, a, b, out)
+        else:
+            _cpu_implicit.backward_filter(p, a, b, out)
+        return
+    need = _cpu_gemm.workspace_elements(pass_, p, batch=kind == "batch") * p.itemsize
+    if not isinstance(workspace, np.ndarray) or workspace.dtype != np.uint8 or workspace.ndim != 1:
+        raise ValueError(f"workspace must be a 1-D uint8 NumPy array, not {workspace!r:.80}")
+    if workspace.nbytes < need:
+        raise ValueError(f"workspace has {workspace.nbytes} bytes; {pass_}/{algo} on this geometry needs {need}")
+    if not workspace.flags.c_contiguous:
+        raise ValueError("workspace must be contiguous")
+    batch = kind == "batch"
+    if pass_ == "fwd":
+        _cpu_gemm.forward(p, a, b, out, workspace, batch)
+    elif pass_ == "bwd_data":
+        _cpu_gemm.backward_data(p, a, b, out, workspace, batch)
+    else:
+        _cpu_gemm.backward_filter(p, a, b, out, workspace, batch)
