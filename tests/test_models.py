@@ -64,6 +64,14 @@ def test_zoo_counts_geometry_and_macs(name):
     assert load_model(name) is not layers and load_model(name) == layers  # fresh lists, same data
 
 
+def test_zoo_does_not_import_onnx():
+    import subprocess
+    import sys
+
+    code = "import sys, wsarena; wsarena.load_model('unet'); print('onnx' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
 def test_zoo_names_are_forgiving():
     assert load_model("ResNet50") == load_model("resnet50")
     assert load_model("mobilenet-v2") == load_model("mobilenet_v2")
@@ -166,7 +174,8 @@ def test_googlenet_reference_shapes():
     ends = ("branch1.conv", "branch2.1.conv", "branch3.1.conv", "branch4.1.conv")
     order = ["3a", "3b", "4a", "4b", "4c", "4d", "4e", "5a", "5b"]
     for m, nxt in zip(order, order[1:]):
-        assert sum(out_shape(d[f"inception{m}.{e}"])[1] for e in ends) == d[f"inception{nxt}.branch1.conv"].input_shape[1]
+        channels = sum(out_shape(d[f"inception{m}.{e}"])[1] for e in ends)
+        assert channels == d[f"inception{nxt}.branch1.conv"].input_shape[1]
 
 
 def test_mobilenet_v2_reference_shapes():
@@ -177,7 +186,8 @@ def test_mobilenet_v2_reference_shapes():
     assert all(l.weight_shape[1:] == (1, 3, 3) and l.groups == l.input_shape[1] == l.weight_shape[0] for l in dw)
     assert [l.name for l in dw if l.stride == (2, 2)] == [f"features.{i}.conv.1.0" for i in (2, 4, 7, 14)]
     assert d["features.0.0"].input_shape == (1, 3, 224, 224) and d["features.0.0"].stride == (2, 2)
-    assert d["features.1.conv.0.0"].weight_shape == (32, 1, 3, 3) and d["features.1.conv.1"].weight_shape == (16, 32, 1, 1)
+    assert d["features.1.conv.0.0"].weight_shape == (32, 1, 3, 3)  # t=1: no expansion conv in the first block
+    assert d["features.1.conv.1"].weight_shape == (16, 32, 1, 1)
     assert d["features.3.conv.1.0"].input_shape == (1, 144, 56, 56)
     assert d["features.17.conv.2"].weight_shape == (320, 960, 1, 1)
     last = layers[-1]
@@ -548,6 +558,19 @@ def test_onnx_without_conv(tmp_path):
 def test_onnx_impossible_geometry(tmp_path):
     path = save(tmp_path, [conv("huge", "x", "w", "y")], [vi("x", [1, 3, 4, 4])], [weight("w", (4, 3, 7, 7))])
     with pytest.raises(ModelError, match=r"layer 'huge': kernel .* larger than the padded input"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("attrs, message", [
+    (dict(pads=[1, 1]), r"'broken': pads=\[1, 1\] must have 4 entries"),
+    (dict(kernel_shape=[5, 5]), r"'broken': kernel_shape=\[5, 5\] does not match weight shape"),
+    (dict(auto_pad="SAME"), r"'broken': unknown auto_pad 'SAME'"),
+    (dict(strides=[2]), r"'broken': strides=\[2\] and dilations=\[1, 1\] need 2 entries"),
+])
+def test_onnx_broken_node(tmp_path, attrs, message):
+    path = save(tmp_path, [conv("broken", "x", "w", "y", **attrs)], [vi("x", [1, 3, 8, 8])],
+                [weight("w", (4, 3, 3, 3))])
+    with pytest.raises(ModelError, match=message):
         load_model(path)
 
 

@@ -67,9 +67,9 @@ def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _split_pads(pads: list[int], nd: int, node: str) -> tuple[list[int], list[int]]:
+def _split_pads(pads: list[int], nd: int, name: str) -> tuple[list[int], list[int]]:
     if len(pads) != 2 * nd:
-        raise ModelError(f"ONNX node {node!r}: pads={pads} must have {2 * nd} entries (begin and end per dim)")
+        raise ModelError(f"ONNX node {name!r}: pads={pads} must have {2 * nd} entries (begin and end per dim)")
     return list(pads[:nd]), list(pads[nd:])
 
 
@@ -79,27 +79,30 @@ def _same_split(total: int, upper: bool) -> tuple[int, int]:
     return (small, large) if upper else (large, small)
 
 
-def _conv_layer(node: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, Any], transposed: bool,
+def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, Any], transposed: bool,
                 widen: bool) -> ConvLayer:
-    """The layer for one Conv or ConvTranspose node with known input ``x`` and weight ``w`` shapes."""
-    name, nd = node, len(x) - 2
+    """The layer for the Conv or ConvTranspose node ``name`` with known input ``x`` and weight ``w`` shapes.
+
+    Raises :class:`_Unsupported` for what ``skip_unknown`` may skip, :class:`ModelError` for a broken node.
+    """
+    nd = len(x) - 2
     kernel = list(a.get("kernel_shape") or w[2:])
     if len(kernel) != nd or list(w[2:]) != kernel:
-        raise ModelError(f"ONNX node {node!r}: kernel_shape={kernel} does not match weight shape {list(w)}")
+        raise ModelError(f"ONNX node {name!r}: kernel_shape={kernel} does not match weight shape {list(w)}")
     stride = list(a.get("strides") or [1] * nd)
     dilation = list(a.get("dilations") or [1] * nd)
     group = int(a.get("group", 1))
     auto_pad = _text(a.get("auto_pad", "NOTSET")) or "NOTSET"
     if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
-        raise ModelError(f"ONNX node {node!r}: unknown auto_pad {auto_pad!r}")
+        raise ModelError(f"ONNX node {name!r}: unknown auto_pad {auto_pad!r}")
     if len(stride) != nd or len(dilation) != nd:
-        raise ModelError(f"ONNX node {node!r}: strides={stride} and dilations={dilation} need {nd} entries")
+        raise ModelError(f"ONNX node {name!r}: strides={stride} and dilations={dilation} need {nd} entries")
     eff = [d * (k - 1) + 1 for k, d in zip(kernel, dilation)]  # the dilated kernel's extent
     size = list(x[2:])
     if auto_pad == "VALID":
         begin, end = [0] * nd, [0] * nd
     elif auto_pad == "NOTSET":
-        begin, end = _split_pads(list(a.get("pads") or [0] * (2 * nd)), nd, node)
+        begin, end = _split_pads(list(a.get("pads") or [0] * (2 * nd)), nd, name)
     if not transposed:
         if auto_pad.startswith("SAME"):
             totals = [max(0, (-(-s // st) - 1) * st + e - s) for s, st, e in zip(size, stride, eff)]
@@ -112,7 +115,7 @@ def _conv_layer(node: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
 
     # ConvTranspose: the forward-equivalent convolution maps the uncropped output back to the input `x`.
     if w[0] != x[1]:
-        raise ModelError(f"ONNX node {node!r}: ConvTranspose weight {list(w)} needs {w[0]} input channels, not {x[1]}")
+        raise ModelError(f"ONNX node {name!r}: ConvTranspose weight {list(w)} needs {w[0]} input channels, not {x[1]}")
     out_pad = list(a.get("output_padding") or [0] * nd)
     full = [st * (s - 1) + op + e for s, st, op, e in zip(size, stride, out_pad, eff)]  # before any cropping
     out_shape = list(a["output_shape"])[-nd:] if a.get("output_shape") else None  # spatial, or N, C too
