@@ -1,0 +1,464 @@
+"""The arena: one sub-arena per stream (or CPU lane), each holding a single buffer, leased out in order.
+
+Why one buffer per stream is safe: a stream runs its kernels in order, so two calls on one stream may use the
+same bytes; calls on different streams get different sub-arenas, hence disjoint bytes. A sub-arena grows to
+the largest request it has seen (rounded by :func:`aligned_size`); the buffer it outgrows is *retired*, not
+freed: it stays valid for the leases that still use it and is freed, in stream order, when the last of them
+ends.
+
+Who may use a sub-arena at once:
+
+- Host lanes (``provider.kind == "host"``): one lease at a time. A lease on a lane makes other threads that
+  lease on that lane wait until it is released. A thread that leases again on a lane it already holds gets a
+  ``RuntimeError``: CPU work inside a lease is synchronous, so a nested lease would hand the same bytes to code
+  that is still using them (and waiting would deadlock). Use another lane key for the inner lease.
+- Device streams (``provider.kind == "device"``): leases by one thread on one stream may nest and share bytes
+  (the kernels they enqueue run in stream order). Other host threads wait until that thread's leases on the
+  stream are released, so the kernels of two calls that each enqueue several kernels never interleave on the
+  shared bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+import threading
+import weakref
+from collections.abc import Hashable
+from types import MappingProxyType
+from typing import Any
+
+from .._config import get_config
+from ..errors import ArenaOutOfMemoryError, WorkspaceCapError
+from .._sizes import format_size
+from ._lifecycle import _anchor_died, _free_now, _release_all, _track_device_arena
+from ._stats import ArenaStats, StreamStats, aligned_size
+from ._sub import _Block, _Sub
+from ._workspace import Workspace
+from .streams import ThreadLane, resolve_stream
+
+__all__ = ["POISON_BYTE", "Arena", "Workspace", "aligned_size"]
+
+POISON_BYTE = 0xA5  # what debug mode writes over released workspace bytes
+
+
+def _check_nbytes(nbytes: Any) -> int:
+    if isinstance(nbytes, bool):
+        raise TypeError(f"nbytes must be an int, not {nbytes!r}")
+    try:
+        n = operator.index(nbytes)
+    except TypeError:
+        raise TypeError(f"nbytes must be an int, not {nbytes!r}") from None
+    if n < 0:
+        raise ValueError(f"nbytes cannot be negative: {n}")
+    return n
+
+
+class Arena:
+    """Workspace memory for one device (or the host): per stream, one buffer sized to the largest request.
+
+    Parameters
+    ----------
+    provider : MemoryProvider
+        Where buffers come from (:class:`HostProvider`, :class:`CupyProvider`, :class:`AsyncProvider`, or any
+        object with the same methods). ``provider.kind`` chooses host lanes or device streams.
+    """
+
+    def __init__(self, provider: Any) -> None:
+        kind = getattr(provider, "kind", None)
+        if kind not in ("host", "device"):
+            raise TypeError(f"provider {provider!r} must have kind 'host' or 'device', not {kind!r}")
+        self.provider = provider
+        self._lanes = kind == "host"
+        self._current = None if self._lanes else getattr(provider, "current_stream", None)
+        # _lock guards everything below and every field of every _Sub and _Block. The rules:
+        # 1. It is held only for bookkeeping: never across a provider call (allocate / free / fill can be slow,
+        #    synchronise the device or run the garbage collector), never across the body of a lease.
+        # 2. A thread that must wait (another thread holds the lane or stream, or is growing its buffer) waits
+        #    on that sub-arena's Condition, which is built on this lock and so releases it while waiting.
+        # 3. Only the thread that set `growing` replaces a sub-arena's buffer; it re-reads `block` after the
+        #    allocation, since trim() may have freed the old one in the meantime.
+        # 4. Weakref callbacks (a thread exits, a stream object dies) never block on it: they queue the key in
+        #    _dead and sweep only if they get the lock at once, else the next operation sweeps. The collector
+        #    can run them inside a locked region of this very thread, and the lock is not reentrant.
+        # 5. A block is marked `freed` under the lock before the provider frees it, so it is freed once.
+        self._lock = threading.Lock()
+        self._subs: dict[Hashable, _Sub] = {}
+        self._dead: collections.deque[tuple[Hashable, int, bool]] = collections.deque()
+        self._debug_live: dict[int, tuple[Hashable, int, int]] = {}
+        self._closed = False
+        self._live = 0
+        self._high_water = 0
+        self._allocations = 0
+        self._growths = 0
+        self._frees = 0
+        self._finalizer = weakref.finalize(self, _release_all, provider, self._subs)
+        self._finalizer.atexit = False  # at exit, device arenas are released by _shutdown_device_arenas
+        if not self._lanes:
+            _track_device_arena(self)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def device(self) -> int | None:
+        """CUDA device ordinal, or ``None`` for the host arena."""
+        return self.provider.device
+
+    def lease(self, nbytes: int, *, stream: Any = None) -> Workspace:
+        """Lease ``nbytes`` of workspace on ``stream``; use as ``with arena.lease(n) as ws:``.
+
+        The sub-arena of ``stream`` grows if it holds less than ``nbytes`` (the outgrown buffer is retired in
+        stream order). Zero bytes is legal and takes nothing.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``nbytes`` is not a non-negative int, or ``stream`` is not a stream / lane key.
+        WorkspaceCapError
+            ``nbytes`` is above ``get_config().cap_workspace``; the arena is unchanged.
+        ArenaOutOfMemoryError
+            (on entering) The provider could not grow the sub-arena; the arena is unchanged.
+        RuntimeError
+            (on entering, host arena) This thread already holds a lease on this lane.
+        """
+        n = _check_nbytes(nbytes)
+        key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
+        cfg = get_config()
+        self._check_cap(n, key, cfg.cap_workspace)
+        return Workspace(self, n, key, anchor, cfg.debug)
+
+    def reserve(self, nbytes: int, *, stream: Any = None) -> None:
+        """Grow the sub-arena of ``stream`` to hold at least ``nbytes`` now, so that later leases do not allocate.
+
+        Raises as :meth:`lease` does (``WorkspaceCapError`` above the cap, ``ArenaOutOfMemoryError``).
+        """
+        n = _check_nbytes(nbytes)
+        key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
+        self._check_cap(n, key, get_config().cap_workspace)
+        if n == 0:
+            return
+        frees: list[tuple[_Block, Any]] = []
+        with self._lock:
+            self._check_open()
+            sub = self._sub_for(key, anchor, frees)
+            try:
+                self._ensure(sub, n, frees)
+            finally:
+                self._drop_if_empty(sub)
+        self._free(frees)
+
+    def held_bytes(self, *, stream: Any = None) -> int:
+        """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none)."""
+        key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
+        with self._lock:
+            sub = self._subs.get(key)
+            return sub.capacity() if sub is not None else 0
+
+    def trim(self) -> int:
+        """Free every buffer that no live lease uses; return the number of bytes given back.
+
+        Sub-arenas left empty are forgotten (their per-stream counters with them).
+        """
+        frees: list[tuple[_Block, Any]] = []
+        with self._lock:
+            self._process_dead(frees)
+            for sub in list(self._subs.values()):
+                if sub.orphan and sub.idle():
+                    self._release_sub(sub, frees, gone=True)
+                    continue
+                block = sub.block
+                if block is not None and block.live == 0:
+                    sub.block = None
+                    self._retire(sub, block, frees)
+                self._drop_if_empty(sub)
+            released = sum(block.buffer.nbytes for block, _ in frees)
+        self._free(frees)
+        return released
+
+    def stats(self) -> ArenaStats:
+        """A snapshot of the arena's sizes and counters (attribute or item access: ``s.capacity_bytes``)."""
+        frees: list[tuple[_Block, Any]] = []
+        with self._lock:
+            self._process_dead(frees)
+            streams = {}
+            for key, sub in self._subs.items():
+                streams[key] = StreamStats(
+                    capacity_bytes=sub.capacity(),
+                    high_water_bytes=sub.high_water,
+                    allocations=sub.allocations,
+                    growths=sub.growths,
+                    leases=sub.live,
+                    retired_bytes=sum(b.buffer.nbytes for b in sub.retired),
+                )
+            stats = ArenaStats(
+                capacity_bytes=sum(s.capacity_bytes for s in streams.values()),
+                high_water_bytes=self._high_water,
+                allocations=self._allocations,
+                growths=self._growths,
+                frees=self._frees,
+                leases=self._live,
+                retired_bytes=sum(s.retired_bytes for s in streams.values()),
+                streams=MappingProxyType(streams),
+            )
+        self._free(frees)
+        return stats
+
+    def close(self) -> None:
+        """Free what no lease uses and refuse new leases; buffers of live leases are freed when they end.
+
+        Idempotent.
+        """
+        frees: list[tuple[_Block, Any]] = []
+        with self._lock:
+            self._closed = True
+            self._process_dead(frees)
+            for sub in list(self._subs.values()):
+                if sub.idle():
+                    self._release_sub(sub, frees)
+        self._free(frees)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def __repr__(self) -> str:
+        return f"<Arena {self.provider!r}: {len(self._subs)} stream(s), {format_size(self._capacity())}>"
+
+    # ----------------------------------------------------------------- private; the lock is held unless noted
+    def _capacity(self) -> int:
+        return sum(sub.capacity() for sub in list(self._subs.values()))  # for repr only: no lock
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this arena is closed")
+
+    def _check_cap(self, n: int, key: Hashable, cap: int | None) -> None:
+        """Lock not held."""
+        if cap is not None and n > cap:
+            with self._lock:
+                sub = self._subs.get(key)
+                held = sub.capacity() if sub is not None else 0
+            raise WorkspaceCapError(
+                f"a workspace of {format_size(n)} on stream {key!r} is above the workspace cap",
+                requested=n, held=held, cap=cap,
+            )
+
+    def _sub_for(self, key: Hashable, anchor: Any, frees: list) -> _Sub:
+        if self._dead:
+            self._process_dead(frees)
+        sub = self._subs.get(key)
+        if sub is None:
+            self._sweep_orphans(frees)  # a new stream appeared: a good moment to let go of dead ones
+            sub = self._subs[key] = _Sub(key, self._lock)
+        if anchor is not None and sub.anchor is None:
+            eager = isinstance(key, ThreadLane)  # a dead thread's lane is never used again: sweep it at once
+            sub.anchor = weakref.finalize(anchor, _anchor_died, weakref.ref(self), key, sub.serial, eager)
+            sub.anchor.atexit = False
+        sub.orphan = False  # whoever leases on it shows the stream is alive
+        return sub
+
+    def _ensure(self, sub: _Sub, n: int, frees: list) -> _Block:
+        """Return ``sub``'s buffer once it holds at least ``n`` bytes, growing it if needed."""
+        while True:
+            block = sub.block
+            if block is not None and block.buffer.nbytes >= n:
+                return block
+            if sub.growing:  # another thread is growing it: wait, then look again
+                sub.waiters += 1
+                try:
+                    sub.cond.wait()
+                finally:
+                    sub.waiters -= 1
+                continue
+            self._grow(sub, n, frees)
+
+    def _grow(self, sub: _Sub, n: int, frees: list) -> None:
+        """Replace ``sub``'s buffer by one of ``aligned_size(n)`` bytes. Releases the lock while allocating."""
+        size = aligned_size(n)
+        sub.growing = True
+        self._lock.release()
+        try:
+            try:
+                buffer = self.provider.allocate(size, stream=sub.key)
+            finally:
+                self._lock.acquire()
+                sub.growing = False
+                if sub.waiters:
+                    sub.cond.notify_all()
+        except MemoryError as exc:
+            raise ArenaOutOfMemoryError(
+                f"could not grow the workspace of stream {sub.key!r} to {format_size(size)}",
+                requested=n, held=sub.capacity(), cap=get_config().cap_workspace,
+            ) from exc
+        if buffer.nbytes < size:
+            frees.append((_Block(buffer), sub.key))
+            raise RuntimeError(f"{self.provider!r} returned {buffer!r} for a request of {size} bytes")
+        old = sub.block
+        sub.block = _Block(buffer)
+        sub.allocations += 1
+        self._allocations += 1
+        if old is not None:
+            sub.growths += 1
+            self._growths += 1
+            self._retire(sub, old, frees)
+
+    def _retire(self, sub: _Sub, block: _Block, frees: list, gone: bool = False) -> None:
+        """``block`` is no longer ``sub``'s buffer: free it now if no lease uses it, else when the last one ends."""
+        if block.live == 0:
+            block.freed = True
+            self._frees += 1
+            frees.append((block, None if gone else sub.key))
+        else:
+            sub.retired.append(block)
+
+    def _release_sub(self, sub: _Sub, frees: list, gone: bool = False) -> None:
+        """Forget an idle sub-arena and free its buffer (``gone``: its stream may no longer exist)."""
+        if self._subs.get(sub.key) is sub:
+            del self._subs[sub.key]
+        if sub.anchor is not None:
+            sub.anchor.detach()
+            sub.anchor = None
+        block, sub.block = sub.block, None
+        if block is not None:
+            self._retire(sub, block, frees, gone)
+
+    def _drop_if_empty(self, sub: _Sub) -> None:
+        if sub.block is None and sub.idle() and self._subs.get(sub.key) is sub:
+            self._release_sub(sub, [])
+
+    def _process_dead(self, frees: list) -> None:
+        while self._dead:
+            key, serial, eager = self._dead.popleft()
+            sub = self._subs.get(key)
+            if sub is None or sub.serial != serial:
+                continue  # already gone, or a newer sub-arena for the same key
+            sub.anchor = None
+            sub.orphan = True
+            if eager and sub.idle():
+                self._release_sub(sub, frees, gone=True)
+
+    def _sweep_orphans(self, frees: list) -> None:
+        for sub in list(self._subs.values()):
+            if sub.orphan and sub.idle():
+                self._release_sub(sub, frees, gone=True)
+
+    def _leave(self, sub: _Sub) -> None:
+        sub.depth -= 1
+        if sub.depth == 0:
+            sub.owner = None
+            if sub.waiters:
+                sub.cond.notify_all()
+
+    def _check_overlap(self, key: Hashable, ptr: int, n: int) -> None:
+        end = ptr + n
+        for other, start, stop in self._debug_live.values():
+            if other != key and start < end and ptr < stop:
+                raise AssertionError(
+                    f"wsarena debug: a lease of [{ptr:#x}, {end:#x}) on stream {key!r} overlaps the live lease "
+                    f"[{start:#x}, {stop:#x}) on stream {other!r}"
+                )
+
+    def _acquire(self, ws: Workspace) -> None:
+        """Take the lease ``ws`` (lock not held on entry)."""
+        n = ws.nbytes
+        key = ws.stream
+        frees: list[tuple[_Block, Any]] = []
+        self._lock.acquire()
+        try:
+            self._check_open()
+            sub = self._sub_for(key, ws._anchor, frees)
+            me = threading.get_ident()
+            if sub.owner == me:
+                if self._lanes:
+                    raise RuntimeError(
+                        f"this thread already holds a lease on CPU lane {key!r}; a nested lease there would "
+                        "share its bytes: lease the inner workspace on another lane (stream=<any hashable>)"
+                    )
+            else:
+                if sub.owner is not None:  # another thread holds this lane / stream: wait for it
+                    sub.waiters += 1
+                    try:
+                        while sub.owner is not None:
+                            sub.cond.wait()
+                    finally:
+                        sub.waiters -= 1
+                    self._check_open()
+                sub.owner = me
+            sub.depth += 1
+            try:
+                block = self._ensure(sub, n, frees)
+                if ws._debug:
+                    self._check_overlap(key, block.buffer.ptr, n)
+            except BaseException:
+                self._leave(sub)
+                self._drop_if_empty(sub)
+                raise
+            block.live += 1
+            sub.live += 1
+            self._live += 1
+            if n > sub.high_water:
+                sub.high_water = n
+                if n > self._high_water:
+                    self._high_water = n
+            ws._block = block
+            ws._sub = sub
+            ws.ptr = block.buffer.ptr
+            if ws._debug:
+                self._debug_live[id(ws)] = (key, ws.ptr, ws.ptr + n)
+        finally:
+            self._lock.release()
+            if frees:
+                self._free(frees)
+
+    def _release(self, ws: Workspace) -> None:
+        """End the lease ``ws`` (lock not held on entry)."""
+        block, sub = ws._block, ws._sub
+        frees: list[tuple[_Block, Any]] = []
+        try:
+            if ws._debug and not block.freed:
+                # Poison while this thread still holds the lane, so the next user never sees it half written.
+                self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=sub.key)
+        finally:
+            with self._lock:
+                block.live -= 1
+                sub.live -= 1
+                self._live -= 1
+                if ws._debug:
+                    self._debug_live.pop(id(ws), None)
+                self._leave(sub)
+                if block.live == 0 and block is not sub.block and not block.freed:
+                    sub.retired.remove(block)
+                    self._retire(sub, block, frees)
+                if (sub.orphan or self._closed) and sub.idle() and self._subs.get(sub.key) is sub:
+                    self._release_sub(sub, frees, gone=sub.orphan)
+            if frees:
+                self._free(frees)
+
+    def _free(self, frees: list) -> None:
+        """Lock not held."""
+        if frees:
+            _free_now(self.provider, frees)
+
+    def _shutdown(self) -> None:
+        """At interpreter exit: free every buffer, even under live leases; later releases do nothing."""
+        if not self._lock.acquire(timeout=1.0):
+            return
+        frees = []
+        try:
+            self._closed = True
+            for sub in list(self._subs.values()):
+                if sub.anchor is not None:
+                    sub.anchor.detach()
+                    sub.anchor = None
+                for block in [sub.block, *sub.retired]:
+                    if block is not None and not block.freed:
+                        block.freed = True
+                        self._frees += 1
+                        frees.append((block, None))
+                sub.block = None
+                sub.retired = []
+            self._subs.clear()
+        finally:
+            self._lock.release()
+        self._finalizer.detach()
+        _free_now(self.provider, frees, quiet=True)

@@ -1,0 +1,105 @@
+"""One arena per device: ``get_arena("cpu")`` for the host, ``get_arena(ordinal)`` for a GPU."""
+
+from __future__ import annotations
+
+import operator
+import threading
+from typing import Any
+
+from .._gpu import gpu_count, gpu_unusable_reason
+from ..errors import BackendUnavailableError
+from ._arena import Arena
+from .providers import CupyProvider, HostProvider
+
+__all__ = ["get_arena", "reset_arenas", "set_arena"]
+
+_arenas: dict[str | int, Arena] = {}
+_lock = threading.Lock()  # guards _arenas; held while an arena is created so each device gets exactly one
+
+
+def _device_key(device: Any) -> str | int | None:
+    """``"cpu"``, a device ordinal, or ``None`` for "the current CUDA device"."""
+    if device is None:
+        return None
+    if isinstance(device, str):
+        if device.strip().lower() == "cpu":
+            return "cpu"
+        raise ValueError(f"device must be 'cpu', a CUDA device ordinal or None, not {device!r}")
+    if isinstance(device, bool):
+        raise TypeError(f"device must be 'cpu', a CUDA device ordinal or None, not {device!r}")
+    try:
+        ordinal = operator.index(device)
+    except TypeError:
+        raise TypeError(f"device must be 'cpu', a CUDA device ordinal or None, not {device!r}") from None
+    if ordinal < 0:
+        raise ValueError(f"a CUDA device ordinal cannot be negative: {ordinal}")
+    return ordinal
+
+
+def _require_gpu(what: str) -> None:
+    reason = gpu_unusable_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"{what} needs a usable CUDA GPU: {reason}")
+
+
+def get_arena(device: Any = None) -> Arena:
+    """The process's arena for ``device``, created on first use.
+
+    Parameters
+    ----------
+    device : "cpu", int or None
+        ``"cpu"``: the host arena (NumPy buffers, one lane per thread by default). An ``int``: the arena of that
+        CUDA device (device memory through CuPy's current allocator). ``None``: the current CUDA device.
+
+    Raises
+    ------
+    BackendUnavailableError
+        A device arena was asked for and no GPU is usable.
+    ValueError, TypeError
+        ``device`` is not ``"cpu"``, a non-negative int or ``None``, or no such device exists.
+    """
+    key = _device_key(device)
+    if key is not None:
+        arena = _arenas.get(key)
+        if arena is not None:
+            return arena
+    if key != "cpu":
+        _require_gpu(f"get_arena({device!r})")
+        if key is None:
+            import cupy
+
+            key = int(cupy.cuda.runtime.getDevice())
+        elif key >= gpu_count():
+            raise ValueError(f"no CUDA device {key}: this process sees {gpu_count()}")
+    with _lock:
+        arena = _arenas.get(key)
+        if arena is None:
+            arena = _arenas[key] = Arena(HostProvider() if key == "cpu" else CupyProvider(key))
+        return arena
+
+
+def set_arena(device: Any, arena: Arena | None) -> Arena | None:
+    """Make ``arena`` the one :func:`get_arena` returns for ``device`` (``None``: forget it); return the old one.
+
+    For tests and for setups that want another provider, e.g. ``set_arena(0, Arena(AsyncProvider(0)))``. The
+    old arena is not closed. ``device`` here must be ``"cpu"`` or an ordinal (``None`` is not resolved).
+    """
+    key = _device_key(device)
+    if key is None:
+        raise ValueError("set_arena needs 'cpu' or a device ordinal, not None")
+    if arena is not None and not isinstance(arena, Arena):
+        raise TypeError(f"arena must be an Arena or None, not {arena!r}")
+    with _lock:
+        old = _arenas.pop(key, None)
+        if arena is not None:
+            _arenas[key] = arena
+    return old
+
+
+def reset_arenas() -> None:
+    """Close and forget every arena :func:`get_arena` made or was given (for tests)."""
+    with _lock:
+        arenas = list(_arenas.values())
+        _arenas.clear()
+    for arena in arenas:
+        arena.close()

@@ -1,0 +1,112 @@
+"""Snapshots of an arena's bookkeeping, returned by :meth:`Arena.stats`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Iterator, Mapping
+from typing import Any
+
+__all__ = ["ArenaStats", "StreamStats", "aligned_size"]
+
+_SMALL = 256  # every capacity is a multiple of this (CUDA's allocation alignment)
+_LARGEST_STEP = 2 << 20  # the driver's large-page size
+
+
+def aligned_size(nbytes: int) -> int:
+    """The capacity a sub-arena grows to for a request of ``nbytes``.
+
+    The request rounded up to a step that grows with it: 256 B below 8 KiB, then the largest power of two
+    not above ``nbytes / 16``, at most 2 MiB. So growth overshoots a request by less than 256 B or 1/16 of it
+    (whichever is larger, and never by 2 MiB or more), while a run of slightly larger requests grows the
+    buffer a bounded number of times (at most 16 per doubling) instead of once per request. Doubling is avoided on purpose: it would hold
+    up to twice the largest workspace, which is exactly the memory the arena exists to save.
+    """
+    if nbytes <= 0:
+        return 0
+    step = max(_SMALL, min(_LARGEST_STEP, 1 << max(0, nbytes.bit_length() - 5)))
+    return -(-nbytes // step) * step
+
+
+class _Fields:
+    """Item access beside attribute access: ``stats["capacity_bytes"] == stats.capacity_bytes``."""
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.keys():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def keys(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self))  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain ``dict`` (nested for ``streams``, keyed by ``repr`` of the stream key)."""
+        out: dict[str, Any] = {}
+        for name in self.keys():
+            value = getattr(self, name)
+            if name == "streams":
+                value = {repr(k): v.to_dict() for k, v in value.items()}
+            out[name] = value
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamStats(_Fields):
+    """One sub-arena (one stream or CPU lane).
+
+    Attributes
+    ----------
+    capacity_bytes : int
+        Size of the sub-arena's current buffer (0 before the first lease and after a trim).
+    high_water_bytes : int
+        Largest lease on this sub-arena since it was created.
+    allocations : int
+        Buffers allocated for it (the first one and every growth).
+    growths : int
+        Allocations that replaced a smaller buffer.
+    leases : int
+        Live leases (zero-byte leases hold nothing and are not counted).
+    retired_bytes : int
+        Outgrown buffers still used by a live lease; each is freed, in stream order, when its last lease ends.
+    """
+
+    capacity_bytes: int
+    high_water_bytes: int
+    allocations: int
+    growths: int
+    leases: int
+    retired_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaStats(_Fields):
+    """The whole arena: totals, and one :class:`StreamStats` per live sub-arena in ``streams``.
+
+    Attributes
+    ----------
+    capacity_bytes : int
+        Sum of the sub-arenas' capacities: what the arena holds, outgrown buffers aside.
+    high_water_bytes : int
+        Largest lease since the arena was created (it survives trims and swept sub-arenas).
+    allocations, growths : int
+        Totals since the arena was created.
+    frees : int
+        Buffers given back to the provider since the arena was created (``allocations - frees`` buffers are held).
+    leases : int
+        Live leases.
+    retired_bytes : int
+        Sum of the sub-arenas' ``retired_bytes``.
+    streams : Mapping
+        Stream key (raw handle on a device, lane key on the host) to :class:`StreamStats`.
+    """
+
+    capacity_bytes: int
+    high_water_bytes: int
+    allocations: int
+    growths: int
+    frees: int
+    leases: int
+    retired_bytes: int
+    streams: Mapping[Hashable, StreamStats]

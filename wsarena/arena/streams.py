@@ -1,0 +1,168 @@
+"""What ``stream=`` means, for the arena and for the cuDNN backend.
+
+A device arena keys its sub-arenas by the raw ``cudaStream_t`` handle (an int). It accepts:
+
+- ``None``: the calling thread's current stream (CuPy's current stream for this thread, which is the
+  per-thread default stream when CuPy runs with ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``);
+- a raw handle, a non-negative ``int`` (``0`` is the legacy null stream, ``2`` the per-thread default);
+- anything with ``__cuda_stream__()`` returning ``(version, handle)`` (CuPy and cuda.core streams, ...);
+- an object with an int ``.ptr`` (older CuPy streams) or ``.cuda_stream`` (PyTorch streams).
+
+A host arena keys its sub-arenas by *lane*: ``None`` is the calling thread's own lane (a :class:`ThreadLane`,
+swept when the thread exits) and any other hashable object is a lane key chosen by the caller.
+
+Anything else raises ``TypeError`` naming the value.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
+
+__all__ = ["ThreadLane", "resolve_stream", "stream_handle", "thread_lane"]
+
+
+class ThreadLane:
+    """The default CPU lane of one thread: a hashable key that compares by identity.
+
+    The arena sweeps the sub-arena of a thread's lane when the thread exits.
+    """
+
+    __slots__ = ("serial", "thread_name", "__weakref__")
+
+    def __init__(self, serial: int, thread_name: str) -> None:
+        self.serial = serial
+        self.thread_name = thread_name
+
+    def __repr__(self) -> str:
+        return f"ThreadLane({self.serial}, {self.thread_name!r})"
+
+
+class _LaneHolder:
+    """Lives in the thread's local storage; it dies when the thread exits, which is what sweeps the lane."""
+
+    __slots__ = ("lane", "__weakref__")
+
+    def __init__(self, lane: ThreadLane) -> None:
+        self.lane = lane
+
+
+_serials = itertools.count(1)
+_local = threading.local()
+
+
+def _holder() -> _LaneHolder:
+    holder = getattr(_local, "holder", None)
+    if holder is None:
+        holder = _LaneHolder(ThreadLane(next(_serials), threading.current_thread().name))
+        _local.holder = holder
+    return holder
+
+
+def thread_lane() -> ThreadLane:
+    """The calling thread's default CPU lane (what ``stream=None`` means on the host arena)."""
+    return _holder().lane
+
+
+def _handle_of(stream: Any) -> int | None:
+    """The raw handle of a stream object, or ``None`` if ``stream`` is not one."""
+    proto = getattr(type(stream), "__cuda_stream__", None)
+    if proto is not None:
+        try:
+            version, handle = proto(stream)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"stream={stream!r}: __cuda_stream__() must return a (version, handle) pair"
+            ) from None
+        return _check_handle(stream, handle)
+    for attr in ("ptr", "cuda_stream"):  # CuPy streams, PyTorch streams
+        handle = getattr(stream, attr, None)
+        if isinstance(handle, int) and not isinstance(handle, bool):
+            return _check_handle(stream, handle)
+    return None
+
+
+def _check_handle(stream: Any, handle: Any) -> int:
+    if isinstance(handle, bool) or not isinstance(handle, int):
+        try:
+            handle = int(handle)  # cuda.core hands out handle objects that convert with int()
+        except (TypeError, ValueError):
+            raise TypeError(f"stream={stream!r}: its handle {handle!r} is not an integer") from None
+    if handle < 0:
+        raise ValueError(f"stream={stream!r}: a stream handle cannot be negative ({handle})")
+    return handle
+
+
+def _anchor_of(stream: Any) -> Any:
+    """``stream`` if it can be weakly referenced (its death sweeps the sub-arena), else ``None``."""
+    try:
+        weakref.ref(stream)
+    except TypeError:
+        return None
+    return stream
+
+
+def resolve_stream(
+    stream: Any, *, lanes: bool, current: Callable[[], Any] | None = None
+) -> tuple[Hashable, Any]:
+    """Normalise ``stream`` to ``(key, anchor)``.
+
+    Parameters
+    ----------
+    stream
+        What the caller passed as ``stream=``.
+    lanes : bool
+        ``True`` on a host arena (any hashable is a lane key), ``False`` on a device arena.
+    current : callable, optional
+        Device arenas: returns the calling thread's current stream (an object or a raw handle), used for
+        ``None``.
+
+    Returns
+    -------
+    key : hashable
+        The sub-arena key: the raw ``int`` handle on a device arena, the lane on a host arena.
+    anchor : object or None
+        An object whose death means the stream (or the thread of a default lane) is gone, or ``None`` when
+        that cannot be known (raw ints, plain lane keys).
+    """
+    if lanes:
+        if stream is None:
+            holder = _holder()
+            return holder.lane, holder
+        try:
+            hash(stream)
+        except TypeError:
+            raise TypeError(f"stream={stream!r} is not a lane key: a CPU lane key must be hashable") from None
+        return stream, None
+    if stream is None:
+        if current is None:
+            raise TypeError("stream=None needs the current stream, and this arena's provider has none")
+        stream = current()
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return _check_handle(stream, stream), None
+    handle = _handle_of(stream)
+    if handle is None:
+        raise TypeError(
+            f"stream={stream!r} is not a CUDA stream: expected None, a raw cudaStream_t int, a CuPy stream "
+            "or an object with __cuda_stream__()"
+        )
+    return handle, _anchor_of(stream)
+
+
+def _cupy_current() -> Any:
+    import cupy
+
+    return cupy.cuda.get_current_stream()
+
+
+def stream_handle(stream: Any = None) -> int:
+    """The raw ``cudaStream_t`` handle (an ``int``) for a ``stream=`` argument, for calls such as cudnnSetStream.
+
+    ``None`` is CuPy's current stream for the calling thread (this imports CuPy). Raises ``TypeError`` for
+    anything that is not a stream and ``ValueError`` for a negative handle.
+    """
+    key, _ = resolve_stream(stream, lanes=False, current=_cupy_current)
+    return int(key)  # type: ignore[call-overload]

@@ -1,0 +1,101 @@
+"""Providers for tests: one that records every call and fails on demand, on host memory.
+
+``RecordingProvider(kind="device")`` behaves as a device provider (sub-arenas keyed by raw stream handles,
+same-thread nesting allowed) while handing out host memory, so the device rules are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .providers import Buffer, HostProvider
+
+__all__ = ["RecordingProvider"]
+
+
+class RecordingProvider:
+    """Wraps ``upstream`` (a :class:`HostProvider` by default), records calls, and fails when told to.
+
+    Parameters
+    ----------
+    upstream : MemoryProvider, optional
+        Where the memory really comes from.
+    kind : {"host", "device"}, optional
+        What the arena should treat it as; the upstream's kind by default.
+    fail : callable, optional
+        ``fail(nbytes) -> bool``; ``True`` makes that allocation raise ``MemoryError``.
+
+    Attributes
+    ----------
+    allocations : list of Buffer
+        Every buffer handed out, in order.
+    frees : list of (Buffer, stream)
+        Every free, with the stream it was given.
+    fail_next : int
+        Make that many of the next allocations fail (counts down).
+    current : object
+        What ``current_stream()`` returns for a ``kind="device"`` provider (a raw handle or a stream object).
+    """
+
+    def __init__(
+        self, upstream: Any = None, *, kind: str | None = None, fail: Callable[[int], bool] | None = None
+    ) -> None:
+        self.upstream = upstream if upstream is not None else HostProvider()
+        self.kind = kind if kind is not None else self.upstream.kind
+        self.device = 0 if self.kind == "device" else None
+        self.fail = fail
+        self.fail_next = 0
+        self.current: Any = 0
+        self.allocations: list[Buffer] = []
+        self.frees: list[tuple[Buffer, Any]] = []
+        self.fills: list[tuple[int, int, int, Any]] = []
+        self._held: dict[int, Buffer] = {}
+        self._lock = threading.Lock()  # guards the records: arenas call providers from many threads
+
+    def allocate(self, nbytes: int, *, stream: Any) -> Buffer:
+        if nbytes <= 0:
+            raise AssertionError(f"the arena asked for {nbytes} bytes")
+        with self._lock:
+            failing = self.fail_next > 0
+            if failing:
+                self.fail_next -= 1
+        if failing or (self.fail is not None and self.fail(nbytes)):
+            raise MemoryError(f"RecordingProvider: refused {nbytes} bytes")
+        buffer = self.upstream.allocate(nbytes, stream=stream)
+        with self._lock:
+            self.allocations.append(buffer)
+            self._held[id(buffer)] = buffer
+        return buffer
+
+    def free(self, buffer: Buffer, *, stream: Any) -> None:
+        with self._lock:
+            if self._held.pop(id(buffer), None) is None:
+                raise AssertionError(f"{buffer!r} freed twice, or never allocated here")
+            self.frees.append((buffer, stream))
+        self.upstream.free(buffer, stream=stream)
+
+    def as_array(self, buffer: Buffer | None, nbytes: int) -> Any:
+        return self.upstream.as_array(buffer, nbytes)
+
+    def fill(self, buffer: Buffer, value: int, nbytes: int, *, stream: Any) -> None:
+        with self._lock:
+            self.fills.append((buffer.ptr, value, nbytes, stream))
+        self.upstream.fill(buffer, value, nbytes, stream=stream)
+
+    def current_stream(self) -> Any:
+        return self.current
+
+    @property
+    def held(self) -> list[Buffer]:
+        """Buffers allocated and not yet freed."""
+        with self._lock:
+            return list(self._held.values())
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(b.nbytes for b in self.held)
+
+    def __repr__(self) -> str:
+        return f"RecordingProvider({self.upstream!r}, kind={self.kind!r})"
