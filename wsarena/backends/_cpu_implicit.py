@@ -125,7 +125,8 @@ def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> N
         dys, xs = merge_pixels([dys, xs], npix)
         npix = dys.ndim - 2
         if p.cg == 1:
-            np.einsum("...gk,...g->gk", dys, xs[..., 0], out=dwk[..., 0])
+            pix = "abcd"[:npix]  # summed over: images and pixels
+            np.einsum(f"{pix}gk,{pix}g->gk", dys, xs[..., 0], out=dwk[..., 0])
             continue
         a = np.moveaxis(dys, npix - 1, -1)  # (*lead, G, Kg, L)
         b = np.moveaxis(xs, npix - 1, -2)  # (*lead, G, L, Cg)

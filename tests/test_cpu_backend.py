@@ -1,0 +1,332 @@
+"""The CPU backend's algorithms (wsarena.backends.cpu) against the independent reference (tests/reference.py).
+
+Tolerances: relative error ``max|out - ref| / max|ref|`` at most 1e-5 for float32 operands and 1e-12 for
+float64, where ``ref`` is computed in float64 from the very same (float32-rounded) operands. Every run gets
+a workspace of exactly ``workspace_size`` bytes filled with NaN bit patterns or other garbage and an output
+prefilled with NaN, so an uninitialised read, a short workspace or an accumulate-instead-of-overwrite shows
+up as a NaN or a wrong value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wsarena._geometry import conv_geometry
+from wsarena.backends import cpu
+
+from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
+
+TOL = {"float32": 1e-5, "float64": 1e-12}
+PASSES = ("fwd", "bwd_data", "bwd_filter")
+
+
+def _ref_kwargs(g):
+    return dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups, layout=g.layout)
+
+
+def _operands(g, rng):
+    x = rng.standard_normal(g.input_shape).astype(g.dtype)
+    w = rng.standard_normal(g.weight_shape).astype(g.dtype)
+    dy = rng.standard_normal(g.output_shape).astype(g.dtype)
+    return x, w, dy
+
+
+def _references(g, x, w, dy):
+    kw = _ref_kwargs(g)
+    return {
+        "fwd": ref_conv_forward(x, w, **kw),
+        "bwd_data": ref_conv_backward_data(dy, w, g.input_shape, **kw),
+        "bwd_filter": ref_conv_backward_filter(x, dy, g.weight_shape, **kw),
+    }
+
+
+def _args(pass_, g, x, w, dy):
+    """(a, b, out shape) of a pass, as cpu.run takes them."""
+    return {
+        "fwd": (x, w, g.output_shape),
+        "bwd_data": (dy, w, g.input_shape),
+        "bwd_filter": (x, dy, g.weight_shape),
+    }[pass_]
+
+
+def _poisoned(nbytes, dtype, kind="nan"):
+    """A workspace of exactly ``nbytes`` bytes of garbage: NaN bit patterns, huge values, or random bytes."""
+    if kind == "random":
+        return np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    value = {"nan": np.nan, "huge": 3e38 if dtype == "float32" else 1e300}[kind]
+    item = np.dtype(dtype).itemsize
+    pattern = np.full(-(-nbytes // item), value, dtype=dtype).view(np.uint8)
+    return pattern[:nbytes].copy()
+
+
+def _rel_err(out, ref):
+    scale = np.abs(ref).max() if ref.size else 0.0
+    err = np.abs(out.astype(np.float64) - ref).max() if ref.size else 0.0
+    return err / scale if scale > 0 else err
+
+
+def _check_all(g, seed=0, poison="nan"):
+    rng = np.random.default_rng(seed)
+    x, w, dy = _operands(g, rng)
+    refs = _references(g, x, w, dy)
+    for pass_ in PASSES:
+        a, b, shape = _args(pass_, g, x, w, dy)
+        for algo in cpu.ALGORITHMS[pass_]:
+            ws = _poisoned(cpu.workspace_size(pass_, algo, g), g.dtype, poison)
+            out = np.full(shape, np.nan, dtype=g.dtype)
+            cpu.run(pass_, algo, g, a, b, out, ws)
+            err = _rel_err(out, refs[pass_])
+            assert err <= TOL[g.dtype], f"{pass_}/{algo} on {g}: relative error {err:.3g}"
+
+
+@st.composite
+def geometries(draw):
+    """Small random geometries over everything the backend supports; sizes keep the reference fast."""
+    nd = draw(st.integers(1, 3))
+    layout = draw(st.sampled_from(("NCHW", "NHWC")))
+    dtype = draw(st.sampled_from(("float32", "float64")))
+    groups = draw(st.sampled_from((1, 1, 2, 3)))
+    cg = draw(st.sampled_from((1, 1, 2, 3, 5)))  # cg == 1 with groups > 1 is depthwise
+    kg = draw(st.sampled_from((1, 2, 4)))
+    batch = draw(st.integers(1, 3))
+    max_size = (9, 6, 4)[nd - 1]
+    kernel, stride, padding, dilation, size = [], [], [], [], []
+    for _ in range(nd):
+        k = draw(st.integers(1, 3))
+        d = draw(st.integers(1, 2))
+        p = draw(st.integers(0, 2))
+        span = d * (k - 1) + 1
+        lo = max(1, span - 2 * p)  # the kernel must fit the padded input; lo gives "as large as" it
+        size.append(draw(st.integers(lo, max(lo, max_size))))
+        kernel.append(k)
+        stride.append(draw(st.integers(1, 3)))
+        padding.append(p)
+        dilation.append(d)
+    c, k_out = groups * cg, groups * kg
+    if layout == "NCHW":
+        ishape, wshape = (batch, c, *size), (k_out, cg, *kernel)
+    else:
+        ishape, wshape = (batch, *size, c), (k_out, *kernel, cg)
+    return conv_geometry(
+        ishape, wshape, stride=stride, padding=padding, dilation=dilation, groups=groups, layout=layout, dtype=dtype
+    )
+
+
+@settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(g=geometries(), seed=st.integers(0, 2**16), poison=st.sampled_from(("nan", "huge", "random")))
+def test_every_algorithm_matches_the_reference(g, seed, poison):
+    _check_all(g, seed, poison)
+
+
+# Hand-picked cases that random small shapes reach rarely: larger channel counts (many GEMM rows, the
+# chunked filter-gradient path), depthwise with a channel multiplier, 1x1 kernels with stride, a kernel
+# exactly as large as the padded input, batch 1, and ResNet-like shapes in both layouts.
+CASES = [
+    # (input_shape NCHW, weight_shape NCHW, kwargs)
+    ((2, 16, 12, 11), (24, 16, 3, 3), dict(padding=1)),
+    ((3, 16, 13, 13), (8, 16, 3, 3), dict(padding=1, stride=2)),
+    ((2, 32, 9, 9), (16, 32, 1, 1), dict()),
+    ((2, 32, 9, 9), (16, 32, 1, 1), dict(stride=2)),
+    ((1, 8, 5, 5), (4, 8, 7, 7), dict(padding=1)),  # kernel == padded input: one output pixel
+    ((1, 4, 5, 6), (6, 4, 5, 6), dict()),  # kernel == input, no padding
+    ((2, 12, 10, 10), (12, 1, 3, 3), dict(padding=1, groups=12)),  # depthwise
+    ((2, 6, 10, 10), (12, 1, 3, 3), dict(padding=2, dilation=2, groups=6)),  # depthwise, multiplier 2
+    ((2, 16, 8, 8), (16, 4, 3, 3), dict(padding=1, groups=4)),  # grouped (ResNeXt-like)
+    ((2, 3, 23, 23), (16, 3, 7, 7), dict(padding=3, stride=2)),  # stem-like
+    ((2, 8, 17), (16, 8, 5), dict(padding=2, stride=3)),  # 1-D
+    ((2, 4, 6, 7, 5), (8, 4, 3, 3, 3), dict(padding=1, stride=(1, 2, 1))),  # 3-D
+    ((1, 6, 5, 4, 4), (6, 1, 3, 3, 3), dict(padding=1, groups=6)),  # 3-D depthwise
+    ((3, 2, 4, 4), (2, 1, 1, 1), dict(padding=2, groups=2)),  # 1x1 with padding: some outputs read no input
+    ((2, 4, 3, 3), (4, 4, 3, 3), dict(padding=4, dilation=3)),  # offsets entirely in the padding
+]
+
+
+def _nhwc(shape):
+    return (shape[0], *shape[2:], shape[1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_hand_picked_geometries(case, layout, dtype):
+    ishape, wshape, kw = CASES[case]
+    if layout == "NHWC":
+        ishape, wshape = _nhwc(ishape), _nhwc(wshape)
+    _check_all(conv_geometry(ishape, wshape, layout=layout, dtype=dtype, **kw), seed=case)
+
+
+# ----------------------------------------------------------------------------------------------- workspace
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_workspace_formulas(layout, dtype, batch):
+    ishape, wshape = (batch, 6, 11, 9), (8, 3, 3, 2)
+    if layout == "NHWC":
+        ishape, wshape = _nhwc(ishape), _nhwc(wshape)
+    g = conv_geometry(ishape, wshape, stride=(2, 1), padding=1, dilation=(1, 2), groups=2, layout=layout, dtype=dtype)
+    s = np.dtype(dtype).itemsize
+    kprod, oprod = 3 * 2, math.prod(g.output_size)
+    col = g.in_channels * kprod * oprod * s  # one image's column matrix
+    expected = {
+        "fwd": {"implicit_gemm": 0, "gemm_per_image": col, "gemm_batch": batch * col},
+        "bwd_data": {"implicit_gemm": 0, "col2im_per_image": col, "col2im_batch": batch * col},
+        "bwd_filter": {
+            "implicit_gemm": 0,
+            "im2col_per_image": col,
+            "im2col_batch": batch * col + (batch * g.out_channels * oprod * s if layout == "NCHW" else 0),
+        },
+    }
+    for pass_ in PASSES:
+        assert set(cpu.ALGORITHMS[pass_]) == set(expected[pass_])
+        sizes = {algo: cpu.workspace_size(pass_, algo, g) for algo in cpu.ALGORITHMS[pass_]}
+        assert sizes == expected[pass_]
+        if batch > 1:
+            assert len(set(sizes.values())) == 3, sizes  # three families, three different sizes
+
+
+def test_workspace_larger_than_needed_and_unaligned():
+    g = conv_geometry((2, 4, 7, 7), (5, 4, 3, 3), padding=1, dtype="float32")
+    rng = np.random.default_rng(1)
+    x, w, dy = _operands(g, rng)
+    refs = _references(g, x, w, dy)
+    for pass_ in PASSES:
+        a, b, shape = _args(pass_, g, x, w, dy)
+        for algo in cpu.ALGORITHMS[pass_]:
+            n = cpu.workspace_size(pass_, algo, g)
+            for ws in (_poisoned(n + 13, g.dtype), _poisoned(n + 1, g.dtype)[1:]):  # odd size; odd address
+                out = np.full(shape, np.nan, dtype=g.dtype)
+                cpu.run(pass_, algo, g, a, b, out, ws)
+                assert _rel_err(out, refs[pass_]) <= TOL["float32"]
+
+
+def test_workspace_too_small_is_a_value_error():
+    g = conv_geometry((2, 4, 7, 7), (5, 4, 3, 3), padding=1)
+    x, w, _ = _operands(g, np.random.default_rng(0))
+    y = np.empty(g.output_shape, np.float32)
+    n = cpu.workspace_size("fwd", "gemm_batch", g)
+    with pytest.raises(ValueError, match=str(n)):
+        cpu.run("fwd", "gemm_batch", g, x, w, y, np.zeros(n - 1, np.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        cpu.run("fwd", "gemm_batch", g, x, w, y, np.zeros(n // 4, np.float32))
+    cpu.run("fwd", "implicit_gemm", g, x, w, y, None)  # zero workspace needs none
+
+
+def test_zero_size_batch_touches_no_workspace():
+    g = conv_geometry((0, 4, 7, 7), (6, 2, 3, 3), padding=1, groups=2, dtype="float64")
+    x, w, dy = _operands(g, np.random.default_rng(0))
+    for pass_ in PASSES:
+        a, b, shape = _args(pass_, g, x, w, dy)
+        for algo in cpu.ALGORITHMS[pass_]:
+            # The formulas still answer (the per-image ones are one image's size); the run touches nothing.
+            assert cpu.workspace_size(pass_, algo, g) >= 0
+            ws = np.full(cpu.workspace_size(pass_, algo, g) + 64, 0xAB, np.uint8)
+            out = np.full(shape, np.nan)
+            cpu.run(pass_, algo, g, a, b, out, ws)
+            assert (ws == 0xAB).all()
+            if pass_ == "bwd_filter":
+                assert (out == 0).all()  # the gradient summed over no images
+            else:
+                assert out.size == 0
+            cpu.run(pass_, algo, g, a, b, out, None)
+
+
+# --------------------------------------------------------------------------------------- names and order
+
+
+def test_unknown_pass_or_algorithm_is_a_value_error():
+    g = conv_geometry((1, 2, 5, 5), (2, 2, 3, 3))
+    with pytest.raises(ValueError, match="'bwd'"):
+        cpu.candidates("bwd", g)
+    with pytest.raises(ValueError, match="'bwd'"):
+        cpu.workspace_size("bwd", "implicit_gemm", g)
+    with pytest.raises(ValueError, match="'winograd'"):
+        cpu.workspace_size("fwd", "winograd", g)
+    with pytest.raises(ValueError, match="'col2im_batch'"):
+        cpu.workspace_size("fwd", "col2im_batch", g)  # an algorithm of another pass
+    x, w, _ = _operands(g, np.random.default_rng(0))
+    y = np.empty(g.output_shape, np.float32)
+    with pytest.raises(ValueError, match="'fft'"):
+        cpu.run("fwd", "fft", g, x, w, y, None)
+    with pytest.raises(ValueError, match="'forward'"):
+        cpu.run("forward", "implicit_gemm", g, x, w, y, None)
+
+
+def test_bad_arrays_are_rejected():
+    g = conv_geometry((1, 2, 5, 5), (2, 2, 3, 3))
+    x, w, _ = _operands(g, np.random.default_rng(0))
+    y = np.empty(g.output_shape, np.float32)
+    with pytest.raises(ValueError, match="shape"):
+        cpu.run("fwd", "implicit_gemm", g, x[:, :1], w, y, None)
+    with pytest.raises(TypeError, match="dtype"):
+        cpu.run("fwd", "implicit_gemm", g, x.astype(np.float64), w, y, None)
+    with pytest.raises(ValueError, match="contiguous"):
+        yt = np.empty(g.output_shape[::-1], np.float32).T
+        cpu.run("fwd", "implicit_gemm", g, x, w, yt, None)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        cpu.run("fwd", "implicit_gemm", g.with_dtype("float16"), x, w, y, None)
+
+
+def test_candidates_are_every_algorithm_in_a_geometry_aware_order():
+    dense = conv_geometry((2, 8, 9, 9), (8, 8, 3, 3), padding=1)
+    pointwise = conv_geometry((2, 8, 9, 9), (16, 8, 1, 1))
+    depthwise = conv_geometry((2, 8, 9, 9), (8, 1, 3, 3), padding=1, groups=8)
+    for pass_ in PASSES:
+        implicit = cpu.ALGORITHMS[pass_][0]
+        for g in (dense, pointwise, depthwise):
+            assert sorted(cpu.candidates(pass_, g)) == sorted(cpu.ALGORITHMS[pass_])
+        assert cpu.candidates(pass_, pointwise)[0] == implicit
+        assert cpu.candidates(pass_, depthwise)[0] == implicit
+        assert cpu.candidates(pass_, dense)[0].endswith("_batch")
+        assert cpu.candidates(pass_, dense)[-1] == implicit
+
+
+# ------------------------------------------------------------------------------ the reference, checked
+
+
+def _adjoint_products(g, seed):
+    rng = np.random.default_rng(seed)
+    x, w, dy = (a.astype(np.float64) for a in _operands(g, rng))
+    kw = _ref_kwargs(g)
+    y = ref_conv_forward(x, w, **kw)
+    dx = ref_conv_backward_data(dy, w, x.shape, **kw)
+    dw = ref_conv_backward_filter(x, dy, w.shape, **kw)
+    return np.vdot(y, dy), np.vdot(x, dx), np.vdot(w, dw)
+
+
+@settings(max_examples=40, deadline=None)
+@given(g=geometries(), seed=st.integers(0, 2**16))
+def test_reference_backward_passes_are_adjoints_of_forward(g, seed):
+    """<conv(x, w), dy> == <x, bwd_data(dy, w)> == <w, bwd_filter(x, dy)> (the definition of the gradients)."""
+    a, b, c = _adjoint_products(g, seed)
+    scale = max(abs(a), abs(b), abs(c), 1.0)
+    assert abs(a - b) <= 1e-12 * scale * 10 and abs(a - c) <= 1e-12 * scale * 10, (a, b, c)
+
+
+@pytest.mark.parametrize(
+    "ishape, wshape, kw",
+    [
+        ((2, 3, 11), (4, 3, 3), dict(stride=2, padding=1, dilation=1, groups=1)),
+        ((2, 4, 9, 8), (6, 2, 3, 2), dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2)),
+        ((1, 6, 7, 7), (6, 1, 3, 3), dict(stride=1, padding=1, dilation=2, groups=6)),
+        ((2, 2, 5, 6, 4), (4, 2, 2, 3, 1), dict(stride=(1, 2, 1), padding=(1, 0, 1), dilation=1, groups=1)),
+    ],
+)
+def test_reference_forward_matches_torch(ishape, wshape, kw):
+    torch = pytest.importorskip("torch", reason="torch is not installed (optional; used only for this check)")
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal(ishape), rng.standard_normal(wshape)
+    conv = {3: torch.nn.functional.conv1d, 4: torch.nn.functional.conv2d, 5: torch.nn.functional.conv3d}[len(ishape)]
+    expected = conv(torch.from_numpy(x), torch.from_numpy(w), **kw).numpy()
+    for layout in ("NCHW", "NHWC"):
+        xl, wl = (x, w) if layout == "NCHW" else (np.moveaxis(x, 1, -1), np.moveaxis(w, 1, -1))
+        got = ref_conv_forward(xl, wl, layout=layout, **kw)
+        if layout == "NHWC":
+            got = np.moveaxis(got, -1, 1)
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
