@@ -5,7 +5,8 @@ One ``IntEnum`` per cuDNN enumeration that wsarena uses. The class is the C type
 ``_t`` (``cudnnConvolutionFwdAlgo_t`` -> ``ConvolutionFwdAlgo``); a member is the C enumerator without the
 words all enumerators of that typedef share (``CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM`` -> ``IMPLICIT_GEMM``).
 A member that would start with a digit keeps the last shared word
-(``CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0`` -> ``ALGO_0``, but ``..._ALGO_FFT`` -> ``FFT``). Every enumerator of the header is kept, deprecated
+(``CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0`` -> ``ALGO_0``,
+but ``CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT`` -> ``FFT``). Every enumerator of the header is kept, deprecated
 ones and ``COUNT`` included; an enumerator whose value repeats an earlier one becomes an alias.
 
 Usage::
@@ -31,12 +32,12 @@ ENUMS = {
     "cudnnStatus_t": "Return status of every cuDNN call.",
     "cudnnDataType_t": "Element type of a tensor, filter or convolution computation.",
     "cudnnTensorFormat_t": "Memory layout of a filter (and of 4-D tensors set by format).",
-    "cudnnConvolutionMode_t": "Convolution or cross-correlation (what deep-learning frameworks call convolution).",
+    "cudnnConvolutionMode_t": "Convolution, or cross-correlation (what frameworks call convolution).",
     "cudnnMathType_t": "Whether tensor cores, and conversions to reach them, may be used.",
     "cudnnDeterminism_t": "Whether an algorithm gives bitwise reproducible results.",
     "cudnnConvolutionFwdAlgo_t": "Algorithms of the forward convolution.",
-    "cudnnConvolutionBwdDataAlgo_t": "Algorithms of the backward-data convolution (gradient of the input).",
-    "cudnnConvolutionBwdFilterAlgo_t": "Algorithms of the backward-filter convolution (gradient of the weights).",
+    "cudnnConvolutionBwdDataAlgo_t": "Algorithms of the backward-data convolution (input gradient).",
+    "cudnnConvolutionBwdFilterAlgo_t": "Algorithms of the backward-filter convolution (weight gradient).",
 }
 
 

@@ -125,7 +125,7 @@ class TensorFormat(IntEnum):
 
 
 class ConvolutionMode(IntEnum):
-    """Convolution or cross-correlation (what deep-learning frameworks call convolution). C: ``cudnnConvolutionMode_t``."""
+    """Convolution, or cross-correlation (what frameworks call convolution). C: ``cudnnConvolutionMode_t``."""
 
     CONVOLUTION = 0
     CROSS_CORRELATION = 1
@@ -162,7 +162,7 @@ class ConvolutionFwdAlgo(IntEnum):
 
 
 class ConvolutionBwdDataAlgo(IntEnum):
-    """Algorithms of the backward-data convolution (gradient of the input). C: ``cudnnConvolutionBwdDataAlgo_t``."""
+    """Algorithms of the backward-data convolution (input gradient). C: ``cudnnConvolutionBwdDataAlgo_t``."""
 
     ALGO_0 = 0
     ALGO_1 = 1
@@ -174,7 +174,7 @@ class ConvolutionBwdDataAlgo(IntEnum):
 
 
 class ConvolutionBwdFilterAlgo(IntEnum):
-    """Algorithms of the backward-filter convolution (gradient of the weights). C: ``cudnnConvolutionBwdFilterAlgo_t``."""
+    """Algorithms of the backward-filter convolution (weight gradient). C: ``cudnnConvolutionBwdFilterAlgo_t``."""
 
     ALGO_0 = 0
     ALGO_1 = 1

@@ -89,7 +89,10 @@ PROTOTYPES: dict[str, Prototype] = {
     # (convDesc, inputTensorDesc, filterDesc, nbDims, tensorOuputDimA)
     "cudnnGetConvolutionNdForwardOutputDim": (_status, (_opaque, _opaque, _opaque, _int, _out_int)),
     # cudnn_cnn.h: workspace sizes (handle, 4 descriptors, algo, sizeInBytes)
-    "cudnnGetConvolutionForwardWorkspaceSize": (_status, (_opaque, _opaque, _opaque, _opaque, _opaque, _enum, _out_size)),
+    "cudnnGetConvolutionForwardWorkspaceSize": (
+        _status,
+        (_opaque, _opaque, _opaque, _opaque, _opaque, _enum, _out_size),
+    ),
     "cudnnGetConvolutionBackwardDataWorkspaceSize": (
         _status,
         (_opaque, _opaque, _opaque, _opaque, _opaque, _enum, _out_size),

@@ -1,0 +1,263 @@
+"""Thin typed wrappers of the legacy convolution calls the cuDNN backend makes. They all need a GPU.
+
+Every wrapper takes the pass first: ``"fwd"``, ``"bwd_data"`` or ``"bwd_filter"`` (``wsarena._geometry.PASSES``),
+and the same three descriptors whatever the pass, named after the forward convolution ``y = conv(x, w)``:
+
+==========  ======================  ===========================  ============================
+argument    ``"fwd"``               ``"bwd_data"``               ``"bwd_filter"``
+==========  ======================  ===========================  ============================
+``x_desc``  input x (read)          input gradient dx (written)  input x (read)
+``w_desc``  filter w (read)         filter w (read)              filter gradient dw (written)
+``y_desc``  output y (written)      output gradient dy (read)    output gradient dy (read)
+==========  ======================  ===========================  ============================
+
+Each wrapper reorders them into the C function's own argument order. Pointers are raw device addresses (ints);
+handles and descriptors are the objects of :mod:`wsarena.cudnn.handle` and :mod:`wsarena.cudnn.descriptors`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from enum import IntEnum
+
+from .._geometry import PASSES
+from ._enums import ConvolutionBwdDataAlgo, ConvolutionBwdFilterAlgo, ConvolutionFwdAlgo, DataType
+from ._prototypes import call
+from ._structs import (
+    AlgoPerf,
+    ConvolutionBwdDataAlgoPerfStruct,
+    ConvolutionBwdFilterAlgoPerfStruct,
+    ConvolutionFwdAlgoPerfStruct,
+)
+from .descriptors import ConvolutionDescriptor, FilterDescriptor, TensorDescriptor
+from .handle import Handle
+
+__all__ = [
+    "ALGORITHMS",
+    "PASSES",
+    "algorithm",
+    "algorithms",
+    "convolution",
+    "find_algorithms",
+    "heuristic_algorithms",
+    "workspace_size",
+]
+
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+    algo_enum: type[IntEnum]
+    perf_struct: type[ctypes.Structure]
+    workspace_size: str
+    max_count: str
+    heuristic: str
+    find_ex: str
+    run: str
+
+
+_PASSES: dict[str, _Pass] = {
+    "fwd": _Pass(
+        ConvolutionFwdAlgo,
+        ConvolutionFwdAlgoPerfStruct,
+        "cudnnGetConvolutionForwardWorkspaceSize",
+        "cudnnGetConvolutionForwardAlgorithmMaxCount",
+        "cudnnGetConvolutionForwardAlgorithm_v7",
+        "cudnnFindConvolutionForwardAlgorithmEx",
+        "cudnnConvolutionForward",
+    ),
+    "bwd_data": _Pass(
+        ConvolutionBwdDataAlgo,
+        ConvolutionBwdDataAlgoPerfStruct,
+        "cudnnGetConvolutionBackwardDataWorkspaceSize",
+        "cudnnGetConvolutionBackwardDataAlgorithmMaxCount",
+        "cudnnGetConvolutionBackwardDataAlgorithm_v7",
+        "cudnnFindConvolutionBackwardDataAlgorithmEx",
+        "cudnnConvolutionBackwardData",
+    ),
+    "bwd_filter": _Pass(
+        ConvolutionBwdFilterAlgo,
+        ConvolutionBwdFilterAlgoPerfStruct,
+        "cudnnGetConvolutionBackwardFilterWorkspaceSize",
+        "cudnnGetConvolutionBackwardFilterAlgorithmMaxCount",
+        "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
+        "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+        "cudnnConvolutionBackwardFilter",
+    ),
+}
+
+# pass -> its algorithm enum.
+ALGORITHMS: dict[str, type[IntEnum]] = {name: spec.algo_enum for name, spec in _PASSES.items()}
+
+
+def _spec(pass_: str) -> _Pass:
+    try:
+        return _PASSES[pass_]
+    except KeyError:
+        raise ValueError(f"pass_ must be one of {PASSES}, not {pass_!r}") from None
+
+
+def algorithm(pass_: str, value: int | str) -> IntEnum:
+    """The algorithm enum member of ``pass_`` for a value or a member name (``algorithm("fwd", "FFT")``)."""
+    enum = _spec(pass_).algo_enum
+    return enum[value] if isinstance(value, str) else enum(value)
+
+
+def algorithms(pass_: str) -> list[IntEnum]:
+    """Every real algorithm of ``pass_``, in enum order (``COUNT`` left out)."""
+    return [member for member in _spec(pass_).algo_enum if member.name != "COUNT"]
+
+
+def _descs(pass_: str, x_desc: TensorDescriptor, w_desc: FilterDescriptor, y_desc: TensorDescriptor) -> tuple:
+    """The three descriptors in the C argument order of ``pass_`` (the convolution descriptor goes third)."""
+    if pass_ == "fwd":
+        return x_desc, w_desc, y_desc  # (xDesc, wDesc, convDesc, yDesc)
+    if pass_ == "bwd_data":
+        return w_desc, y_desc, x_desc  # (wDesc, dyDesc, convDesc, dxDesc)
+    return x_desc, y_desc, w_desc  # (xDesc, dyDesc, convDesc, dwDesc)
+
+
+def _context(pass_: str, x_desc, w_desc, conv_desc, y_desc) -> str:
+    return f"{pass_}: x {x_desc.shape}, w {w_desc.shape}, y {y_desc.shape}, {conv_desc!r}"
+
+
+def workspace_size(
+    pass_: str,
+    handle: Handle,
+    x_desc: TensorDescriptor,
+    w_desc: FilterDescriptor,
+    conv_desc: ConvolutionDescriptor,
+    y_desc: TensorDescriptor,
+    algo: int,
+) -> int:
+    """Workspace bytes ``algo`` needs for this convolution.
+
+    C: ``cudnnGetConvolutionForwardWorkspaceSize``, ``cudnnGetConvolutionBackwardDataWorkspaceSize`` or
+    ``cudnnGetConvolutionBackwardFilterWorkspaceSize``. An algorithm that cannot run this convolution raises
+    (usually :class:`~wsarena.cudnn.CudnnNotSupportedError` or :class:`~wsarena.cudnn.CudnnBadParamError`).
+    """
+    spec = _spec(pass_)
+    a, b, c = _descs(pass_, x_desc, w_desc, y_desc)
+    size = ctypes.c_size_t()
+    algo = spec.algo_enum(algo)
+    call(
+        spec.workspace_size, handle, a, b, conv_desc, c, algo, ctypes.byref(size),
+        context=f"{_context(pass_, x_desc, w_desc, conv_desc, y_desc)}, algo {algo.name}",
+    )
+    return size.value
+
+
+def _max_count(spec: _Pass, handle: Handle) -> int:
+    count = ctypes.c_int()
+    call(spec.max_count, handle, ctypes.byref(count))
+    return max(count.value, 1)
+
+
+def heuristic_algorithms(
+    pass_: str,
+    handle: Handle,
+    x_desc: TensorDescriptor,
+    w_desc: FilterDescriptor,
+    conv_desc: ConvolutionDescriptor,
+    y_desc: TensorDescriptor,
+) -> list[AlgoPerf]:
+    """cuDNN's heuristic ranking of the algorithms of ``pass_``, expected fastest first; nothing is run or timed.
+
+    C: ``cudnnGet{ConvolutionForward,ConvolutionBackwardData,ConvolutionBackwardFilter}Algorithm_v7`` with as many
+    results as ``...AlgorithmMaxCount`` allows. Entries whose ``status`` is not ``SUCCESS`` (``AlgoPerf.ok`` is
+    false) cannot run this convolution; ``memory`` is each one's workspace size.
+    """
+    spec = _spec(pass_)
+    n = _max_count(spec, handle)
+    results = (spec.perf_struct * n)()
+    returned = ctypes.c_int()
+    a, b, c = _descs(pass_, x_desc, w_desc, y_desc)
+    call(
+        spec.heuristic, handle, a, b, conv_desc, c, n, ctypes.byref(returned), results,
+        context=_context(pass_, x_desc, w_desc, conv_desc, y_desc),
+    )
+    return [AlgoPerf.from_struct(results[i]) for i in range(returned.value)]
+
+
+def find_algorithms(
+    pass_: str,
+    handle: Handle,
+    x_desc: TensorDescriptor,
+    x_ptr: int,
+    w_desc: FilterDescriptor,
+    w_ptr: int,
+    conv_desc: ConvolutionDescriptor,
+    y_desc: TensorDescriptor,
+    y_ptr: int,
+    workspace_ptr: int,
+    workspace_bytes: int,
+) -> list[AlgoPerf]:
+    """Time the algorithms of ``pass_`` that fit in the given workspace; fastest first.
+
+    C: ``cudnnFind{ConvolutionForward,ConvolutionBackwardData,ConvolutionBackwardFilter}AlgorithmEx``, the
+    variant that uses the caller's workspace and never allocates. It runs real kernels on the handle's stream and
+    synchronizes; the written tensor of the pass (y, dx or dw, see the module docstring) is overwritten with
+    garbage. Entries whose ``status`` is not ``SUCCESS`` did not run.
+    """
+    spec = _spec(pass_)
+    n = _max_count(spec, handle)
+    results = (spec.perf_struct * n)()
+    returned = ctypes.c_int()
+    if pass_ == "fwd":  # (xDesc, x, wDesc, w, convDesc, yDesc, y)
+        args = (x_desc, x_ptr, w_desc, w_ptr, conv_desc, y_desc, y_ptr)
+    elif pass_ == "bwd_data":  # (wDesc, w, dyDesc, dy, convDesc, dxDesc, dx)
+        args = (w_desc, w_ptr, y_desc, y_ptr, conv_desc, x_desc, x_ptr)
+    else:  # (xDesc, x, dyDesc, dy, convDesc, dwDesc, dw)
+        args = (x_desc, x_ptr, y_desc, y_ptr, conv_desc, w_desc, w_ptr)
+    call(
+        spec.find_ex, handle, *args, n, ctypes.byref(returned), results, workspace_ptr or None, int(workspace_bytes),
+        context=f"{_context(pass_, x_desc, w_desc, conv_desc, y_desc)}, workspace {int(workspace_bytes)} bytes",
+    )
+    return [AlgoPerf.from_struct(results[i]) for i in range(returned.value)]
+
+
+def _scale(value: float, data: DataType) -> ctypes.c_float | ctypes.c_double:
+    # cuDNN reads alpha/beta as double for double data and as float for every other data type.
+    return ctypes.c_double(value) if data == DataType.DOUBLE else ctypes.c_float(value)
+
+
+def convolution(
+    pass_: str,
+    handle: Handle,
+    *,
+    x_desc: TensorDescriptor,
+    x_ptr: int,
+    w_desc: FilterDescriptor,
+    w_ptr: int,
+    conv_desc: ConvolutionDescriptor,
+    y_desc: TensorDescriptor,
+    y_ptr: int,
+    algo: int,
+    workspace_ptr: int = 0,
+    workspace_bytes: int = 0,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    data_type: DataType | None = None,
+) -> None:
+    """Enqueue one convolution pass on the handle's stream: ``out = alpha * op(inputs) + beta * out``.
+
+    C: ``cudnnConvolutionForward`` (writes y), ``cudnnConvolutionBackwardData`` (writes dx, at ``x_ptr``) or
+    ``cudnnConvolutionBackwardFilter`` (writes dw, at ``w_ptr``). ``alpha``/``beta`` are passed as host doubles
+    when ``data_type`` (default: ``x_desc.dtype``) is ``DOUBLE``, else as host floats. ``workspace_bytes`` may be
+    more than :func:`workspace_size` asks for; the workspace must not be used by another stream meanwhile.
+    """
+    spec = _spec(pass_)
+    algo = spec.algo_enum(algo)
+    data = x_desc.dtype if data_type is None else DataType(data_type)
+    alpha_c, beta_c = _scale(alpha, data), _scale(beta, data)
+    if pass_ == "fwd":  # (xDesc, x, wDesc, w, convDesc, algo, ws, wsSize, beta, yDesc, y)
+        inputs, output = (x_desc, x_ptr, w_desc, w_ptr), (y_desc, y_ptr)
+    elif pass_ == "bwd_data":  # (wDesc, w, dyDesc, dy, convDesc, algo, ws, wsSize, beta, dxDesc, dx)
+        inputs, output = (w_desc, w_ptr, y_desc, y_ptr), (x_desc, x_ptr)
+    else:  # (xDesc, x, dyDesc, dy, convDesc, algo, ws, wsSize, beta, dwDesc, dw)
+        inputs, output = (x_desc, x_ptr, y_desc, y_ptr), (w_desc, w_ptr)
+    call(
+        spec.run, handle, ctypes.byref(alpha_c), *inputs, conv_desc, algo, workspace_ptr or None,
+        int(workspace_bytes), ctypes.byref(beta_c), *output,
+        context=f"{_context(pass_, x_desc, w_desc, conv_desc, y_desc)}, algo {algo.name}, "
+        f"workspace {int(workspace_bytes)} bytes",
+    )

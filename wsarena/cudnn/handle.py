@@ -1,0 +1,186 @@
+"""cuDNN handles, one per (device, host thread), created on first use.
+
+A ``cudnnHandle_t`` is not safe for concurrent use by several host threads, and ``cudnnCreate`` binds it to the
+CUDA device current at that moment; hence one handle per thread and device. **The caller must make ``device``
+current** (e.g. ``with cupy.cuda.Device(device):``) before the first :func:`get_handle` of a thread; when
+cuda-python can tell which device is current and it is another one, :func:`get_handle` raises ``ValueError``
+instead of binding the handle to the wrong device.
+
+All handles are destroyed by an ``atexit`` hook, which runs before the CUDA runtime tears its contexts down; the
+garbage-collection finalizers (a thread that ended, :func:`close_all_handles`) do nothing at shutdown.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import threading
+import warnings
+import weakref
+
+from .._gpu import gpu_unusable_reason
+from ._errors import CudnnGpuUnavailableError, check, status_message
+from ._prototypes import call, function
+
+__all__ = ["Handle", "close_all_handles", "get_handle"]
+
+
+def _destroy_quietly(handle: int) -> None:
+    """Finalizer: destroy a handle whose owner (a finished thread) is gone; warn, never raise."""
+    try:
+        call("cudnnDestroy", handle)
+    except Exception as exc:  # noqa: BLE001
+        warnings.warn(f"wsarena.cudnn: cudnnDestroy failed: {exc}", ResourceWarning, stacklevel=1)
+
+
+def _current_device() -> int | None:
+    """The CUDA runtime's current device, or ``None`` when it cannot be asked (no GPU, no cuda-python)."""
+    try:
+        from cuda.bindings import runtime
+
+        err, device = runtime.cudaGetDevice()
+    except Exception:  # noqa: BLE001 - only a consistency check; cudnnCreate reports the real problem
+        return None
+    return int(device) if err == runtime.cudaError_t.cudaSuccess else None
+
+
+class Handle:
+    """An owned ``cudnnHandle_t`` for one device, used by one host thread. Get it from :func:`get_handle`.
+
+    Attributes
+    ----------
+    device : int
+        The CUDA device ordinal it was created on.
+    thread_id : int
+        ``threading.get_ident()`` of the thread it belongs to.
+    """
+
+    __slots__ = ("__weakref__", "_finalizer", "_handle", "_stream", "device", "thread_id")
+
+    def __init__(self, device: int) -> None:
+        self.device = int(device)
+        self.thread_id = threading.get_ident()
+        raw = ctypes.c_void_p()
+        status = function("cudnnCreate")(ctypes.byref(raw))
+        if status != 0:
+            reason = gpu_unusable_reason()
+            if reason is not None:
+                detail = status_message(status, "cudnnCreate", f"device {self.device}")
+                raise CudnnGpuUnavailableError(
+                    status,
+                    f"cannot create a cuDNN handle for device {self.device}: no usable GPU ({reason}); {detail}",
+                    "cudnnCreate",
+                    f"device {self.device}",
+                )
+            check(status, "cudnnCreate", f"device {self.device}")
+        self._handle: int = raw.value or 0
+        self._stream: int | None = None  # what cudnnSetStream was last given; None = cuDNN's default
+        self._finalizer = weakref.finalize(self, _destroy_quietly, self._handle)
+        self._finalizer.atexit = False  # the atexit hook below destroys live handles itself, in time
+
+    @property
+    def handle(self) -> int:
+        """The raw ``cudnnHandle_t`` as an int (``ValueError`` once closed)."""
+        if not self._finalizer.alive:
+            raise ValueError("the cuDNN handle is closed")
+        return self._handle
+
+    @property
+    def _as_parameter_(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(self.handle)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def stream(self) -> int:
+        """The ``cudaStream_t`` this handle enqueues on, as last set by :meth:`set_stream` (0 by default)."""
+        return self._stream or 0
+
+    def set_stream(self, stream_ptr: int) -> None:
+        """Bind the handle to a raw ``cudaStream_t`` (``cudnnSetStream``); nothing is called if already bound."""
+        stream_ptr = int(stream_ptr)
+        if stream_ptr == self._stream:
+            return
+        call("cudnnSetStream", self, stream_ptr, context=f"device {self.device}, stream {stream_ptr:#x}")
+        self._stream = stream_ptr
+
+    def get_stream(self) -> int:
+        """Ask cuDNN which stream the handle is bound to (``cudnnGetStream``)."""
+        stream = ctypes.c_void_p()
+        call("cudnnGetStream", self, ctypes.byref(stream))
+        return stream.value or 0
+
+    def close(self) -> None:
+        """Destroy the handle now (``cudnnDestroy``, which synchronizes the device); later calls do nothing."""
+        if self._finalizer.detach() is not None:
+            _forget(self)
+            call("cudnnDestroy", self._handle, context=f"device {self.device}")
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self._handle:#x}"
+        return f"<cuDNN Handle device={self.device} thread={self.thread_id} {state}>"
+
+
+_tls = threading.local()  # .handles: dict[device, Handle] of the calling thread
+_lock = threading.Lock()  # guards _live and _atexit_registered
+_live: weakref.WeakSet[Handle] = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _forget(handle: Handle) -> None:
+    handles = getattr(_tls, "handles", None)
+    if handles is not None and handles.get(handle.device) is handle:
+        del handles[handle.device]
+    with _lock:
+        _live.discard(handle)
+
+
+def get_handle(device: int) -> Handle:
+    """The calling thread's cuDNN handle for ``device``, created with ``cudnnCreate`` on first request.
+
+    The caller must have made ``device`` the current CUDA device (module docstring).
+
+    Raises
+    ------
+    CudnnGpuUnavailableError
+        ``cudnnCreate`` failed and no GPU is usable; the message gives the reason.
+    CudnnNotFoundError
+        libcudnn cannot be loaded.
+    ValueError
+        ``device`` is not the current CUDA device.
+    """
+    global _atexit_registered
+    device = int(device)
+    handles = getattr(_tls, "handles", None)
+    if handles is None:
+        handles = _tls.handles = {}
+    handle = handles.get(device)
+    if handle is not None and not handle.closed:
+        return handle
+    current = _current_device()
+    if current is not None and current != device:
+        raise ValueError(f"device {device} is not the current CUDA device ({current}); make it current first")
+    handle = Handle(device)
+    handles[device] = handle
+    with _lock:
+        _live.add(handle)
+        if not _atexit_registered:
+            atexit.register(close_all_handles)
+            _atexit_registered = True
+    return handle
+
+
+def close_all_handles() -> None:
+    """Destroy every live handle of every thread (registered with ``atexit``; also usable by tests).
+
+    Errors are turned into warnings: this runs at exit, where raising helps nobody.
+    """
+    with _lock:
+        handles = list(_live)
+    for handle in handles:
+        try:
+            handle.close()
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"wsarena.cudnn: closing {handle!r} failed: {exc}", ResourceWarning, stacklevel=1)
