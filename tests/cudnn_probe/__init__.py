@@ -1,0 +1,1 @@
+"""Helpers for the cuDNN parity tests: the parsed headers and a C probe compiled against them."""

@@ -1,0 +1,127 @@
+"""The convolution wrappers without a GPU: argument order against the header, marshalling through ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+import wsarena.cudnn as cudnn
+from wsarena.cudnn import conv as conv_mod
+
+from .cudnn_probe import probe
+
+_info = cudnn.library_info()
+needs_cudnn = pytest.mark.skipif(not _info["found"], reason=f"libcudnn not loadable: {_info['error']}")
+
+F32 = cudnn.DataType.FLOAT
+X_PTR, W_PTR, Y_PTR, WS_PTR, WS_BYTES = 0x1000, 0x2000, 0x3000, 0x4000, 12345
+
+
+class _NullHandle:
+    """Stands in for a Handle: a null cudnnHandle_t, which cuDNN rejects with BAD_PARAM (no GPU needed)."""
+
+    _as_parameter_ = ctypes.c_void_p(None)
+    device = 0
+
+
+@pytest.fixture(scope="module")
+def descs():
+    if not _info["found"]:
+        pytest.skip(f"libcudnn not loadable: {_info['error']}")
+    x = cudnn.TensorDescriptor(F32, (2, 4, 9, 9))
+    w = cudnn.FilterDescriptor(F32, cudnn.TensorFormat.NCHW, (6, 4, 3, 3))
+    conv = cudnn.ConvolutionDescriptor((1, 1), (1, 1), (1, 1))
+    y = cudnn.TensorDescriptor(F32, conv.output_shape(x, w))
+    return x, w, conv, y
+
+
+def _roles(pass_: str, handle, x, w, conv, y, algo) -> dict[str, object]:
+    """Header parameter name -> the object the wrapper must pass there."""
+    roles = {
+        "handle": handle, "convDesc": conv, "algo": algo,
+        "xDesc": x, "srcDesc": x, "dxDesc": x, "x": X_PTR, "dx": X_PTR,
+        "wDesc": w, "filterDesc": w, "dwDesc": w, "w": W_PTR, "dw": W_PTR,
+        "yDesc": y, "destDesc": y, "dyDesc": y, "diffDesc": y, "y": Y_PTR, "dy": Y_PTR,
+        "workSpace": WS_PTR, "workSpaceSizeInBytes": WS_BYTES,
+    }
+    roles["gradDesc"] = x if pass_ == "bwd_data" else w  # the header reuses this name for dx and for dw
+    return roles
+
+
+@pytest.mark.skipif(probe.compiler() is None, reason="no C compiler (cc/gcc/clang or $CC) found")
+@pytest.mark.parametrize("pass_", conv_mod.PASSES)
+def test_arguments_follow_the_header_order(monkeypatch, descs, pass_):
+    x, w, conv, y = descs
+    handle = _NullHandle()
+    algo = cudnn.ALGORITHMS[pass_](1)
+    seen: list[tuple[str, tuple]] = []
+
+    def recorder(name, *args, context=""):
+        seen.append((name, args))
+
+    monkeypatch.setattr(conv_mod, "call", recorder)
+    cudnn.workspace_size(pass_, handle, x, w, conv, y, algo)
+    cudnn.heuristic_algorithms(pass_, handle, x, w, conv, y)
+    cudnn.find_algorithms(pass_, handle, x, X_PTR, w, W_PTR, conv, y, Y_PTR, WS_PTR, WS_BYTES)
+    cudnn.convolution(
+        pass_, handle, x_desc=x, x_ptr=X_PTR, w_desc=w, w_ptr=W_PTR, conv_desc=conv, y_desc=y, y_ptr=Y_PTR,
+        algo=algo, workspace_ptr=WS_PTR, workspace_bytes=WS_BYTES,
+    )
+    roles = _roles(pass_, handle, x, w, conv, y, algo)
+    functions = probe.parsed()["functions"]
+    checked = 0
+    for name, args in seen:
+        params = [p.name for p in functions[name].args.params]
+        assert len(args) == len(params), name
+        for param, arg in zip(params, args):
+            if param in roles:
+                assert arg is roles[param] or arg == roles[param], f"{name}: {param} got {arg!r}"
+                checked += 1
+    called = {name for name, _ in seen}
+    assert len(called) == 5  # workspace size, max count, _v7, FindEx, the convolution
+    assert checked >= 30
+
+
+@needs_cudnn
+@pytest.mark.parametrize("pass_", conv_mod.PASSES)
+def test_every_wrapper_reaches_cudnn(monkeypatch, descs, pass_):
+    """Through real ctypes calls: cuDNN answers with a status (not a crash), so every argument converted.
+
+    Which status depends on the machine: BAD_PARAM for the null handle, or SUBLIBRARY_LOADING_FAILED where the
+    heuristics' engine library needs a CUDA driver before it looks at the handle.
+    """
+    x, w, conv, y = descs
+    handle = _NullHandle()
+    with pytest.raises(cudnn.CudnnBadParamError, match=r"WorkspaceSize.*\[" + pass_):
+        cudnn.workspace_size(pass_, handle, x, w, conv, y, 0)
+    with pytest.raises(cudnn.CudnnBadParamError, match="AlgorithmMaxCount"):
+        cudnn.heuristic_algorithms(pass_, handle, x, w, conv, y)
+    monkeypatch.setattr(conv_mod, "_max_count", lambda spec, handle: 8)  # get past the count query
+    with pytest.raises(cudnn.CudnnError, match="Algorithm_v7"):
+        cudnn.heuristic_algorithms(pass_, handle, x, w, conv, y)
+    with pytest.raises(cudnn.CudnnError, match="AlgorithmEx"):
+        cudnn.find_algorithms(pass_, handle, x, 0, w, 0, conv, y, 0, 0, 0)
+    with pytest.raises(cudnn.CudnnError, match="cudnnConvolution"):
+        cudnn.convolution(pass_, handle, x_desc=x, x_ptr=0, w_desc=w, w_ptr=0, conv_desc=conv, y_desc=y, y_ptr=0,
+                          algo=0)
+
+
+def test_pass_names_and_algorithms():
+    assert conv_mod.PASSES == ("fwd", "bwd_data", "bwd_filter")
+    assert cudnn.ALGORITHMS == {
+        "fwd": cudnn.ConvolutionFwdAlgo,
+        "bwd_data": cudnn.ConvolutionBwdDataAlgo,
+        "bwd_filter": cudnn.ConvolutionBwdFilterAlgo,
+    }
+    assert len(cudnn.algorithms("fwd")) == 8 and "COUNT" not in {a.name for a in cudnn.algorithms("bwd_filter")}
+    assert cudnn.algorithm("fwd", "FFT") is cudnn.ConvolutionFwdAlgo.FFT
+    assert cudnn.algorithm("bwd_data", 1) is cudnn.ConvolutionBwdDataAlgo.ALGO_1
+    with pytest.raises(ValueError, match="pass_ must be one of"):
+        cudnn.algorithms("forward")
+
+
+def test_scaling_factors_follow_the_data_type():
+    assert isinstance(conv_mod._scale(1.0, cudnn.DataType.DOUBLE), ctypes.c_double)
+    for dtype in (cudnn.DataType.FLOAT, cudnn.DataType.HALF, cudnn.DataType.BFLOAT16):
+        assert isinstance(conv_mod._scale(1.0, dtype), ctypes.c_float)

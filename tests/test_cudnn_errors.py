@@ -1,0 +1,96 @@
+"""The status -> exception mapping and the package's public names (no GPU needed)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import wsarena
+import wsarena.cudnn as cudnn
+from wsarena.errors import BackendUnavailableError, WsarenaError
+
+
+def test_one_class_per_status():
+    canonical = [m for m in cudnn.Status if m is not cudnn.Status.SUCCESS]
+    assert set(cudnn.STATUS_ERRORS) == {m.value for m in canonical}
+    assert len({cls.__name__ for cls in cudnn.STATUS_ERRORS.values()}) == len(canonical)
+    for member in canonical:
+        cls = cudnn.error_class(member)
+        assert issubclass(cls, cudnn.CudnnError)
+        assert f"CUDNN_STATUS_{member.name}" in cls.__doc__
+        assert getattr(cudnn, cls.__name__) is cls
+    # Deprecated aliases share their canonical status's class.
+    assert cudnn.error_class(cudnn.Status.ALLOC_FAILED) is cudnn.error_class(4003)
+
+
+def test_class_names():
+    assert cudnn.error_class(2000).__name__ == "CudnnBadParamError"
+    assert cudnn.error_class(3000).__name__ == "CudnnNotSupportedError"
+    assert cudnn.error_class(1001).__name__ == "CudnnNotInitializedError"
+    assert cudnn.error_class(4000).__name__ == "CudnnInternalError"
+    assert cudnn.error_class(2002).__name__ == "CudnnBadParamNullPointerError"
+
+
+def test_specific_statuses_derive_from_their_category():
+    assert issubclass(cudnn.CudnnBadParamNullPointerError, cudnn.CudnnBadParamError)
+    assert issubclass(cudnn.CudnnNotSupportedShapeError, cudnn.CudnnNotSupportedError)
+    assert issubclass(cudnn.CudnnExecutionFailedCudartError, cudnn.CudnnExecutionFailedError)
+    assert issubclass(cudnn.CudnnInternalErrorHostAllocationFailedError, cudnn.CudnnInternalError)
+    assert cudnn.CudnnNotInitializedError.__bases__ == (cudnn.CudnnError,)  # no 1000 category status
+    assert not issubclass(cudnn.CudnnNotSupportedError, cudnn.CudnnBadParamError)
+
+
+def test_base_class_picks_the_subclass():
+    err = cudnn.CudnnError(2008, "shapes differ")
+    assert type(err) is cudnn.CudnnBadParamShapeMismatchError
+    assert err.status is cudnn.Status.BAD_PARAM_SHAPE_MISMATCH and str(err) == "shapes differ"
+    unknown = cudnn.CudnnError(7777)
+    assert type(unknown) is cudnn.CudnnError and unknown.status == 7777
+    assert "7777" in str(unknown)
+    assert isinstance(err, WsarenaError) and isinstance(err, RuntimeError)
+
+
+def test_check_passes_success_and_raises_the_rest():
+    assert cudnn.check(0, "cudnnAnything") is None
+    cudnn.bind_all() if cudnn.library_info()["found"] else None
+    with pytest.raises(cudnn.CudnnNotSupportedShapeError) as info:
+        cudnn.check(3002, "cudnnSomething", "x (1, 2, 3, 4)")
+    err = info.value
+    assert err.func_name == "cudnnSomething" and err.context == "x (1, 2, 3, 4)"
+    text = str(err)
+    assert "cudnnSomething" in text and "CUDNN_STATUS_NOT_SUPPORTED_SHAPE" in text and "x (1, 2, 3, 4)" in text
+    if cudnn.library_info()["found"]:
+        # cudnnGetErrorString's own text is part of the message.
+        assert text.count("CUDNN_STATUS_NOT_SUPPORTED_SHAPE") >= 2
+
+
+def test_errors_pickle():
+    err = cudnn.CudnnError(2000, "message", "cudnnFoo", "ctx")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is cudnn.CudnnBadParamError
+    assert (back.status, str(back), back.func_name, back.context) == (err.status, "message", "cudnnFoo", "ctx")
+    gpu = cudnn.CudnnGpuUnavailableError(1001, "no GPU", "cudnnCreate")
+    assert type(pickle.loads(pickle.dumps(gpu))) is cudnn.CudnnGpuUnavailableError
+
+
+def test_environment_errors_are_backend_unavailable():
+    for cls in (cudnn.CudnnNotFoundError, cudnn.CudnnVersionError, cudnn.CudnnSymbolError,
+                cudnn.CudnnGpuUnavailableError):
+        assert issubclass(cls, BackendUnavailableError)
+    assert issubclass(cudnn.CudnnGpuUnavailableError, cudnn.CudnnError)
+    err = cudnn.CudnnNotFoundError([("here", "not there"), ("there", "no such file")])
+    assert err.tried == [("here", "not there"), ("there", "no such file")]
+    assert "here: not there" in str(err) and "there: no such file" in str(err)
+
+
+def test_public_names():
+    assert cudnn.__all__ == sorted(cudnn.__all__)
+    for name in cudnn.__all__:
+        assert hasattr(cudnn, name), name
+    assert wsarena.cudnn is cudnn
+    for name in ("bind_all", "library_info", "get_handle", "TensorDescriptor", "FilterDescriptor",
+                 "ConvolutionDescriptor", "tensor_descriptor", "filter_descriptor", "convolution_descriptor",
+                 "workspace_size", "heuristic_algorithms", "find_algorithms", "convolution", "AlgoPerf",
+                 "CudnnError", "CudnnBadParamError", "Status", "ConvolutionFwdAlgo"):
+        assert name in cudnn.__all__, name

@@ -1,0 +1,179 @@
+"""Parity of the cuDNN bindings with the shipped headers: enums and perf structs (needs a C compiler, no GPU)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import sys
+from enum import IntEnum
+from pathlib import Path
+
+import pytest
+
+import wsarena.cudnn as cudnn
+from wsarena.cudnn import _headers
+
+from .cudnn_probe import probe
+
+pytestmark = pytest.mark.skipif(probe.compiler() is None, reason="no C compiler (cc/gcc/clang or $CC) found")
+
+STRUCTS = {
+    "cudnnConvolutionFwdAlgoPerf_t": cudnn.ConvolutionFwdAlgoPerfStruct,
+    "cudnnConvolutionBwdDataAlgoPerf_t": cudnn.ConvolutionBwdDataAlgoPerfStruct,
+    "cudnnConvolutionBwdFilterAlgoPerf_t": cudnn.ConvolutionBwdFilterAlgoPerfStruct,
+}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    names = [name for table in cudnn.C_NAMES.values() for name in table]
+    return probe.run_probe(probe.probe_source(names), tmp_path_factory.mktemp("cudnn_probe"))
+
+
+def _generator():
+    path = Path(__file__).resolve().parents[1] / "tools" / "gen_cudnn_enums.py"
+    spec = importlib.util.spec_from_file_location("_gen_cudnn_enums_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_declared_enumerator_has_the_compiled_value(compiled):
+    checked = 0
+    for typedef, names in cudnn.C_NAMES.items():
+        enum = cudnn.C_TYPEDEFS[typedef]
+        for c_name, member in names.items():
+            assert int(enum[member]) == compiled["enums"][c_name], f"{typedef}: {c_name} vs {enum.__name__}.{member}"
+            checked += 1
+    assert checked == sum(len(n) for n in cudnn.C_NAMES.values()) > 100
+
+
+@pytest.mark.parametrize("typedef", sorted(cudnn.C_NAMES))
+def test_no_header_enumerator_is_missing(typedef):
+    header = probe.parsed()["enums"][typedef]
+    assert list(cudnn.C_NAMES[typedef]) == [name for name, _ in header]
+    enum = cudnn.C_TYPEDEFS[typedef]
+    for c_name, value in header:
+        assert enum[cudnn.C_NAMES[typedef][c_name]] == value
+    # Every distinct header value is a canonical member, and nothing else is.
+    assert {m.value for m in enum} == {value for _, value in header}
+
+
+def test_parser_values_agree_with_the_compiler(compiled):
+    """The generator reads values with its own evaluator; the compiler is the referee."""
+    for typedef in cudnn.C_NAMES:
+        for name, value in probe.parsed()["enums"][typedef]:
+            assert compiled["enums"][name] == value, name
+
+
+def test_class_names_follow_the_typedefs():
+    for typedef, enum in cudnn.C_TYPEDEFS.items():
+        assert issubclass(enum, IntEnum)
+        assert enum.__name__ == typedef.removeprefix("cudnn").removesuffix("_t")
+        assert getattr(cudnn, enum.__name__) is enum
+
+
+def test_member_names_drop_the_common_prefix():
+    assert cudnn.ConvolutionFwdAlgo.IMPLICIT_GEMM == 0
+    assert cudnn.Status.BAD_PARAM == 2000
+    assert cudnn.DataType.FLOAT == 0
+    assert cudnn.TensorFormat.NHWC == 1
+    assert cudnn.ConvolutionMode.CROSS_CORRELATION == 1
+    assert cudnn.MathType.TENSOR_OP_MATH == 1
+    assert cudnn.Determinism.DETERMINISTIC == 1
+    # A member that would start with a digit keeps the last shared word.
+    assert cudnn.ConvolutionBwdFilterAlgo.ALGO_0 == 0 and cudnn.ConvolutionBwdFilterAlgo.FFT == 2
+    assert cudnn.ConvolutionBwdDataAlgo.ALGO_1 == 1
+    # Deprecated header aliases stay aliases.
+    assert cudnn.Status.ALLOC_FAILED is cudnn.Status.INTERNAL_ERROR_HOST_ALLOCATION_FAILED
+
+
+def test_algorithm_counts_match_the_notes():
+    assert cudnn.ConvolutionFwdAlgo.COUNT == 8
+    assert cudnn.ConvolutionBwdDataAlgo.COUNT == 6
+    assert cudnn.ConvolutionBwdFilterAlgo.COUNT == 7
+
+
+def test_generated_file_is_up_to_date():
+    gen = _generator()
+    version = str(_headers.header_version())
+    expected = gen.render(probe.parsed()["enums"], version, _headers.CUDNN_HEADERS)
+    current = (Path(cudnn.__file__).parent / "_enums.py").read_text()
+    assert current == expected, "wsarena/cudnn/_enums.py is stale: run python tools/gen_cudnn_enums.py"
+    assert cudnn.HEADER_VERSION == version
+
+
+def test_generator_member_name_rule():
+    gen = _generator()
+    assert gen.member_names(["CUDNN_A_X", "CUDNN_A_Y_Z"]) == {"CUDNN_A_X": "X", "CUDNN_A_Y_Z": "Y_Z"}
+    assert gen.member_names(["P_ALGO_0", "P_ALGO_FFT"]) == {"P_ALGO_0": "ALGO_0", "P_ALGO_FFT": "FFT"}
+    assert gen.class_name("cudnnMathType_t") == "MathType"
+
+
+def test_c_types_have_the_sizes_ctypes_assumes(compiled):
+    assert compiled["types"]["int"] == ctypes.sizeof(ctypes.c_int)
+    assert compiled["types"]["enum"] == ctypes.sizeof(ctypes.c_int)  # enums are passed as c_int
+    assert compiled["types"]["size_t"] == ctypes.sizeof(ctypes.c_size_t)
+    assert compiled["types"]["pointer"] == ctypes.sizeof(ctypes.c_void_p)
+
+
+@pytest.mark.parametrize("c_struct", sorted(STRUCTS))
+def test_perf_struct_layout(compiled, c_struct):
+    ours = STRUCTS[c_struct]
+    size, align = compiled["structs"][c_struct]
+    assert ctypes.sizeof(ours) == size == 48
+    assert ctypes.alignment(ours) == align
+    assert [name for name, _ in ours._fields_] == list(probe.PERF_FIELDS)
+    for field in probe.PERF_FIELDS:
+        offset, field_size = compiled["fields"][(c_struct, field)]
+        assert getattr(ours, field).offset == offset, field
+        assert getattr(ours, field).size == field_size, field
+    assert len(ours().reserved) == 3
+
+
+@pytest.mark.parametrize("c_struct", sorted(STRUCTS))
+def test_perf_struct_fields_match_the_declaration(c_struct):
+    """Field names and C types as the header declares them (the compiler checked the layout)."""
+    from pycparser import c_ast
+
+    decl = probe.parsed()["typedefs"][c_struct].type
+    assert isinstance(decl, c_ast.Struct)
+    c_fields = []
+    for item in decl.decls:
+        node = item.type
+        length = None
+        if isinstance(node, c_ast.ArrayDecl):
+            length = int(node.dim.value)
+            node = node.type
+        c_fields.append((item.name, " ".join(node.type.names), length))
+    ours = STRUCTS[c_struct]
+    expected_ctypes = {"float": ctypes.c_float, "size_t": ctypes.c_size_t, "int": ctypes.c_int}
+    for (name, c_type, length), (our_name, our_type) in zip(c_fields, ours._fields_, strict=True):
+        assert name == our_name
+        if length is not None:
+            assert our_type._length_ == length and our_type._type_ is ctypes.c_int
+        elif c_type.startswith("cudnn"):
+            assert our_type is ctypes.c_int  # an enum
+        else:
+            assert our_type is expected_ctypes[c_type]
+
+
+def test_algo_perf_from_struct():
+    raw = cudnn.ConvolutionBwdFilterAlgoPerfStruct(
+        algo=2, status=0, time=1.5, memory=1 << 20, determinism=1, mathType=1
+    )
+    perf = cudnn.AlgoPerf.from_struct(raw)
+    assert perf == cudnn.AlgoPerf(
+        algo=cudnn.ConvolutionBwdFilterAlgo.FFT,
+        status=cudnn.Status.SUCCESS,
+        time_ms=1.5,
+        memory=1 << 20,
+        determinism=cudnn.Determinism.DETERMINISTIC,
+        math_type=cudnn.MathType.TENSOR_OP_MATH,
+    )
+    assert perf.ok
+    with pytest.raises(AttributeError):
+        perf.memory = 0  # frozen
+    unknown = cudnn.AlgoPerf.from_struct(cudnn.ConvolutionFwdAlgoPerfStruct(algo=99, status=3000))
+    assert unknown.algo == 99 and not unknown.ok

@@ -1,0 +1,128 @@
+"""Every entry of the prototype table against the declaration parsed from the headers (no GPU needed)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+import wsarena.cudnn as cudnn
+from wsarena.cudnn import _prototypes
+
+from .cudnn_probe import probe
+
+pytestmark = pytest.mark.skipif(probe.compiler() is None, reason="no C compiler (cc/gcc/clang or $CC) found")
+
+REQUIRED = {
+    "cudnnGetVersion", "cudnnGetCudartVersion", "cudnnGetErrorString", "cudnnGetLastErrorString", "cudnnGetProperty",
+    "cudnnCreate", "cudnnDestroy", "cudnnSetStream", "cudnnGetStream",
+    "cudnnCreateTensorDescriptor", "cudnnSetTensorNdDescriptor", "cudnnGetTensorNdDescriptor",
+    "cudnnDestroyTensorDescriptor", "cudnnGetTensorSizeInBytes",
+    "cudnnCreateFilterDescriptor", "cudnnSetFilterNdDescriptor", "cudnnGetFilterNdDescriptor",
+    "cudnnDestroyFilterDescriptor",
+    "cudnnCreateConvolutionDescriptor", "cudnnSetConvolutionNdDescriptor", "cudnnGetConvolutionNdDescriptor",
+    "cudnnSetConvolutionGroupCount", "cudnnGetConvolutionGroupCount", "cudnnSetConvolutionMathType",
+    "cudnnGetConvolutionMathType", "cudnnDestroyConvolutionDescriptor", "cudnnGetConvolutionNdForwardOutputDim",
+    *(
+        f"{prefix}{p}{suffix}"
+        for p in ("Forward", "BackwardData", "BackwardFilter")
+        for prefix, suffix in (
+            ("cudnnGetConvolution", "WorkspaceSize"),
+            ("cudnnGetConvolution", "Algorithm_v7"),
+            ("cudnnGetConvolution", "AlgorithmMaxCount"),
+            ("cudnnFindConvolution", "AlgorithmEx"),
+        )
+    ),
+    "cudnnConvolutionForward", "cudnnConvolutionBackwardData", "cudnnConvolutionBackwardFilter",
+}
+
+# typedef'd structs passed by pointer -> the ctypes Structure that mirrors them
+STRUCTS = {
+    "cudnnConvolutionFwdAlgoPerf_t": cudnn.ConvolutionFwdAlgoPerfStruct,
+    "cudnnConvolutionBwdDataAlgoPerf_t": cudnn.ConvolutionBwdDataAlgoPerfStruct,
+    "cudnnConvolutionBwdFilterAlgoPerf_t": cudnn.ConvolutionBwdFilterAlgoPerfStruct,
+}
+SCALARS = {
+    ("int",): ctypes.c_int,
+    ("size_t",): ctypes.c_size_t,
+    ("float",): ctypes.c_float,
+    ("double",): ctypes.c_double,
+    ("int64_t",): ctypes.c_int64,
+    ("unsigned",): ctypes.c_uint,
+}
+
+
+def expected_ctype(node, typedefs):
+    """The ctypes type a C type must be declared as (module docstring of wsarena.cudnn._prototypes)."""
+    from pycparser import c_ast
+
+    if isinstance(node, (c_ast.PtrDecl, c_ast.ArrayDecl)):  # arrays in parameters decay to pointers
+        inner = node.type
+        if isinstance(inner, c_ast.TypeDecl) and isinstance(inner.type, c_ast.IdentifierType):
+            names = tuple(inner.type.names)
+            if names == ("void",):
+                return ctypes.c_void_p
+            if names == ("char",):
+                return ctypes.c_char_p
+        return ctypes.POINTER(expected_ctype(inner, typedefs))
+    assert isinstance(node, c_ast.TypeDecl), node
+    base = node.type
+    if isinstance(base, c_ast.Enum):
+        return ctypes.c_int
+    assert isinstance(base, c_ast.IdentifierType), base
+    names = tuple(base.names)
+    if names == ("void",):
+        return None
+    if names in SCALARS:  # before typedef resolution, so size_t stays size_t
+        return SCALARS[names]
+    (name,) = names
+    if name in STRUCTS:
+        return STRUCTS[name]
+    target = typedefs[name]
+    if isinstance(target, c_ast.PtrDecl):  # cudnnHandle_t, cudnn*Descriptor_t, cudaStream_t: opaque pointers
+        return ctypes.c_void_p
+    return expected_ctype(target, typedefs)
+
+
+def test_table_covers_every_function_wsarena_needs():
+    assert REQUIRED <= set(cudnn.PROTOTYPES)
+
+
+@pytest.mark.parametrize("name", sorted(cudnn.PROTOTYPES))
+def test_prototype_matches_header(name):
+    from pycparser import c_ast
+
+    parsed = probe.parsed()
+    assert name in parsed["functions"], f"{name} is not declared in {', '.join(cudnn._headers.CUDNN_HEADERS)}"
+    decl = parsed["functions"][name]
+    restype, argtypes = cudnn.PROTOTYPES[name]
+    assert restype is expected_ctype(decl.type, parsed["typedefs"]), "restype"
+    params = list(decl.args.params) if decl.args else []
+    if len(params) == 1 and isinstance(params[0], c_ast.Typename) and expected_ctype(
+        params[0].type, parsed["typedefs"]
+    ) is None:
+        params = []  # f(void)
+    assert len(argtypes) == len(params), f"{name}: {len(argtypes)} argtypes for {len(params)} parameters"
+    for i, (ours, param) in enumerate(zip(argtypes, params)):
+        want = expected_ctype(param.type, parsed["typedefs"])
+        assert ours is want, f"{name} argument {i} ({param.name}): {ours} declared, header says {want}"
+
+
+def test_bind_all_declares_every_function():
+    lib = cudnn.bind_all()
+    assert isinstance(lib, ctypes.CDLL)
+    for name, (restype, argtypes) in cudnn.PROTOTYPES.items():
+        fn = getattr(lib, name)
+        assert fn.restype is restype and list(fn.argtypes) == list(argtypes), name
+        assert _prototypes.function(name) is fn
+    assert lib.cudnnGetVersion() // 10000 == 9
+
+
+def test_unknown_name_is_a_key_error():
+    with pytest.raises(KeyError, match="cudnnNoSuchThing"):
+        _prototypes.function("cudnnNoSuchThing")
+
+
+def test_library_property_mirrors_the_stub():
+    enums = probe.parsed()["enums"]["libraryPropertyType"]
+    assert [(m.name, m.value) for m in cudnn.LibraryProperty] == enums
