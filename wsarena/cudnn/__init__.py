@@ -1,7 +1,9 @@
 """ctypes bindings to cuDNN 9 (layer 1 of wsarena): loading, enums, structs, errors, descriptors, handles.
 
-Importing this package loads nothing: libcudnn is found and loaded on first use (search order in
-:mod:`wsarena.cudnn._library`), so everything imports on a machine without cuDNN or a GPU.
+Importing this package loads nothing: libcudnn is found and loaded on first use, so everything imports on a
+machine without cuDNN or a GPU. Search order (details in :mod:`wsarena.cudnn._library`): 1. cuda.pathfinder's
+``load_nvidia_dynamic_lib("cudnn")``; 2. ``nvidia/cudnn/lib/libcudnn.so.9`` of the installed wheel; 3. the system
+loader (``libcudnn.so.9``); 4. ``$CUDNN_PATH/lib/libcudnn.so.9``. Only cuDNN 9 is accepted.
 
 - :func:`bind_all` loads libcudnn, declares every function of :data:`PROTOTYPES` and returns the ``ctypes.CDLL``;
   :func:`library_info` reports what was found (for ``wsarena info``) and never raises.
