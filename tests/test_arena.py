@@ -1,0 +1,535 @@
+"""The arena's rules, on host memory: leases, growth, retirement, reserve, trim, cap, failures, lanes."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import wsarena
+from wsarena.arena import (
+    POISON_BYTE,
+    Arena,
+    HostProvider,
+    aligned_size,
+    get_arena,
+    reset_arenas,
+    set_arena,
+    thread_lane,
+)
+from wsarena.arena.testing import RecordingProvider
+from wsarena.errors import ArenaOutOfMemoryError, BackendUnavailableError, WorkspaceCapError
+
+
+@pytest.fixture
+def provider():
+    return RecordingProvider()
+
+
+@pytest.fixture
+def arena(provider):
+    return Arena(provider)
+
+
+@pytest.fixture
+def device_provider():
+    return RecordingProvider(kind="device")
+
+
+@pytest.fixture
+def device_arena(device_provider):
+    return Arena(device_provider)
+
+
+def snapshot(arena):
+    return arena.stats().to_dict()
+
+
+# ---------------------------------------------------------------------------------------------- basics
+def test_lease_gives_an_array_of_exactly_nbytes_over_ptr(arena):
+    with arena.lease(1000) as ws:
+        assert ws.nbytes == 1000
+        assert ws.array.shape == (1000,) and ws.array.dtype == np.uint8
+        assert ws.array.__array_interface__["data"][0] == ws.ptr
+        ws.array[:] = 7
+    assert ws.stream is thread_lane()
+
+
+def test_lazy_nothing_allocated_before_first_lease(arena, provider):
+    assert provider.allocations == []
+    assert arena.held_bytes() == 0
+    assert arena.stats().capacity_bytes == 0
+
+
+def test_zero_bytes_is_legal_and_allocates_nothing(arena, provider):
+    with arena.lease(0) as ws:
+        assert ws.ptr == 0 and ws.nbytes == 0
+        assert ws.array.shape == (0,) and ws.array.dtype == np.uint8
+        with arena.lease(0, stream=thread_lane()):  # takes nothing, so it may nest
+            pass
+    assert provider.allocations == []
+    assert arena.stats().streams == {}
+
+
+def test_same_lane_reuses_the_same_bytes(arena, provider):
+    with arena.lease(4096) as a:
+        pa = a.ptr
+    with arena.lease(100) as b:
+        assert b.ptr == pa
+    assert len(provider.allocations) == 1
+
+
+def test_different_lanes_get_disjoint_bytes(arena):
+    with arena.lease(1000, stream="a") as a, arena.lease(1000, stream="b") as b:
+        assert a.ptr + a.nbytes <= b.ptr or b.ptr + b.nbytes <= a.ptr
+
+
+def test_growth_is_by_the_aligned_request_not_doubling(arena, provider):
+    for n in (1000, 1300, 70_000, 70_001):
+        with arena.lease(n):
+            pass
+        assert arena.held_bytes() == aligned_size(max(1000, n))
+    assert [b.nbytes for b in provider.allocations] == [1024, 1536, aligned_size(70_000)]
+    s = arena.stats()
+    assert (s.allocations, s.growths, s.frees) == (3, 2, 2)  # 70_001 fits the aligned 70_000
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 4096, 8191, 8192, 10**6, 3 << 20, 64 << 20, (64 << 20) + 1, 10**10])
+def test_aligned_size(n):
+    size = aligned_size(n)
+    assert size >= n and size % 256 == 0
+    assert size - n < max(256, n / 16)
+    assert size - n < 2 << 20
+    assert aligned_size(size) == size
+
+
+def test_aligned_size_zero():
+    assert aligned_size(0) == 0
+
+
+def test_stats_have_attribute_and_item_access(arena):
+    with arena.lease(3000, stream="x"):
+        s = arena.stats()
+        for name in ("capacity_bytes", "high_water_bytes", "allocations", "growths", "leases", "streams"):
+            assert s[name] == getattr(s, name)
+        assert s.leases == 1 and s.streams["x"].leases == 1 and s.streams["x"]["capacity_bytes"] == 3072
+        assert dict(s)["high_water_bytes"] == 3000
+    with pytest.raises(KeyError):
+        s["nope"]
+    assert arena.stats().leases == 0
+
+
+def test_reserve_presizes_and_leases_then_do_not_allocate(arena, provider):
+    arena.reserve(10_000, stream="s")
+    assert arena.held_bytes(stream="s") == aligned_size(10_000)
+    with arena.lease(10_000, stream="s"), pytest.raises(RuntimeError, match="already holds"):
+        with arena.lease(5, stream="s"):
+            pass
+    assert len(provider.allocations) == 1
+    arena.reserve(0, stream="s")
+    arena.reserve(10, stream="s")  # smaller: nothing to do
+    assert len(provider.allocations) == 1
+
+
+def test_trim_frees_what_no_live_lease_uses(arena, provider):
+    with arena.lease(5000, stream="a"):
+        with arena.lease(7000, stream="b"):
+            pass
+        assert arena.trim() == aligned_size(7000)
+        assert arena.held_bytes(stream="a") == aligned_size(5000)
+        assert arena.held_bytes(stream="b") == 0
+    assert arena.trim() == aligned_size(5000)
+    assert provider.held == [] and arena.stats().capacity_bytes == 0
+    with arena.lease(100, stream="a"):  # usable after trim
+        pass
+
+
+def test_high_water_is_the_largest_lease_and_survives_trim(arena):
+    for n in (10, 5000, 20):
+        with arena.lease(n):
+            pass
+    arena.trim()
+    assert arena.stats().high_water_bytes == 5000
+
+
+def test_held_bytes_per_stream(arena):
+    arena.reserve(1 << 20, stream=1)
+    assert arena.held_bytes(stream=1) == 1 << 20
+    assert arena.held_bytes(stream=2) == 0
+    assert arena.held_bytes() == 0
+
+
+# ------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("bad", [-1, 1.5, "12", None, True, [1]])
+def test_bad_sizes_raise_naming_the_value_and_change_nothing(arena, bad):
+    before = snapshot(arena)
+    with pytest.raises((TypeError, ValueError), match=repr(bad).replace("[", r"\[").replace("]", r"\]")):
+        arena.lease(bad)
+    with pytest.raises((TypeError, ValueError)):
+        arena.reserve(bad)
+    assert snapshot(arena) == before
+
+
+def test_numpy_integer_sizes_are_accepted(arena):
+    with arena.lease(np.int64(512)) as ws:
+        assert ws.nbytes == 512 and type(ws.nbytes) is int
+
+
+def test_unhashable_lane_key_is_a_type_error(arena):
+    with pytest.raises(TypeError, match=r"\[1, 2\]"):
+        arena.lease(10, stream=[1, 2])
+    with pytest.raises(TypeError):
+        arena.held_bytes(stream={})
+
+
+def test_device_arena_rejects_lane_keys(device_arena):
+    before = snapshot(device_arena)
+    with pytest.raises(TypeError, match="'lane'"):
+        device_arena.lease(10, stream="lane")
+    with pytest.raises(ValueError, match="negative"):
+        device_arena.lease(10, stream=-3)
+    assert snapshot(device_arena) == before
+
+
+def test_provider_without_a_kind_is_refused():
+    with pytest.raises(TypeError, match="kind"):
+        Arena(object())
+
+
+def test_a_lease_is_entered_once(arena):
+    cm = arena.lease(10)
+    with cm:
+        pass
+    with pytest.raises(RuntimeError, match="once"):
+        cm.__enter__()
+    with pytest.raises(RuntimeError, match="inside its lease"):
+        cm.array
+
+
+# ------------------------------------------------------------------------------------------------ cap
+def test_lease_above_the_cap_raises_with_the_numbers_and_changes_nothing(arena):
+    arena.reserve(1000, stream="s")
+    before = snapshot(arena)
+    with wsarena.config(cap_workspace="2KiB"):
+        with pytest.raises(WorkspaceCapError) as info:
+            arena.lease(2049, stream="s")
+        with pytest.raises(WorkspaceCapError):
+            arena.reserve(4096, stream="s")
+        assert snapshot(arena) == before
+        with arena.lease(2048, stream="s"):  # at the cap is fine
+            pass
+    err = info.value
+    assert isinstance(err, MemoryError)
+    assert (err.requested, err.held, err.cap) == (2049, 1024, 2048)
+
+
+def test_cap_zero_still_allows_zero_byte_leases(arena):
+    with wsarena.config(cap_workspace=0):
+        with arena.lease(0):
+            pass
+        with pytest.raises(WorkspaceCapError):
+            arena.lease(1)
+
+
+def test_cap_from_the_environment(arena, monkeypatch):
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", "1KiB")
+    wsarena._config._reset()
+    with pytest.raises(WorkspaceCapError):
+        arena.lease(1025)
+
+
+# -------------------------------------------------------------------------------- provider failures
+def test_failed_growth_raises_with_numbers_and_keeps_the_old_buffer(arena, provider):
+    with arena.lease(1000, stream="s") as ws:
+        old_ptr = ws.ptr
+        ws.array[:] = 3
+    before = snapshot(arena)
+    provider.fail_next = 1
+    with pytest.raises(ArenaOutOfMemoryError) as info:
+        with arena.lease(50_000, stream="s"):
+            pass
+    err = info.value
+    assert (err.requested, err.held, err.cap) == (50_000, 1024, None)
+    assert isinstance(err.__cause__, MemoryError)
+    assert snapshot(arena) == before
+    assert arena.held_bytes(stream="s") == 1024
+    with arena.lease(1024, stream="s") as ws:  # the lane was released, the old buffer still there
+        assert ws.ptr == old_ptr
+    with arena.lease(50_000, stream="s"):  # and growth works again
+        pass
+
+
+def test_failed_growth_while_a_lease_is_live_leaves_it_valid(device_arena, device_provider):
+    with device_arena.lease(1000, stream=7) as outer:
+        outer.array[:] = 9
+        device_provider.fail_next = 1
+        with pytest.raises(ArenaOutOfMemoryError):
+            with device_arena.lease(100_000, stream=7):
+                pass
+        assert (outer.array == 9).all()
+        assert device_arena.stats().leases == 1
+    assert device_provider.frees == []
+
+
+def test_failed_first_allocation_leaves_no_trace(arena, provider):
+    provider.fail_next = 1
+    with pytest.raises(ArenaOutOfMemoryError) as info:
+        arena.reserve(10, stream="new")
+    assert info.value.held == 0
+    assert arena.stats().streams == {}
+
+
+def test_other_provider_errors_pass_through_unchanged(arena, provider):
+    def boom(nbytes):
+        raise RuntimeError("driver exploded")
+
+    provider.fail = boom
+    with pytest.raises(RuntimeError, match="exploded"):
+        arena.reserve(10)
+    provider.fail = None
+    arena.reserve(10)
+
+
+def test_ops_fallback_contract_held_bytes_after_oom(arena, provider):
+    """wsarena.algos.run_with_fallback reads held_bytes after an ArenaOutOfMemoryError and leases within it."""
+    arena.reserve(4096)
+    provider.fail = lambda n: n > 8192
+    with pytest.raises(ArenaOutOfMemoryError):
+        with arena.lease(1 << 20):
+            pass
+    limit = arena.held_bytes()
+    with arena.lease(limit) as ws:
+        assert ws.nbytes == 4096
+
+
+# --------------------------------------------------------------------------------------- host lanes
+def test_nested_lease_on_own_lane_is_a_clear_error_and_changes_nothing(arena):
+    with arena.lease(100):
+        before = snapshot(arena)
+        with pytest.raises(RuntimeError, match="already holds a lease on CPU lane"):
+            with arena.lease(100):
+                pass
+        assert snapshot(arena) == before
+        with arena.lease(100, stream="inner"):  # another lane is fine
+            pass
+
+
+def test_a_lease_on_a_lane_excludes_other_threads_until_released(arena):
+    events = []
+    entered = threading.Event()
+
+    def other():
+        entered.wait()
+        with arena.lease(10, stream="lane"):
+            events.append("other")
+
+    t = threading.Thread(target=other)
+    t.start()
+    with arena.lease(10, stream="lane"):
+        entered.set()
+        time.sleep(0.1)
+        events.append("main")
+    t.join(5)
+    assert events == ["main", "other"]
+
+
+def test_each_thread_has_its_own_default_lane(arena):
+    ptrs = {}
+    barrier = threading.Barrier(3)
+
+    def work(i):
+        with arena.lease(1000) as ws:
+            barrier.wait(5)  # all three leases live at once
+            ptrs[i] = (ws.ptr, ws.stream)
+            barrier.wait(5)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert len({p for p, _ in ptrs.values()}) == 3
+    assert len({s for _, s in ptrs.values()}) == 3
+
+
+def test_growth_by_reserve_while_another_thread_leases_retires_the_old_buffer(arena, provider):
+    with arena.lease(1000, stream="s") as ws:
+        ws.array[:] = 5
+        t = threading.Thread(target=arena.reserve, args=(1 << 20,), kwargs={"stream": "s"})
+        t.start()
+        t.join(5)
+        assert arena.held_bytes(stream="s") == 1 << 20
+        assert (ws.array == 5).all()  # still valid: the outgrown buffer is retired, not freed
+        assert arena.stats().retired_bytes == 1024
+        assert provider.frees == []
+    assert len(provider.frees) == 1 and provider.frees[0][0].nbytes == 1024
+    assert arena.stats().retired_bytes == 0
+
+
+# ------------------------------------------------------------------------------------ device streams
+def test_device_same_thread_nesting_shares_bytes_in_stream_order(device_arena):
+    with device_arena.lease(1000, stream=3) as a, device_arena.lease(500, stream=3) as b:
+        assert a.ptr == b.ptr
+        assert device_arena.stats().streams[3].leases == 2
+
+
+def test_device_growth_under_a_live_lease_retires_in_stream_order(device_arena, device_provider):
+    with device_arena.lease(1000, stream=3) as a:
+        with device_arena.lease(1 << 20, stream=3) as b:
+            assert b.ptr != a.ptr
+            assert device_provider.frees == []
+        assert device_provider.frees == []  # the outer lease still uses it
+    (buffer, stream), = device_provider.frees
+    assert buffer.nbytes == 1024 and stream == 3  # freed on its own stream
+
+
+def test_device_other_threads_wait_for_a_stream(device_arena):
+    order = []
+    ready = threading.Event()
+
+    def other():
+        ready.wait()
+        with device_arena.lease(10, stream=9):
+            order.append("other")
+
+    t = threading.Thread(target=other)
+    t.start()
+    with device_arena.lease(10, stream=9):
+        ready.set()
+        time.sleep(0.1)
+        order.append("main")
+    t.join(5)
+    assert order == ["main", "other"]
+
+
+def test_device_none_is_the_providers_current_stream(device_arena, device_provider):
+    device_provider.current = 42
+    with device_arena.lease(10) as ws:
+        assert ws.stream == 42
+
+
+def test_device_stream_objects_key_by_handle(device_arena):
+    class S:
+        def __cuda_stream__(self):
+            return (0, 77)
+
+    with device_arena.lease(10, stream=S()) as ws:
+        assert ws.stream == 77
+    assert device_arena.held_bytes(stream=77) == 256
+
+
+# ------------------------------------------------------------------------------------------- debug
+def test_debug_poisons_released_bytes(arena, provider):
+    with wsarena.config(debug=True):
+        with arena.lease(1000) as ws:
+            view = ws.array
+            view[:] = 1
+    assert (view == POISON_BYTE).all()
+    assert provider.fills and provider.fills[0][1:3] == (POISON_BYTE, 1000)
+
+
+def test_debug_off_does_not_poison(arena, provider):
+    with arena.lease(100) as ws:
+        view = ws.array
+        view[:] = 1
+    assert (view == 1).all() and provider.fills == []
+
+
+def test_debug_mode_from_environment(arena, monkeypatch):
+    monkeypatch.setenv("WSARENA_DEBUG", "1")
+    wsarena._config._reset()
+    with arena.lease(64) as ws:
+        view = ws.array
+    assert (view == POISON_BYTE).all()
+
+
+class _SameMemoryProvider(HostProvider):
+    """A broken provider that hands every stream the same memory."""
+
+    def __init__(self):
+        self.memory = np.empty(1 << 20, np.uint8)
+
+    def allocate(self, nbytes, *, stream=None):
+        from wsarena.arena import Buffer
+
+        return Buffer(self.memory.__array_interface__["data"][0], nbytes, self.memory[:nbytes])
+
+
+def test_debug_catches_overlapping_leases_on_different_lanes():
+    arena = Arena(_SameMemoryProvider())
+    with wsarena.config(debug=True):
+        with arena.lease(100, stream="a"):
+            with pytest.raises(AssertionError, match="overlaps"):
+                with arena.lease(100, stream="b"):
+                    pass
+            assert arena.stats().leases == 1
+        with arena.lease(100, stream="b"):  # no overlap once "a" is released
+            pass
+
+
+# ---------------------------------------------------------------------------------------- registry
+def test_get_arena_cpu_is_a_singleton_and_the_top_level_name_maps_here():
+    assert get_arena("cpu") is get_arena("cpu") is wsarena.get_arena("CPU")
+    assert isinstance(get_arena("cpu").provider, HostProvider)
+    assert wsarena.Arena is Arena
+
+
+@pytest.mark.parametrize("bad", ["tpu", -1, 1.0, True, object()])
+def test_get_arena_bad_device(bad):
+    with pytest.raises((TypeError, ValueError)):
+        get_arena(bad)
+
+
+def test_set_arena_installs_and_returns_the_old_one():
+    mine = Arena(RecordingProvider())
+    old = set_arena("cpu", mine)
+    try:
+        assert get_arena("cpu") is mine
+    finally:
+        assert set_arena("cpu", old) is mine
+    assert get_arena("cpu") is old
+
+
+def test_set_arena_device_works_without_a_gpu():
+    fake = Arena(RecordingProvider(kind="device"))
+    old = set_arena(0, fake)
+    try:
+        assert get_arena(0) is fake
+    finally:
+        set_arena(0, old)
+
+
+def test_reset_arenas_closes_them():
+    mine = Arena(RecordingProvider())
+    old = set_arena("cpu", mine)
+    try:
+        reset_arenas()
+        assert mine.closed
+        with pytest.raises(RuntimeError, match="closed"):
+            with mine.lease(1):
+                pass
+        assert get_arena("cpu") is not mine
+    finally:
+        set_arena("cpu", old)
+
+
+@pytest.mark.skipif(wsarena._gpu.gpu_unusable_reason() is None, reason="a GPU is usable here")
+def test_device_arena_without_gpu_is_backend_unavailable():
+    with pytest.raises(BackendUnavailableError, match="GPU"):
+        get_arena()
+    old = set_arena(0, None)
+    try:
+        with pytest.raises(BackendUnavailableError):
+            get_arena(0)
+    finally:
+        if old is not None:
+            set_arena(0, old)
+
+
+def test_close_frees_idle_buffers_now_and_busy_ones_at_release(arena, provider):
+    arena.reserve(100, stream="idle")
+    with arena.lease(100, stream="busy"):
+        arena.close()
+        arena.close()  # idempotent
+        assert len(provider.frees) == 1
+    assert provider.held == []

@@ -1,0 +1,116 @@
+"""Device providers on a real GPU: CuPy's allocator, cudaMallocAsync, streams, debug poisoning."""
+
+import gc
+
+import pytest
+
+import wsarena
+from wsarena.arena import POISON_BYTE, Arena, AsyncProvider, CupyProvider, get_arena, stream_handle
+
+pytestmark = pytest.mark.gpu
+
+PROVIDERS = [CupyProvider, AsyncProvider]
+
+
+@pytest.fixture
+def cupy():
+    import cupy
+
+    return cupy
+
+
+@pytest.mark.parametrize("make", PROVIDERS)
+def test_lease_gives_a_cupy_array_over_ptr(cupy, make):
+    arena = Arena(make(0))
+    s = cupy.cuda.Stream(non_blocking=True)
+    with arena.lease(1 << 20, stream=s) as ws:
+        assert isinstance(ws.array, cupy.ndarray)
+        assert ws.array.shape == (1 << 20,) and ws.array.dtype == cupy.uint8
+        assert ws.array.data.ptr == ws.ptr
+        assert ws.stream == s.ptr
+        with s:
+            ws.array.fill(3)
+        s.synchronize()
+        assert int(ws.array.sum()) == 3 << 20
+    with arena.lease(0, stream=s) as ws:
+        assert ws.ptr == 0 and ws.array.size == 0
+    arena.close()
+
+
+@pytest.mark.parametrize("make", PROVIDERS)
+def test_streams_get_disjoint_bytes_and_growth_retires_in_stream_order(cupy, make):
+    arena = Arena(make(0))
+    a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with arena.lease(4096, stream=a) as wa, arena.lease(4096, stream=b) as wb:
+        assert wa.ptr + 4096 <= wb.ptr or wb.ptr + 4096 <= wa.ptr
+        with arena.lease(64 << 20, stream=a) as big:  # nested on a's stream: grows, a's old buffer retired
+            assert big.ptr != wa.ptr
+            assert arena.stats().streams[a.ptr].retired_bytes == 4096
+    a.synchronize()
+    assert arena.stats().retired_bytes == 0
+    arena.close()
+
+
+def test_cupy_provider_shares_the_users_memory_pool(cupy):
+    pool = cupy.get_default_memory_pool()
+    arena = Arena(CupyProvider(0))
+    before = pool.used_bytes()
+    arena.reserve(32 << 20)
+    assert pool.used_bytes() - before == 32 << 20
+    arena.trim()
+    assert pool.used_bytes() == before
+
+
+def test_none_is_cupys_current_stream(cupy):
+    arena = Arena(CupyProvider(0))
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s, arena.lease(10) as ws:
+        assert ws.stream == s.ptr == stream_handle(None)
+    with arena.lease(10) as ws:
+        assert ws.stream == cupy.cuda.get_current_stream().ptr
+
+
+def test_debug_poisons_device_bytes(cupy):
+    arena = Arena(CupyProvider(0))
+    with wsarena.config(debug=True):
+        with arena.lease(1000) as ws:
+            ws.array.fill(1)
+            ptr = ws.ptr
+    mem = cupy.cuda.UnownedMemory(ptr, 1000, None, 0)
+    view = cupy.ndarray((1000,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+    cupy.cuda.get_current_stream().synchronize()
+    assert bool((view == POISON_BYTE).all())
+
+
+def test_out_of_memory_is_an_arena_error_and_the_arena_stays_usable(cupy):
+    arena = Arena(CupyProvider(0))
+    with arena.lease(1 << 20):
+        pass
+    free, total = cupy.cuda.runtime.memGetInfo()
+    with pytest.raises(wsarena.ArenaOutOfMemoryError) as info:
+        with arena.lease(total * 4):
+            pass
+    assert info.value.held == 1 << 20
+    with arena.lease(1 << 20):
+        pass
+
+
+def test_get_arena_device_and_current():
+    assert get_arena(0) is get_arena(0) is get_arena(None)
+    assert isinstance(get_arena(0).provider, CupyProvider)
+    with pytest.raises(ValueError):
+        get_arena(10_000)
+
+
+def test_a_destroyed_streams_sub_arena_is_swept(cupy):
+    arena = Arena(AsyncProvider(0))
+    s = cupy.cuda.Stream(non_blocking=True)
+    with arena.lease(1 << 20, stream=s):
+        pass
+    handle = s.ptr
+    other = cupy.cuda.Stream(non_blocking=True)  # made first, so it cannot reuse the dead stream's handle
+    del s
+    gc.collect()
+    with arena.lease(10, stream=other):
+        pass
+    assert handle not in arena.stats().streams

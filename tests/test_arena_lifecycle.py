@@ -1,0 +1,245 @@
+"""Lifecycle: collected arenas, exited threads and dead streams give their memory back exactly once; exit is clean."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from wsarena.arena import Arena, ThreadLane
+from wsarena.arena.testing import RecordingProvider
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Stream:
+    """A stream object as a foreign library hands it out: weakly referenceable, with __cuda_stream__."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def test_a_collected_arena_frees_every_buffer_once():
+    provider = RecordingProvider()
+    arena = Arena(provider)
+    for lane in ("a", "b", "c"):
+        with arena.lease(1000, stream=lane):
+            pass
+    arena.reserve(1 << 20, stream="a")  # a growth: the old "a" buffer is freed at once
+    del arena
+    gc.collect()
+    assert provider.held == []
+    assert len(provider.frees) == len(provider.allocations) == 4
+
+
+def test_a_collected_device_arena_frees_with_no_stream():
+    provider = RecordingProvider(kind="device")
+    arena = Arena(provider)
+    with arena.lease(10, stream=Stream(5)):
+        pass
+    del arena
+    gc.collect()
+    assert [stream for _, stream in provider.frees] == [None]
+
+
+def test_a_closed_arena_is_not_freed_twice_when_collected():
+    provider = RecordingProvider()
+    arena = Arena(provider)
+    arena.reserve(10)
+    arena.close()
+    del arena
+    gc.collect()
+    assert len(provider.frees) == 1  # RecordingProvider raises on a second free
+
+
+def test_a_live_lease_keeps_its_arena_alive():
+    provider = RecordingProvider()
+    ws = Arena(provider).lease(100, stream="x")
+    with ws:
+        gc.collect()
+        ws.array[:] = 1
+        assert provider.frees == []
+    del ws
+    gc.collect()
+    assert provider.held == []
+
+
+def test_the_lane_of_an_exited_thread_is_swept():
+    provider = RecordingProvider()
+    arena = Arena(provider)
+    lanes = []
+
+    def work():
+        with arena.lease(5000) as ws:
+            lanes.append(ws.stream)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    del t
+    gc.collect()
+    assert isinstance(lanes[0], ThreadLane)
+    assert lanes[0] not in arena.stats().streams
+    assert provider.held == [] and len(provider.frees) == 1
+
+
+def test_many_short_threads_leave_nothing_behind():
+    provider = RecordingProvider()
+    arena = Arena(provider)
+
+    def work(n):
+        with arena.lease(n):
+            pass
+
+    for i in range(20):
+        t = threading.Thread(target=work, args=(100 * (i + 1),))
+        t.start()
+        t.join()
+    gc.collect()
+    arena.stats()  # sweeps anything a weakref callback had to leave for later
+    assert arena.stats().streams == {}
+    assert provider.held == [] and len(provider.frees) == 20
+
+
+def test_a_dead_stream_objects_sub_arena_is_swept_when_a_new_stream_appears():
+    provider = RecordingProvider(kind="device")
+    arena = Arena(provider)
+    s = Stream(11)
+    with arena.lease(1000, stream=s):
+        pass
+    del s
+    gc.collect()
+    assert arena.held_bytes(stream=11) == 1024  # not at once: a fresh wrapper for 11 may come next
+    with arena.lease(10, stream=12):
+        pass
+    assert arena.held_bytes(stream=11) == 0 and 11 not in arena.stats().streams
+    (buffer, stream), = provider.frees
+    assert buffer.nbytes == 1024 and stream is None  # its stream may be gone
+
+
+def test_trim_sweeps_dead_streams():
+    provider = RecordingProvider(kind="device")
+    arena = Arena(provider)
+    with arena.lease(1000, stream=Stream(11)):
+        pass
+    gc.collect()
+    assert arena.trim() == 1024
+    assert arena.stats().streams == {}
+
+
+def test_fresh_wrappers_for_one_stream_do_not_reallocate():
+    provider = RecordingProvider(kind="device")
+    arena = Arena(provider)
+    for _ in range(10):
+        with arena.lease(1000, stream=Stream(21)):  # e.g. torch.cuda.current_stream() builds a new object
+            pass
+        gc.collect()
+    assert len(provider.allocations) == 1
+    assert provider.frees == []
+
+
+def test_a_stream_in_use_again_is_not_swept():
+    provider = RecordingProvider(kind="device")
+    arena = Arena(provider)
+    with arena.lease(1000, stream=Stream(31)):
+        pass
+    gc.collect()  # the wrapper died: orphaned
+    keep = Stream(31)
+    with arena.lease(10, stream=keep):  # adopted again
+        pass
+    with arena.lease(10, stream=32):  # a new stream sweeps orphans, but 31 is alive again
+        pass
+    assert arena.held_bytes(stream=31) == 1024
+
+
+# -------------------------------------------------------------------------------------------- at exit
+def run_python(code, **env):
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+    )
+
+
+HOST_EXIT = """
+    import threading, time
+    from wsarena.arena import get_arena
+
+    arena = get_arena("cpu")
+    ws = arena.lease(1 << 20).__enter__()          # never released
+    ws.array[:] = 1
+    held = threading.Event()
+
+    def holder():
+        with arena.lease(4096, stream="shared"):
+            held.set()
+            time.sleep(60)
+
+    def waiter():
+        held.wait()
+        with arena.lease(4096, stream="shared"):  # blocks behind the holder until exit
+            pass
+
+    for target in (holder, waiter):
+        threading.Thread(target=target, daemon=True).start()
+    held.wait()
+    print("ok", arena.stats().leases)
+"""
+
+
+@pytest.mark.parametrize("debug", ["0", "1"])
+def test_exit_with_live_leases_is_clean(debug):
+    result = run_python(HOST_EXIT, WSARENA_DEBUG=debug)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout == "ok 2\n"
+
+
+def test_device_arenas_are_released_at_exit_before_later_atexit_handlers():
+    code = """
+        import atexit
+        from wsarena.arena import Arena
+        from wsarena.arena.testing import RecordingProvider
+
+        provider = RecordingProvider(kind="device")
+        # registered first, so it runs last: after the arena's own handler
+        atexit.register(lambda: print("freed", len(provider.frees), "held", len(provider.held)))
+        arena = Arena(provider)
+        outer = arena.lease(100, stream=3).__enter__()       # live at exit
+        inner = arena.lease(1 << 20, stream=3).__enter__()   # grew: the outer buffer is retired, live
+        arena.reserve(10, stream=4)
+        print("leases", arena.stats().leases)
+    """
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.split("\n")[:2] == ["leases 2", "freed 3 held 0"]
+
+
+@pytest.mark.gpu
+def test_gpu_exit_with_a_live_lease_is_clean():
+    code = """
+        import cupy
+        from wsarena.arena import get_arena
+
+        arena = get_arena(0)
+        s = cupy.cuda.Stream(non_blocking=True)
+        ws = arena.lease(64 << 20, stream=s).__enter__()
+        ws.array.fill(1)
+        other = arena.lease(1 << 20).__enter__()
+        print("ok", arena.stats().leases)
+    """
+    result = run_python(code, WSARENA_DEBUG="1")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout == "ok 2\n"

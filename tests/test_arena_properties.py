@@ -1,0 +1,282 @@
+"""Property-based tests: random leases, releases, reserves, trims, caps and provider failures, in debug mode.
+
+A model tracks what the arena must hold: per lane or stream, the largest request since the last trim (rounded
+by aligned_size), and which live lease uses which buffer. After every step the arena's stats, the provider's
+records and the live leases' bytes must agree with it.
+"""
+
+import gc
+import random
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import wsarena
+import wsarena._config
+from wsarena.arena import POISON_BYTE, Arena, aligned_size
+from wsarena.arena.testing import RecordingProvider
+from wsarena.errors import ArenaOutOfMemoryError, WorkspaceCapError
+
+KEY = st.integers(0, 2)  # an index into the machine's KEYS (lanes on the host, stream handles on a device)
+SIZES = st.one_of(st.integers(0, 5000), st.integers(5000, 300_000), st.sampled_from([1, 256, 257, 8192, 1 << 20]))
+
+
+class _Live:
+    __slots__ = ("ws", "key", "nbytes", "ptr", "view", "pattern", "generation")
+
+    def __init__(self, ws, key, pattern, generation):
+        self.ws, self.key, self.nbytes, self.ptr = ws, key, ws.nbytes, ws.ptr
+        self.generation = generation  # which of the key's buffers it uses
+        self.view = ws.array
+        self.pattern = pattern
+        self.view[:] = pattern
+
+
+class HostArenaMachine(RuleBasedStateMachine):
+    KIND = "host"
+    KEYS = ("a", "b", "c")
+
+    @initialize()
+    def setup(self):
+        wsarena._config._reset()
+        wsarena.configure(debug=True)
+        self.provider = RecordingProvider(kind=self.KIND)
+        self.arena = Arena(self.provider)
+        self.live = {k: [] for k in self.KEYS}
+        self.cap = dict.fromkeys(self.KEYS, 0)  # model capacity per key
+        self.largest = dict.fromkeys(self.KEYS, 0)  # largest request since the last trim
+        self.on_current = dict.fromkeys(self.KEYS, 0)  # live leases on the current buffer
+        self.generation = dict.fromkeys(self.KEYS, 0)  # bumped whenever a key gets a new buffer
+        self.allocations = self.growths = self.high_water = 0
+        self.armed = False  # the provider will fail the next allocation
+        self.limit = None  # cap_workspace in force
+        self.patterns = iter(range(1, 1 << 30))
+
+    def teardown(self):
+        for leases in getattr(self, "live", {}).values():
+            for lease in leases:
+                lease.ws.__exit__(None, None, None)
+        wsarena._config._reset()
+
+    # -------------------------------------------------------------- model helpers
+    def _capped(self, n):
+        return self.limit is not None and n > self.limit
+
+    def _grow(self, key, n):
+        """Model of the arena's growth; returns False where the armed provider makes it fail."""
+        if n <= self.cap[key]:
+            return True
+        if self.armed:
+            self.armed = False
+            return False
+        self.allocations += 1
+        if self.cap[key]:
+            self.growths += 1
+        self.cap[key] = aligned_size(n)
+        self.on_current[key] = 0
+        self.generation[key] += 1
+        return True
+
+    def _note(self, key, n):
+        self.largest[key] = max(self.largest[key], n)
+
+    # ---------------------------------------------------------------------- rules
+    def _may_lease(self, key):
+        return not self.live[key]
+
+    @rule(k=KEY, n=SIZES)
+    def lease(self, k, n):
+        key = self.KEYS[k]
+        ws = self.arena.lease(n, stream=key) if not self._capped(n) else None
+        if ws is None:
+            with pytest.raises(WorkspaceCapError):
+                self.arena.lease(n, stream=key)
+            return
+        if n == 0:
+            with ws:
+                assert ws.ptr == 0 and ws.array.size == 0
+            return
+        if not self._may_lease(key):
+            with pytest.raises(RuntimeError, match="already holds"):
+                ws.__enter__()
+            return
+        if not self._grow(key, n):
+            with pytest.raises(ArenaOutOfMemoryError):
+                ws.__enter__()
+            return
+        ws.__enter__()
+        self._note(key, n)
+        self.on_current[key] += 1
+        self.high_water = max(self.high_water, n)
+        self.live[key].append(_Live(ws, key, next(self.patterns) % 255, self.generation[key]))
+
+    @precondition(lambda self: any(self.live.values()))
+    @rule(data=st.data())
+    def release(self, data):
+        key = data.draw(st.sampled_from([k for k in self.KEYS if self.live[k]]))
+        index = data.draw(st.integers(0, len(self.live[key]) - 1))
+        lease = self.live[key].pop(index)
+        lease.ws.__exit__(None, None, None)
+        assert (lease.view == POISON_BYTE).all()
+        if lease.generation == self.generation[key]:
+            self.on_current[key] -= 1
+
+    @rule(k=KEY, n=SIZES)
+    def reserve(self, k, n):
+        key = self.KEYS[k]
+        if self._capped(n):
+            with pytest.raises(WorkspaceCapError):
+                self.arena.reserve(n, stream=key)
+        elif self._grow(key, n):
+            self.arena.reserve(n, stream=key)
+            self._note(key, n)
+        else:
+            with pytest.raises(ArenaOutOfMemoryError):
+                self.arena.reserve(n, stream=key)
+
+    @rule()
+    def trim(self):
+        self.arena.trim()
+        for key in self.KEYS:
+            if not self.on_current[key]:
+                self.cap[key] = self.largest[key] = 0
+
+    @rule()
+    def arm_failure(self):
+        self.provider.fail_next = 1
+        self.armed = True
+
+    @rule(limit=st.one_of(st.none(), st.integers(0, 400_000)))
+    def set_cap(self, limit):
+        wsarena.configure(cap_workspace=limit)
+        self.limit = limit
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def capacity_is_the_largest_request_since_trim(self):
+        for key in self.KEYS:
+            assert self.cap[key] == aligned_size(self.largest[key])
+            assert self.arena.held_bytes(stream=key) == self.cap[key]
+
+    @invariant()
+    def stats_agree_with_the_model_and_the_provider(self):
+        s = self.arena.stats()
+        live = sum(len(v) for v in self.live.values())
+        assert s.leases == live == sum(x.leases for x in s.streams.values())
+        assert s.capacity_bytes == sum(x.capacity_bytes for x in s.streams.values()) == sum(self.cap.values())
+        assert s.retired_bytes == sum(x.retired_bytes for x in s.streams.values())
+        assert self.provider.held_bytes == s.capacity_bytes + s.retired_bytes
+        assert s.allocations == len(self.provider.allocations) == self.allocations
+        assert s.growths == self.growths
+        assert s.frees == len(self.provider.frees) == s.allocations - len(self.provider.held)
+        assert s.high_water_bytes == self.high_water
+        for key, x in s.streams.items():
+            assert x.leases == len(self.live[key])
+            assert x.high_water_bytes <= s.high_water_bytes
+
+    @invariant()
+    def live_leases_sit_in_held_buffers_and_never_overlap_across_keys(self):
+        held = [(b.ptr, b.ptr + b.nbytes) for b in self.provider.held]
+        leases = [x for v in self.live.values() for x in v]
+        for x in leases:
+            assert any(lo <= x.ptr and x.ptr + x.nbytes <= hi for lo, hi in held)
+            for y in leases:
+                if x.key != y.key:
+                    assert x.ptr + x.nbytes <= y.ptr or y.ptr + y.nbytes <= x.ptr
+
+    @invariant()
+    def live_bytes_are_untouched(self):
+        if self.KIND == "host":  # device leases on one stream share bytes by design
+            for leases in self.live.values():
+                for x in leases:
+                    assert (x.view == x.pattern).all()
+
+
+class DeviceArenaMachine(HostArenaMachine):
+    """The same model with device rules: same-thread leases on one stream nest (and share bytes)."""
+
+    KIND = "device"
+    KEYS = (0, 7, 0x7F00)
+
+    def _may_lease(self, key):
+        return True
+
+
+SETTINGS = settings(
+    max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestHostArena = HostArenaMachine.TestCase
+TestHostArena.settings = SETTINGS
+TestDeviceArena = DeviceArenaMachine.TestCase
+TestDeviceArena.settings = SETTINGS
+
+
+# ------------------------------------------------------------------------------------------- threads
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("lease"), st.sampled_from([None, "a", "b"]), SIZES),
+        st.tuples(st.just("reserve"), st.sampled_from([None, "a", "b"]), SIZES),
+        st.tuples(st.just("trim"), st.none(), st.none()),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs=st.lists(OPS, min_size=2, max_size=4), seed=st.integers(0, 2**32 - 1))
+def test_threads_on_shared_and_own_lanes(programs, seed):
+    rng = random.Random(seed)
+    lock = threading.Lock()
+
+    def fail(nbytes):
+        with lock:
+            return rng.random() < 0.15
+
+    provider = RecordingProvider(fail=fail)
+    arena = Arena(provider)
+    errors = []
+    largest = {"a": 0, "b": 0}
+
+    def run(index, program):
+        try:
+            with wsarena.config(debug=True):
+                for op, lane, n in program:
+                    try:
+                        if op == "lease":
+                            with arena.lease(n, stream=lane) as ws:
+                                if n:
+                                    ws.array[:] = index + 1  # nobody else may write here meanwhile
+                                    threading.Event().wait(0)
+                                    assert (ws.array == index + 1).all()
+                        elif op == "reserve":
+                            arena.reserve(n, stream=lane)
+                        else:
+                            arena.trim()
+                        if lane in largest and n:
+                            with lock:
+                                largest[lane] = max(largest[lane], n)
+                    except ArenaOutOfMemoryError as exc:
+                        assert exc.requested == n and exc.held < n
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(programs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    del threads
+    gc.collect()
+    s = arena.stats()
+    assert s.leases == 0 and s.retired_bytes == 0
+    assert set(s.streams) <= {"a", "b"}  # the threads' own lanes were swept when they exited
+    for lane, x in s.streams.items():
+        assert x.capacity_bytes <= aligned_size(largest[lane])
+    assert provider.held_bytes == s.capacity_bytes
+    assert s.frees == len(provider.frees) and s.allocations == len(provider.allocations)
+    arena.trim()
+    assert provider.held == []

@@ -1,0 +1,137 @@
+"""What ``stream=`` accepts: raw handles, stream objects, ``__cuda_stream__``, CPU lane keys; what it refuses."""
+
+import threading
+
+import pytest
+
+from wsarena.arena import ThreadLane, resolve_stream, stream_handle, thread_lane
+
+
+class ProtocolStream:
+    def __init__(self, handle, version=0):
+        self.handle = handle
+        self.version = version
+
+    def __cuda_stream__(self):
+        return (self.version, self.handle)
+
+
+class PtrStream:  # an older CuPy stream: only .ptr
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class TorchLikeStream:
+    def __init__(self, handle):
+        self.cuda_stream = handle
+
+
+class HandleObject:  # cuda.core hands out handle objects that convert with int()
+    def __init__(self, value):
+        self.value = value
+
+    def __int__(self):
+        return self.value
+
+
+def device(stream, current=lambda: 0):
+    return resolve_stream(stream, lanes=False, current=current)
+
+
+@pytest.mark.parametrize("handle", [0, 1, 2, 0x7F3A_0000_1230])
+def test_raw_ints_are_handles(handle):
+    assert device(handle) == (handle, None)
+    assert stream_handle(handle) == handle
+
+
+def test_cuda_stream_protocol():
+    s = ProtocolStream(0xABC)
+    key, anchor = device(s)
+    assert key == 0xABC and anchor is s
+    assert stream_handle(s) == 0xABC
+
+
+def test_cuda_stream_protocol_with_a_handle_object():
+    assert device(ProtocolStream(HandleObject(99)))[0] == 99
+
+
+def test_ptr_and_cuda_stream_attributes():
+    assert device(PtrStream(5))[0] == 5
+    assert device(TorchLikeStream(6))[0] == 6
+    assert stream_handle(TorchLikeStream(6)) == 6
+
+
+def test_none_is_the_current_stream():
+    current = ProtocolStream(1234)
+    key, anchor = device(None, current=lambda: current)
+    assert key == 1234 and anchor is current
+    assert device(None, current=lambda: 2) == (2, None)
+
+
+def test_none_without_a_current_stream_is_a_type_error():
+    with pytest.raises(TypeError, match="current stream"):
+        resolve_stream(None, lanes=False)
+
+
+@pytest.mark.parametrize("bad", ["lane", 1.5, b"x", object(), [3], True, PtrStream("nope")])
+def test_device_refuses_other_kinds_naming_the_value(bad):
+    with pytest.raises(TypeError) as info:
+        device(bad)
+    assert repr(bad) in str(info.value)
+    with pytest.raises(TypeError):
+        stream_handle(bad)
+
+
+@pytest.mark.parametrize("reply", [None, (1,), "ab", (0, "x"), (0, None)])
+def test_bad_cuda_stream_replies_are_type_errors(reply):
+    class Bad:
+        def __cuda_stream__(self):
+            return reply
+
+    with pytest.raises(TypeError, match="stream="):
+        device(Bad())
+
+
+def test_negative_handles_are_value_errors():
+    with pytest.raises(ValueError, match="negative"):
+        device(-1)
+    with pytest.raises(ValueError, match="negative"):
+        device(ProtocolStream(-5))
+
+
+def test_objects_without_weakrefs_have_no_anchor():
+    class Slotted:
+        __slots__ = ()
+
+        def __cuda_stream__(self):
+            return (0, 8)
+
+    assert device(Slotted()) == (8, None)
+
+
+# ------------------------------------------------------------------------------------------- CPU lanes
+def test_lanes_none_is_this_threads_lane():
+    key, anchor = resolve_stream(None, lanes=True)
+    assert key is thread_lane() and isinstance(key, ThreadLane)
+    assert anchor is not None and anchor.lane is key
+    assert "MainThread" in repr(key)
+
+
+def test_each_thread_gets_its_own_lane():
+    lanes = []
+    t = threading.Thread(target=lambda: lanes.append(thread_lane()))
+    t.start()
+    t.join()
+    assert lanes[0] is not thread_lane()
+    assert lanes[0] != thread_lane()
+
+
+@pytest.mark.parametrize("key", ["lane-a", 3, ("layer", 2), frozenset({1}), ProtocolStream(4)])
+def test_any_hashable_is_a_lane_key(key):
+    assert resolve_stream(key, lanes=True) == (key, None)
+
+
+@pytest.mark.parametrize("bad", [[1], {"a": 1}, {1}])
+def test_unhashable_lane_keys_are_type_errors(bad):
+    with pytest.raises(TypeError, match="hashable"):
+        resolve_stream(bad, lanes=True)
