@@ -179,3 +179,12 @@ def test_errors_from_the_run_itself_propagate():
 
     with pytest.raises(RuntimeError, match="kernel failed"):
         run_with_fallback(arena, (Candidate("gemm", 10),), boom, stream=None, cap=None)
+
+
+def test_a_silent_choice_still_warns_the_first_caller_who_asks():
+    b = FakeBackend({"fft": 300, "implicit": 0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        choose(b, "fwd", GEOM, cap=10, warn=False)  # the planner's way: no warning
+    with pytest.warns(WorkspaceCapWarning):
+        choose(b, "fwd", GEOM, cap=10)

@@ -23,7 +23,7 @@ from .errors import ArenaOutOfMemoryError, NoAlgorithmFitsError, WorkspaceCapWar
 
 __all__ = ["cache_clear", "choose", "forced", "run_with_fallback", "select"]
 
-_cache: dict[tuple, tuple[Candidate, ...]] = {}
+_cache: dict[tuple, tuple[tuple[Candidate, ...], Candidate | None]] = {}
 _warned: set[tuple] = set()
 _lock = threading.Lock()  # guards _cache and _warned; never held while a backend runs or measures
 
@@ -47,6 +47,7 @@ def choose(
     cap: int | None,
     search: str = "heuristic",
     measure: Callable[[list[Candidate]], list[Candidate]] | None = None,
+    warn: bool = True,
 ) -> tuple[Candidate, ...]:
     """Return the usable candidates under ``cap``, best first; the first is the choice.
 
@@ -56,6 +57,9 @@ def choose(
         For ``search="exhaustive"``: a function that times the given candidates on real operands and returns
         them sorted by time (the ops and the planner provide one that leases the workspace from the arena).
         Without it the heuristic order is used.
+    warn
+        Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap excluded the heuristic favourite.
+        The planner passes ``False``: its report shows the choice already.
 
     Raises
     ------
@@ -66,9 +70,31 @@ def choose(
         raise ValueError(f"pass must be one of {PASSES}, not {pass_!r}")
     exhaustive = search == "exhaustive" and measure is not None
     key = (backend.name, backend.device_key(), pass_, geom, "exhaustive" if exhaustive else "heuristic", cap)
-    hit = _cache.get(key)
-    if hit is not None:
-        return hit
+    entry = _cache.get(key)
+    if entry is None:
+        entry = _rank(backend, pass_, geom, cap, measure if exhaustive else None)
+        with _lock:
+            _cache[key] = entry
+    best, excluded = entry
+    if warn and excluded is not None and key not in _warned:
+        with _lock:
+            first = key not in _warned
+            _warned.add(key)
+        if first:
+            warnings.warn(
+                f"workspace cap {format_size(cap or 0)} excludes {excluded.algo} "
+                f"({format_size(excluded.workspace_bytes)}) for {pass_} of {_describe(geom)}; "
+                f"using {best[0].algo} ({format_size(best[0].workspace_bytes)})",
+                WorkspaceCapWarning,
+                stacklevel=6,  # choose < select < ops._run < ops._execute < conv_* < the caller
+            )
+    return best
+
+
+def _rank(
+    backend: Backend, pass_: str, geom: ConvGeometry, cap: int | None, measure: Callable | None
+) -> tuple[tuple[Candidate, ...], Candidate | None]:
+    """(usable candidates best first, the heuristic favourite if the cap excluded it)."""
     ranked = backend.candidates(pass_, geom)
     usable = _fits(ranked, cap)
     if not usable:
@@ -79,22 +105,10 @@ def choose(
             held=0,
             cap=cap,
         )
-    excluded = ranked[0] not in usable
-    if exhaustive:
+    excluded = None if ranked[0] in usable else ranked[0]
+    if measure is not None:
         usable = list(measure(usable))  # only what fits the cap is ever timed
-    best = tuple(usable)
-    with _lock:
-        _cache[key] = best
-        if excluded and key not in _warned:
-            _warned.add(key)
-            warnings.warn(
-                f"workspace cap {format_size(cap or 0)} excludes {ranked[0].algo} "
-                f"({format_size(ranked[0].workspace_bytes)}) for {pass_} of {_describe(geom)}; "
-                f"using {best[0].algo} ({format_size(best[0].workspace_bytes)})",
-                WorkspaceCapWarning,
-                stacklevel=4,
-            )
-    return best
+    return tuple(usable), excluded
 
 
 def select(
@@ -106,6 +120,7 @@ def select(
     search: str,
     operands: tuple[Any, Any, Any] | None = None,
     stream: Any = None,
+    warn: bool = True,
 ) -> tuple[Candidate, ...]:
     """:func:`choose`, with an exhaustive search timed on ``operands`` (``(a, b, out)`` of the pass).
 
@@ -113,7 +128,7 @@ def select(
     needs (or, if that cannot be had, what the stream's sub-arena holds), and times every candidate that fits.
     """
     if search != "exhaustive" or operands is None:
-        return choose(backend, pass_, geom, cap=cap, search="heuristic")
+        return choose(backend, pass_, geom, cap=cap, search="heuristic", warn=warn)
     a, b, out = operands
     arena = backend.arena()
 
@@ -128,7 +143,7 @@ def select(
         run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap)
         return timed
 
-    return choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure)
+    return choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure, warn=warn)
 
 
 def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: int | None) -> tuple[Candidate, ...]:

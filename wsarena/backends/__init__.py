@@ -48,6 +48,12 @@ class Backend(Protocol):
     def arena(self) -> Any:
         """The arena this backend's workspaces are leased from (for the current device)."""
 
+    def on_device(self, array: Any) -> Any:
+        """A context manager that makes ``array``'s device the current one."""
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """A new uninitialised array of this backend's kind."""
+
     def check_dtype(self, dtype: str) -> None:
         """Raise ``TypeError`` if this backend cannot compute in ``dtype``."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,9 @@ class CpuBackend:
 
     def device_key(self) -> Any:
         return "cpu"
+
+    def on_device(self, array: Any) -> Any:
+        return contextlib.nullcontext()
 
     def arena(self) -> Any:
         from ..arena import get_arena

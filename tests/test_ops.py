@@ -1,0 +1,290 @@
+"""The public ops on the cpu backend against an independent float64 direct convolution (tests/reference.py).
+
+Tolerance: relative error max|y - ref| / max|ref| <= 1e-5 for float32 and <= 1e-12 for float64.
+"""
+
+import threading
+import types
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import wsarena
+from wsarena import algos, config, conv_backward_data, conv_backward_filter, conv_forward
+from wsarena.arena import Arena, HostProvider
+from wsarena.backends._cpu_backend import CpuBackend
+from wsarena.backends import cpu
+from wsarena.errors import WorkspaceCapWarning
+
+from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
+
+TOL = {"float32": 1e-5, "float64": 1e-12}
+
+
+def rel_err(got, ref):
+    scale = float(np.max(np.abs(ref))) or 1.0
+    return float(np.max(np.abs(got.astype(np.float64) - ref))) / scale
+
+
+@pytest.fixture(autouse=True)
+def fresh_arena(monkeypatch):
+    """Each test gets its own host arena (and an empty algorithm cache) so its statistics are its own."""
+    arena = Arena(HostProvider())
+    monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
+    algos.cache_clear()
+    yield arena
+    algos.cache_clear()
+
+
+@st.composite
+def problems(draw):
+    nd = draw(st.integers(1, 3))
+    groups = draw(st.integers(1, 3))
+    cpg = draw(st.integers(1, 3))
+    kpg = draw(st.integers(1, 3))
+    depthwise = draw(st.booleans())
+    if depthwise:
+        cpg, kpg = 1, draw(st.integers(1, 2))
+        groups = draw(st.integers(2, 4))
+    max_size = {1: 12, 2: 8, 3: 5}[nd]
+    size = tuple(draw(st.integers(1, max_size)) for _ in range(nd))
+    kernel = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    stride = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    dilation = tuple(draw(st.integers(1, 2)) for _ in range(nd))
+    padding = []
+    for s, k, d in zip(size, kernel, dilation):
+        need = max(0, (d * (k - 1) + 1 - s + 1) // 2)
+        padding.append(draw(st.integers(need, need + 2)))
+    return dict(
+        batch=draw(st.integers(1, 3)), c=cpg * groups, k=kpg * groups, groups=groups, size=size, kernel=kernel,
+        stride=stride, padding=tuple(padding), dilation=dilation, layout=draw(st.sampled_from(["NCHW", "NHWC"])),
+        dtype=draw(st.sampled_from(["float32", "float64"])), seed=draw(st.integers(0, 2**31)),
+    )
+
+
+def make(p):
+    rng = np.random.default_rng(p["seed"])
+    geom = wsarena._geometry.conv_geometry(
+        (p["batch"], p["c"], *p["size"]), (p["k"], p["c"] // p["groups"], *p["kernel"]),
+        stride=p["stride"], padding=p["padding"], dilation=p["dilation"], groups=p["groups"],
+    )
+    x = rng.standard_normal(geom.input_shape)
+    w = rng.standard_normal(geom.weight_shape)
+    dy = rng.standard_normal(geom.output_shape)
+    if p["layout"] == "NHWC":
+        to_last = lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))  # noqa: E731
+        x, w, dy = to_last(x), to_last(w), to_last(dy)
+    return geom, x, w, dy
+
+
+def params(p):
+    return dict(stride=p["stride"], padding=p["padding"], dilation=p["dilation"], groups=p["groups"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(p=problems())
+def test_three_passes_match_the_reference(p):
+    geom, x, w, dy = make(p)
+    kw = params(p)
+    lay = p["layout"]
+    xt, wt, dyt = (a.astype(p["dtype"]) for a in (x, w, dy))
+    y = conv_forward(xt, wt, **kw, layout=lay)
+    dx = conv_backward_data(dyt, wt, xt.shape, **kw, layout=lay)
+    dw = conv_backward_filter(xt, dyt, wt.shape, **kw, layout=lay)
+    assert y.dtype == dx.dtype == dw.dtype == np.dtype(p["dtype"])
+    tol = TOL[p["dtype"]]
+    assert rel_err(y, ref_conv_forward(x, w, **kw, layout=lay)) <= tol
+    assert rel_err(dx, ref_conv_backward_data(dy, w, x.shape, **kw, layout=lay)) <= tol
+    assert rel_err(dw, ref_conv_backward_filter(x, dy, w.shape, **kw, layout=lay)) <= tol
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd_data", "bwd_filter"])
+def test_every_cpu_algorithm_through_the_public_op(pass_):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 4, 9, 7))
+    w = rng.standard_normal((6, 2, 3, 3))
+    kw = dict(stride=(2, 1), padding=1, dilation=(1, 2), groups=2)
+    dy = rng.standard_normal(ref_conv_forward(x, w, **kw).shape)
+    ref = {
+        "fwd": lambda: ref_conv_forward(x, w, **kw),
+        "bwd_data": lambda: ref_conv_backward_data(dy, w, x.shape, **kw),
+        "bwd_filter": lambda: ref_conv_backward_filter(x, dy, w.shape, **kw),
+    }[pass_]()
+    for algo in cpu.ALGORITHMS[pass_]:
+        op = {
+            "fwd": lambda: conv_forward(x.astype(np.float32), w.astype(np.float32), **kw, algo=algo),
+            "bwd_data": lambda: conv_backward_data(dy.astype(np.float32), w.astype(np.float32), x.shape, **kw, algo=algo),
+            "bwd_filter": lambda: conv_backward_filter(x.astype(np.float32), dy.astype(np.float32), w.shape, **kw, algo=algo),
+        }[pass_]
+        assert rel_err(op(), ref) <= 1e-5, algo
+
+
+def test_cap_zero_never_leases_a_byte(fresh_arena):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 8, 16, 16), dtype=np.float32)
+    w = rng.standard_normal((8, 8, 3, 3), dtype=np.float32)
+    with config(cap_workspace=0), pytest.warns(WorkspaceCapWarning):
+        y = conv_forward(x, w, padding=1)
+        dx = conv_backward_data(y, w, x.shape, padding=1)
+        dw = conv_backward_filter(x, y, w.shape, padding=1)
+    assert fresh_arena.stats()["high_water_bytes"] == 0
+    assert fresh_arena.stats()["capacity_bytes"] == 0
+    assert rel_err(y, ref_conv_forward(x, w, padding=1)) <= 1e-5
+    assert rel_err(dx, ref_conv_backward_data(y, w, x.shape, padding=1)) <= 1e-5
+    assert rel_err(dw, ref_conv_backward_filter(x, y, w.shape, padding=1)) <= 1e-5
+
+
+def test_one_mib_cap_bounds_every_lease(fresh_arena):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 16, 32, 32), dtype=np.float32)  # columns: 576 KiB per image, 2.25 MiB per batch
+    w = rng.standard_normal((16, 16, 3, 3), dtype=np.float32)
+    with config(cap_workspace="1MiB"), pytest.warns(WorkspaceCapWarning):
+        y = conv_forward(x, w, padding=1)
+        conv_backward_data(y, w, x.shape, padding=1)
+        conv_backward_filter(x, y, w.shape, padding=1)
+    assert 0 < fresh_arena.stats()["high_water_bytes"] <= 1 << 20
+
+
+def test_without_cap_the_arena_holds_the_largest_not_the_sum(fresh_arena):
+    rng = np.random.default_rng(4)
+    sizes = []
+    for c in (8, 16, 4):
+        x = rng.standard_normal((2, c, 12, 12), dtype=np.float32)
+        w = rng.standard_normal((c, c, 3, 3), dtype=np.float32)
+        conv_forward(x, w, padding=1)
+        geom = wsarena._geometry.conv_geometry(x.shape, w.shape, padding=1)
+        sizes.append(cpu.workspace_size("fwd", cpu.candidates("fwd", geom)[0], geom))
+    stats = fresh_arena.stats()
+    assert stats["high_water_bytes"] == max(sizes)
+    assert stats["capacity_bytes"] < sum(sizes)
+
+
+def test_exhaustive_search_gives_the_same_answer():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 4, 10, 10))
+    w = rng.standard_normal((3, 4, 3, 3))
+    with config(algo_search="exhaustive"):
+        y = conv_forward(x, w, stride=2, padding=1)
+    assert rel_err(y, ref_conv_forward(x, w, stride=2, padding=1)) <= 1e-12
+
+
+def test_out_is_written_and_returned():
+    x = np.ones((1, 2, 5, 5), np.float32)
+    w = np.ones((3, 2, 3, 3), np.float32)
+    out = np.full((1, 3, 3, 3), np.nan, np.float32)
+    assert conv_forward(x, w, out=out) is out
+    assert np.all(out == 18)
+
+
+def test_non_contiguous_inputs_are_accepted():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 10, 10))[:, :, ::2, ::2]
+    w = np.asfortranarray(rng.standard_normal((4, 3, 3, 3)))
+    assert rel_err(conv_forward(x, w, padding=1), ref_conv_forward(x, w, padding=1)) <= 1e-12
+
+
+def test_edge_shapes():
+    rng = np.random.default_rng(7)
+    # batch 1, 1x1 kernel, kernel as large as the padded input
+    x = rng.standard_normal((1, 3, 6, 6))
+    for w, kw in ((rng.standard_normal((5, 3, 1, 1)), {}), (rng.standard_normal((2, 3, 8, 8)), {"padding": 1})):
+        y = conv_forward(x, w, **kw)
+        assert rel_err(y, ref_conv_forward(x, w, **kw)) <= 1e-12
+    assert conv_forward(x, rng.standard_normal((2, 3, 8, 8)), padding=1).shape == (1, 2, 1, 1)
+
+
+def test_zero_batch_gives_empty_results_without_workspace(fresh_arena):
+    x = np.zeros((0, 3, 6, 6), np.float32)
+    w = np.ones((2, 3, 3, 3), np.float32)
+    y = conv_forward(x, w)
+    assert y.shape == (0, 2, 4, 4)
+    assert conv_backward_data(y, w, x.shape).shape == x.shape
+    dw = conv_backward_filter(x, y, w.shape)
+    assert dw.shape == w.shape and not dw.any()
+    assert fresh_arena.stats()["allocations"] == 0
+
+
+def test_padding_strings():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((1, 2, 7, 7))
+    w = rng.standard_normal((2, 2, 3, 3))
+    assert conv_forward(x, w, padding="same").shape == (1, 2, 7, 7)
+    assert conv_forward(x, w, padding="valid").shape == (1, 2, 5, 5)
+
+
+def _fake_cupy_array(shape):
+    cls = type("ndarray", (), {"__module__": "cupy._core.core"})
+    a = cls()
+    a.shape, a.dtype = shape, np.dtype("float32")
+    return a
+
+
+X = np.zeros((1, 4, 6, 6), np.float32)
+W = np.zeros((2, 4, 3, 3), np.float32)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: conv_forward(X.tolist(), W), TypeError, "x must be a NumPy or CuPy array"),
+        (lambda: conv_forward(X, _fake_cupy_array(W.shape)), TypeError, "cannot mix NumPy and CuPy"),
+        (lambda: conv_forward(X.astype(np.int32), W.astype(np.int32)), TypeError, "floating-point"),
+        (lambda: conv_forward(X, W.astype(np.float64)), TypeError, "dtypes differ"),
+        (lambda: conv_forward(X.astype(np.float16), W.astype(np.float16)), TypeError, "cpu backend computes"),
+        (lambda: conv_forward(X, W[:, :3]), ValueError, "input channels per group"),
+        (lambda: conv_forward(X, W, groups=3), ValueError, "groups=3"),
+        (lambda: conv_forward(X, W, stride=0), ValueError, "stride"),
+        (lambda: conv_forward(X, W, dilation=-1), ValueError, "dilation"),
+        (lambda: conv_forward(X, W, padding=-1), ValueError, "padding"),
+        (lambda: conv_forward(X, np.zeros((2, 4, 9, 9), np.float32)), ValueError, "larger than the padded input"),
+        (lambda: conv_forward(X[0, 0], W[0, 0]), ValueError, "3, 4 or 5"),
+        (lambda: conv_forward(X, W, out=np.zeros((1, 2, 5, 5), np.float32)), ValueError, "out has shape"),
+        (lambda: conv_forward(X, W, out=np.zeros((1, 2, 4, 4), np.float64)), TypeError, "out has dtype"),
+        (lambda: conv_forward(X, W, out=np.zeros((1, 2, 4, 4, 2), np.float32)[..., 0]), ValueError, "C-contiguous"),
+        (lambda: conv_forward(X, W, algo="winograd"), ValueError, "algo='winograd'"),
+        (lambda: conv_backward_data(np.zeros((1, 2, 5, 5), np.float32), W, X.shape), ValueError, "dy has shape"),
+        (lambda: conv_backward_data(np.zeros((1, 2, 4, 4), np.float32), W, "1,4,6,6"), TypeError, "input_shape"),
+        (lambda: conv_backward_filter(X, np.zeros((1, 3, 4, 4), np.float32), W.shape), ValueError, "dy has shape"),
+        (lambda: conv_backward_filter(X, np.zeros((1, 2, 4, 4), np.float32), (2, 4, 3)), ValueError, "weight_shape"),
+    ],
+)
+def test_bad_input_is_rejected_before_any_lease(fresh_arena, call, error, match):
+    before = fresh_arena.stats()
+    with pytest.raises(error, match=match):
+        call()
+    assert fresh_arena.stats() == before
+
+
+def test_forced_algorithm_above_the_cap_is_a_value_error():
+    x = np.zeros((2, 4, 8, 8), np.float32)
+    w = np.zeros((4, 4, 3, 3), np.float32)
+    geom = wsarena._geometry.conv_geometry(x.shape, w.shape)
+    big = max(cpu.ALGORITHMS["fwd"], key=lambda a: cpu.workspace_size("fwd", a, geom))
+    with config(cap_workspace=16), pytest.raises(ValueError, match="above the cap"):
+        conv_forward(x, w, algo=big)
+
+
+def test_configured_backend_must_match_the_arrays():
+    with config(backend="cudnn"), pytest.raises(TypeError, match="backend='cudnn'"):
+        conv_forward(X, W)
+
+
+def test_lanes_on_threads_give_the_serial_results():
+    rng = np.random.default_rng(9)
+    jobs = [(rng.standard_normal((2, c, 10, 10)), rng.standard_normal((c, c, 3, 3))) for c in (2, 3, 4, 5)]
+    serial = [conv_forward(x, w, padding=1) for x, w in jobs]
+    results = [None] * len(jobs)
+
+    def work(i):
+        for _ in range(5):
+            results[i] = conv_forward(*jobs[i], padding=1, stream=f"lane{i}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, serial):
+        np.testing.assert_array_equal(got, want)
