@@ -1,0 +1,199 @@
+"""The cudnn backend: descriptor building through the real libcudnn here; the ops on a GPU (marked `gpu`).
+
+GPU tolerances (relative error max|y - ref| / max|ref| against the float64 reference): float32 1e-5 (FMA_MATH,
+no TF32), float16 and bfloat16 2e-2 and 5e-2 (inputs rounded to those types, accumulation in float32).
+"""
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wsarena import algos, config, conv_backward_data, conv_backward_filter, conv_forward
+from wsarena._geometry import conv_geometry
+from wsarena.backends import Candidate
+from wsarena.backends._cudnn_backend import CudnnBackend, _channels_last, _pointers, _usable
+from wsarena.cudnn import AlgoPerf, ConvolutionFwdAlgo, Status
+from wsarena.errors import WorkspaceCapWarning
+
+from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return CudnnBackend()  # loads libcudnn; no GPU needed for descriptors
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    nd=st.integers(1, 3), groups=st.integers(1, 3), cpg=st.integers(1, 3), kpg=st.integers(1, 3),
+    size=st.integers(3, 9), k=st.integers(1, 3), s=st.integers(1, 2), p=st.integers(0, 2), d=st.integers(1, 2),
+    layout=st.sampled_from(["NCHW", "NHWC"]), dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]),
+)
+def test_descriptors_agree_with_the_geometry(backend, nd, groups, cpg, kpg, size, k, s, p, d, layout, dtype):
+    if d * (k - 1) + 1 > size + 2 * p:
+        return
+    c, kk = cpg * groups, kpg * groups
+    shape_x = (2, c, *(size,) * nd) if layout == "NCHW" else (2, *(size,) * nd, c)
+    shape_w = (kk, cpg, *(k,) * nd) if layout == "NCHW" else (kk, *(k,) * nd, cpg)
+    geom = conv_geometry(shape_x, shape_w, stride=s, padding=p, dilation=d, groups=groups, layout=layout, dtype=dtype)
+    x, w, conv, y = backend._descriptors(geom)
+    assert conv.output_shape(x, w) == (2, kk, *geom.output_size)
+    assert y.shape == (2, kk, *geom.output_size)
+    # the descriptor's strides are the array's own, in elements
+    itemsize = 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
+    arr = np.empty(geom.input_shape, dtype=np.dtype(f"V{itemsize}"))
+    strides = tuple(st_ // itemsize for st_ in arr.strides)
+    if layout == "NHWC":
+        strides = (strides[0], strides[-1], *strides[1:-1])
+    assert x.strides == strides
+
+
+def test_descriptors_are_cached(backend):
+    geom = conv_geometry((2, 4, 8, 8), (4, 4, 3, 3), padding=1)
+    assert all(a is b for a, b in zip(backend._descriptors(geom), backend._descriptors(geom)))
+
+
+def test_channels_last_strides():
+    assert _channels_last(2, 3, (4, 5)) == ((2, 3, 4, 5), (60, 1, 15, 3))
+    assert _channels_last(1, 8, (7,)) == ((1, 8, 7), (56, 1, 8))
+
+
+def test_pointer_order_per_pass():
+    class A:
+        def __init__(self, ptr):
+            self.data = type("D", (), {"ptr": ptr})()
+
+    a, b, out = A(1), A(2), A(3)
+    assert _pointers("fwd", a, b, out) == {"x": 1, "w": 2, "y": 3}
+    assert _pointers("bwd_data", a, b, out) == {"y": 1, "w": 2, "x": 3}
+    assert _pointers("bwd_filter", a, b, out) == {"x": 1, "y": 2, "w": 3}
+
+
+def test_usable_keeps_successes_once_in_order():
+    def perf(algo, status, mem, t=0.5):
+        return AlgoPerf(algo, status, t, mem, 0, 0)
+
+    got = _usable(
+        [
+            perf(ConvolutionFwdAlgo.FFT, Status.NOT_SUPPORTED, 10),
+            perf(ConvolutionFwdAlgo.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 100),
+            perf(ConvolutionFwdAlgo.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 200),
+            perf(ConvolutionFwdAlgo.IMPLICIT_GEMM, Status.SUCCESS, 0),
+        ],
+        timed=True,
+    )
+    assert got == [Candidate("implicit_precomp_gemm", 100, 0.5), Candidate("implicit_gemm", 0, 0.5)]
+
+
+# ---------------------------------------------------------------------------------------------------- GPU only
+TOL = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}
+
+
+def _rel(got, ref):
+    return float(np.max(np.abs(got - ref))) / (float(np.max(np.abs(ref))) or 1.0)
+
+
+def _gpu_problem(seed, nd, layout):
+    rng = np.random.default_rng(seed)
+    size = {1: 17, 2: 9, 3: 5}[nd]
+    x = rng.standard_normal((2, 4, *(size,) * nd))
+    w = rng.standard_normal((6, 2, *(3,) * nd))
+    kw = dict(stride=2, padding=1, dilation=1, groups=2)
+    dy = rng.standard_normal(ref_conv_forward(x, w, **kw).shape)
+    return x, w, dy, kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_gpu_three_passes_match_the_reference(dtype, nd, layout):
+    import cupy
+
+    x, w, dy, kw = _gpu_problem(nd, nd, layout)
+    move = (lambda a: np.moveaxis(a, 1, -1)) if layout == "NHWC" else (lambda a: a)
+    # round the inputs to the tested dtype first, so the reference sees the same numbers
+    as_dev = lambda a: cupy.asarray(np.ascontiguousarray(move(a))).astype(dtype)  # noqa: E731
+    xd, wd, dyd = as_dev(x), as_dev(w), as_dev(dy)
+    back = lambda a: np.moveaxis(a, -1, 1) if layout == "NHWC" else a  # noqa: E731
+    x64, w64, dy64 = (back(cupy.asnumpy(a.astype("float64"))) for a in (xd, wd, dyd))
+    refs = (ref_conv_forward(x64, w64, **kw), ref_conv_backward_data(dy64, w64, x.shape, **kw),
+            ref_conv_backward_filter(x64, dy64, w.shape, **kw))
+    y = conv_forward(xd, wd, **kw, layout=layout)
+    dx = conv_backward_data(dyd, wd, xd.shape, **kw, layout=layout)
+    dw = conv_backward_filter(xd, dyd, wd.shape, **kw, layout=layout)
+    for got, ref in zip((y, dx, dw), refs):
+        assert _rel(back(cupy.asnumpy(got.astype("float64"))), ref) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+def test_gpu_cap_zero_and_one_mib():
+    import cupy
+
+    from wsarena.arena import Arena, CupyProvider, set_arena
+
+    rng = np.random.default_rng(0)
+    x = cupy.asarray(rng.standard_normal((8, 64, 56, 56), dtype=np.float32))
+    w = cupy.asarray(rng.standard_normal((64, 64, 3, 3), dtype=np.float32))
+    dev = x.device.id
+    for cap, bound in ((0, 0), ("1MiB", 1 << 20)):
+        arena = Arena(CupyProvider(dev))
+        previous = set_arena(dev, arena)
+        algos.cache_clear()
+        try:
+            with config(cap_workspace=cap), warnings.catch_warnings():
+                warnings.simplefilter("ignore", WorkspaceCapWarning)
+                y = conv_forward(x, w, padding=1)
+                conv_backward_data(y, w, x.shape, padding=1)
+                conv_backward_filter(x, y, w.shape, padding=1)
+            cupy.cuda.get_current_stream().synchronize()
+            assert arena.stats()["high_water_bytes"] <= bound
+        finally:
+            set_arena(dev, previous)
+            arena.close()
+
+
+@pytest.mark.gpu
+def test_gpu_exhaustive_search_matches_heuristic_result():
+    import cupy
+
+    rng = np.random.default_rng(1)
+    x = cupy.asarray(rng.standard_normal((4, 16, 32, 32), dtype=np.float32))
+    w = cupy.asarray(rng.standard_normal((32, 16, 3, 3), dtype=np.float32))
+    algos.cache_clear()
+    y1 = conv_forward(x, w, padding=1)
+    with config(algo_search="exhaustive"):
+        y2 = conv_forward(x, w, padding=1)
+    assert _rel(cupy.asnumpy(y2).astype(np.float64), cupy.asnumpy(y1).astype(np.float64)) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_four_streams_give_the_serial_results():
+    import cupy
+
+    rng = np.random.default_rng(2)
+    jobs = []
+    for c in (8, 16, 32, 64):
+        jobs.append((cupy.asarray(rng.standard_normal((4, c, 28, 28), dtype=np.float32)),
+                     cupy.asarray(rng.standard_normal((c, c, 3, 3), dtype=np.float32))))
+    serial = [cupy.asnumpy(conv_forward(x, w, padding=1)) for x, w in jobs]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in jobs]
+    results = [None] * len(jobs)
+
+    def work(i):
+        with streams[i]:
+            for _ in range(3):
+                results[i] = conv_forward(*jobs[i], padding=1, stream=streams[i])
+        streams[i].synchronize()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, serial):
+        np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,158 @@
+"""The ``cudnn`` backend: CuPy arrays, cuDNN's legacy convolution API.
+
+Deliberately thin: descriptors from the cache, the (device, thread) handle bound to the stream, and the cuDNN
+call. Argument checks, algorithm choice under the cap, the out-of-memory fallback and the workspace lease are
+shared code (:mod:`wsarena.ops`, :mod:`wsarena.algos`, :mod:`wsarena.arena`) that the CPU backend also runs.
+
+Precision: float32 convolutions use ``FMA_MATH`` (full float32, no TF32); float16 and bfloat16 are computed in
+float32 with tensor cores allowed (``TENSOR_OP_MATH``), as PyTorch does; float64 in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from . import Candidate
+
+_DATA = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BFLOAT16", "float64": "DOUBLE"}
+
+
+class CudnnBackend:
+    name = "cudnn"
+
+    def __init__(self) -> None:
+        import cupy
+
+        from .. import cudnn
+
+        self._cupy = cupy
+        self._cudnn = cudnn
+        cudnn.bind_all()
+
+    # -- where -------------------------------------------------------------------------------------------------
+    def _device(self) -> int:
+        return int(self._cupy.cuda.Device().id)
+
+    def device_key(self) -> Any:
+        return self._device()
+
+    def device_label(self) -> str:
+        dev = self._device()
+        name = self._cupy.cuda.runtime.getDeviceProperties(dev)["name"]
+        return f"{name.decode() if isinstance(name, bytes) else name} ({dev})"
+
+    def arena(self) -> Any:
+        from ..arena import get_arena
+
+        return get_arena(self._device())
+
+    def on_device(self, array: Any) -> Any:
+        """Make ``array``'s device current for the body of a ``with`` block."""
+        return array.device
+
+    # -- arrays ------------------------------------------------------------------------------------------------
+    def check_dtype(self, dtype: str) -> None:
+        if dtype not in _DATA:
+            raise TypeError(f"the cudnn backend computes in {', '.join(_DATA)}, not {dtype}")
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        return self._cupy.empty(shape, dtype=dtype)
+
+    def random(self, shape: tuple[int, ...], dtype: str) -> Any:
+        return self._cupy.random.default_rng(0).standard_normal(shape, dtype="float32").astype(dtype)
+
+    # -- descriptors -------------------------------------------------------------------------------------------
+    def _descriptors(self, geom: Any) -> tuple[Any, Any, Any, Any]:
+        c = self._cudnn
+        data = c.DataType[_DATA[geom.dtype]]
+        compute = c.DataType.DOUBLE if geom.dtype == "float64" else c.DataType.FLOAT
+        math = c.MathType.FMA_MATH if geom.dtype in ("float32", "float64") else c.MathType.TENSOR_OP_MATH
+        conv = c.convolution_descriptor(geom.padding, geom.stride, geom.dilation, geom.groups, compute, math)
+        k, cpg = geom.out_channels, geom.in_channels // geom.groups
+        if geom.layout == "NCHW":
+            x = c.tensor_descriptor(data, geom.input_shape)
+            y = c.tensor_descriptor(data, geom.output_shape)
+            w = c.filter_descriptor(data, c.TensorFormat.NCHW, geom.weight_shape)
+        else:  # cuDNN wants dims in N, C, spatial order; channels-last is expressed by the strides and format
+            x = c.tensor_descriptor(data, *_channels_last(geom.batch, geom.in_channels, geom.input_size))
+            y = c.tensor_descriptor(data, *_channels_last(geom.batch, k, geom.output_size))
+            w = c.filter_descriptor(data, c.TensorFormat.NHWC, (k, cpg, *geom.kernel_size))
+        return x, w, conv, y
+
+    def _handle(self) -> Any:
+        return self._cudnn.get_handle(self._device())
+
+    # -- algorithms --------------------------------------------------------------------------------------------
+    def algorithms(self, pass_: str) -> tuple[str, ...]:
+        return tuple(a.name.lower() for a in self._cudnn.conv.algorithms(pass_))
+
+    def workspace_size(self, pass_: str, algo: str, geom: Any) -> int:
+        x, w, conv, y = self._descriptors(geom)
+        value = self._cudnn.conv.algorithm(pass_, algo.upper())
+        return self._cudnn.conv.workspace_size(pass_, self._handle(), x, w, conv, y, value)
+
+    def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
+        x, w, conv, y = self._descriptors(geom)
+        perfs = self._cudnn.conv.heuristic_algorithms(pass_, self._handle(), x, w, conv, y)
+        return _usable(perfs)
+
+    def measure(
+        self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate], stream: Any
+    ) -> list[Candidate]:
+        x, w, conv, y = self._descriptors(geom)
+        handle = self._bound_handle(stream)
+        ptrs = _pointers(pass_, a, b, out)
+        perfs = self._cudnn.conv.find_algorithms(
+            pass_, handle, x, ptrs["x"], w, ptrs["w"], conv, y, ptrs["y"], workspace.ptr, workspace.nbytes
+        )
+        wanted = {c.algo for c in candidates}
+        return [c for c in _usable(perfs, timed=True) if c.algo in wanted]
+
+    def run(self, pass_: str, algo: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any) -> None:
+        x, w, conv, y = self._descriptors(geom)
+        ptrs = _pointers(pass_, a, b, out)
+        self._cudnn.conv.convolution(
+            pass_, self._bound_handle(stream), x_desc=x, x_ptr=ptrs["x"], w_desc=w, w_ptr=ptrs["w"], conv_desc=conv,
+            y_desc=y, y_ptr=ptrs["y"], algo=self._cudnn.conv.algorithm(pass_, algo.upper()),
+            workspace_ptr=workspace.ptr, workspace_bytes=workspace.nbytes,
+        )
+
+    def _bound_handle(self, stream: Any) -> Any:
+        from ..arena import stream_handle
+
+        handle = self._handle()
+        handle.set_stream(stream_handle(stream))
+        return handle
+
+
+def _channels_last(n: int, c: int, spatial: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Dims (N, C, *spatial) and the strides of an (N, *spatial, C) array."""
+    strides = [1] * len(spatial)
+    step = c
+    for i in range(len(spatial) - 1, -1, -1):
+        strides[i] = step
+        step *= spatial[i]
+    return (n, c, *spatial), (step, 1, *strides)
+
+
+def _pointers(pass_: str, a: Any, b: Any, out: Any) -> dict[str, int]:
+    """Device addresses of x, w and y for the pass's operand order (a, b, out)."""
+    if pass_ == "fwd":
+        x, w, y = a, b, out
+    elif pass_ == "bwd_data":
+        y, w, x = a, b, out
+    else:
+        x, y, w = a, b, out
+    return {"x": x.data.ptr, "w": w.data.ptr, "y": y.data.ptr}
+
+
+def _usable(perfs: Sequence[Any], *, timed: bool = False) -> list[Candidate]:
+    """Successful entries, first occurrence of each algorithm (cuDNN may list one per math type)."""
+    seen: dict[str, Candidate] = {}
+    for perf in perfs:
+        name = perf.algo.name.lower()
+        if perf.status != 0 or name in seen:
+            continue
+        seen[name] = Candidate(name, int(perf.memory), float(perf.time_ms) if timed else None)
+    return list(seen.values())
