@@ -124,6 +124,20 @@ def test_a_dead_stream_objects_sub_arena_is_swept_when_a_new_stream_appears():
     assert buffer.nbytes == 1024 and stream is None  # its stream may be gone
 
 
+def test_a_sweep_frees_even_when_the_lease_that_triggered_it_fails():
+    provider = RecordingProvider(kind="device")
+    arena = Arena(provider)
+    with arena.lease(1000, stream=Stream(11)):
+        pass
+    gc.collect()
+    provider.fail_next = 1
+    with pytest.raises(MemoryError):
+        with arena.lease(10, stream=12):  # sweeps stream 11, then cannot allocate for 12
+            pass
+    assert provider.held == [] and len(provider.frees) == 1
+    assert arena.stats().streams == {}
+
+
 def test_trim_sweeps_dead_streams():
     provider = RecordingProvider(kind="device")
     arena = Arena(provider)

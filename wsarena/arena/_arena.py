@@ -24,6 +24,7 @@ import collections
 import operator
 import threading
 import weakref
+from threading import get_ident as _get_ident
 from collections.abc import Hashable
 from types import MappingProxyType
 from typing import Any
@@ -120,10 +121,17 @@ class Arena:
         RuntimeError
             (on entering, host arena) This thread already holds a lease on this lane.
         """
-        n = _check_nbytes(nbytes)
-        key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
+        # The common cases are inlined: this runs once per convolution call.
+        n = nbytes if type(nbytes) is int and nbytes >= 0 else _check_nbytes(nbytes)
+        kind = type(stream)
+        if (kind is int and (self._lanes or stream >= 0)) or (kind is str and self._lanes):
+            key, anchor = stream, None
+        else:
+            key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
         cfg = get_config()
-        self._check_cap(n, key, cfg.cap_workspace)
+        cap = cfg.cap_workspace
+        if cap is not None and n > cap:
+            self._check_cap(n, key, cap)
         return Workspace(self, n, key, anchor, cfg.debug)
 
     def reserve(self, nbytes: int, *, stream: Any = None) -> None:
@@ -137,14 +145,16 @@ class Arena:
         if n == 0:
             return
         frees: list[tuple[_Block, Any]] = []
-        with self._lock:
-            self._check_open()
-            sub = self._sub_for(key, anchor, frees)
-            try:
-                self._ensure(sub, n, frees)
-            finally:
-                self._drop_if_empty(sub)
-        self._free(frees)
+        try:
+            with self._lock:
+                self._check_open()
+                sub = self._sub_for(key, anchor, frees)
+                try:
+                    self._ensure(sub, n, frees)
+                finally:
+                    self._drop_if_empty(sub)
+        finally:
+            self._free(frees)  # what a sweep or a growth released, even if this reserve failed
 
     def held_bytes(self, *, stream: Any = None) -> int:
         """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none)."""
@@ -170,7 +180,7 @@ class Arena:
                     sub.block = None
                     self._retire(sub, block, frees)
                 self._drop_if_empty(sub)
-            released = sum(block.buffer.nbytes for block, _ in frees)
+            released = sum(block.nbytes for block, _ in frees)
         self._free(frees)
         return released
 
@@ -187,7 +197,7 @@ class Arena:
                     allocations=sub.allocations,
                     growths=sub.growths,
                     leases=sub.live,
-                    retired_bytes=sum(b.buffer.nbytes for b in sub.retired),
+                    retired_bytes=sum(b.nbytes for b in sub.retired),
                 )
             stats = ArenaStats(
                 capacity_bytes=sum(s.capacity_bytes for s in streams.values()),
@@ -261,7 +271,7 @@ class Arena:
         """Return ``sub``'s buffer once it holds at least ``n`` bytes, growing it if needed."""
         while True:
             block = sub.block
-            if block is not None and block.buffer.nbytes >= n:
+            if block is not None and block.nbytes >= n:
                 return block
             if sub.growing:  # another thread is growing it: wait, then look again
                 sub.waiters += 1
@@ -359,80 +369,109 @@ class Arena:
                 )
 
     def _acquire(self, ws: Workspace) -> None:
-        """Take the lease ``ws`` (lock not held on entry)."""
+        """Take the lease ``ws`` (lock not held on entry). The fast path is inlined; the rest is in helpers."""
         n = ws.nbytes
         key = ws.stream
         frees: list[tuple[_Block, Any]] = []
-        self._lock.acquire()
         try:
-            self._check_open()
-            sub = self._sub_for(key, ws._anchor, frees)
-            me = threading.get_ident()
-            if sub.owner == me:
-                if self._lanes:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("this arena is closed")
+                sub = self._subs.get(key)
+                if sub is None or self._dead or (ws._anchor is not None and sub.anchor is None):
+                    sub = self._sub_for(key, ws._anchor, frees)
+                else:
+                    sub.orphan = False
+                me = _get_ident()
+                owner = sub.owner
+                if owner is None:
+                    sub.owner = me
+                elif owner != me:
+                    self._wait_for_owner(sub, me)
+                elif self._lanes:
                     raise RuntimeError(
                         f"this thread already holds a lease on CPU lane {key!r}; a nested lease there would "
                         "share its bytes: lease the inner workspace on another lane (stream=<any hashable>)"
                     )
-            else:
-                if sub.owner is not None:  # another thread holds this lane / stream: wait for it
-                    sub.waiters += 1
-                    try:
-                        while sub.owner is not None:
-                            sub.cond.wait()
-                    finally:
-                        sub.waiters -= 1
-                    self._check_open()
-                sub.owner = me
-            sub.depth += 1
-            try:
-                block = self._ensure(sub, n, frees)
-                if ws._debug:
-                    self._check_overlap(key, block.buffer.ptr, n)
-            except BaseException:
-                self._leave(sub)
-                self._drop_if_empty(sub)
-                raise
-            block.live += 1
-            sub.live += 1
-            self._live += 1
-            if n > sub.high_water:
-                sub.high_water = n
-                if n > self._high_water:
-                    self._high_water = n
-            ws._block = block
-            ws._sub = sub
-            ws.ptr = block.buffer.ptr
-            if ws._debug:
-                self._debug_live[id(ws)] = (key, ws.ptr, ws.ptr + n)
+                sub.depth += 1
+                block = sub.block
+                if block is None or block.nbytes < n or ws._debug:
+                    block = self._acquire_slow(ws, sub, frees)
+                block.live += 1
+                sub.live += 1
+                self._live += 1
+                if n > sub.high_water:
+                    sub.high_water = n
+                    if n > self._high_water:
+                        self._high_water = n
+                ws._block = block
+                ws._sub = sub
+                ws.ptr = block.ptr
         finally:
-            self._lock.release()
-            if frees:
+            if frees:  # what a sweep or a growth released, even if this lease failed
                 self._free(frees)
+
+    def _wait_for_owner(self, sub: _Sub, me: int) -> None:
+        """Another thread holds this lane / stream: wait until it lets go, then take it."""
+        sub.waiters += 1
+        try:
+            while sub.owner is not None:
+                sub.cond.wait()
+        finally:
+            sub.waiters -= 1
+        if self._closed:
+            if sub.waiters:
+                sub.cond.notify_all()
+            raise RuntimeError("this arena is closed")
+        sub.owner = me
+
+    def _acquire_slow(self, ws: Workspace, sub: _Sub, frees: list) -> _Block:
+        """Grow ``sub`` if needed and run the debug checks; on failure, leave ``sub`` as it was."""
+        try:
+            block = self._ensure(sub, ws.nbytes, frees)
+            if ws._debug:
+                self._check_overlap(ws.stream, block.ptr, ws.nbytes)
+                self._debug_live[id(ws)] = (ws.stream, block.ptr, block.ptr + ws.nbytes)
+        except BaseException:
+            self._leave(sub)
+            self._drop_if_empty(sub)
+            raise
+        return block
 
     def _release(self, ws: Workspace) -> None:
         """End the lease ``ws`` (lock not held on entry)."""
+        if ws._debug:
+            try:
+                block = ws._block
+                if not block.freed:
+                    # Poison while this thread still holds the lane, so the next user never sees it half written.
+                    self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=ws._sub.key)
+            except BaseException:
+                self._unlease(ws)
+                raise
+        self._unlease(ws)
+
+    def _unlease(self, ws: Workspace) -> None:
         block, sub = ws._block, ws._sub
         frees: list[tuple[_Block, Any]] = []
-        try:
-            if ws._debug and not block.freed:
-                # Poison while this thread still holds the lane, so the next user never sees it half written.
-                self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=sub.key)
-        finally:
-            with self._lock:
-                block.live -= 1
-                sub.live -= 1
-                self._live -= 1
-                if ws._debug:
-                    self._debug_live.pop(id(ws), None)
-                self._leave(sub)
+        with self._lock:
+            block.live -= 1
+            sub.live -= 1
+            self._live -= 1
+            sub.depth -= 1
+            if sub.depth == 0:
+                sub.owner = None
+                if sub.waiters:
+                    sub.cond.notify_all()
+            if block is not sub.block or sub.orphan or self._closed or ws._debug:
+                self._debug_live.pop(id(ws), None)
                 if block.live == 0 and block is not sub.block and not block.freed:
                     sub.retired.remove(block)
                     self._retire(sub, block, frees)
                 if (sub.orphan or self._closed) and sub.idle() and self._subs.get(sub.key) is sub:
                     self._release_sub(sub, frees, gone=sub.orphan)
-            if frees:
-                self._free(frees)
+        if frees:
+            self._free(frees)
 
     def _free(self, frees: list) -> None:
         """Lock not held."""

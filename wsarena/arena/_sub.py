@@ -16,10 +16,12 @@ _serials = itertools.count(1)
 class _Block:
     """A buffer and the number of live leases on it."""
 
-    __slots__ = ("buffer", "live", "freed")
+    __slots__ = ("buffer", "ptr", "nbytes", "live", "freed")
 
     def __init__(self, buffer: Any) -> None:
         self.buffer = buffer
+        self.ptr = buffer.ptr  # copied: the lease fast path reads them, and `buffer` is dropped once freed
+        self.nbytes = buffer.nbytes
         self.live = 0
         self.freed = False
 
@@ -53,4 +55,4 @@ class _Sub:
         return self.live == 0 and self.owner is None and self.waiters == 0 and not self.growing
 
     def capacity(self) -> int:
-        return self.block.buffer.nbytes if self.block is not None else 0
+        return self.block.nbytes if self.block is not None else 0
