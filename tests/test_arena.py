@@ -533,3 +533,32 @@ def test_close_frees_idle_buffers_now_and_busy_ones_at_release(arena, provider):
         arena.close()  # idempotent
         assert len(provider.frees) == 1
     assert provider.held == []
+
+
+class _Plan:
+    def __init__(self, *stream_bytes):
+        self.stream_bytes = stream_bytes
+
+
+def test_reserve_for_a_plan_presizes_its_streams(arena, provider):
+    arena.reserve_for(_Plan(aligned_size(100_000)))
+    assert arena.held_bytes() == aligned_size(100_000)
+    arena.reserve_for(_Plan(4096, 8192), streams=["x", "y"])
+    assert (arena.held_bytes(stream="x"), arena.held_bytes(stream="y")) == (4096, 8192)
+    with wsarena.config(cap_workspace=100_000):  # the plan's rounded size may sit just above the cap
+        arena.reserve_for(_Plan(aligned_size(99_999)), streams=["z"])
+    before = len(provider.allocations)
+    with arena.lease(100_000), arena.lease(4096, stream="x"):
+        pass
+    assert len(provider.allocations) == before
+
+
+@pytest.mark.parametrize(
+    ("plan", "streams", "error"),
+    [(_Plan(10, 20), None, ValueError), (_Plan(10), ["a", "b"], ValueError), (_Plan(10, 20), ["a", [1]], TypeError),
+     (_Plan(-1), None, ValueError)],
+)
+def test_reserve_for_bad_input_changes_nothing(arena, plan, streams, error):
+    with pytest.raises(error):
+        arena.reserve_for(plan, streams=streams)
+    assert arena.stats().streams == {}

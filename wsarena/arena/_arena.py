@@ -25,7 +25,7 @@ import operator
 import threading
 import weakref
 from threading import get_ident as _get_ident
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -142,6 +142,36 @@ class Arena:
         n = _check_nbytes(nbytes)
         key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
         self._check_cap(n, key, get_config().cap_workspace)
+        self._reserve(n, key, anchor)
+
+    def reserve_for(self, plan: Any, *, streams: Sequence[Any] | None = None) -> None:
+        """Pre-size the sub-arenas a run of ``plan`` will use, so that the run itself allocates nothing.
+
+        Parameters
+        ----------
+        plan : wsarena.planner.Plan
+            Anything with ``stream_bytes``: the capacity each planned stream needs, in order.
+        streams : sequence, optional
+            The stream (or CPU lane) each planned stream will run on, in the same order. By default the calling
+            thread's default stream, which a one-stream plan needs; a plan for several streams must name them.
+
+        The plan was made under the cap, so its sizes (already rounded by :func:`aligned_size`) are not checked
+        against the cap again. Every stream is checked before anything is reserved; if the provider fails
+        part-way, the streams before the failing one stay reserved.
+        """
+        sizes = [_check_nbytes(n) for n in plan.stream_bytes]
+        if streams is None:
+            if len(sizes) > 1:
+                raise ValueError(f"a plan for {len(sizes)} streams needs streams=[...], one per planned stream")
+            streams = [None] * len(sizes)
+        streams = list(streams)
+        if len(streams) != len(sizes):
+            raise ValueError(f"the plan has {len(sizes)} stream(s) but {len(streams)} were given")
+        resolved = [resolve_stream(s, lanes=self._lanes, current=self._current) for s in streams]
+        for (key, anchor), n in zip(resolved, sizes):
+            self._reserve(n, key, anchor)
+
+    def _reserve(self, n: int, key: Hashable, anchor: Any) -> None:
         if n == 0:
             return
         frees: list[tuple[_Block, Any]] = []
