@@ -562,3 +562,22 @@ def test_reserve_for_bad_input_changes_nothing(arena, plan, streams, error):
     with pytest.raises(error):
         arena.reserve_for(plan, streams=streams)
     assert arena.stats().streams == {}
+
+
+def test_public_names_are_sorted_and_importable():
+    import wsarena.arena as mod
+
+    assert mod.__all__ == sorted(mod.__all__)
+    for name in mod.__all__:
+        assert getattr(mod, name) is not None
+
+
+def test_importing_the_arena_does_not_import_cupy_or_cuda_bindings():
+    import subprocess
+    import sys
+
+    code = "import sys, wsarena.arena; wsarena.arena.get_arena('cpu').reserve(1); " \
+           "print(sorted(m for m in ('cupy', 'cuda.bindings') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -63,6 +63,20 @@ class Arena:
     provider : MemoryProvider
         Where buffers come from (:class:`HostProvider`, :class:`CupyProvider`, :class:`AsyncProvider`, or any
         object with the same methods). ``provider.kind`` chooses host lanes or device streams.
+
+    Notes
+    -----
+    - Any number of threads may use one arena. On the host a lease holds its lane until released (other
+      threads wait; the same thread nesting on its lane gets ``RuntimeError``). On a device a thread's leases on
+      a stream may nest; other threads wait for that stream (see the module docstring for why).
+    - Growth: to ``aligned_size(nbytes)``; the outgrown buffer is freed on the sub-arena's stream once no
+      lease uses it.
+    - :meth:`stats` returns a frozen :class:`ArenaStats`; fields read as attributes or items
+      (``s.capacity_bytes == s["capacity_bytes"]``).
+    - Debug mode (``wsarena.configure(debug=True)`` or ``WSARENA_DEBUG=1``, read at each lease) fills released
+      bytes with ``POISON_BYTE`` and raises ``AssertionError`` if two live leases on different streams overlap.
+    - Memory is released by :meth:`trim`, :meth:`close`, when the arena is collected, when a stream or thread it
+      served is gone, and, for device arenas, at interpreter exit before CUDA is torn down.
     """
 
     def __init__(self, provider: Any) -> None:
