@@ -1,0 +1,142 @@
+"""The planner: totals, streams, caps, bad input, and that the report tells the truth about a real run."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import wsarena
+from wsarena import algos, config, conv_backward_data, conv_backward_filter, conv_forward
+from wsarena.arena import Arena, HostProvider, aligned_size
+from wsarena.backends._cpu_backend import CpuBackend
+from wsarena.errors import BackendUnavailableError, WorkspaceCapWarning
+from wsarena.models import ConvLayer
+
+
+@pytest.fixture(autouse=True)
+def fresh_arena(monkeypatch):
+    arena = Arena(HostProvider())
+    monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
+    algos.cache_clear()
+    yield arena
+    algos.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def resnet50():
+    return wsarena.load_model("resnet50")
+
+
+def test_totals_are_max_and_sum(resnet50):
+    p = wsarena.plan(resnet50, batch=2, backend="cpu", cap_workspace=None)
+    chosen = [c.workspace_bytes for lp in p.layers for c in lp.choices.values()]
+    assert len(p.layers) == 53 and len(chosen) == 53 * 3
+    assert p.unshared_bytes == sum(chosen)
+    assert p.arena_bytes == aligned_size(max(chosen))
+    assert p.saved_bytes == p.unshared_bytes - p.arena_bytes > 0
+
+
+def test_to_dict_follows_the_report_schema(resnet50):
+    d = wsarena.plan(resnet50[:3], batch=4, backend="cpu", cap_workspace="1MiB", passes=("fwd", "bwd_filter")).to_dict()
+    for key in ("wsarena_version", "model", "backend", "device", "batch", "dtype", "layout", "cap_workspace_bytes",
+                "streams", "layers", "arena_bytes", "unshared_bytes", "saved_bytes"):
+        assert key in d
+    assert (d["backend"], d["batch"], d["cap_workspace_bytes"], d["streams"]) == ("cpu", 4, 1 << 20, 1)
+    layer = d["layers"][0]
+    assert layer["input_shape"] == [4, 3, 224, 224] and layer["weight_shape"] == [64, 3, 7, 7]
+    assert (layer["stride"], layer["padding"], layer["dilation"], layer["groups"]) == ([2, 2], [3, 3], [1, 1], 1)
+    assert "bwd_data" not in layer and set(layer["fwd"]) == {"algo", "workspace_bytes"}
+
+
+def test_cap_bounds_every_choice(resnet50):
+    cap = 2 << 20
+    p = wsarena.plan(resnet50, batch=8, backend="cpu", cap_workspace=cap)
+    assert all(c.workspace_bytes <= cap for lp in p.layers for c in lp.choices.values())
+    zero = wsarena.plan(resnet50, batch=8, backend="cpu", cap_workspace=0)
+    assert zero.arena_bytes == 0 == zero.unshared_bytes
+
+
+def test_configured_cap_is_the_default(resnet50):
+    with config(cap_workspace="1MiB"):
+        assert wsarena.plan(resnet50[:5], batch=4, backend="cpu").cap_workspace == 1 << 20
+    assert wsarena.plan(resnet50[:5], batch=4, backend="cpu").cap_workspace is None
+
+
+def test_streams_multiply_and_assignments_sum(resnet50):
+    layers = resnet50[:6]
+    one = wsarena.plan(layers, batch=2, backend="cpu")
+    three = wsarena.plan(layers, batch=2, backend="cpu", streams=3)
+    assert three.arena_bytes == 3 * one.arena_bytes and three.to_dict()["streams"] == 3
+    split = wsarena.plan(layers, batch=2, backend="cpu", streams=[0, 1, 1, 0, 2, 2])
+    per = [max(lp.largest_bytes for lp in split.layers if lp.stream == s) for s in range(3)]
+    assert split.stream_bytes == tuple(aligned_size(b) for b in per)
+    assert split.arena_bytes == sum(split.stream_bytes) and split.streams == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(batch=0), ValueError, "batch"),
+        (dict(dtype="int8"), ValueError, "dtype"),
+        (dict(passes=("fwd", "bwd")), ValueError, "passes"),
+        (dict(streams=0), ValueError, "streams"),
+        (dict(streams=[0, 1]), ValueError, "assigns 2 layers"),
+        (dict(cap_workspace="lots"), ValueError, "size"),
+        (dict(search="fastest"), ValueError, "search"),
+        (dict(backend="tpu"), ValueError, "backend"),
+        (dict(dtype="float16"), BackendUnavailableError, "float16"),
+    ],
+)
+def test_bad_arguments(resnet50, kwargs, error, match):
+    kwargs = {"backend": "cpu", **kwargs}
+    with pytest.raises(error, match=match):
+        wsarena.plan(resnet50[:3], **kwargs)
+
+
+def _run_layers(p, arena):
+    """Run every pass of every planned layer through the public ops, as a training step would."""
+    warnings.simplefilter("ignore", WorkspaceCapWarning)  # the cap is meant to exclude algorithms here
+    rng = np.random.default_rng(0)
+    for lp in p.layers:
+        g = lp.geometry
+        x = rng.standard_normal(g.input_shape, dtype=np.float32)
+        w = rng.standard_normal(g.weight_shape, dtype=np.float32)
+        dy = rng.standard_normal(g.output_shape, dtype=np.float32)
+        kw = dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups, layout=g.layout)
+        conv_forward(x, w, **kw)
+        conv_backward_data(dy, w, x.shape, **kw)
+        conv_backward_filter(x, dy, w.shape, **kw)
+
+
+@pytest.mark.parametrize("cap", [None, "256KiB"])
+def test_report_is_honest_about_a_real_run(fresh_arena, monkeypatch, cap):
+    layers = [
+        ConvLayer.from_dict(d) for d in (
+            {"name": "stem", "input_shape": [1, 3, 32, 32], "weight_shape": [16, 3, 3, 3], "stride": [2, 2], "padding": [1, 1]},
+            {"name": "dw", "input_shape": [1, 16, 16, 16], "weight_shape": [16, 1, 3, 3], "padding": [1, 1], "groups": 16},
+            {"name": "pw", "input_shape": [1, 16, 16, 16], "weight_shape": [32, 16, 1, 1]},
+            {"name": "wide", "input_shape": [1, 32, 16, 16], "weight_shape": [32, 32, 3, 3], "padding": [2, 2], "dilation": [2, 2]},
+            {"name": "conv1d", "input_shape": [1, 8, 40], "weight_shape": [8, 8, 5], "padding": [2]},
+        )
+    ]
+    with config(cap_workspace=cap):
+        p = wsarena.plan(layers, batch=3, backend="cpu")
+        _run_layers(p, fresh_arena)
+        assert fresh_arena.stats()["capacity_bytes"] == p.arena_bytes
+
+        reserved = Arena(HostProvider())
+        monkeypatch.setattr(CpuBackend, "arena", lambda self: reserved)
+        reserved.reserve_for(p)
+        before = reserved.stats()
+        _run_layers(p, reserved)
+        after = reserved.stats()
+    assert after["capacity_bytes"] == p.arena_bytes
+    assert (after["allocations"], after["growths"]) == (before["allocations"], before["growths"])
+
+
+@pytest.mark.parametrize("name", ["resnet50", "vgg16", "inception_v3", "googlenet", "mobilenet_v2", "unet"])
+def test_every_zoo_model_plans_and_sharing_saves(name):
+    p = wsarena.plan(wsarena.load_model(name), batch=32, backend="cpu")
+    largest = max(c.workspace_bytes for lp in p.layers for c in lp.choices.values())
+    assert p.arena_bytes == aligned_size(largest)
+    assert p.arena_bytes < p.unshared_bytes

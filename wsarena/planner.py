@@ -1,0 +1,253 @@
+"""How much workspace a network needs: shared (what wsarena holds) versus unshared (a workspace per layer and pass).
+
+:func:`plan` asks the same backend and the same algorithm choice that the ops use, so the arena a real run ends
+up holding is the plan's ``arena_bytes``.
+
+Streams. ``streams=K`` models K concurrent streams each able to run any layer (an inference server with K
+requests in flight): each stream's sub-arena holds the largest workspace of the whole network, so the arena is
+K times that. ``streams=[s0, s1, ...]`` assigns layer ``i`` to stream ``s_i`` (an Inception module's branches,
+say): each stream holds the largest workspace of its own layers, and the arena is their sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from ._config import get_config
+from ._geometry import PASSES, ConvGeometry
+from .algos import select
+from .backends import Candidate, get_backend, resolve_backend_name
+from .errors import BackendUnavailableError
+
+__all__ = ["LayerPlan", "Plan", "plan"]
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+_FROM_CONFIG: Any = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """One layer's geometry, stream and, per pass, the chosen algorithm and its workspace."""
+
+    name: str
+    geometry: ConvGeometry
+    stream: int
+    choices: dict[str, Candidate]
+    transposed: bool = False
+
+    @property
+    def largest_bytes(self) -> int:
+        return max((c.workspace_bytes for c in self.choices.values()), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        g = self.geometry
+        entry: dict[str, Any] = {
+            "name": self.name,
+            "input_shape": list(g.input_shape),
+            "weight_shape": list(g.weight_shape),
+            "stride": list(g.stride),
+            "padding": list(g.padding),
+            "dilation": list(g.dilation),
+            "groups": g.groups,
+        }
+        if self.transposed:
+            entry["transposed"] = True
+        for pass_, cand in self.choices.items():
+            entry[pass_] = {"algo": cand.algo, "workspace_bytes": cand.workspace_bytes}
+        return entry
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The outcome of :func:`plan`. ``to_dict()`` is the JSON object ``wsarena report --format json`` prints."""
+
+    model: str
+    backend: str
+    device: str
+    batch: int
+    dtype: str
+    layout: str
+    cap_workspace: int | None
+    search: str
+    passes: tuple[str, ...]
+    layers: tuple[LayerPlan, ...]
+    stream_bytes: tuple[int, ...]  # per stream: the largest workspace its sub-arena must hold
+
+    @property
+    def streams(self) -> int:
+        return len(self.stream_bytes)
+
+    @property
+    def arena_bytes(self) -> int:
+        """What wsarena holds: per stream the largest chosen workspace, summed over streams."""
+        return sum(self.stream_bytes)
+
+    @property
+    def unshared_bytes(self) -> int:
+        """One workspace per layer and pass, as Caffe's cuDNN layer keeps: the sum of every chosen workspace."""
+        return sum(c.workspace_bytes for layer in self.layers for c in layer.choices.values())
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.unshared_bytes - self.arena_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        from . import __version__
+
+        return {
+            "wsarena_version": __version__,
+            "model": self.model,
+            "backend": self.backend,
+            "device": self.device,
+            "batch": self.batch,
+            "dtype": self.dtype,
+            "layout": self.layout,
+            "cap_workspace_bytes": self.cap_workspace,
+            "streams": self.streams,
+            "search": self.search,
+            "layers": [layer.to_dict() for layer in self.layers],
+            "stream_bytes": list(self.stream_bytes),
+            "arena_bytes": self.arena_bytes,
+            "unshared_bytes": self.unshared_bytes,
+            "saved_bytes": self.saved_bytes,
+        }
+
+
+def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[int]]:
+    """(shared, assignment): whether every stream may run any layer, and each layer's stream index."""
+    if isinstance(streams, bool):
+        raise TypeError(f"streams must be an int or a sequence of stream indices, not {streams!r}")
+    if isinstance(streams, int):
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, not {streams}")
+        return True, [0] * n_layers
+    assignment = list(streams)
+    if len(assignment) != n_layers:
+        raise ValueError(f"streams assigns {len(assignment)} layers; the model has {n_layers}")
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in assignment):
+        raise ValueError(f"stream indices must be ints >= 0: {assignment}")
+    return False, assignment
+
+
+def plan(
+    layers: Iterable[Any],
+    *,
+    batch: int = 1,
+    dtype: str = "float32",
+    layout: str = "NCHW",
+    cap_workspace: Any = _FROM_CONFIG,
+    passes: Sequence[str] = PASSES,
+    streams: int | Sequence[int] = 1,
+    backend: str | None = None,
+    search: str | None = None,
+    model: str = "",
+    progress: Callable[[int, int, str], None] | None = None,
+) -> Plan:
+    """Choose every layer's algorithms as the ops would, and add up the workspace.
+
+    Parameters
+    ----------
+    layers : iterable of :class:`~wsarena.models.ConvLayer`
+        From :func:`wsarena.load_model`.
+    batch, dtype, layout
+        The run being planned (layers are stored at batch 1, NCHW).
+    cap_workspace : int, str or None
+        The cap on one call's workspace; ``None`` for none. Default: the configured cap.
+    passes : sequence of ``"fwd"``, ``"bwd_data"``, ``"bwd_filter"``
+    streams : int or sequence of int
+        See the module docstring.
+    backend, search : str, optional
+        Default: the configured ones. ``auto`` picks cuDNN when a GPU is usable.
+    progress : callable, optional
+        Called as ``progress(done, total, layer_name)`` after each layer.
+    """
+    from ._sizes import parse_size
+    from .arena import aligned_size
+
+    cfg = get_config()
+    layers = list(layers)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, not {batch!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    cap = cfg.cap_workspace if cap_workspace is _FROM_CONFIG else (
+        None if cap_workspace is None else parse_size(cap_workspace)
+    )
+    passes = tuple(passes)
+    if not passes or any(p not in PASSES for p in passes) or len(set(passes)) != len(passes):
+        raise ValueError(f"passes must be distinct names from {', '.join(PASSES)}, not {passes!r}")
+    search = cfg.algo_search if search is None else search
+    if search not in ("heuristic", "exhaustive"):
+        raise ValueError(f"search must be 'heuristic' or 'exhaustive', not {search!r}")
+    shared, assignment = _streams(streams, len(layers))
+    name = resolve_backend_name(cfg.backend if backend is None else backend)
+    impl = get_backend(name)
+    try:
+        impl.check_dtype(dtype)
+    except TypeError as exc:
+        raise BackendUnavailableError(f"{exc}; plan {dtype} with the cudnn backend on a GPU") from None
+    geometries = [layer.geometry(batch=batch, dtype=dtype, layout=layout) for layer in layers]
+
+    planned = []
+    for i, (layer, geom) in enumerate(zip(layers, geometries)):
+        choices = {}
+        for pass_ in passes:
+            operands = _operands(impl, pass_, geom) if search == "exhaustive" else None
+            choices[pass_] = select(impl, pass_, geom, cap=cap, search=search, operands=operands, warn=False)[0]
+        planned.append(
+            LayerPlan(layer.name, geom, assignment[i], choices, transposed=bool(getattr(layer, "transposed", False)))
+        )
+        if progress is not None:
+            progress(i + 1, len(layers), layer.name)
+
+    if shared:
+        largest = max((lp.largest_bytes for lp in planned), default=0)
+        stream_bytes = (aligned_size(largest),) * int(streams)  # type: ignore[arg-type]
+    else:
+        per_stream = [0] * (max(assignment, default=-1) + 1)
+        for lp in planned:
+            per_stream[lp.stream] = max(per_stream[lp.stream], lp.largest_bytes)
+        stream_bytes = tuple(aligned_size(b) for b in per_stream)
+    return Plan(
+        model=model,
+        backend=name,
+        device=impl.device_label(),
+        batch=batch,
+        dtype=dtype,
+        layout=layout,
+        cap_workspace=cap,
+        search=search,
+        passes=passes,
+        layers=tuple(planned),
+        stream_bytes=stream_bytes,
+    )
+
+
+def _operands(backend: Any, pass_: str, geom: ConvGeometry) -> tuple[Any, Any, Any]:
+    """Random operands of the pass, for timing algorithms in an exhaustive search."""
+    shapes = {
+        "fwd": (geom.input_shape, geom.weight_shape, geom.output_shape),
+        "bwd_data": (geom.output_shape, geom.weight_shape, geom.input_shape),
+        "bwd_filter": (geom.input_shape, geom.output_shape, geom.weight_shape),
+    }[pass_]
+    return tuple(backend.random(shape, geom.dtype) for shape in shapes)  # type: ignore[return-value]
+
+
+def text_progress(stream: Any = None) -> Callable[[int, int, str], None]:
+    """A progress bar on ``stream`` (default stderr), drawn in place; nothing when it is not a terminal."""
+    out = sys.stderr if stream is None else stream
+    if not getattr(out, "isatty", lambda: False)():
+        return lambda done, total, name: None
+
+    def show(done: int, total: int, name: str) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {name[:40]:<40}")
+        if done == total:
+            out.write("\r" + " " * (width + 55) + "\r")
+        out.flush()
+
+    return show
