@@ -1,0 +1,145 @@
+"""`wsarena report` and `wsarena info`: output formats, exit codes, one-line errors."""
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from wsarena import algos
+from wsarena._gpu import gpu_unusable_reason
+from wsarena.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _cache():
+    algos.cache_clear()
+    yield
+    algos.cache_clear()
+
+
+def run_main(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_cli(*argv, env=None):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "wsarena", *argv], capture_output=True, text=True, env=full_env, timeout=300
+    )
+
+
+def test_json_report_is_one_object_with_the_contract_keys(capsys):
+    code, out, err = run_main(capsys, "report", "resnet50", "--backend", "cpu", "--format", "json", "--batch", "8")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["model"] == "resnet50" and d["batch"] == 8 and d["backend"] == "cpu" and d["device"] == "cpu"
+    assert d["cap_workspace_bytes"] is None and d["streams"] == 1 and d["dtype"] == "float32" and d["layout"] == "NCHW"
+    assert len(d["layers"]) == 53
+    chosen = [l[p]["workspace_bytes"] for l in d["layers"] for p in ("fwd", "bwd_data", "bwd_filter")]
+    assert d["unshared_bytes"] == sum(chosen)
+    assert d["arena_bytes"] >= max(chosen) and d["saved_bytes"] == d["unshared_bytes"] - d["arena_bytes"]
+
+
+def test_cap_passes_and_streams_flags(capsys):
+    code, out, err = run_main(
+        capsys, "report", "vgg16", "--backend", "cpu", "--format", "json", "--cap-workspace", "4MiB",
+        "--passes", "fwd,bwd_data", "--streams", "2",
+    )
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["cap_workspace_bytes"] == 4 << 20 and d["streams"] == 2
+    for layer in d["layers"]:
+        assert "bwd_filter" not in layer
+        assert layer["fwd"]["workspace_bytes"] <= 4 << 20 and layer["bwd_data"]["workspace_bytes"] <= 4 << 20
+
+
+def test_environment_cap_applies_and_flag_overrides_it(capsys, monkeypatch):
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", "1MiB")
+    import wsarena._config
+
+    wsarena._config._reset()
+    _, out, _ = run_main(capsys, "report", "mobilenet_v2", "--backend", "cpu", "--format", "json")
+    assert json.loads(out)["cap_workspace_bytes"] == 1 << 20
+    _, out, _ = run_main(capsys, "report", "mobilenet_v2", "--backend", "cpu", "--format", "json", "--cap-workspace", "none")
+    assert json.loads(out)["cap_workspace_bytes"] is None
+
+
+def test_table_report_reads_well(capsys):
+    code, out, _ = run_main(capsys, "report", "resnet50", "--backend", "cpu", "--batch", "32")
+    assert code == 0
+    assert "backend cpu" in out and "batch 32" in out and "cap none" in out
+    assert "conv1" in out and "fwd algo" in out
+    assert "unshared" in out and "wsarena arena" in out and "saved" in out
+
+
+def test_csv_report(capsys):
+    code, out, _ = run_main(capsys, "report", "googlenet", "--backend", "cpu", "--format", "csv", "--passes", "fwd")
+    assert code == 0
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert len(rows) == 57 and set(rows[0]) >= {"name", "input_shape", "fwd_algo", "fwd_workspace_bytes"}
+    assert "bwd_data_algo" not in rows[0]
+
+
+def test_plot_writes_a_png(capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")
+    target = tmp_path / "ws.png"
+    code, _, err = run_main(capsys, "report", "unet", "--backend", "cpu", "--plot", str(target))
+    assert code == 0, err
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["report", "resnet51"], "resnet50"),  # the message lists the zoo
+        (["report", "resnet50", "--cap-workspace", "lots"], "lots"),
+        (["report", "resnet50", "--batch", "0"], "--batch"),
+        (["report", "resnet50", "--dtype", "int8"], "int8"),
+        (["report", "resnet50", "--passes", "fwd,sideways"], "passes"),
+        (["report", "missing.onnx"], "missing.onnx"),
+        (["report"], "model"),
+        (["frobnicate"], "frobnicate"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, needle):
+    r = run_cli(*argv)
+    assert r.returncode == 2, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_cpu_backend_cannot_plan_float16_exit_3():
+    r = run_cli("report", "resnet50", "--backend", "cpu", "--dtype", "float16")
+    assert r.returncode == 3 and "float16" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cudnn_backend_without_gpu_exits_3():
+    if gpu_unusable_reason() is None:
+        pytest.skip("a GPU is usable here, so the cudnn backend is available")
+    r = run_cli("report", "resnet50", "--backend", "cudnn")
+    assert r.returncode == 3
+    assert "GPU" in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_info_works_without_a_gpu():
+    r = run_cli("info")
+    assert r.returncode == 0, r.stderr
+    assert "wsarena" in r.stdout and "cuDNN" in r.stdout and "backend 'auto' picks" in r.stdout
+    r = run_cli("info", "--format", "json")
+    d = json.loads(r.stdout)
+    assert d["auto_backend"] in ("cpu", "cudnn") and "cudnn" in d and "gpu" in d
+
+
+def test_console_script_entry_point_exists():
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "wsarena"]
+    assert ep.value == "wsarena.cli:main"

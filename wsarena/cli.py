@@ -1,0 +1,237 @@
+"""The ``wsarena`` command: ``wsarena report MODEL`` and ``wsarena info``.
+
+Exit codes: 0 success; 2 bad usage or bad input (one line on stderr); 3 the environment cannot do it (for
+example ``--backend cudnn`` with no usable GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from . import __version__
+from ._config import get_config
+from ._geometry import PASSES
+from ._sizes import format_size, parse_size
+from .errors import BackendUnavailableError
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 2, 3
+_FROM_CONFIG = object()  # --cap-workspace not given: the configured cap (WSARENA_CAP_WORKSPACE) applies
+
+
+class UsageError(Exception):
+    """Bad usage or bad input: exit 2 with one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not usage + error
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _size(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return parse_size(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _passes(text: str) -> tuple[str, ...]:
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in names if p not in PASSES]
+    if bad or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--passes takes distinct names from {','.join(PASSES)}, not {text!r}")
+    return names
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="wsarena", description="Shared, capped cuDNN convolution workspace.")
+    parser.add_argument("--version", action="version", version=f"wsarena {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    report = sub.add_parser("report", help="workspace each layer needs, shared vs unshared")
+    report.add_argument("model", help="zoo name (resnet50, vgg16, ...), a .onnx file or a .json layer list")
+    report.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
+    report.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "float64"), default="float32")
+    report.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW")
+    report.add_argument(
+        "--cap-workspace", type=_size, default=_FROM_CONFIG, metavar="SIZE",
+        help="cap on one call's workspace, e.g. 256MiB or none (default: WSARENA_CAP_WORKSPACE, else none)",
+    )
+    report.add_argument("--passes", type=_passes, default=PASSES, help="comma-separated (default: all three)")
+    report.add_argument("--streams", type=_positive, default=1, help="concurrent streams, each may run any layer")
+    report.add_argument("--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto")
+    report.add_argument("--search", choices=("heuristic", "exhaustive"), default=None, help="default: WSARENA_ALGO_SEARCH or heuristic")
+    report.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    report.add_argument("--plot", metavar="FILE.png", help="draw per-layer workspace and the arena (needs wsarena[plot])")
+    report.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
+
+    info = sub.add_parser("info", help="versions, library paths, devices, and the backend 'auto' picks")
+    info.add_argument("--format", choices=("text", "json"), default="text")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "info":
+            return _info(args)
+        return _report(args)
+    except UsageError as exc:
+        print(f"wsarena: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (BackendUnavailableError, MemoryError) as exc:
+        print(f"wsarena: error: {exc}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"wsarena: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("wsarena: interrupted", file=sys.stderr)
+        return 130
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .models import load_model
+    from .planner import plan, text_progress
+
+    layers = load_model(args.model, skip_unknown=args.skip_unknown)
+    kwargs: dict[str, Any] = {}
+    if args.cap_workspace is not _FROM_CONFIG:
+        kwargs["cap_workspace"] = args.cap_workspace
+    searching = (args.search or get_config().algo_search) == "exhaustive"
+    p = plan(
+        layers,
+        batch=args.batch,
+        dtype=args.dtype,
+        layout=args.layout,
+        passes=args.passes,
+        streams=args.streams,
+        backend=args.backend,
+        search=args.search,
+        model=args.model,
+        progress=text_progress() if searching else None,
+        **kwargs,
+    )
+    if args.plot:
+        from .plot import plot_plan
+
+        plot_plan(p, args.plot)
+    if args.format == "json":
+        json.dump(p.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif args.format == "csv":
+        _write_csv(p)
+    else:
+        sys.stdout.write(render_table(p))
+    return EXIT_OK
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "x".join(map(str, shape))
+
+
+def _params(g: Any) -> str:
+    def one(values: tuple[int, ...]) -> str:
+        return str(values[0]) if len(set(values)) == 1 else _shape(values)
+
+    text = f"s{one(g.stride)} p{one(g.padding)}"
+    if any(d != 1 for d in g.dilation):
+        text += f" d{one(g.dilation)}"
+    if g.groups != 1:
+        text += f" g{g.groups}"
+    return text
+
+
+def render_table(p: Any) -> str:
+    """The report a person reads: a header, one row per layer, and the totals."""
+    cap = "none" if p.cap_workspace is None else format_size(p.cap_workspace)
+    lines = [
+        f"wsarena {__version__} workspace report: {p.model}",
+        f"backend {p.backend} ({p.device})  dtype {p.dtype}  layout {p.layout}  batch {p.batch}  "
+        f"cap {cap}  streams {p.streams}  search {p.search}",
+        "",
+    ]
+    head = ["layer", "input", "weight", "params"]
+    for pass_ in p.passes:
+        head += [f"{pass_} algo", "workspace"]
+    rows = []
+    for lp in p.layers:
+        g = lp.geometry
+        row = [lp.name + (" (T)" if lp.transposed else ""), _shape(g.input_shape), _shape(g.weight_shape), _params(g)]
+        for pass_ in p.passes:
+            c = lp.choices[pass_]
+            row += [c.algo, format_size(c.workspace_bytes)]
+        rows.append(row)
+    numeric = {i for i, h in enumerate(head) if h == "workspace"}
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    lines.append(fmt(head))
+    lines.append(fmt(["-" * w for w in widths]))
+    lines += [fmt(r) for r in rows]
+    lines.append("")
+    n_calls = len(p.layers) * len(p.passes)
+    ratio = f"{p.unshared_bytes / p.arena_bytes:.1f}x less" if p.arena_bytes else "no workspace at all"
+    arena_label = "wsarena arena: the largest workspace per stream"
+    if p.streams > 1:
+        arena_label += f" ({', '.join(format_size(b) for b in p.stream_bytes)})"
+    totals = [
+        (f"unshared: one workspace per layer and pass ({n_calls})", format_size(p.unshared_bytes)),
+        (arena_label, format_size(p.arena_bytes)),
+        ("saved", f"{format_size(p.saved_bytes)} ({ratio})"),
+    ]
+    label_width = max(len(label) for label, _ in totals)
+    value_width = max(len(value.split(" (")[0]) for _, value in totals)
+    for label, value in totals:
+        amount, _, rest = value.partition(" (")
+        lines.append(f"{label + ':':<{label_width + 1}}  {amount:>{value_width}}" + (f" ({rest}" if rest else ""))
+    if any(lp.transposed for lp in p.layers):
+        lines.append("(T) a transposed convolution, reported as the convolution whose backward-data it runs")
+    return "\n".join(lines) + "\n"
+
+
+def _write_csv(p: Any) -> None:
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    head = ["name", "input_shape", "weight_shape", "stride", "padding", "dilation", "groups"]
+    for pass_ in p.passes:
+        head += [f"{pass_}_algo", f"{pass_}_workspace_bytes"]
+    writer.writerow(head)
+    for lp in p.layers:
+        g = lp.geometry
+        row: list[Any] = [lp.name, *(_shape(v) for v in (g.input_shape, g.weight_shape, g.stride, g.padding, g.dilation))]
+        row.append(g.groups)
+        for pass_ in p.passes:
+            row += [lp.choices[pass_].algo, lp.choices[pass_].workspace_bytes]
+        writer.writerow(row)
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .info import collect_info, render_info
+
+    data = collect_info()
+    if args.format == "json":
+        json.dump(data, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_info(data))
+    return EXIT_OK

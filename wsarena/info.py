@@ -1,0 +1,131 @@
+"""What ``wsarena info`` prints: versions, library paths, devices, and the backend ``auto`` picks.
+
+Every probe here reports failure as text instead of raising, so the command works on any machine.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from importlib import metadata
+from typing import Any
+
+from . import __version__
+from ._gpu import gpu_count, gpu_unusable_reason
+
+__all__ = ["collect_info", "render_info"]
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cuda_versions() -> dict[str, Any]:
+    out: dict[str, Any] = {"runtime": None, "driver": None}
+    try:
+        from cuda.bindings import runtime
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        out["error"] = f"cuda-bindings cannot be imported: {exc}"
+        return out
+    for key, call in (("runtime", runtime.cudaRuntimeGetVersion), ("driver", runtime.cudaDriverGetVersion)):
+        try:
+            err, value = call()
+        except Exception as exc:  # noqa: BLE001
+            out[key] = f"unavailable ({exc})"
+            continue
+        if err != runtime.cudaError_t.cudaSuccess:
+            out[key] = f"unavailable ({getattr(err, 'name', err)})"
+        elif not value:  # cudaDriverGetVersion succeeds with 0 when no driver is installed
+            out[key] = "none installed"
+        else:
+            out[key] = f"{value // 1000}.{value % 1000 // 10}"
+    return out
+
+
+def _devices() -> list[dict[str, Any]]:
+    devices = []
+    if gpu_count() == 0:
+        return devices
+    try:
+        import cupy
+
+        for i in range(gpu_count()):
+            props = cupy.cuda.runtime.getDeviceProperties(i)
+            name = props["name"]
+            devices.append(
+                {
+                    "ordinal": i,
+                    "name": name.decode() if isinstance(name, bytes) else str(name),
+                    "memory_bytes": int(props["totalGlobalMem"]),
+                    "compute_capability": f"{props['major']}.{props['minor']}",
+                }
+            )
+    except Exception as exc:  # noqa: BLE001
+        devices.append({"error": f"cannot query devices: {exc}"})
+    return devices
+
+
+def _cudnn() -> dict[str, Any]:
+    try:
+        from .cudnn import library_info
+    except Exception as exc:  # noqa: BLE001
+        return {"found": False, "error": f"wsarena.cudnn cannot be imported: {exc}"}
+    return library_info()
+
+
+def collect_info() -> dict[str, Any]:
+    """Gather everything ``wsarena info`` reports, as a JSON-ready dict; never raises."""
+    from .backends import resolve_backend_name
+
+    return {
+        "wsarena_version": __version__,
+        "python": f"{platform.python_implementation()} {sys.version.split()[0]}",
+        "platform": platform.platform(),
+        "packages": {
+            name: _version(dist)
+            for name, dist in (
+                ("numpy", "numpy"),
+                ("cupy", "cupy-cuda13x"),
+                ("cuda-bindings", "cuda-bindings"),
+                ("cuda-pathfinder", "cuda-pathfinder"),
+                ("nvidia-cudnn", "nvidia-cudnn-cu13"),
+                ("onnx", "onnx"),
+            )
+        },
+        "cudnn": _cudnn(),
+        "cuda": _cuda_versions(),
+        "gpu": {"usable": gpu_unusable_reason() is None, "reason": gpu_unusable_reason(), "devices": _devices()},
+        "auto_backend": resolve_backend_name("auto"),
+    }
+
+
+def render_info(data: dict[str, Any]) -> str:
+    """The text form of :func:`collect_info`'s dict."""
+    lines = [f"wsarena {data['wsarena_version']}  ({data['python']}, {data['platform']})", "packages:"]
+    for name, version in data["packages"].items():
+        lines.append(f"  {name:<16} {version or 'not installed'}")
+    cudnn = data["cudnn"]
+    if cudnn.get("found"):
+        lines.append(f"cuDNN: {cudnn.get('version_string', cudnn.get('version'))} at {cudnn.get('path')} "
+                     f"(found via {cudnn.get('found_via')})")
+    else:
+        lines.append(f"cuDNN: not usable: {cudnn.get('error')}")
+    cuda = data["cuda"]
+    lines.append(f"CUDA runtime: {cuda.get('runtime') or cuda.get('error')}   driver: {cuda.get('driver') or '-'}")
+    gpu = data["gpu"]
+    if gpu["usable"]:
+        for dev in gpu["devices"]:
+            if "error" in dev:
+                lines.append(f"device: {dev['error']}")
+            else:
+                lines.append(
+                    f"device {dev['ordinal']}: {dev['name']} (sm_{dev['compute_capability'].replace('.', '')}, "
+                    f"{dev['memory_bytes'] / 2**30:.0f} GiB)"
+                )
+    else:
+        lines.append(f"devices: none ({gpu['reason']})")
+    lines.append(f"backend 'auto' picks: {data['auto_backend']}")
+    return "\n".join(lines) + "\n"
