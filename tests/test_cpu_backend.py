@@ -282,9 +282,13 @@ def test_candidates_are_every_algorithm_in_a_geometry_aware_order():
         for g in (dense, pointwise, depthwise):
             assert sorted(cpu.candidates(pass_, g)) == sorted(cpu.ALGORITHMS[pass_])
         assert cpu.candidates(pass_, pointwise)[0] == implicit
-        assert cpu.candidates(pass_, depthwise)[0] == implicit
-        assert cpu.candidates(pass_, dense)[0].endswith("_batch")
+        assert cpu.candidates(pass_, depthwise)[0] == (cpu.ALGORITHMS["fwd"][1] if pass_ == "fwd" else implicit)
+        assert cpu.candidates(pass_, dense)[0].endswith("_batch")  # small images: the batch GEMM
         assert cpu.candidates(pass_, dense)[-1] == implicit
+        large = conv_geometry((2, 8, 40, 40), (8, 8, 3, 3), padding=1)
+        assert cpu.candidates(pass_, large)[0].endswith("_batch" if pass_ == "bwd_filter" else "_per_image")
+        nhwc = conv_geometry((2, 40, 40, 8), (8, 3, 3, 8), padding=1, layout="NHWC")
+        assert cpu.candidates(pass_, nhwc)[0] == implicit  # long merged rows, no copy
 
 
 # ------------------------------------------------------------------------------ the reference, checked

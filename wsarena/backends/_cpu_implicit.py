@@ -1,42 +1,85 @@
 """The zero-workspace CPU algorithms ("implicit_gemm"): accumulate over kernel offsets on strided views.
 
 For each kernel offset the input elements it reads form a strided view of the input (index arithmetic of
-:mod:`._cpu_lowering` keeps padding out of it), so the convolution is a sum over offsets of small GEMMs on
-views: ``y[valid] += W[:, :, offset] @ x[shifted]``. No column buffer, no padded copy: the workspace is 0 bytes.
+:mod:`._cpu_lowering` keeps padding out of it), so the convolution is a sum over offsets of GEMMs on views:
+``y[valid] += W[:, :, offset] @ x[shifted]``. No column buffer, no padded copy: the workspace is 0 bytes.
+
+How each offset's GEMM is shaped decides the speed:
+
+- pixel axes that walk memory alike are merged (a 1x1 stride-1 layer is one GEMM per image, or over the
+  whole batch in NHWC);
+- a stride-1 box of pixels is computed as one GEMM over the flat range from its first to its last element
+  (:func:`_box`), instead of one small GEMM per image row;
+- NCHW rows read with stride > 1 are no BLAS operand, so blocks of them are gathered into a temporary first;
+- a reduction over one channel (depthwise) is a broadcast multiply instead of a GEMM.
 
 NumPy's ``matmul`` cannot accumulate into its output, so every offset after the first makes one temporary no
-larger than the pass's output (the valid region of ``y``, of ``dx``, or for the filter gradient a chunk of
-per-row partial products bounded by the size of ``dw``) and adds it in place. These temporaries are NumPy's,
-not the arena's; their size does not depend on the algorithm choice elsewhere, only on the output.
+larger than the pass's output (the valid region of ``y`` or ``dx``) and adds it in place; gathered blocks and
+the filter gradient's partial products are bounded by ``max(output, SMALL_TEMP)`` elements per step. These
+temporaries are NumPy's, not the arena's, and do not depend on what workspace the other algorithms need.
+
+The price of having no column matrix: the output is read and written once per kernel offset, so layers with
+few input channels and a large kernel (a 7x7 RGB stem) run several times slower than with im2col.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from ._cpu_lowering import Plan, act_view, merge_pixels, weight_view
 
 __all__ = ["backward_data", "backward_filter", "forward"]
 
-# When the reduction is tiny (depthwise: one channel per group) and the GEMMs would be many and small, a few
-# broadcast multiply-adds beat one BLAS call per (pixel row, group). The cost model: an elementwise pass
-# costs about 3 ns per output element, a BLAS call about 1.5 us of overhead.
+# In the row-by-row fallback, a few broadcast multiply-adds beat one BLAS call per (pixel row, group) when the
+# reduction is tiny and the GEMMs many. Cost model: an elementwise pass costs about 3 ns per output element,
+# a BLAS call about 1.5 us of overhead. A reduction over one channel (depthwise) is always elementwise.
 _ELEMENTWISE_MAX_REDUCTION = 4
 _CALL_COST_IN_ELEMENTS = 500
 
+# Temporaries whose size the algorithm chooses (blocks of gathered rows) may always use this many elements
+# (1 MiB of float32), even where the pass's output is smaller: enough for GEMMs of a useful size, and far
+# below any column buffer.
+SMALL_TEMP = 1 << 18
+
+
+def _blas_operand(wmat: np.ndarray) -> np.ndarray:
+    """``wmat`` itself if BLAS can read it (a unit stride in a matrix axis), else a contiguous copy.
+
+    One kernel offset's filter slice ``(G, Kg, Cg)`` of an NCHW filter has strides ``kprod`` apart in both
+    matrix axes; NumPy's ``matmul`` would then fall back to its slow non-BLAS loop. The copy is ``K * Cg``
+    elements, ``1/kprod`` of the filter.
+    """
+    if wmat.strides[-1] == wmat.itemsize or wmat.strides[-2] == wmat.itemsize:
+        return wmat
+    return np.ascontiguousarray(wmat)
+
+
+def _product(src: np.ndarray, wmat: np.ndarray) -> np.ndarray:
+    """``t[b, l, g, :] = wmat[g] @ src[b, l, g, :]`` for a view ``src`` ``(B, L, G, Mi)``; a fresh array's view."""
+    if src.shape[-1] == 1:
+        return np.multiply(src, wmat[:, :, 0])  # (B, L, G, 1) * (G, Mo): no GEMM for a 1-term sum
+    wmat = _blas_operand(wmat)
+    if src.strides[-1] == src.itemsize:  # channels contiguous: (L, Mi) @ (Mi, Mo)
+        return np.matmul(src.transpose(0, 2, 1, 3), wmat.transpose(0, 2, 1)).transpose(0, 2, 1, 3)
+    return np.matmul(wmat, src.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)  # (Mo, Mi) @ (Mi, L)
+
 
 def _apply(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate: bool) -> None:
-    """``dst[pix, g, :] (+)= wmat[g] @ src[pix, g, :]``.
+    """``dst[pix, g, :] (+)= wmat[g] @ src[pix, g, :]``, one GEMM per leading pixel index and group.
 
-    ``src`` is ``(*pix, G, Mi)``, ``wmat`` ``(G, Mo, Mi)``, ``dst`` ``(*pix, G, Mo)`` (strided views). With
-    ``accumulate`` the product goes to one temporary of ``dst``'s size and is added in place.
+    ``src`` is ``(*pix, G, Mi)``, ``wmat`` ``(G, Mo, Mi)``, ``dst`` ``(*pix, G, Mo)`` (strided views). Pixel
+    axes that walk memory alike are merged first, so a whole image (NCHW) or batch (NHWC) can be one GEMM.
+    With ``accumulate`` the product goes to one temporary of ``dst``'s size and is added in place.
     """
     npix = src.ndim - 2
     src, dst = merge_pixels([src, dst], npix)
     npix = src.ndim - 2
     mi = src.shape[-1]
     calls = dst.size // (dst.shape[npix - 1] * dst.shape[-1])  # GEMMs: leading pixels x groups
-    if mi <= _ELEMENTWISE_MAX_REDUCTION and mi * dst.size < _CALL_COST_IN_ELEMENTS * calls:
+    if mi == 1 or (mi <= _ELEMENTWISE_MAX_REDUCTION and mi * dst.size < _CALL_COST_IN_ELEMENTS * calls):
         # Broadcast multiply-adds, one per input channel: (*pix, G, 1) * (G, Mo) -> (*pix, G, Mo).
         for j in range(mi):
             term = (src[..., j : j + 1], wmat[:, :, j])
@@ -45,6 +88,7 @@ def _apply(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate: bool)
             else:
                 np.multiply(*term, out=dst)
         return
+    wmat = _blas_operand(wmat)
     if src.strides[-1] == src.itemsize:
         # Channels contiguous (NHWC): rows are pixels, (pix[-1], Mi) @ (Mi, Mo) per leading pixel and group.
         a = np.moveaxis(src, npix - 1, -2)
@@ -61,32 +105,135 @@ def _apply(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate: bool)
         np.matmul(a, b, out=d)
 
 
+def _box(ap: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...], wmat: np.ndarray, dst: np.ndarray,
+         accumulate: bool, limit: int, unit: int) -> None:
+    """``dst (+)= wmat @ ap[:, box]`` for a step-1 box ``[lo, hi)`` of the pixel-major ``ap`` ``(B, *S, G, Mi)``.
+
+    A box narrower than its rows is not one matrix, so the row method would make one small GEMM per row.
+    Instead this runs one GEMM per image over the *flat* range from the box's first to its last element
+    (rows wrap into the next; the products at wrapped positions are computed and never read), then adds the
+    box back out of the temporary through a strided view with the input's row pitch. The temporary is at
+    most ``limit`` elements (images are chunked to stay under it); a box too large even for one image, or
+    one that is a single matrix already, goes through :func:`_apply`. ``unit`` is the byte distance between
+    spatial neighbours in ``ap``'s memory (one element in NCHW, one pixel's channels in NHWC).
+    """
+    nd = len(lo)
+    box = (slice(None), *(slice(a, b) for a, b in zip(lo, hi)))
+    src = ap[box]
+    merged = merge_pixels([src, dst], nd + 1)
+    n, size = ap.shape[0], ap.shape[1 : nd + 1]
+    pitch = [math.prod(size[d + 1 :]) for d in range(nd)]  # row-major, from the shape, not from strides
+    flat = sum((b - a - 1) * pt for a, b, pt in zip(lo, hi, pitch)) + 1
+    per_image = flat * dst.shape[-2] * dst.shape[-1]
+    if merged[0].ndim <= 4 or per_image > limit:
+        _apply(*merged[:1], wmat, merged[1], accumulate)
+        return
+    origin = ap[(slice(None), *lo)]  # (B, G, Mi) at the box's first element
+    chunk = limit // per_image
+    for b0 in range(0, n, chunk):
+        part = origin[b0 : b0 + chunk]
+        rows = as_strided(part, (part.shape[0], flat, *part.shape[1:]), (part.strides[0], unit, *part.strides[1:]))
+        t = _product(rows, wmat)  # (b, flat, G, Mo)
+        tv = as_strided(
+            t, (t.shape[0], *(b - a for a, b in zip(lo, hi)), *t.shape[2:]),
+            (t.strides[0], *(pt * t.strides[1] for pt in pitch), *t.strides[2:]),
+        )
+        d = dst[b0 : b0 + chunk]
+        if accumulate:
+            np.add(d, tv, out=d)
+        else:
+            np.copyto(d, tv)
+
+
+def _blocks(shape: tuple[int, ...], size: int):
+    """Index tuples that tile the leading axes ``shape`` in boxes of at most ``size`` elements (at least one row).
+
+    Each box is a tuple of slices over the first axes (the remaining axes whole), so selecting it from a
+    view keeps a view; consecutive boxes follow row-major order.
+    """
+    if not shape:
+        yield ()
+        return
+    inner = math.prod(shape[1:])
+    if size >= inner or len(shape) == 1:
+        step = max(1, size // max(inner, 1))
+        for start in range(0, shape[0], step):
+            yield (slice(start, start + step),)
+        return
+    for i in range(shape[0]):
+        for rest in _blocks(shape[1:], size):
+            yield (slice(i, i + 1), *rest)
+
+
+def _gathered(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate: bool, limit: int) -> None:
+    """``dst (+)= wmat @ src`` for a ``src`` ``(*pix, G, Mi)`` that BLAS cannot read (NCHW with stride > 1).
+
+    Neither matrix axis of a strided NCHW view has unit stride, and NumPy's ``matmul`` would fall back to
+    its slow non-BLAS loop. So blocks of pixel rows are copied to a contiguous ``(G, Mi, pixels)``
+    temporary, multiplied with one GEMM per group, and written back; blocks are sized so the copy and the
+    product together stay within ``limit`` elements (at least one row).
+    """
+    npix = src.ndim - 2
+    g, mi, mo = src.shape[-2], src.shape[-1], dst.shape[-1]
+    row = src.shape[npix - 1]
+    wmat = _blas_operand(wmat)
+    for sel in _blocks(src.shape[: npix - 1], max(1, limit // ((mi + mo) * g * row))):
+        s, d = src[sel], dst[sel]
+        lead = s.shape[: npix - 1]
+        buf = np.empty((g, mi, math.prod(lead) * row), dtype=src.dtype)
+        np.copyto(np.moveaxis(buf.reshape(g, mi, *lead, row), (0, 1), (-2, -1)), s)
+        t = np.matmul(wmat, buf)  # (G, Mo, pixels): one GEMM per group
+        tv = np.moveaxis(t.reshape(g, mo, *lead, row), (0, 1), (-2, -1))
+        if accumulate:
+            np.add(d, tv, out=d)
+        else:
+            np.copyto(d, tv)
+
+
+def _unit(a: np.ndarray, layout: str) -> int:
+    """Bytes between spatial neighbours of a C-contiguous activation."""
+    return a.itemsize * (1 if layout == "NCHW" else a.shape[-1])
+
+
 def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
     """``y = conv(x, w)`` with no workspace.
 
     Offsets are ordered with a fully covering one first (when the padding allows one); it is written
-    directly with ``out=``. Otherwise ``y`` is zero-filled first. Each later offset makes one temporary of at
-    most ``y``'s size.
+    directly (with ``out=`` when its input is one matrix per image). Otherwise ``y`` is zero-filled first.
+    Each later offset makes one temporary of at most ``y``'s size. With stride 1 every offset's input is a
+    box and runs as one GEMM per image (see :func:`_box`); with a larger stride the inputs are strided rows
+    and it runs one GEMM per row (NHWC), or gathers blocks of rows into a temporary first (NCHW, where the
+    strided rows are no BLAS operand; copy and product together stay within ``max(y.size, SMALL_TEMP)``).
     """
     g = p.geom
     xp, yp = act_view(x, g.layout, p.groups), act_view(y, g.layout, p.groups)
     wv = weight_view(w, g.layout, p.groups)
+    unit_stride = all(s == 1 for s in g.stride)
     started = p.offsets[0].full_out
     if not started:
         y[...] = 0
     for i, off in enumerate(p.offsets):
         if off.empty:
             continue
-        xs, ys = xp[(slice(None), *off.inp)], yp[(slice(None), *off.out)]
-        _apply(xs, wv[(Ellipsis, *off.index)], ys, accumulate=i > 0 or not started)
+        ys, wk = yp[(slice(None), *off.out)], wv[(Ellipsis, *off.index)]
+        acc = i > 0 or not started
+        if unit_stride:
+            lo = tuple(s.start for s in off.inp)
+            hi = tuple(a + b - c for a, b, c in zip(lo, off.hi, off.lo))
+            _box(xp, lo, hi, wk, ys, acc, y.size, _unit(x, g.layout))
+        elif g.layout == "NCHW" and p.cg > 1:
+            _gathered(xp[(slice(None), *off.inp)], wk, ys, acc, max(y.size, SMALL_TEMP))
+        else:
+            _apply(xp[(slice(None), *off.inp)], wk, ys, accumulate=acc)
 
 
 def backward_data(p: Plan, dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -> None:
     """``dx = conv_transpose(dy, w)`` with no workspace: per offset ``dx[shifted] += W_k^T @ dy[valid]``.
 
-    An offset whose reads cover the whole input (stride 1, no clipping) is written first with ``out=``;
-    otherwise ``dx`` is zero-filled. Each later offset makes one temporary of at most ``dx``'s size (for one
-    offset distinct outputs touch distinct inputs, so the strided in-place add is exact).
+    An offset whose reads cover the whole input (stride 1, no clipping) is written first; otherwise ``dx``
+    is zero-filled. Each later offset makes one temporary of at most ``dx``'s size (for one offset distinct
+    outputs touch distinct inputs, so the strided in-place add is exact). The ``dy`` side of every offset is
+    a step-1 box, so each offset is one GEMM per image (:func:`_box`) whatever the stride.
     """
     g = p.geom
     dyp, dxp = act_view(dy, g.layout, p.groups), act_view(dx, g.layout, p.groups)
@@ -97,24 +244,31 @@ def backward_data(p: Plan, dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -> Non
     for off in ([first] if first is not None else []) + [o for o in p.offsets if o is not first]:
         if off.empty:
             continue
-        dys, dxs = dyp[(slice(None), *off.out)], dxp[(slice(None), *off.inp)]
+        dxs = dxp[(slice(None), *off.inp)]
         wk_t = wv[(Ellipsis, *off.index)].transpose(0, 2, 1)  # (G, Cg, Kg)
-        _apply(dys, wk_t, dxs, accumulate=off is not first)
+        _box(dyp, off.lo, off.hi, wk_t, dxs, off is not first, dx.size, _unit(dy, g.layout))
 
 
 def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> None:
     """``dw = sum over images and pixels of dy ⊗ x[shifted]`` with no workspace, one kernel offset at a time.
 
-    Per offset, the pixel axes that can be merged become the GEMM's contraction; the remaining leading pixel
-    axes (e.g. images, and rows when a row is clipped by padding) are batched in chunks of ``max(1, kprod//2)``
-    GEMMs whose ``(chunk, G, Kg, Cg)`` product (at most half of ``dw``) is summed (one more temporary of
-    ``dw/kprod``) into ``dw[..., offset]``. Depthwise (one channel per group) uses ``einsum``, which makes no
-    temporary.
+    Per offset, the pixel axes that can be merged become the GEMM's contraction ``L``; the remaining leading
+    pixel axes (images, and rows when padding clips a row) are summed over in blocks, whichever way needs the
+    smaller temporary per row:
+
+    - products: one GEMM per row, ``(block, G, Kg, Cg)`` partial products summed into ``dw[..., offset]``;
+    - gathered: the block's rows of ``dy`` and ``x`` copied side by side into contiguous ``(G, Kg, block*L)``
+      and ``(G, block*L, Cg)`` temporaries, one GEMM contracting over all of them. Always used when the
+      ``x`` rows are no BLAS operand (NCHW with stride > 1).
+
+    Blocks are sized so each step's temporaries stay within ``max(dw.size / 2, SMALL_TEMP)`` elements (plus
+    one ``dw/kprod`` sum), at least one row: a small filter (a 7x7 stem's ``dw`` is 9408 elements) must not
+    force one GEMM per pixel row. Depthwise (one channel per group) uses ``einsum``, which makes no temporary.
     """
     g = p.geom
     xp, dyp = act_view(x, g.layout, p.groups), act_view(dy, g.layout, p.groups)
     wv = weight_view(dw, g.layout, p.groups)
-    chunk = max(1, p.kprod // 2)
+    G, kg, cg = p.groups, p.kg, p.cg
     for off in p.offsets:
         dwk = wv[(Ellipsis, *off.index)]  # (G, Kg, Cg) view into dw
         if off.empty:
@@ -124,25 +278,31 @@ def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> N
         npix = dys.ndim - 2
         dys, xs = merge_pixels([dys, xs], npix)
         npix = dys.ndim - 2
-        if p.cg == 1:
+        if cg == 1:
             pix = "abcd"[:npix]  # summed over: images and pixels
             np.einsum(f"{pix}gk,{pix}g->gk", dys, xs[..., 0], out=dwk[..., 0])
             continue
         a = np.moveaxis(dys, npix - 1, -1)  # (*lead, G, Kg, L)
         b = np.moveaxis(xs, npix - 1, -2)  # (*lead, G, L, Cg)
-        lead = a.shape[: npix - 1]
-        if not lead:
-            dwk[...] = np.matmul(a, b)
-            continue
+        lead, length = a.shape[: npix - 1], a.shape[-1]
+        blas_b = b.strides[-1] == b.itemsize or b.strides[-2] == b.itemsize
+        gather = not blas_b or length * (kg + cg) < kg * cg
+        per_row = G * (length * (kg + cg) if gather else kg * cg)
         first = True
-        for idx in np.ndindex(*lead[:-1]):
-            for start in range(0, lead[-1], chunk):
-                sel = (*idx, slice(start, start + chunk))
-                part = np.matmul(a[sel], b[sel])  # (<=chunk, G, Kg, Cg)
-                if first:
-                    np.sum(part, axis=0, out=dwk)
-                    first = False
-                elif part.shape[0] == 1:
-                    np.add(dwk, part[0], out=dwk)
-                else:
-                    np.add(dwk, part.sum(axis=0), out=dwk)
+        for sel in _blocks(lead, max(1, max(dw.size // 2, SMALL_TEMP) // per_row)):
+            ab, bb = a[sel], b[sel]
+            nl = len(lead)
+            if gather:
+                rows = math.prod(ab.shape[:nl])
+                ac = np.empty((G, kg, rows * length), dtype=dw.dtype)
+                np.copyto(np.moveaxis(ac.reshape(G, kg, *ab.shape[:nl], length), (0, 1), (nl, nl + 1)), ab)
+                bc = np.empty((G, rows * length, cg), dtype=dw.dtype)
+                np.copyto(np.moveaxis(bc.reshape(G, *bb.shape[:nl], length, cg), 0, nl), bb)
+                part = np.matmul(ac, bc)  # (G, Kg, Cg)
+            else:
+                part = np.matmul(ab, bb).sum(axis=tuple(range(nl)))  # (G, Kg, Cg)
+            if first:
+                np.copyto(dwk, part)
+                first = False
+            else:
+                np.add(dwk, part, out=dwk)
