@@ -3,7 +3,9 @@
 For every layer and pass, times every algorithm of :mod:`wsarena.backends.cpu` with a workspace of exactly
 its size, and torch on the same arrays (``conv{1,2,3}d`` forward; ``torch.nn.grad.conv*_input`` and
 ``conv*_weight`` for the backward passes, which call the same kernels autograd does). Prints the median
-time and the ratio ``algo_time / torch_time`` (< 1: the algorithm is faster than torch).
+time (all contenders timed round-robin, so that load from other processes hits them alike) and the ratio
+``algo_time / torch_time`` (< 1: the algorithm is faster than torch). Algorithms are listed in
+:func:`~wsarena.backends.cpu.candidates` order.
 
 The default layer is ResNet-50's 3x3 64->64 convolution at 56x56, batch 4, float32; ``--suite`` adds a few
 other ResNet-50 layers (1x1, strided, stem, late 7x7) and a depthwise one.
@@ -36,14 +38,18 @@ SUITE = [
 ]
 
 
-def _median_ms(fn, repeat):
-    fn()  # warm up (page faults, BLAS thread start)
-    times = []
+def _interleaved_ms(fns: dict, repeat: int) -> dict:
+    """Median milliseconds of each callable, timed round-robin so that load from other processes (a shared
+    2-core machine) hits every contender alike."""
+    for fn in fns.values():
+        fn()  # warm up (page faults, BLAS thread start)
+    times = {name: [] for name in fns}
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def _torch_fns(torch, g, x, w, dy):
@@ -80,17 +86,21 @@ def bench_layer(name, ishape, wshape, kw, layout, dtype, repeat, torch):
     torch_fns = _torch_fns(torch, g, x, w, dy) if torch is not None else {}
     gmac = g.macs / 1e9
     print(f"\n{name}: input {g.input_shape}, weight {g.weight_shape}, {layout}, {dtype}, {gmac:.3f} GMAC per pass")
-    print(f"  {'pass':<11} {'algorithm':<17} {'workspace':>11} {'ms':>9} {'GFLOP/s':>8} {'/torch':>7}")
+    print(f"  {'pass':<11} {'algorithm':<17} {'workspace':>12} {'ms':>9} {'GFLOP/s':>8} {'/torch':>7}")
     for pass_ in ("fwd", "bwd_data", "bwd_filter"):
-        t_torch = _median_ms(torch_fns[pass_], repeat) if torch_fns else float("nan")
-        print(f"  {pass_:<11} {'torch':<17} {'':>11} {t_torch:9.2f} {2 * gmac / t_torch * 1e3:8.1f} {1:7.2f}")
         a, b, shape = operands[pass_]
         out = np.empty(shape, dtype)
-        for algo in cpu.candidates(pass_, g):
-            ws = np.empty(cpu.workspace_size(pass_, algo, g), np.uint8)
-            t = _median_ms(lambda: cpu.run(pass_, algo, g, a, b, out, ws), repeat)
-            mib = ws.nbytes / 2**20
-            print(f"  {pass_:<11} {algo:<17} {mib:8.1f} MiB {t:9.2f} {2 * gmac / t * 1e3:8.1f} {t / t_torch:7.2f}")
+        algos = cpu.candidates(pass_, g)
+        wss = {algo: np.empty(cpu.workspace_size(pass_, algo, g), np.uint8) for algo in algos}
+        fns = {algo: (lambda algo=algo: cpu.run(pass_, algo, g, a, b, out, wss[algo])) for algo in algos}
+        if torch_fns:
+            fns["torch"] = torch_fns[pass_]
+        ms = _interleaved_ms(fns, repeat)
+        t_torch = ms.get("torch", float("nan"))
+        for name in (["torch"] if torch_fns else []) + algos:
+            mib = f"{wss[name].nbytes / 2**20:8.1f} MiB" if name in wss else ""
+            ratio = ms[name] / t_torch
+            print(f"  {pass_:<11} {name:<17} {mib:>12} {ms[name]:9.2f} {2 * gmac / ms[name] * 1e3:8.1f} {ratio:7.2f}")
 
 
 def main(argv=None):
@@ -98,7 +108,7 @@ def main(argv=None):
     parser.add_argument("--suite", action="store_true", help="also a few other ResNet-50 layers and a depthwise one")
     parser.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args(argv)
     try:
         import torch

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wsarena._geometry import conv_geometry
-from wsarena.backends import cpu
+from wsarena.backends import _cpu_implicit, cpu
 
 from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
 
@@ -117,7 +117,7 @@ def geometries(draw):
     )
 
 
-@settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(g=geometries(), seed=st.integers(0, 2**16), poison=st.sampled_from(("nan", "huge", "random")))
 def test_every_algorithm_matches_the_reference(g, seed, poison):
     _check_all(g, seed, poison)
@@ -158,6 +158,36 @@ def test_hand_picked_geometries(case, layout, dtype):
     if layout == "NHWC":
         ishape, wshape = _nhwc(ishape), _nhwc(wshape)
     _check_all(conv_geometry(ishape, wshape, layout=layout, dtype=dtype, **kw), seed=case)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_implicit_gemm_in_the_smallest_blocks(case, layout, monkeypatch):
+    """With the temporaries' floor at one element, gathered rows and filter-gradient partial sums run one
+    pixel row per block: the block tiling must still cover every row exactly once."""
+    monkeypatch.setattr(_cpu_implicit, "SMALL_TEMP", 1)
+    ishape, wshape, kw = CASES[case]
+    if layout == "NHWC":
+        ishape, wshape = _nhwc(ishape), _nhwc(wshape)
+    g = conv_geometry(ishape, wshape, layout=layout, dtype="float64", **kw)
+    rng = np.random.default_rng(case)
+    x, w, dy = _operands(g, rng)
+    refs = _references(g, x, w, dy)
+    for pass_ in PASSES:
+        a, b, shape = _args(pass_, g, x, w, dy)
+        out = np.full(shape, np.nan)
+        cpu.run(pass_, "implicit_gemm", g, a, b, out, None)
+        assert _rel_err(out, refs[pass_]) <= TOL["float64"], pass_
+
+
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), size=st.integers(1, 40))
+def test_blocks_tile_the_leading_axes_exactly_once(shape, size):
+    seen = np.zeros(shape, dtype=int)
+    for sel in _cpu_implicit._blocks(tuple(shape), size):
+        block = seen[sel]
+        assert 1 <= block.size <= size
+        block += 1
+    assert (seen == 1).all()
 
 
 # ----------------------------------------------------------------------------------------------- workspace
@@ -274,20 +304,22 @@ def test_bad_arrays_are_rejected():
 
 
 def test_candidates_are_every_algorithm_in_a_geometry_aware_order():
-    dense = conv_geometry((2, 8, 9, 9), (8, 8, 3, 3), padding=1)
+    dense = conv_geometry((2, 64, 14, 14), (64, 64, 3, 3), padding=1)
     pointwise = conv_geometry((2, 8, 9, 9), (16, 8, 1, 1))
-    depthwise = conv_geometry((2, 8, 9, 9), (8, 1, 3, 3), padding=1, groups=8)
+    depthwise = conv_geometry((2, 64, 30, 30), (64, 1, 3, 3), padding=1, groups=64)
+    tiny = conv_geometry((1, 1, 4, 4), (1, 1, 3, 3))
     for pass_ in PASSES:
         implicit = cpu.ALGORITHMS[pass_][0]
-        for g in (dense, pointwise, depthwise):
+        for g in (dense, pointwise, depthwise, tiny):
             assert sorted(cpu.candidates(pass_, g)) == sorted(cpu.ALGORITHMS[pass_])
         assert cpu.candidates(pass_, pointwise)[0] == implicit
         assert cpu.candidates(pass_, depthwise)[0] == (cpu.ALGORITHMS["fwd"][1] if pass_ == "fwd" else implicit)
         assert cpu.candidates(pass_, dense)[0].endswith("_batch")  # small images: the batch GEMM
         assert cpu.candidates(pass_, dense)[-1] == implicit
-        large = conv_geometry((2, 8, 40, 40), (8, 8, 3, 3), padding=1)
+        assert cpu.candidates(pass_, tiny)[0].endswith("_batch")  # fewest NumPy calls
+        large = conv_geometry((2, 16, 40, 40), (8, 16, 3, 3), padding=1)
         assert cpu.candidates(pass_, large)[0].endswith("_batch" if pass_ == "bwd_filter" else "_per_image")
-        nhwc = conv_geometry((2, 40, 40, 8), (8, 3, 3, 8), padding=1, layout="NHWC")
+        nhwc = conv_geometry((2, 40, 40, 16), (8, 3, 3, 16), padding=1, layout="NHWC")
         assert cpu.candidates(pass_, nhwc)[0] == implicit  # long merged rows, no copy
 
 

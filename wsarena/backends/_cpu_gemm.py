@@ -59,7 +59,7 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray, workspace: np.
         colm = mem.reshape(step, G, -1, p.oprod)  # (B, G, Cg*kprod, oprod)
         ym = y.reshape(n, G, kg, p.oprod)
         for b in range(0, n, step):
-            im2col(xp[b : b + step], col, p)
+            im2col(xp[b : b + step], col, p, x, b * x.strides[0])
             np.matmul(wm, colm, out=ym[b : b + step])
     else:
         col = col_view(mem, COL_NHWC, step, p)
@@ -67,7 +67,7 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray, workspace: np.
         colm = mem.reshape(step * p.oprod, G, -1).transpose(1, 0, 2)  # (G, B*oprod, kprod*Cg)
         ym = y.reshape(n, p.oprod, G, kg)
         for b in range(0, n, step):
-            im2col(xp[b : b + step], col, p)
+            im2col(xp[b : b + step], col, p, x, b * x.strides[0])
             yb = ym[b : b + step].reshape(step * p.oprod, G, kg).transpose(1, 0, 2)  # (G, B*oprod, Kg)
             np.matmul(colm, wmt, out=yb)
 
@@ -117,12 +117,12 @@ def backward_filter(
         if g.layout == "NCHW":
             mem, dyt = _carve(workspace, p, [col_elements(p, n), n * g.out_channels * p.oprod])
             np.copyto(dyt.reshape(G, kg, n, p.oprod), dy.reshape(n, G, kg, p.oprod).transpose(1, 2, 0, 3))
-            im2col(xp, col_view(mem, COL_NCHW_T, n, p), p)
+            im2col(xp, col_view(mem, COL_NCHW_T, n, p), p, x, 0)
             colm = mem.reshape(G, -1, n * p.oprod).transpose(0, 2, 1)  # (G, N*oprod, Cg*kprod)
             np.matmul(dyt.reshape(G, kg, n * p.oprod), colm, out=dwm)
         else:
             (mem,) = _carve(workspace, p, [col_elements(p, n)])
-            im2col(xp, col_view(mem, COL_NHWC, n, p), p)
+            im2col(xp, col_view(mem, COL_NHWC, n, p), p, x, 0)
             colm = mem.reshape(n * p.oprod, G, -1).transpose(1, 0, 2)  # (G, N*oprod, kprod*Cg)
             np.matmul(dy.reshape(n * p.oprod, G, kg).transpose(1, 2, 0), colm, out=dwm)
         return
@@ -136,7 +136,7 @@ def backward_filter(
         colm = mem.reshape(p.oprod, G, -1).transpose(1, 0, 2)  # (G, oprod, kprod*Cg)
         dym = dy.reshape(n, p.oprod, G, kg).transpose(0, 2, 3, 1)  # (N, G, Kg, oprod)
     for b in range(n):
-        im2col(xp[b : b + 1], col, p)
+        im2col(xp[b : b + 1], col, p, x, b * x.strides[0])
         if b == 0:
             np.matmul(dym[b], colm, out=dwm)
         else:

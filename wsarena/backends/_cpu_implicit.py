@@ -27,9 +27,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
-from ._cpu_lowering import Plan, act_view, merge_pixels, weight_view
+from ._cpu_lowering import Plan, act_view, merge_pixels, strided, weight_view
 
 __all__ = ["backward_data", "backward_filter", "forward"]
 
@@ -57,14 +56,27 @@ def _blas_operand(wmat: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(wmat)
 
 
-def _product(src: np.ndarray, wmat: np.ndarray) -> np.ndarray:
-    """``t[b, l, g, :] = wmat[g] @ src[b, l, g, :]`` for a view ``src`` ``(B, L, G, Mi)``; a fresh array's view."""
-    if src.shape[-1] == 1:
-        return np.multiply(src, wmat[:, :, 0])  # (B, L, G, 1) * (G, Mo): no GEMM for a 1-term sum
-    wmat = _blas_operand(wmat)
-    if src.strides[-1] == src.itemsize:  # channels contiguous: (L, Mi) @ (Mi, Mo)
-        return np.matmul(src.transpose(0, 2, 1, 3), wmat.transpose(0, 2, 1)).transpose(0, 2, 1, 3)
-    return np.matmul(wmat, src.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)  # (Mo, Mi) @ (Mi, L)
+def _product(src: np.ndarray, wmat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``t[b, l, g, :] = wmat[g] @ src[b, l, g, :]`` for a view ``src`` ``(B, L, G, Mi)``.
+
+    Returns ``(root, t)``: the fresh C-contiguous result and ``t``, its ``(B, L, G, Mo)`` view (which starts
+    at ``root``'s first element). The result is laid out like ``src``: ``L`` innermost for NCHW.
+    """
+    b, length, g, mi = src.shape
+    mo = wmat.shape[1]
+    if src.strides[-1] == src.itemsize:  # channels contiguous (NHWC): rows are pixels
+        root = np.empty((b, g, length, mo), dtype=src.dtype)
+        if mi == 1:  # a 1-term sum: no GEMM
+            np.multiply(src.transpose(0, 2, 1, 3), wmat[:, None, :, 0], out=root)
+        else:
+            np.matmul(src.transpose(0, 2, 1, 3), _blas_operand(wmat).transpose(0, 2, 1), out=root)
+        return root, root.transpose(0, 2, 1, 3)
+    root = np.empty((b, g, mo, length), dtype=src.dtype)  # channels strided (NCHW): (Mo, Mi) @ (Mi, L)
+    if mi == 1:
+        np.multiply(src.transpose(0, 2, 3, 1), wmat, out=root)
+    else:
+        np.matmul(_blas_operand(wmat), src.transpose(0, 2, 3, 1), out=root)
+    return root, root.transpose(0, 3, 1, 2)
 
 
 def _apply(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate: bool) -> None:
@@ -105,8 +117,8 @@ def _apply(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate: bool)
         np.matmul(a, b, out=d)
 
 
-def _box(ap: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...], wmat: np.ndarray, dst: np.ndarray,
-         accumulate: bool, limit: int, unit: int) -> None:
+def _box(root: np.ndarray, ap: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...], wmat: np.ndarray,
+         dst: np.ndarray, accumulate: bool, limit: int, unit: int) -> None:
     """``dst (+)= wmat @ ap[:, box]`` for a step-1 box ``[lo, hi)`` of the pixel-major ``ap`` ``(B, *S, G, Mi)``.
 
     A box narrower than its rows is not one matrix, so the row method would make one small GEMM per row.
@@ -114,31 +126,32 @@ def _box(ap: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...], wmat: np.ndar
     (rows wrap into the next; the products at wrapped positions are computed and never read), then adds the
     box back out of the temporary through a strided view with the input's row pitch. The temporary is at
     most ``limit`` elements (images are chunked to stay under it); a box too large even for one image, or
-    one that is a single matrix already, goes through :func:`_apply`. ``unit`` is the byte distance between
-    spatial neighbours in ``ap``'s memory (one element in NCHW, one pixel's channels in NHWC).
+    one that is a single matrix already, goes through :func:`_apply`. ``ap`` is a view of the C-contiguous
+    activation ``root`` that starts at its first element; ``unit`` is the byte distance between spatial
+    neighbours in that memory (one element in NCHW, one pixel's channels in NHWC).
     """
     nd = len(lo)
     box = (slice(None), *(slice(a, b) for a, b in zip(lo, hi)))
-    src = ap[box]
-    merged = merge_pixels([src, dst], nd + 1)
+    src, dst = merge_pixels([ap[box], dst], nd + 1)
     n, size = ap.shape[0], ap.shape[1 : nd + 1]
     pitch = [math.prod(size[d + 1 :]) for d in range(nd)]  # row-major, from the shape, not from strides
     flat = sum((b - a - 1) * pt for a, b, pt in zip(lo, hi, pitch)) + 1
     per_image = flat * dst.shape[-2] * dst.shape[-1]
-    if merged[0].ndim <= 4 or per_image > limit:
-        _apply(*merged[:1], wmat, merged[1], accumulate)
+    if src.ndim <= 4 or per_image > limit:
+        _apply(src, wmat, dst, accumulate)
         return
-    origin = ap[(slice(None), *lo)]  # (B, G, Mi) at the box's first element
+    dst = dst.reshape(n, *(b - a for a, b in zip(lo, hi)), *dst.shape[-2:])  # merged pixels -> the box again
+    st = ap.strides
+    origin = sum(a * st[1 + d] for d, a in enumerate(lo))  # bytes from root's start to the box's first element
     chunk = limit // per_image
     for b0 in range(0, n, chunk):
-        part = origin[b0 : b0 + chunk]
-        rows = as_strided(part, (part.shape[0], flat, *part.shape[1:]), (part.strides[0], unit, *part.strides[1:]))
-        t = _product(rows, wmat)  # (b, flat, G, Mo)
-        tv = as_strided(
-            t, (t.shape[0], *(b - a for a, b in zip(lo, hi)), *t.shape[2:]),
-            (t.strides[0], *(pt * t.strides[1] for pt in pitch), *t.strides[2:]),
-        )
-        d = dst[b0 : b0 + chunk]
+        b = min(chunk, n - b0)
+        rows = strided(root, origin + b0 * st[0], (b, flat, *ap.shape[-2:]), (st[0], unit, *st[-2:]))
+        troot, t = _product(rows, wmat)  # t: (b, flat, G, Mo)
+        ts = t.strides
+        tv = strided(troot, 0, (b, *(h - a for a, h in zip(lo, hi)), *t.shape[2:]),
+                     (ts[0], *(pt * ts[1] for pt in pitch), *ts[2:]))
+        d = dst[b0 : b0 + b]
         if accumulate:
             np.add(d, tv, out=d)
         else:
@@ -220,7 +233,7 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
         if unit_stride:
             lo = tuple(s.start for s in off.inp)
             hi = tuple(a + b - c for a, b, c in zip(lo, off.hi, off.lo))
-            _box(xp, lo, hi, wk, ys, acc, y.size, _unit(x, g.layout))
+            _box(x, xp, lo, hi, wk, ys, acc, y.size, _unit(x, g.layout))
         elif g.layout == "NCHW" and p.cg > 1:
             _gathered(xp[(slice(None), *off.inp)], wk, ys, acc, max(y.size, SMALL_TEMP))
         else:
@@ -246,7 +259,7 @@ def backward_data(p: Plan, dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -> Non
             continue
         dxs = dxp[(slice(None), *off.inp)]
         wk_t = wv[(Ellipsis, *off.index)].transpose(0, 2, 1)  # (G, Cg, Kg)
-        _box(dyp, off.lo, off.hi, wk_t, dxs, off is not first, dx.size, _unit(dy, g.layout))
+        _box(dy, dyp, off.lo, off.hi, wk_t, dxs, off is not first, dx.size, _unit(dy, g.layout))
 
 
 def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> None:

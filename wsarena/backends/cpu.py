@@ -91,6 +91,10 @@ def _kind(algo: str) -> str:
 # Output pixels per image from which an image's own GEMM is big enough for BLAS and its column matrix is
 # better kept per image (cache) than built for the whole batch; below it, the batch GEMM wins.
 _LARGE_IMAGE = 512
+# Below this many elements in the whole batch's column matrix (256 KiB of float32) a call is dominated by
+# Python overhead, and the batch column algorithm makes the fewest NumPy calls (implicit_gemm makes a few
+# per kernel offset).
+_SMALL_PROBLEM = 1 << 16
 
 
 def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
@@ -101,6 +105,8 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
 
     - Pointwise (1x1 kernel, stride 1, no padding): ``implicit_gemm`` first. Its single offset is the whole
       input, so it is exactly one GEMM on the operands themselves, with no copy and no workspace.
+    - Small problems (whole-batch column matrix of at most 65536 elements): the batch column algorithm,
+      which makes the fewest NumPy calls (one copy, one GEMM; ``implicit_gemm`` makes a few per offset).
     - Depthwise (one input channel per group): ``implicit_gemm`` first (broadcast multiply-adds and
       ``einsum``; a column matrix is ``kprod`` times the input for GEMMs of one row), except the NCHW
       forward pass, where short image rows make the offset-by-offset adds slower than one im2col.
@@ -119,7 +125,9 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
     unit_stride = all(s == 1 for s in geom.stride)
     if pointwise:
         return [implicit, batch, per_image]
-    if geom.in_channels == geom.groups:
+    if geom.batch * geom.in_channels * math.prod(geom.kernel_size) * math.prod(geom.output_size) <= _SMALL_PROBLEM:
+        return [batch, per_image, implicit]
+    if geom.groups > 1 and geom.in_channels == geom.groups:
         if geom.layout == "NCHW" and pass_ == "fwd":
             return [per_image, batch, implicit]
         return [implicit, per_image, batch]
@@ -142,24 +150,14 @@ def workspace_size(pass_: str, algo: str, geom: ConvGeometry) -> int:
     return _cpu_gemm.workspace_elements(pass_, p, batch=kind == "batch") * p.itemsize
 
 
-def _shapes(pass_: str, geom: ConvGeometry) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    if pass_ == "fwd":
-        return geom.input_shape, geom.weight_shape, geom.output_shape
-    if pass_ == "bwd_data":
-        return geom.output_shape, geom.weight_shape, geom.input_shape
-    return geom.input_shape, geom.output_shape, geom.weight_shape
-
-
-def _check_arrays(pass_: str, geom: ConvGeometry, a, b, out) -> None:
-    if geom.dtype not in _DTYPES:
-        raise TypeError(f"the cpu backend computes in {' or '.join(_DTYPES)}, not {geom.dtype}")
-    for name, arr, shape in zip(("a", "b", "out"), (a, b, out), _shapes(pass_, geom)):
-        if not isinstance(arr, np.ndarray):
+def _check_arrays(pass_: str, p, a, b, out) -> None:
+    for name, arr, shape in zip(("a", "b", "out"), (a, b, out), p.shapes[pass_]):
+        if type(arr) is not np.ndarray and not isinstance(arr, np.ndarray):
             raise TypeError(f"{name} must be a NumPy array, not {type(arr).__name__}")
         if arr.shape != shape:
             raise ValueError(f"{name} has shape {arr.shape}; {pass_} on this geometry needs {shape}")
-        if arr.dtype != geom.dtype:
-            raise TypeError(f"{name} has dtype {arr.dtype}; the geometry says {geom.dtype}")
+        if arr.dtype != p.geom.dtype:
+            raise TypeError(f"{name} has dtype {arr.dtype}; the geometry says {p.geom.dtype}")
         if not arr.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")
     if not out.flags.writeable:
@@ -199,12 +197,14 @@ def run(pass_: str, algo: str, geom: ConvGeometry, a, b, out, workspace) -> None
     """
     _check(pass_, algo)
     kind = _kind(algo)
-    _check_arrays(pass_, geom, a, b, out)
+    if geom.dtype not in _DTYPES:
+        raise TypeError(f"the cpu backend computes in {' or '.join(_DTYPES)}, not {geom.dtype}")
+    p = plan(geom)
+    _check_arrays(pass_, p, a, b, out)
     if geom.batch == 0:
         if pass_ == "bwd_filter":
             out[...] = 0
         return
-    p = plan(geom)
     if kind == "implicit":
         if pass_ == "fwd":
             _cpu_implicit.forward(p, a, b, out)
