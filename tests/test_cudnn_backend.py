@@ -16,7 +16,7 @@ from wsarena import algos, config, conv_backward_data, conv_backward_filter, con
 from wsarena._geometry import conv_geometry
 from wsarena.backends import Candidate
 from wsarena.backends._cudnn_backend import CudnnBackend, _channels_last, _pointers, _usable
-from wsarena.cudnn import AlgoPerf, ConvolutionFwdAlgo, Status
+from wsarena.cudnn import AlgoPerf, ConvolutionFwdAlgo, MathType, Status
 from wsarena.errors import WorkspaceCapWarning
 
 from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
@@ -74,19 +74,33 @@ def test_pointer_order_per_pass():
 
 
 def test_usable_keeps_successes_once_in_order():
-    def perf(algo, status, mem, t=0.5):
-        return AlgoPerf(algo, status, t, mem, 0, 0)
+    def perf(algo, status, mem, math, t=0.5):
+        return AlgoPerf(algo, status, t, mem, 0, math)
 
+    tensor_op, default = int(MathType.TENSOR_OP_MATH), int(MathType.DEFAULT_MATH)
     got = _usable(
         [
-            perf(ConvolutionFwdAlgo.FFT, Status.NOT_SUPPORTED, 10),
-            perf(ConvolutionFwdAlgo.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 100),
-            perf(ConvolutionFwdAlgo.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 200),
-            perf(ConvolutionFwdAlgo.IMPLICIT_GEMM, Status.SUCCESS, 0),
+            perf(ConvolutionFwdAlgo.FFT, Status.NOT_SUPPORTED, 10, default),
+            perf(ConvolutionFwdAlgo.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 100, tensor_op),
+            perf(ConvolutionFwdAlgo.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 200, default),
+            perf(ConvolutionFwdAlgo.IMPLICIT_GEMM, Status.SUCCESS, 0, default),
         ],
         timed=True,
     )
-    assert got == [Candidate("implicit_precomp_gemm", 100, 0.5), Candidate("implicit_gemm", 0, 0.5)]
+    # the entry kept carries its own math type, so the kernel that runs is the one whose workspace was counted
+    assert got == [
+        Candidate("implicit_precomp_gemm", 100, 0.5, tensor_op),
+        Candidate("implicit_gemm", 0, 0.5, default),
+    ]
+
+
+def test_descriptors_follow_the_candidates_math_type(backend):
+    from wsarena.cudnn import MathType as M
+
+    geom = conv_geometry((2, 4, 8, 8), (4, 4, 3, 3), padding=1, dtype="float16")
+    assert backend._descriptors(geom)[2].math_type == M.TENSOR_OP_MATH
+    assert backend._descriptors(geom, int(M.DEFAULT_MATH))[2].math_type == M.DEFAULT_MATH
+    assert backend._descriptors(geom.with_dtype("float32"))[2].math_type == M.FMA_MATH
 
 
 # ---------------------------------------------------------------------------------------------------- GPU only

@@ -244,6 +244,7 @@ W = np.zeros((2, 4, 3, 3), np.float32)
         (lambda: conv_forward(X, W, out=np.zeros((1, 2, 4, 4), np.float64)), TypeError, "out has dtype"),
         (lambda: conv_forward(X, W, out=np.zeros((1, 2, 4, 4, 2), np.float32)[..., 0]), ValueError, "C-contiguous"),
         (lambda: conv_forward(X, W, algo="winograd"), ValueError, "algo='winograd'"),
+        (lambda: conv_forward(X, np.zeros((4, 4, 1, 1), np.float32), out=X), ValueError, "overlaps an input"),
         (lambda: conv_backward_data(np.zeros((1, 2, 5, 5), np.float32), W, X.shape), ValueError, "dy has shape"),
         (lambda: conv_backward_data(np.zeros((1, 2, 4, 4), np.float32), W, "1,4,6,6"), TypeError, "input_shape"),
         (lambda: conv_backward_filter(X, np.zeros((1, 3, 4, 4), np.float32), W.shape), ValueError, "dy has shape"),

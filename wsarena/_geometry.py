@@ -66,6 +66,17 @@ class ConvGeometry:
     def output_shape(self) -> tuple[int, ...]:
         return self._shape(self.batch, self.out_channels, self.output_size)
 
+    def operand_shapes(self, pass_: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Shapes of a pass's ``(a, b, out)``: fwd ``(x, w, y)``, bwd_data ``(dy, w, dx)``, bwd_filter ``(x, dy, dw)``."""
+        x, w, y = self.input_shape, self.weight_shape, self.output_shape
+        if pass_ == "fwd":
+            return x, w, y
+        if pass_ == "bwd_data":
+            return y, w, x
+        if pass_ == "bwd_filter":
+            return x, y, w
+        raise ValueError(f"pass must be one of {PASSES}, not {pass_!r}")
+
     @property
     def macs(self) -> int:
         """Multiply-accumulates of one forward pass (the same count for each backward pass)."""

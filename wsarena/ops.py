@@ -54,9 +54,7 @@ def _contiguous(array: Any) -> Any:
     return array if array.flags.c_contiguous else array.copy(order="C")
 
 
-def _check_out(backend: Any, out: Any, shape: tuple[int, ...], dtype: str) -> Any:
-    if out is None:
-        return backend.empty(shape, dtype)
+def _check_out(backend: Any, out: Any, shape: tuple[int, ...], dtype: str, inputs: tuple[Any, ...]) -> None:
     if array_backend_name(out) != backend.name:
         raise TypeError(f"out must be a {'NumPy' if backend.name == 'cpu' else 'CuPy'} array, not {type(out).__name__}")
     if tuple(out.shape) != shape:
@@ -65,7 +63,8 @@ def _check_out(backend: Any, out: Any, shape: tuple[int, ...], dtype: str) -> An
         raise TypeError(f"out has dtype {out.dtype}; this convolution writes {dtype}")
     if not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")
-    return out
+    if any(backend.may_share_memory(out, array) for array in inputs):
+        raise ValueError("out overlaps an input; convolutions cannot run in place")
 
 
 def _shape_arg(name: str, shape: Any) -> tuple[int, ...]:
@@ -86,25 +85,25 @@ def _execute(
     dtype = dtypes[names[0]]
     backend.check_dtype(dtype)
     geom = conv_geometry(input_shape, weight_shape, layout=layout, dtype=dtype, **params)
-    expected = {
-        "fwd": {"x": geom.input_shape, "w": geom.weight_shape},
-        "bwd_data": {"dy": geom.output_shape, "w": geom.weight_shape},
-        "bwd_filter": {"x": geom.input_shape, "dy": geom.output_shape},
-    }[pass_]
-    for name, shape in expected.items():
+    a_shape, b_shape, out_shape = geom.operand_shapes(pass_)
+    for name, shape in zip(names, (a_shape, b_shape)):
         if tuple(arrays[name].shape) != shape:
             raise ValueError(
                 f"{name} has shape {tuple(arrays[name].shape)}; expected {shape} for this convolution "
                 f"(input {geom.input_shape}, weight {geom.weight_shape}, layout {layout})"
             )
-    out_shape = {"fwd": geom.output_shape, "bwd_data": geom.input_shape, "bwd_filter": geom.weight_shape}[pass_]
-    result = _check_out(backend, out, out_shape, dtype)
-    a, b = (_contiguous(arrays[n]) for n in names)
-    if geom.batch == 0:
-        if pass_ == "bwd_filter":
-            result[...] = 0
-        return result
-    with backend.on_device(a):
+    operands = tuple(arrays.values())
+    if out is not None:
+        _check_out(backend, out, out_shape, dtype, operands)
+    # Everything that touches memory happens on the operands' device with `stream` current, so copies and the
+    # convolution are ordered on one stream.
+    with backend.context(operands if out is None else (*operands, out), stream):
+        result = backend.empty(out_shape, dtype) if out is None else out
+        a, b = (_contiguous(x) for x in operands)
+        if geom.batch == 0:
+            if pass_ == "bwd_filter":
+                result[...] = 0
+            return result
         _run(backend, pass_, geom, a, b, result, stream, algo)
     return result
 
@@ -119,7 +118,7 @@ def _run(backend: Any, pass_: str, geom: ConvGeometry, a: Any, b: Any, out: Any,
         )
 
     def run(cand: Candidate, ws: Any) -> None:
-        backend.run(pass_, cand.algo, geom, a, b, out, ws, stream)
+        backend.run(pass_, cand, geom, a, b, out, ws, stream)
 
     run_with_fallback(backend.arena(), candidates, run, stream=stream, cap=cfg.cap_workspace)
 

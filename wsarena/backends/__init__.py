@@ -29,11 +29,13 @@ class Candidate:
     """One algorithm a backend can run for a pass and geometry.
 
     ``time_ms`` is set only by an exhaustive search (a measurement); heuristic lists leave it ``None``.
+    ``math_type`` is cuDNN's math type for this entry (tensor cores or not); the CPU leaves it ``None``.
     """
 
     algo: str
     workspace_bytes: int
     time_ms: float | None = None
+    math_type: int | None = None
 
 
 class Backend(Protocol):
@@ -48,8 +50,20 @@ class Backend(Protocol):
     def arena(self) -> Any:
         """The arena this backend's workspaces are leased from (for the current device)."""
 
-    def on_device(self, array: Any) -> Any:
-        """A context manager that makes ``array``'s device the current one."""
+    def context(self, arrays: Sequence[Any], stream: Any) -> Any:
+        """A context manager: the arrays' device current (``ValueError`` if they differ) and ``stream`` current."""
+
+    def may_share_memory(self, a: Any, b: Any) -> bool:
+        """Whether two arrays may overlap in memory."""
+
+    def algorithms(self, pass_: str) -> tuple[str, ...]:
+        """Every algorithm name of ``pass_`` (for ``algo=``)."""
+
+    def workspace_size(self, pass_: str, algo: str, geom: Any) -> int:
+        """Exact workspace bytes of one algorithm."""
+
+    def random(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """Random operands, for timing algorithms."""
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
         """A new uninitialised array of this backend's kind."""
@@ -65,8 +79,10 @@ class Backend(Protocol):
     ) -> list[Candidate]:
         """Time ``candidates`` (all fit in ``workspace``) on real operands; return them sorted by time."""
 
-    def run(self, pass_: str, algo: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any) -> None:
-        """Run one pass with ``algo``, writing ``out``, using ``workspace`` (a leased :class:`Workspace`)."""
+    def run(
+        self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any
+    ) -> None:
+        """Run one pass with ``candidate``, writing ``out``, using ``workspace`` (a leased :class:`Workspace`)."""
 
 
 def array_backend_name(array: Any) -> str | None:

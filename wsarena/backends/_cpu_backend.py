@@ -23,8 +23,11 @@ class CpuBackend:
     def device_key(self) -> Any:
         return "cpu"
 
-    def on_device(self, array: Any) -> Any:
+    def context(self, arrays: Sequence[Any], stream: Any) -> Any:
         return contextlib.nullcontext()
+
+    def may_share_memory(self, a: Any, b: Any) -> bool:
+        return bool(np.may_share_memory(a, b))
 
     def arena(self) -> Any:
         from ..arena import get_arena
@@ -60,5 +63,5 @@ class CpuBackend:
             timed.append(Candidate(cand.algo, cand.workspace_bytes, (time.perf_counter() - start) * 1e3))
         return sorted(timed, key=lambda c: c.time_ms)
 
-    def run(self, pass_: str, algo: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any) -> None:
-        cpu.run(pass_, algo, geom, a, b, out, workspace.array)
+    def run(self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any) -> None:
+        cpu.run(pass_, candidate.algo, geom, a, b, out, workspace.array)

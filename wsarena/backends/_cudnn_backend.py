@@ -10,7 +10,8 @@ float32 with tensor cores allowed (``TENSOR_OP_MATH``), as PyTorch does; float64
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import Candidate
@@ -47,9 +48,25 @@ class CudnnBackend:
 
         return get_arena(self._device())
 
-    def on_device(self, array: Any) -> Any:
-        """Make ``array``'s device current for the body of a ``with`` block."""
-        return array.device
+    @contextlib.contextmanager
+    def context(self, arrays: Sequence[Any], stream: Any) -> Iterator[None]:
+        """The arrays' device current, and ``stream`` (when given) CuPy's current stream, for the block."""
+        devices = sorted({int(a.device.id) for a in arrays})
+        if len(devices) > 1:
+            raise ValueError(f"the arrays are on different devices {devices}; put them on one device")
+        with arrays[0].device:
+            if stream is None:
+                yield
+                return
+            if not isinstance(stream, self._cupy.cuda.Stream):
+                from ..arena import stream_handle
+
+                stream = self._cupy.cuda.Stream.from_external(_RawStream(stream_handle(stream)))
+            with stream:
+                yield
+
+    def may_share_memory(self, a: Any, b: Any) -> bool:
+        return bool(self._cupy.may_share_memory(a, b))
 
     # -- arrays ------------------------------------------------------------------------------------------------
     def check_dtype(self, dtype: str) -> None:
@@ -63,11 +80,17 @@ class CudnnBackend:
         return self._cupy.random.default_rng(0).standard_normal(shape, dtype="float32").astype(dtype)
 
     # -- descriptors -------------------------------------------------------------------------------------------
-    def _descriptors(self, geom: Any) -> tuple[Any, Any, Any, Any]:
+    def _descriptors(self, geom: Any, math_type: int | None = None) -> tuple[Any, Any, Any, Any]:
+        """Descriptors of ``geom``; the convolution's math type is ``math_type`` or this dtype's default."""
         c = self._cudnn
         data = c.DataType[_DATA[geom.dtype]]
         compute = c.DataType.DOUBLE if geom.dtype == "float64" else c.DataType.FLOAT
-        math = c.MathType.FMA_MATH if geom.dtype in ("float32", "float64") else c.MathType.TENSOR_OP_MATH
+        if math_type is not None:
+            math = c.MathType(math_type)
+        elif geom.dtype in ("float32", "float64"):
+            math = c.MathType.FMA_MATH
+        else:
+            math = c.MathType.TENSOR_OP_MATH
         conv = c.convolution_descriptor(geom.padding, geom.stride, geom.dilation, geom.groups, compute, math)
         k, cpg = geom.out_channels, geom.in_channels // geom.groups
         if geom.layout == "NCHW":
@@ -100,7 +123,7 @@ class CudnnBackend:
     def measure(
         self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate], stream: Any
     ) -> list[Candidate]:
-        x, w, conv, y = self._descriptors(geom)
+        x, w, conv, y = self._descriptors(geom)  # the dtype's math type: FindEx reports each entry's own
         handle = self._bound_handle(stream)
         ptrs = _pointers(pass_, a, b, out)
         perfs = self._cudnn.conv.find_algorithms(
@@ -109,12 +132,13 @@ class CudnnBackend:
         wanted = {c.algo for c in candidates}
         return [c for c in _usable(perfs, timed=True) if c.algo in wanted]
 
-    def run(self, pass_: str, algo: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any) -> None:
-        x, w, conv, y = self._descriptors(geom)
+    def run(self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any) -> None:
+        # The math type cuDNN reported for this entry, so the kernel that runs is the one whose workspace was sized
+        x, w, conv, y = self._descriptors(geom, candidate.math_type)
         ptrs = _pointers(pass_, a, b, out)
         self._cudnn.conv.convolution(
             pass_, self._bound_handle(stream), x_desc=x, x_ptr=ptrs["x"], w_desc=w, w_ptr=ptrs["w"], conv_desc=conv,
-            y_desc=y, y_ptr=ptrs["y"], algo=self._cudnn.conv.algorithm(pass_, algo.upper()),
+            y_desc=y, y_ptr=ptrs["y"], algo=self._cudnn.conv.algorithm(pass_, candidate.algo.upper()),
             workspace_ptr=workspace.ptr, workspace_bytes=workspace.nbytes,
         )
 
@@ -148,11 +172,21 @@ def _pointers(pass_: str, a: Any, b: Any, out: Any) -> dict[str, int]:
 
 
 def _usable(perfs: Sequence[Any], *, timed: bool = False) -> list[Candidate]:
-    """Successful entries, first occurrence of each algorithm (cuDNN may list one per math type)."""
+    """Successful entries, the first of each algorithm (cuDNN may list one per math type), with its math type."""
     seen: dict[str, Candidate] = {}
     for perf in perfs:
         name = perf.algo.name.lower()
         if perf.status != 0 or name in seen:
             continue
-        seen[name] = Candidate(name, int(perf.memory), float(perf.time_ms) if timed else None)
+        seen[name] = Candidate(name, int(perf.memory), float(perf.time_ms) if timed else None, int(perf.math_type))
     return list(seen.values())
+
+
+class _RawStream:
+    """A raw ``cudaStream_t`` seen through the CUDA stream protocol, for ``cupy.cuda.Stream.from_external``."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
