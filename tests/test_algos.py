@@ -138,7 +138,7 @@ def test_exhaustive_under_memory_pressure_times_what_the_arena_holds():
     b._arena = FakeArena(memory=150)
     b._arena.held[None] = 120
     got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
-    assert [c.algo for c in got] == ["gemm", "implicit"]
+    assert [c.algo for c in got] == ["gemm", "implicit", "fft"]  # fft could not be timed: last
 
 
 def test_forced_algorithm_checks_name_and_cap():
@@ -188,3 +188,30 @@ def test_a_silent_choice_still_warns_the_first_caller_who_asks():
         choose(b, "fwd", GEOM, cap=10, warn=False)  # the planner's way: no warning
     with pytest.warns(WorkspaceCapWarning):
         choose(b, "fwd", GEOM, cap=10)
+
+
+def test_a_search_that_times_nothing_falls_back_to_the_heuristic_order_and_is_not_kept():
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
+    b.measure = lambda *args: []  # e.g. every FindEx entry failed
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["fft", "gemm", "implicit"]
+    del b.measure  # the real search works now: it is asked again, since nothing was cached
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["gemm", "fft", "implicit"]
+
+
+def test_a_search_cut_short_by_memory_keeps_the_untimed_after_the_timed():
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
+    b._arena = FakeArena(memory=150)  # fft's 300 bytes cannot be had, and the arena holds nothing yet
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["implicit", "fft", "gemm"]  # the timed first, then heuristic order
+    b._arena.memory = 1000
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["gemm", "fft", "implicit"]  # timed in full this time
+
+
+def test_a_backend_without_any_algorithm_is_not_a_memory_error():
+    from wsarena.errors import UnsupportedConvolutionError
+
+    with pytest.raises(UnsupportedConvolutionError, match="no algorithm"):
+        choose(FakeBackend({}), "fwd", GEOM, cap=None)

@@ -19,7 +19,7 @@ from typing import Any
 from ._geometry import PASSES, ConvGeometry
 from ._sizes import format_size
 from .backends import Backend, Candidate
-from .errors import ArenaOutOfMemoryError, NoAlgorithmFitsError, WorkspaceCapWarning
+from .errors import ArenaOutOfMemoryError, NoAlgorithmFitsError, UnsupportedConvolutionError, WorkspaceCapWarning
 
 __all__ = ["cache_clear", "choose", "forced", "run_with_fallback", "select"]
 
@@ -72,9 +72,11 @@ def choose(
     key = (backend.name, backend.device_key(), pass_, geom, "exhaustive" if exhaustive else "heuristic", cap)
     entry = _cache.get(key)
     if entry is None:
-        entry = _rank(backend, pass_, geom, cap, measure if exhaustive else None)
-        with _lock:
-            _cache[key] = entry
+        best, excluded, complete = _rank(backend, pass_, geom, cap, measure if exhaustive else None)
+        entry = (best, excluded)
+        if complete:  # a search cut short by memory pressure is not kept: a later call may time them all
+            with _lock:
+                _cache[key] = entry
     best, excluded = entry
     if warn and excluded is not None and key not in _warned:
         with _lock:
@@ -93,9 +95,11 @@ def choose(
 
 def _rank(
     backend: Backend, pass_: str, geom: ConvGeometry, cap: int | None, measure: Callable | None
-) -> tuple[tuple[Candidate, ...], Candidate | None]:
-    """(usable candidates best first, the heuristic favourite if the cap excluded it)."""
+) -> tuple[tuple[Candidate, ...], Candidate | None, bool]:
+    """(usable candidates best first, the heuristic favourite if the cap excluded it, whether all were ranked)."""
     ranked = backend.candidates(pass_, geom)
+    if not ranked:
+        raise UnsupportedConvolutionError(f"the {backend.name} backend has no algorithm for {pass_} of {_describe(geom)}")
     usable = _fits(ranked, cap)
     if not usable:
         smallest = min((c.workspace_bytes for c in ranked), default=0)
@@ -106,9 +110,12 @@ def _rank(
             cap=cap,
         )
     excluded = None if ranked[0] in usable else ranked[0]
-    if measure is not None:
-        usable = list(measure(usable))  # only what fits the cap is ever timed
-    return tuple(usable), excluded
+    if measure is None:
+        return tuple(usable), excluded, True
+    timed = list(measure(usable))  # only what fits the cap is ever timed
+    timed_names = {c.algo for c in timed}
+    untimed = [c for c in usable if c.algo not in timed_names]  # no room to time them, or the search failed
+    return tuple(timed + untimed), excluded, not untimed
 
 
 def select(
@@ -187,7 +194,6 @@ def run_with_fallback(
                 continue
             run(cand, ws)
             return cand
-    assert failure is not None  # a zero-byte lease never grows, so only growth can have failed
     raise NoAlgorithmFitsError(
         "out of memory: no algorithm fits in the workspace the arena could provide",
         requested=candidates[0].workspace_bytes,

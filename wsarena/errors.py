@@ -6,6 +6,7 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
     ├── BackendUnavailableError (RuntimeError)     the environment cannot do it: no GPU, no libcudnn
     │   └── wsarena.cudnn.CudnnNotFoundError
     ├── wsarena.cudnn.CudnnError (RuntimeError)    a cuDNN status; one subclass per status
+    ├── UnsupportedConvolutionError (ValueError)   the backend has no algorithm at all for this convolution
     └── WorkspaceMemoryError (MemoryError)         carries requested, held and cap, in bytes
         ├── WorkspaceCapError                      the request is above the workspace cap
         ├── ArenaOutOfMemoryError                  the memory provider could not grow the arena
@@ -22,6 +23,7 @@ __all__ = [
     "ArenaOutOfMemoryError",
     "BackendUnavailableError",
     "NoAlgorithmFitsError",
+    "UnsupportedConvolutionError",
     "WorkspaceCapError",
     "WorkspaceCapWarning",
     "WorkspaceMemoryError",
@@ -35,6 +37,10 @@ class WsarenaError(Exception):
 
 class BackendUnavailableError(WsarenaError, RuntimeError):
     """The requested backend cannot run here (no usable GPU, no libcudnn, ...)."""
+
+
+class UnsupportedConvolutionError(WsarenaError, ValueError):
+    """The backend offers no algorithm for this convolution (whatever the cap or the memory)."""
 
 
 class WorkspaceMemoryError(WsarenaError, MemoryError):
