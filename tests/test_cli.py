@@ -116,9 +116,23 @@ def test_bad_input_exits_2_with_one_line(argv, needle):
     assert r.stdout == ""
 
 
-def test_cpu_backend_cannot_plan_float16_exit_3():
+def test_float16_on_the_cpu_backend_is_bad_usage_when_asked_for_and_exit_3_when_auto():
     r = run_cli("report", "resnet50", "--backend", "cpu", "--dtype", "float16")
-    assert r.returncode == 3 and "float16" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 2 and "float16" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    if gpu_unusable_reason() is not None:
+        r = run_cli("report", "resnet50", "--dtype", "float16")
+        assert r.returncode == 3 and "float16" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_an_internal_failure_is_one_line_without_traceback(capsys, monkeypatch):
+    import wsarena.planner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cuDNN said no")
+
+    monkeypatch.setattr(wsarena.planner, "plan", broken)
+    code, out, err = run_main(capsys, "report", "resnet50")
+    assert code == 3 and err.strip().count("\n") == 0 and "cuDNN said no" in err and out == ""
 
 
 def test_cudnn_backend_without_gpu_exits_3():

@@ -13,7 +13,7 @@ import wsarena
 from wsarena.errors import WsarenaError
 from wsarena.models import ConvLayer, ModelError, layers_from_json, layers_to_json, load_model, total_macs, zoo_names
 
-onnx = pytest.importorskip("onnx")
+import onnx  # a hard dependency of wsarena: its absence must fail, not skip
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")

@@ -103,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"wsarena: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - a cuDNN or CUDA failure: one line, as for any other error
+        print(f"wsarena: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
     except KeyboardInterrupt:
         print("wsarena: interrupted", file=sys.stderr)
         return 130

@@ -74,7 +74,7 @@ class Plan:
     search: str
     passes: tuple[str, ...]
     layers: tuple[LayerPlan, ...]
-    stream_bytes: tuple[int, ...]  # per stream: the largest workspace its sub-arena must hold
+    stream_bytes: tuple[int, ...]  # per stream: the largest workspace chosen for a layer it runs
 
     @property
     def streams(self) -> int:
@@ -84,6 +84,13 @@ class Plan:
     def arena_bytes(self) -> int:
         """What wsarena holds: per stream the largest chosen workspace, summed over streams."""
         return sum(self.stream_bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        """What the arena's buffers come to once it rounds each up (:func:`wsarena.arena.aligned_size`)."""
+        from .arena import aligned_size
+
+        return sum(aligned_size(b) for b in self.stream_bytes)
 
     @property
     def unshared_bytes(self) -> int:
@@ -111,6 +118,7 @@ class Plan:
             "layers": [layer.to_dict() for layer in self.layers],
             "stream_bytes": list(self.stream_bytes),
             "arena_bytes": self.arena_bytes,
+            "arena_held_bytes": self.held_bytes,
             "unshared_bytes": self.unshared_bytes,
             "saved_bytes": self.saved_bytes,
         }
@@ -165,7 +173,6 @@ def plan(
         Called as ``progress(done, total, layer_name)`` after each layer.
     """
     from ._sizes import parse_size
-    from .arena import aligned_size
 
     cfg = get_config()
     layers = list(layers)
@@ -183,12 +190,15 @@ def plan(
     if search not in ("heuristic", "exhaustive"):
         raise ValueError(f"search must be 'heuristic' or 'exhaustive', not {search!r}")
     shared, assignment = _streams(streams, len(layers))
-    name = resolve_backend_name(cfg.backend if backend is None else backend)
+    requested = cfg.backend if backend is None else backend
+    name = resolve_backend_name(requested)
     impl = get_backend(name)
     try:
         impl.check_dtype(dtype)
     except TypeError as exc:
-        raise BackendUnavailableError(f"{exc}; plan {dtype} with the cudnn backend on a GPU") from None
+        if requested == "auto":  # the dtype is fine; this machine just has no GPU for it
+            raise BackendUnavailableError(f"{exc}; plan {dtype} with the cudnn backend on a GPU") from None
+        raise ValueError(str(exc)) from None
     geometries = [layer.geometry(batch=batch, dtype=dtype, layout=layout) for layer in layers]
 
     planned = []
@@ -205,12 +215,12 @@ def plan(
 
     if shared:
         largest = max((lp.largest_bytes for lp in planned), default=0)
-        stream_bytes = (aligned_size(largest),) * int(streams)  # type: ignore[arg-type]
+        stream_bytes = (largest,) * int(streams)  # type: ignore[arg-type]
     else:
         per_stream = [0] * (max(assignment, default=-1) + 1)
         for lp in planned:
             per_stream[lp.stream] = max(per_stream[lp.stream], lp.largest_bytes)
-        stream_bytes = tuple(aligned_size(b) for b in per_stream)
+        stream_bytes = tuple(per_stream)
     return Plan(
         model=model,
         backend=name,
@@ -228,12 +238,8 @@ def plan(
 
 def _operands(backend: Any, pass_: str, geom: ConvGeometry) -> tuple[Any, Any, Any]:
     """Random operands of the pass, for timing algorithms in an exhaustive search."""
-    shapes = {
-        "fwd": (geom.input_shape, geom.weight_shape, geom.output_shape),
-        "bwd_data": (geom.output_shape, geom.weight_shape, geom.input_shape),
-        "bwd_filter": (geom.input_shape, geom.output_shape, geom.weight_shape),
-    }[pass_]
-    return tuple(backend.random(shape, geom.dtype) for shape in shapes)  # type: ignore[return-value]
+    a, b, out = (backend.random(shape, geom.dtype) for shape in geom.operand_shapes(pass_))
+    return a, b, out
 
 
 def text_progress(stream: Any = None) -> Callable[[int, int, str], None]:

@@ -21,8 +21,9 @@ zoo name
 
 JSON schema
 -----------
-Either an object with a ``"layers"`` list (other top-level keys are ignored, so a ``wsarena report --format
-json`` output can be read back) or a bare list. Each layer is an object::
+Either an object with a ``"layers"`` list (other top-level keys are ignored, so the output of ``wsarena report
+--format json`` made with the default NCHW layout can be read back; an NHWC report lists channels-last shapes,
+which this schema does not take) or a bare list. Each layer is an object::
 
     {
       "name":         "layer1.0.conv2",     # required, non-empty string
