@@ -1,0 +1,107 @@
+"""Workspace memory and step time on a GPU: wsarena's arena vs one workspace per layer and pass vs per call.
+
+Same cuDNN algorithms (the plan's heuristic choices, no cap) and the same operands in all three; only where the
+workspace comes from differs:
+
+- ``wsarena``   the public ops, workspace leased from the device arena (one buffer per stream);
+- ``unshared``  one workspace per layer and pass allocated up front, as Caffe's cuDNN layer keeps;
+- ``per-call``  a workspace allocated from CuPy's memory pool before each call and freed after it, as
+  PyTorch does with its caching allocator.
+
+Reports workspace bytes held after a step and the median step time (CUDA events), with ratios against wsarena.
+Run: python bench/bench_gpu_arena.py [--model resnet50] [--batch 32] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import types
+
+import cupy
+
+import wsarena
+from wsarena.backends import get_backend
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+
+    backend = get_backend("cudnn")
+    plan = wsarena.plan(wsarena.load_model(args.model), batch=args.batch, dtype=args.dtype, backend="cudnn",
+                        cap_workspace=None)
+    rng = cupy.random.default_rng(0)
+    layers = []
+    for lp in plan.layers:
+        g = lp.geometry
+        x, w, dy = (rng.standard_normal(s, dtype=cupy.float32).astype(args.dtype)
+                    for s in (g.input_shape, g.weight_shape, g.output_shape))
+        outs = {"fwd": cupy.empty_like(dy), "bwd_data": cupy.empty_like(x), "bwd_filter": cupy.empty_like(w)}
+        ops = {"fwd": (x, w), "bwd_data": (dy, w), "bwd_filter": (x, dy)}
+        layers.append((lp, g, ops, outs))
+    stream = cupy.cuda.get_current_stream()
+
+    def run_wsarena():
+        for lp, g, ops, outs in layers:
+            kw = dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
+            wsarena.conv_forward(*ops["fwd"], **kw, out=outs["fwd"])
+            wsarena.conv_backward_data(*ops["bwd_data"], g.input_shape, **kw, out=outs["bwd_data"])
+            wsarena.conv_backward_filter(*ops["bwd_filter"], g.weight_shape, **kw, out=outs["bwd_filter"])
+
+    unshared = {(i, p): cupy.cuda.alloc(max(c.workspace_bytes, 1))
+                for i, (lp, *_rest) in enumerate(layers) for p, c in lp.choices.items()}
+
+    def run_unshared():
+        for i, (lp, g, ops, outs) in enumerate(layers):
+            for p, c in lp.choices.items():
+                mem = unshared[(i, p)]
+                ws = types.SimpleNamespace(ptr=mem.ptr, nbytes=c.workspace_bytes)
+                backend.run(p, c.algo, g, *ops[p], outs[p], ws, stream)
+
+    def run_per_call():
+        for lp, g, ops, outs in layers:
+            for p, c in lp.choices.items():
+                mem = cupy.cuda.alloc(c.workspace_bytes) if c.workspace_bytes else None
+                ws = types.SimpleNamespace(ptr=mem.ptr if mem else 0, nbytes=c.workspace_bytes)
+                backend.run(p, c.algo, g, *ops[p], outs[p], ws, stream)
+                del mem
+
+    def timed(fn):
+        fn()  # warm up: algorithm choice, arena growth, pool growth
+        stream.synchronize()
+        times = []
+        for _ in range(args.repeat):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            fn()
+            end.record(stream)
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end))
+        return statistics.median(times)
+
+    pool = cupy.get_default_memory_pool()
+    t_ws = timed(run_wsarena)
+    held_ws = wsarena.get_arena(None).stats()["capacity_bytes"]
+    t_un = timed(run_unshared)
+    held_un = sum(c.workspace_bytes for lp, *_ in layers for c in lp.choices.values())
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    t_pc = timed(run_per_call)
+    held_pc = pool.total_bytes() - before  # what the caching pool keeps after the step
+
+    name = backend.device_label()
+    print(f"device {name}; {args.model} batch {args.batch} {args.dtype}; fwd+bwd_data+bwd_filter; median of {args.repeat}")
+    print(f"plan: arena {wsarena.format_size(plan.arena_bytes)}, unshared {wsarena.format_size(plan.unshared_bytes)}")
+    print(f"{'strategy':<10} {'workspace held':>15} {'vs wsarena':>11} {'step ms':>9} {'vs wsarena':>11}")
+    for label, held, t in (("wsarena", held_ws, t_ws), ("unshared", held_un, t_un), ("per-call", held_pc, t_pc)):
+        ratio = f"{held / held_ws:.2f}x" if held_ws else "-"
+        print(f"{label:<10} {wsarena.format_size(int(held)):>15} {ratio:>11} {t:9.2f} {t / t_ws:10.2f}x")
+
+
+if __name__ == "__main__":
+    main()
