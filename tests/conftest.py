@@ -1,5 +1,9 @@
 import pytest
 
+from wsarena import algos
+from wsarena.arena import Arena, HostProvider
+from wsarena.backends._cpu_backend import CpuBackend
+
 import wsarena._config
 from wsarena._gpu import gpu_unusable_reason
 
@@ -22,3 +26,15 @@ def _fresh_config(monkeypatch):
     wsarena._config._reset()
     yield
     wsarena._config._reset()
+
+
+@pytest.fixture
+def fresh_arena(monkeypatch):
+    """The cpu backend leases from a host arena of this test's own (and the algorithm cache starts empty), so
+    the arena's statistics are the test's alone."""
+    arena = Arena(HostProvider())
+    monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
+    algos.cache_clear()
+    yield arena
+    algos.cache_clear()
+    arena.close()

@@ -4,7 +4,6 @@ Tolerance: relative error max|y - ref| / max|ref| <= 1e-5 for float32 and <= 1e-
 """
 
 import threading
-import types
 
 import numpy as np
 import pytest
@@ -12,9 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import wsarena
-from wsarena import algos, config, conv_backward_data, conv_backward_filter, conv_forward
-from wsarena.arena import Arena, HostProvider
-from wsarena.backends._cpu_backend import CpuBackend
+from wsarena import config, conv_backward_data, conv_backward_filter, conv_forward
 from wsarena.backends import cpu
 from wsarena.errors import WorkspaceCapWarning
 
@@ -28,14 +25,7 @@ def rel_err(got, ref):
     return float(np.max(np.abs(got.astype(np.float64) - ref))) / scale
 
 
-@pytest.fixture(autouse=True)
-def fresh_arena(monkeypatch):
-    """Each test gets its own host arena (and an empty algorithm cache) so its statistics are its own."""
-    arena = Arena(HostProvider())
-    monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
-    algos.cache_clear()
-    yield arena
-    algos.cache_clear()
+pytestmark = pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
 
 
 @st.composite

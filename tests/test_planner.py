@@ -6,20 +6,14 @@ import numpy as np
 import pytest
 
 import wsarena
-from wsarena import algos, config, conv_backward_data, conv_backward_filter, conv_forward
+from wsarena import config, conv_backward_data, conv_backward_filter, conv_forward
 from wsarena.arena import Arena, HostProvider, aligned_size
 from wsarena.backends._cpu_backend import CpuBackend
 from wsarena.errors import BackendUnavailableError, WorkspaceCapWarning
 from wsarena.models import ConvLayer
 
 
-@pytest.fixture(autouse=True)
-def fresh_arena(monkeypatch):
-    arena = Arena(HostProvider())
-    monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
-    algos.cache_clear()
-    yield arena
-    algos.cache_clear()
+pytestmark = pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
 
 
 @pytest.fixture(scope="module")

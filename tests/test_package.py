@@ -1,0 +1,29 @@
+import subprocess
+import sys
+
+import wsarena
+
+
+def test_all_is_sorted_and_every_name_resolves():
+    assert wsarena.__all__ == sorted(wsarena.__all__)
+    for name in wsarena.__all__:
+        assert getattr(wsarena, name) is not None, name
+    assert set(dir(wsarena)) >= set(wsarena.__all__)
+
+
+def test_the_contract_names_exist():
+    for name in ("configure", "config", "get_config", "parse_size", "format_size", "conv_forward",
+                 "conv_backward_data", "conv_backward_filter", "get_arena", "load_model", "plan", "cudnn"):
+        assert name in wsarena.__all__, name
+    assert callable(wsarena.cudnn.bind_all)
+
+
+def test_import_is_light():
+    """`import wsarena` loads neither libcudnn nor CuPy, so it works (and is quick) anywhere."""
+    code = (
+        "import sys, wsarena\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print('libcudnn' in maps, 'cupy' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
