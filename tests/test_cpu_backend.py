@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wsarena._geometry import conv_geometry
-from wsarena.backends import _cpu_implicit, cpu
+from wsarena.backends import _cpu_implicit, _cpu_lowering, _cpu_tiled, cpu
 
 from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
 
@@ -183,7 +183,7 @@ def test_implicit_gemm_in_the_smallest_blocks(case, layout, monkeypatch):
 @given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), size=st.integers(1, 40))
 def test_blocks_tile_the_leading_axes_exactly_once(shape, size):
     seen = np.zeros(shape, dtype=int)
-    for sel in _cpu_implicit._blocks(tuple(shape), size):
+    for sel in _cpu_lowering.blocks(tuple(shape), size):
         block = seen[sel]
         assert 1 <= block.size <= size
         block += 1
@@ -193,32 +193,78 @@ def test_blocks_tile_the_leading_axes_exactly_once(shape, size):
 # ----------------------------------------------------------------------------------------------- workspace
 
 
+def _tile_pixels(g, pass_, tile_bytes):
+    """Output pixels of the largest tile, from the formula documented in _cpu_tiled."""
+    s = np.dtype(g.dtype).itemsize
+    o0, inner = g.output_size[0], math.prod(g.output_size[1:])
+    rows = max(1, tile_bytes // (g.in_channels * math.prod(g.kernel_size) * inner * s))
+    if pass_ == "bwd_filter" and g.layout == "NCHW":
+        rows = min(rows, o0)
+    return min(g.batch, rows // o0) * o0 * inner if rows >= o0 else rows * inner
+
+
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_workspace_formulas(layout, dtype, batch):
+@pytest.mark.parametrize("tile_rows", [2, 100])
+def test_workspace_formulas(layout, dtype, batch, tile_rows, monkeypatch):
     ishape, wshape = (batch, 6, 11, 9), (8, 3, 3, 2)
     if layout == "NHWC":
         ishape, wshape = _nhwc(ishape), _nhwc(wshape)
     g = conv_geometry(ishape, wshape, stride=(2, 1), padding=1, dilation=(1, 2), groups=2, layout=layout, dtype=dtype)
     s = np.dtype(dtype).itemsize
     kprod, oprod = 3 * 2, math.prod(g.output_size)
+    assert g.output_size == (6, 9)
+    tile_bytes = tile_rows * g.in_channels * kprod * 9 * s  # tiles of 2 rows, or of whole images
+    monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", tile_bytes)
     col = g.in_channels * kprod * oprod * s  # one image's column matrix
+    tile = {pass_: g.in_channels * kprod * _tile_pixels(g, pass_, tile_bytes) * s for pass_ in PASSES}
     expected = {
-        "fwd": {"implicit_gemm": 0, "gemm_per_image": col, "gemm_batch": batch * col},
-        "bwd_data": {"implicit_gemm": 0, "col2im_per_image": col, "col2im_batch": batch * col},
+        "fwd": {"implicit_gemm": 0, "gemm_tiled": tile["fwd"], "gemm_per_image": col, "gemm_batch": batch * col},
+        "bwd_data": {
+            "implicit_gemm": 0,
+            "col2im_tiled": tile["bwd_data"],
+            "col2im_per_image": col,
+            "col2im_batch": batch * col,
+        },
         "bwd_filter": {
             "implicit_gemm": 0,
+            "im2col_tiled": tile["bwd_filter"],
             "im2col_per_image": col,
             "im2col_batch": batch * col + (batch * g.out_channels * oprod * s if layout == "NCHW" else 0),
         },
     }
+    if tile_rows == 2:
+        assert all(t == col // 3 for t in tile.values())  # 2 of 6 rows
     for pass_ in PASSES:
         assert set(cpu.ALGORITHMS[pass_]) == set(expected[pass_])
         sizes = {algo: cpu.workspace_size(pass_, algo, g) for algo in cpu.ALGORITHMS[pass_]}
         assert sizes == expected[pass_]
-        if batch > 1:
-            assert len(set(sizes.values())) == 3, sizes  # three families, three different sizes
+        if batch > 1 and tile_rows == 2:
+            assert len(set(sizes.values())) == 4, sizes  # four families, four different sizes
+            assert list(sizes.values()) == sorted(sizes.values())  # ALGORITHMS lists them smallest first
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_tiled_algorithms_one_row_per_tile(case, layout, monkeypatch):
+    """With tiles of one output row, every block-of-rows path of the tiled algorithms runs."""
+    monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", 1)
+    ishape, wshape, kw = CASES[case]
+    if layout == "NHWC":
+        ishape, wshape = _nhwc(ishape), _nhwc(wshape)
+    g = conv_geometry(ishape, wshape, layout=layout, dtype="float64", **kw)
+    rng = np.random.default_rng(case)
+    x, w, dy = _operands(g, rng)
+    refs = _references(g, x, w, dy)
+    for pass_ in PASSES:
+        algo = cpu.ALGORITHMS[pass_][1]
+        assert algo.endswith("_tiled")
+        a, b, shape = _args(pass_, g, x, w, dy)
+        out = np.full(shape, np.nan)
+        ws = _poisoned(cpu.workspace_size(pass_, algo, g), "float64")
+        cpu.run(pass_, algo, g, a, b, out, ws)
+        assert _rel_err(out, refs[pass_]) <= TOL["float64"], pass_
 
 
 def test_workspace_larger_than_needed_and_unaligned():
@@ -305,22 +351,22 @@ def test_bad_arrays_are_rejected():
 
 def test_candidates_are_every_algorithm_in_a_geometry_aware_order():
     dense = conv_geometry((2, 64, 14, 14), (64, 64, 3, 3), padding=1)
+    large = conv_geometry((2, 16, 40, 40), (8, 16, 3, 3), padding=1)
+    nhwc = conv_geometry((2, 40, 40, 16), (8, 3, 3, 16), padding=1, layout="NHWC")
     pointwise = conv_geometry((2, 8, 9, 9), (16, 8, 1, 1))
     depthwise = conv_geometry((2, 64, 30, 30), (64, 1, 3, 3), padding=1, groups=64)
     tiny = conv_geometry((1, 1, 4, 4), (1, 1, 3, 3))
     for pass_ in PASSES:
-        implicit = cpu.ALGORITHMS[pass_][0]
-        for g in (dense, pointwise, depthwise, tiny):
+        implicit, tiled, per_image, batch = cpu.ALGORITHMS[pass_]
+        for g in (dense, large, nhwc, pointwise, depthwise, tiny):
             assert sorted(cpu.candidates(pass_, g)) == sorted(cpu.ALGORITHMS[pass_])
-        assert cpu.candidates(pass_, pointwise)[0] == implicit
-        assert cpu.candidates(pass_, depthwise)[0] == (cpu.ALGORITHMS["fwd"][1] if pass_ == "fwd" else implicit)
-        assert cpu.candidates(pass_, dense)[0].endswith("_batch")  # small images: the batch GEMM
+        assert cpu.candidates(pass_, pointwise)[0] == implicit  # one GEMM on the operands themselves
+        assert cpu.candidates(pass_, depthwise)[0] == (per_image if pass_ == "fwd" else implicit)
+        assert cpu.candidates(pass_, dense)[0] == batch  # small images: the batch GEMM
         assert cpu.candidates(pass_, dense)[-1] == implicit
-        assert cpu.candidates(pass_, tiny)[0].endswith("_batch")  # fewest NumPy calls
-        large = conv_geometry((2, 16, 40, 40), (8, 16, 3, 3), padding=1)
-        assert cpu.candidates(pass_, large)[0].endswith("_batch" if pass_ == "bwd_filter" else "_per_image")
-        nhwc = conv_geometry((2, 40, 40, 16), (8, 3, 3, 16), padding=1, layout="NHWC")
+        assert cpu.candidates(pass_, large)[0] == (per_image if pass_ == "bwd_data" else tiled)
         assert cpu.candidates(pass_, nhwc)[0] == implicit  # long merged rows, no copy
+        assert cpu.candidates(pass_, tiny)[0] == batch  # fewest NumPy calls
 
 
 # ------------------------------------------------------------------------------ the reference, checked

@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from ._cpu_lowering import Plan, act_view, merge_pixels, strided, weight_view
+from ._cpu_lowering import Plan, act_view, blocks, merge_pixels, strided, weight_view
 
 __all__ = ["backward_data", "backward_filter", "forward"]
 
@@ -158,26 +158,6 @@ def _box(root: np.ndarray, ap: np.ndarray, lo: tuple[int, ...], hi: tuple[int, .
             np.copyto(d, tv)
 
 
-def _blocks(shape: tuple[int, ...], size: int):
-    """Index tuples that tile the leading axes ``shape`` in boxes of at most ``size`` elements (at least one row).
-
-    Each box is a tuple of slices over the first axes (the remaining axes whole), so selecting it from a
-    view keeps a view; consecutive boxes follow row-major order.
-    """
-    if not shape:
-        yield ()
-        return
-    inner = math.prod(shape[1:])
-    if size >= inner or len(shape) == 1:
-        step = max(1, size // max(inner, 1))
-        for start in range(0, shape[0], step):
-            yield (slice(start, start + step),)
-        return
-    for i in range(shape[0]):
-        for rest in _blocks(shape[1:], size):
-            yield (slice(i, i + 1), *rest)
-
-
 def _gathered(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate: bool, limit: int) -> None:
     """``dst (+)= wmat @ src`` for a ``src`` ``(*pix, G, Mi)`` that BLAS cannot read (NCHW with stride > 1).
 
@@ -190,7 +170,7 @@ def _gathered(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate: bo
     g, mi, mo = src.shape[-2], src.shape[-1], dst.shape[-1]
     row = src.shape[npix - 1]
     wmat = _blas_operand(wmat)
-    for sel in _blocks(src.shape[: npix - 1], max(1, limit // ((mi + mo) * g * row))):
+    for sel in blocks(src.shape[: npix - 1], max(1, limit // ((mi + mo) * g * row))):
         s, d = src[sel], dst[sel]
         lead = s.shape[: npix - 1]
         buf = np.empty((g, mi, math.prod(lead) * row), dtype=src.dtype)
@@ -302,7 +282,7 @@ def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> N
         gather = not blas_b or length * (kg + cg) < kg * cg
         per_row = G * (length * (kg + cg) if gather else kg * cg)
         first = True
-        for sel in _blocks(lead, max(1, max(dw.size // 2, SMALL_TEMP) // per_row)):
+        for sel in blocks(lead, max(1, max(dw.size // 2, SMALL_TEMP) // per_row)):
             ab, bb = a[sel], b[sel]
             nl = len(lead)
             if gather:

@@ -30,12 +30,15 @@ from .._geometry import ConvGeometry
 __all__ = [
     "Offset",
     "Plan",
+    "Rows",
     "act_view",
+    "blocks",
     "col2im",
     "col_view",
     "im2col",
     "merge_pixels",
     "plan",
+    "rows",
     "strided",
     "weight_view",
 ]
@@ -58,6 +61,7 @@ class Offset:
     empty: bool
     full_out: bool
     full_in: bool
+    full_out_rest: bool = False  # full_out in every dimension but the first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +110,8 @@ def plan(geom: ConvGeometry) -> Plan:
                 full_in = False
         empty = any(h <= l for l, h in zip(los, his))
         full_out = all(l == 0 and h == o for l, h, o in zip(los, his, osz))
-        offsets.append(Offset(index, tuple(out), tuple(inp), tuple(los), tuple(his), empty, full_out, full_in))
+        rest = all(l == 0 and h == o for l, h, o in zip(los[1:], his[1:], osz[1:]))
+        offsets.append(Offset(index, tuple(out), tuple(inp), tuple(los), tuple(his), empty, full_out, full_in, rest))
     # A covering offset first: the forward pass then writes it with out= instead of zero-filling and adding.
     offsets.sort(key=lambda o: not o.full_out)
     return Plan(
@@ -156,18 +161,22 @@ COL_NHWC = ("b", "o", "g", "r", "c")  # per group a (B*oprod, kprod*Cg) matrix w
 _CANON = ("b", "o", "g", "c", "r")
 
 
-def col_view(mem: np.ndarray, order: tuple[str, ...], batch: int, p: Plan) -> np.ndarray:
-    """Canonical ``(B, *O, G, Cg, *R)`` view of a column buffer ``mem`` laid out as ``order``."""
-    layout = p.memo.get((order, batch))
+def col_view(mem: np.ndarray, order: tuple[str, ...], batch: int, p: Plan, osize: tuple[int, ...] | None = None) -> np.ndarray:
+    """Canonical ``(B, *O, G, Cg, *R)`` view of a column buffer ``mem`` laid out as ``order``.
+
+    ``osize`` is the output size the buffer covers (default: the whole output; a block of rows for tiles).
+    """
+    osize = osize or p.osize
+    layout = p.memo.get((order, batch, osize))
     if layout is None:
         g = p.geom
-        sizes = {"b": (batch,), "o": g.output_size, "g": (p.groups,), "c": (p.cg,), "r": g.kernel_size}
+        sizes = {"b": (batch,), "o": osize, "g": (p.groups,), "c": (p.cg,), "r": g.kernel_size}
         shape, axes, pos = [], {}, 0
         for label in order:
             axes[label] = list(range(pos, pos + len(sizes[label])))
             shape.extend(sizes[label])
             pos += len(sizes[label])
-        layout = p.memo[(order, batch)] = (tuple(shape), tuple(a for label in _CANON for a in axes[label]))
+        layout = p.memo[(order, batch, osize)] = (tuple(shape), tuple(a for label in _CANON for a in axes[label]))
     return mem.reshape(layout[0]).transpose(layout[1])
 
 
@@ -180,37 +189,114 @@ def strided(root: np.ndarray, offset: int, shape: tuple[int, ...], strides: tupl
     return np.ndarray(shape, root.dtype, root, offset, strides)
 
 
-def _window(xp: np.ndarray, p: Plan, root: np.ndarray, offset: int) -> np.ndarray:
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """The kernel offsets of a block of output rows ``[row0, row0 + osize[0])`` (first spatial dimension).
+
+    Same fields as the plan's offsets, in the block's coordinates: a tiled algorithm lowers one block of
+    rows at a time into a column buffer of the block's size.
+    """
+
+    row0: int
+    osize: tuple[int, ...]
+    offsets: tuple[Offset, ...]
+    padded: bool  # some offset reads padding within the block
+
+
+def rows(p: Plan, r0: int, r1: int) -> Rows:
+    """The (cached) :class:`Rows` of output rows ``[r0, r1)``; ``rows(p, 0, O[0])`` is the whole image."""
+    key = ("rows", r0, r1)
+    found = p.memo.get(key)
+    if found is not None:
+        return found
+    s0 = p.geom.stride[0]
+    whole = r0 == 0 and r1 == p.osize[0]
+    offsets = []
+    for off in p.offsets:
+        lo, hi = max(off.lo[0], r0), min(off.hi[0], r1)
+        if off.empty or hi <= lo:
+            lo = hi = r0
+        start = off.inp[0].start + (lo - off.lo[0]) * s0 if hi > lo else 0
+        inp0 = slice(start, start + (hi - lo - 1) * s0 + 1, s0) if hi > lo else slice(0, 0)
+        los, his = (lo - r0, *off.lo[1:]), (hi - r0, *off.hi[1:])
+        offsets.append(
+            Offset(
+                index=off.index,
+                out=(slice(lo - r0, hi - r0), *off.out[1:]),
+                inp=(inp0, *off.inp[1:]),
+                lo=los,
+                hi=his,
+                empty=off.empty or hi <= lo,
+                full_out=not off.empty and lo == r0 and hi == r1 and off.full_out_rest,
+                full_in=off.full_in and whole,
+            )
+        )
+    found = p.memo[key] = Rows(
+        row0=r0,
+        osize=(r1 - r0, *p.osize[1:]),
+        offsets=tuple(offsets),
+        padded=not all(o.full_out for o in offsets),
+    )
+    return found
+
+
+def blocks(shape: tuple[int, ...], size: int):
+    """Index tuples that tile the leading axes ``shape`` in boxes of at most ``size`` elements (at least one).
+
+    Each box is a tuple of slices over the first axes (the remaining axes whole), so selecting it from a
+    view keeps a view; consecutive boxes follow row-major order. With ``shape = (images, rows)``: whole
+    images while ``size`` holds at least one, else blocks of rows of one image.
+    """
+    if not shape:
+        yield ()
+        return
+    inner = math.prod(shape[1:])
+    if size >= inner or len(shape) == 1:
+        step = max(1, size // max(inner, 1))
+        for start in range(0, shape[0], step):
+            yield (slice(start, start + step),)
+        return
+    for i in range(shape[0]):
+        for rest in blocks(shape[1:], size):
+            yield (slice(i, i + 1), *rest)
+
+
+def _window(xp: np.ndarray, p: Plan, root: np.ndarray, offset: int, block: Rows) -> np.ndarray:
     """Sliding-window view ``(B, *O, G, Cg, *R)`` of an unpadded pixel-major input (valid only without padding).
 
-    ``xp`` is a view of the C-contiguous ``root`` whose first element is ``offset`` bytes into it.
+    ``xp`` is a view of the C-contiguous ``root`` whose first element is ``offset`` bytes into it; the window
+    covers the output rows of ``block``, which must read no padding.
     """
     g = p.geom
     nd = g.nd
     st = xp.strides
-    shape = (xp.shape[0], *p.osize, *xp.shape[nd + 1 :], *g.kernel_size)
+    shape = (xp.shape[0], *block.osize, *xp.shape[nd + 1 :], *g.kernel_size)
     strides = (
         st[0],
         *(st[1 + i] * g.stride[i] for i in range(nd)),
         *st[nd + 1 :],
         *(st[1 + i] * g.dilation[i] for i in range(nd)),
     )
-    return strided(root, offset, shape, strides)
+    # A block that reads no padding starts at input row row0*stride - padding (>= 0); in every other
+    # dimension the padding is 0 (any padding there would be read by kernel index 0 at output 0).
+    return strided(root, offset + (block.row0 * g.stride[0] - g.padding[0]) * st[1], shape, strides)
 
 
-def im2col(xp: np.ndarray, col: np.ndarray, p: Plan, root: np.ndarray, offset: int) -> None:
+def im2col(xp: np.ndarray, col: np.ndarray, p: Plan, root: np.ndarray, offset: int, block: Rows | None = None) -> None:
     """Lower the pixel-major input ``xp`` ``(B, *S, G, Cg)`` into the canonical column view ``col``.
 
-    ``xp`` is a view of the C-contiguous activation ``root`` starting ``offset`` bytes into it. Every element
-    of ``col`` is written (zeros where the kernel reads padding), so ``col`` may start as garbage. Without
+    ``xp`` is a view of the C-contiguous activation ``root`` starting ``offset`` bytes into it; ``block``
+    selects a block of output rows (default: the whole image), whose size ``col`` has. Every element of
+    ``col`` is written (zeros where the kernel reads padding), so ``col`` may start as garbage. Without
     padding this is one strided copy; with padding, one copy per kernel offset plus zeroed frames.
     """
     nd = p.geom.nd
-    if not p.padded:
-        np.copyto(col, _window(xp, p, root, offset))
+    block = block or rows(p, 0, p.osize[0])
+    if not block.padded:
+        np.copyto(col, _window(xp, p, root, offset, block))
         return
     lead = (slice(None),)
-    for off in p.offsets:
+    for off in block.offsets:
         dst = col[(Ellipsis, *off.index)]  # (B, *O, G, Cg)
         if off.empty:
             dst[...] = 0
@@ -225,19 +311,23 @@ def im2col(xp: np.ndarray, col: np.ndarray, p: Plan, root: np.ndarray, offset: i
         dst[lead + off.out] = xp[lead + off.inp]
 
 
-def col2im(col: np.ndarray, xp: np.ndarray, p: Plan) -> None:
-    """Scatter-add the canonical column view ``col`` into the pixel-major ``xp`` ``(B, *S, G, Cg)``, overwriting it.
+def col2im(col: np.ndarray, xp: np.ndarray, p: Plan, block: Rows | None = None, overwrite: bool = True) -> None:
+    """Scatter-add the canonical column view ``col`` into the pixel-major ``xp`` ``(B, *S, G, Cg)``.
 
-    For one kernel offset distinct outputs read distinct inputs, so each offset's in-place add on a strided
-    view is race-free and makes no temporary.
+    With ``overwrite`` ``xp`` is set (its first covering offset copied, or zeros first); otherwise the
+    columns are added to what ``xp`` holds (a tiled algorithm adds block after block). ``block`` selects
+    the output rows ``col`` holds (default: the whole image). For one kernel offset distinct outputs read
+    distinct inputs, so each offset's in-place add on a strided view is race-free and makes no temporary.
     """
     lead = (slice(None),)
-    offsets = p.offsets
-    first = next((o for o in offsets if o.full_in and not o.empty), None)
-    if first is not None:
-        np.copyto(xp[lead + first.inp], col[(*lead, *first.out, Ellipsis, *first.index)])
-    else:
-        xp[...] = 0
+    offsets = (block or rows(p, 0, p.osize[0])).offsets
+    first = None
+    if overwrite:
+        first = next((o for o in offsets if o.full_in and not o.empty), None)
+        if first is not None:
+            np.copyto(xp[lead + first.inp], col[(*lead, *first.out, Ellipsis, *first.index)])
+        else:
+            xp[...] = 0
     for off in offsets:
         if off.empty or off is first:
             continue

@@ -1,4 +1,4 @@
-"""The CPU convolution algorithms: NumPy only, three families per pass with different workspace sizes.
+"""The CPU convolution algorithms: NumPy only, four families per pass with different workspace sizes.
 
 This is the convolution Caffe runs and shares its column buffer for (im2col, one GEMM, col2im), plus the
 zero-workspace variant that cuDNN calls implicit GEMM. Like cuDNN's algorithms, each one states the exact
@@ -14,20 +14,25 @@ dtype (4 for float32, 8 for float64).
 pass           algorithm              workspace bytes
 =============  =====================  ==============================================================
 fwd            ``implicit_gemm``      0
+fwd            ``gemm_tiled``         ``C * kprod * T * s`` (one tile's column matrix, about 1 MiB)
 fwd            ``gemm_per_image``     ``C * kprod * oprod * s`` (one image's column matrix)
 fwd            ``gemm_batch``         ``N * C * kprod * oprod * s`` (the whole batch's)
 bwd_data       ``implicit_gemm``      0
+bwd_data       ``col2im_tiled``       ``C * kprod * T * s``
 bwd_data       ``col2im_per_image``   ``C * kprod * oprod * s``
 bwd_data       ``col2im_batch``       ``N * C * kprod * oprod * s``
 bwd_filter     ``implicit_gemm``      0
+bwd_filter     ``im2col_tiled``       ``C * kprod * T * s`` (tiles within one image in NCHW)
 bwd_filter     ``im2col_per_image``   ``C * kprod * oprod * s``
 bwd_filter     ``im2col_batch``       ``N * C * kprod * oprod * s``, plus ``N * K * oprod * s`` in NCHW
 =============  =====================  ==============================================================
 
-So for ``N > 1`` the sizes are strictly ordered ``0 < per_image < batch``; for ``N == 1`` the per-image and
-batch column matrices coincide (the NCHW batch filter gradient still adds its ``dy`` copy). The formulas
-do not special-case 1x1 kernels: a pointwise convolution is run without any copy by ``implicit_gemm``,
-which :func:`candidates` lists first for it.
+``tiled`` is the column matrix of the largest tile of output rows, about 1 MiB (see :mod:`._cpu_tiled`;
+``T`` is its pixel count). ``ALGORITHMS`` lists each pass's algorithms in this order of size; for ``N > 1``
+and images larger than a tile the sizes are strictly increasing. For ``N == 1`` the per-image and batch
+column matrices coincide (the NCHW batch filter gradient still adds its ``dy`` copy), and on small images a
+tile holds the whole batch. The formulas do not special-case 1x1 kernels: a pointwise convolution is run
+without any copy by ``implicit_gemm``, which :func:`candidates` lists first for it.
 
 Padding is index arithmetic (see :mod:`._cpu_lowering`), never a padded copy, so no formula has a padding
 term. Temporaries NumPy makes on its own (``matmul`` cannot accumulate, so ``out += a @ b`` needs one) are
@@ -42,6 +47,11 @@ Algorithms
     and backward-data write a fully covering offset directly and accumulate the rest through one temporary
     of at most the output's size; depthwise layers use broadcast multiply-adds (and ``einsum`` for the
     filter gradient) instead of tiny GEMMs. Cost: one pass over the output per kernel offset.
+``gemm_tiled`` / ``col2im_tiled`` / ``im2col_tiled``
+    Caffe's algorithm on tiles of output rows whose column matrix is at most 1 MiB where one row allows
+    (see :mod:`._cpu_tiled`): im2col of the tile, one GEMM writing the output's rows. Backward-data zeroes
+    ``dx`` and adds tile after tile; the filter gradient adds one ``dw``-sized temporary per tile after the
+    first.
 ``gemm_per_image`` / ``col2im_per_image`` / ``im2col_per_image``
     Caffe's: per image, im2col into the column buffer then one GEMM per group (``y = W @ col``); backward
     data is ``col = W^T @ dy`` then col2im (scatter-add, no temporary); the filter gradient accumulates one
@@ -58,15 +68,15 @@ import math
 import numpy as np
 
 from .._geometry import PASSES, ConvGeometry
-from . import _cpu_gemm, _cpu_implicit
+from . import _cpu_gemm, _cpu_implicit, _cpu_tiled
 from ._cpu_lowering import plan
 
 __all__ = ["ALGORITHMS", "candidates", "run", "workspace_size"]
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "fwd": ("implicit_gemm", "gemm_per_image", "gemm_batch"),
-    "bwd_data": ("implicit_gemm", "col2im_per_image", "col2im_batch"),
-    "bwd_filter": ("implicit_gemm", "im2col_per_image", "im2col_batch"),
+    "fwd": ("implicit_gemm", "gemm_tiled", "gemm_per_image", "gemm_batch"),
+    "bwd_data": ("implicit_gemm", "col2im_tiled", "col2im_per_image", "col2im_batch"),
+    "bwd_filter": ("implicit_gemm", "im2col_tiled", "im2col_per_image", "im2col_batch"),
 }
 
 _DTYPES = ("float32", "float64")
@@ -82,10 +92,10 @@ def _check(pass_: str, algo: str | None = None) -> tuple[str, ...]:
 
 
 def _kind(algo: str) -> str:
-    """The family of an algorithm name: ``"implicit"``, ``"per_image"`` or ``"batch"``."""
+    """The family of an algorithm name: ``"implicit"``, ``"tiled"``, ``"per_image"`` or ``"batch"``."""
     if algo == "implicit_gemm":
         return "implicit"
-    return "per_image" if algo.endswith("_per_image") else "batch"
+    return algo.rsplit("_", 1)[1] if algo.endswith("_tiled") or algo.endswith("_batch") else "per_image"
 
 
 # Output pixels per image from which an image's own GEMM is big enough for BLAS and its column matrix is
@@ -101,43 +111,46 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
     """This geometry's algorithms for ``pass_``, fastest expected first (every algorithm, in a fixed order).
 
     The order comes from timing every algorithm on ResNet-50's layers (plus depthwise and grouped ones) at
-    batch 4 on a 2-core AVX-512 machine with OpenBLAS, one BLAS thread (stable against noise):
+    batch 4 on a 2-core AVX-512 machine with OpenBLAS, one BLAS thread (stable against noise). Where two
+    were within the noise the smaller workspace goes first, since the arena holds the largest one chosen.
 
     - Pointwise (1x1 kernel, stride 1, no padding): ``implicit_gemm`` first. Its single offset is the whole
       input, so it is exactly one GEMM on the operands themselves, with no copy and no workspace.
     - Small problems (whole-batch column matrix of at most 65536 elements): the batch column algorithm,
       which makes the fewest NumPy calls (one copy, one GEMM; ``implicit_gemm`` makes a few per offset).
-    - Depthwise (one input channel per group): ``implicit_gemm`` first (broadcast multiply-adds and
-      ``einsum``; a column matrix is ``kprod`` times the input for GEMMs of one row), except the NCHW
-      forward pass, where short image rows make the offset-by-offset adds slower than one im2col.
-    - NHWC, stride 1, large images: ``implicit_gemm`` first. Image rows merge into long GEMMs over the
-      unpadded views and nothing is copied.
-    - Grouped: the per-image column algorithm, then ``implicit_gemm``.
-    - Otherwise the column algorithms first: per image for large images (``oprod >= 512``: the GEMM is
-      already large and the smaller column matrix stays in cache), the whole batch for small ones (one
-      GEMM with the batch folded in uses BLAS far better on 7x7 or 14x14 outputs). The NCHW filter
-      gradient always prefers the batch (one GEMM instead of a ``dw``-sized temporary per image).
+    - Depthwise (one input channel per group, several groups): ``implicit_gemm`` first (broadcast
+      multiply-adds and ``einsum``; a column matrix is ``kprod`` times the input for GEMMs of one row),
+      except the NCHW forward pass, where short image rows make the offset-by-offset adds slower than im2col.
+    - NHWC, stride 1, large images (``oprod >= 512``): ``implicit_gemm`` first. Image rows merge into long
+      GEMMs over the unpadded views and nothing is copied; then the tiled column algorithm.
+    - Grouped: NCHW the per-image column algorithm, NHWC the tiled one (its short rows of ``Cg`` channels
+      make large column copies slow).
+    - Otherwise the column algorithms. Large images: tiled first (as fast as per image for the forward pass
+      and the filter gradient, in 1 MiB), except backward-data, where the per-image one avoids the tiles'
+      zero-fill and is first. Small images: the whole batch first (one GEMM with the batch folded in uses
+      BLAS far better on 7x7 or 14x14 outputs), the tiled one late (its GEMMs get short).
       ``implicit_gemm`` is last: it touches the output once per kernel offset.
     """
-    implicit, per_image, batch = _check(pass_)
+    implicit, tiled, per_image, batch = _check(pass_)
     pointwise = all(k == 1 for k in geom.kernel_size) and all(s == 1 for s in geom.stride) and not any(geom.padding)
     large = math.prod(geom.output_size) >= _LARGE_IMAGE
     unit_stride = all(s == 1 for s in geom.stride)
+    nhwc = geom.layout == "NHWC"
     if pointwise:
-        return [implicit, batch, per_image]
+        return [implicit, tiled, per_image, batch]
     if geom.batch * geom.in_channels * math.prod(geom.kernel_size) * math.prod(geom.output_size) <= _SMALL_PROBLEM:
-        return [batch, per_image, implicit]
+        return [batch, per_image, tiled, implicit]
     if geom.groups > 1 and geom.in_channels == geom.groups:
-        if geom.layout == "NCHW" and pass_ == "fwd":
-            return [per_image, batch, implicit]
-        return [implicit, per_image, batch]
-    if geom.layout == "NHWC" and unit_stride and large:
-        return [implicit, per_image, batch]
+        if not nhwc and pass_ == "fwd":
+            return [per_image, tiled, batch, implicit]
+        return [implicit, tiled, per_image, batch]
+    if nhwc and unit_stride and large:
+        return [implicit, tiled, per_image, batch]
     if geom.groups > 1:
-        return [per_image, implicit, batch]
-    if large and not (pass_ == "bwd_filter" and geom.layout == "NCHW"):
-        return [per_image, batch, implicit]
-    return [batch, per_image, implicit]
+        return [tiled, implicit, per_image, batch] if nhwc else [per_image, tiled, implicit, batch]
+    if large:
+        return [per_image, tiled, batch, implicit] if pass_ == "bwd_data" else [tiled, per_image, batch, implicit]
+    return [batch, per_image, tiled, implicit]
 
 
 def workspace_size(pass_: str, algo: str, geom: ConvGeometry) -> int:
@@ -147,7 +160,13 @@ def workspace_size(pass_: str, algo: str, geom: ConvGeometry) -> int:
     if kind == "implicit":
         return 0
     p = plan(geom)
-    return _cpu_gemm.workspace_elements(pass_, p, batch=kind == "batch") * p.itemsize
+    return _workspace_elements(pass_, kind, p) * p.itemsize
+
+
+def _workspace_elements(pass_: str, kind: str, p) -> int:
+    if kind == "tiled":
+        return p.geom.in_channels * p.kprod * _cpu_tiled.tile_pixels(pass_, p)
+    return _cpu_gemm.workspace_elements(pass_, p, batch=kind == "batch")
 
 
 def _check_arrays(pass_: str, p, a, b, out) -> None:
@@ -213,13 +232,18 @@ def run(pass_: str, algo: str, geom: ConvGeometry, a, b, out, workspace) -> None
         else:
             _cpu_implicit.backward_filter(p, a, b, out)
         return
-    need = _cpu_gemm.workspace_elements(pass_, p, batch=kind == "batch") * p.itemsize
+    need = _workspace_elements(pass_, kind, p) * p.itemsize
     if not isinstance(workspace, np.ndarray) or workspace.dtype != np.uint8 or workspace.ndim != 1:
         raise ValueError(f"workspace must be a 1-D uint8 NumPy array, not {workspace!r:.80}")
     if workspace.nbytes < need:
         raise ValueError(f"workspace has {workspace.nbytes} bytes; {pass_}/{algo} on this geometry needs {need}")
     if not workspace.flags.c_contiguous:
         raise ValueError("workspace must be contiguous")
+    if kind == "tiled":
+        {"fwd": _cpu_tiled.forward, "bwd_data": _cpu_tiled.backward_data, "bwd_filter": _cpu_tiled.backward_filter}[
+            pass_
+        ](p, a, b, out, workspace)
+        return
     batch = kind == "batch"
     if pass_ == "fwd":
         _cpu_gemm.forward(p, a, b, out, workspace, batch)
