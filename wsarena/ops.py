@@ -9,8 +9,11 @@ On cuDNN, float16 and bfloat16 are computed in float32 with tensor cores allowed
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from ._config import get_config
 from ._geometry import ConvGeometry, conv_geometry
@@ -20,14 +23,54 @@ from .backends import Candidate, array_backend_name, get_backend
 __all__ = ["conv_backward_data", "conv_backward_filter", "conv_forward"]
 
 _FLOAT_KINDS = ("float16", "bfloat16", "float32", "float64")
+# str(dtype) costs microseconds; a dict lookup on the dtype object does not (this runs on every call)
+_NAMES = {np.dtype(k): k for k in ("float16", "float32", "float64")}
 
 
 def _dtype_name(name: str, array: Any) -> str:
     dtype = getattr(array, "dtype", None)
-    text = str(dtype)
+    text = _NAMES.get(dtype) or str(dtype)
     if text not in _FLOAT_KINDS:
         raise TypeError(f"{name} must be a floating-point array (float16, bfloat16, float32 or float64), not {text}")
     return text
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with lists turned into tuples, so that the arguments of a call can key a cache."""
+    kind = type(value)
+    if kind is int or kind is str:
+        return value
+    if kind is tuple or kind is list:
+        return tuple(v if type(v) is int else _frozen(v) for v in value)
+    if isinstance(value, bool | float):  # equal to ints as keys (True == 1), yet invalid: check them every time
+        raise _Uncacheable
+    return value
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_geometry(*args: Any) -> ConvGeometry:
+    input_shape, weight_shape, stride, padding, dilation, groups, layout, dtype = args
+    return conv_geometry(
+        input_shape, weight_shape, stride=stride, padding=padding, dilation=dilation, groups=groups,
+        layout=layout, dtype=dtype,
+    )
+
+
+def _geometry(input_shape: Any, weight_shape: Any, params: dict[str, Any], layout: str, dtype: str) -> ConvGeometry:
+    """:func:`conv_geometry`, remembered for arguments seen before (a training loop repeats them every step)."""
+    try:
+        args = (
+            _frozen(input_shape), _frozen(weight_shape), _frozen(params["stride"]), _frozen(params["padding"]),
+            _frozen(params["dilation"]), _frozen(params["groups"]), layout, dtype,
+        )
+        hash(args)
+    except (_Uncacheable, TypeError):
+        return conv_geometry(input_shape, weight_shape, layout=layout, dtype=dtype, **params)
+    return _cached_geometry(*args)
 
 
 def _backend_for(arrays: dict[str, Any]) -> Any:
@@ -84,7 +127,7 @@ def _execute(
         raise TypeError(f"dtypes differ: {', '.join(f'{n} is {d}' for n, d in dtypes.items())}")
     dtype = dtypes[names[0]]
     backend.check_dtype(dtype)
-    geom = conv_geometry(input_shape, weight_shape, layout=layout, dtype=dtype, **params)
+    geom = _geometry(input_shape, weight_shape, params, layout, dtype)
     a_shape, b_shape, out_shape = geom.operand_shapes(pass_)
     for name, shape in zip(names, (a_shape, b_shape)):
         if tuple(arrays[name].shape) != shape:
