@@ -364,7 +364,8 @@ def test_candidates_are_every_algorithm_in_a_geometry_aware_order():
         assert cpu.candidates(pass_, depthwise)[0] == (per_image if pass_ == "fwd" else implicit)
         assert cpu.candidates(pass_, dense)[0] == batch  # small images: the batch GEMM
         assert cpu.candidates(pass_, dense)[-1] == implicit
-        assert cpu.candidates(pass_, large)[0] == (per_image if pass_ == "bwd_data" else tiled)
+        assert cpu.candidates(pass_, large)[0] == (batch if pass_ == "bwd_filter" else per_image)
+        assert cpu.candidates(pass_, large)[-2:] == [tiled, implicit]  # the small-workspace fallbacks
         assert cpu.candidates(pass_, nhwc)[0] == implicit  # long merged rows, no copy
         assert cpu.candidates(pass_, tiny)[0] == batch  # fewest NumPy calls
 

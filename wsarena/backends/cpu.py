@@ -111,8 +111,7 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
     """This geometry's algorithms for ``pass_``, fastest expected first (every algorithm, in a fixed order).
 
     The order comes from timing every algorithm on ResNet-50's layers (plus depthwise and grouped ones) at
-    batch 4 on a 2-core AVX-512 machine with OpenBLAS, one BLAS thread (stable against noise). Where two
-    were within the noise the smaller workspace goes first, since the arena holds the largest one chosen.
+    batch 4 on a 2-core AVX-512 machine with OpenBLAS, one BLAS thread (stable against noise).
 
     - Pointwise (1x1 kernel, stride 1, no padding): ``implicit_gemm`` first. Its single offset is the whole
       input, so it is exactly one GEMM on the operands themselves, with no copy and no workspace.
@@ -125,11 +124,13 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
       GEMMs over the unpadded views and nothing is copied; then the tiled column algorithm.
     - Grouped: NCHW the per-image column algorithm, NHWC the tiled one (its short rows of ``Cg`` channels
       make large column copies slow).
-    - Otherwise the column algorithms. Large images: tiled first (as fast as per image for the forward pass
-      and the filter gradient, in 1 MiB), except backward-data, where the per-image one avoids the tiles'
-      zero-fill and is first. Small images: the whole batch first (one GEMM with the batch folded in uses
-      BLAS far better on 7x7 or 14x14 outputs), the tiled one late (its GEMMs get short).
-      ``implicit_gemm`` is last: it touches the output once per kernel offset.
+    - Otherwise the column algorithms: per image first for large images (its GEMM is already large and
+      its column matrix smaller), the whole batch first for small ones (one GEMM with the batch folded in
+      uses BLAS far better on 7x7 or 14x14 outputs) and for the NCHW filter gradient (one GEMM instead of
+      a ``dw``-sized temporary per image). Then the tiled one: within 10-30 % of those on large images in
+      1 MiB, but a few NumPy calls per kernel offset and tile (a 7x7 stem lowered in 8 tiles per image is
+      2-3x slower), and short GEMMs on small images. ``implicit_gemm`` is last: it touches the output once
+      per kernel offset.
     """
     implicit, tiled, per_image, batch = _check(pass_)
     pointwise = all(k == 1 for k in geom.kernel_size) and all(s == 1 for s in geom.stride) and not any(geom.padding)
@@ -148,8 +149,8 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
         return [implicit, tiled, per_image, batch]
     if geom.groups > 1:
         return [tiled, implicit, per_image, batch] if nhwc else [per_image, tiled, implicit, batch]
-    if large:
-        return [per_image, tiled, batch, implicit] if pass_ == "bwd_data" else [tiled, per_image, batch, implicit]
+    if large and not (pass_ == "bwd_filter" and not nhwc):
+        return [per_image, batch, tiled, implicit]
     return [batch, per_image, tiled, implicit]
 
 
