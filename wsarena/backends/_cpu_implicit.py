@@ -43,6 +43,10 @@ _CALL_COST_IN_ELEMENTS = 500
 # below any column buffer.
 SMALL_TEMP = 1 << 18
 
+# Gathered (strided NCHW) kernel offsets that share an output region are multiplied together, up to this
+# many input channels per GEMM.
+_GATHER_CHANNELS = 512
+
 
 def _blas_operand(wmat: np.ndarray) -> np.ndarray:
     """``wmat`` itself if BLAS can read it (a unit stride in a matrix axis), else a contiguous copy.
@@ -158,24 +162,34 @@ def _box(root: np.ndarray, ap: np.ndarray, lo: tuple[int, ...], hi: tuple[int, .
             np.copyto(d, tv)
 
 
-def _gathered(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate: bool, limit: int) -> None:
-    """``dst (+)= wmat @ src`` for a ``src`` ``(*pix, G, Mi)`` that BLAS cannot read (NCHW with stride > 1).
+def _gathered(srcs: list[np.ndarray], wmats: list[np.ndarray], dst: np.ndarray, accumulate: bool, limit: int) -> None:
+    """``dst (+)= sum_i wmats[i] @ srcs[i]`` for views ``(*pix, G, Mi)`` that BLAS cannot read.
 
-    Neither matrix axis of a strided NCHW view has unit stride, and NumPy's ``matmul`` would fall back to
-    its slow non-BLAS loop. So blocks of pixel rows are copied to a contiguous ``(G, Mi, pixels)``
-    temporary, multiplied with one GEMM per group, and written back; blocks are sized so the copy and the
-    product together stay within ``limit`` elements (at least one row).
+    Neither matrix axis of a strided NCHW view (stride > 1) has unit stride, and NumPy's ``matmul`` would
+    fall back to its slow non-BLAS loop. So blocks of pixel rows of every source are copied side by side
+    into a contiguous ``(G, sum Mi, pixels)`` temporary and multiplied with one GEMM per group against the
+    filters concatenated along their input channels. Gathering several kernel offsets that share ``dst``
+    (the same valid output region) makes one longer GEMM and one pass over the output instead of several:
+    what keeps a 7x7 stem with 3 input channels from touching its output 49 times. Blocks are sized so the
+    copy and the product together stay within ``limit`` elements (at least one row).
     """
-    npix = src.ndim - 2
-    g, mi, mo = src.shape[-2], src.shape[-1], dst.shape[-1]
-    row = src.shape[npix - 1]
-    wmat = _blas_operand(wmat)
-    for sel in blocks(src.shape[: npix - 1], max(1, limit // ((mi + mo) * g * row))):
-        s, d = src[sel], dst[sel]
-        lead = s.shape[: npix - 1]
-        buf = np.empty((g, mi, math.prod(lead) * row), dtype=src.dtype)
-        np.copyto(np.moveaxis(buf.reshape(g, mi, *lead, row), (0, 1), (-2, -1)), s)
-        t = np.matmul(wmat, buf)  # (G, Mo, pixels): one GEMM per group
+    src0 = srcs[0]
+    npix = src0.ndim - 2
+    g, mo = src0.shape[-2], dst.shape[-1]
+    mis = [s.shape[-1] for s in srcs]
+    mi = sum(mis)
+    row = src0.shape[npix - 1]
+    wcat = np.concatenate(wmats, axis=-1) if len(wmats) > 1 else _blas_operand(wmats[0])  # (G, Mo, sum Mi)
+    for sel in blocks(src0.shape[: npix - 1], max(1, limit // ((mi + mo) * g * row))):
+        d = dst[sel]
+        lead = d.shape[: npix - 1]
+        buf = np.empty((g, mi, math.prod(lead) * row), dtype=dst.dtype)
+        start = 0
+        for s, m in zip(srcs, mis):
+            part = buf[:, start : start + m].reshape(g, m, *lead, row)
+            np.copyto(np.moveaxis(part, (0, 1), (-2, -1)), s[sel])
+            start += m
+        t = np.matmul(wcat, buf)  # (G, Mo, pixels): one GEMM per group
         tv = np.moveaxis(t.reshape(g, mo, *lead, row), (0, 1), (-2, -1))
         if accumulate:
             np.add(d, tv, out=d)
@@ -196,7 +210,8 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
     Each later offset makes one temporary of at most ``y``'s size. With stride 1 every offset's input is a
     box and runs as one GEMM per image (see :func:`_box`); with a larger stride the inputs are strided rows
     and it runs one GEMM per row (NHWC), or gathers blocks of rows into a temporary first (NCHW, where the
-    strided rows are no BLAS operand; copy and product together stay within ``max(y.size, SMALL_TEMP)``).
+    strided rows are no BLAS operand): the offsets that share an output region are gathered together
+    (:func:`_gathered`), copy and product within ``SMALL_TEMP`` elements per block.
     """
     g = p.geom
     xp, yp = act_view(x, g.layout, p.groups), act_view(y, g.layout, p.groups)
@@ -205,6 +220,22 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
     started = p.offsets[0].full_out
     if not started:
         y[...] = 0
+    if not unit_stride and g.layout == "NCHW" and p.cg > 1:
+        # Strided NCHW rows must be gathered anyway: gather the offsets that share an output region
+        # together (at most _GATHER_CHANNELS input channels per GEMM).
+        shared: dict[tuple, list] = {}
+        for off in p.offsets:
+            if not off.empty:
+                shared.setdefault((off.lo, off.hi), []).append(off)
+        per = max(1, _GATHER_CHANNELS // p.cg)
+        for k, offs in enumerate(shared.values()):
+            for j in range(0, len(offs), per):
+                part = offs[j : j + per]
+                srcs = [xp[(slice(None), *o.inp)] for o in part]
+                wks = [wv[(Ellipsis, *o.index)] for o in part]
+                acc = not (started and k == 0 and j == 0)
+                _gathered(srcs, wks, yp[(slice(None), *part[0].out)], acc, SMALL_TEMP)
+        return
     for i, off in enumerate(p.offsets):
         if off.empty:
             continue
@@ -214,8 +245,6 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
             lo = tuple(s.start for s in off.inp)
             hi = tuple(a + b - c for a, b, c in zip(lo, off.hi, off.lo))
             _box(x, xp, lo, hi, wk, ys, acc, y.size, _unit(x, g.layout))
-        elif g.layout == "NCHW" and p.cg > 1:
-            _gathered(xp[(slice(None), *off.inp)], wk, ys, acc, max(y.size, SMALL_TEMP))
         else:
             _apply(xp[(slice(None), *off.inp)], wk, ys, accumulate=acc)
 
@@ -256,46 +285,70 @@ def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> N
 
     Blocks are sized so each step's temporaries stay within ``max(dw.size / 2, SMALL_TEMP)`` elements (plus
     one ``dw/kprod`` sum), at least one row: a small filter (a 7x7 stem's ``dw`` is 9408 elements) must not
-    force one GEMM per pixel row. Depthwise (one channel per group) uses ``einsum``, which makes no temporary.
+    force one GEMM per pixel row. In NCHW with stride > 1, offsets that read the same ``dy`` rows are
+    gathered together (:func:`_filter_groups`), so ``dy`` is copied once per group rather than per offset.
+    Depthwise (one channel per group) uses ``einsum``, which makes no temporary.
     """
     g = p.geom
     xp, dyp = act_view(x, g.layout, p.groups), act_view(dy, g.layout, p.groups)
     wv = weight_view(dw, g.layout, p.groups)
     G, kg, cg = p.groups, p.kg, p.cg
     for off in p.offsets:
-        dwk = wv[(Ellipsis, *off.index)]  # (G, Kg, Cg) view into dw
         if off.empty:
-            dwk[...] = 0
-            continue
-        dys, xs = dyp[(slice(None), *off.out)], xp[(slice(None), *off.inp)]
+            wv[(Ellipsis, *off.index)] = 0
+    for offs in _filter_groups(p):
+        dwks = [wv[(Ellipsis, *o.index)] for o in offs]  # (G, Kg, Cg) views into dw
+        dys = dyp[(slice(None), *offs[0].out)]
+        xss = [xp[(slice(None), *o.inp)] for o in offs]
         npix = dys.ndim - 2
-        dys, xs = merge_pixels([dys, xs], npix)
+        dys, *xss = merge_pixels([dys, *xss], npix)
         npix = dys.ndim - 2
         if cg == 1:
             pix = "abcd"[:npix]  # summed over: images and pixels
-            np.einsum(f"{pix}gk,{pix}g->gk", dys, xs[..., 0], out=dwk[..., 0])
+            np.einsum(f"{pix}gk,{pix}g->gk", dys, xss[0][..., 0], out=dwks[0][..., 0])
             continue
         a = np.moveaxis(dys, npix - 1, -1)  # (*lead, G, Kg, L)
-        b = np.moveaxis(xs, npix - 1, -2)  # (*lead, G, L, Cg)
-        lead, length = a.shape[: npix - 1], a.shape[-1]
-        blas_b = b.strides[-1] == b.itemsize or b.strides[-2] == b.itemsize
-        gather = not blas_b or length * (kg + cg) < kg * cg
-        per_row = G * (length * (kg + cg) if gather else kg * cg)
+        bs = [np.moveaxis(xs, npix - 1, -2) for xs in xss]  # (*lead, G, L, Cg) each
+        lead, length, nl, ng = a.shape[: npix - 1], a.shape[-1], npix - 1, len(offs)
+        blas_b = bs[0].strides[-1] == bs[0].itemsize or bs[0].strides[-2] == bs[0].itemsize
+        gather = ng > 1 or not blas_b or length * (kg + cg) < kg * cg
+        per_row = G * (length * (kg + cg * ng) if gather else kg * cg)
         first = True
         for sel in blocks(lead, max(1, max(dw.size // 2, SMALL_TEMP) // per_row)):
-            ab, bb = a[sel], b[sel]
-            nl = len(lead)
+            ab = a[sel]
             if gather:
                 rows = math.prod(ab.shape[:nl])
                 ac = np.empty((G, kg, rows * length), dtype=dw.dtype)
                 np.copyto(np.moveaxis(ac.reshape(G, kg, *ab.shape[:nl], length), (0, 1), (nl, nl + 1)), ab)
-                bc = np.empty((G, rows * length, cg), dtype=dw.dtype)
-                np.copyto(np.moveaxis(bc.reshape(G, *bb.shape[:nl], length, cg), 0, nl), bb)
-                part = np.matmul(ac, bc)  # (G, Kg, Cg)
+                bc = np.empty((G, rows * length, cg * ng), dtype=dw.dtype)
+                for j, b in enumerate(bs):
+                    view = bc[:, :, j * cg : (j + 1) * cg].reshape(G, *ab.shape[:nl], length, cg)
+                    np.copyto(np.moveaxis(view, 0, nl), b[sel])
+                part = np.matmul(ac, bc)  # (G, Kg, Cg * ng): every offset of the group at once
             else:
-                part = np.matmul(ab, bb).sum(axis=tuple(range(nl)))  # (G, Kg, Cg)
-            if first:
-                np.copyto(dwk, part)
-                first = False
-            else:
-                np.add(dwk, part, out=dwk)
+                part = np.matmul(ab, bs[0][sel]).sum(axis=tuple(range(nl)))  # (G, Kg, Cg)
+            for j, dwk in enumerate(dwks):
+                pj = part[:, :, j * cg : (j + 1) * cg]
+                if first:
+                    np.copyto(dwk, pj)
+                else:
+                    np.add(dwk, pj, out=dwk)
+            first = False
+
+
+def _filter_groups(p: Plan) -> list[list]:
+    """The non-empty offsets, grouped for :func:`backward_filter`.
+
+    NCHW rows read with stride > 1 must be gathered; offsets that read the same ``dy`` region (same valid
+    outputs) are then gathered together, ``dy`` once for all of them, up to ``_GATHER_CHANNELS`` input
+    channels. Otherwise every offset is its own group.
+    """
+    offsets = [o for o in p.offsets if not o.empty]
+    g = p.geom
+    if g.layout != "NCHW" or all(s == 1 for s in g.stride) or p.cg == 1:
+        return [[o] for o in offsets]
+    shared: dict[tuple, list] = {}
+    for o in offsets:
+        shared.setdefault((o.lo, o.hi), []).append(o)
+    per = max(1, _GATHER_CHANNELS // p.cg)
+    return [offs[j : j + per] for offs in shared.values() for j in range(0, len(offs), per)]
