@@ -27,8 +27,10 @@ bwd_filter     ``im2col_per_image``   ``C * kprod * oprod * s``
 bwd_filter     ``im2col_batch``       ``N * C * kprod * oprod * s``, plus ``N * K * oprod * s`` in NCHW
 =============  =====================  ==============================================================
 
-``tiled`` is the column matrix of the largest tile of output rows, about 1 MiB (see :mod:`._cpu_tiled`;
-``T`` is its pixel count). ``ALGORITHMS`` lists each pass's algorithms in this order of size; for ``N > 1``
+``T`` is the pixel count of the largest tile of output rows (see :mod:`._cpu_tiled`): with ``inner`` the
+output size without its first dimension ``O0`` and ``rows = max(1, 2**20 // (C * kprod * inner * s))``
+(capped at ``O0`` for the NCHW filter gradient), ``T = rows * inner`` if ``rows < O0``, else
+``T = min(N, rows // O0) * O0 * inner`` (whole images). ``ALGORITHMS`` lists each pass's algorithms in this order of size; for ``N > 1``
 and images larger than a tile the sizes are strictly increasing. For ``N == 1`` the per-image and batch
 column matrices coincide (the NCHW batch filter gradient still adds its ``dy`` copy), and on small images a
 tile holds the whole batch. The formulas do not special-case 1x1 kernels: a pointwise convolution is run
@@ -36,8 +38,10 @@ without any copy by ``implicit_gemm``, which :func:`candidates` lists first for 
 
 Padding is index arithmetic (see :mod:`._cpu_lowering`), never a padded copy, so no formula has a padding
 term. Temporaries NumPy makes on its own (``matmul`` cannot accumulate, so ``out += a @ b`` needs one) are
-bounded by one output-sized array per step and documented with each algorithm; they do not depend on the
-workspace the algorithm was given.
+documented with each algorithm and bounded per step by one output-sized array, or by
+``_cpu_implicit.SMALL_TEMP`` elements (1 MiB of float32) for blocks ``implicit_gemm`` sizes itself, plus a
+contiguous copy of one kernel offset's filter slice (``1/kprod`` of the filter) where BLAS cannot read the
+view. They do not depend on the workspace the algorithm was given, so no formula counts them.
 
 Algorithms
 ----------
