@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from wsarena.arena import Arena, ThreadLane
+from wsarena.arena import Arena, ThreadLane, aligned_size
 from wsarena.arena.testing import RecordingProvider
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +88,28 @@ def test_the_lane_of_an_exited_thread_is_swept():
     assert isinstance(lanes[0], ThreadLane)
     assert lanes[0] not in arena.stats().streams
     assert provider.held == [] and len(provider.frees) == 1
+
+
+def test_an_exited_threads_per_thread_default_stream_is_swept():
+    """Handle 2 is keyed per thread; that thread's exit sweeps it at once, freeing with no stream (it is gone)."""
+    provider = RecordingProvider(kind="device")
+    arena = Arena(provider)
+    arena.reserve(1000, stream=2)  # this thread's: kept
+    keys = []
+
+    def work():
+        with arena.lease(5000, stream=2) as ws:
+            keys.append(ws.stream)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    del t
+    gc.collect()
+    assert keys[0] not in arena.stats().streams
+    assert list(arena.stats().streams.values())[0].capacity_bytes == 1024
+    (buffer, stream), = provider.frees
+    assert buffer.nbytes == aligned_size(5000) and stream is None
 
 
 def test_many_short_threads_leave_nothing_behind():

@@ -1,10 +1,13 @@
 """What ``stream=`` accepts: raw handles, stream objects, ``__cuda_stream__``, CPU lane keys; what it refuses."""
 
+import copy
+import pickle
 import threading
 
 import pytest
 
 from wsarena.arena import ThreadLane, resolve_stream, stream_handle, thread_lane
+from wsarena.arena.streams import PerThreadStream
 
 
 class ProtocolStream:
@@ -38,10 +41,68 @@ def device(stream, current=lambda: 0):
     return resolve_stream(stream, lanes=False, current=current)
 
 
-@pytest.mark.parametrize("handle", [0, 1, 2, 0x7F3A_0000_1230])
+@pytest.mark.parametrize("handle", [0, 1, 3, 0x7F3A_0000_1230])
 def test_raw_ints_are_handles(handle):
     assert device(handle) == (handle, None)
     assert stream_handle(handle) == handle
+
+
+def test_the_legacy_null_stream_is_one_key_for_every_thread():
+    keys = []
+    t = threading.Thread(target=lambda: keys.append(device(0)[0]))
+    t.start()
+    t.join()
+    assert keys == [0] == [device(0)[0]] and type(keys[0]) is int
+
+
+# ------------------------------------------------------------------------- the per-thread default stream
+def other_thread(fn):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(5)
+    return out[0]
+
+
+def test_handle_2_is_keyed_by_the_calling_thread():
+    key, anchor = device(2)
+    assert type(key) is PerThreadStream and isinstance(key, int)
+    assert int(key) == 2 and type(int(key)) is int  # providers and CUDA calls still get handle 2
+    assert key.lane is thread_lane() and anchor.lane is thread_lane()  # anchor: dies with the thread
+    assert device(2) == (key, anchor) and device(2)[0] is key  # one key per thread
+    assert key != 2 and 2 != key and not (key == 2) and key not in {2: None}  # nor the bare handle
+    theirs = other_thread(lambda: device(2)[0])
+    assert type(theirs) is PerThreadStream and int(theirs) == 2
+    assert theirs != key and not (theirs == key) and len({key, theirs}) == 2
+    assert "PerThreadStream" in repr(key) and "MainThread" in repr(key)
+
+
+@pytest.mark.parametrize("stream", [ProtocolStream(2), PtrStream(2), TorchLikeStream(2)])
+def test_stream_objects_with_handle_2_and_none_get_the_same_per_thread_key(stream):
+    mine = device(2)[0]
+    assert device(stream)[0] is mine
+    assert device(None, current=lambda: stream)[0] is mine  # CuPy's current stream is Stream.ptds
+    assert device(None, current=lambda: 2)[0] is mine
+    assert device(mine)[0] is mine  # a key passed back as stream= is this thread's handle 2 again
+    assert other_thread(lambda: device(mine)[0]) is not mine  # ...in whichever thread passes it
+
+
+def test_stream_handle_of_the_per_thread_stream_is_the_plain_int_2():
+    for stream in (2, ProtocolStream(2), PtrStream(2), device(2)[0]):
+        handle = stream_handle(stream)
+        assert handle == 2 and type(handle) is int
+
+
+def test_per_thread_keys_copy_as_themselves_and_pickle_as_the_handle():
+    key = device(2)[0]
+    assert copy.copy(key) is key and copy.deepcopy({key: 1}) == {key: 1}
+    restored = pickle.loads(pickle.dumps(key))
+    assert restored == 2 and type(restored) is int
+
+
+def test_handle_2_is_a_plain_lane_key_on_the_host():
+    assert resolve_stream(2, lanes=True) == (2, None)
+    assert type(resolve_stream(2, lanes=True)[0]) is int
 
 
 def test_cuda_stream_protocol():
@@ -65,7 +126,7 @@ def test_none_is_the_current_stream():
     current = ProtocolStream(1234)
     key, anchor = device(None, current=lambda: current)
     assert key == 1234 and anchor is current
-    assert device(None, current=lambda: 2) == (2, None)
+    assert device(None, current=lambda: 3) == (3, None)
 
 
 def test_none_without_a_current_stream_is_a_type_error():

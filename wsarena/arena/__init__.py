@@ -9,7 +9,8 @@
 
 Memory comes from a provider (:class:`HostProvider`, :class:`CupyProvider`, :class:`AsyncProvider`, or any
 :class:`MemoryProvider`); ``stream=`` is normalised by :func:`resolve_stream`, and :func:`stream_handle`
-gives the raw ``cudaStream_t`` for a ``stream=`` argument. See :mod:`wsarena.arena._arena` for the rules.
+gives the raw ``cudaStream_t`` for a ``stream=`` argument. Handle 2, the per-thread default stream, is keyed per
+thread (:class:`PerThreadStream`). See :mod:`wsarena.arena._arena` for the rules.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ._arena import POISON_BYTE, Arena, Workspace, aligned_size
 from ._registry import get_arena, reset_arenas, set_arena
 from ._stats import ArenaStats, StreamStats
 from .providers import AsyncProvider, Buffer, CupyProvider, HostProvider, MemoryProvider
-from .streams import ThreadLane, resolve_stream, stream_handle, thread_lane
+from .streams import PerThreadStream, ThreadLane, resolve_stream, stream_handle, thread_lane
 
 __all__ = sorted(
     [
@@ -30,6 +31,7 @@ __all__ = sorted(
         "CupyProvider",
         "HostProvider",
         "MemoryProvider",
+        "PerThreadStream",
         "StreamStats",
         "ThreadLane",
         "Workspace",

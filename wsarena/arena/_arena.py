@@ -6,6 +6,17 @@ the largest request it has seen (rounded by :func:`aligned_size`); the buffer it
 freed: it stays valid for the leases that still use it and is freed, in stream order, when the last of them
 ends.
 
+Keys: a host arena (``provider.kind == "host"``) keys its sub-arenas by CPU lane, a device arena
+(``provider.kind == "device"``) by raw stream handle, with one exception. Handle 2 (``cudaStreamPerThread``,
+CuPy's ``Stream.ptds``, and what ``stream=None`` means while a thread's current stream is the per-thread
+default) names a *different* stream in each host thread, whose kernels may run concurrently with another
+thread's. So it is keyed per thread (a :class:`~wsarena.arena.streams.PerThreadStream`: an ``int`` equal in
+value to 2, hashed and compared by its thread), and each thread gets its own bytes; that sub-arena is swept
+when its thread exits. Providers are still told stream 2, by the key's own thread; a buffer of another
+thread's per-thread stream (freed by :meth:`Arena.trim` or :meth:`Arena.close`) is freed with ``stream=None``,
+as for a stream that may be gone, since handle 2 would name the wrong stream there. The legacy null stream 0
+is one stream for every thread, and one key.
+
 Who may use a sub-arena at once:
 
 - Host lanes (``provider.kind == "host"``): one lease at a time. A lease on a lane makes other threads that
@@ -36,7 +47,7 @@ from ._lifecycle import _anchor_died, _free_now, _release_all, _track_device_are
 from ._stats import ArenaStats, StreamStats, aligned_size
 from ._sub import _Block, _Sub
 from ._workspace import Workspace
-from .streams import ThreadLane, resolve_stream
+from .streams import PerThreadStream, ThreadLane, _is_own, resolve_stream
 
 __all__ = ["POISON_BYTE", "Arena", "Workspace", "aligned_size"]
 
@@ -68,7 +79,8 @@ class Arena:
     -----
     - Any number of threads may use one arena. On the host a lease holds its lane until released (other
       threads wait; the same thread nesting on its lane gets ``RuntimeError``). On a device a thread's leases on
-      a stream may nest; other threads wait for that stream (see the module docstring for why).
+      a stream may nest; other threads wait for that stream. The per-thread default stream (handle 2) is a
+      separate sub-arena for each thread. See the module docstring for why.
     - Growth: to ``aligned_size(nbytes)``; the outgrown buffer is freed on the sub-arena's stream once no
       lease uses it.
     - :meth:`stats` returns a frozen :class:`ArenaStats`; fields read as attributes or items
@@ -135,10 +147,11 @@ class Arena:
         RuntimeError
             (on entering, host arena) This thread already holds a lease on this lane.
         """
-        # The common cases are inlined: this runs once per convolution call.
+        # The common cases are inlined: this runs once per convolution call. A plain int is its own key, except
+        # on a device for handle 2 (the per-thread default stream), which resolve_stream keys by thread.
         n = nbytes if type(nbytes) is int and nbytes >= 0 else _check_nbytes(nbytes)
         kind = type(stream)
-        if (kind is int and (self._lanes or stream >= 0)) or (kind is str and self._lanes):
+        if (kind is int and (self._lanes or (stream >= 0 and stream != 2))) or (kind is str and self._lanes):
             key, anchor = stream, None
         else:
             key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
@@ -305,7 +318,8 @@ class Arena:
             self._sweep_orphans(frees)  # a new stream appeared: a good moment to let go of dead ones
             sub = self._subs[key] = _Sub(key, self._lock)
         if anchor is not None and sub.anchor is None:
-            eager = isinstance(key, ThreadLane)  # a dead thread's lane is never used again: sweep it at once
+            # A dead thread's lane (or per-thread stream) is never used again: sweep it at once.
+            eager = isinstance(key, (ThreadLane, PerThreadStream))
             sub.anchor = weakref.finalize(anchor, _anchor_died, weakref.ref(self), key, sub.serial, eager)
             sub.anchor.atexit = False
         sub.orphan = False  # whoever leases on it shows the stream is alive
@@ -333,7 +347,7 @@ class Arena:
         self._lock.release()
         try:
             try:
-                buffer = self.provider.allocate(size, stream=sub.key)
+                buffer = self.provider.allocate(size, stream=sub.stream)
             finally:
                 self._lock.acquire()
                 sub.growing = False
@@ -345,7 +359,7 @@ class Arena:
                 requested=n, held=sub.capacity(), cap=get_config().cap_workspace,
             ) from exc
         if buffer.nbytes < size:
-            frees.append((_Block(buffer), sub.key))
+            frees.append((_Block(buffer), self._free_stream(sub)))
             raise RuntimeError(f"{self.provider!r} returned {buffer!r} for a request of {size} bytes")
         old = sub.block
         sub.block = _Block(buffer)
@@ -361,9 +375,22 @@ class Arena:
         if block.live == 0:
             block.freed = True
             self._frees += 1
-            frees.append((block, None if gone else sub.key))
+            frees.append((block, None if gone else self._free_stream(sub)))
         else:
             sub.retired.append(block)
+
+    @staticmethod
+    def _free_stream(sub: _Sub) -> Any:
+        """The stream to free ``sub``'s buffers on: its own, unless that is another thread's per-thread stream.
+
+        Handle 2 means the *calling* thread's per-thread stream, so freeing on it from another thread (trim,
+        close) would not be ordered after the owner's work: that thread passes ``None`` (the stream may be gone
+        for all it knows; the provider waits for the device or relies on its pool's own ordering).
+        """
+        stream = sub.stream
+        if stream is not sub.key and not _is_own(sub.key):
+            return None
+        return stream
 
     def _release_sub(self, sub: _Sub, frees: list, gone: bool = False) -> None:
         """Forget an idle sub-arena and free its buffer (``gone``: its stream may no longer exist)."""
@@ -489,7 +516,7 @@ class Arena:
                 block = ws._block
                 if not block.freed:
                     # Poison while this thread still holds the lane, so the next user never sees it half written.
-                    self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=ws._sub.key)
+                    self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=ws._sub.stream)
             except BaseException:
                 self._unlease(ws)
                 raise

@@ -8,6 +8,8 @@ import weakref
 from collections.abc import Hashable
 from typing import Any
 
+from .streams import PerThreadStream
+
 __all__: list[str] = []
 
 _serials = itertools.count(1)
@@ -30,12 +32,15 @@ class _Sub:
     """One stream's sub-arena. Every field is guarded by the arena's lock."""
 
     __slots__ = (
-        "key", "serial", "block", "retired", "live", "owner", "depth", "waiters", "growing", "cond",
+        "key", "stream", "serial", "block", "retired", "live", "owner", "depth", "waiters", "growing", "cond",
         "high_water", "allocations", "growths", "anchor", "orphan",
     )
 
     def __init__(self, key: Hashable, lock: threading.Lock) -> None:
         self.key = key
+        # What the provider is told to allocate, fill and free on: the plain handle (2 for a PerThreadStream).
+        # Only the key's own thread may use 2 this way: see Arena._free_stream.
+        self.stream = int(key) if type(key) is PerThreadStream else key
         self.serial = next(_serials)  # tells a re-created sub-arena for the same key from its predecessor
         self.block: _Block | None = None  # the current buffer
         self.retired: list[_Block] = []  # outgrown buffers that live leases still use

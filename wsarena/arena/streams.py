@@ -8,6 +8,15 @@ A device arena keys its sub-arenas by the raw ``cudaStream_t`` handle (an int). 
 - anything with ``__cuda_stream__()`` returning ``(version, handle)`` (CuPy and cuda.core streams, ...);
 - an object with an int ``.ptr`` (older CuPy streams) or ``.cuda_stream`` (PyTorch streams).
 
+One handle names a different stream in each host thread: ``2``, ``cudaStreamPerThread`` (CuPy's
+``Stream.ptds``). Keyed by the bare int, two threads would share one sub-arena, hence the same bytes, while
+their per-thread streams run concurrently. So on a device arena handle 2, however it is given (the int, a
+stream object whose handle is 2, or ``None`` when the current stream is the per-thread default), becomes the
+calling thread's :class:`PerThreadStream`: an ``int`` equal in value to 2 (providers and CUDA calls still get
+handle 2) whose hash and equality are those of the thread's lane, and whose sub-arena is swept when the
+thread exits. The legacy null stream ``0`` (and ``1``, ``cudaStreamLegacy``) is one stream for every thread
+and stays one plain key. :func:`stream_handle` always returns the plain int.
+
 A host arena keys its sub-arenas by *lane*: ``None`` is the calling thread's own lane (a :class:`ThreadLane`,
 swept when the thread exits) and any other hashable object is a lane key chosen by the caller.
 
@@ -22,7 +31,11 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["ThreadLane", "resolve_stream", "stream_handle", "thread_lane"]
+__all__ = [
+    "PER_THREAD_DEFAULT_STREAM", "PerThreadStream", "ThreadLane", "resolve_stream", "stream_handle", "thread_lane",
+]
+
+PER_THREAD_DEFAULT_STREAM = 2  # cudaStreamPerThread: a different stream in each host thread
 
 
 class ThreadLane:
@@ -41,13 +54,53 @@ class ThreadLane:
         return f"ThreadLane({self.serial}, {self.thread_name!r})"
 
 
-class _LaneHolder:
-    """Lives in the thread's local storage; it dies when the thread exits, which is what sweeps the lane."""
+class PerThreadStream(int):
+    """Handle 2 (``cudaStreamPerThread``) as seen from one thread: a device arena's key for that stream.
 
-    __slots__ = ("lane", "__weakref__")
+    ``int(key) == 2`` and it is an ``int`` (what providers and CUDA calls receive is handle 2, which means the
+    calling thread's per-thread default stream), but it hashes and compares as its thread's lane: keys of two
+    threads are never equal (nor equal to the plain int 2), so each thread gets its own sub-arena and bytes.
+    One key per thread, made with its lane; the arena sweeps its sub-arena when the thread exits.
+    """
+
+    def __new__(cls, lane: ThreadLane) -> PerThreadStream:
+        self = super().__new__(cls, PER_THREAD_DEFAULT_STREAM)
+        self.lane = lane
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is PerThreadStream and other.lane is self.lane
+
+    def __ne__(self, other: object) -> bool:
+        return not (type(other) is PerThreadStream and other.lane is self.lane)
+
+    def __hash__(self) -> int:
+        return hash(self.lane)
+
+    def __repr__(self) -> str:
+        return f"PerThreadStream({self.lane!r})"
+
+    __str__ = __repr__
+
+    def __copy__(self) -> PerThreadStream:
+        return self
+
+    def __deepcopy__(self, memo: Any) -> PerThreadStream:
+        return self
+
+    def __reduce__(self) -> Any:
+        return (int, (PER_THREAD_DEFAULT_STREAM,))  # a pickle is just the handle: a lane is local to a process
+
+
+class _LaneHolder:
+    """Lives in the thread's local storage; it dies when the thread exits, which is what sweeps the lane (and
+    the sub-arena of the thread's per-thread default stream)."""
+
+    __slots__ = ("lane", "ptds", "__weakref__")
 
     def __init__(self, lane: ThreadLane) -> None:
         self.lane = lane
+        self.ptds = PerThreadStream(lane)
 
 
 _serials = itertools.count(1)
@@ -65,6 +118,12 @@ def _holder() -> _LaneHolder:
 def thread_lane() -> ThreadLane:
     """The calling thread's default CPU lane (what ``stream=None`` means on the host arena)."""
     return _holder().lane
+
+
+def _is_own(key: PerThreadStream) -> bool:
+    """Whether ``key`` is the calling thread's per-thread stream (handle 2 here means that very stream)."""
+    holder = getattr(_local, "holder", None)
+    return holder is not None and holder.ptds is key
 
 
 def _handle_of(stream: Any) -> int | None:
@@ -86,7 +145,8 @@ def _handle_of(stream: Any) -> int | None:
 
 
 def _check_handle(stream: Any, handle: Any) -> int:
-    if isinstance(handle, bool) or not isinstance(handle, int):
+    """``handle`` as a plain ``int`` (an int subclass such as a :class:`PerThreadStream` gives its value)."""
+    if type(handle) is not int:
         try:
             handle = int(handle)  # cuda.core hands out handle objects that convert with int()
         except (TypeError, ValueError):
@@ -123,10 +183,11 @@ def resolve_stream(
     Returns
     -------
     key : hashable
-        The sub-arena key: the raw ``int`` handle on a device arena, the lane on a host arena.
+        The sub-arena key: the raw ``int`` handle on a device arena (for handle 2, the calling thread's
+        :class:`PerThreadStream`), the lane on a host arena.
     anchor : object or None
-        An object whose death means the stream (or the thread of a default lane) is gone, or ``None`` when
-        that cannot be known (raw ints, plain lane keys).
+        An object whose death means the stream (or the thread of a default lane or per-thread stream) is gone,
+        or ``None`` when that cannot be known (raw ints, plain lane keys).
     """
     if lanes:
         if stream is None:
@@ -137,6 +198,15 @@ def resolve_stream(
         except TypeError:
             raise TypeError(f"stream={stream!r} is not a lane key: a CPU lane key must be hashable") from None
         return stream, None
+    handle, anchor = _device_handle(stream, current)
+    if handle == PER_THREAD_DEFAULT_STREAM:  # a different stream in each thread: key it by the thread
+        holder = _holder()
+        return holder.ptds, holder
+    return handle, anchor
+
+
+def _device_handle(stream: Any, current: Callable[[], Any] | None) -> tuple[int, Any]:
+    """The plain ``int`` handle of a device ``stream=`` argument, and the anchor of a stream object."""
     if stream is None:
         if current is None:
             raise TypeError("stream=None needs the current stream, and this arena's provider has none")
@@ -161,8 +231,8 @@ def _cupy_current() -> Any:
 def stream_handle(stream: Any = None) -> int:
     """The raw ``cudaStream_t`` handle (an ``int``) for a ``stream=`` argument, for calls such as cudnnSetStream.
 
-    ``None`` is CuPy's current stream for the calling thread (this imports CuPy). Raises ``TypeError`` for
-    anything that is not a stream and ``ValueError`` for a negative handle.
+    ``None`` is CuPy's current stream for the calling thread (this imports CuPy). Always a plain ``int``: the
+    per-thread default stream is ``2`` here, not an arena's :class:`PerThreadStream` key. Raises ``TypeError``
+    for anything that is not a stream and ``ValueError`` for a negative handle.
     """
-    key, _ = resolve_stream(stream, lanes=False, current=_cupy_current)
-    return int(key)  # type: ignore[call-overload]
+    return _device_handle(stream, _cupy_current)[0]
