@@ -83,7 +83,11 @@ def bench_layer(name, ishape, wshape, kw, layout, dtype, repeat, torch):
     x = rng.standard_normal(g.input_shape, dtype=np.float64).astype(dtype)
     w = rng.standard_normal(g.weight_shape, dtype=np.float64).astype(dtype)
     dy = rng.standard_normal(g.output_shape, dtype=np.float64).astype(dtype)
-    operands = {"fwd": (x, w, g.output_shape), "bwd_data": (dy, w, g.input_shape), "bwd_filter": (x, dy, g.weight_shape)}
+    operands = {
+        "fwd": (x, w, g.output_shape),
+        "bwd_data": (dy, w, g.input_shape),
+        "bwd_filter": (x, dy, g.weight_shape),
+    }
     torch_fns = _torch_fns(torch, g, x, w, dy) if torch is not None else {}
     gmac = g.macs / 1e9
     print(f"\n{name}: input {g.input_shape}, weight {g.weight_shape}, {layout}, {dtype}, {gmac:.3f} GMAC per pass")

@@ -117,7 +117,7 @@ def geometries(draw):
     )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(g=geometries(), seed=st.integers(0, 2**16), poison=st.sampled_from(("nan", "huge", "random")))
 def test_every_algorithm_matches_the_reference(g, seed, poison):
     _check_all(g, seed, poison)

@@ -161,7 +161,9 @@ COL_NHWC = ("b", "o", "g", "r", "c")  # per group a (B*oprod, kprod*Cg) matrix w
 _CANON = ("b", "o", "g", "c", "r")
 
 
-def col_view(mem: np.ndarray, order: tuple[str, ...], batch: int, p: Plan, osize: tuple[int, ...] | None = None) -> np.ndarray:
+def col_view(
+    mem: np.ndarray, order: tuple[str, ...], batch: int, p: Plan, osize: tuple[int, ...] | None = None
+) -> np.ndarray:
     """Canonical ``(B, *O, G, Cg, *R)`` view of a column buffer ``mem`` laid out as ``order``.
 
     ``osize`` is the output size the buffer covers (default: the whole output; a block of rows for tiles).

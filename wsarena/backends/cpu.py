@@ -30,11 +30,12 @@ bwd_filter     ``im2col_batch``       ``N * C * kprod * oprod * s``, plus ``N * 
 ``T`` is the pixel count of the largest tile of output rows (see :mod:`._cpu_tiled`): with ``inner`` the
 output size without its first dimension ``O0`` and ``rows = max(1, 2**20 // (C * kprod * inner * s))``
 (capped at ``O0`` for the NCHW filter gradient), ``T = rows * inner`` if ``rows < O0``, else
-``T = min(N, rows // O0) * O0 * inner`` (whole images). ``ALGORITHMS`` lists each pass's algorithms in this order of size; for ``N > 1``
-and images larger than a tile the sizes are strictly increasing. For ``N == 1`` the per-image and batch
-column matrices coincide (the NCHW batch filter gradient still adds its ``dy`` copy), and on small images a
-tile holds the whole batch. The formulas do not special-case 1x1 kernels: a pointwise convolution is run
-without any copy by ``implicit_gemm``, which :func:`candidates` lists first for it.
+``T = min(N, rows // O0) * O0 * inner`` (whole images). ``ALGORITHMS`` lists each pass's algorithms in
+this order of size; for ``N > 1`` and images larger than a tile the sizes are strictly increasing. For
+``N == 1`` the per-image and batch column matrices coincide (the NCHW batch filter gradient still adds its
+``dy`` copy), and on small images a tile holds the whole batch. The formulas do not special-case 1x1
+kernels: a pointwise convolution is run without any copy by ``implicit_gemm``, which :func:`candidates`
+lists first for it.
 
 Padding is index arithmetic (see :mod:`._cpu_lowering`), never a padded copy, so no formula has a padding
 term. Temporaries NumPy makes on its own (``matmul`` cannot accumulate, so ``out += a @ b`` needs one) are
