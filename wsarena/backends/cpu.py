@@ -31,9 +31,10 @@ bwd_filter     ``im2col_batch``       ``N * C * kprod * oprod * s``, plus ``N * 
 output size without its first dimension ``O0`` and ``rows = max(1, 2**20 // (C * kprod * inner * s))``
 (capped at ``O0`` for the NCHW filter gradient), ``T = rows * inner`` if ``rows < O0``, else
 ``T = min(N, rows // O0) * O0 * inner`` (whole images). ``ALGORITHMS`` lists each pass's algorithms in
-this order of size; for ``N > 1`` and images larger than a tile the sizes are strictly increasing. For
-``N == 1`` the per-image and batch column matrices coincide (the NCHW batch filter gradient still adds its
-``dy`` copy), and on small images a tile holds the whole batch. The formulas do not special-case 1x1
+this order; where one image's column matrix exceeds a tile the sizes grow along it (strictly for
+``N > 1``), while on small images a tile holds several whole images, up to the whole batch. For ``N == 1``
+the per-image and batch column matrices coincide (the NCHW batch filter gradient still adds its ``dy``
+copy). The formulas do not special-case 1x1
 kernels: a pointwise convolution is run without any copy by ``implicit_gemm``, which :func:`candidates`
 lists first for it.
 
