@@ -264,11 +264,12 @@ def test_failed_growth_while_a_lease_is_live_leaves_it_valid(device_arena, devic
         outer.array[:] = 9
         device_provider.fail_next = 1
         with pytest.raises(ArenaOutOfMemoryError):
-            with device_arena.lease(100_000, stream=7):
-                pass
+            device_arena.reserve(100_000, stream=7)
         assert (outer.array == 9).all()
-        assert device_arena.stats().leases == 1
+        assert device_arena.stats().leases == 1 and device_arena.held_bytes(stream=7) == 1024
     assert device_provider.frees == []
+    with device_arena.lease(100_000, stream=7):  # and growth works again
+        pass
 
 
 def test_failed_first_allocation_leaves_no_trace(arena, provider):
@@ -367,20 +368,100 @@ def test_growth_by_reserve_while_another_thread_leases_retires_the_old_buffer(ar
 
 
 # ------------------------------------------------------------------------------------ device streams
-def test_device_same_thread_nesting_shares_bytes_in_stream_order(device_arena):
-    with device_arena.lease(1000, stream=3) as a, device_arena.lease(500, stream=3) as b:
-        assert a.ptr == b.ptr
-        assert device_arena.stats().streams[3].leases == 2
+class _Stream3:
+    def __cuda_stream__(self):
+        return (0, 3)
+
+
+@pytest.mark.parametrize("inner", [3, "object", "current"])
+def test_device_nested_lease_on_own_stream_is_a_clear_error_and_changes_nothing(device_arena, device_provider,
+                                                                                inner):
+    """A nested lease would get the outer lease's bytes: e.g. a wsarena call inside the caller's own lease on
+    the same stream would overwrite the caller's data. It is refused, whatever names the stream."""
+    device_provider.current = 3
+    inner = {"object": _Stream3(), "current": None}.get(inner, inner)
+    with device_arena.lease(1000, stream=3) as outer:
+        outer.array[:] = 4
+        before = snapshot(device_arena)
+        for n in (500, 1 << 20):  # fits, or would grow: refused before anything is allocated
+            with pytest.raises(RuntimeError, match="already holds a lease on stream 3"):
+                with device_arena.lease(n, stream=inner):
+                    pass
+        assert snapshot(device_arena) == before and len(device_provider.allocations) == 1
+        assert (outer.array == 4).all()
+        with device_arena.lease(0, stream=inner) as zero:  # zero bytes take nothing: they may nest
+            assert zero.ptr == 0
+        with device_arena.lease(500, stream=4) as other:  # another stream is fine
+            assert other.ptr != outer.ptr
+    with device_arena.lease(500, stream=inner) as again:  # released: the stream's bytes are free again
+        assert again.ptr == outer.ptr
+
+
+def test_device_nested_lease_on_own_per_thread_stream_is_an_error(device_arena):
+    with device_arena.lease(1000, stream=2):
+        with pytest.raises(RuntimeError, match="already holds a lease on stream PerThreadStream"):
+            with device_arena.lease(1000, stream=2):
+                pass
+
+
+def test_device_a_wsarena_call_inside_the_users_lease_on_its_stream_raises(device_arena):
+    """The review's case: wsarena's ops lease through run_with_fallback on the caller's stream."""
+    from wsarena.algos import run_with_fallback
+    from wsarena.backends import Candidate
+
+    ran = []
+    with device_arena.lease(4096, stream=5) as mine:
+        mine.array[:] = 1
+        with pytest.raises(RuntimeError, match="already holds a lease on stream 5"):
+            run_with_fallback(device_arena, (Candidate("a", 1024),), lambda c, ws: ran.append(ws.ptr),
+                              stream=5, cap=None)
+        assert ran == [] and (mine.array == 1).all()
+        run_with_fallback(device_arena, (Candidate("a", 1024),), lambda c, ws: ran.append(ws.ptr),
+                          stream=6, cap=None)  # on another stream it runs, on other bytes
+    assert len(ran) == 1 and ran[0] != mine.ptr
 
 
 def test_device_growth_under_a_live_lease_retires_in_stream_order(device_arena, device_provider):
+    """reserve() (from any thread) may grow a stream's buffer while a lease uses it: the outgrown buffer is
+    retired, stays valid, and is freed on its own stream when that lease ends."""
     with device_arena.lease(1000, stream=3) as a:
-        with device_arena.lease(1 << 20, stream=3) as b:
-            assert b.ptr != a.ptr
-            assert device_provider.frees == []
-        assert device_provider.frees == []  # the outer lease still uses it
+        a.array[:] = 6
+        t = threading.Thread(target=device_arena.reserve, args=(1 << 20,), kwargs={"stream": 3})
+        t.start()
+        t.join(5)
+        assert device_arena.held_bytes(stream=3) == 1 << 20
+        assert device_arena.stats().streams[3].retired_bytes == 1024
+        assert (a.array == 6).all() and device_provider.frees == []  # the lease still uses it
     (buffer, stream), = device_provider.frees
-    assert buffer.nbytes == 1024 and stream == 3  # freed on its own stream
+    assert buffer.nbytes == 1024 and stream == 3  # freed on its own stream, after the work enqueued there
+    assert device_arena.stats().retired_bytes == 0
+    with device_arena.lease(1 << 20, stream=3) as b:
+        assert b.ptr != a.ptr
+    assert len(device_provider.allocations) == 2
+
+
+def test_device_a_larger_lease_from_another_thread_waits_then_grows(device_arena, device_provider):
+    """Another thread's larger lease on the stream waits for the live lease to end, then grows the buffer; the
+    outgrown one, no longer leased, is freed at once on its stream."""
+    order = []
+    holding = threading.Event()
+
+    def other():
+        holding.wait(5)
+        with device_arena.lease(1 << 20, stream=3) as ws:
+            order.append(("other", ws.ptr))
+
+    t = threading.Thread(target=other)
+    t.start()
+    with device_arena.lease(1000, stream=3) as a:
+        holding.set()
+        time.sleep(0.1)
+        assert device_arena.held_bytes(stream=3) == 1024 and device_provider.frees == []
+        order.append(("main", a.ptr))
+    t.join(5)
+    assert [who for who, _ in order] == ["main", "other"] and order[0][1] != order[1][1]
+    (buffer, stream), = device_provider.frees
+    assert buffer.nbytes == 1024 and stream == 3
 
 
 def test_device_other_threads_wait_for_a_stream(device_arena):

@@ -43,11 +43,44 @@ def test_streams_get_disjoint_bytes_and_growth_retires_in_stream_order(cupy, mak
     a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     with arena.lease(4096, stream=a) as wa, arena.lease(4096, stream=b) as wb:
         assert wa.ptr + 4096 <= wb.ptr or wb.ptr + 4096 <= wa.ptr
-        with arena.lease(64 << 20, stream=a) as big:  # nested on a's stream: grows, a's old buffer retired
-            assert big.ptr != wa.ptr
-            assert arena.stats().streams[a.ptr].retired_bytes == 4096
+        with a:
+            wa.array.fill(7)
+        arena.reserve(64 << 20, stream=a)  # grows a's buffer under the live lease: the old one is retired
+        assert arena.stats().streams[a.ptr].retired_bytes == 4096
+        with pytest.raises(RuntimeError, match="already holds a lease"):  # a nested lease would share wa's bytes
+            with arena.lease(64 << 20, stream=a):
+                pass
+        a.synchronize()
+        assert int(wa.array.sum()) == 7 * 4096  # still valid
+    assert arena.stats().retired_bytes == 0  # freed on a, after the fill
+    with arena.lease(64 << 20, stream=a) as big:
+        assert big.ptr != wa.ptr
     a.synchronize()
-    assert arena.stats().retired_bytes == 0
+    arena.close()
+
+
+@pytest.mark.parametrize("make", PROVIDERS)
+def test_per_thread_default_streams_get_their_own_bytes(cupy, make):
+    import threading
+
+    arena = Arena(make(0))
+    both_live = threading.Barrier(2)
+    seen = []
+
+    def work():
+        with cupy.cuda.Stream.ptds, arena.lease(1 << 20) as ws:  # stream=None: this thread's ptds (handle 2)
+            assert int(ws.stream) == 2 == stream_handle(None) == stream_handle(ws.stream)
+            seen.append(ws.ptr)
+            ws.array.fill(len(seen))
+            both_live.wait(10)
+            cupy.cuda.Stream.ptds.synchronize()
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(seen) == 2 and abs(seen[0] - seen[1]) >= 1 << 20
     arena.close()
 
 

@@ -252,8 +252,8 @@ def test_device_arenas_are_released_at_exit_before_later_atexit_handlers():
         atexit.register(lambda: print("freed", len(provider.frees), "held", len(provider.held)))
         arena = Arena(provider)
         outer = arena.lease(100, stream=3).__enter__()       # live at exit
-        inner = arena.lease(1 << 20, stream=3).__enter__()   # grew: the outer buffer is retired, live
-        arena.reserve(10, stream=4)
+        arena.reserve(1 << 20, stream=3)                     # grew: the leased buffer is retired, live
+        other = arena.lease(10, stream=4).__enter__()        # live at exit, on another stream
         print("leases", arena.stats().leases)
     """
     result = run_python(code)

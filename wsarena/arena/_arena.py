@@ -3,8 +3,8 @@
 Why one buffer per stream is safe: a stream runs its kernels in order, so two calls on one stream may use the
 same bytes; calls on different streams get different sub-arenas, hence disjoint bytes. A sub-arena grows to
 the largest request it has seen (rounded by :func:`aligned_size`); the buffer it outgrows is *retired*, not
-freed: it stays valid for the leases that still use it and is freed, in stream order, when the last of them
-ends.
+freed: it stays valid for the lease that still uses it (:meth:`Arena.reserve` may grow a buffer under a live
+lease) and is freed, in stream order, when that lease ends.
 
 Keys: a host arena (``provider.kind == "host"``) keys its sub-arenas by CPU lane, a device arena
 (``provider.kind == "device"``) by raw stream handle, with one exception. Handle 2 (``cudaStreamPerThread``,
@@ -17,16 +17,17 @@ thread's per-thread stream (freed by :meth:`Arena.trim` or :meth:`Arena.close`) 
 as for a stream that may be gone, since handle 2 would name the wrong stream there. The legacy null stream 0
 is one stream for every thread, and one key.
 
-Who may use a sub-arena at once:
+Who may use a sub-arena at once: one lease, on host lanes and device streams alike.
 
-- Host lanes (``provider.kind == "host"``): one lease at a time. A lease on a lane makes other threads that
-  lease on that lane wait until it is released. A thread that leases again on a lane it already holds gets a
-  ``RuntimeError``: CPU work inside a lease is synchronous, so a nested lease would hand the same bytes to code
-  that is still using them (and waiting would deadlock). Use another lane key for the inner lease.
-- Device streams (``provider.kind == "device"``): leases by one thread on one stream may nest and share bytes
-  (the kernels they enqueue run in stream order). Other host threads wait until that thread's leases on the
-  stream are released, so the kernels of two calls that each enqueue several kernels never interleave on the
-  shared bytes.
+- A lease on a lane or stream makes other threads that lease there wait until it is released. On a device
+  this keeps the kernels of two calls that each enqueue several kernels from interleaving on the shared bytes.
+- A thread that leases again (``nbytes > 0``) on a lane or stream it already holds gets a ``RuntimeError``,
+  because a nested lease would get the same bytes as the outer one while the outer lease's owner still uses
+  them. On the host the CPU work inside a lease is synchronous (and waiting would deadlock); on a device
+  stream order does not help: the outer lease's data is still needed after the inner call, which would
+  overwrite it (say ``wsarena.conv_forward(..., stream=S)`` inside the caller's own
+  ``with arena.lease(n, stream=S)``). Lease the inner workspace on another lane or stream, or after the outer
+  lease ends. Zero-byte leases take nothing, so they may nest anywhere.
 """
 
 from __future__ import annotations
@@ -77,10 +78,10 @@ class Arena:
 
     Notes
     -----
-    - Any number of threads may use one arena. On the host a lease holds its lane until released (other
-      threads wait; the same thread nesting on its lane gets ``RuntimeError``). On a device a thread's leases on
-      a stream may nest; other threads wait for that stream. The per-thread default stream (handle 2) is a
-      separate sub-arena for each thread. See the module docstring for why.
+    - Any number of threads may use one arena. A lease holds its lane (host) or stream (device) until released:
+      other threads wait, and the same thread leasing there again (``nbytes > 0``) gets ``RuntimeError``.
+      The per-thread default stream (handle 2) is a separate sub-arena for each thread. See the module
+      docstring for why.
     - Growth: to ``aligned_size(nbytes)``; the outgrown buffer is freed on the sub-arena's stream once no
       lease uses it.
     - :meth:`stats` returns a frozen :class:`ArenaStats`; fields read as attributes or items
@@ -145,7 +146,8 @@ class Arena:
         ArenaOutOfMemoryError
             (on entering) The provider could not grow the sub-arena; the arena is unchanged.
         RuntimeError
-            (on entering, host arena) This thread already holds a lease on this lane.
+            (on entering) This thread already holds a lease on this lane or stream (and ``nbytes > 0``): a
+            nested lease would share the outer lease's bytes. Or the arena is closed.
         """
         # The common cases are inlined: this runs once per convolution call. A plain int is its own key, except
         # on a device for handle 2 (the per-thread default stream), which resolve_stream keys by thread.
@@ -424,11 +426,9 @@ class Arena:
                 self._release_sub(sub, frees, gone=True)
 
     def _leave(self, sub: _Sub) -> None:
-        sub.depth -= 1
-        if sub.depth == 0:
-            sub.owner = None
-            if sub.waiters:
-                sub.cond.notify_all()
+        sub.owner = None
+        if sub.waiters:
+            sub.cond.notify_all()
 
     def _check_overlap(self, key: Hashable, ptr: int, n: int) -> None:
         end = ptr + n
@@ -459,12 +459,8 @@ class Arena:
                     sub.owner = me
                 elif owner != me:
                     self._wait_for_owner(sub, me)
-                elif self._lanes:
-                    raise RuntimeError(
-                        f"this thread already holds a lease on CPU lane {key!r}; a nested lease there would "
-                        "share its bytes: lease the inner workspace on another lane (stream=<any hashable>)"
-                    )
-                sub.depth += 1
+                else:
+                    raise self._nested_error(key)
                 block = sub.block
                 if block is None or block.nbytes < n or ws._debug:
                     block = self._acquire_slow(ws, sub, frees)
@@ -481,6 +477,20 @@ class Arena:
         finally:
             if frees:  # what a sweep or a growth released, even if this lease failed
                 self._free(frees)
+
+    def _nested_error(self, key: Hashable) -> RuntimeError:
+        """This thread leases again on a lane / stream it holds (nothing was changed)."""
+        if self._lanes:
+            return RuntimeError(
+                f"this thread already holds a lease on CPU lane {key!r}; a nested lease there would "
+                "share its bytes: lease the inner workspace on another lane (stream=<any hashable>)"
+            )
+        return RuntimeError(
+            f"this thread already holds a lease on stream {key!r}; a nested lease there would get the same "
+            "bytes and overwrite what the outer lease still holds (e.g. a wsarena call inside your own "
+            "arena.lease() on the same stream): lease the inner workspace on another stream, or after the outer "
+            "lease is released"
+        )
 
     def _wait_for_owner(self, sub: _Sub, me: int) -> None:
         """Another thread holds this lane / stream: wait until it lets go, then take it."""
@@ -529,11 +539,9 @@ class Arena:
             block.live -= 1
             sub.live -= 1
             self._live -= 1
-            sub.depth -= 1
-            if sub.depth == 0:
-                sub.owner = None
-                if sub.waiters:
-                    sub.cond.notify_all()
+            sub.owner = None
+            if sub.waiters:
+                sub.cond.notify_all()
             if block is not sub.block or sub.orphan or self._closed or ws._debug:
                 self._debug_live.pop(id(ws), None)
                 if block.live == 0 and block is not sub.block and not block.freed:

@@ -32,7 +32,7 @@ class _Sub:
     """One stream's sub-arena. Every field is guarded by the arena's lock."""
 
     __slots__ = (
-        "key", "stream", "serial", "block", "retired", "live", "owner", "depth", "waiters", "growing", "cond",
+        "key", "stream", "serial", "block", "retired", "live", "owner", "waiters", "growing", "cond",
         "high_water", "allocations", "growths", "anchor", "orphan",
     )
 
@@ -45,8 +45,7 @@ class _Sub:
         self.block: _Block | None = None  # the current buffer
         self.retired: list[_Block] = []  # outgrown buffers that live leases still use
         self.live = 0
-        self.owner: int | None = None  # thread holding the lane / stream, and how many leases it holds there
-        self.depth = 0
+        self.owner: int | None = None  # the thread whose lease holds the lane / stream (one lease at a time)
         self.waiters = 0  # threads waiting on cond for the owner to leave or a growth to finish
         self.growing = False
         self.cond = threading.Condition(lock)

@@ -59,8 +59,9 @@ class MemoryProvider(Protocol):
     Attributes
     ----------
     kind : str
-        ``"host"``: sub-arenas are CPU lanes (any hashable key, a lease excludes other threads and may not
-        nest). ``"device"``: sub-arenas are CUDA streams (raw handles; same-thread leases may nest).
+        ``"host"``: sub-arenas are CPU lanes (any hashable key). ``"device"``: sub-arenas are CUDA streams
+        (raw handles; the per-thread default stream, handle 2, is one sub-arena per thread). Either way a lease
+        excludes other threads from its lane or stream and may not nest.
     device : int or None
         CUDA device ordinal, ``None`` for host memory.
     """

@@ -1,7 +1,7 @@
 """Providers for tests: one that records every call and fails on demand, on host memory.
 
 ``RecordingProvider(kind="device")`` behaves as a device provider (sub-arenas keyed by raw stream handles,
-same-thread nesting allowed) while handing out host memory, so the device rules are tested without a GPU.
+handle 2 per thread) while handing out host memory, so the device rules are tested without a GPU.
 """
 
 from __future__ import annotations
