@@ -90,34 +90,35 @@ def test_bad_arguments(resnet50, kwargs, error, match):
         wsarena.plan(resnet50[:3], **kwargs)
 
 
-def _run_layers(p, arena):
+def _run_layers(p, arena, xp=np):
     """Run every pass of every planned layer through the public ops, as a training step would."""
     warnings.simplefilter("ignore", WorkspaceCapWarning)  # the cap is meant to exclude algorithms here
     rng = np.random.default_rng(0)
     for lp in p.layers:
         g = lp.geometry
-        x = rng.standard_normal(g.input_shape, dtype=np.float32)
-        w = rng.standard_normal(g.weight_shape, dtype=np.float32)
-        dy = rng.standard_normal(g.output_shape, dtype=np.float32)
+        x, w, dy = (xp.asarray(rng.standard_normal(s, dtype=np.float32))
+                    for s in (g.input_shape, g.weight_shape, g.output_shape))
         kw = dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups, layout=g.layout)
         conv_forward(x, w, **kw)
         conv_backward_data(dy, w, x.shape, **kw)
         conv_backward_filter(x, dy, w.shape, **kw)
 
 
+HONEST_LAYERS = [
+    ConvLayer.from_dict(d) for d in (
+        {"name": "stem", "input_shape": [1, 3, 32, 32], "weight_shape": [16, 3, 3, 3], "stride": [2, 2], "padding": [1, 1]},
+        {"name": "dw", "input_shape": [1, 16, 16, 16], "weight_shape": [16, 1, 3, 3], "padding": [1, 1], "groups": 16},
+        {"name": "pw", "input_shape": [1, 16, 16, 16], "weight_shape": [32, 16, 1, 1]},
+        {"name": "wide", "input_shape": [1, 32, 16, 16], "weight_shape": [32, 32, 3, 3], "padding": [2, 2], "dilation": [2, 2]},
+        {"name": "conv1d", "input_shape": [1, 8, 40], "weight_shape": [8, 8, 5], "padding": [2]},
+    )
+]
+
+
 @pytest.mark.parametrize("cap", [None, "256KiB"])
 def test_report_is_honest_about_a_real_run(fresh_arena, monkeypatch, cap):
-    layers = [
-        ConvLayer.from_dict(d) for d in (
-            {"name": "stem", "input_shape": [1, 3, 32, 32], "weight_shape": [16, 3, 3, 3], "stride": [2, 2], "padding": [1, 1]},
-            {"name": "dw", "input_shape": [1, 16, 16, 16], "weight_shape": [16, 1, 3, 3], "padding": [1, 1], "groups": 16},
-            {"name": "pw", "input_shape": [1, 16, 16, 16], "weight_shape": [32, 16, 1, 1]},
-            {"name": "wide", "input_shape": [1, 32, 16, 16], "weight_shape": [32, 32, 3, 3], "padding": [2, 2], "dilation": [2, 2]},
-            {"name": "conv1d", "input_shape": [1, 8, 40], "weight_shape": [8, 8, 5], "padding": [2]},
-        )
-    ]
     with config(cap_workspace=cap):
-        p = wsarena.plan(layers, batch=3, backend="cpu")
+        p = wsarena.plan(HONEST_LAYERS, batch=3, backend="cpu")
         _run_layers(p, fresh_arena)
         # what the arena holds is the plan's largest workspace, rounded up as the arena rounds every buffer
         assert fresh_arena.stats()["capacity_bytes"] == p.held_bytes
@@ -145,3 +146,35 @@ def test_saved_is_never_negative_even_for_one_call():
     layer = ConvLayer.from_dict({"name": "one", "input_shape": [1, 3, 40, 40], "weight_shape": [4, 3, 3, 3]})
     p = wsarena.plan([layer], backend="cpu", passes=("fwd",))
     assert p.saved_bytes == 0 and p.arena_bytes == p.unshared_bytes > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cap", [None, "256KiB"])
+def test_report_is_honest_about_a_real_run_on_cudnn(cap):
+    import cupy
+
+    from wsarena.arena import CupyProvider, set_arena
+
+    device = cupy.cuda.Device().id
+    arenas = []
+    try:
+        for _ in range(2):
+            arenas.append(Arena(CupyProvider(device)))
+        with config(cap_workspace=cap):
+            wsarena.algos.cache_clear()
+            set_arena(device, arenas[0])
+            p = wsarena.plan(HONEST_LAYERS, batch=3, backend="cudnn")
+            _run_layers(p, arenas[0], xp=cupy)
+            cupy.cuda.get_current_stream().synchronize()
+            assert arenas[0].stats()["capacity_bytes"] == p.held_bytes
+            assert arenas[0].stats()["high_water_bytes"] == p.arena_bytes
+            set_arena(device, arenas[1])
+            arenas[1].reserve_for(p)
+            before = arenas[1].stats()
+            _run_layers(p, arenas[1], xp=cupy)
+            after = arenas[1].stats()
+        assert (after["allocations"], after["growths"]) == (before["allocations"], before["growths"])
+    finally:
+        set_arena(device, None)
+        for arena in arenas:
+            arena.close()
