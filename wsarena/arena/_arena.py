@@ -48,7 +48,7 @@ from ._lifecycle import _anchor_died, _free_now, _release_all, _track_device_are
 from ._stats import ArenaStats, StreamStats, aligned_size
 from ._sub import _Block, _Sub
 from ._workspace import Workspace
-from .streams import PerThreadStream, ThreadLane, _is_own, resolve_stream
+from .streams import PerThreadStream, ThreadLane, _is_own, _per_thread_key, resolve_stream
 
 __all__ = ["POISON_BYTE", "Arena", "Workspace", "aligned_size"]
 
@@ -155,6 +155,8 @@ class Arena:
         kind = type(stream)
         if (kind is int and (self._lanes or (stream >= 0 and stream != 2))) or (kind is str and self._lanes):
             key, anchor = stream, None
+        elif kind is int and stream == 2:  # (device) this thread's per-thread stream, as resolve_stream keys it
+            key, anchor = _per_thread_key()
         else:
             key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
         cfg = get_config()

@@ -66,6 +66,7 @@ class PerThreadStream(int):
     def __new__(cls, lane: ThreadLane) -> PerThreadStream:
         self = super().__new__(cls, PER_THREAD_DEFAULT_STREAM)
         self.lane = lane
+        self._hash = hash(lane)  # the arena hashes its key once per lease
         return self
 
     def __eq__(self, other: object) -> bool:
@@ -75,7 +76,7 @@ class PerThreadStream(int):
         return not (type(other) is PerThreadStream and other.lane is self.lane)
 
     def __hash__(self) -> int:
-        return hash(self.lane)
+        return self._hash
 
     def __repr__(self) -> str:
         return f"PerThreadStream({self.lane!r})"
@@ -118,6 +119,14 @@ def _holder() -> _LaneHolder:
 def thread_lane() -> ThreadLane:
     """The calling thread's default CPU lane (what ``stream=None`` means on the host arena)."""
     return _holder().lane
+
+
+def _per_thread_key() -> tuple[PerThreadStream, _LaneHolder]:
+    """The calling thread's key for handle 2, and its anchor (the thread's lane holder)."""
+    holder = getattr(_local, "holder", None)
+    if holder is None:
+        holder = _holder()
+    return holder.ptds, holder
 
 
 def _is_own(key: PerThreadStream) -> bool:
@@ -200,8 +209,7 @@ def resolve_stream(
         return stream, None
     handle, anchor = _device_handle(stream, current)
     if handle == PER_THREAD_DEFAULT_STREAM:  # a different stream in each thread: key it by the thread
-        holder = _holder()
-        return holder.ptds, holder
+        return _per_thread_key()
     return handle, anchor
 
 
