@@ -11,7 +11,8 @@ shared machine the best times are the stable ones. Algorithms are listed in
 The default layer is ResNet-50's 3x3 64->64 convolution at 56x56, batch 4, float32; ``--suite`` adds a few
 other ResNet-50 layers (1x1, strided, stem, late 7x7) and a depthwise one.
 
-Run: python bench/bench_cpu_conv.py [--suite] [--layout NCHW|NHWC] [--dtype float32|float64] [--repeat 5]
+Run: python bench/bench_cpu_conv.py [--suite] [--layout NCHW|NHWC] [--dtype float32|float64] [--repeat 15]
+[--threads N]
 Needs torch; prints the machine and thread counts it ran on.
 """
 
@@ -23,10 +24,18 @@ import platform
 import statistics
 import time
 
-import numpy as np
+import sys
 
-from wsarena._geometry import conv_geometry
-from wsarena.backends import cpu
+if __name__ == "__main__" and "--threads" in sys.argv:
+    # BLAS reads its thread count when it loads, so set it before NumPy is imported.
+    _n = sys.argv[sys.argv.index("--threads") + 1]
+    for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[_var] = _n
+
+import numpy as np  # noqa: E402
+
+from wsarena._geometry import conv_geometry  # noqa: E402
+from wsarena.backends import cpu  # noqa: E402
 
 MAIN = ("res2 3x3 64->64 @56", (4, 64, 56, 56), (64, 64, 3, 3), dict(padding=1))
 SUITE = [
@@ -120,12 +129,17 @@ def main(argv=None):
     parser.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="BLAS and torch threads (default: their own); 1 is stable on a busy machine"
+    )
     args = parser.parse_args(argv)
     try:
         import torch
     except ImportError:
         torch = None
         print("torch is not installed: printing wsarena times only")
+    if torch is not None and args.threads:
+        torch.set_num_threads(args.threads)
     threads = torch.get_num_threads() if torch is not None else "n/a"
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; numpy {np.__version__}, "
