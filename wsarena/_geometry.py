@@ -8,6 +8,7 @@ names serve 1-D and 3-D convolutions. Padding is symmetric: ``padding[i]`` zeros
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -44,7 +45,9 @@ class ConvGeometry:
         """Number of spatial dimensions (1, 2 or 3)."""
         return len(self.input_size)
 
-    @property
+    # Shapes are derived once per geometry (cached_property writes the instance dict, which the frozen dataclass
+    # allows): every convolution call asks for them, and geometries are reused across calls.
+    @functools.cached_property
     def output_size(self) -> tuple[int, ...]:
         return tuple(
             output_size(i, k, s, p, d)
@@ -54,15 +57,15 @@ class ConvGeometry:
     def _shape(self, n: int, c: int, spatial: tuple[int, ...]) -> tuple[int, ...]:
         return (n, c, *spatial) if self.layout == "NCHW" else (n, *spatial, c)
 
-    @property
+    @functools.cached_property
     def input_shape(self) -> tuple[int, ...]:
         return self._shape(self.batch, self.in_channels, self.input_size)
 
-    @property
+    @functools.cached_property
     def weight_shape(self) -> tuple[int, ...]:
         return self._shape(self.out_channels, self.in_channels // self.groups, self.kernel_size)
 
-    @property
+    @functools.cached_property
     def output_shape(self) -> tuple[int, ...]:
         return self._shape(self.batch, self.out_channels, self.output_size)
 

@@ -10,7 +10,6 @@ so changing the cap never serves a choice made under another one.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 from collections.abc import Callable
@@ -185,15 +184,18 @@ def run_with_fallback(
     for cand in candidates:
         if limit is not None and cand.workspace_bytes > limit:
             continue
-        with contextlib.ExitStack() as stack:
-            try:
-                ws = stack.enter_context(arena.lease(cand.workspace_bytes, stream=stream))
-            except ArenaOutOfMemoryError as exc:
-                failure = exc
-                limit = arena.held_bytes(stream=stream)
-                continue
+        lease = arena.lease(cand.workspace_bytes, stream=stream)
+        try:
+            ws = lease.__enter__()
+        except ArenaOutOfMemoryError as exc:
+            failure = exc
+            limit = arena.held_bytes(stream=stream)
+            continue
+        try:
             run(cand, ws)
-            return cand
+        finally:
+            lease.__exit__(None, None, None)
+        return cand
     raise NoAlgorithmFitsError(
         "out of memory: no algorithm fits in the workspace the arena could provide",
         requested=candidates[0].workspace_bytes,

@@ -102,7 +102,7 @@ def _check_out(backend: Any, out: Any, shape: tuple[int, ...], dtype: str, input
         raise TypeError(f"out must be a {'NumPy' if backend.name == 'cpu' else 'CuPy'} array, not {type(out).__name__}")
     if tuple(out.shape) != shape:
         raise ValueError(f"out has shape {tuple(out.shape)}; this convolution writes {shape}")
-    if str(out.dtype) != dtype:
+    if (_NAMES.get(out.dtype) or str(out.dtype)) != dtype:
         raise TypeError(f"out has dtype {out.dtype}; this convolution writes {dtype}")
     if not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")

@@ -85,14 +85,25 @@ class Backend(Protocol):
         """Run one pass with ``candidate``, writing ``out``, using ``workspace`` (a leased :class:`Workspace`)."""
 
 
+_KINDS: dict[type, str | None] = {}  # array type -> backend name, filled as types are seen
+
+
 def array_backend_name(array: Any) -> str | None:
     """``"cpu"`` for a NumPy array, ``"cudnn"`` for a CuPy array, ``None`` for anything else."""
-    module = type(array).__module__
-    if module == "numpy":
-        return "cpu" if type(array).__name__ == "ndarray" else None
-    if module.startswith("cupy"):
-        return "cudnn" if type(array).__name__ == "ndarray" else None
-    return None
+    kind = type(array)
+    try:
+        return _KINDS[kind]
+    except KeyError:
+        pass
+    module, name = kind.__module__, kind.__name__
+    if module == "numpy" and name == "ndarray":
+        found: str | None = "cpu"
+    elif module.startswith("cupy") and name == "ndarray":
+        found = "cudnn"
+    else:
+        found = None
+    _KINDS[kind] = found
+    return found
 
 
 def resolve_backend_name(name: str) -> str:
