@@ -13,9 +13,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["LAYOUTS", "PASSES", "ConvGeometry", "conv_geometry", "output_size"]
+__all__ = ["DTYPES", "LAYOUTS", "PASSES", "ConvGeometry", "conv_geometry", "output_size"]
 
 LAYOUTS = ("NCHW", "NHWC")
+DTYPES = ("float32", "float16", "bfloat16", "float64")  # what some backend computes in
 PASSES = ("fwd", "bwd_data", "bwd_filter")
 
 

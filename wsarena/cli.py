@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from . import __version__
 from ._config import get_config
-from ._geometry import PASSES
+from ._geometry import DTYPES, PASSES
 from ._sizes import format_size, parse_size
 from .errors import BackendUnavailableError
 
@@ -69,7 +69,7 @@ def _parser() -> _Parser:
     report = sub.add_parser("report", help="workspace each layer needs, shared vs unshared")
     report.add_argument("model", help="zoo name (resnet50, vgg16, ...), a .onnx file or a .json layer list")
     report.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
-    report.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "float64"), default="float32")
+    report.add_argument("--dtype", choices=DTYPES, default="float32")
     report.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW")
     report.add_argument(
         "--cap-workspace", type=_size, default=_FROM_CONFIG, metavar="SIZE",

@@ -16,13 +16,12 @@ from typing import Any
 import numpy as np
 
 from ._config import get_config
-from ._geometry import ConvGeometry, conv_geometry
+from ._geometry import DTYPES, ConvGeometry, conv_geometry
 from .algos import forced, run_with_fallback, select
 from .backends import Candidate, array_backend_name, get_backend
 
 __all__ = ["conv_backward_data", "conv_backward_filter", "conv_forward"]
 
-_FLOAT_KINDS = ("float16", "bfloat16", "float32", "float64")
 # str(dtype) costs microseconds; a dict lookup on the dtype object does not (this runs on every call)
 _NAMES = {np.dtype(k): k for k in ("float16", "float32", "float64")}
 
@@ -30,7 +29,7 @@ _NAMES = {np.dtype(k): k for k in ("float16", "float32", "float64")}
 def _dtype_name(name: str, array: Any) -> str:
     dtype = getattr(array, "dtype", None)
     text = _NAMES.get(dtype) or str(dtype)
-    if text not in _FLOAT_KINDS:
+    if text not in DTYPES:
         raise TypeError(f"{name} must be a floating-point array (float16, bfloat16, float32 or float64), not {text}")
     return text
 

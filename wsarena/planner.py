@@ -17,14 +17,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ._config import get_config
-from ._geometry import PASSES, ConvGeometry
+from ._geometry import DTYPES, PASSES, ConvGeometry
 from .algos import select
 from .backends import Candidate, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
 
 __all__ = ["LayerPlan", "Plan", "plan"]
 
-DTYPES = ("float32", "float16", "bfloat16", "float64")
 _FROM_CONFIG: Any = object()
 
 

@@ -11,8 +11,6 @@ import numpy as np
 
 from . import Candidate, cpu
 
-_DTYPES = ("float32", "float64")
-
 
 class CpuBackend:
     name = "cpu"
@@ -35,8 +33,8 @@ class CpuBackend:
         return get_arena("cpu")
 
     def check_dtype(self, dtype: str) -> None:
-        if dtype not in _DTYPES:
-            raise TypeError(f"the cpu backend computes in {' or '.join(_DTYPES)}, not {dtype}")
+        if dtype not in cpu.DTYPES:
+            raise TypeError(f"the cpu backend computes in {' or '.join(cpu.DTYPES)}, not {dtype}")
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.empty(shape, dtype=dtype)

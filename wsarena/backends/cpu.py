@@ -85,7 +85,7 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "bwd_filter": ("implicit_gemm", "im2col_tiled", "im2col_per_image", "im2col_batch"),
 }
 
-_DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64")
 
 
 def _check(pass_: str, algo: str | None = None) -> tuple[str, ...]:
@@ -223,8 +223,8 @@ def run(pass_: str, algo: str, geom: ConvGeometry, a, b, out, workspace) -> None
     """
     _check(pass_, algo)
     kind = _kind(algo)
-    if geom.dtype not in _DTYPES:
-        raise TypeError(f"the cpu backend computes in {' or '.join(_DTYPES)}, not {geom.dtype}")
+    if geom.dtype not in DTYPES:
+        raise TypeError(f"the cpu backend computes in {' or '.join(DTYPES)}, not {geom.dtype}")
     p = plan(geom)
     _check_arrays(pass_, p, a, b, out)
     if geom.batch == 0:
