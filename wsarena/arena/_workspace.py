@@ -27,7 +27,9 @@ class Workspace:
     nbytes : int
         Bytes leased.
     stream : hashable
-        The sub-arena key: the raw ``cudaStream_t`` handle on a device, the lane key on the host.
+        The sub-arena key: the raw ``cudaStream_t`` handle on a device (for handle 2, the per-thread default
+        stream, the thread's :class:`~wsarena.arena.PerThreadStream`: ``int(ws.stream) == 2``), the lane key on
+        the host.
     """
 
     __slots__ = ("ptr", "nbytes", "stream", "_arena", "_anchor", "_block", "_sub", "_array", "_state", "_debug")
