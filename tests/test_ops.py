@@ -289,3 +289,16 @@ def test_lanes_on_threads_give_the_serial_results():
         t.join()
     for got, want in zip(results, serial):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kwargs", [dict(algo="winograd"), dict(algo="gemm_batch", cap=16)])
+def test_a_bad_forced_algorithm_is_rejected_before_any_memory_is_touched(monkeypatch, kwargs):
+    """Nothing is allocated or copied (on a GPU: enqueued) before the forced algorithm is checked."""
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    def no_allocation(self, shape, dtype):
+        raise AssertionError("output allocated before the arguments were checked")
+
+    monkeypatch.setattr(CpuBackend, "empty", no_allocation)
+    with config(cap_workspace=kwargs.pop("cap", None)), pytest.raises(ValueError, match="algo="):
+        conv_forward(np.zeros((2, 4, 8, 8), np.float32)[:, :, ::1, ::-1], W, **kwargs)

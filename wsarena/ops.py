@@ -137,6 +137,8 @@ def _execute(
     operands = tuple(arrays.values())
     if out is not None:
         _check_out(backend, out, out_shape, dtype, operands)
+    cfg = get_config()
+    chosen = None if algo is None else forced(backend, pass_, geom, algo, cap=cfg.cap_workspace)
     # Everything that touches memory happens on the operands' device with `stream` current, so copies and the
     # convolution are ordered on one stream.
     with backend.context(operands if out is None else (*operands, out), stream):
@@ -146,15 +148,16 @@ def _execute(
             if pass_ == "bwd_filter":
                 result[...] = 0
             return result
-        _run(backend, pass_, geom, a, b, result, stream, algo)
+        _run(backend, pass_, geom, a, b, result, stream, cfg, chosen)
     return result
 
 
-def _run(backend: Any, pass_: str, geom: ConvGeometry, a: Any, b: Any, out: Any, stream: Any, algo: str | None) -> None:
-    cfg = get_config()
-    if algo is not None:
-        candidates = forced(backend, pass_, geom, algo, cap=cfg.cap_workspace)
-    else:
+def _run(
+    backend: Any, pass_: str, geom: ConvGeometry, a: Any, b: Any, out: Any, stream: Any, cfg: Any,
+    candidates: tuple[Candidate, ...] | None,
+) -> None:
+    """Choose (unless ``algo=`` already did), lease and run, falling back when the arena cannot grow."""
+    if candidates is None:
         candidates = select(
             backend, pass_, geom, cap=cfg.cap_workspace, search=cfg.algo_search, operands=(a, b, out), stream=stream
         )
