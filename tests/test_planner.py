@@ -51,6 +51,11 @@ def test_cap_bounds_every_choice(resnet50):
     assert zero.arena_bytes == 0 == zero.unshared_bytes
 
 
+def test_cap_takes_what_configure_takes(resnet50):
+    assert wsarena.plan(resnet50[:2], backend="cpu", cap_workspace="none").cap_workspace is None
+    assert wsarena.plan(resnet50[:2], backend="cpu", cap_workspace="64KiB").cap_workspace == 64 << 10
+
+
 def test_configured_cap_is_the_default(resnet50):
     with config(cap_workspace="1MiB"):
         assert wsarena.plan(resnet50[:5], batch=4, backend="cpu").cap_workspace == 1 << 20

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._config import get_config
+from ._config import ALGO_SEARCHES, _parse_cap, get_config
 from ._geometry import DTYPES, PASSES, ConvGeometry
 from .algos import select
 from .backends import Candidate, get_backend, resolve_backend_name
@@ -171,23 +171,19 @@ def plan(
     progress : callable, optional
         Called as ``progress(done, total, layer_name)`` after each layer.
     """
-    from ._sizes import parse_size
-
     cfg = get_config()
     layers = list(layers)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, not {batch!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    cap = cfg.cap_workspace if cap_workspace is _FROM_CONFIG else (
-        None if cap_workspace is None else parse_size(cap_workspace)
-    )
+    cap = cfg.cap_workspace if cap_workspace is _FROM_CONFIG else _parse_cap(cap_workspace)
     passes = tuple(passes)
     if not passes or any(p not in PASSES for p in passes) or len(set(passes)) != len(passes):
         raise ValueError(f"passes must be distinct names from {', '.join(PASSES)}, not {passes!r}")
     search = cfg.algo_search if search is None else search
-    if search not in ("heuristic", "exhaustive"):
-        raise ValueError(f"search must be 'heuristic' or 'exhaustive', not {search!r}")
+    if search not in ALGO_SEARCHES:
+        raise ValueError(f"search must be one of {ALGO_SEARCHES}, not {search!r}")
     shared, assignment = _streams(streams, len(layers))
     requested = cfg.backend if backend is None else backend
     name = resolve_backend_name(requested)
