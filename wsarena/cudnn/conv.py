@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 from enum import IntEnum
+from typing import Any
 
 from .._geometry import PASSES
 from ._enums import ConvolutionBwdDataAlgo, ConvolutionBwdFilterAlgo, ConvolutionFwdAlgo, DataType
@@ -107,13 +108,20 @@ def algorithms(pass_: str) -> list[IntEnum]:
     return [member for member in _spec(pass_).algo_enum if member.name != "COUNT"]
 
 
-def _descs(pass_: str, x_desc: TensorDescriptor, w_desc: FilterDescriptor, y_desc: TensorDescriptor) -> tuple:
-    """The three descriptors in the C argument order of ``pass_`` (the convolution descriptor goes third)."""
+def _in_c_order(pass_: str, x: Any, w: Any, y: Any) -> tuple[Any, Any, Any]:
+    """x, w and y (descriptors, or (descriptor, pointer) pairs) in the C argument order of ``pass_``:
+    first input, second input, written tensor. The convolution descriptor (and, where the call has them, the
+    algorithm, workspace and scale) go between the inputs and the written tensor::
+
+        fwd        (xDesc, x, wDesc, w,   convDesc, ..., yDesc, y)
+        bwd_data   (wDesc, w, dyDesc, dy, convDesc, ..., dxDesc, dx)
+        bwd_filter (xDesc, x, dyDesc, dy, convDesc, ..., dwDesc, dw)
+    """
     if pass_ == "fwd":
-        return x_desc, w_desc, y_desc  # (xDesc, wDesc, convDesc, yDesc)
+        return x, w, y
     if pass_ == "bwd_data":
-        return w_desc, y_desc, x_desc  # (wDesc, dyDesc, convDesc, dxDesc)
-    return x_desc, y_desc, w_desc  # (xDesc, dyDesc, convDesc, dwDesc)
+        return w, y, x
+    return x, y, w
 
 
 def _context(pass_: str, x_desc, w_desc, conv_desc, y_desc) -> str:
@@ -136,7 +144,7 @@ def workspace_size(
     (usually :class:`~wsarena.cudnn.CudnnNotSupportedError` or :class:`~wsarena.cudnn.CudnnBadParamError`).
     """
     spec = _spec(pass_)
-    a, b, c = _descs(pass_, x_desc, w_desc, y_desc)
+    a, b, c = _in_c_order(pass_, x_desc, w_desc, y_desc)
     size = ctypes.c_size_t()
     algo = spec.algo_enum(algo)
     call(
@@ -170,7 +178,7 @@ def heuristic_algorithms(
     n = _max_count(spec, handle)
     results = (spec.perf_struct * n)()
     returned = ctypes.c_int()
-    a, b, c = _descs(pass_, x_desc, w_desc, y_desc)
+    a, b, c = _in_c_order(pass_, x_desc, w_desc, y_desc)
     call(
         spec.heuristic, handle, a, b, conv_desc, c, n, ctypes.byref(returned), results,
         context=_context(pass_, x_desc, w_desc, conv_desc, y_desc),
@@ -202,14 +210,9 @@ def find_algorithms(
     n = _max_count(spec, handle)
     results = (spec.perf_struct * n)()
     returned = ctypes.c_int()
-    if pass_ == "fwd":  # (xDesc, x, wDesc, w, convDesc, yDesc, y)
-        args = (x_desc, x_ptr, w_desc, w_ptr, conv_desc, y_desc, y_ptr)
-    elif pass_ == "bwd_data":  # (wDesc, w, dyDesc, dy, convDesc, dxDesc, dx)
-        args = (w_desc, w_ptr, y_desc, y_ptr, conv_desc, x_desc, x_ptr)
-    else:  # (xDesc, x, dyDesc, dy, convDesc, dwDesc, dw)
-        args = (x_desc, x_ptr, y_desc, y_ptr, conv_desc, w_desc, w_ptr)
+    first, second, written = _in_c_order(pass_, (x_desc, x_ptr), (w_desc, w_ptr), (y_desc, y_ptr))
     call(
-        spec.find_ex, handle, *args, n, ctypes.byref(returned), results, workspace_ptr or None, int(workspace_bytes),
+        spec.find_ex, handle, *first, *second, conv_desc, *written, n, ctypes.byref(returned), results, workspace_ptr or None, int(workspace_bytes),
         context=f"{_context(pass_, x_desc, w_desc, conv_desc, y_desc)}, workspace {int(workspace_bytes)} bytes",
     )
     return [AlgoPerf.from_struct(results[i]) for i in range(returned.value)]
@@ -249,15 +252,10 @@ def convolution(
     algo = spec.algo_enum(algo)
     data = x_desc.dtype if data_type is None else DataType(data_type)
     alpha_c, beta_c = _scale(alpha, data), _scale(beta, data)
-    if pass_ == "fwd":  # (xDesc, x, wDesc, w, convDesc, algo, ws, wsSize, beta, yDesc, y)
-        inputs, output = (x_desc, x_ptr, w_desc, w_ptr), (y_desc, y_ptr)
-    elif pass_ == "bwd_data":  # (wDesc, w, dyDesc, dy, convDesc, algo, ws, wsSize, beta, dxDesc, dx)
-        inputs, output = (w_desc, w_ptr, y_desc, y_ptr), (x_desc, x_ptr)
-    else:  # (xDesc, x, dyDesc, dy, convDesc, algo, ws, wsSize, beta, dwDesc, dw)
-        inputs, output = (x_desc, x_ptr, y_desc, y_ptr), (w_desc, w_ptr)
+    first, second, written = _in_c_order(pass_, (x_desc, x_ptr), (w_desc, w_ptr), (y_desc, y_ptr))
     call(
-        spec.run, handle, ctypes.byref(alpha_c), *inputs, conv_desc, algo, workspace_ptr or None,
-        int(workspace_bytes), ctypes.byref(beta_c), *output,
+        spec.run, handle, ctypes.byref(alpha_c), *first, *second, conv_desc, algo, workspace_ptr or None,
+        int(workspace_bytes), ctypes.byref(beta_c), *written,
         context=f"{_context(pass_, x_desc, w_desc, conv_desc, y_desc)}, algo {algo.name}, "
         f"workspace {int(workspace_bytes)} bytes",
     )
