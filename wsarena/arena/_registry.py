@@ -58,6 +58,10 @@ def get_arena(device: Any = None) -> Arena:
     ValueError, TypeError
         ``device`` is not ``"cpu"``, a non-negative int or ``None``, or no such device exists.
     """
+    if type(device) is str or type(device) is int:  # an existing arena's own key: every convolution asks so
+        arena = _arenas.get(device)
+        if arena is not None:
+            return arena
     key = _device_key(device)
     if key is not None:
         arena = _arenas.get(key)

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..arena import get_arena
 from . import Candidate
 
 _DATA = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BFLOAT16", "float64": "DOUBLE"}
@@ -44,8 +45,6 @@ class CudnnBackend:
         return f"{name.decode() if isinstance(name, bytes) else name} ({dev})"
 
     def arena(self) -> Any:
-        from ..arena import get_arena
-
         return get_arena(self._device())
 
     @contextlib.contextmanager

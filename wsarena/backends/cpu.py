@@ -77,7 +77,7 @@ from .._geometry import PASSES, ConvGeometry
 from . import _cpu_gemm, _cpu_implicit, _cpu_tiled
 from ._cpu_lowering import plan
 
-__all__ = ["ALGORITHMS", "candidates", "run", "workspace_size"]
+__all__ = ["ALGORITHMS", "candidates", "run", "run_unchecked", "workspace_size"]
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "fwd": ("implicit_gemm", "gemm_tiled", "gemm_per_image", "gemm_batch"),
@@ -97,11 +97,13 @@ def _check(pass_: str, algo: str | None = None) -> tuple[str, ...]:
     return algos
 
 
+# The family of each algorithm name, in ALGORITHMS' column order.
+_KINDS = {algo: kind for algos in ALGORITHMS.values() for algo, kind in zip(algos, ("implicit", "tiled", "per_image", "batch"))}
+
+
 def _kind(algo: str) -> str:
     """The family of an algorithm name: ``"implicit"``, ``"tiled"``, ``"per_image"`` or ``"batch"``."""
-    if algo == "implicit_gemm":
-        return "implicit"
-    return algo.rsplit("_", 1)[1] if algo.endswith("_tiled") or algo.endswith("_batch") else "per_image"
+    return _KINDS[algo]
 
 
 # Output pixels per image from which an image's own GEMM is big enough for BLAS and its column matrix is
@@ -231,6 +233,26 @@ def run(pass_: str, algo: str, geom: ConvGeometry, a, b, out, workspace) -> None
         if pass_ == "bwd_filter":
             out[...] = 0
         return
+    if kind != "implicit":
+        need = _workspace_elements(pass_, kind, p) * p.itemsize
+        if not isinstance(workspace, np.ndarray) or workspace.dtype != np.uint8 or workspace.ndim != 1:
+            raise ValueError(f"workspace must be a 1-D uint8 NumPy array, not {workspace!r:.80}")
+        if workspace.nbytes < need:
+            raise ValueError(f"workspace has {workspace.nbytes} bytes; {pass_}/{algo} on this geometry needs {need}")
+        if not workspace.flags.c_contiguous:
+            raise ValueError("workspace must be contiguous")
+    run_unchecked(pass_, algo, geom, a, b, out, workspace)
+
+
+def run_unchecked(pass_: str, algo: str, geom: ConvGeometry, a, b, out, workspace) -> None:
+    """:func:`run` without its argument checks, for callers that made them already (the ops do, per call).
+
+    The arguments must be what :func:`run` accepts, with a non-empty batch. A small call spends as long in
+    those checks as in its arithmetic; NumPy still bounds-checks every view, so a wrong argument raises
+    rather than touching memory outside the arrays.
+    """
+    kind = _kind(algo)
+    p = plan(geom)
     if kind == "implicit":
         if pass_ == "fwd":
             _cpu_implicit.forward(p, a, b, out)
@@ -239,13 +261,6 @@ def run(pass_: str, algo: str, geom: ConvGeometry, a, b, out, workspace) -> None
         else:
             _cpu_implicit.backward_filter(p, a, b, out)
         return
-    need = _workspace_elements(pass_, kind, p) * p.itemsize
-    if not isinstance(workspace, np.ndarray) or workspace.dtype != np.uint8 or workspace.ndim != 1:
-        raise ValueError(f"workspace must be a 1-D uint8 NumPy array, not {workspace!r:.80}")
-    if workspace.nbytes < need:
-        raise ValueError(f"workspace has {workspace.nbytes} bytes; {pass_}/{algo} on this geometry needs {need}")
-    if not workspace.flags.c_contiguous:
-        raise ValueError("workspace must be contiguous")
     if kind == "tiled":
         {"fwd": _cpu_tiled.forward, "bwd_data": _cpu_tiled.backward_data, "bwd_filter": _cpu_tiled.backward_filter}[
             pass_
