@@ -272,6 +272,20 @@ def test_configured_backend_must_match_the_arrays():
         conv_forward(X, W)
 
 
+def test_a_remembered_call_still_checks_what_changed():
+    y = conv_forward(X, W)  # what these arguments determine is now remembered
+    with pytest.raises(TypeError, match="x must be a floating-point array"):
+        conv_forward(X.astype(np.int32), W)
+    with pytest.raises(TypeError, match="x must be a NumPy or CuPy array, not list"):
+        conv_forward(X.tolist(), W)
+    with pytest.raises(TypeError, match="dtypes differ"):
+        conv_forward(X, W.astype(np.float64))
+    with config(backend="cudnn"), pytest.raises(TypeError, match="backend='cudnn'"):
+        conv_forward(X, W)
+    # Valid arguments that cannot key the cache (a NumPy int, a list) take the checked path to the same result.
+    np.testing.assert_array_equal(conv_forward(X, W, stride=np.int64(1), padding=[0, 0]), y)
+
+
 def test_lanes_on_threads_give_the_serial_results():
     rng = np.random.default_rng(9)
     jobs = [(rng.standard_normal((2, c, 10, 10)), rng.standard_normal((c, c, 3, 3))) for c in (2, 3, 4, 5)]

@@ -15,23 +15,16 @@ from typing import Any
 
 import numpy as np
 
+
 from ._config import get_config
 from ._geometry import DTYPES, ConvGeometry, conv_geometry
 from .algos import forced, run_with_fallback, select
-from .backends import Candidate, array_backend_name, get_backend
+from .backends import Candidate, array_backend_name, get_backend, type_backend_name
 
 __all__ = ["conv_backward_data", "conv_backward_filter", "conv_forward"]
 
 # str(dtype) costs microseconds; a dict lookup on the dtype object does not (this runs on every call)
 _NAMES = {np.dtype(k): k for k in ("float16", "float32", "float64")}
-
-
-def _dtype_name(name: str, array: Any) -> str:
-    dtype = getattr(array, "dtype", None)
-    text = _NAMES.get(dtype) or str(dtype)
-    if text not in DTYPES:
-        raise TypeError(f"{name} must be a floating-point array (float16, bfloat16, float32 or float64), not {text}")
-    return text
 
 
 class _Uncacheable(Exception):
@@ -41,55 +34,90 @@ class _Uncacheable(Exception):
 def _frozen(value: Any) -> Any:
     """``value`` with lists turned into tuples, so that the arguments of a call can key a cache."""
     kind = type(value)
-    if kind is int or kind is str:
+    if kind is int or kind is str or value is None:
         return value
     if kind is tuple or kind is list:
         return tuple(v if type(v) is int else _frozen(v) for v in value)
-    if isinstance(value, bool | float):  # equal to ints as keys (True == 1), yet invalid: check them every time
-        raise _Uncacheable
-    return value
+    # Anything else is checked every time: a float or a bool equals an int as a key (True == 1) yet is invalid.
+    raise _Uncacheable
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached_geometry(*args: Any) -> ConvGeometry:
-    input_shape, weight_shape, stride, padding, dilation, groups, layout, dtype = args
-    return conv_geometry(
-        input_shape, weight_shape, stride=stride, padding=padding, dilation=dilation, groups=groups,
-        layout=layout, dtype=dtype,
-    )
+def _dtype_name(name: str, dtype: Any) -> str:
+    text = str(dtype)
+    if text not in DTYPES:
+        raise TypeError(f"{name} must be a floating-point array (float16, bfloat16, float32 or float64), not {text}")
+    return text
 
 
-def _geometry(input_shape: Any, weight_shape: Any, params: dict[str, Any], layout: str, dtype: str) -> ConvGeometry:
-    """:func:`conv_geometry`, remembered for arguments seen before (a training loop repeats them every step)."""
-    try:
-        args = (
-            _frozen(input_shape), _frozen(weight_shape), _frozen(params["stride"]), _frozen(params["padding"]),
-            _frozen(params["dilation"]), _frozen(params["groups"]), layout, dtype,
-        )
-        hash(args)
-    except (_Uncacheable, TypeError):
-        return conv_geometry(input_shape, weight_shape, layout=layout, dtype=dtype, **params)
-    return _cached_geometry(*args)
-
-
-def _backend_for(arrays: dict[str, Any]) -> Any:
+def _backend_for(types: dict[str, type], configured: str) -> Any:
     kinds = {}
-    for name, array in arrays.items():
-        kind = array_backend_name(array)
-        if kind is None:
-            raise TypeError(f"{name} must be a NumPy or CuPy array, not {type(array).__name__}")
-        kinds[name] = kind
+    for name, kind in types.items():
+        backend = type_backend_name(kind)
+        if backend is None:
+            raise TypeError(f"{name} must be a NumPy or CuPy array, not {kind.__name__}")
+        kinds[name] = backend
     if len(set(kinds.values())) > 1:
         detail = ", ".join(f"{n} is {'NumPy' if k == 'cpu' else 'CuPy'}" for n, k in kinds.items())
         raise TypeError(f"cannot mix NumPy and CuPy arrays in one convolution ({detail})")
     kind = next(iter(kinds.values()))
-    configured = get_config().backend
     if configured != "auto" and configured != kind:
         raise TypeError(
             f"backend={configured!r} is configured but the arrays are {'NumPy' if kind == 'cpu' else 'CuPy'}; "
             f"pass {'CuPy' if configured == 'cudnn' else 'NumPy'} arrays or configure backend='auto'"
         )
     return get_backend(kind)
+
+
+def _prepare(
+    pass_: str, names: tuple[str, str], types: tuple[type, type], shapes: tuple[Any, Any], dtypes: tuple[Any, Any],
+    input_shape: Any, weight_shape: Any, stride: Any, padding: Any, dilation: Any, groups: Any, layout: str,
+    configured: str,
+) -> tuple[Any, ConvGeometry, str]:
+    """Check what a call's array types, shapes and dtypes and its parameters determine; return
+    ``(backend, geometry, dtype)``. Raises the ``TypeError``/``ValueError`` that names a bad argument."""
+    backend = _backend_for(dict(zip(names, types)), configured)
+    named = {name: _dtype_name(name, dtype) for name, dtype in zip(names, dtypes)}
+    if len(set(named.values())) > 1:
+        raise TypeError(f"dtypes differ: {', '.join(f'{n} is {d}' for n, d in named.items())}")
+    dtype = named[names[0]]
+    backend.check_dtype(dtype)
+    geom = conv_geometry(
+        shapes[0] if input_shape is None else input_shape,
+        shapes[1] if weight_shape is None else weight_shape,
+        stride=stride, padding=padding, dilation=dilation, groups=groups,
+        layout=layout, dtype=dtype,
+    )
+    for name, shape, expected in zip(names, shapes, geom.operand_shapes(pass_)):
+        if tuple(shape) != expected:
+            raise ValueError(
+                f"{name} has shape {tuple(shape)}; expected {expected} for this convolution "
+                f"(input {geom.input_shape}, weight {geom.weight_shape}, layout {layout})"
+            )
+    return backend, geom, dtype
+
+
+# A training loop repeats the same calls every step: remember what their arguments determine.
+_prepared = functools.lru_cache(maxsize=4096)(_prepare)
+
+
+def _prepare_call(
+    pass_: str, arrays: dict[str, Any], shape_args: tuple[Any, Any], params: tuple, layout: str, configured: str
+) -> tuple[Any, ConvGeometry, str]:
+    """:func:`_prepare` for a call's arrays, cached where the arguments can key a cache.
+
+    ``shape_args`` is ``(input_shape, weight_shape)``, ``None`` for one an operand's shape gives."""
+    (name_a, a), (name_b, b) = arrays.items()
+    shapes = (getattr(a, "shape", None), getattr(b, "shape", None))
+    args = (
+        pass_, (name_a, name_b), (type(a), type(b)), shapes, (getattr(a, "dtype", None), getattr(b, "dtype", None)),
+        *shape_args, *params, layout, configured,
+    )
+    try:
+        key = (*args[:5], *map(_frozen, args[5:]))
+        hash(key)
+    except (_Uncacheable, TypeError):
+        return _prepare(*args)
+    return _prepared(*key)
 
 
 def _contiguous(array: Any) -> Any:
@@ -116,28 +144,16 @@ def _shape_arg(name: str, shape: Any) -> tuple[int, ...]:
 
 
 def _execute(
-    pass_: str, arrays: dict[str, Any], input_shape: Any, weight_shape: Any, params: dict[str, Any],
+    pass_: str, arrays: dict[str, Any], input_shape: Any, weight_shape: Any, params: tuple[Any, Any, Any, Any],
     out: Any, stream: Any, layout: str, algo: str | None,
 ) -> Any:
-    backend = _backend_for(arrays)
-    names = list(arrays)
-    dtypes = {name: _dtype_name(name, arrays[name]) for name in names}
-    if len(set(dtypes.values())) > 1:
-        raise TypeError(f"dtypes differ: {', '.join(f'{n} is {d}' for n, d in dtypes.items())}")
-    dtype = dtypes[names[0]]
-    backend.check_dtype(dtype)
-    geom = _geometry(input_shape, weight_shape, params, layout, dtype)
-    a_shape, b_shape, out_shape = geom.operand_shapes(pass_)
-    for name, shape in zip(names, (a_shape, b_shape)):
-        if tuple(arrays[name].shape) != shape:
-            raise ValueError(
-                f"{name} has shape {tuple(arrays[name].shape)}; expected {shape} for this convolution "
-                f"(input {geom.input_shape}, weight {geom.weight_shape}, layout {layout})"
-            )
+    """Run one pass; ``params`` is ``(stride, padding, dilation, groups)``."""
+    cfg = get_config()
+    backend, geom, dtype = _prepare_call(pass_, arrays, (input_shape, weight_shape), params, layout, cfg.backend)
+    out_shape = geom.operand_shapes(pass_)[2]
     operands = tuple(arrays.values())
     if out is not None:
         _check_out(backend, out, out_shape, dtype, operands)
-    cfg = get_config()
     chosen = None if algo is None else forced(backend, pass_, geom, algo, cap=cfg.cap_workspace)
     # Everything that touches memory happens on the operands' device with `stream` current, so copies and the
     # convolution are ordered on one stream.
@@ -201,8 +217,8 @@ def conv_forward(
         ``y``, ``(N, K, *out_spatial)`` or channels last.
     """
     return _execute(
-        "fwd", {"x": x, "w": w}, getattr(x, "shape", ()), getattr(w, "shape", ()),
-        dict(stride=stride, padding=padding, dilation=dilation, groups=groups), out, stream, layout, algo,
+        "fwd", {"x": x, "w": w}, None, None,
+        (stride, padding, dilation, groups), out, stream, layout, algo,
     )
 
 
@@ -215,8 +231,8 @@ def conv_backward_data(
     Parameters are those of :func:`conv_forward`; ``dy`` has the forward output's shape.
     """
     return _execute(
-        "bwd_data", {"dy": dy, "w": w}, _shape_arg("input_shape", input_shape), getattr(w, "shape", ()),
-        dict(stride=stride, padding=padding, dilation=dilation, groups=groups), out, stream, layout, algo,
+        "bwd_data", {"dy": dy, "w": w}, _shape_arg("input_shape", input_shape), None,
+        (stride, padding, dilation, groups), out, stream, layout, algo,
     )
 
 
@@ -229,6 +245,6 @@ def conv_backward_filter(
     Parameters are those of :func:`conv_forward`; ``dy`` has the forward output's shape.
     """
     return _execute(
-        "bwd_filter", {"x": x, "dy": dy}, getattr(x, "shape", ()), _shape_arg("weight_shape", weight_shape),
-        dict(stride=stride, padding=padding, dilation=dilation, groups=groups), out, stream, layout, algo,
+        "bwd_filter", {"x": x, "dy": dy}, None, _shape_arg("weight_shape", weight_shape),
+        (stride, padding, dilation, groups), out, stream, layout, algo,
     )

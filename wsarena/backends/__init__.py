@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from .._gpu import gpu_unusable_reason
 from ..errors import BackendUnavailableError
 
-__all__ = ["Backend", "Candidate", "array_backend_name", "get_backend", "resolve_backend_name"]
+__all__ = ["Backend", "Candidate", "array_backend_name", "get_backend", "resolve_backend_name", "type_backend_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,11 @@ _KINDS: dict[type, str | None] = {}  # array type -> backend name, filled as typ
 
 def array_backend_name(array: Any) -> str | None:
     """``"cpu"`` for a NumPy array, ``"cudnn"`` for a CuPy array, ``None`` for anything else."""
-    kind = type(array)
+    return type_backend_name(type(array))
+
+
+def type_backend_name(kind: type) -> str | None:
+    """:func:`array_backend_name` for an array type."""
     try:
         return _KINDS[kind]
     except KeyError:
@@ -124,6 +128,9 @@ def get_backend(name: str) -> Backend:
 
     Raises :class:`~wsarena.errors.BackendUnavailableError` for ``"cudnn"`` when no GPU is usable.
     """
+    backend = _backends.get(name)  # every convolution asks by a resolved name
+    if backend is not None:
+        return backend
     name = resolve_backend_name(name)
     backend = _backends.get(name)
     if backend is not None:
