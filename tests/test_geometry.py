@@ -1,3 +1,8 @@
+import os
+import pickle
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -88,3 +93,21 @@ def test_zero_batch_is_legal_and_empty_channel_is_not():
     assert conv_geometry((0, 3, 5, 5), (2, 3, 3, 3)).output_shape == (0, 2, 3, 3)
     with pytest.raises(ValueError):
         conv_geometry((1, 0, 5, 5), (2, 0, 3, 3))
+
+
+def test_geometry_hash_matches_equality_and_survives_pickling_into_another_process():
+    g = conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), stride=2, padding=1, layout="NHWC", dtype="float64")
+    assert hash(g) == hash(conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), stride=2, padding=1, layout="NHWC", dtype="float64"))
+    assert g != g.with_dtype("float32")
+    # The hash is cached on the instance; a copy unpickled where str hashes differ must hash afresh, or an equal
+    # geometry built there would miss it as a dict key.
+    code = (
+        "import pickle, sys\n"
+        "from wsarena._geometry import conv_geometry\n"
+        "g = pickle.loads(sys.stdin.buffer.read())\n"
+        "fresh = conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), stride=2, padding=1, layout='NHWC', dtype='float64')\n"
+        "print({fresh: 'found'}.get(g, 'missed'))\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(g), capture_output=True, env=env, check=True)
+    assert out.stdout.decode().strip() == "found"

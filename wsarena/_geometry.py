@@ -41,6 +41,19 @@ class ConvGeometry:
     layout: str = "NCHW"
     dtype: str = "float32"
 
+    # Every call hashes its geometry to find its algorithm; the generated __hash__ would rebuild the field tuple.
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)  # str hashes differ between processes: an unpickled copy hashes afresh
+        return state
+
     @property
     def nd(self) -> int:
         """Number of spatial dimensions (1, 2 or 3)."""
