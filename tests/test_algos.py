@@ -215,3 +215,54 @@ def test_a_backend_without_any_algorithm_is_not_a_memory_error():
 
     with pytest.raises(UnsupportedConvolutionError, match="no algorithm"):
         choose(FakeBackend({}), "fwd", GEOM, cap=None)
+
+
+class Refused(Exception):
+    pass
+
+
+def test_a_refused_algorithm_falls_through_to_the_next():
+    arena = FakeArena(memory=1000)
+    ran = []
+
+    def run(c, ws):
+        if c.algo == "winograd":
+            raise Refused("not supported for these operands")
+        ran.append((c.algo, ws.nbytes))
+
+    cands = (Candidate("winograd", 200), Candidate("gemm", 100), Candidate("implicit", 0))
+    assert run_with_fallback(arena, cands, run, stream=None, cap=None, retry=(Refused,)).algo == "gemm"
+    assert ran == [("gemm", 100)]
+    with pytest.raises(Refused):  # not a retry error for this caller: it propagates
+        run_with_fallback(arena, cands, run, stream=None, cap=None)
+
+
+def test_when_every_algorithm_is_refused_the_last_refusal_is_raised_with_the_memory_story():
+    arena = FakeArena(memory=150)
+
+    def run(c, ws):
+        raise Refused(c.algo)
+
+    cands = (Candidate("fft", 300), Candidate("gemm", 100), Candidate("implicit", 0))
+    with pytest.raises(Refused, match="implicit") as info:
+        run_with_fallback(arena, cands, run, stream=None, cap=None, retry=(Refused,))
+    assert any("could not get it" in note for note in info.value.__notes__)
+
+
+def test_a_search_whose_backend_rejects_some_candidates_is_kept_without_them():
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
+    real = b.measure
+    b.measure = lambda *args: [c for c in real(*args) if c.algo != "fft"]  # e.g. FindEx reports fft as failed
+    for _ in range(2):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+        assert [c.algo for c in got] == ["gemm", "implicit"]
+    assert len(b.measured) == 1  # searched once: the ranking was kept
+
+
+def test_a_search_keeps_only_entries_the_workspace_held():
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
+    real = b.measure
+    b.measure = lambda *args: [Candidate("fft", 300, 0.5), *real(*args)]  # reported, though it could not fit
+    with pytest.warns(WorkspaceCapWarning):
+        got = select(b, "fwd", GEOM, cap=150, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["gemm", "implicit"]

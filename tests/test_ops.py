@@ -316,3 +316,29 @@ def test_a_bad_forced_algorithm_is_rejected_before_any_memory_is_touched(monkeyp
     monkeypatch.setattr(CpuBackend, "empty", no_allocation)
     with config(cap_workspace=kwargs.pop("cap", None)), pytest.raises(ValueError, match="algo="):
         conv_forward(np.zeros((2, 4, 8, 8), np.float32)[:, :, ::1, ::-1], W, **kwargs)
+
+
+def test_an_algorithm_the_backend_refuses_is_skipped_for_the_next(monkeypatch):
+    """As cuDNN's NOT_SUPPORTED at run time: the call moves on to the next candidate and still gets it right."""
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    class Refused(Exception):
+        pass
+
+    x = np.random.default_rng(3).standard_normal((2, 3, 9, 9))
+    w = np.random.default_rng(4).standard_normal((4, 3, 3, 3))
+    geom = wsarena._geometry.conv_geometry(x.shape, w.shape, padding=1, dtype="float64")
+    order = cpu.candidates("fwd", geom)
+    real_run, ran = CpuBackend.run, []
+
+    def refusing(self, pass_, cand, *args):
+        if cand.algo == order[0]:
+            raise Refused(order[0])
+        ran.append(cand.algo)
+        real_run(self, pass_, cand, *args)
+
+    monkeypatch.setattr(CpuBackend, "run", refusing)
+    monkeypatch.setattr(CpuBackend, "retry_errors", (Refused,))
+    y = conv_forward(x, w, padding=1)
+    assert ran == [order[1]]
+    assert rel_err(y, ref_conv_forward(x, w, padding=1)) <= TOL["float64"]

@@ -45,7 +45,7 @@ def choose(
     *,
     cap: int | None,
     search: str = "heuristic",
-    measure: Callable[[list[Candidate]], list[Candidate]] | None = None,
+    measure: Callable[[list[Candidate]], tuple[list[Candidate], list[Candidate]]] | None = None,
     warn: bool = True,
 ) -> tuple[Candidate, ...]:
     """Return the usable candidates under ``cap``, best first; the first is the choice.
@@ -54,8 +54,9 @@ def choose(
     ----------
     measure
         For ``search="exhaustive"``: a function that times the given candidates on real operands and returns
-        them sorted by time (the ops and the planner provide one that leases the workspace from the arena).
-        Without it the heuristic order is used.
+        ``(timed, skipped)``: those it timed, fastest first, and those it had no memory to time (the ops and
+        the planner provide one that leases the workspace from the arena). A candidate in neither list was
+        rejected by the backend's own search and is dropped. Without ``measure`` the heuristic order is used.
     warn
         Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap excluded the heuristic favourite.
         The planner passes ``False``: its report shows the choice already.
@@ -111,10 +112,11 @@ def _rank(
     excluded = None if ranked[0] in usable else ranked[0]
     if measure is None:
         return tuple(usable), excluded, True
-    timed = list(measure(usable))  # only what fits the cap is ever timed
-    timed_names = {c.algo for c in timed}
-    untimed = [c for c in usable if c.algo not in timed_names]  # no room to time them, or the search failed
-    return tuple(timed + untimed), excluded, not untimed
+    timed, skipped = measure(usable)  # only what fits the cap is ever timed
+    if not timed and not skipped:  # the search ranked nothing: keep the heuristic order, and ask again next time
+        return tuple(usable), excluded, False
+    # A search cut short by memory is not kept; one whose backend rejected some candidates is.
+    return tuple(timed) + tuple(skipped), excluded, not skipped
 
 
 def select(
@@ -138,16 +140,20 @@ def select(
     a, b, out = operands
     arena = backend.arena()
 
-    def measure(cands: list[Candidate]) -> list[Candidate]:
+    def measure(cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
         timed: list[Candidate] = []
+        skipped: list[Candidate] = []
 
         def time_fitting(largest: Candidate, ws: Any) -> None:
             fitting = [c for c in cands if c.workspace_bytes <= ws.nbytes]
-            timed.extend(backend.measure(pass_, geom, a, b, out, ws, fitting, stream))
+            skipped.extend(c for c in cands if c.workspace_bytes > ws.nbytes)
+            # A backend's search may report entries of its own; only those this workspace really holds count.
+            found = backend.measure(pass_, geom, a, b, out, ws, fitting, stream)
+            timed.extend(c for c in found if c.workspace_bytes <= ws.nbytes)
 
         by_size = tuple(sorted(cands, key=lambda c: c.workspace_bytes, reverse=True))
         run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap)
-        return timed
+        return timed, skipped
 
     return choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure, warn=warn)
 
@@ -173,14 +179,18 @@ def run_with_fallback(
     *,
     stream: Any,
     cap: int | None,
+    retry: tuple[type[BaseException], ...] = (),
 ) -> Candidate:
     """Lease a workspace for the first candidate that gets one and run it; return the candidate that ran.
 
     If growing the arena fails, fall back to the next candidates that fit in what the stream's sub-arena already
-    holds. Raises :class:`NoAlgorithmFitsError` (a ``MemoryError``) with the numbers when none can run.
+    holds. If ``run`` raises one of ``retry`` (the backend refuses this algorithm for these operands, e.g.
+    cuDNN's NOT_SUPPORTED), try the next candidate. Raises :class:`NoAlgorithmFitsError` (a ``MemoryError``)
+    with the numbers when memory stopped every candidate, or the last refusal when one was refused.
     """
     limit: int | None = None
     failure: ArenaOutOfMemoryError | None = None
+    refused: BaseException | None = None
     for cand in candidates:
         if limit is not None and cand.workspace_bytes > limit:
             continue
@@ -193,9 +203,16 @@ def run_with_fallback(
             continue
         try:
             run(cand, ws)
+        except retry as exc:
+            refused = exc
+            continue
         finally:
             lease.__exit__(None, None, None)
         return cand
+    if refused is not None:
+        if failure is not None:
+            refused.add_note(f"algorithms needing more workspace could not get it: {failure}")
+        raise refused
     raise NoAlgorithmFitsError(
         "out of memory: no algorithm fits in the workspace the arena could provide",
         requested=candidates[0].workspace_bytes,

@@ -154,10 +154,11 @@ def _execute(
     operands = tuple(arrays.values())
     if out is not None:
         _check_out(backend, out, out_shape, dtype, operands)
-    chosen = None if algo is None else forced(backend, pass_, geom, algo, cap=cfg.cap_workspace)
     # Everything that touches memory happens on the operands' device with `stream` current, so copies and the
-    # convolution are ordered on one stream.
+    # convolution are ordered on one stream. A forced algorithm is checked there too (its workspace size is the
+    # device's), before anything is allocated or enqueued.
     with backend.context(operands if out is None else (*operands, out), stream):
+        chosen = None if algo is None else forced(backend, pass_, geom, algo, cap=cfg.cap_workspace)
         result = backend.empty(out_shape, dtype) if out is None else out
         a, b = (_contiguous(x) for x in operands)
         if geom.batch == 0:
@@ -181,7 +182,9 @@ def _run(
     def run(cand: Candidate, ws: Any) -> None:
         backend.run(pass_, cand, geom, a, b, out, ws, stream)
 
-    run_with_fallback(backend.arena(), candidates, run, stream=stream, cap=cfg.cap_workspace)
+    run_with_fallback(
+        backend.arena(), candidates, run, stream=stream, cap=cfg.cap_workspace, retry=backend.retry_errors
+    )
 
 
 def conv_forward(

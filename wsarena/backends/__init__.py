@@ -40,6 +40,8 @@ class Candidate:
 
 class Backend(Protocol):
     name: str
+    # Errors from run() that mean "this algorithm cannot run these operands": the next candidate is tried.
+    retry_errors: tuple[type[BaseException], ...]
 
     def device_label(self) -> str:
         """What the report prints as the device (``"cpu"``, ``"NVIDIA H100 80GB HBM3 (0)"``)."""

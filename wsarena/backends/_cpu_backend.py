@@ -15,6 +15,7 @@ from . import Candidate, cpu
 
 class CpuBackend:
     name = "cpu"
+    retry_errors = ()  # every CPU algorithm runs every geometry
 
     def device_label(self) -> str:
         return "cpu"

@@ -31,6 +31,13 @@ class CudnnBackend:
         self._cupy = cupy
         self._cudnn = cudnn
         cudnn.bind_all()
+        # cuDNN's heuristics can list an algorithm its kernel then refuses: a shape it does not support, or an
+        # operand pointer without the alignment a tensor-core kernel needs (a view at an odd offset). PyTorch
+        # moves on to the next algorithm in both cases, and so does wsarena (for that call only).
+        self.retry_errors = (
+            cudnn.error_class(cudnn.Status.NOT_SUPPORTED),
+            cudnn.error_class(cudnn.Status.BAD_PARAM_MISALIGNED_POINTER),
+        )
 
     # -- where -------------------------------------------------------------------------------------------------
     def _device(self) -> int:
