@@ -73,7 +73,7 @@ def test_pointer_order_per_pass():
     assert _pointers("bwd_filter", a, b, out) == {"x": 1, "y": 2, "w": 3}
 
 
-def test_usable_keeps_successes_once_in_order():
+def test_usable_keeps_each_successful_algorithm_and_math_type_once_in_order():
     def perf(algo, status, mem, math, t=0.5):
         return AlgoPerf(algo, status, t, mem, 0, math)
 
@@ -81,17 +81,22 @@ def test_usable_keeps_successes_once_in_order():
     got = _usable(
         [
             perf(ConvolutionFwdAlgo.FFT, Status.NOT_SUPPORTED, 10, default),
-            perf(ConvolutionFwdAlgo.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 100, tensor_op),
-            perf(ConvolutionFwdAlgo.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 200, default),
+            perf(ConvolutionFwdAlgo.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 200, tensor_op),
+            perf(ConvolutionFwdAlgo.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 100, default),
+            perf(ConvolutionFwdAlgo.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 100, default),
+            perf(99, Status.SUCCESS, 0, default),  # an algorithm number from a newer cuDNN
             perf(ConvolutionFwdAlgo.IMPLICIT_GEMM, Status.SUCCESS, 0, default),
         ],
         timed=True,
     )
-    # the entry kept carries its own math type, so the kernel that runs is the one whose workspace was counted
+    # Each entry carries its own math type, so the kernel that runs is the one whose workspace was counted.
     assert got == [
-        Candidate("implicit_precomp_gemm", 100, 0.5, tensor_op),
+        Candidate("implicit_precomp_gemm", 200, 0.5, tensor_op),
+        Candidate("implicit_precomp_gemm", 100, 0.5, default),
         Candidate("implicit_gemm", 0, 0.5, default),
     ]
+    # A cap that excludes the tensor-core entry still leaves the algorithm with its other math type.
+    assert [c for c in got if c.workspace_bytes <= 150][0] == Candidate("implicit_precomp_gemm", 100, 0.5, default)
 
 
 def test_descriptors_follow_the_candidates_math_type(backend):

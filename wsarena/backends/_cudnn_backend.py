@@ -178,13 +178,19 @@ def _pointers(pass_: str, a: Any, b: Any, out: Any) -> dict[str, int]:
 
 
 def _usable(perfs: Sequence[Any], *, timed: bool = False) -> list[Candidate]:
-    """Successful entries, the first of each algorithm (cuDNN may list one per math type), with its math type."""
-    seen: dict[str, Candidate] = {}
+    """Successful entries in cuDNN's order, each (algorithm, math type) once, with its math type.
+
+    cuDNN may list an algorithm once per math type, with different workspace sizes: every entry stays, so
+    that a cap which excludes one (say the tensor-core one) still leaves the other. An algorithm number this
+    version of wsarena does not know (a newer cuDNN) is skipped: it could not be named or forced.
+    """
+    seen: dict[tuple[str, int], Candidate] = {}
     for perf in perfs:
-        name = perf.algo.name.lower()
-        if perf.status != 0 or name in seen:
+        if perf.status != 0 or not hasattr(perf.algo, "name"):
             continue
-        seen[name] = Candidate(name, int(perf.memory), float(perf.time_ms) if timed else None, int(perf.math_type))
+        key = (perf.algo.name.lower(), int(perf.math_type))
+        if key not in seen:
+            seen[key] = Candidate(key[0], int(perf.memory), float(perf.time_ms) if timed else None, key[1])
     return list(seen.values())
 
 
