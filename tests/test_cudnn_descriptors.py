@@ -127,6 +127,19 @@ def test_negative_dimension_is_bad_param():
         cudnn.ConvolutionDescriptor((-1, 0), (1, 1), (1, 1))
 
 
+def test_values_beyond_32_bits_are_refused_not_truncated():
+    from wsarena.errors import UnsupportedConvolutionError
+
+    # ctypes would keep the low 32 bits: 2**32 + 5 would become a valid-looking 5.
+    with pytest.raises(UnsupportedConvolutionError, match="4294967301"):
+        cudnn.TensorDescriptor(F32, (1, 1, 1, 2**32 + 5))
+    with pytest.raises(UnsupportedConvolutionError, match="32-bit"):
+        cudnn.ConvolutionDescriptor((0, 0), (1, 2**32 + 1), (1, 1))
+    # Within 32 bits but over 2**31 elements in all: cuDNN's own limit, its own status.
+    with pytest.raises(cudnn.CudnnNotSupportedError):
+        cudnn.TensorDescriptor(F32, (2, 1, 32768, 32768))
+
+
 def test_nine_dimensions_are_not_supported():
     with pytest.raises(cudnn.CudnnNotSupportedError) as info:
         cudnn.TensorDescriptor(F32, (1,) * 9)

@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
+from ..errors import UnsupportedConvolutionError
 from ._enums import ConvolutionMode, DataType, MathType, TensorFormat
 from ._prototypes import call
 
@@ -73,7 +74,14 @@ def _ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
         raise TypeError(f"{name} must be a sequence of ints, not {values!r}") from None
 
 
+_INT_MIN, _INT_MAX = -(2**31), 2**31 - 1
+
+
 def _c_ints(values: Sequence[int]) -> ctypes.Array:
+    """A C ``int[]`` of ``values``; ctypes would silently keep only the low 32 bits of a larger value."""
+    for v in values:
+        if not _INT_MIN <= v <= _INT_MAX:
+            raise UnsupportedConvolutionError(f"cuDNN descriptors hold 32-bit ints; {v} in {tuple(values)} does not fit")
     return (ctypes.c_int * max(len(values), 1))(*values)
 
 
