@@ -791,3 +791,36 @@ def test_importing_the_arena_does_not_import_cupy_or_cuda_bindings():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_cupy_provider_reports_a_failed_cudamalloc_as_out_of_memory(monkeypatch):
+    """Without a pool (cupy.cuda.set_allocator(None)) CuPy raises cudaMalloc's CUDARuntimeError, not a MemoryError."""
+    import contextlib
+
+    import cupy
+
+    from wsarena.arena import CupyProvider
+    from wsarena.errors import ArenaOutOfMemoryError
+
+    def fails_with(exc):
+        def alloc(nbytes):
+            raise exc
+
+        return alloc
+
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())  # no GPU here
+    monkeypatch.setattr(CupyProvider, "_cupy_stream", lambda self, handle: contextlib.nullcontext())
+    provider = CupyProvider(0)
+    monkeypatch.setattr(cupy.cuda, "alloc", fails_with(cupy.cuda.runtime.CUDARuntimeError(2)))
+    with pytest.raises(MemoryError, match="cudaMalloc of 4096 bytes"):
+        provider.allocate(4096, stream=7)
+    arena = Arena(provider)
+    with pytest.raises(ArenaOutOfMemoryError), arena.lease(4096, stream=7):
+        pass
+    assert arena.held_bytes(stream=7) == 0
+    monkeypatch.setattr(cupy.cuda, "alloc", fails_with(OverflowError("size_t")))
+    with pytest.raises(MemoryError):
+        provider.allocate(2**70, stream=7)
+    monkeypatch.setattr(cupy.cuda, "alloc", fails_with(cupy.cuda.runtime.CUDARuntimeError(700)))
+    with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):  # an illegal address is not a memory shortage
+        provider.allocate(4096, stream=7)

@@ -110,6 +110,9 @@ class HostProvider:
         return "HostProvider()"
 
 
+_CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
+
+
 def _current_device() -> int:
     import cupy
 
@@ -186,11 +189,26 @@ class CupyProvider(_DeviceProvider):
     def allocate(self, nbytes: int, *, stream: int) -> Buffer:
         import cupy
 
-        with cupy.cuda.Device(self.device), self._cupy_stream(stream):
-            memptr = cupy.cuda.alloc(nbytes)  # cupy.cuda.memory.OutOfMemoryError is a MemoryError
+        try:
+            with cupy.cuda.Device(self.device), self._cupy_stream(stream):
+                memptr = cupy.cuda.alloc(nbytes)  # the pools' OutOfMemoryError is a MemoryError
+        except cupy.cuda.runtime.CUDARuntimeError as exc:  # no pool (set_allocator(None)): cudaMalloc's own error
+            if exc.status != _CUDA_ERROR_MEMORY_ALLOCATION:
+                raise
+            raise MemoryError(f"cudaMalloc of {nbytes} bytes failed on device {self.device}: {exc}") from exc
+        except OverflowError as exc:  # beyond size_t: no device has it
+            raise MemoryError(f"{nbytes} bytes cannot be allocated on device {self.device}") from exc
         return Buffer(int(memptr.ptr), nbytes, memptr)
 
     def free(self, buffer: Buffer, *, stream: int | None) -> None:
+        import cupy
+
+        if stream is None and isinstance(getattr(buffer.handle, "mem", None), cupy.cuda.memory.MemoryAsync):
+            # The stream may be gone or belong to another thread. The default pool files the block under the
+            # stream it was allocated on either way, but memory from MemoryAsyncPool is freed with cudaFreeAsync
+            # on this thread's current stream, maybe before the owner's work ends: wait for the device first.
+            with cupy.cuda.Device(self.device):
+                cupy.cuda.runtime.deviceSynchronize()
         buffer.handle = None  # back to the pool, under the stream it was allocated on
 
     def as_array(self, buffer: Buffer | None, nbytes: int) -> Any:
