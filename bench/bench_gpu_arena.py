@@ -61,14 +61,14 @@ def main() -> None:
             for p, c in lp.choices.items():
                 mem = unshared[(i, p)]
                 ws = types.SimpleNamespace(ptr=mem.ptr, nbytes=c.workspace_bytes)
-                backend.run(p, c.algo, g, *ops[p], outs[p], ws, stream)
+                backend.run(p, c, g, *ops[p], outs[p], ws, stream)
 
     def run_per_call():
         for lp, g, ops, outs in layers:
             for p, c in lp.choices.items():
                 mem = cupy.cuda.alloc(c.workspace_bytes) if c.workspace_bytes else None
                 ws = types.SimpleNamespace(ptr=mem.ptr if mem else 0, nbytes=c.workspace_bytes)
-                backend.run(p, c.algo, g, *ops[p], outs[p], ws, stream)
+                backend.run(p, c, g, *ops[p], outs[p], ws, stream)
                 del mem
 
     def timed(fn):
