@@ -3,7 +3,7 @@
 Writes ``bench/results/gpu-check-<date>.json`` (or into ``--out``) with ``device``, ``cudnn_version``,
 ``passed``, ``failed``, ``skipped``, the failing test ids, and the benchmark's output. Exit status: pytest's.
 
-    python bench/gpu_check.py [--out DIR] [-- extra pytest args]
+    python bench/gpu_check.py [--out DIR] [--test-timeout S] [--bench-timeout S] [-- extra pytest args]
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -36,9 +37,23 @@ def junit_counts(path: Path) -> dict:
     return counts
 
 
+def _run(command: list[str], timeout: float, env: dict, capture: bool = False) -> subprocess.CompletedProcess:
+    """Run ``command`` in the checkout; past ``timeout`` seconds it is killed and its status is -9."""
+    try:
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=capture, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        def text(data: bytes | str | None) -> str:
+            return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+        stderr = text(exc.stderr) + f"\ntimed out after {timeout} s"
+        return subprocess.CompletedProcess(command, -9, text(exc.stdout), stderr)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--test-timeout", type=float, default=420, help="seconds for the whole test run")
+    parser.add_argument("--bench-timeout", type=float, default=150, help="seconds for the benchmark")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -46,16 +61,17 @@ def main() -> int:
 
     info = collect_info()
     devices = [d.get("name") for d in info["gpu"]["devices"] if "name" in d]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout, installed or not
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        tests = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *args.pytest_args],
-            cwd=ROOT,
-        )
-        counts = junit_counts(junit) if junit.exists() else {"passed": 0, "failed": 1, "skipped": 0, "failures": ["pytest did not run"]}
-    bench = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_gpu_arena.py")], cwd=ROOT, capture_output=True, text=True
-    )
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+        tests = _run([*command, *args.pytest_args], args.test_timeout, env)
+        if junit.exists():
+            counts = junit_counts(junit)
+        else:  # a crash (say a segfault in a C call) or the time limit: pytest wrote no report
+            reason = f"pytest ended without a report (exit status {tests.returncode})"
+            counts = {"passed": 0, "failed": 1, "skipped": 0, "failures": [reason]}
+    bench = _run([sys.executable, str(ROOT / "bench" / "bench_gpu_arena.py")], args.bench_timeout, env, capture=True)
     print(bench.stdout, bench.stderr, sep="\n")
     result = {
         "date": datetime.date.today().isoformat(),
