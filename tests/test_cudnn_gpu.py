@@ -203,10 +203,13 @@ def test_handles_are_destroyed_at_exit_quietly(cp):
         "import cupy, wsarena.cudnn as c\n"
         "cupy.cuda.Device(0).use()\n"
         "h = c.get_handle(0)\n"
-        "h.set_stream(cupy.cuda.Stream(non_blocking=True).ptr)\n"
+        "s = cupy.cuda.Stream(non_blocking=True)\n"  # kept alive: the handle must not name a destroyed stream
+        "h.set_stream(s.ptr)\n"
     )
     repo = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, check=False, timeout=120
+    )
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 
 

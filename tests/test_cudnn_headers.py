@@ -49,15 +49,22 @@ def test_every_declared_enumerator_has_the_compiled_value(compiled):
     assert checked == sum(len(n) for n in cudnn.C_NAMES.values()) > 100
 
 
+def _generated_from_these_headers() -> bool:
+    return cudnn.HEADER_VERSION == str(_headers.header_version())
+
+
 @pytest.mark.parametrize("typedef", sorted(cudnn.C_NAMES))
 def test_no_header_enumerator_is_missing(typedef):
     header = probe.parsed()["enums"][typedef]
-    assert list(cudnn.C_NAMES[typedef]) == [name for name, _ in header]
     enum = cudnn.C_TYPEDEFS[typedef]
-    for c_name, value in header:
-        assert enum[cudnn.C_NAMES[typedef][c_name]] == value
-    # Every distinct header value is a canonical member, and nothing else is.
-    assert {m.value for m in enum} == {value for _, value in header}
+    values = dict(header)
+    # Any cuDNN 9 keeps the values of the enumerators wsarena binds (a newer one may add others).
+    for c_name, member in cudnn.C_NAMES[typedef].items():
+        assert values.get(c_name) == enum[member], f"{c_name}: {values.get(c_name)} in the headers, {int(enum[member])} here"
+    if _generated_from_these_headers():  # the headers the enums came from: nothing left out either
+        assert list(cudnn.C_NAMES[typedef]) == [name for name, _ in header]
+        # Every distinct header value is a canonical member, and nothing else is.
+        assert {m.value for m in enum} == {value for _, value in header}
 
 
 def test_parser_values_agree_with_the_compiler(compiled):
@@ -96,8 +103,13 @@ def test_algorithm_counts_match_the_notes():
 
 
 def test_generated_file_is_up_to_date():
-    gen = _generator()
     version = str(_headers.header_version())
+    if not _generated_from_these_headers():
+        pytest.skip(
+            f"the installed headers are cuDNN {version}; _enums.py was generated from {cudnn.HEADER_VERSION} "
+            "(test_no_header_enumerator_is_missing checks that they agree)"
+        )
+    gen = _generator()
     expected = gen.render(probe.parsed()["enums"], version, _headers.CUDNN_HEADERS)
     current = (Path(cudnn.__file__).parent / "_enums.py").read_text()
     assert current == expected, "wsarena/cudnn/_enums.py is stale: run python tools/gen_cudnn_enums.py"

@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False, timeout=120
+    )
 
 
 @needs_cudnn
