@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from ..errors import UnsupportedConvolutionError
 from ._enums import ConvolutionMode, DataType, MathType, TensorFormat
+from ._owned import Owned
 from ._prototypes import call
 
 __all__ = [
@@ -101,7 +102,7 @@ def _destroy_quietly(destroy_name: str, handle: int, what: str) -> None:
         warnings.warn(f"wsarena.cudnn: destroying {what} failed: {exc}", ResourceWarning, stacklevel=1)
 
 
-class _Descriptor:
+class _Descriptor(Owned):
     """Owns one cuDNN descriptor handle; subclasses say which Create/Destroy functions manage it."""
 
     __slots__ = ("__weakref__", "_finalizer", "_handle")
@@ -127,29 +128,6 @@ class _Descriptor:
                 except Exception:  # noqa: BLE001 - the Set* error is the one to report
                     pass
             raise
-
-    @property
-    def handle(self) -> int:
-        """The raw ``cudnn*Descriptor_t`` as an int.
-
-        Raises
-        ------
-        ValueError
-            The descriptor is closed.
-        """
-        if not self._finalizer.alive:
-            raise ValueError(f"{type(self).__name__} is closed")
-        return self._handle
-
-    @property
-    def _as_parameter_(self) -> ctypes.c_void_p:
-        # Lets a descriptor object be passed straight to a declared ctypes function.
-        return ctypes.c_void_p(self.handle)
-
-    @property
-    def closed(self) -> bool:
-        """``True`` once the cuDNN descriptor has been destroyed."""
-        return not self._finalizer.alive
 
     def close(self) -> None:
         """Destroy the cuDNN descriptor now; later calls do nothing.

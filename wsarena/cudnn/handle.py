@@ -20,6 +20,7 @@ import weakref
 
 from .._gpu import gpu_unusable_reason
 from ._errors import CudnnGpuUnavailableError, check, status_message
+from ._owned import Owned
 from ._prototypes import call, function
 
 __all__ = ["Handle", "close_all_handles", "get_handle"]
@@ -44,7 +45,7 @@ def _current_device() -> int | None:
     return int(device) if err == runtime.cudaError_t.cudaSuccess else None
 
 
-class Handle:
+class Handle(Owned):
     """An owned ``cudnnHandle_t`` for one device, used by one host thread. Get it from :func:`get_handle`.
 
     Attributes
@@ -77,21 +78,6 @@ class Handle:
         self._stream: int | None = None  # what cudnnSetStream was last given; None = cuDNN's default
         self._finalizer = weakref.finalize(self, _destroy_quietly, self._handle)
         self._finalizer.atexit = False  # the atexit hook below destroys live handles itself, in time
-
-    @property
-    def handle(self) -> int:
-        """The raw ``cudnnHandle_t`` as an int (``ValueError`` once closed)."""
-        if not self._finalizer.alive:
-            raise ValueError("the cuDNN handle is closed")
-        return self._handle
-
-    @property
-    def _as_parameter_(self) -> ctypes.c_void_p:
-        return ctypes.c_void_p(self.handle)
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     @property
     def stream(self) -> int:
