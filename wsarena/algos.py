@@ -99,7 +99,9 @@ def _rank(
     """(usable candidates best first, the heuristic favourite if the cap excluded it, whether all were ranked)."""
     ranked = backend.candidates(pass_, geom)
     if not ranked:
-        raise UnsupportedConvolutionError(f"the {backend.name} backend has no algorithm for {pass_} of {_describe(geom)}")
+        raise UnsupportedConvolutionError(
+            f"the {backend.name} backend has no algorithm for {pass_} of {_describe(geom)}"
+        )
     usable = _fits(ranked, cap)
     if not usable:
         smallest = min((c.workspace_bytes for c in ranked), default=0)

@@ -98,7 +98,8 @@ def _check(pass_: str, algo: str | None = None) -> tuple[str, ...]:
 
 
 # The family of each algorithm name, in ALGORITHMS' column order.
-_KINDS = {algo: kind for algos in ALGORITHMS.values() for algo, kind in zip(algos, ("implicit", "tiled", "per_image", "batch"))}
+_FAMILIES = ("implicit", "tiled", "per_image", "batch")
+_KINDS = {algo: kind for algos in ALGORITHMS.values() for algo, kind in zip(algos, _FAMILIES)}
 
 
 def _kind(algo: str) -> str:

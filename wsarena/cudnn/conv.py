@@ -212,7 +212,8 @@ def find_algorithms(
     returned = ctypes.c_int()
     first, second, written = _in_c_order(pass_, (x_desc, x_ptr), (w_desc, w_ptr), (y_desc, y_ptr))
     call(
-        spec.find_ex, handle, *first, *second, conv_desc, *written, n, ctypes.byref(returned), results, workspace_ptr or None, int(workspace_bytes),
+        spec.find_ex, handle, *first, *second, conv_desc, *written, n, ctypes.byref(returned), results,
+        workspace_ptr or None, int(workspace_bytes),
         context=f"{_context(pass_, x_desc, w_desc, conv_desc, y_desc)}, workspace {int(workspace_bytes)} bytes",
     )
     return [AlgoPerf.from_struct(results[i]) for i in range(returned.value)]

@@ -82,7 +82,9 @@ def _c_ints(values: Sequence[int]) -> ctypes.Array:
     """A C ``int[]`` of ``values``; ctypes would silently keep only the low 32 bits of a larger value."""
     for v in values:
         if not _INT_MIN <= v <= _INT_MAX:
-            raise UnsupportedConvolutionError(f"cuDNN descriptors hold 32-bit ints; {v} in {tuple(values)} does not fit")
+            raise UnsupportedConvolutionError(
+                f"cuDNN descriptors hold 32-bit ints; {v} in {tuple(values)} does not fit"
+            )
     return (ctypes.c_int * max(len(values), 1))(*values)
 
 
