@@ -11,13 +11,15 @@ float32 with tensor cores allowed (``TENSOR_OP_MATH``), as PyTorch does; float64
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..arena import get_arena
+from ..arena import get_arena, stream_handle
 from . import Candidate
 
 _DATA = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BFLOAT16", "float64": "DOUBLE"}
+_DESCRIPTOR_SETS = 1024  # (geometry, math type) pairs whose descriptors the backend keeps at hand
 
 
 class CudnnBackend:
@@ -31,6 +33,8 @@ class CudnnBackend:
         self._cupy = cupy
         self._cudnn = cudnn
         cudnn.bind_all()
+        self._descs: dict[tuple[Any, int | None], tuple[Any, Any, Any, Any]] = {}
+        self._descs_lock = threading.Lock()  # guards changes to _descs; lookups read it without the lock
         # cuDNN's heuristics can list an algorithm its kernel then refuses: a shape it does not support, or an
         # operand pointer without the alignment a tensor-core kernel needs (a view at an odd offset). PyTorch
         # moves on to the next algorithm in both cases, and so does wsarena (for that call only).
@@ -65,8 +69,6 @@ class CudnnBackend:
                 yield
                 return
             if not isinstance(stream, self._cupy.cuda.Stream):
-                from ..arena import stream_handle
-
                 stream = self._cupy.cuda.Stream.from_external(_RawStream(stream_handle(stream)))
             with stream:
                 yield
@@ -87,7 +89,24 @@ class CudnnBackend:
 
     # -- descriptors -------------------------------------------------------------------------------------------
     def _descriptors(self, geom: Any, math_type: int | None = None) -> tuple[Any, Any, Any, Any]:
-        """Descriptors of ``geom``; the convolution's math type is ``math_type`` or this dtype's default."""
+        """Descriptors of ``geom``; the convolution's math type is ``math_type`` or this dtype's default.
+
+        Remembered per (geometry, math type): building the four lookup keys of the shared descriptor cache
+        costs tens of microseconds, as much as a small convolution's kernel, and a training loop repeats them.
+        """
+        key = (geom, math_type)
+        descs = self._descs.get(key)
+        if descs is not None:
+            x, w, conv, y = descs
+            if not (x.closed or w.closed or conv.closed or y.closed):  # closed by mistake: built again below
+                return descs
+        with self._descs_lock:
+            if len(self._descs) >= _DESCRIPTOR_SETS:
+                self._descs.pop(next(iter(self._descs)))  # the oldest; it stays usable for whoever holds it
+            descs = self._descs[key] = self._build_descriptors(geom, math_type)
+        return descs
+
+    def _build_descriptors(self, geom: Any, math_type: int | None) -> tuple[Any, Any, Any, Any]:
         c = self._cudnn
         data = c.DataType[_DATA[geom.dtype]]
         compute = c.DataType.DOUBLE if geom.dtype == "float64" else c.DataType.FLOAT
@@ -149,8 +168,6 @@ class CudnnBackend:
         )
 
     def _bound_handle(self, stream: Any) -> Any:
-        from ..arena import stream_handle
-
         handle = self._handle()
         handle.set_stream(stream_handle(stream))
         return handle
