@@ -9,6 +9,8 @@ workspace comes from differs:
   PyTorch does with its caching allocator.
 
 Reports workspace bytes held after a step and the median step time (CUDA events), with ratios against wsarena.
+Then the host time of one tiny cached call (1x1x4x4 input, 1x1x3x3 filter, ``out=`` given), which bounds how
+fast small layers can be issued, beside ``torch.nn.functional.conv2d`` on the same GPU when torch is there.
 Run: python bench/bench_gpu_arena.py [--model resnet50] [--batch 32] [--repeat 5]
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 import types
 
 import cupy
@@ -101,6 +104,38 @@ def main() -> None:
     for label, held, t in (("wsarena", held_ws, t_ws), ("unshared", held_un, t_un), ("per-call", held_pc, t_pc)):
         ratio = f"{held / held_ws:.2f}x" if held_ws else "-"
         print(f"{label:<10} {wsarena.format_size(int(held)):>15} {ratio:>11} {t:9.2f} {t / t_ws:10.2f}x")
+
+    host_overhead()
+
+
+def host_overhead(n: int = 2000) -> None:
+    x = cupy.ones((1, 1, 4, 4), cupy.float32)
+    w = cupy.ones((1, 1, 3, 3), cupy.float32)
+    y = cupy.empty((1, 1, 2, 2), cupy.float32)
+
+    def per_call(fn) -> float:
+        fn()  # algorithm choice, arena and pool growth
+        cupy.cuda.Device().synchronize()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append((time.perf_counter() - start) / n)  # host time: the kernels queue behind
+            cupy.cuda.Device().synchronize()
+        return statistics.median(times) * 1e6
+
+    t_ws = per_call(lambda: wsarena.conv_forward(x, w, out=y))
+    line = f"host time of one tiny cached call: wsarena {t_ws:.1f} us"
+    try:
+        import torch
+    except ImportError:
+        print(line + " (torch not installed: no comparison)")
+        return
+    tx, tw = torch.as_tensor(x, device="cuda"), torch.as_tensor(w, device="cuda")
+    with torch.no_grad():
+        t_torch = per_call(lambda: torch.nn.functional.conv2d(tx, tw))
+    print(f"{line}, torch {t_torch:.1f} us, wsarena/torch = {t_ws / t_torch:.2f}x")
 
 
 if __name__ == "__main__":
