@@ -106,6 +106,8 @@ def test_plot_writes_a_png(capsys, tmp_path):
         (["report", "missing.onnx"], "missing.onnx"),
         (["report"], "model"),
         (["frobnicate"], "frobnicate"),
+        (["report", "resnet50", "--input-shape", "1,3,a,b"], "1,3,a,b"),
+        (["report", "resnet50", "--input-shape", "1,3,224,224"], "onnx models only"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, needle):
@@ -157,3 +159,30 @@ def test_console_script_entry_point_exists():
 
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "wsarena"]
     assert ep.value == "wsarena.cli:main"
+
+
+def test_input_shape_fixes_a_symbolic_onnx_input(capsys, tmp_path):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    w = numpy_helper.from_array(np.zeros((8, 3, 3, 3), np.float32), "w")
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="stem", pads=[1, 1, 1, 1])
+    model = helper.make_model(helper.make_graph([node], "g", [x], [y], initializer=[w]))
+    path = tmp_path / "symbolic.onnx"
+    onnx.save(model, str(path))
+
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--format", "json")
+    assert code == 2 and "unknown" in err
+    for flag in ("1,3,64,48", "x=1x3x64x48"):
+        code, out, err = run_main(
+            capsys, "report", str(path), "--backend", "cpu", "--format", "json", "--input-shape", flag
+        )
+        assert code == 0, err
+        assert json.loads(out)["layers"][0]["input_shape"] == [1, 3, 64, 48]
+    code, out, err = run_main(
+        capsys, "report", str(path), "--backend", "cpu", "--input-shape", "1,3,8,8", "--input-shape", "x=1,3,8,8"
+    )
+    assert code == 2 and "name each input" in err

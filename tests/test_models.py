@@ -549,6 +549,33 @@ def test_onnx_symbolic_spatial_size_is_unknown(tmp_path):
             load_model(path, skip_unknown=True)
 
 
+def test_onnx_input_shapes_fix_symbolic_sizes_before_inference(tmp_path):
+    nodes = [conv("c1", "x", "w1", "y1", pads=[1, 1, 1, 1]), conv("c2", "y1", "w2", "y2", strides=[2, 2])]
+    path = save(tmp_path, nodes, [vi("x", ["N", 3, "H", "W"])], [weight("w1", (8, 3, 3, 3)), weight("w2", (4, 8, 3, 3))])
+    by_name = load_model(path, input_shapes={"x": (16, 3, 32, 40)})
+    only_one = load_model(path, input_shapes=[1, 3, np.int64(32), 40])
+    assert [l.input_shape for l in by_name] == [(1, 3, 32, 40), (1, 8, 32, 40)]  # batch 1, as every layer list
+    assert [l.input_shape for l in only_one] == [l.input_shape for l in by_name]
+    with pytest.raises(ModelError, match=r"no graph input 'image'; the inputs are 'x'"):
+        load_model(path, input_shapes={"image": (1, 3, 32, 32)})
+    with pytest.raises(ModelError, match=r"input 'x' has 4 dims \[\?, 3, \?, \?\], not 3"):
+        load_model(path, input_shapes=(3, 32, 32))
+    with pytest.raises(ModelError, match="positive ints"):
+        load_model(path, input_shapes={"x": (1, 3, 0, 32)})
+    with pytest.raises(ValueError, match="onnx models only"):
+        load_model("resnet50", input_shapes=(1, 3, 224, 224))
+
+
+def test_onnx_one_input_shape_needs_a_model_with_one_input(tmp_path):
+    nodes = [conv("a", "x", "w", "ya"), conv("b", "z", "w", "yb")]
+    path = save(tmp_path, nodes, [vi("x", [1, 3, "H", "W"]), vi("z", [1, 3, "H", "W"])], [weight("w", (4, 3, 3, 3))],
+                outputs=[vi("ya", None), vi("yb", None)])
+    with pytest.raises(ModelError, match=r"model has 2 inputs \('x', 'z'\); name each"):
+        load_model(path, input_shapes=(1, 3, 16, 16))
+    layers = load_model(path, input_shapes={"x": (1, 3, 16, 16), "z": (1, 3, 9, 9)})
+    assert [l.input_shape for l in layers] == [(1, 3, 16, 16), (1, 3, 9, 9)]
+
+
 def test_onnx_without_conv(tmp_path):
     path = save(tmp_path, [helper.make_node("Relu", ["x"], ["y"])], [vi("x", [1, 3, 8, 8])])
     with pytest.raises(ModelError, match="has no Conv or ConvTranspose node"):

@@ -61,6 +61,27 @@ def _positive(text: str) -> int:
     return value
 
 
+def _input_shape(text: str) -> tuple[str | None, tuple[int, ...]]:
+    """``[NAME=]D0,D1,...`` (``x`` separates dims too: ``1x3x800x800``) -> (name or None, dims)."""
+    name, _, dims = text.rpartition("=")
+    try:
+        shape = tuple(int(d) for d in dims.replace("x", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected [NAME=]D0,D1,... with integer dims, not {text!r}") from None
+    return name.strip() or None, shape
+
+
+def _input_shapes(given: list[tuple[str | None, tuple[int, ...]]] | None) -> Any:
+    """What ``load_model(input_shapes=...)`` takes: one shape, or ``{name: shape}``."""
+    if not given:
+        return None
+    if len(given) == 1 and given[0][0] is None:
+        return given[0][1]
+    if any(name is None for name, _ in given):
+        raise UsageError("with several --input-shape options, name each input: --input-shape NAME=DIMS")
+    return dict(given)
+
+
 def _parser() -> _Parser:
     parser = _Parser(prog="wsarena", description="Shared, capped cuDNN convolution workspace.")
     parser.add_argument("--version", action="version", version=f"wsarena {__version__}")
@@ -82,6 +103,10 @@ def _parser() -> _Parser:
     report.add_argument("--format", choices=("table", "json", "csv"), default="table")
     report.add_argument("--plot", metavar="FILE.png", help="draw per-layer workspace and the arena (needs wsarena[plot])")
     report.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
+    report.add_argument(
+        "--input-shape", type=_input_shape, action="append", metavar="[NAME=]DIMS",
+        help="fix an ONNX input's shape (1,3,800,800 or images=1x3x800x800); once per input",
+    )
 
     info = sub.add_parser("info", help="versions, library paths, devices, and the backend 'auto' picks")
     info.add_argument("--format", choices=("text", "json"), default="text")
@@ -115,7 +140,7 @@ def _report(args: argparse.Namespace) -> int:
     from .models import load_model
     from .planner import plan, text_progress
 
-    layers = load_model(args.model, skip_unknown=args.skip_unknown)
+    layers = load_model(args.model, skip_unknown=args.skip_unknown, input_shapes=_input_shapes(args.input_shape))
     kwargs: dict[str, Any] = {}
     if args.cap_workspace is not _FROM_CONFIG:
         kwargs["cap_workspace"] = args.cap_workspace

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._json import layers_from_json, layers_to_json, load_json
@@ -72,6 +72,7 @@ def load_model(
     *,
     skip_unknown: bool = False,
     asymmetric_pads: str = "widen",
+    input_shapes: Mapping[str, Sequence[int]] | Sequence[int] | None = None,
 ) -> list[ConvLayer]:
     """The convolution layers of a model, at batch 1, in execution order.
 
@@ -87,6 +88,9 @@ def load_model(
         ONNX only: how to treat asymmetric padding, which cuDNN cannot take. ``"widen"`` models the convolution
         onnxruntime's CUDA provider runs (see :mod:`wsarena.models._onnx`); ``"error"`` treats such nodes like
         unknown shapes.
+    input_shapes : mapping or sequence, optional
+        ONNX only: fix graph input shapes before shape inference, ``{name: (N, C, H, W)}`` or one shape for a
+        model with a single input; for models with symbolic spatial sizes.
 
     Returns
     -------
@@ -100,13 +104,17 @@ def load_model(
     """
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
+        ext = os.path.splitext(text)[1].lower()
+        if input_shapes is not None and ext != ".onnx":
+            raise ValueError(f"input_shapes applies to .onnx models only, not {text!r}")
         if isinstance(source, str):
             layers = zoo_model(text)
             if layers is not None:
                 return layers
-        ext = os.path.splitext(text)[1].lower()
         if ext == ".onnx":
-            return load_onnx(text, skip_unknown=skip_unknown, asymmetric_pads=asymmetric_pads)
+            return load_onnx(
+                text, skip_unknown=skip_unknown, asymmetric_pads=asymmetric_pads, input_shapes=input_shapes
+            )
         if ext == ".json":
             return load_json(text)
         zoo = ", ".join(zoo_names())
@@ -115,6 +123,8 @@ def load_model(
         close = difflib.get_close_matches(text.lower(), zoo_names(), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ModelError(f"unknown model {text!r}: not a zoo model ({zoo}) nor a .onnx or .json file{hint}")
+    if input_shapes is not None:
+        raise ValueError("input_shapes applies to .onnx models only, not to a layer list")
     if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
         if all(isinstance(layer, ConvLayer) for layer in source):
             if not source:

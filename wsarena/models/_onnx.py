@@ -10,7 +10,8 @@ node order, named after the node (its first output when the node has no name).
   inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation). A symbolic or missing batch dimension
   is taken as 1, and any batch in the file is replaced by 1: the planner applies its own batch.
 * A convolution whose input or weight shape is still unknown after inference is an error naming the nodes, or,
-  with ``skip_unknown=True``, is left out with a warning.
+  with ``skip_unknown=True``, is left out with a warning. Symbolic spatial sizes (a detector's ``H`` and
+  ``W``) can be fixed with ``input_shapes`` (``--input-shape`` on the command line) before inference.
 * Asymmetric padding (explicit ``pads`` or ``SAME_*`` with an odd total) cannot be given to cuDNN. With
   ``asymmetric_pads="widen"`` (the default) a ``Conv`` is modelled the way onnxruntime's CUDA provider runs it:
   the larger of the two pads on both sides, then the extra output row or column sliced off; a
@@ -23,8 +24,10 @@ node order, named after the node (its first output when the node has no name).
 
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._layer import ConvLayer, ModelError
@@ -159,14 +162,19 @@ def _names(items: list[tuple[str, str]], limit: int = 5) -> str:
 
 
 def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
-              asymmetric_pads: str = "widen") -> list[ConvLayer]:
+              asymmetric_pads: str = "widen",
+              input_shapes: Mapping[str, Sequence[int]] | Sequence[int] | None = None) -> list[ConvLayer]:
     """The convolutions of the ONNX model at ``path``; see the module docstring for the rules.
+
+    ``input_shapes`` fixes the shapes of graph inputs before shape inference, for models whose spatial
+    sizes are symbolic: ``{input name: shape}``, or one shape for a model with a single input. The batch entry
+    is kept only for inference; layers are at batch 1 as always.
 
     Raises
     ------
     ModelError
-        Unreadable file, not an ONNX model, no convolution, or (without ``skip_unknown``) convs whose shapes
-        stay unknown, naming them.
+        Unreadable file, not an ONNX model, no convolution, an ``input_shapes`` entry that names no graph input
+        or does not match its rank, or (without ``skip_unknown``) convs whose shapes stay unknown, naming them.
     """
     if asymmetric_pads not in ("widen", "error"):
         raise ValueError(f"asymmetric_pads must be 'widen' or 'error', not {asymmetric_pads!r}")
@@ -196,6 +204,8 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
                       stacklevel=3)
     if not convs:
         raise ModelError(f"{path!r}: the ONNX model has no Conv or ConvTranspose node in its main graph")
+    if input_shapes is not None:
+        _fix_input_shapes(model.graph, input_shapes, path)
     try:
         inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
     except Exception as exc:  # inference errors come in several types; any of them means no shapes
@@ -235,6 +245,33 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     if not layers:
         raise ModelError(f"{path!r}: none of the model's {len(convs)} conv node(s) could be planned")
     return layers
+
+
+def _fix_input_shapes(graph: Any, input_shapes: Mapping[str, Sequence[int]] | Sequence[int], path: str) -> None:
+    """Write fixed dims into the graph inputs named by ``input_shapes`` (see :func:`load_onnx`)."""
+    initializers = {init.name for init in graph.initializer}
+    inputs = {vi.name: vi for vi in graph.input if vi.name not in initializers}
+    if not isinstance(input_shapes, Mapping):
+        if len(inputs) != 1:
+            raise ModelError(
+                f"{path!r}: one input shape was given but the model has {len(inputs)} inputs "
+                f"({', '.join(map(repr, inputs)) or 'none'}); name each, NAME=DIMS"
+            )
+        input_shapes = {next(iter(inputs)): input_shapes}
+    for name, shape in input_shapes.items():
+        if name not in inputs:
+            raise ModelError(f"{path!r}: no graph input {name!r}; the inputs are {', '.join(map(repr, inputs))}")
+        dims = tuple(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else ()
+        if not dims or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in dims):
+            raise ModelError(f"{path!r}: the shape of input {name!r} must be positive ints, not {shape!r}")
+        dims = tuple(int(d) for d in dims)
+        tensor = inputs[name].type.tensor_type
+        declared = _dims(inputs[name].type)
+        if declared is not None and len(declared) != len(dims):
+            raise ModelError(f"{path!r}: input {name!r} has {len(declared)} dims {_show(declared)}, not {len(dims)}")
+        tensor.shape.ClearField("dim")
+        for d in dims:
+            tensor.shape.dim.add().dim_value = d
 
 
 def _show(dims: tuple[int | None, ...] | None) -> str:
