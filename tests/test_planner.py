@@ -44,6 +44,25 @@ def test_to_dict_follows_the_report_schema(resnet50):
     assert "bwd_data" not in layer and set(layer["fwd"]) == {"algo", "workspace_bytes"}
 
 
+def test_exhaustive_plan_times_each_distinct_shape_once_and_the_ops_follow_it(resnet50, monkeypatch):
+    layers = resnet50[4:11]  # layer1.1 and layer1.2 repeat layer1.0's shapes after its downsample
+    geoms = {layer.geometry(batch=1) for layer in layers}
+    made, timed = [], []
+    real_random, real_measure = CpuBackend.random, CpuBackend.measure
+    monkeypatch.setattr(CpuBackend, "random", lambda self, *a: made.append(a) or real_random(self, *a))
+    monkeypatch.setattr(CpuBackend, "measure", lambda self, *a: timed.append(a) or real_measure(self, *a))
+    p = wsarena.plan(layers, batch=1, backend="cpu", search="exhaustive", passes=("fwd",), cap_workspace=None)
+    assert len(geoms) < len(layers)
+    assert len(made) == 3 * len(geoms) and len(timed) == len(geoms)  # x, w and y per distinct forward shape
+    # The ops, searching exhaustively too, find the plan's choices in the cache: nothing is timed again.
+    with config(algo_search="exhaustive"):
+        for lp in p.layers:
+            g = lp.geometry
+            x, w = np.zeros(g.input_shape, np.float32), np.zeros(g.weight_shape, np.float32)
+            conv_forward(x, w, stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
+    assert len(timed) == len(geoms)
+
+
 def test_cap_bounds_every_choice(resnet50):
     cap = 2 << 20
     p = wsarena.plan(resnet50, batch=8, backend="cpu", cap_workspace=cap)

@@ -128,21 +128,23 @@ def select(
     *,
     cap: int | None,
     search: str,
-    operands: tuple[Any, Any, Any] | None = None,
+    operands: tuple[Any, Any, Any] | Callable[[], tuple[Any, Any, Any]] | None = None,
     stream: Any = None,
     warn: bool = True,
 ) -> tuple[Candidate, ...]:
     """:func:`choose`, with an exhaustive search timed on ``operands`` (``(a, b, out)`` of the pass).
 
-    The search leases one workspace from the backend's arena, as large as the largest candidate under the cap
-    needs (or, if that cannot be had, what the stream's sub-arena holds), and times every candidate that fits.
+    ``operands`` may be a function that makes them, called only when the choice is not cached yet (the
+    planner's random operands). The search leases one workspace from the backend's arena, as large as the
+    largest candidate under the cap needs (or, if that cannot be had, what the stream's sub-arena holds), and
+    times every candidate that fits.
     """
     if search != "exhaustive" or operands is None:
         return choose(backend, pass_, geom, cap=cap, search="heuristic", warn=warn)
-    a, b, out = operands
     arena = backend.arena()
 
     def measure(cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+        a, b, out = operands() if callable(operands) else operands
         timed: list[Candidate] = []
         skipped: list[Candidate] = []
 

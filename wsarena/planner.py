@@ -12,6 +12,7 @@ say): each stream holds the largest workspace of its own layers, and the arena i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -200,7 +201,8 @@ def plan(
     for i, (layer, geom) in enumerate(zip(layers, geometries)):
         choices = {}
         for pass_ in passes:
-            operands = _operands(impl, pass_, geom) if search == "exhaustive" else None
+            # Random operands only where the search really times (a shape seen before is cached).
+            operands = functools.partial(_operands, impl, pass_, geom)
             choices[pass_] = select(impl, pass_, geom, cap=cap, search=search, operands=operands, warn=False)[0]
         planned.append(
             LayerPlan(layer.name, geom, assignment[i], choices, transposed=bool(getattr(layer, "transposed", False)))
