@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__
-from ._config import get_config
+from ._config import _parse_cap, get_config
 from ._geometry import DTYPES, PASSES
-from ._sizes import format_size, parse_size
+from ._sizes import format_size
 from .errors import BackendUnavailableError
 
 __all__ = ["main"]
@@ -35,10 +35,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _size(text: str) -> int | None:
-    if text.strip().lower() == "none":
-        return None
     try:
-        return parse_size(text)
+        return _parse_cap(text)  # what WSARENA_CAP_WORKSPACE and configure() take, "none" included
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
