@@ -186,3 +186,15 @@ def test_input_shape_fixes_a_symbolic_onnx_input(capsys, tmp_path):
         capsys, "report", str(path), "--backend", "cpu", "--input-shape", "1,3,8,8", "--input-shape", "x=1,3,8,8"
     )
     assert code == 2 and "name each input" in err
+
+
+def test_a_reader_that_stops_early_ends_the_report_quietly():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wsarena", "report", "resnet50", "--format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    assert proc.stdout.read(5) == b'{\n  "'  # like `| head -c 5`: read a little, then close the pipe
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141 and stderr == b""

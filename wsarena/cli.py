@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -22,6 +23,7 @@ from .errors import BackendUnavailableError
 __all__ = ["main"]
 
 EXIT_OK, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 2, 3
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader closed the pipe
 _FROM_CONFIG = object()  # --cap-workspace not given: the configured cap (WSARENA_CAP_WORKSPACE) applies
 
 
@@ -117,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "info":
             return _info(args)
         return _report(args)
+    except BrokenPipeError:  # the reader went away (`wsarena report ... | head`): stop quietly, as SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail again
+        return EXIT_BROKEN_PIPE
     except UsageError as exc:
         print(f"wsarena: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
