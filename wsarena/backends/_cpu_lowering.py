@@ -79,7 +79,7 @@ class Plan:
     padded: bool  # some offset reads padding (im2col must write zeros)
     itemsize: int
     shapes: dict[str, tuple[tuple[int, ...], ...]]  # per pass: the shapes of (a, b, out)
-    memo: dict = dataclasses.field(default_factory=dict, compare=False)  # col_view layouts, filled lazily
+    memo: dict = dataclasses.field(default_factory=dict, compare=False)  # views and row blocks, filled lazily
 
 
 def _dim_range(size: int, out: int, j: int, s: int, p: int, d: int) -> tuple[int, int]:
@@ -135,13 +135,20 @@ def plan(geom: ConvGeometry) -> Plan:
 
 def act_view(a: np.ndarray, layout: str, groups: int) -> np.ndarray:
     """``(N, C, *S)`` or ``(N, *S, C)`` -> the pixel-major view ``(N, *S, G, Cg)`` (no copy)."""
-    n, nd = a.shape[0], a.ndim - 2
+    shape, axes = _act_layout(a.shape, layout, groups)
+    v = a.reshape(shape)
+    return v if axes is None else v.transpose(axes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _act_layout(shape: tuple[int, ...], layout: str, groups: int) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """The reshape and transpose of :func:`act_view` (cached: small calls spend microseconds building them)."""
+    n, nd = shape[0], len(shape) - 2
     if layout == "NCHW":
-        c, sp = a.shape[1], a.shape[2:]
-        v = a.reshape(n, groups, c // groups, *sp)
-        return v.transpose(0, *range(3, 3 + nd), 1, 2)
-    c, sp = a.shape[-1], a.shape[1:-1]
-    return a.reshape(n, *sp, groups, c // groups)
+        c, sp = shape[1], shape[2:]
+        return (n, groups, c // groups, *sp), (0, *range(3, 3 + nd), 1, 2)
+    c, sp = shape[-1], shape[1:-1]
+    return (n, *sp, groups, c // groups), None
 
 
 def weight_view(w: np.ndarray, layout: str, groups: int) -> np.ndarray:
@@ -269,19 +276,24 @@ def _window(xp: np.ndarray, p: Plan, root: np.ndarray, offset: int, block: Rows)
     ``xp`` is a view of the C-contiguous ``root`` whose first element is ``offset`` bytes into it; the window
     covers the output rows of ``block``, which must read no padding.
     """
-    g = p.geom
-    nd = g.nd
-    st = xp.strides
-    shape = (xp.shape[0], *block.osize, *xp.shape[nd + 1 :], *g.kernel_size)
-    strides = (
-        st[0],
-        *(st[1 + i] * g.stride[i] for i in range(nd)),
-        *st[nd + 1 :],
-        *(st[1 + i] * g.dilation[i] for i in range(nd)),
-    )
-    # A block that reads no padding starts at input row row0*stride - padding (>= 0); in every other
-    # dimension the padding is 0 (any padding there would be read by kernel index 0 at output 0).
-    return strided(root, offset + (block.row0 * g.stride[0] - g.padding[0]) * st[1], shape, strides)
+    key = ("window", xp.shape, xp.strides, block.row0, block.osize)
+    found = p.memo.get(key)
+    if found is None:
+        g = p.geom
+        nd = g.nd
+        st = xp.strides
+        shape = (xp.shape[0], *block.osize, *xp.shape[nd + 1 :], *g.kernel_size)
+        strides = (
+            st[0],
+            *(st[1 + i] * g.stride[i] for i in range(nd)),
+            *st[nd + 1 :],
+            *(st[1 + i] * g.dilation[i] for i in range(nd)),
+        )
+        # A block that reads no padding starts at input row row0*stride - padding (>= 0); in every other
+        # dimension the padding is 0 (any padding there would be read by kernel index 0 at output 0).
+        found = p.memo[key] = (shape, strides, (block.row0 * g.stride[0] - g.padding[0]) * st[1])
+    shape, strides, start = found
+    return strided(root, offset + start, shape, strides)
 
 
 def im2col(xp: np.ndarray, col: np.ndarray, p: Plan, root: np.ndarray, offset: int, block: Rows | None = None) -> None:
