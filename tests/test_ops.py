@@ -213,6 +213,12 @@ def _fake_cupy_array(shape):
     return a
 
 
+def _read_only(shape: tuple[int, ...]) -> np.ndarray:
+    a = np.zeros(shape, np.float32)
+    a.flags.writeable = False
+    return a
+
+
 X = np.zeros((1, 4, 6, 6), np.float32)
 W = np.zeros((2, 4, 3, 3), np.float32)
 
@@ -235,6 +241,7 @@ W = np.zeros((2, 4, 3, 3), np.float32)
         (lambda: conv_forward(X, W, out=np.zeros((1, 2, 5, 5), np.float32)), ValueError, "out has shape"),
         (lambda: conv_forward(X, W, out=np.zeros((1, 2, 4, 4), np.float64)), TypeError, "out has dtype"),
         (lambda: conv_forward(X, W, out=np.zeros((1, 2, 4, 4, 2), np.float32)[..., 0]), ValueError, "C-contiguous"),
+        (lambda: conv_forward(X, W, out=_read_only((1, 2, 4, 4))), ValueError, "out is read-only"),
         (lambda: conv_forward(X, W, algo="winograd"), ValueError, "algo='winograd'"),
         (lambda: conv_forward(X, np.zeros((4, 4, 1, 1), np.float32), out=X), ValueError, "overlaps an input"),
         (lambda: conv_backward_data(np.zeros((1, 2, 5, 5), np.float32), W, X.shape), ValueError, "dy has shape"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -68,13 +68,23 @@ def _backend_for(types: dict[str, type], configured: str) -> Any:
     return get_backend(kind)
 
 
+class _Call(NamedTuple):
+    """What a call's array types, shapes, dtypes and parameters determine."""
+
+    backend: Any
+    geom: ConvGeometry
+    dtype: str
+    out_shape: tuple[int, ...]
+
+
 def _prepare(
     pass_: str, names: tuple[str, str], types: tuple[type, type], shapes: tuple[Any, Any], dtypes: tuple[Any, Any],
     input_shape: Any, weight_shape: Any, stride: Any, padding: Any, dilation: Any, groups: Any, layout: str,
     configured: str,
-) -> tuple[Any, ConvGeometry, str]:
-    """Check what a call's array types, shapes and dtypes and its parameters determine; return
-    ``(backend, geometry, dtype)``. Raises the ``TypeError``/``ValueError`` that names a bad argument."""
+) -> _Call:
+    """Check what a call's array types, shapes and dtypes and its parameters determine.
+
+    Raises the ``TypeError``/``ValueError`` that names a bad argument."""
     backend = _backend_for(dict(zip(names, types)), configured)
     named = {name: _dtype_name(name, dtype) for name, dtype in zip(names, dtypes)}
     if len(set(named.values())) > 1:
@@ -87,13 +97,14 @@ def _prepare(
         stride=stride, padding=padding, dilation=dilation, groups=groups,
         layout=layout, dtype=dtype,
     )
-    for name, shape, expected in zip(names, shapes, geom.operand_shapes(pass_)):
-        if tuple(shape) != expected:
+    expected = geom.operand_shapes(pass_)
+    for name, shape, want in zip(names, shapes, expected):
+        if tuple(shape) != want:
             raise ValueError(
-                f"{name} has shape {tuple(shape)}; expected {expected} for this convolution "
+                f"{name} has shape {tuple(shape)}; expected {want} for this convolution "
                 f"(input {geom.input_shape}, weight {geom.weight_shape}, layout {layout})"
             )
-    return backend, geom, dtype
+    return _Call(backend, geom, dtype, expected[2])
 
 
 # A training loop repeats the same calls every step: remember what their arguments determine.
@@ -101,22 +112,18 @@ _prepared = functools.lru_cache(maxsize=4096)(_prepare)
 
 
 def _prepare_call(
-    pass_: str, arrays: dict[str, Any], shape_args: tuple[Any, Any], params: tuple, layout: str, configured: str
-) -> tuple[Any, ConvGeometry, str]:
-    """:func:`_prepare` for a call's arrays, cached where the arguments can key a cache.
-
-    ``shape_args`` is ``(input_shape, weight_shape)``, ``None`` for one an operand's shape gives."""
-    (name_a, a), (name_b, b) = arrays.items()
+    pass_: str, names: tuple[str, str], a: Any, b: Any, input_shape: Any, weight_shape: Any, params: tuple,
+    layout: str, configured: str,
+) -> _Call:
+    """:func:`_prepare` for a call's operands, cached where the arguments can key a cache."""
     shapes = (getattr(a, "shape", None), getattr(b, "shape", None))
-    args = (
-        pass_, (name_a, name_b), (type(a), type(b)), shapes, (getattr(a, "dtype", None), getattr(b, "dtype", None)),
-        *shape_args, *params, layout, configured,
-    )
+    dtypes = (getattr(a, "dtype", None), getattr(b, "dtype", None))
+    head = (pass_, names, (type(a), type(b)), shapes, dtypes)
     try:
-        key = (*args[:5], *map(_frozen, args[5:]))
+        key = (*head, *map(_frozen, (input_shape, weight_shape, *params)), layout, configured)
         hash(key)
     except (_Uncacheable, TypeError):
-        return _prepare(*args)
+        return _prepare(*head, input_shape, weight_shape, *params, layout, configured)
     return _prepared(*key)
 
 
@@ -124,16 +131,27 @@ def _contiguous(array: Any) -> Any:
     return array if array.flags.c_contiguous else array.copy(order="C")
 
 
-def _check_out(backend: Any, out: Any, shape: tuple[int, ...], dtype: str, inputs: tuple[Any, ...]) -> None:
-    if array_backend_name(out) != backend.name:
-        raise TypeError(f"out must be a {'NumPy' if backend.name == 'cpu' else 'CuPy'} array, not {type(out).__name__}")
-    if tuple(out.shape) != shape:
-        raise ValueError(f"out has shape {tuple(out.shape)}; this convolution writes {shape}")
-    if (_NAMES.get(out.dtype) or str(out.dtype)) != dtype:
-        raise TypeError(f"out has dtype {out.dtype}; this convolution writes {dtype}")
-    if not out.flags.c_contiguous:
-        raise ValueError("out must be C-contiguous")
-    if any(backend.may_share_memory(out, array) for array in inputs):
+def _check_out(call: _Call, out: Any, a: Any, b: Any) -> None:
+    backend = call.backend
+    # The common case in a few comparisons: out is of a's own type, shape and dtype, C-contiguous and (NumPy's
+    # flag; CuPy has none) writeable.
+    flags = getattr(out, "flags", None)
+    if not (
+        type(out) is type(a) and out.shape == call.out_shape and out.dtype == a.dtype
+        and flags.c_contiguous and getattr(flags, "writeable", True)
+    ):
+        if array_backend_name(out) != backend.name:
+            kind = "NumPy" if backend.name == "cpu" else "CuPy"
+            raise TypeError(f"out must be a {kind} array, not {type(out).__name__}")
+        if tuple(out.shape) != call.out_shape:
+            raise ValueError(f"out has shape {tuple(out.shape)}; this convolution writes {call.out_shape}")
+        if (_NAMES.get(out.dtype) or str(out.dtype)) != call.dtype:
+            raise TypeError(f"out has dtype {out.dtype}; this convolution writes {call.dtype}")
+        if not flags.c_contiguous:
+            raise ValueError("out must be C-contiguous")
+        if not getattr(flags, "writeable", True):
+            raise ValueError("out is read-only")
+    if backend.may_share_memory(out, a) or backend.may_share_memory(out, b):
         raise ValueError("out overlaps an input; convolutions cannot run in place")
 
 
@@ -144,28 +162,27 @@ def _shape_arg(name: str, shape: Any) -> tuple[int, ...]:
 
 
 def _execute(
-    pass_: str, arrays: dict[str, Any], input_shape: Any, weight_shape: Any, params: tuple[Any, Any, Any, Any],
-    out: Any, stream: Any, layout: str, algo: str | None,
+    pass_: str, names: tuple[str, str], a: Any, b: Any, input_shape: Any, weight_shape: Any,
+    params: tuple[Any, Any, Any, Any], out: Any, stream: Any, layout: str, algo: str | None,
 ) -> Any:
-    """Run one pass; ``params`` is ``(stride, padding, dilation, groups)``."""
+    """Run one pass on the operands ``a`` and ``b`` (named ``names``); ``params`` is ``(stride, padding,
+    dilation, groups)``."""
     cfg = get_config()
-    backend, geom, dtype = _prepare_call(pass_, arrays, (input_shape, weight_shape), params, layout, cfg.backend)
-    out_shape = geom.operand_shapes(pass_)[2]
-    operands = tuple(arrays.values())
+    call = _prepare_call(pass_, names, a, b, input_shape, weight_shape, params, layout, cfg.backend)
+    backend, geom = call.backend, call.geom
     if out is not None:
-        _check_out(backend, out, out_shape, dtype, operands)
+        _check_out(call, out, a, b)
     # Everything that touches memory happens on the operands' device with `stream` current, so copies and the
     # convolution are ordered on one stream. A forced algorithm is checked there too (its workspace size is the
     # device's), before anything is allocated or enqueued.
-    with backend.context(operands if out is None else (*operands, out), stream):
+    with backend.context((a, b) if out is None else (a, b, out), stream):
         chosen = None if algo is None else forced(backend, pass_, geom, algo, cap=cfg.cap_workspace)
-        result = backend.empty(out_shape, dtype) if out is None else out
-        a, b = (_contiguous(x) for x in operands)
+        result = backend.empty(call.out_shape, call.dtype) if out is None else out
         if geom.batch == 0:
             if pass_ == "bwd_filter":
                 result[...] = 0
             return result
-        _run(backend, pass_, geom, a, b, result, stream, cfg, chosen)
+        _run(backend, pass_, geom, _contiguous(a), _contiguous(b), result, stream, cfg, chosen)
     return result
 
 
@@ -220,8 +237,7 @@ def conv_forward(
         ``y``, ``(N, K, *out_spatial)`` or channels last.
     """
     return _execute(
-        "fwd", {"x": x, "w": w}, None, None,
-        (stride, padding, dilation, groups), out, stream, layout, algo,
+        "fwd", ("x", "w"), x, w, None, None, (stride, padding, dilation, groups), out, stream, layout, algo
     )
 
 
@@ -234,7 +250,7 @@ def conv_backward_data(
     Parameters are those of :func:`conv_forward`; ``dy`` has the forward output's shape.
     """
     return _execute(
-        "bwd_data", {"dy": dy, "w": w}, _shape_arg("input_shape", input_shape), None,
+        "bwd_data", ("dy", "w"), dy, w, _shape_arg("input_shape", input_shape), None,
         (stride, padding, dilation, groups), out, stream, layout, algo,
     )
 
@@ -248,6 +264,6 @@ def conv_backward_filter(
     Parameters are those of :func:`conv_forward`; ``dy`` has the forward output's shape.
     """
     return _execute(
-        "bwd_filter", {"x": x, "dy": dy}, None, _shape_arg("weight_shape", weight_shape),
+        "bwd_filter", ("x", "dy"), x, dy, None, _shape_arg("weight_shape", weight_shape),
         (stride, padding, dilation, groups), out, stream, layout, algo,
     )
