@@ -333,20 +333,27 @@ def col2im(col: np.ndarray, xp: np.ndarray, p: Plan, block: Rows | None = None, 
     the output rows ``col`` holds (default: the whole image). For one kernel offset distinct outputs read
     distinct inputs, so each offset's in-place add on a strided view is race-free and makes no temporary.
     """
-    lead = (slice(None),)
-    offsets = (block or rows(p, 0, p.osize[0])).offsets
-    first = None
-    if overwrite:
-        first = next((o for o in offsets if o.full_in and not o.empty), None)
-        if first is not None:
-            np.copyto(xp[lead + first.inp], col[(*lead, *first.out, Ellipsis, *first.index)])
-        else:
-            xp[...] = 0
-    for off in offsets:
-        if off.empty or off is first:
-            continue
-        dst = xp[lead + off.inp]
-        np.add(dst, col[(*lead, *off.out, Ellipsis, *off.index)], out=dst)
+    first, rest = _scatter(p, block or rows(p, 0, p.osize[0]), overwrite)
+    if first is not None:
+        np.copyto(xp[first[0]], col[first[1]])
+    elif overwrite:
+        xp[...] = 0
+    for dst_index, src_index in rest:
+        dst = xp[dst_index]
+        np.add(dst, col[src_index], out=dst)
+
+
+def _scatter(p: Plan, block: Rows, overwrite: bool) -> tuple[tuple | None, tuple]:
+    """The (cached) ``(xp index, col index)`` pairs of :func:`col2im`: the offset copied first, then those added."""
+    key = ("scatter", block.row0, block.osize, overwrite)
+    found = p.memo.get(key)
+    if found is None:
+        lead = (slice(None),)
+        pairs = {id(o): (lead + o.inp, (*lead, *o.out, Ellipsis, *o.index)) for o in block.offsets if not o.empty}
+        first = next((o for o in block.offsets if o.full_in and not o.empty), None) if overwrite else None
+        rest = tuple(pairs[id(o)] for o in block.offsets if not o.empty and o is not first)
+        found = p.memo[key] = (None if first is None else pairs[id(first)], rest)
+    return found
 
 
 def merge_pixels(views: list[np.ndarray], npix: int) -> list[np.ndarray]:
