@@ -283,6 +283,21 @@ def test_json_defaults_and_report_keys(tmp_path):
                                "transposed": False}
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("name", ["mobilenet_v2", "unet"])  # depthwise and grouped; transposed layers
+def test_a_json_report_reads_back_as_its_model(tmp_path, name, layout):
+    layers = load_model(name)
+    report = wsarena.plan(layers, batch=2, layout=layout, backend="cpu").to_dict()
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert load_model(path) == layers
+
+
+def test_a_json_layout_other_than_nchw_or_nhwc_is_refused():
+    with pytest.raises(ModelError, match="layout must be 'NCHW' or 'NHWC', not 'CHWN'"):
+        layers_from_json({"layout": "CHWN", "layers": [GOOD]})
+
+
 GOOD = {"name": "a", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}
 
 

@@ -21,9 +21,10 @@ zoo name
 
 JSON schema
 -----------
-Either an object with a ``"layers"`` list (other top-level keys are ignored, so the output of ``wsarena report
---format json`` made with the default NCHW layout can be read back; an NHWC report lists channels-last shapes,
-which this schema does not take) or a bare list. Each layer is an object::
+Either an object with a ``"layers"`` list or a bare list. An object may say ``"layout": "NHWC"``: its shapes are
+then channels last (``[N, *spatial, C]``, ``[K, *kernel, C / groups]``) and are read back as the channels-first
+shapes below; other top-level keys are ignored, so the output of ``wsarena report --format json`` in either
+layout reads back as its model. Each layer is an object::
 
     {
       "name":         "layer1.0.conv2",     # required, non-empty string

@@ -18,25 +18,49 @@ def layers_to_json(layers: Iterable[ConvLayer]) -> dict[str, Any]:
 
 
 def layers_from_json(data: Any, *, source: str = "JSON") -> list[ConvLayer]:
-    """Layers from already-parsed JSON: ``{"layers": [...]}`` (other keys ignored) or a bare list.
+    """Layers from already-parsed JSON: ``{"layers": [...]}`` or a bare list.
+
+    An object's ``"layout": "NHWC"`` (what ``wsarena report --layout NHWC --format json`` writes) says its
+    shapes are channels last; they are read back as the schema's channels-first shapes. Other keys are ignored.
 
     Raises
     ------
     ModelError
         Naming ``source``, the entry (``layers[i]``) and the problem.
     """
+    layout = "NCHW"
     if isinstance(data, Mapping):
         if "layers" not in data:
             raise ModelError(f"{source}: a JSON object needs a 'layers' list (found keys: {sorted(data)[:8]})")
+        layout = data.get("layout", "NCHW")
+        if layout not in ("NCHW", "NHWC"):
+            raise ModelError(f"{source}: layout must be 'NCHW' or 'NHWC', not {layout!r:.40}")
         data = data["layers"]
     if not isinstance(data, list):
         raise ModelError(f"{source}: expected a list of layers or {{\"layers\": [...]}}, not {type(data).__name__}")
     if not data:
         raise ModelError(f"{source}: the layer list is empty")
+    if layout == "NHWC":
+        data = [_channels_first(entry) for entry in data]
     try:
         return [ConvLayer.from_dict(entry, where=f"layers[{i}]") for i, entry in enumerate(data)]
     except ModelError as exc:
         raise ModelError(f"{source}: {exc}") from None
+
+
+def _channels_first(entry: Any) -> Any:
+    """An entry of an NHWC report with its shapes permuted to the schema's ``[N, C, *S]`` and ``[K, Cg, *R]``.
+
+    Anything that is not a shape list of at least three dimensions is left for :meth:`ConvLayer.from_dict` to
+    reject with its usual message."""
+    if not isinstance(entry, Mapping):
+        return entry
+    entry = dict(entry)
+    for key in ("input_shape", "weight_shape"):
+        shape = entry.get(key)
+        if isinstance(shape, list) and len(shape) >= 3:
+            entry[key] = [shape[0], shape[-1], *shape[1:-1]]
+    return entry
 
 
 def load_json(path: str | os.PathLike[str]) -> list[ConvLayer]:
