@@ -198,3 +198,28 @@ def test_a_reader_that_stops_early_ends_the_report_quietly():
     proc.stdout.close()
     stderr = proc.stderr.read()
     assert proc.wait(timeout=300) == 141 and stderr == b""
+
+
+def test_asymmetric_pads_are_widened_or_refused(capsys, tmp_path):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    w = numpy_helper.from_array(np.zeros((4, 3, 3, 3), np.float32), "w")
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="asym", pads=[0, 0, 1, 1])
+    path = tmp_path / "asym.onnx"
+    onnx.save(helper.make_model(helper.make_graph([node], "g", [x], [y], initializer=[w])), str(path))
+
+    for flags in ((), ("--asymmetric-pads", "widen")):
+        code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--format", "json", *flags)
+        assert code == 0, err
+        assert json.loads(out)["layers"][0]["padding"] == [1, 1]
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--asymmetric-pads", "error")
+    assert code == 2 and "asymmetric pads" in err and out == ""
+    with pytest.warns(UserWarning, match="skipped 1 conv node"):
+        code, out, err = run_main(
+            capsys, "report", str(path), "--backend", "cpu", "--asymmetric-pads", "error", "--skip-unknown"
+        )
+    assert code == 2 and "none of the model's 1 conv node(s) could be planned" in err

@@ -104,6 +104,11 @@ def _parser() -> _Parser:
     report.add_argument("--plot", metavar="FILE.png", help="draw per-layer workspace and the arena (needs wsarena[plot])")
     report.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
     report.add_argument(
+        "--asymmetric-pads", choices=("widen", "error"), default="widen",
+        help="ONNX convs with asymmetric pads: model them as onnxruntime's CUDA provider runs them (widen, the "
+        "default) or treat them as unknown (error)",
+    )
+    report.add_argument(
         "--input-shape", type=_input_shape, action="append", metavar="[NAME=]DIMS",
         help="fix an ONNX input's shape (1,3,800,800 or images=1x3x800x800); once per input",
     )
@@ -143,7 +148,10 @@ def _report(args: argparse.Namespace) -> int:
     from .models import load_model
     from .planner import plan, text_progress
 
-    layers = load_model(args.model, skip_unknown=args.skip_unknown, input_shapes=_input_shapes(args.input_shape))
+    layers = load_model(
+        args.model, skip_unknown=args.skip_unknown, asymmetric_pads=args.asymmetric_pads,
+        input_shapes=_input_shapes(args.input_shape),
+    )
     kwargs: dict[str, Any] = {}
     if args.cap_workspace is not _FROM_CONFIG:
         kwargs["cap_workspace"] = args.cap_workspace
