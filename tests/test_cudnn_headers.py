@@ -24,9 +24,20 @@ STRUCTS = {
 }
 
 
+def _headers_older_than_enums() -> bool:
+    """True on a machine with an older cuDNN than _enums.py came from (a lent GPU's own): enumerators added since
+    would not compile against its headers, so only those its headers declare are compiled and checked."""
+    installed = _headers.header_version()
+    return (installed.major, installed.minor, installed.patch) < tuple(map(int, cudnn.HEADER_VERSION.split(".")))
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    names = [name for table in cudnn.C_NAMES.values() for name in table]
+    if _headers_older_than_enums():  # what these headers declare of the enums wsarena mirrors
+        declared = probe.parsed()["enums"]
+        names = [name for typedef in cudnn.C_NAMES for name, _ in declared.get(typedef, [])]
+    else:
+        names = [name for table in cudnn.C_NAMES.values() for name in table]
     return probe.run_probe(probe.probe_source(names), tmp_path_factory.mktemp("cudnn_probe"))
 
 
@@ -40,13 +51,17 @@ def _generator():
 
 
 def test_every_declared_enumerator_has_the_compiled_value(compiled):
+    older = _headers_older_than_enums()
     checked = 0
     for typedef, names in cudnn.C_NAMES.items():
         enum = cudnn.C_TYPEDEFS[typedef]
         for c_name, member in names.items():
+            if older and c_name not in compiled["enums"]:
+                continue  # added in a later cuDNN than this machine's
             assert int(enum[member]) == compiled["enums"][c_name], f"{typedef}: {c_name} vs {enum.__name__}.{member}"
             checked += 1
-    assert checked == sum(len(n) for n in cudnn.C_NAMES.values()) > 100
+    total = sum(len(n) for n in cudnn.C_NAMES.values())
+    assert checked > 100 and (older or checked == total)
 
 
 def _generated_from_these_headers() -> bool:
@@ -147,7 +162,7 @@ def test_perf_struct_layout(compiled, c_struct):
 @pytest.mark.parametrize("c_struct", sorted(STRUCTS))
 def test_perf_struct_fields_match_the_declaration(c_struct):
     """Field names and C types as the header declares them (the compiler checked the layout)."""
-    from pycparser import c_ast
+    c_ast = probe.c_ast()
 
     decl = probe.parsed()["typedefs"][c_struct].type
     assert isinstance(decl, c_ast.Struct)

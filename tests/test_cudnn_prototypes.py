@@ -54,7 +54,7 @@ SCALARS = {
 
 def expected_ctype(node, typedefs):
     """The ctypes type a C type must be declared as (module docstring of wsarena.cudnn._prototypes)."""
-    from pycparser import c_ast
+    c_ast = probe.c_ast()
 
     if isinstance(node, (c_ast.PtrDecl, c_ast.ArrayDecl)):  # arrays in parameters decay to pointers
         inner = node.type
@@ -90,7 +90,7 @@ def test_table_covers_every_function_wsarena_needs():
 
 @pytest.mark.parametrize("name", sorted(cudnn.PROTOTYPES))
 def test_prototype_matches_header(name):
-    from pycparser import c_ast
+    c_ast = probe.c_ast()
 
     parsed = probe.parsed()
     assert name in parsed["functions"], f"{name} is not declared in {', '.join(cudnn._headers.CUDNN_HEADERS)}"
