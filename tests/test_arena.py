@@ -824,3 +824,39 @@ def test_cupy_provider_reports_a_failed_cudamalloc_as_out_of_memory(monkeypatch)
     monkeypatch.setattr(cupy.cuda, "alloc", fails_with(cupy.cuda.runtime.CUDARuntimeError(700)))
     with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):  # an illegal address is not a memory shortage
         provider.allocate(4096, stream=7)
+
+
+class _FailingRuntime:
+    """cuda.bindings.runtime with a cudaMallocAsync that fails, recording the calls made to it."""
+
+    def __init__(self, error):
+        from cuda.bindings import runtime
+
+        self.cudaError_t = runtime.cudaError_t
+        self.error = error
+        self.calls = []
+
+    def cudaGetDevice(self):
+        return (self.cudaError_t.cudaSuccess, 0)
+
+    def cudaMallocAsync(self, nbytes, stream):
+        self.calls.append("cudaMallocAsync")
+        return (self.error, None)
+
+    def cudaGetLastError(self):
+        self.calls.append("cudaGetLastError")
+        return (self.error,)
+
+
+@pytest.mark.parametrize(("error", "raised"), [("cudaErrorMemoryAllocation", MemoryError),
+                                                ("cudaErrorInvalidValue", RuntimeError)])
+def test_async_provider_clears_the_runtime_error_it_raises(error, raised):
+    from cuda.bindings import runtime
+
+    from wsarena.arena import AsyncProvider
+
+    provider = AsyncProvider(0)  # no GPU needed until it calls the runtime, which is replaced here
+    provider._rt = fake = _FailingRuntime(getattr(runtime.cudaError_t, error))
+    with pytest.raises(raised, match=error if raised is RuntimeError else "cudaErrorMemoryAllocation"):
+        provider.allocate(1 << 20, stream=0)
+    assert fake.calls == ["cudaMallocAsync", "cudaGetLastError"]

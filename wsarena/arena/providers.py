@@ -249,9 +249,12 @@ class AsyncProvider(_DeviceProvider):
     def _check(self, result: Any, what: str) -> Any:
         err, *values = result if isinstance(result, tuple) else (result,)
         rt = self._rt
-        if err == rt.cudaError_t.cudaErrorMemoryAllocation:
-            raise MemoryError(f"{what}: cudaErrorMemoryAllocation on device {self.device}")
         if err != rt.cudaError_t.cudaSuccess:
+            # The runtime also keeps the error as its "last error": clear it, or another library's next launch
+            # check (PyTorch's calls cudaGetLastError) would report this failure as its own.
+            rt.cudaGetLastError()
+            if err == rt.cudaError_t.cudaErrorMemoryAllocation:
+                raise MemoryError(f"{what}: cudaErrorMemoryAllocation on device {self.device}")
             raise RuntimeError(f"{what} failed on device {self.device}: {err.name}")
         return values[0] if values else None
 
