@@ -1,7 +1,7 @@
 """Workspace memory and step time on a GPU: wsarena's arena vs one workspace per layer and pass vs per call.
 
-Same cuDNN algorithms (the plan's heuristic choices, no cap) and the same operands in all three; only where the
-workspace comes from differs:
+Same cuDNN algorithms (the heuristic choices, no cap; one cuDNN refuses on these operands is skipped, as the ops
+skip it) and the same operands in all three; only where the workspace comes from differs:
 
 - ``wsarena``   the public ops, workspace leased from the device arena (one buffer per stream);
 - ``unshared``  one workspace per layer and pass allocated up front, as Caffe's cuDNN layer keeps;
@@ -24,6 +24,7 @@ import types
 import cupy
 
 import wsarena
+from wsarena import algos
 from wsarena.backends import get_backend
 
 
@@ -56,19 +57,32 @@ def main() -> None:
             wsarena.conv_backward_data(*ops["bwd_data"], g.input_shape, **kw, out=outs["bwd_data"])
             wsarena.conv_backward_filter(*ops["bwd_filter"], g.weight_shape, **kw, out=outs["bwd_filter"])
 
-    unshared = {(i, p): cupy.cuda.alloc(max(c.workspace_bytes, 1))
-                for i, (lp, *_rest) in enumerate(layers) for p, c in lp.choices.items()}
+    def accepted(p, g, ops, out):
+        """The candidate the ops run here: the first in the ranked list that cuDNN does not refuse."""
+        for c in algos.choose(backend, p, g, cap=None, warn=False):
+            mem = cupy.cuda.alloc(max(c.workspace_bytes, 1))
+            try:
+                backend.run(p, c, g, *ops, out, types.SimpleNamespace(ptr=mem.ptr, nbytes=c.workspace_bytes), stream)
+            except backend.retry_errors:
+                continue
+            return c
+        raise RuntimeError(f"cuDNN refused every {p} algorithm for {g}")
+
+    choices = {(i, p): accepted(p, g, ops[p], outs[p])
+               for i, (lp, g, ops, outs) in enumerate(layers) for p in lp.choices}
+    unshared = {key: cupy.cuda.alloc(max(c.workspace_bytes, 1)) for key, c in choices.items()}
 
     def run_unshared():
         for i, (lp, g, ops, outs) in enumerate(layers):
-            for p, c in lp.choices.items():
-                mem = unshared[(i, p)]
+            for p in lp.choices:
+                c, mem = choices[(i, p)], unshared[(i, p)]
                 ws = types.SimpleNamespace(ptr=mem.ptr, nbytes=c.workspace_bytes)
                 backend.run(p, c, g, *ops[p], outs[p], ws, stream)
 
     def run_per_call():
-        for lp, g, ops, outs in layers:
-            for p, c in lp.choices.items():
+        for i, (lp, g, ops, outs) in enumerate(layers):
+            for p in lp.choices:
+                c = choices[(i, p)]
                 mem = cupy.cuda.alloc(c.workspace_bytes) if c.workspace_bytes else None
                 ws = types.SimpleNamespace(ptr=mem.ptr if mem else 0, nbytes=c.workspace_bytes)
                 backend.run(p, c, g, *ops[p], outs[p], ws, stream)
@@ -91,7 +105,7 @@ def main() -> None:
     t_ws = timed(run_wsarena)
     held_ws = wsarena.get_arena(None).stats()["capacity_bytes"]
     t_un = timed(run_unshared)
-    held_un = sum(c.workspace_bytes for lp, *_ in layers for c in lp.choices.values())
+    held_un = sum(c.workspace_bytes for c in choices.values())
     pool.free_all_blocks()
     before = pool.total_bytes()
     t_pc = timed(run_per_call)
