@@ -193,6 +193,16 @@ def test_gpu_cap_zero_and_one_mib():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pass_", ["fwd", "bwd_data", "bwd_filter"])
+def test_gpu_float32_candidates_report_fma_math(backend, pass_):
+    """run() rebuilds the descriptor with each entry's math type: a float32 entry reporting anything but FMA_MATH
+    would let a tensor-core GPU run it in TF32, against the float32 promise."""
+    geom = conv_geometry((8, 64, 56, 56), (64, 64, 3, 3), padding=1)
+    cands = backend.candidates(pass_, geom)
+    assert cands and {c.math_type for c in cands} == {MathType.FMA_MATH}
+
+
+@pytest.mark.gpu
 def test_gpu_exhaustive_search_matches_heuristic_result():
     import cupy
 
