@@ -349,10 +349,13 @@ def _scatter(p: Plan, block: Rows, overwrite: bool) -> tuple[tuple | None, tuple
     found = p.memo.get(key)
     if found is None:
         lead = (slice(None),)
-        pairs = {id(o): (lead + o.inp, (*lead, *o.out, Ellipsis, *o.index)) for o in block.offsets if not o.empty}
-        first = next((o for o in block.offsets if o.full_in and not o.empty), None) if overwrite else None
-        rest = tuple(pairs[id(o)] for o in block.offsets if not o.empty and o is not first)
-        found = p.memo[key] = (None if first is None else pairs[id(first)], rest)
+
+        def pair(o: Offset) -> tuple[tuple, tuple]:
+            return lead + o.inp, (*lead, *o.out, Ellipsis, *o.index)
+
+        live = [o for o in block.offsets if not o.empty]
+        first = next((o for o in live if o.full_in), None) if overwrite else None
+        found = p.memo[key] = (None if first is None else pair(first), tuple(pair(o) for o in live if o is not first))
     return found
 
 
