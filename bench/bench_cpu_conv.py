@@ -130,7 +130,8 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument(
-        "--threads", type=int, default=None, help="BLAS and torch threads (default: their own); 1 is stable on a busy machine"
+        "--threads", type=int, default=None,
+        help="BLAS and torch threads (default: their own); 1 is stable on a busy machine"
     )
     args = parser.parse_args(argv)
     try:

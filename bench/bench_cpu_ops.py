@@ -37,7 +37,8 @@ def throughput(batch: int, repeat: int, limit: int | None) -> None:
 
     layers = wsarena.load_model("resnet50")[:limit]
     rng = np.random.default_rng(0)
-    print(f"ResNet-50 conv layers: {len(layers)}, batch {batch}, float32, fwd + bwd_data + bwd_filter, median of {repeat}")
+    print(f"ResNet-50 conv layers: {len(layers)}, batch {batch}, float32, fwd + bwd_data + bwd_filter, "
+          f"median of {repeat}")
     print(f"{'layer':<22} {'GMAC':>7} {'wsarena ms':>11} {'torch ms':>9} {'torch/ws':>9}")
     total_ws = total_torch = total_macs = 0.0
     for layer in layers:
@@ -57,11 +58,13 @@ def throughput(batch: int, repeat: int, limit: int | None) -> None:
 
         tx, tw, tdy = (torch.from_numpy(a) for a in (x, w, dy))
 
+        tkw = dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
+
         def torch_step():
             with torch.no_grad():
-                torch.nn.functional.conv2d(tx, tw, stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
-                tgrad.conv2d_input(tx.shape, tw, tdy, stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
-                tgrad.conv2d_weight(tx, tw.shape, tdy, stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
+                torch.nn.functional.conv2d(tx, tw, **tkw)
+                tgrad.conv2d_input(tx.shape, tw, tdy, **tkw)
+                tgrad.conv2d_weight(tx, tw.shape, tdy, **tkw)
 
         ws_step(), torch_step()  # warm up: algorithm choice, arena growth, torch's kernels
         t_ws = _median_time(ws_step, repeat)
@@ -72,9 +75,11 @@ def throughput(batch: int, repeat: int, limit: int | None) -> None:
         total_macs += macs
         print(f"{layer.name:<22} {macs / 1e9:7.3f} {t_ws * 1e3:11.2f} {t_torch * 1e3:9.2f} {t_torch / t_ws:9.2f}")
     print(
-        f"{'total':<22} {total_macs / 1e9:7.2f} {total_ws * 1e3:11.1f} {total_torch * 1e3:9.1f} {total_torch / total_ws:9.2f}"
+        f"{'total':<22} {total_macs / 1e9:7.2f} {total_ws * 1e3:11.1f} {total_torch * 1e3:9.1f} "
+        f"{total_torch / total_ws:9.2f}"
     )
-    print(f"throughput: wsarena {total_macs / total_ws / 1e9:.1f} GMAC/s, torch {total_macs / total_torch / 1e9:.1f} GMAC/s, "
+    print(f"throughput: wsarena {total_macs / total_ws / 1e9:.1f} GMAC/s, "
+          f"torch {total_macs / total_torch / 1e9:.1f} GMAC/s, "
           f"ratio wsarena/torch = {total_torch / total_ws:.2f}")
     stats = wsarena.get_arena("cpu").stats()
     print(f"arena after the run: capacity {wsarena.format_size(stats['capacity_bytes'])}, "

@@ -112,7 +112,8 @@ def main() -> None:
     held_pc = pool.total_bytes() - before  # what the caching pool keeps after the step
 
     name = backend.device_label()
-    print(f"device {name}; {args.model} batch {args.batch} {args.dtype}; fwd+bwd_data+bwd_filter; median of {args.repeat}")
+    print(f"device {name}; {args.model} batch {args.batch} {args.dtype}; fwd+bwd_data+bwd_filter; "
+          f"median of {args.repeat}")
     print(f"plan: arena {wsarena.format_size(plan.arena_bytes)}, unshared {wsarena.format_size(plan.unshared_bytes)}")
     print(f"{'strategy':<10} {'workspace held':>15} {'vs wsarena':>11} {'step ms':>9} {'vs wsarena':>11}")
     for label, held, t in (("wsarena", held_ws, t_ws), ("unshared", held_un, t_un), ("per-call", held_pc, t_pc)):

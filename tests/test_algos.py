@@ -68,7 +68,8 @@ class FakeBackend:
     def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
         assert all(c.workspace_bytes <= workspace.nbytes for c in candidates)
         self.measured.append([c.algo for c in candidates])
-        return sorted((Candidate(c.algo, c.workspace_bytes, self.times[c.algo]) for c in candidates), key=lambda c: c.time_ms)
+        timed = (Candidate(c.algo, c.workspace_bytes, self.times[c.algo]) for c in candidates)
+        return sorted(timed, key=lambda c: c.time_ms)
 
 
 @pytest.fixture(autouse=True)
@@ -168,7 +169,8 @@ def test_out_of_memory_with_nothing_that_fits_raises_and_arena_stays_usable():
         run_with_fallback(arena, cands, lambda c, ws: None, stream=None, cap=None)
     assert isinstance(info.value.__cause__, ArenaOutOfMemoryError)
     assert (info.value.requested, info.value.held) == (300, 0)
-    assert run_with_fallback(arena, (Candidate("implicit", 0),), lambda c, ws: None, stream=None, cap=None).algo == "implicit"
+    ran = run_with_fallback(arena, (Candidate("implicit", 0),), lambda c, ws: None, stream=None, cap=None)
+    assert ran.algo == "implicit"
 
 
 def test_errors_from_the_run_itself_propagate():

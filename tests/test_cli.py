@@ -67,7 +67,9 @@ def test_environment_cap_applies_and_flag_overrides_it(capsys, monkeypatch):
     wsarena._config._reset()
     _, out, _ = run_main(capsys, "report", "mobilenet_v2", "--backend", "cpu", "--format", "json")
     assert json.loads(out)["cap_workspace_bytes"] == 1 << 20
-    _, out, _ = run_main(capsys, "report", "mobilenet_v2", "--backend", "cpu", "--format", "json", "--cap-workspace", "none")
+    _, out, _ = run_main(
+        capsys, "report", "mobilenet_v2", "--backend", "cpu", "--format", "json", "--cap-workspace", "none"
+    )
     assert json.loads(out)["cap_workspace_bytes"] is None
 
 

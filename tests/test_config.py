@@ -27,7 +27,9 @@ def test_parse_size_accepts(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "-1", "1.5", "1.5.3GiB", "12 parsecs", "MiB", "1e3", "0x10", "inf", "nan", "1 GiB B"])
+@pytest.mark.parametrize(
+    "text", ["", "-1", "1.5", "1.5.3GiB", "12 parsecs", "MiB", "1e3", "0x10", "inf", "nan", "1 GiB B"]
+)
 def test_parse_size_rejects_with_value_error(text):
     with pytest.raises(ValueError, match="size|unit|bytes"):
         parse_size(text)
@@ -73,7 +75,10 @@ def test_environment_is_read(monkeypatch):
 
 @pytest.mark.parametrize(
     ("var", "value"),
-    [("WSARENA_CAP_WORKSPACE", "lots"), ("WSARENA_ALGO_SEARCH", "fast"), ("WSARENA_BACKEND", "tpu"), ("WSARENA_DEBUG", "maybe")],
+    [
+        ("WSARENA_CAP_WORKSPACE", "lots"), ("WSARENA_ALGO_SEARCH", "fast"), ("WSARENA_BACKEND", "tpu"),
+        ("WSARENA_DEBUG", "maybe"),
+    ],
 )
 def test_bad_environment_names_the_variable(monkeypatch, var, value):
     monkeypatch.setenv(var, value)

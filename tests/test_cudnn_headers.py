@@ -75,7 +75,9 @@ def test_no_header_enumerator_is_missing(typedef):
     values = dict(header)
     # Any cuDNN 9 keeps the values of the enumerators wsarena binds (a newer one may add others).
     for c_name, member in cudnn.C_NAMES[typedef].items():
-        assert values.get(c_name) == enum[member], f"{c_name}: {values.get(c_name)} in the headers, {int(enum[member])} here"
+        assert values.get(c_name) == enum[member], (
+            f"{c_name}: {values.get(c_name)} in the headers, {int(enum[member])} here"
+        )
     if _generated_from_these_headers():  # the headers the enums came from: nothing left out either
         assert list(cudnn.C_NAMES[typedef]) == [name for name, _ in header]
         # Every distinct header value is a canonical member, and nothing else is.

@@ -97,7 +97,8 @@ def test_zero_batch_is_legal_and_empty_channel_is_not():
 
 def test_geometry_hash_matches_equality_and_survives_pickling_into_another_process():
     g = conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), stride=2, padding=1, layout="NHWC", dtype="float64")
-    assert hash(g) == hash(conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), stride=2, padding=1, layout="NHWC", dtype="float64"))
+    same = conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), stride=2, padding=1, layout="NHWC", dtype="float64")
+    assert hash(g) == hash(same)
     assert g != g.with_dtype("float32")
     # The hash is cached on the instance; a copy unpickled where str hashes differ must hash afresh, or an equal
     # geometry built there would miss it as a dict key.

@@ -566,7 +566,8 @@ def test_onnx_symbolic_spatial_size_is_unknown(tmp_path):
 
 def test_onnx_input_shapes_fix_symbolic_sizes_before_inference(tmp_path):
     nodes = [conv("c1", "x", "w1", "y1", pads=[1, 1, 1, 1]), conv("c2", "y1", "w2", "y2", strides=[2, 2])]
-    path = save(tmp_path, nodes, [vi("x", ["N", 3, "H", "W"])], [weight("w1", (8, 3, 3, 3)), weight("w2", (4, 8, 3, 3))])
+    weights = [weight("w1", (8, 3, 3, 3)), weight("w2", (4, 8, 3, 3))]
+    path = save(tmp_path, nodes, [vi("x", ["N", 3, "H", "W"])], weights)
     by_name = load_model(path, input_shapes={"x": (16, 3, 32, 40)})
     only_one = load_model(path, input_shapes=[1, 3, np.int64(32), 40])
     assert [l.input_shape for l in by_name] == [(1, 3, 32, 40), (1, 8, 32, 40)]  # batch 1, as every layer list

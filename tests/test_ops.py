@@ -103,11 +103,12 @@ def test_every_cpu_algorithm_through_the_public_op(pass_):
         "bwd_data": lambda: ref_conv_backward_data(dy, w, x.shape, **kw),
         "bwd_filter": lambda: ref_conv_backward_filter(x, dy, w.shape, **kw),
     }[pass_]()
+    x32, w32, dy32 = (a.astype(np.float32) for a in (x, w, dy))
     for algo in cpu.ALGORITHMS[pass_]:
         op = {
-            "fwd": lambda: conv_forward(x.astype(np.float32), w.astype(np.float32), **kw, algo=algo),
-            "bwd_data": lambda: conv_backward_data(dy.astype(np.float32), w.astype(np.float32), x.shape, **kw, algo=algo),
-            "bwd_filter": lambda: conv_backward_filter(x.astype(np.float32), dy.astype(np.float32), w.shape, **kw, algo=algo),
+            "fwd": lambda: conv_forward(x32, w32, **kw, algo=algo),
+            "bwd_data": lambda: conv_backward_data(dy32, w32, x.shape, **kw, algo=algo),
+            "bwd_filter": lambda: conv_backward_filter(x32, dy32, w.shape, **kw, algo=algo),
         }[pass_]
         assert rel_err(op(), ref) <= 1e-5, algo
 

@@ -134,10 +134,12 @@ def _run_layers(p, arena, xp=np):
 
 HONEST_LAYERS = [
     ConvLayer.from_dict(d) for d in (
-        {"name": "stem", "input_shape": [1, 3, 32, 32], "weight_shape": [16, 3, 3, 3], "stride": [2, 2], "padding": [1, 1]},
+        {"name": "stem", "input_shape": [1, 3, 32, 32], "weight_shape": [16, 3, 3, 3], "stride": [2, 2],
+         "padding": [1, 1]},
         {"name": "dw", "input_shape": [1, 16, 16, 16], "weight_shape": [16, 1, 3, 3], "padding": [1, 1], "groups": 16},
         {"name": "pw", "input_shape": [1, 16, 16, 16], "weight_shape": [32, 16, 1, 1]},
-        {"name": "wide", "input_shape": [1, 32, 16, 16], "weight_shape": [32, 32, 3, 3], "padding": [2, 2], "dilation": [2, 2]},
+        {"name": "wide", "input_shape": [1, 32, 16, 16], "weight_shape": [32, 32, 3, 3], "padding": [2, 2],
+         "dilation": [2, 2]},
         {"name": "conv1d", "input_shape": [1, 8, 40], "weight_shape": [8, 8, 5], "padding": [2]},
     )
 ]

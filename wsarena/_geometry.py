@@ -84,7 +84,10 @@ class ConvGeometry:
         return self._shape(self.batch, self.out_channels, self.output_size)
 
     def operand_shapes(self, pass_: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """Shapes of a pass's ``(a, b, out)``: fwd ``(x, w, y)``, bwd_data ``(dy, w, dx)``, bwd_filter ``(x, dy, dw)``."""
+        """Shapes of a pass's ``(a, b, out)``.
+
+        fwd ``(x, w, y)``, bwd_data ``(dy, w, dx)``, bwd_filter ``(x, dy, dw)``.
+        """
         x, w, y = self.input_shape, self.weight_shape, self.output_shape
         if pass_ == "fwd":
             return x, w, y

@@ -98,10 +98,16 @@ def _parser() -> _Parser:
     )
     report.add_argument("--passes", type=_passes, default=PASSES, help="comma-separated (default: all three)")
     report.add_argument("--streams", type=_positive, default=1, help="concurrent streams, each may run any layer")
-    report.add_argument("--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto")
-    report.add_argument("--search", choices=("heuristic", "exhaustive"), default=None, help="default: WSARENA_ALGO_SEARCH or heuristic")
+    report.add_argument(
+        "--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto"
+    )
+    report.add_argument(
+        "--search", choices=("heuristic", "exhaustive"), default=None, help="default: WSARENA_ALGO_SEARCH or heuristic"
+    )
     report.add_argument("--format", choices=("table", "json", "csv"), default="table")
-    report.add_argument("--plot", metavar="FILE.png", help="draw per-layer workspace and the arena (needs wsarena[plot])")
+    report.add_argument(
+        "--plot", metavar="FILE.png", help="draw per-layer workspace and the arena (needs wsarena[plot])"
+    )
     report.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
     report.add_argument(
         "--asymmetric-pads", choices=("widen", "error"), default="widen",
@@ -223,7 +229,8 @@ def render_table(p: Any) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
 
     def fmt(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        padded = (c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(padded).rstrip()
 
     lines.append(fmt(head))
     lines.append(fmt(["-" * w for w in widths]))
@@ -257,7 +264,8 @@ def _write_csv(p: Any) -> None:
     writer.writerow(head)
     for lp in p.layers:
         g = lp.geometry
-        row: list[Any] = [lp.name, *(_shape(v) for v in (g.input_shape, g.weight_shape, g.stride, g.padding, g.dilation))]
+        shapes = (g.input_shape, g.weight_shape, g.stride, g.padding, g.dilation)
+        row: list[Any] = [lp.name, *(_shape(v) for v in shapes)]
         row.append(g.groups)
         for pass_ in p.passes:
             row += [lp.choices[pass_].algo, lp.choices[pass_].workspace_bytes]

@@ -30,8 +30,9 @@ def plot_plan(p: Any, path: str) -> None:
         xs = [i + (k - (len(p.passes) - 1) / 2) * width for i in range(n)]
         ys = [lp.choices[pass_].workspace_bytes / mib for lp in p.layers]
         ax.bar(xs, ys, width=width, color=_COLOURS.get(pass_), label=pass_)
+    streams = f"{p.streams} stream{'s' if p.streams > 1 else ''}"
     ax.axhline(max(p.stream_bytes, default=0) / mib, color="black", linestyle="--",
-               label=f"arena per stream ({p.streams} stream{'s' if p.streams > 1 else ''}: total {p.arena_bytes / mib:.1f} MiB)")
+               label=f"arena per stream ({streams}: total {p.arena_bytes / mib:.1f} MiB)")
     ax.set_xlabel("layer")
     ax.set_ylabel("workspace (MiB)")
     cap = "none" if p.cap_workspace is None else f"{p.cap_workspace / mib:g} MiB"

@@ -77,7 +77,8 @@ class Backend(Protocol):
         """Usable algorithms for ``pass_`` on ``geom``, fastest expected first, with exact workspace sizes."""
 
     def measure(
-        self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate], stream: Any
+        self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate],
+        stream: Any,
     ) -> list[Candidate]:
         """Time ``candidates`` (all fit in ``workspace``) on real operands; return them sorted by time."""
 

@@ -52,7 +52,8 @@ class CpuBackend:
         return cpu.workspace_size(pass_, algo, geom)
 
     def measure(
-        self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate], stream: Any
+        self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate],
+        stream: Any,
     ) -> list[Candidate]:
         timed = []
         for cand in candidates:
@@ -61,6 +62,8 @@ class CpuBackend:
             timed.append(Candidate(cand.algo, cand.workspace_bytes, (time.perf_counter() - start) * 1e3))
         return sorted(timed, key=lambda c: c.time_ms)
 
-    def run(self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any) -> None:
+    def run(
+        self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any
+    ) -> None:
         # The ops checked the arrays against geom and leased workspace_size bytes for this candidate.
         cpu.run_unchecked(pass_, candidate.algo, geom, a, b, out, workspace.array)

@@ -146,7 +146,8 @@ class CudnnBackend:
         return _usable(perfs)
 
     def measure(
-        self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate], stream: Any
+        self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate],
+        stream: Any,
     ) -> list[Candidate]:
         x, w, conv, y = self._descriptors(geom)  # the dtype's math type: FindEx reports each entry's own
         handle = self._bound_handle(stream)
@@ -157,7 +158,9 @@ class CudnnBackend:
         wanted = {c.algo for c in candidates}
         return [c for c in _usable(perfs, timed=True) if c.algo in wanted]
 
-    def run(self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any) -> None:
+    def run(
+        self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any
+    ) -> None:
         # The math type cuDNN reported for this entry, so the kernel that runs is the one whose workspace was sized
         x, w, conv, y = self._descriptors(geom, candidate.math_type)
         ptrs = _pointers(pass_, a, b, out)
