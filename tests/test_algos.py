@@ -32,7 +32,8 @@ class FakeArena:
         return self.held.get(stream, 0)
 
     @contextlib.contextmanager
-    def lease(self, nbytes, *, stream=None):
+    def lease(self, nbytes, *, stream=None, cap=None):
+        assert cap is None or nbytes <= cap, f"a lease of {nbytes} above the cap {cap} it was chosen under"
         if nbytes > self.held_bytes(stream=stream):
             if nbytes > self.memory:
                 raise ArenaOutOfMemoryError("grow", requested=nbytes, held=self.held_bytes(stream=stream), cap=None)

@@ -231,6 +231,17 @@ def test_cap_zero_still_allows_zero_byte_leases(arena):
             arena.lease(1)
 
 
+def test_an_explicit_cap_replaces_the_configured_one(arena):
+    with wsarena.config(cap_workspace="1KiB"):
+        with arena.lease(4096, stream="s", cap=None) as ws:  # the caller chose under no cap
+            assert ws.nbytes == 4096
+        with arena.lease(4096, stream="s", cap=4096):
+            pass
+    with pytest.raises(WorkspaceCapError) as info:
+        arena.lease(4097, stream="s", cap=4096)  # configured: no cap
+    assert info.value.cap == 4096
+
+
 def test_cap_from_the_environment(arena, monkeypatch):
     monkeypatch.setenv("WSARENA_CAP_WORKSPACE", "1KiB")
     wsarena._config._reset()

@@ -198,7 +198,7 @@ def run_with_fallback(
     for cand in candidates:
         if limit is not None and cand.workspace_bytes > limit:
             continue
-        lease = arena.lease(cand.workspace_bytes, stream=stream)
+        lease = arena.lease(cand.workspace_bytes, stream=stream, cap=cap)
         try:
             ws = lease.__enter__()
         except ArenaOutOfMemoryError as exc:

@@ -52,6 +52,7 @@ from .streams import PerThreadStream, ThreadLane, _is_own, _per_thread_key, reso
 
 __all__ = ["POISON_BYTE", "Arena", "Workspace", "aligned_size"]
 
+_CONFIGURED: Any = object()  # lease(cap=): the configured cap
 POISON_BYTE = 0xA5  # what debug mode writes over released workspace bytes
 
 
@@ -131,18 +132,21 @@ class Arena:
         """CUDA device ordinal, or ``None`` for the host arena."""
         return self.provider.device
 
-    def lease(self, nbytes: int, *, stream: Any = None) -> Workspace:
+    def lease(self, nbytes: int, *, stream: Any = None, cap: Any = _CONFIGURED) -> Workspace:
         """Lease ``nbytes`` of workspace on ``stream``; use as ``with arena.lease(n) as ws:``.
 
         The sub-arena of ``stream`` grows if it holds less than ``nbytes`` (the outgrown buffer is retired in
-        stream order). Zero bytes is legal and takes nothing.
+        stream order). Zero bytes is legal and takes nothing. ``cap`` is the cap to check ``nbytes`` against
+        (bytes or ``None``); by default ``get_config().cap_workspace``. The ops pass the cap their algorithm
+        was chosen under, so that a ``configure()`` in another thread, or a plan made under its own cap, cannot
+        refuse a workspace that the choice already checked.
 
         Raises
         ------
         TypeError, ValueError
             ``nbytes`` is not a non-negative int, or ``stream`` is not a stream / lane key.
         WorkspaceCapError
-            ``nbytes`` is above ``get_config().cap_workspace``; the arena is unchanged.
+            ``nbytes`` is above the cap; the arena is unchanged.
         ArenaOutOfMemoryError
             (on entering) The provider could not grow the sub-arena; the arena is unchanged.
         RuntimeError
@@ -160,7 +164,8 @@ class Arena:
         else:
             key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
         cfg = get_config()
-        cap = cfg.cap_workspace
+        if cap is _CONFIGURED:
+            cap = cfg.cap_workspace
         if cap is not None and n > cap:
             self._check_cap(n, key, cap)
         return Workspace(self, n, key, anchor, cfg.debug)
