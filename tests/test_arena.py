@@ -144,6 +144,22 @@ def test_trim_frees_what_no_live_lease_uses(arena, provider):
         pass
 
 
+def test_an_interrupt_during_one_free_still_frees_the_others():
+    class Interrupting(RecordingProvider):
+        def free(self, buffer, *, stream):
+            super().free(buffer, stream=stream)
+            if len(self.held) == 2:  # the first of three frees
+                raise KeyboardInterrupt
+
+    provider = Interrupting()
+    arena = Arena(provider)
+    for lane in ("a", "b", "c"):
+        arena.reserve(4096, stream=lane)
+    with pytest.raises(KeyboardInterrupt):
+        arena.trim()
+    assert provider.held == [] and arena.stats().capacity_bytes == 0
+
+
 def test_high_water_is_the_largest_lease_and_survives_trim(arena):
     for n in (10, 5000, 20):
         with arena.lease(n):

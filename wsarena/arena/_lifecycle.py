@@ -22,7 +22,12 @@ __all__: list[str] = []
 
 
 def _free_now(provider: Any, frees: list[tuple[_Block, Any]], quiet: bool = False) -> None:
-    """Give blocks back to ``provider``; a failure warns (or, ``quiet``, is ignored), never raises."""
+    """Give blocks back to ``provider``; a failure warns (or, ``quiet``, is ignored), never raises.
+
+    A ``KeyboardInterrupt`` (or another ``BaseException``) during one free is raised only after the rest are
+    freed: the blocks are already marked freed, so nothing would ever give them back.
+    """
+    interrupted: BaseException | None = None
     for block, stream in frees:
         buffer = block.buffer
         block.buffer = None
@@ -31,6 +36,10 @@ def _free_now(provider: Any, frees: list[tuple[_Block, Any]], quiet: bool = Fals
         except Exception as exc:  # noqa: BLE001 - a failed free must not break a lease's exit
             if not quiet:
                 warnings.warn(f"wsarena: freeing {buffer!r} failed: {exc}", RuntimeWarning, stacklevel=3)
+        except BaseException as exc:
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def _release_all(provider: Any, subs: dict[Hashable, _Sub]) -> None:
