@@ -711,6 +711,20 @@ def test_get_arena_cpu_is_a_singleton_and_the_top_level_name_maps_here():
     assert wsarena.Arena is Arena
 
 
+def test_a_closed_process_arena_is_replaced_and_the_ops_go_on():
+    old = Arena(HostProvider())
+    previous = set_arena("cpu", old)
+    try:
+        old.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            old.lease(0).__enter__()  # a closed arena refuses even a lease that takes nothing
+        x = np.ones((1, 1, 4, 4), np.float32)
+        assert wsarena.conv_forward(x, np.ones((1, 1, 3, 3), np.float32)).sum() == 36
+        assert get_arena("cpu") is not old and not get_arena("cpu").closed
+    finally:
+        set_arena("cpu", previous)
+
+
 @pytest.mark.parametrize("bad", ["tpu", -1, 1.0, True, object()])
 def test_get_arena_bad_device(bad):
     with pytest.raises((TypeError, ValueError)):
@@ -769,6 +783,84 @@ def test_close_frees_idle_buffers_now_and_busy_ones_at_release(arena, provider):
         arena.close()
         arena.close()  # idempotent
         assert len(provider.frees) == 1
+    assert provider.held == []
+
+
+class _GatedProvider(RecordingProvider):
+    """Allocations wait at a gate, so that a test can close the arena while one is under way."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocating = threading.Event()
+        self.gate = threading.Event()
+
+    def allocate(self, nbytes, *, stream):
+        self.allocating.set()
+        assert self.gate.wait(10)
+        return super().allocate(nbytes, stream=stream)
+
+
+@pytest.mark.parametrize("call", ["reserve", "lease"])
+def test_close_during_a_growth_refuses_it_and_frees_what_it_allocated(call):
+    provider = _GatedProvider()
+    arena = Arena(provider)
+    errors = []
+
+    def grow():
+        try:
+            if call == "reserve":
+                arena.reserve(1 << 20, stream="L")
+            else:
+                with arena.lease(1 << 20, stream="L"):
+                    errors.append("granted")
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=grow)
+    thread.start()
+    assert provider.allocating.wait(10)
+    arena.close()
+    provider.gate.set()
+    thread.join(10)
+    assert errors == ["this arena is closed"]
+    assert provider.held == [] and arena.stats().capacity_bytes == 0
+
+
+def test_close_during_a_failing_growth_frees_the_old_buffer(arena, provider):
+    arena.reserve(4096, stream="L")
+
+    def fail(nbytes):
+        arena.close()  # as another thread could while the lock is released to allocate
+        return True
+
+    provider.fail = fail
+    with pytest.raises(ArenaOutOfMemoryError):
+        with arena.lease(1 << 20, stream="L"):
+            pass
+    assert provider.held == []
+
+
+def test_close_while_a_thread_waits_for_the_lane_frees_the_lane_after_both(arena, provider):
+    waiting, outcome = threading.Event(), []
+
+    def waiter():
+        waiting.set()
+        try:
+            with arena.lease(4096, stream="L"):
+                outcome.append("granted")
+        except RuntimeError as exc:
+            outcome.append(str(exc))
+
+    with arena.lease(4096, stream="L"):
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        assert waiting.wait(10)
+        deadline = time.monotonic() + 10
+        while arena._subs["L"].waiters == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        arena.close()
+    thread.join(10)
+    assert outcome == ["this arena is closed"]
     assert provider.held == []
 
 

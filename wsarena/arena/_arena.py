@@ -217,8 +217,9 @@ class Arena:
                 sub = self._sub_for(key, anchor, frees)
                 try:
                     self._ensure(sub, n, frees)
+                    self._check_open()  # close() may have run while the lock was released to allocate
                 finally:
-                    self._drop_if_empty(sub)
+                    self._drop_if_idle(sub, frees)
         finally:
             self._free(frees)  # what a sweep or a growth released, even if this reserve failed
 
@@ -245,7 +246,7 @@ class Arena:
                 if block is not None and block.live == 0:
                     sub.block = None
                     self._retire(sub, block, frees)
-                self._drop_if_empty(sub)
+                self._drop_if_idle(sub, frees)
             released = sum(block.nbytes for block, _ in frees)
         self._free(frees)
         return released
@@ -281,6 +282,8 @@ class Arena:
     def close(self) -> None:
         """Free what no lease uses and refuse new leases; buffers of live leases are freed when they end.
 
+        A lease or reserve still growing, or waiting for its stream, when ``close`` runs is refused too
+        (``RuntimeError``) and what it allocated is freed. :func:`get_arena` replaces a closed arena by a new one.
         Idempotent.
         """
         frees: list[tuple[_Block, Any]] = []
@@ -412,9 +415,12 @@ class Arena:
         if block is not None:
             self._retire(sub, block, frees, gone)
 
-    def _drop_if_empty(self, sub: _Sub) -> None:
-        if sub.block is None and sub.idle() and self._subs.get(sub.key) is sub:
-            self._release_sub(sub, [])
+    def _drop_if_idle(self, sub: _Sub, frees: list) -> None:
+        """Forget ``sub`` if no one uses it and it holds nothing or the arena is closed (then free its buffer).
+
+        Every path that leaves a sub-arena without a lease calls this; close() skipped it while it was busy."""
+        if sub.idle() and (sub.block is None or self._closed) and self._subs.get(sub.key) is sub:
+            self._release_sub(sub, frees)
 
     def _process_dead(self, frees: list) -> None:
         while self._dead:
@@ -465,7 +471,7 @@ class Arena:
                 if owner is None:
                     sub.owner = me
                 elif owner != me:
-                    self._wait_for_owner(sub, me)
+                    self._wait_for_owner(sub, me, frees)
                 else:
                     raise self._nested_error(key)
                 block = sub.block
@@ -499,7 +505,7 @@ class Arena:
             "lease is released"
         )
 
-    def _wait_for_owner(self, sub: _Sub, me: int) -> None:
+    def _wait_for_owner(self, sub: _Sub, me: int, frees: list) -> None:
         """Another thread holds this lane / stream: wait until it lets go, then take it."""
         sub.waiters += 1
         try:
@@ -510,6 +516,7 @@ class Arena:
         if self._closed:
             if sub.waiters:
                 sub.cond.notify_all()
+            self._drop_if_idle(sub, frees)
             raise RuntimeError("this arena is closed")
         sub.owner = me
 
@@ -517,12 +524,13 @@ class Arena:
         """Grow ``sub`` if needed and run the debug checks; on failure, leave ``sub`` as it was."""
         try:
             block = self._ensure(sub, ws.nbytes, frees)
+            self._check_open()  # close() may have run while the lock was released to allocate
             if ws._debug:
                 self._check_overlap(ws.stream, block.ptr, ws.nbytes)
                 self._debug_live[id(ws)] = (ws.stream, block.ptr, block.ptr + ws.nbytes)
         except BaseException:
             self._leave(sub)
-            self._drop_if_empty(sub)
+            self._drop_if_idle(sub, frees)
             raise
         return block
 

@@ -43,7 +43,7 @@ def _require_gpu(what: str) -> None:
 
 
 def get_arena(device: Any = None) -> Arena:
-    """The process's arena for ``device``, created on first use.
+    """The process's arena for ``device``, created on first use (and again after it was closed).
 
     Parameters
     ----------
@@ -60,12 +60,12 @@ def get_arena(device: Any = None) -> Arena:
     """
     if type(device) is str or type(device) is int:  # an existing arena's own key: every convolution asks so
         arena = _arenas.get(device)
-        if arena is not None:
+        if arena is not None and not arena.closed:
             return arena
     key = _device_key(device)
     if key is not None:
         arena = _arenas.get(key)
-        if arena is not None:
+        if arena is not None and not arena.closed:
             return arena
     if key != "cpu":
         _require_gpu(f"get_arena({device!r})")
@@ -77,7 +77,7 @@ def get_arena(device: Any = None) -> Arena:
             raise ValueError(f"no CUDA device {key}: this process sees {gpu_count()}")
     with _lock:
         arena = _arenas.get(key)
-        if arena is None:
+        if arena is None or arena.closed:
             arena = _arenas[key] = Arena(HostProvider() if key == "cpu" else CupyProvider(key))
         return arena
 

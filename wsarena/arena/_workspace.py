@@ -65,6 +65,8 @@ class Workspace:
             raise RuntimeError("a lease can be entered only once; call arena.lease() again")
         if self.nbytes:
             self._arena._acquire(self)
+        elif self._arena.closed:  # takes nothing, yet a closed arena refuses every lease alike
+            raise RuntimeError("this arena is closed")
         self._state = 1
         return self
 
