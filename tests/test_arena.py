@@ -786,6 +786,66 @@ def test_close_frees_idle_buffers_now_and_busy_ones_at_release(arena, provider):
     assert provider.held == []
 
 
+class _InterruptibleLock:
+    """The arena's lock, whose next acquire raises KeyboardInterrupt once armed (as Ctrl-C can, in
+    Lock.acquire, while another thread holds the lock)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.armed = False
+
+    def acquire(self, blocking=True, timeout=-1):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self):
+        self.lock.release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _interruptible(arena):
+    arena._lock = _InterruptibleLock()  # before any stream's condition is made on it
+    return arena
+
+
+def test_an_interrupt_while_a_release_waits_for_the_lock_still_releases(provider):
+    arena = _interruptible(Arena(provider))
+    with pytest.raises(KeyboardInterrupt):
+        with arena.lease(4096, stream="L"):
+            arena._lock.armed = True
+    assert arena.stats().leases == 0 and not arena._lock.lock.locked()
+    with arena.lease(4096, stream="L"):  # not "this thread already holds a lease"
+        pass
+
+
+def test_an_interrupt_while_a_growth_retakes_the_lock_leaves_the_stream_usable(provider):
+    arena = _interruptible(Arena(provider))
+    real_allocate = provider.allocate
+
+    def allocate(nbytes, *, stream):
+        arena._lock.armed = True
+        return real_allocate(nbytes, stream=stream)
+
+    provider.allocate = allocate
+    with pytest.raises(KeyboardInterrupt):
+        with arena.lease(4096, stream="L"):
+            pass
+    assert not arena._lock.lock.locked() and not arena._subs["L"].growing
+    provider.allocate = real_allocate
+    other = threading.Thread(target=lambda: arena.lease(4096, stream="L").__enter__().__exit__())
+    other.start()
+    other.join(10)
+    assert not other.is_alive()
+    assert len(provider.held) == 1 and arena.held_bytes(stream="L") == 4096  # the buffer was kept, not leaked
+
+
 class _GatedProvider(RecordingProvider):
     """Allocations wait at a gate, so that a test can close the arena while one is under way."""
 

@@ -68,6 +68,18 @@ def _check_nbytes(nbytes: Any) -> int:
     return n
 
 
+def _lock_despite_interrupts(lock: threading.Lock) -> BaseException | None:
+    """Acquire ``lock`` even if a signal handler raises meanwhile (``Lock.acquire`` is interruptible); return
+    what it raised, for the caller to raise once its bookkeeping is consistent again."""
+    interrupted = None
+    while True:
+        try:
+            lock.acquire()
+            return interrupted
+        except BaseException as exc:  # KeyboardInterrupt, or whatever a signal handler raised
+            interrupted = interrupted or exc
+
+
 class Arena:
     """Workspace memory for one device (or the host): per stream, one buffer sized to the largest request.
 
@@ -357,22 +369,32 @@ class Arena:
         size = aligned_size(n)
         sub.growing = True
         self._lock.release()
+        buffer, failure = None, None
         try:
-            try:
-                buffer = self.provider.allocate(size, stream=sub.stream)
-            finally:
-                self._lock.acquire()
-                sub.growing = False
-                if sub.waiters:
-                    sub.cond.notify_all()
-        except MemoryError as exc:
+            buffer = self.provider.allocate(size, stream=sub.stream)
+        except BaseException as exc:  # raised below, once the lock is back and the bookkeeping done
+            failure = exc
+        interrupted = _lock_despite_interrupts(self._lock)
+        sub.growing = False
+        if sub.waiters:
+            sub.cond.notify_all()
+        if buffer is not None:
+            if buffer.nbytes < size:
+                frees.append((_Block(buffer), self._free_stream(sub)))
+                failure = RuntimeError(f"{self.provider!r} returned {buffer!r} for a request of {size} bytes")
+            else:
+                self._install(sub, buffer, frees)
+        if interrupted is not None:
+            raise interrupted
+        if isinstance(failure, MemoryError):
             raise ArenaOutOfMemoryError(
                 f"could not grow the workspace of stream {sub.key!r} to {format_size(size)}",
                 requested=n, held=sub.capacity(), cap=get_config().cap_workspace,
-            ) from exc
-        if buffer.nbytes < size:
-            frees.append((_Block(buffer), self._free_stream(sub)))
-            raise RuntimeError(f"{self.provider!r} returned {buffer!r} for a request of {size} bytes")
+            ) from failure
+        if failure is not None:
+            raise failure
+
+    def _install(self, sub: _Sub, buffer: Any, frees: list) -> None:
         old = sub.block
         sub.block = _Block(buffer)
         sub.allocations += 1
@@ -550,7 +572,9 @@ class Arena:
     def _unlease(self, ws: Workspace) -> None:
         block, sub = ws._block, ws._sub
         frees: list[tuple[_Block, Any]] = []
-        with self._lock:
+        # An interrupt here would leave the lease taken for good (its `with` block is over): finish, then raise it.
+        interrupted = _lock_despite_interrupts(self._lock)
+        try:
             block.live -= 1
             sub.live -= 1
             self._live -= 1
@@ -564,8 +588,12 @@ class Arena:
                     self._retire(sub, block, frees)
                 if (sub.orphan or self._closed) and sub.idle() and self._subs.get(sub.key) is sub:
                     self._release_sub(sub, frees, gone=sub.orphan)
+        finally:
+            self._lock.release()
         if frees:
             self._free(frees)
+        if interrupted is not None:
+            raise interrupted
 
     def _free(self, frees: list) -> None:
         """Lock not held."""
