@@ -3,6 +3,7 @@ import pickle
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -76,10 +77,20 @@ def test_bad_parameters_name_the_argument(kwargs, match):
         conv_geometry((2, 4, 8, 8), (6, wc, *kernel), **kwargs)
 
 
-@pytest.mark.parametrize("bad", [1.5, "2", True, None])
-def test_non_integer_parameters_are_type_errors(bad):
-    with pytest.raises(TypeError, match="stride"):
-        conv_geometry((1, 1, 5, 5), (1, 1, 3, 3), stride=bad)
+@pytest.mark.parametrize("bad", [1.5, "2", True, None, b"\x02\x02", np.array([2, 2]), np.float64(2)])
+@pytest.mark.parametrize("name", ["stride", "padding", "dilation"])
+def test_non_integer_parameters_are_type_errors_naming_the_argument(name, bad):
+    if name == "padding" and isinstance(bad, str):  # text is a padding mode: its own ValueError
+        with pytest.raises(ValueError, match="padding must be an int, a sequence, 'valid' or 'same'"):
+            conv_geometry((1, 1, 5, 5), (1, 1, 3, 3), padding=bad)
+        return
+    with pytest.raises(TypeError, match=f"{name} must be an int"):
+        conv_geometry((1, 1, 5, 5), (1, 1, 3, 3), **{name: bad})
+
+
+def test_numpy_integers_are_integers():
+    g = conv_geometry((1, 1, 5, 5), (1, 1, 3, 3), stride=np.int64(2), padding=(np.int32(1), 1), dilation=np.array(1))
+    assert (g.stride, g.padding, g.dilation) == ((2, 2), (1, 1), (1, 1))
 
 
 def test_rank_mismatch_and_unsupported_rank():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,9 +117,17 @@ class ConvGeometry:
 
 
 def _int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an int, not {value!r}")
-    return int(value.__index__())
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:  # e.g. a float, or a NumPy array (whose own message would not name the argument)
+            pass
+    raise TypeError(f"{name} must be an int, not {value!r}")
+
+
+def _is_sequence(value: Any) -> bool:
+    """A list, tuple or other sequence of per-dimension values; text and bytes are not."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
 
 
 def _positive_or_zero(name: str, value: Any) -> int:
@@ -129,7 +138,7 @@ def _positive_or_zero(name: str, value: Any) -> int:
 
 
 def _per_dim(name: str, value: Any, nd: int, *, minimum: int) -> tuple[int, ...]:
-    if isinstance(value, Sequence) and not isinstance(value, str):
+    if _is_sequence(value):
         if len(value) != nd:
             raise ValueError(f"{name}={value!r} must have one entry per spatial dimension ({nd})")
         values = tuple(_int(name, v) for v in value)
@@ -157,12 +166,12 @@ def _padding(
                 )
             return tuple(t // 2 for t in total)
         raise ValueError(f"padding must be an int, a sequence, 'valid' or 'same', not {value!r}")
-    if isinstance(value, Sequence):
+    if _is_sequence(value):
         if len(value) != nd:
             raise ValueError(f"padding={value!r} must have one entry per spatial dimension ({nd})")
         out = []
         for entry in value:
-            if isinstance(entry, Sequence) and not isinstance(entry, str):
+            if _is_sequence(entry):
                 if len(entry) != 2:
                     raise ValueError(f"padding={value!r}: each pair must be (before, after)")
                 lo, hi = (_int("padding", e) for e in entry)
