@@ -87,9 +87,11 @@ def test_no_cap_takes_the_fastest():
 
 def test_cap_takes_the_first_that_fits_and_warns_once():
     b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0})
-    with pytest.warns(WorkspaceCapWarning, match="excludes fft"):
+    with pytest.warns(WorkspaceCapWarning, match="excludes fft") as warned:
         got = choose(b, "fwd", GEOM, cap=150)
     assert [c.algo for c in got] == ["gemm", "implicit"]
+    g = GEOM
+    assert f"stride {g.stride} padding {g.padding} dilation {g.dilation} groups {g.groups}" in str(warned[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert choose(b, "fwd", GEOM, cap=150)[0].algo == "gemm"  # cached: no second warning

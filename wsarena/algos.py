@@ -226,4 +226,8 @@ def run_with_fallback(
 
 
 def _describe(geom: ConvGeometry) -> str:
-    return f"input {geom.input_shape} weight {geom.weight_shape} {geom.dtype} {geom.layout}"
+    """The whole geometry: two warnings for convolutions that differ only in stride must read differently."""
+    return (
+        f"input {geom.input_shape} weight {geom.weight_shape} stride {geom.stride} padding {geom.padding} "
+        f"dilation {geom.dilation} groups {geom.groups} {geom.dtype} {geom.layout}"
+    )
