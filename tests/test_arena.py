@@ -144,6 +144,14 @@ def test_trim_frees_what_no_live_lease_uses(arena, provider):
         pass
 
 
+def test_a_size_no_host_has_is_out_of_memory_not_a_value_error():
+    arena = Arena(HostProvider())
+    with pytest.raises(ArenaOutOfMemoryError):
+        with arena.lease((1 << 63) - 1):
+            pass
+    assert arena.stats().capacity_bytes == 0
+
+
 def test_an_interrupt_during_one_free_still_frees_the_others():
     class Interrupting(RecordingProvider):
         def free(self, buffer, *, stream):

@@ -92,7 +92,10 @@ class HostProvider:
     device = None
 
     def allocate(self, nbytes: int, *, stream: Any = None) -> Buffer:
-        array = np.empty(nbytes, dtype=np.uint8)
+        try:
+            array = np.empty(nbytes, dtype=np.uint8)
+        except ValueError as exc:  # NumPy's "maximum allowed dimension exceeded": no host has it either
+            raise MemoryError(f"{nbytes} bytes cannot be allocated on the host") from exc
         return Buffer(array.__array_interface__["data"][0], nbytes, array)
 
     def free(self, buffer: Buffer, *, stream: Any = None) -> None:
