@@ -18,8 +18,9 @@ def aligned_size(nbytes: int) -> int:
     The request rounded up to a step that grows with it: 256 B below 8 KiB, then the largest power of two
     not above ``nbytes / 16``, at most 2 MiB. So growth overshoots a request by less than 256 B or 1/16 of it
     (whichever is larger, and never by 2 MiB or more), while a run of slightly larger requests grows the
-    buffer a bounded number of times (at most 16 per doubling) instead of once per request. Doubling is avoided
-    on purpose: it would hold up to twice the largest workspace, which is exactly the memory the arena exists to save.
+    buffer a bounded number of times instead of once per request: at most 16 times per doubling up to 32 MiB,
+    and once per 2 MiB above (the same absolute waste as a 2 MiB page). Doubling is avoided on purpose: it
+    would hold up to twice the largest workspace, which is exactly the memory the arena exists to save.
     """
     if nbytes <= 0:
         return 0
