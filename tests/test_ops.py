@@ -197,6 +197,8 @@ def test_zero_batch_gives_empty_results_without_workspace(fresh_arena):
     dw = conv_backward_filter(x, y, w.shape)
     assert dw.shape == w.shape and not dw.any()
     assert fresh_arena.stats()["allocations"] == 0
+    with pytest.raises(TypeError, match="stream"):  # checked as in any other call
+        conv_forward(x, w, stream=[1])
 
 
 def test_padding_strings():

@@ -179,6 +179,7 @@ def _execute(
         chosen = None if algo is None else forced(backend, pass_, geom, algo, cap=cfg.cap_workspace)
         result = backend.empty(call.out_shape, call.dtype) if out is None else out
         if geom.batch == 0:
+            backend.arena().lease(0, stream=stream)  # takes nothing; checks `stream` as a real call would
             if pass_ == "bwd_filter":
                 result[...] = 0
             return result
