@@ -188,6 +188,17 @@ def test_edge_shapes():
     assert conv_forward(x, rng.standard_normal((2, 3, 8, 8)), padding=1).shape == (1, 2, 1, 1)
 
 
+def test_out_between_strided_input_images_in_one_buffer_is_not_an_overlap():
+    big = np.random.default_rng(3).standard_normal((5, 4, 6, 6)).astype(np.float32)
+    x, out = big[0::3], big[1:3]  # images 0 and 3 as the input, images 1 and 2 as the output
+    w = np.random.default_rng(4).standard_normal((4, 4, 1, 1)).astype(np.float32)
+    expected = ref_conv_forward(x.astype(np.float64), w.astype(np.float64))
+    conv_forward(x, w, out=out)
+    assert rel_err(out, expected) <= 1e-5  # float32 GEMM against the float64 direct convolution
+    with pytest.raises(ValueError, match="overlaps an input"):  # an output on top of image 3: refused
+        conv_forward(x, w, out=big[2:4])
+
+
 def test_zero_batch_gives_empty_results_without_workspace(fresh_arena):
     x = np.zeros((0, 3, 6, 6), np.float32)
     w = np.ones((2, 3, 3, 3), np.float32)
