@@ -629,6 +629,43 @@ def test_onnx_convs_in_subgraphs_are_left_out_with_a_warning(tmp_path):
     assert [l.name for l in layers] == ["outer"]
 
 
+def save_with_function(tmp_path, calls, body, name="f.onnx"):
+    """A model whose main graph is ``calls`` (nodes of the "local" domain call ``Block``) and whose model-local
+    function ``Block(inp, w) -> out`` is ``body``."""
+    block = helper.make_function("local", "Block", ["inp", "w"], ["out"], body, [helper.make_opsetid("", 17)])
+    graph = helper.make_graph(calls, "g", [vi("x", ["N", 3, 16, 16])], [vi(calls[-1].output[0], None)],
+                              initializer=[weight("w0", (8, 3, 3, 3)), weight("w1", (8, 8, 3, 3))])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, functions=[block])
+    path = tmp_path / name
+    onnx.save(model, str(path))
+    return path
+
+
+def test_onnx_convs_inside_local_functions_are_inlined(tmp_path):
+    body = [helper.make_node("Conv", ["inp", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["c"], ["out"])]
+    calls = [conv("stem", "x", "w0", "m", strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("Block", ["m", "w1"], ["b1"], domain="local", name="block1"),
+             helper.make_node("MaxPool", ["b1"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Block", ["p", "w1"], ["b2"], domain="local", name="block2")]
+    path = save_with_function(tmp_path, calls, body)
+    layers = load_model(path)
+    assert [l.input_shape for l in layers] == [(1, 3, 16, 16), (1, 8, 8, 8), (1, 8, 4, 4)]  # shapes flow through
+    assert layers[0].name == "stem" and all(l.weight_shape == (8, 8, 3, 3) for l in layers[1:])
+    assert len({l.name for l in layers}) == 3
+    call = helper.make_node("Block", ["x", "w0"], ["y"], domain="local", name="block")
+    (layer,) = load_model(save_with_function(tmp_path, [call], body, name="only.onnx"))  # no conv in the main graph
+    assert layer.input_shape == (1, 3, 16, 16) and layer.weight_shape == (8, 3, 3, 3)
+
+
+def test_onnx_local_function_that_cannot_be_inlined(tmp_path):
+    body = [helper.make_node("Conv", ["inp", "w"], ["out"], name="conv")]
+    calls = [helper.make_node("Block", ["x", "w0", "x"], ["y"], domain="local", name="block")]  # 3 args for 2
+    with pytest.raises(ModelError, match="cannot inline the model's local functions"):
+        load_model(save_with_function(tmp_path, calls, body))
+
+
 # ConvTranspose: (attributes, input spatial size); the equivalent conv must map the (uncropped) output to the input
 CONV_T = [
     (dict(strides=[2, 2]), 7),  # U-Net's 2x2 up-convolution

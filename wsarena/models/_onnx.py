@@ -1,7 +1,9 @@
 """Convolutions of an ONNX model, through the ``onnx`` package and its shape inference.
 
 Every ``Conv`` and ``ConvTranspose`` node of the main graph (default domain) becomes a :class:`ConvLayer`, in
-node order, named after the node (its first output when the node has no name).
+node order, named after the node (its first output when the node has no name). Calls to model-local functions
+(``model.functions``) are inlined first (``onnx.inliner``), so the convolutions inside them count as main-graph
+nodes, under the unique names the inliner gives each call's copy (``conv__1``, ``conv__2``, ...).
 
 * Attributes: ``kernel_shape``, ``strides``, ``dilations``, ``group``, ``pads``, ``auto_pad``
   (``NOTSET``, ``VALID``, ``SAME_UPPER``, ``SAME_LOWER``), and for ``ConvTranspose`` ``output_padding`` and
@@ -196,6 +198,8 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     # Protobuf parses many byte strings (an empty file, for one) as an empty message: no graph means not ONNX.
     if not model.HasField("graph") or not model.graph.node:
         raise ModelError(f"{path!r} is not an ONNX model (no graph nodes)")
+    if model.functions:
+        model = _inline_functions(model, path)
     convs = [(i, n) for i, n in enumerate(model.graph.node)
              if n.op_type in _CONV_OPS and n.domain in _DEFAULT_DOMAINS]
     nested = _count_subgraph_convs(model.graph)
@@ -245,6 +249,16 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     if not layers:
         raise ModelError(f"{path!r}: none of the model's {len(convs)} conv node(s) could be planned")
     return layers
+
+
+def _inline_functions(model: Any, path: str) -> Any:
+    """``model`` with every call to a model-local function replaced by the function's body."""
+    from onnx.inliner import inline_local_functions
+
+    try:
+        return inline_local_functions(model)
+    except Exception as exc:  # noqa: BLE001 - the inliner raises several types; any means the calls are unreadable
+        raise ModelError(f"{path!r}: cannot inline the model's local functions: {exc}".splitlines()[0]) from None
 
 
 def _fix_input_shapes(graph: Any, input_shapes: Mapping[str, Sequence[int]] | Sequence[int], path: str) -> None:
