@@ -73,6 +73,18 @@ def test_environment_cap_applies_and_flag_overrides_it(capsys, monkeypatch):
     assert json.loads(out)["cap_workspace_bytes"] is None
 
 
+def test_flags_replace_invalid_environment_variables():
+    env = {"WSARENA_CAP_WORKSPACE": "garbage", "WSARENA_BACKEND": "gpu", "WSARENA_ALGO_SEARCH": "fast"}
+    r = run_cli("report", "vgg16", "--format", "json", "--cap-workspace", "1MiB", "--backend", "cpu",
+                "--search", "heuristic", env=env)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["cap_workspace_bytes"], d["backend"], d["search"]) == (1 << 20, "cpu", "heuristic")
+    r = run_cli("report", "vgg16", "--backend", "cpu", "--search", "heuristic", env=env)
+    assert r.returncode == 2 and "WSARENA_CAP_WORKSPACE='garbage'" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_table_report_reads_well(capsys):
     code, out, _ = run_main(capsys, "report", "resnet50", "--backend", "cpu", "--batch", "32")
     assert code == 0

@@ -87,6 +87,41 @@ def test_bad_environment_names_the_variable(monkeypatch, var, value):
         get_config()
 
 
+BAD_ENV = {  # setting: (its variable, an invalid value, a valid value given explicitly)
+    "cap_workspace": ("WSARENA_CAP_WORKSPACE", "garbage", 1 << 20),
+    "algo_search": ("WSARENA_ALGO_SEARCH", "fast", "exhaustive"),
+    "backend": ("WSARENA_BACKEND", "gpu", "cpu"),
+    "debug": ("WSARENA_DEBUG", "maybe", True),
+}
+
+
+@pytest.mark.parametrize("key", list(BAD_ENV))
+def test_an_explicit_setting_replaces_an_invalid_environment_variable(monkeypatch, key):
+    var, bad, good = BAD_ENV[key]
+    monkeypatch.setenv(var, bad)
+    wsarena._config._reset()
+    with config(**{key: good}) as c:
+        assert getattr(c, key) == good and getattr(get_config(), key) == good
+    with pytest.raises(ValueError, match=var):  # outside the block the variable is used again
+        get_config()
+    assert getattr(configure(**{key: good}), key) == good
+    assert getattr(get_config(), key) == good  # configure() repaired the process-wide settings
+
+
+@pytest.mark.parametrize("key", list(BAD_ENV))
+def test_an_invalid_environment_variable_still_counts_for_the_settings_not_given(monkeypatch, key):
+    var, bad, _ = BAD_ENV[key]
+    other, (_, _, value) = next((k, v) for k, v in BAD_ENV.items() if k != key)
+    monkeypatch.setenv(var, bad)
+    wsarena._config._reset()
+    with pytest.raises(ValueError, match=f"environment variable {var}={bad!r}"):
+        configure(**{other: value})
+    with pytest.raises(ValueError, match=var), config(**{other: value}):
+        pass
+    with pytest.raises(ValueError, match=var):  # the failed configure() changed nothing
+        get_config()
+
+
 def test_configure_and_bad_values_change_nothing():
     configure(cap_workspace="1MiB")
     assert get_config().cap_workspace == 1 << 20

@@ -89,6 +89,23 @@ def test_configured_cap_is_the_default(resnet50):
     assert wsarena.plan(resnet50[:5], batch=4, backend="cpu").cap_workspace is None
 
 
+def test_arguments_replace_invalid_environment_variables(resnet50, monkeypatch):
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", "garbage")
+    monkeypatch.setenv("WSARENA_ALGO_SEARCH", "fast")
+    monkeypatch.setenv("WSARENA_BACKEND", "gpu")
+    wsarena._config._reset()
+    p = wsarena.plan(resnet50[:2], backend="cpu", search="heuristic", cap_workspace="1MiB")
+    assert (p.backend, p.search, p.cap_workspace) == ("cpu", "heuristic", 1 << 20)
+    with pytest.raises(ValueError, match="WSARENA_CAP_WORKSPACE='garbage'"):  # a setting left to the environment
+        wsarena.plan(resnet50[:2], backend="cpu", search="heuristic")
+
+
+def test_an_exhaustive_plan_leases_under_its_own_cap(resnet50):
+    with config(cap_workspace="1KiB"):  # the configured cap is not the plan's: the search's leases follow the plan
+        p = wsarena.plan(resnet50[:1], backend="cpu", search="exhaustive", cap_workspace=None, passes=("fwd",))
+    assert p.cap_workspace is None and p.arena_bytes > 1024
+
+
 def test_streams_multiply_and_assignments_sum(resnet50):
     layers = resnet50[:6]
     one = wsarena.plan(layers, batch=2, backend="cpu")

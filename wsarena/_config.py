@@ -1,7 +1,10 @@
 """Process-wide settings: the workspace cap, the algorithm search, the backend and debug checks.
 
 Precedence, lowest first: built-in defaults, environment variables (read once, on first use),
-:func:`configure`, and the innermost :func:`config` block of the current thread or task.
+:func:`configure`, and the innermost :func:`config` block of the current thread or task. An invalid
+environment variable is an error only where its setting would be used: a value given for that setting by
+:func:`configure` or :func:`config` (or by the planner's arguments and the command's flags, which apply as a
+:func:`config` block) replaces it, and a :func:`configure` call that sets it repairs the process-wide settings.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import contextvars
 import dataclasses
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ._sizes import parse_size
@@ -71,30 +74,42 @@ def _parse_cap(value: Any) -> int | None:
     return parse_size(value)
 
 
-def _from_env() -> Config:
+# The process-wide settings, and the error of each invalid environment variable that nothing has replaced yet.
+_State = tuple[Config, dict[str, str]]
+
+
+def _env_value(key: str, raw: str) -> Any:
+    if key == "cap_workspace":
+        return _parse_cap(raw)
+    if key == "debug":
+        low = raw.strip().lower()
+        if low not in _TRUE | _FALSE:
+            raise ValueError(f"expected 0 or 1, not {raw!r}")
+        return low in _TRUE
+    return raw.strip().lower()
+
+
+def _from_env() -> _State:
+    """The settings the environment gives, and the error of each invalid variable (its setting keeps the default
+    until something replaces it)."""
     values: dict[str, Any] = {}
+    errors: dict[str, str] = {}
     for key, var in _ENV.items():
         raw = os.environ.get(var)
         if raw is None:
             continue
         try:
-            if key == "cap_workspace":
-                values[key] = _parse_cap(raw)
-            elif key == "debug":
-                low = raw.strip().lower()
-                if low not in _TRUE | _FALSE:
-                    raise ValueError(f"expected 0 or 1, not {raw!r}")
-                values[key] = low in _TRUE
-            else:
-                values[key] = raw.strip().lower()
-            Config(**values)
+            value = _env_value(key, raw)
+            Config(**{key: value})
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"environment variable {var}={raw!r}: {exc}") from None
-    return Config(**values)
+            errors[key] = f"environment variable {var}={raw!r}: {exc}"
+        else:
+            values[key] = value
+    return Config(**values), errors
 
 
-_lock = threading.Lock()  # guards _base; readers take the reference without it (assignment is atomic)
-_base: Config | None = None
+_lock = threading.Lock()  # guards _state; readers take the reference without it (assignment is atomic)
+_state: _State | None = None
 _override: contextvars.ContextVar[Config | None] = contextvars.ContextVar("wsarena_config", default=None)
 
 
@@ -107,48 +122,74 @@ def _replace(base: Config, changes: dict[str, Any]) -> Config:
     return dataclasses.replace(base, **changes)
 
 
-def _base_config() -> Config:
-    global _base
-    base = _base
-    if base is None:
+def _check_env(errors: dict[str, str], given: Iterable[str] = ()) -> None:
+    """Raise the error of the first invalid environment variable whose setting is not in ``given``."""
+    for key, message in errors.items():
+        if key not in given:
+            raise ValueError(message)
+
+
+def _base_state() -> _State:
+    global _state
+    state = _state
+    if state is None:
         with _lock:
-            if _base is None:
-                _base = _from_env()
-            base = _base
-    return base
+            if _state is None:
+                _state = _from_env()
+            state = _state
+    return state
 
 
 def get_config() -> Config:
     """Return the settings in force for the calling thread or task (a frozen :class:`Config`)."""
     override = _override.get()
-    return override if override is not None else _base_config()
+    if override is not None:
+        return override
+    base, errors = _base_state()
+    if errors:
+        _check_env(errors)
+    return base
 
 
 def configure(**changes: Any) -> Config:
     """Change the process-wide settings and return the new :class:`Config`.
 
     Keywords: ``cap_workspace`` (bytes, a size string such as ``"256MiB"``, or ``None``), ``algo_search``,
-    ``backend``, ``debug``. Invalid values raise and change nothing.
+    ``backend``, ``debug``. Invalid values raise and change nothing; so does an invalid environment variable for
+    a setting that ``changes`` leaves to it.
     """
-    global _base
+    global _state
     with _lock:
-        new = _replace(_base if _base is not None else _from_env(), changes)
-        _base = new
+        base, errors = _state if _state is not None else _from_env()
+        new = _replace(base, changes)
+        _check_env(errors, changes)
+        _state = (new, {})
     return new
 
 
 @contextlib.contextmanager
 def config(**changes: Any) -> Iterator[Config]:
     """Override settings for the body of a ``with`` block, in this thread or task only."""
-    token = _override.set(_replace(get_config(), changes))
+    token = _override.set(_with_changes(changes))
     try:
         yield _override.get()
     finally:
         _override.reset(token)
 
 
+def _with_changes(changes: dict[str, Any]) -> Config:
+    """The settings in force with ``changes`` applied; a setting in ``changes`` needs no valid environment."""
+    override = _override.get()
+    if override is not None:
+        return _replace(override, changes)
+    base, errors = _base_state()
+    new = _replace(base, changes)
+    _check_env(errors, changes)
+    return new
+
+
 def _reset() -> None:
     """Forget every change and re-read the environment on next use (for tests)."""
-    global _base
+    global _state
     with _lock:
-        _base = None
+        _state = None

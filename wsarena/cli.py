@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__
-from ._config import _parse_cap, get_config
+from ._config import _parse_cap, config
 from ._geometry import DTYPES, PASSES
 from ._sizes import format_size
 from .errors import BackendUnavailableError
@@ -158,23 +158,20 @@ def _report(args: argparse.Namespace) -> int:
         args.model, skip_unknown=args.skip_unknown, asymmetric_pads=args.asymmetric_pads,
         input_shapes=_input_shapes(args.input_shape),
     )
-    kwargs: dict[str, Any] = {}
+    overrides = {key: value for key, value in (("algo_search", args.search), ("backend", args.backend)) if value}
     if args.cap_workspace is not _FROM_CONFIG:
-        kwargs["cap_workspace"] = args.cap_workspace
-    searching = (args.search or get_config().algo_search) == "exhaustive"
-    p = plan(
-        layers,
-        batch=args.batch,
-        dtype=args.dtype,
-        layout=args.layout,
-        passes=args.passes,
-        streams=args.streams,
-        backend=args.backend,
-        search=args.search,
-        model=args.model,
-        progress=text_progress() if searching else None,
-        **kwargs,
-    )
+        overrides["cap_workspace"] = args.cap_workspace
+    with config(**overrides) as cfg:  # flags override the environment, which then matters only for the rest
+        p = plan(
+            layers,
+            batch=args.batch,
+            dtype=args.dtype,
+            layout=args.layout,
+            passes=args.passes,
+            streams=args.streams,
+            model=args.model,
+            progress=text_progress() if cfg.algo_search == "exhaustive" else None,
+        )
     if args.plot:
         from .plot import plot_plan
 

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._config import ALGO_SEARCHES, _parse_cap, get_config
+from ._config import ALGO_SEARCHES, Config, config
 from ._geometry import DTYPES, PASSES, ConvGeometry
 from .algos import select
 from .backends import Candidate, get_backend, resolve_backend_name
@@ -172,21 +172,29 @@ def plan(
     progress : callable, optional
         Called as ``progress(done, total, layer_name)`` after each layer.
     """
-    cfg = get_config()
-    layers = list(layers)
+    if search is not None and search not in ALGO_SEARCHES:
+        raise ValueError(f"search must be one of {ALGO_SEARCHES}, not {search!r}")
+    overrides = {key: value for key, value in (("algo_search", search), ("backend", backend)) if value is not None}
+    if cap_workspace is not _FROM_CONFIG:
+        overrides["cap_workspace"] = cap_workspace
+    # The arguments apply as a config() block: the exhaustive search's leases then see the plan's cap, and an
+    # invalid environment variable matters only for a setting left to it.
+    with config(**overrides) as cfg:
+        return _plan(list(layers), cfg, batch=batch, dtype=dtype, layout=layout, passes=passes, streams=streams,
+                     model=model, progress=progress)
+
+
+def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str, passes: Sequence[str],
+          streams: int | Sequence[int], model: str, progress: Callable[[int, int, str], None] | None) -> Plan:
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, not {batch!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    cap = cfg.cap_workspace if cap_workspace is _FROM_CONFIG else _parse_cap(cap_workspace)
+    cap, search, requested = cfg.cap_workspace, cfg.algo_search, cfg.backend
     passes = tuple(passes)
     if not passes or any(p not in PASSES for p in passes) or len(set(passes)) != len(passes):
         raise ValueError(f"passes must be distinct names from {', '.join(PASSES)}, not {passes!r}")
-    search = cfg.algo_search if search is None else search
-    if search not in ALGO_SEARCHES:
-        raise ValueError(f"search must be one of {ALGO_SEARCHES}, not {search!r}")
     shared, assignment = _streams(streams, len(layers))
-    requested = cfg.backend if backend is None else backend
     name = resolve_backend_name(requested)
     impl = get_backend(name)
     try:
