@@ -101,6 +101,15 @@ def test_csv_report(capsys):
     assert "bwd_data_algo" not in rows[0]
 
 
+def test_csv_report_marks_transposed_layers(capsys):
+    code, out, _ = run_main(capsys, "report", "unet", "--backend", "cpu", "--format", "csv")
+    assert code == 0
+    rows = list(csv.DictReader(io.StringIO(out)))
+    transposed = [row["name"] for row in rows if row["transposed"] == "true"]
+    assert transposed == [f"up{i}.upconv" for i in range(1, 5)]
+    assert {row["transposed"] for row in rows} == {"true", "false"}
+
+
 def test_plot_writes_a_png(capsys, tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")
     target = tmp_path / "ws.png"

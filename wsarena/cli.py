@@ -255,7 +255,7 @@ def render_table(p: Any) -> str:
 
 def _write_csv(p: Any) -> None:
     writer = csv.writer(sys.stdout, lineterminator="\n")
-    head = ["name", "input_shape", "weight_shape", "stride", "padding", "dilation", "groups"]
+    head = ["name", "input_shape", "weight_shape", "stride", "padding", "dilation", "groups", "transposed"]
     for pass_ in p.passes:
         head += [f"{pass_}_algo", f"{pass_}_workspace_bytes"]
     writer.writerow(head)
@@ -263,7 +263,7 @@ def _write_csv(p: Any) -> None:
         g = lp.geometry
         shapes = (g.input_shape, g.weight_shape, g.stride, g.padding, g.dilation)
         row: list[Any] = [lp.name, *(_shape(v) for v in shapes)]
-        row.append(g.groups)
+        row += [g.groups, "true" if lp.transposed else "false"]
         for pass_ in p.passes:
             row += [lp.choices[pass_].algo, lp.choices[pass_].workspace_bytes]
         writer.writerow(row)
