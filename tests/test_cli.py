@@ -93,6 +93,16 @@ def test_table_report_reads_well(capsys):
     assert "unshared" in out and "wsarena arena" in out and "saved" in out
 
 
+def test_table_says_when_the_arena_holds_more_than_unshared(capsys):
+    code, out, _ = run_main(capsys, "report", "vgg16", "--backend", "cpu", "--streams", "10")
+    assert code == 0
+    last = out.splitlines()[-1]
+    assert last.startswith("the arena holds more than unshared:") and "-" not in last
+    assert last.endswith("MiB (1.2x as much)")
+    code, out, _ = run_main(capsys, "report", "vgg16", "--backend", "cpu", "--streams", "2")
+    assert out.splitlines()[-1].startswith("saved:") and out.splitlines()[-1].endswith("x less)")
+
+
 def test_csv_report(capsys):
     code, out, _ = run_main(capsys, "report", "googlenet", "--backend", "cpu", "--format", "csv", "--passes", "fwd")
     assert code == 0

@@ -234,14 +234,13 @@ def render_table(p: Any) -> str:
     lines += [fmt(r) for r in rows]
     lines.append("")
     n_calls = len(p.layers) * len(p.passes)
-    ratio = f"{p.unshared_bytes / p.arena_bytes:.1f}x less" if p.arena_bytes else "no workspace at all"
     arena_label = "wsarena arena: the largest workspace per stream"
     if p.streams > 1:
         arena_label += f" ({', '.join(format_size(b) for b in p.stream_bytes)})"
     totals = [
         (f"unshared: one workspace per layer and pass ({n_calls})", format_size(p.unshared_bytes)),
         (arena_label, format_size(p.arena_bytes)),
-        ("saved", f"{format_size(p.saved_bytes)} ({ratio})"),
+        _saving(p),
     ]
     label_width = max(len(label) for label, _ in totals)
     value_width = max(len(value.split(" (")[0]) for _, value in totals)
@@ -251,6 +250,16 @@ def render_table(p: Any) -> str:
     if any(lp.transposed for lp in p.layers):
         lines.append("(T) a transposed convolution, reported as the convolution whose backward-data it runs")
     return "\n".join(lines) + "\n"
+
+
+def _saving(p: Any) -> tuple[str, str]:
+    """The last totals line: what the arena saves, or, when several streams each hold the largest workspace,
+    how much more than unshared it holds."""
+    if p.saved_bytes < 0:
+        ratio = f"{p.arena_bytes / p.unshared_bytes:.1f}x as much"
+        return "the arena holds more than unshared", f"{format_size(-p.saved_bytes)} ({ratio})"
+    ratio = f"{p.unshared_bytes / p.arena_bytes:.1f}x less" if p.arena_bytes else "no workspace at all"
+    return "saved", f"{format_size(p.saved_bytes)} ({ratio})"
 
 
 def _write_csv(p: Any) -> None:
