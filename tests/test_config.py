@@ -73,6 +73,14 @@ def test_environment_is_read(monkeypatch):
     assert get_config() == Config(cap_workspace=64 << 20, algo_search="exhaustive", backend="cpu", debug=True)
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_environment_variable_means_the_default(monkeypatch, value):
+    for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_DEBUG"):
+        monkeypatch.setenv(var, value)
+    wsarena._config._reset()
+    assert get_config() == Config()
+
+
 @pytest.mark.parametrize(
     ("var", "value"),
     [

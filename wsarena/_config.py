@@ -1,10 +1,11 @@
 """Process-wide settings: the workspace cap, the algorithm search, the backend and debug checks.
 
-Precedence, lowest first: built-in defaults, environment variables (read once, on first use),
-:func:`configure`, and the innermost :func:`config` block of the current thread or task. An invalid
-environment variable is an error only where its setting would be used: a value given for that setting by
-:func:`configure` or :func:`config` (or by the planner's arguments and the command's flags, which apply as a
-:func:`config` block) replaces it, and a :func:`configure` call that sets it repairs the process-wide settings.
+Precedence, lowest first: built-in defaults, environment variables (read once, on first use; an empty one
+means the default), :func:`configure`, and the innermost :func:`config` block of the current thread or task.
+An invalid environment variable is an error only where its setting would be used: a value given for that
+setting by :func:`configure` or :func:`config` (or by the planner's arguments and the command's flags, which
+apply as a :func:`config` block) replaces it, and a :func:`configure` call that sets it repairs the
+process-wide settings.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ _ENV = {
     "debug": "WSARENA_DEBUG",
 }
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_FALSE = {"0", "false", "no", "off"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,7 @@ def _from_env() -> _State:
     errors: dict[str, str] = {}
     for key, var in _ENV.items():
         raw = os.environ.get(var)
-        if raw is None:
+        if raw is None or not raw.strip():  # set but empty, as `VAR= cmd` leaves it: the default
             continue
         try:
             value = _env_value(key, raw)
