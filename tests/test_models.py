@@ -327,6 +327,13 @@ def test_malformed_json(tmp_path, content, message):
     assert "\n" not in str(info.value)
 
 
+def test_json_nested_too_deeply(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100000)
+    with pytest.raises(ModelError, match="nested too deeply"):
+        load_model(path)
+
+
 def test_json_not_utf8(tmp_path):
     path = tmp_path / "bin.json"
     path.write_bytes(b"\xff\xfe\x00garbage")

@@ -77,4 +77,6 @@ def load_json(path: str | os.PathLike[str]) -> list[ConvLayer]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ModelError(f"{path!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:  # the decoder recurses per nesting level
+        raise ModelError(f"{path!r} is nested too deeply to be a JSON layer list") from None
     return layers_from_json(data, source=repr(path))
