@@ -141,6 +141,7 @@ def test_plot_writes_a_png(capsys, tmp_path):
         (["frobnicate"], "frobnicate"),
         (["report", "resnet50", "--input-shape", "1,3,a,b"], "1,3,a,b"),
         (["report", "resnet50", "--input-shape", "1,3,224,224"], "onnx models only"),
+        (["report", "resnet50", "--plot", ""], "--plot"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, needle):

@@ -61,6 +61,12 @@ def _positive(text: str) -> int:
     return value
 
 
+def _file_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a file name, not {text!r}")
+    return text
+
+
 def _input_shape(text: str) -> tuple[str | None, tuple[int, ...]]:
     """``[NAME=]D0,D1,...`` (``x`` separates dims too: ``1x3x800x800``) -> (name or None, dims)."""
     name, _, dims = text.rpartition("=")
@@ -106,7 +112,8 @@ def _parser() -> _Parser:
     )
     report.add_argument("--format", choices=("table", "json", "csv"), default="table")
     report.add_argument(
-        "--plot", metavar="FILE.png", help="draw per-layer workspace and the arena (needs wsarena[plot])"
+        "--plot", type=_file_name, metavar="FILE.png",
+        help="draw per-layer workspace and the arena (needs wsarena[plot])",
     )
     report.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
     report.add_argument(
@@ -172,7 +179,7 @@ def _report(args: argparse.Namespace) -> int:
             model=args.model,
             progress=text_progress() if cfg.algo_search == "exhaustive" else None,
         )
-    if args.plot:
+    if args.plot is not None:
         from .plot import plot_plan
 
         plot_plan(p, args.plot)
