@@ -220,6 +220,10 @@ def test_input_shape_fixes_a_symbolic_onnx_input(capsys, tmp_path):
         capsys, "report", str(path), "--backend", "cpu", "--input-shape", "1,3,8,8", "--input-shape", "x=1,3,8,8"
     )
     assert code == 2 and "name each input" in err
+    code, out, err = run_main(
+        capsys, "report", str(path), "--backend", "cpu", "--input-shape", "x=1,3,8,8", "--input-shape", "x=1,3,9,9"
+    )
+    assert code == 2 and "--input-shape given twice for input 'x': 1x3x8x8 and 1x3x9x9" in err and out == ""
 
 
 def test_a_reader_that_stops_early_ends_the_report_quietly():

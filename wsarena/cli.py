@@ -85,7 +85,13 @@ def _input_shapes(given: list[tuple[str | None, tuple[int, ...]]] | None) -> Any
         return given[0][1]
     if any(name is None for name, _ in given):
         raise UsageError("with several --input-shape options, name each input: --input-shape NAME=DIMS")
-    return dict(given)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in given:
+        if name in shapes:
+            twice = f"{_shape(shapes[name])} and {_shape(shape)}"
+            raise UsageError(f"--input-shape given twice for input {name!r}: {twice}")
+        shapes[name] = shape
+    return shapes
 
 
 def _parser() -> _Parser:
