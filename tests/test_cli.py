@@ -11,7 +11,7 @@ import pytest
 
 from wsarena import algos
 from wsarena._gpu import gpu_unusable_reason
-from wsarena.cli import main
+from wsarena.cli import _parser, main
 
 
 @pytest.fixture(autouse=True)
@@ -186,6 +186,15 @@ def test_info_works_without_a_gpu():
     r = run_cli("info", "--format", "json")
     d = json.loads(r.stdout)
     assert d["auto_backend"] in ("cpu", "cudnn") and "cudnn" in d and "gpu" in d
+
+
+def test_readme_usage_names_every_report_option():
+    readme = open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md"), encoding="utf-8").read()
+    usage = readme[readme.index("wsarena report MODEL"):readme.index("wsarena info\n```")]
+    report = next(a for a in _parser()._actions if a.dest == "command").choices["report"]
+    for action in report._actions:
+        assert all(option in usage for option in action.option_strings if option not in ("-h", "--help")), action
+    assert "[--input-shape [NAME=]DIMS]..." in usage  # the flag repeated, one NAME=DIMS each
 
 
 def test_console_script_entry_point_exists():

@@ -129,7 +129,8 @@ def _parser() -> _Parser:
     )
     report.add_argument(
         "--input-shape", type=_input_shape, action="append", metavar="[NAME=]DIMS",
-        help="fix an ONNX input's shape (1,3,800,800 or images=1x3x800x800); once per input",
+        help="fix an ONNX input's shape (1,3,800,800 or images=1x3x800x800); repeat the flag, one NAME=DIMS each, "
+        "for several inputs",
     )
 
     info = sub.add_parser("info", help="versions, library paths, devices, and the backend 'auto' picks")
