@@ -48,7 +48,9 @@ def test_parse_size_rejects_negative_int():
 
 @pytest.mark.parametrize(
     ("n", "text"),
-    [(0, "0 B"), (512, "512 B"), (1 << 20, "1 MiB"), (3 << 29, "1.5 GiB"), (1536, "1.5 KiB"), (2**40 * 3, "3 TiB")],
+    [(0, "0 B"), (512, "512 B"), (1 << 20, "1 MiB"), (3 << 29, "1.5 GiB"), (1536, "1.5 KiB"), (2**40 * 3, "3 TiB"),
+     (1023, "1023 B"), (2**20 - 1, "1 MiB"), (2**30 - 1, "1 GiB"), (2**40 - 1, "1 TiB"), (2**20 - 512, "1023.5 KiB"),
+     (-(2**20 - 1), "-1 MiB"), (2**50, "1024 TiB")],
 )
 def test_format_size(n, text):
     assert format_size(n) == text

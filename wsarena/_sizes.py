@@ -57,13 +57,16 @@ def parse_size(value: int | str) -> int:
 
 
 def format_size(nbytes: int) -> str:
-    """Format a byte count with the largest binary unit that keeps it at or above 1 (``"1.5 MiB"``)."""
+    """Format a byte count in the smallest binary unit (up to TiB) that keeps it below 1024 once rounded to two
+    decimals: ``"1.5 MiB"``, and ``"1 MiB"`` for 1048575, not ``"1024 KiB"``."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise TypeError(f"format_size takes an int, not {nbytes!r}")
     sign = "-" if nbytes < 0 else ""
     n = abs(nbytes)
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            text = f"{n / scale:.2f}".rstrip("0").rstrip(".")
-            return f"{sign}{text} {unit}"
-    return f"{sign}{n} B"
+    if n < 2**10:
+        return f"{sign}{n} B"
+    for unit, scale in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40)):
+        text = f"{n / scale:.2f}"
+        if float(text) < 1024:  # 1023.999 KiB rounds to 1024: that is 1 MiB
+            break
+    return f"{sign}{text.rstrip('0').rstrip('.')} {unit}"
