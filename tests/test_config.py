@@ -28,7 +28,8 @@ def test_parse_size_accepts(text, expected):
 
 
 @pytest.mark.parametrize(
-    "text", ["", "-1", "1.5", "1.5.3GiB", "12 parsecs", "MiB", "1e3", "0x10", "inf", "nan", "1 GiB B"]
+    "text", ["", "-1", "1.5", "1.5.3GiB", "12 parsecs", "MiB", "1e3", "0x10", "inf", "nan", "1 GiB B",
+             "\u0661\u0662", "\uff11MiB", "1.\u0665KiB"]  # Arabic-Indic and fullwidth digits
 )
 def test_parse_size_rejects_with_value_error(text):
     with pytest.raises(ValueError, match="size|unit|bytes"):

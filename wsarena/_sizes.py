@@ -23,14 +23,14 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*([A-Za-z]*)\s*")
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*([A-Za-z]*)\s*")  # \d would take any script's digits
 
 
 def parse_size(value: int | str) -> int:
     """Return ``value`` as a number of bytes.
 
     Accepts a non-negative ``int`` or a string such as ``"0"``, ``"512"``, ``"64KiB"``, ``"1.5GiB"`` or
-    ``"2GB"`` (units are case-insensitive). Raises ``TypeError`` for other types and ``ValueError`` for a
+    ``"2GB"`` (ASCII digits; units are case-insensitive). Raises ``TypeError`` for other types and ``ValueError`` for a
     negative size, an unknown unit, or a size that is not a whole number of bytes.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
