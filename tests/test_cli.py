@@ -247,6 +247,18 @@ def test_a_reader_that_stops_early_ends_the_report_quietly():
     assert proc.wait(timeout=300) == 141 and stderr == b""
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose writes fail")
+@pytest.mark.parametrize("argv", [("report", "vgg16"), ("report", "vgg16", "--format", "json"),
+                                  ("report", "vgg16", "--format", "csv"), ("info",)])
+def test_output_that_cannot_be_written_exits_3_with_one_line(argv):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "wsarena", *argv], stdout=full, stderr=subprocess.PIPE,
+                           text=True, env=env, timeout=300)
+    assert r.returncode == 3
+    assert r.stderr == "wsarena: error: cannot write the output: No space left on device\n"
+
+
 def test_asymmetric_pads_are_widened_or_refused(capsys, tmp_path):
     import numpy as np
     import onnx

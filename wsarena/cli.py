@@ -1,17 +1,18 @@
 """The ``wsarena`` command: ``wsarena report MODEL`` and ``wsarena info``.
 
 Exit codes: 0 success; 2 bad usage or bad input (one line on stderr); 3 the environment cannot do it (for
-example ``--backend cudnn`` with no usable GPU).
+example ``--backend cudnn`` with no usable GPU, or output that cannot be written).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 from . import __version__
@@ -29,6 +30,10 @@ _FROM_CONFIG = object()  # --cap-workspace not given: the configured cap (WSAREN
 
 class UsageError(Exception):
     """Bad usage or bad input: exit 2 with one line."""
+
+
+class OutputError(Exception):
+    """Writing the output failed (a full disk, a closed terminal): the environment, exit 3 with one line."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,8 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _info(args)
         return _report(args)
     except BrokenPipeError:  # the reader went away (`wsarena report ... | head`): stop quietly, as SIGPIPE would
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail again
+        _drop_stdout()
         return EXIT_BROKEN_PIPE
+    except OutputError as exc:
+        _drop_stdout()
+        print(f"wsarena: error: {exc}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
     except UsageError as exc:
         print(f"wsarena: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -162,6 +171,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("wsarena: interrupted", file=sys.stderr)
         return 130
+
+
+def _drop_stdout() -> None:
+    """Point stdout at the null device, so that the flush at exit cannot fail again on what is still buffered."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+@contextlib.contextmanager
+def _output() -> Iterator[None]:
+    """Around writing to stdout: flush at the end, so that a failure shows here and not at exit, and turn a
+    failure other than a closed pipe into :class:`OutputError`."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -190,13 +217,14 @@ def _report(args: argparse.Namespace) -> int:
         from .plot import plot_plan
 
         plot_plan(p, args.plot)
-    if args.format == "json":
-        json.dump(p.to_dict(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    elif args.format == "csv":
-        _write_csv(p)
-    else:
-        sys.stdout.write(render_table(p))
+    with _output():
+        if args.format == "json":
+            json.dump(p.to_dict(), sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        elif args.format == "csv":
+            _write_csv(p)
+        else:
+            sys.stdout.write(render_table(p))
     return EXIT_OK
 
 
@@ -296,9 +324,10 @@ def _info(args: argparse.Namespace) -> int:
     from .info import collect_info, render_info
 
     data = collect_info()
-    if args.format == "json":
-        json.dump(data, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(render_info(data))
+    with _output():
+        if args.format == "json":
+            json.dump(data, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            sys.stdout.write(render_info(data))
     return EXIT_OK
