@@ -1,7 +1,11 @@
 """How much workspace a network needs: shared (what wsarena holds) versus unshared (a workspace per layer and pass).
 
-:func:`plan` asks the same backend and the same algorithm choice that the ops use, so the arena a real run ends
-up holding is the plan's ``arena_bytes``.
+:func:`plan` asks the same backend and the same algorithm choice that the ops use, so in a real run the largest
+lease on each stream is that stream's entry of ``stream_bytes`` (``arena_bytes`` over all streams: the arena's
+``high_water_bytes`` for one stream). The arena itself ends up holding slightly more: each sub-arena rounds its
+size up with :func:`wsarena.arena.aligned_size`, so its ``capacity_bytes`` is the plan's ``held_bytes``, which is
+also what ``arena.reserve_for(plan)`` reserves. (An exhaustive search can leave a sub-arena larger still: it times
+the candidates in one workspace as large as the largest of them.)
 
 Streams. ``streams=K`` models K concurrent streams each able to run any layer (an inference server with K
 requests in flight): each stream's sub-arena holds the largest workspace of the whole network, so the arena is
@@ -82,7 +86,8 @@ class Plan:
 
     @property
     def arena_bytes(self) -> int:
-        """What wsarena holds: per stream the largest chosen workspace, summed over streams."""
+        """What wsarena holds: per stream the largest chosen workspace, summed over streams (before the arena's
+        rounding, which :attr:`held_bytes` includes)."""
         return sum(self.stream_bytes)
 
     @property
