@@ -293,6 +293,16 @@ def test_a_json_report_reads_back_as_its_model(tmp_path, name, layout):
     assert load_model(path) == layers
 
 
+def test_the_ignored_layer_keys_are_documented():
+    from wsarena.models._layer import _REPORT_KEYS
+
+    docs = open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "models.md"), encoding="utf-8").read()
+    schema = docs[docs.index("## JSON layer list"):docs.index("## Transposed convolutions")]
+    assert [key for key in sorted(_REPORT_KEYS) if f"`{key}`" not in schema] == []
+    (layer,) = layers_from_json([{**GOOD, "output_shape": "junk", "macs": -1, "stream": "x"}])
+    assert layer == ConvLayer.from_dict(GOOD)
+
+
 def test_a_json_layout_other_than_nchw_or_nhwc_is_refused():
     with pytest.raises(ModelError, match="layout must be 'NCHW' or 'NHWC', not 'CHWN'"):
         layers_from_json({"layout": "CHWN", "layers": [GOOD]})

@@ -41,8 +41,10 @@ Numbers must be JSON integers. A layer with ``"transposed": true`` is a transpos
 forward-equivalent convolution: ``input_shape`` is the ConvTranspose's *output* shape and ``weight_shape`` its
 weight ``(C_in, C_out / groups, *kernel)``, so that the ConvTranspose's forward pass is this convolution's
 backward-data pass (details in :class:`ConvLayer`). Unknown keys are an error (a misspelt ``"strides"`` would
-otherwise be ignored), except the per-pass keys a report adds (``fwd``, ``bwd_data``, ``bwd_filter``). Every
-layer's geometry is checked when it is read. :func:`layers_to_json` writes this schema.
+otherwise be ignored), except keys ignored whatever their value: the per-pass keys a report adds (``fwd``,
+``bwd_data``, ``bwd_filter``) and the derived ``output_shape``, ``macs`` and ``stream`` (not written by
+wsarena's report, and not checked against the layer). Every layer's geometry is checked when it is read.
+:func:`layers_to_json` writes this schema.
 
 Errors
 ------

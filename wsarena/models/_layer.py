@@ -19,8 +19,9 @@ __all__ = ["ConvLayer", "ModelError"]
 # Keys of one layer in the JSON schema; the first three are required.
 _REQUIRED_KEYS = ("name", "input_shape", "weight_shape")
 _OPTIONAL_KEYS = ("stride", "padding", "dilation", "groups", "transposed")
-# Keys a `wsarena report --format json` layer carries besides the schema's; ignored when such a report is read
-# back as a layer list, so that a report can be re-planned with another batch, dtype or cap.
+# Keys ignored when a layer list is read, whatever their value: the per-pass results a `wsarena report --format json`
+# layer carries, so that a report can be re-planned with another batch, dtype or cap, and values derived from the
+# layer (output_shape, macs) or its plan (stream), which the report does not write.
 _REPORT_KEYS = frozenset({"fwd", "bwd_data", "bwd_filter", "output_shape", "macs", "stream"})
 
 
@@ -198,9 +199,9 @@ class ConvLayer:
         """Build a layer from one entry of the JSON layer list, checking every field.
 
         ``stride``, ``padding``, ``dilation`` (an int or one int per spatial dimension), ``groups`` and
-        ``transposed`` are optional (1, 0, 1, 1, false). Keys a ``wsarena report`` layer carries (``fwd``,
-        ``bwd_data``, ``bwd_filter``, ...) are ignored; any other key is an error, so that a misspelt
-        ``"strides"`` is not silently dropped.
+        ``transposed`` are optional (1, 0, 1, 1, false). The per-pass keys a ``wsarena report`` layer carries
+        (``fwd``, ``bwd_data``, ``bwd_filter``) and ``output_shape``, ``macs`` and ``stream`` are ignored, whatever
+        their value; any other key is an error, so that a misspelt ``"strides"`` is not silently dropped.
 
         Raises
         ------
