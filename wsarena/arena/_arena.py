@@ -204,8 +204,9 @@ class Arena:
             thread's default stream, which a one-stream plan needs; a plan for several streams must name them.
 
         The plan was made under its own cap, so its sizes are not checked against the configured cap again
-        (each is rounded up by :func:`aligned_size`, as any growth is, so the capacity may sit just above it). Every stream is checked before anything is reserved; if the provider fails
-        part-way, the streams before the failing one stay reserved.
+        (each is rounded up by :func:`aligned_size`, as any growth is, so the capacity may sit just above it).
+        Every stream is checked before anything is reserved; if the provider fails part-way, the streams before
+        the failing one stay reserved.
         """
         sizes = [_check_nbytes(n) for n in plan.stream_bytes]
         if streams is None:
