@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+import shutil
 import sys
+import traceback
 import types
 from pathlib import Path
 
@@ -115,15 +117,37 @@ def test_not_found_lists_every_place_tried(fresh_search, tmp_path):
         assert place in message and why in message
     # The failure is cached: the same error again, without searching.
     fresh_search.setattr(_library, "SEARCH_STEPS", [])
-    with pytest.raises(cudnn.CudnnNotFoundError) as again:
-        _library.load_library()
-    assert again.value is err
+    depths = []
+    for _ in range(3):
+        with pytest.raises(cudnn.CudnnNotFoundError) as again:
+            _library.load_library()
+        assert again.value is err
+        depths.append(len(traceback.extract_tb(again.value.__traceback__)))
+    assert depths[0] == depths[1] == depths[2]  # raising it again does not pile up tracebacks
     # Everything that needs the library reports the same error; library_info() reports it without raising.
     with pytest.raises(cudnn.CudnnNotFoundError):
         cudnn.bind_all()
     info_dict = cudnn.library_info()
     assert info_dict["found"] is False and "libcudnn.so.9 could not be loaded" in info_dict["error"]
     assert len(info_dict["tried"]) == 4
+
+
+@needs_cudnn
+def test_a_shim_without_its_sub_libraries_is_a_miss_not_an_abort(tmp_path):
+    # A copy of the shim alone (a broken install): cuDNN itself would abort() the process in cudnnGetVersion.
+    (tmp_path / "lib").mkdir()
+    shutil.copy(_info["path"], tmp_path / "lib" / "libcudnn.so.9")
+    code = (
+        "import os, wsarena.cudnn as c\n"
+        "from wsarena.cudnn import _library\n"
+        "_library.SEARCH_STEPS[:] = [s for s in _library.SEARCH_STEPS if s[0] == 'CUDNN_PATH']\n"
+        f"os.environ['CUDNN_PATH'] = {str(tmp_path)!r}\n"
+        "info = c.library_info()\n"
+        "print(info['found'], info['tried'][0][1])\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert result.stdout.startswith("False loaded, but its sub-library libcudnn_graph.so.9 cannot be loaded")
 
 
 def test_unset_cudnn_path_is_reported(fresh_search):

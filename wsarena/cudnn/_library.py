@@ -193,6 +193,21 @@ _loaded: LoadedLibrary | None = None
 _failure: Exception | None = None
 
 
+# What the shim libcudnn.so.9 loads (from its own folder first: its RPATH is $ORIGIN) for the calls wsarena
+# makes. The shim aborts the process, rather than failing a call, when one is missing: check them first.
+SUBLIBRARIES = ("libcudnn_graph.so.9", "libcudnn_ops.so.9", "libcudnn_cnn.so.9")
+
+
+def _check_sublibraries(path: str) -> None:
+    folder = Path(path).parent
+    for name in SUBLIBRARIES:
+        beside = folder / name
+        try:
+            ctypes.CDLL(str(beside) if beside.is_file() else name)
+        except OSError as exc:
+            raise _Miss(path, f"loaded, but its sub-library {name} cannot be loaded: {exc}") from None
+
+
 def _read_version(cdll: ctypes.CDLL) -> int:
     get_version = cdll.cudnnGetVersion
     get_version.argtypes = []
@@ -211,6 +226,12 @@ def _search() -> LoadedLibrary:
             continue
         except Exception as exc:  # noqa: BLE001 - a broken step must not hide the others
             tried.append((label, f"{type(exc).__name__}: {exc}"))
+            continue
+        try:
+            if Path(path).name == LIBRARY_NAME:  # cuDNN 9's shim; another major is reported as such below
+                _check_sublibraries(path)
+        except _Miss as miss:
+            tried.append((miss.place, str(miss)))
             continue
         try:
             version = _read_version(cdll)
@@ -245,7 +266,7 @@ def load_library() -> LoadedLibrary:
     with _lock:
         if _loaded is None:
             if _failure is not None:
-                raise _failure
+                raise _failure.with_traceback(None)  # else each raise would add to one traceback for good
             try:
                 _loaded = _search()
             except (CudnnNotFoundError, CudnnVersionError) as exc:
