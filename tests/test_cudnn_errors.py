@@ -8,7 +8,9 @@ import pytest
 
 import wsarena
 import wsarena.cudnn as cudnn
-from wsarena.errors import BackendUnavailableError, WsarenaError
+from wsarena.errors import (
+    ArenaOutOfMemoryError, BackendUnavailableError, NoAlgorithmFitsError, WorkspaceCapError, WsarenaError,
+)
 
 
 def test_one_class_per_status():
@@ -72,6 +74,18 @@ def test_errors_pickle():
     assert (back.status, str(back), back.func_name, back.context) == (err.status, "message", "cudnnFoo", "ctx")
     gpu = cudnn.CudnnGpuUnavailableError(1001, "no GPU", "cudnnCreate")
     assert type(pickle.loads(pickle.dumps(gpu))) is cudnn.CudnnGpuUnavailableError
+    missing = cudnn.CudnnNotFoundError([("/opt/cudnn", "no such file")])
+    back = pickle.loads(pickle.dumps(missing))
+    assert type(back) is cudnn.CudnnNotFoundError and back.tried == missing.tried and str(back) == str(missing)
+
+
+@pytest.mark.parametrize("cls", [WorkspaceCapError, ArenaOutOfMemoryError, NoAlgorithmFitsError])
+def test_memory_errors_pickle_with_their_numbers(cls):
+    err = cls("no room", requested=4096, held=1024, cap=None)
+    err.add_note("tried 3 algorithms")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is cls and str(back) == str(err)
+    assert (back.requested, back.held, back.cap, back.__notes__) == (4096, 1024, None, ["tried 3 algorithms"])
 
 
 def test_environment_errors_are_backend_unavailable():

@@ -17,6 +17,8 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
 
 from __future__ import annotations
 
+import functools
+
 from ._sizes import format_size
 
 __all__ = [
@@ -60,10 +62,19 @@ class WorkspaceMemoryError(WsarenaError, MemoryError):
         self.requested = requested
         self.held = held
         self.cap = cap
+        self._message = message
         cap_text = "none" if cap is None else format_size(cap)
         super().__init__(
             f"{message} (requested {format_size(requested)}, held {format_size(held)}, cap {cap_text})"
         )
+
+    def __reduce__(self) -> tuple:
+        # The default would call cls(formatted message) and fail: a worker process's error would then reach
+        # its parent as a BrokenProcessPool instead.
+        rebuild = functools.partial(
+            type(self), self._message, requested=self.requested, held=self.held, cap=self.cap
+        )
+        return (rebuild, (), self.__dict__)
 
 
 class WorkspaceCapError(WorkspaceMemoryError):

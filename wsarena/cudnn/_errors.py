@@ -60,6 +60,9 @@ class CudnnNotFoundError(BackendUnavailableError):
             "libcudnn.so.9 could not be loaded (install nvidia-cudnn-cu13, or set CUDNN_PATH). Tried:\n" + lines
         )
 
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.tried,), self.__dict__)  # the default would pass the message as `tried`
+
 
 class CudnnVersionError(BackendUnavailableError):
     """A libcudnn was loaded, but it is not cuDNN 9, the only major version wsarena binds."""
