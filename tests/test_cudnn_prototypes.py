@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import pytest
 
@@ -116,6 +117,26 @@ def test_bind_all_declares_every_function():
         assert fn.restype is restype and list(fn.argtypes) == list(argtypes), name
         assert _prototypes.function(name) is fn
     assert lib.cudnnGetVersion() // 10000 == 9
+
+
+def test_a_finalizer_may_bind_a_function_while_its_thread_is_binding_another():
+    # A garbage collection inside _declare (which allocates) can run a descriptor's finalizer on the same
+    # thread, and that finalizer binds its Destroy function through the same lock.
+    cudnn.bind_all()
+    name = "cudnnDestroyTensorDescriptor"
+    bound = _prototypes._bound.pop(name)
+    done = threading.Event()
+
+    def bind_inside_the_lock():
+        with _prototypes._lock:
+            _prototypes.function(name)
+        done.set()
+
+    try:
+        threading.Thread(target=bind_inside_the_lock, daemon=True).start()
+        assert done.wait(10), "binding re-entered the prototype lock and deadlocked"
+    finally:
+        _prototypes._bound.setdefault(name, bound)
 
 
 def test_unknown_name_is_a_key_error():

@@ -155,7 +155,9 @@ PROTOTYPES: dict[str, Prototype] = {
     ),
 }
 
-_lock = threading.Lock()  # guards _bound and the one-time install of the error describers
+# Guards _bound and the one-time install of the error describers. Reentrant: a garbage collection while this
+# thread holds it (in _declare) may run a descriptor's finalizer, which binds its Destroy function here.
+_lock = threading.RLock()
 _bound: dict[str, ctypes._CFuncPtr] = {}
 _describers_installed = False
 
