@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import threading
+import time
+
 import pytest
 
 import wsarena.cudnn as cudnn
@@ -31,3 +35,41 @@ def test_get_handle_without_gpu_says_there_is_no_usable_gpu():
 
 def test_close_all_handles_with_none_open_is_harmless():
     cudnn.close_all_handles()
+
+
+def test_the_first_handle_is_created_alone_and_later_ones_concurrently(monkeypatch):
+    # cudnnCreate and cudnnDestroy replaced by fakes that record how many creations overlap.
+    active, overlaps, lock = [0], [], threading.Lock()
+
+    def fake_create(out):
+        with lock:
+            active[0] += 1
+            overlaps.append(active[0])
+        time.sleep(0.05)
+        with lock:
+            active[0] -= 1
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 0x1000
+        return 0
+
+    monkeypatch.setattr(handle_mod, "function", lambda name: fake_create)
+    monkeypatch.setattr(handle_mod, "call", lambda *args, **kwargs: None)
+    monkeypatch.setattr(handle_mod, "_current_device", lambda: 0)
+    monkeypatch.setattr(handle_mod, "_created", False)
+    made = []
+
+    def first_use():
+        made.append(cudnn.get_handle(0))
+
+    try:
+        for wave in range(2):  # the first wave races for the first creation, the second creates freely
+            threads = [threading.Thread(target=first_use) for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(10)
+        assert len(made) == 8
+        assert max(overlaps[:4]) == 1  # the first wave: one creation at a time, while the first was unsettled
+        assert max(overlaps[4:]) > 1  # afterwards no lock: creations overlap
+    finally:
+        for handle in made:
+            handle.close()

@@ -123,6 +123,22 @@ def _forget(handle: Handle) -> None:
         _live.discard(handle)
 
 
+_create_lock = threading.Lock()  # held around the process's first cudnnCreate
+_created = False
+
+
+def _create(device: int) -> Handle:
+    """A new handle. NVIDIA's thread-safety notes ask for one synchronous cudnnCreate before threads create their
+    own handles concurrently: the first creation in the process is made alone, under a lock."""
+    global _created
+    if _created:
+        return Handle(device)
+    with _create_lock:
+        handle = Handle(device)
+        _created = True
+    return handle
+
+
 def get_handle(device: int) -> Handle:
     """The calling thread's cuDNN handle for ``device``, created with ``cudnnCreate`` on first request.
 
@@ -148,7 +164,7 @@ def get_handle(device: int) -> Handle:
     current = _current_device()
     if current is not None and current != device:
         raise ValueError(f"device {device} is not the current CUDA device ({current}); make it current first")
-    handle = Handle(device)
+    handle = _create(device)
     handles[device] = handle
     with _lock:
         _live.add(handle)
