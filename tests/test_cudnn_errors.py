@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 
 import pytest
@@ -108,3 +109,17 @@ def test_public_names():
                  "workspace_size", "heuristic_algorithms", "find_algorithms", "convolution", "AlgoPerf",
                  "CudnnError", "CudnnBadParamError", "Status", "ConvolutionFwdAlgo"):
         assert name in cudnn.__all__, name
+
+
+@pytest.mark.skipif(not cudnn.library_info()["found"], reason="libcudnn not loadable")
+def test_an_error_does_not_carry_a_message_an_earlier_call_left_unread():
+    lib = cudnn.bind_all()
+    desc = ctypes.c_void_p()
+    assert lib.cudnnCreateTensorDescriptor(ctypes.byref(desc)) == 0
+    dims, strides = (ctypes.c_int * 4)(1, -2, 3, 4), (ctypes.c_int * 4)(1, 1, 1, 1)
+    # A raw call (as another library sharing libcudnn makes) fails and leaves its message unread.
+    assert lib.cudnnSetTensorNdDescriptor(desc, 0, 4, dims, strides) == int(cudnn.Status.BAD_PARAM)
+    assert lib.cudnnDestroyTensorDescriptor(desc) == 0  # a success does not clear it
+    with pytest.raises(cudnn.CudnnNotSupportedError) as info:  # fails without a message of its own
+        cudnn.TensorDescriptor("float32", (1,) * 9)
+    assert "invalid size -2" not in str(info.value)

@@ -153,6 +153,14 @@ def _status_text(status: int) -> str:
 # Kept as hooks so that building an error never loads the library by itself.
 _error_string: Callable[[int], str] | None = None
 _last_error: Callable[[], str] | None = None
+_clear_last: Callable[[], None] | None = None
+
+
+def clear_last_error() -> None:
+    """Drop cuDNN's per-thread last-error message. A success does not clear it, so a message left unread (by
+    another library sharing libcudnn, or a call that failed quietly) would otherwise describe the next error."""
+    if _clear_last is not None:
+        _clear_last()
 
 
 def _describe(status: int) -> str:
@@ -196,7 +204,7 @@ def status_message(status: int, func_name: str, context: str = "") -> str:
 
 def _install_describers(lib: ctypes.CDLL) -> None:
     """Let :func:`check` add cuDNN's own texts; called by the loader with the declared library."""
-    global _error_string, _last_error
+    global _error_string, _last_error, _clear_last
 
     def error_string(status: int) -> str:
         text = lib.cudnnGetErrorString(int(status))
@@ -207,5 +215,11 @@ def _install_describers(lib: ctypes.CDLL) -> None:
         lib.cudnnGetLastErrorString(buffer, len(buffer))
         return buffer.value.decode(errors="replace").strip()
 
+    scratch = ctypes.create_string_buffer(1)  # reading clears; the text itself is not wanted
+
+    def clear_last() -> None:
+        lib.cudnnGetLastErrorString(scratch, 1)
+
     _error_string = error_string
     _last_error = last_error
+    _clear_last = clear_last

@@ -215,9 +215,23 @@ def function(name: str) -> ctypes._CFuncPtr:
     return fn
 
 
+# Called once per convolution: clearing cuDNN's last-error message before them would add a ctypes call to each.
+# Their failures may then carry a message another caller left unread.
+_NOT_CLEARED = frozenset(
+    ("cudnnSetStream", "cudnnConvolutionForward", "cudnnConvolutionBackwardData", "cudnnConvolutionBackwardFilter")
+)
+
+
 def call(name: str, *args: object, context: str = "") -> None:
-    """Call the cuDNN function ``name`` and raise its :class:`~wsarena.cudnn.CudnnError` unless it succeeds."""
-    check(function(name)(*args), name, context)
+    """Call the cuDNN function ``name`` and raise its :class:`~wsarena.cudnn.CudnnError` unless it succeeds.
+
+    cuDNN's last-error message is cleared first (except for the per-convolution calls), so that the error
+    describes this call and not an earlier one whose message nobody read.
+    """
+    fn = function(name)
+    if name not in _NOT_CLEARED:
+        _errors.clear_last_error()
+    check(fn(*args), name, context)
 
 
 def get_property(prop: LibraryProperty) -> int:
