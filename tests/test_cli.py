@@ -183,9 +183,13 @@ def test_info_works_without_a_gpu():
     r = run_cli("info")
     assert r.returncode == 0, r.stderr
     assert "wsarena" in r.stdout and "cuDNN" in r.stdout and "backend 'auto' picks" in r.stdout
+    assert "CUDA runtime (cuda-bindings):" in r.stdout  # which runtime: CuPy and cuDNN may each have another
     r = run_cli("info", "--format", "json")
     d = json.loads(r.stdout)
     assert d["auto_backend"] in ("cpu", "cudnn") and "cudnn" in d and "gpu" in d
+    cudart = d["cudnn"].get("cudart_version")
+    if cudart:
+        assert f"built for CUDA {cudart // 1000}.{cudart % 1000 // 10}" in run_cli("info").stdout
 
 
 def test_readme_usage_names_every_report_option():

@@ -176,6 +176,7 @@ def test_data_type_names():
     assert cudnn.data_type("float32") is cudnn.DataType.FLOAT
     assert cudnn.data_type("bfloat16") is cudnn.DataType.BFLOAT16
     assert cudnn.data_type("HALF") is cudnn.DataType.HALF
+    assert cudnn.data_type("bool") is cudnn.DataType.BYTE_BOOLEAN  # NumPy's bool takes a byte per element
     assert cudnn.data_type(1) is cudnn.DataType.DOUBLE
 
 

@@ -109,12 +109,15 @@ def render_info(data: dict[str, Any]) -> str:
         lines.append(f"  {name:<16} {version or 'not installed'}")
     cudnn = data["cudnn"]
     if cudnn.get("found"):
+        cudart = cudnn.get("cudart_version")
+        built = f", built for CUDA {cudart // 1000}.{cudart % 1000 // 10}" if cudart else ""
         lines.append(f"cuDNN: {cudnn.get('version_string', cudnn.get('version'))} at {cudnn.get('path')} "
-                     f"(found via {cudnn.get('found_via')})")
+                     f"(found via {cudnn.get('found_via')}{built})")
     else:
         lines.append(f"cuDNN: not usable: {cudnn.get('error')}")
     cuda = data["cuda"]
-    lines.append(f"CUDA runtime: {cuda.get('runtime') or cuda.get('error')}   driver: {cuda.get('driver') or '-'}")
+    runtime = cuda.get("runtime") or cuda.get("error")
+    lines.append(f"CUDA runtime (cuda-bindings): {runtime}   driver: {cuda.get('driver') or '-'}")
     gpu = data["gpu"]
     if gpu["usable"]:
         for dev in gpu["devices"]:

@@ -33,7 +33,8 @@ class Owned:
 
     @property
     def _as_parameter_(self) -> ctypes.c_void_p:
-        # Lets the object be passed straight to a declared ctypes function.
+        # Lets the object be passed straight to a declared ctypes function. A closed one then fails there as
+        # ctypes.ArgumentError, whose message is the ValueError's.
         return ctypes.c_void_p(self.handle)
 
     @property

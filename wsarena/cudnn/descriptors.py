@@ -54,7 +54,7 @@ DATA_TYPES: dict[str, DataType] = {
     "uint8": DataType.UINT8,
     "int32": DataType.INT32,
     "int64": DataType.INT64,
-    "bool": DataType.BOOLEAN,
+    "bool": DataType.BYTE_BOOLEAN,  # one byte per element, as NumPy's; BOOLEAN is not byte-addressed
 }
 
 
