@@ -73,3 +73,30 @@ def test_the_first_handle_is_created_alone_and_later_ones_concurrently(monkeypat
     finally:
         for handle in made:
             handle.close()
+
+
+def test_a_handle_is_destroyed_with_its_own_device_current(monkeypatch):
+    # cudnnDestroy synchronizes the current device: a handle of device 1 closed while device 0 is current (at
+    # exit, or from another thread) must make device 1 current around it, then restore device 0.
+    events, current = [], [1]
+
+    def fake_create(out):
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 0x2000
+        return 0
+
+    def set_device(device):
+        events.append(("set", device))
+        current[0] = device
+
+    monkeypatch.setattr(handle_mod, "function", lambda name: fake_create)
+    monkeypatch.setattr(handle_mod, "call", lambda name, *args, **kw: events.append((name, current[0])))
+    monkeypatch.setattr(handle_mod, "_current_device", lambda: current[0])
+    monkeypatch.setattr(handle_mod, "_set_device", set_device)
+    handle = cudnn.get_handle(1)
+    current[0] = 0
+    handle.close()
+    assert events == [("set", 1), ("cudnnDestroy", 1), ("set", 0)]
+    events.clear()
+    other = cudnn.get_handle(0)
+    other.close()
+    assert events == [("cudnnDestroy", 0)]  # its own device is current: nothing switched

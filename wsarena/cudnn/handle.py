@@ -26,10 +26,24 @@ from ._prototypes import call, function
 __all__ = ["Handle", "close_all_handles", "get_handle"]
 
 
-def _destroy_quietly(handle: int) -> None:
+def _destroy(handle: int, device: int) -> None:
+    """``cudnnDestroy`` with the handle's device current: it synchronizes the current device, and the handle's
+    work runs on its own (the caller, at exit or in a finalizer, may have another one current)."""
+    current = _current_device()
+    if current is None or current == device:
+        call("cudnnDestroy", handle, context=f"device {device}")
+        return
+    _set_device(device)
+    try:
+        call("cudnnDestroy", handle, context=f"device {device}")
+    finally:
+        _set_device(current)
+
+
+def _destroy_quietly(handle: int, device: int) -> None:
     """Finalizer: destroy a handle whose owner (a finished thread) is gone; warn, never raise."""
     try:
-        call("cudnnDestroy", handle)
+        _destroy(handle, device)
     except Exception as exc:  # noqa: BLE001
         warnings.warn(f"wsarena.cudnn: cudnnDestroy failed: {exc}", ResourceWarning, stacklevel=1)
 
@@ -43,6 +57,14 @@ def _current_device() -> int | None:
     except Exception:  # noqa: BLE001 - only a consistency check; cudnnCreate reports the real problem
         return None
     return int(device) if err == runtime.cudaError_t.cudaSuccess else None
+
+
+def _set_device(device: int) -> None:
+    from cuda.bindings import runtime
+
+    (err,) = runtime.cudaSetDevice(device)
+    if err != runtime.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaSetDevice({device}) failed: {getattr(err, 'name', err)}")
 
 
 class Handle(Owned):
@@ -76,7 +98,7 @@ class Handle(Owned):
             check(status, "cudnnCreate", f"device {self.device}")
         self._handle: int = raw.value or 0
         self._stream: int | None = None  # what cudnnSetStream was last given; None = cuDNN's default
-        self._finalizer = weakref.finalize(self, _destroy_quietly, self._handle)
+        self._finalizer = weakref.finalize(self, _destroy_quietly, self._handle, self.device)
         self._finalizer.atexit = False  # the atexit hook below destroys live handles itself, in time
 
     @property
@@ -102,7 +124,7 @@ class Handle(Owned):
         """Destroy the handle now (``cudnnDestroy``, which synchronizes the device); later calls do nothing."""
         if self._finalizer.detach() is not None:
             _forget(self)
-            call("cudnnDestroy", self._handle, context=f"device {self.device}")
+            _destroy(self._handle, self.device)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self._handle:#x}"
