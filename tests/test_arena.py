@@ -5,6 +5,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import wsarena
 from wsarena.arena import (
@@ -103,6 +105,31 @@ def test_aligned_size(n):
     assert aligned_size(size) == size
 
 
+@settings(max_examples=500, deadline=None)
+@given(st.integers(1, 1 << 40))
+def test_aligned_size_overshoots_by_less_than_its_documented_bound(n):
+    size = aligned_size(n)
+    assert n <= size < n + min(max(256, n / 16), 2 << 20)
+    assert aligned_size(size) == size and aligned_size(n + 1) >= size
+
+
+def _capacities_in(low, high):
+    """The distinct capacities a run of growing requests in (low, high] passes through."""
+    count, n = 0, low + 1
+    while n <= high:
+        n = aligned_size(n) + 1
+        count += 1
+    return count
+
+
+def test_growths_per_doubling_are_bounded():
+    for k in range(13, 25):  # up to 32 MiB: the step is 1/16 of the request
+        assert _capacities_in(1 << k, 2 << k) == 16, k
+    for k in range(25, 31):  # above: one capacity per 2 MiB
+        assert _capacities_in(1 << k, 2 << k) == (1 << k) // (2 << 20), k
+    assert (aligned_size(8193), aligned_size((1 << 20) + 1)) == (8704, (1 << 20) + (1 << 16))
+
+
 def test_aligned_size_zero():
     assert aligned_size(0) == 0
 
@@ -140,6 +167,7 @@ def test_trim_frees_what_no_live_lease_uses(arena, provider):
         assert arena.held_bytes(stream="b") == 0
     assert arena.trim() == aligned_size(5000)
     assert provider.held == [] and arena.stats().capacity_bytes == 0
+    assert dict(arena.stats().streams) == {}  # emptied sub-arenas are forgotten
     with arena.lease(100, stream="a"):  # usable after trim
         pass
 
@@ -165,6 +193,15 @@ def test_an_interrupt_during_one_free_still_frees_the_others():
         arena.reserve(4096, stream=lane)
     with pytest.raises(KeyboardInterrupt):
         arena.trim()
+    assert provider.held == [] and arena.stats().capacity_bytes == 0
+
+
+def test_a_provider_that_returns_too_little_is_an_error_and_its_buffer_is_freed(arena, provider):
+    real_allocate = provider.allocate
+    provider.allocate = lambda nbytes, *, stream: real_allocate(nbytes // 2, stream=stream)
+    with pytest.raises(RuntimeError, match="for a request of 4096 bytes"):
+        with arena.lease(4096, stream="s"):
+            pass
     assert provider.held == [] and arena.stats().capacity_bytes == 0
 
 
@@ -866,6 +903,24 @@ class _GatedProvider(RecordingProvider):
         self.allocating.set()
         assert self.gate.wait(10)
         return super().allocate(nbytes, stream=stream)
+
+
+def test_a_thread_waiting_for_another_threads_growth_is_woken_by_it():
+    provider = _GatedProvider()
+    arena = Arena(provider)
+    first = threading.Thread(target=arena.reserve, args=(1 << 20,), kwargs={"stream": "L"})
+    first.start()
+    assert provider.allocating.wait(10)
+    second = threading.Thread(target=arena.reserve, args=(1 << 20,), kwargs={"stream": "L"})
+    second.start()
+    deadline = time.monotonic() + 10
+    while arena._subs["L"].waiters == 0 and time.monotonic() < deadline:  # the second waits for the growth
+        time.sleep(0.001)
+    provider.gate.set()
+    first.join(10)
+    second.join(10)
+    assert not first.is_alive() and not second.is_alive()
+    assert len(provider.allocations) == 1  # the second found the first's buffer large enough
 
 
 @pytest.mark.parametrize("call", ["reserve", "lease"])

@@ -51,6 +51,7 @@ class HostArenaMachine(RuleBasedStateMachine):
         self.on_current = dict.fromkeys(self.KEYS, 0)  # live leases on the current buffer
         self.generation = dict.fromkeys(self.KEYS, 0)  # bumped whenever a key gets a new buffer
         self.allocations = self.growths = self.high_water = 0
+        self.stream_high = dict.fromkeys(self.KEYS, 0)  # largest lease per key since its sub-arena appeared
         self.armed = False  # the provider will fail the next allocation
         self.limit = None  # cap_workspace in force
         self.patterns = iter(range(1, 1 << 30))
@@ -115,6 +116,7 @@ class HostArenaMachine(RuleBasedStateMachine):
         self._note(key, n)
         self.on_current[key] += 1
         self.high_water = max(self.high_water, n)
+        self.stream_high[key] = max(self.stream_high[key], n)
         self.live[key].append(_Live(ws, key, next(self.patterns) % 255, self.generation[key]))
 
     @precondition(lambda self: any(self.live.values()))
@@ -147,6 +149,8 @@ class HostArenaMachine(RuleBasedStateMachine):
         for key in self.KEYS:
             if not self.on_current[key]:
                 self.cap[key] = self.largest[key] = 0
+            if not self.live[key]:  # its sub-arena holds nothing now and is forgotten, counters with it
+                self.stream_high[key] = 0
 
     @rule()
     def arm_failure(self):
@@ -179,7 +183,9 @@ class HostArenaMachine(RuleBasedStateMachine):
         assert s.high_water_bytes == self.high_water
         for key, x in s.streams.items():
             assert x.leases == len(self.live[self._model_key(key)])
-            assert x.high_water_bytes <= s.high_water_bytes
+            assert x.high_water_bytes == self.stream_high[self._model_key(key)] <= s.high_water_bytes
+        listed = {self._model_key(key) for key in s.streams}
+        assert all(self.stream_high[key] == 0 for key in self.KEYS if key not in listed)
 
     @invariant()
     def live_leases_sit_in_held_buffers_and_never_overlap_across_keys(self):
