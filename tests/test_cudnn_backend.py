@@ -183,10 +183,19 @@ def test_gpu_cap_zero_and_one_mib():
             with config(cap_workspace=cap), warnings.catch_warnings():
                 warnings.simplefilter("ignore", WorkspaceCapWarning)
                 y = conv_forward(x, w, padding=1)
-                conv_backward_data(y, w, x.shape, padding=1)
-                conv_backward_filter(x, y, w.shape, padding=1)
+                dx = conv_backward_data(y, w, x.shape, padding=1)
+                dw = conv_backward_filter(x, y, w.shape, padding=1)
             cupy.cuda.get_current_stream().synchronize()
             assert arena.stats()["high_water_bytes"] <= bound
+            # The algorithms the cap leaves still compute the convolution (the batch's first image suffices).
+            x64, w64 = cupy.asnumpy(x[:1]).astype(np.float64), cupy.asnumpy(w).astype(np.float64)
+            y64 = ref_conv_forward(x64, w64, padding=1)
+            assert _rel(cupy.asnumpy(y[:1]).astype(np.float64), y64) <= TOL["float32"]
+            assert _rel(cupy.asnumpy(dx[:1]).astype(np.float64),
+                        ref_conv_backward_data(y64, w64, x64.shape, padding=1)) <= TOL["float32"]
+            dw64 = ref_conv_backward_filter(cupy.asnumpy(x).astype(np.float64), cupy.asnumpy(y).astype(np.float64),
+                                            w.shape, padding=1)
+            assert _rel(cupy.asnumpy(dw).astype(np.float64), dw64) <= TOL["float32"]
         finally:
             set_arena(dev, previous)
             arena.close()
@@ -243,5 +252,7 @@ def test_gpu_four_streams_give_the_serial_results():
         t.start()
     for t in threads:
         t.join()
-    for got, want in zip(results, serial):
+    for (x, w), got, want in zip(jobs, results, serial):
         np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-5, atol=1e-5)
+        ref = ref_conv_forward(cupy.asnumpy(x).astype(np.float64), cupy.asnumpy(w).astype(np.float64), padding=1)
+        assert _rel(cupy.asnumpy(got).astype(np.float64), ref) <= TOL["float32"]
