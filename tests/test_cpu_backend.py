@@ -143,6 +143,7 @@ CASES = [
     ((1, 6, 5, 4, 4), (6, 1, 3, 3, 3), dict(padding=1, groups=6)),  # 3-D depthwise
     ((3, 2, 4, 4), (2, 1, 1, 1), dict(padding=2, groups=2)),  # 1x1 with padding: some outputs read no input
     ((2, 4, 3, 3), (4, 4, 3, 3), dict(padding=4, dilation=3)),  # offsets entirely in the padding
+    ((2, 4, 12, 12), (6, 4, 3, 3), dict(stride=2)),  # strided, no padding: every offset writes the whole output
 ]
 
 
@@ -160,12 +161,18 @@ def test_hand_picked_geometries(case, layout, dtype):
     _check_all(conv_geometry(ishape, wshape, layout=layout, dtype=dtype, **kw), seed=case)
 
 
+@pytest.mark.parametrize("gather", [_cpu_implicit._GATHER_CHANNELS, 8, 1])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_implicit_gemm_in_the_smallest_blocks(case, layout, monkeypatch):
+def test_implicit_gemm_in_the_smallest_blocks(case, layout, gather, monkeypatch):
     """With the temporaries' floor at one element, gathered rows and filter-gradient partial sums run one
-    pixel row per block: the block tiling must still cover every row exactly once."""
+    pixel row per block: the block tiling must still cover every row exactly once.
+
+    With few channels per gathered GEMM (strided NCHW), the kernel offsets that share an output region are
+    split into several GEMMs: 1 channel puts one offset in each, 8 two offsets of 3 or 4 channels (the last
+    GEMM of 9 offsets gets one). Every GEMM must add to the output, except a first that writes it."""
     monkeypatch.setattr(_cpu_implicit, "SMALL_TEMP", 1)
+    monkeypatch.setattr(_cpu_implicit, "_GATHER_CHANNELS", gather)
     ishape, wshape, kw = CASES[case]
     if layout == "NHWC":
         ishape, wshape = _nhwc(ishape), _nhwc(wshape)
