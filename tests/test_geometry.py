@@ -65,6 +65,7 @@ def test_same_and_valid_padding():
         (dict(dilation=0), "dilation"),
         (dict(groups=0), "groups"),
         (dict(groups=3), "groups=3"),
+        (dict(groups=2, weight_channels=2, out_channels=5), r"groups=2 .* output channels \(5\)"),
         (dict(layout="NCWH"), "layout"),
         (dict(kernel=(9, 9)), "larger than the padded input"),
         (dict(weight_channels=2), "input channels per group"),
@@ -73,8 +74,9 @@ def test_same_and_valid_padding():
 def test_bad_parameters_name_the_argument(kwargs, match):
     kernel = kwargs.pop("kernel", (3, 3))
     wc = kwargs.pop("weight_channels", 4)
+    k = kwargs.pop("out_channels", 6)
     with pytest.raises(ValueError, match=match):
-        conv_geometry((2, 4, 8, 8), (6, wc, *kernel), **kwargs)
+        conv_geometry((2, 4, 8, 8), (k, wc, *kernel), **kwargs)
 
 
 @pytest.mark.parametrize("bad", [1.5, "2", True, None, b"\x02\x02", np.array([2, 2]), np.float64(2)])
