@@ -233,6 +233,11 @@ def _read_only(shape: tuple[int, ...]) -> np.ndarray:
     return a
 
 
+def _over(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A C-contiguous array of ``shape`` on the memory of ``a``'s first elements."""
+    return a.reshape(-1)[: int(np.prod(shape))].reshape(shape)
+
+
 X = np.zeros((1, 4, 6, 6), np.float32)
 W = np.zeros((2, 4, 3, 3), np.float32)
 
@@ -261,6 +266,9 @@ W = np.zeros((2, 4, 3, 3), np.float32)
         (lambda: conv_forward(X, W, out=_read_only((1, 2, 4, 4))), ValueError, "out is read-only"),
         (lambda: conv_forward(X, W, algo="winograd"), ValueError, "algo='winograd'"),
         (lambda: conv_forward(X, np.zeros((4, 4, 1, 1), np.float32), out=X), ValueError, "overlaps an input"),
+        (lambda: conv_forward(X, w := W.copy(), out=_over(w, (1, 2, 4, 4))), ValueError, "overlaps an input"),
+        (lambda: conv_backward_filter(X, _over(dw := W.copy(), (1, 2, 4, 4)), W.shape, out=dw), ValueError,
+         "overlaps an input"),
         (lambda: conv_backward_data(np.zeros((1, 2, 5, 5), np.float32), W, X.shape), ValueError, "dy has shape"),
         (lambda: conv_backward_data(np.zeros((1, 2, 4, 4), np.float32), W, "1,4,6,6"), TypeError, "input_shape"),
         (lambda: conv_backward_filter(X, np.zeros((1, 3, 4, 4), np.float32), W.shape), ValueError, "dy has shape"),
