@@ -120,6 +120,26 @@ def test_geometry_and_pass_are_part_of_the_cache_key():
     assert choose(b, "fwd", GEOM.with_batch(3), cap=None)[0].algo == "b"
 
 
+def test_device_is_part_of_the_cache_key():
+    """Two devices of one backend (two GPUs of different models) rank the same geometry each their own way."""
+    first, second, same = (FakeBackend({"fft": 300, "implicit": 0}) for _ in range(3))
+    second.table = same.table = {"implicit": 0, "fft": 300}
+    first.device_key = same.device_key = lambda: 0
+    second.device_key = lambda: 1
+    assert choose(first, "fwd", GEOM, cap=None)[0].algo == "fft"
+    assert choose(second, "fwd", GEOM, cap=None)[0].algo == "implicit"
+    assert choose(same, "fwd", GEOM, cap=None)[0].algo == "fft"  # the first device's cached choice
+
+
+def test_search_mode_is_part_of_the_cache_key():
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
+    assert choose(b, "fwd", GEOM, cap=None)[0].algo == "fft"
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert b.measured == [["fft", "gemm", "implicit"]]  # a heuristic choice does not stand in for a search
+    assert [c.algo for c in got] == ["gemm", "fft", "implicit"]
+    assert choose(b, "fwd", GEOM, cap=None)[0].algo == "fft"  # nor a search for the heuristic order
+
+
 def test_nothing_fits_raises_memory_error_with_numbers():
     b = FakeBackend({"fft": 300, "gemm": 100})
     with pytest.raises(NoAlgorithmFitsError) as info:
