@@ -10,6 +10,7 @@ up as a NaN or a wrong value.
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wsarena._geometry import conv_geometry
-from wsarena.backends import _cpu_implicit, _cpu_lowering, _cpu_tiled, cpu
+from wsarena.backends import _cpu_backend, _cpu_implicit, _cpu_lowering, _cpu_tiled, cpu
 
 from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
 
@@ -375,6 +376,30 @@ def test_candidates_are_every_algorithm_in_a_geometry_aware_order():
         assert cpu.candidates(pass_, large)[-2:] == [tiled, implicit]  # the small-workspace fallbacks
         assert cpu.candidates(pass_, nhwc)[0] == implicit  # long merged rows, no copy
         assert cpu.candidates(pass_, tiny)[0] == batch  # fewest NumPy calls
+
+
+def test_a_search_returns_the_candidates_fastest_first(fresh_arena, monkeypatch):
+    """The backend's exhaustive search runs every candidate once and ranks them by time. A fake clock gives
+    each algorithm a known duration (no real run is timed); the first candidate is the slowest."""
+    g = conv_geometry((2, 4, 8, 8), (6, 4, 3, 3), padding=1, dtype="float64")
+    x, w, _ = _operands(g, np.random.default_rng(0))
+    y = np.full(g.output_shape, np.nan)
+    backend = _cpu_backend.CpuBackend()
+    cands = backend.candidates("fwd", g)
+    seconds = {c.algo: len(cands) - i for i, c in enumerate(cands)}
+    now, real_run = [0.0], cpu.run_unchecked
+
+    def run(pass_, algo, *args):
+        real_run(pass_, algo, *args)
+        now[0] += seconds[algo]
+
+    monkeypatch.setattr(cpu, "run_unchecked", run)
+    monkeypatch.setattr(_cpu_backend, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    with fresh_arena.lease(max(c.workspace_bytes for c in cands)) as ws:
+        got = backend.measure("fwd", g, x, w, y, ws, cands, None)
+    assert [(c.algo, c.workspace_bytes) for c in got] == [(c.algo, c.workspace_bytes) for c in cands[::-1]]
+    assert [c.time_ms for c in got] == pytest.approx([seconds[c.algo] * 1e3 for c in cands[::-1]])
+    assert _rel_err(y, ref_conv_forward(x, w, **_ref_kwargs(g))) <= TOL["float64"]  # the runs were real
 
 
 # ------------------------------------------------------------------------------ the reference, checked
