@@ -196,6 +196,15 @@ def test_out_of_memory_with_nothing_that_fits_raises_and_arena_stays_usable():
     assert ran.algo == "implicit"
 
 
+def test_out_of_memory_reports_what_the_stream_holds():
+    arena = FakeArena(memory=150)
+    arena.held["s"] = 120
+    cands = (Candidate("fft", 300), Candidate("gemm", 200))  # neither fits the 120 bytes held, nor can grow
+    with pytest.raises(NoAlgorithmFitsError) as info:
+        run_with_fallback(arena, cands, lambda c, ws: None, stream="s", cap=None)
+    assert (info.value.requested, info.value.held, info.value.cap) == (300, 120, None)
+
+
 def test_errors_from_the_run_itself_propagate():
     arena = FakeArena(memory=1000)
 
