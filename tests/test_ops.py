@@ -128,6 +128,22 @@ def test_cap_zero_never_leases_a_byte(fresh_arena):
     assert rel_err(dw, ref_conv_backward_filter(x, y, w.shape, padding=1)) <= 1e-5
 
 
+@pytest.mark.parametrize("search", ["heuristic", "exhaustive"])
+@pytest.mark.parametrize("pass_", ["fwd", "bwd_data", "bwd_filter"])
+def test_a_cap_warning_names_the_calling_line(pass_, search):
+    """The warning is attributed to the line that called the op, not to a line inside wsarena."""
+    x, dy = (np.zeros((2, 8, 16, 16), np.float32) for _ in range(2))
+    w = np.zeros((8, 8, 3, 3), np.float32)
+    op = {
+        "fwd": lambda: conv_forward(x, w, padding=1),
+        "bwd_data": lambda: conv_backward_data(dy, w, x.shape, padding=1),
+        "bwd_filter": lambda: conv_backward_filter(x, dy, w.shape, padding=1),
+    }[pass_]
+    with config(cap_workspace=0, algo_search=search), pytest.warns(WorkspaceCapWarning) as warned:
+        op()
+    assert [(r.filename, r.lineno) for r in warned] == [(__file__, op.__code__.co_firstlineno)]  # the lambda's call
+
+
 def test_one_mib_cap_bounds_every_lease(fresh_arena):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 16, 32, 32), dtype=np.float32)  # columns: 576 KiB per image, 2.25 MiB per batch
