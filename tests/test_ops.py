@@ -321,17 +321,23 @@ def test_configured_backend_must_match_the_arrays():
 
 
 def test_a_remembered_call_still_checks_what_changed():
-    y = conv_forward(X, W)  # what these arguments determine is now remembered
+    rng = np.random.default_rng(8)
+    x, w = rng.standard_normal(X.shape, dtype=np.float32), rng.standard_normal(W.shape, dtype=np.float32)
+    ref = ref_conv_forward(x, w)
+    y = conv_forward(x, w)  # what these arguments determine is now remembered
+    assert rel_err(y, ref) <= TOL["float32"]
     with pytest.raises(TypeError, match="x must be a floating-point array"):
-        conv_forward(X.astype(np.int32), W)
+        conv_forward(x.astype(np.int32), w)
     with pytest.raises(TypeError, match="x must be a NumPy or CuPy array, not list"):
-        conv_forward(X.tolist(), W)
+        conv_forward(x.tolist(), w)
     with pytest.raises(TypeError, match="dtypes differ"):
-        conv_forward(X, W.astype(np.float64))
+        conv_forward(x, w.astype(np.float64))
     with config(backend="cudnn"), pytest.raises(TypeError, match="backend='cudnn'"):
-        conv_forward(X, W)
+        conv_forward(x, w)
     # Valid arguments that cannot key the cache (a NumPy int, a list) take the checked path to the same result.
-    np.testing.assert_array_equal(conv_forward(X, W, stride=np.int64(1), padding=[0, 0]), y)
+    again = conv_forward(x, w, stride=np.int64(1), padding=[0, 0])
+    np.testing.assert_array_equal(again, y)
+    assert rel_err(again, ref) <= TOL["float32"]
 
 
 def test_lanes_on_threads_give_the_serial_results():
