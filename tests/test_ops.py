@@ -355,8 +355,9 @@ def test_lanes_on_threads_give_the_serial_results():
         t.start()
     for t in threads:
         t.join()
-    for got, want in zip(results, serial):
+    for got, want, (x, w) in zip(results, serial, jobs):
         np.testing.assert_array_equal(got, want)
+        assert rel_err(got, ref_conv_forward(x, w, padding=1)) <= TOL["float64"]
 
 
 @pytest.mark.parametrize("kwargs", [dict(algo="winograd"), dict(algo="gemm_batch", cap=16)])
