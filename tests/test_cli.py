@@ -4,12 +4,13 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from wsarena import algos
+from wsarena import algos, format_size
 from wsarena._gpu import gpu_unusable_reason
 from wsarena.cli import _parser, main
 
@@ -101,6 +102,149 @@ def test_table_says_when_the_arena_holds_more_than_unshared(capsys):
     assert last.endswith("MiB (1.2x as much)")
     code, out, _ = run_main(capsys, "report", "vgg16", "--backend", "cpu", "--streams", "2")
     assert out.splitlines()[-1].startswith("saved:") and out.splitlines()[-1].endswith("x less)")
+
+
+# A layer list with what the zoo lacks: rectangular strides, padding and dilation, 1-D and 3-D, a transposed conv.
+VARIED = [
+    {"name": "rect", "input_shape": [1, 8, 20, 24], "weight_shape": [8, 4, 3, 5], "stride": [1, 2], "padding": [0, 2],
+     "dilation": [2, 1], "groups": 2},
+    {"name": "line", "input_shape": [1, 4, 30], "weight_shape": [6, 4, 5], "stride": [3], "padding": [2]},
+    {"name": "cube", "input_shape": [1, 2, 6, 8, 8], "weight_shape": [4, 2, 3, 3, 3], "padding": [1, 1, 1],
+     "dilation": [1, 2, 2]},
+    {"name": "up", "input_shape": [1, 4, 16, 16], "weight_shape": [8, 4, 2, 2], "stride": [2, 2], "transposed": True},
+]
+
+# (model, flags): grouped and depthwise convs under a cap on two streams; transposed convs and two passes; the
+# varied layers in both layouts; an arena larger than unshared; no workspace at all
+REPORTS = [
+    ("mobilenet_v2", ("--batch", "4", "--cap-workspace", "1MiB", "--streams", "2")),
+    ("unet", ("--passes", "fwd,bwd_filter")),
+    ("varied", ("--batch", "3")),
+    ("varied", ("--batch", "2", "--layout", "NHWC", "--passes", "bwd_data")),
+    ("vgg16", ("--streams", "10")),
+    ("resnet50", ("--cap-workspace", "0")),
+]
+
+
+def report_model(name, tmp_path):
+    if name != "varied":
+        return name
+    path = tmp_path / "varied.json"
+    path.write_text(json.dumps({"layers": VARIED}))
+    return str(path)
+
+
+def json_report(capsys, model, *flags):
+    code, out, err = run_main(capsys, "report", model, "--backend", "cpu", *flags, "--format", "json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def dims(text):
+    return [int(v) for v in text.split("x")]
+
+
+def parse_table(text):
+    """The table report as (title, settings, head, rows, totals, notes): the dashed rule under the head gives the
+    columns; the three totals are (label, amount, what is in brackets)."""
+    lines = text.splitlines()
+    title, settings, blank, head, rule = lines[:5]
+    assert blank == ""
+    spans = [m.span() for m in re.finditer(r"-+", rule)]
+
+    def cells(line):
+        return [line[a:b].strip() for a, b in spans]
+
+    end = lines.index("", 5)
+    rows = [cells(line) for line in lines[5:end]]
+    totals = [re.fullmatch(r"(.+):\s+([\d.]+ [KMGT]?i?B)(?: \((.+)\))?", line) for line in lines[end + 1:end + 4]]
+    assert all(totals), lines[end + 1:end + 4]
+    fields = dict(f.split(" ", 1) for f in settings.split("  "))
+    return title, fields, cells(head), rows, [m.groups() for m in totals], lines[end + 4:]
+
+
+def parse_params(text, nd):
+    """``s1x2 p0x2 d2x1 g2`` -> stride, padding, dilation and groups as the JSON report lists them."""
+    values = {"d": [1] * nd, "g": 1}
+    for token in text.split():
+        key, value = token[0], token[1:]
+        values[key] = int(value) if key == "g" else dims(value) if "x" in value else [int(value)] * nd
+    return {"stride": values["s"], "padding": values["p"], "dilation": values["d"], "groups": values["g"]}
+
+
+@pytest.mark.parametrize(("model", "flags"), REPORTS)
+def test_table_shows_what_the_json_report_holds(capsys, tmp_path, model, flags):
+    path = report_model(model, tmp_path)
+    d = json_report(capsys, path, *flags)
+    algos.cache_clear()
+    code, out, err = run_main(capsys, "report", path, "--backend", "cpu", *flags)
+    assert code == 0, err
+    title, settings, head, rows, totals, notes = parse_table(out)
+    assert title == f"wsarena {d['wsarena_version']} workspace report: {d['model']}"
+    cap = d["cap_workspace_bytes"]
+    assert settings == {
+        "backend": f"{d['backend']} ({d['device']})", "dtype": d["dtype"], "layout": d["layout"],
+        "batch": str(d["batch"]), "cap": "none" if cap is None else format_size(cap), "streams": str(d["streams"]),
+        "search": d["search"],
+    }
+    passes = [p for p in ("fwd", "bwd_data", "bwd_filter") if p in d["layers"][0]]
+    assert head == ["layer", "input", "weight", "params", *(h for p in passes for h in (f"{p} algo", "workspace"))]
+    assert len(rows) == len(d["layers"])
+    for row, layer in zip(rows, d["layers"]):
+        name, shape, weight, params, *choices = row
+        assert name == layer["name"] + (" (T)" if layer.get("transposed") else "")
+        assert (dims(shape), dims(weight)) == (layer["input_shape"], layer["weight_shape"])
+        keys = ("stride", "padding", "dilation", "groups")
+        assert parse_params(params, len(layer["stride"])) == {k: layer[k] for k in keys}, name
+        shown = [(layer[p]["algo"], format_size(layer[p]["workspace_bytes"])) for p in passes]
+        assert list(zip(choices[::2], choices[1::2])) == shown, name
+
+    unshared, arena, last = totals
+    assert unshared == (f"unshared: one workspace per layer and pass ({len(rows) * len(passes)})",
+                        format_size(d["unshared_bytes"]), None)
+    label = "wsarena arena: the largest workspace per stream"
+    if d["streams"] > 1:
+        label += f" ({', '.join(format_size(b) for b in d['stream_bytes'])})"
+    assert arena == (label, format_size(d["arena_bytes"]), None)
+    saved, arena_bytes, unshared_bytes = d["saved_bytes"], d["arena_bytes"], d["unshared_bytes"]
+    if saved < 0:
+        assert last[:2] == ("the arena holds more than unshared", format_size(-saved))
+        ratio, unit = last[2].split("x ", 1)
+        assert unit == "as much" and float(ratio) == pytest.approx(arena_bytes / unshared_bytes, abs=0.05)
+    elif arena_bytes:
+        assert last[:2] == ("saved", format_size(saved))
+        ratio, unit = last[2].split("x ", 1)
+        assert unit == "less" and float(ratio) == pytest.approx(unshared_bytes / arena_bytes, abs=0.05)
+    else:
+        assert last == ("saved", "0 B", "no workspace at all")
+    if any(layer.get("transposed") for layer in d["layers"]):
+        assert notes == ["(T) a transposed convolution, reported as the convolution whose backward-data it runs"]
+    else:
+        assert notes == []
+
+
+@pytest.mark.parametrize(("model", "flags"), REPORTS)
+def test_csv_holds_what_the_json_report_holds(capsys, tmp_path, model, flags):
+    path = report_model(model, tmp_path)
+    d = json_report(capsys, path, *flags)
+    algos.cache_clear()
+    code, out, err = run_main(capsys, "report", path, "--backend", "cpu", *flags, "--format", "csv")
+    assert code == 0, err
+    reader = csv.DictReader(io.StringIO(out))
+    passes = [p for p in ("fwd", "bwd_data", "bwd_filter") if p in d["layers"][0]]
+    shapes = ["input_shape", "weight_shape", "stride", "padding", "dilation"]
+    assert reader.fieldnames == ["name", *shapes, "groups", "transposed",
+                                 *(f"{p}_{k}" for p in passes for k in ("algo", "workspace_bytes"))]
+    rows = list(reader)
+    assert len(rows) == len(d["layers"])
+    for row, layer in zip(rows, d["layers"]):
+        assert row["name"] == layer["name"]
+        assert {k: dims(row[k]) for k in shapes} == {k: layer[k] for k in shapes}, layer["name"]
+        assert int(row["groups"]) == layer["groups"]
+        assert row["transposed"] == ("true" if layer.get("transposed") else "false")
+        for p in passes:
+            assert (row[f"{p}_algo"], int(row[f"{p}_workspace_bytes"])) == (layer[p]["algo"],
+                                                                           layer[p]["workspace_bytes"])
 
 
 def test_csv_report(capsys):
