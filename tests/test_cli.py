@@ -1,5 +1,6 @@
 """`wsarena report` and `wsarena info`: output formats, exit codes, one-line errors."""
 
+import contextlib
 import csv
 import io
 import json
@@ -115,7 +116,8 @@ VARIED = [
 ]
 
 # (model, flags): grouped and depthwise convs under a cap on two streams; transposed convs and two passes; the
-# varied layers in both layouts; an arena larger than unshared; no workspace at all
+# varied layers in both layouts; an arena larger than unshared; no workspace at all; the choices an exhaustive
+# search made (the second report of a test finds them in the cache)
 REPORTS = [
     ("mobilenet_v2", ("--batch", "4", "--cap-workspace", "1MiB", "--streams", "2")),
     ("unet", ("--passes", "fwd,bwd_filter")),
@@ -123,6 +125,7 @@ REPORTS = [
     ("varied", ("--batch", "2", "--layout", "NHWC", "--passes", "bwd_data")),
     ("vgg16", ("--streams", "10")),
     ("resnet50", ("--cap-workspace", "0")),
+    ("varied", ("--search", "exhaustive", "--cap-workspace", "64KiB")),
 ]
 
 
@@ -176,7 +179,6 @@ def parse_params(text, nd):
 def test_table_shows_what_the_json_report_holds(capsys, tmp_path, model, flags):
     path = report_model(model, tmp_path)
     d = json_report(capsys, path, *flags)
-    algos.cache_clear()
     code, out, err = run_main(capsys, "report", path, "--backend", "cpu", *flags)
     assert code == 0, err
     title, settings, head, rows, totals, notes = parse_table(out)
@@ -227,7 +229,6 @@ def test_table_shows_what_the_json_report_holds(capsys, tmp_path, model, flags):
 def test_csv_holds_what_the_json_report_holds(capsys, tmp_path, model, flags):
     path = report_model(model, tmp_path)
     d = json_report(capsys, path, *flags)
-    algos.cache_clear()
     code, out, err = run_main(capsys, "report", path, "--backend", "cpu", *flags, "--format", "csv")
     assert code == 0, err
     reader = csv.DictReader(io.StringIO(out))
@@ -245,6 +246,39 @@ def test_csv_holds_what_the_json_report_holds(capsys, tmp_path, model, flags):
         for p in passes:
             assert (row[f"{p}_algo"], int(row[f"{p}_workspace_bytes"])) == (layer[p]["algo"],
                                                                            layer[p]["workspace_bytes"])
+
+
+def test_layout_nhwc_reports_channels_last_shapes(capsys):
+    nchw = json_report(capsys, "mobilenet_v2", "--batch", "2")
+    nhwc = json_report(capsys, "mobilenet_v2", "--batch", "2", "--layout", "NHWC")
+    assert (nchw["layout"], nhwc["layout"]) == ("NCHW", "NHWC")
+    for a, b in zip(nchw["layers"], nhwc["layers"], strict=True):
+        for key in ("input_shape", "weight_shape"):  # the weight too: (K, C/groups, R, S) -> (K, R, S, C/groups)
+            n, c, *spatial = a[key]
+            assert b[key] == [n, *spatial, c], (b["name"], key)
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_exhaustive_search_is_reported_and_shows_progress_on_a_terminal(capsys, tmp_path):
+    path = report_model("varied", tmp_path)
+    terminal = FakeTerminal()
+    with contextlib.redirect_stderr(terminal):
+        code, out, err = run_main(capsys, "report", path, "--backend", "cpu", "--search", "exhaustive",
+                                  "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["search"] == "exhaustive"
+    shown = terminal.getvalue()
+    frames = re.findall(r"\r\[[#.]+\] (\d+)/(\d+) (\S+)", shown)
+    assert frames == [(str(i), str(len(VARIED)), layer["name"]) for i, layer in enumerate(VARIED, 1)]
+    assert shown.endswith("\r") and shown.split("\r")[-2].strip() == ""  # the bar is wiped once every layer is done
+    terminal = FakeTerminal()
+    with contextlib.redirect_stderr(terminal):
+        code, out, err = run_main(capsys, "report", path, "--backend", "cpu", "--format", "json")
+    assert code == 0 and json.loads(out)["search"] == "heuristic" and terminal.getvalue() == ""
 
 
 def test_csv_report(capsys):
