@@ -1,5 +1,7 @@
 """The planner: totals, streams, caps, bad input, and that the report tells the truth about a real run."""
 
+import io
+import re
 import warnings
 
 import numpy as np
@@ -12,6 +14,7 @@ from wsarena.arena import Arena, HostProvider, aligned_size
 from wsarena.backends._cpu_backend import CpuBackend
 from wsarena.errors import BackendUnavailableError, WorkspaceCapWarning
 from wsarena.models import ConvLayer
+from wsarena.planner import text_progress
 
 
 pytestmark = pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
@@ -116,6 +119,52 @@ def test_streams_multiply_and_assignments_sum(resnet50):
     assert split.stream_bytes == tuple(per)
     assert split.arena_bytes == sum(per) and split.streams == 3
     assert split.held_bytes == sum(aligned_size(b) for b in per)
+
+
+def test_progress_is_called_as_each_layer_is_planned(resnet50, monkeypatch):
+    layers, passes = resnet50[:4], ("fwd", "bwd_filter")
+    chosen, calls = [], []
+    real = wsarena.planner.select
+    monkeypatch.setattr(wsarena.planner, "select", lambda *a, **kw: chosen.append(a[1]) or real(*a, **kw))
+
+    def progress(done, total, name):
+        calls.append((done, total, name, len(chosen)))
+
+    wsarena.plan(layers, backend="cpu", passes=passes, progress=progress)
+    # (layers done, layers in all, the layer just planned, passes chosen so far)
+    assert calls == [(i, len(layers), layer.name, i * len(passes)) for i, layer in enumerate(layers, 1)]
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_text_progress_draws_a_growing_bar_on_a_terminal_and_wipes_it_at_the_end():
+    terminal = FakeTerminal()
+    show = text_progress(terminal)
+    names = ["conv1", "layer1.0.conv1", "layer1.0.conv2", "x" * 60]
+    for done, name in enumerate(names, 1):
+        show(done, len(names), name)
+    *frames, wipe, end = terminal.getvalue().split("\r")[1:]
+    assert len(frames) == len(names) and end == ""
+    parsed = [re.fullmatch(r"\[(#*)(\.*)\] (\d+)/(\d+) (.*)", frame) for frame in frames]
+    assert all(parsed), frames
+    width = len(parsed[0][1] + parsed[0][2])
+    for done, (m, name) in enumerate(zip(parsed, names), 1):
+        filled, empty, shown_done, total, shown_name = m.groups()
+        assert len(filled) + len(empty) == width and len(filled) == pytest.approx(width * done / len(names), abs=1)
+        assert (int(shown_done), int(total), shown_name.rstrip()) == (done, len(names), name[:40])
+    assert len(parsed[-1][1]) == width  # full when every layer is done
+    assert wipe.strip() == "" and len(wipe) >= max(len(f) for f in frames)
+
+
+def test_text_progress_draws_nothing_where_the_stream_is_not_a_terminal():
+    stream = io.StringIO()
+    show = text_progress(stream)
+    for done in (1, 2):
+        show(done, 2, "conv")
+    assert stream.getvalue() == ""
 
 
 @pytest.mark.parametrize(
