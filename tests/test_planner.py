@@ -81,6 +81,19 @@ def test_cap_bounds_every_choice(resnet50):
     assert zero.arena_bytes == 0 == zero.unshared_bytes
 
 
+def test_a_capped_plan_warns_about_nothing_and_leaves_the_warning_to_the_ops(resnet50):
+    layers, cap = resnet50[:5], 64 << 10
+    free = wsarena.plan(layers, batch=4, backend="cpu", cap_workspace=None, passes=("fwd",))
+    assert any(lp.choices["fwd"].workspace_bytes > cap for lp in free.layers)  # the cap excludes favourites
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the report shows each choice: a warning per excluded algorithm is noise
+        capped = wsarena.plan(layers, batch=4, backend="cpu", cap_workspace=cap, passes=("fwd",))
+    g = next(lp.geometry for lp, f in zip(capped.layers, free.layers) if f.choices["fwd"].workspace_bytes > cap)
+    x, w = np.zeros(g.input_shape, np.float32), np.zeros(g.weight_shape, np.float32)
+    with config(cap_workspace=cap), pytest.warns(WorkspaceCapWarning):  # running the shape still says so, once
+        conv_forward(x, w, stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
+
+
 def test_cap_takes_what_configure_takes(resnet50):
     assert wsarena.plan(resnet50[:2], backend="cpu", cap_workspace="none").cap_workspace is None
     assert wsarena.plan(resnet50[:2], backend="cpu", cap_workspace="64KiB").cap_workspace == 64 << 10
