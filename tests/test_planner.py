@@ -187,7 +187,16 @@ def test_text_progress_draws_nothing_where_the_stream_is_not_a_terminal():
         (dict(dtype="int8"), ValueError, "dtype"),
         (dict(passes=("fwd", "bwd")), ValueError, "passes"),
         (dict(streams=0), ValueError, "streams"),
+        (dict(batch=True), ValueError, "batch"),
+        (dict(batch=2.0), ValueError, "batch"),
         (dict(streams=[0, 1]), ValueError, "assigns 2 layers"),
+        (dict(streams=[0, -1, 1]), ValueError, r"streams\[1\] must be a stream index >= 0, not -1"),
+        (dict(streams=[0, True, 1]), TypeError, r"streams\[1\] must be an int"),
+        (dict(streams=[0, 1.0, 1]), TypeError, r"streams\[1\] must be an int"),
+        (dict(streams=True), TypeError, "streams must be an int or a sequence"),
+        (dict(streams=2.0), TypeError, "streams must be an int or a sequence"),
+        (dict(streams=None), TypeError, "streams must be an int or a sequence"),
+        (dict(streams="012"), TypeError, "streams must be an int or a sequence"),
         (dict(cap_workspace="lots"), ValueError, "size"),
         (dict(search="fastest"), ValueError, "search"),
         (dict(backend="tpu"), ValueError, "backend"),
@@ -202,6 +211,14 @@ def test_bad_arguments(resnet50, kwargs, error, match):
     kwargs = {"backend": "cpu", **kwargs}
     with pytest.raises(error, match=match):
         wsarena.plan(resnet50[:3], **kwargs)
+
+
+@pytest.mark.parametrize("batch", [True, False, 0, 2.0])
+def test_batch_is_checked_before_anything_else(batch):
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        wsarena.plan([], batch=batch, backend="cpu")  # even with no layer to plan
+    with pytest.raises(ValueError, match="batch must be a positive int"):  # not the GPU that auto or cudnn lacks
+        wsarena.plan(HONEST_LAYERS, batch=batch, backend="cudnn")
 
 
 def _run_layers(p, arena, xp=np):

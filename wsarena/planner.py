@@ -131,17 +131,20 @@ class Plan:
 
 def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[int]]:
     """(shared, assignment): whether every stream may run any layer, and each layer's stream index."""
-    if isinstance(streams, bool):
-        raise TypeError(f"streams must be an int or a sequence of stream indices, not {streams!r}")
-    if isinstance(streams, int):
+    if isinstance(streams, int) and not isinstance(streams, bool):
         if streams < 1:
             raise ValueError(f"streams must be >= 1, not {streams}")
         return True, [0] * n_layers
+    if isinstance(streams, (bool, str, bytes)) or not isinstance(streams, Iterable):
+        raise TypeError(f"streams must be an int or a sequence of stream indices, not {streams!r}")
     assignment = list(streams)
     if len(assignment) != n_layers:
         raise ValueError(f"streams assigns {len(assignment)} layers; the model has {n_layers}")
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in assignment):
-        raise ValueError(f"stream indices must be ints >= 0: {assignment}")
+    for i, s in enumerate(assignment):
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"streams[{i}] must be an int, a stream index, not {s!r}")
+        if s < 0:  # -1 would index the last stream's entry
+            raise ValueError(f"streams[{i}] must be a stream index >= 0, not {s}")
     return False, assignment
 
 
