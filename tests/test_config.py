@@ -76,6 +76,17 @@ def test_environment_is_read(monkeypatch):
     assert get_config() == Config(cap_workspace=64 << 20, algo_search="exhaustive", backend="cpu", debug=True)
 
 
+@pytest.mark.parametrize(
+    ("value", "debug"),
+    [("1", True), ("true", True), ("yes", True), ("on", True), (" On ", True), ("TRUE", True),
+     ("0", False), ("false", False), ("no", False), ("off", False), ("OFF", False)],
+)
+def test_debug_variable_takes_the_usual_words_for_on_and_off(monkeypatch, value, debug):
+    monkeypatch.setenv("WSARENA_DEBUG", value)
+    wsarena._config._reset()
+    assert get_config().debug is debug
+
+
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_environment_variable_means_the_default(monkeypatch, value):
     for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_DEBUG"):
