@@ -362,12 +362,38 @@ def test_info_works_without_a_gpu():
     assert r.returncode == 0, r.stderr
     assert "wsarena" in r.stdout and "cuDNN" in r.stdout and "backend 'auto' picks" in r.stdout
     assert "CUDA runtime (cuda-bindings):" in r.stdout  # which runtime: CuPy and cuDNN may each have another
+    text = r.stdout
     r = run_cli("info", "--format", "json")
     d = json.loads(r.stdout)
     assert d["auto_backend"] in ("cpu", "cudnn") and "cudnn" in d and "gpu" in d
+    if d["cudnn"]["found"]:
+        assert f"\ncuDNN: {d['cudnn']['version_string']} at {d['cudnn']['path']} (found via " in text
     cudart = d["cudnn"].get("cudart_version")
     if cudart:
         assert f"built for CUDA {cudart // 1000}.{cudart % 1000 // 10}" in run_cli("info").stdout
+
+
+def test_info_text_names_cudnn_its_version_path_and_runtime():
+    from wsarena.info import collect_info, render_info
+
+    data = collect_info()
+    data["cudnn"] = {"found": True, "version": 91002, "version_string": "9.10.2", "cudart_version": 12080,
+                     "path": "/opt/cudnn/lib/libcudnn.so.9", "found_via": "LD_LIBRARY_PATH", "error": None}
+    lines = render_info(data).splitlines()
+    assert "cuDNN: 9.10.2 at /opt/cudnn/lib/libcudnn.so.9 (found via LD_LIBRARY_PATH, built for CUDA 12.8)" in lines
+    del data["cudnn"]["version_string"], data["cudnn"]["cudart_version"]
+    assert "cuDNN: 91002 at /opt/cudnn/lib/libcudnn.so.9 (found via LD_LIBRARY_PATH)" in render_info(data).splitlines()
+    data["cudnn"] = {"found": False, "error": "libcudnn.so.9: cannot open shared object file"}
+    assert "cuDNN: not usable: libcudnn.so.9: cannot open shared object file" in render_info(data).splitlines()
+
+
+def test_version_is_the_packages_version():
+    import tomllib
+
+    with open(os.path.join(os.path.dirname(__file__), os.pardir, "pyproject.toml"), "rb") as f:
+        version = tomllib.load(f)["project"]["version"]
+    r = run_cli("--version")
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"wsarena {version}\n", "")
 
 
 def test_readme_usage_names_every_report_option():
