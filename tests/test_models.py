@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 
 import numpy as np
@@ -513,28 +514,41 @@ def test_onnx_weight_from_graph_input(tmp_path):
     assert layer.weight_shape == (5, 3, 3, 3)
 
 
-@pytest.mark.parametrize("auto_pad, size, stride, expect_pad, asymmetric", [
-    ("SAME_UPPER", 16, 1, 1, False),  # 3x3 stride 1: one on each side
-    ("SAME_LOWER", 15, 1, 1, False),
-    ("SAME_UPPER", 16, 2, 1, True),  # 3x3 stride 2 on an even size: total 1, all of it at the end
-    ("SAME_LOWER", 16, 2, 1, True),
-    ("SAME_UPPER", 15, 2, 1, False),  # odd size: total 2
-    ("VALID", 16, 2, 0, False),
+@pytest.mark.parametrize("auto_pad, size, stride, begin, end", [
+    ("SAME_UPPER", 16, 1, 1, 1),  # 3x3 stride 1: one on each side
+    ("SAME_LOWER", 15, 1, 1, 1),
+    ("SAME_UPPER", 16, 2, 0, 1),  # 3x3 stride 2 on an even size: total 1, SAME_UPPER puts it at the end
+    ("SAME_LOWER", 16, 2, 1, 0),  # and SAME_LOWER at the beginning
+    ("SAME_UPPER", 15, 2, 1, 1),  # odd size: total 2
+    ("VALID", 16, 2, 0, 0),
 ])
-def test_onnx_auto_pad(tmp_path, auto_pad, size, stride, expect_pad, asymmetric):
-    nodes = [conv("c", "x", "w", "y", auto_pad=auto_pad, strides=[stride, stride])]
-    path = save(tmp_path, nodes, [vi("x", [1, 4, size, size])], [weight("w", (4, 4, 3, 3))])
+def test_onnx_auto_pad(tmp_path, auto_pad, size, stride, begin, end):
+    from onnx.reference import ReferenceEvaluator
+
+    inputs = [vi("x", [1, 4, size, size]), vi("w", [4, 4, 3, 3])]
+    path = save(tmp_path, [conv("c", "x", "w", "y", auto_pad=auto_pad, strides=[stride, stride])], inputs)
+    # The pads the spec gives auto_pad here, checked apart from wsarena: onnx's reference evaluator computes the
+    # same output with them written out (and a different one with begin and end swapped).
+    explicit = save(tmp_path, [conv("c", "x", "w", "y", pads=[begin, begin, end, end], strides=[stride, stride])],
+                    inputs, name="explicit.onnx")
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((1, 4, size, size), dtype=np.float32),
+             "w": rng.standard_normal((4, 4, 3, 3), dtype=np.float32)}
+    (got,), (want,) = (ReferenceEvaluator(str(p)).run(None, feeds) for p in (path, explicit))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
     (layer,) = load_model(path)
-    assert layer.padding == (expect_pad, expect_pad)
+    assert layer.padding == (max(begin, end),) * 2  # asymmetric pads are widened: the larger one on both sides
     inferred = inferred_output(path, "y")[2:]
-    got = out_shape(layer)[2:]
-    if asymmetric:  # widened like onnxruntime's CUDA provider: the larger pad on both sides, one extra to slice
-        assert all(g - i in (0, 1) for g, i in zip(got, inferred))
-        with pytest.raises(ModelError, match=r"'c' \(asymmetric pads \(begin \[0, 0\], end \[1, 1\]\)\)|"
-                                             r"'c' \(asymmetric pads \(begin \[1, 1\], end \[0, 0\]\)\)"):
+    modelled = out_shape(layer)[2:]
+    if begin == end:
+        assert modelled == inferred
+        assert load_model(path, asymmetric_pads="error") == [layer]
+    else:  # widened like onnxruntime's CUDA provider: at most one extra output, sliced off
+        assert all(m - i in (0, 1) for m, i in zip(modelled, inferred))
+        asymmetric = f"'c' (asymmetric pads (begin [{begin}, {begin}], end [{end}, {end}]))"
+        with pytest.raises(ModelError, match=re.escape(asymmetric)):
             load_model(path, asymmetric_pads="error")
-    else:
-        assert got == inferred
 
 
 def test_onnx_asymmetric_pads(tmp_path):
