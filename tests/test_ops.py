@@ -215,6 +215,18 @@ def test_out_between_strided_input_images_in_one_buffer_is_not_an_overlap():
         conv_forward(x, w, out=big[2:4])
 
 
+def test_numpy_subclasses_run_and_masked_arrays_are_refused(tmp_path):
+    rng = np.random.default_rng(5)
+    images = np.memmap(tmp_path / "x", dtype=np.float32, mode="w+", shape=(4, 3, 8, 8))
+    images[:] = rng.standard_normal(images.shape)
+    w = rng.standard_normal((2, 3, 3, 3)).astype(np.float32)
+    y = conv_forward(images[1:3], w, padding=1)  # a slice of a memmap is a memmap
+    expected = ref_conv_forward(np.asarray(images[1:3], np.float64), w.astype(np.float64), padding=1)
+    assert rel_err(y, expected) <= 1e-5
+    with pytest.raises(TypeError, match="mask would be ignored"):
+        conv_forward(np.ma.masked_array(np.asarray(images[:1]), mask=True), w)
+
+
 def test_zero_batch_gives_empty_results_without_workspace(fresh_arena):
     x = np.zeros((0, 3, 6, 6), np.float32)
     w = np.ones((2, 3, 3, 3), np.float32)

@@ -54,7 +54,8 @@ def _backend_for(types: dict[str, type], configured: str) -> Any:
     for name, kind in types.items():
         backend = type_backend_name(kind)
         if backend is None:
-            raise TypeError(f"{name} must be a NumPy or CuPy array, not {kind.__name__}")
+            masked = " (its mask would be ignored; pass .filled(0))" if "numpy.ma" in kind.__module__ else ""
+            raise TypeError(f"{name} must be a NumPy or CuPy array, not {kind.__name__}{masked}")
         kinds[name] = backend
     if len(set(kinds.values())) > 1:
         detail = ", ".join(f"{n} is {'NumPy' if k == 'cpu' else 'CuPy'}" for n, k in kinds.items())

@@ -102,13 +102,14 @@ def type_backend_name(kind: type) -> str | None:
         return _KINDS[kind]
     except KeyError:
         pass
-    module, name = kind.__module__, kind.__name__
-    if module == "numpy" and name == "ndarray":
-        found: str | None = "cpu"
-    elif module.startswith("cupy") and name == "ndarray":
-        found = "cudnn"
-    else:
-        found = None
+    found: str | None = None
+    # Subclasses too (a slice of a numpy.memmap is one), found by name so that CuPy is never imported here;
+    # except masked arrays, whose mask a convolution would silently ignore.
+    if not any(base.__module__.startswith("numpy.ma") for base in kind.__mro__):
+        for base in kind.__mro__:
+            if base.__name__ == "ndarray" and (base.__module__ == "numpy" or base.__module__.startswith("cupy")):
+                found = "cpu" if base.__module__ == "numpy" else "cudnn"
+                break
     _KINDS[kind] = found
     return found
 
