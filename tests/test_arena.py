@@ -832,21 +832,28 @@ def test_close_frees_idle_buffers_now_and_busy_ones_at_release(arena, provider):
 
 
 class _InterruptibleLock:
-    """The arena's lock, whose next acquire raises KeyboardInterrupt once armed (as Ctrl-C can, in
-    Lock.acquire, while another thread holds the lock)."""
+    """The arena's lock, whose next acquire raises KeyboardInterrupt once armed: instead of acquiring
+    ("before": Lock.acquire is interruptible while another thread holds the lock), or just after acquiring
+    ("after": CPython delivers a pending signal once the C call has returned, the usual case)."""
 
     def __init__(self):
-        self.lock = threading.Lock()
-        self.armed = False
+        self.lock = threading.RLock()
+        self.armed = None
 
     def acquire(self, blocking=True, timeout=-1):
-        if self.armed:
-            self.armed = False
+        when, self.armed = self.armed, None
+        if when == "before":
             raise KeyboardInterrupt
-        return self.lock.acquire(blocking, timeout)
+        got = self.lock.acquire(blocking, timeout)
+        if when == "after":
+            raise KeyboardInterrupt
+        return got
 
     def release(self):
         self.lock.release()
+
+    def _is_owned(self):
+        return self.lock._is_owned()
 
     def __enter__(self):
         return self.acquire()
@@ -860,35 +867,54 @@ def _interruptible(arena):
     return arena
 
 
-def test_an_interrupt_while_a_release_waits_for_the_lock_still_releases(provider):
+def _free_for_others(arena):
+    """Whether another thread can take the arena's lock now."""
+    got = []
+    thread = threading.Thread(target=lambda: got.append(arena._lock.lock.acquire(timeout=5) and arena._lock.release()))
+    thread.start()
+    thread.join(10)
+    return got == [None]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_interrupt_while_a_release_takes_the_lock_still_releases(provider, when):
     arena = _interruptible(Arena(provider))
     with pytest.raises(KeyboardInterrupt):
         with arena.lease(4096, stream="L"):
-            arena._lock.armed = True
-    assert arena.stats().leases == 0 and not arena._lock.lock.locked()
+            arena._lock.armed = when
+    assert arena.stats().leases == 0 and not arena._lock._is_owned() and _free_for_others(arena)
     with arena.lease(4096, stream="L"):  # not "this thread already holds a lease"
         pass
 
 
-def test_an_interrupt_while_a_growth_retakes_the_lock_leaves_the_stream_usable(provider):
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_interrupt_while_a_growth_retakes_the_lock_leaves_the_stream_usable(provider, when):
     arena = _interruptible(Arena(provider))
     real_allocate = provider.allocate
 
     def allocate(nbytes, *, stream):
-        arena._lock.armed = True
+        arena._lock.armed = when
         return real_allocate(nbytes, stream=stream)
 
     provider.allocate = allocate
     with pytest.raises(KeyboardInterrupt):
         with arena.lease(4096, stream="L"):
             pass
-    assert not arena._lock.lock.locked() and not arena._subs["L"].growing
+    assert not arena._lock._is_owned() and not arena._subs["L"].growing and _free_for_others(arena)
     provider.allocate = real_allocate
     other = threading.Thread(target=lambda: arena.lease(4096, stream="L").__enter__().__exit__())
     other.start()
     other.join(10)
     assert not other.is_alive()
     assert len(provider.held) == 1 and arena.held_bytes(stream="L") == 4096  # the buffer was kept, not leaked
+
+
+def test_a_provider_that_returns_nothing_is_an_error_not_a_loop(arena, provider):
+    provider.allocate = lambda nbytes, *, stream: None
+    with pytest.raises(TypeError, match="returned None"):
+        with arena.lease(4096, stream="s"):
+            pass
+    assert arena.stats().capacity_bytes == 0
 
 
 class _GatedProvider(RecordingProvider):

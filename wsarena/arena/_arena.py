@@ -68,13 +68,18 @@ def _check_nbytes(nbytes: Any) -> int:
     return n
 
 
-def _lock_despite_interrupts(lock: threading.Lock) -> BaseException | None:
-    """Acquire ``lock`` even if a signal handler raises meanwhile (``Lock.acquire`` is interruptible); return
-    what it raised, for the caller to raise once its bookkeeping is consistent again."""
+def _hold(lock: Any) -> BaseException | None:
+    """Make sure this thread holds the arena's ``lock`` (once), whatever a signal handler raises meanwhile.
+
+    ``acquire`` is interruptible, and a signal's exception (Ctrl-C) is as often delivered just *after* it
+    succeeded: so each attempt first asks whether this thread holds the lock already. Returns the first such
+    exception, for the caller to raise once its bookkeeping is consistent again.
+    """
     interrupted = None
     while True:
         try:
-            lock.acquire()
+            if not lock._is_owned():
+                lock.acquire()
             return interrupted
         except BaseException as exc:  # KeyboardInterrupt, or whatever a signal handler raised
             interrupted = interrupted or exc
@@ -120,10 +125,12 @@ class Arena:
         # 3. Only the thread that set `growing` replaces a sub-arena's buffer; it re-reads `block` after the
         #    allocation, since trim() may have freed the old one in the meantime.
         # 4. Weakref callbacks (a thread exits, a stream object dies) never block on it: they queue the key in
-        #    _dead and sweep only if they get the lock at once, else the next operation sweeps. The collector
-        #    can run them inside a locked region of this very thread, and the lock is not reentrant.
+        #    _dead and sweep only if they get the lock at once and this thread did not hold it already, else
+        #    the next operation sweeps. The collector can run them inside a locked region of this very thread.
         # 5. A block is marked `freed` under the lock before the provider frees it, so it is freed once.
-        self._lock = threading.Lock()
+        # 6. No thread takes it twice. It is an RLock only for _is_owned(): after an interrupt, the release and
+        #    growth paths must know whether they hold it (see _hold).
+        self._lock = threading.RLock()
         self._subs: dict[Hashable, _Sub] = {}
         self._dead: collections.deque[tuple[Hashable, int, bool]] = collections.deque()
         self._debug_live: dict[int, tuple[Hashable, int, int]] = {}
@@ -368,17 +375,19 @@ class Arena:
     def _grow(self, sub: _Sub, n: int, frees: list) -> None:
         """Replace ``sub``'s buffer by one of ``aligned_size(n)`` bytes. Releases the lock while allocating."""
         size = aligned_size(n)
-        sub.growing = True
-        self._lock.release()
-        buffer, failure = None, None
+        buffer = failure = None
         try:
+            sub.growing = True
+            self._lock.release()
             buffer = self.provider.allocate(size, stream=sub.stream)
         except BaseException as exc:  # raised below, once the lock is back and the bookkeeping done
             failure = exc
-        interrupted = _lock_despite_interrupts(self._lock)
+        interrupted = _hold(self._lock)
         sub.growing = False
         if sub.waiters:
             sub.cond.notify_all()
+        if buffer is None and failure is None:
+            failure = TypeError(f"{self.provider!r}.allocate returned None for a request of {size} bytes")
         if buffer is not None:
             if buffer.nbytes < size:
                 frees.append((_Block(buffer), self._free_stream(sub)))
@@ -574,8 +583,9 @@ class Arena:
         block, sub = ws._block, ws._sub
         frees: list[tuple[_Block, Any]] = []
         # An interrupt here would leave the lease taken for good (its `with` block is over): finish, then raise it.
-        interrupted = _lock_despite_interrupts(self._lock)
+        interrupted = None
         try:
+            interrupted = _hold(self._lock)
             block.live -= 1
             sub.live -= 1
             self._live -= 1
@@ -590,7 +600,8 @@ class Arena:
                 if (sub.orphan or self._closed) and sub.idle() and self._subs.get(sub.key) is sub:
                     self._release_sub(sub, frees, gone=sub.orphan)
         finally:
-            self._lock.release()
+            if self._lock._is_owned():  # not if an interrupt came before the lock was taken
+                self._lock.release()
         if frees:
             self._free(frees)
         if interrupted is not None:

@@ -64,7 +64,7 @@ def _anchor_died(arena_ref: weakref.ref, key: Hashable, serial: int, eager: bool
     if arena is None or sys.is_finalizing():
         return
     arena._dead.append((key, serial, eager))
-    if arena._lock.acquire(blocking=False):
+    if not arena._lock._is_owned() and arena._lock.acquire(blocking=False):  # not inside this thread's own hold
         frees: list = []
         try:
             arena._process_dead(frees)
