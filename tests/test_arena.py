@@ -909,6 +909,41 @@ def test_an_interrupt_while_a_growth_retakes_the_lock_leaves_the_stream_usable(p
     assert len(provider.held) == 1 and arena.held_bytes(stream="L") == 4096  # the buffer was kept, not leaked
 
 
+def test_an_interrupt_at_the_start_of_a_release_is_retried_by_the_with_block(arena, monkeypatch):
+    real_release, calls = arena._release, []
+
+    def release(ws):
+        calls.append(ws)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # before anything was released
+        real_release(ws)
+
+    monkeypatch.setattr(arena, "_release", release)
+    with pytest.raises(KeyboardInterrupt):
+        with arena.lease(4096, stream="L"):
+            pass
+    assert len(calls) == 2 and arena.stats().leases == 0
+    with arena.lease(4096, stream="L"):  # the lane is free again
+        pass
+
+
+def test_an_interrupt_just_after_a_lease_was_taken_gives_it_back(arena, monkeypatch):
+    real_acquire = arena._acquire
+
+    def acquire(ws):
+        real_acquire(ws)
+        raise KeyboardInterrupt  # the lease is taken, the with block never starts
+
+    monkeypatch.setattr(arena, "_acquire", acquire)
+    with pytest.raises(KeyboardInterrupt):
+        with arena.lease(4096, stream="L"):
+            raise AssertionError("the body must not run")
+    monkeypatch.undo()
+    assert arena.stats().leases == 0
+    with arena.lease(4096, stream="L"):
+        pass
+
+
 def test_a_provider_that_returns_nothing_is_an_error_not_a_loop(arena, provider):
     provider.allocate = lambda nbytes, *, stream: None
     with pytest.raises(TypeError, match="returned None"):

@@ -519,6 +519,7 @@ class Arena:
                 ws._block = block
                 ws._sub = sub
                 ws.ptr = block.ptr
+                ws._state = 1  # with the bookkeeping: Workspace.__enter__ reads it after an interrupt
         finally:
             if frees:  # what a sweep or a growth released, even if this lease failed
                 self._free(frees)
@@ -586,6 +587,7 @@ class Arena:
         interrupted = None
         try:
             interrupted = _hold(self._lock)
+            ws._state = 2  # with the bookkeeping: Workspace.__exit__ retries until it reads this
             block.live -= 1
             sub.live -= 1
             self._live -= 1

@@ -63,21 +63,34 @@ class Workspace:
     def __enter__(self) -> Workspace:
         if self._state:
             raise RuntimeError("a lease can be entered only once; call arena.lease() again")
-        if self.nbytes:
-            self._arena._acquire(self)
-        elif self._arena.closed:  # takes nothing, yet a closed arena refuses every lease alike
-            raise RuntimeError("this arena is closed")
-        self._state = 1
-        return self
+        if not self.nbytes:
+            if self._arena.closed:  # takes nothing, yet a closed arena refuses every lease alike
+                raise RuntimeError("this arena is closed")
+            self._state = 1
+            return self
+        try:
+            self._arena._acquire(self)  # sets _state = 1 together with the arena's bookkeeping
+            return self
+        except KeyboardInterrupt:
+            # Ctrl-C after the lease was taken but before the with block began: nothing would ever release it.
+            if self._state == 1:
+                self.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self._state != 1:
-            return
-        self._state = 2
+        interrupted = None
+        while self._state == 1:
+            try:
+                if self.nbytes:
+                    self._arena._release(self)  # sets _state = 2 together with the arena's bookkeeping
+                else:
+                    self._state = 2
+            except KeyboardInterrupt as exc:  # the with block is over: a release cut short must be retried
+                interrupted = interrupted or exc
         self._array = None
-        if self.nbytes:
-            self._arena._release(self)
         self._anchor = None
+        if interrupted is not None:
+            raise interrupted
 
     def __repr__(self) -> str:
         state = ("not entered", "live", "released")[self._state]
