@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+import os
 import shutil
 import sys
 import traceback
@@ -146,6 +147,25 @@ def test_a_shim_without_its_sub_libraries_is_a_miss_not_an_abort(tmp_path):
         "print(info['found'], info['tried'][0][1])\n"
     )
     result = _run(code)
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert result.stdout.startswith("False loaded, but its sub-library libcudnn_graph.so.9 cannot be loaded")
+
+
+@needs_cudnn
+def test_a_symlinked_shim_without_its_sub_libraries_is_a_miss_too(tmp_path):
+    # The usual system install: libcudnn.so.9 -> libcudnn.so.9.x.y, found by the loader's own search.
+    shutil.copy(_info["path"], tmp_path / "libcudnn.so.9.99.0")
+    (tmp_path / "libcudnn.so.9").symlink_to("libcudnn.so.9.99.0")
+    code = (
+        "import wsarena.cudnn as c\n"
+        "from wsarena.cudnn import _library\n"
+        "_library.SEARCH_STEPS[:] = [s for s in _library.SEARCH_STEPS if s[0] == 'system loader']\n"
+        "info = c.library_info()\n"
+        "print(info['found'], info['tried'][0][1])\n"
+    )
+    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
+                            check=False, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr)
     assert result.stdout.startswith("False loaded, but its sub-library libcudnn_graph.so.9 cannot be loaded")
 

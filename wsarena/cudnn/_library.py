@@ -199,11 +199,11 @@ SUBLIBRARIES = ("libcudnn_graph.so.9", "libcudnn_ops.so.9", "libcudnn_cnn.so.9")
 
 
 def _check_sublibraries(path: str) -> None:
-    folder = Path(path).parent
+    folder = Path(path).parent if os.path.dirname(path) else None  # a bare name: only the loader's search
     for name in SUBLIBRARIES:
-        beside = folder / name
+        beside = folder / name if folder is not None else None
         try:
-            ctypes.CDLL(str(beside) if beside.is_file() else name)
+            ctypes.CDLL(str(beside) if beside is not None and beside.is_file() else name)
         except OSError as exc:
             raise _Miss(path, f"loaded, but its sub-library {name} cannot be loaded: {exc}") from None
 
@@ -228,7 +228,9 @@ def _search() -> LoadedLibrary:
             tried.append((label, f"{type(exc).__name__}: {exc}"))
             continue
         try:
-            if Path(path).name == LIBRARY_NAME:  # cuDNN 9's shim; another major is reported as such below
+            # cuDNN 9's shim, by its name or (resolved through the usual symlink) its versioned file name;
+            # another major is reported as such below.
+            if Path(path).name.startswith(LIBRARY_NAME):
                 _check_sublibraries(path)
         except _Miss as miss:
             tried.append((miss.place, str(miss)))
