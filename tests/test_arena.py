@@ -301,6 +301,10 @@ def test_an_explicit_cap_replaces_the_configured_one(arena):
     with pytest.raises(WorkspaceCapError) as info:
         arena.lease(4097, stream="s", cap=4096)  # configured: no cap
     assert info.value.cap == 4096
+    with pytest.raises(TypeError, match="cap must be"):
+        arena.lease(16, cap="1KiB")
+    with pytest.raises(ValueError, match="cap cannot be negative"):
+        arena.lease(16, cap=-1)
 
 
 def test_cap_from_the_environment(arena, monkeypatch):

@@ -2,9 +2,9 @@
 
 Precedence, lowest first: built-in defaults, environment variables (read once, on first use; an empty one
 means the default), :func:`configure`, and the innermost :func:`config` block of the current thread or task.
-An invalid environment variable is an error only where its setting would be used: a value given for that
-setting by :func:`configure` or :func:`config` (or by the planner's arguments and the command's flags, which
-apply as a :func:`config` block) replaces it, and a :func:`configure` call that sets it repairs the
+An invalid environment variable makes reading the settings an error, unless that setting is given
+explicitly: a value from :func:`configure` or :func:`config` (or from the planner's arguments and the command's
+flags, which apply as a :func:`config` block) replaces it, and a :func:`configure` call that sets it repairs the
 process-wide settings.
 """
 
@@ -85,7 +85,7 @@ def _env_value(key: str, raw: str) -> Any:
     if key == "debug":
         low = raw.strip().lower()
         if low not in _TRUE | _FALSE:
-            raise ValueError(f"expected 0 or 1, not {raw!r}")
+            raise ValueError(f"expected 1, true, yes or on, or 0, false, no or off, not {raw!r}")
         return low in _TRUE
     return raw.strip().lower()
 

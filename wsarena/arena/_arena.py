@@ -185,6 +185,10 @@ class Arena:
         cfg = get_config()
         if cap is _CONFIGURED:
             cap = cfg.cap_workspace
+        elif cap is not None and (type(cap) is not int or cap < 0):
+            if isinstance(cap, bool) or not isinstance(cap, int):
+                raise TypeError(f"cap must be a number of bytes or None, not {cap!r}")
+            raise ValueError(f"cap cannot be negative: {cap}")
         if cap is not None and n > cap:
             self._check_cap(n, key, cap)
         return Workspace(self, n, key, anchor, cfg.debug)
