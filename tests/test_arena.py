@@ -1014,6 +1014,33 @@ def test_close_during_a_growth_refuses_it_and_frees_what_it_allocated(call):
     assert provider.held == [] and arena.stats().capacity_bytes == 0
 
 
+def test_a_thread_waiting_for_a_growth_when_the_arena_closes_does_not_grow_it_again():
+    provider = _GatedProvider()
+    arena = Arena(provider)
+    errors = []
+
+    def run(call):
+        try:
+            call()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    first = threading.Thread(target=run, args=(lambda: arena.reserve(4096, stream="L"),))
+    first.start()
+    assert provider.allocating.wait(10)
+    second = threading.Thread(target=run, args=(lambda: arena.lease(1 << 20, stream="L").__enter__(),))
+    second.start()
+    deadline = time.monotonic() + 10
+    while arena._subs["L"].waiters == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    arena.close()
+    provider.gate.set()
+    first.join(10)
+    second.join(10)
+    assert errors == ["this arena is closed"] * 2
+    assert len(provider.allocations) == 1 and provider.held == []
+
+
 def test_close_during_a_failing_growth_frees_the_old_buffer(arena, provider):
     arena.reserve(4096, stream="L")
 

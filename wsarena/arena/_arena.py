@@ -373,6 +373,7 @@ class Arena:
                     sub.cond.wait()
                 finally:
                     sub.waiters -= 1
+                self._check_open()  # closed meanwhile: do not grow a closed arena only to free it again
                 continue
             self._grow(sub, n, frees)
 
