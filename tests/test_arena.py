@@ -301,6 +301,11 @@ def test_an_explicit_cap_replaces_the_configured_one(arena):
     with pytest.raises(WorkspaceCapError) as info:
         arena.lease(4097, stream="s", cap=4096)  # configured: no cap
     assert info.value.cap == 4096
+    arena.provider.fail_next = 1
+    with wsarena.config(cap_workspace="1KiB"), pytest.raises(ArenaOutOfMemoryError) as oom:
+        with arena.lease(1 << 20, stream="s", cap=None):
+            pass
+    assert oom.value.cap is None  # the cap the lease was checked under, not the configured one
     with pytest.raises(TypeError, match="cap must be"):
         arena.lease(16, cap="1KiB")
     with pytest.raises(ValueError, match="cap cannot be negative"):

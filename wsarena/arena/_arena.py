@@ -191,7 +191,7 @@ class Arena:
             raise ValueError(f"cap cannot be negative: {cap}")
         if cap is not None and n > cap:
             self._check_cap(n, key, cap)
-        return Workspace(self, n, key, anchor, cfg.debug)
+        return Workspace(self, n, key, anchor, cfg.debug, cap)
 
     def reserve(self, nbytes: int, *, stream: Any = None) -> None:
         """Grow the sub-arena of ``stream`` to hold at least ``nbytes`` now, so that later leases do not allocate.
@@ -200,8 +200,9 @@ class Arena:
         """
         n = _check_nbytes(nbytes)
         key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
-        self._check_cap(n, key, get_config().cap_workspace)
-        self._reserve(n, key, anchor)
+        cap = get_config().cap_workspace
+        self._check_cap(n, key, cap)
+        self._reserve(n, key, anchor, cap)
 
     def reserve_for(self, plan: Any, *, streams: Sequence[Any] | None = None) -> None:
         """Pre-size the sub-arenas a run of ``plan`` will use, so that the run itself allocates nothing.
@@ -229,9 +230,9 @@ class Arena:
             raise ValueError(f"the plan has {len(sizes)} stream(s) but {len(streams)} were given")
         resolved = [resolve_stream(s, lanes=self._lanes, current=self._current) for s in streams]
         for (key, anchor), n in zip(resolved, sizes):
-            self._reserve(n, key, anchor)
+            self._reserve(n, key, anchor, None)  # a plan's own cap is not known here
 
-    def _reserve(self, n: int, key: Hashable, anchor: Any) -> None:
+    def _reserve(self, n: int, key: Hashable, anchor: Any, cap: int | None) -> None:
         if n == 0:
             return
         frees: list[tuple[_Block, Any]] = []
@@ -240,7 +241,7 @@ class Arena:
                 self._check_open()
                 sub = self._sub_for(key, anchor, frees)
                 try:
-                    self._ensure(sub, n, frees)
+                    self._ensure(sub, n, frees, cap)
                     self._check_open()  # close() may have run while the lock was released to allocate
                 finally:
                     self._drop_if_idle(sub, frees)
@@ -361,7 +362,7 @@ class Arena:
         sub.orphan = False  # whoever leases on it shows the stream is alive
         return sub
 
-    def _ensure(self, sub: _Sub, n: int, frees: list) -> _Block:
+    def _ensure(self, sub: _Sub, n: int, frees: list, cap: int | None) -> _Block:
         """Return ``sub``'s buffer once it holds at least ``n`` bytes, growing it if needed."""
         while True:
             block = sub.block
@@ -375,9 +376,9 @@ class Arena:
                     sub.waiters -= 1
                 self._check_open()  # closed meanwhile: do not grow a closed arena only to free it again
                 continue
-            self._grow(sub, n, frees)
+            self._grow(sub, n, frees, cap)
 
-    def _grow(self, sub: _Sub, n: int, frees: list) -> None:
+    def _grow(self, sub: _Sub, n: int, frees: list, cap: int | None) -> None:
         """Replace ``sub``'s buffer by one of ``aligned_size(n)`` bytes. Releases the lock while allocating."""
         size = aligned_size(n)
         buffer = failure = None
@@ -404,7 +405,7 @@ class Arena:
         if isinstance(failure, MemoryError):
             raise ArenaOutOfMemoryError(
                 f"could not grow the workspace of stream {sub.key!r} to {format_size(size)}",
-                requested=n, held=sub.capacity(), cap=get_config().cap_workspace,
+                requested=n, held=sub.capacity(), cap=cap,
             ) from failure
         if failure is not None:
             raise failure
@@ -561,7 +562,7 @@ class Arena:
     def _acquire_slow(self, ws: Workspace, sub: _Sub, frees: list) -> _Block:
         """Grow ``sub`` if needed and run the debug checks; on failure, leave ``sub`` as it was."""
         try:
-            block = self._ensure(sub, ws.nbytes, frees)
+            block = self._ensure(sub, ws.nbytes, frees, ws._cap)
             self._check_open()  # close() may have run while the lock was released to allocate
             if ws._debug:
                 self._check_overlap(ws.stream, block.ptr, ws.nbytes)

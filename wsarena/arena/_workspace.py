@@ -32,9 +32,13 @@ class Workspace:
         the host.
     """
 
-    __slots__ = ("ptr", "nbytes", "stream", "_arena", "_anchor", "_block", "_sub", "_array", "_state", "_debug")
+    __slots__ = (
+        "ptr", "nbytes", "stream", "_arena", "_anchor", "_block", "_sub", "_array", "_state", "_debug", "_cap",
+    )
 
-    def __init__(self, arena: Arena, nbytes: int, stream: Hashable, anchor: Any, debug: bool) -> None:
+    def __init__(
+        self, arena: Arena, nbytes: int, stream: Hashable, anchor: Any, debug: bool, cap: int | None = None
+    ) -> None:
         self.ptr = 0
         self.nbytes = nbytes
         self.stream = stream
@@ -45,6 +49,7 @@ class Workspace:
         self._array: Any = None
         self._state = 0  # 0 not entered, 1 live, 2 released
         self._debug = debug
+        self._cap = cap  # the cap it was checked under, for an out-of-memory error's numbers
 
     @property
     def array(self) -> Any:
