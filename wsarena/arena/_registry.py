@@ -86,7 +86,8 @@ def set_arena(device: Any, arena: Arena | None) -> Arena | None:
     """Make ``arena`` the one :func:`get_arena` returns for ``device`` (``None``: forget it); return the old one.
 
     For tests and for setups that want another provider, e.g. ``set_arena(0, Arena(AsyncProvider(0)))``. The
-    old arena is not closed. Once ``arena`` is closed, :func:`get_arena` replaces it by a default one. ``device`` here must be ``"cpu"`` or an ordinal (``None`` is not resolved).
+    old arena is not closed. Once ``arena`` is closed, :func:`get_arena` replaces it by a default one.
+    ``device`` here must be ``"cpu"`` or an ordinal (``None`` is not resolved).
     """
     key = _device_key(device)
     if key is None:
