@@ -111,6 +111,7 @@ class HostArenaMachine(RuleBasedStateMachine):
         if not self._grow(key, n):
             with pytest.raises(ArenaOutOfMemoryError):
                 ws.__enter__()
+            self._forget_if_empty(key)
             return
         ws.__enter__()
         self._note(key, n)
@@ -142,6 +143,12 @@ class HostArenaMachine(RuleBasedStateMachine):
         else:
             with pytest.raises(ArenaOutOfMemoryError):
                 self.arena.reserve(n, stream=key)
+            self._forget_if_empty(key)
+
+    def _forget_if_empty(self, key):
+        """A failed growth leaves a sub-arena that holds nothing and serves no lease: it is forgotten."""
+        if not self.live[key] and self.cap[key] == 0:
+            self.stream_high[key] = 0
 
     @rule()
     def trim(self):
