@@ -38,16 +38,25 @@ def test_close_all_handles_with_none_open_is_harmless():
 
 
 def test_the_first_handle_is_created_alone_and_later_ones_concurrently(monkeypatch):
-    # cudnnCreate and cudnnDestroy replaced by fakes that record how many creations overlap.
-    active, overlaps, lock = [0], [], threading.Lock()
+    # cudnnCreate and cudnnDestroy replaced by fakes. The first wave of threads records how many creations run
+    # while the process's first one does; in the second, every creation waits until all four are inside it at
+    # once, which only unlocked creation allows (a lock would break the barrier after its timeout).
+    active, overlaps, lock, first_done = [0], [], threading.Lock(), threading.Event()
+    together = threading.Barrier(4, timeout=10)
+    second_wave = threading.Event()
 
     def fake_create(out):
-        with lock:
-            active[0] += 1
-            overlaps.append(active[0])
-        time.sleep(0.05)
-        with lock:
-            active[0] -= 1
+        if second_wave.is_set():
+            together.wait()
+        else:
+            with lock:
+                active[0] += 1
+                if not first_done.is_set():
+                    overlaps.append(active[0])
+            time.sleep(0.02)
+            with lock:
+                active[0] -= 1
+            first_done.set()
         ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 0x1000
         return 0
 
@@ -55,21 +64,25 @@ def test_the_first_handle_is_created_alone_and_later_ones_concurrently(monkeypat
     monkeypatch.setattr(handle_mod, "call", lambda *args, **kwargs: None)
     monkeypatch.setattr(handle_mod, "_current_device", lambda: 0)
     monkeypatch.setattr(handle_mod, "_created", False)
-    made = []
+    made, failed = [], []
 
     def first_use():
-        made.append(cudnn.get_handle(0))
+        try:
+            made.append(cudnn.get_handle(0))
+        except threading.BrokenBarrierError as exc:
+            failed.append(exc)
 
     try:
-        for wave in range(2):  # the first wave races for the first creation, the second creates freely
+        for wave in range(2):
+            if wave:
+                second_wave.set()
             threads = [threading.Thread(target=first_use) for _ in range(4)]
             for thread in threads:
                 thread.start()
             for thread in threads:
-                thread.join(10)
-        assert len(made) == 8
-        assert max(overlaps[:4]) == 1  # the first wave: one creation at a time, while the first was unsettled
-        assert max(overlaps[4:]) > 1  # afterwards no lock: creations overlap
+                thread.join(20)
+        assert overlaps and max(overlaps) == 1  # nothing else was created while the first creation ran
+        assert not failed and len(made) == 8  # the second: all four inside cudnnCreate at once
     finally:
         for handle in made:
             handle.close()
