@@ -1,5 +1,6 @@
 """The arena's rules, on host memory: leases, growth, retirement, reserve, trim, cap, failures, lanes."""
 
+import sys
 import threading
 import time
 
@@ -306,8 +307,10 @@ def test_an_explicit_cap_replaces_the_configured_one(arena):
         with arena.lease(1 << 20, stream="s", cap=None):
             pass
     assert oom.value.cap is None  # the cap the lease was checked under, not the configured one
-    with pytest.raises(TypeError, match="cap must be"):
+    with pytest.raises(TypeError, match="cap must be an int"):
         arena.lease(16, cap="1KiB")
+    with arena.lease(16, cap=np.int64(4096)):  # anything operator.index takes, as for nbytes
+        pass
     with pytest.raises(ValueError, match="cap cannot be negative"):
         arena.lease(16, cap=-1)
 
@@ -950,6 +953,30 @@ def test_an_interrupt_just_after_a_lease_was_taken_gives_it_back(arena, monkeypa
     monkeypatch.undo()
     assert arena.stats().leases == 0
     with arena.lease(4096, stream="L"):
+        pass
+
+
+def _interrupt_at_entry_of(name):
+    """Raise KeyboardInterrupt once, as the function ``name`` starts (where CPython may deliver Ctrl-C)."""
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == name:
+            sys.settrace(None)
+            raise KeyboardInterrupt(f"at {name}")
+        return None
+
+    sys.settrace(trace)
+
+
+def test_an_interrupt_as_a_lease_starts_its_slow_path_leaves_the_stream_free(arena):
+    _interrupt_at_entry_of("_acquire_slow")  # the stream's owner is already set when it starts
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with arena.lease(4096, stream="L"):
+                pass
+    finally:
+        sys.settrace(None)
+    assert arena._subs.get("L") is None or arena._subs["L"].owner is None
+    with arena.lease(4096, stream="L"):  # not "this thread already holds a lease"
         pass
 
 

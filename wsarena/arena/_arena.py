@@ -56,15 +56,15 @@ _CONFIGURED: Any = object()  # lease(cap=): the configured cap
 POISON_BYTE = 0xA5  # what debug mode writes over released workspace bytes
 
 
-def _check_nbytes(nbytes: Any) -> int:
+def _check_nbytes(nbytes: Any, name: str = "nbytes") -> int:
     if isinstance(nbytes, bool):
-        raise TypeError(f"nbytes must be an int, not {nbytes!r}")
+        raise TypeError(f"{name} must be an int, not {nbytes!r}")
     try:
         n = operator.index(nbytes)
     except TypeError:
-        raise TypeError(f"nbytes must be an int, not {nbytes!r}") from None
+        raise TypeError(f"{name} must be an int, not {nbytes!r}") from None
     if n < 0:
-        raise ValueError(f"nbytes cannot be negative: {n}")
+        raise ValueError(f"{name} cannot be negative: {n}")
     return n
 
 
@@ -186,9 +186,7 @@ class Arena:
         if cap is _CONFIGURED:
             cap = cfg.cap_workspace
         elif cap is not None and (type(cap) is not int or cap < 0):
-            if isinstance(cap, bool) or not isinstance(cap, int):
-                raise TypeError(f"cap must be a number of bytes or None, not {cap!r}")
-            raise ValueError(f"cap cannot be negative: {cap}")
+            cap = _check_nbytes(cap, "cap")
         if cap is not None and n > cap:
             self._check_cap(n, key, cap)
         return Workspace(self, n, key, anchor, cfg.debug, cap)
@@ -388,7 +386,14 @@ class Arena:
             buffer = self.provider.allocate(size, stream=sub.stream)
         except BaseException as exc:  # raised below, once the lock is back and the bookkeeping done
             failure = exc
-        interrupted = _hold(self._lock)
+        interrupted = None
+        while True:  # _hold's loop, inline: an interrupt at a function's first instruction would escape unlocked
+            try:
+                if not self._lock._is_owned():
+                    self._lock.acquire()
+                break
+            except BaseException as exc:
+                interrupted = interrupted or exc
         sub.growing = False
         if sub.waiters:
             sub.cond.notify_all()
@@ -514,7 +519,13 @@ class Arena:
                     raise self._nested_error(key)
                 block = sub.block
                 if block is None or block.nbytes < n or ws._debug:
-                    block = self._acquire_slow(ws, sub, frees)
+                    try:
+                        block = self._acquire_slow(ws, sub, frees)
+                    except BaseException:  # (an interrupt at its first instruction included) leave sub as it was
+                        if sub.owner == me:
+                            self._leave(sub)
+                            self._drop_if_idle(sub, frees)
+                        raise
                 block.live += 1
                 sub.live += 1
                 self._live += 1
@@ -560,17 +571,12 @@ class Arena:
         sub.owner = me
 
     def _acquire_slow(self, ws: Workspace, sub: _Sub, frees: list) -> _Block:
-        """Grow ``sub`` if needed and run the debug checks; on failure, leave ``sub`` as it was."""
-        try:
-            block = self._ensure(sub, ws.nbytes, frees, ws._cap)
-            self._check_open()  # close() may have run while the lock was released to allocate
-            if ws._debug:
-                self._check_overlap(ws.stream, block.ptr, ws.nbytes)
-                self._debug_live[id(ws)] = (ws.stream, block.ptr, block.ptr + ws.nbytes)
-        except BaseException:
-            self._leave(sub)
-            self._drop_if_idle(sub, frees)
-            raise
+        """Grow ``sub`` if needed and run the debug checks (on failure the caller leaves ``sub``)."""
+        block = self._ensure(sub, ws.nbytes, frees, ws._cap)
+        self._check_open()  # close() may have run while the lock was released to allocate
+        if ws._debug:
+            self._check_overlap(ws.stream, block.ptr, ws.nbytes)
+            self._debug_live[id(ws)] = (ws.stream, block.ptr, block.ptr + ws.nbytes)
         return block
 
     def _release(self, ws: Workspace) -> None:
@@ -608,8 +614,10 @@ class Arena:
                 if (sub.orphan or self._closed) and sub.idle() and self._subs.get(sub.key) is sub:
                     self._release_sub(sub, frees, gone=sub.orphan)
         finally:
-            if self._lock._is_owned():  # not if an interrupt came before the lock was taken
+            try:
                 self._lock.release()
+            except RuntimeError:  # an interrupt came before the lock was taken: nothing to release
+                pass
         if frees:
             self._free(frees)
         if interrupted is not None:
