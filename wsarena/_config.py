@@ -114,6 +114,18 @@ _state: _State | None = None
 _override: contextvars.ContextVar[Config | None] = contextvars.ContextVar("wsarena_config", default=None)
 
 
+# An argument that names a setting and was not given: the configured value applies (None is a value: no cap).
+_FROM_CONFIG: Any = object()
+
+
+def _given(*, algo_search: Any = None, backend: Any = None, cap_workspace: Any = _FROM_CONFIG) -> dict[str, Any]:
+    """The :func:`config` changes of the arguments that were given (the planner's and the command's flags)."""
+    changes = {key: value for key, value in (("algo_search", algo_search), ("backend", backend)) if value is not None}
+    if cap_workspace is not _FROM_CONFIG:
+        changes["cap_workspace"] = cap_workspace
+    return changes
+
+
 def _replace(base: Config, changes: dict[str, Any]) -> Config:
     unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(Config)})
     if unknown:

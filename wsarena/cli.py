@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 from . import __version__
-from ._config import _parse_cap, config
+from ._config import _FROM_CONFIG, _given, _parse_cap, config
 from ._geometry import DTYPES, PASSES
 from ._sizes import format_size
 from .errors import BackendUnavailableError
@@ -25,7 +25,6 @@ __all__ = ["main"]
 
 EXIT_OK, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 2, 3
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader closed the pipe
-_FROM_CONFIG = object()  # --cap-workspace not given: the configured cap (WSARENA_CAP_WORKSPACE) applies
 
 
 class UsageError(Exception):
@@ -199,10 +198,8 @@ def _report(args: argparse.Namespace) -> int:
         args.model, skip_unknown=args.skip_unknown, asymmetric_pads=args.asymmetric_pads,
         input_shapes=_input_shapes(args.input_shape),
     )
-    overrides = {key: value for key, value in (("algo_search", args.search), ("backend", args.backend)) if value}
-    if args.cap_workspace is not _FROM_CONFIG:
-        overrides["cap_workspace"] = args.cap_workspace
-    with config(**overrides) as cfg:  # flags override the environment, which then matters only for the rest
+    given = _given(algo_search=args.search, backend=args.backend, cap_workspace=args.cap_workspace)
+    with config(**given) as cfg:  # flags override the environment, which then matters only for the rest
         p = plan(
             layers,
             batch=args.batch,

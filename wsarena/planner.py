@@ -21,15 +21,13 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._config import ALGO_SEARCHES, Config, config
+from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._geometry import DTYPES, PASSES, ConvGeometry
 from .algos import select
 from .backends import Candidate, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
 
 __all__ = ["LayerPlan", "Plan", "plan"]
-
-_FROM_CONFIG: Any = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,12 +180,9 @@ def plan(
     """
     if search is not None and search not in ALGO_SEARCHES:
         raise ValueError(f"search must be one of {ALGO_SEARCHES}, not {search!r}")
-    overrides = {key: value for key, value in (("algo_search", search), ("backend", backend)) if value is not None}
-    if cap_workspace is not _FROM_CONFIG:
-        overrides["cap_workspace"] = cap_workspace
     # The arguments apply as a config() block: the exhaustive search's leases then see the plan's cap, and an
     # invalid environment variable matters only for a setting left to it.
-    with config(**overrides) as cfg:
+    with config(**_given(algo_search=search, backend=backend, cap_workspace=cap_workspace)) as cfg:
         return _plan(list(layers), cfg, batch=batch, dtype=dtype, layout=layout, passes=passes, streams=streams,
                      model=model, progress=progress)
 
