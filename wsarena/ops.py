@@ -19,7 +19,7 @@ import numpy as np
 from ._config import get_config
 from ._geometry import DTYPES, ConvGeometry, conv_geometry
 from .algos import forced, run_with_fallback, select
-from .backends import Candidate, array_backend_name, get_backend, type_backend_name
+from .backends import Candidate, array_backend_name, get_backend, is_masked_type, type_backend_name
 
 __all__ = ["conv_backward_data", "conv_backward_filter", "conv_forward"]
 
@@ -54,7 +54,7 @@ def _backend_for(types: dict[str, type], configured: str) -> Any:
     for name, kind in types.items():
         backend = type_backend_name(kind)
         if backend is None:
-            masked = " (its mask would be ignored; pass .filled(0))" if "numpy.ma" in kind.__module__ else ""
+            masked = " (its mask would be ignored; pass .filled(0))" if is_masked_type(kind) else ""
             raise TypeError(f"{name} must be a NumPy or CuPy array, not {kind.__name__}{masked}")
         kinds[name] = backend
     if len(set(kinds.values())) > 1:

@@ -21,7 +21,10 @@ from typing import Any, Protocol
 from .._gpu import gpu_unusable_reason
 from ..errors import BackendUnavailableError
 
-__all__ = ["Backend", "Candidate", "array_backend_name", "get_backend", "resolve_backend_name", "type_backend_name"]
+__all__ = [
+    "Backend", "Candidate", "array_backend_name", "get_backend", "is_masked_type", "resolve_backend_name",
+    "type_backend_name",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +99,11 @@ def array_backend_name(array: Any) -> str | None:
     return type_backend_name(type(array))
 
 
+def is_masked_type(kind: type) -> bool:
+    """Whether ``kind`` is a NumPy masked array type (or derives from one)."""
+    return any(base.__module__.startswith("numpy.ma") for base in kind.__mro__)
+
+
 def type_backend_name(kind: type) -> str | None:
     """:func:`array_backend_name` for an array type."""
     try:
@@ -105,7 +113,7 @@ def type_backend_name(kind: type) -> str | None:
     found: str | None = None
     # Subclasses too (a slice of a numpy.memmap is one), found by name so that CuPy is never imported here;
     # except masked arrays, whose mask a convolution would silently ignore.
-    if not any(base.__module__.startswith("numpy.ma") for base in kind.__mro__):
+    if not is_masked_type(kind):
         for base in kind.__mro__:
             if base.__name__ == "ndarray" and (base.__module__ == "numpy" or base.__module__.startswith("cupy")):
                 found = "cpu" if base.__module__ == "numpy" else "cudnn"
