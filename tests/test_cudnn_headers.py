@@ -73,8 +73,11 @@ def test_no_header_enumerator_is_missing(typedef):
     header = probe.parsed()["enums"][typedef]
     enum = cudnn.C_TYPEDEFS[typedef]
     values = dict(header)
+    older = _headers_older_than_enums()
     # Any cuDNN 9 keeps the values of the enumerators wsarena binds (a newer one may add others).
     for c_name, member in cudnn.C_NAMES[typedef].items():
+        if older and c_name not in values:
+            continue  # added in a later cuDNN than this machine's (9.19 has no CUDNN_DATA_BYTE_BOOLEAN)
         assert values.get(c_name) == enum[member], (
             f"{c_name}: {values.get(c_name)} in the headers, {int(enum[member])} here"
         )
