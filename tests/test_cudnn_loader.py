@@ -133,6 +133,21 @@ def test_not_found_lists_every_place_tried(fresh_search, tmp_path):
     assert len(info_dict["tried"]) == 4
 
 
+def _lone_shim_expectation(env: dict | None = None) -> str:
+    """What library_info() of a shim copied without its sub-libraries reports: a miss naming the sub-library,
+    unless this machine's library path has libcudnn_graph.so.9 (a system cuDNN, as on some GPU machines): then
+    the lone shim loads its sub-libraries from there and is found."""
+    probe_graph = "import ctypes\ntry:\n    ctypes.CDLL('libcudnn_graph.so.9')\nexcept OSError:\n    print('no')\n"
+    result = subprocess.run([sys.executable, "-c", probe_graph], capture_output=True, text=True, env=env,
+                            check=True, timeout=60)
+    if result.stdout.strip() == "no":
+        return "False loaded, but its sub-library libcudnn_graph.so.9 cannot be loaded"
+    return "True"
+
+
+_PRINT_OUTCOME = "print(info['found'], *(info['tried'][0][1:] if not info['found'] else []))\n"
+
+
 @needs_cudnn
 def test_a_shim_without_its_sub_libraries_is_a_miss_not_an_abort(tmp_path):
     # A copy of the shim alone (a broken install): cuDNN itself would abort() the process in cudnnGetVersion.
@@ -143,12 +158,11 @@ def test_a_shim_without_its_sub_libraries_is_a_miss_not_an_abort(tmp_path):
         "from wsarena.cudnn import _library\n"
         "_library.SEARCH_STEPS[:] = [s for s in _library.SEARCH_STEPS if s[0] == 'CUDNN_PATH']\n"
         f"os.environ['CUDNN_PATH'] = {str(tmp_path)!r}\n"
-        "info = c.library_info()\n"
-        "print(info['found'], info['tried'][0][1])\n"
+        "info = c.library_info()\n" + _PRINT_OUTCOME
     )
     result = _run(code)
     assert result.returncode == 0, (result.returncode, result.stderr)
-    assert result.stdout.startswith("False loaded, but its sub-library libcudnn_graph.so.9 cannot be loaded")
+    assert result.stdout.startswith(_lone_shim_expectation())
 
 
 @needs_cudnn
@@ -160,14 +174,13 @@ def test_a_symlinked_shim_without_its_sub_libraries_is_a_miss_too(tmp_path):
         "import wsarena.cudnn as c\n"
         "from wsarena.cudnn import _library\n"
         "_library.SEARCH_STEPS[:] = [s for s in _library.SEARCH_STEPS if s[0] == 'system loader']\n"
-        "info = c.library_info()\n"
-        "print(info['found'], info['tried'][0][1])\n"
+        "info = c.library_info()\n" + _PRINT_OUTCOME
     )
     env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
                             check=False, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr)
-    assert result.stdout.startswith("False loaded, but its sub-library libcudnn_graph.so.9 cannot be loaded")
+    assert result.stdout.startswith(_lone_shim_expectation(env))
 
 
 def test_unset_cudnn_path_is_reported(fresh_search):
