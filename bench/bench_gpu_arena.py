@@ -8,10 +8,11 @@ skip it) and the same operands in all three; only where the workspace comes from
 - ``per-call``  a workspace allocated from CuPy's memory pool before each call and freed after it, as
   PyTorch does with its caching allocator.
 
-Reports workspace bytes held after a step and the median step time (CUDA events), with ratios against wsarena.
+Reports workspace bytes held after a step and the median step time (CUDA events) over interleaved rounds (the
+order rotating), with ratios against wsarena.
 Then the host time of one tiny cached call (1x1x4x4 input, 1x1x3x3 filter, ``out=`` given), which bounds how
 fast small layers can be issued, beside ``torch.nn.functional.conv2d`` on the same GPU when torch is there.
-Run: python bench/bench_gpu_arena.py [--model resnet50] [--batch 32] [--repeat 5]
+Run: python bench/bench_gpu_arena.py [--model resnet50] [--batch 32] [--repeat 9]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
 
@@ -88,28 +89,32 @@ def main() -> None:
                 backend.run(p, c, g, *ops[p], outs[p], ws, stream)
                 del mem
 
-    def timed(fn):
-        fn()  # warm up: algorithm choice, arena growth, pool growth
-        stream.synchronize()
-        times = []
-        for _ in range(args.repeat):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            fn()
-            end.record(stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end))
-        return statistics.median(times)
+    def timed_once(fn) -> float:
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        return cupy.cuda.get_elapsed_time(start, end)
 
     pool = cupy.get_default_memory_pool()
-    t_ws = timed(run_wsarena)
+    run_wsarena()  # warm up: algorithm choice, arena growth
+    run_unshared()
+    stream.synchronize()
     held_ws = wsarena.get_arena(None).stats()["capacity_bytes"]
-    t_un = timed(run_unshared)
     held_un = sum(c.workspace_bytes for c in choices.values())
     pool.free_all_blocks()
     before = pool.total_bytes()
-    t_pc = timed(run_per_call)
+    run_per_call()  # warm up: pool growth
+    stream.synchronize()
     held_pc = pool.total_bytes() - before  # what the caching pool keeps after the step
+    # Interleaved rounds, the order rotating, so that clock changes and other work on the GPU fall on all three
+    strategies = [run_wsarena, run_unshared, run_per_call]
+    times: dict = {fn: [] for fn in strategies}
+    for r in range(args.repeat):
+        for fn in strategies[r % 3:] + strategies[:r % 3]:
+            times[fn].append(timed_once(fn))
+    t_ws, t_un, t_pc = (statistics.median(times[fn]) for fn in strategies)
 
     name = backend.device_label()
     print(f"device {name}; {args.model} batch {args.batch} {args.dtype}; fwd+bwd_data+bwd_filter; "
