@@ -116,9 +116,11 @@ def test_search_and_convolution_wrappers_reach_cudnn(monkeypatch, descs, pass_):
         cudnn.heuristic_algorithms(pass_, handle, x, w, conv, y)
     with pytest.raises(cudnn.CudnnError, match="AlgorithmEx"):
         cudnn.find_algorithms(pass_, handle, x, 0, w, 0, conv, y, 0, 0, 0)
-    with pytest.raises(cudnn.CudnnError, match="cudnnConvolution"):
+    # The error names what was being run: the pass, the shapes, the algorithm and the workspace.
+    context = rf"\[{pass_}: x \(2, 4, 9, 9\), w \(6, 4, 3, 3\), y \(2, 6, 9, 9\), .*, algo \w+, workspace 64 bytes\]"
+    with pytest.raises(cudnn.CudnnError, match=r"cudnnConvolution\w+ returned .*" + context):
         cudnn.convolution(pass_, handle, x_desc=x, x_ptr=0, w_desc=w, w_ptr=0, conv_desc=conv, y_desc=y, y_ptr=0,
-                          algo=0)
+                          algo=0, workspace_bytes=64)
 
 
 def test_pass_names_and_algorithms():

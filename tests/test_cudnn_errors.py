@@ -68,6 +68,21 @@ def test_check_passes_success_and_raises_the_rest():
         assert text.count("CUDNN_STATUS_NOT_SUPPORTED_SHAPE") >= 2
 
 
+def test_a_context_function_is_called_only_for_an_error():
+    calls = []
+
+    def context() -> str:
+        calls.append(1)
+        return "x (1, 2, 3, 4), algo FFT"
+
+    assert cudnn.check(0, "cudnnConvolutionForward", context) is None
+    assert calls == []  # success: nothing formatted
+    with pytest.raises(cudnn.CudnnBadParamError) as info:
+        cudnn.check(2000, "cudnnConvolutionForward", context)
+    assert calls == [1]
+    assert info.value.context == "x (1, 2, 3, 4), algo FFT" and "[x (1, 2, 3, 4), algo FFT]" in str(info.value)
+
+
 def test_errors_pickle():
     err = cudnn.CudnnError(2000, "message", "cudnnFoo", "ctx")
     back = pickle.loads(pickle.dumps(err))

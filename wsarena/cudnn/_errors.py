@@ -180,14 +180,18 @@ def _describe(status: int) -> str:
     return "; ".join(p for p in parts if p)
 
 
-def check(status: int, func_name: str, context: str = "") -> None:
+def check(status: int, func_name: str, context: str | Callable[[], str] = "") -> None:
     """Raise the :class:`CudnnError` subclass for ``status`` unless it is ``SUCCESS``.
 
     The message names ``func_name``, the status, cuDNN's own description (``cudnnGetErrorString`` and, when it
-    has one, ``cudnnGetLastErrorString``), and ``context`` (what wsarena was doing, e.g. the shapes).
+    has one, ``cudnnGetLastErrorString``), and ``context`` (what wsarena was doing, e.g. the shapes). ``context``
+    may be a function that returns it, called only on failure: the per-convolution calls would otherwise format
+    shapes on every call.
     """
     if status == 0:
         return
+    if callable(context):
+        context = context()
     raise CudnnError(status, status_message(status, func_name, context), func_name, context)
 
 

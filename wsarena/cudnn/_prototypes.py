@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from enum import IntEnum
 
 from . import _errors
@@ -222,11 +223,12 @@ _NOT_CLEARED = frozenset(
 )
 
 
-def call(name: str, *args: object, context: str = "") -> None:
+def call(name: str, *args: object, context: str | Callable[[], str] = "") -> None:
     """Call the cuDNN function ``name`` and raise its :class:`~wsarena.cudnn.CudnnError` unless it succeeds.
 
     cuDNN's last-error message is cleared first (except for the per-convolution calls), so that the error
-    describes this call and not an earlier one whose message nobody read.
+    describes this call and not an earlier one whose message nobody read. ``context`` is text for the error, or
+    a function that returns it (called only on failure).
     """
     fn = function(name)
     if name not in _NOT_CLEARED:

@@ -257,6 +257,6 @@ def convolution(
     call(
         spec.run, handle, ctypes.byref(alpha_c), *first, *second, conv_desc, algo, workspace_ptr or None,
         int(workspace_bytes), ctypes.byref(beta_c), *written,
-        context=f"{_context(pass_, x_desc, w_desc, conv_desc, y_desc)}, algo {algo.name}, "
-        f"workspace {int(workspace_bytes)} bytes",
+        context=lambda: f"{_context(pass_, x_desc, w_desc, conv_desc, y_desc)}, algo {algo.name}, "
+        f"workspace {int(workspace_bytes)} bytes",  # formatted only for an error: this runs once per convolution
     )
