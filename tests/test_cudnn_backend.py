@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from wsarena import algos, config, conv_backward_data, conv_backward_filter, conv_forward
 from wsarena._geometry import conv_geometry
 from wsarena.backends import Candidate
-from wsarena.backends._cudnn_backend import CudnnBackend, _channels_last, _pointers, _usable
+from wsarena.backends._cudnn_backend import CudnnBackend, _channels_last, _DeviceAndStream, _pointers, _usable
 from wsarena.cudnn import AlgoPerf, ConvolutionFwdAlgo, MathType, Status
 from wsarena.errors import WorkspaceCapWarning
 
@@ -71,6 +71,69 @@ def test_remembered_descriptors_are_rebuilt_when_closed_and_bounded(monkeypatch)
     for n in (3, 4, 5):
         backend._descriptors(geom.with_batch(n))
     assert len(backend._descs) == 2
+
+
+class _FakeDevice:
+    def __init__(self, id_, log):
+        self.id, self.log = id_, log
+
+    def __enter__(self):
+        self.log.append(("enter device", self.id))
+
+    def __exit__(self, *exc):
+        self.log.append(("exit device", self.id))
+
+
+class _FakeStream:
+    def __init__(self, log, fail=False):
+        self.log, self.fail = log, fail
+
+    def __enter__(self):
+        if self.fail:
+            raise RuntimeError("stream on another device")
+        self.log.append("enter stream")
+
+    def __exit__(self, *exc):
+        self.log.append("exit stream")
+
+
+def _on(device):
+    return type("FakeArray", (), {"device": device})()
+
+
+def test_context_needs_one_device_and_enters_it(backend):
+    log = []
+    d0, d1 = _FakeDevice(0, log), _FakeDevice(1, log)
+    with pytest.raises(ValueError, match=r"different devices \[0, 1\]"):
+        backend.context((_on(d0), _on(d0), _on(d1)), None)
+    assert log == []  # refused before anything was entered
+    ctx = backend.context((_on(d1), _on(d1)), None)
+    assert ctx is d1  # no stream: the arrays' CuPy device is the context
+
+
+def test_device_and_stream_enter_in_order_and_leave_in_reverse():
+    log = []
+    with _DeviceAndStream(_FakeDevice(3, log), _FakeStream(log)):
+        log.append("body")
+    assert log == [("enter device", 3), "enter stream", "body", "exit stream", ("exit device", 3)]
+    log.clear()
+    with pytest.raises(RuntimeError, match="another device"):
+        with _DeviceAndStream(_FakeDevice(3, log), _FakeStream(log, fail=True)):
+            log.append("body")
+    assert log == [("enter device", 3), ("exit device", 3)]  # the device is left when the stream cannot be entered
+
+
+def test_the_handle_is_bound_to_the_leased_workspaces_stream(monkeypatch):
+    backend = CudnnBackend()
+    bound = []
+    handle = type("FakeHandle", (), {"set_stream": lambda self, raw: bound.append(raw)})()
+    monkeypatch.setattr(backend, "_handle", lambda: handle)
+    leased = type("Leased", (), {"stream": 7})()  # an arena Workspace: its stream's raw handle, resolved already
+    assert backend._bound_handle(None, leased) is handle and bound == [7]
+    other = type("Stream", (), {"__cuda_stream__": lambda self: (0, 9)})()
+    backend._bound_handle(other, object())  # no leased stream (a caller's own buffer): `stream` is resolved
+    backend._bound_handle(11)
+    assert bound == [7, 9, 11]
 
 
 def test_channels_last_strides():

@@ -10,9 +10,8 @@ float32 with tensor cores allowed (``TENSOR_OP_MATH``), as PyTorch does; float64
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ..arena import get_arena, stream_handle
@@ -33,6 +32,8 @@ class CudnnBackend:
         self._cupy = cupy
         self._cudnn = cudnn
         cudnn.bind_all()
+        # (pass, algorithm name as the backend reports it) -> cuDNN's enum member, for the per-call lookup
+        self._algos = {(p, a.name.lower()): a for p in cudnn.conv.PASSES for a in cudnn.conv.algorithms(p)}
         self._descs: dict[tuple[Any, int | None], tuple[Any, Any, Any, Any]] = {}
         self._descs_lock = threading.Lock()  # guards changes to _descs; lookups read it without the lock
         # cuDNN's heuristics can list an algorithm its kernel then refuses: a shape it does not support, or an
@@ -58,20 +59,22 @@ class CudnnBackend:
     def arena(self) -> Any:
         return get_arena(self._device())
 
-    @contextlib.contextmanager
-    def context(self, arrays: Sequence[Any], stream: Any) -> Iterator[None]:
-        """The arrays' device current, and ``stream`` (when given) CuPy's current stream, for the block."""
-        devices = sorted({int(a.device.id) for a in arrays})
-        if len(devices) > 1:
-            raise ValueError(f"the arrays are on different devices {devices}; put them on one device")
-        with arrays[0].device:
-            if stream is None:
-                yield
-                return
-            if not isinstance(stream, self._cupy.cuda.Stream):
-                stream = self._cupy.cuda.Stream.from_external(_RawStream(stream_handle(stream)))
-            with stream:
-                yield
+    def context(self, arrays: Sequence[Any], stream: Any) -> Any:
+        """The arrays' device current, and ``stream`` (when given) CuPy's current stream, for the block.
+
+        A CuPy ``Device`` (or a pair with the stream) rather than a generator: this runs on every call, and a
+        ``contextlib.contextmanager`` costs microseconds of its own.
+        """
+        device = arrays[0].device
+        for array in arrays[1:]:
+            if array.device.id != device.id:
+                devices = sorted({int(a.device.id) for a in arrays})
+                raise ValueError(f"the arrays are on different devices {devices}; put them on one device")
+        if stream is None:
+            return device
+        if not isinstance(stream, self._cupy.cuda.Stream):
+            stream = self._cupy.cuda.Stream.from_external(_RawStream(stream_handle(stream)))
+        return _DeviceAndStream(device, stream)
 
     def may_share_memory(self, a: Any, b: Any) -> bool:
         return bool(self._cupy.may_share_memory(a, b))
@@ -150,7 +153,7 @@ class CudnnBackend:
         stream: Any,
     ) -> list[Candidate]:
         x, w, conv, y = self._descriptors(geom)  # the dtype's math type: FindEx reports each entry's own
-        handle = self._bound_handle(stream)
+        handle = self._bound_handle(stream, workspace)
         ptrs = _pointers(pass_, a, b, out)
         perfs = self._cudnn.conv.find_algorithms(
             pass_, handle, x, ptrs["x"], w, ptrs["w"], conv, y, ptrs["y"], workspace.ptr, workspace.nbytes
@@ -164,15 +167,24 @@ class CudnnBackend:
         # The math type cuDNN reported for this entry, so the kernel that runs is the one whose workspace was sized
         x, w, conv, y = self._descriptors(geom, candidate.math_type)
         ptrs = _pointers(pass_, a, b, out)
+        algo = self._algos.get((pass_, candidate.algo))
+        if algo is None:  # not a name of this pass: algorithm() raises the error that says so
+            algo = self._cudnn.conv.algorithm(pass_, candidate.algo.upper())
         self._cudnn.conv.convolution(
-            pass_, self._bound_handle(stream), x_desc=x, x_ptr=ptrs["x"], w_desc=w, w_ptr=ptrs["w"], conv_desc=conv,
-            y_desc=y, y_ptr=ptrs["y"], algo=self._cudnn.conv.algorithm(pass_, candidate.algo.upper()),
-            workspace_ptr=workspace.ptr, workspace_bytes=workspace.nbytes,
+            pass_, self._bound_handle(stream, workspace), x_desc=x, x_ptr=ptrs["x"], w_desc=w, w_ptr=ptrs["w"],
+            conv_desc=conv, y_desc=y, y_ptr=ptrs["y"], algo=algo, workspace_ptr=workspace.ptr,
+            workspace_bytes=workspace.nbytes,
         )
 
-    def _bound_handle(self, stream: Any) -> Any:
+    def _bound_handle(self, stream: Any, workspace: Any = None) -> Any:
+        """This thread's handle for the current device, bound to ``stream``.
+
+        A workspace leased from the arena carries its stream's raw handle (an int) already: resolving ``stream``
+        again would cost as much as the lease's own resolution.
+        """
         handle = self._handle()
-        handle.set_stream(stream_handle(stream))
+        raw = getattr(workspace, "stream", None)
+        handle.set_stream(stream_handle(stream) if raw is None else raw)
         return handle
 
 
@@ -212,6 +224,30 @@ def _usable(perfs: Sequence[Any], *, timed: bool = False) -> list[Candidate]:
         if key not in seen:
             seen[key] = Candidate(key[0], int(perf.memory), float(perf.time_ms) if timed else None, key[1])
     return list(seen.values())
+
+
+class _DeviceAndStream:
+    """Enter a CuPy device, then a CuPy stream on it; leave both, in reverse order."""
+
+    __slots__ = ("device", "stream")
+
+    def __init__(self, device: Any, stream: Any) -> None:
+        self.device = device
+        self.stream = stream
+
+    def __enter__(self) -> None:
+        self.device.__enter__()
+        try:
+            self.stream.__enter__()
+        except BaseException:
+            self.device.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stream.__exit__(*exc)
+        finally:
+            self.device.__exit__(*exc)
 
 
 class _RawStream:
