@@ -8,8 +8,11 @@ skip it) and the same operands in all three; only where the workspace comes from
 - ``per-call``  a workspace allocated from CuPy's memory pool before each call and freed after it, as
   PyTorch does with its caching allocator.
 
-Reports workspace bytes held after a step and the median step time (CUDA events) over interleaved rounds (the
-order rotating), with ratios against wsarena.
+Reports workspace bytes held after a step, the median step time (CUDA events around the step as issued) and the
+median GPU time (the same events with the step queued behind a spinning kernel, so the host's issue time is
+hidden), over interleaved rounds (the order rotating), with ratios against wsarena. With cuDNN's legacy API the
+host can take as long to issue a step as the GPU takes to run it (see bench_gpu_host.py): then the step time
+shows host overhead and the GPU time what the workspace's placement costs the kernels.
 Then the host time of one tiny cached call (1x1x4x4 input, 1x1x3x3 filter, ``out=`` given), which bounds how
 fast small layers can be issued, beside ``torch.nn.functional.conv2d`` on the same GPU when torch is there.
 Run: python bench/bench_gpu_arena.py [--model resnet50] [--batch 32] [--repeat 9]
@@ -27,6 +30,12 @@ import cupy
 import wsarena
 from wsarena import algos
 from wsarena.backends import get_backend
+
+
+_SPIN = r'''extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+}'''
 
 
 def main() -> None:
@@ -89,8 +98,14 @@ def main() -> None:
                 backend.run(p, c, g, *ops[p], outs[p], ws, stream)
                 del mem
 
-    def timed_once(fn) -> float:
+    spin = cupy.RawKernel(_SPIN, "spin")
+
+    def timed_once(fn, queued: bool) -> float:
+        """Milliseconds between events around ``fn``'s step. ``queued``: behind a kernel that spins ~0.5 s, so
+        that the host has issued the whole step before the GPU starts it and only the GPU's own time counts."""
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        if queued:
+            spin((1,), (1,), (cupy.int64(1_000_000_000),), stream=stream)
         start.record(stream)
         fn()
         end.record(stream)
@@ -110,20 +125,25 @@ def main() -> None:
     held_pc = pool.total_bytes() - before  # what the caching pool keeps after the step
     # Interleaved rounds, the order rotating, so that clock changes and other work on the GPU fall on all three
     strategies = [run_wsarena, run_unshared, run_per_call]
-    times: dict = {fn: [] for fn in strategies}
+    times: dict = {(fn, queued): [] for fn in strategies for queued in (False, True)}
     for r in range(args.repeat):
         for fn in strategies[r % 3:] + strategies[:r % 3]:
-            times[fn].append(timed_once(fn))
-    t_ws, t_un, t_pc = (statistics.median(times[fn]) for fn in strategies)
+            for queued in (False, True):
+                times[fn, queued].append(timed_once(fn, queued))
+    step = {fn: statistics.median(times[fn, False]) for fn in strategies}
+    gpu = {fn: statistics.median(times[fn, True]) for fn in strategies}
 
     name = backend.device_label()
     print(f"device {name}; {args.model} batch {args.batch} {args.dtype}; fwd+bwd_data+bwd_filter; "
           f"median of {args.repeat}")
     print(f"plan: arena {wsarena.format_size(plan.arena_bytes)}, unshared {wsarena.format_size(plan.unshared_bytes)}")
-    print(f"{'strategy':<10} {'workspace held':>15} {'vs wsarena':>11} {'step ms':>9} {'vs wsarena':>11}")
-    for label, held, t in (("wsarena", held_ws, t_ws), ("unshared", held_un, t_un), ("per-call", held_pc, t_pc)):
+    print(f"{'strategy':<10} {'workspace held':>15} {'vs wsarena':>11} {'step ms':>9} {'vs wsarena':>11} "
+          f"{'GPU ms':>8} {'vs wsarena':>11}")
+    rows = (("wsarena", held_ws, run_wsarena), ("unshared", held_un, run_unshared), ("per-call", held_pc, run_per_call))
+    for label, held, fn in rows:
         ratio = f"{held / held_ws:.2f}x" if held_ws else "-"
-        print(f"{label:<10} {wsarena.format_size(int(held)):>15} {ratio:>11} {t:9.2f} {t / t_ws:10.2f}x")
+        print(f"{label:<10} {wsarena.format_size(int(held)):>15} {ratio:>11} {step[fn]:9.2f} "
+              f"{step[fn] / step[run_wsarena]:10.2f}x {gpu[fn]:8.2f} {gpu[fn] / gpu[run_wsarena]:10.2f}x")
 
     host_overhead()
 

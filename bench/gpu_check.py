@@ -1,9 +1,9 @@
-"""Run on a GPU machine: the GPU tests, then the rest of the test suite, then the GPU benchmark.
+"""Run on a GPU machine: the GPU tests, then the rest of the test suite, then the GPU benchmarks.
 
 Writes ``bench/results/gpu-check-<date>.json`` (or into ``--out``) with ``device``, ``cudnn_version``,
 ``passed``, ``failed``, ``skipped`` (over both test runs), the failing test ids, each phase's own counts and
-exit status, and the benchmark's output. The file is written after every phase, so a run cut short by the
-machine's time limit still leaves what it finished. Exit status: 0 when every test run passed, else 1.
+exit status, and each benchmark's exit status and output. The file is written after every phase, so a run cut
+short by the machine's time limit still leaves what it finished. Exit status: 0 when every test run passed, else 1.
 
     python bench/gpu_check.py [--out DIR] [--gpu-timeout S] [--test-timeout S] [--bench-timeout S]
                               [--per-test-timeout S] [-- extra pytest args]
@@ -22,6 +22,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ("bench_gpu_arena.py", "bench_gpu_host.py")  # run after the tests, each with --bench-timeout
 
 
 def junit_counts(path: Path) -> dict:
@@ -115,11 +116,15 @@ def main() -> int:
         write()
         print(f"{phase}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
               f"(exit status {counts['exit_status']})", flush=True)
-    bench = _run([sys.executable, str(ROOT / "bench" / "bench_gpu_arena.py")], args.bench_timeout, env, capture=True)
-    print(bench.stdout, bench.stderr, sep="\n")
-    result["benchmark_exit_status"] = bench.returncode
-    result["benchmark_output"] = bench.stdout.splitlines() + bench.stderr.splitlines()[-20:]
-    write()
+    result["benchmarks"] = {}
+    for script in BENCHMARKS:
+        bench = _run([sys.executable, str(ROOT / "bench" / script)], args.bench_timeout, env, capture=True)
+        print(bench.stdout, bench.stderr, sep="\n")
+        result["benchmarks"][script] = {
+            "exit_status": bench.returncode,
+            "output": bench.stdout.splitlines() + bench.stderr.splitlines()[-20:],
+        }
+        write()
     print(f"wrote {target}: {result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped")
     return 0 if ok else 1
 

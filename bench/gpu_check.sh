@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine (CuPy, cuDNN, PyTorch, pytest, pytest-timeout and hypothesis present, no network): run the
-# GPU tests, the rest of the suite and the GPU benchmark from this checkout. Results:
+# GPU tests, the rest of the suite and the GPU benchmarks from this checkout. Results:
 # bench/results/gpu-check-<date>.json and gpu-check.log (under $OUT when set), written as each phase ends.
 #
 # What such a machine lacks (pycparser, for the header checks) comes as wheels in the folder WSARENA_WHEELS
