@@ -111,6 +111,35 @@ def test_context_needs_one_device_and_enters_it(backend):
     assert ctx is d1  # no stream: the arrays' CuPy device is the context
 
 
+def test_a_raw_stream_is_wrapped_on_the_arrays_device(monkeypatch):
+    backend = CudnnBackend()
+    current = [0]  # the fake CUDA current device
+
+    class Device:
+        def __init__(self, id_):
+            self.id = id_
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.id
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    class Stream:
+        def __init__(self, handle, device):
+            self.handle, self.device = handle, device
+
+        @classmethod
+        def from_external(cls, obj):
+            return cls(obj.__cuda_stream__()[1], current[0])  # as CuPy does: tied to the current device
+
+    cupy = type("FakeCupy", (), {"cuda": type("cuda", (), {"Stream": Stream})})
+    monkeypatch.setattr(backend, "_cupy", cupy)
+    on_1 = _on(Device(1))
+    ctx = backend.context((on_1, on_1), 0x77)
+    assert (ctx.stream.handle, ctx.stream.device) == (0x77, 1) and current == [0]
+
+
 def test_device_and_stream_enter_in_order_and_leave_in_reverse():
     log = []
     with _DeviceAndStream(_FakeDevice(3, log), _FakeStream(log)):

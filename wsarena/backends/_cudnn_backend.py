@@ -73,7 +73,8 @@ class CudnnBackend:
         if stream is None:
             return device
         if not isinstance(stream, self._cupy.cuda.Stream):
-            stream = self._cupy.cuda.Stream.from_external(_RawStream(stream_handle(stream)))
+            with device:  # CuPy ties an external stream to the device current when it is wrapped
+                stream = self._cupy.cuda.Stream.from_external(_RawStream(stream_handle(stream)))
         return _DeviceAndStream(device, stream)
 
     def may_share_memory(self, a: Any, b: Any) -> bool:
