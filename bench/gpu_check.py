@@ -1,12 +1,12 @@
 """Run on a GPU machine: the GPU tests, then the rest of the test suite, then the GPU benchmarks.
 
-Writes ``bench/results/gpu-check-<date>.json`` (or into ``--out``) with ``device``, ``cudnn_version``,
+Writes ``bench/results/gpu-check-<date>.json`` (or into ``--out``) with ``commit``, ``device``, ``cudnn_version``,
 ``passed``, ``failed``, ``skipped`` (over both test runs), the failing test ids, each phase's own counts and
 exit status, and each benchmark's exit status and output. The file is written after every phase, so a run cut
 short by the machine's time limit still leaves what it finished. Exit status: 0 when every test run passed, else 1.
 
     python bench/gpu_check.py [--out DIR] [--gpu-timeout S] [--test-timeout S] [--bench-timeout S]
-                              [--per-test-timeout S] [-- extra pytest args]
+                              [--per-test-timeout S] [--no-bench] [-- extra pytest args]
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ def _run(command: list[str], timeout: float, env: dict, capture: bool = False) -
         return subprocess.CompletedProcess(command, -9, text(exc.stdout), stderr)
 
 
+def _git_commit() -> str | None:
+    """The checkout's commit, where git and the .git folder are there (a copy sent to a GPU machine may lack
+    them: gpu_check.sh passes WSARENA_COMMIT then)."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
 def _pytest(marker: str, timeout: float, per_test: float, extra: list[str], env: dict) -> dict:
     """One pytest run over the tests selected by ``-m marker``; its counts and exit status."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,7 +85,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--gpu-timeout", type=float, default=240, help="seconds for the GPU tests")
     parser.add_argument("--test-timeout", type=float, default=150, help="seconds for the other tests")
-    parser.add_argument("--bench-timeout", type=float, default=120, help="seconds for the benchmark")
+    parser.add_argument("--bench-timeout", type=float, default=120, help="seconds for each benchmark")
+    parser.add_argument("--no-bench", action="store_true", help="run the tests only")
     parser.add_argument("--per-test-timeout", type=float, default=120, help="seconds for any one test")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
@@ -88,6 +99,7 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result: dict = {
         "date": datetime.date.today().isoformat(),
+        "commit": os.environ.get("WSARENA_COMMIT") or _git_commit(),
         "device": devices[0] if devices else None,
         "devices": devices,
         "cudnn_version": info["cudnn"].get("version_string") or info["cudnn"].get("version"),
@@ -117,7 +129,7 @@ def main() -> int:
         print(f"{phase}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
               f"(exit status {counts['exit_status']})", flush=True)
     result["benchmarks"] = {}
-    for script in BENCHMARKS:
+    for script in () if args.no_bench else BENCHMARKS:
         bench = _run([sys.executable, str(ROOT / "bench" / script)], args.bench_timeout, env, capture=True)
         print(bench.stdout, bench.stderr, sep="\n")
         result["benchmarks"][script] = {

@@ -7,6 +7,7 @@
 # names, prepared where pip works:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl pycparser
 # Installing is best effort: the checks run from the checkout (PYTHONPATH) whether or not the install worked.
+# A copy without its .git folder names its commit in WSARENA_COMMIT, for the JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
