@@ -211,7 +211,18 @@ def run_with_fallback(
             refused = exc
             continue
         finally:
-            lease.__exit__(None, None, None)
+            # Ctrl-C can land on __exit__'s first instruction, before it can protect itself: retried here, inline
+            # (a helper's first instruction would be the same gap), since a lease left live would refuse every
+            # later call of this thread on this stream. __exit__ of a released lease does nothing.
+            interrupted = None
+            while True:
+                try:
+                    lease.__exit__(None, None, None)
+                    break
+                except KeyboardInterrupt as exc:
+                    interrupted = interrupted or exc
+            if interrupted is not None:
+                raise interrupted
         return cand
     if refused is not None:
         if failure is not None:
