@@ -57,10 +57,14 @@ def _git_commit() -> str | None:
     """The checkout's commit, where git and the .git folder are there (a copy sent to a GPU machine may lack
     them: gpu_check.sh passes WSARENA_COMMIT then)."""
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        top, head = (
+            subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+            for args in (["rev-parse", "--show-toplevel"], ["rev-parse", "HEAD"])
+        )
     except (OSError, subprocess.SubprocessError):
         return None
-    return done.stdout.strip() or None
+    # A copy without .git inside another checkout would report that checkout's commit
+    return head if top and Path(top).resolve() == ROOT else None
 
 
 def _pytest(marker: str, timeout: float, per_test: float, extra: list[str], env: dict) -> dict:
