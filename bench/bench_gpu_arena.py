@@ -31,11 +31,7 @@ import wsarena
 from wsarena import algos
 from wsarena.backends import get_backend
 
-
-_SPIN = r'''extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) {}
-}'''
+from bench_gpu_host import spin_kernel  # this folder is on the path when the script runs
 
 
 def main() -> None:
@@ -98,7 +94,7 @@ def main() -> None:
                 backend.run(p, c, g, *ops[p], outs[p], ws, stream)
                 del mem
 
-    spin = cupy.RawKernel(_SPIN, "spin")
+    spin = spin_kernel()
 
     def timed_once(fn, queued: bool) -> float:
         """Milliseconds between events around ``fn``'s step. ``queued``: behind a kernel that spins ~0.5 s, so

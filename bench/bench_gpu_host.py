@@ -36,6 +36,12 @@ _SPIN = r'''extern "C" __global__ void spin(long long cycles) {
 }'''
 
 
+def spin_kernel() -> cupy.RawKernel:
+    """A one-thread kernel that busy-waits ``cycles`` SM clock cycles: queued ahead of timed work, it holds the
+    GPU busy until the host has issued all of that work (used by bench_gpu_arena.py too)."""
+    return cupy.RawKernel(_SPIN, "spin")
+
+
 def cases() -> list[tuple[str, tuple, tuple, tuple, tuple]]:
     """(name, input shape, weight shape, stride, padding) of each layer measured."""
     by_name = {layer.name: layer for layer in wsarena.load_model("resnet50")}
@@ -52,7 +58,7 @@ class HostTimer:
     def __init__(self, calls: int, rounds: int) -> None:
         self.calls, self.rounds = calls, rounds
         self.stream = cupy.cuda.get_current_stream()
-        self.spin = cupy.RawKernel(_SPIN, "spin")
+        self.spin = spin_kernel()
 
     def __call__(self, *fns) -> list[float]:
         """Fewest microseconds per call of each function over the rounds. Each round runs every function in turn
