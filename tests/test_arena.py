@@ -1,6 +1,5 @@
 """The arena's rules, on host memory: leases, growth, retirement, reserve, trim, cap, failures, lanes."""
 
-import sys
 import threading
 import time
 
@@ -21,6 +20,8 @@ from wsarena.arena import (
     thread_lane,
 )
 from wsarena.arena.testing import RecordingProvider
+
+from .interrupts import interrupt_at_entry_of
 from wsarena.errors import ArenaOutOfMemoryError, BackendUnavailableError, WorkspaceCapError
 
 
@@ -956,25 +957,11 @@ def test_an_interrupt_just_after_a_lease_was_taken_gives_it_back(arena, monkeypa
         pass
 
 
-def _interrupt_at_entry_of(name):
-    """Raise KeyboardInterrupt once, as the function ``name`` starts (where CPython may deliver Ctrl-C)."""
-    def trace(frame, event, arg):
-        if event == "call" and frame.f_code.co_name == name:
-            sys.settrace(None)
-            raise KeyboardInterrupt(f"at {name}")
-        return None
-
-    sys.settrace(trace)
-
-
 def test_an_interrupt_as_a_lease_starts_its_slow_path_leaves_the_stream_free(arena):
-    _interrupt_at_entry_of("_acquire_slow")  # the stream's owner is already set when it starts
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            with arena.lease(4096, stream="L"):
-                pass
-    finally:
-        sys.settrace(None)
+    # The stream's owner is already set when _acquire_slow starts
+    with interrupt_at_entry_of(Arena._acquire_slow), pytest.raises(KeyboardInterrupt, match="_acquire_slow"):
+        with arena.lease(4096, stream="L"):
+            pass
     assert arena._subs.get("L") is None or arena._subs["L"].owner is None
     with arena.lease(4096, stream="L"):  # not "this thread already holds a lease"
         pass

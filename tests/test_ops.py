@@ -16,6 +16,7 @@ from wsarena import config, conv_backward_data, conv_backward_filter, conv_forwa
 from wsarena.backends import cpu
 from wsarena.errors import WorkspaceCapWarning
 
+from .interrupts import interrupt_at_entry_of
 from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
 
 TOL = {"float32": 1e-5, "float64": 1e-12}
@@ -414,27 +415,14 @@ def test_an_algorithm_the_backend_refuses_is_skipped_for_the_next(monkeypatch):
 def test_ctrl_c_as_the_lease_is_given_back_leaves_the_stream_usable(fresh_arena):
     """CPython may deliver Ctrl-C on a function's first instruction; on Workspace.__exit__'s it used to leave the
     lease live, and every later call of the thread on that lane failed with 'already holds a lease'."""
-    import sys
-
     from wsarena.arena import Workspace
 
     x, w = np.ones((1, 2, 6, 6), np.float32), np.ones((3, 2, 3, 3), np.float32)
-    exit_code = Workspace.__exit__.__code__
-
-    def trace(frame, event, arg):
-        if event == "call" and frame.f_code is exit_code:
-            sys.settrace(None)
-            raise KeyboardInterrupt("at Workspace.__exit__")
-        return None
-
     with config(cap_workspace=None):
         conv_forward(x, w)  # choose the algorithm (one with a workspace) first
-        sys.settrace(trace)
-        try:
+        with interrupt_at_entry_of(Workspace.__exit__):
             with pytest.raises(KeyboardInterrupt, match="at Workspace.__exit__"):
                 conv_forward(x, w)
-        finally:
-            sys.settrace(None)
         assert fresh_arena.stats()["leases"] == 0
         assert fresh_arena.stats()["high_water_bytes"] > 0  # the interrupted call did hold a workspace
         np.testing.assert_allclose(conv_forward(x, w), ref_conv_forward(x, w), rtol=1e-5)
