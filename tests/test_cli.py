@@ -2,6 +2,7 @@
 
 import contextlib
 import csv
+import fcntl
 import io
 import json
 import os
@@ -443,14 +444,24 @@ def test_input_shape_fixes_a_symbolic_onnx_input(capsys, tmp_path):
     assert code == 2 and "--input-shape given twice for input 'x': 1x3x8x8 and 1x3x9x9" in err and out == ""
 
 
-def test_a_reader_that_stops_early_ends_the_report_quietly():
+@pytest.mark.skipif(not hasattr(fcntl, "F_SETPIPE_SZ"), reason="needs Linux's F_SETPIPE_SZ to size the pipe")
+def test_a_reader_that_stops_early_ends_the_report_quietly(capsys):
+    # The report must not fit in the pipe, or the child could write it all and exit 0 before the reader closes
+    # (a default pipe holds 64 KiB, more than this report): a one-page pipe makes the child block on a write
+    # that the close then breaks, every time.
+    page = 4096
+    code, out, _ = run_main(capsys, "report", "resnet50", "--format", "json")
+    assert code == 0 and len(out.encode()) > 4 * page
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(read_end, fcntl.F_SETPIPE_SZ, page)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "wsarena", "report", "resnet50", "--format", "json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        stdout=write_end, stderr=subprocess.PIPE, env=env,
     )
-    assert proc.stdout.read(5) == b'{\n  "'  # like `| head -c 5`: read a little, then close the pipe
-    proc.stdout.close()
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        assert reader.read(5) == b'{\n  "'  # like `| head -c 5`: read a little, then close the pipe
     stderr = proc.stderr.read()
     assert proc.wait(timeout=300) == 141 and stderr == b""
 
