@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import wsarena.cudnn as cudnn
+from wsarena._pass import PASSES
 
 pytestmark = pytest.mark.gpu
 
@@ -112,7 +113,7 @@ def test_set_stream(cp):
     assert h.get_stream() == 0
 
 
-@pytest.mark.parametrize("pass_", cudnn.conv.PASSES)
+@pytest.mark.parametrize("pass_", PASSES)
 def test_workspace_size_of_every_algorithm(cp, handle, pass_):
     _, _, x_desc, w_desc, conv, y_desc, _ = _setup(cp, CASES[0], F32)
     sizes = {}
@@ -125,7 +126,7 @@ def test_workspace_size_of_every_algorithm(cp, handle, pass_):
     assert all(isinstance(v, int) and v >= 0 for v in sizes.values())
 
 
-@pytest.mark.parametrize("pass_", cudnn.conv.PASSES)
+@pytest.mark.parametrize("pass_", PASSES)
 def test_heuristics_rank_usable_algorithms(cp, handle, pass_):
     _, _, x_desc, w_desc, conv, y_desc, _ = _setup(cp, CASES[1], F32)
     results = cudnn.heuristic_algorithms(pass_, handle, x_desc, w_desc, conv, y_desc)
@@ -183,7 +184,7 @@ def test_backward_passes_are_the_adjoints(cp, handle, case):
     assert float(np.vdot(w, cp.asnumpy(dw_gpu))) == pytest.approx(forward, rel=1e-9)
 
 
-@pytest.mark.parametrize("pass_", cudnn.conv.PASSES)
+@pytest.mark.parametrize("pass_", PASSES)
 def test_find_algorithms_respects_the_workspace(cp, handle, pass_):
     x, w, x_desc, w_desc, conv, y_desc, y_shape = _setup(cp, CASES[0], F32)
     x_gpu, w_gpu = cp.asarray(x), cp.asarray(w)

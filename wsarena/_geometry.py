@@ -14,11 +14,12 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["DTYPES", "LAYOUTS", "PASSES", "ConvGeometry", "conv_geometry", "output_size"]
+from ._pass import Pass
+
+__all__ = ["DTYPES", "LAYOUTS", "ConvGeometry", "conv_geometry", "output_size"]
 
 LAYOUTS = ("NCHW", "NHWC")
 DTYPES = ("float32", "float16", "bfloat16", "float64")  # what some backend computes in
-PASSES = ("fwd", "bwd_data", "bwd_filter")
 
 
 def output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
@@ -85,18 +86,11 @@ class ConvGeometry:
         return self._shape(self.batch, self.out_channels, self.output_size)
 
     def operand_shapes(self, pass_: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """Shapes of a pass's ``(a, b, out)``.
-
-        fwd ``(x, w, y)``, bwd_data ``(dy, w, dx)``, bwd_filter ``(x, dy, dw)``.
-        """
-        x, w, y = self.input_shape, self.weight_shape, self.output_shape
-        if pass_ == "fwd":
-            return x, w, y
-        if pass_ == "bwd_data":
-            return y, w, x
-        if pass_ == "bwd_filter":
-            return x, y, w
-        raise ValueError(f"pass must be one of {PASSES}, not {pass_!r}")
+        """Shapes of a pass's ``(a, b, out)``: fwd ``(x, w, y)``, bwd_data ``(dy, w, dx)``, bwd_filter
+        ``(x, dy, dw)`` (see :class:`~wsarena._pass.Pass`)."""
+        shapes = {"x": self.input_shape, "w": self.weight_shape, "y": self.output_shape}
+        a, b, out = Pass(pass_).roles
+        return shapes[a], shapes[b], shapes[out]
 
     @property
     def macs(self) -> int:

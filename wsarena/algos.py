@@ -15,7 +15,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ._geometry import PASSES, ConvGeometry
+from ._geometry import ConvGeometry
+from ._pass import Pass
 from ._sizes import format_size
 from .backends import Backend, Candidate
 from .errors import ArenaOutOfMemoryError, NoAlgorithmFitsError, UnsupportedConvolutionError, WorkspaceCapWarning
@@ -66,8 +67,7 @@ def choose(
     NoAlgorithmFitsError
         When no algorithm of the pass fits in ``cap``.
     """
-    if pass_ not in PASSES:
-        raise ValueError(f"pass must be one of {PASSES}, not {pass_!r}")
+    pass_ = Pass(pass_)
     exhaustive = search == "exhaustive" and measure is not None
     key = (backend.name, backend.device_key(), pass_, geom, "exhaustive" if exhaustive else "heuristic", cap)
     entry = _cache.get(key)

@@ -17,7 +17,8 @@ from typing import Any, NoReturn
 
 from . import __version__
 from ._config import _FROM_CONFIG, _given, _parse_cap, config
-from ._geometry import DTYPES, PASSES
+from ._geometry import DTYPES
+from ._pass import PASSES
 from ._sizes import format_size
 from .errors import BackendUnavailableError
 

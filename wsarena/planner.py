@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
-from ._geometry import DTYPES, PASSES, ConvGeometry
+from ._geometry import DTYPES, ConvGeometry
+from ._pass import PASSES
 from .algos import select
 from .backends import Candidate, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError

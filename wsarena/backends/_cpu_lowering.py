@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from .._geometry import ConvGeometry
+from .._pass import Pass
 
 __all__ = [
     "Offset",
@@ -125,11 +126,7 @@ def plan(geom: ConvGeometry) -> Plan:
         offsets=tuple(offsets),
         padded=not all(o.full_out for o in offsets),
         itemsize=np.dtype(geom.dtype).itemsize,
-        shapes={
-            "fwd": (geom.input_shape, geom.weight_shape, geom.output_shape),
-            "bwd_data": (geom.output_shape, geom.weight_shape, geom.input_shape),
-            "bwd_filter": (geom.input_shape, geom.output_shape, geom.weight_shape),
-        },
+        shapes={p: geom.operand_shapes(p) for p in Pass},
     )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..arena import get_arena, stream_handle
+from .._pass import Pass
 from . import Candidate
 
 _DATA = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BFLOAT16", "float64": "DOUBLE"}
@@ -33,7 +34,7 @@ class CudnnBackend:
         self._cudnn = cudnn
         cudnn.bind_all()
         # (pass, algorithm name as the backend reports it) -> cuDNN's enum member, for the per-call lookup
-        self._algos = {(p, a.name.lower()): a for p in cudnn.conv.PASSES for a in cudnn.conv.algorithms(p)}
+        self._algos = {(p, a.name.lower()): a for p in Pass for a in cudnn.conv.algorithms(p)}
         self._descs: dict[tuple[Any, int | None], tuple[Any, Any, Any, Any]] = {}
         self._descs_lock = threading.Lock()  # guards changes to _descs; lookups read it without the lock
         # cuDNN's heuristics can list an algorithm its kernel then refuses: a shape it does not support, or an
@@ -201,13 +202,7 @@ def _channels_last(n: int, c: int, spatial: tuple[int, ...]) -> tuple[tuple[int,
 
 def _pointers(pass_: str, a: Any, b: Any, out: Any) -> dict[str, int]:
     """Device addresses of x, w and y for the pass's operand order (a, b, out)."""
-    if pass_ == "fwd":
-        x, w, y = a, b, out
-    elif pass_ == "bwd_data":
-        y, w, x = a, b, out
-    else:
-        x, y, w = a, b, out
-    return {"x": x.data.ptr, "w": w.data.ptr, "y": y.data.ptr}
+    return Pass(pass_).by_role(a.data.ptr, b.data.ptr, out.data.ptr)
 
 
 def _usable(perfs: Sequence[Any], *, timed: bool = False) -> list[Candidate]:

@@ -73,7 +73,8 @@ import math
 
 import numpy as np
 
-from .._geometry import PASSES, ConvGeometry
+from .._geometry import ConvGeometry
+from .._pass import Pass
 from . import _cpu_gemm, _cpu_implicit, _cpu_tiled
 from ._cpu_lowering import plan
 
@@ -89,9 +90,7 @@ DTYPES = ("float32", "float64")
 
 
 def _check(pass_: str, algo: str | None = None) -> tuple[str, ...]:
-    if pass_ not in ALGORITHMS:
-        raise ValueError(f"unknown convolution pass {pass_!r}; expected one of {PASSES}")
-    algos = ALGORITHMS[pass_]
+    algos = ALGORITHMS[Pass(pass_)]
     if algo is not None and algo not in algos:
         raise ValueError(f"unknown cpu algorithm {algo!r} for pass {pass_!r}; expected one of {algos}")
     return algos

@@ -1,7 +1,8 @@
 """Thin typed wrappers of the legacy convolution calls the cuDNN backend makes. They all need a GPU.
 
-Every wrapper takes the pass first: ``"fwd"``, ``"bwd_data"`` or ``"bwd_filter"`` (``wsarena._geometry.PASSES``),
-and the same three descriptors whatever the pass, named after the forward convolution ``y = conv(x, w)``:
+Every wrapper takes the pass first (a :class:`~wsarena._pass.Pass` or its name: ``"fwd"``, ``"bwd_data"``,
+``"bwd_filter"``), and the same three descriptors whatever the pass, named after the forward convolution
+``y = conv(x, w)``:
 
 ==========  ======================  ===========================  ============================
 argument    ``"fwd"``               ``"bwd_data"``               ``"bwd_filter"``
@@ -11,7 +12,7 @@ argument    ``"fwd"``               ``"bwd_data"``               ``"bwd_filter"`
 ``y_desc``  output y (written)      output gradient dy (read)    output gradient dy (read)
 ==========  ======================  ===========================  ============================
 
-Each wrapper reorders them into the C function's own argument order. Pointers are raw device addresses (ints);
+Each wrapper reorders them into the C function's own argument order (``Pass.cudnn_order``). Pointers are raw device addresses (ints);
 handles and descriptors are the objects of :mod:`wsarena.cudnn.handle` and :mod:`wsarena.cudnn.descriptors`.
 """
 
@@ -22,7 +23,7 @@ import dataclasses
 from enum import IntEnum
 from typing import Any
 
-from .._geometry import PASSES
+from .._pass import Pass
 from ._enums import ConvolutionBwdDataAlgo, ConvolutionBwdFilterAlgo, ConvolutionFwdAlgo, DataType
 from ._prototypes import call
 from ._structs import (
@@ -36,7 +37,6 @@ from .handle import Handle
 
 __all__ = [
     "ALGORITHMS",
-    "PASSES",
     "algorithm",
     "algorithms",
     "convolution",
@@ -57,7 +57,7 @@ class _Pass:
 
 
 _PASSES: dict[str, _Pass] = {
-    "fwd": _Pass(
+    Pass.FWD: _Pass(
         ConvolutionFwdAlgo,
         ConvolutionFwdAlgoPerfStruct,
         "cudnnGetConvolutionForwardWorkspaceSize",
@@ -66,7 +66,7 @@ _PASSES: dict[str, _Pass] = {
         "cudnnFindConvolutionForwardAlgorithmEx",
         "cudnnConvolutionForward",
     ),
-    "bwd_data": _Pass(
+    Pass.BWD_DATA: _Pass(
         ConvolutionBwdDataAlgo,
         ConvolutionBwdDataAlgoPerfStruct,
         "cudnnGetConvolutionBackwardDataWorkspaceSize",
@@ -75,7 +75,7 @@ _PASSES: dict[str, _Pass] = {
         "cudnnFindConvolutionBackwardDataAlgorithmEx",
         "cudnnConvolutionBackwardData",
     ),
-    "bwd_filter": _Pass(
+    Pass.BWD_FILTER: _Pass(
         ConvolutionBwdFilterAlgo,
         ConvolutionBwdFilterAlgoPerfStruct,
         "cudnnGetConvolutionBackwardFilterWorkspaceSize",
@@ -91,10 +91,7 @@ ALGORITHMS: dict[str, type[IntEnum]] = {name: spec.algo_enum for name, spec in _
 
 
 def _spec(pass_: str) -> _Pass:
-    try:
-        return _PASSES[pass_]
-    except KeyError:
-        raise ValueError(f"pass_ must be one of {PASSES}, not {pass_!r}") from None
+    return _PASSES[Pass(pass_)]
 
 
 def algorithm(pass_: str, value: int | str) -> IntEnum:
@@ -117,11 +114,9 @@ def _in_c_order(pass_: str, x: Any, w: Any, y: Any) -> tuple[Any, Any, Any]:
         bwd_data   (wDesc, w, dyDesc, dy, convDesc, ..., dxDesc, dx)
         bwd_filter (xDesc, x, dyDesc, dy, convDesc, ..., dwDesc, dw)
     """
-    if pass_ == "fwd":
-        return x, w, y
-    if pass_ == "bwd_data":
-        return w, y, x
-    return x, y, w
+    tensors = {"x": x, "w": w, "y": y}
+    first, second, written = Pass(pass_).cudnn_order
+    return tensors[first], tensors[second], tensors[written]
 
 
 def _context(pass_: str, x_desc, w_desc, conv_desc, y_desc) -> str:
