@@ -75,8 +75,6 @@ from .handle import Handle, close_all_handles, get_handle
 # The per-status classes (CudnnBadParamError, CudnnNotSupportedError, ...) are generated in _errors.
 globals().update({cls.__name__: cls for cls in STATUS_ERRORS.values()})
 
-cudnn_info = library_info  # the name the CLI may prefer
-
 __all__ = sorted(
     {
         "ALGORITHMS",
@@ -111,7 +109,6 @@ __all__ = sorted(
         "close_all_handles",
         "convolution",
         "convolution_descriptor",
-        "cudnn_info",
         "data_type",
         "filter_descriptor",
         "find_algorithms",
