@@ -8,10 +8,10 @@ import sys
 from enum import IntEnum
 from pathlib import Path
 
+import cudnn_headers
 import pytest
 
-import wsarena.cudnn as cudnn
-from wsarena.cudnn import _headers
+from wsarena import cudnn
 
 from .cudnn_probe import probe
 
@@ -27,7 +27,7 @@ STRUCTS = {
 def _headers_older_than_enums() -> bool:
     """True on a machine with an older cuDNN than _enums.py came from (a lent GPU's own): enumerators added since
     would not compile against its headers, so only those its headers declare are compiled and checked."""
-    installed = _headers.header_version()
+    installed = cudnn_headers.header_version()
     return (installed.major, installed.minor, installed.patch) < tuple(map(int, cudnn.HEADER_VERSION.split(".")))
 
 
@@ -39,6 +39,18 @@ def compiled(tmp_path_factory):
     else:
         names = [name for table in cudnn.C_NAMES.values() for name in table]
     return probe.run_probe(probe.probe_source(names), tmp_path_factory.mktemp("cudnn_probe"))
+
+
+def test_header_directory_prefers_cudnn_path(monkeypatch, tmp_path):
+    monkeypatch.delenv("CUDNN_PATH", raising=False)
+    found = cudnn_headers.header_directory()  # cuda.pathfinder's (the wheel's, here)
+    assert (found / "cudnn_graph.h").is_file()
+    (tmp_path / "own" / "include").mkdir(parents=True)
+    (tmp_path / "own" / "include" / "cudnn_graph.h").symlink_to(found / "cudnn_graph.h")
+    monkeypatch.setenv("CUDNN_PATH", str(tmp_path / "own"))
+    assert cudnn_headers.header_directory() == tmp_path / "own" / "include"
+    monkeypatch.setenv("CUDNN_PATH", str(tmp_path / "empty"))
+    assert cudnn_headers.header_directory() == found
 
 
 def _generator():
@@ -65,7 +77,7 @@ def test_every_declared_enumerator_has_the_compiled_value(compiled):
 
 
 def _generated_from_these_headers() -> bool:
-    return cudnn.HEADER_VERSION == str(_headers.header_version())
+    return cudnn.HEADER_VERSION == str(cudnn_headers.header_version())
 
 
 @pytest.mark.parametrize("typedef", sorted(cudnn.C_NAMES))
@@ -123,14 +135,14 @@ def test_algorithm_counts_match_the_notes():
 
 
 def test_generated_file_is_up_to_date():
-    version = str(_headers.header_version())
+    version = str(cudnn_headers.header_version())
     if not _generated_from_these_headers():
         pytest.skip(
             f"the installed headers are cuDNN {version}; _enums.py was generated from {cudnn.HEADER_VERSION} "
             "(test_no_header_enumerator_is_missing checks that they agree)"
         )
     gen = _generator()
-    expected = gen.render(probe.parsed()["enums"], version, _headers.CUDNN_HEADERS)
+    expected = gen.render(probe.parsed()["enums"], version, cudnn_headers.CUDNN_HEADERS)
     current = (Path(cudnn.__file__).parent / "_enums.py").read_text()
     assert current == expected, "wsarena/cudnn/_enums.py is stale: run python tools/gen_cudnn_enums.py"
     assert cudnn.HEADER_VERSION == version

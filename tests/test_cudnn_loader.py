@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import ctypes
-import subprocess
 import os
 import shutil
+import subprocess
 import sys
 import traceback
 import types
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import wsarena.cudnn as cudnn
-from wsarena.errors import BackendUnavailableError
+from wsarena import cudnn
 from wsarena.cudnn import _library, _prototypes
+from wsarena.errors import BackendUnavailableError
 
 _info = cudnn.library_info()
 needs_cudnn = pytest.mark.skipif(not _info["found"], reason=f"libcudnn not loadable: {_info['error']}")
@@ -55,15 +55,12 @@ def test_loaded_library_is_cached_and_described():
     assert _library.load_library() is loaded
     assert loaded.version // 10000 == 9
     assert Path(loaded.path).name == "libcudnn.so.9" and Path(loaded.path).is_file()
-    assert loaded.found_via.startswith("cuda.pathfinder") or loaded.found_via in (
-        "site-packages", "system loader", "CUDNN_PATH"
-    )
+    assert loaded.found_via == "CUDNN_PATH" or loaded.found_via.startswith("cuda.pathfinder (")
     info = cudnn.library_info()
     assert info["found"] and info["error"] is None
     assert info["version"] == loaded.version and info["path"] == loaded.path
     assert info["version_string"] == loaded.version_string == cudnn._library._version_string(loaded.version)
     assert info["cudart_version"] and info["cudart_version"] >= 12000
-    assert cudnn.cudnn_info is cudnn.library_info
 
 
 @needs_cudnn
@@ -100,19 +97,16 @@ def test_not_found_lists_every_place_tried(fresh_search, tmp_path):
         raise RuntimeError(f"pretend {name} is not installed")
 
     fresh_search.setattr(cuda.pathfinder, "load_nvidia_dynamic_lib", not_found)
-    fresh_search.setattr(_library, "_wheel_lib_dirs", lambda: [tmp_path / "wheel" / "lib"])
-    fresh_search.setattr(_library, "LIBRARY_NAME", "libcudnn_wsarena_test_absent.so.9")
     fresh_search.setenv("CUDNN_PATH", str(tmp_path / "cudnn_root"))
     with pytest.raises(cudnn.CudnnNotFoundError) as info:
         _library.load_library()
     err = info.value
     assert isinstance(err, BackendUnavailableError)
     places = [place for place, _ in err.tried]
-    assert len(err.tried) == 4
-    assert "cuda.pathfinder" in places[0] and "pretend cudnn is not installed" in err.tried[0][1]
-    assert str(tmp_path / "wheel" / "lib") in err.tried[1][1]
-    assert "libcudnn_wsarena_test_absent.so.9" in places[2]
-    assert str(tmp_path / "cudnn_root") in places[3] and "no such file" in err.tried[3][1]
+    assert len(err.tried) == 2
+    assert str(tmp_path / "cudnn_root" / "lib") in places[0] and str(tmp_path / "cudnn_root" / "lib64") in places[0]
+    assert err.tried[0][1] == "no such file"
+    assert "cuda.pathfinder" in places[1] and "pretend cudnn is not installed" in err.tried[1][1]
     message = str(err)
     for place, why in err.tried:
         assert place in message and why in message
@@ -130,7 +124,7 @@ def test_not_found_lists_every_place_tried(fresh_search, tmp_path):
         cudnn.bind_all()
     info_dict = cudnn.library_info()
     assert info_dict["found"] is False and "libcudnn.so.9 could not be loaded" in info_dict["error"]
-    assert len(info_dict["tried"]) == 4
+    assert len(info_dict["tried"]) == 2
 
 
 def _lone_shim_expectation(env: dict | None = None) -> str:
@@ -166,21 +160,34 @@ def test_a_shim_without_its_sub_libraries_is_a_miss_not_an_abort(tmp_path):
 
 
 @needs_cudnn
-def test_a_symlinked_shim_without_its_sub_libraries_is_a_miss_too(tmp_path):
-    # The usual system install: libcudnn.so.9 -> libcudnn.so.9.x.y, found by the loader's own search.
+def test_a_lone_shim_loaded_by_someone_else_is_a_miss_too(tmp_path):
+    # Another package loaded a shim by its versioned file name; cuda.pathfinder returns that copy as already loaded.
     shutil.copy(_info["path"], tmp_path / "libcudnn.so.9.99.0")
-    (tmp_path / "libcudnn.so.9").symlink_to("libcudnn.so.9.99.0")
     code = (
-        "import wsarena.cudnn as c\n"
+        "import ctypes, wsarena.cudnn as c\n"
         "from wsarena.cudnn import _library\n"
-        "_library.SEARCH_STEPS[:] = [s for s in _library.SEARCH_STEPS if s[0] == 'system loader']\n"
+        f"ctypes.CDLL({str(tmp_path / 'libcudnn.so.9.99.0')!r})\n"
+        "_library.SEARCH_STEPS[:] = [s for s in _library.SEARCH_STEPS if s[0] == 'cuda.pathfinder']\n"
         "info = c.library_info()\n" + _PRINT_OUTCOME
     )
-    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
+    result = _run(code)
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert result.stdout.startswith(_lone_shim_expectation())
+
+
+@needs_cudnn
+def test_cudnn_path_comes_before_cuda_pathfinder(tmp_path):
+    # A fresh process where both would work: $CUDNN_PATH/lib holds the wheel's libraries (as links), and the
+    # wheel itself is what cuda.pathfinder would find.
+    (tmp_path / "lib").mkdir()
+    for lib in Path(_info["path"]).parent.glob("libcudnn*.so.9"):
+        (tmp_path / "lib" / lib.name).symlink_to(lib)
+    code = "import wsarena.cudnn as c\ninfo = c.library_info()\nprint(info['found_via'], info['path'], info['version'])\n"
+    env = {**os.environ, "CUDNN_PATH": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
                             check=False, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr)
-    assert result.stdout.startswith(_lone_shim_expectation(env))
+    assert result.stdout.split() == ["CUDNN_PATH", str(tmp_path / "lib" / "libcudnn.so.9"), str(_info["version"])]
 
 
 def test_unset_cudnn_path_is_reported(fresh_search):
@@ -198,19 +205,47 @@ def test_wrong_major_version(fresh_search):
 
 
 @needs_cudnn
-def test_search_falls_through_to_a_later_step(fresh_search):
-    def broken():
-        raise _library._Miss("first place", "nothing here")
-
-    fresh_search.setattr(_library, "SEARCH_STEPS", [("first", broken), ("site-packages", _library._via_wheel)])
+def test_an_empty_cudnn_path_falls_through_to_cuda_pathfinder(fresh_search, tmp_path):
+    fresh_search.setenv("CUDNN_PATH", str(tmp_path))
     loaded = _library.load_library()
-    assert loaded.found_via == "site-packages" and loaded.version // 10000 == 9
+    assert loaded.found_via.startswith("cuda.pathfinder (") and loaded.version // 10000 == 9
+    assert loaded.path == _info["path"]
 
 
 @needs_cudnn
-def test_system_loader_reports_the_real_path(fresh_search):
-    lib = ctypes.CDLL(_info["path"])
-    assert _library._path_of(lib, "fallback") == str(Path(_info["path"]).resolve())
+def test_cudnn_path_defers_to_the_copy_already_loaded(fresh_search, tmp_path):
+    # This process has loaded the wheel's libcudnn; a second copy from $CUDNN_PATH would bind its sub-libraries.
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libcudnn.so.9").symlink_to(_info["path"])
+    fresh_search.setenv("CUDNN_PATH", str(tmp_path))
+    with pytest.raises(_library._Miss, match="already loaded in this process"):
+        _library._via_cudnn_path()
+    loaded = _library.load_library()
+    assert loaded.found_via.startswith("cuda.pathfinder (") and loaded.path == _info["path"]
+
+
+@needs_cudnn
+def test_a_cuda_pathfinder_result_without_a_path_uses_the_loaded_copy(fresh_search):
+    import cuda.pathfinder
+
+    unnamed = cuda.pathfinder.LoadedDL(None, True, 0, "was-already-loaded-from-elsewhere")
+    fresh_search.setattr(cuda.pathfinder, "load_nvidia_dynamic_lib", lambda name: unnamed)
+    fresh_search.setattr(_library, "SEARCH_STEPS", [("cuda.pathfinder", _library._via_pathfinder)])
+    loaded = _library.load_library()
+    assert loaded.found_via == "cuda.pathfinder (was-already-loaded-from-elsewhere)"
+    assert loaded.path == "libcudnn.so.9" and loaded.version == _info["version"]
+    assert loaded.cdll._handle == ctypes.CDLL(_info["path"])._handle  # the very copy this process has
+
+
+def test_a_cuda_pathfinder_result_without_a_path_or_a_loaded_copy_is_a_miss(fresh_search):
+    import cuda.pathfinder
+
+    unnamed = cuda.pathfinder.LoadedDL(None, True, 0, "was-already-loaded-from-elsewhere")
+    fresh_search.setattr(cuda.pathfinder, "load_nvidia_dynamic_lib", lambda name: unnamed)
+    fresh_search.setattr(_library, "LIBRARY_NAME", "libcudnn_wsarena_test_absent.so.9")
+    fresh_search.setattr(_library, "SEARCH_STEPS", [("cuda.pathfinder", _library._via_pathfinder)])
+    with pytest.raises(cudnn.CudnnNotFoundError, match="without a path, and no libcudnn_wsarena_test_absent"):
+        _library.load_library()
 
 
 @needs_cudnn

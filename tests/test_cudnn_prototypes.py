@@ -5,9 +5,10 @@ from __future__ import annotations
 import ctypes
 import threading
 
+import cudnn_headers
 import pytest
 
-import wsarena.cudnn as cudnn
+from wsarena import cudnn
 from wsarena.cudnn import _prototypes
 
 from .cudnn_probe import probe
@@ -94,7 +95,7 @@ def test_prototype_matches_header(name):
     c_ast = probe.c_ast()
 
     parsed = probe.parsed()
-    assert name in parsed["functions"], f"{name} is not declared in {', '.join(cudnn._headers.CUDNN_HEADERS)}"
+    assert name in parsed["functions"], f"{name} is not declared in {', '.join(cudnn_headers.CUDNN_HEADERS)}"
     decl = parsed["functions"][name]
     restype, argtypes = cudnn.PROTOTYPES[name]
     assert restype is expected_ctype(decl.type, parsed["typedefs"]), "restype"

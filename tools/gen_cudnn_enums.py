@@ -20,9 +20,10 @@ Needs a C compiler (``$CC`` or ``cc``) and pycparser.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
+
+import cudnn_headers  # beside this file: on sys.path when run as a script, and in the tests (pytest's pythonpath)
 
 REPO = Path(__file__).resolve().parent.parent
 OUTPUT = REPO / "wsarena" / "cudnn" / "_enums.py"
@@ -39,16 +40,6 @@ ENUMS = {
     "cudnnConvolutionBwdDataAlgo_t": "Algorithms of the backward-data convolution (input gradient).",
     "cudnnConvolutionBwdFilterAlgo_t": "Algorithms of the backward-filter convolution (weight gradient).",
 }
-
-
-def _load_headers_module():
-    # Loaded by path, not through the package, so a missing or stale _enums.py cannot stop the generator.
-    path = REPO / "wsarena" / "cudnn" / "_headers.py"
-    spec = importlib.util.spec_from_file_location("_wsarena_cudnn_headers", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def class_name(typedef: str) -> str:
@@ -122,15 +113,14 @@ def render(enums: dict[str, list[tuple[str, int]]], version: str, headers: tuple
 
 def generate(include_dir: Path | None = None) -> str:
     """Parse the headers and return the text ``_enums.py`` should have."""
-    headers_mod = _load_headers_module()
-    include_dir = include_dir or headers_mod.header_directory()
-    ast = headers_mod.parse_headers(include_dir=include_dir)
-    enums = headers_mod.enumerations(ast)
+    include_dir = include_dir or cudnn_headers.header_directory()
+    ast = cudnn_headers.parse_headers(include_dir=include_dir)
+    enums = cudnn_headers.enumerations(ast)
     missing = sorted(set(ENUMS) - set(enums))
     if missing:
         raise SystemExit(f"the headers in {include_dir} define no {', '.join(missing)}")
-    version = str(headers_mod.header_version(include_dir))
-    return render(enums, version, headers_mod.CUDNN_HEADERS)
+    version = str(cudnn_headers.header_version(include_dir))
+    return render(enums, version, cudnn_headers.CUDNN_HEADERS)
 
 
 def main(argv: list[str] | None = None) -> int:

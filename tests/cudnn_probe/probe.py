@@ -1,7 +1,7 @@
 """Parse the shipped cuDNN headers once per test session, and build and run C probes against them.
 
 A probe is a C program that includes the cuDNN headers (with the CUDA stub headers of
-``wsarena.cudnn._headers``) and prints what the compiler knows: enumerator values, ``sizeof`` and ``offsetof``.
+``tools/cudnn_headers.py``) and prints what the compiler knows: enumerator values, ``sizeof`` and ``offsetof``.
 It links nothing from cuDNN, so it runs on any machine with a C compiler.
 """
 
@@ -12,9 +12,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import cudnn_headers
 import pytest
-
-from wsarena.cudnn import _headers
 
 # The perf structures and their fields, in header order.
 PERF_STRUCTS = (
@@ -26,7 +25,7 @@ PERF_FIELDS = ("algo", "status", "time", "memory", "determinism", "mathType", "r
 
 
 def compiler() -> str | None:
-    return _headers.c_compiler()
+    return cudnn_headers.c_compiler()
 
 
 def c_ast() -> Any:
@@ -41,12 +40,12 @@ def parsed() -> dict[str, Any]:
     Skips the calling test where pycparser is missing: the test extras install it (CI always has it), a lent
     GPU machine may not."""
     c_ast()
-    ast = _headers.parse_headers()
+    ast = cudnn_headers.parse_headers()
     return {
         "ast": ast,
-        "enums": _headers.enumerations(ast),
-        "functions": _headers.function_declarations(ast),
-        "typedefs": _headers.typedefs(ast),
+        "enums": cudnn_headers.enumerations(ast),
+        "functions": cudnn_headers.function_declarations(ast),
+        "typedefs": cudnn_headers.typedefs(ast),
     }
 
 
@@ -78,12 +77,12 @@ def probe_source(enumerators: list[str]) -> str:
 
 def run_probe(source: str, workdir: Path) -> dict[str, Any]:
     """Compile and run ``source``; return ``{"types": {...}, "enums": {...}, "structs": {...}, "fields": {...}}``."""
-    stub = _headers.write_stubs(workdir / "stub")
+    stub = cudnn_headers.write_stubs(workdir / "stub")
     src = workdir / "probe.c"
     exe = workdir / "probe"
     src.write_text(source)
     build = subprocess.run(
-        [compiler(), "-std=c11", "-I", str(stub), "-I", str(_headers.header_directory()), str(src), "-o", str(exe)],
+        [compiler(), "-std=c11", "-I", str(stub), "-I", str(cudnn_headers.header_directory()), str(src), "-o", str(exe)],
         capture_output=True,
         text=True,
         check=False,

@@ -1,9 +1,10 @@
 """ctypes bindings to cuDNN 9 (layer 1 of wsarena): loading, enums, structs, errors, descriptors, handles.
 
 Importing this package loads nothing: libcudnn is found and loaded on first use, so everything imports on a
-machine without cuDNN or a GPU. Search order (details in :mod:`wsarena.cudnn._library`): 1. cuda.pathfinder's
-``load_nvidia_dynamic_lib("cudnn")``; 2. ``nvidia/cudnn/lib/libcudnn.so.9`` of the installed wheel; 3. the system
-loader (``libcudnn.so.9``); 4. ``$CUDNN_PATH/lib/libcudnn.so.9``. Only cuDNN 9 is accepted.
+machine without cuDNN or a GPU. Search order (details in :mod:`wsarena.cudnn._library`): first
+``$CUDNN_PATH/lib/libcudnn.so.9`` (or ``lib64``), unless a libcudnn.so.9 is already loaded in the process; then
+cuda.pathfinder's ``load_nvidia_dynamic_lib("cudnn")``, which tries a copy already loaded, the nvidia-cudnn wheel,
+conda, the system loader, ``$CUDNN_PATH`` and ``$CUDA_PATH``. Only cuDNN 9 is accepted.
 
 - :func:`bind_all` loads libcudnn, declares every function of :data:`PROTOTYPES` and returns the ``ctypes.CDLL``;
   :func:`library_info` reports what was found (for ``wsarena info``) and never raises.
@@ -74,8 +75,6 @@ from .handle import Handle, close_all_handles, get_handle
 # The per-status classes (CudnnBadParamError, CudnnNotSupportedError, ...) are generated in _errors.
 globals().update({cls.__name__: cls for cls in STATUS_ERRORS.values()})
 
-cudnn_info = library_info  # the name the CLI may prefer
-
 __all__ = sorted(
     {
         "ALGORITHMS",
@@ -110,7 +109,6 @@ __all__ = sorted(
         "close_all_handles",
         "convolution",
         "convolution_descriptor",
-        "cudnn_info",
         "data_type",
         "filter_descriptor",
         "find_algorithms",

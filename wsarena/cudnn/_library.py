@@ -1,18 +1,19 @@
 """Find and load libcudnn 9 on first use, once per process.
 
-Search order (the first place that gives a cuDNN 9 wins)::
+Search order (the first place that gives a usable cuDNN 9 wins)::
 
-    1. cuda.pathfinder   load_nvidia_dynamic_lib("cudnn"): the nvidia-cudnn wheel in site-packages, a copy
-                         another package (PyTorch, ...) already loaded, then the places cuda.pathfinder knows.
-    2. site-packages     <nvidia.cudnn package>/lib/libcudnn.so.9, found through importlib (or next to the
-                         header folder cuda.pathfinder.find_nvidia_header_directory("cudnn") reports).
-    3. system loader     dlopen("libcudnn.so.9"): LD_LIBRARY_PATH, the ld.so cache, /usr/lib...
-    4. CUDNN_PATH        $CUDNN_PATH/lib/libcudnn.so.9.
+    1. CUDNN_PATH        $CUDNN_PATH/lib/libcudnn.so.9, then $CUDNN_PATH/lib64/libcudnn.so.9: a user who sets
+                         CUDNN_PATH means that install. Skipped while a libcudnn.so.9 is already loaded in the
+                         process (by PyTorch, CuPy, ...): a second copy would bind the first one's sub-libraries.
+    2. cuda.pathfinder   load_nvidia_dynamic_lib("cudnn"), in its documented order: a copy already loaded, the
+                         nvidia-cudnn wheel in site-packages, conda, the system loader (LD_LIBRARY_PATH, the
+                         ld.so cache), then $CUDNN_PATH and $CUDA_PATH. It also loads cuBLASLt, which cuDNN needs.
 
-A place that yields a libcudnn whose major version is not 9 is recorded and skipped. When nothing works,
-:class:`~wsarena.cudnn.CudnnNotFoundError` (or :class:`~wsarena.cudnn.CudnnVersionError` when only other majors
-were found) lists every place tried and why it failed. The outcome, success or failure, is cached; library
-handles are never closed (the shim libcudnn.so.9 loads its sub-libraries on demand and keeps pointers into them).
+A place that yields a libcudnn whose major version is not 9, or whose sub-libraries do not load, is recorded and
+skipped. When nothing works, :class:`~wsarena.cudnn.CudnnNotFoundError` (or
+:class:`~wsarena.cudnn.CudnnVersionError` when only other majors were found) lists every place tried and why it
+failed. The outcome, success or failure, is cached; library handles are never closed (the shim libcudnn.so.9
+loads its sub-libraries on demand and keeps pointers into them).
 
 Nothing here runs at import time: ``import wsarena.cudnn`` does not load libcudnn.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import importlib.util
 import os
 import threading
 from collections.abc import Callable
@@ -45,10 +45,12 @@ class LoadedLibrary:
     cdll : ctypes.CDLL
         The library; functions are declared on it by :func:`wsarena.cudnn.bind_all`.
     path : str
-        Absolute path of the file loaded (or the name given to the loader when the path cannot be read back).
+        Absolute path of the file loaded, or ``"libcudnn.so.9"`` when cuda.pathfinder reports a copy already
+        loaded without its path.
     found_via : str
-        Which step of the search order found it (``"cuda.pathfinder (site-packages)"``, ``"site-packages"``,
-        ``"system loader"``, ``"CUDNN_PATH"``).
+        Which step of the search order found it: ``"CUDNN_PATH"``, or ``"cuda.pathfinder (<how>)"`` with
+        cuda.pathfinder's own ``found_via`` (``site-packages``, ``conda``, ``system-search``,
+        ``was-already-loaded-from-elsewhere``, ``CUDNN_PATH``, ``CUDA_PATH``, ...).
     version : int
         ``cudnnGetVersion()``, e.g. 92800 for 9.28.0.
     """
@@ -82,33 +84,32 @@ def _major(version: int) -> int:
     return version // 10000 if version >= 10000 else version // 1000
 
 
-def _path_of(cdll: ctypes.CDLL, fallback: str) -> str:
-    """Absolute path of a loaded library, read back from the dynamic loader (glibc ``dlinfo``)."""
-
-    class _LinkMap(ctypes.Structure):
-        _fields_ = [("l_addr", ctypes.c_void_p), ("l_name", ctypes.c_char_p)]
-
-    try:
-        libc = ctypes.CDLL(None)
-        dlinfo = libc.dlinfo
-        dlinfo.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        dlinfo.restype = ctypes.c_int
-        link_map = ctypes.POINTER(_LinkMap)()
-        rtld_di_linkmap = 2
-        if dlinfo(cdll._handle, rtld_di_linkmap, ctypes.byref(link_map)) == 0 and link_map:
-            name = link_map.contents.l_name
-            if name:
-                return os.path.realpath(name.decode())
-    except (AttributeError, OSError, ValueError):
-        pass
-    return fallback
-
-
 def _open(path: str, place: str) -> ctypes.CDLL:
     try:
         return ctypes.CDLL(path)
     except OSError as exc:
         raise _Miss(place, f"dlopen failed: {exc}") from None
+
+
+def _already_loaded() -> ctypes.CDLL | None:
+    """The libcudnn.so.9 this process has already loaded, if any (``RTLD_NOLOAD`` never loads another)."""
+    try:
+        return ctypes.CDLL(LIBRARY_NAME, mode=os.RTLD_NOLOAD)
+    except OSError:
+        return None
+
+
+def _via_cudnn_path() -> tuple[ctypes.CDLL, str, str]:
+    root = os.environ.get("CUDNN_PATH")
+    if not root:
+        raise _Miss(f"$CUDNN_PATH/lib/{LIBRARY_NAME}", "CUDNN_PATH is not set")
+    candidates = [Path(root) / folder / LIBRARY_NAME for folder in ("lib", "lib64")]
+    path = next((str(c) for c in candidates if c.is_file()), None)
+    if path is None:
+        raise _Miss(" or ".join(map(str, candidates)), "no such file")
+    if _already_loaded() is not None:
+        raise _Miss(path, f"skipped: a {LIBRARY_NAME} is already loaded in this process (cuda.pathfinder uses it)")
+    return _open(path, path), path, "CUDNN_PATH"
 
 
 def _via_pathfinder() -> tuple[ctypes.CDLL, str, str]:
@@ -119,73 +120,23 @@ def _via_pathfinder() -> tuple[ctypes.CDLL, str, str]:
         raise _Miss(place, f"cuda-pathfinder is not importable ({exc})") from None
     try:
         loaded = load_nvidia_dynamic_lib("cudnn")
-    except Exception as exc:  # noqa: BLE001 - DynamicLibNotFoundError, DynamicLibUnknownError (< 1.7), ...
+    except Exception as exc:  # noqa: BLE001 - DynamicLibNotFoundError (cuDNN or cuBLASLt missing), ...
         raise _Miss(place, f"{type(exc).__name__}: {exc}") from None
-    via = f"cuda.pathfinder ({getattr(loaded, 'found_via', None) or 'unknown'})"
+    via = f"cuda.pathfinder ({loaded.found_via})"
     if loaded.abs_path:
         return _open(loaded.abs_path, place), loaded.abs_path, via
-    # Loaded earlier by someone else without a recorded path: wrap the handle cuda.pathfinder holds.
-    cdll = ctypes.CDLL(LIBRARY_NAME, handle=loaded._handle_uint)
-    return cdll, _path_of(cdll, LIBRARY_NAME), via
-
-
-def _wheel_lib_dirs() -> list[Path]:
-    dirs: list[Path] = []
-    try:
-        spec = importlib.util.find_spec("nvidia.cudnn")
-    except (ImportError, ValueError):
-        spec = None
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        dirs.append(Path(location) / "lib")
-    try:
-        from cuda.pathfinder import find_nvidia_header_directory
-
-        include = find_nvidia_header_directory("cudnn")
-        if include:
-            dirs.append(Path(include).parent / "lib")
-    except Exception:  # noqa: BLE001 - just one more place to look
-        pass
-    return list(dict.fromkeys(dirs))
-
-
-def _via_wheel() -> tuple[ctypes.CDLL, str, str]:
-    dirs = _wheel_lib_dirs()
-    if not dirs:
-        raise _Miss("site-packages nvidia/cudnn/lib", "the nvidia.cudnn package is not installed")
-    reasons = []
-    for folder in dirs:
-        path = folder / LIBRARY_NAME
-        if not path.is_file():
-            reasons.append(f"{path}: no such file")
-            continue
-        try:
-            return ctypes.CDLL(str(path)), str(path), "site-packages"
-        except OSError as exc:
-            reasons.append(f"{path}: dlopen failed: {exc}")
-    raise _Miss("site-packages nvidia/cudnn/lib", "; ".join(reasons))
-
-
-def _via_system() -> tuple[ctypes.CDLL, str, str]:
-    cdll = _open(LIBRARY_NAME, f"system loader dlopen('{LIBRARY_NAME}')")
-    return cdll, _path_of(cdll, LIBRARY_NAME), "system loader"
-
-
-def _via_cudnn_path() -> tuple[ctypes.CDLL, str, str]:
-    root = os.environ.get("CUDNN_PATH")
-    if not root:
-        raise _Miss(f"$CUDNN_PATH/lib/{LIBRARY_NAME}", "CUDNN_PATH is not set")
-    path = Path(root) / "lib" / LIBRARY_NAME
-    if not path.is_file():
-        raise _Miss(str(path), "no such file")
-    return _open(str(path), str(path)), str(path), "CUDNN_PATH"
+    # LoadedDL.abs_path may be None for a copy loaded by someone else (Linux releases always set it): that copy is
+    # the process's libcudnn.so.9, which the loader returns for the name without loading anything new.
+    cdll = _already_loaded()
+    if cdll is None:
+        raise _Miss(place, f"found via {loaded.found_via} without a path, and no {LIBRARY_NAME} is loaded")
+    return cdll, LIBRARY_NAME, via
 
 
 # The search order; tests replace it to simulate a machine without cuDNN.
 SEARCH_STEPS: list[tuple[str, Callable[[], tuple[ctypes.CDLL, str, str]]]] = [
-    ("cuda.pathfinder", _via_pathfinder),
-    ("site-packages", _via_wheel),
-    ("system loader", _via_system),
     ("CUDNN_PATH", _via_cudnn_path),
+    ("cuda.pathfinder", _via_pathfinder),
 ]
 
 _lock = threading.Lock()  # guards _loaded/_failure: one thread searches, the others wait for its outcome
@@ -228,8 +179,8 @@ def _search() -> LoadedLibrary:
             tried.append((label, f"{type(exc).__name__}: {exc}"))
             continue
         try:
-            # cuDNN 9's shim, by its name or (resolved through the usual symlink) its versioned file name;
-            # another major is reported as such below.
+            # cuDNN 9's shim, by its name or by its versioned file name (a copy someone else loaded as
+            # libcudnn.so.9.x.y); another major is reported as such below.
             if Path(path).name.startswith(LIBRARY_NAME):
                 _check_sublibraries(path)
         except _Miss as miss:
@@ -318,11 +269,9 @@ def library_info() -> dict[str, Any]:
         path=loaded.path,
         found_via=loaded.found_via,
     )
-    try:
-        get_cudart = loaded.cdll.cudnnGetCudartVersion
+    get_cudart = getattr(loaded.cdll, "cudnnGetCudartVersion", None)  # every cuDNN 9 has it; a stand-in may not
+    if get_cudart is not None:
         get_cudart.argtypes = []
         get_cudart.restype = ctypes.c_size_t
         info["cudart_version"] = int(get_cudart())
-    except Exception:  # noqa: BLE001
-        pass
     return info

@@ -1,20 +1,20 @@
 """Read the cuDNN C headers shipped in the ``nvidia-cudnn`` wheel: enumerations, typedefs and prototypes.
 
-Used by ``tools/gen_cudnn_enums.py`` (which writes :mod:`wsarena.cudnn._enums`) and by the parity tests that
-compare the bindings with the headers. Nothing here runs when wsarena is used; it needs a C compiler and
-pycparser, which only development and test installs have.
+A development tool, not part of the installed package: ``tools/gen_cudnn_enums.py`` (which writes
+:mod:`wsarena.cudnn._enums`) and the parity tests that compare the bindings with the headers import it as
+``cudnn_headers`` (pytest puts ``tools/`` on ``sys.path``). It needs a C compiler and pycparser, which only
+development and test installs have.
 
 The headers include ``cuda_runtime_api.h`` and ``library_types.h`` from the CUDA toolkit, which no wheel ships.
 They use exactly three names from them, so :data:`STUB_HEADERS` replaces both with the matching typedefs; the
 preprocessed output is then the same as with the real CUDA headers.
 
-This module imports only the standard library at import time (pycparser on first parse), so the generator can
-load it by file path even while ``_enums.py`` is missing or stale.
+This module imports only the standard library at import time (pycparser on first parse) and nothing from
+wsarena, so the generator runs even while ``_enums.py`` is missing or stale.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -63,7 +63,10 @@ STUB_HEADERS = {
 
 
 def header_directory() -> Path:
-    """Folder holding ``cudnn_graph.h``: the wheel's ``nvidia/cudnn/include``, else ``$CUDNN_PATH/include``.
+    """Folder holding ``cudnn_graph.h``: ``$CUDNN_PATH/include``, else the one cuda.pathfinder finds.
+
+    The order is the loader's (:mod:`wsarena.cudnn._library`): ``$CUDNN_PATH`` first, then
+    ``cuda.pathfinder.find_nvidia_header_directory("cudnn")`` (the wheel's ``nvidia/cudnn/include``, conda, ...).
 
     Raises
     ------
@@ -71,30 +74,26 @@ def header_directory() -> Path:
         Listing every place looked at.
     """
     tried: list[str] = []
-    candidates: list[Path] = []
+    root = os.environ.get("CUDNN_PATH")
+    if root:
+        folder = Path(root) / "include"
+        if (folder / "cudnn_graph.h").is_file():
+            return folder
+        tried.append(f"{folder}: no cudnn_graph.h")
+    else:
+        tried.append("$CUDNN_PATH/include: CUDNN_PATH is not set")
+    place = "cuda.pathfinder.find_nvidia_header_directory('cudnn')"
     try:
         from cuda.pathfinder import find_nvidia_header_directory
 
         found = find_nvidia_header_directory("cudnn")
-        if found:
-            candidates.append(Path(found))
-        else:
-            tried.append("cuda.pathfinder.find_nvidia_header_directory('cudnn'): nothing found")
-    except Exception as exc:  # noqa: BLE001 - any failure just moves on to the next place
-        tried.append(f"cuda.pathfinder.find_nvidia_header_directory('cudnn'): {exc}")
-    try:
-        spec = importlib.util.find_spec("nvidia.cudnn")
-    except (ImportError, ValueError):
-        spec = None
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidates.append(Path(location) / "include")
-    if os.environ.get("CUDNN_PATH"):
-        candidates.append(Path(os.environ["CUDNN_PATH"]) / "include")
-    for folder in candidates:
-        if (folder / "cudnn_graph.h").is_file():
-            return folder
-        tried.append(f"{folder}: no cudnn_graph.h")
-    raise FileNotFoundError("cuDNN headers not found; tried: " + "; ".join(tried or ["nothing to try"]))
+    except Exception as exc:  # noqa: BLE001 - any failure is reported with the other places
+        tried.append(f"{place}: {type(exc).__name__}: {exc}")
+    else:
+        if found and (Path(found) / "cudnn_graph.h").is_file():
+            return Path(found)
+        tried.append(f"{place}: {found} has no cudnn_graph.h" if found else f"{place}: nothing found")
+    raise FileNotFoundError("cuDNN headers not found; tried: " + "; ".join(tried))
 
 
 @dataclass(frozen=True)
