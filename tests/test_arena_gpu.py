@@ -5,7 +5,9 @@ import gc
 import pytest
 
 import wsarena
-from wsarena.arena import POISON_BYTE, Arena, AsyncProvider, CupyProvider, get_arena, stream_handle
+from wsarena.arena import Arena, AsyncProvider, CupyProvider, get_arena
+from wsarena.arena._arena import POISON_BYTE
+from wsarena.arena.streams import stream_handle
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from wsarena.arena import Arena, ThreadLane, aligned_size
+from wsarena.arena import Arena
+from wsarena.arena._stats import aligned_size
+from wsarena.arena.streams import ThreadLane
 from wsarena.arena.testing import RecordingProvider
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +42,7 @@ def test_a_collected_arena_frees_every_buffer_once():
 
 
 def test_a_collected_device_arena_frees_with_no_stream():
-    provider = RecordingProvider(kind="device")
+    provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     with arena.lease(10, stream=Stream(5)):
         pass
@@ -92,7 +94,7 @@ def test_the_lane_of_an_exited_thread_is_swept():
 
 def test_an_exited_threads_per_thread_default_stream_is_swept():
     """Handle 2 is keyed per thread; that thread's exit sweeps it at once, freeing with no stream (it is gone)."""
-    provider = RecordingProvider(kind="device")
+    provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     arena.reserve(1000, stream=2)  # this thread's: kept
     keys = []
@@ -109,7 +111,7 @@ def test_an_exited_threads_per_thread_default_stream_is_swept():
     assert keys[0] not in arena.stats().streams
     assert list(arena.stats().streams.values())[0].capacity_bytes == 1024
     (buffer, stream), = provider.frees
-    assert buffer.nbytes == aligned_size(5000) and stream is None
+    assert buffer.size == aligned_size(5000) and stream is None
 
 
 def test_many_short_threads_leave_nothing_behind():
@@ -131,7 +133,7 @@ def test_many_short_threads_leave_nothing_behind():
 
 
 def test_a_dead_stream_objects_sub_arena_is_swept_when_a_new_stream_appears():
-    provider = RecordingProvider(kind="device")
+    provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     s = Stream(11)
     with arena.lease(1000, stream=s):
@@ -143,11 +145,11 @@ def test_a_dead_stream_objects_sub_arena_is_swept_when_a_new_stream_appears():
         pass
     assert arena.held_bytes(stream=11) == 0 and 11 not in arena.stats().streams
     (buffer, stream), = provider.frees
-    assert buffer.nbytes == 1024 and stream is None  # its stream may be gone
+    assert buffer.size == 1024 and stream is None  # its stream may be gone
 
 
 def test_a_sweep_frees_even_when_the_lease_that_triggered_it_fails():
-    provider = RecordingProvider(kind="device")
+    provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     with arena.lease(1000, stream=Stream(11)):
         pass
@@ -161,7 +163,7 @@ def test_a_sweep_frees_even_when_the_lease_that_triggered_it_fails():
 
 
 def test_trim_sweeps_dead_streams():
-    provider = RecordingProvider(kind="device")
+    provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     with arena.lease(1000, stream=Stream(11)):
         pass
@@ -171,7 +173,7 @@ def test_trim_sweeps_dead_streams():
 
 
 def test_fresh_wrappers_for_one_stream_do_not_reallocate():
-    provider = RecordingProvider(kind="device")
+    provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     for _ in range(10):
         with arena.lease(1000, stream=Stream(21)):  # e.g. torch.cuda.current_stream() builds a new object
@@ -182,7 +184,7 @@ def test_fresh_wrappers_for_one_stream_do_not_reallocate():
 
 
 def test_a_stream_in_use_again_is_not_swept():
-    provider = RecordingProvider(kind="device")
+    provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     with arena.lease(1000, stream=Stream(31)):
         pass
@@ -247,7 +249,7 @@ def test_device_arenas_are_released_at_exit_before_later_atexit_handlers():
         from wsarena.arena import Arena
         from wsarena.arena.testing import RecordingProvider
 
-        provider = RecordingProvider(kind="device")
+        provider = RecordingProvider(device_id=0)
         # registered first, so it runs last: after the arena's own handler
         atexit.register(lambda: print("freed", len(provider.frees), "held", len(provider.held)))
         arena = Arena(provider)

@@ -16,7 +16,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import wsarena
 import wsarena._config
-from wsarena.arena import POISON_BYTE, Arena, aligned_size
+from wsarena.arena import Arena
+from wsarena.arena._arena import POISON_BYTE
+from wsarena.arena._stats import aligned_size
 from wsarena.arena.testing import RecordingProvider
 from wsarena.errors import ArenaOutOfMemoryError, WorkspaceCapError
 
@@ -36,14 +38,14 @@ class _Live:
 
 
 class HostArenaMachine(RuleBasedStateMachine):
-    KIND = "host"
+    DEVICE_ID = None
     KEYS = ("a", "b", "c")
 
     @initialize()
     def setup(self):
         wsarena._config._reset()
         wsarena.configure(debug=True)
-        self.provider = RecordingProvider(kind=self.KIND)
+        self.provider = RecordingProvider(device_id=self.DEVICE_ID)
         self.arena = Arena(self.provider)
         self.live = {k: [] for k in self.KEYS}
         self.cap = dict.fromkeys(self.KEYS, 0)  # model capacity per key
@@ -196,7 +198,7 @@ class HostArenaMachine(RuleBasedStateMachine):
 
     @invariant()
     def live_leases_sit_in_held_buffers_and_never_overlap_across_keys(self):
-        held = [(b.ptr, b.ptr + b.nbytes) for b in self.provider.held]
+        held = [(b.ptr, b.ptr + b.size) for b in self.provider.held]
         leases = [x for v in self.live.values() for x in v]
         for x in leases:
             assert any(lo <= x.ptr and x.ptr + x.nbytes <= hi for lo, hi in held)
@@ -215,11 +217,11 @@ class DeviceArenaMachine(HostArenaMachine):
     """The same model on stream handles: as on lanes, a thread holds one lease per stream (a nested lease there
     raises RuntimeError, zero bytes excepted), so no two live leases ever share bytes."""
 
-    KIND = "device"
+    DEVICE_ID = 0
     KEYS = (0, 2, 0x7F00)  # 2: the per-thread default stream, which the arena keys by this (the only) thread
 
     def _model_key(self, key):
-        return int(key)
+        return getattr(key, "handle", key)  # this thread's key for handle 2 is a key of its own
 
 
 SETTINGS = settings(

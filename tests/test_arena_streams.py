@@ -6,8 +6,7 @@ import threading
 
 import pytest
 
-from wsarena.arena import ThreadLane, resolve_stream, stream_handle, thread_lane
-from wsarena.arena.streams import PerThreadStream
+from wsarena.arena.streams import PerThreadStream, ThreadLane, resolve_stream, stream_handle, thread_lane
 
 
 class ProtocolStream:
@@ -66,13 +65,13 @@ def other_thread(fn):
 
 def test_handle_2_is_keyed_by_the_calling_thread():
     key, anchor = device(2)
-    assert type(key) is PerThreadStream and isinstance(key, int)
-    assert int(key) == 2 and type(int(key)) is int  # providers and CUDA calls still get handle 2
+    assert type(key) is PerThreadStream and not isinstance(key, int)  # a key of its own, not an int
+    assert key.handle == 2 and type(key.handle) is int  # providers and CUDA calls still get handle 2
     assert key.lane is thread_lane() and anchor.lane is thread_lane()  # anchor: dies with the thread
     assert device(2) == (key, anchor) and device(2)[0] is key  # one key per thread
     assert key != 2 and 2 != key and not (key == 2) and key not in {2: None}  # nor the bare handle
     theirs = other_thread(lambda: device(2)[0])
-    assert type(theirs) is PerThreadStream and int(theirs) == 2
+    assert type(theirs) is PerThreadStream and theirs.handle == 2
     assert theirs != key and not (theirs == key) and len({key, theirs}) == 2
     assert "PerThreadStream" in repr(key) and "MainThread" in repr(key)
 

@@ -110,6 +110,8 @@ def test_context_refuses_arrays_on_different_devices(backend):
 
 
 def test_a_raw_stream_is_wrapped_on_the_arrays_device(monkeypatch):
+    from wsarena.backends import _cudnn_backend
+
     backend = CudnnBackend()
     current = [0]  # the fake CUDA current device
 
@@ -133,9 +135,13 @@ def test_a_raw_stream_is_wrapped_on_the_arrays_device(monkeypatch):
 
     cupy = type("FakeCupy", (), {"cuda": type("cuda", (), {"Stream": Stream})})
     monkeypatch.setattr(backend, "_cupy", cupy)
+    monkeypatch.setattr(_cudnn_backend, "cupy_stream", lambda handle: Stream(handle, current[0]))
     on_1 = _on(Device(1))
-    ctx = backend.context((on_1, on_1), 0x77)
+    ctx = backend.context((on_1, on_1), 0x77)  # a raw handle
     assert (ctx.stream.handle, ctx.stream.device) == (0x77, 1) and current == [0]
+    protocol = type("ForeignStream", (), {"__cuda_stream__": lambda self: (0, 0x78)})()
+    ctx = backend.context((on_1, on_1), protocol)  # a foreign stream object goes to CuPy as it is
+    assert (ctx.stream.handle, ctx.stream.device) == (0x78, 1) and current == [0]
 
 
 def test_device_and_stream_enter_in_order_and_leave_in_reverse():
@@ -155,7 +161,7 @@ def test_the_handle_is_bound_to_the_leased_workspaces_stream(monkeypatch):
     bound = []
     handle = type("FakeHandle", (), {"set_stream": lambda self, raw: bound.append(raw)})()
     monkeypatch.setattr(backend, "_handle", lambda: handle)
-    leased = type("Leased", (), {"stream": 7})()  # an arena Workspace: its stream's raw handle, resolved already
+    leased = type("Leased", (), {"cuda_stream": 7})()  # an arena Workspace: its raw handle, resolved already
     assert backend._bound_handle(None, leased) is handle and bound == [7]
     other = type("Stream", (), {"__cuda_stream__": lambda self: (0, 9)})()
     backend._bound_handle(other, object())  # no leased stream (a caller's own buffer): `stream` is resolved

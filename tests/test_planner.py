@@ -10,7 +10,8 @@ import pytest
 import wsarena
 from wsarena import config, conv_backward_data, conv_backward_filter, conv_forward
 from wsarena._gpu import gpu_unusable_reason
-from wsarena.arena import Arena, HostProvider, aligned_size
+from wsarena.arena import Arena, HostProvider
+from wsarena.arena._stats import aligned_size
 from wsarena.backends._cpu_backend import CpuBackend
 from wsarena.errors import BackendUnavailableError, WorkspaceCapWarning
 from wsarena.models import ConvLayer

@@ -21,18 +21,35 @@ from ._sizes import format_size
 from .backends import Backend, Candidate
 from .errors import ArenaOutOfMemoryError, NoAlgorithmFitsError, UnsupportedConvolutionError, WorkspaceCapWarning
 
-__all__ = ["cache_clear", "choose", "forced", "run_with_fallback", "select"]
+__all__ = ["cache_clear", "choose", "forced", "generation", "is_cached", "run_with_fallback", "select"]
 
 _cache: dict[tuple, tuple[tuple[Candidate, ...], Candidate | None]] = {}
 _warned: set[tuple] = set()
-_lock = threading.Lock()  # guards _cache and _warned; never held while a backend runs or measures
+_lock = threading.Lock()  # guards _cache, _warned and _generation; never held while a backend runs or measures
+_generation = 0  # counts cache_clear() calls: whoever keeps a choice of its own checks it is still current
 
 
 def cache_clear() -> None:
     """Forget every cached choice (and which cap warnings were already given)."""
+    global _generation
     with _lock:
         _cache.clear()
         _warned.clear()
+        _generation += 1
+
+
+def generation() -> int:
+    """How many times the cache was cleared: a choice kept elsewhere is stale once this changes."""
+    return _generation
+
+
+def _key(backend: Backend, pass_: str, geom: ConvGeometry, search: str, cap: int | None) -> tuple:
+    return (backend.name, backend.device_key(), pass_, geom, search, cap)
+
+
+def is_cached(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
+    """Whether the choice for these arguments is cached (a search cut short by memory pressure is not)."""
+    return _key(backend, pass_, geom, search, cap) in _cache
 
 
 def _fits(cands: list[Candidate], cap: int | None) -> list[Candidate]:
@@ -69,7 +86,7 @@ def choose(
     """
     pass_ = Pass(pass_)
     exhaustive = search == "exhaustive" and measure is not None
-    key = (backend.name, backend.device_key(), pass_, geom, "exhaustive" if exhaustive else "heuristic", cap)
+    key = _key(backend, pass_, geom, "exhaustive" if exhaustive else "heuristic", cap)
     entry = _cache.get(key)
     if entry is None:
         best, excluded, complete = _rank(backend, pass_, geom, cap, measure if exhaustive else None)
@@ -211,18 +228,7 @@ def run_with_fallback(
             refused = exc
             continue
         finally:
-            # Ctrl-C can land on __exit__'s first instruction, before it can protect itself: retried here, inline
-            # (a helper's first instruction would be the same gap), since a lease left live would refuse every
-            # later call of this thread on this stream. __exit__ of a released lease does nothing.
-            interrupted = None
-            while True:
-                try:
-                    lease.__exit__(None, None, None)
-                    break
-                except KeyboardInterrupt as exc:
-                    interrupted = interrupted or exc
-            if interrupted is not None:
-                raise interrupted
+            lease.__exit__(None, None, None)  # interrupts there are the Workspace's own concern (arena._interrupts)
         return cand
     if refused is not None:
         if failure is not None:

@@ -92,7 +92,7 @@ class Plan:
     @property
     def held_bytes(self) -> int:
         """What the arena's buffers come to once it rounds each up (:func:`wsarena.arena.aligned_size`)."""
-        from .arena import aligned_size
+        from .arena._stats import aligned_size
 
         return sum(aligned_size(b) for b in self.stream_bytes)
 

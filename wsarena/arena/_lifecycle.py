@@ -7,6 +7,7 @@ arenas are released by an atexit handler instead, while CUDA is still up.
 from __future__ import annotations
 
 import atexit
+import collections
 import sys
 import threading
 import warnings
@@ -16,61 +17,59 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._arena import Arena
-    from ._sub import _Block, _Sub
+    from ._sub import _SubArena
 
-__all__: list[str] = []
+__all__ = ["anchor_died", "give_back", "release_all", "track_device_arena"]
 
 
-def _free_now(provider: Any, frees: list[tuple[_Block, Any]], quiet: bool = False) -> None:
-    """Give blocks back to ``provider``; a failure warns (or, ``quiet``, is ignored), never raises.
+def give_back(provider: Any, to_free: collections.deque[tuple[Any, Any]], quiet: bool = False) -> None:
+    """Drain ``to_free``, giving each ``(buffer, stream)`` back to ``provider``; a failure warns (or, ``quiet``,
+    is ignored), never raises. Any thread may drain the queue; each entry is taken by one.
 
     A ``KeyboardInterrupt`` (or another ``BaseException``) during one free is raised only after the rest are
-    freed: the blocks are already marked freed, so nothing would ever give them back.
+    freed: their blocks are already let go, so nothing else would ever give them back.
     """
     interrupted: BaseException | None = None
-    for block, stream in frees:
-        buffer = block.buffer
-        block.buffer = None
+    while to_free:
         try:
-            provider.free(buffer, stream=stream)
+            buffer, stream = to_free.popleft()
+        except IndexError:  # another thread took the last one
+            break
+        try:
+            provider.deallocate(buffer, stream=stream)
         except Exception as exc:  # noqa: BLE001 - a failed free must not break a lease's exit
             if not quiet:
                 warnings.warn(f"wsarena: freeing {buffer!r} failed: {exc}", RuntimeWarning, stacklevel=3)
         except BaseException as exc:
             interrupted = interrupted or exc
     if interrupted is not None:
-        raise interrupted
+        try:
+            raise interrupted
+        finally:
+            interrupted = None
 
 
-def _release_all(provider: Any, subs: dict[Hashable, _Sub]) -> None:
+def release_all(provider: Any, subs: dict[Hashable, _SubArena], to_free: collections.deque[tuple[Any, Any]]) -> None:
     """Finalizer of a collected arena: free every buffer it held (no lease can be live: leases hold the arena)."""
     if sys.is_finalizing():
         return
-    frees = []
     for sub in list(subs.values()):
         if sub.anchor is not None:
             sub.anchor.detach()
-        for block in [sub.block, *sub.retired]:
+        for block in (sub.block, sub.retired):
             if block is not None and not block.freed:
                 block.freed = True
-                frees.append((block, None))  # its streams may be gone too
+                to_free.append((block.buffer, None))  # its streams may be gone too
     subs.clear()
-    _free_now(provider, frees)
+    give_back(provider, to_free)
 
 
-def _anchor_died(arena_ref: weakref.ref, key: Hashable, serial: int, eager: bool) -> None:
-    """A watched stream object (or a thread's lane holder) died. Never blocks on the arena's lock."""
+def anchor_died(arena_ref: weakref.ref, key: Hashable, serial: int, eager: bool) -> None:
+    """A watched stream object (or a thread's lane holder) died: queue its sub-arena for the next operation to
+    sweep. Never takes the arena's lock: the collector may run this inside a locked region of any thread."""
     arena = arena_ref()
-    if arena is None or sys.is_finalizing():
-        return
-    arena._dead.append((key, serial, eager))
-    if not arena._lock._is_owned() and arena._lock.acquire(blocking=False):  # not inside this thread's own hold
-        frees: list = []
-        try:
-            arena._process_dead(frees)
-        finally:
-            arena._lock.release()
-        arena._free(frees)
+    if arena is not None and not sys.is_finalizing():
+        arena._dead.append((key, serial, eager))
 
 
 _device_arenas: weakref.WeakSet[Arena] = weakref.WeakSet()
@@ -78,7 +77,7 @@ _device_lock = threading.Lock()  # guards _device_arenas and _atexit_registered
 _atexit_registered = False
 
 
-def _track_device_arena(arena: Arena) -> None:
+def track_device_arena(arena: Arena) -> None:
     """Remember a device arena, so that it is released at exit before the CUDA context is torn down.
 
     The handler is registered when the first device arena exists, hence after its provider imported CuPy;

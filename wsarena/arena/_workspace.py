@@ -6,10 +6,11 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 from .._sizes import format_size
+from ._interrupts import finish
 
 if TYPE_CHECKING:
     from ._arena import Arena
-    from ._sub import _Block, _Sub
+    from ._sub import _Block, _SubArena
 
 __all__ = ["Workspace"]
 
@@ -28,12 +29,15 @@ class Workspace:
         Bytes leased.
     stream : hashable
         The sub-arena key: the raw ``cudaStream_t`` handle on a device (for handle 2, the per-thread default
-        stream, the thread's :class:`~wsarena.arena.PerThreadStream`: ``int(ws.stream) == 2``), the lane key on
-        the host.
+        stream, the thread's own key, whose ``handle`` is 2), the lane key on the host.
+    cuda_stream : int or None
+        On a device, the raw ``cudaStream_t`` the workspace belongs to (2 for the per-thread default stream);
+        ``None`` on the host.
     """
 
     __slots__ = (
-        "ptr", "nbytes", "stream", "_arena", "_anchor", "_block", "_sub", "_array", "_state", "_debug", "_cap",
+        "__weakref__", "_anchor", "_arena", "_array", "_block", "_cap", "_debug", "_state", "_sub", "cuda_stream",
+        "nbytes", "ptr", "stream",
     )
 
     def __init__(
@@ -42,10 +46,11 @@ class Workspace:
         self.ptr = 0
         self.nbytes = nbytes
         self.stream = stream
+        self.cuda_stream: int | None = None
         self._arena = arena
         self._anchor = anchor  # keeps a caller's temporary stream object alive for the lease
         self._block: _Block | None = None
-        self._sub: _Sub | None = None
+        self._sub: _SubArena | None = None  # the sub-arena it holds (set when the lane is taken)
         self._array: Any = None
         self._state = 0  # 0 not entered, 1 live, 2 released
         self._debug = debug
@@ -74,28 +79,22 @@ class Workspace:
             self._state = 1
             return self
         try:
-            self._arena._acquire(self)  # sets _state = 1 together with the arena's bookkeeping
-            return self
-        except KeyboardInterrupt:
-            # Ctrl-C after the lease was taken but before the with block began: nothing would ever release it.
-            if self._state == 1:
-                self.__exit__(None, None, None)
+            self._arena._acquire(self)
+        except BaseException:
+            # Whatever the acquisition had taken when it failed or was interrupted goes back: after a
+            # KeyboardInterrupt the with block never starts, so nothing else would ever release it.
+            finish(self._arena._end, self)
             raise
+        return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        interrupted = None
-        while self._state == 1:
-            try:
-                if self.nbytes:
-                    self._arena._release(self)  # sets _state = 2 together with the arena's bookkeeping
-                else:
-                    self._state = 2
-            except KeyboardInterrupt as exc:  # the with block is over: a release cut short must be retried
-                interrupted = interrupted or exc
+    def __exit__(self, *exc_info: object) -> None:
+        if self._state == 1:
+            if self.nbytes:
+                finish(self._arena._end, self)  # the with block is over: a release cut short is repeated
+            else:
+                self._state = 2
         self._array = None
         self._anchor = None
-        if interrupted is not None:
-            raise interrupted
 
     def __repr__(self) -> str:
         state = ("not entered", "live", "released")[self._state]

@@ -1,4 +1,4 @@
-"""What ``stream=`` means, for the arena and for the cuDNN backend.
+"""What ``stream=`` means, for the arena and for the cuDNN backend: one resolution, :func:`resolve_stream`.
 
 A device arena keys its sub-arenas by the raw ``cudaStream_t`` handle (an int). It accepts:
 
@@ -11,11 +11,10 @@ A device arena keys its sub-arenas by the raw ``cudaStream_t`` handle (an int). 
 One handle names a different stream in each host thread: ``2``, ``cudaStreamPerThread`` (CuPy's
 ``Stream.ptds``). Keyed by the bare int, two threads would share one sub-arena, hence the same bytes, while
 their per-thread streams run concurrently. So on a device arena handle 2, however it is given (the int, a
-stream object whose handle is 2, or ``None`` when the current stream is the per-thread default), becomes the
-calling thread's :class:`PerThreadStream`: an ``int`` equal in value to 2 (providers and CUDA calls still get
-handle 2) whose hash and equality are those of the thread's lane, and whose sub-arena is swept when the
-thread exits. The legacy null stream ``0`` (and ``1``, ``cudaStreamLegacy``) is one stream for every thread
-and stays one plain key. :func:`stream_handle` always returns the plain int.
+stream object whose handle is 2, or ``None`` while the current stream is the per-thread default), becomes the
+calling thread's :class:`PerThreadStream`: a key of its own, equal only to itself, whose ``handle`` is 2 and
+whose sub-arena is swept when the thread exits. The legacy null stream ``0`` (and ``1``, ``cudaStreamLegacy``)
+is one stream for every thread and stays one plain key. :func:`stream_handle` always returns the plain int.
 
 A host arena keys its sub-arenas by *lane*: ``None`` is the calling thread's own lane (a :class:`ThreadLane`,
 swept when the thread exits) and any other hashable object is a lane key chosen by the caller.
@@ -32,7 +31,8 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 __all__ = [
-    "PER_THREAD_DEFAULT_STREAM", "PerThreadStream", "ThreadLane", "resolve_stream", "stream_handle", "thread_lane",
+    "PER_THREAD_DEFAULT_STREAM", "PerThreadStream", "ThreadLane", "cupy_stream", "resolve_stream",
+    "stream_handle", "thread_lane",
 ]
 
 PER_THREAD_DEFAULT_STREAM = 2  # cudaStreamPerThread: a different stream in each host thread
@@ -44,7 +44,7 @@ class ThreadLane:
     The arena sweeps the sub-arena of a thread's lane when the thread exits.
     """
 
-    __slots__ = ("serial", "thread_name", "__weakref__")
+    __slots__ = ("__weakref__", "serial", "thread_name")
 
     def __init__(self, serial: int, thread_name: str) -> None:
         self.serial = serial
@@ -54,34 +54,26 @@ class ThreadLane:
         return f"ThreadLane({self.serial}, {self.thread_name!r})"
 
 
-class PerThreadStream(int):
+class PerThreadStream:
     """Handle 2 (``cudaStreamPerThread``) as seen from one thread: a device arena's key for that stream.
 
-    ``int(key) == 2`` and it is an ``int`` (what providers and CUDA calls receive is handle 2, which means the
-    calling thread's per-thread default stream), but it hashes and compares as its thread's lane: keys of two
-    threads are never equal (nor equal to the plain int 2), so each thread gets its own sub-arena and bytes.
-    One key per thread, made with its lane; the arena sweeps its sub-arena when the thread exits.
+    Equal only to itself (one per thread, made with its lane), so each thread gets its own sub-arena and bytes.
+    ``handle`` is 2, which is what providers and CUDA calls receive: it means the *calling* thread's per-thread
+    stream. It speaks the stream protocol, so passed back as ``stream=`` it names handle 2 again, in whichever
+    thread passes it. A pickle of it is the plain handle 2 (a lane is local to a process).
     """
 
-    def __new__(cls, lane: ThreadLane) -> PerThreadStream:
-        self = super().__new__(cls, PER_THREAD_DEFAULT_STREAM)
+    __slots__ = ("lane",)
+    handle = PER_THREAD_DEFAULT_STREAM
+
+    def __init__(self, lane: ThreadLane) -> None:
         self.lane = lane
-        self._hash = hash(lane)  # the arena hashes its key once per lease
-        return self
 
-    def __eq__(self, other: object) -> bool:
-        return type(other) is PerThreadStream and other.lane is self.lane
-
-    def __ne__(self, other: object) -> bool:
-        return not (type(other) is PerThreadStream and other.lane is self.lane)
-
-    def __hash__(self) -> int:
-        return self._hash
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, PER_THREAD_DEFAULT_STREAM)
 
     def __repr__(self) -> str:
         return f"PerThreadStream({self.lane!r})"
-
-    __str__ = __repr__
 
     def __copy__(self) -> PerThreadStream:
         return self
@@ -90,14 +82,14 @@ class PerThreadStream(int):
         return self
 
     def __reduce__(self) -> Any:
-        return (int, (PER_THREAD_DEFAULT_STREAM,))  # a pickle is just the handle: a lane is local to a process
+        return (int, (PER_THREAD_DEFAULT_STREAM,))
 
 
 class _LaneHolder:
     """Lives in the thread's local storage; it dies when the thread exits, which is what sweeps the lane (and
     the sub-arena of the thread's per-thread default stream)."""
 
-    __slots__ = ("lane", "ptds", "__weakref__")
+    __slots__ = ("__weakref__", "lane", "ptds")
 
     def __init__(self, lane: ThreadLane) -> None:
         self.lane = lane
@@ -109,10 +101,9 @@ _local = threading.local()
 
 
 def _holder() -> _LaneHolder:
-    holder = getattr(_local, "holder", None)
+    holder: _LaneHolder | None = getattr(_local, "holder", None)
     if holder is None:
-        holder = _LaneHolder(ThreadLane(next(_serials), threading.current_thread().name))
-        _local.holder = holder
+        holder = _local.holder = _LaneHolder(ThreadLane(next(_serials), threading.current_thread().name))
     return holder
 
 
@@ -121,17 +112,12 @@ def thread_lane() -> ThreadLane:
     return _holder().lane
 
 
-def _per_thread_key() -> tuple[PerThreadStream, _LaneHolder]:
-    """The calling thread's key for handle 2, and its anchor (the thread's lane holder)."""
-    holder = getattr(_local, "holder", None)
-    if holder is None:
-        holder = _holder()
-    return holder.ptds, holder
-
-
-def _is_own(key: PerThreadStream) -> bool:
-    """Whether ``key`` is the calling thread's per-thread stream (handle 2 here means that very stream)."""
-    holder = getattr(_local, "holder", None)
+def is_own_stream(key: Hashable) -> bool:
+    """Whether the raw handle of ``key`` means the same stream in the calling thread as in the key's own thread:
+    always, except for another thread's :class:`PerThreadStream`."""
+    if type(key) is not PerThreadStream:
+        return True
+    holder: _LaneHolder | None = getattr(_local, "holder", None)
     return holder is not None and holder.ptds is key
 
 
@@ -140,11 +126,9 @@ def _handle_of(stream: Any) -> int | None:
     proto = getattr(type(stream), "__cuda_stream__", None)
     if proto is not None:
         try:
-            version, handle = proto(stream)
+            _version, handle = proto(stream)
         except (TypeError, ValueError):
-            raise TypeError(
-                f"stream={stream!r}: __cuda_stream__() must return a (version, handle) pair"
-            ) from None
+            raise TypeError(f"stream={stream!r}: __cuda_stream__() must return a (version, handle) pair") from None
         return _check_handle(stream, handle)
     for attr in ("ptr", "cuda_stream"):  # CuPy streams, PyTorch streams
         handle = getattr(stream, attr, None)
@@ -154,7 +138,7 @@ def _handle_of(stream: Any) -> int | None:
 
 
 def _check_handle(stream: Any, handle: Any) -> int:
-    """``handle`` as a plain ``int`` (an int subclass such as a :class:`PerThreadStream` gives its value)."""
+    """``handle`` as a plain non-negative ``int``."""
     if type(handle) is not int:
         try:
             handle = int(handle)  # cuda.core hands out handle objects that convert with int()
@@ -162,7 +146,7 @@ def _check_handle(stream: Any, handle: Any) -> int:
             raise TypeError(f"stream={stream!r}: its handle {handle!r} is not an integer") from None
     if handle < 0:
         raise ValueError(f"stream={stream!r}: a stream handle cannot be negative ({handle})")
-    return handle
+    return int(handle)
 
 
 def _anchor_of(stream: Any) -> Any:
@@ -198,6 +182,10 @@ def resolve_stream(
         An object whose death means the stream (or the thread of a default lane or per-thread stream) is gone,
         or ``None`` when that cannot be known (raw ints, plain lane keys).
     """
+    kind = type(stream)
+    # The common cases first: this runs once per convolution call.
+    if kind is int and (lanes or (stream >= 0 and stream != PER_THREAD_DEFAULT_STREAM)):
+        return stream, None
     if lanes:
         if stream is None:
             holder = _holder()
@@ -209,7 +197,8 @@ def resolve_stream(
         return stream, None
     handle, anchor = _device_handle(stream, current)
     if handle == PER_THREAD_DEFAULT_STREAM:  # a different stream in each thread: key it by the thread
-        return _per_thread_key()
+        holder = _holder()
+        return holder.ptds, holder
     return handle, anchor
 
 
@@ -244,3 +233,20 @@ def stream_handle(stream: Any = None) -> int:
     for anything that is not a stream and ``ValueError`` for a negative handle.
     """
     return _device_handle(stream, _cupy_current)[0]
+
+
+def cupy_stream(handle: int) -> Any:
+    """CuPy's stream object for a raw ``cudaStream_t`` (CuPy ties it to the device current at this moment).
+
+    The null and per-thread default streams are CuPy's own objects; any other handle is wrapped through the
+    stream protocol, by cuda.core's ``Stream.from_handle``, without taking ownership.
+    """
+    import cupy
+
+    if handle == 0:
+        return cupy.cuda.Stream.null
+    if handle == PER_THREAD_DEFAULT_STREAM:
+        return cupy.cuda.Stream.ptds
+    from cuda.core import Stream
+
+    return cupy.cuda.Stream.from_external(Stream.from_handle(handle))

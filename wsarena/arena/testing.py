@@ -1,6 +1,6 @@
 """Providers for tests: one that records every call and fails on demand, on host memory.
 
-``RecordingProvider(kind="device")`` behaves as a device provider (sub-arenas keyed by raw stream handles,
+``RecordingProvider(device_id=0)`` behaves as a device provider (sub-arenas keyed by raw stream handles,
 handle 2 per thread) while handing out host memory, so the device rules are tested without a GPU.
 """
 
@@ -14,6 +14,8 @@ from .providers import Buffer, HostProvider
 
 __all__ = ["RecordingProvider"]
 
+_UPSTREAMS: Any = object()  # device_id=: the upstream's
+
 
 class RecordingProvider:
     """Wraps ``upstream`` (a :class:`HostProvider` by default), records calls, and fails when told to.
@@ -22,8 +24,9 @@ class RecordingProvider:
     ----------
     upstream : MemoryProvider, optional
         Where the memory really comes from.
-    kind : {"host", "device"}, optional
-        What the arena should treat it as; the upstream's kind by default.
+    device_id : int or None, optional
+        What the arena should treat it as (``None``: host memory, CPU lanes; an int: a device, CUDA streams);
+        the upstream's by default.
     fail : callable, optional
         ``fail(nbytes) -> bool``; ``True`` makes that allocation raise ``MemoryError``.
 
@@ -32,19 +35,18 @@ class RecordingProvider:
     allocations : list of Buffer
         Every buffer handed out, in order.
     frees : list of (Buffer, stream)
-        Every free, with the stream it was given.
+        Every deallocation, with the stream it was given.
     fail_next : int
         Make that many of the next allocations fail (counts down).
     current : object
-        What ``current_stream()`` returns for a ``kind="device"`` provider (a raw handle or a stream object).
+        What ``current_stream()`` returns for a device provider (a raw handle or a stream object).
     """
 
     def __init__(
-        self, upstream: Any = None, *, kind: str | None = None, fail: Callable[[int], bool] | None = None
+        self, upstream: Any = None, *, device_id: Any = _UPSTREAMS, fail: Callable[[int], bool] | None = None
     ) -> None:
         self.upstream = upstream if upstream is not None else HostProvider()
-        self.kind = kind if kind is not None else self.upstream.kind
-        self.device = 0 if self.kind == "device" else None
+        self.device_id = self.upstream.device_id if device_id is _UPSTREAMS else device_id
         self.fail = fail
         self.fail_next = 0
         self.current: Any = 0
@@ -54,27 +56,27 @@ class RecordingProvider:
         self._held: dict[int, Buffer] = {}
         self._lock = threading.Lock()  # guards the records: arenas call providers from many threads
 
-    def allocate(self, nbytes: int, *, stream: Any) -> Buffer:
-        if nbytes <= 0:
-            raise AssertionError(f"the arena asked for {nbytes} bytes")
+    def allocate(self, size: int, *, stream: Any) -> Buffer:
+        if size <= 0:
+            raise AssertionError(f"the arena asked for {size} bytes")
         with self._lock:
             failing = self.fail_next > 0
             if failing:
                 self.fail_next -= 1
-        if failing or (self.fail is not None and self.fail(nbytes)):
-            raise MemoryError(f"RecordingProvider: refused {nbytes} bytes")
-        buffer = self.upstream.allocate(nbytes, stream=stream)
+        if failing or (self.fail is not None and self.fail(size)):
+            raise MemoryError(f"RecordingProvider: refused {size} bytes")
+        buffer = self.upstream.allocate(size, stream=stream)
         with self._lock:
             self.allocations.append(buffer)
             self._held[id(buffer)] = buffer
         return buffer
 
-    def free(self, buffer: Buffer, *, stream: Any) -> None:
+    def deallocate(self, buffer: Buffer, *, stream: Any) -> None:
         with self._lock:
             if self._held.pop(id(buffer), None) is None:
                 raise AssertionError(f"{buffer!r} freed twice, or never allocated here")
             self.frees.append((buffer, stream))
-        self.upstream.free(buffer, stream=stream)
+        self.upstream.deallocate(buffer, stream=stream)
 
     def as_array(self, buffer: Buffer | None, nbytes: int) -> Any:
         return self.upstream.as_array(buffer, nbytes)
@@ -95,7 +97,7 @@ class RecordingProvider:
 
     @property
     def held_bytes(self) -> int:
-        return sum(b.nbytes for b in self.held)
+        return sum(b.size for b in self.held)
 
     def __repr__(self) -> str:
-        return f"RecordingProvider({self.upstream!r}, kind={self.kind!r})"
+        return f"RecordingProvider({self.upstream!r}, device_id={self.device_id!r})"

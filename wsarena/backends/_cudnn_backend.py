@@ -14,7 +14,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..arena import get_arena, stream_handle
+from ..arena import get_arena
+from ..arena.streams import cupy_stream, stream_handle
 from .._pass import Pass
 from . import Candidate
 
@@ -75,7 +76,10 @@ class CudnnBackend:
             return device
         if not isinstance(stream, self._cupy.cuda.Stream):
             with device:  # CuPy ties an external stream to the device current when it is wrapped
-                stream = self._cupy.cuda.Stream.from_external(_RawStream(stream_handle(stream)))
+                if hasattr(type(stream), "__cuda_stream__"):
+                    stream = self._cupy.cuda.Stream.from_external(stream)
+                else:
+                    stream = cupy_stream(stream_handle(stream))
         return _DeviceAndStream(device, stream)
 
     def may_share_memory(self, a: Any, b: Any) -> bool:
@@ -185,7 +189,7 @@ class CudnnBackend:
         again would cost as much as the lease's own resolution.
         """
         handle = self._handle()
-        raw = getattr(workspace, "stream", None)
+        raw = getattr(workspace, "cuda_stream", None)
         handle.set_stream(stream_handle(stream) if raw is None else raw)
         return handle
 
@@ -244,13 +248,3 @@ class _DeviceAndStream:
             self.stream.__exit__(*exc)
         finally:
             self.device.__exit__(*exc)
-
-
-class _RawStream:
-    """A raw ``cudaStream_t`` seen through the CUDA stream protocol, for ``cupy.cuda.Stream.from_external``."""
-
-    def __init__(self, handle: int) -> None:
-        self.handle = handle
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.handle)
