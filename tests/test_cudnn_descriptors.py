@@ -68,8 +68,8 @@ def test_output_shape_matches_the_formula(case):
     ],
 )
 def test_output_shape_known_layers(x, w, pad, stride, dil, groups, expected):
-    conv = cudnn.convolution_descriptor(pad, stride, dil, groups)
-    assert conv.output_shape(cudnn.tensor_descriptor(F32, x), cudnn.filter_descriptor(F32, NCHW, w)) == expected
+    conv = cudnn.ConvolutionDescriptor(pad, stride, dil, groups)
+    assert conv.output_shape(cudnn.TensorDescriptor(F32, x), cudnn.FilterDescriptor(F32, NCHW, w)) == expected
 
 
 def test_one_d_is_two_d_with_unit_height():
@@ -233,48 +233,6 @@ def test_failed_set_destroys_the_new_handle(monkeypatch):
     assert [name for name, _ in destroys.calls] == ["cudnnDestroyTensorDescriptor"]
     gc.collect()
     assert len(destroys.calls) == 1
-
-
-def test_cached_getters_return_the_same_object():
-    descriptors.clear_descriptor_cache()
-    x = cudnn.tensor_descriptor(F32, (2, 3, 4, 5))
-    assert cudnn.tensor_descriptor("float32", [2, 3, 4, 5]) is x
-    assert cudnn.tensor_descriptor(F32, (2, 3, 4, 5), strides=(60, 20, 5, 1)) is x  # the default strides
-    assert cudnn.tensor_descriptor(F32, (2, 3, 4, 5), strides=(60, 1, 15, 3)) is not x
-    assert cudnn.tensor_descriptor(cudnn.DataType.HALF, (2, 3, 4, 5)) is not x
-    w = cudnn.filter_descriptor(F32, NCHW, (4, 3, 3, 3))
-    assert cudnn.filter_descriptor(F32, NCHW, (4, 3, 3, 3)) is w
-    assert cudnn.filter_descriptor(F32, cudnn.TensorFormat.NHWC, (4, 3, 3, 3)) is not w
-    conv = cudnn.convolution_descriptor((1, 1), (1, 1), (1, 1), 1, F32, cudnn.MathType.DEFAULT_MATH)
-    assert cudnn.convolution_descriptor([1, 1], [1, 1], [1, 1]) is conv
-    assert cudnn.convolution_descriptor((1, 1), (1, 1), (1, 1), groups=2) is not conv
-    assert cudnn.convolution_descriptor((1, 1), (1, 1), (1, 1), math_type=cudnn.MathType.TENSOR_OP_MATH) is not conv
-
-
-def test_cached_descriptor_closed_by_mistake_is_rebuilt():
-    descriptors.clear_descriptor_cache()
-    x = cudnn.tensor_descriptor(F32, (1, 1, 2, 2))
-    x.close()
-    again = cudnn.tensor_descriptor(F32, (1, 1, 2, 2))
-    assert again is not x and not again.closed
-
-
-def test_failed_build_is_not_cached():
-    with pytest.raises(cudnn.CudnnBadParamError):
-        cudnn.tensor_descriptor(F32, (1, -1, 2, 2))
-    with pytest.raises(cudnn.CudnnBadParamError):
-        cudnn.tensor_descriptor(F32, (1, -1, 2, 2))
-
-
-def test_cache_is_bounded(monkeypatch):
-    cache = descriptors._DescriptorCache(maxsize=3)
-    monkeypatch.setattr(descriptors, "_cache", cache)
-    first = cudnn.tensor_descriptor(F32, (1, 1, 1, 1))
-    for n in range(2, 6):
-        cudnn.tensor_descriptor(F32, (1, 1, 1, n))
-    assert len(cache) == 3 and cache.builds == 5
-    assert cudnn.tensor_descriptor(F32, (1, 1, 1, 1)) is not first  # evicted, rebuilt
-    assert not first.closed  # eviction never closes what a caller may still hold
 
 
 def test_descriptor_passes_as_a_ctypes_argument():

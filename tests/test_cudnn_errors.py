@@ -120,7 +120,7 @@ def test_public_names():
         assert hasattr(cudnn, name), name
     assert wsarena.cudnn is cudnn
     for name in ("bind_all", "library_info", "get_handle", "TensorDescriptor", "FilterDescriptor",
-                 "ConvolutionDescriptor", "tensor_descriptor", "filter_descriptor", "convolution_descriptor",
+                 "ConvolutionDescriptor", "data_type",
                  "workspace_size", "heuristic_algorithms", "find_algorithms", "convolution", "AlgoPerf",
                  "CudnnError", "CudnnBadParamError", "Status", "ConvolutionFwdAlgo"):
         assert name in cudnn.__all__, name

@@ -79,11 +79,11 @@ def _setup(cp, case, dtype):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(xs).astype(np_dtype)
     w = rng.standard_normal(ws).astype(np_dtype)
-    x_desc = cudnn.tensor_descriptor(dtype, xs)
-    w_desc = cudnn.filter_descriptor(dtype, NCHW, ws)
-    conv = cudnn.convolution_descriptor(pad, stride, dil, groups, compute_type=dtype, math_type=math_type)
+    x_desc = cudnn.TensorDescriptor(dtype, xs)
+    w_desc = cudnn.FilterDescriptor(dtype, NCHW, ws)
+    conv = cudnn.ConvolutionDescriptor(pad, stride, dil, groups, compute_type=dtype, math_type=math_type)
     y_shape = conv.output_shape(x_desc, w_desc)
-    y_desc = cudnn.tensor_descriptor(dtype, y_shape)
+    y_desc = cudnn.TensorDescriptor(dtype, y_shape)
     return x, w, x_desc, w_desc, conv, y_desc, y_shape
 
 

@@ -10,16 +10,16 @@ float32 with tensor cores allowed (``TENSOR_OP_MATH``), as PyTorch does; float64
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
+from .._geometry import DTYPES
+from .._lru import LRU
+from .._pass import Pass
 from ..arena import get_arena
 from ..arena.streams import cupy_stream, stream_handle
-from .._pass import Pass
 from . import Candidate
 
-_DATA = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BFLOAT16", "float64": "DOUBLE"}
 _DESCRIPTOR_SETS = 1024  # (geometry, math type) pairs whose descriptors the backend keeps at hand
 
 
@@ -36,8 +36,11 @@ class CudnnBackend:
         cudnn.bind_all()
         # (pass, algorithm name as the backend reports it) -> cuDNN's enum member, for the per-call lookup
         self._algos = {(p, a.name.lower()): a for p in Pass for a in cudnn.conv.algorithms(p)}
-        self._descs: dict[tuple[Any, int | None], tuple[Any, Any, Any, Any]] = {}
-        self._descs_lock = threading.Lock()  # guards changes to _descs; lookups read it without the lock
+        # The one cache of cuDNN descriptors: per (geometry, math type), the four a call needs. Building them
+        # costs tens of microseconds, as much as a small convolution's kernel, and a training loop repeats them.
+        self._descs: LRU[tuple[Any, Any, Any, Any]] = LRU(
+            _DESCRIPTOR_SETS, valid=_all_open, discard=_close_all
+        )
         # cuDNN's heuristics can list an algorithm its kernel then refuses: a shape it does not support, or an
         # operand pointer without the alignment a tensor-core kernel needs (a view at an odd offset). PyTorch
         # moves on to the next algorithm in both cases, and so does wsarena (for that call only).
@@ -87,8 +90,8 @@ class CudnnBackend:
 
     # -- arrays ------------------------------------------------------------------------------------------------
     def check_dtype(self, dtype: str) -> None:
-        if dtype not in _DATA:
-            raise TypeError(f"the cudnn backend computes in {', '.join(_DATA)}, not {dtype}")
+        if dtype not in DTYPES:
+            raise TypeError(f"the cudnn backend computes in {', '.join(DTYPES)}, not {dtype}")
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
         return self._cupy.empty(shape, dtype=dtype)
@@ -98,26 +101,13 @@ class CudnnBackend:
 
     # -- descriptors -------------------------------------------------------------------------------------------
     def _descriptors(self, geom: Any, math_type: int | None = None) -> tuple[Any, Any, Any, Any]:
-        """Descriptors of ``geom``; the convolution's math type is ``math_type`` or this dtype's default.
-
-        Remembered per (geometry, math type): building the four lookup keys of the shared descriptor cache
-        costs tens of microseconds, as much as a small convolution's kernel, and a training loop repeats them.
-        """
-        key = (geom, math_type)
-        descs = self._descs.get(key)
-        if descs is not None:
-            x, w, conv, y = descs
-            if not (x.closed or w.closed or conv.closed or y.closed):  # closed by mistake: built again below
-                return descs
-        with self._descs_lock:
-            if len(self._descs) >= _DESCRIPTOR_SETS:
-                self._descs.pop(next(iter(self._descs)))  # the oldest; it stays usable for whoever holds it
-            descs = self._descs[key] = self._build_descriptors(geom, math_type)
-        return descs
+        """Descriptors ``(x, w, conv, y)`` of ``geom``; the convolution's math type is ``math_type`` or this
+        dtype's default. Cached; one closed by mistake is built again."""
+        return self._descs.get((geom, math_type), lambda: self._build_descriptors(geom, math_type))
 
     def _build_descriptors(self, geom: Any, math_type: int | None) -> tuple[Any, Any, Any, Any]:
         c = self._cudnn
-        data = c.DataType[_DATA[geom.dtype]]
+        data = c.data_type(geom.dtype)
         compute = c.DataType.DOUBLE if geom.dtype == "float64" else c.DataType.FLOAT
         if math_type is not None:
             math = c.MathType(math_type)
@@ -125,16 +115,22 @@ class CudnnBackend:
             math = c.MathType.FMA_MATH
         else:
             math = c.MathType.TENSOR_OP_MATH
-        conv = c.convolution_descriptor(geom.padding, geom.stride, geom.dilation, geom.groups, compute, math)
         k, cpg = geom.out_channels, geom.in_channels // geom.groups
-        if geom.layout == "NCHW":
-            x = c.tensor_descriptor(data, geom.input_shape)
-            y = c.tensor_descriptor(data, geom.output_shape)
-            w = c.filter_descriptor(data, c.TensorFormat.NCHW, geom.weight_shape)
-        else:  # cuDNN wants dims in N, C, spatial order; channels-last is expressed by the strides and format
-            x = c.tensor_descriptor(data, *_channels_last(geom.batch, geom.in_channels, geom.input_size))
-            y = c.tensor_descriptor(data, *_channels_last(geom.batch, k, geom.output_size))
-            w = c.filter_descriptor(data, c.TensorFormat.NHWC, (k, cpg, *geom.kernel_size))
+        built: list[Any] = []
+        try:
+            built.append(c.ConvolutionDescriptor(geom.padding, geom.stride, geom.dilation, geom.groups, compute, math))
+            if geom.layout == "NCHW":
+                built.append(c.TensorDescriptor(data, geom.input_shape))
+                built.append(c.TensorDescriptor(data, geom.output_shape))
+                built.append(c.FilterDescriptor(data, c.TensorFormat.NCHW, geom.weight_shape))
+            else:  # cuDNN wants dims in N, C, spatial order; channels-last is expressed by the strides and format
+                built.append(c.TensorDescriptor(data, *_channels_last(geom.batch, geom.in_channels, geom.input_size)))
+                built.append(c.TensorDescriptor(data, *_channels_last(geom.batch, k, geom.output_size)))
+                built.append(c.FilterDescriptor(data, c.TensorFormat.NHWC, (k, cpg, *geom.kernel_size)))
+        except BaseException:
+            _close_all(built)  # a later one failed: destroy the earlier ones now rather than at collection
+            raise
+        conv, x, y, w = built
         return x, w, conv, y
 
     def _handle(self) -> Any:
@@ -207,6 +203,15 @@ def _channels_last(n: int, c: int, spatial: tuple[int, ...]) -> tuple[tuple[int,
 def _pointers(pass_: str, a: Any, b: Any, out: Any) -> dict[str, int]:
     """Device addresses of x, w and y for the pass's operand order (a, b, out)."""
     return Pass(pass_).by_role(a.data.ptr, b.data.ptr, out.data.ptr)
+
+
+def _all_open(descs: Sequence[Any]) -> bool:
+    return not any(d.closed for d in descs)
+
+
+def _close_all(descs: Sequence[Any]) -> None:
+    for d in descs:
+        d.close()
 
 
 def _usable(perfs: Sequence[Any], *, timed: bool = False) -> list[Candidate]:

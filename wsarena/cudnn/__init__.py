@@ -15,8 +15,7 @@ conda, the system loader, ``$CUDNN_PATH`` and ``$CUDA_PATH``. Only cuDNN 9 is ac
   :class:`CudnnNotFoundError`, :class:`CudnnVersionError`, :class:`CudnnSymbolError` and
   :class:`CudnnGpuUnavailableError` are :class:`~wsarena.errors.BackendUnavailableError`.
 - Descriptors (no GPU needed): :class:`TensorDescriptor`, :class:`FilterDescriptor`,
-  :class:`ConvolutionDescriptor` and their cached getters :func:`tensor_descriptor`, :func:`filter_descriptor`,
-  :func:`convolution_descriptor`.
+  :class:`ConvolutionDescriptor`; :func:`data_type` for a dtype name.
 - Handles (GPU): :func:`get_handle` per device and host thread, :meth:`Handle.set_stream`.
 - Convolution calls (GPU): :func:`workspace_size`, :func:`heuristic_algorithms`, :func:`find_algorithms`,
   :func:`convolution`, each returning plain ints or frozen :class:`AlgoPerf` records.
@@ -64,11 +63,7 @@ from .descriptors import (
     ConvolutionDescriptor,
     FilterDescriptor,
     TensorDescriptor,
-    clear_descriptor_cache,
-    convolution_descriptor,
     data_type,
-    filter_descriptor,
-    tensor_descriptor,
 )
 from .handle import Handle, close_all_handles, get_handle
 
@@ -105,12 +100,9 @@ __all__ = sorted(
         "algorithm",
         "algorithms",
         "bind_all",
-        "clear_descriptor_cache",
         "close_all_handles",
         "convolution",
-        "convolution_descriptor",
         "data_type",
-        "filter_descriptor",
         "find_algorithms",
         "function",
         "get_handle",
@@ -118,7 +110,6 @@ __all__ = sorted(
         "heuristic_algorithms",
         "library_info",
         "load_library",
-        "tensor_descriptor",
         "workspace_size",
         *_errors_all,
     }

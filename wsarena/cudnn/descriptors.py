@@ -1,4 +1,4 @@
-"""Tensor, filter and convolution descriptors: owned cuDNN handles and cached getters keyed by their parameters.
+"""Tensor, filter and convolution descriptors: owned cuDNN handles.
 
 These calls need libcudnn but no GPU. Each descriptor object owns one cuDNN descriptor and destroys it exactly
 once: :meth:`~_Descriptor.close` (idempotent), ``with``, or, as a safety net, when the object is garbage
@@ -17,12 +17,10 @@ The descriptors keep the shape they were given (``shape``) beside the one cuDNN 
 
 from __future__ import annotations
 
-import collections
 import ctypes
-import threading
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ..errors import UnsupportedConvolutionError
@@ -35,11 +33,7 @@ __all__ = [
     "ConvolutionDescriptor",
     "FilterDescriptor",
     "TensorDescriptor",
-    "clear_descriptor_cache",
-    "convolution_descriptor",
     "data_type",
-    "filter_descriptor",
-    "tensor_descriptor",
 ]
 
 CUDNN_DIM_MAX = 8  # cudnn_graph.h: the most dimensions a tensor descriptor may have
@@ -369,95 +363,3 @@ class ConvolutionDescriptor(_Descriptor):
             f"<ConvolutionDescriptor padding={self.padding} stride={self.stride} dilation={self.dilation} "
             f"groups={self.groups} compute={self.compute_type.name} math={self.math_type.name}{state}>"
         )
-
-
-class _DescriptorCache:
-    """A bounded LRU of descriptors keyed by their parameters; a closed entry is rebuilt on its next request.
-
-    Evicted descriptors are not closed here: whoever still holds one keeps it valid, and its finalizer destroys
-    it once nobody does.
-    """
-
-    def __init__(self, maxsize: int = 1024) -> None:
-        self.maxsize = maxsize
-        self._items: collections.OrderedDict[Hashable, _Descriptor] = collections.OrderedDict()
-        self._lock = threading.Lock()  # guards _items; building a descriptor happens outside it
-        self.builds = 0
-
-    def get(self, key: Hashable, build: Callable[[], _D]) -> _D:
-        with self._lock:
-            desc = self._items.get(key)
-            if desc is not None and not desc.closed:
-                self._items.move_to_end(key)
-                return desc  # type: ignore[return-value]
-        desc = build()  # may raise CudnnError: nothing is cached then
-        with self._lock:
-            current = self._items.get(key)
-            if current is not None and not current.closed:
-                desc.close()  # another thread built the same one first; keep a single instance
-                return current  # type: ignore[return-value]
-            self._items[key] = desc
-            self._items.move_to_end(key)
-            self.builds += 1
-            while len(self._items) > self.maxsize:
-                self._items.popitem(last=False)
-        return desc
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-_cache = _DescriptorCache()
-
-
-def tensor_descriptor(
-    dtype: DataType | str, shape: Sequence[int], strides: Sequence[int] | None = None
-) -> TensorDescriptor:
-    """A shared :class:`TensorDescriptor` for these parameters, built on first request and cached.
-
-    Do not close the returned object; it belongs to the cache (a closed one is rebuilt on the next request).
-    """
-    dt, shp = data_type(dtype), _ints("shape", shape)
-    strd = _contiguous_strides(shp) if strides is None else _ints("strides", strides)
-    return _cache.get(("tensor", dt, shp, strd), lambda: TensorDescriptor(dt, shp, strd))
-
-
-def filter_descriptor(
-    dtype: DataType | str, format: TensorFormat, shape: Sequence[int]  # noqa: A002
-) -> FilterDescriptor:
-    """A shared :class:`FilterDescriptor` for these parameters, built on first request and cached."""
-    dt, fmt, shp = data_type(dtype), TensorFormat(format), _ints("shape", shape)
-    return _cache.get(("filter", dt, fmt, shp), lambda: FilterDescriptor(dt, fmt, shp))
-
-
-def convolution_descriptor(
-    padding: Sequence[int],
-    stride: Sequence[int],
-    dilation: Sequence[int],
-    groups: int = 1,
-    compute_type: DataType | str = DataType.FLOAT,
-    math_type: MathType = MathType.DEFAULT_MATH,
-    mode: ConvolutionMode = ConvolutionMode.CROSS_CORRELATION,
-) -> ConvolutionDescriptor:
-    """A shared :class:`ConvolutionDescriptor` for these parameters, built on first request and cached."""
-    key = (
-        "convolution",
-        _ints("padding", padding),
-        _ints("stride", stride),
-        _ints("dilation", dilation),
-        _ints("groups", [groups])[0],
-        data_type(compute_type),
-        MathType(math_type),
-        ConvolutionMode(mode),
-    )
-    return _cache.get(key, lambda: ConvolutionDescriptor(*key[1:]))
-
-
-def clear_descriptor_cache() -> None:
-    """Drop every cached descriptor (each is destroyed once nothing else holds it)."""
-    _cache.clear()
-

@@ -1,0 +1,82 @@
+"""The one cache of costly objects (cuDNN descriptor sets): hits, rebuilds, failures, bounds, races."""
+
+import threading
+
+import pytest
+
+from wsarena._lru import LRU
+
+
+class Thing:
+    def __init__(self, key):
+        self.key = key
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_same_key_gives_the_same_object_and_other_keys_others():
+    cache = LRU(8)
+    first = cache.get("a", lambda: Thing("a"))
+    assert cache.get("a", lambda: Thing("again")) is first
+    assert cache.get("b", lambda: Thing("b")) is not first
+    assert cache.builds == 2 and len(cache) == 2 and "a" in cache
+
+
+def test_an_entry_closed_by_mistake_is_built_again():
+    cache = LRU(8, valid=lambda t: not t.closed)
+    first = cache.get("a", lambda: Thing("a"))
+    first.close()
+    again = cache.get("a", lambda: Thing("a"))
+    assert again is not first and not again.closed
+    assert cache.get("a", lambda: Thing("a")) is again
+
+
+def test_a_failed_build_is_not_cached():
+    cache = LRU(8)
+
+    def fail():
+        raise ValueError("cannot build")
+
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cannot build"):
+            cache.get("a", fail)
+    assert len(cache) == 0 and cache.builds == 0
+
+
+def test_it_is_bounded_least_recently_used_first_and_eviction_closes_nothing():
+    cache = LRU(3)
+    first = cache.get(1, lambda: Thing(1))
+    for n in (2, 3):
+        cache.get(n, lambda n=n: Thing(n))
+    cache.get(1, lambda: Thing("rebuilt"))  # used again: now the most recent
+    cache.get(4, lambda: Thing(4))  # evicts 2, the least recently used
+    assert len(cache) == 3 and 2 not in cache and 1 in cache
+    assert cache.get(1, lambda: Thing("rebuilt")) is first
+    assert cache.builds == 4 and not first.closed
+
+
+def test_of_two_threads_building_one_key_one_object_wins_and_the_other_is_discarded():
+    discarded = []
+    cache = LRU(8, discard=lambda t: (t.close(), discarded.append(t)))
+    both_building = threading.Barrier(2)
+    got = []
+
+    def build():
+        both_building.wait(5)  # both missed; both build
+        return Thing("k")
+
+    threads = [threading.Thread(target=lambda: got.append(cache.get("k", build))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(got) == 2 and got[0] is got[1] and not got[0].closed
+    assert len(discarded) == 1 and discarded[0].closed and discarded[0] is not got[0]
+    assert cache.builds == 1
+
+
+def test_maxsize_must_be_positive():
+    with pytest.raises(ValueError, match="maxsize"):
+        LRU(0)

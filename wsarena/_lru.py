@@ -1,0 +1,84 @@
+"""A bounded map that builds what it lacks: the one cache of objects that are costly to build (cuDNN descriptors).
+
+Lookups take no lock: a hit is one dictionary read and a move to the end, which CPython does atomically. A miss
+builds the value outside the lock (building may call into cuDNN and take milliseconds), then inserts it unless
+another thread inserted one first, in which case that one wins and the new one is given to ``discard``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+__all__ = ["LRU"]
+
+V = TypeVar("V")
+
+
+class LRU(Generic[V]):
+    """At most ``maxsize`` values, the least recently used evicted first.
+
+    Parameters
+    ----------
+    maxsize : int
+        How many entries to keep (>= 1).
+    valid : callable, optional
+        ``valid(value) -> bool``; a cached value that is no longer valid (a descriptor closed by mistake) is
+        built again on its next request.
+    discard : callable, optional
+        Called with a value built by a thread that lost the race to insert it. Evicted values are *not*
+        discarded: whoever still holds one keeps it usable, and its own finalizer cleans it up.
+    """
+
+    def __init__(
+        self,
+        maxsize: int,
+        *,
+        valid: Callable[[V], bool] | None = None,
+        discard: Callable[[V], None] | None = None,
+    ) -> None:
+        if maxsize < 1:
+            raise ValueError(f"maxsize must be >= 1, not {maxsize}")
+        self.maxsize = maxsize
+        self.builds = 0
+        self._valid = valid
+        self._discard = discard
+        self._items: collections.OrderedDict[Hashable, V] = collections.OrderedDict()
+        self._lock = threading.Lock()  # guards inserts and evictions; never held while building
+
+    def get(self, key: Hashable, build: Callable[[], V]) -> V:
+        """The value for ``key``, built with ``build()`` on a miss (an exception from it caches nothing)."""
+        value = self._items.get(key)
+        if value is not None and (self._valid is None or self._valid(value)):
+            try:
+                self._items.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile: still a good value for this caller
+                pass
+            return value
+        value = build()
+        with self._lock:
+            current = self._items.get(key)
+            if current is not None and (self._valid is None or self._valid(current)):
+                winner, loser = current, value
+            else:
+                self._items[key] = winner = value
+                loser = None
+                self.builds += 1
+                while len(self._items) > self.maxsize:
+                    self._items.popitem(last=False)
+            self._items.move_to_end(key)
+        if loser is not None and self._discard is not None:
+            self._discard(loser)
+        return winner
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items
