@@ -120,10 +120,14 @@ def test_public_names():
         assert hasattr(cudnn, name), name
     assert wsarena.cudnn is cudnn
     for name in ("bind_all", "library_info", "get_handle", "TensorDescriptor", "FilterDescriptor",
-                 "ConvolutionDescriptor", "data_type",
-                 "workspace_size", "heuristic_algorithms", "find_algorithms", "convolution", "AlgoPerf",
-                 "CudnnError", "CudnnBadParamError", "Status", "ConvolutionFwdAlgo"):
+                 "ConvolutionDescriptor", "data_type", "workspace_size", "heuristic_algorithms", "find_algorithms",
+                 "convolution", "AlgoPerf", "CudnnError", "CudnnBadParamError", "Status", "ConvolutionFwdAlgo"):
         assert name in cudnn.__all__, name
+    # Every generated status class is public, and nothing public is left out of __all__.
+    assert {cls.__name__ for cls in cudnn.STATUS_ERRORS.values()} <= set(cudnn.__all__)
+    public = {name for name in vars(cudnn) if not name.startswith("_")} - {"annotations"}
+    modules = {name for name in public if type(getattr(cudnn, name)).__name__ == "module"}
+    assert public - modules == set(cudnn.__all__)
 
 
 @pytest.mark.skipif(not cudnn.library_info()["found"], reason="libcudnn not loadable")

@@ -142,10 +142,14 @@ def test_generated_file_is_up_to_date():
             "(test_no_header_enumerator_is_missing checks that they agree)"
         )
     gen = _generator()
-    expected = gen.render(probe.parsed()["enums"], version, cudnn_headers.CUDNN_HEADERS)
+    enums = probe.parsed()["enums"]
+    expected = gen.render(enums, version, cudnn_headers.CUDNN_HEADERS)
     current = (Path(cudnn.__file__).parent / "_enums.py").read_text()
     assert current == expected, "wsarena/cudnn/_enums.py is stale: run python tools/gen_cudnn_enums.py"
     assert cudnn.HEADER_VERSION == version
+    expected = gen.render_status_errors(enums["cudnnStatus_t"], version, cudnn_headers.CUDNN_HEADERS)
+    current = (Path(cudnn.__file__).parent / "_status_errors.py").read_text()
+    assert current == expected, "wsarena/cudnn/_status_errors.py is stale: run python tools/gen_cudnn_enums.py"
 
 
 def test_generator_member_name_rule():

@@ -19,8 +19,9 @@
         └── CudnnExecutionFailedError                               5000
             └── ...                                                 5xxx
 
-There is one subclass per :class:`~wsarena.cudnn.Status` value, generated from the enum. ``CudnnError(status)``
-itself returns an instance of the matching subclass, so ``except CudnnBadParamError`` catches every 2xxx status.
+There is one subclass per :class:`~wsarena.cudnn.Status` value, generated from the header into
+:mod:`wsarena.cudnn._status_errors`. ``CudnnError(status)`` itself returns an instance of the matching subclass,
+so ``except CudnnBadParamError`` catches every 2xxx status.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from ..errors import BackendUnavailableError, WsarenaError
 from ._enums import Status
 
 __all__ = [
-    "STATUS_ERRORS",
     "CudnnError",
     "CudnnGpuUnavailableError",
     "CudnnNotFoundError",
@@ -90,7 +90,7 @@ class CudnnError(WsarenaError, RuntimeError):
 
     def __new__(cls, status: int = -1, *args: object, **kwargs: object) -> CudnnError:
         if cls is CudnnError:
-            cls = STATUS_ERRORS.get(int(status), CudnnError)
+            cls = error_class(status)
         return super().__new__(cls)
 
     def __init__(self, status: int, message: str = "", func_name: str | None = None, context: str = "") -> None:
@@ -110,31 +110,10 @@ class CudnnGpuUnavailableError(BackendUnavailableError, CudnnError):
     """``cudnnCreate`` failed and no CUDA GPU is usable; the message says why (no driver, no device...)."""
 
 
-def _class_name(member: Status) -> str:
-    # BAD_PARAM -> CudnnBadParamError; INTERNAL_ERROR -> CudnnInternalError (no doubled "Error").
-    camel = "Cudnn" + "".join(word.capitalize() for word in member.name.split("_"))
-    return camel if camel.endswith("Error") else camel + "Error"
-
-
-def _build_status_errors() -> dict[int, type[CudnnError]]:
-    """One subclass per status value; a specific status (2003) derives from its category's class (2000)."""
-    classes: dict[int, type[CudnnError]] = {}
-    # Canonical members only (aliases share a class), categories (x000) first so children find their parent.
-    members = sorted((m for m in Status if m is not Status.SUCCESS), key=lambda m: (m.value % 1000 != 0, m.value))
-    for member in members:
-        parent = classes.get(member.value // 1000 * 1000, CudnnError)
-        doc = f"cuDNN returned ``CUDNN_STATUS_{member.name}`` ({member.value})."
-        classes[member.value] = type(_class_name(member), (parent,), {"__doc__": doc, "__module__": __name__})
-    return classes
-
-
-STATUS_ERRORS: dict[int, type[CudnnError]] = _build_status_errors()
-globals().update({cls.__name__: cls for cls in STATUS_ERRORS.values()})
-__all__ += sorted(cls.__name__ for cls in STATUS_ERRORS.values())
-
-
 def error_class(status: int) -> type[CudnnError]:
     """The exception class raised for ``status`` (plain :class:`CudnnError` for an unknown value)."""
+    from ._status_errors import STATUS_ERRORS  # generated; it imports this module for CudnnError
+
     return STATUS_ERRORS.get(int(status), CudnnError)
 
 
