@@ -426,3 +426,35 @@ def test_ctrl_c_as_the_lease_is_given_back_leaves_the_stream_usable(fresh_arena)
         assert fresh_arena.stats()["leases"] == 0
         assert fresh_arena.stats()["high_water_bytes"] > 0  # the interrupted call did hold a workspace
         np.testing.assert_allclose(conv_forward(x, w), ref_conv_forward(x, w), rtol=1e-5)
+
+
+def test_out_and_stream_are_keyword_only():
+    y = np.empty((1, 2, 4, 4), np.float32)
+    for op, args in ((conv_forward, (X, W)), (conv_backward_data, (y, W, X.shape)),
+                     (conv_backward_filter, (X, y, W.shape))):
+        with pytest.raises(TypeError, match="positional"):
+            op(*args, 1, 0, 1, 1, None)
+
+
+def test_a_remembered_call_follows_a_cleared_algorithm_cache(monkeypatch):
+    """The ops keep each call's choice in their per-signature record; algos.cache_clear() must reach it."""
+    from wsarena import algos
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    x = np.random.default_rng(5).standard_normal((2, 3, 9, 9))
+    w = np.random.default_rng(6).standard_normal((4, 3, 3, 3))
+    geom = wsarena._geometry.conv_geometry(x.shape, w.shape, padding=1, dtype="float64")
+    real_run, ran = CpuBackend.run, []
+    monkeypatch.setattr(CpuBackend, "run", lambda self, p, cand, *a: ran.append(cand.algo) or real_run(self, p, cand, *a))
+    conv_forward(x, w, padding=1)
+    conv_forward(x, w, padding=1)
+    first = cpu.candidates("fwd", geom)[0]
+    assert ran == [first, first]
+    last = cpu.candidates("fwd", geom)[-1]
+    monkeypatch.setattr(cpu, "candidates", lambda pass_, g: [last])  # what a new choice would now give
+    conv_forward(x, w, padding=1)
+    assert ran[-1] == first  # still remembered
+    algos.cache_clear()
+    y = conv_forward(x, w, padding=1)
+    assert ran[-1] == last
+    assert rel_err(y, ref_conv_forward(x, w, padding=1)) <= TOL["float64"]

@@ -5,26 +5,57 @@ NumPy arrays run on the ``cpu`` backend, CuPy arrays on ``cudnn``. 1-, 2- or 3-D
 scratch memory of its own. Arguments are checked before any workspace is leased or any work enqueued.
 
 On cuDNN, float16 and bfloat16 are computed in float32 with tensor cores allowed, as PyTorch does.
+
+A training loop repeats the same calls every step, so what a call's arguments determine (backend, checked
+geometry, output shape, and the algorithm choice for the settings in force) is kept in one record per call
+signature: a repeated call makes one dictionary lookup, then leases and runs.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-
-from ._config import get_config
+from . import algos
+from ._config import Config, get_config
 from ._geometry import DTYPES, ConvGeometry, conv_geometry
+from ._pass import Pass
 from .algos import forced, run_with_fallback, select
-from .backends import Candidate, array_backend_name, get_backend, is_masked_type, type_backend_name
+from .backends import Backend, Candidate, array_backend_name, get_backend, is_masked_type, type_backend_name
 
 __all__ = ["conv_backward_data", "conv_backward_filter", "conv_forward"]
 
+_RECORDS_MAX = 4096  # call signatures remembered; past it the records are dropped and rebuilt as calls come
 # str(dtype) costs microseconds; a dict lookup on the dtype object does not (this runs on every call)
 _NAMES = {np.dtype(k): k for k in ("float16", "float32", "float64")}
+
+
+class _Record:
+    """What one call signature determines: its backend, geometry and output, and the algorithms chosen for it.
+
+    ``choices`` maps a device key to the usable candidates, best first, as :func:`wsarena.algos.select` chose
+    them under the signature's cap and search (kept only once the algorithm cache keeps them too).
+    """
+
+    __slots__ = ("backend", "choices", "dtype", "generation", "geom", "out_shape")
+
+    def __init__(self, backend: Backend, geom: ConvGeometry, dtype: str, out_shape: tuple[int, ...]) -> None:
+        self.backend = backend
+        self.geom = geom
+        self.dtype = dtype
+        self.out_shape = out_shape
+        self.choices: dict[Any, tuple[Candidate, ...]] = {}
+        self.generation = algos.generation()
+
+
+_records: dict[tuple[Any, ...], _Record] = {}
+
+
+def records_clear() -> None:
+    """Forget every remembered call signature (the settings and algorithm cache are unaffected)."""
+    _records.clear()
 
 
 class _Uncacheable(Exception):
@@ -32,7 +63,7 @@ class _Uncacheable(Exception):
 
 
 def _frozen(value: Any) -> Any:
-    """``value`` with lists turned into tuples, so that the arguments of a call can key a cache."""
+    """``value`` with lists turned into tuples, so that the arguments of a call can key a record."""
     kind = type(value)
     if kind is int or kind is str or value is None:
         return value
@@ -43,15 +74,15 @@ def _frozen(value: Any) -> Any:
 
 
 def _dtype_name(name: str, dtype: Any) -> str:
-    text = str(dtype)
+    text = _NAMES.get(dtype) or str(dtype)
     if text not in DTYPES:
         raise TypeError(f"{name} must be a floating-point array (float16, bfloat16, float32 or float64), not {text}")
     return text
 
 
-def _backend_for(types: dict[str, type], configured: str) -> Any:
+def _backend_for(names: tuple[str, str], types: tuple[type, type], configured: str) -> Backend:
     kinds = {}
-    for name, kind in types.items():
+    for name, kind in zip(names, types):
         backend = type_backend_name(kind)
         if backend is None:
             masked = " (its mask would be ignored; pass .filled(0))" if is_masked_type(kind) else ""
@@ -69,34 +100,25 @@ def _backend_for(types: dict[str, type], configured: str) -> Any:
     return get_backend(kind)
 
 
-class _Call(NamedTuple):
-    """What a call's array types, shapes, dtypes and parameters determine."""
-
-    backend: Any
-    geom: ConvGeometry
-    dtype: str
-    out_shape: tuple[int, ...]
-
-
-def _prepare(
-    pass_: str, names: tuple[str, str], types: tuple[type, type], shapes: tuple[Any, Any], dtypes: tuple[Any, Any],
-    input_shape: Any, weight_shape: Any, stride: Any, padding: Any, dilation: Any, groups: Any, layout: str,
-    configured: str,
-) -> _Call:
+def _record(
+    pass_: Pass, a: Any, b: Any, shape_arg: Any, params: tuple[Any, Any, Any, Any], layout: str, configured: str
+) -> _Record:
     """Check what a call's array types, shapes and dtypes and its parameters determine.
 
     Raises the ``TypeError``/``ValueError`` that names a bad argument."""
-    backend = _backend_for(dict(zip(names, types)), configured)
-    named = {name: _dtype_name(name, dtype) for name, dtype in zip(names, dtypes)}
+    names = pass_.names
+    backend = _backend_for(names[:2], (type(a), type(b)), configured)
+    named = {name: _dtype_name(name, array.dtype) for name, array in zip(names, (a, b))}
     if len(set(named.values())) > 1:
         raise TypeError(f"dtypes differ: {', '.join(f'{n} is {d}' for n, d in named.items())}")
     dtype = named[names[0]]
     backend.check_dtype(dtype)
+    shapes = (a.shape, b.shape)
+    stride, padding, dilation, groups = params
     geom = conv_geometry(
-        shapes[0] if input_shape is None else input_shape,
-        shapes[1] if weight_shape is None else weight_shape,
-        stride=stride, padding=padding, dilation=dilation, groups=groups,
-        layout=layout, dtype=dtype,
+        shape_arg if pass_ is Pass.BWD_DATA else shapes[0],  # x: given for bwd_data, else the first operand
+        shape_arg if pass_ is Pass.BWD_FILTER else shapes[1],  # w: given for bwd_filter, else the second one
+        stride=stride, padding=padding, dilation=dilation, groups=groups, layout=layout, dtype=dtype,
     )
     expected = geom.operand_shapes(pass_)
     for name, shape, want in zip(names, shapes, expected):
@@ -105,55 +127,35 @@ def _prepare(
                 f"{name} has shape {tuple(shape)}; expected {want} for this convolution "
                 f"(input {geom.input_shape}, weight {geom.weight_shape}, layout {layout})"
             )
-    return _Call(backend, geom, dtype, expected[2])
+    return _Record(backend, geom, dtype, expected[2])
 
 
-# A training loop repeats the same calls every step: remember what their arguments determine.
-_prepared = functools.lru_cache(maxsize=4096)(_prepare)
-
-
-def _prepare_call(
-    pass_: str, names: tuple[str, str], a: Any, b: Any, input_shape: Any, weight_shape: Any, params: tuple,
-    layout: str, configured: str,
-) -> _Call:
-    """:func:`_prepare` for a call's operands, cached where the arguments can key a cache."""
-    shapes = (getattr(a, "shape", None), getattr(b, "shape", None))
-    dtypes = (getattr(a, "dtype", None), getattr(b, "dtype", None))
-    head = (pass_, names, (type(a), type(b)), shapes, dtypes)
-    try:
-        key = (*head, *map(_frozen, (input_shape, weight_shape, *params)), layout, configured)
-        hash(key)
-    except (_Uncacheable, TypeError):
-        return _prepare(*head, input_shape, weight_shape, *params, layout, configured)
-    return _prepared(*key)
-
-
-def _contiguous(array: Any) -> Any:
-    return array if array.flags.c_contiguous else array.copy(order="C")
-
-
-def _check_out(call: _Call, out: Any, a: Any, b: Any) -> None:
-    backend = call.backend
+def _check_out(record: _Record, out: Any, a: Any, b: Any) -> None:
+    backend = record.backend
     # The common case in a few comparisons: out is of a's own type, shape and dtype, C-contiguous and (NumPy's
     # flag; CuPy has none) writeable.
     flags = getattr(out, "flags", None)
     if not (
-        type(out) is type(a) and out.shape == call.out_shape and out.dtype == a.dtype
-        and flags.c_contiguous and getattr(flags, "writeable", True)
+        type(out) is type(a) and out.shape == record.out_shape and out.dtype == a.dtype
+        and flags is not None and flags.c_contiguous and getattr(flags, "writeable", True)
     ):
         if array_backend_name(out) != backend.name:
             kind = "NumPy" if backend.name == "cpu" else "CuPy"
             raise TypeError(f"out must be a {kind} array, not {type(out).__name__}")
-        if tuple(out.shape) != call.out_shape:
-            raise ValueError(f"out has shape {tuple(out.shape)}; this convolution writes {call.out_shape}")
-        if (_NAMES.get(out.dtype) or str(out.dtype)) != call.dtype:
-            raise TypeError(f"out has dtype {out.dtype}; this convolution writes {call.dtype}")
-        if not flags.c_contiguous:
+        if tuple(out.shape) != record.out_shape:
+            raise ValueError(f"out has shape {tuple(out.shape)}; this convolution writes {record.out_shape}")
+        if (_NAMES.get(out.dtype) or str(out.dtype)) != record.dtype:
+            raise TypeError(f"out has dtype {out.dtype}; this convolution writes {record.dtype}")
+        if not out.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
-        if not getattr(flags, "writeable", True):
+        if not getattr(out.flags, "writeable", True):
             raise ValueError("out is read-only")
     if backend.may_share_memory(out, a) or backend.may_share_memory(out, b):
         raise ValueError("out overlaps an input; convolutions cannot run in place")
+
+
+def _contiguous(array: Any) -> Any:
+    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
 def _shape_arg(name: str, shape: Any) -> tuple[int, ...]:
@@ -163,52 +165,95 @@ def _shape_arg(name: str, shape: Any) -> tuple[int, ...]:
 
 
 def _execute(
-    pass_: str, names: tuple[str, str], a: Any, b: Any, input_shape: Any, weight_shape: Any,
-    params: tuple[Any, Any, Any, Any], out: Any, stream: Any, layout: str, algo: str | None,
+    pass_: Pass, a: Any, b: Any, shape_arg: Any, params: tuple[Any, Any, Any, Any], out: Any, stream: Any,
+    layout: str, algo: str | None,
 ) -> Any:
-    """Run one pass on the operands ``a`` and ``b`` (named ``names``); ``params`` is ``(stride, padding,
-    dilation, groups)``."""
+    """Run one pass on the operands ``a`` and ``b``; ``params`` is ``(stride, padding, dilation, groups)``."""
     cfg = get_config()
-    call = _prepare_call(pass_, names, a, b, input_shape, weight_shape, params, layout, cfg.backend)
-    backend, geom = call.backend, call.geom
+    stride, padding, dilation, groups = params
+    if type(stride) is int and type(padding) is int and type(dilation) is int and type(groups) is int:
+        frozen: tuple[Any, ...] | None = params  # the common case, in four comparisons
+    else:
+        frozen = _frozen_params(params)
+    if shape_arg is not None and frozen is not None:
+        try:
+            shape_arg = _frozen(shape_arg)
+        except _Uncacheable:
+            frozen = None
+    record = key = None
+    if frozen is not None:
+        key = (
+            pass_, type(a), type(b), getattr(a, "shape", None), getattr(b, "shape", None),
+            getattr(a, "dtype", None), getattr(b, "dtype", None), shape_arg, *frozen, layout, cfg.backend,
+            cfg.cap_workspace, cfg.algo_search,
+        )
+        try:
+            record = _records.get(key)
+        except TypeError:  # something unhashable (a shape that is no tuple): checked below, never remembered
+            key = None
+    if record is None:
+        record = _record(pass_, a, b, shape_arg, params, layout, cfg.backend)
+        if key is not None:
+            if len(_records) >= _RECORDS_MAX:
+                _records.clear()
+            _records[key] = record
     if out is not None:
-        _check_out(call, out, a, b)
+        _check_out(record, out, a, b)
+    backend, geom = record.backend, record.geom
     # Everything that touches memory happens on the operands' device with `stream` current, so copies and the
     # convolution are ordered on one stream. A forced algorithm is checked there too (its workspace size is the
     # device's), before anything is allocated or enqueued.
     with backend.context((a, b) if out is None else (a, b, out), stream):
         chosen = None if algo is None else forced(backend, pass_, geom, algo, cap=cfg.cap_workspace)
-        result = backend.empty(call.out_shape, call.dtype) if out is None else out
+        result = backend.empty(record.out_shape, record.dtype) if out is None else out
         if geom.batch == 0:
             backend.arena().lease(0, stream=stream)  # takes nothing; checks `stream` as a real call would
-            if pass_ == "bwd_filter":
+            if pass_ is Pass.BWD_FILTER:
                 result[...] = 0
             return result
-        _run(backend, pass_, geom, _contiguous(a), _contiguous(b), result, stream, cfg, chosen)
+        a, b = _contiguous(a), _contiguous(b)
+        if chosen is None:
+            chosen = _choice(record, pass_, cfg, (a, b, result), stream)
+
+        def run(cand: Candidate, ws: Any) -> None:
+            backend.run(pass_, cand, geom, a, b, result, ws, stream)
+
+        run_with_fallback(backend.arena(), chosen, run, stream=stream, cap=cfg.cap_workspace,
+                          retry=backend.retry_errors)
     return result
 
 
-def _run(
-    backend: Any, pass_: str, geom: ConvGeometry, a: Any, b: Any, out: Any, stream: Any, cfg: Any,
-    candidates: tuple[Candidate, ...] | None,
-) -> None:
-    """Choose (unless ``algo=`` already did), lease and run, falling back when the arena cannot grow."""
-    if candidates is None:
-        candidates = select(
-            backend, pass_, geom, cap=cfg.cap_workspace, search=cfg.algo_search, operands=(a, b, out), stream=stream
-        )
+def _frozen_params(params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``params`` with lists frozen into tuples, or ``None`` when one of them cannot key a record (a float, a bool,
+    a NumPy integer: each call checks those afresh, since ``True == 1`` would find the record of ``1``)."""
+    try:
+        return tuple(_frozen(v) for v in params)
+    except _Uncacheable:
+        return None
 
-    def run(cand: Candidate, ws: Any) -> None:
-        backend.run(pass_, cand, geom, a, b, out, ws, stream)
 
-    run_with_fallback(
-        backend.arena(), candidates, run, stream=stream, cap=cfg.cap_workspace, retry=backend.retry_errors
-    )
+def _choice(record: _Record, pass_: Pass, cfg: Config, operands: tuple[Any, Any, Any], stream: Any) -> tuple[Any, ...]:
+    """The record's candidates for the current device, chosen by :func:`select` on first use."""
+    backend = record.backend
+    device = backend.device_key()
+    if record.generation == algos.generation():
+        chosen = record.choices.get(device)
+        if chosen is not None:
+            return chosen
+    else:
+        record.choices.clear()
+        record.generation = algos.generation()
+    geom = record.geom
+    cap, search = cfg.cap_workspace, cfg.algo_search
+    chosen = select(backend, pass_, geom, cap=cap, search=search, operands=operands, stream=stream)
+    if algos.is_cached(backend, pass_, geom, cap=cap, search=search):  # a search cut short is not kept
+        record.choices[device] = chosen
+    return chosen
 
 
 def conv_forward(
-    x: Any, w: Any, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1,
-    out: Any = None, stream: Any = None, *, layout: str = "NCHW", algo: str | None = None,
+    x: Any, w: Any, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1, *,
+    out: Any = None, stream: Any = None, layout: str = "NCHW", algo: str | None = None,
 ) -> Any:
     """Convolve ``x`` with ``w``: ``y = conv(x, w)``.
 
@@ -238,34 +283,32 @@ def conv_forward(
     array
         ``y``, ``(N, K, *out_spatial)`` or channels last.
     """
-    return _execute(
-        "fwd", ("x", "w"), x, w, None, None, (stride, padding, dilation, groups), out, stream, layout, algo
-    )
+    return _execute(Pass.FWD, x, w, None, (stride, padding, dilation, groups), out, stream, layout, algo)
 
 
 def conv_backward_data(
     dy: Any, w: Any, input_shape: Sequence[int], stride: Any = 1, padding: Any = 0, dilation: Any = 1,
-    groups: int = 1, out: Any = None, stream: Any = None, *, layout: str = "NCHW", algo: str | None = None,
+    groups: int = 1, *, out: Any = None, stream: Any = None, layout: str = "NCHW", algo: str | None = None,
 ) -> Any:
     """Gradient of the forward convolution with respect to its input: ``dx`` of shape ``input_shape``.
 
     Parameters are those of :func:`conv_forward`; ``dy`` has the forward output's shape.
     """
     return _execute(
-        "bwd_data", ("dy", "w"), dy, w, _shape_arg("input_shape", input_shape), None,
-        (stride, padding, dilation, groups), out, stream, layout, algo,
+        Pass.BWD_DATA, dy, w, _shape_arg("input_shape", input_shape), (stride, padding, dilation, groups), out,
+        stream, layout, algo,
     )
 
 
 def conv_backward_filter(
     x: Any, dy: Any, weight_shape: Sequence[int], stride: Any = 1, padding: Any = 0, dilation: Any = 1,
-    groups: int = 1, out: Any = None, stream: Any = None, *, layout: str = "NCHW", algo: str | None = None,
+    groups: int = 1, *, out: Any = None, stream: Any = None, layout: str = "NCHW", algo: str | None = None,
 ) -> Any:
     """Gradient of the forward convolution with respect to its filters: ``dw`` of shape ``weight_shape``.
 
     Parameters are those of :func:`conv_forward`; ``dy`` has the forward output's shape.
     """
     return _execute(
-        "bwd_filter", ("x", "dy"), x, dy, None, _shape_arg("weight_shape", weight_shape),
-        (stride, padding, dilation, groups), out, stream, layout, algo,
+        Pass.BWD_FILTER, x, dy, _shape_arg("weight_shape", weight_shape), (stride, padding, dilation, groups), out,
+        stream, layout, algo,
     )
