@@ -33,8 +33,22 @@ def test_get_handle_without_gpu_says_there_is_no_usable_gpu():
     assert not list(handle_mod._live)
 
 
-def test_close_all_handles_with_none_open_is_harmless():
+def test_close_all_handles_destroys_each_live_handle_once(monkeypatch):
+    destroyed = []
+
+    def fake_create(out):
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 0x3000 + len(destroyed)
+        return 0
+
+    monkeypatch.setattr(handle_mod, "function", lambda name: fake_create)
+    monkeypatch.setattr(handle_mod, "call", lambda name, handle, **kw: destroyed.append((name, handle)))
+    monkeypatch.setattr(handle_mod, "_current_device", lambda: 0)
+    cudnn.close_all_handles()  # none open: nothing to do
+    assert destroyed == [] and not list(handle_mod._live)
+    handle = cudnn.get_handle(0)
     cudnn.close_all_handles()
+    cudnn.close_all_handles()  # each handle once, however often it is called
+    assert destroyed == [("cudnnDestroy", 0x3000)] and handle.closed and not list(handle_mod._live)
 
 
 def test_the_first_handle_is_created_alone_and_later_ones_concurrently(monkeypatch):

@@ -49,22 +49,21 @@ def _destroy_quietly(handle: int, device: int) -> None:
 
 
 def _current_device() -> int | None:
-    """The CUDA runtime's current device, or ``None`` when it cannot be asked (no GPU, no cuda-python)."""
+    """The calling thread's current CUDA device (cuda.core's ``Device()``), or ``None`` when it cannot be asked
+    (no driver, no GPU)."""
     try:
-        from cuda.bindings import runtime
+        from cuda.core import Device
 
-        err, device = runtime.cudaGetDevice()
+        return int(Device().device_id)
     except Exception:  # noqa: BLE001 - only a consistency check; cudnnCreate reports the real problem
         return None
-    return int(device) if err == runtime.cudaError_t.cudaSuccess else None
 
 
 def _set_device(device: int) -> None:
-    from cuda.bindings import runtime
+    """Make ``device`` (its primary context) current for the calling thread, as ``cudaSetDevice`` does."""
+    from cuda.core import Device
 
-    (err,) = runtime.cudaSetDevice(device)
-    if err != runtime.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"cudaSetDevice({device}) failed: {getattr(err, 'name', err)}")
+    Device(device).set_current()
 
 
 class Handle(Owned):
