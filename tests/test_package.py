@@ -9,6 +9,10 @@ def test_all_is_sorted_and_every_name_resolves():
     for name in wsarena.__all__:
         assert getattr(wsarena, name) is not None, name
     assert set(dir(wsarena)) >= set(wsarena.__all__)
+    assert set(wsarena._LAZY) <= set(wsarena.__all__)  # every name served on first use is public
+    public = {name for name in vars(wsarena) if not name.startswith("_")} - {"annotations", "importlib", "Any"}
+    modules = {name for name in public if type(getattr(wsarena, name)).__name__ == "module"}
+    assert public - modules <= set(wsarena.__all__)  # nothing defined here is left out
 
 
 def test_the_contract_names_exist():

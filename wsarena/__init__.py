@@ -40,27 +40,34 @@ _LAZY = {
     "cudnn": "wsarena.cudnn",
 }
 
-__all__ = sorted(
-    [
-        "ArenaOutOfMemoryError",
-        "BackendUnavailableError",
-        "Config",
-        "NoAlgorithmFitsError",
-        "UnsupportedConvolutionError",
-        "WorkspaceCapError",
-        "WorkspaceCapWarning",
-        "WorkspaceMemoryError",
-        "WsarenaError",
-        "__version__",
-        "config",
-        "configure",
-        "errors",
-        "format_size",
-        "get_config",
-        "parse_size",
-        *_LAZY,
-    ]
-)
+__all__ = [
+    "Arena",
+    "ArenaOutOfMemoryError",
+    "BackendUnavailableError",
+    "Config",
+    "ConvLayer",
+    "NoAlgorithmFitsError",
+    "Plan",
+    "UnsupportedConvolutionError",
+    "WorkspaceCapError",
+    "WorkspaceCapWarning",
+    "WorkspaceMemoryError",
+    "WsarenaError",
+    "__version__",
+    "config",
+    "configure",
+    "conv_backward_data",
+    "conv_backward_filter",
+    "conv_forward",
+    "cudnn",
+    "errors",
+    "format_size",
+    "get_arena",
+    "get_config",
+    "load_model",
+    "parse_size",
+    "plan",
+]
 
 
 def __getattr__(name: str) -> Any:
