@@ -17,6 +17,7 @@ from .errors import (
     ArenaOutOfMemoryError,
     BackendUnavailableError,
     NoAlgorithmFitsError,
+    SearchCacheWarning,
     UnsupportedConvolutionError,
     WorkspaceCapError,
     WorkspaceCapWarning,
@@ -37,6 +38,8 @@ _LAZY = {
     "load_model": "wsarena.models",
     "Plan": "wsarena.planner",
     "plan": "wsarena.planner",
+    "Tuning": "wsarena.tuning",
+    "tune": "wsarena.tuning",
     "cudnn": "wsarena.cudnn",
 }
 
@@ -46,6 +49,7 @@ __all__ = sorted(
         "BackendUnavailableError",
         "Config",
         "NoAlgorithmFitsError",
+        "SearchCacheWarning",
         "UnsupportedConvolutionError",
         "WorkspaceCapError",
         "WorkspaceCapWarning",
