@@ -71,6 +71,15 @@ def test_directory_rule(monkeypatch, tmp_path):
     assert searchcache.cache_dir() == tmp_path / "xdg" / "wsarena"
 
 
+def test_directory_rule_without_platformdirs(monkeypatch, tmp_path):
+    monkeypatch.delenv("WSARENA_CACHE_DIR")
+    monkeypatch.setitem(sys.modules, "platformdirs", None)  # import fails
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert searchcache.cache_dir() == tmp_path / "xdg" / "wsarena"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert searchcache.cache_dir() == Path.home() / ".cache" / "wsarena"
+
+
 def test_round_trip_times_nothing_a_second_time(cache):
     backend = TableBackend(TABLE)
     first = search(backend)

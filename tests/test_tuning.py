@@ -202,3 +202,25 @@ def test_a_larger_cap_never_gives_a_slower_step(table, max_slowdown):
     chosen = t.recommended
     assert chosen.slowdown <= max_slowdown + 1e-12
     assert all(p.slowdown > max_slowdown for p in finite if p.cap_workspace_bytes < chosen.cap_workspace_bytes)
+
+
+@pytest.mark.gpu
+def test_tuning_on_cudnn_and_its_cache(tmp_path, monkeypatch):
+    """The curve from cuDNN's own search (FindEx times, every math type), and a second tuning from the cache."""
+    from wsarena._search_env import environment
+    from wsarena.backends import get_backend
+
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path))
+    algos.cache_clear()
+    env = environment(get_backend("cudnn"))
+    assert env["api"] == "legacy" and env["compute_capability"] and env["cudnn"] and env["driver"]
+    layers = [ConvLayer("a", (1, 16, 28, 28), (32, 16, 3, 3), padding=1),
+              ConvLayer("b", (1, 32, 28, 28), (32, 32, 5, 5), padding=2)]
+    t = tune(layers, batch=8, backend="cudnn", max_slowdown=0.05)
+    steps = [p.step_seconds for p in t.curve]
+    assert steps == sorted(steps, reverse=True) and t.curve[-1].cap_workspace_bytes is None
+    assert t.recommended.slowdown <= 0.05 + 1e-12
+    assert wsarena.plan(layers, batch=8, backend="cudnn", cap_workspace=t.recommended_cap_bytes,
+                        search="exhaustive").layers == t.plan().layers
+    algos.cache_clear()
+    assert tune(layers, batch=8, backend="cudnn", max_slowdown=0.05).curve == t.curve

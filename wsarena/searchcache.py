@@ -58,8 +58,10 @@ def cache_dir() -> Path | None:
         return None
     if raw:
         return Path(raw).expanduser()
-    import platformdirs
-
+    try:
+        import platformdirs
+    except ImportError:  # an install made without dependencies: the XDG rule, which platformdirs follows on Linux
+        return Path(os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache") / "wsarena"
     return Path(platformdirs.user_cache_dir("wsarena", appauthor=False))
 
 
