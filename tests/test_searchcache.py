@@ -260,7 +260,7 @@ _WRITER = textwrap.dedent(
 
 
 def test_two_processes_writing_at_once_lose_no_entry(cache):
-    env = {**os.environ, "WSARENA_CACHE_DIR": str(cache), "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "WSARENA_CACHE_DIR": str(cache), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     procs = [
         subprocess.Popen([sys.executable, "-c", _WRITER, "1", "121", "1.5"], env=env, stderr=subprocess.PIPE),
         subprocess.Popen([sys.executable, "-c", _WRITER, "41", "161", "2.5"], env=env, stderr=subprocess.PIPE),
