@@ -1,9 +1,12 @@
-"""Run on a GPU machine: the GPU tests, then the rest of the test suite, then the GPU benchmarks.
+"""Run on a GPU machine: the GPU tests, then the rest of the test suite, then the GPU benchmarks and curves.
 
 Writes ``bench/results/gpu-check-<date>.json`` (or into ``--out``) with ``commit``, ``device``, ``cudnn_version``,
 ``passed``, ``failed``, ``skipped`` (over both test runs), the failing test ids, each phase's own counts and
-exit status, and each benchmark's exit status and output. The file is written after every phase, so a run cut
-short by the machine's time limit still leaves what it finished. Exit status: 0 when every test run passed, else 1.
+exit status, and each benchmark's exit status and output. The benchmarks include ``wsarena tune`` of ResNet-50 and
+VGG-16 at batch 32 float32 and batch 64 float16 on cuDNN (``tune-MODEL-DTYPE-bBATCH-gpu.json`` and ``.png`` beside
+the JSON, each searched afresh in a cache folder of its own) and the search cache's start-up saving
+(``search-cache-startup-resnet50-gpu.json``). The file is written after every phase, so a run cut short by the
+machine's time limit still leaves what it finished. Exit status: 0 when every test run passed, else 1.
 
     python bench/gpu_check.py [--out DIR] [--gpu-timeout S] [--test-timeout S] [--bench-timeout S]
                               [--per-test-timeout S] [--no-bench] [-- extra pytest args]
@@ -18,11 +21,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ("bench_gpu_arena.py", "bench_gpu_host.py")  # run after the tests, each with --bench-timeout
+TUNES = (("resnet50", 32, "float32"), ("vgg16", 32, "float32"), ("resnet50", 64, "float16"), ("vgg16", 64, "float16"))
 
 
 def junit_counts(path: Path) -> dict:
@@ -84,6 +89,31 @@ def _pytest(marker: str, timeout: float, per_test: float, extra: list[str], env:
     return {**counts, "exit_status": run.returncode}
 
 
+def _tune_curves(out: Path, timeout: float, env: dict) -> dict:
+    """``wsarena tune`` on cuDNN for each of TUNES, then the search cache's start-up saving; their exit statuses,
+    wall times and output files (written into ``out``)."""
+    runs: dict = {}
+    for model, batch, dtype in TUNES:
+        name = f"tune-{model}-{dtype}-b{batch}-gpu"
+        with tempfile.TemporaryDirectory() as cache:  # searched afresh, whatever the machine's cache holds
+            command = [sys.executable, "-m", "wsarena", "tune", model, "--batch", str(batch), "--dtype", dtype,
+                       "--backend", "cudnn", "--format", "json", "--plot", str(out / f"{name}.png")]
+            start = time.perf_counter()
+            run = _run(command, timeout, {**env, "WSARENA_CACHE_DIR": cache}, capture=True)
+            seconds = time.perf_counter() - start
+        if run.returncode == 0:
+            (out / f"{name}.json").write_text(run.stdout)
+        runs[name] = {"exit_status": run.returncode, "wall_s": round(seconds, 2), "stderr": run.stderr[-2000:]}
+        print(f"{name}: exit status {run.returncode}, {seconds:.1f} s", flush=True)
+    startup = out / "search-cache-startup-resnet50-gpu.json"
+    command = [sys.executable, str(ROOT / "bench" / "bench_search_cache.py"), "--backend", "cudnn", "--model",
+               "resnet50", "--batch", "32", "--repeat", "3", "--json", str(startup)]
+    run = _run(command, 3 * timeout, env, capture=True)
+    print(run.stdout, run.stderr, sep="\n")
+    runs["search_cache_startup"] = {"exit_status": run.returncode, "output": run.stdout.splitlines()}
+    return runs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -140,6 +170,9 @@ def main() -> int:
             "exit_status": bench.returncode,
             "output": bench.stdout.splitlines() + bench.stderr.splitlines()[-20:],
         }
+        write()
+    if not args.no_bench:
+        result["tune"] = _tune_curves(args.out, args.bench_timeout, env)
         write()
     print(f"wrote {target}: {result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped")
     return 0 if ok else 1

@@ -28,6 +28,15 @@ def _fresh_config(monkeypatch):
     wsarena._config._reset()
 
 
+@pytest.fixture(autouse=True)
+def _no_user_cache(monkeypatch, tmp_path_factory):
+    """No test reads or writes the user's search cache: it is off unless a test points WSARENA_CACHE_DIR at a
+    folder of its own, and the user cache folder of any child process (which may drop WSARENA_* variables) is a
+    temporary one."""
+    monkeypatch.setenv("WSARENA_CACHE_DIR", "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+
+
 @pytest.fixture
 def fresh_arena(monkeypatch):
     """The cpu backend leases from a host arena of this test's own (and the algorithm cache starts empty), so

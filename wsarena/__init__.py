@@ -17,6 +17,7 @@ from .errors import (
     ArenaOutOfMemoryError,
     BackendUnavailableError,
     NoAlgorithmFitsError,
+    SearchCacheWarning,
     UnsupportedConvolutionError,
     WorkspaceCapError,
     WorkspaceCapWarning,
@@ -37,6 +38,8 @@ _LAZY = {
     "load_model": "wsarena.models",
     "Plan": "wsarena.planner",
     "plan": "wsarena.planner",
+    "Tuning": "wsarena.tuning",
+    "tune": "wsarena.tuning",
     "cudnn": "wsarena.cudnn",
 }
 
@@ -48,6 +51,8 @@ __all__ = [
     "ConvLayer",
     "NoAlgorithmFitsError",
     "Plan",
+    "SearchCacheWarning",
+    "Tuning",
     "UnsupportedConvolutionError",
     "WorkspaceCapError",
     "WorkspaceCapWarning",
@@ -67,6 +72,7 @@ __all__ = [
     "load_model",
     "parse_size",
     "plan",
+    "tune",
 ]
 
 

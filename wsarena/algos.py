@@ -5,7 +5,8 @@
 scratch; on the CPU each algorithm once) and ranks them by measured time. Either way the choice is the first
 candidate whose workspace fits the cap. Results are cached per (backend, device, pass, geometry, search, cap):
 the geometry includes shapes, dtype, layout and every convolution parameter, and the cap is part of the key,
-so changing the cap never serves a choice made under another one.
+so changing the cap never serves a choice made under another one. Exhaustive results also outlive the process:
+:mod:`wsarena.searchcache` keeps each candidate's time on disk, and a search it already holds times nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from . import searchcache
 from ._geometry import ConvGeometry
 from ._pass import Pass
 from ._sizes import format_size
@@ -161,6 +163,10 @@ def select(
     arena = backend.arena()
 
     def measure(cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+        # What an earlier process (or call under another cap) timed is read back, not timed again.
+        return searchcache.search(backend, pass_, geom, cands, lambda: measure_now(cands))
+
+    def measure_now(cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
         a, b, out = operands() if callable(operands) else operands
         timed: list[Candidate] = []
         skipped: list[Candidate] = []

@@ -1,4 +1,4 @@
-"""The ``wsarena`` command: ``wsarena report MODEL`` and ``wsarena info``.
+"""The ``wsarena`` command: ``wsarena report MODEL``, ``wsarena tune MODEL``, ``wsarena cache`` and ``wsarena info``.
 
 Exit codes: 0 success; 2 bad usage or bad input (one line on stderr); 3 the environment cannot do it (for
 example ``--backend cudnn`` with no usable GPU, or output that cannot be written).
@@ -20,6 +20,7 @@ from ._config import _FROM_CONFIG, _given, _parse_cap, config
 from ._geometry import DTYPES
 from ._pass import PASSES
 from ._sizes import format_size
+from ._tune_cli import cache_output, max_slowdown_arg, tune_output
 from .errors import BackendUnavailableError
 
 __all__ = ["main"]
@@ -99,44 +100,68 @@ def _input_shapes(given: list[tuple[str | None, tuple[int, ...]]] | None) -> Any
     return shapes
 
 
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags ``report`` and ``tune`` share: the model, how to read it, and the run to plan."""
+    parser.add_argument("model", help="zoo name (resnet50, vgg16, ...), a .onnx file or a .json layer list")
+    parser.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW")
+    parser.add_argument("--passes", type=_passes, default=PASSES, help="comma-separated (default: all three)")
+    parser.add_argument("--streams", type=_positive, default=1, help="concurrent streams, each may run any layer")
+    parser.add_argument(
+        "--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto"
+    )
+    parser.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
+    parser.add_argument(
+        "--asymmetric-pads", choices=("widen", "error"), default="widen",
+        help="ONNX convs with asymmetric pads: model them as onnxruntime's CUDA provider runs them (widen, the "
+        "default) or treat them as unknown (error)",
+    )
+    parser.add_argument(
+        "--input-shape", type=_input_shape, action="append", metavar="[NAME=]DIMS",
+        help="fix an ONNX input's shape (1,3,800,800 or images=1x3x800x800); repeat the flag, one NAME=DIMS each, "
+        "for several inputs",
+    )
+
+
 def _parser() -> _Parser:
     parser = _Parser(prog="wsarena", description="Shared, capped cuDNN convolution workspace.")
     parser.add_argument("--version", action="version", version=f"wsarena {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     report = sub.add_parser("report", help="workspace each layer needs, shared vs unshared")
-    report.add_argument("model", help="zoo name (resnet50, vgg16, ...), a .onnx file or a .json layer list")
-    report.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
-    report.add_argument("--dtype", choices=DTYPES, default="float32")
-    report.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW")
+    _model_flags(report)
     report.add_argument(
         "--cap-workspace", type=_size, default=_FROM_CONFIG, metavar="SIZE",
         help="cap on one call's workspace, e.g. 256MiB or none (default: WSARENA_CAP_WORKSPACE, else none)",
     )
-    report.add_argument("--passes", type=_passes, default=PASSES, help="comma-separated (default: all three)")
-    report.add_argument("--streams", type=_positive, default=1, help="concurrent streams, each may run any layer")
-    report.add_argument(
-        "--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto"
-    )
     report.add_argument(
         "--search", choices=("heuristic", "exhaustive"), default=None, help="default: WSARENA_ALGO_SEARCH or heuristic"
+    )
+    report.add_argument(
+        "--max-slowdown", type=max_slowdown_arg, default=None, metavar="PCT",
+        help="pick the cap instead: the smallest whose step is at most this much slower than uncapped (2%%, 0.02); "
+        "times every algorithm",
     )
     report.add_argument("--format", choices=("table", "json", "csv"), default="table")
     report.add_argument(
         "--plot", type=_file_name, metavar="FILE.png",
         help="draw per-layer workspace and the arena (needs wsarena[plot])",
     )
-    report.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
-    report.add_argument(
-        "--asymmetric-pads", choices=("widen", "error"), default="widen",
-        help="ONNX convs with asymmetric pads: model them as onnxruntime's CUDA provider runs them (widen, the "
-        "default) or treat them as unknown (error)",
+
+    tune = sub.add_parser("tune", help="step time against the workspace cap, and the cap to pick")
+    _model_flags(tune)
+    tune.add_argument(
+        "--max-slowdown", type=max_slowdown_arg, default=0.02, metavar="PCT",
+        help="the slowdown against no cap the recommended cap may cost (default 2%%; 0.02 is the same)",
     )
-    report.add_argument(
-        "--input-shape", type=_input_shape, action="append", metavar="[NAME=]DIMS",
-        help="fix an ONNX input's shape (1,3,800,800 or images=1x3x800x800); repeat the flag, one NAME=DIMS each, "
-        "for several inputs",
-    )
+    tune.add_argument("--format", choices=("table", "json", "csv"), default=None, help="default: table")
+    tune.add_argument("--plot", type=_file_name, metavar="FILE.png", help="draw the curve (needs wsarena[plot])")
+    tune.add_argument("--apply", action="store_true", help="print only WSARENA_CAP_WORKSPACE=<recommended cap>")
+
+    cache = sub.add_parser("cache", help="the persistent search cache: its entries, or empty it")
+    cache.add_argument("action", choices=("info", "clear"))
+    cache.add_argument("--format", choices=("text", "json"), default="text")
 
     info = sub.add_parser("info", help="versions, library paths, devices, and the backend 'auto' picks")
     info.add_argument("--format", choices=("text", "json"), default="text")
@@ -148,6 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         if args.command == "info":
             return _info(args)
+        if args.command == "tune":
+            return _tune(args)
+        if args.command == "cache":
+            return _cache(args)
         return _report(args)
     except BrokenPipeError:  # the reader went away (`wsarena report ... | head`): stop quietly, as SIGPIPE would
         _drop_stdout()
@@ -191,16 +220,27 @@ def _output() -> Iterator[None]:
         raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
 
 
-def _report(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace) -> Any:
     from .models import load_model
-    from .planner import plan, text_progress
 
-    layers = load_model(
+    return load_model(
         args.model, skip_unknown=args.skip_unknown, asymmetric_pads=args.asymmetric_pads,
         input_shapes=_input_shapes(args.input_shape),
     )
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .planner import plan, text_progress
+
+    if args.max_slowdown is not None:
+        if args.cap_workspace is not _FROM_CONFIG:
+            raise UsageError("give --cap-workspace or --max-slowdown, not both: --max-slowdown picks the cap")
+        if args.search == "heuristic":
+            raise UsageError("--max-slowdown times every algorithm: it needs --search exhaustive (or no --search)")
+    layers = _load(args)
     given = _given(algo_search=args.search, backend=args.backend, cap_workspace=args.cap_workspace)
     with config(**given) as cfg:  # flags override the environment, which then matters only for the rest
+        exhaustive = cfg.algo_search == "exhaustive" or args.max_slowdown is not None
         p = plan(
             layers,
             batch=args.batch,
@@ -209,7 +249,8 @@ def _report(args: argparse.Namespace) -> int:
             passes=args.passes,
             streams=args.streams,
             model=args.model,
-            progress=text_progress() if cfg.algo_search == "exhaustive" else None,
+            progress=text_progress() if exhaustive else None,
+            max_slowdown=args.max_slowdown,
         )
     if args.plot is not None:
         from .plot import plot_plan
@@ -223,6 +264,30 @@ def _report(args: argparse.Namespace) -> int:
             _write_csv(p)
         else:
             sys.stdout.write(render_table(p))
+    return EXIT_OK
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from .planner import text_progress
+    from .tuning import tune
+
+    if args.apply and args.format is not None:
+        raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=...; leave out --format")
+    layers = _load(args)
+    t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes, streams=args.streams,
+             backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=text_progress())
+    if args.plot is not None:
+        from .plot import plot_curve
+
+        plot_curve(t, args.plot)
+    with _output():
+        sys.stdout.write(tune_output(t, "apply" if args.apply else args.format or "table"))
+    return EXIT_OK
+
+
+def _cache(args: argparse.Namespace) -> int:
+    with _output():
+        sys.stdout.write(cache_output(args.action, args.format))
     return EXIT_OK
 
 

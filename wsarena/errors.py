@@ -13,6 +13,7 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
         └── NoAlgorithmFitsError                   no algorithm can run within the cap and memory
 
     WorkspaceCapWarning (UserWarning)              the cap excluded the fastest algorithm (once per shape)
+    SearchCacheWarning (UserWarning)               the search cache could not be read or written; going on
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "ArenaOutOfMemoryError",
     "BackendUnavailableError",
     "NoAlgorithmFitsError",
+    "SearchCacheWarning",
     "UnsupportedConvolutionError",
     "WorkspaceCapError",
     "WorkspaceCapWarning",
@@ -91,3 +93,8 @@ class NoAlgorithmFitsError(WorkspaceMemoryError):
 
 class WorkspaceCapWarning(UserWarning):
     """The workspace cap excluded a faster algorithm; issued once per convolution shape and cap."""
+
+
+class SearchCacheWarning(UserWarning):
+    """A search cache file was unreadable or foreign (it is ignored and replaced), or the cache directory could
+    not be written (the process goes on without saving); issued once per file or directory."""

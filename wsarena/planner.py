@@ -78,6 +78,7 @@ class Plan:
     passes: tuple[str, ...]
     layers: tuple[LayerPlan, ...]
     stream_bytes: tuple[int, ...]  # per stream: the largest workspace chosen for a layer it runs
+    max_slowdown: float | None = None  # set when the cap was chosen by plan(max_slowdown=...)
 
     @property
     def streams(self) -> int:
@@ -125,6 +126,7 @@ class Plan:
             "arena_held_bytes": self.held_bytes,
             "unshared_bytes": self.unshared_bytes,
             "saved_bytes": self.saved_bytes,
+            **({} if self.max_slowdown is None else {"max_slowdown": self.max_slowdown}),
         }
 
 
@@ -160,6 +162,7 @@ def plan(
     search: str | None = None,
     model: str = "",
     progress: Callable[[int, int, str], None] | None = None,
+    max_slowdown: float | None = None,
 ) -> Plan:
     """Choose every layer's algorithms as the ops would, and add up the workspace.
 
@@ -178,9 +181,22 @@ def plan(
         Default: the configured ones. ``auto`` picks cuDNN when a GPU is usable.
     progress : callable, optional
         Called as ``progress(done, total, layer_name)`` after each layer.
+    max_slowdown : float, optional
+        Choose the cap instead of taking one: the smallest cap whose step is at most this fraction slower than
+        with no cap (0.02 for 2 %), from one exhaustive search (:func:`wsarena.tune`), and the plan under it from
+        the same measurements. Excludes ``cap_workspace``; the search is exhaustive.
     """
     if search is not None and search not in ALGO_SEARCHES:
         raise ValueError(f"search must be one of {ALGO_SEARCHES}, not {search!r}")
+    if max_slowdown is not None:
+        if cap_workspace is not _FROM_CONFIG:
+            raise ValueError("give cap_workspace or max_slowdown, not both: max_slowdown chooses the cap")
+        if search not in (None, "exhaustive"):
+            raise ValueError(f"max_slowdown needs search='exhaustive' (it times every algorithm), not {search!r}")
+        from .tuning import tune
+
+        return tune(layers, batch=batch, dtype=dtype, layout=layout, passes=passes, streams=streams, backend=backend,
+                    max_slowdown=max_slowdown, model=model, progress=progress).plan()
     # The arguments apply as a config() block: the exhaustive search's leases then see the plan's cap, and an
     # invalid environment variable matters only for a setting left to it.
     with config(**_given(algo_search=search, backend=backend, cap_workspace=cap_workspace)) as cfg:
@@ -222,14 +238,6 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
         if progress is not None:
             progress(i + 1, len(layers), layer.name)
 
-    if shared:
-        largest = max((lp.largest_bytes for lp in planned), default=0)
-        stream_bytes = (largest,) * int(streams)  # type: ignore[arg-type]
-    else:
-        per_stream = [0] * (max(assignment, default=-1) + 1)
-        for lp in planned:
-            per_stream[lp.stream] = max(per_stream[lp.stream], lp.largest_bytes)
-        stream_bytes = tuple(per_stream)
     return Plan(
         model=model,
         backend=name,
@@ -241,8 +249,19 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
         search=search,
         passes=passes,
         layers=tuple(planned),
-        stream_bytes=stream_bytes,
+        stream_bytes=_stream_bytes(planned, streams, shared, assignment),
     )
+
+
+def _stream_bytes(planned: Sequence[LayerPlan], streams: Any, shared: bool, assignment: list[int]) -> tuple[int, ...]:
+    """Per stream, the largest workspace chosen for a layer it runs (see the module docstring)."""
+    if shared:
+        largest = max((lp.largest_bytes for lp in planned), default=0)
+        return (largest,) * int(streams)
+    per_stream = [0] * (max(assignment, default=-1) + 1)
+    for lp in planned:
+        per_stream[lp.stream] = max(per_stream[lp.stream], lp.largest_bytes)
+    return tuple(per_stream)
 
 
 def _operands(backend: Any, pass_: str, geom: ConvGeometry) -> tuple[Any, Any, Any]:

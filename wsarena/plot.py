@@ -1,4 +1,5 @@
-"""``wsarena report --plot FILE.png``: per-layer workspace as bars, the arena as a line (needs matplotlib)."""
+"""``--plot FILE.png``: for ``report``, per-layer workspace as bars and the arena as a line; for ``tune``, the step
+time against the cap (needs matplotlib)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,12 @@ from typing import Any
 
 from .errors import BackendUnavailableError
 
-__all__ = ["plot_plan"]
+__all__ = ["plot_curve", "plot_plan"]
 
 _COLOURS = {"fwd": "#4c72b0", "bwd_data": "#dd8452", "bwd_filter": "#55a868"}
 
 
-def plot_plan(p: Any, path: str) -> None:
-    """Draw ``p`` (a :class:`~wsarena.planner.Plan`) into the PNG file ``path``."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -22,6 +22,12 @@ def plot_plan(p: Any, path: str) -> None:
         raise BackendUnavailableError(
             "--plot needs matplotlib: pip install 'wsarena[plot]'"
         ) from None
+    return plt
+
+
+def plot_plan(p: Any, path: str) -> None:
+    """Draw ``p`` (a :class:`~wsarena.planner.Plan`) into the PNG file ``path``."""
+    plt = _pyplot()
     n = len(p.layers)
     width = 0.8 / max(len(p.passes), 1)
     fig, ax = plt.subplots(figsize=(max(8.0, 0.18 * n * len(p.passes)), 4.5))
@@ -44,6 +50,38 @@ def plot_plan(p: Any, path: str) -> None:
         ax.set_xticks(range(n))
         ax.set_xticklabels([lp.name for lp in p.layers], rotation=90, fontsize=6)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_curve(t: Any, path: str) -> None:
+    """Draw ``t`` (a :class:`~wsarena.tuning.Tuning`): step time against the cap, into the PNG file ``path``."""
+    plt = _pyplot()
+    mib = 2**20
+    finite = [q for q in t.curve if q.cap_workspace_bytes is not None]
+    uncapped = t.curve[-1]
+    fig, ax = plt.subplots(figsize=(8.0, 4.5))
+    ax.step([q.cap_workspace_bytes / mib for q in finite], [q.step_seconds * 1e3 for q in finite], where="post",
+            marker="o", markersize=3, color="#4c72b0", label="step time under the cap")
+    ax.axhline(uncapped.step_seconds * 1e3, color="black", linestyle="--", linewidth=1,
+               label=f"no cap: {uncapped.step_seconds * 1e3:.1f} ms, arena {uncapped.arena_bytes / mib:.1f} MiB")
+    best = t.recommended
+    ax.axvline(best.cap_workspace_bytes / mib, color="#dd8452", linestyle=":",
+               label=f"recommended cap {best.cap_workspace_bytes / mib:.2f} MiB ({best.slowdown:+.2%}, "
+               f"max slowdown {t.max_slowdown * 100:g}%)")
+    # Linear from 0 to the smallest cap above it, logarithmic beyond: caps span 0 to gigabytes.
+    linthresh = max(min((q.cap_workspace_bytes for q in finite if q.cap_workspace_bytes), default=mib) / mib, 1e-3)
+    ax.set_xscale("symlog", linthresh=linthresh)
+    ax.set_xlabel("workspace cap (MiB; the arena needs the same)")
+    ax.set_ylabel("step time, sum of the chosen algorithms (ms)")
+    p = t.uncapped
+    ax.set_title(f"{p.model}: batch {p.batch}, {p.dtype}, {p.backend} ({p.device}), {'+'.join(p.passes)}",
+                 fontsize=9)
+    ax.set_xlim(left=0, right=max(q.cap_workspace_bytes for q in finite) / mib * 1.5)
+    ax.set_xticks([x for x in ax.get_xticks() if x == 0 or x >= linthresh])
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

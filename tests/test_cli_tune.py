@@ -1,0 +1,199 @@
+"""`wsarena tune`, `wsarena report --max-slowdown` and `wsarena cache`: formats, exit codes, one-line errors."""
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from wsarena import algos
+from wsarena._gpu import gpu_unusable_reason
+from wsarena.cli import main
+
+# A small model: three distinct convolutions, one repeated, so that a real CPU tuning takes a moment.
+MODEL = {
+    "layers": [
+        {"name": "stem", "input_shape": [1, 3, 32, 32], "weight_shape": [16, 3, 3, 3], "padding": [1, 1]},
+        {"name": "body", "input_shape": [1, 16, 32, 32], "weight_shape": [16, 16, 3, 3], "padding": [1, 1]},
+        {"name": "body2", "input_shape": [1, 16, 32, 32], "weight_shape": [16, 16, 3, 3], "padding": [1, 1]},
+        {"name": "head", "input_shape": [1, 16, 32, 32], "weight_shape": [32, 16, 1, 1]},
+    ]
+}
+
+
+@pytest.fixture(autouse=True)
+def _cache():
+    algos.cache_clear()
+    yield
+    algos.cache_clear()
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(MODEL))
+    return str(path)
+
+
+def run_main(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_cli(*argv, env=None):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "wsarena", *argv], capture_output=True, text=True, env=full_env, timeout=300
+    )
+
+
+def tune_json(capsys, model, *flags):
+    code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--batch", "2", "--format", "json", *flags)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_json_has_the_contract_keys_and_a_sorted_curve(capsys, model):
+    d = tune_json(capsys, model)
+    assert (d["model"], d["backend"], d["device"], d["batch"], d["dtype"], d["layout"]) == (
+        model, "cpu", "cpu", 2, "float32", "NCHW")
+    assert d["wsarena_version"] and d["max_slowdown"] == 0.02 and d["distinct_calls"] == 9
+    curve = d["curve"]
+    assert curve[-1]["cap_workspace_bytes"] is None
+    caps = [p["cap_workspace_bytes"] for p in curve[:-1]]
+    assert caps == sorted(set(caps)) and caps[0] == 0  # every CPU pass has a zero-workspace algorithm
+    for p in curve:
+        assert set(p) == {"cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown"}
+        assert p["step_seconds"] > 0 and p["slowdown"] >= 0
+    steps = [p["step_seconds"] for p in curve]
+    assert steps == sorted(steps, reverse=True)
+    assert d["recommended_cap_bytes"] in caps
+    best = curve[caps.index(d["recommended_cap_bytes"])]
+    assert best["slowdown"] <= 0.02 + 1e-12
+    assert all(p["slowdown"] > 0.02 for p in curve[: caps.index(d["recommended_cap_bytes"])])
+
+
+def test_max_slowdown_as_a_percentage_or_a_fraction(capsys, model):
+    assert tune_json(capsys, model, "--max-slowdown", "50%")["max_slowdown"] == 0.5
+    assert tune_json(capsys, model, "--max-slowdown", "0.5")["max_slowdown"] == 0.5
+    assert tune_json(capsys, model, "--max-slowdown", "0")["max_slowdown"] == 0
+    huge = tune_json(capsys, model, "--max-slowdown", "1e9%")
+    assert huge["recommended_cap_bytes"] == 0
+
+
+def test_csv_and_table(capsys, model):
+    d = tune_json(capsys, model)
+    code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--batch", "2", "--format", "csv")
+    assert code == 0, err
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert list(rows[0]) == ["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended"]
+    assert [r["cap_workspace_bytes"] for r in rows] == [
+        "" if p["cap_workspace_bytes"] is None else str(p["cap_workspace_bytes"]) for p in d["curve"]]
+    assert rows[-1]["cap_workspace_bytes"] == "" and float(rows[-1]["slowdown"]) == 0
+    assert [r["cap_workspace_bytes"] for r in rows if r["recommended"] == "true"] == [str(d["recommended_cap_bytes"])]
+    code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--batch", "2")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].endswith(f"tune: {model}") and "batch 2" in lines[1]
+    assert sum("<- recommended" in line for line in lines) == 1
+    assert any(line.split()[:1] == ["none"] for line in lines)
+    assert lines[-1] == f"use it with: WSARENA_CAP_WORKSPACE={d['recommended_cap_bytes']}"
+
+
+def test_apply_prints_the_one_line(capsys, model):
+    d = tune_json(capsys, model)
+    code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--batch", "2", "--apply")
+    assert (code, out, err) == (0, f"WSARENA_CAP_WORKSPACE={d['recommended_cap_bytes']}\n", "")
+    code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--apply", "--format", "json")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--apply" in err
+
+
+def test_plot_writes_a_png(capsys, model, tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "curve.png"
+    code, _, err = run_main(capsys, "tune", model, "--backend", "cpu", "--plot", str(target))
+    assert code == 0, err
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["tune", "no-such-model"],
+        ["tune", "MODEL", "--max-slowdown", "fast"],
+        ["tune", "MODEL", "--max-slowdown", "-1%"],
+        ["tune", "MODEL", "--max-slowdown", "inf"],
+        ["tune", "MODEL", "--batch", "0"],
+        ["tune", "MODEL", "--cap-workspace", "1MiB"],
+        ["tune", "MODEL", "--search", "heuristic"],
+        ["report", "MODEL", "--max-slowdown", "2%", "--cap-workspace", "1MiB"],
+        ["report", "MODEL", "--max-slowdown", "2%", "--search", "heuristic"],
+        ["cache"],
+        ["cache", "list"],
+    ],
+)
+def test_bad_usage_exits_2_with_one_line(capsys, model, argv):
+    code, out, err = run_main(capsys, *[model if a == "MODEL" else a for a in argv], "--backend", "cpu") \
+        if argv[0] != "cache" else run_main(capsys, *argv)
+    assert code == 2 and out == "" and err.startswith("wsarena: error: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(gpu_unusable_reason() is None, reason="a usable GPU is present")
+def test_cudnn_without_a_gpu_exits_3(capsys, model):
+    code, out, err = run_main(capsys, "tune", model, "--backend", "cudnn")
+    assert code == 3 and out == "" and err.count("\n") == 1
+
+
+def test_report_max_slowdown_is_the_plan_under_the_recommended_cap(capsys, model):
+    d = tune_json(capsys, model, "--max-slowdown", "5%")
+    code, out, err = run_main(capsys, "report", model, "--backend", "cpu", "--batch", "2", "--max-slowdown", "5%",
+                              "--format", "json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["cap_workspace_bytes"] == d["recommended_cap_bytes"] and r["max_slowdown"] == 0.05
+    assert r["search"] == "exhaustive"
+    assert r["arena_bytes"] == next(p["arena_bytes"] for p in d["curve"]
+                                    if p["cap_workspace_bytes"] == d["recommended_cap_bytes"])
+
+
+def test_cache_info_and_clear(capsys, model, tmp_path, monkeypatch):
+    code, out, _ = run_main(capsys, "cache", "info")
+    assert (code, out) == (0, "the search cache is off (WSARENA_CACHE_DIR=off)\n")
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(folder))
+    calls = tune_json(capsys, model)["distinct_calls"]
+    code, out, _ = run_main(capsys, "cache", "info", "--format", "json")
+    info = json.loads(out)
+    assert code == 0 and info["directory"] == str(folder) and info["entries"] == calls
+    assert [(e["backend"], e["entries"]) for e in info["environments"]] == [("cpu", calls)]
+    code, out, _ = run_main(capsys, "cache", "info")
+    assert code == 0 and out.splitlines()[0] == f"search cache: {folder} (from WSARENA_CACHE_DIR)"
+    assert out.splitlines()[1].startswith(f"entries: {calls} (")
+    code, out, _ = run_main(capsys, "cache", "clear")
+    assert code == 0 and out.startswith(f"removed {calls} entries (") and out.endswith(f"from {folder}\n")
+    code, out, _ = run_main(capsys, "cache", "clear", "--format", "json")
+    assert json.loads(out) == {"directory": str(folder), "removed": 0, "freed_bytes": 0}
+
+
+def test_two_processes_tuning_at_once_lose_no_entry(model, tmp_path):
+    env = {"WSARENA_CACHE_DIR": str(tmp_path / "cache")}
+    argv = [sys.executable, "-m", "wsarena", "tune", model, "--backend", "cpu", "--format", "json"]
+    full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}, **env}
+    procs = [subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [proc.communicate(timeout=300) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], results
+    calls = json.loads(results[0][0])["distinct_calls"]
+    r = run_cli("cache", "info", "--format", "json", env=env)
+    info = json.loads(r.stdout)
+    assert info["entries"] == calls and info["unreadable"] == 0
+    # later processes find every call: they time nothing, so their curves are the same to the last digit
+    later = [run_cli("tune", model, "--backend", "cpu", "--format", "json", env=env) for _ in range(2)]
+    assert [r.returncode for r in later] == [0, 0], later
+    assert json.loads(later[0].stdout)["curve"] == json.loads(later[1].stdout)["curve"]
+    assert json.loads(run_cli("cache", "info", "--format", "json", env=env).stdout)["entries"] == calls

@@ -1,0 +1,354 @@
+"""The persistent search cache: where it lives, its round trip, its keys, and its behaviour when files or folders
+are bad or several processes write at once."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import wsarena
+from wsarena import algos, searchcache
+from wsarena._geometry import conv_geometry
+from wsarena.backends._cpu_backend import CpuBackend
+from wsarena.errors import SearchCacheWarning
+
+from .fake_backend import TableBackend
+
+TABLE = {
+    ("fwd", 4): [("implicit", 0, 10.0), ("gemm", 1000, 4.0), ("fft", 8000, 3.0)],
+    ("bwd_data", 4): [("implicit", 0, 6.0), ("winograd", 500, None), ("gemm", 2000, 5.0)],
+}
+GEOM = conv_geometry((2, 3, 8, 8), (4, 3, 3, 3), padding=1)
+
+
+@pytest.fixture(autouse=True)
+def _empty_algorithm_cache():
+    algos.cache_clear()
+    yield
+    algos.cache_clear()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(folder))
+    return folder
+
+
+def search(backend, pass_="fwd", geom=GEOM, cap=None):
+    """An exhaustive choice, as the ops and the planner make it; a fresh process's view (the in-process cache
+    is emptied first)."""
+    algos.cache_clear()
+
+    def operands():
+        return tuple(np.zeros(s, dtype="float32") for s in geom.operand_shapes(pass_))
+
+    return algos.select(backend, pass_, geom, cap=cap, search="exhaustive", operands=operands, warn=False)
+
+
+def entry_files(folder):
+    return sorted(p for p in (folder / "search").glob("*.json") if not p.name.startswith(".tmp-"))
+
+
+def test_directory_rule(monkeypatch, tmp_path):
+    monkeypatch.delenv("WSARENA_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert searchcache.cache_dir() == tmp_path / "xdg" / "wsarena"  # the XDG rule, through platformdirs
+    for off in ("off", "OFF", " Off "):
+        monkeypatch.setenv("WSARENA_CACHE_DIR", off)
+        assert searchcache.cache_dir() is None
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / "mine"))
+    assert searchcache.cache_dir() == tmp_path / "mine"
+    monkeypatch.setenv("WSARENA_CACHE_DIR", "~/wsarena-cache")
+    assert searchcache.cache_dir() == Path.home() / "wsarena-cache"
+    monkeypatch.setenv("WSARENA_CACHE_DIR", "")  # empty means the default, as for every WSARENA_* variable
+    assert searchcache.cache_dir() == tmp_path / "xdg" / "wsarena"
+
+
+def test_directory_rule_without_platformdirs(monkeypatch, tmp_path):
+    monkeypatch.delenv("WSARENA_CACHE_DIR")
+    monkeypatch.setitem(sys.modules, "platformdirs", None)  # import fails
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert searchcache.cache_dir() == tmp_path / "xdg" / "wsarena"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert searchcache.cache_dir() == Path.home() / ".cache" / "wsarena"
+
+
+def test_round_trip_times_nothing_a_second_time(cache):
+    backend = TableBackend(TABLE)
+    first = search(backend)
+    assert [(c.algo, c.time_ms) for c in first] == [("fft", 3.0), ("gemm", 4.0), ("implicit", 10.0)]
+    assert backend.measured == [("fwd", 4)]
+    (path,) = entry_files(cache)
+    saved = json.loads(path.read_text())
+    assert saved["key"]["pass"] == "fwd" and saved["key"]["environment"]["device"] == "fake device 1"
+    assert saved["key"]["environment"]["wsarena"] == wsarena.__version__
+    assert saved["key"]["geometry"]["input_size"] == [8, 8] and saved["key"]["geometry"]["dtype"] == "float32"
+    again = search(backend)
+    assert again == first and backend.measured == [("fwd", 4)]
+
+
+def test_an_entry_serves_a_smaller_cap_and_a_larger_one_adds_to_it(cache):
+    backend = TableBackend(TABLE)
+    assert search(backend, cap=1000)[0].algo == "gemm"  # timed only what fits: implicit and gemm
+    assert search(backend, cap=0)[0].algo == "implicit"
+    assert backend.measured == [("fwd", 4)]
+    assert search(backend)[0].algo == "fft"  # fft was never timed: this search times again
+    assert backend.measured == [("fwd", 4)] * 2
+    assert [c.algo for c in search(backend, cap=4000)] == ["gemm", "implicit"]
+    assert backend.measured == [("fwd", 4)] * 2
+    assert len(entry_files(cache)) == 1
+
+
+def test_a_rejected_algorithm_is_remembered_as_rejected(cache):
+    backend = TableBackend(TABLE)
+    assert [c.algo for c in search(backend, "bwd_data")] == ["gemm", "implicit"]  # winograd: rejected
+    saved = {e["algo"]: e for e in json.loads(entry_files(cache)[0].read_text())["results"]}
+    assert saved["winograd"]["time_ms"] is None and saved["winograd"]["workspace_bytes"] == 500
+    assert [c.algo for c in search(backend, "bwd_data")] == ["gemm", "implicit"]
+    assert backend.measured == [("bwd_data", 4)]
+
+
+def test_candidates_left_untimed_for_memory_are_not_saved(cache):
+    backend = TableBackend(TABLE, memory=4000)  # fft's 8000 bytes cannot be had ...
+    backend.arena().reserve(2000)  # ... and the search falls back to what the arena holds
+    assert [c.algo for c in search(backend)] == ["gemm", "implicit", "fft"]  # fft skipped, last, untimed
+    saved = json.loads(entry_files(cache)[0].read_text())["results"]
+    assert sorted(e["algo"] for e in saved) == ["gemm", "implicit"]
+    search(backend)
+    assert backend.measured == [("fwd", 4)] * 2  # fft still unknown: the search runs again
+
+
+def test_the_environment_is_part_of_the_key(cache):
+    search(TableBackend(TABLE, device="fake device 1"))
+    other = TableBackend(TABLE, device="fake device 2")
+    search(other)
+    assert other.measured == [("fwd", 4)]
+    assert len(entry_files(cache)) == 2
+
+
+def test_every_parameter_of_the_call_is_part_of_the_key(cache):
+    backend = TableBackend(TABLE)
+    variants = [
+        GEOM,
+        conv_geometry((2, 3, 8, 8), (4, 3, 3, 3), padding=0),
+        conv_geometry((2, 3, 8, 8), (4, 3, 3, 3), padding=1, stride=2),
+        conv_geometry((2, 3, 8, 8), (4, 3, 3, 3), padding=1, dtype="float64"),
+        conv_geometry((2, 8, 8, 3), (4, 3, 3, 3), padding=1, layout="NHWC"),
+        conv_geometry((3, 3, 8, 8), (4, 3, 3, 3), padding=1),
+    ]
+    for geom in variants:
+        search(backend, geom=geom)
+    assert len(backend.measured) == len(variants) and len(entry_files(cache)) == len(variants)
+
+
+def test_off_saves_nothing(tmp_path):
+    backend = TableBackend(TABLE)
+    search(backend)
+    search(backend)
+    assert backend.measured == [("fwd", 4)] * 2  # WSARENA_CACHE_DIR=off (the tests' default)
+
+
+def test_the_ops_and_the_planner_read_it(cache, monkeypatch, fresh_arena):
+    x = np.random.default_rng(1).standard_normal((2, 3, 9, 9), dtype="float32")
+    w = np.random.default_rng(2).standard_normal((5, 3, 3, 3), dtype="float32")
+    with wsarena.config(algo_search="exhaustive"):
+        expected = wsarena.conv_forward(x, w, padding=1)
+        layers = wsarena.load_model("mobilenet_v2")[:3]
+        planned = wsarena.plan(layers, backend="cpu", search="exhaustive")
+        algos.cache_clear()
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("timed again although the search cache holds the result")
+
+        monkeypatch.setattr(CpuBackend, "measure", refuse)
+        np.testing.assert_array_equal(wsarena.conv_forward(x, w, padding=1), expected)
+        assert wsarena.plan(layers, backend="cpu", search="exhaustive") == planned
+
+
+def _rewrite(path, change):
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        pytest.param(lambda p: p.write_text(p.read_text()[: len(p.read_text()) // 2]), id="truncated"),
+        pytest.param(lambda p: p.write_bytes(b"\xff\xfe\x00garbage"), id="binary"),
+        pytest.param(lambda p: p.write_text("[1, 2, 3]"), id="foreign-json"),
+        pytest.param(lambda p: _rewrite(p, lambda d: d["key"]["environment"].update(wsarena="0.0.1")),
+                     id="other-wsarena-version"),
+        pytest.param(lambda p: _rewrite(p, lambda d: d.update(version=99)), id="other-format-version"),
+        pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(workspace_bytes="big")), id="bad-entry"),
+    ],
+)
+def test_a_bad_file_gives_one_warning_and_is_replaced(cache, spoil):
+    backend = TableBackend(TABLE)
+    first = search(backend)
+    (path,) = entry_files(cache)
+    spoil(path)
+    with pytest.warns(SearchCacheWarning, match="ignoring the search cache file") as caught:
+        assert search(backend) == first
+    assert len(caught) == 1 and str(path) in str(caught[0].message)
+    assert backend.measured == [("fwd", 4)] * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert search(backend) == first  # replaced by a good entry: read back, nothing timed
+    assert backend.measured == [("fwd", 4)] * 2
+
+
+def test_an_unwritable_directory_gives_one_warning_and_goes_on(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(blocker / "cache"))  # unwritable even for root
+    backend = TableBackend(TABLE)
+    with pytest.warns(SearchCacheWarning, match="cannot save to the search cache") as caught:
+        assert search(backend)[0].algo == "fft"
+        assert search(backend, "bwd_data")[0].algo == "gemm"
+        assert search(backend)[0].algo == "fft"
+    assert len(caught) == 1
+    assert len(backend.measured) == 3
+
+
+def test_an_unreadable_directory_gives_one_warning(cache, monkeypatch):
+    backend = TableBackend(TABLE)
+    search(backend)
+    search(backend, "bwd_data")
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", denied)  # what a folder of another user's gives (root reads anything)
+    with pytest.warns(SearchCacheWarning, match="cannot read the search cache") as caught:
+        search(backend)
+        search(backend, "bwd_data")
+    assert len(caught) == 1 and len(backend.measured) == 4
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    from wsarena import searchcache
+    from wsarena._geometry import conv_geometry
+    from wsarena.backends import Candidate
+
+    class Backend:
+        name = "fake"
+        def device_key(self):
+            return "writer"
+        def search_environment(self):
+            return {"device": "writer"}
+
+    start, stop, ms = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    backend = Backend()
+    for repeat in range(3):
+        for k in range(start, stop):
+            geom = conv_geometry((1, 3, 8, 8), (k, 3, 3, 3))
+            cands = [Candidate("a", 0), Candidate("b", k)]
+            timed = [Candidate("a", 0, ms), Candidate("b", k, ms + k)]
+            searchcache.search(backend, "fwd", geom, cands, lambda: (timed, []))
+    """
+)
+
+
+def test_two_processes_writing_at_once_lose_no_entry(cache):
+    env = {**os.environ, "WSARENA_CACHE_DIR": str(cache), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, "1", "121", "1.5"], env=env, stderr=subprocess.PIPE),
+        subprocess.Popen([sys.executable, "-c", _WRITER, "41", "161", "2.5"], env=env, stderr=subprocess.PIPE),
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and not err, err
+    files = entry_files(cache)
+    assert len(files) == 160
+    assert not [p for p in (cache / "search").iterdir() if p.name.startswith(".tmp-")]
+    seen = set()
+    for path in files:
+        data = json.loads(path.read_text())  # every file whole
+        k = data["key"]["geometry"]["out_channels"]
+        seen.add(k)
+        times = {e["algo"]: e["time_ms"] for e in data["results"]}
+        assert times["a"] in (1.5, 2.5) and times["b"] == times["a"] + k  # one writer's whole result
+    assert seen == set(range(1, 161))
+
+
+def test_info_and_clear(cache):
+    assert searchcache.info()["entries"] == 0 and searchcache.clear()["removed"] == 0
+    backend = TableBackend(TABLE)
+    search(backend)
+    search(backend, "bwd_data")
+    search(TableBackend(TABLE, device="fake device 2"))
+    (cache / "notes.txt").write_text("a file of the user's")
+    (cache / "search" / ".tmp-left-by-a-killed-writer.json").write_text("{")
+    info = searchcache.info()
+    assert info["directory"] == str(cache) and info["enabled"] and info["entries"] == 3
+    assert info["size_bytes"] == sum(p.stat().st_size for p in entry_files(cache))
+    assert [(e["device"], e["entries"]) for e in info["environments"]] == [("fake device 1", 2), ("fake device 2", 1)]
+    cleared = searchcache.clear()
+    assert cleared["removed"] == 3 and cleared["freed_bytes"] == info["size_bytes"] + 1
+    assert entry_files(cache) == [] and (cache / "notes.txt").exists()
+    assert list((cache / "search").iterdir()) == []
+
+
+def test_info_and_clear_when_off():
+    assert searchcache.info() == {"directory": None, "enabled": False, "entries": 0, "size_bytes": 0,
+                                  "unreadable": 0, "environments": []}
+    assert searchcache.clear() == {"directory": None, "removed": 0, "freed_bytes": 0}
+
+
+def test_the_cpu_environment(monkeypatch):
+    from wsarena import _search_env
+
+    monkeypatch.setattr(_search_env, "_known", {})
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    env = _search_env.environment(CpuBackend())
+    assert env["backend"] == "cpu" and env["api"] is None and env["wsarena"] == wsarena.__version__
+    assert isinstance(env["device"], str) and env["device"] and env["cpus"] >= 1
+    assert env["numpy"] == np.__version__ and "name" in env["blas"]
+    assert env["threads"] == {"OPENBLAS_NUM_THREADS": "1"}  # a BLAS thread setting changes every time
+    json.dumps(env)
+
+
+def test_the_cudnn_environment(monkeypatch):
+    """Device name, compute capability, driver, CUDA runtime and cuDNN versions, and the API path (queried
+    through CuPy and wsarena.cudnn, which are stood in for here)."""
+    import cupy
+
+    import wsarena.cudnn
+    from wsarena import _search_env
+
+    runtime = cupy.cuda.runtime
+    props = {0: {"name": b"NVIDIA H100 80GB HBM3", "major": 9, "minor": 0},
+             1: {"name": b"NVIDIA A100-SXM4-40GB", "major": 8, "minor": 0}}
+    monkeypatch.setattr(runtime, "getDeviceProperties", props.__getitem__)
+    monkeypatch.setattr(runtime, "driverGetVersion", lambda: 13000)
+    monkeypatch.setattr(runtime, "runtimeGetVersion", lambda: 13000)
+    monkeypatch.setattr(wsarena.cudnn, "library_info", lambda: {"version": 91900})
+    monkeypatch.setattr(_search_env, "_known", {})
+
+    class Cudnn:
+        name = "cudnn"
+
+        def __init__(self, device):
+            self.device = device
+
+        def device_key(self):
+            return self.device
+
+    env = _search_env.environment(Cudnn(0))
+    assert env == {"backend": "cudnn", "device": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",
+                   "driver": 13000, "cuda_runtime": 13000, "cudnn": 91900, "wsarena": wsarena.__version__,
+                   "api": "legacy"}
+    assert _search_env.environment(Cudnn(1))["compute_capability"] == "8.0"
+    graph = Cudnn(0)
+    graph.api = "graph"  # a backend that can take another API path says which, and the key follows
+    assert _search_env.environment(graph)["api"] == "graph"

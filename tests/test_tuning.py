@@ -1,0 +1,226 @@
+"""The cap-versus-step-time curve and the recommended cap (`wsarena.tune`, `plan(max_slowdown=...)`)."""
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import wsarena
+from wsarena import algos, backends
+from wsarena.errors import BackendUnavailableError
+from wsarena.models import ConvLayer
+from wsarena.tuning import CurvePoint, tune
+
+from .fake_backend import TableBackend
+
+# Workspaces in bytes, times in ms. The layer with 8 output channels has an algorithm (fft) that is larger and
+# slower than its gemm: the cap that admits it changes no choice, so it is no point of the curve.
+TABLE = {
+    ("fwd", 4): [("implicit", 0, 10.0), ("gemm", 1000, 4.0), ("fft", 8000, 3.0)],
+    ("bwd_data", 4): [("implicit", 0, 6.0), ("gemm", 2000, 5.0)],
+    ("fwd", 8): [("implicit", 0, 20.0), ("gemm", 4000, 12.0), ("fft", 16000, 12.5)],
+    ("bwd_data", 8): [("implicit", 0, 8.0)],
+}
+LAYERS = [
+    ConvLayer("a", (1, 3, 8, 8), (4, 3, 3, 3), padding=1),
+    ConvLayer("b", (1, 4, 8, 8), (8, 4, 3, 3), padding=1),
+    ConvLayer("c", (1, 3, 8, 8), (4, 3, 3, 3), padding=1),  # a's geometry again
+]
+PASSES = ("fwd", "bwd_data")
+
+# Worked out by hand: per cap, a and c take the same algorithms (fwd + bwd_data each), b its own.
+#   cap 0:     a, c: 10 + 6;  b: 20 + 8   -> 60 ms, arena 0
+#   cap 1000:  a, c: 4 + 6;   b: 20 + 8   -> 48 ms, arena 1000
+#   cap 2000:  a, c: 4 + 5;   b: 20 + 8   -> 46 ms, arena 2000
+#   cap 4000:  a, c: 4 + 5;   b: 12 + 8   -> 38 ms, arena 4000
+#   cap 8000:  a, c: 3 + 5;   b: 12 + 8   -> 36 ms, arena 8000  (cap 16000 admits b's fft: slower, no change)
+#   no cap:                                  36 ms, arena 8000
+EXPECTED = [(0, 0, 60), (1000, 1000, 48), (2000, 2000, 46), (4000, 4000, 38), (8000, 8000, 36), (None, 8000, 36)]
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The planner's cpu backend is a TableBackend (a new algorithm cache around it)."""
+    backend = TableBackend(TABLE)
+    monkeypatch.setitem(backends._backends, "cpu", backend)
+    algos.cache_clear()
+    yield backend
+    algos.cache_clear()
+
+
+def run(**kwargs):
+    args = {"batch": 2, "passes": PASSES, "backend": "cpu", "model": "toy", **kwargs}
+    return tune(LAYERS, **args)
+
+
+def test_the_curve_and_the_recommendation_from_known_times(fake):
+    t = run()
+    got = [(p.cap_workspace_bytes, p.arena_bytes, p.step_seconds) for p in t.curve]
+    assert [g[:2] for g in got] == [e[:2] for e in EXPECTED]
+    for (_, _, seconds), (_, _, ms) in zip(got, EXPECTED):
+        assert seconds == pytest.approx(ms / 1e3, rel=1e-12)
+    assert [p.slowdown for p in t.curve] == pytest.approx([60 / 36 - 1, 48 / 36 - 1, 46 / 36 - 1, 38 / 36 - 1, 0, 0])
+    assert t.max_slowdown == 0.02 and t.recommended_cap_bytes == 8000
+    assert run(max_slowdown=0.06).recommended_cap_bytes == 4000  # 38/36 - 1 = 5.6 %
+    assert run(max_slowdown=0.3).recommended_cap_bytes == 2000
+    assert run(max_slowdown=12 / 36).recommended_cap_bytes == 1000  # a threshold met exactly counts
+    assert run(max_slowdown=10).recommended_cap_bytes == 0
+    # each distinct call timed once: a's measurements serve c
+    assert sorted(fake.measured) == [("bwd_data", 4), ("bwd_data", 8), ("fwd", 4), ("fwd", 8)]
+
+
+def test_the_json_object(fake):
+    d = run().to_dict()
+    assert {"wsarena_version", "model", "backend", "device", "batch", "dtype", "layout", "curve",
+            "recommended_cap_bytes", "max_slowdown"} <= set(d)
+    assert (d["model"], d["backend"], d["device"], d["batch"], d["dtype"], d["layout"]) == (
+        "toy", "cpu", "fake device 1", 2, "float32", "NCHW")
+    assert d["curve"][-1] == {"cap_workspace_bytes": None, "arena_bytes": 8000, "step_seconds": pytest.approx(0.036),
+                              "slowdown": 0.0}
+    assert set(d["curve"][0]) == {"cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown"}
+    assert d["recommended_cap_bytes"] == 8000 and d["max_slowdown"] == 0.02
+
+
+def test_streams_multiply_or_split_the_arena(fake):
+    assert [p.arena_bytes for p in run(streams=2).curve] == [2 * e[1] for e in EXPECTED]
+    # a and c on stream 0, b on stream 1: each stream holds its own layers' largest workspace
+    split = run(streams=[0, 1, 0]).curve
+    assert [(p.cap_workspace_bytes, p.arena_bytes) for p in split] == [
+        (0, 0), (1000, 1000), (2000, 2000), (4000, 6000), (8000, 12000), (None, 12000)]
+
+
+def test_the_recommended_cap_reproduces_the_plan(fake):
+    t = run(max_slowdown=0.06)
+    recommended = t.plan()
+    assert recommended.cap_workspace == 4000 and recommended.max_slowdown == 0.06
+    by_plan = wsarena.plan(LAYERS, batch=2, passes=PASSES, backend="cpu", model="toy", max_slowdown=0.06)
+    assert by_plan == recommended
+    capped = wsarena.plan(LAYERS, batch=2, passes=PASSES, backend="cpu", model="toy", cap_workspace=4000,
+                          search="exhaustive")
+    assert capped.layers == recommended.layers and capped.arena_bytes == recommended.arena_bytes == 4000
+    assert {k: v for k, v in recommended.to_dict().items() if k != "max_slowdown"} == capped.to_dict()
+    assert recommended.to_dict()["max_slowdown"] == 0.06
+    for point in t.curve:  # and at every other point: its step time is the plan's, its arena the plan's
+        p = t.plan(point.cap_workspace_bytes)
+        step = math.fsum(c.time_ms for lp in p.layers for c in lp.choices.values()) / 1e3
+        assert step == pytest.approx(point.step_seconds) and p.arena_bytes == point.arena_bytes
+
+
+def test_plan_max_slowdown_refuses_a_cap_or_a_heuristic_search(fake):
+    with pytest.raises(ValueError, match="cap_workspace or max_slowdown"):
+        wsarena.plan(LAYERS, backend="cpu", cap_workspace=0, max_slowdown=0.02)
+    with pytest.raises(ValueError, match="search='exhaustive'"):
+        wsarena.plan(LAYERS, backend="cpu", search="heuristic", max_slowdown=0.02)
+    for bad in (-0.01, math.inf, math.nan):
+        with pytest.raises(ValueError, match="max_slowdown"):
+            wsarena.plan(LAYERS, backend="cpu", max_slowdown=bad)
+    for bad in ("2%", True):
+        with pytest.raises(TypeError, match="max_slowdown"):
+            tune(LAYERS, backend="cpu", max_slowdown=bad)
+    assert fake.measured == []  # refused before anything was timed
+
+
+def test_a_cap_between_points_plans_as_the_point_below_it(fake):
+    t = run()
+    caps = [p.cap_workspace_bytes for p in t.curve[:-1]]
+    for cap in range(0, 20000, 250):
+        below = max(c for c in caps if c <= cap)
+        assert t.plan(cap).layers == t.plan(below).layers
+
+
+def test_the_uncapped_plan_is_the_exhaustive_plan(fake):
+    t = run()
+    assert t.uncapped == wsarena.plan(LAYERS, batch=2, passes=PASSES, backend="cpu", model="toy",
+                                      cap_workspace=None, search="exhaustive")
+
+
+def test_a_model_without_zero_workspace_algorithms_starts_at_its_smallest_cap(monkeypatch):
+    table = {**TABLE, ("bwd_data", 8): [("gemm", 300, 8.0)]}
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))
+    algos.cache_clear()
+    t = run()
+    assert t.curve[0].cap_workspace_bytes == 300
+    with pytest.raises(MemoryError):
+        t.plan(299)
+
+
+def test_a_model_without_layers():
+    t = tune([], backend="cpu")
+    assert t.curve == (CurvePoint(0, 0, 0.0, 0.0), CurvePoint(None, 0, 0.0, 0.0))
+    assert t.recommended_cap_bytes == 0
+
+
+def test_float16_without_a_gpu_is_the_environment():
+    with pytest.raises(BackendUnavailableError):
+        tune(LAYERS, dtype="float16")
+
+
+def test_the_persistent_cache_serves_a_second_tuning(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path))
+    first = run()
+    algos.cache_clear()  # as a new process would start
+    fake.measured.clear()
+    second = run()
+    assert fake.measured == [] and second.curve == first.curve
+
+
+@st.composite
+def tables(draw):
+    """Random workspaces and times for the toy model's four calls; every call has some algorithm."""
+    table = {}
+    for key in TABLE:
+        n = draw(st.integers(1, 5))
+        table[key] = [
+            (f"algo{i}", draw(st.integers(0, 10_000)), draw(st.floats(0.01, 100, allow_nan=False)))
+            for i in range(n)
+        ]
+    return table
+
+
+@settings(max_examples=60, deadline=None)
+@given(table=tables(), max_slowdown=st.floats(0, 1))
+def test_a_larger_cap_never_gives_a_slower_step(table, max_slowdown):
+    saved = backends._backends.get("cpu")
+    backends._backends["cpu"] = TableBackend(table)
+    algos.cache_clear()
+    try:
+        t = run(max_slowdown=max_slowdown)
+    finally:
+        backends._backends["cpu"] = saved
+        algos.cache_clear()
+    finite = [p for p in t.curve if p.cap_workspace_bytes is not None]
+    caps = [p.cap_workspace_bytes for p in finite]
+    assert caps == sorted(set(caps)) and t.curve[-1].cap_workspace_bytes is None
+    for before, after in zip(t.curve, t.curve[1:]):
+        assert after.step_seconds <= before.step_seconds
+        assert after.arena_bytes >= before.arena_bytes
+    for p in finite:
+        assert p.arena_bytes <= p.cap_workspace_bytes and p.slowdown >= 0
+    assert t.curve[-1].slowdown == 0 and dataclasses.replace(finite[-1], cap_workspace_bytes=None) == t.curve[-1]
+    chosen = t.recommended
+    assert chosen.slowdown <= max_slowdown + 1e-12
+    assert all(p.slowdown > max_slowdown for p in finite if p.cap_workspace_bytes < chosen.cap_workspace_bytes)
+
+
+@pytest.mark.gpu
+def test_tuning_on_cudnn_and_its_cache(tmp_path, monkeypatch):
+    """The curve from cuDNN's own search (FindEx times, every math type), and a second tuning from the cache."""
+    from wsarena._search_env import environment
+    from wsarena.backends import get_backend
+
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path))
+    algos.cache_clear()
+    env = environment(get_backend("cudnn"))
+    assert env["api"] == "legacy" and env["compute_capability"] and env["cudnn"] and env["driver"]
+    layers = [ConvLayer("a", (1, 16, 28, 28), (32, 16, 3, 3), padding=1),
+              ConvLayer("b", (1, 32, 28, 28), (32, 32, 5, 5), padding=2)]
+    t = tune(layers, batch=8, backend="cudnn", max_slowdown=0.05)
+    steps = [p.step_seconds for p in t.curve]
+    assert steps == sorted(steps, reverse=True) and t.curve[-1].cap_workspace_bytes is None
+    assert t.recommended.slowdown <= 0.05 + 1e-12
+    assert wsarena.plan(layers, batch=8, backend="cudnn", cap_workspace=t.recommended_cap_bytes,
+                        search="exhaustive").layers == t.plan().layers
+    algos.cache_clear()
+    assert tune(layers, batch=8, backend="cudnn", max_slowdown=0.05).curve == t.curve

@@ -1,0 +1,132 @@
+"""What ``wsarena tune`` and ``wsarena cache`` print (the command itself is :mod:`wsarena.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+from typing import Any
+
+from . import __version__
+from ._sizes import format_size
+
+__all__ = ["cache_output", "max_slowdown_arg", "render_curve", "tune_output"]
+
+
+def max_slowdown_arg(text: str) -> float:
+    """``--max-slowdown``: a percentage (``2%``) or a fraction (``0.02``)."""
+    raw = text.strip()
+    percent = raw.endswith("%")
+    try:
+        value = float(raw[:-1] if percent else raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage (2%) or a fraction (0.02), not {text!r}") from None
+    if percent:
+        value /= 100
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite slowdown >= 0 (2% or 0.02), not {text!r}")
+    return value
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:g}%"
+
+
+def _seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:.3f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.2f} ms"
+    return f"{value * 1e6:.1f} us"
+
+
+def _cap(cap: int | None) -> str:
+    return "none" if cap is None else format_size(cap)
+
+
+def render_curve(t: Any) -> str:
+    """The curve a person reads: a header, one row per cap, and the recommendation."""
+    p = t.uncapped
+    lines = [
+        f"wsarena {__version__} tune: {p.model}",
+        (
+            f"backend {p.backend} ({p.device})  dtype {p.dtype}  layout {p.layout}  batch {p.batch}  "
+            f"streams {p.streams}  passes {','.join(p.passes)}"
+        ),
+        (
+            f"searched {len(t.measured)} distinct calls (pass and geometry) in {t.search_seconds:.1f} s; "
+            "calls in the search cache were not timed again"
+        ),
+        "",
+    ]
+    head = ["cap", "arena", "step time", "slowdown"]
+    rows = [
+        [_cap(q.cap_workspace_bytes), format_size(q.arena_bytes), _seconds(q.step_seconds), f"{q.slowdown:+.2%}"]
+        for q in t.curve
+    ]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    for q, row in zip(t.curve, rows):
+        mark = "  <- recommended" if q.cap_workspace_bytes == t.recommended_cap_bytes else ""
+        lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)) + mark)
+    best, fastest = t.recommended, t.curve[-1]
+    lines += [
+        "",
+        (
+            f"recommended cap (slowdown within {_percent(t.max_slowdown)}): {_cap(best.cap_workspace_bytes)}: "
+            f"step {_seconds(best.step_seconds)} ({best.slowdown:+.2%}), arena {format_size(best.arena_bytes)} "
+            f"instead of {format_size(fastest.arena_bytes)} uncapped"
+        ),
+        f"use it with: WSARENA_CAP_WORKSPACE={best.cap_workspace_bytes}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _curve_csv(t: Any) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended"])
+    for q in t.curve:
+        cap = "" if q.cap_workspace_bytes is None else q.cap_workspace_bytes
+        recommended = "true" if q.cap_workspace_bytes == t.recommended_cap_bytes else "false"
+        writer.writerow([cap, q.arena_bytes, repr(q.step_seconds), repr(q.slowdown), recommended])
+    return out.getvalue()
+
+
+def tune_output(t: Any, fmt: str) -> str:
+    """``fmt``: ``table``, ``json``, ``csv``, or ``apply`` (the one line that sets the recommended cap)."""
+    if fmt == "apply":
+        return f"WSARENA_CAP_WORKSPACE={t.recommended_cap_bytes}\n"
+    if fmt == "json":
+        return json.dumps(t.to_dict(), indent=2) + "\n"
+    if fmt == "csv":
+        return _curve_csv(t)
+    return render_curve(t)
+
+
+def cache_output(action: str, fmt: str) -> str:
+    """``wsarena cache info`` or ``clear``, as ``text`` or ``json``."""
+    from . import searchcache
+
+    data = searchcache.info() if action == "info" else searchcache.clear()
+    if fmt == "json":
+        return json.dumps(data, indent=2) + "\n"
+    if data["directory"] is None:
+        return f"the search cache is off ({searchcache.ENV_VAR}=off)\n"
+    where = f"{searchcache.ENV_VAR}" if os.environ.get(searchcache.ENV_VAR, "").strip() else "the user cache folder"
+    if action == "clear":
+        return f"removed {data['removed']} entries ({format_size(data['freed_bytes'])}) from {data['directory']}\n"
+    lines = [
+        f"search cache: {data['directory']} (from {where})",
+        f"entries: {data['entries']} ({format_size(data['size_bytes'])})",
+    ]
+    if data["unreadable"]:
+        lines.append(f"unreadable files (replaced when their call is searched again): {data['unreadable']}")
+    for env in data["environments"]:
+        api = f", {env['api']} API" if env["api"] else ""
+        lines.append(f"  {env['entries']:>6}  {env['backend']}: {env['device']} (wsarena {env['wsarena']}{api})")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,248 @@
+"""The persistent search cache: exhaustive-search results kept across processes.
+
+An exhaustive search times every candidate algorithm of a call; this cache keeps each candidate's time and
+workspace on disk, so that a restarted job (and ``wsarena tune``, and :func:`wsarena.plan`) searches nothing it
+searched before. The ops, the planner and ``tune`` all reach it through :func:`wsarena.algos.select`.
+
+Where: ``WSARENA_CACHE_DIR`` when set (``off`` turns the cache off), else the user's cache folder
+(``platformdirs.user_cache_dir("wsarena")``: ``$XDG_CACHE_HOME/wsarena`` or ``~/.cache/wsarena`` on Linux).
+Entries are files under its ``search/`` folder, one per call, named by a hash of their key. A key is the
+environment (:func:`wsarena._search_env.environment`: device and compute capability, driver and cuDNN versions,
+on the CPU the processor, NumPy and its BLAS; wsarena's version; the API path) and the call: the pass and the
+whole geometry (shapes, dtype, layout, every convolution parameter). Each file holds its key, so a file that
+does not match is recognised.
+
+Safety: a file is written whole to a temporary name and renamed over the entry, so a reader sees the old entry
+or the new one, never part of one, and processes writing at once lose no entry (each call is its own file; two
+writers of the same call both write complete results). A truncated, corrupt or foreign file is ignored with one
+:class:`~wsarena.errors.SearchCacheWarning` and replaced; a directory that cannot be written gives one warning
+and the process goes on without saving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ._search_env import environment
+from .backends import Candidate
+from .errors import SearchCacheWarning
+
+__all__ = ["ENV_VAR", "cache_dir", "clear", "info", "search"]
+
+ENV_VAR = "WSARENA_CACHE_DIR"
+_FORMAT = "wsarena-search-cache"
+_VERSION = 1
+_SUBDIR = "search"
+_TEMP_PREFIX = ".tmp-"
+
+_Results = dict[tuple[str, int | None], tuple[int, float | None]]  # (algo, math type) -> (workspace, ms or None)
+_Measure = Callable[[], tuple[list[Candidate], list[Candidate]]]
+
+_warned: set[tuple[str, str]] = set()
+_warn_lock = threading.Lock()  # guards _warned
+
+
+def cache_dir() -> Path | None:
+    """The cache directory in force now, or ``None`` when ``WSARENA_CACHE_DIR=off``."""
+    raw = os.environ.get(ENV_VAR, "").strip()
+    if raw.lower() == "off":
+        return None
+    if raw:
+        return Path(raw).expanduser()
+    try:
+        import platformdirs
+    except ImportError:  # an install made without dependencies: the XDG rule, which platformdirs follows on Linux
+        return Path(os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache") / "wsarena"
+    return Path(platformdirs.user_cache_dir("wsarena", appauthor=False))
+
+
+def search(
+    backend: Any, pass_: str, geom: Any, candidates: Sequence[Candidate], measure: _Measure
+) -> tuple[list[Candidate], list[Candidate]]:
+    """The exhaustive search of ``candidates``: from the cache when it holds all of them, else ``measure()``.
+
+    Returns what ``measure`` returns, ``(timed, skipped)``: the timed candidates fastest first, and those the
+    search had no memory to time. A fresh measurement is saved (merged into what the entry held): each timed
+    candidate's time and workspace, and as rejected those the backend's search dropped. Candidates skipped for
+    memory are not saved, so a later search times them.
+    """
+    root = cache_dir()
+    if root is None or not candidates:
+        return measure()
+    key = _key(backend, pass_, geom)
+    path = root / _SUBDIR / (hashlib.sha256(_canonical(key).encode()).hexdigest()[:40] + ".json")
+    stored = _read(path, key)
+    if stored is not None and all((c.algo, c.math_type) in stored for c in candidates):
+        names = {c.algo for c in candidates}
+        limit = max(c.workspace_bytes for c in candidates)
+        timed = [
+            Candidate(algo, nbytes, ms, math)
+            for (algo, math), (nbytes, ms) in stored.items()
+            if ms is not None and algo in names and nbytes <= limit
+        ]
+        if timed:
+            return sorted(timed, key=lambda c: c.time_ms or 0.0), []
+    timed, skipped = measure()
+    if timed:
+        results = dict(stored or {})
+        left_out = {(c.algo, c.math_type) for c in (*timed, *skipped)}
+        results.update({(c.algo, c.math_type): (c.workspace_bytes, None) for c in candidates
+                        if (c.algo, c.math_type) not in left_out})
+        results.update({(c.algo, c.math_type): (c.workspace_bytes, c.time_ms) for c in timed})
+        _write(path, key, results)
+    return timed, skipped
+
+
+def _key(backend: Any, pass_: str, geom: Any) -> dict[str, Any]:
+    fields = {f.name: getattr(geom, f.name) for f in dataclasses.fields(geom)}
+    # Through JSON once, so that the key compares equal to the one read back from a file (tuples become lists).
+    return json.loads(json.dumps({"environment": environment(backend), "pass": str(pass_), "geometry": fields}))
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _warn_once(kind: str, where: Path, message: str) -> None:
+    with _warn_lock:
+        if (kind, str(where)) in _warned:
+            return
+        _warned.add((kind, str(where)))
+    warnings.warn(message, SearchCacheWarning, stacklevel=3)
+
+
+def _read(path: Path, key: dict[str, Any]) -> _Results | None:
+    """The entry's results, or ``None`` when there is none (or none usable: then one warning says why)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except UnicodeDecodeError as exc:
+        _warn_once("read", path, f"ignoring the search cache file {path}: {exc}; it will be replaced")
+        return None
+    except OSError as exc:
+        _warn_once("read", path.parent, f"cannot read the search cache in {path.parent}: {exc}; searching afresh")
+        return None
+    try:
+        data = json.loads(text)
+        return _parse(data, key)
+    except (ValueError, TypeError, KeyError) as exc:
+        _warn_once("read", path, f"ignoring the search cache file {path}: {exc}; it will be replaced")
+        return None
+
+
+def _parse(data: Any, key: dict[str, Any]) -> _Results:
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        raise ValueError("not a wsarena search cache file")
+    if data.get("version") != _VERSION:
+        raise ValueError(f"format version {data.get('version')!r}, this wsarena reads {_VERSION}")
+    if data.get("key") != key:
+        theirs = data.get("key", {}).get("environment", {}).get("wsarena")
+        raise ValueError(f"it holds another key (written by wsarena {theirs})")
+    results: _Results = {}
+    for entry in data["results"]:
+        algo, math, nbytes, ms = entry["algo"], entry["math_type"], entry["workspace_bytes"], entry["time_ms"]
+        if not isinstance(algo, str) or not (math is None or type(math) is int) or type(nbytes) is not int:
+            raise ValueError(f"malformed entry {entry!r}")
+        if nbytes < 0 or not (ms is None or (isinstance(ms, (int, float)) and ms >= 0)):
+            raise ValueError(f"malformed entry {entry!r}")
+        results[(algo, math)] = (nbytes, None if ms is None else float(ms))
+    return results
+
+
+def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
+    """Write the entry whole under a temporary name, then rename it over ``path``; warn once if it cannot."""
+    entries = [
+        {"algo": algo, "math_type": math, "workspace_bytes": nbytes, "time_ms": ms}
+        for (algo, math), (nbytes, ms) in results.items()
+    ]
+    text = json.dumps({"format": _FORMAT, "version": _VERSION, "key": key, "results": entries}, indent=1)
+    folder = path.parent
+    tmp: str | None = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=_TEMP_PREFIX, suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        _warn_once("write", folder, f"cannot save to the search cache in {folder}: {exc}; going on without saving")
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def _entry_files(root: Path) -> list[Path]:
+    folder = root / _SUBDIR
+    try:
+        return sorted(p for p in folder.iterdir() if p.suffix == ".json" and not p.name.startswith(_TEMP_PREFIX))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def info() -> dict[str, Any]:
+    """What ``wsarena cache info`` shows: the directory, the entries and their size, and per environment
+    (backend, device, wsarena version, API path) how many entries it has.
+
+    Raises ``OSError`` when the directory cannot be listed.
+    """
+    root = cache_dir()
+    out: dict[str, Any] = {"directory": None if root is None else str(root), "enabled": root is not None,
+                           "entries": 0, "size_bytes": 0, "unreadable": 0, "environments": []}
+    if root is None:
+        return out
+    groups: dict[tuple, int] = {}
+    for path in _entry_files(root):
+        try:
+            out["size_bytes"] += path.stat().st_size
+            env = json.loads(path.read_text(encoding="utf-8"))["key"]["environment"]
+            group = tuple(str(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
+        except (OSError, ValueError, TypeError, KeyError):
+            out["unreadable"] += 1
+            continue
+        out["entries"] += 1
+        groups[group] = groups.get(group, 0) + 1
+    out["environments"] = [
+        {"backend": b, "device": d, "wsarena": v, "api": a, "entries": n} for (b, d, v, a), n in sorted(groups.items())
+    ]
+    return out
+
+
+def clear() -> dict[str, Any]:
+    """Remove every entry (and any temporary file a killed writer left); what ``wsarena cache clear`` does.
+
+    Only the files of the cache's ``search/`` folder are removed, never the directory's other contents.
+    Returns ``directory``, ``removed`` (entries) and ``freed_bytes``.
+    """
+    root = cache_dir()
+    out: dict[str, Any] = {"directory": None if root is None else str(root), "removed": 0, "freed_bytes": 0}
+    if root is None:
+        return out
+    folder = root / _SUBDIR
+    try:
+        paths = [p for p in folder.iterdir() if p.suffix == ".json"]
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for path in paths:
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:  # another process removed or renamed it meanwhile
+            continue
+        if not path.name.startswith(_TEMP_PREFIX):
+            out["removed"] += 1
+        out["freed_bytes"] += size
+    return out

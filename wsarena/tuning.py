@@ -1,0 +1,209 @@
+"""The cap-versus-speed curve: what each workspace cap costs in step time, and the cap to pick.
+
+:func:`tune` times every candidate algorithm of every layer and pass once: an exhaustive search with no cap, on
+the arena's workspace, as :func:`wsarena.plan` runs it (a geometry seen before is not timed again, and the
+persistent search cache serves what an earlier process timed). Under a cap every call takes the fastest timed
+algorithm that fits, as the ops do, so for any cap the step time (the sum, over the layers and passes, of the
+chosen algorithms' times) and the arena it needs (per stream, the largest chosen workspace) follow from these
+measurements without timing anything again.
+
+The curve has one point per cap that changes some choice: from the smallest cap every call fits in (0 when every
+pass has a zero-workspace algorithm) up to the smallest cap that changes nothing any more, then the uncapped point
+(``cap_workspace_bytes`` ``None``). A point's ``slowdown`` is its step time over the uncapped one, minus 1. The
+recommended cap is the smallest whose slowdown is within ``max_slowdown``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from ._config import config
+from ._geometry import ConvGeometry
+from ._pass import PASSES
+from .algos import select
+from .backends import Candidate, get_backend
+from .errors import NoAlgorithmFitsError
+from .planner import LayerPlan, Plan, _operands, _stream_bytes, _streams, plan
+
+__all__ = ["CurvePoint", "Tuning", "tune"]
+
+# A slowdown computed as a ratio of float sums can miss a threshold it meets exactly by a rounding error.
+_ROUNDING = 1e-12
+
+_Measured = Mapping[tuple[str, ConvGeometry], tuple[Candidate, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class CurvePoint:
+    """One point of the curve: under ``cap_workspace_bytes`` (``None``: no cap), the arena and the step time."""
+
+    cap_workspace_bytes: int | None
+    arena_bytes: int
+    step_seconds: float
+    slowdown: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The outcome of :func:`tune`. ``to_dict()`` is the JSON object ``wsarena tune --format json`` prints.
+
+    Attributes
+    ----------
+    uncapped : Plan
+        The plan with no cap (the model, backend, device and run it was tuned for).
+    measured : mapping
+        ``(pass, geometry) -> candidates``: every distinct call's timed algorithms, fastest first.
+    curve : tuple of CurvePoint
+        Sorted by cap, the uncapped point last.
+    max_slowdown : float
+        The slowdown the recommendation allows (0.02 for 2 %).
+    recommended_cap_bytes : int
+        The smallest cap whose slowdown is within ``max_slowdown``.
+    search_seconds : float
+        How long the measurements took (nothing when the caches held them all).
+    """
+
+    uncapped: Plan
+    measured: _Measured
+    curve: tuple[CurvePoint, ...]
+    max_slowdown: float
+    recommended_cap_bytes: int
+    search_seconds: float
+    shared_streams: bool = True
+
+    @property
+    def recommended(self) -> CurvePoint:
+        """The curve's point at the recommended cap."""
+        return next(p for p in self.curve if p.cap_workspace_bytes == self.recommended_cap_bytes)
+
+    def plan(self, cap: Any = "recommended") -> Plan:
+        """The plan under ``cap`` (bytes or ``None``; default the recommended cap), from these measurements."""
+        if cap == "recommended":
+            cap = self.recommended_cap_bytes
+        elif cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ValueError(f"cap must be a number of bytes >= 0 or None, not {cap!r}")
+        layers = _layer_plans(self.uncapped.layers, self.uncapped.passes, self.measured, cap)
+        if layers is None:
+            smallest = self.curve[0].cap_workspace_bytes or 0
+            raise NoAlgorithmFitsError("some convolution has no timed algorithm within the cap",
+                                       requested=smallest, held=0, cap=cap)
+        return dataclasses.replace(
+            self.uncapped, cap_workspace=cap, layers=tuple(layers), max_slowdown=self.max_slowdown,
+            stream_bytes=_stream_bytes(layers, self.uncapped.streams, self.shared_streams, [lp.stream for lp in layers]),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        head = self.uncapped.to_dict()
+        keys = ("wsarena_version", "model", "backend", "device", "batch", "dtype", "layout", "streams", "search")
+        return {
+            **{k: head[k] for k in keys},
+            "passes": list(self.uncapped.passes),
+            "curve": [p.to_dict() for p in self.curve],
+            "recommended_cap_bytes": self.recommended_cap_bytes,
+            "max_slowdown": self.max_slowdown,
+            "distinct_calls": len(self.measured),
+            "search_seconds": self.search_seconds,
+        }
+
+
+def check_max_slowdown(value: Any) -> float:
+    """``value`` as a slowdown fraction (``0.02`` for 2 %); ``ValueError``/``TypeError`` naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"max_slowdown must be a number (0.02 for 2 %), not {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"max_slowdown must be a finite fraction >= 0 (0.02 for 2 %), not {value!r}")
+    return float(value)
+
+
+def tune(
+    layers: Iterable[Any],
+    *,
+    batch: int = 1,
+    dtype: str = "float32",
+    layout: str = "NCHW",
+    passes: Sequence[str] = PASSES,
+    streams: int | Sequence[int] = 1,
+    backend: str | None = None,
+    max_slowdown: float = 0.02,
+    model: str = "",
+    progress: Callable[[int, int, str], None] | None = None,
+) -> Tuning:
+    """Time every algorithm of every layer and pass once; the cap-versus-step-time curve and the cap to pick.
+
+    Parameters are those of :func:`wsarena.plan` (the search is exhaustive and there is no cap), plus
+    ``max_slowdown``: the slowdown against no cap that the recommended cap may cost (0.02 for 2 %).
+    """
+    max_slowdown = check_max_slowdown(max_slowdown)
+    layers = list(layers)
+    shared, _ = _streams(streams, len(layers))
+    start = time.perf_counter()
+    # The planner checks the arguments and runs the searches (one per distinct call, with progress) ...
+    uncapped = plan(layers, batch=batch, dtype=dtype, layout=layout, cap_workspace=None, passes=passes,
+                    streams=streams, backend=backend, search="exhaustive", model=model, progress=progress)
+    seconds = time.perf_counter() - start
+    # ... whose every candidate the algorithm cache now holds, fastest first (the choice is the first).
+    impl = get_backend(uncapped.backend)
+    measured: dict[tuple[str, ConvGeometry], tuple[Candidate, ...]] = {}
+    with config(cap_workspace=None, algo_search="exhaustive"):
+        for lp in uncapped.layers:
+            for pass_ in uncapped.passes:
+                key = (pass_, lp.geometry)
+                if key in measured:
+                    continue
+                operands = functools.partial(_operands, impl, pass_, lp.geometry)
+                ranked = select(impl, pass_, lp.geometry, cap=None, search="exhaustive", operands=operands, warn=False)
+                timed = tuple(c for c in ranked if c.time_ms is not None)
+                if not timed:
+                    raise NoAlgorithmFitsError(
+                        f"no {pass_} algorithm of layer {lp.name!r} could be timed",
+                        requested=min(c.workspace_bytes for c in ranked), held=0, cap=None,
+                    )
+                measured[key] = timed
+    curve = _curve(uncapped, measured, shared)
+    recommended = next(
+        p.cap_workspace_bytes for p in curve
+        if p.cap_workspace_bytes is not None and p.slowdown <= max_slowdown + _ROUNDING
+    )
+    return Tuning(uncapped, measured, curve, max_slowdown, recommended, seconds, shared)
+
+
+def _layer_plans(
+    layers: Sequence[LayerPlan], passes: Sequence[str], measured: _Measured, cap: int | None
+) -> list[LayerPlan] | None:
+    """Every layer with, per pass, the fastest timed algorithm within ``cap``; ``None`` if some call has none."""
+    chosen: dict[tuple[str, ConvGeometry], Candidate] = {}
+    for key, cands in measured.items():
+        fits = next((c for c in cands if cap is None or c.workspace_bytes <= cap), None)
+        if fits is None:
+            return None
+        chosen[key] = fits
+    return [dataclasses.replace(lp, choices={p: chosen[(p, lp.geometry)] for p in passes}) for lp in layers]
+
+
+def _curve(uncapped: Plan, measured: _Measured, shared: bool) -> tuple[CurvePoint, ...]:
+    caps: list[int | None] = [*sorted({0} | {c.workspace_bytes for cands in measured.values() for c in cands}), None]
+    steps: list[tuple[int | None, int, float]] = []
+    previous: list[dict[str, Candidate]] | None = None
+    for cap in caps:
+        layers = _layer_plans(uncapped.layers, uncapped.passes, measured, cap)
+        if layers is None:
+            continue
+        choices = [lp.choices for lp in layers]
+        if choices == previous and cap is not None:
+            continue  # this cap changes no choice
+        previous = choices
+        stream_bytes = _stream_bytes(layers, uncapped.streams, shared, [lp.stream for lp in layers])
+        step = math.fsum((c.time_ms or 0.0) for lp in layers for c in lp.choices.values()) / 1e3
+        steps.append((cap, sum(stream_bytes), step))
+    fastest = steps[-1][2]
+    return tuple(
+        CurvePoint(cap, arena, step, step / fastest - 1.0 if fastest > 0 else 0.0) for cap, arena, step in steps
+    )
