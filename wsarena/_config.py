@@ -183,9 +183,10 @@ def configure(**changes: Any) -> Config:
 @contextlib.contextmanager
 def config(**changes: Any) -> Iterator[Config]:
     """Override settings for the body of a ``with`` block, in this thread or task only."""
-    token = _override.set(_with_changes(changes))
+    new = _with_changes(changes)
+    token = _override.set(new)
     try:
-        yield _override.get()
+        yield new
     finally:
         _override.reset(token)
 

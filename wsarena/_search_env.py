@@ -110,7 +110,7 @@ def _blas(np: Any) -> dict[str, Any]:
 
 
 def _cudnn(device: int) -> dict[str, Any]:
-    import cupy  # type: ignore[import-untyped]
+    import cupy
 
     from .cudnn import library_info
 

@@ -93,6 +93,7 @@ def _input_shapes(given: list[tuple[str | None, tuple[int, ...]]] | None) -> Any
         raise UsageError("with several --input-shape options, name each input: --input-shape NAME=DIMS")
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in given:
+        assert name is not None  # checked just above
         if name in shapes:
             twice = f"{_shape(shapes[name])} and {_shape(shape)}"
             raise UsageError(f"--input-shape given twice for input {name!r}: {twice}")
@@ -312,8 +313,10 @@ def render_table(p: Any) -> str:
     cap = "none" if p.cap_workspace is None else format_size(p.cap_workspace)
     lines = [
         f"wsarena {__version__} workspace report: {p.model}",
-        f"backend {p.backend} ({p.device})  dtype {p.dtype}  layout {p.layout}  batch {p.batch}  "
-        f"cap {cap}  streams {p.streams}  search {p.search}",
+        (
+            f"backend {p.backend} ({p.device})  dtype {p.dtype}  layout {p.layout}  batch {p.batch}  "
+            f"cap {cap}  streams {p.streams}  search {p.search}"
+        ),
         "",
     ]
     head = ["layer", "input", "weight", "params"]

@@ -46,7 +46,7 @@ def _cuda_versions() -> dict[str, Any]:
 
 
 def _devices() -> list[dict[str, Any]]:
-    devices = []
+    devices: list[dict[str, Any]] = []
     if gpu_count() == 0:
         return devices
     try:

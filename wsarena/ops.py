@@ -81,23 +81,23 @@ def _dtype_name(name: str, dtype: Any) -> str:
 
 
 def _backend_for(names: tuple[str, str], types: tuple[type, type], configured: str) -> Backend:
-    kinds = {}
+    kinds: dict[str, str] = {}
     for name, kind in zip(names, types):
-        backend = type_backend_name(kind)
-        if backend is None:
+        found = type_backend_name(kind)
+        if found is None:
             masked = " (its mask would be ignored; pass .filled(0))" if is_masked_type(kind) else ""
             raise TypeError(f"{name} must be a NumPy or CuPy array, not {kind.__name__}{masked}")
-        kinds[name] = backend
+        kinds[name] = found
     if len(set(kinds.values())) > 1:
         detail = ", ".join(f"{n} is {'NumPy' if k == 'cpu' else 'CuPy'}" for n, k in kinds.items())
         raise TypeError(f"cannot mix NumPy and CuPy arrays in one convolution ({detail})")
-    kind = next(iter(kinds.values()))
-    if configured != "auto" and configured != kind:
+    backend = next(iter(kinds.values()))
+    if configured != "auto" and configured != backend:
         raise TypeError(
-            f"backend={configured!r} is configured but the arrays are {'NumPy' if kind == 'cpu' else 'CuPy'}; "
+            f"backend={configured!r} is configured but the arrays are {'NumPy' if backend == 'cpu' else 'CuPy'}; "
             f"pass {'CuPy' if configured == 'cudnn' else 'NumPy'} arrays or configure backend='auto'"
         )
-    return get_backend(kind)
+    return get_backend(backend)
 
 
 def _record(

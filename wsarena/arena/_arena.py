@@ -384,8 +384,7 @@ class Arena:
         sub.holder_block = block
         if n > sub.high_water:
             sub.high_water = n
-            if n > self._totals.high_water:
-                self._totals.high_water = n
+            self._totals.high_water = max(self._totals.high_water, n)
         ws._block = block
         ws.ptr = block.ptr
         ws.cuda_stream = None if self._lanes else sub.stream
@@ -534,12 +533,12 @@ class Arena:
             self._dropped.popleft()
         while self._dead:
             key, serial, eager = self._dead[0]
-            sub = self._subs.get(key)
-            if sub is not None and sub.serial == serial:  # else already gone, or a newer one for the same key
-                sub.anchor = None
-                sub.orphan = True
-                if eager and sub.idle():
-                    released += self._forget(sub, gone=True)
+            dead = self._subs.get(key)
+            if dead is not None and dead.serial == serial:  # else already gone, or a newer one for the same key
+                dead.anchor = None
+                dead.orphan = True
+                if eager and dead.idle():
+                    released += self._forget(dead, gone=True)
             self._dead.popleft()
         return released
 

@@ -40,7 +40,7 @@ def give_back(provider: Any, to_free: collections.deque[tuple[Any, Any]], quiet:
         except Exception as exc:  # noqa: BLE001 - a failed free must not break a lease's exit
             if not quiet:
                 warnings.warn(f"wsarena: freeing {buffer!r} failed: {exc}", RuntimeWarning, stacklevel=3)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt: raised once the rest are freed
             interrupted = interrupted or exc
     if interrupted is not None:
         try:

@@ -67,18 +67,26 @@ def get_arena(device: Any = None) -> Arena:
         arena = _arenas.get(key)
         if arena is not None and not arena.closed:
             return arena
-    if key != "cpu":
-        _require_gpu(f"get_arena({device!r})")
-        if key is None:
-            import cupy
+    if key == "cpu":
+        return _made("cpu", HostProvider)
+    _require_gpu(f"get_arena({device!r})")
+    if key is None:
+        import cupy
 
-            key = int(cupy.cuda.runtime.getDevice())
-        elif key >= gpu_count():
-            raise ValueError(f"no CUDA device {key}: this process sees {gpu_count()}")
+        ordinal = int(cupy.cuda.Device().id)
+    else:
+        ordinal = int(key)  # not "cpu": an ordinal
+        if ordinal >= gpu_count():
+            raise ValueError(f"no CUDA device {ordinal}: this process sees {gpu_count()}")
+    return _made(ordinal, lambda: CupyProvider(ordinal))
+
+
+def _made(key: str | int, provider: Any) -> Arena:
+    """The arena of ``key``, made with ``provider()`` unless one is open already; one per key, under the lock."""
     with _lock:
         arena = _arenas.get(key)
         if arena is None or arena.closed:
-            arena = _arenas[key] = Arena(HostProvider() if key == "cpu" else CupyProvider(key))
+            arena = _arenas[key] = Arena(provider())
         return arena
 
 

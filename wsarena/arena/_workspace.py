@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from .._sizes import format_size
 from ._interrupts import finish
@@ -70,7 +70,7 @@ class Workspace:
             array = self._array = self._arena.provider.as_array(buffer, self.nbytes)
         return array
 
-    def __enter__(self) -> Workspace:
+    def __enter__(self) -> Self:
         if self._state:
             raise RuntimeError("a lease can be entered only once; call arena.lease() again")
         if not self.nbytes:

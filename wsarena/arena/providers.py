@@ -241,7 +241,8 @@ class AsyncProvider(_DeviceProvider):
 
 def _core_stream(handle: int) -> Any:
     """cuda.core's stream object for a raw handle (memory resources take stream objects)."""
-    from cuda.core import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM as CORE_PTDS, Stream
+    from cuda.core import LEGACY_DEFAULT_STREAM, Stream
+    from cuda.core import PER_THREAD_DEFAULT_STREAM as CORE_PTDS
 
     if handle == 0:
         return LEGACY_DEFAULT_STREAM

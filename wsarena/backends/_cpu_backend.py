@@ -12,13 +12,12 @@ import numpy as np
 from ..arena import get_arena
 from . import Candidate, cpu
 
-
 _OVERLAP_WORK = 10_000  # numpy.shares_memory's search budget for the exact overlap test
 
 
 class CpuBackend:
     name = "cpu"
-    retry_errors = ()  # every CPU algorithm runs every geometry
+    retry_errors: tuple[type[BaseException], ...] = ()  # every CPU algorithm runs every geometry
 
     def device_label(self) -> str:
         return "cpu"
@@ -35,7 +34,7 @@ class CpuBackend:
         # Overlapping bounds may still be disjoint elements (an output between strided input images). Solve
         # that exactly within a small budget; past it, count as shared (refusing is safe, corrupting is not).
         try:
-            return bool(np.shares_memory(a, b, max_work=_OVERLAP_WORK))
+            return bool(np.shares_memory(a, b, max_work=_OVERLAP_WORK))  # type: ignore[arg-type]  # stubs: -1, 0 only
         except np.exceptions.TooHardError:
             return True
 
@@ -50,7 +49,7 @@ class CpuBackend:
         return np.empty(shape, dtype=dtype)
 
     def random(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-        return np.random.default_rng(0).standard_normal(shape, dtype=dtype)
+        return np.random.default_rng(0).standard_normal(shape, dtype=np.float32 if dtype == "float32" else np.float64)
 
     def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
         return [Candidate(algo, cpu.workspace_size(pass_, algo, geom)) for algo in cpu.candidates(pass_, geom)]
@@ -70,7 +69,7 @@ class CpuBackend:
             start = time.perf_counter()
             cpu.run_unchecked(pass_, cand.algo, geom, a, b, out, workspace.array)
             timed.append(Candidate(cand.algo, cand.workspace_bytes, (time.perf_counter() - start) * 1e3))
-        return sorted(timed, key=lambda c: c.time_ms)
+        return sorted(timed, key=lambda c: c.time_ms or 0.0)  # every one was just timed
 
     def run(
         self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any

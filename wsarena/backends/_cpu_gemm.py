@@ -53,6 +53,7 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray, workspace: np.
     step = n if batch else 1
     (mem,) = _carve(workspace, p, [col_elements(p, step)])
     xp = act_view(x, g.layout, G)
+    colm: np.ndarray
     if g.layout == "NCHW":
         col = col_view(mem, COL_NCHW, step, p)
         wm = w.reshape(G, kg, -1)  # (G, Kg, Cg*kprod)
@@ -81,6 +82,7 @@ def backward_data(
     step = n if batch else 1
     (mem,) = _carve(workspace, p, [col_elements(p, step)])
     dxp = act_view(dx, g.layout, G)
+    colm: np.ndarray
     if g.layout == "NCHW":
         col = col_view(mem, COL_NCHW, step, p)
         wmt = w.reshape(G, kg, -1).transpose(0, 2, 1)  # (G, Cg*kprod, Kg)

@@ -25,6 +25,7 @@ few input channels and a large kernel (a 7x7 RGB stem) run several times slower 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -239,7 +240,8 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
     for i, off in enumerate(p.offsets):
         if off.empty:
             continue
-        ys, wk = yp[(slice(None), *off.out)], wv[(Ellipsis, *off.index)]
+        at: tuple[Any, ...] = (Ellipsis, *off.index)
+        ys, wk = yp[(slice(None), *off.out)], wv[at]
         acc = i > 0 or not started
         if unit_stride:
             lo = tuple(s.start for s in off.inp)
@@ -267,7 +269,8 @@ def backward_data(p: Plan, dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -> Non
         if off.empty:
             continue
         dxs = dxp[(slice(None), *off.inp)]
-        wk_t = wv[(Ellipsis, *off.index)].transpose(0, 2, 1)  # (G, Cg, Kg)
+        at: tuple[Any, ...] = (Ellipsis, *off.index)
+        wk_t = wv[at].transpose(0, 2, 1)  # (G, Cg, Kg)
         _box(dy, dyp, off.lo, off.hi, wk_t, dxs, off is not first, dx.size, _unit(dy, g.layout))
 
 
@@ -295,7 +298,8 @@ def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> N
     G, kg, cg = p.groups, p.kg, p.cg
     for off in p.offsets:
         if off.empty:
-            wv[(Ellipsis, *off.index)] = 0
+            at: tuple[Any, ...] = (Ellipsis, *off.index)
+            wv[at] = 0
     for offs in _filter_groups(p):
         dwks = [wv[(Ellipsis, *o.index)] for o in offs]  # (G, Kg, Cg) views into dw
         dys = dyp[(slice(None), *offs[0].out)]

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import itertools
 import math
+from typing import Any
 
 import numpy as np
 
@@ -177,7 +178,9 @@ def col_view(
     if layout is None:
         g = p.geom
         sizes = {"b": (batch,), "o": osize, "g": (p.groups,), "c": (p.cg,), "r": g.kernel_size}
-        shape, axes, pos = [], {}, 0
+        shape: list[int] = []
+        axes: dict[str, list[int]] = {}
+        pos = 0
         for label in order:
             axes[label] = list(range(pos, pos + len(sizes[label])))
             shape.extend(sizes[label])
@@ -308,7 +311,8 @@ def im2col(xp: np.ndarray, col: np.ndarray, p: Plan, root: np.ndarray, offset: i
         return
     lead = (slice(None),)
     for off in block.offsets:
-        dst = col[(Ellipsis, *off.index)]  # (B, *O, G, Cg)
+        at: tuple[Any, ...] = (Ellipsis, *off.index)
+        dst = col[at]  # (B, *O, G, Cg)
         if off.empty:
             dst[...] = 0
             continue

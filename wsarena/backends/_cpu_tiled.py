@@ -60,6 +60,7 @@ def _rows_view(a: np.ndarray, p: Plan, n0: int, n1: int, r0: int, r1: int, chann
     views (the rows of a tile are adjacent in memory, and so are whole images in NHWC).
     """
     g, inner, b = p.geom, math.prod(p.osize[1:]), n1 - n0
+    out: np.ndarray
     if channels_first:
         v = a.reshape(g.batch, p.groups, p.kg, p.osize[0], inner)[n0:n1, :, :, r0:r1]
         out = v.reshape(b, p.groups, p.kg, (r1 - r0) * inner)

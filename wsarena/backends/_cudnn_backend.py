@@ -35,7 +35,9 @@ class CudnnBackend:
         self._cudnn = cudnn
         cudnn.bind_all()
         # (pass, algorithm name as the backend reports it) -> cuDNN's enum member, for the per-call lookup
-        self._algos = {(p, a.name.lower()): a for p in Pass for a in cudnn.conv.algorithms(p)}
+        self._algos: dict[tuple[str, str], Any] = {
+            (p, a.name.lower()): a for p in Pass for a in cudnn.conv.algorithms(p)
+        }
         # The one cache of cuDNN descriptors: per (geometry, math type), the four a call needs. Building them
         # costs tens of microseconds, as much as a small convolution's kernel, and a training loop repeats them.
         self._descs: LRU[tuple[Any, Any, Any, Any]] = LRU(
@@ -44,7 +46,7 @@ class CudnnBackend:
         # cuDNN's heuristics can list an algorithm its kernel then refuses: a shape it does not support, or an
         # operand pointer without the alignment a tensor-core kernel needs (a view at an odd offset). PyTorch
         # moves on to the next algorithm in both cases, and so does wsarena (for that call only).
-        self.retry_errors = (
+        self.retry_errors: tuple[type[BaseException], ...] = (
             cudnn.error_class(cudnn.Status.NOT_SUPPORTED),
             cudnn.error_class(cudnn.Status.BAD_PARAM_MISALIGNED_POINTER),
         )

@@ -26,6 +26,7 @@ so ``except CudnnBadParamError`` catches every 2xxx status.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Callable
 
@@ -88,10 +89,9 @@ class CudnnError(WsarenaError, RuntimeError):
         What wsarena was doing (shapes, parameters), or ``""``.
     """
 
-    def __new__(cls, status: int = -1, *args: object, **kwargs: object) -> CudnnError:
-        if cls is CudnnError:
-            cls = error_class(status)
-        return super().__new__(cls)
+    def __new__(cls, status: int = -1, *args: object, **kwargs: object) -> CudnnError:  # noqa: PYI034
+        # CudnnError(status) is an instance of the status's own class, not of CudnnError itself.
+        return super().__new__(error_class(status) if cls is CudnnError else cls)
 
     def __init__(self, status: int, message: str = "", func_name: str | None = None, context: str = "") -> None:
         try:
@@ -145,10 +145,8 @@ def clear_last_error() -> None:
 def _describe(status: int) -> str:
     parts = []
     if _error_string is not None:
-        try:
+        with contextlib.suppress(Exception):  # the description is a courtesy; never mask the real error
             parts.append(_error_string(status))
-        except Exception:  # noqa: BLE001 - the description is a courtesy; never mask the real error
-            pass
     if _last_error is not None:
         try:
             last = _last_error()

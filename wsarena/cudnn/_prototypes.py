@@ -16,6 +16,7 @@ import ctypes
 import threading
 from collections.abc import Callable
 from enum import IntEnum
+from typing import Any
 
 from . import _errors
 from ._errors import CudnnSymbolError, check
@@ -47,6 +48,7 @@ _bwd_data_perf = _P(ConvolutionBwdDataAlgoPerfStruct)
 _bwd_filter_perf = _P(ConvolutionBwdFilterAlgoPerfStruct)
 
 Prototype = tuple[object, tuple[object, ...]]
+_Function = Callable[..., Any]  # a declared ctypes function
 
 # name -> (restype, argtypes), grouped by the header that declares it. Argument names in the comments are the
 # header's.
@@ -159,11 +161,11 @@ PROTOTYPES: dict[str, Prototype] = {
 # Guards _bound and the one-time install of the error describers. Reentrant: a garbage collection while this
 # thread holds it (in _declare) may run a descriptor's finalizer, which binds its Destroy function here.
 _lock = threading.RLock()
-_bound: dict[str, ctypes._CFuncPtr] = {}
+_bound: dict[str, _Function] = {}
 _describers_installed = False
 
 
-def _declare(lib: ctypes.CDLL, path: str, version: str, name: str) -> ctypes._CFuncPtr:
+def _declare(lib: ctypes.CDLL, path: str, version: str, name: str) -> _Function:
     restype, argtypes = PROTOTYPES[name]
     try:
         fn = getattr(lib, name)
@@ -192,7 +194,7 @@ def _library() -> ctypes.CDLL:
     return loaded.cdll
 
 
-def function(name: str) -> ctypes._CFuncPtr:
+def function(name: str) -> _Function:
     """The declared ctypes function ``name`` (an entry of :data:`PROTOTYPES`), loading libcudnn if needed.
 
     Raises

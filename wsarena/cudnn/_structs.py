@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 from enum import IntEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ._enums import ConvolutionBwdDataAlgo, ConvolutionBwdFilterAlgo, ConvolutionFwdAlgo, Determinism, MathType, Status
 
@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 # Every field after ``algo`` is common to the three structures.
-_COMMON_FIELDS = [
+_COMMON_FIELDS: list[tuple[str, Any]] = [
     ("status", ctypes.c_int),  # cudnnStatus_t
     ("time", ctypes.c_float),  # milliseconds; -1 or garbage for heuristic results
     ("memory", ctypes.c_size_t),  # workspace bytes
@@ -95,7 +95,7 @@ class AlgoPerf:
     @classmethod
     def from_struct(
         cls,
-        struct: ConvolutionFwdAlgoPerfStruct | ConvolutionBwdDataAlgoPerfStruct | ConvolutionBwdFilterAlgoPerfStruct,
+        struct: ctypes.Structure,  # one of the three perf structs: the fields read are common to them
     ) -> AlgoPerf:
         """Copy a ctypes perf structure into an :class:`AlgoPerf` (its algo enum follows the structure type)."""
         algo_enum = _ALGO_ENUM_OF_STRUCT[type(struct)]

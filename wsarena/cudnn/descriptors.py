@@ -17,11 +17,12 @@ The descriptors keep the shape they were given (``shape``) beside the one cuDNN 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Self
 
 from ..errors import UnsupportedConvolutionError
 from ._enums import ConvolutionMode, DataType, MathType, TensorFormat
@@ -119,10 +120,8 @@ class _Descriptor(Owned):
             configure()
         except BaseException:
             if self._finalizer.detach() is not None:
-                try:
+                with contextlib.suppress(Exception):  # the Set* error is the one to report
                     call(self._destroy, self._handle)
-                except Exception:  # noqa: BLE001 - the Set* error is the one to report
-                    pass
             raise
 
     def close(self) -> None:
@@ -136,14 +135,11 @@ class _Descriptor(Owned):
         if self._finalizer.detach() is not None:
             call(self._destroy, self._handle)
 
-    def __enter__(self: _D) -> _D:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-_D = TypeVar("_D", bound=_Descriptor)
 
 
 class TensorDescriptor(_Descriptor):
@@ -220,7 +216,7 @@ class FilterDescriptor(_Descriptor):
     _create = "cudnnCreateFilterDescriptor"
     _destroy = "cudnnDestroyFilterDescriptor"
 
-    def __init__(self, dtype: DataType, format: TensorFormat, shape: Sequence[int]) -> None:  # noqa: A002
+    def __init__(self, dtype: DataType, format: TensorFormat, shape: Sequence[int]) -> None:
         self.dtype = data_type(dtype)
         self.format = TensorFormat(format)
         self.shape = _ints("shape", shape)

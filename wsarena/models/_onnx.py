@@ -30,7 +30,7 @@ import numbers
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ._layer import ConvLayer, ModelError
 
@@ -116,7 +116,8 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
             if not widen:
                 raise _Unsupported(f"asymmetric pads (begin {begin}, end {end})")
             begin = [max(b, e) for b, e in zip(begin, end)]  # onnxruntime's CUDA provider: widen, then slice
-        return ConvLayer(name, (1, x[1], *size), w, stride=stride, padding=begin, dilation=dilation, groups=group)
+        return ConvLayer(name, (1, x[1], *size), w, stride=tuple(stride), padding=tuple(begin), dilation=tuple(dilation),
+                         groups=group)
 
     # ConvTranspose: the forward-equivalent convolution maps the uncropped output back to the input `x`.
     if w[0] != x[1]:
@@ -139,8 +140,8 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
     if any(o < 1 for o in out):
         raise _Unsupported(f"padding {begin}/{end} leaves no output")
     # ConvTranspose weight (C_in, C_out/group, *k) is the equivalent conv's (K, C/group, *k): same tensor.
-    layer = ConvLayer(name, (1, w[1] * group, *out), w, stride=stride, padding=pad, dilation=dilation,
-                      groups=group, transposed=True)
+    layer = ConvLayer(name, (1, w[1] * group, *out), w, stride=tuple(stride), padding=tuple(pad),
+                      dilation=tuple(dilation), groups=group, transposed=True)
     if layer.geometry().output_size != tuple(size):  # output_padding >= stride: no such backward-data
         raise _Unsupported(f"output_padding {out_pad} with strides {stride} has no equivalent convolution")
     return layer
@@ -212,7 +213,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         _fix_input_shapes(model.graph, input_shapes, path)
     try:
         inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
-    except Exception as exc:  # inference errors come in several types; any of them means no shapes
+    except Exception as exc:  # noqa: BLE001 - inference errors come in several types; any means no shapes
         raise ModelError(f"{path!r}: ONNX shape inference failed: {exc}".splitlines()[0]) from None
     shapes = _shape_table(inferred.graph)
 
@@ -233,7 +234,8 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
             unknown.append((name, f"input {list(x)} and weight {list(w)} are not a 1-, 2- or 3-D convolution"))
             continue
         try:
-            layers.append(_conv_layer(name, x, w, _attrs(node), node.op_type == "ConvTranspose",
+            known_x, known_w = cast(tuple[int, ...], x), cast(tuple[int, ...], w)  # no None left: checked above
+            layers.append(_conv_layer(name, known_x, known_w, _attrs(node), node.op_type == "ConvTranspose",
                                       asymmetric_pads == "widen"))
         except _Unsupported as exc:
             unknown.append((name, str(exc)))

@@ -51,7 +51,7 @@ class _Net:
         """Append a convolution reading ``x`` and return its output feature map."""
         c, *spatial = x
         layer = ConvLayer(
-            name, (1, c, *spatial), (out, c // groups, *_pair(kernel)), stride=stride, padding=_pair(padding),
+            name, (1, c, *spatial), (out, c // groups, *_pair(kernel)), stride=_pair(stride), padding=_pair(padding),
             groups=groups,
         )
         self.layers.append(layer)
@@ -64,7 +64,7 @@ class _Net:
         """
         c, *spatial = x
         y = (out, *((s - 1) * stride + kernel for s in spatial))
-        layer = ConvLayer(name, (1, *y), (c, out, kernel, kernel), stride=stride, transposed=True)
+        layer = ConvLayer(name, (1, *y), (c, out, kernel, kernel), stride=_pair(stride), transposed=True)
         assert layer.geometry().output_size == tuple(spatial), name
         self.layers.append(layer)
         return y
@@ -108,7 +108,8 @@ def vgg16() -> list[ConvLayer]:
     net = _Net()
     x: Shape = (3, 224, 224)
     index = 0  # torchvision's index in `features`: conv, ReLU pairs and max pools
-    for v in [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]:
+    vgg16: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+    for v in vgg16:
         if v == "M":
             x, index = _pool(x, 2, 2), index + 1
         else:
@@ -283,7 +284,7 @@ def zoo_names() -> list[str]:
     return list(ZOO)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(name: str) -> tuple[ConvLayer, ...]:
     return tuple(ZOO[name]())
 
