@@ -1,11 +1,11 @@
 import pytest
 
-from wsarena import algos
-from wsarena.arena import Arena, HostProvider
-from wsarena.backends._cpu_backend import CpuBackend
-
 import wsarena._config
+from wsarena import algos, ops
 from wsarena._gpu import gpu_unusable_reason
+from wsarena.arena import Arena, HostProvider, reset_arenas
+from wsarena.backends import reset_backends
+from wsarena.backends._cpu_backend import CpuBackend
 
 
 def pytest_collection_modifyitems(config, items):
@@ -18,14 +18,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _reset_process_state():
+    wsarena._config._reset()
+    algos.cache_clear()
+    ops.records_clear()
+    reset_arenas()
+    reset_backends()  # and the cuDNN backend's descriptor cache with it
+
+
 @pytest.fixture(autouse=True)
-def _fresh_config(monkeypatch):
-    """Every test starts from the defaults: no WSARENA_* variables, no earlier configure()."""
+def _fresh_process_state(monkeypatch):
+    """Every test starts from the defaults and an empty process: no WSARENA_* variables, no earlier configure(),
+    no cached algorithm choice or remembered call, no arena, no backend (nor the descriptors it cached)."""
     for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_DEBUG"):
         monkeypatch.delenv(var, raising=False)
-    wsarena._config._reset()
+    _reset_process_state()
     yield
-    wsarena._config._reset()
+    _reset_process_state()
 
 
 @pytest.fixture(autouse=True)
@@ -39,11 +48,9 @@ def _no_user_cache(monkeypatch, tmp_path_factory):
 
 @pytest.fixture
 def fresh_arena(monkeypatch):
-    """The cpu backend leases from a host arena of this test's own (and the algorithm cache starts empty), so
-    the arena's statistics are the test's alone."""
+    """The cpu backend leases from a host arena of this test's own, so the arena's statistics are the test's
+    alone."""
     arena = Arena(HostProvider())
     monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
-    algos.cache_clear()
     yield arena
-    algos.cache_clear()
     arena.close()

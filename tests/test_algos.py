@@ -5,7 +5,6 @@ import warnings
 
 import pytest
 
-from wsarena import algos
 from wsarena._geometry import conv_geometry
 from wsarena.algos import choose, forced, run_with_fallback, select
 from wsarena.backends import Candidate
@@ -71,13 +70,6 @@ class FakeBackend:
         self.measured.append([c.algo for c in candidates])
         timed = (Candidate(c.algo, c.workspace_bytes, self.times[c.algo]) for c in candidates)
         return sorted(timed, key=lambda c: c.time_ms)
-
-
-@pytest.fixture(autouse=True)
-def _empty_cache():
-    algos.cache_clear()
-    yield
-    algos.cache_clear()
 
 
 def test_no_cap_takes_the_fastest():

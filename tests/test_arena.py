@@ -785,7 +785,9 @@ def test_get_arena_bad_device(bad):
 
 def test_set_arena_installs_and_returns_the_old_one():
     mine = Arena(RecordingProvider())
+    before = get_arena("cpu")
     old = set_arena("cpu", mine)
+    assert old is before
     try:
         assert get_arena("cpu") is mine
     finally:
@@ -804,7 +806,9 @@ def test_set_arena_device_works_without_a_gpu():
 
 def test_reset_arenas_closes_them():
     mine = Arena(RecordingProvider())
+    before = get_arena("cpu")
     old = set_arena("cpu", mine)
+    assert old is before
     try:
         reset_arenas()
         assert mine.closed

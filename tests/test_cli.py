@@ -12,16 +12,9 @@ import sys
 
 import pytest
 
-from wsarena import algos, format_size
+from wsarena import format_size
 from wsarena._gpu import gpu_unusable_reason
 from wsarena.cli import _parser, main
-
-
-@pytest.fixture(autouse=True)
-def _cache():
-    algos.cache_clear()
-    yield
-    algos.cache_clear()
 
 
 def run_main(capsys, *argv):

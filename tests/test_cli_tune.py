@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-from wsarena import algos
 from wsarena._gpu import gpu_unusable_reason
 from wsarena.cli import main
 
@@ -22,13 +21,6 @@ MODEL = {
         {"name": "head", "input_shape": [1, 16, 32, 32], "weight_shape": [32, 16, 1, 1]},
     ]
 }
-
-
-@pytest.fixture(autouse=True)
-def _cache():
-    algos.cache_clear()
-    yield
-    algos.cache_clear()
 
 
 @pytest.fixture

@@ -27,13 +27,6 @@ TABLE = {
 GEOM = conv_geometry((2, 3, 8, 8), (4, 3, 3, 3), padding=1)
 
 
-@pytest.fixture(autouse=True)
-def _empty_algorithm_cache():
-    algos.cache_clear()
-    yield
-    algos.cache_clear()
-
-
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     folder = tmp_path / "cache"

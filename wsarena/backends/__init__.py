@@ -22,8 +22,8 @@ from .._gpu import gpu_unusable_reason
 from ..errors import BackendUnavailableError
 
 __all__ = [
-    "Backend", "Candidate", "array_backend_name", "get_backend", "is_masked_type", "resolve_backend_name",
-    "type_backend_name",
+    "Backend", "Candidate", "array_backend_name", "get_backend", "is_masked_type", "reset_backends",
+    "resolve_backend_name", "type_backend_name",
 ]
 
 
@@ -162,3 +162,9 @@ def get_backend(name: str) -> Backend:
 
                 _backends[name] = CudnnBackend()
         return _backends[name]
+
+
+def reset_backends() -> None:
+    """Forget the backends built so far, and with them what they cached (the cuDNN descriptor sets); for tests."""
+    with _lock:
+        _backends.clear()
