@@ -7,10 +7,7 @@ is *retired*, not freed, while a lease still uses it (:meth:`Arena.reserve` may 
 lease), and freed in stream order when that lease ends.
 
 Keys: a host arena (``provider.device_id is None``) keys its sub-arenas by CPU lane, a device arena by raw
-stream handle, except handle 2 (the per-thread default stream), which names a different stream in each thread
-and so is keyed per thread (see :mod:`wsarena.arena.streams`). Providers are still told stream 2, by the key's
-own thread; a buffer of another thread's per-thread stream (freed by :meth:`Arena.trim` or
-:meth:`Arena.close`) is freed with ``stream=None``, as for a stream that may be gone.
+stream handle, handle 2 (the per-thread default stream) per thread (:mod:`wsarena.arena.streams`).
 
 Who may use a sub-arena at once: one lease, on host lanes and device streams alike.
 
@@ -22,18 +19,16 @@ Who may use a sub-arena at once: one lease, on host lanes and device streams ali
   Lease the inner workspace on another lane or stream, or after the outer lease ends. Zero-byte leases take
   nothing, so they may nest anywhere.
 
-The lock. ``_lock`` guards the arena's fields and every field of its sub-arenas and blocks. It is held only for
-bookkeeping: never across a provider call (allocate, free and fill can be slow, synchronise the device or run
-the garbage collector), never across the body of a lease. A thread that must wait (for the lane's holder, or
-for another thread's growth) waits on that sub-arena's condition, built on this lock. Only the thread whose
-token is in ``growing`` installs a new buffer. Weakref callbacks (a thread exits, a stream object dies) never
-block on the lock: they queue the key in ``_dead``, which the next operation sweeps. How the bookkeeping
+The lock. ``_lock`` guards the arena's routing table (:mod:`wsarena.arena._table`) and every field of its
+sub-arenas and blocks. It is held only for bookkeeping: never across a provider call (allocate, free and fill
+can be slow, synchronise the device or run the garbage collector), never across the body of a lease. A thread
+that must wait (for the lane's holder, or for another thread's growth) waits on that sub-arena's condition,
+built on this lock. Only the thread whose token is in ``growing`` installs a new buffer. How the bookkeeping
 survives Ctrl-C is written down in :mod:`wsarena.arena._interrupts`.
 """
 
 from __future__ import annotations
 
-import collections
 import operator
 import threading
 import weakref
@@ -45,12 +40,13 @@ from typing import Any
 from .._config import get_config
 from .._sizes import format_size
 from ..errors import ArenaOutOfMemoryError, WorkspaceCapError
-from ._interrupts import RECHECK_SECONDS, finish
-from ._lifecycle import anchor_died, give_back, release_all, track_device_arena
+from ._interrupts import finish
+from ._lifecycle import give_back, release_all, track_device_arena
 from ._stats import ArenaStats, StreamStats, aligned_size
-from ._sub import _Block, _SubArena, _Totals
+from ._sub import _Block, _SubArena
+from ._table import _Table
 from ._workspace import Workspace
-from .streams import PerThreadStream, ThreadLane, resolve_stream
+from .streams import resolve_stream
 
 __all__ = ["POISON_BYTE", "Arena"]
 
@@ -101,13 +97,10 @@ class Arena:
         self._lanes = provider.device_id is None
         self._current = None if self._lanes else getattr(provider, "current_stream", None)
         self._lock = threading.RLock()  # an RLock: Condition.wait retakes it in C, where no interrupt lands
-        self._subs: dict[Hashable, _SubArena] = {}
-        self._dead: collections.deque[tuple[Hashable, int, bool]] = collections.deque()  # streams, threads gone
-        self._dropped: collections.deque[tuple[_SubArena, Any]] = collections.deque()  # Workspaces dropped live
-        self._to_free: collections.deque[tuple[Any, Any]] = collections.deque()  # (buffer, stream) let go
-        self._totals = _Totals()
-        self._closed = False
-        self._finalizer = weakref.finalize(self, release_all, provider, self._subs, self._to_free)
+        self._table = table = _Table(self._lock, self._lanes)
+        self._subs = table.subs  # the table's own dict and queues, read directly on the fast paths
+        self._dead, self._dropped, self._to_free = table.dead, table.dropped, table.to_free
+        self._finalizer = weakref.finalize(self, release_all, provider, table)
         self._finalizer.atexit = False  # at exit, device arenas are released by an atexit handler instead
         if not self._lanes:
             track_device_arena(self)
@@ -122,7 +115,7 @@ class Arena:
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return self._closed
+        return self._table.closed
 
     def lease(self, nbytes: int, *, stream: Any = None, cap: Any = _CONFIGURED) -> Workspace:
         """Lease ``nbytes`` of workspace on ``stream``; use as ``with arena.lease(n) as ws:``.
@@ -210,20 +203,20 @@ class Arena:
         """
         released = 0
         with self._lock:
-            released += self._sweep_dead()
+            released += self._table.sweep()
             for sub in list(self._subs.values()):
                 if sub.orphan and sub.idle():
-                    released += self._forget(sub, gone=True)
+                    released += self._table.forget(sub, gone=True)
                     continue
                 released += sub.tidy() + sub.empty()
-                self._drop_if_idle(sub)
+                self._table.drop_if_idle(sub)
         self._give_back()
         return released
 
     def stats(self) -> ArenaStats:
         """A snapshot of the arena's sizes and counters (attribute or item access: ``s.capacity_bytes``)."""
         with self._lock:
-            self._sweep_dead()
+            self._table.sweep()
             streams = {
                 key: StreamStats(
                     capacity_bytes=sub.capacity(),
@@ -235,7 +228,7 @@ class Arena:
                 )
                 for key, sub in self._subs.items()
             }
-            totals = self._totals
+            totals = self._table.totals
             stats = ArenaStats(
                 capacity_bytes=sum(s.capacity_bytes for s in streams.values()),
                 high_water_bytes=totals.high_water,
@@ -257,12 +250,12 @@ class Arena:
         Idempotent.
         """
         with self._lock:
-            self._closed = True
-            self._sweep_dead()
+            self._table.closed = True
+            self._table.sweep()
             for sub in list(self._subs.values()):
                 sub.wake()  # waiters see the arena closed
                 if sub.idle():
-                    self._forget(sub)
+                    self._table.forget(sub)
         self._give_back()
 
     def __repr__(self) -> str:
@@ -276,10 +269,10 @@ class Arena:
             with self._lock:
                 sub = self._subs.get(ws.stream)
                 if (
-                    sub is None or sub.holder is not None or self._closed or self._dead or self._dropped
+                    sub is None or sub.holder is not None or self._table.closed or self._dead or self._dropped
                     or (ws._anchor is not None and sub.anchor is None)
                 ):
-                    sub = self._take_lane(ws)  # waits, creates, sweeps, refuses
+                    sub = self._table.take_lane(ws)  # waits, creates, sweeps, refuses
                 else:  # the lane is free: take it (sub.take, inline: this runs once per convolution)
                     me, ref = get_ident(), weakref.ref(ws, sub._died)
                     ws._sub = sub
@@ -291,7 +284,7 @@ class Arena:
                 if block is not None and block.size >= ws.nbytes and not ws._debug:  # the fast path
                     self._grant(sub, ws, block)
                     return
-                block = self._wait_for_growth(sub, ws.nbytes)
+                block = self._table.wait_for_growth(sub, ws.nbytes)
                 if block is not None:
                     self._grant(sub, ws, block)
                     return
@@ -299,7 +292,7 @@ class Arena:
             self._grow(sub, token, ws.nbytes, ws._cap)
             with self._lock:
                 block = sub.block  # ours or larger (a reserve may have grown it since): the lane is ours
-                if self._closed or block is None:
+                if self._table.closed or block is None:
                     raise RuntimeError("this arena is closed")
                 self._grant(sub, ws, block)
         finally:
@@ -326,96 +319,26 @@ class Arena:
                 granted = sub.holder_block is not None
                 sub.holder = sub.holder_block = None  # sub.leave(), inline: the lane is free again
                 ws._state = 2
-                if sub.waiters or sub.retired is not None or sub.orphan or self._closed or not granted:
-                    self._after_lease(sub, granted)
+                if sub.waiters or sub.retired is not None or sub.orphan or self._table.closed or not granted:
+                    self._table.after_lease(sub, granted)
             elif ws._state == 1:
                 ws._state = 2
         if self._to_free:
             self._give_back()
 
-    def _after_lease(self, sub: _SubArena, granted: bool) -> None:
-        """Tidy up once a lease of ``sub`` ended (lock held); ``granted``: it had its bytes (else it failed)."""
-        sub.wake()
-        sub.tidy()
-        if (sub.orphan or self._closed) and sub.idle() and self._subs.get(sub.key) is sub:
-            self._forget(sub, gone=sub.orphan)
-        elif not granted:
-            self._drop_if_idle(sub)  # a first lease whose growth failed leaves nothing behind
-
-    def _take_lane(self, ws: Workspace) -> _SubArena:
-        """Wait until no other thread holds ``ws``'s lane, then make ``ws`` its holder (lock held)."""
-        key, me = ws.stream, get_ident()
-        sub = None
-        while True:
-            if self._closed:
-                if sub is not None:  # it waited here: the holder that left may have left it idle
-                    self._drop_if_idle(sub)
-                raise RuntimeError("this arena is closed")
-            sub = self._sub_for(key, ws._anchor)
-            if sub.holder is None:
-                ws._sub = sub
-                sub.take(ws, me)
-                return sub
-            if sub.holder_thread == me:
-                raise self._nested_error(key)
-            self._wait(sub)
-
-    def _wait_for_growth(self, sub: _SubArena, n: int) -> _Block | None:
-        """Wait while another thread grows ``sub``; its buffer if that now holds ``n`` bytes (lock held)."""
-        while sub.growing is not None:
-            self._wait(sub)
-            if self._closed:
-                raise RuntimeError("this arena is closed")
-        block = sub.block
-        return block if block is not None and block.size >= n else None
-
-    def _wait(self, sub: _SubArena) -> None:
-        sub.waiters += 1
-        try:
-            sub.cond.wait(RECHECK_SECONDS)
-        finally:
-            sub.waiters -= 1
-
     def _grant(self, sub: _SubArena, ws: Workspace, block: _Block) -> None:
         """Give ``ws`` the bytes of ``block`` (``ws`` holds the lane; lock held)."""
         n = ws.nbytes
         if ws._debug:
-            self._check_overlap(sub, block.ptr, n)
+            self._table.check_overlap(sub, block.ptr, n)
         sub.holder_block = block
         if n > sub.high_water:
             sub.high_water = n
-            self._totals.high_water = max(self._totals.high_water, n)
+            self._table.totals.high_water = max(self._table.totals.high_water, n)
         ws._block = block
         ws.ptr = block.ptr
         ws.cuda_stream = None if self._lanes else sub.stream
         ws._state = 1
-
-    def _nested_error(self, key: Hashable) -> RuntimeError:
-        """This thread leases again on a lane / stream it holds (nothing was changed)."""
-        if self._lanes:
-            return RuntimeError(
-                f"this thread already holds a lease on CPU lane {key!r}; a nested lease there would "
-                "share its bytes: lease the inner workspace on another lane (stream=<any hashable>)"
-            )
-        return RuntimeError(
-            f"this thread already holds a lease on stream {key!r}; a nested lease there would get the same "
-            "bytes and overwrite what the outer lease still holds (e.g. a wsarena call inside your own "
-            "arena.lease() on the same stream): lease the inner workspace on another stream, or after the outer "
-            "lease is released"
-        )
-
-    def _check_overlap(self, sub: _SubArena, ptr: int, n: int) -> None:
-        end = ptr + n
-        for other in self._subs.values():
-            holder = other.holder() if other.holder is not None else None
-            if other is sub or holder is None or holder._block is None:
-                continue
-            start, stop = holder.ptr, holder.ptr + holder.nbytes
-            if start < end and ptr < stop:
-                raise AssertionError(
-                    f"wsarena debug: a lease of [{ptr:#x}, {end:#x}) on stream {sub.key!r} overlaps the live lease "
-                    f"[{start:#x}, {stop:#x}) on stream {other.key!r}"
-                )
 
     # ---------------------------------------------------------------------------------------------- growth
     def _reserve(self, n: int, key: Hashable, anchor: Any, cap: int | None) -> None:
@@ -424,14 +347,14 @@ class Arena:
         token = object()
         try:
             with self._lock:
-                if self._closed:
+                if self._table.closed:
                     raise RuntimeError("this arena is closed")
-                sub = self._sub_for(key, anchor)
+                sub = self._table.sub_for(key, anchor)
                 try:
-                    if self._wait_for_growth(sub, n) is not None:
+                    if self._table.wait_for_growth(sub, n) is not None:
                         return  # another thread's growth made it large enough
                 except RuntimeError:  # the arena closed while this thread waited
-                    self._drop_if_idle(sub)
+                    self._table.drop_if_idle(sub)
                     raise
                 sub.growing = token
             try:
@@ -476,76 +399,7 @@ class Arena:
         """End ``token``'s growth of ``sub``, installing ``buffer`` (if any) unless the arena closed meanwhile (the
         caller frees it then). Idempotent (lock not held)."""
         with self._lock:
-            if sub.growing is token:
-                current = sub.block
-                if buffer is not None and not self._closed and (current is None or current.buffer is not buffer):
-                    sub.install(buffer)
-                sub.growing = None  # last: a repeat after an interrupt finds the buffer installed
-                sub.wake()
-            current = sub.block
-            if buffer is None or current is None or current.buffer is not buffer:
-                self._drop_if_idle(sub)
-
-    # ------------------------------------------------------------------------- sub-arenas (lock held)
-    def _sub_for(self, key: Hashable, anchor: Any) -> _SubArena:
-        if self._dead or self._dropped:
-            self._sweep_dead()
-        sub = self._subs.get(key)
-        if sub is None:
-            self._sweep_orphans()  # a new stream appeared: a good moment to let go of dead ones
-            sub = _SubArena(key, self._lock, self._totals, self._to_free, self._dropped)
-            self._subs[key] = sub
-        if anchor is not None and sub.anchor is None:
-            # A dead thread's lane (or per-thread stream) is never used again: sweep it at once.
-            eager = isinstance(key, (ThreadLane, PerThreadStream))
-            sub.anchor = weakref.finalize(anchor, anchor_died, weakref.ref(self), key, sub.serial, eager)
-            sub.anchor.atexit = False
-        sub.orphan = False  # whoever leases on it shows the stream is alive
-        return sub
-
-    def _forget(self, sub: _SubArena, gone: bool = False) -> int:
-        """Drop an idle sub-arena and let go of its buffers (``gone``: its stream may no longer exist)."""
-        if self._subs.get(sub.key) is sub:
-            del self._subs[sub.key]
-        if sub.anchor is not None:
-            sub.anchor.detach()
-            sub.anchor = None
-        return sub.tidy() + sub.empty(gone)
-
-    def _drop_if_idle(self, sub: _SubArena, gone: bool = False) -> None:
-        """Forget ``sub`` if no one uses it and it holds nothing or the arena is closed (then free its buffer)."""
-        if sub.idle() and (sub.block is None or self._closed) and self._subs.get(sub.key) is sub:
-            self._forget(sub, gone)
-
-    def _sweep_dead(self) -> int:
-        """End the leases of dropped Workspaces; mark the sub-arenas of dead streams and threads. Each entry is
-        removed once handled, so an interrupted sweep leaves the rest for the next one."""
-        released = 0
-        while self._dropped:  # a Workspace dropped while it held its lane: its lease ends now
-            sub, ref = self._dropped[0]
-            if sub.holder is ref:
-                if sub.growing is ref:
-                    sub.growing = None  # its growth was cut short too
-                granted = sub.holder_block is not None
-                sub.leave()
-                if self._subs.get(sub.key) is sub:
-                    self._after_lease(sub, granted)
-            self._dropped.popleft()
-        while self._dead:
-            key, serial, eager = self._dead[0]
-            dead = self._subs.get(key)
-            if dead is not None and dead.serial == serial:  # else already gone, or a newer one for the same key
-                dead.anchor = None
-                dead.orphan = True
-                if eager and dead.idle():
-                    released += self._forget(dead, gone=True)
-            self._dead.popleft()
-        return released
-
-    def _sweep_orphans(self) -> None:
-        for sub in list(self._subs.values()):
-            if sub.orphan and sub.idle():
-                self._forget(sub, gone=True)
+            self._table.end_growth(sub, token, buffer)
 
     # ----------------------------------------------------------------------------------- lock not held
     def _refuse(self, n: int, key: Hashable, cap: int) -> None:
@@ -566,20 +420,9 @@ class Arena:
         if not self._lock.acquire(timeout=1.0):
             return
         try:
-            self._closed = True
-            for sub in list(self._subs.values()):
-                if sub.anchor is not None:
-                    sub.anchor.detach()
-                    sub.anchor = None
-                for block in (sub.block, sub.retired):
-                    if block is not None and not block.freed:
-                        block.freed = True
-                        self._totals.frees += 1
-                        self._to_free.append((block.buffer, None))
-                sub.block = sub.retired = sub.holder_block = None
-            self._subs.clear()
+            self._table.closed = True
+            self._table.let_go_everything()
         finally:
             self._lock.release()
         self._finalizer.detach()
         give_back(self.provider, self._to_free, quiet=True)
-

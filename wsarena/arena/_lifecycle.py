@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._arena import Arena
-    from ._sub import _SubArena
+    from ._table import _Table
 
 __all__ = ["anchor_died", "give_back", "release_all", "track_device_arena"]
 
@@ -49,27 +49,19 @@ def give_back(provider: Any, to_free: collections.deque[tuple[Any, Any]], quiet:
             interrupted = None
 
 
-def release_all(provider: Any, subs: dict[Hashable, _SubArena], to_free: collections.deque[tuple[Any, Any]]) -> None:
+def release_all(provider: Any, table: _Table) -> None:
     """Finalizer of a collected arena: free every buffer it held (no lease can be live: leases hold the arena)."""
     if sys.is_finalizing():
         return
-    for sub in list(subs.values()):
-        if sub.anchor is not None:
-            sub.anchor.detach()
-        for block in (sub.block, sub.retired):
-            if block is not None and not block.freed:
-                block.freed = True
-                to_free.append((block.buffer, None))  # its streams may be gone too
-    subs.clear()
-    give_back(provider, to_free)
+    table.let_go_everything()
+    give_back(provider, table.to_free)
 
 
-def anchor_died(arena_ref: weakref.ref, key: Hashable, serial: int, eager: bool) -> None:
+def anchor_died(dead: collections.deque[tuple[Hashable, int, bool]], key: Hashable, serial: int, eager: bool) -> None:
     """A watched stream object (or a thread's lane holder) died: queue its sub-arena for the next operation to
     sweep. Never takes the arena's lock: the collector may run this inside a locked region of any thread."""
-    arena = arena_ref()
-    if arena is not None and not sys.is_finalizing():
-        arena._dead.append((key, serial, eager))
+    if not sys.is_finalizing():
+        dead.append((key, serial, eager))
 
 
 _device_arenas: weakref.WeakSet[Arena] = weakref.WeakSet()
