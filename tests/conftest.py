@@ -4,8 +4,11 @@ import wsarena._config
 from wsarena import algos, ops
 from wsarena._gpu import gpu_unusable_reason
 from wsarena.arena import Arena, HostProvider, reset_arenas
+from wsarena.arena.testing import RecordingProvider
 from wsarena.backends import reset_backends
 from wsarena.backends._cpu_backend import CpuBackend
+
+from .arena_helpers import KINDS, ArenaKind
 
 
 def pytest_collection_modifyitems(config, items):
@@ -54,3 +57,49 @@ def fresh_arena(monkeypatch):
     monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
     yield arena
     arena.close()
+
+
+@pytest.fixture(params=KINDS)
+def arena_kind(request):
+    """Each kind of arena in turn: a test using it (or ``key``, ``provider``, ``arena``) runs on both."""
+    return ArenaKind(request.param)
+
+
+@pytest.fixture
+def key(arena_kind):
+    """``key(name)``: the stream a test calls ``name``, as the kind of arena under test keys it."""
+    return arena_kind.key
+
+
+@pytest.fixture
+def provider(arena_kind):
+    """A ``RecordingProvider`` of the kind under test."""
+    return RecordingProvider(device_id=arena_kind.device_id)
+
+
+@pytest.fixture
+def arena(provider):
+    """An arena of the kind under test, over ``provider``."""
+    return Arena(provider)
+
+
+@pytest.fixture
+def host_provider():
+    return RecordingProvider()
+
+
+@pytest.fixture
+def host_arena(host_provider):
+    """A host arena: sub-arenas are CPU lanes."""
+    return Arena(host_provider)
+
+
+@pytest.fixture
+def device_provider():
+    return RecordingProvider(device_id=0)
+
+
+@pytest.fixture
+def device_arena(device_provider):
+    """A device arena on host memory: sub-arenas are keyed by CUDA stream handles, handle 2 per thread."""
+    return Arena(device_provider)

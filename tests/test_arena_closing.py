@@ -1,0 +1,106 @@
+"""Closing an arena, on either kind: idle buffers go at once, leased ones when their lease ends, and a growth
+or a wait under way when it closes is refused without losing a buffer."""
+
+import threading
+
+import pytest
+
+from wsarena.arena import Arena
+from wsarena.errors import ArenaOutOfMemoryError
+
+from .arena_helpers import GatedProvider, wait_for_a_waiter
+
+
+def test_close_frees_idle_buffers_now_and_busy_ones_at_release(arena, provider, key):
+    arena.reserve(100, stream=key("idle"))
+    with arena.lease(100, stream=key("busy")):
+        arena.close()
+        arena.close()  # idempotent
+        assert len(provider.frees) == 1
+    assert provider.held == []
+
+
+@pytest.mark.parametrize("call", ["reserve", "lease"])
+def test_close_during_a_growth_refuses_it_and_frees_what_it_allocated(arena_kind, key, call):
+    provider = GatedProvider(arena_kind.device_id)
+    arena = Arena(provider)
+    errors = []
+
+    def grow():
+        try:
+            if call == "reserve":
+                arena.reserve(1 << 20, stream=key("L"))
+            else:
+                with arena.lease(1 << 20, stream=key("L")):
+                    errors.append("granted")
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=grow)
+    thread.start()
+    assert provider.allocating.wait(10)
+    arena.close()
+    provider.gate.set()
+    thread.join(10)
+    assert errors == ["this arena is closed"]
+    assert provider.held == [] and arena.stats().capacity_bytes == 0
+
+
+def test_a_thread_waiting_for_a_growth_when_the_arena_closes_does_not_grow_it_again(arena_kind, key):
+    provider = GatedProvider(arena_kind.device_id)
+    arena = Arena(provider)
+    errors = []
+
+    def run(call):
+        try:
+            call()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    first = threading.Thread(target=run, args=(lambda: arena.reserve(4096, stream=key("L")),))
+    first.start()
+    assert provider.allocating.wait(10)
+    second = threading.Thread(target=run, args=(lambda: arena.lease(1 << 20, stream=key("L")).__enter__(),))
+    second.start()
+    wait_for_a_waiter(arena, key("L"))
+    arena.close()
+    provider.gate.set()
+    first.join(10)
+    second.join(10)
+    assert errors == ["this arena is closed"] * 2
+    assert len(provider.allocations) == 1 and provider.held == []
+
+
+def test_close_during_a_failing_growth_frees_the_old_buffer(arena, provider, key):
+    arena.reserve(4096, stream=key("L"))
+
+    def fail(nbytes):
+        arena.close()  # as another thread could while the lock is released to allocate
+        return True
+
+    provider.fail = fail
+    with pytest.raises(ArenaOutOfMemoryError), arena.lease(1 << 20, stream=key("L")):
+        pass
+    assert provider.held == []
+
+
+def test_close_while_a_thread_waits_for_the_stream_frees_it_after_both(arena, provider, key):
+    waiting, outcome = threading.Event(), []
+
+    def waiter():
+        waiting.set()
+        try:
+            with arena.lease(4096, stream=key("L")):
+                outcome.append("granted")
+        except RuntimeError as exc:
+            outcome.append(str(exc))
+
+    with arena.lease(4096, stream=key("L")):
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        assert waiting.wait(10)
+        wait_for_a_waiter(arena, key("L"))
+        arena.close()
+    thread.join(10)
+    assert outcome == ["this arena is closed"]
+    assert provider.held == []

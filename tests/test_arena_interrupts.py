@@ -1,0 +1,200 @@
+"""Ctrl-C in the middle of the arena's bookkeeping, on either kind of arena: wherever it lands, the lock is
+free afterwards, no lease is left live, no buffer is lost, and the stream serves this thread and others again
+(the rules are written down in ``wsarena/arena/_interrupts.py``)."""
+
+import threading
+
+import pytest
+
+from wsarena.arena import Arena
+from wsarena.arena.testing import RecordingProvider
+
+from .interrupts import interrupt_at_call, interrupt_at_entry_of
+
+
+class _InterruptibleLock:
+    """The arena's lock, whose next acquire raises KeyboardInterrupt once armed, instead of acquiring: a blocking
+    acquire is interruptible while another thread holds the lock. (An interrupt delivered once it is acquired
+    lands inside the ``with`` block, as one at any function entry does: see the test that tries them all.)"""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.armed = None
+
+    def acquire(self, blocking=True, timeout=-1):
+        when, self.armed = self.armed, None
+        if when == "before":
+            raise KeyboardInterrupt
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self):
+        self.lock.release()
+
+    def _is_owned(self):  # what threading.Condition asks of its lock
+        return self.lock._is_owned()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _interruptible(arena):
+    arena._lock = _InterruptibleLock()  # before any stream's condition is made on it
+    return arena
+
+
+def _free_for_others(arena):
+    """Whether another thread can take the arena's lock now."""
+    got = []
+    lock = getattr(arena._lock, "lock", arena._lock)  # the real one, under an _InterruptibleLock
+    thread = threading.Thread(target=lambda: got.append(lock.acquire(timeout=5) and lock.release()))
+    thread.start()
+    thread.join(10)
+    return got == [None]
+
+
+def test_an_interrupt_during_one_free_still_frees_the_others(arena_kind, key):
+    class Interrupting(RecordingProvider):
+        def deallocate(self, buffer, *, stream):
+            super().deallocate(buffer, stream=stream)
+            if len(self.held) == 2:  # the first of three frees
+                raise KeyboardInterrupt
+
+    provider = Interrupting(device_id=arena_kind.device_id)
+    arena = Arena(provider)
+    for lane in ("a", "b", "c"):
+        arena.reserve(4096, stream=key(lane))
+    with pytest.raises(KeyboardInterrupt):
+        arena.trim()
+    assert provider.held == [] and arena.stats().capacity_bytes == 0
+
+
+def test_an_interrupt_while_a_release_waits_for_the_lock_still_releases(provider, key):
+    arena = _interruptible(Arena(provider))
+    with pytest.raises(KeyboardInterrupt), arena.lease(4096, stream=key("L")):
+        arena._lock.armed = "before"
+    assert arena.stats().leases == 0 and _free_for_others(arena)
+    with arena.lease(4096, stream=key("L")):  # not "this thread already holds a lease"
+        pass
+
+
+def test_an_interrupt_while_a_growth_waits_for_the_lock_leaves_the_stream_usable(provider, key):
+    arena = _interruptible(Arena(provider))
+    real_allocate = provider.allocate
+
+    def allocate(nbytes, *, stream):
+        arena._lock.armed = "before"
+        return real_allocate(nbytes, stream=stream)
+
+    provider.allocate = allocate
+    with pytest.raises(KeyboardInterrupt), arena.lease(4096, stream=key("L")):
+        pass
+    assert arena._subs[key("L")].growing is None and _free_for_others(arena)
+    provider.allocate = real_allocate
+    other = threading.Thread(target=lambda: arena.lease(4096, stream=key("L")).__enter__().__exit__())
+    other.start()
+    other.join(10)
+    assert not other.is_alive()
+    assert len(provider.held) == 1 and arena.held_bytes(stream=key("L")) == 4096  # the buffer was kept, not leaked
+
+
+def _in_provider(code):
+    return code.co_filename.endswith(("arena/providers.py", "arena/testing.py"))
+
+
+def _lease_cycle(arena, stream, nbytes):
+    with arena.lease(nbytes, stream=stream) as ws:
+        ws.array[:1] = 1
+
+
+@pytest.mark.parametrize("grows", [False, True])
+def test_an_interrupt_at_any_function_entry_of_a_lease_leaves_the_arena_consistent(arena_kind, key, grows):
+    """Ctrl-C delivered as each Python function of a lease and its release starts (every place CPython runs a
+    signal handler but after C calls and at loops), one run each: afterwards the lock is free, no lease is left
+    live, every byte held is accounted for, and the stream serves this thread and others again. (The provider's
+    own functions are left out: a provider cut short in the middle of a free may lose that buffer, which the
+    arena has already let go; the shipped providers' memory then goes back when its owner object is collected.)"""
+    stream = key("L")
+    n = 1
+    while True:
+        provider = RecordingProvider(device_id=arena_kind.device_id)
+        arena = Arena(provider)
+        arena.reserve(1024, stream=stream)
+        if not interrupt_at_call(n, _lease_cycle, arena, stream, 1 << 20 if grows else 1024, skip=_in_provider):
+            break
+        counter = f"interrupted at call {n}"
+        stats = arena.stats()
+        assert stats.leases == 0, counter
+        assert provider.held_bytes == stats.capacity_bytes + stats.retired_bytes, counter
+        assert _free_for_others(arena), counter
+        _lease_cycle(arena, stream, 4096)  # this thread again: not "already holds a lease"
+        other = threading.Thread(target=_lease_cycle, args=(arena, stream, 4096))
+        other.start()
+        other.join(10)
+        assert not other.is_alive(), counter
+        arena.close()
+        assert provider.held == [], counter
+        n += 1
+    assert n > 10  # it did reach the lease's own code, not only this test's
+
+
+def test_an_interrupt_at_the_start_of_a_release_is_retried_by_the_with_block(arena, key, monkeypatch):
+    real_end, calls = arena._end, []
+
+    def end(ws):
+        calls.append(ws)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # before anything was released
+        real_end(ws)
+
+    monkeypatch.setattr(arena, "_end", end)
+    with pytest.raises(KeyboardInterrupt), arena.lease(4096, stream=key("L")):
+        pass
+    assert len(calls) == 2 and arena.stats().leases == 0
+    with arena.lease(4096, stream=key("L")):  # the stream is free again
+        pass
+
+
+def test_an_interrupt_just_after_a_lease_was_taken_gives_it_back(arena, key, monkeypatch):
+    real_acquire = arena._acquire
+
+    def acquire(ws):
+        real_acquire(ws)
+        raise KeyboardInterrupt  # the lease is taken, the with block never starts
+
+    monkeypatch.setattr(arena, "_acquire", acquire)
+    with pytest.raises(KeyboardInterrupt), arena.lease(4096, stream=key("L")):
+        raise AssertionError("the body must not run")
+    monkeypatch.undo()
+    assert arena.stats().leases == 0
+    with arena.lease(4096, stream=key("L")):
+        pass
+
+
+def test_an_interrupt_as_a_lease_starts_its_growth_leaves_the_stream_free(arena, key):
+    # The stream is already taken when _grow starts
+    with (
+        interrupt_at_entry_of(Arena._grow),
+        pytest.raises(KeyboardInterrupt, match="_grow"),
+        arena.lease(4096, stream=key("L")),
+    ):
+        pass
+    assert arena._subs.get(key("L")) is None or arena._subs[key("L")].holder is None
+    with arena.lease(4096, stream=key("L")):  # not "this thread already holds a lease"
+        pass
+
+
+def test_a_workspace_dropped_while_it_holds_its_stream_gives_the_stream_back(arena, provider, key):
+    """The backstop for an interrupt that lands before a release can start (on __exit__'s first instruction):
+    the lease ends when its Workspace is dropped."""
+    ws = arena.lease(4096, stream=key("L"))
+    ws.__enter__()  # and never __exit__, as when Ctrl-C lands on its first instruction
+    ws.array[:] = 3
+    assert arena.stats().leases == 1
+    del ws
+    assert arena.stats().leases == 0
+    with arena.lease(4096, stream=key("L")) as again:
+        assert (again.array == 3).all()  # the same bytes: nothing was freed under the dropped lease
+    assert len(provider.allocations) == 1

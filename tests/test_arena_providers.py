@@ -1,0 +1,67 @@
+"""The device providers' adapters, without a GPU: which of CuPy's and cuda.core's errors are a shortage of
+memory (``MemoryError``, hence ``ArenaOutOfMemoryError`` from the arena) and which pass through."""
+
+import contextlib
+
+import pytest
+
+from wsarena.arena import Arena
+from wsarena.errors import ArenaOutOfMemoryError
+
+
+def test_cupy_provider_reports_a_failed_cudamalloc_as_out_of_memory(monkeypatch):
+    """Without a pool (cupy.cuda.set_allocator(None)) CuPy raises cudaMalloc's CUDARuntimeError, not a MemoryError."""
+    import cupy
+
+    from wsarena.arena import CupyProvider, providers
+
+    def fails_with(exc):
+        def alloc(nbytes):
+            raise exc
+
+        return alloc
+
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())  # no GPU here
+    monkeypatch.setattr(providers, "cupy_stream", lambda handle: contextlib.nullcontext())
+    provider = CupyProvider(0)
+    monkeypatch.setattr(cupy.cuda, "alloc", fails_with(cupy.cuda.runtime.CUDARuntimeError(2)))
+    with pytest.raises(MemoryError, match="cudaMalloc of 4096 bytes"):
+        provider.allocate(4096, stream=7)
+    arena = Arena(provider)
+    with pytest.raises(ArenaOutOfMemoryError), arena.lease(4096, stream=7):
+        pass
+    assert arena.held_bytes(stream=7) == 0
+    monkeypatch.setattr(cupy.cuda, "alloc", fails_with(OverflowError("size_t")))
+    with pytest.raises(MemoryError):
+        provider.allocate(2**70, stream=7)
+    monkeypatch.setattr(cupy.cuda, "alloc", fails_with(cupy.cuda.runtime.CUDARuntimeError(700)))
+    with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):  # an illegal address is not a memory shortage
+        provider.allocate(4096, stream=7)
+
+
+class _FailingResource:
+    """A cuda.core memory resource whose allocations fail with the error cuda.core raises for a CUresult."""
+
+    def __init__(self, result):
+        self.result = result
+        self.calls = 0
+
+    def allocate(self, size, *, stream):
+        self.calls += 1
+        raise RuntimeError(f"{self.result}: from a fake resource")  # cuda.core's CUDAError names the CUresult
+
+
+@pytest.mark.parametrize(("result", "raised"), [("CUDA_ERROR_OUT_OF_MEMORY", MemoryError),
+                                                 ("CUDA_ERROR_INVALID_VALUE", RuntimeError)])
+def test_async_provider_reports_a_resource_out_of_memory_as_memory_error(monkeypatch, result, raised):
+    import cupy
+
+    from wsarena.arena import AsyncProvider, providers
+
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())  # no GPU here
+    monkeypatch.setattr(providers, "_core_stream", lambda handle: handle)
+    provider = AsyncProvider(0, resource=_FailingResource(result))
+    with pytest.raises(raised, match=result) as info:
+        provider.allocate(1 << 20, stream=0)
+    assert provider.resource.calls == 1
+    assert raised is MemoryError or not isinstance(info.value, MemoryError)  # only a shortage is a MemoryError

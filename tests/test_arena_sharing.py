@@ -1,0 +1,168 @@
+"""One lease per stream at a time, on either kind of arena: a nested lease is refused, other threads wait, and
+a buffer outgrown under a live lease is retired until that lease ends."""
+
+import threading
+import time
+
+import pytest
+
+from wsarena.arena import Arena
+from wsarena.arena.streams import thread_lane
+
+from .arena_helpers import GatedProvider, snapshot, wait_for_a_waiter
+
+
+# ----------------------------------------------------------------------------------------- nested leases
+def test_nested_lease_on_own_stream_is_a_clear_error_and_changes_nothing(arena, provider, arena_kind, key):
+    own = thread_lane() if arena_kind.host else provider.current
+    with arena.lease(100):
+        before = snapshot(arena)
+        with pytest.raises(RuntimeError, match=arena_kind.nested_error(own)), arena.lease(100):
+            pass
+        assert snapshot(arena) == before
+        with arena.lease(100, stream=key("inner")):  # another stream is fine
+            pass
+
+
+class _Stream3:
+    def __cuda_stream__(self):
+        return (0, 3)
+
+
+@pytest.mark.parametrize("inner", [3, "object", "current"])
+def test_device_nested_lease_on_own_stream_is_refused_however_the_stream_is_named(device_arena, device_provider,
+                                                                                  inner):
+    """A nested lease would get the outer lease's bytes: e.g. a wsarena call inside the caller's own lease on
+    the same stream would overwrite the caller's data. It is refused, whatever names the stream."""
+    device_provider.current = 3
+    inner = {"object": _Stream3(), "current": None}.get(inner, inner)
+    with device_arena.lease(1000, stream=3) as outer:
+        outer.array[:] = 4
+        before = snapshot(device_arena)
+        for n in (500, 1 << 20):  # fits, or would grow: refused before anything is allocated
+            with pytest.raises(RuntimeError, match="already holds a lease on stream 3"), device_arena.lease(n, stream=inner):
+                pass
+        assert snapshot(device_arena) == before and len(device_provider.allocations) == 1
+        assert (outer.array == 4).all()
+        with device_arena.lease(0, stream=inner) as zero:  # zero bytes take nothing: they may nest
+            assert zero.ptr == 0
+        with device_arena.lease(500, stream=4) as other:  # another stream is fine
+            assert other.ptr != outer.ptr
+    with device_arena.lease(500, stream=inner) as again:  # released: the stream's bytes are free again
+        assert again.ptr == outer.ptr
+
+
+def test_a_wsarena_call_inside_the_users_lease_on_its_stream_raises(arena, arena_kind, key):
+    """The review's case: wsarena's ops lease through run_with_fallback on the caller's stream."""
+    from wsarena.algos import run_with_fallback
+    from wsarena.backends import Candidate
+
+    ran = []
+    with arena.lease(4096, stream=key(5)) as mine:
+        mine.array[:] = 1
+        with pytest.raises(RuntimeError, match=arena_kind.nested_error(key(5))):
+            run_with_fallback(arena, (Candidate("a", 1024),), lambda c, ws: ran.append(ws.ptr),
+                              stream=key(5), cap=None)
+        assert ran == [] and (mine.array == 1).all()
+        run_with_fallback(arena, (Candidate("a", 1024),), lambda c, ws: ran.append(ws.ptr),
+                          stream=key(6), cap=None)  # on another stream it runs, on other bytes
+    assert len(ran) == 1 and ran[0] != mine.ptr
+
+
+# ----------------------------------------------------------------------------------------- other threads
+def test_a_lease_on_a_stream_makes_other_threads_wait_until_released(arena, key):
+    events = []
+    entered = threading.Event()
+
+    def other():
+        entered.wait()
+        with arena.lease(10, stream=key("lane")):
+            events.append("other")
+
+    t = threading.Thread(target=other)
+    t.start()
+    with arena.lease(10, stream=key("lane")):
+        entered.set()
+        time.sleep(0.1)
+        events.append("main")
+    t.join(5)
+    assert events == ["main", "other"]
+
+
+def test_each_thread_has_its_own_default_lane(host_arena):
+    ptrs = {}
+    barrier = threading.Barrier(3)
+
+    def work(i):
+        with host_arena.lease(1000) as ws:
+            barrier.wait(5)  # all three leases live at once
+            ptrs[i] = (ws.ptr, ws.stream)
+            barrier.wait(5)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert len({p for p, _ in ptrs.values()}) == 3
+    assert len({s for _, s in ptrs.values()}) == 3
+
+
+def test_growth_under_a_live_lease_retires_in_stream_order(arena, provider, key):
+    """reserve() (from any thread) may grow a stream's buffer while a lease uses it: the outgrown buffer is
+    retired, stays valid, and is freed on its own stream when that lease ends."""
+    with arena.lease(1000, stream=key("s")) as a:
+        a.array[:] = 6
+        t = threading.Thread(target=arena.reserve, args=(1 << 20,), kwargs={"stream": key("s")})
+        t.start()
+        t.join(5)
+        assert arena.held_bytes(stream=key("s")) == 1 << 20
+        assert (a.array == 6).all()  # still valid: the outgrown buffer is retired, not freed
+        assert arena.stats().retired_bytes == arena.stats().streams[key("s")].retired_bytes == 1024
+        assert provider.frees == []  # the lease still uses it
+    (buffer, stream), = provider.frees
+    assert buffer.size == 1024 and stream == key("s")  # freed on its own stream, after the work enqueued there
+    assert arena.stats().retired_bytes == 0
+    with arena.lease(1 << 20, stream=key("s")) as b:
+        assert b.ptr != a.ptr
+    assert len(provider.allocations) == 2
+
+
+def test_a_larger_lease_from_another_thread_waits_then_grows(arena, provider, key):
+    """Another thread's larger lease on the stream waits for the live lease to end, then grows the buffer; the
+    outgrown one, no longer leased, is freed at once on its stream."""
+    order = []
+    holding = threading.Event()
+
+    def other():
+        holding.wait(5)
+        with arena.lease(1 << 20, stream=key(3)) as ws:
+            order.append(("other", ws.ptr))
+
+    t = threading.Thread(target=other)
+    t.start()
+    with arena.lease(1000, stream=key(3)) as a:
+        holding.set()
+        time.sleep(0.1)
+        assert arena.held_bytes(stream=key(3)) == 1024 and provider.frees == []
+        order.append(("main", a.ptr))
+    t.join(5)
+    assert [who for who, _ in order] == ["main", "other"] and order[0][1] != order[1][1]
+    (buffer, stream), = provider.frees
+    assert buffer.size == 1024 and stream == key(3)
+
+
+def test_a_thread_waiting_for_another_threads_growth_is_woken_by_it(arena_kind, key):
+    provider = GatedProvider(arena_kind.device_id)
+    arena = Arena(provider)
+    first = threading.Thread(target=arena.reserve, args=(1 << 20,), kwargs={"stream": key("L")})
+    first.start()
+    assert provider.allocating.wait(10)
+    second = threading.Thread(target=arena.reserve, args=(1 << 20,), kwargs={"stream": key("L")})
+    second.start()
+    wait_for_a_waiter(arena, key("L"))  # the second waits for the growth
+    provider.gate.set()
+    first.join(10)
+    second.join(10)
+    assert not first.is_alive() and not second.is_alive()
+    assert len(provider.allocations) == 1  # the second found the first's buffer large enough
