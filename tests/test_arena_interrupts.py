@@ -41,7 +41,10 @@ class _InterruptibleLock:
 
 
 def _interruptible(arena):
-    arena._lock = _InterruptibleLock()  # before any stream's condition is made on it
+    # The arena and its routing table share one lock, and every sub-arena's condition is made on the table's:
+    # replace both before any sub-arena exists.
+    assert not arena._subs
+    arena._lock = arena._table.lock = _InterruptibleLock()
     return arena
 
 
