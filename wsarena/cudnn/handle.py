@@ -18,6 +18,7 @@ import threading
 import warnings
 import weakref
 
+from .. import _forksafe
 from .._gpu import gpu_unusable_reason
 from ._errors import CudnnGpuUnavailableError, check, status_message
 from ._owned import Owned
@@ -131,7 +132,7 @@ class Handle(Owned):
 
 
 _tls = threading.local()  # .handles: dict[device, Handle] of the calling thread
-_lock = threading.Lock()  # guards _live and _atexit_registered
+_lock = _forksafe.lock()  # guards _live and _atexit_registered
 _live: weakref.WeakSet[Handle] = weakref.WeakSet()
 _atexit_registered = False
 
@@ -144,7 +145,7 @@ def _forget(handle: Handle) -> None:
         _live.discard(handle)
 
 
-_create_lock = threading.Lock()  # held around the process's first cudnnCreate
+_create_lock = _forksafe.lock()  # held around the process's first cudnnCreate
 _created = False
 
 
