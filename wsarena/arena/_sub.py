@@ -129,7 +129,7 @@ class _SubArena:
         self.lane_waiters: collections.deque[Any] = collections.deque()
         self.growth_waiters: collections.deque[Any] = collections.deque()
         self.handoff = False
-        self.used = False  # leased since the last eviction pass (its second chance: see _Table.evict_idle)
+        self.used = False  # leased again, free and found, since the last eviction pass (_Table.evict_idle)
         self.high_water = 0
         self.allocations = 0
         self.growths = 0
@@ -165,7 +165,6 @@ class _SubArena:
         self.holder_thread = thread
         self.holder_block = None
         self.handoff = False
-        self.used = True
         self.holder = ref
 
     def leave(self) -> None:

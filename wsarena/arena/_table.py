@@ -227,8 +227,9 @@ class _Table:
         return released
 
     def evict_idle(self) -> None:
-        """Forget idle sub-arenas of caller-chosen keys beyond ``MAX_IDLE_STREAMS``, those not leased since the last
-        pass first (each gets a second chance: a stream in steady use keeps its buffer)."""
+        """Forget idle sub-arenas of caller-chosen keys beyond ``MAX_IDLE_STREAMS``: first those not leased again
+        since the last pass (a one-off key is leased once, when it is made), then the rest, oldest first. A stream in
+        steady use is leased again all the time, so it keeps its buffer."""
         idle = [sub for sub in self.subs.values() if _caller_chosen(sub.key) and sub.idle()]
         excess = len(idle) - MAX_IDLE_STREAMS + 1  # room for the one about to be made
         for second_pass in (False, True):
