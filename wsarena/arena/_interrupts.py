@@ -23,8 +23,9 @@ of a lock and taking it back (``threading.Condition.wait`` has such a place: an 
    lease or the growth any more, and the arena ends it when it next looks at the stream
    (:mod:`wsarena.arena._table`). So a ``with arena.lease(...) as ws:`` that was interrupted anywhere leaves the
    stream usable by the next statement, whether or not ``ws`` still refers to the Workspace.
-5. Weakref callbacks, which the collector may run anywhere, are C calls (``deque.append``): an interrupt cannot
-   land in them, where it would be lost.
+5. Weakref callbacks, which the collector may run anywhere, are C calls (``deque.append``) or absent: an
+   interrupt that landed in Python code there would be lost. The one exception is the finalizer that frees a
+   collected arena's buffers (an interrupt there leaves them to their owner objects' own collection).
 """
 
 from __future__ import annotations

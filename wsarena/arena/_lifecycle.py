@@ -63,13 +63,18 @@ def release_all(provider: Any, table: _Table) -> None:
     give_back(provider, table.to_free)
 
 
-_arenas: weakref.WeakSet[Arena] = weakref.WeakSet()  # every arena, for the fork handler
+# Every arena, for the fork handler: weak references without callbacks (a callback is Python code, where an
+# interrupt would be lost), the dead ones dropped as the list grows.
+_arenas: list[weakref.ref[Arena]] = []
 _parents_memory: list[Any] = []  # in a forked child: device arenas' tables of the parent, never released
 
 
 def track_arena(arena: Arena) -> None:
     """Remember ``arena``, so that a forked child resets it."""
-    _arenas.add(arena)
+    global _arenas
+    if len(_arenas) >= 64 and len(_arenas) & (len(_arenas) - 1) == 0:  # at each power of two
+        _arenas = [ref for ref in _arenas if ref() is not None]
+    _arenas.append(weakref.ref(arena))
 
 
 def keep_parents_memory(table: _Table) -> None:
@@ -79,8 +84,10 @@ def keep_parents_memory(table: _Table) -> None:
 
 
 def _after_fork_in_child() -> None:
-    for arena in list(_arenas):
-        reset_in_child(arena)
+    for ref in _arenas:
+        arena = ref()
+        if arena is not None:
+            reset_in_child(arena)
 
 
 def reset_in_child(arena: Arena) -> None:
