@@ -32,7 +32,8 @@ STORMS = [(mode, source) for mode in ("lease", "ops", "contend", "ops_contend") 
 
 
 def storms(processes: int, seconds: float) -> dict[str, int]:
-    totals = {"processes": 0, "delivered": 0, "errors": 0, "leases_live": 0, "lanes_unusable": 0, "hung": 0}
+    totals = {"processes": 0, "delivered": 0, "errors": 0, "leases_live": 0, "lanes_unusable": 0, "hung": 0,
+              "crashed": 0}
     for mode, source in STORMS:
         for _ in range(processes):
             totals["processes"] += 1
@@ -42,9 +43,13 @@ def storms(processes: int, seconds: float) -> dict[str, int]:
             except subprocess.TimeoutExpired:
                 totals["hung"] += 1
                 continue
+            if done.returncode != 0 or not done.stdout.strip():
+                totals["crashed"] += 1
+                print(done.stderr[-2000:], file=sys.stderr)
+                continue
             found = json.loads(done.stdout.strip().splitlines()[-1])
             totals["delivered"] += found["delivered"]
-            totals["errors"] += sum(found["errors"].values()) + (done.returncode != 0) + bool(done.stderr)
+            totals["errors"] += sum(found["errors"].values()) + bool(done.stderr)
             totals["leases_live"] += found["leases_live"]
             totals["lanes_unusable"] += 2 * found["lanes"] - found["usable_here"] - found["usable_elsewhere"]
     return totals
