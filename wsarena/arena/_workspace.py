@@ -102,6 +102,7 @@ class Workspace:
         if self._state:
             raise RuntimeError("a lease can be entered only once; call arena.lease() again")
         if not self.nbytes:
+            self._with = None  # holds nothing: nothing to hold it by (and it would keep self in a cycle)
             if self._arena.closed:  # takes nothing, yet a closed arena refuses every lease alike
                 raise self._arena._table.closed_error()
             self._state = 1
