@@ -2,6 +2,7 @@
 cuDNN takes (int32) or an array can hold, and NumPy integers where a size is expected."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -159,3 +160,83 @@ def test_other_numbers_are_not_sizes(cap):
     with pytest.raises(TypeError, match="a size must be an int"):
         wsarena.configure(cap_workspace=cap)
     assert wsarena.get_config().cap_workspace is None
+
+
+# Found by the fuzz tests (tests/test_fuzz_*.py)
+
+
+def test_a_dtype_the_backend_does_not_compute_in_names_the_operand():
+    x, w = np.ones((1, 1, 4, 4), np.float16), np.ones((1, 1, 3, 3), np.float16)
+    with pytest.raises(TypeError, match=r"^x has dtype float16: the cpu backend computes in float32 or float64"):
+        wsarena.conv_forward(x, w)
+    with pytest.raises(TypeError, match=r"^dy has dtype float16"):
+        wsarena.conv_backward_data(np.ones((1, 1, 2, 2), np.float16), w, x.shape)
+
+
+@pytest.mark.parametrize("cap", [".1", "-1", "lots", 1.5, -1])
+def test_a_bad_cap_names_the_setting(cap):
+    error = TypeError if cap == 1.5 else ValueError
+    with pytest.raises(error, match=rf"^cap_workspace={re.escape(repr(cap))}: "):
+        wsarena.configure(cap_workspace=cap)
+    with pytest.raises(error, match=r"^cap_workspace="):
+        wsarena.plan(LAYERS, backend="cpu", cap_workspace=cap)
+
+
+def test_a_json_integer_of_too_many_digits_is_a_model_error(tmp_path):
+    path = tmp_path / "digits.json"
+    path.write_text('{"layers": [' + "9" * 5000 + "]}")
+    with pytest.raises(ModelError, match=r"is not a JSON layer list: Exceeds the limit \(4300 digits\)"):
+        wsarena.load_model(path)
+
+
+def damaged_conv(tmp_path, attribute):
+    """A one-conv ONNX model whose conv carries ``attribute`` (an AttributeProto), as a damaged file can."""
+    import onnx
+
+    from .onnx_graphs import conv, vi, weight
+
+    node = conv("c", "x", "w", "y")
+    node.attribute.append(attribute)
+    graph = onnx.helper.make_graph([node], "g", [vi("x", [1, 3, 8, 8])], [vi("y", None)],
+                                   initializer=[weight("w", (4, 3, 3, 3))])
+    path = tmp_path / "damaged.onnx"
+    onnx.save(onnx.helper.make_model(graph), str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda h: h.make_attribute("strides", h.make_graph([], "sub", [], [])), r"strides=.* must be a list of ints"),
+        (lambda h: h.make_attribute("strides", [0, 0]), r"strides=\[0, 0\] must be a list of ints >= 1"),
+        (lambda h: h.make_attribute("pads", [1.5, 1.0, 1.0, 1.0]), r"pads=\[1.5, 1.0, 1.0, 1.0\] must be a list"),
+        (lambda h: h.make_attribute("group", 2.0), r"group=2.0 must be an int >= 1"),
+        (lambda h: h.make_attribute("group", 0), r"group=0 must be an int >= 1"),
+        (lambda h: h.make_attribute("auto_pad", [1, 2]), r"auto_pad=\[1, 2\] must be a string"),
+    ],
+)
+def test_a_damaged_onnx_attribute_is_a_model_error_naming_the_node(tmp_path, make, match):
+    import onnx
+
+    path = damaged_conv(tmp_path, make(onnx.helper))
+    with pytest.raises(ModelError, match=rf"damaged.onnx': ONNX node 'c': {match}"):
+        wsarena.load_model(path)
+
+
+def test_strides_of_zero_with_same_padding_are_a_model_error(tmp_path):
+    import onnx
+
+    path = damaged_conv(tmp_path, onnx.helper.make_attribute("strides", [0, 0]))
+    model = onnx.load(str(path))
+    model.graph.node[0].attribute.append(onnx.helper.make_attribute("auto_pad", "SAME_UPPER"))
+    onnx.save(model, str(path))
+    with pytest.raises(ModelError, match=r"strides=\[0, 0\] must be a list of ints >= 1"):
+        wsarena.load_model(path)
+
+
+def test_an_auto_pad_that_is_not_utf8_is_a_model_error(tmp_path):
+    import onnx
+
+    path = damaged_conv(tmp_path, onnx.helper.make_attribute("auto_pad", b"SAME\xff"))
+    with pytest.raises(ModelError, match="unknown auto_pad 'SAME\ufffd'"):
+        wsarena.load_model(path)

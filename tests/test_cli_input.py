@@ -1,6 +1,7 @@
 """The command line with awkward input: where the plot goes, warnings, --streams, ONNX inputs, odd layer names,
 and the hint an error about an unplannable ONNX node gives; for `report` and `tune` alike."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -76,10 +77,16 @@ def test_a_plot_path_that_cannot_be_written_exits_3(capsys, tmp_path, command):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose writes fail")
 def test_a_plot_on_a_full_device_exits_3(capsys, tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")
+    def stat(path):
+        with contextlib.suppress(FileNotFoundError):
+            return os.stat(path)
+        return None
+
+    before = stat("/dev/full.png")
     code, out, err = run_main(capsys, "report", small_model(tmp_path), "--backend", "cpu", "--plot", "/dev/full")
     assert (code, out) == (3, "")
     assert err == "wsarena: error: cannot write the plot to '/dev/full': No space left on device\n"
-    assert not os.path.exists("/dev/full.png")
+    assert stat("/dev/full.png") == before  # not written beside it
 
 
 # --------------------------------------------------------------------------------------------------- warnings

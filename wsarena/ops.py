@@ -114,7 +114,10 @@ def _record(
     if len(set(named.values())) > 1:
         raise TypeError(f"dtypes differ: {', '.join(f'{n} is {d}' for n, d in named.items())}")
     dtype = named[names[0]]
-    backend.check_dtype(dtype)
+    try:
+        backend.check_dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"{names[0]} has dtype {dtype}: {exc}") from None
     shapes = (a.shape, b.shape)
     stride, padding, dilation, groups = params
     geom = conv_geometry(

@@ -78,14 +78,31 @@ def _shape_table(graph: Any) -> dict[str, tuple[int | None, ...]]:
     return shapes
 
 
-def _attrs(node: Any) -> dict[str, Any]:
+# The attributes a conv reads that are lists of ints, and the least each entry may be.
+_INTS_ATTRS = {"kernel_shape": 1, "strides": 1, "dilations": 1, "pads": 0, "output_padding": 0, "output_shape": 1}
+
+
+def _attrs(node: Any, name: str) -> dict[str, Any]:
+    """The node's attributes by name; :class:`ModelError` naming the node when one a conv reads has the wrong
+    type or range (a damaged file can turn a list of ints into anything)."""
     from onnx import helper
 
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    for key, least in _INTS_ATTRS.items():
+        value = attrs.get(key)
+        if value is not None and not (isinstance(value, list) and all(
+                isinstance(v, int) and v >= least for v in value)):
+            raise ModelError(f"ONNX node {name!r}: {key}={value!r:.60} must be a list of ints >= {least}")
+    group = attrs.get("group", 1)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ModelError(f"ONNX node {name!r}: group={group!r:.60} must be an int >= 1")
+    if not isinstance(attrs.get("auto_pad", b""), (bytes, str)):
+        raise ModelError(f"ONNX node {name!r}: auto_pad={attrs['auto_pad']!r:.60} must be a string")
+    return attrs
 
 
 def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
 def _split_pads(pads: list[int], nd: int, name: str) -> tuple[list[int], list[int]]:
@@ -112,7 +129,7 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
         raise ModelError(f"ONNX node {name!r}: kernel_shape={kernel} does not match weight shape {list(w)}")
     stride = list(a.get("strides") or [1] * nd)
     dilation = list(a.get("dilations") or [1] * nd)
-    group = int(a.get("group", 1))
+    group = a.get("group", 1)
     auto_pad = _text(a.get("auto_pad", "NOTSET")) or "NOTSET"
     if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
         raise ModelError(f"ONNX node {name!r}: unknown auto_pad {auto_pad!r}")
@@ -253,10 +270,13 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     for index, node in convs:
         name = node.name or (node.output[0] if node.output and node.output[0] else f"{node.op_type}_{index}")
         x, w = (shapes.get(node.input[i]) if len(node.input) > i else None for i in (0, 1))
-        attrs = _attrs(node)
+        try:
+            attrs = _attrs(node, name)
+        except ModelError as exc:
+            raise ModelError(f"{path!r}: {exc}") from None
         if x is not None and len(x) >= 1:
             x = (1, *x[1:])  # symbolic or fixed batch: the planner sets its own
-        x = _with_channels(x, w, _int_attr(attrs, "group", 1, name, path), node.op_type == "ConvTranspose")
+        x = _with_channels(x, w, attrs.get("group", 1), node.op_type == "ConvTranspose")
         if x is None or None in x:
             unknown.append((name, f"input shape {_show(x)} unknown", "shape"))
             continue
@@ -285,13 +305,6 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         raise ModelError(f"{path!r}: none of the model's {len(convs)} conv node(s) could be planned")
     layers.skipped = tuple((name, why) for name, why, _ in unknown)
     return layers
-
-
-def _int_attr(attrs: dict[str, Any], key: str, default: int, node: str, path: str) -> int:
-    value = attrs.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ModelError(f"{path!r}: ONNX node {node!r}: attribute {key}={value!r} must be an int")
-    return value
 
 
 def _inline_functions(model: Any, path: str) -> Any:
