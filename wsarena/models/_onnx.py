@@ -12,8 +12,9 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation). A symbolic or missing batch dimension
   is taken as 1, and any batch in the file is replaced by 1: the planner applies its own batch.
 * Channels: where inference leaves a conv's input channel count unknown (a U-Net's skip connection through a
-  ``Pad`` whose pads are computed, then a ``Concat``: ``[N, ?, H, W]``), it follows from the weight: ``W.shape[1]
-  * group`` for a ``Conv``, ``W.shape[0]`` for a ``ConvTranspose``. Spatial sizes still come from inference.
+  ``Pad`` whose pads are computed, then a ``Concat``: ``[N, ?, H, W]``), it follows from the weight, as
+  ``W.shape[1] * group`` for a ``Conv`` and ``W.shape[0]`` for a ``ConvTranspose``. Spatial sizes still come from
+  inference.
 * A convolution whose input or weight shape is still unknown after inference is an error naming the nodes, or,
   with ``skip_unknown=True``, is left out with a warning and listed in the returned list's ``skipped``, which
   :func:`wsarena.plan` carries into its report. Symbolic spatial sizes (a detector's ``H`` and ``W``) can be
