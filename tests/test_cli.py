@@ -14,21 +14,9 @@ import pytest
 
 from wsarena import format_size
 from wsarena._gpu import gpu_unusable_reason
-from wsarena.cli import _parser, main
+from wsarena.cli import _parser
 
-
-def run_main(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def run_cli(*argv, env=None):
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "wsarena", *argv], capture_output=True, text=True, env=full_env, timeout=300
-    )
+from .cli_helpers import run_cli, run_main
 
 
 def test_json_report_is_one_object_with_the_contract_keys(capsys):

@@ -4,29 +4,16 @@ and the hint an error about an unplannable ONNX node gives; for `report` and `tu
 import contextlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from onnx import TensorProto, helper
 
-from wsarena.cli import main
-
+from .cli_helpers import run_cli, run_main
 from .onnx_graphs import conv, save, vi, weight
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def run_main(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def run_cli(*argv):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
-    return subprocess.run([sys.executable, "-m", "wsarena", *argv], capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
 
 
 def lost_conv_model(tmp_path, name="lost"):
