@@ -8,7 +8,9 @@ allocator is exercised by the GPU tests in test_torch_gpu.py.
 import pytest
 
 import wsarena
+from wsarena import _interop
 from wsarena.arena import Arena, CupyProvider, TorchProvider, get_arena
+from wsarena.arena._registry import make_device_arena
 
 torch = pytest.importorskip("torch")
 
@@ -86,3 +88,16 @@ def test_the_allocator_setting_picks_a_new_device_arenas_provider(monkeypatch):
     assert type(arena.provider) is TorchProvider
     wsarena.configure(allocator="cupy")
     assert get_arena(0) is arena  # an arena keeps its provider; the setting counts when one is made
+
+
+@pytest.mark.parametrize(("allocator", "provider"), [("auto", TorchProvider), ("cupy", CupyProvider)])
+def test_torch_operands_make_the_arena_with_torchs_memory_unless_the_setting_says_otherwise(allocator, provider):
+    with wsarena.config(allocator=allocator):
+        _interop._prefer_torch_memory(0)
+    assert type(make_device_arena(0, "cupy").provider) is provider  # the arena made by the call above
+
+
+def test_an_arena_made_before_keeps_its_memory_when_torch_operands_come():
+    arena = make_device_arena(0, "cupy")
+    _interop._prefer_torch_memory(0)
+    assert get_arena(0) is arena and type(arena.provider) is CupyProvider
