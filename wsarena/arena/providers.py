@@ -261,7 +261,7 @@ class TorchProvider(_DeviceProvider):
 
         try:
             ptr = torch.cuda.caching_allocator_alloc(size, device=self.device_id, stream=int(stream))
-        except torch.OutOfMemoryError as exc:  # a RuntimeError; the arena wants a MemoryError
+        except torch.cuda.OutOfMemoryError as exc:  # a RuntimeError; the arena wants a MemoryError
             raise MemoryError(f"PyTorch's caching allocator could not allocate {size} bytes: {exc}") from exc
         return Buffer(int(ptr), size, int(ptr))
 
