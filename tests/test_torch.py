@@ -234,3 +234,10 @@ def test_torch_compile_takes_the_custom_operators_in_one_graph():
     scale = max(float(g.abs().max()) for g in ref_grads.values())
     assert close(loss, ref_loss)
     assert all(float((grads[k] - ref_grads[k]).abs().max()) <= TOL64 * scale for k in ref_grads)
+
+
+def test_public_names_are_listed_sorted_and_resolve():
+    assert wt.__all__ == sorted(wt.__all__)
+    assert all(getattr(wt, name) is not None for name in wt.__all__)
+    public = {n for n, v in vars(wt).items() if not n.startswith("_") and type(v).__name__ != "module"} - {"annotations"}
+    assert public <= set(wt.__all__)
