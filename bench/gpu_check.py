@@ -2,10 +2,12 @@
 
 Writes ``bench/results/gpu-check-<date>.json`` (or into ``--out``) with ``commit``, ``device``, ``cudnn_version``,
 ``passed``, ``failed``, ``skipped`` (over both test runs), the failing test ids, each phase's own counts and
-exit status, and each benchmark's exit status and output. The benchmarks include ``wsarena tune`` of ResNet-50 and
-VGG-16 at batch 32 float32 and batch 64 float16 on cuDNN (``tune-MODEL-DTYPE-bBATCH-gpu.json`` and ``.png`` beside
-the JSON, each searched afresh in a cache folder of its own) and the search cache's start-up saving
-(``search-cache-startup-resnet50-gpu.json``). The file is written after every phase, so a run cut short by the
+exit status, and each benchmark's exit status and output. The benchmarks include a ResNet-50 training step at
+batch 32 in PyTorch against the same model converted by ``wsarena.torch`` (step time, peak memory, PyTorch's peak
+convolution workspace against the arena's; ``torch-resnet50-b32-{float32,float16}-gpu.json`` beside the JSON),
+and ``wsarena tune`` of ResNet-50 and VGG-16 at batch 32 float32 and batch 64 float16 on cuDNN
+(``tune-MODEL-DTYPE-bBATCH-gpu.json`` and ``.png`` beside the JSON, each searched afresh in a cache folder of its
+own) and the search cache's start-up saving (``search-cache-startup-resnet50-gpu.json``). The file is written after every phase, so a run cut short by the
 machine's time limit still leaves what it finished. Exit status: 0 when every test run passed, else 1.
 
     python bench/gpu_check.py [--out DIR] [--gpu-timeout S] [--test-timeout S] [--bench-timeout S]
@@ -26,7 +28,14 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("bench_gpu_arena.py", "bench_gpu_host.py")  # run after the tests, each with --bench-timeout
+# Run after the tests, each with --bench-timeout (times the factor given): the script and its arguments, "{out}"
+# standing for the results folder.
+BENCHMARKS = (
+    (("bench_gpu_arena.py",), 1),
+    (("bench_gpu_host.py",), 1),
+    (("bench_gpu_torch.py", "--json", "{out}/torch-resnet50-b32-float32-gpu.json"), 3),
+    (("bench_gpu_torch.py", "--autocast", "float16", "--json", "{out}/torch-resnet50-b32-float16-gpu.json"), 3),
+)
 TUNES = (("resnet50", 32, "float32"), ("vgg16", 32, "float32"), ("resnet50", 64, "float16"), ("vgg16", 64, "float16"))
 
 
@@ -163,10 +172,12 @@ def main() -> int:
         print(f"{phase}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
               f"(exit status {counts['exit_status']})", flush=True)
     result["benchmarks"] = {}
-    for script in () if args.no_bench else BENCHMARKS:
-        bench = _run([sys.executable, str(ROOT / "bench" / script)], args.bench_timeout, env, capture=True)
+    for (script, *script_args), factor in () if args.no_bench else BENCHMARKS:
+        script_args = [a.replace("{out}", str(args.out)) for a in script_args]
+        command = [sys.executable, str(ROOT / "bench" / script), *script_args]
+        bench = _run(command, factor * args.bench_timeout, env, capture=True)
         print(bench.stdout, bench.stderr, sep="\n")
-        result["benchmarks"][script] = {
+        result["benchmarks"][" ".join([script, *script_args])] = {
             "exit_status": bench.returncode,
             "output": bench.stdout.splitlines() + bench.stderr.splitlines()[-20:],
         }

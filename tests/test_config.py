@@ -64,7 +64,7 @@ def test_format_parse_round_trip():
 
 def test_defaults():
     c = get_config()
-    assert c == Config(cap_workspace=None, algo_search="heuristic", backend="auto", debug=False)
+    assert c == Config(cap_workspace=None, algo_search="heuristic", backend="auto", debug=False, allocator="auto")
 
 
 def test_environment_is_read(monkeypatch):
@@ -72,8 +72,11 @@ def test_environment_is_read(monkeypatch):
     monkeypatch.setenv("WSARENA_ALGO_SEARCH", "exhaustive")
     monkeypatch.setenv("WSARENA_BACKEND", "cpu")
     monkeypatch.setenv("WSARENA_DEBUG", "1")
+    monkeypatch.setenv("WSARENA_ALLOCATOR", " Torch ")
     wsarena._config._reset()
-    assert get_config() == Config(cap_workspace=64 << 20, algo_search="exhaustive", backend="cpu", debug=True)
+    assert get_config() == Config(
+        cap_workspace=64 << 20, algo_search="exhaustive", backend="cpu", debug=True, allocator="torch"
+    )
 
 
 @pytest.mark.parametrize(
@@ -89,7 +92,8 @@ def test_debug_variable_takes_the_usual_words_for_on_and_off(monkeypatch, value,
 
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_environment_variable_means_the_default(monkeypatch, value):
-    for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_DEBUG"):
+    for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_DEBUG",
+                "WSARENA_ALLOCATOR"):
         monkeypatch.setenv(var, value)
     wsarena._config._reset()
     assert get_config() == Config()
@@ -99,7 +103,7 @@ def test_an_empty_environment_variable_means_the_default(monkeypatch, value):
     ("var", "value"),
     [
         ("WSARENA_CAP_WORKSPACE", "lots"), ("WSARENA_ALGO_SEARCH", "fast"), ("WSARENA_BACKEND", "tpu"),
-        ("WSARENA_DEBUG", "maybe"),
+        ("WSARENA_DEBUG", "maybe"), ("WSARENA_ALLOCATOR", "rmm"),
     ],
 )
 def test_bad_environment_names_the_variable(monkeypatch, var, value):
@@ -114,6 +118,7 @@ BAD_ENV = {  # setting: (its variable, an invalid value, a valid value given exp
     "algo_search": ("WSARENA_ALGO_SEARCH", "fast", "exhaustive"),
     "backend": ("WSARENA_BACKEND", "gpu", "cpu"),
     "debug": ("WSARENA_DEBUG", "maybe", True),
+    "allocator": ("WSARENA_ALLOCATOR", "malloc", "torch"),
 }
 
 

@@ -20,16 +20,18 @@ from typing import Any
 
 from ._sizes import parse_size
 
-__all__ = ["ALGO_SEARCHES", "BACKENDS", "Config", "config", "configure", "get_config"]
+__all__ = ["ALGO_SEARCHES", "ALLOCATORS", "BACKENDS", "Config", "config", "configure", "get_config"]
 
 ALGO_SEARCHES = ("heuristic", "exhaustive")
 BACKENDS = ("auto", "cudnn", "cpu")
+ALLOCATORS = ("auto", "cupy", "torch")
 
 _ENV = {
     "cap_workspace": "WSARENA_CAP_WORKSPACE",
     "algo_search": "WSARENA_ALGO_SEARCH",
     "backend": "WSARENA_BACKEND",
     "debug": "WSARENA_DEBUG",
+    "allocator": "WSARENA_ALLOCATOR",
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -49,12 +51,17 @@ class Config:
         ``"auto"`` (cuDNN for CuPy arrays, CPU for NumPy arrays), ``"cudnn"`` or ``"cpu"``.
     debug : bool
         Poison released workspace bytes and check that live leases on different streams never overlap.
+    allocator : str
+        Where a device arena made from now on takes its memory: ``"cupy"`` (CuPy's current allocator), ``"torch"``
+        (PyTorch's caching allocator), or ``"auto"`` (PyTorch's when PyTorch tensors are the operands of the call
+        that makes the arena, else CuPy's).
     """
 
     cap_workspace: int | None = None
     algo_search: str = "heuristic"
     backend: str = "auto"
     debug: bool = False
+    allocator: str = "auto"
 
     def __post_init__(self) -> None:
         if self.cap_workspace is not None:
@@ -63,6 +70,8 @@ class Config:
             raise ValueError(f"algo_search must be one of {ALGO_SEARCHES}, not {self.algo_search!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, not {self.allocator!r}")
         if not isinstance(self.debug, bool):
             raise TypeError(f"debug must be True or False, not {self.debug!r}")
 
@@ -176,8 +185,8 @@ def configure(**changes: Any) -> Config:
     """Change the process-wide settings and return the new :class:`Config`.
 
     Keywords: ``cap_workspace`` (bytes, a size string such as ``"256MiB"``, or ``None``), ``algo_search``,
-    ``backend``, ``debug``. Invalid values raise and change nothing; so does an invalid environment variable for
-    a setting that ``changes`` leaves to it.
+    ``backend``, ``debug``, ``allocator``. Invalid values raise and change nothing; so does an invalid environment
+    variable for a setting that ``changes`` leaves to it.
     """
     global _state
     with _lock:

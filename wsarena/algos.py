@@ -11,6 +11,8 @@ so changing the cap never serves a choice made under another one. Exhaustive res
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -107,9 +109,23 @@ def choose(
                 f"({format_size(excluded.workspace_bytes)}) for {pass_} of {_describe(geom)}; "
                 f"using {best[0].algo} ({format_size(best[0].workspace_bytes)})",
                 WorkspaceCapWarning,
-                stacklevel=6,  # choose < select < ops._run < ops._execute < conv_* < the caller
+                stacklevel=_outside_wsarena(),
             )
     return best
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _outside_wsarena() -> int:
+    """The ``stacklevel`` that makes a warning from the calling function name the first line outside wsarena (the
+    op's caller, however many of wsarena's frames lie between)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def _rank(

@@ -1,6 +1,8 @@
 """The public convolution ops: forward, backward-data and backward-filter.
 
-NumPy arrays run on the ``cpu`` backend, CuPy arrays on ``cudnn``. 1-, 2- or 3-D convolution follows from
+NumPy arrays run on the ``cpu`` backend, CuPy arrays on ``cudnn``; arrays of other libraries (PyTorch, JAX,
+Numba, anything with DLPack or an array interface) run as NumPy or CuPy views of their memory, and the result
+comes back in the caller's library (:mod:`wsarena._interop`). 1-, 2- or 3-D convolution follows from
 ``x.ndim`` (3, 4 or 5). Every workspace is leased from the arena's sub-arena for ``stream``; no op allocates
 scratch memory of its own. Arguments are checked before any workspace is leased or any work enqueued.
 
@@ -19,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import algos
+from . import _interop, algos
 from ._config import Config, get_config
 from ._geometry import DTYPES, ITEMSIZES, ConvGeometry, conv_geometry
 from ._pass import Pass
@@ -173,7 +175,20 @@ def _execute(
     pass_: Pass, a: Any, b: Any, shape_arg: Any, params: tuple[Any, Any, Any, Any], out: Any, stream: Any,
     layout: str, algo: str | None,
 ) -> Any:
-    """Run one pass on the operands ``a`` and ``b``; ``params`` is ``(stride, padding, dilation, groups)``."""
+    """Run one pass on the operands ``a`` and ``b``; ``params`` is ``(stride, padding, dilation, groups)``.
+
+    Operands of other array libraries run as NumPy or CuPy views (:mod:`wsarena._interop`)."""
+    native = _interop.NATIVE
+    if type(a) not in native or type(b) not in native or (out is not None and type(out) not in native):
+        return _interop.execute(_run, pass_, a, b, shape_arg, params, out, stream, layout, algo)
+    return _run(pass_, a, b, shape_arg, params, out, stream, layout, algo)
+
+
+def _run(
+    pass_: Pass, a: Any, b: Any, shape_arg: Any, params: tuple[Any, Any, Any, Any], out: Any, stream: Any,
+    layout: str, algo: str | None,
+) -> Any:
+    """:func:`_execute` on NumPy or CuPy arrays."""
     cfg = get_config()
     stride, padding, dilation, groups = params
     if type(stride) is int and type(padding) is int and type(dilation) is int and type(groups) is int:
@@ -287,10 +302,11 @@ def conv_forward(
     groups : int
         Grouped convolution; ``groups == C`` is depthwise.
     out : array, optional
-        Where to write ``y``: the right shape and dtype, C-contiguous, same array library.
+        Where to write ``y``: the right shape and dtype, C-contiguous, writable, in the operands' memory (host or
+        device), of any array library.
     stream : optional
         CUDA stream (CuPy stream, raw ``cudaStream_t`` int, or anything with ``__cuda_stream__``), or a lane
-        key on the CPU. ``None``: the calling thread's default.
+        key on the CPU. ``None``: the calling thread's default; PyTorch's current stream for PyTorch tensors.
     layout : ``"NCHW"`` or ``"NHWC"``
     algo : str, optional
         Force an algorithm by name (``ValueError`` if it needs more workspace than the cap).
@@ -298,7 +314,7 @@ def conv_forward(
     Returns
     -------
     array
-        ``y``, ``(N, K, *out_spatial)`` or channels last.
+        ``y``, ``(N, K, *out_spatial)`` or channels last: ``out`` when given, else an array of ``x``'s library.
     """
     return _execute(Pass.FWD, x, w, None, (stride, padding, dilation, groups), out, stream, layout, algo)
 
