@@ -113,7 +113,9 @@ class ConvGeometry:
 
     def with_batch(self, batch: int) -> ConvGeometry:
         geom = dataclasses.replace(self, batch=_bounded("batch", _positive_or_zero("batch", batch)))
-        _check_sizes(geom)
+        shapes = {"input_shape": geom.input_shape, "weight_shape": geom.weight_shape,
+                  "the output shape": geom.output_shape}
+        _check_sizes(shapes, geom.output_size, geom.padding, geom.dtype)
         return geom
 
     def with_dtype(self, dtype: str) -> ConvGeometry:
@@ -206,24 +208,26 @@ def _padding(
     return _bounded("padding", values, value)
 
 
-def _check_sizes(geom: ConvGeometry) -> None:
+def _check_sizes(
+    shapes: dict[str, tuple[int, ...]], out_size: tuple[int, ...], padding: tuple[int, ...], dtype: str
+) -> None:
     """Raise ``ValueError`` when an output dimension is above :data:`INT32_MAX` or an operand is larger than an
-    array can be (``sys.maxsize`` bytes)."""
-    for i, size in enumerate(geom.output_size):
+    array can be (``sys.maxsize`` bytes). Plain values, not a ConvGeometry's cached properties: this also runs
+    inside ``torch.compile``'s tracing, which cannot enter the lock Python 3.11's cached_property takes."""
+    for i, size in enumerate(out_size):
         if size > INT32_MAX:  # only padding makes an output longer than its input
             raise ValueError(
-                f"padding={geom.padding} makes the output {size} long in dimension {i}, above 2**31 - 1 = "
+                f"padding={padding} makes the output {size} long in dimension {i}, above 2**31 - 1 = "
                 f"{INT32_MAX}, the largest value a cuDNN descriptor holds"
             )
-    itemsize = ITEMSIZES.get(geom.dtype, 8)
-    for name, shape in (("input_shape", geom.input_shape), ("weight_shape", geom.weight_shape),
-                        ("the output shape", geom.output_shape)):
+    itemsize = ITEMSIZES.get(dtype, 8)
+    for name, shape in shapes.items():
         nbytes = math.prod(shape) * itemsize
         if nbytes > sys.maxsize:
             raise ValueError(
-                f"{name} {shape} of {geom.dtype} is {nbytes} bytes, more than an array can hold ({sys.maxsize})"
-                + ("" if name != "the output shape" else f" (input_shape {geom.input_shape}, weight_shape "
-                   f"{geom.weight_shape}, padding {geom.padding})")
+                f"{name} {shape} of {dtype} is {nbytes} bytes, more than an array can hold ({sys.maxsize})"
+                + ("" if name != "the output shape" else f" (input_shape {shapes['input_shape']}, weight_shape "
+                   f"{shapes['weight_shape']}, padding {padding})")
             )
 
 
@@ -285,7 +289,11 @@ def conv_geometry(
                 f"kernel {tuple(kernel)} (dilation {dilation_t}) is larger than the padded input "
                 f"{tuple(x + 2 * q for x, q in zip(size, padding_t))} in dimension {i}"
             )
-    geom = ConvGeometry(
+    out_size = tuple(output_size(*dim) for dim in zip(size, kernel, stride_t, padding_t, dilation_t))
+    out_shape = (batch, out_channels, *out_size) if layout == "NCHW" else (batch, *out_size, out_channels)
+    shapes = {"input_shape": input_shape, "weight_shape": weight_shape, "the output shape": out_shape}
+    _check_sizes(shapes, out_size, padding_t, str(dtype))
+    return ConvGeometry(
         batch=batch,
         in_channels=in_channels,
         out_channels=out_channels,
@@ -298,5 +306,3 @@ def conv_geometry(
         layout=layout,
         dtype=str(dtype),
     )
-    _check_sizes(geom)
-    return geom
