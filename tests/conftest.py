@@ -8,6 +8,14 @@ from wsarena.backends import reset_backends
 from wsarena.backends._cpu_backend import CpuBackend
 
 
+def pytest_configure(config):
+    # Before anything touches cuDNN: its first finalize decides, for the whole process, whether the backend API
+    # works (tests/cudnn_probe/driver.py). Where even the stand-in cannot be had, the tests that finalize skip.
+    from .cudnn_probe import driver
+
+    config.wsarena_no_driver = driver.load_stand_in()
+
+
 def pytest_collection_modifyitems(config, items):
     reason = gpu_unusable_reason()
     if reason is None:
