@@ -132,9 +132,9 @@ def test_search_and_convolution_wrappers_reach_cudnn(monkeypatch, descs, pass_):
 @pytest.mark.skipif(gpu_unusable_reason() is None, reason="a GPU machine has its driver library: no such process")
 def test_wrappers_reach_cudnn_without_a_driver_library():
     """The test above in a child process that does without the stand-in for libcuda.so.1 (conftest)."""
+    target = f"{__file__}::test_search_and_convolution_wrappers_reach_cudnn"
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::"
-         "test_search_and_convolution_wrappers_reach_cudnn"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", target],
         env={**os.environ, "WSARENA_TEST_DRIVER_STAND_IN": "0"}, cwd=Path(__file__).parents[1],
         capture_output=True, text=True, timeout=120, check=False,
     )
