@@ -38,7 +38,8 @@ def _reset_process_state():
 def _fresh_process_state(monkeypatch):
     """Every test starts from the defaults and an empty process: no WSARENA_* variables, no earlier configure(),
     no cached algorithm choice or remembered call, no arena, no backend (nor the descriptors it cached)."""
-    for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_DEBUG"):
+    for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_CUDNN_API",
+                "WSARENA_PLAN_CACHE_SIZE", "WSARENA_DEBUG"):
         monkeypatch.delenv(var, raising=False)
     _reset_process_state()
     yield

@@ -8,7 +8,9 @@ workspaces come from (:meth:`Backend.arena`). Everything else (choice under the 
 memory runs out) is shared code in :mod:`wsarena.ops`, which the CPU backend exercises on every machine.
 
 ``cpu``   NumPy arrays; Caffe's GEMM convolution, algorithms in :mod:`wsarena.backends.cpu`.
-``cudnn`` CuPy arrays; cuDNN's legacy convolution API through :mod:`wsarena.cudnn`.
+``cudnn`` CuPy arrays; cuDNN through :mod:`wsarena.cudnn`, by the setting ``cudnn_api``: its legacy convolution
+          API, or its backend (graph) API with cached execution plans (:mod:`wsarena.backends._cudnn_graph`).
+          The two are distinct backend objects of the same name; their ``api`` attribute tells them apart.
 """
 
 from __future__ import annotations
@@ -135,16 +137,25 @@ _backends: dict[str, Backend] = {}
 _lock = threading.Lock()  # guards _backends: each backend is built once per process
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, api: str | None = None) -> Backend:
     """The process's backend ``"cpu"`` or ``"cudnn"`` (``"auto"`` resolved first).
 
-    Raises :class:`~wsarena.errors.BackendUnavailableError` for ``"cudnn"`` when no GPU is usable.
+    For ``"cudnn"``, ``api`` (``"legacy"`` or ``"graph"``; default: the setting ``cudnn_api`` in force) says which
+    API path the backend takes. Raises :class:`~wsarena.errors.BackendUnavailableError` for ``"cudnn"`` when no
+    GPU is usable.
     """
-    backend = _backends.get(name)  # every convolution asks by a resolved name
-    if backend is not None:
-        return backend
     name = resolve_backend_name(name)
-    backend = _backends.get(name)
+    if name == "cudnn":
+        if api is None:
+            from .._config import get_config
+
+            api = get_config().cudnn_api
+        if api not in ("legacy", "graph"):
+            raise ValueError(f"api must be 'legacy' or 'graph', not {api!r}")
+        key = name if api == "legacy" else f"{name}:{api}"
+    else:
+        key = name
+    backend = _backends.get(key)
     if backend is not None:
         return backend
     if name == "cudnn":
@@ -152,16 +163,20 @@ def get_backend(name: str) -> Backend:
         if reason is not None:
             raise BackendUnavailableError(f"the cudnn backend needs a usable CUDA GPU: {reason}")
     with _lock:
-        if name not in _backends:
+        if key not in _backends:
             if name == "cpu":
                 from ._cpu_backend import CpuBackend
 
-                _backends[name] = CpuBackend()
-            else:
+                _backends[key] = CpuBackend()
+            elif key == "cudnn":
                 from ._cudnn_backend import CudnnBackend
 
-                _backends[name] = CudnnBackend()
-        return _backends[name]
+                _backends[key] = CudnnBackend()
+            else:
+                from ._cudnn_graph import CudnnGraphBackend
+
+                _backends[key] = CudnnGraphBackend()
+        return _backends[key]
 
 
 def reset_backends() -> None:

@@ -218,8 +218,8 @@ class BackendDescriptor(Owned):
         """The descriptors attribute ``name`` holds, as new owned descriptors of ``kind`` that cuDNN fills in.
 
         ``count`` bounds how many are asked for; by default cuDNN is asked how many there are, which it answers
-        only for attributes holding a list (``ENGINEHEUR_RESULTS``, ``ENGINECFG_KNOB_CHOICES``): give ``count=1``
-        for one that holds a single descriptor.
+        only for some attributes holding a list (``ENGINEHEUR_RESULTS``; for ``ENGINECFG_KNOB_CHOICES`` cuDNN 9.28
+        answers 0): give a bound instead, ``count=1`` for an attribute that holds a single descriptor.
         """
         if count is None:
             count = self.count(name, T.BACKEND_DESCRIPTOR)
