@@ -40,11 +40,8 @@ def load_stand_in() -> str | None:
         return "WSARENA_TEST_DRIVER_STAND_IN=0: the stand-in for libcuda.so.1 is left out"
     if driver_library_loaded():
         return None
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        return None  # the real driver library
-    except OSError:
-        pass
+    if real_driver_library():
+        return None
     compiler = cudnn_headers.c_compiler()
     if compiler is None:
         return "no libcuda.so.1 and no C compiler to build its test stand-in"
@@ -80,3 +77,14 @@ def finalize_unavailable_reason() -> str | None:
         except cudnn.CudnnError as exc:
             return f"cuDNN cannot finalize backend descriptors here: {exc}"
     return None
+
+
+def real_driver_library() -> bool:
+    """Whether this machine has the NVIDIA driver's own ``libcuda.so.1`` (not the stand-in)."""
+    if _loaded:
+        return False
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True

@@ -24,8 +24,8 @@ from .._gpu import gpu_unusable_reason
 from ..errors import BackendUnavailableError
 
 __all__ = [
-    "Backend", "Candidate", "array_backend_name", "get_backend", "is_masked_type", "reset_backends",
-    "resolve_backend_name", "type_backend_name",
+    "Backend", "Candidate", "array_backend_name", "device_properties_backend", "get_backend", "is_masked_type",
+    "reset_backends", "resolve_backend_name", "type_backend_name",
 ]
 
 
@@ -177,6 +177,37 @@ def get_backend(name: str, api: str | None = None) -> Backend:
 
                 _backends[key] = CudnnGraphBackend()
         return _backends[key]
+
+
+def device_properties_backend(properties_json: str) -> Backend:
+    """A cudnn backend on cuDNN's graph API that plans for the GPU these device properties describe (JSON that
+    cuDNN serialised on that GPU, ``bench/gpu_check.py --capture``), on any machine: it ranks engine
+    configurations and gives their workspace sizes, and runs nothing. Cached per JSON text.
+
+    Raises
+    ------
+    BackendUnavailableError
+        cuDNN cannot finalize descriptors here: its engine libraries need the NVIDIA driver library
+        ``libcuda.so.1``, even without a GPU (docs/deviceless.md).
+    wsarena.cudnn.CudnnError
+        cuDNN refused the properties (``CudnnBadParamError`` names a missing member).
+    """
+    key = "cudnn:properties:" + properties_json
+    backend = _backends.get(key)
+    if backend is not None:
+        return backend
+    from .. import cudnn
+    from ._cudnn_graph import CudnnGraphBackend
+
+    try:
+        made = CudnnGraphBackend(properties_json)
+    except cudnn.CudnnSublibraryLoadingFailedError as exc:
+        raise BackendUnavailableError(
+            "planning against device properties needs cuDNN's engine libraries, and one of them links the NVIDIA "
+            f"driver library libcuda.so.1, which is missing here (a GPU is not needed): {exc}"
+        ) from None
+    with _lock:
+        return _backends.setdefault(key, made)
 
 
 def reset_backends() -> None:

@@ -13,17 +13,24 @@ operands' and the workspace's pointers.
 A geometry for which no engine configuration is usable runs through the legacy API, with a one-time
 :class:`~wsarena.errors.CudnnApiFallbackWarning`; its candidates then carry the legacy algorithm names, and every
 method here hands a legacy name to the legacy backend.
+
+Built with device properties instead (``CudnnGraphBackend(properties_json)``, from JSON captured on a GPU), the
+backend plans for that GPU on any machine: operation graphs, heuristics and plans need no device then, so it
+answers :meth:`candidates` and :meth:`workspace_size` (what ``wsarena report --device-properties`` asks), and
+refuses to run or time anything.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from .._geometry import describe_geometry
 from .._pass import Pass
-from ..errors import CudnnApiFallbackWarning
+from ..errors import BackendUnavailableError, CudnnApiFallbackWarning
 from . import Candidate
 from ._cudnn_backend import CudnnBackend
 from ._graph_plans import PlanCache, alignment, conv_problem, is_engine_name, ranked_names
@@ -33,28 +40,58 @@ _TIMED_RUNS = 3  # executions timed per candidate in an exhaustive search (the f
 
 class CudnnGraphBackend(CudnnBackend):
     api = "graph"
+    heur_mode: Any = None  # the heuristics' mode (a cudnn.BackendHeurMode); None: INSTANT, the cheapest on the host
 
-    def __init__(self) -> None:
+    def __init__(self, properties_json: str | None = None) -> None:
         super().__init__()
         from ..cudnn import graph
 
         self._graph = graph
         self._plans = PlanCache(self._build_graph, self._build_plan)
         self._fallbacks: set[tuple[str, Any]] = set()  # (pass, geometry) already warned about
+        self._properties: Any = None
+        self._target = ""
+        if properties_json is not None:
+            self._properties = graph.device_properties(properties_json)
+            name = json.loads(properties_json).get("deviceName", "a GPU")
+            digest = hashlib.sha256(properties_json.encode()).hexdigest()[:12]
+            self._target = f"{name} (device properties {digest})"
         self._cudnn.handle.on_close_all(self._plans.clear)  # plans go before the handles they were built with
+
+    # -- where -------------------------------------------------------------------------------------------------
+    def _handle(self) -> Any:
+        return None if self._properties is not None else super()._handle()
+
+    def device_key(self) -> Any:
+        return self._target if self._properties is not None else super().device_key()
+
+    def device_label(self) -> str:
+        return self._target if self._properties is not None else super().device_label()
+
+    def arena(self) -> Any:
+        self._no_device("lease a workspace")
+        return super().arena()
+
+    def _bound_handle(self, stream: Any, workspace: Any = None) -> Any:
+        self._no_device("run a convolution")
+        return super()._bound_handle(stream, workspace)
+
+    def _no_device(self, what: str) -> None:
+        if self._properties is not None:
+            raise BackendUnavailableError(f"cannot {what} on {self._target}: it plans for that GPU, it has none")
 
     # -- building (the cuDNN calls) ----------------------------------------------------------------------------
     def _build_graph(self, handle: Any, pass_: str, geom: Any, aligned: tuple[int, int, int]) -> Any:
         return self._graph.operation_graph(conv_problem(pass_, geom, aligned), handle=handle)
 
     def _build_plan(self, handle: Any, graph: Any, name: str) -> Any:
-        cfg = self._graph.engine_config(graph, name)
-        return self._graph.execution_plan(cfg, name, handle=handle)
+        cfg = self._graph.engine_config(graph, name, properties=self._properties)
+        return self._graph.execution_plan(cfg, name, handle=handle, properties=self._properties)
 
     def _ranked(self, handle: Any, pass_: str, geom: Any) -> list[Any]:
         """Finalized plans of the usable engine configurations, heuristics' order, then cuDNN's fallback list."""
         graph = self._plans.graph(handle, pass_, geom)
-        names = ranked_names(self._graph, graph, geom.dtype)
+        names = ranked_names(self._graph, graph, geom.dtype, properties=self._properties, mode=self.heur_mode)
         plans = []
         for name in names:
             try:
@@ -86,7 +123,7 @@ class CudnnGraphBackend(CudnnBackend):
             plans, reason = [], f"cuDNN refused its operation graph ({exc})"
         else:
             reason = "no engine configuration is usable"
-        if plans:
+        if plans or self._properties is not None:  # planning for another GPU: no legacy API to fall back on
             return [Candidate(p.name, p.workspace_bytes) for p in plans]
         key = (pass_, geom)
         if key not in self._fallbacks:
@@ -101,6 +138,7 @@ class CudnnGraphBackend(CudnnBackend):
         self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate],
         stream: Any,
     ) -> list[Candidate]:
+        self._no_device("time algorithms")
         if not any(is_engine_name(c.algo) for c in candidates):
             return super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
         handle = self._bound_handle(stream, workspace)
@@ -145,8 +183,8 @@ class CudnnGraphBackend(CudnnBackend):
         if not is_engine_name(name):
             super().run(pass_, candidate, geom, a, b, out, workspace, stream)
             return
-        x, w, y = _pointers(pass_, a, b, out)
         handle = self._bound_handle(stream, workspace)
+        x, w, y = _pointers(pass_, a, b, out)
         plan = self._plans.plan(handle, pass_, geom, name, (alignment(x), alignment(w), alignment(y)))
         plan.execute(handle, x, w, y, workspace.ptr)
 
