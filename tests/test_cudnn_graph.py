@@ -67,7 +67,7 @@ def test_plans_finalize_with_exact_workspace_sizes_and_names_rebuild_them(props,
     names = ranked_names(graph, op_graph, geom.dtype, properties=props)
     assert names and len(names) == len(set(names))
     for name in names[:6]:
-        index, knobs = graph.parse_name(name)
+        index, _ = graph.parse_name(name)
         assert name.startswith(f"eng{index}")
         plan = graph.execution_plan(graph.engine_config(op_graph, name, properties=props), properties=props)
         assert plan.name == name  # the rebuilt configuration names itself as it was named

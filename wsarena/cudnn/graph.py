@@ -215,6 +215,10 @@ def execution_plan(cfg: BackendDescriptor, name: str | None = None, *, handle: A
 
 
 _VARIANT_PACKS_KEPT = 8  # finalized variant packs a plan keeps, by pointers, in the "reused" mode
+# How new plans give cuDNN their pointers (Plan.reuse_variant_packs). Reusing is the default until
+# bench/bench_gpu_host.py measures both: a cached call with unchanged pointers then makes one ctypes call
+# (cudnnBackendExecute) instead of six, and the packs kept cost a few hundred bytes of host memory each.
+REUSE_VARIANT_PACKS = True
 
 
 class Plan:
@@ -233,7 +237,7 @@ class Plan:
         self.descriptor = descriptor
         self.name = name
         self.workspace_bytes = int(workspace_bytes)
-        self.reuse_variant_packs = True
+        self.reuse_variant_packs = REUSE_VARIANT_PACKS
         self._packs: OrderedDict[tuple[int, int, int, int], BackendDescriptor] = OrderedDict()
 
     @property
