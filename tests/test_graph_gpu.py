@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 from wsarena import config, configure, conv_forward
 from wsarena._geometry import conv_geometry
 from wsarena.backends import device_properties_backend, get_backend
+from wsarena.errors import CudnnApiFallbackWarning
 
 from .reference import ref_conv_forward
 
@@ -97,7 +99,11 @@ def test_captured_device_properties_plan_what_the_device_plans(cp, geom):
     live = get_backend("cudnn")
     for pass_ in ("fwd", "bwd_data", "bwd_filter"):
         got = [(c.algo, c.workspace_bytes) for c in offline.candidates(pass_, geom)]
-        want = [(c.algo, c.workspace_bytes) for c in live.candidates(pass_, geom)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CudnnApiFallbackWarning)
+            want = [(c.algo, c.workspace_bytes) for c in live.candidates(pass_, geom)]
+        if not all(name.startswith("eng") for name, _ in want):
+            want = []  # the device runs it through the legacy API; planning offline finds no engine either
         assert got == want, pass_
 
 

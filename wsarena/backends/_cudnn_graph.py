@@ -96,7 +96,9 @@ class CudnnGraphBackend(CudnnBackend):
         for name in names:
             try:
                 plans.append(self._plans.plan(handle, pass_, geom, name))
-            except self.retry_errors + (self._cudnn.CudnnBadParamError,):
+            except self._cudnn.CudnnError as exc:
+                if isinstance(exc, self._cudnn.CudnnNotInitializedError):
+                    raise  # the handle or the library, not this configuration
                 continue  # listed by the heuristics, refused when finalized
         return plans
 
