@@ -69,9 +69,12 @@ def test_plans_finalize_with_exact_workspace_sizes_and_names_rebuild_them(props,
     for name in names[:6]:
         index, _ = graph.parse_name(name)
         assert name.startswith(f"eng{index}")
-        plan = graph.execution_plan(graph.engine_config(op_graph, name, properties=props), properties=props)
+        cfg = graph.engine_config(op_graph, name, properties=props)
+        plan = graph.execution_plan(cfg, properties=props)
         assert plan.name == name  # the rebuilt configuration names itself as it was named
         assert plan.workspace_bytes >= 0 and plan.workspace_bytes == cudnn.plan_workspace_size(plan.descriptor)
+        assert plan.workspace_bytes == cfg.get_one(cudnn.BackendAttributeName.ENGINECFG_WORKSPACE_SIZE,
+                                                   cudnn.BackendAttributeType.INT64)
         plan.close()
         assert plan.closed
 
