@@ -204,3 +204,10 @@ def test_report_device_properties_without_the_driver_library_says_why():
     assert result.returncode == 3 and result.stdout == ""
     assert "wsarena: error: planning against device properties needs" in result.stderr
     assert "libcuda.so.1" in result.stderr.splitlines()[-1]
+
+
+def test_the_cudnn_api_flag(capsys):
+    assert main(["report", "resnet50", "--backend", "cpu", "--cudnn-api", "graph", "--passes", "fwd"]) == 0
+    capsys.readouterr()
+    assert main(["report", "resnet50", "--cudnn-api", "v8"]) == 2
+    assert "--cudnn-api" in capsys.readouterr().err

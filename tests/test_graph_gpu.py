@@ -146,3 +146,20 @@ def test_a_process_on_the_graph_api_exits_cleanly():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=180,
                             cwd=Path(__file__).resolve().parents[1])
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_report_gives_the_workspace_of_the_api_path_in_use(capsys):
+    import json
+
+    from wsarena.cli import main
+
+    reports = {}
+    for api in ("legacy", "graph"):
+        assert main(["report", "resnet50", "--backend", "cudnn", "--cudnn-api", api, "--format", "json"]) == 0
+        reports[api] = json.loads(capsys.readouterr().out)
+    graph_algos = {layer["fwd"]["algo"] for layer in reports["graph"]["layers"]}
+    assert all(a.startswith("eng") for a in graph_algos)
+    assert not any(layer["fwd"]["algo"].startswith("eng") for layer in reports["legacy"]["layers"])
+    for report in reports.values():
+        assert report["arena_bytes"] == max(layer[p]["workspace_bytes"] for layer in report["layers"]
+                                            for p in ("fwd", "bwd_data", "bwd_filter"))
