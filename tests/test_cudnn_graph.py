@@ -16,7 +16,7 @@ import pytest
 from wsarena import cudnn
 from wsarena._geometry import conv_geometry
 from wsarena._pass import PASSES
-from wsarena.backends._graph_plans import ALIGNED, conv_problem, ranked_names, usable
+from wsarena.backends._graph_plans import ALIGNED, conv_problem, ranked_names, shortlist, usable
 from wsarena.cudnn import graph
 
 from .cudnn_probe import driver
@@ -64,17 +64,17 @@ def test_every_pass_dtype_and_geometry_gets_a_graph(props, case, dtype, pass_):
 def test_plans_finalize_with_exact_workspace_sizes_and_names_rebuild_them(props, case, pass_):
     geom = GEOMETRIES[case]
     op_graph = graph.operation_graph(conv_problem(pass_, geom))
-    names = ranked_names(graph, op_graph, geom.dtype, properties=props)
+    ranked = ranked_names(graph, op_graph, geom.dtype, properties=props)
+    names = [name for name, _ in ranked]
     assert names and len(names) == len(set(names))
-    for name in names[:6]:
+    for name, nbytes in ranked[:6]:
         index, _ = graph.parse_name(name)
         assert name.startswith(f"eng{index}")
         cfg = graph.engine_config(op_graph, name, properties=props)
         plan = graph.execution_plan(cfg, properties=props)
         assert plan.name == name  # the rebuilt configuration names itself as it was named
         assert plan.workspace_bytes >= 0 and plan.workspace_bytes == cudnn.plan_workspace_size(plan.descriptor)
-        assert plan.workspace_bytes == cfg.get_one(cudnn.BackendAttributeName.ENGINECFG_WORKSPACE_SIZE,
-                                                   cudnn.BackendAttributeType.INT64)
+        assert plan.workspace_bytes == nbytes == graph.config_workspace(cfg)
         plan.close()
         assert plan.closed
 
@@ -86,11 +86,18 @@ def test_float32_candidates_exclude_tensor_cores_and_run_time_compilation(props)
     notes = {graph.config_name(c): graph.engine_notes(c) for c in configs}
     tensor_core = {n for n, (numerical, _) in notes.items() if cudnn.BackendNumericalNote.TENSOR_CORE in numerical}
     assert tensor_core, "the heuristics list tensor-core (TF32) engines for float32 here"
-    kept = ranked_names(graph, op_graph, "float32", properties=props)
+    kept = [name for name, _ in ranked_names(graph, op_graph, "float32", properties=props)]
     assert kept and not set(kept) & tensor_core
     half = ranked_names(graph, graph.operation_graph(conv_problem("fwd", geom.with_dtype("float16"))), "float16",
                         properties=props)
     assert half  # tensor cores are allowed for half data
+
+
+def test_shortlist_keeps_the_first_and_the_smallest():
+    ranked = [(f"eng{i}", nbytes) for i, nbytes in enumerate([50, 40, 60, 10, 0, 0, 30])]
+    assert shortlist(ranked, 3) == ["eng0", "eng1", "eng2", "eng4"]
+    assert shortlist(ranked, 5) == ["eng0", "eng1", "eng2", "eng3", "eng4"]
+    assert shortlist(ranked[:2], 3) == ["eng0", "eng1"] and shortlist([], 3) == []
 
 
 def test_usable_notes():

@@ -33,7 +33,7 @@ from .._pass import Pass
 from ..errors import BackendUnavailableError, CudnnApiFallbackWarning
 from . import Candidate
 from ._cudnn_backend import CudnnBackend
-from ._graph_plans import PlanCache, alignment, conv_problem, is_engine_name, ranked_names
+from ._graph_plans import PlanCache, alignment, conv_problem, is_engine_name, ranked_names, shortlist
 
 _TIMED_RUNS = 3  # executions timed per candidate in an exhaustive search (the fewest counts)
 
@@ -89,9 +89,11 @@ class CudnnGraphBackend(CudnnBackend):
         return self._graph.execution_plan(cfg, name, handle=handle, properties=self._properties)
 
     def _ranked(self, handle: Any, pass_: str, geom: Any) -> list[Any]:
-        """Finalized plans of the usable engine configurations, heuristics' order, then cuDNN's fallback list."""
+        """Finalized plans of the shortlisted usable engine configurations (heuristics' order, then cuDNN's
+        fallback list; :func:`~wsarena.backends._graph_plans.shortlist`)."""
         graph = self._plans.graph(handle, pass_, geom)
-        names = ranked_names(self._graph, graph, geom.dtype, properties=self._properties, mode=self.heur_mode)
+        ranked = ranked_names(self._graph, graph, geom.dtype, properties=self._properties, mode=self.heur_mode)
+        names = shortlist(ranked)
         plans = []
         for name in names:
             try:

@@ -11,10 +11,17 @@ from .._config import get_config
 from .._lru import LRU
 from .._pass import Pass
 
-__all__ = ["ALIGNED", "PlanCache", "alignment", "conv_problem", "is_engine_name", "ranked_names", "usable"]
+__all__ = [
+    "ALIGNED", "CANDIDATES", "PlanCache", "alignment", "conv_problem", "is_engine_name", "ranked_names", "shortlist",
+    "usable",
+]
 
 ALIGNED = (16, 16, 16)  # the operands' alignment candidates are ranked for: what every CuPy allocation has
 _MAX_ALIGNMENT = 16  # what tensor-core kernels ask of a pointer at most (PyTorch asks no more either)
+# Engine configurations finalized into plans per pass and geometry: the heuristics' first ones (as many as the
+# legacy API has algorithms), and the one needing the least workspace, so that a small cap always finds one.
+# Finalizing a plan can load kernels; the heuristics list up to about 40 configurations.
+CANDIDATES = 8
 
 # dtype name -> (the tensors' cuDNN data type, the compute type), as cudnn.DataType member names
 _TYPES = {
@@ -86,18 +93,31 @@ def conv_problem(pass_: str, geom: Any, aligned: tuple[int, int, int] = ALIGNED)
                              dilation, aligned)
 
 
-def ranked_names(graph_api: Any, op_graph: Any, dtype: str, *, properties: Any = None, mode: Any = None) -> list[str]:
-    """Names of the usable engine configurations for ``op_graph``: the heuristics' (``mode``, default INSTANT)
-    in their order, then those of cuDNN's fallback list not named yet."""
+def ranked_names(
+    graph_api: Any, op_graph: Any, dtype: str, *, properties: Any = None, mode: Any = None
+) -> list[tuple[str, int]]:
+    """``(name, workspace bytes)`` of the usable engine configurations for ``op_graph``: the heuristics' (``mode``,
+    default INSTANT) in their order, then those of cuDNN's fallback list not named yet."""
     from ..cudnn import BackendHeurMode
 
-    names: list[str] = []
+    ranked: dict[str, int] = {}
     modes = (BackendHeurMode.MODE_INSTANT if mode is None else mode, BackendHeurMode.MODE_FALLBACK)
     for heur_mode in dict.fromkeys(modes):
         for cfg in graph_api.engine_configs(op_graph, heur_mode, properties=properties):
             name = graph_api.config_name(cfg)
-            if name not in names and usable(dtype, *graph_api.engine_notes(cfg)):
-                names.append(name)
+            if name not in ranked and usable(dtype, *graph_api.engine_notes(cfg)):
+                ranked[name] = graph_api.config_workspace(cfg)
+    return list(ranked.items())
+
+
+def shortlist(ranked: list[tuple[str, int]], limit: int = CANDIDATES) -> list[str]:
+    """The names to finalize: the first ``limit``, then the one needing the least workspace if it is not among
+    them (the earliest of equals)."""
+    names = [name for name, _ in ranked[:limit]]
+    if ranked:
+        smallest = min(ranked, key=lambda item: item[1])
+        if smallest[0] not in names and smallest[1] < min(nbytes for _, nbytes in ranked[:limit]):
+            names.append(smallest[0])
     return names
 
 

@@ -31,7 +31,7 @@ from ._prototypes import function
 from .backend import BackendDescriptor, plan_workspace_size
 
 __all__ = [
-    "UIDS", "ConvProblem", "Plan", "config_name", "device_properties", "device_properties_json", "engine_config",
+    "UIDS", "ConvProblem", "Plan", "config_name", "config_workspace", "device_properties", "device_properties_json", "engine_config",
     "engine_configs", "engine_notes", "execution_plan", "operation_graph", "parse_name",
 ]
 
@@ -192,6 +192,11 @@ def engine_config(graph: BackendDescriptor, name: str, *, properties: Any = None
     if choices:
         cfg.set(A.ENGINECFG_KNOB_CHOICES, T.BACKEND_DESCRIPTOR, choices)
     return cfg.finalize()
+
+
+def config_workspace(cfg: BackendDescriptor) -> int:
+    """Workspace bytes an engine configuration needs (``ENGINECFG_WORKSPACE_SIZE``), without finalizing a plan."""
+    return int(cfg.get_one(A.ENGINECFG_WORKSPACE_SIZE, T.INT64))
 
 
 def engine_notes(cfg: BackendDescriptor) -> tuple[frozenset[int], frozenset[int]]:
