@@ -156,3 +156,30 @@ def test_device_properties_refuse_json_without_a_member_and_need_a_device_otherw
         graph.device_properties()
     again = graph.device_properties(graph.device_properties_json(props))
     assert json.loads(graph.device_properties_json(again)) == json.loads(graph.device_properties_json(props))
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_plan_execute_gives_cudnn_a_finalized_pack_in_both_modes(props, monkeypatch, reuse):
+    """cudnnBackendExecute replaced (it needs a GPU); everything before it is cuDNN's own."""
+    op_graph = graph.operation_graph(conv_problem("fwd", GEOMETRIES["2d"]))
+    (name, _), *_ = ranked_names(graph, op_graph, "float32", properties=props)
+    plan = graph.execution_plan(graph.engine_config(op_graph, name, properties=props), properties=props)
+    plan.reuse_variant_packs = reuse
+    seen, status = [], [0]
+
+    def execute(handle, plan_arg, pack):
+        seen.append((handle, pack.value if hasattr(pack, "value") else pack.handle))
+        return status[0]
+
+    monkeypatch.setattr(graph, "_execute_fn", execute)
+    for i in range(graph._VARIANT_PACKS_KEPT + 3):
+        plan.execute("handle", 0x1000 * (i + 1), 0x2000, 0x3000, 0x4000)
+    plan.execute("handle", 0x1000, 0x2000, 0x3000, 0x4000)
+    assert len(seen) == graph._VARIANT_PACKS_KEPT + 4 and all(p for _, p in seen)
+    assert len(plan._packs) == (graph._VARIANT_PACKS_KEPT if reuse else 0)
+    status[0] = int(cudnn.Status.NOT_SUPPORTED)
+    with pytest.raises(cudnn.CudnnNotSupportedError, match="cudnnBackendExecute.*plan eng"):
+        plan.execute("handle", 0x9000, 0x2000, 0x3000, 0x4000)
+    kept = list(plan._packs.values())
+    plan.close()
+    assert plan.closed and all(p.closed for p in kept) and not plan._packs

@@ -221,8 +221,9 @@ def execution_plan(cfg: BackendDescriptor, name: str | None = None, *, handle: A
 
 _VARIANT_PACKS_KEPT = 8  # finalized variant packs a plan keeps, by pointers, in the "reused" mode
 # How new plans give cuDNN their pointers (Plan.reuse_variant_packs). Reusing is the default until
-# bench/bench_gpu_host.py measures both: a cached call with unchanged pointers then makes one ctypes call
-# (cudnnBackendExecute) instead of six, and the packs kept cost a few hundred bytes of host memory each.
+# bench/bench_gpu_host.py measures both on a GPU: a cached call with unchanged pointers then makes one ctypes call
+# (cudnnBackendExecute) instead of six. Measured without a GPU (the backend's run() with cudnnBackendExecute
+# replaced by a no-op, one CPU core of the 2-core development machine): 4.8 us kept, 12.7 us built per call.
 REUSE_VARIANT_PACKS = True
 
 
@@ -260,8 +261,7 @@ class Plan:
                     self._packs.popitem(last=False)[1].close()
             check(_execute(handle, self.descriptor, pack), "cudnnBackendExecute", self._context)
             return
-        with _variant_pack(key) as pack:
-            check(_execute(handle, self.descriptor, pack), "cudnnBackendExecute", self._context)
+        _execute_with_new_pack(handle, self.descriptor, key, self._context)
 
     def _context(self) -> str:
         return f"plan {self.name}, workspace {self.workspace_bytes} bytes"
@@ -280,7 +280,7 @@ class Plan:
 _execute_fn: Any = None  # cudnnBackendExecute, declared on first use
 
 
-def _execute(handle: Any, plan: BackendDescriptor, pack: BackendDescriptor) -> int:
+def _execute(handle: Any, plan: BackendDescriptor, pack: Any) -> int:
     global _execute_fn
     if _execute_fn is None:
         _execute_fn = function("cudnnBackendExecute")
@@ -288,6 +288,31 @@ def _execute(handle: Any, plan: BackendDescriptor, pack: BackendDescriptor) -> i
 
 
 _UID_ARRAY = (ctypes.c_int64 * 3)(UIDS["x"], UIDS["w"], UIDS["y"])
+_raw_fns: tuple[Any, ...] = ()  # create, set, finalize, destroy: the per-call pack's calls, declared on first use
+
+
+def _execute_with_new_pack(handle: Any, plan: BackendDescriptor, key: tuple[int, int, int, int], context: Any) -> None:
+    """Build a variant pack, execute, destroy the pack: straight ctypes calls, since this runs on every call of a
+    plan that keeps no packs (a BackendDescriptor's bookkeeping would cost it some 40 us)."""
+    global _raw_fns
+    if not _raw_fns:
+        _raw_fns = tuple(function(f"cudnnBackend{n}") for n in ("CreateDescriptor", "SetAttribute", "Finalize",
+                                                                 "DestroyDescriptor"))
+    create, set_attr, finalize, destroy = _raw_fns
+    pack = ctypes.c_void_p()
+    check(create(D.VARIANT_PACK_DESCRIPTOR, ctypes.byref(pack)), "cudnnBackendCreateDescriptor", context)
+    try:
+        x, w, y, workspace = key
+        pointers, scratch = (ctypes.c_void_p * 3)(x, w, y), ctypes.c_void_p(workspace)
+        check(set_attr(pack, A.VARIANT_PACK_UNIQUE_IDS, T.INT64, 3, _UID_ARRAY), "cudnnBackendSetAttribute", context)
+        check(set_attr(pack, A.VARIANT_PACK_DATA_POINTERS, T.VOID_PTR, 3, pointers), "cudnnBackendSetAttribute",
+              context)
+        check(set_attr(pack, A.VARIANT_PACK_WORKSPACE, T.VOID_PTR, 1, ctypes.byref(scratch)),
+              "cudnnBackendSetAttribute", context)
+        check(finalize(pack), "cudnnBackendFinalize", context)
+        check(_execute(handle, plan, pack), "cudnnBackendExecute", context)
+    finally:
+        destroy(pack)
 
 
 def _variant_pack(key: tuple[int, int, int, int]) -> BackendDescriptor:
