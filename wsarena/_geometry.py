@@ -22,7 +22,9 @@ from typing import Any, TypeVar
 
 from ._pass import Pass
 
-__all__ = ["DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "output_size"]
+__all__ = [
+    "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "describe_geometry", "output_size",
+]
 
 LAYOUTS = ("NCHW", "NHWC")
 DTYPES = ("float32", "float16", "bfloat16", "float64")  # what some backend computes in
@@ -120,6 +122,14 @@ class ConvGeometry:
 
     def with_dtype(self, dtype: str) -> ConvGeometry:
         return dataclasses.replace(self, dtype=str(dtype))
+
+
+def describe_geometry(geom: ConvGeometry) -> str:
+    """The whole geometry in one line, for messages: two convolutions that differ only in stride read differently."""
+    return (
+        f"input {geom.input_shape} weight {geom.weight_shape} stride {geom.stride} padding {geom.padding} "
+        f"dilation {geom.dilation} groups {geom.groups} {geom.dtype} {geom.layout}"
+    )
 
 
 def _int(name: str, value: Any) -> int:

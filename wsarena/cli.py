@@ -113,6 +113,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto"
     )
+    parser.add_argument("--cudnn-api", choices=("graph", "legacy"), help="default: WSARENA_CUDNN_API or legacy")
     parser.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
     parser.add_argument(
         "--asymmetric-pads", choices=("widen", "error"), default="widen",
@@ -145,6 +146,8 @@ def _parser() -> _Parser:
         help="pick the cap instead: the smallest whose step is at most this much slower than uncapped (2%%, 0.02); "
         "times every algorithm",
     )
+    report.add_argument("--device-properties", type=_file_name, metavar="FILE", help="plan for the GPU whose "
+                        "cuDNN device properties (JSON) FILE holds, without one (cuDNN's graph API)")
     report.add_argument("--format", choices=("table", "json", "csv"), default="table")
     report.add_argument(
         "--plot", type=_file_name, metavar="FILE.png",
@@ -272,7 +275,8 @@ def _report(args: argparse.Namespace) -> int:
         if args.search == "heuristic":
             raise UsageError("--max-slowdown times every algorithm: it needs --search exhaustive (or no --search)")
     layers = _load(args)
-    given = _given(algo_search=args.search, backend=args.backend, cap_workspace=args.cap_workspace)
+    given = _given(algo_search=args.search, backend=args.backend, cap_workspace=args.cap_workspace,
+                   cudnn_api=args.cudnn_api)
     with config(**given) as cfg:  # flags override the environment, which then matters only for the rest
         exhaustive = cfg.algo_search == "exhaustive" or args.max_slowdown is not None
         p = plan(
@@ -285,6 +289,7 @@ def _report(args: argparse.Namespace) -> int:
             model=args.model,
             progress=text_progress() if exhaustive else None,
             max_slowdown=args.max_slowdown,
+            device_properties=args.device_properties,
         )
     if args.plot is not None:
         from .plot import plot_plan
@@ -309,8 +314,9 @@ def _tune(args: argparse.Namespace) -> int:
     if args.apply and args.format is not None:
         raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=...; leave out --format")
     layers = _load(args)
-    t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes, streams=args.streams,
-             backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=text_progress())
+    with config(**_given(cudnn_api=args.cudnn_api)):
+        t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes, streams=args.streams,
+                 backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=text_progress())
     if args.plot is not None:
         from .plot import plot_curve
 

@@ -26,13 +26,14 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._geometry import DTYPES, ConvGeometry
 from ._pass import PASSES
 from .algos import select
-from .backends import Candidate, get_backend, resolve_backend_name
+from .backends import Candidate, device_properties_backend, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
 from .models._layer import ConvLayer
 
@@ -204,6 +205,7 @@ def plan(
     model: str = "",
     progress: Callable[[int, int, str], None] | None = None,
     max_slowdown: float | None = None,
+    device_properties: str | os.PathLike[str] | None = None,
 ) -> Plan:
     """Choose every layer's algorithms as the ops would, and add up the workspace.
 
@@ -227,11 +229,23 @@ def plan(
         Choose the cap instead of taking one: the smallest cap whose step is at most this fraction slower than
         with no cap (0.02 for 2 %), from one exhaustive search (:func:`wsarena.tune`), and the plan under it from
         the same measurements. Excludes ``cap_workspace``; the search is exhaustive.
+    device_properties : str or path, optional
+        A GPU's properties as cuDNN serialises them to JSON (``bench/gpu_check.py`` captures them): the JSON text
+        or a file holding it. Plans for that GPU through cuDNN's graph API, on this machine, with no GPU
+        (``backend`` must then be ``cudnn`` or left out, and ``search`` heuristic; docs/deviceless.md).
     """
     skipped = skipped_layers(layers)
     layers = checked_layers(layers)
     if search is not None and search not in ALGO_SEARCHES:
         raise ValueError(f"search must be one of {ALGO_SEARCHES}, not {search!r}")
+    if device_properties is not None:
+        if backend not in (None, "cudnn"):
+            raise ValueError(f"device_properties plans for a cuDNN GPU: backend must be 'cudnn', not {backend!r}")
+        if search == "exhaustive" or max_slowdown is not None:
+            raise ValueError("device_properties plans without the GPU: it cannot time algorithms (search heuristic)")
+        backend, search = "cudnn", "heuristic"
+        text = os.fspath(device_properties)
+        device_properties = text if text.lstrip().startswith("{") else Path(text).read_text(encoding="utf-8")
     if max_slowdown is not None:
         if cap_workspace is not _FROM_CONFIG:
             raise ValueError("give cap_workspace or max_slowdown, not both: max_slowdown chooses the cap")
@@ -246,12 +260,13 @@ def plan(
     # invalid environment variable matters only for a setting left to it.
     with config(**_given(algo_search=search, backend=backend, cap_workspace=cap_workspace)) as cfg:
         p = _plan(layers, cfg, batch=batch, dtype=dtype, layout=layout, passes=passes, streams=streams,
-                  model=model, progress=progress)
+                  model=model, progress=progress, device_properties=device_properties)
     return dataclasses.replace(p, skipped=skipped) if skipped else p
 
 
 def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str, passes: Sequence[str],
-          streams: int | Sequence[int], model: str, progress: Callable[[int, int, str], None] | None) -> Plan:
+          streams: int | Sequence[int], model: str, progress: Callable[[int, int, str], None] | None,
+          device_properties: str | None = None) -> Plan:
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, not {batch!r}")
     if dtype not in DTYPES:
@@ -261,8 +276,11 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
     if not passes or any(p not in PASSES for p in passes) or len(set(passes)) != len(passes):
         raise ValueError(f"passes must be distinct names from {', '.join(PASSES)}, not {passes!r}")
     shared, assignment = _streams(streams, len(layers))
-    name = resolve_backend_name(requested)
-    impl = get_backend(name)
+    if device_properties is not None:
+        name, impl = "cudnn", device_properties_backend(device_properties)
+    else:
+        name = resolve_backend_name(requested)
+        impl = get_backend(name)
     try:
         impl.check_dtype(dtype)
     except TypeError as exc:
