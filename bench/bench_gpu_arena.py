@@ -3,7 +3,10 @@
 Same cuDNN algorithms (the heuristic choices, no cap; one cuDNN refuses on these operands is skipped, as the ops
 skip it) and the same operands in all three; only where the workspace comes from differs:
 
-- ``wsarena``   the public ops, workspace leased from the device arena (one buffer per stream);
+- ``wsarena``   the public ops on cuDNN's legacy API, workspace leased from the device arena (one buffer per
+  stream);
+- ``graph``     the same ops on cuDNN's graph API (``cudnn_api="graph"``: cached execution plans; its own
+  heuristic choices, so its own arena, reported beside the legacy one);
 - ``unshared``  one workspace per layer and pass allocated up front, as Caffe's cuDNN layer keeps;
 - ``per-call``  a workspace allocated from CuPy's memory pool before each call and freed after it, as
   PyTorch does with its caching allocator.
@@ -15,12 +18,13 @@ host can take as long to issue a step as the GPU takes to run it (see bench_gpu_
 shows host overhead and the GPU time what the workspace's placement costs the kernels.
 Then the host time of one tiny cached call (1x1x4x4 input, 1x1x3x3 filter, ``out=`` given), which bounds how
 fast small layers can be issued, beside ``torch.nn.functional.conv2d`` on the same GPU when torch is there.
-Run: python bench/bench_gpu_arena.py [--model resnet50] [--batch 32] [--repeat 9]
+Run: python bench/bench_gpu_arena.py [--model resnet50] [--batch 32] [--repeat 9] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 import types
@@ -40,11 +44,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--json", help="also write the table as JSON into this file")
     args = parser.parse_args()
 
-    backend = get_backend("cudnn")
+    from wsarena.arena import Arena, CupyProvider, set_arena
+
+    wsarena.configure(cudnn_api="legacy")
+    backend = get_backend("cudnn", "legacy")
     plan = wsarena.plan(wsarena.load_model(args.model), batch=args.batch, dtype=args.dtype, backend="cudnn",
                         cap_workspace=None)
+    with wsarena.config(cudnn_api="graph"):
+        graph_plan = wsarena.plan(wsarena.load_model(args.model), batch=args.batch, dtype=args.dtype,
+                                  backend="cudnn", cap_workspace=None)
     rng = cupy.random.default_rng(0)
     layers = []
     for lp in plan.layers:
@@ -55,13 +66,22 @@ def main() -> None:
         ops = {"fwd": (x, w), "bwd_data": (dy, w), "bwd_filter": (x, dy)}
         layers.append((lp, g, ops, outs))
     stream = cupy.cuda.get_current_stream()
+    device = cupy.cuda.Device().id
+    arenas = {api: Arena(CupyProvider(device)) for api in ("legacy", "graph")}
 
-    def run_wsarena():
-        for lp, g, ops, outs in layers:
-            kw = dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
-            wsarena.conv_forward(*ops["fwd"], **kw, out=outs["fwd"])
-            wsarena.conv_backward_data(*ops["bwd_data"], g.input_shape, **kw, out=outs["bwd_data"])
-            wsarena.conv_backward_filter(*ops["bwd_filter"], g.weight_shape, **kw, out=outs["bwd_filter"])
+    def step(api):
+        def run():
+            wsarena.configure(cudnn_api=api)  # once per step: the ops read it per call
+            set_arena(device, arenas[api])
+            for lp, g, ops, outs in layers:
+                kw = dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
+                wsarena.conv_forward(*ops["fwd"], **kw, out=outs["fwd"])
+                wsarena.conv_backward_data(*ops["bwd_data"], g.input_shape, **kw, out=outs["bwd_data"])
+                wsarena.conv_backward_filter(*ops["bwd_filter"], g.weight_shape, **kw, out=outs["bwd_filter"])
+
+        return run
+
+    run_wsarena, run_graph = step("legacy"), step("graph")
 
     def accepted(p, g, ops, out):
         """The candidate the ops run here: the first in the ranked list that cuDNN does not refuse."""
@@ -110,9 +130,11 @@ def main() -> None:
 
     pool = cupy.get_default_memory_pool()
     run_wsarena()  # warm up: algorithm choice, arena growth
+    run_graph()  # and the plans
     run_unshared()
     stream.synchronize()
-    held_ws = wsarena.get_arena(None).stats()["capacity_bytes"]
+    held_ws = arenas["legacy"].stats()["capacity_bytes"]
+    held_graph = arenas["graph"].stats()["capacity_bytes"]
     held_un = sum(c.workspace_bytes for c in choices.values())
     pool.free_all_blocks()
     before = pool.total_bytes()
@@ -120,10 +142,10 @@ def main() -> None:
     stream.synchronize()
     held_pc = pool.total_bytes() - before  # what the caching pool keeps after the step
     # Interleaved rounds, the order rotating, so that clock changes and other work on the GPU fall on all three
-    strategies = [run_wsarena, run_unshared, run_per_call]
+    strategies = [run_wsarena, run_graph, run_unshared, run_per_call]
     times: dict = {(fn, queued): [] for fn in strategies for queued in (False, True)}
     for r in range(args.repeat):
-        for fn in strategies[r % 3:] + strategies[:r % 3]:
+        for fn in strategies[r % 4:] + strategies[:r % 4]:
             for queued in (False, True):
                 times[fn, queued].append(timed_once(fn, queued))
     step = {fn: statistics.median(times[fn, False]) for fn in strategies}
@@ -132,14 +154,26 @@ def main() -> None:
     name = backend.device_label()
     print(f"device {name}; {args.model} batch {args.batch} {args.dtype}; fwd+bwd_data+bwd_filter; "
           f"median of {args.repeat}")
-    print(f"plan: arena {wsarena.format_size(plan.arena_bytes)}, unshared {wsarena.format_size(plan.unshared_bytes)}")
+    print(f"plan: arena {wsarena.format_size(plan.arena_bytes)}, unshared {wsarena.format_size(plan.unshared_bytes)}; "
+          f"graph API: arena {wsarena.format_size(graph_plan.arena_bytes)}, "
+          f"unshared {wsarena.format_size(graph_plan.unshared_bytes)}")
     print(f"{'strategy':<10} {'workspace held':>15} {'vs wsarena':>11} {'step ms':>9} {'vs wsarena':>11} "
           f"{'GPU ms':>8} {'vs wsarena':>11}")
-    rows = (("wsarena", held_ws, run_wsarena), ("unshared", held_un, run_unshared), ("per-call", held_pc, run_per_call))
+    rows = (("wsarena", held_ws, run_wsarena), ("graph", held_graph, run_graph), ("unshared", held_un, run_unshared),
+            ("per-call", held_pc, run_per_call))
     for label, held, fn in rows:
         ratio = f"{held / held_ws:.2f}x" if held_ws else "-"
         print(f"{label:<10} {wsarena.format_size(int(held)):>15} {ratio:>11} {step[fn]:9.2f} "
               f"{step[fn] / step[run_wsarena]:10.2f}x {gpu[fn]:8.2f} {gpu[fn] / gpu[run_wsarena]:10.2f}x")
+    for label, fn in (("legacy", run_wsarena), ("graph", run_graph)):
+        print(f"{label} API: step as issued / GPU time = {step[fn] / gpu[fn]:.3f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"device": name, "model": args.model, "batch": args.batch, "dtype": args.dtype,
+                       "rows": {label: {"held_bytes": int(held), "step_ms": step[fn], "gpu_ms": gpu[fn]}
+                                for label, held, fn in rows}}, f, indent=2)
+    wsarena.configure(cudnn_api="legacy")
+    set_arena(device, None)
 
     host_overhead()
 
@@ -162,7 +196,10 @@ def host_overhead(n: int = 2000) -> None:
         return statistics.median(times) * 1e6
 
     t_ws = per_call(lambda: wsarena.conv_forward(x, w, out=y))
-    line = f"host time of one tiny cached call: wsarena {t_ws:.1f} us"
+    wsarena.configure(cudnn_api="graph")
+    t_graph = per_call(lambda: wsarena.conv_forward(x, w, out=y))
+    wsarena.configure(cudnn_api="legacy")
+    line = f"host time of one tiny cached call: wsarena {t_ws:.1f} us (legacy API), {t_graph:.1f} us (graph API)"
     try:
         import torch
     except ImportError:

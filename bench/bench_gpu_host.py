@@ -4,14 +4,17 @@ For a few ResNet-50 layers (batch 32, float32, all three passes) and one tiny co
 cached call, measured while the GPU is held busy by a spin kernel queued ahead, so that the time is the host's
 alone (no waiting for a full launch queue). wsarena's op and the bare cuDNN call alternate round by round:
 
-- ``wsarena``     the public op (``out=`` given; algorithm cached, arena warm);
+- ``wsarena``     the public op on the legacy API (``out=`` given; algorithm cached, arena warm);
 - ``cudnn``       the same legacy cuDNN call alone, through ``wsarena.cudnn.convolution`` with the descriptors
                   built and the handle bound beforehand: what any caller of cuDNN's legacy API pays;
+- ``graph``       the public op on cuDNN's graph API (``cudnn_api="graph"``; its plan cached), with the variant
+                  packs kept by pointers (the default), and ``graph/pc`` with one built per call (PyTorch's way);
+- ``graph py``    the graph op with ``cudnnBackendExecute`` replaced by a Python no-op: wsarena's own host time;
 - ``torch``       PyTorch's own path (cuDNN's graph API with cached execution plans);
 - ``torch v7``    PyTorch with ``TORCH_CUDNN_V8_API_DISABLED=1``: its legacy-API path, in a child process.
 
-Prints microseconds per call and the ratios wsarena/cudnn (wsarena's own share) and wsarena/torch.
-Run: python bench/bench_gpu_host.py [--calls 20] [--rounds 7]
+Prints microseconds per call and the ratios wsarena/cudnn (wsarena's own share), wsarena/torch and graph/torch.
+Run: python bench/bench_gpu_host.py [--calls 20] [--rounds 7] [--json FILE]
 """
 
 from __future__ import annotations
@@ -63,20 +66,38 @@ class HostTimer:
     def __call__(self, *fns) -> list[float]:
         """Fewest microseconds per call of each function over the rounds. Each round runs every function in turn
         (so that drift in the host's speed falls on all of them), each queued behind ~50 ms of spinning: longer
-        than the host takes to issue the calls (20 at up to ~0.5 ms)."""
-        for fn in fns:
-            fn()
+        than the host takes to issue the calls (20 at up to ~0.5 ms). A function may come as ``(setup, fn)``:
+        ``setup()`` runs, untimed, before each of its timed loops (and returns what undoes it, or None)."""
+        pairs = [fn if isinstance(fn, tuple) else (None, fn) for fn in fns]
+        for setup, fn in pairs:
+            with _applied(setup):
+                fn()
         self.stream.synchronize()
-        best = [float("inf")] * len(fns)
+        best = [float("inf")] * len(pairs)
         for _ in range(self.rounds):
-            for i, fn in enumerate(fns):
-                self.spin((1,), (1,), (cupy.int64(100_000_000),), stream=self.stream)
-                start = time.perf_counter()
-                for _ in range(self.calls):
-                    fn()
-                best[i] = min(best[i], (time.perf_counter() - start) / self.calls * 1e6)
+            for i, (setup, fn) in enumerate(pairs):
+                with _applied(setup):
+                    self.spin((1,), (1,), (cupy.int64(100_000_000),), stream=self.stream)
+                    start = time.perf_counter()
+                    for _ in range(self.calls):
+                        fn()
+                    best[i] = min(best[i], (time.perf_counter() - start) / self.calls * 1e6)
                 self.stream.synchronize()
         return best
+
+
+class _applied:
+    """Run a setup before the block and what it returns (an undo, or None) after it."""
+
+    def __init__(self, setup) -> None:
+        self.setup, self.undo = setup, None
+
+    def __enter__(self) -> None:
+        self.undo = self.setup() if self.setup is not None else None
+
+    def __exit__(self, *exc) -> None:
+        if self.undo is not None:
+            self.undo()
 
 
 def torch_times(timer: HostTimer) -> dict[str, float]:
@@ -102,12 +123,38 @@ def torch_times(timer: HostTimer) -> dict[str, float]:
     return times
 
 
-def wsarena_times(timer: HostTimer) -> dict[str, tuple[float, float]]:
+def _api(name: str, *, reuse: bool = True, stub: bool = False):
+    """A HostTimer setup: the cuDNN API path ``name``; on the graph API the variant-pack mode of every cached plan,
+    and (``stub``) cudnnBackendExecute replaced by a Python no-op."""
+    from wsarena.backends import get_backend
+    from wsarena.cudnn import graph
+
+    def setup():
+        wsarena.configure(cudnn_api=name)
+        if name == "graph":
+            graph.REUSE_VARIANT_PACKS = reuse
+            for plan in get_backend("cudnn", "graph")._plans._plans.values():
+                plan.reuse_variant_packs = reuse
+        if not stub:
+            return None
+        real = graph._execute_fn
+        graph._execute_fn = lambda handle, plan, pack: 0
+
+        def undo():
+            graph._execute_fn = real
+
+        return undo
+
+    return setup
+
+
+def wsarena_times(timer: HostTimer) -> dict[str, list[float]]:
     from wsarena import algos
     from wsarena._geometry import conv_geometry
     from wsarena.backends import get_backend
 
-    backend = get_backend("cudnn")
+    wsarena.configure(cudnn_api="legacy")
+    backend = get_backend("cudnn", "legacy")
     cudnn = wsarena.cudnn
     times = {}
     for name, xs, ws, stride, padding in cases():
@@ -139,7 +186,12 @@ def wsarena_times(timer: HostTimer) -> dict[str, tuple[float, float]]:
                 break
             else:
                 raise RuntimeError(f"cuDNN refused every {pass_} algorithm for {name}")
-            times[f"{name}/{pass_}"] = tuple(timer(op, bare))
+            legacy = _api("legacy")
+            times[f"{name}/{pass_}"] = timer(
+                (legacy, op), (legacy, bare), (_api("graph"), op), (_api("graph", reuse=False), op),
+                (_api("graph", stub=True), op),
+            )
+    wsarena.configure(cudnn_api="legacy")
     return times
 
 
@@ -163,6 +215,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", help="also write the table as JSON into this file")
     parser.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     timer = HostTimer(args.calls, args.rounds)
@@ -183,14 +236,23 @@ def main() -> None:
     name = name.decode() if isinstance(name, bytes) else name
     print(f"host us per cached call on {name}, cuDNN {wsarena.cudnn.library_info().get('version_string')}; "
           f"fewest of {args.rounds} rounds of {args.calls} calls, queued behind a spinning kernel")
-    heads = ("wsarena", "cudnn", "torch", "torch v7", "ws/cudnn", "ws/torch")
-    print(f"{'layer/pass':<28} " + " ".join(f"{h:>{9 if len(h) > 7 else 8}}" for h in heads))
-    for key, (t_ws, t_cudnn) in ws.items():
+    heads = ("wsarena", "cudnn", "graph", "graph/pc", "graph py", "torch", "torch v7", "ws/cudnn", "ws/torch",
+             "graph/torch")
+    print(f"{'layer/pass':<28} " + " ".join(f"{h:>11}" for h in heads))
+    rows = {}
+    for key, (t_ws, t_cudnn, t_graph, t_percall, t_py) in ws.items():
         t_torch, t_v7 = torch_now.get(key), torch_v7.get(key)
-        cells = [f"{t_ws:8.1f}", f"{t_cudnn:8.1f}", f"{t_torch:8.1f}" if t_torch else f"{'-':>8}",
-                 f"{t_v7:9.1f}" if t_v7 else f"{'-':>9}", f"{t_ws / t_cudnn:8.2f}x",
-                 f"{t_ws / t_torch:8.2f}x" if t_torch else f"{'-':>9}"]
+        row = {"wsarena": t_ws, "cudnn": t_cudnn, "graph": t_graph, "graph_per_call_pack": t_percall,
+               "graph_python_only": t_py, "torch": t_torch, "torch_v7": t_v7}
+        rows[key] = row
+        ratios = [t_ws / t_cudnn, t_ws / t_torch if t_torch else None, t_graph / t_torch if t_torch else None]
+        cells = [f"{v:11.1f}" if v else f"{'-':>11}" for v in (t_ws, t_cudnn, t_graph, t_percall, t_py, t_torch, t_v7)]
+        cells += [f"{r:10.2f}x" if r else f"{'-':>11}" for r in ratios]
         print(f"{key:<28} " + " ".join(cells))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"device": name, "cudnn": wsarena.cudnn.library_info().get("version_string"),
+                       "us_per_call": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,17 @@
 
 Writes ``bench/results/gpu-check-<date>.json`` (or into ``--out``) with ``commit``, ``device``, ``cudnn_version``,
 ``passed``, ``failed``, ``skipped`` (over both test runs), the failing test ids, each phase's own counts and
-exit status, and each benchmark's exit status and output. The benchmarks include ``wsarena tune`` of ResNet-50 and
-VGG-16 at batch 32 float32 and batch 64 float16 on cuDNN (``tune-MODEL-DTYPE-bBATCH-gpu.json`` and ``.png`` beside
-the JSON, each searched afresh in a cache folder of its own) and the search cache's start-up saving
-(``search-cache-startup-resnet50-gpu.json``). The file is written after every phase, so a run cut short by the
-machine's time limit still leaves what it finished. Exit status: 0 when every test run passed, else 1.
+exit status, and each benchmark's exit status and output. First of all it captures the GPU's device properties
+as cuDNN serialises them (``<gpu>-cudnn<version>.json``, e.g. ``h100-cudnn91900.json``: commit it as
+``tests/data/h100.json`` for the tests that plan without a GPU, docs/deviceless.md). The benchmarks include a
+ResNet-50 training step at batch 32 in PyTorch against the same model converted by ``wsarena.torch`` (step time,
+peak memory, PyTorch's peak convolution workspace against the arena's; ``torch-resnet50-b32-{float32,float16}-gpu.json``
+beside the JSON), ``wsarena tune`` of ResNet-50 and VGG-16 at batch 32 float32 and batch 64 float16 on cuDNN
+(``tune-MODEL-DTYPE-bBATCH-gpu.json`` and ``.png`` beside the JSON, each searched afresh in a cache folder of its
+own) and the search cache's start-up saving (``search-cache-startup-resnet50-gpu.json``); the host and arena
+benchmarks write their tables as JSON too (``bench_gpu_host-gpu.json``, ``bench_gpu_arena-gpu.json``). The file is
+written after every phase, so a run cut short by the machine's time limit still leaves what it finished. Exit
+status: 0 when every test run passed, else 1.
 
     python bench/gpu_check.py [--out DIR] [--gpu-timeout S] [--test-timeout S] [--bench-timeout S]
                               [--per-test-timeout S] [--no-bench] [-- extra pytest args]
@@ -26,7 +32,14 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("bench_gpu_arena.py", "bench_gpu_host.py")  # run after the tests, each with --bench-timeout
+# Run after the tests, each with --bench-timeout (times the factor given): the script and its arguments, "{out}"
+# standing for the results folder.
+BENCHMARKS = (
+    (("bench_gpu_arena.py",), 1),
+    (("bench_gpu_host.py",), 1),
+    (("bench_gpu_torch.py", "--json", "{out}/torch-resnet50-b32-float32-gpu.json"), 3),
+    (("bench_gpu_torch.py", "--autocast", "float16", "--json", "{out}/torch-resnet50-b32-float16-gpu.json"), 3),
+)
 TUNES = (("resnet50", 32, "float32"), ("vgg16", 32, "float32"), ("resnet50", 64, "float16"), ("vgg16", 64, "float16"))
 
 
@@ -114,12 +127,38 @@ def _tune_curves(out: Path, timeout: float, env: dict) -> dict:
     return runs
 
 
+_CAPTURE = """
+import json, sys
+from wsarena.cudnn import get_handle, graph, library_info
+import cupy
+cupy.cuda.Device(0).use()
+text = graph.device_properties_json(graph.device_properties(handle=get_handle(0)))
+name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+print(json.dumps({"name": name.decode() if isinstance(name, bytes) else name,
+                  "cudnn": library_info()["version"], "properties": json.loads(text)}))
+"""
+
+
+def capture_device_properties(out: Path, env: dict) -> dict:
+    """Device 0's properties as cuDNN 9.8+ serialises them, into ``out/<gpu>-cudnn<version>.json``."""
+    run = _run([sys.executable, "-c", _CAPTURE], 120, env, capture=True)
+    if run.returncode != 0:
+        return {"exit_status": run.returncode, "stderr": run.stderr[-2000:]}
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    words = [w for w in found["name"].replace("NVIDIA", "").split() if any(c.isdigit() for c in w)]
+    stem = (words[0] if words else "gpu").lower()
+    target = out / f"{stem}-cudnn{found['cudnn']}.json"
+    target.write_text(json.dumps(found["properties"], indent=1) + "\n")
+    print(f"device properties of {found['name']} (cuDNN {found['cudnn']}) -> {target}", flush=True)
+    return {"exit_status": 0, "file": target.name, "device": found["name"], "cudnn": found["cudnn"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--gpu-timeout", type=float, default=240, help="seconds for the GPU tests")
     parser.add_argument("--test-timeout", type=float, default=150, help="seconds for the other tests")
-    parser.add_argument("--bench-timeout", type=float, default=120, help="seconds for each benchmark")
+    parser.add_argument("--bench-timeout", type=float, default=240, help="seconds for each benchmark")
     parser.add_argument("--no-bench", action="store_true", help="run the tests only")
     parser.add_argument("--per-test-timeout", type=float, default=120, help="seconds for any one test")
     parser.add_argument("pytest_args", nargs="*")
@@ -150,6 +189,8 @@ def main() -> int:
         target.write_text(json.dumps(result, indent=2) + "\n")
 
     write()
+    result["device_properties"] = capture_device_properties(args.out, env)
+    write()
     ok = True
     phases = (("gpu_tests", "gpu", args.gpu_timeout), ("other_tests", "not gpu", args.test_timeout))
     for phase, marker, timeout in phases:
@@ -163,10 +204,12 @@ def main() -> int:
         print(f"{phase}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
               f"(exit status {counts['exit_status']})", flush=True)
     result["benchmarks"] = {}
-    for script in () if args.no_bench else BENCHMARKS:
-        bench = _run([sys.executable, str(ROOT / "bench" / script)], args.bench_timeout, env, capture=True)
+    for (script, *script_args), factor in () if args.no_bench else BENCHMARKS:
+        script_args = [a.replace("{out}", str(args.out)) for a in script_args]
+        command = [sys.executable, str(ROOT / "bench" / script), *script_args]
+        bench = _run(command, factor * args.bench_timeout, env, capture=True)
         print(bench.stdout, bench.stderr, sep="\n")
-        result["benchmarks"][script] = {
+        result["benchmarks"][" ".join([script, *script_args])] = {
             "exit_status": bench.returncode,
             "output": bench.stdout.splitlines() + bench.stderr.splitlines()[-20:],
         }

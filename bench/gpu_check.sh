@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # On a GPU machine (CuPy, cuDNN, PyTorch, pytest, pytest-timeout and hypothesis present, no network): run the
-# GPU tests, the rest of the suite and the GPU benchmarks from this checkout, then the `wsarena tune` curves
+# GPU tests, the rest of the suite and the GPU benchmarks (among them a PyTorch ResNet-50 training step against
+# the same model converted by wsarena.torch) from this checkout, then the `wsarena tune` curves
 # (ResNet-50 and VGG-16, batch 32 float32 and batch 64 float16) and the search cache's start-up saving. Results:
 # bench/results/gpu-check-<date>.json, tune-*-gpu.json/.png, search-cache-startup-resnet50-gpu.json and
 # gpu-check.log (under $OUT when set), written as each phase ends.
 #
 # What such a machine lacks (pycparser, for the header checks; platformdirs, else the cache folder follows the
-# XDG rule) comes as wheels in the folder WSARENA_WHEELS names, prepared where pip works:
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl pycparser platformdirs
+# XDG rule; RAPIDS RMM, for the test of RMM under CuPy's allocator, which is skipped without it) comes as wheels in
+# the folder WSARENA_WHEELS names, prepared where pip works:
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl pycparser platformdirs \
+#       rmm-cu13 librmm-cu13 rapids-logger
 # Installing is best effort: the checks run from the checkout (PYTHONPATH) whether or not the install worked.
 # A copy without its .git folder names its commit in WSARENA_COMMIT, for the JSON.
 set -uo pipefail
@@ -16,12 +19,14 @@ PY=${PYTHON:-python3}
 if [ -n "${WSARENA_WHEELS:-}" ]; then
   "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WSARENA_WHEELS" pycparser platformdirs \
     || echo "gpu_check: could not install pycparser and platformdirs from $WSARENA_WHEELS" >&2
+  "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WSARENA_WHEELS" rmm-cu13 librmm-cu13 rapids-logger \
+    || echo "gpu_check: no RAPIDS RMM from $WSARENA_WHEELS; its test will be skipped" >&2
 fi
 # --no-build-isolation: build with the machine's own setuptools rather than fetch one
 "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . \
   || echo "gpu_check: could not install this checkout; running it from PYTHONPATH" >&2
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-"$PY" -m pip list 2>/dev/null | grep -iE '^(nvidia-cudnn|cupy|cuda-|numpy |pytest|hypothesis|pycparser|platformdirs)' || true
+"$PY" -m pip list 2>/dev/null | grep -iE '^(nvidia-cudnn|cupy|cuda-|numpy |torch |rmm|pytest|hypothesis|pycparser|platformdirs)' || true
 out=${OUT:-bench/results}
 mkdir -p "$out"
 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 "$PY" bench/gpu_check.py --out "$out" "$@" 2>&1 \

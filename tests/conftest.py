@@ -11,6 +11,14 @@ from wsarena.backends._cpu_backend import CpuBackend
 from .arena_helpers import KINDS, ArenaKind
 
 
+def pytest_configure(config):
+    # Before anything touches cuDNN: its first finalize decides, for the whole process, whether the backend API
+    # works (tests/cudnn_probe/driver.py). Where even the stand-in cannot be had, the tests that finalize skip.
+    from .cudnn_probe import driver
+
+    config.wsarena_no_driver = driver.load_stand_in()
+
+
 def pytest_collection_modifyitems(config, items):
     reason = gpu_unusable_reason()
     if reason is None:
@@ -33,7 +41,8 @@ def _reset_process_state():
 def _fresh_process_state(monkeypatch):
     """Every test starts from the defaults and an empty process: no WSARENA_* variables, no earlier configure(),
     no cached algorithm choice or remembered call, no arena, no backend (nor the descriptors it cached)."""
-    for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_DEBUG"):
+    for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_CUDNN_API",
+                "WSARENA_PLAN_CACHE_SIZE", "WSARENA_DEBUG", "WSARENA_ALLOCATOR"):
         monkeypatch.delenv(var, raising=False)
     _reset_process_state()
     yield

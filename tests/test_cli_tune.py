@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from wsarena._gpu import gpu_unusable_reason
-from wsarena.cli import main
+
+from .cli_helpers import run_cli, run_main
 
 # A small model: three distinct convolutions, one repeated, so that a real CPU tuning takes a moment.
 MODEL = {
@@ -30,18 +31,6 @@ def model(tmp_path):
     return str(path)
 
 
-def run_main(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def run_cli(*argv, env=None):
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "wsarena", *argv], capture_output=True, text=True, env=full_env, timeout=300
-    )
 
 
 def tune_json(capsys, model, *flags):

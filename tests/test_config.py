@@ -64,7 +64,8 @@ def test_format_parse_round_trip():
 
 def test_defaults():
     c = get_config()
-    assert c == Config(cap_workspace=None, algo_search="heuristic", backend="auto", debug=False)
+    assert c == Config(cap_workspace=None, algo_search="heuristic", backend="auto", debug=False, allocator="auto")
+    assert (c.cudnn_api, c.plan_cache_size) == ("legacy", 1024)
 
 
 def test_environment_is_read(monkeypatch):
@@ -72,8 +73,14 @@ def test_environment_is_read(monkeypatch):
     monkeypatch.setenv("WSARENA_ALGO_SEARCH", "exhaustive")
     monkeypatch.setenv("WSARENA_BACKEND", "cpu")
     monkeypatch.setenv("WSARENA_DEBUG", "1")
+    monkeypatch.setenv("WSARENA_ALLOCATOR", " Torch ")
+    monkeypatch.setenv("WSARENA_CUDNN_API", " Graph ")
+    monkeypatch.setenv("WSARENA_PLAN_CACHE_SIZE", "64")
     wsarena._config._reset()
-    assert get_config() == Config(cap_workspace=64 << 20, algo_search="exhaustive", backend="cpu", debug=True)
+    assert get_config() == Config(
+        cap_workspace=64 << 20, algo_search="exhaustive", backend="cpu", debug=True, allocator="torch",
+        cudnn_api="graph", plan_cache_size=64,
+    )
 
 
 @pytest.mark.parametrize(
@@ -89,7 +96,8 @@ def test_debug_variable_takes_the_usual_words_for_on_and_off(monkeypatch, value,
 
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_environment_variable_means_the_default(monkeypatch, value):
-    for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_DEBUG"):
+    for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_DEBUG",
+                "WSARENA_ALLOCATOR", "WSARENA_CUDNN_API", "WSARENA_PLAN_CACHE_SIZE"):
         monkeypatch.setenv(var, value)
     wsarena._config._reset()
     assert get_config() == Config()
@@ -99,7 +107,8 @@ def test_an_empty_environment_variable_means_the_default(monkeypatch, value):
     ("var", "value"),
     [
         ("WSARENA_CAP_WORKSPACE", "lots"), ("WSARENA_ALGO_SEARCH", "fast"), ("WSARENA_BACKEND", "tpu"),
-        ("WSARENA_DEBUG", "maybe"),
+        ("WSARENA_DEBUG", "maybe"), ("WSARENA_ALLOCATOR", "rmm"), ("WSARENA_CUDNN_API", "v8"),
+        ("WSARENA_PLAN_CACHE_SIZE", "0"), ("WSARENA_PLAN_CACHE_SIZE", "many"),
     ],
 )
 def test_bad_environment_names_the_variable(monkeypatch, var, value):
@@ -114,7 +123,21 @@ BAD_ENV = {  # setting: (its variable, an invalid value, a valid value given exp
     "algo_search": ("WSARENA_ALGO_SEARCH", "fast", "exhaustive"),
     "backend": ("WSARENA_BACKEND", "gpu", "cpu"),
     "debug": ("WSARENA_DEBUG", "maybe", True),
+    "allocator": ("WSARENA_ALLOCATOR", "malloc", "torch"),
+    "cudnn_api": ("WSARENA_CUDNN_API", "v7", "graph"),
+    "plan_cache_size": ("WSARENA_PLAN_CACHE_SIZE", "-1", 8),
 }
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [({"cudnn_api": "v8"}, ValueError), ({"plan_cache_size": 0}, ValueError), ({"plan_cache_size": "8"}, TypeError),
+     ({"plan_cache_size": True}, TypeError)],
+)
+def test_bad_graph_api_settings_are_refused_and_change_nothing(changes, error):
+    with pytest.raises(error, match=next(iter(changes))):
+        configure(**changes)
+    assert get_config() == Config()
 
 
 @pytest.mark.parametrize("key", list(BAD_ENV))

@@ -221,31 +221,47 @@ def test_descriptors_follow_the_candidates_math_type(backend):
 
 
 # ---------------------------------------------------------------------------------------------------- GPU only
-TOL = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}
+TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}
+
+
+@pytest.fixture(params=["legacy", "graph"])
+def cudnn_api(request):
+    """Each GPU test below once per cuDNN API path (the autouse fixture restores the settings after)."""
+    from wsarena import configure
+
+    configure(cudnn_api=request.param)
+    return request.param
+
+
+def _fallbacks(record):
+    from wsarena.errors import CudnnApiFallbackWarning
+
+    return [w for w in record if issubclass(w.category, CudnnApiFallbackWarning)]
 
 
 def _rel(got, ref):
     return float(np.max(np.abs(got - ref))) / (float(np.max(np.abs(ref))) or 1.0)
 
 
-def _gpu_problem(seed, nd, layout):
+def _gpu_problem(seed, nd, layout, dilation=1):
     rng = np.random.default_rng(seed)
-    size = {1: 17, 2: 9, 3: 5}[nd]
+    size = {1: 17, 2: 9, 3: 5}[nd] + 2 * (dilation - 1)
     x = rng.standard_normal((2, 4, *(size,) * nd))
     w = rng.standard_normal((6, 2, *(3,) * nd))
-    kw = dict(stride=2, padding=1, dilation=1, groups=2)
+    kw = dict(stride=2, padding=1, dilation=dilation, groups=2)
     dy = rng.standard_normal(ref_conv_forward(x, w, **kw).shape)
     return x, w, dy, kw
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dilation", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 @pytest.mark.parametrize("nd", [1, 2, 3])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_gpu_three_passes_match_the_reference(dtype, nd, layout):
+def test_gpu_three_passes_match_the_reference(cudnn_api, dtype, nd, layout, dilation):
     import cupy
 
-    x, w, dy, kw = _gpu_problem(nd, nd, layout)
+    x, w, dy, kw = _gpu_problem(nd, nd, layout, dilation)
     move = (lambda a: np.moveaxis(a, 1, -1)) if layout == "NHWC" else (lambda a: a)
     # round the inputs to the tested dtype first, so the reference sees the same numbers
     as_dev = lambda a: cupy.asarray(np.ascontiguousarray(move(a))).astype(dtype)  # noqa: E731
@@ -254,15 +270,19 @@ def test_gpu_three_passes_match_the_reference(dtype, nd, layout):
     x64, w64, dy64 = (back(cupy.asnumpy(a.astype("float64"))) for a in (xd, wd, dyd))
     refs = (ref_conv_forward(x64, w64, **kw), ref_conv_backward_data(dy64, w64, x.shape, **kw),
             ref_conv_backward_filter(x64, dy64, w.shape, **kw))
-    y = conv_forward(xd, wd, **kw, layout=layout)
-    dx = conv_backward_data(dyd, wd, xd.shape, **kw, layout=layout)
-    dw = conv_backward_filter(xd, dyd, wd.shape, **kw, layout=layout)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        y = conv_forward(xd, wd, **kw, layout=layout)
+        dx = conv_backward_data(dyd, wd, xd.shape, **kw, layout=layout)
+        dw = conv_backward_filter(xd, dyd, wd.shape, **kw, layout=layout)
     for got, ref in zip((y, dx, dw), refs):
         assert _rel(back(cupy.asnumpy(got.astype("float64"))), ref) <= TOL[dtype]
+    if cudnn_api == "graph" and nd == 2 and dtype in ("float32", "float16"):
+        assert not _fallbacks(record)  # the common cases run on the graph API itself
 
 
 @pytest.mark.gpu
-def test_gpu_cap_zero_and_one_mib():
+def test_gpu_cap_zero_and_one_mib(cudnn_api):
     import cupy
 
     from wsarena.arena import Arena, CupyProvider, set_arena
@@ -308,7 +328,7 @@ def test_gpu_float32_candidates_report_fma_math(backend, pass_):
 
 
 @pytest.mark.gpu
-def test_gpu_exhaustive_search_matches_heuristic_result():
+def test_gpu_exhaustive_search_matches_heuristic_result(cudnn_api):
     import cupy
 
     rng = np.random.default_rng(1)
@@ -325,7 +345,7 @@ def test_gpu_exhaustive_search_matches_heuristic_result():
 
 
 @pytest.mark.gpu
-def test_gpu_four_streams_give_the_serial_results():
+def test_gpu_four_streams_give_the_serial_results(cudnn_api):
     import cupy
 
     rng = np.random.default_rng(2)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +15,7 @@ from wsarena._gpu import gpu_unusable_reason
 from wsarena._pass import PASSES
 from wsarena.cudnn import conv as conv_mod
 
-from .cudnn_probe import probe
+from .cudnn_probe import driver, probe
 
 _info = cudnn.library_info()
 needs_cudnn = pytest.mark.skipif(not _info["found"], reason=f"libcudnn not loadable: {_info['error']}")
@@ -103,9 +107,9 @@ def test_size_queries_reach_cudnn(descs, pass_):
 
 @needs_cudnn
 @pytest.mark.skipif(
-    gpu_unusable_reason() is None,
-    reason="with a CUDA driver cuDNN's _v7 heuristics dereference a null handle (a segfault on an H100); "
-    "the gpu tests make these calls with real handles",
+    driver.driver_library_loaded(),
+    reason="with a CUDA driver library (or the tests' stand-in for one) cuDNN's _v7 heuristics dereference a null "
+    "handle (a segfault); test_wrappers_reach_cudnn_without_a_driver_library runs this in a process without one",
 )
 @pytest.mark.parametrize("pass_", PASSES)
 def test_search_and_convolution_wrappers_reach_cudnn(monkeypatch, descs, pass_):
@@ -122,6 +126,19 @@ def test_search_and_convolution_wrappers_reach_cudnn(monkeypatch, descs, pass_):
     with pytest.raises(cudnn.CudnnError, match=r"cudnnConvolution\w+ returned .*" + context):
         cudnn.convolution(pass_, handle, x_desc=x, x_ptr=0, w_desc=w, w_ptr=0, conv_desc=conv, y_desc=y, y_ptr=0,
                           algo=0, workspace_bytes=64)
+
+
+@needs_cudnn
+@pytest.mark.skipif(gpu_unusable_reason() is None, reason="a GPU machine has its driver library: no such process")
+def test_wrappers_reach_cudnn_without_a_driver_library():
+    """The test above in a child process that does without the stand-in for libcuda.so.1 (conftest)."""
+    target = f"{__file__}::test_search_and_convolution_wrappers_reach_cudnn"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", target],
+        env={**os.environ, "WSARENA_TEST_DRIVER_STAND_IN": "0"}, cwd=Path(__file__).parents[1],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 0 and "3 passed" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
 
 
 def test_pass_names_and_algorithms():

@@ -36,6 +36,9 @@ REQUIRED = {
         )
     ),
     "cudnnConvolutionForward", "cudnnConvolutionBackwardData", "cudnnConvolutionBackwardFilter",
+    "cudnnBackendCreateDescriptor", "cudnnBackendDestroyDescriptor", "cudnnBackendFinalize",
+    "cudnnBackendSetAttribute", "cudnnBackendGetAttribute", "cudnnBackendExecute",
+    "cudnnGetExecutionPlanWorkspaceSize",
 }
 
 # typedef'd structs passed by pointer -> the ctypes Structure that mirrors them
@@ -50,6 +53,7 @@ SCALARS = {
     ("float",): ctypes.c_float,
     ("double",): ctypes.c_double,
     ("int64_t",): ctypes.c_int64,
+    ("int32_t",): ctypes.c_int32,
     ("unsigned",): ctypes.c_uint,
 }
 
@@ -95,6 +99,10 @@ def test_prototype_matches_header(name):
     c_ast = probe.c_ast()
 
     parsed = probe.parsed()
+    if name in _prototypes.OPTIONAL and name not in parsed["functions"]:
+        version = cudnn_headers.header_version()
+        assert version.version < _prototypes.OPTIONAL[name], f"{name} is missing from the cuDNN {version} headers"
+        pytest.skip(f"{name} is new in a later cuDNN than these headers ({version})")
     assert name in parsed["functions"], f"{name} is not declared in {', '.join(cudnn_headers.CUDNN_HEADERS)}"
     decl = parsed["functions"][name]
     restype, argtypes = cudnn.PROTOTYPES[name]
@@ -114,6 +122,9 @@ def test_bind_all_declares_every_function():
     lib = cudnn.bind_all()
     assert isinstance(lib, ctypes.CDLL)
     for name, (restype, argtypes) in cudnn.PROTOTYPES.items():
+        if name in _prototypes.OPTIONAL and not _prototypes.available(name):
+            assert cudnn.load_library().version < _prototypes.OPTIONAL[name], name
+            continue
         fn = getattr(lib, name)
         assert fn.restype is restype and list(fn.argtypes) == list(argtypes), name
         assert _prototypes.function(name) is fn
@@ -138,6 +149,31 @@ def test_a_finalizer_may_bind_a_function_while_its_thread_is_binding_another():
         assert done.wait(10), "binding re-entered the prototype lock and deadlocked"
     finally:
         _prototypes._bound.setdefault(name, bound)
+
+
+def test_bind_all_leaves_out_an_optional_function_the_library_lacks(monkeypatch):
+    """A cuDNN older than an optional function (the lent GPU's 9.19 has no cudnnGetExecutionPlanWorkspaceSize)
+    still binds; the function alone fails, as CudnnSymbolError, when asked for."""
+    cudnn.bind_all()
+    real = _prototypes._declare
+    missing = {"cudnnGetExecutionPlanWorkspaceSize", "cudnnBackendExecute"}
+
+    def declare(lib, path, version, name):
+        if name in missing:
+            raise cudnn.CudnnSymbolError(f"{path} does not export {name}")
+        return real(lib, path, version, name)
+
+    monkeypatch.setattr(_prototypes, "_declare", declare)
+    monkeypatch.setattr(_prototypes, "_bound", {})
+    monkeypatch.setattr(_prototypes, "OPTIONAL", {"cudnnGetExecutionPlanWorkspaceSize": 92300})
+    with pytest.raises(cudnn.CudnnSymbolError, match="cudnnBackendExecute") as info:
+        cudnn.bind_all()  # a required function missing is still an error, naming only it
+    assert "cudnnGetExecutionPlanWorkspaceSize" not in str(info.value)
+    missing.discard("cudnnBackendExecute")
+    assert isinstance(cudnn.bind_all(), ctypes.CDLL)
+    assert not _prototypes.available("cudnnGetExecutionPlanWorkspaceSize")
+    with pytest.raises(cudnn.CudnnSymbolError, match="cudnnGetExecutionPlanWorkspaceSize"):
+        _prototypes.function("cudnnGetExecutionPlanWorkspaceSize")
 
 
 def test_unknown_name_is_a_key_error():

@@ -274,7 +274,7 @@ W = np.zeros((2, 4, 3, 3), np.float32)
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
-        (lambda: conv_forward(X.tolist(), W), TypeError, "x must be a NumPy or CuPy array"),
+        (lambda: conv_forward(X.tolist(), W), TypeError, "x must be an array"),
         (lambda: conv_forward(X, _fake_cupy_array(W.shape)), TypeError, "cannot mix NumPy and CuPy"),
         (lambda: conv_forward(X.astype(np.int32), W.astype(np.int32)), TypeError, "floating-point"),
         (lambda: conv_forward(X, W.astype(np.float64)), TypeError, "dtypes differ"),
@@ -341,7 +341,7 @@ def test_a_remembered_call_still_checks_what_changed():
     assert rel_err(y, ref) <= TOL["float32"]
     with pytest.raises(TypeError, match="x must be a floating-point array"):
         conv_forward(x.astype(np.int32), w)
-    with pytest.raises(TypeError, match="x must be a NumPy or CuPy array, not list"):
+    with pytest.raises(TypeError, match="x must be an array .*, not list"):
         conv_forward(x.tolist(), w)
     with pytest.raises(TypeError, match="dtypes differ"):
         conv_forward(x, w.astype(np.float64))

@@ -23,11 +23,15 @@ def test_the_contract_names_exist():
 
 
 def test_import_is_light():
-    """`import wsarena` loads neither libcudnn nor CuPy, so it works (and is quick) anywhere."""
+    """`import wsarena` loads neither libcudnn nor CuPy nor any other array library, so it works (and is quick)
+    anywhere; nor does a NumPy convolution import PyTorch or JAX."""
     code = (
         "import sys, wsarena\n"
         "maps = open('/proc/self/maps').read()\n"
-        "print('libcudnn' in maps, 'cupy' in sys.modules)\n"
+        "print('libcudnn' in maps, 'cupy' in sys.modules, 'torch' in sys.modules, 'jax' in sys.modules)\n"
+        "import numpy as np\n"
+        "wsarena.conv_forward(np.ones((1, 1, 4, 4)), np.ones((1, 1, 3, 3)))\n"
+        "print('torch' in sys.modules, 'jax' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False"]
+    assert out.split() == ["False"] * 6

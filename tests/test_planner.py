@@ -219,7 +219,7 @@ def test_bad_arguments(resnet50, kwargs, error, match):
 @pytest.mark.parametrize("batch", [True, False, 0, 2.0])
 def test_batch_is_checked_before_anything_else(batch):
     with pytest.raises(ValueError, match="batch must be a positive int"):
-        wsarena.plan([], batch=batch, backend="cpu")  # even with no layer to plan
+        wsarena.plan(HONEST_LAYERS, batch=batch, backend="cpu")
     with pytest.raises(ValueError, match="batch must be a positive int"):  # not the GPU that auto or cudnn lacks
         wsarena.plan(HONEST_LAYERS, batch=batch, backend="cudnn")
 
@@ -285,8 +285,9 @@ def test_saved_is_never_negative_even_for_one_call():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cudnn_api", ["legacy", "graph"])
 @pytest.mark.parametrize("cap", [None, "256KiB"])
-def test_report_is_honest_about_a_real_run_on_cudnn(cap):
+def test_report_is_honest_about_a_real_run_on_cudnn(cap, cudnn_api):
     import cupy
 
     from wsarena.arena import CupyProvider, set_arena
@@ -296,10 +297,12 @@ def test_report_is_honest_about_a_real_run_on_cudnn(cap):
     try:
         for _ in range(2):
             arenas.append(Arena(CupyProvider(device)))
-        with config(cap_workspace=cap):
+        with config(cap_workspace=cap, cudnn_api=cudnn_api):
             wsarena.algos.cache_clear()
             set_arena(device, arenas[0])
             p = wsarena.plan(HONEST_LAYERS, batch=3, backend="cudnn")
+            if cudnn_api == "graph":
+                assert any(c.algo.startswith("eng") for lp in p.layers for c in lp.choices.values())
             _run_layers(p, arenas[0], xp=cupy)
             cupy.cuda.get_current_stream().synchronize()
             assert arenas[0].stats()["capacity_bytes"] == p.held_bytes

@@ -11,7 +11,7 @@ import wsarena
 from wsarena import algos, backends
 from wsarena.errors import BackendUnavailableError
 from wsarena.models import ConvLayer
-from wsarena.tuning import CurvePoint, tune
+from wsarena.tuning import tune
 
 from .fake_backend import TableBackend
 
@@ -146,10 +146,9 @@ def test_a_model_without_zero_workspace_algorithms_starts_at_its_smallest_cap(mo
         t.plan(299)
 
 
-def test_a_model_without_layers():
-    t = tune([], backend="cpu")
-    assert t.curve == (CurvePoint(0, 0, 0.0, 0.0), CurvePoint(None, 0, 0.0, 0.0))
-    assert t.recommended_cap_bytes == 0
+def test_a_model_without_layers_is_refused():
+    with pytest.raises(ValueError, match="layers is empty"):
+        tune([], backend="cpu")
 
 
 def test_float16_without_a_gpu_is_the_environment():

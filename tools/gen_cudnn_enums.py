@@ -44,6 +44,13 @@ ENUMS = {
     "cudnnConvolutionFwdAlgo_t": "Algorithms of the forward convolution.",
     "cudnnConvolutionBwdDataAlgo_t": "Algorithms of the backward-data convolution (input gradient).",
     "cudnnConvolutionBwdFilterAlgo_t": "Algorithms of the backward-filter convolution (weight gradient).",
+    "cudnnBackendDescriptorType_t": "Kinds of descriptor of the backend (graph) API.",
+    "cudnnBackendAttributeName_t": "Attributes of backend descriptors, set and read by name.",
+    "cudnnBackendAttributeType_t": "Element type of a backend attribute's values.",
+    "cudnnBackendHeurMode_t": "How the engine heuristics rank engine configurations.",
+    "cudnnBackendNumericalNote_t": "Numerical properties of an engine (tensor cores, reduced precision, ...).",
+    "cudnnBackendBehaviorNote_t": "Run-time behaviour of an engine (run-time compilation, ...).",
+    "cudnnBackendKnobType_t": "Tuning knobs of an engine, set in an engine configuration.",
 }
 
 

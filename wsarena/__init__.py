@@ -16,6 +16,7 @@ from ._sizes import format_size, parse_size
 from .errors import (
     ArenaOutOfMemoryError,
     BackendUnavailableError,
+    CudnnApiFallbackWarning,
     NoAlgorithmFitsError,
     SearchCacheWarning,
     UnsupportedConvolutionError,
@@ -49,6 +50,7 @@ __all__ = [
     "BackendUnavailableError",
     "Config",
     "ConvLayer",
+    "CudnnApiFallbackWarning",
     "NoAlgorithmFitsError",
     "Plan",
     "SearchCacheWarning",

@@ -1,4 +1,4 @@
-"""Process-wide settings: the workspace cap, the algorithm search, the backend and debug checks.
+"""Process-wide settings: the workspace cap, the algorithm search, the backend, the cuDNN API path and debug checks.
 
 Precedence, lowest first: built-in defaults, environment variables (read once, on first use; an empty one
 means the default), :func:`configure`, and the innermost :func:`config` block of the current thread or task.
@@ -20,16 +20,24 @@ from typing import Any
 from . import _forksafe
 from ._sizes import parse_size
 
-__all__ = ["ALGO_SEARCHES", "BACKENDS", "Config", "config", "configure", "get_config"]
+__all__ = ["ALGO_SEARCHES", "ALLOCATORS", "BACKENDS", "CUDNN_APIS", "Config", "config", "configure", "get_config"]
 
 ALGO_SEARCHES = ("heuristic", "exhaustive")
 BACKENDS = ("auto", "cudnn", "cpu")
+ALLOCATORS = ("auto", "cupy", "torch")
+CUDNN_APIS = ("legacy", "graph")
+# The cuDNN API path by default. The graph API becomes the default once a GPU benchmark shows it faster
+# (bench/bench_gpu_host.py, bench/bench_gpu_arena.py; README): a one-word change here.
+DEFAULT_CUDNN_API = "legacy"
 
 _ENV = {
     "cap_workspace": "WSARENA_CAP_WORKSPACE",
     "algo_search": "WSARENA_ALGO_SEARCH",
     "backend": "WSARENA_BACKEND",
+    "cudnn_api": "WSARENA_CUDNN_API",
+    "plan_cache_size": "WSARENA_PLAN_CACHE_SIZE",
     "debug": "WSARENA_DEBUG",
+    "allocator": "WSARENA_ALLOCATOR",
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -47,22 +55,43 @@ class Config:
         ``"heuristic"`` (cuDNN's ranked guesses, no timing) or ``"exhaustive"`` (time the candidates).
     backend : str
         ``"auto"`` (cuDNN for CuPy arrays, CPU for NumPy arrays), ``"cudnn"`` or ``"cpu"``.
+    cudnn_api : str
+        How the cudnn backend calls cuDNN: ``"legacy"`` (``cudnnConvolutionForward`` and its kin) or ``"graph"``
+        (the backend API: execution plans built once and cached).
+    plan_cache_size : int
+        How many execution plans (and as many operation graphs) the graph API path keeps, least recently used
+        evicted first.
     debug : bool
         Poison released workspace bytes and check that live leases on different streams never overlap.
+    allocator : str
+        Where a device arena made from now on takes its memory: ``"cupy"`` (CuPy's current allocator), ``"torch"``
+        (PyTorch's caching allocator), or ``"auto"`` (PyTorch's when PyTorch tensors are the operands of the call
+        that makes the arena, else CuPy's).
     """
 
     cap_workspace: int | None = None
     algo_search: str = "heuristic"
     backend: str = "auto"
+    cudnn_api: str = DEFAULT_CUDNN_API
+    plan_cache_size: int = 1024
     debug: bool = False
+    allocator: str = "auto"
 
     def __post_init__(self) -> None:
         if self.cap_workspace is not None:
-            object.__setattr__(self, "cap_workspace", parse_size(self.cap_workspace))
+            object.__setattr__(self, "cap_workspace", _named_cap(self.cap_workspace))
         if self.algo_search not in ALGO_SEARCHES:
             raise ValueError(f"algo_search must be one of {ALGO_SEARCHES}, not {self.algo_search!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, not {self.allocator!r}")
+        if self.cudnn_api not in CUDNN_APIS:
+            raise ValueError(f"cudnn_api must be one of {CUDNN_APIS}, not {self.cudnn_api!r}")
+        if isinstance(self.plan_cache_size, bool) or not isinstance(self.plan_cache_size, int):
+            raise TypeError(f"plan_cache_size must be an int, not {self.plan_cache_size!r}")
+        if self.plan_cache_size < 1:
+            raise ValueError(f"plan_cache_size must be >= 1, not {self.plan_cache_size}")
         if not isinstance(self.debug, bool):
             raise TypeError(f"debug must be True or False, not {self.debug!r}")
 
@@ -75,6 +104,14 @@ def _parse_cap(value: Any) -> int | None:
     return parse_size(value)
 
 
+def _named_cap(value: Any) -> int | None:
+    """:func:`_parse_cap`, with the setting's name in the error."""
+    try:
+        return _parse_cap(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"cap_workspace={value!r}: {exc}") from None
+
+
 # The process-wide settings, and the error of each invalid environment variable that nothing has replaced yet.
 _State = tuple[Config, dict[str, str]]
 
@@ -82,6 +119,11 @@ _State = tuple[Config, dict[str, str]]
 def _env_value(key: str, raw: str) -> Any:
     if key == "cap_workspace":
         return _parse_cap(raw)
+    if key == "plan_cache_size":
+        try:
+            return int(raw.strip())
+        except ValueError:
+            raise ValueError(f"expected a positive integer, not {raw!r}") from None
     if key == "debug":
         low = raw.strip().lower()
         if low not in _TRUE | _FALSE:
@@ -118,9 +160,12 @@ _override: contextvars.ContextVar[Config | None] = contextvars.ContextVar("wsare
 _FROM_CONFIG: Any = object()
 
 
-def _given(*, algo_search: Any = None, backend: Any = None, cap_workspace: Any = _FROM_CONFIG) -> dict[str, Any]:
+def _given(
+    *, algo_search: Any = None, backend: Any = None, cap_workspace: Any = _FROM_CONFIG, cudnn_api: Any = None
+) -> dict[str, Any]:
     """The :func:`config` changes of the arguments that were given (the planner's and the command's flags)."""
-    changes = {key: value for key, value in (("algo_search", algo_search), ("backend", backend)) if value is not None}
+    given = (("algo_search", algo_search), ("backend", backend), ("cudnn_api", cudnn_api))
+    changes = {key: value for key, value in given if value is not None}
     if cap_workspace is not _FROM_CONFIG:
         changes["cap_workspace"] = cap_workspace
     return changes
@@ -131,7 +176,7 @@ def _replace(base: Config, changes: dict[str, Any]) -> Config:
     if unknown:
         raise TypeError(f"unknown setting(s) {', '.join(map(repr, unknown))}; known: {', '.join(_ENV)}")
     if "cap_workspace" in changes:
-        changes = {**changes, "cap_workspace": _parse_cap(changes["cap_workspace"])}
+        changes = {**changes, "cap_workspace": _named_cap(changes["cap_workspace"])}
     return dataclasses.replace(base, **changes)
 
 
@@ -168,8 +213,8 @@ def configure(**changes: Any) -> Config:
     """Change the process-wide settings and return the new :class:`Config`.
 
     Keywords: ``cap_workspace`` (bytes, a size string such as ``"256MiB"``, or ``None``), ``algo_search``,
-    ``backend``, ``debug``. Invalid values raise and change nothing; so does an invalid environment variable for
-    a setting that ``changes`` leaves to it.
+    ``backend``, ``cudnn_api``, ``plan_cache_size``, ``debug``, ``allocator``. Invalid values raise and change
+    nothing; so does an invalid environment variable for a setting that ``changes`` leaves to it.
     """
     global _state
     with _lock:

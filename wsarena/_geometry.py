@@ -3,6 +3,11 @@
 Layouts: ``"NCHW"`` means channels first, ``x`` is ``(N, C, *spatial)`` and ``w`` is ``(K, C/groups, *kernel)``;
 ``"NHWC"`` means channels last, ``x`` is ``(N, *spatial, C)`` and ``w`` is ``(K, *kernel, C/groups)``. The same two
 names serve 1-D and 3-D convolutions. Padding is symmetric: ``padding[i]`` zeros on each side of dimension ``i``.
+
+Sizes. Every dimension, stride, padding, dilation and group count, and every output dimension, is at most
+``2**31 - 1``: cuDNN's descriptors hold 32-bit ints, and a geometry that only the CPU could run is not planned for
+a GPU. Each operand (input, weight, output) must also fit in an array: at most ``sys.maxsize`` bytes. A geometry
+beyond either limit is a ``ValueError`` naming the argument, before anything is allocated.
 """
 
 from __future__ import annotations
@@ -11,15 +16,20 @@ import dataclasses
 import functools
 import math
 import operator
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ._pass import Pass
 
-__all__ = ["DTYPES", "LAYOUTS", "ConvGeometry", "conv_geometry", "output_size"]
+__all__ = [
+    "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "describe_geometry", "output_size",
+]
 
 LAYOUTS = ("NCHW", "NHWC")
 DTYPES = ("float32", "float16", "bfloat16", "float64")  # what some backend computes in
+INT32_MAX = 2**31 - 1  # the largest dimension or parameter a cuDNN descriptor holds
+ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # bytes per element
 
 
 def output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
@@ -104,10 +114,22 @@ class ConvGeometry:
         )
 
     def with_batch(self, batch: int) -> ConvGeometry:
-        return dataclasses.replace(self, batch=_positive_or_zero("batch", batch))
+        geom = dataclasses.replace(self, batch=_bounded("batch", _positive_or_zero("batch", batch)))
+        shapes = {"input_shape": geom.input_shape, "weight_shape": geom.weight_shape,
+                  "the output shape": geom.output_shape}
+        _check_sizes(shapes, geom.output_size, geom.padding, geom.dtype)
+        return geom
 
     def with_dtype(self, dtype: str) -> ConvGeometry:
         return dataclasses.replace(self, dtype=str(dtype))
+
+
+def describe_geometry(geom: ConvGeometry) -> str:
+    """The whole geometry in one line, for messages: two convolutions that differ only in stride read differently."""
+    return (
+        f"input {geom.input_shape} weight {geom.weight_shape} stride {geom.stride} padding {geom.padding} "
+        f"dilation {geom.dilation} groups {geom.groups} {geom.dtype} {geom.layout}"
+    )
 
 
 def _int(name: str, value: Any) -> int:
@@ -131,6 +153,20 @@ def _positive_or_zero(name: str, value: Any) -> int:
     return v
 
 
+_Bounded = TypeVar("_Bounded", int, tuple[int, ...])
+
+
+def _bounded(name: str, value: _Bounded, shown: Any = None) -> _Bounded:
+    """``value`` (an int or a tuple of ints) when no entry is above :data:`INT32_MAX`; ``shown`` is what the
+    message quotes (by default ``value``)."""
+    largest = max(value if isinstance(value, tuple) else (value,), default=0)
+    if largest > INT32_MAX:
+        shown = value if shown is None else shown
+        which = f"{name}={shown!r}" + ("" if shown == largest else f": {largest}")
+        raise ValueError(f"{which} is above 2**31 - 1 = {INT32_MAX}, the largest value a cuDNN descriptor holds")
+    return value
+
+
 def _per_dim(name: str, value: Any, nd: int, *, minimum: int) -> tuple[int, ...]:
     if _is_sequence(value):
         if len(value) != nd:
@@ -140,7 +176,7 @@ def _per_dim(name: str, value: Any, nd: int, *, minimum: int) -> tuple[int, ...]
         values = (_int(name, value),) * nd
     if any(v < minimum for v in values):
         raise ValueError(f"{name}={value!r} must be >= {minimum} in every dimension")
-    return values
+    return _bounded(name, values, value)
 
 
 def _padding(
@@ -179,7 +215,30 @@ def _padding(
         values = (_int("padding", value),) * nd
     if any(v < 0 for v in values):
         raise ValueError(f"padding={value!r} must be >= 0")
-    return values
+    return _bounded("padding", values, value)
+
+
+def _check_sizes(
+    shapes: dict[str, tuple[int, ...]], out_size: tuple[int, ...], padding: tuple[int, ...], dtype: str
+) -> None:
+    """Raise ``ValueError`` when an output dimension is above :data:`INT32_MAX` or an operand is larger than an
+    array can be (``sys.maxsize`` bytes). Plain values, not a ConvGeometry's cached properties: this also runs
+    inside ``torch.compile``'s tracing, which cannot enter the lock Python 3.11's cached_property takes."""
+    for i, size in enumerate(out_size):
+        if size > INT32_MAX:  # only padding makes an output longer than its input
+            raise ValueError(
+                f"padding={padding} makes the output {size} long in dimension {i}, above 2**31 - 1 = "
+                f"{INT32_MAX}, the largest value a cuDNN descriptor holds"
+            )
+    itemsize = ITEMSIZES.get(dtype, 8)
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if nbytes > sys.maxsize:
+            raise ValueError(
+                f"{name} {shape} of {dtype} is {nbytes} bytes, more than an array can hold ({sys.maxsize})"
+                + ("" if name != "the output shape" else f" (input_shape {shapes['input_shape']}, weight_shape "
+                   f"{shapes['weight_shape']}, padding {padding})")
+            )
 
 
 def conv_geometry(
@@ -199,8 +258,8 @@ def conv_geometry(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
-    input_shape = tuple(_positive_or_zero("input_shape", d) for d in input_shape)
-    weight_shape = tuple(_positive_or_zero("weight_shape", d) for d in weight_shape)
+    input_shape = _bounded("input_shape", tuple(_positive_or_zero("input_shape", d) for d in input_shape))
+    weight_shape = _bounded("weight_shape", tuple(_positive_or_zero("weight_shape", d) for d in weight_shape))
     if len(input_shape) not in (3, 4, 5):
         raise ValueError(f"input_shape={input_shape} must have 3, 4 or 5 dimensions (1-, 2- or 3-D convolution)")
     if len(weight_shape) != len(input_shape):
@@ -221,6 +280,7 @@ def conv_geometry(
     groups = _int("groups", groups)
     if groups < 1:
         raise ValueError(f"groups must be >= 1, not {groups}")
+    _bounded("groups", groups)
     if in_channels % groups or out_channels % groups:
         raise ValueError(
             f"groups={groups} must divide the input channels ({in_channels}) and output channels ({out_channels})"
@@ -239,6 +299,10 @@ def conv_geometry(
                 f"kernel {tuple(kernel)} (dilation {dilation_t}) is larger than the padded input "
                 f"{tuple(x + 2 * q for x, q in zip(size, padding_t))} in dimension {i}"
             )
+    out_size = tuple(output_size(*dim) for dim in zip(size, kernel, stride_t, padding_t, dilation_t))
+    out_shape = (batch, out_channels, *out_size) if layout == "NCHW" else (batch, *out_size, out_channels)
+    shapes = {"input_shape": input_shape, "weight_shape": weight_shape, "the output shape": out_shape}
+    _check_sizes(shapes, out_size, padding_t, str(dtype))
     return ConvGeometry(
         batch=batch,
         in_channels=in_channels,

@@ -73,6 +73,11 @@ class LRU(Generic[V]):
             self._discard(loser)
         return winner
 
+    def values(self) -> list[V]:
+        """The cached values, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._items.values())
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

@@ -23,11 +23,8 @@ _lock = _forksafe.lock()  # guards _known
 
 
 def api_path(backend: Any) -> str | None:
-    """The convolution API path the backend's searches time: ``"legacy"`` for cuDNN today, ``None`` on the CPU.
-
-    The one place that says it, so that a backend able to take another path (cuDNN's graph API) only needs an
-    ``api`` attribute for the cache to tell its results apart.
-    """
+    """The convolution API path the backend's searches time: its ``api`` attribute (``"legacy"`` or ``"graph"``
+    on cuDNN), ``"legacy"`` for a cuDNN backend without one, ``None`` on the CPU."""
     return getattr(backend, "api", "legacy" if backend.name == "cudnn" else None)
 
 

@@ -6,6 +6,7 @@ A size must come out as a whole, non-negative number of bytes.
 
 from __future__ import annotations
 
+import operator
 import re
 from decimal import Decimal, InvalidOperation
 
@@ -29,16 +30,23 @@ _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*([A-Za-z]*)\s*")  # \d 
 def parse_size(value: int | str) -> int:
     """Return ``value`` as a number of bytes.
 
-    Accepts a non-negative ``int`` or a string such as ``"0"``, ``"512"``, ``"64KiB"``, ``"1.5GiB"`` or
-    ``"2GB"`` (ASCII digits; units are case-insensitive). Raises ``TypeError`` for other types and ``ValueError`` for a
-    negative size, an unknown unit, or a size that is not a whole number of bytes.
+    Accepts a non-negative integer (an ``int``, or any integer type such as ``numpy.int64``; not a ``bool``) or a
+    string such as ``"0"``, ``"512"``, ``"64KiB"``, ``"1.5GiB"`` or ``"2GB"`` (ASCII digits; units are
+    case-insensitive). Raises ``TypeError`` for other types and ``ValueError`` for a negative size, an unknown
+    unit, or a size that is not a whole number of bytes.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"a size must be an int or a string such as '256MiB', not {value!r}")
-    if isinstance(value, int):
-        if value < 0:
+    if not isinstance(value, str):
+        n = None
+        if not isinstance(value, bool):
+            try:
+                n = operator.index(value)  # int, numpy.int64, ...; not a float, nor NumPy's bool (no __index__)
+            except TypeError:
+                pass
+        if n is None:
+            raise TypeError(f"a size must be an int or a string such as '256MiB', not {value!r}")
+        if n < 0:
             raise ValueError(f"a size cannot be negative: {value!r}")
-        return value
+        return n
     match = _SIZE.fullmatch(value)
     if match is None:
         raise ValueError(f"not a size: {value!r} (expected e.g. '512', '64KiB', '1.5GiB', '2GB')")

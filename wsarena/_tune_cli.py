@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from . import __version__
+from ._report_cli import printable, skipped_note
 from ._sizes import format_size
 
 __all__ = ["cache_output", "max_slowdown_arg", "render_curve", "tune_output"]
@@ -51,7 +52,7 @@ def render_curve(t: Any) -> str:
     """The curve a person reads: a header, one row per cap, and the recommendation."""
     p = t.uncapped
     lines = [
-        f"wsarena {__version__} tune: {p.model}",
+        f"wsarena {__version__} tune: {printable(p.model)}",
         (
             f"backend {p.backend} ({p.device})  dtype {p.dtype}  layout {p.layout}  batch {p.batch}  "
             f"streams {p.streams}  passes {','.join(p.passes)}"
@@ -83,6 +84,8 @@ def render_curve(t: Any) -> str:
         ),
         f"use it with: WSARENA_CAP_WORKSPACE={best.cap_workspace_bytes}",
     ]
+    if p.skipped:
+        lines.append(skipped_note(p.skipped, "these figures"))
     return "\n".join(lines) + "\n"
 
 

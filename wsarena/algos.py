@@ -3,7 +3,8 @@
 ``heuristic`` takes the backend's ranked list (cuDNN's ``_v7`` heuristics; a fixed order on the CPU).
 ``exhaustive`` times the candidates on real operands (cuDNN's ``Find...AlgorithmEx`` with the arena as its
 scratch; on the CPU each algorithm once) and ranks them by measured time. Either way the choice is the first
-candidate whose workspace fits the cap. Results are cached per (backend, device, pass, geometry, search, cap):
+candidate whose workspace fits the cap. Results are cached per (backend, its cuDNN API path, device, pass,
+geometry, search, cap):
 the geometry includes shapes, dtype, layout and every convolution parameter, and the cap is part of the key,
 so changing the cap never serves a choice made under another one. Exhaustive results also outlive the process:
 :mod:`wsarena.searchcache` keeps each candidate's time on disk, and a search it already holds times nothing.
@@ -11,12 +12,14 @@ so changing the cap never serves a choice made under another one. Exhaustive res
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from . import _forksafe, searchcache
-from ._geometry import ConvGeometry
+from ._geometry import ConvGeometry, describe_geometry
 from ._pass import Pass
 from ._sizes import format_size
 from .backends import Backend, Candidate
@@ -45,7 +48,7 @@ def generation() -> int:
 
 
 def _key(backend: Backend, pass_: str, geom: ConvGeometry, search: str, cap: int | None) -> tuple:
-    return (backend.name, backend.device_key(), pass_, geom, search, cap)
+    return (backend.name, getattr(backend, "api", None), backend.device_key(), pass_, geom, search, cap)
 
 
 def is_cached(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
@@ -103,12 +106,26 @@ def choose(
         if first:
             warnings.warn(
                 f"workspace cap {format_size(cap or 0)} excludes {excluded.algo} "
-                f"({format_size(excluded.workspace_bytes)}) for {pass_} of {_describe(geom)}; "
+                f"({format_size(excluded.workspace_bytes)}) for {pass_} of {describe_geometry(geom)}; "
                 f"using {best[0].algo} ({format_size(best[0].workspace_bytes)})",
                 WorkspaceCapWarning,
-                stacklevel=6,  # choose < select < ops._run < ops._execute < conv_* < the caller
+                stacklevel=_outside_wsarena(),
             )
     return best
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _outside_wsarena() -> int:
+    """The ``stacklevel`` that makes a warning from the calling function name the first line outside wsarena (the
+    op's caller, however many of wsarena's frames lie between)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def _rank(
@@ -118,13 +135,13 @@ def _rank(
     ranked = backend.candidates(pass_, geom)
     if not ranked:
         raise UnsupportedConvolutionError(
-            f"the {backend.name} backend has no algorithm for {pass_} of {_describe(geom)}"
+            f"the {backend.name} backend has no algorithm for {pass_} of {describe_geometry(geom)}"
         )
     usable = _fits(ranked, cap)
     if not usable:
         smallest = min((c.workspace_bytes for c in ranked), default=0)
         raise NoAlgorithmFitsError(
-            f"no {backend.name} algorithm for {pass_} of {_describe(geom)} fits the workspace cap",
+            f"no {backend.name} algorithm for {pass_} of {describe_geometry(geom)} fits the workspace cap",
             requested=smallest,
             held=0,
             cap=cap,
@@ -185,10 +202,15 @@ def select(
 
 
 def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: int | None) -> tuple[Candidate, ...]:
-    """The single candidate ``algo``, checked against the backend's algorithms and the cap."""
-    known = backend.algorithms(pass_)
-    if algo not in known:
-        raise ValueError(f"algo={algo!r} is not a {backend.name} {pass_} algorithm; known: {', '.join(known)}")
+    """The single candidate ``algo``, checked against the backend's algorithms (or by its ``check_algorithm``, for
+    a backend whose names are not a fixed list) and the cap."""
+    check = getattr(backend, "check_algorithm", None)
+    if check is not None:
+        check(pass_, algo)
+    else:
+        known = backend.algorithms(pass_)
+        if algo not in known:
+            raise ValueError(f"algo={algo!r} is not a {backend.name} {pass_} algorithm; known: {', '.join(known)}")
     nbytes = backend.workspace_size(pass_, algo, geom)
     if cap is not None and nbytes > cap:
         raise ValueError(
@@ -247,10 +269,3 @@ def run_with_fallback(
         cap=cap,
     ) from failure
 
-
-def _describe(geom: ConvGeometry) -> str:
-    """The whole geometry: two warnings for convolutions that differ only in stride must read differently."""
-    return (
-        f"input {geom.input_shape} weight {geom.weight_shape} stride {geom.stride} padding {geom.padding} "
-        f"dilation {geom.dilation} groups {geom.groups} {geom.dtype} {geom.layout}"
-    )

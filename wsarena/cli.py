@@ -1,17 +1,18 @@
 """The ``wsarena`` command: ``wsarena report MODEL``, ``wsarena tune MODEL``, ``wsarena cache`` and ``wsarena info``.
 
 Exit codes: 0 success; 2 bad usage or bad input (one line on stderr); 3 the environment cannot do it (for
-example ``--backend cudnn`` with no usable GPU, or output that cannot be written).
+example ``--backend cudnn`` with no usable GPU, or output that cannot be written, the ``--plot`` file included).
+Warnings are one line each on stderr, ``wsarena: warning: ...``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import json
 import os
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -19,7 +20,7 @@ from . import __version__
 from ._config import _FROM_CONFIG, _given, _parse_cap, config
 from ._geometry import DTYPES
 from ._pass import PASSES
-from ._sizes import format_size
+from ._report_cli import render_table, shape_text, write_csv
 from ._tune_cli import cache_output, max_slowdown_arg, tune_output
 from .errors import BackendUnavailableError
 
@@ -95,7 +96,7 @@ def _input_shapes(given: list[tuple[str | None, tuple[int, ...]]] | None) -> Any
     for name, shape in given:
         assert name is not None  # checked just above
         if name in shapes:
-            twice = f"{_shape(shapes[name])} and {_shape(shape)}"
+            twice = f"{shape_text(shapes[name])} and {shape_text(shape)}"
             raise UsageError(f"--input-shape given twice for input {name!r}: {twice}")
         shapes[name] = shape
     return shapes
@@ -112,6 +113,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto"
     )
+    parser.add_argument("--cudnn-api", choices=("graph", "legacy"), help="default: WSARENA_CUDNN_API or legacy")
     parser.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
     parser.add_argument(
         "--asymmetric-pads", choices=("widen", "error"), default="widen",
@@ -144,6 +146,8 @@ def _parser() -> _Parser:
         help="pick the cap instead: the smallest whose step is at most this much slower than uncapped (2%%, 0.02); "
         "times every algorithm",
     )
+    report.add_argument("--device-properties", type=_file_name, metavar="FILE", help="plan for the GPU whose "
+                        "cuDNN device properties (JSON) FILE holds, without one (cuDNN's graph API)")
     report.add_argument("--format", choices=("table", "json", "csv"), default="table")
     report.add_argument(
         "--plot", type=_file_name, metavar="FILE.png",
@@ -170,6 +174,25 @@ def _parser() -> _Parser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    with _one_line_warnings():
+        return _main(argv)
+
+
+@contextlib.contextmanager
+def _one_line_warnings() -> Iterator[None]:
+    """Show each warning as one line on stderr, ``wsarena: warning: ...``, instead of Python's file, line number
+    and source line."""
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        with contextlib.suppress(OSError):
+            print(f"wsarena: warning: {' '.join(str(message).splitlines())}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         args = _parser().parse_args(argv)
         if args.command == "info":
@@ -205,7 +228,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _drop_stdout() -> None:
     """Point stdout at the null device, so that the flush at exit cannot fail again on what is still buffered."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file (a caller's buffer): nothing buffered for the exit to flush
+        return
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+
+
+@contextlib.contextmanager
+def _plot_file(path: str) -> Iterator[None]:
+    """Around writing the ``--plot`` file: a failure to write it (a folder, a full disk) is :class:`OutputError`."""
+    try:
+        yield
+    except OSError as exc:
+        raise OutputError(f"cannot write the plot to {path!r}: {exc.strerror or exc}") from None
 
 
 @contextlib.contextmanager
@@ -239,7 +275,8 @@ def _report(args: argparse.Namespace) -> int:
         if args.search == "heuristic":
             raise UsageError("--max-slowdown times every algorithm: it needs --search exhaustive (or no --search)")
     layers = _load(args)
-    given = _given(algo_search=args.search, backend=args.backend, cap_workspace=args.cap_workspace)
+    given = _given(algo_search=args.search, backend=args.backend, cap_workspace=args.cap_workspace,
+                   cudnn_api=args.cudnn_api)
     with config(**given) as cfg:  # flags override the environment, which then matters only for the rest
         exhaustive = cfg.algo_search == "exhaustive" or args.max_slowdown is not None
         p = plan(
@@ -252,17 +289,19 @@ def _report(args: argparse.Namespace) -> int:
             model=args.model,
             progress=text_progress() if exhaustive else None,
             max_slowdown=args.max_slowdown,
+            device_properties=args.device_properties,
         )
     if args.plot is not None:
         from .plot import plot_plan
 
-        plot_plan(p, args.plot)
+        with _plot_file(args.plot):
+            plot_plan(p, args.plot)
     with _output():
         if args.format == "json":
             json.dump(p.to_dict(), sys.stdout, indent=2)
             sys.stdout.write("\n")
         elif args.format == "csv":
-            _write_csv(p)
+            write_csv(p, sys.stdout)
         else:
             sys.stdout.write(render_table(p))
     return EXIT_OK
@@ -275,12 +314,14 @@ def _tune(args: argparse.Namespace) -> int:
     if args.apply and args.format is not None:
         raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=...; leave out --format")
     layers = _load(args)
-    t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes, streams=args.streams,
-             backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=text_progress())
+    with config(**_given(cudnn_api=args.cudnn_api)):
+        t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes, streams=args.streams,
+                 backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=text_progress())
     if args.plot is not None:
         from .plot import plot_curve
 
-        plot_curve(t, args.plot)
+        with _plot_file(args.plot):
+            plot_curve(t, args.plot)
     with _output():
         sys.stdout.write(tune_output(t, "apply" if args.apply else args.format or "table"))
     return EXIT_OK
@@ -290,100 +331,6 @@ def _cache(args: argparse.Namespace) -> int:
     with _output():
         sys.stdout.write(cache_output(args.action, args.format))
     return EXIT_OK
-
-
-def _shape(shape: Sequence[int]) -> str:
-    return "x".join(map(str, shape))
-
-
-def _params(g: Any) -> str:
-    def one(values: tuple[int, ...]) -> str:
-        return str(values[0]) if len(set(values)) == 1 else _shape(values)
-
-    text = f"s{one(g.stride)} p{one(g.padding)}"
-    if any(d != 1 for d in g.dilation):
-        text += f" d{one(g.dilation)}"
-    if g.groups != 1:
-        text += f" g{g.groups}"
-    return text
-
-
-def render_table(p: Any) -> str:
-    """The report a person reads: a header, one row per layer, and the totals."""
-    cap = "none" if p.cap_workspace is None else format_size(p.cap_workspace)
-    lines = [
-        f"wsarena {__version__} workspace report: {p.model}",
-        (
-            f"backend {p.backend} ({p.device})  dtype {p.dtype}  layout {p.layout}  batch {p.batch}  "
-            f"cap {cap}  streams {p.streams}  search {p.search}"
-        ),
-        "",
-    ]
-    head = ["layer", "input", "weight", "params"]
-    for pass_ in p.passes:
-        head += [f"{pass_} algo", "workspace"]
-    rows = []
-    for lp in p.layers:
-        g = lp.geometry
-        row = [lp.name + (" (T)" if lp.transposed else ""), _shape(g.input_shape), _shape(g.weight_shape), _params(g)]
-        for pass_ in p.passes:
-            c = lp.choices[pass_]
-            row += [c.algo, format_size(c.workspace_bytes)]
-        rows.append(row)
-    numeric = {i for i, h in enumerate(head) if h == "workspace"}
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-
-    def fmt(cells: list[str]) -> str:
-        padded = (c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-        return "  ".join(padded).rstrip()
-
-    lines.append(fmt(head))
-    lines.append(fmt(["-" * w for w in widths]))
-    lines += [fmt(r) for r in rows]
-    lines.append("")
-    n_calls = len(p.layers) * len(p.passes)
-    arena_label = "wsarena arena: the largest workspace per stream"
-    if p.streams > 1:
-        arena_label += f" ({', '.join(format_size(b) for b in p.stream_bytes)})"
-    totals = [
-        (f"unshared: one workspace per layer and pass ({n_calls})", format_size(p.unshared_bytes)),
-        (arena_label, format_size(p.arena_bytes)),
-        _saving(p),
-    ]
-    label_width = max(len(label) for label, _ in totals)
-    value_width = max(len(value.split(" (")[0]) for _, value in totals)
-    for label, value in totals:
-        amount, _, rest = value.partition(" (")
-        lines.append(f"{label + ':':<{label_width + 1}}  {amount:>{value_width}}" + (f" ({rest}" if rest else ""))
-    if any(lp.transposed for lp in p.layers):
-        lines.append("(T) a transposed convolution, reported as the convolution whose backward-data it runs")
-    return "\n".join(lines) + "\n"
-
-
-def _saving(p: Any) -> tuple[str, str]:
-    """The last totals line: what the arena saves, or, when several streams each hold the largest workspace,
-    how much more than unshared it holds."""
-    if p.saved_bytes < 0:
-        ratio = f"{p.arena_bytes / p.unshared_bytes:.1f}x as much"
-        return "the arena holds more than unshared", f"{format_size(-p.saved_bytes)} ({ratio})"
-    ratio = f"{p.unshared_bytes / p.arena_bytes:.1f}x less" if p.arena_bytes else "no workspace at all"
-    return "saved", f"{format_size(p.saved_bytes)} ({ratio})"
-
-
-def _write_csv(p: Any) -> None:
-    writer = csv.writer(sys.stdout, lineterminator="\n")
-    head = ["name", "input_shape", "weight_shape", "stride", "padding", "dilation", "groups", "transposed"]
-    for pass_ in p.passes:
-        head += [f"{pass_}_algo", f"{pass_}_workspace_bytes"]
-    writer.writerow(head)
-    for lp in p.layers:
-        g = lp.geometry
-        shapes = (g.input_shape, g.weight_shape, g.stride, g.padding, g.dilation)
-        row: list[Any] = [lp.name, *(_shape(v) for v in shapes)]
-        row += [g.groups, "true" if lp.transposed else "false"]
-        for pass_ in p.passes:
-            row += [lp.choices[pass_].algo, lp.choices[pass_].workspace_bytes]
-        writer.writerow(row)
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -14,6 +14,8 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
 
     WorkspaceCapWarning (UserWarning)              the cap excluded the fastest algorithm (once per shape)
     SearchCacheWarning (UserWarning)               the search cache could not be read or written; going on
+    CudnnApiFallbackWarning (UserWarning)          cuDNN's graph API runs no engine for a convolution: the legacy
+                                                   API runs it (once per pass and geometry)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ._sizes import format_size
 __all__ = [
     "ArenaOutOfMemoryError",
     "BackendUnavailableError",
+    "CudnnApiFallbackWarning",
     "NoAlgorithmFitsError",
     "SearchCacheWarning",
     "UnsupportedConvolutionError",
@@ -98,3 +101,8 @@ class WorkspaceCapWarning(UserWarning):
 class SearchCacheWarning(UserWarning):
     """A search cache file was unreadable or foreign (it is ignored and replaced), or the cache directory could
     not be written (the process goes on without saving); issued once per file or directory."""
+
+
+class CudnnApiFallbackWarning(UserWarning):
+    """With ``cudnn_api="graph"``, no engine of cuDNN's graph API could run a convolution, which then runs through
+    the legacy API; issued once per pass and geometry."""

@@ -1,6 +1,8 @@
 """The public convolution ops: forward, backward-data and backward-filter.
 
-NumPy arrays run on the ``cpu`` backend, CuPy arrays on ``cudnn``. 1-, 2- or 3-D convolution follows from
+NumPy arrays run on the ``cpu`` backend, CuPy arrays on ``cudnn``; arrays of other libraries (PyTorch, JAX,
+Numba, anything with DLPack or an array interface) run as NumPy or CuPy views of their memory, and the result
+comes back in the caller's library (:mod:`wsarena._interop`). 1-, 2- or 3-D convolution follows from
 ``x.ndim`` (3, 4 or 5). Every workspace is leased from the arena's sub-arena for ``stream``; no op allocates
 scratch memory of its own. Arguments are checked before any workspace is leased or any work enqueued.
 
@@ -13,15 +15,17 @@ signature: a repeated call makes one dictionary lookup, then leases and runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from . import algos
+from . import _interop, algos
 from ._config import Config, get_config
-from ._geometry import DTYPES, ConvGeometry, conv_geometry
+from ._geometry import DTYPES, ITEMSIZES, ConvGeometry, conv_geometry
 from ._pass import Pass
+from ._sizes import format_size
 from .algos import forced, run_with_fallback, select
 from .backends import Backend, Candidate, array_backend_name, get_backend, is_masked_type, type_backend_name
 
@@ -112,7 +116,10 @@ def _record(
     if len(set(named.values())) > 1:
         raise TypeError(f"dtypes differ: {', '.join(f'{n} is {d}' for n, d in named.items())}")
     dtype = named[names[0]]
-    backend.check_dtype(dtype)
+    try:
+        backend.check_dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"{names[0]} has dtype {dtype}: {exc}") from None
     shapes = (a.shape, b.shape)
     stride, padding, dilation, groups = params
     geom = conv_geometry(
@@ -168,7 +175,20 @@ def _execute(
     pass_: Pass, a: Any, b: Any, shape_arg: Any, params: tuple[Any, Any, Any, Any], out: Any, stream: Any,
     layout: str, algo: str | None,
 ) -> Any:
-    """Run one pass on the operands ``a`` and ``b``; ``params`` is ``(stride, padding, dilation, groups)``."""
+    """Run one pass on the operands ``a`` and ``b``; ``params`` is ``(stride, padding, dilation, groups)``.
+
+    Operands of other array libraries run as NumPy or CuPy views (:mod:`wsarena._interop`)."""
+    native = _interop.NATIVE
+    if type(a) not in native or type(b) not in native or (out is not None and type(out) not in native):
+        return _interop.execute(_run, pass_, a, b, shape_arg, params, out, stream, layout, algo)
+    return _run(pass_, a, b, shape_arg, params, out, stream, layout, algo)
+
+
+def _run(
+    pass_: Pass, a: Any, b: Any, shape_arg: Any, params: tuple[Any, Any, Any, Any], out: Any, stream: Any,
+    layout: str, algo: str | None,
+) -> Any:
+    """:func:`_execute` on NumPy or CuPy arrays."""
     cfg = get_config()
     stride, padding, dilation, groups = params
     if type(stride) is int and type(padding) is int and type(dilation) is int and type(groups) is int:
@@ -185,7 +205,7 @@ def _execute(
         key = (
             pass_, type(a), type(b), getattr(a, "shape", None), getattr(b, "shape", None),
             getattr(a, "dtype", None), getattr(b, "dtype", None), shape_arg, *frozen, layout, cfg.backend,
-            cfg.cap_workspace, cfg.algo_search,
+            cfg.cap_workspace, cfg.algo_search, cfg.cudnn_api,
         )
         try:
             record = _records.get(key)
@@ -205,7 +225,7 @@ def _execute(
     # device's), before anything is allocated or enqueued.
     with backend.context((a, b) if out is None else (a, b, out), stream):
         chosen = None if algo is None else forced(backend, pass_, geom, algo, cap=cfg.cap_workspace)
-        result = backend.empty(record.out_shape, record.dtype) if out is None else out
+        result = _new_output(record) if out is None else out
         if geom.batch == 0:
             backend.arena().lease(0, stream=stream)  # takes nothing; checks `stream` as a real call would
             if pass_ is Pass.BWD_FILTER:
@@ -221,6 +241,18 @@ def _execute(
         run_with_fallback(backend.arena(), chosen, run, stream=stream, cap=cfg.cap_workspace,
                           retry=backend.retry_errors)
     return result
+
+
+def _new_output(record: _Record) -> Any:
+    """An array for the result; a ``MemoryError`` that names the output's shape and size when there is no room."""
+    try:
+        return record.backend.empty(record.out_shape, record.dtype)
+    except MemoryError as exc:
+        nbytes = math.prod(record.out_shape) * ITEMSIZES[record.dtype]
+        raise MemoryError(
+            f"no memory for the output: {record.out_shape} of {record.dtype} is {format_size(nbytes)} "
+            "(check padding and the shapes, or pass out=)"
+        ) from exc
 
 
 def _frozen_params(params: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -270,10 +302,11 @@ def conv_forward(
     groups : int
         Grouped convolution; ``groups == C`` is depthwise.
     out : array, optional
-        Where to write ``y``: the right shape and dtype, C-contiguous, same array library.
+        Where to write ``y``: the right shape and dtype, C-contiguous, writable, in the operands' memory (host or
+        device), of any array library.
     stream : optional
         CUDA stream (CuPy stream, raw ``cudaStream_t`` int, or anything with ``__cuda_stream__``), or a lane
-        key on the CPU. ``None``: the calling thread's default.
+        key on the CPU. ``None``: the calling thread's default; PyTorch's current stream for PyTorch tensors.
     layout : ``"NCHW"`` or ``"NHWC"``
     algo : str, optional
         Force an algorithm by name (``ValueError`` if it needs more workspace than the cap).
@@ -281,7 +314,7 @@ def conv_forward(
     Returns
     -------
     array
-        ``y``, ``(N, K, *out_spatial)`` or channels last.
+        ``y``, ``(N, K, *out_spatial)`` or channels last: ``out`` when given, else an array of ``x``'s library.
     """
     return _execute(Pass.FWD, x, w, None, (stride, padding, dilation, groups), out, stream, layout, algo)
 

@@ -10,23 +10,32 @@ the candidates in one workspace as large as the largest of them.)
 Streams. ``streams=K`` models K concurrent streams each able to run any layer (an inference server with K
 requests in flight): each stream's sub-arena holds the largest workspace of the whole network, so the arena is
 K times that. ``streams=[s0, s1, ...]`` assigns layer ``i`` to stream ``s_i`` (an Inception module's branches,
-say): each stream holds the largest workspace of its own layers, and the arena is their sum.
+say): each stream holds the largest workspace of its own layers, and the arena is their sum. Either way the streams
+are those one run of the model spreads its layers over, as the unshared figure is one run's workspaces: a run
+cannot keep more streams busy than it has layers, so ``streams`` above the number of layers is refused (rather
+than clamped, which would report a run other than the one asked for).
+
+Layers left out. A layer list from ``load_model(..., skip_unknown=True)`` carries the convolutions it left out
+(``skipped``); the plan keeps them (:attr:`Plan.skipped`), and its totals say that they leave those layers out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._geometry import DTYPES, ConvGeometry
 from ._pass import PASSES
 from .algos import select
-from .backends import Candidate, get_backend, resolve_backend_name
+from .backends import Candidate, device_properties_backend, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
+from .models._layer import ConvLayer
 
 __all__ = ["LayerPlan", "Plan", "plan"]
 
@@ -79,6 +88,7 @@ class Plan:
     layers: tuple[LayerPlan, ...]
     stream_bytes: tuple[int, ...]  # per stream: the largest workspace chosen for a layer it runs
     max_slowdown: float | None = None  # set when the cap was chosen by plan(max_slowdown=...)
+    skipped: tuple[tuple[str, str], ...] = ()  # (name, why) of each conv the model's loader left out
 
     @property
     def streams(self) -> int:
@@ -126,8 +136,35 @@ class Plan:
             "arena_held_bytes": self.held_bytes,
             "unshared_bytes": self.unshared_bytes,
             "saved_bytes": self.saved_bytes,
+            # the figures above leave these layers out (load_model(..., skip_unknown=True), --skip-unknown)
+            "skipped_layers": [{"name": name, "reason": why} for name, why in self.skipped],
             **({} if self.max_slowdown is None else {"max_slowdown": self.max_slowdown}),
         }
+
+
+def checked_layers(layers: Any) -> list[ConvLayer]:
+    """``layers`` as a new list, when it is a non-empty iterable of :class:`~wsarena.models.ConvLayer`.
+
+    Raises ``TypeError`` or ``ValueError`` naming ``layers`` (and the entry) otherwise."""
+    if isinstance(layers, (str, bytes, os.PathLike)):
+        raise TypeError(f"layers must be a list of ConvLayer, not {layers!r:.80}: load it with wsarena.load_model()")
+    if not isinstance(layers, Iterable):
+        raise TypeError(f"layers must be a list of ConvLayer (from wsarena.load_model), not {layers!r:.80}")
+    items = list(layers)
+    if not items:
+        raise ValueError("layers is empty: a plan needs at least one convolution")
+    for i, layer in enumerate(items):
+        if not isinstance(layer, ConvLayer):
+            raise TypeError(
+                f"layers[{i}] must be a ConvLayer, not {type(layer).__name__} {layer!r:.60}: wsarena.load_model() "
+                "reads a zoo name, a file or a list of JSON layer dicts"
+            )
+    return items
+
+
+def skipped_layers(layers: Any) -> tuple[tuple[str, str], ...]:
+    """The ``(name, why)`` of the convolutions a loader left out of ``layers`` (see the module docstring)."""
+    return tuple(getattr(layers, "skipped", ()))
 
 
 def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[int]]:
@@ -135,6 +172,11 @@ def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[in
     if isinstance(streams, int) and not isinstance(streams, bool):
         if streams < 1:
             raise ValueError(f"streams must be >= 1, not {streams}")
+        if streams > n_layers:
+            raise ValueError(
+                f"streams={streams} is more than the model's {n_layers} layer(s): one run of the model cannot keep "
+                "more streams busy than it has layers"
+            )
         return True, [0] * n_layers
     if isinstance(streams, (bool, str, bytes)) or not isinstance(streams, Iterable):
         raise TypeError(f"streams must be an int or a sequence of stream indices, not {streams!r}")
@@ -163,20 +205,22 @@ def plan(
     model: str = "",
     progress: Callable[[int, int, str], None] | None = None,
     max_slowdown: float | None = None,
+    device_properties: str | os.PathLike[str] | None = None,
 ) -> Plan:
     """Choose every layer's algorithms as the ops would, and add up the workspace.
 
     Parameters
     ----------
     layers : iterable of :class:`~wsarena.models.ConvLayer`
-        From :func:`wsarena.load_model`.
+        From :func:`wsarena.load_model`; at least one. Convolutions the loader left out (``skip_unknown``) are
+        listed in :attr:`Plan.skipped` and in ``to_dict()["skipped_layers"]``.
     batch, dtype, layout
         The run being planned (layers are stored at batch 1, NCHW).
     cap_workspace : int, str or None
         The cap on one call's workspace; ``None`` for none. Default: the configured cap.
     passes : sequence of ``"fwd"``, ``"bwd_data"``, ``"bwd_filter"``
     streams : int or sequence of int
-        See the module docstring.
+        See the module docstring; an int is at most the number of layers.
     backend, search : str, optional
         Default: the configured ones. ``auto`` picks cuDNN when a GPU is usable.
     progress : callable, optional
@@ -185,9 +229,23 @@ def plan(
         Choose the cap instead of taking one: the smallest cap whose step is at most this fraction slower than
         with no cap (0.02 for 2 %), from one exhaustive search (:func:`wsarena.tune`), and the plan under it from
         the same measurements. Excludes ``cap_workspace``; the search is exhaustive.
+    device_properties : str or path, optional
+        A GPU's properties as cuDNN serialises them to JSON (``bench/gpu_check.py`` captures them): the JSON text
+        or a file holding it. Plans for that GPU through cuDNN's graph API, on this machine, with no GPU
+        (``backend`` must then be ``cudnn`` or left out, and ``search`` heuristic; docs/deviceless.md).
     """
+    skipped = skipped_layers(layers)
+    layers = checked_layers(layers)
     if search is not None and search not in ALGO_SEARCHES:
         raise ValueError(f"search must be one of {ALGO_SEARCHES}, not {search!r}")
+    if device_properties is not None:
+        if backend not in (None, "cudnn"):
+            raise ValueError(f"device_properties plans for a cuDNN GPU: backend must be 'cudnn', not {backend!r}")
+        if search == "exhaustive" or max_slowdown is not None:
+            raise ValueError("device_properties plans without the GPU: it cannot time algorithms (search heuristic)")
+        backend, search = "cudnn", "heuristic"
+        text = os.fspath(device_properties)
+        device_properties = text if text.lstrip().startswith("{") else Path(text).read_text(encoding="utf-8")
     if max_slowdown is not None:
         if cap_workspace is not _FROM_CONFIG:
             raise ValueError("give cap_workspace or max_slowdown, not both: max_slowdown chooses the cap")
@@ -195,17 +253,20 @@ def plan(
             raise ValueError(f"max_slowdown needs search='exhaustive' (it times every algorithm), not {search!r}")
         from .tuning import tune
 
-        return tune(layers, batch=batch, dtype=dtype, layout=layout, passes=passes, streams=streams, backend=backend,
-                    max_slowdown=max_slowdown, model=model, progress=progress).plan()
+        p = tune(layers, batch=batch, dtype=dtype, layout=layout, passes=passes, streams=streams, backend=backend,
+                 max_slowdown=max_slowdown, model=model, progress=progress).plan()
+        return dataclasses.replace(p, skipped=skipped) if skipped else p
     # The arguments apply as a config() block: the exhaustive search's leases then see the plan's cap, and an
     # invalid environment variable matters only for a setting left to it.
     with config(**_given(algo_search=search, backend=backend, cap_workspace=cap_workspace)) as cfg:
-        return _plan(list(layers), cfg, batch=batch, dtype=dtype, layout=layout, passes=passes, streams=streams,
-                     model=model, progress=progress)
+        p = _plan(layers, cfg, batch=batch, dtype=dtype, layout=layout, passes=passes, streams=streams,
+                  model=model, progress=progress, device_properties=device_properties)
+    return dataclasses.replace(p, skipped=skipped) if skipped else p
 
 
 def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str, passes: Sequence[str],
-          streams: int | Sequence[int], model: str, progress: Callable[[int, int, str], None] | None) -> Plan:
+          streams: int | Sequence[int], model: str, progress: Callable[[int, int, str], None] | None,
+          device_properties: str | None = None) -> Plan:
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, not {batch!r}")
     if dtype not in DTYPES:
@@ -215,8 +276,11 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
     if not passes or any(p not in PASSES for p in passes) or len(set(passes)) != len(passes):
         raise ValueError(f"passes must be distinct names from {', '.join(PASSES)}, not {passes!r}")
     shared, assignment = _streams(streams, len(layers))
-    name = resolve_backend_name(requested)
-    impl = get_backend(name)
+    if device_properties is not None:
+        name, impl = "cudnn", device_properties_backend(device_properties)
+    else:
+        name = resolve_backend_name(requested)
+        impl = get_backend(name)
     try:
         impl.check_dtype(dtype)
     except TypeError as exc:
@@ -279,7 +343,8 @@ def text_progress(stream: Any = None) -> Callable[[int, int, str], None]:
     def show(done: int, total: int, name: str) -> None:
         width = 30
         filled = width * done // max(total, 1)
-        out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {name[:40]:<40}")
+        shown = name if name.isprintable() else repr(name)[1:-1]  # a newline would break the bar
+        out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {shown[:40]:<40}")
         if done == total:
             out.write("\r" + " " * (width + 55) + "\r")
         out.flush()

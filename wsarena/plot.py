@@ -1,5 +1,6 @@
 """``--plot FILE.png``: for ``report``, per-layer workspace as bars and the arena as a line; for ``tune``, the step
-time against the cap (needs matplotlib)."""
+time against the cap (needs matplotlib). The PNG is written to exactly the path given, whatever its name ends
+with (matplotlib would append ``.png`` to a name without an extension)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ def _pyplot() -> Any:
             "--plot needs matplotlib: pip install 'wsarena[plot]'"
         ) from None
     return plt
+
+
+def _save(plt: Any, fig: Any, path: str) -> None:
+    """Write ``fig`` as a PNG to ``path`` itself; ``OSError`` when it cannot be written."""
+    try:
+        fig.savefig(path, dpi=120, format="png")
+    finally:
+        plt.close(fig)
 
 
 def plot_plan(p: Any, path: str) -> None:
@@ -51,8 +60,7 @@ def plot_plan(p: Any, path: str) -> None:
         ax.set_xticklabels([lp.name for lp in p.layers], rotation=90, fontsize=6)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_curve(t: Any, path: str) -> None:
@@ -83,5 +91,4 @@ def plot_curve(t: Any, path: str) -> None:
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)

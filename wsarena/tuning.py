@@ -28,7 +28,7 @@ from ._pass import PASSES
 from .algos import select
 from .backends import Candidate, get_backend
 from .errors import NoAlgorithmFitsError
-from .planner import LayerPlan, Plan, _operands, _stream_bytes, _streams, plan
+from .planner import LayerPlan, Plan, _operands, _stream_bytes, _streams, checked_layers, plan, skipped_layers
 
 __all__ = ["CurvePoint", "Tuning", "tune"]
 
@@ -111,6 +111,7 @@ class Tuning:
             "max_slowdown": self.max_slowdown,
             "distinct_calls": len(self.measured),
             "search_seconds": self.search_seconds,
+            "skipped_layers": head["skipped_layers"],  # the curve leaves these layers out
         }
 
 
@@ -142,12 +143,13 @@ def tune(
     ``max_slowdown``: the slowdown against no cap that the recommended cap may cost (0.02 for 2 %).
     """
     max_slowdown = check_max_slowdown(max_slowdown)
-    layers = list(layers)
+    skipped, layers = skipped_layers(layers), checked_layers(layers)
     shared, _ = _streams(streams, len(layers))
     start = time.perf_counter()
     # The planner checks the arguments and runs the searches (one per distinct call, with progress) ...
     uncapped = plan(layers, batch=batch, dtype=dtype, layout=layout, cap_workspace=None, passes=passes,
                     streams=streams, backend=backend, search="exhaustive", model=model, progress=progress)
+    uncapped = dataclasses.replace(uncapped, skipped=skipped) if skipped else uncapped
     seconds = time.perf_counter() - start
     # ... whose every candidate the algorithm cache now holds, fastest first (the choice is the first).
     impl = get_backend(uncapped.backend)

@@ -179,7 +179,10 @@ class Arena:
         Every stream is checked before anything is reserved; if the provider fails part-way, the streams before
         the failing one stay reserved.
         """
-        sizes = [_check_nbytes(n) for n in plan.stream_bytes]
+        stream_bytes = getattr(plan, "stream_bytes", None)
+        if isinstance(stream_bytes, (str, bytes)) or not isinstance(stream_bytes, Sequence):
+            raise TypeError(f"plan must be a wsarena.plan() result (with stream_bytes), not {plan!r:.80}")
+        sizes = [_check_nbytes(n, "plan.stream_bytes") for n in stream_bytes]
         if streams is None:
             if len(sizes) > 1:
                 raise ValueError(f"a plan for {len(sizes)} streams needs streams=[...], one per planned stream")

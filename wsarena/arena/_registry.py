@@ -7,12 +7,13 @@ import os
 from typing import Any
 
 from .. import _forksafe
+from .._config import get_config
 from .._gpu import gpu_count, gpu_unusable_reason
 from ..errors import BackendUnavailableError
 from ._arena import Arena
-from .providers import CupyProvider, HostProvider
+from .providers import CupyProvider, HostProvider, TorchProvider
 
-__all__ = ["get_arena", "reset_arenas", "set_arena"]
+__all__ = ["get_arena", "make_device_arena", "reset_arenas", "set_arena"]
 
 _arenas: dict[str | int, Arena] = {}
 _cuda_in_parent = False  # in a forked child: the parent had a device arena, so CUDA was initialised before fork
@@ -51,7 +52,8 @@ def get_arena(device: Any = None) -> Arena:
     ----------
     device : "cpu", int or None
         ``"cpu"``: the host arena (NumPy buffers, one lane per thread by default). An ``int``: the arena of that
-        CUDA device (device memory through CuPy's current allocator). ``None``: the current CUDA device.
+        CUDA device, its memory from the allocator the setting ``allocator`` names when the arena is made (CuPy's
+        current allocator unless it is ``"torch"``). ``None``: the current CUDA device.
 
     Raises
     ------
@@ -85,7 +87,17 @@ def get_arena(device: Any = None) -> Arena:
         ordinal = int(key)  # not "cpu": an ordinal
         if ordinal >= gpu_count():
             raise ValueError(f"no CUDA device {ordinal}: this process sees {gpu_count()}")
-    return _made(ordinal, lambda: CupyProvider(ordinal))
+    return make_device_arena(ordinal, get_config().allocator)
+
+
+def make_device_arena(ordinal: int, allocator: str) -> Arena:
+    """The arena of CUDA device ``ordinal``; made, unless one is open, with the memory of ``allocator``:
+    ``"torch"`` (PyTorch's caching allocator), else CuPy's current allocator."""
+    arena = _arenas.get(ordinal)
+    if arena is not None and not arena.closed:
+        return arena
+    provider = TorchProvider if allocator == "torch" else CupyProvider
+    return _made(ordinal, lambda: provider(ordinal))
 
 
 def _made(key: str | int, provider: Any) -> Arena:

@@ -15,11 +15,13 @@ Like RAPIDS RMM's adaptors, a provider may wrap an *upstream* one (``wsarena.are
                           by default CuPy's stream-aware memory pool.
 :class:`AsyncProvider`    stream-ordered device memory from a cuda.core memory resource, by default
                           ``DeviceMemoryResource`` (the device's ``cudaMallocAsync`` pool).
+:class:`TorchProvider`    device memory from PyTorch's caching allocator on the sub-arena's stream,
+                          so that PyTorch's tensors and the workspace share one pool.
 ========================  ======================================================================
 
 A provider signals "out of memory" by raising ``MemoryError`` (or a subclass); the arena turns that into
 :class:`~wsarena.errors.ArenaOutOfMemoryError`. Any other exception passes through unchanged. CuPy and
-cuda.core are imported only when a device provider is created.
+cuda.core (and PyTorch) are imported only when a device provider is created.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 
 from .streams import PER_THREAD_DEFAULT_STREAM, cupy_stream
 
-__all__ = ["AsyncProvider", "Buffer", "CupyProvider", "HostProvider", "MemoryProvider"]
+__all__ = ["AsyncProvider", "Buffer", "CupyProvider", "HostProvider", "MemoryProvider", "TorchProvider"]
 
 
 class Buffer:
@@ -237,6 +239,41 @@ class AsyncProvider(_DeviceProvider):
                 cupy.cuda.runtime.deviceSynchronize()
                 stream = 0
             owner.close(_core_stream(stream))
+
+
+class TorchProvider(_DeviceProvider):
+    """Device memory from PyTorch's caching allocator (``torch.cuda.caching_allocator_alloc``) on the sub-arena's
+    stream.
+
+    PyTorch files a block under the stream it was allocated on and hands it out again only to that stream, so
+    ``caching_allocator_delete`` is stream-ordered, as CuPy's pool is. The arena's buffers count in
+    ``torch.cuda.memory_allocated()`` and are given back to PyTorch's pool, not to the device, when freed.
+    When the stream may be gone the device is synchronised first.
+
+    Parameters
+    ----------
+    device : int, optional
+        CUDA device ordinal; the current device by default.
+    """
+
+    def allocate(self, size: int, *, stream: int) -> Buffer:
+        import torch
+
+        try:
+            ptr = torch.cuda.caching_allocator_alloc(size, device=self.device_id, stream=int(stream))
+        except torch.cuda.OutOfMemoryError as exc:  # a RuntimeError; the arena wants a MemoryError
+            raise MemoryError(f"PyTorch's caching allocator could not allocate {size} bytes: {exc}") from exc
+        return Buffer(int(ptr), size, int(ptr))
+
+    def deallocate(self, buffer: Buffer, *, stream: int | None) -> None:
+        import torch
+
+        ptr, buffer.owner = buffer.owner, None
+        if ptr is None:
+            return
+        if stream is None:
+            torch.cuda.synchronize(self.device_id)
+        torch.cuda.caching_allocator_delete(ptr)
 
 
 def _core_stream(handle: int) -> Any:

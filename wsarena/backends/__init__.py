@@ -8,7 +8,9 @@ workspaces come from (:meth:`Backend.arena`). Everything else (choice under the 
 memory runs out) is shared code in :mod:`wsarena.ops`, which the CPU backend exercises on every machine.
 
 ``cpu``   NumPy arrays; Caffe's GEMM convolution, algorithms in :mod:`wsarena.backends.cpu`.
-``cudnn`` CuPy arrays; cuDNN's legacy convolution API through :mod:`wsarena.cudnn`.
+``cudnn`` CuPy arrays; cuDNN through :mod:`wsarena.cudnn`, by the setting ``cudnn_api``: its legacy convolution
+          API, or its backend (graph) API with cached execution plans (:mod:`wsarena.backends._cudnn_graph`).
+          The two are distinct backend objects of the same name; their ``api`` attribute tells them apart.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from .._gpu import gpu_unusable_reason
 from ..errors import BackendUnavailableError
 
 __all__ = [
-    "Backend", "Candidate", "array_backend_name", "get_backend", "is_masked_type", "reset_backends",
-    "resolve_backend_name", "type_backend_name",
+    "Backend", "Candidate", "array_backend_name", "device_properties_backend", "get_backend", "is_masked_type",
+    "reset_backends", "resolve_backend_name", "type_backend_name",
 ]
 
 
@@ -135,16 +137,25 @@ _backends: dict[str, Backend] = {}
 _lock = _forksafe.lock()  # guards _backends: each backend is built once per process
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, api: str | None = None) -> Backend:
     """The process's backend ``"cpu"`` or ``"cudnn"`` (``"auto"`` resolved first).
 
-    Raises :class:`~wsarena.errors.BackendUnavailableError` for ``"cudnn"`` when no GPU is usable.
+    For ``"cudnn"``, ``api`` (``"legacy"`` or ``"graph"``; default: the setting ``cudnn_api`` in force) says which
+    API path the backend takes. Raises :class:`~wsarena.errors.BackendUnavailableError` for ``"cudnn"`` when no
+    GPU is usable.
     """
-    backend = _backends.get(name)  # every convolution asks by a resolved name
-    if backend is not None:
-        return backend
     name = resolve_backend_name(name)
-    backend = _backends.get(name)
+    if name == "cudnn":
+        if api is None:
+            from .._config import get_config
+
+            api = get_config().cudnn_api
+        if api not in ("legacy", "graph"):
+            raise ValueError(f"api must be 'legacy' or 'graph', not {api!r}")
+        key = name if api == "legacy" else f"{name}:{api}"
+    else:
+        key = name
+    backend = _backends.get(key)
     if backend is not None:
         return backend
     if name == "cudnn":
@@ -152,16 +163,51 @@ def get_backend(name: str) -> Backend:
         if reason is not None:
             raise BackendUnavailableError(f"the cudnn backend needs a usable CUDA GPU: {reason}")
     with _lock:
-        if name not in _backends:
+        if key not in _backends:
             if name == "cpu":
                 from ._cpu_backend import CpuBackend
 
-                _backends[name] = CpuBackend()
-            else:
+                _backends[key] = CpuBackend()
+            elif key == "cudnn":
                 from ._cudnn_backend import CudnnBackend
 
-                _backends[name] = CudnnBackend()
-        return _backends[name]
+                _backends[key] = CudnnBackend()
+            else:
+                from ._cudnn_graph import CudnnGraphBackend
+
+                _backends[key] = CudnnGraphBackend()
+        return _backends[key]
+
+
+def device_properties_backend(properties_json: str) -> Backend:
+    """A cudnn backend on cuDNN's graph API that plans for the GPU these device properties describe (JSON that
+    cuDNN serialised on that GPU, ``bench/gpu_check.py --capture``), on any machine: it ranks engine
+    configurations and gives their workspace sizes, and runs nothing. Cached per JSON text.
+
+    Raises
+    ------
+    BackendUnavailableError
+        cuDNN cannot finalize descriptors here: its engine libraries need the NVIDIA driver library
+        ``libcuda.so.1``, even without a GPU (docs/deviceless.md).
+    wsarena.cudnn.CudnnError
+        cuDNN refused the properties (``CudnnBadParamError`` names a missing member).
+    """
+    key = "cudnn:properties:" + properties_json
+    backend = _backends.get(key)
+    if backend is not None:
+        return backend
+    from .. import cudnn
+    from ._cudnn_graph import CudnnGraphBackend
+
+    try:
+        made = CudnnGraphBackend(properties_json)
+    except cudnn.CudnnSublibraryLoadingFailedError as exc:
+        raise BackendUnavailableError(
+            "planning against device properties needs cuDNN's engine libraries, and one of them links the NVIDIA "
+            f"driver library libcuda.so.1, which is missing here (a GPU is not needed): {exc}"
+        ) from None
+    with _lock:
+        return _backends.setdefault(key, made)
 
 
 def reset_backends() -> None:

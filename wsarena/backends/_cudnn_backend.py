@@ -25,6 +25,7 @@ _DESCRIPTOR_SETS = 1024  # (geometry, math type) pairs whose descriptors the bac
 
 class CudnnBackend:
     name = "cudnn"
+    api = "legacy"  # the cuDNN API path; part of every cache key (algos, the ops' records, the search cache)
 
     def __init__(self) -> None:
         import cupy

@@ -18,6 +18,10 @@ conda, the system loader, ``$CUDNN_PATH`` and ``$CUDA_PATH``. Only cuDNN 9 is ac
 - Descriptors (no GPU needed): :class:`TensorDescriptor`, :class:`FilterDescriptor`,
   :class:`ConvolutionDescriptor`; :func:`data_type` for a dtype name.
 - Handles (GPU): :func:`get_handle` per device and host thread, :meth:`Handle.set_stream`.
+- The backend (graph) API: :class:`BackendDescriptor`, one owned class for every kind of backend descriptor, with
+  typed :meth:`~BackendDescriptor.set`/:meth:`~BackendDescriptor.get` of attributes (enums
+  :class:`BackendDescriptorType`, :class:`BackendAttributeName`, :class:`BackendAttributeType`, ...);
+  :func:`execute`, :func:`plan_workspace_size`; the convolution built on it in :mod:`wsarena.cudnn.graph`.
 - Convolution calls (GPU): :func:`workspace_size`, :func:`heuristic_algorithms`, :func:`find_algorithms`,
   :func:`convolution`, each returning plain ints or frozen :class:`AlgoPerf` records.
 """
@@ -28,6 +32,13 @@ from ._enums import (
     C_NAMES,
     C_TYPEDEFS,
     HEADER_VERSION,
+    BackendAttributeName,
+    BackendAttributeType,
+    BackendBehaviorNote,
+    BackendDescriptorType,
+    BackendHeurMode,
+    BackendKnobType,
+    BackendNumericalNote,
     ConvolutionBwdDataAlgo,
     ConvolutionBwdFilterAlgo,
     ConvolutionFwdAlgo,
@@ -49,7 +60,7 @@ from ._errors import (
     status_message,
 )
 from ._library import LoadedLibrary, library_info, load_library
-from ._prototypes import PROTOTYPES, LibraryProperty, bind_all, function, get_property
+from ._prototypes import OPTIONAL, PROTOTYPES, LibraryProperty, available, bind_all, function, get_property
 from ._status_errors import (
     STATUS_ERRORS,
     CudnnBadParamAttributeTypeError,
@@ -107,13 +118,23 @@ from ._structs import (
     ConvolutionBwdFilterAlgoPerfStruct,
     ConvolutionFwdAlgoPerfStruct,
 )
+from .backend import ATTRIBUTE_CTYPES, BackendDescriptor, execute, plan_workspace_size
 from .conv import ALGORITHMS, algorithm, algorithms, convolution, find_algorithms, heuristic_algorithms, workspace_size
 from .descriptors import DATA_TYPES, ConvolutionDescriptor, FilterDescriptor, TensorDescriptor, data_type
 from .handle import Handle, close_all_handles, get_handle
 
 __all__ = [
     "ALGORITHMS",
+    "ATTRIBUTE_CTYPES",
     "AlgoPerf",
+    "BackendAttributeName",
+    "BackendAttributeType",
+    "BackendBehaviorNote",
+    "BackendDescriptor",
+    "BackendDescriptorType",
+    "BackendHeurMode",
+    "BackendKnobType",
+    "BackendNumericalNote",
     "C_NAMES",
     "C_TYPEDEFS",
     "ConvolutionBwdDataAlgo",
@@ -186,6 +207,7 @@ __all__ = [
     "LibraryProperty",
     "LoadedLibrary",
     "MathType",
+    "OPTIONAL",
     "PROTOTYPES",
     "STATUS_ERRORS",
     "Status",
@@ -193,12 +215,14 @@ __all__ = [
     "TensorFormat",
     "algorithm",
     "algorithms",
+    "available",
     "bind_all",
     "check",
     "close_all_handles",
     "convolution",
     "data_type",
     "error_class",
+    "execute",
     "find_algorithms",
     "function",
     "get_handle",
@@ -206,6 +230,7 @@ __all__ = [
     "heuristic_algorithms",
     "library_info",
     "load_library",
+    "plan_workspace_size",
     "status_message",
     "workspace_size",
 ]

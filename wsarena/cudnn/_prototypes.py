@@ -23,7 +23,7 @@ from ._errors import CudnnSymbolError, check
 from ._library import load_library
 from ._structs import ConvolutionBwdDataAlgoPerfStruct, ConvolutionBwdFilterAlgoPerfStruct, ConvolutionFwdAlgoPerfStruct
 
-__all__ = ["PROTOTYPES", "LibraryProperty", "bind_all", "call", "function", "get_property"]
+__all__ = ["OPTIONAL", "PROTOTYPES", "LibraryProperty", "available", "bind_all", "call", "function", "get_property"]
 
 
 class LibraryProperty(IntEnum):
@@ -43,6 +43,8 @@ _size = ctypes.c_size_t
 _out_int = _P(ctypes.c_int)  # int *, int[], const int[], and pointers to enums written back
 _out_size = _P(ctypes.c_size_t)
 _out_opaque = _P(ctypes.c_void_p)  # cudnnHandle_t *, cudnn*Descriptor_t *, cudaStream_t *
+_int64 = ctypes.c_int64
+_out_int64 = _P(ctypes.c_int64)
 _fwd_perf = _P(ConvolutionFwdAlgoPerfStruct)
 _bwd_data_perf = _P(ConvolutionBwdDataAlgoPerfStruct)
 _bwd_filter_perf = _P(ConvolutionBwdFilterAlgoPerfStruct)
@@ -156,7 +158,23 @@ PROTOTYPES: dict[str, Prototype] = {
         (_opaque, _opaque, _opaque, _opaque, _opaque, _opaque, _opaque, _enum, _opaque, _size, _opaque, _opaque,
          _opaque),
     ),
+    # cudnn_graph.h: the backend (graph) API
+    "cudnnBackendCreateDescriptor": (_status, (_enum, _out_opaque)),  # (descriptorType, descriptor)
+    "cudnnBackendDestroyDescriptor": (_status, (_opaque,)),  # (descriptor)
+    "cudnnBackendFinalize": (_status, (_opaque,)),  # (descriptor)
+    # (descriptor, attributeName, attributeType, elementCount, arrayOfElements)
+    "cudnnBackendSetAttribute": (_status, (_opaque, _enum, _enum, _int64, _opaque)),
+    # (descriptor, attributeName, attributeType, requestedElementCount, elementCount, arrayOfElements)
+    "cudnnBackendGetAttribute": (_status, (_opaque, _enum, _enum, _int64, _out_int64, _opaque)),
+    "cudnnBackendExecute": (_status, (_opaque, _opaque, _opaque)),  # (handle, executionPlan, variantPack)
+    # (handle, executionPlan, variantPack, workspaceSizeInBytes); cuDNN 9.23+, see OPTIONAL
+    "cudnnGetExecutionPlanWorkspaceSize": (_status, (_opaque, _opaque, _opaque, _out_size)),
 }
+
+# Functions of PROTOTYPES that an older cuDNN 9 lacks (name -> the first version that has it): bind_all() skips
+# them where missing, and their callers ask available() first. The parity tests check them where the headers
+# declare them.
+OPTIONAL: dict[str, int] = {"cudnnGetExecutionPlanWorkspaceSize": 92300}
 
 # Guards _bound and the one-time install of the error describers. Reentrant: a garbage collection while this
 # thread holds it (in _declare) may run a descriptor's finalizer, which binds its Destroy function here.
@@ -221,7 +239,8 @@ def function(name: str) -> _Function:
 # Called once per convolution: clearing cuDNN's last-error message before them would add a ctypes call to each.
 # Their failures may then carry a message another caller left unread.
 _NOT_CLEARED = frozenset(
-    ("cudnnSetStream", "cudnnConvolutionForward", "cudnnConvolutionBackwardData", "cudnnConvolutionBackwardFilter")
+    ("cudnnSetStream", "cudnnConvolutionForward", "cudnnConvolutionBackwardData", "cudnnConvolutionBackwardFilter",
+     "cudnnBackendExecute")
 )
 
 
@@ -238,6 +257,15 @@ def call(name: str, *args: object, context: str | Callable[[], str] = "") -> Non
     check(fn(*args), name, context)
 
 
+def available(name: str) -> bool:
+    """Whether the loaded libcudnn exports ``name`` (an entry of :data:`PROTOTYPES`), loading it if needed."""
+    try:
+        function(name)
+    except CudnnSymbolError:
+        return False
+    return True
+
+
 def get_property(prop: LibraryProperty) -> int:
     """One part of the loaded library's version (``cudnnGetProperty``): major, minor or patch level."""
     value = ctypes.c_int()
@@ -247,6 +275,9 @@ def get_property(prop: LibraryProperty) -> int:
 
 def bind_all() -> ctypes.CDLL:
     """Load libcudnn, declare every function of :data:`PROTOTYPES` on it, and return the ``ctypes.CDLL``.
+
+    A function of :data:`OPTIONAL` that this cuDNN lacks is left undeclared (calling it raises
+    :class:`~wsarena.cudnn.CudnnSymbolError`).
 
     Raises
     ------
@@ -261,7 +292,8 @@ def bind_all() -> ctypes.CDLL:
         try:
             function(name)
         except CudnnSymbolError:
-            missing.append(name)
+            if name not in OPTIONAL:
+                missing.append(name)
     if missing:
         loaded = load_library()
         raise CudnnSymbolError(

@@ -17,6 +17,7 @@ import ctypes
 import threading
 import warnings
 import weakref
+from typing import Any
 
 from .. import _forksafe
 from .._gpu import gpu_unusable_reason
@@ -24,7 +25,7 @@ from ._errors import CudnnGpuUnavailableError, check, status_message
 from ._owned import Owned
 from ._prototypes import call, function
 
-__all__ = ["Handle", "close_all_handles", "get_handle"]
+__all__ = ["Handle", "close_all_handles", "get_handle", "on_close_all"]
 
 
 def _destroy(handle: int, device: int) -> None:
@@ -196,11 +197,31 @@ def get_handle(device: int) -> Handle:
     return handle
 
 
+_before_close: list[weakref.WeakMethod] = []  # what must go before the handles (cached execution plans)
+
+
+def on_close_all(method: Any) -> None:
+    """Have :func:`close_all_handles` call the bound ``method`` first (while its object lives): the graph API's
+    execution plans are destroyed before the handles they were built with, and before the CUDA context."""
+    with _lock:
+        _before_close.append(weakref.WeakMethod(method))
+
+
 def close_all_handles() -> None:
     """Destroy every live handle of every thread (registered with ``atexit``; also usable by tests).
 
-    Errors are turned into warnings: this runs at exit, where raising helps nobody.
+    What :func:`on_close_all` registered runs first. Errors are turned into warnings: this runs at exit, where
+    raising helps nobody.
     """
+    with _lock:
+        hooks = [ref() for ref in _before_close]
+        _before_close[:] = [ref for ref in _before_close if ref() is not None]
+    for hook in hooks:
+        if hook is not None:
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001
+                warnings.warn(f"wsarena.cudnn: closing cached plans failed: {exc}", ResourceWarning, stacklevel=1)
     with _lock:
         handles = list(_live)
     for handle in handles:

@@ -98,7 +98,8 @@ def load_model(
     Returns
     -------
     list of ConvLayer
-        A new list; the caller may change it.
+        A new list; the caller may change it. For an ONNX model it is a list whose ``skipped`` holds the
+        ``(name, why)`` of each convolution ``skip_unknown`` left out; :func:`wsarena.plan` reports them.
 
     Raises
     ------

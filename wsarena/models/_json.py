@@ -79,4 +79,6 @@ def load_json(path: str | os.PathLike[str]) -> list[ConvLayer]:
         raise ModelError(f"{path!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:  # the decoder recurses per nesting level
         raise ModelError(f"{path!r} is nested too deeply to be a JSON layer list") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits())
+        raise ModelError(f"{path!r} is not a JSON layer list: {exc}".split("; use sys.")[0]) from None
     return layers_from_json(data, source=repr(path))

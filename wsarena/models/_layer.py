@@ -14,7 +14,7 @@ from typing import Any
 from .._geometry import ConvGeometry, conv_geometry
 from ..errors import WsarenaError
 
-__all__ = ["ConvLayer", "ModelError"]
+__all__ = ["ConvLayer", "LayerList", "ModelError"]
 
 # Keys of one layer in the JSON schema; the first three are required.
 _REQUIRED_KEYS = ("name", "input_shape", "weight_shape")
@@ -227,3 +227,10 @@ class ConvLayer:
             return cls(name=name, input_shape=data["input_shape"], weight_shape=data["weight_shape"], **kwargs)
         except ModelError as exc:
             raise ModelError(f"{where}: {exc}") from None
+
+
+class LayerList(list[ConvLayer]):
+    """The list :func:`wsarena.load_model` returns for an ONNX model: its :class:`ConvLayer` s, and in ``skipped``
+    the ``(name, why)`` of each convolution left out (``skip_unknown=True``), which :func:`wsarena.plan` reports."""
+
+    skipped: tuple[tuple[str, str], ...] = ()

@@ -11,9 +11,14 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
 * Shapes: the weight shape from an initializer or the inferred value info; the input shape from the graph
   inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation). A symbolic or missing batch dimension
   is taken as 1, and any batch in the file is replaced by 1: the planner applies its own batch.
+* Channels: where inference leaves a conv's input channel count unknown (a U-Net's skip connection through a
+  ``Pad`` whose pads are computed, then a ``Concat``: ``[N, ?, H, W]``), it follows from the weight, as
+  ``W.shape[1] * group`` for a ``Conv`` and ``W.shape[0]`` for a ``ConvTranspose``. Spatial sizes still come from
+  inference.
 * A convolution whose input or weight shape is still unknown after inference is an error naming the nodes, or,
-  with ``skip_unknown=True``, is left out with a warning. Symbolic spatial sizes (a detector's ``H`` and
-  ``W``) can be fixed with ``input_shapes`` (``--input-shape`` on the command line) before inference.
+  with ``skip_unknown=True``, is left out with a warning and listed in the returned list's ``skipped``, which
+  :func:`wsarena.plan` carries into its report. Symbolic spatial sizes (a detector's ``H`` and ``W``) can be
+  fixed with ``input_shapes`` (``--input-shape`` on the command line) before inference.
 * Asymmetric padding (explicit ``pads`` or ``SAME_*`` with an odd total) cannot be given to cuDNN. With
   ``asymmetric_pads="widen"`` (the default) a ``Conv`` is modelled the way onnxruntime's CUDA provider runs it:
   the larger of the two pads on both sides, then the extra output row or column sliced off; a
@@ -32,7 +37,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from ._layer import ConvLayer, ModelError
+from ._layer import ConvLayer, LayerList, ModelError
 
 __all__ = ["load_onnx"]
 
@@ -41,7 +46,19 @@ _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 class _Unsupported(Exception):
-    """One node cannot become a layer; the message says why (collected, then raised or warned)."""
+    """One node cannot become a layer; the message says why (collected, then raised or warned). ``kind`` is
+    ``"pads"`` for asymmetric padding under ``asymmetric_pads="error"``, else ``"geometry"``."""
+
+    def __init__(self, message: str, kind: str = "geometry") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+# What the error about nodes that cannot be planned suggests, per kind of reason.
+_HINTS = {
+    "shape": "fix the model's input shapes (input_shapes= / --input-shape)",
+    "pads": "model asymmetric pads as onnxruntime runs them (asymmetric_pads='widen' / --asymmetric-pads widen)",
+}
 
 
 def _dims(type_proto: Any) -> tuple[int | None, ...] | None:
@@ -62,14 +79,31 @@ def _shape_table(graph: Any) -> dict[str, tuple[int | None, ...]]:
     return shapes
 
 
-def _attrs(node: Any) -> dict[str, Any]:
+# The attributes a conv reads that are lists of ints, and the least each entry may be.
+_INTS_ATTRS = {"kernel_shape": 1, "strides": 1, "dilations": 1, "pads": 0, "output_padding": 0, "output_shape": 1}
+
+
+def _attrs(node: Any, name: str) -> dict[str, Any]:
+    """The node's attributes by name; :class:`ModelError` naming the node when one a conv reads has the wrong
+    type or range (a damaged file can turn a list of ints into anything)."""
     from onnx import helper
 
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    for key, least in _INTS_ATTRS.items():
+        value = attrs.get(key)
+        if value is not None and not (isinstance(value, list) and all(
+                isinstance(v, int) and v >= least for v in value)):
+            raise ModelError(f"ONNX node {name!r}: {key}={value!r:.60} must be a list of ints >= {least}")
+    group = attrs.get("group", 1)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ModelError(f"ONNX node {name!r}: group={group!r:.60} must be an int >= 1")
+    if not isinstance(attrs.get("auto_pad", b""), (bytes, str)):
+        raise ModelError(f"ONNX node {name!r}: auto_pad={attrs['auto_pad']!r:.60} must be a string")
+    return attrs
 
 
 def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
 def _split_pads(pads: list[int], nd: int, name: str) -> tuple[list[int], list[int]]:
@@ -96,7 +130,7 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
         raise ModelError(f"ONNX node {name!r}: kernel_shape={kernel} does not match weight shape {list(w)}")
     stride = list(a.get("strides") or [1] * nd)
     dilation = list(a.get("dilations") or [1] * nd)
-    group = int(a.get("group", 1))
+    group = a.get("group", 1)
     auto_pad = _text(a.get("auto_pad", "NOTSET")) or "NOTSET"
     if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
         raise ModelError(f"ONNX node {name!r}: unknown auto_pad {auto_pad!r}")
@@ -114,7 +148,7 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
             begin, end = map(list, zip(*(_same_split(t, auto_pad == "SAME_UPPER") for t in totals)))
         if begin != end:
             if not widen:
-                raise _Unsupported(f"asymmetric pads (begin {begin}, end {end})")
+                raise _Unsupported(f"asymmetric pads (begin {begin}, end {end})", "pads")
             begin = [max(b, e) for b, e in zip(begin, end)]  # onnxruntime's CUDA provider: widen, then slice
         return ConvLayer(name, (1, x[1], *size), w, stride=tuple(stride), padding=tuple(begin), dilation=tuple(dilation),
                          groups=group)
@@ -134,7 +168,7 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
         # The spec: output_shape overrides pads; SAME_UPPER puts the odd one at the end, anything else at the start.
         begin, end = map(list, zip(*(_same_split(t, auto_pad == "SAME_UPPER") for t in totals)))
     if begin != end and not widen:
-        raise _Unsupported(f"asymmetric pads (begin {begin}, end {end})")
+        raise _Unsupported(f"asymmetric pads (begin {begin}, end {end})", "pads")
     pad = [min(b, e) for b, e in zip(begin, end)]
     out = [f - 2 * p for f, p in zip(full, pad)]
     if any(o < 1 for o in out):
@@ -159,14 +193,29 @@ def _count_subgraph_convs(graph: Any) -> int:
     return n
 
 
-def _names(items: list[tuple[str, str]], limit: int = 5) -> str:
-    shown = "; ".join(f"{n!r} ({why})" for n, why in items[:limit])
+def _names(items: list[tuple[str, str, str]], limit: int = 5) -> str:
+    shown = "; ".join(f"{n!r} ({why})" for n, why, _ in items[:limit])
     return shown + (f"; and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _hint(items: list[tuple[str, str, str]]) -> str:
+    """What to do about the nodes ``items`` (name, why, kind) that cannot be planned."""
+    fixes = [hint for kind, hint in _HINTS.items() if any(k == kind for _, _, k in items)]
+    return ", or ".join([*fixes, "skip them with skip_unknown=True / --skip-unknown"])
+
+
+def _with_channels(x: tuple[int | None, ...] | None, w: tuple[int | None, ...] | None, group: int,
+                   transposed: bool) -> tuple[int | None, ...] | None:
+    """``x`` with an unknown channel count taken from the weight ``w`` (see the module docstring)."""
+    if x is None or w is None or len(x) < 2 or x[1] is not None or len(w) != len(x) or None in w[:2]:
+        return x
+    channels = w[0] if transposed else cast(int, w[1]) * group
+    return (x[0], channels, *x[2:])
 
 
 def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
               asymmetric_pads: str = "widen",
-              input_shapes: Mapping[str, Sequence[int]] | Sequence[int] | None = None) -> list[ConvLayer]:
+              input_shapes: Mapping[str, Sequence[int]] | Sequence[int] | None = None) -> LayerList:
     """The convolutions of the ONNX model at ``path``; see the module docstring for the rules.
 
     ``input_shapes`` fixes the shapes of graph inputs before shape inference, for models whose spatial
@@ -217,39 +266,45 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         raise ModelError(f"{path!r}: ONNX shape inference failed: {exc}".splitlines()[0]) from None
     shapes = _shape_table(inferred.graph)
 
-    layers: list[ConvLayer] = []
-    unknown: list[tuple[str, str]] = []
+    layers = LayerList()
+    unknown: list[tuple[str, str, str]] = []  # (name, why, kind)
     for index, node in convs:
         name = node.name or (node.output[0] if node.output and node.output[0] else f"{node.op_type}_{index}")
         x, w = (shapes.get(node.input[i]) if len(node.input) > i else None for i in (0, 1))
+        try:
+            attrs = _attrs(node, name)
+        except ModelError as exc:
+            raise ModelError(f"{path!r}: {exc}") from None
         if x is not None and len(x) >= 1:
             x = (1, *x[1:])  # symbolic or fixed batch: the planner sets its own
+        x = _with_channels(x, w, attrs.get("group", 1), node.op_type == "ConvTranspose")
         if x is None or None in x:
-            unknown.append((name, f"input shape {_show(x)} unknown"))
+            unknown.append((name, f"input shape {_show(x)} unknown", "shape"))
             continue
         if w is None or None in w:
-            unknown.append((name, f"weight shape {_show(w)} unknown"))
+            unknown.append((name, f"weight shape {_show(w)} unknown", "shape"))
             continue
         if len(x) not in (3, 4, 5) or len(w) != len(x):
-            unknown.append((name, f"input {list(x)} and weight {list(w)} are not a 1-, 2- or 3-D convolution"))
+            why = f"input {list(x)} and weight {list(w)} are not a 1-, 2- or 3-D convolution"
+            unknown.append((name, why, "geometry"))
             continue
         try:
             known_x, known_w = cast(tuple[int, ...], x), cast(tuple[int, ...], w)  # no None left: checked above
-            layers.append(_conv_layer(name, known_x, known_w, _attrs(node), node.op_type == "ConvTranspose",
+            layers.append(_conv_layer(name, known_x, known_w, attrs, node.op_type == "ConvTranspose",
                                       asymmetric_pads == "widen"))
         except _Unsupported as exc:
-            unknown.append((name, str(exc)))
+            unknown.append((name, str(exc), exc.kind))
         except ModelError as exc:
             raise ModelError(f"{path!r}: {exc}") from None
     if unknown and not skip_unknown:
         raise ModelError(
-            f"{path!r}: {len(unknown)} conv node(s) cannot be planned: {_names(unknown)} "
-            "(fix the model's input shapes, or skip them with skip_unknown=True / --skip-unknown)"
+            f"{path!r}: {len(unknown)} conv node(s) cannot be planned: {_names(unknown)} ({_hint(unknown)})"
         )
     if unknown:
         warnings.warn(f"{path}: skipped {len(unknown)} conv node(s): {_names(unknown)}", stacklevel=3)
     if not layers:
         raise ModelError(f"{path!r}: none of the model's {len(convs)} conv node(s) could be planned")
+    layers.skipped = tuple((name, why) for name, why, _ in unknown)
     return layers
 
 

@@ -1,0 +1,179 @@
+"""GPU: a ResNet-50 training step in PyTorch, its own convolutions against wsarena's (``wsarena.torch.convert``).
+
+The same model (ResNet-50 as torchvision builds it, defined here so that torchvision is not needed), batch, data
+and SGD step in every configuration:
+
+- ``torch``            PyTorch's cuDNN convolutions (``cudnn.benchmark`` off: its heuristics);
+- ``torch benchmark``  the same with ``cudnn.benchmark`` on (it times the algorithms, and may take larger ones);
+- ``wsarena``          the model converted, no cap; ``wsarena 64MiB``: under ``cap_workspace="64MiB"``.
+
+TF32 is off in PyTorch's convolutions, as wsarena computes float32 in full float32 (``--autocast float16`` runs
+the step under ``torch.autocast`` instead). Per configuration: the median step time over ``--steps`` steps after
+``--warmup`` (CUDA synchronised around each step), the peak of ``torch.cuda.max_memory_allocated()`` and of
+``memory_reserved()`` over a step, and the convolution workspace: for PyTorch, each convolution call's peak
+allocation beyond its inputs and outputs (measured in a step of its own through a ``TorchDispatchMode`` on
+``aten.convolution`` and ``aten.convolution_backward``), the largest of them and their sum; for wsarena, what the
+arena holds (its memory comes from PyTorch's caching allocator, so it is inside the peaks too).
+
+Run: python bench/bench_gpu_torch.py [--batch 32] [--steps 10] [--warmup 3] [--autocast float16]
+                                     [--memory-format channels_last|contiguous] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import wsarena
+import wsarena.torch
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = width * 4
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True), nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout),
+        )
+        self.down = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.down(x))
+
+
+def resnet50(classes: int = 1000) -> nn.Module:
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(64),
+                               nn.ReLU(inplace=True), nn.MaxPool2d(3, stride=2, padding=1)]
+    cin = 64
+    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for i in range(blocks):
+            layers.append(Bottleneck(cin, width, stride if i == 0 else 1))
+            cin = width * 4
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)
+
+
+class WorkspaceProbe(TorchDispatchMode):
+    """Each convolution call's peak allocation beyond what it had before and the outputs it returns."""
+
+    OPS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self.OPS:
+            return func(*args, **(kwargs or {}))
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = func(*args, **(kwargs or {}))
+        kept = sum(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        self.calls.append(max(0, torch.cuda.max_memory_allocated() - before - kept))
+        return out
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, target: torch.Tensor,
+               autocast: torch.dtype | None) -> None:
+    opt.zero_grad(set_to_none=True)
+    scope = torch.autocast("cuda", dtype=autocast) if autocast else contextlib.nullcontext()
+    with scope:
+        loss = nn.functional.cross_entropy(model(x), target)
+    loss.backward()
+    opt.step()
+
+
+def measure(name: str, model: nn.Module, x: torch.Tensor, target: torch.Tensor, args: argparse.Namespace,
+            autocast: torch.dtype | None, probe: bool) -> dict:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for _ in range(args.warmup):
+        train_step(model, opt, x, target, autocast)
+    torch.cuda.synchronize()
+    times = []
+    peaks = []
+    for _ in range(args.steps):
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        train_step(model, opt, x, target, autocast)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+    row = {
+        "name": name, "step_ms": round(statistics.median(times) * 1e3, 2),
+        "peak_allocated_bytes": max(p[0] for p in peaks), "peak_reserved_bytes": max(p[1] for p in peaks),
+    }
+    if probe:
+        with WorkspaceProbe() as p:
+            train_step(model, opt, x, target, autocast)
+        torch.cuda.synchronize()
+        row.update(workspace_peak_bytes=max(p.calls, default=0), workspace_sum_bytes=sum(p.calls),
+                   conv_calls=len(p.calls))
+    else:
+        stats = wsarena.get_arena(x.device.index).stats()
+        row.update(workspace_peak_bytes=stats.high_water_bytes, arena_bytes=stats.capacity_bytes,
+                   provider=type(wsarena.get_arena(x.device.index).provider).__name__)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--autocast", choices=("float16", "bfloat16"), default=None)
+    parser.add_argument("--memory-format", choices=("channels_last", "contiguous"), default="channels_last")
+    parser.add_argument("--json", default=None, help="write the results here too")
+    args = parser.parse_args()
+    autocast = getattr(torch, args.autocast) if args.autocast else None
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    memory_format = torch.channels_last if args.memory_format == "channels_last" else torch.contiguous_format
+    base = resnet50().cuda().to(memory_format=memory_format)
+    x = torch.randn(args.batch, 3, 224, 224, device="cuda").to(memory_format=memory_format)
+    target = torch.randint(0, 1000, (args.batch,), device="cuda")
+    rows = []
+    for name, bench_mode in (("torch", False), ("torch benchmark", True)):
+        torch.backends.cudnn.benchmark = bench_mode
+        rows.append(measure(name, copy.deepcopy(base), x, target, args, autocast, probe=True))
+        torch.cuda.empty_cache()
+    torch.backends.cudnn.benchmark = False
+    for name, cap in (("wsarena", None), ("wsarena 64MiB", "64MiB")):
+        wsarena.arena.reset_arenas()
+        wsarena.configure(cap_workspace=cap)
+        torch.cuda.empty_cache()
+        rows.append(measure(name, wsarena.torch.convert(copy.deepcopy(base)), x, target, args, autocast, probe=False))
+    mib = 1 << 20
+    print(f"ResNet-50 training step, batch {args.batch}, {args.autocast or 'float32'}, {args.memory_format}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    print(f"{'':<16} {'step ms':>8} {'peak alloc MiB':>15} {'peak reserved MiB':>18} {'workspace MiB':>14}")
+    for r in rows:
+        print(f"{r['name']:<16} {r['step_ms']:8.1f} {r['peak_allocated_bytes'] / mib:15.0f} "
+              f"{r['peak_reserved_bytes'] / mib:18.0f} {r['workspace_peak_bytes'] / mib:14.1f}")
+    print("workspace: PyTorch, the largest per-call transient allocation of a convolution (sum over the step: "
+          + ", ".join(f"{r['name']} {r['workspace_sum_bytes'] / mib:.0f} MiB" for r in rows if "workspace_sum_bytes" in r)
+          + "); wsarena, the arena's largest lease (held: "
+          + ", ".join(f"{r['name']} {r['arena_bytes'] / mib:.0f} MiB" for r in rows if "arena_bytes" in r) + ")")
+    if args.json:
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "cudnn": torch.backends.cudnn.version(), "batch": args.batch,
+                  "dtype": args.autocast or "float32", "memory_format": args.memory_format, "rows": rows}
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

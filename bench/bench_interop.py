@@ -1,0 +1,89 @@
+"""Host time of one tiny cached call, NumPy operands against operands of other array libraries.
+
+The tiny call is a 1x1x4x4 float32 input and a 1x1x3x3 filter, so the time is the op's own Python, not the
+arithmetic. Cases: NumPy with ``out=`` and without, and, when torch is installed, the same through torch CPU
+tensors (converted to NumPy views and back through DLPack) and ``torch.nn.functional.conv2d`` for scale.
+
+To compare checkouts side by side (say the package before and after a change), name their roots: each runs in a
+subprocess of its own, alternately, ``--rounds`` times, and the table gives each case's best round.
+
+    python bench/bench_interop.py [--number 2000] [--repeat 5] [--rounds 3] [--checkout DIR ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import timeit
+
+
+def measure(number: int, repeat: int) -> dict[str, float]:
+    """Microseconds per call of each case, best of ``repeat`` runs of ``number`` calls, in this process."""
+    import numpy as np
+
+    import wsarena
+
+    x = np.random.default_rng(0).standard_normal((1, 1, 4, 4), dtype=np.float32)
+    w = np.ones((1, 1, 3, 3), np.float32)
+    y = np.empty((1, 1, 2, 2), np.float32)
+    cases = {
+        "numpy, out=": lambda: wsarena.conv_forward(x, w, out=y),
+        "numpy": lambda: wsarena.conv_forward(x, w),
+    }
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        tx, tw, ty = torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(y)
+        cases["torch cpu, out="] = lambda: wsarena.conv_forward(tx, tw, out=ty)
+        cases["torch cpu"] = lambda: wsarena.conv_forward(tx, tw)
+        cases["torch F.conv2d"] = lambda: torch.nn.functional.conv2d(tx, tw)
+    results = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+        except TypeError:  # a checkout that does not take these operands
+            continue
+        best = min(timeit.repeat(fn, number=number, repeat=repeat))
+        results[name] = best / number * 1e6
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--number", type=int, default=2000, help="calls per timing")
+    parser.add_argument("--repeat", type=int, default=5, help="timings per round; the best counts")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per checkout")
+    parser.add_argument("--checkout", action="append", default=[], help="a checkout root to compare")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one measurement, for a parent
+    args = parser.parse_args()
+    if args.json:
+        print(json.dumps(measure(args.number, args.repeat)))
+        return 0
+    if not args.checkout:
+        for name, us in measure(args.number, args.repeat).items():
+            print(f"{name:<18} {us:8.2f} us")
+        return 0
+    best: dict[str, dict[str, float]] = {root: {} for root in args.checkout}
+    for _ in range(args.rounds):
+        for root in args.checkout:
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(root)}
+            command = [sys.executable, __file__, "--json", "--number", str(args.number), "--repeat", str(args.repeat)]
+            found = json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
+            for name, us in found.items():
+                best[root][name] = min(us, best[root].get(name, us))
+    names = list(dict.fromkeys(n for found in best.values() for n in found))
+    print(f"best of {args.rounds} alternating rounds, each the best of {args.repeat} x {args.number} calls (us per call)")
+    print(f"{'case':<18}" + "".join(f" {os.path.basename(os.path.abspath(r)):>14}" for r in args.checkout))
+    for name in names:
+        cells = "".join(f" {best[r][name]:14.2f}" if name in best[r] else f" {'-':>14}" for r in args.checkout)
+        print(f"{name:<18}{cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,242 @@
+"""Misuse that used to escape as an internal error: the planner's and the arena's arguments, sizes beyond what
+cuDNN takes (int32) or an array can hold, and NumPy integers where a size is expected."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+import wsarena
+from wsarena._geometry import conv_geometry
+from wsarena.backends._cpu_backend import CpuBackend
+from wsarena.models import ModelError
+from wsarena.tuning import tune
+
+pytestmark = pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
+
+LAYERS = wsarena.load_model("resnet50")[:2]
+INT32_MAX = 2**31 - 1  # the largest value a cuDNN descriptor holds
+
+
+@pytest.mark.parametrize(
+    ("layers", "error", "match"),
+    [
+        ("resnet50", TypeError, r"layers must be a list of ConvLayer, not 'resnet50': load it with"),
+        (["resnet50"], TypeError, r"layers\[0\] must be a ConvLayer, not str 'resnet50'"),
+        (None, TypeError, r"layers must be a list of ConvLayer \(from wsarena.load_model\), not None"),
+        (5, TypeError, "layers must be a list of ConvLayer"),
+        ([], ValueError, "layers is empty"),
+        ([*LAYERS, {"name": "a", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}], TypeError,
+         r"layers\[2\] must be a ConvLayer, not dict"),
+    ],
+)
+@pytest.mark.parametrize("entry", [wsarena.plan, tune])
+def test_plan_and_tune_name_a_bad_layer_list(entry, layers, error, match):
+    with pytest.raises(error, match=match):
+        entry(layers, backend="cpu")
+
+
+def test_plan_takes_any_iterable_of_layers_once():
+    assert wsarena.plan(iter(LAYERS), backend="cpu").arena_bytes == wsarena.plan(LAYERS, backend="cpu").arena_bytes
+    assert len(tune(iter(LAYERS), backend="cpu").uncapped.layers) == 2
+
+
+@pytest.mark.parametrize("plan", [None, {"stream_bytes": [4096]}, 5, "plan"])
+def test_reserve_for_names_a_bad_plan_and_changes_nothing(fresh_arena, plan):
+    with pytest.raises(TypeError, match=r"plan must be a wsarena.plan\(\) result"):
+        fresh_arena.reserve_for(plan)
+    assert fresh_arena.stats().capacity_bytes == 0 and fresh_arena.stats().allocations == 0
+
+
+def test_reserve_for_names_a_bad_size_in_the_plan(fresh_arena):
+    class Plan:
+        stream_bytes = (4096, 2.5)
+
+    with pytest.raises(TypeError, match=r"plan.stream_bytes must be an int, not 2.5"):
+        fresh_arena.reserve_for(Plan(), streams=["a", "b"])
+    assert fresh_arena.stats().capacity_bytes == 0
+
+
+X = np.ones((1, 1, 8, 8), np.float32)
+W = np.ones((1, 1, 3, 3), np.float32)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stride": 2**62}, r"stride=4611686018427387904 is above 2\*\*31 - 1"),
+        ({"stride": (1, 2**31)}, r"stride=\(1, 2147483648\): 2147483648 is above 2\*\*31 - 1"),
+        ({"padding": 2**40}, r"padding=1099511627776 is above 2\*\*31 - 1"),
+        ({"padding": ((2**31, 2**31), (0, 0))}, r"padding=.*2147483648 is above 2\*\*31 - 1"),
+        ({"dilation": 2**31}, r"dilation=2147483648 is above"),
+        # within int32 but the output would not be: (8 + 2 * 2**30 - 3) + 1 > 2**31 - 1
+        ({"padding": 2**30}, r"padding=\(1073741824, 1073741824\) makes the output 2147483654 long in dimension 0"),
+    ],
+)
+def test_conv_arguments_beyond_int32_are_named_before_any_lease(fresh_arena, kwargs, match):
+    for call in (
+        lambda: wsarena.conv_forward(X, W, **kwargs),
+        lambda: wsarena.conv_backward_data(np.ones((1, 1, 6, 6), np.float32), W, X.shape, **kwargs),
+        lambda: wsarena.conv_backward_filter(X, np.ones((1, 1, 6, 6), np.float32), W.shape, **kwargs),
+    ):
+        with pytest.raises(ValueError, match=match):
+            call()
+    stats = fresh_arena.stats()
+    assert (stats.capacity_bytes, stats.allocations, stats.leases) == (0, 0, 0)
+
+
+def test_the_largest_int32_values_are_accepted():
+    g = conv_geometry((1, 1, 8, 8), (1, 1, 3, 3), stride=INT32_MAX, padding=INT32_MAX // 2 - 1)
+    assert g.stride == (INT32_MAX, INT32_MAX) and g.output_size == (2, 2)
+    y = wsarena.conv_forward(X, W, stride=INT32_MAX)
+    assert y.shape == (1, 1, 1, 1) and y[0, 0, 0, 0] == 9.0
+    # every window of the huge padding reads only zeros
+    y = wsarena.conv_forward(X, W, stride=INT32_MAX, padding=INT32_MAX // 2 - 1)
+    assert y.shape == (1, 1, 2, 2) and not y.any()
+
+
+@pytest.mark.parametrize(
+    ("shapes", "kwargs", "match"),
+    [
+        (((2**31, 1, 8, 8), (1, 1, 3, 3)), {}, r"input_shape=\(2147483648, 1, 8, 8\): 2147483648 is above"),
+        (((1, 1, 8, 8), (1, 1, 3, 2**31)), {}, r"weight_shape=.*2147483648 is above"),
+        (((2**31 - 2, 2**31 - 2, 8, 8), (2**31 - 2, 1, 3, 3)), {"groups": 2**31}, r"groups=2147483648 is above"),
+        # each dimension fits in int32, the array does not fit in memory's address space
+        (((INT32_MAX, INT32_MAX, INT32_MAX, 1), (1, INT32_MAX, 1, 1)), {},
+         r"input_shape \(.*\) of float32 is \d+ bytes, more than an array can hold"),
+        (((1, 1, 2**20, 2**20), (INT32_MAX, 1, 1, 1)), {}, r"the output shape \(1, 2147483647, 1048576, 1048576\)"),
+    ],
+)
+def test_geometry_beyond_what_an_array_or_cudnn_holds_is_a_value_error(shapes, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        conv_geometry(*shapes, **kwargs)
+
+
+def test_with_batch_checks_the_same_limits():
+    g = conv_geometry((1, 64, 2**14, 2**14), (1, 64, 1, 1))
+    with pytest.raises(ValueError, match=r"batch=2147483648 is above"):
+        g.with_batch(2**31)
+    with pytest.raises(ValueError, match=r"input_shape \(2147483647, 64, 16384, 16384\) of float32 is"):
+        g.with_batch(INT32_MAX)
+
+
+def test_an_output_that_cannot_be_allocated_is_a_memory_error_naming_it(fresh_arena, monkeypatch):
+    def no_room(self, shape, dtype):
+        raise MemoryError(f"Unable to allocate an array with shape {shape}")
+
+    monkeypatch.setattr(CpuBackend, "empty", no_room)
+    with pytest.raises(MemoryError, match=r"no memory for the output: \(1, 1, 2000006, 2000006\) of float32 is "
+                                          r"14.55 TiB \(check padding"):
+        wsarena.conv_forward(X, W, padding=10**6)
+    assert fresh_arena.stats().capacity_bytes == 0
+
+
+def test_a_json_layer_with_a_huge_dimension_is_a_model_error(tmp_path):
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps([{"name": "big", "input_shape": [1, 3, 10**30, 8], "weight_shape": [4, 3, 3, 3]}]))
+    with pytest.raises(ModelError, match=r"layer 'big': input_shape=.* is above 2\*\*31 - 1"):
+        wsarena.load_model(path)
+
+
+@pytest.mark.parametrize("cap", [np.int64(5), np.uint32(5), np.int8(5)])
+def test_numpy_integers_are_sizes(cap):
+    assert wsarena.parse_size(cap) == 5 and type(wsarena.parse_size(cap)) is int
+    assert wsarena.configure(cap_workspace=cap).cap_workspace == 5
+    with wsarena.config(cap_workspace=cap) as cfg:
+        assert cfg.cap_workspace == 5 and type(cfg.cap_workspace) is int
+    assert wsarena.plan(LAYERS, backend="cpu", cap_workspace=cap).cap_workspace == 5
+    arena = wsarena.get_arena("cpu")
+    with arena.lease(5, cap=cap) as ws:
+        assert ws.nbytes == 5
+    with pytest.raises(wsarena.WorkspaceCapError):
+        arena.lease(6, cap=cap)
+
+
+@pytest.mark.parametrize("cap", [np.True_, True, 1.0, np.float64(5), np.array([5])])
+def test_other_numbers_are_not_sizes(cap):
+    with pytest.raises(TypeError, match="a size must be an int or a string"):
+        wsarena.parse_size(cap)
+    with pytest.raises(TypeError, match="a size must be an int"):
+        wsarena.configure(cap_workspace=cap)
+    assert wsarena.get_config().cap_workspace is None
+
+
+# Found by the fuzz tests (tests/test_fuzz_*.py)
+
+
+def test_a_dtype_the_backend_does_not_compute_in_names_the_operand():
+    x, w = np.ones((1, 1, 4, 4), np.float16), np.ones((1, 1, 3, 3), np.float16)
+    with pytest.raises(TypeError, match=r"^x has dtype float16: the cpu backend computes in float32 or float64"):
+        wsarena.conv_forward(x, w)
+    with pytest.raises(TypeError, match=r"^dy has dtype float16"):
+        wsarena.conv_backward_data(np.ones((1, 1, 2, 2), np.float16), w, x.shape)
+
+
+@pytest.mark.parametrize("cap", [".1", "-1", "lots", 1.5, -1])
+def test_a_bad_cap_names_the_setting(cap):
+    error = TypeError if cap == 1.5 else ValueError
+    with pytest.raises(error, match=rf"^cap_workspace={re.escape(repr(cap))}: "):
+        wsarena.configure(cap_workspace=cap)
+    with pytest.raises(error, match=r"^cap_workspace="):
+        wsarena.plan(LAYERS, backend="cpu", cap_workspace=cap)
+
+
+def test_a_json_integer_of_too_many_digits_is_a_model_error(tmp_path):
+    path = tmp_path / "digits.json"
+    path.write_text('{"layers": [' + "9" * 5000 + "]}")
+    with pytest.raises(ModelError, match=r"is not a JSON layer list: Exceeds the limit \(4300 digits\)"):
+        wsarena.load_model(path)
+
+
+def damaged_conv(tmp_path, attribute):
+    """A one-conv ONNX model whose conv carries ``attribute`` (an AttributeProto), as a damaged file can."""
+    import onnx
+
+    from .onnx_graphs import conv, vi, weight
+
+    node = conv("c", "x", "w", "y")
+    node.attribute.append(attribute)
+    graph = onnx.helper.make_graph([node], "g", [vi("x", [1, 3, 8, 8])], [vi("y", None)],
+                                   initializer=[weight("w", (4, 3, 3, 3))])
+    path = tmp_path / "damaged.onnx"
+    onnx.save(onnx.helper.make_model(graph), str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda h: h.make_attribute("strides", h.make_graph([], "sub", [], [])), r"strides=.* must be a list of ints"),
+        (lambda h: h.make_attribute("strides", [0, 0]), r"strides=\[0, 0\] must be a list of ints >= 1"),
+        (lambda h: h.make_attribute("pads", [1.5, 1.0, 1.0, 1.0]), r"pads=\[1.5, 1.0, 1.0, 1.0\] must be a list"),
+        (lambda h: h.make_attribute("group", 2.0), r"group=2.0 must be an int >= 1"),
+        (lambda h: h.make_attribute("group", 0), r"group=0 must be an int >= 1"),
+        (lambda h: h.make_attribute("auto_pad", [1, 2]), r"auto_pad=\[1, 2\] must be a string"),
+    ],
+)
+def test_a_damaged_onnx_attribute_is_a_model_error_naming_the_node(tmp_path, make, match):
+    import onnx
+
+    path = damaged_conv(tmp_path, make(onnx.helper))
+    with pytest.raises(ModelError, match=rf"damaged.onnx': ONNX node 'c': {match}"):
+        wsarena.load_model(path)
+
+
+def test_strides_of_zero_with_same_padding_are_a_model_error(tmp_path):
+    import onnx
+
+    path = damaged_conv(tmp_path, onnx.helper.make_attribute("strides", [0, 0]))
+    model = onnx.load(str(path))
+    model.graph.node[0].attribute.append(onnx.helper.make_attribute("auto_pad", "SAME_UPPER"))
+    onnx.save(model, str(path))
+    with pytest.raises(ModelError, match=r"strides=\[0, 0\] must be a list of ints >= 1"):
+        wsarena.load_model(path)
+
+
+def test_an_auto_pad_that_is_not_utf8_is_a_model_error(tmp_path):
+    import onnx
+
+    path = damaged_conv(tmp_path, onnx.helper.make_attribute("auto_pad", b"SAME\xff"))
+    with pytest.raises(ModelError, match="unknown auto_pad 'SAME\ufffd'"):
+        wsarena.load_model(path)

@@ -1,0 +1,174 @@
+"""The command line with awkward input: where the plot goes, warnings, --streams, ONNX inputs, odd layer names,
+and the hint an error about an unplannable ONNX node gives; for `report` and `tune` alike."""
+
+import contextlib
+import json
+import os
+
+import pytest
+from onnx import TensorProto, helper
+
+from .cli_helpers import run_cli, run_main
+from .onnx_graphs import conv, save, vi, weight
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+
+
+def lost_conv_model(tmp_path, name="lost"):
+    """Two convs; the second reads a tensor reshaped to a runtime shape, so its spatial size stays unknown."""
+    nodes = [conv("known", "x", "w", "y0", pads=[1, 1, 1, 1]), helper.make_node("Reshape", ["y0", "s"], ["r"]),
+             conv(name, "r", "w", "y1")]
+    inputs = [vi("x", [1, 4, 8, 8]), helper.make_tensor_value_info("s", TensorProto.INT64, [4])]
+    return save(tmp_path / "lost.onnx", nodes, inputs, [weight("w", (4, 4, 3, 3))])
+
+
+TUNE = ("tune", "--max-slowdown", "50%")  # any slowdown: these tests look at the output, not the choice
+
+
+def small_model(tmp_path, n=3):
+    """A JSON model of ``n`` small layers, quick to tune."""
+    layers = [{"name": f"c{i}", "input_shape": [1, 4, 8, 8], "weight_shape": [4, 4, 3, 3], "padding": 1}
+              for i in range(n)]
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(layers))
+    return str(path)
+
+# ----------------------------------------------------------------------------------------------------- --plot
+
+
+@pytest.mark.parametrize("command", [("report",), TUNE])
+def test_the_plot_is_written_exactly_where_asked(capsys, tmp_path, command):
+    pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")
+    model = small_model(tmp_path)
+    target = tmp_path / "workspace-plot"  # no extension: matplotlib alone would write workspace-plot.png
+    code, _, err = run_main(capsys, *command, model, "--backend", "cpu", "--plot", str(target))
+    assert code == 0, err
+    assert target.read_bytes()[:8] == PNG and sorted(os.listdir(tmp_path)) == ["small.json", "workspace-plot"]
+
+
+@pytest.mark.parametrize("command", [("report",), TUNE])
+def test_a_plot_path_that_cannot_be_written_exits_3(capsys, tmp_path, command):
+    pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")
+    model = small_model(tmp_path)
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    for path, why in ((folder, "Is a directory"), (tmp_path / "missing" / "p.png", "No such file or directory")):
+        code, out, err = run_main(capsys, *command, model, "--backend", "cpu", "--plot", str(path))
+        assert (code, out) == (3, "")
+        assert err == f"wsarena: error: cannot write the plot to {str(path)!r}: {why}\n"
+    assert sorted(os.listdir(tmp_path)) == ["a-folder", "small.json"] and os.listdir(folder) == []  # no .png
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose writes fail")
+def test_a_plot_on_a_full_device_exits_3(capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")
+    def stat(path):
+        with contextlib.suppress(FileNotFoundError):
+            return os.stat(path)
+        return None
+
+    before = stat("/dev/full.png")
+    code, out, err = run_main(capsys, "report", small_model(tmp_path), "--backend", "cpu", "--plot", "/dev/full")
+    assert (code, out) == (3, "")
+    assert err == "wsarena: error: cannot write the plot to '/dev/full': No space left on device\n"
+    assert stat("/dev/full.png") == before  # not written beside it
+
+
+# --------------------------------------------------------------------------------------------------- warnings
+
+
+@pytest.mark.parametrize("command", [("report",), TUNE])
+def test_warnings_are_one_line_each(tmp_path, command):
+    path = lost_conv_model(tmp_path)
+    r = run_cli(*command, str(path), "--backend", "cpu", "--skip-unknown")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == (f"wsarena: warning: {path}: skipped 1 conv node(s): 'lost' (input shape [1, 4, ?, ?] "
+                        "unknown)\n")
+
+
+def test_a_multi_line_warning_becomes_one_line(capsys, monkeypatch):
+    import warnings
+
+    import wsarena.cli
+
+    def warn_twice(args):
+        warnings.warn("first line\nsecond line", UserWarning, stacklevel=1)
+        return 0
+
+    monkeypatch.setattr(wsarena.cli, "_info", warn_twice)
+    code, _, err = run_main(capsys, "info")
+    assert code == 0 and err == "wsarena: warning: first line second line\n"
+
+
+# ---------------------------------------------------------------------------------------------------- streams
+
+
+@pytest.mark.parametrize("command", [("report",), TUNE])
+def test_more_streams_than_layers_is_refused(capsys, tmp_path, command):
+    model = small_model(tmp_path, 3)
+    code, out, err = run_main(capsys, *command, model, "--backend", "cpu", "--streams", "4")
+    assert (code, out) == (2, "")
+    assert err == ("wsarena: error: streams=4 is more than the model's 3 layer(s): one run of the model cannot "
+                   "keep more streams busy than it has layers\n")
+    code, out, err = run_main(capsys, *command, model, "--backend", "cpu", "--streams", "3", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["streams"] == 3
+
+
+# ----------------------------------------------------------------------------------------------- ONNX inputs
+
+
+def test_input_shape_counts_only_inputs_without_an_initializer(capsys, tmp_path):
+    # Older exporters (IR version 3) list every weight as a graph input too.
+    nodes = [conv("c1", "x", "w1", "y1", pads=[1, 1, 1, 1]), conv("c2", "y1", "w2", "y2")]
+    inputs = [vi("x", ["N", 3, "H", "W"]), vi("w1", [8, 3, 3, 3]), vi("w2", [4, 8, 3, 3])]
+    path = save(tmp_path / "weights-as-inputs.onnx", nodes, inputs, [weight("w1", (8, 3, 3, 3)),
+                                                                     weight("w2", (4, 8, 3, 3))])
+    for command in (("report",), TUNE):
+        code, out, err = run_main(capsys, *command, str(path), "--backend", "cpu", "--input-shape", "1,3,64,64",
+                                  "--format", "json")
+        assert code == 0, err
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--input-shape", "1,3,64,64",
+                              "--format", "json")
+    assert [layer["input_shape"] for layer in json.loads(out)["layers"]] == [[1, 3, 64, 64], [1, 8, 64, 64]]
+
+
+def test_a_layer_name_with_a_newline_keeps_the_table_whole(capsys, tmp_path):
+    path = save(tmp_path / "odd.onnx", [conv("stem\nconv\t1", "x", "w", "y")], [vi("x", [1, 3, 8, 8])],
+                [weight("w", (4, 3, 3, 3))])
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu")
+    assert code == 0, err
+    head, rule, row = out.splitlines()[3:6]
+    assert head.startswith("layer") and set(rule) == {"-", " "}
+    assert row.startswith("stem\\nconv\\t1  1x3x8x8  4x3x3x3  s1 p0")
+    assert len(out.splitlines()) == 10  # title, settings, blank, head, rule, the row, blank, three totals
+
+
+@pytest.mark.parametrize(
+    ("attrs", "flags", "why", "hint"),
+    [
+        ({"pads": [0, 0, 1, 1]}, ("--asymmetric-pads", "error"), "asymmetric pads (begin [0, 0], end [1, 1])",
+         ("model asymmetric pads as onnxruntime runs them (asymmetric_pads='widen' / --asymmetric-pads widen), or "
+          "skip them with skip_unknown=True / --skip-unknown")),
+        ({"op": "ConvTranspose", "strides": [2, 2], "output_shape": [40, 40]}, (),
+         "output_shape [40, 40] larger than the full output [17, 17]",
+         "skip them with skip_unknown=True / --skip-unknown"),
+    ],
+)
+def test_an_unplannable_node_gets_the_hint_that_fits_it(capsys, tmp_path, attrs, flags, why, hint):
+    path = save(tmp_path / "m.onnx", [conv("c", "x", "w", "y", **attrs)], [vi("x", [1, 4, 8, 8])],
+                [weight("w", (4, 4, 3, 3))])
+    for command in (("report",), TUNE):
+        code, out, err = run_main(capsys, *command, str(path), "--backend", "cpu", *flags)
+        assert (code, out) == (2, "")
+        assert err == f"wsarena: error: {str(path)!r}: 1 conv node(s) cannot be planned: 'c' ({why}) ({hint})\n"
+
+
+def test_an_unknown_shape_still_suggests_fixing_the_input_shapes(capsys, tmp_path):
+    path = lost_conv_model(tmp_path)
+    code, _, err = run_main(capsys, "report", str(path), "--backend", "cpu")
+    assert code == 2
+    assert err.endswith("(input shape [1, 4, ?, ?] unknown) (fix the model's input shapes (input_shapes= / "
+                        "--input-shape), or skip them with skip_unknown=True / --skip-unknown)\n")

@@ -1,0 +1,179 @@
+"""The backend (graph) API's owned descriptor through the real libcudnn, without a GPU.
+
+Creating and setting attributes need only libcudnn. Finalizing, and so reading attributes back, needs cuDNN's
+engine sub-libraries to load, which needs ``libcuda.so.1``: the conftest loads a stand-in where the driver is
+missing (tests/cudnn_probe/driver.py); the tests that finalize skip, with the reason, where even that fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from wsarena import cudnn
+from wsarena.cudnn import BackendAttributeName as A
+from wsarena.cudnn import BackendAttributeType as T
+from wsarena.cudnn import BackendDescriptor
+from wsarena.cudnn import BackendDescriptorType as D
+
+from .cudnn_probe import driver
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def finalizing():
+    reason = driver.finalize_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def tensor(uid, dims, strides, dtype=cudnn.DataType.FLOAT, alignment=16):
+    t = BackendDescriptor(D.TENSOR_DESCRIPTOR)
+    t.set(A.TENSOR_DATA_TYPE, T.DATA_TYPE, dtype).set(A.TENSOR_DIMENSIONS, T.INT64, dims)
+    t.set(A.TENSOR_STRIDES, T.INT64, strides).set(A.TENSOR_UNIQUE_ID, T.INT64, uid)
+    return t.set(A.TENSOR_BYTE_ALIGNMENT, T.INT64, alignment)
+
+
+def test_every_attribute_type_has_a_ctype_of_the_headers_size():
+    assert cudnn.ATTRIBUTE_CTYPES[T.INT64] is ctypes.c_int64
+    assert cudnn.ATTRIBUTE_CTYPES[T.BACKEND_DESCRIPTOR] is ctypes.c_void_p
+    assert cudnn.ATTRIBUTE_CTYPES[T.BOOLEAN] is ctypes.c_bool and ctypes.sizeof(ctypes.c_bool) == 1
+
+
+def test_create_and_set_need_no_finalize():
+    with tensor(1, [2, 3, 4, 5], [60, 20, 5, 1]) as t:
+        assert t.kind is D.TENSOR_DESCRIPTOR and not t.finalized and t.handle
+    assert t.closed
+    t.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        _ = t.handle
+
+
+def test_tensor_round_trip(finalizing):
+    with tensor(7, [2, 3, 4, 5], [60, 1, 15, 3], cudnn.DataType.HALF, 8) as t:
+        t.set(A.TENSOR_IS_VIRTUAL, T.BOOLEAN, False).finalize()
+        assert t.finalized
+        assert t.get(A.TENSOR_DIMENSIONS, T.INT64) == [2, 3, 4, 5]
+        assert t.get(A.TENSOR_STRIDES, T.INT64) == [60, 1, 15, 3]
+        assert t.get(A.TENSOR_DIMENSIONS, T.INT64, 2) == [2, 3]
+        assert t.get_one(A.TENSOR_UNIQUE_ID, T.INT64) == 7
+        assert t.get_one(A.TENSOR_DATA_TYPE, T.DATA_TYPE) is cudnn.DataType.HALF
+        assert t.get_one(A.TENSOR_IS_VIRTUAL, T.BOOLEAN) is False
+        assert t.count(A.TENSOR_DIMENSIONS, T.INT64) == 4
+
+
+def test_convolution_round_trip(finalizing):
+    with BackendDescriptor(D.CONVOLUTION_DESCRIPTOR) as conv:
+        conv.set(A.CONVOLUTION_COMP_TYPE, T.DATA_TYPE, cudnn.DataType.DOUBLE)
+        conv.set(A.CONVOLUTION_CONV_MODE, T.CONVOLUTION_MODE, cudnn.ConvolutionMode.CROSS_CORRELATION)
+        conv.set(A.CONVOLUTION_SPATIAL_DIMS, T.INT64, 3)
+        conv.set(A.CONVOLUTION_DILATIONS, T.INT64, [1, 2, 3]).set(A.CONVOLUTION_FILTER_STRIDES, T.INT64, [2, 1, 1])
+        conv.set(A.CONVOLUTION_PRE_PADDINGS, T.INT64, [0, 1, 2]).set(A.CONVOLUTION_POST_PADDINGS, T.INT64, [0, 1, 2])
+        conv.finalize()
+        assert conv.get_one(A.CONVOLUTION_COMP_TYPE, T.DATA_TYPE) is cudnn.DataType.DOUBLE
+        assert conv.get(A.CONVOLUTION_DILATIONS, T.INT64) == [1, 2, 3]
+        assert conv.get(A.CONVOLUTION_FILTER_STRIDES, T.INT64) == [2, 1, 1]
+        assert conv.get(A.CONVOLUTION_PRE_PADDINGS, T.INT64) == [0, 1, 2]
+
+
+def test_knob_choice_round_trip(finalizing):
+    with BackendDescriptor(D.KNOB_CHOICE_DESCRIPTOR) as knob:
+        knob.set(A.KNOB_CHOICE_KNOB_TYPE, T.KNOB_TYPE, cudnn.BackendKnobType.TILE_SIZE)
+        knob.set(A.KNOB_CHOICE_KNOB_VALUE, T.INT64, 3).finalize()
+        assert knob.get_one(A.KNOB_CHOICE_KNOB_TYPE, T.KNOB_TYPE) is cudnn.BackendKnobType.TILE_SIZE
+        assert knob.get_one(A.KNOB_CHOICE_KNOB_VALUE, T.INT64) == 3
+
+
+def test_descriptor_attributes_come_back_as_descriptors_and_keep_their_parts_alive(finalizing):
+    x, w, y = tensor(1, [1, 2, 5, 5], [50, 25, 5, 1]), tensor(2, [3, 2, 3, 3], [18, 9, 3, 1]), tensor(
+        3, [1, 3, 3, 3], [27, 9, 3, 1]
+    )
+    for t in (x, w, y):
+        t.finalize()
+    conv = BackendDescriptor(D.CONVOLUTION_DESCRIPTOR)
+    conv.set(A.CONVOLUTION_COMP_TYPE, T.DATA_TYPE, cudnn.DataType.FLOAT)
+    conv.set(A.CONVOLUTION_CONV_MODE, T.CONVOLUTION_MODE, cudnn.ConvolutionMode.CROSS_CORRELATION)
+    conv.set(A.CONVOLUTION_SPATIAL_DIMS, T.INT64, 2)
+    for name, value in ((A.CONVOLUTION_DILATIONS, 1), (A.CONVOLUTION_FILTER_STRIDES, 1),
+                        (A.CONVOLUTION_PRE_PADDINGS, 0), (A.CONVOLUTION_POST_PADDINGS, 0)):
+        conv.set(name, T.INT64, [value, value])
+    conv.finalize()
+    op = BackendDescriptor(D.OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR)
+    op.set(A.OPERATION_CONVOLUTION_FORWARD_ALPHA, T.FLOAT, 1.0).set(A.OPERATION_CONVOLUTION_FORWARD_BETA, T.FLOAT, 0)
+    op.set(A.OPERATION_CONVOLUTION_FORWARD_CONV_DESC, T.BACKEND_DESCRIPTOR, conv)
+    op.set(A.OPERATION_CONVOLUTION_FORWARD_X, T.BACKEND_DESCRIPTOR, x)
+    op.set(A.OPERATION_CONVOLUTION_FORWARD_W, T.BACKEND_DESCRIPTOR, w)
+    op.set(A.OPERATION_CONVOLUTION_FORWARD_Y, T.BACKEND_DESCRIPTOR, y)
+    del x, w, y, conv
+    gc.collect()  # the operation holds its parts
+    op.finalize()
+    (got,) = op.get_descriptors(A.OPERATION_CONVOLUTION_FORWARD_W, D.TENSOR_DESCRIPTOR, 1)
+    assert got.finalized and got.kind is D.TENSOR_DESCRIPTOR
+    # cuDNN 9.28 hands back its own grouped form of w, (groups, K, C, R, S), whose unique id reads -1
+    assert got.get(A.TENSOR_DIMENSIONS, T.INT64) == [1, 3, 2, 3, 3]
+    del op
+    gc.collect()
+    assert got.get(A.TENSOR_DIMENSIONS, T.INT64)[1:] == [3, 2, 3, 3]  # what it was read from stays alive with it
+
+
+def test_text_attribute_round_trip(finalizing):
+    text = (DATA / "h100-handwritten.json").read_text()
+    with BackendDescriptor(D.DEVICEPROP_DESCRIPTOR) as props:
+        props.set(A.DEVICEPROP_JSON_REPRESENTATION, T.CHAR, text).finalize()
+        assert json.loads(props.get_text(A.DEVICEPROP_JSON_REPRESENTATION)) == json.loads(text)
+
+
+def test_a_value_the_type_cannot_hold_is_a_type_error_naming_the_attribute():
+    with BackendDescriptor(D.TENSOR_DESCRIPTOR) as t:
+        with pytest.raises(TypeError, match="TENSOR_DIMENSIONS"):
+            t.set(A.TENSOR_DIMENSIONS, T.INT64, ["2", 3])
+        with pytest.raises(TypeError, match="TENSOR_IS_VIRTUAL"):
+            t.set(A.TENSOR_IS_VIRTUAL, T.BOOLEAN, 1)
+        with pytest.raises(TypeError, match="a BackendDescriptor"):
+            BackendDescriptor(D.OPERATIONGRAPH_DESCRIPTOR).set(A.OPERATIONGRAPH_OPS, T.BACKEND_DESCRIPTOR, [5])
+        with pytest.raises(TypeError, match="get_text"):
+            t.get(A.TENSOR_DIMENSIONS, T.CHAR)
+        with pytest.raises(TypeError, match="not supported"):
+            t.set(A.TENSOR_DIMENSIONS, T.FRACTION, 1)
+        with pytest.raises(ValueError, match="TENSOR_DATA_TYPE"):
+            t.set(A.TENSOR_DATA_TYPE, T.DATA_TYPE, 99)  # refused before cuDNN, which aborts the process on it
+
+
+def test_cudnn_refusals_are_typed_errors():
+    with BackendDescriptor(D.TENSOR_DESCRIPTOR) as t:
+        with pytest.raises(cudnn.CudnnBadParamAttributeTypeError, match="TENSOR_DATA_TYPE"):
+            t.set(A.TENSOR_DATA_TYPE, T.INT64, 0)  # the attribute's type is DATA_TYPE
+        with pytest.raises(cudnn.CudnnBadParamError):
+            t.set(123456, T.INT64, 0)  # no such attribute
+        with pytest.raises(cudnn.CudnnNotInitializedError):
+            t.get(A.TENSOR_DIMENSIONS, T.INT64, 4)  # not finalized
+    with pytest.raises(ValueError):
+        BackendDescriptor(999)  # no such kind: refused before cuDNN is asked
+
+
+def test_a_bad_value_is_refused_at_finalize_and_a_finalized_descriptor_is_read_only(finalizing):
+    with tensor(1, [2, 3, 4, 5], [60, 20, 5, 1], dtype=cudnn.DataType.FAST_FLOAT_FOR_FP8) as t:
+        with pytest.raises(cudnn.CudnnBadParamError, match="not a valid tensor data type"):
+            t.finalize()  # a data type no tensor may have
+        assert not t.finalized
+    with tensor(1, [2, 3, 4, 5], [60, 20, 5, 1]) as t:
+        t.finalize()
+        with pytest.raises(cudnn.CudnnBadParamError):
+            t.set(A.TENSOR_UNIQUE_ID, T.INT64, 2)
+        assert t.get_one(A.TENSOR_UNIQUE_ID, T.INT64) == 1
+
+
+def test_a_forgotten_descriptor_is_destroyed_quietly_when_collected():
+    t = tensor(1, [1, 1, 1, 1], [1, 1, 1, 1])
+    finalizer = t._finalizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del t
+        gc.collect()
+    assert not finalizer.alive

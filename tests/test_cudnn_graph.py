@@ -1,0 +1,185 @@
+"""A convolution through cuDNN's graph API, built on the CPU against device properties (no GPU, no handle).
+
+``tests/data/h100-handwritten.json`` holds an H100's properties written by hand in the JSON schema cuDNN 9.28
+reads (docs/deviceless.md); ``tests/data/h100.json``, where present, holds those ``bench/gpu_check.py`` captured
+on the GPU. The conftest loads a stand-in for ``libcuda.so.1`` where the driver is missing; everything here skips,
+with the reason, where cuDNN still cannot finalize.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from wsarena import cudnn
+from wsarena._geometry import conv_geometry
+from wsarena._pass import PASSES
+from wsarena.backends._graph_plans import ALIGNED, conv_problem, ranked_names, shortlist, usable
+from wsarena.cudnn import graph
+
+from .cudnn_probe import driver
+
+DATA = Path(__file__).parent / "data"
+PROPERTIES = [p for p in (DATA / "h100-handwritten.json", DATA / "h100.json") if p.exists()]
+
+GEOMETRIES = {
+    "2d": conv_geometry((2, 4, 9, 9), (6, 4, 3, 3), padding=1),
+    "2d-grouped-strided-dilated": conv_geometry((2, 4, 11, 10), (6, 2, 3, 2), stride=(2, 1), padding=(2, 1),
+                                                dilation=(1, 2), groups=2),
+    "1d": conv_geometry((3, 5, 17), (4, 5, 4), stride=2, padding=1),
+    "3d": conv_geometry((1, 2, 6, 7, 5), (4, 2, 3, 3, 1), stride=(1, 2, 1), padding=(1, 1, 0)),
+    "2d-nhwc": conv_geometry((2, 9, 9, 8), (16, 3, 3, 8), padding=1, layout="NHWC"),
+    "depthwise": conv_geometry((2, 8, 9, 9), (8, 1, 3, 3), padding=1, groups=8),
+}
+
+
+@pytest.fixture(scope="module", params=PROPERTIES, ids=lambda p: p.stem)
+def props(request):
+    reason = driver.finalize_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return graph.device_properties(request.param.read_text())
+
+
+def test_the_handwritten_properties_name_every_member_cuDNN_asks_for():
+    text = json.loads((DATA / "h100-handwritten.json").read_text())
+    assert text["multiProcessorCount"] == 132 and text["deviceVer"] == 900
+
+
+@pytest.mark.parametrize("pass_", PASSES)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("case", list(GEOMETRIES))
+def test_every_pass_dtype_and_geometry_gets_a_graph(props, case, dtype, pass_):
+    geom = GEOMETRIES[case].with_dtype(dtype)
+    with graph.operation_graph(conv_problem(pass_, geom)) as op_graph:
+        assert op_graph.finalized
+        assert op_graph.get_one(cudnn.BackendAttributeName.OPERATIONGRAPH_ENGINE_GLOBAL_COUNT,
+                                cudnn.BackendAttributeType.INT64) > 0
+
+
+@pytest.mark.parametrize("pass_", PASSES)
+@pytest.mark.parametrize("case", ["2d", "2d-grouped-strided-dilated", "3d", "2d-nhwc"])
+def test_plans_finalize_with_exact_workspace_sizes_and_names_rebuild_them(props, case, pass_):
+    geom = GEOMETRIES[case]
+    op_graph = graph.operation_graph(conv_problem(pass_, geom))
+    ranked = ranked_names(graph, op_graph, geom.dtype, properties=props)
+    names = [name for name, _ in ranked]
+    assert names and len(names) == len(set(names))
+    for name, nbytes in ranked[:6]:
+        index, _ = graph.parse_name(name)
+        assert name.startswith(f"eng{index}")
+        cfg = graph.engine_config(op_graph, name, properties=props)
+        plan = graph.execution_plan(cfg, properties=props)
+        assert plan.name == name  # the rebuilt configuration names itself as it was named
+        assert plan.workspace_bytes >= 0 and plan.workspace_bytes == cudnn.plan_workspace_size(plan.descriptor)
+        assert plan.workspace_bytes == nbytes == graph.config_workspace(cfg)
+        plan.close()
+        assert plan.closed
+
+
+def test_float32_candidates_exclude_tensor_cores_and_run_time_compilation(props):
+    geom = GEOMETRIES["2d"]
+    op_graph = graph.operation_graph(conv_problem("fwd", geom))
+    configs = graph.engine_configs(op_graph, properties=props)
+    notes = {graph.config_name(c): graph.engine_notes(c) for c in configs}
+    tensor_core = {n for n, (numerical, _) in notes.items() if cudnn.BackendNumericalNote.TENSOR_CORE in numerical}
+    assert tensor_core, "the heuristics list tensor-core (TF32) engines for float32 here"
+    kept = [name for name, _ in ranked_names(graph, op_graph, "float32", properties=props)]
+    assert kept and not set(kept) & tensor_core
+    half = ranked_names(graph, graph.operation_graph(conv_problem("fwd", geom.with_dtype("float16"))), "float16",
+                        properties=props)
+    assert half  # tensor cores are allowed for half data
+
+
+def test_shortlist_keeps_the_first_and_the_smallest():
+    ranked = [(f"eng{i}", nbytes) for i, nbytes in enumerate([50, 40, 60, 10, 0, 0, 30])]
+    assert shortlist(ranked, 3) == ["eng0", "eng1", "eng2", "eng4"]
+    assert shortlist(ranked, 5) == ["eng0", "eng1", "eng2", "eng3", "eng4"]
+    assert shortlist(ranked[:2], 3) == ["eng0", "eng1"] and shortlist([], 3) == []
+
+
+def test_usable_notes():
+    assert usable("float32", frozenset(), frozenset())
+    assert not usable("float32", frozenset({0}), frozenset())  # TENSOR_CORE: TF32
+    assert not usable("float64", frozenset({1}), frozenset())  # DOWN_CONVERT_INPUTS
+    assert usable("float16", frozenset({0, 1}), frozenset())
+    assert not usable("bfloat16", frozenset({2}), frozenset())  # REDUCED_PRECISION_REDUCTION
+    assert not usable("float16", frozenset(), frozenset({0}))  # RUNTIME_COMPILATION
+
+
+def test_conv_problem_dims_strides_and_one_d_promotion():
+    p = conv_problem("bwd_data", GEOMETRIES["1d"])
+    assert p.dims == ((3, 5, 1, 17), (4, 5, 1, 4), (3, 4, 1, 8))
+    assert p.strides[0] == (85, 17, 17, 1)
+    assert (p.padding, p.stride, p.dilation) == ((0, 1), (1, 2), (1, 1))
+    assert p.data_type is cudnn.DataType.FLOAT and p.alignments == ALIGNED
+    q = conv_problem("fwd", GEOMETRIES["2d-nhwc"].with_dtype("bfloat16"), (16, 8, 2))
+    assert q.dims[0] == (2, 8, 9, 9) and q.strides[0] == (648, 1, 72, 8)  # channels last
+    assert q.strides[1] == (72, 1, 24, 8)
+    assert (q.data_type, q.compute_type) == (cudnn.DataType.BFLOAT16, cudnn.DataType.FLOAT)
+    assert conv_problem("fwd", GEOMETRIES["2d"].with_dtype("float64")).compute_type is cudnn.DataType.DOUBLE
+
+
+def test_names_parse_and_bad_names_are_value_errors():
+    assert graph.parse_name("eng28") == (28, [])
+    assert graph.parse_name("eng0:tile_size=3,use_tex=0") == (0, [(2, 3), (3, 0)])
+    assert graph.parse_name("eng7:k99=1") == (7, [(99, 1)])  # a knob these headers do not name
+    assert graph._name(7, [(99, 1), (2, -1)]) == "eng7:tile_size=-1,k99=1"
+    for bad in ("implicit_gemm", "eng", "eng1:", "eng1:tile_size", "eng1:nosuchknob=2", 28):
+        with pytest.raises(ValueError, match="engine configuration name"):
+            graph.parse_name(bad)
+
+
+def test_an_unknown_engine_is_a_typed_error(props):
+    op_graph = graph.operation_graph(conv_problem("fwd", GEOMETRIES["2d"]))
+    with pytest.raises(cudnn.CudnnError):
+        graph.engine_config(op_graph, "eng100000", properties=props)
+
+
+def test_a_variant_pack_takes_pointers_once_and_refuses_a_change(props):
+    pack = graph._variant_pack((0x1000, 0x2000, 0x3000, 0x4000))
+    assert pack.finalized
+    with pytest.raises(cudnn.CudnnBadParamError):  # why the plan keeps finalized packs by their pointers
+        pack.set(cudnn.BackendAttributeName.VARIANT_PACK_WORKSPACE, cudnn.BackendAttributeType.VOID_PTR, 0x5000)
+
+
+def test_device_properties_refuse_json_without_a_member_and_need_a_device_otherwise(props):
+    text = json.loads((DATA / "h100-handwritten.json").read_text())
+    del text["l2CacheSize"]
+    with pytest.raises(cudnn.CudnnBadParamError):
+        graph.device_properties(json.dumps(text))
+    with pytest.raises(cudnn.CudnnBadParamError, match="IsObject"):
+        graph.device_properties("not json")
+    with pytest.raises(cudnn.CudnnNotInitializedError):  # from the device: there is none
+        graph.device_properties()
+    again = graph.device_properties(graph.device_properties_json(props))
+    assert json.loads(graph.device_properties_json(again)) == json.loads(graph.device_properties_json(props))
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_plan_execute_gives_cudnn_a_finalized_pack_in_both_modes(props, monkeypatch, reuse):
+    """cudnnBackendExecute replaced (it needs a GPU); everything before it is cuDNN's own."""
+    op_graph = graph.operation_graph(conv_problem("fwd", GEOMETRIES["2d"]))
+    (name, _), *_ = ranked_names(graph, op_graph, "float32", properties=props)
+    plan = graph.execution_plan(graph.engine_config(op_graph, name, properties=props), properties=props)
+    plan.reuse_variant_packs = reuse
+    seen, status = [], [0]
+
+    def execute(handle, plan_arg, pack):
+        seen.append((handle, pack.value if hasattr(pack, "value") else pack.handle))
+        return status[0]
+
+    monkeypatch.setattr(graph, "_execute_fn", execute)
+    for i in range(graph._VARIANT_PACKS_KEPT + 3):
+        plan.execute("handle", 0x1000 * (i + 1), 0x2000, 0x3000, 0x4000)
+    plan.execute("handle", 0x1000, 0x2000, 0x3000, 0x4000)
+    assert len(seen) == graph._VARIANT_PACKS_KEPT + 4 and all(p for _, p in seen)
+    assert len(plan._packs) == (graph._VARIANT_PACKS_KEPT if reuse else 0)
+    status[0] = int(cudnn.Status.NOT_SUPPORTED)
+    with pytest.raises(cudnn.CudnnNotSupportedError, match="cudnnBackendExecute.*plan eng"):
+        plan.execute("handle", 0x9000, 0x2000, 0x3000, 0x4000)
+    kept = list(plan._packs.values())
+    plan.close()
+    assert plan.closed and all(p.closed for p in kept) and not plan._packs

@@ -1,0 +1,165 @@
+"""The graph-API path on a GPU: plans and variant packs, algo= by engine name, device properties captured against
+the live device, and a clean exit. (The reference comparisons, the cap, the exhaustive search, the streams and
+the planner's honesty run for both API paths in test_cudnn_backend.py and test_planner.py.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from wsarena import config, configure, conv_forward
+from wsarena._geometry import conv_geometry
+from wsarena.backends import device_properties_backend, get_backend
+from wsarena.errors import CudnnApiFallbackWarning
+
+from .reference import ref_conv_forward
+
+pytestmark = pytest.mark.gpu
+
+GEOMS = [
+    conv_geometry((8, 64, 28, 28), (64, 64, 3, 3), padding=1),
+    conv_geometry((4, 32, 14, 14), (64, 32, 1, 1), stride=2),
+    conv_geometry((2, 16, 9, 9, 9), (16, 16, 3, 3, 3), padding=1),
+    conv_geometry((4, 28, 28, 32), (32, 3, 3, 1), padding=1, groups=32, layout="NHWC", dtype="float16"),
+]
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    cupy.cuda.Device(0).use()
+    configure(cudnn_api="graph")
+    return cupy
+
+
+def _operands(cp, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((4, 16, 20, 20))
+    w = rng.standard_normal((32, 16, 3, 3))
+    return x, w, cp.asarray(x, dtype="float32"), cp.asarray(w, dtype="float32")
+
+
+def _rel(got, ref):
+    return float(np.max(np.abs(got - ref))) / float(np.max(np.abs(ref)))
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_both_variant_pack_modes_compute_the_convolution(cp, monkeypatch, reuse):
+    from wsarena.cudnn import graph
+
+    monkeypatch.setattr(graph, "REUSE_VARIANT_PACKS", reuse)
+    x, w, xd, wd = _operands(cp)
+    ref = ref_conv_forward(x, w, padding=1)
+    y = cp.empty(ref.shape, "float32")
+    for _ in range(3):  # the same pointers: one pack, reused or rebuilt
+        conv_forward(xd, wd, padding=1, out=y)
+    assert _rel(cp.asnumpy(y), ref) <= 1e-5
+    other = cp.empty_like(y)
+    conv_forward(xd, wd, padding=1, out=other)  # new pointers: a new pack
+    assert _rel(cp.asnumpy(other), ref) <= 1e-5
+    backend = get_backend("cudnn")
+    plans = backend._plans._plans.values()
+    assert plans and all(len(p._packs) <= graph._VARIANT_PACKS_KEPT for p in plans)
+    assert any(len(p._packs) == 2 for p in plans) == reuse
+
+
+def test_algo_by_engine_name_and_the_cap(cp):
+    x, w, xd, wd = _operands(cp)
+    backend = get_backend("cudnn")
+    geom = conv_geometry(xd.shape, wd.shape, padding=1)
+    cands = backend.candidates("fwd", geom)
+    assert cands[0].algo.startswith("eng")
+    for cand in cands[:3]:
+        y = conv_forward(xd, wd, padding=1, algo=cand.algo)
+        assert _rel(cp.asnumpy(y), ref_conv_forward(x, w, padding=1)) <= 1e-5
+    big = max(cands, key=lambda c: c.workspace_bytes)
+    if big.workspace_bytes:
+        arena = backend.arena()
+        before = arena.stats()
+        with config(cap_workspace=big.workspace_bytes - 1), pytest.raises(ValueError, match="above the cap"):
+            conv_forward(xd, wd, padding=1, algo=big.algo)
+        assert arena.stats() == before  # refused before anything was leased
+    y = conv_forward(xd, wd, padding=1, algo="implicit_gemm")  # a legacy name runs through the legacy API
+    assert _rel(cp.asnumpy(y), ref_conv_forward(x, w, padding=1)) <= 1e-5
+
+
+@pytest.mark.parametrize("geom", GEOMS, ids=["3x3", "1x1-strided", "3d", "depthwise-nhwc-half"])
+def test_captured_device_properties_plan_what_the_device_plans(cp, geom):
+    """The workspace sizes a machine without the GPU computes from its captured properties are the live ones."""
+    from wsarena.cudnn import get_handle, graph
+
+    text = graph.device_properties_json(graph.device_properties(handle=get_handle(0)))
+    offline = device_properties_backend(text)
+    live = get_backend("cudnn")
+    for pass_ in ("fwd", "bwd_data", "bwd_filter"):
+        got = [(c.algo, c.workspace_bytes) for c in offline.candidates(pass_, geom)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CudnnApiFallbackWarning)
+            want = [(c.algo, c.workspace_bytes) for c in live.candidates(pass_, geom)]
+        if not all(name.startswith("eng") for name, _ in want):
+            want = []  # the device runs it through the legacy API; planning offline finds no engine either
+        assert got == want, pass_
+
+
+def test_the_workspace_query_agrees_with_the_plan_attribute(cp):
+    from wsarena import cudnn
+    from wsarena.cudnn import graph
+
+    if not cudnn.available("cudnnGetExecutionPlanWorkspaceSize"):
+        pytest.skip(f"cuDNN {cudnn.load_library().version_string} has no cudnnGetExecutionPlanWorkspaceSize (9.23+)")
+    _, _, xd, wd = _operands(cp)
+    y = conv_forward(xd, wd, padding=1)
+    handle = cudnn.get_handle(0)
+    for plan in get_backend("cudnn")._plans._plans.values():
+        pack = graph._variant_pack((xd.data.ptr, wd.data.ptr, y.data.ptr, 0))
+        assert cudnn.plan_workspace_size(plan.descriptor, handle, pack) == plan.workspace_bytes
+
+
+def test_plans_go_before_the_handles(cp):
+    from wsarena.cudnn import close_all_handles
+
+    _, _, xd, wd = _operands(cp)
+    conv_forward(xd, wd, padding=1)
+    plans = get_backend("cudnn")._plans._plans.values()
+    assert plans
+    close_all_handles()
+    assert all(p.closed for p in plans)
+    conv_forward(xd, wd, padding=1)  # and the next call builds them again, with a new handle
+    assert get_backend("cudnn")._plans._plans.values()
+
+
+def test_a_process_on_the_graph_api_exits_cleanly():
+    code = (
+        "import cupy, wsarena\n"
+        "wsarena.configure(cudnn_api='graph')\n"
+        "x = cupy.ones((2, 8, 16, 16), cupy.float32); w = cupy.ones((8, 8, 3, 3), cupy.float32)\n"
+        "s = cupy.cuda.Stream(non_blocking=True)\n"
+        "y = wsarena.conv_forward(x, w, padding=1, stream=s)\n"
+        "wsarena.conv_backward_filter(x, y, w.shape, padding=1, stream=s)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=180,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_report_gives_the_workspace_of_the_api_path_in_use(capsys):
+    import json
+
+    from wsarena.cli import main
+
+    reports = {}
+    for api in ("legacy", "graph"):
+        assert main(["report", "resnet50", "--backend", "cudnn", "--cudnn-api", api, "--format", "json"]) == 0
+        reports[api] = json.loads(capsys.readouterr().out)
+    graph_algos = {layer["fwd"]["algo"] for layer in reports["graph"]["layers"]}
+    assert all(a.startswith("eng") for a in graph_algos)
+    assert not any(layer["fwd"]["algo"].startswith("eng") for layer in reports["legacy"]["layers"])
+    for report in reports.values():
+        assert report["arena_bytes"] == max(layer[p]["workspace_bytes"] for layer in report["layers"]
+                                            for p in ("fwd", "bwd_data", "bwd_filter"))

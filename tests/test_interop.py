@@ -1,0 +1,212 @@
+"""Operands from other array libraries (wsarena._interop) on the CPU: PyTorch CPU tensors, DLPack and
+``__array_interface__`` objects, against the float64 direct convolution of tests/reference.py.
+
+Tolerance: max|got - ref| / max|ref| <= 1e-12 in float64, 1e-5 in float32.
+"""
+
+import sys
+import types
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+import wsarena
+from wsarena import _interop, conv_backward_data, conv_backward_filter, conv_forward, ops
+
+from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
+
+torch = pytest.importorskip("torch")
+
+TOL = {"float32": 1e-5, "float64": 1e-12}
+KW = {"stride": 2, "padding": 1, "dilation": 1, "groups": 2}
+
+
+def rel_err(got, ref):
+    got = got.numpy() if isinstance(got, torch.Tensor) else np.asarray(got)
+    return float(np.max(np.abs(got.astype(np.float64) - ref))) / (float(np.max(np.abs(ref))) or 1.0)
+
+
+def problem(dtype="float64", seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 4, 9, 9)).astype(dtype)
+    w = rng.standard_normal((6, 2, 3, 3)).astype(dtype)
+    dy = rng.standard_normal(ref_conv_forward(x, w, **KW).shape).astype(dtype)
+    return x, w, dy
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_torch_cpu_tensors_through_the_three_ops(dtype, layout):
+    x, w, dy = problem(dtype)
+    refs = (ref_conv_forward(x, w, **KW), ref_conv_backward_data(dy, w, x.shape, **KW),
+            ref_conv_backward_filter(x, dy, w.shape, **KW))
+    last = (lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))) if layout == "NHWC" else (lambda a: a)
+    back = (lambda a: np.moveaxis(a, -1, 1)) if layout == "NHWC" else (lambda a: a)
+    tx, tw, tdy = (torch.from_numpy(last(a)) for a in (x, w, dy))
+    got = (conv_forward(tx, tw, **KW, layout=layout),
+           conv_backward_data(tdy, tw, tuple(tx.shape), **KW, layout=layout),
+           conv_backward_filter(tx, tdy, tuple(tw.shape), **KW, layout=layout))
+    for result, ref in zip(got, refs):
+        assert isinstance(result, torch.Tensor) and result.dtype == tx.dtype
+        assert rel_err(back(result.numpy()), ref) <= TOL[dtype]
+
+
+def test_torch_results_match_torch_own_convolution():
+    x, w, _dy = problem()
+    tx, tw = torch.from_numpy(x), torch.from_numpy(w)
+    expected = torch.nn.functional.conv2d(tx, tw, **KW)
+    assert torch.allclose(conv_forward(tx, tw, **KW), expected, rtol=0, atol=1e-12 * float(expected.abs().max()))
+
+
+def test_out_of_the_callers_library_is_written_and_returned():
+    x, w, _ = problem()
+    ref = ref_conv_forward(x, w, **KW)
+    out = torch.full(ref.shape, np.nan, dtype=torch.float64)
+    assert conv_forward(torch.from_numpy(x), torch.from_numpy(w), **KW, out=out) is out
+    assert rel_err(out, ref) <= TOL["float64"]
+    out2 = torch.full(ref.shape, np.nan, dtype=torch.float64)  # NumPy operands, a torch out: all host memory
+    assert conv_forward(x, w, **KW, out=out2) is out2
+    assert rel_err(out2, ref) <= TOL["float64"]
+
+
+def test_libraries_mix_when_every_view_is_zero_copy_and_the_first_operand_decides():
+    x, w, _ = problem()
+    ref = ref_conv_forward(x, w, **KW)
+    y = conv_forward(x, torch.from_numpy(w), **KW)
+    assert type(y) is np.ndarray and rel_err(y, ref) <= TOL["float64"]
+    y = conv_forward(torch.from_numpy(x), w, **KW)
+    assert isinstance(y, torch.Tensor) and rel_err(y, ref) <= TOL["float64"]
+
+
+class _CudaArray:
+    """An object that says its memory is on a CUDA device (never read here: the call is refused first)."""
+
+    __cuda_array_interface__: ClassVar[dict] = {"shape": (6, 2, 3, 3), "typestr": "<f8", "data": (0, False), "version": 3}
+
+
+def test_host_and_device_memory_in_one_call_is_a_type_error():
+    x, _, _ = problem()
+    with pytest.raises(TypeError, match=r"cannot mix host and device memory.*w is a tests array on a CUDA device"):
+        conv_forward(torch.from_numpy(x), _CudaArray(), **KW)
+
+
+def test_dlpack_round_trips_with_numpy_share_memory():
+    x, w, _ = problem()
+    tx = torch.from_numpy(x)
+    y = conv_forward(tx, torch.from_numpy(w), **KW)
+    back = np.from_dlpack(y)  # the result's memory is the NumPy array the op wrote: no copy either way
+    assert back.ctypes.data == y.data_ptr()
+    back[0, 0, 0, 0] = 123.0
+    assert float(y[0, 0, 0, 0]) == 123.0
+    out = torch.zeros(y.shape, dtype=torch.float64)
+    conv_forward(x, w, **KW, out=out)  # written in place through its NumPy view
+    assert rel_err(out, ref_conv_forward(x, w, **KW)) <= TOL["float64"]
+
+
+class _Foreign:
+    """A minimal array of a library "fakearrays": DLPack only, over a NumPy array."""
+
+    __module__ = "fakearrays"
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+class _Interface:
+    """Only ``__array_interface__``, from a library with no way back in."""
+
+    __module__ = "plainbuffers"
+
+    def __init__(self, array):
+        self.array = array
+        self.__array_interface__ = array.__array_interface__
+
+
+def test_dlpack_operands_come_back_through_their_librarys_from_dlpack(monkeypatch):
+    library = types.ModuleType("fakearrays")
+    library.from_dlpack = lambda a: _Foreign(np.from_dlpack(a))
+    monkeypatch.setitem(sys.modules, "fakearrays", library)
+    monkeypatch.setattr(_interop, "_RETURNERS", {})
+    x, w, _ = problem()
+    y = conv_forward(_Foreign(x), _Foreign(w), **KW)
+    assert isinstance(y, _Foreign) and rel_err(y.array, ref_conv_forward(x, w, **KW)) <= TOL["float64"]
+
+
+def test_array_namespace_and_array_interface_operands():
+    x, w, _ = problem()
+    ref = ref_conv_forward(x, w, **KW)
+
+    class Namespaced(_Foreign):
+        __module__ = "otherarrays"
+
+        def __array_namespace__(self):
+            return types.SimpleNamespace(from_dlpack=lambda a: Namespaced(np.from_dlpack(a)))
+
+    y = conv_forward(Namespaced(x), w, **KW)
+    assert isinstance(y, Namespaced) and rel_err(y.array, ref) <= TOL["float64"]
+    y = conv_forward(_Interface(x), _Interface(w), **KW)  # no library to go back to: NumPy
+    assert type(y) is np.ndarray and rel_err(y, ref) <= TOL["float64"]
+    out = np.zeros_like(ref)
+    assert conv_forward(_Interface(x), w, **KW, out=_Interface(out)).array is out  # written through the view
+    assert rel_err(out, ref) <= TOL["float64"]
+
+
+def test_a_tensor_that_is_not_contiguous_is_handled_and_a_strided_out_refused():
+    x, w, _ = problem()
+    wide = torch.from_numpy(np.ascontiguousarray(np.moveaxis(x, 1, -1))).movedim(-1, 1)  # x's values, NHWC memory
+    assert not wide.is_contiguous()
+    ref = ref_conv_forward(x, w, **KW)
+    assert rel_err(conv_forward(wide, torch.from_numpy(w), **KW), ref) <= TOL["float64"]
+    out = torch.zeros((*ref.shape[:-1], 2 * ref.shape[-1]), dtype=torch.float64)[..., ::2]
+    with pytest.raises(ValueError, match="out must be C-contiguous"):
+        conv_forward(wide, torch.from_numpy(w), **KW, out=out)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda x: torch.from_numpy(x).requires_grad_(), r"x cannot be viewed as a NumPy array without a copy.*detach"),
+        (lambda x: x.tolist(), "x must be an array"),
+        (lambda x: torch.from_numpy(x).to(torch.bfloat16), "cpu backend computes in float32 or float64, not bfloat16"),
+        (lambda x: torch.from_numpy(x).to(torch.int32), "x must be a floating-point array"),
+    ],
+)
+def test_a_tensor_that_would_need_a_copy_or_another_kernel_is_refused(fresh_arena, make, match):
+    x, w, _ = problem()
+    before = fresh_arena.stats()
+    with pytest.raises(TypeError, match=match):
+        conv_forward(make(x), torch.from_numpy(w).to(torch.bfloat16) if "bfloat16" in match else w, **KW)
+    assert fresh_arena.stats() == before
+
+
+def test_an_unknown_dlpack_device_is_refused():
+    class OnOpenCL(_Foreign):
+        def __dlpack_device__(self):
+            return (4, 0)
+
+    x, w, _ = problem()
+    with pytest.raises(TypeError, match="DLPack device type 4"):
+        conv_forward(OnOpenCL(x), w, **KW)
+
+
+def test_one_record_per_signature_whichever_library_and_numpy_stays_on_the_direct_path():
+    x, w, _ = problem()
+    conv_forward(x, w, **KW)
+    conv_forward(torch.from_numpy(x), torch.from_numpy(w), **KW)
+    conv_forward(_Interface(x), w, **KW)
+    assert len(ops._records) == 1  # keyed by the NumPy views: one signature
+    assert np.ndarray in _interop.NATIVE and torch.Tensor not in _interop.NATIVE
+
+
+def test_the_stream_argument_on_the_cpu_is_still_a_lane():
+    x, w, _ = problem()
+    arena = wsarena.get_arena("cpu")
+    conv_forward(torch.from_numpy(x), torch.from_numpy(w), **KW, stream="lane-a")
+    assert "lane-a" in arena.stats()["streams"]

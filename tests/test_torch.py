@@ -1,0 +1,243 @@
+"""wsarena.torch on CPU tensors: the functions, modules and convert() against torch.nn.functional's convolutions
+and their autograd gradients.
+
+Tolerances: float64 results and gradients within 1e-10 of torch's, relative to the largest magnitude (of that
+tensor; for a whole model's gradients, of the largest gradient of the model), float32 within 1e-4
+(``torch.autograd.gradcheck`` with its own float64 defaults for the analytic-vs-numerical check); bfloat16 under
+autocast within 2e-2 (two bfloat16 roundings of a float32 sum: the inputs' and the output's).
+"""
+
+import copy
+
+import pytest
+
+import wsarena
+from wsarena import ops
+
+from .torch_models import small_resnet, step
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+wt = pytest.importorskip("wsarena.torch")
+
+TOL64 = 1e-10
+
+
+def close(got, ref, tol=TOL64):
+    scale = float(ref.detach().abs().max()) or 1.0
+    return float((got.detach().double() - ref.detach().double()).abs().max()) / scale <= tol
+
+
+CASES = [  # nd, input shape, weight shape, keyword arguments
+    (1, (2, 4, 17), (6, 2, 3), {"stride": 2, "padding": 1, "dilation": 1, "groups": 2}),
+    (2, (2, 4, 9, 8), (6, 4, 3, 2), {"stride": (2, 1), "padding": (1, 0), "dilation": (1, 2), "groups": 1}),
+    (2, (1, 6, 7, 7), (6, 1, 3, 3), {"stride": 1, "padding": "same", "dilation": 1, "groups": 6}),  # depthwise
+    (3, (1, 2, 5, 6, 5), (4, 2, 3, 3, 1), {"stride": 1, "padding": "valid", "dilation": 1, "groups": 1}),
+]
+FUNCTIONS = {1: (wt.conv1d, F.conv1d), 2: (wt.conv2d, F.conv2d), 3: (wt.conv3d, F.conv3d)}
+
+
+def tensors(x_shape, w_shape, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(x_shape, dtype=dtype, generator=g).requires_grad_()
+    w = torch.randn(w_shape, dtype=dtype, generator=g).requires_grad_()
+    b = torch.randn(w_shape[0], dtype=dtype, generator=g).requires_grad_()
+    return x, w, b
+
+
+@pytest.mark.parametrize(("nd", "x_shape", "w_shape", "kw"), CASES)
+def test_outputs_and_gradients_match_torch(nd, x_shape, w_shape, kw):
+    ours, theirs = FUNCTIONS[nd]
+    x, w, b = tensors(x_shape, w_shape)
+    y, ref = ours(x, w, b, **kw), theirs(x, w, b, **kw)
+    assert close(y, ref)
+    dy = torch.randn_like(ref)
+    got = torch.autograd.grad(y, (x, w, b), dy)
+    expected = torch.autograd.grad(ref, (x, w, b), dy)
+    assert all(close(g, e) for g, e in zip(got, expected))
+
+
+@pytest.mark.parametrize(("nd", "x_shape", "w_shape", "kw"), CASES)
+def test_gradcheck_in_float64(nd, x_shape, w_shape, kw):
+    ours, _ = FUNCTIONS[nd]
+    x, w, b = tensors(x_shape, w_shape)
+    assert torch.autograd.gradcheck(lambda x, w, b: ours(x, w, b, **kw), (x, w, b))
+
+
+def test_forward_and_both_gradients_run_through_wsarenas_three_ops(monkeypatch):
+    calls = []
+    for name in ("conv_forward", "conv_backward_data", "conv_backward_filter"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    x, w, b = tensors((2, 4, 9, 9), (6, 4, 3, 3))
+    wt.conv2d(x, w, b, padding=1).sum().backward()
+    assert calls == ["conv_forward", "conv_backward_data", "conv_backward_filter"]
+    calls.clear()
+    wt.conv2d(x.detach(), w, padding=1).sum().backward()  # no input gradient wanted: none computed
+    assert calls == ["conv_forward", "conv_backward_filter"]
+
+
+def test_unbatched_input_as_torch_takes_it():
+    x, w, b = tensors((4, 9, 9), (6, 4, 3, 3))
+    y = wt.conv2d(x, w, b, padding=1)
+    assert y.shape == (6, 9, 9) and close(y, F.conv2d(x, w, b, padding=1))
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+def test_channels_last_runs_as_nhwc_and_gives_channels_last_results(nd):
+    fmt = torch.channels_last if nd == 2 else torch.channels_last_3d
+    x, w, b = tensors((2, 4, *(7,) * nd), (6, 4, *(3,) * nd))
+    xl = x.detach().to(memory_format=fmt).requires_grad_()
+    wl = w.detach().to(memory_format=fmt).requires_grad_()
+    ours, theirs = FUNCTIONS[nd]
+    y, ref = ours(xl, wl, b, padding=1), theirs(xl, wl, b, padding=1)
+    assert y.is_contiguous(memory_format=fmt)  # as torch gives it where its kernel keeps the format
+    assert close(y, ref)
+    dy = torch.randn_like(ref)
+    got = torch.autograd.grad(y, (xl, wl), dy)
+    expected = torch.autograd.grad(ref, (xl, wl), dy)
+    assert all(close(g, e) for g, e in zip(got, expected))
+    assert got[0].is_contiguous(memory_format=fmt)
+
+
+def test_autocast_on_the_cpu_gives_torchs_dtype_and_values():
+    x, w, b = (t.detach().float().requires_grad_() for t in tensors((2, 4, 9, 9), (6, 4, 3, 3)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = wt.conv2d(x, w, b, padding=1)
+        ref = F.conv2d(x, w, b, padding=1)
+    assert y.dtype == ref.dtype == torch.bfloat16
+    assert close(y, ref, 2e-2)
+    got = torch.autograd.grad(y.float().sum(), (x, w, b))
+    expected = torch.autograd.grad(ref.float().sum(), (x, w, b))
+    assert all(g.dtype == torch.float32 for g in got)
+    assert all(close(g, e, 2e-2) for g, e in zip(got, expected))
+
+
+def test_float64_is_left_alone_by_autocast_as_torch_leaves_it():
+    x, w, b = tensors((1, 2, 5, 5), (3, 2, 3, 3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert wt.conv2d(x, w, b).dtype == F.conv2d(x, w, b).dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda x, w: wt.conv2d(x, w, padding="same", dilation=1, stride=1)[..., :0], None, None),
+        (lambda x, w: wt.conv2d(x, w[:, :, :2, :2], padding="same"), ValueError, "asymmetric padding"),
+        (lambda x, w: wt.conv2d(x, w, stride=0), ValueError, "stride"),
+        (lambda x, w: wt.conv2d(x, w.float()), TypeError, "dtypes differ"),
+        (lambda x, w: wt.conv2d(x[0, 0], w), ValueError, "3- or 4-D input"),
+        (lambda x, w: wt.conv2d(x, w, groups=3), ValueError, "groups=3"),
+        (lambda x, w: wt.conv2d(x.numpy(), w), TypeError, "must be tensors"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(call, error, match):
+    x, w, _ = (t.detach() for t in tensors((1, 4, 6, 6), (2, 4, 3, 3)))
+    if error is None:
+        call(x, w)
+        return
+    with pytest.raises(error, match=match):
+        call(x, w)
+
+
+@pytest.mark.parametrize("cls", ["Conv1d", "Conv2d", "Conv3d"])
+def test_modules_take_torchs_constructor_and_state_dict(cls):
+    torch.manual_seed(0)
+    theirs = getattr(torch.nn, cls)(4, 6, 3, stride=2, padding=1, groups=2, dtype=torch.float64)
+    ours = getattr(wt, cls)(4, 6, 3, stride=2, padding=1, groups=2, dtype=torch.float64)
+    assert isinstance(ours, getattr(torch.nn, cls))
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 4, *(8,) * int(cls[-2]), dtype=torch.float64)
+    assert close(ours(x), theirs(x))
+
+
+def test_padding_modes_other_than_zeros_are_refused():
+    with pytest.raises(ValueError, match="padding_mode='reflect'"):
+        wt.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
+    with pytest.raises(ValueError, match="asymmetric padding"):
+        wt.Conv2d(3, 4, 4, padding="same")
+    conv = wt.Conv2d(3, 4, 3, padding=1)
+    conv.padding_mode = "circular"  # changed after construction: refused when it runs
+    with pytest.raises(ValueError, match="padding_mode='circular'"):
+        conv(torch.zeros(1, 3, 5, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_convert_keeps_a_resnet_style_model_outputs_and_gradients(dtype):
+    torch.manual_seed(0)
+    model = small_resnet().to(dtype)
+    reference = copy.deepcopy(model)
+    params = {name: p for name, p in model.named_parameters()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 3, 16, 16, dtype=dtype)
+    target = torch.tensor([0, 1, 2, 3])
+    assert wt.convert(model) is model
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 9 and all(type(m) is wt.Conv2d for m in convs)
+    assert dict(model.named_parameters()) == params  # the same Parameter objects: optimizers made before still train
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items()) and state.keys() == model.state_dict().keys()
+    loss, grads = step(model, x, target)
+    ref_loss, ref_grads = step(reference, x, target)
+    tol = TOL64 if dtype == torch.float64 else 1e-4  # float32: sums in another order, relative to the largest
+    assert close(loss, ref_loss, tol)
+    assert grads.keys() == ref_grads.keys()
+    # relative to the largest gradient of the model: the stem's bias, before batch norm, has a gradient of zero
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    assert all(float((grads[k] - ref_grads[k]).abs().max()) <= tol * scale for k in grads)
+
+
+def test_convert_refuses_what_it_cannot_run_and_changes_nothing():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"))
+    with pytest.raises(ValueError, match=r"nothing was converted: 1: padding_mode='reflect'"):
+        wt.convert(model)
+    assert all(type(m) is torch.nn.Conv2d for m in model)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        wt.convert(lambda x: x)
+
+
+def test_convert_leaves_subclasses_and_transposed_convolutions_alone():
+    class Custom(torch.nn.Conv2d):
+        pass
+
+    model = torch.nn.Sequential(Custom(2, 2, 1), torch.nn.ConvTranspose2d(2, 2, 3), torch.nn.Conv1d(2, 2, 1))
+    wt.convert(model)
+    assert [type(m) for m in model] == [Custom, torch.nn.ConvTranspose2d, wt.Conv1d]
+
+
+def test_a_converted_model_trains_under_the_cap():
+    torch.manual_seed(1)
+    model = wt.convert(small_resnet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, target = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
+    wsarena.configure(cap_workspace=0)
+    with pytest.warns(wsarena.WorkspaceCapWarning):  # the cap excludes the fastest algorithms
+        first, _ = step(model, x, target)
+    opt.step()
+    for _ in range(4):
+        loss, _ = step(model, x, target)
+        opt.step()
+    assert float(loss) < float(first)
+    assert wsarena.get_arena("cpu").stats()["high_water_bytes"] == 0
+
+
+def test_torch_compile_takes_the_custom_operators_in_one_graph():
+    torch.manual_seed(2)
+    model = small_resnet().double()
+    reference = copy.deepcopy(model)
+    wt.convert(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, target = torch.randn(2, 3, 16, 16, dtype=torch.float64), torch.tensor([0, 1])
+    loss, grads = step(compiled, x, target)
+    grads = {k.removeprefix("_orig_mod."): g for k, g in grads.items()}
+    ref_loss, ref_grads = step(reference, x, target)
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    assert close(loss, ref_loss)
+    assert all(float((grads[k] - ref_grads[k]).abs().max()) <= TOL64 * scale for k in ref_grads)
+
+
+def test_public_names_are_listed_sorted_and_resolve():
+    assert wt.__all__ == sorted(wt.__all__)
+    assert all(getattr(wt, name) is not None for name in wt.__all__)
+    public = {n for n, v in vars(wt).items() if not n.startswith("_") and type(v).__name__ != "module"} - {"annotations"}
+    assert public <= set(wt.__all__)

@@ -1,0 +1,215 @@
+"""GPU only: PyTorch CUDA tensors through the ops and wsarena.torch, PyTorch's stream and allocator, CUDA array
+interface operands, and RAPIDS RMM under CuPy's allocator.
+
+Tolerances, relative to the largest magnitude: against the float64 direct convolution of the inputs rounded to the
+tested dtype, float32 1e-5 (cuDNN in full float32: no TF32), float16 2e-2 and bfloat16 5e-2 (as
+test_cudnn_backend.py). Against PyTorch's own convolution with TF32 off: float32 1e-4 for a whole training step
+(sums in another order through batch norm), float16/bfloat16 as above.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+
+import wsarena
+from wsarena import conv_backward_data, conv_backward_filter, conv_forward
+from wsarena.arena import CupyProvider, TorchProvider, get_arena
+
+from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
+from .torch_models import small_resnet, step
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+pytestmark = pytest.mark.gpu
+
+TOL = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}
+KW = {"stride": 2, "padding": 1, "dilation": 1, "groups": 2}
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """PyTorch's reference in full float32, as wsarena computes it."""
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device")
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+    torch.cuda.synchronize()
+
+
+def rel(got, ref):
+    got = got.detach().double().cpu().numpy() if isinstance(got, torch.Tensor) else np.asarray(got, np.float64)
+    ref = ref.detach().double().cpu().numpy() if isinstance(ref, torch.Tensor) else ref
+    return float(np.max(np.abs(got - ref))) / (float(np.max(np.abs(ref))) or 1.0)
+
+
+def cuda_problem(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, 9, 9, generator=g).to("cuda", getattr(torch, dtype))
+    w = torch.randn(6, 2, 3, 3, generator=g).to("cuda", getattr(torch, dtype))
+    dy = torch.randn(2, 6, 5, 5, generator=g).to("cuda", getattr(torch, dtype))
+    return x, w, dy
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_torch_cuda_tensors_through_the_three_ops(dtype):
+    x, w, dy = cuda_problem(dtype)
+    x64, w64, dy64 = (t.double().cpu().numpy() for t in (x, w, dy))
+    got = (conv_forward(x, w, **KW), conv_backward_data(dy, w, tuple(x.shape), **KW),
+           conv_backward_filter(x, dy, tuple(w.shape), **KW))
+    refs = (ref_conv_forward(x64, w64, **KW), ref_conv_backward_data(dy64, w64, x64.shape, **KW),
+            ref_conv_backward_filter(x64, dy64, w64.shape, **KW))
+    for result, ref in zip(got, refs):
+        assert isinstance(result, torch.Tensor) and result.is_cuda and result.dtype == x.dtype
+        assert rel(result, ref) <= TOL[dtype]
+    out = torch.full_like(got[0], float("nan"))
+    assert conv_forward(x, w, **KW, out=out) is out and rel(out, refs[0]) <= TOL[dtype]
+
+
+def test_stream_none_runs_on_torchs_current_stream_with_torchs_memory():
+    x, w, _ = cuda_problem("float32")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    before = torch.cuda.memory_allocated()
+    with torch.cuda.stream(side):
+        y = conv_forward(x, w, **KW)
+    torch.cuda.current_stream().wait_stream(side)
+    arena = get_arena(x.device.index)
+    assert type(arena.provider) is TorchProvider  # made by a call with torch operands
+    assert side.cuda_stream in arena.stats().streams
+    assert torch.cuda.memory_allocated() - before >= arena.stats().capacity_bytes  # counted in torch's pool
+    assert rel(y, ref_conv_forward(x.double().cpu().numpy(), w.double().cpu().numpy(), **KW)) <= TOL["float32"]
+
+
+def test_an_explicit_torch_stream_and_cupy_operands_mixed_in():
+    import cupy
+
+    x, w, _ = cuda_problem("float32")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    y = conv_forward(x, cupy.asarray(w), **KW, stream=side)  # both views zero-copy on one device: allowed
+    side.synchronize()
+    assert isinstance(y, torch.Tensor)
+    assert side.cuda_stream in get_arena(x.device.index).stats().streams
+    assert rel(y, ref_conv_forward(x.double().cpu().numpy(), w.double().cpu().numpy(), **KW)) <= TOL["float32"]
+
+
+def test_a_cpu_tensor_beside_a_cuda_tensor_is_refused():
+    x, w, _ = cuda_problem("float32")
+    with pytest.raises(TypeError, match="cannot mix host and device memory"):
+        conv_forward(x.cpu(), w, **KW)
+
+
+class _InterfaceOnly:
+    """A CUDA array known only by ``__cuda_array_interface__`` (as Numba's are)."""
+
+    def __init__(self, array):
+        self.array = array
+        self.__cuda_array_interface__ = array.__cuda_array_interface__
+
+
+def test_cuda_array_interface_operands():
+    import cupy
+
+    x, w, _ = cuda_problem("float32")
+    xc, wc = cupy.asarray(x), cupy.asarray(w)
+    y = conv_forward(_InterfaceOnly(xc), _InterfaceOnly(wc), **KW)
+    assert isinstance(y, cupy.ndarray)  # no library to go back to
+    assert rel(cupy.asnumpy(y), ref_conv_forward(x.double().cpu().numpy(), w.double().cpu().numpy(), **KW)) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_functions_match_torchs_convolution_and_gradients(dtype, channels_last):
+    import wsarena.torch as wt
+
+    x, w, _ = cuda_problem(dtype)
+    if channels_last:
+        x, w = x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)
+    b = torch.randn(6, device="cuda", dtype=x.dtype)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    y, ref = wt.conv2d(x, w, b, **KW), F.conv2d(x, w, b, **KW)
+    assert y.dtype == ref.dtype and rel(y, ref) <= TOL[dtype]
+    if channels_last:
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    dy = torch.randn_like(ref)
+    for got, expected in zip(torch.autograd.grad(y, (x, w, b), dy), torch.autograd.grad(ref, (x, w, b), dy)):
+        assert rel(got, expected) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_on_cuda_gives_torchs_dtype(dtype):
+    import wsarena.torch as wt
+
+    x, w, _ = cuda_problem("float32")
+    with torch.autocast("cuda", dtype=dtype):
+        y, ref = wt.conv2d(x, w, **KW), F.conv2d(x, w, **KW)
+    assert y.dtype == ref.dtype == dtype
+    assert rel(y, ref) <= TOL[str(dtype).removeprefix("torch.")]
+
+
+def test_a_training_step_of_a_converted_model_matches_torchs():
+    import wsarena.torch as wt
+
+    torch.manual_seed(0)
+    model = small_resnet().cuda()
+    reference = copy.deepcopy(model)
+    wt.convert(model)
+    wsarena.configure(cap_workspace="64MiB")
+    x, target = torch.randn(8, 3, 32, 32, device="cuda"), torch.arange(8, device="cuda") % 5
+    results = []
+    for m in (model, reference):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        results.append(step(m, x, target))
+        opt.step()
+    (loss, grads), (ref_loss, ref_grads) = results
+    assert rel(loss, ref_loss) <= 1e-4
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    assert all(float((grads[k] - ref_grads[k]).abs().max()) <= 1e-4 * scale for k in grads)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):  # after the optimizer's step
+        assert rel(p, q) <= 1e-4, name
+    assert get_arena(x.device.index).stats().high_water_bytes <= 64 << 20
+
+
+def test_torch_compile_with_inductor_runs_the_converted_model():
+    import wsarena.torch as wt
+
+    torch.manual_seed(1)
+    model = small_resnet().cuda()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(wt.convert(model), fullgraph=True)
+    x, target = torch.randn(4, 3, 32, 32, device="cuda"), torch.arange(4, device="cuda")
+    loss, _ = step(compiled, x, target)
+    ref_loss, _ = step(reference, x, target)
+    assert rel(loss, ref_loss) <= 1e-4
+
+
+def test_rmm_under_cupys_allocator_serves_the_arena():
+    """RAPIDS RMM set as CuPy's allocator: CupyProvider's buffers come from RMM's resource."""
+    cupy_allocators = pytest.importorskip("rmm.allocators.cupy", reason="RAPIDS RMM is not installed")
+    import cupy
+    import rmm
+
+    x, w, _ = cuda_problem("float32")
+    xc, wc = cupy.asarray(x), cupy.asarray(w)
+    upstream = rmm.mr.get_current_device_resource()
+    stats = rmm.mr.StatisticsResourceAdaptor(upstream)
+    rmm.mr.set_current_device_resource(stats)
+    previous = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(cupy_allocators.rmm_cupy_allocator)
+    try:
+        wsarena.configure(allocator="cupy")
+        wsarena.arena.reset_arenas()
+        arena = get_arena(xc.device.id)
+        arena.reserve(8 << 20)
+        assert type(arena.provider) is CupyProvider
+        counts = stats.allocation_counts  # a Statistics object; a dict before RMM 24.10
+        assert (counts["current_bytes"] if isinstance(counts, dict) else counts.current_bytes) >= 8 << 20
+        y = conv_forward(xc, wc, **KW)
+        assert rel(cupy.asnumpy(y), ref_conv_forward(x.double().cpu().numpy(), w.double().cpu().numpy(), **KW)) <= 1e-5
+        wsarena.arena.reset_arenas()
+    finally:
+        cupy.cuda.set_allocator(previous)
+        rmm.mr.set_current_device_resource(upstream)

@@ -1,0 +1,103 @@
+"""Device memory from PyTorch's caching allocator (TorchProvider) and the ``allocator`` setting.
+
+Without a GPU, PyTorch's allocator functions are replaced by a recorder: what is tested here is what the provider
+and the arena ask of PyTorch (which stream, which device, when), and how out-of-memory is reported. The real
+allocator is exercised by the GPU tests in test_torch_gpu.py.
+"""
+
+import pytest
+
+import wsarena
+from wsarena import _interop
+from wsarena.arena import Arena, CupyProvider, TorchProvider, get_arena
+from wsarena.arena._registry import make_device_arena
+
+torch = pytest.importorskip("torch")
+
+
+class _FakeCaching:
+    """Stands in for torch.cuda's caching-allocator functions; records each call."""
+
+    def __init__(self):
+        self.calls = []
+        self.next = 0x10000
+        self.fail = False
+
+    def alloc(self, size, device=None, stream=None):
+        self.calls.append(("alloc", size, device, stream))
+        if self.fail:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
+        self.next += 1 << 20
+        return self.next
+
+    def delete(self, ptr):
+        self.calls.append(("delete", ptr))
+
+    def synchronize(self, device=None):
+        self.calls.append(("synchronize", device))
+
+
+@pytest.fixture
+def caching(monkeypatch):
+    fake = _FakeCaching()
+    monkeypatch.setattr(torch.cuda, "caching_allocator_alloc", fake.alloc)
+    monkeypatch.setattr(torch.cuda, "caching_allocator_delete", fake.delete)
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    return fake
+
+
+def test_buffers_come_from_torch_on_the_sub_arenas_stream_and_go_back_in_stream_order(caching):
+    arena = Arena(TorchProvider(0))
+    with arena.lease(1000, stream=7) as ws:
+        assert ws.ptr == caching.next and ws.nbytes == 1000
+    assert caching.calls == [("alloc", arena.stats()["capacity_bytes"], 0, 7)]
+    arena.trim()
+    assert caching.calls[1:] == [("delete", caching.next)]  # on its stream: no synchronisation
+    arena.close()
+
+
+def test_a_buffer_whose_stream_may_be_gone_is_freed_after_the_device_synchronises(caching):
+    provider = TorchProvider(0)
+    buffer = provider.allocate(4096, stream=9)
+    provider.deallocate(buffer, stream=None)
+    assert caching.calls[1:] == [("synchronize", 0), ("delete", buffer.ptr)]
+    assert buffer.owner is None
+    provider.deallocate(buffer, stream=9)  # a second time gives nothing back twice
+    assert len(caching.calls) == 3
+
+
+def test_torchs_out_of_memory_is_a_memory_error_and_the_arena_stays_usable(caching):
+    arena = Arena(TorchProvider(0))
+    caching.fail = True
+    with pytest.raises(wsarena.ArenaOutOfMemoryError, match="could not grow") as info:
+        arena.lease(1 << 20, stream=7).__enter__()
+    assert isinstance(info.value, MemoryError) and "caching allocator" in str(info.value.__cause__)
+    caching.fail = False
+    with arena.lease(1 << 20, stream=7) as ws:
+        assert ws.nbytes == 1 << 20
+    arena.close()
+
+
+def test_the_allocator_setting_picks_a_new_device_arenas_provider(monkeypatch):
+    monkeypatch.setattr("wsarena.arena._registry._require_gpu", lambda what: None)
+    monkeypatch.setattr("wsarena.arena._registry.gpu_count", lambda: 1)
+    assert type(get_arena(0).provider) is CupyProvider  # "auto" outside a call with torch operands
+    wsarena.arena.reset_arenas()
+    wsarena.configure(allocator="torch")
+    arena = get_arena(0)
+    assert type(arena.provider) is TorchProvider
+    wsarena.configure(allocator="cupy")
+    assert get_arena(0) is arena  # an arena keeps its provider; the setting counts when one is made
+
+
+@pytest.mark.parametrize(("allocator", "provider"), [("auto", TorchProvider), ("cupy", CupyProvider)])
+def test_torch_operands_make_the_arena_with_torchs_memory_unless_the_setting_says_otherwise(allocator, provider):
+    with wsarena.config(allocator=allocator):
+        _interop._prefer_torch_memory(0)
+    assert type(make_device_arena(0, "cupy").provider) is provider  # the arena made by the call above
+
+
+def test_an_arena_made_before_keeps_its_memory_when_torch_operands_come():
+    arena = make_device_arena(0, "cupy")
+    _interop._prefer_torch_memory(0)
+    assert get_arena(0) is arena and type(arena.provider) is CupyProvider

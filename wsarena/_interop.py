@@ -1,0 +1,264 @@
+"""Operands from any array library: zero-copy NumPy or CuPy views in, the caller's library out.
+
+NumPy and CuPy arrays (and their subclasses) go straight to the ops; their types are kept in :data:`NATIVE`, so
+that the ops' hot path tells them apart with one set lookup. Any other operand is viewed, without a copy, as a
+NumPy array (host memory) or a CuPy array (CUDA memory), by the first of these it has:
+
+1. ``__dlpack__`` and ``__dlpack_device__`` (PyTorch, JAX, CuPy-like libraries, cuda.core buffers), imported with
+   ``copy=False``, on the call's stream, so that the producer orders its own work before the call (a PyTorch
+   CPU tensor through ``Tensor.numpy()``, the same view at a third of the cost);
+2. ``__cuda_array_interface__`` (Numba device arrays, and the rest of the CUDA Python world);
+3. ``__array_interface__`` (host buffers).
+
+What cannot be viewed without a copy is a ``TypeError`` naming the argument: a list, a tensor that requires
+grad (the ops record no autograd history: use :mod:`wsarena.torch`), a conjugated tensor, a dtype the array
+library cannot represent. Operands may come from different libraries as long as they are all in host memory or
+all on a CUDA device; host beside device memory would need a copy and is a ``TypeError``.
+
+The result comes back in the library of the first operand (``x``, or ``dy`` for ``conv_backward_data``), through
+that library's DLPack import (``torch.from_dlpack``, the ``from_dlpack`` of its ``__array_namespace__`` or of
+its top-level module, Numba's ``as_cuda_array``); an operand whose library has none (a bare
+``__cuda_array_interface__`` holder) gets the CuPy or NumPy array. ``out=`` given: the result is ``out`` itself.
+
+With ``stream=None`` and a PyTorch CUDA tensor among the operands, the call runs on PyTorch's current stream
+(``torch.cuda.current_stream()``), and the device's arena, when this call makes it, takes its memory from
+PyTorch's caching allocator (setting ``allocator="auto"``). Nothing here imports an array library that the
+operands do not come from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._pass import Pass
+from .backends import is_masked_type, type_backend_name
+
+__all__ = ["NATIVE", "execute"]
+
+NATIVE: set[type] = set()  # NumPy and CuPy array types seen so far: the ops take these as they are
+
+_HOST_DEVICES = (1, 3)  # DLPack's kDLCPU and kDLCUDAHost (pinned host memory)
+_CUDA_DEVICES = (2, 13)  # kDLCUDA and kDLCUDAManaged
+_NUMPY_COPY_KEYWORD = np.lib.NumpyVersion(np.__version__) >= "2.1.0"  # from_dlpack(copy=False)
+
+Run = Callable[..., Any]
+
+
+# What a type's instances are, found once per type: NumPy or CuPy arrays (or masked arrays, which the ops refuse
+# with their own message), PyTorch tensors, DLPack exporters; "" for the rest, whose instances may still carry an
+# interface attribute of their own.
+_NATIVE_KIND, _TORCH, _DLPACK = "native", "torch", "dlpack"
+_KINDS: dict[type, str] = {}
+
+
+def _kind_of(kind: type) -> str:
+    found = _KINDS.get(kind)
+    if found is None:
+        torch = sys.modules.get("torch")  # a tensor's type means PyTorch is imported already
+        if type_backend_name(kind) is not None or is_masked_type(kind):
+            found = _NATIVE_KIND
+        elif torch is not None and issubclass(kind, torch.Tensor):
+            found = _TORCH
+        elif hasattr(kind, "__dlpack__") and hasattr(kind, "__dlpack_device__"):
+            found = _DLPACK
+        else:
+            found = ""
+        _KINDS[kind] = found
+    return found
+
+
+class _Operand:
+    """One argument of a call: the caller's object, its name, what it is and where its memory is."""
+
+    __slots__ = ("cuda", "device", "kind", "name", "obj")
+
+    def __init__(self, name: str, obj: Any) -> None:
+        self.name = name
+        self.obj = obj
+        self.kind = kind = _kind_of(type(obj))
+        self.device: int | None = None  # a CUDA ordinal, where the operand says which
+        if kind == _NATIVE_KIND:
+            self.cuda = type_backend_name(type(obj)) == "cudnn"
+        elif kind == _TORCH:
+            self.cuda = bool(obj.is_cuda)
+            self.device = int(obj.get_device()) if self.cuda else None
+        elif kind == _DLPACK:
+            device_type, ordinal = (int(v) for v in obj.__dlpack_device__())
+            if device_type not in _HOST_DEVICES + _CUDA_DEVICES:
+                raise TypeError(
+                    f"{name} is in memory of DLPack device type {device_type}; wsarena takes host or CUDA memory"
+                )
+            self.cuda = device_type in _CUDA_DEVICES
+            self.device = ordinal if self.cuda else None
+        elif hasattr(obj, "__cuda_array_interface__"):
+            self.cuda = True
+        elif hasattr(obj, "__array_interface__"):
+            self.cuda = False
+        else:
+            raise TypeError(
+                f"{name} must be an array (NumPy, CuPy, or an object with __dlpack__, __cuda_array_interface__ or "
+                f"__array_interface__), not {type(obj).__name__}"
+            )
+
+    def where(self) -> str:
+        memory = f"CUDA device {self.device}" if self.device is not None else "a CUDA device" if self.cuda else "the host"
+        return f"{self.name} is a {type(self.obj).__module__.partition('.')[0]} array on {memory}"
+
+
+def execute(
+    run: Run, pass_: Pass, a: Any, b: Any, shape_arg: Any, params: Any, out: Any, stream: Any, layout: str,
+    algo: str | None,
+) -> Any:
+    """Run ``run`` (the ops' own body) on NumPy or CuPy views of the operands; the result in the caller's library.
+
+    ``run`` takes the arguments of this function after itself, with ``a``, ``b`` and ``out`` replaced by views.
+    """
+    names = pass_.names
+    operands = [_Operand(names[0], a), _Operand(names[1], b)]
+    if out is not None:
+        operands.append(_Operand("out", out))
+    if all(op.kind == _NATIVE_KIND for op in operands):  # first seen, or refused by the ops themselves
+        NATIVE.update(type(op.obj) for op in operands if type_backend_name(type(op.obj)) is not None)
+        return run(pass_, a, b, shape_arg, params, out, stream, layout, algo)
+    if len({op.cuda for op in operands}) > 1:
+        raise TypeError(
+            "cannot mix host and device memory in one convolution, which would need a copy ("
+            + ", ".join(op.where() for op in operands) + ")"
+        )
+    if not operands[0].cuda:
+        views = [_host_view(op) for op in operands]
+        result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
+                     layout, algo)
+        return out if out is not None else _returned(a, result)
+    device = next((op.device for op in operands if op.device is not None), None)
+    if device is not None and any(op.kind == _TORCH for op in operands):
+        _prefer_torch_memory(device)
+        if stream is None:
+            import torch
+
+            stream = int(torch.cuda.current_stream(device).cuda_stream)
+    with _device_scope(device, stream):
+        views = [_device_view(op) for op in operands]
+        result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
+                     layout, algo)
+        # inside the scope: the library imports the result on the stream it was computed on, with no extra wait
+        return out if out is not None else _returned(a, result)
+
+
+def _host_view(op: _Operand) -> Any:
+    obj = op.obj
+    if op.kind == _NATIVE_KIND:
+        return obj
+    try:
+        if op.kind == _TORCH:  # the view DLPack would give, at a third of the cost; NumPy has no bfloat16
+            return obj.numpy() if not _is_torch_bfloat16(obj) else _torch_int16(obj).numpy().view(_bfloat16())
+        if op.kind == _DLPACK:
+            return _numpy_from_dlpack(obj)
+        return np.asarray(obj)  # __array_interface__: a view of the exporter's memory
+    except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+        raise TypeError(f"{op.name} cannot be viewed as a NumPy array without a copy: {exc}") from exc
+
+
+def _numpy_from_dlpack(obj: Any) -> np.ndarray:
+    if _NUMPY_COPY_KEYWORD:
+        return np.from_dlpack(obj, copy=False)
+    return np.from_dlpack(obj)  # NumPy < 2.1: the producer never copies unless asked to
+
+
+def _device_view(op: _Operand) -> Any:
+    import cupy
+
+    obj = op.obj
+    if op.kind == _NATIVE_KIND:
+        return obj
+    try:
+        if op.kind in (_TORCH, _DLPACK):  # imported on the current (the call's) stream
+            if op.kind == _TORCH and _is_torch_bfloat16(obj):  # whatever CuPy's DLPack makes of it
+                return cupy.from_dlpack(_torch_int16(obj), copy=False).view(_bfloat16())
+            return cupy.from_dlpack(obj, copy=False)
+        return cupy.asarray(obj)  # __cuda_array_interface__: a view of the exporter's memory
+    except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+        raise TypeError(f"{op.name} cannot be viewed as a CuPy array without a copy: {exc}") from exc
+
+
+def _is_torch_bfloat16(tensor: Any) -> bool:
+    return tensor.dtype is sys.modules["torch"].bfloat16
+
+
+def _torch_int16(tensor: Any) -> Any:
+    import torch
+
+    return tensor.view(torch.int16)
+
+
+def _bfloat16() -> Any:
+    import ml_dtypes  # NumPy's and CuPy's bfloat16
+
+    return ml_dtypes.bfloat16
+
+
+@contextlib.contextmanager
+def _device_scope(device: int | None, stream: Any) -> Any:
+    """The operands' device current (``None``: as it is) and ``stream`` CuPy's current stream there."""
+    import cupy
+
+    from .arena.streams import cupy_stream, stream_handle
+
+    with contextlib.ExitStack() as scope:
+        if device is not None:
+            scope.enter_context(cupy.cuda.Device(device))
+        if stream is not None:
+            scope.enter_context(cupy_stream(stream_handle(stream)))
+        yield
+
+
+def _prefer_torch_memory(device: int) -> None:
+    from ._config import get_config
+    from .arena._registry import make_device_arena
+
+    if get_config().allocator == "auto":
+        make_device_arena(device, "torch")
+
+
+# -- the way back --------------------------------------------------------------------------------------------------
+_RETURNERS: dict[type, Callable[[Any, Any], Any]] = {}
+
+
+def _returned(caller: Any, result: Any) -> Any:
+    """``result`` (a NumPy or CuPy array) in the library of ``caller``, the call's first operand."""
+    kind = type(caller)
+    if type_backend_name(kind) is not None:
+        return result
+    back = _RETURNERS.get(kind)
+    if back is None:
+        back = _RETURNERS[kind] = _returner(kind)
+    return back(caller, result)
+
+
+def _returner(kind: type) -> Callable[[Any, Any], Any]:
+    top = kind.__module__.partition(".")[0]
+    if _kind_of(kind) == _TORCH:
+        return _to_torch
+    if hasattr(kind, "__array_namespace__"):  # the array API standard: JAX, and libraries built to it
+        return lambda caller, result: caller.__array_namespace__().from_dlpack(result)
+    module = sys.modules.get(top)
+    from_dlpack = getattr(module, "from_dlpack", None)
+    if callable(from_dlpack):
+        return lambda caller, result: from_dlpack(result)
+    if top == "numba" and module is not None:
+        cuda = module.cuda
+        return lambda caller, result: cuda.as_cuda_array(result)
+    return lambda caller, result: result
+
+
+def _to_torch(caller: Any, result: Any) -> Any:
+    import torch
+
+    if result.dtype.kind == "V" and result.dtype.itemsize == 2:  # bfloat16 (str(dtype) costs microseconds)
+        return torch.from_dlpack(result.view(np.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(result)

@@ -1,0 +1,134 @@
+"""What ``wsarena report`` prints: the table a person reads and the CSV (the command itself is :mod:`wsarena.cli`;
+the JSON is :meth:`wsarena.planner.Plan.to_dict`)."""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from . import __version__
+from ._sizes import format_size
+
+__all__ = ["printable", "render_table", "shape_text", "skipped_note", "write_csv"]
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """``1x3x224x224``."""
+    return "x".join(map(str, shape))
+
+
+def printable(text: str) -> str:
+    """``text`` with each character that would break a line or a column (a newline, a tab, a control character)
+    written as its escape, as ``repr`` writes it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _params(g: Any) -> str:
+    def one(values: tuple[int, ...]) -> str:
+        return str(values[0]) if len(set(values)) == 1 else shape_text(values)
+
+    text = f"s{one(g.stride)} p{one(g.padding)}"
+    if any(d != 1 for d in g.dilation):
+        text += f" d{one(g.dilation)}"
+    if g.groups != 1:
+        text += f" g{g.groups}"
+    return text
+
+
+def skipped_note(skipped: Sequence[tuple[str, str]], what: str, limit: int = 5) -> str:
+    """The line that says ``what`` (``"these totals"``, ``"this curve"``) leaves out the convolutions a loader
+    skipped; empty when there are none."""
+    if not skipped:
+        return ""
+    shown = "; ".join(f"{printable(repr(name))} ({printable(why)})" for name, why in skipped[:limit])
+    more = f"; and {len(skipped) - limit} more" if len(skipped) > limit else ""
+    return (f"{what} leave out {len(skipped)} conv layer(s) that could not be planned (--skip-unknown): "
+            f"{shown}{more}")
+
+
+def render_table(p: Any) -> str:
+    """The report a person reads: a header, one row per layer, and the totals."""
+    cap = "none" if p.cap_workspace is None else format_size(p.cap_workspace)
+    lines = [
+        f"wsarena {__version__} workspace report: {printable(p.model)}",
+        (
+            f"backend {p.backend} ({p.device})  dtype {p.dtype}  layout {p.layout}  batch {p.batch}  "
+            f"cap {cap}  streams {p.streams}  search {p.search}"
+        ),
+        "",
+    ]
+    head = ["layer", "input", "weight", "params"]
+    for pass_ in p.passes:
+        head += [f"{pass_} algo", "workspace"]
+    rows = []
+    for lp in p.layers:
+        g = lp.geometry
+        name = printable(lp.name) + (" (T)" if lp.transposed else "")
+        row = [name, shape_text(g.input_shape), shape_text(g.weight_shape), _params(g)]
+        for pass_ in p.passes:
+            c = lp.choices[pass_]
+            row += [c.algo, format_size(c.workspace_bytes)]
+        rows.append(row)
+    numeric = {i for i, h in enumerate(head) if h == "workspace"}
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+
+    def fmt(cells: list[str]) -> str:
+        padded = (c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(padded).rstrip()
+
+    lines.append(fmt(head))
+    lines.append(fmt(["-" * w for w in widths]))
+    lines += [fmt(r) for r in rows]
+    lines.append("")
+    n_calls = len(p.layers) * len(p.passes)
+    arena_label = "wsarena arena: the largest workspace per stream"
+    if p.streams > 1:
+        arena_label += f" ({', '.join(format_size(b) for b in p.stream_bytes)})"
+    totals = [
+        (f"unshared: one workspace per layer and pass ({n_calls})", format_size(p.unshared_bytes)),
+        (arena_label, format_size(p.arena_bytes)),
+        _saving(p),
+    ]
+    label_width = max(len(label) for label, _ in totals)
+    value_width = max(len(value.split(" (")[0]) for _, value in totals)
+    for label, value in totals:
+        amount, _, rest = value.partition(" (")
+        lines.append(f"{label + ':':<{label_width + 1}}  {amount:>{value_width}}" + (f" ({rest}" if rest else ""))
+    if p.skipped:
+        lines.append(skipped_note(p.skipped, "these totals"))
+    if any(lp.transposed for lp in p.layers):
+        lines.append("(T) a transposed convolution, reported as the convolution whose backward-data it runs")
+    return "\n".join(lines) + "\n"
+
+
+def _saving(p: Any) -> tuple[str, str]:
+    """The last totals line: what the arena saves, or, when several streams each hold the largest workspace,
+    how much more than unshared it holds."""
+    if p.saved_bytes < 0:
+        ratio = f"{p.arena_bytes / p.unshared_bytes:.1f}x as much"
+        return "the arena holds more than unshared", f"{format_size(-p.saved_bytes)} ({ratio})"
+    ratio = f"{p.unshared_bytes / p.arena_bytes:.1f}x less" if p.arena_bytes else "no workspace at all"
+    return "saved", f"{format_size(p.saved_bytes)} ({ratio})"
+
+
+def write_csv(p: Any, out: TextIO) -> None:
+    """One row per layer; then one per convolution the loader left out (``--skip-unknown``): its name, empty
+    shapes and workspaces, and ``skipped`` as each pass's algorithm, so that the rows show what the figures lack."""
+    writer = csv.writer(out, lineterminator="\n")
+    head = ["name", "input_shape", "weight_shape", "stride", "padding", "dilation", "groups", "transposed"]
+    for pass_ in p.passes:
+        head += [f"{pass_}_algo", f"{pass_}_workspace_bytes"]
+    writer.writerow(head)
+    for lp in p.layers:
+        g = lp.geometry
+        shapes = (g.input_shape, g.weight_shape, g.stride, g.padding, g.dilation)
+        row: list[Any] = [lp.name, *(shape_text(v) for v in shapes)]
+        row += [g.groups, "true" if lp.transposed else "false"]
+        for pass_ in p.passes:
+            row += [lp.choices[pass_].algo, lp.choices[pass_].workspace_bytes]
+        writer.writerow(row)
+    for name, _ in p.skipped:
+        writer.writerow([name, "", "", "", "", "", "", ""] + ["skipped", ""] * len(p.passes))

@@ -1,0 +1,199 @@
+"""The ``cudnn`` backend through cuDNN's backend (graph) API: execution plans built once, cached, and executed.
+
+Selected by the setting ``cudnn_api="graph"``. What it shares with the legacy backend it inherits from it
+(devices, streams, arrays); what differs is a candidate: an engine configuration, named ``"eng28:tile_size=3"``
+(:func:`wsarena.cudnn.graph.config_name`), whose finalized execution plan gives its exact workspace size. The
+shared choice under the cap (:mod:`wsarena.algos`) ranks these candidates as it ranks the legacy algorithms.
+
+Plans are cached (:class:`~wsarena.backends._graph_plans.PlanCache`) per cuDNN handle (one per host thread and
+device, as PyTorch keeps its plans per thread), pass, geometry, configuration name and operand alignment. A
+cached call finds its plan, binds the handle to the workspace's stream if it changed, and executes it with the
+operands' and the workspace's pointers.
+
+A geometry for which no engine configuration is usable runs through the legacy API, with a one-time
+:class:`~wsarena.errors.CudnnApiFallbackWarning`; its candidates then carry the legacy algorithm names, and every
+method here hands a legacy name to the legacy backend.
+
+Built with device properties instead (``CudnnGraphBackend(properties_json)``, from JSON captured on a GPU), the
+backend plans for that GPU on any machine: operation graphs, heuristics and plans need no device then, so it
+answers :meth:`candidates` and :meth:`workspace_size` (what ``wsarena report --device-properties`` asks), and
+refuses to run or time anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from .._geometry import describe_geometry
+from .._pass import Pass
+from ..errors import BackendUnavailableError, CudnnApiFallbackWarning
+from . import Candidate
+from ._cudnn_backend import CudnnBackend
+from ._graph_plans import PlanCache, alignment, conv_problem, is_engine_name, ranked_names, shortlist
+
+_TIMED_RUNS = 3  # executions timed per candidate in an exhaustive search (the fewest counts)
+
+
+class CudnnGraphBackend(CudnnBackend):
+    api = "graph"
+    heur_mode: Any = None  # the heuristics' mode (a cudnn.BackendHeurMode); None: INSTANT, the cheapest on the host
+
+    def __init__(self, properties_json: str | None = None) -> None:
+        super().__init__()
+        from ..cudnn import graph
+
+        self._graph = graph
+        self._plans = PlanCache(self._build_graph, self._build_plan)
+        self._fallbacks: set[tuple[str, Any]] = set()  # (pass, geometry) already warned about
+        self._properties: Any = None
+        self._target = ""
+        if properties_json is not None:
+            self._properties = graph.device_properties(properties_json)
+            name = json.loads(properties_json).get("deviceName", "a GPU")
+            digest = hashlib.sha256(properties_json.encode()).hexdigest()[:12]
+            self._target = f"{name} (device properties {digest})"
+        self._cudnn.handle.on_close_all(self._plans.clear)  # plans go before the handles they were built with
+
+    # -- where -------------------------------------------------------------------------------------------------
+    def _handle(self) -> Any:
+        return None if self._properties is not None else super()._handle()
+
+    def device_key(self) -> Any:
+        return self._target if self._properties is not None else super().device_key()
+
+    def device_label(self) -> str:
+        return self._target if self._properties is not None else super().device_label()
+
+    def arena(self) -> Any:
+        self._no_device("lease a workspace")
+        return super().arena()
+
+    def _bound_handle(self, stream: Any, workspace: Any = None) -> Any:
+        self._no_device("run a convolution")
+        return super()._bound_handle(stream, workspace)
+
+    def _no_device(self, what: str) -> None:
+        if self._properties is not None:
+            raise BackendUnavailableError(f"cannot {what} on {self._target}: it plans for that GPU, it has none")
+
+    # -- building (the cuDNN calls) ----------------------------------------------------------------------------
+    def _build_graph(self, handle: Any, pass_: str, geom: Any, aligned: tuple[int, int, int]) -> Any:
+        return self._graph.operation_graph(conv_problem(pass_, geom, aligned), handle=handle)
+
+    def _build_plan(self, handle: Any, graph: Any, name: str) -> Any:
+        cfg = self._graph.engine_config(graph, name, properties=self._properties)
+        return self._graph.execution_plan(cfg, name, handle=handle, properties=self._properties)
+
+    def _ranked(self, handle: Any, pass_: str, geom: Any) -> list[Any]:
+        """Finalized plans of the shortlisted usable engine configurations (heuristics' order, then cuDNN's
+        fallback list; :func:`~wsarena.backends._graph_plans.shortlist`)."""
+        graph = self._plans.graph(handle, pass_, geom)
+        ranked = ranked_names(self._graph, graph, geom.dtype, properties=self._properties, mode=self.heur_mode)
+        names = shortlist(ranked)
+        plans = []
+        for name in names:
+            try:
+                plans.append(self._plans.plan(handle, pass_, geom, name))
+            except self._cudnn.CudnnError as exc:
+                if isinstance(exc, self._cudnn.CudnnNotInitializedError):
+                    raise  # the handle or the library, not this configuration
+                continue  # listed by the heuristics, refused when finalized
+        return plans
+
+    # -- algorithms --------------------------------------------------------------------------------------------
+    def check_algorithm(self, pass_: str, algo: str) -> None:
+        """Accept a legacy algorithm name (it runs through the legacy API) or an engine configuration name."""
+        if algo in super().algorithms(pass_):
+            return
+        try:
+            self._graph.parse_name(algo)
+        except ValueError as exc:
+            raise ValueError(f"algo={algo!r} is neither a cudnn {pass_} algorithm of the legacy API "
+                             f"({', '.join(super().algorithms(pass_))}) nor {exc}") from None
+
+    def workspace_size(self, pass_: str, algo: str, geom: Any) -> int:
+        if not is_engine_name(algo):
+            return super().workspace_size(pass_, algo, geom)
+        return int(self._plans.plan(self._handle(), pass_, geom, algo).workspace_bytes)
+
+    def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
+        try:
+            plans = self._ranked(self._handle(), pass_, geom)
+        except self.retry_errors + (self._cudnn.CudnnBadParamError,) as exc:
+            plans, reason = [], f"cuDNN refused its operation graph ({exc})"
+        else:
+            reason = "no engine configuration is usable"
+        if plans or self._properties is not None:  # planning for another GPU: no legacy API to fall back on
+            return [Candidate(p.name, p.workspace_bytes) for p in plans]
+        key = (pass_, geom)
+        if key not in self._fallbacks:
+            self._fallbacks.add(key)
+            warnings.warn(
+                f"cuDNN's graph API runs no {pass_} of {describe_geometry(geom)}: {reason}; "
+                "using the legacy API for it", CudnnApiFallbackWarning, stacklevel=2,
+            )
+        return super().candidates(pass_, geom)
+
+    def measure(
+        self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate],
+        stream: Any,
+    ) -> list[Candidate]:
+        self._no_device("time algorithms")
+        if not any(is_engine_name(c.algo) for c in candidates):
+            return super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
+        handle = self._bound_handle(stream, workspace)
+        raw = self._cudnn_stream(stream, workspace)
+        x, w, y = _pointers(pass_, a, b, out)
+        aligned = (alignment(x), alignment(w), alignment(y))
+        runtime = self._cupy.cuda.runtime
+        start, end = runtime.eventCreate(), runtime.eventCreate()
+        timed = []
+        try:
+            for cand in candidates:
+                try:
+                    plan = self._plans.plan(handle, pass_, geom, cand.algo, aligned)
+                    plan.execute(handle, x, w, y, workspace.ptr)  # warm-up: loads the kernels
+                except self.retry_errors:
+                    continue
+                best = float("inf")
+                for _ in range(_TIMED_RUNS):
+                    runtime.eventRecord(start, raw)
+                    plan.execute(handle, x, w, y, workspace.ptr)
+                    runtime.eventRecord(end, raw)
+                    runtime.eventSynchronize(end)
+                    best = min(best, float(runtime.eventElapsedTime(start, end)))
+                timed.append(Candidate(cand.algo, cand.workspace_bytes, best, cand.math_type))
+        finally:
+            runtime.eventDestroy(start)
+            runtime.eventDestroy(end)
+        return sorted(timed, key=lambda c: c.time_ms or 0.0)
+
+    def _cudnn_stream(self, stream: Any, workspace: Any) -> int:
+        raw = getattr(workspace, "cuda_stream", None)
+        if raw is not None:
+            return int(raw)
+        from ..arena.streams import stream_handle
+
+        return stream_handle(stream)
+
+    def run(
+        self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any
+    ) -> None:
+        name = candidate.algo
+        if not is_engine_name(name):
+            super().run(pass_, candidate, geom, a, b, out, workspace, stream)
+            return
+        handle = self._bound_handle(stream, workspace)
+        x, w, y = _pointers(pass_, a, b, out)
+        plan = self._plans.plan(handle, pass_, geom, name, (alignment(x), alignment(w), alignment(y)))
+        plan.execute(handle, x, w, y, workspace.ptr)
+
+
+def _pointers(pass_: str, a: Any, b: Any, out: Any) -> tuple[int, int, int]:
+    """Device addresses of x, w and y for the pass's operand order (a, b, out)."""
+    roles = Pass(pass_).by_role(a.data.ptr, b.data.ptr, out.data.ptr)
+    return roles["x"], roles["w"], roles["y"]

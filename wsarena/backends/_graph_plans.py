@@ -1,0 +1,183 @@
+"""What the graph-API backend decides without calling cuDNN: the problem a geometry poses, which engines may run it,
+and the cache of its execution plans. Tested on every machine with fakes (tests/test_graph_plans.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from .._config import get_config
+from .._lru import LRU
+from .._pass import Pass
+
+__all__ = [
+    "ALIGNED", "CANDIDATES", "PlanCache", "alignment", "conv_problem", "is_engine_name", "ranked_names", "shortlist",
+    "usable",
+]
+
+ALIGNED = (16, 16, 16)  # the operands' alignment candidates are ranked for: what every CuPy allocation has
+_MAX_ALIGNMENT = 16  # what tensor-core kernels ask of a pointer at most (PyTorch asks no more either)
+# Engine configurations finalized into plans per pass and geometry: the heuristics' first ones (as many as the
+# legacy API has algorithms), and the one needing the least workspace, so that a small cap always finds one.
+# Finalizing a plan can load kernels; the heuristics list up to about 40 configurations.
+CANDIDATES = 8
+
+# dtype name -> (the tensors' cuDNN data type, the compute type), as cudnn.DataType member names
+_TYPES = {
+    "float32": ("FLOAT", "FLOAT"),
+    "float16": ("HALF", "FLOAT"),
+    "bfloat16": ("BFLOAT16", "FLOAT"),
+    "float64": ("DOUBLE", "DOUBLE"),
+}
+# Numerical notes (cudnn.BackendNumericalNote values) an engine may not carry, per dtype: float32 is computed in
+# full float32 (no TF32 tensor cores, no inputs rounded down), as the legacy API's FMA_MATH; float16 and bfloat16
+# accumulate in float32 (no reduced-precision reduction), as TENSOR_OP_MATH does.
+_TENSOR_CORE, _DOWN_CONVERT, _REDUCED_REDUCTION = 0, 1, 2
+_EXCLUDED_NOTES = {
+    "float32": frozenset({_TENSOR_CORE, _DOWN_CONVERT}),
+    "float64": frozenset({_TENSOR_CORE, _DOWN_CONVERT}),
+    "float16": frozenset({_REDUCED_REDUCTION}),
+    "bfloat16": frozenset({_REDUCED_REDUCTION}),
+}
+# Behaviour notes (cudnn.BackendBehaviorNote) excluded: an engine compiled at run time takes seconds to finalize.
+_RUNTIME_COMPILATION = 0
+
+
+def alignment(ptr: int) -> int:
+    """The largest power of two up to 16 that divides the address ``ptr`` (16 for NULL)."""
+    return min(ptr & -ptr, _MAX_ALIGNMENT) if ptr else _MAX_ALIGNMENT
+
+
+def is_engine_name(algo: str) -> bool:
+    """Whether ``algo`` names an engine configuration (``"eng..."``) rather than a legacy algorithm."""
+    return algo.startswith("eng")
+
+
+def usable(dtype: str, numerical: frozenset[int], behaviour: frozenset[int]) -> bool:
+    """Whether an engine with these notes computes ``dtype`` as wsarena promises (module comments)."""
+    return _RUNTIME_COMPILATION not in behaviour and not numerical & _EXCLUDED_NOTES[dtype]
+
+
+def _contiguous(shape: tuple[int, ...], channels_last: bool) -> tuple[int, ...]:
+    """Strides in elements of ``shape`` (N, C, *spatial), stored in that order or as (N, *spatial, C)."""
+    order = [0, *range(2, len(shape)), 1] if channels_last else list(range(len(shape)))
+    strides = [0] * len(shape)
+    step = 1
+    for axis in reversed(order):
+        strides[axis] = step
+        step *= max(shape[axis], 1)
+    return tuple(strides)
+
+
+def conv_problem(pass_: str, geom: Any, aligned: tuple[int, int, int] = ALIGNED) -> Any:
+    """The :class:`wsarena.cudnn.graph.ConvProblem` of one pass of ``geom`` with operands of these alignments.
+
+    A 1-D convolution is described as a 2-D one of unit height, as the legacy descriptors do.
+    """
+    from ..cudnn import DataType, graph
+
+    data, compute = _TYPES[geom.dtype]
+    k, cpg = geom.out_channels, geom.in_channels // geom.groups
+    shapes = [(geom.batch, geom.in_channels, *geom.input_size), (k, cpg, *geom.kernel_size),
+              (geom.batch, k, *geom.output_size)]
+    padding, stride, dilation = geom.padding, geom.stride, geom.dilation
+    if geom.nd == 1:
+        shapes = [(s[0], s[1], 1, s[2]) for s in shapes]
+        padding, stride, dilation = (0, *padding), (1, *stride), (1, *dilation)
+    channels_last = geom.layout == "NHWC"
+    dims = (shapes[0], shapes[1], shapes[2])
+    strides = (_contiguous(dims[0], channels_last), _contiguous(dims[1], channels_last),
+               _contiguous(dims[2], channels_last))
+    return graph.ConvProblem(Pass(pass_), DataType[data], DataType[compute], dims, strides, padding, stride,
+                             dilation, aligned)
+
+
+def ranked_names(
+    graph_api: Any, op_graph: Any, dtype: str, *, properties: Any = None, mode: Any = None
+) -> list[tuple[str, int]]:
+    """``(name, workspace bytes)`` of the usable engine configurations for ``op_graph``: the heuristics' (``mode``,
+    default INSTANT) in their order, then those of cuDNN's fallback list not named yet."""
+    from ..cudnn import BackendHeurMode
+
+    ranked: dict[str, int] = {}
+    modes = (BackendHeurMode.MODE_INSTANT if mode is None else mode, BackendHeurMode.MODE_FALLBACK)
+    for heur_mode in dict.fromkeys(modes):
+        for cfg in graph_api.engine_configs(op_graph, heur_mode, properties=properties):
+            name = graph_api.config_name(cfg)
+            if name not in ranked and usable(dtype, *graph_api.engine_notes(cfg)):
+                ranked[name] = graph_api.config_workspace(cfg)
+    return list(ranked.items())
+
+
+def shortlist(ranked: list[tuple[str, int]], limit: int = CANDIDATES) -> list[str]:
+    """The names to finalize: the first ``limit``, then the one needing the least workspace if it is not among
+    them (the earliest of equals)."""
+    names = [name for name, _ in ranked[:limit]]
+    if ranked:
+        smallest = min(ranked, key=lambda item: item[1])
+        if smallest[0] not in names and smallest[1] < min(nbytes for _, nbytes in ranked[:limit]):
+            names.append(smallest[0])
+    return names
+
+
+class PlanCache:
+    """The execution plans of one backend, and the operation graphs they are built from, in two bounded LRUs.
+
+    A plan is keyed by what decides it: the handle it is built for (per host thread and device), the pass, the
+    geometry, the configuration name and the three operands' alignments; a graph likewise without the name. The
+    bound is the setting ``plan_cache_size``, read on every miss. A plan closed by mistake is built again.
+
+    Parameters
+    ----------
+    build_graph : callable
+        ``build_graph(handle, pass_, geom, aligned)`` -> a finalized operation graph.
+    build_plan : callable
+        ``build_plan(handle, graph, name)`` -> a finalized plan (with ``closed`` and ``close()``).
+    """
+
+    def __init__(self, build_graph: Callable[..., Any], build_plan: Callable[..., Any]) -> None:
+        size = get_config().plan_cache_size
+        self._build_graph = build_graph
+        self._build_plan = build_plan
+        self._graphs: LRU[Any] = LRU(size, valid=_open, discard=_close)
+        self._plans: LRU[Any] = LRU(size, valid=_open, discard=_close)
+
+    def graph(self, handle: Any, pass_: str, geom: Any, aligned: tuple[int, int, int] = ALIGNED) -> Any:
+        key: Hashable = (handle, pass_, geom, aligned)
+        return self._graphs.get(key, lambda: self._miss(self._graphs, self._build_graph, handle, pass_, geom,
+                                                        aligned))
+
+    def plan(self, handle: Any, pass_: str, geom: Any, name: str, aligned: tuple[int, int, int] = ALIGNED) -> Any:
+        key: Hashable = (handle, pass_, geom, name, aligned)
+        return self._plans.get(key, lambda: self._miss(
+            self._plans, self._build_plan, handle, self.graph(handle, pass_, geom, aligned), name))
+
+    @staticmethod
+    def _miss(lru: LRU[Any], build: Callable[..., Any], *args: Any) -> Any:
+        lru.maxsize = get_config().plan_cache_size
+        return build(*args)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    @property
+    def builds(self) -> int:
+        """Plans built so far (a cached call builds none)."""
+        return self._plans.builds
+
+    def clear(self) -> None:
+        """Destroy every cached plan now (before the handles they were built for), and forget the graphs."""
+        plans = self._plans.values()
+        self._plans.clear()
+        self._graphs.clear()
+        for plan in plans:
+            _close(plan)
+
+
+def _open(value: Any) -> bool:
+    return not value.closed
+
+
+def _close(value: Any) -> None:
+    value.close()

@@ -1,0 +1,138 @@
+"""wsarena's three convolution passes as PyTorch custom operators (``torch.ops.wsarena.*``).
+
+Registered with ``torch.library.custom_op``, with fake implementations that give the output's shape, dtype and
+memory format, so that ``torch.compile`` traces them as single operators instead of looking inside. Each runs
+through the public ops (:func:`wsarena.conv_forward` and the two gradients) on the tensors themselves, which
+the ops view as NumPy or CuPy arrays without a copy; the result is written into a tensor PyTorch allocated.
+
+Layout: ``"NHWC"`` runs a channels-last tensor (``torch.channels_last``, ``torch.channels_last_3d``) as the
+ops' channels-last layout, on its own memory; its results are channels-last tensors, as PyTorch's are.
+
+On the CPU, float16 and bfloat16 tensors are computed in float32 (the CPU backend has no half-precision
+kernels) and rounded to their dtype, as PyTorch's CPU convolution accumulates them in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from .._geometry import output_size
+
+__all__ = ["conv_backward_data", "conv_backward_filter", "conv_forward", "layout_of"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _channels_last(t: Tensor) -> bool:
+    if t.dim() == 4:
+        return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+    if t.dim() == 5:
+        return t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous()
+    return False
+
+
+def layout_of(x: Tensor, w: Tensor) -> str:
+    """``"NHWC"`` when the input or the weight is channels-last (PyTorch's rule for its output), else ``"NCHW"``."""
+    return "NHWC" if _channels_last(x) or _channels_last(w) else "NCHW"
+
+
+def _view(t: Tensor, layout: str) -> Tensor:
+    """``t`` as the ops see it in ``layout``: channels-last tensors as ``(N, *spatial, C)`` views."""
+    return t if layout == "NCHW" else t.movedim(1, -1)
+
+
+def _order(shape: Sequence[int], layout: str) -> list[int]:
+    """A logical ``(N, C, *spatial)`` shape in the order of ``layout``."""
+    shape = list(shape)
+    return shape if layout == "NCHW" else [shape[0], *shape[2:], shape[1]]
+
+
+def _empty(shape: Sequence[int], like: Tensor, layout: str) -> Tensor:
+    if layout == "NCHW":
+        memory_format = torch.contiguous_format
+    else:
+        memory_format = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    return torch.empty(list(shape), dtype=like.dtype, device=like.device, memory_format=memory_format)
+
+
+def _computed(t: Tensor) -> Tensor:
+    """What the ops compute on: ``t`` without autograd history, in float32 when a half type on the CPU."""
+    t = t.detach()
+    return t.float() if t.device.type == "cpu" and t.dtype in _HALF else t
+
+
+def _run(function: Callable[..., Any], a: Tensor, b: Tensor, out: Tensor, layout: str, *args: Any) -> Tensor:
+    """Call one of the public ops on ``a``, ``b`` with ``out=``, through a float32 copy for CPU half types."""
+    half_on_cpu = out.device.type == "cpu" and out.dtype in _HALF
+    target = torch.empty_like(out, dtype=torch.float32) if half_on_cpu else out
+    a, b = _computed(a), _computed(b)
+    function(_view(a, layout), _view(b, layout), *args, out=_view(target, layout), layout=layout)
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
+def _output_shape(
+    x: Sequence[int], w: Sequence[int], stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
+) -> list[int]:
+    spatial = [output_size(*dims) for dims in zip(x[2:], w[2:], stride, padding, dilation)]
+    return [x[0], w[0], *spatial]
+
+
+@torch.library.custom_op("wsarena::conv_forward", mutates_args=())
+def conv_forward(
+    x: Tensor, w: Tensor, stride: list[int], padding: list[int], dilation: list[int], groups: int, layout: str
+) -> Tensor:
+    """``y = conv(x, w)`` through :func:`wsarena.conv_forward`; shapes and parameters as checked by the caller."""
+    y = _empty(_output_shape(x.shape, w.shape, stride, padding, dilation), x, layout)
+    return _run(ops.conv_forward, x, w, y, layout, stride, padding, dilation, groups)
+
+
+@conv_forward.register_fake
+def _conv_forward_fake(
+    x: Tensor, w: Tensor, stride: list[int], padding: list[int], dilation: list[int], groups: int, layout: str
+) -> Tensor:
+    return _empty(_output_shape(x.shape, w.shape, stride, padding, dilation), x, layout)
+
+
+@torch.library.custom_op("wsarena::conv_backward_data", mutates_args=())
+def conv_backward_data(
+    dy: Tensor, w: Tensor, input_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
+    groups: int, layout: str,
+) -> Tensor:
+    """``dx`` of shape ``input_shape`` through :func:`wsarena.conv_backward_data`."""
+    dx = _empty(input_shape, dy, layout)
+    return _run(ops.conv_backward_data, dy, w, dx, layout, _order(input_shape, layout), stride, padding, dilation,
+                groups)
+
+
+@conv_backward_data.register_fake
+def _conv_backward_data_fake(
+    dy: Tensor, w: Tensor, input_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
+    groups: int, layout: str,
+) -> Tensor:
+    return _empty(input_shape, dy, layout)
+
+
+@torch.library.custom_op("wsarena::conv_backward_filter", mutates_args=())
+def conv_backward_filter(
+    x: Tensor, dy: Tensor, weight_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
+    groups: int, layout: str,
+) -> Tensor:
+    """``dw`` of shape ``weight_shape`` through :func:`wsarena.conv_backward_filter`."""
+    dw = _empty(weight_shape, x, layout)
+    return _run(ops.conv_backward_filter, x, dy, dw, layout, _order(weight_shape, layout), stride, padding,
+                dilation, groups)
+
+
+@conv_backward_filter.register_fake
+def _conv_backward_filter_fake(
+    x: Tensor, dy: Tensor, weight_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
+    groups: int, layout: str,
+) -> Tensor:
+    return _empty(weight_shape, x, layout)
