@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dis
+import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 
@@ -45,6 +48,56 @@ def interrupt_at_call(
                 sys.settrace(None)
                 fired = True
                 raise KeyboardInterrupt(f"at call {n}: {frame.f_code.co_qualname}")
+
+    sys.settrace(trace)
+    try:
+        function(*args)
+    except KeyboardInterrupt:
+        if not fired:
+            raise
+    finally:
+        sys.settrace(None)
+    return fired
+
+
+_WATCHED = tuple(f"{os.sep}{name}" for name in ("threading.py", "test_reliability_interrupts.py")) + tuple(
+    str(path) for path in (Path(__file__).resolve().parent.parent / "wsarena").rglob("*.py")
+)
+_CHECKED_AFTER = {dis.opmap[name] for name in ("CALL", "JUMP_BACKWARD") if name in dis.opmap}
+
+
+def interrupt_at_check(n: int, function: Callable[..., Any], *args: Any) -> bool:
+    """Call ``function(*args)``, raising ``KeyboardInterrupt`` once at the ``n``-th place of that run where CPython
+    runs signal handlers: as a Python function starts, just after a call returns, and at a loop's jump back (the
+    instruction after a ``CALL`` or ``JUMP_BACKWARD`` of the same frame), in this thread's frames of wsarena, of
+    the tests and of ``threading`` (not in a garbage-collector callback of some other library's that happens to run
+    meanwhile). Returns whether it was raised (the exception is swallowed here). Stepping ``n`` from 1 until this
+    returns ``False`` delivers a Ctrl-C at every such place of the run, one run each.
+    """
+    checks = 0
+    fired = False
+    last: dict[int, int] = {}  # frame id -> the opcode it executed last
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal checks, fired
+        if fired or not frame.f_code.co_filename.endswith(_WATCHED):
+            return None
+        frame.f_trace_opcodes = True
+        here = id(frame)
+        if event == "call":
+            last[here] = -1
+            checked = True
+        elif event == "opcode":
+            checked = last.get(here) in _CHECKED_AFTER
+            last[here] = frame.f_code.co_code[frame.f_lasti]
+        else:
+            return trace
+        if checked:
+            checks += 1
+            if checks == n:
+                fired = True
+                raise KeyboardInterrupt(f"at check {n}: {frame.f_code.co_qualname}:{frame.f_lineno}")
+        return trace
 
     sys.settrace(trace)
     try:

@@ -186,9 +186,15 @@ def test_each_thread_gets_its_own_lane():
     assert lanes[0] != thread_lane()
 
 
-@pytest.mark.parametrize("key", ["lane-a", 3, ("layer", 2), frozenset({1}), ProtocolStream(4)])
+@pytest.mark.parametrize("key", ["lane-a", 3, ("layer", 2), 2.5])
 def test_any_hashable_is_a_lane_key(key):
     assert resolve_stream(key, lanes=True) == (key, None)
+
+
+@pytest.mark.parametrize("key", [frozenset({1}), ProtocolStream(4)])
+def test_a_lane_key_object_that_can_be_weakly_referenced_is_its_own_anchor(key):
+    """Its lane goes when it dies (the table holds it weakly)."""
+    assert resolve_stream(key, lanes=True) == (key, key)
 
 
 @pytest.mark.parametrize("bad", [[1], {"a": 1}, {1}])

@@ -14,10 +14,10 @@ import contextlib
 import contextvars
 import dataclasses
 import os
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from . import _forksafe
 from ._sizes import parse_size
 
 __all__ = ["ALGO_SEARCHES", "ALLOCATORS", "BACKENDS", "CUDNN_APIS", "Config", "config", "configure", "get_config"]
@@ -151,7 +151,7 @@ def _from_env() -> _State:
     return Config(**values), errors
 
 
-_lock = threading.Lock()  # guards _state; readers take the reference without it (assignment is atomic)
+_lock = _forksafe.lock()  # guards _state; readers take the reference without it (assignment is atomic)
 _state: _State | None = None
 _override: contextvars.ContextVar[Config | None] = contextvars.ContextVar("wsarena_config", default=None)
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import platform
-import threading
 from typing import Any
+
+from . import _forksafe
 
 __all__ = ["api_path", "environment"]
 
@@ -18,7 +19,7 @@ __all__ = ["api_path", "environment"]
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
 
 _known: dict[tuple[str, Any], dict[str, Any]] = {}
-_lock = threading.Lock()  # guards _known
+_lock = _forksafe.lock()  # guards _known
 
 
 def api_path(backend: Any) -> str | None:

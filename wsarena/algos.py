@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import searchcache
+from . import _forksafe, searchcache
 from ._geometry import ConvGeometry, describe_geometry
 from ._pass import Pass
 from ._sizes import format_size
@@ -30,7 +29,7 @@ __all__ = ["cache_clear", "choose", "forced", "generation", "is_cached", "run_wi
 
 _cache: dict[tuple, tuple[tuple[Candidate, ...], Candidate | None]] = {}
 _warned: set[tuple] = set()
-_lock = threading.Lock()  # guards _cache, _warned and _generation; never held while a backend runs or measures
+_lock = _forksafe.lock()  # guards _cache, _warned and _generation; never held while a backend runs or measures
 _generation = 0  # counts cache_clear() calls: whoever keeps a choice of its own checks it is still current
 
 
@@ -232,40 +231,41 @@ def run_with_fallback(
 ) -> Candidate:
     """Lease a workspace for the first candidate that gets one and run it; return the candidate that ran.
 
-    If growing the arena fails, fall back to the next candidates that fit in what the stream's sub-arena already
-    holds. If ``run`` raises one of ``retry`` (the backend refuses this algorithm for these operands, e.g.
-    cuDNN's NOT_SUPPORTED), try the next candidate. Raises :class:`NoAlgorithmFitsError` (a ``MemoryError``)
-    with the numbers when memory stopped every candidate, or the last refusal when one was refused.
+    Out of memory, either way, moves on to the next candidate: if growing the arena fails, to the next ones that
+    fit in what the stream's sub-arena already holds; if the algorithm itself runs out (a ``MemoryError`` from
+    NumPy's temporaries, say), to the next one. If ``run`` raises one of ``retry`` (the backend refuses this
+    algorithm for these operands, e.g. cuDNN's NOT_SUPPORTED), to the next one too. Raises
+    :class:`NoAlgorithmFitsError` (a ``MemoryError``) with the numbers when memory stopped every candidate, or the
+    last refusal when one was refused.
     """
     limit: int | None = None
-    failure: ArenaOutOfMemoryError | None = None
+    failure: MemoryError | None = None
     refused: BaseException | None = None
     for cand in candidates:
         if limit is not None and cand.workspace_bytes > limit:
             continue
-        lease = arena.lease(cand.workspace_bytes, stream=stream, cap=cap)
         try:
-            ws = lease.__enter__()
-        except ArenaOutOfMemoryError as exc:
+            with arena.lease(cand.workspace_bytes, stream=stream, cap=cap) as ws:
+                run(cand, ws)
+        except ArenaOutOfMemoryError as exc:  # entering: the arena could not grow
             failure = exc
             limit = arena.held_bytes(stream=stream)
             continue
-        try:
-            run(cand, ws)
         except retry as exc:
             refused = exc
             continue
-        finally:
-            lease.__exit__(None, None, None)  # interrupts there are the Workspace's own concern (arena._interrupts)
+        except MemoryError as exc:  # the algorithm's own memory: its workspace was there, the rest was not
+            failure = exc
+            continue
         return cand
     if refused is not None:
         if failure is not None:
-            refused.add_note(f"algorithms needing more workspace could not get it: {failure}")
+            refused.add_note(f"algorithms needing more memory could not get it: {failure}")
         raise refused
     raise NoAlgorithmFitsError(
-        "out of memory: no algorithm fits in the workspace the arena could provide",
+        "out of memory: no algorithm fits in the workspace and memory the arena could provide",
         requested=candidates[0].workspace_bytes,
-        held=limit or 0,
+        held=arena.held_bytes(stream=stream) if limit is None else limit,
         cap=cap,
     ) from failure
 

@@ -26,12 +26,12 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import _forksafe
 from ._search_env import environment
 from .backends import Candidate
 from .errors import SearchCacheWarning
@@ -48,7 +48,7 @@ _Results = dict[tuple[str, int | None], tuple[int, float | None]]  # (algo, math
 _Measure = Callable[[], tuple[list[Candidate], list[Candidate]]]
 
 _warned: set[tuple[str, str]] = set()
-_warn_lock = threading.Lock()  # guards _warned
+_warn_lock = _forksafe.lock()  # guards _warned
 
 
 def cache_dir() -> Path | None:

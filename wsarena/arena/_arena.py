@@ -21,10 +21,11 @@ Who may use a sub-arena at once: one lease, on host lanes and device streams ali
 
 The lock. ``_lock`` guards the arena's routing table (:mod:`wsarena.arena._table`) and every field of its
 sub-arenas and blocks. It is held only for bookkeeping: never across a provider call (allocate, free and fill
-can be slow, synchronise the device or run the garbage collector), never across the body of a lease. A thread
-that must wait (for the lane's holder, or for another thread's growth) waits on that sub-arena's condition,
-built on this lock. Only the thread whose token is in ``growing`` installs a new buffer. How the bookkeeping
-survives Ctrl-C is written down in :mod:`wsarena.arena._interrupts`.
+can be slow, synchronise the device or run the garbage collector), never across the body of a lease, never
+while a thread waits. A thread that must wait (for the lane's holder, or for another thread's growth) queues a
+lock of its own on that sub-arena, lets go of the arena's lock, and waits on its own. Only the thread whose token
+is in ``growing`` installs a new buffer. How the bookkeeping survives Ctrl-C is written down in
+:mod:`wsarena.arena._interrupts`; what a forked child gets, in :meth:`Arena._after_fork_in_child`.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ from typing import Any
 
 from .._config import get_config
 from .._sizes import format_size
-from ..errors import ArenaOutOfMemoryError, WorkspaceCapError
-from ._interrupts import finish
-from ._lifecycle import give_back, release_all, track_device_arena
-from ._stats import ArenaStats, StreamStats, aligned_size
-from ._sub import _Block, _SubArena
+from ..errors import WorkspaceCapError
+from . import _growth
+from ._lifecycle import give_back, release_all, track_arena, track_device_arena
+from ._stats import ArenaStats, StreamStats
+from ._sub import _Block, _SubArena, wait
 from ._table import _Table
 from ._workspace import Workspace
 from .streams import resolve_stream
@@ -96,12 +97,13 @@ class Arena:
         self.provider = provider
         self._lanes = provider.device_id is None
         self._current = None if self._lanes else getattr(provider, "current_stream", None)
-        self._lock = threading.RLock()  # an RLock: Condition.wait retakes it in C, where no interrupt lands
+        self._lock = threading.RLock()
         self._table = table = _Table(self._lock, self._lanes)
         self._subs = table.subs  # the table's own dict and queues, read directly on the fast paths
-        self._dead, self._dropped, self._to_free = table.dead, table.dropped, table.to_free
+        self._dead, self._to_free = table.dead, table.to_free
         self._finalizer = weakref.finalize(self, release_all, provider, table)
         self._finalizer.atexit = False  # at exit, device arenas are released by an atexit handler instead
+        track_arena(self)
         if not self._lanes:
             track_device_arena(self)
 
@@ -206,6 +208,7 @@ class Arena:
         """
         released = 0
         with self._lock:
+            self._table.reap_all()
             released += self._table.sweep()
             for sub in list(self._subs.values()):
                 if sub.orphan and sub.idle():
@@ -219,6 +222,7 @@ class Arena:
     def stats(self) -> ArenaStats:
         """A snapshot of the arena's sizes and counters (attribute or item access: ``s.capacity_bytes``)."""
         with self._lock:
+            self._table.reap_all()
             self._table.sweep()
             streams = {
                 key: StreamStats(
@@ -254,6 +258,7 @@ class Arena:
         """
         with self._lock:
             self._table.closed = True
+            self._table.reap_all()
             self._table.sweep()
             for sub in list(self._subs.values()):
                 sub.wake()  # waiters see the arena closed
@@ -267,62 +272,81 @@ class Arena:
 
     # ------------------------------------------------------------------------ leases (called by Workspace)
     def _acquire(self, ws: Workspace) -> None:
-        """Take the lease ``ws``; on any exception the Workspace gives back what was taken (:meth:`_end`)."""
+        """Take the lease ``ws``; on any exception the Workspace gives back what was taken (:meth:`_end`).
+
+        The lease is held by the bound ``__exit__`` of the ``with`` statement that enters it, or else by ``ws``
+        (:mod:`wsarena.arena._table`): weakly, from here on (a strong reference would keep ``ws`` alive)."""
+        anchor, ws._with = ws._with, None
+        if anchor is None:
+            anchor = ws
         try:
             with self._lock:
                 sub = self._subs.get(ws.stream)
                 if (
-                    sub is None or sub.holder is not None or self._table.closed or self._dead or self._dropped
+                    sub is None or sub.holder is not None or sub.handoff or self._table.closed or self._dead
                     or (ws._anchor is not None and sub.anchor is None)
                 ):
-                    sub = self._table.take_lane(ws)  # waits, creates, sweeps, refuses
+                    sub = None  # the slow path, below: wait, create, sweep, refuse
                 else:  # the lane is free: take it (sub.take, inline: this runs once per convolution)
-                    me, ref = get_ident(), weakref.ref(ws, sub._died)
+                    ws._ref = ref = weakref.ref(anchor)
                     ws._sub = sub
-                    sub.holder_thread = me
+                    sub.holder_thread = get_ident()
                     sub.holder_block = None
+                    sub.used = True
                     sub.holder = ref
                     sub.orphan = False
-                block = sub.block
-                if block is not None and block.size >= ws.nbytes and not ws._debug:  # the fast path
-                    self._grant(sub, ws, block)
-                    return
-                block = self._table.wait_for_growth(sub, ws.nbytes)
-                if block is not None:
-                    self._grant(sub, ws, block)
-                    return
-                token = sub.growing = sub.holder  # the lease's own weak reference: it keeps ws from nobody
-            self._grow(sub, token, ws.nbytes, ws._cap)
-            with self._lock:
-                block = sub.block  # ours or larger (a reserve may have grown it since): the lane is ours
-                if self._table.closed or block is None:
-                    raise RuntimeError("this arena is closed")
-                self._grant(sub, ws, block)
+                    block = sub.block
+                    if block is not None and block.size >= ws.nbytes and not ws._debug:  # the fast path
+                        self._grant(sub, ws, block)
+                        return
+            if sub is None:
+                sub = self._take_lane(ws, anchor)
+            self._grow_for(ws, sub)
         finally:
             if self._to_free:  # what a sweep or a growth let go, even if this lease failed
                 self._give_back()
 
+    def _take_lane(self, ws: Workspace, anchor: Any) -> _SubArena:
+        """Wait (with the lock let go) until ``ws`` holds its lane."""
+        waited = False
+        while True:
+            with self._lock:
+                got = self._table.take_lane(ws, anchor, waited)
+            if type(got) is _SubArena:
+                return got
+            wait(got)
+            waited = True
+
     def _end(self, ws: Workspace) -> None:
         """End whatever ``ws`` holds: its lease, its growth. Idempotent, and safe at any point of :meth:`_acquire`
-        (the Workspace runs it under :func:`~wsarena.arena._interrupts.finish`)."""
+        (the Workspace runs it under :func:`~wsarena.arena._interrupts.finish`); does nothing if the lease was
+        ended already (by whoever found its ``with`` statement over: :meth:`_Table.reap`)."""
         sub = ws._sub
         if sub is None:  # nothing was taken
             if ws._state == 1:
                 ws._state = 2
             return
-        block = ws._block
-        if ws._debug and ws._state == 1 and block is not None and not block.freed:
-            # Poison while this thread still holds the lane, so the next user never sees it half written.
-            self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=sub.stream)
+        ref, block = ws._ref, ws._block
+        if ws._debug and ws._state == 1 and block is not None:
+            # Poison while this lease still holds the lane, so the next user never sees it half written; `ending`
+            # keeps others from ending the lease meanwhile (its with statement is over, its anchor may be gone).
+            with self._lock:
+                poison = sub.holder is ref and not block.freed
+                if poison:
+                    sub.ending = ref
+            if poison:
+                self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=sub.stream)
         with self._lock:
-            ref = sub.holder
-            if ref is not None and ref() is ws:
+            if sub.holder is ref:
                 if sub.growing is ref:
                     sub.growing = None  # its growth was cut short
                 granted = sub.holder_block is not None
-                sub.holder = sub.holder_block = None  # sub.leave(), inline: the lane is free again
+                sub.holder = sub.holder_block = sub.ending = None  # sub.leave(), inline: the lane is free again
                 ws._state = 2
-                if sub.waiters or sub.retired is not None or sub.orphan or self._table.closed or not granted:
+                if (
+                    sub.lane_waiters or sub.growth_waiters or sub.retired is not None or sub.orphan
+                    or self._table.closed or not granted
+                ):
                     self._table.after_lease(sub, granted)
             elif ws._state == 1:
                 ws._state = 2
@@ -335,6 +359,7 @@ class Arena:
         if ws._debug:
             self._table.check_overlap(sub, block.ptr, n)
         sub.holder_block = block
+        sub.holder_nbytes = n
         if n > sub.high_water:
             sub.high_water = n
             self._table.totals.high_water = max(self._table.totals.high_water, n)
@@ -344,65 +369,11 @@ class Arena:
         ws._state = 1
 
     # ---------------------------------------------------------------------------------------------- growth
-    def _reserve(self, n: int, key: Hashable, anchor: Any, cap: int | None) -> None:
-        if n == 0:
-            return
-        token = object()
-        try:
-            with self._lock:
-                if self._table.closed:
-                    raise RuntimeError("this arena is closed")
-                sub = self._table.sub_for(key, anchor)
-                try:
-                    if self._table.wait_for_growth(sub, n) is not None:
-                        return  # another thread's growth made it large enough
-                except RuntimeError:  # the arena closed while this thread waited
-                    self._table.drop_if_idle(sub)
-                    raise
-                sub.growing = token
-            try:
-                self._grow(sub, token, n, cap)
-            finally:
-                if sub.growing is token:  # cut short before it could end its growth
-                    finish(self._end_growth, sub, token, None)
-        finally:
-            if self._to_free:
-                self._give_back()
-
-    def _grow(self, sub: _SubArena, token: object, n: int, cap: int | None) -> None:
-        """Give ``sub`` a buffer of ``aligned_size(n)`` bytes (``sub.growing`` is ``token``; lock not held)."""
-        size = aligned_size(n)
-        try:
-            buffer = self.provider.allocate(size, stream=sub.stream)
-        except BaseException as exc:
-            finish(self._end_growth, sub, token, None)
-            if isinstance(exc, MemoryError):
-                raise ArenaOutOfMemoryError(
-                    f"could not grow the workspace of stream {sub.key!r} to {format_size(size)}",
-                    requested=n, held=sub.capacity(), cap=cap,
-                ) from exc
-            raise
-        if buffer is None or buffer.size < size:
-            if buffer is not None:
-                self._to_free.append((buffer, sub.stream))
-            finish(self._end_growth, sub, token, None)
-            if buffer is None:
-                raise TypeError(f"{self.provider!r}.allocate returned None for a request of {size} bytes")
-            raise RuntimeError(f"{self.provider!r} returned {buffer!r} for a request of {size} bytes")
-        try:
-            finish(self._end_growth, sub, token, buffer)
-        finally:
-            current = sub.block
-            if current is None or current.buffer is not buffer:  # refused (closed), or cut short before it ran
-                self._to_free.append((buffer, sub.stream))
-        if current is None or current.buffer is not buffer:
-            raise RuntimeError("this arena is closed")
-
-    def _end_growth(self, sub: _SubArena, token: object, buffer: Any) -> None:
-        """End ``token``'s growth of ``sub``, installing ``buffer`` (if any) unless the arena closed meanwhile (the
-        caller frees it then). Idempotent (lock not held)."""
-        with self._lock:
-            self._table.end_growth(sub, token, buffer)
+    # --------------------------------------------------------------------------------- growth (_growth.py)
+    _grow_for = _growth._grow_for
+    _reserve = _growth._reserve
+    _grow = _growth._grow
+    _end_growth = _growth._end_growth
 
     # ----------------------------------------------------------------------------------- lock not held
     def _refuse(self, n: int, key: Hashable, cap: int) -> None:
@@ -417,15 +388,3 @@ class Arena:
     def _give_back(self) -> None:
         """Give the buffers let go to the provider (lock not held; any thread may drain the queue)."""
         give_back(self.provider, self._to_free)
-
-    def _shutdown(self) -> None:
-        """At interpreter exit: free every buffer, even under live leases; later releases do nothing."""
-        if not self._lock.acquire(timeout=1.0):
-            return
-        try:
-            self._table.closed = True
-            self._table.let_go_everything()
-        finally:
-            self._lock.release()
-        self._finalizer.detach()
-        give_back(self.provider, self._to_free, quiet=True)

@@ -4,14 +4,28 @@ CPython runs a signal handler (``KeyboardInterrupt`` for Ctrl-C) between instruc
 function starts, after a call returns, at a loop's jump back, and while a blocking lock acquisition waits. It
 never runs one inside a C function, so ``with lock:`` (acquired and released in C, the body protected from the
 first instruction on) can neither leave the lock held nor release it twice. What an interrupt *can* do is stop
-the arena's bookkeeping half way, or stop the release of a lease before it starts. The rules, in one place:
+the arena's bookkeeping half way, stop the release of a lease before it starts, or stop a wait between letting go
+of a lock and taking it back (``threading.Condition.wait`` has such a place: an interrupt there lets the caller's
+``with`` release a lock it no longer holds, "cannot release un-acquired lock"). The rules, in one place:
 
-1. The arena takes its lock only with ``with self._lock:``; it never releases and retakes it by hand.
+1. The arena takes its lock only with ``with self._lock:``; it never releases and retakes it by hand, and never
+   waits while holding it: a waiting thread queues a lock of its own, leaves the ``with`` block and waits on that
+   lock (a C call), then takes the arena's lock again with ``with`` (:func:`~wsarena.arena._sub.wait`).
 2. Each step that must not be left undone (ending a lease, ending a growth) is an idempotent method, and runs
    under :func:`finish`, which repeats it until one run completes and raises the interruption afterwards.
 3. Within such a step, what other threads wait for changes by plain stores with no call in between, so a
    repeat finds either all of it done or none of it; and every wait re-checks its condition every
    ``RECHECK_SECONDS``, so a wake-up lost to an interrupt delays a waiting thread but never strands it.
+4. What no step can cover (an interrupt on the first instruction of ``__exit__`` or of :func:`finish`, or at its
+   jump back) is covered by ownership: a lease is held through a weak reference to what will end it, the bound
+   ``__exit__`` its ``with`` statement keeps until the statement is over (or, for a lease entered by hand, its
+   Workspace); a growth, through one to its lease or its ``reserve`` call. Once that is gone, nothing can end the
+   lease or the growth any more, and the arena ends it when it next looks at the stream
+   (:mod:`wsarena.arena._table`). So a ``with arena.lease(...) as ws:`` that was interrupted anywhere leaves the
+   stream usable by the next statement, whether or not ``ws`` still refers to the Workspace.
+5. Weakref callbacks, which the collector may run anywhere, are C calls (``deque.append``) or absent: an
+   interrupt that landed in Python code there would be lost. The one exception is the finalizer that frees a
+   collected arena's buffers (an interrupt there leaves them to their owner objects' own collection).
 """
 
 from __future__ import annotations

@@ -1,25 +1,31 @@
-"""Releasing memory when no one will: a collected arena, a dead stream or thread, interpreter exit.
+"""Releasing memory when no one will: a collected arena, interpreter exit; and a forked child's arenas.
 
 Finalizers here never raise (a failed free warns) and do nothing once the interpreter is finalizing; device
 arenas are released by an atexit handler instead, while CUDA is still up.
+
+Fork: a child gets a copy of every arena as it was at the fork, with leases and growths of threads that do not
+exist in the child (and maybe the arena's lock held by one of them). ``os.register_at_fork`` makes every arena
+start again in the child (:func:`_after_fork_in_child`): no sub-arena, no lease, nothing given back to a provider.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import os
 import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
+
+from .. import _forksafe
+from ._table import _Table
 
 if TYPE_CHECKING:
     from ._arena import Arena
-    from ._table import _Table
 
-__all__ = ["anchor_died", "give_back", "release_all", "track_device_arena"]
+__all__ = ["give_back", "keep_parents_memory", "release_all", "track_arena", "track_device_arena"]
 
 
 def give_back(provider: Any, to_free: collections.deque[tuple[Any, Any]], quiet: bool = False) -> None:
@@ -57,15 +63,60 @@ def release_all(provider: Any, table: _Table) -> None:
     give_back(provider, table.to_free)
 
 
-def anchor_died(dead: collections.deque[tuple[Hashable, int, bool]], key: Hashable, serial: int, eager: bool) -> None:
-    """A watched stream object (or a thread's lane holder) died: queue its sub-arena for the next operation to
-    sweep. Never takes the arena's lock: the collector may run this inside a locked region of any thread."""
-    if not sys.is_finalizing():
-        dead.append((key, serial, eager))
+# Every arena, for the fork handler: weak references without callbacks (a callback is Python code, where an
+# interrupt would be lost), the dead ones dropped as the list grows.
+_arenas: list[weakref.ref[Arena]] = []
+_parents_memory: list[Any] = []  # in a forked child: device arenas' tables of the parent, never released
+
+
+def track_arena(arena: Arena) -> None:
+    """Remember ``arena``, so that a forked child resets it."""
+    global _arenas
+    if len(_arenas) >= 64 and len(_arenas) & (len(_arenas) - 1) == 0:  # at each power of two
+        _arenas = [ref for ref in _arenas if ref() is not None]
+    _arenas.append(weakref.ref(arena))
+
+
+def keep_parents_memory(table: _Table) -> None:
+    """In a forked child: keep ``table`` (and the parent's device buffers it refers to) alive and untouched for good.
+    Dropping them would free device memory through CUDA, which cannot run in the child, and is the parent's."""
+    _parents_memory.append(table)
+
+
+def _after_fork_in_child() -> None:
+    for ref in _arenas:
+        arena = ref()
+        if arena is not None:
+            reset_in_child(arena)
+
+
+def reset_in_child(arena: Arena) -> None:
+    """Start ``arena`` again in a child forked from this process: no sub-arena and no lease (the threads that held
+    them do not exist here), and the parent's buffers never given to the provider.
+
+    A host arena drops its copies of the buffers (copy-on-write pages of the child's own; a live lease of the
+    forking thread keeps its bytes until it ends). A device arena keeps the parent's table referenced and
+    unreleased for good, and refuses every lease and reserve with a ``RuntimeError`` that says why.
+    """
+    old = arena._table
+    arena._lock = threading.RLock()
+    table = _Table(arena._lock, arena._lanes)
+    table.closed = old.closed
+    if not arena._lanes:
+        table.closed = table.forked = True
+        keep_parents_memory(old)
+    arena._table = table
+    arena._subs, arena._dead, arena._to_free = table.subs, table.dead, table.to_free
+    arena._finalizer.detach()
+    arena._finalizer = weakref.finalize(arena, release_all, arena.provider, table)
+    arena._finalizer.atexit = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 _device_arenas: weakref.WeakSet[Arena] = weakref.WeakSet()
-_device_lock = threading.Lock()  # guards _device_arenas and _atexit_registered
+_device_lock = _forksafe.lock()  # guards _device_arenas and _atexit_registered
 _atexit_registered = False
 
 
@@ -87,4 +138,18 @@ def _shutdown_device_arenas() -> None:
     with _device_lock:
         arenas = list(_device_arenas)
     for arena in arenas:
-        arena._shutdown()
+        _shutdown(arena)
+
+
+def _shutdown(arena: Arena) -> None:
+    """At interpreter exit: free every buffer of ``arena``, even under live leases; later releases do nothing."""
+    lock = arena._lock
+    if not lock.acquire(timeout=1.0):
+        return
+    try:
+        arena._table.closed = True
+        arena._table.let_go_everything()
+    finally:
+        lock.release()
+    arena._finalizer.detach()
+    give_back(arena.provider, arena._to_free, quiet=True)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import operator
-import threading
+import os
 from typing import Any
 
+from .. import _forksafe
 from .._config import get_config
 from .._gpu import gpu_count, gpu_unusable_reason
 from ..errors import BackendUnavailableError
@@ -15,7 +16,8 @@ from .providers import CupyProvider, HostProvider, TorchProvider
 __all__ = ["get_arena", "make_device_arena", "reset_arenas", "set_arena"]
 
 _arenas: dict[str | int, Arena] = {}
-_lock = threading.Lock()  # guards _arenas; held while an arena is created so each device gets exactly one
+_cuda_in_parent = False  # in a forked child: the parent had a device arena, so CUDA was initialised before fork
+_lock = _forksafe.lock()  # guards _arenas; held while an arena is created so each device gets exactly one
 
 
 def _device_key(device: Any) -> str | int | None:
@@ -56,7 +58,7 @@ def get_arena(device: Any = None) -> Arena:
     Raises
     ------
     BackendUnavailableError
-        A device arena was asked for and no GPU is usable.
+        A device arena was asked for and no GPU is usable (or this process was forked from one that used CUDA).
     ValueError, TypeError
         ``device`` is not ``"cpu"``, a non-negative int or ``None``, or no such device exists.
     """
@@ -71,6 +73,11 @@ def get_arena(device: Any = None) -> Arena:
             return arena
     if key == "cpu":
         return _made("cpu", HostProvider)
+    if _cuda_in_parent:
+        raise BackendUnavailableError(
+            f"get_arena({device!r}) in a process forked after CUDA was initialised: CUDA cannot be used here "
+            "(start workers with the 'spawn' or 'forkserver' method); the cpu arena works"
+        )
     _require_gpu(f"get_arena({device!r})")
     if key is None:
         import cupy
@@ -100,6 +107,14 @@ def _made(key: str | int, provider: Any) -> Arena:
         if arena is None or arena.closed:
             arena = _arenas[key] = Arena(provider())
         return arena
+
+
+def _after_fork_in_child() -> None:
+    global _cuda_in_parent
+    _cuda_in_parent = _cuda_in_parent or any(key != "cpu" for key in _arenas)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def set_arena(device: Any, arena: Arena | None) -> Arena | None:

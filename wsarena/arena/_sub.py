@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import collections
 import itertools
-import threading
 import weakref
+from _thread import allocate_lock as _allocate_lock
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Self
 
+from ._interrupts import RECHECK_SECONDS
 from .streams import PerThreadStream, is_own_stream
-
-if TYPE_CHECKING:
-    from ._workspace import Workspace
 
 __all__: list[str] = []
 
@@ -52,24 +50,67 @@ class _Block:
         self.freed = False
 
 
+class _Anchor(weakref.ref):
+    """A weak reference to what shows that a sub-arena's stream is alive (a stream object, the holder of a thread's
+    lane, a lane key object). Its callback is the arena's ``dead.append``, a C call, so that an interrupt can never
+    land in it; the sweep reads the key from the reference itself."""
+
+    __slots__ = ("eager", "key", "serial")
+    key: Hashable
+    serial: int
+    eager: bool
+
+    def __new__(cls, target: Any, callback: Any, key: Hashable, serial: int, eager: bool) -> Self:
+        self = super().__new__(cls, target, callback)
+        self.key, self.serial, self.eager = key, serial, eager
+        return self
+
+    def __init__(self, target: Any, callback: Any, key: Hashable, serial: int, eager: bool) -> None:
+        weakref.ref.__init__(self, target, callback)  # type: ignore[call-arg]  # it takes these two only
+
+
+class _GrowthOwner:
+    """What a ``reserve`` call holds while it grows a sub-arena: once it is gone, so is the growth."""
+
+    __slots__ = ("__weakref__",)
+
+
+def park(waiters: collections.deque[Any]) -> Any:
+    """A locked lock of the caller's own, queued on ``waiters``: :meth:`_SubArena.wake` releases it. (Lock held.)"""
+    waiter = _allocate_lock()
+    waiter.acquire()
+    waiters.append(waiter)
+    return waiter
+
+
+def wait(waiter: Any) -> None:
+    """Wait (lock not held) until ``waiter`` is released or ``RECHECK_SECONDS`` pass. A C call: an interrupt raises
+    out of it with nothing held, and a waiter left queued is released harmlessly by the next wake."""
+    waiter.acquire(True, RECHECK_SECONDS)
+
+
 class _SubArena:
     """One stream's (or CPU lane's) buffer and who holds it.
 
-    At most one lease holds a sub-arena at a time. ``holder`` refers to its
-    :class:`~wsarena.arena.Workspace` weakly: a Workspace dropped while it holds the lane (its release cut short
-    by an interrupt) puts itself on ``dropped`` for the arena to end its lease. ``holder_block`` is the block the
-    lease uses, which is ``retired`` when ``reserve`` grew the buffer under the lease (one lease uses one block,
-    so at most one is retired at a time). ``growing`` is the token of whoever is allocating a larger buffer right
-    now (a lease's weak reference, or a ``reserve`` call's own object).
+    At most one lease holds a sub-arena at a time. ``holder`` is a weak reference to what ends that lease: the bound
+    ``__exit__`` of the ``with`` statement that entered it, or else its :class:`~wsarena.arena.Workspace`. Once that
+    is gone the lease can never be released, so whoever finds it so ends it (:func:`wsarena.arena._interrupts.gone`).
+    ``holder_block`` is the block the lease uses, which is ``retired`` when ``reserve`` grew the buffer under the
+    lease (one lease uses one block, so at most one is retired at a time). ``growing`` is a weak reference to
+    whoever is allocating a larger buffer right now (the lease's ``holder``, or a ``reserve`` call's owner object).
+
+    Threads waiting for the lane queue a lock of their own on ``lane_waiters``; those waiting for a growth, on
+    ``growth_waiters``. When the lane is released to waiting threads, ``handoff`` keeps it for them: a thread that
+    has not waited yet queues behind them instead of taking it again at once.
     """
 
     __slots__ = (
-        "_died", "allocations", "anchor", "block", "cond", "dropped", "growing", "growths", "high_water", "holder",
-        "holder_block", "holder_thread", "key", "orphan", "retired", "serial", "stream", "to_free", "totals",
-        "waiters",
+        "allocations", "anchor", "block", "ending", "growing", "growth_waiters", "growths", "handoff", "high_water",
+        "holder", "holder_block", "holder_nbytes", "holder_thread", "key", "lane_waiters", "orphan", "retired",
+        "serial", "stream", "to_free", "totals", "used",
     )
 
-    def __init__(self, key: Hashable, lock: threading.RLock, totals: _Totals, to_free: Queue, dropped: Queue) -> None:
+    def __init__(self, key: Hashable, totals: _Totals, to_free: Queue) -> None:
         self.key = key
         # What the provider is told to allocate, fill and free on: the plain handle (2 for a PerThreadStream).
         # Only the key's own thread may use 2 this way: see free_stream().
@@ -77,20 +118,22 @@ class _SubArena:
         self.serial = next(_serials)  # tells a re-created sub-arena for the same key from its predecessor
         self.totals = totals
         self.to_free = to_free
-        self.dropped = dropped
-        self._died = self.holder_died  # bound once: one would be made per lease otherwise
         self.block: _Block | None = None
         self.retired: _Block | None = None
-        self.holder: weakref.ref[Workspace] | None = None
+        self.holder: weakref.ref[Any] | None = None
         self.holder_thread = 0
         self.holder_block: _Block | None = None
-        self.growing: object = None
-        self.waiters = 0  # threads waiting on cond for the holder to leave or a growth to end
-        self.cond = threading.Condition(lock)
+        self.holder_nbytes = 0
+        self.ending: weakref.ref[Any] | None = None  # the holder while its own release poisons its bytes
+        self.growing: weakref.ref[Any] | None = None
+        self.lane_waiters: collections.deque[Any] = collections.deque()
+        self.growth_waiters: collections.deque[Any] = collections.deque()
+        self.handoff = False
+        self.used = False  # leased again, free and found, since the last eviction pass (_Table.evict_idle)
         self.high_water = 0
         self.allocations = 0
         self.growths = 0
-        self.anchor: weakref.finalize | None = None  # watches one stream object (or the thread of a lane)
+        self.anchor: _Anchor | None = None  # watches one stream object (or the thread of a lane, or a key object)
         self.orphan = False  # every watched object died: release once idle
 
     # ------------------------------------------------------------------------------------------- queries
@@ -100,12 +143,14 @@ class _SubArena:
     def retired_bytes(self) -> int:
         return self.retired.size if self.retired is not None else 0
 
-    def idle(self) -> bool:
-        return self.holder is None and self.waiters == 0 and self.growing is None
+    @property
+    def waiters(self) -> int:
+        """Threads queued for the lane or for a growth (a queued lock whose thread was interrupted counts until the
+        next wake)."""
+        return len(self.lane_waiters) + len(self.growth_waiters)
 
-    def holds(self, ws: Workspace) -> bool:
-        holder = self.holder
-        return holder is not None and holder() is ws
+    def idle(self) -> bool:
+        return self.holder is None and self.growing is None
 
     def free_stream(self, gone: bool = False) -> Any:
         """The stream to free this sub-arena's buffers on: its own, unless that may be gone (``gone``) or is
@@ -115,26 +160,30 @@ class _SubArena:
         return self.stream
 
     # ------------------------------------------------------------------------------------------- leases
-    def take(self, ws: Workspace, thread: int) -> None:
-        """Make ``ws`` the lane's holder: the one change every other thread waits for."""
-        ref = weakref.ref(ws, self._died)
+    def take(self, ref: weakref.ref[Any], thread: int) -> None:
+        """Make ``ref`` the lane's holder: the one change every other thread waits for."""
         self.holder_thread = thread
         self.holder_block = None
+        self.handoff = False
         self.holder = ref
 
     def leave(self) -> None:
         """The lane's lease ended: its bytes are free for the next lease."""
         self.holder = None
         self.holder_block = None
-
-    def holder_died(self, ref: weakref.ref[Any]) -> None:
-        """Weakref callback: a Workspace that still held the lane was dropped. Never takes the arena's lock (the
-        collector may run this anywhere); the arena ends the lease at its next operation."""
-        self.dropped.append((self, ref))
+        self.ending = None
 
     def wake(self) -> None:
-        if self.waiters:
-            self.cond.notify_all()
+        """Release every queued waiter; the lane goes to those waiting for it (``handoff``) if it is free."""
+        waiters = self.lane_waiters
+        if waiters:
+            if self.holder is None:
+                self.handoff = True
+            while waiters:
+                waiters.popleft().release()
+        waiters = self.growth_waiters
+        while waiters:
+            waiters.popleft().release()
 
     # ------------------------------------------------------------------------------------------- buffers
     def install(self, buffer: Any) -> _Block:

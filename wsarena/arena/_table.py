@@ -1,10 +1,16 @@
-"""The arena's routing table: which sub-arena serves a stream key, and when a sub-arena goes away.
+"""The arena's routing table: which sub-arena serves a stream key, and when a sub-arena or a lease goes away.
 
-A sub-arena is made on the first lease or reserve for its key, and forgotten when nothing uses it any more and
-it holds nothing, or when its stream is gone: a stream object or a thread (for its lane and its per-thread
-stream) that dies queues the key on ``dead``, a Workspace dropped while it still held its lane queues itself on
-``dropped``, and the next operation of the arena sweeps both. Every method runs with the arena's lock held; the
-queues are only appended to from outside it (by weakref callbacks, which must never block on the lock).
+A sub-arena is made on the first lease or reserve for its key, and forgotten when nothing uses it any more and it
+holds nothing, when its stream is gone (a stream object, a lane key object or a thread that dies queues its
+:class:`~wsarena.arena._sub._Anchor` on ``dead``, and the next operation of the arena sweeps it), or when more
+than ``MAX_IDLE_STREAMS`` sub-arenas of caller-chosen keys sit idle (:meth:`_Table.evict_idle`).
+
+A lease ends when its release runs, or when nothing can run it any more: the ``with`` statement that entered it is
+over, or its Workspace is gone (:meth:`_Table.reap`). Whoever finds such a lease ends it: a thread that wants the
+lane, :meth:`Arena.stats`, :meth:`Arena.trim`, :meth:`Arena.close`.
+
+Every method runs with the arena's lock held; ``dead`` is only appended to from outside it (by weakref callbacks,
+which must never block on the lock).
 """
 
 from __future__ import annotations
@@ -16,78 +22,124 @@ from collections.abc import Hashable
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
-from ._interrupts import RECHECK_SECONDS
-from ._lifecycle import anchor_died
-from ._sub import Queue, _Block, _SubArena, _Totals
+from ._sub import Queue, _Anchor, _SubArena, _Totals, park
 from .streams import PerThreadStream, ThreadLane
 
 if TYPE_CHECKING:
     from ._workspace import Workspace
 
-__all__: list[str] = []
+__all__ = ["MAX_IDLE_STREAMS"]
+
+# Idle sub-arenas of caller-chosen keys (CPU lane keys, raw stream handles) kept with their buffers. A step uses a
+# few streams at once; keys beyond that are one-off (a request id per call) and would each keep a buffer until
+# trim(). An evicted sub-arena whose key comes back costs one allocation. A constant, not a setting: it bounds a
+# misuse, and nothing a correct program does comes near it. Per-thread lanes and per-thread streams are not
+# counted: they are bounded by the live threads and swept when their thread exits.
+MAX_IDLE_STREAMS = 64
+
+
+class _LaneKey(weakref.ref):
+    """A CPU lane key object, held weakly by the table: equal to (and hashing as) the object while it lives, so that
+    the object itself finds its sub-arena, and the sub-arena goes away with the object."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is _LaneKey:
+            return weakref.ref.__eq__(self, other)
+        target = self()
+        return target is not None and bool(target == other)
+
+    __hash__ = weakref.ref.__hash__
+
+    def __repr__(self) -> str:
+        return repr(self())
+
+
+def _caller_chosen(key: Hashable) -> bool:
+    return type(key) is not ThreadLane and type(key) is not PerThreadStream
 
 
 class _Table:
-    """The sub-arenas of one arena, by key, and the queues that say which of them go away."""
+    """The sub-arenas of one arena, by key, and the queue that says which of them go away."""
 
-    __slots__ = ("closed", "dead", "dropped", "lanes", "lock", "subs", "to_free", "totals")
+    __slots__ = ("closed", "dead", "forked", "lanes", "lock", "subs", "to_free", "totals")
 
     def __init__(self, lock: threading.RLock, lanes: bool) -> None:
         self.lock = lock
         self.lanes = lanes  # keys are CPU lanes (else CUDA streams)
         self.subs: dict[Hashable, _SubArena] = {}
-        self.dead: collections.deque[tuple[Hashable, int, bool]] = collections.deque()  # streams, threads gone
-        # (sub-arena, weak reference) of Workspaces dropped live
-        self.dropped: collections.deque[tuple[_SubArena, Any]] = collections.deque()
+        self.dead: collections.deque[_Anchor] = collections.deque()  # streams, threads, key objects gone
         self.to_free: Queue = collections.deque()  # (buffer, stream) let go, for the provider
         self.totals = _Totals()
         self.closed = False
+        self.forked = False  # a device arena in a forked child: its memory is the parent's
+
+    def closed_error(self) -> RuntimeError:
+        if self.forked:
+            return RuntimeError(
+                "this arena's device memory belongs to the parent process: CUDA cannot be used in a child forked "
+                "after it was initialised (start workers with the 'spawn' or 'forkserver' method)"
+            )
+        return RuntimeError("this arena is closed")
 
     def sub_for(self, key: Hashable, anchor: Any) -> _SubArena:
         """The sub-arena of ``key``, made if needed; ``anchor`` is an object whose death means the stream is gone."""
-        if self.dead or self.dropped:
+        if self.dead:
             self.sweep()
         sub = self.subs.get(key)
         if sub is None:
             self.sweep_orphans()  # a new stream appeared: a good moment to let go of dead ones
-            sub = _SubArena(key, self.lock, self.totals, self.to_free, self.dropped)
-            self.subs[key] = sub
+            if len(self.subs) >= MAX_IDLE_STREAMS:
+                self.evict_idle()
+            stored = _LaneKey(key) if self.lanes and anchor is key else key  # a lane key object: held weakly
+            sub = _SubArena(stored, self.totals, self.to_free)
+            self.subs[stored] = sub
         if anchor is not None and sub.anchor is None:
-            # A dead thread's lane (or per-thread stream) is never used again: swept at once, not when idle later.
-            eager = isinstance(key, (ThreadLane, PerThreadStream))
-            sub.anchor = weakref.finalize(anchor, anchor_died, self.dead, key, sub.serial, eager)
-            sub.anchor.atexit = False
+            # A dead thread's lane (or per-thread stream), or a dead key object, is never used again: swept at once.
+            eager = anchor is key or isinstance(key, (ThreadLane, PerThreadStream))
+            sub.anchor = _Anchor(anchor, self.dead.append, sub.key, sub.serial, eager)
         sub.orphan = False  # whoever leases on it shows the stream is alive
         return sub
 
-    def take_lane(self, ws: Workspace) -> _SubArena:
-        """Wait until no other thread holds ``ws``'s lane, then make ``ws`` its holder."""
-        key, me = ws.stream, get_ident()
-        sub = None
-        while True:
-            if self.closed:
-                if sub is not None:  # it waited here: the holder that left may have left it idle
-                    self.drop_if_idle(sub)
-                raise RuntimeError("this arena is closed")
-            sub = self.sub_for(key, ws._anchor)
-            if sub.holder is None:
-                ws._sub = sub
-                sub.take(ws, me)
-                return sub
-            if sub.holder_thread == me:
-                raise self._nested_error(key)
-            self._wait(sub)
+    def take_lane(self, ws: Workspace, anchor: Any, waited: bool) -> Any:
+        """Make ``ws`` (ended by ``anchor``) the holder of its lane and return the sub-arena; or, if another lease
+        holds it (or it is kept for threads that waited, and this one has not), queue a lock to wait on and return
+        that (see :func:`~wsarena.arena._sub.wait`)."""
+        if self.closed:
+            raise self.closed_error()
+        me = get_ident()
+        sub = self.sub_for(ws.stream, ws._anchor)
+        ref = sub.holder
+        if ref is not None and ref() is None and (sub.ending is not ref or sub.holder_thread == me):
+            self.reap(sub)  # nothing can release that lease any more
+            ref = sub.holder
+        if ref is None and (waited or not sub.handoff):
+            ws._ref = ref = weakref.ref(anchor)
+            ws._sub = sub
+            sub.take(ref, me)
+            return sub
+        if ref is not None and sub.holder_thread == me:
+            raise self._nested_error(sub.key)
+        return park(sub.lane_waiters)
 
-    def wait_for_growth(self, sub: _SubArena, n: int) -> _Block | None:
-        """Wait while another thread grows ``sub``; its buffer if that now holds ``n`` bytes."""
-        while sub.growing is not None:
-            self._wait(sub)
-            if self.closed:
-                raise RuntimeError("this arena is closed")
-        block = sub.block
-        return block if block is not None and block.size >= n else None
+    def growth_over(self, sub: _SubArena) -> bool:
+        """Whether no one is growing ``sub`` (a growth whose owner is gone is ended here); else the caller waits."""
+        growing = sub.growing
+        if growing is None:
+            return True
+        if growing() is not None:
+            return False
+        if growing is not sub.holder:  # a reserve cut short by an interrupt
+            sub.growing = None
+            sub.wake()
+        elif sub.ending is growing:  # its owner is releasing it right now
+            return False
+        else:  # a lease cut short while it grew: it ends, and its growth with it
+            self.reap(sub)
+        return True
 
-    def end_growth(self, sub: _SubArena, token: object, buffer: Any) -> None:
+    def end_growth(self, sub: _SubArena, token: Any, buffer: Any) -> None:
         """End ``token``'s growth of ``sub``, installing ``buffer`` (if any) unless the arena closed meanwhile.
         Idempotent: a repeat after an interrupt finds the buffer installed and the growth ended."""
         if sub.growing is token:
@@ -99,14 +151,6 @@ class _Table:
         current = sub.block
         if buffer is None or current is None or current.buffer is not buffer:
             self.drop_if_idle(sub)
-
-    @staticmethod
-    def _wait(sub: _SubArena) -> None:
-        sub.waiters += 1
-        try:
-            sub.cond.wait(RECHECK_SECONDS)
-        finally:
-            sub.waiters -= 1
 
     def _nested_error(self, key: Hashable) -> RuntimeError:
         """This thread leases again on a lane / stream it holds (nothing was changed)."""
@@ -126,9 +170,8 @@ class _Table:
         """Drop an idle sub-arena and let go of its buffers (``gone``: its stream may no longer exist)."""
         if self.subs.get(sub.key) is sub:
             del self.subs[sub.key]
-        if sub.anchor is not None:
-            sub.anchor.detach()
-            sub.anchor = None
+        sub.anchor = None  # a reference dropped before its object dies never calls back
+        sub.wake()  # threads queued for it look the key up again
         return sub.tidy() + sub.empty(gone)
 
     def drop_if_idle(self, sub: _SubArena, gone: bool = False) -> None:
@@ -145,27 +188,33 @@ class _Table:
         elif not granted:
             self.drop_if_idle(sub)  # a first lease whose growth failed leaves nothing behind
 
+    def reap(self, sub: _SubArena) -> None:
+        """End the lease of ``sub``, which nothing can release any more (its holder reference is dead)."""
+        if sub.growing is sub.holder:
+            sub.growing = None  # its growth was cut short too
+        granted = sub.holder_block is not None
+        sub.leave()
+        self.after_lease(sub, granted)
+
+    def reap_all(self) -> None:
+        """End every lease that nothing can release any more (except one its owner is releasing right now)."""
+        for sub in list(self.subs.values()):
+            ref = sub.holder
+            if ref is not None and ref() is None and sub.ending is not ref:
+                self.reap(sub)
+
     def sweep(self) -> int:
-        """End the leases of dropped Workspaces; mark the sub-arenas of dead streams and threads. Each entry is
-        removed once handled, so an interrupted sweep leaves the rest for the next one. Returns the bytes let go."""
+        """Mark the sub-arenas of dead streams, threads and key objects, forgetting those that can never be used
+        again. Each entry is removed once handled, so an interrupted sweep leaves the rest for the next one.
+        Returns the bytes let go."""
         released = 0
-        while self.dropped:  # a Workspace dropped while it held its lane: its lease ends now
-            sub, ref = self.dropped[0]
-            if sub.holder is ref:
-                if sub.growing is ref:
-                    sub.growing = None  # its growth was cut short too
-                granted = sub.holder_block is not None
-                sub.leave()
-                if self.subs.get(sub.key) is sub:
-                    self.after_lease(sub, granted)
-            self.dropped.popleft()
         while self.dead:
-            key, serial, eager = self.dead[0]
-            gone = self.subs.get(key)
-            if gone is not None and gone.serial == serial:  # else already gone, or a newer one for the same key
+            anchor = self.dead[0]
+            gone = self.subs.get(anchor.key)
+            if gone is not None and gone.serial == anchor.serial:  # else already gone, or a newer one
                 gone.anchor = None
                 gone.orphan = True
-                if eager and gone.idle():
+                if anchor.eager and gone.idle():
                     released += self.forget(gone, gone=True)
             self.dead.popleft()
         return released
@@ -177,14 +226,30 @@ class _Table:
                 released += self.forget(sub, gone=True)
         return released
 
+    def evict_idle(self) -> None:
+        """Forget idle sub-arenas of caller-chosen keys beyond ``MAX_IDLE_STREAMS``: first those not leased again
+        since the last pass (a one-off key is leased once, when it is made), then the rest, oldest first. A stream in
+        steady use is leased again all the time, so it keeps its buffer."""
+        idle = [sub for sub in self.subs.values() if _caller_chosen(sub.key) and sub.idle()]
+        excess = len(idle) - MAX_IDLE_STREAMS + 1  # room for the one about to be made
+        for second_pass in (False, True):
+            for sub in idle:
+                if excess <= 0:
+                    return
+                if sub.used and not second_pass:
+                    sub.used = False
+                elif self.subs.get(sub.key) is sub:
+                    self.forget(sub)
+                    excess -= 1
+
     def check_overlap(self, sub: _SubArena, ptr: int, n: int) -> None:
         """Debug mode: a lease of ``[ptr, ptr + n)`` on ``sub`` must not overlap a live lease of another one."""
         end = ptr + n
         for other in self.subs.values():
-            holder = other.holder() if other.holder is not None else None
-            if other is sub or holder is None or holder._block is None:
+            block, ref = other.holder_block, other.holder
+            if other is sub or block is None or ref is None or ref() is None:
                 continue
-            start, stop = holder.ptr, holder.ptr + holder.nbytes
+            start, stop = block.ptr, block.ptr + other.holder_nbytes
             if start < end and ptr < stop:
                 raise AssertionError(
                     f"wsarena debug: a lease of [{ptr:#x}, {end:#x}) on stream {sub.key!r} overlaps the live lease "
@@ -194,9 +259,7 @@ class _Table:
     def let_go_everything(self) -> None:
         """At exit, or when the arena is collected: queue every buffer, even under live leases, and forget all."""
         for sub in list(self.subs.values()):
-            if sub.anchor is not None:
-                sub.anchor.detach()
-                sub.anchor = None
+            sub.anchor = None
             for block in (sub.block, sub.retired):
                 if block is not None and not block.freed:
                     block.freed = True
@@ -204,3 +267,4 @@ class _Table:
                     self.to_free.append((block.buffer, None))  # its streams may be gone too
             sub.block = sub.retired = sub.holder_block = None
         self.subs.clear()
+

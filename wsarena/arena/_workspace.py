@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from types import MethodType
 from typing import TYPE_CHECKING, Any, Self
 
 from .._sizes import format_size
 from ._interrupts import finish
 
 if TYPE_CHECKING:
+    import weakref
+
     from ._arena import Arena
     from ._sub import _Block, _SubArena
 
 __all__ = ["Workspace"]
+
+
+class _WithExit:
+    """Makes ``Workspace.__exit__`` the holder of a lease that a ``with`` statement enters.
+
+    A ``with`` statement looks its ``__exit__`` up before it enters the lease and keeps the bound method until the
+    statement ends; that method is what holds the lease. Once it is gone, the lease is over, even when a Ctrl-C
+    stopped ``__exit__`` before it could release anything and the Workspace itself lives on (in ``ws`` of
+    ``with arena.lease(n) as ws:``): the arena ends it when it next looks at the lane (:mod:`wsarena.arena._table`).
+    """
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: Callable[..., None]) -> None:
+        self.function = function
+
+    def __get__(self, ws: Workspace | None, owner: type | None = None) -> Any:
+        if ws is None:
+            return self.function  # Workspace.__exit__(ws, ...), as contextlib.ExitStack calls it
+        method = MethodType(self.function, ws)
+        if not ws._state:  # looked up before the lease starts, as a with statement does
+            ws._with = method
+        return method
 
 
 class Workspace:
@@ -36,8 +62,8 @@ class Workspace:
     """
 
     __slots__ = (
-        "__weakref__", "_anchor", "_arena", "_array", "_block", "_cap", "_debug", "_state", "_sub", "cuda_stream",
-        "nbytes", "ptr", "stream",
+        "__weakref__", "_anchor", "_arena", "_array", "_block", "_cap", "_debug", "_ref", "_state", "_sub", "_with",
+        "cuda_stream", "nbytes", "ptr", "stream",
     )
 
     def __init__(
@@ -51,6 +77,8 @@ class Workspace:
         self._anchor = anchor  # keeps a caller's temporary stream object alive for the lease
         self._block: _Block | None = None
         self._sub: _SubArena | None = None  # the sub-arena it holds (set when the lane is taken)
+        self._ref: weakref.ref[Any] | None = None  # the sub-arena's holder while this lease holds it
+        self._with: Any = None  # the bound __exit__ of the with statement about to enter it
         self._array: Any = None
         self._state = 0  # 0 not entered, 1 live, 2 released
         self._debug = debug
@@ -74,8 +102,9 @@ class Workspace:
         if self._state:
             raise RuntimeError("a lease can be entered only once; call arena.lease() again")
         if not self.nbytes:
+            self._with = None  # holds nothing: nothing to hold it by (and it would keep self in a cycle)
             if self._arena.closed:  # takes nothing, yet a closed arena refuses every lease alike
-                raise RuntimeError("this arena is closed")
+                raise self._arena._table.closed_error()
             self._state = 1
             return self
         try:
@@ -87,10 +116,15 @@ class Workspace:
             raise
         return self
 
+    @_WithExit
     def __exit__(self, *exc_info: object) -> None:
         if self._state == 1:
             if self.nbytes:
-                finish(self._arena._end, self)  # the with block is over: a release cut short is repeated
+                try:
+                    self._arena._end(self)
+                except KeyboardInterrupt:  # the with block is over: a release cut short is repeated, then raised
+                    finish(self._arena._end, self)
+                    raise
             else:
                 self._state = 2
         self._array = None

@@ -17,7 +17,9 @@ whose sub-arena is swept when the thread exits. The legacy null stream ``0`` (an
 is one stream for every thread and stays one plain key. :func:`stream_handle` always returns the plain int.
 
 A host arena keys its sub-arenas by *lane*: ``None`` is the calling thread's own lane (a :class:`ThreadLane`,
-swept when the thread exits) and any other hashable object is a lane key chosen by the caller.
+swept when the thread exits) and any other hashable object is a lane key chosen by the caller. A key object that
+can be weakly referenced is its own anchor: the table holds it weakly and its lane goes when it dies. A key that
+is not equal to itself (``float("nan")``) would make a new lane on every call: it is a ``ValueError``.
 
 Anything else raises ``TypeError`` naming the value.
 """
@@ -180,7 +182,8 @@ def resolve_stream(
         :class:`PerThreadStream`), the lane on a host arena.
     anchor : object or None
         An object whose death means the stream (or the thread of a default lane or per-thread stream) is gone,
-        or ``None`` when that cannot be known (raw ints, plain lane keys).
+        or ``None`` when that cannot be known (raw ints, lane keys that cannot be weakly referenced). A lane key
+        object is its own anchor.
     """
     kind = type(stream)
     # The common cases first: this runs once per convolution call.
@@ -190,10 +193,18 @@ def resolve_stream(
         if stream is None:
             holder = _holder()
             return holder.lane, holder
+        if kind is str:
+            return stream, None
         try:
             hash(stream)
         except TypeError:
             raise TypeError(f"stream={stream!r} is not a lane key: a CPU lane key must be hashable") from None
+        if not stream == stream:  # noqa: PLR0124 - NaN and the like
+            raise ValueError(
+                f"stream={stream!r} is not a lane key: it is not equal to itself, so every call would make a new lane"
+            )
+        if kind.__weakrefoffset__ and kind is not ThreadLane:  # a key object: its lane goes when it does
+            return stream, stream
         return stream, None
     handle, anchor = _device_handle(stream, current)
     if handle == PER_THREAD_DEFAULT_STREAM:  # a different stream in each thread: key it by the thread

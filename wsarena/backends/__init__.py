@@ -16,10 +16,10 @@ memory runs out) is shared code in :mod:`wsarena.ops`, which the CPU backend exe
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from .. import _forksafe
 from .._gpu import gpu_unusable_reason
 from ..errors import BackendUnavailableError
 
@@ -134,7 +134,7 @@ def resolve_backend_name(name: str) -> str:
 
 
 _backends: dict[str, Backend] = {}
-_lock = threading.Lock()  # guards _backends: each backend is built once per process
+_lock = _forksafe.lock()  # guards _backends: each backend is built once per process
 
 
 def get_backend(name: str, api: str | None = None) -> Backend:

@@ -13,15 +13,15 @@ dtype (4 for float32, 8 for float64).
 =============  =====================  ==============================================================
 pass           algorithm              workspace bytes
 =============  =====================  ==============================================================
-fwd            ``implicit_gemm``      0
+fwd            ``implicit_gemm``      0 (NumPy's temporaries: at most one output per step, below)
 fwd            ``gemm_tiled``         ``C * kprod * T * s`` (one tile's column matrix, about 1 MiB)
 fwd            ``gemm_per_image``     ``C * kprod * oprod * s`` (one image's column matrix)
 fwd            ``gemm_batch``         ``N * C * kprod * oprod * s`` (the whole batch's)
-bwd_data       ``implicit_gemm``      0
+bwd_data       ``implicit_gemm``      0 (likewise: at most one ``dx`` per step)
 bwd_data       ``col2im_tiled``       ``C * kprod * T * s``
 bwd_data       ``col2im_per_image``   ``C * kprod * oprod * s``
 bwd_data       ``col2im_batch``       ``N * C * kprod * oprod * s``
-bwd_filter     ``implicit_gemm``      0
+bwd_filter     ``implicit_gemm``      0 (likewise: ``max(dw / 2, SMALL_TEMP)`` elements per step)
 bwd_filter     ``im2col_tiled``       ``C * kprod * T * s`` (tiles within one image in NCHW)
 bwd_filter     ``im2col_per_image``   ``C * kprod * oprod * s``
 bwd_filter     ``im2col_batch``       ``N * C * kprod * oprod * s``, plus ``N * K * oprod * s`` in NCHW
@@ -43,7 +43,9 @@ term. Temporaries NumPy makes on its own (``matmul`` cannot accumulate, so ``out
 documented with each algorithm and bounded per step by one output-sized array, or by
 ``_cpu_implicit.SMALL_TEMP`` elements (1 MiB of float32) for blocks ``implicit_gemm`` sizes itself, plus a
 contiguous copy of one kernel offset's filter slice (``1/kprod`` of the filter) where BLAS cannot read the
-view. They do not depend on the workspace the algorithm was given, so no formula counts them.
+view. They do not depend on the workspace the algorithm was given, so no formula counts them. Where memory
+is too short for them, the ``MemoryError`` sends the call to the next algorithm, as an arena that cannot grow
+does (:func:`wsarena.algos.run_with_fallback`), and only when none can run is it a ``NoAlgorithmFitsError``.
 
 Algorithms
 ----------

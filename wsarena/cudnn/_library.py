@@ -23,11 +23,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import _forksafe
 from ._errors import CudnnNotFoundError, CudnnVersionError
 
 __all__ = ["LIBRARY_NAME", "LoadedLibrary", "library_info", "load_library"]
@@ -139,7 +139,7 @@ SEARCH_STEPS: list[tuple[str, Callable[[], tuple[ctypes.CDLL, str, str]]]] = [
     ("cuda.pathfinder", _via_pathfinder),
 ]
 
-_lock = threading.Lock()  # guards _loaded/_failure: one thread searches, the others wait for its outcome
+_lock = _forksafe.lock()  # guards _loaded/_failure: one thread searches, the others wait for its outcome
 _loaded: LoadedLibrary | None = None
 _failure: Exception | None = None
 

@@ -13,11 +13,11 @@ descriptors, ``cudaStream_t``, ``void *`` -> ``c_void_p``; ``T *`` and ``T[]`` -
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Callable
 from enum import IntEnum
 from typing import Any
 
+from .. import _forksafe
 from . import _errors
 from ._errors import CudnnSymbolError, check
 from ._library import load_library
@@ -178,7 +178,7 @@ OPTIONAL: dict[str, int] = {"cudnnGetExecutionPlanWorkspaceSize": 92300}
 
 # Guards _bound and the one-time install of the error describers. Reentrant: a garbage collection while this
 # thread holds it (in _declare) may run a descriptor's finalizer, which binds its Destroy function here.
-_lock = threading.RLock()
+_lock = _forksafe.rlock()
 _bound: dict[str, _Function] = {}
 _describers_installed = False
 

@@ -19,6 +19,7 @@ import warnings
 import weakref
 from typing import Any
 
+from .. import _forksafe
 from .._gpu import gpu_unusable_reason
 from ._errors import CudnnGpuUnavailableError, check, status_message
 from ._owned import Owned
@@ -132,7 +133,7 @@ class Handle(Owned):
 
 
 _tls = threading.local()  # .handles: dict[device, Handle] of the calling thread
-_lock = threading.Lock()  # guards _live and _atexit_registered
+_lock = _forksafe.lock()  # guards _live and _atexit_registered
 _live: weakref.WeakSet[Handle] = weakref.WeakSet()
 _atexit_registered = False
 
@@ -145,7 +146,7 @@ def _forget(handle: Handle) -> None:
         _live.discard(handle)
 
 
-_create_lock = threading.Lock()  # held around the process's first cudnnCreate
+_create_lock = _forksafe.lock()  # held around the process's first cudnnCreate
 _created = False
 
 

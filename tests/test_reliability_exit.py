@@ -1,0 +1,33 @@
+"""Processes that end in odd states end cleanly: the expected status, nothing on stderr but the traceback of an
+exception the program did not catch, and (checked just before the end) every lane still serving other threads.
+Each case runs ``tests/scripts/exit.py`` in a child process, on a host arena and on a device-keyed one."""
+
+import signal
+
+import pytest
+
+from .reliability import run_script
+
+CASES = [  # case, exit status, the last line of stderr ("" for none)
+    ("live_lease", 0, ""),
+    ("threads_mid_call", 0, ""),
+    ("after_close", 0, ""),
+    ("exception", 1, "ValueError: boom"),
+    ("interrupt", -signal.SIGINT, "KeyboardInterrupt"),
+    ("exit_in_lease", 3, ""),
+]
+
+
+@pytest.mark.parametrize("kind", ["host", "device"])
+@pytest.mark.parametrize(("case", "status", "last_line"), CASES)
+def test_a_process_ends_cleanly_in_every_state(kind, case, status, last_line):
+    result = run_script("exit.py", case, kind, timeout=60)
+    assert result.returncode == status, result.stderr
+    lanes = 2 if case == "live_lease" else 3  # a lane held at exit is not offered to others
+    assert result.stdout == f"usable {lanes}/{lanes}\n"
+    if not last_line:
+        assert result.stderr == ""
+    else:  # only the uncaught exception's own traceback: no warning, no 'Exception ignored'
+        lines = result.stderr.strip().splitlines()
+        assert lines[0] == "Traceback (most recent call last):" and lines[-1] == last_line, result.stderr
+        assert len(lines) == 4, result.stderr

@@ -1,0 +1,179 @@
+"""Ctrl-C wherever it lands: real signal storms in child processes, and interrupts placed one by one.
+
+The promise (README, Reliability): an interrupted lease or convolution raises ``KeyboardInterrupt`` and nothing
+else, leaves no lease live, and leaves every lane usable by the next statement of the same thread (even while
+``ws`` of ``with arena.lease(...) as ws:`` still names the interrupted Workspace) and by other threads.
+"""
+
+import json
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import wsarena
+from wsarena.arena import Arena, Workspace
+from wsarena.arena import _workspace as workspace_module
+from wsarena.arena.testing import RecordingProvider
+
+from .interrupts import interrupt_at_check, interrupt_at_entry_of
+from .reference import ref_conv_forward
+from .reliability import ROOT, child_env, script_command
+
+# mode, signal source: every mode and both sources, half a second of storm each, all at once
+STORMS = [("lease", "itimer"), ("ops", "thread"), ("contend", "thread"), ("ops_contend", "itimer")]
+
+
+def test_signal_storms_leave_no_lease_live_and_every_lane_usable():
+    """SIGINT every millisecond into loops of leases and convolutions, on a lane of their own and on one that two
+    other threads lease all the time: only KeyboardInterrupt ever comes out, and afterwards no lease is live and
+    every lane serves this thread and another one."""
+    children = [
+        subprocess.Popen(
+            script_command("storm.py", mode, source, 0.5, 1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, cwd=ROOT, env=child_env(),
+        )
+        for mode, source in STORMS
+    ]
+    results = []
+    for child in children:
+        try:
+            out, err = child.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, err = child.communicate()
+            pytest.fail(f"a storm hung: {child.args[2:]}\n{err}")
+        assert child.returncode == 0, err
+        assert err == ""
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    for found in results:
+        assert found["delivered"] > 10, found  # the storm did reach the loop (a busy machine delivers fewer)
+        assert found["errors"] == {}, found
+        assert found["leases_live"] == 0, found
+        assert found["usable_here"] == found["usable_elsewhere"] == found["lanes"], found
+
+
+def test_the_next_lease_of_a_with_block_interrupted_as_its_exit_starts_gets_the_lane(arena, key):
+    """The with statement's ``ws`` still names the interrupted Workspace; its with statement is over, so its lease
+    is too. It used to stay live, and every later lease of the thread on that lane failed."""
+    lane = key("L")
+    with interrupt_at_entry_of(Workspace.__exit__), pytest.raises(KeyboardInterrupt), arena.lease(4096, stream=lane) as ws:
+        ws.array[:] = 7
+    assert ws._state == 1  # never released: the interrupt landed before __exit__ ran a line
+    with arena.lease(4096, stream=lane) as again:  # the same frame, ws still bound
+        assert (again.array == 7).all()  # the same bytes, not freed under the lease
+    assert arena.stats().leases == 0
+    other = threading.Thread(target=lambda: arena.lease(4096, stream=lane).__enter__().__exit__())
+    other.start()
+    other.join(10)
+    assert not other.is_alive()
+
+
+def test_two_interrupts_in_a_row_in_a_convolution_leave_its_lane_usable_at_once(fresh_arena, monkeypatch):
+    """The first lands just after the lease is taken, the second as the release that undoes it starts. While the
+    KeyboardInterrupt is being handled (its traceback keeps the call's frames and Workspace alive), a convolution
+    on the same lane runs. It used to fail with 'this thread already holds a lease'."""
+    x = np.random.default_rng(0).standard_normal((1, 2, 6, 6)).astype(np.float32)
+    w = np.random.default_rng(1).standard_normal((3, 2, 3, 3)).astype(np.float32)
+    with wsarena.config(cap_workspace=None):
+        wsarena.conv_forward(x, w, stream="L")  # an algorithm with a workspace, chosen and cached
+        real = Arena._acquire
+
+        def acquire(self, ws):
+            real(self, ws)
+            raise KeyboardInterrupt("just after the lease was taken")
+
+        monkeypatch.setattr(Arena, "_acquire", acquire)
+        try:
+            with interrupt_at_entry_of(workspace_module.finish):  # ... and as the release that undoes it starts
+                wsarena.conv_forward(x, w, stream="L")
+        except KeyboardInterrupt:
+            monkeypatch.setattr(Arena, "_acquire", real)  # (undo() would also undo fresh_arena's own patch)
+            assert fresh_arena.stats().high_water_bytes > 0  # the interrupted call did hold a workspace here
+            y = wsarena.conv_forward(x, w, stream="L")
+        np.testing.assert_allclose(y, ref_conv_forward(x, w), rtol=1e-5, atol=1e-5)
+        assert fresh_arena.stats().leases == 0
+
+
+@pytest.mark.parametrize("what", ["lease", "growth"])
+def test_an_interrupt_anywhere_in_a_contended_lease_is_a_keyboard_interrupt(what):
+    """Another thread holds the lane (or grows it) while this one waits: an interrupt at each place of the wait
+    where CPython runs signal handlers, in turn, raises KeyboardInterrupt and nothing else, and the lane serves
+    both threads afterwards. A wait on threading.Condition could be interrupted between releasing its lock and
+    taking it back, and came out as 'RuntimeError: cannot release un-acquired lock'."""
+    n = 1
+    while True:
+        provider = RecordingProvider()
+        arena = Arena(provider)
+        gate = threading.Event()
+        if what == "growth":
+            real_allocate = provider.allocate
+
+            def allocate(size, *, stream, real_allocate=real_allocate, gate=gate):
+                gate.wait(0.005)
+                return real_allocate(size, stream=stream)
+
+            provider.allocate = allocate
+            holder = threading.Thread(target=arena.reserve, args=(1 << 20,), kwargs={"stream": "S"})
+        else:
+            arena.reserve(4096, stream="S")
+
+            def hold(arena=arena, gate=gate):
+                with arena.lease(4096, stream="S"):
+                    gate.wait(0.005)
+
+            holder = threading.Thread(target=hold)
+        holder.start()
+        time.sleep(0.001)  # mostly: the other thread holds the lane (or grows it) by now
+        try:
+            fired = interrupt_at_check(n, lambda arena=arena: arena.lease(4096, stream="S").__enter__().__exit__())
+        except RuntimeError as exc:
+            pytest.fail(f"an interrupt at check {n} came out as {exc!r}")
+        gate.set()
+        holder.join(10)
+        assert not holder.is_alive()
+        assert arena.stats().leases == 0, n
+        with arena.lease(4096, stream="S"):
+            pass
+        other = threading.Thread(target=lambda arena=arena: arena.lease(4096, stream="S").__enter__().__exit__())
+        other.start()
+        other.join(10)
+        assert not other.is_alive(), n
+        if not fired:
+            break
+        n += 1
+    assert n > 20  # it reached the waiting code, not only this test's
+
+
+def test_a_lane_released_to_waiting_threads_is_not_taken_back_at_once():
+    """Two threads lease one lane in a loop; a third waits for it each time for at most a few seconds. A releasing
+    thread used to take the lane back before the woken waiter could run, for tens of seconds on end."""
+    arena = Arena(RecordingProvider())
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            with arena.lease(4096, stream="S"):
+                time.sleep(0.0005)
+
+    busy_threads = [threading.Thread(target=busy) for _ in range(2)]
+    for thread in busy_threads:
+        thread.start()
+    got = []
+
+    def waiter():
+        for _ in range(5):
+            with arena.lease(4096, stream="S"):
+                got.append(1)
+
+    try:
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        thread.join(10)
+        assert got == [1] * 5
+    finally:
+        stop.set()
+        for each in busy_threads:
+            each.join(10)

@@ -1,0 +1,118 @@
+"""Growing a sub-arena: its buffer replaced by a larger one, for a lease or a reserve.
+
+One thread at a time grows a sub-arena: the one whose token is in ``growing`` (a weak reference to the lease's
+anchor, or to a reserve call's owner object, so that a growth cut short by an interrupt is known to be over once its
+owner is gone). Others wait on a lock of their own, with the arena's lock let go. The provider is called with the
+lock let go; the outgrown buffer is retired while a lease uses it (:meth:`_SubArena.install`). These functions are
+the arena's methods (``Arena._grow`` and the like), written here to keep each module to one job.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+from .._sizes import format_size
+from ..errors import ArenaOutOfMemoryError
+from ._interrupts import finish
+from ._stats import aligned_size
+from ._sub import _GrowthOwner, _SubArena, park, wait
+
+if TYPE_CHECKING:
+    from ._arena import Arena
+    from ._workspace import Workspace
+
+__all__: list[str] = []  # the arena's own methods: Arena._grow_for, ._reserve, ._grow, ._end_growth
+
+
+def _grow_for(self: Arena, ws: Workspace, sub: _SubArena) -> None:
+    """Give ``ws``, which holds ``sub``, its bytes: once no other growth is under way, from the buffer if it
+    is large enough, else from a new one."""
+    n = ws.nbytes
+    while True:
+        with self._lock:
+            if self._table.closed:
+                raise self._table.closed_error()
+            if self._table.growth_over(sub):
+                block = sub.block
+                if block is not None and block.size >= n:
+                    self._grant(sub, ws, block)
+                    return
+                token = sub.growing = sub.holder  # the lease's own weak reference: it keeps nothing alive
+                break
+            waiter = park(sub.growth_waiters)
+        wait(waiter)
+    self._grow(sub, token, n, ws._cap)
+    with self._lock:
+        block = sub.block  # ours or larger (a reserve may have grown it since): the lane is ours
+        if self._table.closed or block is None:
+            raise self._table.closed_error()
+        self._grant(sub, ws, block)
+
+
+def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -> None:
+    """Grow the sub-arena of ``key`` to hold ``n`` bytes, unless it does already (``Arena.reserve``)."""
+    if n == 0:
+        return
+    owner = _GrowthOwner()  # the growth lasts while this frame does: an interrupt that ends it ends the growth
+    token = weakref.ref(owner)
+    try:
+        while True:
+            with self._lock:
+                if self._table.closed:
+                    raise self._table.closed_error()
+                sub = self._table.sub_for(key, anchor)
+                if self._table.growth_over(sub):
+                    block = sub.block
+                    if block is not None and block.size >= n:
+                        return  # already large enough (maybe by another thread's growth)
+                    sub.growing = token
+                    break
+                waiter = park(sub.growth_waiters)
+            wait(waiter)
+        try:
+            self._grow(sub, token, n, cap)
+        finally:
+            if sub.growing is token:  # cut short before it could end its growth
+                finish(self._end_growth, sub, token, None)
+    finally:
+        if self._to_free:
+            self._give_back()
+
+
+def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None) -> None:
+    """Give ``sub`` a buffer of ``aligned_size(n)`` bytes (``sub.growing`` is ``token``; lock not held)."""
+    size = aligned_size(n)
+    try:
+        buffer = self.provider.allocate(size, stream=sub.stream)
+    except BaseException as exc:
+        finish(self._end_growth, sub, token, None)
+        if isinstance(exc, MemoryError):
+            raise ArenaOutOfMemoryError(
+                f"could not grow the workspace of stream {sub.key!r} to {format_size(size)}",
+                requested=n, held=sub.capacity(), cap=cap,
+            ) from exc
+        raise
+    if buffer is None or buffer.size < size:
+        if buffer is not None:
+            self._to_free.append((buffer, sub.stream))
+        finish(self._end_growth, sub, token, None)
+        if buffer is None:
+            raise TypeError(f"{self.provider!r}.allocate returned None for a request of {size} bytes")
+        raise RuntimeError(f"{self.provider!r} returned {buffer!r} for a request of {size} bytes")
+    try:
+        finish(self._end_growth, sub, token, buffer)
+    finally:
+        current = sub.block
+        if current is None or current.buffer is not buffer:  # refused (closed), or cut short before it ran
+            self._to_free.append((buffer, sub.stream))
+    if current is None or current.buffer is not buffer:
+        raise self._table.closed_error()
+
+
+def _end_growth(self: Arena, sub: _SubArena, token: Any, buffer: Any) -> None:
+    """End ``token``'s growth of ``sub``, installing ``buffer`` (if any) unless the arena closed meanwhile (the
+    caller frees it then). Idempotent (lock not held)."""
+    with self._lock:
+        self._table.end_growth(sub, token, buffer)
