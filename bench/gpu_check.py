@@ -39,6 +39,9 @@ BENCHMARKS = (
     (("bench_gpu_host.py",), 1),
     (("bench_gpu_torch.py", "--json", "{out}/torch-resnet50-b32-float32-gpu.json"), 3),
     (("bench_gpu_torch.py", "--autocast", "float16", "--json", "{out}/torch-resnet50-b32-float16-gpu.json"), 3),
+    (("bench_gpu_capture.py", "--json", "{out}/capture-resnet50-b32-float32-gpu.json"), 1),
+    (("bench_gpu_capture.py", "--batch", "64", "--dtype", "float16", "--json",
+      "{out}/capture-resnet50-b64-float16-gpu.json"), 1),
 )
 TUNES = (("resnet50", 32, "float32"), ("vgg16", 32, "float32"), ("resnet50", 64, "float16"), ("vgg16", 64, "float16"))
 

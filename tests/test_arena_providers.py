@@ -23,6 +23,7 @@ def test_cupy_provider_reports_a_failed_cudamalloc_as_out_of_memory(monkeypatch)
 
     monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())  # no GPU here
     monkeypatch.setattr(providers, "cupy_stream", lambda handle: contextlib.nullcontext())
+    monkeypatch.setattr(providers, "capture_of", lambda stream: None)  # no stream is being captured
     provider = CupyProvider(0)
     monkeypatch.setattr(cupy.cuda, "alloc", fails_with(cupy.cuda.runtime.CUDARuntimeError(2)))
     with pytest.raises(MemoryError, match="cudaMalloc of 4096 bytes"):

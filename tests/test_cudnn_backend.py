@@ -160,7 +160,7 @@ def test_the_handle_is_bound_to_the_leased_workspaces_stream(monkeypatch):
     backend = CudnnBackend()
     bound = []
     handle = type("FakeHandle", (), {"set_stream": lambda self, raw: bound.append(raw)})()
-    monkeypatch.setattr(backend, "_handle", lambda: handle)
+    monkeypatch.setattr(backend, "_handle", lambda stream=None: handle)
     leased = type("Leased", (), {"cuda_stream": 7})()  # an arena Workspace: its raw handle, resolved already
     assert backend._bound_handle(None, leased) is handle and bound == [7]
     other = type("Stream", (), {"__cuda_stream__": lambda self: (0, 9)})()

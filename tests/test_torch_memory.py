@@ -9,7 +9,7 @@ import pytest
 
 import wsarena
 from wsarena import _interop
-from wsarena.arena import Arena, CupyProvider, TorchProvider, get_arena
+from wsarena.arena import Arena, CupyProvider, TorchProvider, get_arena, providers
 from wsarena.arena._registry import make_device_arena
 
 torch = pytest.importorskip("torch")
@@ -43,6 +43,7 @@ def caching(monkeypatch):
     monkeypatch.setattr(torch.cuda, "caching_allocator_alloc", fake.alloc)
     monkeypatch.setattr(torch.cuda, "caching_allocator_delete", fake.delete)
     monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    monkeypatch.setattr(providers, "capture_of", lambda stream: None)  # no GPU here: no stream is being captured
     return fake
 
 

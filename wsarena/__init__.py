@@ -16,6 +16,7 @@ from ._sizes import format_size, parse_size
 from .errors import (
     ArenaOutOfMemoryError,
     BackendUnavailableError,
+    CaptureError,
     CudnnApiFallbackWarning,
     NoAlgorithmFitsError,
     SearchCacheWarning,
@@ -42,12 +43,16 @@ _LAZY = {
     "Tuning": "wsarena.tuning",
     "tune": "wsarena.tuning",
     "cudnn": "wsarena.cudnn",
+    "capture": "wsarena.cudagraph",
+    "CapturedGraph": "wsarena.cudagraph",
 }
 
 __all__ = [
     "Arena",
     "ArenaOutOfMemoryError",
     "BackendUnavailableError",
+    "CaptureError",
+    "CapturedGraph",
     "Config",
     "ConvLayer",
     "CudnnApiFallbackWarning",
@@ -61,6 +66,7 @@ __all__ = [
     "WorkspaceMemoryError",
     "WsarenaError",
     "__version__",
+    "capture",
     "config",
     "configure",
     "conv_backward_data",

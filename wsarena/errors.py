@@ -27,6 +27,7 @@ from ._sizes import format_size
 __all__ = [
     "ArenaOutOfMemoryError",
     "BackendUnavailableError",
+    "CaptureError",
     "CudnnApiFallbackWarning",
     "NoAlgorithmFitsError",
     "SearchCacheWarning",
@@ -44,6 +45,12 @@ class WsarenaError(Exception):
 
 class BackendUnavailableError(WsarenaError, RuntimeError):
     """The requested backend cannot run here (no usable GPU, no libcudnn, ...)."""
+
+
+class CaptureError(WsarenaError, RuntimeError):
+    """A call made while its stream is being captured into a CUDA graph would have had to do what a capture cannot
+    hold (search for an algorithm, finalize an execution plan, create a cuDNN handle, grow the arena). Nothing was
+    enqueued; the message says what to run before capturing."""
 
 
 class UnsupportedConvolutionError(WsarenaError, ValueError):

@@ -23,11 +23,12 @@ import numpy as np
 
 from . import _interop, algos
 from ._config import Config, get_config
-from ._geometry import DTYPES, ITEMSIZES, ConvGeometry, conv_geometry
+from ._geometry import DTYPES, ITEMSIZES, ConvGeometry, conv_geometry, describe_geometry
 from ._pass import Pass
 from ._sizes import format_size
 from .algos import forced, run_with_fallback, select
 from .backends import Backend, Candidate, array_backend_name, get_backend, is_masked_type, type_backend_name
+from .errors import CaptureError
 
 __all__ = ["conv_backward_data", "conv_backward_filter", "conv_forward"]
 
@@ -277,6 +278,12 @@ def _choice(record: _Record, pass_: Pass, cfg: Config, operands: tuple[Any, Any,
         record.generation = algos.generation()
     geom = record.geom
     cap, search = cfg.cap_workspace, cfg.algo_search
+    if not algos.is_cached(backend, pass_, geom, cap=cap, search=search) and backend.arena().capturing(stream=stream):
+        raise CaptureError(
+            f"the first {pass_} call of this shape ({describe_geometry(geom)}) came during CUDA graph capture, where "
+            "its algorithm cannot be chosen (a search or a cuDNN query is not a graph node): run the step once "
+            "before capturing"
+        )
     chosen = select(backend, pass_, geom, cap=cap, search=search, operands=operands, stream=stream)
     if algos.is_cached(backend, pass_, geom, cap=cap, search=search):  # a search cut short is not kept
         record.choices[device] = chosen

@@ -41,13 +41,13 @@ from typing import Any
 from .._config import get_config
 from .._sizes import format_size
 from ..errors import WorkspaceCapError
-from . import _growth
+from . import _growth, _pinning
 from ._lifecycle import give_back, release_all, track_arena, track_device_arena
 from ._stats import ArenaStats, StreamStats
 from ._sub import _Block, _SubArena, wait
 from ._table import _Table
 from ._workspace import Workspace
-from .streams import resolve_stream
+from .streams import PerThreadStream, resolve_stream
 
 __all__ = ["POISON_BYTE", "Arena"]
 
@@ -97,6 +97,7 @@ class Arena:
         self.provider = provider
         self._lanes = provider.device_id is None
         self._current = None if self._lanes else getattr(provider, "current_stream", None)
+        self._capture = getattr(provider, "capture", None)  # capture(stream) -> the capture under way, or None
         self._lock = threading.RLock()
         self._table = table = _Table(self._lock, self._lanes)
         self._subs = table.subs  # the table's own dict and queues, read directly on the fast paths
@@ -194,6 +195,16 @@ class Arena:
         for (key, anchor), n in zip(resolved, sizes):
             self._reserve(n, key, anchor, None)  # a plan's own cap is not known here
 
+    def capturing(self, *, stream: Any = None) -> bool:
+        """Whether ``stream`` is being captured into a CUDA graph (never, for a provider that cannot tell).
+
+        Raises :class:`~wsarena.errors.CaptureError` where CUDA refuses the question because using ``stream`` would
+        break a capture under way (the legacy default stream while another stream of the device is captured)."""
+        if self._capture is None:
+            return False
+        key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
+        return self._capture(key.handle if type(key) is PerThreadStream else key) is not None
+
     def held_bytes(self, *, stream: Any = None) -> int:
         """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none)."""
         key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
@@ -216,6 +227,7 @@ class Arena:
                     continue
                 released += sub.tidy() + sub.empty()
                 self._table.drop_if_idle(sub)
+            released += self._table.release_kept()
         self._give_back()
         return released
 
@@ -224,6 +236,7 @@ class Arena:
         with self._lock:
             self._table.reap_all()
             self._table.sweep()
+            self._table.release_kept()
             streams = {
                 key: StreamStats(
                     capacity_bytes=sub.capacity(),
@@ -232,6 +245,7 @@ class Arena:
                     growths=sub.growths,
                     leases=int(sub.holder_block is not None),
                     retired_bytes=sub.retired_bytes(),
+                    pinned_bytes=self._table.pinned_bytes(sub, key),
                 )
                 for key, sub in self._subs.items()
             }
@@ -245,6 +259,9 @@ class Arena:
                 leases=sum(s.leases for s in streams.values()),
                 retired_bytes=sum(s.retired_bytes for s in streams.values()),
                 streams=MappingProxyType(streams),
+                pinned_bytes=sum(s.pinned_bytes for s in streams.values()) + sum(
+                    block.size for key, block, _ in self._table.kept if key not in self._subs and block.pinned()
+                ),
             )
         self._give_back()
         return stats
@@ -264,6 +281,7 @@ class Arena:
                 sub.wake()  # waiters see the arena closed
                 if sub.idle():
                     self._table.forget(sub)
+            self._table.release_kept()  # what graphs still hold is freed by a later trim() or stats()
         self._give_back()
 
     def __repr__(self) -> str:
@@ -280,6 +298,11 @@ class Arena:
         if anchor is None:
             anchor = ws
         try:
+            if self._capture is not None:
+                capture = self._capture(ws.stream.handle if type(ws.stream) is PerThreadStream else ws.stream)
+                if capture is not None:
+                    self._acquire_captured(ws, anchor, capture)
+                    return
             with self._lock:
                 sub = self._subs.get(ws.stream)
                 if (
@@ -375,6 +398,10 @@ class Arena:
     _grow = _growth._grow
     _end_growth = _growth._end_growth
 
+    # ---------------------------------------------------------------------------- capture (_pinning.py)
+    _acquire_captured = _pinning._acquire_captured
+    _pin_for = _pinning._pin_for
+
     # ----------------------------------------------------------------------------------- lock not held
     def _refuse(self, n: int, key: Hashable, cap: int) -> None:
         with self._lock:
@@ -387,4 +414,7 @@ class Arena:
 
     def _give_back(self) -> None:
         """Give the buffers let go to the provider (lock not held; any thread may drain the queue)."""
+        if self._table.captures and get_config().debug:
+            with self._lock:
+                self._table.check_unpinned(self._to_free)
         give_back(self.provider, self._to_free)

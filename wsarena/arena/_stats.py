@@ -71,6 +71,9 @@ class StreamStats(_Fields):
         Live leases (zero-byte leases hold nothing and are not counted).
     retired_bytes : int
         Outgrown buffers still used by a live lease; each is freed, in stream order, when its last lease ends.
+    pinned_bytes : int
+        This stream's buffers that a CUDA graph captured and still holds (current, outgrown or trimmed); each is
+        freed, in stream order, once no graph holds it.
     """
 
     capacity_bytes: int
@@ -79,6 +82,7 @@ class StreamStats(_Fields):
     growths: int
     leases: int
     retired_bytes: int
+    pinned_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,9 @@ class ArenaStats(_Fields):
         Sum of the sub-arenas' ``retired_bytes``.
     streams : Mapping
         Stream key (raw handle on a device, lane key on the host) to :class:`StreamStats`.
+    pinned_bytes : int
+        Buffers that CUDA graphs captured and still hold, over every stream (those of streams forgotten since
+        included).
     """
 
     capacity_bytes: int
@@ -111,3 +118,4 @@ class ArenaStats(_Fields):
     leases: int
     retired_bytes: int
     streams: Mapping[Hashable, StreamStats]
+    pinned_bytes: int = 0

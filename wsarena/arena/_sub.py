@@ -39,15 +39,26 @@ class _Totals:
 
 
 class _Block:
-    """A buffer of a sub-arena (current or outgrown)."""
+    """A buffer of a sub-arena (current or outgrown), and the pins of the CUDA graphs that captured it."""
 
-    __slots__ = ("buffer", "freed", "ptr", "size")
+    __slots__ = ("buffer", "freed", "pins", "ptr", "size")
 
     def __init__(self, buffer: Any) -> None:
         self.buffer = buffer
         self.ptr: int = buffer.ptr  # copied: the lease fast path reads them, and `buffer` is dropped once freed
         self.size: int = buffer.size
         self.freed = False
+        self.pins: list[Any] = []  # wsarena.arena._pins.GraphPin (or a test's), one per graph that captured it
+
+    def pinned(self) -> bool:
+        """Whether a graph that captured this buffer still exists (released pins are dropped)."""
+        pins = self.pins
+        if pins:
+            live = [pin for pin in pins if pin.live()]
+            if len(live) != len(pins):
+                self.pins = live
+            return bool(live)
+        return False
 
 
 class _Anchor(weakref.ref):
@@ -75,6 +86,10 @@ class _GrowthOwner:
     __slots__ = ("__weakref__",)
 
 
+# Buffers of arenas collected (or shut down) while a graph still held them: kept, never freed, for that graph.
+abandoned: list[Any] = []
+
+
 def park(waiters: collections.deque[Any]) -> Any:
     """A locked lock of the caller's own, queued on ``waiters``: :meth:`_SubArena.wake` releases it. (Lock held.)"""
     waiter = _allocate_lock()
@@ -99,6 +114,10 @@ class _SubArena:
     lease (one lease uses one block, so at most one is retired at a time). ``growing`` is a weak reference to
     whoever is allocating a larger buffer right now (the lease's ``holder``, or a ``reserve`` call's owner object).
 
+    A buffer that a graph captured (:mod:`wsarena.arena._pins`) is never freed while it is pinned: the current one
+    stays current (eager calls and later captures on the stream go on using it), and an outgrown, trimmed or
+    forgotten one goes on the table's ``kept`` list, freed in stream order once no graph holds it.
+
     Threads waiting for the lane queue a lock of their own on ``lane_waiters``; those waiting for a growth, on
     ``growth_waiters``. When the lane is released to waiting threads, ``handoff`` keeps it for them: a thread that
     has not waited yet queues behind them instead of taking it again at once.
@@ -106,11 +125,11 @@ class _SubArena:
 
     __slots__ = (
         "allocations", "anchor", "block", "ending", "growing", "growth_waiters", "growths", "handoff", "high_water",
-        "holder", "holder_block", "holder_nbytes", "holder_thread", "key", "lane_waiters", "orphan", "retired",
-        "serial", "stream", "to_free", "totals", "used",
+        "holder", "holder_block", "holder_nbytes", "holder_thread", "kept", "key", "lane_waiters", "orphan",
+        "retired", "serial", "stream", "to_free", "totals", "used",
     )
 
-    def __init__(self, key: Hashable, totals: _Totals, to_free: Queue) -> None:
+    def __init__(self, key: Hashable, totals: _Totals, to_free: Queue, kept: list[Any]) -> None:
         self.key = key
         # What the provider is told to allocate, fill and free on: the plain handle (2 for a PerThreadStream).
         # Only the key's own thread may use 2 this way: see free_stream().
@@ -118,6 +137,7 @@ class _SubArena:
         self.serial = next(_serials)  # tells a re-created sub-arena for the same key from its predecessor
         self.totals = totals
         self.to_free = to_free
+        self.kept = kept  # (key, block, stream) of pinned buffers this sub-arena no longer uses
         self.block: _Block | None = None
         self.retired: _Block | None = None
         self.holder: weakref.ref[Any] | None = None
@@ -191,6 +211,7 @@ class _SubArena:
         new = _Block(buffer)
         stream = self.free_stream()
         old = self.block
+        keep = old is not None and old.pinned()
         self.block = new
         self.allocations += 1
         self.totals.allocations += 1
@@ -199,6 +220,8 @@ class _SubArena:
             self.totals.growths += 1
             if old is self.holder_block:
                 self.retired = old  # the holder uses at most one block: nothing else can be retired now
+            elif keep:
+                self.kept.append((self.key, old, stream))
             elif not old.freed:
                 old.freed = True
                 self.totals.frees += 1
@@ -213,7 +236,11 @@ class _SubArena:
         if block is None or block is self.holder_block:
             return 0
         stream = self.free_stream()
+        keep = block.pinned()
         self.retired = None
+        if keep:
+            self.kept.append((self.key, block, stream))
+            return 0
         if block.freed:
             return 0
         block.freed = True
@@ -221,13 +248,20 @@ class _SubArena:
         self.to_free.append((block.buffer, stream))
         return block.size
 
-    def empty(self, gone: bool = False) -> int:
-        """Let go of the current buffer unless a lease uses it (``gone``: the stream may no longer exist)."""
+    def empty(self, gone: bool = False, forgotten: bool = False) -> int:
+        """Let go of the current buffer unless a lease uses it (``gone``: the stream may no longer exist). A pinned
+        one stays current, unless the sub-arena is being ``forgotten``: then it is kept for its graphs."""
         block = self.block
         if block is None or block is self.holder_block:
             return 0
+        keep = block.pinned()
+        if keep and not forgotten:
+            return 0
         stream = self.free_stream(gone)
         self.block = None
+        if keep:
+            self.kept.append((self.key, block, stream))
+            return 0
         if block.freed:
             return 0
         block.freed = True

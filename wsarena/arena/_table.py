@@ -22,7 +22,7 @@ from collections.abc import Hashable
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
-from ._sub import Queue, _Anchor, _SubArena, _Totals, park
+from ._sub import Queue, _Anchor, _Block, _SubArena, _Totals, abandoned, park
 from .streams import PerThreadStream, ThreadLane
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def _caller_chosen(key: Hashable) -> bool:
 class _Table:
     """The sub-arenas of one arena, by key, and the queue that says which of them go away."""
 
-    __slots__ = ("closed", "dead", "forked", "lanes", "lock", "subs", "to_free", "totals")
+    __slots__ = ("captures", "closed", "dead", "forked", "kept", "lanes", "lock", "subs", "to_free", "totals")
 
     def __init__(self, lock: threading.RLock, lanes: bool) -> None:
         self.lock = lock
@@ -71,6 +71,8 @@ class _Table:
         self.subs: dict[Hashable, _SubArena] = {}
         self.dead: collections.deque[_Anchor] = collections.deque()  # streams, threads, key objects gone
         self.to_free: Queue = collections.deque()  # (buffer, stream) let go, for the provider
+        self.kept: list[tuple[Hashable, _Block, Any]] = []  # pinned buffers no sub-arena uses: (key, block, stream)
+        self.captures: dict[Any, Any] = {}  # capture sequence id -> the pin of the graph it captures into
         self.totals = _Totals()
         self.closed = False
         self.forked = False  # a device arena in a forked child: its memory is the parent's
@@ -87,13 +89,15 @@ class _Table:
         """The sub-arena of ``key``, made if needed; ``anchor`` is an object whose death means the stream is gone."""
         if self.dead:
             self.sweep()
+        if self.kept:
+            self.release_kept()
         sub = self.subs.get(key)
         if sub is None:
             self.sweep_orphans()  # a new stream appeared: a good moment to let go of dead ones
             if len(self.subs) >= MAX_IDLE_STREAMS:
                 self.evict_idle()
             stored = _LaneKey(key) if self.lanes and anchor is key else key  # a lane key object: held weakly
-            sub = _SubArena(stored, self.totals, self.to_free)
+            sub = _SubArena(stored, self.totals, self.to_free, self.kept)
             self.subs[stored] = sub
         if anchor is not None and sub.anchor is None:
             # A dead thread's lane (or per-thread stream), or a dead key object, is never used again: swept at once.
@@ -172,7 +176,7 @@ class _Table:
             del self.subs[sub.key]
         sub.anchor = None  # a reference dropped before its object dies never calls back
         sub.wake()  # threads queued for it look the key up again
-        return sub.tidy() + sub.empty(gone)
+        return sub.tidy() + sub.empty(gone, forgotten=True)
 
     def drop_if_idle(self, sub: _SubArena, gone: bool = False) -> None:
         """Forget ``sub`` if no one uses it and it holds nothing or the arena is closed (then free its buffer)."""
@@ -256,15 +260,63 @@ class _Table:
                     f"[{start:#x}, {stop:#x}) on stream {other.key!r}"
                 )
 
+    # ------------------------------------------------------------------------------------ pinned buffers
+    def release_kept(self) -> int:
+        """Free, in stream order, the kept buffers that no graph holds any more; return the bytes let go."""
+        released = 0
+        for entry in list(self.kept):
+            _, block, stream = entry
+            if block.pinned():
+                continue
+            self.kept.remove(entry)
+            if not block.freed:
+                block.freed = True
+                self.totals.frees += 1
+                self.to_free.append((block.buffer, stream))
+                released += block.size
+        return released
+
+    def pinned_bytes(self, sub: _SubArena | None, key: Hashable) -> int:
+        """Bytes of ``key``'s buffers that a graph holds: the current one, the outgrown one, and those kept."""
+        held = 0
+        if sub is not None:
+            for block in (sub.block, sub.retired):
+                if block is not None and block.pinned():
+                    held += block.size
+        return held + sum(block.size for k, block, _ in self.kept if k == key and block.pinned())
+
+    def check_unpinned(self, to_free: Queue) -> None:
+        """Debug mode: nothing about to be freed is a buffer that a graph still holds."""
+        pinned = {id(block.buffer): key for key, block, _ in self.kept if block.pinned()}
+        for sub in self.subs.values():
+            for block in (sub.block, sub.retired):
+                if block is not None and block.pinned():
+                    pinned[id(block.buffer)] = sub.key
+        for buffer, _ in to_free:
+            if id(buffer) in pinned:
+                raise AssertionError(
+                    f"wsarena debug: {buffer!r} of stream {pinned[id(buffer)]!r} is about to be freed while a CUDA "
+                    "graph that captured it still exists"
+                )
+
     def let_go_everything(self) -> None:
-        """At exit, or when the arena is collected: queue every buffer, even under live leases, and forget all."""
+        """At exit, or when the arena is collected: queue every buffer, even under live leases, and forget all.
+        A buffer a graph still holds is abandoned instead (never freed: the graph may be replayed)."""
+        blocks = [(sub.block, sub.retired) for sub in self.subs.values()]
+        blocks += [(block, None) for _, block, _ in self.kept]
         for sub in list(self.subs.values()):
             sub.anchor = None
-            for block in (sub.block, sub.retired):
-                if block is not None and not block.freed:
-                    block.freed = True
-                    self.totals.frees += 1
-                    self.to_free.append((block.buffer, None))  # its streams may be gone too
             sub.block = sub.retired = sub.holder_block = None
+        self.kept.clear()
+        for pair in blocks:
+            for block in pair:
+                if block is None or block.freed:
+                    continue
+                block.freed = True
+                if block.pinned():
+                    abandoned.append(block.buffer)
+                    continue
+                self.totals.frees += 1
+                self.to_free.append((block.buffer, None))  # its streams may be gone too
         self.subs.clear()
 

@@ -3,7 +3,8 @@
 A provider is shaped like cuda.core's ``MemoryResource``: ``allocate(size, *, stream)`` returns a
 :class:`Buffer`, ``deallocate(buffer, *, stream)`` gives it back in stream order, and ``device_id`` says whose
 memory it is (``None``: the host's, whose sub-arenas are CPU lanes). Two more methods serve the workspace itself:
-``as_array`` (the array a backend computes on) and ``fill`` (debug poisoning). The arena calls ``allocate`` when
+``as_array`` (the array a backend computes on) and ``fill`` (debug poisoning); a device provider also has
+``capture(stream)``, the CUDA graph capture under way on a stream (or ``None``), for leases taken during capture. The arena calls ``allocate`` when
 a sub-arena grows and ``deallocate`` when a buffer is outgrown, trimmed or swept, always with the sub-arena's
 stream (``stream=None`` on ``deallocate`` means that stream may no longer exist). Providers never see leases.
 Like RAPIDS RMM's adaptors, a provider may wrap an *upstream* one (``wsarena.arena.testing.RecordingProvider``).
@@ -30,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ._capture import capture_of
 from .streams import PER_THREAD_DEFAULT_STREAM, cupy_stream
 
 __all__ = ["AsyncProvider", "Buffer", "CupyProvider", "HostProvider", "MemoryProvider", "TorchProvider"]
@@ -147,6 +149,10 @@ class _DeviceProvider:
 
         with cupy.cuda.Device(self.device_id):
             cupy.cuda.runtime.memsetAsync(buffer.ptr, value, nbytes, stream)
+
+    def capture(self, stream: int) -> Any:
+        """The CUDA graph capture under way on ``stream``, or ``None`` (:mod:`wsarena.arena._capture`)."""
+        return capture_of(stream)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device_id})"

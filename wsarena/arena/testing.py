@@ -6,15 +6,43 @@ handle 2 per thread) while handing out host memory, so the device rules are test
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from .providers import Buffer, HostProvider
 
-__all__ = ["RecordingProvider"]
+__all__ = ["FakeGraph", "RecordingProvider"]
 
 _UPSTREAMS: Any = object()  # device_id=: the upstream's
+
+
+class FakeGraph:
+    """A CUDA graph being captured (or captured) on a :class:`RecordingProvider`'s stream, without CUDA.
+
+    It holds the pins the arena hands it as a CUDA graph holds user objects; :meth:`close` runs each pin's
+    destructor through its C function pointer, as CUDA does when it destroys the graph."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self) -> None:
+        self.id = next(self._ids)
+        self.pins: list[Any] = []
+        self.closed = False
+
+    def retain(self, pin: Any) -> None:
+        self.pins.append(pin)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for pin in self.pins:
+                _DESTRUCTOR(pin.destroy)(pin.address)
+
+
+_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # what CUDA calls: void (*)(void *)
 
 
 class RecordingProvider:
@@ -40,6 +68,9 @@ class RecordingProvider:
         Make that many of the next allocations fail (counts down).
     current : object
         What ``current_stream()`` returns for a device provider (a raw handle or a stream object).
+    capturing : dict
+        Stream (raw handle or lane key) to the :class:`FakeGraph` being captured on it: ``capture(stream)``
+        returns it, as a device provider returns the CUDA capture under way (:meth:`begin_capture`).
     """
 
     def __init__(
@@ -50,6 +81,7 @@ class RecordingProvider:
         self.fail = fail
         self.fail_next = 0
         self.current: Any = 0
+        self.capturing: dict[Any, FakeGraph] = {}
         self.allocations: list[Buffer] = []
         self.frees: list[tuple[Buffer, Any]] = []
         self.fills: list[tuple[int, int, int, Any]] = []
@@ -88,6 +120,21 @@ class RecordingProvider:
 
     def current_stream(self) -> Any:
         return self.current
+
+    def capture(self, stream: Any) -> FakeGraph | None:
+        return self.capturing.get(stream) if self.capturing else None
+
+    def begin_capture(self, *streams: Any) -> FakeGraph:
+        """Start capturing ``streams`` (several: a capture forked to them through events) into a new graph."""
+        graph = FakeGraph()
+        for stream in streams:
+            self.capturing[stream] = graph
+        return graph
+
+    def end_capture(self, graph: FakeGraph) -> FakeGraph:
+        for stream in [s for s, g in self.capturing.items() if g is graph]:
+            del self.capturing[stream]
+        return graph
 
     @property
     def held(self) -> list[Buffer]:

@@ -17,6 +17,7 @@ from .._geometry import DTYPES
 from .._lru import LRU
 from .._pass import Pass
 from ..arena import get_arena
+from ..arena._capture import refuse_in_capture
 from ..arena.streams import cupy_stream, stream_handle
 from . import Candidate
 
@@ -136,8 +137,13 @@ class CudnnBackend:
         conv, x, y, w = built
         return x, w, conv, y
 
-    def _handle(self) -> Any:
-        return self._cudnn.get_handle(self._device())
+    def _handle(self, stream: int | None = None) -> Any:
+        """This thread's handle for the current device; ``stream``: where it will run, which must not be being
+        captured if the handle is to be created (``cudnnCreate`` allocates)."""
+        device = self._device()
+        if stream is not None and not self._cudnn.has_handle(device):
+            refuse_in_capture(stream, "create this thread's cuDNN handle")
+        return self._cudnn.get_handle(device)
 
     # -- algorithms --------------------------------------------------------------------------------------------
     def algorithms(self, pass_: str) -> tuple[str, ...]:
@@ -187,9 +193,11 @@ class CudnnBackend:
         A workspace leased from the arena carries its stream's raw handle (an int) already: resolving ``stream``
         again would cost as much as the lease's own resolution.
         """
-        handle = self._handle()
         raw = getattr(workspace, "cuda_stream", None)
-        handle.set_stream(stream_handle(stream) if raw is None else raw)
+        if raw is None:
+            raw = stream_handle(stream)
+        handle = self._handle(raw)
+        handle.set_stream(raw)
         return handle
 
 

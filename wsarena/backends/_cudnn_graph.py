@@ -59,8 +59,8 @@ class CudnnGraphBackend(CudnnBackend):
         self._cudnn.handle.on_close_all(self._plans.clear)  # plans go before the handles they were built with
 
     # -- where -------------------------------------------------------------------------------------------------
-    def _handle(self) -> Any:
-        return None if self._properties is not None else super()._handle()
+    def _handle(self, stream: int | None = None) -> Any:
+        return None if self._properties is not None else super()._handle(stream)
 
     def device_key(self) -> Any:
         return self._target if self._properties is not None else super().device_key()
@@ -189,7 +189,9 @@ class CudnnGraphBackend(CudnnBackend):
             return
         handle = self._bound_handle(stream, workspace)
         x, w, y = _pointers(pass_, a, b, out)
-        plan = self._plans.plan(handle, pass_, geom, name, (alignment(x), alignment(w), alignment(y)))
+        plan = self._plans.plan(
+            handle, pass_, geom, name, (alignment(x), alignment(w), alignment(y)), stream=workspace.cuda_stream
+        )
         plan.execute(handle, x, w, y, workspace.ptr)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from .._config import get_config
 from .._lru import LRU
 from .._pass import Pass
+from ..arena._capture import refuse_in_capture
 
 __all__ = [
     "ALIGNED", "CANDIDATES", "PlanCache", "alignment", "conv_problem", "is_engine_name", "ranked_names", "shortlist",
@@ -148,10 +149,21 @@ class PlanCache:
         return self._graphs.get(key, lambda: self._miss(self._graphs, self._build_graph, handle, pass_, geom,
                                                         aligned))
 
-    def plan(self, handle: Any, pass_: str, geom: Any, name: str, aligned: tuple[int, int, int] = ALIGNED) -> Any:
+    def plan(
+        self, handle: Any, pass_: str, geom: Any, name: str, aligned: tuple[int, int, int] = ALIGNED,
+        stream: int | None = None,
+    ) -> Any:
+        """The finalized plan of engine configuration ``name``; ``stream``: where it will run, which must not be
+        being captured if the plan is to be built (a finalize can load kernels and allocate)."""
         key: Hashable = (handle, pass_, geom, name, aligned)
-        return self._plans.get(key, lambda: self._miss(
-            self._plans, self._build_plan, handle, self.graph(handle, pass_, geom, aligned), name))
+        return self._plans.get(key, lambda: self._build(handle, pass_, geom, name, aligned, stream))
+
+    def _build(
+        self, handle: Any, pass_: str, geom: Any, name: str, aligned: tuple[int, int, int], stream: int | None
+    ) -> Any:
+        if stream is not None:
+            refuse_in_capture(stream, "finalize a cuDNN execution plan (is plan_cache_size smaller than the step?)")
+        return self._miss(self._plans, self._build_plan, handle, self.graph(handle, pass_, geom, aligned), name)
 
     @staticmethod
     def _miss(lru: LRU[Any], build: Callable[..., Any], *args: Any) -> Any:

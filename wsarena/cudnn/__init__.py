@@ -121,7 +121,7 @@ from ._structs import (
 from .backend import ATTRIBUTE_CTYPES, BackendDescriptor, execute, plan_workspace_size
 from .conv import ALGORITHMS, algorithm, algorithms, convolution, find_algorithms, heuristic_algorithms, workspace_size
 from .descriptors import DATA_TYPES, ConvolutionDescriptor, FilterDescriptor, TensorDescriptor, data_type
-from .handle import Handle, close_all_handles, get_handle
+from .handle import Handle, close_all_handles, get_handle, has_handle
 
 __all__ = [
     "ALGORITHMS",
@@ -227,6 +227,7 @@ __all__ = [
     "function",
     "get_handle",
     "get_property",
+    "has_handle",
     "heuristic_algorithms",
     "library_info",
     "load_library",

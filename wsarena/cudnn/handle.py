@@ -25,7 +25,7 @@ from ._errors import CudnnGpuUnavailableError, check, status_message
 from ._owned import Owned
 from ._prototypes import call, function
 
-__all__ = ["Handle", "close_all_handles", "get_handle", "on_close_all"]
+__all__ = ["Handle", "close_all_handles", "get_handle", "has_handle", "on_close_all"]
 
 
 def _destroy(handle: int, device: int) -> None:
@@ -160,6 +160,12 @@ def _create(device: int) -> Handle:
         handle = Handle(device)
         _created = True
     return handle
+
+
+def has_handle(device: int) -> bool:
+    """Whether the calling thread has a live handle for ``device`` already (:func:`get_handle` would create none)."""
+    handle = getattr(_tls, "handles", {}).get(int(device))
+    return handle is not None and not handle.closed
 
 
 def get_handle(device: int) -> Handle:

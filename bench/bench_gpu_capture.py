@@ -1,0 +1,136 @@
+"""A ResNet-50 step (forward, backward-data, backward-filter over its 53 convolutions) issued eagerly and replayed
+from a CUDA graph, wsarena beside PyTorch, side by side in one run.
+
+- ``wsarena legacy`` / ``wsarena graph``: the public ops, eager, on cuDNN's legacy and graph APIs;
+- ``wsarena replay``: the graph-API step captured once with ``wsarena.capture()`` and replayed;
+- ``torch eager`` / ``torch replay``: ``torch.ops.aten.convolution`` and ``convolution_backward`` on the same
+  layers (cuDNN benchmark mode off), eager and captured with ``torch.cuda.graph``.
+
+For each: the median step time as issued and the median GPU time (the step queued behind a spinning kernel) over
+interleaved rounds, and the workspace memory held: the arena's capacity (pinned buffers included) for wsarena,
+the allocator's peak growth over a step minus the step's own outputs for torch (for the replay: the private
+pool's growth). Run: python bench/bench_gpu_capture.py [--batch 32] [--dtype float32] [--repeat 9] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import cupy
+
+import wsarena
+from wsarena.arena import Arena, CupyProvider, set_arena
+
+from bench_gpu_host import spin_kernel  # this folder is on the path when the script runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    import torch
+
+    torch.backends.cudnn.benchmark = False
+    device = cupy.cuda.Device().id
+    stream = cupy.cuda.Stream(non_blocking=True)
+    tdtype = getattr(torch, args.dtype)
+    layers = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for layer in wsarena.load_model("resnet50"):
+        x = torch.randn((args.batch, *layer.input_shape[1:]), device="cuda", generator=gen).to(tdtype)
+        w = torch.randn(layer.weight_shape, device="cuda", generator=gen).to(tdtype)
+        y = torch.ops.aten.convolution(x, w, None, layer.stride, layer.padding, layer.dilation, False, [0, 0],
+                                       layer.groups)
+        dy = torch.randn_like(y)
+        layers.append((layer, x, w, dy, torch.empty_like(y), torch.empty_like(x), torch.empty_like(w)))
+    torch.cuda.synchronize()
+    own_outputs = sum(t.numel() * t.element_size() for lay in layers for t in lay[4:])
+    c = {id(t): cupy.from_dlpack(t) for lay in layers for t in lay[1:]}  # CuPy views of the same memory
+    arenas = {api: Arena(CupyProvider(device)) for api in ("legacy", "graph")}
+
+    def ws_step(api: str):
+        def run() -> None:
+            wsarena.configure(cudnn_api=api)
+            set_arena(device, arenas[api])
+            for layer, x, w, dy, y, dx, dw in layers:
+                kw = dict(stride=layer.stride, padding=layer.padding, dilation=layer.dilation, groups=layer.groups)
+                wsarena.conv_forward(c[id(x)], c[id(w)], **kw, out=c[id(y)])
+                wsarena.conv_backward_data(c[id(dy)], c[id(w)], x.shape, **kw, out=c[id(dx)])
+                wsarena.conv_backward_filter(c[id(x)], c[id(dy)], w.shape, **kw, out=c[id(dw)])
+        return run
+
+    def torch_step() -> None:
+        for layer, x, w, dy, y, dx, dw in layers:
+            args_ = (layer.stride, layer.padding, layer.dilation, False, [0, 0], layer.groups)
+            y.copy_(torch.ops.aten.convolution(x, w, None, *args_))
+            gx, gw, _ = torch.ops.aten.convolution_backward(dy, x, w, None, *args_, [True, True, False])
+            dx.copy_(gx)
+            dw.copy_(gw)
+
+    legacy, graph = ws_step("legacy"), ws_step("graph")
+    tstream = torch.cuda.ExternalStream(stream.ptr)
+    with stream, torch.cuda.stream(tstream):
+        legacy(), graph()  # warm-up: choices, plans, arena
+        torch_step()
+        stream.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        torch_step()
+        stream.synchronize()
+        torch_held = torch.cuda.max_memory_allocated() - base - own_outputs
+        graph()
+        with wsarena.capture(stream) as captured:
+            graph()
+        tgraph = torch.cuda.CUDAGraph()
+        before = torch.cuda.memory_reserved()
+        with torch.cuda.graph(tgraph, stream=tstream):
+            torch_step()
+        torch_replay_held = torch.cuda.memory_reserved() - before
+    ws_held = {api: arenas[api].stats().capacity_bytes for api in arenas}
+    ws_held["replay"] = arenas["graph"].stats().pinned_bytes  # the graph's: its stream's buffer, shared with eager
+    spin = spin_kernel()
+
+    def timed(fn, queued: bool) -> float:
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        with stream, torch.cuda.stream(tstream):
+            if queued:
+                spin((1,), (1,), (cupy.int64(1_000_000_000),), stream=stream)
+            start.record(stream)
+            fn()
+            end.record(stream)
+        end.synchronize()
+        return cupy.cuda.get_elapsed_time(start, end)
+
+    rows = [("wsarena legacy", legacy, ws_held["legacy"]), ("wsarena graph", graph, ws_held["graph"]),
+            ("wsarena replay", lambda: captured.launch(stream), ws_held["replay"]),
+            ("torch eager", torch_step, torch_held), ("torch replay", tgraph.replay, torch_replay_held)]
+    times: dict = {(label, q): [] for label, _, _ in rows for q in (False, True)}
+    for r in range(args.repeat):
+        for label, fn, _ in rows[r % len(rows):] + rows[:r % len(rows)]:
+            for queued in (False, True):
+                times[label, queued].append(timed(fn, queued))
+    ref = statistics.median(times["torch eager", False])
+    print(f"device {torch.cuda.get_device_name()}; resnet50 convs batch {args.batch} {args.dtype}; "
+          f"fwd+bwd_data+bwd_filter; median of {args.repeat}")
+    print(f"{'':<15} {'step ms':>9} {'GPU ms':>8} {'step/GPU':>9} {'vs torch eager':>15} {'workspace held':>15}")
+    table = {}
+    for label, _, held in rows:
+        s, g = statistics.median(times[label, False]), statistics.median(times[label, True])
+        table[label] = {"step_ms": s, "gpu_ms": g, "held_bytes": int(held)}
+        print(f"{label:<15} {s:9.2f} {g:8.2f} {s / g:9.3f} {s / ref:14.2f}x {wsarena.format_size(int(held)):>15}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "batch": args.batch, "dtype": args.dtype,
+                       "rows": table}, f, indent=2)
+    captured.close()
+    wsarena.configure(cudnn_api="legacy")
+    set_arena(device, None)
+
+
+if __name__ == "__main__":
+    main()

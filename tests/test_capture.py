@@ -1,0 +1,218 @@
+"""CUDA graph capture without a GPU: the pinning rules and the CaptureError cases, with a provider whose capture
+status the test controls (wsarena.arena.testing.FakeGraph holds the arena's pins as a CUDA graph holds user objects,
+and runs their C destructors when closed)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import numpy as np
+import pytest
+
+import wsarena
+from tests.reference import ref_conv_forward
+from wsarena.arena import Arena, set_arena
+from wsarena.arena._pins import GraphPin
+from wsarena.arena.testing import RecordingProvider
+
+S1, S2 = 0x51, 0x52  # raw stream handles of a device-like arena
+
+
+@pytest.fixture
+def device():
+    provider = RecordingProvider(device_id=0)
+    return provider, Arena(provider)
+
+
+def freed(provider):
+    return [buffer.ptr for buffer, _ in provider.frees]
+
+
+def test_a_lease_during_capture_uses_the_streams_buffer_and_pins_it(device):
+    provider, arena = device
+    with arena.lease(1000, stream=S1) as ws:
+        eager = ws.ptr
+    graph = provider.begin_capture(S1)
+    assert arena.capturing(stream=S1) and not arena.capturing(stream=S2)
+    with arena.lease(1000, stream=S1) as ws:
+        assert ws.ptr == eager  # the address the captured kernel keeps
+    with arena.lease(600, stream=S1) as ws:
+        assert ws.ptr == eager
+    provider.end_capture(graph)
+    assert len(graph.pins) == 1  # one pin per graph, however many leases it captured
+    stats = arena.stats()
+    assert stats.streams[S1].pinned_bytes == stats.streams[S1].capacity_bytes == stats.pinned_bytes > 0
+    assert len(provider.allocations) == 1
+
+
+def test_growth_while_pinned_keeps_the_old_buffer_until_the_graph_is_released(device):
+    provider, arena = device
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1) as ws:
+        pinned, pinned_size = ws.ptr, arena.held_bytes(stream=S1)
+    provider.end_capture(graph)
+    with arena.lease(50_000, stream=S1) as ws:  # an eager call grows the stream's buffer
+        assert ws.ptr != pinned
+    stats = arena.stats()
+    assert stats.streams[S1].pinned_bytes == pinned_size and stats.pinned_bytes == pinned_size
+    arena.trim()  # frees the grown buffer, and the stream's sub-arena with it
+    assert pinned not in freed(provider) and pinned in [b.ptr for b in provider.held]
+    assert arena.stats().pinned_bytes == pinned_size
+    graph.close()
+    arena.trim()
+    assert (pinned, S1) in [(b.ptr, s) for b, s in provider.frees]  # in stream order, on its own stream
+    assert arena.stats().pinned_bytes == 0
+
+
+def test_the_release_is_noticed_by_the_next_growth_without_a_trim(device):
+    provider, arena = device
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1):
+        pass
+    provider.end_capture(graph)
+    with arena.lease(50_000, stream=S1):
+        pass
+    graph.close()
+    arena.reserve(10, stream=S2)  # any slow path of the arena looks at the kept buffers
+    assert len(provider.frees) == 1 and provider.frees[0][1] == S1
+
+
+def test_trim_and_close_keep_a_pinned_buffer_current_or_kept(device):
+    provider, arena = device
+    arena.reserve(4096, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(4096, stream=S1) as ws:
+        pinned = ws.ptr
+    provider.end_capture(graph)
+    assert arena.trim() == 0
+    assert arena.held_bytes(stream=S1) > 0  # still the stream's buffer: eager calls and captures go on using it
+    with arena.lease(4096, stream=S1) as ws:
+        assert ws.ptr == pinned
+    arena.close()
+    assert provider.frees == [] and arena.stats().pinned_bytes >= 4096
+    graph.close()
+    arena.trim()
+    assert freed(provider) == [pinned] and provider.held == []
+
+
+def test_every_graph_must_be_released(device):
+    provider, arena = device
+    arena.reserve(1000, stream=S1)
+    graphs = []
+    for _ in range(2):
+        graph = provider.begin_capture(S1)
+        with arena.lease(1000, stream=S1) as ws:
+            pinned = ws.ptr
+        graphs.append(provider.end_capture(graph))
+    with arena.lease(9000, stream=S1):
+        pass
+    graphs[0].close()
+    arena.trim()
+    assert pinned not in freed(provider)  # the second graph still holds it
+    graphs[1].close()
+    arena.trim()
+    assert pinned in freed(provider) and provider.held == []
+
+
+def test_growth_during_capture_is_a_capture_error_and_changes_nothing(device):
+    provider, arena = device
+    graph = provider.begin_capture(S1)
+    with pytest.raises(wsarena.CaptureError, match=r"reserve_for\(plan\)"), arena.lease(1000, stream=S1):
+        pass
+    assert provider.allocations == [] and arena.stats().streams == {}
+    provider.end_capture(graph)
+    arena.reserve(512, stream=S1)
+    graph = provider.begin_capture(S1)
+    with pytest.raises(wsarena.CaptureError, match="it holds 512 B"), arena.lease(1000, stream=S1):
+        pass
+    with arena.lease(512, stream=S1):  # the lane is free again, and a lease that fits is captured
+        pass
+    provider.end_capture(graph)
+    assert len(provider.allocations) == 1 and arena.stats().streams[S1].leases == 0
+
+
+def test_two_streams_in_one_capture_keep_disjoint_pinned_buffers(device):
+    provider, arena = device
+    for stream in (S1, S2):
+        arena.reserve(2048, stream=stream)
+    graph = provider.begin_capture(S1, S2)  # forked to S2 through an event, as CUDA allows
+    with arena.lease(2048, stream=S1) as a, arena.lease(2048, stream=S2) as b:
+        assert a.ptr + 2048 <= b.ptr or b.ptr + 2048 <= a.ptr
+    provider.end_capture(graph)
+    stats = arena.stats()
+    assert stats.streams[S1].pinned_bytes > 0 and stats.streams[S2].pinned_bytes > 0
+    assert len(graph.pins) == 1
+
+
+def test_debug_mode_refuses_to_free_a_pinned_buffer(device):
+    provider, arena = device
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1):
+        pass
+    provider.end_capture(graph)
+    sub = arena._subs[S1]
+    arena._to_free.append((sub.block.buffer, S1))  # what a bookkeeping mistake would queue
+    with wsarena.config(debug=True), pytest.raises(AssertionError, match="graph that captured it still exists"):
+        arena.trim()
+    arena._to_free.clear()
+    graph.close()
+    with wsarena.config(debug=True):
+        arena.trim()
+    assert len(provider.frees) == 1
+
+
+def test_a_collected_arena_abandons_what_a_graph_still_holds():
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1):
+        pass
+    provider.end_capture(graph)
+    del arena
+    gc.collect()
+    assert provider.frees == [] and len(provider.held) == 1  # never freed: the graph may be replayed
+    graph.close()
+
+
+def test_a_graph_pin_is_live_until_its_c_destructor_runs():
+    pin = GraphPin()
+    assert pin.live() and pin.live()
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(pin.destroy)(pin.address)  # what CUDA runs when it destroys a graph
+    assert not pin.live() and pin.released
+
+
+def test_a_first_call_during_capture_raises_before_anything_runs():
+    provider = RecordingProvider()
+    previous = set_arena("cpu", Arena(provider))
+    try:
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+        w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+        graph = provider.begin_capture("lane")
+        with pytest.raises(wsarena.CaptureError, match="run the step once before capturing"):
+            wsarena.conv_forward(x, w, padding=1, stream="lane")
+        assert provider.allocations == []
+        provider.end_capture(graph)
+        eager = wsarena.conv_forward(x, w, padding=1, stream="lane", algo="gemm_batch")
+        allocated = len(provider.allocations)
+        graph = provider.begin_capture("lane")
+        out = np.empty_like(eager)
+        wsarena.conv_forward(x, w, padding=1, stream="lane", algo="gemm_batch", out=out)
+        provider.end_capture(graph)
+        assert len(provider.allocations) == allocated and len(graph.pins) == 1
+        np.testing.assert_allclose(out, ref_conv_forward(x.astype(np.float64), w.astype(np.float64), padding=1), rtol=1e-4, atol=1e-4)  # float32 vs float64
+        graph.close()
+    finally:
+        set_arena("cpu", previous)
+
+
+def test_capture_without_a_gpu_is_a_backend_error_and_checks_its_mode():
+    with pytest.raises(ValueError, match="mode must be one of"), wsarena.capture(mode="loose"):
+        pass
+    with pytest.raises(wsarena.BackendUnavailableError, match="needs a GPU"), wsarena.capture():
+        pass

@@ -1,0 +1,185 @@
+"""CUDA graph capture of wsarena calls on a real GPU: replays equal the eager step, through growth of the arena, on
+two streams, and the arena after the graph is gone (both cuDNN API paths)."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+
+import wsarena
+from wsarena.arena import Arena, CupyProvider, set_arena
+
+pytestmark = pytest.mark.gpu
+
+APIS = ["legacy", "graph"]
+TOL = dict(rtol=1e-4, atol=1e-4)  # float32; some backward-filter algorithms sum in a nondeterministic order
+
+
+@pytest.fixture
+def cupy():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def arena(cupy):
+    device = cupy.cuda.Device().id
+    made = Arena(CupyProvider(device))
+    previous = set_arena(device, made)
+    yield made
+    set_arena(device, previous)
+    made.close()
+
+
+def resnet_layers(cupy, batch=2):
+    """ResNet-50's 53 convolutions at ``batch``: operands and preallocated outputs of all three passes."""
+    rng = cupy.random.default_rng(0)
+    layers = []
+    for layer in wsarena.load_model("resnet50"):
+        x_shape = (batch, *layer.input_shape[1:])
+        probe = wsarena.conv_forward(cupy.zeros(x_shape, cupy.float32), cupy.zeros(layer.weight_shape, cupy.float32),
+                                     layer.stride, layer.padding, layer.dilation, layer.groups)
+        x = rng.standard_normal(x_shape, dtype=cupy.float32)
+        w = rng.standard_normal(layer.weight_shape, dtype=cupy.float32)
+        dy = rng.standard_normal(probe.shape, dtype=cupy.float32)
+        layers.append((layer, x, w, dy))
+    return layers
+
+
+def outputs(cupy, layers):
+    return [(cupy.empty_like(dy), cupy.empty_like(x), cupy.empty_like(w)) for _, x, w, dy in layers]
+
+
+def step(layers, outs, stream=None):
+    for (layer, x, w, dy), (y, dx, dw) in zip(layers, outs):
+        kw = dict(stride=layer.stride, padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
+                  stream=stream)
+        wsarena.conv_forward(x, w, **kw, out=y)
+        wsarena.conv_backward_data(dy, w, x.shape, **kw, out=dx)
+        wsarena.conv_backward_filter(x, dy, w.shape, **kw, out=dw)
+
+
+def assert_same(cupy, got, want):
+    for a, b in zip(got, want):
+        for u, v in zip(a, b):
+            cupy.testing.assert_allclose(u, v, **TOL)
+
+
+def released(arena, timeout=5.0):
+    """Wait until CUDA has run the destructors of dropped graphs (on its own thread) and the arena freed them."""
+    deadline = time.monotonic() + timeout
+    while arena.stats().pinned_bytes and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    return arena.stats().pinned_bytes == 0
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_replayed_resnet50_step_equals_the_eager_step_even_after_the_arena_grew(cupy, arena, api):
+    with wsarena.config(cudnn_api=api):
+        layers = resnet_layers(cupy)
+        eager = outputs(cupy, layers)
+        step(layers, eager)  # also the warm-up: choices, plans, handles, arena size
+        captured = outputs(cupy, layers)
+        allocations = arena.stats().allocations
+        with wsarena.capture() as graph:
+            step(layers, captured)
+        held = arena.stats()
+        assert held.pinned_bytes > 0 and held.allocations == allocations  # nothing allocated while capturing
+        for _ in range(100):
+            graph.launch()
+        graph.stream.synchronize()
+        assert_same(cupy, captured, eager)
+        for y, dx, dw in captured:
+            y.fill(0), dx.fill(0), dw.fill(0)
+        key = graph.stream.ptr
+        arena.reserve(4 * held.streams[key].capacity_bytes + (1 << 20), stream=graph.stream)  # the stream grows
+        with graph.stream:
+            step(layers, outputs(cupy, layers))  # eager calls there use the new buffer
+        grown = arena.stats().streams[key]
+        assert grown.capacity_bytes > held.streams[key].capacity_bytes
+        assert grown.pinned_bytes == held.streams[key].pinned_bytes  # the old buffer is kept for the graph
+        graph.launch()
+        graph.stream.synchronize()
+        assert_same(cupy, captured, eager)
+        graph.close()
+        del graph
+        assert released(arena)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_capture_forked_to_two_streams_keeps_their_workspaces_apart(cupy, arena, api):
+    with wsarena.config(cudnn_api=api):
+        layers = resnet_layers(cupy)
+        half = len(layers) // 2
+        side = cupy.cuda.Stream(non_blocking=True)
+        eager = outputs(cupy, layers)
+        with cupy.cuda.Stream(non_blocking=True) as main:
+            step(layers[:half], eager[:half])
+            step(layers[half:], eager[half:], stream=side)
+            side.synchronize()
+            captured = outputs(cupy, layers)
+            with wsarena.capture(main) as graph:
+                fork = cupy.cuda.Event()
+                fork.record(main)
+                side.wait_event(fork)
+                step(layers[half:], captured[half:], stream=side)
+                step(layers[:half], captured[:half])
+                join = cupy.cuda.Event()
+                join.record(side)
+                main.wait_event(join)
+        stats = arena.stats()
+        assert stats.streams[main.ptr].pinned_bytes > 0 and stats.streams[side.ptr].pinned_bytes > 0
+        graph.launch()
+        graph.stream.synchronize()
+        assert_same(cupy, captured, eager)
+
+
+def test_a_capture_that_would_search_raises_before_anything_is_enqueued(cupy, arena):
+    x = cupy.ones((2, 8, 17, 17), cupy.float32)
+    w = cupy.ones((8, 8, 3, 3), cupy.float32)
+    y = cupy.empty((2, 8, 17, 17), cupy.float32)
+    with wsarena.config(algo_search="exhaustive"):
+        with pytest.raises(wsarena.CaptureError, match="run the step once"), wsarena.capture() as graph:
+            wsarena.conv_forward(x, w, padding=1, out=y)
+        assert graph.closed
+        wsarena.conv_forward(x, w, padding=1, out=y)  # eager: searches, and the capture after it works
+        with wsarena.capture() as graph:
+            wsarena.conv_forward(x, w, padding=1, out=y)
+    y.fill(0)
+    graph.launch()
+    graph.stream.synchronize()
+    assert float(y[0, 0, 8, 8]) == 72.0  # 8 channels x 9 taps of ones
+
+
+def test_the_default_stream_during_a_capture_is_a_capture_error(cupy, arena):
+    x = cupy.ones((1, 4, 8, 8), cupy.float32)
+    w = cupy.ones((4, 4, 3, 3), cupy.float32)
+    wsarena.conv_forward(x, w, padding=1, stream=0)
+    blocking = cupy.cuda.Stream()  # a blocking stream being captured makes the legacy stream unusable
+    with pytest.raises(wsarena.CaptureError, match="legacy default stream"), wsarena.capture(blocking, mode="relaxed"):
+        wsarena.conv_forward(x, w, padding=1, stream=0)
+
+
+def test_the_arena_frees_the_pinned_buffer_once_the_graph_is_dropped(cupy, arena):
+    x = cupy.ones((4, 16, 32, 32), cupy.float32)
+    w = cupy.ones((16, 16, 3, 3), cupy.float32)
+    y = cupy.empty((4, 16, 32, 32), cupy.float32)
+    with cupy.cuda.Stream(non_blocking=True) as s:
+        arena.reserve(8 << 20, stream=s)
+        wsarena.conv_forward(x, w, padding=1, out=y)
+        with wsarena.capture(s) as graph:
+            wsarena.conv_forward(x, w, padding=1, out=y)
+        pinned = arena.stats().streams[s.ptr].pinned_bytes
+        assert pinned > 0
+        arena.reserve(64 << 20, stream=s)  # grows: the pinned buffer is kept for the graph
+        assert arena.stats().pinned_bytes == pinned
+        graph.launch()
+        s.synchronize()
+        frees = arena.stats().frees
+        del graph
+        assert released(arena)
+        assert arena.stats().frees == frees + 1  # the kept buffer, freed on its stream once CUDA let go

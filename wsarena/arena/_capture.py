@@ -1,0 +1,88 @@
+"""Whether a CUDA stream is being captured into a graph, and handing a pin to the graph being captured.
+
+The device providers' ``capture(stream)`` (:mod:`wsarena.arena.providers`) and the cuDNN backends' checks before
+creating a handle or finalizing a plan come here. CuPy answers the per-lease question (a C call); cuda-bindings
+gives the capture's id and graph, asked only while a capture is under way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CaptureError
+
+__all__ = ["CudaCapture", "capture_of", "refuse_in_capture"]
+
+_CAPTURE_IMPLICIT = 906  # cudaErrorStreamCaptureImplicit
+_ACTIVE = 1  # cudaStreamCaptureStatusActive
+
+
+class CudaCapture:
+    """The capture under way on a stream: its sequence ``id`` (unique in the process) and the ``graph`` it records
+    into."""
+
+    __slots__ = ("graph", "id")
+
+    def __init__(self, capture_id: int, graph: Any) -> None:
+        self.id = capture_id
+        self.graph = graph
+
+    def retain(self, pin: Any) -> None:
+        """Make the graph hold ``pin`` until CUDA destroys it (and every executable graph made from it): a user
+        object whose destructor is ``pin.destroy(pin.address)``, its one reference moved to the graph."""
+        from cuda.bindings import runtime as rt
+
+        err, obj = rt.cudaUserObjectCreate(
+            pin.address, rt.cudaHostFn_t(pin.destroy), 1, rt.cudaUserObjectFlags.cudaUserObjectNoDestructorSync
+        )
+        _check(err, "cudaUserObjectCreate")
+        (err,) = rt.cudaGraphRetainUserObject(
+            self.graph, obj, 1, rt.cudaUserObjectRetainFlags.cudaGraphUserObjectMove
+        )
+        if int(err):
+            rt.cudaUserObjectRelease(obj, 1)  # runs the destructor: the pin reads as released, never held
+            _check(err, "cudaGraphRetainUserObject")
+
+
+def capture_of(stream: int) -> CudaCapture | None:
+    """The capture under way on ``stream`` (a raw handle), or ``None``.
+
+    Raises :class:`CaptureError` when using ``stream`` would break a capture under way (the legacy default stream
+    while another stream of the device is captured), or when the capture on it was invalidated.
+    """
+    import cupy
+
+    try:
+        if not cupy.cuda.runtime.streamIsCapturing(stream):
+            return None
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        if exc.status != _CAPTURE_IMPLICIT:
+            raise
+        raise CaptureError(
+            "the legacy default stream (0) cannot be used while another stream of this device is being captured "
+            "into a CUDA graph: pass the capturing stream (stream=...)"
+        ) from None
+    from cuda.bindings import runtime as rt
+
+    err, status, capture_id, graph, *_ = rt.cudaStreamGetCaptureInfo(stream)
+    _check(err, "cudaStreamGetCaptureInfo")
+    if int(status) != _ACTIVE:
+        raise CaptureError(f"the capture on stream {stream:#x} was invalidated by an earlier error: end it")
+    return CudaCapture(int(capture_id), graph)
+
+
+def refuse_in_capture(stream: int, what: str) -> None:
+    """Raise :class:`CaptureError` if ``stream`` is being captured: ``what`` (a handle, a plan) cannot be."""
+    if capture_of(stream) is not None:
+        raise CaptureError(
+            f"this call would {what} while stream {stream:#x} is being captured into a CUDA graph, which the "
+            "capture cannot hold: run the step once before capturing"
+        )
+
+
+def _check(err: Any, call: str) -> None:
+    if int(err):
+        from cuda.bindings import runtime as rt
+
+        _, name = rt.cudaGetErrorName(err)
+        raise RuntimeError(f"{call} failed: {name.decode() if isinstance(name, bytes) else name}")

@@ -1,0 +1,125 @@
+"""Capture a step of wsarena calls into a CUDA graph, and replay it.
+
+::
+
+    step()                                  # once, eagerly: fills the caches and sizes the arena
+    with wsarena.capture() as graph:        # a stream of its own, current inside the block
+        step()
+    for _ in range(n):
+        graph.launch()
+    graph.close()                           # or drop it: the workspace it pinned is freed once CUDA lets go
+
+Inside the block every wsarena call is recorded, not run. A call that would have to search, finalize a plan, create
+a handle or grow the arena raises :class:`~wsarena.errors.CaptureError` instead (nothing is enqueued). Each
+workspace buffer the graph uses stays allocated, at the same address, until the graph is destroyed, even if the
+arena grows or is trimmed meanwhile (:mod:`wsarena.arena._pinning`). The same holds for a capture made with CuPy's
+``stream.begin_capture()`` or ``torch.cuda.graph``: wsarena detects capture from the stream's capture status.
+
+Replays use the workspace of the stream they were captured on. Launch a graph on that stream (``launch()`` does by
+default), or order it with that stream's other work, as for any two uses of one stream's workspace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from ._gpu import gpu_unusable_reason
+from .errors import BackendUnavailableError
+
+__all__ = ["CapturedGraph", "capture"]
+
+_MODES = ("global", "thread_local", "relaxed")
+
+
+class CapturedGraph:
+    """A CUDA graph recorded by :func:`capture`: :meth:`launch` replays it, :meth:`close` destroys it.
+
+    Attributes
+    ----------
+    stream : cupy.cuda.Stream
+        The stream it was captured on, where :meth:`launch` replays it by default.
+    graph : cupy.cuda.Graph or None
+        CuPy's graph, once the capture ended (``None`` before, and after :meth:`close`).
+    """
+
+    __slots__ = ("graph", "stream")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.graph: Any = None
+
+    @property
+    def closed(self) -> bool:
+        return self.graph is None
+
+    def launch(self, stream: Any = None) -> None:
+        """Replay the graph on ``stream`` (by default the stream it was captured on); returns once enqueued."""
+        if self.graph is None:
+            raise RuntimeError("this graph is closed, or its capture did not end")
+        self.graph.launch(self.stream if stream is None else stream)
+
+    def close(self) -> None:
+        """Drop the graph (CuPy destroys it once nothing else refers to it); the workspace it pinned is freed in
+        stream order by the arena's next trim, stats or growth after CUDA let go of it. Idempotent."""
+        self.graph = None
+
+    def __repr__(self) -> str:
+        return f"<CapturedGraph on {self.stream!r}{' (closed)' if self.graph is None else ''}>"
+
+
+@contextlib.contextmanager
+def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGraph]:
+    """Record the wsarena calls (and any other CUDA work) of the block into a CUDA graph.
+
+    Parameters
+    ----------
+    stream : cupy.cuda.Stream, optional
+        Where to capture; a new non-blocking stream by default. Not a default stream (CUDA cannot capture those).
+        It is the current CuPy stream inside the block, so calls with ``stream=None`` are captured.
+    mode : ``"global"``, ``"thread_local"`` or ``"relaxed"``
+        CUDA's capture mode: which CUDA calls of other threads are refused while the capture is under way.
+        ``"relaxed"``, CuPy's own default, lets CuPy's memory pool allocate the block's new arrays.
+
+    Yields
+    ------
+    CapturedGraph
+        Launchable once the block ends. If the block raises, the capture is ended and discarded.
+
+    Raises
+    ------
+    BackendUnavailableError
+        No GPU is usable.
+    CaptureError
+        (inside the block) A call needed something a capture cannot hold; run the step once before capturing.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, _MODES))}, not {mode!r}")
+    reason = gpu_unusable_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"wsarena.capture needs a GPU: {reason}")
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    if stream is None:
+        stream = cupy.cuda.Stream(non_blocking=True)
+    elif not isinstance(stream, cupy.cuda.Stream):
+        raise TypeError(f"stream must be a cupy.cuda.Stream, not {type(stream).__name__}")
+    if stream.ptr in (0, 1, 2):
+        raise ValueError("a default stream cannot be captured: pass a stream of its own (cupy.cuda.Stream())")
+    cuda_mode = {
+        "global": runtime.streamCaptureModeGlobal,
+        "thread_local": runtime.streamCaptureModeThreadLocal,
+        "relaxed": runtime.streamCaptureModeRelaxed,
+    }[mode]
+    graph = CapturedGraph(stream)
+    with stream:
+        stream.begin_capture(cuda_mode)
+        try:
+            yield graph
+        except BaseException:
+            with contextlib.suppress(Exception):
+                stream.end_capture()  # discarded: its pins are released when CUDA destroys it
+            raise
+        graph.graph = stream.end_capture()
