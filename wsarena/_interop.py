@@ -18,7 +18,9 @@ all on a CUDA device; host beside device memory would need a copy and is a ``Typ
 The result comes back in the library of the first operand (``x``, or ``dy`` for ``conv_backward_data``), through
 that library's DLPack import (``torch.from_dlpack``, the ``from_dlpack`` of its ``__array_namespace__`` or of
 its top-level module, Numba's ``as_cuda_array``); an operand whose library has none (a bare
-``__cuda_array_interface__`` holder) gets the CuPy or NumPy array. ``out=`` given: the result is ``out`` itself.
+``__cuda_array_interface__`` holder) gets the CuPy or NumPy array. A host result bound for another library is
+allocated on a 64-byte boundary, where JAX (XLA) takes it without a copy. ``out=`` given: the result is ``out``
+itself.
 
 With ``stream=None`` and a PyTorch CUDA tensor among the operands, the call runs on PyTorch's current stream
 (``torch.cuda.current_stream()``), and the device's arena, when this call makes it, takes its memory from
@@ -29,6 +31,7 @@ operands do not come from.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -132,8 +135,9 @@ def execute(
         )
     if not operands[0].cuda:
         views = [_host_view(op) for op in operands]
+        leaves = out is None and type_backend_name(type(a)) is None  # the result goes to another library
         result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
-                     layout, algo)
+                     layout, algo, empty=_aligned_empty if leaves else None)
         return out if out is not None else _returned(a, result)
     device = next((op.device for op in operands if op.device is not None), None)
     if device is not None and any(op.kind == _TORCH for op in operands):
@@ -200,6 +204,18 @@ def _bfloat16() -> Any:
     import ml_dtypes  # NumPy's and CuPy's bfloat16
 
     return ml_dtypes.bfloat16
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """A new host array on a 64-byte boundary: XLA (JAX) imports host memory without a copy only there, and
+    NumPy's own allocations promise 16 bytes."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    buffer = np.empty(nbytes + _ALIGN - 1, dtype=np.uint8)
+    start = -buffer.ctypes.data % _ALIGN
+    return buffer[start:start + nbytes].view(dtype).reshape(shape)
+
+
+_ALIGN = 64
 
 
 @contextlib.contextmanager
