@@ -196,6 +196,41 @@ def test_an_unknown_dlpack_device_is_refused():
         conv_forward(OnOpenCL(x), w, **KW)
 
 
+class _Legacy(_Foreign):
+    """A DLPack exporter of the kind that predates DLPack 1.0: legacy capsules only, which carry no flags."""
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(stream=kwargs.get("stream"))
+
+
+def test_out_is_written_through_dlpack_only_where_the_export_allows_writes(fresh_arena):
+    x, w, _ = problem()
+    ref = ref_conv_forward(x, w, **KW)
+    out = _Foreign(np.zeros_like(ref))
+    assert conv_forward(x, w, **KW, out=out) is out and rel_err(out.array, ref) <= TOL["float64"]
+    frozen = np.zeros_like(ref)
+    frozen.flags.writeable = False  # exported with DLPack 1.0's read-only flag
+    before = fresh_arena.stats()
+    for out, why in ((_Foreign(frozen), "flagged so"), (_Legacy(np.zeros_like(ref)), "a legacy capsule")):
+        with pytest.raises(TypeError, match=rf"out cannot be written in place: .*read-only \({why}"):
+            conv_forward(_Foreign(x), w, **KW, out=out)
+        assert not np.any(out.array)
+    assert fresh_arena.stats() == before
+    assert rel_err(conv_forward(_Legacy(x), _Legacy(w), **KW), ref) <= TOL["float64"]  # inputs are only read
+
+
+def test_bfloat16_crosses_dlpack_as_int16_both_ways():
+    """NumPy neither imports nor exports DLPack's bfloat16: it travels as int16, relabelled, without a copy."""
+    tensor = torch.linspace(-3, 3, 24).reshape(2, 3, 4).to(torch.bfloat16)
+    view = _interop._host_view(_interop._Operand("x", _Foreign(tensor)))
+    assert str(view.dtype) == "bfloat16" and view.ctypes.data == tensor.data_ptr()
+    assert np.array_equal(view.astype(np.float32), tensor.float().numpy())
+    back = torch.from_dlpack(_interop._exported(view))
+    assert back.dtype == torch.bfloat16 and back.data_ptr() == tensor.data_ptr() and torch.equal(back, tensor)
+    with pytest.raises(TypeError, match="x has dtype bfloat16: the cpu backend computes in float32 or float64"):
+        conv_forward(_Foreign(tensor), _Foreign(tensor), **KW)
+
+
 def test_one_record_per_signature_whichever_library_and_numpy_stays_on_the_direct_path():
     x, w, _ = problem()
     conv_forward(x, w, **KW)

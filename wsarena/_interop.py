@@ -6,19 +6,23 @@ NumPy array (host memory) or a CuPy array (CUDA memory), by the first of these i
 
 1. ``__dlpack__`` and ``__dlpack_device__`` (PyTorch, JAX, CuPy-like libraries, cuda.core buffers), imported with
    ``copy=False``, on the call's stream, so that the producer orders its own work before the call (a PyTorch
-   CPU tensor through ``Tensor.numpy()``, the same view at a third of the cost);
+   CPU tensor through ``Tensor.numpy()``, the same view at a third of the cost). ``bfloat16``, which NumPy and
+   CuPy do not import, travels as ``int16`` (:mod:`wsarena._dlpack`);
 2. ``__cuda_array_interface__`` (Numba device arrays, and the rest of the CUDA Python world);
 3. ``__array_interface__`` (host buffers).
 
 What cannot be viewed without a copy is a ``TypeError`` naming the argument: a list, a tensor that requires
 grad (the ops record no autograd history: use :mod:`wsarena.torch`), a conjugated tensor, a dtype the array
-library cannot represent. Operands may come from different libraries as long as they are all in host memory or
-all on a CUDA device; host beside device memory would need a copy and is a ``TypeError``.
+library cannot represent, an ``out`` whose DLPack export is read-only (a JAX array: JAX's arrays are immutable,
+and its legacy DLPack capsules promise no writes). Operands may come from different libraries as long as they are
+all in host memory or all on a CUDA device; host beside device memory would need a copy and is a ``TypeError``.
 
 The result comes back in the library of the first operand (``x``, or ``dy`` for ``conv_backward_data``), through
 that library's DLPack import (``torch.from_dlpack``, the ``from_dlpack`` of its ``__array_namespace__`` or of
 its top-level module, Numba's ``as_cuda_array``); an operand whose library has none (a bare
-``__cuda_array_interface__`` holder) gets the CuPy or NumPy array. ``out=`` given: the result is ``out`` itself.
+``__cuda_array_interface__`` holder) gets the CuPy or NumPy array. A host result bound for another library is
+allocated on a 64-byte boundary, where JAX (XLA) takes it without a copy. ``out=`` given: the result is ``out``
+itself.
 
 With ``stream=None`` and a PyTorch CUDA tensor among the operands, the call runs on PyTorch's current stream
 (``torch.cuda.current_stream()``), and the device's arena, when this call makes it, takes its memory from
@@ -29,12 +33,14 @@ operands do not come from.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ._dlpack import BFLOAT16, INT16, Export, ReadOnlyExport
 from ._pass import Pass
 from .backends import is_masked_type, type_backend_name
 
@@ -132,8 +138,9 @@ def execute(
         )
     if not operands[0].cuda:
         views = [_host_view(op) for op in operands]
+        leaves = out is None and type_backend_name(type(a)) is None  # the result goes to another library
         result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
-                     layout, algo)
+                     layout, algo, empty=_aligned_empty if leaves else None)
         return out if out is not None else _returned(a, result)
     device = next((op.device for op in operands if op.device is not None), None)
     if device is not None and any(op.kind == _TORCH for op in operands):
@@ -158,10 +165,26 @@ def _host_view(op: _Operand) -> Any:
         if op.kind == _TORCH:  # the view DLPack would give, at a third of the cost; NumPy has no bfloat16
             return obj.numpy() if not _is_torch_bfloat16(obj) else _torch_int16(obj).numpy().view(_bfloat16())
         if op.kind == _DLPACK:
-            return _numpy_from_dlpack(obj)
+            export = _export(op)
+            view = _numpy_from_dlpack(export)
+            return view.view(_bfloat16()) if export.retyped else view
         return np.asarray(obj)  # __array_interface__: a view of the exporter's memory
+    except ReadOnlyExport as exc:
+        raise _read_only(exc) from exc
     except (BufferError, RuntimeError, TypeError, ValueError) as exc:
         raise TypeError(f"{op.name} cannot be viewed as a NumPy array without a copy: {exc}") from exc
+
+
+def _export(op: _Operand) -> Export:
+    """``op``'s DLPack export: ``out`` only where the producer allows writes, bfloat16 as int16."""
+    return Export(op.obj, writable=op.name == "out", retype=(BFLOAT16, INT16))
+
+
+def _read_only(exc: ReadOnlyExport) -> TypeError:
+    return TypeError(
+        f"out cannot be written in place: {exc}, as immutable arrays such as JAX's are; call without out= and "
+        "use the returned array"
+    )
 
 
 def _numpy_from_dlpack(obj: Any) -> np.ndarray:
@@ -177,11 +200,18 @@ def _device_view(op: _Operand) -> Any:
     if op.kind == _NATIVE_KIND:
         return obj
     try:
-        if op.kind in (_TORCH, _DLPACK):  # imported on the current (the call's) stream
-            if op.kind == _TORCH and _is_torch_bfloat16(obj):  # whatever CuPy's DLPack makes of it
+        # imported on the current (the call's) stream
+        if op.kind == _TORCH:
+            if _is_torch_bfloat16(obj):  # whatever CuPy's DLPack makes of it
                 return cupy.from_dlpack(_torch_int16(obj), copy=False).view(_bfloat16())
             return cupy.from_dlpack(obj, copy=False)
+        if op.kind == _DLPACK:
+            export = _export(op)
+            view = cupy.from_dlpack(export, copy=False)
+            return view.view(_bfloat16()) if export.retyped else view
         return cupy.asarray(obj)  # __cuda_array_interface__: a view of the exporter's memory
+    except ReadOnlyExport as exc:
+        raise _read_only(exc) from exc
     except (BufferError, RuntimeError, TypeError, ValueError) as exc:
         raise TypeError(f"{op.name} cannot be viewed as a CuPy array without a copy: {exc}") from exc
 
@@ -200,6 +230,18 @@ def _bfloat16() -> Any:
     import ml_dtypes  # NumPy's and CuPy's bfloat16
 
     return ml_dtypes.bfloat16
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """A new host array on a 64-byte boundary: XLA (JAX) imports host memory without a copy only there, and
+    NumPy's own allocations promise 16 bytes."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    buffer = np.empty(nbytes + _ALIGN - 1, dtype=np.uint8)
+    start = -buffer.ctypes.data % _ALIGN
+    return buffer[start:start + nbytes].view(dtype).reshape(shape)
+
+
+_ALIGN = 64
 
 
 @contextlib.contextmanager
@@ -245,20 +287,30 @@ def _returner(kind: type) -> Callable[[Any, Any], Any]:
     if _kind_of(kind) == _TORCH:
         return _to_torch
     if hasattr(kind, "__array_namespace__"):  # the array API standard: JAX, and libraries built to it
-        return lambda caller, result: caller.__array_namespace__().from_dlpack(result)
+        return lambda caller, result: caller.__array_namespace__().from_dlpack(_exported(result))
     module = sys.modules.get(top)
     from_dlpack = getattr(module, "from_dlpack", None)
     if callable(from_dlpack):
-        return lambda caller, result: from_dlpack(result)
+        return lambda caller, result: from_dlpack(_exported(result))
     if top == "numba" and module is not None:
         cuda = module.cuda
         return lambda caller, result: cuda.as_cuda_array(result)
     return lambda caller, result: result
 
 
+def _is_bfloat16(result: Any) -> bool:
+    return bool(result.dtype.kind == "V" and result.dtype.itemsize == 2)  # (str(dtype) costs microseconds)
+
+
+def _exported(result: Any) -> Any:
+    """``result`` as a DLPack exporter: itself, or (bfloat16, which NumPy and CuPy do not export) its int16 view
+    relabelled bfloat16."""
+    return Export(result.view(np.int16), retype=(INT16, BFLOAT16)) if _is_bfloat16(result) else result
+
+
 def _to_torch(caller: Any, result: Any) -> Any:
     import torch
 
-    if result.dtype.kind == "V" and result.dtype.itemsize == 2:  # bfloat16 (str(dtype) costs microseconds)
+    if _is_bfloat16(result):
         return torch.from_dlpack(result.view(np.int16)).view(torch.bfloat16)
     return torch.from_dlpack(result)

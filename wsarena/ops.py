@@ -16,7 +16,7 @@ signature: a repeated call makes one dictionary lookup, then leases and runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -187,9 +187,9 @@ def _execute(
 
 def _run(
     pass_: Pass, a: Any, b: Any, shape_arg: Any, params: tuple[Any, Any, Any, Any], out: Any, stream: Any,
-    layout: str, algo: str | None,
+    layout: str, algo: str | None, empty: Callable[[tuple[int, ...], str], Any] | None = None,
 ) -> Any:
-    """:func:`_execute` on NumPy or CuPy arrays."""
+    """:func:`_execute` on NumPy or CuPy arrays; a new result comes from ``empty`` (default: the backend's)."""
     cfg = get_config()
     stride, padding, dilation, groups = params
     if type(stride) is int and type(padding) is int and type(dilation) is int and type(groups) is int:
@@ -226,7 +226,7 @@ def _run(
     # device's), before anything is allocated or enqueued.
     with backend.context((a, b) if out is None else (a, b, out), stream):
         chosen = None if algo is None else forced(backend, pass_, geom, algo, cap=cfg.cap_workspace)
-        result = _new_output(record) if out is None else out
+        result = _new_output(record, empty) if out is None else out
         if geom.batch == 0:
             backend.arena().lease(0, stream=stream)  # takes nothing; checks `stream` as a real call would
             if pass_ is Pass.BWD_FILTER:
@@ -244,10 +244,10 @@ def _run(
     return result
 
 
-def _new_output(record: _Record) -> Any:
+def _new_output(record: _Record, empty: Callable[[tuple[int, ...], str], Any] | None) -> Any:
     """An array for the result; a ``MemoryError`` that names the output's shape and size when there is no room."""
     try:
-        return record.backend.empty(record.out_shape, record.dtype)
+        return (empty or record.backend.empty)(record.out_shape, record.dtype)
     except MemoryError as exc:
         nbytes = math.prod(record.out_shape) * ITEMSIZES[record.dtype]
         raise MemoryError(

@@ -1,0 +1,146 @@
+"""JAX arrays through the ops on the CPU (wsarena._interop over DLPack), against the float64 direct convolution
+of tests/reference.py.
+
+JAX is not in the test extra (its CPU build adds about 500 MB): these tests run where it is installed and skip
+elsewhere. That importing wsarena and a NumPy call leave JAX unimported is tests/test_package.py's
+``test_import_is_light``.
+
+Tolerance: max|got - ref| / max|ref| <= 1e-12 in float64, 1e-5 in float32.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from wsarena import _interop, conv_backward_data, conv_backward_filter, conv_forward, ops
+
+from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
+
+jax = pytest.importorskip("jax", reason="JAX is not installed (it is not in the test extra): pip install jax")
+jnp = jax.numpy
+
+TOL = {"float32": 1e-5, "float64": 1e-12}
+KW = {"stride": 2, "padding": 1, "dilation": 1, "groups": 2}
+
+
+def rel_err(got, ref):
+    return float(np.max(np.abs(np.asarray(got).astype(np.float64) - ref))) / (float(np.max(np.abs(ref))) or 1.0)
+
+
+def problem(dtype="float64", seed=0, batch=2):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, 4, 9, 9)).astype(dtype)
+    w = rng.standard_normal((6, 2, 3, 3)).astype(dtype)
+    dy = rng.standard_normal(ref_conv_forward(x, w, **KW).shape).astype(dtype)
+    return x, w, dy
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """What the ops ran on: one ``(a, b, result)`` of NumPy arrays per call, to tell views and copies apart."""
+    seen = []
+    real = ops._run
+
+    def recording(pass_, a, b, *args, **kwargs):
+        result = real(pass_, a, b, *args, **kwargs)
+        seen.append((a, b, result))
+        return result
+
+    monkeypatch.setattr(ops, "_run", recording)
+    return seen
+
+
+def pointer(array):
+    return array.unsafe_buffer_pointer() if isinstance(array, jax.Array) else array.ctypes.data
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_jax_arrays_through_the_three_ops_without_a_copy_either_way(runs, dtype, layout):
+    x, w, dy = problem(dtype)
+    refs = (ref_conv_forward(x, w, **KW), ref_conv_backward_data(dy, w, x.shape, **KW),
+            ref_conv_backward_filter(x, dy, w.shape, **KW))
+    last = (lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))) if layout == "NHWC" else (lambda a: a)
+    back = (lambda a: np.moveaxis(a, -1, 1)) if layout == "NHWC" else (lambda a: a)
+    with jax.enable_x64(dtype == "float64"):
+        # the results of a JAX computation, perhaps not finished when the call takes them (dispatch is async)
+        jx, jw, jdy = jax.jit(lambda *a: tuple(v + 0 for v in a))(*(jnp.asarray(last(a)) for a in (x, w, dy)))
+        got = (conv_forward(jx, jw, **KW, layout=layout),
+               conv_backward_data(jdy, jw, jx.shape, **KW, layout=layout),
+               conv_backward_filter(jx, jdy, jw.shape, **KW, layout=layout))
+    for result, ref, (a, b), (va, vb, vresult) in zip(got, refs, ((jx, jw), (jdy, jw), (jx, jdy)), runs):
+        assert isinstance(result, jax.Array) and result.dtype == jx.dtype
+        assert rel_err(back(np.asarray(result)), ref) <= TOL[dtype]
+        assert (pointer(va), pointer(vb)) == (pointer(a), pointer(b))  # the ops read JAX's own memory
+        assert pointer(vresult) == pointer(result)  # and JAX took the memory they wrote
+
+
+def test_results_go_back_to_jax_without_a_copy_whatever_their_size(runs):
+    """JAX takes host memory without a copy only on a 64-byte boundary, which NumPy's allocator does not
+    promise: the results the ops hand to JAX are allocated there."""
+    for batch in (1, 2, 3, 5, 7):
+        x, w, _ = problem("float32", seed=batch, batch=batch)
+        y = conv_forward(jnp.asarray(x), jnp.asarray(w), **KW)
+        assert pointer(runs[-1][2]) == pointer(y), batch
+        assert rel_err(y, ref_conv_forward(x, w, **KW)) <= TOL["float32"]
+
+
+@pytest.mark.parametrize("numpy_operands", [False, True])
+def test_a_jax_out_is_refused_because_jax_arrays_are_immutable(fresh_arena, numpy_operands):
+    x, w, _ = problem("float32")
+    out = jnp.zeros(ref_conv_forward(x, w, **KW).shape, jnp.float32)
+    before = fresh_arena.stats()
+    operands = (x, w) if numpy_operands else (jnp.asarray(x), jnp.asarray(w))
+    with pytest.raises(TypeError, match=r"out cannot be written in place: its DLPack export is read-only.*JAX"):
+        conv_forward(*operands, **KW, out=out)
+    assert not np.any(np.asarray(out)) and fresh_arena.stats() == before
+
+
+def test_jax_mixes_with_numpy_and_torch_and_the_first_operand_decides():
+    torch = pytest.importorskip("torch")
+    x, w, _ = problem("float32")
+    ref = ref_conv_forward(x, w, **KW)
+    y = conv_forward(jnp.asarray(x), w, **KW)
+    assert isinstance(y, jax.Array) and rel_err(y, ref) <= TOL["float32"]
+    y = conv_forward(x, jnp.asarray(w), **KW)
+    assert type(y) is np.ndarray and rel_err(y, ref) <= TOL["float32"]
+    y = conv_forward(torch.from_numpy(x), jnp.asarray(w), **KW)
+    assert isinstance(y, torch.Tensor) and rel_err(y.numpy(), ref) <= TOL["float32"]
+    out = np.zeros_like(ref, dtype=np.float32)  # a writable out of another library, JAX operands
+    assert conv_forward(jnp.asarray(x), jnp.asarray(w), **KW, out=out) is out
+    assert rel_err(out, ref) <= TOL["float32"]
+
+
+def test_transposed_and_sliced_jax_arrays_are_read_where_jax_keeps_them(runs):
+    """JAX makes a new dense array of a transpose or a slice; the ops read that array's memory."""
+    x, w, _ = problem("float32")
+    ref = ref_conv_forward(x, w, **KW)
+    nchw = jnp.transpose(jnp.asarray(np.ascontiguousarray(np.moveaxis(x, 1, -1))), (0, 3, 1, 2))  # x, NHWC memory
+    wide = jnp.asarray(np.repeat(x, 2, axis=-1))[..., ::2]  # x again, every other column of a wider array
+    for jx in (nchw, wide):
+        assert rel_err(conv_forward(jx, jnp.asarray(w), **KW), ref) <= TOL["float32"]
+        assert pointer(runs[-1][0]) == pointer(jx)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_jax_arrays_reach_the_backend_which_says_what_it_computes_in(fresh_arena, dtype):
+    x, w, _ = problem("float32")
+    before = fresh_arena.stats()
+    with pytest.raises(TypeError, match=f"x has dtype {dtype}: the cpu backend computes in float32 or float64"):
+        conv_forward(jnp.asarray(x, dtype), jnp.asarray(w, dtype), **KW)
+    assert fresh_arena.stats() == before
+
+
+def test_bfloat16_travels_through_dlpack_as_int16_without_a_copy():
+    """Neither NumPy nor CuPy imports or exports DLPack's bfloat16: it travels as int16, relabelled on the way,
+    both into the ops (a view of JAX's memory) and back to JAX (the memory the ops wrote)."""
+    values = np.linspace(-3, 3, 24, dtype=np.float32).reshape(2, 3, 4).astype(ml_dtypes.bfloat16)
+    source = jnp.asarray(values)
+    view = _interop._host_view(_interop._Operand("x", source))
+    assert view.dtype == ml_dtypes.bfloat16 and pointer(view) == pointer(source)
+    assert np.array_equal(view, values)
+    result = _interop._aligned_empty(values.shape, "int16").view(ml_dtypes.bfloat16)  # as the ops allocate it
+    result[...] = values
+    back = _interop._returned(source, result)
+    assert isinstance(back, jax.Array) and back.dtype == jnp.bfloat16 and pointer(back) == pointer(result)
+    assert np.array_equal(np.asarray(back), values)
