@@ -1,9 +1,12 @@
-"""``conv1d``, ``conv2d``, ``conv3d``: drop-ins for ``torch.nn.functional``'s, their three passes run by wsarena.
+"""``conv1d``, ``conv2d``, ``conv3d``, ``conv_transpose1d``, ``conv_transpose2d``, ``conv_transpose3d``: drop-ins for
+``torch.nn.functional``'s, their three passes run by wsarena.
 
 Each checks its arguments as wsarena's ops do (a clear ``ValueError``/``TypeError`` before anything runs), applies
 ``torch.autocast`` as PyTorch does for its convolutions, and runs :class:`ConvFunction`, whose forward,
 input-gradient and weight-gradient are wsarena's ``conv_forward``, ``conv_backward_data`` and
-``conv_backward_filter`` (as the custom operators of :mod:`wsarena.torch._ops`). The bias is added by PyTorch.
+``conv_backward_filter`` (as the custom operators of :mod:`wsarena.torch._ops`), or :class:`ConvTransposeFunction`,
+which runs the same three in other roles: a transposed convolution is a convolution's backward-data. The bias is
+added by PyTorch.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._geometry import conv_geometry
+from .._geometry import conv_geometry, conv_transpose_geometry
 from . import _ops
 
-__all__ = ["ConvFunction", "conv1d", "conv2d", "conv3d"]
+__all__ = [
+    "ConvFunction", "ConvTransposeFunction", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d",
+]
 
 
 class ConvFunction(torch.autograd.Function):
@@ -52,6 +58,39 @@ class ConvFunction(torch.autograd.Function):
         return dx, dw, None, None, None, None, None
 
 
+class ConvTransposeFunction(torch.autograd.Function):
+    """A transposed convolution without bias:
+    ``ConvTransposeFunction.apply(x, w, output_shape, stride, padding, dilation, groups, layout)``.
+
+    It is the input gradient of the convolution of an ``output_shape`` input by ``w`` (``output_shape`` logical,
+    channels first); its own input gradient is that convolution's forward, its weight gradient the convolution's
+    backward-filter with the gradient as the convolution's input and ``x`` as its output gradient. Arguments as
+    :class:`ConvFunction`'s. Differentiable once.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, w: Tensor, output_shape: list[int], stride: list[int], padding: list[int],
+        dilation: list[int], groups: int, layout: str,
+    ) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.conv = (stride, padding, dilation, groups, layout)
+        return torch.ops.wsarena.conv_backward_data(x, w, output_shape, stride, padding, dilation, groups, layout)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        stride, padding, dilation, groups, layout = ctx.conv
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.ops.wsarena.conv_forward(dy, w, stride, padding, dilation, groups, layout)
+        if ctx.needs_input_grad[1]:
+            dw = torch.ops.wsarena.conv_backward_filter(
+                dy, x, list(w.shape), stride, padding, dilation, groups, layout
+            )
+        return dx, dw, None, None, None, None, None, None
+
+
 def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The operands cast as ``torch.autocast`` casts a convolution's: floating types but float64 to its dtype."""
     device_type = x.device.type
@@ -65,8 +104,11 @@ def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor
     return cast(x), cast(w), None if bias is None else cast(bias)
 
 
-def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any, dilation: Any,
-          groups: int) -> Tensor:
+def _operands(
+    name: str, nd: int, x: Tensor, w: Tensor, bias: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None, bool]:
+    """``x``, ``w`` and ``bias`` checked and cast as ``torch.autocast`` casts them, ``x`` batched; and whether it
+    came unbatched."""
     if not isinstance(x, Tensor) or not isinstance(w, Tensor):
         raise TypeError(f"input and weight must be tensors, not {type(x).__name__} and {type(w).__name__}")
     unbatched = x.dim() == nd + 1  # (C, *spatial), as torch.nn.functional takes it
@@ -74,18 +116,40 @@ def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, paddi
         x = x.unsqueeze(0)
     if x.dim() != nd + 2 or w.dim() != nd + 2:
         raise ValueError(
-            f"conv{nd}d needs a {nd + 1}- or {nd + 2}-D input and a {nd + 2}-D weight, not {x.dim()}-D and {w.dim()}-D"
+            f"{name} needs a {nd + 1}- or {nd + 2}-D input and a {nd + 2}-D weight, not {x.dim()}-D and {w.dim()}-D"
         )
     x, w, bias = _autocast(x, w, bias)
-    geom = conv_geometry(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation, groups=groups)
     if x.dtype != w.dtype or (bias is not None and bias.dtype != x.dtype):
         raise TypeError(f"dtypes differ: input is {x.dtype}, weight is {w.dtype}"
                         + (f", bias is {bias.dtype}" if bias is not None else ""))
-    layout = _ops.layout_of(x, w)
-    y = ConvFunction.apply(x, w, list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups, layout)
+    return x, w, bias, unbatched
+
+
+def _finished(y: Tensor, bias: Tensor | None, nd: int, unbatched: bool) -> Tensor:
+    """``y`` with the bias added by PyTorch, unbatched again if the input was."""
     if bias is not None:
         y = y + bias.reshape(1, -1, *(1,) * nd)
     return y.squeeze(0) if unbatched else y
+
+
+def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any, dilation: Any,
+          groups: int) -> Tensor:
+    x, w, bias, unbatched = _operands(f"conv{nd}d", nd, x, w, bias)
+    geom = conv_geometry(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    layout = _ops.layout_of(x, w)
+    y = ConvFunction.apply(x, w, list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups, layout)
+    return _finished(y, bias, nd, unbatched)
+
+
+def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any,
+                    output_padding: Any, groups: int, dilation: Any) -> Tensor:
+    x, w, bias, unbatched = _operands(f"conv_transpose{nd}d", nd, x, w, bias)
+    geom = conv_transpose_geometry(x.shape, w.shape, stride=stride, padding=padding, output_padding=output_padding,
+                                   dilation=dilation, groups=groups)
+    layout = _ops.layout_of(x, w)
+    y = ConvTransposeFunction.apply(x, w, list(geom.input_shape), list(geom.stride), list(geom.padding),
+                                    list(geom.dilation), geom.groups, layout)
+    return _finished(y, bias, nd, unbatched)
 
 
 def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
@@ -107,3 +171,21 @@ def conv3d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: An
     """``torch.nn.functional.conv3d`` with wsarena's passes (``padding`` symmetric, an int, a tuple, ``"valid"``
     or ``"same"``)."""
     return _conv(3, input, weight, bias, stride, padding, dilation, groups)
+
+
+def conv_transpose1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+                     output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
+    """``torch.nn.functional.conv_transpose1d`` with wsarena's passes (``output_padding`` below ``stride``)."""
+    return _conv_transpose(1, input, weight, bias, stride, padding, output_padding, groups, dilation)
+
+
+def conv_transpose2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+                     output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
+    """``torch.nn.functional.conv_transpose2d`` with wsarena's passes (``output_padding`` below ``stride``)."""
+    return _conv_transpose(2, input, weight, bias, stride, padding, output_padding, groups, dilation)
+
+
+def conv_transpose3d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+                     output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
+    """``torch.nn.functional.conv_transpose3d`` with wsarena's passes (``output_padding`` below ``stride``)."""
+    return _conv_transpose(3, input, weight, bias, stride, padding, output_padding, groups, dilation)
