@@ -7,15 +7,22 @@ input-gradient and weight-gradient are wsarena's ``conv_forward``, ``conv_backwa
 ``conv_backward_filter`` (as the custom operators of :mod:`wsarena.torch._ops`), or :class:`ConvTransposeFunction`,
 which runs the same three in other roles: a transposed convolution is a convolution's backward-data. The bias is
 added by PyTorch.
+
+A warning from a forward pass names the user's line that called it; one from a backward pass names the forward
+call whose gradient it computes (:mod:`wsarena._callsite`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .. import _callsite
 from .._geometry import conv_geometry, conv_transpose_geometry
 from . import _ops
 
@@ -23,6 +30,11 @@ __all__ = [
     "ConvFunction", "ConvTransposeFunction", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
     "conv_transpose3d",
 ]
+
+# PyTorch's module call, autograd and custom-operator frames lie between a model's line and the op: a warning
+# passes over them to the user's line (fx's generated code is PyTorch's too, under torch.compile).
+_callsite.skip(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+_callsite.skip("<eval_with_key>")
 
 
 class ConvFunction(torch.autograd.Function):
@@ -40,6 +52,7 @@ class ConvFunction(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(x, w)
         ctx.conv = (stride, padding, dilation, groups, layout)
+        ctx.site = _site()
         return torch.ops.wsarena.conv_forward(x, w, stride, padding, dilation, groups, layout)
 
     @staticmethod
@@ -47,14 +60,15 @@ class ConvFunction(torch.autograd.Function):
         x, w = ctx.saved_tensors
         stride, padding, dilation, groups, layout = ctx.conv
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.ops.wsarena.conv_backward_data(
-                dy, w, list(x.shape), stride, padding, dilation, groups, layout
-            )
-        if ctx.needs_input_grad[1]:
-            dw = torch.ops.wsarena.conv_backward_filter(
-                x, dy, list(w.shape), stride, padding, dilation, groups, layout
-            )
+        with _reported_at(ctx.site):
+            if ctx.needs_input_grad[0]:
+                dx = torch.ops.wsarena.conv_backward_data(
+                    dy, w, list(x.shape), stride, padding, dilation, groups, layout
+                )
+            if ctx.needs_input_grad[1]:
+                dw = torch.ops.wsarena.conv_backward_filter(
+                    x, dy, list(w.shape), stride, padding, dilation, groups, layout
+                )
         return dx, dw, None, None, None, None, None
 
 
@@ -75,6 +89,7 @@ class ConvTransposeFunction(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(x, w)
         ctx.conv = (stride, padding, dilation, groups, layout)
+        ctx.site = _site()
         return torch.ops.wsarena.conv_backward_data(x, w, output_shape, stride, padding, dilation, groups, layout)
 
     @staticmethod
@@ -82,13 +97,26 @@ class ConvTransposeFunction(torch.autograd.Function):
         x, w = ctx.saved_tensors
         stride, padding, dilation, groups, layout = ctx.conv
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.ops.wsarena.conv_forward(dy, w, stride, padding, dilation, groups, layout)
-        if ctx.needs_input_grad[1]:
-            dw = torch.ops.wsarena.conv_backward_filter(
-                dy, x, list(w.shape), stride, padding, dilation, groups, layout
-            )
+        with _reported_at(ctx.site):
+            if ctx.needs_input_grad[0]:
+                dx = torch.ops.wsarena.conv_forward(dy, w, stride, padding, dilation, groups, layout)
+            if ctx.needs_input_grad[1]:
+                dw = torch.ops.wsarena.conv_backward_filter(
+                    dy, x, list(w.shape), stride, padding, dilation, groups, layout
+                )
         return dx, dw, None, None, None, None, None, None
+
+
+def _site() -> _callsite.Site | None:
+    """Where a forward was called, for the warnings of its backward passes (none while ``torch.compile`` traces
+    it: a compiled backward runs the operators without these functions, and a warning names the first line
+    outside PyTorch and wsarena)."""
+    return None if torch.compiler.is_compiling() else _callsite.caller()
+
+
+def _reported_at(site: _callsite.Site | None) -> AbstractContextManager[None]:
+    """:func:`wsarena._callsite.reported_at`, which ``torch.compile`` does not trace (it sets a context variable)."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else _callsite.reported_at(site)
 
 
 def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
