@@ -307,3 +307,23 @@ def test_cap_warnings_under_torch_compile_name_the_call_and_the_backward_call():
 
     assert _cap_warnings(run, ("fwd", "bwd_data", "bwd_filter")) == {(__file__, lines[0]), (__file__, lines[1])}
 
+
+def test_gradients_reach_the_ops_dense_in_the_layout_they_run_in(monkeypatch):
+    """An expanded ``sum()`` gradient, or an NCHW one beside channels-last operands, is made dense by PyTorch: a
+    copy by the ops would be in their array library's memory, which a captured CUDA graph does not keep."""
+    dense = []
+    for name in ("conv_forward", "conv_backward_data", "conv_backward_filter"):
+        real = getattr(ops, name)
+
+        def record(a, b, *args, _real=real, **kwargs):
+            dense.append(a.is_contiguous() and b.is_contiguous())  # (N, *spatial, C) views when channels-last
+            return _real(a, b, *args, **kwargs)
+
+        monkeypatch.setattr(ops, name, record)
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        x, w, b = (t.detach().to(memory_format=fmt).requires_grad_() if t.dim() == 4 else t
+                   for t in tensors((2, 4, 7, 7), (6, 4, 3, 3)))
+        wt.conv2d(x, w, b).sum().backward()
+        y = wt.conv_transpose2d(x, w.detach().transpose(0, 1).contiguous(memory_format=fmt).requires_grad_())
+        y.backward(torch.ones(y.shape[0], 1, 1, 1, dtype=y.dtype).expand(y.shape))
+    assert dense == [True] * 12
