@@ -216,3 +216,16 @@ def test_convert_refuses_a_transposed_convolution_it_cannot_run_and_changes_noth
     with pytest.raises(ValueError, match=r"nothing was converted: 1: output_padding=\(1, 1\) is not smaller"):
         wt.convert(model)
     assert all(type(m) is torch.nn.ConvTranspose2d for m in model)
+
+
+def test_torch_compile_takes_a_model_with_transposed_convolutions_in_one_graph():
+    torch.manual_seed(3)
+    model = EncoderDecoder().double()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(wt.convert(model), backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    y, ref = compiled(x), reference(x)
+    assert close(y, ref)
+    y.sum().backward()
+    ref.sum().backward()
+    assert all(close(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))

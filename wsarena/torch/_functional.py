@@ -175,8 +175,10 @@ def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: 
     geom = conv_transpose_geometry(x.shape, w.shape, stride=stride, padding=padding, output_padding=output_padding,
                                    dilation=dilation, groups=groups)
     layout = _ops.layout_of(x, w)
-    y = ConvTransposeFunction.apply(x, w, list(geom.input_shape), list(geom.stride), list(geom.padding),
-                                    list(geom.dilation), geom.groups, layout)
+    # the fields, not ConvGeometry's cached properties, whose lock torch.compile cannot trace on Python 3.11
+    output_shape = [geom.batch, geom.in_channels, *geom.input_size]
+    y = ConvTransposeFunction.apply(x, w, output_shape, list(geom.stride), list(geom.padding), list(geom.dilation),
+                                    geom.groups, layout)
     return _finished(y, bias, nd, unbatched)
 
 
