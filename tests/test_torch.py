@@ -8,6 +8,8 @@ autocast within 2e-2 (two bfloat16 roundings of a float32 sum: the inputs' and t
 """
 
 import copy
+import sys
+import threading
 
 import pytest
 
@@ -196,13 +198,17 @@ def test_convert_refuses_what_it_cannot_run_and_changes_nothing():
         wt.convert(lambda x: x)
 
 
-def test_convert_leaves_subclasses_and_transposed_convolutions_alone():
+def test_convert_leaves_subclasses_alone():
     class Custom(torch.nn.Conv2d):
         pass
 
-    model = torch.nn.Sequential(Custom(2, 2, 1), torch.nn.ConvTranspose2d(2, 2, 3), torch.nn.Conv1d(2, 2, 1))
+    class CustomTranspose(torch.nn.ConvTranspose2d):
+        pass
+
+    model = torch.nn.Sequential(Custom(2, 2, 1), CustomTranspose(2, 2, 3), torch.nn.ConvTranspose2d(2, 2, 3),
+                                torch.nn.Conv1d(2, 2, 1))
     wt.convert(model)
-    assert [type(m) for m in model] == [Custom, torch.nn.ConvTranspose2d, wt.Conv1d]
+    assert [type(m) for m in model] == [Custom, CustomTranspose, wt.ConvTranspose2d, wt.Conv1d]
 
 
 def test_a_converted_model_trains_under_the_cap():
@@ -241,3 +247,83 @@ def test_public_names_are_listed_sorted_and_resolve():
     assert all(getattr(wt, name) is not None for name in wt.__all__)
     public = {n for n, v in vars(wt).items() if not n.startswith("_") and type(v).__name__ != "module"} - {"annotations"}
     assert public <= set(wt.__all__)
+
+
+def _cap_warnings(run, passes=("fwd",)):
+    """The (file, line) of each cap warning ``run()`` gives under a cap of 0, checking that ``passes`` warned."""
+    wsarena.configure(cap_workspace=0)  # not config(): a thread of its own would not see it
+    with pytest.warns(wsarena.WorkspaceCapWarning) as warned:
+        run()
+    assert {str(w.message).split(" for ")[1].split(" of ")[0] for w in warned} == set(passes)
+    return {(w.filename, w.lineno) for w in warned}
+
+
+def _line(offset=0):
+    """The number of the line that calls this, plus ``offset``."""
+    return sys._getframe(1).f_lineno + offset
+
+
+@pytest.mark.parametrize("module", [lambda: wt.Conv2d(4, 6, 3), lambda: wt.ConvTranspose2d(4, 6, 3, stride=2)])
+@pytest.mark.parametrize("thread", [False, True])
+def test_cap_warnings_through_a_module_name_the_module_call_for_all_three_passes(module, thread):
+    """Forward warns at the module call; backward passes too (the forward whose gradient they compute), also where
+    the backward runs on a thread whose stack holds no line of the caller's, as PyTorch's CUDA autograd thread."""
+    conv = module()
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+
+    def run():
+        nonlocal where
+        where = _line(1)
+        y = conv(x)
+        if thread:
+            backward = threading.Thread(target=y.sum().backward)  # PyTorch's and threading's frames only
+            backward.start()
+            backward.join()
+        else:
+            y.sum().backward()
+
+    where = None
+    sites = _cap_warnings(run, ("fwd", "bwd_data", "bwd_filter"))
+    assert sites == {(__file__, where)}
+    assert x.grad is not None
+
+
+def test_cap_warnings_of_torch_tensors_through_the_ops_name_the_calling_line():
+    x, w, _ = (t.detach() for t in tensors((2, 4, 8, 8), (6, 4, 3, 3)))
+    assert _cap_warnings(lambda: ops.conv_forward(x, w)) == {(__file__, _line())}
+
+
+def test_cap_warnings_under_torch_compile_name_the_call_and_the_backward_call():
+    """A compiled backward runs the operators without wsarena.torch's functions: its warnings name backward()."""
+    compiled = torch.compile(wt.Conv2d(4, 6, 3), backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    lines = []
+
+    def run():
+        lines.append(_line(1))
+        y = compiled(x)
+        lines.append(_line(1))
+        y.sum().backward()
+
+    assert _cap_warnings(run, ("fwd", "bwd_data", "bwd_filter")) == {(__file__, lines[0]), (__file__, lines[1])}
+
+
+def test_gradients_reach_the_ops_dense_in_the_layout_they_run_in(monkeypatch):
+    """An expanded ``sum()`` gradient, or an NCHW one beside channels-last operands, is made dense by PyTorch: a
+    copy by the ops would be in their array library's memory, which a captured CUDA graph does not keep."""
+    dense = []
+    for name in ("conv_forward", "conv_backward_data", "conv_backward_filter"):
+        real = getattr(ops, name)
+
+        def record(a, b, *args, _real=real, **kwargs):
+            dense.append(a.is_contiguous() and b.is_contiguous())  # (N, *spatial, C) views when channels-last
+            return _real(a, b, *args, **kwargs)
+
+        monkeypatch.setattr(ops, name, record)
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        x, w, b = (t.detach().to(memory_format=fmt).requires_grad_() if t.dim() == 4 else t
+                   for t in tensors((2, 4, 7, 7), (6, 4, 3, 3)))
+        wt.conv2d(x, w, b).sum().backward()
+        y = wt.conv_transpose2d(x, w.detach().transpose(0, 1).contiguous(memory_format=fmt).requires_grad_())
+        y.backward(torch.ones(y.shape[0], 1, 1, 1, dtype=y.dtype).expand(y.shape))
+    assert dense == [True] * 12

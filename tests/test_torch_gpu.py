@@ -1,5 +1,6 @@
-"""GPU only: PyTorch CUDA tensors through the ops and wsarena.torch, PyTorch's stream and allocator, CUDA array
-interface operands, and RAPIDS RMM under CuPy's allocator.
+"""GPU only: PyTorch CUDA tensors through the ops and wsarena.torch (transposed convolutions too), PyTorch's stream
+and allocator, a step captured by torch.cuda.graph, CUDA array interface operands, and RAPIDS RMM under CuPy's
+allocator.
 
 Tolerances, relative to the largest magnitude: against the float64 direct convolution of the inputs rounded to the
 tested dtype, float32 1e-5 (cuDNN in full float32: no TF32), float16 2e-2 and bfloat16 5e-2 (as
@@ -139,6 +140,27 @@ def test_functions_match_torchs_convolution_and_gradients(dtype, channels_last):
         assert rel(got, expected) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_transposed_functions_match_torchs_and_gradients(dtype, channels_last):
+    import wsarena.torch as wt
+
+    g = torch.Generator().manual_seed(1)
+    x, w, b = (torch.randn(shape, generator=g).to("cuda", getattr(torch, dtype))
+               for shape in ((2, 4, 9, 9), (4, 3, 3, 3), (6,)))  # weight (C_in, C_out/groups, *kernel)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    kw = {"stride": 2, "padding": 1, "output_padding": 1, "groups": 2, "dilation": 1}
+    y, ref = wt.conv_transpose2d(x, w, b, **kw), F.conv_transpose2d(x, w, b, **kw)
+    assert y.shape == ref.shape == (2, 6, 18, 18) and y.dtype == ref.dtype and rel(y, ref) <= TOL[dtype]
+    if channels_last:
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    dy = torch.randn_like(ref)
+    for got, expected in zip(torch.autograd.grad(y, (x, w, b), dy), torch.autograd.grad(ref, (x, w, b), dy)):
+        assert rel(got, expected) <= TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_autocast_on_cuda_gives_torchs_dtype(dtype):
     import wsarena.torch as wt
@@ -213,3 +235,48 @@ def test_rmm_under_cupys_allocator_serves_the_arena():
     finally:
         cupy.cuda.set_allocator(previous)
         rmm.mr.set_current_device_resource(upstream)
+
+
+def test_a_step_captured_by_torch_cuda_graph_replays_equal_to_the_eager_step():
+    """Forward and backward of a converted model captured with ``torch.cuda.graph``, replayed on new inputs, give
+    the eager step's loss and gradients (float32, within 1e-4 of the largest: some backward-filter algorithms sum
+    in a nondeterministic order).
+
+    Streams: inside ``torch.cuda.graph(graph, stream=side)`` PyTorch's current stream is ``side``, so wsarena's ops
+    (PyTorch operands, ``stream=None``) run on it, and so do the backward passes, which autograd runs, on its own
+    thread, on the stream of their forward. A capture uses the workspace the stream's sub-arena already holds, so
+    the eager steps run on ``side`` first: on ``torch.cuda.graph``'s own default stream the sub-arena would hold
+    nothing, and growing it is a CaptureError. The eager steps also choose every algorithm and make the cuDNN
+    handles of both threads, which a capture cannot. Replays run on ``side``, whose workspace they share.
+    """
+    import wsarena.torch as wt
+
+    torch.manual_seed(2)
+    model = wt.convert(small_resnet()).cuda()
+    target = torch.arange(4, device="cuda") % 5
+    inputs = [torch.randn(4, 3, 32, 32, device="cuda") for _ in range(3)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = [step(model, x, target) for x in inputs]  # also the warm-up
+    arena = get_arena(inputs[0].device.index)
+    allocations = arena.stats().allocations
+    static_x = inputs[0].clone()
+    model.zero_grad(set_to_none=True)  # the capture allocates the gradients from the graph's pool
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        static_loss = F.cross_entropy(model(static_x).float(), target)
+        static_loss.backward()
+    held = arena.stats()
+    assert held.allocations == allocations and held.streams[side.cuda_stream].pinned_bytes > 0
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for i in (2, 0, 1, 2):
+        with torch.cuda.stream(side):
+            static_x.copy_(inputs[i])
+            graph.replay()
+        side.synchronize()
+        loss, ref_grads = eager[i]
+        assert rel(static_loss, loss) <= 1e-4
+        scale = max(float(g.abs().max()) for g in ref_grads.values())
+        assert all(float((grads[k] - ref_grads[k]).abs().max()) <= 1e-4 * scale for k in ref_grads), i
+    del graph

@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 from ._pass import Pass
 
 __all__ = [
-    "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "describe_geometry", "output_size",
+    "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "conv_transpose_geometry",
+    "describe_geometry", "output_size",
 ]
 
 LAYOUTS = ("NCHW", "NHWC")
@@ -315,4 +316,57 @@ def conv_geometry(
         dilation=dilation_t,
         layout=layout,
         dtype=str(dtype),
+    )
+
+
+def conv_transpose_geometry(
+    input_shape: Sequence[int],
+    weight_shape: Sequence[int],
+    *,
+    stride: Any = 1,
+    padding: Any = 0,
+    output_padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+    dtype: Any = "float32",
+) -> ConvGeometry:
+    """Check a transposed convolution's shapes and parameters (channels first, as PyTorch's ``conv_transpose2d``
+    takes them) and return the geometry of the convolution whose input gradient it is.
+
+    The transposed convolution of ``x`` ``(N, C_in, *size)`` by ``w`` ``(C_in, C_out/groups, *kernel)`` is that
+    convolution's backward-data: its input ``(N, C_out, *out)`` is the transposed convolution's output, its output
+    is ``x``, its weight is ``w``, where ``out = (size - 1) * stride - 2 * padding + dilation * (kernel - 1) +
+    output_padding + 1``. ``output_padding`` must be below ``stride`` in every dimension: more would give the
+    convolution more outputs than ``x`` has (PyTorch also takes ``output_padding`` below ``dilation``).
+
+    Raises ``ValueError`` or ``TypeError`` naming the offending argument and its value.
+    """
+    input_shape = tuple(_positive_or_zero("input_shape", d) for d in input_shape)
+    weight_shape = tuple(_positive_or_zero("weight_shape", d) for d in weight_shape)
+    if len(input_shape) not in (3, 4, 5) or len(weight_shape) != len(input_shape):
+        raise ValueError(f"input_shape={input_shape} and weight_shape={weight_shape} must both have 3, 4 or 5 "
+                         "dimensions (1-, 2- or 3-D transposed convolution)")
+    nd = len(input_shape) - 2
+    channels, kernel = input_shape[1], weight_shape[2:]
+    if channels != weight_shape[0]:
+        raise ValueError(f"input_shape={input_shape} has {channels} channels; weight_shape={weight_shape} takes "
+                         f"{weight_shape[0]}")
+    groups = _int("groups", groups)
+    if groups < 1 or channels % groups:
+        raise ValueError(f"groups={groups} must be >= 1 and divide the input channels ({channels})")
+    stride_t = _per_dim("stride", stride, nd, minimum=1)
+    padding_t = _per_dim("padding", padding, nd, minimum=0)
+    extra = _per_dim("output_padding", output_padding, nd, minimum=0)
+    dilation_t = _per_dim("dilation", dilation, nd, minimum=1)
+    if any(e >= s for e, s in zip(extra, stride_t)):
+        raise ValueError(f"output_padding={extra} must be smaller than stride={stride_t} in every dimension")
+    out = tuple(
+        (i - 1) * s - 2 * p + d * (k - 1) + e + 1
+        for i, k, s, p, d, e in zip(input_shape[2:], kernel, stride_t, padding_t, dilation_t, extra)
+    )
+    if any(o < 1 for o in out):
+        raise ValueError(f"padding={padding_t} leaves an output of size {out} for input_shape={input_shape}")
+    return conv_geometry(
+        (input_shape[0], weight_shape[1] * groups, *out), weight_shape, stride=stride_t, padding=padding_t,
+        dilation=dilation_t, groups=groups, dtype=dtype,
     )

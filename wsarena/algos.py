@@ -12,13 +12,10 @@ so changing the cap never serves a choice made under another one. Exhaustive res
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import _forksafe, searchcache
+from . import _callsite, _forksafe, searchcache
 from ._geometry import ConvGeometry, describe_geometry
 from ._pass import Pass
 from ._sizes import format_size
@@ -104,28 +101,13 @@ def choose(
             first = key not in _warned
             _warned.add(key)
         if first:
-            warnings.warn(
+            _callsite.warn(  # at the user's line: the op's caller, or the module call through wsarena.torch
                 f"workspace cap {format_size(cap or 0)} excludes {excluded.algo} "
                 f"({format_size(excluded.workspace_bytes)}) for {pass_} of {describe_geometry(geom)}; "
                 f"using {best[0].algo} ({format_size(best[0].workspace_bytes)})",
                 WorkspaceCapWarning,
-                stacklevel=_outside_wsarena(),
             )
     return best
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _outside_wsarena() -> int:
-    """The ``stacklevel`` that makes a warning from the calling function name the first line outside wsarena (the
-    op's caller, however many of wsarena's frames lie between)."""
-    frame = sys._getframe(1)
-    level = 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame = frame.f_back
-        level += 1
-    return level
 
 
 def _rank(

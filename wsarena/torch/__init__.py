@@ -4,18 +4,21 @@
 
     import wsarena, wsarena.torch
 
-    wsarena.torch.convert(model)                 # its nn.Conv1d/2d/3d now run through wsarena, in place
+    wsarena.torch.convert(model)                 # its nn.Conv1d/2d/3d, ConvTranspose1d/2d/3d: through wsarena
     wsarena.configure(cap_workspace="64MiB")     # no convolution call takes more workspace than this
     loss = loss_fn(model(x), target); loss.backward(); optimizer.step()
 
-:func:`conv1d`, :func:`conv2d`, :func:`conv3d` are drop-ins for ``torch.nn.functional``'s; :class:`Conv1d`,
-:class:`Conv2d`, :class:`Conv3d` for ``torch.nn``'s modules; :func:`convert` swaps a model's convolutions in place.
-Forward, input-gradient and weight-gradient are wsarena's three ops, registered as PyTorch custom operators
-(``torch.ops.wsarena.conv_forward``, ``conv_backward_data``, ``conv_backward_filter``) so that ``torch.compile``
-takes them whole. Stride, padding (symmetric, ``"valid"``, ``"same"``), dilation and groups are supported;
-channels-last tensors run as NHWC and give channels-last results; under ``torch.autocast`` the operands are cast
-as PyTorch casts its own convolution's. CUDA tensors run on PyTorch's current stream; the device's arena takes its
-memory from PyTorch's caching allocator unless it was made before with another (the setting ``allocator``).
+:func:`conv1d`, :func:`conv2d`, :func:`conv3d` and :func:`conv_transpose1d` (2-D, 3-D) are drop-ins for
+``torch.nn.functional``'s; :class:`Conv1d`, :class:`Conv2d`, :class:`Conv3d` and :class:`ConvTranspose1d` (2-D, 3-D)
+for ``torch.nn``'s modules; :func:`convert` swaps a model's convolutions in place. Forward, input-gradient and
+weight-gradient are wsarena's three ops, registered as PyTorch custom operators (``torch.ops.wsarena.conv_forward``,
+``conv_backward_data``, ``conv_backward_filter``) so that ``torch.compile`` takes them whole; a transposed
+convolution runs the same three in other roles (its forward is a convolution's backward-data). Stride, padding
+(symmetric, ``"valid"``, ``"same"``), dilation, groups and a transposed convolution's ``output_padding`` below its
+stride are supported; channels-last tensors run as NHWC and give channels-last results; under ``torch.autocast``
+the operands are cast as PyTorch casts its own convolution's. CUDA tensors run on PyTorch's current stream; the
+device's arena takes its memory from PyTorch's caching allocator unless it was made before with another (the
+setting ``allocator``).
 
 Needs PyTorch (``pip install "wsarena[torch]"``); ``import wsarena`` alone never imports it.
 """
@@ -27,7 +30,32 @@ try:
 except ImportError as exc:  # pragma: no cover - the test environment has PyTorch
     raise ImportError('wsarena.torch needs PyTorch: pip install "wsarena[torch]"') from exc
 
-from ._functional import ConvFunction, conv1d, conv2d, conv3d
-from ._modules import Conv1d, Conv2d, Conv3d, convert
+from ._functional import (
+    ConvFunction,
+    ConvTransposeFunction,
+    conv1d,
+    conv2d,
+    conv3d,
+    conv_transpose1d,
+    conv_transpose2d,
+    conv_transpose3d,
+)
+from ._modules import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, convert
 
-__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvFunction", "conv1d", "conv2d", "conv3d", "convert"]
+__all__ = [
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ConvFunction",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+    "ConvTransposeFunction",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "convert",
+]

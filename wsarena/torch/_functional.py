@@ -1,22 +1,40 @@
-"""``conv1d``, ``conv2d``, ``conv3d``: drop-ins for ``torch.nn.functional``'s, their three passes run by wsarena.
+"""``conv1d``, ``conv2d``, ``conv3d``, ``conv_transpose1d``, ``conv_transpose2d``, ``conv_transpose3d``: drop-ins for
+``torch.nn.functional``'s, their three passes run by wsarena.
 
 Each checks its arguments as wsarena's ops do (a clear ``ValueError``/``TypeError`` before anything runs), applies
 ``torch.autocast`` as PyTorch does for its convolutions, and runs :class:`ConvFunction`, whose forward,
 input-gradient and weight-gradient are wsarena's ``conv_forward``, ``conv_backward_data`` and
-``conv_backward_filter`` (as the custom operators of :mod:`wsarena.torch._ops`). The bias is added by PyTorch.
+``conv_backward_filter`` (as the custom operators of :mod:`wsarena.torch._ops`), or :class:`ConvTransposeFunction`,
+which runs the same three in other roles: a transposed convolution is a convolution's backward-data. The bias is
+added by PyTorch.
+
+A warning from a forward pass names the user's line that called it; one from a backward pass names the forward
+call whose gradient it computes (:mod:`wsarena._callsite`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .._geometry import conv_geometry
+from .. import _callsite
+from .._geometry import conv_geometry, conv_transpose_geometry
 from . import _ops
 
-__all__ = ["ConvFunction", "conv1d", "conv2d", "conv3d"]
+__all__ = [
+    "ConvFunction", "ConvTransposeFunction", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d",
+]
+
+# PyTorch's module call, autograd and custom-operator frames lie between a model's line and the op: a warning
+# passes over them to the user's line (fx's generated code is PyTorch's too, under torch.compile).
+_callsite.skip(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+_callsite.skip("<eval_with_key>")
 
 
 class ConvFunction(torch.autograd.Function):
@@ -34,6 +52,7 @@ class ConvFunction(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(x, w)
         ctx.conv = (stride, padding, dilation, groups, layout)
+        ctx.site = _site()
         return torch.ops.wsarena.conv_forward(x, w, stride, padding, dilation, groups, layout)
 
     @staticmethod
@@ -41,15 +60,63 @@ class ConvFunction(torch.autograd.Function):
         x, w = ctx.saved_tensors
         stride, padding, dilation, groups, layout = ctx.conv
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.ops.wsarena.conv_backward_data(
-                dy, w, list(x.shape), stride, padding, dilation, groups, layout
-            )
-        if ctx.needs_input_grad[1]:
-            dw = torch.ops.wsarena.conv_backward_filter(
-                x, dy, list(w.shape), stride, padding, dilation, groups, layout
-            )
+        with _reported_at(ctx.site):
+            if ctx.needs_input_grad[0]:
+                dx = torch.ops.wsarena.conv_backward_data(
+                    dy, w, list(x.shape), stride, padding, dilation, groups, layout
+                )
+            if ctx.needs_input_grad[1]:
+                dw = torch.ops.wsarena.conv_backward_filter(
+                    x, dy, list(w.shape), stride, padding, dilation, groups, layout
+                )
         return dx, dw, None, None, None, None, None
+
+
+class ConvTransposeFunction(torch.autograd.Function):
+    """A transposed convolution without bias:
+    ``ConvTransposeFunction.apply(x, w, output_shape, stride, padding, dilation, groups, layout)``.
+
+    It is the input gradient of the convolution of an ``output_shape`` input by ``w`` (``output_shape`` logical,
+    channels first); its own input gradient is that convolution's forward, its weight gradient the convolution's
+    backward-filter with the gradient as the convolution's input and ``x`` as its output gradient. Arguments as
+    :class:`ConvFunction`'s. Differentiable once.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, w: Tensor, output_shape: list[int], stride: list[int], padding: list[int],
+        dilation: list[int], groups: int, layout: str,
+    ) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.conv = (stride, padding, dilation, groups, layout)
+        ctx.site = _site()
+        return torch.ops.wsarena.conv_backward_data(x, w, output_shape, stride, padding, dilation, groups, layout)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        stride, padding, dilation, groups, layout = ctx.conv
+        dx = dw = None
+        with _reported_at(ctx.site):
+            if ctx.needs_input_grad[0]:
+                dx = torch.ops.wsarena.conv_forward(dy, w, stride, padding, dilation, groups, layout)
+            if ctx.needs_input_grad[1]:
+                dw = torch.ops.wsarena.conv_backward_filter(
+                    dy, x, list(w.shape), stride, padding, dilation, groups, layout
+                )
+        return dx, dw, None, None, None, None, None, None
+
+
+def _site() -> _callsite.Site | None:
+    """Where a forward was called, for the warnings of its backward passes (none while ``torch.compile`` traces
+    it: a compiled backward runs the operators without these functions, and a warning names the first line
+    outside PyTorch and wsarena)."""
+    return None if torch.compiler.is_compiling() else _callsite.caller()
+
+
+def _reported_at(site: _callsite.Site | None) -> AbstractContextManager[None]:
+    """:func:`wsarena._callsite.reported_at`, which ``torch.compile`` does not trace (it sets a context variable)."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else _callsite.reported_at(site)
 
 
 def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -65,8 +132,11 @@ def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor
     return cast(x), cast(w), None if bias is None else cast(bias)
 
 
-def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any, dilation: Any,
-          groups: int) -> Tensor:
+def _operands(
+    name: str, nd: int, x: Tensor, w: Tensor, bias: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None, bool]:
+    """``x``, ``w`` and ``bias`` checked and cast as ``torch.autocast`` casts them, ``x`` batched; and whether it
+    came unbatched."""
     if not isinstance(x, Tensor) or not isinstance(w, Tensor):
         raise TypeError(f"input and weight must be tensors, not {type(x).__name__} and {type(w).__name__}")
     unbatched = x.dim() == nd + 1  # (C, *spatial), as torch.nn.functional takes it
@@ -74,18 +144,42 @@ def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, paddi
         x = x.unsqueeze(0)
     if x.dim() != nd + 2 or w.dim() != nd + 2:
         raise ValueError(
-            f"conv{nd}d needs a {nd + 1}- or {nd + 2}-D input and a {nd + 2}-D weight, not {x.dim()}-D and {w.dim()}-D"
+            f"{name} needs a {nd + 1}- or {nd + 2}-D input and a {nd + 2}-D weight, not {x.dim()}-D and {w.dim()}-D"
         )
     x, w, bias = _autocast(x, w, bias)
-    geom = conv_geometry(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation, groups=groups)
     if x.dtype != w.dtype or (bias is not None and bias.dtype != x.dtype):
         raise TypeError(f"dtypes differ: input is {x.dtype}, weight is {w.dtype}"
                         + (f", bias is {bias.dtype}" if bias is not None else ""))
-    layout = _ops.layout_of(x, w)
-    y = ConvFunction.apply(x, w, list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups, layout)
+    return x, w, bias, unbatched
+
+
+def _finished(y: Tensor, bias: Tensor | None, nd: int, unbatched: bool) -> Tensor:
+    """``y`` with the bias added by PyTorch, unbatched again if the input was."""
     if bias is not None:
         y = y + bias.reshape(1, -1, *(1,) * nd)
     return y.squeeze(0) if unbatched else y
+
+
+def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any, dilation: Any,
+          groups: int) -> Tensor:
+    x, w, bias, unbatched = _operands(f"conv{nd}d", nd, x, w, bias)
+    geom = conv_geometry(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    layout = _ops.layout_of(x, w)
+    y = ConvFunction.apply(x, w, list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups, layout)
+    return _finished(y, bias, nd, unbatched)
+
+
+def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any,
+                    output_padding: Any, groups: int, dilation: Any) -> Tensor:
+    x, w, bias, unbatched = _operands(f"conv_transpose{nd}d", nd, x, w, bias)
+    geom = conv_transpose_geometry(x.shape, w.shape, stride=stride, padding=padding, output_padding=output_padding,
+                                   dilation=dilation, groups=groups)
+    layout = _ops.layout_of(x, w)
+    # the fields, not ConvGeometry's cached properties, whose lock torch.compile cannot trace on Python 3.11
+    output_shape = [geom.batch, geom.in_channels, *geom.input_size]
+    y = ConvTransposeFunction.apply(x, w, output_shape, list(geom.stride), list(geom.padding), list(geom.dilation),
+                                    geom.groups, layout)
+    return _finished(y, bias, nd, unbatched)
 
 
 def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
@@ -107,3 +201,21 @@ def conv3d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: An
     """``torch.nn.functional.conv3d`` with wsarena's passes (``padding`` symmetric, an int, a tuple, ``"valid"``
     or ``"same"``)."""
     return _conv(3, input, weight, bias, stride, padding, dilation, groups)
+
+
+def conv_transpose1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+                     output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
+    """``torch.nn.functional.conv_transpose1d`` with wsarena's passes (``output_padding`` below ``stride``)."""
+    return _conv_transpose(1, input, weight, bias, stride, padding, output_padding, groups, dilation)
+
+
+def conv_transpose2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+                     output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
+    """``torch.nn.functional.conv_transpose2d`` with wsarena's passes (``output_padding`` below ``stride``)."""
+    return _conv_transpose(2, input, weight, bias, stride, padding, output_padding, groups, dilation)
+
+
+def conv_transpose3d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+                     output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
+    """``torch.nn.functional.conv_transpose3d`` with wsarena's passes (``output_padding`` below ``stride``)."""
+    return _conv_transpose(3, input, weight, bias, stride, padding, output_padding, groups, dilation)

@@ -1,9 +1,12 @@
-"""``Conv1d``, ``Conv2d``, ``Conv3d`` modules and :func:`convert`, which swaps a model's convolutions in place.
+"""``Conv1d``, ``Conv2d``, ``Conv3d``, ``ConvTranspose1d``, ``ConvTranspose2d``, ``ConvTranspose3d`` modules and
+:func:`convert`, which swaps a model's convolutions in place.
 
-The modules are ``torch.nn.Conv1d/2d/3d`` with the same constructor, parameters and ``state_dict``; only the
-convolution itself runs through :mod:`wsarena.torch`'s functions. ``padding_mode="zeros"`` only: the others pad
-the input on their own, and are refused with a ``ValueError``, as is ``padding="same"`` where it would need
-asymmetric padding (an even kernel), which wsarena's convolutions do not take.
+The modules are ``torch.nn``'s with the same constructor, parameters and ``state_dict``; only the convolution itself
+runs through :mod:`wsarena.torch`'s functions. ``padding_mode="zeros"`` only: the others pad the input on their
+own, and are refused with a ``ValueError``, as is ``padding="same"`` where it would need asymmetric padding (an even
+kernel), which wsarena's convolutions do not take, and a transposed convolution's ``output_padding`` as large as its
+stride (PyTorch takes it below the dilation too; wsarena runs a transposed convolution as a convolution's
+backward-data, which has no such output).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from torch import Tensor, nn
 
 from . import _functional
 
-__all__ = ["Conv1d", "Conv2d", "Conv3d", "convert"]
+__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "convert"]
 
 
 def unsupported(module: nn.Module) -> str | None:
@@ -28,18 +31,32 @@ def unsupported(module: nn.Module) -> str | None:
         if any(d * (k - 1) % 2 for k, d in zip(kernel, dilation)):
             return (f"padding='same' with kernel_size={tuple(kernel)} and dilation={tuple(dilation)} needs "
                     "asymmetric padding, which wsarena's convolutions do not take")
+    if getattr(module, "transposed", False):
+        output_padding: Any = getattr(module, "output_padding", ())
+        stride: Any = getattr(module, "stride", ())
+        if any(e >= s for e, s in zip(output_padding, stride)):
+            return (f"output_padding={tuple(output_padding)} is not smaller than stride={tuple(stride)}, which "
+                    "wsarena's transposed convolutions need")
     return None
 
 
-class _WsarenaConv(nn.Module):
-    """What the three modules add to PyTorch's: the convolution through wsarena."""
+class _Checked(nn.Module):
+    """What the modules share: a check, when made and when run, that wsarena can run the convolution."""
 
     _nd: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._check()
 
     def _check(self) -> None:
         reason = unsupported(self)
         if reason is not None:
             raise ValueError(f"{type(self).__name__}: {reason}")
+
+
+class _WsarenaConv(_Checked):
+    """What the three convolution modules add to PyTorch's: the convolution through wsarena."""
 
     def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         self._check()  # padding_mode is a plain attribute: it may have changed since construction
@@ -47,14 +64,24 @@ class _WsarenaConv(nn.Module):
         return conv(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)  # type: ignore[arg-type]
 
 
+class _WsarenaConvTranspose(_Checked):
+    """What the three transposed modules add to PyTorch's: their ``forward`` through wsarena."""
+
+    def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
+        self._check()
+        # PyTorch's own reading of output_size (a size within one stride of the smallest) as output padding
+        output_padding = self._output_padding(  # type: ignore[operator]
+            input, output_size, self.stride, self.padding, self.kernel_size, self._nd, self.dilation
+        )
+        conv = (_functional.conv_transpose1d, _functional.conv_transpose2d, _functional.conv_transpose3d)[self._nd - 1]
+        args: Any = (self.weight, self.bias, self.stride, self.padding, output_padding, self.groups, self.dilation)
+        return conv(input, *args)
+
+
 class Conv1d(_WsarenaConv, nn.Conv1d):
     """``torch.nn.Conv1d`` (same arguments, parameters and ``state_dict``), run by wsarena."""
 
     _nd = 1
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._check()
 
 
 class Conv2d(_WsarenaConv, nn.Conv2d):
@@ -62,31 +89,44 @@ class Conv2d(_WsarenaConv, nn.Conv2d):
 
     _nd = 2
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._check()
-
 
 class Conv3d(_WsarenaConv, nn.Conv3d):
     """``torch.nn.Conv3d`` (same arguments, parameters and ``state_dict``), run by wsarena."""
 
     _nd = 3
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._check()
+
+class ConvTranspose1d(_WsarenaConvTranspose, nn.ConvTranspose1d):
+    """``torch.nn.ConvTranspose1d`` (same arguments, parameters and ``state_dict``), run by wsarena."""
+
+    _nd = 1
 
 
-_SWAPS: dict[type[nn.Module], type[nn.Module]] = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d}
+class ConvTranspose2d(_WsarenaConvTranspose, nn.ConvTranspose2d):
+    """``torch.nn.ConvTranspose2d`` (same arguments, parameters and ``state_dict``), run by wsarena."""
+
+    _nd = 2
+
+
+class ConvTranspose3d(_WsarenaConvTranspose, nn.ConvTranspose3d):
+    """``torch.nn.ConvTranspose3d`` (same arguments, parameters and ``state_dict``), run by wsarena."""
+
+    _nd = 3
+
+
+_SWAPS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d,
+    nn.ConvTranspose1d: ConvTranspose1d, nn.ConvTranspose2d: ConvTranspose2d, nn.ConvTranspose3d: ConvTranspose3d,
+}
 
 
 def convert(model: nn.Module) -> nn.Module:
-    """Make every ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d`` of ``model`` run through wsarena, in place.
+    """Make every ``nn.Conv1d/2d/3d`` and ``nn.ConvTranspose1d/2d/3d`` of ``model`` run through wsarena, in place.
 
-    Each such module (``model`` itself included) becomes the matching :class:`Conv2d` (or 1-D, 3-D) in place: the
-    same object, with the same parameters, buffers, hooks and ``state_dict``, so that an optimizer made before
-    still trains it. Subclasses of those modules (with a ``forward`` of their own, or parametrized weights) and
-    transposed convolutions are left as they are.
+    Each such module (``model`` itself included) becomes the matching :class:`Conv2d` (or 1-D, 3-D, or
+    :class:`ConvTranspose2d` and kin) in place: the same object, with the same parameters, buffers, hooks and
+    ``state_dict``, so that an optimizer made before still trains it. Subclasses of those modules (with a
+    ``forward`` of their own, or parametrized weights) and lazy modules are left as they are.
 
     Returns
     -------
@@ -96,8 +136,8 @@ def convert(model: nn.Module) -> nn.Module:
     Raises
     ------
     ValueError
-        A convolution wsarena cannot run (``padding_mode`` other than ``"zeros"``, or ``padding="same"`` that
-        needs asymmetric padding), naming each; nothing is changed then.
+        A convolution wsarena cannot run (``padding_mode`` other than ``"zeros"``, ``padding="same"`` that needs
+        asymmetric padding, ``output_padding`` not below the stride), naming each; nothing is changed then.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")

@@ -3,7 +3,10 @@
 Registered with ``torch.library.custom_op``, with fake implementations that give the output's shape, dtype and
 memory format, so that ``torch.compile`` traces them as single operators instead of looking inside. Each runs
 through the public ops (:func:`wsarena.conv_forward` and the two gradients) on the tensors themselves, which
-the ops view as NumPy or CuPy arrays without a copy; the result is written into a tensor PyTorch allocated.
+the ops view as NumPy or CuPy arrays without a copy; the result is written into a tensor PyTorch allocated. An
+operand that is not dense in the call's layout (a gradient PyTorch hands over strided) is made dense by PyTorch
+first, so that all the memory a call touches is PyTorch's or the arena's: what ``torch.cuda.graph`` keeps for its
+replays.
 
 Layout: ``"NHWC"`` runs a channels-last tensor (``torch.channels_last``, ``torch.channels_last_3d``) as the
 ops' channels-last layout, on its own memory; its results are channels-last tensors, as PyTorch's are.
@@ -52,25 +55,33 @@ def _order(shape: Sequence[int], layout: str) -> list[int]:
     return shape if layout == "NCHW" else [shape[0], *shape[2:], shape[1]]
 
 
-def _empty(shape: Sequence[int], like: Tensor, layout: str) -> Tensor:
+def _memory_format(ndim: int, layout: str) -> torch.memory_format:
     if layout == "NCHW":
-        memory_format = torch.contiguous_format
-    else:
-        memory_format = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        return torch.contiguous_format
+    return torch.channels_last if ndim == 4 else torch.channels_last_3d
+
+
+def _empty(shape: Sequence[int], like: Tensor, layout: str) -> Tensor:
+    memory_format = _memory_format(len(shape), layout)
     return torch.empty(list(shape), dtype=like.dtype, device=like.device, memory_format=memory_format)
 
 
-def _computed(t: Tensor) -> Tensor:
-    """What the ops compute on: ``t`` without autograd history, in float32 when a half type on the CPU."""
+def _computed(t: Tensor, layout: str) -> Tensor:
+    """What the ops compute on: ``t`` without autograd history, in float32 when a half type on the CPU, and dense in
+    ``layout``. A gradient PyTorch hands over may be strided (an expanded ``sum()`` gradient, NCHW beside a
+    channels-last input): it is made dense here, by PyTorch's allocator, rather than by the ops' copy into their
+    array library's memory, which a CUDA graph captured by ``torch.cuda.graph`` would not keep for its replays."""
     t = t.detach()
-    return t.float() if t.device.type == "cpu" and t.dtype in _HALF else t
+    if t.device.type == "cpu" and t.dtype in _HALF:
+        t = t.float()
+    return t.contiguous(memory_format=_memory_format(t.dim(), layout))
 
 
 def _run(function: Callable[..., Any], a: Tensor, b: Tensor, out: Tensor, layout: str, *args: Any) -> Tensor:
     """Call one of the public ops on ``a``, ``b`` with ``out=``, through a float32 copy for CPU half types."""
     half_on_cpu = out.device.type == "cpu" and out.dtype in _HALF
     target = torch.empty_like(out, dtype=torch.float32) if half_on_cpu else out
-    a, b = _computed(a), _computed(b)
+    a, b = _computed(a, layout), _computed(b, layout)
     function(_view(a, layout), _view(b, layout), *args, out=_view(target, layout), layout=layout)
     if target is not out:
         out.copy_(target)

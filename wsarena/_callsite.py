@@ -1,0 +1,77 @@
+"""Where a warning about a convolution call points: the user's line that made the call.
+
+A warning raised deep inside wsarena names the first frame outside the code that stands between the user and the
+op: wsarena itself, and the libraries registered with :func:`skip` (:mod:`wsarena.torch` registers PyTorch, whose
+module call, autograd and custom-operator machinery lie between a model's line and the op).
+
+A backward pass runs where PyTorch's autograd engine runs it: for CUDA tensors on a thread of the engine's own,
+whose stack holds no line of the user's. So :mod:`wsarena.torch` takes the :func:`caller` of each forward and runs
+its backward under :func:`reported_at`: a warning from a backward pass names the forward call whose gradient it
+computes (the module call), on the CPU as on the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+__all__ = ["Site", "caller", "reported_at", "skip", "warn"]
+
+Site = tuple[str, int, dict[str, Any]]  # a line: its file name, its number, its module's globals
+
+_skipped: tuple[str, ...] = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)  # wsarena's own files
+_site: contextvars.ContextVar[Site | None] = contextvars.ContextVar("wsarena_site", default=None)
+
+
+def skip(prefix: str) -> None:
+    """Pass over frames whose file name starts with ``prefix`` (a library's folder, with its trailing separator)."""
+    global _skipped
+    if prefix not in _skipped:
+        _skipped = (*_skipped, prefix)
+
+
+def _outside(frame: FrameType) -> FrameType:
+    """The first frame from ``frame`` outwards outside the skipped code; the outermost frame when there is none."""
+    skipped = _skipped
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(skipped):
+        frame = frame.f_back
+    return frame
+
+
+def _site_of(frame: FrameType) -> Site:
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
+
+
+def caller() -> Site:
+    """The line outside wsarena (and the skipped libraries) that led to the calling function."""
+    return _site_of(_outside(sys._getframe(1)))
+
+
+@contextlib.contextmanager
+def reported_at(site: Site | None) -> Iterator[None]:
+    """Inside the block, :func:`warn` names ``site`` (``None``: the calling line, as outside any block)."""
+    token = _site.set(site)
+    try:
+        yield
+    finally:
+        _site.reset(token)
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn(message, category)`` naming the user's line: the site of an enclosing :func:`reported_at`
+    block, or else the first frame outside wsarena and the skipped libraries."""
+    site = _site.get()
+    if site is None:
+        site = _site_of(_outside(sys._getframe(1)))
+    filename, lineno, module_globals = site
+    # What warnings.warn does with the frame it picks: that module's name, registry and source for the line.
+    warnings.warn_explicit(
+        message, category, filename, lineno, module=module_globals.get("__name__", "<string>"),
+        registry=module_globals.setdefault("__warningregistry__", {}), module_globals=module_globals,
+    )
