@@ -22,9 +22,8 @@ import argparse
 import os
 import platform
 import statistics
-import time
-
 import sys
+import time
 
 if __name__ == "__main__" and "--threads" in sys.argv:
     # BLAS reads its thread count when it loads, so set it before NumPy is imported.
@@ -32,10 +31,10 @@ if __name__ == "__main__" and "--threads" in sys.argv:
     for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[_var] = _n
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from wsarena._geometry import conv_geometry  # noqa: E402
-from wsarena.backends import cpu  # noqa: E402
+from wsarena._geometry import conv_geometry
+from wsarena.backends import cpu
 
 MAIN = ("res2 3x3 64->64 @56", (4, 64, 56, 56), (64, 64, 3, 3), dict(padding=1))
 SUITE = [

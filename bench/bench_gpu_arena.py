@@ -30,12 +30,11 @@ import time
 import types
 
 import cupy
+from bench_gpu_host import spin_kernel  # this folder is on the path when the script runs
 
 import wsarena
 from wsarena import algos
 from wsarena.backends import get_backend
-
-from bench_gpu_host import spin_kernel  # this folder is on the path when the script runs
 
 
 def main() -> None:

@@ -19,11 +19,10 @@ import json
 import statistics
 
 import cupy
+from bench_gpu_host import spin_kernel  # this folder is on the path when the script runs
 
 import wsarena
 from wsarena.arena import Arena, CupyProvider, set_arena
-
-from bench_gpu_host import spin_kernel  # this folder is on the path when the script runs
 
 
 def main() -> None:

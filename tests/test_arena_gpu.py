@@ -108,10 +108,9 @@ def test_none_is_cupys_current_stream(cupy):
 
 def test_debug_poisons_device_bytes(cupy):
     arena = Arena(CupyProvider(0))
-    with wsarena.config(debug=True):
-        with arena.lease(1000) as ws:
-            ws.array.fill(1)
-            ptr = ws.ptr
+    with wsarena.config(debug=True), arena.lease(1000) as ws:
+        ws.array.fill(1)
+        ptr = ws.ptr
     mem = cupy.cuda.UnownedMemory(ptr, 1000, None, 0)
     view = cupy.ndarray((1000,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
     cupy.cuda.get_current_stream().synchronize()
@@ -123,9 +122,8 @@ def test_out_of_memory_is_an_arena_error_and_the_arena_stays_usable(cupy):
     with arena.lease(1 << 20):
         pass
     free, total = cupy.cuda.runtime.memGetInfo()
-    with pytest.raises(wsarena.ArenaOutOfMemoryError) as info:
-        with arena.lease(total * 4):
-            pass
+    with pytest.raises(wsarena.ArenaOutOfMemoryError) as info, arena.lease(total * 4):
+        pass
     assert info.value.held == 1 << 20
     with arena.lease(1 << 20):
         pass

@@ -155,9 +155,8 @@ def test_a_sweep_frees_even_when_the_lease_that_triggered_it_fails():
         pass
     gc.collect()
     provider.fail_next = 1
-    with pytest.raises(MemoryError):
-        with arena.lease(10, stream=12):  # sweeps stream 11, then cannot allocate for 12
-            pass
+    with pytest.raises(MemoryError), arena.lease(10, stream=12):  # sweeps stream 11, then cannot allocate for 12
+        pass
     assert provider.held == [] and len(provider.frees) == 1
     assert arena.stats().streams == {}
 

@@ -264,9 +264,9 @@ def test_gpu_three_passes_match_the_reference(cudnn_api, dtype, nd, layout, dila
     x, w, dy, kw = _gpu_problem(nd, nd, layout, dilation)
     move = (lambda a: np.moveaxis(a, 1, -1)) if layout == "NHWC" else (lambda a: a)
     # round the inputs to the tested dtype first, so the reference sees the same numbers
-    as_dev = lambda a: cupy.asarray(np.ascontiguousarray(move(a))).astype(dtype)  # noqa: E731
+    as_dev = lambda a: cupy.asarray(np.ascontiguousarray(move(a))).astype(dtype)
     xd, wd, dyd = as_dev(x), as_dev(w), as_dev(dy)
-    back = lambda a: np.moveaxis(a, -1, 1) if layout == "NHWC" else a  # noqa: E731
+    back = lambda a: np.moveaxis(a, -1, 1) if layout == "NHWC" else a
     x64, w64, dy64 = (back(cupy.asnumpy(a.astype("float64"))) for a in (xd, wd, dyd))
     refs = (ref_conv_forward(x64, w64, **kw), ref_conv_backward_data(dy64, w64, x.shape, **kw),
             ref_conv_backward_filter(x64, dy64, w.shape, **kw))

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import wsarena.cudnn as cudnn
+from wsarena import cudnn
 from wsarena.cudnn import descriptors
 
 _info = cudnn.library_info()

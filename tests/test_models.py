@@ -8,14 +8,13 @@ import re
 import warnings
 
 import numpy as np
+import onnx  # a hard dependency of wsarena: its absence must fail, not skip
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import wsarena
 from wsarena.errors import WsarenaError
 from wsarena.models import ConvLayer, ModelError, layers_from_json, layers_to_json, load_model, total_macs, zoo_names
-
-import onnx  # a hard dependency of wsarena: its absence must fail, not skip
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 
@@ -419,7 +418,7 @@ def test_light_resnet50_matches_the_zoo():
     # Caffe2's ResNet-50 puts the stride on the 3x3 and runs the shortcut after the main branch, like
     # torchvision's v1.5: all 53 convolutions agree in order, shapes, strides and padding.
     onnx_layers, zoo = load_model(light("resnet50")), load_model("resnet50")
-    key = lambda l: (l.input_shape, l.weight_shape, l.stride, l.padding, l.dilation, l.groups)  # noqa: E731
+    key = lambda l: (l.input_shape, l.weight_shape, l.stride, l.padding, l.dilation, l.groups)
     assert [key(l) for l in onnx_layers] == [key(l) for l in zoo]
     assert total_macs(onnx_layers) == total_macs(zoo)
 
@@ -438,7 +437,7 @@ def test_light_inception_v1_matches_googlenet_weights():
 
 
 def test_light_vgg19_has_vgg16s_shapes():
-    shapes = lambda ls: {(l.input_shape, l.weight_shape, l.padding) for l in ls}  # noqa: E731
+    shapes = lambda ls: {(l.input_shape, l.weight_shape, l.padding) for l in ls}
     assert shapes(load_model(light("vgg19"))) == shapes(load_model("vgg16"))
 
 

@@ -66,7 +66,7 @@ def make(p):
     w = rng.standard_normal(geom.weight_shape)
     dy = rng.standard_normal(geom.output_shape)
     if p["layout"] == "NHWC":
-        to_last = lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))  # noqa: E731
+        to_last = lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))
         x, w, dy = to_last(x), to_last(w), to_last(dy)
     return geom, x, w, dy
 

@@ -17,7 +17,6 @@ from wsarena.errors import BackendUnavailableError, WorkspaceCapWarning
 from wsarena.models import ConvLayer
 from wsarena.planner import text_progress
 
-
 pytestmark = pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
 
 
