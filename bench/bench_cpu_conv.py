@@ -22,9 +22,9 @@ import argparse
 import os
 import platform
 import statistics
-import time
-
 import sys
+import time
+from functools import partial
 
 if __name__ == "__main__" and "--threads" in sys.argv:
     # BLAS reads its thread count when it loads, so set it before NumPy is imported.
@@ -32,19 +32,19 @@ if __name__ == "__main__" and "--threads" in sys.argv:
     for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[_var] = _n
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from wsarena._geometry import conv_geometry  # noqa: E402
-from wsarena.backends import cpu  # noqa: E402
+from wsarena._geometry import conv_geometry
+from wsarena.backends import cpu
 
-MAIN = ("res2 3x3 64->64 @56", (4, 64, 56, 56), (64, 64, 3, 3), dict(padding=1))
+MAIN = ("res2 3x3 64->64 @56", (4, 64, 56, 56), (64, 64, 3, 3), {"padding": 1})
 SUITE = [
     ("res2 1x1 64->256 @56", (4, 64, 56, 56), (256, 64, 1, 1), {}),
-    ("res3 3x3 s2 128 @56", (4, 128, 56, 56), (128, 128, 3, 3), dict(stride=2, padding=1)),
-    ("res3 1x1 s2 256->512", (4, 256, 56, 56), (512, 256, 1, 1), dict(stride=2)),
-    ("stem 7x7 s2 3->64", (4, 3, 224, 224), (64, 3, 7, 7), dict(stride=2, padding=3)),
-    ("res5 3x3 512 @7", (4, 512, 7, 7), (512, 512, 3, 3), dict(padding=1)),
-    ("depthwise 3x3 256 @28", (4, 256, 28, 28), (256, 1, 3, 3), dict(padding=1, groups=256)),
+    ("res3 3x3 s2 128 @56", (4, 128, 56, 56), (128, 128, 3, 3), {"stride": 2, "padding": 1}),
+    ("res3 1x1 s2 256->512", (4, 256, 56, 56), (512, 256, 1, 1), {"stride": 2}),
+    ("stem 7x7 s2 3->64", (4, 3, 224, 224), (64, 3, 7, 7), {"stride": 2, "padding": 3}),
+    ("res5 3x3 512 @7", (4, 512, 7, 7), (512, 512, 3, 3), {"padding": 1}),
+    ("depthwise 3x3 256 @28", (4, 256, 28, 28), (256, 1, 3, 3), {"padding": 1, "groups": 256}),
 ]
 
 
@@ -69,7 +69,7 @@ def _torch_fns(torch, g, x, w, dy):
     conv = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}[nd]
     grad_in = {1: tgrad.conv1d_input, 2: tgrad.conv2d_input, 3: tgrad.conv3d_input}[nd]
     grad_w = {1: tgrad.conv1d_weight, 2: tgrad.conv2d_weight, 3: tgrad.conv3d_weight}[nd]
-    kw = dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
+    kw = {"stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups}
 
     def first(a):  # torch wants NCHW shapes; NHWC arrays become channels_last tensors (no copy)
         t = torch.from_numpy(a)
@@ -109,16 +109,16 @@ def bench_layer(name, ishape, wshape, kw, layout, dtype, repeat, torch):
         out = np.empty(shape, dtype)
         algos = cpu.candidates(pass_, g)
         wss = {algo: np.empty(cpu.workspace_size(pass_, algo, g), np.uint8) for algo in algos}
-        fns = {algo: (lambda algo=algo: cpu.run(pass_, algo, g, a, b, out, wss[algo])) for algo in algos}
+        fns = {algo: partial(cpu.run, pass_, algo, g, a, b, out, wss[algo]) for algo in algos}
         if torch_fns:
             fns["torch"] = torch_fns[pass_]
         ms = _interleaved_ms(fns, repeat)
         t_torch, m_torch = ms.get("torch", (float("nan"), float("nan")))
-        for name in (["torch"] if torch_fns else []) + algos:
-            mib = f"{wss[name].nbytes / 2**20:8.1f} MiB" if name in wss else ""
-            best, med = ms[name]
+        for algo in (["torch"] if torch_fns else []) + algos:
+            mib = f"{wss[algo].nbytes / 2**20:8.1f} MiB" if algo in wss else ""
+            best, med = ms[algo]
             print(
-                f"  {pass_:<11} {name:<17} {mib:>12} {best:9.2f} {med:9.2f} {2 * gmac / best * 1e3:8.1f}"
+                f"  {pass_:<11} {algo:<17} {mib:>12} {best:9.2f} {med:9.2f} {2 * gmac / best * 1e3:8.1f}"
                 f" {best / t_torch:7.2f} {med / m_torch:7.2f}"
             )
 

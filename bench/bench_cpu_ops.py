@@ -46,21 +46,21 @@ def throughput(batch: int, repeat: int, limit: int | None) -> None:
         x = rng.standard_normal(g.input_shape, dtype=np.float32)
         w = rng.standard_normal(g.weight_shape, dtype=np.float32)
         dy = rng.standard_normal(g.output_shape, dtype=np.float32)
-        kw = dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
+        kw = {"stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups}
         y = np.empty(g.output_shape, np.float32)
         dx = np.empty(g.input_shape, np.float32)
         dw = np.empty(g.weight_shape, np.float32)
 
-        def ws_step():
+        def ws_step(x=x, w=w, dy=dy, kw=kw, y=y, dx=dx, dw=dw):
             wsarena.conv_forward(x, w, **kw, out=y)
             wsarena.conv_backward_data(dy, w, x.shape, **kw, out=dx)
             wsarena.conv_backward_filter(x, dy, w.shape, **kw, out=dw)
 
         tx, tw, tdy = (torch.from_numpy(a) for a in (x, w, dy))
 
-        tkw = dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
+        tkw = {"stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups}
 
-        def torch_step():
+        def torch_step(tx=tx, tw=tw, tdy=tdy, tkw=tkw):
             with torch.no_grad():
                 torch.nn.functional.conv2d(tx, tw, **tkw)
                 tgrad.conv2d_input(tx.shape, tw, tdy, **tkw)

@@ -30,12 +30,11 @@ import time
 import types
 
 import cupy
+from bench_gpu_host import spin_kernel  # this folder is on the path when the script runs
 
 import wsarena
 from wsarena import algos
 from wsarena.backends import get_backend
-
-from bench_gpu_host import spin_kernel  # this folder is on the path when the script runs
 
 
 def main() -> None:
@@ -74,7 +73,7 @@ def main() -> None:
             wsarena.configure(cudnn_api=api)  # once per step: the ops read it per call
             set_arena(device, arenas[api])
             for lp, g, ops, outs in layers:
-                kw = dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups)
+                kw = {"stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups}
                 wsarena.conv_forward(*ops["fwd"], **kw, out=outs["fwd"])
                 wsarena.conv_backward_data(*ops["bwd_data"], g.input_shape, **kw, out=outs["bwd_data"])
                 wsarena.conv_backward_filter(*ops["bwd_filter"], g.weight_shape, **kw, out=outs["bwd_filter"])

@@ -19,11 +19,10 @@ import json
 import statistics
 
 import cupy
+from bench_gpu_host import spin_kernel  # this folder is on the path when the script runs
 
 import wsarena
 from wsarena.arena import Arena, CupyProvider, set_arena
-
-from bench_gpu_host import spin_kernel  # this folder is on the path when the script runs
 
 
 def main() -> None:
@@ -58,7 +57,8 @@ def main() -> None:
             wsarena.configure(cudnn_api=api)
             set_arena(device, arenas[api])
             for layer, x, w, dy, y, dx, dw in layers:
-                kw = dict(stride=layer.stride, padding=layer.padding, dilation=layer.dilation, groups=layer.groups)
+                kw = {"stride": layer.stride, "padding": layer.padding, "dilation": layer.dilation,
+                      "groups": layer.groups}
                 wsarena.conv_forward(c[id(x)], c[id(w)], **kw, out=c[id(y)])
                 wsarena.conv_backward_data(c[id(dy)], c[id(w)], x.shape, **kw, out=c[id(dx)])
                 wsarena.conv_backward_filter(c[id(x)], c[id(dy)], w.shape, **kw, out=c[id(dw)])

@@ -106,6 +106,15 @@ def torch_times(timer: HostTimer) -> dict[str, float]:
 
     torch.backends.cudnn.allow_tf32 = False  # float32 as wsarena computes it (FMA, no TF32)
     torch.backends.cudnn.benchmark = False
+
+    def passes(x, w, dy, stride, padding):
+        # A lambda per pass, as on wsarena's side: every timed call pays the same one Python frame
+        return {
+            "fwd": lambda: torch.nn.functional.conv2d(x, w, stride=stride, padding=padding),
+            "bwd_data": lambda: tgrad.conv2d_input(x.shape, w, dy, stride=stride, padding=padding),
+            "bwd_filter": lambda: tgrad.conv2d_weight(x, w.shape, dy, stride=stride, padding=padding),
+        }
+
     times = {}
     with torch.no_grad(), torch.cuda.stream(torch.cuda.ExternalStream(timer.stream.ptr)):
         for name, xs, ws, stride, padding in cases():
@@ -113,12 +122,7 @@ def torch_times(timer: HostTimer) -> dict[str, float]:
             w = torch.randn(ws, device="cuda")
             y = torch.nn.functional.conv2d(x, w, stride=stride, padding=padding)
             dy = torch.randn_like(y)
-            fns = {
-                "fwd": lambda: torch.nn.functional.conv2d(x, w, stride=stride, padding=padding),
-                "bwd_data": lambda: tgrad.conv2d_input(x.shape, w, dy, stride=stride, padding=padding),
-                "bwd_filter": lambda: tgrad.conv2d_weight(x, w.shape, dy, stride=stride, padding=padding),
-            }
-            for pass_, fn in fns.items():
+            for pass_, fn in passes(x, w, dy, stride, padding).items():
                 times[f"{name}/{pass_}"] = timer(fn)[0]
     return times
 
@@ -156,20 +160,25 @@ def wsarena_times(timer: HostTimer) -> dict[str, list[float]]:
     wsarena.configure(cudnn_api="legacy")
     backend = get_backend("cudnn", "legacy")
     cudnn = wsarena.cudnn
+
+    def passes(x, w, y, dy, dx, dw, xs, ws, kw):
+        # The op of each pass (a lambda, as on torch's side) and its arrays in the order the op takes them
+        return {
+            "fwd": (lambda: wsarena.conv_forward(x, w, **kw, out=y), (x, w, y)),
+            "bwd_data": (lambda: wsarena.conv_backward_data(dy, w, xs, **kw, out=dx), (dy, w, dx)),
+            "bwd_filter": (lambda: wsarena.conv_backward_filter(x, dy, ws, **kw, out=dw), (x, dy, dw)),
+        }
+
     times = {}
     for name, xs, ws, stride, padding in cases():
         rng = cupy.random.default_rng(0)
         x = rng.standard_normal(xs, dtype=cupy.float32)
         w = rng.standard_normal(ws, dtype=cupy.float32)
-        kw = dict(stride=stride, padding=padding)
+        kw = {"stride": stride, "padding": padding}
         y = wsarena.conv_forward(x, w, **kw)
         dy = rng.standard_normal(y.shape, dtype=cupy.float32)
         dx, dw = cupy.empty_like(x), cupy.empty_like(w)
-        ops = {
-            "fwd": (lambda: wsarena.conv_forward(x, w, **kw, out=y), (x, w, y)),
-            "bwd_data": (lambda: wsarena.conv_backward_data(dy, w, xs, **kw, out=dx), (dy, w, dx)),
-            "bwd_filter": (lambda: wsarena.conv_backward_filter(x, dy, ws, **kw, out=dw), (x, dy, dw)),
-        }
+        ops = passes(x, w, y, dy, dx, dw, xs, ws, kw)
         geom = conv_geometry(xs, ws, stride=stride, padding=padding, dilation=1, groups=1, layout="NCHW",
                              dtype="float32")
         for pass_, (op, (a, b, out)) in ops.items():

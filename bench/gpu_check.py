@@ -65,7 +65,9 @@ def junit_counts(path: Path) -> dict:
 def _run(command: list[str], timeout: float, env: dict, capture: bool = False) -> subprocess.CompletedProcess:
     """Run ``command`` in the checkout; past ``timeout`` seconds it is killed and its status is -9."""
     try:
-        return subprocess.run(command, cwd=ROOT, env=env, capture_output=capture, text=True, timeout=timeout)
+        return subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=capture, text=True, timeout=timeout, check=False
+        )
     except subprocess.TimeoutExpired as exc:
         def text(data: bytes | str | None) -> str:
             return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
@@ -79,7 +81,9 @@ def _git_commit() -> str | None:
     them: gpu_check.sh passes WSARENA_COMMIT then)."""
     try:
         top, head = (
-            subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+            subprocess.run(
+                ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
+            ).stdout.strip()
             for args in (["rev-parse", "--show-toplevel"], ["rev-parse", "HEAD"])
         )
     except (OSError, subprocess.SubprocessError):

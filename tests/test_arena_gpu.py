@@ -49,9 +49,11 @@ def test_streams_get_disjoint_bytes_and_growth_retires_in_stream_order(cupy, mak
             wa.array.fill(7)
         arena.reserve(64 << 20, stream=a)  # grows a's buffer under the live lease: the old one is retired
         assert arena.stats().streams[a.ptr].retired_bytes == 4096
-        with pytest.raises(RuntimeError, match="already holds a lease"):  # a nested lease would share wa's bytes
-            with arena.lease(64 << 20, stream=a):
-                pass
+        with (
+            pytest.raises(RuntimeError, match="already holds a lease"),  # a nested lease would share wa's bytes
+            arena.lease(64 << 20, stream=a),
+        ):
+            pass
         a.synchronize()
         assert int(wa.array.sum()) == 7 * 4096  # still valid
     assert arena.stats().retired_bytes == 0  # freed on a, after the fill
@@ -108,10 +110,9 @@ def test_none_is_cupys_current_stream(cupy):
 
 def test_debug_poisons_device_bytes(cupy):
     arena = Arena(CupyProvider(0))
-    with wsarena.config(debug=True):
-        with arena.lease(1000) as ws:
-            ws.array.fill(1)
-            ptr = ws.ptr
+    with wsarena.config(debug=True), arena.lease(1000) as ws:
+        ws.array.fill(1)
+        ptr = ws.ptr
     mem = cupy.cuda.UnownedMemory(ptr, 1000, None, 0)
     view = cupy.ndarray((1000,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
     cupy.cuda.get_current_stream().synchronize()
@@ -122,10 +123,9 @@ def test_out_of_memory_is_an_arena_error_and_the_arena_stays_usable(cupy):
     arena = Arena(CupyProvider(0))
     with arena.lease(1 << 20):
         pass
-    free, total = cupy.cuda.runtime.memGetInfo()
-    with pytest.raises(wsarena.ArenaOutOfMemoryError) as info:
-        with arena.lease(total * 4):
-            pass
+    _, total = cupy.cuda.runtime.memGetInfo()
+    with pytest.raises(wsarena.ArenaOutOfMemoryError) as info, arena.lease(total * 4):
+        pass
     assert info.value.held == 1 << 20
     with arena.lease(1 << 20):
         pass

@@ -27,7 +27,7 @@ SIZES = st.one_of(st.integers(0, 5000), st.integers(5000, 300_000), st.sampled_f
 
 
 class _Live:
-    __slots__ = ("ws", "key", "nbytes", "ptr", "view", "pattern", "generation")
+    __slots__ = ("generation", "key", "nbytes", "pattern", "ptr", "view", "ws")
 
     def __init__(self, ws, key, pattern, generation):
         self.ws, self.key, self.nbytes, self.ptr = ws, key, ws.nbytes, ws.ptr

@@ -14,7 +14,7 @@ from wsarena.arena import Arena, CupyProvider, set_arena
 pytestmark = pytest.mark.gpu
 
 APIS = ["legacy", "graph"]
-TOL = dict(rtol=1e-4, atol=1e-4)  # float32; some backward-filter algorithms sum in a nondeterministic order
+TOL = {"rtol": 1e-4, "atol": 1e-4}  # float32; some backward-filter algorithms sum in a nondeterministic order
 
 
 @pytest.fixture
@@ -55,8 +55,8 @@ def outputs(cupy, layers):
 
 def step(layers, outs, stream=None):
     for (layer, x, w, dy), (y, dx, dw) in zip(layers, outs):
-        kw = dict(stride=layer.stride, padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
-                  stream=stream)
+        kw = {"stride": layer.stride, "padding": layer.padding, "dilation": layer.dilation, "groups": layer.groups,
+              "stream": stream}
         wsarena.conv_forward(x, w, **kw, out=y)
         wsarena.conv_backward_data(dy, w, x.shape, **kw, out=dx)
         wsarena.conv_backward_filter(x, dy, w.shape, **kw, out=dw)

@@ -194,9 +194,8 @@ def test_config_block_overrides_and_restores():
 
 
 def test_config_block_restores_after_error():
-    with pytest.raises(RuntimeError):
-        with config(cap_workspace=0):
-            raise RuntimeError
+    with pytest.raises(RuntimeError), config(cap_workspace=0):
+        raise RuntimeError
     assert get_config().cap_workspace is None
 
 

@@ -27,7 +27,7 @@ PASSES = ("fwd", "bwd_data", "bwd_filter")
 
 
 def _ref_kwargs(g):
-    return dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups, layout=g.layout)
+    return {"stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups, "layout": g.layout}
 
 
 def _operands(g, rng):
@@ -129,22 +129,22 @@ def test_every_algorithm_matches_the_reference(g, seed, poison):
 # exactly as large as the padded input, batch 1, and ResNet-like shapes in both layouts.
 CASES = [
     # (input_shape NCHW, weight_shape NCHW, kwargs)
-    ((2, 16, 12, 11), (24, 16, 3, 3), dict(padding=1)),
-    ((3, 16, 13, 13), (8, 16, 3, 3), dict(padding=1, stride=2)),
-    ((2, 32, 9, 9), (16, 32, 1, 1), dict()),
-    ((2, 32, 9, 9), (16, 32, 1, 1), dict(stride=2)),
-    ((1, 8, 5, 5), (4, 8, 7, 7), dict(padding=1)),  # kernel == padded input: one output pixel
-    ((1, 4, 5, 6), (6, 4, 5, 6), dict()),  # kernel == input, no padding
-    ((2, 12, 10, 10), (12, 1, 3, 3), dict(padding=1, groups=12)),  # depthwise
-    ((2, 6, 10, 10), (12, 1, 3, 3), dict(padding=2, dilation=2, groups=6)),  # depthwise, multiplier 2
-    ((2, 16, 8, 8), (16, 4, 3, 3), dict(padding=1, groups=4)),  # grouped (ResNeXt-like)
-    ((2, 3, 23, 23), (16, 3, 7, 7), dict(padding=3, stride=2)),  # stem-like
-    ((2, 8, 17), (16, 8, 5), dict(padding=2, stride=3)),  # 1-D
-    ((2, 4, 6, 7, 5), (8, 4, 3, 3, 3), dict(padding=1, stride=(1, 2, 1))),  # 3-D
-    ((1, 6, 5, 4, 4), (6, 1, 3, 3, 3), dict(padding=1, groups=6)),  # 3-D depthwise
-    ((3, 2, 4, 4), (2, 1, 1, 1), dict(padding=2, groups=2)),  # 1x1 with padding: some outputs read no input
-    ((2, 4, 3, 3), (4, 4, 3, 3), dict(padding=4, dilation=3)),  # offsets entirely in the padding
-    ((2, 4, 12, 12), (6, 4, 3, 3), dict(stride=2)),  # strided, no padding: every offset writes the whole output
+    ((2, 16, 12, 11), (24, 16, 3, 3), {"padding": 1}),
+    ((3, 16, 13, 13), (8, 16, 3, 3), {"padding": 1, "stride": 2}),
+    ((2, 32, 9, 9), (16, 32, 1, 1), {}),
+    ((2, 32, 9, 9), (16, 32, 1, 1), {"stride": 2}),
+    ((1, 8, 5, 5), (4, 8, 7, 7), {"padding": 1}),  # kernel == padded input: one output pixel
+    ((1, 4, 5, 6), (6, 4, 5, 6), {}),  # kernel == input, no padding
+    ((2, 12, 10, 10), (12, 1, 3, 3), {"padding": 1, "groups": 12}),  # depthwise
+    ((2, 6, 10, 10), (12, 1, 3, 3), {"padding": 2, "dilation": 2, "groups": 6}),  # depthwise, multiplier 2
+    ((2, 16, 8, 8), (16, 4, 3, 3), {"padding": 1, "groups": 4}),  # grouped (ResNeXt-like)
+    ((2, 3, 23, 23), (16, 3, 7, 7), {"padding": 3, "stride": 2}),  # stem-like
+    ((2, 8, 17), (16, 8, 5), {"padding": 2, "stride": 3}),  # 1-D
+    ((2, 4, 6, 7, 5), (8, 4, 3, 3, 3), {"padding": 1, "stride": (1, 2, 1)}),  # 3-D
+    ((1, 6, 5, 4, 4), (6, 1, 3, 3, 3), {"padding": 1, "groups": 6}),  # 3-D depthwise
+    ((3, 2, 4, 4), (2, 1, 1, 1), {"padding": 2, "groups": 2}),  # 1x1 with padding: some outputs read no input
+    ((2, 4, 3, 3), (4, 4, 3, 3), {"padding": 4, "dilation": 3}),  # offsets entirely in the padding
+    ((2, 4, 12, 12), (6, 4, 3, 3), {"stride": 2}),  # strided, no padding: every offset writes the whole output
 ]
 
 
@@ -427,10 +427,10 @@ def test_reference_backward_passes_are_adjoints_of_forward(g, seed):
 @pytest.mark.parametrize(
     "ishape, wshape, kw",
     [
-        ((2, 3, 11), (4, 3, 3), dict(stride=2, padding=1, dilation=1, groups=1)),
-        ((2, 4, 9, 8), (6, 2, 3, 2), dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2)),
-        ((1, 6, 7, 7), (6, 1, 3, 3), dict(stride=1, padding=1, dilation=2, groups=6)),
-        ((2, 2, 5, 6, 4), (4, 2, 2, 3, 1), dict(stride=(1, 2, 1), padding=(1, 0, 1), dilation=1, groups=1)),
+        ((2, 3, 11), (4, 3, 3), {"stride": 2, "padding": 1, "dilation": 1, "groups": 1}),
+        ((2, 4, 9, 8), (6, 2, 3, 2), {"stride": (2, 1), "padding": (1, 2), "dilation": (1, 2), "groups": 2}),
+        ((1, 6, 7, 7), (6, 1, 3, 3), {"stride": 1, "padding": 1, "dilation": 2, "groups": 6}),
+        ((2, 2, 5, 6, 4), (4, 2, 2, 3, 1), {"stride": (1, 2, 1), "padding": (1, 0, 1), "dilation": 1, "groups": 1}),
     ],
 )
 def test_reference_forward_matches_torch(ishape, wshape, kw):

@@ -150,9 +150,11 @@ def test_device_and_stream_enter_in_order_and_leave_in_reverse():
         log.append("body")
     assert log == [("enter device", 3), "enter stream", "body", "exit stream", ("exit device", 3)]
     log.clear()
-    with pytest.raises(RuntimeError, match="another device"):
-        with _DeviceAndStream(_FakeDevice(3, log), _FakeStream(log, fail=True)):
-            log.append("body")
+    with (
+        pytest.raises(RuntimeError, match="another device"),
+        _DeviceAndStream(_FakeDevice(3, log), _FakeStream(log, fail=True)),
+    ):
+        log.append("body")
     assert log == [("enter device", 3), ("exit device", 3)]  # the device is left when the stream cannot be entered
 
 
@@ -208,7 +210,7 @@ def test_usable_keeps_each_successful_algorithm_and_math_type_once_in_order():
         Candidate("implicit_gemm", 0, 0.5, default),
     ]
     # A cap that excludes the tensor-core entry still leaves the algorithm with its other math type.
-    assert [c for c in got if c.workspace_bytes <= 150][0] == Candidate("implicit_precomp_gemm", 100, 0.5, default)
+    assert next(c for c in got if c.workspace_bytes <= 150) == Candidate("implicit_precomp_gemm", 100, 0.5, default)
 
 
 def test_descriptors_follow_the_candidates_math_type(backend):
@@ -248,7 +250,7 @@ def _gpu_problem(seed, nd, layout, dilation=1):
     size = {1: 17, 2: 9, 3: 5}[nd] + 2 * (dilation - 1)
     x = rng.standard_normal((2, 4, *(size,) * nd))
     w = rng.standard_normal((6, 2, *(3,) * nd))
-    kw = dict(stride=2, padding=1, dilation=dilation, groups=2)
+    kw = {"stride": 2, "padding": 1, "dilation": dilation, "groups": 2}
     dy = rng.standard_normal(ref_conv_forward(x, w, **kw).shape)
     return x, w, dy, kw
 
@@ -264,9 +266,9 @@ def test_gpu_three_passes_match_the_reference(cudnn_api, dtype, nd, layout, dila
     x, w, dy, kw = _gpu_problem(nd, nd, layout, dilation)
     move = (lambda a: np.moveaxis(a, 1, -1)) if layout == "NHWC" else (lambda a: a)
     # round the inputs to the tested dtype first, so the reference sees the same numbers
-    as_dev = lambda a: cupy.asarray(np.ascontiguousarray(move(a))).astype(dtype)  # noqa: E731
+    as_dev = lambda a: cupy.asarray(np.ascontiguousarray(move(a))).astype(dtype)
     xd, wd, dyd = as_dev(x), as_dev(w), as_dev(dy)
-    back = lambda a: np.moveaxis(a, -1, 1) if layout == "NHWC" else a  # noqa: E731
+    back = lambda a: np.moveaxis(a, -1, 1) if layout == "NHWC" else a
     x64, w64, dy64 = (back(cupy.asnumpy(a.astype("float64"))) for a in (xd, wd, dyd))
     refs = (ref_conv_forward(x64, w64, **kw), ref_conv_backward_data(dy64, w64, x.shape, **kw),
             ref_conv_backward_filter(x64, dy64, w.shape, **kw))

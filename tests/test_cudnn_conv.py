@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import wsarena.cudnn as cudnn
+from wsarena import cudnn
 from wsarena._gpu import gpu_unusable_reason
 from wsarena._pass import PASSES
 from wsarena.cudnn import conv as conv_mod

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import wsarena.cudnn as cudnn
+from wsarena import cudnn
 from wsarena.cudnn import descriptors
 
 _info = cudnn.library_info()
@@ -208,7 +208,7 @@ def test_close_destroys_exactly_once(monkeypatch):
         desc.close()
         assert desc.closed
         with pytest.raises(ValueError, match="closed"):
-            desc.handle
+            _ = desc.handle
         del desc
         gc.collect()
         assert [h for _, h in destroys.calls[before:]] == [raw]  # cuDNN may reuse addresses: count per object

@@ -8,9 +8,13 @@ import pickle
 import pytest
 
 import wsarena
-import wsarena.cudnn as cudnn
+from wsarena import cudnn
 from wsarena.errors import (
-    ArenaOutOfMemoryError, BackendUnavailableError, NoAlgorithmFitsError, WorkspaceCapError, WsarenaError,
+    ArenaOutOfMemoryError,
+    BackendUnavailableError,
+    NoAlgorithmFitsError,
+    WorkspaceCapError,
+    WsarenaError,
 )
 
 

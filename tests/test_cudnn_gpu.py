@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import wsarena.cudnn as cudnn
+from wsarena import cudnn
 from wsarena._pass import PASSES
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-import wsarena.cudnn as cudnn
+from wsarena import cudnn
 from wsarena._gpu import gpu_unusable_reason
 from wsarena.cudnn import handle as handle_mod
 from wsarena.errors import BackendUnavailableError

@@ -6,16 +6,16 @@ import json
 import os
 import re
 import warnings
+from itertools import pairwise
 
 import numpy as np
+import onnx  # a hard dependency of wsarena: its absence must fail, not skip
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import wsarena
 from wsarena.errors import WsarenaError
 from wsarena.models import ConvLayer, ModelError, layers_from_json, layers_to_json, load_model, total_macs, zoo_names
-
-import onnx  # a hard dependency of wsarena: its absence must fail, not skip
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 
@@ -123,7 +123,7 @@ def test_vgg16_reference_shapes():
     assert all(l.weight_shape[2:] == (3, 3) and l.padding == (1, 1) and l.stride == (1, 1) for l in layers)
     assert [l.input_shape[2] for l in layers] == [224] * 2 + [112] * 2 + [56] * 3 + [28] * 3 + [14] * 3
     assert layers[-1].input_shape == (1, 512, 14, 14) and layers[-1].weight_shape == (512, 512, 3, 3)
-    for a, b in zip(layers, layers[1:]):
+    for a, b in pairwise(layers):
         assert out_shape(a)[1] == b.input_shape[1]
         assert out_shape(a)[2] in (b.input_shape[2], 2 * b.input_shape[2])  # same size, or a 2x2 max pool
 
@@ -174,7 +174,7 @@ def test_googlenet_reference_shapes():
     assert d["inception4e.branch3.1.conv"].weight_shape == (128, 32, 3, 3)  # torchvision's 3x3 "5x5" branch
     ends = ("branch1.conv", "branch2.1.conv", "branch3.1.conv", "branch4.1.conv")
     order = ["3a", "3b", "4a", "4b", "4c", "4d", "4e", "5a", "5b"]
-    for m, nxt in zip(order, order[1:]):
+    for m, nxt in pairwise(order):
         channels = sum(out_shape(d[f"inception{m}.{e}"])[1] for e in ends)
         assert channels == d[f"inception{nxt}.branch1.conv"].input_shape[1]
 
@@ -193,7 +193,7 @@ def test_mobilenet_v2_reference_shapes():
     assert d["features.17.conv.2"].weight_shape == (320, 960, 1, 1)
     last = layers[-1]
     assert (last.name, last.input_shape, last.weight_shape) == ("features.18.0", (1, 320, 7, 7), (1280, 320, 1, 1))
-    for a, b in zip(layers, layers[1:]):  # a plain chain: every conv feeds the next
+    for a, b in pairwise(layers):  # a plain chain: every conv feeds the next
         assert out_shape(a) == b.input_shape, (a.name, b.name)
 
 
@@ -215,7 +215,7 @@ def test_unet_reference_shapes():
     last = layers[-1]
     assert (last.name, last.weight_shape) == ("final.conv", (2, 64, 1, 1))
     assert out_shape(last) == (1, 2, 388, 388)
-    for a, b in zip(layers, layers[1:]):  # spatial chaining: same size, 2x2 pool, or through an up-convolution
+    for a, b in pairwise(layers):  # spatial chaining: same size, 2x2 pool, or through an up-convolution
         if b.transposed:
             assert out_shape(b) == out_shape(a)
         elif a.transposed:
@@ -297,7 +297,8 @@ def test_a_json_report_reads_back_as_its_model(tmp_path, name, layout):
 def test_the_ignored_layer_keys_are_documented():
     from wsarena.models._layer import _REPORT_KEYS
 
-    docs = open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "models.md"), encoding="utf-8").read()
+    with open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "models.md"), encoding="utf-8") as f:
+        docs = f.read()
     schema = docs[docs.index("## JSON layer list"):docs.index("## Transposed convolutions")]
     assert [key for key in sorted(_REPORT_KEYS) if f"`{key}`" not in schema] == []
     (layer,) = layers_from_json([{**GOOD, "output_shape": "junk", "macs": -1, "stream": "x"}])
@@ -419,7 +420,7 @@ def test_light_resnet50_matches_the_zoo():
     # Caffe2's ResNet-50 puts the stride on the 3x3 and runs the shortcut after the main branch, like
     # torchvision's v1.5: all 53 convolutions agree in order, shapes, strides and padding.
     onnx_layers, zoo = load_model(light("resnet50")), load_model("resnet50")
-    key = lambda l: (l.input_shape, l.weight_shape, l.stride, l.padding, l.dilation, l.groups)  # noqa: E731
+    key = lambda l: (l.input_shape, l.weight_shape, l.stride, l.padding, l.dilation, l.groups)
     assert [key(l) for l in onnx_layers] == [key(l) for l in zoo]
     assert total_macs(onnx_layers) == total_macs(zoo)
 
@@ -438,7 +439,7 @@ def test_light_inception_v1_matches_googlenet_weights():
 
 
 def test_light_vgg19_has_vgg16s_shapes():
-    shapes = lambda ls: {(l.input_shape, l.weight_shape, l.padding) for l in ls}  # noqa: E731
+    shapes = lambda ls: {(l.input_shape, l.weight_shape, l.padding) for l in ls}
     assert shapes(load_model(light("vgg19"))) == shapes(load_model("vgg16"))
 
 
@@ -637,10 +638,10 @@ def test_onnx_impossible_geometry(tmp_path):
 
 
 @pytest.mark.parametrize("attrs, message", [
-    (dict(pads=[1, 1]), r"'broken': pads=\[1, 1\] must have 4 entries"),
-    (dict(kernel_shape=[5, 5]), r"'broken': kernel_shape=\[5, 5\] does not match weight shape"),
-    (dict(auto_pad="SAME"), r"'broken': unknown auto_pad 'SAME'"),
-    (dict(strides=[2]), r"'broken': strides=\[2\] and dilations=\[1, 1\] need 2 entries"),
+    ({"pads": [1, 1]}, r"'broken': pads=\[1, 1\] must have 4 entries"),
+    ({"kernel_shape": [5, 5]}, r"'broken': kernel_shape=\[5, 5\] does not match weight shape"),
+    ({"auto_pad": "SAME"}, r"'broken': unknown auto_pad 'SAME'"),
+    ({"strides": [2]}, r"'broken': strides=\[2\] and dilations=\[1, 1\] need 2 entries"),
 ])
 def test_onnx_broken_node(tmp_path, attrs, message):
     path = save(tmp_path, [conv("broken", "x", "w", "y", **attrs)], [vi("x", [1, 3, 8, 8])],
@@ -700,16 +701,16 @@ def test_onnx_local_function_that_cannot_be_inlined(tmp_path):
 
 # ConvTranspose: (attributes, input spatial size); the equivalent conv must map the (uncropped) output to the input
 CONV_T = [
-    (dict(strides=[2, 2]), 7),  # U-Net's 2x2 up-convolution
-    (dict(strides=[2, 2], pads=[1, 1, 1, 1]), 7),
-    (dict(strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1]), 7),
-    (dict(strides=[3, 3], dilations=[2, 2]), 5),
-    (dict(strides=[2, 2], output_shape=[14, 14]), 7),
-    (dict(strides=[2, 2], output_shape=[13, 13]), 7),  # total padding 2: one each side
-    (dict(strides=[2, 2], auto_pad="SAME_UPPER"), 7),
-    (dict(strides=[2, 2], auto_pad="SAME_LOWER"), 6),
-    (dict(strides=[2, 2], pads=[0, 0, 1, 1]), 7),  # asymmetric: widened
-    (dict(strides=[1, 1], pads=[1, 1, 1, 1], group=2), 9),
+    ({"strides": [2, 2]}, 7),  # U-Net's 2x2 up-convolution
+    ({"strides": [2, 2], "pads": [1, 1, 1, 1]}, 7),
+    ({"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 1]}, 7),
+    ({"strides": [3, 3], "dilations": [2, 2]}, 5),
+    ({"strides": [2, 2], "output_shape": [14, 14]}, 7),
+    ({"strides": [2, 2], "output_shape": [13, 13]}, 7),  # total padding 2: one each side
+    ({"strides": [2, 2], "auto_pad": "SAME_UPPER"}, 7),
+    ({"strides": [2, 2], "auto_pad": "SAME_LOWER"}, 6),
+    ({"strides": [2, 2], "pads": [0, 0, 1, 1]}, 7),  # asymmetric: widened
+    ({"strides": [1, 1], "pads": [1, 1, 1, 1], "group": 2}, 9),
 ]
 
 

@@ -17,7 +17,6 @@ from wsarena.errors import BackendUnavailableError, WorkspaceCapWarning
 from wsarena.models import ConvLayer
 from wsarena.planner import text_progress
 
-
 pytestmark = pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
 
 
@@ -186,26 +185,26 @@ def test_text_progress_draws_nothing_where_the_stream_is_not_a_terminal():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(batch=0), ValueError, "batch"),
-        (dict(dtype="int8"), ValueError, "dtype"),
-        (dict(passes=("fwd", "bwd")), ValueError, "passes"),
-        (dict(streams=0), ValueError, "streams"),
-        (dict(batch=True), ValueError, "batch"),
-        (dict(batch=2.0), ValueError, "batch"),
-        (dict(streams=[0, 1]), ValueError, "assigns 2 layers"),
-        (dict(streams=[0, -1, 1]), ValueError, r"streams\[1\] must be a stream index >= 0, not -1"),
-        (dict(streams=[0, True, 1]), TypeError, r"streams\[1\] must be an int"),
-        (dict(streams=[0, 1.0, 1]), TypeError, r"streams\[1\] must be an int"),
-        (dict(streams=True), TypeError, "streams must be an int or a sequence"),
-        (dict(streams=2.0), TypeError, "streams must be an int or a sequence"),
-        (dict(streams=None), TypeError, "streams must be an int or a sequence"),
-        (dict(streams="012"), TypeError, "streams must be an int or a sequence"),
-        (dict(cap_workspace="lots"), ValueError, "size"),
-        (dict(search="fastest"), ValueError, "search"),
-        (dict(backend="tpu"), ValueError, "backend"),
-        (dict(dtype="float16"), ValueError, "float16"),
+        ({"batch": 0}, ValueError, "batch"),
+        ({"dtype": "int8"}, ValueError, "dtype"),
+        ({"passes": ("fwd", "bwd")}, ValueError, "passes"),
+        ({"streams": 0}, ValueError, "streams"),
+        ({"batch": True}, ValueError, "batch"),
+        ({"batch": 2.0}, ValueError, "batch"),
+        ({"streams": [0, 1]}, ValueError, "assigns 2 layers"),
+        ({"streams": [0, -1, 1]}, ValueError, r"streams\[1\] must be a stream index >= 0, not -1"),
+        ({"streams": [0, True, 1]}, TypeError, r"streams\[1\] must be an int"),
+        ({"streams": [0, 1.0, 1]}, TypeError, r"streams\[1\] must be an int"),
+        ({"streams": True}, TypeError, "streams must be an int or a sequence"),
+        ({"streams": 2.0}, TypeError, "streams must be an int or a sequence"),
+        ({"streams": None}, TypeError, "streams must be an int or a sequence"),
+        ({"streams": "012"}, TypeError, "streams must be an int or a sequence"),
+        ({"cap_workspace": "lots"}, ValueError, "size"),
+        ({"search": "fastest"}, ValueError, "search"),
+        ({"backend": "tpu"}, ValueError, "backend"),
+        ({"dtype": "float16"}, ValueError, "float16"),
         pytest.param(
-            dict(dtype="float16", backend="auto"), BackendUnavailableError, "float16",
+            {"dtype": "float16", "backend": "auto"}, BackendUnavailableError, "float16",
             marks=pytest.mark.skipif(gpu_unusable_reason() is None, reason="with a GPU, auto is cudnn: float16 plans"),
         ),
     ],
@@ -232,7 +231,7 @@ def _run_layers(p, arena, xp=np):
         g = lp.geometry
         x, w, dy = (xp.asarray(rng.standard_normal(s, dtype=np.float32))
                     for s in (g.input_shape, g.weight_shape, g.output_shape))
-        kw = dict(stride=g.stride, padding=g.padding, dilation=g.dilation, groups=g.groups, layout=g.layout)
+        kw = {"stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups, "layout": g.layout}
         conv_forward(x, w, **kw)
         conv_backward_data(dy, w, x.shape, **kw)
         conv_backward_filter(x, dy, w.shape, **kw)
