@@ -216,3 +216,35 @@ def test_capture_without_a_gpu_is_a_backend_error_and_checks_its_mode():
         pass
     with pytest.raises(wsarena.BackendUnavailableError, match="needs a GPU"), wsarena.capture():
         pass
+
+
+def test_the_capture_stream_starts_with_the_largest_buffer_the_warm_up_left(device):
+    from wsarena.cudagraph import seed_workspace
+
+    provider, arena = device
+    with arena.lease(3000, stream=S1):  # the eager step, on another stream
+        pass
+    with arena.lease(1000, stream=S1):
+        pass
+    seed_workspace(arena, S2)  # what wsarena.capture() does before the capture begins
+    graph = provider.begin_capture(S2)
+    with arena.lease(3000, stream=S2) as ws:  # the step's largest call fits, and is captured
+        assert ws.nbytes == 3000
+    provider.end_capture(graph)
+    held = arena.stats().streams
+    assert held[S2].capacity_bytes == held[S1].capacity_bytes and held[S2].pinned_bytes == held[S2].capacity_bytes
+    seed_workspace(arena, S2)  # already large enough: nothing more
+    assert len(provider.allocations) == 2
+
+
+def test_the_seeded_capture_workspace_stays_within_the_configured_cap(device):
+    from wsarena.cudagraph import seed_workspace
+
+    _, arena = device
+    arena.reserve(1 << 20, stream=S1)
+    with wsarena.config(cap_workspace=4096):
+        seed_workspace(arena, S2)
+    assert arena.stats().streams[S2].capacity_bytes < 1 << 20
+    fresh = Arena(RecordingProvider(device_id=0))
+    seed_workspace(fresh, S1)  # an arena that holds nothing seeds nothing
+    assert fresh.stats().streams == {}
