@@ -88,7 +88,8 @@ def test_a_replayed_resnet50_step_equals_the_eager_step_even_after_the_arena_gre
         with wsarena.capture() as graph:
             step(layers, captured)
         held = arena.stats()
-        assert held.pinned_bytes > 0 and held.allocations == allocations  # nothing allocated while capturing
+        # one allocation, the new capture stream's buffer, made before the capture began; none while capturing
+        assert held.pinned_bytes > 0 and held.allocations == allocations + 1
         for _ in range(100):
             graph.launch()
         graph.stream.synchronize()

@@ -9,9 +9,9 @@
         graph.launch()
     graph.close()                           # or drop it: the workspace it pinned is freed once CUDA lets go
 
-The capture stream starts with a workspace buffer as large as the largest one the device's arena holds (the eager
-step's), so the eager step may run on any stream; warm up on the stream you then pass to :func:`capture` to hold no
-second buffer. Inside the block every wsarena call is recorded, not run. A call that would have to search, finalize a plan, create
+A capture stream that holds no workspace starts with a buffer as large as the largest one the device's arena holds
+(the eager step's), so the eager step may run on any stream; warm up on the stream you then pass to :func:`capture`
+to hold no second buffer. Inside the block every wsarena call is recorded, not run. A call that would have to search, finalize a plan, create
 a handle or grow the arena raises :class:`~wsarena.errors.CaptureError` instead (nothing is enqueued). Each
 workspace buffer the graph uses stays allocated, at the same address, until the graph is destroyed, even if the
 arena grows or is trimmed meanwhile (:mod:`wsarena.arena._pinning`). The same holds for a capture made with CuPy's
@@ -73,12 +73,15 @@ class CapturedGraph:
 
 
 def seed_workspace(arena: Any, stream: Any) -> None:
-    """Grow ``stream``'s sub-arena to the largest buffer any stream of ``arena`` holds (at most the configured cap).
+    """Give ``stream``, where it holds no workspace, the largest buffer any stream of ``arena`` holds (at most the
+    configured cap).
 
-    A capture cannot grow the arena, and the eager warm-up usually ran on another stream: without this, the first
+    A capture cannot grow the arena, and the eager warm-up often ran on another stream: without this, the first
     call of the capture would raise :class:`~wsarena.errors.CaptureError` for want of a buffer its step had already
-    sized elsewhere.
+    sized elsewhere. A stream that holds a buffer (its own warm-up's) is left as it is.
     """
+    if arena.held_bytes(stream=stream):
+        return
     largest = max((s.capacity_bytes for s in arena.stats().streams.values()), default=0)
     cap = get_config().cap_workspace
     if cap is not None:
@@ -96,7 +99,7 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
     stream : cupy.cuda.Stream, optional
         Where to capture; a new non-blocking stream by default. Not a default stream (CUDA cannot capture those).
         It is the current CuPy stream inside the block, so calls with ``stream=None`` are captured. Before the
-        capture begins, its workspace is grown to the largest buffer the current device's arena holds.
+        capture begins, a stream that holds no workspace gets the largest buffer the current device's arena holds.
     mode : ``"global"``, ``"thread_local"`` or ``"relaxed"``
         CUDA's capture mode: which CUDA calls of other threads are refused while the capture is under way.
         ``"relaxed"``, CuPy's own default, lets CuPy's memory pool allocate the block's new arrays.
@@ -132,11 +135,13 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
         "thread_local": runtime.streamCaptureModeThreadLocal,
         "relaxed": runtime.streamCaptureModeRelaxed,
     }[mode]
-    from .arena import get_arena
+    from .arena._registry import open_arena
 
     graph = CapturedGraph(stream)
     with stream:
-        seed_workspace(get_arena(), stream)
+        arena = open_arena(int(cupy.cuda.Device().id))  # none yet: no eager step ran, and the capture will say so
+        if arena is not None:
+            seed_workspace(arena, stream)
         stream.begin_capture(cuda_mode)
         try:
             yield graph

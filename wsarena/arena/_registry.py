@@ -90,11 +90,17 @@ def get_arena(device: Any = None) -> Arena:
     return make_device_arena(ordinal, get_config().allocator)
 
 
+def open_arena(key: str | int) -> Arena | None:
+    """The open arena of ``key`` (``"cpu"`` or a device ordinal), or ``None``; never makes one."""
+    arena = _arenas.get(key)
+    return arena if arena is not None and not arena.closed else None
+
+
 def make_device_arena(ordinal: int, allocator: str) -> Arena:
     """The arena of CUDA device ``ordinal``; made, unless one is open, with the memory of ``allocator``:
     ``"torch"`` (PyTorch's caching allocator), else CuPy's current allocator."""
-    arena = _arenas.get(ordinal)
-    if arena is not None and not arena.closed:
+    arena = open_arena(ordinal)
+    if arena is not None:
         return arena
     provider = TorchProvider if allocator == "torch" else CupyProvider
     return _made(ordinal, lambda: provider(ordinal))
