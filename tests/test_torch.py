@@ -327,3 +327,45 @@ def test_gradients_reach_the_ops_dense_in_the_layout_they_run_in(monkeypatch):
         y = wt.conv_transpose2d(x, w.detach().transpose(0, 1).contiguous(memory_format=fmt).requires_grad_())
         y.backward(torch.ones(y.shape[0], 1, 1, 1, dtype=y.dtype).expand(y.shape))
     assert dense == [True] * 12
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_backward_passes_run_under_the_settings_their_forward_ran_under(thread):
+    """A config() block around the forward reaches its backward passes, also on a thread of their own (PyTorch's
+    CUDA autograd thread), and one around backward() alone does not change them: the same rule on every device."""
+    from wsarena.arena import Arena, HostProvider, set_arena
+
+    class Recording(Arena):
+        def lease(self, nbytes, **kw):
+            leased.append(nbytes)
+            return super().lease(nbytes, **kw)
+
+    leased = []
+    conv = wt.Conv2d(4, 6, 3)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    previous = set_arena("cpu", Recording(HostProvider()))
+
+    def backward(y):
+        leased.clear()
+        if thread:
+            worker = threading.Thread(target=y.sum().backward)
+            worker.start()
+            worker.join()
+        else:
+            y.sum().backward()
+        assert len(leased) == 2  # both backward passes ran, and leased
+        return max(leased)
+
+    try:
+        with wsarena.config(cap_workspace=0), pytest.warns(wsarena.WorkspaceCapWarning) as warned:
+            assert backward(conv(x)) == 0  # no backward pass leased a byte under the cap of 0
+        passes = {str(w.message).split(" for ")[1].split(" of ")[0] for w in warned}
+        assert passes == {"fwd", "bwd_data", "bwd_filter"}
+        with wsarena.config(cap_workspace=0):
+            y = conv(x)
+        assert backward(y) == 0  # outside the block: still capped, as its forward was
+        y = conv(x)
+        with wsarena.config(cap_workspace=0):
+            assert backward(y) > 0  # the forward ran uncapped: so do its backward passes
+    finally:
+        set_arena("cpu", previous)

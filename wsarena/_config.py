@@ -228,10 +228,17 @@ def configure(**changes: Any) -> Config:
 @contextlib.contextmanager
 def config(**changes: Any) -> Iterator[Config]:
     """Override settings for the body of a ``with`` block, in this thread or task only."""
-    new = _with_changes(changes)
-    token = _override.set(new)
-    try:
+    with using(_with_changes(changes)) as new:
         yield new
+
+
+@contextlib.contextmanager
+def using(settings: Config) -> Iterator[Config]:
+    """``settings`` in force for the body of a ``with`` block, in this thread or task only: those a piece of work
+    was started under, where it goes on in another thread (a backward pass on PyTorch's autograd thread)."""
+    token = _override.set(settings)
+    try:
+        yield settings
     finally:
         _override.reset(token)
 

@@ -8,21 +8,23 @@ input-gradient and weight-gradient are wsarena's ``conv_forward``, ``conv_backwa
 which runs the same three in other roles: a transposed convolution is a convolution's backward-data. The bias is
 added by PyTorch.
 
-A warning from a forward pass names the user's line that called it; one from a backward pass names the forward
-call whose gradient it computes (:mod:`wsarena._callsite`).
+A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
+passes of CUDA tensors on a thread of its own, which a ``config()`` block of the caller's does not reach. A warning
+from a forward pass names the user's line that called it; one from a backward pass names the forward call whose
+gradient it computes (:mod:`wsarena._callsite`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .. import _callsite
+from .. import _callsite, _config
 from .._geometry import conv_geometry, conv_transpose_geometry
 from . import _ops
 
@@ -52,7 +54,7 @@ class ConvFunction(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(x, w)
         ctx.conv = (stride, padding, dilation, groups, layout)
-        ctx.site = _site()
+        ctx.started = _started()
         return torch.ops.wsarena.conv_forward(x, w, stride, padding, dilation, groups, layout)
 
     @staticmethod
@@ -60,7 +62,7 @@ class ConvFunction(torch.autograd.Function):
         x, w = ctx.saved_tensors
         stride, padding, dilation, groups, layout = ctx.conv
         dx = dw = None
-        with _reported_at(ctx.site):
+        with _as_started(ctx.started):
             if ctx.needs_input_grad[0]:
                 dx = torch.ops.wsarena.conv_backward_data(
                     dy, w, list(x.shape), stride, padding, dilation, groups, layout
@@ -89,7 +91,7 @@ class ConvTransposeFunction(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(x, w)
         ctx.conv = (stride, padding, dilation, groups, layout)
-        ctx.site = _site()
+        ctx.started = _started()
         return torch.ops.wsarena.conv_backward_data(x, w, output_shape, stride, padding, dilation, groups, layout)
 
     @staticmethod
@@ -97,7 +99,7 @@ class ConvTransposeFunction(torch.autograd.Function):
         x, w = ctx.saved_tensors
         stride, padding, dilation, groups, layout = ctx.conv
         dx = dw = None
-        with _reported_at(ctx.site):
+        with _as_started(ctx.started):
             if ctx.needs_input_grad[0]:
                 dx = torch.ops.wsarena.conv_forward(dy, w, stride, padding, dilation, groups, layout)
             if ctx.needs_input_grad[1]:
@@ -107,16 +109,23 @@ class ConvTransposeFunction(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None
 
 
-def _site() -> _callsite.Site | None:
-    """Where a forward was called, for the warnings of its backward passes (none while ``torch.compile`` traces
-    it: a compiled backward runs the operators without these functions, and a warning names the first line
-    outside PyTorch and wsarena)."""
-    return None if torch.compiler.is_compiling() else _callsite.caller()
+def _started() -> tuple[_callsite.Site, _config.Config] | None:
+    """Where a forward was called and the settings it ran under, for its backward passes (none while
+    ``torch.compile`` traces it: a compiled backward runs the operators without these functions, and a warning
+    names the first line outside PyTorch and wsarena)."""
+    return None if torch.compiler.is_compiling() else (_callsite.caller(), _config.get_config())
 
 
-def _reported_at(site: _callsite.Site | None) -> AbstractContextManager[None]:
-    """:func:`wsarena._callsite.reported_at`, which ``torch.compile`` does not trace (it sets a context variable)."""
-    return contextlib.nullcontext() if torch.compiler.is_compiling() else _callsite.reported_at(site)
+@contextlib.contextmanager
+def _as_started(started: tuple[_callsite.Site, _config.Config] | None) -> Iterator[None]:
+    """A backward pass's body: its warnings reported at the forward's call, under the forward's settings
+    (``torch.compile`` traces neither: each sets a context variable)."""
+    if started is None or torch.compiler.is_compiling():
+        yield
+        return
+    site, settings = started
+    with _callsite.reported_at(site), _config.using(settings):
+        yield
 
 
 def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
