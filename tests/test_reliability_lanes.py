@@ -42,6 +42,18 @@ def test_convolutions_keyed_by_fresh_objects_keep_no_lanes(fresh_arena):
     assert len(fresh_arena.stats().streams) <= 1  # at most the last one's, swept by the next operation
 
 
+def test_lanes_of_fresh_keys_that_cannot_be_weakly_referenced_stay_bounded(fresh_arena):
+    """A plain ``object()`` per call cannot be weakly referenced, so its lane cannot go with it: the idle limit
+    bounds what such keys keep (each used to keep a lane and its buffer until trim())."""
+    with wsarena.config(cap_workspace=None):
+        for _ in range(2 * _table.MAX_IDLE_STREAMS + 1):
+            y = wsarena.conv_forward(X, W, padding=1, stream=object())
+    np.testing.assert_allclose(y, ref_conv_forward(X, W, padding=1), rtol=1e-4, atol=1e-4)
+    stats = fresh_arena.stats()
+    assert 0 < len(stats.streams) <= _table.MAX_IDLE_STREAMS  # the calls did lease a workspace, on their lanes
+    assert stats.allocations - stats.frees == len(stats.streams)
+
+
 def test_a_lane_key_object_finds_its_lane_while_it_lives(host_arena):
     key = frozenset({"layer", 3})
     host_arena.reserve(4096, stream=key)
