@@ -123,9 +123,11 @@ def cache_output(action: str, fmt: str) -> str:
     where = f"{searchcache.ENV_VAR}" if os.environ.get(searchcache.ENV_VAR, "").strip() else "the user cache folder"
     if action == "clear":
         return f"removed {data['removed']} entries ({format_size(data['freed_bytes'])}) from {data['directory']}\n"
+    cap = data["max_size_bytes"]
+    limit = "no limit" if cap is None else f"limit {format_size(cap)}"
     lines = [
         f"search cache: {data['directory']} (from {where})",
-        f"entries: {data['entries']} ({format_size(data['size_bytes'])})",
+        f"entries: {data['entries']} ({format_size(data['size_bytes'])}; {limit})",
     ]
     if data["unreadable"]:
         lines.append(f"unreadable files (replaced when their call is searched again): {data['unreadable']}")
