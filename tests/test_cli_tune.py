@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import wsarena._config
 from wsarena._gpu import gpu_unusable_reason
 
 from .cli_helpers import run_cli, run_main
@@ -72,7 +73,9 @@ def test_csv_and_table(capsys, model):
     code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--batch", "2", "--format", "csv")
     assert code == 0, err
     rows = list(csv.DictReader(io.StringIO(out)))
-    assert list(rows[0]) == ["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended"]
+    assert list(rows[0]) == ["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended",
+                             "skipped_layer"]
+    assert all(r["skipped_layer"] == "" for r in rows)  # every conv layer is in these figures
     assert [r["cap_workspace_bytes"] for r in rows] == [
         "" if p["cap_workspace_bytes"] is None else str(p["cap_workspace_bytes"]) for p in d["curve"]]
     assert rows[-1]["cap_workspace_bytes"] == "" and float(rows[-1]["slowdown"]) == 0
@@ -151,14 +154,31 @@ def test_cache_info_and_clear(capsys, model, tmp_path, monkeypatch):
     code, out, _ = run_main(capsys, "cache", "info", "--format", "json")
     info = json.loads(out)
     assert code == 0 and info["directory"] == str(folder) and info["entries"] == calls
+    assert info["max_size_bytes"] == 64 << 20
     assert [(e["backend"], e["entries"]) for e in info["environments"]] == [("cpu", calls)]
     code, out, _ = run_main(capsys, "cache", "info")
     assert code == 0 and out.splitlines()[0] == f"search cache: {folder} (from WSARENA_CACHE_DIR)"
-    assert out.splitlines()[1].startswith(f"entries: {calls} (")
+    assert out.splitlines()[1].startswith(f"entries: {calls} (") and out.splitlines()[1].endswith("; limit 64 MiB)")
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "none")
+    wsarena._config._reset()
+    code, out, _ = run_main(capsys, "cache", "info")
+    assert code == 0 and out.splitlines()[1].endswith("; no limit)")
     code, out, _ = run_main(capsys, "cache", "clear")
     assert code == 0 and out.startswith(f"removed {calls} entries (") and out.endswith(f"from {folder}\n")
     code, out, _ = run_main(capsys, "cache", "clear", "--format", "json")
     assert json.loads(out) == {"directory": str(folder), "removed": 0, "freed_bytes": 0}
+
+
+@pytest.mark.parametrize("value", ["lots", "0", "-1MiB"])
+def test_a_bad_cache_size_exits_2_naming_the_variable(capsys, model, monkeypatch, tmp_path, value):
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", value)
+    wsarena._config._reset()
+    for argv in (["cache", "info"], ["tune", model, "--backend", "cpu"]):
+        code, out, err = run_main(capsys, *argv)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"wsarena: error: environment variable WSARENA_SEARCH_CACHE_MAX_SIZE={value!r}: ")
+    assert not (tmp_path / "cache").exists()  # refused before anything was searched or saved
 
 
 def test_two_processes_tuning_at_once_lose_no_entry(model, tmp_path):

@@ -66,6 +66,7 @@ def test_defaults():
     c = get_config()
     assert c == Config(cap_workspace=None, algo_search="heuristic", backend="auto", debug=False, allocator="auto")
     assert (c.cudnn_api, c.plan_cache_size) == ("legacy", 1024)
+    assert c.search_cache_max_size == 64 << 20
 
 
 def test_environment_is_read(monkeypatch):
@@ -76,11 +77,15 @@ def test_environment_is_read(monkeypatch):
     monkeypatch.setenv("WSARENA_ALLOCATOR", " Torch ")
     monkeypatch.setenv("WSARENA_CUDNN_API", " Graph ")
     monkeypatch.setenv("WSARENA_PLAN_CACHE_SIZE", "64")
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "1.5GiB")
     wsarena._config._reset()
     assert get_config() == Config(
         cap_workspace=64 << 20, algo_search="exhaustive", backend="cpu", debug=True, allocator="torch",
-        cudnn_api="graph", plan_cache_size=64,
+        cudnn_api="graph", plan_cache_size=64, search_cache_max_size=3 << 29,
     )
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", " None ")
+    wsarena._config._reset()
+    assert get_config().search_cache_max_size is None
 
 
 @pytest.mark.parametrize(
@@ -97,7 +102,7 @@ def test_debug_variable_takes_the_usual_words_for_on_and_off(monkeypatch, value,
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_environment_variable_means_the_default(monkeypatch, value):
     for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_DEBUG",
-                "WSARENA_ALLOCATOR", "WSARENA_CUDNN_API", "WSARENA_PLAN_CACHE_SIZE"):
+                "WSARENA_ALLOCATOR", "WSARENA_CUDNN_API", "WSARENA_PLAN_CACHE_SIZE", "WSARENA_SEARCH_CACHE_MAX_SIZE"):
         monkeypatch.setenv(var, value)
     wsarena._config._reset()
     assert get_config() == Config()
@@ -109,6 +114,9 @@ def test_an_empty_environment_variable_means_the_default(monkeypatch, value):
         ("WSARENA_CAP_WORKSPACE", "lots"), ("WSARENA_ALGO_SEARCH", "fast"), ("WSARENA_BACKEND", "tpu"),
         ("WSARENA_DEBUG", "maybe"), ("WSARENA_ALLOCATOR", "rmm"), ("WSARENA_CUDNN_API", "v8"),
         ("WSARENA_PLAN_CACHE_SIZE", "0"), ("WSARENA_PLAN_CACHE_SIZE", "many"),
+        ("WSARENA_SEARCH_CACHE_MAX_SIZE", "lots"), ("WSARENA_SEARCH_CACHE_MAX_SIZE", "64 MiB of it"),
+        ("WSARENA_SEARCH_CACHE_MAX_SIZE", "-1MiB"), ("WSARENA_SEARCH_CACHE_MAX_SIZE", "0"),
+        ("WSARENA_SEARCH_CACHE_MAX_SIZE", "1.5B"),
     ],
 )
 def test_bad_environment_names_the_variable(monkeypatch, var, value):
@@ -126,6 +134,7 @@ BAD_ENV = {  # setting: (its variable, an invalid value, a valid value given exp
     "allocator": ("WSARENA_ALLOCATOR", "malloc", "torch"),
     "cudnn_api": ("WSARENA_CUDNN_API", "v7", "graph"),
     "plan_cache_size": ("WSARENA_PLAN_CACHE_SIZE", "-1", 8),
+    "search_cache_max_size": ("WSARENA_SEARCH_CACHE_MAX_SIZE", "big", 1 << 20),
 }
 
 
@@ -138,6 +147,21 @@ def test_bad_graph_api_settings_are_refused_and_change_nothing(changes, error):
     with pytest.raises(error, match=next(iter(changes))):
         configure(**changes)
     assert get_config() == Config()
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "says"),
+    [(0, ValueError, "at least 1 byte"), (-1, ValueError, "negative"), ("lots", ValueError, "not a size"),
+     (1.5, TypeError, "must be an int"), (True, TypeError, "must be an int")],
+)
+def test_a_bad_search_cache_size_is_refused_and_changes_nothing(value, error, says):
+    with pytest.raises(error, match=f"search_cache_max_size.*{says}"):
+        configure(search_cache_max_size=value)
+    with pytest.raises(error, match=f"search_cache_max_size.*{says}"), config(search_cache_max_size=value):
+        pass
+    assert get_config() == Config()
+    assert configure(search_cache_max_size="256MiB").search_cache_max_size == 256 << 20
+    assert configure(search_cache_max_size=None).search_cache_max_size is None
 
 
 @pytest.mark.parametrize("key", list(BAD_ENV))

@@ -103,7 +103,7 @@ ENV_VALUES = st.one_of(st.sampled_from(["", "none", "64KiB", "heuristic", "exhau
 
 @FUZZ
 @given(st.dictionaries(st.sampled_from(["WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND",
-                                        "WSARENA_DEBUG"]), ENV_VALUES, max_size=4))
+                                        "WSARENA_DEBUG", "WSARENA_SEARCH_CACHE_MAX_SIZE"]), ENV_VALUES, max_size=5))
 def test_environment_variables(monkeypatch, env):
     for var, value in env.items():
         monkeypatch.setenv(var, value.replace("\0", ""))

@@ -118,12 +118,24 @@ def test_the_report_totals_say_what_they_leave_out(capsys, tmp_path):
                                                         "bwd_filter_algo": "skipped"}
 
 
-def test_tune_says_what_its_curve_leaves_out(capsys, tmp_path):
-    code = main(["tune", str(lost_model(tmp_path)), "--backend", "cpu", "--skip-unknown"])
+def tune(capsys, *argv):
+    code = main(["tune", *argv, "--backend", "cpu", "--skip-unknown"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert out.splitlines()[-1] == f"these figures leave out 1 conv layer(s) that could not be planned " \
-                                   f"(--skip-unknown): 'dec' ({WHY})"
+    return out
+
+
+def test_tune_says_what_its_curve_leaves_out(capsys, tmp_path):
+    path = str(lost_model(tmp_path))
+    assert tune(capsys, path).splitlines()[-1] == f"these figures leave out 1 conv layer(s) that could not be " \
+                                                  f"planned (--skip-unknown): 'dec' ({WHY})"
+    d = json.loads(tune(capsys, path, "--format", "json"))
+    assert d["skipped_layers"] == [{"name": "dec", "reason": WHY}]
+    rows = list(csv.DictReader(io.StringIO(tune(capsys, path, "--format", "csv"))))
+    points, skipped = rows[: len(d["curve"])], rows[len(d["curve"]):]
+    assert [(r["cap_workspace_bytes"], r["skipped_layer"]) for r in points] == [
+        ("" if p["cap_workspace_bytes"] is None else str(p["cap_workspace_bytes"]), "") for p in d["curve"]]
+    assert [{k: v for k, v in r.items() if v} for r in skipped] == [{"skipped_layer": "dec"}]
 
 
 def test_a_report_without_skipped_layers_has_an_empty_list(capsys, tmp_path):

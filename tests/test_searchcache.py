@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 import wsarena
 from wsarena import algos, searchcache
 from wsarena._geometry import conv_geometry
+from wsarena.backends import Candidate
 from wsarena.backends._cpu_backend import CpuBackend
 from wsarena.errors import SearchCacheWarning
 
@@ -221,7 +223,7 @@ def test_an_unreadable_directory_gives_one_warning(cache, monkeypatch):
     def denied(self, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(self))
 
-    monkeypatch.setattr(Path, "read_text", denied)  # what a folder of another user's gives (root reads anything)
+    monkeypatch.setattr(Path, "open", denied)  # what a folder of another user's gives (root reads anything)
     with pytest.warns(SearchCacheWarning, match="cannot read the search cache") as caught:
         search(backend)
     with warnings.catch_warnings(record=True) as later:
@@ -298,7 +300,7 @@ def test_info_and_clear(cache):
 
 def test_info_and_clear_when_off():
     assert searchcache.info() == {"directory": None, "enabled": False, "entries": 0, "size_bytes": 0,
-                                  "unreadable": 0, "environments": []}
+                                  "max_size_bytes": 64 << 20, "unreadable": 0, "environments": []}
     assert searchcache.clear() == {"directory": None, "removed": 0, "freed_bytes": 0}
 
 
@@ -349,3 +351,153 @@ def test_the_cudnn_environment(monkeypatch):
     graph = Cudnn(0)
     graph.api = "graph"  # a backend that can take another API path says which, and the key follows
     assert _search_env.environment(graph)["api"] == "graph"
+
+
+# ------------------------------------------------------------------------------------------------- the size limit
+
+
+class Plain:
+    """The least a backend needs to key the cache; the writers of the concurrent tests use the same."""
+
+    name = "fake"
+
+    def device_key(self):
+        return "writer"
+
+    def search_environment(self):
+        return {"device": "writer"}
+
+
+def put(k, backend=Plain()):
+    """Search (and so save) the call with ``k`` output channels."""
+    geom = conv_geometry((1, 3, 8, 8), (k, 3, 3, 3))
+    searchcache.search(backend, "fwd", geom, [Candidate("a", 0)], lambda: ([Candidate("a", 0, 1.0)], []))
+
+
+def held(k, backend=Plain()):
+    """Whether the cache serves the call with ``k`` output channels (a lookup: nothing is searched or saved)."""
+    def refuse():
+        raise LookupError
+
+    try:
+        searchcache.search(backend, "fwd", conv_geometry((1, 3, 8, 8), (k, 3, 3, 3)), [Candidate("a", 0)], refuse)
+    except LookupError:
+        return False
+    return True
+
+
+def files_by_channels(folder):
+    return {json.loads(p.read_text())["key"]["geometry"]["out_channels"]: p for p in entry_files(folder)}
+
+
+def entries_size(folder):
+    return sum(p.stat().st_size for p in entry_files(folder))
+
+
+@pytest.fixture
+def limit(monkeypatch):
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "16KiB")
+    wsarena._config._reset()
+    return 16 << 10
+
+
+def test_the_size_limit_holds_after_every_write_and_the_least_recently_used_go(cache, limit):
+    written = {}  # k -> modification time of its entry, just written
+    for k in range(1, 401):
+        before = set(entry_files(cache))
+        put(k)
+        (new,) = set(entry_files(cache)) - before
+        written[k] = new.stat().st_mtime_ns
+        assert entries_size(cache) <= limit, k
+    kept = set(files_by_channels(cache))
+    gone = set(written) - kept
+    assert gone and kept
+    assert min(written[k] for k in kept) >= max(written[k] for k in gone)  # the least recently used went first
+    biggest = max(p.stat().st_size for p in entry_files(cache))
+    assert entries_size(cache) >= 0.9 * limit - 10 * biggest  # a trim stops near 90 %: it does not empty the cache
+
+
+def test_writes_list_the_folder_only_when_the_limit_may_be_passed(cache, limit, monkeypatch):
+    listings = []
+    real_scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path: listings.append(path) or real_scandir(path))
+    for k in range(1, 401):
+        put(k)
+    # the first write lists the folder, then one write in (a tenth of the limit / an entry's size) ~ 1 in 5
+    entry = entries_size(cache) / len(entry_files(cache))
+    assert 1 < len(listings) <= 400 * entry / (0.1 * limit) + 2
+
+
+def test_an_entry_read_outlives_entries_last_used_before_it(cache, limit):
+    for k in range(1, 21):
+        put(k)
+    old = time.time() - 7200  # two hours ago, the oldest first
+    for k, path in files_by_channels(cache).items():
+        os.utime(path, (old + k, old + k))
+    algos.cache_clear()
+    assert held(1)  # a restarted job reads the oldest entry: now the most recently used of these twenty
+    assert files_by_channels(cache)[1].stat().st_mtime > time.time() - 60
+    for k in range(100, 400):  # write until a trim removes something
+        put(k)
+        kept = files_by_channels(cache)
+        if len(kept) < 20 + k - 99:
+            break
+    assert 1 in kept and 2 not in kept  # without the read, entry 1 would have been the first to go
+
+
+def test_a_lookup_neither_lists_the_folder_nor_writes_a_fresh_entry(cache, limit, monkeypatch):
+    put(1)
+    path = entry_files(cache)[0]
+    written = path.stat().st_mtime_ns
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a lookup touched the folder")
+
+    monkeypatch.setattr(os, "scandir", refuse)
+    monkeypatch.setattr(os, "utime", refuse)  # read within the hour of its write: nothing to mark
+    assert held(1) and held(1)
+    assert path.stat().st_mtime_ns == written
+
+
+@pytest.mark.parametrize("fault", ["unlink", "scandir"])
+def test_a_cache_that_cannot_be_trimmed_gives_one_warning_and_goes_on(cache, limit, monkeypatch, fault):
+    real = getattr(os, fault)
+
+    def denied(path, *args, **kwargs):
+        if str(cache) in str(path) and not Path(path).name.startswith(".tmp-"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, fault, denied)
+    with pytest.warns(SearchCacheWarning, match="cannot trim the search cache .* to 16 KiB: .*Permission denied") \
+            as caught:
+        for k in range(1, 201):
+            put(k)
+    assert len(caught) == 1
+    assert all(held(k) for k in range(1, 201))  # nothing could be removed; every entry still serves
+
+
+def test_processes_writing_at_once_under_the_limit_leave_a_readable_cache(cache, limit):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}  # the limit and the folder too
+    ranges = [("1", "151", "1.5"), ("51", "201", "2.5"), ("101", "251", "3.5")]
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, *r], env=env, stderr=subprocess.PIPE) for r in ranges]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and not err, err  # no warning: nothing unreadable, nothing untrimmable
+    assert not [p for p in (cache / "search").iterdir() if p.name.startswith(".tmp-")]
+    files = entry_files(cache)
+    biggest = max(p.stat().st_size for p in files)
+    # each process counts what it writes itself; the others' writes since its last listing can pass the limit
+    assert entries_size(cache) <= limit + len(procs) * (limit // 10 + biggest)
+    for path in files:
+        data = json.loads(path.read_text())  # every file whole, one writer's whole result
+        k = data["key"]["geometry"]["out_channels"]
+        times = {e["algo"]: e["time_ms"] for e in data["results"]}
+        assert times["a"] in (1.5, 2.5, 3.5) and times["b"] == times["a"] + k
+    kept = sorted(files_by_channels(cache))
+    assert len(kept) == len(files) < 250 and all(k in range(1, 251) for k in kept)  # trimmed, no two files a call
+    assert all(held(k) for k in kept)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        put(1000)  # this process's first write lists the folder and trims it
+    assert entries_size(cache) <= limit

@@ -1,4 +1,5 @@
-"""Process-wide settings: the workspace cap, the algorithm search, the backend, the cuDNN API path and debug checks.
+"""Process-wide settings: the workspace cap, the algorithm search, the backend, the cuDNN API path, debug checks and
+the search cache's size.
 
 Precedence, lowest first: built-in defaults, environment variables (read once, on first use; an empty one
 means the default), :func:`configure`, and the innermost :func:`config` block of the current thread or task.
@@ -38,7 +39,10 @@ _ENV = {
     "plan_cache_size": "WSARENA_PLAN_CACHE_SIZE",
     "debug": "WSARENA_DEBUG",
     "allocator": "WSARENA_ALLOCATOR",
+    "search_cache_max_size": "WSARENA_SEARCH_CACHE_MAX_SIZE",
 }
+# Settings given in bytes: an int or a size string ("256MiB"), or None ("none").
+_SIZES = ("cap_workspace", "search_cache_max_size")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -67,6 +71,9 @@ class Config:
         Where a device arena made from now on takes its memory: ``"cupy"`` (CuPy's current allocator), ``"torch"``
         (PyTorch's caching allocator), or ``"auto"`` (PyTorch's when PyTorch tensors are the operands of the call
         that makes the arena, else CuPy's).
+    search_cache_max_size : int or None
+        Largest total size, in bytes, of the persistent search cache's entries (:mod:`wsarena.searchcache`); the
+        least recently used go first when a write takes it over. ``None`` for no limit.
     """
 
     cap_workspace: int | None = None
@@ -76,10 +83,16 @@ class Config:
     plan_cache_size: int = 1024
     debug: bool = False
     allocator: str = "auto"
+    search_cache_max_size: int | None = 64 << 20
 
     def __post_init__(self) -> None:
-        if self.cap_workspace is not None:
-            object.__setattr__(self, "cap_workspace", _named_cap(self.cap_workspace))
+        for key in _SIZES:
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, _named_size(key, getattr(self, key)))
+        if self.search_cache_max_size == 0:
+            # ccache reads a zero limit as no limit; refuse it rather than guess which is meant
+            raise ValueError("search_cache_max_size must be at least 1 byte (none for no limit; "
+                             "WSARENA_CACHE_DIR=off turns the cache off)")
         if self.algo_search not in ALGO_SEARCHES:
             raise ValueError(f"algo_search must be one of {ALGO_SEARCHES}, not {self.algo_search!r}")
         if self.backend not in BACKENDS:
@@ -104,12 +117,12 @@ def _parse_cap(value: Any) -> int | None:
     return parse_size(value)
 
 
-def _named_cap(value: Any) -> int | None:
+def _named_size(key: str, value: Any) -> int | None:
     """:func:`_parse_cap`, with the setting's name in the error."""
     try:
         return _parse_cap(value)
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"cap_workspace={value!r}: {exc}") from None
+        raise type(exc)(f"{key}={value!r}: {exc}") from None
 
 
 # The process-wide settings, and the error of each invalid environment variable that nothing has replaced yet.
@@ -117,7 +130,7 @@ _State = tuple[Config, dict[str, str]]
 
 
 def _env_value(key: str, raw: str) -> Any:
-    if key == "cap_workspace":
+    if key in _SIZES:
         return _parse_cap(raw)
     if key == "plan_cache_size":
         try:
@@ -175,8 +188,7 @@ def _replace(base: Config, changes: dict[str, Any]) -> Config:
     unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(Config)})
     if unknown:
         raise TypeError(f"unknown setting(s) {', '.join(map(repr, unknown))}; known: {', '.join(_ENV)}")
-    if "cap_workspace" in changes:
-        changes = {**changes, "cap_workspace": _named_cap(changes["cap_workspace"])}
+    changes = {key: _named_size(key, value) if key in _SIZES else value for key, value in changes.items()}
     return dataclasses.replace(base, **changes)
 
 
@@ -213,8 +225,9 @@ def configure(**changes: Any) -> Config:
     """Change the process-wide settings and return the new :class:`Config`.
 
     Keywords: ``cap_workspace`` (bytes, a size string such as ``"256MiB"``, or ``None``), ``algo_search``,
-    ``backend``, ``cudnn_api``, ``plan_cache_size``, ``debug``, ``allocator``. Invalid values raise and change
-    nothing; so does an invalid environment variable for a setting that ``changes`` leaves to it.
+    ``backend``, ``cudnn_api``, ``plan_cache_size``, ``debug``, ``allocator``, ``search_cache_max_size`` (bytes,
+    a size string or ``None``). Invalid values raise and change nothing; so does an invalid environment variable
+    for a setting that ``changes`` leaves to it.
     """
     global _state
     with _lock:

@@ -90,13 +90,17 @@ def render_curve(t: Any) -> str:
 
 
 def _curve_csv(t: Any) -> str:
+    """One row per point; then, as ``report``'s CSV does, one per conv layer the loader left out: its name in
+    ``skipped_layer`` (empty on the points) and every figure empty, so that the rows show what the curve lacks."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended"])
+    writer.writerow(["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended", "skipped_layer"])
     for q in t.curve:
         cap = "" if q.cap_workspace_bytes is None else q.cap_workspace_bytes
         recommended = "true" if q.cap_workspace_bytes == t.recommended_cap_bytes else "false"
-        writer.writerow([cap, q.arena_bytes, repr(q.step_seconds), repr(q.slowdown), recommended])
+        writer.writerow([cap, q.arena_bytes, repr(q.step_seconds), repr(q.slowdown), recommended, ""])
+    for name, _ in t.uncapped.skipped:
+        writer.writerow(["", "", "", "", "", name])
     return out.getvalue()
 
 
@@ -123,9 +127,11 @@ def cache_output(action: str, fmt: str) -> str:
     where = f"{searchcache.ENV_VAR}" if os.environ.get(searchcache.ENV_VAR, "").strip() else "the user cache folder"
     if action == "clear":
         return f"removed {data['removed']} entries ({format_size(data['freed_bytes'])}) from {data['directory']}\n"
+    cap = data["max_size_bytes"]
+    limit = "no limit" if cap is None else f"limit {format_size(cap)}"
     lines = [
         f"search cache: {data['directory']} (from {where})",
-        f"entries: {data['entries']} ({format_size(data['size_bytes'])})",
+        f"entries: {data['entries']} ({format_size(data['size_bytes'])}; {limit})",
     ]
     if data["unreadable"]:
         lines.append(f"unreadable files (replaced when their call is searched again): {data['unreadable']}")

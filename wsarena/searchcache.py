@@ -17,6 +17,19 @@ or the new one, never part of one, and processes writing at once lose no entry (
 writers of the same call both write complete results). A truncated, corrupt or foreign file is ignored with one
 :class:`~wsarena.errors.SearchCacheWarning` and replaced; a directory that cannot be written gives one warning
 and the process goes on without saving.
+
+Size: the entries' total size stays within the ``search_cache_max_size`` setting (``WSARENA_SEARCH_CACHE_MAX_SIZE``,
+default 64 MiB). A write that takes the folder over it removes the least recently used entries, down to 90 % of
+it, so that the next trim is a tenth of the limit away. "Used" is the file's modification time: a write sets it,
+and a read sets it when it is more than an hour old (as Go's build cache does), so that a lookup costs no write.
+Entries of other wsarena versions, drivers or devices are not removed first: another installation may share the
+folder, and those no one uses become the least recently used anyway. The folder's size is learnt by listing it at
+a process's first write, then kept up to date with what the process writes; it is listed again when that count
+passes the limit. With several processes writing at once, the folder can therefore pass the limit by what the
+others wrote since this one last listed it, until one of them trims. Reads never list the folder. Trimming races
+with the other processes harmlessly: an entry they removed first is gone either way, a write in progress is a
+temporary file that no trim touches (a temporary file an hour old is a killed writer's, and is removed), and a
+reader that finds its entry gone searches again. A trim that cannot remove files gives one warning.
 """
 
 from __future__ import annotations
@@ -26,13 +39,16 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from . import _forksafe
+from ._config import get_config
 from ._search_env import environment
+from ._sizes import format_size
 from .backends import Candidate
 from .errors import SearchCacheWarning
 
@@ -43,12 +59,18 @@ _FORMAT = "wsarena-search-cache"
 _VERSION = 1
 _SUBDIR = "search"
 _TEMP_PREFIX = ".tmp-"
+_MARK_USED_AFTER = 3600.0  # seconds: a read older than this marks the entry used (sets its modification time)
+_STALE_TEMP = 3600.0  # seconds: a temporary file this old is a killed writer's
+_TRIM_TO = 0.9  # a trim leaves the entries at this fraction of the limit
 
 _Results = dict[tuple[str, int | None], tuple[int, float | None]]  # (algo, math type) -> (workspace, ms or None)
 _Measure = Callable[[], tuple[list[Candidate], list[Candidate]]]
 
 _warned: set[tuple[str, str]] = set()
 _warn_lock = _forksafe.lock()  # guards _warned
+# Per search folder: its entries' size when this process last listed it, plus what the process wrote since.
+_known_size: dict[str, int] = {}
+_size_lock = _forksafe.lock()  # guards _known_size (the listing itself runs without it)
 
 
 def cache_dir() -> Path | None:
@@ -123,7 +145,9 @@ def _warn_once(kind: str, where: Path, message: str) -> None:
 def _read(path: Path, key: dict[str, Any]) -> _Results | None:
     """The entry's results, or ``None`` when there is none (or none usable: then one warning says why)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            modified = os.fstat(f.fileno()).st_mtime
+            text = f.read().decode("utf-8")
     except (FileNotFoundError, NotADirectoryError):
         return None
     except UnicodeDecodeError as exc:
@@ -133,11 +157,16 @@ def _read(path: Path, key: dict[str, Any]) -> _Results | None:
         _warn_once("read", path.parent, f"cannot read the search cache in {path.parent}: {exc}; searching afresh")
         return None
     try:
-        data = json.loads(text)
-        return _parse(data, key)
+        results = _parse(json.loads(text), key)
     except (ValueError, TypeError, KeyError) as exc:
         _warn_once("read", path, f"ignoring the search cache file {path}: {exc}; it will be replaced")
         return None
+    if time.time() - modified > _MARK_USED_AFTER:
+        try:
+            os.utime(path)  # used now: the last to go when the cache is trimmed
+        except OSError:  # a folder this process may read but not write: nothing to mark, nothing it trims
+            pass
+    return results
 
 
 def _parse(data: Any, key: dict[str, Any]) -> _Results:
@@ -165,24 +194,99 @@ def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
         {"algo": algo, "math_type": math, "workspace_bytes": nbytes, "time_ms": ms}
         for (algo, math), (nbytes, ms) in results.items()
     ]
-    text = json.dumps({"format": _FORMAT, "version": _VERSION, "key": key, "results": entries}, indent=1)
+    data = json.dumps({"format": _FORMAT, "version": _VERSION, "key": key, "results": entries}, indent=1).encode()
     folder = path.parent
     tmp: str | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=_TEMP_PREFIX, suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
         tmp = None
     except OSError as exc:
         _warn_once("write", folder, f"cannot save to the search cache in {folder}: {exc}; going on without saving")
+        return
     finally:
         if tmp is not None:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+    _written(folder, len(data))
+
+
+def _written(folder: Path, nbytes: int) -> None:
+    """Count ``nbytes`` just written to ``folder``; trim it when its size as this process knows it passes the limit.
+
+    A replaced entry counts in full, so the count can only run ahead of the folder's size: a trim comes early,
+    never late.
+    """
+    limit = get_config().search_cache_max_size
+    if limit is None:
+        return
+    where = str(folder)
+    with _size_lock:
+        known = _known_size.get(where)
+        if known is not None:
+            _known_size[where] = known + nbytes
+            if known + nbytes <= limit:
+                return
+    target = int(limit * _TRIM_TO)
+    try:
+        size, failure = _trim(folder, limit, target)
+    except OSError as exc:  # the folder cannot be listed
+        size, failure = limit + 1, exc
+    if size > limit:
+        _warn_once("trim", folder, f"cannot trim the search cache in {folder} to {format_size(limit)}: {failure}; "
+                                   "it may grow past that")
+        size = target  # try again once another tenth of the limit is written, not at every write
+    with _size_lock:
+        _known_size[where] = size
+
+
+def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
+    """Remove the least recently used entries of ``folder`` when they pass ``limit``, down to ``target`` bytes.
+
+    Returns the entries' size after it and the first error that kept an entry from being removed (``None`` when
+    none did). Raises ``OSError`` when the folder cannot be listed.
+    """
+    now = time.time()
+    entries: list[tuple[float, str, int]] = []  # (last used, name, size)
+    total = 0
+    failure: OSError | None = None
+    with os.scandir(folder) as listing:
+        for item in listing:
+            if not item.name.endswith(".json"):
+                continue
+            try:
+                st = item.stat()
+                if item.name.startswith(_TEMP_PREFIX):
+                    if now - st.st_mtime > _STALE_TEMP:
+                        os.unlink(item.path)
+                    continue
+            except FileNotFoundError:  # renamed or removed by another process meanwhile
+                continue
+            except OSError as exc:
+                failure = failure or exc
+                continue
+            entries.append((st.st_mtime, item.name, st.st_size))
+            total += st.st_size
+    if total <= limit:
+        return total, failure
+    entries.sort()
+    for _, name, nbytes in entries:
+        if total <= target:
+            break
+        try:
+            os.unlink(folder / name)
+        except FileNotFoundError:  # another process's trim removed it first
+            pass
+        except OSError as exc:
+            failure = failure or exc
+            continue
+        total -= nbytes
+    return total, failure
 
 
 def _entry_files(root: Path) -> list[Path]:
@@ -194,14 +298,16 @@ def _entry_files(root: Path) -> list[Path]:
 
 
 def info() -> dict[str, Any]:
-    """What ``wsarena cache info`` shows: the directory, the entries and their size, and per environment
-    (backend, device, wsarena version, API path) how many entries it has.
+    """What ``wsarena cache info`` shows: the directory, the entries and their size, the size they are kept
+    within (``None``: no limit), and per environment (backend, device, wsarena version, API path) how many entries
+    it has.
 
     Raises ``OSError`` when the directory cannot be listed.
     """
     root = cache_dir()
     out: dict[str, Any] = {"directory": None if root is None else str(root), "enabled": root is not None,
-                           "entries": 0, "size_bytes": 0, "unreadable": 0, "environments": []}
+                           "entries": 0, "size_bytes": 0, "max_size_bytes": get_config().search_cache_max_size,
+                           "unreadable": 0, "environments": []}
     if root is None:
         return out
     groups: dict[tuple, int] = {}
