@@ -2,6 +2,7 @@
 
     python bench/reliability_campaign.py [--storm-processes 25] [--storm-seconds 1] [--forks 100]
                                          [--exit-repeats 10] [--load-threads 8] [--load-rounds 40]
+                                         [--fuzz-examples 3000] [--only storms,forks,faults,load,exits,fuzzing]
 
 Interrupt storms (``tests/scripts/storm.py``, every mode and signal source, in child processes): interrupts
 delivered, errors other than KeyboardInterrupt, leases left live, lanes not usable afterwards. Fork while busy
@@ -9,7 +10,9 @@ delivered, errors other than KeyboardInterrupt, leases left live, lanes not usab
 (``tests/test_reliability_faults.py``): a provider failing its n-th allocation for every n of a ResNet-50-like
 forward and backward run, and a MemoryError in the k-th algorithm run for every k. Load
 (``tests/test_reliability_load.py``, debug mode): calls, overlaps found, results unequal to the serial run, resident
-memory growth after the first round. Process exits (``tests/scripts/exit.py``): processes, unclean ones.
+memory growth after the first round. Process exits (``tests/scripts/exit.py``): processes, unclean ones. Fuzzing
+(``tests/test_fuzz_ops.py`` and ``tests/test_fuzz_inputs.py`` with ``WSARENA_FUZZ_EXAMPLES`` inputs per test, counted by
+``tests/fuzz_tally.py``): inputs tried, refused, refused as documented, and failed tests (an escape fails its test).
 """
 
 from __future__ import annotations
@@ -142,6 +145,26 @@ def exits(repeats: int) -> dict[str, int]:
     return totals
 
 
+def fuzzing(examples: int) -> dict[str, int]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        tally = Path(folder) / "tally.jsonl"
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz_ops.py",
+             "tests/test_fuzz_inputs.py"],
+            capture_output=True, text=True, cwd=ROOT, check=False,
+            env=child_env(WSARENA_FUZZ_EXAMPLES=str(examples), WSARENA_FUZZ_TALLY=str(tally)),
+        )
+        areas = [json.loads(line) for line in tally.read_text().splitlines()]
+    if done.returncode != 0:
+        print(done.stdout[-4000:], file=sys.stderr)
+    tried, refused = sum(a["tried"] for a in areas), sum(a["refused"] for a in areas)
+    documented = sum(a["refused as documented"] for a in areas)
+    return {"areas": len(areas), "tried": tried, "refused": refused, "refused_as_documented": documented,
+            "failed_tests": done.stdout.count("FAILED ")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--storm-processes", type=int, default=25)
@@ -150,15 +173,25 @@ def main() -> None:
     parser.add_argument("--exit-repeats", type=int, default=10)
     parser.add_argument("--load-threads", type=int, default=8)
     parser.add_argument("--load-rounds", type=int, default=40)
+    parser.add_argument("--fuzz-examples", type=int, default=3000)
+    parser.add_argument("--only", default="storms,forks,faults,load,exits,fuzzing",
+                        help="the campaigns to run, comma-separated (default: all)")
     args = parser.parse_args()
-    rows = {
-        "interrupt storms": storms(args.storm_processes, args.storm_seconds),
-        "fork while busy": forks(args.forks),
-        "injected faults": faults(),
-        "load (debug mode)": load(args.load_threads, args.load_rounds),
-        "process exits": exits(args.exit_repeats),
+    campaigns = {
+        "storms": ("interrupt storms", lambda: storms(args.storm_processes, args.storm_seconds)),
+        "forks": ("fork while busy", lambda: forks(args.forks)),
+        "faults": ("injected faults", faults),
+        "load": ("load (debug mode)", lambda: load(args.load_threads, args.load_rounds)),
+        "exits": ("process exits", lambda: exits(args.exit_repeats)),
+        "fuzzing": ("fuzzing", lambda: fuzzing(args.fuzz_examples)),
     }
-    for name, figures in rows.items():
+    chosen = args.only.split(",")
+    unknown = set(chosen) - set(campaigns)
+    if unknown:
+        parser.error(f"unknown campaign(s) {', '.join(sorted(unknown))}; known: {', '.join(campaigns)}")
+    for key in chosen:
+        name, run = campaigns[key]
+        figures = run()
         print(f"{name:<20} " + "  ".join(f"{key}={value}" for key, value in figures.items()), flush=True)
 
 

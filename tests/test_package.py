@@ -23,8 +23,9 @@ def test_the_contract_names_exist():
 
 
 def test_import_is_light():
-    """`import wsarena` loads neither libcudnn nor CuPy nor any other array library, so it works (and is quick)
-    anywhere; nor does a NumPy convolution import PyTorch or JAX."""
+    """`import wsarena` loads neither libcudnn nor CuPy nor any array library but NumPy (the CPU path's, imported
+    with the package so that a fork never cuts its import in half), so it works anywhere; nor does a NumPy
+    convolution import PyTorch or JAX."""
     code = (
         "import sys, wsarena\n"
         "maps = open('/proc/self/maps').read()\n"

@@ -29,13 +29,15 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+# The ops and their CPU path (arena, backend, algorithms, search cache) are imported here, not on first use: a
+# thread importing a module holds that module's import lock, and a child forked meanwhile (multiprocessing's fork
+# start method, while other threads run their first convolution) would find the lock held for ever and the
+# module half made. NumPy comes with them; CuPy, PyTorch, JAX and libcudnn are still loaded only when used.
+from .arena import Arena, get_arena
+from .ops import conv_backward_data, conv_backward_filter, conv_forward
+
 # Names served from submodules on first use, so that `import wsarena` stays light and never loads libcudnn.
 _LAZY = {
-    "Arena": "wsarena.arena",
-    "get_arena": "wsarena.arena",
-    "conv_forward": "wsarena.ops",
-    "conv_backward_data": "wsarena.ops",
-    "conv_backward_filter": "wsarena.ops",
     "ConvLayer": "wsarena.models",
     "load_model": "wsarena.models",
     "Plan": "wsarena.planner",

@@ -45,6 +45,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+try:  # imported with wsarena, not on first use (see wsarena/__init__.py)
+    import platformdirs
+except ImportError:  # an install made without dependencies
+    platformdirs = None  # type: ignore[assignment]
+
 from . import _forksafe
 from ._config import get_config
 from ._search_env import environment
@@ -80,9 +85,7 @@ def cache_dir() -> Path | None:
         return None
     if raw:
         return Path(raw).expanduser()
-    try:
-        import platformdirs
-    except ImportError:  # an install made without dependencies: the XDG rule, which platformdirs follows on Linux
+    if platformdirs is None:  # an install made without dependencies: the XDG rule, which platformdirs follows on Linux
         return Path(os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache") / "wsarena"
     return Path(platformdirs.user_cache_dir("wsarena", appauthor=False))
 

@@ -6,12 +6,17 @@ KIND: ``host`` (the cpu arena, convolutions) or ``device`` (an arena keyed by CU
 provider reports any double or foreign free, installed as device 0). CASE: ``live_lease`` (a lease never
 released), ``threads_mid_call`` (daemon threads in the middle of leases and convolutions), ``after_close`` (the
 arena closed, a new one made), ``exception`` (a ValueError propagates out of a lease, uncaught), ``interrupt``
-(KeyboardInterrupt propagates out of a convolution, uncaught), ``exit_in_lease`` (``sys.exit(3)`` inside a lease).
-Prints ``usable N/N`` (lanes that served another thread) before the process ends.
+(KeyboardInterrupt propagates out of a convolution, uncaught), ``exit_in_lease`` (``sys.exit(3)`` inside a lease),
+``lock_held`` (a daemon thread holds the arena's lock, as a thread stopped inside its bookkeeping would).
+Prints ``usable N/N`` (lanes that served another thread) before the process ends. For ``device``, an exit handler
+that runs after wsarena's (registered before the first device arena, as CuPy's are) prints ``after exit: N held``
+(device buffers not given back to the provider) and what a lease on a new stream got then (``refused: REASON`` or
+``granted``); with ``lock_held`` only ``after exit`` (wsarena's handler leaves an arena whose lock it cannot take).
 """
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -23,9 +28,31 @@ from wsarena.arena import Arena, get_arena, set_arena
 from wsarena.arena.testing import RecordingProvider
 
 CASE, KIND = sys.argv[1], sys.argv[2]
+providers: list[RecordingProvider] = []
+
+
+def device_arena() -> Arena:
+    providers.append(RecordingProvider(device_id=0))
+    set_arena(0, Arena(providers[-1]))
+    return get_arena(0)
+
+
+def after_exit() -> None:
+    if CASE == "lock_held":
+        print("after exit", flush=True)
+        return
+    held = sum(len(provider.held) for provider in providers)
+    try:
+        with arena.lease(4096, stream=9):
+            lease = "granted"
+    except RuntimeError as exc:
+        lease = f"refused: {exc}"
+    print(f"after exit: {held} held, lease {lease}", flush=True)
+
+
 if KIND == "device":
-    set_arena(0, Arena(RecordingProvider(device_id=0)))
-    arena, lanes = get_arena(0), [3, 4, None]
+    atexit.register(after_exit)  # before wsarena registers its own, so it runs after it
+    arena, lanes = device_arena(), [3, 4, None]
 else:
     arena, lanes = get_arena("cpu"), ["a", "b", None]
 x = np.random.default_rng(0).standard_normal((2, 4, 10, 10)).astype(np.float32)
@@ -56,8 +83,18 @@ if CASE == "live_lease":
     lanes = lanes[1:]  # the held lane waits for its lease, which outlives the process
     report()
 elif CASE == "threads_mid_call":
+
+    def churn(lane: object) -> None:
+        while True:
+            try:
+                work(lane)
+            except RuntimeError:
+                if arena.closed:  # a device arena released at exit refuses leases: this thread's work is over
+                    return
+                raise
+
     for lane in ("t1", "t2") if KIND == "host" else (5, 6):
-        threading.Thread(target=lambda lane=lane: [work(lane) for _ in iter(int, 1)], daemon=True).start()
+        threading.Thread(target=churn, args=(lane,), daemon=True).start()
     time.sleep(0.05)
     report()
 elif CASE == "after_close":
@@ -67,9 +104,7 @@ elif CASE == "after_close":
         raise AssertionError("a closed arena leased")
     except RuntimeError:
         pass
-    if KIND == "device":
-        set_arena(0, Arena(RecordingProvider(device_id=0)))
-    arena = get_arena(0 if KIND == "device" else "cpu")
+    arena = device_arena() if KIND == "device" else get_arena("cpu")
     report()
 elif CASE == "exception":
     report()
@@ -83,3 +118,14 @@ elif CASE == "exit_in_lease":
     report()
     with arena.lease(4096, stream=lanes[0]):
         sys.exit(3)
+elif CASE == "lock_held":
+    report()
+    taken = threading.Event()
+
+    def hold() -> None:
+        arena._lock.acquire()
+        taken.set()
+        threading.Event().wait()
+
+    threading.Thread(target=hold, daemon=True).start()
+    taken.wait(10)

@@ -8,7 +8,10 @@ and exits 0. ``held``: at each fork one thread holds a lease on a lane (inside i
 growing a second lane (its allocation waits); the child leases both lanes. ``device``: a device arena (host memory
 standing in for a GPU's) holds a live lease and a reserved stream at the fork; the child must not give the parent's
 buffers to the provider (not in trim, close, collection or exit), and leases and ``get_arena(0)`` say why they
-cannot be had. A child that has not exited within 10 s is killed and counted as a hang.
+cannot be had. ``first``: in this fresh process (``import wsarena`` done, no convolution yet), four threads start
+their first convolution and the process forks FORKS times at once, 1 ms apart, while they are inside it (the first
+call is where modules imported on first use would be imported); each child runs one convolution, checks it against
+the float64 reference and exits 0. A child that has not exited within 10 s is killed and counted as a hang.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ rng = np.random.default_rng(0)
 x = rng.standard_normal((2, 8, 12, 12)).astype(np.float32)
 w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32)
 LANES = ["L0", "L1", "L2", "L3", None]
+if SCENARIO == "first":
+    from tests.reference import ref_conv_forward  # NumPy only: the process makes no convolution before the forks
+
+    reference = ref_conv_forward(x, w, padding=1)
 
 
 def convolve(lane: object) -> np.ndarray:
@@ -39,7 +46,12 @@ def convolve(lane: object) -> np.ndarray:
     return wsarena.conv_backward_data(y, w, input_shape=x.shape, padding=1, stream=lane)
 
 
-expected = convolve(None)
+expected = convolve(None) if SCENARIO != "first" else None
+
+
+def child_first() -> int:
+    y = wsarena.conv_forward(x, w, padding=1)
+    return 0 if np.abs(y - reference).max() <= 1e-5 * np.abs(reference).max() else 1
 
 
 def child_busy() -> int:
@@ -125,6 +137,33 @@ def run_child(body: object, *args: object) -> None:
     os._exit(code)
 
 
+def _wait(pid: int, deadline: float) -> tuple[bool, int]:
+    """(hung, exit status) of child ``pid``, killed if still running at ``deadline``."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False, status
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return True, 0
+        time.sleep(0.002)
+
+
+def _fork_at_once() -> tuple[int, int, int]:
+    """FORKS children 1 ms apart, from the moment the threads start, then wait for them all."""
+    pids = []
+    for _ in range(FORKS):
+        pid = os.fork()
+        if pid == 0:
+            run_child(child_first)
+        pids.append(pid)
+        time.sleep(0.001)
+    deadline = time.monotonic() + 10
+    results = [_wait(pid, deadline) for pid in pids]
+    return len(pids), sum(h for h, _ in results), sum(code != 0 for h, code in results if not h)
+
+
 def main() -> dict[str, object]:
     stop = threading.Event()
     threads: list[threading.Thread] = []
@@ -157,40 +196,36 @@ def main() -> dict[str, object]:
 
         provider.slow = True
         threads = [threading.Thread(target=hold), threading.Thread(target=grow)]
-    else:
+    elif SCENARIO == "device":
         arena = Arena(Recording())
         set_arena(0, arena)
         live = arena.lease(4096, stream=3).__enter__()
         arena.reserve(1 << 20, stream=4)
+    else:
+        threads = [threading.Thread(target=convolve, args=(lane,)) for lane in LANES[:4]]
     for thread in threads:
         thread.start()
-    time.sleep(0.05)
-    forks = hangs = failed = 0
-    for _ in range(FORKS):
-        if provider is not None:
-            provider.gate.clear()
-            threading.Timer(0.003, provider.gate.set).start()
-        pid = os.fork()
-        if pid == 0:
-            if SCENARIO == "busy":
-                run_child(child_busy)
-            elif SCENARIO == "held":
-                run_child(child_held, arena, provider)
-            else:
-                run_child(child_device, arena)
-        forks += 1
-        deadline = time.monotonic() + 10
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                failed += status != 0
-                break
-            if time.monotonic() > deadline:
-                hangs += 1
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                break
-            time.sleep(0.002)
+    if SCENARIO == "first":
+        forks, hangs, failed = _fork_at_once()
+    else:
+        time.sleep(0.05)
+        forks = hangs = failed = 0
+        for _ in range(FORKS):
+            if provider is not None:
+                provider.gate.clear()
+                threading.Timer(0.003, provider.gate.set).start()
+            pid = os.fork()
+            if pid == 0:
+                if SCENARIO == "busy":
+                    run_child(child_busy)
+                elif SCENARIO == "held":
+                    run_child(child_held, arena, provider)
+                else:
+                    run_child(child_device, arena)
+            forks += 1
+            hung, code = _wait(pid, time.monotonic() + 10)
+            hangs += hung
+            failed += code != 0
     stop.set()
     if provider is not None:
         provider.slow = False

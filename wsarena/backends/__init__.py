@@ -165,8 +165,6 @@ def get_backend(name: str, api: str | None = None) -> Backend:
     with _lock:
         if key not in _backends:
             if name == "cpu":
-                from ._cpu_backend import CpuBackend
-
                 _backends[key] = CpuBackend()
             elif key == "cudnn":
                 from ._cudnn_backend import CudnnBackend
@@ -214,3 +212,8 @@ def reset_backends() -> None:
     """Forget the backends built so far, and with them what they cached (the cuDNN descriptor sets); for tests."""
     with _lock:
         _backends.clear()
+
+
+# Imported with the package, not on first use, like the rest of the CPU convolution path (see wsarena/__init__.py);
+# last, because it builds on the names above.
+from ._cpu_backend import CpuBackend

@@ -15,8 +15,10 @@ How each offset's GEMM is shaped decides the speed:
 
 NumPy's ``matmul`` cannot accumulate into its output, so every offset after the first makes one temporary no
 larger than the pass's output (the valid region of ``y`` or ``dx``) and adds it in place; gathered blocks and
-the filter gradient's partial products are bounded by ``max(output, SMALL_TEMP)`` elements per step. These
-temporaries are NumPy's, not the arena's, and do not depend on what workspace the other algorithms need.
+the filter gradient's partial products are sized against a budget (``SMALL_TEMP``, or half of ``dw``). A
+step's temporaries are dropped before the next step makes its own, so the peak is one step's:
+:func:`scratch_elements` gives it per pass. These temporaries are NumPy's, not the arena's, and do not
+depend on what workspace the other algorithms need.
 
 The price of having no column matrix: the output is read and written once per kernel offset, so layers with
 few input channels and a large kernel (a 7x7 RGB stem) run several times slower than with im2col.
@@ -31,7 +33,7 @@ import numpy as np
 
 from ._cpu_lowering import Plan, act_view, blocks, merge_pixels, strided, weight_view
 
-__all__ = ["backward_data", "backward_filter", "forward"]
+__all__ = ["backward_data", "backward_filter", "forward", "scratch_elements"]
 
 # In the row-by-row fallback, a few broadcast multiply-adds beat one BLAS call per (pixel row, group) when the
 # reduction is tiny and the GEMMs many. Cost model: an elementwise pass costs about 3 ns per output element,
@@ -161,41 +163,44 @@ def _box(root: np.ndarray, ap: np.ndarray, lo: tuple[int, ...], hi: tuple[int, .
             np.add(d, tv, out=d)
         else:
             np.copyto(d, tv)
+        del troot, t, tv  # the next chunk's product is not made while this one's is alive
 
 
 def _gathered(srcs: list[np.ndarray], wmats: list[np.ndarray], dst: np.ndarray, accumulate: bool, limit: int) -> None:
     """``dst (+)= sum_i wmats[i] @ srcs[i]`` for views ``(*pix, G, Mi)`` that BLAS cannot read.
 
     Neither matrix axis of a strided NCHW view (stride > 1) has unit stride, and NumPy's ``matmul`` would
-    fall back to its slow non-BLAS loop. So blocks of pixel rows of every source are copied side by side
-    into a contiguous ``(G, sum Mi, pixels)`` temporary and multiplied with one GEMM per group against the
-    filters concatenated along their input channels. Gathering several kernel offsets that share ``dst``
-    (the same valid output region) makes one longer GEMM and one pass over the output instead of several:
-    what keeps a 7x7 stem with 3 input channels from touching its output 49 times. Blocks are sized so the
-    copy and the product together stay within ``limit`` elements (at least one row).
+    fall back to its slow non-BLAS loop. So blocks of pixels of every source are copied side by side into a
+    contiguous ``(G, sum Mi, pixels)`` temporary and multiplied with one GEMM per group against the filters
+    concatenated along their input channels. Gathering several kernel offsets that share ``dst`` (the same
+    valid output region) makes one longer GEMM and one pass over the output instead of several: what keeps
+    a 7x7 stem with 3 input channels from touching its output 49 times. Blocks (whole rows where one fits)
+    are sized so the copy and the product together stay within ``limit`` elements (at least one pixel); a
+    block's temporaries are dropped before the next block's are made.
     """
     src0 = srcs[0]
     npix = src0.ndim - 2
     g, mo = src0.shape[-2], dst.shape[-1]
     mis = [s.shape[-1] for s in srcs]
     mi = sum(mis)
-    row = src0.shape[npix - 1]
     wcat = np.concatenate(wmats, axis=-1) if len(wmats) > 1 else _blas_operand(wmats[0])  # (G, Mo, sum Mi)
-    for sel in blocks(src0.shape[: npix - 1], max(1, limit // ((mi + mo) * g * row))):
+    for sel in blocks(src0.shape[:npix], max(1, limit // ((mi + mo) * g))):
         d = dst[sel]
-        lead = d.shape[: npix - 1]
-        buf = np.empty((g, mi, math.prod(lead) * row), dtype=dst.dtype)
+        pix = d.shape[:npix]
+        buf = np.empty((g, mi, math.prod(pix)), dtype=dst.dtype)
         start = 0
         for s, m in zip(srcs, mis):
-            part = buf[:, start : start + m].reshape(g, m, *lead, row)
+            part = buf[:, start : start + m].reshape(g, m, *pix)
             np.copyto(np.moveaxis(part, (0, 1), (-2, -1)), s[sel])
             start += m
         t = np.matmul(wcat, buf)  # (G, Mo, pixels): one GEMM per group
-        tv = np.moveaxis(t.reshape(g, mo, *lead, row), (0, 1), (-2, -1))
+        del buf, part
+        tv = np.moveaxis(t.reshape(g, mo, *pix), (0, 1), (-2, -1))
         if accumulate:
             np.add(d, tv, out=d)
         else:
             np.copyto(d, tv)
+        del t, tv
 
 
 def _unit(a: np.ndarray, layout: str) -> int:
@@ -224,18 +229,10 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
     if not unit_stride and g.layout == "NCHW" and p.cg > 1:
         # Strided NCHW rows must be gathered anyway: gather the offsets that share an output region
         # together (at most _GATHER_CHANNELS input channels per GEMM).
-        shared: dict[tuple, list] = {}
-        for off in p.offsets:
-            if not off.empty:
-                shared.setdefault((off.lo, off.hi), []).append(off)
-        per = max(1, _GATHER_CHANNELS // p.cg)
-        for k, offs in enumerate(shared.values()):
-            for j in range(0, len(offs), per):
-                part = offs[j : j + per]
-                srcs = [xp[(slice(None), *o.inp)] for o in part]
-                wks = [wv[(Ellipsis, *o.index)] for o in part]
-                acc = not (started and k == 0 and j == 0)
-                _gathered(srcs, wks, yp[(slice(None), *part[0].out)], acc, SMALL_TEMP)
+        for k, part in enumerate(_gather_groups(p)):
+            srcs = [xp[(slice(None), *o.inp)] for o in part]
+            wks = [wv[(Ellipsis, *o.index)] for o in part]
+            _gathered(srcs, wks, yp[(slice(None), *part[0].out)], not (started and k == 0), SMALL_TEMP)
         return
     for i, off in enumerate(p.offsets):
         if off.empty:
@@ -282,14 +279,15 @@ def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> N
     smaller temporary per row:
 
     - products: one GEMM per row, ``(block, G, Kg, Cg)`` partial products summed into ``dw[..., offset]``;
-    - gathered: the block's rows of ``dy`` and ``x`` copied side by side into contiguous ``(G, Kg, block*L)``
-      and ``(G, block*L, Cg)`` temporaries, one GEMM contracting over all of them. Always used when the
-      ``x`` rows are no BLAS operand (NCHW with stride > 1).
+    - gathered: the block's pixels of ``dy`` and ``x`` (whole rows where they fit) copied side by side into
+      contiguous ``(G, Kg, P)`` and ``(G, P, Cg * n)`` temporaries, one GEMM contracting over all of them.
+      Always used when the ``x`` rows are no BLAS operand (NCHW with stride > 1).
 
-    Blocks are sized so each step's temporaries stay within ``max(dw.size / 2, SMALL_TEMP)`` elements (plus
-    one ``dw/kprod`` sum), at least one row: a small filter (a 7x7 stem's ``dw`` is 9408 elements) must not
-    force one GEMM per pixel row. In NCHW with stride > 1, offsets that read the same ``dy`` rows are
-    gathered together (:func:`_filter_groups`), so ``dy`` is copied once per group rather than per offset.
+    Blocks are sized so each step's copies or products stay within ``max(dw.size / 2, SMALL_TEMP)`` elements
+    (plus the ``n * dw / kprod`` product of the ``n`` offsets gathered together), at least one row of
+    products or one pixel of copies: a small filter (a 7x7 stem's ``dw`` is 9408 elements) must not force one
+    GEMM per pixel row. In NCHW with stride > 1, offsets that read the same ``dy`` rows are
+    gathered together (:func:`_gather_groups`), so ``dy`` is copied once per group rather than per offset.
     Depthwise (one channel per group) uses ``einsum``, which makes no temporary.
     """
     g = p.geom
@@ -300,7 +298,7 @@ def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> N
         if off.empty:
             at: tuple[Any, ...] = (Ellipsis, *off.index)
             wv[at] = 0
-    for offs in _filter_groups(p):
+    for offs in _gather_groups(p):
         dwks = [wv[(Ellipsis, *o.index)] for o in offs]  # (G, Kg, Cg) views into dw
         dys = dyp[(slice(None), *offs[0].out)]
         xss = [xp[(slice(None), *o.inp)] for o in offs]
@@ -311,41 +309,47 @@ def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> N
             pix = "abcd"[:npix]  # summed over: images and pixels
             np.einsum(f"{pix}gk,{pix}g->gk", dys, xss[0][..., 0], out=dwks[0][..., 0])
             continue
-        a = np.moveaxis(dys, npix - 1, -1)  # (*lead, G, Kg, L)
-        bs = [np.moveaxis(xs, npix - 1, -2) for xs in xss]  # (*lead, G, L, Cg) each
-        lead, length, nl, ng = a.shape[: npix - 1], a.shape[-1], npix - 1, len(offs)
-        blas_b = bs[0].strides[-1] == bs[0].itemsize or bs[0].strides[-2] == bs[0].itemsize
+        lead, length, nl, ng = dys.shape[: npix - 1], dys.shape[npix - 1], npix - 1, len(offs)
+        blas_b = xss[0].strides[-1] == xss[0].itemsize or xss[0].strides[npix - 1] == xss[0].itemsize
         gather = ng > 1 or not blas_b or length * (kg + cg) < kg * cg
-        per_row = G * (length * (kg + cg * ng) if gather else kg * cg)
+        budget = max(dw.size // 2, SMALL_TEMP)
+        if gather:  # blocks of pixels (whole rows where one fits), G * (Kg + Cg * ng) elements each
+            steps = blocks(dys.shape[:npix], max(1, budget // (G * (kg + cg * ng))))
+        else:  # blocks of rows, each row's product G * Kg * Cg elements
+            a = np.moveaxis(dys, npix - 1, -1)  # (*lead, G, Kg, L)
+            b = np.moveaxis(xss[0], npix - 1, -2)  # (*lead, G, L, Cg)
+            steps = blocks(lead, max(1, budget // (G * kg * cg)))
         first = True
-        for sel in blocks(lead, max(1, max(dw.size // 2, SMALL_TEMP) // per_row)):
-            ab = a[sel]
+        for sel in steps:
             if gather:
-                rows = math.prod(ab.shape[:nl])
-                ac = np.empty((G, kg, rows * length), dtype=dw.dtype)
-                np.copyto(np.moveaxis(ac.reshape(G, kg, *ab.shape[:nl], length), (0, 1), (nl, nl + 1)), ab)
-                bc = np.empty((G, rows * length, cg * ng), dtype=dw.dtype)
-                for j, b in enumerate(bs):
-                    view = bc[:, :, j * cg : (j + 1) * cg].reshape(G, *ab.shape[:nl], length, cg)
-                    np.copyto(np.moveaxis(view, 0, nl), b[sel])
+                dyb = dys[sel]  # (*pix, G, Kg)
+                pix = dyb.shape[:npix]
+                ac = np.empty((G, kg, math.prod(pix)), dtype=dw.dtype)
+                np.copyto(np.moveaxis(ac.reshape(G, kg, *pix), (0, 1), (npix, npix + 1)), dyb)
+                bc = np.empty((G, math.prod(pix), cg * ng), dtype=dw.dtype)
+                for j, xs in enumerate(xss):
+                    view = bc[:, :, j * cg : (j + 1) * cg].reshape(G, *pix, cg)
+                    np.copyto(np.moveaxis(view, 0, npix), xs[sel])
                 part = np.matmul(ac, bc)  # (G, Kg, Cg * ng): every offset of the group at once
+                del ac, bc, view  # before the next block's copies are made
             else:
-                part = np.matmul(ab, bs[0][sel]).sum(axis=tuple(range(nl)))  # (G, Kg, Cg)
+                part = np.matmul(a[sel], b[sel]).sum(axis=tuple(range(nl)))  # (G, Kg, Cg)
             for j, dwk in enumerate(dwks):
                 pj = part[:, :, j * cg : (j + 1) * cg]
                 if first:
                     np.copyto(dwk, pj)
                 else:
                     np.add(dwk, pj, out=dwk)
+            del part, pj
             first = False
 
 
-def _filter_groups(p: Plan) -> list[list]:
-    """The non-empty offsets, grouped for :func:`backward_filter`.
+def _gather_groups(p: Plan) -> list[list]:
+    """The non-empty offsets, grouped for :func:`forward` and :func:`backward_filter`.
 
-    NCHW rows read with stride > 1 must be gathered; offsets that read the same ``dy`` region (same valid
-    outputs) are then gathered together, ``dy`` once for all of them, up to ``_GATHER_CHANNELS`` input
-    channels. Otherwise every offset is its own group.
+    NCHW rows read with stride > 1 must be gathered; offsets that read the same region of the output
+    (same valid outputs) are then gathered together, up to ``_GATHER_CHANNELS`` input channels, so one GEMM
+    covers them all. Otherwise every offset is its own group.
     """
     offsets = [o for o in p.offsets if not o.empty]
     g = p.geom
@@ -356,3 +360,34 @@ def _filter_groups(p: Plan) -> list[list]:
         shared.setdefault((o.lo, o.hi), []).append(o)
     per = max(1, _GATHER_CHANNELS // p.cg)
     return [offs[j : j + per] for offs in shared.values() for j in range(0, len(offs), per)]
+
+
+def scratch_elements(pass_: str, p: Plan) -> int:
+    """The most elements of NumPy temporaries ``pass_`` holds at once on ``p``: the figure ``cpu.py`` documents.
+
+    With ``F = K * Cg`` (one kernel offset's filter) and ``n`` the most kernel offsets one gathered GEMM
+    takes (1 unless strided NCHW):
+
+    - ``fwd``: ``y + F``; strided NCHW with ``Cg > 1`` (gathered rows) ``n * F + max(SMALL_TEMP, n * C + K)``;
+    - ``bwd_data``: ``min(dx, N * C * oprod) + F`` (with a stride, one offset reaches a fraction of ``dx``);
+    - ``bwd_filter``: ``max(dw / 2, SMALL_TEMP, F, K + n * C) + n * F``; depthwise (``Cg == 1``) 0.
+
+    ``F`` in the first two is the contiguous copy of a filter slice BLAS cannot read (NCHW, a kernel larger
+    than one element), else 0. Every step drops its temporaries before the next step makes its own, so
+    these are peaks, not sums over steps. NumPy's iterator buffers (a few of ``numpy.getbufsize()``
+    elements in a ufunc on strided operands) come on top.
+    """
+    g = p.geom
+    f = g.out_channels * p.cg
+    copy = f if g.layout == "NCHW" and p.kprod > 1 else 0
+    n = max((len(offs) for offs in _gather_groups(p)), default=1)
+    if pass_ == "bwd_filter":
+        if p.cg == 1:
+            return 0
+        return max(f * p.kprod // 2, SMALL_TEMP, f, g.out_channels + n * g.in_channels) + n * f
+    if pass_ == "fwd" and g.layout == "NCHW" and p.cg > 1 and any(s > 1 for s in g.stride):
+        return (n * f if n > 1 else copy) + max(SMALL_TEMP, n * g.in_channels + g.out_channels)
+    if pass_ == "fwd":
+        return math.prod(g.output_shape) + copy
+    # One offset's products are its valid outputs' worth of input channels: under a stride, a fraction of dx.
+    return min(math.prod(g.input_shape), g.batch * g.in_channels * p.oprod) + copy

@@ -13,15 +13,15 @@ dtype (4 for float32, 8 for float64).
 =============  =====================  ==============================================================
 pass           algorithm              workspace bytes
 =============  =====================  ==============================================================
-fwd            ``implicit_gemm``      0 (NumPy's temporaries: at most one output per step, below)
+fwd            ``implicit_gemm``      0 (NumPy's temporaries at most ``y + F``; strided NCHW below)
 fwd            ``gemm_tiled``         ``C * kprod * T * s`` (one tile's column matrix, about 1 MiB)
 fwd            ``gemm_per_image``     ``C * kprod * oprod * s`` (one image's column matrix)
 fwd            ``gemm_batch``         ``N * C * kprod * oprod * s`` (the whole batch's)
-bwd_data       ``implicit_gemm``      0 (likewise: at most one ``dx`` per step)
+bwd_data       ``implicit_gemm``      0 (temporaries at most ``min(dx, N * C * oprod) + F``)
 bwd_data       ``col2im_tiled``       ``C * kprod * T * s``
 bwd_data       ``col2im_per_image``   ``C * kprod * oprod * s``
 bwd_data       ``col2im_batch``       ``N * C * kprod * oprod * s``
-bwd_filter     ``implicit_gemm``      0 (likewise: ``max(dw / 2, SMALL_TEMP)`` elements per step)
+bwd_filter     ``implicit_gemm``      0 (temporaries at most ``max(dw/2, SMALL_TEMP, F, K + n*C) + n*F``)
 bwd_filter     ``im2col_tiled``       ``C * kprod * T * s`` (tiles within one image in NCHW)
 bwd_filter     ``im2col_per_image``   ``C * kprod * oprod * s``
 bwd_filter     ``im2col_batch``       ``N * C * kprod * oprod * s``, plus ``N * K * oprod * s`` in NCHW
@@ -39,13 +39,23 @@ kernels: a pointwise convolution is run without any copy by ``implicit_gemm``, w
 lists first for it.
 
 Padding is index arithmetic (see :mod:`._cpu_lowering`), never a padded copy, so no formula has a padding
-term. Temporaries NumPy makes on its own (``matmul`` cannot accumulate, so ``out += a @ b`` needs one) are
-documented with each algorithm and bounded per step by one output-sized array, or by
-``_cpu_implicit.SMALL_TEMP`` elements (1 MiB of float32) for blocks ``implicit_gemm`` sizes itself, plus a
-contiguous copy of one kernel offset's filter slice (``1/kprod`` of the filter) where BLAS cannot read the
-view. They do not depend on the workspace the algorithm was given, so no formula counts them. Where memory
-is too short for them, the ``MemoryError`` sends the call to the next algorithm, as an arena that cannot grow
-does (:func:`wsarena.algos.run_with_fallback`), and only when none can run is it a ``NoAlgorithmFitsError``.
+term.
+
+``implicit_gemm`` takes no workspace, but NumPy makes temporaries of its own (``matmul`` cannot accumulate,
+so ``out += a @ b`` needs one). The table gives their peak in elements, which
+``_cpu_implicit.scratch_elements`` computes: ``y``, ``dx``, ``dw`` are the output's sizes, ``F = K * Cg``
+one kernel offset's filter (the contiguous copy of a filter slice BLAS cannot read, counted in NCHW with
+kernels of more than one element), ``SMALL_TEMP = 2**18`` (1 MiB of float32) the budget of the
+blocks the algorithm sizes itself, and ``n`` the most kernel offsets one GEMM gathers: 1, except for NCHW
+with a stride, where offsets that share an output region go together, up to ``max(1, 512 // Cg)``. There
+the forward pass holds ``n * F + max(SMALL_TEMP, n * C + K)``. Depthwise filter gradients (``Cg == 1``) make
+none. Each step drops its temporaries before the next makes its own, and a block never holds more than its
+budget unless one pixel (of gathered copies) or one row (of products) needs more. NumPy's iterator buffers
+come on top (at most three of ``numpy.getbufsize()`` elements, in ufuncs on strided operands). None of it
+depends on the workspace an algorithm was given, so no workspace formula counts it. Where memory is too short
+for it, the ``MemoryError`` sends the call to the next algorithm, as an arena that cannot grow does
+(:func:`wsarena.algos.run_with_fallback`), and only when none can run is it a ``NoAlgorithmFitsError``.
+The column algorithms' own temporaries are documented with each: at most one output-sized array per step.
 
 Algorithms
 ----------
