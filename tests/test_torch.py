@@ -10,6 +10,7 @@ autocast within 2e-2 (two bfloat16 roundings of a float32 sum: the inputs' and t
 import copy
 import sys
 import threading
+import warnings
 
 import pytest
 
@@ -329,21 +330,28 @@ def test_gradients_reach_the_ops_dense_in_the_layout_they_run_in(monkeypatch):
     assert dense == [True] * 12
 
 
-@pytest.mark.parametrize("thread", [False, True])
-def test_backward_passes_run_under_the_settings_their_forward_ran_under(thread):
-    """A config() block around the forward reaches its backward passes, also on a thread of their own (PyTorch's
-    CUDA autograd thread), and one around backward() alone does not change them: the same rule on every device."""
+@pytest.fixture
+def leased():
+    """The sizes of the CPU arena's leases, in order (a fresh arena for the test)."""
     from wsarena.arena import Arena, HostProvider, set_arena
 
     class Recording(Arena):
         def lease(self, nbytes, **kw):
-            leased.append(nbytes)
+            sizes.append(nbytes)
             return super().lease(nbytes, **kw)
 
-    leased = []
+    sizes = []
+    previous = set_arena("cpu", Recording(HostProvider()))
+    yield sizes
+    set_arena("cpu", previous)
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_backward_passes_run_under_the_settings_their_forward_ran_under(thread, leased):
+    """A config() block around the forward reaches its backward passes, also on a thread of their own (PyTorch's
+    CUDA autograd thread), and one around backward() alone does not change them: the same rule on every device."""
     conv = wt.Conv2d(4, 6, 3)
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
-    previous = set_arena("cpu", Recording(HostProvider()))
 
     def backward(y):
         leased.clear()
@@ -356,16 +364,32 @@ def test_backward_passes_run_under_the_settings_their_forward_ran_under(thread):
         assert len(leased) == 2  # both backward passes ran, and leased
         return max(leased)
 
-    try:
-        with wsarena.config(cap_workspace=0), pytest.warns(wsarena.WorkspaceCapWarning) as warned:
-            assert backward(conv(x)) == 0  # no backward pass leased a byte under the cap of 0
-        passes = {str(w.message).split(" for ")[1].split(" of ")[0] for w in warned}
-        assert passes == {"fwd", "bwd_data", "bwd_filter"}
-        with wsarena.config(cap_workspace=0):
-            y = conv(x)
-        assert backward(y) == 0  # outside the block: still capped, as its forward was
+    with wsarena.config(cap_workspace=0), pytest.warns(wsarena.WorkspaceCapWarning) as warned:
+        assert backward(conv(x)) == 0  # no backward pass leased a byte under the cap of 0
+    passes = {str(w.message).split(" for ")[1].split(" of ")[0] for w in warned}
+    assert passes == {"fwd", "bwd_data", "bwd_filter"}
+    with wsarena.config(cap_workspace=0):
         y = conv(x)
+    assert backward(y) == 0  # outside the block: still capped, as its forward was
+    y = conv(x)
+    with wsarena.config(cap_workspace=0):
+        assert backward(y) > 0  # the forward ran uncapped: so do its backward passes
+
+
+def test_a_checkpointed_forward_is_recomputed_under_its_settings_with_checkpoint_context(leased):
+    from torch.utils.checkpoint import checkpoint
+
+    conv = wt.Conv2d(4, 6, 3)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    warnings.simplefilter("ignore", wsarena.WorkspaceCapWarning)  # pytest restores the filters after the test
+    for context_fn, recomputed in ((wt.checkpoint_context, 0), (None, "uncapped")):
+        kwargs = {"context_fn": context_fn} if context_fn else {}
         with wsarena.config(cap_workspace=0):
-            assert backward(y) > 0  # the forward ran uncapped: so do its backward passes
-    finally:
-        set_arena("cpu", previous)
+            y = checkpoint(conv, x, use_reentrant=False, **kwargs)
+        leased.clear()
+        y.sum().backward()  # recomputes the forward, then its two backward passes
+        assert len(leased) == 3
+        if recomputed == 0:
+            assert leased == [0, 0, 0]
+        else:  # without it the recomputed forward runs under the settings where backward() runs: uncapped
+            assert leased[0] > 0 and leased[1:] == [0, 0]

@@ -210,12 +210,18 @@ def test_convert_swaps_transposed_convolutions_and_keeps_outputs_and_gradients(d
     assert close(roundtrip(x), ref, tol)
 
 
-def test_convert_refuses_a_transposed_convolution_it_cannot_run_and_changes_nothing():
+def test_convert_leaves_a_transposed_convolution_it_cannot_run_to_pytorch():
+    """output_padding below the dilation but not the stride: PyTorch runs it, no backward-data gives it."""
+    torch.manual_seed(4)
     model = torch.nn.Sequential(torch.nn.ConvTranspose2d(3, 4, 3, stride=2, output_padding=1),
-                                torch.nn.ConvTranspose2d(4, 4, 3, output_padding=1, dilation=2))
-    with pytest.raises(ValueError, match=r"nothing was converted: 1: output_padding=\(1, 1\) is not smaller"):
-        wt.convert(model)
-    assert all(type(m) is torch.nn.ConvTranspose2d for m in model)
+                                torch.nn.ConvTranspose2d(4, 4, 3, output_padding=1, dilation=2)).double()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    ref = model(x)
+    wt.convert(model)
+    assert [type(m) for m in model] == [wt.ConvTranspose2d, torch.nn.ConvTranspose2d]
+    assert close(model(x), ref, TOL64)
+    with pytest.raises(ValueError, match=r"output_padding=\(1, 1\) is not smaller than stride=\(1, 1\)"):
+        wt.ConvTranspose2d(4, 4, 3, output_padding=1, dilation=2)
 
 
 def test_torch_compile_takes_a_model_with_transposed_convolutions_in_one_graph():

@@ -33,6 +33,7 @@ except ImportError as exc:  # pragma: no cover - the test environment has PyTorc
 from ._functional import (
     ConvFunction,
     ConvTransposeFunction,
+    checkpoint_context,
     conv1d,
     conv2d,
     conv3d,
@@ -51,6 +52,7 @@ __all__ = [
     "ConvTranspose2d",
     "ConvTranspose3d",
     "ConvTransposeFunction",
+    "checkpoint_context",
     "conv1d",
     "conv2d",
     "conv3d",

@@ -29,8 +29,8 @@ from .._geometry import conv_geometry, conv_transpose_geometry
 from . import _ops
 
 __all__ = [
-    "ConvFunction", "ConvTransposeFunction", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-    "conv_transpose3d",
+    "ConvFunction", "ConvTransposeFunction", "checkpoint_context", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d",
 ]
 
 # PyTorch's module call, autograd and custom-operator frames lie between a model's line and the op: a warning
@@ -107,6 +107,13 @@ class ConvTransposeFunction(torch.autograd.Function):
                     dy, x, list(w.shape), stride, padding, dilation, groups, layout
                 )
         return dx, dw, None, None, None, None, None, None
+
+
+def checkpoint_context() -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the recomputed forward
+    (and so its backward passes) runs under the settings the checkpointed forward ran under, as an ordinary
+    forward's backward passes do; without it, under those in force where ``backward()`` runs."""
+    return contextlib.nullcontext(), _config.using(_config.get_config())
 
 
 def _started() -> tuple[_callsite.Site, _config.Config] | None:

@@ -31,13 +31,18 @@ def unsupported(module: nn.Module) -> str | None:
         if any(d * (k - 1) % 2 for k, d in zip(kernel, dilation)):
             return (f"padding='same' with kernel_size={tuple(kernel)} and dilation={tuple(dilation)} needs "
                     "asymmetric padding, which wsarena's convolutions do not take")
-    if getattr(module, "transposed", False):
-        output_padding: Any = getattr(module, "output_padding", ())
-        stride: Any = getattr(module, "stride", ())
-        if any(e >= s for e, s in zip(output_padding, stride)):
-            return (f"output_padding={tuple(output_padding)} is not smaller than stride={tuple(stride)}, which "
-                    "wsarena's transposed convolutions need")
+    if _output_padding_beyond_stride(module):
+        return (f"output_padding={tuple(module.output_padding)} is not smaller than stride={tuple(module.stride)}, "
+                "which wsarena's transposed convolutions need")
     return None
+
+
+def _output_padding_beyond_stride(module: nn.Module) -> bool:
+    """A transposed convolution with an ``output_padding`` no convolution's backward-data gives (PyTorch takes it
+    below the dilation too)."""
+    if not getattr(module, "transposed", False):
+        return False
+    return any(e >= s for e, s in zip(getattr(module, "output_padding", ()), getattr(module, "stride", ())))
 
 
 class _Checked(nn.Module):
@@ -126,7 +131,8 @@ def convert(model: nn.Module) -> nn.Module:
     Each such module (``model`` itself included) becomes the matching :class:`Conv2d` (or 1-D, 3-D, or
     :class:`ConvTranspose2d` and kin) in place: the same object, with the same parameters, buffers, hooks and
     ``state_dict``, so that an optimizer made before still trains it. Subclasses of those modules (with a
-    ``forward`` of their own, or parametrized weights) and lazy modules are left as they are.
+    ``forward`` of their own, or parametrized weights), lazy modules and transposed convolutions whose
+    ``output_padding`` is not below their stride are left as they are.
 
     Returns
     -------
@@ -137,11 +143,14 @@ def convert(model: nn.Module) -> nn.Module:
     ------
     ValueError
         A convolution wsarena cannot run (``padding_mode`` other than ``"zeros"``, ``padding="same"`` that needs
-        asymmetric padding, ``output_padding`` not below the stride), naming each; nothing is changed then.
+        asymmetric padding), naming each; nothing is changed then.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    found = [(name, module) for name, module in model.named_modules() if type(module) in _SWAPS]
+    found = [
+        (name, module) for name, module in model.named_modules()
+        if type(module) in _SWAPS and not _output_padding_beyond_stride(module)
+    ]
     problems = [f"{name or 'the model'}: {reason}" for name, module in found if (reason := unsupported(module))]
     if problems:
         raise ValueError("cannot convert these convolutions, so nothing was converted: " + "; ".join(problems))
