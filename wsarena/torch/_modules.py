@@ -32,8 +32,10 @@ def unsupported(module: nn.Module) -> str | None:
             return (f"padding='same' with kernel_size={tuple(kernel)} and dilation={tuple(dilation)} needs "
                     "asymmetric padding, which wsarena's convolutions do not take")
     if _output_padding_beyond_stride(module):
-        return (f"output_padding={tuple(module.output_padding)} is not smaller than stride={tuple(module.stride)}, "
-                "which wsarena's transposed convolutions need")
+        output_padding: Any = module.output_padding
+        stride: Any = module.stride
+        return (f"output_padding={tuple(output_padding)} is not smaller than stride={tuple(stride)}, which "
+                "wsarena's transposed convolutions need")
     return None
 
 
