@@ -4,6 +4,7 @@
 Tolerance: max|got - ref| / max|ref| <= 1e-12 in float64, 1e-5 in float32.
 """
 
+import ctypes
 import sys
 import types
 from typing import ClassVar
@@ -217,6 +218,25 @@ def test_out_is_written_through_dlpack_only_where_the_export_allows_writes(fresh
         assert not np.any(out.array)
     assert fresh_arena.stats() == before
     assert rel_err(conv_forward(_Legacy(x), _Legacy(w), **KW), ref) <= TOL["float64"]  # inputs are only read
+
+
+class _NextMajor(_Foreign):
+    """A DLPack exporter whose capsules claim a major version after 1: their layout past the version is unknown."""
+
+    def __dlpack__(self, **kwargs):
+        capsule = self.array.__dlpack__(**kwargs)
+        get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+        get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
+        ctypes.c_uint32.from_address(get_pointer(capsule, b"dltensor_versioned")).value = 2  # version.major
+        return capsule
+
+
+def test_out_through_a_dlpack_major_version_after_1_is_refused_unread(fresh_arena):
+    x, w, _ = problem()
+    out = _NextMajor(np.zeros_like(ref_conv_forward(x, w, **KW)))
+    with pytest.raises(TypeError, match="out cannot be written in place: .*major version other than 1"):
+        conv_forward(x, w, **KW, out=out)
+    assert not np.any(out.array)
 
 
 def test_bfloat16_crosses_dlpack_as_int16_both_ways():

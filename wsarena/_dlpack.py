@@ -109,6 +109,11 @@ class Export:
         name = _get_name(capsule)
         if name == _VERSIONED:
             managed = _get_pointer(capsule, name)
+            if ctypes.c_uint32.from_address(managed).value != 1:  # version.major: another layout may follow
+                if self.writable:
+                    raise ReadOnlyExport("its DLPack export is of a major version other than 1, whose flags "
+                                         "wsarena cannot read")
+                return capsule
             flags: int | None = ctypes.c_uint64.from_address(managed + _FLAGS).value
             tensor = managed + _VERSIONED_TENSOR
         elif name == _LEGACY:
