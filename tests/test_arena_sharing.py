@@ -3,6 +3,8 @@ a buffer outgrown under a live lease is retired until that lease ends."""
 
 import threading
 import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -166,3 +168,77 @@ def test_a_thread_waiting_for_another_threads_growth_is_woken_by_it(arena_kind, 
     second.join(10)
     assert not first.is_alive() and not second.is_alive()
     assert len(provider.allocations) == 1  # the second found the first's buffer large enough
+
+
+# ----------------------------------------------------------------------------- a growth racing trim() and reserve()
+def _in_another_thread(function):
+    """``function()`` run by a thread of its own, waited for: its result, or its exception raised here."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(function).result(10)
+
+
+def _after_first(monkeypatch, arena, step, action, *, with_buffer=True):
+    """Make the arena run ``action`` in another thread, once, just after its method ``step`` first returns (for
+    ``_end_growth``: the first call that ends a growth with a new buffer, unless ``with_buffer`` is false)."""
+    real, fired, done = getattr(arena, step), [], []
+
+    def hooked(*args):
+        result = real(*args)
+        if not fired and (not with_buffer or args[2] is not None):
+            fired.append(True)  # before the action, which may run this step again
+            done.append(_in_another_thread(action))
+        return result
+
+    monkeypatch.setattr(arena, step, hooked)
+    return done
+
+
+def _no_double_free(provider, arena):
+    """Every buffer given back exactly once after a trim (a double free warns, from RecordingProvider's check)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        arena.trim()
+    assert [str(w.message) for w in caught] == []
+    assert provider.held == [] and len(provider.frees) == len(provider.allocations)
+
+
+@pytest.mark.parametrize("step", ["_end_growth", "_grow"])
+def test_a_trim_as_a_lease_grows_leaves_the_lease_its_bytes(arena, provider, key, monkeypatch, step):
+    """A trim() from another thread just after a lease's growth installed its buffer (or just after the growth
+    returned), and a reserve() of less: the lease is granted the buffer it grew, which the trim leaves alone. Once,
+    the lease failed with "this arena is closed" (and its buffer was queued to be freed twice), or was granted the
+    reserve's 256 bytes for its 1 MiB."""
+
+    def trim_and_reserve():
+        arena.trim()
+        arena.reserve(256, stream=key("k"))
+
+    done = _after_first(monkeypatch, arena, step, trim_and_reserve)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with arena.lease(1 << 20, stream=key("k")) as ws:
+            assert done == [None]
+            assert arena.held_bytes(stream=key("k")) >= ws.nbytes  # its bytes are the buffer the stream holds
+            assert arena.stats().leases == 1
+    assert [str(w.message) for w in caught] == []
+    assert [b.size for b in provider.allocations] == [1 << 20]  # the reserve found it large enough
+    _no_double_free(provider, arena)
+
+
+def test_a_reserve_outgrown_by_another_threads_lease_as_it_ends_returns(arena, provider, key, monkeypatch):
+    """A reserve() whose buffer another thread's larger lease outgrows just after the reserve's growth ended: the
+    reserve returns. Once, it raised "this arena is closed" on an open arena and queued its buffer (already freed
+    by that growth) to be freed again."""
+
+    def lease():
+        with arena.lease(1 << 20, stream=key("k")) as ws:
+            return ws.nbytes
+
+    done = _after_first(monkeypatch, arena, "_end_growth", lease)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        arena.reserve(4096, stream=key("k"))
+    assert done == [1 << 20]
+    assert [str(w.message) for w in caught] == []
+    assert arena.held_bytes(stream=key("k")) == 1 << 20 and not arena.closed
+    _no_double_free(provider, arena)

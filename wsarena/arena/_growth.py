@@ -17,7 +17,7 @@ from .._sizes import format_size
 from ..errors import ArenaOutOfMemoryError
 from ._interrupts import finish
 from ._stats import aligned_size
-from ._sub import _GrowthOwner, _SubArena, park, wait
+from ._sub import _Block, _GrowthOwner, _SubArena, park, wait
 
 if TYPE_CHECKING:
     from ._arena import Arena
@@ -40,15 +40,17 @@ def _grow_for(self: Arena, ws: Workspace, sub: _SubArena) -> None:
                     self._grant(sub, ws, block)
                     return
                 token = sub.growing = sub.holder  # the lease's own weak reference: it keeps nothing alive
-                break
-            waiter = park(sub.growth_waiters)
-        wait(waiter)
-    self._grow(sub, token, n, ws._cap)
-    with self._lock:
-        block = sub.block  # ours or larger (a reserve may have grown it since): the lane is ours
-        if self._table.closed or block is None:
-            raise self._table.closed_error()
-        self._grant(sub, ws, block)
+                waiter = None
+            else:
+                waiter = park(sub.growth_waiters)
+        if waiter is not None:
+            wait(waiter)
+            continue
+        self._grow(sub, token, n, ws._cap, ws)
+        if ws._state == 1:  # granted the buffer it grew, as that was installed
+            return
+        # Not granted: the buffer was let go before the grant (a trim while an interrupt cut the installation
+        # short). Grow again.
 
 
 def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -> None:
@@ -81,8 +83,9 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
             self._give_back()
 
 
-def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None) -> None:
-    """Give ``sub`` a buffer of ``aligned_size(n)`` bytes (``sub.growing`` is ``token``; lock not held)."""
+def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: Workspace | None = None) -> None:
+    """Give ``sub`` a buffer of ``aligned_size(n)`` bytes (``sub.growing`` is ``token``; lock not held), and grant it
+    to ``ws``, the lease growing it, if any. Raises the closed error if the arena closed meanwhile."""
     size = aligned_size(n)
     try:
         buffer = self.provider.allocate(size, stream=sub.stream)
@@ -101,18 +104,28 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None) -> N
         if buffer is None:
             raise TypeError(f"{self.provider!r}.allocate returned None for a request of {size} bytes")
         raise RuntimeError(f"{self.provider!r} returned {buffer!r} for a request of {size} bytes")
+    block = None
     try:
-        finish(self._end_growth, sub, token, buffer)
+        block = _Block(buffer)
+        finish(self._end_growth, sub, token, block, ws)
     finally:
-        current = sub.block
-        if current is None or current.buffer is not buffer:  # refused (closed), or cut short before it ran
+        if block is None or not block.installed:  # refused (the arena closed), or cut short before it ran
             self._to_free.append((buffer, sub.stream))
-    if current is None or current.buffer is not buffer:
+    if self._table.closed:
         raise self._table.closed_error()
 
 
-def _end_growth(self: Arena, sub: _SubArena, token: Any, buffer: Any) -> None:
-    """End ``token``'s growth of ``sub``, installing ``buffer`` (if any) unless the arena closed meanwhile (the
-    caller frees it then). Idempotent (lock not held)."""
+def _end_growth(self: Arena, sub: _SubArena, token: Any, block: _Block | None, ws: Workspace | None = None) -> None:
+    """End ``token``'s growth of ``sub``, installing ``block`` (if any) unless the arena closed meanwhile (the
+    caller frees it then), and granting it to ``ws`` if given. Idempotent (lock not held).
+
+    The grant is made in the same locked step as the installation: until the lease holds the block, a trim or
+    another thread's growth may let it go, and the lease would then be granted whatever the stream holds by the time
+    it looked again (a smaller buffer, or none)."""
     with self._lock:
-        self._table.end_growth(sub, token, buffer)
+        self._table.end_growth(sub, token, block)
+        if (
+            ws is not None and block is not None and sub.block is block and sub.holder is ws._ref
+            and sub.holder_block is None
+        ):
+            self._grant(sub, ws, block)

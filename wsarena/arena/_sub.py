@@ -41,13 +41,16 @@ class _Totals:
 class _Block:
     """A buffer of a sub-arena (current or outgrown), and the pins of the CUDA graphs that captured it."""
 
-    __slots__ = ("buffer", "freed", "pins", "ptr", "size")
+    __slots__ = ("buffer", "freed", "installed", "pins", "ptr", "size")
 
     def __init__(self, buffer: Any) -> None:
         self.buffer = buffer
         self.ptr: int = buffer.ptr  # copied: the lease fast path reads them, and `buffer` is dropped once freed
         self.size: int = buffer.size
         self.freed = False
+        # Made a sub-arena's buffer (by install): from then on the sub-arena frees it, so the growth that allocated
+        # it must not. Whether it is still current says nothing: a trim or another growth may have let it go since.
+        self.installed = False
         self.pins: list[Any] = []  # wsarena.arena._pins.GraphPin (or a test's), one per graph that captured it
 
     def pinned(self) -> bool:
@@ -206,13 +209,13 @@ class _SubArena:
             waiters.popleft().release()
 
     # ------------------------------------------------------------------------------------------- buffers
-    def install(self, buffer: Any) -> _Block:
-        """Make ``buffer`` the current one; the outgrown one is retired if the holder uses it, else let go."""
-        new = _Block(buffer)
+    def install(self, new: _Block) -> None:
+        """Make ``new`` the current buffer; the outgrown one is retired if the holder uses it, else let go."""
         stream = self.free_stream()
         old = self.block
         keep = old is not None and old.pinned()
         self.block = new
+        new.installed = True
         self.allocations += 1
         self.totals.allocations += 1
         if old is not None:
@@ -226,7 +229,6 @@ class _SubArena:
                 old.freed = True
                 self.totals.frees += 1
                 self.to_free.append((old.buffer, stream))
-        return new
 
     # tidy() and empty() detach a block and queue it inline, with no call in between: a helper's first
     # instruction would be a place where an interrupt finds the block detached and never freed.

@@ -143,17 +143,17 @@ class _Table:
             self.reap(sub)
         return True
 
-    def end_growth(self, sub: _SubArena, token: Any, buffer: Any) -> None:
-        """End ``token``'s growth of ``sub``, installing ``buffer`` (if any) unless the arena closed meanwhile.
-        Idempotent: a repeat after an interrupt finds the buffer installed and the growth ended."""
+    def end_growth(self, sub: _SubArena, token: Any, block: _Block | None) -> None:
+        """End ``token``'s growth of ``sub``, installing ``block`` (if any) unless the arena closed meanwhile (then
+        ``block.installed`` stays false and the caller frees it). Idempotent: a repeat after an interrupt finds the
+        block installed (it may have been let go since: ``installed`` says so, not ``sub.block``) and the growth
+        ended."""
         if sub.growing is token:
-            current = sub.block
-            if buffer is not None and not self.closed and (current is None or current.buffer is not buffer):
-                sub.install(buffer)
+            if block is not None and not block.installed and not self.closed:
+                sub.install(block)
             sub.growing = None  # last
             sub.wake()
-        current = sub.block
-        if buffer is None or current is None or current.buffer is not buffer:
+        if block is None or not block.installed:
             self.drop_if_idle(sub)
 
     def _nested_error(self, key: Hashable) -> RuntimeError:
