@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from wsarena.arena import Arena
+from wsarena.arena import Arena, _arena, _growth, _sub, _table, _workspace
 from wsarena.arena.streams import thread_lane
 
 from .arena_helpers import GatedProvider, snapshot, wait_for_a_waiter
@@ -69,6 +69,35 @@ def test_a_wsarena_call_inside_the_users_lease_on_its_stream_raises(arena, arena
         run_with_fallback(arena, (Candidate("a", 1024),), lambda c, ws: ran.append(ws.ptr),
                           stream=key(6), cap=None)  # on another stream it runs, on other bytes
     assert len(ran) == 1 and ran[0] != mine.ptr
+
+
+def test_a_thread_with_the_id_of_an_exited_holder_waits_for_the_lane(arena, key, monkeypatch):
+    """A lease entered by hand in a thread that has exited since (its Workspace handed to another thread to release):
+    a new thread that gets the same thread id, as ids of exited threads are reused, waits for the lane like any other
+    thread. Once, it was refused with "this thread already holds a lease". Here every thread gets the same id."""
+    for module in (_arena, _growth, _sub, _table, _workspace):  # wherever the arena could ask for a thread id
+        monkeypatch.setattr(module, "get_ident", lambda: 12345, raising=False)
+    handed = []
+    producer = threading.Thread(target=lambda: handed.append(arena.lease(1024, stream=key("shared")).__enter__()))
+    producer.start()
+    producer.join(10)
+    (ws,) = handed
+    outcome = []
+
+    def consumer():
+        try:
+            with arena.lease(1024, stream=key("shared")):
+                outcome.append("leased")
+        except RuntimeError as exc:
+            outcome.append(str(exc))
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    wait_for_a_waiter(arena, key("shared"), timeout=2)  # it waits (or failed at once)
+    assert outcome == []
+    ws.__exit__(None, None, None)
+    t.join(10)
+    assert outcome == ["leased"]
 
 
 # ----------------------------------------------------------------------------------------- other threads

@@ -34,7 +34,6 @@ import operator
 import threading
 import weakref
 from collections.abc import Hashable, Sequence
-from threading import get_ident
 from types import MappingProxyType
 from typing import Any
 
@@ -44,7 +43,7 @@ from ..errors import WorkspaceCapError
 from . import _growth, _pinning
 from ._lifecycle import give_back, release_all, track_arena, track_device_arena
 from ._stats import ArenaStats, StreamStats
-from ._sub import _Block, _SubArena, wait
+from ._sub import _Block, _SubArena, this_thread, wait
 from ._table import _Table
 from ._workspace import Workspace
 from .streams import PerThreadStream, resolve_stream
@@ -313,7 +312,7 @@ class Arena:
                 else:  # the lane is free: take it (sub.take, inline: this runs once per convolution)
                     ws._ref = ref = weakref.ref(anchor)
                     ws._sub = sub
-                    sub.holder_thread = get_ident()
+                    sub.holder_thread = this_thread.token
                     sub.holder_block = None
                     sub.used = True
                     sub.holder = ref

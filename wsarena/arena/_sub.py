@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
 import weakref
 from _thread import allocate_lock as _allocate_lock
 from collections.abc import Hashable
@@ -89,6 +90,19 @@ class _GrowthOwner:
     __slots__ = ("__weakref__",)
 
 
+class _ThisThread(threading.local):
+    """``this_thread.token``: an object of the calling thread's own, which records who holds a lane. Not the thread's
+    id: a lease may outlive the thread that entered it (handed to another thread to end), and the id of a thread that
+    has exited is given to new threads, one of which would then be refused as the holder. The token, kept alive by
+    the record, is never another thread's."""
+
+    def __init__(self) -> None:
+        self.token = object()
+
+
+this_thread = _ThisThread()
+
+
 # Buffers of arenas collected (or shut down) while a graph still held them: kept, never freed, for that graph.
 abandoned: list[Any] = []
 
@@ -144,7 +158,7 @@ class _SubArena:
         self.block: _Block | None = None
         self.retired: _Block | None = None
         self.holder: weakref.ref[Any] | None = None
-        self.holder_thread = 0
+        self.holder_thread: object = None  # this_thread.token of the thread that took the lane
         self.holder_block: _Block | None = None
         self.holder_nbytes = 0
         self.ending: weakref.ref[Any] | None = None  # the holder while its own release poisons its bytes
@@ -183,7 +197,7 @@ class _SubArena:
         return self.stream
 
     # ------------------------------------------------------------------------------------------- leases
-    def take(self, ref: weakref.ref[Any], thread: int) -> None:
+    def take(self, ref: weakref.ref[Any], thread: object) -> None:
         """Make ``ref`` the lane's holder: the one change every other thread waits for."""
         self.holder_thread = thread
         self.holder_block = None

@@ -19,10 +19,9 @@ import collections
 import threading
 import weakref
 from collections.abc import Hashable
-from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
-from ._sub import Queue, _Anchor, _Block, _SubArena, _Totals, abandoned, park
+from ._sub import Queue, _Anchor, _Block, _SubArena, _Totals, abandoned, park, this_thread
 from .streams import PerThreadStream, ThreadLane
 
 if TYPE_CHECKING:
@@ -112,10 +111,10 @@ class _Table:
         that (see :func:`~wsarena.arena._sub.wait`)."""
         if self.closed:
             raise self.closed_error()
-        me = get_ident()
+        me = this_thread.token
         sub = self.sub_for(ws.stream, ws._anchor)
         ref = sub.holder
-        if ref is not None and ref() is None and (sub.ending is not ref or sub.holder_thread == me):
+        if ref is not None and ref() is None and (sub.ending is not ref or sub.holder_thread is me):
             self.reap(sub)  # nothing can release that lease any more
             ref = sub.holder
         if ref is None and (waited or not sub.handoff):
@@ -123,7 +122,7 @@ class _Table:
             ws._sub = sub
             sub.take(ref, me)
             return sub
-        if ref is not None and sub.holder_thread == me:
+        if ref is not None and sub.holder_thread is me:
             raise self._nested_error(sub.key)
         return park(sub.lane_waiters)
 
