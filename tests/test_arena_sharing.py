@@ -14,6 +14,28 @@ from wsarena.arena.streams import thread_lane
 from .arena_helpers import GatedProvider, snapshot, wait_for_a_waiter
 
 
+def _in_another_thread(function):
+    """``function()`` run by a thread of its own, waited for: its result, or its exception raised here."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(function).result(10)
+
+
+def _lease_in_another_thread(arena, stream):
+    """A thread, started now, that leases ``stream`` and records ``"leased"`` (or the error) in the list returned."""
+    outcome = []
+
+    def run():
+        try:
+            with arena.lease(1024, stream=stream):
+                outcome.append("leased")
+        except RuntimeError as exc:
+            outcome.append(str(exc))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
 # ----------------------------------------------------------------------------------------- nested leases
 def test_nested_lease_on_own_stream_is_a_clear_error_and_changes_nothing(arena, provider, arena_kind, key):
     own = thread_lane() if arena_kind.host else provider.current
@@ -82,25 +104,56 @@ def test_a_thread_with_the_id_of_an_exited_holder_waits_for_the_lane(arena, key,
     producer.start()
     producer.join(10)
     (ws,) = handed
-    outcome = []
-
-    def consumer():
-        try:
-            with arena.lease(1024, stream=key("shared")):
-                outcome.append("leased")
-        except RuntimeError as exc:
-            outcome.append(str(exc))
-
-    t = threading.Thread(target=consumer)
-    t.start()
+    thread, outcome = _lease_in_another_thread(arena, key("shared"))
     wait_for_a_waiter(arena, key("shared"), timeout=2)  # it waits (or failed at once)
     assert outcome == []
     ws.__exit__(None, None, None)
-    t.join(10)
+    thread.join(10)
     assert outcome == ["leased"]
 
 
 # ----------------------------------------------------------------------------------------- other threads
+def test_a_lookup_of_exit_before_a_manual_enter_leaves_the_lease_held(arena, key):
+    """``hasattr(ws, "__exit__")`` (inspect, a debugger) before a manual ``__enter__``: the lease is held by ``ws``,
+    and other threads wait for it. Once, the throwaway bound method of that lookup held it, and the lease was ended
+    as soon as it was entered: another thread got the same bytes while ``ws`` used them."""
+    ws = arena.lease(1024, stream=key("shared"))
+    assert hasattr(ws, "__exit__")
+    ws.__enter__()
+    assert arena.stats().leases == 1
+    thread, outcome = _lease_in_another_thread(arena, key("shared"))
+    wait_for_a_waiter(arena, key("shared"), timeout=2)
+    assert outcome == []
+    ws.__exit__(None, None, None)
+    thread.join(10)
+    assert outcome == ["leased"]
+
+
+def test_another_threads_with_statement_on_the_same_workspace_leaves_the_lease_held(arena, key, monkeypatch):
+    """Two with statements on one Workspace, in two threads: the one that looked ``__exit__`` up last (the loser:
+    its ``__enter__`` fails, the lease being entered already) does not hold the winner's lease. Once its bound
+    method did, and the lease ended with the loser's with statement."""
+    real_acquire, theirs = arena._acquire, []
+
+    def acquire(ws):
+        if not theirs:  # the other thread's with statement looks __exit__ up just before this one enters
+            theirs.append(_in_another_thread(lambda: ws.__exit__))
+        real_acquire(ws)
+
+    monkeypatch.setattr(arena, "_acquire", acquire)
+    ws = arena.lease(1024, stream=key("shared"))
+    with ws:
+        with pytest.raises(RuntimeError, match="entered only once"):
+            _in_another_thread(ws.__enter__)
+        theirs.clear()  # the loser's with statement is over: its bound __exit__ is gone
+        assert arena.stats().leases == 1
+        thread, outcome = _lease_in_another_thread(arena, key("shared"))
+        wait_for_a_waiter(arena, key("shared"), timeout=2)
+        assert outcome == []
+    thread.join(10)
+    assert outcome == ["leased"]
+
+
 def test_a_lease_on_a_stream_makes_other_threads_wait_until_released(arena, key):
     events = []
     entered = threading.Event()
@@ -200,12 +253,6 @@ def test_a_thread_waiting_for_another_threads_growth_is_woken_by_it(arena_kind, 
 
 
 # ----------------------------------------------------------------------------- a growth racing trim() and reserve()
-def _in_another_thread(function):
-    """``function()`` run by a thread of its own, waited for: its result, or its exception raised here."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(function).result(10)
-
-
 def _after_first(monkeypatch, arena, step, action, *, with_buffer=True):
     """Make the arena run ``action`` in another thread, once, just after its method ``step`` first returns (for
     ``_end_growth``: the first call that ends a growth with a new buffer, unless ``with_buffer`` is false)."""

@@ -294,8 +294,13 @@ class Arena:
         The lease is held by the bound ``__exit__`` of the ``with`` statement that enters it, or else by ``ws``
         (:mod:`wsarena.arena._table`): weakly, from here on (a strong reference would keep ``ws`` alive)."""
         anchor, ws._with = ws._with, None
-        if anchor is None:
+        if anchor is not None:
+            ref = weakref.ref(anchor)
+            anchor = None  # a method only ws._with held (a lookup that was no with statement's) is gone now
+            anchor = ref()
+        if anchor is None:  # entered by hand
             anchor = ws
+            ref = weakref.ref(ws)
         try:
             if self._capture is not None:
                 capture = self._capture(ws.stream.handle if type(ws.stream) is PerThreadStream else ws.stream)
@@ -310,7 +315,7 @@ class Arena:
                 ):
                     sub = None  # the slow path, below: wait, create, sweep, refuse
                 else:  # the lane is free: take it (sub.take, inline: this runs once per convolution)
-                    ws._ref = ref = weakref.ref(anchor)
+                    ws._ref = ref
                     ws._sub = sub
                     sub.holder_thread = this_thread.token
                     sub.holder_block = None
@@ -348,17 +353,19 @@ class Arena:
             if ws._state == 1:
                 ws._state = 2
             return
-        ref, block = ws._ref, ws._block
+        block = ws._block
         if ws._debug and ws._state == 1 and block is not None:
             # Poison while this lease still holds the lane, so the next user never sees it half written; `ending`
             # keeps others from ending the lease meanwhile (its with statement is over, its anchor may be gone).
             with self._lock:
+                ref = ws._ref  # read under the lock, as :meth:`_hold_by_workspace` changes it
                 poison = sub.holder is ref and not block.freed
                 if poison:
                     sub.ending = ref
             if poison:
                 self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=sub.stream)
         with self._lock:
+            ref = ws._ref
             if sub.holder is ref:
                 if sub.growing is ref:
                     sub.growing = None  # its growth was cut short
@@ -374,6 +381,16 @@ class Arena:
                 ws._state = 2
         if self._to_free:
             self._give_back()
+
+    def _hold_by_workspace(self, ws: Workspace) -> None:
+        """Make ``ws`` the holder of its live lease: another ``with`` statement tried to enter it. That statement
+        looked ``__exit__`` up before it failed to enter; if it did so in another thread just before this lease was
+        taken, its bound method is what holds the lease (see :meth:`_acquire`), and it goes with that statement."""
+        with self._lock:
+            ref, sub = ws._ref, ws._sub
+            holder = ref() if ref is not None else None
+            if sub is not None and sub.holder is ref and holder is not None and holder is not ws:
+                ws._ref = sub.holder = weakref.ref(ws)
 
     def _grant(self, sub: _SubArena, ws: Workspace, block: _Block) -> None:
         """Give ``ws`` the bytes of ``block`` (``ws`` holds the lane; lock held)."""
