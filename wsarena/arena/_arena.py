@@ -43,7 +43,7 @@ from ..errors import WorkspaceCapError
 from . import _growth, _pinning
 from ._lifecycle import give_back, release_all, track_arena, track_device_arena
 from ._stats import ArenaStats, StreamStats
-from ._sub import _Block, _SubArena, this_thread, wait
+from ._sub import _Block, _Owner, _SubArena, this_thread, wait
 from ._table import _Table
 from ._workspace import Workspace
 from .streams import PerThreadStream, resolve_stream
@@ -356,14 +356,20 @@ class Arena:
         block = ws._block
         if ws._debug and ws._state == 1 and block is not None:
             # Poison while this lease still holds the lane, so the next user never sees it half written; `ending`
-            # keeps others from ending the lease meanwhile (its with statement is over, its anchor may be gone).
+            # keeps others from ending the lease meanwhile (its with statement is over, its anchor may be gone). It
+            # refers weakly to an object of this call's own, dropped once the fill is over, however that ended (a
+            # failed fill, an interrupt): then whoever finds the lease's holder gone may end it.
+            owner = _Owner()
             with self._lock:
                 ref = ws._ref  # read under the lock, as :meth:`_hold_by_workspace` changes it
                 poison = sub.holder is ref and not block.freed
                 if poison:
-                    sub.ending = ref
-            if poison:
-                self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=sub.stream)
+                    sub.ending = weakref.ref(owner)
+            try:
+                if poison:
+                    self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=sub.stream)
+            finally:
+                del owner  # not kept alive by a traceback that holds this frame
         with self._lock:
             ref = ws._ref
             if sub.holder is ref:

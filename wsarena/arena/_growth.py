@@ -17,7 +17,7 @@ from .._sizes import format_size
 from ..errors import ArenaOutOfMemoryError
 from ._interrupts import finish
 from ._stats import aligned_size
-from ._sub import _Block, _GrowthOwner, _SubArena, park, wait
+from ._sub import _Block, _Owner, _SubArena, park, wait
 
 if TYPE_CHECKING:
     from ._arena import Arena
@@ -57,7 +57,7 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
     """Grow the sub-arena of ``key`` to hold ``n`` bytes, unless it does already (``Arena.reserve``)."""
     if n == 0:
         return
-    owner = _GrowthOwner()  # the growth lasts while this frame does: an interrupt that ends it ends the growth
+    owner = _Owner()  # the growth lasts while this frame does: an interrupt that ends it ends the growth
     token = weakref.ref(owner)
     try:
         while True:

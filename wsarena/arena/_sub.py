@@ -84,8 +84,9 @@ class _Anchor(weakref.ref):
         weakref.ref.__init__(self, target, callback)  # type: ignore[call-arg]  # it takes these two only
 
 
-class _GrowthOwner:
-    """What a ``reserve`` call holds while it grows a sub-arena: once it is gone, so is the growth."""
+class _Owner:
+    """What a call holds while others wait for what it does (a ``reserve`` call's growth, a release's poisoning): the
+    sub-arena refers to it weakly, so once the call is over, however it ended, so is what it was doing."""
 
     __slots__ = ("__weakref__",)
 
@@ -161,7 +162,7 @@ class _SubArena:
         self.holder_thread: object = None  # this_thread.token of the thread that took the lane
         self.holder_block: _Block | None = None
         self.holder_nbytes = 0
-        self.ending: weakref.ref[Any] | None = None  # the holder while its own release poisons its bytes
+        self.ending: weakref.ref[Any] | None = None  # the _Owner of the holder's release while it poisons the bytes
         self.growing: weakref.ref[Any] | None = None
         self.lane_waiters: collections.deque[Any] = collections.deque()
         self.growth_waiters: collections.deque[Any] = collections.deque()
@@ -188,6 +189,11 @@ class _SubArena:
 
     def idle(self) -> bool:
         return self.holder is None and self.growing is None
+
+    def releasing(self) -> bool:
+        """Whether the holder's own release is poisoning its bytes right now: no one else may end the lease."""
+        ending = self.ending
+        return ending is not None and ending() is not None
 
     def free_stream(self, gone: bool = False) -> Any:
         """The stream to free this sub-arena's buffers on: its own, unless that may be gone (``gone``) or is

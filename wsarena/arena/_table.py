@@ -114,7 +114,7 @@ class _Table:
         me = this_thread.token
         sub = self.sub_for(ws.stream, ws._anchor)
         ref = sub.holder
-        if ref is not None and ref() is None and (sub.ending is not ref or sub.holder_thread is me):
+        if ref is not None and ref() is None and (not sub.releasing() or sub.holder_thread is me):
             self.reap(sub)  # nothing can release that lease any more
             ref = sub.holder
         if ref is None and (waited or not sub.handoff):
@@ -136,7 +136,7 @@ class _Table:
         if growing is not sub.holder:  # a reserve cut short by an interrupt
             sub.growing = None
             sub.wake()
-        elif sub.ending is growing:  # its owner is releasing it right now
+        elif sub.releasing():  # its owner is releasing it right now
             return False
         else:  # a lease cut short while it grew: it ends, and its growth with it
             self.reap(sub)
@@ -203,7 +203,7 @@ class _Table:
         """End every lease that nothing can release any more (except one its owner is releasing right now)."""
         for sub in list(self.subs.values()):
             ref = sub.holder
-            if ref is not None and ref() is None and sub.ending is not ref:
+            if ref is not None and ref() is None and not sub.releasing():
                 self.reap(sub)
 
     def sweep(self) -> int:
