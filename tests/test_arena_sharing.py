@@ -173,6 +173,44 @@ def test_a_lease_on_a_stream_makes_other_threads_wait_until_released(arena, key)
     assert events == ["main", "other"]
 
 
+@pytest.mark.parametrize("what", ["lane", "growth"])
+def test_a_thread_that_waits_long_queues_one_lock(arena_kind, key, monkeypatch, what):
+    """A thread waiting for a lane (or for another thread's growth) rechecks every RECHECK_SECONDS: it queues one lock
+    for the whole wait. Once, each recheck queued a fresh lock and left the timed-out one queued (20 a second)."""
+    provider = GatedProvider(arena_kind.device_id)
+    arena = Arena(provider)
+    module = _arena if what == "lane" else _growth
+    real_wait, rechecks, waited_long = module.wait, [], threading.Event()
+
+    def wait(waiter):  # the first five waits time out at once; then a real wait
+        if len(rechecks) < 5:
+            rechecks.append(waiter)
+            return
+        waited_long.set()
+        real_wait(waiter)
+
+    monkeypatch.setattr(module, "wait", wait)
+    if what == "lane":
+        provider.gate.set()
+        holder = arena.lease(4096, stream=key("L")).__enter__()
+    else:  # a reserve that allocates until the gate opens
+        grower = threading.Thread(target=arena.reserve, args=(4096,), kwargs={"stream": key("L")})
+        grower.start()
+        assert provider.allocating.wait(10)
+    thread, outcome = _lease_in_another_thread(arena, key("L"))
+    assert waited_long.wait(10)
+    with arena._lock:
+        queued = list(arena._subs[key("L")].lane_waiters) + list(arena._subs[key("L")].growth_waiters)
+    assert len(queued) == 1 and len(set(map(id, rechecks))) == 1
+    if what == "lane":
+        holder.__exit__(None, None, None)
+    else:
+        provider.gate.set()
+        grower.join(10)
+    thread.join(10)
+    assert outcome == ["leased"]
+
+
 def test_each_thread_has_its_own_default_lane(host_arena):
     ptrs = {}
     barrier = threading.Barrier(3)

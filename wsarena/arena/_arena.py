@@ -335,14 +335,14 @@ class Arena:
 
     def _take_lane(self, ws: Workspace, anchor: Any) -> _SubArena:
         """Wait (with the lock let go) until ``ws`` holds its lane."""
-        waited = False
+        waiter = None
         while True:
             with self._lock:
-                got = self._table.take_lane(ws, anchor, waited)
+                got = self._table.take_lane(ws, anchor, waiter)
             if type(got) is _SubArena:
                 return got
-            wait(got)
-            waited = True
+            waiter = got
+            wait(waiter)
 
     def _end(self, ws: Workspace) -> None:
         """End whatever ``ws`` holds: its lease, its growth. Idempotent, and safe at any point of :meth:`_acquire`

@@ -30,20 +30,21 @@ def _grow_for(self: Arena, ws: Workspace, sub: _SubArena) -> None:
     """Give ``ws``, which holds ``sub``, its bytes: once no other growth is under way, from the buffer if it
     is large enough, else from a new one."""
     n = ws.nbytes
+    waiter = None
     while True:
         with self._lock:
             if self._table.closed:
                 raise self._table.closed_error()
-            if self._table.growth_over(sub):
+            over = self._table.growth_over(sub)
+            if over:
                 block = sub.block
                 if block is not None and block.size >= n:
                     self._grant(sub, ws, block)
                     return
                 token = sub.growing = sub.holder  # the lease's own weak reference: it keeps nothing alive
-                waiter = None
             else:
-                waiter = park(sub.growth_waiters)
-        if waiter is not None:
+                waiter = park(sub.growth_waiters, waiter)
+        if not over:
             wait(waiter)
             continue
         self._grow(sub, token, n, ws._cap, ws)
@@ -59,6 +60,7 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
         return
     owner = _Owner()  # the growth lasts while this frame does: an interrupt that ends it ends the growth
     token = weakref.ref(owner)
+    waiter = None
     try:
         while True:
             with self._lock:
@@ -71,7 +73,7 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
                         return  # already large enough (maybe by another thread's growth)
                     sub.growing = token
                     break
-                waiter = park(sub.growth_waiters)
+                waiter = park(sub.growth_waiters, waiter)
             wait(waiter)
         try:
             self._grow(sub, token, n, cap)

@@ -108,8 +108,13 @@ this_thread = _ThisThread()
 abandoned: list[Any] = []
 
 
-def park(waiters: collections.deque[Any]) -> Any:
-    """A locked lock of the caller's own, queued on ``waiters``: :meth:`_SubArena.wake` releases it. (Lock held.)"""
+def park(waiters: collections.deque[Any], waiter: Any = None) -> Any:
+    """A locked lock of the caller's own, queued on ``waiters``: :meth:`_SubArena.wake` releases it. (Lock held.)
+
+    ``waiter``: the lock the caller waited on last, if any. One still queued (its wait timed out: a woken one was
+    taken off the queue first) is queued once, not again beside a new one at every recheck."""
+    if waiter is not None and waiter in waiters:
+        return waiter
     waiter = _allocate_lock()
     waiter.acquire()
     waiters.append(waiter)

@@ -105,10 +105,10 @@ class _Table:
         sub.orphan = False  # whoever leases on it shows the stream is alive
         return sub
 
-    def take_lane(self, ws: Workspace, anchor: Any, waited: bool) -> Any:
+    def take_lane(self, ws: Workspace, anchor: Any, waiter: Any) -> Any:
         """Make ``ws`` (ended by ``anchor``) the holder of its lane and return the sub-arena; or, if another lease
         holds it (or it is kept for threads that waited, and this one has not), queue a lock to wait on and return
-        that (see :func:`~wsarena.arena._sub.wait`)."""
+        that (see :func:`~wsarena.arena._sub.wait`). ``waiter``: the lock this thread waited on last, or ``None``."""
         if self.closed:
             raise self.closed_error()
         me = this_thread.token
@@ -117,14 +117,14 @@ class _Table:
         if ref is not None and ref() is None and (not sub.releasing() or sub.holder_thread is me):
             self.reap(sub)  # nothing can release that lease any more
             ref = sub.holder
-        if ref is None and (waited or not sub.handoff):
+        if ref is None and (waiter is not None or not sub.handoff):
             ws._ref = ref = weakref.ref(anchor)
             ws._sub = sub
             sub.take(ref, me)
             return sub
         if ref is not None and sub.holder_thread is me:
             raise self._nested_error(sub.key)
-        return park(sub.lane_waiters)
+        return park(sub.lane_waiters, waiter)
 
     def growth_over(self, sub: _SubArena) -> bool:
         """Whether no one is growing ``sub`` (a growth whose owner is gone is ended here); else the caller waits."""
