@@ -217,6 +217,7 @@ class _Table:
             if gone is not None and gone.serial == anchor.serial:  # else already gone, or a newer one
                 gone.anchor = None
                 gone.orphan = True
+                self.unstream_kept(gone.key)
                 if anchor.eager and gone.idle():
                     released += self.forget(gone, gone=True)
             self.dead.popleft()
@@ -274,6 +275,14 @@ class _Table:
                 self.to_free.append((block.buffer, stream))
                 released += block.size
         return released
+
+    def unstream_kept(self, key: Hashable) -> None:
+        """The stream of ``key`` may be gone: its kept buffers, which recorded that stream when they were kept, are
+        freed with no stream (the provider waits for the device), as its other buffers are."""
+        kept = self.kept  # changed in place: every sub-arena shares this list
+        for i, (k, block, stream) in enumerate(kept):
+            if stream is not None and k == key:
+                kept[i] = (k, block, None)
 
     def pinned_bytes(self, sub: _SubArena | None, key: Hashable) -> int:
         """Bytes of ``key``'s buffers that a graph holds: the current one, the outgrown one, and those kept."""
