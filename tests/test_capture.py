@@ -80,6 +80,24 @@ def test_the_release_is_noticed_by_the_next_growth_without_a_trim(device):
     assert len(provider.frees) == 1 and provider.frees[0][1] == S1
 
 
+def test_a_growth_on_the_same_stream_frees_what_a_released_graph_held(device):
+    """CapturedGraph.close() says a graph's buffers are freed by the arena's next trim, stats or growth once CUDA let
+    go of them: a growth on the lease's own stream too (no new stream, nothing else that looks at kept buffers).
+    Once, a loop of eager calls, growing or not, kept the released buffer for good."""
+    provider, arena = device
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1) as ws:
+        pinned = ws.ptr
+    provider.end_capture(graph)
+    with arena.lease(50_000, stream=S1):  # an eager growth: the pinned buffer is kept aside
+        pass
+    graph.close()
+    with arena.lease(100_000, stream=S1):  # the next growth
+        pass
+    assert (pinned, S1) in [(b.ptr, s) for b, s in provider.frees]
+
+
 class _Stream:
     """A stream object, as CuPy hands them out: the arena watches it die."""
 

@@ -41,6 +41,8 @@ def _grow_for(self: Arena, ws: Workspace, sub: _SubArena) -> None:
                 if block is not None and block.size >= n:
                     self._grant(sub, ws, block)
                     return
+                if self._table.kept:  # a growth frees what released graphs held, as trim and stats do
+                    self._table.release_kept()
                 token = sub.growing = sub.holder  # the lease's own weak reference: it keeps nothing alive
             else:
                 waiter = park(sub.growth_waiters, waiter)
