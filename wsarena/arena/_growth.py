@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Hashable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .._sizes import format_size
@@ -91,9 +92,20 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
     """Give ``sub`` a buffer of ``aligned_size(n)`` bytes (``sub.growing`` is ``token``; lock not held), and grant it
     to ``ws``, the lease growing it, if any. Raises the closed error if the arena closed meanwhile."""
     size = aligned_size(n)
+    got: list[Any] = []
     try:
-        buffer = self.provider.allocate(size, stream=sub.stream)
+        # allocate() hands its buffer to `got` within one C call (list.extend over a map): an interrupt lands as a
+        # call returns to Python code, and one just after `buffer = allocate(...)` returned would lose the buffer.
+        got.extend(map(partial(self.provider.allocate, stream=sub.stream), (size,)))
+        buffer = got[0]
+        if buffer is None:
+            raise TypeError(f"{self.provider!r}.allocate returned None for a request of {size} bytes")
+        if buffer.size < size:
+            raise RuntimeError(f"{self.provider!r} returned {buffer!r} for a request of {size} bytes")
+        block = _Block(buffer)
     except BaseException as exc:
+        if got and got[0] is not None:
+            self._to_free.append((got[0], sub.stream))  # never installed: no one else would free it
         finish(self._end_growth, sub, token, None)
         if isinstance(exc, MemoryError):
             raise ArenaOutOfMemoryError(
@@ -101,19 +113,10 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
                 requested=n, held=sub.capacity(), cap=cap,
             ) from exc
         raise
-    if buffer is None or buffer.size < size:
-        if buffer is not None:
-            self._to_free.append((buffer, sub.stream))
-        finish(self._end_growth, sub, token, None)
-        if buffer is None:
-            raise TypeError(f"{self.provider!r}.allocate returned None for a request of {size} bytes")
-        raise RuntimeError(f"{self.provider!r} returned {buffer!r} for a request of {size} bytes")
-    block = None
     try:
-        block = _Block(buffer)
         finish(self._end_growth, sub, token, block, ws)
     finally:
-        if block is None or not block.installed:  # refused (the arena closed), or cut short before it ran
+        if not block.installed:  # refused (the arena closed), or cut short before it ran
             self._to_free.append((buffer, sub.stream))
     if self._table.closed:
         raise self._table.closed_error()
