@@ -44,7 +44,7 @@ from . import _growth, _pinning
 from ._lifecycle import give_back, release_all, track_arena, track_device_arena
 from ._stats import ArenaStats, StreamStats
 from ._sub import _Block, _Owner, _SubArena, this_thread, wait
-from ._table import _Table
+from ._table import _Table, callers_key
 from ._workspace import Workspace
 from .streams import PerThreadStream, resolve_stream
 
@@ -237,7 +237,7 @@ class Arena:
             self._table.sweep()
             self._table.release_kept()
             streams = {
-                key: StreamStats(
+                callers_key(key): StreamStats(
                     capacity_bytes=sub.capacity(),
                     high_water_bytes=sub.high_water,
                     allocations=sub.allocations,

@@ -55,6 +55,16 @@ class _LaneKey(weakref.ref):
         return repr(self())
 
 
+def callers_key(key: Hashable) -> Hashable:
+    """``key`` as the caller gave it: a lane key object rather than the table's weak reference to it (the reference
+    itself only if the object has just died, before the sweep that forgets its lane)."""
+    if type(key) is _LaneKey:
+        target = key()
+        if target is not None:
+            return target
+    return key
+
+
 def _caller_chosen(key: Hashable) -> bool:
     return type(key) is not ThreadLane and type(key) is not PerThreadStream
 
