@@ -66,13 +66,16 @@ _WATCHED = tuple(f"{os.sep}{name}" for name in ("threading.py", "test_reliabilit
 _CHECKED_AFTER = {dis.opmap[name] for name in ("CALL", "JUMP_BACKWARD") if name in dis.opmap}
 
 
-def interrupt_at_check(n: int, function: Callable[..., Any], *args: Any) -> bool:
+def interrupt_at_check(
+    n: int, function: Callable[..., Any], *args: Any, skip: Callable[[Any], bool] = lambda code: False
+) -> bool:
     """Call ``function(*args)``, raising ``KeyboardInterrupt`` once at the ``n``-th place of that run where CPython
     runs signal handlers: as a Python function starts, just after a call returns, and at a loop's jump back (the
     instruction after a ``CALL`` or ``JUMP_BACKWARD`` of the same frame), in this thread's frames of wsarena, of
     the tests and of ``threading`` (not in a garbage-collector callback of some other library's that happens to run
-    meanwhile). Returns whether it was raised (the exception is swallowed here). Stepping ``n`` from 1 until this
-    returns ``False`` delivers a Ctrl-C at every such place of the run, one run each.
+    meanwhile), leaving out frames whose code object ``skip`` accepts. Returns whether it was raised (the exception
+    is swallowed here). Stepping ``n`` from 1 until this returns ``False`` delivers a Ctrl-C at every such place of
+    the run, one run each.
     """
     checks = 0
     fired = False
@@ -80,7 +83,7 @@ def interrupt_at_check(n: int, function: Callable[..., Any], *args: Any) -> bool
 
     def trace(frame: Any, event: str, arg: Any) -> Any:
         nonlocal checks, fired
-        if fired or not frame.f_code.co_filename.endswith(_WATCHED):
+        if fired or not frame.f_code.co_filename.endswith(_WATCHED) or skip(frame.f_code):
             return None
         frame.f_trace_opcodes = True
         here = id(frame)

@@ -1,11 +1,17 @@
 """Debug mode, on either kind of arena: released bytes are poisoned, and overlapping live leases are caught."""
 
+import gc
+import threading
+
 import numpy as np
 import pytest
 
 import wsarena
-from wsarena.arena import Arena, Buffer, HostProvider
+from wsarena.arena import Arena, Buffer, HostProvider, _interrupts
 from wsarena.arena._arena import POISON_BYTE
+from wsarena.arena.testing import RecordingProvider
+
+from .interrupts import interrupt_at_entry_of
 
 
 def test_debug_poisons_released_bytes(arena, provider):
@@ -51,3 +57,60 @@ def test_debug_catches_overlapping_leases_on_different_streams(arena_kind, key):
             assert arena.stats().leases == 1
         with arena.lease(100, stream=key("b")):  # no overlap once "a" is released
             pass
+
+
+class _FillFails(RecordingProvider):
+    """Its next fill (the poisoning of a lease's bytes) raises ``error``, once armed."""
+
+    error = None
+
+    def fill(self, buffer, value, nbytes, *, stream):
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        super().fill(buffer, value, nbytes, stream=stream)
+
+
+def _usable_by_another_thread(arena, stream):
+    done = threading.Event()
+
+    def lease():
+        with arena.lease(1024, stream=stream):
+            done.set()
+
+    thread = threading.Thread(target=lease, daemon=True)
+    thread.start()
+    return done.wait(5)
+
+
+def test_a_poisoning_that_fails_ends_the_lease(arena_kind, key):
+    """The provider's fill fails as a lease is released: the error passes through and the lane is free. Once, the
+    lease stayed live for good (``ending`` kept it from being ended) and other threads waited for ever."""
+    provider = _FillFails(device_id=arena_kind.device_id)
+    arena = Arena(provider)
+    with (
+        wsarena.config(debug=True),
+        pytest.raises(RuntimeError, match="launch failure"),  # keeps the traceback, and the frames in it
+        arena.lease(1024, stream=key("L")),
+    ):
+        provider.error = RuntimeError("launch failure")
+    assert arena.stats().leases == 0
+    assert _usable_by_another_thread(arena, key("L"))
+
+
+def test_a_poisoning_interrupted_twice_ends_the_lease(arena_kind, key):
+    """Ctrl-C during the poisoning, and again as the release is repeated: the lane is free afterwards. Once, the lease
+    stayed live for good."""
+    provider = _FillFails(device_id=arena_kind.device_id)
+    arena = Arena(provider)
+    arena.reserve(1024, stream=key("L"))  # no growth in the traced block
+    with (
+        wsarena.config(debug=True),
+        pytest.raises(KeyboardInterrupt),
+        interrupt_at_entry_of(_interrupts.finish),
+        arena.lease(1024, stream=key("L")),
+    ):
+        provider.error = KeyboardInterrupt("during the poisoning")
+    gc.collect()
+    assert arena.stats().leases == 0
+    assert _usable_by_another_thread(arena, key("L"))

@@ -129,6 +129,22 @@ def test_stats_have_attribute_and_item_access(arena, key):
     assert arena.stats().leases == 0
 
 
+class _Lane:
+    """A lane key object: weakly referenceable, equal only to itself."""
+
+
+def test_stats_are_keyed_by_the_callers_lane_key_objects(host_arena):
+    """stats().streams is keyed by the lane keys the caller passed. Once, a lane key object's entry was keyed by the
+    table's weak reference to it (equal to it, but not it: iterating the keys gave weakref objects)."""
+    lane = _Lane()
+    with host_arena.lease(1024, stream=lane):
+        pass
+    host_arena.reserve(1024, stream="plain")
+    streams = host_arena.stats().streams
+    assert set(map(type, streams)) == {_Lane, str}
+    assert next(k for k in streams if type(k) is _Lane) is lane and streams[lane].capacity_bytes == 1024
+
+
 def test_reserve_presizes_and_leases_then_do_not_allocate(arena, provider, key):
     arena.reserve(10_000, stream=key("s"))
     assert arena.held_bytes(stream=key("s")) == aligned_size(10_000)

@@ -80,6 +80,56 @@ def test_the_release_is_noticed_by_the_next_growth_without_a_trim(device):
     assert len(provider.frees) == 1 and provider.frees[0][1] == S1
 
 
+def test_a_growth_on_the_same_stream_frees_what_a_released_graph_held(device):
+    """CapturedGraph.close() says a graph's buffers are freed by the arena's next trim, stats or growth once CUDA let
+    go of them: a growth on the lease's own stream too (no new stream, nothing else that looks at kept buffers).
+    Once, a loop of eager calls, growing or not, kept the released buffer for good."""
+    provider, arena = device
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1) as ws:
+        pinned = ws.ptr
+    provider.end_capture(graph)
+    with arena.lease(50_000, stream=S1):  # an eager growth: the pinned buffer is kept aside
+        pass
+    graph.close()
+    with arena.lease(100_000, stream=S1):  # the next growth
+        pass
+    assert (pinned, S1) in [(b.ptr, s) for b, s in provider.frees]
+
+
+class _Stream:
+    """A stream object, as CuPy hands them out: the arena watches it die."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def test_a_kept_buffer_of_a_stream_gone_since_is_not_freed_on_that_stream(device):
+    """A pinned buffer kept aside recorded the stream to free it on. The stream object dies (the stream may be
+    destroyed, its handle reused) before the graph does: the buffer is freed with no stream, as the stream's current
+    buffer is. Once, it was freed on the dead handle (with AsyncProvider, cudaFreeAsync on a destroyed stream)."""
+    provider, arena = device
+    stream = _Stream(S1)
+    arena.reserve(1000, stream=stream)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=stream) as ws:
+        pinned = ws.ptr
+    provider.end_capture(graph)
+    with arena.lease(50_000, stream=stream):  # an eager growth: the pinned buffer is kept aside
+        pass
+    del stream, ws
+    gc.collect()
+    arena.trim()  # the stream is gone: its current buffer is freed, with no stream
+    graph.close()
+    arena.trim()
+    assert len(provider.frees) == 2 and provider.held == []
+    assert [s for _, s in provider.frees] == [None, None] and pinned in freed(provider)
+
+
 def test_trim_and_close_keep_a_pinned_buffer_current_or_kept(device):
     provider, arena = device
     arena.reserve(4096, stream=S1)

@@ -34,7 +34,6 @@ import operator
 import threading
 import weakref
 from collections.abc import Hashable, Sequence
-from threading import get_ident
 from types import MappingProxyType
 from typing import Any
 
@@ -44,8 +43,8 @@ from ..errors import WorkspaceCapError
 from . import _growth, _pinning
 from ._lifecycle import give_back, release_all, track_arena, track_device_arena
 from ._stats import ArenaStats, StreamStats
-from ._sub import _Block, _SubArena, wait
-from ._table import _Table
+from ._sub import _Block, _Owner, _SubArena, this_thread, wait
+from ._table import _Table, callers_key
 from ._workspace import Workspace
 from .streams import PerThreadStream, resolve_stream
 
@@ -238,7 +237,7 @@ class Arena:
             self._table.sweep()
             self._table.release_kept()
             streams = {
-                key: StreamStats(
+                callers_key(key): StreamStats(
                     capacity_bytes=sub.capacity(),
                     high_water_bytes=sub.high_water,
                     allocations=sub.allocations,
@@ -295,8 +294,13 @@ class Arena:
         The lease is held by the bound ``__exit__`` of the ``with`` statement that enters it, or else by ``ws``
         (:mod:`wsarena.arena._table`): weakly, from here on (a strong reference would keep ``ws`` alive)."""
         anchor, ws._with = ws._with, None
-        if anchor is None:
+        if anchor is not None:
+            ref = weakref.ref(anchor)
+            anchor = None  # a method only ws._with held (a lookup that was no with statement's) is gone now
+            anchor = ref()
+        if anchor is None:  # entered by hand
             anchor = ws
+            ref = weakref.ref(ws)
         try:
             if self._capture is not None:
                 capture = self._capture(ws.stream.handle if type(ws.stream) is PerThreadStream else ws.stream)
@@ -311,9 +315,9 @@ class Arena:
                 ):
                     sub = None  # the slow path, below: wait, create, sweep, refuse
                 else:  # the lane is free: take it (sub.take, inline: this runs once per convolution)
-                    ws._ref = ref = weakref.ref(anchor)
+                    ws._ref = ref
                     ws._sub = sub
-                    sub.holder_thread = get_ident()
+                    sub.holder_thread = this_thread.token
                     sub.holder_block = None
                     sub.used = True
                     sub.holder = ref
@@ -331,14 +335,14 @@ class Arena:
 
     def _take_lane(self, ws: Workspace, anchor: Any) -> _SubArena:
         """Wait (with the lock let go) until ``ws`` holds its lane."""
-        waited = False
+        waiter = None
         while True:
             with self._lock:
-                got = self._table.take_lane(ws, anchor, waited)
+                got = self._table.take_lane(ws, anchor, waiter)
             if type(got) is _SubArena:
                 return got
-            wait(got)
-            waited = True
+            waiter = got
+            wait(waiter)
 
     def _end(self, ws: Workspace) -> None:
         """End whatever ``ws`` holds: its lease, its growth. Idempotent, and safe at any point of :meth:`_acquire`
@@ -349,17 +353,25 @@ class Arena:
             if ws._state == 1:
                 ws._state = 2
             return
-        ref, block = ws._ref, ws._block
+        block = ws._block
         if ws._debug and ws._state == 1 and block is not None:
             # Poison while this lease still holds the lane, so the next user never sees it half written; `ending`
-            # keeps others from ending the lease meanwhile (its with statement is over, its anchor may be gone).
+            # keeps others from ending the lease meanwhile (its with statement is over, its anchor may be gone). It
+            # refers weakly to an object of this call's own, dropped once the fill is over, however that ended (a
+            # failed fill, an interrupt): then whoever finds the lease's holder gone may end it.
+            owner = _Owner()
             with self._lock:
+                ref = ws._ref  # read under the lock, as :meth:`_hold_by_workspace` changes it
                 poison = sub.holder is ref and not block.freed
                 if poison:
-                    sub.ending = ref
-            if poison:
-                self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=sub.stream)
+                    sub.ending = weakref.ref(owner)
+            try:
+                if poison:
+                    self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=sub.stream)
+            finally:
+                del owner  # not kept alive by a traceback that holds this frame
         with self._lock:
+            ref = ws._ref
             if sub.holder is ref:
                 if sub.growing is ref:
                     sub.growing = None  # its growth was cut short
@@ -375,6 +387,16 @@ class Arena:
                 ws._state = 2
         if self._to_free:
             self._give_back()
+
+    def _hold_by_workspace(self, ws: Workspace) -> None:
+        """Make ``ws`` the holder of its live lease: another ``with`` statement tried to enter it. That statement
+        looked ``__exit__`` up before it failed to enter; if it did so in another thread just before this lease was
+        taken, its bound method is what holds the lease (see :meth:`_acquire`), and it goes with that statement."""
+        with self._lock:
+            ref, sub = ws._ref, ws._sub
+            holder = ref() if ref is not None else None
+            if sub is not None and sub.holder is ref and holder is not None and holder is not ws:
+                ws._ref = sub.holder = weakref.ref(ws)
 
     def _grant(self, sub: _SubArena, ws: Workspace, block: _Block) -> None:
         """Give ``ws`` the bytes of ``block`` (``ws`` holds the lane; lock held)."""

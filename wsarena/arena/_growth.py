@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Hashable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .._sizes import format_size
 from ..errors import ArenaOutOfMemoryError
 from ._interrupts import finish
 from ._stats import aligned_size
-from ._sub import _GrowthOwner, _SubArena, park, wait
+from ._sub import _Block, _Owner, _SubArena, park, wait
 
 if TYPE_CHECKING:
     from ._arena import Arena
@@ -30,33 +31,39 @@ def _grow_for(self: Arena, ws: Workspace, sub: _SubArena) -> None:
     """Give ``ws``, which holds ``sub``, its bytes: once no other growth is under way, from the buffer if it
     is large enough, else from a new one."""
     n = ws.nbytes
+    waiter = None
     while True:
         with self._lock:
             if self._table.closed:
                 raise self._table.closed_error()
-            if self._table.growth_over(sub):
+            over = self._table.growth_over(sub)
+            if over:
                 block = sub.block
                 if block is not None and block.size >= n:
                     self._grant(sub, ws, block)
                     return
+                if self._table.kept:  # a growth frees what released graphs held, as trim and stats do
+                    self._table.release_kept()
                 token = sub.growing = sub.holder  # the lease's own weak reference: it keeps nothing alive
-                break
-            waiter = park(sub.growth_waiters)
-        wait(waiter)
-    self._grow(sub, token, n, ws._cap)
-    with self._lock:
-        block = sub.block  # ours or larger (a reserve may have grown it since): the lane is ours
-        if self._table.closed or block is None:
-            raise self._table.closed_error()
-        self._grant(sub, ws, block)
+            else:
+                waiter = park(sub.growth_waiters, waiter)
+        if not over:
+            wait(waiter)
+            continue
+        self._grow(sub, token, n, ws._cap, ws)
+        if ws._state == 1:  # granted the buffer it grew, as that was installed
+            return
+        # Not granted: the buffer was let go before the grant (a trim while an interrupt cut the installation
+        # short). Grow again.
 
 
 def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -> None:
     """Grow the sub-arena of ``key`` to hold ``n`` bytes, unless it does already (``Arena.reserve``)."""
     if n == 0:
         return
-    owner = _GrowthOwner()  # the growth lasts while this frame does: an interrupt that ends it ends the growth
+    owner = _Owner()  # the growth lasts while this frame does: an interrupt that ends it ends the growth
     token = weakref.ref(owner)
+    waiter = None
     try:
         while True:
             with self._lock:
@@ -69,7 +76,7 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
                         return  # already large enough (maybe by another thread's growth)
                     sub.growing = token
                     break
-                waiter = park(sub.growth_waiters)
+                waiter = park(sub.growth_waiters, waiter)
             wait(waiter)
         try:
             self._grow(sub, token, n, cap)
@@ -81,12 +88,24 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
             self._give_back()
 
 
-def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None) -> None:
-    """Give ``sub`` a buffer of ``aligned_size(n)`` bytes (``sub.growing`` is ``token``; lock not held)."""
+def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: Workspace | None = None) -> None:
+    """Give ``sub`` a buffer of ``aligned_size(n)`` bytes (``sub.growing`` is ``token``; lock not held), and grant it
+    to ``ws``, the lease growing it, if any. Raises the closed error if the arena closed meanwhile."""
     size = aligned_size(n)
+    got: list[Any] = []
     try:
-        buffer = self.provider.allocate(size, stream=sub.stream)
+        # allocate() hands its buffer to `got` within one C call (list.extend over a map): an interrupt lands as a
+        # call returns to Python code, and one just after `buffer = allocate(...)` returned would lose the buffer.
+        got.extend(map(partial(self.provider.allocate, stream=sub.stream), (size,)))
+        buffer = got[0]
+        if buffer is None:
+            raise TypeError(f"{self.provider!r}.allocate returned None for a request of {size} bytes")
+        if buffer.size < size:
+            raise RuntimeError(f"{self.provider!r} returned {buffer!r} for a request of {size} bytes")
+        block = _Block(buffer)
     except BaseException as exc:
+        if got and got[0] is not None:
+            self._to_free.append((got[0], sub.stream))  # never installed: no one else would free it
         finish(self._end_growth, sub, token, None)
         if isinstance(exc, MemoryError):
             raise ArenaOutOfMemoryError(
@@ -94,25 +113,26 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None) -> N
                 requested=n, held=sub.capacity(), cap=cap,
             ) from exc
         raise
-    if buffer is None or buffer.size < size:
-        if buffer is not None:
-            self._to_free.append((buffer, sub.stream))
-        finish(self._end_growth, sub, token, None)
-        if buffer is None:
-            raise TypeError(f"{self.provider!r}.allocate returned None for a request of {size} bytes")
-        raise RuntimeError(f"{self.provider!r} returned {buffer!r} for a request of {size} bytes")
     try:
-        finish(self._end_growth, sub, token, buffer)
+        finish(self._end_growth, sub, token, block, ws)
     finally:
-        current = sub.block
-        if current is None or current.buffer is not buffer:  # refused (closed), or cut short before it ran
+        if not block.installed:  # refused (the arena closed), or cut short before it ran
             self._to_free.append((buffer, sub.stream))
-    if current is None or current.buffer is not buffer:
+    if self._table.closed:
         raise self._table.closed_error()
 
 
-def _end_growth(self: Arena, sub: _SubArena, token: Any, buffer: Any) -> None:
-    """End ``token``'s growth of ``sub``, installing ``buffer`` (if any) unless the arena closed meanwhile (the
-    caller frees it then). Idempotent (lock not held)."""
+def _end_growth(self: Arena, sub: _SubArena, token: Any, block: _Block | None, ws: Workspace | None = None) -> None:
+    """End ``token``'s growth of ``sub``, installing ``block`` (if any) unless the arena closed meanwhile (the
+    caller frees it then), and granting it to ``ws`` if given. Idempotent (lock not held).
+
+    The grant is made in the same locked step as the installation: until the lease holds the block, a trim or
+    another thread's growth may let it go, and the lease would then be granted whatever the stream holds by the time
+    it looked again (a smaller buffer, or none)."""
     with self._lock:
-        self._table.end_growth(sub, token, buffer)
+        self._table.end_growth(sub, token, block)
+        if (
+            ws is not None and block is not None and sub.block is block and sub.holder is ws._ref
+            and sub.holder_block is None
+        ):
+            self._grant(sub, ws, block)

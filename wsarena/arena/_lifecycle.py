@@ -38,14 +38,17 @@ def give_back(provider: Any, to_free: collections.deque[tuple[Any, Any]], quiet:
     interrupted: BaseException | None = None
     while to_free:
         try:
-            buffer, stream = to_free.popleft()
-        except IndexError:  # another thread took the last one
+            # The for loop takes each entry off the queue in C and hands it to deallocate() with no place between
+            # where an interrupt can land (one lands as a call returns to Python code: just after
+            # `to_free.popleft()` returned, it would lose the buffer).
+            for buffer, stream in iter(to_free.popleft, None):
+                try:
+                    provider.deallocate(buffer, stream=stream)
+                except Exception as exc:  # noqa: BLE001 - a failed free must not break a lease's exit
+                    if not quiet:
+                        warnings.warn(f"wsarena: freeing {buffer!r} failed: {exc}", RuntimeWarning, stacklevel=3)
+        except IndexError:  # the queue is empty (another thread may have taken the last one)
             break
-        try:
-            provider.deallocate(buffer, stream=stream)
-        except Exception as exc:  # noqa: BLE001 - a failed free must not break a lease's exit
-            if not quiet:
-                warnings.warn(f"wsarena: freeing {buffer!r} failed: {exc}", RuntimeWarning, stacklevel=3)
         except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt: raised once the rest are freed
             interrupted = interrupted or exc
     if interrupted is not None:

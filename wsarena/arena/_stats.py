@@ -104,7 +104,8 @@ class ArenaStats(_Fields):
     retired_bytes : int
         Sum of the sub-arenas' ``retired_bytes``.
     streams : Mapping
-        Stream key (raw handle on a device, lane key on the host) to :class:`StreamStats`.
+        Stream key (raw handle on a device, lane key on the host, as the caller passed it) to :class:`StreamStats`.
+        A snapshot keeps the lane key objects it names alive, and so their lanes: drop it once read.
     pinned_bytes : int
         Buffers that CUDA graphs captured and still hold, over every stream (those of streams forgotten since
         included).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
 import weakref
 from _thread import allocate_lock as _allocate_lock
 from collections.abc import Hashable
@@ -41,13 +42,16 @@ class _Totals:
 class _Block:
     """A buffer of a sub-arena (current or outgrown), and the pins of the CUDA graphs that captured it."""
 
-    __slots__ = ("buffer", "freed", "pins", "ptr", "size")
+    __slots__ = ("buffer", "freed", "installed", "pins", "ptr", "size")
 
     def __init__(self, buffer: Any) -> None:
         self.buffer = buffer
         self.ptr: int = buffer.ptr  # copied: the lease fast path reads them, and `buffer` is dropped once freed
         self.size: int = buffer.size
         self.freed = False
+        # Made a sub-arena's buffer (by install): from then on the sub-arena frees it, so the growth that allocated
+        # it must not. Whether it is still current says nothing: a trim or another growth may have let it go since.
+        self.installed = False
         self.pins: list[Any] = []  # wsarena.arena._pins.GraphPin (or a test's), one per graph that captured it
 
     def pinned(self) -> bool:
@@ -80,18 +84,37 @@ class _Anchor(weakref.ref):
         weakref.ref.__init__(self, target, callback)  # type: ignore[call-arg]  # it takes these two only
 
 
-class _GrowthOwner:
-    """What a ``reserve`` call holds while it grows a sub-arena: once it is gone, so is the growth."""
+class _Owner:
+    """What a call holds while others wait for what it does (a ``reserve`` call's growth, a release's poisoning): the
+    sub-arena refers to it weakly, so once the call is over, however it ended, so is what it was doing."""
 
     __slots__ = ("__weakref__",)
+
+
+class _ThisThread(threading.local):
+    """``this_thread.token``: an object of the calling thread's own, which records who holds a lane. Not the thread's
+    id: a lease may outlive the thread that entered it (handed to another thread to end), and the id of a thread that
+    has exited is given to new threads, one of which would then be refused as the holder. The token, kept alive by
+    the record, is never another thread's."""
+
+    def __init__(self) -> None:
+        self.token = object()
+
+
+this_thread = _ThisThread()
 
 
 # Buffers of arenas collected (or shut down) while a graph still held them: kept, never freed, for that graph.
 abandoned: list[Any] = []
 
 
-def park(waiters: collections.deque[Any]) -> Any:
-    """A locked lock of the caller's own, queued on ``waiters``: :meth:`_SubArena.wake` releases it. (Lock held.)"""
+def park(waiters: collections.deque[Any], waiter: Any = None) -> Any:
+    """A locked lock of the caller's own, queued on ``waiters``: :meth:`_SubArena.wake` releases it. (Lock held.)
+
+    ``waiter``: the lock the caller waited on last, if any. One still queued (its wait timed out: a woken one was
+    taken off the queue first) is queued once, not again beside a new one at every recheck."""
+    if waiter is not None and waiter in waiters:
+        return waiter
     waiter = _allocate_lock()
     waiter.acquire()
     waiters.append(waiter)
@@ -141,10 +164,10 @@ class _SubArena:
         self.block: _Block | None = None
         self.retired: _Block | None = None
         self.holder: weakref.ref[Any] | None = None
-        self.holder_thread = 0
+        self.holder_thread: object = None  # this_thread.token of the thread that took the lane
         self.holder_block: _Block | None = None
         self.holder_nbytes = 0
-        self.ending: weakref.ref[Any] | None = None  # the holder while its own release poisons its bytes
+        self.ending: weakref.ref[Any] | None = None  # the _Owner of the holder's release while it poisons the bytes
         self.growing: weakref.ref[Any] | None = None
         self.lane_waiters: collections.deque[Any] = collections.deque()
         self.growth_waiters: collections.deque[Any] = collections.deque()
@@ -172,6 +195,11 @@ class _SubArena:
     def idle(self) -> bool:
         return self.holder is None and self.growing is None
 
+    def releasing(self) -> bool:
+        """Whether the holder's own release is poisoning its bytes right now: no one else may end the lease."""
+        ending = self.ending
+        return ending is not None and ending() is not None
+
     def free_stream(self, gone: bool = False) -> Any:
         """The stream to free this sub-arena's buffers on: its own, unless that may be gone (``gone``) or is
         another thread's per-thread stream (handle 2 would name the calling thread's): then ``None``."""
@@ -180,7 +208,7 @@ class _SubArena:
         return self.stream
 
     # ------------------------------------------------------------------------------------------- leases
-    def take(self, ref: weakref.ref[Any], thread: int) -> None:
+    def take(self, ref: weakref.ref[Any], thread: object) -> None:
         """Make ``ref`` the lane's holder: the one change every other thread waits for."""
         self.holder_thread = thread
         self.holder_block = None
@@ -206,13 +234,13 @@ class _SubArena:
             waiters.popleft().release()
 
     # ------------------------------------------------------------------------------------------- buffers
-    def install(self, buffer: Any) -> _Block:
-        """Make ``buffer`` the current one; the outgrown one is retired if the holder uses it, else let go."""
-        new = _Block(buffer)
+    def install(self, new: _Block) -> None:
+        """Make ``new`` the current buffer; the outgrown one is retired if the holder uses it, else let go."""
         stream = self.free_stream()
         old = self.block
         keep = old is not None and old.pinned()
         self.block = new
+        new.installed = True
         self.allocations += 1
         self.totals.allocations += 1
         if old is not None:
@@ -226,7 +254,6 @@ class _SubArena:
                 old.freed = True
                 self.totals.frees += 1
                 self.to_free.append((old.buffer, stream))
-        return new
 
     # tidy() and empty() detach a block and queue it inline, with no call in between: a helper's first
     # instruction would be a place where an interrupt finds the block detached and never freed.

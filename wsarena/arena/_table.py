@@ -19,10 +19,9 @@ import collections
 import threading
 import weakref
 from collections.abc import Hashable
-from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
-from ._sub import Queue, _Anchor, _Block, _SubArena, _Totals, abandoned, park
+from ._sub import Queue, _Anchor, _Block, _SubArena, _Totals, abandoned, park, this_thread
 from .streams import PerThreadStream, ThreadLane
 
 if TYPE_CHECKING:
@@ -54,6 +53,16 @@ class _LaneKey(weakref.ref):
 
     def __repr__(self) -> str:
         return repr(self())
+
+
+def callers_key(key: Hashable) -> Hashable:
+    """``key`` as the caller gave it: a lane key object rather than the table's weak reference to it (the reference
+    itself only if the object has just died, before the sweep that forgets its lane)."""
+    if type(key) is _LaneKey:
+        target = key()
+        if target is not None:
+            return target
+    return key
 
 
 def _caller_chosen(key: Hashable) -> bool:
@@ -106,26 +115,26 @@ class _Table:
         sub.orphan = False  # whoever leases on it shows the stream is alive
         return sub
 
-    def take_lane(self, ws: Workspace, anchor: Any, waited: bool) -> Any:
+    def take_lane(self, ws: Workspace, anchor: Any, waiter: Any) -> Any:
         """Make ``ws`` (ended by ``anchor``) the holder of its lane and return the sub-arena; or, if another lease
         holds it (or it is kept for threads that waited, and this one has not), queue a lock to wait on and return
-        that (see :func:`~wsarena.arena._sub.wait`)."""
+        that (see :func:`~wsarena.arena._sub.wait`). ``waiter``: the lock this thread waited on last, or ``None``."""
         if self.closed:
             raise self.closed_error()
-        me = get_ident()
+        me = this_thread.token
         sub = self.sub_for(ws.stream, ws._anchor)
         ref = sub.holder
-        if ref is not None and ref() is None and (sub.ending is not ref or sub.holder_thread == me):
+        if ref is not None and ref() is None and (not sub.releasing() or sub.holder_thread is me):
             self.reap(sub)  # nothing can release that lease any more
             ref = sub.holder
-        if ref is None and (waited or not sub.handoff):
+        if ref is None and (waiter is not None or not sub.handoff):
             ws._ref = ref = weakref.ref(anchor)
             ws._sub = sub
             sub.take(ref, me)
             return sub
-        if ref is not None and sub.holder_thread == me:
+        if ref is not None and sub.holder_thread is me:
             raise self._nested_error(sub.key)
-        return park(sub.lane_waiters)
+        return park(sub.lane_waiters, waiter)
 
     def growth_over(self, sub: _SubArena) -> bool:
         """Whether no one is growing ``sub`` (a growth whose owner is gone is ended here); else the caller waits."""
@@ -137,23 +146,23 @@ class _Table:
         if growing is not sub.holder:  # a reserve cut short by an interrupt
             sub.growing = None
             sub.wake()
-        elif sub.ending is growing:  # its owner is releasing it right now
+        elif sub.releasing():  # its owner is releasing it right now
             return False
         else:  # a lease cut short while it grew: it ends, and its growth with it
             self.reap(sub)
         return True
 
-    def end_growth(self, sub: _SubArena, token: Any, buffer: Any) -> None:
-        """End ``token``'s growth of ``sub``, installing ``buffer`` (if any) unless the arena closed meanwhile.
-        Idempotent: a repeat after an interrupt finds the buffer installed and the growth ended."""
+    def end_growth(self, sub: _SubArena, token: Any, block: _Block | None) -> None:
+        """End ``token``'s growth of ``sub``, installing ``block`` (if any) unless the arena closed meanwhile (then
+        ``block.installed`` stays false and the caller frees it). Idempotent: a repeat after an interrupt finds the
+        block installed (it may have been let go since: ``installed`` says so, not ``sub.block``) and the growth
+        ended."""
         if sub.growing is token:
-            current = sub.block
-            if buffer is not None and not self.closed and (current is None or current.buffer is not buffer):
-                sub.install(buffer)
+            if block is not None and not block.installed and not self.closed:
+                sub.install(block)
             sub.growing = None  # last
             sub.wake()
-        current = sub.block
-        if buffer is None or current is None or current.buffer is not buffer:
+        if block is None or not block.installed:
             self.drop_if_idle(sub)
 
     def _nested_error(self, key: Hashable) -> RuntimeError:
@@ -204,7 +213,7 @@ class _Table:
         """End every lease that nothing can release any more (except one its owner is releasing right now)."""
         for sub in list(self.subs.values()):
             ref = sub.holder
-            if ref is not None and ref() is None and sub.ending is not ref:
+            if ref is not None and ref() is None and not sub.releasing():
                 self.reap(sub)
 
     def sweep(self) -> int:
@@ -218,6 +227,7 @@ class _Table:
             if gone is not None and gone.serial == anchor.serial:  # else already gone, or a newer one
                 gone.anchor = None
                 gone.orphan = True
+                self.unstream_kept(gone.key)
                 if anchor.eager and gone.idle():
                     released += self.forget(gone, gone=True)
             self.dead.popleft()
@@ -275,6 +285,14 @@ class _Table:
                 self.to_free.append((block.buffer, stream))
                 released += block.size
         return released
+
+    def unstream_kept(self, key: Hashable) -> None:
+        """The stream of ``key`` may be gone: its kept buffers, which recorded that stream when they were kept, are
+        freed with no stream (the provider waits for the device), as its other buffers are."""
+        kept = self.kept  # changed in place: every sub-arena shares this list
+        for i, (k, block, stream) in enumerate(kept):
+            if stream is not None and k == key:
+                kept[i] = (k, block, None)
 
     def pinned_bytes(self, sub: _SubArena | None, key: Hashable) -> int:
         """Bytes of ``key``'s buffers that a graph holds: the current one, the outgrown one, and those kept."""

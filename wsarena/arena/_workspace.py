@@ -25,6 +25,11 @@ class _WithExit:
     statement ends; that method is what holds the lease. Once it is gone, the lease is over, even when a Ctrl-C
     stopped ``__exit__`` before it could release anything and the Workspace itself lives on (in ``ws`` of
     ``with arena.lease(n) as ws:``): the arena ends it when it next looks at the lane (:mod:`wsarena.arena._table`).
+
+    Not every lookup is the ``with`` statement's that enters the lease. One that nothing keeps (``hasattr(ws,
+    "__exit__")`` before a manual ``__enter__``) is gone by the time the lease is taken: ``ws`` holds the lease then
+    (:meth:`Arena._acquire`). One by another thread's ``with`` statement on the same Workspace, just before this one
+    entered it, goes when that statement fails to enter it: its ``__enter__`` makes ``ws`` the holder first.
     """
 
     __slots__ = ("function",)
@@ -100,6 +105,8 @@ class Workspace:
 
     def __enter__(self) -> Self:
         if self._state:
+            if self._state == 1 and self.nbytes:  # live: this with statement's __exit__ may hold it (_WithExit)
+                self._arena._hold_by_workspace(self)
             raise RuntimeError("a lease can be entered only once; call arena.lease() again")
         if not self.nbytes:
             self._with = None  # holds nothing: nothing to hold it by (and it would keep self in a cycle)
