@@ -150,7 +150,7 @@ def _shutdown(arena: Arena) -> None:
     if not lock.acquire(timeout=1.0):
         return
     try:
-        arena._table.closed = True
+        arena._table.closed = arena._table.exited = True
         arena._table.let_go_everything()
     finally:
         lock.release()

@@ -69,10 +69,15 @@ def _caller_chosen(key: Hashable) -> bool:
     return type(key) is not ThreadLane and type(key) is not PerThreadStream
 
 
+class ReleasedAtExit(RuntimeError):
+    """A lease of a device arena that wsarena's exit handler released: only a daemon thread (or a later exit
+    handler) can still ask. A daemon thread waits instead, until the interpreter stops it (:mod:`._workspace`)."""
+
+
 class _Table:
     """The sub-arenas of one arena, by key, and the queue that says which of them go away."""
 
-    __slots__ = ("captures", "closed", "dead", "forked", "kept", "lanes", "lock", "subs", "to_free", "totals")
+    __slots__ = ("captures", "closed", "dead", "exited", "forked", "kept", "lanes", "lock", "subs", "to_free", "totals")
 
     def __init__(self, lock: threading.RLock, lanes: bool) -> None:
         self.lock = lock
@@ -84,6 +89,7 @@ class _Table:
         self.captures: dict[Any, Any] = {}  # capture sequence id -> the pin of the graph it captures into
         self.totals = _Totals()
         self.closed = False
+        self.exited = False  # a device arena released by the exit handler: the interpreter is ending
         self.forked = False  # a device arena in a forked child: its memory is the parent's
 
     def closed_error(self) -> RuntimeError:
@@ -92,6 +98,8 @@ class _Table:
                 "this arena's device memory belongs to the parent process: CUDA cannot be used in a child forked "
                 "after it was initialised (start workers with the 'spawn' or 'forkserver' method)"
             )
+        if self.exited:
+            return ReleasedAtExit("this arena was released at interpreter exit")
         return RuntimeError("this arena is closed")
 
     def sub_for(self, key: Hashable, anchor: Any) -> _SubArena:
