@@ -111,8 +111,9 @@ def test_no_usable_engine_falls_back_to_the_legacy_api_with_one_warning(monkeypa
     legacy = [Candidate("implicit_gemm", 0), Candidate("fft", 4096)]
     monkeypatch.setattr(graph_backend, "_ranked", lambda handle, pass_, geom: [])
     monkeypatch.setattr(CudnnBackend, "candidates", lambda self, pass_, geom: legacy)
-    with pytest.warns(CudnnApiFallbackWarning, match="no fwd of input \\(2, 4, 9, 9\\).*legacy API"):
+    with pytest.warns(CudnnApiFallbackWarning, match="no fwd of input \\(2, 4, 9, 9\\).*legacy API") as caught:
         assert graph_backend.candidates("fwd", GEOM) == legacy
+    assert caught[0].filename == __file__  # the line outside wsarena that asked
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert graph_backend.candidates("fwd", GEOM) == legacy  # once per pass and geometry

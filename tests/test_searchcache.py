@@ -194,6 +194,7 @@ def test_a_bad_file_gives_one_warning_and_is_replaced(cache, spoil):
     with pytest.warns(SearchCacheWarning, match="ignoring the search cache file") as caught:
         assert search(backend) == first
     assert len(caught) == 1 and str(path) in str(caught[0].message)
+    assert caught[0].filename == __file__  # the line outside wsarena that made the call
     assert backend.measured == [("fwd", 4)] * 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -212,7 +213,7 @@ def test_an_unwritable_directory_gives_one_warning_and_goes_on(tmp_path, monkeyp
         warnings.simplefilter("always")
         assert search(backend, "bwd_data")[0].algo == "gemm"
         assert search(backend)[0].algo == "fft"
-    assert len(caught) == 1 and later == []
+    assert len(caught) == 1 and later == [] and caught[0].filename == __file__
     assert len(backend.measured) == 3
 
 

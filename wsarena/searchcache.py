@@ -40,7 +40,6 @@ import json
 import os
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ try:  # imported with wsarena, not on first use (see wsarena/__init__.py)
 except ImportError:  # an install made without dependencies
     platformdirs = None  # type: ignore[assignment]
 
-from . import _forksafe
+from . import _callsite, _forksafe
 from ._config import get_config
 from ._search_env import environment
 from ._sizes import format_size
@@ -142,7 +141,7 @@ def _warn_once(kind: str, where: Path, message: str) -> None:
         if (kind, str(where)) in _warned:
             return
         _warned.add((kind, str(where)))
-    warnings.warn(message, SearchCacheWarning, stacklevel=3)
+    _callsite.warn(message, SearchCacheWarning)
 
 
 def _read(path: Path, key: dict[str, Any]) -> _Results | None:

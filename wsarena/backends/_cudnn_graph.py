@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from .. import _callsite
 from .._geometry import describe_geometry
 from .._pass import Pass
 from ..errors import BackendUnavailableError, CudnnApiFallbackWarning
@@ -132,9 +132,9 @@ class CudnnGraphBackend(CudnnBackend):
         key = (pass_, geom)
         if key not in self._fallbacks:
             self._fallbacks.add(key)
-            warnings.warn(
+            _callsite.warn(
                 f"cuDNN's graph API runs no {pass_} of {describe_geometry(geom)}: {reason}; "
-                "using the legacy API for it", CudnnApiFallbackWarning, stacklevel=2,
+                "using the legacy API for it", CudnnApiFallbackWarning,
             )
         return super().candidates(pass_, geom)
 
