@@ -71,7 +71,7 @@ def _caller_chosen(key: Hashable) -> bool:
 
 class ReleasedAtExit(RuntimeError):
     """A lease of a device arena that wsarena's exit handler released: only a daemon thread (or a later exit
-    handler) can still ask. A daemon thread waits instead, until the interpreter stops it (:mod:`._workspace`)."""
+    handler) can still ask. A daemon thread gets ``SystemExit`` instead, which ends it quietly (:mod:`._workspace`)."""
 
 
 class _Table:

@@ -124,8 +124,10 @@ class Workspace:
             finish(self._arena._end, self)
             if type(exc) is ReleasedAtExit and threading.current_thread().daemon:
                 # A daemon thread still at work while the interpreter exits: its arena is gone, and an error
-                # would print a traceback in a process that is ending well. It waits to be stopped instead.
-                threading.Event().wait()
+                # would print a traceback in a process that is ending well. SystemExit ends the thread quietly
+                # (threading prints nothing for it), and unwinds it, so the locks it holds are let go: a thread
+                # that waited here for good could hang a later exit handler that needs one of them.
+                raise SystemExit from exc
             raise
         return self
 
