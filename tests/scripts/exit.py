@@ -88,8 +88,20 @@ if CASE == "live_lease":
     lanes = lanes[1:]  # the held lane waits for its lease, which outlives the process
     report()
 elif CASE == "threads_mid_call":
-    for lane in ("t1", "t2") if KIND == "host" else (5, 6):
-        threading.Thread(target=lambda lane=lane: [work(lane) for _ in iter(int, 1)], daemon=True).start()
+
+    def zero_byte_leases(lane: object) -> None:  # as a call whose algorithm needs no workspace leases
+        with arena.lease(0, stream=lane):
+            pass
+
+    def reserves(lane: object) -> None:
+        arena.reserve(1 << 16, stream=lane)
+
+    if KIND == "host":
+        calls = [(work, "t1"), (work, "t2")]
+    else:  # each way a device arena released at exit can be asked for memory
+        calls = [(work, 5), (zero_byte_leases, 6), (reserves, 7)]
+    for call, lane in calls:
+        threading.Thread(target=lambda call=call, lane=lane: [call(lane) for _ in iter(int, 1)], daemon=True).start()
     time.sleep(0.05)
     report()
 elif CASE == "after_close":

@@ -70,8 +70,8 @@ def _caller_chosen(key: Hashable) -> bool:
 
 
 class ReleasedAtExit(RuntimeError):
-    """A lease of a device arena that wsarena's exit handler released: only a daemon thread (or a later exit
-    handler) can still ask. A daemon thread gets ``SystemExit`` instead, which ends it quietly (:mod:`._workspace`)."""
+    """A lease or reserve of a device arena that wsarena's exit handler released: only a daemon thread (or a later
+    exit handler) can still ask. A daemon thread gets ``SystemExit`` instead, which ends it quietly."""
 
 
 class _Table:
@@ -92,13 +92,20 @@ class _Table:
         self.exited = False  # a device arena released by the exit handler: the interpreter is ending
         self.forked = False  # a device arena in a forked child: its memory is the parent's
 
-    def closed_error(self) -> RuntimeError:
+    def closed_error(self) -> BaseException:
         if self.forked:
             return RuntimeError(
                 "this arena's device memory belongs to the parent process: CUDA cannot be used in a child forked "
                 "after it was initialised (start workers with the 'spawn' or 'forkserver' method)"
             )
         if self.exited:
+            thread = threading.current_thread()
+            if thread.daemon and not isinstance(thread, threading._DummyThread):
+                # A daemon thread still at work while the interpreter exits: an error would print a traceback
+                # in a process that is ending well. SystemExit ends the thread quietly (threading prints nothing
+                # for it) and unwinds it, so the locks it holds are let go for the exit handlers still to run.
+                # (A thread made outside threading, such as PyTorch's autograd thread, gets the error.)
+                return SystemExit("this arena was released at interpreter exit")
             return ReleasedAtExit("this arena was released at interpreter exit")
         return RuntimeError("this arena is closed")
 

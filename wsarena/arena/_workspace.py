@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Hashable
 from types import MethodType
 from typing import TYPE_CHECKING, Any, Self
 
 from .._sizes import format_size
 from ._interrupts import finish
-from ._table import ReleasedAtExit
 
 if TYPE_CHECKING:
     import weakref
@@ -118,16 +116,10 @@ class Workspace:
             return self
         try:
             self._arena._acquire(self)
-        except BaseException as exc:
+        except BaseException:
             # Whatever the acquisition had taken when it failed or was interrupted goes back: after a
             # KeyboardInterrupt the with block never starts, so nothing else would ever release it.
             finish(self._arena._end, self)
-            if type(exc) is ReleasedAtExit and threading.current_thread().daemon:
-                # A daemon thread still at work while the interpreter exits: its arena is gone, and an error
-                # would print a traceback in a process that is ending well. SystemExit ends the thread quietly
-                # (threading prints nothing for it), and unwinds it, so the locks it holds are let go: a thread
-                # that waited here for good could hang a later exit handler that needs one of them.
-                raise SystemExit from exc
             raise
         return self
 
