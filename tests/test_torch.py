@@ -376,6 +376,43 @@ def test_backward_passes_run_under_the_settings_their_forward_ran_under(thread, 
         assert backward(y) > 0  # the forward ran uncapped: so do its backward passes
 
 
+@pytest.mark.parametrize("thread", [False, True])
+def test_configure_between_a_forward_and_its_backward_reaches_the_backward(thread, leased):
+    """Outside any config() block a backward pass runs under the process-wide settings of its own time."""
+    conv = wt.Conv2d(4, 6, 3)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    y = conv(x)
+    wsarena.configure(cap_workspace=0)  # conftest resets the settings after the test
+    leased.clear()
+
+    def backward():
+        if thread:
+            worker = threading.Thread(target=y.sum().backward)
+            worker.start()
+            worker.join()
+        else:
+            y.sum().backward()
+
+    with pytest.warns(wsarena.WorkspaceCapWarning):
+        backward()
+    assert leased == [0, 0]
+
+
+def test_checkpoint_context_serves_every_recompute(leased):
+    from torch.utils.checkpoint import checkpoint
+
+    conv = wt.Conv2d(4, 6, 3)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    warnings.simplefilter("ignore", wsarena.WorkspaceCapWarning)  # pytest restores the filters after the test
+    with wsarena.config(cap_workspace=0):
+        y = checkpoint(conv, x, use_reentrant=False, context_fn=wt.checkpoint_context).sum()
+    leased.clear()
+    y.backward(retain_graph=True)
+    first = list(x.grad)
+    y.backward()  # recomputes again, entering the same recompute context again
+    assert leased == [0] * 6 and len(first) == 2
+
+
 def test_a_checkpointed_forward_is_recomputed_under_its_settings_with_checkpoint_context(leased):
     from torch.utils.checkpoint import checkpoint
 

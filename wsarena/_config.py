@@ -241,19 +241,34 @@ def configure(**changes: Any) -> Config:
 @contextlib.contextmanager
 def config(**changes: Any) -> Iterator[Config]:
     """Override settings for the body of a ``with`` block, in this thread or task only."""
-    with using(_with_changes(changes)) as new:
+    new = _with_changes(changes)
+    with using(new):
         yield new
 
 
-@contextlib.contextmanager
-def using(settings: Config) -> Iterator[Config]:
-    """``settings`` in force for the body of a ``with`` block, in this thread or task only: those a piece of work
-    was started under, where it goes on in another thread (a backward pass on PyTorch's autograd thread)."""
-    token = _override.set(settings)
-    try:
-        yield settings
-    finally:
-        _override.reset(token)
+def overridden() -> Config | None:
+    """The settings of the innermost :func:`config` block in force here, or ``None`` outside any."""
+    return _override.get()
+
+
+class using:  # lower case: used like config()
+    """``settings`` in force for the body of a ``with`` block, in this thread or task only, as an enclosing
+    :func:`config` block's would be (``None``: the process-wide settings, as outside any block): the block a
+    piece of work was started in, where the work goes on elsewhere (a backward pass on PyTorch's autograd thread).
+    Reusable, and re-entrant: PyTorch's checkpoint enters a recompute context once per recompute."""
+
+    __slots__ = ("settings", "tokens")
+
+    def __init__(self, settings: Config | None) -> None:
+        self.settings = settings
+        self.tokens: list[contextvars.Token[Config | None]] = []
+
+    def __enter__(self) -> Config | None:
+        self.tokens.append(_override.set(self.settings))
+        return self.settings
+
+    def __exit__(self, *exc: object) -> None:
+        _override.reset(self.tokens.pop())
 
 
 def _with_changes(changes: dict[str, Any]) -> Config:

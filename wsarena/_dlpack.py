@@ -121,7 +121,7 @@ class Export:
         else:  # not a capsule this module knows: the importer says what it makes of it
             return capsule
         if self.writable and (flags is None or flags & READ_ONLY):
-            why = "a legacy capsule, which promises no writes" if flags is None else "flagged so"
+            why = "a legacy capsule, which promises no writes, as JAX's are" if flags is None else "flagged so"
             raise ReadOnlyExport(f"its DLPack export is read-only ({why})")
         if self.retype is not None:
             dtype = ctypes.c_uint32.from_address(tensor + _DTYPE)

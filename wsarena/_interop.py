@@ -182,8 +182,7 @@ def _export(op: _Operand) -> Export:
 
 def _read_only(exc: ReadOnlyExport) -> TypeError:
     return TypeError(
-        f"out cannot be written in place: {exc} (immutable arrays such as JAX's export so); call without out= "
-        "and use the returned array"
+        f"out cannot be written in place: {exc}; call without out= and use the returned array"
     )
 
 

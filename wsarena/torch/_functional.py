@@ -111,20 +111,22 @@ class ConvTransposeFunction(torch.autograd.Function):
 
 def checkpoint_context() -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the recomputed forward
-    (and so its backward passes) runs under the settings the checkpointed forward ran under, as an ordinary
-    forward's backward passes do; without it, under those in force where ``backward()`` runs."""
-    return contextlib.nullcontext(), _config.using(_config.get_config())
+    runs under the settings the checkpointed forward ran under (its ``config()`` block, else the process-wide
+    settings), as an ordinary forward's backward passes do; without it, under those in force where ``backward()``
+    runs."""
+    return contextlib.nullcontext(), _config.using(_config.overridden())
 
 
-def _started() -> tuple[_callsite.Site, _config.Config] | None:
-    """Where a forward was called and the settings it ran under, for its backward passes (none while
+def _started() -> tuple[_callsite.Site, _config.Config | None] | None:
+    """Where a forward was called and the ``config()`` block it ran in (``None``: none, so the process-wide
+    settings, which ``configure()`` may change before the backward), for its backward passes (none while
     ``torch.compile`` traces it: a compiled backward runs the operators without these functions, and a warning
     names the first line outside PyTorch and wsarena)."""
-    return None if torch.compiler.is_compiling() else (_callsite.caller(), _config.get_config())
+    return None if torch.compiler.is_compiling() else (_callsite.caller(), _config.overridden())
 
 
 @contextlib.contextmanager
-def _as_started(started: tuple[_callsite.Site, _config.Config] | None) -> Iterator[None]:
+def _as_started(started: tuple[_callsite.Site, _config.Config | None] | None) -> Iterator[None]:
     """A backward pass's body: its warnings reported at the forward's call, under the forward's settings
     (``torch.compile`` traces neither: each sets a context variable)."""
     if started is None or torch.compiler.is_compiling():
