@@ -264,6 +264,17 @@ def _line(offset=0):
     return sys._getframe(1).f_lineno + offset
 
 
+def _backward(y, thread):
+    """``y.sum().backward()``, in this thread or, ``thread``, in a new one whose stack holds none of the test's lines
+    and whose context none of its ``config()`` blocks (as PyTorch's CUDA autograd thread)."""
+    if thread:
+        worker = threading.Thread(target=y.sum().backward)  # PyTorch's and threading's frames only
+        worker.start()
+        worker.join()
+    else:
+        y.sum().backward()
+
+
 @pytest.mark.parametrize("module", [lambda: wt.Conv2d(4, 6, 3), lambda: wt.ConvTranspose2d(4, 6, 3, stride=2)])
 @pytest.mark.parametrize("thread", [False, True])
 def test_cap_warnings_through_a_module_name_the_module_call_for_all_three_passes(module, thread):
@@ -276,12 +287,7 @@ def test_cap_warnings_through_a_module_name_the_module_call_for_all_three_passes
         nonlocal where
         where = _line(1)
         y = conv(x)
-        if thread:
-            backward = threading.Thread(target=y.sum().backward)  # PyTorch's and threading's frames only
-            backward.start()
-            backward.join()
-        else:
-            y.sum().backward()
+        _backward(y, thread)
 
     where = None
     sites = _cap_warnings(run, ("fwd", "bwd_data", "bwd_filter"))
@@ -355,12 +361,7 @@ def test_backward_passes_run_under_the_settings_their_forward_ran_under(thread, 
 
     def backward(y):
         leased.clear()
-        if thread:
-            worker = threading.Thread(target=y.sum().backward)
-            worker.start()
-            worker.join()
-        else:
-            y.sum().backward()
+        _backward(y, thread)
         assert len(leased) == 2  # both backward passes ran, and leased
         return max(leased)
 
@@ -384,17 +385,8 @@ def test_configure_between_a_forward_and_its_backward_reaches_the_backward(threa
     y = conv(x)
     wsarena.configure(cap_workspace=0)  # conftest resets the settings after the test
     leased.clear()
-
-    def backward():
-        if thread:
-            worker = threading.Thread(target=y.sum().backward)
-            worker.start()
-            worker.join()
-        else:
-            y.sum().backward()
-
     with pytest.warns(wsarena.WorkspaceCapWarning):
-        backward()
+        _backward(y, thread)
     assert leased == [0, 0]
 
 

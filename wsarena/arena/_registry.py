@@ -68,8 +68,8 @@ def get_arena(device: Any = None) -> Arena:
             return arena
     key = _device_key(device)
     if key is not None:
-        arena = _arenas.get(key)
-        if arena is not None and not arena.closed:
+        arena = open_arena(key)
+        if arena is not None:
             return arena
     if key == "cpu":
         return _made("cpu", HostProvider)
