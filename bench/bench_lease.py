@@ -25,11 +25,13 @@ from wsarena.arena import Arena, HostProvider
 SIZES = (4 << 10, 1 << 20, 64 << 20)
 
 
-def per_call_us(stmt, *, repeat: int, min_time: float) -> float:
-    """Median microseconds per call of ``stmt`` (a no-argument callable), timeit-style."""
+def per_call_us(stmt, *, repeat: int, min_time: float, number: int | None = None) -> float:
+    """Median microseconds per call of ``stmt`` (a no-argument callable), timeit-style: ``number`` calls per run,
+    or as many as take about ``min_time`` seconds."""
     timer = timeit.Timer(stmt)
-    number, _ = timer.autorange()
-    number = max(1, int(number * min_time / 0.2))
+    if number is None:
+        number, _ = timer.autorange()
+        number = max(1, int(number * min_time / 0.2))
     runs = timer.repeat(repeat=repeat, number=number)
     return statistics.median(runs) / number * 1e6
 

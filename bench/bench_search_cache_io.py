@@ -28,6 +28,8 @@ import statistics
 import tempfile
 import timeit
 
+from bench_lease import per_call_us  # this folder is on the path when the script runs
+
 import wsarena
 from wsarena import searchcache
 from wsarena._geometry import conv_geometry
@@ -44,16 +46,6 @@ class Backend:
 
     def search_environment(self) -> dict:
         return {"device": "bench device"}
-
-
-def per_call_us(stmt, *, repeat: int, min_time: float, number: int | None = None) -> float:
-    """Median microseconds per call of ``stmt`` (a no-argument callable), timeit-style."""
-    timer = timeit.Timer(stmt)
-    if number is None:
-        number, _ = timer.autorange()
-        number = max(1, int(number * min_time / 0.2))
-    runs = timer.repeat(repeat=repeat, number=number)
-    return statistics.median(runs) / number * 1e6
 
 
 def main(argv: list[str] | None = None) -> None:
