@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+from .._geometry import conv_transpose_geometry
 from ._layer import ConvLayer, LayerList, ModelError
 
 __all__ = ["load_onnx"]
@@ -170,15 +171,16 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
     if begin != end and not widen:
         raise _Unsupported(f"asymmetric pads (begin {begin}, end {end})", "pads")
     pad = [min(b, e) for b, e in zip(begin, end)]
-    out = [f - 2 * p for f, p in zip(full, pad)]
-    if any(o < 1 for o in out):
+    if any(f - 2 * p < 1 for f, p in zip(full, pad)):
         raise _Unsupported(f"padding {begin}/{end} leaves no output")
-    # ConvTranspose weight (C_in, C_out/group, *k) is the equivalent conv's (K, C/group, *k): same tensor.
-    layer = ConvLayer(name, (1, w[1] * group, *out), w, stride=tuple(stride), padding=tuple(pad),
-                      dilation=tuple(dilation), groups=group, transposed=True)
-    if layer.geometry().output_size != tuple(size):  # output_padding >= stride: no such backward-data
+    if any(op >= st for op, st in zip(out_pad, stride)):
         raise _Unsupported(f"output_padding {out_pad} with strides {stride} has no equivalent convolution")
-    return layer
+    # The equivalent convolution's input is the (uncropped-by-widening) output; the ConvTranspose weight
+    # (C_in, C_out/group, *k) is that convolution's (K, C/group, *k): the same tensor.
+    geom = conv_transpose_geometry((1, *x[1:]), w, stride=stride, padding=pad, output_padding=out_pad,
+                                   dilation=dilation, groups=group)
+    return ConvLayer(name, geom.input_shape, w, stride=tuple(stride), padding=tuple(pad), dilation=tuple(dilation),
+                     groups=group, transposed=True)
 
 
 def _count_subgraph_convs(graph: Any) -> int:
