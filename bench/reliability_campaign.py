@@ -6,7 +6,7 @@
 
 Interrupt storms (``tests/scripts/storm.py``, every mode and signal source, in child processes): interrupts
 delivered, errors other than KeyboardInterrupt, leases left live, lanes not usable afterwards. Fork while busy
-(``tests/scripts/fork.py``): forks, hangs (a child still running after 10 s), failed children. Injected faults
+(``tests/scripts/fork.py``, also while threads make a process's first convolution): forks, hangs (a child still running after 10 s), failed children. Injected faults
 (``tests/test_reliability_faults.py``): a provider failing its n-th allocation for every n of a ResNet-50-like
 forward and backward run, and a MemoryError in the k-th algorithm run for every k. Load
 (``tests/test_reliability_load.py``, debug mode): calls, overlaps found, results unequal to the serial run, resident
@@ -60,7 +60,7 @@ def storms(processes: int, seconds: float) -> dict[str, int]:
 
 def forks(count: int) -> dict[str, int]:
     totals = {"forks": 0, "hangs": 0, "failed": 0}
-    for scenario in ("busy", "held", "device"):
+    for scenario in ("busy", "held", "device", "first"):
         done = subprocess.run(script_command("fork.py", scenario, count), capture_output=True, text=True,
                               timeout=30 * count, cwd=ROOT, env=child_env(), check=False)
         found = json.loads(done.stdout.strip().splitlines()[-1])
