@@ -215,6 +215,136 @@ def test_debug_mode_refuses_to_free_a_pinned_buffer(device):
     assert len(provider.frees) == 1
 
 
+def test_debug_mode_sees_a_pinned_buffer_queued_after_the_arena_lost_track_of_it(device):
+    """A bookkeeping mistake that frees a pinned buffer detaches it from its sub-arena first: debug mode must know
+    it from the graph's pin, not from where the arena keeps it. Once, it looked only at the buffers the sub-arenas
+    and the kept list still held, so it never saw such a buffer."""
+    provider, arena = device
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1):
+        pass
+    provider.end_capture(graph)
+    sub = arena._subs[S1]
+    block, sub.block = sub.block, None  # what a mistake in a trim or a sweep would do, then queue it
+    arena._to_free.append((block.buffer, S1))
+    with wsarena.config(debug=True), pytest.raises(AssertionError, match="graph that captured it still exists"):
+        arena.trim()
+    assert provider.frees == []
+    graph.close()
+    with wsarena.config(debug=True):
+        arena.trim()
+    assert freed(provider) == [block.ptr]
+
+
+def test_a_reserve_that_would_grow_a_captured_stream_is_a_capture_error(device):
+    """A reserve cannot be captured any more than a lease's growth (an allocation on the captured stream would be
+    recorded into the graph, or break it): CaptureError, and nothing allocated or left behind. Once, it grew."""
+    provider, arena = device
+    graph = provider.begin_capture(S1)
+    with pytest.raises(wsarena.CaptureError, match="a reserve of 1000 B on stream 81 during CUDA graph capture"):
+        arena.reserve(1000, stream=S1)
+    plan = type("Plan", (), {"stream_bytes": [4096]})()
+    with pytest.raises(wsarena.CaptureError, match="it holds 0 B there"):
+        arena.reserve_for(plan, streams=[S1])
+    assert provider.allocations == [] and arena.stats().streams == {}
+    arena.reserve(1000, stream=S2)  # another stream, not captured, grows
+    provider.end_capture(graph)
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    arena.reserve(500, stream=S1)  # it holds enough: nothing to grow, nothing refused
+    arena.reserve_for(type("Plan", (), {"stream_bytes": [1000]})(), streams=[S1])
+    provider.end_capture(graph)
+    assert len(provider.allocations) == 2
+
+
+class CaptureWatchingProvider(RecordingProvider):
+    """Records each free made while its stream (or, with no stream, any stream) is being captured: CUDA would record
+    ``cudaFreeAsync`` into the graph instead of freeing, and a device synchronisation would break the capture."""
+
+    def __init__(self):
+        super().__init__(device_id=0)
+        self.during_capture = []
+
+    def deallocate(self, buffer, *, stream):
+        if stream in self.capturing or (stream is None and self.capturing):
+            self.during_capture.append((buffer.ptr, stream))
+        super().deallocate(buffer, stream=stream)
+
+
+def test_a_buffer_is_not_freed_on_its_stream_while_that_stream_is_captured():
+    """Capture, grow, release the graph, capture again on the same stream: the buffer the first graph held is let go
+    during the second capture, whose first lease looks at the kept buffers. Its free waits for the capture to end.
+    Once, it was freed at once on the captured stream (with AsyncProvider a cudaFreeAsync recorded into the new
+    graph, to run at every replay)."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1) as ws:
+        first = ws.ptr
+    provider.end_capture(graph)
+    with arena.lease(50_000, stream=S1):  # an eager growth: the pinned buffer is kept aside
+        pass
+    graph.close()
+    again = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1):
+        pass
+    arena.stats()  # a call of no stream's own, while the capture goes on
+    assert provider.during_capture == [] and first not in freed(provider)
+    provider.end_capture(again)
+    with arena.lease(10, stream=S2):  # the next call after the capture frees it, on its own stream
+        pass
+    assert (first, S1) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+
+
+def test_nothing_that_would_synchronise_the_device_is_freed_in_a_capture_block():
+    """A stream object dies; its buffer is freed with no stream (the provider synchronises the device first) when
+    a new sub-arena is made, or by a trim. Inside a capture block (its stream current) either waits until a call
+    outside the capture: a synchronisation would break the capture."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    gone = [_Stream(S2), _Stream(0x53)]
+    for stream in gone:
+        arena.reserve(1000, stream=stream)
+    del gone, stream
+    gc.collect()
+    provider.current = S1  # as in `with wsarena.capture(s)`: the capture stream is current
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=0x54):  # an eager call on a stream of its own, made inside the capture block
+        pass
+    arena.trim()
+    assert provider.during_capture == [] and [s for _, s in provider.frees] == [0x54]  # not captured: freed
+    provider.end_capture(graph)
+    arena.trim()
+    assert [s for _, s in provider.frees] == [0x54, None, None, S1] and provider.during_capture == []
+    graph.close()
+
+
+def test_a_pins_semaphore_is_freed_only_once_cuda_has_posted_it(monkeypatch):
+    """CUDA may run a graph's destructor (sem_post) after the pin is gone, and at exit after the interpreter freed
+    its objects: the semaphore is memory of libc's, freed only once CUDA posted it."""
+    from wsarena.arena import _pins
+
+    frees = []
+    monkeypatch.setattr(_pins, "_free", frees.append)  # never freed for real here: these are test pins
+    destroy = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    held = GraphPin()
+    address = held.address
+    del held
+    gc.collect()
+    assert frees == []  # a graph may still post it
+    destroy(GraphPin.destroy)(address)  # the graph goes after its pin: writes memory that is still there
+    posted = GraphPin()
+    destroy(posted.destroy)(posted.address)
+    assert not posted.live()
+    address = posted.address
+    del posted
+    gc.collect()
+    assert frees == [address]
+
+
 def test_a_collected_arena_abandons_what_a_graph_still_holds():
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)

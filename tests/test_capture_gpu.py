@@ -4,12 +4,18 @@ two streams, and the arena after the graph is gone (both cuDNN API paths)."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import threading
 import time
+import warnings
 
 import pytest
 
 import wsarena
-from wsarena.arena import Arena, CupyProvider, set_arena
+from wsarena.arena import Arena, AsyncProvider, CupyProvider, set_arena
+from wsarena.arena._capture import capture_of
+from wsarena.arena.testing import RecordingProvider
 
 pytestmark = pytest.mark.gpu
 
@@ -184,3 +190,123 @@ def test_the_arena_frees_the_pinned_buffer_once_the_graph_is_dropped(cupy, arena
         del graph
         assert released(arena)
         assert arena.stats().frees == frees + 1  # the kept buffer, freed on its stream once CUDA let go
+
+
+def small_conv(cupy):
+    x = cupy.ones((4, 16, 32, 32), cupy.float32)
+    w = cupy.ones((16, 16, 3, 3), cupy.float32)
+    return x, w, cupy.empty((4, 16, 32, 32), cupy.float32)
+
+
+def test_a_call_after_the_capture_was_invalidated_is_a_capture_error(cupy, arena):
+    """CuPy answers a plain RuntimeError for a stream whose capture an earlier error invalidated; wsarena says what
+    happened and what to do, before anything is taken."""
+    x, w, y = small_conv(cupy)
+    with cupy.cuda.Stream(non_blocking=True) as s:
+        wsarena.conv_forward(x, w, padding=1, out=y)
+        with pytest.raises(wsarena.CaptureError, match="invalidated.*capture again"), wsarena.capture(s):
+            with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
+                s.synchronize()  # cannot be captured: CUDA invalidates the capture
+            wsarena.conv_forward(x, w, padding=1, out=y)
+    assert arena.stats().leases == 0
+
+
+class _FreesWatched(RecordingProvider):
+    """A device provider whose frees are recorded, with those made on a stream while it was being captured."""
+
+    def __init__(self, upstream):
+        super().__init__(upstream)
+        self.during_capture = []
+
+    def capture(self, stream):
+        return self.upstream.capture(stream)
+
+    def current_stream(self):
+        return self.upstream.current_stream()
+
+    def deallocate(self, buffer, *, stream):
+        if stream is not None and capture_of(stream) is not None:
+            self.during_capture.append((buffer.ptr, stream))
+        super().deallocate(buffer, stream=stream)
+
+
+def test_a_buffer_a_released_graph_held_is_freed_after_the_next_capture_on_its_stream(cupy):
+    """Capture, grow, drop the graph, capture again on the same stream: the first graph's buffer, let go during the
+    second capture, is freed after it. With AsyncProvider a free during it would be a cudaFreeAsync recorded into the
+    second graph, run at each of its replays."""
+    device = cupy.cuda.Device().id
+    provider = _FreesWatched(AsyncProvider(device))
+    arena = Arena(provider)
+    previous = set_arena(device, arena)
+    try:
+        x, w, y = small_conv(cupy)
+        with cupy.cuda.Stream(non_blocking=True) as s, warnings.catch_warnings():
+            warnings.simplefilter("error")  # a failed free warns
+            arena.reserve(8 << 20, stream=s)
+            wsarena.conv_forward(x, w, padding=1, out=y)
+            with wsarena.capture(s) as first:
+                wsarena.conv_forward(x, w, padding=1, out=y)
+            arena.reserve(64 << 20, stream=s)  # grows: the first graph's buffer is kept aside
+            first.close()
+            del first
+            deadline = time.monotonic() + 5
+            while any(pin.live() for pin in arena._table.captures.values()) and time.monotonic() < deadline:
+                gc.collect()
+                time.sleep(0.01)  # CUDA runs the graph's destructor on a thread of its own
+            held = len(provider.held)
+            with wsarena.capture(s) as second:  # its first lease lets go of the first graph's buffer
+                wsarena.conv_forward(x, w, padding=1, out=y)
+            assert len(provider.held) == held  # not freed yet
+            arena.stats()  # the next call after the capture frees it
+            assert len(provider.held) == held - 1 and provider.during_capture == []
+            y.fill(0)
+            for _ in range(3):
+                second.launch()
+            s.synchronize()
+        assert float(y[0, 0, 8, 8]) == 144.0  # 16 channels x 9 taps of ones
+    finally:
+        set_arena(device, previous)
+        arena.close()
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_thread_with_no_cudnn_handle_cannot_make_one_during_a_capture(cupy, arena, api):
+    """A forced algorithm's workspace size needs this thread's handle before any lease: a thread whose eager step ran
+    elsewhere gets the CaptureError that says so, rather than a handle created during the capture."""
+    x, w, y = small_conv(cupy)
+    with wsarena.config(cudnn_api=api):
+        wsarena.conv_forward(x, w, padding=1, out=y, algo="implicit_gemm")  # this thread's warm-up
+        errors = []
+
+        def capture_there():
+            try:
+                with wsarena.capture():
+                    wsarena.conv_forward(x, w, padding=1, out=y, algo="implicit_gemm")
+            except Exception as exc:  # noqa: BLE001 - asserted below, in the test's thread
+                errors.append(exc)
+
+        thread = threading.Thread(target=capture_there)
+        thread.start()
+        thread.join(60)
+    assert len(errors) == 1 and isinstance(errors[0], wsarena.CaptureError), errors
+    assert "create this thread's cuDNN handle" in str(errors[0])
+
+
+def test_a_graph_alive_at_interpreter_exit_ends_the_process_cleanly():
+    """The exit handler releases the arena while a graph still holds its buffer (kept, never freed), and CUDA may
+    run the graph's destructor later, as the interpreter goes: the semaphore it posts is still there."""
+    code = (
+        "import cupy, wsarena\n"
+        "x = cupy.ones((4, 16, 32, 32), cupy.float32)\n"
+        "w = cupy.ones((16, 16, 3, 3), cupy.float32)\n"
+        "y = cupy.empty((4, 16, 32, 32), cupy.float32)\n"
+        "with cupy.cuda.Stream(non_blocking=True) as s:\n"
+        "    wsarena.conv_forward(x, w, padding=1, out=y)\n"
+        "    with wsarena.capture(s) as graph:\n"
+        "        wsarena.conv_forward(x, w, padding=1, out=y)\n"
+        "    wsarena.get_arena(cupy.cuda.Device().id).reserve(64 << 20, stream=s)  # the graph's buffer kept aside\n"
+        "    graph.launch()\n"
+        "    s.synchronize()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stderr == "", done.stderr

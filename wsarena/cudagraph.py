@@ -12,8 +12,9 @@
 A capture stream that holds no workspace starts with a buffer as large as the largest one the device's arena holds
 (the eager step's), so the eager step may run on any stream; warm up on the stream you then pass to :func:`capture`
 to hold no second buffer. Inside the block every wsarena call is recorded, not run. A call that would have to
-search, finalize a plan, create a handle or grow the arena raises :class:`~wsarena.errors.CaptureError` instead
-(nothing is enqueued). Each workspace buffer the graph uses stays allocated, at the same address, until the graph
+search, finalize a plan, create a handle or grow the arena (a ``reserve`` too) raises
+:class:`~wsarena.errors.CaptureError` instead (nothing is enqueued); so does a call once the capture was invalidated
+by an earlier error. Handles and plans are per thread: warm up on the thread that captures. Each workspace buffer the graph uses stays allocated, at the same address, until the graph
 is destroyed, even if the arena grows or is trimmed meanwhile (:mod:`wsarena.arena._pinning`). The same holds for a
 capture made with CuPy's ``stream.begin_capture()`` or ``torch.cuda.graph``: wsarena detects capture from the
 stream's capture status.
@@ -66,7 +67,8 @@ class CapturedGraph:
 
     def close(self) -> None:
         """Drop the graph (CuPy destroys it once nothing else refers to it); the workspace it pinned is freed in
-        stream order by the arena's next trim, stats or growth after CUDA let go of it. Idempotent."""
+        stream order by the arena's next trim, stats or growth after CUDA let go of it (and after any capture under
+        way on its stream). Idempotent."""
         self.graph = None
 
     def __repr__(self) -> str:

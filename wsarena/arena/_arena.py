@@ -331,7 +331,7 @@ class Arena:
             self._grow_for(ws, sub)
         finally:
             if self._to_free:  # what a sweep or a growth let go, even if this lease failed
-                self._give_back()
+                self._give_back(ws.stream)
 
     def _take_lane(self, ws: Workspace, anchor: Any) -> _SubArena:
         """Wait (with the lock let go) until ``ws`` holds its lane."""
@@ -386,7 +386,7 @@ class Arena:
             elif ws._state == 1:
                 ws._state = 2
         if self._to_free:
-            self._give_back()
+            self._give_back(ws.stream)
 
     def _hold_by_workspace(self, ws: Workspace) -> None:
         """Make ``ws`` the holder of its live lease: another ``with`` statement tried to enter it. That statement
@@ -423,6 +423,7 @@ class Arena:
     # ---------------------------------------------------------------------------- capture (_pinning.py)
     _acquire_captured = _pinning._acquire_captured
     _pin_for = _pinning._pin_for
+    _growth_refusal = _pinning.growth_refusal
 
     # ----------------------------------------------------------------------------------- lock not held
     def _refuse(self, n: int, key: Hashable, cap: int) -> None:
@@ -434,9 +435,13 @@ class Arena:
             requested=n, held=held, cap=cap,
         )
 
-    def _give_back(self) -> None:
-        """Give the buffers let go to the provider (lock not held; any thread may drain the queue)."""
+    def _give_back(self, key: Any = None) -> None:
+        """Give the buffers let go to the provider (lock not held; any thread may drain the queue). ``key``: the
+        stream of the call that drains it, if any; where streams can be captured, a buffer whose stream is being
+        captured stays queued (:func:`wsarena.arena._pinning.give_back`)."""
         if self._table.captures and get_config().debug:
-            with self._lock:
-                self._table.check_unpinned(self._to_free)
-        give_back(self.provider, self._to_free)
+            _pinning.check_unpinned(self)
+        if self._capture is None:
+            give_back(self.provider, self._to_free)
+        else:
+            _pinning.give_back(self, key)

@@ -11,10 +11,12 @@ from typing import Any
 
 from ..errors import CaptureError
 
-__all__ = ["CudaCapture", "capture_of", "refuse_in_capture"]
+__all__ = ["CURRENT", "CudaCapture", "capture_of", "refuse_in_capture"]
 
 _CAPTURE_IMPLICIT = 906  # cudaErrorStreamCaptureImplicit
-_ACTIVE = 1  # cudaStreamCaptureStatusActive
+_NONE, _ACTIVE = 0, 1  # cudaStreamCaptureStatusNone, cudaStreamCaptureStatusActive
+
+CURRENT: Any = object()  # refuse_in_capture(stream=CURRENT): CuPy's current stream of the calling thread
 
 
 class CudaCapture:
@@ -52,31 +54,49 @@ def capture_of(stream: int) -> CudaCapture | None:
     """
     import cupy
 
+    runtime = cupy.cuda.runtime
     try:
-        if not cupy.cuda.runtime.streamIsCapturing(stream):
+        if not runtime.streamIsCapturing(stream):
             return None
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
+    except runtime.CUDARuntimeError as exc:
         if exc.status != _CAPTURE_IMPLICIT:
             raise
         raise CaptureError(
             "the legacy default stream (0) cannot be used while another stream of this device is being captured "
             "into a CUDA graph: pass the capturing stream (stream=...)"
         ) from None
+    except RuntimeError as exc:
+        # CuPy raises a plain RuntimeError for cudaStreamCaptureStatusInvalidated: asked again below.
+        refused: RuntimeError | None = exc
+    else:
+        refused = None
     from cuda.bindings import runtime as rt
 
     err, status, capture_id, graph, *_ = rt.cudaStreamGetCaptureInfo(stream)
     _check(err, "cudaStreamGetCaptureInfo")
-    if int(status) != _ACTIVE:
-        raise CaptureError(f"the capture on stream {stream:#x} was invalidated by an earlier error: end it")
-    return CudaCapture(int(capture_id), graph)
+    if int(status) == _ACTIVE:
+        return CudaCapture(int(capture_id), graph)
+    if int(status) == _NONE:  # not an invalidated capture after all (or it ended meanwhile)
+        if refused is not None:
+            raise refused
+        return None
+    raise CaptureError(
+        f"the capture on stream {stream:#x} was invalidated by an earlier error (a call that cannot be captured, "
+        "such as a synchronization, was made during it): end it (stream.end_capture()) and capture again"
+    ) from None
 
 
-def refuse_in_capture(stream: int, what: str) -> None:
-    """Raise :class:`CaptureError` if ``stream`` is being captured: ``what`` (a handle, a plan) cannot be."""
+def refuse_in_capture(stream: Any, what: str) -> None:
+    """Raise :class:`CaptureError` if ``stream`` (a raw handle, or :data:`CURRENT`: CuPy's current stream of the
+    calling thread) is being captured: ``what`` (a handle, a plan) cannot be."""
+    if stream is CURRENT:
+        from .streams import stream_handle
+
+        stream = stream_handle(None)
     if capture_of(stream) is not None:
         raise CaptureError(
             f"this call would {what} while stream {stream:#x} is being captured into a CUDA graph, which the "
-            "capture cannot hold: run the step once before capturing"
+            "capture cannot hold: run the step once before capturing (on this thread)"
         )
 
 

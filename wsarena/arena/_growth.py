@@ -61,6 +61,7 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
     """Grow the sub-arena of ``key`` to hold ``n`` bytes, unless it does already (``Arena.reserve``)."""
     if n == 0:
         return
+    refusal = self._growth_refusal(key, n)  # a stream being captured cannot grow
     owner = _Owner()  # the growth lasts while this frame does: an interrupt that ends it ends the growth
     token = weakref.ref(owner)
     waiter = None
@@ -74,6 +75,9 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
                     block = sub.block
                     if block is not None and block.size >= n:
                         return  # already large enough (maybe by another thread's growth)
+                    if refusal is not None:
+                        self._table.drop_if_idle(sub)  # made just now, maybe: it holds nothing
+                        raise refusal
                     sub.growing = token
                     break
                 waiter = park(sub.growth_waiters, waiter)
@@ -85,7 +89,7 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
                 finish(self._end_growth, sub, token, None)
     finally:
         if self._to_free:
-            self._give_back()
+            self._give_back(key)
 
 
 def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: Workspace | None = None) -> None:

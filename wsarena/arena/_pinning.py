@@ -3,17 +3,23 @@
 A captured kernel keeps the workspace address it was given, so the lease's buffer is pinned to the graph being
 captured (:mod:`wsarena.arena._pins`) and is never freed while that graph exists. Growing the sub-arena cannot be
 captured (an allocation is not a graph node the arena could keep), so a capture finds the buffer large enough, from
-an eager step or a reserve, or gets :class:`~wsarena.errors.CaptureError`. These functions are the arena's methods
-(``Arena._acquire_captured``, ``Arena._pin_for``), written here to keep each module to one job.
+an eager step or a reserve, or gets :class:`~wsarena.errors.CaptureError`; so does a ``reserve`` that would grow a
+stream being captured. Nor is a buffer given back to the provider on a stream being captured: the free would be
+recorded into the graph (``cudaFreeAsync`` is a graph node), not done, so it waits until the capture is over
+(:func:`give_back`). Most functions here are the arena's methods (``Arena._acquire_captured``, ``Arena._pin_for``),
+written here to keep each module to one job.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 from .._sizes import format_size
 from ..errors import CaptureError
+from ._lifecycle import give_back as _give_back
 from ._pins import GraphPin
+from .streams import PerThreadStream, resolve_stream
 
 if TYPE_CHECKING:
     from ._arena import Arena
@@ -35,13 +41,10 @@ def _acquire_captured(self: Arena, ws: Workspace, anchor: Any, capture: Any) -> 
         block = sub.block
         if sub.growing is not None or block is None or block.size < ws.nbytes:
             held = 0 if block is None or sub.growing is not None else block.size
-            raise CaptureError(
-                f"a lease of {format_size(ws.nbytes)} on stream {sub.key!r} during CUDA graph capture needs the "
-                f"arena to grow (it holds {format_size(held)} there), which cannot be captured: run the step once "
-                "before capturing, or reserve first (arena.reserve_for(plan) or arena.reserve(nbytes, stream=...))"
-            )
+            raise growth_error(f"a lease of {format_size(ws.nbytes)}", sub.key, held)
         if pin not in block.pins:
             block.pins.append(pin)
+            pin.blocks.append(block)
         self._grant(sub, ws, block)
 
 
@@ -60,3 +63,99 @@ def _pin_for(self: Arena, capture: Any) -> Any:
             for key in [key for key, old in captures.items() if not old.live()]:
                 del captures[key]
         return captures.setdefault(capture.id, pin)
+
+
+def growth_error(what: str, key: Hashable, held: int) -> CaptureError:
+    """The error of ``what`` (a lease, a reserve) on the stream of ``key``, being captured, that needs it to grow."""
+    return CaptureError(
+        f"{what} on stream {key!r} during CUDA graph capture needs the arena to grow (it holds {format_size(held)} "
+        "there), which cannot be captured: before capturing, run the step once or reserve "
+        "(arena.reserve_for(plan) or arena.reserve(nbytes, stream=...))"
+    )
+
+
+def growth_refusal(self: Arena, key: Hashable, n: int) -> CaptureError | None:
+    """The error a growth of ``key``'s sub-arena to ``n`` bytes would raise now: its stream is being captured (or,
+    the legacy default stream, cannot be used while another is). ``None`` if it may grow. (Lock not held.)"""
+    if self._capture is None:
+        return None
+    try:
+        if self._capture(key.handle if type(key) is PerThreadStream else key) is None:
+            return None
+    except CaptureError as exc:
+        return exc
+    with self._lock:
+        sub = self._subs.get(key)
+        held = sub.capacity() if sub is not None else 0
+    return growth_error(f"a reserve of {format_size(n)}", key, held)
+
+
+class _UntilCaptured:
+    """A stand-in for the provider while the queue of buffers to free is drained: a buffer whose stream is one of
+    ``streams`` is kept aside (``waiting``), the others go to the provider."""
+
+    __slots__ = ("provider", "streams", "waiting")
+
+    def __init__(self, provider: Any, streams: set[Any]) -> None:
+        self.provider = provider
+        self.streams = streams
+        self.waiting: list[tuple[Any, Any]] = []
+
+    def deallocate(self, buffer: Any, *, stream: Any) -> None:
+        if stream in self.streams:
+            self.waiting.append((buffer, stream))
+        else:
+            self.provider.deallocate(buffer, stream=stream)
+
+
+def _captured(capture: Any, key: Any) -> bool:
+    """Whether work on the stream of ``key`` now would be captured into a graph, or break a capture."""
+    try:
+        return capture(key.handle if type(key) is PerThreadStream else key) is not None
+    except CaptureError:  # the legacy default stream while another stream is captured
+        return True
+    except Exception:  # noqa: BLE001 - a stream CUDA no longer knows: the provider's free says what is wrong
+        return False
+
+
+def give_back(self: Arena, key: Any = None) -> None:
+    """Give the arena's queued buffers to its provider, except those whose stream is being captured: they stay
+    queued for a later call. ``key``: the sub-arena key of the call that drains the queue, if it has one. If that
+    stream, or the calling thread's current one (the capture block's), is being captured, the buffers of no stream
+    wait too: their free synchronises the device. (Lock not held.)
+
+    Which streams wait is asked before anything is taken off the queue (a copy of it is read), so that when none
+    does, as outside captures, the queue is drained as :func:`~wsarena.arena._lifecycle.give_back` always drains it,
+    with no place between taking a buffer and handing it to the provider where a Ctrl-C could lose it. (While a
+    capture is under way, one landing as a buffer is set aside loses that buffer to its owner's collection.)
+    """
+    capture = self._capture
+    streams = {stream for _, stream in list(self._to_free)}  # list(): one C call, whatever other threads do
+    waiting = {stream for stream in streams if stream is not None and _captured(capture, stream)}
+    if None in streams:
+        keys = [key]
+        if self._current is not None or self._lanes:
+            keys.append(resolve_stream(None, lanes=self._lanes, current=self._current)[0])
+        if any(k is not None and _captured(capture, k) for k in keys):
+            waiting.add(None)
+    if not waiting:
+        _give_back(self.provider, self._to_free)
+        return
+    shim = _UntilCaptured(self.provider, waiting)
+    try:
+        _give_back(shim, self._to_free)
+    finally:
+        self._to_free.extend(shim.waiting)  # one C call: freed by the next call after the capture
+
+
+def check_unpinned(self: Arena) -> None:
+    """Debug mode: nothing queued to be freed is a buffer that a graph still holds. The graphs' pins name their
+    buffers, wherever the arena keeps them (or lost track of them)."""
+    with self._lock:
+        # A pin keeps its blocks, and a block its buffer: no id here is one of a buffer gone since.
+        pinned = {id(block.buffer) for pin in self._table.captures.values() if pin.live() for block in pin.blocks}
+        for buffer, _ in self._to_free:
+            if id(buffer) in pinned:
+                raise AssertionError(
+                    f"wsarena debug: {buffer!r} is about to be freed while a CUDA graph that captured it still exists"
+                )

@@ -8,6 +8,10 @@ launches are over. That destructor runs on a CUDA thread, may not call CUDA and 
 Python either (it may run while the interpreter shuts down). So it is libc's ``sem_post`` on a semaphore of the
 pin's own, and the arena asks ``sem_trywait`` whether it ran whenever it is about to free the buffer.
 
+The semaphore lives in memory from libc's ``malloc``, not in a Python object: CUDA may post it after the pin is
+gone, and even after the interpreter has freed its own objects at exit (a graph destroyed then). It is freed only
+once CUDA has posted it, when CUDA will never touch it again; a pin dropped before that leaves it to CUDA for good.
+
 ``sem_post`` returns an int and CUDA calls it as ``void (*)(void *)``: on the ABIs CUDA runs on (x86-64 System V,
 AArch64) a return value the caller ignores stays in a register, so the call is sound.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from typing import Any
 
 __all__ = ["SEM_POST", "GraphPin"]
@@ -25,46 +30,72 @@ _sem_init = _libc.sem_init
 _sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
 _sem_trywait = _libc.sem_trywait
 _sem_trywait.argtypes = [ctypes.c_void_p]
+_malloc = _libc.malloc
+_malloc.argtypes = [ctypes.c_size_t]
+_malloc.restype = ctypes.c_void_p
+_free = _libc.free
+_free.argtypes = [ctypes.c_void_p]
 
 SEM_POST: int = ctypes.cast(_libc.sem_post, ctypes.c_void_p).value or 0  # the destructor CUDA runs
 _SEM_BYTES = 64  # sizeof(sem_t) is 32 on 64-bit glibc and musl; room to spare
 
-# Semaphores of pins dropped while a graph still held them: CUDA will post them later, so their memory stays.
-_posted_later: list[Any] = []
-
 
 class GraphPin:
     """A graph's hold on the buffers it captured: live until CUDA runs the destructor :attr:`destroy` with
-    :attr:`address` (``sem_post`` on a semaphore of its own)."""
+    :attr:`address` (``sem_post`` on a semaphore of its own).
 
-    __slots__ = ("_sem", "released")
+    Attributes
+    ----------
+    blocks : list
+        The buffers (the arena's blocks) pinned to the graph, which debug mode checks are never freed while the
+        pin is live.
+    """
+
+    __slots__ = ("__weakref__", "_state", "blocks")
 
     destroy = SEM_POST
 
     def __init__(self) -> None:
-        self._sem = ctypes.create_string_buffer(_SEM_BYTES)
-        if _sem_init(self._sem, 0, 0) != 0:
+        address = _malloc(_SEM_BYTES)
+        if not address:
+            raise MemoryError("malloc of a graph pin's semaphore failed")
+        if _sem_init(address, 0, 0) != 0:
             errno = ctypes.get_errno()
+            _free(address)
             raise OSError(errno, f"sem_init: {os.strerror(errno)}")
-        self.released = False
+        self._state = state = [address, False]  # the semaphore, and whether CUDA has posted it (seen here)
+        self.blocks: list[Any] = []
+        weakref.finalize(self, _let_go, state).atexit = False  # at exit, CUDA may still post it: never freed
 
     @property
     def address(self) -> int:
         """What CUDA passes to the destructor: the semaphore's address."""
-        return ctypes.addressof(self._sem)
+        address: int = self._state[0]
+        return address
+
+    @property
+    def released(self) -> bool:
+        """Whether CUDA was seen to run the destructor (by :meth:`live`)."""
+        released: bool = self._state[1]
+        return released
 
     def live(self) -> bool:
         """Whether a graph still holds this pin (a C call that never blocks)."""
-        if self.released:
+        state = self._state
+        if state[1]:
             return False
-        if _sem_trywait(self._sem) == 0:
-            self.released = True
+        if _sem_trywait(state[0]) == 0:
+            state[1] = True
             return False
         return True
 
-    def __del__(self) -> None:
-        if not self.released and _sem_trywait(self._sem) != 0:
-            _posted_later.append(self._sem)
-
     def __repr__(self) -> str:
         return f"GraphPin({'released' if self.released else 'live'})"
+
+
+def _let_go(state: list[Any]) -> None:
+    """A pin was collected: free its semaphore if CUDA has posted it (it never will again); else it stays, for CUDA
+    to post whenever the graph goes."""
+    if state[1] or _sem_trywait(state[0]) == 0:
+        state[1] = True
+        _free(state[0])

@@ -318,20 +318,6 @@ class _Table:
                     held += block.size
         return held + sum(block.size for k, block, _ in self.kept if k == key and block.pinned())
 
-    def check_unpinned(self, to_free: Queue) -> None:
-        """Debug mode: nothing about to be freed is a buffer that a graph still holds."""
-        pinned = {id(block.buffer): key for key, block, _ in self.kept if block.pinned()}
-        for sub in self.subs.values():
-            for block in (sub.block, sub.retired):
-                if block is not None and block.pinned():
-                    pinned[id(block.buffer)] = sub.key
-        for buffer, _ in to_free:
-            if id(buffer) in pinned:
-                raise AssertionError(
-                    f"wsarena debug: {buffer!r} of stream {pinned[id(buffer)]!r} is about to be freed while a CUDA "
-                    "graph that captured it still exists"
-                )
-
     def let_go_everything(self) -> None:
         """At exit, or when the arena is collected: queue every buffer, even under live leases, and forget all.
         A buffer a graph still holds is abandoned instead (never freed: the graph may be replayed)."""

@@ -17,7 +17,7 @@ from .._geometry import DTYPES
 from .._lru import LRU
 from .._pass import Pass
 from ..arena import get_arena
-from ..arena._capture import refuse_in_capture
+from ..arena._capture import CURRENT, refuse_in_capture
 from ..arena.streams import cupy_stream, stream_handle
 from . import Candidate
 
@@ -138,11 +138,12 @@ class CudnnBackend:
         return x, w, conv, y
 
     def _handle(self, stream: int | None = None) -> Any:
-        """This thread's handle for the current device; ``stream``: where it will run, which must not be being
-        captured if the handle is to be created (``cudnnCreate`` allocates)."""
+        """This thread's handle for the current device; ``stream``: where it will run (by default CuPy's current
+        stream, where the ops run everything), which must not be being captured if the handle is to be created
+        (``cudnnCreate`` allocates)."""
         device = self._device()
-        if stream is not None and not self._cudnn.has_handle(device):
-            refuse_in_capture(stream, "create this thread's cuDNN handle")
+        if not self._cudnn.has_handle(device):
+            refuse_in_capture(CURRENT if stream is None else stream, "create this thread's cuDNN handle")
         return self._cudnn.get_handle(device)
 
     # -- algorithms --------------------------------------------------------------------------------------------

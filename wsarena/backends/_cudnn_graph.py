@@ -30,6 +30,7 @@ from typing import Any
 from .. import _callsite
 from .._geometry import describe_geometry
 from .._pass import Pass
+from ..arena._capture import CURRENT
 from ..errors import BackendUnavailableError, CudnnApiFallbackWarning
 from . import Candidate
 from ._cudnn_backend import CudnnBackend
@@ -76,6 +77,11 @@ class CudnnGraphBackend(CudnnBackend):
         self._no_device("run a convolution")
         return super()._bound_handle(stream, workspace)
 
+    def _here(self) -> Any:
+        """Where a plan built outside a run would run: CuPy's current stream (the ops make the call's stream
+        current), which must not be being captured; planning for device properties, none."""
+        return None if self._properties is not None else CURRENT
+
     def _no_device(self, what: str) -> None:
         if self._properties is not None:
             raise BackendUnavailableError(f"cannot {what} on {self._target}: it plans for that GPU, it has none")
@@ -97,7 +103,7 @@ class CudnnGraphBackend(CudnnBackend):
         plans = []
         for name in names:
             try:
-                plans.append(self._plans.plan(handle, pass_, geom, name))
+                plans.append(self._plans.plan(handle, pass_, geom, name, stream=self._here()))
             except self._cudnn.CudnnError as exc:
                 if isinstance(exc, self._cudnn.CudnnNotInitializedError):
                     raise  # the handle or the library, not this configuration
@@ -118,7 +124,7 @@ class CudnnGraphBackend(CudnnBackend):
     def workspace_size(self, pass_: str, algo: str, geom: Any) -> int:
         if not is_engine_name(algo):
             return super().workspace_size(pass_, algo, geom)
-        return int(self._plans.plan(self._handle(), pass_, geom, algo).workspace_bytes)
+        return int(self._plans.plan(self._handle(), pass_, geom, algo, stream=self._here()).workspace_bytes)
 
     def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
         try:

@@ -151,15 +151,16 @@ class PlanCache:
 
     def plan(
         self, handle: Any, pass_: str, geom: Any, name: str, aligned: tuple[int, int, int] = ALIGNED,
-        stream: int | None = None,
+        stream: Any = None,
     ) -> Any:
-        """The finalized plan of engine configuration ``name``; ``stream``: where it will run, which must not be
-        being captured if the plan is to be built (a finalize can load kernels and allocate)."""
+        """The finalized plan of engine configuration ``name``; ``stream``: where it will run (a raw handle, or
+        :data:`~wsarena.arena._capture.CURRENT`), which must not be being captured if the plan is to be built (a
+        finalize can load kernels and allocate)."""
         key: Hashable = (handle, pass_, geom, name, aligned)
         return self._plans.get(key, lambda: self._build(handle, pass_, geom, name, aligned, stream))
 
     def _build(
-        self, handle: Any, pass_: str, geom: Any, name: str, aligned: tuple[int, int, int], stream: int | None
+        self, handle: Any, pass_: str, geom: Any, name: str, aligned: tuple[int, int, int], stream: Any
     ) -> Any:
         if stream is not None:
             refuse_in_capture(stream, "finalize a cuDNN execution plan (is plan_cache_size smaller than the step?)")

@@ -1,0 +1,129 @@
+"""The capture checks that ask CUDA, without a GPU: the answers of CuPy and cuda-bindings (or of the capture query
+itself) are a test's, the rest is the code that runs on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from wsarena import algos
+from wsarena._geometry import conv_geometry
+from wsarena.arena import Arena, _capture, streams
+from wsarena.arena._capture import capture_of, refuse_in_capture
+from wsarena.arena.testing import RecordingProvider
+from wsarena.errors import CaptureError
+
+S1 = 0x51
+GEOM = conv_geometry((2, 4, 9, 9), (6, 4, 3, 3), padding=1)
+INVALIDATED = "the stream was capturing, but an error has invalidated the capture sequence"  # CuPy's own words
+
+
+class _Stream:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """CuPy's and cuda-bindings' capture queries, answering for a capture of S1 in ``cuda.status``."""
+    import cupy
+    from cuda.bindings import runtime as rt
+
+    status = rt.cudaStreamCaptureStatus
+
+    class Cuda:
+        state = status.cudaStreamCaptureStatusNone
+
+        @classmethod
+        def is_capturing(cls, stream):  # as CuPy 14 answers: a bool, or a plain RuntimeError if invalidated
+            if stream != S1 or cls.state == status.cudaStreamCaptureStatusNone:
+                return False
+            if cls.state == status.cudaStreamCaptureStatusInvalidated:
+                raise RuntimeError(INVALIDATED)
+            return True
+
+        @classmethod
+        def capture_info(cls, stream):  # the 7 values cuda-bindings 13 returns
+            state = cls.state if stream == S1 else status.cudaStreamCaptureStatusNone
+            return rt.cudaError_t.cudaSuccess, state, 7, "graph", [], [], 0
+
+    monkeypatch.setattr(cupy.cuda.runtime, "streamIsCapturing", Cuda.is_capturing)
+    monkeypatch.setattr(rt, "cudaStreamGetCaptureInfo", Cuda.capture_info)
+    return Cuda
+
+
+def test_an_invalidated_capture_is_a_capture_error_that_says_so(cuda):
+    """CuPy's streamIsCapturing raises a plain RuntimeError for an invalidated capture. Once, that error escaped
+    every lease and check on the stream, instead of the CaptureError that says what to do."""
+    from cuda.bindings import runtime as rt
+
+    assert capture_of(S1) is None
+    cuda.state = rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive
+    capture = capture_of(S1)
+    assert capture is not None and (capture.id, capture.graph) == (7, "graph")
+    cuda.state = rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusInvalidated
+    with pytest.raises(CaptureError, match="capture on stream 0x51 was invalidated.*capture again"):
+        capture_of(S1)
+    with pytest.raises(CaptureError, match="invalidated"):
+        refuse_in_capture(S1, "create this thread's cuDNN handle")
+    provider = RecordingProvider(device_id=0)
+    provider.capture = capture_of  # what the device providers answer
+    arena = Arena(provider)
+    with pytest.raises(CaptureError, match="invalidated"), arena.lease(1000, stream=S1):
+        pass
+    assert provider.allocations == [] and arena.stats().streams == {}
+
+
+def test_a_plain_runtime_error_of_a_stream_not_captured_is_cupys_own(cuda, monkeypatch):
+    import cupy
+
+    def refuse(stream):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(cupy.cuda.runtime, "streamIsCapturing", refuse)
+    with pytest.raises(RuntimeError, match="something else"):
+        capture_of(S1)
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """S1 is being captured, and it is CuPy's current stream, as inside ``with wsarena.capture(s)``."""
+    monkeypatch.setattr(_capture, "capture_of", lambda stream: object() if stream == S1 else None)
+    monkeypatch.setattr(streams, "_cupy_current", lambda: _Stream(S1))
+
+
+def test_a_forced_algorithm_creates_no_cudnn_handle_during_capture(monkeypatch, captured):
+    """A forced algorithm's workspace size is asked outside any lease, with no stream: a thread with no handle yet
+    would create one during the capture. Once, only calls given their stream were refused."""
+    from wsarena import cudnn
+    from wsarena.backends._cudnn_backend import CudnnBackend
+
+    backend = CudnnBackend()
+    made = []
+    monkeypatch.setattr(backend, "_device", lambda: 0)
+    monkeypatch.setattr(cudnn, "has_handle", lambda device: False)
+    monkeypatch.setattr(cudnn, "get_handle", made.append)
+    with pytest.raises(CaptureError, match="create this thread's cuDNN handle.*on this thread"):
+        algos.forced(backend, "fwd", GEOM, "implicit_gemm", cap=None)
+    assert made == []
+
+
+def test_a_forced_engine_finalizes_no_plan_during_capture(monkeypatch, captured):
+    from wsarena.backends._cudnn_graph import CudnnGraphBackend
+    from wsarena.backends._graph_plans import PlanCache
+
+    class Plan:
+        def __init__(self, name):
+            self.name, self.closed, self.workspace_bytes = name, False, 4096
+
+    backend = CudnnGraphBackend()
+    built = []
+    monkeypatch.setattr(backend, "_handle", lambda stream=None: "handle")
+    backend._plans = PlanCache(lambda *args: Plan("graph"), lambda handle, graph, name: built.append(name) or Plan(name))
+    with pytest.raises(CaptureError, match="finalize a cuDNN execution plan"):
+        algos.forced(backend, "fwd", GEOM, "eng0", cap=None)
+    assert built == []
+    monkeypatch.setattr(_capture, "capture_of", lambda stream: None)  # the capture is over
+    assert algos.forced(backend, "fwd", GEOM, "eng0", cap=None)[0].workspace_bytes == 4096 and built == ["eng0"]
