@@ -245,6 +245,37 @@ def test_report_device_properties(finalizing, capsys):
     assert "nonexistent" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("edit", ["not json", "[1, 2]", "drop maxCtasPerSM", "warpSize as text"])
+def test_device_properties_cudnn_refuses_are_bad_input(finalizing, capsys, tmp_path, edit):
+    """A file this cuDNN does not read (not JSON, another version's members): a ValueError that says so (exit 2,
+    bad input, not 3), and still the CudnnBadParamError it was; nothing is cached for it."""
+    from wsarena import cudnn
+    from wsarena.backends import _backends
+
+    members = json.loads(H100.read_text())
+    if edit == "drop maxCtasPerSM":
+        del members["maxCtasPerSM"]
+    elif edit == "warpSize as text":
+        members["warpSize"] = "32"
+    text = json.dumps(members) if edit.startswith(("drop", "warpSize")) else edit
+    before = dict(_backends)
+    with pytest.raises(ValueError, match="refuses these device properties") as caught:
+        device_properties_backend(text)
+    assert isinstance(caught.value, cudnn.CudnnBadParamError) and "cuDNN 9." in str(caught.value)
+    assert _backends == before
+    path = tmp_path / "props.json"
+    path.write_text(text)
+    assert main(["report", "resnet50", "--device-properties", str(path)]) == 2
+    assert "refuses these device properties" in capsys.readouterr().err
+
+
+def test_the_device_is_named_as_cudnn_reads_the_properties(finalizing):
+    """JSON with a member twice: cuDNN reads the first, Python's json the last; the label is the device cuDNN
+    plans for."""
+    text = H100.read_text().rstrip().rstrip("}") + ', "deviceName": "not what cuDNN reads"}'
+    assert device_properties_backend(text).device_label().startswith("NVIDIA H100 80GB HBM3 (device properties ")
+
+
 def test_report_device_properties_without_the_driver_library_says_why():
     """A machine with no libcuda.so.1 at all (this one, outside the tests' stand-in): exit 3, one clear line."""
     if driver.real_driver_library():

@@ -53,7 +53,9 @@ class CudnnGraphBackend(CudnnBackend):
         self._target = ""
         if properties_json is not None:
             self._properties = graph.device_properties(properties_json)
-            name = json.loads(properties_json).get("deviceName", "a GPU")
+            # The name cuDNN reads: of a member given twice, the first (json.loads would keep the last)
+            first = json.loads(properties_json, object_pairs_hook=lambda pairs: dict(reversed(pairs)))
+            name = first.get("deviceName", "a GPU")
             digest = hashlib.sha256(properties_json.encode()).hexdigest()[:12]
             self._target = f"{name} (device properties {digest})"
         self._cudnn.handle.on_close_all(self._plans.clear)  # plans go before the handles they were built with
