@@ -127,3 +127,17 @@ def test_a_forced_engine_finalizes_no_plan_during_capture(monkeypatch, captured)
     assert built == []
     monkeypatch.setattr(_capture, "capture_of", lambda stream: None)  # the capture is over
     assert algos.forced(backend, "fwd", GEOM, "eng0", cap=None)[0].workspace_bytes == 4096 and built == ["eng0"]
+
+
+def test_the_probe_for_element_aligned_operands_finalizes_nothing_during_capture(monkeypatch, captured):
+    """The configuration for views aligned only to their element size is probed outside the plan cache, so the
+    cache's own refusal does not cover it."""
+    from wsarena.backends._cudnn_graph import CudnnGraphBackend
+
+    backend = CudnnGraphBackend()
+    built = []
+    monkeypatch.setattr(backend, "_build_graph", lambda *args: built.append("graph"))
+    monkeypatch.setattr(backend, "_build_plan", lambda handle, graph, name: built.append(name))
+    with pytest.raises(CaptureError, match="finalize a cuDNN execution plan"):
+        backend._general("handle", "fwd", GEOM, ["eng0"])
+    assert built == []

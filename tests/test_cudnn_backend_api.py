@@ -145,6 +145,23 @@ def test_a_value_the_type_cannot_hold_is_a_type_error_naming_the_attribute():
             t.set(A.TENSOR_DATA_TYPE, T.DATA_TYPE, 99)  # refused before cuDNN, which aborts the process on it
 
 
+def test_an_integer_the_c_type_cannot_hold_is_refused_not_wrapped():
+    """ctypes does no overflow check: (c_int64 * 1)(2**64 + 1) holds 1. cuDNN would then be given another value
+    than the caller's (an engine index, a dimension, a device id, a pointer) without a word."""
+    limits = [(T.INT64, A.TENSOR_DIMENSIONS, [2**63, -(2**63) - 1, 2**64 + 1]),
+              (T.INT32, A.DEVICEPROP_DEVICE_ID, [2**31, -(2**31) - 1, 2**32]),
+              (T.VOID_PTR, A.VARIANT_PACK_WORKSPACE, [-1, 2**64, 2**64 + 1])]
+    for attr_type, name, values in limits:
+        with BackendDescriptor(D.TENSOR_DESCRIPTOR) as t:
+            for value in values:
+                with pytest.raises(ValueError, match=f"{name.name}: .*cannot be {attr_type.name}"):
+                    t.set(name, attr_type, [3, value] if attr_type == T.INT64 else value)
+    with BackendDescriptor(D.DEVICEPROP_DESCRIPTOR) as props:  # the limits themselves are values
+        props.set(A.DEVICEPROP_DEVICE_ID, T.INT32, 2**31 - 1).set(A.DEVICEPROP_DEVICE_ID, T.INT32, -(2**31))
+    with BackendDescriptor(D.VARIANT_PACK_DESCRIPTOR) as pack:
+        pack.set(A.VARIANT_PACK_WORKSPACE, T.VOID_PTR, 2**64 - 1).set(A.VARIANT_PACK_WORKSPACE, T.VOID_PTR, 0)
+
+
 def test_cudnn_refusals_are_typed_errors():
     with BackendDescriptor(D.TENSOR_DESCRIPTOR) as t:
         with pytest.raises(cudnn.CudnnBadParamAttributeTypeError, match="TENSOR_DATA_TYPE"):

@@ -6,11 +6,13 @@ GPU runs of the same backend are in test_cudnn_backend.py and test_planner.py, p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +24,8 @@ from wsarena.backends import Candidate, device_properties_backend
 from wsarena.backends._cudnn_backend import CudnnBackend
 from wsarena.backends._graph_plans import ALIGNED, PlanCache, alignment, is_engine_name
 from wsarena.cli import main
-from wsarena.errors import BackendUnavailableError, CudnnApiFallbackWarning
+from wsarena.cudnn import Status as cudnn_status
+from wsarena.errors import BackendUnavailableError, CudnnApiFallbackWarning, WorkspaceMemoryError
 
 from .cudnn_probe import driver
 
@@ -97,6 +100,34 @@ def test_clear_destroys_every_cached_plan():
     assert cache.plan("h", "fwd", GEOM, "eng0") is not plans[0]
 
 
+def test_a_refused_configuration_is_remembered_and_raised_again_without_a_build():
+    class Refused(RuntimeError):
+        pass
+
+    built, b = [], Builder()
+
+    def plan(handle, graph, name):
+        built.append(name)
+        if name == "eng9" and _aligned(b, graph) == (2, 2, 2):
+            raise Refused(f"{name} refuses these operands")
+        return FakePlan(name)
+
+    cache = PlanCache(b.graph, plan, refused=(Refused,))
+    errors = []
+    for _ in range(3):
+        with pytest.raises(Refused, match="eng9 refuses") as caught:
+            cache.plan("h", "fwd", GEOM, "eng9", (2, 2, 2))
+        errors.append(caught.value)
+    assert built == ["eng9"]  # finalized once; the later calls raise what it said
+    assert len({id(e) for e in errors}) == 3  # copies: the cached one's traceback does not grow with each raise
+    assert cache.plan("h", "fwd", GEOM, "eng9") is not None and built == ["eng9", "eng9"]  # another alignment
+    with pytest.raises(ValueError, match="other"):  # an error not declared a refusal is not remembered
+        PlanCache(Builder().graph, lambda *a: (_ for _ in ()).throw(ValueError("other")), refused=(Refused,)).plan(
+            "h", "fwd", GEOM, "eng1")
+    cache.clear()
+    assert len(cache) == 0
+
+
 @pytest.fixture
 def graph_backend(monkeypatch):
     """The graph backend built on the CPU (libcudnn loads without a GPU), its cuDNN calls replaced."""
@@ -168,6 +199,26 @@ def test_device_properties_plan_candidates_with_workspace_sizes(finalizing):
         backend.run("fwd", chosen[0], GEOM, None, None, None, None, None)
 
 
+@pytest.mark.parametrize("pass_", ["fwd", "bwd_data", "bwd_filter"])
+def test_a_view_aligned_only_to_its_element_size_has_a_candidate_that_runs_it(finalizing, pass_):
+    """Candidates are ranked for 16-byte-aligned operands; a view at another offset runs the plan for its own
+    alignment. For float16 NHWC the tensor-core engines refuse that, here every one of the heuristics' first
+    ones: a candidate must still build for operands aligned to 2 bytes (the legacy API runs them), and within the
+    workspace the candidate's lease gives."""
+    from wsarena import cudnn
+
+    backend = device_properties_backend(H100.read_text())
+    geom = conv_geometry((2, 9, 9, 8), (16, 3, 3, 8), padding=1, layout="NHWC", dtype="float16")
+    runs = []
+    for cand in backend.candidates(pass_, geom):
+        try:
+            plan = backend._plans.plan(None, pass_, geom, cand.algo, (2, 2, 2))
+        except cudnn.CudnnNotSupportedError:
+            continue
+        runs.append((cand.algo, plan.workspace_bytes <= cand.workspace_bytes))
+    assert runs and all(fits for _, fits in runs), runs
+
+
 def test_a_plan_for_an_h100_from_its_properties(finalizing):
     layers = wsarena.load_model("resnet50")[:6]
     p = wsarena.plan(layers, batch=8, device_properties=H100)
@@ -194,6 +245,37 @@ def test_report_device_properties(finalizing, capsys):
     assert "nonexistent" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("edit", ["not json", "[1, 2]", "drop maxCtasPerSM", "warpSize as text"])
+def test_device_properties_cudnn_refuses_are_bad_input(finalizing, capsys, tmp_path, edit):
+    """A file this cuDNN does not read (not JSON, another version's members): a ValueError that says so (exit 2,
+    bad input, not 3), and still the CudnnBadParamError it was; nothing is cached for it."""
+    from wsarena import cudnn
+    from wsarena.backends import _backends
+
+    members = json.loads(H100.read_text())
+    if edit == "drop maxCtasPerSM":
+        del members["maxCtasPerSM"]
+    elif edit == "warpSize as text":
+        members["warpSize"] = "32"
+    text = json.dumps(members) if edit.startswith(("drop", "warpSize")) else edit
+    before = dict(_backends)
+    with pytest.raises(ValueError, match="refuses these device properties") as caught:
+        device_properties_backend(text)
+    assert isinstance(caught.value, cudnn.CudnnBadParamError) and "cuDNN 9." in str(caught.value)
+    assert _backends == before
+    path = tmp_path / "props.json"
+    path.write_text(text)
+    assert main(["report", "resnet50", "--device-properties", str(path)]) == 2
+    assert "refuses these device properties" in capsys.readouterr().err
+
+
+def test_the_device_is_named_as_cudnn_reads_the_properties(finalizing):
+    """JSON with a member twice: cuDNN reads the first, Python's json the last; the label is the device cuDNN
+    plans for."""
+    text = H100.read_text().rstrip().rstrip("}") + ', "deviceName": "not what cuDNN reads"}'
+    assert device_properties_backend(text).device_label().startswith("NVIDIA H100 80GB HBM3 (device properties ")
+
+
 def test_report_device_properties_without_the_driver_library_says_why():
     """A machine with no libcuda.so.1 at all (this one, outside the tests' stand-in): exit 3, one clear line."""
     if driver.real_driver_library():
@@ -212,3 +294,92 @@ def test_the_cudnn_api_flag(capsys):
     capsys.readouterr()
     assert main(["report", "resnet50", "--cudnn-api", "v8"]) == 2
     assert "--cudnn-api" in capsys.readouterr().err
+
+
+# ----------------------------------------------------- run() and measure() with fakes for the plans and the GPU
+class AlignedBuilder(Builder):
+    """Plans whose workspace depends on the operands' alignment: ``sizes[(name, aligned)]``, else 64 bytes."""
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.sizes, self.executed = sizes, []
+
+    def plan(self, handle, graph, name):
+        aligned = _aligned(self, graph)
+        made = FakePlan(name)
+        made.workspace_bytes = self.sizes.get((name, aligned), 64)
+        made.execute = lambda *args: self.executed.append((name, aligned, args))
+        return made
+
+
+def _aligned(builder, graph):
+    """The operands' alignment a Builder's fake graph was built for."""
+    return builder.graphs[int(graph.name[len("graph"):]) - 1][3]
+
+
+def _array(ptr):
+    return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
+
+
+def _lease(nbytes, stream=None):
+    return SimpleNamespace(ptr=0x100000, nbytes=nbytes, cuda_stream=stream)
+
+
+@pytest.fixture
+def faked(monkeypatch, graph_backend):
+    monkeypatch.setattr(graph_backend, "_bound_handle", lambda stream, workspace=None: "handle")
+    return graph_backend
+
+
+def test_run_refuses_a_plan_that_needs_more_workspace_than_was_leased(faked):
+    """The lease is the candidate's size (its plan for 16-byte-aligned operands); the plan for a view's own
+    alignment must never be given a workspace it would write past."""
+    b = AlignedBuilder({("eng1", (2, 16, 16)): 128})
+    faked._plans = PlanCache(b.graph, b.plan)
+    x, w, y = _array(0x1000), _array(0x2000), _array(0x3000)
+    faked.run("fwd", Candidate("eng1", 64), GEOM, x, w, y, _lease(64), None)
+    assert [e[:2] for e in b.executed] == [("eng1", ALIGNED)]
+    with pytest.raises(WorkspaceMemoryError, match="eng1 .*alignment") as caught:
+        faked.run("fwd", Candidate("eng1", 64), GEOM, _array(0x1002), w, y, _lease(64), None)
+    assert isinstance(caught.value, MemoryError)  # run_with_fallback moves on to the next candidate
+    assert (caught.value.requested, caught.value.held) == (128, 64) and len(b.executed) == 1
+
+
+def test_run_with_fallback_passes_a_refused_or_too_large_plan_to_the_next_candidate(faked):
+    class Arena:
+        @contextlib.contextmanager
+        def lease(self, nbytes, stream=None, cap=None):
+            yield _lease(nbytes)
+
+        def held_bytes(self, stream=None):
+            return 0
+
+    refused = faked.retry_errors[0]
+
+    def plan(handle, graph, name):
+        if name == "eng1" and _aligned(b, graph) != ALIGNED:
+            raise refused(int(cudnn_status.NOT_SUPPORTED), "eng1 needs 16-byte-aligned operands")
+        return b.plan(handle, graph, name)
+
+    b = AlignedBuilder({("eng2", (2, 16, 16)): 4096})
+    faked._plans = PlanCache(b.graph, plan, refused=(refused,))
+    cands = (Candidate("eng1", 64), Candidate("eng2", 64), Candidate("eng3", 64))
+    x, w, y = _array(0x1002), _array(0x2000), _array(0x3000)
+    for _ in range(2):
+        ran = algos.run_with_fallback(Arena(), cands, lambda c, ws: faked.run("fwd", c, GEOM, x, w, y, ws, None),
+                                      stream=None, cap=None, retry=faked.retry_errors)
+        assert ran.algo == "eng3"
+    assert [e[:2] for e in b.executed] == [("eng3", (2, 16, 16))] * 2
+
+
+def test_measure_skips_a_plan_that_needs_more_workspace_than_was_leased(faked, monkeypatch):
+    clock = iter(range(1, 100))
+    runtime = SimpleNamespace(eventCreate=lambda: object(), eventRecord=lambda event, stream: None,
+                              eventSynchronize=lambda event: None, eventDestroy=lambda event: None,
+                              eventElapsedTime=lambda start, end: float(next(clock)))
+    monkeypatch.setattr(faked, "_cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=runtime)))
+    b = AlignedBuilder({("eng2", (2, 16, 16)): 4096})
+    faked._plans = PlanCache(b.graph, b.plan)
+    cands = [Candidate("eng1", 64), Candidate("eng2", 64)]
+    timed = faked.measure("fwd", GEOM, _array(0x1002), _array(0x2000), _array(0x3000), _lease(64, 0x77), cands, None)
+    assert [c.algo for c in timed] == ["eng1"] and {e[0] for e in b.executed} == {"eng1"}

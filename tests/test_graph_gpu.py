@@ -107,6 +107,43 @@ def test_captured_device_properties_plan_what_the_device_plans(cp, geom):
         assert got == want, pass_
 
 
+def test_views_aligned_to_two_bytes_run_on_the_graph_api(cp):
+    """Half NHWC operands at a 2-byte offset: the heuristics' tensor-core engines refuse them (found without a
+    GPU: tests/test_graph_backend.py), and a candidate that runs them is among the candidates. The refusals are
+    remembered: a second round builds no plan."""
+    from wsarena import conv_backward_data, conv_backward_filter
+
+    from .reference import ref_conv_backward_data, ref_conv_backward_filter
+
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((2, 9, 9, 8)), rng.standard_normal((16, 3, 3, 8))
+    dy = rng.standard_normal((2, 9, 9, 16))
+
+    def shifted(a):  # C-contiguous, 2 bytes past a 16-byte boundary
+        base = cp.empty(a.size + 1, "float16")
+        view = base[1:].reshape(a.shape)
+        view[...] = cp.asarray(a, "float16")
+        assert view.data.ptr % 16 == 2
+        return view
+
+    xd, wd, dyd = shifted(x), cp.asarray(w, "float16"), shifted(dy)
+    x64, w64, dy64 = (cp.asnumpy(a).astype(np.float64) for a in (xd, wd, dyd))
+    kw = {"padding": 1, "layout": "NHWC"}
+    refs = (ref_conv_forward(x64, w64, **kw), ref_conv_backward_data(dy64, w64, x.shape, **kw),
+            ref_conv_backward_filter(x64, dy64, w.shape, **kw))
+    backend = get_backend("cudnn")
+    builds = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CudnnApiFallbackWarning)  # on the graph API itself
+        for _ in range(2):
+            got = (conv_forward(xd, wd, **kw), conv_backward_data(dyd, wd, xd.shape, **kw),
+                   conv_backward_filter(xd, dyd, wd.shape, **kw))
+            builds.append(backend._plans.builds)
+    for y, ref in zip(got, refs):
+        assert _rel(cp.asnumpy(y).astype(np.float64), ref) <= 2e-2
+    assert builds[1] == builds[0]
+
+
 def test_the_workspace_query_agrees_with_the_plan_attribute(cp):
     from wsarena import cudnn
     from wsarena.cudnn import graph

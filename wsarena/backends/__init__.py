@@ -187,8 +187,9 @@ def device_properties_backend(properties_json: str) -> Backend:
     BackendUnavailableError
         cuDNN cannot finalize descriptors here: its engine libraries need the NVIDIA driver library
         ``libcuda.so.1``, even without a GPU (docs/deviceless.md).
-    wsarena.cudnn.CudnnError
-        cuDNN refused the properties (``CudnnBadParamError`` names a missing member).
+    wsarena.cudnn.graph.DevicePropertiesError
+        cuDNN refused the properties (not JSON, or not the members this cuDNN version reads): a
+        ``CudnnBadParamError`` and a ``ValueError``.
     """
     key = "cudnn:properties:" + properties_json
     backend = _backends.get(key)

@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _callsite
-from .._geometry import describe_geometry
+from .._geometry import ITEMSIZES, describe_geometry
 from .._pass import Pass
-from ..arena._capture import CURRENT
-from ..errors import BackendUnavailableError, CudnnApiFallbackWarning
+from ..arena._capture import CURRENT, refuse_in_capture
+from ..errors import BackendUnavailableError, CudnnApiFallbackWarning, WorkspaceMemoryError
 from . import Candidate
 from ._cudnn_backend import CudnnBackend
 from ._graph_plans import PlanCache, alignment, conv_problem, is_engine_name, ranked_names, shortlist
@@ -48,13 +48,15 @@ class CudnnGraphBackend(CudnnBackend):
         from ..cudnn import graph
 
         self._graph = graph
-        self._plans = PlanCache(self._build_graph, self._build_plan)
+        self._plans = PlanCache(self._build_graph, self._build_plan, refused=self.retry_errors[:1])
         self._fallbacks: set[tuple[str, Any]] = set()  # (pass, geometry) already warned about
         self._properties: Any = None
         self._target = ""
         if properties_json is not None:
             self._properties = graph.device_properties(properties_json)
-            name = json.loads(properties_json).get("deviceName", "a GPU")
+            # The name cuDNN reads: of a member given twice, the first (json.loads would keep the last)
+            first = json.loads(properties_json, object_pairs_hook=lambda pairs: dict(reversed(pairs)))
+            name = first.get("deviceName", "a GPU")
             digest = hashlib.sha256(properties_json.encode()).hexdigest()[:12]
             self._target = f"{name} (device properties {digest})"
         self._cudnn.handle.on_close_all(self._plans.clear)  # plans go before the handles they were built with
@@ -94,21 +96,60 @@ class CudnnGraphBackend(CudnnBackend):
         cfg = self._graph.engine_config(graph, name, properties=self._properties)
         return self._graph.execution_plan(cfg, name, handle=handle, properties=self._properties)
 
-    def _ranked(self, handle: Any, pass_: str, geom: Any) -> list[Any]:
-        """Finalized plans of the shortlisted usable engine configurations (heuristics' order, then cuDNN's
-        fallback list; :func:`~wsarena.backends._graph_plans.shortlist`)."""
+    def _ranked(self, handle: Any, pass_: str, geom: Any) -> list[Candidate]:
+        """The shortlisted usable engine configurations, as candidates with their plans' workspace sizes
+        (heuristics' order, then cuDNN's fallback list; :func:`~wsarena.backends._graph_plans.shortlist`), and
+        last, unless one of them is it, the first configuration that runs operands aligned only to their element
+        size (:meth:`_general`)."""
         graph = self._plans.graph(handle, pass_, geom)
         ranked = ranked_names(self._graph, graph, geom.dtype, properties=self._properties, mode=self.heur_mode)
-        names = shortlist(ranked)
-        plans = []
-        for name in names:
+        sizes = {name: self._workspace(handle, pass_, geom, name) for name in shortlist(ranked)}
+        kept = {name: nbytes for name, nbytes in sizes.items() if nbytes is not None}
+        general = self._general(handle, pass_, geom, [*kept, *(name for name, _ in ranked)])
+        if general is not None:
+            name, nbytes = general
+            aligned = kept[name] if name in kept else self._workspace(handle, pass_, geom, name)
+            if aligned is not None:  # its lease must hold the plan for either alignment
+                kept[name] = max(nbytes, aligned)
+        return [Candidate(name, nbytes) for name, nbytes in kept.items()]
+
+    def _workspace(self, handle: Any, pass_: str, geom: Any, name: str) -> int | None:
+        """The workspace size of the (cached) plan of ``name`` for 16-byte-aligned operands; ``None`` when
+        cuDNN refuses to finalize it (the heuristics list configurations their kernels then refuse)."""
+        try:
+            return int(self._plans.plan(handle, pass_, geom, name, stream=self._here()).workspace_bytes)
+        except self._cudnn.CudnnError as exc:
+            if isinstance(exc, self._cudnn.CudnnNotInitializedError):
+                raise  # the handle or the library, not this configuration
+            return None
+
+    def _general(self, handle: Any, pass_: str, geom: Any, names: list[str]) -> tuple[str, int] | None:
+        """``(name, workspace bytes)`` of the first of ``names`` (the candidates, then the rest in rank order)
+        whose plan finalizes for operands aligned only to their element size; ``None`` if none does.
+
+        The candidates are ranked for 16-byte-aligned operands (what every allocation has). A view at another
+        offset is run by the plan for its own alignment (the plan cache's key), which tensor-core engines refuse:
+        for float16 NHWC, often every one of the first candidates. This one runs it, where the legacy API would.
+        Probed outside the plan cache, so that planning adds nothing to it that a call may never use.
+        """
+        smallest = (ITEMSIZES[geom.dtype],) * 3
+        here = self._here()
+        if here is not None:
+            refuse_in_capture(here, "finalize a cuDNN execution plan")
+        try:
+            graph = self._build_graph(handle, pass_, geom, smallest)
+        except self.retry_errors + (self._cudnn.CudnnBadParamError,):
+            return None
+        for name in dict.fromkeys(names):
             try:
-                plans.append(self._plans.plan(handle, pass_, geom, name, stream=self._here()))
+                plan = self._build_plan(handle, graph, name)
             except self._cudnn.CudnnError as exc:
                 if isinstance(exc, self._cudnn.CudnnNotInitializedError):
-                    raise  # the handle or the library, not this configuration
-                continue  # listed by the heuristics, refused when finalized
-        return plans
+                    raise
+                continue
+            plan.close()
+            return name, plan.workspace_bytes
+        return None
 
     # -- algorithms --------------------------------------------------------------------------------------------
     def check_algorithm(self, pass_: str, algo: str) -> None:
@@ -128,13 +169,13 @@ class CudnnGraphBackend(CudnnBackend):
 
     def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
         try:
-            plans = self._ranked(self._handle(), pass_, geom)
+            cands = self._ranked(self._handle(), pass_, geom)
         except self.retry_errors + (self._cudnn.CudnnBadParamError,) as exc:
-            plans, reason = [], f"cuDNN refused its operation graph ({exc})"
+            cands, reason = [], f"cuDNN refused its operation graph ({exc})"
         else:
             reason = "no engine configuration is usable"
-        if plans or self._properties is not None:  # planning for another GPU: no legacy API to fall back on
-            return [Candidate(p.name, p.workspace_bytes) for p in plans]
+        if cands or self._properties is not None:  # planning for another GPU: no legacy API to fall back on
+            return cands
         key = (pass_, geom)
         if key not in self._fallbacks:
             self._fallbacks.add(key)
@@ -162,6 +203,8 @@ class CudnnGraphBackend(CudnnBackend):
             for cand in candidates:
                 try:
                     plan = self._plans.plan(handle, pass_, geom, cand.algo, aligned)
+                    if plan.workspace_bytes > workspace.nbytes:
+                        continue  # this plan, for these operands' alignment, needs more than the candidate said
                     plan.execute(handle, x, w, y, workspace.ptr)  # warm-up: loads the kernels
                 except self.retry_errors:
                     continue
@@ -198,6 +241,13 @@ class CudnnGraphBackend(CudnnBackend):
         plan = self._plans.plan(
             handle, pass_, geom, name, (alignment(x), alignment(w), alignment(y)), stream=workspace.cuda_stream
         )
+        if plan.workspace_bytes > workspace.nbytes:
+            # The lease is the candidate's size, which is its plan's for 16-byte-aligned operands; the plan for
+            # these operands' alignment must not write past it. A MemoryError: run_with_fallback moves on.
+            raise WorkspaceMemoryError(
+                f"cuDNN's plan {name} for these operands' alignment needs more workspace than was leased for it",
+                requested=plan.workspace_bytes, held=workspace.nbytes, cap=None,
+            )
         plan.execute(handle, x, w, y, workspace.ptr)
 
 

@@ -288,7 +288,18 @@ def _c_value(attr_type: BackendAttributeType, value: Any) -> Any:
     if enum is not None:
         # Checked here: cuDNN 9.28 aborts the process (an illegal instruction) on some out-of-range enumerators.
         return int(enum(value))
+    low, high = _int_range(_ctype(attr_type))
+    if not low <= value <= high:  # ctypes would wrap it silently: (c_int64 * 1)(2**64 + 1) holds 1
+        raise OverflowError(f"{int(value)} is outside [{low}, {high}]")
     return int(value)
+
+
+def _int_range(ctype: Any) -> tuple[int, int]:
+    """The values an integer (or pointer) ctypes type holds without wrapping."""
+    bits = 8 * ctypes.sizeof(ctype)
+    if ctype is ctypes.c_void_p:
+        return 0, (1 << bits) - 1
+    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
 
 
 def execute(handle: Any, plan: BackendDescriptor, variant_pack: BackendDescriptor | int) -> None:
