@@ -507,3 +507,15 @@ def test_processes_writing_at_once_under_the_limit_leave_a_readable_cache(cache,
         warnings.simplefilter("error")
         put(1000)  # this process's first write lists the folder and trims it
     assert entries_size(cache) <= limit
+
+
+def test_info_keeps_a_null_api_path_and_counts_any_foreign_file_as_unreadable(cache):
+    from wsarena._tune_cli import cache_output
+
+    search(CpuBackend())  # the CPU has no cuDNN API path: null in the key
+    (cache / "search" / "foreign.json").write_text('{"key": {"environment": ["not", "a", "dict"]}}')
+    info = searchcache.info()
+    assert [(e["backend"], e["api"], e["entries"]) for e in info["environments"]] == [("cpu", None, 1)]
+    assert info["unreadable"] == 1
+    text = cache_output("info", "text")
+    assert "None" not in text and re.search(r"\(wsarena [^,)]+\)$", text.splitlines()[-1])

@@ -317,16 +317,22 @@ def info() -> dict[str, Any]:
         try:
             out["size_bytes"] += path.stat().st_size
             env = json.loads(path.read_text(encoding="utf-8"))["key"]["environment"]
-            group = tuple(str(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
-        except (OSError, ValueError, TypeError, KeyError):
+            # as written (the CPU's API path is null), each a string or None, so that the groups sort
+            group = tuple(_text(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
             out["unreadable"] += 1
             continue
         out["entries"] += 1
         groups[group] = groups.get(group, 0) + 1
     out["environments"] = [
-        {"backend": b, "device": d, "wsarena": v, "api": a, "entries": n} for (b, d, v, a), n in sorted(groups.items())
+        {"backend": b, "device": d, "wsarena": v, "api": a, "entries": n}
+        for (b, d, v, a), n in sorted(groups.items(), key=lambda item: tuple(x or "" for x in item[0]))
     ]
     return out
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def clear() -> dict[str, Any]:
