@@ -519,3 +519,16 @@ def test_info_keeps_a_null_api_path_and_counts_any_foreign_file_as_unreadable(ca
     assert info["unreadable"] == 1
     text = cache_output("info", "text")
     assert "None" not in text and re.search(r"\(wsarena [^,)]+\)$", text.splitlines()[-1])
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_entries_take_the_permissions_the_umask_leaves(cache, umask):
+    """As any file the user writes: a cache folder shared with others (a team's, another installation's) can be
+    read by them when the umask lets it, which private temporary files (mode 0600) renamed into place would not."""
+    old = os.umask(umask)
+    try:
+        put(1)
+    finally:
+        os.umask(old)
+    (path,) = entry_files(cache)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask

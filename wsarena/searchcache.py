@@ -38,7 +38,7 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -201,7 +201,7 @@ def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
     tmp: str | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=_TEMP_PREFIX, suffix=".json")
+        fd, tmp = _temporary(folder)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -216,6 +216,21 @@ def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
             except OSError:
                 pass
     _written(folder, len(data))
+
+
+def _temporary(folder: Path) -> tuple[int, str]:
+    """A new file in ``folder`` to write an entry into: ``(descriptor, path)``.
+
+    Unlike :func:`tempfile.mkstemp`, whose files are private (mode 0600), it is made as any other file, with the
+    permissions the umask leaves, so that an entry renamed over it can be read by whoever may read the folder (a
+    cache shared by a team, or by another installation under another user).
+    """
+    while True:
+        path = os.path.join(folder, f"{_TEMP_PREFIX}{secrets.token_hex(8)}.json")
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), path
+        except FileExistsError:  # another writer's name: draw another
+            continue
 
 
 def _written(folder: Path, nbytes: int) -> None:
