@@ -289,7 +289,9 @@ def test_info_and_clear(cache):
     search(backend, "bwd_data")
     search(TableBackend(TABLE, device="fake device 2"))
     (cache / "notes.txt").write_text("a file of the user's")
-    (cache / "search" / ".tmp-left-by-a-killed-writer.json").write_text("{")
+    killed = cache / "search" / ".tmp-left-by-a-killed-writer.json"
+    killed.write_text("{")
+    os.utime(killed, (time.time() - 7200, time.time() - 7200))
     info = searchcache.info()
     assert info["directory"] == str(cache) and info["enabled"] and info["entries"] == 3
     assert info["size_bytes"] == sum(p.stat().st_size for p in entry_files(cache))
@@ -532,3 +534,14 @@ def test_entries_take_the_permissions_the_umask_leaves(cache, umask):
         os.umask(old)
     (path,) = entry_files(cache)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_clear_spares_a_write_in_progress(cache):
+    """Another process's temporary file, not yet renamed into place: clearing it would cost that process its entry
+    (and a warning that it cannot save)."""
+    put(1)
+    fd, tmp = searchcache._temporary(cache / "search")  # a writer midway
+    with os.fdopen(fd, "wb") as f:
+        f.write(b"{}")
+    assert searchcache.clear()["removed"] == 1
+    os.replace(tmp, cache / "search" / "entry.json")  # the writer finishes

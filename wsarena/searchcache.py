@@ -353,8 +353,9 @@ def _text(value: Any) -> str | None:
 def clear() -> dict[str, Any]:
     """Remove every entry (and any temporary file a killed writer left); what ``wsarena cache clear`` does.
 
-    Only the files of the cache's ``search/`` folder are removed, never the directory's other contents.
-    Returns ``directory``, ``removed`` (entries) and ``freed_bytes``.
+    Only the files of the cache's ``search/`` folder are removed, never the directory's other contents, nor the
+    temporary file of a write in progress in another process (one less than an hour old, as a trim spares it):
+    that writer would lose its entry. Returns ``directory``, ``removed`` (entries) and ``freed_bytes``.
     """
     root = cache_dir()
     out: dict[str, Any] = {"directory": None if root is None else str(root), "removed": 0, "freed_bytes": 0}
@@ -365,9 +366,13 @@ def clear() -> dict[str, Any]:
         paths = [p for p in folder.iterdir() if p.suffix == ".json"]
     except (FileNotFoundError, NotADirectoryError):
         return out
+    now = time.time()
     for path in paths:
         try:
-            size = path.stat().st_size
+            st = path.stat()
+            if path.name.startswith(_TEMP_PREFIX) and now - st.st_mtime <= _STALE_TEMP:
+                continue  # a write in progress
+            size = st.st_size
             path.unlink()
         except FileNotFoundError:  # another process removed or renamed it meanwhile
             continue
