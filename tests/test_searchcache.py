@@ -545,3 +545,19 @@ def test_clear_spares_a_write_in_progress(cache):
         f.write(b"{}")
     assert searchcache.clear()["removed"] == 1
     os.replace(tmp, cache / "search" / "entry.json")  # the writer finishes
+
+
+def test_many_bad_files_give_one_warning(cache):
+    """A crash or a full disk can spoil every entry: the job that replaces them says so once, not once a file."""
+    backend = TableBackend(TABLE)
+    search(backend)
+    search(backend, "bwd_data")
+    for path in entry_files(cache):
+        path.write_text(path.read_text()[:100])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        search(backend)
+        search(backend, "bwd_data")
+    assert [w.category for w in caught] == [SearchCacheWarning] and "without another warning" in str(caught[0].message)
+    assert len(backend.measured) == 4  # both searched again, and replaced
+    assert all(json.loads(p.read_text())["format"] == "wsarena-search-cache" for p in entry_files(cache))

@@ -14,8 +14,8 @@ does not match is recognised.
 
 Safety: a file is written whole to a temporary name and renamed over the entry, so a reader sees the old entry
 or the new one, never part of one, and processes writing at once lose no entry (each call is its own file; two
-writers of the same call both write complete results). A truncated, corrupt or foreign file is ignored with one
-:class:`~wsarena.errors.SearchCacheWarning` and replaced; a directory that cannot be written gives one warning
+writers of the same call both write complete results). A truncated, corrupt or foreign file is ignored and replaced,
+with one :class:`~wsarena.errors.SearchCacheWarning` for the first such file of the folder; a directory that cannot be written gives one warning
 and the process goes on without saving.
 
 Size: the entries' total size stays within the ``search_cache_max_size`` setting (``WSARENA_SEARCH_CACHE_MAX_SIZE``,
@@ -144,6 +144,13 @@ def _warn_once(kind: str, where: Path, message: str) -> None:
     _callsite.warn(message, SearchCacheWarning)
 
 
+def _warn_bad(path: Path, exc: Exception) -> None:
+    """One warning per folder, not per file: a crash or a full disk can spoil many entries at once, and each
+    would otherwise add a line to the output of the job that replaces them."""
+    _warn_once("bad", path.parent, f"ignoring the search cache file {path}: {exc}; it will be replaced, as will "
+                                   "any other bad file in this folder, without another warning")
+
+
 def _read(path: Path, key: dict[str, Any]) -> _Results | None:
     """The entry's results, or ``None`` when there is none (or none usable: then one warning says why)."""
     try:
@@ -153,7 +160,7 @@ def _read(path: Path, key: dict[str, Any]) -> _Results | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     except UnicodeDecodeError as exc:
-        _warn_once("read", path, f"ignoring the search cache file {path}: {exc}; it will be replaced")
+        _warn_bad(path, exc)
         return None
     except OSError as exc:
         _warn_once("read", path.parent, f"cannot read the search cache in {path.parent}: {exc}; searching afresh")
@@ -161,7 +168,7 @@ def _read(path: Path, key: dict[str, Any]) -> _Results | None:
     try:
         results = _parse(json.loads(text), key)
     except (ValueError, TypeError, KeyError) as exc:
-        _warn_once("read", path, f"ignoring the search cache file {path}: {exc}; it will be replaced")
+        _warn_bad(path, exc)
         return None
     if time.time() - modified > _MARK_USED_AFTER:
         try:
