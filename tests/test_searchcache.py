@@ -294,10 +294,11 @@ def test_info_and_clear(cache):
     os.utime(killed, (time.time() - 7200, time.time() - 7200))
     info = searchcache.info()
     assert info["directory"] == str(cache) and info["enabled"] and info["entries"] == 3
-    assert info["size_bytes"] == sum(p.stat().st_size for p in entry_files(cache))
+    assert info["size_bytes"] == entries_size(cache)
     assert [(e["device"], e["entries"]) for e in info["environments"]] == [("fake device 1", 2), ("fake device 2", 1)]
+    killed_size = on_disk(killed)
     cleared = searchcache.clear()
-    assert cleared["removed"] == 3 and cleared["freed_bytes"] == info["size_bytes"] + 1
+    assert cleared["removed"] == 3 and cleared["freed_bytes"] == info["size_bytes"] + killed_size
     assert entry_files(cache) == [] and (cache / "notes.txt").exists()
     assert list((cache / "search").iterdir()) == []
 
@@ -397,15 +398,22 @@ def files_by_channels(folder):
     return {json.loads(p.read_text())["key"]["geometry"]["out_channels"]: p for p in entry_files(folder)}
 
 
+def on_disk(path):
+    """The disk space a file takes, as the limit counts it, worked out here from st_blocks and st_size."""
+    st = path.stat()
+    return max(st.st_blocks * 512, st.st_size)
+
+
 def entries_size(folder):
-    return sum(p.stat().st_size for p in entry_files(folder))
+    return sum(on_disk(p) for p in entry_files(folder))
 
 
 @pytest.fixture
 def limit(monkeypatch):
-    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "16KiB")
+    """A limit of some thirty entries: each takes a 4 KiB block on the usual file systems."""
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "128KiB")
     wsarena._config._reset()
-    return 16 << 10
+    return 128 << 10
 
 
 def test_the_size_limit_holds_after_every_write_and_the_least_recently_used_go(cache, limit):
@@ -420,7 +428,7 @@ def test_the_size_limit_holds_after_every_write_and_the_least_recently_used_go(c
     gone = set(written) - kept
     assert gone and kept
     assert min(written[k] for k in kept) >= max(written[k] for k in gone)  # the least recently used went first
-    biggest = max(p.stat().st_size for p in entry_files(cache))
+    biggest = max(on_disk(p) for p in entry_files(cache))
     assert entries_size(cache) >= 0.9 * limit - 10 * biggest  # a trim stops near 90 %: it does not empty the cache
 
 
@@ -481,7 +489,7 @@ def test_a_cache_that_cannot_be_trimmed_gives_one_warning_and_goes_on(cache, lim
         for k in range(1, 201):
             put(k)
     assert [w.category for w in caught] == [SearchCacheWarning]
-    assert re.search("cannot trim the search cache .* to 16 KiB: .*Permission denied", str(caught[0].message))
+    assert re.search("cannot trim the search cache .* to 128 KiB: .*Permission denied", str(caught[0].message))
     assert all(held(k) for k in range(1, 201))  # nothing could be removed; every entry still serves
 
 
@@ -494,7 +502,7 @@ def test_processes_writing_at_once_under_the_limit_leave_a_readable_cache(cache,
         assert proc.returncode == 0 and not err, err  # no warning: nothing unreadable, nothing untrimmable
     assert not [p for p in (cache / "search").iterdir() if p.name.startswith(".tmp-")]
     files = entry_files(cache)
-    biggest = max(p.stat().st_size for p in files)
+    biggest = max(on_disk(p) for p in files)
     # each process counts what it writes itself; the others' writes since its last listing can pass the limit
     assert entries_size(cache) <= limit + len(procs) * (limit // 10 + biggest)
     for path in files:
@@ -561,3 +569,20 @@ def test_many_bad_files_give_one_warning(cache):
     assert [w.category for w in caught] == [SearchCacheWarning] and "without another warning" in str(caught[0].message)
     assert len(backend.measured) == 4  # both searched again, and replaced
     assert all(json.loads(p.read_text())["format"] == "wsarena-search-cache" for p in entry_files(cache))
+
+
+def test_the_limit_counts_the_disk_space_an_entry_takes(cache, monkeypatch):
+    """An entry of a kilobyte or so takes a whole block: counted by their sizes alone, entries could take two or
+    three times the limit on disk."""
+    put(1)
+    (path,) = entry_files(cache)
+    block = path.stat().st_blocks * 512
+    if block <= path.stat().st_size:
+        pytest.skip(f"this file system stores a {path.stat().st_size}-byte file in {block} bytes")
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", str(10 * block))
+    wsarena._config._reset()
+    for k in range(2, 60):
+        put(k)
+        assert sum(p.stat().st_blocks * 512 for p in entry_files(cache)) <= 10 * block, k
+    assert 5 <= len(entry_files(cache)) <= 10
+    assert searchcache.info()["size_bytes"] == len(entry_files(cache)) * block

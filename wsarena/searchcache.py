@@ -18,8 +18,9 @@ writers of the same call both write complete results). A truncated, corrupt or f
 with one :class:`~wsarena.errors.SearchCacheWarning` for the first such file of the folder; a directory that cannot be written gives one warning
 and the process goes on without saving.
 
-Size: the entries' total size stays within the ``search_cache_max_size`` setting (``WSARENA_SEARCH_CACHE_MAX_SIZE``,
-default 64 MiB). A write that takes the folder over it removes the least recently used entries, down to 90 % of
+Size: the disk space the entries take stays within the ``search_cache_max_size`` setting
+(``WSARENA_SEARCH_CACHE_MAX_SIZE``, default 64 MiB): each file counts the blocks it occupies, or its size where that
+is larger (:func:`_disk_size`). A write that takes the folder over it removes the least recently used entries, down to 90 % of
 it, so that the next trim is a tenth of the limit away. "Used" is the file's modification time: a write sets it,
 and a read sets it when it is more than an hour old (as Go's build cache does), so that a lookup costs no write.
 Entries of other wsarena versions, drivers or devices are not removed first: another installation may share the
@@ -211,6 +212,8 @@ def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
         fd, tmp = _temporary(folder)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            nbytes = _disk_size(os.fstat(f.fileno()))
         os.replace(tmp, path)
         tmp = None
     except OSError as exc:
@@ -222,7 +225,15 @@ def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
-    _written(folder, len(data))
+    _written(folder, nbytes)
+
+
+def _disk_size(st: os.stat_result) -> int:
+    """What a file counts against the size limit: the disk space it takes (``st_blocks``, in 512-byte units, where
+    the system reports it), or its size if that is larger (where it reports none, or compression makes it less).
+    An entry of a kilobyte or two takes a whole block, typically 4 KiB: its size alone would let the folder take
+    two or three times the limit."""
+    return max(getattr(st, "st_blocks", 0) * 512, st.st_size)
 
 
 def _temporary(folder: Path) -> tuple[int, str]:
@@ -294,8 +305,8 @@ def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
             except OSError as exc:
                 failure = failure or exc
                 continue
-            entries.append((st.st_mtime, item.name, st.st_size))
-            total += st.st_size
+            entries.append((st.st_mtime, item.name, _disk_size(st)))
+            total += _disk_size(st)
     if total <= limit:
         return total, failure
     entries.sort()
@@ -322,8 +333,8 @@ def _entry_files(root: Path) -> list[Path]:
 
 
 def info() -> dict[str, Any]:
-    """What ``wsarena cache info`` shows: the directory, the entries and their size, the size they are kept
-    within (``None``: no limit), and per environment (backend, device, wsarena version, API path) how many entries
+    """What ``wsarena cache info`` shows: the directory, the entries and their size (``size_bytes``: on disk, as the
+    limit counts it), the size they are kept within (``None``: no limit), and per environment (backend, device, wsarena version, API path) how many entries
     it has.
 
     Raises ``OSError`` when the directory cannot be listed.
@@ -337,7 +348,7 @@ def info() -> dict[str, Any]:
     groups: dict[tuple, int] = {}
     for path in _entry_files(root):
         try:
-            out["size_bytes"] += path.stat().st_size
+            out["size_bytes"] += _disk_size(path.stat())
             env = json.loads(path.read_text(encoding="utf-8"))["key"]["environment"]
             # as written (the CPU's API path is null), each a string or None, so that the groups sort
             group = tuple(_text(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
@@ -379,7 +390,7 @@ def clear() -> dict[str, Any]:
             st = path.stat()
             if path.name.startswith(_TEMP_PREFIX) and now - st.st_mtime <= _STALE_TEMP:
                 continue  # a write in progress
-            size = st.st_size
+            size = _disk_size(st)
             path.unlink()
         except FileNotFoundError:  # another process removed or renamed it meanwhile
             continue
