@@ -150,6 +150,7 @@ def test_cache_info_and_clear(capsys, model, tmp_path, monkeypatch):
     assert (code, out) == (0, "the search cache is off (WSARENA_CACHE_DIR=off)\n")
     folder = tmp_path / "cache"
     monkeypatch.setenv("WSARENA_CACHE_DIR", str(folder))
+    wsarena._config._reset()  # as a new command reads it
     calls = tune_json(capsys, model)["distinct_calls"]
     code, out, _ = run_main(capsys, "cache", "info", "--format", "json")
     info = json.loads(out)

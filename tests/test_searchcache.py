@@ -53,26 +53,26 @@ def entry_files(folder):
 
 
 def test_directory_rule(monkeypatch, tmp_path):
-    monkeypatch.delenv("WSARENA_CACHE_DIR")
+    def folder(value):
+        monkeypatch.setenv("WSARENA_CACHE_DIR", value)
+        wsarena._config._reset()  # the variable is read once, as every WSARENA_* variable is
+        return searchcache.cache_dir()
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert searchcache.cache_dir() == tmp_path / "xdg" / "wsarena"  # the XDG rule, through platformdirs
+    assert folder("") == tmp_path / "xdg" / "wsarena"  # empty means the default, as for every WSARENA_* variable
     for off in ("off", "OFF", " Off "):
-        monkeypatch.setenv("WSARENA_CACHE_DIR", off)
-        assert searchcache.cache_dir() is None
-    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / "mine"))
-    assert searchcache.cache_dir() == tmp_path / "mine"
-    monkeypatch.setenv("WSARENA_CACHE_DIR", "~/wsarena-cache")
-    assert searchcache.cache_dir() == Path.home() / "wsarena-cache"
-    monkeypatch.setenv("WSARENA_CACHE_DIR", "")  # empty means the default, as for every WSARENA_* variable
-    assert searchcache.cache_dir() == tmp_path / "xdg" / "wsarena"
+        assert folder(off) is None
+    assert folder(str(tmp_path / "mine")) == tmp_path / "mine"
+    assert folder("~/wsarena-cache") == Path.home() / "wsarena-cache"
 
 
 def test_directory_rule_without_platformdirs(monkeypatch, tmp_path):
     monkeypatch.delenv("WSARENA_CACHE_DIR")
-    monkeypatch.setattr(searchcache, "platformdirs", None)  # what an install without it has
+    monkeypatch.setattr(wsarena._config, "platformdirs", None)  # what an install without it has
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert searchcache.cache_dir() == tmp_path / "xdg" / "wsarena"
     monkeypatch.delenv("XDG_CACHE_HOME")
+    wsarena._config._reset()
     assert searchcache.cache_dir() == Path.home() / ".cache" / "wsarena"
 
 

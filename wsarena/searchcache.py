@@ -4,8 +4,9 @@ An exhaustive search times every candidate algorithm of a call; this cache keeps
 workspace on disk, so that a restarted job (and ``wsarena tune``, and :func:`wsarena.plan`) searches nothing it
 searched before. The ops, the planner and ``tune`` all reach it through :func:`wsarena.algos.select`.
 
-Where: ``WSARENA_CACHE_DIR`` when set (``off`` turns the cache off), else the user's cache folder
-(``platformdirs.user_cache_dir("wsarena")``: ``$XDG_CACHE_HOME/wsarena`` or ``~/.cache/wsarena`` on Linux).
+Where: the ``cache_dir`` setting (``configure(cache_dir=...)``, ``config(cache_dir=...)``, ``WSARENA_CACHE_DIR``;
+``off`` or ``None`` turns the cache off), by default the user's cache folder (``platformdirs.user_cache_dir("wsarena")``:
+``$XDG_CACHE_HOME/wsarena`` or ``~/.cache/wsarena`` on Linux).
 Entries are files under its ``search/`` folder, one per call, named by a hash of their key. A key is the
 environment (:func:`wsarena._search_env.environment`: device and compute capability, driver and cuDNN versions,
 on the CPU the processor, NumPy and its BLAS; wsarena's version; the API path) and the call: the pass and the
@@ -45,11 +46,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-try:  # imported with wsarena, not on first use (see wsarena/__init__.py)
-    import platformdirs
-except ImportError:  # an install made without dependencies
-    platformdirs = None  # type: ignore[assignment]
-
 from . import _callsite, _forksafe
 from ._config import get_config
 from ._search_env import environment
@@ -79,15 +75,8 @@ _size_lock = _forksafe.lock()  # guards _known_size (the listing itself runs wit
 
 
 def cache_dir() -> Path | None:
-    """The cache directory in force now, or ``None`` when ``WSARENA_CACHE_DIR=off``."""
-    raw = os.environ.get(ENV_VAR, "").strip()
-    if raw.lower() == "off":
-        return None
-    if raw:
-        return Path(raw).expanduser()
-    if platformdirs is None:  # an install made without dependencies: the XDG rule, which platformdirs follows on Linux
-        return Path(os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache") / "wsarena"
-    return Path(platformdirs.user_cache_dir("wsarena", appauthor=False))
+    """The cache directory in force now (the ``cache_dir`` setting), or ``None`` when the cache is off."""
+    return get_config().cache_dir
 
 
 def search(
