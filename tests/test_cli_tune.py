@@ -199,3 +199,32 @@ def test_two_processes_tuning_at_once_lose_no_entry(model, tmp_path):
     assert [r.returncode for r in later] == [0, 0], later
     assert json.loads(later[0].stdout)["curve"] == json.loads(later[1].stdout)["curve"]
     assert json.loads(run_cli("cache", "info", "--format", "json", env=env).stdout)["entries"] == calls
+
+
+@pytest.mark.parametrize("action", ["info", "clear"])
+@pytest.mark.parametrize("where", ["a-file", "a-file/below"])
+def test_a_cache_folder_that_cannot_be_listed_exits_3(capsys, monkeypatch, tmp_path, action, where):
+    """A file where the folder should be: every search goes without the cache, which `cache info` must not show
+    as an empty cache, and it is the environment, not the command, that is wrong."""
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / where))
+    wsarena._config._reset()
+    code, out, err = run_main(capsys, "cache", action)
+    assert (code, out) == (3, "") and err.count("\n") == 1
+    assert err.startswith(f"wsarena: error: cannot {'read' if action == 'info' else 'clear'} the search cache: ")
+    assert "Not a directory" in err
+
+
+def test_a_cache_folder_that_may_not_be_read_exits_3(capsys, monkeypatch, tmp_path):
+    from pathlib import Path
+
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path))
+    wsarena._config._reset()
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "iterdir", denied)  # what another user's folder gives (root reads anything)
+    code, out, err = run_main(capsys, "cache", "info")
+    assert (code, out) == (3, "") and err.count("\n") == 1
+    assert err.startswith("wsarena: error: cannot read the search cache: ") and "Permission denied" in err

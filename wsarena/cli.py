@@ -328,8 +328,14 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> int:
+    try:
+        text = cache_output(args.action, args.format)
+    except OSError as exc:  # the folder, not the command, is at fault: a file in its place, or no permission
+        print(f"wsarena: error: cannot {'read' if args.action == 'info' else 'clear'} the search cache: {exc}",
+              file=sys.stderr)
+        return EXIT_ENVIRONMENT
     with _output():
-        sys.stdout.write(cache_output(args.action, args.format))
+        sys.stdout.write(text)
     return EXIT_OK
 
 

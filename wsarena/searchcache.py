@@ -314,10 +314,13 @@ def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
 
 
 def _entry_files(root: Path) -> list[Path]:
+    """The entries' files; none when the folder does not exist yet. ``OSError`` when it cannot be listed (a file
+    stands in its place, or it may not be read): every search then goes without the cache, which should not pass
+    for an empty one."""
     folder = root / _SUBDIR
     try:
         return sorted(p for p in folder.iterdir() if p.suffix == ".json" and not p.name.startswith(_TEMP_PREFIX))
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         return []
 
 
@@ -362,7 +365,8 @@ def clear() -> dict[str, Any]:
 
     Only the files of the cache's ``search/`` folder are removed, never the directory's other contents, nor the
     temporary file of a write in progress in another process (one less than an hour old, as a trim spares it):
-    that writer would lose its entry. Returns ``directory``, ``removed`` (entries) and ``freed_bytes``.
+    that writer would lose its entry. Returns ``directory``, ``removed`` (entries) and ``freed_bytes``. Raises
+    ``OSError`` when the folder cannot be listed or an entry cannot be removed.
     """
     root = cache_dir()
     out: dict[str, Any] = {"directory": None if root is None else str(root), "removed": 0, "freed_bytes": 0}
@@ -371,7 +375,7 @@ def clear() -> dict[str, Any]:
     folder = root / _SUBDIR
     try:
         paths = [p for p in folder.iterdir() if p.suffix == ".json"]
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         return out
     now = time.time()
     for path in paths:
