@@ -63,6 +63,9 @@ def test_json_has_the_contract_keys_and_a_sorted_curve(capsys, model):
 def test_max_slowdown_as_a_percentage_or_a_fraction(capsys, model):
     assert tune_json(capsys, model, "--max-slowdown", "50%")["max_slowdown"] == 0.5
     assert tune_json(capsys, model, "--max-slowdown", "0.5")["max_slowdown"] == 0.5
+    assert tune_json(capsys, model, "--max-slowdown", "500%")["max_slowdown"] == 5  # as a percentage, it is plain
+    code, _, err = run_main(capsys, "tune", model, "--backend", "cpu", "--max-slowdown", "5")
+    assert code == 2 and "write 5% for 5 percent, or 500% if you mean it" in err
     assert tune_json(capsys, model, "--max-slowdown", "0")["max_slowdown"] == 0
     huge = tune_json(capsys, model, "--max-slowdown", "1e9%")
     assert huge["recommended_cap_bytes"] == 0
@@ -112,6 +115,11 @@ def test_plot_writes_a_png(capsys, model, tmp_path):
         ["tune", "MODEL", "--max-slowdown", "fast"],
         ["tune", "MODEL", "--max-slowdown", "-1%"],
         ["tune", "MODEL", "--max-slowdown", "inf"],
+        ["tune", "MODEL", "--max-slowdown", "5"],  # 500 %, where 5 % was surely meant: refused, not guessed
+        ["tune", "MODEL", "--max-slowdown", "1"],
+        ["tune", "MODEL", "--max-slowdown", "1_0"],
+        ["tune", "MODEL", "--max-slowdown", "-0.5"],
+        ["report", "MODEL", "--max-slowdown", "2"],
         ["tune", "MODEL", "--batch", "0"],
         ["tune", "MODEL", "--cap-workspace", "1MiB"],
         ["tune", "MODEL", "--search", "heuristic"],

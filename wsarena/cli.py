@@ -143,8 +143,8 @@ def _parser() -> _Parser:
     )
     report.add_argument(
         "--max-slowdown", type=max_slowdown_arg, default=None, metavar="PCT",
-        help="pick the cap instead: the smallest whose step is at most this much slower than uncapped (2%%, 0.02); "
-        "times every algorithm",
+        help="pick the cap instead: the smallest whose step is at most this much slower than uncapped (2%%, or "
+        "0.02: without %%, a fraction below 1); times every algorithm",
     )
     report.add_argument("--device-properties", type=_file_name, metavar="FILE", help="plan for the GPU whose "
                         "cuDNN device properties (JSON) FILE holds, without one (cuDNN's graph API)")
@@ -158,7 +158,8 @@ def _parser() -> _Parser:
     _model_flags(tune)
     tune.add_argument(
         "--max-slowdown", type=max_slowdown_arg, default=0.02, metavar="PCT",
-        help="the slowdown against no cap the recommended cap may cost (default 2%%; 0.02 is the same)",
+        help="the slowdown against no cap the recommended cap may cost (default 2%%; 0.02 is the same: without "
+        "%%, a fraction below 1)",
     )
     tune.add_argument("--format", choices=("table", "json", "csv"), default=None, help="default: table")
     tune.add_argument("--plot", type=_file_name, metavar="FILE.png", help="draw the curve (needs wsarena[plot])")
