@@ -223,3 +223,21 @@ def test_tuning_on_cudnn_and_its_cache(tmp_path, monkeypatch):
                         search="exhaustive").layers == t.plan().layers
     algos.cache_clear()
     assert tune(layers, batch=8, backend="cudnn", max_slowdown=0.05).curve == t.curve
+
+
+def test_a_cap_and_a_slowdown_are_taken_as_the_rest_of_wsarena_takes_them(fake):
+    """NumPy numbers and size strings, as plan(cap_workspace=...) and configure() take them."""
+    np = pytest.importorskip("numpy")
+    t = run(max_slowdown=np.float32(0.06))
+    assert t.max_slowdown == pytest.approx(0.06) and type(t.max_slowdown) is float
+    assert t.recommended_cap_bytes == 4000
+    assert t.plan(np.int64(4000)) == t.plan(4000) == t.plan("4000") == t.plan(" 4000 B")
+    assert t.plan("none") == t.plan(None)
+    assert wsarena.plan(LAYERS, batch=2, passes=PASSES, backend="cpu", model="toy",
+                        max_slowdown=np.float64(0.06)).cap_workspace == 4000
+    for bad, error in (("lots", ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="cap"):
+            t.plan(bad)
+    for bad, error in ((np.bool_(True), TypeError), (10**400, ValueError), (np.float64("nan"), ValueError)):
+        with pytest.raises(error, match="max_slowdown"):
+            run(max_slowdown=bad)
