@@ -4,6 +4,7 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -236,3 +237,30 @@ def test_a_cache_folder_that_may_not_be_read_exits_3(capsys, monkeypatch, tmp_pa
     code, out, err = run_main(capsys, "cache", "info")
     assert (code, out) == (3, "") and err.count("\n") == 1
     assert err.startswith("wsarena: error: cannot read the search cache: ") and "Permission denied" in err
+
+
+@pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"], ["report", "--max-slowdown", "2%"]])
+@pytest.mark.parametrize(("stop", "code", "says"), [(KeyboardInterrupt, 130, "wsarena: interrupted"),
+                                                    (MemoryError, 3, "wsarena: error: ")])
+def test_work_stopped_midway_wipes_the_progress_bar(capsys, model, monkeypatch, command, stop, code, says):
+    """On a terminal the bar is drawn in place, with no newline: Ctrl-C or an error midway must not print its line
+    onto the end of the bar."""
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    real = CpuBackend.measure
+    calls = []
+
+    def measure(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:  # the first layer's three passes, then the second layer's first
+            raise stop()
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuBackend, "measure", measure)
+    got, out, err = run_main(capsys, command[0], model, "--backend", "cpu", *command[1:])
+    assert (got, out) == (code, "")
+    bar = re.search(r"\r(\[[#.]+\] 1/4 stem *)", err)
+    assert bar, err  # the bar was drawn ...
+    wipe = r"\r {" + str(len(bar[1])) + r",}\r"
+    assert re.search(re.escape(bar[1]) + wipe + re.escape(says) + r"[^\r\n]*\n\Z", err), err  # ... and wiped before the line

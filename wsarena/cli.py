@@ -258,6 +258,19 @@ def _output() -> Iterator[None]:
         raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
 
 
+@contextlib.contextmanager
+def _progress_bar() -> Iterator[Any]:
+    """The progress bar on stderr (when it is a terminal), wiped if the work stops midway, so that the error or
+    ``wsarena: interrupted`` that follows starts a line of its own."""
+    from .planner import text_progress
+
+    bar = text_progress()
+    try:
+        yield bar
+    finally:
+        bar.clear()
+
+
 def _load(args: argparse.Namespace) -> Any:
     from .models import load_model
 
@@ -268,7 +281,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .planner import plan, text_progress
+    from .planner import plan
 
     if args.max_slowdown is not None:
         if args.cap_workspace is not _FROM_CONFIG:
@@ -278,8 +291,8 @@ def _report(args: argparse.Namespace) -> int:
     layers = _load(args)
     given = _given(algo_search=args.search, backend=args.backend, cap_workspace=args.cap_workspace,
                    cudnn_api=args.cudnn_api)
-    with config(**given) as cfg:  # flags override the environment, which then matters only for the rest
-        exhaustive = cfg.algo_search == "exhaustive" or args.max_slowdown is not None
+    with config(**given) as cfg, _progress_bar() as bar:  # flags override the environment, which then matters
+        exhaustive = cfg.algo_search == "exhaustive" or args.max_slowdown is not None  # only for the rest
         p = plan(
             layers,
             batch=args.batch,
@@ -288,7 +301,7 @@ def _report(args: argparse.Namespace) -> int:
             passes=args.passes,
             streams=args.streams,
             model=args.model,
-            progress=text_progress() if exhaustive else None,
+            progress=bar if exhaustive else None,
             max_slowdown=args.max_slowdown,
             device_properties=args.device_properties,
         )
@@ -309,15 +322,14 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from .planner import text_progress
     from .tuning import tune
 
     if args.apply and args.format is not None:
         raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=...; leave out --format")
     layers = _load(args)
-    with config(**_given(cudnn_api=args.cudnn_api)):
+    with config(**_given(cudnn_api=args.cudnn_api)), _progress_bar() as bar:
         t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes, streams=args.streams,
-                 backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=text_progress())
+                 backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=bar)
     if args.plot is not None:
         from .plot import plot_curve
 
