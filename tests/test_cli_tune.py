@@ -264,3 +264,19 @@ def test_work_stopped_midway_wipes_the_progress_bar(capsys, model, monkeypatch, 
     assert bar, err  # the bar was drawn ...
     wipe = r"\r {" + str(len(bar[1])) + r",}\r"
     assert re.search(re.escape(bar[1]) + wipe + re.escape(says) + r"[^\r\n]*\n\Z", err), err  # ... and wiped before the line
+
+
+@pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"]])
+def test_plot_without_matplotlib_fails_before_searching(capsys, model, monkeypatch, tmp_path, command):
+    """Not after a search that can take minutes on a GPU, to say that the plot cannot be drawn."""
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without wsarena[plot] has
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("searched although the plot could never be drawn")
+
+    monkeypatch.setattr(CpuBackend, "measure", refuse)
+    code, out, err = run_main(capsys, command[0], model, "--backend", "cpu", *command[1:],
+                              "--plot", str(tmp_path / "p.png"))
+    assert (code, out) == (3, "") and err == "wsarena: error: --plot needs matplotlib: pip install 'wsarena[plot]'\n"

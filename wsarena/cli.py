@@ -236,6 +236,14 @@ def _drop_stdout() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
+def _check_plot(path: str | None) -> None:
+    """With ``--plot``, fail now if matplotlib is missing, not after a search that may have taken minutes."""
+    if path is not None:
+        from .plot import _pyplot
+
+        _pyplot()
+
+
 @contextlib.contextmanager
 def _plot_file(path: str) -> Iterator[None]:
     """Around writing the ``--plot`` file: a failure to write it (a folder, a full disk) is :class:`OutputError`."""
@@ -288,6 +296,7 @@ def _report(args: argparse.Namespace) -> int:
             raise UsageError("give --cap-workspace or --max-slowdown, not both: --max-slowdown picks the cap")
         if args.search == "heuristic":
             raise UsageError("--max-slowdown times every algorithm: it needs --search exhaustive (or no --search)")
+    _check_plot(args.plot)
     layers = _load(args)
     given = _given(algo_search=args.search, backend=args.backend, cap_workspace=args.cap_workspace,
                    cudnn_api=args.cudnn_api)
@@ -326,6 +335,7 @@ def _tune(args: argparse.Namespace) -> int:
 
     if args.apply and args.format is not None:
         raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=...; leave out --format")
+    _check_plot(args.plot)
     layers = _load(args)
     with config(**_given(cudnn_api=args.cudnn_api)), _progress_bar() as bar:
         t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes, streams=args.streams,
