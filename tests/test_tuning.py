@@ -241,3 +241,21 @@ def test_a_cap_and_a_slowdown_are_taken_as_the_rest_of_wsarena_takes_them(fake):
     for bad, error in ((np.bool_(True), TypeError), (10**400, ValueError), (np.float64("nan"), ValueError)):
         with pytest.raises(error, match="max_slowdown"):
             run(max_slowdown=bad)
+
+
+def test_a_curve_of_one_cap_plots_without_a_warning(monkeypatch, tmp_path):
+    """Every call's fastest algorithm needs no workspace: the curve is cap 0 and no cap."""
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    from wsarena.plot import plot_curve
+
+    table = {key: [("implicit", 0, 1.0), ("gemm", 1000, 2.0)] for key in TABLE}
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))
+    algos.cache_clear()
+    t = run()
+    assert [p.cap_workspace_bytes for p in t.curve] == [0, None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_curve(t, str(tmp_path / "curve.png"))
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
