@@ -78,8 +78,8 @@ def test_csv_and_table(capsys, model):
     assert code == 0, err
     rows = list(csv.DictReader(io.StringIO(out)))
     assert list(rows[0]) == ["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended",
-                             "skipped_layer"]
-    assert all(r["skipped_layer"] == "" for r in rows)  # every conv layer is in these figures
+                             "skipped_layer", "skipped_reason"]
+    assert all(r["skipped_layer"] == r["skipped_reason"] == "" for r in rows)  # every conv layer is in these figures
     assert [r["cap_workspace_bytes"] for r in rows] == [
         "" if p["cap_workspace_bytes"] is None else str(p["cap_workspace_bytes"]) for p in d["curve"]]
     assert rows[-1]["cap_workspace_bytes"] == "" and float(rows[-1]["slowdown"]) == 0

@@ -106,16 +106,18 @@ def render_curve(t: Any) -> str:
 
 def _curve_csv(t: Any) -> str:
     """One row per point; then, as ``report``'s CSV does, one per conv layer the loader left out: its name in
-    ``skipped_layer`` (empty on the points) and every figure empty, so that the rows show what the curve lacks."""
+    ``skipped_layer`` and why in ``skipped_reason`` (both empty on the points), and every figure empty, so that the
+    rows show what the curve lacks."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended", "skipped_layer"])
+    writer.writerow(["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended", "skipped_layer",
+                     "skipped_reason"])
     for q in t.curve:
         cap = "" if q.cap_workspace_bytes is None else q.cap_workspace_bytes
         recommended = "true" if q.cap_workspace_bytes == t.recommended_cap_bytes else "false"
-        writer.writerow([cap, q.arena_bytes, repr(q.step_seconds), repr(q.slowdown), recommended, ""])
-    for name, _ in t.uncapped.skipped:
-        writer.writerow(["", "", "", "", "", name])
+        writer.writerow([cap, q.arena_bytes, repr(q.step_seconds), repr(q.slowdown), recommended, "", ""])
+    for name, why in t.uncapped.skipped:
+        writer.writerow(["", "", "", "", "", name, why])
     return out.getvalue()
 
 
