@@ -152,6 +152,11 @@ def test_report_max_slowdown_is_the_plan_under_the_recommended_cap(capsys, model
     assert r["search"] == "exhaustive"
     assert r["arena_bytes"] == next(p["arena_bytes"] for p in d["curve"]
                                     if p["cap_workspace_bytes"] == d["recommended_cap_bytes"])
+    code, out, err = run_main(capsys, "report", model, "--backend", "cpu", "--batch", "2", "--max-slowdown", "5%")
+    assert code == 0, err
+    # the table says where its cap came from: a cap the user never gave would otherwise look like one they did
+    cap = "none" if r["cap_workspace_bytes"] is None else wsarena.format_size(r["cap_workspace_bytes"])
+    assert f"  cap {cap} (the smallest within a 5% slowdown)  " in out.splitlines()[1]
 
 
 def test_cache_info_and_clear(capsys, model, tmp_path, monkeypatch):

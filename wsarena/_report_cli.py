@@ -52,6 +52,8 @@ def skipped_note(skipped: Sequence[tuple[str, str]], what: str, limit: int = 5) 
 def render_table(p: Any) -> str:
     """The report a person reads: a header, one row per layer, and the totals."""
     cap = "none" if p.cap_workspace is None else format_size(p.cap_workspace)
+    if getattr(p, "max_slowdown", None) is not None:  # --max-slowdown chose it: say so, and from what
+        cap += f" (the smallest within a {p.max_slowdown * 100:g}% slowdown)"
     lines = [
         f"wsarena {__version__} workspace report: {printable(p.model)}",
         (
