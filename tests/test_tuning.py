@@ -104,6 +104,9 @@ def test_the_recommended_cap_reproduces_the_plan(fake):
     assert recommended.to_dict()["max_slowdown"] == 0.06
     for point in t.curve:  # and at every other point: its step time is the plan's, its arena the plan's
         p = t.plan(point.cap_workspace_bytes)
+        # only the recommended cap was chosen by max_slowdown: no other plan claims it
+        assert p.max_slowdown == (0.06 if point.cap_workspace_bytes == 4000 else None)
+        assert ("max_slowdown" in p.to_dict()) == (point.cap_workspace_bytes == 4000)
         step = math.fsum(c.time_ms for lp in p.layers for c in lp.choices.values()) / 1e3
         assert step == pytest.approx(point.step_seconds) and p.arena_bytes == point.arena_bytes
 

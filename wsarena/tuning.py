@@ -97,8 +97,10 @@ class Tuning:
             smallest = self.curve[0].cap_workspace_bytes or 0
             raise NoAlgorithmFitsError("some convolution has no timed algorithm within the cap",
                                        requested=smallest, held=0, cap=cap)
+        # max_slowdown says the cap was chosen by it: true of the recommended cap only
+        chosen = self.max_slowdown if cap == self.recommended_cap_bytes else None
         return dataclasses.replace(
-            self.uncapped, cap_workspace=cap, layers=tuple(layers), max_slowdown=self.max_slowdown,
+            self.uncapped, cap_workspace=cap, layers=tuple(layers), max_slowdown=chosen,
             stream_bytes=_stream_bytes(layers, self.uncapped.streams, self.shared_streams, [lp.stream for lp in layers]),
         )
 
