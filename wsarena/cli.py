@@ -166,7 +166,8 @@ def _parser() -> _Parser:
     tune.add_argument("--apply", action="store_true", help="print only WSARENA_CAP_WORKSPACE=<recommended cap>")
 
     cache = sub.add_parser("cache", help="the persistent search cache: its entries, or empty it")
-    cache.add_argument("action", choices=("info", "clear"))
+    cache.add_argument("action", choices=("info", "clear"), help="info: the folder (WSARENA_CACHE_DIR, else the user "
+                       "cache folder), its entries, their size on disk and its limit; clear: remove the entries")
     cache.add_argument("--format", choices=("text", "json"), default="text")
 
     info = sub.add_parser("info", help="versions, library paths, devices, and the backend 'auto' picks")
