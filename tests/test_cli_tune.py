@@ -4,6 +4,7 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -63,6 +64,9 @@ def test_json_has_the_contract_keys_and_a_sorted_curve(capsys, model):
 def test_max_slowdown_as_a_percentage_or_a_fraction(capsys, model):
     assert tune_json(capsys, model, "--max-slowdown", "50%")["max_slowdown"] == 0.5
     assert tune_json(capsys, model, "--max-slowdown", "0.5")["max_slowdown"] == 0.5
+    assert tune_json(capsys, model, "--max-slowdown", "500%")["max_slowdown"] == 5  # as a percentage, it is plain
+    code, _, err = run_main(capsys, "tune", model, "--backend", "cpu", "--max-slowdown", "5")
+    assert code == 2 and "write 5% for 5 percent, or 500% if you mean it" in err
     assert tune_json(capsys, model, "--max-slowdown", "0")["max_slowdown"] == 0
     huge = tune_json(capsys, model, "--max-slowdown", "1e9%")
     assert huge["recommended_cap_bytes"] == 0
@@ -74,8 +78,8 @@ def test_csv_and_table(capsys, model):
     assert code == 0, err
     rows = list(csv.DictReader(io.StringIO(out)))
     assert list(rows[0]) == ["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended",
-                             "skipped_layer"]
-    assert all(r["skipped_layer"] == "" for r in rows)  # every conv layer is in these figures
+                             "skipped_layer", "skipped_reason"]
+    assert all(r["skipped_layer"] == r["skipped_reason"] == "" for r in rows)  # every conv layer is in these figures
     assert [r["cap_workspace_bytes"] for r in rows] == [
         "" if p["cap_workspace_bytes"] is None else str(p["cap_workspace_bytes"]) for p in d["curve"]]
     assert rows[-1]["cap_workspace_bytes"] == "" and float(rows[-1]["slowdown"]) == 0
@@ -112,6 +116,11 @@ def test_plot_writes_a_png(capsys, model, tmp_path):
         ["tune", "MODEL", "--max-slowdown", "fast"],
         ["tune", "MODEL", "--max-slowdown", "-1%"],
         ["tune", "MODEL", "--max-slowdown", "inf"],
+        ["tune", "MODEL", "--max-slowdown", "5"],  # 500 %, where 5 % was surely meant: refused, not guessed
+        ["tune", "MODEL", "--max-slowdown", "1"],
+        ["tune", "MODEL", "--max-slowdown", "1_0"],
+        ["tune", "MODEL", "--max-slowdown", "-0.5"],
+        ["report", "MODEL", "--max-slowdown", "2"],
         ["tune", "MODEL", "--batch", "0"],
         ["tune", "MODEL", "--cap-workspace", "1MiB"],
         ["tune", "MODEL", "--search", "heuristic"],
@@ -143,6 +152,11 @@ def test_report_max_slowdown_is_the_plan_under_the_recommended_cap(capsys, model
     assert r["search"] == "exhaustive"
     assert r["arena_bytes"] == next(p["arena_bytes"] for p in d["curve"]
                                     if p["cap_workspace_bytes"] == d["recommended_cap_bytes"])
+    code, out, err = run_main(capsys, "report", model, "--backend", "cpu", "--batch", "2", "--max-slowdown", "5%")
+    assert code == 0, err
+    # the table says where its cap came from: a cap the user never gave would otherwise look like one they did
+    cap = "none" if r["cap_workspace_bytes"] is None else wsarena.format_size(r["cap_workspace_bytes"])
+    assert f"  cap {cap} (the smallest within a 5% slowdown)  " in out.splitlines()[1]
 
 
 def test_cache_info_and_clear(capsys, model, tmp_path, monkeypatch):
@@ -150,6 +164,7 @@ def test_cache_info_and_clear(capsys, model, tmp_path, monkeypatch):
     assert (code, out) == (0, "the search cache is off (WSARENA_CACHE_DIR=off)\n")
     folder = tmp_path / "cache"
     monkeypatch.setenv("WSARENA_CACHE_DIR", str(folder))
+    wsarena._config._reset()  # as a new command reads it
     calls = tune_json(capsys, model)["distinct_calls"]
     code, out, _ = run_main(capsys, "cache", "info", "--format", "json")
     info = json.loads(out)
@@ -198,3 +213,75 @@ def test_two_processes_tuning_at_once_lose_no_entry(model, tmp_path):
     assert [r.returncode for r in later] == [0, 0], later
     assert json.loads(later[0].stdout)["curve"] == json.loads(later[1].stdout)["curve"]
     assert json.loads(run_cli("cache", "info", "--format", "json", env=env).stdout)["entries"] == calls
+
+
+@pytest.mark.parametrize("action", ["info", "clear"])
+@pytest.mark.parametrize("where", ["a-file", "a-file/below"])
+def test_a_cache_folder_that_cannot_be_listed_exits_3(capsys, monkeypatch, tmp_path, action, where):
+    """A file where the folder should be: every search goes without the cache, which `cache info` must not show
+    as an empty cache, and it is the environment, not the command, that is wrong."""
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / where))
+    wsarena._config._reset()
+    code, out, err = run_main(capsys, "cache", action)
+    assert (code, out) == (3, "") and err.count("\n") == 1
+    assert err.startswith(f"wsarena: error: cannot {'read' if action == 'info' else 'clear'} the search cache: ")
+    assert "Not a directory" in err
+
+
+def test_a_cache_folder_that_may_not_be_read_exits_3(capsys, monkeypatch, tmp_path):
+    from pathlib import Path
+
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path))
+    wsarena._config._reset()
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "iterdir", denied)  # what another user's folder gives (root reads anything)
+    code, out, err = run_main(capsys, "cache", "info")
+    assert (code, out) == (3, "") and err.count("\n") == 1
+    assert err.startswith("wsarena: error: cannot read the search cache: ") and "Permission denied" in err
+
+
+@pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"], ["report", "--max-slowdown", "2%"]])
+@pytest.mark.parametrize(("stop", "code", "says"), [(KeyboardInterrupt, 130, "wsarena: interrupted"),
+                                                    (MemoryError, 3, "wsarena: error: ")])
+def test_work_stopped_midway_wipes_the_progress_bar(capsys, model, monkeypatch, command, stop, code, says):
+    """On a terminal the bar is drawn in place, with no newline: Ctrl-C or an error midway must not print its line
+    onto the end of the bar."""
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    real = CpuBackend.measure
+    calls = []
+
+    def measure(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:  # the first layer's three passes, then the second layer's first
+            raise stop()
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuBackend, "measure", measure)
+    got, out, err = run_main(capsys, command[0], model, "--backend", "cpu", *command[1:])
+    assert (got, out) == (code, "")
+    bar = re.search(r"\r(\[[#.]+\] 1/4 stem *)", err)
+    assert bar, err  # the bar was drawn ...
+    wipe = r"\r {" + str(len(bar[1])) + r",}\r"
+    assert re.search(re.escape(bar[1]) + wipe + re.escape(says) + r"[^\r\n]*\n\Z", err), err  # ... and wiped before the line
+
+
+@pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"]])
+def test_plot_without_matplotlib_fails_before_searching(capsys, model, monkeypatch, tmp_path, command):
+    """Not after a search that can take minutes on a GPU, to say that the plot cannot be drawn."""
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without wsarena[plot] has
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("searched although the plot could never be drawn")
+
+    monkeypatch.setattr(CpuBackend, "measure", refuse)
+    code, out, err = run_main(capsys, command[0], model, "--backend", "cpu", *command[1:],
+                              "--plot", str(tmp_path / "p.png"))
+    assert (code, out) == (3, "") and err == "wsarena: error: --plot needs matplotlib: pip install 'wsarena[plot]'\n"

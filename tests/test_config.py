@@ -1,9 +1,17 @@
 import threading
+from pathlib import Path
 
 import pytest
 
 import wsarena
 from wsarena import Config, config, configure, format_size, get_config, parse_size
+
+
+@pytest.fixture(autouse=True)
+def _default_cache_dir(monkeypatch):
+    """These tests compare the settings with Config()'s defaults, cache_dir included: the tests' WSARENA_CACHE_DIR=off
+    (conftest) is left out here. The user cache folder is still a temporary one (XDG_CACHE_HOME, conftest)."""
+    monkeypatch.delenv("WSARENA_CACHE_DIR")
 
 
 @pytest.mark.parametrize(
@@ -78,10 +86,11 @@ def test_environment_is_read(monkeypatch):
     monkeypatch.setenv("WSARENA_CUDNN_API", " Graph ")
     monkeypatch.setenv("WSARENA_PLAN_CACHE_SIZE", "64")
     monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "1.5GiB")
+    monkeypatch.setenv("WSARENA_CACHE_DIR", " /srv/wsarena-Cache ")
     wsarena._config._reset()
     assert get_config() == Config(
         cap_workspace=64 << 20, algo_search="exhaustive", backend="cpu", debug=True, allocator="torch",
-        cudnn_api="graph", plan_cache_size=64, search_cache_max_size=3 << 29,
+        cudnn_api="graph", plan_cache_size=64, search_cache_max_size=3 << 29, cache_dir=Path("/srv/wsarena-Cache"),
     )
     monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", " None ")
     wsarena._config._reset()
@@ -102,7 +111,8 @@ def test_debug_variable_takes_the_usual_words_for_on_and_off(monkeypatch, value,
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_environment_variable_means_the_default(monkeypatch, value):
     for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_DEBUG",
-                "WSARENA_ALLOCATOR", "WSARENA_CUDNN_API", "WSARENA_PLAN_CACHE_SIZE", "WSARENA_SEARCH_CACHE_MAX_SIZE"):
+                "WSARENA_ALLOCATOR", "WSARENA_CUDNN_API", "WSARENA_PLAN_CACHE_SIZE", "WSARENA_SEARCH_CACHE_MAX_SIZE",
+                "WSARENA_CACHE_DIR"):
         monkeypatch.setenv(var, value)
     wsarena._config._reset()
     assert get_config() == Config()
@@ -245,3 +255,60 @@ def test_config_block_is_local_to_its_thread():
 def test_config_is_frozen():
     with pytest.raises(AttributeError):
         get_config().cap_workspace = 1
+
+
+# ------------------------------------------------------------------------------------ the search cache's folder
+
+
+def test_the_cache_dir_default_is_the_user_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    wsarena._config._reset()
+    assert get_config().cache_dir == tmp_path / "xdg" / "wsarena"
+    monkeypatch.setattr(wsarena._config, "platformdirs", None)  # what an install without it has: the XDG rule
+    assert Config().cache_dir == tmp_path / "xdg" / "wsarena"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert Config().cache_dir == Path.home() / ".cache" / "wsarena"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("off", None), (" OFF ", None), (None, None), ("~/wsarena-cache", Path.home() / "wsarena-cache"),
+     ("/srv/cache", Path("/srv/cache")), (Path("/srv/cache"), Path("/srv/cache")),
+     ("relative/cache", Path.cwd() / "relative" / "cache")],
+)
+def test_cache_dir_by_configure_config_and_the_environment(monkeypatch, value, expected):
+    assert configure(cache_dir=value).cache_dir == expected
+    wsarena._config._reset()
+    with config(cache_dir=value) as c:
+        assert c.cache_dir == expected == wsarena.searchcache.cache_dir()
+    if isinstance(value, str):
+        monkeypatch.setenv("WSARENA_CACHE_DIR", value)
+        wsarena._config._reset()
+        assert get_config().cache_dir == expected == wsarena.searchcache.cache_dir()
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / "env"))
+    wsarena._config._reset()
+    assert wsarena.searchcache.cache_dir() == tmp_path / "env"
+    configure(cache_dir=tmp_path / "configured")
+    assert wsarena.searchcache.cache_dir() == tmp_path / "configured"
+    with config(cache_dir="off"):
+        assert wsarena.searchcache.cache_dir() is None
+    assert wsarena.searchcache.cache_dir() == tmp_path / "configured"
+    configure(cache_dir="")  # an empty one is the default, as an empty variable is
+    assert get_config().cache_dir == Config().cache_dir
+
+
+def test_a_relative_cache_dir_does_not_move_with_the_working_directory(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    configure(cache_dir="cache")
+    monkeypatch.chdir(tmp_path.parent)
+    assert wsarena.searchcache.cache_dir() == tmp_path / "cache"
+
+
+@pytest.mark.parametrize(("value", "error"), [(3, TypeError), (b"/tmp/x", TypeError), ("a\0b", ValueError)])
+def test_a_bad_cache_dir_is_refused_and_changes_nothing(value, error):
+    with pytest.raises(error, match="cache_dir"):
+        configure(cache_dir=value)
+    assert get_config() == Config()

@@ -115,7 +115,8 @@ def test_the_report_totals_say_what_they_leave_out(capsys, tmp_path):
     rows = list(csv.DictReader(io.StringIO(report(capsys, path, "--format", "csv"))))
     assert [row["name"] for row in rows] == ["enc1", "dec"]
     assert {k: v for k, v in rows[1].items() if v} == {"name": "dec", "fwd_algo": "skipped", "bwd_data_algo": "skipped",
-                                                        "bwd_filter_algo": "skipped"}
+                                                        "bwd_filter_algo": "skipped", "skipped_reason": WHY}
+    assert rows[0]["skipped_reason"] == "" and list(rows[0])[-1] == "skipped_reason"  # a column added at the end
 
 
 def tune(capsys, *argv):
@@ -135,7 +136,8 @@ def test_tune_says_what_its_curve_leaves_out(capsys, tmp_path):
     points, skipped = rows[: len(d["curve"])], rows[len(d["curve"]):]
     assert [(r["cap_workspace_bytes"], r["skipped_layer"]) for r in points] == [
         ("" if p["cap_workspace_bytes"] is None else str(p["cap_workspace_bytes"]), "") for p in d["curve"]]
-    assert [{k: v for k, v in r.items() if v} for r in skipped] == [{"skipped_layer": "dec"}]
+    assert [{k: v for k, v in r.items() if v} for r in skipped] == [{"skipped_layer": "dec", "skipped_reason": WHY}]
+    assert all(r["skipped_reason"] == "" for r in points)
 
 
 def test_a_report_without_skipped_layers_has_an_empty_list(capsys, tmp_path):

@@ -53,26 +53,26 @@ def entry_files(folder):
 
 
 def test_directory_rule(monkeypatch, tmp_path):
-    monkeypatch.delenv("WSARENA_CACHE_DIR")
+    def folder(value):
+        monkeypatch.setenv("WSARENA_CACHE_DIR", value)
+        wsarena._config._reset()  # the variable is read once, as every WSARENA_* variable is
+        return searchcache.cache_dir()
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert searchcache.cache_dir() == tmp_path / "xdg" / "wsarena"  # the XDG rule, through platformdirs
+    assert folder("") == tmp_path / "xdg" / "wsarena"  # empty means the default, as for every WSARENA_* variable
     for off in ("off", "OFF", " Off "):
-        monkeypatch.setenv("WSARENA_CACHE_DIR", off)
-        assert searchcache.cache_dir() is None
-    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / "mine"))
-    assert searchcache.cache_dir() == tmp_path / "mine"
-    monkeypatch.setenv("WSARENA_CACHE_DIR", "~/wsarena-cache")
-    assert searchcache.cache_dir() == Path.home() / "wsarena-cache"
-    monkeypatch.setenv("WSARENA_CACHE_DIR", "")  # empty means the default, as for every WSARENA_* variable
-    assert searchcache.cache_dir() == tmp_path / "xdg" / "wsarena"
+        assert folder(off) is None
+    assert folder(str(tmp_path / "mine")) == tmp_path / "mine"
+    assert folder("~/wsarena-cache") == Path.home() / "wsarena-cache"
 
 
 def test_directory_rule_without_platformdirs(monkeypatch, tmp_path):
     monkeypatch.delenv("WSARENA_CACHE_DIR")
-    monkeypatch.setattr(searchcache, "platformdirs", None)  # what an install without it has
+    monkeypatch.setattr(wsarena._config, "platformdirs", None)  # what an install without it has
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert searchcache.cache_dir() == tmp_path / "xdg" / "wsarena"
     monkeypatch.delenv("XDG_CACHE_HOME")
+    wsarena._config._reset()
     assert searchcache.cache_dir() == Path.home() / ".cache" / "wsarena"
 
 
@@ -289,13 +289,16 @@ def test_info_and_clear(cache):
     search(backend, "bwd_data")
     search(TableBackend(TABLE, device="fake device 2"))
     (cache / "notes.txt").write_text("a file of the user's")
-    (cache / "search" / ".tmp-left-by-a-killed-writer.json").write_text("{")
+    killed = cache / "search" / ".tmp-left-by-a-killed-writer.json"
+    killed.write_text("{")
+    os.utime(killed, (time.time() - 7200, time.time() - 7200))
     info = searchcache.info()
     assert info["directory"] == str(cache) and info["enabled"] and info["entries"] == 3
-    assert info["size_bytes"] == sum(p.stat().st_size for p in entry_files(cache))
+    assert info["size_bytes"] == entries_size(cache)
     assert [(e["device"], e["entries"]) for e in info["environments"]] == [("fake device 1", 2), ("fake device 2", 1)]
+    killed_size = on_disk(killed)
     cleared = searchcache.clear()
-    assert cleared["removed"] == 3 and cleared["freed_bytes"] == info["size_bytes"] + 1
+    assert cleared["removed"] == 3 and cleared["freed_bytes"] == info["size_bytes"] + killed_size
     assert entry_files(cache) == [] and (cache / "notes.txt").exists()
     assert list((cache / "search").iterdir()) == []
 
@@ -395,15 +398,22 @@ def files_by_channels(folder):
     return {json.loads(p.read_text())["key"]["geometry"]["out_channels"]: p for p in entry_files(folder)}
 
 
+def on_disk(path):
+    """The disk space a file takes, as the limit counts it, worked out here from st_blocks and st_size."""
+    st = path.stat()
+    return max(st.st_blocks * 512, st.st_size)
+
+
 def entries_size(folder):
-    return sum(p.stat().st_size for p in entry_files(folder))
+    return sum(on_disk(p) for p in entry_files(folder))
 
 
 @pytest.fixture
 def limit(monkeypatch):
-    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "16KiB")
+    """A limit of some thirty entries: each takes a 4 KiB block on the usual file systems."""
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "128KiB")
     wsarena._config._reset()
-    return 16 << 10
+    return 128 << 10
 
 
 def test_the_size_limit_holds_after_every_write_and_the_least_recently_used_go(cache, limit):
@@ -418,7 +428,7 @@ def test_the_size_limit_holds_after_every_write_and_the_least_recently_used_go(c
     gone = set(written) - kept
     assert gone and kept
     assert min(written[k] for k in kept) >= max(written[k] for k in gone)  # the least recently used went first
-    biggest = max(p.stat().st_size for p in entry_files(cache))
+    biggest = max(on_disk(p) for p in entry_files(cache))
     assert entries_size(cache) >= 0.9 * limit - 10 * biggest  # a trim stops near 90 %: it does not empty the cache
 
 
@@ -479,7 +489,7 @@ def test_a_cache_that_cannot_be_trimmed_gives_one_warning_and_goes_on(cache, lim
         for k in range(1, 201):
             put(k)
     assert [w.category for w in caught] == [SearchCacheWarning]
-    assert re.search("cannot trim the search cache .* to 16 KiB: .*Permission denied", str(caught[0].message))
+    assert re.search("cannot trim the search cache .* to 128 KiB: .*Permission denied", str(caught[0].message))
     assert all(held(k) for k in range(1, 201))  # nothing could be removed; every entry still serves
 
 
@@ -492,7 +502,7 @@ def test_processes_writing_at_once_under_the_limit_leave_a_readable_cache(cache,
         assert proc.returncode == 0 and not err, err  # no warning: nothing unreadable, nothing untrimmable
     assert not [p for p in (cache / "search").iterdir() if p.name.startswith(".tmp-")]
     files = entry_files(cache)
-    biggest = max(p.stat().st_size for p in files)
+    biggest = max(on_disk(p) for p in files)
     # each process counts what it writes itself; the others' writes since its last listing can pass the limit
     assert entries_size(cache) <= limit + len(procs) * (limit // 10 + biggest)
     for path in files:
@@ -507,3 +517,72 @@ def test_processes_writing_at_once_under_the_limit_leave_a_readable_cache(cache,
         warnings.simplefilter("error")
         put(1000)  # this process's first write lists the folder and trims it
     assert entries_size(cache) <= limit
+
+
+def test_info_keeps_a_null_api_path_and_counts_any_foreign_file_as_unreadable(cache):
+    from wsarena._tune_cli import cache_output
+
+    search(CpuBackend())  # the CPU has no cuDNN API path: null in the key
+    (cache / "search" / "foreign.json").write_text('{"key": {"environment": ["not", "a", "dict"]}}')
+    info = searchcache.info()
+    assert [(e["backend"], e["api"], e["entries"]) for e in info["environments"]] == [("cpu", None, 1)]
+    assert info["unreadable"] == 1
+    text = cache_output("info", "text")
+    assert "None" not in text and re.search(r"\(wsarena [^,)]+\)$", text.splitlines()[-1])
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_entries_take_the_permissions_the_umask_leaves(cache, umask):
+    """As any file the user writes: a cache folder shared with others (a team's, another installation's) can be
+    read by them when the umask lets it, which private temporary files (mode 0600) renamed into place would not."""
+    old = os.umask(umask)
+    try:
+        put(1)
+    finally:
+        os.umask(old)
+    (path,) = entry_files(cache)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_clear_spares_a_write_in_progress(cache):
+    """Another process's temporary file, not yet renamed into place: clearing it would cost that process its entry
+    (and a warning that it cannot save)."""
+    put(1)
+    fd, tmp = searchcache._temporary(cache / "search")  # a writer midway
+    with os.fdopen(fd, "wb") as f:
+        f.write(b"{}")
+    assert searchcache.clear()["removed"] == 1
+    os.replace(tmp, cache / "search" / "entry.json")  # the writer finishes
+
+
+def test_many_bad_files_give_one_warning(cache):
+    """A crash or a full disk can spoil every entry: the job that replaces them says so once, not once a file."""
+    backend = TableBackend(TABLE)
+    search(backend)
+    search(backend, "bwd_data")
+    for path in entry_files(cache):
+        path.write_text(path.read_text()[:100])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        search(backend)
+        search(backend, "bwd_data")
+    assert [w.category for w in caught] == [SearchCacheWarning] and "without another warning" in str(caught[0].message)
+    assert len(backend.measured) == 4  # both searched again, and replaced
+    assert all(json.loads(p.read_text())["format"] == "wsarena-search-cache" for p in entry_files(cache))
+
+
+def test_the_limit_counts_the_disk_space_an_entry_takes(cache, monkeypatch):
+    """An entry of a kilobyte or so takes a whole block: counted by their sizes alone, entries could take two or
+    three times the limit on disk."""
+    put(1)
+    (path,) = entry_files(cache)
+    block = path.stat().st_blocks * 512
+    if block <= path.stat().st_size:
+        pytest.skip(f"this file system stores a {path.stat().st_size}-byte file in {block} bytes")
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", str(10 * block))
+    wsarena._config._reset()
+    for k in range(2, 60):
+        put(k)
+        assert sum(p.stat().st_blocks * 512 for p in entry_files(cache)) <= 10 * block, k
+    assert 5 <= len(entry_files(cache)) <= 10
+    assert searchcache.info()["size_bytes"] == len(entry_files(cache)) * block

@@ -104,6 +104,9 @@ def test_the_recommended_cap_reproduces_the_plan(fake):
     assert recommended.to_dict()["max_slowdown"] == 0.06
     for point in t.curve:  # and at every other point: its step time is the plan's, its arena the plan's
         p = t.plan(point.cap_workspace_bytes)
+        # only the recommended cap was chosen by max_slowdown: no other plan claims it
+        assert p.max_slowdown == (0.06 if point.cap_workspace_bytes == 4000 else None)
+        assert ("max_slowdown" in p.to_dict()) == (point.cap_workspace_bytes == 4000)
         step = math.fsum(c.time_ms for lp in p.layers for c in lp.choices.values()) / 1e3
         assert step == pytest.approx(point.step_seconds) and p.arena_bytes == point.arena_bytes
 
@@ -223,3 +226,39 @@ def test_tuning_on_cudnn_and_its_cache(tmp_path, monkeypatch):
                         search="exhaustive").layers == t.plan().layers
     algos.cache_clear()
     assert tune(layers, batch=8, backend="cudnn", max_slowdown=0.05).curve == t.curve
+
+
+def test_a_cap_and_a_slowdown_are_taken_as_the_rest_of_wsarena_takes_them(fake):
+    """NumPy numbers and size strings, as plan(cap_workspace=...) and configure() take them."""
+    np = pytest.importorskip("numpy")
+    t = run(max_slowdown=np.float32(0.06))
+    assert t.max_slowdown == pytest.approx(0.06) and type(t.max_slowdown) is float
+    assert t.recommended_cap_bytes == 4000
+    assert t.plan(np.int64(4000)) == t.plan(4000) == t.plan("4000") == t.plan(" 4000 B")
+    assert t.plan("none") == t.plan(None)
+    assert wsarena.plan(LAYERS, batch=2, passes=PASSES, backend="cpu", model="toy",
+                        max_slowdown=np.float64(0.06)).cap_workspace == 4000
+    for bad, error in (("lots", ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="cap"):
+            t.plan(bad)
+    for bad, error in ((np.bool_(True), TypeError), (10**400, ValueError), (np.float64("nan"), ValueError)):
+        with pytest.raises(error, match="max_slowdown"):
+            run(max_slowdown=bad)
+
+
+def test_a_curve_of_one_cap_plots_without_a_warning(monkeypatch, tmp_path):
+    """Every call's fastest algorithm needs no workspace: the curve is cap 0 and no cap."""
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    from wsarena.plot import plot_curve
+
+    table = {key: [("implicit", 0, 1.0), ("gemm", 1000, 2.0)] for key in TABLE}
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))
+    algos.cache_clear()
+    t = run()
+    assert [p.cap_workspace_bytes for p in t.curve] == [0, None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_curve(t, str(tmp_path / "curve.png"))
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"

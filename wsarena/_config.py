@@ -1,5 +1,5 @@
-"""Process-wide settings: the workspace cap, the algorithm search, the backend, the cuDNN API path, debug checks and
-the search cache's size.
+"""Process-wide settings: the workspace cap, the algorithm search, the backend, the cuDNN API path, debug checks, and
+the search cache's folder and size.
 
 Precedence, lowest first: built-in defaults, environment variables (read once, on first use; an empty one
 means the default), :func:`configure`, and the innermost :func:`config` block of the current thread or task.
@@ -16,7 +16,13 @@ import contextvars
 import dataclasses
 import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
+
+try:  # imported with wsarena, not on first use (see wsarena/__init__.py)
+    import platformdirs
+except ImportError:  # an install made without dependencies
+    platformdirs = None  # type: ignore[assignment]
 
 from . import _forksafe
 from ._sizes import parse_size
@@ -40,11 +46,40 @@ _ENV = {
     "debug": "WSARENA_DEBUG",
     "allocator": "WSARENA_ALLOCATOR",
     "search_cache_max_size": "WSARENA_SEARCH_CACHE_MAX_SIZE",
+    "cache_dir": "WSARENA_CACHE_DIR",
 }
 # Settings given in bytes: an int or a size string ("256MiB"), or None ("none").
 _SIZES = ("cap_workspace", "search_cache_max_size")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+def default_cache_dir() -> Path:
+    """The user's cache folder for wsarena: ``platformdirs.user_cache_dir("wsarena")``, which on Linux is
+    ``$XDG_CACHE_HOME/wsarena`` or ``~/.cache/wsarena``."""
+    if platformdirs is None:  # an install made without dependencies: the XDG rule, which platformdirs follows on Linux
+        return Path(os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache") / "wsarena"
+    return Path(platformdirs.user_cache_dir("wsarena", appauthor=False))
+
+
+def _cache_path(value: Any) -> Path | None:
+    """A ``cache_dir`` value as the setting holds it: an absolute folder (``~`` expanded; an empty string is the
+    user's cache folder), or ``None`` for ``None`` and ``"off"``."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() == "off":
+        return None
+    if isinstance(value, str) and not value.strip():
+        return default_cache_dir()
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"cache_dir must be a folder (a str or a path), 'off' or None, not {value!r}")
+    text = os.fspath(value)
+    if not isinstance(text, str):
+        raise TypeError(f"cache_dir must be a folder (a str or a path), 'off' or None, not {value!r}")
+    if "\0" in text:
+        raise ValueError(f"cache_dir {value!r} holds a NUL character")
+    # absolute now, so that a later os.chdir() does not move the cache
+    return Path(os.path.abspath(os.path.expanduser(text)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +109,10 @@ class Config:
     search_cache_max_size : int or None
         Largest total size, in bytes, of the persistent search cache's entries (:mod:`wsarena.searchcache`); the
         least recently used go first when a write takes it over. ``None`` for no limit.
+    cache_dir : Path or None
+        The persistent search cache's folder; ``None`` when the cache is off. Given as a str or a path (``~``
+        expanded, made absolute when set), ``"off"`` or ``None``; default the user's cache folder
+        (:func:`default_cache_dir`).
     """
 
     cap_workspace: int | None = None
@@ -84,8 +123,10 @@ class Config:
     debug: bool = False
     allocator: str = "auto"
     search_cache_max_size: int | None = 64 << 20
+    cache_dir: Path | None = dataclasses.field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "cache_dir", _cache_path(self.cache_dir))
         for key in _SIZES:
             if getattr(self, key) is not None:
                 object.__setattr__(self, key, _named_size(key, getattr(self, key)))
@@ -142,6 +183,8 @@ def _env_value(key: str, raw: str) -> Any:
         if low not in _TRUE | _FALSE:
             raise ValueError(f"expected 1, true, yes or on, or 0, false, no or off, not {raw!r}")
         return low in _TRUE
+    if key == "cache_dir":
+        return raw.strip()  # a path keeps its case
     return raw.strip().lower()
 
 
@@ -226,7 +269,7 @@ def configure(**changes: Any) -> Config:
 
     Keywords: ``cap_workspace`` (bytes, a size string such as ``"256MiB"``, or ``None``), ``algo_search``,
     ``backend``, ``cudnn_api``, ``plan_cache_size``, ``debug``, ``allocator``, ``search_cache_max_size`` (bytes,
-    a size string or ``None``). Invalid values raise and change nothing; so does an invalid environment variable
+    a size string or ``None``), ``cache_dir`` (a folder, ``"off"`` or ``None``). Invalid values raise and change nothing; so does an invalid environment variable
     for a setting that ``changes`` leaves to it.
     """
     global _state

@@ -52,6 +52,8 @@ def skipped_note(skipped: Sequence[tuple[str, str]], what: str, limit: int = 5) 
 def render_table(p: Any) -> str:
     """The report a person reads: a header, one row per layer, and the totals."""
     cap = "none" if p.cap_workspace is None else format_size(p.cap_workspace)
+    if getattr(p, "max_slowdown", None) is not None:  # --max-slowdown chose it: say so, and from what
+        cap += f" (the smallest within a {p.max_slowdown * 100:g}% slowdown)"
     lines = [
         f"wsarena {__version__} workspace report: {printable(p.model)}",
         (
@@ -116,12 +118,13 @@ def _saving(p: Any) -> tuple[str, str]:
 
 def write_csv(p: Any, out: TextIO) -> None:
     """One row per layer; then one per convolution the loader left out (``--skip-unknown``): its name, empty
-    shapes and workspaces, and ``skipped`` as each pass's algorithm, so that the rows show what the figures lack."""
+    shapes and workspaces, ``skipped`` as each pass's algorithm and, in the last column, ``skipped_reason`` (empty
+    on the layers' rows), as the JSON's ``skipped_layers`` gives it, so that the rows show what the figures lack."""
     writer = csv.writer(out, lineterminator="\n")
     head = ["name", "input_shape", "weight_shape", "stride", "padding", "dilation", "groups", "transposed"]
     for pass_ in p.passes:
         head += [f"{pass_}_algo", f"{pass_}_workspace_bytes"]
-    writer.writerow(head)
+    writer.writerow([*head, "skipped_reason"])
     for lp in p.layers:
         g = lp.geometry
         shapes = (g.input_shape, g.weight_shape, g.stride, g.padding, g.dilation)
@@ -129,6 +132,6 @@ def write_csv(p: Any, out: TextIO) -> None:
         row += [g.groups, "true" if lp.transposed else "false"]
         for pass_ in p.passes:
             row += [lp.choices[pass_].algo, lp.choices[pass_].workspace_bytes]
-        writer.writerow(row)
-    for name, _ in p.skipped:
-        writer.writerow([name, "", "", "", "", "", "", ""] + ["skipped", ""] * len(p.passes))
+        writer.writerow([*row, ""])
+    for name, why in p.skipped:
+        writer.writerow([name, "", "", "", "", "", "", ""] + ["skipped", ""] * len(p.passes) + [why])

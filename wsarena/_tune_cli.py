@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 from typing import Any
 
 from . import __version__
@@ -17,18 +18,32 @@ from ._sizes import format_size
 __all__ = ["cache_output", "max_slowdown_arg", "render_curve", "tune_output"]
 
 
+# A decimal number (ASCII digits, an optional exponent) and an optional percent sign: not "inf", "nan", "1_0" or "0x1"
+_SLOWDOWN = re.compile(r"\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*(%?)\s*")
+
+
 def max_slowdown_arg(text: str) -> float:
-    """``--max-slowdown``: a percentage (``2%``) or a fraction (``0.02``)."""
-    raw = text.strip()
-    percent = raw.endswith("%")
-    try:
-        value = float(raw[:-1] if percent else raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentage (2%) or a fraction (0.02), not {text!r}") from None
+    """``--max-slowdown``: a percentage (``2%``) or a fraction below 1 (``0.02``).
+
+    A number of 1 or more without ``%`` is refused rather than read as a fraction: ``--max-slowdown 5`` would
+    otherwise allow a step five times slower (500 %) where 5 % was surely meant. ``500%`` says it plainly.
+    """
+    match = _SLOWDOWN.fullmatch(text)
+    if match is None and _SLOWDOWN.fullmatch(text.strip().removeprefix("-")):
+        raise argparse.ArgumentTypeError(f"a slowdown cannot be negative: {text!r}")
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a percentage (2%) or a fraction (0.02), not {text!r}")
+    number, percent = match.groups()
+    value = float(number)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite slowdown (2% or 0.02), not {text!r}")
     if percent:
-        value /= 100
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite slowdown >= 0 (2% or 0.02), not {text!r}")
+        return value / 100
+    if value >= 1:
+        raise argparse.ArgumentTypeError(
+            f"{text.strip()!r} is read as a fraction, a slowdown of {value:.0%}: write {value:g}% for {value:g} "
+            f"percent, or {value:.0%} if you mean it"
+        )
     return value
 
 
@@ -91,16 +106,18 @@ def render_curve(t: Any) -> str:
 
 def _curve_csv(t: Any) -> str:
     """One row per point; then, as ``report``'s CSV does, one per conv layer the loader left out: its name in
-    ``skipped_layer`` (empty on the points) and every figure empty, so that the rows show what the curve lacks."""
+    ``skipped_layer`` and why in ``skipped_reason`` (both empty on the points), and every figure empty, so that the
+    rows show what the curve lacks."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended", "skipped_layer"])
+    writer.writerow(["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended", "skipped_layer",
+                     "skipped_reason"])
     for q in t.curve:
         cap = "" if q.cap_workspace_bytes is None else q.cap_workspace_bytes
         recommended = "true" if q.cap_workspace_bytes == t.recommended_cap_bytes else "false"
-        writer.writerow([cap, q.arena_bytes, repr(q.step_seconds), repr(q.slowdown), recommended, ""])
-    for name, _ in t.uncapped.skipped:
-        writer.writerow(["", "", "", "", "", name])
+        writer.writerow([cap, q.arena_bytes, repr(q.step_seconds), repr(q.slowdown), recommended, "", ""])
+    for name, why in t.uncapped.skipped:
+        writer.writerow(["", "", "", "", "", name, why])
     return out.getvalue()
 
 

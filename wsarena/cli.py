@@ -143,8 +143,8 @@ def _parser() -> _Parser:
     )
     report.add_argument(
         "--max-slowdown", type=max_slowdown_arg, default=None, metavar="PCT",
-        help="pick the cap instead: the smallest whose step is at most this much slower than uncapped (2%%, 0.02); "
-        "times every algorithm",
+        help="pick the cap instead: the smallest whose step is at most this much slower than uncapped (2%%, or "
+        "0.02: without %%, a fraction below 1); times every algorithm",
     )
     report.add_argument("--device-properties", type=_file_name, metavar="FILE", help="plan for the GPU whose "
                         "cuDNN device properties (JSON) FILE holds, without one (cuDNN's graph API)")
@@ -158,14 +158,16 @@ def _parser() -> _Parser:
     _model_flags(tune)
     tune.add_argument(
         "--max-slowdown", type=max_slowdown_arg, default=0.02, metavar="PCT",
-        help="the slowdown against no cap the recommended cap may cost (default 2%%; 0.02 is the same)",
+        help="the slowdown against no cap the recommended cap may cost (default 2%%; 0.02 is the same: without "
+        "%%, a fraction below 1)",
     )
     tune.add_argument("--format", choices=("table", "json", "csv"), default=None, help="default: table")
     tune.add_argument("--plot", type=_file_name, metavar="FILE.png", help="draw the curve (needs wsarena[plot])")
     tune.add_argument("--apply", action="store_true", help="print only WSARENA_CAP_WORKSPACE=<recommended cap>")
 
     cache = sub.add_parser("cache", help="the persistent search cache: its entries, or empty it")
-    cache.add_argument("action", choices=("info", "clear"))
+    cache.add_argument("action", choices=("info", "clear"), help="info: the folder (WSARENA_CACHE_DIR, else the user "
+                       "cache folder), its entries, their size on disk and its limit; clear: remove the entries")
     cache.add_argument("--format", choices=("text", "json"), default="text")
 
     info = sub.add_parser("info", help="versions, library paths, devices, and the backend 'auto' picks")
@@ -235,6 +237,14 @@ def _drop_stdout() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
+def _check_plot(path: str | None) -> None:
+    """With ``--plot``, fail now if matplotlib is missing, not after a search that may have taken minutes."""
+    if path is not None:
+        from .plot import _pyplot
+
+        _pyplot()
+
+
 @contextlib.contextmanager
 def _plot_file(path: str) -> Iterator[None]:
     """Around writing the ``--plot`` file: a failure to write it (a folder, a full disk) is :class:`OutputError`."""
@@ -257,6 +267,19 @@ def _output() -> Iterator[None]:
         raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
 
 
+@contextlib.contextmanager
+def _progress_bar() -> Iterator[Any]:
+    """The progress bar on stderr (when it is a terminal), wiped if the work stops midway, so that the error or
+    ``wsarena: interrupted`` that follows starts a line of its own."""
+    from .planner import text_progress
+
+    bar = text_progress()
+    try:
+        yield bar
+    finally:
+        bar.clear()
+
+
 def _load(args: argparse.Namespace) -> Any:
     from .models import load_model
 
@@ -267,18 +290,19 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .planner import plan, text_progress
+    from .planner import plan
 
     if args.max_slowdown is not None:
         if args.cap_workspace is not _FROM_CONFIG:
             raise UsageError("give --cap-workspace or --max-slowdown, not both: --max-slowdown picks the cap")
         if args.search == "heuristic":
             raise UsageError("--max-slowdown times every algorithm: it needs --search exhaustive (or no --search)")
+    _check_plot(args.plot)
     layers = _load(args)
     given = _given(algo_search=args.search, backend=args.backend, cap_workspace=args.cap_workspace,
                    cudnn_api=args.cudnn_api)
-    with config(**given) as cfg:  # flags override the environment, which then matters only for the rest
-        exhaustive = cfg.algo_search == "exhaustive" or args.max_slowdown is not None
+    with config(**given) as cfg, _progress_bar() as bar:  # flags override the environment, which then matters
+        exhaustive = cfg.algo_search == "exhaustive" or args.max_slowdown is not None  # only for the rest
         p = plan(
             layers,
             batch=args.batch,
@@ -287,7 +311,7 @@ def _report(args: argparse.Namespace) -> int:
             passes=args.passes,
             streams=args.streams,
             model=args.model,
-            progress=text_progress() if exhaustive else None,
+            progress=bar if exhaustive else None,
             max_slowdown=args.max_slowdown,
             device_properties=args.device_properties,
         )
@@ -308,15 +332,15 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from .planner import text_progress
     from .tuning import tune
 
     if args.apply and args.format is not None:
         raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=...; leave out --format")
+    _check_plot(args.plot)
     layers = _load(args)
-    with config(**_given(cudnn_api=args.cudnn_api)):
+    with config(**_given(cudnn_api=args.cudnn_api)), _progress_bar() as bar:
         t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes, streams=args.streams,
-                 backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=text_progress())
+                 backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=bar)
     if args.plot is not None:
         from .plot import plot_curve
 
@@ -328,8 +352,14 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> int:
+    try:
+        text = cache_output(args.action, args.format)
+    except OSError as exc:  # the folder, not the command, is at fault: a file in its place, or no permission
+        print(f"wsarena: error: cannot {'read' if args.action == 'info' else 'clear'} the search cache: {exc}",
+              file=sys.stderr)
+        return EXIT_ENVIRONMENT
     with _output():
-        sys.stdout.write(cache_output(args.action, args.format))
+        sys.stdout.write(text)
     return EXIT_OK
 
 

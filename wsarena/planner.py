@@ -334,19 +334,44 @@ def _operands(backend: Any, pass_: str, geom: ConvGeometry) -> tuple[Any, Any, A
     return a, b, out
 
 
-def text_progress(stream: Any = None) -> Callable[[int, int, str], None]:
+class ProgressBar:
+    """A progress bar drawn in place on a terminal: call it as ``progress(done, total, layer_name)``. It wipes
+    itself when the last layer is done; :meth:`clear` wipes it sooner, when the work stops midway (an error,
+    Ctrl-C), so that what is printed next starts a line of its own."""
+
+    __slots__ = ("out", "shown")
+
+    def __init__(self, out: Any) -> None:
+        self.out = out  # None: not a terminal, nothing is drawn
+        self.shown = False  # a bar is on the line now
+
+    _WIDTH = 30
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        if self.out is None:
+            return
+        filled = self._WIDTH * done // max(total, 1)
+        shown = name if name.isprintable() else repr(name)[1:-1]  # a newline would break the bar
+        self.out.write(f"\r[{'#' * filled}{'.' * (self._WIDTH - filled)}] {done}/{total} {shown[:40]:<40}")
+        self.shown = True
+        if done == total:
+            self.clear()
+        else:
+            self.out.flush()
+
+    def clear(self) -> None:
+        """Wipe the bar if one is drawn (nothing otherwise)."""
+        if not self.shown:
+            return
+        self.shown = False
+        try:
+            self.out.write("\r" + " " * (self._WIDTH + 55) + "\r")
+            self.out.flush()
+        except (OSError, ValueError):  # a terminal gone (closed, hung up): nothing left to wipe
+            pass
+
+
+def text_progress(stream: Any = None) -> ProgressBar:
     """A progress bar on ``stream`` (default stderr), drawn in place; nothing when it is not a terminal."""
     out = sys.stderr if stream is None else stream
-    if not getattr(out, "isatty", lambda: False)():
-        return lambda done, total, name: None
-
-    def show(done: int, total: int, name: str) -> None:
-        width = 30
-        filled = width * done // max(total, 1)
-        shown = name if name.isprintable() else repr(name)[1:-1]  # a newline would break the bar
-        out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {shown[:40]:<40}")
-        if done == total:
-            out.write("\r" + " " * (width + 55) + "\r")
-        out.flush()
-
-    return show
+    return ProgressBar(out if getattr(out, "isatty", lambda: False)() else None)

@@ -86,7 +86,9 @@ def plot_curve(t: Any, path: str) -> None:
     p = t.uncapped
     ax.set_title(f"{p.model}: batch {p.batch}, {p.dtype}, {p.backend} ({p.device}), {'+'.join(p.passes)}",
                  fontsize=9)
-    ax.set_xlim(left=0, right=max(q.cap_workspace_bytes for q in finite) / mib * 1.5)
+    # at least the linear part: a curve whose only cap is 0 (every call has a zero-workspace algorithm that is
+    # fastest) would otherwise have an empty axis, which matplotlib warns about
+    ax.set_xlim(left=0, right=max(max(q.cap_workspace_bytes for q in finite) / mib * 1.5, linthresh))
     ax.set_xticks([x for x in ax.get_xticks() if x == 0 or x >= linthresh])
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8, loc="lower left")

@@ -4,8 +4,9 @@ An exhaustive search times every candidate algorithm of a call; this cache keeps
 workspace on disk, so that a restarted job (and ``wsarena tune``, and :func:`wsarena.plan`) searches nothing it
 searched before. The ops, the planner and ``tune`` all reach it through :func:`wsarena.algos.select`.
 
-Where: ``WSARENA_CACHE_DIR`` when set (``off`` turns the cache off), else the user's cache folder
-(``platformdirs.user_cache_dir("wsarena")``: ``$XDG_CACHE_HOME/wsarena`` or ``~/.cache/wsarena`` on Linux).
+Where: the ``cache_dir`` setting (``configure(cache_dir=...)``, ``config(cache_dir=...)``, ``WSARENA_CACHE_DIR``;
+``off`` or ``None`` turns the cache off), by default the user's cache folder (``platformdirs.user_cache_dir("wsarena")``:
+``$XDG_CACHE_HOME/wsarena`` or ``~/.cache/wsarena`` on Linux).
 Entries are files under its ``search/`` folder, one per call, named by a hash of their key. A key is the
 environment (:func:`wsarena._search_env.environment`: device and compute capability, driver and cuDNN versions,
 on the CPU the processor, NumPy and its BLAS; wsarena's version; the API path) and the call: the pass and the
@@ -14,12 +15,13 @@ does not match is recognised.
 
 Safety: a file is written whole to a temporary name and renamed over the entry, so a reader sees the old entry
 or the new one, never part of one, and processes writing at once lose no entry (each call is its own file; two
-writers of the same call both write complete results). A truncated, corrupt or foreign file is ignored with one
-:class:`~wsarena.errors.SearchCacheWarning` and replaced; a directory that cannot be written gives one warning
+writers of the same call both write complete results). A truncated, corrupt or foreign file is ignored and replaced,
+with one :class:`~wsarena.errors.SearchCacheWarning` for the first such file of the folder; a directory that cannot be written gives one warning
 and the process goes on without saving.
 
-Size: the entries' total size stays within the ``search_cache_max_size`` setting (``WSARENA_SEARCH_CACHE_MAX_SIZE``,
-default 64 MiB). A write that takes the folder over it removes the least recently used entries, down to 90 % of
+Size: the disk space the entries take stays within the ``search_cache_max_size`` setting
+(``WSARENA_SEARCH_CACHE_MAX_SIZE``, default 64 MiB): each file counts the blocks it occupies, or its size where that
+is larger (:func:`_disk_size`). A write that takes the folder over it removes the least recently used entries, down to 90 % of
 it, so that the next trim is a tenth of the limit away. "Used" is the file's modification time: a write sets it,
 and a read sets it when it is more than an hour old (as Go's build cache does), so that a lookup costs no write.
 Entries of other wsarena versions, drivers or devices are not removed first: another installation may share the
@@ -38,16 +40,11 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-
-try:  # imported with wsarena, not on first use (see wsarena/__init__.py)
-    import platformdirs
-except ImportError:  # an install made without dependencies
-    platformdirs = None  # type: ignore[assignment]
 
 from . import _callsite, _forksafe
 from ._config import get_config
@@ -78,15 +75,8 @@ _size_lock = _forksafe.lock()  # guards _known_size (the listing itself runs wit
 
 
 def cache_dir() -> Path | None:
-    """The cache directory in force now, or ``None`` when ``WSARENA_CACHE_DIR=off``."""
-    raw = os.environ.get(ENV_VAR, "").strip()
-    if raw.lower() == "off":
-        return None
-    if raw:
-        return Path(raw).expanduser()
-    if platformdirs is None:  # an install made without dependencies: the XDG rule, which platformdirs follows on Linux
-        return Path(os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache") / "wsarena"
-    return Path(platformdirs.user_cache_dir("wsarena", appauthor=False))
+    """The cache directory in force now (the ``cache_dir`` setting), or ``None`` when the cache is off."""
+    return get_config().cache_dir
 
 
 def search(
@@ -144,6 +134,13 @@ def _warn_once(kind: str, where: Path, message: str) -> None:
     _callsite.warn(message, SearchCacheWarning)
 
 
+def _warn_bad(path: Path, exc: Exception) -> None:
+    """One warning per folder, not per file: a crash or a full disk can spoil many entries at once, and each
+    would otherwise add a line to the output of the job that replaces them."""
+    _warn_once("bad", path.parent, f"ignoring the search cache file {path}: {exc}; it will be replaced, as will "
+                                   "any other bad file in this folder, without another warning")
+
+
 def _read(path: Path, key: dict[str, Any]) -> _Results | None:
     """The entry's results, or ``None`` when there is none (or none usable: then one warning says why)."""
     try:
@@ -153,7 +150,7 @@ def _read(path: Path, key: dict[str, Any]) -> _Results | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     except UnicodeDecodeError as exc:
-        _warn_once("read", path, f"ignoring the search cache file {path}: {exc}; it will be replaced")
+        _warn_bad(path, exc)
         return None
     except OSError as exc:
         _warn_once("read", path.parent, f"cannot read the search cache in {path.parent}: {exc}; searching afresh")
@@ -161,7 +158,7 @@ def _read(path: Path, key: dict[str, Any]) -> _Results | None:
     try:
         results = _parse(json.loads(text), key)
     except (ValueError, TypeError, KeyError) as exc:
-        _warn_once("read", path, f"ignoring the search cache file {path}: {exc}; it will be replaced")
+        _warn_bad(path, exc)
         return None
     if time.time() - modified > _MARK_USED_AFTER:
         try:
@@ -201,9 +198,11 @@ def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
     tmp: str | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=_TEMP_PREFIX, suffix=".json")
+        fd, tmp = _temporary(folder)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            nbytes = _disk_size(os.fstat(f.fileno()))
         os.replace(tmp, path)
         tmp = None
     except OSError as exc:
@@ -215,7 +214,30 @@ def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
-    _written(folder, len(data))
+    _written(folder, nbytes)
+
+
+def _disk_size(st: os.stat_result) -> int:
+    """What a file counts against the size limit: the disk space it takes (``st_blocks``, in 512-byte units, where
+    the system reports it), or its size if that is larger (where it reports none, or compression makes it less).
+    An entry of a kilobyte or two takes a whole block, typically 4 KiB: its size alone would let the folder take
+    two or three times the limit."""
+    return max(getattr(st, "st_blocks", 0) * 512, st.st_size)
+
+
+def _temporary(folder: Path) -> tuple[int, str]:
+    """A new file in ``folder`` to write an entry into: ``(descriptor, path)``.
+
+    Unlike :func:`tempfile.mkstemp`, whose files are private (mode 0600), it is made as any other file, with the
+    permissions the umask leaves, so that an entry renamed over it can be read by whoever may read the folder (a
+    cache shared by a team, or by another installation under another user).
+    """
+    while True:
+        path = os.path.join(folder, f"{_TEMP_PREFIX}{secrets.token_hex(8)}.json")
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), path
+        except FileExistsError:  # another writer's name: draw another
+            continue
 
 
 def _written(folder: Path, nbytes: int) -> None:
@@ -272,8 +294,8 @@ def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
             except OSError as exc:
                 failure = failure or exc
                 continue
-            entries.append((st.st_mtime, item.name, st.st_size))
-            total += st.st_size
+            entries.append((st.st_mtime, item.name, _disk_size(st)))
+            total += _disk_size(st)
     if total <= limit:
         return total, failure
     entries.sort()
@@ -292,16 +314,19 @@ def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
 
 
 def _entry_files(root: Path) -> list[Path]:
+    """The entries' files; none when the folder does not exist yet. ``OSError`` when it cannot be listed (a file
+    stands in its place, or it may not be read): every search then goes without the cache, which should not pass
+    for an empty one."""
     folder = root / _SUBDIR
     try:
         return sorted(p for p in folder.iterdir() if p.suffix == ".json" and not p.name.startswith(_TEMP_PREFIX))
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         return []
 
 
 def info() -> dict[str, Any]:
-    """What ``wsarena cache info`` shows: the directory, the entries and their size, the size they are kept
-    within (``None``: no limit), and per environment (backend, device, wsarena version, API path) how many entries
+    """What ``wsarena cache info`` shows: the directory, the entries and their size (``size_bytes``: on disk, as the
+    limit counts it), the size they are kept within (``None``: no limit), and per environment (backend, device, wsarena version, API path) how many entries
     it has.
 
     Raises ``OSError`` when the directory cannot be listed.
@@ -315,25 +340,33 @@ def info() -> dict[str, Any]:
     groups: dict[tuple, int] = {}
     for path in _entry_files(root):
         try:
-            out["size_bytes"] += path.stat().st_size
+            out["size_bytes"] += _disk_size(path.stat())
             env = json.loads(path.read_text(encoding="utf-8"))["key"]["environment"]
-            group = tuple(str(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
-        except (OSError, ValueError, TypeError, KeyError):
+            # as written (the CPU's API path is null), each a string or None, so that the groups sort
+            group = tuple(_text(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
             out["unreadable"] += 1
             continue
         out["entries"] += 1
         groups[group] = groups.get(group, 0) + 1
     out["environments"] = [
-        {"backend": b, "device": d, "wsarena": v, "api": a, "entries": n} for (b, d, v, a), n in sorted(groups.items())
+        {"backend": b, "device": d, "wsarena": v, "api": a, "entries": n}
+        for (b, d, v, a), n in sorted(groups.items(), key=lambda item: tuple(x or "" for x in item[0]))
     ]
     return out
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def clear() -> dict[str, Any]:
     """Remove every entry (and any temporary file a killed writer left); what ``wsarena cache clear`` does.
 
-    Only the files of the cache's ``search/`` folder are removed, never the directory's other contents.
-    Returns ``directory``, ``removed`` (entries) and ``freed_bytes``.
+    Only the files of the cache's ``search/`` folder are removed, never the directory's other contents, nor the
+    temporary file of a write in progress in another process (one less than an hour old, as a trim spares it):
+    that writer would lose its entry. Returns ``directory``, ``removed`` (entries) and ``freed_bytes``. Raises
+    ``OSError`` when the folder cannot be listed or an entry cannot be removed.
     """
     root = cache_dir()
     out: dict[str, Any] = {"directory": None if root is None else str(root), "removed": 0, "freed_bytes": 0}
@@ -342,11 +375,15 @@ def clear() -> dict[str, Any]:
     folder = root / _SUBDIR
     try:
         paths = [p for p in folder.iterdir() if p.suffix == ".json"]
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         return out
+    now = time.time()
     for path in paths:
         try:
-            size = path.stat().st_size
+            st = path.stat()
+            if path.name.startswith(_TEMP_PREFIX) and now - st.st_mtime <= _STALE_TEMP:
+                continue  # a write in progress
+            size = _disk_size(st)
             path.unlink()
         except FileNotFoundError:  # another process removed or renamed it meanwhile
             continue

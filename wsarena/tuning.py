@@ -18,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ._config import config
+from ._config import _named_size, config
 from ._geometry import ConvGeometry
 from ._pass import PASSES
 from .algos import select
@@ -85,18 +86,21 @@ class Tuning:
         return next(p for p in self.curve if p.cap_workspace_bytes == self.recommended_cap_bytes)
 
     def plan(self, cap: Any = "recommended") -> Plan:
-        """The plan under ``cap`` (bytes or ``None``; default the recommended cap), from these measurements."""
-        if cap == "recommended":
+        """The plan under ``cap``, from these measurements: bytes, a size (``"8MiB"``) or ``None`` (``"none"``)
+        as ``plan(cap_workspace=...)`` takes it; default the recommended cap."""
+        if isinstance(cap, str) and cap == "recommended":
             cap = self.recommended_cap_bytes
-        elif cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-            raise ValueError(f"cap must be a number of bytes >= 0 or None, not {cap!r}")
+        else:
+            cap = _named_size("cap", cap)
         layers = _layer_plans(self.uncapped.layers, self.uncapped.passes, self.measured, cap)
         if layers is None:
             smallest = self.curve[0].cap_workspace_bytes or 0
             raise NoAlgorithmFitsError("some convolution has no timed algorithm within the cap",
                                        requested=smallest, held=0, cap=cap)
+        # max_slowdown says the cap was chosen by it: true of the recommended cap only
+        chosen = self.max_slowdown if cap == self.recommended_cap_bytes else None
         return dataclasses.replace(
-            self.uncapped, cap_workspace=cap, layers=tuple(layers), max_slowdown=self.max_slowdown,
+            self.uncapped, cap_workspace=cap, layers=tuple(layers), max_slowdown=chosen,
             stream_bytes=_stream_bytes(layers, self.uncapped.streams, self.shared_streams, [lp.stream for lp in layers]),
         )
 
@@ -116,12 +120,17 @@ class Tuning:
 
 
 def check_max_slowdown(value: Any) -> float:
-    """``value`` as a slowdown fraction (``0.02`` for 2 %); ``ValueError``/``TypeError`` naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """``value`` as a slowdown fraction (``0.02`` for 2 %): any real number, NumPy's included, but not a bool;
+    ``ValueError``/``TypeError`` naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"max_slowdown must be a number (0.02 for 2 %), not {value!r}")
-    if not math.isfinite(value) or value < 0:
+    try:
+        fraction = float(value)
+    except OverflowError:  # an int past float's range
+        fraction = math.inf
+    if not math.isfinite(fraction) or fraction < 0:
         raise ValueError(f"max_slowdown must be a finite fraction >= 0 (0.02 for 2 %), not {value!r}")
-    return float(value)
+    return fraction
 
 
 def tune(
