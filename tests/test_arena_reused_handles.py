@@ -144,8 +144,8 @@ def test_a_buffer_a_graph_holds_is_kept_when_its_dead_streams_handle_is_given_ag
 
 
 def test_a_provider_that_cannot_tell_streams_apart_keeps_the_buffer(provider):
-    """Without an id (a provider without ``stream_id``, CUDA before 12) the arena cannot know: as before, whoever
-    leases on the handle adopts the orphan."""
+    """Without an id (a provider of the user's own, without ``stream_id``) the arena cannot know: as before,
+    whoever leases on the handle adopts the orphan."""
     provider.stream_ids.clear()
     arena = Arena(provider)
     old = dead_stream_leased(arena)

@@ -160,15 +160,10 @@ class _DeviceProvider:
     def stream_id(self, stream: int) -> int | None:
         """CUDA's id of the stream that the live handle ``stream`` names (``cudaStreamGetId``: unique for the life of
         the process, where a handle is given again to the next stream made once its stream is destroyed), or
-        ``None`` where CUDA cannot tell (cuda-bindings for CUDA before 12, or an error)."""
-        try:
-            from cuda.bindings import runtime as rt
-        except ImportError:
-            return None
-        get_id = getattr(rt, "cudaStreamGetId", None)  # CUDA 12 and later
-        if get_id is None:
-            return None
-        err, stream_id = get_id(stream)
+        ``None`` if CUDA refuses to tell."""
+        from cuda.bindings import runtime as rt
+
+        err, stream_id = rt.cudaStreamGetId(stream)
         return None if int(err) else int(stream_id)
 
     def __repr__(self) -> str:
