@@ -150,3 +150,51 @@ def test_a_destroyed_streams_sub_arena_is_swept(cupy):
     with arena.lease(10, stream=other):
         pass
     assert handle not in arena.stats().streams
+
+
+@pytest.mark.parametrize("make", PROVIDERS)
+def test_a_new_stream_given_a_destroyed_streams_handle_gets_a_new_buffer(cupy, make):
+    """CUDA gives a destroyed stream's handle to the next stream made; the dead stream's kernels may still use its
+    workspace, so the new stream must not inherit that buffer. Its id (cudaStreamGetId) tells it from the dead one."""
+    provider = make(0)
+    arena = Arena(provider)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with arena.lease(1 << 20, stream=s) as ws:
+        old = ws.ptr
+        with s:
+            ws.array.fill(1)  # work on s that uses the workspace, maybe still running when s is destroyed
+    handle, dead_id = s.ptr, provider.stream_id(s.ptr)
+    assert isinstance(dead_id, int)
+    del s, ws
+    gc.collect()
+    misses = []  # kept alive, so that their handles are not given again in turn
+    for _ in range(64):
+        new = cupy.cuda.Stream(non_blocking=True)
+        if new.ptr == handle:
+            break
+        misses.append(new)
+    else:
+        pytest.skip("CUDA gave the destroyed stream's handle to none of 64 new streams")
+    assert provider.stream_id(handle) != dead_id
+    with arena.lease(1 << 20, stream=new) as ws:
+        assert ws.ptr != old
+        with new:
+            ws.array.fill(2)
+    new.synchronize()
+    stats = arena.stats()
+    assert stats.streams[handle].allocations == 1 and stats.frees == 1  # the dead stream's buffer, freed as gone
+    arena.close()
+
+
+def test_new_wrappers_of_a_live_stream_keep_its_buffer(cupy):
+    """A wrapper that dies is no sign that its stream is gone (torch.cuda.current_stream() makes one per call): a new
+    wrapper of the same stream, with the same id, adopts the buffer."""
+    arena = Arena(CupyProvider(0))
+    s = cupy.cuda.Stream(non_blocking=True)
+    ptrs = []
+    for _ in range(3):
+        with arena.lease(1 << 20, stream=cupy.cuda.ExternalStream(s.ptr, device_id=0)) as ws:
+            ptrs.append(ws.ptr)
+        gc.collect()
+    assert len(set(ptrs)) == 1 and arena.stats().allocations == 1
+    arena.close()

@@ -66,3 +66,20 @@ def test_async_provider_reports_a_resource_out_of_memory_as_memory_error(monkeyp
         provider.allocate(1 << 20, stream=0)
     assert provider.resource.calls == 1
     assert raised is MemoryError or not isinstance(info.value, MemoryError)  # only a shortage is a MemoryError
+
+
+def test_device_providers_read_a_streams_id_from_cuda_bindings(monkeypatch):
+    """stream_id(handle) is cudaStreamGetId's id, or None where CUDA refuses (the arena then takes the stream for
+    another: wsarena.arena._table)."""
+    from cuda.bindings import runtime as rt
+
+    from wsarena.arena import CupyProvider
+
+    def get_id(stream):  # cuda-bindings' reply: (cudaError_t, id), the id None on an error
+        if stream == 7:
+            return (rt.cudaError_t.cudaSuccess, 42)
+        return (rt.cudaError_t.cudaErrorInvalidResourceHandle, None)
+
+    monkeypatch.setattr(rt, "cudaStreamGetId", get_id)
+    provider = CupyProvider(0)
+    assert provider.stream_id(7) == 42 and provider.stream_id(8) is None

@@ -98,7 +98,8 @@ class Arena:
         self._current = None if self._lanes else getattr(provider, "current_stream", None)
         self._capture = getattr(provider, "capture", None)  # capture(stream) -> the capture under way, or None
         self._lock = threading.RLock()
-        self._table = table = _Table(self._lock, self._lanes)
+        stream_id = None if self._lanes else getattr(provider, "stream_id", None)  # stream_id(handle) -> int or None
+        self._table = table = _Table(self._lock, self._lanes, stream_id)
         self._subs = table.subs  # the table's own dict and queues, read directly on the fast paths
         self._dead, self._to_free = table.dead, table.to_free
         self._finalizer = weakref.finalize(self, release_all, provider, table)
@@ -311,9 +312,9 @@ class Arena:
                 sub = self._subs.get(ws.stream)
                 if (
                     sub is None or sub.holder is not None or sub.handoff or self._table.closed or self._dead
-                    or (ws._anchor is not None and sub.anchor is None)
+                    or sub.orphan or (ws._anchor is not None and sub.anchor is None)
                 ):
-                    sub = None  # the slow path, below: wait, create, sweep, refuse
+                    sub = None  # the slow path, below: wait, create, sweep, refuse, adopt an orphan
                 else:  # the lane is free: take it (sub.take, inline: this runs once per convolution)
                     ws._ref = ref
                     ws._sub = sub
@@ -321,7 +322,6 @@ class Arena:
                     sub.holder_block = None
                     sub.used = True
                     sub.holder = ref
-                    sub.orphan = False
                     block = sub.block
                     if block is not None and block.size >= ws.nbytes and not ws._debug:  # the fast path
                         self._grant(sub, ws, block)

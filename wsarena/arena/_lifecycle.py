@@ -103,7 +103,7 @@ def reset_in_child(arena: Arena) -> None:
     """
     old = arena._table
     arena._lock = threading.RLock()
-    table = _Table(arena._lock, arena._lanes)
+    table = _Table(arena._lock, arena._lanes, old.stream_id)
     table.closed = old.closed
     if not arena._lanes:
         table.closed = table.forked = True

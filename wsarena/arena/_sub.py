@@ -149,7 +149,7 @@ class _SubArena:
     __slots__ = (
         "allocations", "anchor", "block", "ending", "growing", "growth_waiters", "growths", "handoff", "high_water",
         "holder", "holder_block", "holder_nbytes", "holder_thread", "kept", "key", "lane_waiters", "orphan",
-        "retired", "serial", "stream", "to_free", "totals", "used",
+        "retired", "serial", "stream", "stream_id", "to_free", "totals", "used",
     )
 
     def __init__(self, key: Hashable, totals: _Totals, to_free: Queue, kept: list[Any]) -> None:
@@ -178,6 +178,9 @@ class _SubArena:
         self.growths = 0
         self.anchor: _Anchor | None = None  # watches one stream object (or the thread of a lane, or a key object)
         self.orphan = False  # every watched object died: release once idle
+        # CUDA's id of the stream that the watched object was of (None: unknown), read when it was first watched:
+        # once it dies, a stream object for the same handle is the same stream only if its id is this one.
+        self.stream_id: int | None = None
 
     # ------------------------------------------------------------------------------------------- queries
     def capacity(self) -> int:
@@ -201,9 +204,10 @@ class _SubArena:
         return ending is not None and ending() is not None
 
     def free_stream(self, gone: bool = False) -> Any:
-        """The stream to free this sub-arena's buffers on: its own, unless that may be gone (``gone``) or is
-        another thread's per-thread stream (handle 2 would name the calling thread's): then ``None``."""
-        if gone or not is_own_stream(self.key):
+        """The stream to free this sub-arena's buffers on: its own, unless that may be gone (``gone``, or every
+        object that showed it alive died) or is another thread's per-thread stream (handle 2 would name the calling
+        thread's): then ``None``."""
+        if gone or self.orphan or not is_own_stream(self.key):
             return None
         return self.stream
 

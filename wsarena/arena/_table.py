@@ -5,6 +5,13 @@ holds nothing, when its stream is gone (a stream object, a lane key object or a 
 :class:`~wsarena.arena._sub._Anchor` on ``dead``, and the next operation of the arena sweeps it), or when more
 than ``MAX_IDLE_STREAMS`` sub-arenas of caller-chosen keys sit idle (:meth:`_Table.evict_idle`).
 
+A stream object's death does not say that its stream is gone: PyTorch hands out a new wrapper of a live stream on
+each ``torch.cuda.current_stream()``. So its sub-arena is only marked ``orphan``, and whoever leases on the handle
+again adopts it. But CUDA gives a destroyed stream's handle to the next stream made, and the dead stream's kernels
+may still be using the buffer. Where the provider tells streams apart (``stream_id``), the id read when the
+sub-arena was first watched is compared with the handle's id at adoption: another stream's lease lets the old
+sub-arena go as gone (:meth:`_Table.let_go_replaced`) and gets a new one.
+
 A lease ends when its release runs, or when nothing can run it any more: the ``with`` statement that entered it is
 over, or its Workspace is gone (:meth:`_Table.reap`). Whoever finds such a lease ends it: a thread that wants the
 lane, :meth:`Arena.stats`, :meth:`Arena.trim`, :meth:`Arena.close`.
@@ -18,11 +25,11 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 from ._sub import Queue, _Anchor, _Block, _SubArena, _Totals, abandoned, park, this_thread
-from .streams import PerThreadStream, ThreadLane
+from .streams import PER_THREAD_DEFAULT_STREAM, PerThreadStream, ThreadLane
 
 if TYPE_CHECKING:
     from ._workspace import Workspace
@@ -55,6 +62,19 @@ class _LaneKey(weakref.ref):
         return repr(self())
 
 
+class GoneStream:
+    """The key a sub-arena is moved to when its stream is gone and another stream has its handle while a lease (or a
+    growth) still uses it: it stays in the table, orphaned, so that it is let go as gone once that ends."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Hashable) -> None:
+        self.handle = handle
+
+    def __repr__(self) -> str:
+        return f"GoneStream({self.handle!r})"
+
+
 def callers_key(key: Hashable) -> Hashable:
     """``key`` as the caller gave it: a lane key object rather than the table's weak reference to it (the reference
     itself only if the object has just died, before the sweep that forgets its lane)."""
@@ -63,6 +83,10 @@ def callers_key(key: Hashable) -> Hashable:
         if target is not None:
             return target
     return key
+
+
+# Handles 0, 1 and 2 name the default streams (legacy and per-thread), which are never destroyed: no id is read.
+_DEFAULT_STREAMS = PER_THREAD_DEFAULT_STREAM
 
 
 def _caller_chosen(key: Hashable) -> bool:
@@ -77,11 +101,17 @@ class ReleasedAtExit(RuntimeError):
 class _Table:
     """The sub-arenas of one arena, by key, and the queue that says which of them go away."""
 
-    __slots__ = ("captures", "closed", "dead", "exited", "forked", "kept", "lanes", "lock", "subs", "to_free", "totals")
+    __slots__ = (
+        "captures", "closed", "dead", "exited", "forked", "kept", "lanes", "lock", "stream_id", "subs", "to_free",
+        "totals",
+    )
 
-    def __init__(self, lock: threading.RLock, lanes: bool) -> None:
+    def __init__(
+        self, lock: threading.RLock, lanes: bool, stream_id: Callable[[int], int | None] | None = None
+    ) -> None:
         self.lock = lock
         self.lanes = lanes  # keys are CPU lanes (else CUDA streams)
+        self.stream_id = stream_id  # the provider's stream_id(handle): CUDA's id of that stream (None: unknown)
         self.subs: dict[Hashable, _SubArena] = {}
         self.dead: collections.deque[_Anchor] = collections.deque()  # streams, threads, key objects gone
         self.to_free: Queue = collections.deque()  # (buffer, stream) let go, for the provider
@@ -116,6 +146,15 @@ class _Table:
         if self.kept:
             self.release_kept()
         sub = self.subs.get(key)
+        read_id, stream_id = self.stream_id, None
+        if sub is not None and sub.orphan and sub.stream_id is not None and read_id is not None:
+            # Its stream object died: is this the same stream (a new wrapper), or another given the same handle?
+            # Asked only here, never on the fast path of a lease on a watched stream. (``None``, CUDA cannot tell:
+            # another.) The handle is live: the caller is about to use it.
+            stream_id = read_id(sub.stream)
+            if stream_id != sub.stream_id:
+                self.let_go_replaced(sub)
+                sub = None
         if sub is None:
             self.sweep_orphans()  # a new stream appeared: a good moment to let go of dead ones
             if len(self.subs) >= MAX_IDLE_STREAMS:
@@ -124,11 +163,28 @@ class _Table:
             sub = _SubArena(stored, self.totals, self.to_free, self.kept)
             self.subs[stored] = sub
         if anchor is not None and sub.anchor is None:
+            if sub.stream_id is None and read_id is not None and type(key) is int and key > _DEFAULT_STREAMS:
+                sub.stream_id = read_id(key) if stream_id is None else stream_id
             # A dead thread's lane (or per-thread stream), or a dead key object, is never used again: swept at once.
             eager = anchor is key or isinstance(key, (ThreadLane, PerThreadStream))
             sub.anchor = _Anchor(anchor, self.dead.append, sub.key, sub.serial, eager)
         sub.orphan = False  # whoever leases on it shows the stream is alive
         return sub
+
+    def let_go_replaced(self, sub: _SubArena) -> None:
+        """``sub``'s stream is gone and another stream has its handle: let ``sub`` go as gone (its buffers freed with
+        no stream, once the device is idle; one a graph holds is kept for it). If a lease or a growth still uses it,
+        it waits for that under a key of its own (:class:`GoneStream`), still an orphan: then it goes as any orphan
+        does (:meth:`after_lease`, :meth:`sweep_orphans`)."""
+        if sub.idle():
+            self.forget(sub, gone=True)
+            return
+        moved = GoneStream(sub.key)
+        # Plain stores with no call between them: an interrupt finds all of the move made or none of it.
+        self.subs[moved] = sub
+        del self.subs[sub.key]
+        sub.key = moved
+        sub.wake()  # threads queued for it look the handle up again, and find the new stream's sub-arena
 
     def take_lane(self, ws: Workspace, anchor: Any, waiter: Any) -> Any:
         """Make ``ws`` (ended by ``anchor``) the holder of its lane and return the sub-arena; or, if another lease

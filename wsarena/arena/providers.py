@@ -4,9 +4,12 @@ A provider is shaped like cuda.core's ``MemoryResource``: ``allocate(size, *, st
 :class:`Buffer`, ``deallocate(buffer, *, stream)`` gives it back in stream order, and ``device_id`` says whose
 memory it is (``None``: the host's, whose sub-arenas are CPU lanes). Two more methods serve the workspace itself:
 ``as_array`` (the array a backend computes on) and ``fill`` (debug poisoning); a device provider also has
-``capture(stream)``, the CUDA graph capture under way on a stream (or ``None``), for leases taken during capture. The arena calls ``allocate`` when
-a sub-arena grows and ``deallocate`` when a buffer is outgrown, trimmed or swept, always with the sub-arena's
-stream (``stream=None`` on ``deallocate`` means that stream may no longer exist). Providers never see leases.
+``capture(stream)``, the CUDA graph capture under way on a stream (or ``None``), for leases taken during capture,
+and ``stream_id(stream)``, CUDA's id of the stream a live handle names (or ``None``: unknown, as for a provider
+without the method), which tells a new stream given a dead stream's handle from the dead one. The arena calls
+``allocate`` when a sub-arena grows and ``deallocate`` when a buffer is outgrown, trimmed or swept, always with the
+sub-arena's stream (``stream=None`` on ``deallocate`` means that stream may no longer exist: a device provider waits
+for the device first). Providers never see leases.
 Like RAPIDS RMM's adaptors, a provider may wrap an *upstream* one (``wsarena.arena.testing.RecordingProvider``).
 
 ========================  ======================================================================
@@ -154,6 +157,15 @@ class _DeviceProvider:
         """The CUDA graph capture under way on ``stream``, or ``None`` (:mod:`wsarena.arena._capture`)."""
         return capture_of(stream)
 
+    def stream_id(self, stream: int) -> int | None:
+        """CUDA's id of the stream that the live handle ``stream`` names (``cudaStreamGetId``: unique for the life of
+        the process, where a handle is given again to the next stream made once its stream is destroyed), or
+        ``None`` if CUDA refuses to tell."""
+        from cuda.bindings import runtime as rt
+
+        err, stream_id = rt.cudaStreamGetId(stream)
+        return None if int(err) else int(stream_id)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device_id})"
 
@@ -167,7 +179,8 @@ class CupyProvider(_DeviceProvider):
     The memory comes from CuPy's current allocator, by default its stream-aware ``MemoryPool``, so the arena
     shares the pool with the user's arrays instead of fragmenting the device beside it. The pool files a block
     under the stream it was allocated on and hands it out again only to that stream, which is what makes
-    ``deallocate`` stream-ordered; an allocator that calls ``cudaFree`` directly synchronises instead.
+    ``deallocate`` stream-ordered; an allocator that calls ``cudaFree`` directly synchronises instead. When the
+    stream may be gone the device is synchronised first.
 
     Parameters
     ----------
@@ -192,10 +205,11 @@ class CupyProvider(_DeviceProvider):
     def deallocate(self, buffer: Buffer, *, stream: int | None) -> None:
         import cupy
 
-        if stream is None and isinstance(getattr(buffer.owner, "mem", None), cupy.cuda.memory.MemoryAsync):
-            # The stream may be gone or belong to another thread. The default pool files the block under the
-            # stream it was allocated on either way, but memory from MemoryAsyncPool is freed with cudaFreeAsync
-            # on this thread's current stream, maybe before the owner's work ends: wait for the device first.
+        if stream is None:
+            # The stream may be gone or belong to another thread: wait for the device first. The default pool files
+            # the block under the handle it was allocated on, and CUDA gives a destroyed stream's handle to the next
+            # stream made, to which the pool would hand the block while the dead stream's work may still use it;
+            # MemoryAsyncPool frees with cudaFreeAsync on this thread's current stream, unordered with the owner's.
             with cupy.cuda.Device(self.device_id):
                 cupy.cuda.runtime.deviceSynchronize()
         buffer.owner = None  # back to the pool, under the stream it was allocated on

@@ -71,6 +71,12 @@ class RecordingProvider:
     capturing : dict
         Stream (raw handle or lane key) to the :class:`FakeGraph` being captured on it: ``capture(stream)``
         returns it, as a device provider returns the CUDA capture under way (:meth:`begin_capture`).
+    stream_ids : dict
+        Raw handle to the id of the stream it names now: ``stream_id(handle)`` returns it (``None`` for a handle
+        not in it: unknown), as a device provider returns ``cudaStreamGetId``'s. A test gives a dead stream's
+        handle to a new stream by changing its id here.
+    id_reads : list
+        Every handle ``stream_id`` was asked about, in order.
     """
 
     def __init__(
@@ -82,6 +88,8 @@ class RecordingProvider:
         self.fail_next = 0
         self.current: Any = 0
         self.capturing: dict[Any, FakeGraph] = {}
+        self.stream_ids: dict[Any, int] = {}
+        self.id_reads: list[Any] = []
         self.allocations: list[Buffer] = []
         self.frees: list[tuple[Buffer, Any]] = []
         self.fills: list[tuple[int, int, int, Any]] = []
@@ -123,6 +131,11 @@ class RecordingProvider:
 
     def capture(self, stream: Any) -> FakeGraph | None:
         return self.capturing.get(stream) if self.capturing else None
+
+    def stream_id(self, stream: Any) -> int | None:
+        with self._lock:
+            self.id_reads.append(stream)
+        return self.stream_ids.get(stream)
 
     def begin_capture(self, *streams: Any) -> FakeGraph:
         """Start capturing ``streams`` (several: a capture forked to them through events) into a new graph."""
