@@ -234,7 +234,7 @@ def test_a_plan_for_an_h100_from_its_properties(finalizing):
         wsarena.plan(layers, device_properties=H100, backend="cpu")
 
 
-def test_report_device_properties(finalizing, capsys):
+def test_report_device_properties(finalizing, capsys, tmp_path):
     with config(cudnn_api="legacy"):  # the flag needs no setting: it always takes the graph API
         assert main(["report", "resnet50", "--batch", "4", "--device-properties", str(H100), "--format", "json"]) == 0
     out, err = capsys.readouterr()
@@ -243,6 +243,24 @@ def test_report_device_properties(finalizing, capsys):
     assert report["layers"][0]["fwd"]["algo"].startswith("eng") and report["arena_bytes"] > 0
     assert main(["report", "resnet50", "--device-properties", "/nonexistent.json"]) == 2
     assert "nonexistent" in capsys.readouterr().err
+    binary = tmp_path / "props.bin"
+    binary.write_bytes(b"\xff\xfe{}")
+    assert main(["report", "resnet50", "--device-properties", str(binary)]) == 2
+    assert f"{binary}: device properties are JSON text, but this file is not UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--backend", "cpu"], "leave out --backend cpu"),
+    (["--search", "exhaustive"], "leave out --search exhaustive"),
+    (["--max-slowdown", "2%"], "leave out --max-slowdown"),
+    (["--cudnn-api", "legacy"], "leave out --cudnn-api legacy"),
+])
+def test_report_device_properties_refuses_flags_it_would_ignore(capsys, flags, says):
+    """plan() refuses these with device_properties; the command line gave them as settings, which the planner
+    then overrode: a CPU or exhaustive report came out as cuDNN's heuristic choices."""
+    assert main(["report", "resnet50", "--device-properties", str(H100), *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("edit", ["not json", "[1, 2]", "drop maxCtasPerSM", "warpSize as text"])

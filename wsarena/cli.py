@@ -297,6 +297,14 @@ def _report(args: argparse.Namespace) -> int:
             raise UsageError("give --cap-workspace or --max-slowdown, not both: --max-slowdown picks the cap")
         if args.search == "heuristic":
             raise UsageError("--max-slowdown times every algorithm: it needs --search exhaustive (or no --search)")
+    if args.device_properties is not None:  # it plans cuDNN's heuristic choices through the graph API
+        if args.backend not in (None, "cudnn"):
+            raise UsageError(f"--device-properties plans for a cuDNN GPU: leave out --backend {args.backend}")
+        if args.search == "exhaustive" or args.max_slowdown is not None:
+            raise UsageError("--device-properties plans without the GPU, which cannot time algorithms: leave out "
+                             + ("--search exhaustive" if args.max_slowdown is None else "--max-slowdown"))
+        if args.cudnn_api == "legacy":
+            raise UsageError("--device-properties plans through cuDNN's graph API: leave out --cudnn-api legacy")
     _check_plot(args.plot)
     layers = _load(args)
     given = _given(algo_search=args.search, backend=args.backend, cap_workspace=args.cap_workspace,

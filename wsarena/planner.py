@@ -245,7 +245,10 @@ def plan(
             raise ValueError("device_properties plans without the GPU: it cannot time algorithms (search heuristic)")
         backend, search = "cudnn", "heuristic"
         text = os.fspath(device_properties)
-        device_properties = text if text.lstrip().startswith("{") else Path(text).read_text(encoding="utf-8")
+        try:
+            device_properties = text if text.lstrip().startswith("{") else Path(text).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{text}: device properties are JSON text, but this file is not UTF-8 ({exc})") from None
     if max_slowdown is not None:
         if cap_workspace is not _FROM_CONFIG:
             raise ValueError("give cap_workspace or max_slowdown, not both: max_slowdown chooses the cap")
