@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import wsarena
 from wsarena import algos, backends
+from wsarena._tune_cli import render_curve
 from wsarena.errors import BackendUnavailableError
 from wsarena.models import ConvLayer
 from wsarena.tuning import tune
@@ -166,6 +167,14 @@ def test_the_persistent_cache_serves_a_second_tuning(fake, tmp_path, monkeypatch
     fake.measured.clear()
     second = run()
     assert fake.measured == [] and second.curve == first.curve
+    distinct = len(first.measured)
+    assert (first.timed_calls, first.cached_calls) == (distinct, 0) and distinct == 4
+    assert (second.timed_calls, second.cached_calls) == (0, distinct)
+    third = run()  # this process's algorithm cache answers: neither timed nor read
+    assert (third.timed_calls, third.cached_calls) == (0, 0)
+    assert second.to_dict()["cached_calls"] == distinct and second.to_dict()["timed_calls"] == 0
+    assert "4 distinct calls (pass and geometry): 0 timed, 4 from the search cache;" in render_curve(second)
+    assert "0 timed, 0 from the search cache, 4 searched before in this process" in render_curve(third)
 
 
 @st.composite

@@ -63,6 +63,16 @@ def _cap(cap: int | None) -> str:
     return "none" if cap is None else format_size(cap)
 
 
+def _searched(t: Any) -> str:
+    """Where the distinct calls' times came from: timed now, the search cache, or this process's memory."""
+    known = len(t.measured) - t.timed_calls - t.cached_calls
+    sources = [f"{t.timed_calls} timed", f"{t.cached_calls} from the search cache"]
+    if known > 0:
+        sources.append(f"{known} searched before in this process")
+    return (f"{len(t.measured)} distinct calls (pass and geometry): {', '.join(sources)}; "
+            f"{t.search_seconds:.1f} s")
+
+
 def render_curve(t: Any) -> str:
     """The curve a person reads: a header, one row per cap, and the recommendation."""
     p = t.uncapped
@@ -72,10 +82,7 @@ def render_curve(t: Any) -> str:
             f"backend {p.backend} ({p.device})  dtype {p.dtype}  layout {p.layout}  batch {p.batch}  "
             f"streams {p.streams}  passes {','.join(p.passes)}"
         ),
-        (
-            f"searched {len(t.measured)} distinct calls (pass and geometry) in {t.search_seconds:.1f} s; "
-            "calls in the search cache were not timed again"
-        ),
+        _searched(t),
         "",
     ]
     head = ["cap", "arena", "step time", "slowdown"]

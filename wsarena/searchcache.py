@@ -53,7 +53,7 @@ from ._sizes import format_size
 from .backends import Candidate
 from .errors import SearchCacheWarning
 
-__all__ = ["ENV_VAR", "cache_dir", "clear", "info", "search"]
+__all__ = ["ENV_VAR", "cache_dir", "clear", "counts", "info", "search"]
 
 ENV_VAR = "WSARENA_CACHE_DIR"
 _FORMAT = "wsarena-search-cache"
@@ -71,6 +71,9 @@ _warned: set[tuple[str, str]] = set()
 _warn_lock = _forksafe.lock()  # guards _warned
 # Per search folder: its entries' size when this process last listed it, plus what the process wrote since.
 _known_size: dict[str, int] = {}
+# Searches of this process: answered from the cache ("read") or timed ("timed"). A list of two ints: += on an item
+# is not atomic across threads, and a miscount under a race costs only a figure of a report.
+_counts = [0, 0]
 _size_lock = _forksafe.lock()  # guards _known_size (the listing itself runs without it)
 
 
@@ -91,6 +94,7 @@ def search(
     """
     root = cache_dir()
     if root is None or not candidates:
+        _counts[1] += 1
         return measure()
     key = _key(backend, pass_, geom)
     path = root / _SUBDIR / (hashlib.sha256(_canonical(key).encode()).hexdigest()[:40] + ".json")
@@ -104,7 +108,9 @@ def search(
             if ms is not None and algo in names and nbytes <= limit
         ]
         if timed:
+            _counts[0] += 1
             return sorted(timed, key=lambda c: c.time_ms or 0.0), []
+    _counts[1] += 1
     timed, skipped = measure()
     if timed:
         results = dict(stored or {})
@@ -114,6 +120,13 @@ def search(
         results.update({(c.algo, c.math_type): (c.workspace_bytes, c.time_ms) for c in timed})
         _write(path, key, results)
     return timed, skipped
+
+
+def counts() -> tuple[int, int]:
+    """``(read, timed)``: how many exhaustive searches of this process the cache answered, and how many timed
+    their candidates (the cache off, or not holding them all). Searches the in-process algorithm cache answers
+    reach neither."""
+    return _counts[0], _counts[1]
 
 
 def _key(backend: Any, pass_: str, geom: Any) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from . import searchcache
 from ._config import _named_size, config
 from ._geometry import ConvGeometry
 from ._pass import PASSES
@@ -70,6 +71,9 @@ class Tuning:
         The smallest cap whose slowdown is within ``max_slowdown``.
     search_seconds : float
         How long the measurements took (nothing when the caches held them all).
+    timed_calls, cached_calls : int
+        Of the distinct calls, how many were timed now and how many the search cache answered; the rest this
+        process had searched before (its algorithm cache).
     """
 
     uncapped: Plan
@@ -79,6 +83,8 @@ class Tuning:
     recommended_cap_bytes: int
     search_seconds: float
     shared_streams: bool = True
+    timed_calls: int = 0
+    cached_calls: int = 0
 
     @property
     def recommended(self) -> CurvePoint:
@@ -115,6 +121,8 @@ class Tuning:
             "max_slowdown": self.max_slowdown,
             "distinct_calls": len(self.measured),
             "search_seconds": self.search_seconds,
+            "timed_calls": self.timed_calls,
+            "cached_calls": self.cached_calls,
             "skipped_layers": head["skipped_layers"],  # the curve leaves these layers out
         }
 
@@ -154,12 +162,13 @@ def tune(
     max_slowdown = check_max_slowdown(max_slowdown)
     skipped, layers = skipped_layers(layers), checked_layers(layers)
     shared, _ = _streams(streams, len(layers))
-    start = time.perf_counter()
+    start, searched_before = time.perf_counter(), searchcache.counts()
     # The planner checks the arguments and runs the searches (one per distinct call, with progress) ...
     uncapped = plan(layers, batch=batch, dtype=dtype, layout=layout, cap_workspace=None, passes=passes,
                     streams=streams, backend=backend, search="exhaustive", model=model, progress=progress)
     uncapped = dataclasses.replace(uncapped, skipped=skipped) if skipped else uncapped
     seconds = time.perf_counter() - start
+    searches = [now - before for now, before in zip(searchcache.counts(), searched_before)]
     # ... whose every candidate the algorithm cache now holds, fastest first (the choice is the first).
     impl = get_backend(uncapped.backend)
     measured: dict[tuple[str, ConvGeometry], tuple[Candidate, ...]] = {}
@@ -183,7 +192,9 @@ def tune(
         p.cap_workspace_bytes for p in curve
         if p.cap_workspace_bytes is not None and p.slowdown <= max_slowdown + _ROUNDING
     )
-    return Tuning(uncapped, measured, curve, max_slowdown, recommended, seconds, shared)
+    # (Other threads' searches meanwhile would count too; each call is searched once here.)
+    cached_calls, timed_calls = (min(n, len(measured)) for n in searches)
+    return Tuning(uncapped, measured, curve, max_slowdown, recommended, seconds, shared, timed_calls, cached_calls)
 
 
 def _layer_plans(
