@@ -11,6 +11,11 @@
 # the folder WSARENA_WHEELS names, prepared where pip works:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl pycparser platformdirs \
 #       rmm-cu13 librmm-cu13 rapids-logger
+# The image's cuda-core may predate what wsarena uses (Device, Stream.from_handle and DeviceMemoryResource at the
+# top level of cuda.core): then it is replaced from the same folder, given wheels for that machine's Python
+# (3.12 when last seen), with the versions of pyproject's cuda-python:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux_2_28_x86_64 -d .whl cuda-core cuda-bindings cuda-pathfinder
 # Installing is best effort: the checks run from the checkout (PYTHONPATH) whether or not the install worked.
 # A copy without its .git folder names its commit in WSARENA_COMMIT, for the JSON.
 set -uo pipefail
@@ -21,6 +26,13 @@ if [ -n "${WSARENA_WHEELS:-}" ]; then
     || echo "gpu_check: could not install pycparser and platformdirs from $WSARENA_WHEELS" >&2
   "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WSARENA_WHEELS" rmm-cu13 librmm-cu13 rapids-logger \
     || echo "gpu_check: no RAPIDS RMM from $WSARENA_WHEELS; its test will be skipped" >&2
+fi
+if [ -n "${WSARENA_WHEELS:-}" ] && ! "$PY" -c \
+    "from cuda.core import Device, DeviceMemoryResource, Stream; Stream.from_handle; import cuda.pathfinder" 2>/dev/null
+then
+  "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WSARENA_WHEELS" --upgrade \
+    cuda-core cuda-bindings cuda-pathfinder \
+    || echo "gpu_check: this image's cuda-core lacks what wsarena uses, and no wheels replaced it" >&2
 fi
 # --no-build-isolation: build with the machine's own setuptools rather than fetch one
 "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . \
