@@ -171,6 +171,26 @@ def test_the_default_stream_during_a_capture_is_a_capture_error(cupy, arena):
         wsarena.conv_forward(x, w, padding=1, stream=0)
 
 
+def test_the_per_thread_default_stream_can_be_captured_and_the_legacy_one_cannot(cupy, arena):
+    x = cupy.ones((1, 4, 8, 8), cupy.float32)
+    w = cupy.ones((4, 4, 3, 3), cupy.float32)
+    y = cupy.empty((1, 4, 8, 8), cupy.float32)
+    ptds = cupy.cuda.Stream.ptds
+    with ptds:
+        wsarena.conv_forward(x, w, padding=1, out=y)  # the warm-up, on the stream captured
+        y.fill(0)
+        with wsarena.capture(ptds) as graph:
+            wsarena.conv_forward(x, w, padding=1, out=y)
+        assert float(y[0, 0, 4, 4]) == 0.0  # captured, not run
+        graph.launch()
+        ptds.synchronize()
+    assert float(y[0, 0, 4, 4]) == 36.0  # 4 channels x 9 taps of ones
+    with pytest.raises(ValueError, match="legacy default stream cannot be captured"), wsarena.capture(
+        cupy.cuda.Stream.null
+    ):
+        pass
+
+
 def test_the_arena_frees_the_pinned_buffer_once_the_graph_is_dropped(cupy, arena):
     x = cupy.ones((4, 16, 32, 32), cupy.float32)
     w = cupy.ones((16, 16, 3, 3), cupy.float32)

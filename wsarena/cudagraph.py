@@ -100,7 +100,8 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
     Parameters
     ----------
     stream : cupy.cuda.Stream, optional
-        Where to capture; a new non-blocking stream by default. Not a default stream (CUDA cannot capture those).
+        Where to capture; a new non-blocking stream by default. Not the legacy default stream, which CUDA
+        cannot capture (the per-thread default stream, ``cupy.cuda.Stream.ptds``, it can).
         It is the current CuPy stream inside the block, so calls with ``stream=None`` are captured. Before the
         capture begins, a stream that holds no workspace gets the largest buffer the current device's arena holds.
     mode : ``"global"``, ``"thread_local"`` or ``"relaxed"``
@@ -131,8 +132,9 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
         stream = cupy.cuda.Stream(non_blocking=True)
     elif not isinstance(stream, cupy.cuda.Stream):
         raise TypeError(f"stream must be a cupy.cuda.Stream, not {type(stream).__name__}")
-    if stream.ptr in (0, 1, 2):
-        raise ValueError("a default stream cannot be captured: pass a stream of its own (cupy.cuda.Stream())")
+    if stream.ptr in (0, 1):  # the per-thread default stream (2) can be captured; the legacy one cannot
+        raise ValueError("the legacy default stream cannot be captured: pass a stream of its own "
+                         "(cupy.cuda.Stream()) or the per-thread default stream (cupy.cuda.Stream.ptds)")
     cuda_mode = {
         "global": runtime.streamCaptureModeGlobal,
         "thread_local": runtime.streamCaptureModeThreadLocal,
