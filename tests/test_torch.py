@@ -103,6 +103,23 @@ def test_channels_last_runs_as_nhwc_and_gives_channels_last_results(nd):
     assert got[0].is_contiguous(memory_format=fmt)
 
 
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "last"),
+    [
+        ((2, 1, 7, 7), (6, 1, 3, 3), "xw"),  # one input channel, as a greyscale image in a channels-last model
+        ((2, 4, 7, 7), (6, 4, 1, 1), "w"),  # a 1x1 kernel in channels-last memory beside a contiguous input
+        ((2, 4, 7, 7), (6, 4, 3, 3), ""),
+    ],
+)
+def test_tensors_channels_last_in_both_senses_run_in_the_format_torch_reads_from_their_strides(x_shape, w_shape, last):
+    x, w, b = tensors(x_shape, w_shape)
+    x, w = (t.detach().to(memory_format=torch.channels_last) if name in last else t.detach()
+            for name, t in (("x", x), ("w", w)))
+    y, ref = wt.conv2d(x, w, b, padding=1), F.conv2d(x, w, b, padding=1)
+    assert close(y, ref)
+    assert y.stride() == ref.stride()  # torch's own output is channels-last in the first two cases
+    assert (y.stride()[1] == 1) == bool(last)
+
 def test_autocast_on_the_cpu_gives_torchs_dtype_and_values():
     x, w, b = (t.detach().float().requires_grad_() for t in tensors((2, 4, 9, 9), (6, 4, 3, 3)))
     with torch.autocast("cpu", dtype=torch.bfloat16):

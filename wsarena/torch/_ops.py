@@ -32,11 +32,22 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _channels_last(t: Tensor) -> bool:
-    if t.dim() == 4:
-        return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-    if t.dim() == 5:
-        return t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous()
-    return False
+    """Whether PyTorch takes ``t`` for channels-last (``Tensor.suggest_memory_format()``, which has no Python name):
+    its strides grow from the channels through the spatial dimensions, innermost first, to the batch. Strides, not
+    ``is_contiguous(memory_format=...)``, which is true of both formats where a dimension is 1 (one channel, a 1x1
+    kernel): PyTorch reads those tensors by their strides too (c10's ``is_channels_last_strides_2d``), and a
+    tensor under ``torch.func.vmap`` has strides but answers no ``is_contiguous`` question but the plain one."""
+    if t.dim() not in (4, 5) or t.layout != torch.strided:
+        return False
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return False
+    least = 0
+    for d in (1, *range(t.dim() - 1, 1, -1), 0):
+        if sizes[d] == 0 or strides[d] < least or (d == 0 and least == strides[1]):
+            return False
+        least = strides[d] * sizes[d]
+    return True
 
 
 def layout_of(x: Tensor, w: Tensor) -> str:
