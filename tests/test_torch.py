@@ -139,6 +139,19 @@ def test_float64_is_left_alone_by_autocast_as_torch_leaves_it():
         assert wt.conv2d(x, w, b).dtype == F.conv2d(x, w, b).dtype == torch.float64
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_meta_tensors_give_torchs_shapes_through_a_converted_model(autocast):
+    """A model made on the meta device (to size it before allocating it) runs there as torch's own convolutions:
+    autocast has no mode for that device, which is no error."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ConvTranspose2d(8, 4, 2, 2))
+    model = model.to("meta")
+    x = torch.empty(2, 3, 15, 15, device="meta")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ref = model(x)
+        y = wt.convert(model)(x)
+    assert y.device.type == "meta" and y.shape == ref.shape == (2, 4, 16, 16) and y.dtype == ref.dtype
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
@@ -148,6 +161,9 @@ def test_float64_is_left_alone_by_autocast_as_torch_leaves_it():
         (lambda x, w: wt.conv2d(x, w.float()), TypeError, "dtypes differ"),
         (lambda x, w: wt.conv2d(x[0, 0], w), ValueError, "3- or 4-D input"),
         (lambda x, w: wt.conv2d(x, w, groups=3), ValueError, "groups=3"),
+        (lambda x, w: wt.conv2d(x, w, torch.zeros(2, 1, dtype=x.dtype)), ValueError, r"bias must have shape \(2,\)"),
+        (lambda x, w: wt.conv2d(x, w, torch.zeros(1, 2, dtype=x.dtype)), ValueError, r"not \(1, 2\)"),
+        (lambda x, w: wt.conv2d(x, w, 0.5), TypeError, "bias must be a tensor or None, not float"),
         (lambda x, w: wt.conv2d(x.numpy(), w), TypeError, "must be tensors"),
     ],
 )

@@ -140,7 +140,8 @@ def _as_started(started: tuple[_callsite.Site, _config.Config | None] | None) ->
 def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The operands cast as ``torch.autocast`` casts a convolution's: floating types but float64 to its dtype."""
     device_type = x.device.type
-    if not torch.is_autocast_enabled(device_type):
+    # a device autocast has no mode for (the meta device) makes is_autocast_enabled raise
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
         return x, w, bias
     dtype = torch.get_autocast_dtype(device_type)
 
@@ -164,11 +165,20 @@ def _operands(
         raise ValueError(
             f"{name} needs a {nd + 1}- or {nd + 2}-D input and a {nd + 2}-D weight, not {x.dim()}-D and {w.dim()}-D"
         )
+    if bias is not None and not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be a tensor or None, not {type(bias).__name__}")
     x, w, bias = _autocast(x, w, bias)
     if x.dtype != w.dtype or (bias is not None and bias.dtype != x.dtype):
         raise TypeError(f"dtypes differ: input is {x.dtype}, weight is {w.dtype}"
                         + (f", bias is {bias.dtype}" if bias is not None else ""))
     return x, w, bias, unbatched
+
+
+def _check_bias(bias: Tensor | None, channels: int) -> None:
+    """A bias of other than one value per output channel is refused, as PyTorch refuses it (adding it would
+    broadcast a ``(channels, 1)`` bias, or reshape any other of ``channels`` values)."""
+    if bias is not None and tuple(bias.shape) != (channels,):
+        raise ValueError(f"bias must have shape ({channels},), one value per output channel, not {tuple(bias.shape)}")
 
 
 def _finished(y: Tensor, bias: Tensor | None, nd: int, unbatched: bool) -> Tensor:
@@ -182,6 +192,7 @@ def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, paddi
           groups: int) -> Tensor:
     x, w, bias, unbatched = _operands(f"conv{nd}d", nd, x, w, bias)
     geom = conv_geometry(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    _check_bias(bias, geom.out_channels)
     layout = _ops.layout_of(x, w)
     y = ConvFunction.apply(x, w, list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups, layout)
     return _finished(y, bias, nd, unbatched)
@@ -192,6 +203,7 @@ def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: 
     x, w, bias, unbatched = _operands(f"conv_transpose{nd}d", nd, x, w, bias)
     geom = conv_transpose_geometry(x.shape, w.shape, stride=stride, padding=padding, output_padding=output_padding,
                                    dilation=dilation, groups=groups)
+    _check_bias(bias, geom.in_channels)  # the output's channels: the input's of the convolution it transposes
     layout = _ops.layout_of(x, w)
     # the fields, not ConvGeometry's cached properties, whose lock torch.compile cannot trace on Python 3.11
     output_shape = [geom.batch, geom.in_channels, *geom.input_size]
