@@ -17,6 +17,7 @@ gradient it computes (:mod:`wsarena._callsite`).
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -188,9 +189,36 @@ def _finished(y: Tensor, bias: Tensor | None, nd: int, unbatched: bool) -> Tenso
     return y.squeeze(0) if unbatched else y
 
 
+def _per_dim(value: Any, nd: int) -> list[int] | None:
+    """``value`` (an int or one per dimension) as a list of ``nd`` ints, or ``None`` when it is no such thing (for
+    :func:`conv_geometry` to say what is wrong with it)."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * nd
+    try:
+        ints = [operator.index(v) for v in values]
+    except TypeError:
+        return None
+    return ints if len(ints) == nd and not any(isinstance(v, bool) for v in values) else None
+
+
+def _same(x: Tensor, w: Tensor, stride: Any, dilation: Any, nd: int) -> tuple[Tensor, Any]:
+    """``x`` and the padding to run ``padding="same"`` with: where a dimension's total padding is odd (an even
+    kernel), ``x`` padded by PyTorch with the one more at the end that torch's own convolution adds there, and the
+    rest symmetric. Left as ``"same"`` where the stride or dilation is not valid, or there is nothing to add."""
+    strides, dilations = _per_dim(stride, nd), _per_dim(dilation, nd)
+    if strides is None or dilations is None or any(s != 1 for s in strides) or any(d < 1 for d in dilations):
+        return x, "same"  # conv_geometry names what is wrong
+    totals = [d * (k - 1) for d, k in zip(dilations, w.shape[2:])]
+    if not any(t % 2 for t in totals):
+        return x, "same"
+    ends = [p for t in reversed(totals) for p in (0, t % 2)]  # F.pad's order: the last dimension first
+    return torch.nn.functional.pad(x, ends), [t // 2 for t in totals]
+
+
 def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any, dilation: Any,
           groups: int) -> Tensor:
     x, w, bias, unbatched = _operands(f"conv{nd}d", nd, x, w, bias)
+    if isinstance(padding, str) and padding == "same":
+        x, padding = _same(x, w, stride, dilation, nd)
     geom = conv_geometry(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation, groups=groups)
     _check_bias(bias, geom.out_channels)
     layout = _ops.layout_of(x, w)
@@ -214,22 +242,22 @@ def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: 
 
 def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
-    """``torch.nn.functional.conv1d`` with wsarena's passes (``padding`` symmetric, an int, a tuple, ``"valid"``
-    or ``"same"``)."""
+    """``torch.nn.functional.conv1d`` with wsarena's passes (``padding`` an int, a tuple, ``"valid"`` or ``"same"``,
+    which pads an even kernel's input by one more at the end, as PyTorch does)."""
     return _conv(1, input, weight, bias, stride, padding, dilation, groups)
 
 
 def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
-    """``torch.nn.functional.conv2d`` with wsarena's passes (``padding`` symmetric, an int, a tuple, ``"valid"``
-    or ``"same"``)."""
+    """``torch.nn.functional.conv2d`` with wsarena's passes (``padding`` an int, a tuple, ``"valid"`` or ``"same"``,
+    which pads an even kernel's input by one more at the end, as PyTorch does)."""
     return _conv(2, input, weight, bias, stride, padding, dilation, groups)
 
 
 def conv3d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
-    """``torch.nn.functional.conv3d`` with wsarena's passes (``padding`` symmetric, an int, a tuple, ``"valid"``
-    or ``"same"``)."""
+    """``torch.nn.functional.conv3d`` with wsarena's passes (``padding`` an int, a tuple, ``"valid"`` or ``"same"``,
+    which pads an even kernel's input by one more at the end, as PyTorch does)."""
     return _conv(3, input, weight, bias, stride, padding, dilation, groups)
 
 

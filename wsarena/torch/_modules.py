@@ -3,8 +3,7 @@
 
 The modules are ``torch.nn``'s with the same constructor, parameters and ``state_dict``; only the convolution itself
 runs through :mod:`wsarena.torch`'s functions. ``padding_mode="zeros"`` only: the others pad the input on their
-own, and are refused with a ``ValueError``, as is ``padding="same"`` where it would need asymmetric padding (an even
-kernel), which wsarena's convolutions do not take, and a transposed convolution's ``output_padding`` as large as its
+own, and are refused with a ``ValueError``, as is a transposed convolution's ``output_padding`` as large as its
 stride (PyTorch takes it below the dilation too; wsarena runs a transposed convolution as a convolution's
 backward-data, which has no such output).
 """
@@ -25,12 +24,6 @@ def unsupported(module: nn.Module) -> str | None:
     padding_mode = getattr(module, "padding_mode", "zeros")
     if padding_mode != "zeros":
         return f"padding_mode={padding_mode!r} (only 'zeros' is supported; pad the input with F.pad instead)"
-    if getattr(module, "padding", None) == "same":
-        kernel: Any = getattr(module, "kernel_size", ())
-        dilation: Any = getattr(module, "dilation", ())
-        if any(d * (k - 1) % 2 for k, d in zip(kernel, dilation)):
-            return (f"padding='same' with kernel_size={tuple(kernel)} and dilation={tuple(dilation)} needs "
-                    "asymmetric padding, which wsarena's convolutions do not take")
     if _output_padding_beyond_stride(module):
         output_padding: Any = module.output_padding
         stride: Any = module.stride
@@ -144,8 +137,8 @@ def convert(model: nn.Module) -> nn.Module:
     Raises
     ------
     ValueError
-        A convolution wsarena cannot run (``padding_mode`` other than ``"zeros"``, ``padding="same"`` that needs
-        asymmetric padding), naming each; nothing is changed then.
+        A convolution wsarena cannot run (``padding_mode`` other than ``"zeros"``), naming each; nothing is changed
+        then.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
