@@ -5,13 +5,9 @@ Each checks its arguments as wsarena's ops do (a clear ``ValueError``/``TypeErro
 ``torch.autocast`` as PyTorch does for its convolutions, and runs :class:`ConvFunction`, whose forward,
 input-gradient and weight-gradient are wsarena's ``conv_forward``, ``conv_backward_data`` and
 ``conv_backward_filter`` (as the custom operators of :mod:`wsarena.torch._ops`), or :class:`ConvTransposeFunction`,
-which runs the same three in other roles: a transposed convolution is a convolution's backward-data. The bias is
-added by PyTorch.
-
-A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
-passes of CUDA tensors on a thread of its own, which a ``config()`` block of the caller's does not reach. A warning
-from a forward pass names the user's line that called it; one from a backward pass names the forward call whose
-gradient it computes (:mod:`wsarena._callsite`).
+which runs the same three in other roles: a transposed convolution is a convolution's backward-data
+(:mod:`wsarena.torch._autograd`, where the backward passes run under their forward's settings). The bias is added
+by PyTorch.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +23,7 @@ from torch import Tensor
 from .. import _callsite, _config
 from .._geometry import conv_geometry, conv_transpose_geometry
 from . import _ops
+from ._autograd import ConvFunction, ConvTransposeFunction
 
 __all__ = [
     "ConvFunction", "ConvTransposeFunction", "checkpoint_context", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
@@ -40,102 +36,12 @@ _callsite.skip(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 _callsite.skip("<eval_with_key>")
 
 
-class ConvFunction(torch.autograd.Function):
-    """A convolution without bias: ``ConvFunction.apply(x, w, stride, padding, dilation, groups, layout)``.
-
-    ``stride``, ``padding`` and ``dilation`` are lists with one int per spatial dimension, ``layout`` is
-    ``"NCHW"`` or ``"NHWC"`` (a channels-last tensor); the functions :func:`conv2d` and its kin work them out.
-    Differentiable once.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, w: Tensor, stride: list[int], padding: list[int], dilation: list[int], groups: int,
-        layout: str,
-    ) -> Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.conv = (stride, padding, dilation, groups, layout)
-        ctx.started = _started()
-        return torch.ops.wsarena.conv_forward(x, w, stride, padding, dilation, groups, layout)
-
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, w = ctx.saved_tensors
-        stride, padding, dilation, groups, layout = ctx.conv
-        dx = dw = None
-        with _as_started(ctx.started):
-            if ctx.needs_input_grad[0]:
-                dx = torch.ops.wsarena.conv_backward_data(
-                    dy, w, list(x.shape), stride, padding, dilation, groups, layout
-                )
-            if ctx.needs_input_grad[1]:
-                dw = torch.ops.wsarena.conv_backward_filter(
-                    x, dy, list(w.shape), stride, padding, dilation, groups, layout
-                )
-        return dx, dw, None, None, None, None, None
-
-
-class ConvTransposeFunction(torch.autograd.Function):
-    """A transposed convolution without bias:
-    ``ConvTransposeFunction.apply(x, w, output_shape, stride, padding, dilation, groups, layout)``.
-
-    It is the input gradient of the convolution of an ``output_shape`` input by ``w`` (``output_shape`` logical,
-    channels first); its own input gradient is that convolution's forward, its weight gradient the convolution's
-    backward-filter with the gradient as the convolution's input and ``x`` as its output gradient. Arguments as
-    :class:`ConvFunction`'s. Differentiable once.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, w: Tensor, output_shape: list[int], stride: list[int], padding: list[int],
-        dilation: list[int], groups: int, layout: str,
-    ) -> Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.conv = (stride, padding, dilation, groups, layout)
-        ctx.started = _started()
-        return torch.ops.wsarena.conv_backward_data(x, w, output_shape, stride, padding, dilation, groups, layout)
-
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, w = ctx.saved_tensors
-        stride, padding, dilation, groups, layout = ctx.conv
-        dx = dw = None
-        with _as_started(ctx.started):
-            if ctx.needs_input_grad[0]:
-                dx = torch.ops.wsarena.conv_forward(dy, w, stride, padding, dilation, groups, layout)
-            if ctx.needs_input_grad[1]:
-                dw = torch.ops.wsarena.conv_backward_filter(
-                    dy, x, list(w.shape), stride, padding, dilation, groups, layout
-                )
-        return dx, dw, None, None, None, None, None, None
-
-
 def checkpoint_context() -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the recomputed forward
     runs under the settings the checkpointed forward ran under (its ``config()`` block, else the process-wide
     settings), as an ordinary forward's backward passes do; without it, under those in force where ``backward()``
     runs."""
     return contextlib.nullcontext(), _config.using(_config.overridden())
-
-
-def _started() -> tuple[_callsite.Site, _config.Config | None] | None:
-    """Where a forward was called and the ``config()`` block it ran in (``None``: none, so the process-wide
-    settings, which ``configure()`` may change before the backward), for its backward passes (none while
-    ``torch.compile`` traces it: a compiled backward runs the operators without these functions, and a warning
-    names the first line outside PyTorch and wsarena)."""
-    return None if torch.compiler.is_compiling() else (_callsite.caller(), _config.overridden())
-
-
-@contextlib.contextmanager
-def _as_started(started: tuple[_callsite.Site, _config.Config | None] | None) -> Iterator[None]:
-    """A backward pass's body: its warnings reported at the forward's call, under the forward's settings
-    (``torch.compile`` traces neither: each sets a context variable)."""
-    if started is None or torch.compiler.is_compiling():
-        yield
-        return
-    site, settings = started
-    with _callsite.reported_at(site), _config.using(settings):
-        yield
 
 
 def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
