@@ -84,7 +84,7 @@ def _operands(
 def _check_bias(bias: Tensor | None, channels: int) -> None:
     """A bias of other than one value per output channel is refused, as PyTorch refuses it (adding it would
     broadcast a ``(channels, 1)`` bias, or reshape any other of ``channels`` values)."""
-    if bias is not None and tuple(bias.shape) != (channels,):
+    if bias is not None and [operator.index(n) for n in bias.shape] != [channels]:  # ints, not torch.jit.trace's
         raise ValueError(f"bias must have shape ({channels},), one value per output channel, not {tuple(bias.shape)}")
 
 
@@ -113,7 +113,7 @@ def _same(x: Tensor, w: Tensor, stride: Any, dilation: Any, nd: int) -> tuple[Te
     strides, dilations = _per_dim(stride, nd), _per_dim(dilation, nd)
     if strides is None or dilations is None or any(s != 1 for s in strides) or any(d < 1 for d in dilations):
         return x, "same"  # conv_geometry names what is wrong
-    totals = [d * (k - 1) for d, k in zip(dilations, w.shape[2:])]
+    totals = [d * (operator.index(k) - 1) for d, k in zip(dilations, w.shape[2:])]  # ints, not torch.jit.trace's
     if not any(t % 2 for t in totals):
         return x, "same"
     ends = [p for t in reversed(totals) for p in (0, t % 2)]  # F.pad's order: the last dimension first

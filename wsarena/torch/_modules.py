@@ -10,6 +10,7 @@ backward-data, which has no such output).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import Tensor, nn
@@ -40,10 +41,22 @@ def _output_padding_beyond_stride(module: nn.Module) -> bool:
     return any(e >= s for e, s in zip(getattr(module, "output_padding", ()), getattr(module, "stride", ())))
 
 
+class _TorchSignature:
+    """A module class's signature, as ``inspect`` (and the tools that build a model from its arguments) reads it:
+    that of the ``torch.nn`` class it extends, whose ``__init__`` takes the arguments, not ``(*args, **kwargs)``.
+    Instances have none of their own: theirs is their call's."""
+
+    def __get__(self, instance: Any, owner: type) -> inspect.Signature:
+        if instance is not None:
+            raise AttributeError("__signature__")
+        return inspect.signature(next(c for c in owner.__mro__ if c.__module__.startswith("torch.nn.")))
+
+
 class _Checked(nn.Module):
     """What the modules share: a check, when made and when run, that wsarena can run the convolution."""
 
     _nd: int
+    __signature__ = _TorchSignature()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -53,6 +66,15 @@ class _Checked(nn.Module):
         reason = unsupported(self)
         if reason is not None:
             raise ValueError(f"{type(self).__name__}: {reason}")
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        """What ``torch.jit.script`` asks of each module first: here a clear refusal, instead of TorchScript's
+        failure to compile wsarena's Python (its first unsupported construct, deep in this package)."""
+        raise TypeError(
+            f"wsarena.torch.{type(self).__name__} cannot be compiled by TorchScript (torch.jit.script): its "
+            "convolution is a Python autograd Function. torch.compile and torch.export take it; torch.jit.trace "
+            "runs it, but cannot save it"
+        )
 
 
 class _WsarenaConv(_Checked):

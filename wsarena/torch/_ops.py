@@ -17,6 +17,7 @@ kernels) and rounded to their dtype, as PyTorch's CPU convolution accumulates th
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,7 +40,7 @@ def _channels_last(t: Tensor) -> bool:
     tensor under ``torch.func.vmap`` has strides but answers no ``is_contiguous`` question but the plain one."""
     if t.dim() not in (4, 5) or t.layout != torch.strided:
         return False
-    sizes, strides = t.shape, t.stride()
+    sizes, strides = [operator.index(n) for n in t.shape], t.stride()  # ints, where torch.jit.trace gives tensors
     if strides[1] == 0:
         return False
     least = 0
