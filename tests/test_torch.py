@@ -182,6 +182,8 @@ def test_meta_tensors_give_torchs_shapes_through_a_converted_model(autocast):
         (lambda x, w: wt.conv2d(x, w, torch.zeros(2, 1, dtype=x.dtype)), ValueError, r"bias must have shape \(2,\)"),
         (lambda x, w: wt.conv2d(x, w, torch.zeros(1, 2, dtype=x.dtype)), ValueError, r"not \(1, 2\)"),
         (lambda x, w: wt.conv2d(x, w, 0.5), TypeError, "bias must be a tensor or None, not float"),
+        (lambda x, w: wt.conv2d(x.long(), w.long()), TypeError, "conv2d takes float16, .* tensors, not torch.int64"),
+        (lambda x, w: wt.conv2d(x.cdouble(), w.cdouble()), TypeError, "not torch.complex128"),
         (lambda x, w: wt.conv2d(x.numpy(), w), TypeError, "must be tensors"),
     ],
 )

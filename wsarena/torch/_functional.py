@@ -78,7 +78,12 @@ def _operands(
     if x.dtype != w.dtype or (bias is not None and bias.dtype != x.dtype):
         raise TypeError(f"dtypes differ: input is {x.dtype}, weight is {w.dtype}"
                         + (f", bias is {bias.dtype}" if bias is not None else ""))
+    if x.dtype not in _FLOATS:  # PyTorch's CPU convolution takes integers too; wsarena's ops do not
+        raise TypeError(f"{name} takes float16, bfloat16, float32 or float64 tensors, not {x.dtype}")
     return x, w, bias, unbatched
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_bias(bias: Tensor | None, channels: int) -> None:
