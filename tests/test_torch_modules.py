@@ -95,3 +95,19 @@ def test_torch_export_takes_the_custom_operators():
     targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
     assert {"wsarena.conv_forward.default", "wsarena.conv_backward_data.default"} <= targets
     assert close(exported.module()(x), model(x))
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_custom_operators_pass_torch_library_opcheck(fmt, dtype):
+    """PyTorch's own check of a custom operator: its schema, and fake (torch.compile's) against real results."""
+    layout = "NHWC" if fmt == torch.channels_last else "NCHW"
+    x = torch.randn(2, 4, 7, 7, dtype=dtype).contiguous(memory_format=fmt)
+    w = torch.randn(6, 2, 3, 3, dtype=dtype).contiguous(memory_format=fmt)
+    conv = ([2, 1], [1, 1], [1, 2], 2, layout)
+    y = torch.ops.wsarena.conv_forward(x, w, *conv)
+    ops = torch.ops.wsarena
+    for op, args in ((ops.conv_forward.default, (x, w, *conv)),
+                     (ops.conv_backward_data.default, (y, w, list(x.shape), *conv)),
+                     (ops.conv_backward_filter.default, (x, y, list(w.shape), *conv))):
+        torch.library.opcheck(op, args)
