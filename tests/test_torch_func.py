@@ -13,6 +13,7 @@ import pytest
 
 import wsarena
 from wsarena import algos, ops
+from wsarena.torch import _autograd
 
 from .test_torch import _backward, _cap_warnings, _line, close
 from .test_torch_transpose import CASES as TRANSPOSE_CASES
@@ -59,12 +60,56 @@ def test_transposed_gradients_of_gradients_pass_gradgradcheck_and_batched_gradch
     assert torch.autograd.gradgradcheck(conv, (x, w), check_batched_grad=True)
 
 
-def test_a_gradient_penalty_matches_torchs_and_runs_wsarenas_passes(monkeypatch):
-    """The input gradient's norm, differentiated again (WGAN-GP): every convolution it takes is wsarena's."""
+def test_the_public_functions_applied_directly_pass_gradgradcheck():
+    """The Functions as a user applies them (the form torch.func takes), the weight gradient's included."""
+    x, w, _ = tensors((1, 2, 5, 5), (3, 2, 3, 3))
+    conv = ([1, 2], [1, 0], [1, 1], 1, "NCHW")
+    y = wt.ConvFunction.apply(x, w, *conv)
+    dy = torch.randn(y.shape, dtype=torch.float64, requires_grad=True)
+    for function, args, rest in ((wt.ConvFunction, (x, w), conv), (wt.ConvTransposeFunction, (dy, w), ([1, 2, 5, 5], *conv)),
+                                 (wt.WeightGradFunction, (x, dy), ([3, 2, 3, 3], *conv))):
+        assert torch.autograd.gradgradcheck(lambda a, b, f=function, r=rest: f.apply(a, b, *r), args)
+
+
+def _counted(monkeypatch):
+    """The names of wsarena's ops as they are called, in order."""
     calls = []
     for name in ("conv_forward", "conv_backward_data", "conv_backward_filter"):
         real = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    return calls
+
+
+def test_vmap_calls_each_pass_once_through_the_operators_vmap_rules(monkeypatch):
+    """A batch of B is one call per pass, the mapped dimension folded into the batch or the groups (PyTorch's
+    fallback for an operator without a rule would call it B times)."""
+    x, w, b = (t.detach() for t in tensors((2, 4, 6, 6), (6, 2, 3, 3)))
+    xs, ws = torch.randn(3, *x.shape, dtype=torch.float64), torch.randn(3, *w.shape, dtype=torch.float64)
+    calls = _counted(monkeypatch)
+    func.vmap(lambda x: wt.conv2d(x, w, b, groups=2))(xs)
+    func.vmap(lambda w: wt.conv2d(x, w, b, groups=2))(ws)
+    assert calls == ["conv_forward"] * 2
+    calls.clear()
+    loss = lambda w, x: wt.conv2d(x.unsqueeze(0), w, b, groups=2).pow(2).sum()
+    func.vmap(func.grad(loss), in_dims=(None, 0))(w, xs[:, 0])  # per-sample weight gradients
+    assert sorted(calls) == ["conv_backward_filter", "conv_forward"]
+
+
+def test_an_ordinary_backward_runs_the_older_form_and_batched_gradients_match_torchs():
+    """Outside torch.func the Functions run in the form autograd runs faster; ``is_grads_batched`` (PyTorch's own
+    batching of a backward that makes no graph) gives torch's gradients."""
+    x, w, b = tensors((2, 4, 6, 6), (6, 2, 3, 3))
+    assert type(wt.conv2d(x, w, groups=2).grad_fn)._forward_cls is _autograd._OLDER[wt.ConvFunction]
+    y, ref = wt.conv2d(x, w, b, groups=2), F.conv2d(x, w, b, groups=2)
+    dys = torch.randn(3, *y.shape, dtype=torch.float64)
+    got = torch.autograd.grad(y, (x, w, b), dys, is_grads_batched=True)
+    expected = torch.autograd.grad(ref, (x, w, b), dys, is_grads_batched=True)
+    assert all(g.shape == e.shape and close(g, e) for g, e in zip(got, expected))
+
+
+def test_a_gradient_penalty_matches_torchs_and_runs_wsarenas_passes(monkeypatch):
+    """The input gradient's norm, differentiated again (WGAN-GP): every convolution it takes is wsarena's."""
+    calls = _counted(monkeypatch)
     x, w, b = tensors((2, 4, 7, 7), (6, 4, 3, 3))
 
     def penalty(conv):

@@ -13,9 +13,10 @@ WeightGradFunction:        dx = ConvTransposeFunction(dy, g)           d(dy) = C
 dw(x, dy)
 =========================  ==========================================  ==========================================
 
-Under ``torch.func.vmap`` the mapped dimension joins the batch where the weight is shared, and becomes groups
-otherwise (B weights are one grouped convolution with B times the groups), as PyTorch batches its own convolution.
-Forward mode (``torch.func.jvp``, ``jacfwd``) is not offered: ``torch.compile`` takes no Function that defines it.
+A backward pass that makes no graph (an ordinary ``backward()``) calls the operators themselves, without the cost of
+a Function. ``torch.func`` (whose transforms make graphs) runs the Functions in its ``grad``, and under ``vmap``
+batches the operators (:mod:`wsarena.torch._ops`). Forward mode
+(``torch.func.jvp``, ``jacfwd``) is not offered: ``torch.compile`` takes no Function that defines it.
 
 A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
 passes of CUDA tensors on a thread of its own, which a ``config()`` block of the caller's does not reach. A warning
@@ -26,7 +27,8 @@ gradient it computes (:mod:`wsarena._callsite`), as do the passes of a gradient 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from .. import _callsite, _config
 
-__all__ = ["ConvFunction", "ConvTransposeFunction", "WeightGradFunction"]
+__all__ = ["ConvFunction", "ConvTransposeFunction", "WeightGradFunction", "apply"]
 
 _NO_GRADS = (None,) * 6  # for the arguments after the two operands: shapes and parameters
 
@@ -46,6 +48,8 @@ class ConvFunction(torch.autograd.Function):
     ``"NCHW"`` or ``"NHWC"`` (a channels-last tensor); the functions :func:`conv2d` and its kin work them out.
     Differentiable any number of times (reverse mode), and batched by ``torch.func.vmap``.
     """
+
+    generate_vmap_rule = True  # its operators have vmap rules of their own
 
     @staticmethod
     def forward(
@@ -63,21 +67,10 @@ class ConvFunction(torch.autograd.Function):
         dx = dw = None
         with _as_started(ctx.started):
             if ctx.needs_input_grad[0]:
-                dx = ConvTransposeFunction.apply(dy, w, list(x.shape), *ctx.conv)
+                dx = _transposed(dy, w, list(x.shape), ctx.conv)
             if ctx.needs_input_grad[1]:
-                dw = WeightGradFunction.apply(x, dy, list(w.shape), *ctx.conv)
+                dw = _weight_grad(x, dy, list(w.shape), ctx.conv)
         return (dx, dw, *_NO_GRADS[:5])
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[int | None, ...], x: Tensor, w: Tensor, *conv: Any) -> tuple[Tensor, int]:
-        stride, padding, dilation, groups, layout = conv
-        size = info.batch_size
-        if in_dims[1] is None:  # one weight for all: the mapped dimension joins the batch
-            y = ConvFunction.apply(_first(x, in_dims[0], size).flatten(0, 1), w, *conv)
-            return y.unflatten(0, (size, -1)), 0
-        y = ConvFunction.apply(_channels(x, in_dims[0], size), _first(w, in_dims[1], size).flatten(0, 1), stride,
-                               padding, dilation, groups * size, layout)
-        return y.unflatten(1, (size, -1)), 1
 
 
 class ConvTransposeFunction(torch.autograd.Function):
@@ -89,6 +82,8 @@ class ConvTransposeFunction(torch.autograd.Function):
     weight gradient with the gradient as the convolution's input and ``x`` as its output gradient. Arguments as
     :class:`ConvFunction`'s, and differentiable as it is.
     """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(
@@ -107,25 +102,10 @@ class ConvTransposeFunction(torch.autograd.Function):
         dx = dw = None
         with _as_started(ctx.started):
             if ctx.needs_input_grad[0]:
-                dx = ConvFunction.apply(dy, w, *ctx.conv)
+                dx = _conv(dy, w, ctx.conv)
             if ctx.needs_input_grad[1]:
-                dw = WeightGradFunction.apply(dy, x, list(w.shape), *ctx.conv)
+                dw = _weight_grad(dy, x, list(w.shape), ctx.conv)
         return (dx, dw, *_NO_GRADS)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[int | None, ...], x: Tensor, w: Tensor, output_shape: list[int],
-             *conv: Any) -> tuple[Tensor, int]:
-        stride, padding, dilation, groups, layout = conv
-        size = info.batch_size
-        batch, channels, *spatial = output_shape
-        if in_dims[1] is None:
-            dx = ConvTransposeFunction.apply(_first(x, in_dims[0], size).flatten(0, 1), w,
-                                             [size * batch, channels, *spatial], *conv)
-            return dx.unflatten(0, (size, -1)), 0
-        dx = ConvTransposeFunction.apply(_channels(x, in_dims[0], size), _first(w, in_dims[1], size).flatten(0, 1),
-                                         [batch, size * channels, *spatial], stride, padding, dilation, groups * size,
-                                         layout)
-        return dx.unflatten(1, (size, -1)), 1
 
 
 class WeightGradFunction(torch.autograd.Function):
@@ -133,6 +113,8 @@ class WeightGradFunction(torch.autograd.Function):
     ``WeightGradFunction.apply(x, dy, weight_shape, stride, padding, dilation, groups, layout)``, the gradient of the
     ``weight_shape`` weight of the convolution of ``x`` whose output has the gradient ``dy``. Arguments as
     :class:`ConvFunction`'s, and differentiable as it is."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(
@@ -151,20 +133,62 @@ class WeightGradFunction(torch.autograd.Function):
         dx = ddy = None
         with _as_started(ctx.started):
             if ctx.needs_input_grad[0]:
-                dx = ConvTransposeFunction.apply(dy, g, list(x.shape), *ctx.conv)
+                dx = _transposed(dy, g, list(x.shape), ctx.conv)
             if ctx.needs_input_grad[1]:
-                ddy = ConvFunction.apply(x, g, *ctx.conv)
+                ddy = _conv(x, g, ctx.conv)
         return (dx, ddy, *_NO_GRADS)
 
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[int | None, ...], x: Tensor, dy: Tensor, weight_shape: list[int],
-             *conv: Any) -> tuple[Tensor, int]:
-        stride, padding, dilation, groups, layout = conv
-        size = info.batch_size
-        dw = WeightGradFunction.apply(_channels(x, in_dims[0], size), _channels(dy, in_dims[1], size),
-                                      [size * weight_shape[0], *weight_shape[1:]], stride, padding, dilation,
-                                      groups * size, layout)
-        return dw.unflatten(0, (size, -1)), 0
+
+# torch.func's transforms take a Function only in the form above, whose forward has no ctx (setup_context does its
+# part), and autograd runs that form about 15 us a call slower than the older one, binding the arguments to forward's
+# signature. Outside the transforms (and outside a torch.compile trace, which takes either at no cost) each runs in
+# the older form, made here from the same forward, setup and backward.
+_transforms_active: Callable[[], bool] | None = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def _older_form(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    def forward(ctx: Any, *args: Any) -> Tensor:
+        output = function.forward(*args)
+        function.setup_context(ctx, args, output)
+        return output
+
+    body = {"forward": staticmethod(forward), "backward": staticmethod(function.backward), "__doc__": function.__doc__}
+    return type(function.__name__, (torch.autograd.Function,), body)
+
+
+_OLDER: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {
+    f: _older_form(f) for f in (ConvFunction, ConvTransposeFunction, WeightGradFunction)
+}
+for _function in _OLDER:
+    # under the transforms, inspect takes a signature kept on forward instead of working it out on every call
+    _function.forward.__signature__ = inspect.signature(_function.forward)  # type: ignore[attr-defined]
+
+
+def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
+    """``function.apply(*args)``, in the older form where no torch.func transform or torch.compile trace runs."""
+    if torch.compiler.is_compiling() or _transforms_active is None or _transforms_active():
+        return function.apply(*args)
+    return _OLDER[function].apply(*args)
+
+
+# A backward pass's passes: Functions where their own gradient may be asked for (grad mode is on in a backward
+# only when it makes a graph), else the operators, without a Function's cost.
+def _conv(x: Tensor, w: Tensor, conv: tuple[Any, ...]) -> Tensor:
+    if torch.is_grad_enabled():
+        return apply(ConvFunction, x, w, *conv)
+    return torch.ops.wsarena.conv_forward(x, w, *conv)
+
+
+def _transposed(dy: Tensor, w: Tensor, shape: list[int], conv: tuple[Any, ...]) -> Tensor:
+    if torch.is_grad_enabled():
+        return apply(ConvTransposeFunction, dy, w, shape, *conv)
+    return torch.ops.wsarena.conv_backward_data(dy, w, shape, *conv)
+
+
+def _weight_grad(x: Tensor, dy: Tensor, shape: list[int], conv: tuple[Any, ...]) -> Tensor:
+    if torch.is_grad_enabled():
+        return apply(WeightGradFunction, x, dy, shape, *conv)
+    return torch.ops.wsarena.conv_backward_filter(x, dy, shape, *conv)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...]) -> None:
@@ -174,16 +198,6 @@ def _setup(ctx: Any, inputs: tuple[Any, ...]) -> None:
     ctx.save_for_backward(a, b)
     ctx.conv = tuple(rest[-5:])
     ctx.started = _started()
-
-
-def _first(t: Tensor, dim: int | None, size: int) -> Tensor:
-    """``t`` with its mapped dimension first; expanded to ``size`` where it has none."""
-    return t.movedim(dim, 0) if dim is not None else t.expand(size, *t.shape)
-
-
-def _channels(t: Tensor, dim: int | None, size: int) -> Tensor:
-    """``(size, N, C, *spatial)`` as ``(N, size * C, *spatial)``: the mapped dimension as groups of channels."""
-    return _first(t, dim, size).movedim(0, 1).flatten(1, 2)
 
 
 def _started() -> tuple[_callsite.Site, _config.Config | None] | None:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import _callsite, _config
 from .._geometry import conv_geometry, conv_transpose_geometry
-from . import _ops
+from . import _autograd, _ops
 from ._autograd import ConvFunction, ConvTransposeFunction
 
 __all__ = [
@@ -133,7 +133,8 @@ def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, paddi
     geom = conv_geometry(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation, groups=groups)
     _check_bias(bias, geom.out_channels)
     layout = _ops.layout_of(x, w)
-    y = ConvFunction.apply(x, w, list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups, layout)
+    y = _autograd.apply(ConvFunction, x, w, list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups,
+                        layout)
     return _finished(y, bias, nd, unbatched)
 
 
@@ -146,8 +147,8 @@ def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: 
     layout = _ops.layout_of(x, w)
     # the fields, not ConvGeometry's cached properties, whose lock torch.compile cannot trace on Python 3.11
     output_shape = [geom.batch, geom.in_channels, *geom.input_size]
-    y = ConvTransposeFunction.apply(x, w, output_shape, list(geom.stride), list(geom.padding), list(geom.dilation),
-                                    geom.groups, layout)
+    y = _autograd.apply(ConvTransposeFunction, x, w, output_shape, list(geom.stride), list(geom.padding),
+                        list(geom.dilation), geom.groups, layout)
     return _finished(y, bias, nd, unbatched)
 
 
