@@ -13,10 +13,11 @@ WeightGradFunction:        dx = ConvTransposeFunction(dy, g)           d(dy) = C
 dw(x, dy)
 =========================  ==========================================  ==========================================
 
-A backward pass that makes no graph (an ordinary ``backward()``) calls the operators themselves, without the cost of
-a Function. ``torch.func`` (whose transforms make graphs) runs the Functions in its ``grad``, and under ``vmap``
-batches the operators (:mod:`wsarena.torch._ops`). Forward mode
-(``torch.func.jvp``, ``jacfwd``) is not offered: ``torch.compile`` takes no Function that defines it.
+:func:`apply` runs a Function as cheaply as the context allows: outside torch.func's transforms in autograd's older
+form, and a backward pass that makes no graph (an ordinary ``backward()``) calls the operators themselves, without
+the cost of a Function. Under ``torch.func.vmap`` the operators batch themselves (:mod:`wsarena.torch._ops`), and
+the Functions follow. Forward mode (``torch.func.jvp``, ``jacfwd``) is not offered: ``torch.compile`` takes no
+Function that defines it.
 
 A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
 passes of CUDA tensors on a thread of its own, which a ``config()`` block of the caller's does not reach. A warning
