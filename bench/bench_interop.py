@@ -2,7 +2,8 @@
 
 The tiny call is a 1x1x4x4 float32 input and a 1x1x3x3 filter, so the time is the op's own Python, not the
 arithmetic. Cases: NumPy with ``out=`` and without, and, when torch is installed, the same through torch CPU
-tensors (converted to NumPy views and back through DLPack) and ``torch.nn.functional.conv2d`` for scale.
+tensors (converted to NumPy views and back through DLPack) and ``torch.nn.functional.conv2d`` for scale; and a
+bfloat16 tensor's conversions alone, in (to a NumPy view) and out (a result back to torch).
 
 To compare checkouts side by side (say the package before and after a change), name their roots: each runs in a
 subprocess of its own, alternately, ``--rounds`` times, and the table gives each case's best round.
@@ -42,6 +43,14 @@ def measure(number: int, repeat: int) -> dict[str, float]:
         cases["torch cpu, out="] = lambda: wsarena.conv_forward(tx, tw, out=ty)
         cases["torch cpu"] = lambda: wsarena.conv_forward(tx, tw)
         cases["torch F.conv2d"] = lambda: torch.nn.functional.conv2d(tx, tw)
+        # bfloat16 on its way in and out (the CPU backend computes no bfloat16, so the conversions alone): a torch
+        # tensor's NumPy view, and a result going back to torch
+        from wsarena import _interop
+
+        tb = torch.from_numpy(x).to(torch.bfloat16)
+        rb = tb.view(torch.int16).numpy().view(_interop._bfloat16())
+        cases["torch bf16 in"] = lambda: _interop._host_view(_interop._Operand("x", tb))
+        cases["torch bf16 out"] = lambda: _interop._returned(tb, rb)
     results = {}
     for name, fn in cases.items():
         try:

@@ -197,6 +197,40 @@ def test_an_unknown_dlpack_device_is_refused():
         conv_forward(OnOpenCL(x), w, **KW)
 
 
+def test_operands_on_different_cuda_devices_are_refused_before_any_view():
+    """Checked from what the operands say of themselves (``__dlpack_device__``): no CUDA library is touched."""
+
+    class OnDevice(_Foreign):
+        __module__ = "fakearrays"
+
+        def __init__(self, array, ordinal):
+            super().__init__(array)
+            self.ordinal = ordinal
+
+        def __dlpack_device__(self):
+            return (2, self.ordinal)  # kDLCUDA
+
+    x, w, _ = problem()
+    match = r"cannot mix CUDA devices.*x is a fakearrays array on CUDA device 0, w is a fakearrays array on CUDA device 1"
+    with pytest.raises(TypeError, match=match):
+        conv_forward(OnDevice(x, 0), OnDevice(w, 1), **KW)
+    with pytest.raises(TypeError, match="cannot mix CUDA devices"):
+        conv_forward(OnDevice(x, 1), OnDevice(w, 1), **KW, out=OnDevice(np.empty(0), 0))
+
+
+def test_an_object_with_dlpack_but_no_dlpack_device_is_refused_naming_both():
+    class HalfDLPack:
+        def __init__(self, array):
+            self.array = array
+
+        def __dlpack__(self, **kwargs):
+            return self.array.__dlpack__(**kwargs)
+
+    x, w, _ = problem()
+    with pytest.raises(TypeError, match=r"x must be an array .*__dlpack__ and __dlpack_device__.*not HalfDLPack"):
+        conv_forward(HalfDLPack(x), w, **KW)
+
+
 class _Legacy(_Foreign):
     """A DLPack exporter of the kind that predates DLPack 1.0: legacy capsules only, which carry no flags."""
 

@@ -103,6 +103,23 @@ def test_channels_last_runs_as_nhwc_and_gives_channels_last_results(nd):
     assert got[0].is_contiguous(memory_format=fmt)
 
 
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "last"),
+    [
+        ((2, 1, 7, 7), (6, 1, 3, 3), "xw"),  # one input channel, as a greyscale image in a channels-last model
+        ((2, 4, 7, 7), (6, 4, 1, 1), "w"),  # a 1x1 kernel in channels-last memory beside a contiguous input
+        ((2, 4, 7, 7), (6, 4, 3, 3), ""),
+    ],
+)
+def test_tensors_channels_last_in_both_senses_run_in_the_format_torch_reads_from_their_strides(x_shape, w_shape, last):
+    x, w, b = tensors(x_shape, w_shape)
+    x, w = (t.detach().to(memory_format=torch.channels_last) if name in last else t.detach()
+            for name, t in (("x", x), ("w", w)))
+    y, ref = wt.conv2d(x, w, b, padding=1), F.conv2d(x, w, b, padding=1)
+    assert close(y, ref)
+    assert y.stride() == ref.stride()  # torch's own output is channels-last in the first two cases
+    assert (y.stride()[1] == 1) == bool(last)
+
 def test_autocast_on_the_cpu_gives_torchs_dtype_and_values():
     x, w, b = (t.detach().float().requires_grad_() for t in tensors((2, 4, 9, 9), (6, 4, 3, 3)))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -122,15 +139,51 @@ def test_float64_is_left_alone_by_autocast_as_torch_leaves_it():
         assert wt.conv2d(x, w, b).dtype == F.conv2d(x, w, b).dtype == torch.float64
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")  # torch's own, of its copy
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("kernel", [2, 4, (3, 2, 1)])
+def test_padding_same_with_an_even_kernel_pads_as_torch_pads(nd, kernel):
+    """An odd total padding (an even kernel; an odd one with an odd dilation does not make it so) is one more at
+    the end of the dimension, as torch's own convolution pads it, and a module with it converts."""
+    kernel = kernel[:nd] if isinstance(kernel, tuple) else (kernel,) * nd
+    x, w, b = tensors((2, 4, *(7,) * nd), (6, 2, *kernel))
+    ours, theirs = FUNCTIONS[nd]
+    kw = {"padding": "same", "dilation": (1, 3, 2)[:nd], "groups": 2}
+    y, ref = ours(x, w, b, **kw), theirs(x, w, b, **kw)
+    assert y.shape == ref.shape == (2, 6, *(7,) * nd) and close(y, ref)
+    dy = torch.randn_like(ref)
+    assert all(close(g, e) for g, e in zip(torch.autograd.grad(y, (x, w, b), dy), torch.autograd.grad(ref, (x, w, b), dy)))
+    module = getattr(torch.nn, f"Conv{nd}d")(4, 6, kernel, **kw, dtype=torch.float64)
+    expected = module(x)
+    assert type(wt.convert(module)) is getattr(wt, f"Conv{nd}d") and close(module(x), expected)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_meta_tensors_give_torchs_shapes_through_a_converted_model(autocast):
+    """A model made on the meta device (to size it before allocating it) runs there as torch's own convolutions:
+    autocast has no mode for that device, which is no error."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ConvTranspose2d(8, 4, 2, 2))
+    model = model.to("meta")
+    x = torch.empty(2, 3, 15, 15, device="meta")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ref = model(x)
+        y = wt.convert(model)(x)
+    assert y.device.type == "meta" and y.shape == ref.shape == (2, 4, 16, 16) and y.dtype == ref.dtype
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
         (lambda x, w: wt.conv2d(x, w, padding="same", dilation=1, stride=1)[..., :0], None, None),
-        (lambda x, w: wt.conv2d(x, w[:, :, :2, :2], padding="same"), ValueError, "asymmetric padding"),
         (lambda x, w: wt.conv2d(x, w, stride=0), ValueError, "stride"),
         (lambda x, w: wt.conv2d(x, w.float()), TypeError, "dtypes differ"),
         (lambda x, w: wt.conv2d(x[0, 0], w), ValueError, "3- or 4-D input"),
         (lambda x, w: wt.conv2d(x, w, groups=3), ValueError, "groups=3"),
+        (lambda x, w: wt.conv2d(x, w, torch.zeros(2, 1, dtype=x.dtype)), ValueError, r"bias must have shape \(2,\)"),
+        (lambda x, w: wt.conv2d(x, w, torch.zeros(1, 2, dtype=x.dtype)), ValueError, r"not \(1, 2\)"),
+        (lambda x, w: wt.conv2d(x, w, 0.5), TypeError, "bias must be a tensor or None, not float"),
+        (lambda x, w: wt.conv2d(x.long(), w.long()), TypeError, "conv2d takes float16, .* tensors, not torch.int64"),
+        (lambda x, w: wt.conv2d(x.cdouble(), w.cdouble()), TypeError, "not torch.complex128"),
         (lambda x, w: wt.conv2d(x.numpy(), w), TypeError, "must be tensors"),
     ],
 )
@@ -158,8 +211,6 @@ def test_modules_take_torchs_constructor_and_state_dict(cls):
 def test_padding_modes_other_than_zeros_are_refused():
     with pytest.raises(ValueError, match="padding_mode='reflect'"):
         wt.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
-    with pytest.raises(ValueError, match="asymmetric padding"):
-        wt.Conv2d(3, 4, 4, padding="same")
     conv = wt.Conv2d(3, 4, 3, padding=1)
     conv.padding_mode = "circular"  # changed after construction: refused when it runs
     with pytest.raises(ValueError, match="padding_mode='circular'"):

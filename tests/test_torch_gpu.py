@@ -161,6 +161,26 @@ def test_transposed_functions_match_torchs_and_gradients(dtype, channels_last):
         assert rel(got, expected) <= TOL[dtype]
 
 
+def test_gradients_of_gradients_and_per_sample_gradients_on_cuda_match_torchs():
+    """A gradient penalty's second backward and vmap(grad) over samples, float32 on cuDNN against PyTorch's."""
+    import wsarena.torch as wt
+
+    x, w, _ = (t.requires_grad_() for t in cuda_problem("float32"))
+
+    def penalty(conv):
+        (dx,) = torch.autograd.grad(conv(x, w, **KW).tanh().sum(), x, create_graph=True)
+        return torch.autograd.grad(dx.pow(2).sum(), (x, w))
+
+    for got, expected in zip(penalty(wt.conv2d), penalty(F.conv2d)):
+        assert rel(got, expected) <= 1e-4
+
+    def per_sample(conv):
+        loss = lambda w, s: conv(s.unsqueeze(0), w, **KW).pow(2).sum()
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w.detach(), x.detach())
+
+    assert rel(per_sample(wt.conv2d), per_sample(F.conv2d)) <= 1e-4
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_autocast_on_cuda_gives_torchs_dtype(dtype):
     import wsarena.torch as wt

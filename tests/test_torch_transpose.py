@@ -120,6 +120,8 @@ def test_autocast_on_the_cpu_gives_torchs_dtype_and_values():
         ({"padding": "same"}, TypeError, "padding must be an int"),
         ({"padding": 5}, ValueError, "leaves an output of size"),
         ({"stride": 0}, ValueError, "stride"),
+        ({"bias": torch.zeros(4, dtype=torch.float64)}, ValueError, r"bias must have shape \(2,\)"),  # the output's
+        ({"bias": torch.zeros(2, 1, dtype=torch.float64)}, ValueError, r"not \(2, 1\)"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kw, error, match):

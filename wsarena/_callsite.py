@@ -49,8 +49,11 @@ def _site_of(frame: FrameType) -> Site:
 
 
 def caller() -> Site:
-    """The line outside wsarena (and the skipped libraries) that led to the calling function."""
-    return _site_of(_outside(sys._getframe(1)))
+    """The line outside wsarena (and the skipped libraries) that led to the calling function: the site of an
+    enclosing :func:`reported_at` block (a forward run by a backward pass, for a gradient of a gradient, was led to
+    by the backward's own forward), else the first frame outside."""
+    site = _site.get()
+    return site if site is not None else _site_of(_outside(sys._getframe(1)))
 
 
 @contextlib.contextmanager

@@ -15,7 +15,8 @@ What cannot be viewed without a copy is a ``TypeError`` naming the argument: a l
 grad (the ops record no autograd history: use :mod:`wsarena.torch`), a conjugated tensor, a dtype the array
 library cannot represent, an ``out`` whose DLPack export is read-only (a JAX array: JAX's arrays are immutable,
 and its legacy DLPack capsules promise no writes). Operands may come from different libraries as long as they are
-all in host memory or all on a CUDA device; host beside device memory would need a copy and is a ``TypeError``.
+all in host memory or all on one CUDA device; host beside device memory, or operands that say they are on two
+devices, would need a copy and is a ``TypeError``.
 
 The result comes back in the library of the first operand (``x``, or ``dy`` for ``conv_backward_data``), through
 that library's DLPack import (``torch.from_dlpack``, the ``from_dlpack`` of its ``__array_namespace__`` or of
@@ -107,8 +108,8 @@ class _Operand:
             self.cuda = False
         else:
             raise TypeError(
-                f"{name} must be an array (NumPy, CuPy, or an object with __dlpack__, __cuda_array_interface__ or "
-                f"__array_interface__), not {type(obj).__name__}"
+                f"{name} must be an array (NumPy, CuPy, or an object with __dlpack__ and __dlpack_device__, "
+                f"__cuda_array_interface__ or __array_interface__), not {type(obj).__name__}"
             )
 
     def where(self) -> str:
@@ -142,7 +143,13 @@ def execute(
         result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
                      layout, algo, empty=_aligned_empty if leaves else None)
         return out if out is not None else _returned(a, result)
-    device = next((op.device for op in operands if op.device is not None), None)
+    devices = {op.device for op in operands if op.device is not None}
+    if len(devices) > 1:  # one device's view of another's memory: a peer access at best, a fault at worst
+        raise TypeError(
+            "cannot mix CUDA devices in one convolution, which would need a copy ("
+            + ", ".join(op.where() for op in operands) + ")"
+        )
+    device = next(iter(devices), None)
     if device is not None and any(op.kind == _TORCH for op in operands):
         _prefer_torch_memory(device)
         if stream is None:
@@ -220,6 +227,8 @@ def _is_torch_bfloat16(tensor: Any) -> bool:
 
 
 def _torch_int16(tensor: Any) -> Any:
+    """A bfloat16 tensor relabelled int16 by PyTorch: what :class:`Export` does to any DLPack capsule, at less than
+    half its cost for a torch tensor (bench/RESULTS.md)."""
     import torch
 
     return tensor.view(torch.int16)

@@ -14,9 +14,12 @@ for ``torch.nn``'s modules; :func:`convert` swaps a model's convolutions in plac
 weight-gradient are wsarena's three ops, registered as PyTorch custom operators (``torch.ops.wsarena.conv_forward``,
 ``conv_backward_data``, ``conv_backward_filter``) so that ``torch.compile`` takes them whole; a transposed
 convolution runs the same three in other roles (its forward is a convolution's backward-data). Stride, padding
-(symmetric, ``"valid"``, ``"same"``), dilation, groups and a transposed convolution's ``output_padding`` below its
-stride are supported; channels-last tensors run as NHWC and give channels-last results; under ``torch.autocast``
-the operands are cast as PyTorch casts its own convolution's. CUDA tensors run on PyTorch's current stream; the
+(symmetric, ``"valid"``, ``"same"``: an even kernel's input padded by one more at the end, as PyTorch pads it),
+dilation, groups and a transposed convolution's ``output_padding`` below its stride are supported; channels-last
+tensors run as NHWC and give channels-last results; under ``torch.autocast`` the operands are cast as PyTorch casts
+its own convolution's. Gradients of gradients are wsarena's passes too (:class:`WeightGradFunction` is the third
+pass as a Function), and ``torch.func``'s ``grad``, ``vmap`` and ``jacrev`` take them; forward mode is not
+offered. CUDA tensors run on PyTorch's current stream; the
 device's arena takes its memory from PyTorch's caching allocator unless it was made before with another (the
 setting ``allocator``).
 
@@ -30,6 +33,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the test environment has PyTorch
     raise ImportError('wsarena.torch needs PyTorch: pip install "wsarena[torch]"') from exc
 
+from ._autograd import WeightGradFunction
 from ._functional import (
     ConvFunction,
     ConvTransposeFunction,
@@ -52,6 +56,7 @@ __all__ = [
     "ConvTranspose2d",
     "ConvTranspose3d",
     "ConvTransposeFunction",
+    "WeightGradFunction",
     "checkpoint_context",
     "conv1d",
     "conv2d",

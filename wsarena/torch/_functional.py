@@ -5,20 +5,16 @@ Each checks its arguments as wsarena's ops do (a clear ``ValueError``/``TypeErro
 ``torch.autocast`` as PyTorch does for its convolutions, and runs :class:`ConvFunction`, whose forward,
 input-gradient and weight-gradient are wsarena's ``conv_forward``, ``conv_backward_data`` and
 ``conv_backward_filter`` (as the custom operators of :mod:`wsarena.torch._ops`), or :class:`ConvTransposeFunction`,
-which runs the same three in other roles: a transposed convolution is a convolution's backward-data. The bias is
-added by PyTorch.
-
-A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
-passes of CUDA tensors on a thread of its own, which a ``config()`` block of the caller's does not reach. A warning
-from a forward pass names the user's line that called it; one from a backward pass names the forward call whose
-gradient it computes (:mod:`wsarena._callsite`).
+which runs the same three in other roles: a transposed convolution is a convolution's backward-data
+(:mod:`wsarena.torch._autograd`, where the backward passes run under their forward's settings). The bias is added
+by PyTorch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,7 +22,8 @@ from torch import Tensor
 
 from .. import _callsite, _config
 from .._geometry import conv_geometry, conv_transpose_geometry
-from . import _ops
+from . import _autograd, _ops
+from ._autograd import ConvFunction, ConvTransposeFunction
 
 __all__ = [
     "ConvFunction", "ConvTransposeFunction", "checkpoint_context", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
@@ -39,76 +36,6 @@ _callsite.skip(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 _callsite.skip("<eval_with_key>")
 
 
-class ConvFunction(torch.autograd.Function):
-    """A convolution without bias: ``ConvFunction.apply(x, w, stride, padding, dilation, groups, layout)``.
-
-    ``stride``, ``padding`` and ``dilation`` are lists with one int per spatial dimension, ``layout`` is
-    ``"NCHW"`` or ``"NHWC"`` (a channels-last tensor); the functions :func:`conv2d` and its kin work them out.
-    Differentiable once.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, w: Tensor, stride: list[int], padding: list[int], dilation: list[int], groups: int,
-        layout: str,
-    ) -> Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.conv = (stride, padding, dilation, groups, layout)
-        ctx.started = _started()
-        return torch.ops.wsarena.conv_forward(x, w, stride, padding, dilation, groups, layout)
-
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, w = ctx.saved_tensors
-        stride, padding, dilation, groups, layout = ctx.conv
-        dx = dw = None
-        with _as_started(ctx.started):
-            if ctx.needs_input_grad[0]:
-                dx = torch.ops.wsarena.conv_backward_data(
-                    dy, w, list(x.shape), stride, padding, dilation, groups, layout
-                )
-            if ctx.needs_input_grad[1]:
-                dw = torch.ops.wsarena.conv_backward_filter(
-                    x, dy, list(w.shape), stride, padding, dilation, groups, layout
-                )
-        return dx, dw, None, None, None, None, None
-
-
-class ConvTransposeFunction(torch.autograd.Function):
-    """A transposed convolution without bias:
-    ``ConvTransposeFunction.apply(x, w, output_shape, stride, padding, dilation, groups, layout)``.
-
-    It is the input gradient of the convolution of an ``output_shape`` input by ``w`` (``output_shape`` logical,
-    channels first); its own input gradient is that convolution's forward, its weight gradient the convolution's
-    backward-filter with the gradient as the convolution's input and ``x`` as its output gradient. Arguments as
-    :class:`ConvFunction`'s. Differentiable once.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, w: Tensor, output_shape: list[int], stride: list[int], padding: list[int],
-        dilation: list[int], groups: int, layout: str,
-    ) -> Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.conv = (stride, padding, dilation, groups, layout)
-        ctx.started = _started()
-        return torch.ops.wsarena.conv_backward_data(x, w, output_shape, stride, padding, dilation, groups, layout)
-
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, w = ctx.saved_tensors
-        stride, padding, dilation, groups, layout = ctx.conv
-        dx = dw = None
-        with _as_started(ctx.started):
-            if ctx.needs_input_grad[0]:
-                dx = torch.ops.wsarena.conv_forward(dy, w, stride, padding, dilation, groups, layout)
-            if ctx.needs_input_grad[1]:
-                dw = torch.ops.wsarena.conv_backward_filter(
-                    dy, x, list(w.shape), stride, padding, dilation, groups, layout
-                )
-        return dx, dw, None, None, None, None, None, None
-
-
 def checkpoint_context() -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the recomputed forward
     runs under the settings the checkpointed forward ran under (its ``config()`` block, else the process-wide
@@ -117,30 +44,11 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager[Any], contex
     return contextlib.nullcontext(), _config.using(_config.overridden())
 
 
-def _started() -> tuple[_callsite.Site, _config.Config | None] | None:
-    """Where a forward was called and the ``config()`` block it ran in (``None``: none, so the process-wide
-    settings, which ``configure()`` may change before the backward), for its backward passes (none while
-    ``torch.compile`` traces it: a compiled backward runs the operators without these functions, and a warning
-    names the first line outside PyTorch and wsarena)."""
-    return None if torch.compiler.is_compiling() else (_callsite.caller(), _config.overridden())
-
-
-@contextlib.contextmanager
-def _as_started(started: tuple[_callsite.Site, _config.Config | None] | None) -> Iterator[None]:
-    """A backward pass's body: its warnings reported at the forward's call, under the forward's settings
-    (``torch.compile`` traces neither: each sets a context variable)."""
-    if started is None or torch.compiler.is_compiling():
-        yield
-        return
-    site, settings = started
-    with _callsite.reported_at(site), _config.using(settings):
-        yield
-
-
 def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The operands cast as ``torch.autocast`` casts a convolution's: floating types but float64 to its dtype."""
     device_type = x.device.type
-    if not torch.is_autocast_enabled(device_type):
+    # a device autocast has no mode for (the meta device) makes is_autocast_enabled raise
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
         return x, w, bias
     dtype = torch.get_autocast_dtype(device_type)
 
@@ -164,11 +72,25 @@ def _operands(
         raise ValueError(
             f"{name} needs a {nd + 1}- or {nd + 2}-D input and a {nd + 2}-D weight, not {x.dim()}-D and {w.dim()}-D"
         )
+    if bias is not None and not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be a tensor or None, not {type(bias).__name__}")
     x, w, bias = _autocast(x, w, bias)
     if x.dtype != w.dtype or (bias is not None and bias.dtype != x.dtype):
         raise TypeError(f"dtypes differ: input is {x.dtype}, weight is {w.dtype}"
                         + (f", bias is {bias.dtype}" if bias is not None else ""))
+    if x.dtype not in _FLOATS:  # PyTorch's CPU convolution takes integers too; wsarena's ops do not
+        raise TypeError(f"{name} takes float16, bfloat16, float32 or float64 tensors, not {x.dtype}")
     return x, w, bias, unbatched
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_bias(bias: Tensor | None, channels: int) -> None:
+    """A bias of other than one value per output channel is refused, as PyTorch refuses it (adding it would
+    broadcast a ``(channels, 1)`` bias, or reshape any other of ``channels`` values)."""
+    if bias is not None and [operator.index(n) for n in bias.shape] != [channels]:  # ints, not torch.jit.trace's
+        raise ValueError(f"bias must have shape ({channels},), one value per output channel, not {tuple(bias.shape)}")
 
 
 def _finished(y: Tensor, bias: Tensor | None, nd: int, unbatched: bool) -> Tensor:
@@ -178,12 +100,41 @@ def _finished(y: Tensor, bias: Tensor | None, nd: int, unbatched: bool) -> Tenso
     return y.squeeze(0) if unbatched else y
 
 
+def _per_dim(value: Any, nd: int) -> list[int] | None:
+    """``value`` (an int or one per dimension) as a list of ``nd`` ints, or ``None`` when it is no such thing (for
+    :func:`conv_geometry` to say what is wrong with it)."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * nd
+    try:
+        ints = [operator.index(v) for v in values]
+    except TypeError:
+        return None
+    return ints if len(ints) == nd and not any(isinstance(v, bool) for v in values) else None
+
+
+def _same(x: Tensor, w: Tensor, stride: Any, dilation: Any, nd: int) -> tuple[Tensor, Any]:
+    """``x`` and the padding to run ``padding="same"`` with: where a dimension's total padding is odd (an even
+    kernel), ``x`` padded by PyTorch with the one more at the end that torch's own convolution adds there, and the
+    rest symmetric. Left as ``"same"`` where the stride or dilation is not valid, or there is nothing to add."""
+    strides, dilations = _per_dim(stride, nd), _per_dim(dilation, nd)
+    if strides is None or dilations is None or any(s != 1 for s in strides) or any(d < 1 for d in dilations):
+        return x, "same"  # conv_geometry names what is wrong
+    totals = [d * (operator.index(k) - 1) for d, k in zip(dilations, w.shape[2:])]  # ints, not torch.jit.trace's
+    if not any(t % 2 for t in totals):
+        return x, "same"
+    ends = [p for t in reversed(totals) for p in (0, t % 2)]  # F.pad's order: the last dimension first
+    return torch.nn.functional.pad(x, ends), [t // 2 for t in totals]
+
+
 def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any, dilation: Any,
           groups: int) -> Tensor:
     x, w, bias, unbatched = _operands(f"conv{nd}d", nd, x, w, bias)
+    if isinstance(padding, str) and padding == "same":
+        x, padding = _same(x, w, stride, dilation, nd)
     geom = conv_geometry(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    _check_bias(bias, geom.out_channels)
     layout = _ops.layout_of(x, w)
-    y = ConvFunction.apply(x, w, list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups, layout)
+    y = _autograd.apply(ConvFunction, x, w, list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups,
+                        layout)
     return _finished(y, bias, nd, unbatched)
 
 
@@ -192,32 +143,33 @@ def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: 
     x, w, bias, unbatched = _operands(f"conv_transpose{nd}d", nd, x, w, bias)
     geom = conv_transpose_geometry(x.shape, w.shape, stride=stride, padding=padding, output_padding=output_padding,
                                    dilation=dilation, groups=groups)
+    _check_bias(bias, geom.in_channels)  # the output's channels: the input's of the convolution it transposes
     layout = _ops.layout_of(x, w)
     # the fields, not ConvGeometry's cached properties, whose lock torch.compile cannot trace on Python 3.11
     output_shape = [geom.batch, geom.in_channels, *geom.input_size]
-    y = ConvTransposeFunction.apply(x, w, output_shape, list(geom.stride), list(geom.padding), list(geom.dilation),
-                                    geom.groups, layout)
+    y = _autograd.apply(ConvTransposeFunction, x, w, output_shape, list(geom.stride), list(geom.padding),
+                        list(geom.dilation), geom.groups, layout)
     return _finished(y, bias, nd, unbatched)
 
 
 def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
-    """``torch.nn.functional.conv1d`` with wsarena's passes (``padding`` symmetric, an int, a tuple, ``"valid"``
-    or ``"same"``)."""
+    """``torch.nn.functional.conv1d`` with wsarena's passes (``padding`` an int, a tuple, ``"valid"`` or ``"same"``,
+    which pads an even kernel's input by one more at the end, as PyTorch does)."""
     return _conv(1, input, weight, bias, stride, padding, dilation, groups)
 
 
 def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
-    """``torch.nn.functional.conv2d`` with wsarena's passes (``padding`` symmetric, an int, a tuple, ``"valid"``
-    or ``"same"``)."""
+    """``torch.nn.functional.conv2d`` with wsarena's passes (``padding`` an int, a tuple, ``"valid"`` or ``"same"``,
+    which pads an even kernel's input by one more at the end, as PyTorch does)."""
     return _conv(2, input, weight, bias, stride, padding, dilation, groups)
 
 
 def conv3d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
-    """``torch.nn.functional.conv3d`` with wsarena's passes (``padding`` symmetric, an int, a tuple, ``"valid"``
-    or ``"same"``)."""
+    """``torch.nn.functional.conv3d`` with wsarena's passes (``padding`` an int, a tuple, ``"valid"`` or ``"same"``,
+    which pads an even kernel's input by one more at the end, as PyTorch does)."""
     return _conv(3, input, weight, bias, stride, padding, dilation, groups)
 
 

@@ -3,14 +3,14 @@
 
 The modules are ``torch.nn``'s with the same constructor, parameters and ``state_dict``; only the convolution itself
 runs through :mod:`wsarena.torch`'s functions. ``padding_mode="zeros"`` only: the others pad the input on their
-own, and are refused with a ``ValueError``, as is ``padding="same"`` where it would need asymmetric padding (an even
-kernel), which wsarena's convolutions do not take, and a transposed convolution's ``output_padding`` as large as its
+own, and are refused with a ``ValueError``, as is a transposed convolution's ``output_padding`` as large as its
 stride (PyTorch takes it below the dilation too; wsarena runs a transposed convolution as a convolution's
 backward-data, which has no such output).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import Tensor, nn
@@ -25,12 +25,6 @@ def unsupported(module: nn.Module) -> str | None:
     padding_mode = getattr(module, "padding_mode", "zeros")
     if padding_mode != "zeros":
         return f"padding_mode={padding_mode!r} (only 'zeros' is supported; pad the input with F.pad instead)"
-    if getattr(module, "padding", None) == "same":
-        kernel: Any = getattr(module, "kernel_size", ())
-        dilation: Any = getattr(module, "dilation", ())
-        if any(d * (k - 1) % 2 for k, d in zip(kernel, dilation)):
-            return (f"padding='same' with kernel_size={tuple(kernel)} and dilation={tuple(dilation)} needs "
-                    "asymmetric padding, which wsarena's convolutions do not take")
     if _output_padding_beyond_stride(module):
         output_padding: Any = module.output_padding
         stride: Any = module.stride
@@ -47,10 +41,22 @@ def _output_padding_beyond_stride(module: nn.Module) -> bool:
     return any(e >= s for e, s in zip(getattr(module, "output_padding", ()), getattr(module, "stride", ())))
 
 
+class _TorchSignature:
+    """A module class's signature, as ``inspect`` (and the tools that build a model from its arguments) reads it:
+    that of the ``torch.nn`` class it extends, whose ``__init__`` takes the arguments, not ``(*args, **kwargs)``.
+    Instances have none of their own: theirs is their call's."""
+
+    def __get__(self, instance: Any, owner: type) -> inspect.Signature:
+        if instance is not None:
+            raise AttributeError("__signature__")
+        return inspect.signature(next(c for c in owner.__mro__ if c.__module__.startswith("torch.nn.")))
+
+
 class _Checked(nn.Module):
     """What the modules share: a check, when made and when run, that wsarena can run the convolution."""
 
     _nd: int
+    __signature__ = _TorchSignature()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -60,6 +66,15 @@ class _Checked(nn.Module):
         reason = unsupported(self)
         if reason is not None:
             raise ValueError(f"{type(self).__name__}: {reason}")
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        """What ``torch.jit.script`` asks of each module first: here a clear refusal, instead of TorchScript's
+        failure to compile wsarena's Python (its first unsupported construct, deep in this package)."""
+        raise TypeError(
+            f"wsarena.torch.{type(self).__name__} cannot be compiled by TorchScript (torch.jit.script): its "
+            "convolution is a Python autograd Function. torch.compile and torch.export take it; torch.jit.trace "
+            "runs it, but cannot save it"
+        )
 
 
 class _WsarenaConv(_Checked):
@@ -144,8 +159,8 @@ def convert(model: nn.Module) -> nn.Module:
     Raises
     ------
     ValueError
-        A convolution wsarena cannot run (``padding_mode`` other than ``"zeros"``, ``padding="same"`` that needs
-        asymmetric padding), naming each; nothing is changed then.
+        A convolution wsarena cannot run (``padding_mode`` other than ``"zeros"``), naming each; nothing is changed
+        then.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")

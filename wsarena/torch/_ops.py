@@ -11,12 +11,16 @@ replays.
 Layout: ``"NHWC"`` runs a channels-last tensor (``torch.channels_last``, ``torch.channels_last_3d``) as the
 ops' channels-last layout, on its own memory; its results are channels-last tensors, as PyTorch's are.
 
+Under ``torch.func.vmap`` each operator is one call with the mapped dimension folded into the batch or the groups
+(their ``register_vmap`` rules).
+
 On the CPU, float16 and bfloat16 tensors are computed in float32 (the CPU backend has no half-precision
 kernels) and rounded to their dtype, as PyTorch's CPU convolution accumulates them in float32.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,11 +36,22 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _channels_last(t: Tensor) -> bool:
-    if t.dim() == 4:
-        return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-    if t.dim() == 5:
-        return t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous()
-    return False
+    """Whether PyTorch takes ``t`` for channels-last (``Tensor.suggest_memory_format()``, which has no Python name):
+    its strides grow from the channels through the spatial dimensions, innermost first, to the batch. Strides, not
+    ``is_contiguous(memory_format=...)``, which is true of both formats where a dimension is 1 (one channel, a 1x1
+    kernel): PyTorch reads those tensors by their strides too (c10's ``is_channels_last_strides_2d``), and a
+    tensor under ``torch.func.vmap`` has strides but answers no ``is_contiguous`` question but the plain one."""
+    if t.dim() not in (4, 5) or t.layout != torch.strided:
+        return False
+    sizes, strides = [operator.index(n) for n in t.shape], t.stride()  # ints, where torch.jit.trace gives tensors
+    if strides[1] == 0:
+        return False
+    least = 0
+    for d in (1, *range(t.dim() - 1, 1, -1), 0):
+        if sizes[d] == 0 or strides[d] < least or (d == 0 and least == strides[1]):
+            return False
+        least = strides[d] * sizes[d]
+    return True
 
 
 def layout_of(x: Tensor, w: Tensor) -> str:
@@ -147,3 +162,60 @@ def _conv_backward_filter_fake(
     groups: int, layout: str,
 ) -> Tensor:
     return _empty(weight_shape, x, layout)
+
+
+# -- torch.func.vmap -----------------------------------------------------------------------------------------------
+# The mapped dimension joins the batch where the weight is shared, and becomes groups otherwise (B weights are one
+# grouped convolution with B times the groups), as PyTorch batches its own convolution: one call, not B.
+
+
+def _first(t: Tensor, dim: int | None, size: int) -> Tensor:
+    """``t`` with its mapped dimension first; expanded to ``size`` where it has none."""
+    return t.movedim(dim, 0) if dim is not None else t.expand(size, *t.shape)
+
+
+def _as_channels(t: Tensor, dim: int | None, size: int) -> Tensor:
+    """``(size, N, C, *spatial)`` as ``(N, size * C, *spatial)``: the mapped dimension as groups of channels."""
+    return _first(t, dim, size).movedim(0, 1).flatten(1, 2)
+
+
+@conv_forward.register_vmap
+def _conv_forward_vmap(
+    info: Any, in_dims: tuple[int | None, ...], x: Tensor, w: Tensor, stride: list[int], padding: list[int],
+    dilation: list[int], groups: int, layout: str,
+) -> tuple[Tensor, int]:
+    size, (dx, dw) = info.batch_size, in_dims[:2]
+    if dw is None:
+        y = conv_forward(_first(x, dx, size).flatten(0, 1), w, stride, padding, dilation, groups, layout)
+        return y.unflatten(0, (size, -1)), 0
+    w = _first(w, dw, size).flatten(0, 1)
+    y = conv_forward(_as_channels(x, dx, size), w, stride, padding, dilation, groups * size, layout)
+    return y.unflatten(1, (size, -1)), 1
+
+
+@conv_backward_data.register_vmap
+def _conv_backward_data_vmap(
+    info: Any, in_dims: tuple[int | None, ...], dy: Tensor, w: Tensor, input_shape: list[int], stride: list[int],
+    padding: list[int], dilation: list[int], groups: int, layout: str,
+) -> tuple[Tensor, int]:
+    size, (ddy, dw) = info.batch_size, in_dims[:2]
+    batch, channels, *spatial = input_shape
+    if dw is None:
+        dx = conv_backward_data(_first(dy, ddy, size).flatten(0, 1), w, [size * batch, channels, *spatial], stride,
+                                padding, dilation, groups, layout)
+        return dx.unflatten(0, (size, -1)), 0
+    dx = conv_backward_data(_as_channels(dy, ddy, size), _first(w, dw, size).flatten(0, 1),
+                            [batch, size * channels, *spatial], stride, padding, dilation, groups * size, layout)
+    return dx.unflatten(1, (size, -1)), 1
+
+
+@conv_backward_filter.register_vmap
+def _conv_backward_filter_vmap(
+    info: Any, in_dims: tuple[int | None, ...], x: Tensor, dy: Tensor, weight_shape: list[int], stride: list[int],
+    padding: list[int], dilation: list[int], groups: int, layout: str,
+) -> tuple[Tensor, int]:
+    size = info.batch_size
+    dw = conv_backward_filter(_as_channels(x, in_dims[0], size), _as_channels(dy, in_dims[1], size),
+                              [size * weight_shape[0], *weight_shape[1:]], stride, padding, dilation, groups * size,
+                              layout)
+    return dw.unflatten(0, (size, -1)), 0

@@ -1,0 +1,196 @@
+"""wsarena.torch beyond one backward pass, on CPU tensors: gradients of gradients, ``torch.func`` (``grad``,
+``vmap``, ``jacrev``, per-sample gradients) against the same through torch.nn.functional's convolutions.
+
+Tolerances as in test_torch.py: float64 within 1e-10 of torch's, relative to the largest magnitude;
+``gradcheck``/``gradgradcheck`` with their own float64 defaults (``check_batched_grad`` runs the backward passes
+under ``vmap``).
+"""
+
+import copy
+import warnings
+
+import pytest
+
+import wsarena
+from wsarena import algos, ops
+from wsarena.torch import _autograd
+
+from .test_torch import _backward, _cap_warnings, _line, close
+from .test_torch_transpose import CASES as TRANSPOSE_CASES
+from .test_torch_transpose import FUNCTIONS as TRANSPOSE_FUNCTIONS
+from .test_torch_transpose import tensors as transpose_tensors
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+wt = pytest.importorskip("wsarena.torch")
+func = torch.func
+pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")  # torch's own
+
+CASES = [  # nd, input shape, weight shape, keyword arguments
+    (1, (2, 4, 9), (6, 2, 3), {"stride": 2, "padding": 1, "groups": 2}),
+    (2, (2, 4, 6, 5), (6, 4, 3, 2), {"stride": (2, 1), "padding": (1, 0), "dilation": (1, 2)}),
+    (3, (1, 2, 4, 4, 3), (4, 1, 2, 2, 1), {"padding": "same", "groups": 2}),
+]
+FUNCTIONS = {1: (wt.conv1d, F.conv1d), 2: (wt.conv2d, F.conv2d), 3: (wt.conv3d, F.conv3d)}
+
+
+def tensors(x_shape, w_shape, batch=(), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((*batch, *x_shape), dtype=torch.float64, generator=g).requires_grad_()
+    w = torch.randn((*batch, *w_shape), dtype=torch.float64, generator=g).requires_grad_()
+    b = torch.randn(w_shape[0], dtype=torch.float64, generator=g).requires_grad_()
+    return x, w, b
+
+
+@pytest.mark.parametrize(("nd", "x_shape", "w_shape", "kw"), CASES)
+def test_gradients_of_gradients_pass_gradgradcheck_and_batched_gradcheck(nd, x_shape, w_shape, kw):
+    ours, _ = FUNCTIONS[nd]
+    x, w, b = tensors(x_shape, w_shape)
+    conv = lambda x, w, b: ours(x, w, b, **kw)
+    assert torch.autograd.gradcheck(conv, (x, w, b), check_batched_grad=True)
+    assert torch.autograd.gradgradcheck(conv, (x, w, b), check_batched_grad=True)
+
+
+@pytest.mark.parametrize(("nd", "x_shape", "w_shape", "kw"), TRANSPOSE_CASES[:3])
+def test_transposed_gradients_of_gradients_pass_gradgradcheck_and_batched_gradcheck(nd, x_shape, w_shape, kw):
+    ours, _ = TRANSPOSE_FUNCTIONS[nd]
+    x, w, _b = transpose_tensors(x_shape, w_shape)
+    conv = lambda x, w: ours(x, w, **kw)
+    assert torch.autograd.gradcheck(conv, (x, w), check_batched_grad=True)
+    assert torch.autograd.gradgradcheck(conv, (x, w), check_batched_grad=True)
+
+
+def test_the_public_functions_applied_directly_pass_gradgradcheck():
+    """The Functions as a user applies them (the form torch.func takes), the weight gradient's included."""
+    x, w, _ = tensors((1, 2, 5, 5), (3, 2, 3, 3))
+    conv = ([1, 2], [1, 0], [1, 1], 1, "NCHW")
+    y = wt.ConvFunction.apply(x, w, *conv)
+    dy = torch.randn(y.shape, dtype=torch.float64, requires_grad=True)
+    for function, args, rest in ((wt.ConvFunction, (x, w), conv), (wt.ConvTransposeFunction, (dy, w), ([1, 2, 5, 5], *conv)),
+                                 (wt.WeightGradFunction, (x, dy), ([3, 2, 3, 3], *conv))):
+        assert torch.autograd.gradgradcheck(lambda a, b, f=function, r=rest: f.apply(a, b, *r), args)
+
+
+def _counted(monkeypatch):
+    """The names of wsarena's ops as they are called, in order."""
+    calls = []
+    for name in ("conv_forward", "conv_backward_data", "conv_backward_filter"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    return calls
+
+
+def test_vmap_calls_each_pass_once_through_the_operators_vmap_rules(monkeypatch):
+    """A batch of B is one call per pass, the mapped dimension folded into the batch or the groups (PyTorch's
+    fallback for an operator without a rule would call it B times)."""
+    x, w, b = (t.detach() for t in tensors((2, 4, 6, 6), (6, 2, 3, 3)))
+    xs, ws = torch.randn(3, *x.shape, dtype=torch.float64), torch.randn(3, *w.shape, dtype=torch.float64)
+    calls = _counted(monkeypatch)
+    func.vmap(lambda x: wt.conv2d(x, w, b, groups=2))(xs)
+    func.vmap(lambda w: wt.conv2d(x, w, b, groups=2))(ws)
+    assert calls == ["conv_forward"] * 2
+    calls.clear()
+    loss = lambda w, x: wt.conv2d(x.unsqueeze(0), w, b, groups=2).pow(2).sum()
+    func.vmap(func.grad(loss), in_dims=(None, 0))(w, xs[:, 0])  # per-sample weight gradients
+    assert sorted(calls) == ["conv_backward_filter", "conv_forward"]
+
+
+def test_an_ordinary_backward_runs_the_older_form_and_batched_gradients_match_torchs():
+    """Outside torch.func the Functions run in the form autograd runs faster; ``is_grads_batched`` (PyTorch's own
+    batching of a backward that makes no graph) gives torch's gradients."""
+    x, w, b = tensors((2, 4, 6, 6), (6, 2, 3, 3))
+    assert type(wt.conv2d(x, w, groups=2).grad_fn)._forward_cls is _autograd._OLDER[wt.ConvFunction]
+    y, ref = wt.conv2d(x, w, b, groups=2), F.conv2d(x, w, b, groups=2)
+    dys = torch.randn(3, *y.shape, dtype=torch.float64)
+    got = torch.autograd.grad(y, (x, w, b), dys, is_grads_batched=True)
+    expected = torch.autograd.grad(ref, (x, w, b), dys, is_grads_batched=True)
+    assert all(g.shape == e.shape and close(g, e) for g, e in zip(got, expected))
+
+
+def test_a_gradient_penalty_matches_torchs_and_runs_wsarenas_passes(monkeypatch):
+    """The input gradient's norm, differentiated again (WGAN-GP): every convolution it takes is wsarena's."""
+    calls = _counted(monkeypatch)
+    x, w, b = tensors((2, 4, 7, 7), (6, 4, 3, 3))
+
+    def penalty(conv):
+        (dx,) = torch.autograd.grad(conv(x, w, b, padding=1).tanh().sum(), x, create_graph=True)
+        return torch.autograd.grad(dx.pow(2).sum(), (x, w, b))
+
+    got = penalty(wt.conv2d)
+    assert set(calls) == {"conv_forward", "conv_backward_data", "conv_backward_filter"}
+    assert all(close(g, e) for g, e in zip(got, penalty(F.conv2d)))
+
+
+@pytest.mark.parametrize(("nd", "x_shape", "w_shape", "kw"), CASES)
+@pytest.mark.parametrize(("mapped", "in_dims"), [("x", (0, None)), ("w", (None, 0)), ("xw", (0, 0)), ("xw", (2, 0))])
+def test_vmap_over_inputs_weights_or_both_matches_torchs(nd, x_shape, w_shape, kw, mapped, in_dims):
+    ours, theirs = FUNCTIONS[nd]
+    x, w, b = (t.detach() for t in tensors(x_shape, w_shape))
+    xs, ws, _ = (t.detach() for t in tensors(x_shape, w_shape, batch=(3,), seed=1))
+    xs = xs.movedim(0, in_dims[0]) if in_dims[0] is not None else xs
+    args = (xs if "x" in mapped else x, ws if "w" in mapped else w)
+    got = func.vmap(lambda x, w: ours(x, w, b, **kw), in_dims=in_dims)(*args)
+    expected = func.vmap(lambda x, w: theirs(x, w, b, **kw), in_dims=in_dims)(*args)
+    assert got.shape == expected.shape and close(got, expected)
+
+
+@pytest.mark.parametrize(("nd", "x_shape", "w_shape", "kw"), TRANSPOSE_CASES[:3])
+@pytest.mark.parametrize(("mapped", "in_dims"), [("x", (0, None)), ("w", (None, 0)), ("xw", (0, 0))])
+def test_vmap_of_transposed_convolutions_matches_torchs(nd, x_shape, w_shape, kw, mapped, in_dims):
+    ours, theirs = TRANSPOSE_FUNCTIONS[nd]
+    x, w, _ = (t.detach() for t in transpose_tensors(x_shape, w_shape))
+    g = torch.Generator().manual_seed(1)
+    xs, ws = (torch.randn(3, *t.shape, dtype=t.dtype, generator=g) for t in (x, w))
+    args = (xs if "x" in mapped else x, ws if "w" in mapped else w)
+    got = func.vmap(lambda x, w: ours(x, w, **kw), in_dims=in_dims)(*args)
+    expected = func.vmap(lambda x, w: theirs(x, w, **kw), in_dims=in_dims)(*args)
+    assert got.shape == expected.shape and close(got, expected)
+
+
+def test_torch_func_grad_jacrev_and_a_hessian_match_torchs():
+    x, w, b = (t.detach() for t in tensors((1, 2, 4, 4), (3, 2, 2, 2)))
+
+    def loss(conv):
+        return lambda w: conv(x, w, b, padding=1).pow(2).sum()
+
+    assert close(func.grad(loss(wt.conv2d))(w), func.grad(loss(F.conv2d))(w))
+    assert close(func.jacrev(lambda w: wt.conv2d(x, w, b))(w), func.jacrev(lambda w: F.conv2d(x, w, b))(w))
+    assert close(func.jacrev(func.jacrev(loss(wt.conv2d)))(w), func.jacrev(func.jacrev(loss(F.conv2d)))(w))
+
+
+def test_per_sample_gradients_of_a_module_match_torchs():
+    """``vmap(grad(...))`` over the samples of a batch, through a converted model's functional call."""
+    torch.manual_seed(0)
+    theirs = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(),
+                                 torch.nn.ConvTranspose2d(4, 2, 2, stride=2)).double()
+    ours = wt.convert(copy.deepcopy(theirs))
+    params = {k: v.detach() for k, v in theirs.named_parameters()}
+    samples = torch.randn(5, 3, 6, 6, dtype=torch.float64)
+
+    def per_sample(model):
+        loss = lambda p, s: func.functional_call(model, p, (s.unsqueeze(0),)).pow(2).sum()
+        return func.vmap(func.grad(loss), in_dims=(None, 0))(params, samples)
+
+    got, expected = per_sample(ours), per_sample(theirs)
+    assert got.keys() == expected.keys() and all(close(got[k], expected[k]) for k in got)
+    assert all(got[k].shape == (5, *params[k].shape) for k in got)
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_cap_warnings_of_a_gradient_of_a_gradient_name_the_forward_call(thread):
+    """The passes of a second backward were made by the first, under its forward's call and settings: a warning
+    from them names the forward call too, not the line that asked for the first gradient (nor, on a thread of its
+    own, a line of threading's)."""
+    conv = wt.Conv2d(4, 6, 3)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    wsarena.configure(cap_workspace=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", wsarena.WorkspaceCapWarning)
+        where = _line(1)
+        y = conv(x)
+        (dx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    algos.cache_clear()  # and the record of the shapes that warned: the second backward warns again
+    sites = _cap_warnings(lambda: _backward(dx, thread), ("fwd", "bwd_data", "bwd_filter"))
+    assert sites == {(__file__, where)}
+    assert x.grad is not None and conv.weight.grad is not None  # the second backward ran (a thread's error is lost)
+    assert wsarena.get_arena("cpu").stats()["high_water_bytes"] == 0

@@ -1,0 +1,113 @@
+"""wsarena.torch's modules as PyTorch's tools see them, on CPU tensors: their signature, state_dict both ways,
+copies and pickles of converted models, TorchScript (refused clearly), torch.jit.trace and torch.export.
+
+Tolerance as in test_torch.py: float64 within 1e-10 of torch's, relative to the largest magnitude.
+"""
+
+import copy
+import inspect
+import io
+import pickle
+import warnings
+
+import pytest
+
+from .test_torch import close
+
+torch = pytest.importorskip("torch")
+wt = pytest.importorskip("wsarena.torch")
+nn = torch.nn
+
+NAMES = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_classes_signatures_are_torchs_and_instances_keep_their_calls(name):
+    """inspect (and what builds a model from a config by it) sees nn.ConvNd's arguments, not (*args, **kwargs)."""
+    ours, theirs = getattr(wt, name), getattr(nn, name)
+    assert inspect.signature(ours) == inspect.signature(theirs)
+    assert "padding_mode" in inspect.signature(ours).parameters
+    module = ours(2, 2, 1)
+    assert inspect.signature(module) == inspect.signature(theirs(2, 2, 1))
+
+
+@pytest.mark.parametrize("name", NAMES[:3])
+def test_state_dicts_load_both_ways_between_torchs_modules_and_wsarenas(name):
+    torch.manual_seed(0)
+    nd = int(name[-2])
+    kw = {"padding": "same", "dilation": 2, "groups": 2, "bias": False, "dtype": torch.float64}
+    theirs, ours = getattr(nn, name)(4, 6, 3, **kw), getattr(wt, name)(4, 6, 3, **kw)
+    x = torch.randn(2, 4, *(7,) * nd, dtype=torch.float64)
+    ours.load_state_dict(theirs.state_dict())
+    assert close(ours(x), theirs(x))
+    nn.init.normal_(ours.weight)
+    theirs.load_state_dict(ours.state_dict())
+    assert close(theirs(x), ours(x))
+
+
+def test_converted_models_deepcopy_pickle_and_save_as_wsarenas():
+    torch.manual_seed(0)
+    shared = nn.Conv2d(4, 4, 3, padding=1)
+    model = wt.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(shared, nn.ReLU(), shared),
+                                     nn.ConvTranspose2d(4, 2, 2, stride=2)))
+    x = torch.randn(1, 3, 8, 8)
+    expected = model(x)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False))
+    for other in copies:
+        assert [type(m) for m in other.modules()] == [type(m) for m in model.modules()]
+        assert other[1][0] is other[1][2]  # a shared module stays shared
+        assert torch.equal(other(x), expected)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("make", [lambda: wt.Conv2d(3, 4, 3),
+                                  lambda: wt.convert(nn.Sequential(nn.Sequential(nn.ConvTranspose1d(3, 4, 3))))])
+def test_torchscript_is_refused_naming_the_module_and_what_takes_it(make):
+    with pytest.raises(TypeError, match=r"wsarena.torch.Conv\w+ cannot be compiled by TorchScript.*torch.compile"):
+        torch.jit.script(make())
+
+
+def test_torch_jit_trace_records_the_passes_without_warnings_and_trains():
+    """A trace that reads no tensor as a Python number (channels-last strides, a bias's shape, 'same' padding)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(wt.Conv2d(3, 4, 4, padding="same"), nn.ReLU(), wt.ConvTranspose2d(4, 2, 3, stride=2))
+    model = model.double().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace's own
+        traced = torch.jit.trace(model, x)
+    assert close(traced(x), model(x))
+    traced(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    assert all(close(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_torch_export_takes_the_custom_operators():
+    model = nn.Sequential(wt.Conv2d(3, 4, 3, padding=1), wt.ConvTranspose2d(4, 2, 2, stride=2)).double()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    exported = torch.export.export(model, (x,))
+    targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert {"wsarena.conv_forward.default", "wsarena.conv_backward_data.default"} <= targets
+    assert close(exported.module()(x), model(x))
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_custom_operators_pass_torch_library_opcheck(fmt, dtype):
+    """PyTorch's own check of a custom operator: its schema, and fake (torch.compile's) against real results."""
+    layout = "NHWC" if fmt == torch.channels_last else "NCHW"
+    x = torch.randn(2, 4, 7, 7, dtype=dtype).contiguous(memory_format=fmt)
+    w = torch.randn(6, 2, 3, 3, dtype=dtype).contiguous(memory_format=fmt)
+    conv = ([2, 1], [1, 1], [1, 2], 2, layout)
+    y = torch.ops.wsarena.conv_forward(x, w, *conv)
+    ops = torch.ops.wsarena
+    for op, args in ((ops.conv_forward.default, (x, w, *conv)),
+                     (ops.conv_backward_data.default, (y, w, list(x.shape), *conv)),
+                     (ops.conv_backward_filter.default, (x, y, list(w.shape), *conv))):
+        torch.library.opcheck(op, args)

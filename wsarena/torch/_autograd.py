@@ -1,0 +1,222 @@
+"""wsarena's three convolution passes as autograd Functions, each differentiable through the other two.
+
+A convolution is bilinear in its two operands, so every gradient of a pass is one of the three passes again, and
+so is every gradient of those: double backward (a gradient penalty), ``torch.func.grad`` over ``grad``, Hessians.
+
+=========================  ==========================================  ==========================================
+Function (what it gives)   gradient of its first operand               gradient of its second operand
+=========================  ==========================================  ==========================================
+ConvFunction: y(x, w)      dx = ConvTransposeFunction(dy, w)           dw = WeightGradFunction(x, dy)
+ConvTransposeFunction:     d(dy) = ConvFunction(g, w)                  dw = WeightGradFunction(g, dy)
+dx(dy, w)
+WeightGradFunction:        dx = ConvTransposeFunction(dy, g)           d(dy) = ConvFunction(x, g)
+dw(x, dy)
+=========================  ==========================================  ==========================================
+
+:func:`apply` runs a Function as cheaply as the context allows: outside torch.func's transforms in autograd's older
+form, and a backward pass that makes no graph (an ordinary ``backward()``) calls the operators themselves, without
+the cost of a Function. Under ``torch.func.vmap`` the operators batch themselves (:mod:`wsarena.torch._ops`), and
+the Functions follow. Forward mode (``torch.func.jvp``, ``jacfwd``) is not offered: ``torch.compile`` takes no
+Function that defines it.
+
+A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
+passes of CUDA tensors on a thread of its own, which a ``config()`` block of the caller's does not reach. A warning
+from a forward pass names the user's line that called it; one from a backward pass names the forward call whose
+gradient it computes (:mod:`wsarena._callsite`), as do the passes of a gradient of that gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _callsite, _config
+
+__all__ = ["ConvFunction", "ConvTransposeFunction", "WeightGradFunction", "apply"]
+
+_NO_GRADS = (None,) * 6  # for the arguments after the two operands: shapes and parameters
+
+
+class ConvFunction(torch.autograd.Function):
+    """A convolution without bias: ``ConvFunction.apply(x, w, stride, padding, dilation, groups, layout)``.
+
+    ``stride``, ``padding`` and ``dilation`` are lists with one int per spatial dimension, ``layout`` is
+    ``"NCHW"`` or ``"NHWC"`` (a channels-last tensor); the functions :func:`conv2d` and its kin work them out.
+    Differentiable any number of times (reverse mode), and batched by ``torch.func.vmap``.
+    """
+
+    generate_vmap_rule = True  # its operators have vmap rules of their own
+
+    @staticmethod
+    def forward(
+        x: Tensor, w: Tensor, stride: list[int], padding: list[int], dilation: list[int], groups: int, layout: str
+    ) -> Tensor:
+        return torch.ops.wsarena.conv_forward(x, w, stride, padding, dilation, groups, layout)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _setup(ctx, inputs)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        dx = dw = None
+        with _as_started(ctx.started):
+            if ctx.needs_input_grad[0]:
+                dx = _transposed(dy, w, list(x.shape), ctx.conv)
+            if ctx.needs_input_grad[1]:
+                dw = _weight_grad(x, dy, list(w.shape), ctx.conv)
+        return (dx, dw, *_NO_GRADS[:5])
+
+
+class ConvTransposeFunction(torch.autograd.Function):
+    """A transposed convolution without bias:
+    ``ConvTransposeFunction.apply(x, w, output_shape, stride, padding, dilation, groups, layout)``.
+
+    It is the input gradient of the convolution of an ``output_shape`` input by ``w`` (``output_shape`` logical,
+    channels first); its own input gradient is that convolution's forward, its weight gradient the convolution's
+    weight gradient with the gradient as the convolution's input and ``x`` as its output gradient. Arguments as
+    :class:`ConvFunction`'s, and differentiable as it is.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: Tensor, w: Tensor, output_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
+        groups: int, layout: str,
+    ) -> Tensor:
+        return torch.ops.wsarena.conv_backward_data(x, w, output_shape, stride, padding, dilation, groups, layout)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _setup(ctx, inputs)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        dx = dw = None
+        with _as_started(ctx.started):
+            if ctx.needs_input_grad[0]:
+                dx = _conv(dy, w, ctx.conv)
+            if ctx.needs_input_grad[1]:
+                dw = _weight_grad(dy, x, list(w.shape), ctx.conv)
+        return (dx, dw, *_NO_GRADS)
+
+
+class WeightGradFunction(torch.autograd.Function):
+    """A convolution's weight gradient:
+    ``WeightGradFunction.apply(x, dy, weight_shape, stride, padding, dilation, groups, layout)``, the gradient of the
+    ``weight_shape`` weight of the convolution of ``x`` whose output has the gradient ``dy``. Arguments as
+    :class:`ConvFunction`'s, and differentiable as it is."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: Tensor, dy: Tensor, weight_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
+        groups: int, layout: str,
+    ) -> Tensor:
+        return torch.ops.wsarena.conv_backward_filter(x, dy, weight_shape, stride, padding, dilation, groups, layout)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _setup(ctx, inputs)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, dy = ctx.saved_tensors
+        dx = ddy = None
+        with _as_started(ctx.started):
+            if ctx.needs_input_grad[0]:
+                dx = _transposed(dy, g, list(x.shape), ctx.conv)
+            if ctx.needs_input_grad[1]:
+                ddy = _conv(x, g, ctx.conv)
+        return (dx, ddy, *_NO_GRADS)
+
+
+# torch.func's transforms take a Function only in the form above, whose forward has no ctx (setup_context does its
+# part), and autograd runs that form about 15 us a call slower than the older one, binding the arguments to forward's
+# signature. Outside the transforms (and outside a torch.compile trace, which takes either at no cost) each runs in
+# the older form, made here from the same forward, setup and backward.
+_transforms_active: Callable[[], bool] | None = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def _older_form(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    def forward(ctx: Any, *args: Any) -> Tensor:
+        output = function.forward(*args)
+        function.setup_context(ctx, args, output)
+        return output
+
+    body = {"forward": staticmethod(forward), "backward": staticmethod(function.backward), "__doc__": function.__doc__}
+    return type(function.__name__, (torch.autograd.Function,), body)
+
+
+_OLDER: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {
+    f: _older_form(f) for f in (ConvFunction, ConvTransposeFunction, WeightGradFunction)
+}
+for _function in _OLDER:
+    # under the transforms, inspect takes a signature kept on forward instead of working it out on every call
+    _function.forward.__signature__ = inspect.signature(_function.forward)  # type: ignore[attr-defined]
+
+
+def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
+    """``function.apply(*args)``, in the older form where no torch.func transform or torch.compile trace runs."""
+    if torch.compiler.is_compiling() or _transforms_active is None or _transforms_active():
+        return function.apply(*args)
+    return _OLDER[function].apply(*args)
+
+
+# A backward pass's passes: Functions where their own gradient may be asked for (grad mode is on in a backward
+# only when it makes a graph), else the operators, without a Function's cost.
+def _conv(x: Tensor, w: Tensor, conv: tuple[Any, ...]) -> Tensor:
+    if torch.is_grad_enabled():
+        return apply(ConvFunction, x, w, *conv)
+    return torch.ops.wsarena.conv_forward(x, w, *conv)
+
+
+def _transposed(dy: Tensor, w: Tensor, shape: list[int], conv: tuple[Any, ...]) -> Tensor:
+    if torch.is_grad_enabled():
+        return apply(ConvTransposeFunction, dy, w, shape, *conv)
+    return torch.ops.wsarena.conv_backward_data(dy, w, shape, *conv)
+
+
+def _weight_grad(x: Tensor, dy: Tensor, shape: list[int], conv: tuple[Any, ...]) -> Tensor:
+    if torch.is_grad_enabled():
+        return apply(WeightGradFunction, x, dy, shape, *conv)
+    return torch.ops.wsarena.conv_backward_filter(x, dy, shape, *conv)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...]) -> None:
+    """What each Function keeps: its two operands, its parameters ``(stride, padding, dilation, groups, layout)``
+    (after a shape argument, where it takes one), and where its forward started."""
+    a, b, *rest = inputs
+    ctx.save_for_backward(a, b)
+    ctx.conv = tuple(rest[-5:])
+    ctx.started = _started()
+
+
+def _started() -> tuple[_callsite.Site, _config.Config | None] | None:
+    """Where a forward was called and the ``config()`` block it ran in (``None``: none, so the process-wide
+    settings, which ``configure()`` may change before the backward), for its backward passes (none while
+    ``torch.compile`` traces it: a compiled backward runs the operators without these functions, and a warning
+    names the first line outside PyTorch and wsarena). Inside a backward pass (a gradient of a gradient) that is
+    the backward's own forward call and settings."""
+    return None if torch.compiler.is_compiling() else (_callsite.caller(), _config.overridden())
+
+
+@contextlib.contextmanager
+def _as_started(started: tuple[_callsite.Site, _config.Config | None] | None) -> Iterator[None]:
+    """A backward pass's body: its warnings reported at the forward's call, under the forward's settings
+    (``torch.compile`` traces neither: each sets a context variable)."""
+    if started is None or torch.compiler.is_compiling():
+        yield
+        return
+    site, settings = started
+    with _callsite.reported_at(site), _config.using(settings):
+        yield
