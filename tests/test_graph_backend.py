@@ -401,3 +401,41 @@ def test_measure_skips_a_plan_that_needs_more_workspace_than_was_leased(faked, m
     cands = [Candidate("eng1", 64), Candidate("eng2", 64)]
     timed = faked.measure("fwd", GEOM, _array(0x1002), _array(0x2000), _array(0x3000), _lease(64, 0x77), cands, None)
     assert [c.algo for c in timed] == ["eng1"] and {e[0] for e in b.executed} == {"eng1"}
+
+
+def test_the_heuristic_setting_picks_cudnns_mode_and_keys_the_choices(finalizing, monkeypatch):
+    """cudnn_heuristic="b" ranks with cuDNN's mode B, for real against the H100's properties; a choice made under
+    one mode is not the other's (the algorithm cache is keyed by it)."""
+    from wsarena.backends import _cudnn_graph
+    from wsarena.cudnn import BackendHeurMode
+
+    backend = device_properties_backend(H100.read_text())
+    modes = []
+    real = _cudnn_graph.ranked_names
+
+    def spy(*args, mode=None, **kwargs):
+        modes.append(mode)
+        return real(*args, mode=mode, **kwargs)
+
+    monkeypatch.setattr(_cudnn_graph, "ranked_names", spy)
+    algos.cache_clear()
+    geom = GEOM.with_batch(5)
+    algos.select(backend, "fwd", geom, cap=None, search="heuristic")
+    assert modes == [None] and algos.is_cached(backend, "fwd", geom, cap=None, search="heuristic")
+    with config(cudnn_heuristic="b"):
+        assert not algos.is_cached(backend, "fwd", geom, cap=None, search="heuristic")
+        ranked = algos.select(backend, "fwd", geom, cap=None, search="heuristic")
+        assert modes == [None, BackendHeurMode.MODE_B] and ranked and all(is_engine_name(c.algo) for c in ranked)
+    with pytest.raises(ValueError, match="cudnn_heuristic must be one of"):
+        configure(cudnn_heuristic="a")
+
+
+def test_report_takes_the_heuristic_flag(finalizing, capsys, monkeypatch):
+    assert main(["report", "resnet50", "--device-properties", str(H100), "--cudnn-heuristic", "b", "--format",
+                 "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"][0]["fwd"]["algo"].startswith("eng")
+    monkeypatch.setenv("WSARENA_CUDNN_HEURISTIC", "c")
+    wsarena._config._reset()
+    assert main(["report", "resnet50", "--device-properties", str(H100)]) == 2
+    assert "WSARENA_CUDNN_HEURISTIC='c'" in capsys.readouterr().err
+    assert main(["report", "resnet50", "--device-properties", str(H100), "--cudnn-heuristic", "instant"]) == 0

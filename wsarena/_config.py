@@ -27,12 +27,16 @@ except ImportError:  # an install made without dependencies
 from . import _forksafe
 from ._sizes import parse_size
 
-__all__ = ["ALGO_SEARCHES", "ALLOCATORS", "BACKENDS", "CUDNN_APIS", "Config", "config", "configure", "get_config"]
+__all__ = [
+    "ALGO_SEARCHES", "ALLOCATORS", "BACKENDS", "CUDNN_APIS", "CUDNN_HEURISTICS", "Config", "config", "configure",
+    "get_config",
+]
 
 ALGO_SEARCHES = ("heuristic", "exhaustive")
 BACKENDS = ("auto", "cudnn", "cpu")
 ALLOCATORS = ("auto", "cupy", "torch")
 CUDNN_APIS = ("legacy", "graph")
+CUDNN_HEURISTICS = ("instant", "b")  # cuDNN's CUDNN_HEUR_MODE_INSTANT and CUDNN_HEUR_MODE_B
 # The cuDNN API path by default. The graph API becomes the default once a GPU benchmark shows it faster
 # (bench/bench_gpu_host.py, bench/bench_gpu_arena.py; README): a one-word change here.
 DEFAULT_CUDNN_API = "legacy"
@@ -42,6 +46,7 @@ _ENV = {
     "algo_search": "WSARENA_ALGO_SEARCH",
     "backend": "WSARENA_BACKEND",
     "cudnn_api": "WSARENA_CUDNN_API",
+    "cudnn_heuristic": "WSARENA_CUDNN_HEURISTIC",
     "plan_cache_size": "WSARENA_PLAN_CACHE_SIZE",
     "debug": "WSARENA_DEBUG",
     "allocator": "WSARENA_ALLOCATOR",
@@ -97,6 +102,10 @@ class Config:
     cudnn_api : str
         How the cudnn backend calls cuDNN: ``"legacy"`` (``cudnnConvolutionForward`` and its kin) or ``"graph"``
         (the backend API: execution plans built once and cached).
+    cudnn_heuristic : str
+        Which of cuDNN's heuristics ranks the graph API's engine configurations: ``"instant"`` (its mode
+        INSTANT, a quick guess) or ``"b"`` (mode B, a slower, more accurate model that falls back to INSTANT
+        where it has none). Either way the fallback list follows them.
     plan_cache_size : int
         How many execution plans (and as many operation graphs) the graph API path keeps, least recently used
         evicted first.
@@ -119,6 +128,7 @@ class Config:
     algo_search: str = "heuristic"
     backend: str = "auto"
     cudnn_api: str = DEFAULT_CUDNN_API
+    cudnn_heuristic: str = "instant"
     plan_cache_size: int = 1024
     debug: bool = False
     allocator: str = "auto"
@@ -142,6 +152,8 @@ class Config:
             raise ValueError(f"allocator must be one of {ALLOCATORS}, not {self.allocator!r}")
         if self.cudnn_api not in CUDNN_APIS:
             raise ValueError(f"cudnn_api must be one of {CUDNN_APIS}, not {self.cudnn_api!r}")
+        if self.cudnn_heuristic not in CUDNN_HEURISTICS:
+            raise ValueError(f"cudnn_heuristic must be one of {CUDNN_HEURISTICS}, not {self.cudnn_heuristic!r}")
         if isinstance(self.plan_cache_size, bool) or not isinstance(self.plan_cache_size, int):
             raise TypeError(f"plan_cache_size must be an int, not {self.plan_cache_size!r}")
         if self.plan_cache_size < 1:
@@ -217,10 +229,12 @@ _FROM_CONFIG: Any = object()
 
 
 def _given(
-    *, algo_search: Any = None, backend: Any = None, cap_workspace: Any = _FROM_CONFIG, cudnn_api: Any = None
+    *, algo_search: Any = None, backend: Any = None, cap_workspace: Any = _FROM_CONFIG, cudnn_api: Any = None,
+    cudnn_heuristic: Any = None,
 ) -> dict[str, Any]:
     """The :func:`config` changes of the arguments that were given (the planner's and the command's flags)."""
-    given = (("algo_search", algo_search), ("backend", backend), ("cudnn_api", cudnn_api))
+    given = (("algo_search", algo_search), ("backend", backend), ("cudnn_api", cudnn_api),
+             ("cudnn_heuristic", cudnn_heuristic))
     changes = {key: value for key, value in given if value is not None}
     if cap_workspace is not _FROM_CONFIG:
         changes["cap_workspace"] = cap_workspace
@@ -268,9 +282,10 @@ def configure(**changes: Any) -> Config:
     """Change the process-wide settings and return the new :class:`Config`.
 
     Keywords: ``cap_workspace`` (bytes, a size string such as ``"256MiB"``, or ``None``), ``algo_search``,
-    ``backend``, ``cudnn_api``, ``plan_cache_size``, ``debug``, ``allocator``, ``search_cache_max_size`` (bytes,
-    a size string or ``None``), ``cache_dir`` (a folder, ``"off"`` or ``None``). Invalid values raise and change nothing; so does an invalid environment variable
-    for a setting that ``changes`` leaves to it.
+    ``backend``, ``cudnn_api``, ``cudnn_heuristic``, ``plan_cache_size``, ``debug``, ``allocator``,
+    ``search_cache_max_size`` (bytes, a size string or ``None``), ``cache_dir`` (a folder, ``"off"`` or ``None``).
+    Invalid values raise and change nothing; so does an invalid environment variable for a setting that
+    ``changes`` leaves to it.
     """
     global _state
     with _lock:

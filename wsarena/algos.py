@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _callsite, _forksafe, searchcache
+from ._config import get_config
 from ._geometry import ConvGeometry, describe_geometry
 from ._pass import Pass
 from ._sizes import format_size
@@ -45,7 +46,9 @@ def generation() -> int:
 
 
 def _key(backend: Backend, pass_: str, geom: ConvGeometry, search: str, cap: int | None) -> tuple:
-    return (backend.name, getattr(backend, "api", None), backend.device_key(), pass_, geom, search, cap)
+    api = getattr(backend, "api", None)
+    ranking = get_config().cudnn_heuristic if api == "graph" else None  # what ranks the graph API's candidates
+    return (backend.name, api, ranking, backend.device_key(), pass_, geom, search, cap)
 
 
 def is_cached(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:

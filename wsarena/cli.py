@@ -114,6 +114,9 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
         "--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto"
     )
     parser.add_argument("--cudnn-api", choices=("graph", "legacy"), help="default: WSARENA_CUDNN_API or legacy")
+    parser.add_argument("--cudnn-heuristic", choices=("instant", "b"),
+                        help="cuDNN's heuristic that ranks the graph API's engines (default: WSARENA_CUDNN_HEURISTIC "
+                             "or instant)")
     parser.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
     parser.add_argument(
         "--asymmetric-pads", choices=("widen", "error"), default="widen",
@@ -308,7 +311,7 @@ def _report(args: argparse.Namespace) -> int:
     _check_plot(args.plot)
     layers = _load(args)
     given = _given(algo_search=args.search, backend=args.backend, cap_workspace=args.cap_workspace,
-                   cudnn_api=args.cudnn_api)
+                   cudnn_api=args.cudnn_api, cudnn_heuristic=args.cudnn_heuristic)
     with config(**given) as cfg, _progress_bar() as bar:  # flags override the environment, which then matters
         exhaustive = cfg.algo_search == "exhaustive" or args.max_slowdown is not None  # only for the rest
         p = plan(
@@ -346,7 +349,7 @@ def _tune(args: argparse.Namespace) -> int:
         raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=...; leave out --format")
     _check_plot(args.plot)
     layers = _load(args)
-    with config(**_given(cudnn_api=args.cudnn_api)), _progress_bar() as bar:
+    with config(**_given(cudnn_api=args.cudnn_api, cudnn_heuristic=args.cudnn_heuristic)), _progress_bar() as bar:
         t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes, streams=args.streams,
                  backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=bar)
     if args.plot is not None:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _callsite
+from .._config import get_config
 from .._geometry import ITEMSIZES, describe_geometry
 from .._pass import Pass
 from ..arena._capture import CURRENT, refuse_in_capture
@@ -41,7 +42,6 @@ _TIMED_RUNS = 3  # executions timed per candidate in an exhaustive search (the f
 
 class CudnnGraphBackend(CudnnBackend):
     api = "graph"
-    heur_mode: Any = None  # the heuristics' mode (a cudnn.BackendHeurMode); None: INSTANT, the cheapest on the host
 
     def __init__(self, properties_json: str | None = None) -> None:
         super().__init__()
@@ -102,7 +102,8 @@ class CudnnGraphBackend(CudnnBackend):
         last, unless one of them is it, the first configuration that runs operands aligned only to their element
         size (:meth:`_general`)."""
         graph = self._plans.graph(handle, pass_, geom)
-        ranked = ranked_names(self._graph, graph, geom.dtype, properties=self._properties, mode=self.heur_mode)
+        mode = self._cudnn.BackendHeurMode.MODE_B if get_config().cudnn_heuristic == "b" else None  # None: INSTANT
+        ranked = ranked_names(self._graph, graph, geom.dtype, properties=self._properties, mode=mode)
         sizes = {name: self._workspace(handle, pass_, geom, name) for name in shortlist(ranked)}
         kept = {name: nbytes for name, nbytes in sizes.items() if nbytes is not None}
         general = self._general(handle, pass_, geom, [*kept, *(name for name, _ in ranked)])
