@@ -590,3 +590,17 @@ def test_the_limit_counts_the_disk_space_an_entry_takes(cache, monkeypatch):
         assert sum(p.stat().st_blocks * 512 for p in entry_files(cache)) <= 10 * block, k
     assert 5 <= len(entry_files(cache)) <= 10
     assert searchcache.info()["size_bytes"] == len(entry_files(cache)) * block
+
+
+def test_writes_made_without_a_limit_count_when_one_is_set_again(cache, limit):
+    """The process's count of the folder's size runs ahead of it, never behind: what it wrote while the limit was
+    off (configure(search_cache_max_size=None), a config() block) still counts, so the next write under a limit
+    trims the folder instead of letting it stay past the limit for as much again."""
+    put(1)  # the first write under a limit lists the folder: the count starts
+    wsarena.configure(search_cache_max_size=None)
+    for k in range(2, 120):
+        put(k)
+    assert entries_size(cache) > limit  # no limit: nothing trimmed
+    wsarena.configure(search_cache_max_size=limit)
+    put(120)
+    assert entries_size(cache) <= limit

@@ -265,15 +265,13 @@ def _written(folder: Path, nbytes: int) -> None:
     never late.
     """
     limit = get_config().search_cache_max_size
-    if limit is None:
-        return
     where = str(folder)
     with _size_lock:
         known = _known_size.get(where)
-        if known is not None:
+        if known is not None:  # counted with no limit too: one may be set again later in the process
             _known_size[where] = known + nbytes
-            if known + nbytes <= limit:
-                return
+        if limit is None or (known is not None and known + nbytes <= limit):
+            return
     target = int(limit * _TRIM_TO)
     try:
         size, failure = _trim(folder, limit, target)
