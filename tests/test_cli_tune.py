@@ -272,6 +272,34 @@ def test_work_stopped_midway_wipes_the_progress_bar(capsys, model, monkeypatch, 
 
 
 @pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"]])
+def test_a_warning_midway_starts_a_line_of_its_own_and_the_bar_goes_on(capsys, model, monkeypatch, command):
+    """A warning while the bar is drawn (a bad search cache file found at the tenth layer, say) wipes the bar
+    first, instead of printing onto the end of it; the bar is drawn again below it."""
+    import warnings
+
+    from wsarena.backends._cpu_backend import CpuBackend
+    from wsarena.errors import SearchCacheWarning
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    real = CpuBackend.measure
+    calls = []
+
+    def measure(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # the second layer's first pass: the bar shows the first layer done
+            warnings.warn("a warning midway", SearchCacheWarning, stacklevel=1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuBackend, "measure", measure)
+    code, out, err = run_main(capsys, command[0], model, "--backend", "cpu", *command[1:])
+    assert code == 0 and out
+    bar = re.search(r"\r(\[[#.]+\] 1/4 stem *)", err)
+    assert bar, err
+    wipe = r"\r {" + str(len(bar[1])) + r",}\r"
+    assert re.search(re.escape(bar[1]) + wipe + r"wsarena: warning: a warning midway\n\r\[", err), err
+
+
+@pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"]])
 def test_plot_without_matplotlib_fails_before_searching(capsys, model, monkeypatch, tmp_path, command):
     """Not after a search that can take minutes on a GPU, to say that the plot cannot be drawn."""
     from wsarena.backends._cpu_backend import CpuBackend

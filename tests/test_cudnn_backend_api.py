@@ -13,6 +13,7 @@ import json
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from wsarena import cudnn
@@ -160,6 +161,24 @@ def test_an_integer_the_c_type_cannot_hold_is_refused_not_wrapped():
         props.set(A.DEVICEPROP_DEVICE_ID, T.INT32, 2**31 - 1).set(A.DEVICEPROP_DEVICE_ID, T.INT32, -(2**31))
     with BackendDescriptor(D.VARIANT_PACK_DESCRIPTOR) as pack:
         pack.set(A.VARIANT_PACK_WORKSPACE, T.VOID_PTR, 2**64 - 1).set(A.VARIANT_PACK_WORKSPACE, T.VOID_PTR, 0)
+
+
+def test_any_integer_type_is_checked_by_its_value():
+    """What the attribute takes as an int (anything with ``__index__``: NumPy's, an address wrapper's) is compared
+    with the C type's limits as the int it stands for."""
+    class Address:
+        def __init__(self, value):
+            self.value = value
+
+        def __index__(self):
+            return self.value
+
+    with BackendDescriptor(D.VARIANT_PACK_DESCRIPTOR) as pack:
+        for value in (Address(2**64 - 1), np.uint64(2**64 - 1), np.int64(0x1000)):
+            pack.set(A.VARIANT_PACK_WORKSPACE, T.VOID_PTR, value)
+        for value in (Address(2**64), Address(-1)):
+            with pytest.raises(ValueError, match="VARIANT_PACK_WORKSPACE: .*cannot be VOID_PTR .*outside"):
+                pack.set(A.VARIANT_PACK_WORKSPACE, T.VOID_PTR, value)
 
 
 def test_cudnn_refusals_are_typed_errors():

@@ -184,6 +184,9 @@ def _rewrite(path, change):
                      id="other-wsarena-version"),
         pytest.param(lambda p: _rewrite(p, lambda d: d.update(version=99)), id="other-format-version"),
         pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(workspace_bytes="big")), id="bad-entry"),
+        pytest.param(lambda p: _rewrite(p, lambda d: d.update(key=["not", "an", "object"])), id="key-not-an-object"),
+        pytest.param(lambda p: _rewrite(p, lambda d: d["key"].update(environment="cpu")), id="environment-not-an-object"),
+        pytest.param(lambda p: p.write_text("[" * 100_000), id="nested-too-deep"),  # json.loads: RecursionError
     ],
 )
 def test_a_bad_file_gives_one_warning_and_is_replaced(cache, spoil):
@@ -524,9 +527,10 @@ def test_info_keeps_a_null_api_path_and_counts_any_foreign_file_as_unreadable(ca
 
     search(CpuBackend())  # the CPU has no cuDNN API path: null in the key
     (cache / "search" / "foreign.json").write_text('{"key": {"environment": ["not", "a", "dict"]}}')
+    (cache / "search" / "deep.json").write_text("[" * 100_000)  # json.loads: RecursionError
     info = searchcache.info()
     assert [(e["backend"], e["api"], e["entries"]) for e in info["environments"]] == [("cpu", None, 1)]
-    assert info["unreadable"] == 1
+    assert info["unreadable"] == 2
     text = cache_output("info", "text")
     assert "None" not in text and re.search(r"\(wsarena [^,)]+\)$", text.splitlines()[-1])
 
@@ -586,3 +590,17 @@ def test_the_limit_counts_the_disk_space_an_entry_takes(cache, monkeypatch):
         assert sum(p.stat().st_blocks * 512 for p in entry_files(cache)) <= 10 * block, k
     assert 5 <= len(entry_files(cache)) <= 10
     assert searchcache.info()["size_bytes"] == len(entry_files(cache)) * block
+
+
+def test_writes_made_without_a_limit_count_when_one_is_set_again(cache, limit):
+    """The process's count of the folder's size runs ahead of it, never behind: what it wrote while the limit was
+    off (configure(search_cache_max_size=None), a config() block) still counts, so the next write under a limit
+    trims the folder instead of letting it stay past the limit for as much again."""
+    put(1)  # the first write under a limit lists the folder: the count starts
+    wsarena.configure(search_cache_max_size=None)
+    for k in range(2, 120):
+        put(k)
+    assert entries_size(cache) > limit  # no limit: nothing trimmed
+    wsarena.configure(search_cache_max_size=limit)
+    put(120)
+    assert entries_size(cache) <= limit

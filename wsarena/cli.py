@@ -189,6 +189,8 @@ def _one_line_warnings() -> Iterator[None]:
     and source line."""
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
              line: str | None = None) -> None:
+        for bar in _bars:  # the bar has no newline: the warning would print onto its end; it is drawn again next
+            bar.clear()
         with contextlib.suppress(OSError):
             print(f"wsarena: warning: {' '.join(str(message).splitlines())}", file=sys.stderr)
 
@@ -270,16 +272,21 @@ def _output() -> Iterator[None]:
         raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
 
 
+_bars: list[Any] = []  # the progress bar being drawn, which a warning wipes first
+
+
 @contextlib.contextmanager
 def _progress_bar() -> Iterator[Any]:
     """The progress bar on stderr (when it is a terminal), wiped if the work stops midway, so that the error or
-    ``wsarena: interrupted`` that follows starts a line of its own."""
+    ``wsarena: interrupted`` that follows starts a line of its own, and before each warning."""
     from .planner import text_progress
 
     bar = text_progress()
+    _bars.append(bar)
     try:
         yield bar
     finally:
+        _bars.remove(bar)
         bar.clear()
 
 

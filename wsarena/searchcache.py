@@ -170,7 +170,7 @@ def _read(path: Path, key: dict[str, Any]) -> _Results | None:
         return None
     try:
         results = _parse(json.loads(text), key)
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         _warn_bad(path, exc)
         return None
     if time.time() - modified > _MARK_USED_AFTER:
@@ -187,8 +187,7 @@ def _parse(data: Any, key: dict[str, Any]) -> _Results:
     if data.get("version") != _VERSION:
         raise ValueError(f"format version {data.get('version')!r}, this wsarena reads {_VERSION}")
     if data.get("key") != key:
-        theirs = data.get("key", {}).get("environment", {}).get("wsarena")
-        raise ValueError(f"it holds another key (written by wsarena {theirs})")
+        raise ValueError(f"it holds another key (written by wsarena {_written_by(data.get('key'))})")
     results: _Results = {}
     for entry in data["results"]:
         algo, math, nbytes, ms = entry["algo"], entry["math_type"], entry["workspace_bytes"], entry["time_ms"]
@@ -198,6 +197,12 @@ def _parse(data: Any, key: dict[str, Any]) -> _Results:
             raise ValueError(f"malformed entry {entry!r}")
         results[(algo, math)] = (nbytes, None if ms is None else float(ms))
     return results
+
+
+def _written_by(key: Any) -> Any:
+    """The wsarena version a file's key names, or ``None`` where it names none (a foreign or damaged file)."""
+    env = key.get("environment") if isinstance(key, dict) else None
+    return env.get("wsarena") if isinstance(env, dict) else None
 
 
 def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
@@ -260,15 +265,13 @@ def _written(folder: Path, nbytes: int) -> None:
     never late.
     """
     limit = get_config().search_cache_max_size
-    if limit is None:
-        return
     where = str(folder)
     with _size_lock:
         known = _known_size.get(where)
-        if known is not None:
+        if known is not None:  # counted with no limit too: one may be set again later in the process
             _known_size[where] = known + nbytes
-            if known + nbytes <= limit:
-                return
+        if limit is None or (known is not None and known + nbytes <= limit):
+            return
     target = int(limit * _TRIM_TO)
     try:
         size, failure = _trim(folder, limit, target)
@@ -357,7 +360,7 @@ def info() -> dict[str, Any]:
             env = json.loads(path.read_text(encoding="utf-8"))["key"]["environment"]
             # as written (the CPU's API path is null), each a string or None, so that the groups sort
             group = tuple(_text(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
             out["unreadable"] += 1
             continue
         out["entries"] += 1

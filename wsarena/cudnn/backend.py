@@ -17,6 +17,7 @@ against device properties; executing a plan needs a handle and a GPU.
 from __future__ import annotations
 
 import ctypes
+import operator
 import weakref
 from enum import IntEnum
 from typing import Any, Self
@@ -288,10 +289,11 @@ def _c_value(attr_type: BackendAttributeType, value: Any) -> Any:
     if enum is not None:
         # Checked here: cuDNN 9.28 aborts the process (an illegal instruction) on some out-of-range enumerators.
         return int(enum(value))
+    number = operator.index(value)
     low, high = _int_range(_ctype(attr_type))
-    if not low <= value <= high:  # ctypes would wrap it silently: (c_int64 * 1)(2**64 + 1) holds 1
-        raise OverflowError(f"{int(value)} is outside [{low}, {high}]")
-    return int(value)
+    if not low <= number <= high:  # ctypes would wrap it silently: (c_int64 * 1)(2**64 + 1) holds 1
+        raise OverflowError(f"{number} is outside [{low}, {high}]")
+    return number
 
 
 def _int_range(ctype: Any) -> tuple[int, int]:
