@@ -200,3 +200,35 @@ def test_report_gives_the_workspace_of_the_api_path_in_use(capsys):
     for report in reports.values():
         assert report["arena_bytes"] == max(layer[p]["workspace_bytes"] for layer in report["layers"]
                                             for p in ("fwd", "bwd_data", "bwd_filter"))
+
+
+@pytest.mark.parametrize("api", ["legacy", "graph"])
+def test_a_first_exhaustive_search_on_a_shifted_view_times_what_aligned_operands_run(cp, api, tmp_path):
+    """The search times on aligned copies of a view 2 bytes off a boundary (timing_operands), so the candidates
+    that refuse the view are timed, not saved as rejected for the geometry; the view still runs (on the first
+    candidate that takes it) and matches the reference."""
+    import json
+
+    from wsarena import algos
+
+    x = np.random.default_rng(5).standard_normal((2, 9, 9, 8))
+    w = np.random.default_rng(6).standard_normal((16, 3, 3, 8))
+    base = cp.empty(x.size + 1, "float16")
+    xd = base[1:].reshape(x.shape)
+    xd[...] = cp.asarray(x, "float16")
+    wd = cp.asarray(w, "float16")
+    backend = get_backend("cudnn", api)
+    a, _, out = backend.timing_operands(xd, wd, cp.empty((2, 9, 9, 16), "float16"))
+    assert a.data.ptr % 16 == 0 and out.data.ptr % 16 == 0 and bool((a == xd).all())
+    assert all(t is wd for t in backend.timing_operands(wd, wd, wd))  # aligned already: the operands themselves
+    algos.cache_clear()
+    with config(cudnn_api=api, algo_search="exhaustive", cache_dir=tmp_path):
+        y = conv_forward(xd, wd, padding=1, layout="NHWC")
+    ref = ref_conv_forward(cp.asnumpy(xd).astype(np.float64), w.astype("float16").astype(np.float64), padding=1,
+                           layout="NHWC")
+    assert _rel(cp.asnumpy(y).astype(np.float64), ref) <= 2e-2
+    (entry,) = (tmp_path / "search").glob("*.json")
+    results = json.loads(entry.read_text())["results"]
+    timed = [r for r in results if r["time_ms"] is not None]
+    # a search on the view itself leaves out every candidate that refuses it: on an H100, the tensor-core ones
+    assert len(timed) >= len(results) // 2, results

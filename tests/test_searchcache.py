@@ -121,6 +121,37 @@ def test_candidates_left_untimed_for_memory_are_not_saved(cache):
     assert backend.measured == [("fwd", 4)] * 2  # fft still unknown: the search runs again
 
 
+class _AddressBackend(TableBackend):
+    """fft refuses operands off a 16-byte boundary, as tensor-core kernels do; the search times on aligned
+    copies of such operands (``timing_operands``), as the cudnn backends do."""
+
+    def timing_operands(self, a, b, out):
+        if all(x.ctypes.data % 16 == 0 for x in (a, b, out)):
+            return a, b, out
+        return a.copy(), b.copy(), np.empty_like(out)
+
+    def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+        timed = super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
+        if any(x.ctypes.data % 16 for x in (a, b, out)):
+            return [c for c in timed if c.algo != "fft"]
+        return timed
+
+
+def test_a_first_search_on_a_misaligned_view_keeps_what_aligned_operands_run(cache):
+    """The choice and the cache entry are per geometry: a first call on a view 4 bytes off its allocation once
+    saved the engines that refuse it as rejected, for every later call and process."""
+    backend = _AddressBackend(TABLE)
+    algos.cache_clear()
+    shapes = GEOM.operand_shapes("fwd")
+    views = tuple(np.zeros(int(np.prod(s)) + 4, dtype="float32")[1:][: int(np.prod(s))].reshape(s) for s in shapes)
+    assert all(v.ctypes.data % 16 == 4 for v in views)
+    first = algos.select(backend, "fwd", GEOM, cap=None, search="exhaustive", operands=views, warn=False)
+    assert [c.algo for c in first] == ["fft", "gemm", "implicit"]
+    saved = {e["algo"]: e["time_ms"] for e in json.loads(entry_files(cache)[0].read_text())["results"]}
+    assert saved == {"fft": 3.0, "gemm": 4.0, "implicit": 10.0}
+    assert search(backend)[0].algo == "fft" and backend.measured == [("fwd", 4)]  # a later process: from the cache
+
+
 def test_the_environment_is_part_of_the_key(cache):
     search(TableBackend(TABLE, device="fake device 1"))
     other = TableBackend(TABLE, device="fake device 2")

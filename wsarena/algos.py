@@ -169,6 +169,11 @@ def select(
 
     def measure_now(cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
         a, b, out = operands() if callable(operands) else operands
+        # The choice (and the search cache) is kept per geometry, whatever the operands' addresses: a backend whose
+        # algorithms depend on them times on operands at the addresses every allocation has (timing_operands).
+        timing = getattr(backend, "timing_operands", None)
+        if timing is not None:
+            a, b, out = timing(a, b, out)
         timed: list[Candidate] = []
         skipped: list[Candidate] = []
 

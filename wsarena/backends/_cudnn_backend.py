@@ -20,6 +20,7 @@ from ..arena import get_arena
 from ..arena._capture import CURRENT, refuse_in_capture
 from ..arena.streams import cupy_stream, stream_handle
 from . import Candidate
+from ._graph_plans import ALIGNED, alignment
 
 _DESCRIPTOR_SETS = 1024  # (geometry, math type) pairs whose descriptors the backend keeps at hand
 
@@ -102,6 +103,19 @@ class CudnnBackend:
 
     def random(self, shape: tuple[int, ...], dtype: str) -> Any:
         return self._cupy.random.default_rng(0).standard_normal(shape, dtype="float32").astype(dtype)
+
+    def timing_operands(self, a: Any, b: Any, out: Any) -> tuple[Any, Any, Any]:
+        """The operands an exhaustive search times on: these, or, when one is a view off a 16-byte boundary,
+        copies at aligned addresses (CuPy allocates at 256). Algorithms and engines that refuse misaligned
+        operands would be left out of a search timed on them, and the choice and the search cache are kept per
+        geometry: the first call would decide for every later one. (A misaligned call then runs the first
+        candidate that takes its operands.) Under memory pressure, the operands themselves."""
+        if tuple(alignment(arr.data.ptr) for arr in (a, b, out)) == ALIGNED:
+            return a, b, out
+        try:
+            return a.copy(), b.copy(), self._cupy.empty_like(out)
+        except MemoryError:
+            return a, b, out
 
     # -- descriptors -------------------------------------------------------------------------------------------
     def _descriptors(self, geom: Any, math_type: int | None = None) -> tuple[Any, Any, Any, Any]:
