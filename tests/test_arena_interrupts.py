@@ -172,6 +172,44 @@ def test_an_interrupt_at_any_check_of_a_growing_lease_loses_no_buffer(arena_kind
     assert n > 50  # it did reach the lease's own code, not only this test's
 
 
+class _Stream:
+    """A stream object as CuPy hands them out: weakly referenceable, with __cuda_stream__ (the arena watches it)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+@pytest.mark.parametrize("handle", [11, 12], ids=["a dead stream's handle given again", "a new handle"])
+def test_an_interrupt_at_any_check_of_a_lease_that_lets_a_dead_stream_go_loses_no_buffer(handle):
+    """A lease on a new stream lets the sub-arenas of dead streams go: the dead stream that had its handle
+    (``let_go_replaced``), or every orphan as a new sub-arena is made (``sweep_orphans``). Ctrl-C at every check of
+    that lease: once the arena is closed and trimmed, the provider holds nothing. Once, the sub-arena was dropped
+    from the table before its buffers were queued, and an interrupt in between lost them for good."""
+    n = 1
+    while True:
+        provider = RecordingProvider(device_id=0)
+        provider.stream_ids[11] = 101
+        arena = Arena(provider)
+        dead = [_Stream(11), _Stream(13)]
+        for stream in dead:
+            arena.reserve(1000, stream=stream)
+        del dead, stream
+        gc.collect()
+        arena.stats()  # the deaths are seen: both are orphans
+        provider.stream_ids[11] = 102  # a new stream has handle 11
+        gc.collect()
+        if not interrupt_at_check(n, lambda: _lease_cycle(arena, _Stream(handle), 500), skip=_in_provider):
+            break
+        arena.close()
+        arena.trim()
+        assert provider.held == [], f"interrupted at check {n}"
+        n += 1
+    assert n > 50
+
+
 def test_an_interrupt_at_the_start_of_a_release_is_retried_by_the_with_block(arena, key, monkeypatch):
     real_end, calls = arena._end, []
 

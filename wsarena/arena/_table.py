@@ -251,12 +251,17 @@ class _Table:
         )
 
     def forget(self, sub: _SubArena, gone: bool = False) -> int:
-        """Drop an idle sub-arena and let go of its buffers (``gone``: its stream may no longer exist)."""
+        """Drop an idle sub-arena and let go of its buffers (``gone``: its stream may no longer exist).
+
+        The buffers are let go first, while the table still holds the sub-arena: an interrupt that stops this half
+        way leaves it in the table, where a later sweep, trim or close finds what it still holds. (Dropped first, a
+        sub-arena stopped before its buffers were queued took them out of the arena's reach for good.)"""
+        released = sub.tidy() + sub.empty(gone, forgotten=True)
         if self.subs.get(sub.key) is sub:
             del self.subs[sub.key]
         sub.anchor = None  # a reference dropped before its object dies never calls back
         sub.wake()  # threads queued for it look the key up again
-        return sub.tidy() + sub.empty(gone, forgotten=True)
+        return released
 
     def drop_if_idle(self, sub: _SubArena, gone: bool = False) -> None:
         """Forget ``sub`` if no one uses it and it holds nothing or the arena is closed (then free its buffer)."""
