@@ -322,6 +322,38 @@ def test_nothing_that_would_synchronise_the_device_is_freed_in_a_capture_block()
     graph.close()
 
 
+@pytest.mark.parametrize("how", ["a new stream", "a trim"])
+def test_nothing_that_would_synchronise_the_device_is_freed_while_another_thread_captures(how):
+    """A capture in CUDA's global mode (PyTorch's default) is broken by a device synchronisation in any thread. While
+    another thread captures S1 (its step has leased there), a call of this thread, whose stream and current stream
+    are not captured, lets a dead stream's buffer go: its free with no stream waits until the capture is over. Once,
+    only the draining call's stream and its thread's current stream were asked."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    gone = _Stream(S2)
+    arena.reserve(1000, stream=gone)
+    del gone
+    gc.collect()
+    graph = provider.begin_capture(S1)  # in the other thread; this thread's current stream (0) is not captured
+    with arena.lease(1000, stream=S1):  # the other thread's captured step
+        pass
+    if how == "a trim":
+        arena.trim()
+    else:
+        with arena.lease(1000, stream=0x54):  # a stream new to the arena: dead streams' sub-arenas go
+            pass
+    assert provider.during_capture == [] and [s for _, s in provider.frees] == []
+    provider.end_capture(graph)
+    with arena.lease(10, stream=0x54):  # the next call after the capture frees it
+        pass
+    assert [s for _, s in provider.frees] == [None] and provider.during_capture == []
+    with arena.lease(10, stream=0x54):
+        pass
+    assert arena._table.capturing == {}  # the capture over was seen, and forgotten: nothing more is asked
+    graph.close()
+
+
 def test_a_pins_semaphore_is_freed_only_once_cuda_has_posted_it(monkeypatch):
     """CUDA may run a graph's destructor (sem_post) after the pin is gone, and at exit after the interpreter freed
     its objects: the semaphore is memory of libc's, freed only once CUDA posted it."""

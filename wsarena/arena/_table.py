@@ -102,8 +102,8 @@ class _Table:
     """The sub-arenas of one arena, by key, and the queue that says which of them go away."""
 
     __slots__ = (
-        "captures", "closed", "dead", "exited", "forked", "kept", "lanes", "lock", "stream_id", "subs", "to_free",
-        "totals",
+        "captures", "capturing", "closed", "dead", "exited", "forked", "kept", "lanes", "lock", "stream_id", "subs",
+        "to_free", "totals",
     )
 
     def __init__(
@@ -117,6 +117,9 @@ class _Table:
         self.to_free: Queue = collections.deque()  # (buffer, stream) let go, for the provider
         self.kept: list[tuple[Hashable, _Block, Any]] = []  # pinned buffers no sub-arena uses: (key, block, stream)
         self.captures: dict[Any, Any] = {}  # capture sequence id -> the pin of the graph it captures into
+        # Keys of the streams a lease was taken on during a capture that may still be under way (an ordered set):
+        # asked before a free with no stream (wsarena.arena._pinning.give_back), forgotten once found not captured.
+        self.capturing: dict[Hashable, None] = {}
         self.totals = _Totals()
         self.closed = False
         self.exited = False  # a device arena released by the exit handler: the interpreter is ending
@@ -259,6 +262,7 @@ class _Table:
         released = sub.tidy() + sub.empty(gone, forgotten=True)
         if self.subs.get(sub.key) is sub:
             del self.subs[sub.key]
+            self.capturing.pop(sub.key, None)  # its stream may be gone: never asked about again
         sub.anchor = None  # a reference dropped before its object dies never calls back
         sub.wake()  # threads queued for it look the key up again
         return released
@@ -304,6 +308,7 @@ class _Table:
                 gone.anchor = None
                 gone.orphan = True
                 self.unstream_kept(gone.key)
+                self.capturing.pop(gone.key, None)  # its stream may be gone: never asked about again
                 if anchor.eager and gone.idle():
                     released += self.forget(gone, gone=True)
             self.dead.popleft()
