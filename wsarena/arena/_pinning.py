@@ -150,7 +150,7 @@ def check_unpinned(self: Arena) -> None:
     with self._lock:
         # A pin keeps its blocks, and a block its buffer: no id here is one of a buffer gone since.
         pinned = {id(block.buffer) for pin in self._table.captures.values() if pin.live() for block in pin.blocks}
-        for buffer, _ in self._to_free:
+        for buffer, _ in list(self._to_free):  # a copy: other threads drain the queue without the lock
             if id(buffer) in pinned:
                 raise AssertionError(
                     f"wsarena debug: {buffer!r} is about to be freed while a CUDA graph that captured it still exists"
