@@ -6,6 +6,7 @@ new wrapper of a live stream (``torch.cuda.current_stream()`` makes one per call
 ``RecordingProvider.stream_ids`` plays CUDA: a test gives handle 11 to a new stream by changing its id there."""
 
 import gc
+import threading
 
 import pytest
 
@@ -151,3 +152,59 @@ def test_a_provider_that_cannot_tell_streams_apart_keeps_the_buffer(provider):
     old = dead_stream_leased(arena)
     assert lease_ptr(arena, 1000, Stream(H)) == old
     assert provider.frees == []
+
+
+def test_a_dead_streams_lease_that_nothing_can_end_lets_its_buffer_go_when_the_handle_is_given_again(provider):
+    """A lease entered by hand and dropped (or cut short by a Ctrl-C) is ended by whoever next wants its lane. Once
+    its stream is gone and a new stream has the handle, no one wants that lane again: the new stream's first lease
+    ends it and lets the buffer go. Once, it was moved aside under ``GoneStream`` and held its buffer until a trim,
+    stats() or close(), which a process may never call."""
+    arena = Arena(provider)
+    stream = Stream(H)
+    ws = arena.lease(1000, stream=stream)
+    ws.__enter__()  # and never __exit__
+    old = ws.ptr
+    del ws, stream
+    gc.collect()
+    provider.stream_ids[H] = 102
+    for _ in range(3):  # the new stream's steps
+        lease_ptr(arena, 1000, Stream(H))
+    assert [(buffer.ptr, stream) for buffer, stream in provider.frees] == [(old, None)]
+    assert list(arena._subs) == [H] and len(provider.held) == 1
+
+
+class GatedLarge(RecordingProvider):
+    """Allocations of 4 KiB and more wait at a gate."""
+
+    def __init__(self):
+        super().__init__(device_id=0)
+        self.allocating, self.gate = threading.Event(), threading.Event()
+
+    def allocate(self, size, *, stream):
+        if size >= 4096:
+            self.allocating.set()
+            assert self.gate.wait(10)
+        return super().allocate(size, stream=stream)
+
+
+def test_a_reserve_that_ends_after_its_dead_streams_handle_was_given_again_lets_its_buffer_go():
+    """A reserve on the handle is allocating when the stream dies and a new stream takes the handle: the old
+    sub-arena is moved aside while the reserve grows it, and goes (buffers freed with no stream) once the reserve
+    ends. Once, it stayed aside with both buffers until a trim or close."""
+    provider = GatedLarge()
+    provider.stream_ids[H] = 101
+    arena = Arena(provider)
+    stream = Stream(H)
+    lease_ptr(arena, 100, stream)
+    reserve = threading.Thread(target=arena.reserve, args=(5000,), kwargs={"stream": H})
+    reserve.start()
+    assert provider.allocating.wait(10)
+    del stream
+    gc.collect()
+    provider.stream_ids[H] = 102
+    new = lease_ptr(arena, 100, Stream(H))  # the new stream's: the old sub-arena is moved aside
+    provider.gate.set()
+    reserve.join(10)
+    assert not reserve.is_alive()
+    assert sorted(buffer.size for buffer, stream in provider.frees if stream is None) == [256, 5120]
+    assert [buffer.ptr for buffer in provider.held] == [new] and list(arena._subs) == [H]

@@ -177,8 +177,16 @@ class _Table:
     def let_go_replaced(self, sub: _SubArena) -> None:
         """``sub``'s stream is gone and another stream has its handle: let ``sub`` go as gone (its buffers freed with
         no stream, once the device is idle; one a graph holds is kept for it). If a lease or a growth still uses it,
-        it waits for that under a key of its own (:class:`GoneStream`), still an orphan: then it goes as any orphan
-        does (:meth:`after_lease`, :meth:`sweep_orphans`)."""
+        it waits for that under a key of its own (:class:`GoneStream`), still an orphan, and goes as soon as that ends
+        (:meth:`after_lease`, :meth:`end_growth`, :meth:`growth_over`): no lease will look it up there again. A lease
+        or growth that nothing can end any more (its owner is gone) ends here first, as one on its lane would."""
+        ref = sub.holder
+        if ref is not None and ref() is None and not sub.releasing():
+            self.reap(sub)  # and the orphan goes with its lease
+        elif sub.growing is not None:
+            self.growth_over(sub)  # ends a growth whose owner is gone
+        if self.subs.get(sub.key) is not sub:
+            return
         if sub.idle():
             self.forget(sub, gone=True)
             return
@@ -220,6 +228,7 @@ class _Table:
         if growing is not sub.holder:  # a reserve cut short by an interrupt
             sub.growing = None
             sub.wake()
+            self.drop_if_gone(sub)
         elif sub.releasing():  # its owner is releasing it right now
             return False
         else:  # a lease cut short while it grew: it ends, and its growth with it
@@ -238,6 +247,7 @@ class _Table:
             sub.wake()
         if block is None or not block.installed:
             self.drop_if_idle(sub)
+        self.drop_if_gone(sub)  # a reserve of a dead stream's sub-arena, moved aside while it grew
 
     def _nested_error(self, key: Hashable) -> RuntimeError:
         """This thread leases again on a lane / stream it holds (nothing was changed)."""
@@ -271,6 +281,11 @@ class _Table:
         """Forget ``sub`` if no one uses it and it holds nothing or the arena is closed (then free its buffer)."""
         if sub.idle() and (sub.block is None or self.closed) and self.subs.get(sub.key) is sub:
             self.forget(sub, gone)
+
+    def drop_if_gone(self, sub: _SubArena) -> None:
+        """Forget ``sub`` if it was moved aside as a dead stream's (:meth:`let_go_replaced`) and no one uses it."""
+        if type(sub.key) is GoneStream and sub.idle() and self.subs.get(sub.key) is sub:
+            self.forget(sub, gone=True)
 
     def after_lease(self, sub: _SubArena, granted: bool) -> None:
         """Tidy up once a lease of ``sub`` ended; ``granted``: it had its bytes (else it failed on its way)."""
