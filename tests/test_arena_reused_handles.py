@@ -126,6 +126,8 @@ def test_a_live_lease_on_the_dead_streams_buffer_is_kept_until_it_ends(provider,
 
 
 def test_a_buffer_a_graph_holds_is_kept_when_its_dead_streams_handle_is_given_again(provider):
+    """Kept for the graph, and counted as the arena's pinned bytes, not as the new stream's. (Once, the new stream
+    was said to pin it.)"""
     arena = Arena(provider)
     stream = Stream(H)
     arena.reserve(1000, stream=stream)
@@ -137,6 +139,8 @@ def test_a_buffer_a_graph_holds_is_kept_when_its_dead_streams_handle_is_given_ag
     gc.collect()
     provider.stream_ids[H] = 102
     assert lease_ptr(arena, 1000, Stream(H)) != pinned
+    stats = arena.stats()  # the graph holds the dead stream's buffer, not the new stream's
+    assert (stats.pinned_bytes, stats.streams[H].pinned_bytes, stats.streams[H].capacity_bytes) == (1024, 0, 1024)
     arena.trim()
     assert pinned in [b.ptr for b in provider.held]  # the graph may be replayed
     graph.close()
@@ -208,3 +212,25 @@ def test_a_reserve_that_ends_after_its_dead_streams_handle_was_given_again_lets_
     assert not reserve.is_alive()
     assert sorted(buffer.size for buffer, stream in provider.frees if stream is None) == [256, 5120]
     assert [buffer.ptr for buffer in provider.held] == [new] and list(arena._subs) == [H]
+
+
+def test_a_new_stream_with_a_dead_streams_handle_holds_nothing_before_its_first_lease(provider):
+    """held_bytes() answers for the stream the handle names now: a new stream given a dead stream's handle holds
+    nothing, as its first lease would find. wsarena.capture() asks so whether to seed its capture stream (a fresh
+    stream each time, whose handle CUDA gives again once the previous one is destroyed): once, it was told the dead
+    stream's capacity, seeded nothing, and the capture's first lease raised CaptureError."""
+    from wsarena.cudagraph import seed_workspace
+
+    arena = Arena(provider)
+    lease_ptr(arena, 4000, 0x51)  # the eager step
+    dead_stream_leased(arena, 4000)
+    assert arena.held_bytes(stream=H) == 4096  # the handle's stream object died: it may be a wrapper of the same stream
+    provider.stream_ids[H] = 102
+    stream = Stream(H)
+    assert arena.held_bytes(stream=stream) == 0
+    assert [(buffer.size, stream) for buffer, stream in provider.frees] == [(4096, None)]  # let go as gone
+    seed_workspace(arena, stream)
+    graph = provider.begin_capture(H)
+    assert lease_ptr(arena, 4000, stream) == provider.allocations[-1].ptr  # the seed, captured
+    provider.end_capture(graph)
+    graph.close()

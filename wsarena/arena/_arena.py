@@ -206,11 +206,15 @@ class Arena:
         return self._capture(key.handle if type(key) is PerThreadStream else key) is not None
 
     def held_bytes(self, *, stream: Any = None) -> int:
-        """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none)."""
+        """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none; 0 too for
+        a new stream that CUDA gave a dead stream's handle: the dead stream's buffer is not its own)."""
         key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
         with self._lock:
-            sub = self._subs.get(key)
-            return sub.capacity() if sub is not None else 0
+            sub = self._table.serving(key)
+            held = sub.capacity() if sub is not None else 0
+        if self._to_free:  # what a sweep let go
+            self._give_back(key)
+        return held
 
     def trim(self) -> int:
         """Free every buffer that no live lease uses; return the number of bytes given back.
