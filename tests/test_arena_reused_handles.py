@@ -234,3 +234,24 @@ def test_a_new_stream_with_a_dead_streams_handle_holds_nothing_before_its_first_
     assert lease_ptr(arena, 4000, stream) == provider.allocations[-1].ptr  # the seed, captured
     provider.end_capture(graph)
     graph.close()
+
+
+def test_debug_mode_poisons_no_dead_streams_buffer_on_the_handle_given_again(provider):
+    """A lease on the dead stream's buffer ends after a new stream took the handle: debug mode's poisoning, a fill in
+    stream order, has no stream to be ordered on (the handle names the new stream, whose work is unordered with the
+    dead stream's kernels, which may still use the bytes): the bytes are not poisoned. Once, they were filled on the
+    handle."""
+    arena = Arena(provider)
+    stream = Stream(H)
+    lease_ptr(arena, 1000, stream)
+    with wsarena.config(debug=True):
+        held = arena.lease(1000, stream=H)
+        held.__enter__()
+        lease_ptr(arena, 10, 0x51)  # poisoned on its stream, as always
+        del stream
+        gc.collect()
+        provider.stream_ids[H] = 102
+        lease_ptr(arena, 1000, Stream(H))
+        held.__exit__(None, None, None)
+    assert [(n, stream) for _, _, n, stream in provider.fills] == [(10, 0x51), (1000, H)]  # the two live streams'
+    assert provider.fills[-1][0] != held.ptr

@@ -363,10 +363,13 @@ class Arena:
             # keeps others from ending the lease meanwhile (its with statement is over, its anchor may be gone). It
             # refers weakly to an object of this call's own, dropped once the fill is over, however that ended (a
             # failed fill, an interrupt): then whoever finds the lease's holder gone may end it.
+            # The fill is ordered on the sub-arena's stream: none where that may be gone (a dead stream's handle may
+            # name another stream now) or is another thread's per-thread stream (handle 2 would name this thread's).
             owner = _Owner()
             with self._lock:
                 ref = ws._ref  # read under the lock, as :meth:`_hold_by_workspace` changes it
-                poison = sub.holder is ref and not block.freed
+                ordered = self._lanes or sub.free_stream() is not None
+                poison = sub.holder is ref and not block.freed and ordered
                 if poison:
                     sub.ending = weakref.ref(owner)
             try:
