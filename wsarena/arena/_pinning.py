@@ -7,8 +7,8 @@ an eager step or a reserve, or gets :class:`~wsarena.errors.CaptureError`; so do
 stream being captured. Nor is a buffer given back to the provider on a stream being captured: the free would be
 recorded into the graph (``cudaFreeAsync`` is a graph node), not done, so it waits until the capture is over
 (:func:`give_back`); a buffer freed with no stream (the provider synchronises the device first) waits while any
-capture the arena knows of is under way, in any thread. Most functions here are the arena's methods (``Arena._acquire_captured``, ``Arena._pin_for``),
-written here to keep each module to one job.
+capture the arena knows of is under way, in any thread. Most functions here are the arena's methods
+(``Arena._acquire_captured``, ``Arena._pin_for``), written here to keep each module to one job.
 """
 
 from __future__ import annotations
