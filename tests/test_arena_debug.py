@@ -22,6 +22,27 @@ def test_debug_poisons_released_bytes(arena, provider):
     assert provider.fills and provider.fills[0][1:3] == (POISON_BYTE, 1000)
 
 
+def test_debug_poisons_no_other_threads_per_thread_stream():
+    """A lease on a thread's per-thread stream (handle 2), ended by another thread: handle 2 names the ending
+    thread's own per-thread stream there, unordered with the owner's kernels, so the bytes are not poisoned. Once,
+    they were filled on the ending thread's stream, maybe under the owner's last kernels."""
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    leases = []
+
+    def owner():
+        with wsarena.config(debug=True):
+            leases.append(arena.lease(1000, stream=2).__enter__())
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    thread.join(10)
+    leases[0].__exit__(None, None, None)  # ended here
+    with wsarena.config(debug=True), arena.lease(100, stream=2):  # this thread's own: poisoned on it
+        pass
+    assert [(n, stream) for _, _, n, stream in provider.fills] == [(100, 2)]
+
+
 def test_debug_off_does_not_poison(arena, provider):
     with arena.lease(100) as ws:
         view = ws.array

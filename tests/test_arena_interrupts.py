@@ -172,6 +172,68 @@ def test_an_interrupt_at_any_check_of_a_growing_lease_loses_no_buffer(arena_kind
     assert n > 50  # it did reach the lease's own code, not only this test's
 
 
+class _Stream:
+    """A stream object as CuPy hands them out: weakly referenceable, with __cuda_stream__ (the arena watches it)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+@pytest.mark.parametrize("handle", [11, 12], ids=["a dead stream's handle given again", "a new handle"])
+def test_an_interrupt_at_any_check_of_a_lease_that_lets_a_dead_stream_go_loses_no_buffer(handle):
+    """A lease on a new stream lets the sub-arenas of dead streams go: the dead stream that had its handle
+    (``let_go_replaced``), or every orphan as a new sub-arena is made (``sweep_orphans``). Ctrl-C at every check of
+    that lease: once the arena is closed and trimmed, the provider holds nothing. Once, the sub-arena was dropped
+    from the table before its buffers were queued, and an interrupt in between lost them for good."""
+    n = 1
+    while True:
+        provider = RecordingProvider(device_id=0)
+        provider.stream_ids[11] = 101
+        arena = Arena(provider)
+        dead = [_Stream(11), _Stream(13)]
+        for stream in dead:
+            arena.reserve(1000, stream=stream)
+        del dead, stream
+        gc.collect()
+        arena.stats()  # the deaths are seen: both are orphans
+        provider.stream_ids[11] = 102  # a new stream has handle 11
+        gc.collect()
+        if not interrupt_at_check(n, lambda arena=arena: _lease_cycle(arena, _Stream(handle), 500), skip=_in_provider):
+            break
+        arena.close()
+        arena.trim()
+        assert provider.held == [], f"interrupted at check {n}"
+        n += 1
+    assert n > 50
+
+
+def test_an_interrupt_at_any_check_of_a_drain_during_a_capture_loses_no_buffer():
+    """While a stream is captured, the buffers let go on it stay queued and the others are freed. Ctrl-C at every
+    check of a trim that lets go of both: once the capture is over and the arena closed and trimmed, the provider
+    holds nothing. Once, a helper of the drain's own (a Python method) set a waiting buffer aside, and an interrupt
+    as it started lost that buffer."""
+    n = 1
+    while True:
+        provider = RecordingProvider(device_id=0)
+        arena = Arena(provider)
+        for stream in (0x51, 0x52, 0x53):
+            arena.reserve(1000, stream=stream)
+        graph = provider.begin_capture(0x51)
+        gc.collect()
+        fired = interrupt_at_check(n, arena.trim, skip=_in_provider)
+        provider.end_capture(graph)
+        arena.close()
+        arena.trim()
+        assert provider.held == [], f"interrupted at check {n}"
+        if not fired:
+            break
+        n += 1
+    assert n > 20
+
+
 def test_an_interrupt_at_the_start_of_a_release_is_retried_by_the_with_block(arena, key, monkeypatch):
     real_end, calls = arena._end, []
 

@@ -6,6 +6,7 @@ new wrapper of a live stream (``torch.cuda.current_stream()`` makes one per call
 ``RecordingProvider.stream_ids`` plays CUDA: a test gives handle 11 to a new stream by changing its id there."""
 
 import gc
+import threading
 
 import pytest
 
@@ -125,6 +126,8 @@ def test_a_live_lease_on_the_dead_streams_buffer_is_kept_until_it_ends(provider,
 
 
 def test_a_buffer_a_graph_holds_is_kept_when_its_dead_streams_handle_is_given_again(provider):
+    """Kept for the graph, and counted as the arena's pinned bytes, not as the new stream's. (Once, the new stream
+    was said to pin it.)"""
     arena = Arena(provider)
     stream = Stream(H)
     arena.reserve(1000, stream=stream)
@@ -136,6 +139,8 @@ def test_a_buffer_a_graph_holds_is_kept_when_its_dead_streams_handle_is_given_ag
     gc.collect()
     provider.stream_ids[H] = 102
     assert lease_ptr(arena, 1000, Stream(H)) != pinned
+    stats = arena.stats()  # the graph holds the dead stream's buffer, not the new stream's
+    assert (stats.pinned_bytes, stats.streams[H].pinned_bytes, stats.streams[H].capacity_bytes) == (1024, 0, 1024)
     arena.trim()
     assert pinned in [b.ptr for b in provider.held]  # the graph may be replayed
     graph.close()
@@ -151,3 +156,102 @@ def test_a_provider_that_cannot_tell_streams_apart_keeps_the_buffer(provider):
     old = dead_stream_leased(arena)
     assert lease_ptr(arena, 1000, Stream(H)) == old
     assert provider.frees == []
+
+
+def test_a_dead_streams_lease_that_nothing_can_end_lets_its_buffer_go_when_the_handle_is_given_again(provider):
+    """A lease entered by hand and dropped (or cut short by a Ctrl-C) is ended by whoever next wants its lane. Once
+    its stream is gone and a new stream has the handle, no one wants that lane again: the new stream's first lease
+    ends it and lets the buffer go. Once, it was moved aside under ``GoneStream`` and held its buffer until a trim,
+    stats() or close(), which a process may never call."""
+    arena = Arena(provider)
+    stream = Stream(H)
+    ws = arena.lease(1000, stream=stream)
+    ws.__enter__()  # and never __exit__
+    old = ws.ptr
+    del ws, stream
+    gc.collect()
+    provider.stream_ids[H] = 102
+    for _ in range(3):  # the new stream's steps
+        lease_ptr(arena, 1000, Stream(H))
+    assert [(buffer.ptr, stream) for buffer, stream in provider.frees] == [(old, None)]
+    assert list(arena._subs) == [H] and len(provider.held) == 1
+
+
+class GatedLarge(RecordingProvider):
+    """Allocations of 4 KiB and more wait at a gate."""
+
+    def __init__(self):
+        super().__init__(device_id=0)
+        self.allocating, self.gate = threading.Event(), threading.Event()
+
+    def allocate(self, size, *, stream):
+        if size >= 4096:
+            self.allocating.set()
+            assert self.gate.wait(10)
+        return super().allocate(size, stream=stream)
+
+
+def test_a_reserve_that_ends_after_its_dead_streams_handle_was_given_again_lets_its_buffer_go():
+    """A reserve on the handle is allocating when the stream dies and a new stream takes the handle: the old
+    sub-arena is moved aside while the reserve grows it, and goes (buffers freed with no stream) once the reserve
+    ends. Once, it stayed aside with both buffers until a trim or close."""
+    provider = GatedLarge()
+    provider.stream_ids[H] = 101
+    arena = Arena(provider)
+    stream = Stream(H)
+    lease_ptr(arena, 100, stream)
+    reserve = threading.Thread(target=arena.reserve, args=(5000,), kwargs={"stream": H})
+    reserve.start()
+    assert provider.allocating.wait(10)
+    del stream
+    gc.collect()
+    provider.stream_ids[H] = 102
+    new = lease_ptr(arena, 100, Stream(H))  # the new stream's: the old sub-arena is moved aside
+    provider.gate.set()
+    reserve.join(10)
+    assert not reserve.is_alive()
+    assert sorted(buffer.size for buffer, stream in provider.frees if stream is None) == [256, 5120]
+    assert [buffer.ptr for buffer in provider.held] == [new] and list(arena._subs) == [H]
+
+
+def test_a_new_stream_with_a_dead_streams_handle_holds_nothing_before_its_first_lease(provider):
+    """held_bytes() answers for the stream the handle names now: a new stream given a dead stream's handle holds
+    nothing, as its first lease would find. wsarena.capture() asks so whether to seed its capture stream (a fresh
+    stream each time, whose handle CUDA gives again once the previous one is destroyed): once, it was told the dead
+    stream's capacity, seeded nothing, and the capture's first lease raised CaptureError."""
+    from wsarena.cudagraph import seed_workspace
+
+    arena = Arena(provider)
+    lease_ptr(arena, 4000, 0x51)  # the eager step
+    dead_stream_leased(arena, 4000)
+    assert arena.held_bytes(stream=H) == 4096  # the handle's stream object died: it may be a wrapper of the same stream
+    provider.stream_ids[H] = 102
+    stream = Stream(H)
+    assert arena.held_bytes(stream=stream) == 0
+    assert [(buffer.size, stream) for buffer, stream in provider.frees] == [(4096, None)]  # let go as gone
+    seed_workspace(arena, stream)
+    graph = provider.begin_capture(H)
+    assert lease_ptr(arena, 4000, stream) == provider.allocations[-1].ptr  # the seed, captured
+    provider.end_capture(graph)
+    graph.close()
+
+
+def test_debug_mode_poisons_no_dead_streams_buffer_on_the_handle_given_again(provider):
+    """A lease on the dead stream's buffer ends after a new stream took the handle: debug mode's poisoning, a fill in
+    stream order, has no stream to be ordered on (the handle names the new stream, whose work is unordered with the
+    dead stream's kernels, which may still use the bytes): the bytes are not poisoned. Once, they were filled on the
+    handle."""
+    arena = Arena(provider)
+    stream = Stream(H)
+    lease_ptr(arena, 1000, stream)
+    with wsarena.config(debug=True):
+        held = arena.lease(1000, stream=H)
+        held.__enter__()
+        lease_ptr(arena, 10, 0x51)  # poisoned on its stream, as always
+        del stream
+        gc.collect()
+        provider.stream_ids[H] = 102
+        lease_ptr(arena, 1000, Stream(H))
+        held.__exit__(None, None, None)
+    assert [(n, stream) for _, _, n, stream in provider.fills] == [(10, 0x51), (1000, H)]  # the two live streams'
+    assert provider.fills[-1][0] != held.ptr

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import inspect
+import sys
 
 import numpy as np
 import pytest
 
 import wsarena
 from tests.reference import ref_conv_forward
-from wsarena.arena import Arena, set_arena
+from wsarena.arena import Arena, _pinning, set_arena
 from wsarena.arena._pins import GraphPin
 from wsarena.arena.testing import RecordingProvider
 
@@ -237,6 +239,46 @@ def test_debug_mode_sees_a_pinned_buffer_queued_after_the_arena_lost_track_of_it
     assert freed(provider) == [block.ptr]
 
 
+def test_debug_mode_checks_the_queue_while_another_thread_drains_it(device):
+    """Debug mode reads the queue of buffers to free under the arena's lock, but other threads drain it without the
+    lock. A drain that takes an entry while the check reads the queue (played here by a trace function, where the
+    interpreter may switch threads) must not break the check. Once, it raised 'deque mutated during iteration' out
+    of whatever call was giving buffers back."""
+    provider, arena = device
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1):  # a capture is known: debug mode checks the queue
+        pass
+    provider.end_capture(graph)
+    for stream in (S2, 0x53):
+        arena.reserve(1000, stream=stream)
+        sub = arena._subs[stream]
+        block, sub.block = sub.block, None  # let go, as a trim would
+        block.freed = True
+        arena._to_free.append((block.buffer, stream))
+    code = _pinning.check_unpinned.__code__
+    lines, first = inspect.getsourcelines(_pinning.check_unpinned)
+    inside = first + next(i for i, line in enumerate(lines) if "if id(buffer) in pinned" in line)
+    drained = []
+
+    def trace(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        if event == "line" and frame.f_lineno == inside and not drained:
+            drained.append(arena._to_free.popleft())  # another thread's drain
+            provider.deallocate(drained[0][0], stream=drained[0][1])
+        return trace
+
+    sys.settrace(trace)
+    try:
+        with wsarena.config(debug=True):
+            arena._give_back()
+    finally:
+        sys.settrace(None)
+    assert drained and len(provider.frees) == 2 and list(arena._to_free) == []
+    graph.close()
+
+
 def test_a_reserve_that_would_grow_a_captured_stream_is_a_capture_error(device):
     """A reserve cannot be captured any more than a lease's growth (an allocation on the captured stream would be
     recorded into the graph, or break it): CaptureError, and nothing allocated or left behind. Once, it grew."""
@@ -319,6 +361,38 @@ def test_nothing_that_would_synchronise_the_device_is_freed_in_a_capture_block()
     provider.end_capture(graph)
     arena.trim()
     assert [s for _, s in provider.frees] == [0x54, None, None, S1] and provider.during_capture == []
+    graph.close()
+
+
+@pytest.mark.parametrize("how", ["a new stream", "a trim"])
+def test_nothing_that_would_synchronise_the_device_is_freed_while_another_thread_captures(how):
+    """A capture in CUDA's global mode (PyTorch's default) is broken by a device synchronisation in any thread. While
+    another thread captures S1 (its step has leased there), a call of this thread, whose stream and current stream
+    are not captured, lets a dead stream's buffer go: its free with no stream waits until the capture is over. Once,
+    only the draining call's stream and its thread's current stream were asked."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    gone = _Stream(S2)
+    arena.reserve(1000, stream=gone)
+    del gone
+    gc.collect()
+    graph = provider.begin_capture(S1)  # in the other thread; this thread's current stream (0) is not captured
+    with arena.lease(1000, stream=S1):  # the other thread's captured step
+        pass
+    if how == "a trim":
+        arena.trim()
+    else:
+        with arena.lease(1000, stream=0x54):  # a stream new to the arena: dead streams' sub-arenas go
+            pass
+    assert provider.during_capture == [] and [s for _, s in provider.frees] == []
+    provider.end_capture(graph)
+    with arena.lease(10, stream=0x54):  # the next call after the capture frees it
+        pass
+    assert [s for _, s in provider.frees] == [None] and provider.during_capture == []
+    with arena.lease(10, stream=0x54):
+        pass
+    assert arena._table.capturing == {}  # the capture over was seen, and forgotten: nothing more is asked
     graph.close()
 
 

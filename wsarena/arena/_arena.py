@@ -206,11 +206,15 @@ class Arena:
         return self._capture(key.handle if type(key) is PerThreadStream else key) is not None
 
     def held_bytes(self, *, stream: Any = None) -> int:
-        """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none)."""
+        """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none; 0 too for
+        a new stream that CUDA gave a dead stream's handle: the dead stream's buffer is not its own)."""
         key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
         with self._lock:
-            sub = self._subs.get(key)
-            return sub.capacity() if sub is not None else 0
+            sub = self._table.serving(key)
+            held = sub.capacity() if sub is not None else 0
+        if self._to_free:  # what a sweep let go
+            self._give_back(key)
+        return held
 
     def trim(self) -> int:
         """Free every buffer that no live lease uses; return the number of bytes given back.
@@ -359,10 +363,13 @@ class Arena:
             # keeps others from ending the lease meanwhile (its with statement is over, its anchor may be gone). It
             # refers weakly to an object of this call's own, dropped once the fill is over, however that ended (a
             # failed fill, an interrupt): then whoever finds the lease's holder gone may end it.
+            # The fill is ordered on the sub-arena's stream: none where that may be gone (a dead stream's handle may
+            # name another stream now) or is another thread's per-thread stream (handle 2 would name this thread's).
             owner = _Owner()
             with self._lock:
                 ref = ws._ref  # read under the lock, as :meth:`_hold_by_workspace` changes it
-                poison = sub.holder is ref and not block.freed
+                ordered = self._lanes or sub.free_stream() is not None
+                poison = sub.holder is ref and not block.freed and ordered
                 if poison:
                     sub.ending = weakref.ref(owner)
             try:

@@ -17,6 +17,7 @@ import sys
 import threading
 import warnings
 import weakref
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from .. import _forksafe
@@ -28,29 +29,40 @@ if TYPE_CHECKING:
 __all__ = ["give_back", "keep_parents_memory", "release_all", "track_arena", "track_device_arena"]
 
 
-def give_back(provider: Any, to_free: collections.deque[tuple[Any, Any]], quiet: bool = False) -> None:
+def give_back(
+    provider: Any, to_free: collections.deque[tuple[Any, Any]], quiet: bool = False, waiting: Collection[Any] = ()
+) -> None:
     """Drain ``to_free``, giving each ``(buffer, stream)`` back to ``provider``; a failure warns (or, ``quiet``,
-    is ignored), never raises. Any thread may drain the queue; each entry is taken by one.
+    is ignored), never raises. Any thread may drain the queue; each entry is taken by one. An entry whose stream is
+    in ``waiting`` (streams being captured: :func:`wsarena.arena._pinning.give_back`) is set aside and queued again.
 
     A ``KeyboardInterrupt`` (or another ``BaseException``) during one free is raised only after the rest are
     freed: their blocks are already let go, so nothing else would ever give them back.
     """
     interrupted: BaseException | None = None
-    while to_free:
-        try:
-            # The for loop takes each entry off the queue in C and hands it to deallocate() with no place between
-            # where an interrupt can land (one lands as a call returns to Python code: just after
-            # `to_free.popleft()` returned, it would lose the buffer).
-            for buffer, stream in iter(to_free.popleft, None):
-                try:
-                    provider.deallocate(buffer, stream=stream)
-                except Exception as exc:  # noqa: BLE001 - a failed free must not break a lease's exit
-                    if not quiet:
-                        warnings.warn(f"wsarena: freeing {buffer!r} failed: {exc}", RuntimeWarning, stacklevel=3)
-        except IndexError:  # the queue is empty (another thread may have taken the last one)
-            break
-        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt: raised once the rest are freed
-            interrupted = interrupted or exc
+    aside: list[tuple[Any, Any]] = []
+    try:
+        while to_free:
+            try:
+                # The for loop takes each entry off the queue in C and hands it to deallocate() (or sets it aside)
+                # with no place between where an interrupt can land (one lands as a call returns to Python code, or
+                # as a Python function starts: just after `to_free.popleft()` returned, or in a helper that set the
+                # entry aside, it would lose the buffer).
+                for buffer, stream in iter(to_free.popleft, None):
+                    if stream in waiting:
+                        aside.append((buffer, stream))
+                        continue
+                    try:
+                        provider.deallocate(buffer, stream=stream)
+                    except Exception as exc:  # noqa: BLE001 - a failed free must not break a lease's exit
+                        if not quiet:
+                            warnings.warn(f"wsarena: freeing {buffer!r} failed: {exc}", RuntimeWarning, stacklevel=3)
+            except IndexError:  # the queue is empty (another thread may have taken the last one)
+                break
+            except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt: raised once the rest are freed
+                interrupted = interrupted or exc
+    finally:
+        to_free.extend(aside)  # one C call: those set aside wait for the next drain
     if interrupted is not None:
         try:
             raise interrupted

@@ -6,8 +6,9 @@ captured (an allocation is not a graph node the arena could keep), so a capture 
 an eager step or a reserve, or gets :class:`~wsarena.errors.CaptureError`; so does a ``reserve`` that would grow a
 stream being captured. Nor is a buffer given back to the provider on a stream being captured: the free would be
 recorded into the graph (``cudaFreeAsync`` is a graph node), not done, so it waits until the capture is over
-(:func:`give_back`). Most functions here are the arena's methods (``Arena._acquire_captured``, ``Arena._pin_for``),
-written here to keep each module to one job.
+(:func:`give_back`); a buffer freed with no stream (the provider synchronises the device first) waits while any
+capture the arena knows of is under way, in any thread. Most functions here are the arena's methods
+(``Arena._acquire_captured``, ``Arena._pin_for``), written here to keep each module to one job.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .._sizes import format_size
 from ..errors import CaptureError
 from ._lifecycle import give_back as _give_back
 from ._pins import GraphPin
-from .streams import PerThreadStream, resolve_stream
+from .streams import PerThreadStream, is_own_stream, resolve_stream
 
 if TYPE_CHECKING:
     from ._arena import Arena
@@ -45,6 +46,7 @@ def _acquire_captured(self: Arena, ws: Workspace, anchor: Any, capture: Any) -> 
         if pin not in block.pins:
             block.pins.append(pin)
             pin.blocks.append(block)
+        self._table.capturing[ws.stream] = None  # frees with no stream wait while this capture may go on
         self._grant(sub, ws, block)
 
 
@@ -90,24 +92,6 @@ def growth_refusal(self: Arena, key: Hashable, n: int) -> CaptureError | None:
     return growth_error(f"a reserve of {format_size(n)}", key, held)
 
 
-class _UntilCaptured:
-    """A stand-in for the provider while the queue of buffers to free is drained: a buffer whose stream is one of
-    ``streams`` is kept aside (``waiting``), the others go to the provider."""
-
-    __slots__ = ("provider", "streams", "waiting")
-
-    def __init__(self, provider: Any, streams: set[Any]) -> None:
-        self.provider = provider
-        self.streams = streams
-        self.waiting: list[tuple[Any, Any]] = []
-
-    def deallocate(self, buffer: Any, *, stream: Any) -> None:
-        if stream in self.streams:
-            self.waiting.append((buffer, stream))
-        else:
-            self.provider.deallocate(buffer, stream=stream)
-
-
 def _captured(capture: Any, key: Any) -> bool:
     """Whether work on the stream of ``key`` now would be captured into a graph, or break a capture."""
     try:
@@ -118,34 +102,46 @@ def _captured(capture: Any, key: Any) -> bool:
         return False
 
 
+def _capture_under_way(self: Arena, key: Any) -> bool:
+    """Whether a free with no stream (a device synchronisation) would break a capture under way: on the stream of
+    ``key`` (the call that drains the queue), on the calling thread's current stream (a capture block's), on any
+    stream a lease was taken on during a capture that may not be over (in any thread: a capture in CUDA's global
+    mode is broken by another thread's synchronisation), or, asked through the legacy default stream, on any blocking
+    stream of the device. A recorded stream found not captured any more is forgotten."""
+    capture, recorded = self._capture, self._table.capturing
+    keys = [key]
+    if self._lanes:
+        keys.append(resolve_stream(None, lanes=True)[0])
+    else:
+        if self._current is not None:
+            keys.append(resolve_stream(None, lanes=False, current=self._current)[0])
+        keys.append(0)
+    keys += list(recorded)  # one C call, whatever other threads do
+    for k in keys:
+        if k is None or not is_own_stream(k):  # another thread's per-thread stream cannot be asked from here
+            continue
+        if _captured(capture, k):
+            return True
+        if k in recorded:
+            recorded.pop(k, None)  # its capture is over (a lease of a new one records it again)
+    return False
+
+
 def give_back(self: Arena, key: Any = None) -> None:
     """Give the arena's queued buffers to its provider, except those whose stream is being captured: they stay
-    queued for a later call. ``key``: the sub-arena key of the call that drains the queue, if it has one. If that
-    stream, or the calling thread's current one (the capture block's), is being captured, the buffers of no stream
-    wait too: their free synchronises the device. (Lock not held.)
+    queued for a later call. The buffers of no stream wait too while a capture is under way that their free, which
+    synchronises the device, would break (:func:`_capture_under_way`). (Lock not held.)
 
-    Which streams wait is asked before anything is taken off the queue (a copy of it is read), so that when none
-    does, as outside captures, the queue is drained as :func:`~wsarena.arena._lifecycle.give_back` always drains it,
-    with no place between taking a buffer and handing it to the provider where a Ctrl-C could lose it. (While a
-    capture is under way, one landing as a buffer is set aside loses that buffer to its owner's collection.)
+    Which streams wait is asked before anything is taken off the queue (a copy of it is read); the queue is then
+    drained as :func:`~wsarena.arena._lifecycle.give_back` always drains it, with no place between taking a buffer
+    and handing it to the provider, or setting it aside, where a Ctrl-C could lose it.
     """
     capture = self._capture
     streams = {stream for _, stream in list(self._to_free)}  # list(): one C call, whatever other threads do
     waiting = {stream for stream in streams if stream is not None and _captured(capture, stream)}
-    if None in streams:
-        keys = [key]
-        if self._current is not None or self._lanes:
-            keys.append(resolve_stream(None, lanes=self._lanes, current=self._current)[0])
-        if any(k is not None and _captured(capture, k) for k in keys):
-            waiting.add(None)
-    if not waiting:
-        _give_back(self.provider, self._to_free)
-        return
-    shim = _UntilCaptured(self.provider, waiting)
-    try:
-        _give_back(shim, self._to_free)
-    finally:
-        self._to_free.extend(shim.waiting)  # one C call: freed by the next call after the capture
+    if None in streams and _capture_under_way(self, key):
+        waiting.add(None)
+    _give_back(self.provider, self._to_free, waiting=waiting)
 
 
 def check_unpinned(self: Arena) -> None:
@@ -154,7 +150,7 @@ def check_unpinned(self: Arena) -> None:
     with self._lock:
         # A pin keeps its blocks, and a block its buffer: no id here is one of a buffer gone since.
         pinned = {id(block.buffer) for pin in self._table.captures.values() if pin.live() for block in pin.blocks}
-        for buffer, _ in self._to_free:
+        for buffer, _ in list(self._to_free):  # a copy: other threads drain the queue without the lock
             if id(buffer) in pinned:
                 raise AssertionError(
                     f"wsarena debug: {buffer!r} is about to be freed while a CUDA graph that captured it still exists"

@@ -102,8 +102,8 @@ class _Table:
     """The sub-arenas of one arena, by key, and the queue that says which of them go away."""
 
     __slots__ = (
-        "captures", "closed", "dead", "exited", "forked", "kept", "lanes", "lock", "stream_id", "subs", "to_free",
-        "totals",
+        "captures", "capturing", "closed", "dead", "exited", "forked", "kept", "lanes", "lock", "stream_id", "subs",
+        "to_free", "totals",
     )
 
     def __init__(
@@ -117,6 +117,9 @@ class _Table:
         self.to_free: Queue = collections.deque()  # (buffer, stream) let go, for the provider
         self.kept: list[tuple[Hashable, _Block, Any]] = []  # pinned buffers no sub-arena uses: (key, block, stream)
         self.captures: dict[Any, Any] = {}  # capture sequence id -> the pin of the graph it captures into
+        # Keys of the streams a lease was taken on during a capture that may still be under way (an ordered set):
+        # asked before a free with no stream (wsarena.arena._pinning.give_back), forgotten once found not captured.
+        self.capturing: dict[Hashable, None] = {}
         self.totals = _Totals()
         self.closed = False
         self.exited = False  # a device arena released by the exit handler: the interpreter is ending
@@ -147,12 +150,9 @@ class _Table:
             self.release_kept()
         sub = self.subs.get(key)
         read_id, stream_id = self.stream_id, None
-        if sub is not None and sub.orphan and sub.stream_id is not None and read_id is not None:
-            # Its stream object died: is this the same stream (a new wrapper), or another given the same handle?
-            # Asked only here, never on the fast path of a lease on a watched stream. (``None``, CUDA cannot tell:
-            # another.) The handle is live: the caller is about to use it.
-            stream_id = read_id(sub.stream)
-            if stream_id != sub.stream_id:
+        if sub is not None:
+            replaced, stream_id = self.replaced(sub)
+            if replaced:
                 self.let_go_replaced(sub)
                 sub = None
         if sub is None:
@@ -171,19 +171,49 @@ class _Table:
         sub.orphan = False  # whoever leases on it shows the stream is alive
         return sub
 
+    def replaced(self, sub: _SubArena) -> tuple[bool, int | None]:
+        """Whether ``sub``'s stream object died and its handle names another stream now, and the id that handle's
+        stream has (``None``: not read, or CUDA cannot tell). The handle is live: the caller is about to use it."""
+        read_id = self.stream_id
+        if not sub.orphan or sub.stream_id is None or read_id is None:
+            return False, None
+        # Is this the same stream (a new wrapper), or another given the same handle? Asked only of an orphan, never
+        # on the fast path of a lease on a watched stream. (``None``, CUDA cannot tell: another.)
+        stream_id = read_id(sub.stream)
+        return stream_id != sub.stream_id, stream_id
+
+    def serving(self, key: Hashable) -> _SubArena | None:
+        """The sub-arena that would serve a lease on ``key`` now, if there is one (none is made): a dead stream's
+        whose handle another stream has serves no one, and is let go here, as the lease would."""
+        if self.dead:
+            self.sweep()
+        sub = self.subs.get(key)
+        if sub is not None and self.replaced(sub)[0]:
+            self.let_go_replaced(sub)
+            return None
+        return sub
+
     def let_go_replaced(self, sub: _SubArena) -> None:
         """``sub``'s stream is gone and another stream has its handle: let ``sub`` go as gone (its buffers freed with
-        no stream, once the device is idle; one a graph holds is kept for it). If a lease or a growth still uses it,
-        it waits for that under a key of its own (:class:`GoneStream`), still an orphan: then it goes as any orphan
-        does (:meth:`after_lease`, :meth:`sweep_orphans`)."""
-        if sub.idle():
-            self.forget(sub, gone=True)
-            return
-        moved = GoneStream(sub.key)
-        # Plain stores with no call between them: an interrupt finds all of the move made or none of it.
+        no stream, once the device is idle; one a graph holds is kept for it). It is moved to a key of its own
+        (:class:`GoneStream`), with the buffers it kept for graphs, which are the dead stream's, not the handle's. If
+        a lease or a growth still uses it, it waits for that there, still an orphan, and goes as soon as that ends
+        (:meth:`after_lease`, :meth:`end_growth`, :meth:`growth_over`): no lease will look it up there again. A lease
+        or growth that nothing can end any more (its owner is gone) ends here first, as one on its lane would."""
+        handle = sub.key
+        moved = GoneStream(handle)
+        # Plain stores with no call between them: an interrupt finds all of the move made or none of it. (Once
+        # moved, an orphan that nothing uses is forgotten by the next sweep of orphans, should this stop here.)
         self.subs[moved] = sub
-        del self.subs[sub.key]
+        del self.subs[handle]
         sub.key = moved
+        self.unstream_kept(handle, moved)
+        ref = sub.holder
+        if ref is not None and ref() is None and not sub.releasing():
+            self.reap(sub)  # and the orphan goes with its lease
+        elif sub.growing is not None:
+            self.growth_over(sub)  # ends a growth whose owner is gone
+        self.drop_if_gone(sub)
         sub.wake()  # threads queued for it look the handle up again, and find the new stream's sub-arena
 
     def take_lane(self, ws: Workspace, anchor: Any, waiter: Any) -> Any:
@@ -217,6 +247,7 @@ class _Table:
         if growing is not sub.holder:  # a reserve cut short by an interrupt
             sub.growing = None
             sub.wake()
+            self.drop_if_gone(sub)
         elif sub.releasing():  # its owner is releasing it right now
             return False
         else:  # a lease cut short while it grew: it ends, and its growth with it
@@ -235,6 +266,7 @@ class _Table:
             sub.wake()
         if block is None or not block.installed:
             self.drop_if_idle(sub)
+        self.drop_if_gone(sub)  # a reserve of a dead stream's sub-arena, moved aside while it grew
 
     def _nested_error(self, key: Hashable) -> RuntimeError:
         """This thread leases again on a lane / stream it holds (nothing was changed)."""
@@ -251,17 +283,28 @@ class _Table:
         )
 
     def forget(self, sub: _SubArena, gone: bool = False) -> int:
-        """Drop an idle sub-arena and let go of its buffers (``gone``: its stream may no longer exist)."""
+        """Drop an idle sub-arena and let go of its buffers (``gone``: its stream may no longer exist).
+
+        The buffers are let go first, while the table still holds the sub-arena: an interrupt that stops this half
+        way leaves it in the table, where a later sweep, trim or close finds what it still holds. (Dropped first, a
+        sub-arena stopped before its buffers were queued took them out of the arena's reach for good.)"""
+        released = sub.tidy() + sub.empty(gone, forgotten=True)
         if self.subs.get(sub.key) is sub:
             del self.subs[sub.key]
+            self.capturing.pop(sub.key, None)  # its stream may be gone: never asked about again
         sub.anchor = None  # a reference dropped before its object dies never calls back
         sub.wake()  # threads queued for it look the key up again
-        return sub.tidy() + sub.empty(gone, forgotten=True)
+        return released
 
     def drop_if_idle(self, sub: _SubArena, gone: bool = False) -> None:
         """Forget ``sub`` if no one uses it and it holds nothing or the arena is closed (then free its buffer)."""
         if sub.idle() and (sub.block is None or self.closed) and self.subs.get(sub.key) is sub:
             self.forget(sub, gone)
+
+    def drop_if_gone(self, sub: _SubArena) -> None:
+        """Forget ``sub`` if it was moved aside as a dead stream's (:meth:`let_go_replaced`) and no one uses it."""
+        if type(sub.key) is GoneStream and sub.idle() and self.subs.get(sub.key) is sub:
+            self.forget(sub, gone=True)
 
     def after_lease(self, sub: _SubArena, granted: bool) -> None:
         """Tidy up once a lease of ``sub`` ended; ``granted``: it had its bytes (else it failed on its way)."""
@@ -299,6 +342,7 @@ class _Table:
                 gone.anchor = None
                 gone.orphan = True
                 self.unstream_kept(gone.key)
+                self.capturing.pop(gone.key, None)  # its stream may be gone: never asked about again
                 if anchor.eager and gone.idle():
                     released += self.forget(gone, gone=True)
             self.dead.popleft()
@@ -357,13 +401,14 @@ class _Table:
                 released += block.size
         return released
 
-    def unstream_kept(self, key: Hashable) -> None:
+    def unstream_kept(self, key: Hashable, moved: Hashable = None) -> None:
         """The stream of ``key`` may be gone: its kept buffers, which recorded that stream when they were kept, are
-        freed with no stream (the provider waits for the device), as its other buffers are."""
+        freed with no stream (the provider waits for the device), as its other buffers are; ``moved``: the key they
+        are listed under from now on (a dead stream's, whose handle another stream has)."""
         kept = self.kept  # changed in place: every sub-arena shares this list
         for i, (k, block, stream) in enumerate(kept):
-            if stream is not None and k == key:
-                kept[i] = (k, block, None)
+            if k == key and (stream is not None or moved is not None):
+                kept[i] = (k if moved is None else moved, block, None)
 
     def pinned_bytes(self, sub: _SubArena | None, key: Hashable) -> int:
         """Bytes of ``key``'s buffers that a graph holds: the current one, the outgrown one, and those kept."""
