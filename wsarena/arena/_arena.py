@@ -34,7 +34,6 @@ import operator
 import threading
 import weakref
 from collections.abc import Hashable, Sequence
-from types import MappingProxyType
 from typing import Any
 
 from .._config import get_config
@@ -42,9 +41,9 @@ from .._sizes import format_size
 from ..errors import WorkspaceCapError
 from . import _growth, _pinning
 from ._lifecycle import give_back, release_all, track_arena, track_device_arena
-from ._stats import ArenaStats, StreamStats
+from ._stats import ArenaStats, snapshot
 from ._sub import _Block, _Owner, _SubArena, this_thread, wait
-from ._table import _Table, callers_key
+from ._table import _Table
 from ._workspace import Workspace
 from .streams import PerThreadStream, resolve_stream
 
@@ -241,32 +240,7 @@ class Arena:
             self._table.reap_all()
             self._table.sweep()
             self._table.release_kept()
-            streams = {
-                callers_key(key): StreamStats(
-                    capacity_bytes=sub.capacity(),
-                    high_water_bytes=sub.high_water,
-                    allocations=sub.allocations,
-                    growths=sub.growths,
-                    leases=int(sub.holder_block is not None),
-                    retired_bytes=sub.retired_bytes(),
-                    pinned_bytes=self._table.pinned_bytes(sub, key),
-                )
-                for key, sub in self._subs.items()
-            }
-            totals = self._table.totals
-            stats = ArenaStats(
-                capacity_bytes=sum(s.capacity_bytes for s in streams.values()),
-                high_water_bytes=totals.high_water,
-                allocations=totals.allocations,
-                growths=totals.growths,
-                frees=totals.frees,
-                leases=sum(s.leases for s in streams.values()),
-                retired_bytes=sum(s.retired_bytes for s in streams.values()),
-                streams=MappingProxyType(streams),
-                pinned_bytes=sum(s.pinned_bytes for s in streams.values()) + sum(
-                    block.size for key, block, _ in self._table.kept if key not in self._subs and block.pinned()
-                ),
-            )
+            stats = snapshot(self._table)
         self._give_back()
         return stats
 

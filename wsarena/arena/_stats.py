@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterator, Mapping
-from typing import Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from ._table import callers_key
+
+if TYPE_CHECKING:
+    from ._table import _Table
 
 __all__ = ["ArenaStats", "StreamStats", "aligned_size"]
 
@@ -120,3 +126,33 @@ class ArenaStats(_Fields):
     retired_bytes: int
     streams: Mapping[Hashable, StreamStats]
     pinned_bytes: int = 0
+
+
+def snapshot(table: _Table) -> ArenaStats:
+    """The stats of the sub-arenas in ``table`` now (the arena's lock held)."""
+    streams = {
+        callers_key(key): StreamStats(
+            capacity_bytes=sub.capacity(),
+            high_water_bytes=sub.high_water,
+            allocations=sub.allocations,
+            growths=sub.growths,
+            leases=int(sub.holder_block is not None),
+            retired_bytes=sub.retired_bytes(),
+            pinned_bytes=table.pinned_bytes(sub, key),
+        )
+        for key, sub in table.subs.items()
+    }
+    totals = table.totals
+    return ArenaStats(
+        capacity_bytes=sum(s.capacity_bytes for s in streams.values()),
+        high_water_bytes=totals.high_water,
+        allocations=totals.allocations,
+        growths=totals.growths,
+        frees=totals.frees,
+        leases=sum(s.leases for s in streams.values()),
+        retired_bytes=sum(s.retired_bytes for s in streams.values()),
+        streams=MappingProxyType(streams),
+        pinned_bytes=sum(s.pinned_bytes for s in streams.values()) + sum(
+            block.size for key, block, _ in table.kept if key not in table.subs and block.pinned()
+        ),
+    )
