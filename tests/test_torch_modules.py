@@ -31,6 +31,21 @@ def test_the_classes_signatures_are_torchs_and_instances_keep_their_calls(name):
     assert inspect.signature(module) == inspect.signature(theirs(2, 2, 1))
 
 
+def test_a_subclass_with_its_own_init_has_that_signature():
+    """A model's own layer made from wsarena's class is built by its own arguments, as one made from PyTorch's."""
+
+    class Layer(wt.Conv2d):
+        def __init__(self, channels, *, kernel=3):
+            super().__init__(channels, channels, kernel, padding=kernel // 2)
+
+    class Plain(Layer):  # no __init__ of its own: Layer's
+        pass
+
+    assert list(inspect.signature(Layer).parameters) == ["channels", "kernel"]
+    assert list(inspect.signature(Plain).parameters) == ["channels", "kernel"]
+    assert Layer(2).kernel_size == (3, 3)
+
+
 @pytest.mark.parametrize("name", NAMES[:3])
 def test_state_dicts_load_both_ways_between_torchs_modules_and_wsarenas(name):
     torch.manual_seed(0)

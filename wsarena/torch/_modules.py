@@ -43,12 +43,15 @@ def _output_padding_beyond_stride(module: nn.Module) -> bool:
 
 class _TorchSignature:
     """A module class's signature, as ``inspect`` (and the tools that build a model from its arguments) reads it:
-    that of the ``torch.nn`` class it extends, whose ``__init__`` takes the arguments, not ``(*args, **kwargs)``.
-    Instances have none of their own: theirs is their call's."""
+    that of the ``torch.nn`` class it extends, whose ``__init__`` takes the arguments, not ``(*args, **kwargs)``;
+    ``None`` (``inspect``'s own reading) for a subclass with an ``__init__`` of its own. Instances have none of
+    their own: theirs is their call's."""
 
-    def __get__(self, instance: Any, owner: type) -> inspect.Signature:
+    def __get__(self, instance: Any, owner: type) -> inspect.Signature | None:
         if instance is not None:
             raise AttributeError("__signature__")
+        if next(c for c in owner.__mro__ if "__init__" in vars(c)) is not _Checked:
+            return None
         return inspect.signature(next(c for c in owner.__mro__ if c.__module__.startswith("torch.nn.")))
 
 
