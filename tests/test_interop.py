@@ -218,6 +218,26 @@ def test_operands_on_different_cuda_devices_are_refused_before_any_view():
         conv_forward(OnDevice(x, 1), OnDevice(w, 1), **KW, out=OnDevice(np.empty(0), 0))
 
 
+def test_a_cupy_array_on_another_device_than_a_dlpack_operand_is_refused():
+    """A CuPy array says its device too (``.device.id``): beside a tensor on another device it is refused, not
+    read from the other device's scope. (A stand-in: a class CuPy's by name, with no CuPy installed.)"""
+
+    class ndarray:  # the name and module by which wsarena knows CuPy's arrays
+        __module__ = "cupy._core.core"
+        device = types.SimpleNamespace(id=1)
+
+    class OnDevice0(_Foreign):
+        __module__ = "fakearrays"
+
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA
+
+    _, w, _ = problem()
+    match = r"cannot mix CUDA devices.*x is a cupy array on CUDA device 1, w is a fakearrays array on CUDA device 0"
+    with pytest.raises(TypeError, match=match):
+        conv_forward(ndarray(), OnDevice0(w), **KW)
+
+
 def test_an_object_with_dlpack_but_no_dlpack_device_is_refused_naming_both():
     class HalfDLPack:
         def __init__(self, array):

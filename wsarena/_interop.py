@@ -16,7 +16,8 @@ grad (the ops record no autograd history: use :mod:`wsarena.torch`), a conjugate
 library cannot represent, an ``out`` whose DLPack export is read-only (a JAX array: JAX's arrays are immutable,
 and its legacy DLPack capsules promise no writes). Operands may come from different libraries as long as they are
 all in host memory or all on one CUDA device; host beside device memory, or operands that say they are on two
-devices, would need a copy and is a ``TypeError``.
+devices (a CuPy array's ``device``, a tensor's, ``__dlpack_device__``; ``__cuda_array_interface__`` names none),
+would need a copy and is a ``TypeError``.
 
 The result comes back in the library of the first operand (``x``, or ``dy`` for ``conv_backward_data``), through
 that library's DLPack import (``torch.from_dlpack``, the ``from_dlpack`` of its ``__array_namespace__`` or of
@@ -143,6 +144,9 @@ def execute(
         result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
                      layout, algo, empty=_aligned_empty if leaves else None)
         return out if out is not None else _returned(a, result)
+    for op in operands:
+        if op.kind == _NATIVE_KIND:  # a CuPy array beside operands of other libraries: its device too
+            op.device = int(op.obj.device.id)
     devices = {op.device for op in operands if op.device is not None}
     if len(devices) > 1:  # one device's view of another's memory: a peer access at best, a fault at worst
         raise TypeError(
