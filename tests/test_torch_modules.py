@@ -12,7 +12,9 @@ import warnings
 
 import pytest
 
-from .test_torch import close
+import wsarena
+
+from .test_torch import close, leased  # noqa: F401 - leased: the fixture
 
 torch = pytest.importorskip("torch")
 wt = pytest.importorskip("wsarena.torch")
@@ -112,15 +114,42 @@ def test_torch_export_takes_the_custom_operators():
     assert close(exported.module()(x), model(x))
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_exported_model_trains_as_torchs_does(strict, leased):  # noqa: F811 - the fixture
+    """The exported graph holds the operators themselves, not the Functions: their gradients are registered with
+    them (without, a backward through a non-strict export raised, and a strict one dropped the convolutions'
+    gradients), and run under the forward's settings too."""
+    torch.manual_seed(0)
+    theirs = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.ConvTranspose2d(4, 2, 2, stride=2)).double()
+    ours = wt.convert(copy.deepcopy(theirs))
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    warnings.simplefilter("ignore", wsarena.WorkspaceCapWarning)  # pytest restores the filters after the test
+
+    def gradients(model):
+        exported = torch.export.export(model, (x,), strict=strict).module()
+        given = x.clone().requires_grad_()
+        with wsarena.config(cap_workspace=0):
+            y = exported(given)
+        leased.clear()
+        y.pow(2).sum().backward()
+        return [given.grad, *(p.grad for p in exported.parameters())]
+
+    expected = gradients(theirs)
+    got = gradients(ours)
+    assert len(leased) == 4 and max(leased) == 0  # both layers' two backward passes, under the forward's cap
+    assert all(g is not None and close(g, e) for g, e in zip(got, expected))
+
+
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_the_custom_operators_pass_torch_library_opcheck(fmt, dtype):
-    """PyTorch's own check of a custom operator: its schema, and fake (torch.compile's) against real results."""
+    """PyTorch's own check of a custom operator: its schema, fake (torch.compile's) against real results, and its
+    registered gradient (the operands require grad)."""
     layout = "NHWC" if fmt == torch.channels_last else "NCHW"
-    x = torch.randn(2, 4, 7, 7, dtype=dtype).contiguous(memory_format=fmt)
-    w = torch.randn(6, 2, 3, 3, dtype=dtype).contiguous(memory_format=fmt)
+    x = torch.randn(2, 4, 7, 7, dtype=dtype).contiguous(memory_format=fmt).requires_grad_()  # and the gradients
+    w = torch.randn(6, 2, 3, 3, dtype=dtype).contiguous(memory_format=fmt).requires_grad_()
     conv = ([2, 1], [1, 1], [1, 2], 2, layout)
-    y = torch.ops.wsarena.conv_forward(x, w, *conv)
+    y = torch.ops.wsarena.conv_forward(x, w, *conv).detach().requires_grad_()
     ops = torch.ops.wsarena
     for op, args in ((ops.conv_forward.default, (x, w, *conv)),
                      (ops.conv_backward_data.default, (y, w, list(x.shape), *conv)),

@@ -16,7 +16,8 @@ dw(x, dy)
 :func:`apply` runs a Function as cheaply as the context allows: outside torch.func's transforms in autograd's older
 form, and a backward pass that makes no graph (an ordinary ``backward()``) calls the operators themselves, without
 the cost of a Function. Under ``torch.func.vmap`` the operators batch themselves (:mod:`wsarena.torch._ops`), and
-the Functions follow. Forward mode (``torch.func.jvp``, ``jacfwd``) is not offered: ``torch.compile`` takes no
+the Functions follow. The operators are differentiable by themselves too, with the Functions' setup and backward,
+for a graph that holds them rather than the Functions (``torch.export``'s). Forward mode (``torch.func.jvp``, ``jacfwd``) is not offered: ``torch.compile`` takes no
 Function that defines it.
 
 A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor
 
 from .. import _callsite, _config
+from . import _ops
 
 __all__ = ["ConvFunction", "ConvTransposeFunction", "WeightGradFunction", "apply"]
 
@@ -165,8 +167,19 @@ for _function in _OLDER:
     _function.forward.__signature__ = inspect.signature(_function.forward)  # type: ignore[attr-defined]
 
 
+# Each operator is differentiable as its Function is, by the same setup and backward: a graph that holds the operators
+# themselves (an exported program's) trains as the Functions do.
+for _op, _function in ((_ops.conv_forward, ConvFunction), (_ops.conv_backward_data, ConvTransposeFunction),
+                       (_ops.conv_backward_filter, WeightGradFunction)):
+    _op.register_autograd(_function.backward, setup_context=_function.setup_context)
+
+
 def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
-    """``function.apply(*args)``, in the older form where no torch.func transform or torch.compile trace runs."""
+    """``function.apply(*args)``, in the older form where no torch.func transform or torch.compile trace runs;
+    under ``torch.export``, the operator itself: an exported program keeps no Function (a strict export runs a
+    Function's forward without gradient), but the operator's registered gradient."""
+    if torch.compiler.is_exporting():
+        return function.forward(*args)
     if torch.compiler.is_compiling() or _transforms_active is None or _transforms_active():
         return function.apply(*args)
     return _OLDER[function].apply(*args)
