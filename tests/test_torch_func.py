@@ -107,6 +107,21 @@ def test_an_ordinary_backward_runs_the_older_form_and_batched_gradients_match_to
     assert all(g.shape == e.shape and close(g, e) for g, e in zip(got, expected))
 
 
+def test_batched_gradients_made_with_a_graph_are_differentiated_again_as_torchs():
+    """``is_grads_batched`` with ``create_graph``: PyTorch's older batching, under which a Function applied in a
+    backward records its graph on the batched wrapper, not the tensors that come out (the gradients required no
+    grad): a backward's passes are the operators there, whose registered gradients it keeps."""
+    x, w, b = tensors((2, 4, 6, 6), (6, 2, 3, 3))
+
+    def second(conv):
+        y = conv(x, w, b, groups=2).tanh()
+        dys = torch.randn(3, *y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        first = torch.autograd.grad(y, (x, w), dys, create_graph=True, is_grads_batched=True)
+        return torch.autograd.grad(sum(g.pow(2).sum() for g in first), (x, w, b))
+
+    assert all(close(g, e) for g, e in zip(second(wt.conv2d), second(F.conv2d)))
+
+
 def test_a_gradient_penalty_matches_torchs_and_runs_wsarenas_passes(monkeypatch):
     """The input gradient's norm, differentiated again (WGAN-GP): every convolution it takes is wsarena's."""
     calls = _counted(monkeypatch)

@@ -14,11 +14,11 @@ dw(x, dy)
 =========================  ==========================================  ==========================================
 
 :func:`apply` runs a Function as cheaply as the context allows: outside torch.func's transforms in autograd's older
-form, and a backward pass that makes no graph (an ordinary ``backward()``) calls the operators themselves, without
-the cost of a Function. Under ``torch.func.vmap`` the operators batch themselves (:mod:`wsarena.torch._ops`), and
-the Functions follow. The operators are differentiable by themselves too, with the Functions' setup and backward,
-for a graph that holds them rather than the Functions (``torch.export``'s). Forward mode (``torch.func.jvp``, ``jacfwd``) is not offered: ``torch.compile`` takes no
-Function that defines it.
+form. The operators are differentiable by themselves too, with the Functions' setup and backward: a backward pass
+calls them, not the Functions (:func:`_pass`), except where torch.func's transforms need the Functions; so does a
+graph that holds them rather than the Functions (``torch.export``'s). Under ``torch.func.vmap`` the operators batch
+themselves (:mod:`wsarena.torch._ops`), and the Functions follow. Forward mode (``torch.func.jvp``, ``jacfwd``) is
+not offered: ``torch.compile`` takes no Function that defines it.
 
 A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
 passes of CUDA tensors on a thread of its own, which a ``config()`` block of the caller's does not reach. A warning
@@ -70,9 +70,9 @@ class ConvFunction(torch.autograd.Function):
         dx = dw = None
         with _as_started(ctx.started):
             if ctx.needs_input_grad[0]:
-                dx = _transposed(dy, w, list(x.shape), ctx.conv)
+                dx = _pass(ConvTransposeFunction, dy, w, list(x.shape), *ctx.conv)
             if ctx.needs_input_grad[1]:
-                dw = _weight_grad(x, dy, list(w.shape), ctx.conv)
+                dw = _pass(WeightGradFunction, x, dy, list(w.shape), *ctx.conv)
         return (dx, dw, *_NO_GRADS[:5])
 
 
@@ -105,9 +105,9 @@ class ConvTransposeFunction(torch.autograd.Function):
         dx = dw = None
         with _as_started(ctx.started):
             if ctx.needs_input_grad[0]:
-                dx = _conv(dy, w, ctx.conv)
+                dx = _pass(ConvFunction, dy, w, *ctx.conv)
             if ctx.needs_input_grad[1]:
-                dw = _weight_grad(dy, x, list(w.shape), ctx.conv)
+                dw = _pass(WeightGradFunction, dy, x, list(w.shape), *ctx.conv)
         return (dx, dw, *_NO_GRADS)
 
 
@@ -136,9 +136,9 @@ class WeightGradFunction(torch.autograd.Function):
         dx = ddy = None
         with _as_started(ctx.started):
             if ctx.needs_input_grad[0]:
-                dx = _transposed(dy, g, list(x.shape), ctx.conv)
+                dx = _pass(ConvTransposeFunction, dy, g, list(x.shape), *ctx.conv)
             if ctx.needs_input_grad[1]:
-                ddy = _conv(x, g, ctx.conv)
+                ddy = _pass(ConvFunction, x, g, *ctx.conv)
         return (dx, ddy, *_NO_GRADS)
 
 
@@ -185,24 +185,15 @@ def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
     return _OLDER[function].apply(*args)
 
 
-# A backward pass's passes: Functions where their own gradient may be asked for (grad mode is on in a backward
-# only when it makes a graph), else the operators, without a Function's cost.
-def _conv(x: Tensor, w: Tensor, conv: tuple[Any, ...]) -> Tensor:
-    if torch.is_grad_enabled():
-        return apply(ConvFunction, x, w, *conv)
-    return torch.ops.wsarena.conv_forward(x, w, *conv)
-
-
-def _transposed(dy: Tensor, w: Tensor, shape: list[int], conv: tuple[Any, ...]) -> Tensor:
-    if torch.is_grad_enabled():
-        return apply(ConvTransposeFunction, dy, w, shape, *conv)
-    return torch.ops.wsarena.conv_backward_data(dy, w, shape, *conv)
-
-
-def _weight_grad(x: Tensor, dy: Tensor, shape: list[int], conv: tuple[Any, ...]) -> Tensor:
-    if torch.is_grad_enabled():
-        return apply(WeightGradFunction, x, dy, shape, *conv)
-    return torch.ops.wsarena.conv_backward_filter(x, dy, shape, *conv)
+def _pass(function: type[torch.autograd.Function], *args: Any) -> Tensor:
+    """One pass of a backward pass (``function``'s forward): the Function where torch.func's transforms or a
+    torch.compile trace may ask for its gradient, else the operator, which costs less and is differentiable by
+    itself where the backward makes a graph (grad mode is on in a backward only then). Not the Function there:
+    under ``is_grads_batched``'s batching a Function's graph stays on the batched wrapper, and the gradients that
+    come out of it have none."""
+    if torch.is_grad_enabled() and (torch.compiler.is_compiling() or _transforms_active is None or _transforms_active()):
+        return function.apply(*args)
+    return function.forward(*args)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...]) -> None:
