@@ -44,7 +44,18 @@ __all__ = ["ConvFunction", "ConvTransposeFunction", "WeightGradFunction", "apply
 _NO_GRADS = (None,) * 6  # for the arguments after the two operands: shapes and parameters
 
 
-class ConvFunction(torch.autograd.Function):
+class _Pass(torch.autograd.Function):
+    """What the three Functions share: what they keep for their backward, and their vmap rules, generated from
+    those of the operators they run."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _setup(ctx, inputs)
+
+
+class ConvFunction(_Pass):
     """A convolution without bias: ``ConvFunction.apply(x, w, stride, padding, dilation, groups, layout)``.
 
     ``stride``, ``padding`` and ``dilation`` are lists with one int per spatial dimension, ``layout`` is
@@ -52,17 +63,11 @@ class ConvFunction(torch.autograd.Function):
     Differentiable any number of times (reverse mode), and batched by ``torch.func.vmap``.
     """
 
-    generate_vmap_rule = True  # its operators have vmap rules of their own
-
     @staticmethod
     def forward(
         x: Tensor, w: Tensor, stride: list[int], padding: list[int], dilation: list[int], groups: int, layout: str
     ) -> Tensor:
         return torch.ops.wsarena.conv_forward(x, w, stride, padding, dilation, groups, layout)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        _setup(ctx, inputs)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
@@ -76,7 +81,7 @@ class ConvFunction(torch.autograd.Function):
         return (dx, dw, *_NO_GRADS[:5])
 
 
-class ConvTransposeFunction(torch.autograd.Function):
+class ConvTransposeFunction(_Pass):
     """A transposed convolution without bias:
     ``ConvTransposeFunction.apply(x, w, output_shape, stride, padding, dilation, groups, layout)``.
 
@@ -86,18 +91,12 @@ class ConvTransposeFunction(torch.autograd.Function):
     :class:`ConvFunction`'s, and differentiable as it is.
     """
 
-    generate_vmap_rule = True
-
     @staticmethod
     def forward(
         x: Tensor, w: Tensor, output_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
         groups: int, layout: str,
     ) -> Tensor:
         return torch.ops.wsarena.conv_backward_data(x, w, output_shape, stride, padding, dilation, groups, layout)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        _setup(ctx, inputs)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
@@ -111,13 +110,11 @@ class ConvTransposeFunction(torch.autograd.Function):
         return (dx, dw, *_NO_GRADS)
 
 
-class WeightGradFunction(torch.autograd.Function):
+class WeightGradFunction(_Pass):
     """A convolution's weight gradient:
     ``WeightGradFunction.apply(x, dy, weight_shape, stride, padding, dilation, groups, layout)``, the gradient of the
     ``weight_shape`` weight of the convolution of ``x`` whose output has the gradient ``dy``. Arguments as
     :class:`ConvFunction`'s, and differentiable as it is."""
-
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(
@@ -125,10 +122,6 @@ class WeightGradFunction(torch.autograd.Function):
         groups: int, layout: str,
     ) -> Tensor:
         return torch.ops.wsarena.conv_backward_filter(x, dy, weight_shape, stride, padding, dilation, groups, layout)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        _setup(ctx, inputs)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
