@@ -45,7 +45,7 @@ from ._stats import ArenaStats, snapshot
 from ._sub import _Block, _Owner, _SubArena, this_thread, wait
 from ._table import _Table
 from ._workspace import Workspace
-from .streams import PerThreadStream, resolve_stream
+from .streams import PerThreadStream, raw_handle, resolve_stream
 
 __all__ = ["POISON_BYTE", "Arena"]
 
@@ -202,7 +202,7 @@ class Arena:
         if self._capture is None:
             return False
         key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
-        return self._capture(key.handle if type(key) is PerThreadStream else key) is not None
+        return self._capture(raw_handle(key)) is not None
 
     def held_bytes(self, *, stream: Any = None) -> int:
         """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none; 0 too for
@@ -282,6 +282,7 @@ class Arena:
             ref = weakref.ref(ws)
         try:
             if self._capture is not None:
+                # raw_handle(ws.stream), inline: this runs once per lease of a device arena
                 capture = self._capture(ws.stream.handle if type(ws.stream) is PerThreadStream else ws.stream)
                 if capture is not None:
                     self._acquire_captured(ws, anchor, capture)

@@ -20,7 +20,7 @@ from .._sizes import format_size
 from ..errors import CaptureError
 from ._lifecycle import give_back as _give_back
 from ._pins import GraphPin
-from .streams import PerThreadStream, is_own_stream, resolve_stream
+from .streams import is_own_stream, raw_handle, resolve_stream
 
 if TYPE_CHECKING:
     from ._arena import Arena
@@ -82,7 +82,7 @@ def growth_refusal(self: Arena, key: Hashable, n: int) -> CaptureError | None:
     if self._capture is None:
         return None
     try:
-        if self._capture(key.handle if type(key) is PerThreadStream else key) is None:
+        if self._capture(raw_handle(key)) is None:
             return None
     except CaptureError as exc:
         return exc
@@ -95,7 +95,7 @@ def growth_refusal(self: Arena, key: Hashable, n: int) -> CaptureError | None:
 def _captured(capture: Any, key: Any) -> bool:
     """Whether work on the stream of ``key`` now would be captured into a graph, or break a capture."""
     try:
-        return capture(key.handle if type(key) is PerThreadStream else key) is not None
+        return capture(raw_handle(key)) is not None
     except CaptureError:  # the legacy default stream while another stream is captured
         return True
     except Exception:  # noqa: BLE001 - a stream CUDA no longer knows: the provider's free says what is wrong

@@ -18,7 +18,7 @@ from collections.abc import Hashable
 from typing import Any, Self
 
 from ._interrupts import RECHECK_SECONDS
-from .streams import PerThreadStream, is_own_stream
+from .streams import is_own_stream, raw_handle
 
 __all__: list[str] = []
 
@@ -156,7 +156,7 @@ class _SubArena:
         self.key = key
         # What the provider is told to allocate, fill and free on: the plain handle (2 for a PerThreadStream).
         # Only the key's own thread may use 2 this way: see free_stream().
-        self.stream: Any = key.handle if type(key) is PerThreadStream else key
+        self.stream: Any = raw_handle(key)
         self.serial = next(_serials)  # tells a re-created sub-arena for the same key from its predecessor
         self.totals = totals
         self.to_free = to_free

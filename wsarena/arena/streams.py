@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 __all__ = [
-    "PER_THREAD_DEFAULT_STREAM", "PerThreadStream", "ThreadLane", "cupy_stream", "resolve_stream",
+    "PER_THREAD_DEFAULT_STREAM", "PerThreadStream", "ThreadLane", "cupy_stream", "raw_handle", "resolve_stream",
     "stream_handle", "thread_lane",
 ]
 
@@ -112,6 +112,11 @@ def _holder() -> _LaneHolder:
 def thread_lane() -> ThreadLane:
     """The calling thread's default CPU lane (what ``stream=None`` means on the host arena)."""
     return _holder().lane
+
+
+def raw_handle(key: Hashable) -> Hashable:
+    """The raw handle a sub-arena key stands for: a :class:`PerThreadStream`'s handle (2), else the key itself."""
+    return key.handle if type(key) is PerThreadStream else key
 
 
 def is_own_stream(key: Hashable) -> bool:
