@@ -71,10 +71,10 @@ _warned: set[tuple[str, str]] = set()
 _warn_lock = _forksafe.lock()  # guards _warned
 # Per search folder: its entries' size when this process last listed it, plus what the process wrote since.
 _known_size: dict[str, int] = {}
+_size_lock = _forksafe.lock()  # guards _known_size (the listing itself runs without it)
 # Searches of this process: answered from the cache ("read") or timed ("timed"). A list of two ints: += on an item
 # is not atomic across threads, and a miscount under a race costs only a figure of a report.
 _counts = [0, 0]
-_size_lock = _forksafe.lock()  # guards _known_size (the listing itself runs without it)
 
 
 def cache_dir() -> Path | None:
@@ -310,8 +310,9 @@ def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
             except OSError as exc:
                 failure = failure or exc
                 continue
-            entries.append((st.st_mtime, item.name, _disk_size(st)))
-            total += _disk_size(st)
+            nbytes = _disk_size(st)
+            entries.append((st.st_mtime, item.name, nbytes))
+            total += nbytes
     if total <= limit:
         return total, failure
     entries.sort()
