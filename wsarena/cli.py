@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 from . import __version__
-from ._config import _FROM_CONFIG, _given, _parse_cap, config
+from ._config import _FROM_CONFIG, CUDNN_HEURISTICS, _given, _parse_cap, config
 from ._geometry import DTYPES
 from ._pass import PASSES
 from ._report_cli import render_table, shape_text, write_csv
@@ -114,7 +114,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
         "--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto"
     )
     parser.add_argument("--cudnn-api", choices=("graph", "legacy"), help="default: WSARENA_CUDNN_API or legacy")
-    parser.add_argument("--cudnn-heuristic", choices=("instant", "b"),
+    parser.add_argument("--cudnn-heuristic", choices=CUDNN_HEURISTICS,
                         help="cuDNN's heuristic that ranks the graph API's engines (default: WSARENA_CUDNN_HEURISTIC "
                              "or instant)")
     parser.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
