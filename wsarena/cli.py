@@ -356,7 +356,8 @@ def _tune(args: argparse.Namespace) -> int:
         raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=...; leave out --format")
     _check_plot(args.plot)
     layers = _load(args)
-    with config(**_given(cudnn_api=args.cudnn_api, cudnn_heuristic=args.cudnn_heuristic)), _progress_bar() as bar:
+    given = _given(cudnn_api=args.cudnn_api, cudnn_heuristic=args.cudnn_heuristic)
+    with config(**given), _progress_bar() as bar:
         t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes, streams=args.streams,
                  backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=bar)
     if args.plot is not None:

@@ -5,33 +5,33 @@ workspace on disk, so that a restarted job (and ``wsarena tune``, and :func:`wsa
 searched before. The ops, the planner and ``tune`` all reach it through :func:`wsarena.algos.select`.
 
 Where: the ``cache_dir`` setting (``configure(cache_dir=...)``, ``config(cache_dir=...)``, ``WSARENA_CACHE_DIR``;
-``off`` or ``None`` turns the cache off), by default the user's cache folder (``platformdirs.user_cache_dir("wsarena")``:
-``$XDG_CACHE_HOME/wsarena`` or ``~/.cache/wsarena`` on Linux).
-Entries are files under its ``search/`` folder, one per call, named by a hash of their key. A key is the
-environment (:func:`wsarena._search_env.environment`: device and compute capability, driver and cuDNN versions,
-on the CPU the processor, NumPy and its BLAS; wsarena's version; the API path) and the call: the pass and the
-whole geometry (shapes, dtype, layout, every convolution parameter). Each file holds its key, so a file that
-does not match is recognised.
+``off`` or ``None`` turns the cache off), by default the user's cache folder
+(``platformdirs.user_cache_dir("wsarena")``: ``$XDG_CACHE_HOME/wsarena`` or ``~/.cache/wsarena`` on Linux). Entries
+are files under its ``search/`` folder, one per call, named by a hash of their key. A key is the environment
+(:func:`wsarena._search_env.environment`: device and compute capability, driver and cuDNN versions, on the CPU the
+processor, NumPy and its BLAS; wsarena's version; the API path) and the call: the pass and the whole geometry
+(shapes, dtype, layout, every convolution parameter). Each file holds its key, so a file that does not match is
+recognised.
 
-Safety: a file is written whole to a temporary name and renamed over the entry, so a reader sees the old entry
-or the new one, never part of one, and processes writing at once lose no entry (each call is its own file; two
-writers of the same call both write complete results). A truncated, corrupt or foreign file is ignored and replaced,
-with one :class:`~wsarena.errors.SearchCacheWarning` for the first such file of the folder; a directory that cannot be written gives one warning
-and the process goes on without saving.
+Safety: a file is written whole to a temporary name and renamed over the entry, so a reader sees the old entry or
+the new one, never part of one, and processes writing at once lose no entry (each call is its own file; two writers
+of the same call both write complete results). A truncated, corrupt or foreign file is ignored and replaced, with
+one :class:`~wsarena.errors.SearchCacheWarning` for the first such file of the folder; a directory that cannot be
+written gives one warning and the process goes on without saving.
 
 Size: the disk space the entries take stays within the ``search_cache_max_size`` setting
 (``WSARENA_SEARCH_CACHE_MAX_SIZE``, default 64 MiB): each file counts the blocks it occupies, or its size where that
-is larger (:func:`_disk_size`). A write that takes the folder over it removes the least recently used entries, down to 90 % of
-it, so that the next trim is a tenth of the limit away. "Used" is the file's modification time: a write sets it,
-and a read sets it when it is more than an hour old (as Go's build cache does), so that a lookup costs no write.
-Entries of other wsarena versions, drivers or devices are not removed first: another installation may share the
-folder, and those no one uses become the least recently used anyway. The folder's size is learnt by listing it at
-a process's first write, then kept up to date with what the process writes; it is listed again when that count
-passes the limit. With several processes writing at once, the folder can therefore pass the limit by what the
-others wrote since this one last listed it, until one of them trims. Reads never list the folder. Trimming races
-with the other processes harmlessly: an entry they removed first is gone either way, a write in progress is a
-temporary file that no trim touches (a temporary file an hour old is a killed writer's, and is removed), and a
-reader that finds its entry gone searches again. A trim that cannot remove files gives one warning.
+is larger (:func:`_disk_size`). A write that takes the folder over it removes the least recently used entries, down
+to 90 % of it, so that the next trim is a tenth of the limit away. "Used" is the file's modification time: a write
+sets it, and a read sets it when it is more than an hour old (as Go's build cache does), so that a lookup costs no
+write. Entries of other wsarena versions, drivers or devices are not removed first: another installation may share
+the folder, and those no one uses become the least recently used anyway. The folder's size is learnt by listing it
+at a process's first write, then kept up to date with what the process writes; it is listed again when that count
+passes the limit. With several processes writing at once, the folder can therefore pass the limit by what the others
+wrote since this one last listed it, until one of them trims. Reads never list the folder. Trimming races with the
+other processes harmlessly: an entry they removed first is gone either way, a write in progress is a temporary file
+that no trim touches (a temporary file an hour old is a killed writer's, and is removed), and a reader that finds
+its entry gone searches again. A trim that cannot remove files gives one warning.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@
     arena.reserve(nbytes); arena.trim(); arena.held_bytes(); arena.stats()
 
 Memory comes from a provider (:class:`HostProvider`, :class:`CupyProvider`, :class:`AsyncProvider`,
-:class:`TorchProvider`, or any :class:`MemoryProvider`). What ``stream=`` accepts is written in :mod:`wsarena.arena.streams`; the rules that make
-sharing safe, in :mod:`wsarena.arena._arena`.
+:class:`TorchProvider`, or any :class:`MemoryProvider`). What ``stream=`` accepts is written in
+:mod:`wsarena.arena.streams`; the rules that make sharing safe, in :mod:`wsarena.arena._arena`.
 """
 
 from __future__ import annotations
