@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from wsarena.arena import Arena
-from wsarena.arena.testing import RecordingProvider
+from wsarena.arena.testing import FakeStream, RecordingProvider
 
 from .interrupts import interrupt_at_call, interrupt_at_check, interrupt_at_entry_of
 
@@ -172,14 +172,6 @@ def test_an_interrupt_at_any_check_of_a_growing_lease_loses_no_buffer(arena_kind
     assert n > 50  # it did reach the lease's own code, not only this test's
 
 
-class _Stream:
-    """A stream object as CuPy hands them out: weakly referenceable, with __cuda_stream__ (the arena watches it)."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
 
 
 @pytest.mark.parametrize("handle", [11, 12], ids=["a dead stream's handle given again", "a new handle"])
@@ -193,7 +185,7 @@ def test_an_interrupt_at_any_check_of_a_lease_that_lets_a_dead_stream_go_loses_n
         provider = RecordingProvider(device_id=0)
         provider.stream_ids[11] = 101
         arena = Arena(provider)
-        dead = [_Stream(11), _Stream(13)]
+        dead = [FakeStream(11), FakeStream(13)]
         for stream in dead:
             arena.reserve(1000, stream=stream)
         del dead, stream
@@ -201,7 +193,7 @@ def test_an_interrupt_at_any_check_of_a_lease_that_lets_a_dead_stream_go_loses_n
         arena.stats()  # the deaths are seen: both are orphans
         provider.stream_ids[11] = 102  # a new stream has handle 11
         gc.collect()
-        if not interrupt_at_check(n, lambda arena=arena: _lease_cycle(arena, _Stream(handle), 500), skip=_in_provider):
+        if not interrupt_at_check(n, lambda arena=arena: _lease_cycle(arena, FakeStream(handle), 500), skip=_in_provider):
             break
         arena.close()
         arena.trim()

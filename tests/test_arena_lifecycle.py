@@ -13,19 +13,11 @@ import pytest
 from wsarena.arena import Arena
 from wsarena.arena._stats import aligned_size
 from wsarena.arena.streams import ThreadLane
-from wsarena.arena.testing import RecordingProvider
+from wsarena.arena.testing import FakeStream, RecordingProvider
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Stream:
-    """A stream object as a foreign library hands it out: weakly referenceable, with __cuda_stream__."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
 
 
 def test_a_collected_arena_frees_every_buffer_once():
@@ -44,7 +36,7 @@ def test_a_collected_arena_frees_every_buffer_once():
 def test_a_collected_device_arena_frees_with_no_stream():
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
-    with arena.lease(10, stream=Stream(5)):
+    with arena.lease(10, stream=FakeStream(5)):
         pass
     del arena
     gc.collect()
@@ -135,7 +127,7 @@ def test_many_short_threads_leave_nothing_behind():
 def test_a_dead_stream_objects_sub_arena_is_swept_when_a_new_stream_appears():
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
-    s = Stream(11)
+    s = FakeStream(11)
     with arena.lease(1000, stream=s):
         pass
     del s
@@ -151,7 +143,7 @@ def test_a_dead_stream_objects_sub_arena_is_swept_when_a_new_stream_appears():
 def test_a_sweep_frees_even_when_the_lease_that_triggered_it_fails():
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
-    with arena.lease(1000, stream=Stream(11)):
+    with arena.lease(1000, stream=FakeStream(11)):
         pass
     gc.collect()
     provider.fail_next = 1
@@ -164,7 +156,7 @@ def test_a_sweep_frees_even_when_the_lease_that_triggered_it_fails():
 def test_trim_sweeps_dead_streams():
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
-    with arena.lease(1000, stream=Stream(11)):
+    with arena.lease(1000, stream=FakeStream(11)):
         pass
     gc.collect()
     assert arena.trim() == 1024
@@ -175,7 +167,7 @@ def test_fresh_wrappers_for_one_stream_do_not_reallocate():
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     for _ in range(10):
-        with arena.lease(1000, stream=Stream(21)):  # e.g. torch.cuda.current_stream() builds a new object
+        with arena.lease(1000, stream=FakeStream(21)):  # e.g. torch.cuda.current_stream() builds a new object
             pass
         gc.collect()
     assert len(provider.allocations) == 1
@@ -185,10 +177,10 @@ def test_fresh_wrappers_for_one_stream_do_not_reallocate():
 def test_a_stream_in_use_again_is_not_swept():
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
-    with arena.lease(1000, stream=Stream(31)):
+    with arena.lease(1000, stream=FakeStream(31)):
         pass
     gc.collect()  # the wrapper died: orphaned
-    keep = Stream(31)
+    keep = FakeStream(31)
     with arena.lease(10, stream=keep):  # adopted again
         pass
     with arena.lease(10, stream=32):  # a new stream sweeps orphans, but 31 is alive again

@@ -12,19 +12,11 @@ import pytest
 
 import wsarena
 from wsarena.arena import Arena
-from wsarena.arena.testing import RecordingProvider
+from wsarena.arena.testing import FakeStream, RecordingProvider
 
 H = 11  # the handle the dead stream and the new one share
 
 
-class Stream:
-    """A stream object as CuPy hands them out: weakly referenceable, with __cuda_stream__; the arena watches it die."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
 
 
 @pytest.fixture
@@ -36,7 +28,7 @@ def provider():
 
 def dead_stream_leased(arena, nbytes=1000):
     """Lease on a stream object of handle H, then let it die; return the address its buffer had."""
-    stream = Stream(H)
+    stream = FakeStream(H)
     with arena.lease(nbytes, stream=stream) as ws:
         ptr = ws.ptr
     del stream, ws
@@ -50,9 +42,9 @@ def lease_ptr(arena, nbytes, stream):
 
 
 ADOPT = {  # how the new stream first uses the handle
-    "a stream object": lambda arena: lease_ptr(arena, 1000, Stream(H)),
+    "a stream object": lambda arena: lease_ptr(arena, 1000, FakeStream(H)),
     "the raw handle": lambda arena: lease_ptr(arena, 1000, H),
-    "a reserve": lambda arena: arena.reserve(1000, stream=Stream(H)),
+    "a reserve": lambda arena: arena.reserve(1000, stream=FakeStream(H)),
 }
 
 
@@ -69,7 +61,7 @@ def test_a_new_stream_with_a_dead_streams_handle_gets_a_buffer_of_its_own(provid
     (buffer, stream), = provider.frees
     assert buffer.ptr == old and stream is None  # freed as gone: the provider waits for the device first
     assert arena.stats().streams[H].allocations == 1  # the new stream's sub-arena
-    assert lease_ptr(arena, 1000, Stream(H)) == provider.allocations[1].ptr  # and it keeps its buffer
+    assert lease_ptr(arena, 1000, FakeStream(H)) == provider.allocations[1].ptr  # and it keeps its buffer
 
 
 def test_a_new_wrapper_of_the_same_live_stream_keeps_its_buffer(provider):
@@ -84,13 +76,13 @@ def test_a_lease_on_a_watched_stream_asks_no_id(provider):
     """The id is read when a stream object first watches a sub-arena and when an orphan is adopted, never on the
     lease of a stream still watched; nor for the default streams (0, 1, 2), which are never destroyed."""
     arena = Arena(provider)
-    stream = Stream(H)
+    stream = FakeStream(H)
     for _ in range(10):
         lease_ptr(arena, 1000, stream)
         lease_ptr(arena, 1000, H)
     assert provider.id_reads == [H]
     for handle in (0, 1, 2):
-        lease_ptr(arena, 10, Stream(handle))
+        lease_ptr(arena, 10, FakeStream(handle))
     assert provider.id_reads == [H]
 
 
@@ -103,7 +95,7 @@ def test_a_live_lease_on_the_dead_streams_buffer_is_kept_until_it_ends(provider,
     monkeypatch.setenv("WSARENA_DEBUG", debug)
     wsarena._config._reset()
     arena = Arena(provider)
-    stream = Stream(H)
+    stream = FakeStream(H)
     with arena.lease(1000, stream=stream):
         pass
     held = arena.lease(1000, stream=H)  # watched by `stream`, which it does not keep alive
@@ -113,7 +105,7 @@ def test_a_live_lease_on_the_dead_streams_buffer_is_kept_until_it_ends(provider,
     del stream
     gc.collect()
     provider.stream_ids[H] = 102
-    with arena.lease(1000, stream=Stream(H)) as ws:
+    with arena.lease(1000, stream=FakeStream(H)) as ws:
         ws.array[:] = 9
         assert ws.ptr + 1000 <= held.ptr or held.ptr + 1024 <= ws.ptr
     assert (held.array == 7).all()
@@ -129,7 +121,7 @@ def test_a_buffer_a_graph_holds_is_kept_when_its_dead_streams_handle_is_given_ag
     """Kept for the graph, and counted as the arena's pinned bytes, not as the new stream's. (Once, the new stream
     was said to pin it.)"""
     arena = Arena(provider)
-    stream = Stream(H)
+    stream = FakeStream(H)
     arena.reserve(1000, stream=stream)
     graph = provider.begin_capture(H)
     with arena.lease(1000, stream=stream) as ws:  # captured: the graph keeps this address
@@ -138,7 +130,7 @@ def test_a_buffer_a_graph_holds_is_kept_when_its_dead_streams_handle_is_given_ag
     del stream, ws
     gc.collect()
     provider.stream_ids[H] = 102
-    assert lease_ptr(arena, 1000, Stream(H)) != pinned
+    assert lease_ptr(arena, 1000, FakeStream(H)) != pinned
     stats = arena.stats()  # the graph holds the dead stream's buffer, not the new stream's
     assert (stats.pinned_bytes, stats.streams[H].pinned_bytes, stats.streams[H].capacity_bytes) == (1024, 0, 1024)
     arena.trim()
@@ -154,7 +146,7 @@ def test_a_provider_that_cannot_tell_streams_apart_keeps_the_buffer(provider):
     provider.stream_ids.clear()
     arena = Arena(provider)
     old = dead_stream_leased(arena)
-    assert lease_ptr(arena, 1000, Stream(H)) == old
+    assert lease_ptr(arena, 1000, FakeStream(H)) == old
     assert provider.frees == []
 
 
@@ -164,7 +156,7 @@ def test_a_dead_streams_lease_that_nothing_can_end_lets_its_buffer_go_when_the_h
     ends it and lets the buffer go. Once, it was moved aside under ``GoneStream`` and held its buffer until a trim,
     stats() or close(), which a process may never call."""
     arena = Arena(provider)
-    stream = Stream(H)
+    stream = FakeStream(H)
     ws = arena.lease(1000, stream=stream)
     ws.__enter__()  # and never __exit__
     old = ws.ptr
@@ -172,7 +164,7 @@ def test_a_dead_streams_lease_that_nothing_can_end_lets_its_buffer_go_when_the_h
     gc.collect()
     provider.stream_ids[H] = 102
     for _ in range(3):  # the new stream's steps
-        lease_ptr(arena, 1000, Stream(H))
+        lease_ptr(arena, 1000, FakeStream(H))
     assert [(buffer.ptr, stream) for buffer, stream in provider.frees] == [(old, None)]
     assert list(arena._subs) == [H] and len(provider.held) == 1
 
@@ -198,7 +190,7 @@ def test_a_reserve_that_ends_after_its_dead_streams_handle_was_given_again_lets_
     provider = GatedLarge()
     provider.stream_ids[H] = 101
     arena = Arena(provider)
-    stream = Stream(H)
+    stream = FakeStream(H)
     lease_ptr(arena, 100, stream)
     reserve = threading.Thread(target=arena.reserve, args=(5000,), kwargs={"stream": H})
     reserve.start()
@@ -206,7 +198,7 @@ def test_a_reserve_that_ends_after_its_dead_streams_handle_was_given_again_lets_
     del stream
     gc.collect()
     provider.stream_ids[H] = 102
-    new = lease_ptr(arena, 100, Stream(H))  # the new stream's: the old sub-arena is moved aside
+    new = lease_ptr(arena, 100, FakeStream(H))  # the new stream's: the old sub-arena is moved aside
     provider.gate.set()
     reserve.join(10)
     assert not reserve.is_alive()
@@ -226,7 +218,7 @@ def test_a_new_stream_with_a_dead_streams_handle_holds_nothing_before_its_first_
     dead_stream_leased(arena, 4000)
     assert arena.held_bytes(stream=H) == 4096  # the handle's stream object died: it may be a wrapper of the same stream
     provider.stream_ids[H] = 102
-    stream = Stream(H)
+    stream = FakeStream(H)
     assert arena.held_bytes(stream=stream) == 0
     assert [(buffer.size, stream) for buffer, stream in provider.frees] == [(4096, None)]  # let go as gone
     seed_workspace(arena, stream)
@@ -242,7 +234,7 @@ def test_debug_mode_poisons_no_dead_streams_buffer_on_the_handle_given_again(pro
     dead stream's kernels, which may still use the bytes): the bytes are not poisoned. Once, they were filled on the
     handle."""
     arena = Arena(provider)
-    stream = Stream(H)
+    stream = FakeStream(H)
     lease_ptr(arena, 1000, stream)
     with wsarena.config(debug=True):
         held = arena.lease(1000, stream=H)
@@ -251,7 +243,7 @@ def test_debug_mode_poisons_no_dead_streams_buffer_on_the_handle_given_again(pro
         del stream
         gc.collect()
         provider.stream_ids[H] = 102
-        lease_ptr(arena, 1000, Stream(H))
+        lease_ptr(arena, 1000, FakeStream(H))
         held.__exit__(None, None, None)
     assert [(n, stream) for _, _, n, stream in provider.fills] == [(10, 0x51), (1000, H)]  # the two live streams'
     assert provider.fills[-1][0] != held.ptr

@@ -16,7 +16,7 @@ import wsarena
 from tests.reference import ref_conv_forward
 from wsarena.arena import Arena, _pinning, set_arena
 from wsarena.arena._pins import GraphPin
-from wsarena.arena.testing import RecordingProvider
+from wsarena.arena.testing import FakeStream, RecordingProvider
 
 S1, S2 = 0x51, 0x52  # raw stream handles of a device-like arena
 
@@ -100,14 +100,6 @@ def test_a_growth_on_the_same_stream_frees_what_a_released_graph_held(device):
     assert (pinned, S1) in [(b.ptr, s) for b, s in provider.frees]
 
 
-class _Stream:
-    """A stream object, as CuPy hands them out: the arena watches it die."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
 
 
 def test_a_kept_buffer_of_a_stream_gone_since_is_not_freed_on_that_stream(device):
@@ -115,7 +107,7 @@ def test_a_kept_buffer_of_a_stream_gone_since_is_not_freed_on_that_stream(device
     destroyed, its handle reused) before the graph does: the buffer is freed with no stream, as the stream's current
     buffer is. Once, it was freed on the dead handle (with AsyncProvider, cudaFreeAsync on a destroyed stream)."""
     provider, arena = device
-    stream = _Stream(S1)
+    stream = FakeStream(S1)
     arena.reserve(1000, stream=stream)
     graph = provider.begin_capture(S1)
     with arena.lease(1000, stream=stream) as ws:
@@ -347,7 +339,7 @@ def test_nothing_that_would_synchronise_the_device_is_freed_in_a_capture_block()
     provider = CaptureWatchingProvider()
     arena = Arena(provider)
     arena.reserve(1000, stream=S1)
-    gone = [_Stream(S2), _Stream(0x53)]
+    gone = [FakeStream(S2), FakeStream(0x53)]
     for stream in gone:
         arena.reserve(1000, stream=stream)
     del gone, stream
@@ -373,7 +365,7 @@ def test_nothing_that_would_synchronise_the_device_is_freed_while_another_thread
     provider = CaptureWatchingProvider()
     arena = Arena(provider)
     arena.reserve(1000, stream=S1)
-    gone = _Stream(S2)
+    gone = FakeStream(S2)
     arena.reserve(1000, stream=gone)
     del gone
     gc.collect()

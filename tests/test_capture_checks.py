@@ -9,7 +9,7 @@ from wsarena import algos
 from wsarena._geometry import conv_geometry
 from wsarena.arena import Arena, _capture, streams
 from wsarena.arena._capture import capture_of, refuse_in_capture
-from wsarena.arena.testing import RecordingProvider
+from wsarena.arena.testing import FakeStream, RecordingProvider
 from wsarena.errors import CaptureError
 
 S1 = 0x51
@@ -17,12 +17,6 @@ GEOM = conv_geometry((2, 4, 9, 9), (6, 4, 3, 3), padding=1)
 INVALIDATED = "the stream was capturing, but an error has invalidated the capture sequence"  # CuPy's own words
 
 
-class _Stream:
-    def __init__(self, handle):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
 
 
 @pytest.fixture
@@ -91,7 +85,7 @@ def test_a_plain_runtime_error_of_a_stream_not_captured_is_cupys_own(cuda, monke
 def captured(monkeypatch):
     """S1 is being captured, and it is CuPy's current stream, as inside ``with wsarena.capture(s)``."""
     monkeypatch.setattr(_capture, "capture_of", lambda stream: object() if stream == S1 else None)
-    monkeypatch.setattr(streams, "_cupy_current", lambda: _Stream(S1))
+    monkeypatch.setattr(streams, "_cupy_current", lambda: FakeStream(S1))
 
 
 def test_a_forced_algorithm_creates_no_cudnn_handle_during_capture(monkeypatch, captured):

@@ -14,7 +14,7 @@ from typing import Any
 
 from .providers import Buffer, HostProvider
 
-__all__ = ["FakeGraph", "RecordingProvider"]
+__all__ = ["FakeGraph", "FakeStream", "RecordingProvider"]
 
 _UPSTREAMS: Any = object()  # device_id=: the upstream's
 
@@ -43,6 +43,17 @@ class FakeGraph:
 
 
 _DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # what CUDA calls: void (*)(void *)
+
+
+class FakeStream:
+    """A stream object as CuPy and other libraries hand them out, without CUDA: weakly referenceable, with
+    ``__cuda_stream__`` naming the raw ``handle``. The arena watches such an object die (the stream is gone)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
 
 
 class RecordingProvider:
