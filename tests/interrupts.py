@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -50,6 +51,7 @@ def interrupt_at_call(
                 raise KeyboardInterrupt(f"at call {n}: {frame.f_code.co_qualname}")
 
     sys.settrace(trace)
+    gc.callbacks.append(collecting)
     try:
         function(*args)
     except KeyboardInterrupt:
@@ -57,7 +59,19 @@ def interrupt_at_call(
             raise
     finally:
         sys.settrace(None)
+        gc.callbacks.remove(collecting)
+        collecting.now = False
     return fired
+
+
+def collecting(phase: str, info: dict[str, int]) -> None:
+    """A ``gc.callbacks`` entry: whether a collection of cyclic garbage is under way (``collecting.now``). The
+    finalizer of an arena from an earlier test collected meanwhile runs wsarena's frames, which must not take the
+    interrupt meant for the run (Python ignores an exception there, with a warning)."""
+    collecting.now = phase == "start"  # type: ignore[attr-defined]
+
+
+collecting.now = False  # type: ignore[attr-defined]
 
 
 _WATCHED = tuple(f"{os.sep}{name}" for name in ("threading.py", "test_reliability_interrupts.py")) + tuple(
@@ -83,7 +97,7 @@ def interrupt_at_check(
 
     def trace(frame: Any, event: str, arg: Any) -> Any:
         nonlocal checks, fired
-        if fired or not frame.f_code.co_filename.endswith(_WATCHED) or skip(frame.f_code):
+        if fired or collecting.now or not frame.f_code.co_filename.endswith(_WATCHED) or skip(frame.f_code):
             return None
         frame.f_trace_opcodes = True
         here = id(frame)
@@ -103,6 +117,7 @@ def interrupt_at_check(
         return trace
 
     sys.settrace(trace)
+    gc.callbacks.append(collecting)
     try:
         function(*args)
     except KeyboardInterrupt:
@@ -110,4 +125,16 @@ def interrupt_at_check(
             raise
     finally:
         sys.settrace(None)
+        gc.callbacks.remove(collecting)
+        collecting.now = False
     return fired
+
+
+def collecting(phase: str, info: dict[str, int]) -> None:
+    """A ``gc.callbacks`` entry: whether a collection of cyclic garbage is under way (``collecting.now``). The
+    finalizer of an arena from an earlier test collected meanwhile runs wsarena's frames, which must not take the
+    interrupt meant for the run (Python ignores an exception there, with a warning)."""
+    collecting.now = phase == "start"  # type: ignore[attr-defined]
+
+
+collecting.now = False  # type: ignore[attr-defined]
