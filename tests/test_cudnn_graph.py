@@ -16,7 +16,8 @@ import pytest
 from wsarena import cudnn
 from wsarena._geometry import conv_geometry
 from wsarena._pass import PASSES
-from wsarena.backends._graph_plans import ALIGNED, conv_problem, ranked_names, shortlist, usable
+from wsarena.backends import _graph_plans
+from wsarena.backends._graph_plans import ALIGNED, conv_problem, numerics_refusal, ranked_names, shortlist, usable
 from wsarena.cudnn import graph
 
 from .cudnn_probe import driver
@@ -75,6 +76,7 @@ def test_plans_finalize_with_exact_workspace_sizes_and_names_rebuild_them(props,
         assert plan.name == name  # the rebuilt configuration names itself as it was named
         assert plan.workspace_bytes >= 0 and plan.workspace_bytes == cudnn.plan_workspace_size(plan.descriptor)
         assert plan.workspace_bytes == nbytes == graph.config_workspace(cfg)
+        assert plan.numerical_notes == graph.engine_notes(cfg)[0]  # what algo= is checked against
         plan.close()
         assert plan.closed
 
@@ -107,6 +109,14 @@ def test_usable_notes():
     assert usable("float16", frozenset({0, 1}), frozenset())
     assert not usable("bfloat16", frozenset({2}), frozenset())  # REDUCED_PRECISION_REDUCTION
     assert not usable("float16", frozenset(), frozenset({0}))  # RUNTIME_COMPILATION
+    note = cudnn.BackendNumericalNote
+    assert (_graph_plans._TENSOR_CORE, _graph_plans._DOWN_CONVERT, _graph_plans._REDUCED_REDUCTION) == (
+        note.TENSOR_CORE, note.DOWN_CONVERT_INPUTS, note.REDUCED_PRECISION_REDUCTION)  # its ints are the header's
+    assert numerics_refusal("float32", frozenset({note.FFT, note.WINOGRAD})) is None
+    assert numerics_refusal("float16", frozenset({note.TENSOR_CORE})) is None
+    why = numerics_refusal("float32", frozenset({note.TENSOR_CORE, note.DOWN_CONVERT_INPUTS}))
+    assert why is not None and "TENSOR_CORE" in why and "DOWN_CONVERT_INPUTS" in why and "no TF32" in why
+    assert "accumulator" in (numerics_refusal("bfloat16", frozenset({note.REDUCED_PRECISION_REDUCTION})) or "")
 
 
 def test_conv_problem_dims_strides_and_one_d_promotion():

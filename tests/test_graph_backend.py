@@ -22,7 +22,7 @@ from wsarena._geometry import conv_geometry
 from wsarena._search_env import api_path
 from wsarena.backends import Candidate, device_properties_backend
 from wsarena.backends._cudnn_backend import CudnnBackend
-from wsarena.backends._graph_plans import ALIGNED, PlanCache, alignment, is_engine_name
+from wsarena.backends._graph_plans import ALIGNED, PlanCache, alignment, conv_problem, is_engine_name
 from wsarena.cli import main
 from wsarena.cudnn import Status as cudnn_status
 from wsarena.errors import BackendUnavailableError, CudnnApiFallbackWarning, WorkspaceMemoryError
@@ -34,6 +34,8 @@ GEOM = conv_geometry((2, 4, 9, 9), (6, 4, 3, 3), padding=1)
 
 
 class FakePlan:
+    numerical_notes = frozenset()
+
     def __init__(self, name):
         self.name, self.closed, self.workspace_bytes = name, False, len(name)
 
@@ -217,6 +219,24 @@ def test_a_view_aligned_only_to_its_element_size_has_a_candidate_that_runs_it(fi
             continue
         runs.append((cand.algo, plan.workspace_bytes <= cand.workspace_bytes))
     assert runs and all(fits for _, fits in runs), runs
+
+
+def test_algo_refuses_an_engine_that_would_compute_float32_in_tf32(finalizing):
+    """The candidates leave out engines whose numerical notes break the dtype's promise (float32 with no TF32);
+    algo= naming one by hand is refused too, saying why, before anything runs."""
+    from wsarena.cudnn import BackendNumericalNote, graph
+
+    backend = device_properties_backend(H100.read_text())
+    geom = conv_geometry((2, 9, 9, 16), (16, 3, 3, 16), padding=1, layout="NHWC")
+    configs = graph.engine_configs(graph.operation_graph(conv_problem("fwd", geom)), properties=backend._properties)
+    tf32 = [graph.config_name(c) for c in configs
+            if BackendNumericalNote.TENSOR_CORE in graph.engine_notes(c)[0]]
+    assert tf32, "the heuristics list tensor-core engines for float32 NHWC on an H100"
+    for name in tf32[:3]:
+        with pytest.raises(ValueError, match=rf"algo='{name}' does not compute float32 .*TENSOR_CORE.*TF32"):
+            algos.forced(backend, "fwd", geom, name, cap=None)
+    kept = backend.candidates("fwd", geom)[0].algo
+    assert algos.forced(backend, "fwd", geom, kept, cap=None)[0].algo == kept
 
 
 def test_a_plan_for_an_h100_from_its_properties(finalizing):

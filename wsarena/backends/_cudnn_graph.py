@@ -35,7 +35,15 @@ from ..arena._capture import CURRENT, refuse_in_capture
 from ..errors import BackendUnavailableError, CudnnApiFallbackWarning, WorkspaceMemoryError
 from . import Candidate
 from ._cudnn_backend import CudnnBackend
-from ._graph_plans import PlanCache, alignment, conv_problem, is_engine_name, ranked_names, shortlist
+from ._graph_plans import (
+    PlanCache,
+    alignment,
+    conv_problem,
+    is_engine_name,
+    numerics_refusal,
+    ranked_names,
+    shortlist,
+)
 
 _TIMED_RUNS = 3  # executions timed per candidate in an exhaustive search (the fewest counts)
 
@@ -164,9 +172,25 @@ class CudnnGraphBackend(CudnnBackend):
                              f"({', '.join(super().algorithms(pass_))}) nor {exc}") from None
 
     def workspace_size(self, pass_: str, algo: str, geom: Any) -> int:
+        """The workspace of ``algo`` (what ``algo=`` leases): a legacy algorithm's, or an engine configuration's
+        plan's for 16-byte-aligned operands. A call whose operands are aligned otherwise runs the plan for their
+        alignment, and refuses to if that one needs more.
+
+        Raises
+        ------
+        ValueError
+            The engine does not compute ``geom``'s dtype as wsarena promises (its numerical notes: TF32 tensor
+            cores or inputs rounded down for float32, a half-precision accumulator for float16), the engines the
+            candidates leave out. There is no opt-in.
+        """
         if not is_engine_name(algo):
             return super().workspace_size(pass_, algo, geom)
-        return int(self._plans.plan(self._handle(), pass_, geom, algo, stream=self._here()).workspace_bytes)
+        plan = self._plans.plan(self._handle(), pass_, geom, algo, stream=self._here())
+        why = numerics_refusal(geom.dtype, plan.numerical_notes)
+        if why is not None:
+            raise ValueError(f"algo={algo!r} does not compute {geom.dtype} as wsarena promises: {why}; the "
+                             f"configurations `wsarena report` lists for this convolution do")
+        return int(plan.workspace_bytes)
 
     def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
         try:

@@ -14,8 +14,8 @@ from .._pass import Pass
 from ..arena._capture import refuse_in_capture
 
 __all__ = [
-    "ALIGNED", "CANDIDATES", "PlanCache", "alignment", "conv_problem", "is_engine_name", "ranked_names", "shortlist",
-    "usable",
+    "ALIGNED", "CANDIDATES", "PlanCache", "alignment", "conv_problem", "is_engine_name", "numerics_refusal",
+    "ranked_names", "shortlist", "usable",
 ]
 
 ALIGNED = (16, 16, 16)  # the operands' alignment candidates are ranked for: what every CuPy allocation has
@@ -32,9 +32,10 @@ _TYPES = {
     "bfloat16": ("BFLOAT16", "FLOAT"),
     "float64": ("DOUBLE", "DOUBLE"),
 }
-# Numerical notes (cudnn.BackendNumericalNote values) an engine may not carry, per dtype: float32 is computed in
-# full float32 (no TF32 tensor cores, no inputs rounded down), as the legacy API's FMA_MATH; float16 and bfloat16
-# accumulate in float32 (no reduced-precision reduction), as TENSOR_OP_MATH does.
+# Numerical notes (cudnn.BackendNumericalNote values, as ints: this module loads no cuDNN enums) an engine may not
+# carry, per dtype: float32 is computed in full float32 (no TF32 tensor cores, no inputs rounded down), as the
+# legacy API's FMA_MATH; float16 and bfloat16 accumulate in float32 (no reduced-precision reduction), as
+# TENSOR_OP_MATH does. This is a promise: algo= is held to it too (numerics_refusal).
 _TENSOR_CORE, _DOWN_CONVERT, _REDUCED_REDUCTION = 0, 1, 2
 _EXCLUDED_NOTES = {
     "float32": frozenset({_TENSOR_CORE, _DOWN_CONVERT}),
@@ -42,7 +43,19 @@ _EXCLUDED_NOTES = {
     "float16": frozenset({_REDUCED_REDUCTION}),
     "bfloat16": frozenset({_REDUCED_REDUCTION}),
 }
-# Behaviour notes (cudnn.BackendBehaviorNote) excluded: an engine compiled at run time takes seconds to finalize.
+_NOTE_WORDS = {
+    _TENSOR_CORE: "TENSOR_CORE (float32 on tensor cores is TF32)",
+    _DOWN_CONVERT: "DOWN_CONVERT_INPUTS (its inputs rounded to a narrower type)",
+    _REDUCED_REDUCTION: "REDUCED_PRECISION_REDUCTION (a float16 or bfloat16 accumulator)",
+}
+_PROMISES = {
+    "float32": "float32 is computed in full float32, with no TF32",
+    "float64": "float64 is computed in full float64",
+    "float16": "float16 is computed in float32",
+    "bfloat16": "bfloat16 is computed in float32",
+}
+# Behaviour notes (cudnn.BackendBehaviorNote) excluded from the candidates: an engine compiled at run time takes
+# seconds to finalize. A cost, not a promise: algo= may name one.
 _RUNTIME_COMPILATION = 0
 
 
@@ -57,8 +70,19 @@ def is_engine_name(algo: str) -> bool:
 
 
 def usable(dtype: str, numerical: frozenset[int], behaviour: frozenset[int]) -> bool:
-    """Whether an engine with these notes computes ``dtype`` as wsarena promises (module comments)."""
-    return _RUNTIME_COMPILATION not in behaviour and not numerical & _EXCLUDED_NOTES[dtype]
+    """Whether an engine with these notes is a candidate for ``dtype``: it computes ``dtype`` as wsarena promises
+    (:func:`numerics_refusal`) and is not compiled at run time (module comments)."""
+    return _RUNTIME_COMPILATION not in behaviour and numerics_refusal(dtype, numerical) is None
+
+
+def numerics_refusal(dtype: str, numerical: frozenset[int]) -> str | None:
+    """Why an engine with these numerical notes does not compute ``dtype`` as wsarena promises; ``None`` if it
+    does."""
+    broken = sorted(numerical & _EXCLUDED_NOTES[dtype])
+    if not broken:
+        return None
+    notes = ", ".join(_NOTE_WORDS[note] for note in broken)
+    return f"its engine's numerical notes include {notes}, and {_PROMISES[dtype]}"
 
 
 def _contiguous(shape: tuple[int, ...], channels_last: bool) -> tuple[int, ...]:

@@ -204,21 +204,29 @@ def config_workspace(cfg: BackendDescriptor) -> int:
 def engine_notes(cfg: BackendDescriptor) -> tuple[frozenset[int], frozenset[int]]:
     """The configuration's engine's numerical and behaviour notes (``BackendNumericalNote``/``BehaviorNote``)."""
     engine = _engine(cfg)
-    numerical = engine.get(A.ENGINE_NUMERICAL_NOTE, T.NUMERICAL_NOTE)
     behaviour = engine.get(A.ENGINE_BEHAVIOR_NOTE, T.BEHAVIOR_NOTE)
-    return frozenset(map(int, numerical)), frozenset(map(int, behaviour))
+    return _numerical_notes(engine), frozenset(map(int, behaviour))
+
+
+def _numerical_notes(engine: BackendDescriptor) -> frozenset[int]:
+    return frozenset(map(int, engine.get(A.ENGINE_NUMERICAL_NOTE, T.NUMERICAL_NOTE)))
 
 
 def execution_plan(cfg: BackendDescriptor, name: str | None = None, *, handle: Any = None,
                    properties: Any = None) -> Plan:
     """Finalize ``cfg`` into a :class:`Plan` (for ``handle``'s device, or the device of ``properties``)."""
+    plan = _finalized_plan(cfg, handle, properties)
+    return Plan(plan, name if name is not None else config_name(cfg), plan_workspace_size(plan),
+                _numerical_notes(_engine(cfg)))
+
+
+def _finalized_plan(cfg: BackendDescriptor, handle: Any, properties: Any) -> BackendDescriptor:
     plan = BackendDescriptor(D.EXECUTION_PLAN_DESCRIPTOR).set(A.EXECUTION_PLAN_ENGINE_CONFIG, T.BACKEND_DESCRIPTOR, cfg)
     if handle is not None:
         plan.set(A.EXECUTION_PLAN_HANDLE, T.HANDLE, handle)
     if properties is not None:
         plan.set(A.EXECUTION_PLAN_DEVICEPROP, T.BACKEND_DESCRIPTOR, properties)
-    plan.finalize()
-    return Plan(plan, name if name is not None else config_name(cfg), plan_workspace_size(plan))
+    return plan.finalize()
 
 
 _VARIANT_PACKS_KEPT = 8  # finalized variant packs a plan keeps, by pointers, in the "reused" mode
@@ -230,7 +238,8 @@ REUSE_VARIANT_PACKS = True
 
 
 class Plan:
-    """A finalized execution plan: its configuration's name, its workspace size, and how to run it.
+    """A finalized execution plan: its configuration's name, its workspace size, its engine's numerical notes
+    (``BackendNumericalNote`` values), and how to run it.
 
     ``reuse_variant_packs`` chooses how :meth:`execute` gives cuDNN the pointers. cuDNN refuses to change a
     finalized variant pack (``BAD_PARAM``), so either every call builds, finalizes and destroys one (``False``,
@@ -239,12 +248,16 @@ class Plan:
     with ``out=``, then makes one ctypes call.
     """
 
-    __slots__ = ("_packs", "descriptor", "name", "reuse_variant_packs", "workspace_bytes")
+    __slots__ = ("_packs", "descriptor", "name", "numerical_notes", "reuse_variant_packs", "workspace_bytes")
 
-    def __init__(self, descriptor: BackendDescriptor, name: str, workspace_bytes: int) -> None:
+    def __init__(
+        self, descriptor: BackendDescriptor, name: str, workspace_bytes: int,
+        numerical_notes: frozenset[int] = frozenset(),
+    ) -> None:
         self.descriptor = descriptor
         self.name = name
         self.workspace_bytes = int(workspace_bytes)
+        self.numerical_notes = numerical_notes
         self.reuse_variant_packs = REUSE_VARIANT_PACKS
         self._packs: OrderedDict[tuple[int, int, int, int], BackendDescriptor] = OrderedDict()
 
