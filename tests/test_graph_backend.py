@@ -25,7 +25,13 @@ from wsarena.backends._cudnn_backend import CudnnBackend
 from wsarena.backends._graph_plans import ALIGNED, PlanCache, alignment, conv_problem, is_engine_name
 from wsarena.cli import main
 from wsarena.cudnn import Status as cudnn_status
-from wsarena.errors import BackendUnavailableError, CudnnApiFallbackWarning, WorkspaceMemoryError
+from wsarena.errors import (
+    AlignmentWorkspaceError,
+    BackendUnavailableError,
+    CudnnApiFallbackWarning,
+    NoAlgorithmFitsError,
+    WorkspaceMemoryError,
+)
 
 from .cudnn_probe import driver
 
@@ -377,21 +383,43 @@ def test_run_refuses_a_plan_that_needs_more_workspace_than_was_leased(faked):
     x, w, y = _array(0x1000), _array(0x2000), _array(0x3000)
     faked.run("fwd", Candidate("eng1", 64), GEOM, x, w, y, _lease(64), None)
     assert [e[:2] for e in b.executed] == [("eng1", ALIGNED)]
-    with pytest.raises(WorkspaceMemoryError, match="eng1 .*alignment") as caught:
+    with pytest.raises(WorkspaceMemoryError, match="eng1 for operands aligned to 2, 16 and 16 bytes") as caught:
         faked.run("fwd", Candidate("eng1", 64), GEOM, _array(0x1002), w, y, _lease(64), None)
     assert isinstance(caught.value, MemoryError)  # run_with_fallback moves on to the next candidate
     assert (caught.value.requested, caught.value.held) == (128, 64) and len(b.executed) == 1
 
 
+class _Arena:
+    @contextlib.contextmanager
+    def lease(self, nbytes, stream=None, cap=None):
+        yield _lease(nbytes)
+
+    def held_bytes(self, stream=None):
+        return 0
+
+
+def test_a_forced_engine_whose_plan_for_a_view_needs_more_workspace_says_so(faked, monkeypatch):
+    """algo= leases the plan's workspace for 16-byte-aligned operands; a view whose own plan needs more is refused
+    with an error that says so, not with "no algorithm fits in the workspace and memory"."""
+    monkeypatch.setattr(faked, "_here", lambda: None)  # no CuPy stream to check for a capture
+    b = AlignedBuilder({("eng1", (2, 16, 16)): 128})
+    faked._plans = PlanCache(b.graph, b.plan)
+    (forced,) = algos.forced(faked, "fwd", GEOM, "eng1", cap=None)
+    assert forced.workspace_bytes == 64
+    w, y = _array(0x2000), _array(0x3000)
+    with pytest.raises(AlignmentWorkspaceError, match=r"eng1 for operands aligned to 2, 16 and 16 bytes.*algo=") as caught:
+        algos.run_with_fallback(_Arena(), (forced,),
+                                lambda c, ws: faked.run("fwd", c, GEOM, _array(0x1002), w, y, ws, None),
+                                stream=None, cap=None, retry=faked.retry_errors)
+    assert not isinstance(caught.value, NoAlgorithmFitsError) and isinstance(caught.value, MemoryError)
+    assert (caught.value.requested, caught.value.held) == (128, 64) and b.executed == []
+    ran = algos.run_with_fallback(_Arena(), (forced,), lambda c, ws: faked.run("fwd", c, GEOM, _array(0x1000), w, y,
+                                                                               ws, None),
+                                  stream=None, cap=None, retry=faked.retry_errors)
+    assert ran is forced and [e[:2] for e in b.executed] == [("eng1", ALIGNED)]
+
+
 def test_run_with_fallback_passes_a_refused_or_too_large_plan_to_the_next_candidate(faked):
-    class Arena:
-        @contextlib.contextmanager
-        def lease(self, nbytes, stream=None, cap=None):
-            yield _lease(nbytes)
-
-        def held_bytes(self, stream=None):
-            return 0
-
     refused = faked.retry_errors[0]
 
     def plan(handle, graph, name):
@@ -404,7 +432,7 @@ def test_run_with_fallback_passes_a_refused_or_too_large_plan_to_the_next_candid
     cands = (Candidate("eng1", 64), Candidate("eng2", 64), Candidate("eng3", 64))
     x, w, y = _array(0x1002), _array(0x2000), _array(0x3000)
     for _ in range(2):
-        ran = algos.run_with_fallback(Arena(), cands, lambda c, ws: faked.run("fwd", c, GEOM, x, w, y, ws, None),
+        ran = algos.run_with_fallback(_Arena(), cands, lambda c, ws: faked.run("fwd", c, GEOM, x, w, y, ws, None),
                                       stream=None, cap=None, retry=faked.retry_errors)
         assert ran.algo == "eng3"
     assert [e[:2] for e in b.executed] == [("eng3", (2, 16, 16))] * 2

@@ -144,6 +144,46 @@ def test_views_aligned_to_two_bytes_run_on_the_graph_api(cp):
     assert builds[1] == builds[0]
 
 
+def test_algo_runs_a_shifted_view_or_says_why_and_never_tf32(cp):
+    """algo= with each candidate on a half NHWC view 2 bytes off a boundary: it runs and matches the reference, or
+    is refused for these operands (cuDNN's refusal, or AlignmentWorkspaceError when the view's plan needs more
+    workspace than was leased), never as "no algorithm fits". A float32 engine on TF32 tensor cores is refused."""
+    from wsarena import cudnn
+    from wsarena.backends._graph_plans import conv_problem
+    from wsarena.cudnn import graph
+    from wsarena.errors import AlignmentWorkspaceError
+
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal((2, 9, 9, 8)), rng.standard_normal((16, 3, 3, 8))
+    base = cp.empty(x.size + 1, "float16")
+    xd = base[1:].reshape(x.shape)
+    xd[...] = cp.asarray(x, "float16")
+    wd = cp.asarray(w, "float16")
+    ref = ref_conv_forward(cp.asnumpy(xd).astype(np.float64), cp.asnumpy(wd).astype(np.float64), padding=1,
+                           layout="NHWC")
+    backend = get_backend("cudnn")
+    geom = conv_geometry(xd.shape, wd.shape, padding=1, layout="NHWC", dtype="float16")
+    ran, refused = [], []
+    for cand in backend.candidates("fwd", geom):
+        try:
+            y = conv_forward(xd, wd, padding=1, layout="NHWC", algo=cand.algo)
+        except (AlignmentWorkspaceError, *backend.retry_errors) as exc:
+            refused.append((cand.algo, type(exc).__name__))
+            continue
+        assert _rel(cp.asnumpy(y).astype(np.float64), ref) <= 2e-2, cand.algo
+        ran.append(cand.algo)
+    assert ran, refused
+    single = conv_geometry((2, 9, 9, 16), (16, 3, 3, 16), padding=1, layout="NHWC")
+    op_graph = graph.operation_graph(conv_problem("fwd", single), handle=cudnn.get_handle(0))
+    tf32 = [graph.config_name(c) for c in graph.engine_configs(op_graph)
+            if cudnn.BackendNumericalNote.TENSOR_CORE in graph.engine_notes(c)[0]]
+    if not tf32:
+        pytest.skip("cuDNN lists no tensor-core engine for float32 on this GPU")
+    xs, ws = cp.ones((2, 9, 9, 16), "float32"), cp.ones((16, 3, 3, 16), "float32")
+    with pytest.raises(ValueError, match="does not compute float32 .*TF32"):
+        conv_forward(xs, ws, padding=1, layout="NHWC", algo=tf32[0])
+
+
 def test_the_workspace_query_agrees_with_the_plan_attribute(cp):
     from wsarena import cudnn
     from wsarena.cudnn import graph

@@ -14,6 +14,7 @@ from . import errors
 from ._config import Config, config, configure, get_config
 from ._sizes import format_size, parse_size
 from .errors import (
+    AlignmentWorkspaceError,
     ArenaOutOfMemoryError,
     BackendUnavailableError,
     CaptureError,
@@ -50,6 +51,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "AlignmentWorkspaceError",
     "Arena",
     "ArenaOutOfMemoryError",
     "BackendUnavailableError",

@@ -10,6 +10,7 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
     └── WorkspaceMemoryError (MemoryError)         carries requested, held and cap, in bytes
         ├── WorkspaceCapError                      the request is above the workspace cap
         ├── ArenaOutOfMemoryError                  the memory provider could not grow the arena
+        ├── AlignmentWorkspaceError                cuDNN's plan for the operands' alignment needs more than the lease
         └── NoAlgorithmFitsError                   no algorithm can run within the cap and memory
 
     WorkspaceCapWarning (UserWarning)              the cap excluded the fastest algorithm (once per shape)
@@ -25,6 +26,7 @@ import functools
 from ._sizes import format_size
 
 __all__ = [
+    "AlignmentWorkspaceError",
     "ArenaOutOfMemoryError",
     "BackendUnavailableError",
     "CaptureError",
@@ -95,6 +97,13 @@ class WorkspaceCapError(WorkspaceMemoryError):
 
 class ArenaOutOfMemoryError(WorkspaceMemoryError):
     """The memory provider failed while growing a sub-arena; the arena is unchanged and usable."""
+
+
+class AlignmentWorkspaceError(WorkspaceMemoryError):
+    """cuDNN's execution plan for the operands' alignment needs more workspace than its candidate was leased, which
+    is the size of its plan for 16-byte-aligned operands (the graph API; a view at an odd offset runs a plan of
+    its own). A chosen candidate is passed over for the next; one forced with ``algo=`` cannot run these operands
+    (copy them to 16-byte-aligned addresses, or leave ``algo=`` out)."""
 
 
 class NoAlgorithmFitsError(WorkspaceMemoryError):

@@ -32,7 +32,7 @@ from .._config import get_config
 from .._geometry import ITEMSIZES, describe_geometry
 from .._pass import Pass
 from ..arena._capture import CURRENT, refuse_in_capture
-from ..errors import BackendUnavailableError, CudnnApiFallbackWarning, WorkspaceMemoryError
+from ..errors import AlignmentWorkspaceError, BackendUnavailableError, CudnnApiFallbackWarning
 from . import Candidate
 from ._cudnn_backend import CudnnBackend
 from ._graph_plans import (
@@ -57,6 +57,9 @@ class CudnnGraphBackend(CudnnBackend):
 
         self._graph = graph
         self._plans = PlanCache(self._build_graph, self._build_plan, refused=self.retry_errors[:1])
+        # A plan that needs more workspace for a call's operands than its candidate was leased: the next candidate
+        # is tried, and a lone one (algo=) raises it as it is, rather than as "no algorithm fits".
+        self.retry_errors = (*self.retry_errors, AlignmentWorkspaceError)
         self._fallbacks: set[tuple[str, Any]] = set()  # (pass, geometry) already warned about
         self._properties: Any = None
         self._target = ""
@@ -174,7 +177,7 @@ class CudnnGraphBackend(CudnnBackend):
     def workspace_size(self, pass_: str, algo: str, geom: Any) -> int:
         """The workspace of ``algo`` (what ``algo=`` leases): a legacy algorithm's, or an engine configuration's
         plan's for 16-byte-aligned operands. A call whose operands are aligned otherwise runs the plan for their
-        alignment, and refuses to if that one needs more.
+        alignment, and raises :class:`~wsarena.errors.AlignmentWorkspaceError` if that one needs more.
 
         Raises
         ------
@@ -263,14 +266,16 @@ class CudnnGraphBackend(CudnnBackend):
             return
         handle = self._bound_handle(stream, workspace)
         x, w, y = _pointers(pass_, a, b, out)
-        plan = self._plans.plan(
-            handle, pass_, geom, name, (alignment(x), alignment(w), alignment(y)), stream=workspace.cuda_stream
-        )
+        aligned = (alignment(x), alignment(w), alignment(y))
+        plan = self._plans.plan(handle, pass_, geom, name, aligned, stream=workspace.cuda_stream)
         if plan.workspace_bytes > workspace.nbytes:
             # The lease is the candidate's size, which is its plan's for 16-byte-aligned operands; the plan for
-            # these operands' alignment must not write past it. A MemoryError: run_with_fallback moves on.
-            raise WorkspaceMemoryError(
-                f"cuDNN's plan {name} for these operands' alignment needs more workspace than was leased for it",
+            # these operands' alignment must not write past it. One of retry_errors: run_with_fallback moves on.
+            raise AlignmentWorkspaceError(
+                f"cuDNN's plan {name} for operands aligned to {aligned[0]}, {aligned[1]} and {aligned[2]} bytes (x, "
+                f"w, y) needs more workspace than its plan for 16-byte-aligned operands, the size leased for it; "
+                f"forced with algo=, it cannot run these operands: copy them to 16-byte-aligned addresses or leave "
+                f"algo= out",
                 requested=plan.workspace_bytes, held=workspace.nbytes, cap=None,
             )
         plan.execute(handle, x, w, y, workspace.ptr)
