@@ -213,3 +213,43 @@ def test_a_forgotten_descriptor_is_destroyed_quietly_when_collected():
         del t
         gc.collect()
     assert not finalizer.alive
+
+
+def _since_in_headers() -> dict[str, int]:
+    """Attribute name (without ``CUDNN_ATTR_``) -> the version its ``@since cuDNN X.Y.Z`` comment in the headers
+    gives (9.2.0 -> 90200)."""
+    import re
+
+    import cudnn_headers
+
+    text = (cudnn_headers.header_directory() / "cudnn_graph.h").read_text()
+    pattern = re.compile(r"^\s*CUDNN_ATTR_(\w+)\b[^=\n]*=\s*\d+,.*@since cuDNN (\d+)\.(\d+)\.(\d+)", re.MULTILINE)
+    return {m[1]: int(m[2]) * 10000 + int(m[3]) * 100 + int(m[4]) for m in pattern.finditer(text)}
+
+
+def test_attributes_newer_than_cudnn_9_0_that_wsarena_uses_are_gated_by_their_version():
+    """OPTIONAL_ATTRIBUTES holds, with the headers' version, every attribute the graph code sets or reads that
+    cuDNN 9.0 lacks: reading ENGINECFG_WORKSPACE_SIZE (9.2) on 9.0 or 9.1 would fail for every geometry."""
+    import re
+
+    from wsarena.cudnn import backend, graph
+
+    since = _since_in_headers()
+    assert since["ENGINECFG_WORKSPACE_SIZE"] == 90200 and since["TENSOR_UNIQUE_ID"] == 90000  # the pattern reads
+    used = set(re.findall(r"\bA\.([A-Z_0-9]+)\b", Path(graph.__file__).read_text()))
+    assert "ENGINECFG_WORKSPACE_SIZE" in used
+    newer = {name: since[name] for name in used if name in since and since[name] > 90000}
+    assert {a.name: v for a, v in backend.OPTIONAL_ATTRIBUTES.items()} == newer
+
+
+def test_has_attribute_follows_the_loaded_version(monkeypatch):
+    import dataclasses
+
+    from wsarena.cudnn import _library, backend
+
+    real = _library.load_library()
+    assert backend.has_attribute(A.ENGINECFG_WORKSPACE_SIZE) and backend.has_attribute(A.TENSOR_UNIQUE_ID)
+    monkeypatch.setattr(_library, "_loaded", dataclasses.replace(real, version=90100))
+    assert not backend.has_attribute(A.ENGINECFG_WORKSPACE_SIZE) and backend.has_attribute(A.TENSOR_UNIQUE_ID)
+    monkeypatch.setattr(_library, "_loaded", dataclasses.replace(real, version=90200))
+    assert backend.has_attribute(A.ENGINECFG_WORKSPACE_SIZE)

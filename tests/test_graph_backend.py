@@ -7,6 +7,7 @@ GPU runs of the same backend are in test_cudnn_backend.py and test_planner.py, p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import wsarena
 from wsarena import algos, config, configure
 from wsarena._geometry import conv_geometry
 from wsarena._search_env import api_path
-from wsarena.backends import Candidate, device_properties_backend
+from wsarena.backends import Candidate, device_properties_backend, reset_backends
 from wsarena.backends._cudnn_backend import CudnnBackend
 from wsarena.backends._graph_plans import ALIGNED, PlanCache, alignment, conv_problem, is_engine_name
 from wsarena.cli import main
@@ -243,6 +244,45 @@ def test_algo_refuses_an_engine_that_would_compute_float32_in_tf32(finalizing):
             algos.forced(backend, "fwd", geom, name, cap=None)
     kept = backend.candidates("fwd", geom)[0].algo
     assert algos.forced(backend, "fwd", geom, kept, cap=None)[0].algo == kept
+
+
+def _as_cudnn(monkeypatch, version):
+    """Simulate an older cuDNN: the loaded library reports ``version``, and reading an attribute newer than it
+    fails as it would there (BAD_PARAM)."""
+    from wsarena import cudnn
+    from wsarena.cudnn import _library
+    from wsarena.cudnn.backend import OPTIONAL_ATTRIBUTES
+
+    monkeypatch.setattr(_library, "_loaded", dataclasses.replace(_library.load_library(), version=version))
+    real_get = cudnn.BackendDescriptor.get
+
+    def get(self, name, attr_type, count=None):
+        if OPTIONAL_ATTRIBUTES.get(name, 0) > version:
+            raise cudnn.CudnnBadParamError(int(cudnn_status.BAD_PARAM), f"no attribute {name!r} before this version",
+                                           "cudnnBackendGetAttribute")
+        return real_get(self, name, attr_type, count)
+
+    monkeypatch.setattr(cudnn.BackendDescriptor, "get", get)
+
+
+def test_on_cudnn_9_1_the_workspace_sizes_come_from_the_plans(finalizing, monkeypatch):
+    """cuDNN 9.0 and 9.1 have no ENGINECFG_WORKSPACE_SIZE: the sizes come from finalized plans
+    (EXECUTION_PLAN_WORKSPACE_SIZE), and the candidates are a newer cuDNN's, not none (or the legacy API). (Device
+    properties need 9.8: the backend is built before the library turns 9.1, to plan without a GPU.)"""
+    geom = GEOM.with_batch(3)
+    want = {p: device_properties_backend(H100.read_text()).candidates(p, geom) for p in ("fwd", "bwd_filter")}
+    assert all(want.values())
+    reset_backends()
+    backend = device_properties_backend(H100.read_text())
+    _as_cudnn(monkeypatch, 90100)
+    for pass_, cands in want.items():
+        assert backend.candidates(pass_, geom) == cands, pass_
+
+
+def test_on_cudnn_before_9_8_device_properties_are_unavailable(finalizing, monkeypatch):
+    _as_cudnn(monkeypatch, 90700)
+    with pytest.raises(BackendUnavailableError, match=r"cuDNN 9\.7\.0 has no device properties.*9\.8"):
+        device_properties_backend(H100.read_text())
 
 
 def test_a_plan_for_an_h100_from_its_properties(finalizing):

@@ -114,7 +114,7 @@ class CudnnGraphBackend(CudnnBackend):
         size (:meth:`_general`)."""
         graph = self._plans.graph(handle, pass_, geom)
         mode = self._cudnn.BackendHeurMode.MODE_B if get_config().cudnn_heuristic == "b" else None  # None: INSTANT
-        ranked = ranked_names(self._graph, graph, geom.dtype, properties=self._properties, mode=mode)
+        ranked = ranked_names(self._graph, graph, geom.dtype, properties=self._properties, mode=mode, handle=handle)
         sizes = {name: self._workspace(handle, pass_, geom, name) for name in shortlist(ranked)}
         kept = {name: nbytes for name, nbytes in sizes.items() if nbytes is not None}
         general = self._general(handle, pass_, geom, [*kept, *(name for name, _ in ranked)])

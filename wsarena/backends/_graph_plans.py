@@ -120,19 +120,29 @@ def conv_problem(pass_: str, geom: Any, aligned: tuple[int, int, int] = ALIGNED)
 
 
 def ranked_names(
-    graph_api: Any, op_graph: Any, dtype: str, *, properties: Any = None, mode: Any = None
+    graph_api: Any, op_graph: Any, dtype: str, *, properties: Any = None, mode: Any = None, handle: Any = None
 ) -> list[tuple[str, int]]:
     """``(name, workspace bytes)`` of the usable engine configurations for ``op_graph``: the heuristics' (``mode``,
-    default INSTANT) in their order, then those of cuDNN's fallback list not named yet."""
-    from ..cudnn import BackendHeurMode
+    default INSTANT) in their order, then those of cuDNN's fallback list not named yet.
+
+    On cuDNN 9.0 and 9.1 a configuration's size is that of a plan finalized for it (``handle``'s device, or that
+    of ``properties``; :func:`~wsarena.cudnn.graph.config_workspace`), and one whose plan cuDNN refuses is left
+    out.
+    """
+    from ..cudnn import BackendHeurMode, CudnnError, CudnnNotInitializedError
 
     ranked: dict[str, int] = {}
     modes = (BackendHeurMode.MODE_INSTANT if mode is None else mode, BackendHeurMode.MODE_FALLBACK)
     for heur_mode in dict.fromkeys(modes):
         for cfg in graph_api.engine_configs(op_graph, heur_mode, properties=properties):
             name = graph_api.config_name(cfg)
-            if name not in ranked and usable(dtype, *graph_api.engine_notes(cfg)):
-                ranked[name] = graph_api.config_workspace(cfg)
+            if name in ranked or not usable(dtype, *graph_api.engine_notes(cfg)):
+                continue
+            try:
+                ranked[name] = graph_api.config_workspace(cfg, handle=handle, properties=properties)
+            except CudnnError as exc:
+                if isinstance(exc, CudnnNotInitializedError):
+                    raise  # the handle or the library, not this configuration
     return list(ranked.items())
 
 

@@ -33,11 +33,13 @@ from ._enums import (
     ConvolutionMode,
     DataType,
 )
+from ._library import load_library
 from ._owned import Owned
 from ._prototypes import available, call
 from .descriptors import _destroy_quietly
 
-__all__ = ["ATTRIBUTE_CTYPES", "BackendDescriptor", "execute", "plan_workspace_size"]
+__all__ = ["ATTRIBUTE_CTYPES", "OPTIONAL_ATTRIBUTES", "BackendDescriptor", "execute", "has_attribute",
+           "plan_workspace_size"]
 
 T = BackendAttributeType
 
@@ -55,6 +57,26 @@ ATTRIBUTE_CTYPES: dict[BackendAttributeType, Any] = {
     T.CHAR: ctypes.c_char,
 }
 _UNSUPPORTED = frozenset({T.FRACTION})
+
+_A = BackendAttributeName
+# Attributes wsarena uses that an older cuDNN 9 lacks (name -> the first version that has it, the headers' "@since";
+# tests/test_cudnn_backend_api.py checks both ways), as _prototypes.OPTIONAL lists functions: such a cuDNN refuses
+# them, so their users ask has_attribute() first.
+OPTIONAL_ATTRIBUTES: dict[BackendAttributeName, int] = {
+    _A.ENGINECFG_WORKSPACE_SIZE: 90200,
+    _A.ENGINEHEUR_DEVICEPROP: 90800,
+    _A.ENGINE_DEVICEPROP: 90800,
+    _A.EXECUTION_PLAN_DEVICEPROP: 90800,
+    _A.DEVICEPROP_DEVICE_ID: 90800,
+    _A.DEVICEPROP_HANDLE: 90800,
+    _A.DEVICEPROP_JSON_REPRESENTATION: 90800,
+}
+
+
+def has_attribute(name: BackendAttributeName | int) -> bool:
+    """Whether the loaded cuDNN has attribute ``name``: all but those of :data:`OPTIONAL_ATTRIBUTES` newer than it."""
+    since = OPTIONAL_ATTRIBUTES.get(BackendAttributeName(name))
+    return since is None or load_library().version >= since
 
 # Enumeration types read back as members of their IntEnum (a value this wsarena does not know stays an int).
 _ENUM_TYPES: dict[BackendAttributeType, type[IntEnum]] = {

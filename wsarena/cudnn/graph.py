@@ -24,13 +24,14 @@ from collections import OrderedDict
 from typing import Any
 
 from .._pass import Pass
+from ..errors import BackendUnavailableError
 from ._enums import BackendAttributeName, BackendAttributeType, BackendDescriptorType, BackendKnobType, DataType
 from ._enums import BackendHeurMode as Heur
 from ._errors import check
 from ._library import load_library
 from ._prototypes import function
 from ._status_errors import CudnnBadParamError
-from .backend import BackendDescriptor, plan_workspace_size
+from .backend import BackendDescriptor, has_attribute, plan_workspace_size
 
 __all__ = [
     "UIDS", "ConvProblem", "DevicePropertiesError", "Plan", "config_name", "config_workspace", "device_properties", "device_properties_json", "engine_config",
@@ -196,9 +197,21 @@ def engine_config(graph: BackendDescriptor, name: str, *, properties: Any = None
     return cfg.finalize()
 
 
-def config_workspace(cfg: BackendDescriptor) -> int:
-    """Workspace bytes an engine configuration needs (``ENGINECFG_WORKSPACE_SIZE``), without finalizing a plan."""
-    return int(cfg.get_one(A.ENGINECFG_WORKSPACE_SIZE, T.INT64))
+def config_workspace(cfg: BackendDescriptor, *, handle: Any = None, properties: Any = None) -> int:
+    """Workspace bytes an engine configuration needs: its ``ENGINECFG_WORKSPACE_SIZE``, without finalizing a plan.
+
+    cuDNN 9.0 and 9.1 lack that attribute: there, a plan is finalized from ``cfg`` (for ``handle``'s device, or
+    that of ``properties``), its ``EXECUTION_PLAN_WORKSPACE_SIZE`` read, and the plan destroyed.
+
+    Raises
+    ------
+    CudnnError
+        On cuDNN 9.0 and 9.1, cuDNN refused to finalize the plan.
+    """
+    if has_attribute(A.ENGINECFG_WORKSPACE_SIZE):
+        return int(cfg.get_one(A.ENGINECFG_WORKSPACE_SIZE, T.INT64))
+    with _finalized_plan(cfg, handle, properties) as plan:
+        return plan_workspace_size(plan)
 
 
 def engine_notes(cfg: BackendDescriptor) -> tuple[frozenset[int], frozenset[int]]:
@@ -351,7 +364,14 @@ def device_properties(text: str | None = None, *, handle: Any = None, device: in
     ------
     DevicePropertiesError
         cuDNN refused ``text`` (its reason in the message; for a member missing it names none).
+    BackendUnavailableError
+        The loaded cuDNN is older than 9.8, which has no device properties.
     """
+    if not has_attribute(A.DEVICEPROP_JSON_REPRESENTATION):
+        raise BackendUnavailableError(
+            f"cuDNN {load_library().version_string} has no device properties (CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR): "
+            "planning for a GPU from its properties needs cuDNN 9.8 or later"
+        )
     props = BackendDescriptor(D.DEVICEPROP_DESCRIPTOR)
     if text is not None:
         props.set(A.DEVICEPROP_JSON_REPRESENTATION, T.CHAR, text)
