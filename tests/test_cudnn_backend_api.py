@@ -232,12 +232,13 @@ def test_attributes_newer_than_cudnn_9_0_that_wsarena_uses_are_gated_by_their_ve
     cuDNN 9.0 lacks: reading ENGINECFG_WORKSPACE_SIZE (9.2) on 9.0 or 9.1 would fail for every geometry."""
     import re
 
-    from wsarena.cudnn import backend, graph
+    from wsarena.cudnn import backend
 
     since = _since_in_headers()
     assert since["ENGINECFG_WORKSPACE_SIZE"] == 90200 and since["TENSOR_UNIQUE_ID"] == 90000  # the pattern reads
-    used = set(re.findall(r"\bA\.([A-Z_0-9]+)\b", Path(graph.__file__).read_text()))
-    assert "ENGINECFG_WORKSPACE_SIZE" in used
+    used = {name for module in Path(backend.__file__).parent.glob("*.py") if module.name != "_enums.py"
+            for name in re.findall(r"\b(?:A|BackendAttributeName)\.([A-Z_0-9]+)\b", module.read_text())}
+    assert {"ENGINECFG_WORKSPACE_SIZE", "DEVICEPROP_JSON_REPRESENTATION", "EXECUTION_PLAN_WORKSPACE_SIZE"} <= used
     newer = {name: since[name] for name in used if name in since and since[name] > 90000}
     assert {a.name: v for a, v in backend.OPTIONAL_ATTRIBUTES.items()} == newer
 

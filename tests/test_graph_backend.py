@@ -353,6 +353,50 @@ def test_device_properties_cudnn_refuses_are_bad_input(finalizing, capsys, tmp_p
     assert "refuses these device properties" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("member", "value"), [
+    ("multiProcessorCount", 0), ("multiProcessorCount", -3), ("totalGlobalMem", -1), ("deviceVer", 0),
+    ("maxGridSize", [0, 0, 0]), ("maxBlockSize", [1024, 1024]), ("warpSize", 0), ("l2CacheSize", -5),
+    ("deviceVer", 300),  # a compute capability this cuDNN does not plan for: cuDNN's NOT_SUPPORTED_ARCH_MISMATCH
+])
+def test_device_properties_no_gpu_has_blame_the_file_and_the_member(finalizing, capsys, tmp_path, member, value):
+    """Values cuDNN reads without complaint, or with an answer that names neither (zero SMs, a grid of no blocks,
+    compute capability 0.0), ended in "no algorithm" or in plans for no device: a DevicePropertiesError (bad input,
+    exit 2) naming the file and the member instead; nothing is cached for them."""
+    from wsarena.backends import _backends
+    from wsarena.cudnn.graph import DevicePropertiesError
+
+    members = json.loads(H100.read_text())
+    members[member] = value
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(members))
+    before = dict(_backends)
+    layers = wsarena.load_model("resnet50")[:2]
+    with pytest.raises(DevicePropertiesError, match=rf"^{path}: .*\b{member}\b") as caught:
+        wsarena.plan(layers, batch=2, device_properties=path)
+    assert (caught.value.source, caught.value.member) == (str(path), member) and isinstance(caught.value, ValueError)
+    with pytest.raises(DevicePropertiesError, match=rf"^(device properties member|cuDNN).*\b{member}\b"):
+        wsarena.plan(layers, batch=2, device_properties=json.dumps(members))  # JSON text: no file to name
+    assert _backends == before
+    assert main(["report", "resnet50", "--device-properties", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and member in err and err.count("\n") == 1
+
+
+def test_device_properties_errors_pickle_with_their_file_and_member():
+    import pickle
+
+    from wsarena.cudnn._deviceprops import DevicePropertiesError, check_members
+
+    with pytest.raises(DevicePropertiesError) as caught:
+        check_members(json.dumps({"multiProcessorCount": 0}), "gpu.json")
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert (type(again), str(again), again.source, again.member) == (
+        DevicePropertiesError, str(caught.value), "gpu.json", "multiProcessorCount")
+    check_members(H100.read_text())  # a real GPU's pass
+    check_members("not json")  # cuDNN's to refuse, with its own reason
+    check_members(json.dumps({"warpSize": "32", "maxGridSize": "x"}))  # types too
+
+
 def test_the_device_is_named_as_cudnn_reads_the_properties(finalizing):
     """JSON with a member twice: cuDNN reads the first, Python's json the last; the label is the device cuDNN
     plans for."""

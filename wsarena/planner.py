@@ -238,6 +238,7 @@ def plan(
     layers = checked_layers(layers)
     if search is not None and search not in ALGO_SEARCHES:
         raise ValueError(f"search must be one of {ALGO_SEARCHES}, not {search!r}")
+    source = None  # the file device_properties came from, which its errors name
     if device_properties is not None:
         if backend not in (None, "cudnn"):
             raise ValueError(f"device_properties plans for a cuDNN GPU: backend must be 'cudnn', not {backend!r}")
@@ -245,8 +246,9 @@ def plan(
             raise ValueError("device_properties plans without the GPU: it cannot time algorithms (search heuristic)")
         backend, search = "cudnn", "heuristic"
         text = os.fspath(device_properties)
+        source = None if text.lstrip().startswith("{") else text
         try:
-            device_properties = text if text.lstrip().startswith("{") else Path(text).read_text(encoding="utf-8")
+            device_properties = text if source is None else Path(text).read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise ValueError(f"{text}: device properties are JSON text, but this file is not UTF-8 ({exc})") from None
     if max_slowdown is not None:
@@ -263,13 +265,13 @@ def plan(
     # invalid environment variable matters only for a setting left to it.
     with config(**_given(algo_search=search, backend=backend, cap_workspace=cap_workspace)) as cfg:
         p = _plan(layers, cfg, batch=batch, dtype=dtype, layout=layout, passes=passes, streams=streams,
-                  model=model, progress=progress, device_properties=device_properties)
+                  model=model, progress=progress, device_properties=device_properties, properties_source=source)
     return dataclasses.replace(p, skipped=skipped) if skipped else p
 
 
 def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str, passes: Sequence[str],
           streams: int | Sequence[int], model: str, progress: Callable[[int, int, str], None] | None,
-          device_properties: str | None = None) -> Plan:
+          device_properties: str | None = None, properties_source: str | None = None) -> Plan:
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, not {batch!r}")
     if dtype not in DTYPES:
@@ -280,7 +282,7 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
         raise ValueError(f"passes must be distinct names from {', '.join(PASSES)}, not {passes!r}")
     shared, assignment = _streams(streams, len(layers))
     if device_properties is not None:
-        name, impl = "cudnn", device_properties_backend(device_properties)
+        name, impl = "cudnn", device_properties_backend(device_properties, properties_source)
     else:
         name = resolve_backend_name(requested)
         impl = get_backend(name)

@@ -177,10 +177,11 @@ def get_backend(name: str, api: str | None = None) -> Backend:
         return _backends[key]
 
 
-def device_properties_backend(properties_json: str) -> Backend:
+def device_properties_backend(properties_json: str, source: str | None = None) -> Backend:
     """A cudnn backend on cuDNN's graph API that plans for the GPU these device properties describe (JSON that
     cuDNN serialised on that GPU, ``bench/gpu_check.py --capture``), on any machine: it ranks engine
-    configurations and gives their workspace sizes, and runs nothing. Cached per JSON text.
+    configurations and gives their workspace sizes, and runs nothing. Cached per JSON text. ``source``: the file
+    the JSON came from, which the errors name.
 
     Raises
     ------
@@ -188,8 +189,8 @@ def device_properties_backend(properties_json: str) -> Backend:
         cuDNN cannot finalize descriptors here: its engine libraries need the NVIDIA driver library
         ``libcuda.so.1``, even without a GPU (docs/deviceless.md).
     wsarena.cudnn.graph.DevicePropertiesError
-        cuDNN refused the properties (not JSON, or not the members this cuDNN version reads): a
-        ``CudnnBadParamError`` and a ``ValueError``.
+        The properties describe no GPU this cuDNN plans for (not JSON, not the members this cuDNN version reads,
+        a value no GPU has, naming the member): a ``CudnnBadParamError`` and a ``ValueError``.
     """
     key = "cudnn:properties:" + properties_json
     backend = _backends.get(key)
@@ -199,7 +200,7 @@ def device_properties_backend(properties_json: str) -> Backend:
     from ._cudnn_graph import CudnnGraphBackend
 
     try:
-        made = CudnnGraphBackend(properties_json)
+        made = CudnnGraphBackend(properties_json, source)
     except cudnn.CudnnSublibraryLoadingFailedError as exc:
         raise BackendUnavailableError(
             "planning against device properties needs cuDNN's engine libraries, and one of them links the NVIDIA "

@@ -14,16 +14,15 @@ A geometry for which no engine configuration is usable runs through the legacy A
 :class:`~wsarena.errors.CudnnApiFallbackWarning`; its candidates then carry the legacy algorithm names, and every
 method here hands a legacy name to the legacy backend.
 
-Built with device properties instead (``CudnnGraphBackend(properties_json)``, from JSON captured on a GPU), the
-backend plans for that GPU on any machine: operation graphs, heuristics and plans need no device then, so it
-answers :meth:`candidates` and :meth:`workspace_size` (what ``wsarena report --device-properties`` asks), and
-refuses to run or time anything.
+Built with device properties instead (``CudnnGraphBackend(properties_json, source)``: JSON captured on a GPU, and
+the file it came from, for the errors), the backend plans for that GPU on any machine: operation graphs,
+heuristics and plans need no device then, so it answers :meth:`candidates` and :meth:`workspace_size` (what
+``wsarena report --device-properties`` asks), and refuses to run or time anything.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,9 +50,10 @@ _TIMED_RUNS = 3  # executions timed per candidate in an exhaustive search (the f
 class CudnnGraphBackend(CudnnBackend):
     api = "graph"
 
-    def __init__(self, properties_json: str | None = None) -> None:
+    def __init__(self, properties_json: str | None = None, source: str | None = None) -> None:
         super().__init__()
         from ..cudnn import graph
+        from ..cudnn._deviceprops import members
 
         self._graph = graph
         self._plans = PlanCache(self._build_graph, self._build_plan, refused=self.retry_errors[:1])
@@ -64,10 +64,8 @@ class CudnnGraphBackend(CudnnBackend):
         self._properties: Any = None
         self._target = ""
         if properties_json is not None:
-            self._properties = graph.device_properties(properties_json)
-            # The name cuDNN reads: of a member given twice, the first (json.loads would keep the last)
-            first = json.loads(properties_json, object_pairs_hook=lambda pairs: dict(reversed(pairs)))
-            name = first.get("deviceName", "a GPU")
+            self._properties = graph.device_properties(properties_json, source=source)
+            name = (members(properties_json) or {}).get("deviceName", "a GPU")  # as cuDNN reads it
             digest = hashlib.sha256(properties_json.encode()).hexdigest()[:12]
             self._target = f"{name} (device properties {digest})"
         self._cudnn.handle.on_close_all(self._plans.clear)  # plans go before the handles they were built with

@@ -38,7 +38,7 @@ from ._owned import Owned
 from ._prototypes import available, call
 from .descriptors import _destroy_quietly
 
-__all__ = ["ATTRIBUTE_CTYPES", "OPTIONAL_ATTRIBUTES", "BackendDescriptor", "execute", "has_attribute",
+__all__ = ["ATTRIBUTE_CTYPES", "BackendDescriptor", "OPTIONAL_ATTRIBUTES", "execute", "has_attribute",
            "plan_workspace_size"]
 
 T = BackendAttributeType

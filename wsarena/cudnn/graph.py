@@ -24,18 +24,17 @@ from collections import OrderedDict
 from typing import Any
 
 from .._pass import Pass
-from ..errors import BackendUnavailableError
+from ._deviceprops import DevicePropertiesError, device_properties, device_properties_json
 from ._enums import BackendAttributeName, BackendAttributeType, BackendDescriptorType, BackendKnobType, DataType
 from ._enums import BackendHeurMode as Heur
 from ._errors import check
-from ._library import load_library
 from ._prototypes import function
-from ._status_errors import CudnnBadParamError
 from .backend import BackendDescriptor, has_attribute, plan_workspace_size
 
 __all__ = [
-    "UIDS", "ConvProblem", "DevicePropertiesError", "Plan", "config_name", "config_workspace", "device_properties", "device_properties_json", "engine_config",
-    "engine_configs", "engine_notes", "execution_plan", "operation_graph", "parse_name",
+    "UIDS", "ConvProblem", "DevicePropertiesError", "Plan", "config_name", "config_workspace", "device_properties",
+    "device_properties_json", "engine_config", "engine_configs", "engine_notes", "execution_plan", "operation_graph",
+    "parse_name",
 ]
 
 A, T, D = BackendAttributeName, BackendAttributeType, BackendDescriptorType
@@ -349,50 +348,3 @@ def _variant_pack(key: tuple[int, int, int, int]) -> BackendDescriptor:
     pack.set(A.VARIANT_PACK_UNIQUE_IDS, T.INT64, list(_UID_ARRAY))
     pack.set(A.VARIANT_PACK_DATA_POINTERS, T.VOID_PTR, [x, w, y])
     return pack.set(A.VARIANT_PACK_WORKSPACE, T.VOID_PTR, workspace).finalize()
-
-
-class DevicePropertiesError(CudnnBadParamError, ValueError):
-    """cuDNN refused device properties given as JSON: not JSON, or not the members (names and types) this cuDNN
-    version reads. Bad input, hence also a ``ValueError``."""
-
-
-def device_properties(text: str | None = None, *, handle: Any = None, device: int | None = None) -> BackendDescriptor:
-    """A finalized ``DEVICEPROP`` descriptor: from JSON ``text`` (no device needed), or from a GPU (``handle`` or
-    ``device``), whose JSON :func:`device_properties_json` then gives.
-
-    Raises
-    ------
-    DevicePropertiesError
-        cuDNN refused ``text`` (its reason in the message; for a member missing it names none).
-    BackendUnavailableError
-        The loaded cuDNN is older than 9.8, which has no device properties.
-    """
-    if not has_attribute(A.DEVICEPROP_JSON_REPRESENTATION):
-        raise BackendUnavailableError(
-            f"cuDNN {load_library().version_string} has no device properties (CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR): "
-            "planning for a GPU from its properties needs cuDNN 9.8 or later"
-        )
-    props = BackendDescriptor(D.DEVICEPROP_DESCRIPTOR)
-    if text is not None:
-        props.set(A.DEVICEPROP_JSON_REPRESENTATION, T.CHAR, text)
-    if handle is not None:
-        props.set(A.DEVICEPROP_HANDLE, T.HANDLE, handle)
-    if device is not None:
-        props.set(A.DEVICEPROP_DEVICE_ID, T.INT32, device)
-    try:
-        return props.finalize()
-    except CudnnBadParamError as exc:
-        if text is None:
-            raise
-        raise DevicePropertiesError(
-            exc.status,
-            f"cuDNN {load_library().version_string} refuses these device properties: {exc}. They must be JSON with "
-            "the members this cuDNN version reads, as it serialises them on the GPU (bench/gpu_check.py captures "
-            "them; docs/deviceless.md)",
-            exc.func_name, exc.context,
-        ) from None
-
-
-def device_properties_json(props: BackendDescriptor) -> str:
-    """The JSON cuDNN serialises finalized device properties to (to plan for that GPU elsewhere)."""
-    return props.get_text(A.DEVICEPROP_JSON_REPRESENTATION)

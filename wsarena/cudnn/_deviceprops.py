@@ -1,0 +1,165 @@
+"""Device properties (``CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR``, cuDNN 9.8+): a GPU's, or one described in JSON.
+
+cuDNN reads the JSON's members by name and type (docs/deviceless.md), and refuses a member missing or of another
+type. Values it then accepts that no GPU has (no SMs, a grid of no blocks, compute capability 0.0) end far from the
+file: in no engine for any convolution ("no algorithm"), or in plans sized for no device. wsarena refuses those
+first (:func:`check_members`), naming the file and the member; a member it does not check is left to cuDNN.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..errors import BackendUnavailableError
+from ._enums import BackendAttributeName as A
+from ._enums import BackendAttributeType as T
+from ._enums import BackendDescriptorType as D
+from ._enums import Status
+from ._library import load_library
+from ._status_errors import CudnnBadParamError, CudnnNotSupportedArchMismatchError
+from .backend import BackendDescriptor, has_attribute
+
+__all__ = ["DevicePropertiesError", "check_members", "device_properties", "device_properties_json", "members"]
+
+# Counts and sizes every GPU has at least one of: zero or less describes no device.
+_POSITIVE = (
+    "multiProcessorCount", "warpSize", "maxThreadsPerBlock", "maxThreadsPerSM", "regsPerBlock", "maxRegistersPerSM",
+    "maxCtasPerSM", "maxSharedMemoryPerBlock", "maxSharedMemoryPerBlockOptin", "totalGlobalMem",
+)
+# Sizes, rates, versions, ids and flags that are never negative (a virtual GPU may report some as 0).
+_NON_NEGATIVE = (
+    "reservedSharedMemoryPerBlock", "oversizedSharedMemoryPerBlock", "l2CacheSize", "smClockRateKHz",
+    "memClockRateKHz", "memoryBusWidth", "driverVer", "pciDeviceId", "cudaDeviceId", "isTccDriver",
+    "supportCoopLaunch", "smCountOrigin",
+)
+_TRIPLES = ("maxGridSize", "maxBlockSize")  # x, y, z: each at least 1
+# deviceVer is the compute capability times 100 (900 for 9.0): from 1.0 to below 100.0.
+_DEVICE_VER = (100, 10_000)
+
+
+class DevicePropertiesError(CudnnBadParamError, ValueError):
+    """Device properties given as JSON that describe no GPU this cuDNN can plan for: not JSON, not the members
+    (names and types) this cuDNN version reads, values no GPU has, or a GPU it does not support. Bad input, hence
+    also a ``ValueError``.
+
+    Attributes
+    ----------
+    source : str or None
+        The file the JSON came from, when known (the message starts with it).
+    member : str or None
+        The member at fault, when known (cuDNN's own refusals name it, if at all, only in its text).
+    """
+
+    source: str | None = None
+    member: str | None = None
+
+    def __reduce__(self):  # keeps source and member through pickling
+        return (*super().__reduce__(), self.__dict__)
+
+
+def _error(message: str, source: str | None, member: str | None, status: int = Status.BAD_PARAM,
+           func_name: str | None = None, context: str = "") -> DevicePropertiesError:
+    exc = DevicePropertiesError(int(status), f"{source}: {message}" if source else message, func_name, context)
+    exc.source, exc.member = source, member
+    return exc
+
+
+def members(text: str) -> dict[str, Any] | None:
+    """The JSON object ``text`` as cuDNN reads it (of a member given twice, the first: ``json.loads`` would keep the
+    last); ``None`` if it is no JSON object."""
+    try:
+        value = json.loads(text, object_pairs_hook=lambda pairs: dict(reversed(pairs)))
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_members(text: str, source: str | None = None) -> None:
+    """Refuse device properties whose values no GPU has, naming ``source`` (the file) and the member.
+
+    Only integer values of the members named in this module are checked: what is no JSON object, a member missing
+    or of another type, is cuDNN's to refuse (its refusal names its version's schema).
+
+    Raises
+    ------
+    DevicePropertiesError
+        A member's value describes no GPU.
+    """
+    found = members(text)
+    if found is None:
+        return
+
+    def refuse(member: str, why: str) -> DevicePropertiesError:
+        return _error(f"device properties member {member} is {found[member]!r}: {why}; these properties describe no "
+                      "GPU (capture them on the GPU: bench/gpu_check.py)", source, member)
+
+    for member in _POSITIVE:
+        if _integer(found.get(member)) and found[member] < 1:
+            raise refuse(member, "a GPU has at least 1")
+    for member in _NON_NEGATIVE:
+        if _integer(found.get(member)) and found[member] < 0:
+            raise refuse(member, "it is never negative")
+    for member in _TRIPLES:
+        value = found.get(member)
+        if isinstance(value, list) and all(map(_integer, value)) and (len(value) != 3 or min(value) < 1):
+            raise refuse(member, "a GPU has 3 dimensions (x, y, z) of at least 1 each")
+    ver: Any = found.get("deviceVer")
+    if _integer(ver) and not _DEVICE_VER[0] <= ver < _DEVICE_VER[1]:
+        raise refuse("deviceVer", "it is the compute capability times 100, 900 for 9.0")
+
+
+def device_properties(
+    text: str | None = None, *, handle: Any = None, device: int | None = None, source: str | None = None
+) -> BackendDescriptor:
+    """A finalized ``DEVICEPROP`` descriptor: from JSON ``text`` (no device needed), or from a GPU (``handle`` or
+    ``device``), whose JSON :func:`device_properties_json` then gives. ``source``: the file ``text`` came from, for
+    the errors.
+
+    Raises
+    ------
+    DevicePropertiesError
+        ``text`` describes no GPU this cuDNN plans for: a value no GPU has (:func:`check_members`, naming the
+        member), or cuDNN refused it (its reason in the message; for a member missing it names none), or cuDNN
+        does not support the GPU it describes (``NOT_SUPPORTED_ARCH_MISMATCH``).
+    BackendUnavailableError
+        The loaded cuDNN is older than 9.8, which has no device properties.
+    """
+    if not has_attribute(A.DEVICEPROP_JSON_REPRESENTATION):
+        raise BackendUnavailableError(
+            f"cuDNN {load_library().version_string} has no device properties (CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR): "
+            "planning for a GPU from its properties needs cuDNN 9.8 or later"
+        )
+    if text is not None:
+        check_members(text, source)
+    props = BackendDescriptor(D.DEVICEPROP_DESCRIPTOR)
+    if text is not None:
+        props.set(A.DEVICEPROP_JSON_REPRESENTATION, T.CHAR, text)
+    if handle is not None:
+        props.set(A.DEVICEPROP_HANDLE, T.HANDLE, handle)
+    if device is not None:
+        props.set(A.DEVICEPROP_DEVICE_ID, T.INT32, device)
+    try:
+        return props.finalize()
+    except (CudnnBadParamError, CudnnNotSupportedArchMismatchError) as exc:
+        if text is None:
+            raise
+        version = load_library().version_string
+        if isinstance(exc, CudnnNotSupportedArchMismatchError):
+            ver = (members(text) or {}).get("deviceVer")
+            message = (f"cuDNN {version} does not support the GPU these device properties describe (deviceVer "
+                       f"{ver!r}, its compute capability times 100): {exc}")
+            raise _error(message, source, "deviceVer", exc.status, exc.func_name, exc.context) from None
+        message = (f"cuDNN {version} refuses these device properties: {exc}. They must be JSON with the members "
+                   "this cuDNN version reads, as it serialises them on the GPU (bench/gpu_check.py captures them; "
+                   "docs/deviceless.md)")
+        raise _error(message, source, None, exc.status, exc.func_name, exc.context) from None
+
+
+def device_properties_json(props: BackendDescriptor) -> str:
+    """The JSON cuDNN serialises finalized device properties to (to plan for that GPU elsewhere)."""
+    return props.get_text(A.DEVICEPROP_JSON_REPRESENTATION)
