@@ -109,6 +109,8 @@ def test_a_forced_engine_finalizes_no_plan_during_capture(monkeypatch, captured)
     from wsarena.backends._graph_plans import PlanCache
 
     class Plan:
+        numerical_notes = frozenset()
+
         def __init__(self, name):
             self.name, self.closed, self.workspace_bytes = name, False, 4096
 
