@@ -635,3 +635,16 @@ def test_writes_made_without_a_limit_count_when_one_is_set_again(cache, limit):
     wsarena.configure(search_cache_max_size=limit)
     put(120)
     assert entries_size(cache) <= limit
+
+
+def test_one_folder_reached_through_a_symlink_counts_once(tmp_path, limit):
+    """The size the process knows is the folder's, whatever path leads to it: counted once per path, writes through
+    a link and through the real path would each count about half, and the folder would grow to twice the limit."""
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    for k in range(1, 201):
+        wsarena.configure(cache_dir=real if k % 2 else link)
+        put(k)
+        assert entries_size(real) <= limit, k

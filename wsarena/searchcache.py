@@ -31,7 +31,8 @@ passes the limit. With several processes writing at once, the folder can therefo
 wrote since this one last listed it, until one of them trims. Reads never list the folder. Trimming races with the
 other processes harmlessly: an entry they removed first is gone either way, a write in progress is a temporary file
 that no trim touches (a temporary file an hour old is a killed writer's, and is removed), and a reader that finds
-its entry gone searches again. A trim that cannot remove files gives one warning.
+its entry gone searches again. A trim that cannot remove files gives one warning. The size is kept per folder as
+its resolved path names it, so that a folder reached through a symbolic link is counted once.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ _Measure = Callable[[], tuple[list[Candidate], list[Candidate]]]
 _warned: set[tuple[str, str]] = set()
 _warn_lock = _forksafe.lock()  # guards _warned
 # Per search folder: its entries' size when this process last listed it, plus what the process wrote since.
-_known_size: dict[str, int] = {}
+_known_size: dict[str, int] = {}  # keyed by the resolved path (_same_folder)
 _size_lock = _forksafe.lock()  # guards _known_size (the listing itself runs without it)
 # Searches of this process: answered from the cache ("read") or timed ("timed"). A list of two ints: += on an item
 # is not atomic across threads, and a miscount under a race costs only a figure of a report.
@@ -139,11 +140,19 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def _same_folder(folder: Path) -> str:
+    """The key of ``folder`` in this process's memos: its resolved path, so that a folder reached through a symbolic
+    link, or through two of them, is one folder (counted twice, its size would pass the limit; warned twice, it
+    would print its line twice)."""
+    return os.path.realpath(folder)
+
+
 def _warn_once(kind: str, where: Path, message: str) -> None:
+    seen = (kind, _same_folder(where))
     with _warn_lock:
-        if (kind, str(where)) in _warned:
+        if seen in _warned:
             return
-        _warned.add((kind, str(where)))
+        _warned.add(seen)
     _callsite.warn(message, SearchCacheWarning)
 
 
@@ -265,7 +274,7 @@ def _written(folder: Path, nbytes: int) -> None:
     never late.
     """
     limit = get_config().search_cache_max_size
-    where = str(folder)
+    where = _same_folder(folder)
     with _size_lock:
         known = _known_size.get(where)
         if known is not None:  # counted with no limit too: one may be set again later in the process
