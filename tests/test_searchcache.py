@@ -648,3 +648,20 @@ def test_one_folder_reached_through_a_symlink_counts_once(tmp_path, limit):
         wsarena.configure(cache_dir=real if k % 2 else link)
         put(k)
         assert entries_size(real) <= limit, k
+
+
+def test_a_dangling_symlink_in_the_folder_is_removed_by_the_trim_and_by_clear(cache, limit):
+    """A link whose target is gone is no entry, and nothing reads it or replaces it: left alone, it would stay in
+    the folder for good."""
+    put(1)
+    folder = cache / "search"
+    for name in ("dangling.json", ".tmp-dangling.json"):
+        (folder / name).symlink_to(cache / "gone" / name)
+    algos.cache_clear()
+    searchcache._known_size.clear()  # a fresh process: its first write lists the folder
+    put(2)
+    assert sorted(p.name for p in folder.iterdir() if p.is_symlink()) == []
+    (folder / "dangling.json").symlink_to(cache / "gone.json")
+    cleared = searchcache.clear()
+    assert cleared["removed"] == 3 and list(folder.iterdir()) == []
+

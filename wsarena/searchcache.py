@@ -32,7 +32,8 @@ wrote since this one last listed it, until one of them trims. Reads never list t
 other processes harmlessly: an entry they removed first is gone either way, a write in progress is a temporary file
 that no trim touches (a temporary file an hour old is a killed writer's, and is removed), and a reader that finds
 its entry gone searches again. A trim that cannot remove files gives one warning. The size is kept per folder as
-its resolved path names it, so that a folder reached through a symbolic link is counted once.
+its resolved path names it, so that a folder reached through a symbolic link is counted once. A dangling symbolic
+link in the folder is removed by the listing and by :func:`clear`: nothing else would ever remove it.
 """
 
 from __future__ import annotations
@@ -314,7 +315,11 @@ def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
                     if now - st.st_mtime > _STALE_TEMP:
                         os.unlink(item.path)
                     continue
-            except FileNotFoundError:  # renamed or removed by another process meanwhile
+            except FileNotFoundError:  # renamed or removed by another process meanwhile, or a dangling link
+                try:
+                    _unlink_dangling(item.path)
+                except OSError as exc:
+                    failure = failure or exc
                 continue
             except OSError as exc:
                 failure = failure or exc
@@ -337,6 +342,21 @@ def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
             continue
         total -= nbytes
     return total, failure
+
+
+def _unlink_dangling(path: str | Path) -> int | None:
+    """Remove ``path`` if it is a symbolic link whose target is gone, and return the disk space it took; ``None``
+    when it is not one, or is gone. Such a link is no entry and no write in progress (writers make plain files),
+    and nothing else would ever remove it: a lookup finds no file behind it, and a write replaces it only where its
+    name is that of the call written. ``OSError`` when it cannot be removed."""
+    try:
+        st = os.lstat(path)
+        if not os.path.islink(path) or os.path.exists(path):
+            return None
+        os.unlink(path)
+    except FileNotFoundError:  # another process removed it first
+        return None
+    return _disk_size(st)
 
 
 def _entry_files(root: Path) -> list[Path]:
@@ -411,8 +431,11 @@ def clear() -> dict[str, Any]:
                 continue  # a write in progress
             size = _disk_size(st)
             path.unlink()
-        except FileNotFoundError:  # another process removed or renamed it meanwhile
-            continue
+        except FileNotFoundError:  # another process removed or renamed it meanwhile, or a dangling link
+            freed = _unlink_dangling(path)
+            if freed is None:
+                continue
+            size = freed
         if not path.name.startswith(_TEMP_PREFIX):
             out["removed"] += 1
         out["freed_bytes"] += size
