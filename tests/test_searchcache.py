@@ -338,8 +338,8 @@ def test_info_and_clear(cache):
 
 
 def test_info_and_clear_when_off():
-    assert searchcache.info() == {"directory": None, "enabled": False, "entries": 0, "size_bytes": 0,
-                                  "max_size_bytes": 64 << 20, "unreadable": 0, "environments": []}
+    assert searchcache.info() == {"directory": None, "enabled": False, "source": "environment", "entries": 0,
+                                  "size_bytes": 0, "max_size_bytes": 64 << 20, "unreadable": 0, "environments": []}
     assert searchcache.clear() == {"directory": None, "removed": 0, "freed_bytes": 0}
 
 
@@ -665,3 +665,27 @@ def test_a_dangling_symlink_in_the_folder_is_removed_by_the_trim_and_by_clear(ca
     cleared = searchcache.clear()
     assert cleared["removed"] == 3 and list(folder.iterdir()) == []
 
+
+def test_info_names_the_setting_in_force(cache, monkeypatch, tmp_path):
+    """``wsarena cache info`` says where its folder comes from: a folder configure() or config() set in the process
+    is not the environment variable's, nor is a cache they turned off."""
+    from wsarena._tune_cli import cache_output
+
+    assert cache_output("info", "text").splitlines()[0] == f"search cache: {cache} (from WSARENA_CACHE_DIR)"
+    mine = tmp_path / "mine"
+    wsarena.configure(cache_dir=mine)
+    assert cache_output("info", "text").splitlines()[0] == f"search cache: {mine} (from configure())"
+    with wsarena.config(cache_dir=tmp_path / "block"):
+        line = cache_output("info", "text").splitlines()[0]
+        assert line == f"search cache: {tmp_path / 'block'} (from config())"
+    assert json.loads(cache_output("info", "json"))["source"] == "configure"
+    wsarena.configure(cache_dir=None)
+    assert cache_output("info", "text") == "the search cache is off (set by configure())\n"
+    monkeypatch.delenv("WSARENA_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    wsarena._config._reset()
+    line = cache_output("info", "text").splitlines()[0]
+    assert line == f"search cache: {tmp_path / 'xdg' / 'wsarena'} (from the user cache folder)"
+    monkeypatch.setenv("WSARENA_CACHE_DIR", "off")
+    wsarena._config._reset()
+    assert cache_output("info", "text") == "the search cache is off (WSARENA_CACHE_DIR=off)\n"

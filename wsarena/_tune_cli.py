@@ -7,7 +7,6 @@ import csv
 import io
 import json
 import math
-import os
 import re
 from typing import Any
 
@@ -139,6 +138,11 @@ def tune_output(t: Any, fmt: str) -> str:
     return render_curve(t)
 
 
+# How the text of `wsarena cache info` names where the folder comes from (searchcache.source()); the others are
+# a function's name: configure(), config().
+_SOURCES = {"environment": "WSARENA_CACHE_DIR", "default": "the user cache folder"}
+
+
 def cache_output(action: str, fmt: str) -> str:
     """``wsarena cache info`` or ``clear``, as ``text`` or ``json``."""
     from . import searchcache
@@ -146,9 +150,11 @@ def cache_output(action: str, fmt: str) -> str:
     data = searchcache.info() if action == "info" else searchcache.clear()
     if fmt == "json":
         return json.dumps(data, indent=2) + "\n"
+    source = searchcache.source()
     if data["directory"] is None:
-        return f"the search cache is off ({searchcache.ENV_VAR}=off)\n"
-    where = f"{searchcache.ENV_VAR}" if os.environ.get(searchcache.ENV_VAR, "").strip() else "the user cache folder"
+        off = f"{searchcache.ENV_VAR}=off" if source == "environment" else f"set by {source}()"
+        return f"the search cache is off ({off})\n"
+    where = _SOURCES.get(source, f"{source}()")
     if action == "clear":
         return f"removed {data['removed']} entries ({format_size(data['freed_bytes'])}) from {data['directory']}\n"
     cap = data["max_size_bytes"]

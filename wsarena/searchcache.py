@@ -55,7 +55,7 @@ from ._sizes import format_size
 from .backends import Candidate
 from .errors import SearchCacheWarning
 
-__all__ = ["ENV_VAR", "cache_dir", "clear", "counts", "info", "search"]
+__all__ = ["ENV_VAR", "cache_dir", "clear", "counts", "info", "search", "source"]
 
 ENV_VAR = "WSARENA_CACHE_DIR"
 _FORMAT = "wsarena-search-cache"
@@ -82,6 +82,22 @@ _counts = [0, 0]
 def cache_dir() -> Path | None:
     """The cache directory in force now (the ``cache_dir`` setting), or ``None`` when the cache is off."""
     return get_config().cache_dir
+
+
+def source() -> str:
+    """Which setting gives the folder in force (or turns the cache off): ``"config"`` (a :func:`~wsarena.config`
+    block), ``"configure"`` (:func:`~wsarena.configure`), ``"environment"`` (``WSARENA_CACHE_DIR``) or
+    ``"default"`` (the user's cache folder). A setting that gives the same folder as the one below it is not told
+    apart from it: either names the folder in force."""
+    from ._config import _base_state, _from_env, overridden
+
+    base = _base_state()[0]
+    block = overridden()
+    if block is not None and block.cache_dir != base.cache_dir:
+        return "config"
+    if base.cache_dir != _from_env()[0].cache_dir:
+        return "configure"
+    return "environment" if os.environ.get(ENV_VAR, "").strip() else "default"
 
 
 def search(
@@ -371,15 +387,16 @@ def _entry_files(root: Path) -> list[Path]:
 
 
 def info() -> dict[str, Any]:
-    """What ``wsarena cache info`` shows: the directory, the entries and their size (``size_bytes``: on disk, as the
-    limit counts it), the size they are kept within (``None``: no limit), and per environment (backend, device, wsarena version, API path) how many entries
+    """What ``wsarena cache info`` shows: the directory, the setting it comes from (``source``, as :func:`source`
+    names it), the entries and their size (``size_bytes``: on disk, as the limit counts it), the size they are kept
+    within (``None``: no limit), and per environment (backend, device, wsarena version, API path) how many entries
     it has.
 
     Raises ``OSError`` when the directory cannot be listed.
     """
     root = cache_dir()
     out: dict[str, Any] = {"directory": None if root is None else str(root), "enabled": root is not None,
-                           "entries": 0, "size_bytes": 0, "max_size_bytes": get_config().search_cache_max_size,
+                           "source": source(), "entries": 0, "size_bytes": 0, "max_size_bytes": get_config().search_cache_max_size,
                            "unreadable": 0, "environments": []}
     if root is None:
         return out
