@@ -313,3 +313,20 @@ def test_plot_without_matplotlib_fails_before_searching(capsys, model, monkeypat
     code, out, err = run_main(capsys, command[0], model, "--backend", "cpu", *command[1:],
                               "--plot", str(tmp_path / "p.png"))
     assert (code, out) == (3, "") and err == "wsarena: error: --plot needs matplotlib: pip install 'wsarena[plot]'\n"
+
+
+@pytest.mark.parametrize(("variable", "argv"), [
+    ("WSARENA_BACKEND", ["tune", "MODEL", "--backend", "cpu"]),
+    ("WSARENA_CAP_WORKSPACE", ["tune", "MODEL", "--backend", "cpu"]),
+    ("WSARENA_ALGO_SEARCH", ["tune", "MODEL", "--backend", "cpu"]),
+    ("WSARENA_CAP_WORKSPACE", ["report", "MODEL", "--backend", "cpu", "--max-slowdown", "2%"]),
+    ("WSARENA_ALGO_SEARCH", ["report", "MODEL", "--backend", "cpu", "--max-slowdown", "2%"]),
+])
+def test_an_invalid_variable_of_a_setting_the_command_decides_does_not_matter(capsys, model, monkeypatch, variable,
+                                                                             argv):
+    """A flag replaces its setting's variable, as the README says of every setting; tune and --max-slowdown decide
+    the cap and the search themselves, so their variables are replaced as well, not an error."""
+    monkeypatch.setenv(variable, "bogus")
+    wsarena._config._reset()
+    code, out, err = run_main(capsys, *[model if a == "MODEL" else a for a in argv])
+    assert (code, err) == (0, "") and out

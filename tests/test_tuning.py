@@ -271,3 +271,13 @@ def test_a_curve_of_one_cap_plots_without_a_warning(monkeypatch, tmp_path):
         warnings.simplefilter("error")
         plot_curve(t, str(tmp_path / "curve.png"))
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_backend_given_replaces_an_invalid_variable(monkeypatch):
+    """As plan() does: a setting given as an argument needs no valid environment variable."""
+    monkeypatch.setenv("WSARENA_BACKEND", "bogus")
+    wsarena._config._reset()
+    layers = [wsarena.ConvLayer("c", (1, 3, 8, 8), (4, 3, 3, 3), padding=(1, 1))]
+    assert wsarena.tune(layers, backend="cpu").uncapped.backend == "cpu"
+    with pytest.raises(ValueError, match="WSARENA_BACKEND"):
+        wsarena.tune(layers)

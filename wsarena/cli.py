@@ -317,10 +317,12 @@ def _report(args: argparse.Namespace) -> int:
             raise UsageError("--device-properties plans through cuDNN's graph API: leave out --cudnn-api legacy")
     _check_plot(args.plot)
     layers = _load(args)
-    given = _given(algo_search=args.search, backend=args.backend, cap_workspace=args.cap_workspace,
-                   cudnn_api=args.cudnn_api, cudnn_heuristic=args.cudnn_heuristic)
+    chosen = args.max_slowdown is not None  # it decides the search and the cap: their variables do not matter
+    given = _given(algo_search="exhaustive" if chosen else args.search, backend=args.backend,
+                   cap_workspace=None if chosen else args.cap_workspace, cudnn_api=args.cudnn_api,
+                   cudnn_heuristic=args.cudnn_heuristic)
     with config(**given) as cfg, _progress_bar() as bar:  # flags override the environment, which then matters
-        exhaustive = cfg.algo_search == "exhaustive" or args.max_slowdown is not None  # only for the rest
+        exhaustive = cfg.algo_search == "exhaustive"  # only for the rest
         p = plan(
             layers,
             batch=args.batch,
@@ -356,7 +358,10 @@ def _tune(args: argparse.Namespace) -> int:
         raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=...; leave out --format")
     _check_plot(args.plot)
     layers = _load(args)
-    given = _given(cudnn_api=args.cudnn_api, cudnn_heuristic=args.cudnn_heuristic)
+    # tune decides the search and the cap (exhaustive, none): their variables do not matter, nor does the
+    # backend's when --backend is given
+    given = _given(algo_search="exhaustive", backend=args.backend, cap_workspace=None, cudnn_api=args.cudnn_api,
+                   cudnn_heuristic=args.cudnn_heuristic)
     with config(**given), _progress_bar() as bar:
         t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes, streams=args.streams,
                  backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=bar)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from . import searchcache
-from ._config import _named_size, config
+from ._config import _given, _named_size, config
 from ._geometry import ConvGeometry
 from ._pass import PASSES
 from .algos import select
@@ -172,7 +172,9 @@ def tune(
     # ... whose every candidate the algorithm cache now holds, fastest first (the choice is the first).
     impl = get_backend(uncapped.backend)
     measured: dict[tuple[str, ConvGeometry], tuple[Candidate, ...]] = {}
-    with config(cap_workspace=None, algo_search="exhaustive"):
+    # The settings plan() searched under, the backend included: an invalid variable of a setting given here does
+    # not matter, as in plan()
+    with config(**_given(algo_search="exhaustive", backend=backend, cap_workspace=None)):
         for lp in uncapped.layers:
             for pass_ in uncapped.passes:
                 key = (pass_, lp.geometry)
