@@ -215,6 +215,15 @@ def test_bad_arguments(resnet50, kwargs, error, match):
         wsarena.plan(resnet50[:3], **kwargs)
 
 
+@pytest.mark.parametrize("where", ["missing.json", "."])
+def test_device_properties_that_cannot_be_read_name_the_file(resnet50, tmp_path, where):
+    """Bad input, as a model file that cannot be read is: a ValueError naming the file and why, which the command
+    prints as its one line (exit 2), not an OSError's "[Errno 2] ..." text."""
+    path = tmp_path / where
+    with pytest.raises(ValueError, match=rf"^cannot read the device properties '{re.escape(str(path))}': \w"):
+        wsarena.plan(resnet50[:3], device_properties=path)
+
+
 @pytest.mark.parametrize("batch", [True, False, 0, 2.0])
 def test_batch_is_checked_before_anything_else(batch):
     with pytest.raises(ValueError, match="batch must be a positive int"):
