@@ -1,7 +1,8 @@
 """The ``wsarena`` command: ``wsarena report MODEL``, ``wsarena tune MODEL``, ``wsarena cache`` and ``wsarena info``.
 
 Exit codes: 0 success; 2 bad usage or bad input (one line on stderr); 3 the environment cannot do it (for
-example ``--backend cudnn`` with no usable GPU, or output that cannot be written, the ``--plot`` file included).
+example ``--backend cudnn`` with no usable GPU, or output that cannot be written, the ``--plot`` file included);
+130 interrupted (``wsarena: interrupted``); 141 the reader of the output went away (nothing printed).
 Warnings are one line each on stderr, ``wsarena: warning: ...``.
 """
 
