@@ -382,10 +382,16 @@ def test_version_is_the_packages_version():
 def test_readme_usage_names_every_report_option():
     with open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md"), encoding="utf-8") as f:
         readme = f.read()
-    usage = readme[readme.index("wsarena report MODEL"):readme.index("wsarena info\n```")]
-    report = next(a for a in _parser()._actions if a.dest == "command").choices["report"]
-    for action in report._actions:
-        assert all(option in usage for option in action.option_strings if option not in ("-h", "--help")), action
+    start = readme.index("```\nwsarena report MODEL") + 4  # the usage block
+    usage = readme[start:readme.index("```", start)]
+    commands = next(a for a in _parser()._actions if a.dest == "command").choices
+    for name in ("report", "tune", "cache", "info"):
+        for action in commands[name]._actions:
+            for option in set(action.option_strings) - {"-h", "--help"}:
+                assert option in usage, (name, option)
+                if action.choices and name == "report":  # each value it takes, in the parser's order
+                    assert f"{option} {'|'.join(action.choices)}" in usage, (name, option)
+    assert "wsarena info [--format text|json]" in usage
     assert "[--input-shape [NAME=]DIMS]..." in usage  # the flag repeated, one NAME=DIMS each
 
 
