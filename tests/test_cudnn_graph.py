@@ -81,6 +81,40 @@ def test_plans_finalize_with_exact_workspace_sizes_and_names_rebuild_them(props,
         assert plan.closed
 
 
+
+@pytest.mark.parametrize("failure", ["refused", "interrupted"])
+@pytest.mark.parametrize("make", ["config_workspace", "execution_plan"])
+def test_a_plan_is_destroyed_on_every_way_out(props, monkeypatch, make, failure):
+    """The plan cuDNN 9.0 and 9.1 finalize only to read a configuration's workspace (config_workspace), and the plan
+    execution_plan makes, are destroyed before the error reaches the caller: cuDNN refusing the plan, or an
+    interrupt once it is finalized. The error's traceback, which a caller may keep (a REPL's sys.last_exc, a
+    log), must not keep the descriptor alive."""
+    import dataclasses
+    import weakref
+
+    from wsarena.cudnn import _library
+
+    cfg = graph.engine_configs(graph.operation_graph(conv_problem("fwd", GEOMETRIES["2d"])), properties=props)[0]
+    monkeypatch.setattr(_library, "_loaded", dataclasses.replace(_library.load_library(), version=90100))
+    plans = []
+    real_finalize = cudnn.BackendDescriptor.finalize
+
+    def finalize(self):
+        if self.kind != cudnn.BackendDescriptorType.EXECUTION_PLAN_DESCRIPTOR:
+            return real_finalize(self)
+        plans.append(weakref.ref(self))
+        if failure == "refused":  # what ranked_names lets through: the handle or the library, not the configuration
+            raise cudnn.CudnnError(int(cudnn.Status.NOT_INITIALIZED), "refused", "cudnnBackendFinalize")
+        real_finalize(self)
+        raise KeyboardInterrupt  # a signal handled as the finalize returns
+
+    monkeypatch.setattr(cudnn.BackendDescriptor, "finalize", finalize)
+    with pytest.raises((cudnn.CudnnNotInitializedError, KeyboardInterrupt)) as caught:
+        getattr(graph, make)(cfg, properties=props)
+    assert len(plans) == 1
+    assert plans[0]() is None or plans[0]().closed, f"{make}: the plan outlives {caught.typename}"
+
+
 def test_float32_candidates_exclude_tensor_cores_and_run_time_compilation(props):
     geom = GEOMETRIES["2d"]
     op_graph = graph.operation_graph(conv_problem("fwd", geom))
