@@ -209,8 +209,8 @@ def config_workspace(cfg: BackendDescriptor, *, handle: Any = None, properties: 
     """
     if has_attribute(A.ENGINECFG_WORKSPACE_SIZE):
         return int(cfg.get_one(A.ENGINECFG_WORKSPACE_SIZE, T.INT64))
-    with _finalized_plan(cfg, handle, properties) as plan:
-        return plan_workspace_size(plan)
+    with BackendDescriptor(D.EXECUTION_PLAN_DESCRIPTOR) as plan:  # destroyed however this ends
+        return plan_workspace_size(_finalize_plan(plan, cfg, handle, properties))
 
 
 def engine_notes(cfg: BackendDescriptor) -> tuple[frozenset[int], frozenset[int]]:
@@ -227,13 +227,20 @@ def _numerical_notes(engine: BackendDescriptor) -> frozenset[int]:
 def execution_plan(cfg: BackendDescriptor, name: str | None = None, *, handle: Any = None,
                    properties: Any = None) -> Plan:
     """Finalize ``cfg`` into a :class:`Plan` (for ``handle``'s device, or the device of ``properties``)."""
-    plan = _finalized_plan(cfg, handle, properties)
-    return Plan(plan, name if name is not None else config_name(cfg), plan_workspace_size(plan),
-                _numerical_notes(_engine(cfg)))
+    plan = BackendDescriptor(D.EXECUTION_PLAN_DESCRIPTOR)
+    try:
+        _finalize_plan(plan, cfg, handle, properties)
+        return Plan(plan, name if name is not None else config_name(cfg), plan_workspace_size(plan),
+                    _numerical_notes(_engine(cfg)))
+    except BaseException:
+        plan.close()  # now: the error's traceback would keep it until the error is dropped
+        raise
 
 
-def _finalized_plan(cfg: BackendDescriptor, handle: Any, properties: Any) -> BackendDescriptor:
-    plan = BackendDescriptor(D.EXECUTION_PLAN_DESCRIPTOR).set(A.EXECUTION_PLAN_ENGINE_CONFIG, T.BACKEND_DESCRIPTOR, cfg)
+def _finalize_plan(plan: BackendDescriptor, cfg: BackendDescriptor, handle: Any, properties: Any) -> BackendDescriptor:
+    """Give the new execution plan ``plan`` its configuration and device, and finalize it (the caller destroys it
+    if this fails)."""
+    plan.set(A.EXECUTION_PLAN_ENGINE_CONFIG, T.BACKEND_DESCRIPTOR, cfg)
     if handle is not None:
         plan.set(A.EXECUTION_PLAN_HANDLE, T.HANDLE, handle)
     if properties is not None:
