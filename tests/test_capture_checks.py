@@ -137,3 +137,33 @@ def test_the_probe_for_element_aligned_operands_finalizes_nothing_during_capture
     with pytest.raises(CaptureError, match="finalize a cuDNN execution plan"):
         backend._general("handle", "fwd", GEOM, ["eng0"])
     assert built == []
+
+
+def test_cudnn_9_1_finalizes_no_plan_to_size_a_configuration_during_capture(monkeypatch, captured):
+    """cuDNN 9.0 and 9.1 have no ENGINECFG_WORKSPACE_SIZE: ranking a geometry's configurations finalizes a plan for
+    each to read its size (graph.config_workspace), outside the plan cache and its refusal. During a capture none
+    is finalized: the call is refused before, as one whose plan is not cached is."""
+    import dataclasses
+
+    from wsarena.backends._cudnn_graph import CudnnGraphBackend
+    from wsarena.backends._graph_plans import PlanCache
+    from wsarena.cudnn import _library, graph
+
+    backend = CudnnGraphBackend()
+    monkeypatch.setattr(_library, "_loaded", dataclasses.replace(_library.load_library(), version=90100))
+    monkeypatch.setattr(backend, "_handle", lambda stream=None: "handle")
+    made = []
+    backend._plans = PlanCache(lambda *args: "graph", lambda handle, graph, name: made.append(name))
+    monkeypatch.setattr(graph, "engine_configs", lambda op_graph, mode, properties=None: ["cfg"])
+    monkeypatch.setattr(graph, "config_name", lambda cfg: "eng0")
+    monkeypatch.setattr(graph, "engine_notes", lambda cfg: (frozenset(), frozenset()))
+
+    class Descriptor:  # what graph.config_workspace creates its plan with
+        def __init__(self, kind):
+            made.append(kind)
+            raise AssertionError(f"{kind.name} created during the capture")
+
+    monkeypatch.setattr(graph, "BackendDescriptor", Descriptor)
+    with pytest.raises(CaptureError, match="finalize a cuDNN execution plan"):
+        backend.candidates("fwd", GEOM)
+    assert made == []
