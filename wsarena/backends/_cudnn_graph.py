@@ -110,7 +110,14 @@ class CudnnGraphBackend(CudnnBackend):
         (heuristics' order, then cuDNN's fallback list; :func:`~wsarena.backends._graph_plans.shortlist`), and
         last, unless one of them is it, the first configuration that runs operands aligned only to their element
         size (:meth:`_general`)."""
+        from ..cudnn.backend import has_attribute
+
         graph = self._plans.graph(handle, pass_, geom)
+        here = self._here()
+        if here is not None and not has_attribute(self._cudnn.BackendAttributeName.ENGINECFG_WORKSPACE_SIZE):
+            # cuDNN 9.0 and 9.1 size each configuration by a plan finalized for it (graph.config_workspace),
+            # outside the plan cache and its own refusal
+            refuse_in_capture(here, "finalize a cuDNN execution plan")
         mode = self._cudnn.BackendHeurMode.MODE_B if get_config().cudnn_heuristic == "b" else None  # None: INSTANT
         ranked = ranked_names(self._graph, graph, geom.dtype, properties=self._properties, mode=mode, handle=handle)
         sizes = {name: self._workspace(handle, pass_, geom, name) for name in shortlist(ranked)}
