@@ -473,6 +473,20 @@ def test_run_refuses_a_plan_that_needs_more_workspace_than_was_leased(faked):
     assert (caught.value.requested, caught.value.held) == (128, 64) and len(b.executed) == 1
 
 
+
+def test_an_alignment_workspace_error_gives_the_cap_in_force(faked):
+    """Its ``cap`` is the workspace cap in force, as every WorkspaceMemoryError's, not None while one is set."""
+    b = AlignedBuilder({("eng1", (2, 16, 16)): 128})
+    faked._plans = PlanCache(b.graph, b.plan)
+    x, w, y = _array(0x1002), _array(0x2000), _array(0x3000)
+    with config(cap_workspace=4096), pytest.raises(AlignmentWorkspaceError) as caught:
+        faked.run("fwd", Candidate("eng1", 64), GEOM, x, w, y, _lease(64), None)
+    assert caught.value.cap == 4096 and str(caught.value).endswith("cap 4 KiB)")
+    with pytest.raises(AlignmentWorkspaceError) as caught:
+        faked.run("fwd", Candidate("eng1", 64), GEOM, x, w, y, _lease(64), None)
+    assert caught.value.cap is None and b.executed == []
+
+
 class _Arena:
     @contextlib.contextmanager
     def lease(self, nbytes, stream=None, cap=None):
