@@ -281,7 +281,7 @@ class CudnnGraphBackend(CudnnBackend):
                 f"w, y) needs more workspace than its plan for 16-byte-aligned operands, the size leased for it; "
                 f"forced with algo=, it cannot run these operands: copy them to 16-byte-aligned addresses or leave "
                 f"algo= out",
-                requested=plan.workspace_bytes, held=workspace.nbytes, cap=None,
+                requested=plan.workspace_bytes, held=workspace.nbytes, cap=get_config().cap_workspace,
             )
         plan.execute(handle, x, w, y, workspace.ptr)
 
