@@ -1,5 +1,6 @@
 """What the graph-API backend decides without calling cuDNN: the problem a geometry poses, which engines may run it,
-and the cache of its execution plans. Tested on every machine with fakes (tests/test_graph_plans.py).
+and the cache of its execution plans. Tested on every machine, with fakes and against device properties
+(tests/test_graph_backend.py, tests/test_cudnn_graph.py).
 """
 
 from __future__ import annotations
