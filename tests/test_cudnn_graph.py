@@ -115,6 +115,53 @@ def test_a_plan_is_destroyed_on_every_way_out(props, monkeypatch, make, failure)
     assert plans[0]() is None or plans[0]().closed, f"{make}: the plan outlives {caught.typename}"
 
 
+@pytest.mark.parametrize("version", [90100, None])
+def test_ranking_drops_a_configuration_cuDNN_refuses_and_no_other_failure(props, monkeypatch, version):
+    """On cuDNN 9.0 and 9.1 a configuration whose plan cuDNN refuses to finalize is left out of the ranking, and
+    the others keep their sizes. A failure to read ENGINECFG_WORKSPACE_SIZE (9.2 and later), or one of the handle
+    or the library, is no verdict on one configuration: it reaches the caller rather than thinning the list."""
+    import dataclasses
+
+    from wsarena.cudnn import _library
+
+    op_graph = graph.operation_graph(conv_problem("fwd", GEOMETRIES["2d"]))
+    full = ranked_names(graph, op_graph, "float32", properties=props)
+    refused = full[1][0]
+    if version is not None:
+        monkeypatch.setattr(_library, "_loaded", dataclasses.replace(_library.load_library(), version=version))
+    real_finalize, real_get_one = cudnn.BackendDescriptor.finalize, cudnn.BackendDescriptor.get_one
+    status = cudnn.Status.NOT_SUPPORTED
+
+    def finalize(self):
+        if self.kind == cudnn.BackendDescriptorType.EXECUTION_PLAN_DESCRIPTOR and made_from.get(id(self)) == refused:
+            raise cudnn.CudnnError(int(status), "refused", "cudnnBackendFinalize")
+        return real_finalize(self)
+
+    def get_one(self, attr, kind):
+        if attr == cudnn.BackendAttributeName.ENGINECFG_WORKSPACE_SIZE and graph.config_name(self) == refused:
+            raise cudnn.CudnnError(int(status), "refused", "cudnnBackendGetAttribute")
+        return real_get_one(self, attr, kind)
+
+    real_set, made_from = cudnn.BackendDescriptor.set, {}
+
+    def set_(self, attr, kind, value):  # which configuration a plan is finalized from
+        if attr == cudnn.BackendAttributeName.EXECUTION_PLAN_ENGINE_CONFIG:
+            made_from[id(self)] = graph.config_name(value)
+        return real_set(self, attr, kind, value)
+
+    monkeypatch.setattr(cudnn.BackendDescriptor, "finalize", finalize)
+    monkeypatch.setattr(cudnn.BackendDescriptor, "get_one", get_one)
+    monkeypatch.setattr(cudnn.BackendDescriptor, "set", set_)
+    if version is None:
+        with pytest.raises(cudnn.CudnnError, match="refused"):
+            ranked_names(graph, op_graph, "float32", properties=props)
+        return
+    assert ranked_names(graph, op_graph, "float32", properties=props) == [item for item in full if item[0] != refused]
+    status = cudnn.Status.NOT_INITIALIZED
+    with pytest.raises(cudnn.CudnnNotInitializedError):
+        ranked_names(graph, op_graph, "float32", properties=props)
+
+
 def test_float32_candidates_exclude_tensor_cores_and_run_time_compilation(props):
     geom = GEOMETRIES["2d"]
     op_graph = graph.operation_graph(conv_problem("fwd", geom))

@@ -130,7 +130,7 @@ def ranked_names(
     of ``properties``; :func:`~wsarena.cudnn.graph.config_workspace`), and one whose plan cuDNN refuses is left
     out.
     """
-    from ..cudnn import BackendHeurMode, CudnnError, CudnnNotInitializedError
+    from ..cudnn import BackendHeurMode
 
     ranked: dict[str, int] = {}
     modes = (BackendHeurMode.MODE_INSTANT if mode is None else mode, BackendHeurMode.MODE_FALLBACK)
@@ -139,11 +139,9 @@ def ranked_names(
             name = graph_api.config_name(cfg)
             if name in ranked or not usable(dtype, *graph_api.engine_notes(cfg)):
                 continue
-            try:
-                ranked[name] = graph_api.config_workspace(cfg, handle=handle, properties=properties)
-            except CudnnError as exc:
-                if isinstance(exc, CudnnNotInitializedError):
-                    raise  # the handle or the library, not this configuration
+            nbytes = graph_api.config_workspace(cfg, handle=handle, properties=properties)
+            if nbytes is not None:
+                ranked[name] = nbytes
     return list(ranked.items())
 
 

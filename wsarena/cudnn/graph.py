@@ -27,8 +27,9 @@ from .._pass import Pass
 from ._deviceprops import DevicePropertiesError, device_properties, device_properties_json
 from ._enums import BackendAttributeName, BackendAttributeType, BackendDescriptorType, BackendKnobType, DataType
 from ._enums import BackendHeurMode as Heur
-from ._errors import check
+from ._errors import CudnnError, check
 from ._prototypes import function
+from ._status_errors import CudnnNotInitializedError
 from .backend import BackendDescriptor, has_attribute, plan_workspace_size
 
 __all__ = [
@@ -196,21 +197,30 @@ def engine_config(graph: BackendDescriptor, name: str, *, properties: Any = None
     return cfg.finalize()
 
 
-def config_workspace(cfg: BackendDescriptor, *, handle: Any = None, properties: Any = None) -> int:
+def config_workspace(cfg: BackendDescriptor, *, handle: Any = None, properties: Any = None) -> int | None:
     """Workspace bytes an engine configuration needs: its ``ENGINECFG_WORKSPACE_SIZE``, without finalizing a plan.
 
     cuDNN 9.0 and 9.1 lack that attribute: there, a plan is finalized from ``cfg`` (for ``handle``'s device, or
-    that of ``properties``), its ``EXECUTION_PLAN_WORKSPACE_SIZE`` read, and the plan destroyed.
+    that of ``properties``), its ``EXECUTION_PLAN_WORKSPACE_SIZE`` read, and the plan destroyed. ``None``: cuDNN
+    refused to finalize it, so the configuration cannot run.
 
     Raises
     ------
+    CudnnNotInitializedError
+        On cuDNN 9.0 and 9.1, the handle or the library, not the configuration, failed.
     CudnnError
-        On cuDNN 9.0 and 9.1, cuDNN refused to finalize the plan.
+        Reading the attribute failed (9.2 and later): no configuration's size can be trusted then.
     """
     if has_attribute(A.ENGINECFG_WORKSPACE_SIZE):
         return int(cfg.get_one(A.ENGINECFG_WORKSPACE_SIZE, T.INT64))
     with BackendDescriptor(D.EXECUTION_PLAN_DESCRIPTOR) as plan:  # destroyed however this ends
-        return plan_workspace_size(_finalize_plan(plan, cfg, handle, properties))
+        try:
+            _finalize_plan(plan, cfg, handle, properties)
+        except CudnnError as exc:
+            if isinstance(exc, CudnnNotInitializedError):
+                raise
+            return None
+        return plan_workspace_size(plan)
 
 
 def engine_notes(cfg: BackendDescriptor) -> tuple[frozenset[int], frozenset[int]]:
