@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from .. import _callsite, _config
-from .._geometry import conv_geometry, conv_transpose_geometry
-from . import _autograd, _ops
+from . import _autograd, _ops, _shapes
 from ._autograd import ConvFunction, ConvTransposeFunction
+from ._shapes import per_dim
 
 __all__ = [
     "ConvFunction", "ConvTransposeFunction", "checkpoint_context", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
@@ -100,22 +100,11 @@ def _finished(y: Tensor, bias: Tensor | None, nd: int, unbatched: bool) -> Tenso
     return y.squeeze(0) if unbatched else y
 
 
-def _per_dim(value: Any, nd: int) -> list[int] | None:
-    """``value`` (an int or one per dimension) as a list of ``nd`` ints, or ``None`` when it is no such thing (for
-    :func:`conv_geometry` to say what is wrong with it)."""
-    values = list(value) if isinstance(value, (list, tuple)) else [value] * nd
-    try:
-        ints = [operator.index(v) for v in values]
-    except TypeError:
-        return None
-    return ints if len(ints) == nd and not any(isinstance(v, bool) for v in values) else None
-
-
 def _same(x: Tensor, w: Tensor, stride: Any, dilation: Any, nd: int) -> tuple[Tensor, Any]:
     """``x`` and the padding to run ``padding="same"`` with: where a dimension's total padding is odd (an even
     kernel), ``x`` padded by PyTorch with the one more at the end that torch's own convolution adds there, and the
     rest symmetric. Left as ``"same"`` where the stride or dilation is not valid, or there is nothing to add."""
-    strides, dilations = _per_dim(stride, nd), _per_dim(dilation, nd)
+    strides, dilations = per_dim(stride, nd), per_dim(dilation, nd)
     if strides is None or dilations is None or any(s != 1 for s in strides) or any(d < 1 for d in dilations):
         return x, "same"  # conv_geometry names what is wrong
     totals = [d * (operator.index(k) - 1) for d, k in zip(dilations, w.shape[2:])]  # ints, not torch.jit.trace's
@@ -130,7 +119,7 @@ def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, paddi
     x, w, bias, unbatched = _operands(f"conv{nd}d", nd, x, w, bias)
     if isinstance(padding, str) and padding == "same":
         x, padding = _same(x, w, stride, dilation, nd)
-    geom = conv_geometry(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    geom = _shapes.forward_geometry(x.shape, w.shape, stride, padding, dilation, groups)
     _check_bias(bias, geom.out_channels)
     layout = _ops.layout_of(x, w)
     y = _autograd.apply(ConvFunction, x, w, list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups,
@@ -141,12 +130,9 @@ def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, paddi
 def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any,
                     output_padding: Any, groups: int, dilation: Any) -> Tensor:
     x, w, bias, unbatched = _operands(f"conv_transpose{nd}d", nd, x, w, bias)
-    geom = conv_transpose_geometry(x.shape, w.shape, stride=stride, padding=padding, output_padding=output_padding,
-                                   dilation=dilation, groups=groups)
+    geom, output_shape = _shapes.transpose_geometry(x.shape, w.shape, stride, padding, dilation, groups, output_padding)
     _check_bias(bias, geom.in_channels)  # the output's channels: the input's of the convolution it transposes
     layout = _ops.layout_of(x, w)
-    # the fields, not ConvGeometry's cached properties, whose lock torch.compile cannot trace on Python 3.11
-    output_shape = [geom.batch, geom.in_channels, *geom.input_size]
     y = _autograd.apply(ConvTransposeFunction, x, w, output_shape, list(geom.stride), list(geom.padding),
                         list(geom.dilation), geom.groups, layout)
     return _finished(y, bias, nd, unbatched)

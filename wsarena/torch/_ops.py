@@ -44,7 +44,10 @@ def _channels_last(t: Tensor) -> bool:
     tensor under ``torch.func.vmap`` has strides but answers no ``is_contiguous`` question but the plain one."""
     if t.dim() not in (4, 5) or t.layout != torch.strided:
         return False
-    sizes, strides = [operator.index(n) for n in t.shape], t.stride()  # ints, where torch.jit.trace gives tensors
+    # ints, where torch.jit.trace gives tensors; traced by torch.compile or torch.export, as they are (symbolic
+    # sizes made ints would be fixed to the traced values)
+    sizes = list(t.shape) if torch.compiler.is_compiling() else [operator.index(n) for n in t.shape]
+    strides = t.stride()
     if strides[1] == 0:
         return False
     least = 0

@@ -1,0 +1,148 @@
+"""The checked geometry of a :mod:`wsarena.torch` call: remembered per call signature, and symbolic where PyTorch
+traces with symbolic sizes.
+
+A training step repeats its calls, and checking a convolution's arguments (:func:`~wsarena._geometry.conv_geometry`)
+costs more than the rest of what this package adds to a call: each call signature (shapes and parameters) is
+checked once, as the ops remember theirs (:mod:`wsarena.ops`), and looked up after.
+
+Under ``torch.compile(dynamic=True)`` or ``torch.export`` with a ``Dim``, the batch and spatial sizes are
+``SymInt``\\ s: checked as ints they would be fixed to the traced values (a graph per shape, an export refused).
+There the parameters, channels and weight are checked on a stand-in input whose symbolic sizes are replaced by
+sizes any valid call may have; each symbolic spatial size is checked with ``torch._check``, which a traced graph
+keeps as an assertion on the sizes it runs with, and the ops check the real sizes again when they run.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .. import ops
+from .._geometry import ConvGeometry, conv_geometry, conv_transpose_geometry
+
+__all__ = ["forward_geometry", "per_dim", "transpose_geometry"]
+
+_Make = Callable[..., ConvGeometry]
+
+# Geometries by call signature; past ops' bound on its own records they are dropped and rebuilt as calls come.
+_remembered: dict[tuple[Any, ...], ConvGeometry] = {}
+
+
+def per_dim(value: Any, nd: int) -> list[int] | None:
+    """``value`` (an int or one per dimension) as a list of ``nd`` ints, or ``None`` when it is no such thing (for
+    :func:`conv_geometry` to say what is wrong with it)."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * nd
+    try:
+        ints = [operator.index(v) for v in values]
+    except TypeError:
+        return None
+    return ints if len(ints) == nd and not any(isinstance(v, bool) for v in values) else None
+
+
+def _forward(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Any, padding: Any, dilation: Any,
+             groups: Any) -> ConvGeometry:
+    return conv_geometry(x_shape, w_shape, stride=stride, padding=padding, dilation=dilation, groups=groups)
+
+
+def _transpose(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Any, padding: Any, dilation: Any,
+               groups: Any, output_padding: Any) -> ConvGeometry:
+    return conv_transpose_geometry(x_shape, w_shape, stride=stride, padding=padding, output_padding=output_padding,
+                                   dilation=dilation, groups=groups)
+
+
+def forward_geometry(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Any, padding: Any, dilation: Any,
+                     groups: Any) -> ConvGeometry:
+    """The checked geometry of a convolution of ``x_shape`` by ``w_shape`` (channels first); under a trace, that of
+    a stand-in input (:func:`_stand_in`)."""
+    geom, _ = _geometry(_forward, x_shape, w_shape, (stride, padding, dilation, groups))
+    return geom
+
+
+def transpose_geometry(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Any, padding: Any, dilation: Any,
+                       groups: Any, output_padding: Any) -> tuple[ConvGeometry, list[Any]]:
+    """The checked geometry of the convolution whose input gradient the transposed convolution of ``x_shape`` by
+    ``w_shape`` is (:func:`~wsarena._geometry.conv_transpose_geometry`), and the transposed convolution's output
+    shape: the geometry's input shape (channels first), or under a trace, the shape that ``x_shape`` gives,
+    symbolic where it is."""
+    return _geometry(_transpose, x_shape, w_shape, (stride, padding, dilation, groups, output_padding))
+
+
+def _geometry(
+    make: _Make, x_shape: Sequence[Any], w_shape: Sequence[Any], params: tuple[Any, ...]
+) -> tuple[ConvGeometry, list[Any]]:
+    # Traced, sizes may be symbolic, and torch.compile shows them as ints (isinstance and type say int). Nor does a
+    # trace read a remembered geometry: it would guard on the dictionary. torch.jit.trace's sizes are tensors, a
+    # new key every call.
+    if torch.compiler.is_compiling():
+        return _stand_in(make, x_shape, w_shape, params)
+    if torch.jit.is_tracing():
+        return _sized(make(x_shape, w_shape, *params))
+    frozen = ops._frozen_params(params)  # None: a float or a bool, which equal ints as keys, checked every time
+    if frozen is None:
+        return _sized(make(x_shape, w_shape, *params))
+    key = (make, x_shape, w_shape, *frozen)
+    try:
+        geom = _remembered.get(key)
+    except TypeError:  # symbolic sizes outside torch.compile (a symbolic make_fx trace)
+        return _stand_in(make, x_shape, w_shape, params)
+    if geom is None:
+        geom = make(x_shape, w_shape, *params)
+        if len(_remembered) >= ops._RECORDS_MAX:
+            _remembered.clear()
+        _remembered[key] = geom
+    return _sized(geom)
+
+
+def _sized(geom: ConvGeometry) -> tuple[ConvGeometry, list[Any]]:
+    # the fields, not ConvGeometry's cached properties, whose lock torch.compile cannot trace on Python 3.11
+    return geom, [geom.batch, geom.in_channels, *geom.input_size]
+
+
+def _stand_in(
+    make: _Make, x_shape: Sequence[Any], w_shape: Sequence[Any], params: tuple[Any, ...]
+) -> tuple[ConvGeometry, list[Any]]:
+    """The geometry of a traced call, checked on a stand-in input: a batch of 1, and in each spatial dimension the
+    smallest size the kernel (a convolution) or the padding (a transposed one) allows; the real spatial sizes are
+    checked by ``torch._check_with``, which a graph keeps as an assertion on the sizes it runs with. The channels
+    and the weight's sizes are made ints: a convolution's are fixed by its weight."""
+    _, padding, dilation, _, *extra = params
+    nd = len(x_shape) - 2
+    kernel = [operator.index(k) for k in w_shape[2:]]
+    transposed = make is _transpose
+    if transposed:
+        paddings = per_dim(padding, nd)
+        spans = None if paddings is None else [2 * p + 1 for p in paddings]
+    else:
+        dilations = per_dim(dilation, nd)
+        spans = None if dilations is None else [d * (k - 1) + 1 for d, k in zip(dilations, kernel)]
+    weight = [operator.index(n) for n in w_shape]
+    if spans is None:  # a parameter is wrong: checked as ints, which says what
+        return _sized(make([operator.index(n) for n in x_shape], weight, *params))
+    geom = make([1, operator.index(x_shape[1]), *spans], weight, *params)
+    sizes = list(x_shape[2:])
+    if transposed:
+        extra_t = per_dim(extra[0], nd) or [0] * nd  # output_padding, checked by make
+        sizes = [(i - 1) * s - 2 * p + d * (k - 1) + e + 1 for i, k, s, p, d, e in zip(
+            sizes, geom.kernel_size, geom.stride, geom.padding, geom.dilation, extra_t)]
+    kernel_t, padding_t, dilation_t = geom.kernel_size, geom.padding, geom.dilation  # no ConvGeometry in a message
+    for i, size in enumerate(sizes):
+        if transposed:
+            _check(size >= 1, f"padding={padding_t} leaves an output of no elements in dimension {i}")
+        else:
+            span = dilation_t[i] * (kernel_t[i] - 1) + 1
+            _check(size + 2 * padding_t[i] >= span,
+                   f"kernel {kernel_t} (dilation {dilation_t}) is larger than the padded input in dimension {i}")
+    return geom, [x_shape[0], geom.in_channels, *sizes]
+
+
+def _check(condition: Any, message: str) -> None:
+    """A ``ValueError`` with ``message`` unless ``condition``, kept by a traced graph as an assertion on its sizes.
+    Under ``torch.export`` without the message: a strict export takes none (torch 2.13 keeps the function in its
+    graph, and fails)."""
+    if torch.compiler.is_exporting():
+        torch._check(condition)
+    else:
+        torch._check_with(ValueError, condition, lambda: message)
