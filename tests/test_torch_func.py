@@ -1,5 +1,6 @@
 """wsarena.torch beyond one backward pass, on CPU tensors: gradients of gradients, ``torch.func`` (``grad``,
-``vmap``, ``jacrev``, per-sample gradients) against the same through torch.nn.functional's convolutions.
+``vmap``, ``jacrev``, per-sample gradients), forward mode (``jvp``, ``jacfwd``, ``hessian``, dual tensors) against
+the same through torch.nn.functional's convolutions.
 
 Tolerances as in test_torch.py: float64 within 1e-10 of torch's, relative to the largest magnitude;
 ``gradcheck``/``gradgradcheck`` with their own float64 defaults (``check_batched_grad`` runs the backward passes
@@ -24,7 +25,10 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 wt = pytest.importorskip("wsarena.torch")
 func = torch.func
-pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")  # torch's own
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning"),  # torch's own
+    pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),  # forward AD's, once
+]
 
 CASES = [  # nd, input shape, weight shape, keyword arguments
     (1, (2, 4, 9), (6, 2, 3), {"stride": 2, "padding": 1, "groups": 2}),
@@ -209,3 +213,89 @@ def test_cap_warnings_of_a_gradient_of_a_gradient_name_the_forward_call(thread):
     assert sites == {(__file__, where)}
     assert x.grad is not None and conv.weight.grad is not None  # the second backward ran (a thread's error is lost)
     assert wsarena.get_arena("cpu").stats()["high_water_bytes"] == 0
+
+
+# -- forward mode ---------------------------------------------------------------------------------------------------
+BOTH = [(*FUNCTIONS[c[0]], c, False) for c in CASES] + [(*TRANSPOSE_FUNCTIONS[c[0]], c, True) for c in TRANSPOSE_CASES[:3]]
+
+
+def _operands(case, transposed):
+    _, x_shape, w_shape, kw = case
+    if transposed:
+        x, w, b = transpose_tensors(x_shape, w_shape, kw.get("groups", 1))
+    else:
+        x, w, b = tensors(x_shape, w_shape)
+    g = torch.Generator().manual_seed(2)
+    return (x.detach(), w.detach(), b.detach()), tuple(torch.randn(t.shape, dtype=t.dtype, generator=g) for t in (x, w, b))
+
+
+@pytest.mark.parametrize(("ours", "theirs", "case", "transposed"), BOTH)
+@pytest.mark.parametrize("tangents", ["all", "x", "w"])
+def test_jvp_matches_torchs(ours, theirs, case, transposed, tangents):
+    """The tangent of conv(x, w) + b is conv(dx, w) + conv(x, dw) + db: each term alone and all together."""
+    kw = case[3]
+    primals, directions = _operands(case, transposed)
+    keep = {"all": (0, 1, 2), "x": (0,), "w": (1,)}[tangents]
+
+    def jvp(conv):
+        def f(*chosen):
+            args = list(primals)
+            for i, t in zip(keep, chosen):
+                args[i] = t
+            return conv(*args, **kw)
+        return func.jvp(f, tuple(primals[i] for i in keep), tuple(directions[i] for i in keep))
+
+    (y, dy), (ref, ref_dy) = jvp(ours), jvp(theirs)
+    assert close(y, ref) and dy.shape == ref_dy.shape and close(dy, ref_dy)
+
+
+@pytest.mark.parametrize(("nd", "x_shape", "w_shape", "kw"), CASES)
+def test_forward_ad_passes_gradcheck_batched_too(nd, x_shape, w_shape, kw):
+    """gradcheck's forward-mode check: dual tensors' tangents against numerical derivatives, and under vmap."""
+    ours, _ = FUNCTIONS[nd]
+    x, w, b = tensors(x_shape, w_shape)
+    conv = lambda x, w, b: ours(x, w, b, **kw)
+    assert torch.autograd.gradcheck(conv, (x, w, b), check_forward_ad=True, check_backward_ad=False,
+                                    check_undefined_grad=False, check_batched_forward_grad=True)
+
+
+def test_dual_tensors_of_forward_ad_match_torchs():
+    import torch.autograd.forward_ad as fwad
+
+    (x, w, b), (dx, dw, db) = _operands(CASES[1], False)
+    results = []
+    with fwad.dual_level():
+        for conv in (wt.conv2d, F.conv2d):
+            y = conv(fwad.make_dual(x, dx), fwad.make_dual(w, dw), fwad.make_dual(b, db), **CASES[1][3])
+            results.append(fwad.unpack_dual(y))
+    (y, dy), (ref, ref_dy) = results
+    assert close(y, ref) and close(dy, ref_dy)
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_jacfwd_and_hessians_match_torchs(fmt):
+    """``hessian`` is ``jacfwd(jacrev(...))``: forward mode over the backward passes, each Function's tangent.
+    In both the weight and the input, and across them."""
+    x, w, b = (t.detach() for t in tensors((1, 2, 4, 4), (3, 2, 2, 2)))
+    x, w = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
+
+    def loss(conv):
+        return lambda x, w: conv(x, w, b, padding=1).tanh().pow(2).sum()
+
+    for argnums in (0, 1, (0, 1)):
+        got = func.hessian(loss(wt.conv2d), argnums=argnums)(x, w)
+        expected = func.hessian(loss(F.conv2d), argnums=argnums)(x, w)
+        assert all(close(g, e) for g, e in zip(torch.utils._pytree.tree_leaves(got),
+                                               torch.utils._pytree.tree_leaves(expected)))
+    assert close(func.jacfwd(lambda w: wt.conv2d(x, w, b))(w), func.jacfwd(lambda w: F.conv2d(x, w, b))(w))
+    assert close(func.jacfwd(func.jacfwd(loss(wt.conv2d), argnums=1), argnums=1)(x, w),
+                 func.jacfwd(func.jacfwd(loss(F.conv2d), argnums=1), argnums=1)(x, w))
+
+
+def test_the_public_functions_define_no_jvp_so_torch_compile_takes_them():
+    """torch.compile refuses a Function with a jvp of its own: the forms that define one are wsarena.torch's
+    own, applied wherever no compile trace runs."""
+    for function in (wt.ConvFunction, wt.ConvTransposeFunction, wt.WeightGradFunction):
+        assert function.jvp is torch.autograd.Function.jvp
+        assert _autograd._FORWARD[function].jvp is not torch.autograd.Function.jvp
+        assert _autograd._OLDER[function].jvp is not torch.autograd.Function.jvp

@@ -1,5 +1,5 @@
 """wsarena.torch with symbolic sizes, on CPU tensors: ``torch.compile(dynamic=True)`` and ``torch.export`` with
-``Dim``\\ s keep the batch and spatial sizes symbolic, as they keep those of torch's own convolutions; and each call
+``Dim`` objects keep the batch and spatial sizes symbolic, as they keep those of torch's own convolutions; and each call
 signature's arguments are checked once.
 
 Tolerance as in test_torch.py: float64 within 1e-10 of torch's, relative to the largest magnitude.

@@ -13,12 +13,17 @@ WeightGradFunction:        dx = ConvTransposeFunction(dy, g)           d(dy) = C
 dw(x, dy)
 =========================  ==========================================  ==========================================
 
+Forward mode follows from the same bilinearity: the tangent of ``P(a, b)`` is ``P(da, b) + P(a, db)``, each
+Function's pass again (``torch.func.jvp``, ``jacfwd``, ``hessian``, and ``torch.autograd.forward_ad``'s dual
+tensors). ``torch.compile`` takes no Function that defines ``jvp``: the public Functions define none, and
+:func:`apply` runs forms of them that do (:data:`_FORWARD`, :data:`_OLDER`) wherever no torch.compile trace runs.
+
 :func:`apply` runs a Function as cheaply as the context allows: outside torch.func's transforms in autograd's older
 form. The operators are differentiable by themselves too, with the Functions' setup and backward: a backward pass
 calls them, not the Functions (:func:`_pass`), except where torch.func's transforms need the Functions; so does a
-graph that holds them rather than the Functions (``torch.export``'s). Under ``torch.func.vmap`` the operators batch
-themselves (:mod:`wsarena.torch._ops`), and the Functions follow. Forward mode (``torch.func.jvp``, ``jacfwd``) is
-not offered: ``torch.compile`` takes no Function that defines it.
+graph that holds them rather than the Functions (``torch.export``'s), in reverse mode only (a custom operator has
+no forward mode). Under ``torch.func.vmap`` the operators batch themselves (:mod:`wsarena.torch._ops`), and the
+Functions follow.
 
 A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
 passes of CUDA tensors on a thread of its own, which a ``config()`` block of the caller's does not reach. A warning
@@ -60,7 +65,8 @@ class ConvFunction(_Pass):
 
     ``stride``, ``padding`` and ``dilation`` are lists with one int per spatial dimension, ``layout`` is
     ``"NCHW"`` or ``"NHWC"`` (a channels-last tensor); the functions :func:`conv2d` and its kin work them out.
-    Differentiable any number of times (reverse mode), and batched by ``torch.func.vmap``.
+    Differentiable any number of times (reverse mode; forward mode through :func:`conv2d` and its kin, which apply
+    a form of it with a ``jvp``), and batched by ``torch.func.vmap``.
     """
 
     @staticmethod
@@ -142,20 +148,63 @@ class WeightGradFunction(_Pass):
 _transforms_active: Callable[[], bool] | None = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
+def _jvp(function: type[torch.autograd.Function]) -> Callable[..., Tensor | None]:
+    """``function``'s ``jvp``: the tangent of its output, bilinear in its two operands, from theirs."""
+
+    def jvp(ctx: Any, da: Tensor | None, db: Tensor | None, *_: Any) -> Tensor | None:
+        a, b = ctx.saved_tensors
+        with _as_started(ctx.started):
+            first = None if da is None else _pass(function, da, b, *ctx.rest)
+            second = None if db is None else _pass(function, a, db, *ctx.rest)
+        return second if first is None else first if second is None else first + second
+
+    return jvp
+
+
+class _Rest:
+    """The arguments after a Function's two operands, as one: torch.func's vmap of a ``jvp`` pairs the tangents
+    with the inputs' pytree leaves, and a list argument's ints are leaves without a tangent (torch 2.13 fails)."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.args = args
+
+
+def _forward_form(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """``function`` with a ``jvp``, applied as ``(a, b, _Rest(rest))``, for torch.func's transforms."""
+
+    def forward(a: Tensor, b: Tensor, rest: _Rest) -> Tensor:
+        return function.forward(a, b, *rest.args)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        a, b, rest = inputs
+        _setup(ctx, (a, b, *rest.args))
+
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return (*function.backward(ctx, grad)[:2], None)
+
+    body = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward), "jvp": staticmethod(_jvp(function)),
+            "generate_vmap_rule": True, "__doc__": function.__doc__}
+    return type(function.__name__, (torch.autograd.Function,), body)
+
+
 def _older_form(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
     def forward(ctx: Any, *args: Any) -> Tensor:
         output = function.forward(*args)
         function.setup_context(ctx, args, output)
         return output
 
-    body = {"forward": staticmethod(forward), "backward": staticmethod(function.backward), "__doc__": function.__doc__}
+    body = {"forward": staticmethod(forward), "backward": staticmethod(function.backward),
+            "jvp": staticmethod(_jvp(function)), "__doc__": function.__doc__}
     return type(function.__name__, (torch.autograd.Function,), body)
 
 
-_OLDER: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {
-    f: _older_form(f) for f in (ConvFunction, ConvTransposeFunction, WeightGradFunction)
-}
-for _function in _OLDER:
+_FUNCTIONS = (ConvFunction, ConvTransposeFunction, WeightGradFunction)
+_FORWARD: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {f: _forward_form(f) for f in _FUNCTIONS}
+_OLDER: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {f: _older_form(f) for f in _FUNCTIONS}
+for _function in (*_FUNCTIONS, *_FORWARD.values()):
     # under the transforms, inspect takes a signature kept on forward instead of working it out on every call
     _function.forward.__signature__ = inspect.signature(_function.forward)  # type: ignore[attr-defined]
 
@@ -168,33 +217,45 @@ for _op, _function in ((_ops.conv_forward, ConvFunction), (_ops.conv_backward_da
 
 
 def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
-    """``function.apply(*args)``, in the older form where no torch.func transform or torch.compile trace runs;
-    under ``torch.export``, the operator itself: an exported program keeps no Function (a strict export runs a
-    Function's forward without gradient), but the operator's registered gradient."""
+    """``function.apply(*args)``: in the older form (with ``jvp``) where no torch.func transform or torch.compile
+    trace runs, else as :func:`_differentiable`. Under ``torch.export``, the operator itself: an exported program
+    keeps no Function (a strict export runs a Function's forward without gradient), but the operator's registered
+    gradient."""
     if torch.compiler.is_exporting():
         return function.forward(*args)
     if torch.compiler.is_compiling() or _transforms_active is None or _transforms_active():
-        return function.apply(*args)
+        return _differentiable(function, args)
     return _OLDER[function].apply(*args)
 
 
 def _pass(function: type[torch.autograd.Function], *args: Any) -> Tensor:
-    """One pass of a backward pass (``function``'s forward): the Function where torch.func's transforms or a
-    torch.compile trace may ask for its gradient, else the operator, which costs less and is differentiable by
-    itself where the backward makes a graph (grad mode is on in a backward only then). Not the Function there:
-    under ``is_grads_batched``'s batching a Function's graph stays on the batched wrapper, and the gradients that
-    come out of it have none."""
+    """One pass of a backward pass or of a tangent (``function``'s forward): the Function where torch.func's
+    transforms or a torch.compile trace may ask for its gradient, else the operator, which costs less and is
+    differentiable by itself where the backward makes a graph (grad mode is on in a backward only then). Not the
+    Function there: under ``is_grads_batched``'s batching a Function's graph stays on the batched wrapper, and the
+    gradients that come out of it have none."""
     if torch.is_grad_enabled() and (torch.compiler.is_compiling() or _transforms_active is None or _transforms_active()):
-        return function.apply(*args)
+        return _differentiable(function, args)
     return function.forward(*args)
 
 
+def _differentiable(function: type[torch.autograd.Function], args: tuple[Any, ...]) -> Tensor:
+    """``function`` applied under a torch.compile trace (which takes no Function with a ``jvp``), else its form
+    with a ``jvp``, for torch.func's transforms."""
+    if torch.compiler.is_compiling():
+        return function.apply(*args)
+    return _FORWARD[function].apply(*args[:2], _Rest(args[2:]))
+
+
 def _setup(ctx: Any, inputs: tuple[Any, ...]) -> None:
-    """What each Function keeps: its two operands, its parameters ``(stride, padding, dilation, groups, layout)``
-    (after a shape argument, where it takes one), and where its forward started."""
+    """What each Function keeps: its two operands (for its backward and its ``jvp``), the arguments after them
+    (``rest``: a shape argument, where it takes one, then ``conv``: stride, padding, dilation, groups, layout), and
+    where its forward started."""
     a, b, *rest = inputs
     ctx.save_for_backward(a, b)
-    ctx.conv = tuple(rest[-5:])
+    ctx.save_for_forward(a, b)
+    ctx.rest = tuple(rest)
+    ctx.conv = ctx.rest[-5:]
     ctx.started = _started()
 
 
