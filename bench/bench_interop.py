@@ -2,8 +2,10 @@
 
 The tiny call is a 1x1x4x4 float32 input and a 1x1x3x3 filter, so the time is the op's own Python, not the
 arithmetic. Cases: NumPy with ``out=`` and without, and, when torch is installed, the same through torch CPU
-tensors (converted to NumPy views and back through DLPack) and ``torch.nn.functional.conv2d`` for scale; and a
-bfloat16 tensor's conversions alone, in (to a NumPy view) and out (a result back to torch).
+tensors (converted to NumPy views and back through DLPack) and ``torch.nn.functional.conv2d`` for scale; a
+bfloat16 tensor's conversions alone, in (to a NumPy view) and out (a result back to torch); and the same
+convolution as a module, ``wsarena.torch.Conv2d(1, 1, 3)`` beside ``torch.nn.Conv2d(1, 1, 3)``: a forward without
+gradient (``fwd``) and a forward with a backward of both gradients (``fwd+bwd``). BLAS and torch run one thread.
 
 To compare checkouts side by side (say the package before and after a change), name their roots: each runs in a
 subprocess of its own, alternately, ``--rounds`` times, and the table gives each case's best round.
@@ -19,6 +21,7 @@ import os
 import subprocess
 import sys
 import timeit
+from typing import Any
 
 
 def measure(number: int, repeat: int) -> dict[str, float]:
@@ -51,6 +54,8 @@ def measure(number: int, repeat: int) -> dict[str, float]:
         rb = tb.view(torch.int16).numpy().view(_interop._bfloat16())
         cases["torch bf16 in"] = lambda: _interop._host_view(_interop._Operand("x", tb))
         cases["torch bf16 out"] = lambda: _interop._returned(tb, rb)
+        torch.set_num_threads(1)
+        cases.update(_modules(torch, tx))
     results = {}
     for name, fn in cases.items():
         try:
@@ -60,6 +65,27 @@ def measure(number: int, repeat: int) -> dict[str, float]:
         best = min(timeit.repeat(fn, number=number, repeat=repeat))
         results[name] = best / number * 1e6
     return results
+
+
+def _modules(torch: Any, x: Any) -> dict[str, Any]:
+    """The module cases: wsarena.torch's Conv2d and torch's own, forward alone and forward with backward."""
+    try:
+        import wsarena.torch
+    except ImportError:
+        return {}
+    cases = {}
+    for name, module in (("wsarena.torch", wsarena.torch.Conv2d(1, 1, 3)), ("nn.Conv2d", torch.nn.Conv2d(1, 1, 3))):
+        given = x.clone().requires_grad_()
+
+        def forward(module: Any = module) -> None:
+            with torch.no_grad():
+                module(x)
+
+        def step(module: Any = module, given: Any = given) -> None:
+            module(given).sum().backward()
+
+        cases[f"{name} fwd"], cases[f"{name} fwd+bwd"] = forward, step
+    return cases
 
 
 def main() -> int:
@@ -75,7 +101,7 @@ def main() -> int:
         return 0
     if not args.checkout:
         for name, us in measure(args.number, args.repeat).items():
-            print(f"{name:<18} {us:8.2f} us")
+            print(f"{name:<22} {us:8.2f} us")
         return 0
     best: dict[str, dict[str, float]] = {root: {} for root in args.checkout}
     for _ in range(args.rounds):
@@ -87,10 +113,10 @@ def main() -> int:
                 best[root][name] = min(us, best[root].get(name, us))
     names = list(dict.fromkeys(n for found in best.values() for n in found))
     print(f"best of {args.rounds} alternating rounds, each the best of {args.repeat} x {args.number} calls (us per call)")
-    print(f"{'case':<18}" + "".join(f" {os.path.basename(os.path.abspath(r)):>14}" for r in args.checkout))
+    print(f"{'case':<22}" + "".join(f" {os.path.basename(os.path.abspath(r)):>14}" for r in args.checkout))
     for name in names:
         cells = "".join(f" {best[r][name]:14.2f}" if name in best[r] else f" {'-':>14}" for r in args.checkout)
-        print(f"{name:<18}{cells}")
+        print(f"{name:<22}{cells}")
     return 0
 
 

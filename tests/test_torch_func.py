@@ -299,3 +299,4 @@ def test_the_public_functions_define_no_jvp_so_torch_compile_takes_them():
         assert function.jvp is torch.autograd.Function.jvp
         assert _autograd._FORWARD[function].jvp is not torch.autograd.Function.jvp
         assert _autograd._OLDER[function].jvp is not torch.autograd.Function.jvp
+

@@ -144,8 +144,12 @@ class WeightGradFunction(_Pass):
 # torch.func's transforms take a Function only in the form above, whose forward has no ctx (setup_context does its
 # part), and autograd runs that form about 15 us a call slower than the older one, binding the arguments to forward's
 # signature. Outside the transforms (and outside a torch.compile trace, which takes either at no cost) each runs in
-# the older form, made here from the same forward, setup and backward.
-_transforms_active: Callable[[], bool] | None = getattr(torch._C, "_are_functorch_transforms_active", None)
+# the older form, made here from the same setup and backward, whose forward runs the operator by _ops.call.
+_transforms_active = _ops.transforms_active
+_OPERATORS: dict[type[torch.autograd.Function], Any] = {
+    ConvFunction: _ops.conv_forward, ConvTransposeFunction: _ops.conv_backward_data,
+    WeightGradFunction: _ops.conv_backward_filter,
+}
 
 
 def _jvp(function: type[torch.autograd.Function]) -> Callable[..., Tensor | None]:
@@ -191,8 +195,10 @@ def _forward_form(function: type[torch.autograd.Function]) -> type[torch.autogra
 
 
 def _older_form(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    op = _OPERATORS[function]
+
     def forward(ctx: Any, *args: Any) -> Tensor:
-        output = function.forward(*args)
+        output = _ops.call(op, *args)
         function.setup_context(ctx, args, output)
         return output
 
@@ -211,20 +217,21 @@ for _function in (*_FUNCTIONS, *_FORWARD.values()):
 
 # Each operator is differentiable as its Function is, by the same setup and backward: a graph that holds the operators
 # themselves (an exported program's) trains as the Functions do.
-for _op, _function in ((_ops.conv_forward, ConvFunction), (_ops.conv_backward_data, ConvTransposeFunction),
-                       (_ops.conv_backward_filter, WeightGradFunction)):
+for _function, _op in _OPERATORS.items():
     _op.register_autograd(_function.backward, setup_context=_function.setup_context)
 
 
 def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
-    """``function.apply(*args)``: in the older form (with ``jvp``) where no torch.func transform or torch.compile
-    trace runs, else as :func:`_differentiable`. Under ``torch.export``, the operator itself: an exported program
-    keeps no Function (a strict export runs a Function's forward without gradient), but the operator's registered
-    gradient."""
+    """``function.apply(*args)``: under a torch.compile trace ``function`` itself (a trace takes no Function with a
+    ``jvp``), under torch.func's transforms its form with a ``jvp``, elsewhere its older form (with a ``jvp``).
+    Under ``torch.export``, the operator itself: an exported program keeps no Function (a strict export runs a
+    Function's forward without gradient), but the operator's registered gradient."""
     if torch.compiler.is_exporting():
         return function.forward(*args)
-    if torch.compiler.is_compiling() or _transforms_active is None or _transforms_active():
-        return _differentiable(function, args)
+    if torch.compiler.is_compiling():
+        return function.apply(*args)
+    if _transforms_active():
+        return _FORWARD[function].apply(*args[:2], _Rest(args[2:]))
     return _OLDER[function].apply(*args)
 
 
@@ -234,17 +241,11 @@ def _pass(function: type[torch.autograd.Function], *args: Any) -> Tensor:
     differentiable by itself where the backward makes a graph (grad mode is on in a backward only then). Not the
     Function there: under ``is_grads_batched``'s batching a Function's graph stays on the batched wrapper, and the
     gradients that come out of it have none."""
-    if torch.is_grad_enabled() and (torch.compiler.is_compiling() or _transforms_active is None or _transforms_active()):
-        return _differentiable(function, args)
-    return function.forward(*args)
-
-
-def _differentiable(function: type[torch.autograd.Function], args: tuple[Any, ...]) -> Tensor:
-    """``function`` applied under a torch.compile trace (which takes no Function with a ``jvp``), else its form
-    with a ``jvp``, for torch.func's transforms."""
     if torch.compiler.is_compiling():
-        return function.apply(*args)
-    return _FORWARD[function].apply(*args[:2], _Rest(args[2:]))
+        return function.apply(*args) if torch.is_grad_enabled() else function.forward(*args)
+    if torch.is_grad_enabled() and _transforms_active():
+        return _FORWARD[function].apply(*args[:2], _Rest(args[2:]))
+    return _ops.call(_OPERATORS[function], *args)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...]) -> None:

@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from .. import ops
 from .._geometry import output_size
 
-__all__ = ["conv_backward_data", "conv_backward_filter", "conv_forward", "layout_of"]
+__all__ = ["call", "conv_backward_data", "conv_backward_filter", "conv_forward", "layout_of", "transforms_active"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -114,13 +115,15 @@ def _output_shape(
     return [x[0], w[0], *spatial]
 
 
-@torch.library.custom_op("wsarena::conv_forward", mutates_args=())
-def conv_forward(
+def _conv_forward(
     x: Tensor, w: Tensor, stride: list[int], padding: list[int], dilation: list[int], groups: int, layout: str
 ) -> Tensor:
     """``y = conv(x, w)`` through :func:`wsarena.conv_forward`; shapes and parameters as checked by the caller."""
     y = _empty(_output_shape(x.shape, w.shape, stride, padding, dilation), x, layout)
     return _run(ops.conv_forward, x, w, y, layout, stride, padding, dilation, groups)
+
+
+conv_forward = torch.library.custom_op("wsarena::conv_forward", mutates_args=())(_conv_forward)
 
 
 @conv_forward.register_fake
@@ -130,8 +133,7 @@ def _conv_forward_fake(
     return _empty(_output_shape(x.shape, w.shape, stride, padding, dilation), x, layout)
 
 
-@torch.library.custom_op("wsarena::conv_backward_data", mutates_args=())
-def conv_backward_data(
+def _conv_backward_data(
     dy: Tensor, w: Tensor, input_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
     groups: int, layout: str,
 ) -> Tensor:
@@ -139,6 +141,9 @@ def conv_backward_data(
     dx = _empty(input_shape, dy, layout)
     return _run(ops.conv_backward_data, dy, w, dx, layout, _order(input_shape, layout), stride, padding, dilation,
                 groups)
+
+
+conv_backward_data = torch.library.custom_op("wsarena::conv_backward_data", mutates_args=())(_conv_backward_data)
 
 
 @conv_backward_data.register_fake
@@ -149,8 +154,7 @@ def _conv_backward_data_fake(
     return _empty(input_shape, dy, layout)
 
 
-@torch.library.custom_op("wsarena::conv_backward_filter", mutates_args=())
-def conv_backward_filter(
+def _conv_backward_filter(
     x: Tensor, dy: Tensor, weight_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
     groups: int, layout: str,
 ) -> Tensor:
@@ -160,12 +164,43 @@ def conv_backward_filter(
                 dilation, groups)
 
 
+conv_backward_filter = torch.library.custom_op("wsarena::conv_backward_filter", mutates_args=())(_conv_backward_filter)
+
+
 @conv_backward_filter.register_fake
 def _conv_backward_filter_fake(
     x: Tensor, dy: Tensor, weight_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
     groups: int, layout: str,
 ) -> Tensor:
     return _empty(weight_shape, x, layout)
+
+
+# The Python functions behind the operators, which call() runs straight.
+_KERNELS: dict[Any, Callable[..., Tensor]] = {
+    conv_forward: _conv_forward, conv_backward_data: _conv_backward_data, conv_backward_filter: _conv_backward_filter,
+}
+transforms_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+_plain_keys: dict[bool, Any] = {}  # is_cuda: the dispatch keys of a plain tensor of that kind
+
+
+def call(op: Any, a: Tensor, b: Tensor, *args: Any) -> Tensor:
+    """``op(a, b, *args)``, one of the operators: straight to its Python function where PyTorch's dispatcher would
+    reach nothing else on the way, which saves the dispatcher's 20-30 us a call (bench/RESULTS.md); through the
+    dispatcher otherwise. Straight only for operands that are plain CPU or CUDA tensors to the dispatcher (their
+    dispatch keys those of a fresh tensor: not batched by ``is_grads_batched``, wrapped by torch.func, fake, meta,
+    conjugated, nor of a subclass that handles torch functions), with no gradient to record (a Function's forward,
+    a backward without a graph), and nothing that sees operators: a dispatch or torch-function mode, the profiler,
+    forward AD's dual tensors, torch.func's transforms, a trace."""
+    keys = torch._C._dispatch_keys(a)
+    plain = _plain_keys.get(a.is_cuda)
+    if plain is None:
+        plain = _plain_keys[a.is_cuda] = torch._C._dispatch_keys(torch.empty(0, device=a.device))
+    if (keys == plain and torch._C._dispatch_keys(b) == plain and not torch.is_grad_enabled()
+            and not torch._C._has_torch_function((a, b)) and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._autograd._profiler_enabled() and forward_ad._current_level < 0
+            and not transforms_active() and not torch.jit.is_tracing() and not torch.compiler.is_compiling()):
+        return _KERNELS[op](a, b, *args)
+    return op(a, b, *args)
 
 
 # -- torch.func.vmap -----------------------------------------------------------------------------------------------

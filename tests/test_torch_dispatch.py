@@ -1,0 +1,87 @@
+"""When wsarena.torch calls its custom operators through PyTorch's dispatcher, and when straight: an ordinary
+forward and backward on plain tensors skip the dispatcher (its cost is measured in bench/bench_interop.py), and
+whatever watches or transforms operators (a dispatch mode, the profiler, forward AD, batched gradients) still sees
+them and gets torch's results.
+
+Tolerance as in test_torch.py: float64 within 1e-10 of torch's, relative to the largest magnitude.
+"""
+
+import pytest
+
+from .test_torch import close
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+wt = pytest.importorskip("wsarena.torch")
+from wsarena.torch import _ops
+
+NAMES = ["conv_forward", "conv_backward_data", "conv_backward_filter"]
+
+
+@pytest.fixture
+def straight(monkeypatch):
+    """The names of the operators run straight, without the dispatcher, in order."""
+    calls = []
+    for op, kernel in list(_ops._KERNELS.items()):
+        monkeypatch.setitem(_ops._KERNELS, op, lambda *a, _k=kernel: calls.append(_k.__name__.lstrip("_")) or _k(*a))
+    return calls
+
+
+def tensors():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 7, 7, dtype=torch.float64, generator=g).requires_grad_()
+    conv = wt.Conv2d(4, 6, 3, padding=1).double()
+    return x, conv
+
+
+def test_an_ordinary_forward_and_backward_run_the_operators_straight(straight):
+    x, conv = tensors()
+    y = conv(x)
+    y.pow(2).sum().backward()
+    assert straight == NAMES
+    ref = F.conv2d(x, conv.weight, conv.bias, padding=1)
+    assert close(y, ref)
+
+
+def test_a_dispatch_mode_sees_every_operator(straight):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "wsarena":
+                seen.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    x, conv = tensors()
+    with Watch():
+        conv(x).pow(2).sum().backward()
+    assert seen == NAMES and straight == []
+
+
+def test_the_profiler_records_every_operator(straight):
+    x, conv = tensors()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        conv(x).pow(2).sum().backward()
+    names = {event.name for event in profile.events()}
+    assert {f"wsarena::{name}" for name in NAMES} <= names and straight == []
+
+
+def test_gradients_batched_by_autograd_go_through_the_dispatcher(straight):
+    """``is_grads_batched`` batches a backward's tensors (dispatch key Batched): the operators' vmap rules batch
+    them, where the straight path would see one sample's worth of memory."""
+    x, conv = tensors()
+    y, ref = conv(x), F.conv2d(x, conv.weight, conv.bias, padding=1)
+    dys = torch.randn(3, *y.shape, dtype=torch.float64)
+    got = torch.autograd.grad(y, (x, conv.weight), dys, is_grads_batched=True)
+    expected = torch.autograd.grad(ref, (x, conv.weight), dys, is_grads_batched=True)
+    assert all(close(g, e) for g, e in zip(got, expected))
+    assert straight == ["conv_forward"]  # the forward alone: its tensors are plain
+
+
+def test_meta_tensors_go_through_the_dispatcher(straight):
+    """A meta tensor has no memory: the operators' fake kernels give its shape."""
+    x = torch.empty(2, 4, 7, 7, device="meta")
+    y = wt.Conv2d(4, 6, 3, stride=2, device="meta")(x)
+    assert y.device.type == "meta" and y.shape == (2, 6, 3, 3) and straight == []
