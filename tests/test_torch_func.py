@@ -300,3 +300,20 @@ def test_the_public_functions_define_no_jvp_so_torch_compile_takes_them():
         assert _autograd._FORWARD[function].jvp is not torch.autograd.Function.jvp
         assert _autograd._OLDER[function].jvp is not torch.autograd.Function.jvp
 
+
+def test_forward_over_reverse_with_dual_tensors_matches_torchs():
+    """A backward of dual tensors (``torch.autograd.grad`` under ``forward_ad``) runs its passes with their
+    tangents: the operators alone have no forward mode and would drop them."""
+    import torch.autograd.forward_ad as fwad
+
+    x, w, b = (t.detach() for t in tensors((1, 2, 5, 5), (3, 2, 3, 3)))
+    w.requires_grad_()
+    direction = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    results = []
+    for conv in (wt.conv2d, F.conv2d):
+        with fwad.dual_level():
+            y = conv(fwad.make_dual(x, direction), w, b, padding=1)
+            (dw,) = torch.autograd.grad(y.tanh().sum(), w)
+            results.append(fwad.unpack_dual(dw))
+    (got, got_tangent), (expected, expected_tangent) = results
+    assert close(got, expected) and got_tangent is not None and close(got_tangent, expected_tangent)

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from .. import _callsite, _config
 from . import _ops
@@ -245,6 +246,8 @@ def _pass(function: type[torch.autograd.Function], *args: Any) -> Tensor:
         return function.apply(*args) if torch.is_grad_enabled() else function.forward(*args)
     if torch.is_grad_enabled() and _transforms_active():
         return _FORWARD[function].apply(*args[:2], _Rest(args[2:]))
+    if forward_ad._current_level >= 0:  # dual tensors may come (forward over reverse): the jvp gives their tangents
+        return _OLDER[function].apply(*args)
     return _ops.call(_OPERATORS[function], *args)
 
 
