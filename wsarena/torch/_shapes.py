@@ -8,7 +8,7 @@ checked once, as the ops remember theirs (:mod:`wsarena.ops`), and looked up aft
 Under ``torch.compile(dynamic=True)`` or ``torch.export`` with a ``Dim``, the batch and spatial sizes are
 ``SymInt`` objects: checked as ints they would be fixed to the traced values (a graph per shape, an export refused).
 There the parameters, channels and weight are checked on a stand-in input whose symbolic sizes are replaced by
-sizes any valid call may have; each symbolic spatial size is checked with ``torch._check``, which a traced graph
+sizes any valid call may have; each spatial size is checked with ``torch._check_with``, which a traced graph
 keeps as an assertion on the sizes it runs with, and the ops check the real sizes again when they run.
 """
 
