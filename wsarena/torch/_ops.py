@@ -15,6 +15,9 @@ ops' channels-last layout, on its own memory; its results are channels-last tens
 Under ``torch.func.vmap`` each operator is one call with the mapped dimension folded into the batch or the groups
 (their ``register_vmap`` rules).
 
+:func:`call` runs an operator's Python function straight, without PyTorch's dispatcher, where the dispatcher would
+do nothing else (an ordinary forward and backward on plain tensors).
+
 On the CPU, float16 and bfloat16 tensors are computed in float32 (the CPU backend has no half-precision
 kernels) and rounded to their dtype, as PyTorch's CPU convolution accumulates them in float32.
 """
