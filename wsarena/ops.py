@@ -316,7 +316,9 @@ def conv_forward(
         key on the CPU. ``None``: the calling thread's default; PyTorch's current stream for PyTorch tensors.
     layout : ``"NCHW"`` or ``"NHWC"``
     algo : str, optional
-        Force an algorithm by name (``ValueError`` if it needs more workspace than the cap).
+        Force an algorithm by name (``ValueError`` if it needs more workspace than the cap, or, a graph-API engine,
+        if it would compute the dtype below wsarena's precision: float32 in TF32, float16 with a float16
+        accumulator).
 
     Returns
     -------
