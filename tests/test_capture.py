@@ -14,9 +14,11 @@ import pytest
 
 import wsarena
 from tests.reference import ref_conv_forward
+from wsarena.algos import run_with_fallback
 from wsarena.arena import Arena, _pinning, set_arena
 from wsarena.arena._pins import GraphPin
 from wsarena.arena.testing import FakeStream, RecordingProvider
+from wsarena.backends import Candidate
 
 S1, S2 = 0x51, 0x52  # raw stream handles of a device-like arena
 
@@ -495,3 +497,70 @@ def test_the_seeded_capture_workspace_stays_within_the_configured_cap(device):
     fresh = Arena(RecordingProvider(device_id=0))
     seed_workspace(fresh, S1)  # an arena that holds nothing seeds nothing
     assert fresh.stats().streams == {}
+
+
+def test_a_capture_takes_the_algorithm_the_eager_step_fell_back_to(device):
+    """The eager step's first algorithm could not grow the arena (out of memory), so the step ran the next one, which
+    the stream's buffer holds. A capture of the step runs that one too, from the same buffer. Once, the capture
+    raised CaptureError on the first, whose growth it cannot hold."""
+    provider, arena = device
+    arena.reserve(3000, stream=S1)  # an earlier call's
+    provider.fail = lambda n: n > 4096
+    cands = (Candidate("big", 50_000), Candidate("small", 3000), Candidate("none", 0))
+    ran = []
+
+    def run(cand, ws):
+        ran.append((cand.algo, ws.ptr))
+
+    assert run_with_fallback(arena, cands, run, stream=S1, cap=None).algo == "small"
+    graph = provider.begin_capture(S1)
+    assert run_with_fallback(arena, cands, run, stream=S1, cap=None).algo == "small"
+    provider.end_capture(graph)
+    assert ran[0] == ran[1] and len(graph.pins) == 1 and len(provider.allocations) == 1
+    graph.close()
+
+
+def test_a_capture_that_no_held_buffer_serves_is_a_capture_error_and_a_runs_own_passes(device):
+    """Only when no candidate fits the stream's buffer is the capture a CaptureError (not an out-of-memory error); a
+    CaptureError the run itself raises (a handle it would create) is not a reason to try another algorithm."""
+    provider, arena = device
+    arena.reserve(1000, stream=S1)
+    cands = (Candidate("big", 50_000), Candidate("medium", 20_000))
+    graph = provider.begin_capture(S1)
+    with pytest.raises(wsarena.CaptureError, match="needs the arena to grow"):
+        run_with_fallback(arena, cands, lambda c, ws: None, stream=S1, cap=None)
+    ran = []
+
+    def refuse(cand, ws):
+        ran.append(cand.algo)
+        raise wsarena.CaptureError("this call would create a cuDNN handle")
+
+    with pytest.raises(wsarena.CaptureError, match="create a cuDNN handle"):
+        run_with_fallback(arena, (Candidate("small", 500), Candidate("none", 0)), refuse, stream=S1, cap=None)
+    provider.end_capture(graph)
+    assert ran == ["small"] and len(provider.allocations) == 1 and arena.stats().streams[S1].leases == 0
+    graph.close()
+
+
+def test_a_captured_convolution_runs_the_algorithm_its_eager_call_fell_back_to():
+    """The same through the ops, on the CPU backend: the eager call's first algorithm could not grow the lane's
+    buffer, the second ran; the captured call runs the second too and gives the same result."""
+    provider = RecordingProvider()
+    previous = set_arena("cpu", Arena(provider))
+    try:
+        rng = np.random.default_rng(1)
+        x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+        w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+        wsarena.get_arena("cpu").reserve(6912, stream="lane")  # gemm_per_image's workspace; gemm_batch needs twice
+        provider.fail = lambda n: n > 8192
+        eager = wsarena.conv_forward(x, w, padding=1, stream="lane")
+        allocated = len(provider.allocations)
+        graph = provider.begin_capture("lane")
+        out = np.empty_like(eager)
+        wsarena.conv_forward(x, w, padding=1, stream="lane", out=out)
+        provider.end_capture(graph)
+        assert len(provider.allocations) == allocated and len(graph.pins) == 1
+        np.testing.assert_allclose(out, ref_conv_forward(x.astype(np.float64), w.astype(np.float64), padding=1), rtol=1e-4, atol=1e-4)  # float32 vs float64
+        graph.close()
+    finally:
+        set_arena("cpu", previous)

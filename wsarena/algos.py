@@ -21,7 +21,13 @@ from ._geometry import ConvGeometry, describe_geometry
 from ._pass import Pass
 from ._sizes import format_size
 from .backends import Backend, Candidate
-from .errors import ArenaOutOfMemoryError, NoAlgorithmFitsError, UnsupportedConvolutionError, WorkspaceCapWarning
+from .errors import (
+    ArenaOutOfMemoryError,
+    CaptureError,
+    NoAlgorithmFitsError,
+    UnsupportedConvolutionError,
+    WorkspaceCapWarning,
+)
 
 __all__ = ["cache_clear", "choose", "forced", "generation", "is_cached", "run_with_fallback", "select"]
 
@@ -223,14 +229,17 @@ def run_with_fallback(
 
     Out of memory, either way, moves on to the next candidate: if growing the arena fails, to the next ones that
     fit in what the stream's sub-arena already holds; if the algorithm itself runs out (a ``MemoryError`` from
-    NumPy's temporaries, say), to the next one. If ``run`` raises one of ``retry`` (the backend refuses this
-    algorithm for these operands, e.g. cuDNN's NOT_SUPPORTED), to the next one too. Raises
-    :class:`NoAlgorithmFitsError` (a ``MemoryError``) with the numbers when memory stopped every candidate, or the
-    last refusal when one was refused.
+    NumPy's temporaries, say), to the next one. While the stream is captured into a CUDA graph the arena cannot grow
+    at all: a candidate that would need it to moves on, as out of memory does, to those the stream's buffer holds
+    (the ones an eager step that ran out of memory fell back to). If ``run`` raises one of ``retry`` (the backend
+    refuses this algorithm for these operands, e.g. cuDNN's NOT_SUPPORTED), to the next one too. Raises
+    :class:`CaptureError` when the capture stopped every candidate, :class:`NoAlgorithmFitsError` (a
+    ``MemoryError``) with the numbers when memory did, or the last refusal when one was refused.
     """
     limit: int | None = None
     failure: MemoryError | None = None
     refused: BaseException | None = None
+    captured: CaptureError | None = None
     for cand in candidates:
         if limit is not None and cand.workspace_bytes > limit:
             continue
@@ -241,6 +250,14 @@ def run_with_fallback(
             failure = exc
             limit = arena.held_bytes(stream=stream)
             continue
+        except CaptureError as exc:
+            # A growth that the capture cannot hold: those the stream's buffer holds may run. A refusal of a lease
+            # the buffer holds (or one that `run` raised, whose lease the buffer held) no other candidate changes.
+            limit = arena.held_bytes(stream=stream)
+            if cand.workspace_bytes <= limit:
+                raise
+            captured = captured or exc
+            continue
         except retry as exc:
             refused = exc
             continue
@@ -248,6 +265,10 @@ def run_with_fallback(
             failure = exc
             continue
         return cand
+    if captured is not None:
+        if refused is not None:
+            captured.add_note(f"the algorithms the held workspace serves were refused: {refused}")
+        raise captured
     if refused is not None:
         if failure is not None:
             refused.add_note(f"algorithms needing more memory could not get it: {failure}")
