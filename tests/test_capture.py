@@ -564,3 +564,40 @@ def test_a_captured_convolution_runs_the_algorithm_its_eager_call_fell_back_to()
         graph.close()
     finally:
         set_arena("cpu", previous)
+
+
+def test_eviction_of_idle_streams_never_drops_a_buffer_a_capture_under_way_pinned(device, monkeypatch):
+    """Idle sub-arenas of caller-chosen keys beyond MAX_IDLE_STREAMS are evicted. A captured stream is idle between
+    the capture's leases, and its buffer, pinned, could not be freed anyway: it is not evicted, and the capture's
+    next lease there gets the same bytes. Once, it was forgotten: the next lease found no buffer (CaptureError), and
+    frees with no stream stopped waiting for the capture."""
+    from wsarena.arena import _table
+
+    monkeypatch.setattr(_table, "MAX_IDLE_STREAMS", 4)
+    provider, arena = device
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1) as ws:
+        pinned = ws.ptr
+    for handle in range(0x100, 0x110):  # one-off streams of other threads, not captured
+        with arena.lease(100, stream=handle):
+            pass
+    with arena.lease(1000, stream=S1) as ws:  # the capture goes on
+        assert ws.ptr == pinned
+    assert S1 in arena._table.capturing and pinned not in freed(provider)
+    provider.end_capture(graph)
+    gone = FakeStream(0x53)
+    arena.reserve(100, stream=gone)
+    del gone
+    gc.collect()
+    arena.trim()  # frees the dead stream's buffer with no stream: the capture is seen over, and forgotten
+    assert arena._table.capturing == {}
+    for handle in range(0x200, 0x210):
+        with arena.lease(100, stream=handle):
+            pass
+    assert len(arena.stats().streams) <= 5  # the others were evicted as before (the pinned one counted apart)
+    allocated = len(provider.allocations)
+    with arena.lease(1000, stream=S1) as ws:  # the graph holds the buffer: it stayed the stream's own
+        assert ws.ptr == pinned
+    assert len(provider.allocations) == allocated
+    graph.close()

@@ -358,8 +358,14 @@ class _Table:
     def evict_idle(self) -> None:
         """Forget idle sub-arenas of caller-chosen keys beyond ``MAX_IDLE_STREAMS``: first those not leased again
         since the last pass (a one-off key is leased once, when it is made), then the rest, oldest first. A stream in
-        steady use is leased again all the time, so it keeps its buffer."""
-        idle = [sub for sub in self.subs.values() if _caller_chosen(sub.key) and sub.idle()]
+        steady use is leased again all the time, so it keeps its buffer. So does a stream that a capture may still
+        be using, or whose buffer a graph holds: forgetting it would free nothing (a pinned buffer is kept for its
+        graphs), and the capture's next lease there would find no buffer, which it cannot grow."""
+        idle = [
+            sub for sub in self.subs.values()
+            if _caller_chosen(sub.key) and sub.idle() and sub.key not in self.capturing
+            and not (sub.block is not None and sub.block.pinned())
+        ]
         excess = len(idle) - MAX_IDLE_STREAMS + 1  # room for the one about to be made
         for second_pass in (False, True):
             for sub in idle:
