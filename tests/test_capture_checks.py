@@ -167,3 +167,25 @@ def test_cudnn_9_1_finalizes_no_plan_to_size_a_configuration_during_capture(monk
     with pytest.raises(CaptureError, match="finalize a cuDNN execution plan"):
         backend.candidates("fwd", GEOM)
     assert made == []
+
+
+def test_a_pin_cuda_never_took_reads_released_and_its_semaphore_is_freed(monkeypatch):
+    """cudaUserObjectCreate fails: no graph holds the pin, and CUDA will never post it. It reads as released (nothing
+    is kept for it) and its semaphore is freed with it. Once, it stayed live, so the semaphore was never freed."""
+    import gc
+
+    from cuda.bindings import runtime as rt
+
+    from wsarena.arena import _pins
+
+    frees = []
+    monkeypatch.setattr(_pins, "_free", frees.append)  # never freed for real here: a test pin
+    monkeypatch.setattr(rt, "cudaUserObjectCreate", lambda *args: (rt.cudaError_t.cudaErrorMemoryAllocation, None))
+    pin = _pins.GraphPin()
+    address = pin.address
+    with pytest.raises(RuntimeError, match="cudaUserObjectCreate failed: cudaErrorMemoryAllocation"):
+        _capture.CudaCapture(7, "graph").retain(pin)
+    assert not pin.live()
+    del pin
+    gc.collect()
+    assert frees == [address]

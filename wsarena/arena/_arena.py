@@ -41,6 +41,7 @@ from .._sizes import format_size
 from ..errors import WorkspaceCapError
 from . import _growth, _pinning
 from ._lifecycle import give_back, release_all, track_arena, track_device_arena
+from ._pins import free_posted
 from ._stats import ArenaStats, snapshot
 from ._sub import _Block, _Owner, _SubArena, this_thread, wait
 from ._table import _Table
@@ -260,7 +261,9 @@ class Arena:
                 if sub.idle():
                     self._table.forget(sub)
             self._table.release_kept()  # what graphs still hold is freed by a later trim() or stats()
+            _pinning.forget_released(self._table.captures)
         self._give_back()
+        free_posted()  # the pins dropped before their graphs went, once CUDA let go of them
 
     def __repr__(self) -> str:
         capacity = sum(sub.capacity() for sub in list(self._subs.values()))  # for repr only: no lock

@@ -37,7 +37,9 @@ class CudaCapture:
         err, obj = rt.cudaUserObjectCreate(
             pin.address, rt.cudaHostFn_t(pin.destroy), 1, rt.cudaUserObjectFlags.cudaUserObjectNoDestructorSync
         )
-        _check(err, "cudaUserObjectCreate")
+        if int(err):
+            pin.never_held()  # CUDA never had it: it reads as released, and its semaphore is freed with it
+            _check(err, "cudaUserObjectCreate")
         (err,) = rt.cudaGraphRetainUserObject(
             self.graph, obj, 1, rt.cudaUserObjectRetainFlags.cudaGraphUserObjectMove
         )

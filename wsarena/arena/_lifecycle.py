@@ -21,6 +21,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from .. import _forksafe
+from ._pins import free_posted
 from ._table import _Table
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ def release_all(provider: Any, table: _Table) -> None:
         return
     table.let_go_everything()
     give_back(provider, table.to_free)
+    free_posted()
 
 
 # Every arena, for the fork handler: weak references without callbacks (a callback is Python code, where an

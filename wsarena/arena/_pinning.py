@@ -62,9 +62,16 @@ def _pin_for(self: Arena, capture: Any) -> Any:
     capture.retain(pin)
     with self._lock:
         if len(captures) >= _PRUNE_AT and len(captures) & (len(captures) - 1) == 0:  # at each power of two
-            for key in [key for key, old in captures.items() if not old.live()]:
-                del captures[key]
+            forget_released(captures)
+        # Another thread's first lease of this capture may have recorded a pin meanwhile: that one serves, and this
+        # one, which the graph holds too, is dropped (its semaphore is freed once CUDA posts it: _pins.free_posted).
         return captures.setdefault(capture.id, pin)
+
+
+def forget_released(captures: dict[Any, Any]) -> None:
+    """Forget the captures whose graphs are gone; their pins go with them (lock held)."""
+    for key in [key for key, old in captures.items() if not old.live()]:
+        del captures[key]
 
 
 def growth_error(what: str, key: Hashable, held: int) -> CaptureError:

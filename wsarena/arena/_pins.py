@@ -10,7 +10,9 @@ pin's own, and the arena asks ``sem_trywait`` whether it ran whenever it is abou
 
 The semaphore lives in memory from libc's ``malloc``, not in a Python object: CUDA may post it after the pin is
 gone, and even after the interpreter has freed its own objects at exit (a graph destroyed then). It is freed only
-once CUDA has posted it, when CUDA will never touch it again; a pin dropped before that leaves it to CUDA for good.
+once CUDA has posted it, when CUDA will never touch it again. A pin dropped before that (a spare, made by a second
+thread's first lease of a capture; the pins of a collected arena) leaves its semaphore on a list that
+:func:`free_posted` looks at, when a pin is made and when an arena is closed or collected: each is freed once posted.
 
 ``sem_post`` returns an int and CUDA calls it as ``void (*)(void *)``: on the ABIs CUDA runs on (x86-64 System V,
 AArch64) a return value the caller ignores stays in a register, so the call is sound.
@@ -23,7 +25,7 @@ import os
 import weakref
 from typing import Any
 
-__all__ = ["SEM_POST", "GraphPin"]
+__all__ = ["HOST_FN", "SEM_POST", "GraphPin", "free_posted"]
 
 _libc = ctypes.CDLL(None, use_errno=True)  # the process's own C library: sem_* live there (or in libpthread)
 _sem_init = _libc.sem_init
@@ -37,7 +39,11 @@ _free = _libc.free
 _free.argtypes = [ctypes.c_void_p]
 
 SEM_POST: int = ctypes.cast(_libc.sem_post, ctypes.c_void_p).value or 0  # the destructor CUDA runs
+HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # what CUDA calls it as (cudaHostFn_t): void (*)(void *)
 _SEM_BYTES = 64  # sizeof(sem_t) is 32 on 64-bit glibc and musl; room to spare
+
+# The semaphores of pins dropped before CUDA posted them, by address: CUDA may still post each (its graph lives on).
+_unposted: dict[int, list[Any]] = {}
 
 
 class GraphPin:
@@ -56,6 +62,7 @@ class GraphPin:
     destroy = SEM_POST
 
     def __init__(self) -> None:
+        free_posted()
         address = _malloc(_SEM_BYTES)
         if not address:
             raise MemoryError("malloc of a graph pin's semaphore failed")
@@ -89,13 +96,39 @@ class GraphPin:
             return False
         return True
 
+    def never_held(self) -> None:
+        """No graph was given this pin (the call that would have failed): post it here, as CUDA would have, so that it
+        reads as released and its semaphore is freed with it."""
+        HOST_FN(self.destroy)(self.address)
+
     def __repr__(self) -> str:
         return f"GraphPin({'released' if self.released else 'live'})"
 
 
+
 def _let_go(state: list[Any]) -> None:
-    """A pin was collected: free its semaphore if CUDA has posted it (it never will again); else it stays, for CUDA
-    to post whenever the graph goes."""
+    """A pin was collected: free its semaphore if CUDA has posted it (it never will again); else it waits on the list
+    of those :func:`free_posted` frees once CUDA has."""
     if state[1] or _sem_trywait(state[0]) == 0:
         state[1] = True
         _free(state[0])
+    else:
+        _unposted[state[0]] = state
+
+
+def free_posted() -> None:
+    """Free the semaphores of dropped pins that CUDA has posted since (never one that it may still post).
+
+    No lock: this runs in finalizers too (an arena's, which the collector may run in the middle of this very loop).
+    Each semaphore is claimed before it is looked at, by taking it off the list (one C call, which one caller alone
+    wins), and put back if CUDA has not posted it yet. An interrupt in between loses 64 bytes, never frees them twice.
+    """
+    for address in list(_unposted):
+        state = _unposted.pop(address, None)
+        if state is None:  # another caller's now
+            continue
+        if state[1] or _sem_trywait(address) == 0:
+            state[1] = True
+            _free(address)
+        else:
+            _unposted[address] = state

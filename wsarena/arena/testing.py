@@ -6,12 +6,12 @@ handle 2 per thread) while handing out host memory, so the device rules are test
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from ._pins import HOST_FN
 from .providers import Buffer, HostProvider
 
 __all__ = ["FakeGraph", "FakeStream", "RecordingProvider"]
@@ -22,27 +22,25 @@ _UPSTREAMS: Any = object()  # device_id=: the upstream's
 class FakeGraph:
     """A CUDA graph being captured (or captured) on a :class:`RecordingProvider`'s stream, without CUDA.
 
-    It holds the pins the arena hands it as a CUDA graph holds user objects; :meth:`close` runs each pin's
+    It holds the pins the arena hands it as a CUDA graph holds user objects: ``pins`` lists each one's destructor and
+    its argument, not the pin itself, which the arena may drop while the graph lives on. :meth:`close` runs each
     destructor through its C function pointer, as CUDA does when it destroys the graph."""
 
     _ids = itertools.count(1)
 
     def __init__(self) -> None:
         self.id = next(self._ids)
-        self.pins: list[Any] = []
+        self.pins: list[tuple[int, int]] = []  # (destroy, address) of each pin retained
         self.closed = False
 
     def retain(self, pin: Any) -> None:
-        self.pins.append(pin)
+        self.pins.append((pin.destroy, pin.address))
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            for pin in self.pins:
-                _DESTRUCTOR(pin.destroy)(pin.address)
-
-
-_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # what CUDA calls: void (*)(void *)
+            for destroy, address in self.pins:
+                HOST_FN(destroy)(address)
 
 
 class FakeStream:
