@@ -294,109 +294,15 @@ def test_a_reserve_that_would_grow_a_captured_stream_is_a_capture_error(device):
     assert len(provider.allocations) == 2
 
 
-class CaptureWatchingProvider(RecordingProvider):
-    """Records each free made while its stream (or, with no stream, any stream) is being captured: CUDA would record
-    ``cudaFreeAsync`` into the graph instead of freeing, and a device synchronisation would break the capture."""
-
-    def __init__(self):
-        super().__init__(device_id=0)
-        self.during_capture = []
-
-    def deallocate(self, buffer, *, stream):
-        if stream in self.capturing or (stream is None and self.capturing):
-            self.during_capture.append((buffer.ptr, stream))
-        super().deallocate(buffer, stream=stream)
-
-
-def test_a_buffer_is_not_freed_on_its_stream_while_that_stream_is_captured():
-    """Capture, grow, release the graph, capture again on the same stream: the buffer the first graph held is let go
-    during the second capture, whose first lease looks at the kept buffers. Its free waits for the capture to end.
-    Once, it was freed at once on the captured stream (with AsyncProvider a cudaFreeAsync recorded into the new
-    graph, to run at every replay)."""
-    provider = CaptureWatchingProvider()
-    arena = Arena(provider)
-    arena.reserve(1000, stream=S1)
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1) as ws:
-        first = ws.ptr
-    provider.end_capture(graph)
-    with arena.lease(50_000, stream=S1):  # an eager growth: the pinned buffer is kept aside
-        pass
-    graph.close()
-    again = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1):
-        pass
-    arena.stats()  # a call of no stream's own, while the capture goes on
-    assert provider.during_capture == [] and first not in freed(provider)
-    provider.end_capture(again)
-    with arena.lease(10, stream=S2):  # the next call after the capture frees it, on its own stream
-        pass
-    assert (first, S1) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
-
-
-def test_nothing_that_would_synchronise_the_device_is_freed_in_a_capture_block():
-    """A stream object dies; its buffer is freed with no stream (the provider synchronises the device first) when
-    a new sub-arena is made, or by a trim. Inside a capture block (its stream current) either waits until a call
-    outside the capture: a synchronisation would break the capture."""
-    provider = CaptureWatchingProvider()
-    arena = Arena(provider)
-    arena.reserve(1000, stream=S1)
-    gone = [FakeStream(S2), FakeStream(0x53)]
-    for stream in gone:
-        arena.reserve(1000, stream=stream)
-    del gone, stream
-    gc.collect()
-    provider.current = S1  # as in `with wsarena.capture(s)`: the capture stream is current
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=0x54):  # an eager call on a stream of its own, made inside the capture block
-        pass
-    arena.trim()
-    assert provider.during_capture == [] and [s for _, s in provider.frees] == [0x54]  # not captured: freed
-    provider.end_capture(graph)
-    arena.trim()
-    assert [s for _, s in provider.frees] == [0x54, None, None, S1] and provider.during_capture == []
-    graph.close()
-
-
-@pytest.mark.parametrize("how", ["a new stream", "a trim"])
-def test_nothing_that_would_synchronise_the_device_is_freed_while_another_thread_captures(how):
-    """A capture in CUDA's global mode (PyTorch's default) is broken by a device synchronisation in any thread. While
-    another thread captures S1 (its step has leased there), a call of this thread, whose stream and current stream
-    are not captured, lets a dead stream's buffer go: its free with no stream waits until the capture is over. Once,
-    only the draining call's stream and its thread's current stream were asked."""
-    provider = CaptureWatchingProvider()
-    arena = Arena(provider)
-    arena.reserve(1000, stream=S1)
-    gone = FakeStream(S2)
-    arena.reserve(1000, stream=gone)
-    del gone
-    gc.collect()
-    graph = provider.begin_capture(S1)  # in the other thread; this thread's current stream (0) is not captured
-    with arena.lease(1000, stream=S1):  # the other thread's captured step
-        pass
-    if how == "a trim":
-        arena.trim()
-    else:
-        with arena.lease(1000, stream=0x54):  # a stream new to the arena: dead streams' sub-arenas go
-            pass
-    assert provider.during_capture == [] and [s for _, s in provider.frees] == []
-    provider.end_capture(graph)
-    with arena.lease(10, stream=0x54):  # the next call after the capture frees it
-        pass
-    assert [s for _, s in provider.frees] == [None] and provider.during_capture == []
-    with arena.lease(10, stream=0x54):
-        pass
-    assert arena._table.capturing == {}  # the capture over was seen, and forgotten: nothing more is asked
-    graph.close()
-
-
 def test_a_pins_semaphore_is_freed_only_once_cuda_has_posted_it(monkeypatch):
     """CUDA may run a graph's destructor (sem_post) after the pin is gone, and at exit after the interpreter freed
     its objects: the semaphore is memory of libc's, freed only once CUDA posted it."""
     from wsarena.arena import _pins
 
+    gc.collect()  # other tests' pins go now, not under the patch below
     frees = []
     monkeypatch.setattr(_pins, "_free", frees.append)  # never freed for real here: these are test pins
+    monkeypatch.setattr(_pins, "_unposted", {})  # those of other tests' pins are theirs
     destroy = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
     held = GraphPin()
     address = held.address
@@ -610,8 +516,10 @@ def test_a_spare_pins_semaphore_is_freed_once_cuda_has_posted_it(device, monkeyp
     has posted it (the graph is gone), by the arena's close, never before. Once, it was never freed."""
     from wsarena.arena import _pins
 
+    gc.collect()  # other tests' pins go now, not under the patch below
     frees = []
     monkeypatch.setattr(_pins, "_free", frees.append)  # never freed for real here: these are test pins
+    monkeypatch.setattr(_pins, "_unposted", {})  # those of other tests' pins are theirs
     provider, arena = device
     for stream in (S1, S2):
         arena.reserve(1000, stream=stream)

@@ -178,8 +178,10 @@ def test_a_pin_cuda_never_took_reads_released_and_its_semaphore_is_freed(monkeyp
 
     from wsarena.arena import _pins
 
+    gc.collect()  # other tests' pins go now, not under the patch below
     frees = []
     monkeypatch.setattr(_pins, "_free", frees.append)  # never freed for real here: a test pin
+    monkeypatch.setattr(_pins, "_unposted", {})  # those of other tests' pins are theirs
     monkeypatch.setattr(rt, "cudaUserObjectCreate", lambda *args: (rt.cudaError_t.cudaErrorMemoryAllocation, None))
     pin = _pins.GraphPin()
     address = pin.address

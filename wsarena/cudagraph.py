@@ -140,6 +140,7 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
         "thread_local": runtime.streamCaptureModeThreadLocal,
         "relaxed": runtime.streamCaptureModeRelaxed,
     }[mode]
+    from .arena._pinning import watch_capture
     from .arena._registry import open_arena
 
     graph = CapturedGraph(stream)
@@ -149,6 +150,11 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
             seed_workspace(arena, stream)
         stream.begin_capture(cuda_mode)
         try:
+            if arena is not None:
+                # Frees that would synchronise the device wait from now on, not from the step's first lease: another
+                # thread's free breaks a global-mode capture, and a non-blocking stream's capture is not seen by
+                # asking the legacy default stream.
+                watch_capture(arena, stream)
             yield graph
         except BaseException:
             with contextlib.suppress(Exception):

@@ -50,6 +50,15 @@ def _acquire_captured(self: Arena, ws: Workspace, anchor: Any, capture: Any) -> 
         self._grant(sub, ws, block)
 
 
+def watch_capture(self: Arena, stream: Any) -> None:
+    """``stream`` was just made to capture (by :func:`wsarena.capture`): frees with no stream wait while its capture
+    may go on, from now on. A capture begun elsewhere is known from its first lease; before that, one in CUDA's global
+    mode on a non-blocking stream is seen by no question the arena could ask (lock not held)."""
+    key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
+    with self._lock:
+        self._table.capturing[key] = None
+
+
 def _pin_for(self: Arena, capture: Any) -> Any:
     """The pin of the graph that ``capture`` records into, made and handed to the graph on the capture's first
     lease (lock not held: ``capture.retain`` calls CUDA)."""

@@ -1,0 +1,192 @@
+"""Frees held back while a stream is captured into a CUDA graph, without a GPU: a free on a captured stream would be
+recorded into the graph, and one with no stream (a device synchronisation) would break the capture."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+
+import pytest
+
+import wsarena
+from wsarena.arena import Arena, set_arena
+from wsarena.arena.testing import FakeStream, RecordingProvider
+
+S1, S2 = 0x51, 0x52  # raw stream handles of a device-like arena
+
+
+def freed(provider):
+    return [buffer.ptr for buffer, _ in provider.frees]
+
+
+class CaptureWatchingProvider(RecordingProvider):
+    """Records each free made while its stream (or, with no stream, any stream) is being captured: CUDA would record
+    ``cudaFreeAsync`` into the graph instead of freeing, and a device synchronisation would break the capture."""
+
+    def __init__(self):
+        super().__init__(device_id=0)
+        self.during_capture = []
+
+    def deallocate(self, buffer, *, stream):
+        if stream in self.capturing or (stream is None and self.capturing):
+            self.during_capture.append((buffer.ptr, stream))
+        super().deallocate(buffer, stream=stream)
+
+
+def test_a_buffer_is_not_freed_on_its_stream_while_that_stream_is_captured():
+    """Capture, grow, release the graph, capture again on the same stream: the buffer the first graph held is let go
+    during the second capture, whose first lease looks at the kept buffers. Its free waits for the capture to end.
+    Once, it was freed at once on the captured stream (with AsyncProvider a cudaFreeAsync recorded into the new
+    graph, to run at every replay)."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1) as ws:
+        first = ws.ptr
+    provider.end_capture(graph)
+    with arena.lease(50_000, stream=S1):  # an eager growth: the pinned buffer is kept aside
+        pass
+    graph.close()
+    again = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1):
+        pass
+    arena.stats()  # a call of no stream's own, while the capture goes on
+    assert provider.during_capture == [] and first not in freed(provider)
+    provider.end_capture(again)
+    with arena.lease(10, stream=S2):  # the next call after the capture frees it, on its own stream
+        pass
+    assert (first, S1) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+
+
+def test_nothing_that_would_synchronise_the_device_is_freed_in_a_capture_block():
+    """A stream object dies; its buffer is freed with no stream (the provider synchronises the device first) when
+    a new sub-arena is made, or by a trim. Inside a capture block (its stream current) either waits until a call
+    outside the capture: a synchronisation would break the capture."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    gone = [FakeStream(S2), FakeStream(0x53)]
+    for stream in gone:
+        arena.reserve(1000, stream=stream)
+    del gone, stream
+    gc.collect()
+    provider.current = S1  # as in `with wsarena.capture(s)`: the capture stream is current
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=0x54):  # an eager call on a stream of its own, made inside the capture block
+        pass
+    arena.trim()
+    assert provider.during_capture == [] and [s for _, s in provider.frees] == [0x54]  # not captured: freed
+    provider.end_capture(graph)
+    arena.trim()
+    assert [s for _, s in provider.frees] == [0x54, None, None, S1] and provider.during_capture == []
+    graph.close()
+
+
+@pytest.mark.parametrize("how", ["a new stream", "a trim"])
+def test_nothing_that_would_synchronise_the_device_is_freed_while_another_thread_captures(how):
+    """A capture in CUDA's global mode (PyTorch's default) is broken by a device synchronisation in any thread. While
+    another thread captures S1 (its step has leased there), a call of this thread, whose stream and current stream
+    are not captured, lets a dead stream's buffer go: its free with no stream waits until the capture is over. Once,
+    only the draining call's stream and its thread's current stream were asked."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    gone = FakeStream(S2)
+    arena.reserve(1000, stream=gone)
+    del gone
+    gc.collect()
+    graph = provider.begin_capture(S1)  # in the other thread; this thread's current stream (0) is not captured
+    with arena.lease(1000, stream=S1):  # the other thread's captured step
+        pass
+    if how == "a trim":
+        arena.trim()
+    else:
+        with arena.lease(1000, stream=0x54):  # a stream new to the arena: dead streams' sub-arenas go
+            pass
+    assert provider.during_capture == [] and [s for _, s in provider.frees] == []
+    provider.end_capture(graph)
+    with arena.lease(10, stream=0x54):  # the next call after the capture frees it
+        pass
+    assert [s for _, s in provider.frees] == [None] and provider.during_capture == []
+    with arena.lease(10, stream=0x54):
+        pass
+    assert arena._table.capturing == {}  # the capture over was seen, and forgotten: nothing more is asked
+    graph.close()
+
+
+class FakeCupy:
+    """What :func:`wsarena.capture` uses of CuPy, without CUDA: its streams begin and end captures on a
+    :class:`CaptureWatchingProvider`. ``with stream:`` changes no current stream the provider answers with, so the
+    arena's calls made inside the block stand for another thread's."""
+
+    def __init__(self, provider):
+        fake = self
+
+        class Stream:
+            def __init__(self, ptr):
+                self.ptr = ptr
+                self.graph = None
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc_info):
+                pass
+
+            def begin_capture(self, mode):
+                fake.modes.append(mode)
+                self.graph = provider.begin_capture(self.ptr)
+
+            def end_capture(self):
+                return provider.end_capture(self.graph)
+
+        self.modes = []
+        runtime = types.SimpleNamespace(streamCaptureModeGlobal=0, streamCaptureModeThreadLocal=1,
+                                        streamCaptureModeRelaxed=2)
+        self.cuda = types.SimpleNamespace(Stream=Stream, runtime=runtime, Device=lambda: types.SimpleNamespace(id=0))
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """A device arena of device 0 over a CaptureWatchingProvider, and a CuPy that captures on it."""
+    from wsarena import cudagraph
+    from wsarena.arena import _table
+
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    cupy = FakeCupy(provider)
+    monkeypatch.setattr(cudagraph, "gpu_unusable_reason", lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(_table, "MAX_IDLE_STREAMS", 4)
+    previous = set_arena(0, arena)
+    yield provider, arena, cupy
+    set_arena(0, previous)
+
+
+def test_frees_wait_for_a_global_capture_from_its_beginning_not_from_its_first_lease(captures):
+    """wsarena.capture(mode="global") on a non-blocking stream of its own: until the step's first lease there, no
+    question the arena asks sees the capture (not the legacy default stream's, which answers for blocking streams
+    only), yet another thread's free with no stream, which synchronises the device, would break it. It waits; and the
+    stream's seeded buffer is not evicted as idle before the step leases it. Once, the free was made at once."""
+    provider, arena, cupy = captures
+    arena.reserve(1000, stream=S1)  # the eager step's
+    gone = FakeStream(S2)
+    arena.reserve(1000, stream=gone)
+    stream = cupy.cuda.Stream(0x60)
+    with wsarena.capture(stream, mode="global") as graph:
+        del gone  # another thread's stream, gone
+        gc.collect()
+        for handle in range(0x100, 0x108):  # other threads' calls: the dead stream's buffer goes, with no stream;
+            # and one-off streams, idle ones evicted
+            with arena.lease(100, stream=handle):
+                pass
+        assert provider.during_capture == [] and S2 not in [s for _, s in provider.frees]
+        with arena.lease(1000, stream=0x60):  # the captured step, from the buffer seeded before the capture began
+            pass
+    assert cupy.modes == [0] and provider.during_capture == []
+    arena.trim()  # the capture is over: the free waits no more
+    assert None in [s for _, s in provider.frees] and provider.during_capture == []
+    assert len(graph.graph.pins) == 1
+    graph.graph.close()
