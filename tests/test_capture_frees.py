@@ -190,3 +190,69 @@ def test_frees_wait_for_a_global_capture_from_its_beginning_not_from_its_first_l
     assert None in [s for _, s in provider.frees] and provider.during_capture == []
     assert len(graph.graph.pins) == 1
     graph.graph.close()
+
+
+def _hold_back_a_buffer(provider, arena):
+    """Capture S1, let an eager growth keep the pinned buffer aside, release the graph, and capture S1 again: the
+    buffer is let go during the second capture, and its free on S1 held back. Returns its address and the graph."""
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1) as ws:
+        first = ws.ptr
+    provider.end_capture(graph)
+    with arena.lease(50_000, stream=S1):
+        pass
+    graph.close()
+    again = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1):
+        pass
+    provider.end_capture(again)
+    assert first not in freed(provider)
+    return first, again
+
+
+def test_a_buffer_held_back_on_a_captured_stream_is_not_freed_on_a_new_stream_given_its_handle():
+    """The free of a buffer held back while its stream was captured keeps that stream's handle. The stream is
+    destroyed, and CUDA gives the handle to a new stream, before the next call: the buffer is freed with no stream
+    (after the device is idle, as a dead stream's are), not in the new stream's order, where the dead stream's work
+    would not be waited for. Once, it was freed on the handle, in the new stream's order."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    provider.stream_ids[S1] = 1
+    first, graph = _hold_back_a_buffer(provider, arena)
+    provider.stream_ids[S1] = 2  # S1 is destroyed, and its handle names a new stream now
+    with arena.lease(10, stream=S2):  # the next call
+        pass
+    assert (first, None) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+    assert arena._table.held_back == {}
+    graph.close()
+
+
+def test_a_buffer_held_back_on_a_stream_that_lives_on_is_freed_in_its_order():
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    provider.stream_ids[S1] = 1
+    first, graph = _hold_back_a_buffer(provider, arena)
+    with arena.lease(10, stream=S2):
+        pass
+    assert (first, S1) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+    graph.close()
+
+
+def test_a_buffer_held_back_on_a_gone_stream_waits_while_a_capture_goes_on():
+    """Freed with no stream, it waits, as any free with no stream does, while a capture the arena knows is under way:
+    here the new stream's, on the handle it was held back on."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    provider.stream_ids[S1] = 1
+    first, graph = _hold_back_a_buffer(provider, arena)
+    provider.stream_ids[S1] = 2
+    new = provider.begin_capture(S1)  # the new stream, captured
+    with arena.lease(10, stream=S2):
+        pass
+    assert first not in freed(provider)
+    provider.end_capture(new)
+    with arena.lease(10, stream=S2):
+        pass
+    assert (first, None) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+    graph.close()

@@ -31,11 +31,13 @@ __all__ = ["give_back", "keep_parents_memory", "release_all", "track_arena", "tr
 
 
 def give_back(
-    provider: Any, to_free: collections.deque[tuple[Any, Any]], quiet: bool = False, waiting: Collection[Any] = ()
+    provider: Any, to_free: collections.deque[tuple[Any, Any]], quiet: bool = False, waiting: Collection[Any] = (),
+    unstreamed: Collection[Any] = (),
 ) -> None:
     """Drain ``to_free``, giving each ``(buffer, stream)`` back to ``provider``; a failure warns (or, ``quiet``,
     is ignored), never raises. Any thread may drain the queue; each entry is taken by one. An entry whose stream is
-    in ``waiting`` (streams being captured: :func:`wsarena.arena._pinning.give_back`) is set aside and queued again.
+    in ``waiting`` (streams being captured: :func:`wsarena.arena._pinning.give_back`) is set aside and queued again;
+    one whose stream is in ``unstreamed`` (found gone since) is freed with no stream.
 
     A ``KeyboardInterrupt`` (or another ``BaseException``) during one free is raised only after the rest are
     freed: their blocks are already let go, so nothing else would ever give them back.
@@ -54,7 +56,7 @@ def give_back(
                         aside.append((buffer, stream))
                         continue
                     try:
-                        provider.deallocate(buffer, stream=stream)
+                        provider.deallocate(buffer, stream=None if stream in unstreamed else stream)
                     except Exception as exc:  # noqa: BLE001 - a failed free must not break a lease's exit
                         if not quiet:
                             warnings.warn(f"wsarena: freeing {buffer!r} failed: {exc}", RuntimeWarning, stacklevel=3)

@@ -20,7 +20,7 @@ from .._sizes import format_size
 from ..errors import CaptureError
 from ._lifecycle import give_back as _give_back
 from ._pins import GraphPin
-from .streams import is_own_stream, raw_handle, resolve_stream
+from .streams import PER_THREAD_DEFAULT_STREAM, is_own_stream, raw_handle, resolve_stream
 
 if TYPE_CHECKING:
     from ._arena import Arena
@@ -146,7 +146,8 @@ def _capture_under_way(self: Arena, key: Any) -> bool:
 def give_back(self: Arena, key: Any = None) -> None:
     """Give the arena's queued buffers to its provider, except those whose stream is being captured: they stay
     queued for a later call. The buffers of no stream wait too while a capture is under way that their free, which
-    synchronises the device, would break (:func:`_capture_under_way`). (Lock not held.)
+    synchronises the device, would break (:func:`_capture_under_way`). A buffer held back is freed on its stream later
+    only if the handle still names that stream (:func:`_gone_since_held`), else with no stream. (Lock not held.)
 
     Which streams wait is asked before anything is taken off the queue (a copy of it is read); the queue is then
     drained as :func:`~wsarena.arena._lifecycle.give_back` always drains it, with no place between taking a buffer
@@ -154,10 +155,54 @@ def give_back(self: Arena, key: Any = None) -> None:
     """
     capture = self._capture
     streams = {stream for _, stream in list(self._to_free)}  # list(): one C call, whatever other threads do
-    waiting = {stream for stream in streams if stream is not None and _captured(capture, stream)}
-    if None in streams and _capture_under_way(self, key):
+    gone = _gone_since_held(self, streams)
+    waiting = {stream for stream in streams if stream is not None and stream not in gone and _captured(capture, stream)}
+    if (None in streams or gone) and _capture_under_way(self, key):
         waiting.add(None)
-    _give_back(self.provider, self._to_free, waiting=waiting)
+        waiting |= gone  # freed with no stream: they wait as those do
+    if waiting:
+        _hold(self, waiting)
+    _give_back(self.provider, self._to_free, waiting=waiting, unstreamed=gone)
+    held = self._table.held_back
+    if held:
+        for stream in streams - waiting:  # given back now: a later hold reads its stream's id afresh
+            held.pop(stream, None)
+
+
+_GONE: Any = object()  # held_back: the stream was found gone (its buffers are freed with no stream)
+
+
+def _hold(self: Arena, streams: set[Any]) -> None:
+    """Record the id of each stream whose buffers are held back now: the next drain frees them on it only if its
+    handle still names that stream (:func:`_gone_since_held`). The legacy and per-thread default streams are never
+    destroyed; a provider that cannot tell streams apart, or a stream CUDA gives no id, is not recorded (the buffers
+    keep the handle, as a sub-arena is adopted on it)."""
+    read, held = self._table.stream_id, self._table.held_back
+    if read is None:
+        return
+    for stream in streams:
+        if type(stream) is int and stream > PER_THREAD_DEFAULT_STREAM and stream not in held:
+            stream_id = read(stream)
+            if stream_id is not None:
+                held[stream] = stream_id
+
+
+def _gone_since_held(self: Arena, streams: set[Any]) -> set[Any]:
+    """Of the queued ``streams``, those whose buffers were held back while their stream was captured and whose handle
+    names another stream now (or none: CUDA cannot tell): the stream was destroyed since, and CUDA may have given its
+    handle to a new one, in whose order the buffers must not be freed. Streams nothing is queued on are forgotten."""
+    held = self._table.held_back
+    if not held:
+        return set()
+    read = self._table.stream_id
+    gone = set()
+    for stream, stream_id in list(held.items()):  # list(): one C call, whatever other threads do
+        if stream not in streams:
+            held.pop(stream, None)  # its buffers were given back
+        elif stream_id is _GONE or read is None or read(stream) != stream_id:
+            held[stream] = _GONE  # for good: a new stream with that id would not be this one
+            gone.add(stream)
+    return gone
 
 
 def check_unpinned(self: Arena) -> None:

@@ -102,8 +102,8 @@ class _Table:
     """The sub-arenas of one arena, by key, and the queue that says which of them go away."""
 
     __slots__ = (
-        "captures", "capturing", "closed", "dead", "exited", "forked", "kept", "lanes", "lock", "stream_id", "subs",
-        "to_free", "totals",
+        "captures", "capturing", "closed", "dead", "exited", "forked", "held_back", "kept", "lanes", "lock",
+        "stream_id", "subs", "to_free", "totals",
     )
 
     def __init__(
@@ -120,6 +120,9 @@ class _Table:
         # Keys of the streams a lease was taken on during a capture that may still be under way (an ordered set):
         # asked before a free with no stream (wsarena.arena._pinning.give_back), forgotten once found not captured.
         self.capturing: dict[Hashable, None] = {}
+        # Handles whose buffers were held back while their stream was captured, to the id that stream had then
+        # (wsarena.arena._pinning.give_back): freed on the handle only while it names the same stream.
+        self.held_back: dict[int, Any] = {}
         self.totals = _Totals()
         self.closed = False
         self.exited = False  # a device arena released by the exit handler: the interpreter is ending
