@@ -210,7 +210,7 @@ class Arena:
         a new stream that CUDA gave a dead stream's handle: the dead stream's buffer is not its own)."""
         key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
         with self._lock:
-            sub = self._table.serving(key)
+            sub, _ = self._table.serving(key)
             held = sub.capacity() if sub is not None else 0
         if self._to_free:  # what a sweep let go
             self._give_back(key)

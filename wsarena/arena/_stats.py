@@ -7,7 +7,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from ._table import callers_key
+from ._keys import callers_key
 
 if TYPE_CHECKING:
     from ._table import _Table

@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
+from ._keys import GoneStream, _caller_chosen, _LaneKey
 from ._sub import Queue, _Anchor, _Block, _SubArena, _Totals, abandoned, park, this_thread
 from .streams import PER_THREAD_DEFAULT_STREAM, PerThreadStream, ThreadLane
 
@@ -44,53 +45,8 @@ __all__ = ["MAX_IDLE_STREAMS"]
 MAX_IDLE_STREAMS = 64
 
 
-class _LaneKey(weakref.ref):
-    """A CPU lane key object, held weakly by the table: equal to (and hashing as) the object while it lives, so that
-    the object itself finds its sub-arena, and the sub-arena goes away with the object."""
-
-    __slots__ = ()
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is _LaneKey:
-            return weakref.ref.__eq__(self, other)
-        target = self()
-        return target is not None and bool(target == other)
-
-    __hash__ = weakref.ref.__hash__
-
-    def __repr__(self) -> str:
-        return repr(self())
-
-
-class GoneStream:
-    """The key a sub-arena is moved to when its stream is gone and another stream has its handle while a lease (or a
-    growth) still uses it: it stays in the table, orphaned, so that it is let go as gone once that ends."""
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: Hashable) -> None:
-        self.handle = handle
-
-    def __repr__(self) -> str:
-        return f"GoneStream({self.handle!r})"
-
-
-def callers_key(key: Hashable) -> Hashable:
-    """``key`` as the caller gave it: a lane key object rather than the table's weak reference to it (the reference
-    itself only if the object has just died, before the sweep that forgets its lane)."""
-    if type(key) is _LaneKey:
-        target = key()
-        if target is not None:
-            return target
-    return key
-
-
 # Handles 0, 1 and 2 name the default streams (legacy and per-thread), which are never destroyed: no id is read.
 _DEFAULT_STREAMS = PER_THREAD_DEFAULT_STREAM
-
-
-def _caller_chosen(key: Hashable) -> bool:
-    return type(key) is not ThreadLane and type(key) is not PerThreadStream
 
 
 class ReleasedAtExit(RuntimeError):
@@ -147,17 +103,10 @@ class _Table:
 
     def sub_for(self, key: Hashable, anchor: Any) -> _SubArena:
         """The sub-arena of ``key``, made if needed; ``anchor`` is an object whose death means the stream is gone."""
-        if self.dead:
-            self.sweep()
+        sub, stream_id = self.serving(key)
         if self.kept:
             self.release_kept()
-        sub = self.subs.get(key)
-        read_id, stream_id = self.stream_id, None
-        if sub is not None:
-            replaced, stream_id = self.replaced(sub)
-            if replaced:
-                self.let_go_replaced(sub)
-                sub = None
+        read_id = self.stream_id
         if sub is None:
             self.sweep_orphans()  # a new stream appeared: a good moment to let go of dead ones
             if len(self.subs) >= MAX_IDLE_STREAMS:
@@ -185,16 +134,20 @@ class _Table:
         stream_id = read_id(sub.stream)
         return stream_id != sub.stream_id, stream_id
 
-    def serving(self, key: Hashable) -> _SubArena | None:
-        """The sub-arena that would serve a lease on ``key`` now, if there is one (none is made): a dead stream's
-        whose handle another stream has serves no one, and is let go here, as the lease would."""
+    def serving(self, key: Hashable) -> tuple[_SubArena | None, int | None]:
+        """The sub-arena that would serve a lease on ``key`` now, if there is one (none is made), and the id of the
+        handle's stream if it was read (see :meth:`replaced`): a dead stream's whose handle another stream has serves
+        no one, and is let go here, as the lease would."""
         if self.dead:
             self.sweep()
         sub = self.subs.get(key)
-        if sub is not None and self.replaced(sub)[0]:
+        if sub is None:
+            return None, None
+        replaced, stream_id = self.replaced(sub)
+        if replaced:
             self.let_go_replaced(sub)
-            return None
-        return sub
+            return None, stream_id
+        return sub, stream_id
 
     def let_go_replaced(self, sub: _SubArena) -> None:
         """``sub``'s stream is gone and another stream has its handle: let ``sub`` go as gone (its buffers freed with
