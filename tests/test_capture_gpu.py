@@ -289,6 +289,48 @@ def test_a_buffer_a_released_graph_held_is_freed_after_the_next_capture_on_its_s
         arena.close()
 
 
+def test_a_free_that_would_synchronise_waits_for_a_global_capture_from_its_start(cupy, arena):
+    """wsarena.capture(mode="global") on a non-blocking stream: before the step's first lease there, another thread's
+    call lets go of a buffer whose free synchronises the device (a thread gone since had it on its per-thread default
+    stream), which would invalidate a global-mode capture. It waits until the capture is over."""
+    x, w, y = small_conv(cupy)
+    wsarena.conv_forward(x, w, padding=1, out=y)  # the eager step
+    cupy.cuda.Device().synchronize()
+    go, errors = threading.Event(), []
+
+    def record(call):
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - asserted below, in the test's thread
+            errors.append(exc)
+
+    def gone_thread():
+        with cupy.cuda.Stream.ptds:
+            arena.reserve(1 << 20)  # a buffer on this thread's per-thread default stream
+        go.wait(60)
+
+    worker = threading.Thread(target=record, args=(gone_thread,))
+    worker.start()
+    s = cupy.cuda.Stream(non_blocking=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed free warns
+        with wsarena.capture(s, mode="global") as graph:
+            go.set()
+            worker.join(60)
+            gc.collect()
+            other = threading.Thread(target=record, args=(arena.stats,))  # sweeps the gone thread's sub-arena
+            other.start()
+            other.join(60)
+            wsarena.conv_forward(x, w, padding=1, out=y)
+        assert errors == []
+        frees = arena.stats().frees  # the capture is over: the buffer goes now
+    assert frees >= 1 and errors == []
+    y.fill(0)
+    graph.launch()
+    s.synchronize()
+    assert float(y[0, 0, 8, 8]) == 144.0  # 16 channels x 9 taps of ones
+
+
 @pytest.mark.parametrize("api", APIS)
 def test_a_thread_with_no_cudnn_handle_cannot_make_one_during_a_capture(cupy, arena, api):
     """A forced algorithm's workspace size needs this thread's handle before any lease: a thread whose eager step ran
