@@ -666,6 +666,39 @@ def test_a_dangling_symlink_in_the_folder_is_removed_by_the_trim_and_by_clear(ca
     assert cleared["removed"] == 3 and list(folder.iterdir()) == []
 
 
+def test_a_link_that_leads_nowhere_is_removed_as_a_dangling_one_is_and_only_the_link(cache, limit, tmp_path):
+    """A link into a loop, or through a file as if it were a folder, resolves to nothing either: stat() fails with
+    ELOOP or ENOTDIR, not ENOENT. Left alone, such a link made every ``wsarena cache clear`` fail (exit 3) for
+    good. A link to a file or folder outside is removed like an entry, and its target is kept."""
+    put(1)
+    folder = cache / "search"
+    outside = tmp_path / "outside.json"
+    outside.write_text("not the cache's")
+    (tmp_path / "elsewhere").mkdir()
+    links = {"loop.json": folder / "loop.json", ".tmp-loop.json": folder / ".tmp-loop.json",
+             "through-a-file.json": outside / "x.json", "to-a-file.json": outside,
+             "to-a-folder.json": tmp_path / "elsewhere"}
+
+    def make_links():
+        for name, target in links.items():
+            (folder / name).symlink_to(target)
+
+    make_links()
+    algos.cache_clear()
+    searchcache._known_size.clear()  # a fresh process: its first write lists the folder
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and nothing to warn of
+        put(2)
+    left = sorted(p.name for p in folder.iterdir() if p.is_symlink())
+    assert left == ["to-a-file.json", "to-a-folder.json"]  # resolved, they count as entries (under the limit)
+    for name in left:
+        (folder / name).unlink()
+    make_links()
+    cleared = searchcache.clear()
+    assert cleared["removed"] == 2 + 4 and list(folder.iterdir()) == []
+    assert outside.read_text() == "not the cache's" and (tmp_path / "elsewhere").is_dir()
+
+
 def test_info_names_the_setting_in_force(cache, monkeypatch, tmp_path):
     """``wsarena cache info`` says where its folder comes from: a folder configure() or config() set in the process
     is not the environment variable's, nor is a cache they turned off."""

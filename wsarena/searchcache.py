@@ -33,16 +33,19 @@ other processes harmlessly: an entry they removed first is gone either way, a wr
 that no trim touches (a temporary file an hour old is a killed writer's, and is removed), and a reader that finds
 its entry gone searches again. A trim that cannot remove files gives one warning. The size is kept per folder as
 its resolved path names it, so that a folder reached through a symbolic link is counted once. A dangling symbolic
-link in the folder is removed by the listing and by :func:`clear`: nothing else would ever remove it.
+link in the folder (its target gone, or a loop) is removed by the listing and by :func:`clear`, the link and not
+what it points to: nothing else would ever remove it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -331,14 +334,12 @@ def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
                     if now - st.st_mtime > _STALE_TEMP:
                         os.unlink(item.path)
                     continue
-            except FileNotFoundError:  # renamed or removed by another process meanwhile, or a dangling link
+            except OSError as exc:  # gone meanwhile (renamed or removed by another process), or a dangling link
                 try:
-                    _unlink_dangling(item.path)
-                except OSError as exc:
-                    failure = failure or exc
-                continue
-            except OSError as exc:
-                failure = failure or exc
+                    if _unlink_dangling(item.path) is None and not isinstance(exc, FileNotFoundError):
+                        failure = failure or exc
+                except OSError as unlink_exc:
+                    failure = failure or unlink_exc
                 continue
             nbytes = _disk_size(st)
             entries.append((st.st_mtime, item.name, nbytes))
@@ -361,18 +362,30 @@ def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
 
 
 def _unlink_dangling(path: str | Path) -> int | None:
-    """Remove ``path`` if it is a symbolic link whose target is gone, and return the disk space it took; ``None``
-    when it is not one, or is gone. Such a link is no entry and no write in progress (writers make plain files),
-    and nothing else would ever remove it: a lookup finds no file behind it, and a write replaces it only where its
-    name is that of the call written. ``OSError`` when it cannot be removed."""
+    """Remove ``path`` if it is a symbolic link that leads to no file, and return the disk space it took; ``None``
+    when it is not one, or is gone. It leads nowhere when its target is gone, passes through a file as if it were a
+    folder, or loops. Such a link is no entry and no write in progress (writers make plain files), and nothing else
+    would ever remove it: a lookup finds no file behind it, and a write replaces it only where its name is that of
+    the call written. Only the link is removed, never what it points to. ``OSError`` when it cannot be removed."""
     try:
         st = os.lstat(path)
-        if not os.path.islink(path) or os.path.exists(path):
+        if not stat.S_ISLNK(st.st_mode):
             return None
+        try:
+            os.stat(path)
+            return None  # it leads somewhere
+        except OSError as exc:
+            if not _leads_nowhere(exc):  # a target this process may not look at is still one
+                return None
         os.unlink(path)
     except FileNotFoundError:  # another process removed it first
         return None
     return _disk_size(st)
+
+
+def _leads_nowhere(exc: OSError) -> bool:
+    """Whether ``exc``, from following a path, says that it resolves to no file (gone, through a file, a loop)."""
+    return isinstance(exc, (FileNotFoundError, NotADirectoryError)) or exc.errno == errno.ELOOP
 
 
 def _entry_files(root: Path) -> list[Path]:
@@ -448,10 +461,14 @@ def clear() -> dict[str, Any]:
                 continue  # a write in progress
             size = _disk_size(st)
             path.unlink()
-        except FileNotFoundError:  # another process removed or renamed it meanwhile, or a dangling link
+        except OSError as exc:  # another process removed or renamed it meanwhile, or a dangling link
+            if not _leads_nowhere(exc):
+                raise
             freed = _unlink_dangling(path)
             if freed is None:
-                continue
+                if isinstance(exc, FileNotFoundError):
+                    continue
+                raise
             size = freed
         if not path.name.startswith(_TEMP_PREFIX):
             out["removed"] += 1
