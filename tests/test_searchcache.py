@@ -722,3 +722,25 @@ def test_info_names_the_setting_in_force(cache, monkeypatch, tmp_path):
     monkeypatch.setenv("WSARENA_CACHE_DIR", "off")
     wsarena._config._reset()
     assert cache_output("info", "text") == "the search cache is off (WSARENA_CACHE_DIR=off)\n"
+
+
+def test_the_source_is_the_environment_as_the_settings_read_it(monkeypatch, tmp_path):
+    """The settings read the environment once: a variable set, changed or removed later moves no folder, and is no
+    configure() call either (the folder was credited to configure())."""
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / "env"))
+    wsarena._config._reset()
+    assert (searchcache.cache_dir(), searchcache.source()) == (tmp_path / "env", "environment")
+    for later in (str(tmp_path / "later"), None):
+        if later is None:
+            monkeypatch.delenv("WSARENA_CACHE_DIR")
+        else:
+            monkeypatch.setenv("WSARENA_CACHE_DIR", later)
+        assert (searchcache.cache_dir(), searchcache.source()) == (tmp_path / "env", "environment")
+    wsarena._config._reset()  # read with no variable: the user cache folder
+    default = searchcache.cache_dir()
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / "later"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-later"))
+    assert (searchcache.cache_dir(), searchcache.source()) == (default, "default")
+    wsarena.configure(cache_dir=tmp_path / "later")  # the folder the variable names now, given by configure()
+    assert searchcache.source() == "configure"
+

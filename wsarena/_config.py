@@ -178,8 +178,10 @@ def _named_size(key: str, value: Any) -> int | None:
         raise type(exc)(f"{key}={value!r}: {exc}") from None
 
 
-# The process-wide settings, and the error of each invalid environment variable that nothing has replaced yet.
-_State = tuple[Config, dict[str, str]]
+# The process-wide settings, the error of each invalid environment variable that nothing has replaced yet, and what
+# the environment gave when it was read, which is once (its settings and the names of those it set): a variable
+# changed later is not what the settings hold (searchcache.source() tells configure()'s folder apart from it).
+_State = tuple[Config, dict[str, str], tuple[Config, frozenset[str]]]
 
 
 def _env_value(key: str, raw: str) -> Any:
@@ -202,7 +204,7 @@ def _env_value(key: str, raw: str) -> Any:
 
 def _from_env() -> _State:
     """The settings the environment gives, and the error of each invalid variable (its setting keeps the default
-    until something replaces it)."""
+    until something replaces it); as the third member, those settings again and the names of those it set."""
     values: dict[str, Any] = {}
     errors: dict[str, str] = {}
     for key, var in _ENV.items():
@@ -216,7 +218,8 @@ def _from_env() -> _State:
             errors[key] = f"environment variable {var}={raw!r}: {exc}"
         else:
             values[key] = value
-    return Config(**values), errors
+    read = Config(**values)
+    return read, errors, (read, frozenset(values))
 
 
 _lock = _forksafe.lock()  # guards _state; readers take the reference without it (assignment is atomic)
@@ -272,7 +275,7 @@ def get_config() -> Config:
     override = _override.get()
     if override is not None:
         return override
-    base, errors = _base_state()
+    base, errors, _ = _base_state()
     if errors:
         _check_env(errors)
     return base
@@ -289,10 +292,10 @@ def configure(**changes: Any) -> Config:
     """
     global _state
     with _lock:
-        base, errors = _state if _state is not None else _from_env()
+        base, errors, env = _state if _state is not None else _from_env()
         new = _replace(base, changes)
         _check_env(errors, changes)
-        _state = (new, {})
+        _state = (new, {}, env)
     return new
 
 
@@ -334,7 +337,7 @@ def _with_changes(changes: dict[str, Any]) -> Config:
     override = _override.get()
     if override is not None:
         return _replace(override, changes)
-    base, errors = _base_state()
+    base, errors, _ = _base_state()
     new = _replace(base, changes)
     _check_env(errors, changes)
     return new

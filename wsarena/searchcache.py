@@ -92,15 +92,15 @@ def source() -> str:
     block), ``"configure"`` (:func:`~wsarena.configure`), ``"environment"`` (``WSARENA_CACHE_DIR``) or
     ``"default"`` (the user's cache folder). A setting that gives the same folder as the one below it is not told
     apart from it: either names the folder in force."""
-    from ._config import _base_state, _from_env, overridden
+    from ._config import _base_state, overridden
 
-    base = _base_state()[0]
+    base, _, (env, env_set) = _base_state()  # the environment as the settings read it, not as it is now
     block = overridden()
     if block is not None and block.cache_dir != base.cache_dir:
         return "config"
-    if base.cache_dir != _from_env()[0].cache_dir:
+    if base.cache_dir != env.cache_dir:
         return "configure"
-    return "environment" if os.environ.get(ENV_VAR, "").strip() else "default"
+    return "environment" if "cache_dir" in env_set else "default"
 
 
 def search(
