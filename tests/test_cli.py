@@ -491,3 +491,26 @@ def test_asymmetric_pads_are_widened_or_refused(capsys, tmp_path):
     warning, error = err.splitlines()
     assert warning.startswith("wsarena: warning: ") and "skipped 1 conv node" in warning
     assert code == 2 and "none of the model's 1 conv node(s) could be planned" in error
+
+
+@pytest.mark.parametrize("variable", ["WSARENA_BACKEND", "WSARENA_ALGO_SEARCH", "WSARENA_CUDNN_API"])
+def test_report_device_properties_decides_the_backend_search_and_api(capsys, monkeypatch, tmp_path, variable):
+    """--device-properties plans cuDNN's heuristic choices through the graph API, as plan(device_properties=...)
+    does: an invalid variable of those settings does not stop it (the command's own settings left them to the
+    environment); the cap's does, unless --cap-workspace gives it."""
+    from wsarena import _config, planner
+    from wsarena.backends import get_backend
+
+    monkeypatch.setattr(planner, "device_properties_backend", lambda text, source: get_backend("cpu"))  # no cuDNN
+    props = tmp_path / "props.json"
+    props.write_text("{}")
+    monkeypatch.setenv(variable, "bogus")
+    _config._reset()
+    code, out, err = run_main(capsys, "report", "resnet50", "--device-properties", str(props), "--format", "json")
+    assert (code, err) == (0, "") and (json.loads(out)["backend"], json.loads(out)["search"]) == ("cudnn", "heuristic")
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", "bogus")
+    _config._reset()
+    code, out, err = run_main(capsys, "report", "resnet50", "--device-properties", str(props))
+    assert (code, out) == (2, "") and "WSARENA_CAP_WORKSPACE='bogus'" in err
+    assert run_main(capsys, "report", "resnet50", "--device-properties", str(props), "--cap-workspace", "1MiB")[0] == 0
+

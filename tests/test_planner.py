@@ -118,6 +118,41 @@ def test_arguments_replace_invalid_environment_variables(resnet50, monkeypatch):
         wsarena.plan(resnet50[:2], backend="cpu", search="heuristic")
 
 
+@pytest.fixture
+def offline_properties(monkeypatch, tmp_path):
+    """A device-properties file, planned for by the CPU backend in place of cuDNN's (which needs cuDNN 9.8): what
+    reaches the backend is what the tests look at. The files the backend was made for are listed."""
+    from wsarena import planner
+    from wsarena.backends import get_backend
+
+    made = []
+
+    def backend(text, source):
+        made.append(source)
+        return get_backend("cpu")
+
+    monkeypatch.setattr(planner, "device_properties_backend", backend)
+    path = tmp_path / "props.json"
+    path.write_text("{}")
+    return path, made
+
+
+@pytest.mark.parametrize("variable", ["WSARENA_BACKEND", "WSARENA_ALGO_SEARCH", "WSARENA_CUDNN_API"])
+def test_device_properties_decide_the_backend_search_and_api_whatever_their_variables(resnet50, monkeypatch,
+                                                                                    offline_properties, variable):
+    """device_properties plans cuDNN's heuristic choices through the graph API: an invalid variable of those
+    settings does not matter, as an argument's would not; the cap's still does, as the plan is made under it."""
+    path, made = offline_properties
+    monkeypatch.setenv(variable, "bogus")
+    wsarena._config._reset()
+    p = wsarena.plan(resnet50[:2], device_properties=path)
+    assert (p.backend, p.search, made) == ("cudnn", "heuristic", [str(path)])
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", "bogus")
+    wsarena._config._reset()
+    with pytest.raises(ValueError, match="WSARENA_CAP_WORKSPACE='bogus'"):
+        wsarena.plan(resnet50[:2], device_properties=path)
+
+
 def test_an_exhaustive_plan_leases_under_its_own_cap(resnet50):
     with config(cap_workspace="1KiB"):  # the configured cap is not the plan's: the search's leases follow the plan
         p = wsarena.plan(resnet50[:1], backend="cpu", search="exhaustive", cap_workspace=None, passes=("fwd",))

@@ -318,10 +318,12 @@ def _report(args: argparse.Namespace) -> int:
             raise UsageError("--device-properties plans through cuDNN's graph API: leave out --cudnn-api legacy")
     _check_plot(args.plot)
     layers = _load(args)
-    chosen = args.max_slowdown is not None  # it decides the search and the cap: their variables do not matter
-    given = _given(algo_search="exhaustive" if chosen else args.search, backend=args.backend,
-                   cap_workspace=None if chosen else args.cap_workspace, cudnn_api=args.cudnn_api,
-                   cudnn_heuristic=args.cudnn_heuristic)
+    # --max-slowdown decides the search and the cap, --device-properties the backend, the search and the API, as
+    # plan() does: their variables do not matter
+    chosen, offline = args.max_slowdown is not None, args.device_properties is not None
+    given = _given(algo_search="exhaustive" if chosen else "heuristic" if offline else args.search,
+                   backend="cudnn" if offline else args.backend, cap_workspace=None if chosen else args.cap_workspace,
+                   cudnn_api="graph" if offline else args.cudnn_api, cudnn_heuristic=args.cudnn_heuristic)
     with config(**given) as cfg, _progress_bar() as bar:  # flags override the environment, which then matters
         exhaustive = cfg.algo_search == "exhaustive"  # only for the rest
         p = plan(

@@ -264,8 +264,9 @@ def plan(
                  max_slowdown=max_slowdown, model=model, progress=progress).plan()
         return dataclasses.replace(p, skipped=skipped) if skipped else p
     # The arguments apply as a config() block: the exhaustive search's leases then see the plan's cap, and an
-    # invalid environment variable matters only for a setting left to it.
-    with config(**_given(algo_search=search, backend=backend, cap_workspace=cap_workspace)) as cfg:
+    # invalid environment variable matters only for a setting left to it (device_properties decides the API too).
+    api = "graph" if device_properties is not None else None
+    with config(**_given(algo_search=search, backend=backend, cap_workspace=cap_workspace, cudnn_api=api)) as cfg:
         p = _plan(layers, cfg, batch=batch, dtype=dtype, layout=layout, passes=passes, streams=streams,
                   model=model, progress=progress, device_properties=device_properties, properties_source=source)
     return dataclasses.replace(p, skipped=skipped) if skipped else p
