@@ -330,3 +330,20 @@ def test_an_invalid_variable_of_a_setting_the_command_decides_does_not_matter(ca
     wsarena._config._reset()
     code, out, err = run_main(capsys, *[model if a == "MODEL" else a for a in argv])
     assert (code, err) == (0, "") and out
+
+
+@pytest.mark.parametrize(("variable", "argv"), [
+    ("WSARENA_BACKEND", ["tune", "MODEL"]),
+    ("WSARENA_CUDNN_API", ["tune", "MODEL", "--backend", "cpu"]),
+    ("WSARENA_BACKEND", ["report", "MODEL", "--max-slowdown", "2%"]),
+    ("WSARENA_CUDNN_HEURISTIC", ["report", "MODEL", "--backend", "cpu", "--max-slowdown", "2%"]),
+])
+def test_an_invalid_variable_of_a_setting_left_to_it_still_stops_the_command(capsys, model, monkeypatch, variable,
+                                                                            argv):
+    """The other half of the rule: what neither a flag nor the command decides is read from its variable, and an
+    invalid one is the one-line error it names (exit 2), not a silent default."""
+    monkeypatch.setenv(variable, "bogus")
+    wsarena._config._reset()
+    code, out, err = run_main(capsys, *[model if a == "MODEL" else a for a in argv])
+    assert (code, out) == (2, "") and f"{variable}='bogus'" in err and err.count("\n") == 1
+
