@@ -379,20 +379,44 @@ def test_version_is_the_packages_version():
     assert (r.returncode, r.stdout, r.stderr) == (0, f"wsarena {version}\n", "")
 
 
-def test_readme_usage_names_every_report_option():
+def test_readme_usage_names_every_option_of_each_command():
+    """Each command's lines of the README's usage block name its every flag and, for a flag with choices, each value
+    in the parser's order; tune's model flags are report's first four lines, as its line says. Looked for in the
+    command's own lines, a flag another command shares (--format, --plot, --max-slowdown) cannot hide a gap."""
     with open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md"), encoding="utf-8") as f:
         readme = f.read()
-    start = readme.index("```\nwsarena report MODEL") + 4  # the usage block
-    usage = readme[start:readme.index("```", start)]
+    start = readme.index("```\nwsarena report MODEL") + 4  # the usage block (the first such line is elsewhere)
+    sections: dict[str, str] = {}
+    for line in readme[start:readme.index("```", start)].splitlines():
+        if line.startswith("wsarena "):
+            name = line.split()[1]
+            sections[name] = line
+        else:  # a continuation line of the command above
+            sections[name] += "\n" + line
     commands = next(a for a in _parser()._actions if a.dest == "command").choices
-    for name in ("report", "tune", "cache", "info"):
-        for action in commands[name]._actions:
+    assert sorted(sections) == sorted(commands)
+    model_flags = "\n".join(sections["report"].splitlines()[:4])
+    assert "the first four lines above" in sections["tune"]
+
+    def named(option, text):
+        return re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", text) is not None
+
+    for name, parser in commands.items():
+        options = {o for a in parser._actions for o in a.option_strings} - {"-h", "--help"}
+        if name == "tune":  # report's first four lines are tune's flags: each of them one of tune's
+            assert set(re.findall(r"--[a-z][a-z-]*", model_flags)) <= options
+        for action in parser._actions:
+            if not action.option_strings:  # a positional: its choices as a|b
+                assert not action.choices or "|".join(action.choices) in sections[name], (name, action.dest)
+                continue
             for option in set(action.option_strings) - {"-h", "--help"}:
-                assert option in usage, (name, option)
-                if action.choices and name == "report":  # each value it takes, in the parser's order
-                    assert f"{option} {'|'.join(action.choices)}" in usage, (name, option)
-    assert "wsarena info [--format text|json]" in usage
-    assert "[--input-shape [NAME=]DIMS]..." in usage  # the flag repeated, one NAME=DIMS each
+                where = sections[name]
+                if name == "tune" and not named(option, where):
+                    where = model_flags
+                assert named(option, where), (name, option)
+                if action.choices:  # each value it takes, in the parser's order
+                    assert f"{option} {'|'.join(action.choices)}" in where, (name, option)
+    assert "[--input-shape [NAME=]DIMS]..." in model_flags  # the flag repeated, one NAME=DIMS each
 
 
 def test_console_script_entry_point_exists():
