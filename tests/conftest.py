@@ -41,8 +41,7 @@ def _reset_process_state():
 def _fresh_process_state(monkeypatch):
     """Every test starts from the defaults and an empty process: no WSARENA_* variables, no earlier configure(),
     no cached algorithm choice or remembered call, no arena, no backend (nor the descriptors it cached)."""
-    for var in ("WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH", "WSARENA_BACKEND", "WSARENA_CUDNN_API",
-                "WSARENA_PLAN_CACHE_SIZE", "WSARENA_DEBUG", "WSARENA_ALLOCATOR", "WSARENA_SEARCH_CACHE_MAX_SIZE"):
+    for var in wsarena._config._ENV.values():  # every setting's variable (WSARENA_CACHE_DIR: _no_user_cache)
         monkeypatch.delenv(var, raising=False)
     _reset_process_state()
     yield
