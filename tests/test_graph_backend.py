@@ -312,7 +312,7 @@ def test_report_device_properties(finalizing, capsys, tmp_path):
     binary = tmp_path / "props.bin"
     binary.write_bytes(b"\xff\xfe{}")
     assert main(["report", "resnet50", "--device-properties", str(binary)]) == 2
-    assert f"{binary}: device properties are JSON text, but this file is not UTF-8" in capsys.readouterr().err
+    assert f"device properties {str(binary)!r} are not a JSON text file (not UTF-8" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("flags", "says"), [

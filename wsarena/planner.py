@@ -250,7 +250,7 @@ def plan(
         try:
             device_properties = text if source is None else Path(text).read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{text}: device properties are JSON text, but this file is not UTF-8 ({exc})") from None
+            raise ValueError(f"device properties {text!r} are not a JSON text file (not UTF-8: {exc})") from None
         except OSError as exc:  # as load_model() names a model file it cannot read
             raise ValueError(f"cannot read the device properties {text!r}: {exc.strerror or exc}") from None
     if max_slowdown is not None:
