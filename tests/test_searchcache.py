@@ -699,6 +699,24 @@ def test_a_link_that_leads_nowhere_is_removed_as_a_dangling_one_is_and_only_the_
     assert outside.read_text() == "not the cache's" and (tmp_path / "elsewhere").is_dir()
 
 
+def test_a_folder_with_an_entry_s_name_is_left_alone_by_the_trim_and_by_clear(cache, limit):
+    """A folder named like an entry (``x.json``) is no entry: the trim neither counts nor removes it, and
+    ``wsarena cache clear`` removes the entries around it instead of failing on it (exit 3)."""
+    put(1)
+    folder = cache / "search"
+    (folder / "someone-elses.json").mkdir()
+    (folder / "someone-elses.json" / "kept").write_text("x")
+    algos.cache_clear()
+    searchcache._known_size.clear()  # a fresh process: its first write lists the folder
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing failed to be removed
+        put(2)
+    cleared = searchcache.clear()
+    assert cleared["removed"] == 2
+    assert [p.name for p in folder.iterdir()] == ["someone-elses.json"]
+    assert (folder / "someone-elses.json" / "kept").read_text() == "x"
+
+
 def test_info_names_the_setting_in_force(cache, monkeypatch, tmp_path):
     """``wsarena cache info`` says where its folder comes from: a folder configure() or config() set in the process
     is not the environment variable's, nor is a cache they turned off."""

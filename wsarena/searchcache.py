@@ -330,6 +330,8 @@ def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
                 continue
             try:
                 st = item.stat()
+                if stat.S_ISDIR(st.st_mode) and not item.is_symlink():
+                    continue  # a folder with an entry's name: no entry, and not the cache's to remove
                 if item.name.startswith(_TEMP_PREFIX):
                     if now - st.st_mtime > _STALE_TEMP:
                         os.unlink(item.path)
@@ -457,6 +459,8 @@ def clear() -> dict[str, Any]:
     for path in paths:
         try:
             st = path.stat()
+            if stat.S_ISDIR(st.st_mode) and not path.is_symlink():
+                continue  # a folder with an entry's name: no entry, and not the cache's to remove
             if path.name.startswith(_TEMP_PREFIX) and now - st.st_mtime <= _STALE_TEMP:
                 continue  # a write in progress
             size = _disk_size(st)
