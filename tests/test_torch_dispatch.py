@@ -6,6 +6,8 @@ them and gets torch's results.
 Tolerance as in test_torch.py: float64 within 1e-10 of torch's, relative to the largest magnitude.
 """
 
+from typing import ClassVar
+
 import pytest
 
 from .test_torch import close
@@ -85,3 +87,71 @@ def test_meta_tensors_go_through_the_dispatcher(straight):
     x = torch.empty(2, 4, 7, 7, device="meta")
     y = wt.Conv2d(4, 6, 3, stride=2, device="meta")(x)
     assert y.device.type == "meta" and y.shape == (2, 6, 3, 3) and straight == []
+
+
+class Recorded(torch.Tensor):
+    """A subclass seen only by the dispatcher (``__torch_dispatch__``, no ``__torch_function__``, as DTensor):
+    it records each operator and runs it on the tensor it wraps."""
+
+    seen: ClassVar[list] = []
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, strides=elem.stride(), dtype=elem.dtype,
+                                                   device=elem.device)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        cls.seen.append(func.__name__.split(".")[0])
+        out = func(*tree_map(lambda t: t.elem if isinstance(t, Recorded) else t, args), **(kwargs or {}))
+        return tree_map(lambda t: Recorded(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """As in a new process: no plain tensor's dispatch keys known yet."""
+    monkeypatch.setattr(_ops, "_plain_keys", {})
+
+
+def test_a_meta_tensor_first_in_a_process_goes_through_the_dispatcher(fresh, straight):
+    """The first call's device must not become what a plain tensor is: a meta one has no memory to run on."""
+    x = torch.empty(2, 4, 7, 7, device="meta")
+    y = wt.Conv2d(4, 6, 3, stride=2, device="meta")(x)
+    assert y.device.type == "meta" and y.shape == (2, 6, 3, 3) and straight == []
+
+
+def test_a_first_call_under_a_fake_mode_leaves_subclasses_to_the_dispatcher(fresh, straight, monkeypatch):
+    """A first call under a dispatch mode (a FakeTensorMode's trace) must not take the mode's tensors for plain
+    ones: a subclass with the same dispatch keys would then skip its ``__torch_dispatch__``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), torch.no_grad():
+        wt.conv2d(torch.empty(2, 4, 7, 7), torch.empty(6, 4, 3, 3))
+    monkeypatch.setattr(Recorded, "seen", [])
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(shape, dtype=torch.float64, generator=g) for shape in ((2, 4, 7, 7), (6, 4, 3, 3)))
+    with torch.no_grad():
+        y = wt.conv2d(Recorded(x), Recorded(w))
+    assert "conv_forward" in Recorded.seen and straight == []
+    assert close(y.elem, F.conv2d(x, w))
+    x, conv = tensors()
+    conv(x).pow(2).sum().backward()
+    assert straight == NAMES  # and plain tensors still run straight
+
+
+def test_a_first_call_in_inference_mode_leaves_ordinary_calls_straight(fresh, straight):
+    """Tensors made in inference mode have no autograd keys; those of a first call there are not a plain
+    tensor's, or no call after it would run straight."""
+    x, conv = tensors()
+    with torch.inference_mode():
+        ref = conv(x)
+    straight.clear()
+    y = conv(x)
+    y.pow(2).sum().backward()
+    assert straight == NAMES and close(y, ref)

@@ -188,25 +188,34 @@ _KERNELS: dict[Any, Callable[..., Tensor]] = {
     conv_forward: _conv_forward, conv_backward_data: _conv_backward_data, conv_backward_filter: _conv_backward_filter,
 }
 transforms_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
-_plain_keys: dict[bool, Any] = {}  # is_cuda: the dispatch keys of a plain tensor of that kind
+_plain_keys: dict[bool, Any] = {}  # is_cuda: the dispatch keys of an ordinary CPU or CUDA tensor
+
+
+def _plain(is_cuda: bool) -> Any:
+    """The dispatch keys of an ordinary tensor on the CPU (``False``) or a CUDA device, made once: on that device
+    whatever the operands' (a meta tensor's are no plain tensor's), outside inference mode (whose tensors lack
+    autograd's keys), and only where no mode is active (a fake mode would make the tensor fake)."""
+    with torch.inference_mode(False):
+        keys = _plain_keys[is_cuda] = torch._C._dispatch_keys(torch.empty(0, device="cuda" if is_cuda else "cpu"))
+    return keys
 
 
 def call(op: Any, a: Tensor, b: Tensor, *args: Any) -> Tensor:
     """``op(a, b, *args)``, one of the operators: straight to its Python function where PyTorch's dispatcher would
     reach nothing else on the way, which saves the dispatcher's 20-30 us a call (bench/RESULTS.md); through the
-    dispatcher otherwise. Straight only for operands that are plain CPU or CUDA tensors to the dispatcher (their
-    dispatch keys those of a fresh tensor: not batched by ``is_grads_batched``, wrapped by torch.func, fake, meta,
-    conjugated, nor of a subclass that handles torch functions), with no gradient to record (a Function's forward,
-    a backward without a graph), and nothing that sees operators: a dispatch or torch-function mode, the profiler,
-    forward AD's dual tensors, torch.func's transforms, a trace."""
-    keys = torch._C._dispatch_keys(a)
+    dispatcher otherwise. Straight only with no gradient to record (a Function's forward, a backward without a
+    graph), nothing that sees operators (a dispatch or torch-function mode, the profiler, forward AD's dual
+    tensors, torch.func's transforms, a trace), and operands that are plain CPU or CUDA tensors to the dispatcher
+    (their dispatch keys those of an ordinary tensor: not batched by ``is_grads_batched``, wrapped by torch.func,
+    fake, meta, made in inference mode, conjugated, nor of a subclass that handles torch functions or dispatch)."""
+    if (torch.is_grad_enabled() or torch._C._has_torch_function((a, b)) or torch._C._len_torch_dispatch_stack()
+            or torch._C._autograd._profiler_enabled() or forward_ad._current_level >= 0 or transforms_active()
+            or torch.jit.is_tracing() or torch.compiler.is_compiling()):
+        return op(a, b, *args)
     plain = _plain_keys.get(a.is_cuda)
     if plain is None:
-        plain = _plain_keys[a.is_cuda] = torch._C._dispatch_keys(torch.empty(0, device=a.device))
-    if (keys == plain and torch._C._dispatch_keys(b) == plain and not torch.is_grad_enabled()
-            and not torch._C._has_torch_function((a, b)) and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._autograd._profiler_enabled() and forward_ad._current_level < 0
-            and not transforms_active() and not torch.jit.is_tracing() and not torch.compiler.is_compiling()):
+        plain = _plain(a.is_cuda)
+    if torch._C._dispatch_keys(a) == plain and torch._C._dispatch_keys(b) == plain:
         return _KERNELS[op](a, b, *args)
     return op(a, b, *args)
 
