@@ -155,3 +155,31 @@ def test_a_first_call_in_inference_mode_leaves_ordinary_calls_straight(fresh, st
     y = conv(x)
     y.pow(2).sum().backward()
     assert straight == NAMES and close(y, ref)
+
+
+def test_torch_function_modes_and_subclasses_see_the_operators(straight):
+    """A torch-function mode is shown the operator, and a subclass that handles torch functions gets its class
+    back, as from torch.nn.functional's convolution: their tensors' dispatch keys are a plain tensor's, so only
+    the torch-function check keeps them off the straight path."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        pass
+
+    x, conv = tensors()
+    with Watch():
+        conv(x)
+    assert "wsarena.conv_forward.default" in seen
+    xs = x.detach().as_subclass(Sub)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            y, ref = conv(xs), F.conv2d(xs, conv.weight, conv.bias, padding=1)
+        assert type(y) is type(ref) is Sub and close(y, ref)
+    assert straight == []
