@@ -216,7 +216,7 @@ def test_cap_warnings_of_a_gradient_of_a_gradient_name_the_forward_call(thread):
 
 
 # -- forward mode ---------------------------------------------------------------------------------------------------
-BOTH = [(*FUNCTIONS[c[0]], c, False) for c in CASES] + [(*TRANSPOSE_FUNCTIONS[c[0]], c, True) for c in TRANSPOSE_CASES[:3]]
+BOTH = [(*FUNCTIONS[c[0]], c, False) for c in CASES] + [(*TRANSPOSE_FUNCTIONS[c[0]], c, True) for c in TRANSPOSE_CASES]
 
 
 def _operands(case, transposed):
@@ -230,12 +230,12 @@ def _operands(case, transposed):
 
 
 @pytest.mark.parametrize(("ours", "theirs", "case", "transposed"), BOTH)
-@pytest.mark.parametrize("tangents", ["all", "x", "w"])
+@pytest.mark.parametrize("tangents", ["all", "x", "w", "b"])
 def test_jvp_matches_torchs(ours, theirs, case, transposed, tangents):
     """The tangent of conv(x, w) + b is conv(dx, w) + conv(x, dw) + db: each term alone and all together."""
     kw = case[3]
     primals, directions = _operands(case, transposed)
-    keep = {"all": (0, 1, 2), "x": (0,), "w": (1,)}[tangents]
+    keep = {"all": (0, 1, 2), "x": (0,), "w": (1,), "b": (2,)}[tangents]
 
     def jvp(conv):
         def f(*chosen):
