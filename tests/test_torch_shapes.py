@@ -109,10 +109,23 @@ def _value(size, at):
     return int(size.node.expr.xreplace(at)) if isinstance(size, torch.SymInt) else size
 
 
-def test_a_traced_input_too_small_for_the_kernel_is_refused_with_the_reason():
-    compiled = torch.compile(wt.Conv2d(3, 4, 5).double(), backend="aot_eager", dynamic=True)
-    with pytest.raises((ValueError, RuntimeError), match=r"kernel \(5, 5\) \(dilation \(1, 1\)\) is larger than the padded input"):
-        compiled(torch.randn(2, 3, 3, 6, dtype=torch.float64))
+TOO_SMALL = [  # a module, an input too small for it, what is wrong
+    (lambda: wt.Conv2d(3, 4, 5), (2, 3, 3, 6), r"kernel \(5, 5\) \(dilation \(1, 1\)\) is larger than the padded input"),
+    (lambda: wt.ConvTranspose2d(3, 4, 3, padding=2), (2, 3, 2, 6), r"padding=\(2, 2\) leaves an output of no elements"),
+]
+
+
+@pytest.mark.parametrize(("make", "small", "reason"), TOO_SMALL)
+@pytest.mark.parametrize("first", [False, True])
+def test_a_traced_input_too_small_is_refused_with_the_reason(make, small, reason, first):
+    """Under torch.compile a RuntimeError that names the reason (a call outside it raises ValueError), whether the
+    small input is the first traced or comes after a valid one (the size's guard fails, and the retrace refuses
+    it); a transposed convolution's, unchecked, would be the ops' error about a convolution of no elements."""
+    compiled = torch.compile(make().double(), backend="aot_eager", dynamic=True)
+    if not first:
+        compiled(torch.randn(2, 3, 9, 9, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=reason):
+        compiled(torch.randn(small, dtype=torch.float64))
 
 
 def test_each_call_signature_is_checked_once(monkeypatch):
