@@ -107,6 +107,26 @@ def test_channels_last_runs_as_nhwc_and_gives_torchs_memory_format(nd, dtype):
     assert all(close(g, e, tol) and g.stride() == e.stride() for g, e in zip(got, expected))
 
 
+@pytest.mark.parametrize("nd", [2, 3])
+def test_float64_channels_last_on_cuda_runs_contiguous_as_torchs(nd):
+    """PyTorch computes a float64 convolution on CUDA contiguous whatever its operands' format (cuDNN's format for
+    it, ``cudnn_conv_suggest_memory_format``, is contiguous for float64), a float32 one channels-last. Seen here on
+    a FakeTensorMode's CUDA tensors, which need no GPU: the operators' fake kernels give the layout chosen
+    (test_torch_gpu.py compares with PyTorch's own, gradients too, on a GPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fmt = torch.channels_last if nd == 2 else torch.channels_last_3d
+    with FakeTensorMode():
+        for dtype in (torch.float64, torch.float32):
+            x = torch.empty(2, 4, *(7,) * nd, device="cuda", dtype=dtype).to(memory_format=fmt)
+            w = torch.empty(6, 4, *(3,) * nd, device="cuda", dtype=dtype)
+            y = FUNCTIONS[nd][0](x, w, padding=1)
+            yt = getattr(wt, f"conv_transpose{nd}d")(x, w.transpose(0, 1), stride=2)
+            for out in (y, yt):
+                assert out.is_contiguous(memory_format=fmt) == (dtype == torch.float32)
+                assert out.is_contiguous() == (dtype == torch.float64)
+
+
 @pytest.mark.parametrize(
     ("x_shape", "w_shape", "last"),
     [

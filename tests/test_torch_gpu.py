@@ -161,6 +161,25 @@ def test_transposed_functions_match_torchs_and_gradients(dtype, channels_last):
         assert rel(got, expected) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("nd", [2, 3])
+def test_float64_channels_last_comes_out_in_torchs_memory_format(nd):
+    """PyTorch computes a float64 convolution on CUDA contiguous whatever its operands' format; results and
+    gradients have its strides, and its values within float64's 1e-10."""
+    import wsarena.torch as wt
+
+    fmt = torch.channels_last if nd == 2 else torch.channels_last_3d
+    g = torch.Generator().manual_seed(2)
+    x, w = (torch.randn(shape, generator=g, dtype=torch.float64).to("cuda") for shape in
+            ((2, 4, *(7,) * nd), (6, 4, *(3,) * nd)))
+    x, w = (t.to(memory_format=fmt).requires_grad_() for t in (x, w))
+    ours, theirs = getattr(wt, f"conv{nd}d"), getattr(F, f"conv{nd}d")
+    y, ref = ours(x, w, padding=1), theirs(x, w, padding=1)
+    assert y.stride() == ref.stride() and rel(y, ref) <= 1e-10
+    dy = torch.randn_like(ref)
+    for got, expected in zip(torch.autograd.grad(y, (x, w), dy), torch.autograd.grad(ref, (x, w), dy)):
+        assert got.stride() == expected.stride() and rel(got, expected) <= 1e-10
+
+
 def test_gradients_of_gradients_and_per_sample_gradients_on_cuda_match_torchs():
     """A gradient penalty's second backward and vmap(grad) over samples, float32 on cuDNN against PyTorch's."""
     import wsarena.torch as wt

@@ -64,12 +64,15 @@ def _channels_last(t: Tensor) -> bool:
 
 def layout_of(x: Tensor, w: Tensor) -> str:
     """``"NHWC"`` when the input or the weight is channels-last (PyTorch's rule for its output), else ``"NCHW"``;
-    but ``"NCHW"`` for 3-D float64 tensors in host memory, which PyTorch's CPU convolution (slow_conv3d: oneDNN
-    takes no float64) computes contiguous, results and gradients, whatever their format. (Its 3-D float32 and half
-    results follow oneDNN's heuristics, of batch size, kernel and threads, which are not repeated here.)"""
+    but ``"NCHW"`` for float64 tensors that PyTorch computes contiguous, results and gradients, whatever their
+    format: on a CUDA device (cuDNN's format for them, ``cudnn_conv_suggest_memory_format``, is contiguous for
+    float64) and 3-D ones in host memory (slow_conv3d: oneDNN takes no float64). (Its 3-D float32 and half results
+    on the CPU follow oneDNN's heuristics, of batch size, kernel and threads, which are not repeated here.)"""
     if not (_channels_last(x) or _channels_last(w)):
         return "NCHW"
-    return "NCHW" if x.dim() == 5 and x.dtype == torch.float64 and x.device.type == "cpu" else "NHWC"
+    if x.dtype == torch.float64 and (x.is_cuda or (x.dim() == 5 and x.device.type == "cpu")):
+        return "NCHW"
+    return "NHWC"
 
 
 def _view(t: Tensor, layout: str) -> Tensor:
