@@ -210,7 +210,9 @@ def call(op: Any, a: Tensor, b: Tensor, *args: Any) -> Tensor:
     graph), nothing that sees operators (a dispatch or torch-function mode, the profiler, forward AD's dual
     tensors, torch.func's transforms, a trace), and operands that are plain CPU or CUDA tensors to the dispatcher
     (their dispatch keys those of an ordinary tensor: not batched by ``is_grads_batched``, wrapped by torch.func,
-    fake, meta, made in inference mode, conjugated, nor of a subclass that handles torch functions or dispatch)."""
+    fake, meta, made in inference mode, conjugated, nor of a subclass that handles torch functions or dispatch).
+    What Python cannot ask about goes unseen on the straight path: an ``ExecutionTraceObserver`` started without the
+    profiler records the operators only from the dispatcher."""
     if (torch.is_grad_enabled() or torch._C._has_torch_function((a, b)) or torch._C._len_torch_dispatch_stack()
             or torch._C._autograd._profiler_enabled() or forward_ad._current_level >= 0 or transforms_active()
             or torch.jit.is_tracing() or torch.compiler.is_compiling()):
