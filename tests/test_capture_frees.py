@@ -22,16 +22,24 @@ def freed(provider):
 
 class CaptureWatchingProvider(RecordingProvider):
     """Records each free made while its stream (or, with no stream, any stream) is being captured: CUDA would record
-    ``cudaFreeAsync`` into the graph instead of freeing, and a device synchronisation would break the capture."""
+    ``cudaFreeAsync`` into the graph instead of freeing, and a device synchronisation would break the capture. Records
+    too each stream id read while that stream is being captured: CUDA refuses ``cudaStreamGetId`` then, and in its
+    global and thread-local modes the refusal invalidates the capture."""
 
     def __init__(self):
         super().__init__(device_id=0)
         self.during_capture = []
+        self.read_in_capture = []
 
     def deallocate(self, buffer, *, stream):
         if stream in self.capturing or (stream is None and self.capturing):
             self.during_capture.append((buffer.ptr, stream))
         super().deallocate(buffer, stream=stream)
+
+    def stream_id(self, stream):
+        if stream in self.capturing:
+            self.read_in_capture.append(stream)
+        return super().stream_id(stream)
 
 
 def test_a_buffer_is_not_freed_on_its_stream_while_that_stream_is_captured():
@@ -192,34 +200,41 @@ def test_frees_wait_for_a_global_capture_from_its_beginning_not_from_its_first_l
     graph.graph.close()
 
 
-def _hold_back_a_buffer(provider, arena):
-    """Capture S1, let an eager growth keep the pinned buffer aside, release the graph, and capture S1 again: the
-    buffer is let go during the second capture, and its free on S1 held back. Returns its address and the graph."""
-    arena.reserve(1000, stream=S1)
+def _hold_back_a_buffer(provider, arena, stream):
+    """Capture ``stream`` (a stream object on handle S1), let an eager growth keep the pinned buffer aside, release the
+    graph, and capture S1 again: the buffer is let go during the second capture, and its free on S1 held back. Returns
+    its address and the graph."""
+    arena.reserve(1000, stream=stream)  # the arena begins to watch the stream: reads its id, 1
     graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1) as ws:
+    with arena.lease(1000, stream=stream) as ws:
         first = ws.ptr
     provider.end_capture(graph)
-    with arena.lease(50_000, stream=S1):
+    with arena.lease(50_000, stream=stream):
         pass
     graph.close()
     again = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1):
+    with arena.lease(1000, stream=stream):
         pass
     provider.end_capture(again)
     assert first not in freed(provider)
     return first, again
 
 
-def test_a_buffer_held_back_on_a_captured_stream_is_not_freed_on_a_new_stream_given_its_handle():
+@pytest.fixture
+def watched():
+    """A device arena over a CaptureWatchingProvider, and a stream object on S1 whose id is 1."""
+    provider = CaptureWatchingProvider()
+    provider.stream_ids[S1] = 1
+    return provider, Arena(provider), FakeStream(S1)
+
+
+def test_a_buffer_held_back_on_a_captured_stream_is_not_freed_on_a_new_stream_given_its_handle(watched):
     """The free of a buffer held back while its stream was captured keeps that stream's handle. The stream is
     destroyed, and CUDA gives the handle to a new stream, before the next call: the buffer is freed with no stream
     (after the device is idle, as a dead stream's are), not in the new stream's order, where the dead stream's work
     would not be waited for. Once, it was freed on the handle, in the new stream's order."""
-    provider = CaptureWatchingProvider()
-    arena = Arena(provider)
-    provider.stream_ids[S1] = 1
-    first, graph = _hold_back_a_buffer(provider, arena)
+    provider, arena, stream = watched
+    first, graph = _hold_back_a_buffer(provider, arena, stream)
     provider.stream_ids[S1] = 2  # S1 is destroyed, and its handle names a new stream now
     with arena.lease(10, stream=S2):  # the next call
         pass
@@ -228,24 +243,20 @@ def test_a_buffer_held_back_on_a_captured_stream_is_not_freed_on_a_new_stream_gi
     graph.close()
 
 
-def test_a_buffer_held_back_on_a_stream_that_lives_on_is_freed_in_its_order():
-    provider = CaptureWatchingProvider()
-    arena = Arena(provider)
-    provider.stream_ids[S1] = 1
-    first, graph = _hold_back_a_buffer(provider, arena)
+def test_a_buffer_held_back_on_a_stream_that_lives_on_is_freed_in_its_order(watched):
+    provider, arena, stream = watched
+    first, graph = _hold_back_a_buffer(provider, arena, stream)
     with arena.lease(10, stream=S2):
         pass
     assert (first, S1) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
     graph.close()
 
 
-def test_a_buffer_held_back_on_a_gone_stream_waits_while_a_capture_goes_on():
+def test_a_buffer_held_back_on_a_gone_stream_waits_while_a_capture_goes_on(watched):
     """Freed with no stream, it waits, as any free with no stream does, while a capture the arena knows is under way:
     here the new stream's, on the handle it was held back on."""
-    provider = CaptureWatchingProvider()
-    arena = Arena(provider)
-    provider.stream_ids[S1] = 1
-    first, graph = _hold_back_a_buffer(provider, arena)
+    provider, arena, stream = watched
+    first, graph = _hold_back_a_buffer(provider, arena, stream)
     provider.stream_ids[S1] = 2
     new = provider.begin_capture(S1)  # the new stream, captured
     with arena.lease(10, stream=S2):
@@ -255,4 +266,23 @@ def test_a_buffer_held_back_on_a_gone_stream_waits_while_a_capture_goes_on():
     with arena.lease(10, stream=S2):
         pass
     assert (first, None) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+    graph.close()
+
+
+def test_no_stream_id_is_read_while_its_stream_is_captured(watched):
+    """CUDA refuses cudaStreamGetId on a stream being captured, and in its global and thread-local modes (PyTorch's
+    default is global) the refusal invalidates the capture. A buffer held back while its stream is captured is matched
+    with the id the arena read when it began to watch the stream; whether the handle names another stream is asked
+    only once no capture is under way on it. Once, the id was read as the buffer was held back, and again at each
+    call while the stream was captured anew."""
+    provider, arena, stream = watched
+    first, graph = _hold_back_a_buffer(provider, arena, stream)
+    new = provider.begin_capture(S1)  # the same stream, captured again before the next call
+    with arena.lease(10, stream=S2):
+        pass
+    assert first not in freed(provider)
+    provider.end_capture(new)
+    with arena.lease(10, stream=S2):
+        pass
+    assert (first, S1) in [(b.ptr, s) for b, s in provider.frees] and provider.read_in_capture == []
     graph.close()

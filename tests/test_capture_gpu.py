@@ -244,16 +244,21 @@ class _FreesWatched(RecordingProvider):
     def current_stream(self):
         return self.upstream.current_stream()
 
+    def stream_id(self, stream):
+        return self.upstream.stream_id(stream)  # cudaStreamGetId, which a capture in global mode must never see
+
     def deallocate(self, buffer, *, stream):
         if stream is not None and capture_of(stream) is not None:
             self.during_capture.append((buffer.ptr, stream))
         super().deallocate(buffer, stream=stream)
 
 
-def test_a_buffer_a_released_graph_held_is_freed_after_the_next_capture_on_its_stream(cupy):
+@pytest.mark.parametrize("mode", ["relaxed", "global"])
+def test_a_buffer_a_released_graph_held_is_freed_after_the_next_capture_on_its_stream(cupy, mode):
     """Capture, grow, drop the graph, capture again on the same stream: the first graph's buffer, let go during the
     second capture, is freed after it. With AsyncProvider a free during it would be a cudaFreeAsync recorded into the
-    second graph, run at each of its replays."""
+    second graph, run at each of its replays. Holding it back asks CUDA nothing a global-mode capture refuses (reading
+    the stream's id there invalidated it)."""
     device = cupy.cuda.Device().id
     provider = _FreesWatched(AsyncProvider(device))
     arena = Arena(provider)
@@ -264,7 +269,7 @@ def test_a_buffer_a_released_graph_held_is_freed_after_the_next_capture_on_its_s
             warnings.simplefilter("error")  # a failed free warns
             arena.reserve(8 << 20, stream=s)
             wsarena.conv_forward(x, w, padding=1, out=y)
-            with wsarena.capture(s) as first:
+            with wsarena.capture(s, mode=mode) as first:
                 wsarena.conv_forward(x, w, padding=1, out=y)
             arena.reserve(64 << 20, stream=s)  # grows: the first graph's buffer is kept aside
             first.close()
@@ -274,7 +279,7 @@ def test_a_buffer_a_released_graph_held_is_freed_after_the_next_capture_on_its_s
                 gc.collect()
                 time.sleep(0.01)  # CUDA runs the graph's destructor on a thread of its own
             held = len(provider.held)
-            with wsarena.capture(s) as second:  # its first lease lets go of the first graph's buffer
+            with wsarena.capture(s, mode=mode) as second:  # its first lease lets go of the first graph's buffer
                 wsarena.conv_forward(x, w, padding=1, out=y)
             assert len(provider.held) == held  # not freed yet
             arena.stats()  # the next call after the capture frees it

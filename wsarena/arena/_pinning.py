@@ -155,54 +155,58 @@ def give_back(self: Arena, key: Any = None) -> None:
     """
     capture = self._capture
     streams = {stream for _, stream in list(self._to_free)}  # list(): one C call, whatever other threads do
-    gone = _gone_since_held(self, streams)
-    waiting = {stream for stream in streams if stream is not None and stream not in gone and _captured(capture, stream)}
+    held = self._table.held_back
+    waiting, gone = set(), set()
+    for stream in streams:
+        if stream is None:
+            continue
+        if _captured(capture, stream):
+            waiting.add(stream)
+        elif held and stream in held and _gone_since_held(self, stream):  # asked once no capture is under way on it
+            gone.add(stream)
     if (None in streams or gone) and _capture_under_way(self, key):
         waiting.add(None)
         waiting |= gone  # freed with no stream: they wait as those do
     if waiting:
         _hold(self, waiting)
     _give_back(self.provider, self._to_free, waiting=waiting, unstreamed=gone)
-    held = self._table.held_back
     if held:
-        for stream in streams - waiting:  # given back now: a later hold reads its stream's id afresh
-            held.pop(stream, None)
+        for stream in list(held):  # list(): one C call, whatever other threads do
+            if stream not in waiting:  # given back now, or nothing queued: a later hold records its stream afresh
+                held.pop(stream, None)
 
 
 _GONE: Any = object()  # held_back: the stream was found gone (its buffers are freed with no stream)
 
 
 def _hold(self: Arena, streams: set[Any]) -> None:
-    """Record the id of each stream whose buffers are held back now: the next drain frees them on it only if its
-    handle still names that stream (:func:`_gone_since_held`). The legacy and per-thread default streams are never
-    destroyed; a provider that cannot tell streams apart, or a stream CUDA gives no id, is not recorded (the buffers
-    keep the handle, as a sub-arena is adopted on it)."""
-    read, held = self._table.stream_id, self._table.held_back
-    if read is None:
-        return
+    """Record, for each stream whose buffers are held back now, the id the arena read when it began to watch that
+    stream (:attr:`~wsarena.arena._sub._SubArena.stream_id`): the buffers are freed on it later only if the handle
+    still names that stream (:func:`_gone_since_held`). No id is read here: CUDA refuses ``cudaStreamGetId`` on a
+    stream being captured, and in its global and thread-local modes the refusal invalidates the capture. A stream the
+    arena does not watch (a raw handle, a default stream) or cannot tell apart is not recorded: its buffers keep the
+    handle, as a sub-arena is adopted on it."""
+    held, subs = self._table.held_back, self._subs
     for stream in streams:
         if type(stream) is int and stream > PER_THREAD_DEFAULT_STREAM and stream not in held:
-            stream_id = read(stream)
+            sub = subs.get(stream)
+            stream_id = sub.stream_id if sub is not None else None
             if stream_id is not None:
                 held[stream] = stream_id
 
 
-def _gone_since_held(self: Arena, streams: set[Any]) -> set[Any]:
-    """Of the queued ``streams``, those whose buffers were held back while their stream was captured and whose handle
-    names another stream now (or none: CUDA cannot tell): the stream was destroyed since, and CUDA may have given its
-    handle to a new one, in whose order the buffers must not be freed. Streams nothing is queued on are forgotten."""
-    held = self._table.held_back
-    if not held:
-        return set()
-    read = self._table.stream_id
-    gone = set()
-    for stream, stream_id in list(held.items()):  # list(): one C call, whatever other threads do
-        if stream not in streams:
-            held.pop(stream, None)  # its buffers were given back
-        elif stream_id is _GONE or read is None or read(stream) != stream_id:
-            held[stream] = _GONE  # for good: a new stream with that id would not be this one
-            gone.add(stream)
-    return gone
+def _gone_since_held(self: Arena, stream: Any) -> bool:
+    """Whether the handle ``stream``, whose buffers were held back while its stream was captured and which is not
+    being captured now, names another stream (or none: CUDA cannot tell): the stream was destroyed since, and CUDA may
+    have given its handle to a new one, in whose order the buffers must not be freed."""
+    held, read = self._table.held_back, self._table.stream_id
+    stream_id = held.get(stream)
+    if stream_id is _GONE:
+        return True
+    if read is None or read(stream) != stream_id:
+        held[stream] = _GONE  # for good: a new stream with that id would not be this one
+        return True
+    return False
 
 
 def check_unpinned(self: Arena) -> None:
