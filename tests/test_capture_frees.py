@@ -286,3 +286,31 @@ def test_no_stream_id_is_read_while_its_stream_is_captured(watched):
         pass
     assert (first, S1) in [(b.ptr, s) for b, s in provider.frees] and provider.read_in_capture == []
     graph.close()
+
+
+@pytest.mark.parametrize("drained_by", ["a new lease", "the end of a lease taken before"])
+def test_a_buffer_held_back_on_a_stream_whose_object_died_is_freed_with_no_stream_and_no_question(drained_by):
+    """The stream object dies after the capture, before the next call: CuPy destroys its stream with it, and CUDA may
+    give the handle to the next stream made, in whose order the buffer would then be freed (CuPy's pool files it under
+    the handle). It is freed with no stream, as the stream's other buffers are, and CUDA is asked nothing about the
+    handle, which may name no stream (cudaStreamGetId and cudaStreamIsCapturing read through it). Once, its id was
+    read, found the same, and the buffer freed on the dead stream's handle."""
+    provider = CaptureWatchingProvider()
+    provider.stream_ids[S1] = 1
+    arena = Arena(provider)
+    stream = FakeStream(S1)
+    lease = arena.lease(10, stream=S2)
+    if drained_by != "a new lease":
+        lease.__enter__()  # before the buffer is held back: its end is the first call after the stream dies
+    first, graph = _hold_back_a_buffer(provider, arena, stream)
+    reads = len(provider.id_reads)
+    del stream
+    gc.collect()
+    if drained_by == "a new lease":
+        with lease:
+            pass
+    else:
+        lease.__exit__(None, None, None)  # no new sub-arena, so no sweep, before the queue is drained
+    assert (first, None) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+    assert S1 not in provider.id_reads[reads:]
+    graph.close()

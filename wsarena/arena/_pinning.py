@@ -160,9 +160,11 @@ def give_back(self: Arena, key: Any = None) -> None:
     for stream in streams:
         if stream is None:
             continue
-        if _captured(capture, stream):
+        if held and stream in held and _gone_since_held(self, stream, ask=False):
+            gone.add(stream)  # CUDA is asked nothing about a handle that may name no stream
+        elif _captured(capture, stream):
             waiting.add(stream)
-        elif held and stream in held and _gone_since_held(self, stream):  # asked once no capture is under way on it
+        elif held and stream in held and _gone_since_held(self, stream, ask=True):  # no capture is under way on it
             gone.add(stream)
     if (None in streams or gone) and _capture_under_way(self, key):
         waiting.add(None)
@@ -195,18 +197,31 @@ def _hold(self: Arena, streams: set[Any]) -> None:
                 held[stream] = stream_id
 
 
-def _gone_since_held(self: Arena, stream: Any) -> bool:
-    """Whether the handle ``stream``, whose buffers were held back while its stream was captured and which is not
-    being captured now, names another stream (or none: CUDA cannot tell): the stream was destroyed since, and CUDA may
-    have given its handle to a new one, in whose order the buffers must not be freed."""
-    held, read = self._table.held_back, self._table.stream_id
+def _gone_since_held(self: Arena, stream: Any, ask: bool) -> bool:
+    """Whether the handle ``stream``, whose buffers were held back while its stream was captured, may name another
+    stream now (or none): the stream was destroyed since, and CUDA may have given its handle to a new one, in whose
+    order the buffers must not be freed (CuPy's pool would hand them to that stream at once). Known without asking CUDA
+    once the stream object the arena watched died, or its sub-arena was forgotten or is another stream's: the handle
+    may name no stream then, and CUDA reads through it. With ``ask`` (no capture is under way on the handle, which the
+    question would invalidate), also when CUDA gives the handle's stream another id (or none)."""
+    held = self._table.held_back
     stream_id = held.get(stream)
-    if stream_id is _GONE:
-        return True
-    if read is None or read(stream) != stream_id:
-        held[stream] = _GONE  # for good: a new stream with that id would not be this one
-        return True
-    return False
+    if stream_id is not _GONE and _watched(self, stream, stream_id):
+        read = self._table.stream_id
+        if not ask or (read is not None and read(stream) == stream_id):
+            return False
+    held[stream] = _GONE  # for good: a new stream with that id would not be this one
+    return True
+
+
+def _watched(self: Arena, stream: Any, stream_id: Any) -> bool:
+    """Whether the arena still watches the stream of id ``stream_id`` on the handle ``stream``: the stream object of
+    its sub-arena lives (no lock: each field read once, and a death is never undone)."""
+    sub = self._subs.get(stream)
+    if sub is None or sub.orphan or sub.stream_id != stream_id:
+        return False
+    anchor = sub.anchor
+    return anchor is not None and anchor() is not None
 
 
 def check_unpinned(self: Arena) -> None:
