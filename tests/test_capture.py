@@ -510,6 +510,26 @@ def test_eviction_of_idle_streams_never_drops_a_buffer_a_capture_under_way_pinne
     graph.close()
 
 
+def test_a_stream_whose_capture_ended_and_whose_graph_is_gone_is_evicted_as_idle(device, monkeypatch):
+    """A capture leased on S1, ended, and its graph was released: S1, idle, is evicted as any one-off stream is, though
+    no free with no stream (whose question found a capture over) came since. Once, it was kept with its buffer until
+    such a free: for good, in a program whose streams are raw handles."""
+    from wsarena.arena import _table
+
+    monkeypatch.setattr(_table, "MAX_IDLE_STREAMS", 4)
+    provider, arena = device
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1) as ws:
+        captured = ws.ptr
+    provider.end_capture(graph)
+    graph.close()
+    for handle in range(0x100, 0x110):  # one-off streams
+        with arena.lease(100, stream=handle):
+            pass
+    assert S1 not in arena.stats().streams and (captured, S1) in [(b.ptr, s) for b, s in provider.frees]
+
+
 def test_a_spare_pins_semaphore_is_freed_once_cuda_has_posted_it(device, monkeypatch):
     """Two first leases of one capture (two threads, on two streams forked into it) may each make a pin and hand it to
     the graph: one is recorded, the other, the spare, is held by the graph alone. Its semaphore is freed once CUDA

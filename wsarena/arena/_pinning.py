@@ -46,7 +46,7 @@ def _acquire_captured(self: Arena, ws: Workspace, anchor: Any, capture: Any) -> 
         if pin not in block.pins:
             block.pins.append(pin)
             pin.blocks.append(block)
-        self._table.capturing[ws.stream] = None  # frees with no stream wait while this capture may go on
+        self._table.capturing[ws.stream] = pin  # frees with no stream wait while this capture may go on
         self._grant(sub, ws, block)
 
 

@@ -49,6 +49,11 @@ MAX_IDLE_STREAMS = 64
 _DEFAULT_STREAMS = PER_THREAD_DEFAULT_STREAM
 
 
+def _may_go_on(pin: Any) -> bool:
+    """Whether a capture recorded in ``_Table.capturing`` with ``pin`` (``False``: none) may still be under way."""
+    return pin is None or (pin is not False and bool(pin.live()))
+
+
 class ReleasedAtExit(RuntimeError):
     """A lease or reserve of a device arena that wsarena's exit handler released: only a daemon thread (or a later
     exit handler) can still ask. A daemon thread gets ``SystemExit`` instead, which ends it quietly."""
@@ -73,9 +78,10 @@ class _Table:
         self.to_free: Queue = collections.deque()  # (buffer, stream) let go, for the provider
         self.kept: list[tuple[Hashable, _Block, Any]] = []  # pinned buffers no sub-arena uses: (key, block, stream)
         self.captures: dict[Any, Any] = {}  # capture sequence id -> the pin of the graph it captures into
-        # Keys of the streams a lease was taken on during a capture that may still be under way (an ordered set):
-        # asked before a free with no stream (wsarena.arena._pinning.give_back), forgotten once found not captured.
-        self.capturing: dict[Hashable, None] = {}
+        # Keys of the streams a lease was taken on during a capture that may still be under way, in order, to the pin
+        # of the graph it records into (None: wsarena.capture began it, and no lease there has come yet): asked before
+        # a free with no stream (wsarena.arena._pinning.give_back), forgotten once found not captured.
+        self.capturing: dict[Hashable, Any] = {}
         # Handles whose buffers were held back while their stream was captured, to the id that stream had then
         # (wsarena.arena._pinning.give_back): freed on the handle only while it names the same stream.
         self.held_back: dict[int, Any] = {}
@@ -316,10 +322,11 @@ class _Table:
         since the last pass (a one-off key is leased once, when it is made), then the rest, oldest first. A stream in
         steady use is leased again all the time, so it keeps its buffer. So does a stream that a capture may still
         be using, or whose buffer a graph holds: forgetting it would free nothing (a pinned buffer is kept for its
-        graphs), and the capture's next lease there would find no buffer, which it cannot grow."""
+        graphs), and the capture's next lease there would find no buffer, which it cannot grow (once its graph is
+        gone, the capture is over)."""
         idle = [
             sub for sub in self.subs.values()
-            if _caller_chosen(sub.key) and sub.idle() and sub.key not in self.capturing
+            if _caller_chosen(sub.key) and sub.idle() and not _may_go_on(self.capturing.get(sub.key, False))
             and not (sub.block is not None and sub.block.pinned())
         ]
         excess = len(idle) - MAX_IDLE_STREAMS + 1  # room for the one about to be made
