@@ -82,8 +82,8 @@ class _Table:
         # of the graph it records into (None: wsarena.capture began it, and no lease there has come yet): asked before
         # a free with no stream (wsarena.arena._pinning.give_back), forgotten once found not captured.
         self.capturing: dict[Hashable, Any] = {}
-        # Handles whose buffers were held back while their stream was captured, to the id that stream had then
-        # (wsarena.arena._pinning.give_back): freed on the handle only while it names the same stream.
+        # Handles whose buffers were held back while their stream was captured, to the id the arena read when it began
+        # to watch that stream (wsarena.arena._pinning.give_back): freed on the handle only while it names that stream.
         self.held_back: dict[int, Any] = {}
         self.totals = _Totals()
         self.closed = False
