@@ -3,6 +3,7 @@ recorded into the graph, and one with no stream (a device synchronisation) would
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import types
@@ -198,6 +199,27 @@ def test_frees_wait_for_a_global_capture_from_its_beginning_not_from_its_first_l
     assert None in [s for _, s in provider.frees] and provider.during_capture == []
     assert len(graph.graph.pins) == 1
     graph.graph.close()
+
+
+@pytest.mark.parametrize("block", ["leases elsewhere", "raises"])
+def test_the_stream_of_a_capture_block_is_not_watched_once_the_block_is_over(captures, block):
+    """wsarena.capture records its stream as captured from its beginning, before any lease there. The block leases
+    no workspace there (its step ran on another stream, or failed first): once it is over, no free waits for that
+    capture, and the stream's seeded buffer is evicted as idle. Once, the stream stayed recorded until a free with no
+    stream came: its buffer kept for good, and CUDA then asked about a handle whose stream may be destroyed."""
+    provider, arena, cupy = captures
+    arena.reserve(1000, stream=S1)
+    stream = cupy.cuda.Stream(0x60)
+    with contextlib.suppress(KeyError), wsarena.capture(stream):  # seeds 0x60 with S1's 1000 bytes
+        with arena.lease(100, stream=0x61):  # another thread's call, not captured
+            pass
+        if block == "raises":
+            raise KeyError("the step failed")
+    assert arena._table.capturing == {}
+    for handle in range(0x100, 0x108):  # one-off streams: idle ones evicted
+        with arena.lease(100, stream=handle):
+            pass
+    assert 0x60 not in arena.stats().streams and provider.during_capture == []
 
 
 def _hold_back_a_buffer(provider, arena, stream):

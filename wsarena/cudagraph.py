@@ -140,7 +140,7 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
         "thread_local": runtime.streamCaptureModeThreadLocal,
         "relaxed": runtime.streamCaptureModeRelaxed,
     }[mode]
-    from .arena._pinning import watch_capture
+    from .arena._pinning import unwatch_capture, watch_capture
     from .arena._registry import open_arena
 
     graph = CapturedGraph(stream)
@@ -160,4 +160,8 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
             with contextlib.suppress(Exception):
                 stream.end_capture()  # discarded: its pins are released when CUDA destroys it
             raise
-        graph.graph = stream.end_capture()
+        else:
+            graph.graph = stream.end_capture()
+        finally:
+            if arena is not None:
+                unwatch_capture(arena, stream)  # else recorded until a free with no stream finds the capture over

@@ -59,6 +59,14 @@ def watch_capture(self: Arena, stream: Any) -> None:
         self._table.capturing[key] = None
 
 
+def unwatch_capture(self: Arena, stream: Any) -> None:
+    """The capture on ``stream`` that :func:`watch_capture` recorded is over (ended, or discarded): nothing waits for
+    it any more, and its stream is evicted as idle streams are, whether or not a lease came there (lock not held)."""
+    key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
+    with self._lock:
+        self._table.capturing.pop(key, None)
+
+
 def _pin_for(self: Arena, capture: Any) -> Any:
     """The pin of the graph that ``capture`` records into, made and handed to the graph on the capture's first
     lease (lock not held: ``capture.retain`` calls CUDA)."""
