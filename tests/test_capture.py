@@ -341,29 +341,41 @@ def test_a_graph_pin_is_live_until_its_c_destructor_runs():
     assert not pin.live() and pin.released
 
 
-def test_a_first_call_during_capture_raises_before_anything_runs():
+@pytest.fixture
+def cpu_conv():
+    """The CPU backend's arena over a RecordingProvider, and a small convolution's operands."""
     provider = RecordingProvider()
     previous = set_arena("cpu", Arena(provider))
-    try:
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
-        w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
-        graph = provider.begin_capture("lane")
-        with pytest.raises(wsarena.CaptureError, match="run the step once before capturing"):
-            wsarena.conv_forward(x, w, padding=1, stream="lane")
-        assert provider.allocations == []
-        provider.end_capture(graph)
-        eager = wsarena.conv_forward(x, w, padding=1, stream="lane", algo="gemm_batch")
-        allocated = len(provider.allocations)
-        graph = provider.begin_capture("lane")
-        out = np.empty_like(eager)
-        wsarena.conv_forward(x, w, padding=1, stream="lane", algo="gemm_batch", out=out)
-        provider.end_capture(graph)
-        assert len(provider.allocations) == allocated and len(graph.pins) == 1
-        np.testing.assert_allclose(out, ref_conv_forward(x.astype(np.float64), w.astype(np.float64), padding=1), rtol=1e-4, atol=1e-4)  # float32 vs float64
-        graph.close()
-    finally:
-        set_arena("cpu", previous)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    yield provider, x, w
+    set_arena("cpu", previous)
+
+
+def assert_captured_call_is_right(provider, x, w, eager, **kw):
+    """Capture the call on lane "lane" after its eager one: nothing is allocated, the lane's buffer is pinned, and the
+    result is the float64 reference's."""
+    allocated = len(provider.allocations)
+    graph = provider.begin_capture("lane")
+    out = np.empty_like(eager)
+    wsarena.conv_forward(x, w, padding=1, stream="lane", out=out, **kw)
+    provider.end_capture(graph)
+    assert len(provider.allocations) == allocated and len(graph.pins) == 1
+    want = ref_conv_forward(x.astype(np.float64), w.astype(np.float64), padding=1)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)  # float32 against float64
+    graph.close()
+
+
+def test_a_first_call_during_capture_raises_before_anything_runs(cpu_conv):
+    provider, x, w = cpu_conv
+    graph = provider.begin_capture("lane")
+    with pytest.raises(wsarena.CaptureError, match="run the step once before capturing"):
+        wsarena.conv_forward(x, w, padding=1, stream="lane")
+    assert provider.allocations == []
+    provider.end_capture(graph)
+    eager = wsarena.conv_forward(x, w, padding=1, stream="lane", algo="gemm_batch")
+    assert_captured_call_is_right(provider, x, w, eager, algo="gemm_batch")
 
 
 def test_capture_without_a_gpu_is_a_backend_error_and_checks_its_mode():
@@ -449,28 +461,14 @@ def test_a_capture_that_no_held_buffer_serves_is_a_capture_error_and_a_runs_own_
     graph.close()
 
 
-def test_a_captured_convolution_runs_the_algorithm_its_eager_call_fell_back_to():
+def test_a_captured_convolution_runs_the_algorithm_its_eager_call_fell_back_to(cpu_conv):
     """The same through the ops, on the CPU backend: the eager call's first algorithm could not grow the lane's
     buffer, the second ran; the captured call runs the second too and gives the same result."""
-    provider = RecordingProvider()
-    previous = set_arena("cpu", Arena(provider))
-    try:
-        rng = np.random.default_rng(1)
-        x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
-        w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
-        wsarena.get_arena("cpu").reserve(6912, stream="lane")  # gemm_per_image's workspace; gemm_batch needs twice
-        provider.fail = lambda n: n > 8192
-        eager = wsarena.conv_forward(x, w, padding=1, stream="lane")
-        allocated = len(provider.allocations)
-        graph = provider.begin_capture("lane")
-        out = np.empty_like(eager)
-        wsarena.conv_forward(x, w, padding=1, stream="lane", out=out)
-        provider.end_capture(graph)
-        assert len(provider.allocations) == allocated and len(graph.pins) == 1
-        np.testing.assert_allclose(out, ref_conv_forward(x.astype(np.float64), w.astype(np.float64), padding=1), rtol=1e-4, atol=1e-4)  # float32 vs float64
-        graph.close()
-    finally:
-        set_arena("cpu", previous)
+    provider, x, w = cpu_conv
+    wsarena.get_arena("cpu").reserve(6912, stream="lane")  # gemm_per_image's workspace; gemm_batch needs twice
+    provider.fail = lambda n: n > 8192
+    eager = wsarena.conv_forward(x, w, padding=1, stream="lane")
+    assert_captured_call_is_right(provider, x, w, eager)
 
 
 def test_eviction_of_idle_streams_never_drops_a_buffer_a_capture_under_way_pinned(device, monkeypatch):

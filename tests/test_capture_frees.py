@@ -274,39 +274,29 @@ def test_a_buffer_held_back_on_a_stream_that_lives_on_is_freed_in_its_order(watc
     graph.close()
 
 
-def test_a_buffer_held_back_on_a_gone_stream_waits_while_a_capture_goes_on(watched):
-    """Freed with no stream, it waits, as any free with no stream does, while a capture the arena knows is under way:
-    here the new stream's, on the handle it was held back on."""
+@pytest.mark.parametrize("handle_names", ["the same stream", "a new stream"])
+def test_a_buffer_held_back_waits_while_its_handle_is_captured_again_and_no_stream_id_is_read_then(watched, handle_names):
+    """The handle is captured again before the next call: by its own stream, or by a new stream given it. The buffer
+    waits until that capture is over: a free on the handle would be recorded into the graph, and one with no stream
+    (the new stream's case) would break the capture. CUDA refuses cudaStreamGetId on a stream being captured, and in
+    its global and thread-local modes (PyTorch's default is global) the refusal invalidates the capture: the buffer is
+    matched with the id the arena read when it began to watch the stream, and the handle's id is read only once no
+    capture is under way on it. Once, the id was read as the buffer was held back, and at each call while the handle
+    was captured again."""
     provider, arena, stream = watched
     first, graph = _hold_back_a_buffer(provider, arena, stream)
-    provider.stream_ids[S1] = 2
-    new = provider.begin_capture(S1)  # the new stream, captured
+    if handle_names == "a new stream":
+        provider.stream_ids[S1] = 2
+    new = provider.begin_capture(S1)
     with arena.lease(10, stream=S2):
         pass
     assert first not in freed(provider)
     provider.end_capture(new)
     with arena.lease(10, stream=S2):
         pass
-    assert (first, None) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
-    graph.close()
-
-
-def test_no_stream_id_is_read_while_its_stream_is_captured(watched):
-    """CUDA refuses cudaStreamGetId on a stream being captured, and in its global and thread-local modes (PyTorch's
-    default is global) the refusal invalidates the capture. A buffer held back while its stream is captured is matched
-    with the id the arena read when it began to watch the stream; whether the handle names another stream is asked
-    only once no capture is under way on it. Once, the id was read as the buffer was held back, and again at each
-    call while the stream was captured anew."""
-    provider, arena, stream = watched
-    first, graph = _hold_back_a_buffer(provider, arena, stream)
-    new = provider.begin_capture(S1)  # the same stream, captured again before the next call
-    with arena.lease(10, stream=S2):
-        pass
-    assert first not in freed(provider)
-    provider.end_capture(new)
-    with arena.lease(10, stream=S2):
-        pass
-    assert (first, S1) in [(b.ptr, s) for b, s in provider.frees] and provider.read_in_capture == []
+    freed_on = S1 if handle_names == "the same stream" else None
+    assert (first, freed_on) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+    assert provider.read_in_capture == []
     graph.close()
 
 
