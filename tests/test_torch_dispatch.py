@@ -151,6 +151,7 @@ def test_a_first_call_in_inference_mode_leaves_ordinary_calls_straight(fresh, st
     x, conv = tensors()
     with torch.inference_mode():
         ref = conv(x)
+    assert straight == ["conv_forward"]
     straight.clear()
     y = conv(x)
     y.pow(2).sum().backward()
@@ -183,3 +184,94 @@ def test_torch_function_modes_and_subclasses_see_the_operators(straight):
             y, ref = conv(xs), F.conv2d(xs, conv.weight, conv.bias, padding=1)
         assert type(y) is type(ref) is Sub and close(y, ref)
     assert straight == []
+
+
+# -- inference mode ------------------------------------------------------------------------------------------------
+# An inference tensor carries its backend's and Autocast's dispatch keys alone (an ordinary one ADInplaceOrView's
+# and Autograd's too); inference mode excludes the Autograd keys and includes no ADInplaceOrView, which the operators
+# fall through anyway (they mutate nothing). Either way the dispatcher reaches the operator's backend kernel alone,
+# the same Python function, run in the same mode.
+
+
+def operands(dtype=torch.float64):
+    """Each operator's arguments, float64 or a half type: ``(op, a, b, *rest)``."""
+    g = torch.Generator().manual_seed(1)
+    x, w, dy = (torch.randn(s, generator=g).to(dtype) for s in ((2, 4, 7, 7), (6, 4, 3, 3), (2, 6, 5, 5)))
+    conv = ([1, 1], [0, 0], [1, 1], 1, "NCHW")
+    return [(_ops.conv_forward, x, w, *conv), (_ops.conv_backward_data, dy, w, [2, 4, 7, 7], *conv),
+            (_ops.conv_backward_filter, x, dy, [6, 4, 3, 3], *conv)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_inference_mode_runs_the_operators_straight_as_the_dispatcher_would(straight, dtype):
+    """Inference and ordinary operands mixed (activations made in inference mode, ordinary weights): each operator
+    runs straight and gives the dispatcher's result bit for bit, an inference tensor without gradient, and leaves
+    the ordinary operands' version counters as they were."""
+    for name, (op, a, b, *rest) in zip(NAMES, operands(dtype)):
+        versions = a._version, b._version
+        with torch.inference_mode():
+            ia, ib = a.clone(), b.clone()  # inference tensors
+            for pair in ((ia, b), (a, ib), (ia, ib), (a, b)):
+                got = _ops.call(op, *pair, *rest)
+                assert straight[-1] == name
+                expected = op(*pair, *rest)  # the operator itself: always through the dispatcher
+                assert torch.equal(got, expected) and got.dtype == expected.dtype == dtype
+                assert got.is_inference() and expected.is_inference()
+                assert not got.requires_grad and not expected.requires_grad
+        assert (a._version, b._version) == versions
+    assert len(straight) == 12
+
+
+def test_inference_tensors_outside_inference_mode_run_straight(straight):
+    """Used without gradient after inference mode, inference tensors reach the backend kernel alone too; the
+    results are ordinary tensors, the dispatcher's, with version counters of their own."""
+    for op, a, b, *rest in operands():
+        with torch.inference_mode():
+            made = a.clone()
+        with torch.no_grad():
+            got, expected = _ops.call(op, made, b, *rest), op(made, b, *rest)
+        assert torch.equal(got, expected) and not got.is_inference() and not expected.is_inference()
+        assert got._version == expected._version == 0
+    assert len(straight) == 3
+
+
+def test_a_module_in_inference_mode_runs_straight_and_matches_torch(straight):
+    x, conv = tensors()
+    with torch.inference_mode():
+        y = conv(x)
+        h = conv.weight.new_ones(6, 6, 1, 1)  # an inference tensor as a second layer's weight
+        z = wt.conv2d(y, h)
+        ref = F.conv2d(F.conv2d(x, conv.weight, conv.bias, padding=1), h)
+    assert straight == ["conv_forward", "conv_forward"]
+    assert z.is_inference() and not z.requires_grad and close(z, ref)
+
+
+def test_inference_mode_leaves_what_the_dispatcher_handles_to_it(straight, monkeypatch):
+    """Inference mode lets inference tensors' keys through, not any tensor's: a negated view (dispatch key
+    Negative, which the dispatcher resolves first), a subclass seen only by the dispatcher, and a dispatch mode
+    all still go through it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, conv = tensors()
+    w, b = conv.weight.detach(), conv.bias.detach()
+    with torch.inference_mode():
+        xi = x.detach().clone()
+        y = wt.conv2d(torch._neg_view(xi), w, b, padding=1)
+        assert close(y, F.conv2d(-xi, w, b, padding=1))
+        assert straight == []
+
+        monkeypatch.setattr(Recorded, "seen", [])
+        y = wt.conv2d(Recorded(xi), Recorded(w.clone()))
+        assert "conv_forward" in Recorded.seen and close(y.elem, F.conv2d(xi, w))
+        assert straight == []
+
+        seen = []
+
+        class Watch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(func.__name__.split(".")[0])
+                return func(*args, **(kwargs or {}))
+
+        with Watch():
+            wt.conv2d(xi, w)
+        assert "conv_forward" in seen and straight == []

@@ -16,7 +16,7 @@ Under ``torch.func.vmap`` each operator is one call with the mapped dimension fo
 (their ``register_vmap`` rules).
 
 :func:`call` runs an operator's Python function straight, without PyTorch's dispatcher, where the dispatcher would
-do nothing else (an ordinary forward and backward on plain tensors).
+do nothing else (an ordinary forward and backward on plain tensors, and calls in inference mode).
 
 On the CPU, float16 and bfloat16 tensors are computed in float32 (the CPU backend has no half-precision
 kernels) and rounded to their dtype, as PyTorch's CPU convolution accumulates them in float32.
@@ -191,15 +191,20 @@ _KERNELS: dict[Any, Callable[..., Tensor]] = {
     conv_forward: _conv_forward, conv_backward_data: _conv_backward_data, conv_backward_filter: _conv_backward_filter,
 }
 transforms_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
-_plain_keys: dict[bool, Any] = {}  # is_cuda: the dispatch keys of an ordinary CPU or CUDA tensor
+_plain_keys: dict[bool, tuple[Any, Any]] = {}  # is_cuda: the dispatch keys of an ordinary and an inference tensor
 
 
-def _plain(is_cuda: bool) -> Any:
-    """The dispatch keys of an ordinary tensor on the CPU (``False``) or a CUDA device, made once: on that device
-    whatever the operands' (a meta tensor's are no plain tensor's), outside inference mode (whose tensors lack
-    autograd's keys), and only where no mode is active (a fake mode would make the tensor fake)."""
+def _plain(is_cuda: bool) -> tuple[Any, Any]:
+    """The dispatch keys of a plain tensor on the CPU (``False``) or a CUDA device, made once: an ordinary tensor's
+    (made outside inference mode: backend, ADInplaceOrView, Autograd and Autocast keys) and an inference tensor's
+    (made in inference mode: backend and Autocast keys alone). On that device whatever the operands' (a meta
+    tensor's are no plain tensor's), and only where no mode is active (a fake mode would make the tensor fake)."""
+    device = "cuda" if is_cuda else "cpu"
     with torch.inference_mode(False):
-        keys = _plain_keys[is_cuda] = torch._C._dispatch_keys(torch.empty(0, device="cuda" if is_cuda else "cpu"))
+        ordinary = torch._C._dispatch_keys(torch.empty(0, device=device))
+    with torch.inference_mode():
+        inference = torch._C._dispatch_keys(torch.empty(0, device=device))
+    keys = _plain_keys[is_cuda] = (ordinary, inference)
     return keys
 
 
@@ -209,8 +214,14 @@ def call(op: Any, a: Tensor, b: Tensor, *args: Any) -> Tensor:
     dispatcher otherwise. Straight only with no gradient to record (a Function's forward, a backward without a
     graph), nothing that sees operators (a dispatch or torch-function mode, the profiler, forward AD's dual
     tensors, torch.func's transforms, a trace), and operands that are plain CPU or CUDA tensors to the dispatcher
-    (their dispatch keys those of an ordinary tensor: not batched by ``is_grads_batched``, wrapped by torch.func,
-    fake, meta, made in inference mode, conjugated, nor of a subclass that handles torch functions or dispatch).
+    (their dispatch keys those of an ordinary or an inference tensor: not batched by ``is_grads_batched``, wrapped
+    by torch.func, fake, meta, conjugated, negated, nor of a subclass that handles torch functions or dispatch).
+    Inference tensors and inference mode, in any mix with ordinary tensors, leave the dispatcher nothing but the
+    operator's backend kernel: inference mode excludes the Autograd keys and includes no ADInplaceOrView, which the
+    operators fall through anyway (they mutate nothing), and the kernel run straight runs in the same mode, so its
+    results are inference tensors exactly where the dispatcher's are. Not under ``torch.set_default_device``: its
+    torch-function mode cannot be told from any other by a public check, and the kernel run straight under it
+    would pay the mode's Python on each of its own torch calls, which the dispatcher spares it.
     What Python cannot ask about goes unseen on the straight path: an ``ExecutionTraceObserver`` started without the
     profiler records the operators only from the dispatcher."""
     if (torch.is_grad_enabled() or torch._C._has_torch_function((a, b)) or torch._C._len_torch_dispatch_stack()
@@ -220,7 +231,9 @@ def call(op: Any, a: Tensor, b: Tensor, *args: Any) -> Tensor:
     plain = _plain_keys.get(a.is_cuda)
     if plain is None:
         plain = _plain(a.is_cuda)
-    if torch._C._dispatch_keys(a) == plain and torch._C._dispatch_keys(b) == plain:
+    ordinary, inference = plain
+    keys_a, keys_b = torch._C._dispatch_keys(a), torch._C._dispatch_keys(b)
+    if (keys_a == ordinary or keys_a == inference) and (keys_b == ordinary or keys_b == inference):
         return _KERNELS[op](a, b, *args)
     return op(a, b, *args)
 
