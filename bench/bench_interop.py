@@ -5,7 +5,8 @@ arithmetic. Cases: NumPy with ``out=`` and without, and, when torch is installed
 tensors (converted to NumPy views and back through DLPack) and ``torch.nn.functional.conv2d`` for scale; a
 bfloat16 tensor's conversions alone, in (to a NumPy view) and out (a result back to torch); and the same
 convolution as a module, ``wsarena.torch.Conv2d(1, 1, 3)`` beside ``torch.nn.Conv2d(1, 1, 3)``: a forward without
-gradient (``fwd``) and a forward with a backward of both gradients (``fwd+bwd``). BLAS and torch run one thread.
+gradient (``fwd``), a forward with a backward of both gradients (``fwd+bwd``) and a forward in
+``torch.inference_mode()`` on an inference tensor (``fwd inf``). BLAS and torch run one thread.
 
 To compare checkouts side by side (say the package before and after a change), name their roots: each runs in a
 subprocess of its own, alternately, ``--rounds`` times, and the table gives each case's best round.
@@ -74,6 +75,8 @@ def _modules(torch: Any, x: Any) -> dict[str, Any]:
     except ImportError:
         return {}
     cases = {}
+    with torch.inference_mode():
+        made = x.clone()  # an inference tensor, as activations in inference mode are; the weights are ordinary
     for name, module in (("wsarena.torch", wsarena.torch.Conv2d(1, 1, 3)), ("nn.Conv2d", torch.nn.Conv2d(1, 1, 3))):
         given = x.clone().requires_grad_()
 
@@ -84,7 +87,12 @@ def _modules(torch: Any, x: Any) -> dict[str, Any]:
         def step(module: Any = module, given: Any = given) -> None:
             module(given).sum().backward()
 
+        def inference(module: Any = module) -> None:
+            with torch.inference_mode():
+                module(made)
+
         cases[f"{name} fwd"], cases[f"{name} fwd+bwd"] = forward, step
+        cases[f"{name} fwd inf"] = inference
     return cases
 
 
