@@ -15,6 +15,17 @@ def test_all_is_sorted_and_every_name_resolves():
     assert public - modules <= set(wsarena.__all__)  # nothing defined here is left out
 
 
+def test_every_error_and_warning_is_in_the_hierarchy_and_exported():
+    """wsarena.errors' docstring draws the hierarchy: each class it exports has a line there, and is public."""
+    import re
+
+    from wsarena import errors
+
+    drawn = set(re.findall(r"^[ │├└─]*(\w+)(?: \(\w+\))?(?: {2,}|$)", errors.__doc__, re.MULTILINE))
+    assert set(errors.__all__) <= drawn, set(errors.__all__) - drawn
+    assert set(errors.__all__) <= set(wsarena.__all__)
+
+
 def test_the_contract_names_exist():
     for name in ("configure", "config", "get_config", "parse_size", "format_size", "conv_forward",
                  "conv_backward_data", "conv_backward_filter", "get_arena", "load_model", "plan", "cudnn"):

@@ -5,12 +5,15 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
     WsarenaError
     ├── BackendUnavailableError (RuntimeError)     the environment cannot do it: no GPU, no libcudnn
     │   └── wsarena.cudnn.CudnnNotFoundError
+    ├── CaptureError (RuntimeError)                a call in a CUDA graph capture would search, finalize a plan,
+    │                                              create a handle or grow the arena; nothing was enqueued
     ├── wsarena.cudnn.CudnnError (RuntimeError)    a cuDNN status; one subclass per status
     ├── UnsupportedConvolutionError (ValueError)   the backend has no algorithm at all for this convolution
     └── WorkspaceMemoryError (MemoryError)         carries requested, held and cap, in bytes
         ├── WorkspaceCapError                      the request is above the workspace cap
         ├── ArenaOutOfMemoryError                  the memory provider could not grow the arena
-        ├── AlignmentWorkspaceError                cuDNN's plan for the operands' alignment needs more than the lease
+        ├── AlignmentWorkspaceError                cuDNN's plan for the operands' alignment needs more than
+        │                                          was leased (the graph API)
         └── NoAlgorithmFitsError                   no algorithm can run within the cap and memory
 
     WorkspaceCapWarning (UserWarning)              the cap excluded the fastest algorithm (once per shape)
