@@ -411,8 +411,8 @@ def info() -> dict[str, Any]:
     """
     root = cache_dir()
     out: dict[str, Any] = {"directory": None if root is None else str(root), "enabled": root is not None,
-                           "source": source(), "entries": 0, "size_bytes": 0, "max_size_bytes": get_config().search_cache_max_size,
-                           "unreadable": 0, "environments": []}
+                           "source": source(), "entries": 0, "size_bytes": 0,
+                           "max_size_bytes": get_config().search_cache_max_size, "unreadable": 0, "environments": []}
     if root is None:
         return out
     groups: dict[tuple, int] = {}

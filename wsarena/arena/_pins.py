@@ -105,7 +105,6 @@ class GraphPin:
         return f"GraphPin({'released' if self.released else 'live'})"
 
 
-
 def _let_go(state: list[Any]) -> None:
     """A pin was collected: free its semaphore if CUDA has posted it (it never will again); else it waits on the list
     of those :func:`free_posted` frees once CUDA has."""
