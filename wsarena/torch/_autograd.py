@@ -144,8 +144,9 @@ class WeightGradFunction(_Pass):
 
 # torch.func's transforms take a Function only in the form above, whose forward has no ctx (setup_context does its
 # part), and autograd runs that form about 15 us a call slower than the older one, binding the arguments to forward's
-# signature. Outside the transforms (and outside a torch.compile trace, which takes either at no cost) each runs in
-# the older form, made here from the same setup and backward, whose forward runs the operator by _ops.call.
+# signature. Outside the transforms (and outside a torch.compile trace, which takes only the public form: it refuses a
+# Function with a jvp) each runs in the older form, made here from the same setup and backward, whose forward runs
+# the operator by _ops.call. Both forms made here define the jvp of forward mode (_jvp).
 _transforms_active = _ops.transforms_active
 _OPERATORS: dict[type[torch.autograd.Function], Any] = {
     ConvFunction: _ops.conv_forward, ConvTransposeFunction: _ops.conv_backward_data,
@@ -238,10 +239,11 @@ def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
 
 def _pass(function: type[torch.autograd.Function], *args: Any) -> Tensor:
     """One pass of a backward pass or of a tangent (``function``'s forward): the Function where torch.func's
-    transforms or a torch.compile trace may ask for its gradient, else the operator, which costs less and is
-    differentiable by itself where the backward makes a graph (grad mode is on in a backward only then). Not the
-    Function there: under ``is_grads_batched``'s batching a Function's graph stays on the batched wrapper, and the
-    gradients that come out of it have none."""
+    transforms or a torch.compile trace may ask for its gradient, its older form where forward AD is on (dual tensors
+    may come, whose tangents its ``jvp`` gives), else the operator, which costs less and is differentiable by itself
+    where the backward makes a graph (grad mode is on in a backward only then). Not the Function there: under
+    ``is_grads_batched``'s batching a Function's graph stays on the batched wrapper, and the gradients that come out
+    of it have none."""
     if torch.compiler.is_compiling():
         return function.apply(*args) if torch.is_grad_enabled() else function.forward(*args)
     if torch.is_grad_enabled() and _transforms_active():
