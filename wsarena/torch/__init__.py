@@ -16,9 +16,9 @@ weight-gradient are wsarena's three ops, registered as PyTorch custom operators 
 convolution runs the same three in other roles (its forward is a convolution's backward-data). Stride, padding
 (symmetric, ``"valid"``, ``"same"``: an even kernel's input padded by one more at the end, as PyTorch pads it),
 dilation, groups and a transposed convolution's ``output_padding`` below its stride are supported; channels-last
-tensors run as NHWC and give channels-last results (float64 ones on CUDA, and 3-D on the CPU, run contiguous, as
-PyTorch's); under ``torch.autocast`` the operands are cast as PyTorch casts its own convolution's. Gradients of
-gradients are wsarena's passes too (:class:`WeightGradFunction` is the third pass as a Function), and
+tensors run as NHWC and give channels-last results (float64 ones on CUDA, and 3-D float64 ones on the CPU, run
+contiguous, as PyTorch's); under ``torch.autocast`` the operands are cast as PyTorch casts its own convolution's.
+Gradients of gradients are wsarena's passes too (:class:`WeightGradFunction` is the third pass as a Function), and
 ``torch.func``'s ``grad``, ``vmap`` and ``jacrev`` take them, and so, in forward mode, do ``jvp``, ``jacfwd`` and
 ``hessian`` (through the functions and modules: the public Functions define no ``jvp``, which ``torch.compile``
 refuses). Under ``torch.compile(dynamic=True)`` and ``torch.export`` with a ``Dim`` the batch and spatial sizes stay
