@@ -317,8 +317,10 @@ def conv_forward(
     layout : ``"NCHW"`` or ``"NHWC"``
     algo : str, optional
         Force an algorithm by name (``ValueError`` if it needs more workspace than the cap, or, a graph-API engine,
-        if it would compute the dtype below wsarena's precision: float32 in TF32, float16 with a float16
-        accumulator).
+        if it would compute the dtype below wsarena's precision: float32 in TF32 or from inputs rounded down,
+        float16 or bfloat16 with a half-precision accumulator). A graph-API engine leases its plan's workspace for
+        16-byte-aligned operands; operands aligned otherwise whose plan needs more raise
+        :class:`~wsarena.AlignmentWorkspaceError`.
 
     Returns
     -------
