@@ -439,7 +439,7 @@ def test_a_capture_takes_the_algorithm_the_eager_step_fell_back_to(device):
     graph.close()
 
 
-def test_a_capture_that_no_held_buffer_serves_is_a_capture_error_and_a_runs_own_passes(device):
+def test_a_capture_no_held_buffer_serves_is_a_capture_error_and_the_runs_own_stops_the_fallback(device):
     """Only when no candidate fits the stream's buffer is the capture a CaptureError (not an out-of-memory error); a
     CaptureError the run itself raises (a handle it would create) is not a reason to try another algorithm."""
     provider, arena = device
