@@ -197,7 +197,7 @@ class CudnnGraphBackend(CudnnBackend):
         why = numerics_refusal(geom.dtype, plan.numerical_notes)
         if why is not None:
             raise ValueError(f"algo={algo!r} does not compute {geom.dtype} as wsarena promises: {why}; the "
-                             f"configurations `wsarena report` lists for this convolution do")
+                             f"configurations 'wsarena report' lists for this convolution do")
         return int(plan.workspace_bytes)
 
     def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
