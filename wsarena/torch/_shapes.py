@@ -139,9 +139,9 @@ def _stand_in(
 
 
 def _check(condition: Any, message: str) -> None:
-    """A ``ValueError`` with ``message`` unless ``condition``, kept by a traced graph as an assertion on its sizes.
-    Under ``torch.export`` without the message: a strict export takes none (torch 2.13 keeps the function in its
-    graph, and fails)."""
+    """A ``ValueError`` with ``message`` unless ``condition``, kept by a traced graph as an assertion on its sizes
+    (which a compiled graph raises as a ``RuntimeError`` with the message). Under ``torch.export`` without the
+    message: a strict export takes none (torch 2.13 keeps the function in its graph, and fails)."""
     if torch.compiler.is_exporting():
         torch._check(condition)
     else:
