@@ -102,8 +102,6 @@ def test_a_growth_on_the_same_stream_frees_what_a_released_graph_held(device):
     assert (pinned, S1) in [(b.ptr, s) for b, s in provider.frees]
 
 
-
-
 def test_a_kept_buffer_of_a_stream_gone_since_is_not_freed_on_that_stream(device):
     """A pinned buffer kept aside recorded the stream to free it on. The stream object dies (the stream may be
     destroyed, its handle reused) before the graph does: the buffer is freed with no stream, as the stream's current

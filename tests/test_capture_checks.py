@@ -17,8 +17,6 @@ GEOM = conv_geometry((2, 4, 9, 9), (6, 4, 3, 3), padding=1)
 INVALIDATED = "the stream was capturing, but an error has invalidated the capture sequence"  # CuPy's own words
 
 
-
-
 @pytest.fixture
 def cuda(monkeypatch):
     """CuPy's and cuda-bindings' capture queries, answering for a capture of S1 in ``cuda.status``."""

@@ -33,8 +33,6 @@ def model(tmp_path):
     return str(path)
 
 
-
-
 def tune_json(capsys, model, *flags):
     code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--batch", "2", "--format", "json", *flags)
     assert code == 0, err

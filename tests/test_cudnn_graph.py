@@ -81,7 +81,6 @@ def test_plans_finalize_with_exact_workspace_sizes_and_names_rebuild_them(props,
         assert plan.closed
 
 
-
 @pytest.mark.parametrize("failure", ["refused", "interrupted"])
 @pytest.mark.parametrize("make", ["config_workspace", "execution_plan"])
 def test_a_plan_is_destroyed_on_every_way_out(props, monkeypatch, make, failure):

@@ -473,7 +473,6 @@ def test_run_refuses_a_plan_that_needs_more_workspace_than_was_leased(faked):
     assert (caught.value.requested, caught.value.held) == (128, 64) and len(b.executed) == 1
 
 
-
 def test_an_alignment_workspace_error_gives_the_cap_in_force(faked):
     """Its ``cap`` is the workspace cap in force, as every WorkspaceMemoryError's, not None while one is set."""
     b = AlignedBuilder({("eng1", (2, 16, 16)): 128})
