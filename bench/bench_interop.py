@@ -69,7 +69,8 @@ def measure(number: int, repeat: int) -> dict[str, float]:
 
 
 def _modules(torch: Any, x: Any) -> dict[str, Any]:
-    """The module cases: wsarena.torch's Conv2d and torch's own, forward alone and forward with backward."""
+    """The module cases: wsarena.torch's Conv2d and torch's own, forward alone, forward with backward, and forward
+    in inference mode."""
     try:
         import wsarena.torch
     except ImportError:
