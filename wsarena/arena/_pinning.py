@@ -129,9 +129,10 @@ def _captured(capture: Any, key: Any) -> bool:
 def _capture_under_way(self: Arena, key: Any) -> bool:
     """Whether a free with no stream (a device synchronisation) would break a capture under way: on the stream of
     ``key`` (the call that drains the queue), on the calling thread's current stream (a capture block's), on any
-    stream a lease was taken on during a capture that may not be over (in any thread: a capture in CUDA's global
-    mode is broken by another thread's synchronisation), or, asked through the legacy default stream, on any blocking
-    stream of the device. A recorded stream found not captured any more is forgotten."""
+    stream a lease was taken on during a capture that may not be over or that :func:`wsarena.capture` is capturing
+    (:func:`watch_capture`; in any thread: a capture in CUDA's global mode is broken by another thread's
+    synchronisation), or, asked through the legacy default stream, on any blocking stream of the device. A recorded
+    stream found not captured any more is forgotten."""
     capture, recorded = self._capture, self._table.capturing
     keys = [key]
     if self._lanes:
