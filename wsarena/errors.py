@@ -8,6 +8,8 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
     ├── CaptureError (RuntimeError)                a call in a CUDA graph capture would search, finalize a plan,
     │                                              create a handle or grow the arena; nothing was enqueued
     ├── wsarena.cudnn.CudnnError (RuntimeError)    a cuDNN status; one subclass per status
+    │   └── wsarena.cudnn.graph.DevicePropertiesError
+    │                                              device properties that describe no GPU (BAD_PARAM; a ValueError)
     ├── UnsupportedConvolutionError (ValueError)   the backend has no algorithm at all for this convolution
     └── WorkspaceMemoryError (MemoryError)         carries requested, held and cap, in bytes
         ├── WorkspaceCapError                      the request is above the workspace cap
