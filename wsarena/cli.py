@@ -151,7 +151,7 @@ def _parser() -> _Parser:
         "0.02: without %%, a fraction below 1); times every algorithm",
     )
     report.add_argument("--device-properties", type=_file_name, metavar="FILE", help="plan for the GPU whose "
-                        "cuDNN device properties (JSON) FILE holds, without one (cuDNN's graph API)")
+                        "cuDNN device properties (JSON) FILE holds, without one (cuDNN 9.8+, its graph API)")
     report.add_argument("--format", choices=("table", "json", "csv"), default="table")
     report.add_argument(
         "--plot", type=_file_name, metavar="FILE.png",
