@@ -24,6 +24,7 @@ from .reliability import ROOT, child_env, script_command
 
 # mode, signal source: every mode and both sources, half a second of storm each, all at once
 STORMS = [("lease", "itimer"), ("ops", "thread"), ("contend", "thread"), ("ops_contend", "itimer")]
+MIN_DELIVERED = 20  # interrupts landed in the code under test: a storm goes on past its half second until then
 
 
 def test_signal_storms_leave_no_lease_live_and_every_lane_usable():
@@ -32,7 +33,8 @@ def test_signal_storms_leave_no_lease_live_and_every_lane_usable():
     every lane serves this thread and another one."""
     children = [
         subprocess.Popen(
-            script_command("storm.py", mode, source, 0.5, 1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            script_command("storm.py", mode, source, 0.5, 1, MIN_DELIVERED), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True, cwd=ROOT, env=child_env(),
         )
         for mode, source in STORMS
@@ -49,7 +51,7 @@ def test_signal_storms_leave_no_lease_live_and_every_lane_usable():
         assert err == ""
         results.append(json.loads(out.strip().splitlines()[-1]))
     for found in results:
-        assert found["delivered"] > 10, found  # the storm did reach the loop (a busy machine delivers fewer)
+        assert found["delivered"] >= MIN_DELIVERED, found  # the storm did reach the loop
         assert found["errors"] == {}, found
         assert found["leases_live"] == 0, found
         assert found["usable_here"] == found["usable_elsewhere"] == found["lanes"], found
