@@ -24,7 +24,7 @@ from ._pass import Pass
 
 __all__ = [
     "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "conv_transpose_geometry",
-    "describe_geometry", "output_size",
+    "describe_geometry", "output_size", "transposed_output_size",
 ]
 
 LAYOUTS = ("NCHW", "NHWC")
@@ -36,6 +36,12 @@ ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # bytes p
 def output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
     """Output length of one spatial dimension (may be < 1 for an impossible geometry)."""
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def transposed_output_size(size: int, kernel: int, stride: int, padding: int, dilation: int,
+                           output_padding: int) -> int:
+    """Output length of one spatial dimension of a transposed convolution (may be < 1 for an impossible one)."""
+    return (size - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,8 +367,7 @@ def conv_transpose_geometry(
     if any(e >= s for e, s in zip(extra, stride_t)):
         raise ValueError(f"output_padding={extra} must be smaller than stride={stride_t} in every dimension")
     out = tuple(
-        (i - 1) * s - 2 * p + d * (k - 1) + e + 1
-        for i, k, s, p, d, e in zip(input_shape[2:], kernel, stride_t, padding_t, dilation_t, extra)
+        transposed_output_size(*dims) for dims in zip(input_shape[2:], kernel, stride_t, padding_t, dilation_t, extra)
     )
     if any(o < 1 for o in out):
         raise ValueError(f"padding={padding_t} leaves an output of size {out} for input_shape={input_shape}")

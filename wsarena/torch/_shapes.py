@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .. import ops
-from .._geometry import ConvGeometry, conv_geometry, conv_transpose_geometry
+from .._geometry import ConvGeometry, conv_geometry, conv_transpose_geometry, transposed_output_size
 
 __all__ = ["forward_geometry", "per_dim", "transpose_geometry"]
 
@@ -125,7 +125,7 @@ def _stand_in(
     sizes = list(x_shape[2:])
     if transposed:
         extra_t = per_dim(extra[0], nd) or [0] * nd  # output_padding, checked by make
-        sizes = [(i - 1) * s - 2 * p + d * (k - 1) + e + 1 for i, k, s, p, d, e in zip(
+        sizes = [transposed_output_size(*dims) for dims in zip(
             sizes, geom.kernel_size, geom.stride, geom.padding, geom.dilation, extra_t)]
     kernel_t, padding_t, dilation_t = geom.kernel_size, geom.padding, geom.dilation  # no ConvGeometry in a message
     for i, size in enumerate(sizes):
