@@ -29,6 +29,34 @@ def interrupt_at_entry_of(function: Callable[..., Any]) -> Iterator[None]:
         sys.settrace(None)
 
 
+def collecting(phase: str, info: dict[str, int]) -> None:
+    """A ``gc.callbacks`` entry: whether a collection of cyclic garbage is under way (``collecting.now``). The
+    finalizer of an arena from an earlier test collected meanwhile runs wsarena's frames, which must not take the
+    interrupt meant for the run (Python ignores an exception there, with a warning)."""
+    collecting.now = phase == "start"  # type: ignore[attr-defined]
+
+
+collecting.now = False  # type: ignore[attr-defined]
+
+
+def _run_traced(trace: Callable[..., Any], fired: Callable[[], bool], function: Callable[..., Any], args: Any) -> bool:
+    """Call ``function(*args)`` with ``trace`` as this thread's trace function (and ``collecting`` watching the
+    garbage collector), swallowing the ``KeyboardInterrupt`` that ``trace`` raised (``fired()`` says it did), not
+    another. Returns ``fired()``."""
+    sys.settrace(trace)
+    gc.callbacks.append(collecting)
+    try:
+        function(*args)
+    except KeyboardInterrupt:
+        if not fired():
+            raise
+    finally:
+        sys.settrace(None)
+        gc.callbacks.remove(collecting)
+        collecting.now = False
+    return fired()
+
+
 def interrupt_at_call(
     n: int, function: Callable[..., Any], *args: Any, skip: Callable[[Any], bool] = lambda code: False
 ) -> bool:
@@ -50,28 +78,7 @@ def interrupt_at_call(
                 fired = True
                 raise KeyboardInterrupt(f"at call {n}: {frame.f_code.co_qualname}")
 
-    sys.settrace(trace)
-    gc.callbacks.append(collecting)
-    try:
-        function(*args)
-    except KeyboardInterrupt:
-        if not fired:
-            raise
-    finally:
-        sys.settrace(None)
-        gc.callbacks.remove(collecting)
-        collecting.now = False
-    return fired
-
-
-def collecting(phase: str, info: dict[str, int]) -> None:
-    """A ``gc.callbacks`` entry: whether a collection of cyclic garbage is under way (``collecting.now``). The
-    finalizer of an arena from an earlier test collected meanwhile runs wsarena's frames, which must not take the
-    interrupt meant for the run (Python ignores an exception there, with a warning)."""
-    collecting.now = phase == "start"  # type: ignore[attr-defined]
-
-
-collecting.now = False  # type: ignore[attr-defined]
+    return _run_traced(trace, lambda: fired, function, args)
 
 
 _WATCHED = tuple(f"{os.sep}{name}" for name in ("threading.py", "test_reliability_interrupts.py")) + tuple(
@@ -116,25 +123,4 @@ def interrupt_at_check(
                 raise KeyboardInterrupt(f"at check {n}: {frame.f_code.co_qualname}:{frame.f_lineno}")
         return trace
 
-    sys.settrace(trace)
-    gc.callbacks.append(collecting)
-    try:
-        function(*args)
-    except KeyboardInterrupt:
-        if not fired:
-            raise
-    finally:
-        sys.settrace(None)
-        gc.callbacks.remove(collecting)
-        collecting.now = False
-    return fired
-
-
-def collecting(phase: str, info: dict[str, int]) -> None:
-    """A ``gc.callbacks`` entry: whether a collection of cyclic garbage is under way (``collecting.now``). The
-    finalizer of an arena from an earlier test collected meanwhile runs wsarena's frames, which must not take the
-    interrupt meant for the run (Python ignores an exception there, with a warning)."""
-    collecting.now = phase == "start"  # type: ignore[attr-defined]
-
-
-collecting.now = False  # type: ignore[attr-defined]
+    return _run_traced(trace, lambda: fired, function, args)
