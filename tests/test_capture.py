@@ -20,17 +20,13 @@ from wsarena.arena._pins import GraphPin
 from wsarena.arena.testing import FakeStream, RecordingProvider
 from wsarena.backends import Candidate
 
-S1, S2 = 0x51, 0x52  # raw stream handles of a device-like arena
+from .capture_helpers import S1, S2, capture_a_lease, freed, freed_on
 
 
 @pytest.fixture
 def device():
     provider = RecordingProvider(device_id=0)
     return provider, Arena(provider)
-
-
-def freed(provider):
-    return [buffer.ptr for buffer, _ in provider.frees]
 
 
 def test_a_lease_during_capture_uses_the_streams_buffer_and_pins_it(device):
@@ -53,10 +49,8 @@ def test_a_lease_during_capture_uses_the_streams_buffer_and_pins_it(device):
 def test_growth_while_pinned_keeps_the_old_buffer_until_the_graph_is_released(device):
     provider, arena = device
     arena.reserve(1000, stream=S1)
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1) as ws:
-        pinned, pinned_size = ws.ptr, arena.held_bytes(stream=S1)
-    provider.end_capture(graph)
+    graph, pinned = capture_a_lease(provider, arena)
+    pinned_size = arena.held_bytes(stream=S1)
     with arena.lease(50_000, stream=S1) as ws:  # an eager call grows the stream's buffer
         assert ws.ptr != pinned
     stats = arena.stats()
@@ -66,17 +60,14 @@ def test_growth_while_pinned_keeps_the_old_buffer_until_the_graph_is_released(de
     assert arena.stats().pinned_bytes == pinned_size
     graph.close()
     arena.trim()
-    assert (pinned, S1) in [(b.ptr, s) for b, s in provider.frees]  # in stream order, on its own stream
+    assert (pinned, S1) in freed_on(provider)  # in stream order, on its own stream
     assert arena.stats().pinned_bytes == 0
 
 
 def test_the_release_is_noticed_by_the_next_growth_without_a_trim(device):
     provider, arena = device
     arena.reserve(1000, stream=S1)
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1):
-        pass
-    provider.end_capture(graph)
+    graph, _ = capture_a_lease(provider, arena)
     with arena.lease(50_000, stream=S1):
         pass
     graph.close()
@@ -90,16 +81,13 @@ def test_a_growth_on_the_same_stream_frees_what_a_released_graph_held(device):
     Once, a loop of eager calls, growing or not, kept the released buffer for good."""
     provider, arena = device
     arena.reserve(1000, stream=S1)
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1) as ws:
-        pinned = ws.ptr
-    provider.end_capture(graph)
+    graph, pinned = capture_a_lease(provider, arena)
     with arena.lease(50_000, stream=S1):  # an eager growth: the pinned buffer is kept aside
         pass
     graph.close()
     with arena.lease(100_000, stream=S1):  # the next growth
         pass
-    assert (pinned, S1) in [(b.ptr, s) for b, s in provider.frees]
+    assert (pinned, S1) in freed_on(provider)
 
 
 def test_a_kept_buffer_of_a_stream_gone_since_is_not_freed_on_that_stream(device):
@@ -109,13 +97,10 @@ def test_a_kept_buffer_of_a_stream_gone_since_is_not_freed_on_that_stream(device
     provider, arena = device
     stream = FakeStream(S1)
     arena.reserve(1000, stream=stream)
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=stream) as ws:
-        pinned = ws.ptr
-    provider.end_capture(graph)
+    graph, pinned = capture_a_lease(provider, arena, stream=stream)
     with arena.lease(50_000, stream=stream):  # an eager growth: the pinned buffer is kept aside
         pass
-    del stream, ws
+    del stream
     gc.collect()
     arena.trim()  # the stream is gone: its current buffer is freed, with no stream
     graph.close()
@@ -127,10 +112,7 @@ def test_a_kept_buffer_of_a_stream_gone_since_is_not_freed_on_that_stream(device
 def test_trim_and_close_keep_a_pinned_buffer_current_or_kept(device):
     provider, arena = device
     arena.reserve(4096, stream=S1)
-    graph = provider.begin_capture(S1)
-    with arena.lease(4096, stream=S1) as ws:
-        pinned = ws.ptr
-    provider.end_capture(graph)
+    graph, pinned = capture_a_lease(provider, arena, 4096)
     assert arena.trim() == 0
     assert arena.held_bytes(stream=S1) > 0  # still the stream's buffer: eager calls and captures go on using it
     with arena.lease(4096, stream=S1) as ws:
@@ -147,10 +129,8 @@ def test_every_graph_must_be_released(device):
     arena.reserve(1000, stream=S1)
     graphs = []
     for _ in range(2):
-        graph = provider.begin_capture(S1)
-        with arena.lease(1000, stream=S1) as ws:
-            pinned = ws.ptr
-        graphs.append(provider.end_capture(graph))
+        graph, pinned = capture_a_lease(provider, arena)
+        graphs.append(graph)
     with arena.lease(9000, stream=S1):
         pass
     graphs[0].close()
@@ -194,10 +174,7 @@ def test_two_streams_in_one_capture_keep_disjoint_pinned_buffers(device):
 def test_debug_mode_refuses_to_free_a_pinned_buffer(device):
     provider, arena = device
     arena.reserve(1000, stream=S1)
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1):
-        pass
-    provider.end_capture(graph)
+    graph, _ = capture_a_lease(provider, arena)
     sub = arena._subs[S1]
     arena._to_free.append((sub.block.buffer, S1))  # what a bookkeeping mistake would queue
     with wsarena.config(debug=True), pytest.raises(AssertionError, match="graph that captured it still exists"):
@@ -215,10 +192,7 @@ def test_debug_mode_sees_a_pinned_buffer_queued_after_the_arena_lost_track_of_it
     and the kept list still held, so it never saw such a buffer."""
     provider, arena = device
     arena.reserve(1000, stream=S1)
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1):
-        pass
-    provider.end_capture(graph)
+    graph, _ = capture_a_lease(provider, arena)
     sub = arena._subs[S1]
     block, sub.block = sub.block, None  # what a mistake in a trim or a sweep would do, then queue it
     arena._to_free.append((block.buffer, S1))
@@ -238,10 +212,7 @@ def test_debug_mode_checks_the_queue_while_another_thread_drains_it(device):
     of whatever call was giving buffers back."""
     provider, arena = device
     arena.reserve(1000, stream=S1)
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1):  # a capture is known: debug mode checks the queue
-        pass
-    provider.end_capture(graph)
+    graph, _ = capture_a_lease(provider, arena)  # a capture is known: debug mode checks the queue
     for stream in (S2, 0x53):
         arena.reserve(1000, stream=stream)
         sub = arena._subs[stream]
@@ -322,10 +293,7 @@ def test_a_collected_arena_abandons_what_a_graph_still_holds():
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     arena.reserve(1000, stream=S1)
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1):
-        pass
-    provider.end_capture(graph)
+    graph, _ = capture_a_lease(provider, arena)
     del arena
     gc.collect()
     assert provider.frees == [] and len(provider.held) == 1  # never freed: the graph may be replayed
@@ -515,15 +483,12 @@ def test_a_stream_whose_capture_ended_and_whose_graph_is_gone_is_evicted_as_idle
     monkeypatch.setattr(_table, "MAX_IDLE_STREAMS", 4)
     provider, arena = device
     arena.reserve(1000, stream=S1)
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1) as ws:
-        captured = ws.ptr
-    provider.end_capture(graph)
+    graph, captured = capture_a_lease(provider, arena)
     graph.close()
     for handle in range(0x100, 0x110):  # one-off streams
         with arena.lease(100, stream=handle):
             pass
-    assert S1 not in arena.stats().streams and (captured, S1) in [(b.ptr, s) for b, s in provider.frees]
+    assert S1 not in arena.stats().streams and (captured, S1) in freed_on(provider)
 
 
 def test_a_spare_pins_semaphore_is_freed_once_cuda_has_posted_it(device, monkeypatch):

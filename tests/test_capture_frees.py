@@ -14,11 +14,7 @@ import wsarena
 from wsarena.arena import Arena, set_arena
 from wsarena.arena.testing import FakeStream, RecordingProvider
 
-S1, S2 = 0x51, 0x52  # raw stream handles of a device-like arena
-
-
-def freed(provider):
-    return [buffer.ptr for buffer, _ in provider.frees]
+from .capture_helpers import S1, S2, capture_a_lease, freed, freed_on
 
 
 class CaptureWatchingProvider(RecordingProvider):
@@ -51,10 +47,7 @@ def test_a_buffer_is_not_freed_on_its_stream_while_that_stream_is_captured():
     provider = CaptureWatchingProvider()
     arena = Arena(provider)
     arena.reserve(1000, stream=S1)
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=S1) as ws:
-        first = ws.ptr
-    provider.end_capture(graph)
+    graph, first = capture_a_lease(provider, arena)
     with arena.lease(50_000, stream=S1):  # an eager growth: the pinned buffer is kept aside
         pass
     graph.close()
@@ -66,7 +59,7 @@ def test_a_buffer_is_not_freed_on_its_stream_while_that_stream_is_captured():
     provider.end_capture(again)
     with arena.lease(10, stream=S2):  # the next call after the capture frees it, on its own stream
         pass
-    assert (first, S1) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+    assert (first, S1) in freed_on(provider) and provider.during_capture == []
 
 
 def test_nothing_that_would_synchronise_the_device_is_freed_in_a_capture_block():
@@ -227,17 +220,11 @@ def _hold_back_a_buffer(provider, arena, stream):
     graph, and capture S1 again: the buffer is let go during the second capture, and its free on S1 held back. Returns
     its address and the graph."""
     arena.reserve(1000, stream=stream)  # the arena begins to watch the stream: reads its id, 1
-    graph = provider.begin_capture(S1)
-    with arena.lease(1000, stream=stream) as ws:
-        first = ws.ptr
-    provider.end_capture(graph)
+    graph, first = capture_a_lease(provider, arena, stream=stream)
     with arena.lease(50_000, stream=stream):
         pass
     graph.close()
-    again = provider.begin_capture(S1)
-    with arena.lease(1000, stream=stream):
-        pass
-    provider.end_capture(again)
+    again, _ = capture_a_lease(provider, arena, stream=stream)
     assert first not in freed(provider)
     return first, again
 
@@ -260,7 +247,7 @@ def test_a_buffer_held_back_on_a_captured_stream_is_not_freed_on_a_new_stream_gi
     provider.stream_ids[S1] = 2  # S1 is destroyed, and its handle names a new stream now
     with arena.lease(10, stream=S2):  # the next call
         pass
-    assert (first, None) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+    assert (first, None) in freed_on(provider) and provider.during_capture == []
     assert arena._table.held_back == {}
     graph.close()
 
@@ -270,7 +257,7 @@ def test_a_buffer_held_back_on_a_stream_that_lives_on_is_freed_in_its_order(watc
     first, graph = _hold_back_a_buffer(provider, arena, stream)
     with arena.lease(10, stream=S2):
         pass
-    assert (first, S1) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+    assert (first, S1) in freed_on(provider) and provider.during_capture == []
     graph.close()
 
 
@@ -294,8 +281,8 @@ def test_a_buffer_held_back_waits_while_its_handle_is_captured_again_and_no_stre
     provider.end_capture(new)
     with arena.lease(10, stream=S2):
         pass
-    freed_on = S1 if handle_names == "the same stream" else None
-    assert (first, freed_on) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+    stream_of_free = S1 if handle_names == "the same stream" else None
+    assert (first, stream_of_free) in freed_on(provider) and provider.during_capture == []
     assert provider.read_in_capture == []
     graph.close()
 
@@ -323,6 +310,6 @@ def test_a_buffer_held_back_on_a_stream_whose_object_died_is_freed_with_no_strea
             pass
     else:
         lease.__exit__(None, None, None)  # no new sub-arena, so no sweep, before the queue is drained
-    assert (first, None) in [(b.ptr, s) for b, s in provider.frees] and provider.during_capture == []
+    assert (first, None) in freed_on(provider) and provider.during_capture == []
     assert S1 not in provider.id_reads[reads:]
     graph.close()
