@@ -160,14 +160,31 @@ def _nhwc(shape):
     return (shape[0], *shape[2:], shape[1])
 
 
+def _hand_picked(case, layout, dtype):
+    """The geometry of ``CASES[case]`` in ``layout``."""
+    ishape, wshape, kw = CASES[case]
+    if layout == "NHWC":
+        ishape, wshape = _nhwc(ishape), _nhwc(wshape)
+    return conv_geometry(ishape, wshape, layout=layout, dtype=dtype, **kw)
+
+
+def _check_one_algorithm_per_pass(g, seed, algos, workspace):
+    """Run ``algos[pass_]`` on each pass of ``g`` (float64) with the workspace ``workspace(pass_, algo)`` into a
+    NaN-filled output, and compare it with the reference."""
+    x, w, dy = _operands(g, np.random.default_rng(seed))
+    refs = _references(g, x, w, dy)
+    for pass_ in PASSES:
+        a, b, shape = _args(pass_, g, x, w, dy)
+        out = np.full(shape, np.nan)
+        cpu.run(pass_, algos[pass_], g, a, b, out, workspace(pass_, algos[pass_]))
+        assert _rel_err(out, refs[pass_]) <= TOL["float64"], pass_
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_hand_picked_geometries(case, layout, dtype):
-    ishape, wshape, kw = CASES[case]
-    if layout == "NHWC":
-        ishape, wshape = _nhwc(ishape), _nhwc(wshape)
-    _check_all(conv_geometry(ishape, wshape, layout=layout, dtype=dtype, **kw), seed=case)
+    _check_all(_hand_picked(case, layout, dtype), seed=case)
 
 
 @pytest.mark.parametrize("gather", [_cpu_implicit._GATHER_CHANNELS, 8, 1])
@@ -182,18 +199,8 @@ def test_implicit_gemm_in_the_smallest_blocks(case, layout, gather, monkeypatch)
     GEMM of 9 offsets gets one). Every GEMM must add to the output, except a first that writes it."""
     monkeypatch.setattr(_cpu_implicit, "SMALL_TEMP", 1)
     monkeypatch.setattr(_cpu_implicit, "_GATHER_CHANNELS", gather)
-    ishape, wshape, kw = CASES[case]
-    if layout == "NHWC":
-        ishape, wshape = _nhwc(ishape), _nhwc(wshape)
-    g = conv_geometry(ishape, wshape, layout=layout, dtype="float64", **kw)
-    rng = np.random.default_rng(case)
-    x, w, dy = _operands(g, rng)
-    refs = _references(g, x, w, dy)
-    for pass_ in PASSES:
-        a, b, shape = _args(pass_, g, x, w, dy)
-        out = np.full(shape, np.nan)
-        cpu.run(pass_, "implicit_gemm", g, a, b, out, None)
-        assert _rel_err(out, refs[pass_]) <= TOL["float64"], pass_
+    g = _hand_picked(case, layout, "float64")
+    _check_one_algorithm_per_pass(g, case, dict.fromkeys(PASSES, "implicit_gemm"), lambda pass_, algo: None)
 
 
 @given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), size=st.integers(1, 40))
@@ -266,21 +273,12 @@ def test_workspace_formulas(layout, dtype, batch, tile_rows, monkeypatch):
 def test_tiled_algorithms_one_row_per_tile(case, layout, monkeypatch):
     """With tiles of one output row, every block-of-rows path of the tiled algorithms runs."""
     monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", 1)
-    ishape, wshape, kw = CASES[case]
-    if layout == "NHWC":
-        ishape, wshape = _nhwc(ishape), _nhwc(wshape)
-    g = conv_geometry(ishape, wshape, layout=layout, dtype="float64", **kw)
-    rng = np.random.default_rng(case)
-    x, w, dy = _operands(g, rng)
-    refs = _references(g, x, w, dy)
-    for pass_ in PASSES:
-        algo = cpu.ALGORITHMS[pass_][1]
-        assert algo.endswith("_tiled")
-        a, b, shape = _args(pass_, g, x, w, dy)
-        out = np.full(shape, np.nan)
-        ws = _poisoned(cpu.workspace_size(pass_, algo, g), "float64")
-        cpu.run(pass_, algo, g, a, b, out, ws)
-        assert _rel_err(out, refs[pass_]) <= TOL["float64"], pass_
+    g = _hand_picked(case, layout, "float64")
+    tiled = {pass_: cpu.ALGORITHMS[pass_][1] for pass_ in PASSES}
+    assert all(algo.endswith("_tiled") for algo in tiled.values())
+    _check_one_algorithm_per_pass(
+        g, case, tiled, lambda pass_, algo: _poisoned(cpu.workspace_size(pass_, algo, g), "float64")
+    )
 
 
 def test_workspace_larger_than_needed_and_unaligned():
