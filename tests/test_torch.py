@@ -31,6 +31,12 @@ def close(got, ref, tol=TOL64):
     return float((got.detach().double() - ref.detach().double()).abs().max()) / scale <= tol
 
 
+def gradients(y, ref, inputs):
+    """The gradients with respect to ``inputs`` of ``y`` and of ``ref``, for one random gradient of the output."""
+    dy = torch.randn_like(ref)
+    return torch.autograd.grad(y, inputs, dy), torch.autograd.grad(ref, inputs, dy)
+
+
 CASES = [  # nd, input shape, weight shape, keyword arguments
     (1, (2, 4, 17), (6, 2, 3), {"stride": 2, "padding": 1, "dilation": 1, "groups": 2}),
     (2, (2, 4, 9, 8), (6, 4, 3, 2), {"stride": (2, 1), "padding": (1, 0), "dilation": (1, 2), "groups": 1}),
@@ -54,9 +60,7 @@ def test_outputs_and_gradients_match_torch(nd, x_shape, w_shape, kw):
     x, w, b = tensors(x_shape, w_shape)
     y, ref = ours(x, w, b, **kw), theirs(x, w, b, **kw)
     assert close(y, ref)
-    dy = torch.randn_like(ref)
-    got = torch.autograd.grad(y, (x, w, b), dy)
-    expected = torch.autograd.grad(ref, (x, w, b), dy)
+    got, expected = gradients(y, ref, (x, w, b))
     assert all(close(g, e) for g, e in zip(got, expected))
 
 
@@ -101,9 +105,7 @@ def test_channels_last_runs_as_nhwc_and_gives_torchs_memory_format(nd, dtype):
     assert y.is_contiguous(memory_format=fmt) == (nd == 2 or dtype == torch.float32)
     tol = TOL64 if dtype == torch.float64 else 1e-4
     assert close(y, ref, tol)
-    dy = torch.randn_like(ref)
-    got = torch.autograd.grad(y, (xl, wl), dy)
-    expected = torch.autograd.grad(ref, (xl, wl), dy)
+    got, expected = gradients(y, ref, (xl, wl))
     assert all(close(g, e, tol) and g.stride() == e.stride() for g, e in zip(got, expected))
 
 
@@ -175,8 +177,7 @@ def test_padding_same_with_an_even_kernel_pads_as_torch_pads(nd, kernel):
     kw = {"padding": "same", "dilation": (1, 3, 2)[:nd], "groups": 2}
     y, ref = ours(x, w, b, **kw), theirs(x, w, b, **kw)
     assert y.shape == ref.shape == (2, 6, *(7,) * nd) and close(y, ref)
-    dy = torch.randn_like(ref)
-    assert all(close(g, e) for g, e in zip(torch.autograd.grad(y, (x, w, b), dy), torch.autograd.grad(ref, (x, w, b), dy)))
+    assert all(close(g, e) for g, e in zip(*gradients(y, ref, (x, w, b))))
     module = getattr(torch.nn, f"Conv{nd}d")(4, 6, kernel, **kw, dtype=torch.float64)
     expected = module(x)
     assert type(wt.convert(module)) is getattr(wt, f"Conv{nd}d") and close(module(x), expected)

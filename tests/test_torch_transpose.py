@@ -11,7 +11,7 @@ import pytest
 
 from wsarena import ops
 
-from .test_torch import TOL64, close
+from .test_torch import TOL64, close, gradients
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -45,9 +45,7 @@ def test_outputs_and_gradients_match_torch(nd, x_shape, w_shape, kw, dtype):
     y, ref = ours(x, w, b, **kw), theirs(x, w, b, **kw)
     assert y.shape == ref.shape and y.dtype == ref.dtype
     assert close(y, ref, TOLERANCES[dtype])
-    dy = torch.randn_like(ref)
-    got = torch.autograd.grad(y, (x, w, b), dy)
-    expected = torch.autograd.grad(ref, (x, w, b), dy)
+    got, expected = gradients(y, ref, (x, w, b))
     assert all(close(g, e, TOLERANCES[dtype]) for g, e in zip(got, expected))
 
 
@@ -95,9 +93,7 @@ def test_channels_last_runs_as_nhwc_and_gives_torchs_memory_format(nd, dtype):
     assert y.stride() == ref.stride()
     assert y.is_contiguous(memory_format=fmt) == (nd == 2 or dtype == torch.float32)
     assert close(y, ref, TOLERANCES[dtype])
-    dy = torch.randn_like(ref)
-    got = torch.autograd.grad(y, (xl, w, b), dy)
-    expected = torch.autograd.grad(ref, (xl, w, b), dy)
+    got, expected = gradients(y, ref, (xl, w, b))
     assert all(close(g, e, TOLERANCES[dtype]) for g, e in zip(got, expected))
     assert got[0].stride() == expected[0].stride()
 
