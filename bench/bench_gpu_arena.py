@@ -30,7 +30,7 @@ import time
 import types
 
 import cupy
-from bench_gpu_host import spin_kernel  # this folder is on the path when the script runs
+from bench_gpu_host import event_time_ms, spin_kernel  # this folder is on the path when the script runs
 
 import wsarena
 from wsarena import algos
@@ -115,18 +115,6 @@ def main() -> None:
 
     spin = spin_kernel()
 
-    def timed_once(fn, queued: bool) -> float:
-        """Milliseconds between events around ``fn``'s step. ``queued``: behind a kernel that spins ~0.5 s, so
-        that the host has issued the whole step before the GPU starts it and only the GPU's own time counts."""
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        if queued:
-            spin((1,), (1,), (cupy.int64(1_000_000_000),), stream=stream)
-        start.record(stream)
-        fn()
-        end.record(stream)
-        end.synchronize()
-        return cupy.cuda.get_elapsed_time(start, end)
-
     pool = cupy.get_default_memory_pool()
     run_wsarena()  # warm up: algorithm choice, arena growth
     run_graph()  # and the plans
@@ -146,7 +134,7 @@ def main() -> None:
     for r in range(args.repeat):
         for fn in strategies[r % 4:] + strategies[:r % 4]:
             for queued in (False, True):
-                times[fn, queued].append(timed_once(fn, queued))
+                times[fn, queued].append(event_time_ms(fn, stream, spin, queued))
     step = {fn: statistics.median(times[fn, False]) for fn in strategies}
     gpu = {fn: statistics.median(times[fn, True]) for fn in strategies}
 

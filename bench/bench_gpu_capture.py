@@ -19,7 +19,7 @@ import json
 import statistics
 
 import cupy
-from bench_gpu_host import spin_kernel  # this folder is on the path when the script runs
+from bench_gpu_host import event_time_ms, spin_kernel  # this folder is on the path when the script runs
 
 import wsarena
 from wsarena.arena import Arena, CupyProvider, set_arena
@@ -96,15 +96,8 @@ def main() -> None:
     spin = spin_kernel()
 
     def timed(fn, queued: bool) -> float:
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        with stream, torch.cuda.stream(tstream):
-            if queued:
-                spin((1,), (1,), (cupy.int64(1_000_000_000),), stream=stream)
-            start.record(stream)
-            fn()
-            end.record(stream)
-        end.synchronize()
-        return cupy.cuda.get_elapsed_time(start, end)
+        with stream, torch.cuda.stream(tstream):  # the step's calls issue on the stream the events time
+            return event_time_ms(fn, stream, spin, queued)
 
     rows = [("wsarena legacy", legacy, ws_held["legacy"]), ("wsarena graph", graph, ws_held["graph"]),
             ("wsarena replay", lambda: captured.launch(stream), ws_held["replay"]),

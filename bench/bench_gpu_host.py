@@ -45,6 +45,20 @@ def spin_kernel() -> cupy.RawKernel:
     return cupy.RawKernel(_SPIN, "spin")
 
 
+def event_time_ms(fn, stream: cupy.cuda.Stream, spin: cupy.RawKernel, queued: bool) -> float:
+    """Milliseconds between CUDA events recorded on ``stream`` around ``fn()``. ``queued``: behind ``spin`` (a
+    :func:`spin_kernel`) spinning ~0.5 s, so that the host has issued all of ``fn``'s work before the GPU starts it
+    and only the GPU's own time counts (bench_gpu_arena.py and bench_gpu_capture.py time their steps so)."""
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    if queued:
+        spin((1,), (1,), (cupy.int64(1_000_000_000),), stream=stream)
+    start.record(stream)
+    fn()
+    end.record(stream)
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end)
+
+
 def cases() -> list[tuple[str, tuple, tuple, tuple, tuple]]:
     """(name, input shape, weight shape, stride, padding) of each layer measured."""
     by_name = {layer.name: layer for layer in wsarena.load_model("resnet50")}
