@@ -118,6 +118,23 @@ def _lease_cycle(arena, stream, nbytes):
         ws.array[:1] = 1
 
 
+def _interrupt_each_place_of_a_lease_cycle(interrupt, arena_kind, stream, reserved, nbytes, check):
+    """Run a lease cycle of ``nbytes`` on ``stream``, on a fresh arena that holds ``reserved`` bytes there,
+    interrupted by ``interrupt`` (``interrupt_at_call`` or ``interrupt_at_check``) at its first place, then at its
+    second, and so on, one run each, until a run goes through; ``check(n, provider, arena)`` after each interrupted
+    run. Returns how many runs were interrupted."""
+    n = 1
+    while True:
+        provider = RecordingProvider(device_id=arena_kind.device_id)
+        arena = Arena(provider)
+        arena.reserve(reserved, stream=stream)
+        gc.collect()  # earlier garbage is not collected in the traced run (its finalizers would get the interrupt)
+        if not interrupt(n, _lease_cycle, arena, stream, nbytes, skip=_in_provider):
+            return n - 1
+        check(n, provider, arena)
+        n += 1
+
+
 @pytest.mark.parametrize("grows", [False, True])
 def test_an_interrupt_at_any_function_entry_of_a_lease_leaves_the_arena_consistent(arena_kind, key, grows):
     """Ctrl-C delivered as each Python function of a lease and its release starts (every place CPython runs a
@@ -126,14 +143,8 @@ def test_an_interrupt_at_any_function_entry_of_a_lease_leaves_the_arena_consiste
     own functions are left out: a provider cut short in the middle of a free may lose that buffer, which the
     arena has already let go; the shipped providers' memory then goes back when its owner object is collected.)"""
     stream = key("L")
-    n = 1
-    while True:
-        provider = RecordingProvider(device_id=arena_kind.device_id)
-        arena = Arena(provider)
-        arena.reserve(1024, stream=stream)
-        gc.collect()  # earlier garbage is not collected in the traced run (its finalizers would get the interrupt)
-        if not interrupt_at_call(n, _lease_cycle, arena, stream, 1 << 20 if grows else 1024, skip=_in_provider):
-            break
+
+    def check(n, provider, arena):
         counter = f"interrupted at call {n}"
         stats = arena.stats()
         assert stats.leases == 0, counter
@@ -146,8 +157,10 @@ def test_an_interrupt_at_any_function_entry_of_a_lease_leaves_the_arena_consiste
         assert not other.is_alive(), counter
         arena.close()
         assert provider.held == [], counter
-        n += 1
-    assert n > 10  # it did reach the lease's own code, not only this test's
+
+    nbytes = 1 << 20 if grows else 1024
+    runs = _interrupt_each_place_of_a_lease_cycle(interrupt_at_call, arena_kind, stream, 1024, nbytes, check)
+    assert runs >= 10  # it did reach the lease's own code, not only this test's
 
 
 def test_an_interrupt_at_any_check_of_a_growing_lease_loses_no_buffer(arena_kind, key):
@@ -156,20 +169,14 @@ def test_an_interrupt_at_any_check_of_a_growing_lease_loses_no_buffer(arena_kind
     closed and trimmed, the provider holds nothing. Once, a Ctrl-C just after the provider's allocate returned, or
     just after give_back took a buffer off the queue, lost that buffer for good (with TorchProvider, whose owner is
     a bare pointer, it stayed allocated in PyTorch's cache). The provider's own code is left out, as above."""
-    stream = key("L")
-    n = 1
-    while True:
-        provider = RecordingProvider(device_id=arena_kind.device_id)
-        arena = Arena(provider)
-        arena.reserve(1000, stream=stream)
-        gc.collect()  # earlier garbage is not collected in the traced run (its finalizers would get the interrupt)
-        if not interrupt_at_check(n, _lease_cycle, arena, stream, 50_000, skip=_in_provider):
-            break
+
+    def check(n, provider, arena):
         arena.close()
         arena.trim()
         assert provider.held == [], f"interrupted at check {n}"
-        n += 1
-    assert n > 50  # it did reach the lease's own code, not only this test's
+
+    runs = _interrupt_each_place_of_a_lease_cycle(interrupt_at_check, arena_kind, key("L"), 1000, 50_000, check)
+    assert runs >= 50  # it did reach the lease's own code, not only this test's
 
 
 
