@@ -65,22 +65,29 @@ def test_a_live_lease_keeps_its_arena_alive():
     assert provider.held == []
 
 
-def test_the_lane_of_an_exited_thread_is_swept():
-    provider = RecordingProvider()
-    arena = Arena(provider)
-    lanes = []
+def _lease_in_a_thread_that_exits(arena, nbytes, **stream):
+    """Lease ``nbytes`` (on ``stream=``, if given) in a thread of its own, which then exits and is collected.
+    Returns the key the lease had."""
+    keys = []
 
     def work():
-        with arena.lease(5000) as ws:
-            lanes.append(ws.stream)
+        with arena.lease(nbytes, **stream) as ws:
+            keys.append(ws.stream)
 
     t = threading.Thread(target=work)
     t.start()
     t.join()
     del t
     gc.collect()
-    assert isinstance(lanes[0], ThreadLane)
-    assert lanes[0] not in arena.stats().streams
+    return keys[0]
+
+
+def test_the_lane_of_an_exited_thread_is_swept():
+    provider = RecordingProvider()
+    arena = Arena(provider)
+    lane = _lease_in_a_thread_that_exits(arena, 5000)
+    assert isinstance(lane, ThreadLane)
+    assert lane not in arena.stats().streams
     assert provider.held == [] and len(provider.frees) == 1
 
 
@@ -89,18 +96,7 @@ def test_an_exited_threads_per_thread_default_stream_is_swept():
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     arena.reserve(1000, stream=2)  # this thread's: kept
-    keys = []
-
-    def work():
-        with arena.lease(5000, stream=2) as ws:
-            keys.append(ws.stream)
-
-    t = threading.Thread(target=work)
-    t.start()
-    t.join()
-    del t
-    gc.collect()
-    assert keys[0] not in arena.stats().streams
+    assert _lease_in_a_thread_that_exits(arena, 5000, stream=2) not in arena.stats().streams
     assert next(iter(arena.stats().streams.values())).capacity_bytes == 1024
     (buffer, stream), = provider.frees
     assert buffer.size == aligned_size(5000) and stream is None
