@@ -140,7 +140,20 @@ def _lone_shim_expectation(env: dict | None = None) -> str:
     return "True"
 
 
-_PRINT_OUTCOME = "print(info['found'], *(info['tried'][0][1:] if not info['found'] else []))\n"
+def _assert_the_lone_shim_is_a_miss(step: str, setup: str) -> None:
+    """In a fresh process that runs ``setup`` and keeps the search step ``step`` alone, library_info() finds a
+    lone shim: the process goes on, and reports what :func:`_lone_shim_expectation` says."""
+    code = (
+        "import ctypes, os, wsarena.cudnn as c\n"
+        "from wsarena.cudnn import _library\n"
+        + setup
+        + f"_library.SEARCH_STEPS[:] = [s for s in _library.SEARCH_STEPS if s[0] == {step!r}]\n"
+        "info = c.library_info()\n"
+        "print(info['found'], *(info['tried'][0][1:] if not info['found'] else []))\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert result.stdout.startswith(_lone_shim_expectation())
 
 
 @needs_cudnn
@@ -148,32 +161,14 @@ def test_a_shim_without_its_sub_libraries_is_a_miss_not_an_abort(tmp_path):
     # A copy of the shim alone (a broken install): cuDNN itself would abort() the process in cudnnGetVersion.
     (tmp_path / "lib").mkdir()
     shutil.copy(_info["path"], tmp_path / "lib" / "libcudnn.so.9")
-    code = (
-        "import os, wsarena.cudnn as c\n"
-        "from wsarena.cudnn import _library\n"
-        "_library.SEARCH_STEPS[:] = [s for s in _library.SEARCH_STEPS if s[0] == 'CUDNN_PATH']\n"
-        f"os.environ['CUDNN_PATH'] = {str(tmp_path)!r}\n"
-        "info = c.library_info()\n" + _PRINT_OUTCOME
-    )
-    result = _run(code)
-    assert result.returncode == 0, (result.returncode, result.stderr)
-    assert result.stdout.startswith(_lone_shim_expectation())
+    _assert_the_lone_shim_is_a_miss("CUDNN_PATH", f"os.environ['CUDNN_PATH'] = {str(tmp_path)!r}\n")
 
 
 @needs_cudnn
 def test_a_lone_shim_loaded_by_someone_else_is_a_miss_too(tmp_path):
     # Another package loaded a shim by its versioned file name; cuda.pathfinder returns that copy as already loaded.
     shutil.copy(_info["path"], tmp_path / "libcudnn.so.9.99.0")
-    code = (
-        "import ctypes, wsarena.cudnn as c\n"
-        "from wsarena.cudnn import _library\n"
-        f"ctypes.CDLL({str(tmp_path / 'libcudnn.so.9.99.0')!r})\n"
-        "_library.SEARCH_STEPS[:] = [s for s in _library.SEARCH_STEPS if s[0] == 'cuda.pathfinder']\n"
-        "info = c.library_info()\n" + _PRINT_OUTCOME
-    )
-    result = _run(code)
-    assert result.returncode == 0, (result.returncode, result.stderr)
-    assert result.stdout.startswith(_lone_shim_expectation())
+    _assert_the_lone_shim_is_a_miss("cuda.pathfinder", f"ctypes.CDLL({str(tmp_path / 'libcudnn.so.9.99.0')!r})\n")
 
 
 @needs_cudnn
