@@ -2,15 +2,16 @@
 Concat), and how a report made with --skip-unknown says what its figures leave out."""
 
 import csv
+import functools
 import io
 import json
 
 import pytest
 
 import wsarena
-from wsarena.cli import main
 from wsarena.models import ConvLayer, ModelError
 
+from .cli_helpers import run_main
 from .onnx_graphs import conv, inferred_shape, save, unet, vi, weight
 
 pytestmark = pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
@@ -97,11 +98,15 @@ def test_a_plan_of_a_model_with_skipped_layers_says_so(tmp_path):
     assert wsarena.plan(list(layers), backend="cpu").to_dict()["skipped_layers"] == []  # a plain list: none
 
 
-def report(capsys, *argv):
-    code = main(["report", *argv, "--backend", "cpu", "--skip-unknown"])
-    out, err = capsys.readouterr()
+def _skipping_unknown(command, capsys, *argv):
+    """What ``wsarena COMMAND ARGV --backend cpu --skip-unknown`` writes, run here; it must exit with 0."""
+    code, out, err = run_main(capsys, command, *argv, "--backend", "cpu", "--skip-unknown")
     assert code == 0, err
     return out
+
+
+report = functools.partial(_skipping_unknown, "report")
+tune = functools.partial(_skipping_unknown, "tune")
 
 
 def test_the_report_totals_say_what_they_leave_out(capsys, tmp_path):
@@ -117,13 +122,6 @@ def test_the_report_totals_say_what_they_leave_out(capsys, tmp_path):
     assert {k: v for k, v in rows[1].items() if v} == {"name": "dec", "fwd_algo": "skipped", "bwd_data_algo": "skipped",
                                                         "bwd_filter_algo": "skipped", "skipped_reason": WHY}
     assert rows[0]["skipped_reason"] == "" and list(rows[0])[-1] == "skipped_reason"  # a column added at the end
-
-
-def tune(capsys, *argv):
-    code = main(["tune", *argv, "--backend", "cpu", "--skip-unknown"])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return out
 
 
 def test_tune_says_what_its_curve_leaves_out(capsys, tmp_path):
