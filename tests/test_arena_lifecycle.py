@@ -120,14 +120,19 @@ def test_many_short_threads_leave_nothing_behind():
     assert provider.held == [] and len(provider.frees) == 20
 
 
-def test_a_dead_stream_objects_sub_arena_is_swept_when_a_new_stream_appears():
+def _arena_with_a_dead_stream(handle):
+    """A device arena over a RecordingProvider, holding 1 KiB for ``handle`` from a lease on a stream object of that
+    handle that has died since."""
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
-    s = FakeStream(11)
-    with arena.lease(1000, stream=s):
+    with arena.lease(1000, stream=FakeStream(handle)):
         pass
-    del s
     gc.collect()
+    return provider, arena
+
+
+def test_a_dead_stream_objects_sub_arena_is_swept_when_a_new_stream_appears():
+    provider, arena = _arena_with_a_dead_stream(11)
     assert arena.held_bytes(stream=11) == 1024  # not at once: a fresh wrapper for 11 may come next
     with arena.lease(10, stream=12):
         pass
@@ -137,11 +142,7 @@ def test_a_dead_stream_objects_sub_arena_is_swept_when_a_new_stream_appears():
 
 
 def test_a_sweep_frees_even_when_the_lease_that_triggered_it_fails():
-    provider = RecordingProvider(device_id=0)
-    arena = Arena(provider)
-    with arena.lease(1000, stream=FakeStream(11)):
-        pass
-    gc.collect()
+    provider, arena = _arena_with_a_dead_stream(11)
     provider.fail_next = 1
     with pytest.raises(MemoryError), arena.lease(10, stream=12):  # sweeps stream 11, then cannot allocate for 12
         pass
@@ -150,11 +151,7 @@ def test_a_sweep_frees_even_when_the_lease_that_triggered_it_fails():
 
 
 def test_trim_sweeps_dead_streams():
-    provider = RecordingProvider(device_id=0)
-    arena = Arena(provider)
-    with arena.lease(1000, stream=FakeStream(11)):
-        pass
-    gc.collect()
+    _, arena = _arena_with_a_dead_stream(11)
     assert arena.trim() == 1024
     assert arena.stats().streams == {}
 
@@ -171,11 +168,7 @@ def test_fresh_wrappers_for_one_stream_do_not_reallocate():
 
 
 def test_a_stream_in_use_again_is_not_swept():
-    provider = RecordingProvider(device_id=0)
-    arena = Arena(provider)
-    with arena.lease(1000, stream=FakeStream(31)):
-        pass
-    gc.collect()  # the wrapper died: orphaned
+    _, arena = _arena_with_a_dead_stream(31)  # orphaned
     keep = FakeStream(31)
     with arena.lease(10, stream=keep):  # adopted again
         pass
