@@ -11,7 +11,7 @@ import pytest
 
 from wsarena import ops
 
-from .test_torch import TOL64, close, gradients
+from .test_torch import TOL64, check_cpu_autocast, close, gradients
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -99,16 +99,7 @@ def test_channels_last_runs_as_nhwc_and_gives_torchs_memory_format(nd, dtype):
 
 
 def test_autocast_on_the_cpu_gives_torchs_dtype_and_values():
-    x, w, b = (t.detach().float().requires_grad_() for t in tensors((2, 4, 5, 5), (4, 3, 3, 3)))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = wt.conv_transpose2d(x, w, b, stride=2, padding=1)
-        ref = F.conv_transpose2d(x, w, b, stride=2, padding=1)
-    assert y.dtype == ref.dtype == torch.bfloat16
-    assert close(y, ref, 2e-2)
-    got = torch.autograd.grad(y.float().sum(), (x, w, b))
-    expected = torch.autograd.grad(ref.float().sum(), (x, w, b))
-    assert all(g.dtype == torch.float32 for g in got)
-    assert all(close(g, e, 2e-2) for g, e in zip(got, expected))
+    check_cpu_autocast(wt.conv_transpose2d, F.conv_transpose2d, tensors((2, 4, 5, 5), (4, 3, 3, 3)), stride=2, padding=1)
 
 
 @pytest.mark.parametrize(
