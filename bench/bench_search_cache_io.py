@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         for k in range(args.entries):
             searchcache.search(backend, "fwd", geom(k), cands, measure)
         size = sum(e.stat().st_size for e in os.scandir(os.path.join(folder, "search")))
-        known = getattr(searchcache, "_known_size", None)
+        known = _known_sizes()
 
         def lookup() -> None:
             searchcache.search(backend, "fwd", geom(0), cands, measure)
@@ -100,6 +100,16 @@ def main(argv: list[str] | None = None) -> None:
           f"({size / 2**20:.1f} MiB); median of {args.repeat}")
     for label, us in rows:
         print(f"{label:<28} {us:>10.1f} us")
+
+
+def _known_sizes() -> dict | None:
+    """This process's record of the folders' sizes, where the wsarena under test keeps one (``None``: it bounds no
+    cache): in wsarena._searchcache_folder, or in searchcache itself in older versions."""
+    try:
+        from wsarena import _searchcache_folder
+    except ImportError:
+        return getattr(searchcache, "_known_size", None)
+    return _searchcache_folder.known_size
 
 
 def compare(checkout: str, repeat: int, number: int = 2000) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import wsarena
-from wsarena import algos, searchcache
+from wsarena import _searchcache_folder, algos, searchcache
 from wsarena._geometry import conv_geometry
 from wsarena.backends import Candidate
 from wsarena.backends._cpu_backend import CpuBackend
@@ -658,7 +658,7 @@ def test_a_dangling_symlink_in_the_folder_is_removed_by_the_trim_and_by_clear(ca
     for name in ("dangling.json", ".tmp-dangling.json"):
         (folder / name).symlink_to(cache / "gone" / name)
     algos.cache_clear()
-    searchcache._known_size.clear()  # a fresh process: its first write lists the folder
+    _searchcache_folder.known_size.clear()  # a fresh process: its first write lists the folder
     put(2)
     assert sorted(p.name for p in folder.iterdir() if p.is_symlink()) == []
     (folder / "dangling.json").symlink_to(cache / "gone.json")
@@ -685,7 +685,7 @@ def test_a_link_that_leads_nowhere_is_removed_as_a_dangling_one_is_and_only_the_
 
     make_links()
     algos.cache_clear()
-    searchcache._known_size.clear()  # a fresh process: its first write lists the folder
+    _searchcache_folder.known_size.clear()  # a fresh process: its first write lists the folder
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and nothing to warn of
         put(2)
@@ -707,7 +707,7 @@ def test_a_folder_with_an_entry_s_name_is_left_alone_by_the_trim_and_by_clear(ca
     (folder / "someone-elses.json").mkdir()
     (folder / "someone-elses.json" / "kept").write_text("x")
     algos.cache_clear()
-    searchcache._known_size.clear()  # a fresh process: its first write lists the folder
+    _searchcache_folder.known_size.clear()  # a fresh process: its first write lists the folder
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing failed to be removed
         put(2)

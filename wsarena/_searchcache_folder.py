@@ -1,0 +1,250 @@
+"""The search cache's folder as a whole: its size kept within the limit, what ``wsarena cache info`` and ``wsarena
+cache clear`` do, and the files that are no entry (a killed writer's temporary file, a dangling symbolic link).
+:mod:`wsarena.searchcache` reads and writes the entries, and tells this module what it wrote.
+
+Size: the disk space the entries take stays within the ``search_cache_max_size`` setting
+(``WSARENA_SEARCH_CACHE_MAX_SIZE``, default 64 MiB): each file counts the blocks it occupies, or its size where that
+is larger (:func:`disk_size`). A write that takes the folder over it removes the least recently used entries, down
+to 90 % of it, so that the next trim is a tenth of the limit away. "Used" is the file's modification time: a write
+sets it, and a read sets it when it is more than an hour old (as Go's build cache does), so that a lookup costs no
+write. Entries of other wsarena versions, drivers or devices are not removed first: another installation may share
+the folder, and those no one uses become the least recently used anyway. The folder's size is learnt by listing it
+at a process's first write, then kept up to date with what the process writes; it is listed again when that count
+passes the limit. With several processes writing at once, the folder can therefore pass the limit by what the others
+wrote since this one last listed it, until one of them trims. Reads never list the folder. Trimming races with the
+other processes harmlessly: an entry they removed first is gone either way, a write in progress is a temporary file
+that no trim touches (a temporary file an hour old is a killed writer's, and is removed), and a reader that finds
+its entry gone searches again. A trim that cannot remove files gives one warning. The size is kept per folder as
+its resolved path names it, so that a folder reached through a symbolic link is counted once. A dangling symbolic
+link in the folder (its target gone, or a loop) is removed by the listing and by :func:`remove_entries`, the link
+and not what it points to: nothing else would ever remove it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from . import _callsite, _forksafe
+from ._config import get_config
+from ._sizes import format_size
+from .errors import SearchCacheWarning
+
+__all__: list[str] = []  # wsarena.searchcache's own: its info() and clear() are the public names
+
+SUBDIR = "search"  # the entries' folder, under the cache directory
+TEMP_PREFIX = ".tmp-"  # a write in progress (or a killed writer's)
+_STALE_TEMP = 3600.0  # seconds: a temporary file this old is a killed writer's
+_TRIM_TO = 0.9  # a trim leaves the entries at this fraction of the limit
+
+_warned: set[tuple[str, str]] = set()
+_warn_lock = _forksafe.lock()  # guards _warned
+# Per search folder: its entries' size when this process last listed it, plus what the process wrote since.
+known_size: dict[str, int] = {}  # keyed by the resolved path (same_folder)
+_size_lock = _forksafe.lock()  # guards known_size (the listing itself runs without it)
+
+
+def same_folder(folder: Path) -> str:
+    """The key of ``folder`` in this process's memos: its resolved path, so that a folder reached through a symbolic
+    link, or through two of them, is one folder (counted twice, its size would pass the limit; warned twice, it
+    would print its line twice)."""
+    return os.path.realpath(folder)
+
+
+def warn_once(kind: str, where: Path, message: str) -> None:
+    """One :class:`~wsarena.errors.SearchCacheWarning` of each ``kind`` per folder."""
+    seen = (kind, same_folder(where))
+    with _warn_lock:
+        if seen in _warned:
+            return
+        _warned.add(seen)
+    _callsite.warn(message, SearchCacheWarning)
+
+
+def disk_size(st: os.stat_result) -> int:
+    """What a file counts against the size limit: the disk space it takes (``st_blocks``, in 512-byte units, where
+    the system reports it), or its size if that is larger (where it reports none, or compression makes it less).
+    An entry of a kilobyte or two takes a whole block, typically 4 KiB: its size alone would let the folder take
+    two or three times the limit."""
+    return max(getattr(st, "st_blocks", 0) * 512, st.st_size)
+
+
+def written(folder: Path, nbytes: int) -> None:
+    """Count ``nbytes`` just written to ``folder``; trim it when its size as this process knows it passes the limit.
+
+    A replaced entry counts in full, so the count can only run ahead of the folder's size: a trim comes early,
+    never late.
+    """
+    limit = get_config().search_cache_max_size
+    where = same_folder(folder)
+    with _size_lock:
+        known = known_size.get(where)
+        if known is not None:  # counted with no limit too: one may be set again later in the process
+            known_size[where] = known + nbytes
+        if limit is None or (known is not None and known + nbytes <= limit):
+            return
+    target = int(limit * _TRIM_TO)
+    try:
+        size, failure = _trim(folder, limit, target)
+    except OSError as exc:  # the folder cannot be listed
+        size, failure = limit + 1, exc
+    if size > limit:
+        warn_once("trim", folder, f"cannot trim the search cache in {folder} to {format_size(limit)}: {failure}; "
+                                  "it may grow past that")
+        size = target  # try again once another tenth of the limit is written, not at every write
+    with _size_lock:
+        known_size[where] = size
+
+
+def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
+    """Remove the least recently used entries of ``folder`` when they pass ``limit``, down to ``target`` bytes.
+
+    Returns the entries' size after it and the first error that kept an entry from being removed (``None`` when
+    none did). Raises ``OSError`` when the folder cannot be listed.
+    """
+    now = time.time()
+    entries: list[tuple[float, str, int]] = []  # (last used, name, size)
+    total = 0
+    failure: OSError | None = None
+    with os.scandir(folder) as listing:
+        for item in listing:
+            if not item.name.endswith(".json"):
+                continue
+            try:
+                st = item.stat()
+                if stat.S_ISDIR(st.st_mode) and not item.is_symlink():
+                    continue  # a folder with an entry's name: no entry, and not the cache's to remove
+                if item.name.startswith(TEMP_PREFIX):
+                    if now - st.st_mtime > _STALE_TEMP:
+                        os.unlink(item.path)
+                    continue
+            except OSError as exc:  # gone meanwhile (renamed or removed by another process), or a dangling link
+                try:
+                    if _unlink_dangling(item.path) is None and not isinstance(exc, FileNotFoundError):
+                        failure = failure or exc
+                except OSError as unlink_exc:
+                    failure = failure or unlink_exc
+                continue
+            nbytes = disk_size(st)
+            entries.append((st.st_mtime, item.name, nbytes))
+            total += nbytes
+    if total <= limit:
+        return total, failure
+    entries.sort()
+    for _, name, nbytes in entries:
+        if total <= target:
+            break
+        try:
+            os.unlink(folder / name)
+        except FileNotFoundError:  # another process's trim removed it first
+            pass
+        except OSError as exc:
+            failure = failure or exc
+            continue
+        total -= nbytes
+    return total, failure
+
+
+def _unlink_dangling(path: str | Path) -> int | None:
+    """Remove ``path`` if it is a symbolic link that leads to no file, and return the disk space it took; ``None``
+    when it is not one, or is gone. It leads nowhere when its target is gone, passes through a file as if it were a
+    folder, or loops. Such a link is no entry and no write in progress (writers make plain files), and nothing else
+    would ever remove it: a lookup finds no file behind it, and a write replaces it only where its name is that of
+    the call written. Only the link is removed, never what it points to. ``OSError`` when it cannot be removed."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISLNK(st.st_mode):
+            return None
+        try:
+            os.stat(path)
+            return None  # it leads somewhere
+        except OSError as exc:
+            if not _leads_nowhere(exc):  # a target this process may not look at is still one
+                return None
+        os.unlink(path)
+    except FileNotFoundError:  # another process removed it first
+        return None
+    return disk_size(st)
+
+
+def _leads_nowhere(exc: OSError) -> bool:
+    """Whether ``exc``, from following a path, says that it resolves to no file (gone, through a file, a loop)."""
+    return isinstance(exc, (FileNotFoundError, NotADirectoryError)) or exc.errno == errno.ELOOP
+
+
+def _entry_files(root: Path) -> list[Path]:
+    """The entries' files; none when the folder does not exist yet. ``OSError`` when it cannot be listed (a file
+    stands in its place, or it may not be read): every search then goes without the cache, which should not pass
+    for an empty one."""
+    folder = root / SUBDIR
+    try:
+        return sorted(p for p in folder.iterdir() if p.suffix == ".json" and not p.name.startswith(TEMP_PREFIX))
+    except FileNotFoundError:
+        return []
+
+
+def describe(root: Path) -> dict[str, Any]:
+    """What :func:`wsarena.searchcache.info` tells of the entries under ``root``: ``entries``, ``size_bytes``,
+    ``unreadable`` (files that are no readable entry) and ``environments``. ``OSError`` when the folder cannot be
+    listed."""
+    out: dict[str, Any] = {"entries": 0, "size_bytes": 0, "unreadable": 0}
+    groups: dict[tuple, int] = {}
+    for path in _entry_files(root):
+        try:
+            out["size_bytes"] += disk_size(path.stat())
+            env = json.loads(path.read_text(encoding="utf-8"))["key"]["environment"]
+            # as written (the CPU's API path is null), each a string or None, so that the groups sort
+            group = tuple(_text(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            out["unreadable"] += 1
+            continue
+        out["entries"] += 1
+        groups[group] = groups.get(group, 0) + 1
+    out["environments"] = [
+        {"backend": b, "device": d, "wsarena": v, "api": a, "entries": n}
+        for (b, d, v, a), n in sorted(groups.items(), key=lambda item: tuple(x or "" for x in item[0]))
+    ]
+    return out
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def remove_entries(root: Path) -> dict[str, int]:
+    """Remove the entries under ``root`` as :func:`wsarena.searchcache.clear` says; return ``removed`` (entries) and
+    ``freed_bytes``. ``OSError`` when the folder cannot be listed or an entry cannot be removed."""
+    out = {"removed": 0, "freed_bytes": 0}
+    folder = root / SUBDIR
+    try:
+        paths = [p for p in folder.iterdir() if p.suffix == ".json"]
+    except FileNotFoundError:
+        return out
+    now = time.time()
+    for path in paths:
+        try:
+            st = path.stat()
+            if stat.S_ISDIR(st.st_mode) and not path.is_symlink():
+                continue  # a folder with an entry's name: no entry, and not the cache's to remove
+            if path.name.startswith(TEMP_PREFIX) and now - st.st_mtime <= _STALE_TEMP:
+                continue  # a write in progress
+            size = disk_size(st)
+            path.unlink()
+        except OSError as exc:  # another process removed or renamed it meanwhile, or a dangling link
+            if not _leads_nowhere(exc):
+                raise
+            freed = _unlink_dangling(path)
+            if freed is None:
+                if isinstance(exc, FileNotFoundError):
+                    continue
+                raise
+            size = freed
+        if not path.name.startswith(TEMP_PREFIX):
+            out["removed"] += 1
+        out["freed_bytes"] += size
+    return out
