@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from wsarena.arena import Arena, _arena, _growth, _sub, _table, _workspace
+from wsarena.arena import Arena, _arena, _growth, _leases, _sub, _table, _workspace
 from wsarena.arena.streams import thread_lane
 
 from .arena_helpers import GatedProvider, snapshot, wait_for_a_waiter
@@ -97,7 +97,7 @@ def test_a_thread_with_the_id_of_an_exited_holder_waits_for_the_lane(arena, key,
     """A lease entered by hand in a thread that has exited since (its Workspace handed to another thread to release):
     a new thread that gets the same thread id, as ids of exited threads are reused, waits for the lane like any other
     thread. Once, it was refused with "this thread already holds a lease". Here every thread gets the same id."""
-    for module in (_arena, _growth, _sub, _table, _workspace):  # wherever the arena could ask for a thread id
+    for module in (_arena, _growth, _leases, _sub, _table, _workspace):  # wherever the arena could ask for a thread id
         monkeypatch.setattr(module, "get_ident", lambda: 12345, raising=False)
     handed = []
     producer = threading.Thread(target=lambda: handed.append(arena.lease(1024, stream=key("shared")).__enter__()))
@@ -179,7 +179,7 @@ def test_a_thread_that_waits_long_queues_one_lock(arena_kind, key, monkeypatch, 
     for the whole wait. Once, each recheck queued a fresh lock and left the timed-out one queued (20 a second)."""
     provider = GatedProvider(arena_kind.device_id)
     arena = Arena(provider)
-    module = _arena if what == "lane" else _growth
+    module = _leases if what == "lane" else _growth
     real_wait, rechecks, waited_long = module.wait, [], threading.Event()
 
     def wait(waiter):  # the first five waits time out at once; then a real wait

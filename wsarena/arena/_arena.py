@@ -39,19 +39,18 @@ from typing import Any
 from .._config import get_config
 from .._sizes import format_size
 from ..errors import WorkspaceCapError
-from . import _growth, _pinning
+from . import _growth, _leases, _pinning
+from ._leases import POISON_BYTE
 from ._lifecycle import give_back, release_all, track_arena, track_device_arena
 from ._pins import free_posted
 from ._stats import ArenaStats, snapshot
-from ._sub import _Block, _Owner, _SubArena, this_thread, wait
 from ._table import _Table
 from ._workspace import Workspace
-from .streams import PerThreadStream, raw_handle, resolve_stream
+from .streams import raw_handle, resolve_stream
 
 __all__ = ["POISON_BYTE", "Arena"]
 
 _CONFIGURED: Any = object()  # lease(cap=): the configured cap
-POISON_BYTE = 0xA5  # what debug mode writes over released workspace bytes
 
 
 def _check_nbytes(nbytes: Any, name: str = "nbytes") -> int:
@@ -269,136 +268,13 @@ class Arena:
         capacity = sum(sub.capacity() for sub in list(self._subs.values()))  # for repr only: no lock
         return f"<Arena {self.provider!r}: {len(self._subs)} stream(s), {format_size(capacity)}>"
 
-    # ------------------------------------------------------------------------ leases (called by Workspace)
-    def _acquire(self, ws: Workspace) -> None:
-        """Take the lease ``ws``; on any exception the Workspace gives back what was taken (:meth:`_end`).
+    # --------------------------------------------------------- leases, called by Workspace (_leases.py)
+    _acquire = _leases._acquire
+    _take_lane = _leases._take_lane
+    _end = _leases._end
+    _hold_by_workspace = _leases._hold_by_workspace
+    _grant = _leases._grant
 
-        The lease is held by the bound ``__exit__`` of the ``with`` statement that enters it, or else by ``ws``
-        (:mod:`wsarena.arena._table`): weakly, from here on (a strong reference would keep ``ws`` alive)."""
-        anchor, ws._with = ws._with, None
-        if anchor is not None:
-            ref = weakref.ref(anchor)
-            anchor = None  # a method only ws._with held (a lookup that was no with statement's) is gone now
-            anchor = ref()
-        if anchor is None:  # entered by hand
-            anchor = ws
-            ref = weakref.ref(ws)
-        try:
-            if self._capture is not None:
-                # raw_handle(ws.stream), inline: this runs once per lease of a device arena
-                capture = self._capture(ws.stream.handle if type(ws.stream) is PerThreadStream else ws.stream)
-                if capture is not None:
-                    self._acquire_captured(ws, anchor, capture)
-                    return
-            with self._lock:
-                sub = self._subs.get(ws.stream)
-                if (
-                    sub is None or sub.holder is not None or sub.handoff or self._table.closed or self._dead
-                    or sub.orphan or (ws._anchor is not None and sub.anchor is None)
-                ):
-                    sub = None  # the slow path, below: wait, create, sweep, refuse, adopt an orphan
-                else:  # the lane is free: take it (sub.take, inline: this runs once per convolution)
-                    ws._ref = ref
-                    ws._sub = sub
-                    sub.holder_thread = this_thread.token
-                    sub.holder_block = None
-                    sub.used = True
-                    sub.holder = ref
-                    block = sub.block
-                    if block is not None and block.size >= ws.nbytes and not ws._debug:  # the fast path
-                        self._grant(sub, ws, block)
-                        return
-            if sub is None:
-                sub = self._take_lane(ws, anchor)
-            self._grow_for(ws, sub)
-        finally:
-            if self._to_free:  # what a sweep or a growth let go, even if this lease failed
-                self._give_back(ws.stream)
-
-    def _take_lane(self, ws: Workspace, anchor: Any) -> _SubArena:
-        """Wait (with the lock let go) until ``ws`` holds its lane."""
-        waiter = None
-        while True:
-            with self._lock:
-                got = self._table.take_lane(ws, anchor, waiter)
-            if type(got) is _SubArena:
-                return got
-            waiter = got
-            wait(waiter)
-
-    def _end(self, ws: Workspace) -> None:
-        """End whatever ``ws`` holds: its lease, its growth. Idempotent, and safe at any point of :meth:`_acquire`
-        (the Workspace runs it under :func:`~wsarena.arena._interrupts.finish`); does nothing if the lease was
-        ended already (by whoever found its ``with`` statement over: :meth:`_Table.reap`)."""
-        sub = ws._sub
-        if sub is None:  # nothing was taken
-            if ws._state == 1:
-                ws._state = 2
-            return
-        block = ws._block
-        if ws._debug and ws._state == 1 and block is not None:
-            # Poison while this lease still holds the lane, so the next user never sees it half written; `ending`
-            # keeps others from ending the lease meanwhile (its with statement is over, its anchor may be gone). It
-            # refers weakly to an object of this call's own, dropped once the fill is over, however that ended (a
-            # failed fill, an interrupt): then whoever finds the lease's holder gone may end it.
-            # The fill is ordered on the sub-arena's stream: none where that may be gone (a dead stream's handle may
-            # name another stream now) or is another thread's per-thread stream (handle 2 would name this thread's).
-            owner = _Owner()
-            with self._lock:
-                ref = ws._ref  # read under the lock, as :meth:`_hold_by_workspace` changes it
-                ordered = self._lanes or sub.free_stream() is not None
-                poison = sub.holder is ref and not block.freed and ordered
-                if poison:
-                    sub.ending = weakref.ref(owner)
-            try:
-                if poison:
-                    self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=sub.stream)
-            finally:
-                del owner  # not kept alive by a traceback that holds this frame
-        with self._lock:
-            ref = ws._ref
-            if sub.holder is ref:
-                if sub.growing is ref:
-                    sub.growing = None  # its growth was cut short
-                granted = sub.holder_block is not None
-                sub.holder = sub.holder_block = sub.ending = None  # sub.leave(), inline: the lane is free again
-                ws._state = 2
-                if (
-                    sub.lane_waiters or sub.growth_waiters or sub.retired is not None or sub.orphan
-                    or self._table.closed or not granted
-                ):
-                    self._table.after_lease(sub, granted)
-            elif ws._state == 1:
-                ws._state = 2
-        if self._to_free:
-            self._give_back(ws.stream)
-
-    def _hold_by_workspace(self, ws: Workspace) -> None:
-        """Make ``ws`` the holder of its live lease: another ``with`` statement tried to enter it. That statement
-        looked ``__exit__`` up before it failed to enter; if it did so in another thread just before this lease was
-        taken, its bound method is what holds the lease (see :meth:`_acquire`), and it goes with that statement."""
-        with self._lock:
-            ref, sub = ws._ref, ws._sub
-            holder = ref() if ref is not None else None
-            if sub is not None and sub.holder is ref and holder is not None and holder is not ws:
-                ws._ref = sub.holder = weakref.ref(ws)
-
-    def _grant(self, sub: _SubArena, ws: Workspace, block: _Block) -> None:
-        """Give ``ws`` the bytes of ``block`` (``ws`` holds the lane; lock held)."""
-        n = ws.nbytes
-        if ws._debug:
-            self._table.check_overlap(sub, block.ptr, n)
-        sub.holder_block = block
-        sub.holder_nbytes = n
-        if n > sub.high_water:
-            sub.high_water = n
-            self._table.totals.high_water = max(self._table.totals.high_water, n)
-        ws._block = block
-        ws.ptr = block.ptr
-        ws.cuda_stream = None if self._lanes else sub.stream
-        ws._state = 1
-
-    # ---------------------------------------------------------------------------------------------- growth
     # --------------------------------------------------------------------------------- growth (_growth.py)
     _grow_for = _growth._grow_for
     _reserve = _growth._reserve
