@@ -28,8 +28,9 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
+from . import _kept
 from ._keys import GoneStream, _caller_chosen, _LaneKey
-from ._sub import Queue, _Anchor, _Block, _SubArena, _Totals, abandoned, park, this_thread
+from ._sub import Queue, _Anchor, _Block, _SubArena, _Totals, park, this_thread
 from .streams import PER_THREAD_DEFAULT_STREAM, PerThreadStream, ThreadLane
 
 if TYPE_CHECKING:
@@ -354,58 +355,8 @@ class _Table:
                     f"[{start:#x}, {stop:#x}) on stream {other.key!r}"
                 )
 
-    # ------------------------------------------------------------------------------------ pinned buffers
-    def release_kept(self) -> int:
-        """Free, in stream order, the kept buffers that no graph holds any more; return the bytes let go."""
-        released = 0
-        for entry in list(self.kept):
-            _, block, stream = entry
-            if block.pinned():
-                continue
-            self.kept.remove(entry)
-            if not block.freed:
-                block.freed = True
-                self.totals.frees += 1
-                self.to_free.append((block.buffer, stream))
-                released += block.size
-        return released
-
-    def unstream_kept(self, key: Hashable, moved: Hashable = None) -> None:
-        """The stream of ``key`` may be gone: its kept buffers, which recorded that stream when they were kept, are
-        freed with no stream (the provider waits for the device), as its other buffers are; ``moved``: the key they
-        are listed under from now on (a dead stream's, whose handle another stream has)."""
-        kept = self.kept  # changed in place: every sub-arena shares this list
-        for i, (k, block, stream) in enumerate(kept):
-            if k == key and (stream is not None or moved is not None):
-                kept[i] = (k if moved is None else moved, block, None)
-
-    def pinned_bytes(self, sub: _SubArena | None, key: Hashable) -> int:
-        """Bytes of ``key``'s buffers that a graph holds: the current one, the outgrown one, and those kept."""
-        held = 0
-        if sub is not None:
-            for block in (sub.block, sub.retired):
-                if block is not None and block.pinned():
-                    held += block.size
-        return held + sum(block.size for k, block, _ in self.kept if k == key and block.pinned())
-
-    def let_go_everything(self) -> None:
-        """At exit, or when the arena is collected: queue every buffer, even under live leases, and forget all.
-        A buffer a graph still holds is abandoned instead (never freed: the graph may be replayed)."""
-        blocks = [(sub.block, sub.retired) for sub in self.subs.values()]
-        blocks += [(block, None) for _, block, _ in self.kept]
-        for sub in list(self.subs.values()):
-            sub.anchor = None
-            sub.block = sub.retired = sub.holder_block = None
-        self.kept.clear()
-        for pair in blocks:
-            for block in pair:
-                if block is None or block.freed:
-                    continue
-                block.freed = True
-                if block.pinned():
-                    abandoned.append(block.buffer)
-                    continue
-                self.totals.frees += 1
-                self.to_free.append((block.buffer, None))  # its streams may be gone too
-        self.subs.clear()
-
+    # ------------------------------------------------------------------------- pinned buffers (_kept.py)
+    release_kept = _kept.release_kept
+    unstream_kept = _kept.unstream_kept
+    pinned_bytes = _kept.pinned_bytes
+    let_go_everything = _kept.let_go_everything
