@@ -259,25 +259,12 @@ class _SubArena:
                 self.totals.frees += 1
                 self.to_free.append((old.buffer, stream))
 
-    # tidy() and empty() detach a block and queue it inline, with no call in between: a helper's first
-    # instruction would be a place where an interrupt finds the block detached and never freed.
     def tidy(self) -> int:
         """Let go of the outgrown buffer once no lease uses it; return the bytes let go."""
         block = self.retired
         if block is None or block is self.holder_block:
             return 0
-        stream = self.free_stream()
-        keep = block.pinned()
-        self.retired = None
-        if keep:
-            self.kept.append((self.key, block, stream))
-            return 0
-        if block.freed:
-            return 0
-        block.freed = True
-        self.totals.frees += 1
-        self.to_free.append((block.buffer, stream))
-        return block.size
+        return self._let_go(block, self.free_stream(), block.pinned(), retired=True)
 
     def empty(self, gone: bool = False, forgotten: bool = False) -> int:
         """Let go of the current buffer unless a lease uses it (``gone``: the stream may no longer exist). A pinned
@@ -288,8 +275,20 @@ class _SubArena:
         keep = block.pinned()
         if keep and not forgotten:
             return 0
-        stream = self.free_stream(gone)
-        self.block = None
+        return self._let_go(block, self.free_stream(gone), keep, retired=False)
+
+    def _let_go(self, block: _Block, stream: Any, keep: bool, retired: bool) -> int:
+        """Detach ``block``, the outgrown buffer (``retired``) or the current one, and queue it: on ``kept`` for its
+        graphs (``keep``), else to be freed on ``stream`` unless it was already. Returns the bytes queued to be freed.
+
+        The detaching and the queueing happen here, by plain stores and one C call, with no call between them: an
+        interrupt as this method starts finds the block where it was, and one once the queueing call returns finds
+        it queued. (Detached by the caller and queued by a helper, it would be lost to an interrupt as the helper
+        starts.)"""
+        if retired:
+            self.retired = None
+        else:
+            self.block = None
         if keep:
             self.kept.append((self.key, block, stream))
             return 0
