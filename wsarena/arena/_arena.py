@@ -53,13 +53,18 @@ __all__ = ["POISON_BYTE", "Arena"]
 _CONFIGURED: Any = object()  # lease(cap=): the configured cap
 
 
-def _check_nbytes(nbytes: Any, name: str = "nbytes") -> int:
-    if isinstance(nbytes, bool):
-        raise TypeError(f"{name} must be an int, not {nbytes!r}")
-    try:
-        n = operator.index(nbytes)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, not {nbytes!r}") from None
+def _non_negative_int(value: Any, name: str = "nbytes", expected: str | None = None) -> int:
+    """``value`` as a non-negative ``int`` (any integer type, not a ``bool``). ``TypeError`` says ``expected``
+    (by default "``name`` must be an int"), ``ValueError`` that ``name`` cannot be negative."""
+    if isinstance(value, bool):
+        n = None
+    else:
+        try:
+            n = operator.index(value)
+        except TypeError:
+            n = None
+    if n is None:
+        raise TypeError(f"{expected or f'{name} must be an int'}, not {value!r}")
     if n < 0:
         raise ValueError(f"{name} cannot be negative: {n}")
     return n
@@ -140,13 +145,13 @@ class Arena:
             (on entering) This thread already holds a lease on this lane or stream (and ``nbytes > 0``): a
             nested lease would share the outer lease's bytes. Or the arena is closed.
         """
-        n = nbytes if type(nbytes) is int and nbytes >= 0 else _check_nbytes(nbytes)
+        n = nbytes if type(nbytes) is int and nbytes >= 0 else _non_negative_int(nbytes)
         key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
         cfg = get_config()
         if cap is _CONFIGURED:
             cap = cfg.cap_workspace
         elif cap is not None and (type(cap) is not int or cap < 0):
-            cap = _check_nbytes(cap, "cap")
+            cap = _non_negative_int(cap, "cap")
         if cap is not None and n > cap:
             self._refuse(n, key, cap)
         return Workspace(self, n, key, anchor, cfg.debug, cap)
@@ -156,7 +161,7 @@ class Arena:
 
         Raises as :meth:`lease` does (``WorkspaceCapError`` above the cap, ``ArenaOutOfMemoryError``).
         """
-        n = _check_nbytes(nbytes)
+        n = _non_negative_int(nbytes)
         key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
         cap = get_config().cap_workspace
         if cap is not None and n > cap:
@@ -182,7 +187,7 @@ class Arena:
         stream_bytes = getattr(plan, "stream_bytes", None)
         if isinstance(stream_bytes, (str, bytes)) or not isinstance(stream_bytes, Sequence):
             raise TypeError(f"plan must be a wsarena.plan() result (with stream_bytes), not {plan!r:.80}")
-        sizes = [_check_nbytes(n, "plan.stream_bytes") for n in stream_bytes]
+        sizes = [_non_negative_int(n, "plan.stream_bytes") for n in stream_bytes]
         if streams is None:
             if len(sizes) > 1:
                 raise ValueError(f"a plan for {len(sizes)} streams needs streams=[...], one per planned stream")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import os
 from typing import Any
 
@@ -10,7 +9,7 @@ from .. import _forksafe
 from .._config import get_config
 from .._gpu import gpu_count, gpu_unusable_reason
 from ..errors import BackendUnavailableError
-from ._arena import Arena
+from ._arena import Arena, _non_negative_int
 from .providers import CupyProvider, HostProvider, TorchProvider
 
 __all__ = ["get_arena", "make_device_arena", "reset_arenas", "set_arena"]
@@ -28,15 +27,7 @@ def _device_key(device: Any) -> str | int | None:
         if device.strip().lower() == "cpu":
             return "cpu"
         raise ValueError(f"device must be 'cpu', a CUDA device ordinal or None, not {device!r}")
-    if isinstance(device, bool):
-        raise TypeError(f"device must be 'cpu', a CUDA device ordinal or None, not {device!r}")
-    try:
-        ordinal = operator.index(device)
-    except TypeError:
-        raise TypeError(f"device must be 'cpu', a CUDA device ordinal or None, not {device!r}") from None
-    if ordinal < 0:
-        raise ValueError(f"a CUDA device ordinal cannot be negative: {ordinal}")
-    return ordinal
+    return _non_negative_int(device, "a CUDA device ordinal", "device must be 'cpu', a CUDA device ordinal or None")
 
 
 def _require_gpu(what: str) -> None:
