@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import threading
 import types
 
 import pytest
@@ -213,6 +214,34 @@ def test_the_stream_of_a_capture_block_is_not_watched_once_the_block_is_over(cap
         with arena.lease(100, stream=handle):
             pass
     assert 0x60 not in arena.stats().streams and provider.during_capture == []
+
+
+@pytest.mark.parametrize("trim_in", ["this thread", "another thread"])
+def test_a_trim_before_the_first_lease_of_a_capture_block_leaves_the_seeded_buffer(captures, trim_in):
+    """wsarena.capture gives its stream, before the capture begins, the largest buffer the arena holds: a capture
+    cannot grow the arena. A trim inside the block before the step's first lease there (that buffer idle, not yet
+    pinned to the graph) leaves it to the step, whose lease gets it; the trim frees what is not captured. Once, the
+    trim let the seeded buffer go (its free held back until the capture ended) and the first lease of the captured
+    step raised CaptureError for want of a buffer."""
+    provider, arena, cupy = captures
+    arena.reserve(1000, stream=S1)  # the eager step's, on another stream
+    eager = provider.allocations[-1].ptr
+    stream = cupy.cuda.Stream(0x60)
+    with wsarena.capture(stream) as graph:
+        seeded = provider.allocations[-1].ptr
+        if trim_in == "this thread":
+            arena.trim()
+        else:
+            other = threading.Thread(target=arena.trim)
+            other.start()
+            other.join(10)
+        with arena.lease(1000, stream=0x60) as ws:  # the captured step
+            assert ws.ptr == seeded
+    assert freed(provider) == [eager] and provider.during_capture == []
+    assert len(graph.graph.pins) == 1
+    graph.graph.close()
+    arena.trim()  # the graph is gone: its buffer goes too
+    assert provider.held == []
 
 
 def _hold_back_a_buffer(provider, arena, stream):

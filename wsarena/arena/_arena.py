@@ -223,7 +223,8 @@ class Arena:
     def trim(self) -> int:
         """Free every buffer that no live lease uses; return the number of bytes given back.
 
-        Sub-arenas left empty are forgotten (their per-stream counters with them).
+        Sub-arenas left empty are forgotten (their per-stream counters with them). Kept: a buffer a CUDA graph
+        captured, and the one :func:`wsarena.capture` gave its stream until the capture's first lease there.
         """
         released = 0
         with self._lock:
@@ -233,7 +234,9 @@ class Arena:
                 if sub.orphan and sub.idle():
                     released += self._table.forget(sub, gone=True)
                     continue
-                released += sub.tidy() + sub.empty()
+                released += sub.tidy()
+                if not self._table.seeded_for_capture(sub.key):
+                    released += sub.empty()
                 self._table.drop_if_idle(sub)
             released += self._table.release_kept()
         self._give_back()
