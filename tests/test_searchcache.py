@@ -742,6 +742,28 @@ def test_info_names_the_setting_in_force(cache, monkeypatch, tmp_path):
     assert cache_output("info", "text") == "the search cache is off (WSARENA_CACHE_DIR=off)\n"
 
 
+@pytest.mark.parametrize("variable", ["a folder", "off", "unset"])
+def test_the_source_in_a_block_that_set_no_folder_is_the_setting_of_the_folder_it_holds(monkeypatch, tmp_path, variable):
+    """A config() block that sets no cache folder holds the folder in force as it began. A configure() inside it
+    changes the process-wide folder, not the block's: source() names the setting that gives the folder in force (the
+    environment variable, or the user's cache folder), neither config() (the block set no folder) nor configure()
+    (its folder is not in force there). Once, it said "config"."""
+    if variable == "unset":
+        monkeypatch.delenv("WSARENA_CACHE_DIR")
+    else:
+        monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / "env") if variable == "a folder" else "off")
+    wsarena._config._reset()
+    before = (searchcache.cache_dir(), "default" if variable == "unset" else "environment")
+    assert (searchcache.cache_dir(), searchcache.source()) == before
+    with wsarena.config(algo_search="exhaustive"):
+        wsarena.configure(cache_dir=tmp_path / "mine")
+        assert (searchcache.cache_dir(), searchcache.source()) == before
+        assert searchcache.info()["source"] == before[1]
+        with wsarena.config(cache_dir=tmp_path / "block"):
+            assert searchcache.source() == "config"
+    assert (searchcache.cache_dir(), searchcache.source()) == (tmp_path / "mine", "configure")
+
+
 def test_the_source_is_the_environment_as_the_settings_read_it(monkeypatch, tmp_path):
     """The settings read the environment once: a variable set, changed or removed later moves no folder, and is no
     configure() call either (the folder was credited to configure())."""
