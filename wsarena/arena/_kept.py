@@ -18,18 +18,21 @@ __all__: list[str] = []  # the table's own methods: _Table.release_kept, .unstre
 
 
 def release_kept(self: _Table) -> int:
-    """Free, in stream order, the kept buffers that no graph holds any more; return the bytes let go."""
+    """Free, in stream order, the kept buffers that no graph holds any more; return the bytes let go.
+
+    Each is queued before it leaves the list: an interrupt in between leaves it listed, and marked freed, so that the
+    next call only takes it off. (Taken off first, it was lost to an interrupt as that call returned.)"""
     released = 0
     for entry in list(self.kept):
         _, block, stream = entry
         if block.pinned():
             continue
-        self.kept.remove(entry)
         if not block.freed:
             block.freed = True
             self.totals.frees += 1
             self.to_free.append((block.buffer, stream))
             released += block.size
+        self.kept.remove(entry)
     return released
 
 

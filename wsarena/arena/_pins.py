@@ -32,6 +32,8 @@ _sem_init = _libc.sem_init
 _sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
 _sem_trywait = _libc.sem_trywait
 _sem_trywait.argtypes = [ctypes.c_void_p]
+_sem_getvalue = _libc.sem_getvalue
+_sem_getvalue.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
 _malloc = _libc.malloc
 _malloc.argtypes = [ctypes.c_size_t]
 _malloc.restype = ctypes.c_void_p
@@ -87,11 +89,15 @@ class GraphPin:
         return released
 
     def live(self) -> bool:
-        """Whether a graph still holds this pin (a C call that never blocks)."""
+        """Whether a graph still holds this pin (a C call that never blocks).
+
+        It reads the semaphore's count (``sem_getvalue``) rather than taking the post (``sem_trywait``): a post taken
+        and not yet recorded when an interrupt lands would be lost, and the pin would read live for good."""
         state = self._state
         if state[1]:
             return False
-        if _sem_trywait(state[0]) == 0:
+        count = ctypes.c_int(0)
+        if _sem_getvalue(state[0], ctypes.byref(count)) == 0 and count.value > 0:
             state[1] = True
             return False
         return True
