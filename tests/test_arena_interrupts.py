@@ -209,28 +209,41 @@ def test_an_interrupt_at_any_check_of_a_lease_that_lets_a_dead_stream_go_loses_n
     assert n > 50
 
 
+def _interrupt_each_check_of_a_trim(prepare):
+    """On a fresh device arena, ``prepare(provider, arena)``, then a trim interrupted at its first check; again, at
+    its second; and so on, one run each, until a run goes through. After each run (and after the function
+    ``prepare`` returned, if any: the end of a capture), once the arena is closed and trimmed, the provider holds
+    nothing. Returns how many runs there were."""
+    n = 1
+    while True:
+        provider = RecordingProvider(device_id=0)
+        arena = Arena(provider)
+        after = prepare(provider, arena)
+        gc.collect()  # earlier garbage is not collected in the traced run (its finalizers would get the interrupt)
+        fired = interrupt_at_check(n, arena.trim, skip=_in_provider)
+        if after is not None:
+            after()
+        arena.close()
+        arena.trim()
+        assert provider.held == [], f"interrupted at check {n}"
+        if not fired:
+            return n
+        n += 1
+
+
 def test_an_interrupt_at_any_check_of_a_drain_during_a_capture_loses_no_buffer():
     """While a stream is captured, the buffers let go on it stay queued and the others are freed. Ctrl-C at every
     check of a trim that lets go of both: once the capture is over and the arena closed and trimmed, the provider
     holds nothing. Once, a helper of the drain's own (a Python method) set a waiting buffer aside, and an interrupt
     as it started lost that buffer."""
-    n = 1
-    while True:
-        provider = RecordingProvider(device_id=0)
-        arena = Arena(provider)
+
+    def prepare(provider, arena):
         for stream in (0x51, 0x52, 0x53):
             arena.reserve(1000, stream=stream)
         graph = provider.begin_capture(0x51)
-        gc.collect()
-        fired = interrupt_at_check(n, arena.trim, skip=_in_provider)
-        provider.end_capture(graph)
-        arena.close()
-        arena.trim()
-        assert provider.held == [], f"interrupted at check {n}"
-        if not fired:
-            break
-        n += 1
-    assert n > 20
+        return lambda: provider.end_capture(graph)
+
+    assert _interrupt_each_check_of_a_trim(prepare) > 20
 
 
 def test_an_interrupt_at_any_check_of_a_trim_that_frees_what_a_released_graph_held_loses_no_buffer():
@@ -238,10 +251,8 @@ def test_an_interrupt_at_any_check_of_a_trim_that_frees_what_a_released_graph_he
     check of the trim that sees the release and frees the buffer: once the arena is closed and trimmed, the provider
     holds nothing. Once, a Ctrl-C just after the buffer was taken off the kept list, or just after the pin's
     semaphore was found posted (the post consumed, not yet recorded: the pin read live for good), kept it for ever."""
-    n = 1
-    while True:
-        provider = RecordingProvider(device_id=0)
-        arena = Arena(provider)
+
+    def prepare(provider, arena):
         arena.reserve(1000, stream=0x51)
         graph = provider.begin_capture(0x51)
         with arena.lease(1000, stream=0x51):
@@ -250,15 +261,8 @@ def test_an_interrupt_at_any_check_of_a_trim_that_frees_what_a_released_graph_he
         with arena.lease(50_000, stream=0x51):  # an eager growth: the pinned buffer is kept aside
             pass
         graph.close()
-        gc.collect()
-        fired = interrupt_at_check(n, arena.trim, skip=_in_provider)
-        arena.close()
-        arena.trim()
-        assert provider.held == [], f"interrupted at check {n}"
-        if not fired:
-            break
-        n += 1
-    assert n > 20
+
+    assert _interrupt_each_check_of_a_trim(prepare) > 20
 
 
 def test_an_interrupt_at_the_start_of_a_release_is_retried_by_the_with_block(arena, key, monkeypatch):
