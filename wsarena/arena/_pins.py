@@ -6,7 +6,7 @@ CUDA says when the graph is gone through a user object (``cudaUserObjectCreate``
 to: its destructor runs once the graph and every executable graph instantiated from it are destroyed, and their
 launches are over. That destructor runs on a CUDA thread, may not call CUDA and must not block; it must not run
 Python either (it may run while the interpreter shuts down). So it is libc's ``sem_post`` on a semaphore of the
-pin's own, and the arena asks ``sem_trywait`` whether it ran whenever it is about to free the buffer.
+pin's own, and the arena reads the semaphore's count (``sem_getvalue``) whenever it is about to free the buffer.
 
 The semaphore lives in memory from libc's ``malloc``, not in a Python object: CUDA may post it after the pin is
 gone, and even after the interpreter has freed its own objects at exit (a graph destroyed then). It is freed only
