@@ -71,6 +71,36 @@ def test_out_of_the_callers_library_is_written_and_returned():
     assert rel_err(out2, ref) <= TOL["float64"]
 
 
+def test_a_torch_out_written_in_place_is_seen_by_autograd_as_modified():
+    # Autograd keeps tensors for the backward pass and checks their version when it uses them: an out= written
+    # through a NumPy view must count as an in-place write, as PyTorch's own out= does, or a gradient that uses the
+    # old values comes out silently wrong.
+    x, w, _ = problem()
+    shape = ref_conv_forward(x, w, **KW).shape
+    a = torch.ones(shape, dtype=torch.float64, requires_grad=True)
+    out = torch.ones(shape, dtype=torch.float64)
+    loss = (a * out).sum()  # saves out for the gradient of a
+    before = out._version
+    conv_forward(torch.from_numpy(x), torch.from_numpy(w), **KW, out=out)
+    assert out._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_an_inference_tensor_is_out_only_inside_inference_mode(fresh_arena):
+    x, w, _ = problem()
+    ref = ref_conv_forward(x, w, **KW)
+    with torch.inference_mode():
+        out = torch.full(ref.shape, np.nan, dtype=torch.float64)
+    before = fresh_arena.stats()
+    with pytest.raises(TypeError, match="out is an inference tensor"):  # as PyTorch refuses its own in-place writes
+        conv_forward(torch.from_numpy(x), torch.from_numpy(w), **KW, out=out)
+    assert fresh_arena.stats() == before and torch.isnan(out).all()
+    with torch.inference_mode():
+        assert conv_forward(torch.from_numpy(x), torch.from_numpy(w), **KW, out=out) is out
+    assert rel_err(out, ref) <= TOL["float64"]
+
+
 def test_libraries_mix_when_every_view_is_zero_copy_and_the_first_operand_decides():
     x, w, _ = problem()
     ref = ref_conv_forward(x, w, **KW)

@@ -138,11 +138,16 @@ def execute(
             "cannot mix host and device memory in one convolution, which would need a copy ("
             + ", ".join(op.where() for op in operands) + ")"
         )
+    torch_out = out is not None and operands[2].kind == _TORCH
+    if torch_out:
+        _check_torch_out(out)
     if not operands[0].cuda:
         views = [_host_view(op) for op in operands]
         leaves = out is None and type_backend_name(type(a)) is None  # the result goes to another library
         result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
                      layout, algo, empty=_aligned_empty if leaves else None)
+        if torch_out:
+            _written(out)
         return out if out is not None else _returned(a, result)
     for op in operands:
         if op.kind == _NATIVE_KIND:  # a CuPy array beside operands of other libraries: its device too
@@ -164,8 +169,27 @@ def execute(
         views = [_device_view(op) for op in operands]
         result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
                      layout, algo)
+        if torch_out:
+            _written(out)
         # inside the scope: the library imports the result on the stream it was computed on, with no extra wait
         return out if out is not None else _returned(a, result)
+
+
+def _check_torch_out(out: Any) -> None:
+    """Refuse, as PyTorch refuses its own in-place writes, an inference tensor outside ``torch.inference_mode()``."""
+    import torch
+
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise TypeError("out is an inference tensor, which PyTorch lets be written in place only inside "
+                        "torch.inference_mode(); call there, or without out=")
+
+
+def _written(out: Any) -> None:
+    """Count the write into a PyTorch ``out`` as an in-place change, as PyTorch's own ``out=`` does: autograd then
+    refuses a backward pass that would use the values it saved before, instead of using the new ones."""
+    import torch
+
+    torch.autograd.graph.increment_version(out)
 
 
 def _host_view(op: _Operand) -> Any:
