@@ -267,6 +267,20 @@ def test_batch_is_checked_before_anything_else(batch):
         wsarena.plan(HONEST_LAYERS, batch=batch, backend="cudnn")
 
 
+def test_numpy_integers_count_as_ints_for_batch_and_streams():
+    # As the ops and ConvLayer take them: a batch or a stream count computed with NumPy is an int like any other.
+    ints = wsarena.plan(HONEST_LAYERS, batch=2, backend="cpu", streams=2)
+    numpy = wsarena.plan(HONEST_LAYERS, batch=np.int64(2), backend="cpu", streams=np.int32(2))
+    assert numpy.to_dict() == ints.to_dict() and type(numpy.to_dict()["batch"]) is int
+    split = [0, 1, 1, 0, 2]
+    assert (wsarena.plan(HONEST_LAYERS, backend="cpu", streams=np.array(split)).to_dict()
+            == wsarena.plan(HONEST_LAYERS, backend="cpu", streams=split).to_dict())
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        wsarena.plan(HONEST_LAYERS, batch=np.int64(0), backend="cpu")
+    with pytest.raises(TypeError, match="streams must be an int"):
+        wsarena.plan(HONEST_LAYERS, backend="cpu", streams=np.True_)
+
+
 def _run_layers(p, arena, xp=np):
     """Run every pass of every planned layer through the public ops, as a training step would."""
     warnings.simplefilter("ignore", WorkspaceCapWarning)  # the cap is meant to exclude algorithms here

@@ -3,6 +3,7 @@
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -90,6 +91,12 @@ def test_streams_multiply_or_split_the_arena(fake):
     split = run(streams=[0, 1, 0]).curve
     assert [(p.cap_workspace_bytes, p.arena_bytes) for p in split] == [
         (0, 0), (1000, 1000), (2000, 2000), (4000, 6000), (8000, 12000), (None, 12000)]
+
+
+def test_numpy_integers_count_as_ints(fake):
+    for kwargs in ({"streams": 2}, {"batch": 3}):
+        numpy = run(**{key: np.int64(value) for key, value in kwargs.items()})
+        assert numpy.curve == run(**kwargs).curve and numpy.uncapped.to_dict() == run(**kwargs).uncapped.to_dict()
 
 
 def test_the_recommended_cap_reproduces_the_plan(fake):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -167,8 +168,20 @@ def skipped_layers(layers: Any) -> tuple[tuple[str, str], ...]:
     return tuple(getattr(layers, "skipped", ()))
 
 
+def _integer(value: Any) -> Any:
+    """``value`` as an ``int`` where it is an integer of any kind (NumPy's too, as the ops take them), else as it is,
+    for the check that names it: a bool (NumPy's has no ``__index__``), a float, a sequence."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
 def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[int]]:
     """(shared, assignment): whether every stream may run any layer, and each layer's stream index."""
+    streams = _integer(streams)
     if isinstance(streams, int) and not isinstance(streams, bool):
         if streams < 1:
             raise ValueError(f"streams must be >= 1, not {streams}")
@@ -180,7 +193,7 @@ def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[in
         return True, [0] * n_layers
     if isinstance(streams, (bool, str, bytes)) or not isinstance(streams, Iterable):
         raise TypeError(f"streams must be an int or a sequence of stream indices, not {streams!r}")
-    assignment = list(streams)
+    assignment = [_integer(s) for s in streams]
     if len(assignment) != n_layers:
         raise ValueError(f"streams assigns {len(assignment)} layers; the model has {n_layers}")
     for i, s in enumerate(assignment):
@@ -275,6 +288,7 @@ def plan(
 def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str, passes: Sequence[str],
           streams: int | Sequence[int], model: str, progress: Callable[[int, int, str], None] | None,
           device_properties: str | None = None, properties_source: str | None = None) -> Plan:
+    batch, streams = _integer(batch), _integer(streams)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, not {batch!r}")
     if dtype not in DTYPES:
