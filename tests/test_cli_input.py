@@ -146,6 +146,19 @@ def test_a_layer_name_with_a_newline_keeps_the_table_whole(capsys, tmp_path):
     assert len(out.splitlines()) == 10  # title, settings, blank, head, rule, the row, blank, three totals
 
 
+@pytest.mark.parametrize("fmt", ["table", "csv"])
+def test_output_the_terminal_cannot_encode_exits_3_saying_so(tmp_path, fmt):
+    """A layer name stdout's encoding cannot show (a report redirected to a file under a non-UTF-8 locale) is the
+    environment, not bad input: exit 3, one line that says what to do."""
+    path = tmp_path / "names.json"
+    path.write_text(json.dumps([{"name": "\u00fcbung", "input_shape": [1, 4, 8, 8], "weight_shape": [4, 4, 3, 3]}]))
+    done = run_cli("report", str(path), "--backend", "cpu", "--format", fmt, env={"PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 3 and "bung" not in done.stdout  # what came before the name may have been written
+    assert done.stderr.startswith("wsarena: error: cannot write the output: its encoding, ascii, cannot show '\\xfc'")
+    assert done.stderr.count("\n") == 1 and "PYTHONIOENCODING=utf-8" in done.stderr
+    assert run_cli("report", str(path), "--backend", "cpu", "--format", fmt).returncode == 0  # UTF-8 shows it
+
+
 @pytest.mark.parametrize(
     ("attrs", "flags", "why", "hint"),
     [

@@ -263,7 +263,7 @@ def _plot_file(path: str) -> Iterator[None]:
 @contextlib.contextmanager
 def _output() -> Iterator[None]:
     """Around writing to stdout: flush at the end, so that a failure shows here and not at exit, and turn a
-    failure other than a closed pipe into :class:`OutputError`."""
+    failure other than a closed pipe (text stdout's encoding cannot show included) into :class:`OutputError`."""
     try:
         yield
         sys.stdout.flush()
@@ -271,6 +271,12 @@ def _output() -> Iterator[None]:
         raise
     except OSError as exc:
         raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
+    except UnicodeEncodeError as exc:  # a name the locale's encoding has no character for: not bad input
+        shown = exc.object[exc.start:exc.end]
+        raise OutputError(
+            f"cannot write the output: its encoding, {exc.encoding}, cannot show {shown!r} (use a UTF-8 locale or "
+            "set PYTHONIOENCODING=utf-8)"
+        ) from None
 
 
 _bars: list[Any] = []  # the progress bar being drawn, which a warning wipes first
