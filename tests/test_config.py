@@ -29,6 +29,10 @@ def _default_cache_dir(monkeypatch):
         ("7B", 7),
         ("1TiB", 2**40),
         ("0.5KiB", 512),
+        # more digits than Decimal's default 28 of precision, which rounded them
+        ("123456789012345678901234567891", 123456789012345678901234567891),
+        pytest.param("9" * 400, 10**400 - 1, id="400-nines"),
+        ("1.00000000000000000000000000000000000000KiB", 1024),
     ],
 )
 def test_parse_size_accepts(text, expected):
@@ -36,7 +40,7 @@ def test_parse_size_accepts(text, expected):
 
 
 @pytest.mark.parametrize(
-    "text", ["", "-1", "1.5", "1.5.3GiB", "12 parsecs", "MiB", "1e3", "0x10", "inf", "nan", "1 GiB B",
+    "text", ["", "-1", "1.5", "1.0000000000000000000000000001KiB", "1.5.3GiB", "12 parsecs", "MiB", "1e3", "0x10", "inf", "nan", "1 GiB B",
              "\u0661\u0662", "\uff11MiB", "1.\u0665KiB"]  # Arabic-Indic and fullwidth digits
 )
 def test_parse_size_rejects_with_value_error(text):

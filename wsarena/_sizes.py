@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, localcontext
 
 __all__ = ["format_size", "parse_size"]
 
@@ -56,7 +56,9 @@ def parse_size(value: int | str) -> int:
         known = ", ".join(u for u in ("B", "kB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"))
         raise ValueError(f"unknown size unit {unit!r} in {value!r} (known: {known})")
     try:
-        nbytes = Decimal(number) * scale
+        # exact: the default context's 28 digits would round a longer number (to a whole one, or to another)
+        with localcontext(prec=len(number) + 16):  # the scale has at most 13 digits
+            nbytes = Decimal(number) * scale
     except InvalidOperation:  # pragma: no cover - the regex admits only decimal numerals
         raise ValueError(f"not a size: {value!r}") from None
     if nbytes != nbytes.to_integral_value():
