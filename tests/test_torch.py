@@ -42,6 +42,8 @@ CASES = [  # nd, input shape, weight shape, keyword arguments
     (2, (2, 4, 9, 8), (6, 4, 3, 2), {"stride": (2, 1), "padding": (1, 0), "dilation": (1, 2), "groups": 1}),
     (2, (1, 6, 7, 7), (6, 1, 3, 3), {"stride": 1, "padding": "same", "dilation": 1, "groups": 6}),  # depthwise
     (3, (1, 2, 5, 6, 5), (4, 2, 3, 3, 1), {"stride": 1, "padding": "valid", "dilation": 1, "groups": 1}),
+    # one value in a sequence, which PyTorch takes for every dimension (as nn.Conv2d(..., stride=(2,)) passes it)
+    (2, (2, 4, 9, 8), (6, 2, 3, 3), {"stride": (2,), "padding": [1], "dilation": (2,), "groups": 2}),
 ]
 FUNCTIONS = {1: (wt.conv1d, F.conv1d), 2: (wt.conv2d, F.conv2d), 3: (wt.conv3d, F.conv3d)}
 

@@ -114,9 +114,18 @@ def _same(x: Tensor, w: Tensor, stride: Any, dilation: Any, nd: int) -> tuple[Te
     return torch.nn.functional.pad(x, ends), [t // 2 for t in totals]
 
 
+def _each(value: Any, nd: int) -> Any:
+    """A sequence of one value as that value in each of ``nd`` dimensions, as PyTorch's convolutions read it (and
+    ``nn.Conv2d(..., stride=(2,))`` passes it on); anything else as it is, to be checked."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        return list(value) * nd
+    return value
+
+
 def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any, dilation: Any,
           groups: int) -> Tensor:
     x, w, bias, unbatched = _operands(f"conv{nd}d", nd, x, w, bias)
+    stride, padding, dilation = _each(stride, nd), _each(padding, nd), _each(dilation, nd)
     if isinstance(padding, str) and padding == "same":
         x, padding = _same(x, w, stride, dilation, nd)
     geom = _shapes.forward_geometry(x.shape, w.shape, stride, padding, dilation, groups)
@@ -130,6 +139,7 @@ def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, paddi
 def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any,
                     output_padding: Any, groups: int, dilation: Any) -> Tensor:
     x, w, bias, unbatched = _operands(f"conv_transpose{nd}d", nd, x, w, bias)
+    stride, padding, output_padding, dilation = (_each(v, nd) for v in (stride, padding, output_padding, dilation))
     geom, output_shape = _shapes.transpose_geometry(x.shape, w.shape, stride, padding, dilation, groups, output_padding)
     _check_bias(bias, geom.in_channels)  # the output's channels: the input's of the convolution it transposes
     layout = _ops.layout_of(x, w)
