@@ -267,6 +267,24 @@ def test_batch_is_checked_before_anything_else(batch):
         wsarena.plan(HONEST_LAYERS, batch=batch, backend="cudnn")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"progress": 5}, "progress must be callable"),
+        ({"passes": None}, "passes must be a sequence of pass names"),
+        ({"passes": "fwd"}, r"passes must be a sequence of pass names .*\('fwd',\)"),
+    ],
+)
+@pytest.mark.parametrize("function", ["plan", "tune"])
+def test_a_progress_or_passes_of_the_wrong_type_is_refused_before_any_search(monkeypatch, kwargs, match, function):
+    def searched(*args, **kw):
+        raise AssertionError("searched before the arguments were checked")
+
+    monkeypatch.setattr(wsarena.planner, "select", searched)
+    with pytest.raises(TypeError, match=match):
+        getattr(wsarena, function)(HONEST_LAYERS, backend="cpu", **kwargs)
+
+
 def test_numpy_integers_count_as_ints_for_batch_and_streams():
     # As the ops and ConvLayer take them: a batch or a stream count computed with NumPy is an int like any other.
     ints = wsarena.plan(HONEST_LAYERS, batch=2, backend="cpu", streams=2)

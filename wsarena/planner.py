@@ -294,6 +294,10 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     cap, search, requested = cfg.cap_workspace, cfg.algo_search, cfg.backend
+    if isinstance(passes, (str, bytes)) or not isinstance(passes, Iterable):  # "fwd" would be ('f', 'w', 'd')
+        raise TypeError(f"passes must be a sequence of pass names such as ('fwd',), not {passes!r:.60}")
+    if progress is not None and not callable(progress):  # else a TypeError of its own after the first layer's search
+        raise TypeError(f"progress must be callable, as progress(done, total, layer_name), not {progress!r:.60}")
     passes = tuple(passes)
     if not passes or any(p not in PASSES for p in passes) or len(set(passes)) != len(passes):
         raise ValueError(f"passes must be distinct names from {', '.join(PASSES)}, not {passes!r}")
