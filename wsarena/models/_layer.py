@@ -8,6 +8,7 @@ turns it into a :class:`~wsarena._geometry.ConvGeometry` for a batch, dtype and 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -148,6 +149,8 @@ class ConvLayer:
         ConvGeometry
             For a transposed layer, the forward-equivalent convolution (see the class notes).
         """
+        if not isinstance(batch, bool) and hasattr(batch, "__index__"):  # numpy.int64 too, as the shapes take it
+            batch = operator.index(batch)
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be a positive integer, not {batch!r}")
         x = (batch, *self.input_shape[1:])
