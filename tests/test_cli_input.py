@@ -61,6 +61,19 @@ def test_a_plot_path_that_cannot_be_written_exits_3(capsys, tmp_path, command):
     assert sorted(os.listdir(tmp_path)) == ["a-folder", "small.json"] and os.listdir(folder) == []  # no .png
 
 
+@pytest.mark.parametrize("command", [("report",), TUNE])
+def test_a_plot_over_the_model_file_is_refused_and_the_model_kept(capsys, tmp_path, command, monkeypatch):
+    """As a compiler refuses an output that is its input: the PNG would replace the model file."""
+    model = small_model(tmp_path)
+    before = (tmp_path / "small.json").read_bytes()
+    monkeypatch.chdir(tmp_path)
+    for plot in (model, "small.json", "./small.json"):
+        code, out, err = run_main(capsys, *command, model, "--backend", "cpu", "--plot", plot)
+        assert (code, out) == (2, "")
+        assert err.startswith(f"wsarena: error: --plot {plot!r} is the model file") and err.count("\n") == 1
+    assert (tmp_path / "small.json").read_bytes() == before
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose writes fail")
 def test_a_plot_on_a_full_device_exits_3(capsys, tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")

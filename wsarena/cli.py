@@ -243,9 +243,13 @@ def _drop_stdout() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
-def _check_plot(path: str | None) -> None:
-    """With ``--plot``, fail now if matplotlib is missing, not after a search that may have taken minutes."""
+def _check_plot(path: str | None, model: str) -> None:
+    """With ``--plot``, fail now if matplotlib is missing, not after a search that may have taken minutes; or if the
+    plot would replace the model file it plans (as a compiler refuses an output that is its input)."""
     if path is not None:
+        with contextlib.suppress(OSError):  # either missing: nothing to lose
+            if os.path.samefile(path, model):
+                raise UsageError(f"--plot {path!r} is the model file; the plot would replace it")
         from .plot import _pyplot
 
         _pyplot()
@@ -322,7 +326,7 @@ def _report(args: argparse.Namespace) -> int:
                              + ("--search exhaustive" if args.max_slowdown is None else "--max-slowdown"))
         if args.cudnn_api == "legacy":
             raise UsageError("--device-properties plans through cuDNN's graph API: leave out --cudnn-api legacy")
-    _check_plot(args.plot)
+    _check_plot(args.plot, args.model)
     layers = _load(args)
     # --max-slowdown decides the search and the cap, --device-properties the backend, the search and the API, as
     # plan() does: their variables do not matter
@@ -365,7 +369,7 @@ def _tune(args: argparse.Namespace) -> int:
 
     if args.apply and args.format is not None:
         raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=...; leave out --format")
-    _check_plot(args.plot)
+    _check_plot(args.plot, args.model)
     layers = _load(args)
     # tune decides the search and the cap (exhaustive, none): their variables do not matter, nor does the
     # backend's when --backend is given
