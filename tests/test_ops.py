@@ -3,6 +3,9 @@
 Tolerance: relative error max|y - ref| / max|ref| <= 1e-5 for float32 and <= 1e-12 for float64.
 """
 
+import os
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -151,6 +154,25 @@ def test_a_cap_warning_names_the_calling_line(pass_, search):
     with config(cap_workspace=0, algo_search=search), pytest.warns(WorkspaceCapWarning) as warned:
         op()
     assert [(r.filename, r.lineno) for r in warned] == [(__file__, op.__code__.co_firstlineno)]  # the lambda's call
+
+
+@pytest.mark.parametrize("how", ["-c", "stdin"])
+def test_a_cap_warning_from_a_program_given_on_the_command_line_or_stdin_is_shown_and_the_op_runs(how):
+    """Their ``__main__`` has no source a loader can give (its loader is the built-in importer, which raises
+    ImportError): the warning names the line without its text, as Python's own warnings do there."""
+    program = (
+        "import numpy as np, wsarena\n"
+        "x, w = np.ones((1, 3, 16, 16), np.float32), np.ones((8, 3, 5, 5), np.float32)\n"
+        "with wsarena.config(cap_workspace=0):\n"
+        "    y = wsarena.conv_forward(x, w)\n"
+        "print(float(y.max()))\n"
+    )
+    argv, stdin = ([sys.executable, "-c", program], None) if how == "-c" else ([sys.executable, "-"], program)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    done = subprocess.run(argv, input=stdin, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert (done.returncode, done.stdout) == (0, "75.0\n"), done.stderr
+    name = "<string>" if how == "-c" else "<stdin>"
+    assert f"{name}:4: WorkspaceCapWarning: " in done.stderr and "Traceback" not in done.stderr
 
 
 def test_one_mib_cap_bounds_every_lease(fresh_arena):

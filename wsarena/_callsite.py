@@ -74,7 +74,12 @@ def warn(message: str, category: type[Warning]) -> None:
         site = _site_of(_outside(sys._getframe(1)))
     filename, lineno, module_globals = site
     # What warnings.warn does with the frame it picks: that module's name, registry and source for the line.
-    warnings.warn_explicit(
-        message, category, filename, lineno, module=module_globals.get("__name__", "<string>"),
-        registry=module_globals.setdefault("__warningregistry__", {}), module_globals=module_globals,
-    )
+    module, registry = module_globals.get("__name__", "<string>"), module_globals.setdefault("__warningregistry__", {})
+    try:
+        warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry,
+                               module_globals=module_globals)
+    except (ImportError, OSError):
+        # The module's loader cannot give its source: the __main__ of `python -c` or of a program read from stdin,
+        # whose loader is the built-in importer. warn_explicit asks it before anything else, and raises what it
+        # raises; warnings.warn shows such a line without its text, and so does this.
+        warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry)
