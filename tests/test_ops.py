@@ -175,6 +175,18 @@ def test_a_cap_warning_from_a_program_given_on_the_command_line_or_stdin_is_show
     assert f"{name}:4: WorkspaceCapWarning: " in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_cap_warning_at_a_line_whose_loader_fails_is_still_shown_and_the_op_runs():
+    class Loader:
+        def get_source(self, name):
+            raise RuntimeError("no source here")
+
+    x, w = np.ones((1, 3, 16, 16), np.float32), np.ones((8, 3, 5, 5), np.float32)
+    scope = {"conv_forward": conv_forward, "x": x, "w": w, "__name__": "generated", "__loader__": Loader()}
+    with config(cap_workspace=0), pytest.warns(WorkspaceCapWarning) as warned:
+        exec("y = conv_forward(x, w)", scope)  # noqa: S102 - a module whose loader cannot give its source
+    assert [(r.filename, r.lineno) for r in warned] == [("<string>", 1)] and float(scope["y"].max()) == 75.0
+
+
 def test_one_mib_cap_bounds_every_lease(fresh_arena):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 16, 32, 32), dtype=np.float32)  # columns: 576 KiB per image, 2.25 MiB per batch

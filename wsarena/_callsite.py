@@ -78,8 +78,11 @@ def warn(message: str, category: type[Warning]) -> None:
     try:
         warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry,
                                module_globals=module_globals)
-    except (ImportError, OSError):
+    except Warning:  # a filter made it an error
+        raise
+    except Exception:  # noqa: BLE001 - whatever a loader raises: the warning is what matters
         # The module's loader cannot give its source: the __main__ of `python -c` or of a program read from stdin,
-        # whose loader is the built-in importer. warn_explicit asks it before anything else, and raises what it
-        # raises; warnings.warn shows such a line without its text, and so does this.
+        # whose loader is the built-in importer (ImportError), or a loader of another kind that fails. warn_explicit
+        # asks it before anything else, and raises what it raises; warnings.warn shows such a line without its
+        # text, and so does this.
         warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry)
