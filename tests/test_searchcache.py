@@ -1,6 +1,7 @@
 """The persistent search cache: where it lives, its round trip, its keys, and its behaviour when files or folders
 are bad or several processes write at once."""
 
+import hashlib
 import json
 import os
 import re
@@ -50,6 +51,16 @@ def search(backend, pass_="fwd", geom=GEOM, cap=None):
 
 def entry_files(folder):
     return sorted(p for p in (folder / "search").glob("*.json") if not p.name.startswith(".tmp-"))
+
+
+def named_as_entry(word):
+    """A file name of the entries' form (their key's hash), made from ``word``."""
+    return hashlib.sha256(word.encode()).hexdigest()[:40] + ".json"
+
+
+def named_as_write(word):
+    """A file name of the form of a write in progress, made from ``word``."""
+    return ".tmp-" + hashlib.sha256(word.encode()).hexdigest()[:16] + ".json"
 
 
 def test_directory_rule(monkeypatch, tmp_path):
@@ -323,7 +334,7 @@ def test_info_and_clear(cache):
     search(backend, "bwd_data")
     search(TableBackend(TABLE, device="fake device 2"))
     (cache / "notes.txt").write_text("a file of the user's")
-    killed = cache / "search" / ".tmp-left-by-a-killed-writer.json"
+    killed = cache / "search" / named_as_write("left by a killed writer")
     killed.write_text("{")
     os.utime(killed, (time.time() - 7200, time.time() - 7200))
     info = searchcache.info()
@@ -557,8 +568,8 @@ def test_info_keeps_a_null_api_path_and_counts_any_foreign_file_as_unreadable(ca
     from wsarena._tune_cli import cache_output
 
     search(CpuBackend())  # the CPU has no cuDNN API path: null in the key
-    (cache / "search" / "foreign.json").write_text('{"key": {"environment": ["not", "a", "dict"]}}')
-    (cache / "search" / "deep.json").write_text("[" * 100_000)  # json.loads: RecursionError
+    (cache / "search" / named_as_entry("foreign")).write_text('{"key": {"environment": ["not", "a", "dict"]}}')
+    (cache / "search" / named_as_entry("deep")).write_text("[" * 100_000)  # json.loads: RecursionError
     info = searchcache.info()
     assert [(e["backend"], e["api"], e["entries"]) for e in info["environments"]] == [("cpu", None, 1)]
     assert info["unreadable"] == 2
@@ -655,13 +666,13 @@ def test_a_dangling_symlink_in_the_folder_is_removed_by_the_trim_and_by_clear(ca
     the folder for good."""
     put(1)
     folder = cache / "search"
-    for name in ("dangling.json", ".tmp-dangling.json"):
+    for name in (named_as_entry("dangling"), named_as_write("dangling")):
         (folder / name).symlink_to(cache / "gone" / name)
     algos.cache_clear()
     _searchcache_folder.known_size.clear()  # a fresh process: its first write lists the folder
     put(2)
     assert sorted(p.name for p in folder.iterdir() if p.is_symlink()) == []
-    (folder / "dangling.json").symlink_to(cache / "gone.json")
+    (folder / named_as_entry("dangling")).symlink_to(cache / "gone.json")
     cleared = searchcache.clear()
     assert cleared["removed"] == 3 and list(folder.iterdir()) == []
 
@@ -675,9 +686,9 @@ def test_a_link_that_leads_nowhere_is_removed_as_a_dangling_one_is_and_only_the_
     outside = tmp_path / "outside.json"
     outside.write_text("not the cache's")
     (tmp_path / "elsewhere").mkdir()
-    links = {"loop.json": folder / "loop.json", ".tmp-loop.json": folder / ".tmp-loop.json",
-             "through-a-file.json": outside / "x.json", "to-a-file.json": outside,
-             "to-a-folder.json": tmp_path / "elsewhere"}
+    to_file, to_folder = named_as_entry("to a file"), named_as_entry("to a folder")
+    links = {named_as_entry("loop"): folder / named_as_entry("loop"), named_as_write("loop"): folder / named_as_write("loop"),
+             named_as_entry("through a file"): outside / "x.json", to_file: outside, to_folder: tmp_path / "elsewhere"}
 
     def make_links():
         for name, target in links.items():
@@ -690,7 +701,7 @@ def test_a_link_that_leads_nowhere_is_removed_as_a_dangling_one_is_and_only_the_
         warnings.simplefilter("error")  # and nothing to warn of
         put(2)
     left = sorted(p.name for p in folder.iterdir() if p.is_symlink())
-    assert left == ["to-a-file.json", "to-a-folder.json"]  # resolved, they count as entries (under the limit)
+    assert left == sorted([to_file, to_folder])  # resolved, they count as entries (under the limit)
     for name in left:
         (folder / name).unlink()
     make_links()
@@ -699,13 +710,39 @@ def test_a_link_that_leads_nowhere_is_removed_as_a_dangling_one_is_and_only_the_
     assert outside.read_text() == "not the cache's" and (tmp_path / "elsewhere").is_dir()
 
 
+def test_files_not_named_as_the_cache_names_them_are_neither_counted_nor_removed(cache, limit):
+    """A cache directory set to a folder that has a ``search`` folder of the user's own: its files are not the
+    cache's, whatever their suffix; the trim, ``info`` and ``clear`` look only at the names the cache writes (a
+    key's hash, a write in progress)."""
+    put(1)
+    folder = cache / "search"
+    theirs = ["notes.json", "results.JSON", ".tmp-mine.json", named_as_entry("x")[:-5] + ".json.bak",
+              named_as_entry("x").upper(), "0" * 39 + ".json"]
+    for name in theirs:
+        (folder / name).write_text("x" * (limit // 2))  # over the limit: a trim that counted them would remove some
+    old = time.time() - 7200  # older than any entry, and than a killed writer's file
+    for name in theirs:
+        os.utime(folder / name, (old, old))
+    algos.cache_clear()
+    _searchcache_folder.known_size.clear()  # a fresh process: its first write lists the folder
+    put(2)
+    ours = [p for p in folder.iterdir() if p.name not in theirs]
+    info = searchcache.info()
+    assert len(ours) == 2 and info["entries"] == 2 and info["unreadable"] == 0
+    assert info["size_bytes"] == sum(on_disk(p) for p in ours)
+    cleared = searchcache.clear()
+    assert cleared["removed"] == 2
+    assert sorted(p.name for p in folder.iterdir()) == sorted(theirs)
+
+
 def test_a_folder_with_an_entry_s_name_is_left_alone_by_the_trim_and_by_clear(cache, limit):
-    """A folder named like an entry (``x.json``) is no entry: the trim neither counts nor removes it, and
+    """A folder named like an entry is no entry: the trim neither counts nor removes it, and
     ``wsarena cache clear`` removes the entries around it instead of failing on it (exit 3)."""
     put(1)
     folder = cache / "search"
-    (folder / "someone-elses.json").mkdir()
-    (folder / "someone-elses.json" / "kept").write_text("x")
+    named = named_as_entry("someone else's")
+    (folder / named).mkdir()
+    (folder / named / "kept").write_text("x")
     algos.cache_clear()
     _searchcache_folder.known_size.clear()  # a fresh process: its first write lists the folder
     with warnings.catch_warnings():
@@ -713,8 +750,8 @@ def test_a_folder_with_an_entry_s_name_is_left_alone_by_the_trim_and_by_clear(ca
         put(2)
     cleared = searchcache.clear()
     assert cleared["removed"] == 2
-    assert [p.name for p in folder.iterdir()] == ["someone-elses.json"]
-    assert (folder / "someone-elses.json" / "kept").read_text() == "x"
+    assert [p.name for p in folder.iterdir()] == [named]
+    assert (folder / named / "kept").read_text() == "x"
 
 
 def test_info_names_the_setting_in_force(cache, monkeypatch, tmp_path):

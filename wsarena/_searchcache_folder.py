@@ -23,8 +23,11 @@ and not what it points to: nothing else would ever remove it.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
+import re
+import secrets
 import stat
 import time
 from pathlib import Path
@@ -41,6 +44,28 @@ SUBDIR = "search"  # the entries' folder, under the cache directory
 TEMP_PREFIX = ".tmp-"  # a write in progress (or a killed writer's)
 _STALE_TEMP = 3600.0  # seconds: a temporary file this old is a killed writer's
 _TRIM_TO = 0.9  # a trim leaves the entries at this fraction of the limit
+# The names of entries (a key's hash) and of writes in progress: the only files the folder's upkeep looks at. The
+# folder may hold files of someone else's (a cache directory set to a folder that has a "search" folder of its own),
+# and those are never the cache's to count or remove.
+_ENTRY_HEX = 40
+_TEMP_HEX = 16
+_OURS = re.compile(rf"[0-9a-f]{{{_ENTRY_HEX}}}\.json|{re.escape(TEMP_PREFIX)}[0-9a-f]{{{_TEMP_HEX}}}\.json")
+
+
+def entry_name(key_text: str) -> str:
+    """The file name of the entry whose canonical key is ``key_text``."""
+    return hashlib.sha256(key_text.encode()).hexdigest()[:_ENTRY_HEX] + ".json"
+
+
+def temp_name() -> str:
+    """A new name for a write in progress (drawn at random: another writer may be writing at the same time)."""
+    return f"{TEMP_PREFIX}{secrets.token_hex(_TEMP_HEX // 2)}.json"
+
+
+def ours(name: str) -> bool:
+    """Whether ``name`` is an entry's or a write in progress's, as :func:`entry_name` and :func:`temp_name` make
+    them."""
+    return _OURS.fullmatch(name) is not None
 
 _warned: set[tuple[str, str]] = set()
 _warn_lock = _forksafe.lock()  # guards _warned
@@ -113,7 +138,7 @@ def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
     failure: OSError | None = None
     with os.scandir(folder) as listing:
         for item in listing:
-            if not item.name.endswith(".json"):
+            if not ours(item.name):
                 continue
             try:
                 st = item.stat()
@@ -183,7 +208,7 @@ def _entry_files(root: Path) -> list[Path]:
     for an empty one."""
     folder = root / SUBDIR
     try:
-        return sorted(p for p in folder.iterdir() if p.suffix == ".json" and not p.name.startswith(TEMP_PREFIX))
+        return sorted(p for p in folder.iterdir() if ours(p.name) and not p.name.startswith(TEMP_PREFIX))
     except FileNotFoundError:
         return []
 
@@ -222,7 +247,7 @@ def remove_entries(root: Path) -> dict[str, int]:
     out = {"removed": 0, "freed_bytes": 0}
     folder = root / SUBDIR
     try:
-        paths = [p for p in folder.iterdir() if p.suffix == ".json"]
+        paths = [p for p in folder.iterdir() if ours(p.name)]
     except FileNotFoundError:
         return out
     now = time.time()

@@ -27,10 +27,8 @@ written in :mod:`wsarena._searchcache_folder`, which also does what :func:`info`
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,7 +36,16 @@ from typing import Any
 
 from ._config import get_config
 from ._search_env import environment
-from ._searchcache_folder import SUBDIR, TEMP_PREFIX, describe, disk_size, remove_entries, warn_once, written
+from ._searchcache_folder import (
+    SUBDIR,
+    describe,
+    disk_size,
+    entry_name,
+    remove_entries,
+    temp_name,
+    warn_once,
+    written,
+)
 from .backends import Candidate
 
 __all__ = ["ENV_VAR", "cache_dir", "clear", "counts", "info", "search", "source"]
@@ -92,7 +99,7 @@ def search(
         _counts[1] += 1
         return measure()
     key = _key(backend, pass_, geom)
-    path = root / SUBDIR / (hashlib.sha256(_canonical(key).encode()).hexdigest()[:40] + ".json")
+    path = root / SUBDIR / entry_name(_canonical(key))
     stored = _read(path, key)
     if stored is not None and all((c.algo, c.math_type) in stored for c in candidates):
         names = {c.algo for c in candidates}
@@ -230,7 +237,7 @@ def _temporary(folder: Path) -> tuple[int, str]:
     cache shared by a team, or by another installation under another user).
     """
     while True:
-        path = os.path.join(folder, f"{TEMP_PREFIX}{secrets.token_hex(8)}.json")
+        path = os.path.join(folder, temp_name())
         try:
             return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), path
         except FileExistsError:  # another writer's name: draw another
@@ -257,9 +264,9 @@ def info() -> dict[str, Any]:
 def clear() -> dict[str, Any]:
     """Remove every entry (and any temporary file a killed writer left); what ``wsarena cache clear`` does.
 
-    Only the files of the cache's ``search/`` folder are removed, never the directory's other contents, nor the
-    temporary file of a write in progress in another process (one less than an hour old, as a trim spares it):
-    that writer would lose its entry. Returns ``directory``, ``removed`` (entries) and ``freed_bytes``. Raises
+    Only the files of the cache's ``search/`` folder named as the cache names them are removed (a key's hash, a
+    write in progress), never the directory's or the folder's other contents, nor the temporary file of a write in
+    progress in another process (one less than an hour old, as a trim spares it): that writer would lose its entry. Returns ``directory``, ``removed`` (entries) and ``freed_bytes``. Raises
     ``OSError`` when the folder cannot be listed or an entry cannot be removed.
     """
     root = cache_dir()
