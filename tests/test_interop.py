@@ -217,6 +217,28 @@ def test_a_tensor_that_would_need_a_copy_or_another_kernel_is_refused(fresh_aren
     assert fresh_arena.stats() == before
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_tensors_that_require_grad_are_taken_where_no_gradient_is_recorded(fresh_arena, mode):
+    """Under ``torch.no_grad()`` or ``torch.inference_mode()`` (a model's parameters in an evaluation loop) the ops
+    take them, as PyTorch's own ops do, and the result records nothing; an ``out=`` that requires grad is written,
+    as ``torch.no_grad()`` lets a parameter be written in place. Outside, they stay a ``TypeError`` (above)."""
+    x, w, dy = problem()
+    refs = (ref_conv_forward(x, w, **KW), ref_conv_backward_data(dy, w, x.shape, **KW),
+            ref_conv_backward_filter(x, dy, w.shape, **KW))
+    tx, tw, tdy = (torch.from_numpy(a).requires_grad_() for a in (x, w, dy))
+    out = torch.zeros(refs[0].shape, dtype=torch.float64, requires_grad=True)
+    with getattr(torch, mode)():
+        got = (conv_forward(tx, tw, **KW), conv_backward_data(tdy, tw, x.shape, **KW),
+               conv_backward_filter(tx, tdy, w.shape, **KW))
+        assert conv_forward(tx, tw, **KW, out=out) is out
+        # what the views are made of, on the host as on a device (whose DLPack export refuses such a tensor)
+        assert not _interop._Operand("w", tw).obj.requires_grad
+    assert _interop._Operand("w", tw).obj is tw  # recorded: refused by its view, as above
+    for result, ref in zip((*got, out), (*refs, refs[0])):
+        assert isinstance(result, torch.Tensor) and rel_err(result.detach().numpy(), ref) <= TOL["float64"]
+    assert not any(r.requires_grad for r in got) and out.requires_grad and out.grad_fn is None
+
+
 def test_an_unknown_dlpack_device_is_refused():
     class OnOpenCL(_Foreign):
         def __dlpack_device__(self):

@@ -69,6 +69,19 @@ def test_torch_cuda_tensors_through_the_three_ops(dtype):
     assert conv_forward(x, w, **KW, out=out) is out and rel(out, refs[0]) <= TOL[dtype]
 
 
+def test_cuda_tensors_that_require_grad_are_taken_under_no_grad():
+    """As on the host (test_interop.py): where no gradient is recorded, parameters go in as they are; their DLPack
+    export alone would refuse them."""
+    x, w, _ = cuda_problem("float32")
+    x64, w64 = (t.double().cpu().numpy() for t in (x, w))
+    w.requires_grad_()
+    with torch.no_grad():
+        got = conv_forward(x, w, **KW)
+    assert got.is_cuda and not got.requires_grad and rel(got, ref_conv_forward(x64, w64, **KW)) <= TOL["float32"]
+    with pytest.raises(TypeError, match="detach"):
+        conv_forward(x, w, **KW)
+
+
 def test_stream_none_runs_on_torchs_current_stream_with_torchs_memory():
     x, w, _ = cuda_problem("float32")
     side = torch.cuda.Stream()

@@ -12,7 +12,8 @@ NumPy array (host memory) or a CuPy array (CUDA memory), by the first of these i
 3. ``__array_interface__`` (host buffers).
 
 What cannot be viewed without a copy is a ``TypeError`` naming the argument: a list, a tensor that requires
-grad (the ops record no autograd history: use :mod:`wsarena.torch`), a conjugated tensor, a dtype the array
+grad while autograd records (the ops record no history: use :mod:`wsarena.torch`; under ``torch.no_grad()`` or
+inference mode it is taken, as PyTorch's ops take it), a conjugated tensor, a dtype the array
 library cannot represent, an ``out`` whose DLPack export is read-only (a JAX array: JAX's arrays are immutable,
 and its legacy DLPack capsules promise no writes). Operands may come from different libraries as long as they are
 all in host memory or all on one CUDA device; host beside device memory, or operands that say they are on two
@@ -93,6 +94,10 @@ class _Operand:
         if kind == _NATIVE_KIND:
             self.cuda = type_backend_name(type(obj)) == "cudnn"
         elif kind == _TORCH:
+            if obj.requires_grad and not sys.modules["torch"].is_grad_enabled():
+                # no history is being recorded (torch.no_grad(), inference mode): as PyTorch's own ops take it,
+                # and alike on the host and on a device, where the DLPack export would refuse it
+                self.obj = obj = obj.detach()
             self.cuda = bool(obj.is_cuda)
             self.device = int(obj.get_device()) if self.cuda else None
         elif kind == _DLPACK:
