@@ -134,6 +134,27 @@ def test_bad_usage_exits_2_with_one_line(capsys, model, argv):
     assert code == 2 and out == "" and err.startswith("wsarena: error: ") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("command", ["tune", "report"])
+@pytest.mark.parametrize("value", ["-2%", "-2e-2", "-.5%", "-0.02"])
+@pytest.mark.parametrize("joined", [False, True], ids=["spaced", "joined"])
+def test_a_negative_slowdown_is_refused_as_such_however_written(capsys, model, command, value, joined):
+    """``--max-slowdown -2%`` is the value -2%, as ``--max-slowdown=-2%`` is, not a missing value before an unknown
+    option: both spellings get the message that says what is wrong with it."""
+    flag = [f"--max-slowdown={value}"] if joined else ["--max-slowdown", value]
+    code, out, err = run_main(capsys, command, model, "--backend", "cpu", *flag)
+    assert code == 2 and out == ""
+    assert err == (f"wsarena: error: argument --max-slowdown: a slowdown cannot be negative: {value!r} "
+                   f"(see 'wsarena {command} --help')\n")
+
+
+@pytest.mark.parametrize("command", ["tune", "report"])
+def test_an_option_after_max_slowdown_is_still_an_option(capsys, model, command):
+    """Only what reads as a number is taken as the value: an option in its place is a missing value."""
+    code, out, err = run_main(capsys, command, model, "--backend", "cpu", "--max-slowdown", "--format", "json")
+    assert code == 2 and out == ""
+    assert err.startswith("wsarena: error: argument --max-slowdown: expected one argument"), err
+
+
 @pytest.mark.skipif(gpu_unusable_reason() is None, reason="a usable GPU is present")
 def test_cudnn_without_a_gpu_exits_3(capsys, model):
     code, out, err = run_main(capsys, "tune", model, "--backend", "cudnn")
