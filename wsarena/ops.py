@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import _interop, algos
+from ._callkeys import Uncacheable, freeze, freeze_params, remember
 from ._config import Config, get_config
 from ._geometry import DTYPES, ITEMSIZES, ConvGeometry, conv_geometry, describe_geometry
 from ._pass import Pass
@@ -32,7 +33,6 @@ from .errors import CaptureError
 
 __all__ = ["conv_backward_data", "conv_backward_filter", "conv_forward"]
 
-_RECORDS_MAX = 4096  # call signatures remembered; past it the records are dropped and rebuilt as calls come
 # str(dtype) costs microseconds; a dict lookup on the dtype object does not (this runs on every call)
 _NAMES = {np.dtype(k): k for k in ("float16", "float32", "float64")}
 
@@ -61,21 +61,6 @@ _records: dict[tuple[Any, ...], _Record] = {}
 def records_clear() -> None:
     """Forget every remembered call signature (the settings and algorithm cache are unaffected)."""
     _records.clear()
-
-
-class _Uncacheable(Exception):
-    pass
-
-
-def _frozen(value: Any) -> Any:
-    """``value`` with lists turned into tuples, so that the arguments of a call can key a record."""
-    kind = type(value)
-    if kind is int or kind is str or value is None:
-        return value
-    if kind is tuple or kind is list:
-        return tuple(v if type(v) is int else _frozen(v) for v in value)
-    # Anything else is checked every time: a float or a bool equals an int as a key (True == 1) yet is invalid.
-    raise _Uncacheable
 
 
 def _dtype_name(name: str, dtype: Any) -> str:
@@ -195,11 +180,11 @@ def _run(
     if type(stride) is int and type(padding) is int and type(dilation) is int and type(groups) is int:
         frozen: tuple[Any, ...] | None = params  # the common case, in four comparisons
     else:
-        frozen = _frozen_params(params)
+        frozen = freeze_params(params)
     if shape_arg is not None and frozen is not None:
         try:
-            shape_arg = _frozen(shape_arg)
-        except _Uncacheable:
+            shape_arg = freeze(shape_arg)
+        except Uncacheable:
             frozen = None
     record = key = None
     if frozen is not None:
@@ -215,9 +200,7 @@ def _run(
     if record is None:
         record = _record(pass_, a, b, shape_arg, params, layout, cfg.backend)
         if key is not None:
-            if len(_records) >= _RECORDS_MAX:
-                _records.clear()
-            _records[key] = record
+            remember(_records, key, record)
     if out is not None:
         _check_out(record, out, a, b)
     backend, geom = record.backend, record.geom
@@ -254,15 +237,6 @@ def _new_output(record: _Record, empty: Callable[[tuple[int, ...], str], Any] | 
             f"no memory for the output: {record.out_shape} of {record.dtype} is {format_size(nbytes)} "
             "(check padding and the shapes, or pass out=)"
         ) from exc
-
-
-def _frozen_params(params: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """``params`` with lists frozen into tuples, or ``None`` when one of them cannot key a record (a float, a bool,
-    a NumPy integer: each call checks those afresh, since ``True == 1`` would find the record of ``1``)."""
-    try:
-        return tuple(_frozen(v) for v in params)
-    except _Uncacheable:
-        return None
 
 
 def _choice(record: _Record, pass_: Pass, cfg: Config, operands: tuple[Any, Any, Any], stream: Any) -> tuple[Any, ...]:

@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from .. import ops
+from .._callkeys import freeze_params, remember
 from .._geometry import ConvGeometry, conv_geometry, conv_transpose_geometry, transposed_output_size
 
 __all__ = ["forward_geometry", "per_dim", "transpose_geometry"]
 
 _Make = Callable[..., ConvGeometry]
 
-# Geometries by call signature; past ops' bound on its own records they are dropped and rebuilt as calls come.
+# Geometries by call signature, bounded as the ops' records are (wsarena._callkeys.remember).
 _remembered: dict[tuple[Any, ...], ConvGeometry] = {}
 
 
@@ -80,7 +80,7 @@ def _geometry(
         return _stand_in(make, x_shape, w_shape, params)
     if torch.jit.is_tracing():
         return _sized(make(x_shape, w_shape, *params))
-    frozen = ops._frozen_params(params)  # None: a float or a bool, which equal ints as keys, checked every time
+    frozen = freeze_params(params)  # None: a float or a bool, which equal ints as keys, checked every time
     if frozen is None:
         return _sized(make(x_shape, w_shape, *params))
     key = (make, x_shape, w_shape, *frozen)
@@ -90,9 +90,7 @@ def _geometry(
         return _stand_in(make, x_shape, w_shape, params)
     if geom is None:
         geom = make(x_shape, w_shape, *params)
-        if len(_remembered) >= ops._RECORDS_MAX:
-            _remembered.clear()
-        _remembered[key] = geom
+        remember(_remembered, key, geom)
     return _sized(geom)
 
 
