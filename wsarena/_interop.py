@@ -36,10 +36,12 @@ operands do not come from.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import operator
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -171,7 +173,8 @@ def execute(
 
             stream = int(torch.cuda.current_stream(device).cuda_stream)
     with _device_scope(device, stream):
-        views = [_device_view(op) for op in operands]
+        library = _cupy()
+        views = [_view(library, op) for op in operands]
         result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
                      layout, algo)
         if torch_out:
@@ -197,22 +200,34 @@ def _written(out: Any) -> None:
     torch.autograd.graph.increment_version(out)
 
 
-def _host_view(op: _Operand) -> Any:
+class _Library(NamedTuple):
+    """How NumPy or CuPy views an operand's memory without a copy."""
+
+    name: str
+    from_torch: Callable[[Any], Any]  # a torch tensor (bfloat16 relabelled int16)
+    from_dlpack: Callable[[Any], Any]  # an Export
+    asarray: Callable[[Any], Any]  # a holder of __array_interface__ or __cuda_array_interface__
+
+
+def _view(library: _Library, op: _Operand) -> Any:
+    """``op`` as an array of ``library`` over its memory; a ``TypeError`` naming it where that needs a copy."""
     obj = op.obj
     if op.kind == _NATIVE_KIND:
         return obj
     try:
-        if op.kind == _TORCH:  # the view DLPack would give, at a third of the cost; NumPy has no bfloat16
-            return obj.numpy() if not _is_torch_bfloat16(obj) else _torch_int16(obj).numpy().view(_bfloat16())
+        if op.kind == _TORCH:  # neither library has bfloat16: relabelled int16, and the view's dtype set back
+            if _is_torch_bfloat16(obj):
+                return library.from_torch(_torch_int16(obj)).view(_bfloat16())
+            return library.from_torch(obj)
         if op.kind == _DLPACK:
             export = _export(op)
-            view = _numpy_from_dlpack(export)
+            view = library.from_dlpack(export)
             return view.view(_bfloat16()) if export.retyped else view
-        return np.asarray(obj)  # __array_interface__: a view of the exporter's memory
+        return library.asarray(obj)  # an array interface: a view of the exporter's memory
     except ReadOnlyExport as exc:
         raise _read_only(exc) from exc
     except (BufferError, RuntimeError, TypeError, ValueError) as exc:
-        raise TypeError(f"{op.name} cannot be viewed as a NumPy array without a copy: {exc}") from exc
+        raise TypeError(f"{op.name} cannot be viewed as a {library.name} array without a copy: {exc}") from exc
 
 
 def _export(op: _Operand) -> Export:
@@ -232,27 +247,19 @@ def _numpy_from_dlpack(obj: Any) -> np.ndarray:
     return np.from_dlpack(obj)  # NumPy < 2.1: the producer never copies unless asked to
 
 
-def _device_view(op: _Operand) -> Any:
+# a torch tensor through Tensor.numpy(): the view DLPack would give, at a third of the cost
+_NUMPY = _Library("NumPy", operator.methodcaller("numpy"), _numpy_from_dlpack, np.asarray)
+_host_view = functools.partial(_view, _NUMPY)
+
+
+@functools.cache
+def _cupy() -> _Library:
     import cupy
 
-    obj = op.obj
-    if op.kind == _NATIVE_KIND:
-        return obj
-    try:
-        # imported on the current (the call's) stream
-        if op.kind == _TORCH:
-            if _is_torch_bfloat16(obj):  # whatever CuPy's DLPack makes of it
-                return cupy.from_dlpack(_torch_int16(obj), copy=False).view(_bfloat16())
-            return cupy.from_dlpack(obj, copy=False)
-        if op.kind == _DLPACK:
-            export = _export(op)
-            view = cupy.from_dlpack(export, copy=False)
-            return view.view(_bfloat16()) if export.retyped else view
-        return cupy.asarray(obj)  # __cuda_array_interface__: a view of the exporter's memory
-    except ReadOnlyExport as exc:
-        raise _read_only(exc) from exc
-    except (BufferError, RuntimeError, TypeError, ValueError) as exc:
-        raise TypeError(f"{op.name} cannot be viewed as a CuPy array without a copy: {exc}") from exc
+    def from_dlpack(obj: Any) -> Any:
+        return cupy.from_dlpack(obj, copy=False)  # imported on the current (the call's) stream
+
+    return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray)
 
 
 def _is_torch_bfloat16(tensor: Any) -> bool:
