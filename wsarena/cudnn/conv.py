@@ -170,15 +170,10 @@ def heuristic_algorithms(
     false) cannot run this convolution; ``memory`` is each one's workspace size.
     """
     spec = _spec(pass_)
-    n = _max_count(spec, handle)
-    results = (spec.perf_struct * n)()
-    returned = ctypes.c_int()
     a, b, c = _in_c_order(pass_, x_desc, w_desc, y_desc)
-    call(
-        spec.heuristic, handle, a, b, conv_desc, c, n, ctypes.byref(returned), results,
-        context=_context(pass_, x_desc, w_desc, conv_desc, y_desc),
+    return _ranked(
+        spec, handle, spec.heuristic, (a, b, conv_desc, c), (), _context(pass_, x_desc, w_desc, conv_desc, y_desc)
     )
-    return [AlgoPerf.from_struct(results[i]) for i in range(returned.value)]
 
 
 def find_algorithms(
@@ -202,15 +197,22 @@ def find_algorithms(
     garbage. Entries whose ``status`` is not ``SUCCESS`` did not run.
     """
     spec = _spec(pass_)
+    first, second, written = _in_c_order(pass_, (x_desc, x_ptr), (w_desc, w_ptr), (y_desc, y_ptr))
+    return _ranked(
+        spec, handle, spec.find_ex, (*first, *second, conv_desc, *written), (workspace_ptr or None, int(workspace_bytes)),
+        f"{_context(pass_, x_desc, w_desc, conv_desc, y_desc)}, workspace {int(workspace_bytes)} bytes",
+    )
+
+
+def _ranked(
+    spec: _Pass, handle: Handle, function: str, before: tuple[Any, ...], after: tuple[Any, ...], context: str
+) -> list[AlgoPerf]:
+    """What ``function`` (a ``_v7`` heuristic or a ``FindEx`` search) ranks, fastest first: it takes the handle, then
+    ``before``, then room for as many results as the pass has algorithms, then ``after``."""
     n = _max_count(spec, handle)
     results = (spec.perf_struct * n)()
     returned = ctypes.c_int()
-    first, second, written = _in_c_order(pass_, (x_desc, x_ptr), (w_desc, w_ptr), (y_desc, y_ptr))
-    call(
-        spec.find_ex, handle, *first, *second, conv_desc, *written, n, ctypes.byref(returned), results,
-        workspace_ptr or None, int(workspace_bytes),
-        context=f"{_context(pass_, x_desc, w_desc, conv_desc, y_desc)}, workspace {int(workspace_bytes)} bytes",
-    )
+    call(function, handle, *before, n, ctypes.byref(returned), results, *after, context=context)
     return [AlgoPerf.from_struct(results[i]) for i in range(returned.value)]
 
 
