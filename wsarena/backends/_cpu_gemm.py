@@ -46,16 +46,22 @@ def _carve(workspace: np.ndarray, p: Plan, counts: list[int]) -> list[np.ndarray
     return views
 
 
+def _columns(p: Plan, workspace: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The column matrix of ``step`` images at the start of ``workspace``: its memory, and its view in the order
+    im2col and col2im take for the layout (``COL_NCHW`` or ``COL_NHWC``)."""
+    (mem,) = _carve(workspace, p, [col_elements(p, step)])
+    return mem, col_view(mem, COL_NCHW if p.geom.layout == "NCHW" else COL_NHWC, step, p)
+
+
 def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray, workspace: np.ndarray, batch: bool) -> None:
     """``y = conv(x, w)``: im2col of ``B`` images (1 or the batch) into the workspace, then one batched GEMM."""
     g = p.geom
     G, kg, n = p.groups, p.kg, g.batch
     step = n if batch else 1
-    (mem,) = _carve(workspace, p, [col_elements(p, step)])
+    mem, col = _columns(p, workspace, step)
     xp = act_view(x, g.layout, G)
     colm: np.ndarray
     if g.layout == "NCHW":
-        col = col_view(mem, COL_NCHW, step, p)
         wm = w.reshape(G, kg, -1)  # (G, Kg, Cg*kprod)
         colm = mem.reshape(step, G, -1, p.oprod)  # (B, G, Cg*kprod, oprod)
         ym = y.reshape(n, G, kg, p.oprod)
@@ -63,7 +69,6 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray, workspace: np.
             im2col(xp[b : b + step], col, p, x, b * x.strides[0])
             np.matmul(wm, colm, out=ym[b : b + step])
     else:
-        col = col_view(mem, COL_NHWC, step, p)
         wmt = w.reshape(G, kg, -1).transpose(0, 2, 1)  # (G, kprod*Cg, Kg)
         colm = mem.reshape(step * p.oprod, G, -1).transpose(1, 0, 2)  # (G, B*oprod, kprod*Cg)
         ym = y.reshape(n, p.oprod, G, kg)
@@ -80,11 +85,10 @@ def backward_data(
     g = p.geom
     G, kg, n = p.groups, p.kg, g.batch
     step = n if batch else 1
-    (mem,) = _carve(workspace, p, [col_elements(p, step)])
+    mem, col = _columns(p, workspace, step)
     dxp = act_view(dx, g.layout, G)
     colm: np.ndarray
     if g.layout == "NCHW":
-        col = col_view(mem, COL_NCHW, step, p)
         wmt = w.reshape(G, kg, -1).transpose(0, 2, 1)  # (G, Cg*kprod, Kg)
         colm = mem.reshape(step, G, -1, p.oprod)
         dym = dy.reshape(n, G, kg, p.oprod)
@@ -92,7 +96,6 @@ def backward_data(
             np.matmul(wmt, dym[b : b + step], out=colm)
             col2im(col, dxp[b : b + step], p)
     else:
-        col = col_view(mem, COL_NHWC, step, p)
         wm = w.reshape(G, kg, -1)  # (G, Kg, kprod*Cg)
         colm = mem.reshape(step * p.oprod, G, -1).transpose(1, 0, 2)
         dym = dy.reshape(n, p.oprod, G, kg)
@@ -128,13 +131,11 @@ def backward_filter(
             colm = mem.reshape(n * p.oprod, G, -1).transpose(1, 0, 2)  # (G, N*oprod, kprod*Cg)
             np.matmul(dy.reshape(n * p.oprod, G, kg).transpose(1, 2, 0), colm, out=dwm)
         return
-    (mem,) = _carve(workspace, p, [col_elements(p, 1)])
+    mem, col = _columns(p, workspace, 1)
     if g.layout == "NCHW":
-        col = col_view(mem, COL_NCHW, 1, p)
         colm = mem.reshape(G, -1, p.oprod).transpose(0, 2, 1)  # (G, oprod, Cg*kprod)
         dym = dy.reshape(n, G, kg, p.oprod)
     else:
-        col = col_view(mem, COL_NHWC, 1, p)
         colm = mem.reshape(p.oprod, G, -1).transpose(1, 0, 2)  # (G, oprod, kprod*Cg)
         dym = dy.reshape(n, p.oprod, G, kg).transpose(0, 2, 3, 1)  # (N, G, Kg, oprod)
     for b in range(n):
