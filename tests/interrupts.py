@@ -62,7 +62,7 @@ def interrupt_at_call(
 ) -> bool:
     """Call ``function(*args)``, raising ``KeyboardInterrupt`` once as the ``n``-th Python function call of that
     run starts (the call of ``function`` itself is the first; calls whose code object ``skip`` accepts are not
-    counted). Returns whether it was raised (the exception is swallowed here, as a caller's ``except
+    counted, nor calls of a garbage collection under way). Returns whether it was raised (the exception is swallowed here, as a caller's ``except
     KeyboardInterrupt`` would). Stepping ``n`` from 1 until this returns ``False`` delivers an interrupt at every
     function entry of the run, one run each.
     """
@@ -71,7 +71,7 @@ def interrupt_at_call(
 
     def trace(frame: Any, event: str, arg: Any) -> None:
         nonlocal calls, fired
-        if event == "call" and not skip(frame.f_code):
+        if event == "call" and not collecting.now and not skip(frame.f_code):
             calls += 1
             if calls == n:
                 sys.settrace(None)

@@ -128,13 +128,13 @@ def test_not_found_lists_every_place_tried(fresh_search, tmp_path):
     assert len(info_dict["tried"]) == 2
 
 
-def _lone_shim_expectation(env: dict | None = None) -> str:
+def _lone_shim_expectation() -> str:
     """What library_info() of a shim copied without its sub-libraries reports: a miss naming the sub-library,
     unless this machine's library path has libcudnn_graph.so.9 (a system cuDNN, as on some GPU machines): then
     the lone shim loads its sub-libraries from there and is found."""
     probe_graph = "import ctypes\ntry:\n    ctypes.CDLL('libcudnn_graph.so.9')\nexcept OSError:\n    print('no')\n"
-    result = subprocess.run([sys.executable, "-c", probe_graph], capture_output=True, text=True, env=env,
-                            check=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", probe_graph], capture_output=True, text=True, check=True,
+                            timeout=60)
     if result.stdout.strip() == "no":
         return "False loaded, but its sub-library libcudnn_graph.so.9 cannot be loaded"
     return "True"
