@@ -801,6 +801,39 @@ def test_the_source_in_a_block_that_set_no_folder_is_the_setting_of_the_folder_i
     assert (searchcache.cache_dir(), searchcache.source()) == (tmp_path / "mine", "configure")
 
 
+def test_the_source_is_the_setting_that_gave_the_folder_even_where_another_gives_the_same(monkeypatch, tmp_path):
+    """The setting is told by what set the folder, not by comparing folders: a block that sets the environment's
+    folder is config()'s, a configure() of that same folder is configure()'s, and a block that set none holds
+    configure()'s folder as it began, whatever configure() does inside it. The settings carry it to where using()
+    takes them (PyTorch's autograd thread)."""
+    import threading
+
+    from wsarena import _config
+
+    env, y, z = tmp_path / "env", tmp_path / "y", tmp_path / "z"
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(env))
+    wsarena._config._reset()
+    wsarena.configure(cache_dir=y)
+    with wsarena.config(cache_dir=env):
+        assert (searchcache.cache_dir(), searchcache.source()) == (env, "config")
+    with wsarena.config(algo_search="exhaustive"):
+        wsarena.configure(cache_dir=z)
+        assert (searchcache.cache_dir(), searchcache.source()) == (y, "configure")
+        block = _config.overridden()
+    seen = []
+
+    def elsewhere():
+        with _config.using(block):
+            seen.append((searchcache.cache_dir(), searchcache.source()))
+
+    worker = threading.Thread(target=elsewhere)
+    worker.start()
+    worker.join()
+    assert seen == [(y, "configure")]
+    wsarena.configure(cache_dir=env)
+    assert (searchcache.cache_dir(), searchcache.source()) == (env, "configure")
+
+
 def test_the_source_is_the_environment_as_the_settings_read_it(monkeypatch, tmp_path):
     """The settings read the environment once: a variable set, changed or removed later moves no folder, and is no
     configure() call either (the folder was credited to configure())."""

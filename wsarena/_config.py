@@ -178,10 +178,10 @@ def _named_size(key: str, value: Any) -> int | None:
         raise type(exc)(f"{key}={value!r}: {exc}") from None
 
 
-# The process-wide settings, the error of each invalid environment variable that nothing has replaced yet, and what
-# the environment gave when it was read, which is once (its settings and the names of those it set): a variable
-# changed later is not what the settings hold (searchcache.source() tells configure()'s folder apart from it).
-_State = tuple[Config, dict[str, str], tuple[Config, frozenset[str]]]
+# The process-wide settings, the error of each invalid environment variable that nothing has replaced yet, and where
+# each setting's value comes from ("environment" or "configure"; a setting not named: "default"). The environment
+# is read once: a variable changed later is not what the settings hold (origin() tells it).
+_State = tuple[Config, dict[str, str], dict[str, str]]
 
 
 def _env_value(key: str, raw: str) -> Any:
@@ -204,7 +204,7 @@ def _env_value(key: str, raw: str) -> Any:
 
 def _from_env() -> _State:
     """The settings the environment gives, and the error of each invalid variable (its setting keeps the default
-    until something replaces it); as the third member, those settings again and the names of those it set."""
+    until something replaces it); as the third member, the names of those it set, each from "environment"."""
     values: dict[str, Any] = {}
     errors: dict[str, str] = {}
     for key, var in _ENV.items():
@@ -218,8 +218,7 @@ def _from_env() -> _State:
             errors[key] = f"environment variable {var}={raw!r}: {exc}"
         else:
             values[key] = value
-    read = Config(**values)
-    return read, errors, (read, frozenset(values))
+    return Config(**values), errors, dict.fromkeys(values, "environment")
 
 
 _lock = _forksafe.lock()  # guards _state; readers take the reference without it (assignment is atomic)
@@ -292,10 +291,10 @@ def configure(**changes: Any) -> Config:
     """
     global _state
     with _lock:
-        base, errors, env = _state if _state is not None else _from_env()
+        base, errors, origins = _state if _state is not None else _from_env()
         new = _replace(base, changes)
         _check_env(errors, changes)
-        _state = (new, {}, env)
+        _state = (new, {}, {**origins, **dict.fromkeys(changes, "configure")})
     return new
 
 
@@ -333,14 +332,30 @@ class using:  # lower case: used like config()
 
 
 def _with_changes(changes: dict[str, Any]) -> Config:
-    """The settings in force with ``changes`` applied; a setting in ``changes`` needs no valid environment."""
+    """The settings in force with ``changes`` applied; a setting in ``changes`` needs no valid environment. The
+    block's settings carry where each value comes from (:func:`origin`): those it changes from "config", the rest as
+    in force when it began, which a later :func:`configure` does not change."""
     override = _override.get()
     if override is not None:
-        return _replace(override, changes)
-    base, errors, _ = _base_state()
-    new = _replace(base, changes)
-    _check_env(errors, changes)
+        new = _replace(override, changes)
+    else:
+        base, errors, _ = _base_state()
+        new = _replace(base, changes)
+        _check_env(errors, changes)
+    # not a field of Config (neither compared nor shown): it travels with these settings wherever using() takes them
+    object.__setattr__(new, "_origins", {**_origins(override), **dict.fromkeys(changes, "config")})
     return new
+
+
+def _origins(settings: Config | None) -> dict[str, str]:
+    found: dict[str, str] | None = None if settings is None else settings.__dict__.get("_origins")
+    return found if found is not None else _base_state()[2]
+
+
+def origin(key: str) -> str:
+    """Where the value in force here of the setting ``key`` comes from: ``"config"`` (a :func:`config` block),
+    ``"configure"`` (:func:`configure`), ``"environment"`` (its variable, as read) or ``"default"``."""
+    return _origins(_override.get()).get(key, "default")
 
 
 def _reset() -> None:

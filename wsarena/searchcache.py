@@ -70,18 +70,12 @@ def cache_dir() -> Path | None:
 def source() -> str:
     """Which setting gives the folder in force (or turns the cache off): ``"config"`` (a :func:`~wsarena.config`
     block), ``"configure"`` (:func:`~wsarena.configure`), ``"environment"`` (``WSARENA_CACHE_DIR``) or
-    ``"default"`` (the user's cache folder). A setting that gives the same folder as one below it is not told
-    apart from it: either names the folder in force. A block that sets no folder holds the one in force as it
-    began, which a :func:`~wsarena.configure` inside it does not change: the setting named is the one that gives
-    the block's folder."""
-    from ._config import _base_state, overridden
+    ``"default"`` (the user's cache folder). A block that sets no folder holds the one in force as it began, which a
+    :func:`~wsarena.configure` inside it does not change: the setting named is the one that gave the block's
+    folder."""
+    from ._config import origin
 
-    base, _, (env, env_set) = _base_state()  # the environment as the settings read it, not as it is now
-    block = overridden()
-    folder = base.cache_dir if block is None else block.cache_dir
-    if folder == env.cache_dir:
-        return "environment" if "cache_dir" in env_set else "default"
-    return "configure" if folder == base.cache_dir else "config"
+    return origin("cache_dir")
 
 
 def search(
