@@ -16,8 +16,9 @@ other processes harmlessly: an entry they removed first is gone either way, a wr
 that no trim touches (a temporary file an hour old is a killed writer's, and is removed), and a reader that finds
 its entry gone searches again. A trim that cannot remove files gives one warning. The size is kept per folder as
 its resolved path names it, so that a folder reached through a symbolic link is counted once. A dangling symbolic
-link in the folder (its target gone, or a loop) is removed by the listing and by :func:`remove_entries`, the link
-and not what it points to: nothing else would ever remove it.
+link in the folder named as an entry or a write in progress (its target gone, or a loop) is removed by the listing
+and by :func:`remove_entries`, the link and not what it points to: nothing else would ever remove it. Files and
+links named otherwise are not the cache's, and the upkeep never looks at them.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def ours(name: str) -> bool:
     """Whether ``name`` is an entry's or a write in progress's, as :func:`entry_name` and :func:`temp_name` make
     them."""
     return _OURS.fullmatch(name) is not None
+
 
 _warned: set[tuple[str, str]] = set()
 _warn_lock = _forksafe.lock()  # guards _warned

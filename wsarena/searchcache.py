@@ -260,8 +260,9 @@ def clear() -> dict[str, Any]:
 
     Only the files of the cache's ``search/`` folder named as the cache names them are removed (a key's hash, a
     write in progress), never the directory's or the folder's other contents, nor the temporary file of a write in
-    progress in another process (one less than an hour old, as a trim spares it): that writer would lose its entry. Returns ``directory``, ``removed`` (entries) and ``freed_bytes``. Raises
-    ``OSError`` when the folder cannot be listed or an entry cannot be removed.
+    progress in another process (one less than an hour old, as a trim spares it): that writer would lose its entry.
+    Returns ``directory``, ``removed`` (entries) and ``freed_bytes``. Raises ``OSError`` when the folder cannot be
+    listed or an entry cannot be removed.
     """
     root = cache_dir()
     out: dict[str, Any] = {"directory": None if root is None else str(root), "removed": 0, "freed_bytes": 0}
