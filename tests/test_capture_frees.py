@@ -16,6 +16,7 @@ from wsarena.arena import Arena, set_arena
 from wsarena.arena.testing import FakeStream, RecordingProvider
 
 from .capture_helpers import S1, S2, capture_a_lease, freed, freed_on
+from .interrupts import interrupt_at_entry_of
 
 
 class CaptureWatchingProvider(RecordingProvider):
@@ -242,6 +243,25 @@ def test_a_trim_before_the_first_lease_of_a_capture_block_leaves_the_seeded_buff
     graph.graph.close()
     arena.trim()  # the graph is gone: its buffer goes too
     assert provider.held == []
+
+
+def test_a_trim_after_a_capture_block_whose_end_was_interrupted_frees_the_seeded_buffer(captures):
+    """A Ctrl-C as a wsarena.capture block ends, once its capture is over but before the arena stops watching its
+    stream, leaves the stream recorded as seeded for a capture that will never lease there. The capture is over, no
+    graph holds the buffer, and a trim frees it. Once, the trim kept it for as long as the stale record stayed."""
+    from wsarena.arena._pinning import unwatch_capture
+
+    provider, arena, cupy = captures
+    arena.reserve(1000, stream=S1)  # the eager step's, on another stream
+    stream = cupy.cuda.Stream(0x60)
+    interrupted = pytest.raises(KeyboardInterrupt)
+    with interrupted, interrupt_at_entry_of(unwatch_capture), wsarena.capture(stream) as graph:
+        pass  # no lease there: the seeded buffer is pinned to nothing
+    assert not arena.capturing(stream=0x60) and graph.graph is not None  # the capture ended
+    assert len(provider.held) == 2  # the eager step's buffer and the one seeded on the captured stream
+    held = provider.held_bytes
+    assert arena.trim() == held
+    assert provider.held == [] and provider.during_capture == []
 
 
 def _hold_back_a_buffer(provider, arena, stream):

@@ -226,6 +226,7 @@ class Arena:
         Sub-arenas left empty are forgotten (their per-stream counters with them). Kept: a buffer a CUDA graph
         captured, and the one :func:`wsarena.capture` gave its stream until the capture's first lease there.
         """
+        seeded = _pinning.seeded_streams(self)
         released = 0
         with self._lock:
             self._table.reap_all()
@@ -235,7 +236,7 @@ class Arena:
                     released += self._table.forget(sub, gone=True)
                     continue
                 released += sub.tidy()
-                if not self._table.seeded_for_capture(sub.key):
+                if sub.key not in seeded:  # once a capture's first lease came there meanwhile, its buffer is pinned
                     released += sub.empty()
                 self._table.drop_if_idle(sub)
             released += self._table.release_kept()

@@ -91,6 +91,20 @@ def forget_released(captures: dict[Any, Any]) -> None:
         del captures[key]
 
 
+def seeded_streams(self: Arena) -> set[Any]:
+    """The streams whose buffer a trim leaves: :func:`wsarena.capture` is capturing them and no lease came there yet.
+    The buffer such a stream holds is the one the capture was seeded with, which its first lease needs (a capture
+    cannot grow the arena); from that lease on, it is pinned to the graph. A stream recorded so whose capture is over
+    is none of them (the end of its block was interrupted before the record was dropped): no capture will lease there,
+    and its buffer is freed as any other. Another thread's per-thread stream cannot be asked from here: it counts as
+    captured. (Lock not held: CUDA is asked.)"""
+    recorded = self._table.capturing
+    if not recorded or self._capture is None:
+        return set()
+    watched = [key for key, pin in list(recorded.items()) if pin is None]  # list(): one C call, whatever others do
+    return {key for key in watched if not is_own_stream(key) or _captured(self._capture, key)}
+
+
 def growth_error(what: str, key: Hashable, held: int) -> CaptureError:
     """The error of ``what`` (a lease, a reserve) on the stream of ``key``, being captured, that needs it to grow."""
     return CaptureError(

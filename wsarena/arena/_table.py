@@ -341,12 +341,6 @@ class _Table:
                     self.forget(sub)
                     excess -= 1
 
-    def seeded_for_capture(self, key: Hashable) -> bool:
-        """Whether :func:`wsarena.capture` is capturing the stream of ``key`` and no lease has come there yet: the
-        buffer the stream holds is the one the capture was seeded with, which its first lease needs (a capture
-        cannot grow the arena), so no trim lets it go. From that lease on, the buffer is pinned to the graph."""
-        return self.capturing.get(key, False) is None
-
     def check_overlap(self, sub: _SubArena, ptr: int, n: int) -> None:
         """Debug mode: a lease of ``[ptr, ptr + n)`` on ``sub`` must not overlap a live lease of another one."""
         end = ptr + n
