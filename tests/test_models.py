@@ -234,7 +234,8 @@ def test_geometry_batch_dtype_layout():
     assert g.macs == 32 * layer.macs
     h = layer.geometry(batch=2, layout="NHWC")
     assert h.input_shape == (2, 56, 56, 64) and h.weight_shape == (64, 3, 3, 64) and h.output_shape == (2, 56, 56, 64)
-    for bad in (0, -1, 1.5, True, np.int64(0), np.True_):
+    # a one-element array has __index__ too, yet is no integer: refused as a batch, as plan() refuses it
+    for bad in (0, -1, 1.5, True, np.int64(0), np.True_, np.array([32])):
         with pytest.raises(ValueError, match="batch"):
             layer.geometry(batch=bad)
     assert layer.geometry(batch=np.int64(32)) == g.with_dtype("float32")  # as the layer's own shapes take them

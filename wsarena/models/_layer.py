@@ -7,6 +7,7 @@ turns it into a :class:`~wsarena._geometry.ConvGeometry` for a batch, dtype and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
@@ -149,8 +150,9 @@ class ConvLayer:
         ConvGeometry
             For a transposed layer, the forward-equivalent convolution (see the class notes).
         """
-        if not isinstance(batch, bool) and hasattr(batch, "__index__"):  # numpy.int64 too, as the shapes take it
-            batch = operator.index(batch)
+        if not isinstance(batch, bool):  # numpy.int64 too, as the shapes take it
+            with contextlib.suppress(TypeError):  # else as it is, for the check that names it (a NumPy array)
+                batch = operator.index(batch)
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be a positive integer, not {batch!r}")
         x = (batch, *self.input_shape[1:])
