@@ -74,6 +74,22 @@ def test_a_plot_over_the_model_file_is_refused_and_the_model_kept(capsys, tmp_pa
     assert (tmp_path / "small.json").read_bytes() == before
 
 
+def test_a_plot_over_the_device_properties_file_is_refused_and_the_file_kept(capsys, tmp_path, monkeypatch):
+    """The --device-properties file is an input too, read before the plot is drawn (and made only on the GPU it
+    describes): the PNG would replace it."""
+    pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")
+    from wsarena import planner
+    from wsarena.backends import get_backend
+
+    monkeypatch.setattr(planner, "device_properties_backend", lambda text, source: get_backend("cpu"))  # no cuDNN
+    props = tmp_path / "props.json"
+    props.write_text("{}")
+    code, out, err = run_main(capsys, "report", small_model(tmp_path), "--device-properties", str(props),
+                              "--plot", str(props))
+    assert (code, out) == (2, "") and props.read_text() == "{}"
+    assert err.startswith(f"wsarena: error: --plot {str(props)!r} is the --device-properties file") and err.count("\n") == 1
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose writes fail")
 def test_a_plot_on_a_full_device_exits_3(capsys, tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")

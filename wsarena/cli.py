@@ -251,13 +251,15 @@ def _drop_stdout() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
-def _check_plot(path: str | None, model: str) -> None:
+def _check_plot(path: str | None, inputs: dict[str, str | None]) -> None:
     """With ``--plot``, fail now if matplotlib is missing, not after a search that may have taken minutes; or if the
-    plot would replace the model file it plans (as a compiler refuses an output that is its input)."""
+    plot would replace one of the command's ``inputs`` (what each is: a file, or ``None`` when not given), as a
+    compiler refuses an output that is its input."""
     if path is not None:
-        with contextlib.suppress(OSError):  # either missing: nothing to lose
-            if os.path.samefile(path, model):
-                raise UsageError(f"--plot {path!r} is the model file; the plot would replace it")
+        for what, given in inputs.items():
+            with contextlib.suppress(OSError):  # either missing: nothing to lose
+                if given is not None and os.path.samefile(path, given):
+                    raise UsageError(f"--plot {path!r} is the {what}; the plot would replace it")
         from .plot import _pyplot
 
         _pyplot()
@@ -334,7 +336,7 @@ def _report(args: argparse.Namespace) -> int:
                              + ("--search exhaustive" if args.max_slowdown is None else "--max-slowdown"))
         if args.cudnn_api == "legacy":
             raise UsageError("--device-properties plans through cuDNN's graph API: leave out --cudnn-api legacy")
-    _check_plot(args.plot, args.model)
+    _check_plot(args.plot, {"model file": args.model, "--device-properties file": args.device_properties})
     layers = _load(args)
     # --max-slowdown decides the search and the cap, --device-properties the backend, the search and the API, as
     # plan() does: their variables do not matter
@@ -377,7 +379,7 @@ def _tune(args: argparse.Namespace) -> int:
 
     if args.apply and args.format is not None:
         raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=...; leave out --format")
-    _check_plot(args.plot, args.model)
+    _check_plot(args.plot, {"model file": args.model})
     layers = _load(args)
     # tune decides the search and the cap (exhaustive, none): their variables do not matter, nor does the
     # backend's when --backend is given
