@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import operator
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -247,8 +246,9 @@ def _numpy_from_dlpack(obj: Any) -> np.ndarray:
     return np.from_dlpack(obj)  # NumPy < 2.1: the producer never copies unless asked to
 
 
-# a torch tensor through Tensor.numpy(): the view DLPack would give, at a third of the cost
-_NUMPY = _Library("NumPy", operator.methodcaller("numpy"), _numpy_from_dlpack, np.asarray)
+# a torch tensor through Tensor.numpy(): the view DLPack would give, at a third of the cost (a lambda calls it
+# sooner than operator.methodcaller does)
+_NUMPY = _Library("NumPy", lambda tensor: tensor.numpy(), _numpy_from_dlpack, np.asarray)
 _host_view = functools.partial(_view, _NUMPY)
 
 
