@@ -187,6 +187,26 @@ def test_a_cap_warning_at_a_line_whose_loader_fails_is_still_shown_and_the_op_ru
     assert [(r.filename, r.lineno) for r in warned] == [("<string>", 1)] and float(scope["y"].max()) == 75.0
 
 
+@pytest.mark.parametrize("action", ["always", "default"])
+def test_a_cap_warning_whose_showing_fails_is_shown_once_and_the_failure_comes_out(action):
+    """A ``showwarning`` that raises (a log that is down) is called once and its error comes out of the call, as
+    from ``warnings.warn``: it is no loader failing to give the line's source, after which the warning is shown."""
+    shown = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        shown.append((filename, lineno))
+        raise RuntimeError("the log is down")
+
+    x, w = np.ones((1, 3, 19, 19), np.float32), np.ones((8, 3, 5, 5), np.float32)
+    op = lambda: conv_forward(x, w)  # its line is the one the warning names
+    with warnings.catch_warnings(), config(cap_workspace=0):
+        warnings.simplefilter(action)
+        warnings.showwarning = show
+        with pytest.raises(RuntimeError, match="the log is down"):
+            op()
+    assert shown == [(__file__, op.__code__.co_firstlineno)]
+
+
 def test_one_mib_cap_bounds_every_lease(fresh_arena):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 16, 32, 32), dtype=np.float32)  # columns: 576 KiB per image, 2.25 MiB per batch

@@ -73,16 +73,9 @@ def warn(message: str, category: type[Warning]) -> None:
     if site is None:
         site = _site_of(_outside(sys._getframe(1)))
     filename, lineno, module_globals = site
-    # What warnings.warn does with the frame it picks: that module's name, registry and source for the line.
+    # What warnings.warn does with the frame it picks: that module's name and registry. Not its module_globals,
+    # which CPython's warnings.warn does not pass either: warn_explicit would ask the module's loader for the line's
+    # source first and raise what the loader raises (the built-in importer's ImportError for the __main__ of
+    # `python -c` or of a program read from stdin); the line's text comes from the file, as for warnings.warn.
     module, registry = module_globals.get("__name__", "<string>"), module_globals.setdefault("__warningregistry__", {})
-    try:
-        warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry,
-                               module_globals=module_globals)
-    except Warning:  # a filter made it an error
-        raise
-    except Exception:  # noqa: BLE001 - whatever a loader raises: the warning is what matters
-        # The module's loader cannot give its source: the __main__ of `python -c` or of a program read from stdin,
-        # whose loader is the built-in importer (ImportError), or a loader of another kind that fails. warn_explicit
-        # asks it before anything else, and raises what it raises; warnings.warn shows such a line without its
-        # text, and so does this.
-        warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry)
+    warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry)
