@@ -235,6 +235,16 @@ def test_inference_tensors_outside_inference_mode_run_straight(straight):
     assert len(straight) == 3
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_results_have_version_0_as_the_dispatchers_do(dtype):
+    """A result is new: nothing has written it since it was made, as for PyTorch's own convolutions, also where a
+    half type on the CPU is computed in float32 and copied into it."""
+    for op, a, b, *rest in operands(dtype):
+        with torch.no_grad():
+            assert _ops.call(op, a, b, *rest)._version == op(a, b, *rest)._version == 0
+    assert F.conv2d(*operands(dtype)[0][1:3])._version == 0
+
+
 def test_a_module_in_inference_mode_runs_straight_and_matches_torch(straight):
     x, conv = tensors()
     with torch.inference_mode():

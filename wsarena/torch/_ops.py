@@ -114,10 +114,11 @@ def _run(function: Callable[..., Any], a: Tensor, b: Tensor, out: Tensor, layout
     target = torch.empty_like(out, dtype=torch.float32) if half_on_cpu else out
     a, b = _computed(a, layout), _computed(b, layout)
     # `out` is new, nothing has saved it: written through `.data`, which has a version counter of its own, it keeps
-    # version 0, as the dispatcher's results do (the ops count a write into a PyTorch out= as an in-place change)
+    # version 0, as the dispatcher's results do (the ops count a write into a PyTorch out= as an in-place change;
+    # so does copy_, for a half type on the CPU)
     function(_view(a, layout), _view(b, layout), *args, out=_view(target.data, layout), layout=layout)
     if target is not out:
-        out.copy_(target)
+        out.data.copy_(target)
     return out
 
 
