@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from wsarena import format_size
+from wsarena._cli_args import parser as _parser
 from wsarena._gpu import gpu_unusable_reason
-from wsarena.cli import _parser
 
 from .cli_helpers import run_cli, run_main
 

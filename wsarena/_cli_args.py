@@ -1,0 +1,169 @@
+"""The ``wsarena`` command's arguments: the parser of ``report``, ``tune``, ``cache`` and ``info``, the checks of
+their values, and :class:`UsageError`, what :mod:`wsarena.cli` makes an exit 2 of."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any, NoReturn
+
+from . import __version__
+from ._config import _FROM_CONFIG, CUDNN_HEURISTICS, _parse_cap
+from ._geometry import DTYPES
+from ._pass import PASSES
+from ._report_cli import shape_text
+from ._tune_cli import max_slowdown_arg
+
+__all__: list[str] = []  # wsarena.cli's own
+
+
+class UsageError(Exception):
+    """Bad usage or bad input: exit 2 with one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # What starts as a negative number (-2%, -2e-2) is a value, for its flag's check to say what is wrong with
+        # it, not an unknown option that leaves the flag "expected one argument": argparse before Python 3.14 takes
+        # only a plain number (-2, -0.5) so; 3.14's own matcher is this one. No flag of wsarena's starts with a digit.
+        self._negative_number_matcher = re.compile(r"-\.?[0-9]")
+
+    def error(self, message: str) -> NoReturn:  # one line, not usage + error
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _size(text: str) -> int | None:
+    try:
+        return _parse_cap(text)  # what WSARENA_CAP_WORKSPACE and configure() take, "none" included
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _passes(text: str) -> tuple[str, ...]:
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in names if p not in PASSES]
+    if bad or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--passes takes distinct names from {','.join(PASSES)}, not {text!r}")
+    return names
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+def _file_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a file name, not {text!r}")
+    return text
+
+
+def _input_shape(text: str) -> tuple[str | None, tuple[int, ...]]:
+    """``[NAME=]D0,D1,...`` (``x`` separates dims too: ``1x3x800x800``) -> (name or None, dims)."""
+    name, _, dims = text.rpartition("=")
+    try:
+        shape = tuple(int(d) for d in dims.replace("x", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected [NAME=]D0,D1,... with integer dims, not {text!r}") from None
+    return name.strip() or None, shape
+
+
+def input_shapes(given: list[tuple[str | None, tuple[int, ...]]] | None) -> Any:
+    """What ``load_model(input_shapes=...)`` takes: one shape, or ``{name: shape}``."""
+    if not given:
+        return None
+    if len(given) == 1 and given[0][0] is None:
+        return given[0][1]
+    if any(name is None for name, _ in given):
+        raise UsageError("with several --input-shape options, name each input: --input-shape NAME=DIMS")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in given:
+        assert name is not None  # checked just above
+        if name in shapes:
+            twice = f"{shape_text(shapes[name])} and {shape_text(shape)}"
+            raise UsageError(f"--input-shape given twice for input {name!r}: {twice}")
+        shapes[name] = shape
+    return shapes
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags ``report`` and ``tune`` share: the model, how to read it, and the run to plan."""
+    parser.add_argument("model", help="zoo name (resnet50, vgg16, ...), a .onnx file or a .json layer list")
+    parser.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW")
+    parser.add_argument("--passes", type=_passes, default=PASSES, help="comma-separated (default: all three)")
+    parser.add_argument("--streams", type=_positive, default=1, help="concurrent streams, each may run any layer")
+    parser.add_argument(
+        "--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto"
+    )
+    parser.add_argument("--cudnn-api", choices=("graph", "legacy"), help="default: WSARENA_CUDNN_API or legacy")
+    parser.add_argument("--cudnn-heuristic", choices=CUDNN_HEURISTICS,
+                        help="cuDNN's heuristic that ranks the graph API's engines (default: WSARENA_CUDNN_HEURISTIC "
+                             "or instant)")
+    parser.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
+    parser.add_argument(
+        "--asymmetric-pads", choices=("widen", "error"), default="widen",
+        help="ONNX convs with asymmetric pads: model them as onnxruntime's CUDA provider runs them (widen, the "
+        "default) or treat them as unknown (error)",
+    )
+    parser.add_argument(
+        "--input-shape", type=_input_shape, action="append", metavar="[NAME=]DIMS",
+        help="fix an ONNX input's shape (1,3,800,800 or images=1x3x800x800); repeat the flag, one NAME=DIMS each, "
+        "for several inputs",
+    )
+
+
+def parser() -> _Parser:
+    """The parser of the ``wsarena`` command and its subcommands."""
+    command = _Parser(prog="wsarena", description="Shared, capped cuDNN convolution workspace.")
+    command.add_argument("--version", action="version", version=f"wsarena {__version__}")
+    sub = command.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    report = sub.add_parser("report", help="workspace each layer needs, shared vs unshared")
+    _model_flags(report)
+    report.add_argument(
+        "--cap-workspace", type=_size, default=_FROM_CONFIG, metavar="SIZE",
+        help="cap on one call's workspace, e.g. 256MiB or none (default: WSARENA_CAP_WORKSPACE, else none)",
+    )
+    report.add_argument(
+        "--search", choices=("heuristic", "exhaustive"), default=None, help="default: WSARENA_ALGO_SEARCH or heuristic"
+    )
+    report.add_argument(
+        "--max-slowdown", type=max_slowdown_arg, default=None, metavar="PCT",
+        help="pick the cap instead: the smallest whose step is at most this much slower than uncapped (2%%, or "
+        "0.02: without %%, a fraction below 1); times every algorithm",
+    )
+    report.add_argument("--device-properties", type=_file_name, metavar="FILE", help="plan for the GPU whose "
+                        "cuDNN device properties (JSON) FILE holds, without one (cuDNN 9.8+, its graph API)")
+    report.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    report.add_argument(
+        "--plot", type=_file_name, metavar="FILE.png",
+        help="draw per-layer workspace and the arena (needs wsarena[plot])",
+    )
+
+    tune = sub.add_parser("tune", help="step time against the workspace cap, and the cap to pick")
+    _model_flags(tune)
+    tune.add_argument(
+        "--max-slowdown", type=max_slowdown_arg, default=0.02, metavar="PCT",
+        help="the slowdown against no cap the recommended cap may cost (default 2%%; 0.02 is the same: without "
+        "%%, a fraction below 1)",
+    )
+    tune.add_argument("--format", choices=("table", "json", "csv"), default=None, help="default: table")
+    tune.add_argument("--plot", type=_file_name, metavar="FILE.png", help="draw the curve (needs wsarena[plot])")
+    tune.add_argument("--apply", action="store_true", help="print only WSARENA_CAP_WORKSPACE=<recommended cap>")
+
+    cache = sub.add_parser("cache", help="the persistent search cache: its entries, or empty it")
+    cache.add_argument("action", choices=("info", "clear"), help="info: the folder (WSARENA_CACHE_DIR, else the user "
+                       "cache folder), its entries, their size on disk and its limit; clear: remove the entries")
+    cache.add_argument("--format", choices=("text", "json"), default="text")
+
+    info = sub.add_parser("info", help="versions, library paths, devices, and the backend 'auto' picks")
+    info.add_argument("--format", choices=("text", "json"), default="text")
+    return command
