@@ -48,6 +48,11 @@ def test_parse_size_rejects_with_value_error(text):
         parse_size(text)
 
 
+def test_a_size_past_the_largest_number_is_a_value_error():
+    with pytest.raises(ValueError, match="1000001 digits is too large"):  # was decimal.Overflow
+        parse_size("9" * 1_000_001)
+
+
 @pytest.mark.parametrize("value", [1.5, 2.0, None, True, [1], b"1"])
 def test_parse_size_rejects_other_types(value):
     with pytest.raises(TypeError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 import re
-from decimal import Decimal, InvalidOperation, localcontext
+from decimal import Decimal, InvalidOperation, Overflow, localcontext
 
 __all__ = ["format_size", "parse_size"]
 
@@ -61,6 +61,8 @@ def parse_size(value: int | str) -> int:
             nbytes = Decimal(number) * scale
     except InvalidOperation:  # pragma: no cover - the regex admits only decimal numerals
         raise ValueError(f"not a size: {value!r}") from None
+    except Overflow:  # past the largest exponent a Decimal has (a number of a million digits)
+        raise ValueError(f"a size of {len(number)} digits is too large") from None
     if nbytes != nbytes.to_integral_value():
         raise ValueError(f"{value!r} is not a whole number of bytes")
     return int(nbytes)
