@@ -255,6 +255,10 @@ def test_layer_normalizes_and_checks():
         ConvLayer("s", (1, 3, 8, 8), (4, 3, 3, 3), stride=(1, 1, 1))
     with pytest.raises(ModelError, match="name"):
         ConvLayer("", (1, 3, 8, 8), (4, 3, 3, 3))
+    assert ConvLayer("n", (1, np.int64(3), 8, 8), (4, 3, 3, 3), padding=np.int32(1)).padding == (1, 1)
+    for bad in (np.array([3]), np.True_, 3.0):  # an __index__ that refuses, none, a float: the model's own error
+        with pytest.raises(ModelError, match="must be an integer"):
+            ConvLayer("n", (1, bad, 8, 8), (4, 3, 3, 3))
 
 
 # -------------------------------------------------------------------------------------------------- JSON

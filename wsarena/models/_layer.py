@@ -36,9 +36,12 @@ class ModelError(WsarenaError, ValueError):
 
 def _int(where: str, value: Any) -> int:
     # JSON gives floats and bools where a careless writer put 3.0 or true; neither is a size.
-    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
-        raise ModelError(f"{where} must be an integer, not {value!r}")
-    return int(value.__index__())
+    if not isinstance(value, bool):
+        try:
+            return int(operator.index(value))
+        except TypeError:  # no __index__, or one that refuses (a NumPy array of one element)
+            pass
+    raise ModelError(f"{where} must be an integer, not {value!r}")
 
 
 def _ints(where: str, value: Any) -> tuple[int, ...]:
