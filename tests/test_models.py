@@ -603,6 +603,27 @@ def test_onnx_symbolic_spatial_size_is_unknown(tmp_path):
             load_model(path, skip_unknown=True)
 
 
+
+@pytest.mark.parametrize("attrs, w_shape, message", [
+    ({"strides": [2, 2], "output_padding": [1]}, (4, 6, 3, 3), r"'up': output_padding=\[1\] needs 2 entries"),
+    ({"strides": [2, 2], "output_shape": [10]}, (4, 6, 3, 3), r"'up': output_shape=\[10\] needs 2 entries"),
+    ({"strides": [2, 2], "output_shape": [6, 10, 10]}, (4, 6, 3, 3), r"'up': output_shape=\[6, 10, 10\] needs 2 en"),
+    ({"strides": [2, 2], "group": 3}, (4, 3, 3, 3), r"'up': .*groups=3 .* input channels \(4\)"),
+])
+def test_onnx_broken_conv_transpose_is_a_model_error_naming_it(tmp_path, attrs, w_shape, message):
+    # onnx's own shape inference refuses each of these; a broken node is a ModelError naming it, never a bare
+    # ValueError of the geometry nor a layer made from part of an attribute
+    nodes = [conv("up", "x", "w", "y", op="ConvTranspose", **attrs)]
+    path = save(tmp_path, nodes, [vi("x", [1, 4, 5, 5])], [weight("w", w_shape)])
+    with pytest.raises(ModelError, match=message):
+        load_model(path)
+
+
+def test_onnx_input_shapes_beyond_what_onnx_holds_are_a_model_error(tmp_path):
+    path = save(tmp_path, [conv("c", "x", "w", "y")], [vi("x", [1, 3, "H", "W"])], [weight("w", (4, 3, 3, 3))])
+    with pytest.raises(ModelError, match=r"the shape of input 'x' must be positive ints below 2\*\*63"):
+        load_model(path, input_shapes={"x": (1, 3, 2**63, 8)})
+
 def test_onnx_input_shapes_fix_symbolic_sizes_before_inference(tmp_path):
     nodes = [conv("c1", "x", "w1", "y1", pads=[1, 1, 1, 1]), conv("c2", "y1", "w2", "y2", strides=[2, 2])]
     weights = [weight("w1", (8, 3, 3, 3)), weight("w2", (4, 8, 3, 3))]

@@ -158,6 +158,11 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
     if w[0] != x[1]:
         raise ModelError(f"ONNX node {name!r}: ConvTranspose weight {list(w)} needs {w[0]} input channels, not {x[1]}")
     out_pad = list(a.get("output_padding") or [0] * nd)
+    if len(out_pad) != nd:
+        raise ModelError(f"ONNX node {name!r}: output_padding={out_pad} needs {nd} entries")
+    if a.get("output_shape") and len(a["output_shape"]) not in (nd, nd + 2):
+        raise ModelError(f"ONNX node {name!r}: output_shape={a['output_shape']} needs {nd} entries (or {nd + 2}, "
+                         "with N and C)")
     full = [st * (s - 1) + op + e for s, st, op, e in zip(size, stride, out_pad, eff)]  # before any cropping
     out_shape = list(a["output_shape"])[-nd:] if a.get("output_shape") else None  # spatial, or N, C too
     if auto_pad.startswith("SAME") and out_shape is None:
@@ -177,8 +182,11 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
         raise _Unsupported(f"output_padding {out_pad} with strides {stride} has no equivalent convolution")
     # The equivalent convolution's input is the (uncropped-by-widening) output; the ConvTranspose weight
     # (C_in, C_out/group, *k) is that convolution's (K, C/group, *k): the same tensor.
-    geom = conv_transpose_geometry((1, *x[1:]), w, stride=stride, padding=pad, output_padding=out_pad,
-                                   dilation=dilation, groups=group)
+    try:
+        geom = conv_transpose_geometry((1, *x[1:]), w, stride=stride, padding=pad, output_padding=out_pad,
+                                       dilation=dilation, groups=group)
+    except ValueError as exc:  # what ConvLayer would say of the equivalent convolution, for the ConvTranspose's shapes
+        raise ModelError(f"ONNX node {name!r}: {exc}") from None
     return ConvLayer(name, geom.input_shape, w, stride=tuple(stride), padding=tuple(pad), dilation=tuple(dilation),
                      groups=group, transposed=True)
 
@@ -335,8 +343,10 @@ def _fix_input_shapes(graph: Any, input_shapes: Mapping[str, Sequence[int]] | Se
         if name not in inputs:
             raise ModelError(f"{path!r}: no graph input {name!r}; the inputs are {', '.join(map(repr, inputs))}")
         dims = tuple(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else ()
-        if not dims or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in dims):
-            raise ModelError(f"{path!r}: the shape of input {name!r} must be positive ints, not {shape!r}")
+        # a dim is an int64 in the file: 2**63 would be protobuf's ValueError, naming nothing
+        if not dims or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 1 <= d < 2**63
+                           for d in dims):
+            raise ModelError(f"{path!r}: the shape of input {name!r} must be positive ints below 2**63, not {shape!r}")
         dims = tuple(int(d) for d in dims)
         tensor = inputs[name].type.tensor_type
         declared = _dims(inputs[name].type)
