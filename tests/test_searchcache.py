@@ -577,6 +577,26 @@ def test_info_keeps_a_null_api_path_and_counts_any_foreign_file_as_unreadable(ca
     assert "None" not in text and re.search(r"\(wsarena [^,)]+\)$", text.splitlines()[-1])
 
 
+
+def test_info_counts_no_entry_that_another_process_removed_after_the_listing(cache, monkeypatch):
+    # another process's trim or clear removes an entry between info's listing and its reading of the file: the
+    # entry is gone, not unreadable (a dangling link named as an entry stays unreadable, as it is still there)
+    backend = TableBackend(TABLE)
+    search(backend)
+    search(backend, "bwd_data")
+    gone, kept = entry_files(cache)
+    kept_size = on_disk(kept)
+    (cache / "search" / named_as_entry("dangling")).symlink_to(cache / "nowhere")
+    listed = _searchcache_folder._entry_files(cache)
+
+    def listing_then_a_trim(root):
+        gone.unlink()
+        return listed
+
+    monkeypatch.setattr(_searchcache_folder, "_entry_files", listing_then_a_trim)
+    info = searchcache.info()
+    assert (info["entries"], info["unreadable"], info["size_bytes"]) == (1, 1, kept_size)
+
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
 def test_entries_take_the_permissions_the_umask_leaves(cache, umask):
     """As any file the user writes: a cache folder shared with others (a team's, another installation's) can be

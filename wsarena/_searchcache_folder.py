@@ -222,14 +222,19 @@ def describe(root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"entries": 0, "size_bytes": 0, "unreadable": 0}
     groups: dict[tuple, int] = {}
     for path in _entry_files(root):
+        size = 0
         try:
-            out["size_bytes"] += disk_size(path.stat())
+            size = disk_size(path.stat())
             env = json.loads(path.read_text(encoding="utf-8"))["key"]["environment"]
             # as written (the CPU's API path is null), each a string or None, so that the groups sort
             group = tuple(_text(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            if isinstance(exc, FileNotFoundError) and not os.path.lexists(path):
+                continue  # removed since the listing, by another process's trim or clear: no entry, not a bad one
+            out["size_bytes"] += size
             out["unreadable"] += 1
             continue
+        out["size_bytes"] += size
         out["entries"] += 1
         groups[group] = groups.get(group, 0) + 1
     out["environments"] = [
