@@ -773,6 +773,25 @@ def test_onnx_conv_transpose_reference_output_shape(tmp_path):
     assert layer.input_shape == (1, *y.shape[1:]) == (1, 3, 10, 10)
 
 
+
+@pytest.mark.parametrize("attrs", [
+    {"strides": [3, 3], "auto_pad": "SAME_UPPER"},  # a kernel narrower than the stride: 4 * 3 = 12 from a full 11
+    {"strides": [3, 3], "auto_pad": "SAME_LOWER", "output_padding": [1, 0]},
+    {"strides": [2, 2], "output_shape": [8, 9]},  # kernel 2, stride 2: full 8, one more column
+])
+def test_onnx_conv_transpose_output_within_a_stride_past_the_full_one(tmp_path, attrs):
+    # onnx's reference (and onnxruntime) pads nothing and leaves the extra positions without contribution: output
+    # padding, which the equivalent convolution's larger input models
+    from onnx.reference import ReferenceEvaluator
+
+    kernel = 2
+    nodes = [conv("up", "x", "w", "y", op="ConvTranspose", **attrs)]
+    path = save(tmp_path, nodes, [vi("x", [1, 2, 4, 4])], [weight("w", (2, 3, kernel, kernel))])
+    (y,) = ReferenceEvaluator(str(path)).run(None, {"x": np.ones((1, 2, 4, 4), np.float32)})
+    (layer,) = load_model(path, asymmetric_pads="error")
+    assert layer.input_shape == (1, *y.shape[1:]) and layer.padding == (0, 0)
+    assert layer.geometry().output_shape == (1, 2, 4, 4)
+
 def test_onnx_conv_transpose_with_impossible_output_padding(tmp_path):
     nodes = [conv("bad", "x", "w", "y", op="ConvTranspose", strides=[2, 2], output_padding=[3, 3])]
     path = save(tmp_path, nodes, [vi("x", [1, 2, 5, 5])], [weight("w", (2, 3, 3, 3))])

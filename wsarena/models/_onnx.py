@@ -7,7 +7,10 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
 
 * Attributes: ``kernel_shape``, ``strides``, ``dilations``, ``group``, ``pads``, ``auto_pad``
   (``NOTSET``, ``VALID``, ``SAME_UPPER``, ``SAME_LOWER``), and for ``ConvTranspose`` ``output_padding`` and
-  ``output_shape``, with the defaults and formulas of the ONNX operator specification.
+  ``output_shape``, with the defaults and formulas of the ONNX operator specification. A ConvTranspose output
+  (``output_shape``, or ``SAME_*``'s input size times stride) past the full one by less than a stride, as a kernel
+  narrower than its stride gives, is output padding: onnxruntime pads nothing and leaves those positions without
+  contribution.
 * Shapes: the weight shape from an initializer or the inferred value info; the input shape from the graph
   inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation). A symbolic or missing batch dimension
   is taken as 1, and any batch in the file is replaced by 1: the planner applies its own batch.
@@ -169,8 +172,13 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
         out_shape = [s * st for s, st in zip(size, stride)]
     if out_shape is not None:
         totals = [f - o for f, o in zip(full, out_shape)]
-        if any(t < 0 for t in totals):
-            raise _Unsupported(f"output_shape {out_shape} larger than the full output {full}")
+        # An output past the full one (SAME with a kernel narrower than the stride): onnxruntime pads nothing, and
+        # the extra positions get no contribution, as output padding's do; within a stride it is output padding.
+        grown = [op - min(t, 0) for op, t in zip(out_pad, totals)]
+        if any(t < 0 and g >= st for t, g, st in zip(totals, grown, stride)):
+            raise _Unsupported(f"output_shape {out_shape} larger than the full output {full} by a stride or more")
+        full = [f - min(t, 0) for f, t in zip(full, totals)]
+        out_pad, totals = grown, [max(t, 0) for t in totals]
         # The spec: output_shape overrides pads; SAME_UPPER puts the odd one at the end, anything else at the start.
         begin, end = map(list, zip(*(_same_split(t, auto_pad == "SAME_UPPER") for t in totals)))
     if begin != end and not widen:
