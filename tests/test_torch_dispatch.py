@@ -159,9 +159,12 @@ def test_a_first_call_in_inference_mode_leaves_ordinary_calls_straight(fresh, st
 
 
 def test_torch_function_modes_and_subclasses_see_the_operators(straight):
-    """A torch-function mode is shown the operator, and a subclass that handles torch functions gets its class
-    back, as from torch.nn.functional's convolution: their tensors' dispatch keys are a plain tensor's, so only
-    the torch-function check keeps them off the straight path."""
+    """A torch-function mode is shown the call, and a subclass that handles torch functions gets its class back, as
+    from torch.nn.functional's convolution: the mode sees wsarena.torch's function (as it sees torch.conv2d), and
+    the operator only when the function runs with the mode in force (a mode that calls it as it is; inside its
+    ``__torch_function__`` the mode is not). While a mode is in force, only the torch-function check keeps the
+    operators off the straight path. A subclass's call runs with subclasses' torch functions off, as PyTorch runs
+    torch.conv2d for it, and its result comes back of its class."""
     from torch.overrides import TorchFunctionMode
 
     seen = []
@@ -174,16 +177,27 @@ def test_torch_function_modes_and_subclasses_see_the_operators(straight):
     class Sub(torch.Tensor):
         pass
 
+    class Through(TorchFunctionMode):  # lets the function run with the mode in force
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            if func is wt.conv2d:
+                with self:
+                    return func.__wrapped__(*args, **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
     x, conv = tensors()
     with Watch():
         conv(x)
-    assert "wsarena.conv_forward.default" in seen
+    assert seen == [str(wt.conv2d)]
+    straight.clear()  # the mode had the call; calling it on, it runs without the mode, as torch.conv2d does
+    with Through():
+        conv(x)
+    assert seen[1] == str(wt.conv2d) and "wsarena.conv_forward.default" in seen and straight == []
     xs = x.detach().as_subclass(Sub)
     for grad in (False, True):
         with torch.set_grad_enabled(grad):
             y, ref = conv(xs), F.conv2d(xs, conv.weight, conv.bias, padding=1)
         assert type(y) is type(ref) is Sub and close(y, ref)
-    assert straight == []
 
 
 # -- inference mode ------------------------------------------------------------------------------------------------

@@ -105,6 +105,41 @@ def test_torch_jit_trace_records_the_passes_without_warnings_and_trains():
     assert all(close(g, p.grad) for g, p in zip(grads, model.parameters()))
 
 
+def test_torch_fx_symbolic_trace_records_each_convolution_as_one_call_and_trains():
+    """As fx records F.conv2d: a converted model's graph calls wsarena.torch's functions (what feature extractors and
+    fx passes build on), and runs and trains as the model does. Each ran on fx's Proxy objects and raised."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(3, 4, 3, padding="same"), nn.ReLU(), nn.ConvTranspose1d(4, 2, 3, stride=2))
+    model = wt.convert(model.double())
+    graph = torch.fx.symbolic_trace(model)
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets == [wt.conv1d, wt.conv_transpose1d]
+    x = torch.randn(2, 3, 9, dtype=torch.float64)
+    assert close(graph(x), model(x))
+    graph(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    assert all(close(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_a_tensor_subclass_with_torch_function_sees_the_call():
+    """A ``__torch_function__`` subclass is handed wsarena.torch's function, as it is handed F.conv2d."""
+    seen = []
+
+    class Logged(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    x = torch.randn(1, 2, 5, 5, dtype=torch.float64)
+    w = torch.randn(3, 2, 3, 3, dtype=torch.float64)
+    y = wt.conv2d(x.as_subclass(Logged), w, padding=1)
+    assert seen[0] is wt.conv2d and type(y) is Logged
+    assert close(y.as_subclass(torch.Tensor), torch.nn.functional.conv2d(x, w, padding=1))
+
+
 def test_torch_export_takes_the_custom_operators():
     model = nn.Sequential(wt.Conv2d(3, 4, 3, padding=1), wt.ConvTranspose2d(4, 2, 2, stride=2)).double()
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)

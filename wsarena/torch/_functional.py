@@ -13,12 +13,15 @@ by PyTorch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from .. import _callsite, _config
 from . import _autograd, _ops, _shapes
@@ -148,6 +151,24 @@ def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: 
     return _finished(y, bias, nd, unbatched)
 
 
+_F = TypeVar("_F", bound=Callable[..., Tensor])
+
+
+def _overridable(function: _F) -> _F:
+    """``function`` as ``torch.nn.functional``'s convolutions are: an operand with ``__torch_function__`` (an fx
+    ``Proxy``, a tensor subclass) or a torch-function mode gets the call, so that ``torch.fx.symbolic_trace`` of a
+    converted model records each as one call, as it records ``F.conv2d``."""
+
+    @functools.wraps(function)
+    def overridable(input: Tensor, weight: Tensor, bias: Tensor | None = None, *args: Any, **kwargs: Any) -> Tensor:
+        if has_torch_function_variadic(input, weight, bias):
+            return handle_torch_function(overridable, (input, weight, bias), input, weight, bias, *args, **kwargs)
+        return function(input, weight, bias, *args, **kwargs)
+
+    return overridable  # type: ignore[return-value]
+
+
+@_overridable
 def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
     """``torch.nn.functional.conv1d`` with wsarena's passes (``padding`` an int, a tuple, ``"valid"`` or ``"same"``,
@@ -155,6 +176,7 @@ def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: An
     return _conv(1, input, weight, bias, stride, padding, dilation, groups)
 
 
+@_overridable
 def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
     """``torch.nn.functional.conv2d`` with wsarena's passes (``padding`` an int, a tuple, ``"valid"`` or ``"same"``,
@@ -162,6 +184,7 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: An
     return _conv(2, input, weight, bias, stride, padding, dilation, groups)
 
 
+@_overridable
 def conv3d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
     """``torch.nn.functional.conv3d`` with wsarena's passes (``padding`` an int, a tuple, ``"valid"`` or ``"same"``,
@@ -169,18 +192,21 @@ def conv3d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: An
     return _conv(3, input, weight, bias, stride, padding, dilation, groups)
 
 
+@_overridable
 def conv_transpose1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
                      output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
     """``torch.nn.functional.conv_transpose1d`` with wsarena's passes (``output_padding`` below ``stride``)."""
     return _conv_transpose(1, input, weight, bias, stride, padding, output_padding, groups, dilation)
 
 
+@_overridable
 def conv_transpose2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
                      output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
     """``torch.nn.functional.conv_transpose2d`` with wsarena's passes (``output_padding`` below ``stride``)."""
     return _conv_transpose(2, input, weight, bias, stride, padding, output_padding, groups, dilation)
 
 
+@_overridable
 def conv_transpose3d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
                      output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
     """``torch.nn.functional.conv_transpose3d`` with wsarena's passes (``output_padding`` below ``stride``)."""
