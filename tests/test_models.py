@@ -572,6 +572,9 @@ def test_onnx_asymmetric_pads(tmp_path):
         assert load_model(path, skip_unknown=True, asymmetric_pads="error") == [sym]
     with pytest.raises(ValueError, match="asymmetric_pads"):
         load_model(path, asymmetric_pads="crop")
+    for other in ("resnet50", [ConvLayer("c", (1, 3, 8, 8), (4, 3, 3, 3))]):  # a zoo model, a layer list
+        with pytest.raises(ValueError, match="asymmetric_pads must be 'widen' or 'error', not 'crop'"):
+            load_model(other, asymmetric_pads="crop")  # was taken silently: a misspelt option went unseen
 
 
 def test_onnx_unknown_input_shape(tmp_path):

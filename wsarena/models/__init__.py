@@ -64,7 +64,7 @@ from typing import Any
 
 from ._json import layers_from_json, layers_to_json, load_json
 from ._layer import ConvLayer, ModelError
-from ._onnx import load_onnx
+from ._onnx import check_asymmetric_pads, load_onnx
 from ._zoo import total_macs, zoo_model, zoo_names
 
 __all__ = ["ConvLayer", "ModelError", "layers_from_json", "layers_to_json", "load_model", "total_macs", "zoo_names"]
@@ -106,6 +106,7 @@ def load_model(
     ModelError
         One line naming the problem (see the module docstring).
     """
+    check_asymmetric_pads(asymmetric_pads)  # an option of ONNX models, checked for any, as a typo would be missed
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         ext = os.path.splitext(text)[1].lower()

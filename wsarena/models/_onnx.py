@@ -231,6 +231,12 @@ def _with_channels(x: tuple[int | None, ...] | None, w: tuple[int | None, ...] |
     return (x[0], channels, *x[2:])
 
 
+def check_asymmetric_pads(value: Any) -> None:
+    """``asymmetric_pads`` must be ``"widen"`` or ``"error"`` (``ValueError``), whatever model it comes with."""
+    if value not in ("widen", "error"):
+        raise ValueError(f"asymmetric_pads must be 'widen' or 'error', not {value!r}")
+
+
 def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
               asymmetric_pads: str = "widen",
               input_shapes: Mapping[str, Sequence[int]] | Sequence[int] | None = None) -> LayerList:
@@ -246,8 +252,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         Unreadable file, not an ONNX model, no convolution, an ``input_shapes`` entry that names no graph input
         or does not match its rank, or (without ``skip_unknown``) convs whose shapes stay unknown, naming them.
     """
-    if asymmetric_pads not in ("widen", "error"):
-        raise ValueError(f"asymmetric_pads must be 'widen' or 'error', not {asymmetric_pads!r}")
+    check_asymmetric_pads(asymmetric_pads)
     try:
         import onnx
         from google.protobuf.message import DecodeError
