@@ -295,6 +295,9 @@ def test_plot_writes_a_png(capsys, tmp_path):
         (["report", "resnet51"], "resnet50"),  # the message lists the zoo
         (["report", "resnet50", "--cap-workspace", "lots"], "lots"),
         (["report", "resnet50", "--batch", "0"], "--batch"),
+        (["report", "resnet50", "--batch", "1_0"], "1_0"),  # int() takes these; sizes refuse them
+        (["report", "resnet50", "--batch", "\uff13"], "--batch"),  # a fullwidth digit
+        (["report", "resnet50", "--input-shape", "1,3,2_24,224"], "2_24"),
         (["report", "resnet50", "--dtype", "int8"], "int8"),
         (["report", "resnet50", "--passes", "fwd,sideways"], "passes"),
         (["report", "missing.onnx"], "missing.onnx"),

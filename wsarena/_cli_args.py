@@ -48,9 +48,19 @@ def _passes(text: str) -> tuple[str, ...]:
     return names
 
 
+_INTEGER = re.compile(r"\s*-?[0-9]+\s*")  # as sizes take digits: int() would take 1_0 and any script's digits
+
+
+def _int(text: str) -> int:
+    """``text`` as an integer written in ASCII digits; ``ValueError`` otherwise."""
+    if _INTEGER.fullmatch(text) is None:
+        raise ValueError(text)
+    return int(text)
+
+
 def _positive(text: str) -> int:
     try:
-        value = int(text)
+        value = _int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
@@ -68,7 +78,7 @@ def _input_shape(text: str) -> tuple[str | None, tuple[int, ...]]:
     """``[NAME=]D0,D1,...`` (``x`` separates dims too: ``1x3x800x800``) -> (name or None, dims)."""
     name, _, dims = text.rpartition("=")
     try:
-        shape = tuple(int(d) for d in dims.replace("x", ",").split(","))
+        shape = tuple(_int(d) for d in dims.replace("x", ",").split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected [NAME=]D0,D1,... with integer dims, not {text!r}") from None
     return name.strip() or None, shape
