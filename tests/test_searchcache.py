@@ -854,6 +854,32 @@ def test_the_source_is_the_setting_that_gave_the_folder_even_where_another_gives
     assert (searchcache.cache_dir(), searchcache.source()) == (env, "configure")
 
 
+def test_a_block_begun_as_another_thread_configures_names_the_setting_of_the_folder_it_holds(monkeypatch, tmp_path):
+    """A block takes its settings and their origins from one reading of the process-wide settings: a configure()
+    of another thread that lands while the block begins gives the block neither its folder nor its origin."""
+    import threading
+
+    from wsarena import _config
+
+    env = tmp_path / "env"
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(env))
+    wsarena._config._reset()
+    replace = _config._replace
+
+    def configured_meanwhile(base, changes):
+        new = replace(base, changes)
+        if changes == {"algo_search": "exhaustive"}:  # the block's own, not configure()'s
+            other = threading.Thread(target=wsarena.configure, kwargs={"cache_dir": tmp_path / "other"})
+            other.start()
+            other.join()
+        return new
+
+    monkeypatch.setattr(_config, "_replace", configured_meanwhile)
+    with wsarena.config(algo_search="exhaustive"):
+        assert (searchcache.cache_dir(), searchcache.source()) == (env, "environment")
+    assert (searchcache.cache_dir(), searchcache.source()) == (tmp_path / "other", "configure")
+
+
 def test_the_source_is_the_environment_as_the_settings_read_it(monkeypatch, tmp_path):
     """The settings read the environment once: a variable set, changed or removed later moves no folder, and is no
     configure() call either (the folder was credited to configure())."""

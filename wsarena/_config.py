@@ -338,12 +338,14 @@ def _with_changes(changes: dict[str, Any]) -> Config:
     override = _override.get()
     if override is not None:
         new = _replace(override, changes)
+        origins = _origins(override)
     else:
-        base, errors, _ = _base_state()
+        # the settings and their origins of one state: a configure() of another thread meanwhile changes neither
+        base, errors, origins = _base_state()
         new = _replace(base, changes)
         _check_env(errors, changes)
     # not a field of Config (neither compared nor shown): it travels with these settings wherever using() takes them
-    object.__setattr__(new, "_origins", {**_origins(override), **dict.fromkeys(changes, "config")})
+    object.__setattr__(new, "_origins", {**origins, **dict.fromkeys(changes, "config")})
     return new
 
 
