@@ -1,3 +1,4 @@
+import sys
 import threading
 from pathlib import Path
 
@@ -49,8 +50,25 @@ def test_parse_size_rejects_with_value_error(text):
 
 
 def test_a_size_past_the_largest_number_is_a_value_error():
-    with pytest.raises(ValueError, match="1000001 digits is too large"):  # was decimal.Overflow
-        parse_size("9" * 1_000_001)
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # no limit on int()'s digits: the number reaches the Decimal
+    try:
+        with pytest.raises(ValueError, match="1000001 digits is too large"):  # was decimal.Overflow
+            parse_size("9" * 1_000_001)
+    finally:
+        sys.set_int_max_str_digits(limit)
+
+
+def test_a_size_with_more_digits_than_int_takes_is_a_value_error():
+    """Past the digits Python's int() takes from a string (sys.get_int_max_str_digits(), 4300 by default), a size is
+    refused as int() refuses it: converting one of a million digits took seconds. Its fraction does not count."""
+    limit = sys.get_int_max_str_digits()
+    assert parse_size("9" * limit + ".0KiB") == (10**limit - 1) * 1024
+    assert parse_size("1." + "0" * (limit + 1)) == 1
+    with pytest.raises(ValueError, match=f"{limit + 1} digits is too large"):
+        parse_size("9" * (limit + 1))
+    with pytest.raises(ValueError, match="999999 digits is too large"):
+        parse_size("1" + "0" * 999_998 + "MiB")
 
 
 @pytest.mark.parametrize("value", [1.5, 2.0, None, True, [1], b"1"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 import re
+import sys
 from decimal import Decimal, InvalidOperation, Overflow, localcontext
 
 __all__ = ["format_size", "parse_size"]
@@ -33,7 +34,8 @@ def parse_size(value: int | str) -> int:
     Accepts a non-negative integer (an ``int``, or any integer type such as ``numpy.int64``; not a ``bool``) or a
     string such as ``"0"``, ``"512"``, ``"64KiB"``, ``"1.5GiB"`` or ``"2GB"`` (ASCII digits; units are
     case-insensitive). Raises ``TypeError`` for other types and ``ValueError`` for a negative size, an unknown
-    unit, or a size that is not a whole number of bytes.
+    unit, a size that is not a whole number of bytes, or one of more digits than ``int()`` takes from a string
+    (``sys.get_int_max_str_digits()``).
     """
     if not isinstance(value, str):
         n = None
@@ -55,6 +57,9 @@ def parse_size(value: int | str) -> int:
     if scale is None:
         known = ", ".join(u for u in ("B", "kB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"))
         raise ValueError(f"unknown size unit {unit!r} in {value!r} (known: {known})")
+    digits = len(number.partition(".")[0])
+    if 0 < sys.get_int_max_str_digits() < digits:  # as int() refuses it: its conversion to an int takes seconds
+        raise ValueError(f"a size of {digits} digits is too large")
     try:
         # exact: the default context's 28 digits would round a longer number (to a whole one, or to another)
         with localcontext(prec=len(number) + 16):  # the scale has at most 13 digits
