@@ -62,9 +62,9 @@ def interrupt_at_call(
 ) -> bool:
     """Call ``function(*args)``, raising ``KeyboardInterrupt`` once as the ``n``-th Python function call of that
     run starts (the call of ``function`` itself is the first; calls whose code object ``skip`` accepts are not
-    counted, nor calls of a garbage collection under way). Returns whether it was raised (the exception is swallowed here, as a caller's ``except
-    KeyboardInterrupt`` would). Stepping ``n`` from 1 until this returns ``False`` delivers an interrupt at every
-    function entry of the run, one run each.
+    counted, nor calls of a garbage collection under way). Returns whether it was raised (the exception is swallowed
+    here, as a caller's ``except KeyboardInterrupt`` would). Stepping ``n`` from 1 until this returns ``False``
+    delivers an interrupt at every function entry of the run, one run each.
     """
     calls = 0
     fired = False

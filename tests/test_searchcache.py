@@ -707,8 +707,9 @@ def test_a_link_that_leads_nowhere_is_removed_as_a_dangling_one_is_and_only_the_
     outside.write_text("not the cache's")
     (tmp_path / "elsewhere").mkdir()
     to_file, to_folder = named_as_entry("to a file"), named_as_entry("to a folder")
-    links = {named_as_entry("loop"): folder / named_as_entry("loop"), named_as_write("loop"): folder / named_as_write("loop"),
-             named_as_entry("through a file"): outside / "x.json", to_file: outside, to_folder: tmp_path / "elsewhere"}
+    loop, loop_write = named_as_entry("loop"), named_as_write("loop")
+    links = {loop: folder / loop, loop_write: folder / loop_write, named_as_entry("through a file"): outside / "x.json",
+             to_file: outside, to_folder: tmp_path / "elsewhere"}
 
     def make_links():
         for name, target in links.items():
