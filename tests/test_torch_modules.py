@@ -87,6 +87,16 @@ def test_torchscript_is_refused_naming_the_module_and_what_takes_it(make):
         torch.jit.script(make())
 
 
+def assert_runs_and_trains_as(traced, model, x):
+    """``traced(x)`` gives ``model(x)``, and the gradients of its sum reach the model's parameters as its own do."""
+    assert close(traced(x), model(x))
+    traced(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    assert all(close(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
 def test_torch_jit_trace_records_the_passes_without_warnings_and_trains():
     """A trace that reads no tensor as a Python number (channels-last strides, a bias's shape, 'same' padding)."""
     torch.manual_seed(0)
@@ -97,12 +107,7 @@ def test_torch_jit_trace_records_the_passes_without_warnings_and_trains():
         warnings.simplefilter("error", torch.jit.TracerWarning)
         warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace's own
         traced = torch.jit.trace(model, x)
-    assert close(traced(x), model(x))
-    traced(x).sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    model(x).sum().backward()
-    assert all(close(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert_runs_and_trains_as(traced, model, x)
 
 
 def test_torch_fx_symbolic_trace_records_each_convolution_as_one_call_and_trains():
@@ -115,12 +120,7 @@ def test_torch_fx_symbolic_trace_records_each_convolution_as_one_call_and_trains
     targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
     assert targets == [wt.conv1d, wt.conv_transpose1d]
     x = torch.randn(2, 3, 9, dtype=torch.float64)
-    assert close(graph(x), model(x))
-    graph(x).sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    model(x).sum().backward()
-    assert all(close(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert_runs_and_trains_as(graph, model, x)
 
 
 def test_a_tensor_subclass_with_torch_function_sees_the_call():
