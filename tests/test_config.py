@@ -339,3 +339,21 @@ def test_a_bad_cache_dir_is_refused_and_changes_nothing(value, error):
     with pytest.raises(error, match="cache_dir"):
         configure(cache_dir=value)
     assert get_config() == Config()
+
+
+@pytest.mark.parametrize("key", ["cap_workspace", "search_cache_max_size"])
+@pytest.mark.parametrize("value", ["9" * 4000, 10**400, 2**64], ids=["4000-nines", "10**400", "2**64"])
+def test_a_size_setting_past_64_bits_is_refused_naming_it(key, value):
+    # no memory or disk holds it; such a number was taken, and showing the settings (the report's table, cache info's
+    # JSON) then failed on it: an OverflowError, or the int's 4300-digit limit for str()
+    with pytest.raises(ValueError, match=f"{key}.*more than 2\\*\\*64 - 1 bytes"):
+        configure(**{key: value})
+    assert get_config() == Config()
+    assert getattr(configure(**{key: 2**64 - 1}), key) == 2**64 - 1
+
+
+def test_a_size_variable_past_64_bits_is_the_error_naming_it(monkeypatch):
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "9" * 4000)
+    wsarena._config._reset()
+    with pytest.raises(ValueError, match="WSARENA_SEARCH_CACHE_MAX_SIZE"):
+        get_config()

@@ -55,6 +55,7 @@ _ENV = {
 }
 # Settings given in bytes: an int or a size string ("256MiB"), or None ("none").
 _SIZES = ("cap_workspace", "search_cache_max_size")
+_SIZE_MAX = 2**64 - 1
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -171,11 +172,17 @@ def _parse_cap(value: Any) -> int | None:
 
 
 def _named_size(key: str, value: Any) -> int | None:
-    """:func:`_parse_cap`, with the setting's name in the error."""
+    """:func:`_parse_cap`, with the setting's name in the error; at most ``2**64 - 1`` bytes, which no memory or disk
+    passes (a larger number could not even be shown: a float overflows, and str() stops at 4300 digits)."""
     try:
-        return _parse_cap(value)
+        n = _parse_cap(value)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{key}={value!r}: {exc}") from None
+    if n is not None and n > _SIZE_MAX:
+        shown = repr(value) if isinstance(value, str) else "a number"  # repr() of an int that large raises
+        raise ValueError(f"{key}={shown[:40]}{'...' if len(shown) > 40 else ''}: more than 2**64 - 1 bytes "
+                         "(none for no limit)")
+    return n
 
 
 # The process-wide settings, the error of each invalid environment variable that nothing has replaced yet, and where
