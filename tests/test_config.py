@@ -357,3 +357,12 @@ def test_a_size_variable_past_64_bits_is_the_error_naming_it(monkeypatch):
     wsarena._config._reset()
     with pytest.raises(ValueError, match="WSARENA_SEARCH_CACHE_MAX_SIZE"):
         get_config()
+
+
+@pytest.mark.parametrize("value", ["\u0661\u0662", "\uff11\uff12", "1_0"])
+def test_the_plan_cache_variable_takes_ascii_digits(monkeypatch, value):
+    # as sizes and the command's integers take them: int() took 1_0 and any script's digits
+    monkeypatch.setenv("WSARENA_PLAN_CACHE_SIZE", value)
+    wsarena._config._reset()
+    with pytest.raises(ValueError, match="WSARENA_PLAN_CACHE_SIZE.*positive integer"):
+        get_config()

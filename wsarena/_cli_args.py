@@ -12,6 +12,7 @@ from ._config import _FROM_CONFIG, CUDNN_HEURISTICS, _parse_cap
 from ._geometry import DTYPES
 from ._pass import PASSES
 from ._report_cli import shape_text
+from ._sizes import ascii_int as _int
 from ._tune_cli import max_slowdown_arg
 
 __all__: list[str] = []  # wsarena.cli's own
@@ -46,16 +47,6 @@ def _passes(text: str) -> tuple[str, ...]:
     if bad or not names or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"--passes takes distinct names from {','.join(PASSES)}, not {text!r}")
     return names
-
-
-_INTEGER = re.compile(r"\s*-?[0-9]+\s*")  # as sizes take digits: int() would take 1_0 and any script's digits
-
-
-def _int(text: str) -> int:
-    """``text`` as an integer written in ASCII digits; ``ValueError`` otherwise."""
-    if _INTEGER.fullmatch(text) is None:
-        raise ValueError(text)
-    return int(text)
 
 
 def _positive(text: str) -> int:

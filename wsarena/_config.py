@@ -25,7 +25,7 @@ except ImportError:  # an install made without dependencies
     platformdirs = None  # type: ignore[assignment]
 
 from . import _forksafe
-from ._sizes import parse_size
+from ._sizes import ascii_int, parse_size
 
 __all__ = [
     "ALGO_SEARCHES", "ALLOCATORS", "BACKENDS", "CUDNN_APIS", "CUDNN_HEURISTICS", "Config", "config", "configure",
@@ -196,7 +196,7 @@ def _env_value(key: str, raw: str) -> Any:
         return _parse_cap(raw)
     if key == "plan_cache_size":
         try:
-            return int(raw.strip())
+            return ascii_int(raw)
         except ValueError:
             raise ValueError(f"expected a positive integer, not {raw!r}") from None
     if key == "debug":

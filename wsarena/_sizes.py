@@ -73,6 +73,16 @@ def parse_size(value: int | str) -> int:
     return int(nbytes)
 
 
+_INTEGER = re.compile(r"\s*-?[0-9]+\s*")  # as sizes take digits: int() would take 1_0 and any script's digits
+
+
+def ascii_int(text: str) -> int:
+    """``text`` as an integer written in ASCII digits; ``ValueError`` otherwise."""
+    if _INTEGER.fullmatch(text) is None:
+        raise ValueError(text)
+    return int(text)
+
+
 def format_size(nbytes: int) -> str:
     """Format a byte count in the smallest binary unit (up to TiB) that keeps it below 1024 once rounded to two
     decimals: ``"1.5 MiB"``, and ``"1 MiB"`` for 1048575, not ``"1024 KiB"``."""
