@@ -102,3 +102,13 @@ def test_importing_the_arena_does_not_import_cupy_or_cuda_bindings():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("device", "provider_device"), [(0, None), ("cpu", 0), (1, 0)])
+def test_set_arena_refuses_an_arena_of_another_device(device, provider_device):
+    # get_arena(0) handed the host arena to cuDNN calls (or a device's arena to the NumPy ops) as their workspace
+    other = Arena(RecordingProvider(device_id=provider_device))
+    before = wsarena.arena._registry._arenas.get(device)
+    with pytest.raises(ValueError, match="arena.*device"):
+        set_arena(device, other)
+    assert wsarena.arena._registry._arenas.get(device) is before  # nothing installed, nothing forgotten

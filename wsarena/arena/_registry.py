@@ -119,13 +119,18 @@ def set_arena(device: Any, arena: Arena | None) -> Arena | None:
 
     For tests and for setups that want another provider, e.g. ``set_arena(0, Arena(AsyncProvider(0)))``. The
     old arena is not closed. Once ``arena`` is closed, :func:`get_arena` replaces it by a default one.
-    ``device`` here must be ``"cpu"`` or an ordinal (``None`` is not resolved).
+    ``device`` here must be ``"cpu"`` or an ordinal (``None`` is not resolved), and ``arena.device`` that device
+    (``None`` for ``"cpu"``): ``ValueError`` otherwise.
     """
     key = _device_key(device)
     if key is None:
         raise ValueError("set_arena needs 'cpu' or a device ordinal, not None")
     if arena is not None and not isinstance(arena, Arena):
         raise TypeError(f"arena must be an Arena or None, not {arena!r}")
+    if arena is not None and arena.device != (None if key == "cpu" else key):
+        # get_arena() would hand host memory to cuDNN, or one device's memory to another's calls
+        where = "the host" if arena.device is None else f"CUDA device {arena.device}"
+        raise ValueError(f"set_arena({device!r}, ...) was given an arena of {where} (its provider's device_id)")
     with _lock:
         old = _arenas.pop(key, None)
         if arena is not None:
