@@ -9,6 +9,7 @@ import pytest
 
 import wsarena
 from wsarena._geometry import conv_geometry
+from wsarena.arena import HostProvider
 from wsarena.backends._cpu_backend import CpuBackend
 from wsarena.models import ModelError
 from wsarena.tuning import tune
@@ -56,6 +57,23 @@ def test_reserve_for_names_a_bad_size_in_the_plan(fresh_arena):
     with pytest.raises(TypeError, match=r"plan.stream_bytes must be an int, not 2.5"):
         fresh_arena.reserve_for(Plan(), streams=["a", "b"])
     assert fresh_arena.stats().capacity_bytes == 0
+
+
+@pytest.mark.parametrize("streams", [5, "ab", b"ab", {"a", "b"}], ids=["int", "str", "bytes", "set"])
+def test_reserve_for_names_streams_that_are_not_a_list_of_them(fresh_arena, streams):
+    # 5 raised "'int' object is not iterable"; "ab" was taken as the two CPU lanes "a" and "b"
+    class Plan:
+        stream_bytes = (4096, 4096)
+
+    with pytest.raises(TypeError, match=r"streams must be a sequence of streams"):
+        fresh_arena.reserve_for(Plan(), streams=streams)
+    assert fresh_arena.stats().capacity_bytes == 0
+
+
+def test_an_arena_of_a_provider_class_is_refused():
+    # Arena(HostProvider) was taken; its first lease raised "allocate() missing 1 required positional argument"
+    with pytest.raises(TypeError, match=r"provider .*HostProvider.* is a class: pass an instance"):
+        wsarena.Arena(HostProvider)
 
 
 X = np.ones((1, 1, 8, 8), np.float32)

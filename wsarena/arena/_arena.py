@@ -95,6 +95,8 @@ class Arena:
     """
 
     def __init__(self, provider: Any) -> None:
+        if isinstance(provider, type):  # its methods are unbound: the first lease would fail on them
+            raise TypeError(f"provider {provider!r} is a class: pass an instance, {provider.__name__}(...)")
         if not hasattr(provider, "device_id") or not callable(getattr(provider, "allocate", None)):
             raise TypeError(f"provider {provider!r} is not a MemoryProvider (device_id, allocate, deallocate, ...)")
         self.provider = provider
@@ -192,6 +194,8 @@ class Arena:
             if len(sizes) > 1:
                 raise ValueError(f"a plan for {len(sizes)} streams needs streams=[...], one per planned stream")
             streams = [None] * len(sizes)
+        if isinstance(streams, (str, bytes)) or not isinstance(streams, Sequence):  # "ab" is no list of two lanes
+            raise TypeError(f"streams must be a sequence of streams, one per planned stream, not {streams!r:.80}")
         streams = list(streams)
         if len(streams) != len(sizes):
             raise ValueError(f"the plan has {len(sizes)} stream(s) but {len(streams)} were given")
