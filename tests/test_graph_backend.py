@@ -397,6 +397,15 @@ def test_device_properties_errors_pickle_with_their_file_and_member():
     check_members(json.dumps({"warpSize": "32", "maxGridSize": "x"}))  # types too
 
 
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"a": ' * 100_000])
+def test_device_properties_nested_too_deep_are_left_to_cudnn(text):
+    # the check of the members raised json's RecursionError: `wsarena report --device-properties` exited 3 with it
+    from wsarena.cudnn._deviceprops import check_members, members
+
+    assert members(text) is None
+    check_members(text, "deep.json")  # no JSON object: cuDNN's to refuse, as "not json"
+
 def test_the_device_is_named_as_cudnn_reads_the_properties(finalizing):
     """JSON with a member twice: cuDNN reads the first, Python's json the last; the label is the device cuDNN
     plans for."""

@@ -70,7 +70,7 @@ def members(text: str) -> dict[str, Any] | None:
     last); ``None`` if it is no JSON object."""
     try:
         value = json.loads(text, object_pairs_hook=lambda pairs: dict(reversed(pairs)))
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep for json's decoder
         return None
     return value if isinstance(value, dict) else None
 
