@@ -259,6 +259,20 @@ def test_device_properties_that_cannot_be_read_name_the_file(resnet50, tmp_path,
         wsarena.plan(resnet50[:3], device_properties=path)
 
 
+@pytest.mark.parametrize("value", [5, True, {"warpSize": 32}, [], b"{}", b"gpu.json", bytearray(b"{}")],
+                         ids=["int", "bool", "dict", "list", "bytes-json", "bytes-path", "bytearray"])
+def test_device_properties_of_another_type_are_the_type_error_naming_them(resnet50, value):
+    # os.fspath's "expected str, bytes or os.PathLike object, not dict" named nothing; bytes failed on a str prefix
+    with pytest.raises(TypeError, match=r"^device_properties must be the JSON text or a file holding it"):
+        wsarena.plan(resnet50[:3], device_properties=value)
+
+
+@pytest.mark.parametrize("value", ["\0", "gpu\0.json"])
+def test_device_properties_with_a_nul_name_the_argument(resnet50, value):
+    with pytest.raises(ValueError, match=r"^cannot read the device properties .*: embedded null byte"):
+        wsarena.plan(resnet50[:3], device_properties=value)
+
+
 @pytest.mark.parametrize("batch", [True, False, 0, 2.0])
 def test_batch_is_checked_before_anything_else(batch):
     with pytest.raises(ValueError, match="batch must be a positive int"):

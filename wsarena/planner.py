@@ -258,14 +258,18 @@ def plan(
         if search == "exhaustive" or max_slowdown is not None:
             raise ValueError("device_properties plans without the GPU: it cannot time algorithms (search heuristic)")
         backend, search = "cudnn", "heuristic"
-        text = os.fspath(device_properties)
+        text = os.fspath(device_properties) if isinstance(device_properties, (str, os.PathLike)) else None
+        if not isinstance(text, str):  # a dict of them, or bytes: os.fspath's own error named nothing
+            raise TypeError("device_properties must be the JSON text or a file holding it (a str or a path), not "
+                            f"{device_properties!r:.80}")
         source = None if text.lstrip().startswith("{") else text
         try:
             device_properties = text if source is None else Path(text).read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise ValueError(f"device properties {text!r} are not a JSON text file (not UTF-8: {exc})") from None
-        except OSError as exc:  # as load_model() names a model file it cannot read
-            raise ValueError(f"cannot read the device properties {text!r}: {exc.strerror or exc}") from None
+        except (OSError, ValueError) as exc:  # as load_model() names a model file it cannot read; ValueError: a NUL
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ValueError(f"cannot read the device properties {text!r}: {why}") from None
     if max_slowdown is not None:
         if cap_workspace is not _FROM_CONFIG:
             raise ValueError("give cap_workspace or max_slowdown, not both: max_slowdown chooses the cap")
