@@ -2,6 +2,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import wsarena
@@ -178,12 +179,18 @@ BAD_ENV = {  # setting: (its variable, an invalid value, a valid value given exp
 @pytest.mark.parametrize(
     ("changes", "error"),
     [({"cudnn_api": "v8"}, ValueError), ({"plan_cache_size": 0}, ValueError), ({"plan_cache_size": "8"}, TypeError),
-     ({"plan_cache_size": True}, TypeError)],
+     ({"plan_cache_size": True}, TypeError), ({"plan_cache_size": 8.0}, TypeError),
+     ({"plan_cache_size": np.bool_(True)}, TypeError)],
 )
 def test_bad_graph_api_settings_are_refused_and_change_nothing(changes, error):
     with pytest.raises(error, match=next(iter(changes))):
         configure(**changes)
     assert get_config() == Config()
+
+
+def test_plan_cache_size_takes_any_integer_type_as_an_int():
+    assert type(configure(plan_cache_size=np.int64(8)).plan_cache_size) is int  # was a TypeError
+    assert get_config().plan_cache_size == 8
 
 
 @pytest.mark.parametrize(

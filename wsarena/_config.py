@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import operator
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -155,8 +156,12 @@ class Config:
             raise ValueError(f"cudnn_api must be one of {CUDNN_APIS}, not {self.cudnn_api!r}")
         if self.cudnn_heuristic not in CUDNN_HEURISTICS:
             raise ValueError(f"cudnn_heuristic must be one of {CUDNN_HEURISTICS}, not {self.cudnn_heuristic!r}")
-        if isinstance(self.plan_cache_size, bool) or not isinstance(self.plan_cache_size, int):
-            raise TypeError(f"plan_cache_size must be an int, not {self.plan_cache_size!r}")
+        try:  # any integer type (numpy.int64), as sizes take; not a bool, nor a float
+            if isinstance(self.plan_cache_size, bool):
+                raise TypeError
+            object.__setattr__(self, "plan_cache_size", operator.index(self.plan_cache_size))
+        except TypeError:
+            raise TypeError(f"plan_cache_size must be an int, not {self.plan_cache_size!r}") from None
         if self.plan_cache_size < 1:
             raise ValueError(f"plan_cache_size must be >= 1, not {self.plan_cache_size}")
         if not isinstance(self.debug, bool):
