@@ -59,7 +59,7 @@ def test_reserve_for_names_a_bad_size_in_the_plan(fresh_arena):
     assert fresh_arena.stats().capacity_bytes == 0
 
 
-@pytest.mark.parametrize("streams", [5, "ab", b"ab", {"a", "b"}], ids=["int", "str", "bytes", "set"])
+@pytest.mark.parametrize("streams", [5, "ab", b"ab", {"a", "b"}, {"a": 1, "b": 2}], ids=["int", "str", "bytes", "set", "dict"])
 def test_reserve_for_names_streams_that_are_not_a_list_of_them(fresh_arena, streams):
     # 5 raised "'int' object is not iterable"; "ab" was taken as the two CPU lanes "a" and "b"
     class Plan:
@@ -68,6 +68,14 @@ def test_reserve_for_names_streams_that_are_not_a_list_of_them(fresh_arena, stre
     with pytest.raises(TypeError, match=r"streams must be a sequence of streams"):
         fresh_arena.reserve_for(Plan(), streams=streams)
     assert fresh_arena.stats().capacity_bytes == 0
+
+
+def test_reserve_for_takes_the_streams_from_any_ordered_iterable(fresh_arena):
+    class Plan:
+        stream_bytes = (4096, 8192)
+
+    fresh_arena.reserve_for(Plan(), streams=(s for s in ["a", "b"]))  # a generator, as a list
+    assert fresh_arena.held_bytes(stream="b") == 8192 and fresh_arena.held_bytes(stream="a") == 4096
 
 
 def test_an_arena_of_a_provider_class_is_refused():

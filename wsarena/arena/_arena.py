@@ -33,7 +33,8 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from .._config import get_config
@@ -170,16 +171,17 @@ class Arena:
             self._refuse(n, key, cap)
         self._reserve(n, key, anchor, cap)
 
-    def reserve_for(self, plan: Any, *, streams: Sequence[Any] | None = None) -> None:
+    def reserve_for(self, plan: Any, *, streams: Iterable[Any] | None = None) -> None:
         """Pre-size the sub-arenas a run of ``plan`` will use, so that the run itself allocates nothing.
 
         Parameters
         ----------
         plan : wsarena.planner.Plan
             Anything with ``stream_bytes``: the capacity each planned stream needs, in order.
-        streams : sequence, optional
-            The stream (or CPU lane) each planned stream will run on, in the same order. By default the calling
-            thread's default stream, which a one-stream plan needs; a plan for several streams must name them.
+        streams : iterable, optional
+            The stream (or CPU lane) each planned stream will run on, in the same order (a list, a tuple, a
+            generator; not a set). By default the calling thread's default stream, which a one-stream plan needs; a
+            plan for several streams must name them.
 
         The plan was made under its own cap, so its sizes are not checked against the configured cap again
         (each is rounded up by ``aligned_size``, as any growth is, so the capacity may sit just above it).
@@ -194,7 +196,8 @@ class Arena:
             if len(sizes) > 1:
                 raise ValueError(f"a plan for {len(sizes)} streams needs streams=[...], one per planned stream")
             streams = [None] * len(sizes)
-        if isinstance(streams, (str, bytes)) or not isinstance(streams, Sequence):  # "ab" is no list of two lanes
+        # in the plan's order: "ab" is no list of two lanes, nor is a set in any order
+        if isinstance(streams, (str, bytes, AbstractSet, Mapping)) or not isinstance(streams, Iterable):
             raise TypeError(f"streams must be a sequence of streams, one per planned stream, not {streams!r:.80}")
         streams = list(streams)
         if len(streams) != len(sizes):
