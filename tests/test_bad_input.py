@@ -59,7 +59,8 @@ def test_reserve_for_names_a_bad_size_in_the_plan(fresh_arena):
     assert fresh_arena.stats().capacity_bytes == 0
 
 
-@pytest.mark.parametrize("streams", [5, "ab", b"ab", {"a", "b"}, {"a": 1, "b": 2}], ids=["int", "str", "bytes", "set", "dict"])
+@pytest.mark.parametrize("streams", [5, "ab", b"ab", bytearray(b"ab"), {"a", "b"}, {"a": 1, "b": 2}],
+                         ids=["int", "str", "bytes", "bytearray", "set", "dict"])
 def test_reserve_for_names_streams_that_are_not_a_list_of_them(fresh_arena, streams):
     # 5 raised "'int' object is not iterable"; "ab" was taken as the two CPU lanes "a" and "b"
     class Plan:
@@ -76,6 +77,26 @@ def test_reserve_for_takes_the_streams_from_any_ordered_iterable(fresh_arena):
 
     fresh_arena.reserve_for(Plan(), streams=(s for s in ["a", "b"]))  # a generator, as a list
     assert fresh_arena.held_bytes(stream="b") == 8192 and fresh_arena.held_bytes(stream="a") == 4096
+
+
+def test_reserve_for_reads_no_further_than_one_stream_past_the_plan(fresh_arena):
+    # an endless iterator (itertools.cycle of the streams) was read into a list until memory ran out
+    class Plan:
+        stream_bytes = (4096, 8192)
+
+    pulled = []
+
+    def endless():
+        while len(pulled) < 100:
+            pulled.append(len(pulled))
+            yield f"lane{len(pulled)}"
+        raise AssertionError("reserve_for read the streams past the plan's length")
+
+    with pytest.raises(ValueError, match=r"the plan has 2 stream\(s\) but more were given"):
+        fresh_arena.reserve_for(Plan(), streams=endless())
+    assert len(pulled) == 3 and fresh_arena.stats().capacity_bytes == 0
+    with pytest.raises(ValueError, match=r"the plan has 2 stream\(s\) but 3 were given"):
+        fresh_arena.reserve_for(Plan(), streams=["a", "b", "c"])  # a list's length is told
 
 
 def test_an_arena_of_a_provider_class_is_refused():

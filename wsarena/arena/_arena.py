@@ -30,10 +30,11 @@ is in ``growing`` installs a new buffer. How the bookkeeping survives Ctrl-C is 
 
 from __future__ import annotations
 
+import itertools
 import operator
 import threading
 import weakref
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -197,11 +198,14 @@ class Arena:
                 raise ValueError(f"a plan for {len(sizes)} streams needs streams=[...], one per planned stream")
             streams = [None] * len(sizes)
         # in the plan's order: "ab" is no list of two lanes, nor is a set in any order
-        if isinstance(streams, (str, bytes, AbstractSet, Mapping)) or not isinstance(streams, Iterable):
+        if (isinstance(streams, (str, bytes, bytearray, memoryview, AbstractSet, Mapping))
+                or not isinstance(streams, Iterable)):
             raise TypeError(f"streams must be a sequence of streams, one per planned stream, not {streams!r:.80}")
-        streams = list(streams)
+        sized = isinstance(streams, Sized)  # an iterator is read one past the plan: an endless one ends there
+        streams = list(streams if sized else itertools.islice(streams, len(sizes) + 1))
         if len(streams) != len(sizes):
-            raise ValueError(f"the plan has {len(sizes)} stream(s) but {len(streams)} were given")
+            given = len(streams) if sized or len(streams) < len(sizes) else "more"
+            raise ValueError(f"the plan has {len(sizes)} stream(s) but {given} were given")
         resolved = [resolve_stream(s, lanes=self._lanes, current=self._current) for s in streams]
         for (key, anchor), n in zip(resolved, sizes):
             self._reserve(n, key, anchor, None)  # a plan's own cap is not known here
