@@ -105,6 +105,9 @@ def load_model(
     ------
     ModelError
         One line naming the problem (see the module docstring).
+    ValueError
+        ``asymmetric_pads`` other than ``"widen"`` or ``"error"``, whatever the source (a zoo name or a layer
+        list too, though only an ONNX model reads it).
     """
     check_asymmetric_pads(asymmetric_pads)  # an option of ONNX models, checked for any, as a typo would be missed
     if isinstance(source, (str, os.PathLike)):
