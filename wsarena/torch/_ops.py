@@ -224,9 +224,10 @@ def call(op: Any, a: Tensor, b: Tensor, *args: Any) -> Tensor:
     operators fall through anyway (they mutate nothing), and the kernel run straight runs in the same mode, so its
     results are inference tensors exactly where the dispatcher's are. A torch-function mode
     (``torch.set_default_device``'s among them) is handed wsarena.torch's function first, as it is handed torch's
-    own convolution; one that calls it on runs it without the mode, and straight. Not while a mode is in force: it cannot be told from any other by a
-    public check, and the kernel run straight under it would pay the mode's Python on each of its own torch calls,
-    which the dispatcher spares it.
+    own convolution. Inside its handler the mode is not in force, so the function it calls runs straight. While a
+    mode is in force, the operators go through the dispatcher: the mode cannot be told from any other by a public
+    check, and the kernel run straight under it would pay the mode's Python on each of its own torch calls, which
+    the dispatcher spares it.
     What Python cannot ask about goes unseen on the straight path: an ``ExecutionTraceObserver`` started without the
     profiler records the operators only from the dispatcher."""
     if (torch.is_grad_enabled() or torch._C._has_torch_function((a, b)) or torch._C._len_torch_dispatch_stack()
