@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import operator
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ except ImportError:  # an install made without dependencies
     platformdirs = None  # type: ignore[assignment]
 
 from . import _forksafe
-from ._sizes import ascii_int, parse_size
+from ._sizes import as_int, ascii_int, parse_size
 
 __all__ = [
     "ALGO_SEARCHES", "ALLOCATORS", "BACKENDS", "CUDNN_APIS", "CUDNN_HEURISTICS", "Config", "config", "configure",
@@ -156,12 +155,10 @@ class Config:
             raise ValueError(f"cudnn_api must be one of {CUDNN_APIS}, not {self.cudnn_api!r}")
         if self.cudnn_heuristic not in CUDNN_HEURISTICS:
             raise ValueError(f"cudnn_heuristic must be one of {CUDNN_HEURISTICS}, not {self.cudnn_heuristic!r}")
-        try:  # any integer type (numpy.int64), as sizes take; not a bool, nor a float
-            if isinstance(self.plan_cache_size, bool):
-                raise TypeError
-            object.__setattr__(self, "plan_cache_size", operator.index(self.plan_cache_size))
-        except TypeError:
-            raise TypeError(f"plan_cache_size must be an int, not {self.plan_cache_size!r}") from None
+        size = as_int(self.plan_cache_size)  # any integer type (numpy.int64), as sizes take; not a bool, nor a float
+        if size is None:
+            raise TypeError(f"plan_cache_size must be an int, not {self.plan_cache_size!r}")
+        object.__setattr__(self, "plan_cache_size", size)
         if self.plan_cache_size < 1:
             raise ValueError(f"plan_cache_size must be >= 1, not {self.plan_cache_size}")
         if not isinstance(self.debug, bool):

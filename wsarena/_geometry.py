@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from ._pass import Pass
+from ._sizes import as_int
 
 __all__ = [
     "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "conv_transpose_geometry",
@@ -140,12 +140,10 @@ def describe_geometry(geom: ConvGeometry) -> str:
 
 
 def _int(name: str, value: Any) -> int:
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:  # e.g. a float, or a NumPy array (whose own message would not name the argument)
-            pass
-    raise TypeError(f"{name} must be an int, not {value!r}")
+    n = as_int(value)
+    if n is None:  # e.g. a float, or a NumPy array (whose own message would not name the argument)
+        raise TypeError(f"{name} must be an int, not {value!r}")
+    return n
 
 
 def _is_sequence(value: Any) -> bool:

@@ -10,6 +10,7 @@ import operator
 import re
 import sys
 from decimal import Decimal, InvalidOperation, Overflow, localcontext
+from typing import Any
 
 __all__ = ["format_size", "parse_size"]
 
@@ -38,12 +39,7 @@ def parse_size(value: int | str) -> int:
     (``sys.get_int_max_str_digits()``).
     """
     if not isinstance(value, str):
-        n = None
-        if not isinstance(value, bool):
-            try:
-                n = operator.index(value)  # int, numpy.int64, ...; not a float, nor NumPy's bool (no __index__)
-            except TypeError:
-                pass
+        n = as_int(value)
         if n is None:
             raise TypeError(f"a size must be an int or a string such as '256MiB', not {value!r}")
         if n < 0:
@@ -71,6 +67,18 @@ def parse_size(value: int | str) -> int:
     if nbytes != nbytes.to_integral_value():
         raise ValueError(f"{value!r} is not a whole number of bytes")
     return int(nbytes)
+
+
+def as_int(value: Any) -> int | None:
+    """``value`` as an ``int`` where it is an integer of any type (``int``, ``numpy.int64``, ...), else ``None``: a
+    ``bool`` (``True == 1``, yet no count), a float, NumPy's bool (no ``__index__``), an array of one element (whose
+    ``__index__`` refuses). The one test of "an integer" behind every check that names its argument."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 _INTEGER = re.compile(r"\s*-?[0-9]+\s*")  # as sizes take digits: int() would take 1_0 and any script's digits

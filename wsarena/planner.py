@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +32,7 @@ from typing import Any
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._geometry import DTYPES, ConvGeometry
 from ._pass import PASSES
+from ._sizes import as_int
 from .algos import select
 from .backends import Candidate, device_properties_backend, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
@@ -171,12 +171,8 @@ def skipped_layers(layers: Any) -> tuple[tuple[str, str], ...]:
 def _integer(value: Any) -> Any:
     """``value`` as an ``int`` where it is an integer of any kind (NumPy's too, as the ops take them), else as it is,
     for the check that names it: a bool (NumPy's has no ``__index__``), a float, a sequence."""
-    if isinstance(value, bool):
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value
+    n = as_int(value)
+    return value if n is None else n
 
 
 def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[int]]:

@@ -31,7 +31,6 @@ is in ``growing`` installs a new buffer. How the bookkeeping survives Ctrl-C is 
 from __future__ import annotations
 
 import itertools
-import operator
 import threading
 import weakref
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Sized
@@ -39,7 +38,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from .._config import get_config
-from .._sizes import format_size
+from .._sizes import as_int, format_size
 from ..errors import WorkspaceCapError
 from . import _growth, _leases, _pinning
 from ._leases import POISON_BYTE
@@ -58,13 +57,7 @@ _CONFIGURED: Any = object()  # lease(cap=): the configured cap
 def _non_negative_int(value: Any, name: str = "nbytes", expected: str | None = None) -> int:
     """``value`` as a non-negative ``int`` (any integer type, not a ``bool``). ``TypeError`` says ``expected``
     (by default "``name`` must be an int"), ``ValueError`` that ``name`` cannot be negative."""
-    if isinstance(value, bool):
-        n = None
-    else:
-        try:
-            n = operator.index(value)
-        except TypeError:
-            n = None
+    n = as_int(value)
     if n is None:
         raise TypeError(f"{expected or f'{name} must be an int'}, not {value!r}")
     if n < 0:

@@ -7,13 +7,12 @@ turns it into a :class:`~wsarena._geometry.ConvGeometry` for a batch, dtype and 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._geometry import ConvGeometry, conv_geometry
+from .._sizes import as_int
 from ..errors import WsarenaError
 
 __all__ = ["ConvLayer", "LayerList", "ModelError"]
@@ -36,12 +35,10 @@ class ModelError(WsarenaError, ValueError):
 
 def _int(where: str, value: Any) -> int:
     # JSON gives floats and bools where a careless writer put 3.0 or true; neither is a size.
-    if not isinstance(value, bool):
-        try:
-            return int(operator.index(value))
-        except TypeError:  # no __index__, or one that refuses (a NumPy array of one element)
-            pass
-    raise ModelError(f"{where} must be an integer, not {value!r}")
+    n = as_int(value)  # None: no __index__, or one that refuses (a NumPy array of one element)
+    if n is None:
+        raise ModelError(f"{where} must be an integer, not {value!r}")
+    return n
 
 
 def _ints(where: str, value: Any) -> tuple[int, ...]:
@@ -153,12 +150,10 @@ class ConvLayer:
         ConvGeometry
             For a transposed layer, the forward-equivalent convolution (see the class notes).
         """
-        if not isinstance(batch, bool):  # numpy.int64 too, as the shapes take it
-            with contextlib.suppress(TypeError):  # else as it is, for the check that names it (a NumPy array)
-                batch = operator.index(batch)
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        n = as_int(batch)  # numpy.int64 too, as the shapes take it
+        if n is None or n < 1:
             raise ValueError(f"batch must be a positive integer, not {batch!r}")
-        x = (batch, *self.input_shape[1:])
+        x = (n, *self.input_shape[1:])
         w = self.weight_shape
         if layout == "NHWC":
             x = (x[0], *x[2:], x[1])
