@@ -30,8 +30,6 @@ __all__ = ["HOST_FN", "SEM_POST", "GraphPin", "free_posted"]
 _libc = ctypes.CDLL(None, use_errno=True)  # the process's own C library: sem_* live there (or in libpthread)
 _sem_init = _libc.sem_init
 _sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
-_sem_trywait = _libc.sem_trywait
-_sem_trywait.argtypes = [ctypes.c_void_p]
 _sem_getvalue = _libc.sem_getvalue
 _sem_getvalue.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
 _malloc = _libc.malloc
@@ -93,14 +91,7 @@ class GraphPin:
 
         It reads the semaphore's count (``sem_getvalue``) rather than taking the post (``sem_trywait``): a post taken
         and not yet recorded when an interrupt lands would be lost, and the pin would read live for good."""
-        state = self._state
-        if state[1]:
-            return False
-        count = ctypes.c_int(0)
-        if _sem_getvalue(state[0], ctypes.byref(count)) == 0 and count.value > 0:
-            state[1] = True
-            return False
-        return True
+        return not _posted(self._state)
 
     def never_held(self) -> None:
         """No graph was given this pin (the call that would have failed): post it here, as CUDA would have, so that it
@@ -111,11 +102,18 @@ class GraphPin:
         return f"GraphPin({'released' if self.released else 'live'})"
 
 
+def _posted(state: list[Any]) -> bool:
+    """Whether CUDA has posted the semaphore of ``state`` (recorded there once seen)."""
+    if not state[1]:
+        count = ctypes.c_int(0)
+        state[1] = _sem_getvalue(state[0], ctypes.byref(count)) == 0 and count.value > 0
+    return bool(state[1])
+
+
 def _let_go(state: list[Any]) -> None:
     """A pin was collected: free its semaphore if CUDA has posted it (it never will again); else it waits on the list
     of those :func:`free_posted` frees once CUDA has."""
-    if state[1] or _sem_trywait(state[0]) == 0:
-        state[1] = True
+    if _posted(state):
         _free(state[0])
     else:
         _unposted[state[0]] = state
@@ -132,8 +130,7 @@ def free_posted() -> None:
         state = _unposted.pop(address, None)
         if state is None:  # another caller's now
             continue
-        if state[1] or _sem_trywait(address) == 0:
-            state[1] = True
+        if _posted(state):
             _free(address)
         else:
             _unposted[address] = state
