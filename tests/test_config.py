@@ -93,6 +93,12 @@ def test_format_size(n, text):
     assert format_size(n) == text
 
 
+def test_format_size_is_exact_past_a_floats_range():
+    assert format_size(2**1100) == f"{2**1060} TiB"  # a float quotient overflows here
+    assert format_size(-(2**1100 + 2**38)) == f"-{2**1060}.25 TiB"
+    assert format_size(2**1100 + 5 * 2**37) == f"{2**1060}.62 TiB"  # .625 rounds half to even, as '%.2f' does
+
+
 def test_format_parse_round_trip():
     for n in (0, 1, 1023, 1024, 1 << 20, 5 << 30):
         assert parse_size(format_size(n).replace(" ", "")) == n

@@ -101,7 +101,11 @@ def format_size(nbytes: int) -> str:
     if n < 2**10:
         return f"{sign}{n} B"
     for unit, scale in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40)):
-        text = f"{n / scale:.2f}"
-        if float(text) < 1024:  # 1023.999 KiB rounds to 1024: that is 1 MiB
+        # hundredths of the unit, rounded half to even in integers: a float quotient overflows past 2**1064 bytes
+        hundredths, rest = divmod(n * 100, scale)
+        if 2 * rest > scale or (2 * rest == scale and hundredths % 2):
+            hundredths += 1
+        if hundredths < 1024 * 100:  # 1023.999 KiB rounds to 1024: that is 1 MiB
             break
-    return f"{sign}{text.rstrip('0').rstrip('.')} {unit}"
+    whole, frac = divmod(hundredths, 100)
+    return f"{sign}{whole}{f'.{frac:02d}'.rstrip('0').rstrip('.')} {unit}"
