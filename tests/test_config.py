@@ -372,6 +372,26 @@ def test_a_size_variable_past_64_bits_is_the_error_naming_it(monkeypatch):
         get_config()
 
 
+@pytest.mark.parametrize("var", ["WSARENA_CAP_WORKSPACE", "WSARENA_PLAN_CACHE_SIZE", "WSARENA_DEBUG"])
+def test_a_long_bad_variable_is_quoted_in_part(monkeypatch, var):
+    # the message names the variable and quotes the value's ends, not all of a megabyte of it
+    monkeypatch.setenv(var, "ab" + "x" * 1_000_000 + "yz")
+    wsarena._config._reset()
+    with pytest.raises(ValueError, match=f"{var}='abx+\\.\\.\\.x+yz'") as raised:
+        get_config()
+    assert len(str(raised.value)) < 400
+
+
+@pytest.mark.parametrize("value", ["x" * 100_000, -(10**5000), [1] * 100_000], ids=["str", "int", "list"])
+def test_a_long_bad_size_is_quoted_in_part(value):
+    with pytest.raises((TypeError, ValueError), match="cap_workspace=") as raised:
+        configure(cap_workspace=value)
+    assert len(str(raised.value)) < 400  # a huge negative int's repr() raised a ValueError of its own
+    with pytest.raises((TypeError, ValueError)) as raised:
+        parse_size(value)
+    assert len(str(raised.value)) < 400
+
+
 @pytest.mark.parametrize("value", ["\u0661\u0662", "\uff11\uff12", "1_0"])
 def test_the_plan_cache_variable_takes_ascii_digits(monkeypatch, value):
     # as sizes and the command's integers take them: int() took 1_0 and any script's digits

@@ -25,7 +25,7 @@ except ImportError:  # an install made without dependencies
     platformdirs = None  # type: ignore[assignment]
 
 from . import _forksafe
-from ._sizes import as_int, ascii_int, parse_size
+from ._sizes import as_int, ascii_int, parse_size, short_repr
 
 __all__ = [
     "ALGO_SEARCHES", "ALLOCATORS", "BACKENDS", "CUDNN_APIS", "CUDNN_HEURISTICS", "Config", "config", "configure",
@@ -179,11 +179,9 @@ def _named_size(key: str, value: Any) -> int | None:
     try:
         n = _parse_cap(value)
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{key}={value!r}: {exc}") from None
+        raise type(exc)(f"{key}={short_repr(value)}: {exc}") from None
     if n is not None and n > _SIZE_MAX:
-        shown = repr(value) if isinstance(value, str) else "a number"  # repr() of an int that large raises
-        raise ValueError(f"{key}={shown[:40]}{'...' if len(shown) > 40 else ''}: more than 2**64 - 1 bytes "
-                         "(none for no limit)")
+        raise ValueError(f"{key}={short_repr(value)}: more than 2**64 - 1 bytes (none for no limit)")
     return n
 
 
@@ -200,11 +198,11 @@ def _env_value(key: str, raw: str) -> Any:
         try:
             return ascii_int(raw)
         except ValueError:
-            raise ValueError(f"expected a positive integer, not {raw!r}") from None
+            raise ValueError(f"expected a positive integer, not {short_repr(raw)}") from None
     if key == "debug":
         low = raw.strip().lower()
         if low not in _TRUE | _FALSE:
-            raise ValueError(f"expected 1, true, yes or on, or 0, false, no or off, not {raw!r}")
+            raise ValueError(f"expected 1, true, yes or on, or 0, false, no or off, not {short_repr(raw)}")
         return low in _TRUE
     if key == "cache_dir":
         return raw.strip()  # a path keeps its case
@@ -224,7 +222,7 @@ def _from_env() -> _State:
             value = _env_value(key, raw)
             Config(**{key: value})
         except (TypeError, ValueError) as exc:
-            errors[key] = f"environment variable {var}={raw!r}: {exc}"
+            errors[key] = f"environment variable {var}={short_repr(raw)}: {exc}"
         else:
             values[key] = value
     return Config(**values), errors, dict.fromkeys(values, "environment")

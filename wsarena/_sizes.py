@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 import re
+import reprlib
 import sys
 from decimal import Decimal, InvalidOperation, Overflow, localcontext
 from typing import Any
@@ -26,6 +27,18 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+# An error quotes what it was given, not a megabyte of it: reprlib cuts a long string's or number's middle
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = 60
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` for an error message, its middle cut to ``...`` past about 60 characters."""
+    if isinstance(value, int) and value.bit_length() > 4096:  # repr() itself refuses past 4300 digits
+        return f"an integer of {value.bit_length()} bits"
+    return _SHORT.repr(value)
+
+
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*([A-Za-z]*)\s*")  # \d would take any script's digits
 
 
@@ -41,18 +54,18 @@ def parse_size(value: int | str) -> int:
     if not isinstance(value, str):
         n = as_int(value)
         if n is None:
-            raise TypeError(f"a size must be an int or a string such as '256MiB', not {value!r}")
+            raise TypeError(f"a size must be an int or a string such as '256MiB', not {short_repr(value)}")
         if n < 0:
-            raise ValueError(f"a size cannot be negative: {value!r}")
+            raise ValueError(f"a size cannot be negative: {short_repr(value)}")
         return n
     match = _SIZE.fullmatch(value)
     if match is None:
-        raise ValueError(f"not a size: {value!r} (expected e.g. '512', '64KiB', '1.5GiB', '2GB')")
+        raise ValueError(f"not a size: {short_repr(value)} (expected e.g. '512', '64KiB', '1.5GiB', '2GB')")
     number, unit = match.groups()
     scale = _UNITS.get(unit.lower())
     if scale is None:
         known = ", ".join(u for u in ("B", "kB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"))
-        raise ValueError(f"unknown size unit {unit!r} in {value!r} (known: {known})")
+        raise ValueError(f"unknown size unit {short_repr(unit)} in {short_repr(value)} (known: {known})")
     digits = len(number.partition(".")[0])
     if 0 < sys.get_int_max_str_digits() < digits:  # as int() refuses it: its conversion to an int takes seconds
         raise ValueError(f"a size of {digits} digits is too large")
@@ -61,11 +74,11 @@ def parse_size(value: int | str) -> int:
         with localcontext(prec=len(number) + 16):  # the scale has at most 13 digits
             nbytes = Decimal(number) * scale
     except InvalidOperation:  # pragma: no cover - the regex admits only decimal numerals
-        raise ValueError(f"not a size: {value!r}") from None
+        raise ValueError(f"not a size: {short_repr(value)}") from None
     except Overflow:  # past the largest exponent a Decimal has (a number of a million digits)
         raise ValueError(f"a size of {len(number)} digits is too large") from None
     if nbytes != nbytes.to_integral_value():
-        raise ValueError(f"{value!r} is not a whole number of bytes")
+        raise ValueError(f"{short_repr(value)} is not a whole number of bytes")
     return int(nbytes)
 
 
