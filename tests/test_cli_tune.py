@@ -203,6 +203,26 @@ def test_cache_info_and_clear(capsys, model, tmp_path, monkeypatch):
     assert json.loads(out) == {"directory": str(folder), "removed": 0, "freed_bytes": 0}
 
 
+def test_cache_info_and_clear_escape_control_characters(capsys, model, tmp_path, monkeypatch):
+    # a folder's name and an entry's strings (a file anyone may edit) reach a terminal: a newline would forge a line,
+    # an escape sequence would drive the terminal
+    folder = tmp_path / "ca\nche\x1b[2J"
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(folder))
+    wsarena._config._reset()
+    calls = tune_json(capsys, model)["distinct_calls"]
+    entry = next((folder / "search").glob("*.json"))
+    data = json.loads(entry.read_text())
+    data["key"]["environment"]["device"] = "cpu\n  999  forged\x1b[31m"
+    entry.write_text(json.dumps(data))
+    code, out, _ = run_main(capsys, "cache", "info")
+    escaped = str(folder).replace("\n", "\\n").replace("\x1b", "\\x1b")
+    assert code == 0 and "\x1b" not in out and len(out.splitlines()) == 4, out
+    assert out.splitlines()[0] == f"search cache: {escaped} (from WSARENA_CACHE_DIR)"
+    assert "cpu\\n  999  forged\\x1b[31m" in out and f"{calls - 1}  cpu:" in out
+    code, out, _ = run_main(capsys, "cache", "clear")
+    assert code == 0 and out.endswith(f"from {escaped}\n") and len(out.splitlines()) == 1
+
+
 @pytest.mark.parametrize("value", ["lots", "0", "-1MiB"])
 def test_a_bad_cache_size_exits_2_naming_the_variable(capsys, model, monkeypatch, tmp_path, value):
     monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / "cache"))

@@ -155,17 +155,19 @@ def cache_output(action: str, fmt: str) -> str:
         off = f"{searchcache.ENV_VAR}=off" if source == "environment" else f"set by {source}()"
         return f"the search cache is off ({off})\n"
     where = _SOURCES.get(source, f"{source}()")
+    directory = printable(data["directory"])  # a folder's name, as an entry's strings, may hold a newline or an escape
     if action == "clear":
-        return f"removed {data['removed']} entries ({format_size(data['freed_bytes'])}) from {data['directory']}\n"
+        return f"removed {data['removed']} entries ({format_size(data['freed_bytes'])}) from {directory}\n"
     cap = data["max_size_bytes"]
     limit = "no limit" if cap is None else f"limit {format_size(cap)}"
     lines = [
-        f"search cache: {data['directory']} (from {where})",
+        f"search cache: {directory} (from {where})",
         f"entries: {data['entries']} ({format_size(data['size_bytes'])}; {limit})",
     ]
     if data["unreadable"]:
         lines.append(f"unreadable files (replaced when their call is searched again): {data['unreadable']}")
     for env in data["environments"]:
-        api = f", {env['api']} API" if env["api"] else ""
-        lines.append(f"  {env['entries']:>6}  {env['backend']}: {env['device']} (wsarena {env['wsarena']}{api})")
+        backend, device, version, api = (printable(str(env[k])) for k in ("backend", "device", "wsarena", "api"))
+        api = f", {api} API" if env["api"] else ""
+        lines.append(f"  {env['entries']:>6}  {backend}: {device} (wsarena {version}{api})")
     return "\n".join(lines) + "\n"
