@@ -4,6 +4,8 @@ and the hint an error about an unplannable ONNX node gives; for `report` and `tu
 import contextlib
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from onnx import TensorProto, helper
@@ -186,6 +188,20 @@ def test_output_the_terminal_cannot_encode_exits_3_saying_so(tmp_path, fmt):
     assert done.stderr.startswith("wsarena: error: cannot write the output: its encoding, ascii, cannot show '\\xfc'")
     assert done.stderr.count("\n") == 1 and "PYTHONIOENCODING=utf-8" in done.stderr
     assert run_cli("report", str(path), "--backend", "cpu", "--format", fmt).returncode == 0  # UTF-8 shows it
+
+
+def test_a_lone_surrogate_no_encoding_shows_exits_3_saying_how_to_write_it(tmp_path):
+    # JSON's "\udcff", or a byte that decoded to no character: a UTF-8 locale, the usual advice, cannot show it
+    path = tmp_path / "names.json"
+    path.write_text('[{"name": "a\\udcffb", "input_shape": [1, 4, 8, 8], "weight_shape": [4, 4, 3, 3]}]')
+    done = run_cli("report", str(path), "--backend", "cpu", "--format", "csv", env={"PYTHONIOENCODING": "utf-8"})
+    assert done.returncode == 3 and done.stderr.count("\n") == 1
+    assert "cannot show '\\udcff' (a lone surrogate" in done.stderr and "UTF-8 locale" not in done.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    argv = [sys.executable, "-m", "wsarena", "report", str(path), "--backend", "cpu", "--format", "csv"]
+    fixed = subprocess.run(argv, capture_output=True, env={**env, "PYTHONIOENCODING": "utf-8:surrogateescape"},
+                           check=False)
+    assert fixed.returncode == 0 and b"\na\xffb," in fixed.stdout  # as the hint says: the byte 0xff
 
 
 @pytest.mark.parametrize(

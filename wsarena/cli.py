@@ -133,10 +133,12 @@ def _output() -> Iterator[None]:
         raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
     except UnicodeEncodeError as exc:  # a name the locale's encoding has no character for: not bad input
         shown = exc.object[exc.start:exc.end]
-        raise OutputError(
-            f"cannot write the output: its encoding, {exc.encoding}, cannot show {shown!r} (use a UTF-8 locale or "
-            "set PYTHONIOENCODING=utf-8)"
-        ) from None
+        if any("\ud800" <= c <= "\udfff" for c in shown):  # as a byte that decoded to no character reads
+            hint = "a lone surrogate, which no encoding shows; PYTHONIOENCODING=utf-8:surrogateescape writes a byte"
+        else:
+            hint = "use a UTF-8 locale or set PYTHONIOENCODING=utf-8"
+        why = f"its encoding, {exc.encoding}, cannot show {shown!r} ({hint})"
+        raise OutputError(f"cannot write the output: {why}") from None
 
 
 _bars: list[Any] = []  # the progress bar being drawn, which a warning wipes first
