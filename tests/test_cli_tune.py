@@ -235,6 +235,23 @@ def test_a_bad_cache_size_exits_2_naming_the_variable(capsys, model, monkeypatch
     assert not (tmp_path / "cache").exists()  # refused before anything was searched or saved
 
 
+@pytest.mark.parametrize("var", ["WSARENA_CAP_WORKSPACE", "WSARENA_BACKEND", "WSARENA_DEBUG", "WSARENA_ALLOCATOR"])
+def test_the_cache_command_reads_only_the_caches_settings(capsys, model, monkeypatch, tmp_path, var):
+    # the command uses the folder and its size limit alone: a bad variable of another setting does not stop it
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / "cache"))
+    wsarena._config._reset()
+    calls = tune_json(capsys, model)["distinct_calls"]
+    monkeypatch.setenv(var, "lots")
+    wsarena._config._reset()
+    code, out, err = run_main(capsys, "cache", "info", "--format", "json")
+    assert (code, err) == (0, "") and json.loads(out)["entries"] == calls
+    assert json.loads(out)["source"] == "environment"  # the folder's origin, still its variable
+    code, out, err = run_main(capsys, "cache", "clear", "--format", "json")
+    assert (code, err) == (0, "") and json.loads(out)["removed"] == calls
+    code, out, err = run_main(capsys, "report", model)  # a command that reads it still stops
+    assert code == 2 and err.startswith(f"wsarena: error: environment variable {var}='lots': ")
+
+
 def test_two_processes_tuning_at_once_lose_no_entry(model, tmp_path):
     env = {"WSARENA_CACHE_DIR": str(tmp_path / "cache")}
     argv = [sys.executable, "-m", "wsarena", "tune", model, "--backend", "cpu", "--format", "json"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._cli_args import UsageError, input_shapes, parser
-from ._config import _FROM_CONFIG, _given, config
+from ._config import _FROM_CONFIG, Config, _given, config
 from ._report_cli import render_table, write_csv
 from ._tune_cli import cache_output, tune_output
 from .errors import BackendUnavailableError
@@ -246,9 +247,16 @@ def _tune(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# What `wsarena cache` reads: an invalid variable of any other setting does not stop it
+_CACHE_SETTINGS = ("cache_dir", "search_cache_max_size")
+
+
 def _cache(args: argparse.Namespace) -> int:
+    defaults = Config()
+    unread = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(Config) if f.name not in _CACHE_SETTINGS}
     try:
-        text = cache_output(args.action, args.format)
+        with config(**unread):
+            text = cache_output(args.action, args.format)
     except OSError as exc:  # the folder, not the command, is at fault: a file in its place, or no permission
         print(f"wsarena: error: cannot {'read' if args.action == 'info' else 'clear'} the search cache: {exc}",
               file=sys.stderr)
