@@ -681,6 +681,20 @@ def test_one_folder_reached_through_a_symlink_counts_once(tmp_path, limit):
         assert entries_size(real) <= limit, k
 
 
+def test_the_trim_removes_a_killed_writers_file_and_leaves_a_write_in_progress_uncounted(cache, limit):
+    put(1)
+    folder = cache / "search"
+    killed, writing = folder / named_as_write("killed an hour ago"), folder / named_as_write("writing now")
+    for path in (killed, writing):
+        path.write_bytes(b"{" * 20_000)
+    os.utime(killed, (time.time() - 7200, time.time() - 7200))
+    algos.cache_clear()
+    _searchcache_folder.known_size.clear()  # a fresh process: its first write lists the folder
+    put(2)
+    assert not killed.exists() and writing.exists()
+    assert list(_searchcache_folder.known_size.values()) == [entries_size(cache)]  # the write's bytes are not its
+
+
 def test_a_dangling_symlink_in_the_folder_is_removed_by_the_trim_and_by_clear(cache, limit):
     """A link whose target is gone is no entry, and nothing reads it or replaces it: left alone, it would stay in
     the folder for good."""
