@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import subprocess
@@ -92,12 +93,20 @@ def _git_commit() -> str | None:
     return head if top and Path(top).resolve() == ROOT else None
 
 
+def _workers(marker: str) -> list[str]:
+    """pytest-xdist's arguments for the tests that need no GPU, where it is installed: they take some three minutes
+    in one process, a good part of a lent machine's time. The GPU tests run in one process, as users run them."""
+    if marker == "gpu" or importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(min(8, os.cpu_count() or 1))]
+
+
 def _pytest(marker: str, timeout: float, per_test: float, extra: list[str], env: dict) -> dict:
     """One pytest run over the tests selected by ``-m marker``; its counts and exit status."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         command = [
-            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
+            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, *_workers(marker),
             f"--timeout={per_test:g}", f"--junitxml={junit}", *extra,
         ]
         run = _run(command, timeout, env)

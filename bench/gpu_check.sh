@@ -7,9 +7,10 @@
 # gpu-check.log (under $OUT when set), written as each phase ends.
 #
 # What such a machine lacks (pycparser, for the header checks; platformdirs, else the cache folder follows the
-# XDG rule; RAPIDS RMM, for the test of RMM under CuPy's allocator, which is skipped without it) comes as wheels in
-# the folder WSARENA_WHEELS names, prepared where pip works:
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl pycparser platformdirs \
+# XDG rule; pytest-xdist, which runs the tests that need no GPU in parallel; RAPIDS RMM, for the test of RMM under
+# CuPy's allocator, which is skipped without it) comes as wheels in the folder WSARENA_WHEELS names, prepared where
+# pip works:
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl pycparser platformdirs pytest-xdist execnet \
 #       rmm-cu13 librmm-cu13 rapids-logger
 # The image's cuda-core may predate what wsarena uses (Device, Stream.from_handle and DeviceMemoryResource at the
 # top level of cuda.core): then it is replaced from the same folder, given wheels for that machine's Python
@@ -24,6 +25,8 @@ PY=${PYTHON:-python3}
 if [ -n "${WSARENA_WHEELS:-}" ]; then
   "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WSARENA_WHEELS" pycparser platformdirs \
     || echo "gpu_check: could not install pycparser and platformdirs from $WSARENA_WHEELS" >&2
+  "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WSARENA_WHEELS" pytest-xdist execnet \
+    || echo "gpu_check: no pytest-xdist from $WSARENA_WHEELS; the tests that need no GPU run in one process" >&2
   "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WSARENA_WHEELS" rmm-cu13 librmm-cu13 rapids-logger \
     || echo "gpu_check: no RAPIDS RMM from $WSARENA_WHEELS; its test will be skipped" >&2
 fi
