@@ -292,6 +292,50 @@ def test_config_block_is_local_to_its_thread():
     assert seen == [None]
 
 
+def test_one_config_object_is_reusable_and_re_entrant():
+    # as torch.no_grad() objects are: a block kept in a variable and entered again raised AttributeError
+    small = config(cap_workspace="1MiB")
+    for _ in range(2):
+        with small as c:
+            assert c.cap_workspace == get_config().cap_workspace == 1 << 20
+        assert get_config().cap_workspace is None
+    with config(algo_search="exhaustive"), small:  # the changes apply where the block begins, as before
+        assert get_config() == Config(cap_workspace=1 << 20, algo_search="exhaustive")
+        with config(cap_workspace=0), small:
+            assert get_config() == Config(cap_workspace=1 << 20, algo_search="exhaustive")
+        assert get_config().cap_workspace == 1 << 20
+    assert get_config() == Config()
+    with pytest.raises(ValueError, match="cap_workspace"), config(cap_workspace="lots"):
+        pass  # checked where the block begins
+    assert get_config() == Config()
+
+
+def test_a_config_decorator_serves_several_threads_at_once():
+    @config(cap_workspace=0)
+    def call(seen: list, started: threading.Barrier, hold: threading.Barrier) -> None:
+        started.wait()  # every thread inside the one object's block at once
+        seen.append(get_config().cap_workspace)
+        hold.wait()
+
+    seen: list = []
+    errors: list = []
+    started, hold = threading.Barrier(4), threading.Barrier(4)
+
+    def worker() -> None:
+        try:
+            call(seen, started, hold)  # each thread's block ends with the token it began with
+            seen.append(get_config().cap_workspace)
+        except BaseException as exc:  # noqa: BLE001 - a thread's error, reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and sorted(seen, key=str) == [0] * 4 + [None] * 4 and get_config().cap_workspace is None
+
+
 def test_config_is_frozen():
     with pytest.raises(AttributeError):
         get_config().cap_workspace = 1

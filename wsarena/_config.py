@@ -15,7 +15,8 @@ import contextlib
 import contextvars
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -305,12 +306,32 @@ def configure(**changes: Any) -> Config:
     return new
 
 
-@contextlib.contextmanager
-def config(**changes: Any) -> Iterator[Config]:
-    """Override settings for the body of a ``with`` block, in this thread or task only."""
-    new = _with_changes(changes)
-    with using(new):
-        yield new
+class config(contextlib.ContextDecorator):  # lower case: used as a function
+    """Override settings for the body of a ``with`` block, in this thread or task only; ``as`` gives the
+    :class:`Config` in force in it. The changes apply to the settings in force where the block begins (an enclosing
+    block's), and are checked there. Reusable and re-entrant, also by several threads at once, and usable as a
+    decorator (which enters this one object at every call)."""
+
+    __slots__ = ("changes", "tokens")
+
+    def __init__(self, **changes: Any) -> None:
+        self.changes = changes
+        # per thread, the tokens of the blocks this object began there: a token is reset in the context it was made
+        self.tokens: dict[int, list[contextvars.Token[Config | None]]] = {}
+
+    def __enter__(self) -> Config:
+        new = _with_changes(self.changes)
+        token = _override.set(new)
+        self.tokens.setdefault(threading.get_ident(), []).append(token)
+        return new
+
+    def __exit__(self, *exc: object) -> None:
+        ident = threading.get_ident()
+        mine = self.tokens[ident]
+        token = mine.pop()
+        if not mine:
+            del self.tokens[ident]
+        _override.reset(token)
 
 
 def overridden() -> Config | None:
