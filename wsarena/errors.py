@@ -108,7 +108,8 @@ class AlignmentWorkspaceError(WorkspaceMemoryError):
     """cuDNN's execution plan for the operands' alignment needs more workspace than its candidate was leased, which
     is the size of its plan for 16-byte-aligned operands (the graph API; a view at an odd offset runs a plan of
     its own). A chosen candidate is passed over for the next; one forced with ``algo=`` cannot run these operands
-    (copy them to 16-byte-aligned addresses, or leave ``algo=`` out)."""
+    (copy them to 16-byte-aligned addresses, or leave ``algo=`` out). ``requested`` is that plan's workspace and
+    ``held`` the bytes leased for the candidate (the sub-arena's buffer may be larger)."""
 
 
 class NoAlgorithmFitsError(WorkspaceMemoryError):
