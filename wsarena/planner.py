@@ -3,7 +3,7 @@
 :func:`plan` asks the same backend and the same algorithm choice that the ops use, so in a real run the largest
 lease on each stream is that stream's entry of ``stream_bytes`` (``arena_bytes`` over all streams: the arena's
 ``high_water_bytes`` for one stream). The arena itself ends up holding slightly more: each sub-arena rounds its
-size up with :func:`wsarena.arena.aligned_size`, so its ``capacity_bytes`` is the plan's ``held_bytes``, which is
+size up with :func:`wsarena.arena._stats.aligned_size`, so its ``capacity_bytes`` is the plan's ``held_bytes``, which is
 also what ``arena.reserve_for(plan)`` reserves. (An exhaustive search can leave a sub-arena larger still: it times
 the candidates in one workspace as large as the largest of them.)
 
@@ -103,7 +103,7 @@ class Plan:
 
     @property
     def held_bytes(self) -> int:
-        """What the arena's buffers come to once it rounds each up (:func:`wsarena.arena.aligned_size`)."""
+        """What the arena's buffers come to once it rounds each up (:func:`wsarena.arena._stats.aligned_size`)."""
         from .arena._stats import aligned_size
 
         return sum(aligned_size(b) for b in self.stream_bytes)
