@@ -1,0 +1,147 @@
+"""What the README tells a user to type: its first two commands, and the cap's three forms (``configure()``,
+``WSARENA_CAP_WORKSPACE``, ``--cap-workspace``), which must give one and the same cap."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tomllib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import wsarena
+
+from .cli_helpers import run_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+PASSES = ("fwd", "bwd_data", "bwd_filter")
+
+
+def _first_commands() -> list[list[str]]:
+    """The README's first code block, each command line split at ``&&`` into its steps (comments left out)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme.index("```bash\n") + len("```bash\n")
+    block = readme[start:readme.index("```", start)]
+    return [[step.strip() for step in line.split("&&")] for line in block.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_readme_first_commands_name_what_the_package_has_and_the_report_runs():
+    """Each line makes a venv, activates it and installs the package (with an extra the package defines), then runs
+    the main job or the tests; the main job, run as written, prints the totals the README's first paragraph
+    promises (shared against unshared)."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)
+    lines = _first_commands()
+    assert len(lines) == 2
+    ran = []
+    for steps in lines:
+        assert steps[:2] == ["python3 -m venv .venv", ". .venv/bin/activate"], steps
+        install = shlex.split(steps[2])
+        assert install[:2] == ["pip", "install"], steps
+        target = install[-1]
+        if "[" in target:  # ".[test]": an extra of this package
+            extras = target[target.index("[") + 1:target.index("]")].split(",")
+            assert set(extras) <= set(project["project"]["optional-dependencies"]), target
+        command = shlex.split(steps[3])
+        if command[0] == "wsarena":
+            assert project["project"]["scripts"]["wsarena"] == "wsarena.cli:main"
+            r = run_cli(*command[1:])  # python -m wsarena: the same main()
+            assert (r.returncode, r.stderr) == (0, ""), r.stderr
+            totals = r.stdout.strip().splitlines()[-3:]
+            assert totals[0].startswith("unshared: one workspace per layer and pass"), totals
+            assert totals[1].startswith("wsarena arena: the largest workspace per stream"), totals
+            assert totals[2].startswith("saved:"), totals
+            ran.append("report")
+        else:
+            assert command == ["python", "-m", "pytest"], steps
+            assert "pytest" in " ".join(project["project"]["optional-dependencies"][extras[0]])
+            assert project["tool"]["pytest"]["ini_options"]["testpaths"] == ["tests"]
+            ran.append("tests")
+    assert ran == ["report", "tests"]
+
+
+def _run_model(model: str) -> dict[str, Any]:
+    """The plan of ``model`` under the settings in force, and the largest lease its three passes take when run
+    through the ops on NumPy arrays of its shapes (batch 1, as planned)."""
+    layers = wsarena.load_model(model)
+    rng = np.random.default_rng(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", wsarena.WorkspaceCapWarning)
+        plan = wsarena.plan(layers, backend="cpu")
+        for layer in layers:
+            g = layer.geometry()
+            x = rng.random(g.input_shape, dtype=np.float32)
+            w = rng.random(g.weight_shape, dtype=np.float32)
+            args = {"stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups}
+            y = wsarena.conv_forward(x, w, **args)
+            wsarena.conv_backward_data(y, w, input_shape=x.shape, **args)
+            wsarena.conv_backward_filter(x, y, weight_shape=w.shape, **args)
+    return {"plan": plan.to_dict(), "high_water": wsarena.get_arena("cpu").stats().high_water_bytes}
+
+
+def _run_model_in_child(model: str, env: dict[str, str]) -> dict[str, Any]:
+    """:func:`_run_model` in a new process, as a user's script runs, with ``env`` and no other WSARENA_* variable."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    full_env.update(env)
+    code = "import json, sys; from tests.test_readme import _run_model; print(json.dumps(_run_model(sys.argv[1])))"
+    r = subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, env=full_env, cwd=ROOT,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _choices(report: dict[str, Any]) -> list[tuple[str, str, int]]:
+    """Each layer's algorithm and workspace per pass, from a report's JSON (``Plan.to_dict()``)."""
+    return [(layer["name"], layer[p]["algo"], layer[p]["workspace_bytes"])
+            for layer in report["layers"] for p in PASSES]
+
+
+def test_the_cap_set_in_python_in_the_environment_or_on_the_command_line_is_one_cap(tmp_path):
+    """``wsarena.configure(cap_workspace="4KiB")``, ``WSARENA_CAP_WORKSPACE=4KiB`` and ``--cap-workspace 4KiB`` (the
+    README's three ways) each bound every call's workspace, the ops' as well as the plan's, and choose alike."""
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps([
+        {"name": "c3x3", "input_shape": [1, 8, 16, 16], "weight_shape": [8, 8, 3, 3], "padding": 1},
+        {"name": "c1d", "input_shape": [1, 4, 64], "weight_shape": [6, 4, 5], "stride": 2},
+    ]))
+    cap = 4 << 10  # c3x3's passes need more, c1d's fit: both kinds of choice
+    uncapped = _run_model_in_child(str(model), {})
+    assert uncapped["plan"]["cap_workspace_bytes"] is None
+    assert uncapped["high_water"] > cap and max(ws for *_, ws in _choices(uncapped["plan"])) > cap  # a cap to obey
+
+    environment = _run_model_in_child(str(model), {"WSARENA_CAP_WORKSPACE": "4KiB"})
+    wsarena.configure(cap_workspace="4KiB")
+    python = _run_model(str(model))
+    r = run_cli("report", str(model), "--backend", "cpu", "--format", "json", "--cap-workspace", "4KiB")
+    assert r.returncode == 0, r.stderr
+    command_line = json.loads(r.stdout)
+
+    for run in (environment, python):
+        assert run["plan"]["cap_workspace_bytes"] == cap
+        assert run["high_water"] == max(ws for *_, ws in _choices(run["plan"])) > 0  # the ops leased as planned
+    assert command_line["cap_workspace_bytes"] == cap
+    choices = _choices(command_line)
+    assert all(ws <= cap for *_, ws in choices)
+    assert _choices(environment["plan"]) == _choices(python["plan"]) == choices
+
+
+def test_tunes_apply_line_exported_is_the_cap_the_next_command_runs_under(tmp_path):
+    """``export $(wsarena tune MODEL --apply)``: the line is one NAME=VALUE a shell exports, and the next command
+    reads it back as the recommended cap."""
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps([{"name": "c", "input_shape": [1, 8, 16, 16], "weight_shape": [8, 8, 3, 3]}]))
+    r = run_cli("tune", str(model), "--backend", "cpu", "--apply")
+    assert r.returncode == 0, r.stderr
+    (line,) = r.stdout.splitlines()
+    name, value = line.split("=")
+    assert name == "WSARENA_CAP_WORKSPACE" and value.isdigit()
+    r = run_cli("report", str(model), "--backend", "cpu", "--format", "json", env={name: value})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["cap_workspace_bytes"] == int(value)
