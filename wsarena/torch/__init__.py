@@ -23,7 +23,8 @@ Gradients of gradients are wsarena's passes too (:class:`WeightGradFunction` is 
 ``hessian`` (through the functions and modules: the public Functions define no ``jvp``, which ``torch.compile``
 refuses). Under ``torch.compile(dynamic=True)`` and ``torch.export`` with a ``Dim`` the batch and spatial sizes stay
 symbolic. CUDA tensors run on PyTorch's current stream; the device's arena takes its memory from PyTorch's caching
-allocator unless it was made before with another (the setting ``allocator``).
+allocator unless it was made before with another (the setting ``allocator``). :func:`layers` lists a model's
+convolutions for :func:`wsarena.plan` and :func:`wsarena.tune`.
 
 Needs PyTorch (``pip install "wsarena[torch]"``); ``import wsarena`` alone never imports it.
 """
@@ -47,6 +48,7 @@ from ._functional import (
     conv_transpose2d,
     conv_transpose3d,
 )
+from ._layers import layers
 from ._modules import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, convert
 
 __all__ = [
@@ -67,4 +69,5 @@ __all__ = [
     "conv_transpose2d",
     "conv_transpose3d",
     "convert",
+    "layers",
 ]

@@ -1,0 +1,194 @@
+"""wsarena.torch.layers: a PyTorch model's convolutions as the layers wsarena plans, checked two ways: a ResNet-50
+written as torchvision writes it gives the zoo's ``resnet50`` layer for layer, and each layer's convolution, run
+through wsarena's ops on the input PyTorch padded as the layer says, gives what the module computed."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import wsarena
+import wsarena.torch as wt
+from wsarena.models import ModelError, layers_to_json
+
+from .cli_helpers import run_main
+
+
+class Bottleneck(nn.Module):  # torchvision's ResNet v1.5 block: the stride on the 3x3
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, width * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(width * 4)
+        self.relu = nn.ReLU()
+        self.downsample = None
+        if stride != 1 or cin != width * 4:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, width * 4, 1, stride=stride, bias=False),
+                                            nn.BatchNorm2d(width * 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        identity = x if self.downsample is None else self.downsample(x)
+        return self.relu(out + identity)
+
+
+class ResNet50(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU()
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        cin, stages = 64, []
+        for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            stage = []
+            for i in range(blocks):
+                stage.append(Bottleneck(cin, width, stride if i == 0 else 1))
+                cin = width * 4
+            stages.append(nn.Sequential(*stage))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.fc = nn.Linear(2048, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def test_a_resnet50_on_the_meta_device_gives_the_zoos_layers():
+    model = ResNet50().to("meta")  # nothing is computed: a model of any size is read in a moment
+    found = wt.layers(model, torch.empty(8, 3, 224, 224, device="meta"))
+    assert found == wsarena.load_model("resnet50")
+
+
+def _padded(module: nn.Module, x: torch.Tensor, layer: wsarena.ConvLayer) -> torch.Tensor:
+    """``x`` padded as the layer says PyTorch pads it: by the module's own mode over its whole padding where that
+    mode is not zeros, else with zeros at the end up to the layer's input size."""
+    x = x if x.dim() == len(layer.input_shape) else x.unsqueeze(0)
+    if module.padding_mode != "zeros":
+        return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+    extra = [want - have for want, have in zip(layer.input_shape[2:], x.shape[2:])]
+    return F.pad(x, [p for e in reversed(extra) for p in (0, e)])
+
+
+MODULES = {
+    "1d-strided": (nn.Conv1d(3, 4, 5, stride=2, padding=1, bias=False), (2, 3, 17)),
+    "2d-grouped-dilated": (nn.Conv2d(4, 6, 3, padding=2, dilation=2, groups=2, bias=False), (2, 4, 9, 10)),
+    "2d-same-even": (nn.Conv2d(3, 4, (4, 3), padding="same", bias=False), (2, 3, 9, 8)),
+    "2d-same-dilated-even": (nn.Conv2d(3, 4, 2, padding="same", dilation=3, bias=False), (1, 3, 7, 7)),
+    "2d-valid": (nn.Conv2d(3, 4, 3, padding="valid", bias=False), (1, 3, 7, 6)),
+    "2d-reflect": (nn.Conv2d(3, 4, 3, padding=(1, 2), padding_mode="reflect", bias=False), (2, 3, 8, 9)),
+    "2d-circular-same-even": (nn.Conv2d(3, 4, 4, padding="same", padding_mode="circular", bias=False),
+                              (1, 3, 8, 8)),
+    "2d-replicate-unbatched": (nn.Conv2d(3, 4, 3, padding=1, padding_mode="replicate", bias=False), (3, 6, 7)),
+    "3d": (nn.Conv3d(2, 3, (3, 1, 2), stride=(1, 2, 1), padding=(1, 0, 1), bias=False), (1, 2, 5, 6, 4)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")  # PyTorch's, of its copy
+@pytest.mark.parametrize("case", list(MODULES))
+def test_each_layer_computes_what_the_module_computed(case):
+    """The layer's convolution, on the input PyTorch padded as the layer says, through wsarena's ops against the
+    module's own result, in float64 (within 1e-10)."""
+    module, shape = MODULES[case]
+    module = module.double()
+    x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    (layer,) = wt.layers(module, x)
+    assert layer.name == type(module).__name__ and not layer.transposed
+    want = module(x)
+    xp = _padded(module, x, layer)
+    assert tuple(xp.shape[1:]) == layer.input_shape[1:]
+    got = wsarena.conv_forward(xp.numpy(), module.weight.detach().numpy(), stride=layer.stride,
+                               padding=layer.padding, dilation=layer.dilation, groups=layer.groups)
+    np.testing.assert_allclose(got, want.detach().reshape(got.shape).numpy(), rtol=0, atol=1e-10)
+
+
+TRANSPOSED = {
+    "2d-output-padding": (nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2, bias=False),
+                          (2, 4, 5, 6), None),
+    "1d-output-size": (nn.ConvTranspose1d(3, 2, 4, stride=3, padding=1, dilation=2, bias=False), (1, 3, 7), [23]),
+    "3d-unbatched": (nn.ConvTranspose3d(2, 3, 2, stride=2, bias=False), (2, 3, 4, 2), None),
+}
+
+
+@pytest.mark.parametrize("case", list(TRANSPOSED))
+def test_a_transposed_layer_is_the_backward_data_pass_the_module_computed(case):
+    module, shape, size = TRANSPOSED[case]
+    module = module.double()
+    x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    args = () if size is None else (size,)
+    (layer,) = wt.layers(module, x, *args)
+    want = module(x, *args)
+    assert layer.transposed and layer.input_shape[1:] == tuple(want.shape[-len(layer.input_shape) + 1:])
+    batched = x if x.dim() == len(layer.input_shape) else x.unsqueeze(0)
+    got = wsarena.conv_backward_data(batched.numpy(), module.weight.detach().numpy(),
+                                     (batched.shape[0], *layer.input_shape[1:]), stride=layer.stride,
+                                     padding=layer.padding, dilation=layer.dilation, groups=layer.groups)
+    np.testing.assert_allclose(got, want.detach().reshape(got.shape).numpy(), rtol=0, atol=1e-10)
+
+
+class Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.LazyConv2d(4, 3, padding=1)  # its weight is made by the first call
+        self.body = nn.Conv2d(4, 4, 3, padding=1)
+        self.alias = self.body  # one module under two names: the first is its name
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.body(self.body(self.stem(x)))  # called twice, at one size
+        x = F.conv2d(x, self.head.weight)  # a function call: not a module's, not seen
+        return self.alias(F.max_pool2d(self.body(torch.cat([x, x], 1)), 2))  # twice more, at other sizes
+
+
+def test_modules_are_named_by_their_path_and_each_call_listed():
+    found = wt.layers(Shared(), torch.randn(1, 3, 8, 8))
+    assert [(layer.name, layer.input_shape) for layer in found] == [
+        ("stem", (1, 3, 8, 8)), ("body", (1, 4, 8, 8)), ("body#2", (1, 4, 8, 8)), ("body#3", (1, 4, 8, 8)),
+        ("body#4", (1, 4, 4, 4)),
+    ]
+    assert found[0].weight_shape == (4, 3, 3, 3)
+
+
+def test_a_converted_model_gives_the_same_layers_and_hooks_are_removed():
+    model = ResNet50()
+    x = torch.randn(1, 3, 64, 64)
+    before = wt.layers(model.eval(), x)
+    converted = wt.convert(model)
+    assert wt.layers(converted, x) == before
+    assert all(not m._forward_hooks for m in converted.modules())
+
+
+def test_a_model_that_raises_leaves_no_hook_and_bad_models_are_typed_errors():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(5, 5))  # the linear layer's sizes do not fit
+    with pytest.raises(RuntimeError):
+        wt.layers(model, torch.randn(1, 3, 6, 6))
+    assert all(not m._forward_hooks for m in model.modules())
+    with pytest.raises(ModelError, match="Sequential ran no nn.Conv"):
+        wt.layers(nn.Sequential(nn.Linear(3, 3)), torch.randn(2, 3))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        wt.layers(F.conv2d, torch.randn(1, 3, 6, 6))
+
+
+def test_the_layers_plan_tune_and_reach_the_command_through_json(tmp_path, capsys):
+    found = wt.layers(Shared(), torch.randn(1, 3, 8, 8))
+    p = wsarena.plan(found, batch=4, backend="cpu")
+    assert [layer.name for layer in p.layers] == [layer.name for layer in found] and p.arena_bytes > 0
+    t = wsarena.tune(found, batch=4, backend="cpu")
+    assert t.curve[-1].arena_bytes == wsarena.plan(found, batch=4, backend="cpu", cap_workspace=None,
+                                                   search="exhaustive").arena_bytes
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(layers_to_json(found)))
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--batch", "4", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["arena_bytes"] == p.arena_bytes

@@ -1,0 +1,105 @@
+"""The convolution layers of a PyTorch model, for :func:`wsarena.plan`, :func:`wsarena.tune` and ``wsarena report``.
+
+A model's convolutions are only known once it runs: their input sizes follow from the input. :func:`layers` runs
+the model once and reads each convolution module's call, so that a PyTorch user plans the workspace of their own
+model, and picks its cap, without exporting it to ONNX first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..models import ConvLayer, ModelError
+
+__all__ = ["layers"]
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)  # wsarena.torch's modules and the lazy ones are subclasses
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
+    """The convolutions ``model(*args, **kwargs)`` runs, in the order it runs them, as :class:`~wsarena.ConvLayer`.
+
+    The model runs once, under ``torch.no_grad()``: give it an input of the size it will see (its batch does not
+    matter, the planner sets its own), on any device, the meta device included (nothing is computed there). Every
+    call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and lazy ones included) is one
+    layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called again is listed again,
+    ``#2`` and on after its name. Convolutions called as functions (``F.conv2d`` in a ``forward``) are not seen:
+    export such a model to ONNX and load that (:func:`wsarena.load_model`).
+
+    Padding is modelled as PyTorch runs it: ``"same"`` with an even total (a kernel of even size) pads the input by
+    one more at the end, and a ``padding_mode`` other than ``"zeros"`` pads the input itself before an unpadded
+    convolution; in both cases the layer's input is that padded one. A transposed convolution's ``output_padding``
+    (or ``output_size``) makes its layer's input larger, as :class:`~wsarena.ConvLayer` describes.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not an ``nn.Module``.
+    ModelError
+        It ran no such convolution.
+
+    Whatever the model raises while it runs is raised as it is.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    names: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name:
+            names.setdefault(id(module), name)  # a module under two names is known by its first
+    found: list[ConvLayer] = []
+    calls: dict[str, int] = {}
+
+    def record(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        name = names.get(id(module)) or type(module).__name__  # the model itself, or a module added meanwhile
+        calls[name] = calls.get(name, 0) + 1
+        if calls[name] > 1:
+            name = f"{name}#{calls[name]}"
+        found.append(_layer(name, module, inputs[0], output))
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, _CONVS + _TRANSPOSED)]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not found:
+        raise ModelError(f"{type(model).__name__} ran no nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d")
+    return found
+
+
+def _layer(name: str, module: Any, x: torch.Tensor, y: torch.Tensor) -> ConvLayer:
+    """One call of ``module`` on ``x`` that gave ``y``, as a layer at batch 1."""
+    nd = module.weight.dim() - 2
+    weight = tuple(module.weight.shape)
+    common = {"stride": module.stride, "dilation": module.dilation, "groups": module.groups}
+    if isinstance(module, _TRANSPOSED):  # stored as its forward-equivalent convolution: its output is the input
+        padding = tuple(int(p) for p in module.padding)  # ints: a transposed convolution takes no "same"
+        return ConvLayer(name, _batched(y, nd), weight, padding=padding, transposed=True, **common)
+    shape = _batched(x, nd)
+    pads, widened = _padding(module, shape[2:])
+    if module.padding_mode != "zeros":  # PyTorch pads the input itself (F.pad), then convolves without padding
+        widened, pads = [w + 2 * p for w, p in zip(widened, pads)], [0] * nd
+    return ConvLayer(name, (1, shape[1], *widened), weight, padding=tuple(pads), **common)
+
+
+def _batched(t: torch.Tensor, nd: int) -> tuple[int, ...]:
+    """``t``'s shape with a batch of one in front where PyTorch took it unbatched (``(C, *spatial)``)."""
+    shape = tuple(t.shape)
+    return (1, *shape) if len(shape) == nd + 1 else (1, *shape[1:])
+
+
+def _padding(module: Any, spatial: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The symmetric padding PyTorch convolves with, and the input size once the extra end of ``"same"`` (an odd
+    total padding: one more at the end) is added to it."""
+    if module.padding == "valid":
+        return [0] * len(spatial), list(spatial)
+    if module.padding != "same":
+        return list(module.padding), list(spatial)
+    totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+    return [t // 2 for t in totals], [s + t % 2 for s, t in zip(spatial, totals)]
