@@ -169,6 +169,20 @@ def test_a_converted_model_gives_the_same_layers_and_hooks_are_removed():
     assert all(not m._forward_hooks for m in converted.modules())
 
 
+def test_the_run_leaves_running_statistics_and_the_random_stream_as_they_were():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5), nn.Conv2d(4, 2, 1)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 8, 8) * 10 + 3  # statistics far from the initial ones
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    found = wt.layers(model, x)
+    assert torch.equal(torch.rand(3), expected)  # the dropout drew from a generator of its own
+    assert [layer.name for layer in found] == ["0", "3"] and model.training
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # num_batches_tracked and the running stats
+
+
 def test_a_model_that_raises_leaves_no_hook_and_bad_models_are_typed_errors():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(5, 5))  # the linear layer's sizes do not fit
     with pytest.raises(RuntimeError):

@@ -24,8 +24,10 @@ _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     """The convolutions ``model(*args, **kwargs)`` runs, in the order it runs them, as :class:`~wsarena.ConvLayer`.
 
-    The model runs once, under ``torch.no_grad()``: give it an input of the size it will see (its batch does not
-    matter, the planner sets its own), on any device, the meta device included (nothing is computed there). Every
+    The model runs once, under ``torch.no_grad()``, in the mode it is in (a training-mode model may run other
+    layers): give it an input of the size it will see (its batch does not matter, the planner sets its own), on any
+    device, the meta device included (nothing is computed there). Its buffers (BatchNorm's running statistics) and
+    the random generators are as they were afterwards. Every
     call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and lazy ones included) is one
     layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called again is listed again,
     ``#2`` and on after its name. Convolutions called as functions (``F.conv2d`` in a ``forward``) are not seen:
@@ -61,13 +63,20 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
             name = f"{name}#{calls[name]}"
         found.append(_layer(name, module, inputs[0], output))
 
+    # The run leaves the model and the random streams as they were: a training-mode BatchNorm updates its running
+    # statistics and a dropout draws from the generator, which would change the user's next step.
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.is_cuda})
     hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, _CONVS + _TRANSPOSED)]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             model(*args, **kwargs)
     finally:
         for hook in hooks:
             hook.remove()
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
     if not found:
         raise ModelError(f"{type(model).__name__} ran no nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d")
     return found
