@@ -146,7 +146,7 @@ class Shared(nn.Module):
         self.head = nn.Conv2d(4, 2, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.body(self.body(self.stem(x)))  # called twice, at one size
+        x = self.body(input=self.body(self.stem(x)))  # called twice, at one size (once by keyword)
         x = F.conv2d(x, self.head.weight)  # a function call: not a module's, not seen
         return self.alias(F.max_pool2d(self.body(torch.cat([x, x], 1)), 2))  # twice more, at other sizes
 

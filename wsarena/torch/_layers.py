@@ -56,18 +56,19 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     found: list[ConvLayer] = []
     calls: dict[str, int] = {}
 
-    def record(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+    def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         name = names.get(id(module)) or type(module).__name__  # the model itself, or a module added meanwhile
         calls[name] = calls.get(name, 0) + 1
         if calls[name] > 1:
             name = f"{name}#{calls[name]}"
-        found.append(_layer(name, module, inputs[0], output))
+        found.append(_layer(name, module, args[0] if args else kwargs["input"], output))
 
     # The run leaves the model and the random streams as they were: a training-mode BatchNorm updates its running
     # statistics and a dropout draws from the generator, which would change the user's next step.
     buffers = [(b, b.clone()) for b in model.buffers()]
     cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.is_cuda})
-    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, _CONVS + _TRANSPOSED)]
+    convs = [m for m in model.modules() if isinstance(m, _CONVS + _TRANSPOSED)]
+    hooks = [m.register_forward_hook(record, with_kwargs=True) for m in convs]
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             model(*args, **kwargs)
