@@ -15,7 +15,10 @@ written after every phase, so a run cut short by the machine's time limit still 
 status: 0 when every test run passed, else 1.
 
     python bench/gpu_check.py [--out DIR] [--gpu-timeout S] [--test-timeout S] [--bench-timeout S]
-                              [--per-test-timeout S] [--no-bench] [-- extra pytest args]
+                              [--per-test-timeout S] [--no-bench | --no-tests] [--quick] [-- extra pytest args]
+
+A lent machine's time may not hold all of it in one command: run the tests (``--no-bench``), then the benchmarks
+(``--no-tests --quick``, into ``gpu-check-<date>-benchmarks.json``).
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Run after the tests, each with --bench-timeout (times the factor given): the script and its arguments, "{out}"
 # standing for the results folder.
 BENCHMARKS = (
-    (("bench_gpu_arena.py",), 1),
-    (("bench_gpu_host.py",), 1),
+    (("bench_gpu_arena.py", "--json", "{out}/bench_gpu_arena-gpu.json"), 1),
+    (("bench_gpu_host.py", "--json", "{out}/bench_gpu_host-gpu.json"), 1),
     (("bench_gpu_torch.py", "--json", "{out}/torch-resnet50-b32-float32-gpu.json"), 3),
     (("bench_gpu_torch.py", "--autocast", "float16", "--json", "{out}/torch-resnet50-b32-float16-gpu.json"), 3),
     (("bench_gpu_capture.py", "--json", "{out}/capture-resnet50-b32-float32-gpu.json"), 1),
@@ -45,6 +48,14 @@ BENCHMARKS = (
       "{out}/capture-resnet50-b64-float16-gpu.json"), 1),
 )
 TUNES = (("resnet50", 32, "float32"), ("vgg16", 32, "float32"), ("resnet50", 64, "float16"), ("vgg16", 64, "float16"))
+# --quick: fewer repeats of each benchmark, and the first curve alone, so that the benchmarks fit in one command of
+# a lent machine (some six minutes on an H100, by the repeats' share of the full run's times)
+QUICK = {
+    "bench_gpu_arena.py": ("--repeat", "3"),
+    "bench_gpu_capture.py": ("--repeat", "3"),
+    "bench_gpu_host.py": ("--rounds", "3"),
+    "bench_gpu_torch.py": ("--steps", "5", "--warmup", "2"),
+}
 
 
 def junit_counts(path: Path) -> dict:
@@ -118,11 +129,11 @@ def _pytest(marker: str, timeout: float, per_test: float, extra: list[str], env:
     return {**counts, "exit_status": run.returncode}
 
 
-def _tune_curves(out: Path, timeout: float, env: dict) -> dict:
-    """``wsarena tune`` on cuDNN for each of TUNES, then the search cache's start-up saving; their exit statuses,
-    wall times and output files (written into ``out``)."""
+def _tune_curves(out: Path, timeout: float, env: dict, quick: bool) -> dict:
+    """``wsarena tune`` on cuDNN for each of TUNES (the first alone if ``quick``), then the search cache's start-up
+    saving; their exit statuses, wall times and output files (written into ``out``)."""
     runs: dict = {}
-    for model, batch, dtype in TUNES:
+    for model, batch, dtype in TUNES[:1] if quick else TUNES:
         name = f"tune-{model}-{dtype}-b{batch}-gpu"
         with tempfile.TemporaryDirectory() as cache:  # searched afresh, whatever the machine's cache holds
             command = [sys.executable, "-m", "wsarena", "tune", model, "--batch", str(batch), "--dtype", dtype,
@@ -136,7 +147,7 @@ def _tune_curves(out: Path, timeout: float, env: dict) -> dict:
         print(f"{name}: exit status {run.returncode}, {seconds:.1f} s", flush=True)
     startup = out / "search-cache-startup-resnet50-gpu.json"
     command = [sys.executable, str(ROOT / "bench" / "bench_search_cache.py"), "--backend", "cudnn", "--model",
-               "resnet50", "--batch", "32", "--repeat", "3", "--json", str(startup)]
+               "resnet50", "--batch", "32", "--repeat", "1" if quick else "3", "--json", str(startup)]
     run = _run(command, 3 * timeout, env, capture=True)
     print(run.stdout, run.stderr, sep="\n")
     runs["search_cache_startup"] = {"exit_status": run.returncode, "output": run.stdout.splitlines()}
@@ -176,9 +187,14 @@ def main() -> int:
     parser.add_argument("--test-timeout", type=float, default=150, help="seconds for the other tests")
     parser.add_argument("--bench-timeout", type=float, default=240, help="seconds for each benchmark")
     parser.add_argument("--no-bench", action="store_true", help="run the tests only")
+    parser.add_argument("--no-tests", action="store_true",
+                        help="run the benchmarks and curves only, into gpu-check-<date>-benchmarks.json")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, one tune curve (see QUICK)")
     parser.add_argument("--per-test-timeout", type=float, default=120, help="seconds for any one test")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
+    if args.no_bench and args.no_tests:
+        parser.error("--no-bench and --no-tests leave nothing to run")
     sys.path.insert(0, str(ROOT))
     from wsarena.info import collect_info
 
@@ -199,7 +215,8 @@ def main() -> int:
         "phases": {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    target = args.out / f"gpu-check-{result['date']}.json"
+    # a second command on the same day, for the benchmarks alone, keeps the first one's test counts
+    target = args.out / f"gpu-check-{result['date']}{'-benchmarks' if args.no_tests else ''}.json"
 
     def write() -> None:
         target.write_text(json.dumps(result, indent=2) + "\n")
@@ -209,7 +226,7 @@ def main() -> int:
     write()
     ok = True
     phases = (("gpu_tests", "gpu", args.gpu_timeout), ("other_tests", "not gpu", args.test_timeout))
-    for phase, marker, timeout in phases:
+    for phase, marker, timeout in () if args.no_tests else phases:
         counts = _pytest(marker, timeout, args.per_test_timeout, args.pytest_args, env)
         result["phases"][phase] = counts
         for key in ("passed", "failed", "skipped"):
@@ -222,6 +239,7 @@ def main() -> int:
     result["benchmarks"] = {}
     for (script, *script_args), factor in () if args.no_bench else BENCHMARKS:
         script_args = [a.replace("{out}", str(args.out)) for a in script_args]
+        script_args += QUICK.get(script, ()) if args.quick else ()
         command = [sys.executable, str(ROOT / "bench" / script), *script_args]
         bench = _run(command, factor * args.bench_timeout, env, capture=True)
         print(bench.stdout, bench.stderr, sep="\n")
@@ -231,7 +249,7 @@ def main() -> int:
         }
         write()
     if not args.no_bench:
-        result["tune"] = _tune_curves(args.out, args.bench_timeout, env)
+        result["tune"] = _tune_curves(args.out, args.bench_timeout, env, args.quick)
         write()
     print(f"wrote {target}: {result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped")
     return 0 if ok else 1

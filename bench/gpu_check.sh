@@ -18,6 +18,8 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 -d .whl cuda-core cuda-bindings cuda-pathfinder
 # Installing is best effort: the checks run from the checkout (PYTHONPATH) whether or not the install worked.
+# Arguments go to bench/gpu_check.py: where one command may not hold it all, run `gpu_check.sh --no-bench` (the
+# tests), then `gpu_check.sh --no-tests --quick` (the benchmarks and one tune curve, fewer repeats).
 # A copy without its .git folder names its commit in WSARENA_COMMIT, for the JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
