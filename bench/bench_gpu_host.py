@@ -152,7 +152,8 @@ def _api(name: str, *, reuse: bool = True, stub: bool = False):
         if name == "graph":
             graph.REUSE_VARIANT_PACKS = reuse
             for plan in get_backend("cudnn", "graph")._plans._plans.values():
-                plan.reuse_variant_packs = reuse
+                if hasattr(plan, "reuse_variant_packs"):  # not a configuration's cached refusal (_Refusal)
+                    plan.reuse_variant_packs = reuse
         if not stub:
             return None
         real = graph._execute_fn
