@@ -151,9 +151,8 @@ def _api(name: str, *, reuse: bool = True, stub: bool = False):
         wsarena.configure(cudnn_api=name)
         if name == "graph":
             graph.REUSE_VARIANT_PACKS = reuse
-            for plan in get_backend("cudnn", "graph")._plans._plans.values():
-                if hasattr(plan, "reuse_variant_packs"):  # not a configuration's cached refusal (_Refusal)
-                    plan.reuse_variant_packs = reuse
+            for plan in get_backend("cudnn", "graph")._plans.built():  # a refusal cached in its place has no mode
+                plan.reuse_variant_packs = reuse
         if not stub:
             return None
         real = graph._execute_fn

@@ -130,6 +130,8 @@ def test_a_refused_configuration_is_remembered_and_raised_again_without_a_build(
     assert built == ["eng9"]  # finalized once; the later calls raise what it said
     assert len({id(e) for e in errors}) == 3  # copies: the cached one's traceback does not grow with each raise
     assert cache.plan("h", "fwd", GEOM, "eng9") is not None and built == ["eng9", "eng9"]  # another alignment
+    # what the plans' users walk (variant-pack modes, the GPU tests): the finalized plans, not the refusal beside
+    assert [p.name for p in cache.built()] == ["eng9"] and len(cache) == 2
     with pytest.raises(ValueError, match="other"):  # an error not declared a refusal is not remembered
         PlanCache(Builder().graph, lambda *a: (_ for _ in ()).throw(ValueError("other")), refused=(Refused,)).plan(
             "h", "fwd", GEOM, "eng1")

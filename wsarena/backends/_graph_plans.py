@@ -189,6 +189,10 @@ class PlanCache:
         self._graphs: LRU[Any] = LRU(size, valid=_open, discard=_close)
         self._plans: LRU[Any] = LRU(size, valid=_open, discard=_close)
 
+    def built(self) -> list[Any]:
+        """The finalized plans held, least recently used first; the configurations' cached refusals left out."""
+        return [plan for plan in self._plans.values() if type(plan) is not _Refusal]
+
     def graph(self, handle: Any, pass_: str, geom: Any, aligned: tuple[int, int, int] = ALIGNED) -> Any:
         key: Hashable = (handle, pass_, geom, aligned)
         return self._graphs.get(key, lambda: self._miss(self._graphs, self._build_graph, handle, pass_, geom,
