@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from wsarena import algos, config, conv_backward_data, conv_backward_filter, conv_forward
 from wsarena._geometry import conv_geometry
+from wsarena._pass import Pass
 from wsarena.backends import Candidate
-from wsarena.backends._cudnn_backend import CudnnBackend, _channels_last, _DeviceAndStream, _pointers, _usable
+from wsarena.backends._cudnn_backend import CudnnBackend, _channels_last, _DeviceAndStream, _usable, pointers
 from wsarena.cudnn import AlgoPerf, ConvolutionFwdAlgo, MathType, Status
 from wsarena.errors import WorkspaceCapWarning
 
@@ -181,10 +182,10 @@ def test_pointer_order_per_pass():
         def __init__(self, ptr):
             self.data = type("D", (), {"ptr": ptr})()
 
-    a, b, out = A(1), A(2), A(3)
-    assert _pointers("fwd", a, b, out) == {"x": 1, "w": 2, "y": 3}
-    assert _pointers("bwd_data", a, b, out) == {"y": 1, "w": 2, "x": 3}
-    assert _pointers("bwd_filter", a, b, out) == {"x": 1, "y": 2, "w": 3}
+    a, b, out = A(1), A(2), A(3)  # (a, b, out): fwd (x, w, y), bwd_data (dy, w, dx), bwd_filter (x, dy, dw)
+    assert pointers("fwd", a, b, out) == (1, 2, 3)
+    assert pointers("bwd_data", a, b, out) == (3, 2, 1)
+    assert pointers(Pass.BWD_FILTER, a, b, out) == (1, 3, 2)
 
 
 def test_usable_keeps_each_successful_algorithm_and_math_type_once_in_order():

@@ -50,6 +50,14 @@ class Pass(enum.StrEnum):
         """The roles in the order cuDNN's functions take them: the two inputs, then the tensor written."""
         return _CUDNN_ORDER[self]
 
+    @staticmethod
+    def xwy(pass_: str, a: Any, b: Any, out: Any) -> tuple[Any, Any, Any]:
+        """``(x, w, y)`` of ``pass_``'s ``(a, b, out)``: ``(dx, w, dy)`` for ``bwd_data``. ``pass_`` is a member or
+        its name; ``KeyError`` for another string (the callers run a pass already checked)."""
+        i, j, k = _XWY[pass_]
+        operands = (a, b, out)
+        return operands[i], operands[j], operands[k]
+
     def by_role(self, a: Any, b: Any, out: Any) -> dict[str, Any]:
         """``{"x": ..., "w": ..., "y": ...}`` for this pass's ``(a, b, out)``."""
         return dict(zip(_ROLES[self], (a, b, out)))
@@ -60,6 +68,8 @@ class Pass(enum.StrEnum):
 
 
 _ROLES = {Pass.FWD: ("x", "w", "y"), Pass.BWD_DATA: ("y", "w", "x"), Pass.BWD_FILTER: ("x", "y", "w")}
+# Where x, w and y stand in (a, b, out): a dict lookup, for the calls that run a pass (Pass(name) alone costs more)
+_XWY: dict[str, tuple[int, ...]] = {p: tuple(roles.index(r) for r in ("x", "w", "y")) for p, roles in _ROLES.items()}
 _NAMES = {Pass.FWD: ("x", "w", "y"), Pass.BWD_DATA: ("dy", "w", "dx"), Pass.BWD_FILTER: ("x", "dy", "dw")}
 _CUDNN_ORDER = {Pass.FWD: ("x", "w", "y"), Pass.BWD_DATA: ("w", "y", "x"), Pass.BWD_FILTER: ("x", "y", "w")}
 

@@ -180,9 +180,9 @@ class CudnnBackend:
     ) -> list[Candidate]:
         x, w, conv, y = self._descriptors(geom)  # the dtype's math type: FindEx reports each entry's own
         handle = self._bound_handle(stream, workspace)
-        ptrs = _pointers(pass_, a, b, out)
+        x_ptr, w_ptr, y_ptr = pointers(pass_, a, b, out)
         perfs = self._cudnn.conv.find_algorithms(
-            pass_, handle, x, ptrs["x"], w, ptrs["w"], conv, y, ptrs["y"], workspace.ptr, workspace.nbytes
+            pass_, handle, x, x_ptr, w, w_ptr, conv, y, y_ptr, workspace.ptr, workspace.nbytes
         )
         wanted = {c.algo for c in candidates}
         return [c for c in _usable(perfs, timed=True) if c.algo in wanted]
@@ -192,13 +192,13 @@ class CudnnBackend:
     ) -> None:
         # The math type cuDNN reported for this entry, so the kernel that runs is the one whose workspace was sized
         x, w, conv, y = self._descriptors(geom, candidate.math_type)
-        ptrs = _pointers(pass_, a, b, out)
+        x_ptr, w_ptr, y_ptr = pointers(pass_, a, b, out)
         algo = self._algos.get((pass_, candidate.algo))
         if algo is None:  # not a name of this pass: algorithm() raises the error that says so
             algo = self._cudnn.conv.algorithm(pass_, candidate.algo.upper())
         self._cudnn.conv.convolution(
-            pass_, self._bound_handle(stream, workspace), x_desc=x, x_ptr=ptrs["x"], w_desc=w, w_ptr=ptrs["w"],
-            conv_desc=conv, y_desc=y, y_ptr=ptrs["y"], algo=algo, workspace_ptr=workspace.ptr,
+            pass_, self._bound_handle(stream, workspace), x_desc=x, x_ptr=x_ptr, w_desc=w, w_ptr=w_ptr,
+            conv_desc=conv, y_desc=y, y_ptr=y_ptr, algo=algo, workspace_ptr=workspace.ptr,
             workspace_bytes=workspace.nbytes,
         )
 
@@ -226,9 +226,10 @@ def _channels_last(n: int, c: int, spatial: tuple[int, ...]) -> tuple[tuple[int,
     return (n, c, *spatial), (step, 1, *strides)
 
 
-def _pointers(pass_: str, a: Any, b: Any, out: Any) -> dict[str, int]:
+def pointers(pass_: str, a: Any, b: Any, out: Any) -> tuple[int, int, int]:
     """Device addresses of x, w and y for the pass's operand order (a, b, out)."""
-    return Pass(pass_).by_role(a.data.ptr, b.data.ptr, out.data.ptr)
+    x, w, y = Pass.xwy(pass_, a, b, out)
+    return x.data.ptr, w.data.ptr, y.data.ptr
 
 
 def _all_open(descs: Sequence[Any]) -> bool:

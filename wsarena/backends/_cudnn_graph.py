@@ -29,11 +29,10 @@ from typing import Any
 from .. import _callsite
 from .._config import get_config
 from .._geometry import ITEMSIZES, describe_geometry
-from .._pass import Pass
 from ..arena._capture import CURRENT, refuse_in_capture
 from ..errors import AlignmentWorkspaceError, BackendUnavailableError, CudnnApiFallbackWarning
 from . import Candidate
-from ._cudnn_backend import CudnnBackend
+from ._cudnn_backend import CudnnBackend, pointers
 from ._graph_plans import (
     PlanCache,
     alignment,
@@ -227,7 +226,7 @@ class CudnnGraphBackend(CudnnBackend):
             return super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
         handle = self._bound_handle(stream, workspace)
         raw = self._cudnn_stream(stream, workspace)
-        x, w, y = _pointers(pass_, a, b, out)
+        x, w, y = pointers(pass_, a, b, out)
         aligned = (alignment(x), alignment(w), alignment(y))
         runtime = self._cupy.cuda.runtime
         start, end = runtime.eventCreate(), runtime.eventCreate()
@@ -270,7 +269,7 @@ class CudnnGraphBackend(CudnnBackend):
             super().run(pass_, candidate, geom, a, b, out, workspace, stream)
             return
         handle = self._bound_handle(stream, workspace)
-        x, w, y = _pointers(pass_, a, b, out)
+        x, w, y = pointers(pass_, a, b, out)
         aligned = (alignment(x), alignment(w), alignment(y))
         plan = self._plans.plan(handle, pass_, geom, name, aligned, stream=workspace.cuda_stream)
         if plan.workspace_bytes > workspace.nbytes:
@@ -285,8 +284,3 @@ class CudnnGraphBackend(CudnnBackend):
             )
         plan.execute(handle, x, w, y, workspace.ptr)
 
-
-def _pointers(pass_: str, a: Any, b: Any, out: Any) -> tuple[int, int, int]:
-    """Device addresses of x, w and y for the pass's operand order (a, b, out)."""
-    roles = Pass(pass_).by_role(a.data.ptr, b.data.ptr, out.data.ptr)
-    return roles["x"], roles["w"], roles["y"]
