@@ -1,3 +1,7 @@
+import asyncio
+import contextvars
+import copy
+import pickle
 import sys
 import threading
 from pathlib import Path
@@ -334,6 +338,80 @@ def test_a_config_decorator_serves_several_threads_at_once():
     for t in threads:
         t.join()
     assert errors == [] and sorted(seen, key=str) == [0] * 4 + [None] * 4 and get_config().cap_workspace is None
+
+
+def test_one_config_object_serves_several_asyncio_tasks_at_once():
+    # each task runs in a context of its own: a block's end resets the token its own task made there, where tokens
+    # kept per thread gave one task another's, and contextvars raised ValueError ("created in a different Context")
+    small = config(cap_workspace=0)
+
+    async def task(delay: float) -> list:
+        with small:
+            await asyncio.sleep(delay)  # the other task begins its block meanwhile, and ends it first or last
+            inside = get_config().cap_workspace
+        return [inside, get_config().cap_workspace]
+
+    async def main() -> list:
+        return await asyncio.gather(task(0.02), task(0.01), task(0.03))
+
+    assert asyncio.run(main()) == [[0, None]] * 3
+    assert get_config().cap_workspace is None
+
+
+def test_a_config_decorator_applies_to_the_body_of_a_coroutine():
+    # a coroutine function's call only makes the coroutine: a block around the call ended before its body ran
+    @config(cap_workspace=0)
+    async def body() -> int | None:
+        await asyncio.sleep(0)
+        return get_config().cap_workspace
+
+    async def main() -> list:
+        return [*await asyncio.gather(body(), body()), get_config().cap_workspace]
+
+    assert asyncio.run(main()) == [0, 0, None]
+    assert body.__name__ == "body"
+
+
+def test_a_config_decorator_refuses_a_generator_function():
+    # its call only makes the generator, whose body would run outside the block: refused, not ignored
+    with pytest.raises(TypeError, match="generator"):
+        @config(cap_workspace=0)
+        def numbers():
+            yield get_config().cap_workspace
+    with pytest.raises(TypeError, match="generator"):
+        @config(cap_workspace=0)
+        async def later():
+            yield get_config().cap_workspace
+
+
+def test_a_block_left_open_by_a_suspended_generator_ends_later():
+    # a generator suspended in one object's block while its caller's block of another ends: each ends its own
+    outer, inner = config(algo_search="exhaustive"), config(cap_workspace=0)
+
+    def steps():
+        with inner:
+            yield
+        yield
+
+    def run() -> None:
+        with outer:
+            it = steps()
+            next(it)
+        next(it)  # the inner block ends here, with no error
+        assert list(it) == []
+
+    contextvars.copy_context().run(run)  # a context of its own: misnested blocks leave it as contextvars resets
+    assert get_config() == Config()
+
+
+def test_a_config_object_copies_and_pickles_inside_its_block():
+    small = config(cap_workspace="1MiB")
+    with small:
+        for other in (copy.copy(small), copy.deepcopy(small), pickle.loads(pickle.dumps(small))):
+            with other as c:
+                assert c.cap_workspace == 1 << 20
+            assert get_config().cap_workspace == 1 << 20  # the copy's end left the original's block in force
+    assert get_config().cap_workspace is None
 
 
 def test_config_is_frozen():

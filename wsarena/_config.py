@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import inspect
 import os
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -232,6 +233,10 @@ def _from_env() -> _State:
 _lock = _forksafe.lock()  # guards _state; readers take the reference without it (assignment is atomic)
 _state: _State | None = None
 _override: contextvars.ContextVar[Config | None] = contextvars.ContextVar("wsarena_config", default=None)
+# the config() blocks begun in this thread or task, innermost first: (object, its token, the blocks around it). In a
+# context variable as the settings are: a block ends with the token made in its own context, which contextvars needs
+_blocks: contextvars.ContextVar[tuple[Any, contextvars.Token[Config | None], Any] | None] = contextvars.ContextVar(
+    "wsarena_config_blocks", default=None)
 
 
 # An argument that names a setting and was not given: the configured value applies (None is a value: no cap).
@@ -309,29 +314,47 @@ def configure(**changes: Any) -> Config:
 class config(contextlib.ContextDecorator):  # lower case: used as a function
     """Override settings for the body of a ``with`` block, in this thread or task only; ``as`` gives the
     :class:`Config` in force in it. The changes apply to the settings in force where the block begins (an enclosing
-    block's), and are checked there. Reusable and re-entrant, also by several threads at once, and usable as a
-    decorator (which enters this one object at every call)."""
+    block's), and are checked there. Reusable and re-entrant, also by several threads or asyncio tasks at once, and
+    usable as a decorator (which enters this one object at every call; of a coroutine function, around its body)."""
 
-    __slots__ = ("changes", "tokens")
+    __slots__ = ("changes",)
 
     def __init__(self, **changes: Any) -> None:
         self.changes = changes
-        # per thread, the tokens of the blocks this object began there: a token is reset in the context it was made
-        self.tokens: dict[int, list[contextvars.Token[Config | None]]] = {}
 
     def __enter__(self) -> Config:
         new = _with_changes(self.changes)
         token = _override.set(new)
-        self.tokens.setdefault(threading.get_ident(), []).append(token)
+        _blocks.set((self, token, _blocks.get()))
         return new
 
     def __exit__(self, *exc: object) -> None:
-        ident = threading.get_ident()
-        mine = self.tokens[ident]
-        token = mine.pop()
-        if not mine:
-            del self.tokens[ident]
-        _override.reset(token)
+        block = _blocks.get()
+        inner = []  # blocks begun inside this one and not ended yet (a generator suspended in one): kept
+        while block is not None and block[0] is not self:
+            inner.append(block)
+            block = block[2]
+        if block is None:
+            raise RuntimeError("a config() block ends where it did not begin (another thread or task)")
+        rest = block[2]
+        for obj, token, _ in reversed(inner):
+            rest = (obj, token, rest)
+        _blocks.set(rest)
+        _override.reset(block[1])
+
+    def __call__(self, func: Any) -> Any:
+        if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(f"config() cannot decorate the generator function {func.__qualname__}: its body runs "
+                            "outside the call; use a with block inside it")
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def body(*args: Any, **kwargs: Any) -> Any:
+                with self:
+                    return await func(*args, **kwargs)
+
+            return body
+        return super().__call__(func)
 
 
 def overridden() -> Config | None:
