@@ -206,3 +206,14 @@ def test_the_layers_plan_tune_and_reach_the_command_through_json(tmp_path, capsy
     code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--batch", "4", "--format", "json")
     assert code == 0, err
     assert json.loads(out)["arena_bytes"] == p.arena_bytes
+
+
+def test_lazy_modules_are_read_and_their_buffers_left_as_first_initialized():
+    # LazyBatchNorm's buffers are uninitialized until the run: they cannot be copied before it, only once made
+    bn = nn.LazyBatchNorm2d()
+    model = nn.Sequential(nn.LazyConv2d(4, 3), bn, bn, nn.LazyConv2d(2, 1)).train()  # the norm called twice
+    found = wt.layers(model, torch.randn(2, 3, 8, 8) * 10 + 3)
+    assert [(layer.name, layer.input_shape, layer.weight_shape) for layer in found] == [
+        ("0", (1, 3, 8, 8), (4, 3, 3, 3)), ("3", (1, 4, 6, 6), (2, 4, 1, 1))]
+    assert torch.equal(bn.running_mean, torch.zeros(4)) and torch.equal(bn.running_var, torch.ones(4))
+    assert int(bn.num_batches_tracked) == 0  # as initialized: the example input's statistics left out

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ..models import ConvLayer, ModelError
 
@@ -31,7 +32,8 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and lazy ones included) is one
     layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called again is listed again,
     ``#2`` and on after its name. Convolutions called as functions (``F.conv2d`` in a ``forward``) are not seen:
-    export such a model to ONNX and load that (:func:`wsarena.load_model`).
+    export such a model to ONNX and load that (:func:`wsarena.load_model`). A lazy module is initialized by the run,
+    its buffers left as first made.
 
     Padding is modelled as PyTorch runs it: ``"same"`` with an even total (a kernel of even size) pads the input by
     one more at the end, and a ``padding_mode`` other than ``"zeros"`` pads the input itself before an unpadded
@@ -65,10 +67,17 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
 
     # The run leaves the model and the random streams as they were: a training-mode BatchNorm updates its running
     # statistics and a dropout draws from the generator, which would change the user's next step.
-    buffers = [(b, b.clone()) for b in model.buffers()]
+    buffers = [(b, b.clone()) for b in model.buffers() if not is_lazy(b)]
+    # a lazy module's buffers (LazyBatchNorm's) are made as it is first called: kept as made, before its forward
+    lazy = [m for m in model.modules() if any(is_lazy(b) for b in m.buffers(recurse=False))]
+
+    def made(module: nn.Module, args: tuple[Any, ...]) -> None:
+        buffers.extend((b, b.clone()) for b in module.buffers(recurse=False))
+
     cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.is_cuda})
     convs = [m for m in model.modules() if isinstance(m, _CONVS + _TRANSPOSED)]
     hooks = [m.register_forward_hook(record, with_kwargs=True) for m in convs]
+    hooks += [m.register_forward_pre_hook(made) for m in lazy]  # after the module's own, which makes them
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             model(*args, **kwargs)
@@ -76,7 +85,7 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
         for hook in hooks:
             hook.remove()
         with torch.no_grad():
-            for buffer, saved in buffers:
+            for buffer, saved in reversed(buffers):  # a lazy module called twice: its first copy is the last
                 buffer.copy_(saved)
     if not found:
         raise ModelError(f"{type(model).__name__} ran no nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d")
