@@ -217,3 +217,32 @@ def test_lazy_modules_are_read_and_their_buffers_left_as_first_initialized():
         ("0", (1, 3, 8, 8), (4, 3, 3, 3)), ("3", (1, 4, 6, 6), (2, 4, 1, 1))]
     assert torch.equal(bn.running_mean, torch.zeros(4)) and torch.equal(bn.running_var, torch.ones(4))
     assert int(bn.num_batches_tracked) == 0  # as initialized: the example input's statistics left out
+
+
+class SameConv2d(nn.Conv2d):  # timm's Conv2dSame: TensorFlow's "SAME" padding, made in forward, padding kept 0
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pads = [max((-(-n // s) - 1) * s + k - n, 0) for n, k, s in zip(x.shape[-2:], self.kernel_size, self.stride)]
+        x = F.pad(x, [pads[1] // 2, pads[1] - pads[1] // 2, pads[0] // 2, pads[0] - pads[0] // 2])
+        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+class Cropped(nn.ConvTranspose2d):  # a transposed one whose output is cut: its layer, read from it, is too small
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[..., 1:, 1:]
+
+
+class Keyword(nn.Conv2d):  # a subclass whose forward names its input otherwise
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def test_a_subclass_convolving_otherwise_is_a_model_error_and_its_input_is_found_by_any_name():
+    # the layer's settings give a 4x4 output where the module made 5x5: a plan of that layer would be wrong
+    with pytest.raises(ModelError, match=r"0 \(SameConv2d\).*\(5, 5\).*\(4, 4\)"):
+        wt.layers(nn.Sequential(SameConv2d(3, 4, 3, stride=2)), torch.randn(1, 3, 9, 9))
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), Cropped(4, 3, 3, stride=2))
+    with pytest.raises(ModelError, match=r"1 \(Cropped\) made \(7, 7\) where its settings give \(6, 6\)"):
+        wt.layers(model, torch.randn(1, 3, 9, 9))
+    conv = Keyword(3, 4, 3)
+    (layer,) = wt.layers(conv, x=torch.randn(2, 3, 6, 6))
+    assert layer.input_shape == (1, 3, 6, 6) and tuple(layer.geometry().output_shape) == (1, 4, 4, 4)

@@ -45,7 +45,8 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     TypeError
         ``model`` is not an ``nn.Module``.
     ModelError
-        It ran no such convolution.
+        It ran no such convolution, or one whose result has another size than its settings give (a subclass whose
+        ``forward`` pads the input itself, as timm's ``Conv2dSame``).
 
     Whatever the model raises while it runs is raised as it is.
     """
@@ -63,7 +64,8 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
         calls[name] = calls.get(name, 0) + 1
         if calls[name] > 1:
             name = f"{name}#{calls[name]}"
-        found.append(_layer(name, module, args[0] if args else kwargs["input"], output))
+        x: Any = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))  # or a subclass's name
+        found.append(_layer(name, module, x, output))
 
     # The run leaves the model and the random streams as they were: a training-mode BatchNorm updates its running
     # statistics and a dropout draws from the generator, which would change the user's next step.
@@ -99,12 +101,25 @@ def _layer(name: str, module: Any, x: torch.Tensor, y: torch.Tensor) -> ConvLaye
     common = {"stride": module.stride, "dilation": module.dilation, "groups": module.groups}
     if isinstance(module, _TRANSPOSED):  # stored as its forward-equivalent convolution: its output is the input
         padding = tuple(int(p) for p in module.padding)  # ints: a transposed convolution takes no "same"
-        return ConvLayer(name, _batched(y, nd), weight, padding=padding, transposed=True, **common)
+        layer = ConvLayer(name, _batched(y, nd), weight, padding=padding, transposed=True, **common)
+        return _checked(layer, module, _batched(x, nd))
     shape = _batched(x, nd)
     pads, widened = _padding(module, shape[2:])
     if module.padding_mode != "zeros":  # PyTorch pads the input itself (F.pad), then convolves without padding
         widened, pads = [w + 2 * p for w, p in zip(widened, pads)], [0] * nd
-    return ConvLayer(name, (1, shape[1], *widened), weight, padding=tuple(pads), **common)
+    layer = ConvLayer(name, (1, shape[1], *widened), weight, padding=tuple(pads), **common)
+    return _checked(layer, module, _batched(y, nd))
+
+
+def _checked(layer: ConvLayer, module: Any, made: tuple[int, ...]) -> ConvLayer:
+    """``layer``, whose convolution gives the shape the module's call ``made`` (a transposed one's: its input):
+    a subclass whose ``forward`` convolves otherwise (pads the input itself, as timm's ``Conv2dSame``) is refused."""
+    gives = tuple(layer.geometry().output_shape)  # a ModelError where the settings fit no convolution of the input
+    if gives[1:] != made[1:]:
+        raise ModelError(f"{layer.name} ({type(module).__name__}) made {made[2:]} where its settings give "
+                         f"{gives[2:]}: its forward convolves otherwise than PyTorch's; export the model to ONNX and "
+                         "load that (wsarena.load_model)")
+    return layer
 
 
 def _batched(t: torch.Tensor, nd: int) -> tuple[int, ...]:
