@@ -103,6 +103,29 @@ def test_format_size_is_exact_past_a_floats_range():
     assert format_size(2**1100 + 5 * 2**37) == f"{2**1060}.62 TiB"  # .625 rounds half to even, as '%.2f' does
 
 
+def test_format_size_is_exact_past_the_digits_str_takes():
+    # str() of an int refuses past sys.get_int_max_str_digits() (4300): a lease of 2**15000 bytes raised that
+    # ValueError from its message, not the arena's out-of-memory error
+    n = 2**15000 + 2**39
+    text = format_size(n)
+    whole = n // 2**40
+    assert 10**4503 <= whole < 10**4504 and text.endswith(".5 TiB") and len(text) == 4504 + len(".5 TiB")
+    assert text.startswith(f"{whole // 10**4400}") and text[:-6].endswith(f"{whole % 10**4000:04000d}")
+    arena = wsarena.get_arena("cpu")
+    with pytest.raises(wsarena.ArenaOutOfMemoryError, match="could not grow"):
+        arena.reserve(2**15000)
+
+
+def test_a_number_repr_refuses_is_described_under_any_digit_limit():
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)  # the least Python takes: repr() refuses an int of 641 digits
+    try:
+        with pytest.raises(ValueError, match=r"cannot be negative: an integer of 2326 bits"):
+            parse_size(-(10**700))
+    finally:
+        sys.set_int_max_str_digits(limit)
+
+
 def test_format_parse_round_trip():
     for n in (0, 1, 1023, 1024, 1 << 20, 5 << 30):
         assert parse_size(format_size(n).replace(" ", "")) == n

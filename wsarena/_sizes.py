@@ -36,7 +36,12 @@ def short_repr(value: Any) -> str:
     """``repr(value)`` for an error message, its middle cut to ``...`` past about 60 characters."""
     if isinstance(value, int) and value.bit_length() > 4096:  # repr() itself refuses past 4300 digits
         return f"an integer of {value.bit_length()} bits"
-    return _SHORT.repr(value)
+    try:
+        return _SHORT.repr(value)
+    except ValueError:  # an int past a digit limit lowered with sys.set_int_max_str_digits()
+        if isinstance(value, int):
+            return f"an integer of {value.bit_length()} bits"
+        raise
 
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*([A-Za-z]*)\s*")  # \d would take any script's digits
@@ -121,4 +126,5 @@ def format_size(nbytes: int) -> str:
         if hundredths < 1024 * 100:  # 1023.999 KiB rounds to 1024: that is 1 MiB
             break
     whole, frac = divmod(hundredths, 100)
-    return f"{sign}{whole}{f'.{frac:02d}'.rstrip('0').rstrip('.')} {unit}"
+    # Decimal writes an int's digits however many: str() refuses past sys.get_int_max_str_digits() (4300)
+    return f"{sign}{Decimal(whole)}{f'.{frac:02d}'.rstrip('0').rstrip('.')} {unit}"

@@ -34,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .._sizes import format_size
 from ._capture import capture_of
 from .streams import PER_THREAD_DEFAULT_STREAM, cupy_stream
 
@@ -105,7 +106,7 @@ class HostProvider:
         try:
             array = np.empty(size, dtype=np.uint8)
         except ValueError as exc:  # NumPy's "maximum allowed dimension exceeded": no host has it either
-            raise MemoryError(f"{size} bytes cannot be allocated on the host") from exc
+            raise MemoryError(f"{format_size(size)} cannot be allocated on the host") from exc  # str() refuses it
         return Buffer(array.__array_interface__["data"][0], size, array)
 
     def deallocate(self, buffer: Buffer, *, stream: Any = None) -> None:
@@ -199,7 +200,7 @@ class CupyProvider(_DeviceProvider):
                 raise
             raise MemoryError(f"cudaMalloc of {size} bytes failed on device {self.device_id}: {exc}") from exc
         except OverflowError as exc:  # beyond size_t: no device has it
-            raise MemoryError(f"{size} bytes cannot be allocated on device {self.device_id}") from exc
+            raise MemoryError(f"{format_size(size)} cannot be allocated on device {self.device_id}") from exc
         return Buffer(int(memptr.ptr), size, memptr)
 
     def deallocate(self, buffer: Buffer, *, stream: int | None) -> None:
