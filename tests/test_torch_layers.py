@@ -246,3 +246,10 @@ def test_a_subclass_convolving_otherwise_is_a_model_error_and_its_input_is_found
     conv = Keyword(3, 4, 3)
     (layer,) = wt.layers(conv, x=torch.randn(2, 3, 6, 6))
     assert layer.input_shape == (1, 3, 6, 6) and tuple(layer.geometry().output_shape) == (1, 4, 4, 4)
+
+
+def test_a_users_forward_hook_that_changes_the_result_does_not_change_the_layer():
+    conv = nn.Conv2d(3, 4, 3)
+    conv.register_forward_hook(lambda module, args, out: out[..., 1:, 1:])  # the layer is the convolution's
+    (layer,) = wt.layers(nn.Sequential(conv), torch.randn(1, 3, 8, 8))
+    assert layer.input_shape == (1, 3, 8, 8) and len(conv._forward_hooks) == 1

@@ -78,7 +78,8 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
 
     cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.is_cuda})
     convs = [m for m in model.modules() if isinstance(m, _CONVS + _TRANSPOSED)]
-    hooks = [m.register_forward_hook(record, with_kwargs=True) for m in convs]
+    # first: a user's hook may change the result (crop it), and the layer is the convolution's
+    hooks = [m.register_forward_hook(record, with_kwargs=True, prepend=True) for m in convs]
     hooks += [m.register_forward_pre_hook(made) for m in lazy]  # after the module's own, which makes them
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=cuda):
