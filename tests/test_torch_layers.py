@@ -248,6 +248,28 @@ def test_a_subclass_convolving_otherwise_is_a_model_error_and_its_input_is_found
     assert layer.input_shape == (1, 3, 6, 6) and tuple(layer.geometry().output_shape) == (1, 4, 4, 4)
 
 
+class Counted(nn.Module):  # a forward that replaces its buffer rather than updating it in place
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.conv(x)
+
+
+def test_a_replaced_buffer_and_an_inference_mode_model_are_left_as_they_were():
+    model = Counted()
+    before = model.calls
+    assert [layer.name for layer in wt.layers(model, torch.randn(1, 3, 4, 4))] == ["conv"]
+    assert model.calls is before and float(model.calls) == 0  # the model's own tensor, as it was
+    with torch.inference_mode():  # as a model loaded for serving: its buffers are inference tensors
+        served = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).eval()
+    (layer,) = wt.layers(served, torch.randn(1, 3, 4, 4))  # copying them back raised outside inference mode
+    assert layer.weight_shape == (4, 3, 1, 1) and float(served[1].running_var.sum()) == 4
+
+
 def test_a_users_forward_hook_that_changes_the_result_does_not_change_the_layer():
     conv = nn.Conv2d(3, 4, 3)
     conv.register_forward_hook(lambda module, args, out: out[..., 1:, 1:])  # the layer is the convolution's

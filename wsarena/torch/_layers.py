@@ -7,7 +7,7 @@ model, and picks its cap, without exporting it to ONNX first.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -69,12 +69,12 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
 
     # The run leaves the model and the random streams as they were: a training-mode BatchNorm updates its running
     # statistics and a dropout draws from the generator, which would change the user's next step.
-    buffers = [(b, b.clone()) for b in model.buffers() if not is_lazy(b)]
+    buffers = _copies(model.modules())
     # a lazy module's buffers (LazyBatchNorm's) are made as it is first called: kept as made, before its forward
     lazy = [m for m in model.modules() if any(is_lazy(b) for b in m.buffers(recurse=False))]
 
     def made(module: nn.Module, args: tuple[Any, ...]) -> None:
-        buffers.extend((b, b.clone()) for b in module.buffers(recurse=False))
+        buffers.extend(_copies((module,)))
 
     cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.is_cuda})
     convs = [m for m in model.modules() if isinstance(m, _CONVS + _TRANSPOSED)]
@@ -87,12 +87,18 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     finally:
         for hook in hooks:
             hook.remove()
-        with torch.no_grad():
-            for buffer, saved in reversed(buffers):  # a lazy module called twice: its first copy is the last
+        with torch.inference_mode():  # a model made in inference mode holds inference tensors, updated only there
+            for owner, name, buffer, saved in reversed(buffers):  # a lazy module called twice: its first copy last
+                owner._buffers[name] = buffer  # where a forward replaced it (self.calls = self.calls + 1)
                 buffer.copy_(saved)
     if not found:
         raise ModelError(f"{type(model).__name__} ran no nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d")
     return found
+
+
+def _copies(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]:
+    """Each made buffer of ``modules``, not their submodules': its module, name, tensor and a copy of it."""
+    return [(m, name, b, b.clone()) for m in modules for name, b in m.named_buffers(recurse=False) if not is_lazy(b)]
 
 
 def _layer(name: str, module: Any, x: torch.Tensor, y: torch.Tensor) -> ConvLayer:
