@@ -73,7 +73,8 @@ def test_per_thread_default_streams_get_their_own_bytes(cupy, make):
 
     def work():
         with cupy.cuda.Stream.ptds, arena.lease(1 << 20) as ws:  # stream=None: this thread's ptds (handle 2)
-            assert int(ws.stream) == 2 == stream_handle(None) == stream_handle(ws.stream)
+            # the key is this thread's own PerThreadStream (no int since the arena was split up), its handle 2
+            assert ws.cuda_stream == ws.stream.handle == 2 == stream_handle(None) == stream_handle(ws.stream)
             seen.append(ws.ptr)
             ws.array.fill(len(seen))
             both_live.wait(10)
