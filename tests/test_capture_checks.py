@@ -68,6 +68,48 @@ def test_an_invalidated_capture_is_a_capture_error_that_says_so(cuda):
     assert provider.allocations == [] and arena.stats().streams == {}
 
 
+def test_a_zero_byte_workspace_on_an_invalidated_capture_is_the_capture_error_before_anything_runs(cuda):
+    """A call whose algorithm takes no workspace (cap 0, or the heuristics' first choice) leases zero bytes: on a
+    stream whose capture was invalidated it gets the CaptureError that says what to do, before its kernels are
+    enqueued, as a call that takes workspace does. Once, a zero-byte lease asked nothing, and cuDNN's launch on the
+    invalidated stream failed with an error of its own."""
+    from cuda.bindings import runtime as rt
+
+    from wsarena.algos import run_with_fallback
+    from wsarena.backends import Candidate
+
+    provider = RecordingProvider(device_id=0)
+    provider.capture = capture_of  # what the device providers answer
+    arena = Arena(provider)
+    cuda.state = rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusInvalidated
+    ran = []
+    with pytest.raises(CaptureError, match="capture on stream 0x51 was invalidated.*capture again"):
+        run_with_fallback(arena, (Candidate("implicit_gemm", 0),), ran.append, stream=S1, cap=None)
+    assert ran == [] and provider.allocations == [] and arena.stats().streams == {}
+    cuda.state = rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive  # a capture under way: zero bytes, no pin
+    with arena.lease(0, stream=S1) as ws:
+        assert ws.ptr == 0
+    assert arena._table.captures == {} and arena.stats().pinned_bytes == 0
+
+
+def test_a_zero_byte_workspace_on_the_legacy_stream_while_another_is_captured_is_the_capture_error():
+    """The legacy default stream cannot be used while a blocking stream of the device is captured (CUDA refuses even
+    the question, and a kernel enqueued there would invalidate that capture): a zero-byte lease there is refused as
+    any lease is."""
+
+    def capture(stream):  # as capture_of answers: the refusal for the legacy stream, no capture elsewhere
+        if stream == 0:
+            raise CaptureError("the legacy default stream (0) cannot be used while another stream is captured")
+
+    provider = RecordingProvider(device_id=0)
+    provider.capture = capture
+    arena = Arena(provider)
+    with pytest.raises(CaptureError, match="legacy default stream"), arena.lease(0, stream=0):
+        pass
+    with arena.lease(0, stream=S1) as ws:  # another stream is usable
+        assert ws.ptr == 0 and ws.nbytes == 0
+
+
 def test_a_plain_runtime_error_of_a_stream_not_captured_is_cupys_own(cuda, monkeypatch):
     import cupy
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from .._sizes import format_size
 from ._interrupts import finish
+from .streams import raw_handle
 
 if TYPE_CHECKING:
     import weakref
@@ -112,6 +113,12 @@ class Workspace:
             self._with = None  # holds nothing: nothing to hold it by (and it would keep self in a cycle)
             if self._arena.closed:  # takes nothing, yet a closed arena refuses every lease alike
                 raise self._arena._table.closed_error()
+            capture = self._arena._capture
+            if capture is not None:
+                # The call's kernels still go on this stream: one that CUDA refuses now (a capture an earlier error
+                # invalidated, the legacy default stream while another is captured) is the CaptureError a lease that
+                # takes bytes gets there, before anything is enqueued. Nothing is pinned: the graph holds no buffer.
+                capture(raw_handle(self.stream))
             self._state = 1
             return self
         try:
