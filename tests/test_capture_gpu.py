@@ -52,6 +52,9 @@ def resnet_layers(cupy, batch=2):
         w = rng.standard_normal(layer.weight_shape, dtype=cupy.float32)
         dy = rng.standard_normal(probe.shape, dtype=cupy.float32)
         layers.append((layer, x, w, dy))
+    # Written on the legacy default stream; the steps and replays run on non-blocking streams, which do not wait
+    # for it.
+    cupy.cuda.Device().synchronize()
     return layers
 
 
@@ -100,8 +103,9 @@ def test_a_replayed_resnet50_step_equals_the_eager_step_even_after_the_arena_gre
             graph.launch()
         graph.stream.synchronize()
         assert_same(cupy, captured, eager)
-        for y, dx, dw in captured:
-            y.fill(0), dx.fill(0), dw.fill(0)
+        with graph.stream:  # in the replay's order: on the legacy stream the fills could land after it
+            for y, dx, dw in captured:
+                y.fill(0), dx.fill(0), dw.fill(0)
         key = graph.stream.ptr
         arena.reserve(4 * held.streams[key].capacity_bytes + (1 << 20), stream=graph.stream)  # the stream grows
         with graph.stream:
@@ -156,7 +160,8 @@ def test_a_capture_that_would_search_raises_before_anything_is_enqueued(cupy, ar
         wsarena.conv_forward(x, w, padding=1, out=y)  # eager: searches, and the capture after it works
         with wsarena.capture() as graph:
             wsarena.conv_forward(x, w, padding=1, out=y)
-    y.fill(0)
+    with graph.stream:  # in the replay's order (the capture's own stream is non-blocking)
+        y.fill(0)
     graph.launch()
     graph.stream.synchronize()
     assert float(y[0, 0, 8, 8]) == 72.0  # 8 channels x 9 taps of ones
@@ -330,7 +335,8 @@ def test_a_free_that_would_synchronise_waits_for_a_global_capture_from_its_start
         assert errors == []
         frees = arena.stats().frees  # the capture is over: the buffer goes now
     assert frees >= 1 and errors == []
-    y.fill(0)
+    with s:  # in the replay's order (s is non-blocking)
+        y.fill(0)
     graph.launch()
     s.synchronize()
     assert float(y[0, 0, 8, 8]) == 144.0  # 16 channels x 9 taps of ones
