@@ -322,6 +322,9 @@ def test_a_free_that_would_synchronise_waits_for_a_global_capture_from_its_start
     worker = threading.Thread(target=record, args=(gone_thread,))
     worker.start()
     s = cupy.cuda.Stream(non_blocking=True)
+    # Garbage of earlier tests (CuPy streams, events, graphs in reference cycles) is destroyed now, not by the
+    # collection inside the global-mode capture below, which is there for the gone thread's lane alone.
+    gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed free warns
         with wsarena.capture(s, mode="global") as graph:
