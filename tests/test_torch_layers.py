@@ -160,6 +160,14 @@ def test_modules_are_named_by_their_path_and_each_call_listed():
     assert found[0].weight_shape == (4, 3, 3, 3)
 
 
+def test_a_compiled_model_gives_its_modules_layers_without_compiling():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1))
+    compiled = torch.compile(model)
+    found = wt.layers(compiled, torch.randn(1, 3, 8, 8))
+    assert [layer.name for layer in found] == ["0", "2"] == [k.split(".")[0] for k in model.state_dict()][::2]
+    assert found == wt.layers(model, torch.randn(1, 3, 8, 8))
+
+
 def test_a_converted_model_gives_the_same_layers_and_hooks_are_removed():
     model = ResNet50()
     x = torch.randn(1, 3, 64, 64)

@@ -33,7 +33,7 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called again is listed again,
     ``#2`` and on after its name. Convolutions called as functions (``F.conv2d`` in a ``forward``) are not seen:
     export such a model to ONNX and load that (:func:`wsarena.load_model`). A lazy module is initialized by the run,
-    its buffers left as first made.
+    its buffers left as first made. Of a ``torch.compile`` wrapper, the model it wraps runs (nothing is compiled).
 
     Padding is modelled as PyTorch runs it: ``"same"`` with an even total (a kernel of even size) pads the input by
     one more at the end, and a ``padding_mode`` other than ``"zeros"`` pads the input itself before an unpadded
@@ -52,6 +52,9 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    # torch.compile's wrapper: the model it wraps runs the same convolutions, uncompiled (no seconds of compiling),
+    # and names them as its state_dict does (without "_orig_mod.")
+    model = _uncompiled(model)
     names: dict[int, str] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         if name:
@@ -94,6 +97,12 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     if not found:
         raise ModelError(f"{type(model).__name__} ran no nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d")
     return found
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """``model``, or the module a ``torch.compile`` wrapper (``OptimizedModule``) holds."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else model
 
 
 def _copies(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]:
