@@ -345,6 +345,26 @@ def test_a_free_that_would_synchronise_waits_for_a_global_capture_from_its_start
     assert float(y[0, 0, 8, 8]) == 144.0  # 16 channels x 9 taps of ones
 
 
+def test_a_dead_stream_wrapper_is_adopted_during_a_global_capture_without_invalidating_it(cupy, arena):
+    """Stream wrappers made per call (cuda.core's Stream.from_handle) die after it: the sub-arena of their handle is
+    orphaned, and the capture's lease adopts it, which reads the stream's id (cudaStreamGetId) during the capture.
+    Read in the thread's global capture mode, the refusal invalidated the capture (and, read as another stream's, the
+    lease found no buffer); it is read in relaxed mode."""
+    from cuda.core import Stream
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    arena.reserve(1 << 20, stream=Stream.from_handle(s.ptr))  # its wrapper dies here: the sub-arena is an orphan
+    gc.collect()
+    with wsarena.capture(s, mode="global") as graph:
+        with arena.lease(1 << 20, stream=Stream.from_handle(s.ptr)) as ws:
+            pinned = ws.ptr
+            ws.array.fill(0)  # a memset node: the graph is not empty
+        assert capture_of(s.ptr) is not None  # still capturing: not invalidated
+    assert graph.graph is not None and pinned != 0 and arena.held_bytes(stream=s) >= 1 << 20
+    graph.launch()
+    s.synchronize()
+
+
 @pytest.mark.parametrize("api", APIS)
 def test_a_thread_with_no_cudnn_handle_cannot_make_one_during_a_capture(cupy, arena, api):
     """A forced algorithm's workspace size needs this thread's handle before any lease: a thread whose eager step ran
