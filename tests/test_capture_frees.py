@@ -362,3 +362,33 @@ def test_a_buffer_held_back_on_a_stream_whose_object_died_is_freed_with_no_strea
     assert (first, None) in freed_on(provider) and provider.during_capture == []
     assert S1 not in provider.id_reads[reads:]
     graph.close()
+
+
+def test_a_buffer_a_graph_held_on_another_threads_per_thread_stream_is_freed_with_no_stream():
+    """A thread captures a lease on its per-thread default stream (handle 2), then outgrows that buffer eagerly: the
+    graph's buffer is kept aside. Once the graph is gone, another thread's call frees it. Handle 2 names the calling
+    thread's own per-thread stream, which is not ordered with the owner's: the free is made with no stream (the
+    provider waits for the device), as every other buffer of another thread's per-thread stream is. Once, the kept
+    buffer kept the handle it was kept with, 2, and was freed in the order of the wrong stream."""
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    kept, done, box = threading.Event(), threading.Event(), {}
+
+    def owner():
+        arena.reserve(1000, stream=2)
+        box["graph"], box["pinned"] = capture_a_lease(provider, arena, stream=2)
+        with arena.lease(50_000, stream=2):  # an eager growth: the pinned buffer is kept aside
+            pass
+        kept.set()
+        done.wait(60)  # the owner lives on: its stream is not gone
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    try:
+        assert kept.wait(60)
+        box["graph"].close()
+        arena.stats()  # this thread lets go of what graphs no longer hold
+        assert (box["pinned"], None) in freed_on(provider)
+    finally:
+        done.set()
+        thread.join(60)
