@@ -351,6 +351,30 @@ def test_capture_without_a_gpu_is_a_backend_error_and_checks_its_mode():
         pass
 
 
+def test_a_captured_graph_is_launched_on_any_stream_that_stream_takes():
+    """CapturedGraph.launch(stream) takes what every stream= of wsarena takes (a raw handle, an object with
+    __cuda_stream__ such as a PyTorch or cuda.core stream), not only a CuPy stream: CuPy's Graph.launch reads the
+    stream's ``ptr``, which the others lack (an AttributeError once)."""
+    import cupy
+
+    from wsarena.cudagraph import CapturedGraph
+
+    class Graph:  # CuPy's Graph.launch(stream), without a GPU
+        def __init__(self):
+            self.launched = []
+
+        def launch(self, stream=None):
+            self.launched.append(stream.ptr)
+
+    captured = CapturedGraph(cupy.cuda.Stream.from_external(FakeStream(S1)))
+    captured.graph = Graph()
+    captured.launch()
+    captured.launch(S2)
+    captured.launch(FakeStream(0x53))
+    captured.launch(captured.stream)
+    assert captured.graph.launched == [S1, S2, 0x53, S1]
+
+
 def test_the_capture_stream_starts_with_the_largest_buffer_the_warm_up_left(device):
     from wsarena.cudagraph import seed_workspace
 

@@ -60,10 +60,17 @@ class CapturedGraph:
         return self.graph is None
 
     def launch(self, stream: Any = None) -> None:
-        """Replay the graph on ``stream`` (by default the stream it was captured on); returns once enqueued."""
+        """Replay the graph on ``stream`` (by default the stream it was captured on; a CuPy stream, a raw handle or
+        an object with ``__cuda_stream__``, as wsarena's ``stream=`` takes); returns once enqueued."""
         if self.graph is None:
             raise RuntimeError("this graph is closed, or its capture did not end")
-        self.graph.launch(self.stream if stream is None else stream)
+        if stream is None:
+            stream = self.stream
+        elif type(getattr(stream, "ptr", None)) is not int:  # CuPy's Graph.launch reads a CuPy stream's ptr
+            from .arena.streams import cupy_stream, stream_handle
+
+            stream = cupy_stream(stream_handle(stream))
+        self.graph.launch(stream)
 
     def close(self) -> None:
         """Drop the graph (CuPy destroys it once nothing else refers to it); the workspace it pinned is freed in
