@@ -29,6 +29,7 @@ from wsarena.cudnn import Status as cudnn_status
 from wsarena.errors import (
     AlignmentWorkspaceError,
     BackendUnavailableError,
+    CaptureError,
     CudnnApiFallbackWarning,
     NoAlgorithmFitsError,
     WorkspaceMemoryError,
@@ -460,13 +461,18 @@ def _array(ptr):
     return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
 
 
-def _lease(nbytes, stream=None):
-    return SimpleNamespace(ptr=0x100000, nbytes=nbytes, cuda_stream=stream)
+def _lease(nbytes, stream=0x77):
+    """A device lease as the arena gives it: one that takes bytes carries its stream's raw handle, a zero-byte one
+    none."""
+    return SimpleNamespace(ptr=0x100000 if nbytes else 0, nbytes=nbytes, cuda_stream=stream if nbytes else None)
 
 
 @pytest.fixture
 def faked(monkeypatch, graph_backend):
+    from wsarena.arena import _capture
+
     monkeypatch.setattr(graph_backend, "_bound_handle", lambda stream, workspace=None: "handle")
+    monkeypatch.setattr(_capture, "capture_of", lambda stream: None)  # no stream is being captured
     return graph_backend
 
 
@@ -544,6 +550,24 @@ def test_run_with_fallback_passes_a_refused_or_too_large_plan_to_the_next_candid
                                       stream=None, cap=None, retry=faked.retry_errors)
         assert ran.algo == "eng3"
     assert [e[:2] for e in b.executed] == [("eng3", (2, 16, 16))] * 2
+
+
+def test_a_plan_built_for_a_zero_byte_lease_is_refused_on_a_captured_stream(faked, monkeypatch):
+    """A zero-byte lease carries no stream handle (its cuda_stream is None). A call whose plan is not cached (operands
+    at an alignment no earlier call had, a plan the cache evicted) finalizes one: on the call's stream while it is
+    captured, that is the CaptureError of any other lease, before cuDNN finalizes anything into the capture."""
+    from wsarena.arena import _capture
+
+    captured = 0x51
+    monkeypatch.setattr(_capture, "capture_of", lambda stream: object() if stream == captured else None)
+    b = AlignedBuilder({("eng1", (2, 16, 16)): 0})  # an engine that takes no workspace
+    faked._plans = PlanCache(b.graph, b.plan)
+    x, w, y = _array(0x1002), _array(0x2000), _array(0x3000)
+    with pytest.raises(CaptureError, match="finalize a cuDNN execution plan"):
+        faked.run("fwd", Candidate("eng1", 0), GEOM, x, w, y, _lease(0), captured)
+    assert b.plans == [] and b.executed == []
+    faked.run("fwd", Candidate("eng1", 0), GEOM, x, w, y, _lease(0), 0x52)  # a stream not captured: built and run
+    assert [e[:2] for e in b.executed] == [("eng1", (2, 16, 16))]
 
 
 def test_measure_skips_a_plan_that_needs_more_workspace_than_was_leased(faked, monkeypatch):
