@@ -303,6 +303,36 @@ def test_zero_batch_gives_empty_results_without_workspace(fresh_arena):
         conv_forward(x, w, stream=[1])
 
 
+def test_zero_batch_refuses_what_any_call_refuses_before_writing(monkeypatch):
+    """An empty batch enqueues nothing but dw's zeros, yet its zero-byte lease is taken as any call's is: a stream
+    whose capture CUDA refuses (one an error invalidated, the legacy stream while another is captured) or a closed
+    arena raises as it does for a full batch, before those zeros are written where they would break the capture."""
+    from wsarena.arena import Arena, HostProvider
+    from wsarena.arena.testing import RecordingProvider
+    from wsarena.backends import CpuBackend
+
+    def invalidated(stream):
+        raise wsarena.CaptureError(f"the capture on {stream!r} was invalidated")
+
+    provider = RecordingProvider()
+    provider.capture = invalidated
+    arenas = [Arena(provider)]
+    monkeypatch.setattr(CpuBackend, "arena", lambda self: arenas[0])
+    dw = np.full((2, 3, 3, 3), 7.0, np.float32)
+    for batch in (1, 0):
+        x, dy = np.ones((batch, 3, 6, 6), np.float32), np.ones((batch, 2, 4, 4), np.float32)
+        with pytest.raises(wsarena.CaptureError, match="'lane' was invalidated"):
+            conv_backward_filter(x, dy, dw.shape, out=dw, stream="lane")
+        assert (dw == 7).all()
+    arenas[0] = Arena(HostProvider())
+    arenas[0].close()
+    for batch in (1, 0):
+        x, dy = np.ones((batch, 3, 6, 6), np.float32), np.ones((batch, 2, 4, 4), np.float32)
+        with pytest.raises(RuntimeError, match="closed"):
+            conv_backward_filter(x, dy, dw.shape, out=dw)
+        assert (dw == 7).all()
+
+
 def test_padding_strings():
     rng = np.random.default_rng(8)
     x = rng.standard_normal((1, 2, 7, 7))

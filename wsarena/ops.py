@@ -211,9 +211,11 @@ def _run(
         chosen = None if algo is None else forced(backend, pass_, geom, algo, cap=cfg.cap_workspace)
         result = _new_output(record, empty) if out is None else out
         if geom.batch == 0:
-            backend.arena().lease(0, stream=stream)  # takes nothing; checks `stream` as a real call would
-            if pass_ is Pass.BWD_FILTER:
-                result[...] = 0
+            # Takes nothing, and refuses what a real call's lease refuses (a bad stream, a closed arena, a stream
+            # CUDA cannot use during a capture) before dw's zeros are enqueued
+            with backend.arena().lease(0, stream=stream):
+                if pass_ is Pass.BWD_FILTER:
+                    result[...] = 0
             return result
         a, b = _contiguous(a), _contiguous(b)
         if chosen is None:
