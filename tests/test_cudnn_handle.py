@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import threading
 import time
 
@@ -127,3 +128,38 @@ def test_a_handle_is_destroyed_with_its_own_device_current(monkeypatch):
     other = cudnn.get_handle(0)
     other.close()
     assert events == [("cudnnDestroy", 0)]  # its own device is current: nothing switched
+
+
+def test_a_handle_whose_thread_ended_is_destroyed_by_the_next_creation_not_as_the_thread_ends(monkeypatch):
+    """cudnnDestroy synchronizes the device, which invalidates a CUDA graph capture in CUDA's global mode under way in
+    any other thread. A thread may end during one: its handle is destroyed by the next creation of a handle (which
+    such a capture does not allow either) or by close_all_handles, never by the ending thread."""
+    made, destroyed = iter(range(0x5000, 0x6000, 0x10)), []
+
+    def fake_create(out):
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = next(made)
+        return 0
+
+    monkeypatch.setattr(handle_mod, "function", lambda name: fake_create)
+    monkeypatch.setattr(handle_mod, "call", lambda name, handle, **kw: destroyed.append(handle))
+    monkeypatch.setattr(handle_mod, "_current_device", lambda: None)
+
+    def a_thread_that_ends():
+        thread = threading.Thread(target=cudnn.get_handle, args=(3,))
+        thread.start()
+        thread.join()
+        gc.collect()
+
+    try:
+        a_thread_that_ends()
+        assert destroyed == []
+        mine = cudnn.get_handle(4)  # a creation: the ended thread's handle goes first
+        assert destroyed == [0x5000]
+        a_thread_that_ends()
+        assert destroyed == [0x5000]
+        cudnn.close_all_handles()
+        assert sorted(destroyed) == [0x5000, 0x5010, 0x5020] and mine.closed
+        cudnn.close_all_handles()
+        assert len(destroyed) == 3  # each once
+    finally:
+        cudnn.close_all_handles()  # with the fakes: no made-up handle is left for a real cudnnDestroy

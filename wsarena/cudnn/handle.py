@@ -7,12 +7,16 @@ cuda-python can tell which device is current and it is another one, :func:`get_h
 instead of binding the handle to the wrong device.
 
 All handles are destroyed by an ``atexit`` hook, which runs before the CUDA runtime tears its contexts down; the
-garbage-collection finalizers (a thread that ended, :func:`close_all_handles`) do nothing at shutdown.
+garbage-collection finalizers (a thread that ended, :func:`close_all_handles`) do nothing at shutdown. The handle of a
+thread that ended is destroyed by the next creation of a handle, or at exit, not as the thread ends: ``cudnnDestroy``
+synchronizes the device, which would invalidate a CUDA graph capture in CUDA's global mode that another thread may
+have under way then.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import threading
 import warnings
@@ -43,11 +47,30 @@ def _destroy(handle: int, device: int) -> None:
 
 
 def _destroy_quietly(handle: int, device: int) -> None:
-    """Finalizer: destroy a handle whose owner (a finished thread) is gone; warn, never raise."""
+    """Destroy a handle whose owner (a finished thread) is gone; warn, never raise."""
     try:
         _destroy(handle, device)
     except Exception as exc:  # noqa: BLE001
         warnings.warn(f"wsarena.cudnn: cudnnDestroy failed: {exc}", ResourceWarning, stacklevel=1)
+
+
+# (handle, device) of the handles whose owner is gone, destroyed by the next creation or at exit (module docstring).
+# A deque: its appends and pops need no lock, and the finalizer may run in a thread that holds _lock.
+_orphans: collections.deque[tuple[int, int]] = collections.deque()
+
+
+def _orphan(handle: int, device: int) -> None:
+    """Finalizer of a handle whose owner is gone (the thread that ended, in which it runs): queue it."""
+    _orphans.append((handle, device))
+
+
+def _destroy_orphans() -> None:
+    while True:
+        try:
+            handle, device = _orphans.popleft()
+        except IndexError:
+            return
+        _destroy_quietly(handle, device)
 
 
 def _current_device() -> int | None:
@@ -99,7 +122,7 @@ class Handle(Owned):
             check(status, "cudnnCreate", f"device {self.device}")
         self._handle: int = raw.value or 0
         self._stream: int | None = None  # what cudnnSetStream was last given; None = cuDNN's default
-        self._finalizer = weakref.finalize(self, _destroy_quietly, self._handle, self.device)
+        self._finalizer = weakref.finalize(self, _orphan, self._handle, self.device)
         self._finalizer.atexit = False  # the atexit hook below destroys live handles itself, in time
 
     @property
@@ -193,6 +216,7 @@ def get_handle(device: int) -> Handle:
     current = _current_device()
     if current is not None and current != device:
         raise ValueError(f"device {device} is not the current CUDA device ({current}); make it current first")
+    _destroy_orphans()
     handle = _create(device)
     handles[device] = handle
     with _lock:
@@ -214,7 +238,8 @@ def on_close_all(method: Any) -> None:
 
 
 def close_all_handles() -> None:
-    """Destroy every live handle of every thread (registered with ``atexit``; also usable by tests).
+    """Destroy every live handle of every thread, and those of threads that ended (registered with ``atexit``; also
+    usable by tests).
 
     What :func:`on_close_all` registered runs first. Errors are turned into warnings: this runs at exit, where
     raising helps nobody.
@@ -235,3 +260,4 @@ def close_all_handles() -> None:
             handle.close()
         except Exception as exc:  # noqa: BLE001
             warnings.warn(f"wsarena.cudnn: closing {handle!r} failed: {exc}", ResourceWarning, stacklevel=1)
+    _destroy_orphans()
