@@ -160,6 +160,7 @@ def test_modules_are_named_by_their_path_and_each_call_listed():
     assert found[0].weight_shape == (4, 3, 3, 3)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile
 def test_a_compiled_model_gives_its_modules_layers_without_compiling():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1))
     compiled = torch.compile(model)
