@@ -65,7 +65,10 @@ def run_us(number: int, repeat: int) -> dict[str, tuple[float, float]]:
         raise SystemExit(f"cuDNN cannot finalize plans here: {reason}")
     props = graph.device_properties((ROOT / "tests" / "data" / "h100-handwritten.json").read_text())
     backend = CudnnGraphBackend()
-    backend._bound_handle = lambda stream, workspace=None: "handle"  # on a GPU: the thread's handle, bound once
+    # On a GPU: the thread's handle, bound to the call's stream once. Its stream is None here: none to check for a
+    # capture (with CUDA) before a plan is finalized.
+    handle = type("Handle", (), {"stream": None})()
+    backend._bound_handle = lambda stream, workspace=None: handle
     backend._plans = PlanCache(
         lambda handle, pass_, geom, aligned: graph.operation_graph(conv_problem(pass_, geom), properties=props),
         lambda handle, op_graph, name: graph.execution_plan(graph.engine_config(op_graph, name, properties=props),

@@ -467,11 +467,27 @@ def _lease(nbytes, stream=0x77):
     return SimpleNamespace(ptr=0x100000 if nbytes else 0, nbytes=nbytes, cuda_stream=stream if nbytes else None)
 
 
+class _BoundHandle:
+    """A thread's handle as the backend binds it: one object (hashed as itself) bound to the stream last set."""
+
+    stream = 0
+
+    def set_stream(self, raw):
+        self.stream = raw
+
+
 @pytest.fixture
 def faked(monkeypatch, graph_backend):
     from wsarena.arena import _capture
 
-    monkeypatch.setattr(graph_backend, "_bound_handle", lambda stream, workspace=None: "handle")
+    handle = _BoundHandle()
+
+    def bound(stream, workspace=None):  # the lease's stream, else the call's (None: CuPy's current, the null one)
+        raw = getattr(workspace, "cuda_stream", None)
+        handle.set_stream(raw if raw is not None else stream or 0)
+        return handle
+
+    monkeypatch.setattr(graph_backend, "_bound_handle", bound)
     monkeypatch.setattr(_capture, "capture_of", lambda stream: None)  # no stream is being captured
     return graph_backend
 
@@ -568,6 +584,26 @@ def test_a_plan_built_for_a_zero_byte_lease_is_refused_on_a_captured_stream(fake
     assert b.plans == [] and b.executed == []
     faked.run("fwd", Candidate("eng1", 0), GEOM, x, w, y, _lease(0), 0x52)  # a stream not captured: built and run
     assert [e[:2] for e in b.executed] == [("eng1", (2, 16, 16))]
+
+
+def test_a_call_on_a_zero_byte_lease_asks_its_stream_for_its_handle_once(graph_backend, monkeypatch):
+    """A zero-byte lease carries no stream handle: the call's stream is resolved for the handle's binding, and that
+    binding is the stream checked for a capture, not resolved a second time (an object with __cuda_stream__ is asked
+    once per call, as CuPy's current stream is read once)."""
+    from wsarena.arena import _capture
+
+    handle = _BoundHandle()
+    monkeypatch.setattr(graph_backend, "_handle", lambda stream=None: handle)
+    checked, asked = [], []
+    monkeypatch.setattr(_capture, "capture_of", lambda stream: checked.append(stream))
+    stream = type("Stream", (), {"__cuda_stream__": lambda self: asked.append(1) or (0, 0x52)})()
+    b = AlignedBuilder({("eng1", (16, 16, 16)): 0})
+    graph_backend._plans = PlanCache(b.graph, b.plan)
+    x, w, y = _array(0x1000), _array(0x2000), _array(0x3000)
+    graph_backend.run("fwd", Candidate("eng1", 0), GEOM, x, w, y, _lease(0), stream)
+    assert checked == [0x52] and handle.stream == 0x52 and len(asked) == 1
+    graph_backend.run("fwd", Candidate("eng1", 0), GEOM, x, w, y, _lease(0), stream)  # its plan cached
+    assert checked == [0x52] and len(asked) == 2 and len(b.executed) == 2
 
 
 def test_measure_skips_a_plan_that_needs_more_workspace_than_was_leased(faked, monkeypatch):

@@ -271,8 +271,9 @@ class CudnnGraphBackend(CudnnBackend):
         handle = self._bound_handle(stream, workspace)
         x, w, y = pointers(pass_, a, b, out)
         aligned = (alignment(x), alignment(w), alignment(y))
-        # The stream checked for a capture before a plan is finalized: a zero-byte lease's cuda_stream is None
-        plan = self._plans.plan(handle, pass_, geom, name, aligned, stream=self._cudnn_stream(stream, workspace))
+        # The stream checked for a capture before a plan is finalized: the one the handle was just bound to (the
+        # lease's, or the call's own for a zero-byte lease, whose cuda_stream is None), not resolved again
+        plan = self._plans.plan(handle, pass_, geom, name, aligned, stream=handle.stream)
         if plan.workspace_bytes > workspace.nbytes:
             # The lease is the candidate's size, which is its plan's for 16-byte-aligned operands; the plan for
             # these operands' alignment must not write past it. One of retry_errors: run_with_fallback moves on.
