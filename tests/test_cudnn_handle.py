@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import threading
 import time
 
@@ -163,3 +164,53 @@ def test_a_handle_whose_thread_ended_is_destroyed_by_the_next_creation_not_as_th
         assert len(destroyed) == 3  # each once
     finally:
         cudnn.close_all_handles()  # with the fakes: no made-up handle is left for a real cudnnDestroy
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_forked_child_never_destroys_the_parents_handles(monkeypatch):
+    """CUDA cannot run in a child forked after the parent used it, and the parent's handles are the parent's: the
+    child's first creation and its exit (close_all_handles) destroy neither the handle of a thread that ended before
+    the fork nor a live one; a handle the child makes is its own, destroyed as any."""
+    made, destroyed = iter(range(0x7000, 0x8000, 0x10)), []
+
+    def fake_create(out):
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = next(made)
+        return 0
+
+    monkeypatch.setattr(handle_mod, "function", lambda name: fake_create)
+    monkeypatch.setattr(handle_mod, "call", lambda name, handle, **kw: destroyed.append(handle))
+    monkeypatch.setattr(handle_mod, "_current_device", lambda: None)
+    try:
+        thread = threading.Thread(target=cudnn.get_handle, args=(3,))
+        thread.start()
+        thread.join()
+        gc.collect()  # 0x7000 is queued, to be destroyed by the next creation
+        live = cudnn.get_handle(4)  # 0x7010, and the queue emptied
+        assert destroyed == [0x7000]
+        other = threading.Thread(target=cudnn.get_handle, args=(3,))
+        other.start()
+        other.join()
+        gc.collect()  # 0x7020 queued
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what it destroyed, never return into pytest
+            code = 1
+            try:
+                del destroyed[:]
+                mine = cudnn.get_handle(4)  # the parent's live handle is not the child's: a new one
+                cudnn.close_all_handles()
+                os.write(write, repr((destroyed, mine.handle if not mine.closed else None, mine is live)).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            reported = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, reported
+        assert eval(reported) == ([0x7030], None, False)  # only the child's own handle; the parent's untouched
+        assert destroyed == [0x7000] and not live.closed
+        cudnn.close_all_handles()
+        assert sorted(destroyed) == [0x7000, 0x7010, 0x7020]
+    finally:
+        cudnn.close_all_handles()

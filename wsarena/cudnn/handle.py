@@ -10,7 +10,7 @@ All handles are destroyed by an ``atexit`` hook, which runs before the CUDA runt
 garbage-collection finalizers (a thread that ended, :func:`close_all_handles`) do nothing at shutdown. The handle of a
 thread that ended is destroyed by the next creation of a handle, or at exit, not as the thread ends: ``cudnnDestroy``
 synchronizes the device, which would invalidate a CUDA graph capture in CUDA's global mode that another thread may
-have under way then.
+have under way then. A forked child forgets the parent's handles, destroying none (CUDA cannot run there).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import os
 import threading
 import warnings
 import weakref
@@ -167,6 +168,19 @@ def _forget(handle: Handle) -> None:
         del handles[handle.device]
     with _lock:
         _live.discard(handle)
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: the parent's handles (live ones, and those of threads that ended) are the parent's, and
+    CUDA cannot run here. They are forgotten, none destroyed: the child's first get_handle() creates its own, and its
+    exit destroys only those."""
+    _orphans.clear()
+    for handle in list(_live):
+        handle._finalizer.detach()  # closed: has_handle() is False, close() does nothing
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 _create_lock = _forksafe.lock()  # held around the process's first cudnnCreate
