@@ -169,6 +169,31 @@ def test_a_compiled_model_gives_its_modules_layers_without_compiling():
     assert found == wt.layers(model, torch.randn(1, 3, 8, 8))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile
+def test_a_model_compiled_in_place_or_holding_a_compiled_module_runs_uncompiled():
+    """Module.compile() compiles the model in place (no wrapper to unwrap), and a compiled submodule is a wrapper
+    inside the model: their layers too come from an uncompiled run, which the backend given to torch.compile never
+    sees. The submodule's layers keep its wrapper's "_orig_mod." in their names, as the state_dict names them."""
+    compiled = []
+
+    def backend(graph, example_inputs):
+        compiled.append(graph)
+        return graph.forward
+
+    x = torch.randn(1, 3, 8, 8)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1))
+    expected = wt.layers(model, x)
+    model.compile(backend=backend)
+    assert wt.layers(model, x) == expected and compiled == []
+    holder = nn.Sequential(torch.compile(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1)),
+                                         backend=backend))
+    found = wt.layers(holder, x)
+    assert [layer.name for layer in found] == ["0._orig_mod.0", "0._orig_mod.2"] and compiled == []
+    assert [k.rsplit(".", 1)[0] for k in holder.state_dict()][::2] == ["0._orig_mod.0", "0._orig_mod.2"]
+    holder(x)  # outside layers(), compiled as asked
+    assert len(compiled) == 1
+
+
 def test_a_converted_model_gives_the_same_layers_and_hooks_are_removed():
     model = ResNet50()
     x = torch.randn(1, 3, 64, 64)

@@ -33,7 +33,8 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called again is listed again,
     ``#2`` and on after its name. Convolutions called as functions (``F.conv2d`` in a ``forward``) are not seen:
     export such a model to ONNX and load that (:func:`wsarena.load_model`). A lazy module is initialized by the run,
-    its buffers left as first made. Of a ``torch.compile`` wrapper, the model it wraps runs (nothing is compiled).
+    its buffers left as first made. Of a ``torch.compile`` wrapper, the model it wraps runs; nothing is compiled (a
+    model compiled in place with ``Module.compile()``, or a compiled submodule, runs uncompiled).
 
     Padding is modelled as PyTorch runs it: ``"same"`` with an even total (a kernel of even size) pads the input by
     one more at the end, and a ``padding_mode`` other than ``"zeros"`` pads the input itself before an unpadded
@@ -85,7 +86,9 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     hooks = [m.register_forward_hook(record, with_kwargs=True, prepend=True) for m in convs]
     hooks += [m.register_forward_pre_hook(made) for m in lazy]  # after the module's own, which makes them
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        # force_eager: a model compiled in place (Module.compile()) or holding a torch.compile'd module runs
+        # uncompiled too (no seconds of compiling, and the hooks run as written)
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), torch.compiler.set_stance("force_eager"):
             model(*args, **kwargs)
     finally:
         for hook in hooks:
