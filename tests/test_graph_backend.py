@@ -607,8 +607,8 @@ def test_a_call_on_a_zero_byte_lease_asks_its_stream_for_its_handle_once(graph_b
 
 
 def test_measure_skips_a_plan_that_needs_more_workspace_than_was_leased(faked, monkeypatch):
-    clock = iter(range(1, 100))
-    runtime = SimpleNamespace(eventCreate=lambda: object(), eventRecord=lambda event, stream: None,
+    clock, recorded = iter(range(1, 100)), set()
+    runtime = SimpleNamespace(eventCreate=lambda: object(), eventRecord=lambda event, stream: recorded.add(stream),
                               eventSynchronize=lambda event: None, eventDestroy=lambda event: None,
                               eventElapsedTime=lambda start, end: float(next(clock)))
     monkeypatch.setattr(faked, "_cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=runtime)))
@@ -617,6 +617,7 @@ def test_measure_skips_a_plan_that_needs_more_workspace_than_was_leased(faked, m
     cands = [Candidate("eng1", 64), Candidate("eng2", 64)]
     timed = faked.measure("fwd", GEOM, _array(0x1002), _array(0x2000), _array(0x3000), _lease(64, 0x77), cands, None)
     assert [c.algo for c in timed] == ["eng1"] and {e[0] for e in b.executed} == {"eng1"}
+    assert recorded == {0x77}  # timed on the lease's stream, where the plans ran
 
 
 def test_the_heuristic_setting_picks_cudnns_mode_and_keys_the_choices(finalizing, monkeypatch):

@@ -225,7 +225,7 @@ class CudnnGraphBackend(CudnnBackend):
         if not any(is_engine_name(c.algo) for c in candidates):
             return super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
         handle = self._bound_handle(stream, workspace)
-        raw = self._cudnn_stream(stream, workspace)
+        raw = handle.stream  # the stream it was just bound to: the lease's, or the call's own
         x, w, y = pointers(pass_, a, b, out)
         aligned = (alignment(x), alignment(w), alignment(y))
         runtime = self._cupy.cuda.runtime
@@ -252,14 +252,6 @@ class CudnnGraphBackend(CudnnBackend):
             runtime.eventDestroy(start)
             runtime.eventDestroy(end)
         return sorted(timed, key=lambda c: c.time_ms or 0.0)
-
-    def _cudnn_stream(self, stream: Any, workspace: Any) -> int:
-        raw = getattr(workspace, "cuda_stream", None)
-        if raw is not None:
-            return int(raw)
-        from ..arena.streams import stream_handle
-
-        return stream_handle(stream)
 
     def run(
         self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any
