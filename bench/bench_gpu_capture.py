@@ -7,9 +7,12 @@ from a CUDA graph, wsarena beside PyTorch, side by side in one run.
   layers (cuDNN benchmark mode off), eager and captured with ``torch.cuda.graph``.
 
 For each: the median step time as issued and the median GPU time (the step queued behind a spinning kernel) over
-interleaved rounds, and the workspace memory held: the arena's capacity (pinned buffers included) for wsarena,
-the allocator's peak growth over a step minus the step's own outputs for torch (for the replay: the private
-pool's growth). Run: python bench/bench_gpu_capture.py [--batch 32] [--dtype float32] [--repeat 9] [--json FILE]
+interleaved rounds, and the workspace memory held: the arena's capacity (pinned buffers included) for wsarena;
+for torch eager, the largest allocation one convolution call makes beyond its outputs (its workspace, measured as
+bench_gpu_torch.py measures it), which PyTorch's caching allocator keeps; for the replay, the private pool's growth
+(the step's transient outputs included). float32 is computed in float32 on both sides: TF32 is off in PyTorch's
+convolutions, as wsarena computes it. Run: python bench/bench_gpu_capture.py [--batch 32] [--dtype float32]
+[--repeat 9] [--json FILE]
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     import torch
+    from bench_gpu_torch import WorkspaceProbe
 
     torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.allow_tf32 = False  # float32 as wsarena computes it (FMA, no TF32)
     device = cupy.cuda.Device().id
     stream = cupy.cuda.Stream(non_blocking=True)
     tdtype = getattr(torch, args.dtype)
@@ -48,7 +53,6 @@ def main() -> None:
         dy = torch.randn_like(y)
         layers.append((layer, x, w, dy, torch.empty_like(y), torch.empty_like(x), torch.empty_like(w)))
     torch.cuda.synchronize()
-    own_outputs = sum(t.numel() * t.element_size() for lay in layers for t in lay[4:])
     c = {id(t): cupy.from_dlpack(t) for lay in layers for t in lay[1:]}  # CuPy views of the same memory
     arenas = {api: Arena(CupyProvider(device)) for api in ("legacy", "graph")}
 
@@ -78,11 +82,12 @@ def main() -> None:
         legacy(), graph()  # warm-up: choices, plans, arena
         torch_step()
         stream.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        torch_step()
+        # Per call: a whole step's peak also holds the results the calls return (copied into y, dx and dw, then
+        # freed, a layer's gradients only once the next layer's replace them), which are no workspace
+        with WorkspaceProbe() as probe:
+            torch_step()
         stream.synchronize()
-        torch_held = torch.cuda.max_memory_allocated() - base - own_outputs
+        torch_held = max(probe.calls, default=0)
         graph()
         with wsarena.capture(stream) as captured:
             graph()
