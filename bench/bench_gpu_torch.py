@@ -27,6 +27,7 @@ import copy
 import json
 import statistics
 import time
+import traceback
 
 import torch
 from torch import nn
@@ -145,21 +146,33 @@ def main() -> int:
     x = torch.randn(args.batch, 3, 224, 224, device="cuda").to(memory_format=memory_format)
     target = torch.randint(0, 1000, (args.batch,), device="cuda")
     rows = []
+
+    def attempt(name: str, make, probe: bool) -> None:
+        # A configuration that fails leaves its row with the error: the others are still measured and written
+        try:
+            rows.append(measure(name, make(), x, target, args, autocast, probe=probe))
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append({"name": name, "error": f"{type(exc).__name__}: {exc}"})
+
     for name, bench_mode in (("torch", False), ("torch benchmark", True)):
         torch.backends.cudnn.benchmark = bench_mode
-        rows.append(measure(name, copy.deepcopy(base), x, target, args, autocast, probe=True))
+        attempt(name, lambda: copy.deepcopy(base), probe=True)
         torch.cuda.empty_cache()
     torch.backends.cudnn.benchmark = False
     for name, cap in (("wsarena", None), ("wsarena 64MiB", "64MiB")):
         wsarena.arena.reset_arenas()
         wsarena.configure(cap_workspace=cap)
         torch.cuda.empty_cache()
-        rows.append(measure(name, wsarena.torch.convert(copy.deepcopy(base)), x, target, args, autocast, probe=False))
+        attempt(name, lambda: wsarena.torch.convert(copy.deepcopy(base)), probe=False)
     mib = 1 << 20
     print(f"ResNet-50 training step, batch {args.batch}, {args.autocast or 'float32'}, {args.memory_format}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     print(f"{'':<16} {'step ms':>8} {'peak alloc MiB':>15} {'peak reserved MiB':>18} {'workspace MiB':>14}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['name']:<16} failed: {r['error'][:200]}")
+            continue
         print(f"{r['name']:<16} {r['step_ms']:8.1f} {r['peak_allocated_bytes'] / mib:15.0f} "
               f"{r['peak_reserved_bytes'] / mib:18.0f} {r['workspace_peak_bytes'] / mib:14.1f}")
     print("workspace: PyTorch, the largest per-call transient allocation of a convolution (sum over the step: "
@@ -172,7 +185,7 @@ def main() -> int:
                   "dtype": args.autocast or "float32", "memory_format": args.memory_format, "rows": rows}
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":
