@@ -135,8 +135,8 @@ def main() -> None:
         for fn in strategies[r % 4:] + strategies[:r % 4]:
             for queued in (False, True):
                 times[fn, queued].append(event_time_ms(fn, stream, spin, queued))
-    step = {fn: statistics.median(times[fn, False]) for fn in strategies}
-    gpu = {fn: statistics.median(times[fn, True]) for fn in strategies}
+    step_ms = {fn: statistics.median(times[fn, False]) for fn in strategies}
+    gpu_ms = {fn: statistics.median(times[fn, True]) for fn in strategies}
 
     name = backend.device_label()
     print(f"device {name}; {args.model} batch {args.batch} {args.dtype}; fwd+bwd_data+bwd_filter; "
@@ -150,14 +150,14 @@ def main() -> None:
             ("per-call", held_pc, run_per_call))
     for label, held, fn in rows:
         ratio = f"{held / held_ws:.2f}x" if held_ws else "-"
-        print(f"{label:<10} {wsarena.format_size(int(held)):>15} {ratio:>11} {step[fn]:9.2f} "
-              f"{step[fn] / step[run_wsarena]:10.2f}x {gpu[fn]:8.2f} {gpu[fn] / gpu[run_wsarena]:10.2f}x")
+        print(f"{label:<10} {wsarena.format_size(int(held)):>15} {ratio:>11} {step_ms[fn]:9.2f} "
+              f"{step_ms[fn] / step_ms[run_wsarena]:10.2f}x {gpu_ms[fn]:8.2f} {gpu_ms[fn] / gpu_ms[run_wsarena]:10.2f}x")
     for label, fn in (("legacy", run_wsarena), ("graph", run_graph)):
-        print(f"{label} API: step as issued / GPU time = {step[fn] / gpu[fn]:.3f}")
+        print(f"{label} API: step as issued / GPU time = {step_ms[fn] / gpu_ms[fn]:.3f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"device": name, "model": args.model, "batch": args.batch, "dtype": args.dtype,
-                       "rows": {label: {"held_bytes": int(held), "step_ms": step[fn], "gpu_ms": gpu[fn]}
+                       "rows": {label: {"held_bytes": int(held), "step_ms": step_ms[fn], "gpu_ms": gpu_ms[fn]}
                                 for label, held, fn in rows}}, f, indent=2)
     wsarena.configure(cudnn_api="legacy")
     set_arena(device, None)
