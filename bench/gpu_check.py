@@ -9,16 +9,21 @@ ResNet-50 training step at batch 32 in PyTorch against the same model converted 
 peak memory, PyTorch's peak convolution workspace against the arena's; ``torch-resnet50-b32-{float32,float16}-gpu.json``
 beside the JSON), ``wsarena tune`` of ResNet-50 and VGG-16 at batch 32 float32 and batch 64 float16 on cuDNN
 (``tune-MODEL-DTYPE-bBATCH-gpu.json`` and ``.png`` beside the JSON, each searched afresh in a cache folder of its
-own) and the search cache's start-up saving (``search-cache-startup-resnet50-gpu.json``); the host and arena
-benchmarks write their tables as JSON too (``bench_gpu_host-gpu.json``, ``bench_gpu_arena-gpu.json``). The file is
+own) and the search cache's start-up saving (``search-cache-startup-resnet50-gpu.json``); the host, arena and CUDA
+graph benchmarks write their tables as JSON too (``bench_gpu_host-gpu.json``, ``bench_gpu_arena-gpu.json``,
+``capture-resnet50-{b32-float32,b64-float16}-gpu.json``). The file is
 written after every phase, so a run cut short by the machine's time limit still leaves what it finished. Exit
-status: 0 when every test run passed, else 1.
+status: 0 when every test run passed and every benchmark and curve exited 0, else 1.
 
     python bench/gpu_check.py [--out DIR] [--gpu-timeout S] [--test-timeout S] [--bench-timeout S]
-                              [--per-test-timeout S] [--no-bench | --no-tests] [--quick] [-- extra pytest args]
+                              [--per-test-timeout S] [--deadline S] [--no-bench | --no-tests] [--quick]
+                              [-- extra pytest args]
 
 A lent machine's time may not hold all of it in one command: run the tests (``--no-bench``), then the benchmarks
-(``--no-tests --quick``, into ``gpu-check-<date>-benchmarks.json``).
+(``--no-tests --quick``, into ``gpu-check-<date>-benchmarks.json``). ``--deadline S`` ends the run within S seconds
+(give a command's limit, less a minute for gpu_check.sh's installs): a phase still running then is cut short, the
+output it printed so far in the JSON, which a limit on the whole command would lose; a phase left too little time is
+recorded as not run.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# What a phase --deadline leaves too little time to start is recorded as (under 30 s: a benchmark's process takes
+# some 10 s to import CuPy, PyTorch and cuDNN); each phase ends 10 s before the deadline, to write the JSON.
+NOT_RUN = {"exit_status": None, "not_run": "too little time left before --deadline"}
+_LEAST_S, _MARGIN_S = 30, 10
 # Run after the tests, each with --bench-timeout (times the factor given): the script and its arguments, "{out}"
 # standing for the results folder.
 BENCHMARKS = (
@@ -129,12 +138,16 @@ def _pytest(marker: str, timeout: float, per_test: float, extra: list[str], env:
     return {**counts, "exit_status": run.returncode}
 
 
-def _tune_curves(out: Path, timeout: float, env: dict, quick: bool) -> dict:
+def _tune_curves(out: Path, limit, env: dict, quick: bool, runs: dict, write) -> None:
     """``wsarena tune`` on cuDNN for each of TUNES (the first alone if ``quick``), then the search cache's start-up
-    saving; their exit statuses, wall times and output files (written into ``out``)."""
-    runs: dict = {}
+    saving: their exit statuses, wall times and output into ``runs``, written (``write()``) as each ends, their files
+    into ``out``. ``limit(factor)``: the seconds one of them may take, ``factor`` times --bench-timeout or what
+    --deadline leaves; None when too little is left to start it."""
     for model, batch, dtype in TUNES[:1] if quick else TUNES:
         name = f"tune-{model}-{dtype}-b{batch}-gpu"
+        if (timeout := limit(1)) is None:
+            runs[name] = NOT_RUN
+            continue
         with tempfile.TemporaryDirectory() as cache:  # searched afresh, whatever the machine's cache holds
             command = [sys.executable, "-m", "wsarena", "tune", model, "--batch", str(batch), "--dtype", dtype,
                        "--backend", "cudnn", "--format", "json", "--plot", str(out / f"{name}.png")]
@@ -144,14 +157,20 @@ def _tune_curves(out: Path, timeout: float, env: dict, quick: bool) -> dict:
         if run.returncode == 0:
             (out / f"{name}.json").write_text(run.stdout)
         runs[name] = {"exit_status": run.returncode, "wall_s": round(seconds, 2), "stderr": run.stderr[-2000:]}
+        write()
         print(f"{name}: exit status {run.returncode}, {seconds:.1f} s", flush=True)
+    if (timeout := limit(3)) is None:
+        runs["search_cache_startup"] = NOT_RUN
+        return
     startup = out / "search-cache-startup-resnet50-gpu.json"
     command = [sys.executable, str(ROOT / "bench" / "bench_search_cache.py"), "--backend", "cudnn", "--model",
                "resnet50", "--batch", "32", "--repeat", "1" if quick else "3", "--json", str(startup)]
-    run = _run(command, 3 * timeout, env, capture=True)
+    start = time.perf_counter()
+    run = _run(command, timeout, env, capture=True)
     print(run.stdout, run.stderr, sep="\n")
-    runs["search_cache_startup"] = {"exit_status": run.returncode, "output": run.stdout.splitlines()}
-    return runs
+    runs["search_cache_startup"] = {"exit_status": run.returncode, "wall_s": round(time.perf_counter() - start, 2),
+                                    "output": run.stdout.splitlines() + run.stderr.splitlines()[-20:]}
+    write()
 
 
 _CAPTURE = """
@@ -166,12 +185,15 @@ print(json.dumps({"name": name.decode() if isinstance(name, bytes) else name,
 """
 
 
-def capture_device_properties(out: Path, env: dict) -> dict:
+def capture_device_properties(out: Path, env: dict, timeout: float = 120) -> dict:
     """Device 0's properties as cuDNN 9.8+ serialises them, into ``out/<gpu>-cudnn<version>.json``."""
-    run = _run([sys.executable, "-c", _CAPTURE], 120, env, capture=True)
-    if run.returncode != 0:
-        return {"exit_status": run.returncode, "stderr": run.stderr[-2000:]}
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    run = _run([sys.executable, "-c", _CAPTURE], timeout, env, capture=True)
+    try:
+        found = json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None
+    except (ValueError, IndexError):  # no JSON last: recorded, and the tests and benchmarks still run
+        found = None
+    if not isinstance(found, dict) or not {"name", "cudnn", "properties"} <= found.keys():
+        return {"exit_status": run.returncode, "stdout": run.stdout[-2000:], "stderr": run.stderr[-2000:]}
     words = [w for w in found["name"].replace("NVIDIA", "").split() if any(c.isdigit() for c in w)]
     stem = (words[0] if words else "gpu").lower()
     target = out / f"{stem}-cudnn{found['cudnn']}.json"
@@ -191,10 +213,23 @@ def main() -> int:
                         help="run the benchmarks and curves only, into gpu-check-<date>-benchmarks.json")
     parser.add_argument("--quick", action="store_true", help="fewer repeats, one tune curve (see QUICK)")
     parser.add_argument("--per-test-timeout", type=float, default=120, help="seconds for any one test")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds within which the whole run ends (a lent machine's limit on one command): each "
+                             "phase's time limit is cut to what is left, and a phase left too little is not run")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
     if args.no_bench and args.no_tests:
         parser.error("--no-bench and --no-tests leave nothing to run")
+    args.out = args.out.resolve()  # the benchmarks run in the checkout, and write where the JSON says they did
+    end = None if args.deadline is None else time.monotonic() + args.deadline
+
+    def limit(seconds: float) -> float | None:
+        """``seconds``, or what --deadline leaves of them; None when that is too little to start a phase."""
+        if end is None:
+            return seconds
+        left = min(seconds, end - time.monotonic() - _MARGIN_S)
+        return left if left >= min(seconds, _LEAST_S) else None
+
     sys.path.insert(0, str(ROOT))
     from wsarena.info import collect_info
 
@@ -222,12 +257,16 @@ def main() -> int:
         target.write_text(json.dumps(result, indent=2) + "\n")
 
     write()
-    result["device_properties"] = capture_device_properties(args.out, env)
+    result["device_properties"] = capture_device_properties(args.out, env, limit(120) or 1)
     write()
     ok = True
     phases = (("gpu_tests", "gpu", args.gpu_timeout), ("other_tests", "not gpu", args.test_timeout))
     for phase, marker, timeout in () if args.no_tests else phases:
-        counts = _pytest(marker, timeout, args.per_test_timeout, args.pytest_args, env)
+        if (left := limit(timeout)) is None:
+            result["phases"][phase] = NOT_RUN
+            ok = False
+            continue
+        counts = _pytest(marker, left, args.per_test_timeout, args.pytest_args, env)
         result["phases"][phase] = counts
         for key in ("passed", "failed", "skipped"):
             result[key] += counts[key]
@@ -241,15 +280,25 @@ def main() -> int:
         script_args = [a.replace("{out}", str(args.out)) for a in script_args]
         script_args += QUICK.get(script, ()) if args.quick else ()
         command = [sys.executable, str(ROOT / "bench" / script), *script_args]
-        bench = _run(command, factor * args.bench_timeout, env, capture=True)
+        key = " ".join([script, *script_args])
+        if (timeout := limit(factor * args.bench_timeout)) is None:
+            result["benchmarks"][key] = NOT_RUN
+            ok = False
+            continue
+        start = time.perf_counter()
+        bench = _run(command, timeout, env, capture=True)
         print(bench.stdout, bench.stderr, sep="\n")
-        result["benchmarks"][" ".join([script, *script_args])] = {
-            "exit_status": bench.returncode,
+        ok = ok and bench.returncode == 0
+        result["benchmarks"][key] = {
+            "exit_status": bench.returncode, "wall_s": round(time.perf_counter() - start, 2),
             "output": bench.stdout.splitlines() + bench.stderr.splitlines()[-20:],
         }
         write()
     if not args.no_bench:
-        result["tune"] = _tune_curves(args.out, args.bench_timeout, env, args.quick)
+        result["tune"] = {}
+        _tune_curves(args.out, lambda factor: limit(factor * args.bench_timeout), env, args.quick, result["tune"],
+                     write)
+        ok = ok and all(run["exit_status"] == 0 for run in result["tune"].values())
         write()
     print(f"wrote {target}: {result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped")
     return 0 if ok else 1
