@@ -19,7 +19,8 @@
 #       --platform manylinux_2_28_x86_64 -d .whl cuda-core cuda-bindings cuda-pathfinder
 # Installing is best effort: the checks run from the checkout (PYTHONPATH) whether or not the install worked.
 # Arguments go to bench/gpu_check.py: where one command may not hold it all, run `gpu_check.sh --no-bench` (the
-# tests), then `gpu_check.sh --no-tests --quick` (the benchmarks and one tune curve, fewer repeats).
+# tests), then `gpu_check.sh --no-tests --quick` (the benchmarks and one tune curve, fewer repeats), each with
+# `--deadline S`, S the command's limit less a minute, so that the run ends, and says what it left, within it.
 # A copy without its .git folder names its commit in WSARENA_COMMIT, for the JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
