@@ -18,6 +18,7 @@ convolutions, as wsarena computes it. Run: python bench/bench_gpu_capture.py [--
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 
@@ -92,6 +93,11 @@ def main() -> None:
         with wsarena.capture(stream) as captured:
             graph()
         tgraph = torch.cuda.CUDAGraph()
+        # What torch.cuda.graph does before it captures, done before the count: its empty_cache() gives back the
+        # eager steps' cached blocks, which would come off the private pool's growth
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         with torch.cuda.graph(tgraph, stream=tstream):
             torch_step()
