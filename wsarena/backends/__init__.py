@@ -179,7 +179,7 @@ def get_backend(name: str, api: str | None = None) -> Backend:
 
 def device_properties_backend(properties_json: str, source: str | None = None) -> Backend:
     """A cudnn backend on cuDNN's graph API that plans for the GPU these device properties describe (JSON that
-    cuDNN serialised on that GPU, ``bench/gpu_check.py --capture``), on any machine: it ranks engine
+    cuDNN serialised on that GPU, ``bench/gpu_check.py`` captures it first of all), on any machine: it ranks engine
     configurations and gives their workspace sizes, and runs nothing. Cached per JSON text. ``source``: the file
     the JSON came from, which the errors name.
 
