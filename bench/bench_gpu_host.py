@@ -262,10 +262,14 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - the torch columns are left empty; the measured ones still printed
         print(f"torch: {type(exc).__name__}: {exc}", file=sys.stderr)
         torch_now = {}
-    child = subprocess.run(
-        [sys.executable, __file__, "--torch-only", "--calls", str(args.calls), "--rounds", str(args.rounds)],
-        env={**os.environ, "TORCH_CUDNN_V8_API_DISABLED": "1"}, capture_output=True, text=True, check=False,
-    ) if torch_now else None
+    command = [sys.executable, __file__, "--torch-only", "--calls", str(args.calls), "--rounds", str(args.rounds)]
+    try:  # some 20 s; a hung child must not take the measured columns with it
+        child = subprocess.run(
+            command, env={**os.environ, "TORCH_CUDNN_V8_API_DISABLED": "1"}, capture_output=True, text=True,
+            check=False, timeout=120,
+        ) if torch_now else None
+    except subprocess.TimeoutExpired:
+        child = subprocess.CompletedProcess(command, -9, "", "timed out after 120 s")
     torch_v7 = {}
     if child is not None and child.returncode == 0:
         torch_v7 = json.loads(child.stdout.strip().splitlines()[-1])
