@@ -93,7 +93,7 @@ def _run(command: list[str], timeout: float, env: dict, capture: bool = False) -
         def text(data: bytes | str | None) -> str:
             return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
 
-        stderr = text(exc.stderr) + f"\ntimed out after {timeout} s"
+        stderr = text(exc.stderr) + f"\ntimed out after {timeout:.0f} s"
         return subprocess.CompletedProcess(command, -9, text(exc.stdout), stderr)
 
 
@@ -236,7 +236,9 @@ def main() -> int:
     info = collect_info()
     devices = [d.get("name") for d in info["gpu"]["devices"] if "name" in d]
     # This checkout, installed or not, ahead of whatever the caller put on the path (wheels carried to the machine).
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # Unbuffered: a phase killed at its time limit leaves in the JSON what it printed, not what its buffer flushed.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result: dict = {
         "date": datetime.date.today().isoformat(),
         "commit": os.environ.get("WSARENA_COMMIT") or _git_commit(),
