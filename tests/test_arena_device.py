@@ -6,8 +6,12 @@ import threading
 import pytest
 
 import wsarena
+from wsarena.arena import Arena
+from wsarena.arena._stats import aligned_size
+from wsarena.arena.testing import RecordingProvider
 
 from .arena_helpers import snapshot
+from .capture_helpers import freed_on
 
 
 def test_device_arena_rejects_lane_keys(device_arena):
@@ -151,6 +155,72 @@ def test_device_another_threads_trim_frees_a_per_thread_buffer_with_no_stream(de
     device_arena.reserve(1000, stream=2)
     device_arena.trim()  # by the owner itself: on its stream 2
     assert device_provider.frees[1][1] == 2
+
+
+class _DrainHeldInOwner(RecordingProvider):
+    """Holds the owner thread, once ``armed``, as its drain of the queue first asks about a capture (nothing is taken
+    off the queue yet), until another thread has drained the queue. Records which thread asked about which stream."""
+
+    def __init__(self):
+        super().__init__(device_id=0)
+        self.owner = None
+        self.armed = False
+        self.arm_at_allocation = None  # armed by the allocation of that many bytes
+        self.waiting, self.drained = threading.Event(), threading.Event()
+        self.asked = []  # (thread name, stream) of every capture question
+
+    def allocate(self, size, *, stream):
+        buffer = super().allocate(size, stream=stream)
+        self.armed = self.armed or size == self.arm_at_allocation  # the growth's question came before it
+        return buffer
+
+    def capture(self, stream):
+        self.asked.append((threading.current_thread().name, stream))
+        if self.armed and threading.current_thread() is self.owner:
+            self.armed = False
+            self.waiting.set()
+            assert self.drained.wait(30)
+        return super().capture(stream)
+
+
+@pytest.mark.parametrize("let_go_by", ["a growth", "a trim"])
+def test_device_a_per_thread_buffer_another_thread_drains_is_freed_with_no_stream(let_go_by):
+    """A thread lets go of a buffer of its per-thread default stream (outgrown, or trimmed) and another thread's call
+    drains the queue first. Handle 2 names the draining thread's own per-thread stream, which nothing orders after
+    the owner's work: the free is made with no stream (the provider waits for the device), and the draining thread
+    asks nothing about handle 2. The owner's own drain still frees on its handle 2. Once, the queued entry carried
+    handle 2 and the draining thread freed it on its own per-thread stream, having asked whether that was captured."""
+    provider = _DrainHeldInOwner()
+    arena = Arena(provider)
+    box = {}
+
+    def owner():
+        arena.reserve(1000, stream=2)
+        box["first"] = provider.allocations[-1].ptr
+        if let_go_by == "a growth":
+            provider.arm_at_allocation = aligned_size(50_000)
+            arena.reserve(50_000, stream=2)  # the outgrown buffer is queued as the growth ends
+        else:
+            provider.armed = True
+            arena.trim()
+        arena.reserve(200_000, stream=2)
+        arena.trim()  # let go and drained by the owner itself
+
+    thread = provider.owner = threading.Thread(target=owner, name="owner")
+    thread.start()
+    try:
+        assert provider.waiting.wait(30)
+        asked = len(provider.asked)
+        arena.stats()  # this thread drains the queue
+        assert [stream for _, stream in freed_on(provider)] == [None]
+        assert freed_on(provider)[0][0] == box["first"]
+        assert ("MainThread", 2) not in provider.asked[asked:]
+    finally:
+        provider.drained.set()
+        thread.join(30)
+    later = [stream for _, stream in freed_on(provider)[1:]]
+    assert later and all(type(stream) is int and stream == 2 for stream in later)
+    assert provider.held == []
 
 
 def test_device_debug_sees_no_overlap_between_threads_on_handle_2(device_arena):

@@ -97,7 +97,9 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
     to ``ws``, the lease growing it, if any. Raises the closed error if the arena closed meanwhile."""
     size = aligned_size(n)
     got: list[Any] = []
+    freed_on = None  # where a buffer never installed is queued to be freed
     try:
+        freed_on = sub.free_stream()  # read before a buffer exists: an interrupt in it loses none
         # allocate() hands its buffer to `got` within one C call (list.extend over a map): an interrupt lands as a
         # call returns to Python code, and one just after `buffer = allocate(...)` returned would lose the buffer.
         got.extend(map(partial(self.provider.allocate, stream=sub.stream), (size,)))
@@ -109,7 +111,7 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
         block = _Block(buffer)
     except BaseException as exc:
         if got and got[0] is not None:
-            self._to_free.append((got[0], sub.stream))  # never installed: no one else would free it
+            self._to_free.append((got[0], freed_on))  # never installed: no one else would free it
         finish(self._end_growth, sub, token, None)
         if isinstance(exc, MemoryError):
             raise ArenaOutOfMemoryError(
@@ -121,7 +123,7 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
         finish(self._end_growth, sub, token, block, ws)
     finally:
         if not block.installed:  # refused (the arena closed), or cut short before it ran
-            self._to_free.append((buffer, sub.stream))
+            self._to_free.append((buffer, freed_on))
     if self._table.closed:
         raise self._table.closed_error()
 

@@ -10,7 +10,6 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from ._sub import _SubArena, abandoned
-from .streams import is_own_stream
 
 if TYPE_CHECKING:
     from ._table import _Table
@@ -20,19 +19,16 @@ __all__: list[str] = []  # the table's own methods: _Table.release_kept, .unstre
 
 def release_kept(self: _Table) -> int:
     """Free, in stream order, the kept buffers that no graph holds any more; return the bytes let go. The buffer of
-    another thread's per-thread default stream is freed with no stream, as :meth:`_SubArena.free_stream` frees it.
+    a per-thread default stream is queued with its key, as :meth:`_SubArena.free_stream` queues it: whichever thread
+    drains the queue frees it on that stream only if it is its own (:func:`wsarena.arena._lifecycle.give_back`).
 
     Each is queued before it leaves the list: an interrupt in between leaves it listed, and marked freed, so that the
     next call only takes it off. (Taken off first, it was lost to an interrupt as that call returned.)"""
     released = 0
     for entry in list(self.kept):
-        key, block, stream = entry
+        _, block, stream = entry
         if block.pinned():
             continue
-        if stream is not None and not is_own_stream(key):
-            # kept by another thread on its per-thread default stream: handle 2 would name this thread's (read before
-            # anything changes, so that an interrupt here changes nothing)
-            stream = None
         if not block.freed:
             block.freed = True
             self.totals.frees += 1

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _forksafe
 from ._pins import free_posted
 from ._table import _Table
+from .streams import PER_THREAD_DEFAULT_STREAM, PerThreadStream, own_per_thread_stream
 
 if TYPE_CHECKING:
     from ._arena import Arena
@@ -37,24 +38,31 @@ def give_back(
     """Drain ``to_free``, giving each ``(buffer, stream)`` back to ``provider``; a failure warns (or, ``quiet``,
     is ignored), never raises. Any thread may drain the queue; each entry is taken by one. An entry whose stream is
     in ``waiting`` (streams being captured: :func:`wsarena.arena._pinning.give_back`) is set aside and queued again;
-    one whose stream is in ``unstreamed`` (found gone since) is freed with no stream.
+    one whose stream is in ``unstreamed`` (found gone since) is freed with no stream. An entry of a per-thread
+    default stream carries its :class:`~wsarena.arena.streams.PerThreadStream` key: it is freed on handle 2 in the
+    key's own thread, and with no stream in any other (where handle 2 names another stream, which nothing orders
+    after the owner's work).
 
     A ``KeyboardInterrupt`` (or another ``BaseException``) during one free is raised only after the rest are
     freed: their blocks are already let go, so nothing else would ever give them back.
     """
     interrupted: BaseException | None = None
     aside: list[tuple[Any, Any]] = []
+    own = own_per_thread_stream()
     try:
         while to_free:
             try:
                 # The for loop takes each entry off the queue in C and hands it to deallocate() (or sets it aside)
                 # with no place between where an interrupt can land (one lands as a call returns to Python code, or
                 # as a Python function starts: just after `to_free.popleft()` returned, or in a helper that set the
-                # entry aside, it would lose the buffer).
+                # entry aside, it would lose the buffer). So a per-thread stream's key is told from the others by an
+                # attribute read, not by a call such as type().
                 for buffer, stream in iter(to_free.popleft, None):
                     if stream in waiting:
                         aside.append((buffer, stream))
                         continue
+                    if stream.__class__ is PerThreadStream:
+                        stream = PER_THREAD_DEFAULT_STREAM if stream is own else None
                     try:
                         provider.deallocate(buffer, stream=None if stream in unstreamed else stream)
                     except Exception as exc:  # noqa: BLE001 - a failed free must not break a lease's exit

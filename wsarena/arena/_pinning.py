@@ -169,8 +169,10 @@ def _capture_under_way(self: Arena, key: Any) -> bool:
 def give_back(self: Arena, key: Any = None) -> None:
     """Give the arena's queued buffers to its provider, except those whose stream is being captured: they stay
     queued for a later call. The buffers of no stream wait too while a capture is under way that their free, which
-    synchronises the device, would break (:func:`_capture_under_way`). A buffer held back is freed on its stream later
-    only if the handle still names that stream (:func:`_gone_since_held`), else with no stream. (Lock not held.)
+    synchronises the device, would break (:func:`_capture_under_way`), and so do those of another thread's per-thread
+    stream, which the drain frees with no stream (handle 2 would name this thread's, which is not theirs to ask about
+    either). A buffer held back is freed on its stream later only if the handle still names that stream
+    (:func:`_gone_since_held`), else with no stream. (Lock not held.)
 
     Which streams wait is asked before anything is taken off the queue (a copy of it is read); the queue is then
     drained as :func:`~wsarena.arena._lifecycle.give_back` always drains it, with no place between taking a buffer
@@ -179,19 +181,21 @@ def give_back(self: Arena, key: Any = None) -> None:
     capture = self._capture
     streams = {stream for _, stream in list(self._to_free)}  # list(): one C call, whatever other threads do
     held = self._table.held_back
-    waiting, gone = set(), set()
+    waiting, gone, unowned = set(), set(), set()
     for stream in streams:
         if stream is None:
             continue
-        if held and stream in held and _gone_since_held(self, stream, ask=False):
+        if not is_own_stream(stream):
+            unowned.add(stream)
+        elif held and stream in held and _gone_since_held(self, stream, ask=False):
             gone.add(stream)  # CUDA is asked nothing about a handle that may name no stream
         elif _captured(capture, stream):
             waiting.add(stream)
         elif held and stream in held and _gone_since_held(self, stream, ask=True):  # no capture is under way on it
             gone.add(stream)
-    if (None in streams or gone) and _capture_under_way(self, key):
+    if (None in streams or gone or unowned) and _capture_under_way(self, key):
         waiting.add(None)
-        waiting |= gone  # freed with no stream: they wait as those do
+        waiting |= gone | unowned  # freed with no stream: they wait as those do
     if waiting:
         _hold(self, waiting)
     _give_back(self.provider, self._to_free, waiting=waiting, unstreamed=gone)

@@ -18,7 +18,7 @@ from collections.abc import Hashable
 from typing import Any, Self
 
 from ._interrupts import RECHECK_SECONDS
-from .streams import is_own_stream, raw_handle
+from .streams import PerThreadStream, is_own_stream, raw_handle
 
 __all__: list[str] = []
 
@@ -154,8 +154,8 @@ class _SubArena:
 
     def __init__(self, key: Hashable, totals: _Totals, to_free: Queue, kept: list[Any]) -> None:
         self.key = key
-        # What the provider is told to allocate, fill and free on: the plain handle (2 for a PerThreadStream).
-        # Only the key's own thread may use 2 this way: see free_stream().
+        # What the provider is told to allocate and fill on: the plain handle (2 for a PerThreadStream). Only the
+        # key's own thread may use 2 this way; a buffer is queued to be freed with the key instead: see free_stream().
         self.stream: Any = raw_handle(key)
         self.serial = next(_serials)  # tells a re-created sub-arena for the same key from its predecessor
         self.totals = totals
@@ -204,12 +204,15 @@ class _SubArena:
         return ending is not None and ending() is not None
 
     def free_stream(self, gone: bool = False) -> Any:
-        """The stream to free this sub-arena's buffers on: its own, unless that may be gone (``gone``, or every
-        object that showed it alive died) or is another thread's per-thread stream (handle 2 would name the calling
-        thread's): then ``None``."""
-        if gone or self.orphan or not is_own_stream(self.key):
+        """The stream to queue this sub-arena's buffers to be freed on: its own, unless that may be gone (``gone``,
+        or every object that showed it alive died) or is another thread's per-thread stream (handle 2 would name the
+        calling thread's): then ``None``. The per-thread default stream is queued as its key, not as handle 2: any
+        thread may drain the queue, and the drain frees on handle 2 only in the key's own thread
+        (:func:`wsarena.arena._lifecycle.give_back`)."""
+        key = self.key
+        if gone or self.orphan or not is_own_stream(key):
             return None
-        return self.stream
+        return key if type(key) is PerThreadStream else self.stream
 
     # ------------------------------------------------------------------------------------------- leases
     def take(self, ref: weakref.ref[Any], thread: object) -> None:

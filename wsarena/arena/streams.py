@@ -119,13 +119,16 @@ def raw_handle(key: Hashable) -> Hashable:
     return key.handle if type(key) is PerThreadStream else key
 
 
+def own_per_thread_stream() -> PerThreadStream | None:
+    """The calling thread's :class:`PerThreadStream`, or ``None`` if it has none yet (none is made here)."""
+    holder: _LaneHolder | None = getattr(_local, "holder", None)
+    return holder.ptds if holder is not None else None
+
+
 def is_own_stream(key: Hashable) -> bool:
     """Whether the raw handle of ``key`` means the same stream in the calling thread as in the key's own thread:
     always, except for another thread's :class:`PerThreadStream`."""
-    if type(key) is not PerThreadStream:
-        return True
-    holder: _LaneHolder | None = getattr(_local, "holder", None)
-    return holder is not None and holder.ptds is key
+    return type(key) is not PerThreadStream or key is own_per_thread_stream()
 
 
 def _handle_of(stream: Any) -> int | None:
