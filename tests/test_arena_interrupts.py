@@ -323,3 +323,38 @@ def test_a_workspace_dropped_while_it_holds_its_stream_gives_the_stream_back(are
     with arena.lease(4096, stream=key("L")) as again:
         assert (again.array == 3).all()  # the same bytes: nothing was freed under the dropped lease
     assert len(provider.allocations) == 1
+
+
+@pytest.mark.parametrize("owner", ["this thread", "another thread"])
+def test_an_interrupt_at_any_check_of_a_drain_of_a_per_thread_buffer_loses_no_buffer(owner):
+    """A buffer of a thread's per-thread default stream is queued with that thread's key, which the drain turns into
+    handle 2 in the owner's thread and into no stream in another's. Ctrl-C at every check of a trim that drains it
+    (queued by this thread, or held back by its owner while handle 2 was captured there): once the arena is closed and
+    trimmed, the provider holds nothing."""
+
+    def prepare(provider, arena):
+        arena.reserve(1000, stream=0x51)
+        if owner == "this thread":
+            arena.reserve(1000, stream=2)
+            return None
+        queued, done = threading.Event(), threading.Event()
+
+        def hold_back():
+            arena.reserve(1000, stream=2)
+            graph = provider.begin_capture(2)
+            arena.trim()  # its own drain holds the buffer back while handle 2 is captured: it stays queued
+            provider.end_capture(graph)
+            queued.set()
+            done.wait(30)  # the owner lives on
+
+        thread = threading.Thread(target=hold_back)
+        thread.start()
+        assert queued.wait(30) and len(arena._to_free) == 1
+
+        def after():
+            done.set()
+            thread.join(30)
+
+        return after
+
+    assert _interrupt_each_check_of_a_trim(prepare) > 20
