@@ -131,10 +131,10 @@ def test_a_handle_is_destroyed_with_its_own_device_current(monkeypatch):
     assert events == [("cudnnDestroy", 0)]  # its own device is current: nothing switched
 
 
-def test_a_handle_whose_thread_ended_is_destroyed_by_the_next_creation_not_as_the_thread_ends(monkeypatch):
-    """cudnnDestroy synchronizes the device, which invalidates a CUDA graph capture in CUDA's global mode under way in
-    any other thread. A thread may end during one: its handle is destroyed by the next creation of a handle (which
-    such a capture does not allow either) or by close_all_handles, never by the ending thread."""
+@pytest.fixture
+def fake_handles(monkeypatch):
+    """cudnnCreate and cudnnDestroy replaced: the handles made are 0x5000, 0x5010, ... in turn, and the list yielded
+    holds those destroyed. Every handle left is closed after (no made-up handle reaches a real cudnnDestroy)."""
     made, destroyed = iter(range(0x5000, 0x6000, 0x10)), []
 
     def fake_create(out):
@@ -144,6 +144,17 @@ def test_a_handle_whose_thread_ended_is_destroyed_by_the_next_creation_not_as_th
     monkeypatch.setattr(handle_mod, "function", lambda name: fake_create)
     monkeypatch.setattr(handle_mod, "call", lambda name, handle, **kw: destroyed.append(handle))
     monkeypatch.setattr(handle_mod, "_current_device", lambda: None)
+    try:
+        yield destroyed
+    finally:
+        cudnn.close_all_handles()
+
+
+def test_a_handle_whose_thread_ended_is_destroyed_by_the_next_creation_not_as_the_thread_ends(fake_handles):
+    """cudnnDestroy synchronizes the device, which invalidates a CUDA graph capture in CUDA's global mode under way in
+    any other thread. A thread may end during one: its handle is destroyed by the next creation of a handle (which
+    such a capture does not allow either) or by close_all_handles, never by the ending thread."""
+    destroyed = fake_handles
 
     def a_thread_that_ends():
         thread = threading.Thread(target=cudnn.get_handle, args=(3,))
@@ -151,66 +162,52 @@ def test_a_handle_whose_thread_ended_is_destroyed_by_the_next_creation_not_as_th
         thread.join()
         gc.collect()
 
-    try:
-        a_thread_that_ends()
-        assert destroyed == []
-        mine = cudnn.get_handle(4)  # a creation: the ended thread's handle goes first
-        assert destroyed == [0x5000]
-        a_thread_that_ends()
-        assert destroyed == [0x5000]
-        cudnn.close_all_handles()
-        assert sorted(destroyed) == [0x5000, 0x5010, 0x5020] and mine.closed
-        cudnn.close_all_handles()
-        assert len(destroyed) == 3  # each once
-    finally:
-        cudnn.close_all_handles()  # with the fakes: no made-up handle is left for a real cudnnDestroy
+    a_thread_that_ends()
+    assert destroyed == []
+    mine = cudnn.get_handle(4)  # a creation: the ended thread's handle goes first
+    assert destroyed == [0x5000]
+    a_thread_that_ends()
+    assert destroyed == [0x5000]
+    cudnn.close_all_handles()
+    assert sorted(destroyed) == [0x5000, 0x5010, 0x5020] and mine.closed
+    cudnn.close_all_handles()
+    assert len(destroyed) == 3  # each once
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
-def test_a_forked_child_never_destroys_the_parents_handles(monkeypatch):
+def test_a_forked_child_never_destroys_the_parents_handles(fake_handles):
     """CUDA cannot run in a child forked after the parent used it, and the parent's handles are the parent's: the
     child's first creation and its exit (close_all_handles) destroy neither the handle of a thread that ended before
     the fork nor a live one; a handle the child makes is its own, destroyed as any."""
-    made, destroyed = iter(range(0x7000, 0x8000, 0x10)), []
-
-    def fake_create(out):
-        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = next(made)
-        return 0
-
-    monkeypatch.setattr(handle_mod, "function", lambda name: fake_create)
-    monkeypatch.setattr(handle_mod, "call", lambda name, handle, **kw: destroyed.append(handle))
-    monkeypatch.setattr(handle_mod, "_current_device", lambda: None)
-    try:
-        thread = threading.Thread(target=cudnn.get_handle, args=(3,))
-        thread.start()
-        thread.join()
-        gc.collect()  # 0x7000 is queued, to be destroyed by the next creation
-        live = cudnn.get_handle(4)  # 0x7010, and the queue emptied
-        assert destroyed == [0x7000]
-        other = threading.Thread(target=cudnn.get_handle, args=(3,))
-        other.start()
-        other.join()
-        gc.collect()  # 0x7020 queued
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report what it destroyed, never return into pytest
-            code = 1
-            try:
-                del destroyed[:]
-                mine = cudnn.get_handle(4)  # the parent's live handle is not the child's: a new one
-                cudnn.close_all_handles()
-                os.write(write, repr((destroyed, mine.handle if not mine.closed else None, mine is live)).encode())
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(write)
-        with os.fdopen(read) as pipe:
-            reported = pipe.read()
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, reported
-        assert eval(reported) == ([0x7030], None, False)  # only the child's own handle; the parent's untouched
-        assert destroyed == [0x7000] and not live.closed
-        cudnn.close_all_handles()
-        assert sorted(destroyed) == [0x7000, 0x7010, 0x7020]
-    finally:
-        cudnn.close_all_handles()
+    destroyed = fake_handles
+    thread = threading.Thread(target=cudnn.get_handle, args=(3,))
+    thread.start()
+    thread.join()
+    gc.collect()  # 0x5000 is queued, to be destroyed by the next creation
+    live = cudnn.get_handle(4)  # 0x5010, and the queue emptied
+    assert destroyed == [0x5000]
+    other = threading.Thread(target=cudnn.get_handle, args=(3,))
+    other.start()
+    other.join()
+    gc.collect()  # 0x5020 queued
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it destroyed, never return into pytest
+        code = 1
+        try:
+            del destroyed[:]
+            mine = cudnn.get_handle(4)  # the parent's live handle is not the child's: a new one
+            cudnn.close_all_handles()
+            os.write(write, repr((destroyed, mine.handle if not mine.closed else None, mine is live)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        reported = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, reported
+    assert eval(reported) == ([0x5030], None, False)  # only the child's own handle; the parent's untouched
+    assert destroyed == [0x5000] and not live.closed
+    cudnn.close_all_handles()
+    assert sorted(destroyed) == [0x5000, 0x5010, 0x5020]
