@@ -58,10 +58,6 @@ class Pass(enum.StrEnum):
         operands = (a, b, out)
         return operands[i], operands[j], operands[k]
 
-    def by_role(self, a: Any, b: Any, out: Any) -> dict[str, Any]:
-        """``{"x": ..., "w": ..., "y": ...}`` for this pass's ``(a, b, out)``."""
-        return dict(zip(_ROLES[self], (a, b, out)))
-
     @classmethod
     def _missing_(cls, value: object) -> Pass:
         raise ValueError(f"pass must be one of {', '.join(map(repr, PASSES))}, not {value!r}")
