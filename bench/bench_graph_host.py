@@ -84,7 +84,7 @@ def run_us(number: int, repeat: int) -> dict[str, tuple[float, float]]:
             op_graph = graph.operation_graph(conv_problem(pass_, geom), properties=props)
             (engine, nbytes), *_ = ranked_names(graph, op_graph, "float32", properties=props)
             cand = Candidate(engine, nbytes)
-            ws = SimpleNamespace(ptr=0x100000, nbytes=nbytes, cuda_stream=None)
+            ws = SimpleNamespace(ptr=0x100000, nbytes=nbytes, cuda_stream=None, pin=None)
             call = lambda p=pass_, c=cand, ws=ws, geom=geom: backend.run(p, c, geom, x, w, y, ws, None)
             times = []
             for reuse in (True, False):

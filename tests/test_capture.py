@@ -46,6 +46,26 @@ def test_a_lease_during_capture_uses_the_streams_buffer_and_pins_it(device):
     assert len(provider.allocations) == 1
 
 
+def test_a_lease_carries_the_pin_of_the_graph_being_captured_zero_bytes_too(device):
+    """What a call ties to its graph (the graph API's plan) it finds on the lease: the graph's one pin, on a lease
+    of no bytes as on one that takes bytes; nothing outside a capture."""
+    provider, arena = device
+    with arena.lease(1000, stream=S1) as ws, arena.lease(0, stream=S1) as empty:
+        assert ws.pin is None and empty.pin is None
+    graph = provider.begin_capture(S1)
+    with arena.lease(0, stream=S1) as empty:
+        pin = empty.pin
+        assert pin is not None and pin.live() and empty.ptr == 0
+    with arena.lease(1000, stream=S1) as ws:
+        assert ws.pin is pin
+    provider.end_capture(graph)
+    assert len(graph.pins) == 1
+    with arena.lease(0, stream=S1) as empty:
+        assert empty.pin is None
+    graph.close()
+    assert not pin.live()
+
+
 def test_growth_while_pinned_keeps_the_old_buffer_until_the_graph_is_released(device):
     provider, arena = device
     arena.reserve(1000, stream=S1)

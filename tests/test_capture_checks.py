@@ -8,7 +8,7 @@ import pytest
 from wsarena import algos
 from wsarena._geometry import conv_geometry
 from wsarena.arena import Arena, _capture, streams
-from wsarena.arena._capture import capture_of, refuse_in_capture
+from wsarena.arena._capture import CudaCapture, capture_of, refuse_in_capture
 from wsarena.arena.testing import FakeStream, RecordingProvider
 from wsarena.errors import CaptureError
 
@@ -68,7 +68,7 @@ def test_an_invalidated_capture_is_a_capture_error_that_says_so(cuda):
     assert provider.allocations == [] and arena.stats().streams == {}
 
 
-def test_a_zero_byte_workspace_on_an_invalidated_capture_is_the_capture_error_before_anything_runs(cuda):
+def test_a_zero_byte_workspace_on_an_invalidated_capture_is_the_capture_error_before_anything_runs(cuda, monkeypatch):
     """A call whose algorithm takes no workspace (cap 0, or the heuristics' first choice) leases zero bytes: on a
     stream whose capture was invalidated it gets the CaptureError that says what to do, before its kernels are
     enqueued, as a call that takes workspace does. Once, a zero-byte lease asked nothing, and cuDNN's launch on the
@@ -86,10 +86,13 @@ def test_a_zero_byte_workspace_on_an_invalidated_capture_is_the_capture_error_be
     with pytest.raises(CaptureError, match="capture on stream 0x51 was invalidated.*capture again"):
         run_with_fallback(arena, (Candidate("implicit_gemm", 0),), ran.append, stream=S1, cap=None)
     assert ran == [] and provider.allocations == [] and arena.stats().streams == {}
-    cuda.state = rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive  # a capture under way: zero bytes, no pin
+    # A capture under way: zero bytes, and the graph's pin (what the call ties its plan to), which pins no buffer
+    cuda.state = rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive
+    retained = []
+    monkeypatch.setattr(CudaCapture, "retain", lambda capture, pin: retained.append((capture.graph, pin)))
     with arena.lease(0, stream=S1) as ws:
-        assert ws.ptr == 0
-    assert arena._table.captures == {} and arena.stats().pinned_bytes == 0
+        assert ws.ptr == 0 and retained == [("graph", ws.pin)]
+    assert list(arena._table.captures) == [7] and arena.stats().pinned_bytes == 0
 
 
 def test_a_zero_byte_workspace_on_the_legacy_stream_while_another_is_captured_is_the_capture_error():

@@ -4,8 +4,10 @@ two streams, and the arena after the graph is gone (both cuDNN API paths)."""
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -386,6 +388,54 @@ def test_a_thread_with_no_cudnn_handle_cannot_make_one_during_a_capture(cupy, ar
         thread.join(60)
     assert len(errors) == 1 and isinstance(errors[0], wsarena.CaptureError), errors
     assert "create this thread's cuDNN handle" in str(errors[0])
+
+
+def test_a_replay_after_its_plan_was_evicted_equals_the_eager_call():
+    """A graph captured from the graph API's plan uses what the plan owns; with CUDNN_CUDA_GRAPH_RETENTION=none (and
+    before cuDNN 9.28, always) only wsarena keeps it. A plan cache of one evicts it at the next geometry's call; the
+    plan goes at the first miss after the graph is gone."""
+    code = textwrap.dedent("""
+        import gc, time, weakref
+        import cupy, wsarena
+        from wsarena.backends import get_backend
+
+        rng = cupy.random.default_rng(0)
+        x = rng.standard_normal((4, 16, 32, 32), dtype=cupy.float32)
+        w = rng.standard_normal((16, 16, 3, 3), dtype=cupy.float32)
+        y = cupy.empty((4, 16, 32, 32), cupy.float32)
+        plans = get_backend("cudnn", "graph")._plans
+        with cupy.cuda.Stream(non_blocking=True) as s:
+            want = wsarena.conv_forward(x, w, padding=1)
+            with wsarena.capture(s) as graph:
+                wsarena.conv_forward(x, w, padding=1, out=y)
+            (kept,) = plans.kept()
+            descriptor = weakref.ref(kept.descriptor)
+            del kept
+            for k in (1, 5, 7):  # other geometries: their plans evict the captured one
+                wsarena.conv_forward(x, rng.standard_normal((16, 16, k, k), dtype=cupy.float32), padding=k // 2)
+            gc.collect()
+            assert len(plans) == 1 and descriptor() is not None and not descriptor().closed
+            y.fill(0)
+            for _ in range(3):
+                graph.launch()
+            s.synchronize()
+            cupy.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+            graph.close()
+            del graph
+            gc.collect()
+            deadline = time.monotonic() + 10
+            while plans.kept() and time.monotonic() < deadline:  # CUDA runs the graph's destructor on its own time
+                time.sleep(0.01)
+            wsarena.conv_forward(x, rng.standard_normal((16, 16, 9, 9), dtype=cupy.float32), padding=4)  # a miss
+            gc.collect()
+            assert descriptor() is None
+        print("ok")
+    """)
+    env = {**os.environ, "CUDNN_CUDA_GRAPH_RETENTION": "none", "WSARENA_CUDNN_API": "graph",
+           "WSARENA_PLAN_CACHE_SIZE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 def test_a_graph_alive_at_interpreter_exit_ends_the_process_cleanly():

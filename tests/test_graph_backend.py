@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import warnings
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +22,8 @@ import wsarena
 from wsarena import algos, config, configure
 from wsarena._geometry import conv_geometry
 from wsarena._search_env import api_path
+from wsarena.arena._pins import GraphPin
+from wsarena.arena.testing import FakeGraph
 from wsarena.backends import Candidate, device_properties_backend, reset_backends
 from wsarena.backends._cudnn_backend import CudnnBackend
 from wsarena.backends._graph_plans import ALIGNED, PlanCache, alignment, conv_problem, is_engine_name
@@ -108,6 +111,83 @@ def test_clear_destroys_every_cached_plan():
     cache.clear()
     assert all(p.closed for p in plans) and len(cache) == 0
     assert cache.plan("h", "fwd", GEOM, "eng0") is not plans[0]
+
+
+def _captured_graph():
+    """A graph being captured, holding a pin as CUDA holds the arena's (``close()`` runs the pin's destructor)."""
+    graph, pin = FakeGraph(), GraphPin()
+    graph.retain(pin)
+    return graph, pin
+
+
+def _weak_builder():
+    """A build_plan that keeps only weak references to the plans it makes: they die when the cache lets go."""
+    made = []
+
+    def build(handle, graph, name):
+        plan = FakePlan(name)
+        made.append(weakref.ref(plan))
+        return plan
+
+    return build, made
+
+
+def test_a_plan_a_graph_captured_outlives_its_eviction_until_the_graph_is_gone():
+    """A captured kernel uses what its plan owns (before cuDNN 9.28 nothing else keeps it): an evicted plan that a
+    graph still holds is neither destroyed nor collected, and it goes at the first miss after the graph is gone."""
+    build, made = _weak_builder()
+    with config(plan_cache_size=1):
+        cache = PlanCache(lambda *args: FakePlan("graph"), build)
+        graph, pin = _captured_graph()
+        cache.keep(cache.plan("h", "fwd", GEOM, "eng1"), pin)
+        cache.plan("h", "fwd", GEOM, "eng2")  # evicts eng1
+        cache.plan("h", "fwd", GEOM, "eng3")  # a miss while the graph lives
+        kept = made[0]()
+        assert kept is not None and not kept.closed and cache.kept() == [kept]
+        del kept
+        assert made[1]() is None  # evicted, and no graph ran it: gone at once
+        graph.close()
+        assert made[0]() is not None  # nothing built since
+        cache.plan("h", "fwd", GEOM, "eng4")
+        assert made[0]() is None and cache.kept() == []
+
+
+def test_a_plan_kept_for_a_graph_stays_cached_once_the_graph_is_gone():
+    cache = PlanCache(lambda *args: FakePlan("graph"), lambda handle, graph, name: FakePlan(name))
+    graph, pin = _captured_graph()
+    plan = cache.plan("h", "fwd", GEOM, "eng1")
+    cache.keep(plan, pin)
+    graph.close()
+    cache.plan("h", "fwd", GEOM, "eng2")  # lets go of it: the cache still holds it
+    assert cache.plan("h", "fwd", GEOM, "eng1") is plan and not plan.closed and cache.builds == 2
+
+
+def test_a_plan_captured_again_and_again_forgets_the_graphs_that_are_gone():
+    cache = PlanCache(lambda *args: FakePlan("graph"), lambda handle, graph, name: FakePlan(name))
+    plan = cache.plan("h", "fwd", GEOM, "eng1")
+    graphs = []
+    for _ in range(200):
+        graph, pin = _captured_graph()
+        cache.keep(plan, pin)
+        cache.keep(plan, pin)  # the same graph's second call: one entry
+        graph.close()
+        graphs.append(graph)
+    _, pin = _captured_graph()
+    cache.keep(plan, pin)
+    pins = cache._captured[id(plan)][1]
+    assert len(pins) <= 16 and pins[-1] is pin and cache.kept() == [plan]
+
+
+def test_clear_destroys_the_plans_kept_for_graphs_too():
+    """close_all_handles destroys every plan before the handles they were built for, kept or not."""
+    with config(plan_cache_size=1):
+        cache = PlanCache(lambda *args: FakePlan("graph"), lambda handle, graph, name: FakePlan(name))
+        _, pin = _captured_graph()
+        kept = cache.plan("h", "fwd", GEOM, "eng1")
+        cache.keep(kept, pin)
+        cached = cache.plan("h", "fwd", GEOM, "eng2")
+        cache.clear()
+    assert kept.closed and cached.closed and cache.kept() == []
 
 
 def test_a_refused_configuration_is_remembered_and_raised_again_without_a_build():
@@ -464,7 +544,8 @@ def _array(ptr):
 def _lease(nbytes, stream=0x77):
     """A device lease as the arena gives it: one that takes bytes carries its stream's raw handle, a zero-byte one
     none."""
-    return SimpleNamespace(ptr=0x100000 if nbytes else 0, nbytes=nbytes, cuda_stream=stream if nbytes else None)
+    return SimpleNamespace(ptr=0x100000 if nbytes else 0, nbytes=nbytes, cuda_stream=stream if nbytes else None,
+                           pin=None)
 
 
 class _BoundHandle:
@@ -584,6 +665,25 @@ def test_a_plan_built_for_a_zero_byte_lease_is_refused_on_a_captured_stream(fake
     assert b.plans == [] and b.executed == []
     faked.run("fwd", Candidate("eng1", 0), GEOM, x, w, y, _lease(0), 0x52)  # a stream not captured: built and run
     assert [e[:2] for e in b.executed] == [("eng1", (2, 16, 16))]
+
+
+@pytest.mark.parametrize("nbytes", [64, 0])
+def test_a_call_whose_lease_carries_a_graphs_pin_keeps_its_plan_for_that_graph(faked, nbytes):
+    """A lease taken during a capture carries the graph's pin (one of no bytes too): the plan executed into the
+    capture is kept while the graph exists, however many other plans the cache builds meanwhile."""
+    b = AlignedBuilder({("eng1", ALIGNED): nbytes})
+    faked._plans = PlanCache(b.graph, b.plan)
+    x, w, y = _array(0x1000), _array(0x2000), _array(0x3000)
+    graph, pin = _captured_graph()
+    lease = _lease(nbytes)
+    lease.pin = pin
+    faked.run("fwd", Candidate("eng1", nbytes), GEOM, x, w, y, lease, None)
+    (kept,) = faked._plans.kept()
+    assert kept.name == "eng1" and b.executed
+    faked.run("fwd", Candidate("eng1", nbytes), GEOM, x, w, y, _lease(nbytes), None)  # eager: nothing more kept
+    assert faked._plans.kept() == [kept]
+    graph.close()
+    assert faked._plans.kept() == []
 
 
 def test_a_call_on_a_zero_byte_lease_asks_its_stream_for_its_handle_once(graph_backend, monkeypatch):

@@ -16,8 +16,10 @@ search, finalize a plan, create a handle or grow the arena (a ``reserve`` too) r
 :class:`~wsarena.errors.CaptureError` instead (nothing is enqueued); so does a call once the capture was invalidated
 by an earlier error. Handles and plans are per thread: warm up on the thread that captures. Each workspace buffer
 the graph uses stays allocated, at the same address, until the graph is destroyed, even if the arena grows or is
-trimmed meanwhile (:mod:`wsarena.arena._pinning`). The same holds for a capture made with CuPy's
-``stream.begin_capture()`` or ``torch.cuda.graph``: wsarena detects capture from the stream's capture status.
+trimmed meanwhile (:mod:`wsarena.arena._pinning`), and so is each graph-API execution plan it ran kept, even once
+evicted from the plan cache (:class:`~wsarena.backends._graph_plans.PlanCache`). The same holds for a capture made
+with CuPy's ``stream.begin_capture()`` or ``torch.cuda.graph``: wsarena detects capture from the stream's capture
+status.
 
 Replays use the workspace of the stream they were captured on. Launch a graph on that stream (``launch()`` does by
 default), or order it with that stream's other work, as for any two uses of one stream's workspace.

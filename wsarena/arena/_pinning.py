@@ -47,6 +47,7 @@ def _acquire_captured(self: Arena, ws: Workspace, anchor: Any, capture: Any) -> 
             block.pins.append(pin)
             pin.blocks.append(block)
         self._table.capturing[ws.stream] = pin  # frees with no stream wait while this capture may go on
+        ws.pin = pin
         self._grant(sub, ws, block)
 
 

@@ -65,11 +65,15 @@ class Workspace:
     cuda_stream : int or None
         On a device, the raw ``cudaStream_t`` the workspace belongs to (2 for the per-thread default stream);
         ``None`` on the host.
+    pin : GraphPin or None
+        Taken while its stream was captured into a CUDA graph: that graph's pin (:mod:`wsarena.arena._pins`),
+        live as long as the graph exists, to which the buffer is pinned; a call ties to it what else its captured
+        kernels use (the graph API's execution plans). ``None`` otherwise.
     """
 
     __slots__ = (
         "__weakref__", "_anchor", "_arena", "_array", "_block", "_cap", "_debug", "_ref", "_state", "_sub", "_with",
-        "cuda_stream", "nbytes", "ptr", "stream",
+        "cuda_stream", "nbytes", "pin", "ptr", "stream",
     )
 
     def __init__(
@@ -79,6 +83,7 @@ class Workspace:
         self.nbytes = nbytes
         self.stream = stream
         self.cuda_stream: int | None = None
+        self.pin: Any = None
         self._arena = arena
         self._anchor = anchor  # keeps a caller's temporary stream object alive for the lease
         self._block: _Block | None = None
@@ -117,8 +122,11 @@ class Workspace:
             if capture is not None:
                 # The call's kernels still go on this stream: one that CUDA refuses now (a capture an earlier error
                 # invalidated, the legacy default stream while another is captured) is the CaptureError a lease that
-                # takes bytes gets there, before anything is enqueued. Nothing is pinned: the graph holds no buffer.
-                capture(raw_handle(self.stream))
+                # takes bytes gets there, before anything is enqueued. No buffer is pinned, but the graph gets its
+                # pin all the same: the call ties its plan to it.
+                graph = capture(raw_handle(self.stream))
+                if graph is not None:
+                    self.pin = self._arena._pin_for(graph)
             self._state = 1
             return self
         try:

@@ -276,5 +276,7 @@ class CudnnGraphBackend(CudnnBackend):
                 f"algo= out",
                 requested=plan.workspace_bytes, held=workspace.nbytes, cap=get_config().cap_workspace,
             )
+        if workspace.pin is not None:  # executed into a CUDA graph's capture: the plan must outlive the graph
+            self._plans.keep(plan, workspace.pin)
         plan.execute(handle, x, w, y, workspace.ptr)
 

@@ -9,6 +9,7 @@ import copy
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from .. import _forksafe
 from .._config import get_config
 from .._lru import LRU
 from .._pass import Pass
@@ -25,6 +26,7 @@ _MAX_ALIGNMENT = 16  # what tensor-core kernels ask of a pointer at most (PyTorc
 # legacy API has algorithms), and the one needing the least workspace, so that a small cap always finds one.
 # Finalizing a plan can load kernels; the heuristics list up to about 40 configurations.
 CANDIDATES = 8
+_PRUNE_AT = 8  # graphs a plan is kept for before those gone are forgotten (then at each power of two)
 
 # dtype name -> (the tensors' cuDNN data type, the compute type), as cudnn.DataType member names
 _TYPES = {
@@ -168,6 +170,12 @@ class PlanCache:
     without finalizing anything. Operands at such an alignment reach every call through the refused candidates
     before the one that runs, and a failed finalize costs some 85 us.
 
+    A plan executed while its stream was captured into a CUDA graph is kept (:meth:`keep`) as long as that graph
+    exists, even once evicted: the graph's kernels use what the plan owns, and before cuDNN 9.28 (or with
+    ``CUDNN_CUDA_GRAPH_RETENTION=none``) nothing else keeps it (cuDNN's header, on ``cudnnCudaGraphRetention_t``).
+    An evicted plan is destroyed once nothing refers to it; one kept for graphs, by the first miss after they are
+    all gone (a miss builds nothing during a capture, so this never destroys a plan in the middle of one).
+
     Parameters
     ----------
     build_graph : callable
@@ -188,6 +196,9 @@ class PlanCache:
         self._refused = refused
         self._graphs: LRU[Any] = LRU(size, valid=_open, discard=_close)
         self._plans: LRU[Any] = LRU(size, valid=_open, discard=_close)
+        # id(plan) -> (plan, the pins of the CUDA graphs that captured it: wsarena.arena._pins.GraphPin)
+        self._captured: dict[int, tuple[Any, list[Any]]] = {}
+        self._lock = _forksafe.lock()  # guards _captured and its lists
 
     def built(self) -> list[Any]:
         """The finalized plans held, least recently used first; the configurations' cached refusals left out."""
@@ -211,11 +222,43 @@ class PlanCache:
             raise plan.again()
         return plan
 
+    def keep(self, plan: Any, pin: Any) -> None:
+        """Keep ``plan`` while the CUDA graph of ``pin`` exists (``pin.live()``): it is being executed into that
+        graph's capture."""
+        with self._lock:
+            entry = self._captured.get(id(plan))
+            if entry is None:
+                self._captured[id(plan)] = (plan, [pin])
+                return
+            pins = entry[1]
+            if pin in pins:
+                return
+            if len(pins) >= _PRUNE_AT and len(pins) & (len(pins) - 1) == 0:  # a plan captured again and again
+                pins[:] = [p for p in pins if p.live()]
+            pins.append(pin)
+
+    def kept(self) -> list[Any]:
+        """The plans kept for CUDA graphs that may still exist (:meth:`keep`), cached or evicted."""
+        with self._lock:
+            return [plan for plan, pins in self._captured.values() if any(p.live() for p in pins)]
+
+    def _let_go(self) -> None:
+        """Stop keeping the plans whose graphs are all gone; one evicted meanwhile is destroyed as its last
+        reference goes (here, outside the lock)."""
+        if not self._captured:
+            return
+        with self._lock:
+            live = _Asked()  # one question per pin: a step's plans share its graph's
+            gone = [key for key, (_, pins) in self._captured.items() if not any(map(live, pins))]
+            dropped = [self._captured.pop(key) for key in gone]
+        del dropped
+
     def _build(
         self, handle: Any, pass_: str, geom: Any, name: str, aligned: tuple[int, int, int], stream: Any
     ) -> Any:
         if stream is not None:
             refuse_in_capture(stream, "finalize a cuDNN execution plan (is plan_cache_size smaller than the step?)")
+        self._let_go()
         graph = self.graph(handle, pass_, geom, aligned)
         try:
             return self._miss(self._plans, self._build_plan, handle, graph, name)
@@ -236,12 +279,30 @@ class PlanCache:
         return self._plans.builds
 
     def clear(self) -> None:
-        """Destroy every cached plan now (before the handles they were built for), and forget the graphs."""
+        """Destroy every cached plan now (before the handles they were built for), those kept for CUDA graphs
+        too, and forget the graphs. :func:`~wsarena.cudnn.close_all_handles` runs this, at exit or when a caller
+        ends all cuDNN use: a graph captured before must not be launched after it."""
         plans = self._plans.values()
         self._plans.clear()
         self._graphs.clear()
-        for plan in plans:
+        with self._lock:
+            kept = [plan for plan, _ in self._captured.values()]
+            self._captured.clear()
+        for plan in plans + kept:
             _close(plan)
+
+
+class _Asked:
+    """``live(pin)``: whether ``pin``'s graph may still exist, asked of each pin once."""
+
+    def __init__(self) -> None:
+        self._answers: dict[int, bool] = {}
+
+    def __call__(self, pin: Any) -> bool:
+        answer = self._answers.get(id(pin))
+        if answer is None:
+            answer = self._answers[id(pin)] = pin.live()
+        return answer
 
 
 class _Refusal:
