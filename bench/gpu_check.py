@@ -23,7 +23,9 @@ A lent machine's time may not hold all of it in one command: run the tests (``--
 (``--no-tests --quick``, into ``gpu-check-<date>-benchmarks.json``). ``--deadline S`` ends the run within S seconds
 (give a command's limit, less a minute for gpu_check.sh's installs): a phase still running then is cut short, the
 output it printed so far in the JSON, which a limit on the whole command would lose; a phase left too little time is
-recorded as not run.
+recorded as not run. Each phase runs in a process group of its own, killed whole when its time is up and when
+gpu_check itself is stopped (Ctrl-C, SIGTERM), so that nothing it started (xdist workers, a benchmark's child
+process) runs on into the next phase.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import datetime
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,6 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # some 10 s to import CuPy, PyTorch and cuDNN); each phase ends 10 s before the deadline, to write the JSON.
 NOT_RUN = {"exit_status": None, "not_run": "too little time left before --deadline"}
 _LEAST_S, _MARGIN_S = 30, 10
+# Seconds to wait for the pipes of a killed phase to close, and what it printed to come in
+_DRAIN_S = 10
 # Run after the tests, each with --bench-timeout (times the factor given): the script and its arguments, "{out}"
 # standing for the results folder.
 BENCHMARKS = (
@@ -84,17 +89,58 @@ def junit_counts(path: Path) -> dict:
 
 
 def _run(command: list[str], timeout: float, env: dict, capture: bool = False) -> subprocess.CompletedProcess:
-    """Run ``command`` in the checkout; past ``timeout`` seconds it is killed and its status is -9."""
-    try:
-        return subprocess.run(
-            command, cwd=ROOT, env=env, capture_output=capture, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        def text(data: bytes | str | None) -> str:
-            return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+    """Run ``command`` in the checkout; past ``timeout`` seconds it is killed and its status is -9.
 
-        stderr = text(exc.stderr) + f"\ntimed out after {timeout:.0f} s"
-        return subprocess.CompletedProcess(command, -9, text(exc.stdout), stderr)
+    It runs in a process group of its own, and the whole group is killed: past the time limit, and however else
+    this call ends (Ctrl-C, or SIGTERM once :func:`_exit_on_sigterm` made it an exception). Killing the command
+    alone would leave what it started (pytest's xdist workers, bench_gpu_host.py's torch v7 process) holding the
+    GPU while the next phases run. What it printed before it was killed is kept."""
+    pipe = subprocess.PIPE if capture else None
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
+    )
+    try:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+            return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+        except subprocess.TimeoutExpired as exc:
+            cut = exc
+        _kill_group(process)
+        try:  # the pipes close once the group is gone: the rest of what it printed
+            stdout, stderr = process.communicate(timeout=_DRAIN_S)
+        except subprocess.TimeoutExpired as exc:  # a process that left the group holds them: what came so far
+            stdout, stderr = _text(exc.stdout or cut.stdout), _text(exc.stderr or cut.stderr)
+        return subprocess.CompletedProcess(
+            command, -9, _text(stdout), _text(stderr) + f"\ntimed out after {timeout:.0f} s"
+        )
+    finally:
+        # Also after the command ended by itself: anything it left running in its group goes with it. (The group's
+        # number cannot name another group while any of its members lives.)
+        _kill_group(process)
+        if process.poll() is None:  # interrupted before the command was waited for
+            process.wait()
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL to every process in ``process``'s group (the command is its leader: see :func:`_run`)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # none left (macOS answers EPERM for a group of zombies)
+        pass
+
+
+def _text(data: bytes | str | None) -> str:
+    """Output as text: a time limit's exception carries the bytes read so far."""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM end this process as Ctrl-C does, through ``finally`` blocks, so that :func:`_run` kills the
+    phase running then; by default Python dies at once, and the phase's process group would run on."""
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
 
 
 def _git_commit() -> str | None:
@@ -220,6 +266,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.no_bench and args.no_tests:
         parser.error("--no-bench and --no-tests leave nothing to run")
+    _exit_on_sigterm()
     args.out = args.out.resolve()  # the benchmarks run in the checkout, and write where the JSON says they did
     end = None if args.deadline is None else time.monotonic() + args.deadline
 

@@ -1,0 +1,130 @@
+"""bench/gpu_check.py's runner of a phase, on the CPU: a phase cut short by its time limit, or by Ctrl-C or SIGTERM
+of gpu_check itself, leaves nothing of its own running (on a GPU machine, an xdist worker or a benchmark's child
+process would hold the GPU through the next phases)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+assert _spec is not None and _spec.loader is not None
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="process groups are POSIX's")
+
+# A phase that starts a process of its own (as pytest starts its xdist workers), writes both pids to argv[1] once
+# that process runs, says so, and waits; argv[1] + ".done" says that it was not killed.
+PHASE = """
+import os, subprocess, sys, time
+grandchild = subprocess.Popen(["sleep", "60"])
+with open(sys.argv[1] + ".part", "w") as f:
+    f.write(f"{os.getpid()} {grandchild.pid}")
+os.replace(sys.argv[1] + ".part", sys.argv[1])
+print("phase started", flush=True)
+time.sleep(60)
+open(sys.argv[1] + ".done", "w").close()
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs: a zombie does not (a killed process whose parent died waits there for whichever
+    process adopts it to reap it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:  # reaped since, or a system without /proc, where os.kill's answer stands
+        return not Path("/proc/self").exists()
+
+
+def gone_soon(pids: list[int], seconds: float = 3.0) -> bool:
+    end = time.monotonic() + seconds
+    while any(running(pid) for pid in pids):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def read_pids(path: Path, seconds: float = 30.0) -> list[int]:
+    end = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < end, "the phase never started its process"
+        time.sleep(0.05)
+    return [int(p) for p in path.read_text().split()]
+
+
+def kill_left(pids: list[int]) -> None:
+    """What a failing test left running: the processes its phase started, by their pids."""
+    for pid in pids:
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("capture", [True, False])
+def test_a_phase_past_its_time_limit_is_killed_with_what_it_started(tmp_path, capture):
+    pids_file = tmp_path / "pids"
+    run = gpu_check._run([sys.executable, "-c", PHASE, str(pids_file)], 5, dict(os.environ), capture=capture)
+    pids = read_pids(pids_file, 0)
+    try:
+        assert gone_soon(pids), "the phase's own process outlived its time limit"
+    finally:
+        kill_left(pids)
+    assert not Path(f"{pids_file}.done").exists(), "the phase was waited for, not killed"
+    assert run.returncode == -9
+    if capture:  # what it printed before the limit is kept
+        assert "phase started" in run.stdout
+        assert run.stderr.endswith("timed out after 5 s")
+
+
+def test_a_phase_that_ends_in_time_gives_its_status_and_output():
+    run = gpu_check._run([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], 60, dict(os.environ),
+                         capture=True)
+    assert (run.returncode, run.stdout, run.stderr) == (3, "out\n", "")
+
+
+# gpu_check itself, running a phase, as main() prepares it to
+DRIVER = """
+import importlib.util, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, whatever this process inherited
+spec = importlib.util.spec_from_file_location("gpu_check", sys.argv[1])
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+gpu_check._exit_on_sigterm()
+gpu_check._run([sys.executable, "-c", sys.argv[2], sys.argv[3]], 120, dict(os.environ), capture=sys.argv[4] == "1")
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("capture", [True, False])
+def test_gpu_check_stopped_mid_phase_leaves_nothing_of_the_phase_running(tmp_path, signum, capture):
+    pids_file = tmp_path / "pids"
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(ROOT / "bench" / "gpu_check.py"), PHASE, str(pids_file), str(int(capture))],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    pids: list[int] = []
+    try:
+        pids = read_pids(pids_file)
+        driver.send_signal(signum)
+        status = driver.wait(30)
+        assert gone_soon(pids), "the phase ran on after gpu_check was stopped"
+        assert status != 0
+        assert not Path(f"{pids_file}.done").exists(), "the phase was waited for, not killed"
+    finally:
+        kill_left(pids)
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
