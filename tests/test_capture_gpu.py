@@ -403,6 +403,7 @@ def test_a_replay_after_its_plan_was_evicted_equals_the_eager_call():
         x = rng.standard_normal((4, 16, 32, 32), dtype=cupy.float32)
         w = rng.standard_normal((16, 16, 3, 3), dtype=cupy.float32)
         y = cupy.empty((4, 16, 32, 32), cupy.float32)
+        cupy.cuda.Device().synchronize()  # x and w were written on the legacy default stream, which s does not wait for
         plans = get_backend("cudnn", "graph")._plans
         with cupy.cuda.Stream(non_blocking=True) as s:
             want = wsarena.conv_forward(x, w, padding=1)
