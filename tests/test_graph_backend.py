@@ -139,7 +139,7 @@ def test_a_plan_a_graph_captured_outlives_its_eviction_until_the_graph_is_gone()
     with config(plan_cache_size=1):
         cache = PlanCache(lambda *args: FakePlan("graph"), build)
         graph, pin = _captured_graph()
-        cache.keep(cache.plan("h", "fwd", GEOM, "eng1"), pin)
+        cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
         cache.plan("h", "fwd", GEOM, "eng2")  # evicts eng1
         cache.plan("h", "fwd", GEOM, "eng3")  # a miss while the graph lives
         kept = made[0]()
@@ -152,11 +152,29 @@ def test_a_plan_a_graph_captured_outlives_its_eviction_until_the_graph_is_gone()
         assert made[0]() is None and cache.kept() == []
 
 
+def test_a_miss_takes_back_the_plan_a_graph_keeps_even_during_a_capture(monkeypatch):
+    """An evicted plan a graph still holds is finalized already: a miss of its key caches it again, without a
+    build, and so without the CaptureError of a build on a captured stream."""
+    from wsarena.arena import _capture
+
+    captured = 0x51
+    monkeypatch.setattr(_capture, "capture_of", lambda stream: object() if stream == captured else None)
+    b = Builder()
+    with config(plan_cache_size=1):
+        cache = PlanCache(b.graph, b.plan)
+        _, pin = _captured_graph()
+        kept = cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
+        cache.plan("h", "fwd", GEOM, "eng2")  # evicts eng1
+        assert cache.plan("h", "fwd", GEOM, "eng1", stream=captured, pin=pin) is kept
+        assert [name for *_, name, _ in b.plans] == ["eng1", "eng2"]
+        with pytest.raises(CaptureError, match="finalize a cuDNN execution plan"):
+            cache.plan("h", "fwd", GEOM, "eng2", stream=captured)  # evicted, and kept by no graph: a build
+
+
 def test_a_plan_kept_for_a_graph_stays_cached_once_the_graph_is_gone():
     cache = PlanCache(lambda *args: FakePlan("graph"), lambda handle, graph, name: FakePlan(name))
     graph, pin = _captured_graph()
-    plan = cache.plan("h", "fwd", GEOM, "eng1")
-    cache.keep(plan, pin)
+    plan = cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
     graph.close()
     cache.plan("h", "fwd", GEOM, "eng2")  # lets go of it: the cache still holds it
     assert cache.plan("h", "fwd", GEOM, "eng1") is plan and not plan.closed and cache.builds == 2
@@ -168,27 +186,35 @@ def test_a_plan_captured_again_and_again_forgets_the_graphs_that_are_gone():
     graphs = []
     for _ in range(200):
         graph, pin = _captured_graph()
-        cache.keep(plan, pin)
-        cache.keep(plan, pin)  # the same graph's second call: one entry
+        cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
+        cache.plan("h", "fwd", GEOM, "eng1", pin=pin)  # the same graph's second call: one entry
         graph.close()
         graphs.append(graph)
     _, pin = _captured_graph()
-    cache.keep(plan, pin)
-    cache.keep(plan, pin)
-    pins = cache._captured[id(plan)][1]
-    assert len(pins) <= 16 and pins.count(pin) == 1 and pins[-1] is pin and cache.kept() == [plan]
+    cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
+    cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
+    ((kept, pins),) = cache._captured.values()
+    assert kept is plan and len(pins) <= 16 and pins.count(pin) == 1 and pins[-1] is pin and cache.kept() == [plan]
 
 
-def test_clear_destroys_the_plans_kept_for_graphs_too():
-    """close_all_handles destroys every plan before the handles they were built for, kept or not."""
-    with config(plan_cache_size=1):
-        cache = PlanCache(lambda *args: FakePlan("graph"), lambda handle, graph, name: FakePlan(name))
-        _, pin = _captured_graph()
-        kept = cache.plan("h", "fwd", GEOM, "eng1")
-        cache.keep(kept, pin)
-        cached = cache.plan("h", "fwd", GEOM, "eng2")
+def test_clear_spares_the_plans_graphs_still_hold_until_the_graphs_are_gone():
+    """close_all_handles (at exit too) destroys every plan but those a graph that may still be launched (or still
+    run) uses, as the arena frees no buffer a graph holds; one whose graph is gone is destroyed with the rest."""
+    build, made = _weak_builder()
+    with config(plan_cache_size=3):
+        cache = PlanCache(lambda *args: FakePlan("graph"), build)
+        graph, pin = _captured_graph()
+        gone, old_pin = _captured_graph()
+        kept = cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
+        released = cache.plan("h", "fwd", GEOM, "eng2", pin=old_pin)
+        cached = cache.plan("h", "fwd", GEOM, "eng3")
+        gone.close()
         cache.clear()
-    assert kept.closed and cached.closed and cache.kept() == []
+        assert not kept.closed and released.closed and cached.closed and cache.kept() == [kept] and len(cache) == 0
+        del kept, released, cached
+        graph.close()
+        cache.plan("h", "fwd", GEOM, "eng4")
+        assert made[0]() is None and cache.kept() == []
 
 
 def test_a_refused_configuration_is_remembered_and_raised_again_without_a_build():
@@ -671,7 +697,7 @@ def test_a_plan_built_for_a_zero_byte_lease_is_refused_on_a_captured_stream(fake
 @pytest.mark.parametrize("nbytes", [64, 0])
 def test_a_call_whose_lease_carries_a_graphs_pin_keeps_its_plan_for_that_graph(faked, nbytes):
     """A lease taken during a capture carries the graph's pin (one of no bytes too): the plan executed into the
-    capture is kept while the graph exists, however many other plans the cache builds meanwhile."""
+    capture is kept while the graph exists; an eager call's lease, which carries none, keeps nothing."""
     b = AlignedBuilder({("eng1", ALIGNED): nbytes})
     faked._plans = PlanCache(b.graph, b.plan)
     x, w, y = _array(0x1000), _array(0x2000), _array(0x3000)

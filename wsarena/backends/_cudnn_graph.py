@@ -265,7 +265,8 @@ class CudnnGraphBackend(CudnnBackend):
         aligned = (alignment(x), alignment(w), alignment(y))
         # The stream checked for a capture before a plan is finalized: the one the handle was just bound to (the
         # lease's, or the call's own for a zero-byte lease, whose cuda_stream is None), not resolved again
-        plan = self._plans.plan(handle, pass_, geom, name, aligned, stream=handle.stream)
+        # Kept for the CUDA graph being captured, if any (the lease's pin): its kernel will use what the plan owns
+        plan = self._plans.plan(handle, pass_, geom, name, aligned, stream=handle.stream, pin=workspace.pin)
         if plan.workspace_bytes > workspace.nbytes:
             # The lease is the candidate's size, which is its plan's for 16-byte-aligned operands; the plan for
             # these operands' alignment must not write past it. One of retry_errors: run_with_fallback moves on.
@@ -276,7 +277,5 @@ class CudnnGraphBackend(CudnnBackend):
                 f"algo= out",
                 requested=plan.workspace_bytes, held=workspace.nbytes, cap=get_config().cap_workspace,
             )
-        if workspace.pin is not None:  # executed into a CUDA graph's capture: the plan must outlive the graph
-            self._plans.keep(plan, workspace.pin)
         plan.execute(handle, x, w, y, workspace.ptr)
 

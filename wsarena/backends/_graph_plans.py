@@ -26,6 +26,7 @@ _MAX_ALIGNMENT = 16  # what tensor-core kernels ask of a pointer at most (PyTorc
 # legacy API has algorithms), and the one needing the least workspace, so that a small cap always finds one.
 # Finalizing a plan can load kernels; the heuristics list up to about 40 configurations.
 CANDIDATES = 8
+_PlanKey = tuple[Any, str, Any, str, tuple[int, int, int]]  # handle, pass, geometry, configuration, alignments
 _PRUNE_AT = 8  # graphs a plan is kept for before those gone are forgotten (then at each power of two)
 
 # dtype name -> (the tensors' cuDNN data type, the compute type), as cudnn.DataType member names
@@ -170,11 +171,12 @@ class PlanCache:
     without finalizing anything. Operands at such an alignment reach every call through the refused candidates
     before the one that runs, and a failed finalize costs some 85 us.
 
-    A plan executed while its stream was captured into a CUDA graph is kept (:meth:`keep`) as long as that graph
-    exists, even once evicted: the graph's kernels use what the plan owns, and before cuDNN 9.28 (or with
+    A plan executed while its stream was captured into a CUDA graph (``plan(..., pin=)``) is kept as long as that
+    graph exists, even once evicted: the graph's kernels use what the plan owns, and before cuDNN 9.28 (or with
     ``CUDNN_CUDA_GRAPH_RETENTION=none``) nothing else keeps it (cuDNN's header, on ``cudnnCudaGraphRetention_t``).
-    An evicted plan is destroyed once nothing refers to it; one kept for graphs, by the first miss after they are
-    all gone (a miss builds nothing during a capture, so this never destroys a plan in the middle of one).
+    A miss of its key takes it back into the cache, built already (during a capture too). An evicted plan is
+    destroyed once nothing refers to it; one kept for graphs, by the first miss that builds after they are all gone
+    (a miss builds nothing during a capture, so this never destroys a plan in the middle of one).
 
     Parameters
     ----------
@@ -196,8 +198,8 @@ class PlanCache:
         self._refused = refused
         self._graphs: LRU[Any] = LRU(size, valid=_open, discard=_close)
         self._plans: LRU[Any] = LRU(size, valid=_open, discard=_close)
-        # id(plan) -> (plan, the pins of the CUDA graphs that captured it: wsarena.arena._pins.GraphPin)
-        self._captured: dict[int, tuple[Any, list[Any]]] = {}
+        # a plan's key -> (the plan, the pins of the CUDA graphs that captured it: wsarena.arena._pins.GraphPin)
+        self._captured: dict[_PlanKey, tuple[Any, list[Any]]] = {}
         self._lock = _forksafe.lock()  # guards _captured and its lists
 
     def built(self) -> list[Any]:
@@ -211,24 +213,28 @@ class PlanCache:
 
     def plan(
         self, handle: Any, pass_: str, geom: Any, name: str, aligned: tuple[int, int, int] = ALIGNED,
-        stream: Any = None,
+        stream: Any = None, pin: Any = None,
     ) -> Any:
-        """The finalized plan of engine configuration ``name``; ``stream``: where it will run (a raw handle, or
-        :data:`~wsarena.arena._capture.CURRENT`), which must not be being captured if the plan is to be built (a
-        finalize can load kernels and allocate)."""
-        key: Hashable = (handle, pass_, geom, name, aligned)
-        plan = self._plans.get(key, lambda: self._build(handle, pass_, geom, name, aligned, stream))
+        """The finalized plan of engine configuration ``name``.
+
+        ``stream``: where it will run (a raw handle, or :data:`~wsarena.arena._capture.CURRENT`), which must not be
+        being captured if the plan is to be built (a finalize can load kernels and allocate). ``pin``: the pin of
+        the CUDA graph it is about to be executed into (the lease's), which keeps the plan while it exists.
+        """
+        key: _PlanKey = (handle, pass_, geom, name, aligned)
+        plan = self._plans.get(key, lambda: self._build(key, stream))
         if type(plan) is _Refusal:
             raise plan.again()
+        if pin is not None:
+            self._keep(key, plan, pin)
         return plan
 
-    def keep(self, plan: Any, pin: Any) -> None:
-        """Keep ``plan`` while the CUDA graph of ``pin`` exists (``pin.live()``): it is being executed into that
-        graph's capture."""
+    def _keep(self, key: _PlanKey, plan: Any, pin: Any) -> None:
         with self._lock:
-            entry = self._captured.get(id(plan))
-            if entry is None:
-                self._captured[id(plan)] = (plan, [pin])
+            entry = self._captured.get(key)
+            if entry is None or entry[0] is not plan:
+                # Another plan of the key was closed (valid= rebuilt it): clear() closes none a graph may still use
+                self._captured[key] = (plan, [pin])
                 return
             pins = entry[1]
             if pin in pins:
@@ -253,12 +259,14 @@ class PlanCache:
             dropped = [self._captured.pop(key) for key in gone]
         del dropped
 
-    def _build(
-        self, handle: Any, pass_: str, geom: Any, name: str, aligned: tuple[int, int, int], stream: Any
-    ) -> Any:
+    def _build(self, key: _PlanKey, stream: Any) -> Any:
+        kept = self._captured.get(key)  # evicted while a graph holds it: taken back, not built again
+        if kept is not None and not kept[0].closed:
+            return kept[0]
         if stream is not None:
             refuse_in_capture(stream, "finalize a cuDNN execution plan (is plan_cache_size smaller than the step?)")
         self._let_go()
+        handle, pass_, geom, name, aligned = key
         graph = self.graph(handle, pass_, geom, aligned)
         try:
             return self._miss(self._plans, self._build_plan, handle, graph, name)
@@ -275,21 +283,27 @@ class PlanCache:
 
     @property
     def builds(self) -> int:
-        """Plans built so far (a cached call builds none)."""
+        """Misses so far: plans built, or taken back from those kept for graphs (a cached call has none)."""
         return self._plans.builds
 
     def clear(self) -> None:
-        """Destroy every cached plan now (before the handles they were built for), those kept for CUDA graphs
-        too, and forget the graphs. :func:`~wsarena.cudnn.close_all_handles` runs this, at exit or when a caller
-        ends all cuDNN use: a graph captured before must not be launched after it."""
+        """Destroy every cached plan now (before the handles they were built for) but those a CUDA graph that may
+        still exist ran, and forget the graphs. :func:`~wsarena.cudnn.close_all_handles` runs this, at exit or
+        when a caller ends all cuDNN use. The plans kept for graphs stay, as the arena's buffers they pinned do: a
+        later miss destroys them once their graphs are gone; at exit, nothing does (the process's end reclaims
+        them, after the last launch)."""
         plans = self._plans.values()
         self._plans.clear()
         self._graphs.clear()
         with self._lock:
-            kept = [plan for plan, _ in self._captured.values()]
-            self._captured.clear()
-        for plan in plans + kept:
-            _close(plan)
+            live = _Asked()
+            held = {key: entry for key, entry in self._captured.items() if any(map(live, entry[1]))}
+            gone = [plan for key, (plan, _) in self._captured.items() if key not in held]
+            self._captured = held
+        spared = {id(plan) for plan, _ in held.values()}
+        for plan in plans + gone:
+            if id(plan) not in spared:
+                _close(plan)
 
 
 class _Asked:
