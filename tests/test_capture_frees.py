@@ -196,6 +196,54 @@ def test_frees_wait_for_a_global_capture_from_its_beginning_not_from_its_first_l
     graph.graph.close()
 
 
+@pytest.mark.parametrize("how", ["a trim", "idle streams evicted", "a free with no stream, then a trim"])
+def test_the_seeded_buffer_outlasts_another_threads_trim_before_the_capture_begins(captures, monkeypatch, how):
+    """Between the seeding of wsarena.capture's stream and the beginning of its capture, another thread's trim (or
+    its calls on one-off streams, which evict idle ones) once freed the seeded buffer: the captured step, which
+    cannot allocate, raised CaptureError."""
+    provider, arena, cupy = captures
+    arena.reserve(1000, stream=S1)  # the eager step's, on another stream
+    stream = cupy.cuda.Stream(0x60)
+    begin = type(stream).begin_capture
+
+    def others_first(self, mode):
+        if how == "idle streams evicted":
+            for handle in range(0x100, 0x108):
+                with arena.lease(100, stream=handle):
+                    pass
+        else:
+            if how != "a trim":  # a dead stream's buffer, freed with no stream: the free asks about captures first
+                gone = FakeStream(S2)
+                arena.reserve(1000, stream=gone)
+                del gone
+                gc.collect()
+                with arena.lease(100, stream=0x54):
+                    pass
+                assert S2 not in [s for _, s in provider.frees] and None in [s for _, s in provider.frees]
+            arena.trim()
+        begin(self, mode)
+
+    monkeypatch.setattr(type(stream), "begin_capture", others_first)
+    with wsarena.capture(stream) as graph:
+        with arena.lease(1000, stream=0x60) as ws:
+            seeded = ws.ptr
+    assert [b.ptr for b in provider.allocations if b.ptr == seeded] == [seeded]  # the seed, allocated once
+    stats = arena.stats().streams[0x60]
+    assert stats.pinned_bytes == stats.capacity_bytes > 0 and arena._table.capturing == {}
+    graph.graph.close()
+
+
+def test_a_seeding_that_fails_begins_no_capture_and_leaves_nothing_recorded(captures):
+    provider, arena, cupy = captures
+    arena.reserve(1000, stream=S1)
+    provider.fail_next = 1
+    with pytest.raises(MemoryError), wsarena.capture(cupy.cuda.Stream(0x60)):
+        pass
+    assert cupy.modes == [] and arena._table.capturing == {}
+    arena.trim()
+    assert arena.stats().capacity_bytes == 0
+
+
 @pytest.mark.parametrize("block", ["leases elsewhere", "raises"])
 def test_the_stream_of_a_capture_block_is_not_watched_once_the_block_is_over(captures, block):
     """wsarena.capture records its stream as captured from its beginning, before any lease there. The block leases

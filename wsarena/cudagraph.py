@@ -155,22 +155,26 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
     graph = CapturedGraph(stream)
     with stream:
         arena = open_arena(int(cupy.cuda.Device().id))  # none yet: no eager step ran, and the capture will say so
-        if arena is not None:
-            seed_workspace(arena, stream)
-        stream.begin_capture(cuda_mode)
         try:
             if arena is not None:
-                # Frees that would synchronise the device wait from now on, not from the step's first lease: another
-                # thread's free breaks a global-mode capture, and a non-blocking stream's capture is not seen by
-                # asking the legacy default stream.
-                watch_capture(arena, stream)
-            yield graph
-        except BaseException:
-            with contextlib.suppress(Exception):
-                stream.end_capture()  # discarded: its pins are released when CUDA destroys it
-            raise
-        else:
-            graph.graph = stream.end_capture()
+                # Recorded before the seeding: a trim or an eviction of idle streams in another thread, before the
+                # capture's first lease, would free the seeded buffer, which the capture cannot allocate again.
+                watch_capture(arena, stream, beginning=True)
+                seed_workspace(arena, stream)
+            stream.begin_capture(cuda_mode)
+            try:
+                if arena is not None:
+                    # Frees that would synchronise the device wait from now on, not from the step's first lease:
+                    # another thread's free breaks a global-mode capture, and a non-blocking stream's capture is not
+                    # seen by asking the legacy default stream.
+                    watch_capture(arena, stream)
+                yield graph
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    stream.end_capture()  # discarded: its pins are released when CUDA destroys it
+                raise
+            else:
+                graph.graph = stream.end_capture()
         finally:
             if arena is not None:
                 unwatch_capture(arena, stream)  # else recorded until a free with no stream finds the capture over

@@ -51,13 +51,32 @@ def _acquire_captured(self: Arena, ws: Workspace, anchor: Any, capture: Any) -> 
         self._grant(sub, ws, block)
 
 
-def watch_capture(self: Arena, stream: Any) -> None:
+class _Beginning:
+    """Recorded in ``_Table.capturing`` by :func:`wsarena.capture` for its stream from before it seeds the stream's
+    buffer until its capture has begun: the buffer stays, as a capture's does (:func:`seeded_streams`; idle streams'
+    eviction, through :meth:`live`), and the record is not forgotten for want of a capture yet."""
+
+    __slots__ = ()
+
+    def live(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "BEGINNING"
+
+
+BEGINNING = _Beginning()
+
+
+def watch_capture(self: Arena, stream: Any, beginning: bool = False) -> None:
     """``stream`` was just made to capture (by :func:`wsarena.capture`): frees with no stream wait while its capture
     may go on, from now on. A capture begun elsewhere is known from its first lease; before that, one in CUDA's global
-    mode on a non-blocking stream is seen by no question the arena could ask (lock not held)."""
+    mode on a non-blocking stream is seen by no question the arena could ask. With ``beginning``, the capture is
+    about to begin, and the stream's buffer about to be seeded: a trim, or another thread's eviction of idle streams,
+    leaves it from now on (:data:`BEGINNING`). (Lock not held.)"""
     key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
     with self._lock:
-        self._table.capturing[key] = None
+        self._table.capturing[key] = BEGINNING if beginning else None
 
 
 def unwatch_capture(self: Arena, stream: Any) -> None:
@@ -102,8 +121,10 @@ def seeded_streams(self: Arena) -> set[Any]:
     recorded = self._table.capturing
     if not recorded or self._capture is None:
         return set()
-    watched = [key for key, pin in list(recorded.items()) if pin is None]  # list(): one C call, whatever others do
-    return {key for key in watched if not is_own_stream(key) or _captured(self._capture, key)}
+    # list(): one C call, whatever other threads do
+    watched = [(key, pin) for key, pin in list(recorded.items()) if pin is None or pin is BEGINNING]
+    return {key for key, pin in watched
+            if pin is BEGINNING or not is_own_stream(key) or _captured(self._capture, key)}
 
 
 def growth_error(what: str, key: Hashable, held: int) -> CaptureError:
@@ -160,9 +181,10 @@ def _capture_under_way(self: Arena, key: Any) -> bool:
     for k in keys:
         if k is None or not is_own_stream(k):  # another thread's per-thread stream cannot be asked from here
             continue
+        seen = recorded.get(k, False)  # before the question: a capture that begins meanwhile keeps its record
         if _captured(capture, k):
             return True
-        if k in recorded:
+        if seen is not False and seen is not BEGINNING:
             recorded.pop(k, None)  # its capture is over (a lease of a new one records it again)
     return False
 
