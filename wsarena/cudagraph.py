@@ -102,6 +102,14 @@ def seed_workspace(arena: Any, stream: Any) -> None:
         arena.reserve(largest, stream=stream)
 
 
+def _capturing(runtime: Any, stream: int) -> bool:
+    """Whether the stream of handle ``stream`` is capturing, its capture invalidated too (CuPy's RuntimeError)."""
+    try:
+        return bool(runtime.streamIsCapturing(stream))
+    except RuntimeError:
+        return True
+
+
 @contextlib.contextmanager
 def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGraph]:
     """Record the wsarena calls (and any other CUDA work) of the block into a CUDA graph.
@@ -161,8 +169,8 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
                 # capture's first lease, would free the seeded buffer, which the capture cannot allocate again.
                 watch_capture(arena, stream, beginning=True)
                 seed_workspace(arena, stream)
-            stream.begin_capture(cuda_mode)
             try:
+                stream.begin_capture(cuda_mode)
                 if arena is not None:
                     # Frees that would synchronise the device wait from now on, not from the step's first lease:
                     # another thread's free breaks a global-mode capture, and a non-blocking stream's capture is not
@@ -170,8 +178,11 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
                     watch_capture(arena, stream)
                 yield graph
             except BaseException:
+                # The capture begun here, if any, is discarded (its pins are released when CUDA destroys it). CUDA is
+                # asked whether it began: a Ctrl-C just after begin_capture returned comes before any flag could say.
                 with contextlib.suppress(Exception):
-                    stream.end_capture()  # discarded: its pins are released when CUDA destroys it
+                    if _capturing(runtime, stream.ptr):
+                        stream.end_capture()
                 raise
             else:
                 graph.graph = stream.end_capture()
