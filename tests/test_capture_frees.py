@@ -140,11 +140,16 @@ class FakeCupy:
                 pass
 
             def begin_capture(self, mode):
+                if self.ptr in provider.capturing:
+                    raise RuntimeError("cudaErrorIllegalState: the stream is capturing already")
                 fake.modes.append(mode)
                 self.graph = provider.begin_capture(self.ptr)
 
-            def end_capture(self):
-                return provider.end_capture(self.graph)
+            def end_capture(self):  # whatever capture is under way on the stream, as CUDA ends it
+                graph = provider.capturing.get(self.ptr)
+                if graph is None:
+                    raise RuntimeError("cudaErrorIllegalState: the stream is not capturing")
+                return provider.end_capture(graph)
 
         self.modes = []
         runtime = types.SimpleNamespace(streamCaptureModeGlobal=0, streamCaptureModeThreadLocal=1,
@@ -309,6 +314,23 @@ def test_a_trim_after_a_capture_block_whose_end_was_interrupted_frees_the_seeded
     held = provider.held_bytes
     assert arena.trim() == held
     assert provider.held == [] and provider.during_capture == []
+
+
+def test_a_capture_block_on_a_stream_captured_already_is_refused_and_leaves_that_capture_alone(captures):
+    """A stream another capture is recording (PyTorch's, say, whose step leased there) is refused before anything is
+    recorded or ended. Once, the block recorded the stream as beginning, over the other capture's record, then
+    ended that capture (begin_capture having failed) and dropped its record."""
+    provider, arena, cupy = captures
+    arena.reserve(1000, stream=0x60)
+    other = provider.begin_capture(0x60)
+    with arena.lease(1000, stream=0x60):  # the other capture's step
+        pass
+    recorded = dict(arena._table.capturing)
+    with pytest.raises(ValueError, match="captured already"), wsarena.capture(cupy.cuda.Stream(0x60)):
+        pass
+    assert provider.capturing == {0x60: other} and arena._table.capturing == recorded and cupy.modes == []
+    provider.end_capture(other)
+    other.close()
 
 
 def _captured_step(arena, stream):

@@ -118,7 +118,8 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
     ----------
     stream : cupy.cuda.Stream, optional
         Where to capture; a new non-blocking stream by default. Not the legacy default stream, which CUDA
-        cannot capture (the per-thread default stream, ``cupy.cuda.Stream.ptds``, it can).
+        cannot capture (the per-thread default stream, ``cupy.cuda.Stream.ptds``, it can), nor one being captured
+        already (``ValueError``).
         It is the current CuPy stream inside the block, so calls with ``stream=None`` are captured. Before the
         capture begins, a stream that holds no workspace gets the largest buffer the current device's arena holds.
     mode : ``"global"``, ``"thread_local"`` or ``"relaxed"``
@@ -157,6 +158,10 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
         "thread_local": runtime.streamCaptureModeThreadLocal,
         "relaxed": runtime.streamCaptureModeRelaxed,
     }[mode]
+    if _capturing(runtime, stream.ptr):
+        # Refused before anything is recorded: CUDA would refuse to begin a second capture there, and the record
+        # and the end of a capture made below are for this block's own
+        raise ValueError(f"stream {stream.ptr:#x} is being captured already: end that capture first")
     from .arena._pinning import unwatch_capture, watch_capture
     from .arena._registry import open_arena
 
