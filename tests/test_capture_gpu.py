@@ -439,6 +439,41 @@ def test_a_replay_after_its_plan_was_evicted_equals_the_eager_call():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+def test_a_graph_on_the_graph_api_replays_after_close_all_handles_and_its_process_exits_cleanly():
+    """close_all_handles (which runs at exit too) destroys every cuDNN handle and every cached plan but those a graph
+    that may still exist ran (CUDNN_CUDA_GRAPH_RETENTION=none: only wsarena keeps them). The graph replays afterwards
+    as it did before, and the process ends with the graph and its plan alive, nothing destroyed after the handles."""
+    code = textwrap.dedent("""
+        import cupy, wsarena
+        from wsarena.backends import get_backend
+        from wsarena.cudnn import close_all_handles
+
+        rng = cupy.random.default_rng(0)
+        x = rng.standard_normal((4, 16, 32, 32), dtype=cupy.float32)
+        w = rng.standard_normal((16, 16, 3, 3), dtype=cupy.float32)
+        y = cupy.empty((4, 16, 32, 32), cupy.float32)
+        cupy.cuda.Device().synchronize()
+        plans = get_backend("cudnn", "graph")._plans
+        with cupy.cuda.Stream(non_blocking=True) as s:
+            want = wsarena.conv_forward(x, w, padding=1)
+            with wsarena.capture(s) as graph:
+                wsarena.conv_forward(x, w, padding=1, out=y)
+            (kept,) = plans.kept()
+            close_all_handles()
+            assert not kept.closed and len(plans) == 0
+            del kept  # only the plan cache keeps it, through the exit
+            y.fill(0)
+            graph.launch()
+            s.synchronize()
+            cupy.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+        print("ok")
+    """)
+    env = {**os.environ, "CUDNN_CUDA_GRAPH_RETENTION": "none", "WSARENA_CUDNN_API": "graph"}
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "ok", "")
+
+
 def test_a_graph_alive_at_interpreter_exit_ends_the_process_cleanly():
     """The exit handler releases the arena while a graph still holds its buffer (kept, never freed), and CUDA may
     run the graph's destructor later, as the interpreter goes: the semaphore it posts is still there."""
