@@ -244,7 +244,7 @@ class PlanCache:
             pins.append(pin)
 
     def kept(self) -> list[Any]:
-        """The plans kept for CUDA graphs that may still exist (:meth:`keep`), cached or evicted."""
+        """The plans kept for CUDA graphs that may still exist (``plan(..., pin=)``), cached or evicted."""
         with self._lock:
             return [plan for plan, pins in self._captured.values() if any(p.live() for p in pins)]
 
