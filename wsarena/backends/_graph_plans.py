@@ -200,7 +200,9 @@ class PlanCache:
         self._plans: LRU[Any] = LRU(size, valid=_open, discard=_close)
         # a plan's key -> (the plan, the pins of the CUDA graphs that captured it: wsarena.arena._pins.GraphPin)
         self._captured: dict[_PlanKey, tuple[Any, list[Any]]] = {}
-        self._lock = _forksafe.lock()  # guards _captured and its lists
+        # (plan, pins) of the plans clear() found a graph might still use, never destroyed (clear's docstring)
+        self._spared: list[tuple[Any, list[Any]]] = []
+        self._lock = _forksafe.lock()  # guards _captured, _spared and their lists
 
     def built(self) -> list[Any]:
         """The finalized plans held, least recently used first; the configurations' cached refusals left out."""
@@ -244,9 +246,10 @@ class PlanCache:
             pins.append(pin)
 
     def kept(self) -> list[Any]:
-        """The plans kept for CUDA graphs that may still exist (``plan(..., pin=)``), cached or evicted."""
+        """The plans kept for CUDA graphs that may still exist (``plan(..., pin=)``): cached, evicted, or spared by
+        :meth:`clear`."""
         with self._lock:
-            return [plan for plan, pins in self._captured.values() if any(p.live() for p in pins)]
+            return [plan for plan, pins in [*self._captured.values(), *self._spared] if any(p.live() for p in pins)]
 
     def _let_go(self) -> None:
         """Stop keeping the plans whose graphs are all gone; one evicted meanwhile is destroyed as its last
@@ -287,22 +290,27 @@ class PlanCache:
         return self._plans.builds
 
     def clear(self) -> None:
-        """Destroy every cached plan now (before the handles they were built for) but those a CUDA graph that may
+        """Destroy every cached plan now, before the handles they were built for, but those a CUDA graph that may
         still exist ran, and forget the graphs. :func:`~wsarena.cudnn.close_all_handles` runs this, at exit or
-        when a caller ends all cuDNN use. The plans kept for graphs stay, as the arena's buffers they pinned do: a
-        later miss destroys them once their graphs are gone; at exit, nothing does (the process's end reclaims
-        them, after the last launch)."""
+        when a caller ends all cuDNN use, and then destroys the handles.
+
+        The plans a graph may still use are never destroyed, as the arena never frees a buffer a graph holds: the
+        graph may be launched again, or still run after a launch with no synchronisation. Destroyed later, they
+        would go after their handles, which no cuDNN documentation allows. They stay until the process ends; a
+        bounded cost, only for the graphs alive at the call.
+        """
         plans = self._plans.values()
         self._plans.clear()
         self._graphs.clear()
         with self._lock:
             live = _Asked()
-            held = {key: entry for key, entry in self._captured.items() if any(map(live, entry[1]))}
-            gone = [plan for key, (plan, _) in self._captured.items() if key not in held]
-            self._captured = held
-        spared = {id(plan) for plan, _ in held.values()}
+            spared = [entry for entry in self._captured.values() if any(map(live, entry[1]))]
+            gone = [plan for plan, pins in self._captured.values() if not any(map(live, pins))]
+            self._captured.clear()
+            self._spared += spared
+        kept = {id(plan) for plan, _ in spared}
         for plan in plans + gone:
-            if id(plan) not in spared:
+            if id(plan) not in kept:
                 _close(plan)
 
 
