@@ -33,7 +33,7 @@ from typing import Any
 
 from ._config import get_config
 from ._gpu import gpu_unusable_reason
-from .errors import BackendUnavailableError
+from .errors import BackendUnavailableError, CaptureError
 
 __all__ = ["CapturedGraph", "capture"]
 
@@ -48,40 +48,62 @@ class CapturedGraph:
     stream : cupy.cuda.Stream
         The stream it was captured on, where :meth:`launch` replays it by default.
     graph : cupy.cuda.Graph or None
-        CuPy's graph, once the capture ended (``None`` before, and after :meth:`close`).
+        CuPy's graph, once the capture ended (``None`` before, after :meth:`close`, and when the block raised or its
+        capture could not be ended: :meth:`launch` says which).
     """
 
-    __slots__ = ("graph", "stream")
+    __slots__ = ("_state", "graph", "stream")
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.graph: Any = None
+        self._state = _CAPTURING  # why graph is None: one of the _STATES, or what the block raised
 
     @property
     def closed(self) -> bool:
+        """Whether there is no graph to launch (yet, or any more)."""
         return self.graph is None
 
     def launch(self, stream: Any = None) -> None:
         """Replay the graph on ``stream`` (by default the stream it was captured on; a CuPy stream, a raw handle or
-        an object with ``__cuda_stream__``, as wsarena's ``stream=`` takes); returns once enqueued."""
-        if self.graph is None:
-            raise RuntimeError("this graph is closed, or its capture did not end")
+        an object with ``__cuda_stream__``, as wsarena's ``stream=`` takes); returns once enqueued.
+
+        Raises ``RuntimeError`` saying why when there is no graph: its capture block has not ended, it raised, its
+        capture could not be ended, or the graph is closed."""
+        graph = self.graph
+        if graph is None:
+            raise RuntimeError(f"cannot launch this graph: {self._state}")
         if stream is None:
             stream = self.stream
         elif type(getattr(stream, "ptr", None)) is not int:  # CuPy's Graph.launch reads a CuPy stream's ptr
             from .arena.streams import cupy_stream, stream_handle
 
             stream = cupy_stream(stream_handle(stream))
-        self.graph.launch(stream)
+        graph.launch(stream)
 
     def close(self) -> None:
         """Drop the graph (CuPy destroys it once nothing else refers to it); the workspace it pinned is freed in
         stream order by the arena's next trim, stats or growth after CUDA let go of it (and after any capture under
-        way on its stream). Idempotent."""
+        way on its stream). Inside its capture block, the capture is discarded as the block ends. Idempotent."""
         self.graph = None
+        self._state = _CLOSED
+
+    def _failed(self, why: str) -> None:
+        """The capture block left no graph, for the reason ``why`` (unless closed, or another reason given, first)."""
+        if self._state is _CAPTURING:
+            self._state = why
 
     def __repr__(self) -> str:
-        return f"<CapturedGraph on {self.stream!r}{' (closed)' if self.graph is None else ''}>"
+        if self.graph is not None:
+            return f"<CapturedGraph on {self.stream!r}>"
+        state = _STATES.get(self._state, "empty: the block raised" if self._state.startswith(_RAISED) else "empty")
+        return f"<CapturedGraph on {self.stream!r} ({state})>"
+
+
+_CAPTURING = "its capture block has not ended yet (launch it once the `with wsarena.capture()` block is over)"
+_CLOSED = "it is closed"
+_RAISED = "its capture block raised"
+_STATES = {_CAPTURING: "capturing", _CLOSED: "closed"}
 
 
 def seed_workspace(arena: Any, stream: Any) -> None:
@@ -129,15 +151,22 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
     Yields
     ------
     CapturedGraph
-        Launchable once the block ends. If the block raises, the capture is ended and discarded.
+        Launchable once the block ends. If the block raises, the capture is ended and discarded (and so it is if
+        the graph is closed inside the block).
 
     Raises
     ------
+    TypeError, ValueError
+        A bad ``stream`` or ``mode``, or a stream that cannot be captured now (see above); nothing was done.
     BackendUnavailableError
         No GPU is usable.
     CaptureError
         (inside the block) A call needed something a capture cannot hold; run the step once before capturing.
+        (as the block ends) Its capture could not be ended into a graph: an error inside the block invalidated it,
+        or it was ended there (``stream.end_capture()``).
     """
+    if not isinstance(mode, str):
+        raise TypeError(f"mode must be a str, one of {', '.join(map(repr, _MODES))}, not {type(mode).__name__}")
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {', '.join(map(repr, _MODES))}, not {mode!r}")
     reason = gpu_unusable_reason()
@@ -149,7 +178,8 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
     if stream is None:
         stream = cupy.cuda.Stream(non_blocking=True)
     elif not isinstance(stream, cupy.cuda.Stream):
-        raise TypeError(f"stream must be a cupy.cuda.Stream, not {type(stream).__name__}")
+        raise TypeError(f"stream must be a cupy.cuda.Stream (another library's stream: "
+                        f"cupy.cuda.Stream.from_external(stream)), not {type(stream).__name__}")
     if stream.ptr in (0, 1):  # the per-thread default stream (2) can be captured; the legacy one cannot
         raise ValueError("the legacy default stream cannot be captured: pass a stream of its own "
                          "(cupy.cuda.Stream()) or the per-thread default stream (cupy.cuda.Stream.ptds)")
@@ -174,23 +204,52 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
                 # capture's first lease, would free the seeded buffer, which the capture cannot allocate again.
                 watch_capture(arena, stream, beginning=True)
                 seed_workspace(arena, stream)
+            refused = False
             try:
-                stream.begin_capture(cuda_mode)
+                try:
+                    stream.begin_capture(cuda_mode)
+                except Exception:
+                    # CUDA refused: no capture of this block's to end. One under way there is another's (begun in
+                    # another thread since the check above), which the block must leave alone.
+                    refused = True
+                    raise
                 if arena is not None:
                     # Frees that would synchronise the device wait from now on, not from the step's first lease:
                     # another thread's free breaks a global-mode capture, and a non-blocking stream's capture is not
                     # seen by asking the legacy default stream.
                     watch_capture(arena, stream)
                 yield graph
-            except BaseException:
+                _end(runtime, stream, graph)  # in the try: a Ctrl-C before its capture ended discards it
+            except BaseException as exc:
                 # The capture begun here, if any, is discarded (its pins are released when CUDA destroys it). CUDA is
                 # asked whether it began: a Ctrl-C just after begin_capture returned comes before any flag could say.
-                with contextlib.suppress(Exception):
-                    if _capturing(runtime, stream.ptr):
-                        stream.end_capture()
+                graph._failed(f"{_RAISED} {type(exc).__name__}, and its capture was discarded: capture again")
+                if not refused:
+                    with contextlib.suppress(Exception):
+                        if _capturing(runtime, stream.ptr):
+                            stream.end_capture()
                 raise
-            else:
-                graph.graph = stream.end_capture()
         finally:
             if arena is not None:
                 unwatch_capture(arena, stream)  # else recorded until a free with no stream finds the capture over
+
+
+def _end(runtime: Any, stream: Any, graph: CapturedGraph) -> None:
+    """End the capture of ``graph``'s block, which returned: ``graph`` gets CuPy's graph, unless it was closed inside
+    the block (the capture is discarded). Raises :class:`CaptureError` if there is no capture to end, or CUDA could
+    not end it into a graph (it was invalidated: CUDA ends it all the same)."""
+    ptr = stream.ptr
+    if not _capturing(runtime, ptr):
+        why = f"the capture on stream {ptr:#x} was ended inside the block (stream.end_capture())"
+        graph._failed(f"{why}: capture again")
+        raise CaptureError(f"{why}, so the block has no graph: leave the block to end its capture")
+    try:
+        ended = stream.end_capture()
+    except RuntimeError as exc:
+        why = (f"the capture on stream {ptr:#x} could not be ended into a graph ({exc}): an error inside the block "
+               "invalidated it (a call that cannot be captured, such as a synchronization), or work forked to "
+               "another stream was not joined back")
+        graph._failed(f"{why}: capture again")
+        raise CaptureError(f"{why}; capture again") from exc
+    if graph._state is not _CLOSED:
+        graph.graph = ended  # else dropped: CuPy destroys it, and CUDA releases what it pinned

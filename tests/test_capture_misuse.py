@@ -1,0 +1,508 @@
+"""wsarena.capture() and CapturedGraph misused, without a GPU: nested and interleaved captures, blocks left early,
+graphs used in the wrong state, bad arguments, threads. Each outcome is a typed error or working behaviour, and
+leaves nothing recorded for a capture that is over, no capture begun, and, once every graph is gone, no buffer held.
+
+CuPy is a fake (:class:`FakeCupy`) whose streams capture on a :class:`CaptureWatchingProvider`; where it goes beyond
+what test_capture_frees.py's fake does, it follows CuPy 14 (``Graph.launch`` reads the stream's ``ptr``; a graph is
+destroyed, its user objects released, when CuPy's object is; ``runtime.streamIsCapturing`` raises a plain
+RuntimeError for an invalidated capture) and CUDA (``cudaStreamEndCapture`` of an invalidated capture fails and ends
+it; the guess here: the stream leaves capture mode, as CUDA's documentation of the NULL graph it returns says).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import pytest
+
+import wsarena
+from wsarena.arena import Arena, set_arena
+from wsarena.arena.testing import FakeStream
+from wsarena.errors import CaptureError
+
+from .capture_helpers import S1
+from .test_capture_frees import CaptureWatchingProvider, FakeCupy
+
+S = 0x60  # the capture stream's handle
+
+
+class InvalidatingProvider(CaptureWatchingProvider):
+    """A capture in ``invalidated`` was broken by an earlier error: the arena is told so, as CupyProvider tells it
+    (:func:`wsarena.arena._capture.capture_of`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.invalidated = set()
+
+    def capture(self, stream):
+        if stream in self.invalidated and stream in self.capturing:
+            raise CaptureError(f"the capture on stream {stream:#x} was invalidated by an earlier error")
+        return super().capture(stream)
+
+
+class CupyGraph:
+    """CuPy's Graph: ``launch(stream)`` reads ``stream.ptr``; the CUDA graph is destroyed with the object, which
+    releases the user objects (pins) it holds."""
+
+    def __init__(self, fake_graph, launches):
+        self.fake_graph = fake_graph
+        self.launches = launches
+
+    def launch(self, stream=None):
+        self.launches.append(stream.ptr)
+
+    def __del__(self):
+        self.fake_graph.close()
+
+
+class Cupy(FakeCupy):
+    """:class:`FakeCupy` with CuPy's graphs (:class:`CupyGraph`), ``Stream.from_external`` and invalidated
+    captures."""
+
+    def __init__(self, provider):
+        super().__init__(provider)
+        self.launches = []
+        fake, runtime, stream_type = self, self.cuda.runtime, self.cuda.Stream
+        begin, end = stream_type.begin_capture, stream_type.end_capture
+
+        def is_capturing(ptr):
+            if ptr in provider.invalidated and ptr in provider.capturing:
+                raise RuntimeError("the stream was capturing, but an error has invalidated the capture sequence")
+            return ptr in provider.capturing
+
+        def begin_capture(self, mode=None):
+            if self.ptr in (0, 1):
+                raise RuntimeError("cudaErrorStreamCaptureUnsupported")
+            begin(self, mode)
+            provider.invalidated.discard(self.ptr)
+
+        def end_capture(self):
+            invalid = self.ptr in provider.invalidated and self.ptr in provider.capturing
+            graph = end(self)
+            if invalid:  # ended, and nothing comes of it
+                provider.invalidated.discard(self.ptr)
+                graph.close()
+                raise RuntimeError("cudaErrorStreamCaptureInvalidated: operation failed due to a previous error")
+            return CupyGraph(graph, fake.launches)
+
+        def from_external(cls, obj):
+            stream = cls(type(obj).__cuda_stream__(obj)[1])
+            stream.external = obj
+            return stream
+
+        runtime.streamIsCapturing = is_capturing
+        stream_type.begin_capture = begin_capture
+        stream_type.end_capture = end_capture
+        stream_type.from_external = classmethod(from_external)
+        stream_type.null = stream_type(0)
+        stream_type.ptds = stream_type(2)
+
+
+@pytest.fixture
+def misuse(monkeypatch):
+    """A device arena of device 0 (which holds 1000 bytes on S1: an eager step's) over an InvalidatingProvider, and
+    a CuPy that captures on it."""
+    from wsarena import cudagraph
+    from wsarena.arena import _table
+
+    provider = InvalidatingProvider()
+    arena = Arena(provider)
+    cupy = Cupy(provider)
+    monkeypatch.setattr(cudagraph, "gpu_unusable_reason", lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(_table, "MAX_IDLE_STREAMS", 4)
+    arena.reserve(1000, stream=S1)
+    previous = set_arena(0, arena)
+    yield provider, arena, cupy
+    set_arena(0, previous)
+
+
+def assert_left_clean(provider, arena, *graphs):
+    """No capture is left begun or recorded, nothing was freed under a capture, and once ``graphs`` are closed a
+    trim gives every buffer back."""
+    assert provider.capturing == {} and provider.during_capture == []
+    assert arena._table.capturing == {}
+    for graph in graphs:
+        graph.close()
+    arena.trim()
+    assert provider.held == []
+    assert all(not pin.live() for pin in arena._table.captures.values())
+
+
+def step(arena, stream):
+    """The captured step: a lease of the eager step's size on ``stream``."""
+    with arena.lease(1000, stream=stream.ptr):
+        pass
+
+
+# Nested and interleaved captures
+
+
+def test_a_capture_block_nested_on_its_own_stream_is_refused_and_the_outer_capture_goes_on(misuse):
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    with wsarena.capture(s) as outer:
+        with pytest.raises(ValueError, match="captured already"), wsarena.capture(s):
+            pass
+        step(arena, s)
+    assert cupy.modes == [2] and len(outer.graph.fake_graph.pins) == 1
+    outer.launch()
+    assert cupy.launches == [S]
+    assert_left_clean(provider, arena, outer)
+
+
+@pytest.mark.parametrize("modes", [("relaxed", "relaxed"), ("global", "thread_local"), ("thread_local", "global")])
+def test_a_capture_block_nested_on_another_stream_captures_both(misuse, modes):
+    provider, arena, cupy = misuse
+    s1, s2 = cupy.cuda.Stream(S), cupy.cuda.Stream(S + 1)
+    with wsarena.capture(s1, mode=modes[0]) as outer:
+        step(arena, s1)
+        with wsarena.capture(s2, mode=modes[1]) as inner:
+            step(arena, s2)
+        assert inner.graph is not None and outer.graph is None
+    assert outer.graph.fake_graph is not inner.graph.fake_graph
+    assert len(outer.graph.fake_graph.pins) == len(inner.graph.fake_graph.pins) == 1
+    assert_left_clean(provider, arena, outer, inner)
+
+
+def test_a_capture_block_inside_a_capture_begun_by_hand_on_another_stream(misuse):
+    provider, arena, cupy = misuse
+    by_hand = cupy.cuda.Stream(S + 1)
+    by_hand.begin_capture()
+    s = cupy.cuda.Stream(S)
+    with wsarena.capture(s) as graph:
+        step(arena, s)
+    assert provider.capturing == {S + 1: by_hand.graph}
+    by_hand.end_capture()
+    assert_left_clean(provider, arena, graph)
+
+
+def test_a_capture_begun_by_hand_on_the_blocks_stream_inside_the_block_is_refused(misuse):
+    """CUDA refuses to begin a second capture on a stream being captured; the error leaves the block, whose capture
+    is ended and discarded."""
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    with pytest.raises(RuntimeError, match="capturing already"), wsarena.capture(s) as graph:
+        step(arena, s)
+        s.begin_capture()
+    with pytest.raises(RuntimeError, match="block raised RuntimeError"):
+        graph.launch()
+    assert_left_clean(provider, arena, graph)
+
+
+def test_a_capture_ended_by_hand_inside_the_block_is_a_capture_error_at_its_end(misuse):
+    """The block's capture was ended by ``stream.end_capture()`` inside it: the block has no graph, and says so as
+    it ends. Once, CuPy's error for ending a capture on a stream not capturing came out of the block."""
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    with pytest.raises(CaptureError, match="ended inside the block"), wsarena.capture(s) as graph:
+        step(arena, s)
+        theirs = s.end_capture()
+    with pytest.raises(RuntimeError, match="ended inside the block"):
+        graph.launch()
+    del theirs  # the graph made by hand, and its pin, go
+    assert_left_clean(provider, arena, graph)
+
+
+def test_a_capture_invalidated_inside_the_block_is_a_capture_error_at_its_end(misuse):
+    """A call that cannot be captured (a synchronization, caught by the user) invalidated the capture, and no
+    wsarena call came after it to say so: the block's end does, with what to do. Once, CuPy's error did."""
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    with pytest.raises(CaptureError, match="invalidated.*capture again"), wsarena.capture(s) as graph:
+        step(arena, s)
+        provider.invalidated.add(S)
+    with pytest.raises(RuntimeError, match="invalidated"):
+        graph.launch()
+    assert_left_clean(provider, arena, graph)
+
+
+def test_a_wsarena_call_after_the_capture_was_invalidated_raises_and_ends_the_capture(misuse):
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    with pytest.raises(CaptureError, match="invalidated"), wsarena.capture(s) as graph:
+        provider.invalidated.add(S)
+        step(arena, s)
+    assert graph.closed
+    assert_left_clean(provider, arena, graph)
+
+
+# Blocks left early
+
+
+def _returns_inside(arena, s):
+    with wsarena.capture(s) as graph:
+        step(arena, s)
+        return graph
+
+
+def test_a_capture_block_left_by_return_ends_its_capture(misuse):
+    provider, arena, cupy = misuse
+    graph = _returns_inside(arena, cupy.cuda.Stream(S))
+    assert graph.graph is not None and len(graph.graph.fake_graph.pins) == 1
+    assert_left_clean(provider, arena, graph)
+
+
+@pytest.mark.parametrize("how", ["close()", "collected"])
+def test_a_generator_closed_inside_its_capture_block_discards_the_capture(misuse, how):
+    """GeneratorExit, raised at the ``yield`` inside the block, leaves the block as any exception does."""
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    box = {}
+
+    def steps():
+        with wsarena.capture(s) as box["graph"]:
+            step(arena, s)
+            yield
+            step(arena, s)
+
+    it = steps()
+    next(it)
+    assert provider.capturing == {S: s.graph}
+    if how == "close()":
+        it.close()
+    else:
+        del it
+    with pytest.raises(RuntimeError, match="block raised GeneratorExit"):
+        box["graph"].launch()
+    assert_left_clean(provider, arena, box["graph"])
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, KeyError])
+def test_a_capture_block_left_by_an_exception_discards_its_capture(misuse, exc):
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    with pytest.raises(exc), wsarena.capture(s) as graph:
+        step(arena, s)
+        raise exc("the step failed")
+    assert graph.graph is None and "the block raised" in repr(graph)
+    assert_left_clean(provider, arena, graph)
+
+
+# The graph in each state
+
+
+def test_a_graph_is_launched_and_described_as_its_state_allows(misuse):
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    with wsarena.capture(s) as graph:
+        step(arena, s)
+        assert repr(graph) == f"<CapturedGraph on {s!r} (capturing)>" and graph.closed
+        with pytest.raises(RuntimeError, match="capture block has not ended"):
+            graph.launch()
+        assert cupy.launches == []
+    assert repr(graph) == f"<CapturedGraph on {s!r}>" and not graph.closed
+    graph.launch()
+    graph.launch(S + 1)  # a raw handle
+    graph.launch(FakeStream(S + 2))  # an object with __cuda_stream__
+    graph.launch(cupy.cuda.Stream(S + 3))
+    assert cupy.launches == [S, S + 1, S + 2, S + 3]
+    with pytest.raises(TypeError, match="not a CUDA stream"):
+        graph.launch("s")
+    graph.close()
+    graph.close()
+    assert repr(graph) == f"<CapturedGraph on {s!r} (closed)>" and graph.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        graph.launch()
+    assert cupy.launches == [S, S + 1, S + 2, S + 3]
+    assert_left_clean(provider, arena, graph)
+
+
+def test_a_graph_closed_inside_its_capture_block_stays_closed(misuse):
+    """close() inside the block discards what the block captures: the capture is ended as the block ends, and its
+    graph destroyed. Once, the block's end made the closed graph launchable again."""
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    with wsarena.capture(s) as graph:
+        step(arena, s)
+        graph.close()
+    assert graph.closed and graph.graph is None
+    with pytest.raises(RuntimeError, match="closed"):
+        graph.launch()
+    assert_left_clean(provider, arena, graph)
+
+
+# Bad arguments
+
+
+@pytest.mark.parametrize(("mode", "error", "match"), [
+    (0, TypeError, "mode must be a str"),
+    (None, TypeError, "mode must be a str"),
+    (b"relaxed", TypeError, "mode must be a str"),
+    ("RELAXED", ValueError, "mode must be one of"),
+    ("cudaStreamCaptureModeRelaxed", ValueError, "mode must be one of"),
+])
+def test_a_bad_mode_is_refused_before_anything_is_done(misuse, mode, error, match):
+    provider, arena, cupy = misuse
+    with pytest.raises(error, match=match), wsarena.capture(cupy.cuda.Stream(S), mode=mode):
+        pass
+    assert cupy.modes == [] and len(provider.allocations) == 1
+    assert_left_clean(provider, arena)
+
+
+class TorchLikeStream:
+    cuda_stream = S
+
+
+@pytest.mark.parametrize("stream", [S, 0, False, TorchLikeStream(), FakeStream(S), "s"])
+def test_a_stream_that_is_not_cupys_is_refused_with_how_to_wrap_it(misuse, stream):
+    provider, arena, cupy = misuse
+    with pytest.raises(TypeError, match=r"cupy.cuda.Stream.*from_external"), wsarena.capture(stream):
+        pass
+    assert cupy.modes == [] and len(provider.allocations) == 1
+    assert_left_clean(provider, arena)
+
+
+def test_another_librarys_stream_wrapped_by_cupy_is_captured(misuse):
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream.from_external(FakeStream(S))
+    with wsarena.capture(s) as graph:
+        step(arena, s)
+    assert len(graph.graph.fake_graph.pins) == 1
+    assert_left_clean(provider, arena, graph)
+
+
+@pytest.mark.parametrize("handle", [0, 1])
+def test_the_legacy_default_stream_is_refused(misuse, handle):
+    provider, arena, cupy = misuse
+    stream = cupy.cuda.Stream.null if handle == 0 else cupy.cuda.Stream.from_external(FakeStream(1))
+    with pytest.raises(ValueError, match="legacy default stream cannot be captured"), wsarena.capture(stream):
+        pass
+    assert cupy.modes == [] and len(provider.allocations) == 1
+    assert_left_clean(provider, arena)
+
+
+def test_the_per_thread_default_stream_is_captured(misuse):
+    provider, arena, cupy = misuse
+    ptds = cupy.cuda.Stream.ptds
+    with wsarena.capture(ptds) as graph:
+        step(arena, ptds)
+    assert len(graph.graph.fake_graph.pins) == 1
+    assert_left_clean(provider, arena, graph)
+
+
+# No arena yet
+
+
+def test_a_capture_with_no_arena_yet_raises_capture_error_at_its_first_call(misuse):
+    """No eager step ran, so the device has no arena: the capture begins, and its first call, which makes the arena
+    (``make_device_arena``) and would have to grow it, says to run the step once first."""
+    provider, arena, cupy = misuse
+    set_arena(0, None)
+    s = cupy.cuda.Stream(S)
+    with pytest.raises(CaptureError, match="run the step once"), wsarena.capture(s) as graph:
+        assert provider.capturing == {S: s.graph}
+        set_arena(0, arena)  # what the first call's make_device_arena does
+        with arena.lease(1000, stream=S):
+            pass
+    assert graph.closed and S not in arena.stats().streams
+    assert_left_clean(provider, arena, graph)
+
+
+# Threads and races
+
+
+def test_two_threads_capture_on_their_own_streams_at_once(misuse):
+    provider, arena, cupy = misuse
+    both_in, graphs, errors = threading.Barrier(2, timeout=30), {}, []
+
+    def captures(handle):
+        try:
+            s = cupy.cuda.Stream(handle)
+            with wsarena.capture(s) as graphs[handle]:
+                both_in.wait()  # each capture under way while the other is
+                step(arena, s)
+                both_in.wait()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=captures, args=(h,)) for h in (S, S + 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert all(len(graphs[h].graph.fake_graph.pins) == 1 for h in (S, S + 1))
+    assert_left_clean(provider, arena, *graphs.values())
+
+
+def test_a_capture_begun_on_the_stream_before_the_blocks_own_is_not_ended_by_the_block(misuse, monkeypatch):
+    """Another thread begins a capture on the stream between the block's check and its begin_capture: CUDA refuses
+    the block's, whose error leaves the other capture alone. Once, the block ended the other capture, as if its own
+    had begun."""
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    begin = type(s).begin_capture
+    theirs = []
+
+    def others_first(self, mode=None):
+        theirs.append(provider.begin_capture(self.ptr))
+        begin(self, mode)
+
+    monkeypatch.setattr(type(s), "begin_capture", others_first)
+    with pytest.raises(RuntimeError, match="capturing already"), wsarena.capture(s):
+        pass
+    assert provider.capturing == {S: theirs[0]}
+    provider.end_capture(theirs[0])
+    theirs[0].close()
+    assert_left_clean(provider, arena)
+
+
+def test_an_interrupt_in_the_block_after_the_capture_ended_by_hand_leaves_nothing(misuse):
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    with contextlib.suppress(KeyboardInterrupt), wsarena.capture(s) as graph:
+        step(arena, s)
+        theirs = s.end_capture()
+        raise KeyboardInterrupt
+    del theirs
+    assert graph.closed
+    assert_left_clean(provider, arena, graph)
+
+
+# The same on a GPU: CUDA's and CuPy's own answers, which the fakes above stand for
+
+
+@pytest.fixture
+def gpu_arena():
+    import cupy
+
+    from wsarena.arena import CupyProvider
+
+    device = cupy.cuda.Device().id
+    made = Arena(CupyProvider(device))
+    previous = set_arena(device, made)
+    yield cupy, made
+    set_arena(device, previous)
+    made.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["invalidated", "ended by hand"])
+def test_a_capture_the_block_cannot_end_is_a_capture_error_on_a_gpu(gpu_arena, how):
+    cupy, arena = gpu_arena
+    x = cupy.ones((4, 16, 32, 32), cupy.float32)
+    w = cupy.ones((16, 16, 3, 3), cupy.float32)
+    y = cupy.empty((4, 16, 32, 32), cupy.float32)
+    with cupy.cuda.Stream(non_blocking=True) as s:
+        wsarena.conv_forward(x, w, padding=1, out=y)
+        match = "invalidated.*capture again" if how == "invalidated" else "ended inside the block"
+        with pytest.raises(CaptureError, match=match), wsarena.capture(s) as graph:
+            wsarena.conv_forward(x, w, padding=1, out=y)
+            if how == "invalidated":
+                with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
+                    s.synchronize()  # cannot be captured: CUDA invalidates the capture
+            else:
+                theirs = s.end_capture()
+        assert not s.is_capturing() and graph.closed
+        with pytest.raises(RuntimeError, match="capture again"):
+            graph.launch()
+        if how != "invalidated":
+            del theirs
+        with wsarena.capture(s) as again:  # the stream captures again
+            wsarena.conv_forward(x, w, padding=1, out=y)
+        again.launch()
+        s.synchronize()
+    assert arena._table.capturing == {} and arena.stats().leases == 0
