@@ -428,6 +428,46 @@ def test_two_threads_capture_on_their_own_streams_at_once(misuse):
     assert_left_clean(provider, arena, *graphs.values())
 
 
+@pytest.mark.parametrize("other", ["trims", "leases on one-off streams"])
+def test_captures_go_on_while_another_thread_trims_or_evicts_idle_streams(misuse, other):
+    """Capture after capture on streams of their own, seeded with the buffer of a first graph's stream (a graph
+    keeps it, whatever a trim or an eviction does), while another thread trims or leases on one-off streams: each
+    capture keeps its seeded buffer until its step leases it."""
+    provider, arena, cupy = misuse
+    eager = cupy.cuda.Stream(S1)
+    with wsarena.capture(eager) as first:  # on the eager step's stream: its buffer, pinned
+        step(arena, eager)
+    stop, errors = threading.Event(), []
+
+    def churn():
+        handle = 0x1000
+        try:
+            while not stop.is_set():
+                if other == "trims":
+                    arena.trim()
+                else:
+                    handle += 1
+                    with arena.lease(100, stream=handle):
+                        pass
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    graphs = [first]
+    try:
+        for i in range(50):
+            s = cupy.cuda.Stream(S + i)
+            with wsarena.capture(s) as graph:
+                step(arena, s)
+            graphs.append(graph)
+    finally:
+        stop.set()
+        thread.join(60)
+    assert errors == [] and all(len(g.graph.fake_graph.pins) == 1 for g in graphs)
+    assert_left_clean(provider, arena, *graphs)
+
+
 def test_a_capture_begun_on_the_stream_before_the_blocks_own_is_not_ended_by_the_block(misuse, monkeypatch):
     """Another thread begins a capture on the stream between the block's check and its begin_capture: CUDA refuses
     the block's, whose error leaves the other capture alone. Once, the block ended the other capture, as if its own
@@ -459,6 +499,46 @@ def test_an_interrupt_in_the_block_after_the_capture_ended_by_hand_leaves_nothin
         raise KeyboardInterrupt
     del theirs
     assert graph.closed
+    assert_left_clean(provider, arena, graph)
+
+
+@pytest.mark.parametrize("block_is", ["seeded", "capturing"])
+def test_a_trim_that_asked_before_a_capture_block_began_leaves_its_seeded_buffer(misuse, monkeypatch, block_is):
+    """Another thread's trim asks which streams are seeded for a capture (CUDA is asked, without the arena's lock),
+    then, before it frees, this thread's capture block records its stream and seeds it (and begins its capture).
+    The trim leaves that buffer to the block's step. Once, it freed it, and the step raised CaptureError."""
+    from wsarena.arena import _pinning
+
+    provider, arena, cupy = misuse
+    asked, go_on = threading.Event(), threading.Event()
+    real = _pinning.seeded_streams
+
+    def asks_then_waits(arena_):
+        seeded = real(arena_)
+        asked.set()
+        assert go_on.wait(30)
+        return seeded
+
+    monkeypatch.setattr(_pinning, "seeded_streams", asks_then_waits)
+    trim = threading.Thread(target=arena.trim)
+    trim.start()
+    assert asked.wait(30)
+    s = cupy.cuda.Stream(S)
+    seed = wsarena.cudagraph.seed_workspace
+
+    def seed_then_let_the_trim_go_on(arena_, stream):
+        seed(arena_, stream)
+        if block_is == "seeded":
+            go_on.set()
+            trim.join(30)
+
+    monkeypatch.setattr(wsarena.cudagraph, "seed_workspace", seed_then_let_the_trim_go_on)
+    with wsarena.capture(s) as graph:
+        if block_is == "capturing":
+            go_on.set()
+            trim.join(30)
+        step(arena, s)
+    assert not trim.is_alive() and len(graph.graph.fake_graph.pins) == 1
     assert_left_clean(provider, arena, graph)
 
 

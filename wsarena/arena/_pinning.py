@@ -111,20 +111,42 @@ def forget_released(captures: dict[Any, Any]) -> None:
         del captures[key]
 
 
-def seeded_streams(self: Arena) -> set[Any]:
+def seeded_streams(self: Arena) -> _Seeded:
     """The streams whose buffer a trim leaves: :func:`wsarena.capture` is capturing them and no lease came there yet.
     The buffer such a stream holds is the one the capture was seeded with, which its first lease needs (a capture
     cannot grow the arena); from that lease on, it is pinned to the graph. A stream recorded so whose capture is over
     is none of them (the end of its block was interrupted before the record was dropped): no capture will lease there,
     and its buffer is freed as any other. Another thread's per-thread stream cannot be asked from here: it counts as
-    captured. (Lock not held: CUDA is asked.)"""
+    captured. (Lock not held: CUDA is asked.) A capture block that begins to watch its stream after this call is
+    among them too (:class:`_Seeded`)."""
     recorded = self._table.capturing
     if not recorded or self._capture is None:
-        return set()
+        return _Seeded(recorded, (), ())
     # list(): one C call, whatever other threads do
     watched = [(key, pin) for key, pin in list(recorded.items()) if pin is None or pin is BEGINNING]
-    return {key for key, pin in watched
-            if pin is BEGINNING or not is_own_stream(key) or _captured(self._capture, key)}
+    seeded = [key for key, pin in watched
+              if pin is BEGINNING or not is_own_stream(key) or _captured(self._capture, key)]
+    return _Seeded(recorded, seeded, (key for key, _ in watched))
+
+
+class _Seeded:
+    """What :func:`seeded_streams` found, and, asked with the arena's lock held (``key in seeded``), each stream that
+    a capture block began to watch since: a trim that asked before the block recorded its stream, and frees after the
+    block seeded it, would free the buffer the capture needs. Such a stream's capture is taken to go on (its buffer is
+    left to a later trim, should that capture be over already)."""
+
+    __slots__ = ("_asked", "_recorded", "_seeded")
+
+    def __init__(self, recorded: dict[Any, Any], seeded: Any, asked: Any) -> None:
+        self._recorded = recorded
+        self._seeded = set(seeded)
+        self._asked = set(asked)
+
+    def __contains__(self, key: Any) -> bool:
+        if key in self._seeded:
+            return True
+        pin = self._recorded.get(key, False)
+        return pin is BEGINNING or (pin is None and key not in self._asked)
 
 
 def growth_error(what: str, key: Hashable, held: int) -> CaptureError:
