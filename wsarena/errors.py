@@ -55,9 +55,14 @@ class BackendUnavailableError(WsarenaError, RuntimeError):
 
 
 class CaptureError(WsarenaError, RuntimeError):
-    """A call made while its stream is being captured into a CUDA graph would have had to do what a capture cannot
-    hold (search for an algorithm, finalize an execution plan, create a cuDNN handle, grow the arena). Nothing was
-    enqueued; the message says what to run before capturing."""
+    """CUDA graph capture went, or would go, wrong; the message says what to do.
+
+    - A call made while its stream is being captured would have had to do what a capture cannot hold (search for an
+      algorithm, finalize an execution plan, create a cuDNN handle, grow the arena; an ``arena.reserve()`` too), or
+      its stream cannot be used now (its capture was invalidated by an earlier error; the legacy default stream
+      while another stream of the device is captured). Nothing was enqueued.
+    - A :func:`wsarena.capture` block ended without a graph: its capture had been invalidated, or ended inside it.
+    """
 
 
 class UnsupportedConvolutionError(WsarenaError, ValueError):
