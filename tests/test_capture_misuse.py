@@ -542,6 +542,42 @@ def test_a_trim_that_asked_before_a_capture_block_began_leaves_its_seeded_buffer
     assert_left_clean(provider, arena, graph)
 
 
+def test_a_trim_that_asked_before_a_stream_was_recorded_again_leaves_the_new_blocks_seeded_buffer(misuse, monkeypatch):
+    """The trim asks while the stream is recorded for a capture that is over (its block's end was interrupted before
+    the record went), then a new block on that stream records it again, keeps the buffer it holds as its seed and
+    begins its capture, before the trim frees. The trim leaves that buffer to the new block's step: the record it
+    finds is not the one it asked about. Once, the stream was taken for the one asked about, found over, and the
+    step raised CaptureError."""
+    from wsarena.arena import _pinning
+
+    from .interrupts import interrupt_at_entry_of
+
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    with pytest.raises(KeyboardInterrupt), interrupt_at_entry_of(_pinning.unwatch_capture), wsarena.capture(s) as first:
+        pass  # no lease: the seeded buffer stays on S, pinned to nothing
+    assert arena._table.capturing == {S: None} and arena.held_bytes(stream=S) > 0
+    asked, go_on = threading.Event(), threading.Event()
+    real = _pinning.seeded_streams
+
+    def asks_then_waits(arena_):
+        seeded = real(arena_)
+        asked.set()
+        assert go_on.wait(30)
+        return seeded
+
+    monkeypatch.setattr(_pinning, "seeded_streams", asks_then_waits)
+    trim = threading.Thread(target=arena.trim)
+    trim.start()
+    assert asked.wait(30)
+    with wsarena.capture(s) as graph:  # S holds a buffer already: it is the seed
+        go_on.set()
+        trim.join(30)
+        step(arena, s)
+    assert not trim.is_alive() and len(graph.graph.fake_graph.pins) == 1
+    assert_left_clean(provider, arena, first, graph)
+
+
 # The same on a GPU: CUDA's and CuPy's own answers, which the fakes above stand for
 
 

@@ -24,6 +24,7 @@ from .streams import PER_THREAD_DEFAULT_STREAM, is_own_stream, raw_handle, resol
 
 if TYPE_CHECKING:
     from ._arena import Arena
+    from ._table import _Table
     from ._workspace import Workspace
 
 __all__: list[str] = []
@@ -76,6 +77,7 @@ def watch_capture(self: Arena, stream: Any, beginning: bool = False) -> None:
     leaves it from now on (:data:`BEGINNING`). (Lock not held.)"""
     key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
     with self._lock:
+        self._table.watches += 1  # first: counted, the record is never taken for one made before
         self._table.capturing[key] = BEGINNING if beginning else None
 
 
@@ -119,34 +121,37 @@ def seeded_streams(self: Arena) -> _Seeded:
     and its buffer is freed as any other. Another thread's per-thread stream cannot be asked from here: it counts as
     captured. (Lock not held: CUDA is asked.) A capture block that begins to watch its stream after this call is
     among them too (:class:`_Seeded`)."""
-    recorded = self._table.capturing
+    table = self._table
+    watches = table.watches  # before the records are read: a block that records its stream after this is counted
+    recorded = table.capturing
     if not recorded or self._capture is None:
-        return _Seeded(recorded, (), ())
+        return _Seeded(table, watches, ())
     # list(): one C call, whatever other threads do
     watched = [(key, pin) for key, pin in list(recorded.items()) if pin is None or pin is BEGINNING]
     seeded = [key for key, pin in watched
               if pin is BEGINNING or not is_own_stream(key) or _captured(self._capture, key)]
-    return _Seeded(recorded, seeded, (key for key, _ in watched))
+    return _Seeded(table, watches, seeded)
 
 
 class _Seeded:
     """What :func:`seeded_streams` found, and, asked with the arena's lock held (``key in seeded``), each stream that
-    a capture block began to watch since: a trim that asked before the block recorded its stream, and frees after the
-    block seeded it, would free the buffer the capture needs. Such a stream's capture is taken to go on (its buffer is
-    left to a later trim, should that capture be over already)."""
+    a capture block may have begun to watch since: a trim that asked before the block recorded its stream, and frees
+    after the block seeded it, would free the buffer the capture needs. Once any block began to watch a stream since
+    the question, a stream recorded for a capture with no lease yet is taken to be captured, even one recorded when
+    asked (the block may have recorded it again: its buffer is left to a later trim, should that capture be over)."""
 
-    __slots__ = ("_asked", "_recorded", "_seeded")
+    __slots__ = ("_seeded", "_table", "_watches")
 
-    def __init__(self, recorded: dict[Any, Any], seeded: Any, asked: Any) -> None:
-        self._recorded = recorded
+    def __init__(self, table: _Table, watches: int, seeded: Any) -> None:
+        self._table = table
+        self._watches = watches
         self._seeded = set(seeded)
-        self._asked = set(asked)
 
     def __contains__(self, key: Any) -> bool:
         if key in self._seeded:
             return True
-        pin = self._recorded.get(key, False)
-        return pin is BEGINNING or (pin is None and key not in self._asked)
+        pin = self._table.capturing.get(key, False)
+        return pin is BEGINNING or (pin is None and self._table.watches != self._watches)
 
 
 def growth_error(what: str, key: Hashable, held: int) -> CaptureError:

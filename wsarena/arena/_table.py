@@ -65,7 +65,7 @@ class _Table:
 
     __slots__ = (
         "captures", "capturing", "closed", "dead", "exited", "forked", "held_back", "kept", "lanes", "lock",
-        "stream_id", "subs", "to_free", "totals",
+        "stream_id", "subs", "to_free", "totals", "watches",
     )
 
     def __init__(
@@ -83,6 +83,9 @@ class _Table:
         # of the graph it records into (None: wsarena.capture began it, and no lease there has come yet): asked before
         # a free with no stream (wsarena.arena._pinning.give_back), forgotten once found not captured.
         self.capturing: dict[Hashable, Any] = {}
+        # How many times wsarena.capture began to watch a stream (wsarena.arena._pinning.watch_capture): a record of
+        # None or BEGINNING found after a question is the one asked about only while this count is the same.
+        self.watches = 0
         # Handles whose buffers were held back while their stream was captured, to the id the arena read when it began
         # to watch that stream (wsarena.arena._pinning.give_back): freed on the handle only while it names that stream.
         self.held_back: dict[int, Any] = {}
