@@ -22,7 +22,7 @@ from wsarena.arena import Arena, set_arena
 from wsarena.arena.testing import FakeStream
 from wsarena.errors import CaptureError
 
-from .capture_helpers import S1
+from .capture_helpers import S1, capture_a_lease
 from .test_capture_frees import CaptureWatchingProvider, FakeCupy
 
 S = 0x60  # the capture stream's handle
@@ -576,6 +576,109 @@ def test_a_trim_that_asked_before_a_stream_was_recorded_again_leaves_the_new_blo
         step(arena, s)
     assert not trim.is_alive() and len(graph.graph.fake_graph.pins) == 1
     assert_left_clean(provider, arena, first, graph)
+
+
+@pytest.mark.parametrize("block_is", ["seeded", "capturing"])
+def test_a_free_that_asked_before_a_stream_was_recorded_again_keeps_the_new_blocks_record(
+    misuse, monkeypatch, block_is
+):
+    """Another thread's free with no stream asks whether the stream of a capture over (its block's end interrupted
+    before the record went) is captured, finds it not, and forgets the record; meanwhile a new block on that stream
+    recorded it again and kept the buffer it holds as its seed (and began its capture). The record forgotten is the
+    old one only: the new block's stays, and a trim then leaves its seed. Once, the new record was forgotten, the
+    trim freed the seed, and the step raised CaptureError."""
+    from wsarena.arena import _pinning
+
+    from .interrupts import interrupt_at_entry_of
+
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    with pytest.raises(KeyboardInterrupt), interrupt_at_entry_of(_pinning.unwatch_capture), wsarena.capture(s) as first:
+        pass
+    assert arena._table.capturing == {S: None}
+    gone = FakeStream(S + 1)
+    arena.reserve(10, stream=gone)
+    del gone  # its buffer is freed with no stream once a new stream's sub-arena is made
+    asked, go_on = threading.Event(), threading.Event()
+    real, frees = _pinning._captured, None
+
+    def answers_then_waits(capture, key):
+        answer = real(capture, key)
+        if key == S and threading.current_thread() is frees and not asked.is_set():
+            asked.set()
+            assert go_on.wait(30)
+
+        return answer
+
+    monkeypatch.setattr(_pinning, "_captured", answers_then_waits)
+
+    def leases_on_a_new_stream():
+        with arena.lease(10, stream=S + 2):
+            pass
+
+    frees = threading.Thread(target=leases_on_a_new_stream)
+    seed = wsarena.cudagraph.seed_workspace
+
+    def free_then_trim():
+        go_on.set()
+        frees.join(30)
+        arena.trim()
+
+    def seed_then_free_and_trim(arena_, stream):
+        seed(arena_, stream)  # S holds a buffer already: it is the seed
+        if block_is == "seeded":
+            free_then_trim()
+
+    monkeypatch.setattr(wsarena.cudagraph, "seed_workspace", seed_then_free_and_trim)
+    frees.start()
+    assert asked.wait(30)
+    with wsarena.capture(s) as graph:
+        if block_is == "capturing":
+            free_then_trim()
+        step(arena, s)
+    assert not frees.is_alive() and len(graph.graph.fake_graph.pins) == 1
+    assert_left_clean(provider, arena, first, graph)
+
+
+def test_a_free_that_found_a_capture_over_keeps_the_record_of_the_next_capture_on_its_stream(misuse, monkeypatch):
+    """Another thread asks, before a free with no stream, whether the capture that leased on S is over, finds it so,
+    and forgets its record; meanwhile a new capture on S (begun by hand, as PyTorch's) leased there, recording S
+    afresh. That record stays, and the next free with no stream waits for the new capture. Once, it was forgotten,
+    and the free synchronised the device under the capture."""
+    from wsarena.arena import _pinning
+
+    provider, arena, _ = misuse
+    arena.reserve(1000, stream=S)
+    old, _ = capture_a_lease(provider, arena, stream=S)  # over, its graph alive: S stays recorded with its pin
+    asked, go_on, real = threading.Event(), threading.Event(), _pinning._captured
+
+    def answers_then_waits(capture, key):
+        answer = real(capture, key)
+        if key == S and threading.current_thread() is not main and not asked.is_set():
+            asked.set()
+            assert go_on.wait(30)
+        return answer
+
+    main = threading.current_thread()
+    monkeypatch.setattr(_pinning, "_captured", answers_then_waits)
+    frees = threading.Thread(target=_pinning._capture_under_way, args=(arena, None))
+    frees.start()
+    assert asked.wait(30)
+    new = provider.begin_capture(S)
+    with arena.lease(1000, stream=S):  # the new capture's step: its record of S
+        pass
+    go_on.set()
+    frees.join(30)
+    gone = FakeStream(S + 1)
+    arena.reserve(10, stream=gone)
+    del gone
+    with arena.lease(10, stream=S + 2):  # a new stream: the dead one's buffer is let go, to be freed with no stream
+        pass
+    assert provider.during_capture == []
+    provider.end_capture(new)
+    arena.trim()
+    assert provider.during_capture == []
+    assert_left_clean(provider, arena, old, new)
 
 
 # The same on a GPU: CUDA's and CuPy's own answers, which the fakes above stand for

@@ -195,8 +195,9 @@ def _capture_under_way(self: Arena, key: Any) -> bool:
     stream a lease was taken on during a capture that may not be over or that :func:`wsarena.capture` is capturing
     (:func:`watch_capture`; in any thread: a capture in CUDA's global mode is broken by another thread's
     synchronisation), or, asked through the legacy default stream, on any blocking stream of the device. A recorded
-    stream found not captured any more is forgotten."""
-    capture, recorded = self._capture, self._table.capturing
+    stream found not captured any more is forgotten, unless it was recorded again since it was asked (by a new
+    capture block, or a new capture's lease)."""
+    capture, table, recorded = self._capture, self._table, self._table.capturing
     keys = [key]
     if self._lanes:
         keys.append(resolve_stream(None, lanes=True)[0])
@@ -208,11 +209,14 @@ def _capture_under_way(self: Arena, key: Any) -> bool:
     for k in keys:
         if k is None or not is_own_stream(k):  # another thread's per-thread stream cannot be asked from here
             continue
+        watches = table.watches  # before the record: a block that records the stream again meanwhile is counted
         seen = recorded.get(k, False)  # before the question: a capture that begins meanwhile keeps its record
         if _captured(capture, k):
             return True
         if seen is not False and seen is not BEGINNING:
-            recorded.pop(k, None)  # its capture is over (a lease of a new one records it again)
+            with self._lock:  # its capture is over (a lease of a new one, or a new block, records it again)
+                if table.watches == watches and recorded.get(k, False) is seen:
+                    del recorded[k]
     return False
 
 
