@@ -242,7 +242,7 @@ def _end(runtime: Any, stream: Any, graph: CapturedGraph) -> None:
     if not _capturing(runtime, ptr):
         why = f"the capture on stream {ptr:#x} was ended inside the block (stream.end_capture())"
         graph._failed(f"{why}: capture again")
-        raise CaptureError(f"{why}, so the block has no graph: leave the block to end its capture")
+        raise CaptureError(f"{why}, so the block has no graph: capture again")
     try:
         ended = stream.end_capture()
     except RuntimeError as exc:
