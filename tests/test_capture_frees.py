@@ -120,6 +120,12 @@ def test_nothing_that_would_synchronise_the_device_is_freed_while_another_thread
     graph.close()
 
 
+def sibling(stream_type):
+    """A class with ``stream_type``'s methods but not a subclass of it: CuPy's ExternalStream beside its Stream."""
+    methods = {k: v for k, v in vars(stream_type).items() if k not in ("__dict__", "__weakref__")}
+    return type("ExternalStream", (), methods)
+
+
 class FakeCupy:
     """What :func:`wsarena.capture` uses of CuPy, without CUDA: its streams begin and end captures on a
     :class:`CaptureWatchingProvider`. ``with stream:`` changes no current stream the provider answers with, so the
@@ -154,7 +160,8 @@ class FakeCupy:
         self.modes = []
         runtime = types.SimpleNamespace(streamCaptureModeGlobal=0, streamCaptureModeThreadLocal=1,
                                         streamCaptureModeRelaxed=2, streamIsCapturing=provider.capturing.__contains__)
-        self.cuda = types.SimpleNamespace(Stream=Stream, runtime=runtime, Device=lambda: types.SimpleNamespace(id=0))
+        self.cuda = types.SimpleNamespace(Stream=Stream, ExternalStream=sibling(Stream), runtime=runtime,
+                                          Device=lambda: types.SimpleNamespace(id=0))
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from wsarena.arena.testing import FakeStream
 from wsarena.errors import CaptureError
 
 from .capture_helpers import S1, capture_a_lease
-from .test_capture_frees import CaptureWatchingProvider, FakeCupy
+from .test_capture_frees import CaptureWatchingProvider, FakeCupy, sibling
 
 S = 0x60  # the capture stream's handle
 
@@ -98,6 +98,7 @@ class Cupy(FakeCupy):
         stream_type.from_external = classmethod(from_external)
         stream_type.null = stream_type(0)
         stream_type.ptds = stream_type(2)
+        self.cuda.ExternalStream = sibling(stream_type)  # with the methods above
 
 
 @pytest.fixture
@@ -187,7 +188,7 @@ def test_a_capture_begun_by_hand_on_the_blocks_stream_inside_the_block_is_refuse
     with pytest.raises(RuntimeError, match="capturing already"), wsarena.capture(s) as graph:
         step(arena, s)
         s.begin_capture()
-    with pytest.raises(RuntimeError, match="block raised RuntimeError"):
+    with pytest.raises(RuntimeError, match="block was left by RuntimeError"):
         graph.launch()
     assert_left_clean(provider, arena, graph)
 
@@ -265,7 +266,7 @@ def test_a_generator_closed_inside_its_capture_block_discards_the_capture(misuse
         it.close()
     else:
         del it
-    with pytest.raises(RuntimeError, match="block raised GeneratorExit"):
+    with pytest.raises(RuntimeError, match="block was left by GeneratorExit"):
         box["graph"].launch()
     assert_left_clean(provider, arena, box["graph"])
 
@@ -277,7 +278,7 @@ def test_a_capture_block_left_by_an_exception_discards_its_capture(misuse, exc):
     with pytest.raises(exc), wsarena.capture(s) as graph:
         step(arena, s)
         raise exc("the step failed")
-    assert graph.graph is None and "the block raised" in repr(graph)
+    assert graph.graph is None and "the block failed" in repr(graph)
     assert_left_clean(provider, arena, graph)
 
 
@@ -355,13 +356,38 @@ def test_a_stream_that_is_not_cupys_is_refused_with_how_to_wrap_it(misuse, strea
     assert_left_clean(provider, arena)
 
 
-def test_another_librarys_stream_wrapped_by_cupy_is_captured(misuse):
+@pytest.mark.parametrize("wrap", ["Stream.from_external", "ExternalStream"])
+def test_another_librarys_stream_wrapped_by_cupy_is_captured(misuse, wrap):
+    """CuPy 14 has two wrappers of a stream it did not make: Stream.from_external (of a __cuda_stream__ object), and
+    ExternalStream (of a raw handle; deprecated, but not a Stream subclass, which capture() once refused)."""
     provider, arena, cupy = misuse
-    s = cupy.cuda.Stream.from_external(FakeStream(S))
+    if wrap == "ExternalStream":
+        s = cupy.cuda.ExternalStream(S)
+        assert not isinstance(s, cupy.cuda.Stream)
+    else:
+        s = cupy.cuda.Stream.from_external(FakeStream(S))
     with wsarena.capture(s) as graph:
         step(arena, s)
     assert len(graph.graph.fake_graph.pins) == 1
     assert_left_clean(provider, arena, graph)
+
+
+def test_a_stream_cuda_refuses_to_answer_about_is_cudas_error_not_captured_already(misuse, monkeypatch):
+    """CuPy raises a plain RuntimeError for an invalidated capture, and its CUDARuntimeError (a RuntimeError too) for
+    a handle CUDA does not know or a sticky error: only the first means the stream is capturing."""
+    provider, arena, cupy = misuse
+
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def refused(ptr):
+        raise CUDARuntimeError("cudaErrorInvalidResourceHandle: invalid resource handle")
+
+    monkeypatch.setattr(cupy.cuda.runtime, "streamIsCapturing", refused)
+    with pytest.raises(CUDARuntimeError, match="invalid resource handle"), wsarena.capture(cupy.cuda.Stream(S)):
+        pass
+    assert cupy.modes == [] and len(provider.allocations) == 1
+    assert_left_clean(provider, arena)
 
 
 @pytest.mark.parametrize("handle", [0, 1])

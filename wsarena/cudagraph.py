@@ -96,13 +96,13 @@ class CapturedGraph:
     def __repr__(self) -> str:
         if self.graph is not None:
             return f"<CapturedGraph on {self.stream!r}>"
-        state = _STATES.get(self._state, "empty: the block raised" if self._state.startswith(_RAISED) else "empty")
+        state = _STATES.get(self._state, "empty: the block failed" if self._state.startswith(_RAISED) else "empty")
         return f"<CapturedGraph on {self.stream!r} ({state})>"
 
 
 _CAPTURING = "its capture block has not ended yet (launch it once the `with wsarena.capture()` block is over)"
 _CLOSED = "it is closed"
-_RAISED = "its capture block raised"
+_RAISED = "its capture block was left by"
 _STATES = {_CAPTURING: "capturing", _CLOSED: "closed"}
 
 
@@ -125,10 +125,13 @@ def seed_workspace(arena: Any, stream: Any) -> None:
 
 
 def _capturing(runtime: Any, stream: int) -> bool:
-    """Whether the stream of handle ``stream`` is capturing, its capture invalidated too (CuPy's RuntimeError)."""
+    """Whether the stream of handle ``stream`` is capturing, its capture invalidated too (CuPy's plain
+    RuntimeError). CUDA's other refusals (CuPy's CUDARuntimeError: a bad handle, a sticky error) are raised."""
     try:
         return bool(runtime.streamIsCapturing(stream))
-    except RuntimeError:
+    except RuntimeError as exc:
+        if type(exc) is not RuntimeError:
+            raise
         return True
 
 
@@ -138,7 +141,7 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
 
     Parameters
     ----------
-    stream : cupy.cuda.Stream, optional
+    stream : cupy.cuda.Stream or cupy.cuda.ExternalStream, optional
         Where to capture; a new non-blocking stream by default. Not the legacy default stream, which CUDA
         cannot capture (the per-thread default stream, ``cupy.cuda.Stream.ptds``, it can), nor one being captured
         already (``ValueError``).
@@ -177,9 +180,9 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
     runtime = cupy.cuda.runtime
     if stream is None:
         stream = cupy.cuda.Stream(non_blocking=True)
-    elif not isinstance(stream, cupy.cuda.Stream):
-        raise TypeError(f"stream must be a cupy.cuda.Stream (another library's stream: "
-                        f"cupy.cuda.Stream.from_external(stream)), not {type(stream).__name__}")
+    elif not isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+        raise TypeError(f"stream must be a CuPy stream (another library's: cupy.cuda.Stream.from_external(stream); "
+                        f"a raw handle: cupy.cuda.ExternalStream(handle)), not {type(stream).__name__}")
     if stream.ptr in (0, 1):  # the per-thread default stream (2) can be captured; the legacy one cannot
         raise ValueError("the legacy default stream cannot be captured: pass a stream of its own "
                          "(cupy.cuda.Stream()) or the per-thread default stream (cupy.cuda.Stream.ptds)")

@@ -80,7 +80,8 @@ class _Table:
         self.kept: list[tuple[Hashable, _Block, Any]] = []  # pinned buffers no sub-arena uses: (key, block, stream)
         self.captures: dict[Any, Any] = {}  # capture sequence id -> the pin of the graph it captures into
         # Keys of the streams a lease was taken on during a capture that may still be under way, in order, to the pin
-        # of the graph it records into (None: wsarena.capture began it, and no lease there has come yet): asked before
+        # of the graph it records into (None: wsarena.capture began it, and no lease there has come yet; BEGINNING:
+        # wsarena.capture is seeding its buffer, its capture not begun yet, wsarena.arena._pinning): asked before
         # a free with no stream (wsarena.arena._pinning.give_back), forgotten once found not captured.
         self.capturing: dict[Hashable, Any] = {}
         # How many times wsarena.capture began to watch a stream (wsarena.arena._pinning.watch_capture): a record of
