@@ -167,18 +167,28 @@ class FakeCupy:
 @pytest.fixture
 def captures(monkeypatch):
     """A device arena of device 0 over a CaptureWatchingProvider, and a CuPy that captures on it."""
+    provider = CaptureWatchingProvider()
+    with fake_gpu(monkeypatch, provider, FakeCupy) as (arena, cupy):
+        yield provider, arena, cupy
+
+
+@contextlib.contextmanager
+def fake_gpu(monkeypatch, provider, cupy_type):
+    """Device 0's arena, over ``provider``, and ``cupy_type(provider)`` as the module ``cupy``, for the block:
+    what :func:`wsarena.capture` runs on without a GPU (at most 4 idle streams kept, to see them evicted)."""
     from wsarena import cudagraph
     from wsarena.arena import _table
 
-    provider = CaptureWatchingProvider()
     arena = Arena(provider)
-    cupy = FakeCupy(provider)
+    cupy = cupy_type(provider)
     monkeypatch.setattr(cudagraph, "gpu_unusable_reason", lambda: None)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(_table, "MAX_IDLE_STREAMS", 4)
     previous = set_arena(0, arena)
-    yield provider, arena, cupy
-    set_arena(0, previous)
+    try:
+        yield arena, cupy
+    finally:
+        set_arena(0, previous)
 
 
 def test_frees_wait_for_a_global_capture_from_its_beginning_not_from_its_first_lease(captures):

@@ -390,28 +390,43 @@ def test_a_thread_with_no_cudnn_handle_cannot_make_one_during_a_capture(cupy, ar
     assert "create this thread's cuDNN handle" in str(errors[0])
 
 
-def test_a_replay_after_its_plan_was_evicted_equals_the_eager_call():
-    """A graph captured from the graph API's plan uses what the plan owns; with CUDNN_CUDA_GRAPH_RETENTION=none (and
-    before cuDNN 9.28, always) only wsarena keeps it. A plan cache of one evicts it at the next geometry's call; the
-    plan goes at the first miss after the graph is gone."""
-    code = textwrap.dedent("""
-        import gc, time, weakref
-        import cupy, wsarena
-        from wsarena.backends import get_backend
+# A child process's start: a graph-API convolution captured on a stream of its own (s, into graph, writing y) beside
+# its eager result (want), and the plan the graph keeps (kept). CUDNN_CUDA_GRAPH_RETENTION=none in its environment:
+# only wsarena keeps the plan for the graph, as before cuDNN 9.28.
+_CAPTURED_CONV = textwrap.dedent("""
+    import gc, time, weakref
+    import cupy, wsarena
+    from wsarena.backends import get_backend
 
-        rng = cupy.random.default_rng(0)
-        x = rng.standard_normal((4, 16, 32, 32), dtype=cupy.float32)
-        w = rng.standard_normal((16, 16, 3, 3), dtype=cupy.float32)
-        y = cupy.empty((4, 16, 32, 32), cupy.float32)
-        cupy.cuda.Device().synchronize()  # x and w were written on the legacy default stream, which s does not wait for
-        plans = get_backend("cudnn", "graph")._plans
-        with cupy.cuda.Stream(non_blocking=True) as s:
-            want = wsarena.conv_forward(x, w, padding=1)
-            with wsarena.capture(s) as graph:
-                wsarena.conv_forward(x, w, padding=1, out=y)
-            (kept,) = plans.kept()
-            descriptor = weakref.ref(kept.descriptor)
-            del kept
+    rng = cupy.random.default_rng(0)
+    x = rng.standard_normal((4, 16, 32, 32), dtype=cupy.float32)
+    w = rng.standard_normal((16, 16, 3, 3), dtype=cupy.float32)
+    y = cupy.empty((4, 16, 32, 32), cupy.float32)
+    cupy.cuda.Device().synchronize()  # x and w were written on the legacy default stream, which s does not wait for
+    plans = get_backend("cudnn", "graph")._plans
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        want = wsarena.conv_forward(x, w, padding=1)
+        with wsarena.capture(s) as graph:
+            wsarena.conv_forward(x, w, padding=1, out=y)
+    (kept,) = plans.kept()
+""")
+
+
+def _run_captured_conv(then: str, **env: str) -> subprocess.CompletedProcess:
+    """Run :data:`_CAPTURED_CONV`, then ``then``, in a child process on the graph API."""
+    env = {**os.environ, "CUDNN_CUDA_GRAPH_RETENTION": "none", "WSARENA_CUDNN_API": "graph", **env}
+    return subprocess.run([sys.executable, "-c", _CAPTURED_CONV + textwrap.dedent(then)], check=False,
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_a_replay_after_its_plan_was_evicted_equals_the_eager_call():
+    """A plan cache of one evicts the captured plan at the next geometry's call: the graph keeps it, and replays as
+    the eager call computed. The plan goes at the first miss after the graph is gone."""
+    done = _run_captured_conv("""
+        descriptor = weakref.ref(kept.descriptor)
+        del kept
+        with s:
             for k in (1, 5, 7):  # other geometries: their plans evict the captured one
                 wsarena.conv_forward(x, rng.standard_normal((16, 16, k, k), dtype=cupy.float32), padding=k // 2)
             gc.collect()
@@ -431,46 +446,27 @@ def test_a_replay_after_its_plan_was_evicted_equals_the_eager_call():
             gc.collect()
             assert descriptor() is None
         print("ok")
-    """)
-    env = {**os.environ, "CUDNN_CUDA_GRAPH_RETENTION": "none", "WSARENA_CUDNN_API": "graph",
-           "WSARENA_PLAN_CACHE_SIZE": "1"}
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300,
-                          env=env)
+    """, WSARENA_PLAN_CACHE_SIZE="1")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 def test_a_graph_on_the_graph_api_replays_after_close_all_handles_and_its_process_exits_cleanly():
     """close_all_handles (which runs at exit too) destroys every cuDNN handle and every cached plan but those a graph
-    that may still exist ran (CUDNN_CUDA_GRAPH_RETENTION=none: only wsarena keeps them). The graph replays afterwards
-    as it did before, and the process ends with the graph and its plan alive, nothing destroyed after the handles."""
-    code = textwrap.dedent("""
-        import cupy, wsarena
-        from wsarena.backends import get_backend
+    that may still exist ran. The graph replays afterwards as it did before, and the process ends with the graph and
+    its plan alive, nothing destroyed after the handles."""
+    done = _run_captured_conv("""
         from wsarena.cudnn import close_all_handles
 
-        rng = cupy.random.default_rng(0)
-        x = rng.standard_normal((4, 16, 32, 32), dtype=cupy.float32)
-        w = rng.standard_normal((16, 16, 3, 3), dtype=cupy.float32)
-        y = cupy.empty((4, 16, 32, 32), cupy.float32)
-        cupy.cuda.Device().synchronize()
-        plans = get_backend("cudnn", "graph")._plans
-        with cupy.cuda.Stream(non_blocking=True) as s:
-            want = wsarena.conv_forward(x, w, padding=1)
-            with wsarena.capture(s) as graph:
-                wsarena.conv_forward(x, w, padding=1, out=y)
-            (kept,) = plans.kept()
-            close_all_handles()
-            assert not kept.closed and len(plans) == 0
-            del kept  # only the plan cache keeps it, through the exit
+        close_all_handles()
+        assert not kept.closed and len(plans) == 0
+        del kept  # only the plan cache keeps it, through the exit
+        with s:
             y.fill(0)
             graph.launch()
             s.synchronize()
-            cupy.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+        cupy.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
         print("ok")
     """)
-    env = {**os.environ, "CUDNN_CUDA_GRAPH_RETENTION": "none", "WSARENA_CUDNN_API": "graph"}
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300,
-                          env=env)
     assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "ok", "")
 
 

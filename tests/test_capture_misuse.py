@@ -12,7 +12,6 @@ it; the guess here: the stream leaves capture mode, as CUDA's documentation of t
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 
 import pytest
@@ -23,7 +22,7 @@ from wsarena.arena.testing import FakeStream
 from wsarena.errors import CaptureError
 
 from .capture_helpers import S1, capture_a_lease
-from .test_capture_frees import CaptureWatchingProvider, FakeCupy, sibling
+from .test_capture_frees import CaptureWatchingProvider, FakeCupy, fake_gpu, sibling
 
 S = 0x60  # the capture stream's handle
 
@@ -105,19 +104,10 @@ class Cupy(FakeCupy):
 def misuse(monkeypatch):
     """A device arena of device 0 (which holds 1000 bytes on S1: an eager step's) over an InvalidatingProvider, and
     a CuPy that captures on it."""
-    from wsarena import cudagraph
-    from wsarena.arena import _table
-
     provider = InvalidatingProvider()
-    arena = Arena(provider)
-    cupy = Cupy(provider)
-    monkeypatch.setattr(cudagraph, "gpu_unusable_reason", lambda: None)
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setattr(_table, "MAX_IDLE_STREAMS", 4)
-    arena.reserve(1000, stream=S1)
-    previous = set_arena(0, arena)
-    yield provider, arena, cupy
-    set_arena(0, previous)
+    with fake_gpu(monkeypatch, provider, Cupy) as (arena, cupy):
+        arena.reserve(1000, stream=S1)
+        yield provider, arena, cupy
 
 
 def assert_left_clean(provider, arena, *graphs):
@@ -528,14 +518,11 @@ def test_an_interrupt_in_the_block_after_the_capture_ended_by_hand_leaves_nothin
     assert_left_clean(provider, arena, graph)
 
 
-@pytest.mark.parametrize("block_is", ["seeded", "capturing"])
-def test_a_trim_that_asked_before_a_capture_block_began_leaves_its_seeded_buffer(misuse, monkeypatch, block_is):
-    """Another thread's trim asks which streams are seeded for a capture (CUDA is asked, without the arena's lock),
-    then, before it frees, this thread's capture block records its stream and seeds it (and begins its capture).
-    The trim leaves that buffer to the block's step. Once, it freed it, and the step raised CaptureError."""
+def trim_paused_after_asking(monkeypatch, arena):
+    """Another thread's ``arena.trim()``, paused once it asked which streams are seeded for a capture (CUDA is asked,
+    without the arena's lock) and before it frees: it goes on when the returned event is set."""
     from wsarena.arena import _pinning
 
-    provider, arena, cupy = misuse
     asked, go_on = threading.Event(), threading.Event()
     real = _pinning.seeded_streams
 
@@ -549,6 +536,17 @@ def test_a_trim_that_asked_before_a_capture_block_began_leaves_its_seeded_buffer
     trim = threading.Thread(target=arena.trim)
     trim.start()
     assert asked.wait(30)
+    return trim, go_on
+
+
+@pytest.mark.parametrize("block_is", ["seeded", "capturing"])
+def test_a_trim_that_asked_before_a_capture_block_began_leaves_its_seeded_buffer(misuse, monkeypatch, block_is):
+    """Another thread's trim asks which streams are seeded for a capture (CUDA is asked, without the arena's lock),
+    then, before it frees, this thread's capture block records its stream and seeds it (and begins its capture).
+    The trim leaves that buffer to the block's step. Once, it freed it, and the step raised CaptureError."""
+
+    provider, arena, cupy = misuse
+    trim, go_on = trim_paused_after_asking(monkeypatch, arena)
     s = cupy.cuda.Stream(S)
     seed = wsarena.cudagraph.seed_workspace
 
@@ -583,19 +581,7 @@ def test_a_trim_that_asked_before_a_stream_was_recorded_again_leaves_the_new_blo
     with pytest.raises(KeyboardInterrupt), interrupt_at_entry_of(_pinning.unwatch_capture), wsarena.capture(s) as first:
         pass  # no lease: the seeded buffer stays on S, pinned to nothing
     assert arena._table.capturing == {S: None} and arena.held_bytes(stream=S) > 0
-    asked, go_on = threading.Event(), threading.Event()
-    real = _pinning.seeded_streams
-
-    def asks_then_waits(arena_):
-        seeded = real(arena_)
-        asked.set()
-        assert go_on.wait(30)
-        return seeded
-
-    monkeypatch.setattr(_pinning, "seeded_streams", asks_then_waits)
-    trim = threading.Thread(target=arena.trim)
-    trim.start()
-    assert asked.wait(30)
+    trim, go_on = trim_paused_after_asking(monkeypatch, arena)
     with wsarena.capture(s) as graph:  # S holds a buffer already: it is the seed
         go_on.set()
         trim.join(30)
