@@ -240,7 +240,7 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
 def _end(runtime: Any, stream: Any, graph: CapturedGraph) -> None:
     """End the capture of ``graph``'s block, which returned: ``graph`` gets CuPy's graph, unless it was closed inside
     the block (the capture is discarded). Raises :class:`CaptureError` if there is no capture to end, or CUDA could
-    not end it into a graph (it was invalidated: CUDA ends it all the same)."""
+    not end it into an executable graph (an invalidated capture is ended all the same)."""
     ptr = stream.ptr
     if not _capturing(runtime, ptr):
         why = f"the capture on stream {ptr:#x} was ended inside the block (stream.end_capture())"
@@ -250,8 +250,8 @@ def _end(runtime: Any, stream: Any, graph: CapturedGraph) -> None:
         ended = stream.end_capture()
     except RuntimeError as exc:
         why = (f"the capture on stream {ptr:#x} could not be ended into a graph ({exc}): an error inside the block "
-               "invalidated it (a call that cannot be captured, such as a synchronization), or work forked to "
-               "another stream was not joined back")
+               "invalidated it (a call that cannot be captured, such as a synchronization), work forked to another "
+               "stream was not joined back, or CUDA could not instantiate the graph")
         graph._failed(f"{why}: capture again")
         raise CaptureError(f"{why}; capture again") from exc
     if graph._state is not _CLOSED:
