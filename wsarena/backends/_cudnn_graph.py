@@ -263,9 +263,9 @@ class CudnnGraphBackend(CudnnBackend):
         handle = self._bound_handle(stream, workspace)
         x, w, y = pointers(pass_, a, b, out)
         aligned = (alignment(x), alignment(w), alignment(y))
-        # The stream checked for a capture before a plan is finalized: the one the handle was just bound to (the
-        # lease's, or the call's own for a zero-byte lease, whose cuda_stream is None), not resolved again
-        # Kept for the CUDA graph being captured, if any (the lease's pin): its kernel will use what the plan owns
+        # stream=: checked for a capture before a plan is finalized, the stream the handle was just bound to (the
+        # lease's, or the call's own for a zero-byte lease, whose cuda_stream is None), not resolved again. pin=: the
+        # CUDA graph being captured, if any (the lease's), for which the plan is kept: its kernel uses what it owns.
         plan = self._plans.plan(handle, pass_, geom, name, aligned, stream=handle.stream, pin=workspace.pin)
         if plan.workspace_bytes > workspace.nbytes:
             # The lease is the candidate's size, which is its plan's for 16-byte-aligned operands; the plan for
