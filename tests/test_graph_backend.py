@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -150,6 +152,42 @@ def test_a_plan_a_graph_captured_outlives_its_eviction_until_the_graph_is_gone()
         assert made[0]() is not None  # nothing built since
         cache.plan("h", "fwd", GEOM, "eng4")
         assert made[0]() is None and cache.kept() == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_forked_child_destroys_none_of_the_parents_plans():
+    """CUDA cannot run in a child forked after the parent used it, and destroying an execution plan may unload the
+    kernels it loaded: neither the child's exit (close_all_handles runs clear()) nor its collections destroy a plan
+    of the parent's, cached or kept for a graph. A plan the child builds is its own, destroyed as any."""
+    build, made = _weak_builder()
+    with config(plan_cache_size=2):
+        cache = PlanCache(lambda *args: FakePlan("graph"), build)
+        graph, pin = _captured_graph()
+        cache.plan("h", "fwd", GEOM, "eng1", pin=pin)  # kept for the graph
+        for name in ("eng2", "eng3"):  # cached; eng1 evicted
+            cache.plan("h", "fwd", GEOM, name)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what is left of the parent's plans, never return into pytest
+            code = 1
+            try:
+                mine = cache.plan("h", "fwd", GEOM, "eng4")
+                cache.clear()
+                gc.collect()
+                left = [ref() is not None and not ref().closed for ref in made[:3]]
+                os.write(write, repr((left, mine.closed)).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            reported = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, reported
+        assert eval(reported) == ([True, True, True], True)
+        assert all(ref() is not None and not ref().closed for ref in made)  # the parent's own, untouched
+        graph.close()
+        cache.clear()
 
 
 def test_a_miss_takes_back_the_plan_a_graph_keeps_even_during_a_capture(monkeypatch):

@@ -1,5 +1,6 @@
 """The one cache of costly objects (cuDNN descriptor sets): hits, rebuilds, failures, bounds, races."""
 
+import os
 import threading
 
 import pytest
@@ -80,3 +81,44 @@ def test_of_two_threads_building_one_key_one_object_wins_and_the_other_is_discar
 def test_maxsize_must_be_positive():
     with pytest.raises(ValueError, match="maxsize"):
         LRU(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_child_forked_while_another_thread_inserts_can_insert():
+    """A thread holding the cache's lock at os.fork() does not exist in the child: the child finds the lock free
+    (a child that would wait for it reports False after a second instead of hanging)."""
+    cache = LRU(2)
+    cache.get("a", lambda: Thing("a"))
+    inserting, forked = threading.Event(), threading.Event()
+
+    def insert():
+        with cache._lock:  # what get() holds while it inserts and evicts
+            inserting.set()
+            forked.wait(10)
+
+    thread = threading.Thread(target=insert)
+    thread.start()
+    inserting.wait(10)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, never return into pytest
+        code = 1
+        try:
+            free = cache._lock.acquire(timeout=1)
+            keys = None
+            if free:
+                cache._lock.release()
+                cache.get("b", lambda: Thing("b"))
+                keys = sorted(t.key for t in cache.values())
+            os.write(write, repr((free, keys)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    forked.set()
+    thread.join()
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        reported = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, reported
+    assert eval(reported) == (True, ["a", "b"])

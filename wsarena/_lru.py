@@ -8,9 +8,10 @@ another thread inserted one first, in which case that one wins and the new one i
 from __future__ import annotations
 
 import collections
-import threading
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
+
+from . import _forksafe
 
 __all__ = ["LRU"]
 
@@ -46,7 +47,7 @@ class LRU(Generic[V]):
         self._valid = valid
         self._discard = discard
         self._items: collections.OrderedDict[Hashable, V] = collections.OrderedDict()
-        self._lock = threading.Lock()  # guards inserts and evictions; never held while building
+        self._lock = _forksafe.lock()  # guards inserts and evictions; never held while building
 
     def get(self, key: Hashable, build: Callable[[], V]) -> V:
         """The value for ``key``, built with ``build()`` on a miss (an exception from it caches nothing)."""

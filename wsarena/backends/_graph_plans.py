@@ -6,6 +6,8 @@ and the cache of its execution plans. Tested on every machine, with fakes and ag
 from __future__ import annotations
 
 import copy
+import os
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -203,6 +205,7 @@ class PlanCache:
         # (plan, pins) of the plans clear() found a graph might still use, never destroyed (clear's docstring)
         self._spared: list[tuple[Any, list[Any]]] = []
         self._lock = _forksafe.lock()  # guards _captured, _spared and their lists
+        _caches.add(self)
 
     def built(self) -> list[Any]:
         """The finalized plans held, least recently used first; the configurations' cached refusals left out."""
@@ -276,6 +279,15 @@ class PlanCache:
         except self._refused as exc:
             return _Refusal(exc)
 
+    def _forget_all(self) -> list[Any]:
+        """Empty the cache, destroying nothing; return what it held."""
+        held = [*self._plans.values(), *self._graphs.values(), *self._captured.values(), *self._spared]
+        self._plans.clear()
+        self._graphs.clear()
+        self._captured.clear()
+        self._spared = []
+        return held
+
     @staticmethod
     def _miss(lru: LRU[Any], build: Callable[..., Any], *args: Any) -> Any:
         lru.maxsize = get_config().plan_cache_size
@@ -312,6 +324,22 @@ class PlanCache:
         for plan in plans + gone:
             if id(plan) not in kept:
                 _close(plan)
+
+
+_caches: weakref.WeakSet[PlanCache] = weakref.WeakSet()
+_forsaken: list[Any] = []  # in a forked child, the parent's plans and graphs: never destroyed (below)
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: the parent's plans and graphs are the parent's, and CUDA cannot run here (destroying an
+    execution plan may unload the kernels it loaded). They are forgotten, none destroyed, as the handles they were
+    built with are (:mod:`wsarena.cudnn.handle`): held here until the process ends, when their finalizers no longer
+    run, so that neither the child's exit (close_all_handles) nor a collection destroys them."""
+    for cache in list(_caches):
+        _forsaken.append(cache._forget_all())
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Asked:
