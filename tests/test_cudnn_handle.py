@@ -15,6 +15,8 @@ from wsarena._gpu import gpu_unusable_reason
 from wsarena.cudnn import handle as handle_mod
 from wsarena.errors import BackendUnavailableError
 
+from .forking import fork
+
 _info = cudnn.library_info()
 
 
@@ -190,24 +192,13 @@ def test_a_forked_child_never_destroys_the_parents_handles(fake_handles):
     other.start()
     other.join()
     gc.collect()  # 0x5020 queued
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report what it destroyed, never return into pytest
-        code = 1
-        try:
-            del destroyed[:]
-            mine = cudnn.get_handle(4)  # the parent's live handle is not the child's: a new one
-            cudnn.close_all_handles()
-            os.write(write, repr((destroyed, mine.handle if not mine.closed else None, mine is live)).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        reported = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, reported
-    assert eval(reported) == ([0x5030], None, False)  # only the child's own handle; the parent's untouched
+    def in_the_child():
+        del destroyed[:]
+        mine = cudnn.get_handle(4)  # the parent's live handle is not the child's: a new one
+        cudnn.close_all_handles()
+        return destroyed, mine.handle if not mine.closed else None, mine is live
+
+    assert fork(in_the_child)() == ([0x5030], None, False)  # only the child's own handle; the parent's untouched
     assert destroyed == [0x5000] and not live.closed
     cudnn.close_all_handles()
     assert sorted(destroyed) == [0x5000, 0x5010, 0x5020]

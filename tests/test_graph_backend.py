@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import warnings
 import weakref
 from pathlib import Path
@@ -41,6 +42,7 @@ from wsarena.errors import (
 )
 
 from .cudnn_probe import driver
+from .forking import fork
 
 H100 = Path(__file__).parent / "data" / "h100-handwritten.json"
 GEOM = conv_geometry((2, 4, 9, 9), (6, 4, 3, 3), padding=1)
@@ -154,11 +156,34 @@ def test_a_plan_a_graph_captured_outlives_its_eviction_until_the_graph_is_gone()
         assert made[0]() is None and cache.kept() == []
 
 
+@contextlib.contextmanager
+def _held_by_another_thread(*locks):
+    """``locks`` held by a thread of their own for the block's duration (in a forked child that thread is gone)."""
+    holding, done = threading.Event(), threading.Event()
+
+    def hold():
+        with contextlib.ExitStack() as stack:
+            for lock in locks:
+                stack.enter_context(lock)
+            holding.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    holding.wait(30)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
 def test_a_forked_child_destroys_none_of_the_parents_plans():
     """CUDA cannot run in a child forked after the parent used it, and destroying an execution plan may unload the
     kernels it loaded: neither the child's exit (close_all_handles runs clear()) nor its collections destroy a plan
-    of the parent's, cached or kept for a graph. A plan the child builds is its own, destroyed as any."""
+    of the parent's, cached or kept for a graph, even if another thread was inserting one at the fork. A plan the
+    child builds is its own, destroyed as any."""
     build, made = _weak_builder()
     with config(plan_cache_size=2):
         cache = PlanCache(lambda *args: FakePlan("graph"), build)
@@ -166,25 +191,15 @@ def test_a_forked_child_destroys_none_of_the_parents_plans():
         cache.plan("h", "fwd", GEOM, "eng1", pin=pin)  # kept for the graph
         for name in ("eng2", "eng3"):  # cached; eng1 evicted
             cache.plan("h", "fwd", GEOM, name)
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report what is left of the parent's plans, never return into pytest
-            code = 1
-            try:
-                mine = cache.plan("h", "fwd", GEOM, "eng4")
-                cache.clear()
-                gc.collect()
-                left = [ref() is not None and not ref().closed for ref in made[:3]]
-                os.write(write, repr((left, mine.closed)).encode())
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(write)
-        with os.fdopen(read) as pipe:
-            reported = pipe.read()
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, reported
-        assert eval(reported) == ([True, True, True], True)
+        def in_the_child():
+            mine = cache.plan("h", "fwd", GEOM, "eng4")
+            cache.clear()
+            gc.collect()
+            return [ref() is not None and not ref().closed for ref in made[:3]], mine.closed
+
+        with _held_by_another_thread(cache._plans._lock, cache._graphs._lock):  # as when it inserts at the fork
+            wait = fork(in_the_child)
+        assert wait() == ([True, True, True], True)
         assert all(ref() is not None and not ref().closed for ref in made)  # the parent's own, untouched
         graph.close()
         cache.clear()

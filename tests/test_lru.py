@@ -7,6 +7,8 @@ import pytest
 
 from wsarena._lru import LRU
 
+from .forking import fork
+
 
 class Thing:
     def __init__(self, key):
@@ -99,26 +101,16 @@ def test_a_child_forked_while_another_thread_inserts_can_insert():
     thread = threading.Thread(target=insert)
     thread.start()
     inserting.wait(10)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report, never return into pytest
-        code = 1
-        try:
-            free = cache._lock.acquire(timeout=1)
-            keys = None
-            if free:
-                cache._lock.release()
-                cache.get("b", lambda: Thing("b"))
-                keys = sorted(t.key for t in cache.values())
-            os.write(write, repr((free, keys)).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    forked.set()
-    thread.join()
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        reported = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, reported
-    assert eval(reported) == (True, ["a", "b"])
+    def in_the_child():
+        if not cache._lock.acquire(timeout=1):
+            return "the lock is held"
+        cache._lock.release()
+        cache.get("b", lambda: Thing("b"))
+        return sorted(t.key for t in cache.values())
+
+    try:
+        wait = fork(in_the_child)
+    finally:
+        forked.set()
+        thread.join()
+    assert wait() == ["a", "b"]

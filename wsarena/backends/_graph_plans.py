@@ -198,8 +198,8 @@ class PlanCache:
         self._build_graph = build_graph
         self._build_plan = build_plan
         self._refused = refused
-        self._graphs: LRU[Any] = LRU(size, valid=_open, discard=_close)
-        self._plans: LRU[Any] = LRU(size, valid=_open, discard=_close)
+        self._graphs: LRU[Any] = _lru(size)
+        self._plans: LRU[Any] = _lru(size)
         # a plan's key -> (the plan, the pins of the CUDA graphs that captured it: wsarena.arena._pins.GraphPin)
         self._captured: dict[_PlanKey, tuple[Any, list[Any]]] = {}
         # (plan, pins) of the plans clear() found a graph might still use, never destroyed (clear's docstring)
@@ -280,12 +280,11 @@ class PlanCache:
             return _Refusal(exc)
 
     def _forget_all(self) -> list[Any]:
-        """Empty the cache, destroying nothing; return what it held."""
-        held = [*self._plans.values(), *self._graphs.values(), *self._captured.values(), *self._spared]
-        self._plans.clear()
-        self._graphs.clear()
-        self._captured.clear()
-        self._spared = []
+        """Start empty, destroying nothing, and return what was held. Takes no lock: in a forked child, a lock the
+        parent's threads held stays held until its own at-fork hook frees it, which may run after this one."""
+        held = [self._plans, self._graphs, self._captured, self._spared]
+        self._plans, self._graphs = _lru(self._plans.maxsize), _lru(self._graphs.maxsize)
+        self._captured, self._spared = {}, []
         return held
 
     @staticmethod
@@ -324,6 +323,10 @@ class PlanCache:
         for plan in plans + gone:
             if id(plan) not in kept:
                 _close(plan)
+
+
+def _lru(size: int) -> LRU[Any]:
+    return LRU(size, valid=_open, discard=_close)
 
 
 _caches: weakref.WeakSet[PlanCache] = weakref.WeakSet()
