@@ -40,6 +40,24 @@ class CaptureWatchingProvider(RecordingProvider):
             self.read_in_capture.append(stream)
         return super().stream_id(stream)
 
+    def capture_info(self, stream):
+        """cuda-bindings' ``cudaStreamGetCaptureInfo(stream)`` (its 7 values) for the captures made here: the status,
+        and the id of an active capture, its graph's (which increase with each capture begun, as CUDA's are unique in
+        the process). CUDA returns no valid id for another status: 0 here is a guess."""
+        from cuda.bindings import runtime as rt
+
+        status = rt.cudaStreamCaptureStatus
+        graph = self.capturing.get(stream)
+        if graph is None:
+            return rt.cudaError_t.cudaSuccess, status.cudaStreamCaptureStatusNone, 0, None, [], [], 0
+        if self.invalidates(stream):
+            return rt.cudaError_t.cudaSuccess, status.cudaStreamCaptureStatusInvalidated, 0, None, [], [], 0
+        return rt.cudaError_t.cudaSuccess, status.cudaStreamCaptureStatusActive, graph.id, graph, [], [], 0
+
+    def invalidates(self, stream):
+        """Whether the capture under way on ``stream`` was invalidated by an earlier error (never, here)."""
+        return False
+
 
 def test_a_buffer_is_not_freed_on_its_stream_while_that_stream_is_captured():
     """Capture, grow, release the graph, capture again on the same stream: the buffer the first graph held is let go
@@ -126,6 +144,14 @@ def sibling(stream_type):
     return type("ExternalStream", (), methods)
 
 
+class CUDARuntimeError(RuntimeError):
+    """CuPy's error for a CUDA call that failed, with CUDA's status."""
+
+    def __init__(self, status):
+        super().__init__(f"CUDA error {status}")
+        self.status = status
+
+
 class FakeCupy:
     """What :func:`wsarena.capture` uses of CuPy, without CUDA: its streams begin and end captures on a
     :class:`CaptureWatchingProvider`. ``with stream:`` changes no current stream the provider answers with, so the
@@ -159,9 +185,19 @@ class FakeCupy:
 
         self.modes = []
         runtime = types.SimpleNamespace(streamCaptureModeGlobal=0, streamCaptureModeThreadLocal=1,
-                                        streamCaptureModeRelaxed=2, streamIsCapturing=provider.capturing.__contains__)
+                                        streamCaptureModeRelaxed=2, streamIsCapturing=provider.capturing.__contains__,
+                                        CUDARuntimeError=CUDARuntimeError)
         self.cuda = types.SimpleNamespace(Stream=Stream, ExternalStream=sibling(Stream), runtime=runtime,
                                           Device=lambda: types.SimpleNamespace(id=0))
+
+
+def as_cuda(monkeypatch, provider, cupy):
+    """``cupy`` (a :class:`FakeCupy`) as the module ``cupy``, and cuda-bindings' capture query answered by
+    ``provider``: what :func:`wsarena.capture` asks CUDA through."""
+    from cuda.bindings import runtime as rt
+
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(rt, "cudaStreamGetCaptureInfo", provider.capture_info)
 
 
 @pytest.fixture
@@ -182,7 +218,7 @@ def fake_gpu(monkeypatch, provider, cupy_type):
     arena = Arena(provider)
     cupy = cupy_type(provider)
     monkeypatch.setattr(cudagraph, "gpu_unusable_reason", lambda: None)
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    as_cuda(monkeypatch, provider, cupy)
     monkeypatch.setattr(_table, "MAX_IDLE_STREAMS", 4)
     previous = set_arena(0, arena)
     try:
@@ -377,7 +413,7 @@ def test_an_interrupt_at_any_check_of_a_capture_block_leaves_no_capture_begun_an
         provider = CaptureWatchingProvider()
         arena = Arena(provider)
         cupy = FakeCupy(provider)
-        monkeypatch.setitem(sys.modules, "cupy", cupy)
+        as_cuda(monkeypatch, provider, cupy)
         arena.reserve(1000, stream=S1)  # the eager step's, on another stream: the capture's is seeded
         stream = cupy.cuda.Stream(0x60)
         previous = set_arena(0, arena)

@@ -6,7 +6,8 @@ CuPy is a fake (:class:`FakeCupy`) whose streams capture on a :class:`CaptureWat
 what test_capture_frees.py's fake does, it follows CuPy 14 (``Graph.launch`` reads the stream's ``ptr``; a graph is
 destroyed, its user objects released, when CuPy's object is; ``runtime.streamIsCapturing`` raises a plain
 RuntimeError for an invalidated capture) and CUDA (``cudaStreamEndCapture`` of an invalidated capture fails and ends
-it; the guess here: the stream leaves capture mode, as CUDA's documentation of the NULL graph it returns says).
+it; the guess here: the stream leaves capture mode, as CUDA's documentation of the NULL graph it returns says;
+``cudaStreamGetCaptureInfo`` gives no id for an invalidated capture).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class InvalidatingProvider(CaptureWatchingProvider):
         if stream in self.invalidated and stream in self.capturing:
             raise CaptureError(f"the capture on stream {stream:#x} was invalidated by an earlier error")
         return super().capture(stream)
+
+    def invalidates(self, stream):
+        return stream in self.invalidated
 
 
 class CupyGraph:
