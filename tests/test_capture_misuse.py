@@ -132,6 +132,16 @@ def step(arena, stream):
         pass
 
 
+def free_with_no_stream(arena, handle):
+    """Let a buffer go that is freed with no stream (a device synchronisation), which a capture under way delays: a
+    dead stream's (on ``handle``), once a new stream's sub-arena (on ``handle + 1``) is made."""
+    gone = FakeStream(handle)
+    arena.reserve(10, stream=gone)
+    del gone
+    with arena.lease(10, stream=handle + 1):
+        pass
+
+
 # Nested and interleaved captures
 
 
@@ -198,6 +208,35 @@ def test_a_capture_ended_by_hand_inside_the_block_is_a_capture_error_at_its_end(
     with pytest.raises(RuntimeError, match="ended inside the block"):
         graph.launch()
     del theirs  # the graph made by hand, and its pin, go
+    assert_left_clean(provider, arena, graph)
+
+
+@pytest.mark.parametrize("block", ["returns", "raises"])
+def test_a_capture_begun_by_hand_after_the_blocks_own_was_ended_is_left_to_its_owner(misuse, block):
+    """Inside the block, ``stream.end_capture()`` ends its capture and ``stream.begin_capture()`` begins another, whose
+    step leases there. As the block ends (a CaptureError, as for a capture ended inside it) or raises, that capture is
+    not the block's: it goes on, and frees with no stream (which would break it) wait for it. Once, the block ended
+    it, as its own, and its record went with the block's."""
+    provider, arena, cupy = misuse
+    s = cupy.cuda.Stream(S)
+    ended = pytest.raises(CaptureError, match=r"ended inside the block.*another.*left alone.*: capture again$")
+    with ended if block == "returns" else pytest.raises(KeyError), wsarena.capture(s) as graph:
+        step(arena, s)
+        ours = s.end_capture()
+        s.begin_capture()
+        theirs = s.graph
+        step(arena, s)  # their step
+        if block == "raises":
+            raise KeyError("the step failed")
+    assert provider.capturing == {S: theirs} and cupy.modes == [2, None]
+    with pytest.raises(RuntimeError, match="ended inside the block" if block == "returns" else "left by KeyError"):
+        graph.launch()
+    free_with_no_stream(arena, S + 1)
+    assert provider.during_capture == [] and None not in [on for _, on in provider.frees]
+    assert s.end_capture().fake_graph is theirs  # by its owner
+    free_with_no_stream(arena, S + 3)  # now made: the capture is over (and its record forgotten)
+    assert [on for _, on in provider.frees].count(None) == 2
+    del ours
     assert_left_clean(provider, arena, graph)
 
 
@@ -741,3 +780,27 @@ def test_a_capture_the_block_cannot_end_is_a_capture_error_on_a_gpu(gpu_arena, h
         again.launch()
         s.synchronize()
     assert arena._table.capturing == {} and arena.stats().leases == 0
+
+
+@pytest.mark.gpu
+def test_a_capture_begun_by_hand_after_the_blocks_own_was_ended_is_left_alone_on_a_gpu(gpu_arena):
+    """CUDA gives the capture begun by hand another id than the block's: the block leaves it to its owner."""
+    cupy, arena = gpu_arena
+    x = cupy.ones((4, 16, 32, 32), cupy.float32)
+    w = cupy.ones((16, 16, 3, 3), cupy.float32)
+    y = cupy.empty((4, 16, 32, 32), cupy.float32)
+    with cupy.cuda.Stream(non_blocking=True) as s:
+        wsarena.conv_forward(x, w, padding=1, out=y)
+        expected = pytest.raises(CaptureError, match="another begun there, which is left alone")
+        with expected, wsarena.capture(s) as graph:
+            wsarena.conv_forward(x, w, padding=1, out=y)
+            ours = s.end_capture()
+            s.begin_capture()
+            wsarena.conv_forward(x, w, padding=1, out=y)  # their step
+        assert s.is_capturing() and graph.closed
+        theirs = s.end_capture()  # by its owner, into a graph that launches
+        theirs.launch(s)
+        s.synchronize()
+        del ours, theirs
+    assert arena.stats().leases == 0
+

@@ -33,6 +33,7 @@ from typing import Any
 
 from ._config import get_config
 from ._gpu import gpu_unusable_reason
+from .arena._capture import capture_of
 from .errors import BackendUnavailableError, CaptureError
 
 __all__ = ["CapturedGraph", "capture"]
@@ -135,6 +136,26 @@ def _capturing(runtime: Any, stream: int) -> bool:
         return True
 
 
+def _capture_id(stream: int) -> int | None:
+    """The id CUDA gave the capture under way on the stream of handle ``stream`` (unique in the process), or ``None``:
+    none is, or it was invalidated (CUDA gives an invalidated capture no id)."""
+    try:
+        capture = capture_of(stream)
+    except CaptureError:  # invalidated (the other case, the legacy default stream, is refused before a block begins)
+        return None
+    return None if capture is None else capture.id
+
+
+def _another(stream: int, own: int | None) -> bool:
+    """Whether the capture under way on the stream of handle ``stream`` is another than the one of id ``own``: CUDA
+    gives it another id. Where that cannot be told (``own`` was not read, or the capture was invalidated: it has no
+    id), it is taken to be ``own``'s."""
+    if own is None:
+        return False
+    now = _capture_id(stream)
+    return now is not None and now != own
+
+
 @contextlib.contextmanager
 def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGraph]:
     """Record the wsarena calls (and any other CUDA work) of the block into a CUDA graph.
@@ -166,7 +187,8 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
     CaptureError
         (inside the block) A call needed something a capture cannot hold; run the step once before capturing.
         (as the block ends) Its capture could not be ended into a graph: an error inside the block invalidated it,
-        or it was ended there (``stream.end_capture()``).
+        or it was ended there (``stream.end_capture()``). A capture begun on the stream since (another id) is left
+        alone, as the block ends or raises: its owner ends it.
     """
     if not isinstance(mode, str):
         raise TypeError(f"mode must be a str, one of {', '.join(map(repr, _MODES))}, not {type(mode).__name__}")
@@ -199,6 +221,8 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
     from .arena._registry import open_arena
 
     graph = CapturedGraph(stream)
+    own = None  # the id of the block's capture, once read
+    another = False  # whether its stream captures for another, found as the block ends
     with stream:
         arena = open_arena(int(cupy.cuda.Device().id))  # none yet: no eager step ran, and the capture will say so
         try:
@@ -216,13 +240,16 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
                     # another thread since the check above), which the block must leave alone.
                     refused = True
                     raise
+                # Read first: the block ends no capture but this one (it may be ended inside the block and another
+                # begun). Until it is read, a capture on the stream is this one, begun just now.
+                own = _capture_id(stream.ptr)
                 if arena is not None:
                     # Frees that would synchronise the device wait from now on, not from the step's first lease:
                     # another thread's free breaks a global-mode capture, and a non-blocking stream's capture is not
                     # seen by asking the legacy default stream.
                     watch_capture(arena, stream)
                 yield graph
-                _end(runtime, stream, graph)  # in the try: a Ctrl-C before its capture ended discards it
+                _end(runtime, stream, graph, own)  # in the try: a Ctrl-C before its capture ended discards it
             except BaseException as exc:
                 # The capture begun here, if any, is discarded (its pins are released when CUDA destroys it). CUDA is
                 # asked whether it began: a Ctrl-C just after begin_capture returned comes before any flag could say.
@@ -230,20 +257,31 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
                 if not refused:
                     with contextlib.suppress(Exception):
                         if _capturing(runtime, stream.ptr):
-                            stream.end_capture()
+                            another = _another(stream.ptr, own)
+                            if not another:
+                                stream.end_capture()
                 raise
         finally:
-            if arena is not None:
-                unwatch_capture(arena, stream)  # else recorded until a free with no stream finds the capture over
+            # Else recorded until a free with no stream finds the capture over. Another's capture under way keeps the
+            # record (its lease's, or the block's): frees with no stream, which would break it, wait for it.
+            if arena is not None and not another:
+                unwatch_capture(arena, stream)
 
 
-def _end(runtime: Any, stream: Any, graph: CapturedGraph) -> None:
-    """End the capture of ``graph``'s block, which returned: ``graph`` gets CuPy's graph, unless it was closed inside
-    the block (the capture is discarded). Raises :class:`CaptureError` if there is no capture to end, or CUDA could
-    not end it into an executable graph (an invalidated capture is ended all the same)."""
+def _end(runtime: Any, stream: Any, graph: CapturedGraph, own: int | None) -> None:
+    """End the capture of ``graph``'s block, which returned, its id ``own``: ``graph`` gets CuPy's graph, unless it
+    was closed inside the block (the capture is discarded). Raises :class:`CaptureError` if there is no capture of
+    the block's to end (one under way with another id is left alone), or CUDA could not end it into an executable
+    graph (an invalidated capture is ended all the same)."""
     ptr = stream.ptr
+    ended = f"the capture on stream {ptr:#x} was ended inside the block (stream.end_capture())"
     if not _capturing(runtime, ptr):
-        why = f"the capture on stream {ptr:#x} was ended inside the block (stream.end_capture())"
+        why = ended
+    elif _another(ptr, own):
+        why = f"{ended}, and another begun there, which is left alone"
+    else:
+        why = ""
+    if why:
         graph._failed(f"{why}: capture again")
         raise CaptureError(f"{why}, so the block has no graph: capture again")
     try:

@@ -61,7 +61,8 @@ class CaptureError(WsarenaError, RuntimeError):
       algorithm, finalize an execution plan, create a cuDNN handle, grow the arena; an ``arena.reserve()`` too), or
       its stream cannot be used now (its capture was invalidated by an earlier error; the legacy default stream
       while another stream of the device is captured). Nothing was enqueued.
-    - A :func:`wsarena.capture` block ended without a graph: its capture had been invalidated, or ended inside it.
+    - A :func:`wsarena.capture` block ended without a graph: its capture had been invalidated, or ended inside it (a
+      capture begun on its stream since, which CUDA gives another id, is left to its owner).
     """
 
 
