@@ -386,8 +386,12 @@ def test_a_capture_block_on_a_stream_captured_already_is_refused_and_leaves_that
     other.close()
 
 
-def _captured_step(arena, stream):
-    with wsarena.capture(stream), arena.lease(1000, stream=stream.ptr):
+def _captured_step(arena, stream, kept):
+    # The block's context manager outlives the run, as a user's `cm = wsarena.capture(s)` does: a Ctrl-C that leaves
+    # the block with its capture begun and no __exit__ to come is not hidden by the object's collection, which would
+    # discard the capture.
+    kept.append(wsarena.capture(stream))
+    with kept[-1], arena.lease(1000, stream=stream.ptr):
         pass
 
 
@@ -418,8 +422,9 @@ def test_an_interrupt_at_any_check_of_a_capture_block_leaves_no_capture_begun_an
         stream = cupy.cuda.Stream(0x60)
         previous = set_arena(0, arena)
         gc.collect()  # earlier garbage is not collected in the traced run (its finalizers would get the interrupt)
+        kept = []
         try:
-            fired = interrupt_at_check(n, _captured_step, arena, stream, skip=_not_the_arenas)
+            fired = interrupt_at_check(n, _captured_step, arena, stream, kept, skip=_not_the_arenas)
         finally:
             set_arena(0, previous)
         where = f"interrupted at check {n}"
@@ -430,6 +435,7 @@ def test_an_interrupt_at_any_check_of_a_capture_block_leaves_no_capture_begun_an
             stream.graph.close()
         arena.trim()
         assert provider.held == [], where
+        del kept
         if not fired:
             break
         n += 1
