@@ -296,6 +296,42 @@ def test_convert_leaves_subclasses_alone():
     assert [type(m) for m in model] == [Custom, CustomTranspose, wt.ConvTranspose2d, wt.Conv1d]
 
 
+def test_convert_converts_parametrized_convolutions_and_keeps_their_parametrizations():
+    """weight_norm and spectral_norm (torch.nn.utils.parametrizations) and parametrize's own make a class of their
+    own per module: converted to one over wsarena's, whose removal leaves wsarena's module."""
+    parametrize = torch.nn.utils.parametrize
+
+    class Doubled(torch.nn.Module):
+        def forward(self, weight):
+            return 2 * weight
+
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(
+        torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv2d(3, 4, 3, padding=1)),
+        torch.nn.utils.parametrizations.spectral_norm(torch.nn.ConvTranspose2d(4, 4, 3, stride=2)),
+        torch.nn.Conv1d(2, 2, 1),
+    ).double().eval()  # eval: spectral_norm's power iteration does not change its vectors between the two runs
+    parametrize.register_parametrization(model[2], "weight", Doubled())
+    reference = copy.deepcopy(model)
+    keys = model.state_dict().keys()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    wt.convert(model)
+    assert [parametrize.type_before_parametrizations(m) for m in model] == [wt.Conv2d, wt.ConvTranspose2d, wt.Conv1d]
+    assert all(parametrize.is_parametrized(m, "weight") for m in model) and model.state_dict().keys() == keys
+    y, ref = model[:2](x), reference[:2](x)
+    assert close(y, ref)
+    params = [model[0].parametrizations.weight.original0, model[0].parametrizations.weight.original1]
+    ref_params = [reference[0].parametrizations.weight.original0, reference[0].parametrizations.weight.original1]
+    dy = torch.randn_like(ref)
+    got, want = torch.autograd.grad(y, params, dy), torch.autograd.grad(ref, ref_params, dy)
+    assert all(close(g, r) for g, r in zip(got, want))
+    x1 = torch.randn(1, 2, 4, dtype=torch.float64)
+    assert close(model[2](x1), F.conv1d(x1, 2 * model[2].parametrizations.weight.original, model[2].bias))
+    assert close(copy.deepcopy(model)[:2](x), ref)
+    parametrize.remove_parametrizations(model[2], "weight")
+    assert type(model[2]) is wt.Conv1d
+
+
 def test_a_converted_model_trains_under_the_cap():
     torch.manual_seed(1)
     model = wt.convert(small_resnet())

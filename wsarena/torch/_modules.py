@@ -14,6 +14,7 @@ import inspect
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from . import _functional
 
@@ -145,14 +146,33 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
 }
 
 
+def _swappable(module: nn.Module) -> type[nn.Module] | None:
+    """The ``torch.nn`` class ``module`` is, or was before ``torch.nn.utils.parametrize`` gave it a class of its own
+    (weight_norm, spectral_norm), when it is one of those :func:`convert` swaps; else ``None``."""
+    if parametrize.is_parametrized(module):
+        before = parametrize.type_before_parametrizations(module)
+        return before if before in _SWAPS else None
+    return type(module) if type(module) in _SWAPS else None
+
+
+def _swapped(module: nn.Module, base: type[nn.Module]) -> type[nn.Module]:
+    """wsarena's class for ``module``, a ``base``: for a parametrized one, its own class (which holds the
+    parametrized properties) over wsarena's, so that removing the parametrizations leaves wsarena's module."""
+    if type(module) is base:
+        return _SWAPS[base]
+    own = {k: v for k, v in vars(type(module)).items() if k not in ("__dict__", "__weakref__")}
+    return type(type(module).__name__, (_SWAPS[base],), own)
+
+
 def convert(model: nn.Module) -> nn.Module:
     """Make every ``nn.Conv1d/2d/3d`` and ``nn.ConvTranspose1d/2d/3d`` of ``model`` run through wsarena, in place.
 
     Each such module (``model`` itself included) becomes the matching :class:`Conv2d` (or 1-D, 3-D, or
-    :class:`ConvTranspose2d` and kin) in place: the same object, with the same parameters, buffers, hooks and
-    ``state_dict``, so that an optimizer made before still trains it. Subclasses of those modules (with a
-    ``forward`` of their own, or parametrized weights), lazy modules and transposed convolutions whose
-    ``output_padding`` is not below their stride are left as they are.
+    :class:`ConvTranspose2d` and kin) in place: the same object, with the same parameters, buffers, hooks,
+    parametrizations (``torch.nn.utils.parametrize``, ``parametrizations.weight_norm`` and ``spectral_norm``) and
+    ``state_dict``, so that an optimizer made before still trains it. Subclasses of those modules (which may have
+    a ``forward`` of their own), lazy modules and transposed convolutions whose ``output_padding`` is not below
+    their stride are left as they are.
 
     Returns
     -------
@@ -168,12 +188,12 @@ def convert(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     found = [
-        (name, module) for name, module in model.named_modules()
-        if type(module) in _SWAPS and not _output_padding_beyond_stride(module)
+        (name, module, base) for name, module in model.named_modules()
+        if (base := _swappable(module)) is not None and not _output_padding_beyond_stride(module)
     ]
-    problems = [f"{name or 'the model'}: {reason}" for name, module in found if (reason := unsupported(module))]
+    problems = [f"{name or 'the model'}: {reason}" for name, module, _ in found if (reason := unsupported(module))]
     if problems:
         raise ValueError("cannot convert these convolutions, so nothing was converted: " + "; ".join(problems))
-    for _, module in found:
-        module.__class__ = _SWAPS[type(module)]
+    for _, module, base in found:
+        module.__class__ = _swapped(module, base)
     return model
