@@ -332,6 +332,27 @@ def test_convert_converts_parametrized_convolutions_and_keeps_their_parametrizat
     assert type(model[2]) is wt.Conv1d
 
 
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
+def test_convert_refuses_torchscript_convolutions_and_changes_nothing():
+    """A scripted or traced model runs TorchScript's code, not its modules' classes: converting it would change
+    nothing, so it is refused, as are scripted convolutions inside an ordinary model."""
+    x = torch.randn(1, 3, 5, 5)
+    scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)))
+    traced = torch.jit.trace(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), x)
+    for model in (scripted, traced):
+        with pytest.raises(TypeError, match=r"TorchScript.*0: Conv2d.*convert the model before torch.jit.trace"):
+            wt.convert(model)
+    inside = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.jit.script(torch.nn.Conv2d(3, 4, 3)))
+    with pytest.raises(TypeError, match=r"nothing was converted: 1: Conv2d"):
+        wt.convert(inside)
+    assert type(inside[0]) is torch.nn.Conv2d
+    helper = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.jit.script(torch.nn.ReLU()))
+    assert type(wt.convert(helper)[0]) is wt.Conv2d  # TorchScript without a convolution is no matter
+    converted = wt.convert(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)))
+    traced = torch.jit.trace(converted, x)
+    assert wt.convert(traced) is traced  # traced once converted: nothing left to convert
+
+
 def test_a_converted_model_trains_under_the_cap():
     torch.manual_seed(1)
     model = wt.convert(small_resnet())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
@@ -144,6 +145,16 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d,
     nn.ConvTranspose1d: ConvTranspose1d, nn.ConvTranspose2d: ConvTranspose2d, nn.ConvTranspose3d: ConvTranspose3d,
 }
+_NAMES = {cls.__name__ for cls in _SWAPS}
+
+
+def _torchscript_conv(module: nn.Module) -> bool:
+    """Whether ``module`` is TorchScript's of one of PyTorch's convolutions (by its TorchScript type's name:
+    ``__torch__.`` before the Python class's, mangled or not), not of wsarena's (a model traced after
+    :func:`convert`)."""
+    if not isinstance(module, torch.jit.ScriptModule) or module.original_name not in _NAMES:
+        return False
+    return bool(module._c._type().qualified_name().startswith("__torch__.torch.nn.modules.conv."))
 
 
 def _swappable(module: nn.Module) -> type[nn.Module] | None:
@@ -184,9 +195,22 @@ def convert(model: nn.Module) -> nn.Module:
     ValueError
         A convolution wsarena cannot run (``padding_mode`` other than ``"zeros"``), naming each; nothing is changed
         then.
+    TypeError
+        ``model`` is not a module, or holds TorchScript convolutions (``torch.jit.script`` or ``trace`` made them:
+        they run TorchScript's code, which converting would not change), naming each; nothing is changed then.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    scripted = [
+        f"{name or 'the model'}: {module.original_name}" for name, module in model.named_modules()
+        if _torchscript_conv(module)
+    ]
+    if scripted:
+        raise TypeError(
+            "cannot convert TorchScript convolutions, which run TorchScript's code, so nothing was converted: "
+            + "; ".join(scripted) + "; convert the model before torch.jit.trace (torch.jit.script refuses "
+            "wsarena's modules), or use torch.compile or torch.export instead"
+        )
     found = [
         (name, module, base) for name, module in model.named_modules()
         if (base := _swappable(module)) is not None and not _output_padding_beyond_stride(module)
