@@ -95,7 +95,9 @@ class _Operand:
         if kind == _NATIVE_KIND:
             self.cuda = type_backend_name(type(obj)) == "cudnn"
         elif kind == _TORCH:
-            if obj.requires_grad and not sys.modules["torch"].is_grad_enabled():
+            if obj.requires_grad:
+                if sys.modules["torch"].is_grad_enabled():
+                    raise _requires_grad(name)
                 # no history is being recorded (torch.no_grad(), inference mode): as PyTorch's own ops take it,
                 # and alike on the host and on a device, where the DLPack export would refuse it
                 self.obj = obj = obj.detach()
@@ -122,6 +124,16 @@ class _Operand:
     def where(self) -> str:
         memory = f"CUDA device {self.device}" if self.device is not None else "a CUDA device" if self.cuda else "the host"
         return f"{self.name} is a {type(self.obj).__module__.partition('.')[0]} array on {memory}"
+
+
+def _requires_grad(name: str) -> TypeError:
+    """The refusal of a tensor that requires grad while autograd records: the ops would record no history (and
+    PyTorch's own ``out=`` refuses such an ``out``), so say what to call instead."""
+    use = "" if name == "out" else "for gradients use wsarena.torch (conv2d and kin), which records them; else "
+    return TypeError(
+        f"{name} requires grad while autograd records, and wsarena's ops record no autograd history: {use}pass "
+        f"{name}.detach(), or call under torch.no_grad()"
+    )
 
 
 def execute(
