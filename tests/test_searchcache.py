@@ -229,6 +229,11 @@ def _rewrite(path, change):
         pytest.param(lambda p: _rewrite(p, lambda d: d.update(key=["not", "an", "object"])), id="key-not-an-object"),
         pytest.param(lambda p: _rewrite(p, lambda d: d["key"].update(environment="cpu")), id="environment-not-an-object"),
         pytest.param(lambda p: p.write_text("[" * 100_000), id="nested-too-deep"),  # json.loads: RecursionError
+        # json.loads reads Infinity and NaN, and 1e999 as inf: no time a search can measure
+        pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(time_ms=float("inf"))), id="infinite-time"),
+        pytest.param(lambda p: p.write_text(p.read_text().replace('"time_ms": 10.0', '"time_ms": 1e999')),
+                     id="time-past-float"),
+        pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(time_ms=float("nan"))), id="nan-time"),
     ],
 )
 def test_a_bad_file_gives_one_warning_and_is_replaced(cache, spoil):

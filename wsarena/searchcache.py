@@ -31,6 +31,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
+from math import isfinite
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,8 @@ def _parse(data: Any, key: dict[str, Any]) -> _Results:
         algo, math, nbytes, ms = entry["algo"], entry["math_type"], entry["workspace_bytes"], entry["time_ms"]
         if not isinstance(algo, str) or not (math is None or type(math) is int) or type(nbytes) is not int:
             raise ValueError(f"malformed entry {entry!r}")
-        if nbytes < 0 or not (ms is None or (isinstance(ms, (int, float)) and ms >= 0)):
+        # JSON as Python reads it takes Infinity and NaN, and 1e999 as infinity: no time a search measures
+        if nbytes < 0 or not (ms is None or (isinstance(ms, (int, float)) and isfinite(ms) and ms >= 0)):
             raise ValueError(f"malformed entry {entry!r}")
         results[(algo, math)] = (nbytes, None if ms is None else float(ms))
     return results
