@@ -403,3 +403,71 @@ def test_an_invalid_variable_of_a_setting_left_to_it_still_stops_the_command(cap
     code, out, err = run_main(capsys, *[model if a == "MODEL" else a for a in argv])
     assert (code, out) == (2, "") and f"{variable}='bogus'" in err and err.count("\n") == 1
 
+
+
+@pytest.mark.parametrize("command", [["tune"], ["report"]])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError(28, "No space left on device")])
+@pytest.mark.parametrize("before", [None, b"the plot of an earlier run"])
+@pytest.mark.parametrize("where", ["drawing", "writing"])
+def test_a_plot_stopped_midway_leaves_no_half_written_file(capsys, model, monkeypatch, tmp_path, command, stop, before,
+                                                           where):
+    """Ctrl-C or a full disk while the PNG is drawn or written: the path holds what it held before (nothing, or the
+    earlier plot), never part of a PNG, and no temporary file is left beside it."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    save, replace = matplotlib.figure.Figure.savefig, os.replace
+
+    def half(self, fname, **kwargs):  # a part of the PNG is out when it stops
+        save(self, fname, **kwargs)
+        if hasattr(fname, "truncate"):
+            fname.truncate(100)
+        else:
+            os.truncate(fname, 100)
+        if where == "drawing":
+            raise stop
+
+    def stopped(src, dst):
+        if str(dst).endswith("curve.png"):
+            raise stop
+        replace(src, dst)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half)
+    if where == "writing":
+        monkeypatch.setattr(os, "replace", stopped)
+    target = tmp_path / "plots" / "curve.png"
+    target.parent.mkdir()
+    if before is not None:
+        target.write_bytes(before)
+    code, out, err = run_main(capsys, command[0], model, "--backend", "cpu", "--plot", str(target))
+    assert code == (130 if stop is KeyboardInterrupt else 3) and out == "", err
+    assert os.listdir(target.parent) == ([] if before is None else ["curve.png"])
+    if before is not None:
+        assert target.read_bytes() == before
+
+
+@pytest.mark.parametrize("command", [["tune"], ["report"]])
+def test_a_plot_replaces_the_file_a_link_names_and_writes_into_what_is_no_file(capsys, model, tmp_path, command):
+    """The PNG goes where the path leads: through a symbolic link into the file it names (the link stays), and
+    into a path that is no regular file (a named pipe, /dev/stdout) as it is, since nothing can be renamed over
+    it."""
+    pytest.importorskip("matplotlib")
+    real, link = tmp_path / "real.png", tmp_path / "link.png"
+    real.write_bytes(b"old")
+    link.symlink_to(real)
+    code, _, err = run_main(capsys, command[0], model, "--backend", "cpu", "--plot", str(link))
+    assert code == 0, err
+    assert link.is_symlink() and real.read_bytes()[:4] == b"\x89PNG"
+    assert sorted(os.listdir(tmp_path)) == ["link.png", "real.png", "small.json"]
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    import threading
+
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    code, _, err = run_main(capsys, command[0], model, "--backend", "cpu", "--plot", str(fifo))
+    reader.join(timeout=60)
+    assert code == 0, err
+    assert got and got[0][:4] == b"\x89PNG" and fifo.is_fifo()

@@ -1,9 +1,14 @@
 """``--plot FILE.png``: for ``report``, per-layer workspace as bars and the arena as a line; for ``tune``, the step
 time against the cap (needs matplotlib). The PNG is written to exactly the path given, whatever its name ends
-with (matplotlib would append ``.png`` to a name without an extension)."""
+with (matplotlib would append ``.png`` to a name without an extension), and whole or not at all: an interruption or
+a full disk leaves no part of a PNG there, and an earlier plot stays as it was."""
 
 from __future__ import annotations
 
+import io
+import os
+import secrets
+import stat
 from typing import Any
 
 from .errors import BackendUnavailableError
@@ -28,10 +33,41 @@ def _pyplot() -> Any:
 
 def _save(plt: Any, fig: Any, path: str) -> None:
     """Write ``fig`` as a PNG to ``path`` itself; ``OSError`` when it cannot be written."""
+    png = io.BytesIO()  # drawn first, so that a failure to draw leaves the file untouched
     try:
-        fig.savefig(path, dpi=120, format="png")
+        fig.savefig(png, dpi=120, format="png")
     finally:
         plt.close(fig)
+    _write_whole(path, png.getvalue())
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all: into a new file beside it, then renamed over it. Through a
+    symbolic link the file it leads to is replaced, and the link stays. A path that is no regular file (a named
+    pipe, ``/dev/stdout``) is written as it is: nothing can be renamed over it."""
+    target = os.path.realpath(path)
+    try:
+        regular = stat.S_ISREG(os.stat(target).st_mode)
+    except FileNotFoundError:
+        regular = True  # made here
+    if not regular:
+        with open(target, "wb") as f:
+            f.write(data)
+        return
+    # The umask's permissions, as the file open() would make (mkstemp's are private); a random name, so that two
+    # runs writing the same plot do not write into one file
+    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except BaseException:  # Ctrl-C included: no half-written file left beside the plot either
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def plot_plan(p: Any, path: str) -> None:
