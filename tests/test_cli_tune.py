@@ -148,6 +148,16 @@ def test_a_negative_slowdown_is_refused_as_such_however_written(capsys, model, c
 
 
 @pytest.mark.parametrize("command", ["tune", "report"])
+@pytest.mark.parametrize("value", ["-inf", "-Infinity", "-nan"])
+def test_a_negative_infinity_or_nan_slowdown_is_a_value_refused_as_no_number(capsys, model, command, value):
+    """Not "expected one argument", as if ``-inf`` were an unknown option: the value is said to be no number."""
+    code, out, err = run_main(capsys, command, model, "--backend", "cpu", "--max-slowdown", value)
+    assert code == 2 and out == ""
+    assert err == (f"wsarena: error: argument --max-slowdown: expected a percentage (2%) or a fraction (0.02), not "
+                   f"{value!r} (see 'wsarena {command} --help')\n")
+
+
+@pytest.mark.parametrize("command", ["tune", "report"])
 def test_an_option_after_max_slowdown_is_still_an_option(capsys, model, command):
     """Only what reads as a number is taken as the value: an option in its place is a missing value."""
     code, out, err = run_main(capsys, command, model, "--backend", "cpu", "--max-slowdown", "--format", "json")

@@ -25,10 +25,11 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # What starts as a negative number (-2%, -2e-2) is a value, for its flag's check to say what is wrong with
-        # it, not an unknown option that leaves the flag "expected one argument": argparse before Python 3.14 takes
-        # only a plain number (-2, -0.5) so; 3.14's own matcher is this one. No flag of wsarena's starts with a digit.
-        self._negative_number_matcher = re.compile(r"-\.?[0-9]")
+        # What starts as a negative number (-2%, -2e-2, -inf, -nan) is a value, for its flag's check to say what is
+        # wrong with it, not an unknown option that leaves the flag "expected one argument": argparse before Python
+        # 3.14 takes only a plain number (-2, -0.5) so; 3.14's own matcher takes what starts with a digit. No flag
+        # of wsarena's starts with a digit, "inf" or "nan".
+        self._negative_number_matcher = re.compile(r"-(\.?[0-9]|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
         raise UsageError(f"{message} (see '{self.prog} --help')")
