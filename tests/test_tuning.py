@@ -257,9 +257,12 @@ def test_a_cap_and_a_slowdown_are_taken_as_the_rest_of_wsarena_takes_them(fake):
     for bad, error in (("lots", ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)):
         with pytest.raises(error, match="cap"):
             t.plan(bad)
-    for bad, error in ((np.bool_(True), TypeError), (10**400, ValueError), (np.float64("nan"), ValueError)):
-        with pytest.raises(error, match="max_slowdown"):
+    for bad, error in ((np.bool_(True), TypeError), (10**400, ValueError), (np.float64("nan"), ValueError),
+                       (10**5000, ValueError), (-(10**5000), ValueError)):  # past what repr() shows
+        with pytest.raises(error, match="max_slowdown") as caught:
             run(max_slowdown=bad)
+        assert len(str(caught.value)) < 200  # the value shortened, as in the rest of wsarena's errors
+    assert math.copysign(1, run(max_slowdown=-0.0).max_slowdown) == 1  # no "-0%" in the table or -0.0 in the JSON
 
 
 def test_a_curve_of_one_cap_plots_without_a_warning(monkeypatch, tmp_path):

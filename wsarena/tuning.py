@@ -27,6 +27,7 @@ from . import searchcache
 from ._config import _given, _named_size, config
 from ._geometry import ConvGeometry
 from ._pass import PASSES
+from ._sizes import short_repr
 from .algos import select
 from .backends import Candidate, get_backend
 from .errors import NoAlgorithmFitsError
@@ -131,14 +132,14 @@ def check_max_slowdown(value: Any) -> float:
     """``value`` as a slowdown fraction (``0.02`` for 2 %): any real number, NumPy's included, but not a bool;
     ``ValueError``/``TypeError`` naming the argument."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"max_slowdown must be a number (0.02 for 2 %), not {value!r}")
+        raise TypeError(f"max_slowdown must be a number (0.02 for 2 %), not {short_repr(value)}")
     try:
         fraction = float(value)
     except OverflowError:  # an int past float's range
         fraction = math.inf
     if not math.isfinite(fraction) or fraction < 0:
-        raise ValueError(f"max_slowdown must be a finite fraction >= 0 (0.02 for 2 %), not {value!r}")
-    return fraction
+        raise ValueError(f"max_slowdown must be a finite fraction >= 0 (0.02 for 2 %), not {short_repr(value)}")
+    return fraction + 0.0  # -0.0 is 0: shown as "-0%" it would read as a slowdown below nothing
 
 
 def tune(
