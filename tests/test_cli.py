@@ -316,6 +316,23 @@ def test_bad_input_exits_2_with_one_line(argv, needle):
     assert r.stdout == ""
 
 
+@pytest.mark.parametrize(("value", "says"), [
+    ("", "expected a size or none, not ''"),  # --cap-workspace "$CAP" with CAP unset: no silent "none"
+    ("  ", "expected a size or none, not '  '"),
+    ("18446744073709551616", "more than 2**64 - 1 bytes"),
+])
+def test_a_cap_flag_that_gives_no_usable_size_is_refused_naming_the_flag(capsys, monkeypatch, value, says):
+    """Not read as no cap, which would silently drop the cap WSARENA_CAP_WORKSPACE sets: an empty variable means
+    the default, an empty flag means nothing. A size too large is the flag's error, as any other bad size is."""
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", "1MiB")
+    import wsarena._config
+
+    wsarena._config._reset()
+    code, out, err = run_main(capsys, "report", "resnet50", "--backend", "cpu", "--cap-workspace", value)
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert err.startswith(f"wsarena: error: argument --cap-workspace: {says}"), err
+
+
 def test_float16_on_the_cpu_backend_is_bad_usage_when_asked_for_and_exit_3_when_auto():
     r = run_cli("report", "resnet50", "--backend", "cpu", "--dtype", "float16")
     assert r.returncode == 2 and "float16" in r.stderr and len(r.stderr.strip().splitlines()) == 1

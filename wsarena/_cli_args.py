@@ -8,11 +8,12 @@ import re
 from typing import Any, NoReturn
 
 from . import __version__
-from ._config import _FROM_CONFIG, CUDNN_HEURISTICS, _parse_cap
+from ._config import _FROM_CONFIG, _SIZE_MAX, CUDNN_HEURISTICS, _parse_cap
 from ._geometry import DTYPES
 from ._pass import PASSES
 from ._report_cli import shape_text
 from ._sizes import ascii_int as _int
+from ._sizes import short_repr
 from ._tune_cli import max_slowdown_arg
 
 __all__: list[str] = []  # wsarena.cli's own
@@ -36,10 +37,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _size(text: str) -> int | None:
+    # An empty variable means the default; an empty flag (--cap-workspace "$CAP", CAP unset) means nothing, and
+    # read as "none" it would drop the variable's cap unseen
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a size or none, not {text!r}")
     try:
-        return _parse_cap(text)  # what WSARENA_CAP_WORKSPACE and configure() take, "none" included
+        n = _parse_cap(text)  # what WSARENA_CAP_WORKSPACE and configure() take, "none" included
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if n is not None and n > _SIZE_MAX:  # as configure() refuses it
+        raise argparse.ArgumentTypeError(f"more than 2**64 - 1 bytes (none for no limit): {short_repr(text)}")
+    return n
 
 
 def _passes(text: str) -> tuple[str, ...]:
