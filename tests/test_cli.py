@@ -477,6 +477,24 @@ def test_input_shape_fixes_a_symbolic_onnx_input(capsys, tmp_path):
     assert code == 2 and "--input-shape given twice for input 'x': 1x3x8x8 and 1x3x9x9" in err and out == ""
 
 
+@pytest.mark.parametrize("command", ["report", "tune"])
+def test_an_input_shape_whose_batch_is_not_the_one_planned_gives_a_warning(capsys, tmp_path, command):
+    """The batch comes from --batch (default 1), never from --input-shape: a shape of batch 8 alone plans batch 1,
+    which is said rather than left unseen. A shape of batch 1 (as the examples write it) or of --batch's says
+    nothing."""
+    from .onnx_graphs import conv, save, vi, weight
+
+    path = save(tmp_path / "m.onnx", [conv("stem", "x", "w", "y", pads=[1, 1, 1, 1])], [vi("x", ["N", 3, "H", "W"])],
+                [weight("w", (8, 3, 3, 3))])
+    for flag, batch, warned in [("8,3,16,16", [], "8x3x16x16 has batch 8: the plan is for --batch 1"),
+                                ("x=8x3x16x16", ["--batch", "4"], "x=8x3x16x16 has batch 8: the plan is for --batch 4"),
+                                ("1,3,16,16", ["--batch", "4"], None), ("4,3,16,16", ["--batch", "4"], None)]:
+        code, out, err = run_main(capsys, command, str(path), "--backend", "cpu", "--input-shape", flag, *batch)
+        assert code == 0 and out, err
+        assert err == ("" if warned is None else f"wsarena: warning: --input-shape {warned} (the batch comes from "
+                       "--batch)\n")
+
+
 @pytest.mark.skipif(not hasattr(fcntl, "F_SETPIPE_SZ"), reason="needs Linux's F_SETPIPE_SZ to size the pipe")
 def test_a_reader_that_stops_early_ends_the_report_quietly(capsys):
     # The report must not fit in the pipe, or the child could write it all and exit 0 before the reader closes

@@ -102,6 +102,18 @@ def input_shapes(given: list[tuple[str | None, tuple[int, ...]]] | None) -> Any:
     return shapes
 
 
+def unplanned_batches(given: list[tuple[str | None, tuple[int, ...]]] | None, batch: int) -> list[str]:
+    """What to warn of the ``--input-shape`` options whose batch (the first of three or more dims, as the loader
+    reads it) is neither 1 nor ``batch``: the loader plans every layer at batch 1 and the planner at ``--batch``,
+    so ``--input-shape 8,3,224,224`` alone plans batch 1."""
+    return [
+        f"--input-shape {'' if name is None else f'{name}='}{shape_text(shape)} has batch {shape[0]}: the plan is "
+        f"for --batch {batch} (the batch comes from --batch)"
+        for name, shape in given or ()
+        if len(shape) >= 3 and shape[0] not in (1, batch)
+    ]
+
+
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     """The flags ``report`` and ``tune`` share: the model, how to read it, and the run to plan."""
     parser.add_argument("model", help="zoo name (resnet50, vgg16, ...), a .onnx file or a .json layer list")

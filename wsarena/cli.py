@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ._cli_args import UsageError, input_shapes, parser
+from ._cli_args import UsageError, input_shapes, parser, unplanned_batches
 from ._config import _FROM_CONFIG, Config, _given, config
 from ._report_cli import render_table, write_csv
 from ._tune_cli import cache_output, tune_output
@@ -163,10 +163,13 @@ def _progress_bar() -> Iterator[Any]:
 def _load(args: argparse.Namespace) -> Any:
     from .models import load_model
 
-    return load_model(
+    layers = load_model(
         args.model, skip_unknown=args.skip_unknown, asymmetric_pads=args.asymmetric_pads,
         input_shapes=input_shapes(args.input_shape),
     )
+    for message in unplanned_batches(args.input_shape, args.batch):
+        warnings.warn(message, stacklevel=2)
+    return layers
 
 
 def _report(args: argparse.Namespace) -> int:
