@@ -414,7 +414,6 @@ def test_an_invalid_variable_of_a_setting_left_to_it_still_stops_the_command(cap
     assert (code, out) == (2, "") and f"{variable}='bogus'" in err and err.count("\n") == 1
 
 
-
 @pytest.mark.parametrize("command", [["tune"], ["report"]])
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError(28, "No space left on device")])
 @pytest.mark.parametrize("before", [None, b"the plot of an earlier run"])
