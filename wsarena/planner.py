@@ -204,7 +204,7 @@ def plan(
     layers: Iterable[Any],
     *,
     batch: int = 1,
-    dtype: str = "float32",
+    dtype: Any = "float32",
     layout: str = "NCHW",
     cap_workspace: Any = _FROM_CONFIG,
     passes: Sequence[str] = PASSES,
@@ -224,7 +224,8 @@ def plan(
         From :func:`wsarena.load_model`; at least one. Convolutions the loader left out (``skip_unknown``) are
         listed in :attr:`Plan.skipped` and in ``to_dict()["skipped_layers"]``.
     batch, dtype, layout
-        The run being planned (layers are stored at batch 1, NCHW).
+        The run being planned (layers are stored at batch 1, NCHW). ``dtype`` is a name (``"float32"``) or a
+        NumPy or PyTorch dtype (``np.float32``, ``torch.float16``); the plan holds its name.
     cap_workspace : int, str or None
         The cap on one call's workspace; ``None`` for none. Default: the configured cap.
     passes : sequence of ``"fwd"``, ``"bwd_data"``, ``"bwd_filter"``
@@ -285,14 +286,33 @@ def plan(
     return dataclasses.replace(p, skipped=skipped) if skipped else p
 
 
+def _dtype_name(dtype: Any) -> str:
+    """``dtype`` as one of :data:`DTYPES`' names: a name given as it is, or a NumPy or PyTorch dtype (``np.float32``,
+    ``np.dtype("float16")``, ``torch.bfloat16``) by its name. A string must be the name itself: NumPy's own
+    spellings (``"f4"``, and ``"float"``, which is float64) would read as a guess."""
+    name = dtype
+    if not isinstance(dtype, str) and dtype is not None:
+        if type(dtype).__module__ == "torch":
+            name = str(dtype).removeprefix("torch.")
+        else:
+            import numpy as np
+
+            try:
+                name = np.dtype(dtype).name
+            except (TypeError, ValueError):
+                pass
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, or their NumPy or PyTorch dtype, not {dtype!r}")
+    return str(name)
+
+
 def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str, passes: Sequence[str],
           streams: int | Sequence[int], model: str, progress: Callable[[int, int, str], None] | None,
           device_properties: str | None = None, properties_source: str | None = None) -> Plan:
     batch, streams = _integer(batch), _integer(streams)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, not {batch!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    dtype = _dtype_name(dtype)
     cap, search, requested = cfg.cap_workspace, cfg.algo_search, cfg.backend
     if isinstance(passes, (str, bytes)) or not isinstance(passes, Iterable):  # "fwd" would be ('f', 'w', 'd')
         raise TypeError(f"passes must be a sequence of pass names such as ('fwd',), not {passes!r:.60}")

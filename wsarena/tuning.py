@@ -146,7 +146,7 @@ def tune(
     layers: Iterable[Any],
     *,
     batch: int = 1,
-    dtype: str = "float32",
+    dtype: Any = "float32",
     layout: str = "NCHW",
     passes: Sequence[str] = PASSES,
     streams: int | Sequence[int] = 1,
