@@ -457,7 +457,7 @@ def test_the_cache_dir_default_is_the_user_cache_folder(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("off", None), (" OFF ", None), (None, None), ("~/wsarena-cache", Path.home() / "wsarena-cache"),
+    [("off", None), (" OFF ", None), ("none", None), ("None", None), (None, None), ("./none", Path.cwd() / "none"), ("~/wsarena-cache", Path.home() / "wsarena-cache"),
      ("/srv/cache", Path("/srv/cache")), (Path("/srv/cache"), Path("/srv/cache")),
      ("relative/cache", Path.cwd() / "relative" / "cache")],
 )

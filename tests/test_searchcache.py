@@ -71,7 +71,7 @@ def test_directory_rule(monkeypatch, tmp_path):
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert folder("") == tmp_path / "xdg" / "wsarena"  # empty means the default, as for every WSARENA_* variable
-    for off in ("off", "OFF", " Off "):
+    for off in ("off", "OFF", " Off ", "none", "NONE"):
         assert folder(off) is None
     assert folder(str(tmp_path / "mine")) == tmp_path / "mine"
     assert folder("~/wsarena-cache") == Path.home() / "wsarena-cache"

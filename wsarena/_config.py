@@ -72,18 +72,19 @@ def default_cache_dir() -> Path:
 
 def _cache_path(value: Any) -> Path | None:
     """A ``cache_dir`` value as the setting holds it: an absolute folder (``~`` expanded; an empty string is the
-    user's cache folder), or ``None`` for ``None`` and ``"off"``."""
+    user's cache folder), or ``None`` for ``None``, ``"off"`` and ``"none"`` (any case; a folder of that name is
+    ``"./none"``), as the other settings' ``none`` means none."""
     if value is None:
         return None
-    if isinstance(value, str) and value.strip().lower() == "off":
+    if isinstance(value, str) and value.strip().lower() in ("off", "none"):
         return None
     if isinstance(value, str) and not value.strip():
         return default_cache_dir()
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"cache_dir must be a folder (a str or a path), 'off' or None, not {value!r}")
+        raise TypeError(f"cache_dir must be a folder (a str or a path), 'off', 'none' or None, not {value!r}")
     text = os.fspath(value)
     if not isinstance(text, str):
-        raise TypeError(f"cache_dir must be a folder (a str or a path), 'off' or None, not {value!r}")
+        raise TypeError(f"cache_dir must be a folder (a str or a path), 'off', 'none' or None, not {value!r}")
     if "\0" in text:
         raise ValueError(f"cache_dir {value!r} holds a NUL character")
     # absolute now, so that a later os.chdir() does not move the cache
@@ -123,7 +124,7 @@ class Config:
         least recently used go first when a write takes it over. ``None`` for no limit.
     cache_dir : Path or None
         The persistent search cache's folder; ``None`` when the cache is off. Given as a str or a path (``~``
-        expanded, made absolute when set), ``"off"`` or ``None``; default the user's cache folder
+        expanded, made absolute when set), ``"off"`` (or ``"none"``) or ``None``; default the user's cache folder
         (:func:`default_cache_dir`).
     """
 
@@ -298,7 +299,8 @@ def configure(**changes: Any) -> Config:
 
     Keywords: ``cap_workspace`` (bytes, a size string such as ``"256MiB"``, or ``None``), ``algo_search``,
     ``backend``, ``cudnn_api``, ``cudnn_heuristic``, ``plan_cache_size``, ``debug``, ``allocator``,
-    ``search_cache_max_size`` (bytes, a size string or ``None``), ``cache_dir`` (a folder, ``"off"`` or ``None``).
+    ``search_cache_max_size`` (bytes, a size string or ``None``), ``cache_dir`` (a folder, ``"off"``, ``"none"`` or
+    ``None``).
     Invalid values raise and change nothing; so does an invalid environment variable for a setting that
     ``changes`` leaves to it.
     """
