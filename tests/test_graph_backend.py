@@ -373,6 +373,32 @@ def test_device_properties_plan_candidates_with_workspace_sizes(finalizing):
         backend.run("fwd", chosen[0], GEOM, None, None, None, None, None)
 
 
+def test_a_real_plan_a_graph_ran_is_destroyed_only_once_the_graph_is_gone(finalizing):
+    """What test_capture_gpu.py's eviction test takes for granted, with execution plans cuDNN finalizes here for an
+    H100: the plan cache's eviction alone would destroy a plan (its descriptor collected, so destroyed); one a graph
+    ran (its pin) outlives its eviction, and goes at the first building miss after the graph is gone."""
+    with config(plan_cache_size=1):
+        backend = device_properties_backend(H100.read_text())
+        names = [c.algo for c in backend.candidates("fwd", GEOM)][:3]
+        assert len(names) == 3
+        cache = PlanCache(backend._build_graph, backend._build_plan)
+        evicted = weakref.ref(cache.plan(None, "fwd", GEOM, names[0]).descriptor)
+        cache.plan(None, "fwd", GEOM, names[1])
+        gc.collect()
+        assert evicted() is None  # no graph ran it: destroyed as it left the cache
+        graph, pin = _captured_graph()
+        kept = weakref.ref(cache.plan(None, "fwd", GEOM, names[0], pin=pin).descriptor)
+        cache.plan(None, "fwd", GEOM, names[1])  # evicts it
+        cache.plan(None, "fwd", GEOM, names[2])  # a building miss while the graph lives
+        gc.collect()
+        assert kept() is not None and not kept().closed
+        graph.close()
+        cache.plan(None, "fwd", GEOM, names[0])  # taken back, not built: the cache holds it again
+        cache.plan(None, "fwd", GEOM, names[1])  # a building miss, the graph gone: no longer kept, and evicted
+        gc.collect()
+        assert kept() is None and cache.kept() == []
+
+
 @pytest.mark.parametrize("pass_", ["fwd", "bwd_data", "bwd_filter"])
 def test_a_view_aligned_only_to_its_element_size_has_a_candidate_that_runs_it(finalizing, pass_):
     """Candidates are ranked for 16-byte-aligned operands; a view at another offset runs the plan for its own
