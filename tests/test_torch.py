@@ -353,6 +353,23 @@ def test_convert_refuses_torchscript_convolutions_and_changes_nothing():
     assert wt.convert(traced) is traced  # traced once converted: nothing left to convert
 
 
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
+def test_convert_refuses_traced_parametrized_convolutions_of_pytorchs_only():
+    """parametrize names its class after the module's (ParametrizedConv2d), in its own Python module: a traced
+    weight_norm convolution of PyTorch's is refused as a plain one is, one of wsarena's (converted before tracing,
+    or parametrized as it was made) is not."""
+    weight_norm = torch.nn.utils.parametrizations.weight_norm
+    x = torch.randn(1, 3, 5, 5)
+    traced = torch.jit.trace(torch.nn.Sequential(weight_norm(torch.nn.Conv2d(3, 4, 3))), x)
+    with pytest.raises(TypeError, match=r"nothing was converted: 0: ParametrizedConv2d"):
+        wt.convert(traced)
+    made = wt.Conv2d(3, 4, 3)
+    torch.nn.utils.parametrize.register_parametrization(made, "weight", torch.nn.Identity())
+    for ours in (wt.convert(torch.nn.Sequential(weight_norm(torch.nn.Conv2d(3, 4, 3)))), torch.nn.Sequential(made)):
+        traced = torch.jit.trace(ours, x)
+        assert wt.convert(traced) is traced
+
+
 def test_a_converted_model_trains_under_the_cap():
     torch.manual_seed(1)
     model = wt.convert(small_resnet())

@@ -48,6 +48,17 @@ def test_a_subclass_with_its_own_init_has_that_signature():
     assert Layer(2).kernel_size == (3, 3)
 
 
+def test_a_parametrized_module_of_wsarenas_has_torchs_signature():
+    """The class parametrize makes (or convert() makes over a parametrized PyTorch module) is read as the class it
+    extends, nn.Conv2d's arguments, not by looking itself up again until the recursion limit."""
+    made = wt.Conv2d(2, 2, 1)
+    torch.nn.utils.parametrize.register_parametrization(made, "weight", nn.Identity())
+    converted = wt.convert(torch.nn.utils.parametrizations.weight_norm(nn.Conv2d(2, 2, 1)))
+    for module in (made, converted):
+        assert isinstance(module, wt.Conv2d) and type(module).__name__ == "ParametrizedConv2d"
+        assert inspect.signature(type(module)) == inspect.signature(nn.Conv2d)
+
+
 @pytest.mark.parametrize("name", NAMES[:3])
 def test_state_dicts_load_both_ways_between_torchs_modules_and_wsarenas(name):
     torch.manual_seed(0)

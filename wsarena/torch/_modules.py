@@ -67,6 +67,14 @@ class _Checked(nn.Module):
         super().__init__(*args, **kwargs)
         self._check()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ == parametrize.__name__:
+            # The class parametrize makes over wsarena's (or convert() over a parametrized one) is wsarena's:
+            # TorchScript names a traced module by it, and only PyTorch's own are refused (_torchscript_conv);
+            # and its signature is the torch.nn class's it extends, not its own, looked up for ever (_TorchSignature)
+            cls.__module__ = __name__
+
     def _check(self) -> None:
         reason = unsupported(self)
         if reason is not None:
@@ -145,16 +153,18 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d,
     nn.ConvTranspose1d: ConvTranspose1d, nn.ConvTranspose2d: ConvTranspose2d, nn.ConvTranspose3d: ConvTranspose3d,
 }
-_NAMES = {cls.__name__ for cls in _SWAPS}
+# a TorchScript module's original_name: PyTorch's class's, or the class parametrize makes over it
+_NAMES = {prefix + cls.__name__ for cls in _SWAPS for prefix in ("", "Parametrized")}
+_TORCH_CLASSES = ("__torch__.torch.nn.modules.conv.", "__torch__.torch.nn.utils.parametrize.")  # their modules
 
 
 def _torchscript_conv(module: nn.Module) -> bool:
-    """Whether ``module`` is TorchScript's of one of PyTorch's convolutions (by its TorchScript type's name:
-    ``__torch__.`` before the Python class's, mangled or not), not of wsarena's (a model traced after
+    """Whether ``module`` is TorchScript's of one of PyTorch's convolutions, parametrized or not (by its TorchScript
+    type's name: ``__torch__.`` before the Python class's, mangled or not), not of wsarena's (a model traced after
     :func:`convert`)."""
     if not isinstance(module, torch.jit.ScriptModule) or module.original_name not in _NAMES:
         return False
-    return bool(module._c._type().qualified_name().startswith("__torch__.torch.nn.modules.conv."))
+    return bool(module._c._type().qualified_name().startswith(_TORCH_CLASSES))
 
 
 def _swappable(module: nn.Module) -> type[nn.Module] | None:
