@@ -256,12 +256,45 @@ def test_bad_arguments(resnet50, kwargs, error, match):
         wsarena.plan(resnet50[:3], **kwargs)
 
 
-@pytest.mark.parametrize("dtype", ["float64", np.float64, np.dtype("float64"), "torch.float64"])
+class _Unequal:
+    """An object whose == raises, as some array-likes' does."""
+
+    def __eq__(self, other):
+        raise RuntimeError("no ==")
+
+    __hash__ = object.__hash__
+
+
+class _UnequalName(_Unequal, str):
+    __hash__ = str.__hash__
+
+
+class _NoDtype:
+    @property
+    def dtype(self):  # what NumPy reads of an object it is asked to take as a dtype
+        raise RuntimeError("no dtype")
+
+
+@pytest.mark.parametrize(
+    "dtype", [10**5000, np.array(["float32"]), _Unequal(), _NoDtype()], ids=["huge-int", "array", "unequal", "no-dtype"]
+)
+def test_what_is_no_dtype_is_refused_naming_the_argument(resnet50, dtype):
+    """The refusal names dtype, with the value shortened, whatever the object does when NumPy reads it or when it is
+    compared (a one-element array of a name compares equal to it, as an array)."""
+    with pytest.raises(ValueError, match=r"^dtype must be one of .*, not ") as caught:
+        wsarena.plan(resnet50[:3], backend="cpu", dtype=dtype)
+    assert len(str(caught.value)) < 200
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float64", np.float64, np.dtype("float64"), "torch.float64", _UnequalName("float64")],
+    ids=["name", "numpy-type", "numpy-dtype", "torch", "str-subclass"],
+)
 def test_a_numpy_or_pytorch_dtype_is_planned_by_its_name(resnet50, dtype):
     """np.float64 and torch.float64 are what their users pass: the plan, its report and its JSON hold the name,
     and the plan is the one the name gives. np.dtype was taken before, but kept as it was, so to_dict() did not
     serialise."""
-    if dtype == "torch.float64":
+    if type(dtype) is str and dtype == "torch.float64":
         dtype = pytest.importorskip("torch").float64
     p = wsarena.plan(resnet50[:3], backend="cpu", dtype=dtype)
     named = wsarena.plan(resnet50[:3], backend="cpu", dtype="float64")

@@ -32,7 +32,7 @@ from typing import Any
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._geometry import DTYPES, ConvGeometry
 from ._pass import PASSES
-from ._sizes import as_int
+from ._sizes import as_int, short_repr
 from .algos import select
 from .backends import Candidate, device_properties_backend, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
@@ -289,21 +289,25 @@ def plan(
 def _dtype_name(dtype: Any) -> str:
     """``dtype`` as one of :data:`DTYPES`' names: a name given as it is, or a NumPy or PyTorch dtype (``np.float32``,
     ``np.dtype("float16")``, ``torch.bfloat16``) by its name. A string must be the name itself: NumPy's own
-    spellings (``"f4"``, and ``"float"``, which is float64) would read as a guess."""
-    name = dtype
-    if not isinstance(dtype, str) and dtype is not None:
-        if type(dtype).__module__ == "torch":
-            name = str(dtype).removeprefix("torch.")
-        else:
-            import numpy as np
+    spellings (``"f4"``, and ``"float"``, which is float64) would read as a guess. Only a str is compared with the
+    names: another object's ``==`` may raise, or answer an array."""
+    name: Any = None
+    if isinstance(dtype, str):
+        name = str.__str__(dtype)  # a str subclass (an enum's member) as the plain str it holds
+    elif type(dtype).__module__ == "torch":
+        name = str(dtype).removeprefix("torch.")
+    elif dtype is not None:  # which NumPy would read as float64
+        import numpy as np
 
-            try:
-                name = np.dtype(dtype).name
-            except (TypeError, ValueError):
-                pass
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, or their NumPy or PyTorch dtype, not {dtype!r}")
-    return str(name)
+        try:
+            name = np.dtype(dtype).name
+        except Exception:  # noqa: BLE001 - no dtype NumPy knows (an object's own dtype attribute may raise anything)
+            name = None
+    if not isinstance(name, str) or name not in DTYPES:
+        raise ValueError(
+            f"dtype must be one of {', '.join(DTYPES)}, or their NumPy or PyTorch dtype, not {short_repr(dtype)}"
+        )
+    return name
 
 
 def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str, passes: Sequence[str],
