@@ -5,6 +5,7 @@ import io
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 
@@ -453,6 +454,22 @@ def test_a_plot_stopped_midway_leaves_no_half_written_file(capsys, model, monkey
     assert os.listdir(target.parent) == ([] if before is None else ["curve.png"])
     if before is not None:
         assert target.read_bytes() == before
+
+
+def test_a_plot_written_over_an_earlier_one_keeps_its_permissions(capsys, model, tmp_path):
+    """Renamed over the earlier file, the new one has the earlier one's permissions, as a file written over in place
+    has: a private plot stays private; a new one has the umask's, as open() gives."""
+    pytest.importorskip("matplotlib")
+    private, new = tmp_path / "private.png", tmp_path / "new.png"
+    private.write_bytes(b"old")
+    private.chmod(0o600)
+    for path in (private, new):
+        code, _, err = run_main(capsys, "report", model, "--backend", "cpu", "--plot", str(path))
+        assert code == 0, err
+        assert path.read_bytes()[:4] == b"\x89PNG"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600 and stat.S_IMODE(new.stat().st_mode) == 0o666 & ~umask
 
 
 @pytest.mark.parametrize("command", [["tune"], ["report"]])

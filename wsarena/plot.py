@@ -44,22 +44,25 @@ def _save(plt: Any, fig: Any, path: str) -> None:
 def _write_whole(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` whole or not at all: into a new file beside it, then renamed over it. Through a
     symbolic link the file it leads to is replaced, and the link stays. A path that is no regular file (a named
-    pipe, ``/dev/stdout``) is written as it is: nothing can be renamed over it."""
+    pipe, ``/dev/stdout``) is written as it is: nothing can be renamed over it. A file replaced keeps its
+    permissions, as one written over in place does."""
     target = os.path.realpath(path)
     try:
-        regular = stat.S_ISREG(os.stat(target).st_mode)
+        mode: int | None = os.stat(target).st_mode
     except FileNotFoundError:
-        regular = True  # made here
-    if not regular:
+        mode = None  # made here
+    if mode is not None and not stat.S_ISREG(mode):
         with open(target, "wb") as f:
             f.write(data)
         return
-    # The umask's permissions, as the file open() would make (mkstemp's are private); a random name, so that two
-    # runs writing the same plot do not write into one file
+    # A new file gets the umask's permissions, as the file open() would make (mkstemp's are private); a random
+    # name, so that two runs writing the same plot do not write into one file
     tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), stat.S_IMODE(mode))  # a private plot (0600) stays private
             f.write(data)
         os.replace(tmp, target)
     except BaseException:  # Ctrl-C included: no half-written file left beside the plot either
