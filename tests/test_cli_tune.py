@@ -472,6 +472,16 @@ def test_a_plot_written_over_an_earlier_one_keeps_its_permissions(capsys, model,
     assert stat.S_IMODE(private.stat().st_mode) == 0o600 and stat.S_IMODE(new.stat().st_mode) == 0o666 & ~umask
 
 
+def test_a_plot_may_have_the_longest_name_the_file_system_takes(capsys, model, tmp_path):
+    """The file written beside it first has a name of its own, not the plot's lengthened past that limit."""
+    pytest.importorskip("matplotlib")
+    longest = os.pathconf(tmp_path, "PC_NAME_MAX")
+    path = tmp_path / ("p" * (longest - 4) + ".png")
+    code, _, err = run_main(capsys, "report", model, "--backend", "cpu", "--plot", str(path))
+    assert code == 0, err
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.parametrize("command", [["tune"], ["report"]])
 def test_a_plot_replaces_the_file_a_link_names_and_writes_into_what_is_no_file(capsys, model, tmp_path, command):
     """The PNG goes where the path leads: through a symbolic link into the file it names (the link stays), and

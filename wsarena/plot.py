@@ -56,8 +56,9 @@ def _write_whole(path: str, data: bytes) -> None:
             f.write(data)
         return
     # A new file gets the umask's permissions, as the file open() would make (mkstemp's are private); a random
-    # name, so that two runs writing the same plot do not write into one file
-    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{secrets.token_hex(4)}.tmp")
+    # name, so that two runs writing the same plot do not write into one file, and the plot's cut short, so that a
+    # name as long as the file system takes leaves room for the rest
+    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)[:40]}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
