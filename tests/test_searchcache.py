@@ -233,6 +233,8 @@ def _rewrite(path, change):
         pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(time_ms=float("inf"))), id="infinite-time"),
         pytest.param(lambda p: p.write_text(p.read_text().replace('"time_ms": 10.0', '"time_ms": 1e999')),
                      id="time-past-float"),
+        pytest.param(lambda p: p.write_text(p.read_text().replace('"time_ms": 10.0', '"time_ms": 1' + "0" * 400)),
+                     id="integer-time-past-float"),  # no float: math.isfinite and float() raise OverflowError
         pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(time_ms=float("nan"))), id="nan-time"),
     ],
 )

@@ -159,7 +159,8 @@ def _read(path: Path, key: dict[str, Any]) -> _Results | None:
         return None
     try:
         results = _parse(json.loads(text), key)
-    except (ValueError, TypeError, KeyError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+    # RecursionError: JSON nested too deep; OverflowError: an integer time past float's range
+    except (ValueError, TypeError, KeyError, RecursionError, OverflowError) as exc:
         _warn_bad(path, exc)
         return None
     if time.time() - modified > _MARK_USED_AFTER:
