@@ -1,7 +1,9 @@
 """The one cache of costly objects (cuDNN descriptor sets): hits, rebuilds, failures, bounds, races."""
 
+import gc
 import os
 import threading
+import weakref
 
 import pytest
 
@@ -114,3 +116,11 @@ def test_a_child_forked_while_another_thread_inserts_can_insert():
         forked.set()
         thread.join()
     assert wait() == ["a", "b"]
+
+
+def test_a_caches_lock_goes_with_the_cache():
+    """What frees the lock in a forked child holds it weakly: a cache made and dropped (one per backend, and per
+    fork in a child) leaves nothing behind, no lock and no at-fork hook run at every fork for ever."""
+    lock = weakref.ref(LRU(2)._lock)
+    gc.collect()
+    assert lock() is None

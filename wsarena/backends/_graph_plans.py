@@ -280,8 +280,9 @@ class PlanCache:
             return _Refusal(exc)
 
     def _forget_all(self) -> list[Any]:
-        """Start empty, destroying nothing, and return what was held. Takes no lock: in a forked child, a lock the
-        parent's threads held stays held until its own at-fork hook frees it, which may run after this one."""
+        """Start empty, destroying nothing, and return what was held. Takes no lock: it runs in a forked child's
+        at-fork hook, where no other thread is (a lock the parent's threads held is freed by :mod:`wsarena._forksafe`'s
+        hook, before this one)."""
         held = [self._plans, self._graphs, self._captured, self._spared]
         self._plans, self._graphs = _lru(self._plans.maxsize), _lru(self._graphs.maxsize)
         self._captured, self._spared = {}, []
