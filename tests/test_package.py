@@ -47,3 +47,18 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False"] * 6
+
+
+def test_the_models_module_is_reached_from_the_package_as_the_docs_write_it():
+    """README and docs/models.md write ``wsarena.models.zoo_names()``, ``wsarena.models.layers_to_json`` and
+    ``wsarena.models.ModelError`` after a plain ``import wsarena``; in a new process, where nothing else has imported
+    the submodule yet."""
+    code = (
+        "import wsarena\n"
+        "print(','.join(wsarena.models.zoo_names()), wsarena.models.ModelError.__name__,\n"
+        "      callable(wsarena.models.layers_to_json))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    from wsarena.models import zoo_names
+
+    assert out.split() == [",".join(zoo_names()), "ModelError", "True"]

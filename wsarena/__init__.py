@@ -46,6 +46,7 @@ _LAZY = {
     "Tuning": "wsarena.tuning",
     "tune": "wsarena.tuning",
     "cudnn": "wsarena.cudnn",
+    "models": "wsarena.models",
     "capture": "wsarena.cudagraph",
     "CapturedGraph": "wsarena.cudagraph",
 }
@@ -82,6 +83,7 @@ __all__ = [
     "get_arena",
     "get_config",
     "load_model",
+    "models",
     "parse_size",
     "plan",
     "tune",
@@ -93,7 +95,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'wsarena' has no attribute {name!r}")
     mod = importlib.import_module(module)
-    value = mod if name == "cudnn" else getattr(mod, name)
+    value = mod if name in ("cudnn", "models") else getattr(mod, name)
     globals()[name] = value
     return value
 
