@@ -816,9 +816,10 @@ def test_info_names_the_setting_in_force(cache, monkeypatch, tmp_path):
     wsarena._config._reset()
     line = cache_output("info", "text").splitlines()[0]
     assert line == f"search cache: {tmp_path / 'xdg' / 'wsarena'} (from the user cache folder)"
-    monkeypatch.setenv("WSARENA_CACHE_DIR", "off")
-    wsarena._config._reset()
-    assert cache_output("info", "text") == "the search cache is off (WSARENA_CACHE_DIR=off)\n"
+    for word in ("off", "none", " None"):  # the variable as the user wrote it, which turned the cache off
+        monkeypatch.setenv("WSARENA_CACHE_DIR", word)
+        wsarena._config._reset()
+        assert cache_output("info", "text") == f"the search cache is off (WSARENA_CACHE_DIR={word.strip()})\n"
 
 
 @pytest.mark.parametrize("variable", ["a folder", "off", "unset"])

@@ -7,10 +7,12 @@ import csv
 import io
 import json
 import math
+import os
 import re
 from typing import Any
 
 from . import __version__
+from ._config import _cache_path
 from ._report_cli import printable, skipped_note
 from ._sizes import format_size
 
@@ -143,6 +145,12 @@ def tune_output(t: Any, fmt: str) -> str:
 _SOURCES = {"environment": "WSARENA_CACHE_DIR", "default": "the user cache folder"}
 
 
+def _off_value(variable: str) -> str:
+    """The value, as the user wrote it, of the variable that turned the cache off (``off``, ``none``, ``None``)."""
+    raw = os.environ.get(variable, "").strip()
+    return raw if raw and _cache_path(raw) is None else "off"  # changed since it was read: the setting's own word
+
+
 def cache_output(action: str, fmt: str) -> str:
     """``wsarena cache info`` or ``clear``, as ``text`` or ``json``."""
     from . import searchcache
@@ -152,7 +160,7 @@ def cache_output(action: str, fmt: str) -> str:
         return json.dumps(data, indent=2) + "\n"
     source = searchcache.source()
     if data["directory"] is None:
-        off = f"{searchcache.ENV_VAR}=off" if source == "environment" else f"set by {source}()"
+        off = f"{searchcache.ENV_VAR}={_off_value(searchcache.ENV_VAR)}" if source == "environment" else f"set by {source}()"
         return f"the search cache is off ({off})\n"
     where = _SOURCES.get(source, f"{source}()")
     directory = printable(data["directory"])  # a folder's name, as an entry's strings, may hold a newline or an escape
