@@ -71,6 +71,23 @@ def test_a_resnet50_on_the_meta_device_gives_the_zoos_layers():
     assert found == wsarena.load_model("resnet50")
 
 
+def test_a_copy_moved_to_the_meta_device_gives_the_models_layers_and_leaves_the_model_as_it_was():
+    """README's recipe for reading a model without computing: ``copy.deepcopy(model).to("meta")`` and a meta input
+    give the layers the model gives on its own device with an input there (a converted model too), and the model
+    keeps its weights; a meta input alone is PyTorch's error, since the model's weights are elsewhere."""
+    import copy
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 2, stride=2))
+    wt.convert(model)
+    weight = model[0].weight.detach().clone()
+    found = wt.layers(copy.deepcopy(model).to("meta"), torch.empty(1, 3, 16, 16, device="meta"))
+    assert found == wt.layers(model, torch.empty(1, 3, 16, 16))
+    assert [layer.name for layer in found] == ["0", "2"]
+    assert model[0].weight.device.type == "cpu" and torch.equal(model[0].weight, weight)
+    with pytest.raises(RuntimeError, match="meta"):
+        wt.layers(model, torch.empty(1, 3, 16, 16, device="meta"))
+
+
 def _padded(module: nn.Module, x: torch.Tensor, layer: wsarena.ConvLayer) -> torch.Tensor:
     """``x`` padded as the layer says PyTorch pads it: by the module's own mode over its whole padding where that
     mode is not zeros, else with zeros at the end up to the layer's input size."""
