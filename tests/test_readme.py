@@ -145,3 +145,34 @@ def test_tunes_apply_line_exported_is_the_cap_the_next_command_runs_under(tmp_pa
     r = run_cli("report", str(model), "--backend", "cpu", "--format", "json", env={name: value})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["cap_workspace_bytes"] == int(value)
+
+
+def _readme_sentence(start: str, end: str) -> str:
+    """The README's text from ``start`` up to ``end``, its lines joined."""
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split("\n"))
+    begin = readme.index(start)
+    return readme[begin:readme.index(end, begin)]
+
+
+def test_the_reports_json_keys_are_those_the_readme_lists(capsys, tmp_path):
+    """"`--format json` prints one JSON object: ..." names every top-level key of a report, the per-pass keys of a
+    layer, and `max_slowdown` only with `--max-slowdown`: nothing more, nothing less."""
+    import re
+
+    from .cli_helpers import run_main
+
+    text = _readme_sentence("`--format json` prints one JSON object: the header", "It reads back")
+    spans = re.findall(r"`([^`]+)`", text)
+    named = {span for span in spans if re.fullmatch(r"[a-z_]+", span)}
+    named |= {key for span in spans if span.startswith("{") for key in re.findall(r'"(\w+)"', span)}
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps([{"name": "c", "input_shape": [1, 2, 8, 8], "weight_shape": [2, 2, 3, 3]}]))
+    for extra in ([], ["--max-slowdown", "5%"]):
+        code, out, err = run_main(capsys, "report", str(model), "--backend", "cpu", "--format", "json", *extra)
+        assert code == 0, err
+        report = json.loads(out)
+        keys = set(report) | set(report["layers"][0]["fwd"])
+        layer_keys = {"name", "input_shape", "weight_shape", "stride", "padding", "dilation", "groups"}
+        assert set(report["layers"][0]) == layer_keys | set(PASSES)  # "the keys of a JSON layer", and the passes
+        assert named - {"max_slowdown"} == keys - {"max_slowdown"}, named ^ keys
+        assert ("max_slowdown" in report) == bool(extra) and "max_slowdown" in named
