@@ -1,5 +1,6 @@
 """`wsarena report` and `wsarena info`: output formats, exit codes, one-line errors."""
 
+import argparse
 import contextlib
 import csv
 import fcntl
@@ -576,3 +577,17 @@ def test_report_device_properties_decides_the_backend_search_and_api(capsys, mon
     assert (code, out) == (2, "") and "WSARENA_CAP_WORKSPACE='bogus'" in err
     assert run_main(capsys, "report", "resnet50", "--device-properties", str(props), "--cap-workspace", "1MiB")[0] == 0
 
+
+
+def test_every_flag_with_a_default_value_says_it_in_its_help():
+    """``wsarena CMD --help`` states each default: a flag whose default is a value (not None, not off) names it in
+    its help, ``default`` and the value as the flag takes it (the cap and the slowdown say it their own way)."""
+    commands = next(a for a in _parser()._actions if a.dest == "command").choices
+    for name, parser in commands.items():
+        for action in parser._actions:
+            if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+                continue
+            text = action.help or ""
+            assert "default" in text, (name, action.option_strings)
+            if isinstance(action.default, (int, str)) and not isinstance(action.default, bool):
+                assert str(action.default) in text, (name, action.option_strings, action.default)

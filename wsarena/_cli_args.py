@@ -118,10 +118,10 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     """The flags ``report`` and ``tune`` share: the model, how to read it, and the run to plan."""
     parser.add_argument("model", help="zoo name (resnet50, vgg16, ...), a .onnx file or a .json layer list")
     parser.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="default float32")
+    parser.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW", help="default NCHW")
     parser.add_argument("--passes", type=_passes, default=PASSES, help="comma-separated (default: all three)")
-    parser.add_argument("--streams", type=_positive, default=1, help="concurrent streams, each may run any layer")
+    parser.add_argument("--streams", type=_positive, default=1, help="concurrent streams, each may run any layer (default 1)")
     parser.add_argument(
         "--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto"
     )
@@ -164,7 +164,7 @@ def parser() -> _Parser:
     )
     report.add_argument("--device-properties", type=_file_name, metavar="FILE", help="plan for the GPU whose "
                         "cuDNN device properties (JSON) FILE holds, without one (cuDNN 9.8+, its graph API)")
-    report.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    report.add_argument("--format", choices=("table", "json", "csv"), default="table", help="default table")
     report.add_argument(
         "--plot", type=_file_name, metavar="FILE.png",
         help="draw per-layer workspace and the arena (needs wsarena[plot])",
@@ -184,8 +184,8 @@ def parser() -> _Parser:
     cache = sub.add_parser("cache", help="the persistent search cache: its entries, or empty it")
     cache.add_argument("action", choices=("info", "clear"), help="info: the folder (WSARENA_CACHE_DIR, else the user "
                        "cache folder), its entries, their size on disk and its limit; clear: remove the entries")
-    cache.add_argument("--format", choices=("text", "json"), default="text")
+    cache.add_argument("--format", choices=("text", "json"), default="text", help="default text")
 
     info = sub.add_parser("info", help="versions, library paths, devices, and the backend 'auto' picks")
-    info.add_argument("--format", choices=("text", "json"), default="text")
+    info.add_argument("--format", choices=("text", "json"), default="text", help="default text")
     return command
