@@ -102,7 +102,8 @@ class Config:
     algo_search : str
         ``"heuristic"`` (cuDNN's ranked guesses, no timing) or ``"exhaustive"`` (time the candidates).
     backend : str
-        ``"auto"`` (cuDNN for CuPy arrays, CPU for NumPy arrays), ``"cudnn"`` or ``"cpu"``.
+        ``"auto"`` (the ops: cuDNN for CuPy arrays and other device memory, the CPU for NumPy arrays and other host
+        memory; the planner: cuDNN where a GPU is usable), ``"cudnn"`` or ``"cpu"``.
     cudnn_api : str
         How the cudnn backend calls cuDNN: ``"legacy"`` (``cudnnConvolutionForward`` and its kin) or ``"graph"``
         (the backend API: execution plans built once and cached).
