@@ -88,6 +88,30 @@ def test_table_says_when_the_arena_holds_more_than_unshared(capsys):
     assert out.splitlines()[-1].startswith("saved:") and out.splitlines()[-1].endswith("x less)")
 
 
+@pytest.mark.parametrize("streams", [1, 2, 3, 53])
+def test_table_totals_stay_one_short_line_each_at_any_stream_count(capsys, streams):
+    code, out, err = run_main(capsys, "report", "resnet50", "--backend", "cpu", "--streams", str(streams))
+    assert code == 0, err
+    lines = out.splitlines()
+    totals = lines[lines.index("", 5) + 1:]
+    assert len(totals) == 3 and max(len(line) for line in totals) <= 100, totals
+    amounts = [re.match(r".+:\s+[\d.]+ [KMGT]?i?B", line) for line in totals]
+    assert len({m.end() for m in amounts}) == 1, totals  # the amounts right-aligned in one column
+    arena = totals[1]
+    assert ("streams of" in arena) == (streams > 1), arena
+
+
+def test_table_gives_the_range_of_streams_that_hold_different_sizes():
+    import wsarena
+    from wsarena._report_cli import render_table
+
+    p = wsarena.plan(wsarena.load_model("resnet50")[:6], backend="cpu", streams=[0, 1, 1, 0, 2, 2])
+    assert len(set(p.stream_bytes)) > 1
+    arena = render_table(p).splitlines()[-2]
+    least, most = format_size(min(p.stream_bytes)), format_size(max(p.stream_bytes))
+    assert arena.endswith(f"{format_size(p.arena_bytes)} (3 streams of {least} to {most})"), arena
+
+
 # A layer list with what the zoo lacks: rectangular strides, padding and dilation, 1-D and 3-D, a transposed conv.
 VARIED = [
     {"name": "rect", "input_shape": [1, 8, 20, 24], "weight_shape": [8, 4, 3, 5], "stride": [1, 2], "padding": [0, 2],
@@ -187,10 +211,11 @@ def test_table_shows_what_the_json_report_holds(capsys, tmp_path, model, flags):
     unshared, arena, last = totals
     assert unshared == (f"unshared: one workspace per layer and pass ({len(rows) * len(passes)})",
                         format_size(d["unshared_bytes"]), None)
-    label = "wsarena arena: the largest workspace per stream"
-    if d["streams"] > 1:
-        label += f" ({', '.join(format_size(b) for b in d['stream_bytes'])})"
-    assert arena == (label, format_size(d["arena_bytes"]), None)
+    per_stream = None
+    if d["streams"] > 1:  # the CLI's streams may each run any layer: each holds the largest workspace
+        assert len(set(d["stream_bytes"])) == 1
+        per_stream = f"{d['streams']} streams of {format_size(d['stream_bytes'][0])} each"
+    assert arena == ("wsarena arena: the largest workspace per stream", format_size(d["arena_bytes"]), per_stream)
     saved, arena_bytes, unshared_bytes = d["saved_bytes"], d["arena_bytes"], d["unshared_bytes"]
     if saved < 0:
         assert last[:2] == ("the arena holds more than unshared", format_size(-saved))

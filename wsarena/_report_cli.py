@@ -86,12 +86,9 @@ def render_table(p: Any) -> str:
     lines += [fmt(r) for r in rows]
     lines.append("")
     n_calls = len(p.layers) * len(p.passes)
-    arena_label = "wsarena arena: the largest workspace per stream"
-    if p.streams > 1:
-        arena_label += f" ({', '.join(format_size(b) for b in p.stream_bytes)})"
     totals = [
         (f"unshared: one workspace per layer and pass ({n_calls})", format_size(p.unshared_bytes)),
-        (arena_label, format_size(p.arena_bytes)),
+        ("wsarena arena: the largest workspace per stream", format_size(p.arena_bytes) + _per_stream(p)),
         _saving(p),
     ]
     label_width = max(len(label) for label, _ in totals)
@@ -104,6 +101,17 @@ def render_table(p: Any) -> str:
     if any(lp.transposed for lp in p.layers):
         lines.append("(T) a transposed convolution, reported as the convolution whose backward-data it runs")
     return "\n".join(lines) + "\n"
+
+
+def _per_stream(p: Any) -> str:
+    """What each stream holds, in brackets after the arena's total: one line at any stream count (every stream's
+    figure is in the JSON's ``stream_bytes``); empty for one stream, whose figure is the total."""
+    if p.streams == 1:
+        return ""
+    least, most = min(p.stream_bytes), max(p.stream_bytes)
+    if least == most:
+        return f" ({p.streams} streams of {format_size(most)} each)"
+    return f" ({p.streams} streams of {format_size(least)} to {format_size(most)})"
 
 
 def _saving(p: Any) -> tuple[str, str]:
