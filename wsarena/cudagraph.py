@@ -28,6 +28,7 @@ default), or order it with that stream's other work, as for any two uses of one 
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +40,19 @@ from .errors import BackendUnavailableError, CaptureError
 __all__ = ["CapturedGraph", "capture"]
 
 _MODES = ("global", "thread_local", "relaxed")
+
+
+class _State(enum.Enum):
+    """Where a :class:`CapturedGraph` stands; each value is what its ``repr`` says while it has no graph."""
+
+    CAPTURING = "capturing"  # its block has not ended
+    CAPTURED = "captured"  # it holds its graph
+    RAISED = "empty: the block failed"  # the block raised: its capture was discarded
+    NOT_ENDED = "empty"  # the block returned, but its capture could not be ended into a graph
+    CLOSED = "closed"
+
+
+_NOT_OVER = "its capture block has not ended yet (launch it once the `with wsarena.capture()` block is over)"
 
 
 class CapturedGraph:
@@ -53,12 +67,13 @@ class CapturedGraph:
         capture could not be ended: :meth:`launch` says which).
     """
 
-    __slots__ = ("_state", "graph", "stream")
+    __slots__ = ("_reason", "_state", "graph", "stream")
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.graph: Any = None
-        self._state = _CAPTURING  # why graph is None: one of the _STATES, or what the block raised
+        self._state = _State.CAPTURING
+        self._reason = _NOT_OVER  # while graph is None: why, as launch() says it
 
     @property
     def closed(self) -> bool:
@@ -73,7 +88,7 @@ class CapturedGraph:
         capture could not be ended, or the graph is closed."""
         graph = self.graph
         if graph is None:
-            raise RuntimeError(f"cannot launch this graph: {self._state}")
+            raise RuntimeError(f"cannot launch this graph: {self._reason}")
         if stream is None:
             stream = self.stream
         elif type(getattr(stream, "ptr", None)) is not int:  # CuPy's Graph.launch reads a CuPy stream's ptr
@@ -87,24 +102,24 @@ class CapturedGraph:
         stream order by the arena's next trim, stats or growth after CUDA let go of it (and after any capture under
         way on its stream). Inside its capture block, the capture is discarded as the block ends. Idempotent."""
         self.graph = None
-        self._state = _CLOSED
+        self._state, self._reason = _State.CLOSED, "it is closed"
 
-    def _failed(self, why: str) -> None:
-        """The capture block left no graph, for the reason ``why`` (unless closed, or another reason given, first)."""
-        if self._state is _CAPTURING:
-            self._state = why
+    def _failed(self, state: _State, why: str) -> None:
+        """The capture block left no graph (``state``: RAISED or NOT_ENDED), for the reason ``why``, unless it was
+        closed, or another reason given, first."""
+        if self._state is _State.CAPTURING:
+            self._state, self._reason = state, why
+
+    def _captured(self, graph: Any) -> None:
+        """The capture block's graph, kept unless it was closed inside the block (then dropped: CuPy destroys it,
+        and CUDA releases what it pinned)."""
+        if self._state is not _State.CLOSED:
+            self.graph, self._state = graph, _State.CAPTURED
 
     def __repr__(self) -> str:
         if self.graph is not None:
             return f"<CapturedGraph on {self.stream!r}>"
-        state = _STATES.get(self._state, "empty: the block failed" if self._state.startswith(_RAISED) else "empty")
-        return f"<CapturedGraph on {self.stream!r} ({state})>"
-
-
-_CAPTURING = "its capture block has not ended yet (launch it once the `with wsarena.capture()` block is over)"
-_CLOSED = "it is closed"
-_RAISED = "its capture block was left by"
-_STATES = {_CAPTURING: "capturing", _CLOSED: "closed"}
+        return f"<CapturedGraph on {self.stream!r} ({self._state.value})>"
 
 
 def seed_workspace(arena: Any, stream: Any) -> None:
@@ -253,7 +268,8 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
             except BaseException as exc:
                 # The capture begun here, if any, is discarded (its pins are released when CUDA destroys it). CUDA is
                 # asked whether it began: a Ctrl-C just after begin_capture returned comes before any flag could say.
-                graph._failed(f"{_RAISED} {type(exc).__name__}, and its capture was discarded: capture again")
+                why = f"its capture block was left by {type(exc).__name__}, and its capture was discarded"
+                graph._failed(_State.RAISED, f"{why}: capture again")
                 if not refused:
                     with contextlib.suppress(Exception):
                         if _capturing(runtime, stream.ptr):
@@ -282,7 +298,7 @@ def _end(runtime: Any, stream: Any, graph: CapturedGraph, own: int | None) -> No
     else:
         why = ""
     if why:
-        graph._failed(f"{why}: capture again")
+        graph._failed(_State.NOT_ENDED, f"{why}: capture again")
         raise CaptureError(f"{why}, so the block has no graph: capture again")
     try:
         ended = stream.end_capture()
@@ -290,7 +306,6 @@ def _end(runtime: Any, stream: Any, graph: CapturedGraph, own: int | None) -> No
         why = (f"the capture on stream {ptr:#x} could not be ended into a graph ({exc}): an error inside the block "
                "invalidated it (a call that cannot be captured, such as a synchronization), work forked to another "
                "stream was not joined back, or CUDA could not instantiate the graph")
-        graph._failed(f"{why}: capture again")
+        graph._failed(_State.NOT_ENDED, f"{why}: capture again")
         raise CaptureError(f"{why}; capture again") from exc
-    if graph._state is not _CLOSED:
-        graph.graph = ended  # else dropped: CuPy destroys it, and CUDA releases what it pinned
+    graph._captured(ended)
