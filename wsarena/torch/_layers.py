@@ -34,7 +34,9 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     listed again, ``#2`` and on after its name. Convolutions called as functions (``F.conv2d`` in a ``forward``) are
     not seen: export such a model to ONNX and load that (:func:`wsarena.load_model`). A lazy module is initialized
     by the run, its buffers left as first made. Of a ``torch.compile`` wrapper, the model it wraps runs; nothing is
-    compiled (a model compiled in place with ``Module.compile()``, or a compiled submodule, runs uncompiled).
+    compiled (a model compiled in place with ``Module.compile()``, or a compiled submodule, runs uncompiled). To
+    that end torch.compile's stance is ``"force_eager"`` while the model runs, and that stance is the process's:
+    compiled code that another thread runs meanwhile runs uncompiled too.
 
     Padding is modelled as PyTorch runs it: ``"same"`` with an even total (a kernel of even size) pads the input by
     one more at the end, and a ``padding_mode`` other than ``"zeros"`` pads the input itself before an unpadded
