@@ -5,6 +5,7 @@ through wsarena's ops on the input PyTorch padded as the layer says, gives what 
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -209,6 +210,53 @@ def test_a_model_compiled_in_place_or_holding_a_compiled_module_runs_uncompiled(
     assert [k.rsplit(".", 1)[0] for k in holder.state_dict()][::2] == ["0._orig_mod.0", "0._orig_mod.2"]
     holder(x)  # outside layers(), compiled as asked
     assert len(compiled) == 1
+
+
+class _Overlaps(nn.Module):
+    """A model whose run says it began (``began``), then waits, at most 5 s, for ``go``, then runs ``conv``."""
+
+    def __init__(self, conv: nn.Module, began: threading.Event, go: threading.Event) -> None:
+        super().__init__()
+        self.conv = conv
+        self.began, self.go = began, go
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.began.set()
+        self.go.wait(5)
+        return self.conv(x)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile
+def test_overlapping_calls_in_two_threads_leave_torch_compile_as_it_was():
+    """torch.compile's stance is the process's: two layers() calls in two threads, the first ending while the second
+    runs, each restoring the stance it found, would leave "force_eager" set for good (and the second's compiled
+    submodule, run once the first ended, compiled). Neither run compiles; a function compiled afterwards is."""
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    x = torch.randn(1, 3, 8, 8)
+    a_began, b_began, a_ended = threading.Event(), threading.Event(), threading.Event()
+    found: dict[str, list] = {}
+    first = _Overlaps(nn.Conv2d(3, 2, 3), a_began, b_began)
+    second = _Overlaps(torch.compile(nn.Conv2d(3, 2, 3), backend=backend), b_began, a_ended)
+    a = threading.Thread(target=lambda: found.setdefault("a", wt.layers(first, x)))
+    b = threading.Thread(target=lambda: found.setdefault("b", wt.layers(second, x)))
+    a.start()
+    assert a_began.wait(5)
+    b.start()  # a ends once b's run began, then b once a ended
+    a.join()
+    a_ended.set()
+    b.join()
+    try:
+        assert [[layer.name for layer in found[k]] for k in "ab"] == [["conv"], ["conv._orig_mod"]]
+        assert graphs == []
+        torch.compile(lambda t: t.sin() + 1, backend=backend)(x)
+        assert len(graphs) == 1
+    finally:
+        torch.compiler.set_stance("default")  # the tests after this one compile as asked, whatever it found
 
 
 def test_a_converted_model_gives_the_same_layers_and_hooks_are_removed():

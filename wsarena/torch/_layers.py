@@ -7,7 +7,9 @@ model, and picks its cap, without exporting it to ONNX first.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -90,7 +92,7 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     try:
         # force_eager: a model compiled in place (Module.compile()) or holding a torch.compile'd module runs
         # uncompiled too (no seconds of compiling, and the hooks run as written)
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda), torch.compiler.set_stance("force_eager"):
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), _force_eager():
             model(*args, **kwargs)
     finally:
         for hook in hooks:
@@ -102,6 +104,32 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     if not found:
         raise ModelError(f"{type(model).__name__} ran no nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d")
     return found
+
+
+# torch.compile's stance is one for the process, and torch offers none for one thread: torch.compiler.disable acts
+# on the calling thread only, but a torch.compile'd module or function called under it compiles all the same.
+# So layers() calls that overlap in several threads share one "force_eager", set by the first and restored by the
+# last: each restoring the stance it found would leave "force_eager" set for good when the first ends first.
+_eager_lock = threading.Lock()
+_eager_calls = 0
+_eager_stance = contextlib.ExitStack()
+
+
+@contextlib.contextmanager
+def _force_eager() -> Iterator[None]:
+    """torch.compile's stance ``"force_eager"`` until the last of the overlapping calls ends."""
+    global _eager_calls
+    with _eager_lock:
+        if not _eager_calls:
+            _eager_stance.enter_context(torch.compiler.set_stance("force_eager"))
+        _eager_calls += 1
+    try:
+        yield
+    finally:
+        with _eager_lock:
+            _eager_calls -= 1
+            if not _eager_calls:
+                _eager_stance.close()  # the stance the first found
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:
