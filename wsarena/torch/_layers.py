@@ -8,7 +8,6 @@ model, and picks its cap, without exporting it to ONNX first.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from .. import _forksafe
 from ..models import ConvLayer, ModelError
 
 __all__ = ["layers"]
@@ -110,7 +110,7 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
 # on the calling thread only, but a torch.compile'd module or function called under it compiles all the same.
 # So layers() calls that overlap in several threads share one "force_eager", set by the first and restored by the
 # last: each restoring the stance it found would leave "force_eager" set for good when the first ends first.
-_eager_lock = threading.Lock()
+_eager_lock = _forksafe.lock()
 _eager_calls = 0
 _eager_stance = contextlib.ExitStack()
 
