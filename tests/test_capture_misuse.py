@@ -207,6 +207,7 @@ def test_a_capture_ended_by_hand_inside_the_block_is_a_capture_error_at_its_end(
         theirs = s.end_capture()
     with pytest.raises(RuntimeError, match="ended inside the block"):
         graph.launch()
+    assert repr(graph) == f"<CapturedGraph on {s!r} (empty)>" and graph.closed
     del theirs  # the graph made by hand, and its pin, go
     assert_left_clean(provider, arena, graph)
 
