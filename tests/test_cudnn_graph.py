@@ -273,3 +273,29 @@ def test_plan_execute_gives_cudnn_a_finalized_pack_in_both_modes(props, monkeypa
     kept = list(plan._packs.values())
     plan.close()
     assert plan.closed and all(p.closed for p in kept) and not plan._packs
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_plan_execute_passes_the_plans_pointer_and_refuses_a_closed_plan(props, monkeypatch, reuse):
+    """cudnnBackendExecute gets the plan's and the kept pack's raw pointers; a closed plan raises ValueError and
+    reaches no cuDNN call (its pointer, destroyed, must never be passed)."""
+    op_graph = graph.operation_graph(conv_problem("fwd", GEOMETRIES["2d"]))
+    (name, _), *_ = ranked_names(graph, op_graph, "float32", properties=props)
+    plan = graph.execution_plan(graph.engine_config(op_graph, name, properties=props), properties=props)
+    plan.reuse_variant_packs = reuse
+    seen = []
+
+    def execute(handle, plan_arg, pack):
+        seen.append((plan_arg, pack.value))
+        return 0
+
+    monkeypatch.setattr(graph, "_execute_fn", execute)
+    plan.execute("handle", 0x1000, 0x2000, 0x3000, 0x4000)
+    assert seen[0][0] == plan.descriptor.handle and seen[0][1]
+    if reuse:
+        assert seen[0][1] == plan._packs[(0x1000, 0x2000, 0x3000, 0x4000)].handle
+    plan.descriptor.close()  # closed under the plan, as a cache's discard or the handles' teardown would
+    with pytest.raises(ValueError, match="closed"):
+        plan.execute("handle", 0x1000, 0x2000, 0x3000, 0x4000)
+    assert len(seen) == 1
+    plan.close()

@@ -295,7 +295,14 @@ class Plan:
         return self.descriptor.closed
 
     def execute(self, handle: Any, x: int, w: int, y: int, workspace: int) -> None:
-        """Enqueue the plan on the handle's stream: device pointers of x, w, y (by role) and of the workspace."""
+        """Enqueue the plan on the handle's stream: device pointers of x, w, y (by role) and of the workspace.
+
+        ``ValueError`` once the plan is closed."""
+        # The plan and its pack go to cuDNN as raw pointers: ctypes would convert a descriptor through its
+        # _as_parameter_ (two properties and a c_void_p, some 0.3 us apiece on every call). The plan's is read
+        # through the property that refuses a closed one; a kept pack is open as long as it is kept (close() and
+        # eviction let go of it first).
+        plan = self.descriptor.handle
         key = (x, w, y, workspace)
         if self.reuse_variant_packs:
             pack = self._packs.get(key)
@@ -303,18 +310,19 @@ class Plan:
                 pack = self._packs[key] = _variant_pack(key)
                 if len(self._packs) > _VARIANT_PACKS_KEPT:
                     self._packs.popitem(last=False)[1].close()
-            check(_execute(handle, self.descriptor, pack), "cudnnBackendExecute", self._context)
+            check(_execute(handle, plan, ctypes.c_void_p(pack._handle)), "cudnnBackendExecute", self._context)
             return
-        _execute_with_new_pack(handle, self.descriptor, key, self._context)
+        _execute_with_new_pack(handle, plan, key, self._context)
 
     def _context(self) -> str:
         return f"plan {self.name}, workspace {self.workspace_bytes} bytes"
 
     def close(self) -> None:
         """Destroy the plan and the variant packs it keeps; later calls do nothing."""
-        for pack in self._packs.values():
+        packs = list(self._packs.values())
+        self._packs.clear()  # before any is destroyed: execute() passes a kept pack's pointer unchecked
+        for pack in packs:
             pack.close()
-        self._packs.clear()
         self.descriptor.close()
 
     def __repr__(self) -> str:
@@ -324,7 +332,7 @@ class Plan:
 _execute_fn: Any = None  # cudnnBackendExecute, declared on first use
 
 
-def _execute(handle: Any, plan: BackendDescriptor, pack: Any) -> int:
+def _execute(handle: Any, plan: int, pack: Any) -> int:
     global _execute_fn
     if _execute_fn is None:
         _execute_fn = function("cudnnBackendExecute")
@@ -335,7 +343,7 @@ _UID_ARRAY = (ctypes.c_int64 * 3)(UIDS["x"], UIDS["w"], UIDS["y"])
 _raw_fns: tuple[Any, ...] = ()  # create, set, finalize, destroy: the per-call pack's calls, declared on first use
 
 
-def _execute_with_new_pack(handle: Any, plan: BackendDescriptor, key: tuple[int, int, int, int], context: Any) -> None:
+def _execute_with_new_pack(handle: Any, plan: int, key: tuple[int, int, int, int], context: Any) -> None:
     """Build a variant pack, execute, destroy the pack: straight ctypes calls, since this runs on every call of a
     plan that keeps no packs (a BackendDescriptor's bookkeeping would cost it some 40 us)."""
     global _raw_fns
