@@ -77,6 +77,17 @@ def test_alignment_and_engine_names():
     assert is_engine_name("eng0") and is_engine_name("eng28:tile_size=3") and not is_engine_name("implicit_gemm")
 
 
+def test_the_run_keys_its_plan_by_each_pointers_alignment():
+    """The run's one test for three 16-byte-aligned pointers gives what alignment() gives each, for any mix."""
+    from itertools import product
+
+    from wsarena.backends._cudnn_graph import _alignments
+
+    pointers = (0, 0x1000, 0x1008, 0x100C, 0x1002, 0x1001, 0x1010, 0x1004)
+    for x, w, y in product(pointers, repeat=3):
+        assert _alignments(x, w, y) == (alignment(x), alignment(w), alignment(y)), (x, w, y)
+
+
 def test_a_cached_plan_is_built_once_per_handle_pass_geometry_name_and_alignment():
     b = Builder()
     cache = PlanCache(b.graph, b.plan)

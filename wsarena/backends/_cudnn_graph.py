@@ -34,6 +34,7 @@ from ..errors import AlignmentWorkspaceError, BackendUnavailableError, CudnnApiF
 from . import Candidate
 from ._cudnn_backend import CudnnBackend, pointers
 from ._graph_plans import (
+    ALIGNED,
     PlanCache,
     alignment,
     conv_problem,
@@ -44,6 +45,13 @@ from ._graph_plans import (
 )
 
 _TIMED_RUNS = 3  # executions timed per candidate in an exhaustive search (the fewest counts)
+
+
+def _alignments(x: int, w: int, y: int) -> tuple[int, int, int]:
+    """The alignments of the x, w and y pointers (part of a plan's key), each :func:`alignment`'s."""
+    if not (x | w | y) & 15:  # all three on 16-byte boundaries, as every allocation is: one test, not three calls
+        return ALIGNED
+    return alignment(x), alignment(w), alignment(y)
 
 
 class CudnnGraphBackend(CudnnBackend):
@@ -227,7 +235,7 @@ class CudnnGraphBackend(CudnnBackend):
         handle = self._bound_handle(stream, workspace)
         raw = handle.stream  # the stream it was just bound to: the lease's, or the call's own
         x, w, y = pointers(pass_, a, b, out)
-        aligned = (alignment(x), alignment(w), alignment(y))
+        aligned = _alignments(x, w, y)
         runtime = self._cupy.cuda.runtime
         start, end = runtime.eventCreate(), runtime.eventCreate()
         timed = []
@@ -262,7 +270,7 @@ class CudnnGraphBackend(CudnnBackend):
             return
         handle = self._bound_handle(stream, workspace)
         x, w, y = pointers(pass_, a, b, out)
-        aligned = (alignment(x), alignment(w), alignment(y))
+        aligned = _alignments(x, w, y)
         # stream=: checked for a capture before a plan is finalized, the stream the handle was just bound to (the
         # lease's, or the call's own for a zero-byte lease, whose cuda_stream is None), not resolved again. pin=: the
         # CUDA graph being captured, if any (the lease's), for which the plan is kept: its kernel uses what it owns.
