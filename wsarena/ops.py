@@ -190,7 +190,7 @@ def _run(
     if frozen is not None:
         key = (
             pass_, type(a), type(b), getattr(a, "shape", None), getattr(b, "shape", None),
-            getattr(a, "dtype", None), getattr(b, "dtype", None), shape_arg, *frozen, layout, cfg.backend,
+            getattr(a, "dtype", None), getattr(b, "dtype", None), shape_arg, frozen, layout, cfg.backend,
             cfg.cap_workspace, cfg.algo_search, cfg.cudnn_api, cfg.cudnn_heuristic,
         )
         try:
