@@ -8,7 +8,9 @@ stream binding and ``cudnnBackendExecute``. The first two are Python and run her
                 path every backend shares (on a GPU the ops also enter CuPy's device and stream);
 - ``run``       the graph backend's ``run`` on execution plans cuDNN finalizes here for an H100's properties
                 (``tests/data/h100-handwritten.json``, docs/deviceless.md), ``cudnnBackendExecute`` replaced by a
-                no-op, with the variant packs kept by pointers (the default) and one built per call (``run/pc``).
+                C function that does nothing, declared as it is (ctypes converts its arguments, a handle among them,
+                as on a GPU), with the variant packs kept by pointers (the default) and one built per call
+                (``run/pc``).
 
 ``bench_gpu_host.py``'s ``graph py`` column measures the same sum on a GPU. Run:
 python bench/bench_graph_host.py [--number 20000] [--repeat 7]
@@ -17,10 +19,12 @@ python bench/bench_graph_host.py [--number 20000] [--repeat 7]
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import platform
 import sys
 import timeit
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +37,35 @@ import wsarena
 from wsarena.backends import Candidate, get_backend
 
 LAYERS = ("conv1", "layer1.0.conv1", "layer1.0.conv2", "layer3.0.conv3")
+
+
+def _handle() -> object:
+    """A stand-in for a cuDNN handle that ctypes converts as it converts one (:class:`wsarena.cudnn.Handle`, an
+    ``Owned``), bound to no stream: on a GPU, the thread's handle, bound to the call's stream once. With no stream,
+    there is none to check for a capture (with CUDA) before a plan is finalized."""
+    from wsarena.cudnn._owned import Owned
+
+    class Handle(Owned):
+        __slots__ = ("__weakref__", "_finalizer", "_handle")
+        stream = None
+
+        def __init__(self) -> None:
+            self._handle = 0x1  # never dereferenced
+            self._finalizer = weakref.finalize(self, int)
+
+    return Handle()
+
+
+def _no_op_execute() -> object:
+    """A C function declared as ``cudnnBackendExecute`` is, which returns 0 (SUCCESS) and touches nothing:
+    ``pthread_equal`` of two different values (the handle and the plan; the variant pack, a third argument, a C
+    call may ignore). A Python stand-in would leave out ctypes' conversion of the arguments."""
+    from wsarena.cudnn._prototypes import function
+
+    real = function("cudnnBackendExecute")
+    stub = ctypes.CDLL(None).pthread_equal
+    stub.restype, stub.argtypes = real.restype, real.argtypes
+    return stub
 
 
 def best_us(fn, number: int, repeat: int) -> float:
@@ -65,16 +98,14 @@ def run_us(number: int, repeat: int) -> dict[str, tuple[float, float]]:
         raise SystemExit(f"cuDNN cannot finalize plans here: {reason}")
     props = graph.device_properties((ROOT / "tests" / "data" / "h100-handwritten.json").read_text())
     backend = CudnnGraphBackend()
-    # On a GPU: the thread's handle, bound to the call's stream once. Its stream is None here: none to check for a
-    # capture (with CUDA) before a plan is finalized.
-    handle = type("Handle", (), {"stream": None})()
+    handle = _handle()
     backend._bound_handle = lambda stream, workspace=None: handle
     backend._plans = PlanCache(
         lambda handle, pass_, geom, aligned: graph.operation_graph(conv_problem(pass_, geom), properties=props),
         lambda handle, op_graph, name: graph.execution_plan(graph.engine_config(op_graph, name, properties=props),
                                                             properties=props),
     )
-    graph._execute_fn = lambda handle, plan, pack: 0
+    graph._execute_fn = _no_op_execute()
     x, w, y = (SimpleNamespace(data=SimpleNamespace(ptr=p)) for p in (0x10000, 0x20000, 0x30000))
     by_name = {layer.name: layer for layer in wsarena.load_model("resnet50")}
     out = {}
