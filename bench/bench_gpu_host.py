@@ -9,7 +9,8 @@ alone (no waiting for a full launch queue). wsarena's op and the bare cuDNN call
                   built and the handle bound beforehand: what any caller of cuDNN's legacy API pays;
 - ``graph``       the public op on cuDNN's graph API (``cudnn_api="graph"``; its plan cached), with the variant
                   packs kept by pointers (the default), and ``graph/pc`` with one built per call (PyTorch's way);
-- ``graph py``    the graph op with ``cudnnBackendExecute`` replaced by a Python no-op: wsarena's own host time;
+- ``graph py``    the graph op with ``cudnnBackendExecute`` replaced by a C no-op declared as it is (ctypes still
+                  converts its arguments): wsarena's own host time;
 - ``torch``       PyTorch's own path (cuDNN's graph API with cached execution plans);
 - ``torch v7``    PyTorch with ``TORCH_CUDNN_V8_API_DISABLED=1``: its legacy-API path, in a child process.
 
@@ -154,7 +155,7 @@ def torch_stream(stream: cupy.cuda.Stream):
 
 def _api(name: str, *, reuse: bool = True, stub: bool = False):
     """A HostTimer setup: the cuDNN API path ``name``; on the graph API the variant-pack mode of every cached plan,
-    and (``stub``) cudnnBackendExecute replaced by a Python no-op."""
+    and (``stub``) cudnnBackendExecute replaced by a C no-op declared as it is."""
     from wsarena.backends import get_backend
     from wsarena.cudnn import graph
 
@@ -166,8 +167,10 @@ def _api(name: str, *, reuse: bool = True, stub: bool = False):
                 plan.reuse_variant_packs = reuse
         if not stub:
             return None
+        from bench_graph_host import no_op_execute  # this folder is on the path when the script runs
+
         real = graph._execute_fn
-        graph._execute_fn = lambda handle, plan, pack: 0
+        graph._execute_fn = no_op_execute()  # a C no-op: ctypes still converts the arguments, as for cuDNN's
 
         def undo():
             graph._execute_fn = real

@@ -56,7 +56,7 @@ def _handle() -> object:
     return Handle()
 
 
-def _no_op_execute() -> object:
+def no_op_execute() -> object:
     """A C function declared as ``cudnnBackendExecute`` is, which returns 0 (SUCCESS) and touches nothing:
     ``pthread_equal`` of two different values (the handle and the plan; the variant pack, a third argument, a C
     call may ignore). A Python stand-in would leave out ctypes' conversion of the arguments."""
@@ -105,7 +105,7 @@ def run_us(number: int, repeat: int) -> dict[str, tuple[float, float]]:
         lambda handle, op_graph, name: graph.execution_plan(graph.engine_config(op_graph, name, properties=props),
                                                             properties=props),
     )
-    graph._execute_fn = _no_op_execute()
+    graph._execute_fn = no_op_execute()
     x, w, y = (SimpleNamespace(data=SimpleNamespace(ptr=p)) for p in (0x10000, 0x20000, 0x30000))
     by_name = {layer.name: layer for layer in wsarena.load_model("resnet50")}
     out = {}
