@@ -38,6 +38,18 @@ def test_an_entry_closed_by_mistake_is_built_again():
     assert cache.get("a", lambda: Thing("a")) is again
 
 
+def test_lookup_finds_a_valid_value_builds_nothing_and_makes_it_the_most_recent():
+    cache = LRU(2, valid=lambda t: not t.closed)
+    assert cache.lookup("a") is None and len(cache) == 0 and cache.builds == 0
+    first = cache.get("a", lambda: Thing("a"))
+    cache.get("b", lambda: Thing("b"))
+    assert cache.lookup("a") is first  # now the most recent: "b" is the one evicted next
+    cache.get("c", lambda: Thing("c"))
+    assert "a" in cache and "b" not in cache and cache.builds == 3
+    first.close()
+    assert cache.lookup("a") is None and cache.builds == 3  # closed: a miss, for get() to build again
+
+
 def test_a_failed_build_is_not_cached():
     cache = LRU(8)
 

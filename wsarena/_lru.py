@@ -49,14 +49,23 @@ class LRU(Generic[V]):
         self._items: collections.OrderedDict[Hashable, V] = collections.OrderedDict()
         self._lock = _forksafe.lock()  # guards inserts and evictions; never held while building
 
-    def get(self, key: Hashable, build: Callable[[], V]) -> V:
-        """The value for ``key``, built with ``build()`` on a miss (an exception from it caches nothing)."""
+    def lookup(self, key: Hashable) -> V | None:
+        """The valid value cached for ``key``, now the most recently used; ``None`` on a miss. A caller whose
+        miss needs arguments looks up first and makes its ``build`` for :meth:`get` only then (no closure per hit).
+        """
         value = self._items.get(key)
         if value is not None and (self._valid is None or self._valid(value)):
             try:
                 self._items.move_to_end(key)
             except KeyError:  # evicted by another thread meanwhile: still a good value for this caller
                 pass
+            return value
+        return None
+
+    def get(self, key: Hashable, build: Callable[[], V]) -> V:
+        """The value for ``key``, built with ``build()`` on a miss (an exception from it caches nothing)."""
+        value = self.lookup(key)
+        if value is not None:
             return value
         value = build()
         with self._lock:
