@@ -227,7 +227,9 @@ class PlanCache:
         the CUDA graph it is about to be executed into (the lease's), which keeps the plan while it exists.
         """
         key: _PlanKey = (handle, pass_, geom, name, aligned)
-        plan = self._plans.get(key, lambda: self._build(key, stream))
+        plan = self._plans.lookup(key)
+        if plan is None:  # the miss's closure in a function of its own: a hit, every call's case, makes none
+            plan = self._get(key, stream)
         if type(plan) is _Refusal:
             raise plan.again()
         if pin is not None:
@@ -264,6 +266,9 @@ class PlanCache:
             gone = [key for key, (_, pins) in self._captured.items() if not any(map(live, pins))]
             dropped = [self._captured.pop(key) for key in gone]
         del dropped
+
+    def _get(self, key: _PlanKey, stream: Any) -> Any:
+        return self._plans.get(key, lambda: self._build(key, stream))
 
     def _build(self, key: _PlanKey, stream: Any) -> Any:
         kept = self._captured.get(key)  # evicted while a graph holds it: taken back, not built again
