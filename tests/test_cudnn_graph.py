@@ -294,7 +294,9 @@ def test_plan_execute_passes_the_plans_pointer_and_refuses_a_closed_plan(props, 
     assert seen[0][0] == plan.descriptor.handle and seen[0][1]
     if reuse:
         assert seen[0][1] == plan._packs[(0x1000, 0x2000, 0x3000, 0x4000)].handle
+    assert not plan.closed
     plan.descriptor.close()  # closed under the plan, as a cache's discard or the handles' teardown would
+    assert plan.closed  # what the plan cache asks before it gives a cached plan again
     with pytest.raises(ValueError, match="closed"):
         plan.execute("handle", 0x1000, 0x2000, 0x3000, 0x4000)
     assert len(seen) == 1

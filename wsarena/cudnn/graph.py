@@ -277,13 +277,16 @@ class Plan:
     with ``out=``, then makes one ctypes call.
     """
 
-    __slots__ = ("_packs", "descriptor", "name", "numerical_notes", "reuse_variant_packs", "workspace_bytes")
+    __slots__ = (
+        "_finalizer", "_packs", "descriptor", "name", "numerical_notes", "reuse_variant_packs", "workspace_bytes",
+    )
 
     def __init__(
         self, descriptor: BackendDescriptor, name: str, workspace_bytes: int,
         numerical_notes: frozenset[int] = frozenset(),
     ) -> None:
         self.descriptor = descriptor
+        self._finalizer = descriptor._finalizer  # the descriptor's, dead once it is destroyed: see closed
         self.name = name
         self.workspace_bytes = int(workspace_bytes)
         self.numerical_notes = numerical_notes
@@ -292,7 +295,8 @@ class Plan:
 
     @property
     def closed(self) -> bool:
-        return self.descriptor.closed
+        # The descriptor's Owned.closed, asked of its finalizer directly: the plan cache asks on every hit.
+        return not self._finalizer.alive
 
     def execute(self, handle: Any, x: int, w: int, y: int, workspace: int) -> None:
         """Enqueue the plan on the handle's stream: device pointers of x, w, y (by role) and of the workspace.
