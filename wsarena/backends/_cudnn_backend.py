@@ -121,7 +121,9 @@ class CudnnBackend:
     def _descriptors(self, geom: Any, math_type: int | None = None) -> tuple[Any, Any, Any, Any]:
         """Descriptors ``(x, w, conv, y)`` of ``geom``; the convolution's math type is ``math_type`` or this
         dtype's default. Cached; one closed by mistake is built again."""
-        return self._descs.get((geom, math_type), lambda: self._build_descriptors(geom, math_type))
+        key = (geom, math_type)
+        found = self._descs.lookup(key)  # a hit, every call's case, makes no closure
+        return found if found is not None else self._descs.get(key, lambda: self._build_descriptors(*key))
 
     def _build_descriptors(self, geom: Any, math_type: int | None) -> tuple[Any, Any, Any, Any]:
         c = self._cudnn
