@@ -4,8 +4,10 @@ through wsarena's ops on the input PyTorch padded as the layer says, gives what 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -258,6 +260,91 @@ def test_overlapping_calls_in_two_threads_leave_torch_compile_as_it_was():
     finally:
         torch.compiler.set_stance("default")  # the tests after this one compile as asked, whatever it found
 
+
+
+def _compiles() -> int:
+    """How many graphs a function compiled now makes on a tiny tensor: 1, or 0 under "force_eager". (Elementwise on
+    two numbers: no OpenMP region, which a forked child of a process that ran convolutions may wait on for ever.)"""
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    code = (lambda t: t * 2 - 1).__code__.replace()  # a code object of its own: torch.compile's limit of
+    torch.compile(types.FunctionType(code, globals()), backend=backend)(torch.ones(2))  # recompiles is per code object
+    return len(graphs)
+
+
+class _InterruptedLock:
+    """A lock whose first release is followed by a KeyboardInterrupt, as a Ctrl-C just after it raises one."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.interrupt = True
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+
+
+class _InterruptedStack(contextlib.ExitStack):
+    """An ExitStack whose first context entered is followed by a KeyboardInterrupt: the stance set, not yet
+    counted."""
+
+    interrupt = True
+
+    def enter_context(self, cm):
+        entered = super().enter_context(cm)
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        return entered
+
+
+def _refused_once(monkeypatch):
+    """torch.compiler.set_stance refuses its first call (raises), then works."""
+    set_stance = torch.compiler.set_stance
+    calls = []
+
+    def refusing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return set_stance(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", refusing)
+
+
+@pytest.mark.parametrize("where", ["as the lock is let go", "once the stance is set", "as the stance is set"])
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile
+def test_a_ctrl_c_as_layers_sets_the_stance_leaves_torch_compile_as_it_was(monkeypatch, where):
+    """A Ctrl-C between the stance set and the count of calls under way, or after them before the run that ends
+    them, would leave "force_eager", or the count and with it "force_eager", for the rest of the process; one as
+    torch sets the stance would leave a count of nothing to end."""
+    from wsarena.torch import _layers
+
+    monkeypatch.setattr(_layers, "_eager_calls", type(_layers._eager_calls)())  # this test's own count
+    if where == "as the lock is let go":
+        monkeypatch.setattr(_layers, "_eager_lock", _InterruptedLock())
+    elif where == "once the stance is set":
+        monkeypatch.setattr(_layers, "_eager_stance", _InterruptedStack())
+    else:
+        _refused_once(monkeypatch)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            wt.layers(nn.Conv2d(3, 2, 3), torch.randn(1, 3, 8, 8))
+        assert _compiles() == 1
+        found = wt.layers(nn.Sequential(nn.Conv2d(3, 2, 3)), torch.randn(1, 3, 8, 8))  # a run after it
+        assert [layer.name for layer in found] == ["0"]
+        assert _compiles() == 1
+    finally:
+        torch.compiler.set_stance("default")  # the tests after this one compile as asked, whatever it found
 
 def test_a_converted_model_gives_the_same_layers_and_hooks_are_removed():
     model = ResNet50()

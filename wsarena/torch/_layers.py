@@ -119,17 +119,20 @@ _eager_stance = contextlib.ExitStack()
 def _force_eager() -> Iterator[None]:
     """torch.compile's stance ``"force_eager"`` until the last of the overlapping calls ends."""
     global _eager_calls
-    with _eager_lock:
-        if not _eager_calls:
-            _eager_stance.enter_context(torch.compiler.set_stance("force_eager"))
-        _eager_calls += 1
-    try:
+    counted = False
+    try:  # the count taken inside: a Ctrl-C as the lock is let go would leave it, and "force_eager", for good
+        with _eager_lock:
+            if not _eager_calls:
+                _eager_stance.enter_context(torch.compiler.set_stance("force_eager"))
+            _eager_calls += 1
+            counted = True
         yield
     finally:
         with _eager_lock:
-            _eager_calls -= 1
+            _eager_calls -= counted
             if not _eager_calls:
-                _eager_stance.close()  # the stance the first found
+                # the stance the first found; also where this call set it and a Ctrl-C came before it was counted
+                _eager_stance.close()
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:
