@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import types
 
@@ -20,6 +21,7 @@ import wsarena.torch as wt
 from wsarena.models import ModelError, layers_to_json
 
 from .cli_helpers import run_main
+from .forking import fork
 
 
 class Bottleneck(nn.Module):  # torchvision's ResNet v1.5 block: the stride on the 3x3
@@ -274,6 +276,51 @@ def _compiles() -> int:
     code = (lambda t: t * 2 - 1).__code__.replace()  # a code object of its own: torch.compile's limit of
     torch.compile(types.FunctionType(code, globals()), backend=backend)(torch.ones(2))  # recompiles is per code object
     return len(graphs)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile
+def test_a_child_forked_while_another_thread_runs_layers_compiles_as_asked():
+    """The thread inside layers() at os.fork() does not exist in the child, where its call never ends: the child
+    would run uncompiled for ever. It finds torch.compile's stance as that call found it."""
+    began, forked = threading.Event(), threading.Event()
+    model = _Overlaps(nn.Conv2d(3, 2, 3), began, forked)
+    thread = threading.Thread(target=wt.layers, args=(model, torch.randn(1, 3, 8, 8)))
+    thread.start()
+    try:
+        assert began.wait(5)
+        wait = fork(_compiles)
+    finally:
+        forked.set()
+        thread.join()
+    assert wait() == 1
+    assert _compiles() == 1  # and the parent, once the call ended
+
+
+class _Forks(nn.Module):
+    """A model whose run forks (in ``box["wait"]``, what :func:`fork` returns) once its convolution ran."""
+
+    def __init__(self, box: dict) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 3)
+        self.box = box
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        self.box["wait"] = fork(_compiles)
+        return y
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile
+def test_a_child_forked_by_the_model_itself_runs_uncompiled_until_its_call_ends():
+    """The thread that forks goes on in the child, inside its layers() call: there "force_eager" holds until that
+    call ends, as in the parent."""
+    box: dict = {}
+    assert [layer.name for layer in wt.layers(_Forks(box), torch.randn(1, 3, 8, 8))] == ["conv"]
+    assert box["wait"]() == 0
+    assert _compiles() == 1
+
 
 
 class _InterruptedLock:

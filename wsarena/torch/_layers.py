@@ -8,6 +8,8 @@ model, and picks its cap, without exporting it to ONNX first.
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -38,7 +40,8 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     by the run, its buffers left as first made. Of a ``torch.compile`` wrapper, the model it wraps runs; nothing is
     compiled (a model compiled in place with ``Module.compile()``, or a compiled submodule, runs uncompiled). To
     that end torch.compile's stance is ``"force_eager"`` while the model runs, and that stance is the process's:
-    compiled code that another thread runs meanwhile runs uncompiled too.
+    compiled code that another thread runs meanwhile runs uncompiled too (a child forked meanwhile by another thread
+    compiles as asked).
 
     Padding is modelled as PyTorch runs it: ``"same"`` with an even total (a kernel of even size) pads the input by
     one more at the end, and a ``padding_mode`` other than ``"zeros"`` pads the input itself before an unpadded
@@ -111,28 +114,45 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
 # So layers() calls that overlap in several threads share one "force_eager", set by the first and restored by the
 # last: each restoring the stance it found would leave "force_eager" set for good when the first ends first.
 _eager_lock = _forksafe.lock()
-_eager_calls = 0
+_eager_calls: dict[int, int] = {}  # per thread (its ident), its calls under way
 _eager_stance = contextlib.ExitStack()
 
 
 @contextlib.contextmanager
 def _force_eager() -> Iterator[None]:
     """torch.compile's stance ``"force_eager"`` until the last of the overlapping calls ends."""
-    global _eager_calls
+    me = threading.get_ident()
     counted = False
     try:  # the count taken inside: a Ctrl-C as the lock is let go would leave it, and "force_eager", for good
         with _eager_lock:
             if not _eager_calls:
                 _eager_stance.enter_context(torch.compiler.set_stance("force_eager"))
-            _eager_calls += 1
+            _eager_calls[me] = _eager_calls.get(me, 0) + 1
             counted = True
         yield
     finally:
         with _eager_lock:
-            _eager_calls -= counted
+            if counted:
+                _eager_calls[me] -= 1
+                if not _eager_calls[me]:
+                    del _eager_calls[me]
             if not _eager_calls:
                 # the stance the first found; also where this call set it and a Ctrl-C came before it was counted
                 _eager_stance.close()
+
+
+def _after_fork_in_child() -> None:
+    """Only the forking thread goes on in a child: the other threads' calls, which never end there, are forgotten,
+    and the stance the first call found is restored unless the forking thread has calls of its own under way."""
+    own = _eager_calls.get(threading.get_ident())
+    _eager_calls.clear()
+    if own:
+        _eager_calls[threading.get_ident()] = own
+    else:
+        _eager_stance.close()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)  # once, as this module is imported
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:
