@@ -14,6 +14,7 @@ import pytest
 
 import wsarena
 from wsarena import _interop, conv_backward_data, conv_backward_filter, conv_forward, ops
+from wsarena._pass import Pass
 
 from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
 
@@ -375,3 +376,113 @@ def test_the_stream_argument_on_the_cpu_is_still_a_lane():
     arena = wsarena.get_arena("cpu")
     conv_forward(torch.from_numpy(x), torch.from_numpy(w), **KW, stream="lane-a")
     assert "lane-a" in arena.stats()["streams"]
+
+
+class _CudaTensor(torch.Tensor):
+    """A host tensor that says it is on CUDA device 0: the device branch of the call, read on a machine without
+    one (its views come from the fake CuPy below)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+    def get_device(self):
+        return 0
+
+
+class _Scope:
+    """A context manager that logs its entry and exit: a fake CuPy device or stream."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def __enter__(self):
+        self.log.append(f"enter {self.name}")
+
+    def __exit__(self, *exc):
+        self.log.append(f"exit {self.name}")
+
+
+class _DeviceResult(np.ndarray):
+    """A result that is no NumPy array to the way back, as a CuPy array is not: it returns through DLPack."""
+
+
+@pytest.fixture
+def fake_torch_cuda(monkeypatch):
+    """The device branch with torch operands on a machine without CUDA: CuPy faked (its views, device and
+    streams log what the call does), PyTorch's current stream a settable handle (0 or 2, the streams CuPy names
+    without cuda.core), the device's arena not made but asked for."""
+    log = []
+    cupy = types.ModuleType("cupy")
+    cupy.from_dlpack = lambda obj, copy=None: obj.numpy()
+    cupy.asarray = np.asarray
+    cupy.cuda = types.SimpleNamespace(
+        Device=lambda ordinal: _Scope(log, f"device {ordinal}"),
+        Stream=types.SimpleNamespace(null=_Scope(log, "stream 0"), ptds=_Scope(log, "stream 2")),
+    )
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    _interop._cupy.cache_clear()
+    state = types.SimpleNamespace(log=log, current=0, asked=0, arenas=[])
+
+    def current(device):
+        state.asked += 1
+        return state.current
+
+    monkeypatch.setattr(_interop, "make_device_arena", lambda ordinal, allocator: state.arenas.append((ordinal, allocator)))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device: types.SimpleNamespace(cuda_stream=current(device)))
+    state.current_of = current
+    yield state
+    _interop._cupy.cache_clear()
+
+
+def _device_run(log):
+    def run(pass_, a, b, shape_arg, params, out, stream, layout, algo):
+        log.append(f"run on {stream}")
+        result = np.zeros((1, 1, 2, 2), dtype=a.dtype).view(_DeviceResult)
+        return result if out is None else out
+
+    return run
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw handle", "current_stream"])
+def test_torch_cuda_operands_run_on_torchs_current_stream_asked_on_every_call(fake_torch_cuda, monkeypatch, raw):
+    """Each call asks PyTorch for its current stream (a stream switched between calls is seen), makes the device
+    and that stream CuPy's current around the run, and asks for the device's arena with PyTorch's memory; the
+    result comes back as a tensor. The raw handle where PyTorch's C++ gives it, else through current_stream."""
+    state = fake_torch_cuda
+    if raw:
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", state.current_of, raising=False)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device: pytest.fail("a Stream built, not asked for"))
+    else:
+        monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream", raising=False)
+    x, w = (torch.ones(shape).as_subclass(_CudaTensor) for shape in ((1, 1, 4, 4), (1, 1, 3, 3)))
+    run = _device_run(state.log)
+    for current in (0, 2, 0):
+        state.current = current
+        state.log.clear()
+        y = _interop.execute(run, Pass.FWD, x, w, None, (1, 0, 1, 1), None, None, "NCHW", None)
+        assert state.log == ["enter device 0", f"enter stream {current}", f"run on {current}", f"exit stream {current}",
+                             "exit device 0"]
+        assert isinstance(y, torch.Tensor) and y.shape == (1, 1, 2, 2)
+    assert state.asked == 3 and state.arenas == [(0, "torch")] * 3
+    state.log.clear()  # a stream given is the call's: PyTorch's is not asked
+    _interop.execute(run, Pass.FWD, x, w, None, (1, 0, 1, 1), None, 2, "NCHW", None)
+    assert state.log[1:3] == ["enter stream 2", "run on 2"] and state.asked == 3
+    out = torch.zeros(1, 1, 2, 2).as_subclass(_CudaTensor)
+    before = out._version
+    assert _interop.execute(run, Pass.FWD, x, w, None, (1, 0, 1, 1), out, None, "NCHW", None) is out
+    assert out._version > before and state.asked == 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_host_result_comes_back_to_torch_over_its_own_memory(dtype):
+    """The way back for a torch caller: the tensor is a view of the array the op wrote, bfloat16 relabelled."""
+    caller = torch.zeros(1, dtype=getattr(torch, dtype))
+    result = _interop._aligned_empty((2, 3), "int16" if dtype == "bfloat16" else dtype)
+    if dtype == "bfloat16":
+        result = result.view(_interop._bfloat16())
+    result[...] = np.arange(6).reshape(2, 3)
+    back = _interop._returned(caller, result)
+    assert back.dtype == caller.dtype and back.data_ptr() == result.ctypes.data
+    assert torch.equal(back, torch.arange(6, dtype=caller.dtype).reshape(2, 3))

@@ -44,8 +44,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._config import get_config
 from ._dlpack import BFLOAT16, INT16, Export, ReadOnlyExport
 from ._pass import Pass
+from .arena._registry import make_device_arena
+from .arena.streams import cupy_stream, stream_handle
 from .backends import is_masked_type, type_backend_name
 
 __all__ = ["NATIVE", "execute"]
@@ -145,25 +148,27 @@ def execute(
     ``run`` takes the arguments of this function after itself, with ``a``, ``b`` and ``out`` replaced by views.
     """
     names = pass_.names
-    operands = [_Operand(names[0], a), _Operand(names[1], b)]
-    if out is not None:
-        operands.append(_Operand("out", out))
-    if all(op.kind == _NATIVE_KIND for op in operands):  # first seen, or refused by the ops themselves
+    first, second = _Operand(names[0], a), _Operand(names[1], b)
+    last = None if out is None else _Operand("out", out)
+    operands = [first, second] if last is None else [first, second, last]
+    if first.kind == _NATIVE_KIND and second.kind == _NATIVE_KIND and (last is None or last.kind == _NATIVE_KIND):
+        # first seen, or refused by the ops themselves
         NATIVE.update(type(op.obj) for op in operands if type_backend_name(type(op.obj)) is not None)
         return run(pass_, a, b, shape_arg, params, out, stream, layout, algo)
-    if len({op.cuda for op in operands}) > 1:
+    cuda = first.cuda
+    if second.cuda != cuda or (last is not None and last.cuda != cuda):
         raise TypeError(
             "cannot mix host and device memory in one convolution, which would need a copy ("
             + ", ".join(op.where() for op in operands) + ")"
         )
-    torch_out = out is not None and operands[2].kind == _TORCH
+    torch_out = last is not None and last.kind == _TORCH
     if torch_out:
         _check_torch_out(out)
-    if not operands[0].cuda:
-        views = [_host_view(op) for op in operands]
+    if not cuda:
         leaves = out is None and type_backend_name(type(a)) is None  # the result goes to another library
-        result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
-                     layout, algo, empty=_aligned_empty if leaves else None)
+        result = run(pass_, _view(_NUMPY, first), _view(_NUMPY, second), shape_arg, params,
+                     None if last is None else _view(_NUMPY, last), stream, layout, algo,
+                     empty=_aligned_empty if leaves else None)
         if torch_out:
             _written(out)
         return out if out is not None else _returned(a, result)
@@ -177,14 +182,13 @@ def execute(
             + ", ".join(op.where() for op in operands) + ")"
         )
     device = next(iter(devices), None)
-    if device is not None and any(op.kind == _TORCH for op in operands):
+    if device is not None and (first.kind == _TORCH or second.kind == _TORCH or torch_out):
         _prefer_torch_memory(device)
         if stream is None:
-            import torch
-
-            stream = int(torch.cuda.current_stream(device).cuda_stream)
-    with _device_scope(device, stream):
-        library = _cupy()
+            stream = _torch_current_stream(device)
+    library = _cupy()
+    # the operands' device current (None: as it is) and `stream` CuPy's current stream there
+    with library.device(device), library.stream(stream):
         views = [_view(library, op) for op in operands]
         result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
                      layout, algo)
@@ -196,8 +200,7 @@ def execute(
 
 def _check_torch_out(out: Any) -> None:
     """Refuse, as PyTorch refuses its own in-place writes, an inference tensor outside ``torch.inference_mode()``."""
-    import torch
-
+    torch = sys.modules["torch"]  # a tensor among the operands: PyTorch is imported
     if out.is_inference() and not torch.is_inference_mode_enabled():
         raise TypeError("out is an inference tensor, which PyTorch lets be written in place only inside "
                         "torch.inference_mode(); call there, or without out=")
@@ -206,18 +209,23 @@ def _check_torch_out(out: Any) -> None:
 def _written(out: Any) -> None:
     """Count the write into a PyTorch ``out`` as an in-place change, as PyTorch's own ``out=`` does: autograd then
     refuses a backward pass that would use the values it saved before, instead of using the new ones."""
-    import torch
-
+    torch = sys.modules["torch"]  # a tensor among the operands: PyTorch is imported
     torch.autograd.graph.increment_version(out)
 
 
+_AS_IT_IS: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()  # reusable: it holds nothing
+
+
 class _Library(NamedTuple):
-    """How NumPy or CuPy views an operand's memory without a copy."""
+    """How NumPy or CuPy views an operand's memory without a copy, and (CuPy) makes a device and a stream current
+    for a block; ``None`` for either leaves it as it is."""
 
     name: str
     from_torch: Callable[[Any], Any]  # a torch tensor (bfloat16 relabelled int16)
     from_dlpack: Callable[[Any], Any]  # an Export
     asarray: Callable[[Any], Any]  # a holder of __array_interface__ or __cuda_array_interface__
+    device: Callable[[int | None], contextlib.AbstractContextManager[Any]] = lambda _: _AS_IT_IS
+    stream: Callable[[Any], contextlib.AbstractContextManager[Any]] = lambda _: _AS_IT_IS
 
 
 def _view(library: _Library, op: _Operand) -> Any:
@@ -271,7 +279,13 @@ def _cupy() -> _Library:
     def from_dlpack(obj: Any) -> Any:
         return cupy.from_dlpack(obj, copy=False)  # imported on the current (the call's) stream
 
-    return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray)
+    def device(ordinal: int | None) -> contextlib.AbstractContextManager[Any]:
+        return _AS_IT_IS if ordinal is None else cupy.cuda.Device(ordinal)
+
+    def stream(given: Any) -> contextlib.AbstractContextManager[Any]:
+        return _AS_IT_IS if given is None else cupy_stream(stream_handle(given))
+
+    return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray, device, stream)
 
 
 def _is_torch_bfloat16(tensor: Any) -> bool:
@@ -281,8 +295,7 @@ def _is_torch_bfloat16(tensor: Any) -> bool:
 def _torch_int16(tensor: Any) -> Any:
     """A bfloat16 tensor relabelled int16 by PyTorch: what :class:`Export` does to any DLPack capsule, at less than
     half its cost for a torch tensor (bench/RESULTS.md)."""
-    import torch
-
+    torch = sys.modules["torch"]  # a tensor among the operands: PyTorch is imported
     return tensor.view(torch.int16)
 
 
@@ -304,27 +317,20 @@ def _aligned_empty(shape: tuple[int, ...], dtype: str) -> np.ndarray:
 _ALIGN = 64
 
 
-@contextlib.contextmanager
-def _device_scope(device: int | None, stream: Any) -> Any:
-    """The operands' device current (``None``: as it is) and ``stream`` CuPy's current stream there."""
-    import cupy
-
-    from .arena.streams import cupy_stream, stream_handle
-
-    with contextlib.ExitStack() as scope:
-        if device is not None:
-            scope.enter_context(cupy.cuda.Device(device))
-        if stream is not None:
-            scope.enter_context(cupy_stream(stream_handle(stream)))
-        yield
-
-
 def _prefer_torch_memory(device: int) -> None:
-    from ._config import get_config
-    from .arena._registry import make_device_arena
-
     if get_config().allocator == "auto":
         make_device_arena(device, "torch")
+
+
+def _torch_current_stream(device: int) -> int:
+    """PyTorch's current stream on CUDA device ``device``, as a raw handle, asked on every call (the caller may
+    switch streams between calls): straight from PyTorch's C++ where it says it (the function torch.compile's
+    generated code asks), else through ``torch.cuda.current_stream``, which builds a ``Stream`` object first."""
+    torch = sys.modules["torch"]  # a CUDA tensor among the operands: PyTorch is imported
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
 # -- the way back --------------------------------------------------------------------------------------------------
@@ -369,8 +375,11 @@ def _exported(result: Any) -> Any:
 
 
 def _to_torch(caller: Any, result: Any) -> Any:
-    import torch
-
-    if _is_bfloat16(result):
-        return torch.from_dlpack(result.view(np.int16)).view(torch.bfloat16)
-    return torch.from_dlpack(result)
+    """``result`` as a tensor over its memory: a NumPy array through ``torch.from_numpy`` (the same tensor as
+    DLPack's, at less than half the cost), a CuPy array through DLPack."""
+    torch = sys.modules["torch"]
+    bfloat16 = _is_bfloat16(result)
+    if bfloat16:
+        result = result.view(np.int16)
+    tensor = torch.from_numpy(result) if type(result) is np.ndarray else torch.from_dlpack(result)
+    return tensor.view(torch.bfloat16) if bfloat16 else tensor
