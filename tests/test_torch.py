@@ -12,6 +12,7 @@ import sys
 import threading
 import warnings
 
+import numpy as np
 import pytest
 
 import wsarena
@@ -473,6 +474,11 @@ def test_cap_warnings_under_torch_compile_name_the_call_and_the_backward_call():
     assert _cap_warnings(run, ("fwd", "bwd_data", "bwd_filter")) == {(__file__, lines[0]), (__file__, lines[1])}
 
 
+def _dense(operand):
+    """Whether an operand the ops get is dense: a tensor, or on the host the NumPy view wsarena.torch makes of one."""
+    return operand.flags.c_contiguous if isinstance(operand, np.ndarray) else operand.is_contiguous()
+
+
 def test_gradients_reach_the_ops_dense_in_the_layout_they_run_in(monkeypatch):
     """An expanded ``sum()`` gradient, or an NCHW one beside channels-last operands, is made dense by PyTorch: a
     copy by the ops would be in their array library's memory, which a captured CUDA graph does not keep."""
@@ -481,7 +487,7 @@ def test_gradients_reach_the_ops_dense_in_the_layout_they_run_in(monkeypatch):
         real = getattr(ops, name)
 
         def record(a, b, *args, _real=real, **kwargs):
-            dense.append(a.is_contiguous() and b.is_contiguous())  # (N, *spatial, C) views when channels-last
+            dense.append(_dense(a) and _dense(b))  # (N, *spatial, C) views when channels-last
             return _real(a, b, *args, **kwargs)
 
         monkeypatch.setattr(ops, name, record)

@@ -103,20 +103,28 @@ def _computed(t: Tensor, layout: str) -> Tensor:
     channels-last input): it is made dense here, by PyTorch's allocator, rather than by the ops' copy into their
     array library's memory, which a CUDA graph captured by ``torch.cuda.graph`` would not keep for its replays."""
     t = t.detach()
-    if t.device.type == "cpu" and t.dtype in _HALF:
+    if t.is_cpu and t.dtype in _HALF:
         t = t.float()
     return t.contiguous(memory_format=_memory_format(t.dim(), layout))
 
 
 def _run(function: Callable[..., Any], a: Tensor, b: Tensor, out: Tensor, layout: str, *args: Any) -> Tensor:
     """Call one of the public ops on ``a``, ``b`` with ``out=``, through a float32 copy for CPU half types."""
-    half_on_cpu = out.device.type == "cpu" and out.dtype in _HALF
+    half_on_cpu = out.is_cpu and out.dtype in _HALF
     target = torch.empty_like(out, dtype=torch.float32) if half_on_cpu else out
     a, b = _computed(a, layout), _computed(b, layout)
     # `out` is new, nothing has saved it: written through `.data`, which has a version counter of its own, it keeps
     # version 0, as the dispatcher's results do (the ops count a write into a PyTorch out= as an in-place change;
     # so does copy_, for a half type on the CPU)
-    function(_view(a, layout), _view(b, layout), *args, out=_view(target.data, layout), layout=layout)
+    a, b, into = _view(a, layout), _view(b, layout), _view(target.data, layout)
+    if a.is_cpu and b.is_cpu and into.is_cpu:
+        # All in host memory: the NumPy views the ops would make of them (wsarena._interop), made here, so that
+        # the ops take them as they take NumPy arrays. What the ops check of a tensor first holds by construction:
+        # nothing here requires grad, `into` is new in the mode the call runs in, and its version bump would land
+        # on `.data`'s own counter, which nothing reads.
+        function(a.numpy(), b.numpy(), *args, out=into.numpy(), layout=layout)
+    else:
+        function(a, b, *args, out=into, layout=layout)
     if target is not out:
         out.data.copy_(target)
     return out
