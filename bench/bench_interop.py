@@ -2,7 +2,7 @@
 
 The tiny call is a 1x1x4x4 float32 input and a 1x1x3x3 filter, so the time is the op's own Python, not the
 arithmetic. Cases: NumPy with ``out=`` and without, and, when torch is installed, the same through torch CPU
-tensors (converted to NumPy views and back through DLPack) and ``torch.nn.functional.conv2d`` for scale; a
+tensors (converted to NumPy views, and the result back to a tensor) and ``torch.nn.functional.conv2d`` for scale; a
 bfloat16 tensor's conversions alone, in (to a NumPy view) and out (a result back to torch); and the same
 convolution as a module, ``wsarena.torch.Conv2d(1, 1, 3)`` beside ``torch.nn.Conv2d(1, 1, 3)``: a forward without
 gradient (``fwd``), a forward with a backward of both gradients (``fwd+bwd``) and a forward in
