@@ -754,13 +754,17 @@ def gpu_arena():
     made.close()
 
 
+def _conv_operands(cupy):
+    """x, w and out= of a small forward convolution (padding 1) on the GPU."""
+    return (cupy.ones((4, 16, 32, 32), cupy.float32), cupy.ones((16, 16, 3, 3), cupy.float32),
+            cupy.empty((4, 16, 32, 32), cupy.float32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("how", ["invalidated", "ended by hand"])
 def test_a_capture_the_block_cannot_end_is_a_capture_error_on_a_gpu(gpu_arena, how):
     cupy, arena = gpu_arena
-    x = cupy.ones((4, 16, 32, 32), cupy.float32)
-    w = cupy.ones((16, 16, 3, 3), cupy.float32)
-    y = cupy.empty((4, 16, 32, 32), cupy.float32)
+    x, w, y = _conv_operands(cupy)
     with cupy.cuda.Stream(non_blocking=True) as s:
         wsarena.conv_forward(x, w, padding=1, out=y)
         match = "invalidated.*capture again" if how == "invalidated" else "ended inside the block"
@@ -787,9 +791,7 @@ def test_a_capture_the_block_cannot_end_is_a_capture_error_on_a_gpu(gpu_arena, h
 def test_a_capture_begun_by_hand_after_the_blocks_own_was_ended_is_left_alone_on_a_gpu(gpu_arena):
     """CUDA gives the capture begun by hand another id than the block's: the block leaves it to its owner."""
     cupy, arena = gpu_arena
-    x = cupy.ones((4, 16, 32, 32), cupy.float32)
-    w = cupy.ones((16, 16, 3, 3), cupy.float32)
-    y = cupy.empty((4, 16, 32, 32), cupy.float32)
+    x, w, y = _conv_operands(cupy)
     with cupy.cuda.Stream(non_blocking=True) as s:
         wsarena.conv_forward(x, w, padding=1, out=y)
         expected = pytest.raises(CaptureError, match="another begun there, which is left alone")
