@@ -160,7 +160,8 @@ def cache_output(action: str, fmt: str) -> str:
         return json.dumps(data, indent=2) + "\n"
     source = searchcache.source()
     if data["directory"] is None:
-        off = f"{searchcache.ENV_VAR}={_off_value(searchcache.ENV_VAR)}" if source == "environment" else f"set by {source}()"
+        env = searchcache.ENV_VAR
+        off = f"{env}={_off_value(env)}" if source == "environment" else f"set by {source}()"
         return f"the search cache is off ({off})\n"
     where = _SOURCES.get(source, f"{source}()")
     directory = printable(data["directory"])  # a folder's name, as an entry's strings, may hold a newline or an escape
