@@ -290,11 +290,11 @@ def _end(runtime: Any, stream: Any, graph: CapturedGraph, own: int | None) -> No
     the block's to end (one under way with another id is left alone), or CUDA could not end it into an executable
     graph (an invalidated capture is ended all the same)."""
     ptr = stream.ptr
-    ended = f"the capture on stream {ptr:#x} was ended inside the block (stream.end_capture())"
+    by_hand = f"the capture on stream {ptr:#x} was ended inside the block (stream.end_capture())"
     if not _capturing(runtime, ptr):
-        why = ended
+        why = by_hand
     elif _another(ptr, own):
-        why = f"{ended}, and another begun there, which is left alone"
+        why = f"{by_hand}, and another begun there, which is left alone"
     else:
         why = ""
     if why:
