@@ -18,7 +18,7 @@ from wsarena._pass import Pass
 from wsarena.backends import Candidate
 from wsarena.backends._cudnn_backend import CudnnBackend, _channels_last, _DeviceAndStream, _usable, pointers
 from wsarena.cudnn import AlgoPerf, ConvolutionFwdAlgo, MathType, Status
-from wsarena.errors import WorkspaceCapWarning
+from wsarena.errors import UnsupportedConvolutionError, WorkspaceCapWarning
 
 from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
 
@@ -273,13 +273,21 @@ def test_gpu_three_passes_match_the_reference(cudnn_api, dtype, nd, layout, dila
     x64, w64, dy64 = (back(cupy.asnumpy(a.astype("float64"))) for a in (xd, wd, dyd))
     refs = (ref_conv_forward(x64, w64, **kw), ref_conv_backward_data(dy64, w64, x.shape, **kw),
             ref_conv_backward_filter(x64, dy64, w.shape, **kw))
+    calls = (lambda: conv_forward(xd, wd, **kw, layout=layout),
+             lambda: conv_backward_data(dyd, wd, xd.shape, **kw, layout=layout),
+             lambda: conv_backward_filter(xd, dyd, wd.shape, **kw, layout=layout))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        y = conv_forward(xd, wd, **kw, layout=layout)
-        dx = conv_backward_data(dyd, wd, xd.shape, **kw, layout=layout)
-        dw = conv_backward_filter(xd, dyd, wd.shape, **kw, layout=layout)
-    for got, ref in zip((y, dx, dw), refs):
-        assert _rel(back(cupy.asnumpy(got.astype("float64"))), ref) <= TOL[dtype]
+        for call, ref in zip(calls, refs):
+            try:
+                got = call()
+            except UnsupportedConvolutionError:
+                # cuDNN's legacy API has no float64 NHWC kernel for some grouped passes (9.19 on an H200: none of
+                # its algorithms supports them): the typed refusal is the right answer there, and only there.
+                if not (cudnn_api == "legacy" and dtype == "float64" and layout == "NHWC"):
+                    raise
+                continue
+            assert _rel(back(cupy.asnumpy(got.astype("float64"))), ref) <= TOL[dtype]
     if cudnn_api == "graph" and nd == 2 and dtype in ("float32", "float16"):
         assert not _fallbacks(record)  # the common cases run on the graph API itself
 

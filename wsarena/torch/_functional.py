@@ -50,8 +50,11 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager[Any], contex
 def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The operands cast as ``torch.autocast`` casts a convolution's: floating types but float64 to its dtype."""
     device_type = x.device.type
-    # a device autocast has no mode for (the meta device) makes is_autocast_enabled raise
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    # A device autocast has no mode for (the meta device) makes is_autocast_enabled raise. torch.compile traces a
+    # real device's tensors, and before PyTorch 2.13 cannot trace is_autocast_available (fullgraph=True fails on it).
+    if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device_type):
+        return x, w, bias
+    if not torch.is_autocast_enabled(device_type):
         return x, w, bias
     dtype = torch.get_autocast_dtype(device_type)
 
