@@ -83,38 +83,3 @@ def test_device_providers_read_a_streams_id_from_cuda_bindings(monkeypatch):
     monkeypatch.setattr(rt, "cudaStreamGetId", get_id)
     provider = CupyProvider(0)
     assert provider.stream_id(7) == 42 and provider.stream_id(8) is None
-
-
-def test_a_stream_id_is_read_in_relaxed_capture_mode_and_the_threads_mode_is_put_back(monkeypatch):
-    """The arena reads a stream's id during a capture too (adopting an orphaned sub-arena, a stream object's first
-    lease). In the calling thread's global or thread-local capture mode CUDA refuses cudaStreamGetId while a capture
-    is under way, and the refusal invalidates the capture; in relaxed mode it is allowed. The fake below plays CUDA:
-    the thread is in global mode, as under torch.cuda.graph, and a capture is under way."""
-    from cuda.bindings import runtime as rt
-
-    from wsarena.arena import CupyProvider
-
-    modes = rt.cudaStreamCaptureMode
-    thread = {"mode": modes.cudaStreamCaptureModeGlobal}
-    invalidated = []
-
-    def exchange(mode):
-        previous, thread["mode"] = thread["mode"], mode
-        return (rt.cudaError_t.cudaSuccess, previous)
-
-    def get_id(stream):
-        if thread["mode"] != modes.cudaStreamCaptureModeRelaxed:
-            invalidated.append(stream)
-            return (rt.cudaError_t.cudaErrorStreamCaptureUnsupported, None)
-        if stream == 9:
-            raise KeyboardInterrupt  # the thread's mode is put back however the call ends
-        return (rt.cudaError_t.cudaSuccess, 42)
-
-    monkeypatch.setattr(rt, "cudaThreadExchangeStreamCaptureMode", exchange)
-    monkeypatch.setattr(rt, "cudaStreamGetId", get_id)
-    provider = CupyProvider(0)
-    assert provider.stream_id(7) == 42
-    assert invalidated == [] and thread["mode"] == modes.cudaStreamCaptureModeGlobal
-    with pytest.raises(KeyboardInterrupt):
-        provider.stream_id(9)
-    assert thread["mode"] == modes.cudaStreamCaptureModeGlobal

@@ -247,3 +247,66 @@ def test_debug_mode_poisons_no_dead_streams_buffer_on_the_handle_given_again(pro
         held.__exit__(None, None, None)
     assert [(n, stream) for _, _, n, stream in provider.fills] == [(10, 0x51), (1000, H)]  # the two live streams'
     assert provider.fills[-1][0] != held.ptr
+
+
+class _NoIdsInCapture(RecordingProvider):
+    """Plays CUDA's cudaStreamGetId during a capture: refused, and the refusal invalidates the capture, in every
+    capture mode (seen on an H200). The test fails on any such read."""
+
+    def stream_id(self, stream):
+        assert not self.capturing, f"stream {stream!r} asked its id while {list(self.capturing)} is being captured"
+        return super().stream_id(stream)
+
+
+@pytest.fixture
+def no_ids_in_capture():
+    provider = _NoIdsInCapture(device_id=0)
+    provider.stream_ids[H] = 101
+    return provider
+
+
+def test_an_orphans_lease_during_a_capture_asks_no_id_and_says_what_to_do(no_ids_in_capture):
+    """A stream object made per call died after the last eager use: whether the handle still names its stream cannot
+    be asked during the capture. The lease is refused with what to do, and the buffer is kept for a lease after the
+    capture, which asks and adopts it."""
+    provider = no_ids_in_capture
+    arena = Arena(provider)
+    old = dead_stream_leased(arena)
+    graph = provider.begin_capture(H)
+    with pytest.raises(wsarena.CaptureError, match="stream object that lives until the capture ends"):
+        lease_ptr(arena, 1000, FakeStream(H))
+    assert arena.held_bytes(stream=H) == 1024  # asked no id either: counted as held
+    provider.end_capture(graph)
+    assert lease_ptr(arena, 1000, FakeStream(H)) == old and len(provider.allocations) == 1
+
+
+def test_a_stream_object_that_lives_over_the_capture_adopts_the_orphan_before_it_begins(no_ids_in_capture):
+    """wsarena.capture() watches its stream before the capture begins: the orphaned buffer is adopted then, its
+    stream asked while it may be, and the capture's leases through new wrappers of the stream take it."""
+    from wsarena.arena._pinning import watch_capture
+
+    provider = no_ids_in_capture
+    arena = Arena(provider)
+    old = dead_stream_leased(arena)
+    reads = len(provider.id_reads)
+    stream = FakeStream(H)  # the block's stream object
+    watch_capture(arena, stream, beginning=True)
+    assert provider.id_reads[reads:] == [H]
+    graph = provider.begin_capture(H)
+    assert lease_ptr(arena, 1000, FakeStream(H)) == old
+    provider.end_capture(graph)
+    graph.close()
+
+
+def test_a_stream_objects_first_lease_during_a_capture_asks_no_id(no_ids_in_capture):
+    """A buffer reserved through the raw handle (no stream object to watch), then leased during a capture through a
+    stream object: the object is watched from then on, its stream's id left unread."""
+    provider = no_ids_in_capture
+    arena = Arena(provider)
+    arena.reserve(1000, stream=H)
+    graph = provider.begin_capture(H)
+    stream = FakeStream(H)
+    ptr = lease_ptr(arena, 1000, stream)
+    provider.end_capture(graph)
+    assert lease_ptr(arena, 1000, stream) == ptr
+    graph.close()

@@ -252,7 +252,7 @@ class _FreesWatched(RecordingProvider):
         return self.upstream.current_stream()
 
     def stream_id(self, stream):
-        return self.upstream.stream_id(stream)  # cudaStreamGetId, which a capture in global mode must never see
+        return self.upstream.stream_id(stream)  # cudaStreamGetId, which a capture must never see
 
     def deallocate(self, buffer, *, stream):
         if stream is not None and capture_of(stream) is not None:
@@ -349,9 +349,9 @@ def test_a_free_that_would_synchronise_waits_for_a_global_capture_from_its_start
 
 def test_a_dead_stream_wrapper_is_adopted_during_a_global_capture_without_invalidating_it(cupy, arena):
     """Stream wrappers made per call (cuda.core's Stream.from_handle) die after it: the sub-arena of their handle is
-    orphaned, and the capture's lease adopts it, which reads the stream's id (cudaStreamGetId) during the capture.
-    Read in the thread's global capture mode, the refusal invalidated the capture (and, read as another stream's, the
-    lease found no buffer); it is read in relaxed mode."""
+    orphaned. wsarena.capture's stream adopts it before the capture begins, asking the stream's id then: asked during
+    the capture (cudaStreamGetId), CUDA refused, in relaxed mode too, and the refusal invalidated the capture (and,
+    read as another stream's, the lease found no buffer)."""
     from cuda.core import Stream
 
     s = cupy.cuda.Stream(non_blocking=True)
@@ -365,6 +365,27 @@ def test_a_dead_stream_wrapper_is_adopted_during_a_global_capture_without_invali
     assert graph.graph is not None and pinned != 0 and arena.held_bytes(stream=s) >= 1 << 20
     graph.launch()
     s.synchronize()
+
+
+def test_a_dead_stream_wrappers_buffer_is_refused_in_cupys_own_capture_which_goes_on(cupy, arena):
+    """Begun by CuPy, the capture gives the orphaned buffer no stream object to adopt it before it begins: the lease
+    cannot ask whether the handle still names the same stream, and says so with a CaptureError, leaving the capture
+    valid (cudaStreamGetId would have invalidated it). After the capture, a lease adopts the buffer."""
+    from cuda.core import Stream
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    arena.reserve(1 << 20, stream=Stream.from_handle(s.ptr))
+    gc.collect()
+    s.begin_capture()
+    try:
+        with pytest.raises(wsarena.CaptureError, match="stream object that lives until the capture ends"):
+            arena.lease(1 << 20, stream=Stream.from_handle(s.ptr)).__enter__()
+        assert capture_of(s.ptr) is not None  # still capturing: not invalidated
+    finally:
+        s.end_capture()
+    with arena.lease(1 << 20, stream=s) as ws:
+        assert ws.ptr != 0
+    assert arena.stats().allocations == 1  # the reserved buffer, adopted
 
 
 @pytest.mark.parametrize("api", APIS)

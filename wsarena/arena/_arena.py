@@ -39,7 +39,7 @@ from typing import Any
 
 from .._config import get_config
 from .._sizes import as_int, format_size
-from ..errors import WorkspaceCapError
+from ..errors import CaptureError, WorkspaceCapError
 from . import _growth, _leases, _pinning
 from ._leases import POISON_BYTE
 from ._lifecycle import give_back, release_all, track_arena, track_device_arena
@@ -217,8 +217,13 @@ class Arena:
         """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none; 0 too for
         a new stream that CUDA gave a dead stream's handle: the dead stream's buffer is not its own)."""
         key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
+        # A stream being captured is not asked its id (Table.replaced): its orphaned buffer is counted as held.
+        try:
+            capturing = self._capture is not None and self._capture(raw_handle(key)) is not None
+        except CaptureError:  # one CUDA will not use now (an invalidated capture): not asked either
+            capturing = True
         with self._lock:
-            sub, _ = self._table.serving(key)
+            sub, _ = self._table.serving(key, capturing)
             held = sub.capacity() if sub is not None else 0
         if self._to_free:  # what a sweep let go
             self._give_back(key)

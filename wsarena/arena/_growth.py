@@ -70,7 +70,7 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
             with self._lock:
                 if self._table.closed:
                     raise self._table.closed_error()
-                sub = self._table.sub_for(key, anchor)
+                sub = self._table.sub_for(key, anchor, capturing=refusal is not None)
                 if self._table.growth_over(sub):
                     block = sub.block
                     if block is not None and block.size >= n:

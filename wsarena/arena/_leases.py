@@ -67,12 +67,12 @@ def _acquire(self: Arena, ws: Workspace) -> None:
             self._give_back(ws.stream)
 
 
-def _take_lane(self: Arena, ws: Workspace, anchor: Any) -> _SubArena:
-    """Wait (with the lock let go) until ``ws`` holds its lane."""
+def _take_lane(self: Arena, ws: Workspace, anchor: Any, capturing: bool = False) -> _SubArena:
+    """Wait (with the lock let go) until ``ws`` holds its lane (``capturing``: its stream is being captured)."""
     waiter = None
     while True:
         with self._lock:
-            got = self._table.take_lane(ws, anchor, waiter)
+            got = self._table.take_lane(ws, anchor, waiter, capturing)
         if type(got) is _SubArena:
             return got
         waiter = got

@@ -36,7 +36,7 @@ def _acquire_captured(self: Arena, ws: Workspace, anchor: Any, capture: Any) -> 
     """Take the lease ``ws`` while its stream is being captured: from the buffer the stream holds, pinned to the
     graph (lock not held; on any exception the Workspace gives back what was taken)."""
     pin = self._pin_for(capture)
-    sub = self._take_lane(ws, anchor)
+    sub = self._take_lane(ws, anchor, capturing=True)
     with self._lock:
         if self._table.closed:
             raise self._table.closed_error()
@@ -75,10 +75,14 @@ def watch_capture(self: Arena, stream: Any, beginning: bool = False) -> None:
     mode on a non-blocking stream is seen by no question the arena could ask. With ``beginning``, the capture is
     about to begin, and the stream's buffer about to be seeded: a trim, or another thread's eviction of idle streams,
     leaves it from now on (:data:`BEGINNING`). (Lock not held.)"""
-    key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
+    key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
     with self._lock:
         self._table.watches += 1  # first: counted, the record is never taken for one made before
         self._table.capturing[key] = BEGINNING if beginning else None
+        if beginning and anchor is not None and key in self._table.subs:
+            # The buffer's stream object may be gone (one made per call): ``stream`` adopts it now, while the
+            # stream's id can still be asked, which a lease during the capture cannot (Table.replaced).
+            self._table.sub_for(key, anchor)
 
 
 def unwatch_capture(self: Arena, stream: Any) -> None:

@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
+from ..errors import CaptureError
 from . import _kept
 from ._keys import GoneStream, _caller_chosen, _LaneKey
 from ._sub import Queue, _Anchor, _Block, _SubArena, _Totals, park, this_thread
@@ -112,9 +113,18 @@ class _Table:
             return ReleasedAtExit("this arena was released at interpreter exit")
         return RuntimeError("this arena is closed")
 
-    def sub_for(self, key: Hashable, anchor: Any) -> _SubArena:
-        """The sub-arena of ``key``, made if needed; ``anchor`` is an object whose death means the stream is gone."""
-        sub, stream_id = self.serving(key)
+    def sub_for(self, key: Hashable, anchor: Any, capturing: bool = False) -> _SubArena:
+        """The sub-arena of ``key``, made if needed; ``anchor`` is an object whose death means the stream is gone.
+        ``capturing``: the stream is being captured, and its id cannot be asked (:meth:`replaced`); an orphan whose
+        stream must be asked before it is adopted raises :class:`~wsarena.errors.CaptureError` then."""
+        sub, stream_id = self.serving(key, capturing)
+        if capturing and sub is not None and self.unchecked(sub):
+            raise CaptureError(
+                f"the buffer of stream {key!r} was last used through a stream object that is gone, and whether the "
+                "stream is still the same one (CUDA gives a destroyed stream's handle to the next stream made) "
+                "cannot be asked during a CUDA graph capture: use the stream once more before capturing, through a "
+                "stream object that lives until the capture ends (wsarena.capture(stream) does this itself)"
+            )
         if self.kept:
             self.release_kept()
         read_id = self.stream_id
@@ -126,7 +136,8 @@ class _Table:
             sub = _SubArena(stored, self.totals, self.to_free, self.kept)
             self.subs[stored] = sub
         if anchor is not None and sub.anchor is None:
-            if sub.stream_id is None and read_id is not None and type(key) is int and key > _DEFAULT_STREAMS:
+            if (not capturing and sub.stream_id is None and read_id is not None and type(key) is int
+                    and key > _DEFAULT_STREAMS):
                 sub.stream_id = read_id(key) if stream_id is None else stream_id
             # A dead thread's lane (or per-thread stream), or a dead key object, is never used again: swept at once.
             eager = anchor is key or isinstance(key, (ThreadLane, PerThreadStream))
@@ -134,18 +145,25 @@ class _Table:
         sub.orphan = False  # whoever leases on it shows the stream is alive
         return sub
 
-    def replaced(self, sub: _SubArena) -> tuple[bool, int | None]:
+    def unchecked(self, sub: _SubArena) -> bool:
+        """Whether ``sub`` is an orphan whose stream must be asked its id before anyone adopts it (:meth:`replaced`)."""
+        return sub.orphan and sub.stream_id is not None and self.stream_id is not None
+
+    def replaced(self, sub: _SubArena, capturing: bool = False) -> tuple[bool, int | None]:
         """Whether ``sub``'s stream object died and its handle names another stream now, and the id that handle's
-        stream has (``None``: not read, or CUDA cannot tell). The handle is live: the caller is about to use it."""
+        stream has (``None``: not read, or CUDA cannot tell). The handle is live: the caller is about to use it.
+        Not asked where the stream is ``capturing``: CUDA refuses cudaStreamGetId on a stream being captured, and the
+        refusal invalidates the capture, in every capture mode (:meth:`unchecked` says whether it would be)."""
         read_id = self.stream_id
-        if not sub.orphan or sub.stream_id is None or read_id is None:
+        if capturing or not self.unchecked(sub):
             return False, None
+        assert read_id is not None
         # Is this the same stream (a new wrapper), or another given the same handle? Asked only of an orphan, never
         # on the fast path of a lease on a watched stream. (``None``, CUDA cannot tell: another.)
         stream_id = read_id(sub.stream)
         return stream_id != sub.stream_id, stream_id
 
-    def serving(self, key: Hashable) -> tuple[_SubArena | None, int | None]:
+    def serving(self, key: Hashable, capturing: bool = False) -> tuple[_SubArena | None, int | None]:
         """The sub-arena that would serve a lease on ``key`` now, if there is one (none is made), and the id of the
         handle's stream if it was read (see :meth:`replaced`): a dead stream's whose handle another stream has serves
         no one, and is let go here, as the lease would."""
@@ -154,7 +172,7 @@ class _Table:
         sub = self.subs.get(key)
         if sub is None:
             return None, None
-        replaced, stream_id = self.replaced(sub)
+        replaced, stream_id = self.replaced(sub, capturing)
         if replaced:
             self.let_go_replaced(sub)
             return None, stream_id
@@ -183,14 +201,14 @@ class _Table:
         self.drop_if_gone(sub)
         sub.wake()  # threads queued for it look the handle up again, and find the new stream's sub-arena
 
-    def take_lane(self, ws: Workspace, anchor: Any, waiter: Any) -> Any:
+    def take_lane(self, ws: Workspace, anchor: Any, waiter: Any, capturing: bool = False) -> Any:
         """Make ``ws`` (ended by ``anchor``) the holder of its lane and return the sub-arena; or, if another lease
         holds it (or it is kept for threads that waited, and this one has not), queue a lock to wait on and return
         that (see :func:`~wsarena.arena._sub.wait`). ``waiter``: the lock this thread waited on last, or ``None``."""
         if self.closed:
             raise self.closed_error()
         me = this_thread.token
-        sub = self.sub_for(ws.stream, ws._anchor)
+        sub = self.sub_for(ws.stream, ws._anchor, capturing)
         ref = sub.holder
         if ref is not None and ref() is None and (not sub.releasing() or sub.holder_thread is me):
             self.reap(sub)  # nothing can release that lease any more

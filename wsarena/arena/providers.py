@@ -164,16 +164,10 @@ class _DeviceProvider:
         ``None`` if CUDA refuses to tell."""
         from cuda.bindings import runtime as rt
 
-        # The arena asks during a capture too (adopting an orphaned sub-arena; a stream object's first lease). Where
-        # the calling thread's capture mode is global or thread-local (torch.cuda.graph's default is global), CUDA
-        # refuses cudaStreamGetId then, and the refusal invalidates the capture: the thread asks in relaxed mode, which
-        # allows it, and gets its own mode back (cudaThreadExchangeStreamCaptureMode, used push-pop as CUDA advises).
-        swapped, mode = rt.cudaThreadExchangeStreamCaptureMode(rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
-        try:
-            err, stream_id = rt.cudaStreamGetId(stream)
-        finally:
-            if not int(swapped):
-                rt.cudaThreadExchangeStreamCaptureMode(mode)
+        # Never asked of a stream being captured (the arena sees to it): CUDA refuses cudaStreamGetId there
+        # (cudaErrorStreamCaptureUnsupported) and the refusal invalidates the capture, in relaxed mode too (seen on an
+        # H200 with the CUDA 13.0 driver).
+        err, stream_id = rt.cudaStreamGetId(stream)
         return None if int(err) else int(stream_id)
 
     def __repr__(self) -> str:
