@@ -232,7 +232,7 @@ def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
     ``jvp``), under torch.func's transforms its form with a ``jvp``, elsewhere its older form (with a ``jvp``).
     Under ``torch.export``, the operator itself: an exported program keeps no Function (a strict export runs a
     Function's forward without gradient), but the operator's registered gradient."""
-    if torch.compiler.is_exporting():
+    if _ops.exporting():
         return function.forward(*args)
     if torch.compiler.is_compiling():
         return function.apply(*args)

@@ -62,6 +62,14 @@ def _channels_last(t: Tensor) -> bool:
     return True
 
 
+def exporting() -> bool:
+    """Whether ``torch.export`` is tracing: the flag ``torch.compiler.is_exporting()`` returns, read where PyTorch
+    has it. A torch.compile trace before PyTorch 2.13 takes the function itself for True (its table of tracing-state
+    functions), which would make every compiled call look exported; it reads the flag as it is."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
 def layout_of(x: Tensor, w: Tensor) -> str:
     """``"NHWC"`` when the input or the weight is channels-last (PyTorch's rule for its output), else ``"NCHW"``;
     but ``"NCHW"`` for float64 tensors that PyTorch computes contiguous, results and gradients, whatever their

@@ -22,6 +22,7 @@ import torch
 
 from .._callkeys import freeze_params, remember
 from .._geometry import ConvGeometry, conv_geometry, conv_transpose_geometry, transposed_output_size
+from ._ops import exporting
 
 __all__ = ["forward_geometry", "per_dim", "transpose_geometry"]
 
@@ -137,10 +138,14 @@ def _stand_in(
 
 
 def _check(condition: Any, message: str) -> None:
-    """A ``ValueError`` with ``message`` unless ``condition``, kept by a traced graph as an assertion on its sizes
-    (which a compiled graph raises as a ``RuntimeError`` with the message). Under ``torch.export`` without the
-    message: a strict export takes none (torch 2.13 keeps the function in its graph, and fails)."""
-    if torch.compiler.is_exporting():
+    """A ``ValueError`` with ``message`` unless ``condition``, kept by a traced graph as an assertion on its sizes,
+    which a compiled graph raises as a ``RuntimeError`` with the message. A trace before PyTorch 2.13 takes neither
+    ``torch._check_with``'s error type for a symbolic size nor a message function with a closure: the message is the
+    function's default. Under ``torch.export`` without the message: a strict export takes none (torch 2.13 keeps the
+    function in its graph, and fails)."""
+    if exporting():
         torch._check(condition)
+    elif torch.compiler.is_compiling():
+        torch._check(condition, lambda message=message: message)
     else:
         torch._check_with(ValueError, condition, lambda: message)
