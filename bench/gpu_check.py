@@ -168,12 +168,20 @@ def _workers(marker: str) -> list[str]:
 
 
 def _pytest(marker: str, timeout: float, per_test: float, extra: list[str], env: dict) -> dict:
-    """One pytest run over the tests selected by ``-m marker``; its counts and exit status."""
+    """One pytest run over the tests selected by ``-m marker``; its counts and exit status.
+
+    Each test's outcome is printed as it comes (``-v``), so that a run cut short by the phase's time limit, which
+    leaves no report, still names the tests that failed in the log. A test past ``per_test`` seconds in a
+    pytest-xdist worker is ended by pytest-timeout's thread method, which ends one hung in a C call (a CUDA call, a
+    lock taken in a finalizer) too, and xdist starts another worker; the signal method acts only once the interpreter
+    gets control back. In one process the thread method would end the whole run, report and all."""
+    workers = _workers(marker)
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         command = [
-            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, *_workers(marker),
-            f"--timeout={per_test:g}", f"--junitxml={junit}", *extra,
+            sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", marker, *workers,
+            f"--timeout={per_test:g}", f"--timeout-method={'thread' if workers else 'signal'}",
+            f"--junitxml={junit}", *extra,
         ]
         run = _run(command, timeout, env)
         if junit.exists():
