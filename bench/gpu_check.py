@@ -3,8 +3,9 @@
 Writes ``bench/results/gpu-check-<date>.json`` (or into ``--out``) with ``commit``, ``device``, ``cudnn_version``,
 ``passed``, ``failed``, ``skipped`` (over both test runs), the failing test ids, each phase's own counts and
 exit status, and each benchmark's exit status and output. First of all it captures the GPU's device properties
-as cuDNN serialises them (``<gpu>-cudnn<version>.json``, e.g. ``h100-cudnn91900.json``: commit it as
-``tests/data/h100.json`` for the tests that plan without a GPU, docs/deviceless.md). The benchmarks include a
+as cuDNN serialises them (``<gpu>-cudnn<version>.json``, e.g. ``h100-cudnn91900.json``: where the version is
+the one the tests load, commit it as ``tests/data/h100.json`` for the tests that plan without a GPU; a later cuDNN
+may refuse an earlier one's, docs/deviceless.md). The benchmarks include a
 ResNet-50 training step at batch 32 in PyTorch against the same model converted by ``wsarena.torch`` (step time,
 peak memory, PyTorch's peak convolution workspace against the arena's; ``torch-resnet50-b32-{float32,float16}-gpu.json``
 beside the JSON), ``wsarena tune`` of ResNet-50 and VGG-16 at batch 32 float32 and batch 64 float16 on cuDNN

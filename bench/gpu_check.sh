@@ -21,7 +21,8 @@
 # Arguments go to bench/gpu_check.py: where one command may not hold it all, run `gpu_check.sh --no-bench` (the
 # tests), then `gpu_check.sh --no-tests --quick` (the benchmarks and one tune curve, fewer repeats), each with
 # `--deadline S`, S the command's limit less a minute, so that the run ends, and says what it left, within it.
-# A copy without its .git folder names its commit in WSARENA_COMMIT, for the JSON.
+# A copy without its .git folder, or with a stale one (a lent machine's copy kept naming the first commit it was sent),
+# names its commit in WSARENA_COMMIT, for the JSON: WSARENA_COMMIT=<git rev-parse HEAD, run where the work is>.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -2,7 +2,8 @@
 
 ``tests/data/h100-handwritten.json`` holds an H100's properties written by hand in the JSON schema cuDNN 9.28
 reads (docs/deviceless.md); ``tests/data/h100.json``, where present, holds those ``bench/gpu_check.py`` captured
-on the GPU. The conftest loads a stand-in for ``libcuda.so.1`` where the driver is missing; everything here skips,
+on the GPU. ``tests/data/h200-cudnn91900.json`` holds an H200's as cuDNN 9.19 captured them, which checks the
+hand-written values and the refusal of another version's schema. The conftest loads a stand-in for ``libcuda.so.1`` where the driver is missing; everything here skips,
 with the reason, where cuDNN still cannot finalize.
 """
 
@@ -18,12 +19,14 @@ from wsarena._geometry import conv_geometry
 from wsarena._pass import PASSES
 from wsarena.backends import _graph_plans
 from wsarena.backends._graph_plans import ALIGNED, conv_problem, numerics_refusal, ranked_names, shortlist, usable
-from wsarena.cudnn import graph
+from wsarena.cudnn import graph, load_library
 
 from .cudnn_probe import driver
 
 DATA = Path(__file__).parent / "data"
 PROPERTIES = [p for p in (DATA / "h100-handwritten.json", DATA / "h100.json") if p.exists()]
+# An H200's properties as cuDNN 9.19 serialised them on the GPU (bench/gpu_check.py, 2026-11-26)
+CAPTURED_H200 = DATA / "h200-cudnn91900.json"
 
 GEOMETRIES = {
     "2d": conv_geometry((2, 4, 9, 9), (6, 4, 3, 3), padding=1),
@@ -47,6 +50,36 @@ def props(request):
 def test_the_handwritten_properties_name_every_member_cuDNN_asks_for():
     text = json.loads((DATA / "h100-handwritten.json").read_text())
     assert text["multiProcessorCount"] == 132 and text["deviceVer"] == 900
+
+
+# What an H200 and an H100 SXM share: the chip (GH100, 132 SMs); their memory, L2, clocks and PCI ids differ
+SAME_CHIP = (
+    "maxGridSize", "maxBlockSize", "regsPerBlock", "multiProcessorCount", "warpSize", "maxSharedMemoryPerBlock",
+    "maxSharedMemoryPerBlockOptin", "reservedSharedMemoryPerBlock", "maxRegistersPerSM", "maxCtasPerSM",
+    "maxThreadsPerBlock", "maxThreadsPerSM", "supportCoopLaunch", "smClockRateKHz", "deviceVer",
+)
+
+
+def test_the_handwritten_values_are_those_a_hopper_gpu_reports():
+    """The hand-written H100 values that describe the chip are those an H200 (the same GH100 chip) reported to
+    cuDNN: taken from public specifications, they were checked against no device until then."""
+    written = json.loads((DATA / "h100-handwritten.json").read_text())
+    captured = json.loads(CAPTURED_H200.read_text())
+    assert captured["deviceName"] == "NVIDIA H200"
+    assert {k: written[k] for k in SAME_CHIP} == {k: captured[k] for k in SAME_CHIP}
+
+
+def test_properties_another_cudnn_version_serialised_are_refused_with_the_reason():
+    """cuDNN 9.28 reads members 9.19 did not write (smCountOrigin among them): an H200's 9.19 capture is refused
+    with the typed error that says how to get ones it reads, rather than failing later or planning wrongly."""
+    reason = driver.finalize_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    version = load_library().version
+    if version < 92800:
+        pytest.skip(f"cuDNN {version} may read 9.19's members; the refusal is 9.28's")
+    with pytest.raises(graph.DevicePropertiesError, match="members this cuDNN version reads"):
+        graph.device_properties(CAPTURED_H200.read_text())
 
 
 @pytest.mark.parametrize("pass_", PASSES)
