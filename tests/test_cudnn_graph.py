@@ -3,8 +3,9 @@
 ``tests/data/h100-handwritten.json`` holds an H100's properties written by hand in the JSON schema cuDNN 9.28
 reads (docs/deviceless.md); ``tests/data/h100.json``, where present, holds those ``bench/gpu_check.py`` captured
 on the GPU. ``tests/data/h200-cudnn91900.json`` holds an H200's as cuDNN 9.19 captured them, which checks the
-hand-written values and the refusal of another version's schema. The conftest loads a stand-in for ``libcuda.so.1`` where the driver is missing; everything here skips,
-with the reason, where cuDNN still cannot finalize.
+hand-written values and the refusal of another version's schema. The conftest loads a stand-in for
+``libcuda.so.1`` where the driver is missing; everything here skips, with the reason, where cuDNN still cannot
+finalize.
 """
 
 from __future__ import annotations
