@@ -134,7 +134,7 @@ def test_format_parse_round_trip():
 def test_defaults():
     c = get_config()
     assert c == Config(cap_workspace=None, algo_search="heuristic", backend="auto", debug=False, allocator="auto")
-    assert (c.cudnn_api, c.plan_cache_size) == ("legacy", 1024)
+    assert (c.cudnn_api, c.plan_cache_size) == ("graph", 1024)
     assert c.search_cache_max_size == 64 << 20
 
 
@@ -144,14 +144,14 @@ def test_environment_is_read(monkeypatch):
     monkeypatch.setenv("WSARENA_BACKEND", "cpu")
     monkeypatch.setenv("WSARENA_DEBUG", "1")
     monkeypatch.setenv("WSARENA_ALLOCATOR", " Torch ")
-    monkeypatch.setenv("WSARENA_CUDNN_API", " Graph ")
+    monkeypatch.setenv("WSARENA_CUDNN_API", " Legacy ")
     monkeypatch.setenv("WSARENA_PLAN_CACHE_SIZE", "64")
     monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "1.5GiB")
     monkeypatch.setenv("WSARENA_CACHE_DIR", " /srv/wsarena-Cache ")
     wsarena._config._reset()
     assert get_config() == Config(
         cap_workspace=64 << 20, algo_search="exhaustive", backend="cpu", debug=True, allocator="torch",
-        cudnn_api="graph", plan_cache_size=64, search_cache_max_size=3 << 29, cache_dir=Path("/srv/wsarena-Cache"),
+        cudnn_api="legacy", plan_cache_size=64, search_cache_max_size=3 << 29, cache_dir=Path("/srv/wsarena-Cache"),
     )
     monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", " None ")
     wsarena._config._reset()
@@ -203,7 +203,7 @@ BAD_ENV = {  # setting: (its variable, an invalid value, a valid value given exp
     "backend": ("WSARENA_BACKEND", "gpu", "cpu"),
     "debug": ("WSARENA_DEBUG", "maybe", True),
     "allocator": ("WSARENA_ALLOCATOR", "malloc", "torch"),
-    "cudnn_api": ("WSARENA_CUDNN_API", "v7", "graph"),
+    "cudnn_api": ("WSARENA_CUDNN_API", "v7", "legacy"),
     "plan_cache_size": ("WSARENA_PLAN_CACHE_SIZE", "-1", 8),
     "search_cache_max_size": ("WSARENA_SEARCH_CACHE_MAX_SIZE", "big", 1 << 20),
 }

@@ -127,7 +127,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto"
     )
-    parser.add_argument("--cudnn-api", choices=("graph", "legacy"), help="default: WSARENA_CUDNN_API or legacy")
+    parser.add_argument("--cudnn-api", choices=("graph", "legacy"), help="default: WSARENA_CUDNN_API or graph")
     parser.add_argument("--cudnn-heuristic", choices=CUDNN_HEURISTICS,
                         help="cuDNN's heuristic that ranks the graph API's engines (default: WSARENA_CUDNN_HEURISTIC "
                              "or instant)")

@@ -39,9 +39,9 @@ BACKENDS = ("auto", "cudnn", "cpu")
 ALLOCATORS = ("auto", "cupy", "torch")
 CUDNN_APIS = ("legacy", "graph")
 CUDNN_HEURISTICS = ("instant", "b")  # cuDNN's CUDNN_HEUR_MODE_INSTANT and CUDNN_HEUR_MODE_B
-# The cuDNN API path by default. The graph API becomes the default once a GPU benchmark shows it faster
-# (bench/bench_gpu_host.py, bench/bench_gpu_arena.py; README): a one-word change here.
-DEFAULT_CUDNN_API = "legacy"
+# The cuDNN API path by default: the graph API, whose cached call costs less host time than the legacy one in every
+# layer and pass measured, with the same arena and the same GPU time (an H200, 2026-11-26: bench/RESULTS.md).
+DEFAULT_CUDNN_API = "graph"
 
 _ENV = {
     "cap_workspace": "WSARENA_CAP_WORKSPACE",
@@ -105,8 +105,8 @@ class Config:
         ``"auto"`` (the ops: cuDNN for CuPy arrays and other device memory, the CPU for NumPy arrays and other host
         memory; the planner: cuDNN where a GPU is usable), ``"cudnn"`` or ``"cpu"``.
     cudnn_api : str
-        How the cudnn backend calls cuDNN: ``"legacy"`` (``cudnnConvolutionForward`` and its kin) or ``"graph"``
-        (the backend API: execution plans built once and cached).
+        How the cudnn backend calls cuDNN: ``"graph"``, the default (the backend API: execution plans built once
+        and cached), or ``"legacy"`` (``cudnnConvolutionForward`` and its kin).
     cudnn_heuristic : str
         Which of cuDNN's heuristics ranks the graph API's engine configurations: ``"instant"`` (its mode
         INSTANT, a quick guess) or ``"b"`` (mode B, a slower, more accurate model that falls back to INSTANT
