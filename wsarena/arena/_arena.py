@@ -217,11 +217,20 @@ class Arena:
         """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none; 0 too for
         a new stream that CUDA gave a dead stream's handle: the dead stream's buffer is not its own)."""
         key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
-        # A stream being captured is not asked its id (Table.replaced): its orphaned buffer is counted as held.
-        try:
-            capturing = self._capture is not None and self._capture(raw_handle(key)) is not None
-        except CaptureError:  # one CUDA will not use now (an invalidated capture): not asked either
-            capturing = True
+        # A stream being captured is not asked its id (Table.replaced): its orphaned buffer is counted as held. CUDA is
+        # asked whether it is captured only where its id would be asked.
+        capturing = False
+        if self._capture is not None:
+            with self._lock:
+                if self._table.dead:
+                    self._table.sweep()
+                sub = self._table.subs.get(key)
+                unchecked = sub is not None and self._table.unchecked(sub)
+            if unchecked:
+                try:
+                    capturing = self._capture(raw_handle(key)) is not None
+                except CaptureError:  # one CUDA will not use now (an invalidated capture): not asked either
+                    capturing = True
         with self._lock:
             sub, _ = self._table.serving(key, capturing)
             held = sub.capacity() if sub is not None else 0
