@@ -364,10 +364,15 @@ def test_a_first_call_during_capture_raises_before_anything_runs(cpu_conv):
     assert_captured_call_is_right(provider, x, w, eager, algo="gemm_batch")
 
 
-def test_capture_without_a_gpu_is_a_backend_error_and_checks_its_mode():
+def test_capture_without_a_gpu_is_a_backend_error_and_checks_its_mode(monkeypatch):
+    """On any machine: no GPU is made to look usable (a GPU machine's capture would succeed)."""
+    from wsarena import cudagraph
+
+    monkeypatch.setattr(cudagraph, "gpu_unusable_reason", lambda: "the CUDA driver sees no device")
     with pytest.raises(ValueError, match="mode must be one of"), wsarena.capture(mode="loose"):
         pass
-    with pytest.raises(wsarena.BackendUnavailableError, match="needs a GPU"), wsarena.capture():
+    with pytest.raises(wsarena.BackendUnavailableError, match="needs a GPU: the CUDA driver sees no device"), \
+            wsarena.capture():
         pass
 
 

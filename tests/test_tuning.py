@@ -162,8 +162,11 @@ def test_a_model_without_layers_is_refused():
         tune([], backend="cpu")
 
 
-def test_float16_without_a_gpu_is_the_environment():
-    with pytest.raises(BackendUnavailableError):
+def test_float16_without_a_gpu_is_the_environment(monkeypatch):
+    """On any machine: no GPU is made to look usable, so that backend "auto" is the CPU's (a GPU machine's would
+    tune float16 on cuDNN)."""
+    monkeypatch.setattr(backends, "gpu_unusable_reason", lambda: "the CUDA driver sees no device")
+    with pytest.raises(BackendUnavailableError, match="float16"):
         tune(LAYERS, dtype="float16")
 
 
