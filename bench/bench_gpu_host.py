@@ -15,7 +15,11 @@ alone (no waiting for a full launch queue). wsarena's op and the bare cuDNN call
 - ``torch v7``    PyTorch with ``TORCH_CUDNN_V8_API_DISABLED=1``: its legacy-API path, in a child process.
 
 Prints microseconds per call and the ratios wsarena/cudnn (wsarena's own share), wsarena/torch and graph/torch.
-Run: python bench/bench_gpu_host.py [--calls 20] [--rounds 7] [--json FILE]
+Then where wsarena's own time goes (``--profile-calls N``, 0 for none): the graph op of one layer with the C no-op
+for ``cudnnBackendExecute``, on CuPy arrays (``ops``) and through ``wsarena.torch.conv2d`` on PyTorch tensors
+(``torch``), each timed, then run N times under ``cProfile``: the functions with the most time of their own, per
+call (the profiler's own cost inflates the many small calls; the ranking is what to read).
+Run: python bench/bench_gpu_host.py [--calls 20] [--rounds 7] [--profile-calls 2000] [--json FILE]
 """
 
 from __future__ import annotations
@@ -248,10 +252,53 @@ def _bare_call(cudnn, backend, pass_, geom, cand, handle, ptr):
     return bare
 
 
+def profiles(stream: cupy.cuda.Stream, calls: int, top: int = 15) -> dict[str, dict]:
+    """wsarena's own host time on the device path, apart: per call, its time (fewest of 5 runs of ``calls``) and
+    the ``top`` functions by time of their own under cProfile (see the module's docstring)."""
+    import cProfile
+    import pstats
+    import timeit
+
+    import torch
+
+    import wsarena.torch as wtorch
+
+    name, xs, ws, stride, padding = cases()[1]
+    x = cupy.ones(xs, cupy.float32)
+    w = cupy.ones(ws, cupy.float32)
+    kw = {"stride": stride, "padding": padding}
+    y = wsarena.conv_forward(x, w, **kw)
+    tx, tw = torch.from_dlpack(x), torch.from_dlpack(w)
+    runs = {"ops": lambda: wsarena.conv_forward(x, w, **kw, out=y), "torch": lambda: wtorch.conv2d(tx, tw, **kw)}
+    out = {}
+    undo = _api("graph", stub=True)()
+    try:
+        with torch.no_grad(), stream, torch.cuda.stream(torch_stream(stream)):
+            for label, fn in runs.items():
+                fn()
+                us = min(timeit.repeat(fn, number=calls, repeat=5)) / calls * 1e6
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(calls):
+                    fn()
+                profiler.disable()
+                entries = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+                ranked = sorted(entries.items(), key=lambda kv: -kv[1][2])[:top]
+                out[f"{name}/fwd {label}"] = {"us_per_call": round(us, 2), "functions": [
+                    {"function": f"{os.path.basename(file)}:{line}({func})", "calls": round(nc / calls, 2),
+                     "own_us": round(tt / calls * 1e6, 2), "cumulative_us": round(ct / calls * 1e6, 2)}
+                    for (file, line, func), (_, nc, tt, ct, _) in ranked]}
+            stream.synchronize()
+    finally:
+        undo()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--profile-calls", type=int, default=2000, help="calls profiled per path (0: no profile)")
     parser.add_argument("--json", help="also write the table as JSON into this file")
     parser.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
@@ -295,10 +342,20 @@ def main() -> None:
         cells = [f"{v:11.1f}" if v else f"{'-':>11}" for v in (t_ws, t_cudnn, t_graph, t_percall, t_py, t_torch, t_v7)]
         cells += [f"{r:10.2f}x" if r else f"{'-':>11}" for r in ratios]
         print(f"{key:<28} " + " ".join(cells))
+    found = {}
+    if args.profile_calls:
+        try:
+            found = profiles(timer.stream, args.profile_calls)
+        except Exception as exc:  # noqa: BLE001 - the table above stands without it
+            print(f"profile: {type(exc).__name__}: {exc}", file=sys.stderr)
+    for label, entry in found.items():
+        print(f"{label}: {entry['us_per_call']:.1f} us per call; most time of their own (us per call, under cProfile):")
+        for f in entry["functions"]:
+            print(f"  {f['own_us']:7.2f} own {f['cumulative_us']:7.2f} cum  x{f['calls']:<5g} {f['function']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"device": name, "cudnn": wsarena.cudnn.library_info().get("version_string"),
-                       "us_per_call": rows}, f, indent=2)
+                       "us_per_call": rows, "profiles": found}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -5,18 +5,24 @@ and SGD step in every configuration:
 
 - ``torch``            PyTorch's cuDNN convolutions (``cudnn.benchmark`` off: its heuristics);
 - ``torch benchmark``  the same with ``cudnn.benchmark`` on (it times the algorithms, and may take larger ones);
-- ``wsarena``          the model converted, no cap; ``wsarena 64MiB``: under ``cap_workspace="64MiB"``.
+- ``wsarena``          the model converted, no cap, on the default ``cudnn_api`` (``graph``); ``wsarena legacy``:
+  the same on cuDNN's legacy API; ``wsarena 64MiB``: the default API under ``cap_workspace="64MiB"``.
 
 TF32 is off in PyTorch's convolutions, as wsarena computes float32 in full float32 (``--autocast float16`` runs
-the step under ``torch.autocast`` instead). Per configuration: the median step time over ``--steps`` steps after
-``--warmup`` (CUDA synchronised around each step), the peak of ``torch.cuda.max_memory_allocated()`` and of
-``memory_reserved()`` over a step, and the convolution workspace: for PyTorch, each convolution call's peak
+the step under ``torch.autocast`` instead). Per configuration, over ``--steps`` steps after ``--warmup``, medians
+of: the step time (CUDA synchronised around each step); the host's time to issue it (until ``opt.step()``
+returns, before the synchronisation); and its GPU time, the step queued behind ``torch.cuda._sleep`` spinning
+longer than the host takes to issue it, so that the GPU never waits for the host. A step whose time is its issue
+time is host-bound; one whose time is its GPU time is not. Then the peak of ``torch.cuda.max_memory_allocated()``
+and of ``memory_reserved()`` over a step, and the convolution workspace: for PyTorch, each convolution call's peak
 allocation beyond its inputs and outputs (measured in a step of its own through a ``TorchDispatchMode`` on
 ``aten.convolution`` and ``aten.convolution_backward``), the largest of them and their sum; for wsarena, what the
-arena holds (its memory comes from PyTorch's caching allocator, so it is inside the peaks too).
+arena holds (its memory comes from PyTorch's caching allocator, so it is inside the peaks too). With
+``--kernels N``, the N kernels that took the most GPU time in one step (``torch.profiler``), by name: which
+convolution kernels each side runs.
 
 Run: python bench/bench_gpu_torch.py [--batch 32] [--steps 10] [--warmup 3] [--autocast float16]
-                                     [--memory-format channels_last|contiguous] [--json FILE]
+                                     [--memory-format channels_last|contiguous] [--kernels 8] [--json FILE]
 """
 
 from __future__ import annotations
@@ -97,28 +103,78 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, ta
     opt.step()
 
 
+def gpu_ms(step) -> tuple[float, float]:
+    """``step()``'s GPU time, queued behind a spin of the GPU (``torch.cuda._sleep``): (GPU ms, spin ms). The GPU
+    time is the GPU's own where the host issued the whole step within the spin (issue time below spin time)."""
+    stream = torch.cuda.current_stream()
+    spin_start, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    spin_start.record(stream)
+    torch.cuda._sleep(SPIN_CYCLES)
+    start.record(stream)
+    step()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end), spin_start.elapsed_time(start)
+
+
+SPIN_CYCLES = 1_000_000_000  # some 0.5 s on an H100's or H200's clock: several times a host-bound step's issue
+
+
+def top_kernels(step, count: int) -> list[dict]:
+    """The ``count`` kernels with the most GPU time in one ``step()``, from ``torch.profiler`` (CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time_total  # us
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:count]
+    return [{"kernel": name, "gpu_ms": round(us / 1e3, 3), "calls": calls} for name, (us, calls) in ranked]
+
+
 def measure(name: str, model: nn.Module, x: torch.Tensor, target: torch.Tensor, args: argparse.Namespace,
             autocast: torch.dtype | None, probe: bool) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    for _ in range(args.warmup):
+
+    def step() -> None:
         train_step(model, opt, x, target, autocast)
+
+    for _ in range(args.warmup):
+        step()
     torch.cuda.synchronize()
-    times = []
-    peaks = []
+    times, issues, gpu, spins, peaks = [], [], [], [], []
     for _ in range(args.steps):
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        train_step(model, opt, x, target, autocast)
+        step()
+        issued = time.perf_counter()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        issues.append(issued - start)
         peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+        g, s = gpu_ms(step)
+        gpu.append(g)
+        spins.append(s)
     row = {
         "name": name, "step_ms": round(statistics.median(times) * 1e3, 2),
+        "issue_ms": round(statistics.median(issues) * 1e3, 2), "gpu_ms": round(statistics.median(gpu), 2),
+        # a GPU time is the GPU's own only where the spin outlasted the issue
+        "spin_ms": round(min(spins), 1),
         "peak_allocated_bytes": max(p[0] for p in peaks), "peak_reserved_bytes": max(p[1] for p in peaks),
     }
+    if args.kernels:
+        try:
+            row["kernels"] = top_kernels(step, args.kernels)
+        except Exception as exc:  # noqa: BLE001 - a profiler that cannot run (no CUPTI) leaves the timings
+            row["kernels_error"] = f"{type(exc).__name__}: {exc}"
     if probe:
         with WorkspaceProbe() as p:
-            train_step(model, opt, x, target, autocast)
+            step()
         torch.cuda.synchronize()
         row.update(workspace_peak_bytes=max(p.calls, default=0), workspace_sum_bytes=sum(p.calls),
                    conv_calls=len(p.calls))
@@ -136,6 +192,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--autocast", choices=("float16", "bfloat16"), default=None)
     parser.add_argument("--memory-format", choices=("channels_last", "contiguous"), default="channels_last")
+    parser.add_argument("--kernels", type=int, default=8, help="list this many kernels by GPU time (0: none)")
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
     autocast = getattr(torch, args.autocast) if args.autocast else None
@@ -160,21 +217,30 @@ def main() -> int:
         attempt(name, lambda: copy.deepcopy(base), probe=True)
         torch.cuda.empty_cache()
     torch.backends.cudnn.benchmark = False
-    for name, cap in (("wsarena", None), ("wsarena 64MiB", "64MiB")):
+    for name, api, cap in (("wsarena", "graph", None), ("wsarena legacy", "legacy", None),
+                           ("wsarena 64MiB", "graph", "64MiB")):
         wsarena.arena.reset_arenas()
-        wsarena.configure(cap_workspace=cap)
+        wsarena.configure(cap_workspace=cap, cudnn_api=api)
         torch.cuda.empty_cache()
         attempt(name, lambda: wsarena.torch.convert(copy.deepcopy(base)), probe=False)
     mib = 1 << 20
     print(f"ResNet-50 training step, batch {args.batch}, {args.autocast or 'float32'}, {args.memory_format}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
-    print(f"{'':<16} {'step ms':>8} {'peak alloc MiB':>15} {'peak reserved MiB':>18} {'workspace MiB':>14}")
+    print(f"{'':<16} {'step ms':>8} {'issue ms':>9} {'GPU ms':>8} {'peak alloc MiB':>15} "
+          f"{'peak reserved MiB':>18} {'workspace MiB':>14}")
     for r in rows:
         if "error" in r:
             print(f"{r['name']:<16} failed: {r['error'][:200]}")
             continue
-        print(f"{r['name']:<16} {r['step_ms']:8.1f} {r['peak_allocated_bytes'] / mib:15.0f} "
-              f"{r['peak_reserved_bytes'] / mib:18.0f} {r['workspace_peak_bytes'] / mib:14.1f}")
+        print(f"{r['name']:<16} {r['step_ms']:8.1f} {r['issue_ms']:9.1f} {r['gpu_ms']:8.1f} "
+              f"{r['peak_allocated_bytes'] / mib:15.0f} {r['peak_reserved_bytes'] / mib:18.0f} "
+              f"{r['workspace_peak_bytes'] / mib:14.1f}")
+    spin = min((r["spin_ms"] for r in rows if "spin_ms" in r), default=0.0)
+    print(f"GPU ms: queued behind {spin:.0f} ms of spinning (the GPU's own time where issue ms is below that)")
+    for r in rows:
+        if r.get("kernels"):
+            print(f"{r['name']}: " + "; ".join(f"{k['gpu_ms']:.2f} ms x{k['calls']} {k['kernel'][:70]}"
+                                               for k in r["kernels"]))
     print("workspace: PyTorch, the largest per-call transient allocation of a convolution (sum over the step: "
           + ", ".join(f"{r['name']} {r['workspace_sum_bytes'] / mib:.0f} MiB" for r in rows if "workspace_sum_bytes" in r)
           + "); wsarena, the arena's largest lease (held: "

@@ -6,9 +6,10 @@ exit status, and each benchmark's exit status and output. First of all it captur
 as cuDNN serialises them (``<gpu>-cudnn<version>.json``, e.g. ``h100-cudnn91900.json``: where the version is
 the one the tests load, commit it as ``tests/data/h100.json`` for the tests that plan without a GPU; a later cuDNN
 may refuse an earlier one's, docs/deviceless.md). The benchmarks include a
-ResNet-50 training step at batch 32 in PyTorch against the same model converted by ``wsarena.torch`` (step time,
-peak memory, PyTorch's peak convolution workspace against the arena's; ``torch-resnet50-b32-{float32,float16}-gpu.json``
-beside the JSON), ``wsarena tune`` of ResNet-50 and VGG-16 at batch 32 float32 and batch 64 float16 on cuDNN
+ResNet-50 training step at batch 32 in PyTorch against the same model converted by ``wsarena.torch`` (step, issue
+and GPU time, the kernels with the most GPU time, peak memory, PyTorch's peak convolution workspace against the
+arena's; ``torch-resnet50-b32-{float32,float16,float32-contiguous}-gpu.json`` beside the JSON: channels-last but
+the last), ``wsarena tune`` of ResNet-50 and VGG-16 at batch 32 float32 and batch 64 float16 on cuDNN
 (``tune-MODEL-DTYPE-bBATCH-gpu.json`` and ``.png`` beside the JSON, each searched afresh in a cache folder of its
 own) and the search cache's start-up saving (``search-cache-startup-resnet50-gpu.json``); the host, arena and CUDA
 graph benchmarks write their tables as JSON too (``bench_gpu_host-gpu.json``, ``bench_gpu_arena-gpu.json``,
@@ -54,10 +55,12 @@ _DRAIN_S = 10
 # Run after the tests, each with --bench-timeout (times the factor given): the script and its arguments, "{out}"
 # standing for the results folder.
 BENCHMARKS = (
+    (("bench_gpu_torch.py", "--json", "{out}/torch-resnet50-b32-float32-gpu.json"), 3),
+    (("bench_gpu_torch.py", "--memory-format", "contiguous", "--json",
+      "{out}/torch-resnet50-b32-float32-contiguous-gpu.json"), 3),
+    (("bench_gpu_torch.py", "--autocast", "float16", "--json", "{out}/torch-resnet50-b32-float16-gpu.json"), 3),
     (("bench_gpu_arena.py", "--json", "{out}/bench_gpu_arena-gpu.json"), 1),
     (("bench_gpu_host.py", "--json", "{out}/bench_gpu_host-gpu.json"), 1),
-    (("bench_gpu_torch.py", "--json", "{out}/torch-resnet50-b32-float32-gpu.json"), 3),
-    (("bench_gpu_torch.py", "--autocast", "float16", "--json", "{out}/torch-resnet50-b32-float16-gpu.json"), 3),
     (("bench_gpu_capture.py", "--json", "{out}/capture-resnet50-b32-float32-gpu.json"), 1),
     (("bench_gpu_capture.py", "--batch", "64", "--dtype", "float16", "--json",
       "{out}/capture-resnet50-b64-float16-gpu.json"), 1),
