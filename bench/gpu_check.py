@@ -76,12 +76,16 @@ QUICK = {
 }
 
 
-def junit_counts(path: Path) -> dict:
+def junit_counts(path: Path, slowest: int = 15) -> dict:
+    """Passed, failed and skipped tests in pytest's JUnit XML report, the failures by name, and the ``slowest``
+    tests with their seconds: where a phase's time went on a lent machine."""
     suites = ET.parse(path).getroot()
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "failures": []}
+    counts: dict = {"passed": 0, "failed": 0, "skipped": 0, "failures": []}
+    times = []
     for case in suites.iter("testcase"):
         outcome = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
         name = f"{case.get('classname')}::{case.get('name')}"
+        times.append((float(case.get("time") or 0), name))
         if "failure" in outcome or "error" in outcome:
             counts["failed"] += 1
             counts["failures"].append(name)
@@ -89,6 +93,7 @@ def junit_counts(path: Path) -> dict:
             counts["skipped"] += 1
         else:
             counts["passed"] += 1
+    counts["slowest"] = [{"test": name, "seconds": round(t, 1)} for t, name in sorted(times, reverse=True)[:slowest]]
     return counts
 
 
@@ -336,6 +341,8 @@ def main() -> int:
         write()
         print(f"{phase}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
               f"(exit status {counts['exit_status']})", flush=True)
+        if counts.get("slowest"):
+            print("  slowest: " + ", ".join(f"{t['test']} {t['seconds']} s" for t in counts["slowest"][:5]), flush=True)
     result["benchmarks"] = {}
     for (script, *script_args), factor in () if args.no_bench else BENCHMARKS:
         script_args = [a.replace("{out}", str(args.out)) for a in script_args]

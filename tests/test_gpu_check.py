@@ -128,3 +128,22 @@ def test_gpu_check_stopped_mid_phase_leaves_nothing_of_the_phase_running(tmp_pat
         if driver.poll() is None:
             driver.kill()
             driver.wait()
+
+
+def test_a_phases_report_names_its_failures_and_its_slowest_tests(tmp_path):
+    report = tmp_path / "junit.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="test_quick" time="0.25"/>'
+        '<testcase classname="tests.test_a" name="test_slow" time="41.5"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_b" name="test_middle" time="3"><skipped message="y"/></testcase>'
+        '<testcase classname="tests.test_b" name="test_broken" time="7"><error message="z"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    counts = gpu_check.junit_counts(report, slowest=3)
+    assert (counts["passed"], counts["failed"], counts["skipped"]) == (1, 2, 1)
+    assert counts["failures"] == ["tests.test_a::test_slow", "tests.test_b::test_broken"]
+    assert counts["slowest"] == [
+        {"test": "tests.test_a::test_slow", "seconds": 41.5}, {"test": "tests.test_b::test_broken", "seconds": 7.0},
+        {"test": "tests.test_b::test_middle", "seconds": 3.0},
+    ]
