@@ -299,3 +299,39 @@ def test_inference_mode_leaves_what_the_dispatcher_handles_to_it(straight, monke
         with Watch():
             wt.conv2d(xi, w)
         assert "conv_forward" in seen and straight == []
+
+
+def test_a_forward_without_grad_runs_the_operator_and_no_function(straight, monkeypatch):
+    """Under ``torch.no_grad()`` (and in inference mode) no gradient can be asked of the result: the operator runs
+    alone, without an autograd Function's machinery (bench/bench_interop.py times the saving), and the result is
+    PyTorch's; with grad on, a Function records the graph as before."""
+    from wsarena.torch import _autograd
+
+    applied = []
+    for function, form in list(_autograd._OLDER.items()):
+        original = form.apply
+        monkeypatch.setattr(form, "apply", lambda *a, _o=original, _n=function.__name__: applied.append(_n) or _o(*a))
+    x, conv = tensors()
+    with torch.no_grad():
+        y = conv(x)
+        t = wt.conv_transpose2d(y, conv.weight, padding=1)  # (6, 4, 3, 3): 6 channels in, 4 out
+        ref = F.conv2d(x, conv.weight, conv.bias, padding=1)
+        ref_t = F.conv_transpose2d(ref, conv.weight, padding=1)
+    assert applied == [] and straight == ["conv_forward", "conv_backward_data"]
+    assert y.grad_fn is None and not y.requires_grad and close(y, ref) and close(t, ref_t)
+    y = conv(x)
+    assert applied == ["ConvFunction"] and y.grad_fn is not None
+
+
+def test_forward_ad_without_grad_still_gives_the_tangent():
+    """Forward AD does not depend on grad mode: under ``torch.no_grad()`` a dual input's tangent comes through, as
+    through PyTorch's convolution (a forward run as the bare operator would drop it)."""
+    import torch.autograd.forward_ad as fwad
+
+    x, conv = tensors()
+    w = conv.weight.detach()
+    direction = torch.randn_like(x)
+    with torch.no_grad(), fwad.dual_level():
+        ours = fwad.unpack_dual(wt.conv2d(fwad.make_dual(x.detach(), direction), w, padding=1)).tangent
+        theirs = fwad.unpack_dual(F.conv2d(fwad.make_dual(x.detach(), direction), w, padding=1)).tangent
+    assert ours is not None and close(ours, theirs)

@@ -231,13 +231,19 @@ def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
     """``function.apply(*args)``: under a torch.compile trace ``function`` itself (a trace takes no Function with a
     ``jvp``), under torch.func's transforms its form with a ``jvp``, elsewhere its older form (with a ``jvp``).
     Under ``torch.export``, the operator itself: an exported program keeps no Function (a strict export runs a
-    Function's forward without gradient), but the operator's registered gradient."""
+    Function's forward without gradient), but the operator's registered gradient. Where no gradient can be asked
+    of the result (grad mode off, as under ``torch.no_grad()`` and in inference mode, no forward AD, no
+    ``torch.jit.trace``), the operator alone, by :func:`wsarena.torch._ops.call`: a Function would record nothing
+    there, and costs some 10 us a call (bench/RESULTS.md)."""
     if _ops.exporting():
         return function.forward(*args)
     if torch.compiler.is_compiling():
         return function.apply(*args)
     if _transforms_active():
         return _FORWARD[function].apply(*args[:2], _Rest(args[2:]))
+    if not torch.is_grad_enabled() and forward_ad._current_level < 0 and not torch.jit.is_tracing():
+        # (a torch.jit.trace records the Function: its check reruns the model without grad, to the same graph)
+        return _ops.call(_OPERATORS[function], *args)
     return _OLDER[function].apply(*args)
 
 
