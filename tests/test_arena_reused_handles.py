@@ -298,9 +298,11 @@ def test_a_stream_object_that_lives_over_the_capture_adopts_the_orphan_before_it
     graph.close()
 
 
-def test_a_stream_objects_first_lease_during_a_capture_asks_no_id(no_ids_in_capture):
+def test_a_stream_objects_first_lease_during_a_capture_asks_no_id_and_the_first_after_it_does(no_ids_in_capture):
     """A buffer reserved through the raw handle (no stream object to watch), then leased during a capture through a
-    stream object: the object is watched from then on, its stream's id left unread."""
+    stream object: the stream's id is left unread, and the object unwatched until its first lease after the
+    capture, which reads the id. Watched from the capture on, the object's death would leave an orphan with no id,
+    which the next stream given its handle would adopt, dead stream's buffer and all."""
     provider = no_ids_in_capture
     arena = Arena(provider)
     arena.reserve(1000, stream=H)
@@ -308,5 +310,89 @@ def test_a_stream_objects_first_lease_during_a_capture_asks_no_id(no_ids_in_capt
     stream = FakeStream(H)
     ptr = lease_ptr(arena, 1000, stream)
     provider.end_capture(graph)
+    reads = len(provider.id_reads)
     assert lease_ptr(arena, 1000, stream) == ptr
+    assert provider.id_reads[reads:] == [H]
+    del stream
+    gc.collect()
+    provider.stream_ids[H] = 102  # CUDA gave the handle to the next stream made
+    assert lease_ptr(arena, 1000, FakeStream(H)) != ptr and provider.frees == []  # the graph still holds it
     graph.close()
+    arena.trim()
+    assert (ptr, None) in [(buffer.ptr, on) for buffer, on in provider.frees]  # let go as gone, once the graph is
+
+
+def test_held_bytes_reads_no_id_of_a_stream_whose_object_dies_while_it_looks(no_ids_in_capture, monkeypatch):
+    """A watched stream (its id read) being captured: held_bytes asks CUDA nothing about it, and its object may die,
+    and the death be swept, between the look and the count (here the collector runs just after the look): the
+    orphan it becomes is not asked its id during the capture either, but counted as held."""
+    from wsarena.arena import _table
+
+    provider = no_ids_in_capture
+    arena = Arena(provider)
+    streams = [FakeStream(H)]
+    ptr = lease_ptr(arena, 1000, streams[0])
+    graph = provider.begin_capture(H)
+    looked = _table._Table.unchecked
+
+    def unchecked(self, sub):
+        answer = looked(self, sub)
+        if streams:  # the stream object's last reference goes, and the collector runs, just after the look
+            streams.clear()
+            gc.collect()
+        return answer
+
+    monkeypatch.setattr(_table._Table, "unchecked", unchecked)
+    assert arena.held_bytes(stream=H) == 1024
+    provider.end_capture(graph)
+    monkeypatch.undo()
+    assert lease_ptr(arena, 1000, FakeStream(H)) == ptr  # the same stream: adopted after the capture
+    graph.close()
+
+
+def test_the_capture_blocks_stream_object_watches_the_buffer_in_place_of_another_that_dies_during_it(
+        no_ids_in_capture):
+    """wsarena.capture() watches its stream before the capture begins, in place of another live object of the same
+    stream watching its buffer: that one may die during the capture, which would leave an orphan whose id the
+    capture's next lease could not ask (a CaptureError telling the user what wsarena.capture does itself)."""
+    from wsarena.arena._pinning import watch_capture
+
+    provider = no_ids_in_capture
+    arena = Arena(provider)
+    other = FakeStream(H)
+    ptr = lease_ptr(arena, 1000, other)
+    stream = FakeStream(H)  # the block's stream object
+    watch_capture(arena, stream, beginning=True)
+    graph = provider.begin_capture(H)
+    del other
+    gc.collect()
+    assert lease_ptr(arena, 1000, stream) == ptr
+    provider.end_capture(graph)
+    graph.close()
+
+
+def test_a_reserve_on_an_orphan_during_a_capture_asks_no_id_and_says_what_to_do(no_ids_in_capture):
+    provider = no_ids_in_capture
+    arena = Arena(provider)
+    old = dead_stream_leased(arena)
+    graph = provider.begin_capture(H)
+    with pytest.raises(wsarena.CaptureError, match="stream object that lives until the capture ends"):
+        arena.reserve(1000, stream=FakeStream(H))
+    provider.end_capture(graph)
+    assert lease_ptr(arena, 1000, FakeStream(H)) == old and len(provider.allocations) == 1
+
+
+def test_held_bytes_of_an_orphan_on_a_stream_cuda_will_not_answer_for_asks_no_id(no_ids_in_capture, monkeypatch):
+    """Where CUDA refuses to say whether the stream is captured (an invalidated capture: a CaptureError), its id is not
+    asked either: the orphan's buffer is counted as held."""
+    provider = no_ids_in_capture
+    arena = Arena(provider)
+    dead_stream_leased(arena)
+    graph = provider.begin_capture(H)
+
+    def refused(stream):
+        raise wsarena.CaptureError(f"the capture on stream {stream:#x} was invalidated")
+
+    monkeypatch.setattr(arena, "_capture", refused)
+    assert arena.held_bytes(stream=H) == 1024
+    provider.end_capture(graph)

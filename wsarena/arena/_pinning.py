@@ -81,8 +81,10 @@ def watch_capture(self: Arena, stream: Any, beginning: bool = False) -> None:
         self._table.capturing[key] = BEGINNING if beginning else None
         if beginning and anchor is not None and key in self._table.subs:
             # The buffer's stream object may be gone (one made per call): ``stream`` adopts it now, while the
-            # stream's id can still be asked, which a lease during the capture cannot (Table.replaced).
-            self._table.sub_for(key, anchor)
+            # stream's id can still be asked, which a lease during the capture cannot (Table.replaced). Another
+            # object watching it may die during the capture: ``stream``, which lives until the capture ends, watches
+            # it in its place.
+            self._table.rewatch(self._table.sub_for(key, anchor), anchor)
 
 
 def unwatch_capture(self: Arena, stream: Any) -> None:

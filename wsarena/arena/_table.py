@@ -136,14 +136,28 @@ class _Table:
             sub = _SubArena(stored, self.totals, self.to_free, self.kept)
             self.subs[stored] = sub
         if anchor is not None and sub.anchor is None:
-            if (not capturing and sub.stream_id is None and read_id is not None and type(key) is int
-                    and key > _DEFAULT_STREAMS):
-                sub.stream_id = read_id(key) if stream_id is None else stream_id
-            # A dead thread's lane (or per-thread stream), or a dead key object, is never used again: swept at once.
-            eager = anchor is key or isinstance(key, (ThreadLane, PerThreadStream))
-            sub.anchor = _Anchor(anchor, self.dead.append, sub.key, sub.serial, eager)
+            watch = True
+            if sub.stream_id is None and read_id is not None and type(key) is int and key > _DEFAULT_STREAMS:
+                if capturing:
+                    # The id cannot be read during the capture: the stream is left unwatched, so that its first lease
+                    # after the capture reads the id and watches it. Watched without one, its death would make an
+                    # orphan that no lease could check against the next stream given its handle.
+                    watch = False
+                else:
+                    sub.stream_id = read_id(key) if stream_id is None else stream_id
+            if watch:
+                # A dead thread's lane (or per-thread stream), or a dead key object, is never used again: swept at once.
+                eager = anchor is key or isinstance(key, (ThreadLane, PerThreadStream))
+                sub.anchor = _Anchor(anchor, self.dead.append, sub.key, sub.serial, eager)
         sub.orphan = False  # whoever leases on it shows the stream is alive
         return sub
+
+    def rewatch(self, sub: _SubArena, anchor: Any) -> None:
+        """Have ``anchor``, a live object of ``sub``'s stream, watch ``sub`` in place of the one watching it now (the
+        replaced anchor, dropped, never calls back). Only where :meth:`sub_for` just gave ``sub`` an anchor and its
+        stream's id, so that the death of ``anchor`` makes an orphan that can be checked."""
+        if sub.anchor is not None and sub.anchor() is not anchor:
+            sub.anchor = _Anchor(anchor, self.dead.append, sub.key, sub.serial, sub.anchor.eager)
 
     def unchecked(self, sub: _SubArena) -> bool:
         """Whether ``sub`` is an orphan whose stream must be asked its id before anyone adopts it (:meth:`replaced`)."""
