@@ -412,17 +412,20 @@ def fake_torch_cuda(monkeypatch):
     """The device branch with torch operands on a machine without CUDA: CuPy faked (its views, device and
     streams log what the call does), PyTorch's current stream a settable handle (0 or 2, the streams CuPy names
     without cuda.core), the device's arena not made but asked for."""
-    log = []
+    log, views = [], []
     cupy = types.ModuleType("cupy")
-    cupy.from_dlpack = lambda obj, copy=None: obj.numpy()
+    cupy.from_dlpack = lambda obj, copy=None: views.append("dlpack") or obj.numpy()
     cupy.asarray = np.asarray
     cupy.cuda = types.SimpleNamespace(
         Device=lambda ordinal: _Scope(log, f"device {ordinal}"),
         Stream=types.SimpleNamespace(null=_Scope(log, "stream 0"), ptds=_Scope(log, "stream 2")),
+        UnownedMemory=lambda ptr, size, owner, device_id: owner,
+        MemoryPointer=lambda memory, offset: memory,
     )
+    cupy.ndarray = lambda shape, dtype, owner, strides: views.append("direct") or owner.numpy()
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     _interop._cupy.cache_clear()
-    state = types.SimpleNamespace(log=log, current=0, asked=0, arenas=[])
+    state = types.SimpleNamespace(log=log, views=views, current=0, asked=0, arenas=[])
 
     def current(device):
         state.asked += 1
@@ -466,13 +469,70 @@ def test_torch_cuda_operands_run_on_torchs_current_stream_asked_on_every_call(fa
                              "exit device 0"]
         assert isinstance(y, torch.Tensor) and y.shape == (1, 1, 2, 2)
     assert state.asked == 3 and state.arenas == [(0, "torch")] * 3
+    assert state.views == ["direct"] * 6  # on PyTorch's current stream: viewed directly, no DLPack export
     state.log.clear()  # a stream given is the call's: PyTorch's is not asked
+    state.views.clear()
     _interop.execute(run, Pass.FWD, x, w, None, (1, 0, 1, 1), None, 2, "NCHW", None)
     assert state.log[1:3] == ["enter stream 2", "run on 2"] and state.asked == 3
+    assert state.views == ["dlpack"] * 2  # DLPack's export orders PyTorch's current stream before the call's
     out = torch.zeros(1, 1, 2, 2).as_subclass(_CudaTensor)
     before = out._version
     assert _interop.execute(run, Pass.FWD, x, w, None, (1, 0, 1, 1), out, None, "NCHW", None) is out
     assert out._version > before and state.asked == 4
+
+
+_DIRECT = {  # tensors a call on PyTorch's current stream views directly
+    "contiguous": lambda: torch.arange(24.0).reshape(2, 3, 4),
+    "channels-last": lambda: torch.arange(120.0).reshape(2, 3, 4, 5).to(memory_format=torch.channels_last),
+    "strided, with an offset": lambda: torch.arange(60.0).reshape(3, 4, 5)[1:, ::2, 1:4],
+    "a size-1 dimension's stride": lambda: torch.arange(12.0).reshape(3, 4).unsqueeze(1).expand(3, 1, 4),
+    "float16": lambda: torch.arange(24.0).reshape(4, 6).half(),
+    "bfloat16": lambda: torch.arange(24.0).reshape(4, 6).bfloat16(),
+    "float64": lambda: torch.arange(24.0, dtype=torch.float64).reshape(6, 4).t(),
+}
+_BYTES = {2: (torch.int16, np.int16), 4: (torch.int32, np.int32), 8: (torch.int64, np.int64)}
+
+
+@pytest.mark.parametrize("make", _DIRECT.values(), ids=_DIRECT.keys())
+def test_a_cuda_tensor_is_viewed_over_its_own_memory_as_dlpack_would_view_it(make):
+    """A CUDA tensor on the call's stream becomes a CuPy array made from its pointer, sizes and strides (CuPy builds
+    one without a GPU): over the same bytes, element for element, as the tensor, in its dtype, and keeping it
+    alive. Checked against a NumPy array over those bytes laid out as the view says, read as integers."""
+    cupy = pytest.importorskip("cupy")
+    import weakref
+
+    tensor = make().as_subclass(_CudaTensor)
+    view = _interop._tensor_view(_interop._Operand("x", tensor))
+    size = tensor.element_size()
+    assert type(view) is cupy.ndarray and view.data.ptr == tensor.data_ptr()
+    assert view.shape == tuple(tensor.shape) and view.strides == tuple(n * size for n in tensor.stride())
+    assert str(view.dtype) == str(tensor.dtype).removeprefix("torch.")
+    as_int, np_int = _BYTES[size]
+    extent = sum((n - 1) * st for n, st in zip(view.shape, view.strides)) + size
+    memory = (ctypes.c_char * extent).from_address(view.data.ptr)
+    seen = np.ndarray(view.shape, np_int, buffer=memory, strides=view.strides)
+    assert np.array_equal(seen, tensor.view(as_int).numpy())  # every element the tensor's
+    alive = weakref.ref(tensor)
+    del tensor
+    assert alive() is not None  # the view holds the tensor, and so its memory
+    del view
+    assert alive() is None
+
+
+_NOT_DIRECT = {  # what DLPack views or refuses, as before
+    "no elements": lambda: torch.zeros(0, 3),
+    "a negated view": lambda: torch._neg_view(torch.ones(2, 3)),
+    "an integer dtype": lambda: torch.ones(2, 3, dtype=torch.int32),
+}
+
+
+@pytest.mark.parametrize("make", _NOT_DIRECT.values(), ids=_NOT_DIRECT.keys())
+def test_what_a_direct_view_would_misread_goes_through_dlpack(make, monkeypatch):
+    through = []
+    monkeypatch.setattr(_interop, "_view", lambda library, op: through.append(op.name) or "viewed by DLPack")
+    monkeypatch.setattr(_interop, "_cupy", lambda: None)
+    assert _interop._tensor_view(_interop._Operand("w", make().as_subclass(_CudaTensor))) == "viewed by DLPack"
+    assert through == ["w"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

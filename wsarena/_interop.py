@@ -6,8 +6,10 @@ NumPy array (host memory) or a CuPy array (CUDA memory), by the first of these i
 
 1. ``__dlpack__`` and ``__dlpack_device__`` (PyTorch, JAX, CuPy-like libraries, cuda.core buffers), imported with
    ``copy=False``, on the call's stream, so that the producer orders its own work before the call (a PyTorch
-   CPU tensor through ``Tensor.numpy()``, the same view at a third of the cost). ``bfloat16``, which NumPy and
-   CuPy do not import, travels as ``int16`` (:mod:`wsarena._dlpack`);
+   CPU tensor through ``Tensor.numpy()``, the same view at a third of the cost; a PyTorch CUDA tensor, where the
+   call runs on PyTorch's current stream and there is nothing to order, as a CuPy array made from its pointer,
+   sizes and strides, the same view without the export). ``bfloat16``, which NumPy and CuPy do not import,
+   travels as ``int16`` (:mod:`wsarena._dlpack`);
 2. ``__cuda_array_interface__`` (Numba device arrays, and the rest of the CUDA Python world);
 3. ``__array_interface__`` (host buffers).
 
@@ -182,14 +184,16 @@ def execute(
             + ", ".join(op.where() for op in operands) + ")"
         )
     device = next(iter(devices), None)
+    direct = False  # torch tensors viewed directly: the call runs on PyTorch's current stream, nothing to order
     if device is not None and (first.kind == _TORCH or second.kind == _TORCH or torch_out):
         _prefer_torch_memory(device)
         if stream is None:
             stream = _torch_current_stream(device)
+            direct = True
     library = _cupy()
     # the operands' device current (None: as it is) and `stream` CuPy's current stream there
     with library.device(device), library.stream(stream):
-        views = [_view(library, op) for op in operands]
+        views = [_tensor_view(op) if direct and op.kind == _TORCH else _view(library, op) for op in operands]
         result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
                      layout, algo)
         if torch_out:
@@ -249,6 +253,37 @@ def _view(library: _Library, op: _Operand) -> Any:
         raise TypeError(f"{op.name} cannot be viewed as a {library.name} array without a copy: {exc}") from exc
 
 
+def _tensor_view(op: _Operand) -> Any:
+    """A CuPy array over a CUDA tensor's memory, made from its pointer, sizes and strides: what DLPack's import
+    gives (``cupy.from_dlpack``), without the export's Python on both sides, which costs more than the rest of a
+    cached call's own (bench/RESULTS.md). Only where the call runs on PyTorch's current stream (the DLPack
+    export would order nothing there) and on the tensor's device, and for a plain dense tensor of a dtype wsarena
+    computes: anything else goes through DLPack, which views or refuses it as before. The array keeps the tensor
+    alive."""
+    tensor = op.obj
+    torch = sys.modules["torch"]  # a tensor among the operands: PyTorch is imported
+    if not _CUPY_DTYPES:
+        _CUPY_DTYPES.update({torch.float16: "float16", torch.float32: "float32", torch.float64: "float64",
+                             torch.bfloat16: "bfloat16"})
+    dtype = _CUPY_DTYPES.get(tensor.dtype)
+    if dtype is None or tensor.layout is not torch.strided or tensor.is_neg():
+        return _view(_cupy(), op)
+    shape, strides = tuple(tensor.shape), tensor.stride()
+    if not all(shape):  # no elements (a pointer that may be null): as DLPack gives it
+        return _view(_cupy(), op)
+    cupy = sys.modules["cupy"]
+    itemsize = tensor.element_size()
+    steps = [s * itemsize for s in strides]
+    extent = sum([(n - 1) * s for n, s in zip(shape, steps)]) + itemsize  # the bytes from the first element to the last
+    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent, tensor, device_id=op.device)
+    if dtype == "bfloat16":
+        dtype = _bfloat16()
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), tuple(steps))
+
+
+_CUPY_DTYPES: dict[Any, str] = {}  # a torch dtype -> the name of its CuPy dtype, filled on first use
+
+
 def _export(op: _Operand) -> Export:
     """``op``'s DLPack export: ``out`` only where the producer allows writes, bfloat16 as int16."""
     return Export(op.obj, writable=op.name == "out", retype=(BFLOAT16, INT16))
@@ -275,6 +310,7 @@ _host_view = functools.partial(_view, _NUMPY)
 @functools.cache
 def _cupy() -> _Library:
     import cupy
+
 
     def from_dlpack(obj: Any) -> Any:
         return cupy.from_dlpack(obj, copy=False)  # imported on the current (the call's) stream
