@@ -129,20 +129,24 @@ def test_a_raw_stream_is_wrapped_on_the_arrays_device(monkeypatch):
     class Stream:
         def __init__(self, handle, device):
             self.handle, self.device = handle, device
+            self.ptr = handle
 
         @classmethod
         def from_external(cls, obj):
             return cls(obj.__cuda_stream__()[1], current[0])  # as CuPy does: tied to the current device
 
-    cupy = type("FakeCupy", (), {"cuda": type("cuda", (), {"Stream": Stream})})
-    monkeypatch.setattr(backend, "_cupy", cupy)
+    current_streams = {0: Stream(0x77, 0), 1: Stream(0, 1)}  # CuPy's current stream of each device
+    cuda = type("cuda", (), {"Stream": Stream, "get_current_stream": staticmethod(current_streams.__getitem__)})
+    monkeypatch.setattr(backend, "_cupy", type("FakeCupy", (), {"cuda": cuda}))
     monkeypatch.setattr(_cudnn_backend, "cupy_stream", lambda handle: Stream(handle, current[0]))
     on_1 = _on(Device(1))
-    ctx = backend.context((on_1, on_1), 0x77)  # a raw handle
+    ctx = backend.context((on_1, on_1), 0x77)  # a raw handle (current on device 0, not on the arrays' device 1)
     assert (ctx.stream.handle, ctx.stream.device) == (0x77, 1) and current == [0]
     protocol = type("ForeignStream", (), {"__cuda_stream__": lambda self: (0, 0x78)})()
     ctx = backend.context((on_1, on_1), protocol)  # a foreign stream object goes to CuPy as it is
     assert (ctx.stream.handle, ctx.stream.device) == (0x78, 1) and current == [0]
+    current_streams[1] = Stream(0x77, 1)  # made current there by the caller (wsarena._interop for torch tensors)
+    assert backend.context((on_1, on_1), 0x77) is on_1.device  # nothing to switch: the device alone
 
 
 def test_device_and_stream_enter_in_order_and_leave_in_reverse():

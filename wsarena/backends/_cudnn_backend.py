@@ -83,6 +83,8 @@ class CudnnBackend:
         if stream is None:
             return device
         if not isinstance(stream, self._cupy.cuda.Stream):
+            if type(stream) is int and stream == self._cupy.cuda.get_current_stream(device.id).ptr:
+                return device  # CuPy's current there already (an operand of another library made it so)
             with device:  # CuPy ties an external stream to the device current when it is wrapped
                 if hasattr(type(stream), "__cuda_stream__"):
                     stream = self._cupy.cuda.Stream.from_external(stream)
