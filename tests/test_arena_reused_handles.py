@@ -396,3 +396,56 @@ def test_held_bytes_of_an_orphan_on_a_stream_cuda_will_not_answer_for_asks_no_id
     monkeypatch.setattr(arena, "_capture", refused)
     assert arena.held_bytes(stream=H) == 1024
     provider.end_capture(graph)
+
+
+def test_a_live_stream_object_watches_its_buffer_again_once_a_capture_blocks_own_object_is_gone(no_ids_in_capture):
+    """The block's stream object watches the buffer only while the block lasts: made for one capture, it dies after
+    it, and the user's own object, still alive, watches the buffer again. A later capture begun elsewhere
+    (torch.cuda.graph, CuPy's begin_capture) leasing through the user's object is then served, not refused as an
+    orphan's lease."""
+    from wsarena.arena._pinning import unwatch_capture, watch_capture
+
+    provider = no_ids_in_capture
+    arena = Arena(provider)
+    user = FakeStream(H)
+    ptr = lease_ptr(arena, 1000, user)
+    block = FakeStream(H)  # the block's stream object, made for it
+    watch_capture(arena, block, beginning=True)
+    graph = provider.begin_capture(H)
+    assert lease_ptr(arena, 1000, block) == ptr
+    provider.end_capture(graph)
+    unwatch_capture(arena, block)
+    del block
+    gc.collect()
+    later = provider.begin_capture(H)
+    assert lease_ptr(arena, 1000, user) == ptr
+    provider.end_capture(later)
+    graph.close()
+    later.close()
+
+
+def test_a_watcher_that_dies_as_the_capture_blocks_object_takes_its_place_orphans_nothing(no_ids_in_capture, monkeypatch):
+    """The object watching the buffer dies (the collector runs) just before the block's stream object takes its place:
+    its death, swept later, is not the buffer's any more, and the capture's lease is served."""
+    from wsarena.arena import _table
+    from wsarena.arena._pinning import unwatch_capture, watch_capture
+
+    provider = no_ids_in_capture
+    arena = Arena(provider)
+    others = [FakeStream(H)]
+    ptr = lease_ptr(arena, 1000, others[0])
+    rewatch = _table._Table.rewatch
+
+    def dying_first(self, sub, anchor):
+        others.clear()
+        gc.collect()  # its death queued, not yet swept
+        return rewatch(self, sub, anchor)
+
+    monkeypatch.setattr(_table._Table, "rewatch", dying_first)
+    block = FakeStream(H)
+    watch_capture(arena, block, beginning=True)
+    graph = provider.begin_capture(H)
+    assert lease_ptr(arena, 1000, block) == ptr
+    provider.end_capture(graph)
+    unwatch_capture(arena, block)
+    graph.close()

@@ -280,8 +280,8 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
         finally:
             # Else recorded until a free with no stream finds the capture over. Another's capture under way keeps the
             # record (its lease's, or the block's): frees with no stream, which would break it, wait for it.
-            if arena is not None and not another:
-                unwatch_capture(arena, stream)
+            if arena is not None:
+                unwatch_capture(arena, stream, over=not another)
 
 
 def _end(runtime: Any, stream: Any, graph: CapturedGraph, own: int | None) -> None:

@@ -83,16 +83,24 @@ def watch_capture(self: Arena, stream: Any, beginning: bool = False) -> None:
             # The buffer's stream object may be gone (one made per call): ``stream`` adopts it now, while the
             # stream's id can still be asked, which a lease during the capture cannot (Table.replaced). Another
             # object watching it may die during the capture: ``stream``, which lives until the capture ends, watches
-            # it in its place.
-            self._table.rewatch(self._table.sub_for(key, anchor), anchor)
+            # it in its place until the block is over (unwatch_capture).
+            old = self._table.rewatch(self._table.sub_for(key, anchor), anchor)
+            if old is not None:
+                self._table.rewatched[key] = old
 
 
-def unwatch_capture(self: Arena, stream: Any) -> None:
-    """The capture on ``stream`` that :func:`watch_capture` recorded is over (ended, or discarded): nothing waits for
-    it any more, and its stream is evicted as idle streams are, whether or not a lease came there (lock not held)."""
+def unwatch_capture(self: Arena, stream: Any, over: bool = True) -> None:
+    """The block of :func:`wsarena.capture` on ``stream`` is over: the stream object that watched its buffer before
+    the block (:func:`watch_capture`) watches it again, if it lives. ``over``: so is the capture recorded there
+    (ended, or discarded), and nothing waits for it any more; its stream is evicted as idle streams are, whether or
+    not a lease came there (else another's capture under way there keeps the record). Lock not held."""
     key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
     with self._lock:
-        self._table.capturing.pop(key, None)
+        old = self._table.rewatched.pop(key, None)
+        if old is not None:
+            self._table.watch_back(key, old)
+        if over:
+            self._table.capturing.pop(key, None)
 
 
 def _pin_for(self: Arena, capture: Any) -> Any:

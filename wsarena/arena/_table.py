@@ -66,7 +66,7 @@ class _Table:
 
     __slots__ = (
         "captures", "capturing", "closed", "dead", "exited", "forked", "held_back", "kept", "lanes", "lock",
-        "stream_id", "subs", "to_free", "totals", "watches",
+        "rewatched", "stream_id", "subs", "to_free", "totals", "watches",
     )
 
     def __init__(
@@ -91,6 +91,9 @@ class _Table:
         # Handles whose buffers were held back while their stream was captured, to the id the arena read when it began
         # to watch that stream (wsarena.arena._pinning.give_back): freed on the handle only while it names that stream.
         self.held_back: dict[int, Any] = {}
+        # Keys whose sub-arena wsarena.capture's stream object watches in place of another, to that one's anchor
+        # (Table.rewatch), watching it again once the capture block is over (wsarena.arena._pinning.unwatch_capture).
+        self.rewatched: dict[Hashable, Any] = {}
         self.totals = _Totals()
         self.closed = False
         self.exited = False  # a device arena released by the exit handler: the interpreter is ending
@@ -152,12 +155,25 @@ class _Table:
         sub.orphan = False  # whoever leases on it shows the stream is alive
         return sub
 
-    def rewatch(self, sub: _SubArena, anchor: Any) -> None:
-        """Have ``anchor``, a live object of ``sub``'s stream, watch ``sub`` in place of the one watching it now (the
-        replaced anchor, dropped, never calls back). Only where :meth:`sub_for` just gave ``sub`` an anchor and its
-        stream's id, so that the death of ``anchor`` makes an orphan that can be checked."""
-        if sub.anchor is not None and sub.anchor() is not anchor:
-            sub.anchor = _Anchor(anchor, self.dead.append, sub.key, sub.serial, sub.anchor.eager)
+    def rewatch(self, sub: _SubArena, anchor: Any) -> Any:
+        """Have ``anchor``, a live object of ``sub``'s stream, watch ``sub`` in place of the one watching it now, and
+        return that one's anchor (``None``: ``anchor`` watches it already), for :meth:`watch_back`. Only where
+        :meth:`sub_for` just gave ``sub`` an anchor and its stream's id, so that the death of ``anchor`` makes an
+        orphan that can be checked. The replaced anchor, should its object die, is not ``sub``'s: the sweep passes
+        over it."""
+        old = sub.anchor
+        if old is None or old() is anchor:
+            return None
+        sub.anchor = _Anchor(anchor, self.dead.append, sub.key, sub.serial, old.eager)
+        return old
+
+    def watch_back(self, key: Hashable, old: Any) -> None:
+        """The object that watched the sub-arena of ``key`` before :meth:`rewatch` (``old``, its anchor) watches it
+        again, if it lives and the sub-arena is the same: the one that replaced it may die first (a stream object
+        made for one capture), leaving an orphan of a stream still in use."""
+        sub = self.subs.get(key)
+        if sub is not None and sub.serial == old.serial and sub.anchor is not None and old() is not None:
+            sub.anchor = old
 
     def unchecked(self, sub: _SubArena) -> bool:
         """Whether ``sub`` is an orphan whose stream must be asked its id before anyone adopts it (:meth:`replaced`)."""
@@ -337,7 +353,8 @@ class _Table:
         while self.dead:
             anchor = self.dead[0]
             gone = self.subs.get(anchor.key)
-            if gone is not None and gone.serial == anchor.serial:  # else already gone, or a newer one
+            # else already gone, a newer one, or an anchor replaced (rewatch) whose object died meanwhile
+            if gone is not None and gone.serial == anchor.serial and gone.anchor is anchor:
                 gone.anchor = None
                 gone.orphan = True
                 self.unstream_kept(gone.key)
