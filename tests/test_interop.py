@@ -519,10 +519,28 @@ def test_a_cuda_tensor_is_viewed_over_its_own_memory_as_dlpack_would_view_it(mak
     assert alive() is None
 
 
+class _NoStorage(_CudaTensor):
+    """A tensor with no storage of its own, as a wrapper subclass (DTensor, torchao's) or a fake tensor has: its
+    data pointer is 0."""
+
+    def data_ptr(self):
+        return 0
+
+
+class _NoSizes(_CudaTensor):
+    """A tensor whose sizes cannot be read, as a nested tensor's or torch.func.vmap's batched one's."""
+
+    @property
+    def shape(self):
+        raise RuntimeError("Internal error: NestedTensorImpl doesn't support sizes.")
+
+
 _NOT_DIRECT = {  # what DLPack views or refuses, as before
-    "no elements": lambda: torch.zeros(0, 3),
-    "a negated view": lambda: torch._neg_view(torch.ones(2, 3)),
-    "an integer dtype": lambda: torch.ones(2, 3, dtype=torch.int32),
+    "no elements": lambda: torch.zeros(0, 3).as_subclass(_CudaTensor),
+    "a negated view": lambda: torch._neg_view(torch.ones(2, 3)).as_subclass(_CudaTensor),
+    "an integer dtype": lambda: torch.ones(2, 3, dtype=torch.int32).as_subclass(_CudaTensor),
+    "no storage of its own": lambda: torch.ones(2, 3).as_subclass(_NoStorage),
+    "sizes that cannot be read": lambda: torch.ones(2, 3).as_subclass(_NoSizes),
 }
 
 
@@ -531,7 +549,7 @@ def test_what_a_direct_view_would_misread_goes_through_dlpack(make, monkeypatch)
     through = []
     monkeypatch.setattr(_interop, "_view", lambda library, op: through.append(op.name) or "viewed by DLPack")
     monkeypatch.setattr(_interop, "_cupy", lambda: None)
-    assert _interop._tensor_view(_interop._Operand("w", make().as_subclass(_CudaTensor))) == "viewed by DLPack"
+    assert _interop._tensor_view(_interop._Operand("w", make())) == "viewed by DLPack"
     assert through == ["w"]
 
 

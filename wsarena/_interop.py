@@ -268,14 +268,17 @@ def _tensor_view(op: _Operand) -> Any:
     dtype = _CUPY_DTYPES.get(tensor.dtype)
     if dtype is None or tensor.layout is not torch.strided or tensor.is_neg():
         return _view(_cupy(), op)
-    shape, strides = tuple(tensor.shape), tensor.stride()
-    if not all(shape):  # no elements (a pointer that may be null): as DLPack gives it
+    try:
+        shape, strides, ptr = tuple(tensor.shape), tensor.stride(), tensor.data_ptr()
+    except RuntimeError:  # no sizes or no storage to read (a nested tensor, vmap's batched one): DLPack says why
+        return _view(_cupy(), op)
+    if not ptr or not all(shape):  # no elements, or no storage of its own (a wrapper subclass): as DLPack takes it
         return _view(_cupy(), op)
     cupy = sys.modules["cupy"]
     itemsize = tensor.element_size()
     steps = [s * itemsize for s in strides]
     extent = sum([(n - 1) * s for n, s in zip(shape, steps)]) + itemsize  # the bytes from the first element to the last
-    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent, tensor, device_id=op.device)
+    memory = cupy.cuda.UnownedMemory(ptr, extent, tensor, device_id=op.device)
     if dtype == "bfloat16":
         dtype = _bfloat16()
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), tuple(steps))
