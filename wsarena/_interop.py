@@ -255,11 +255,10 @@ def _view(library: _Library, op: _Operand) -> Any:
 
 def _tensor_view(op: _Operand) -> Any:
     """A CuPy array over a CUDA tensor's memory, made from its pointer, sizes and strides: what DLPack's import
-    gives (``cupy.from_dlpack``), without the export's Python on both sides, which costs more than the rest of a
-    cached call's own (bench/RESULTS.md). Only where the call runs on PyTorch's current stream (the DLPack
-    export would order nothing there) and on the tensor's device, and for a plain dense tensor of a dtype wsarena
-    computes: anything else goes through DLPack, which views or refuses it as before. The array keeps the tensor
-    alive."""
+    gives (``cupy.from_dlpack``), without the Python of PyTorch's export and CuPy's import (bench/RESULTS.md).
+    Only where the call runs on PyTorch's current stream (the DLPack export would order nothing there) and on the
+    tensor's device, and for a plain dense tensor of a dtype wsarena computes: anything else goes through DLPack,
+    which views or refuses it as before. The array keeps the tensor alive."""
     tensor = op.obj
     torch = sys.modules["torch"]  # a tensor among the operands: PyTorch is imported
     if not _CUPY_DTYPES:
@@ -313,7 +312,6 @@ _host_view = functools.partial(_view, _NUMPY)
 @functools.cache
 def _cupy() -> _Library:
     import cupy
-
 
     def from_dlpack(obj: Any) -> Any:
         return cupy.from_dlpack(obj, copy=False)  # imported on the current (the call's) stream

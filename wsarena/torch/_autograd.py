@@ -234,7 +234,7 @@ def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
     Function's forward without gradient), but the operator's registered gradient. Where no gradient can be asked
     of the result (grad mode off, as under ``torch.no_grad()`` and in inference mode, no forward AD, no
     ``torch.jit.trace``), the operator alone, by :func:`wsarena.torch._ops.call`: a Function would record nothing
-    there, and costs some 10 us a call (bench/RESULTS.md)."""
+    there, and costs some 15 us a call (bench/RESULTS.md)."""
     if _ops.exporting():
         return function.forward(*args)
     if torch.compiler.is_compiling():
