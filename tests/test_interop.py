@@ -553,6 +553,22 @@ def test_what_a_direct_view_would_misread_goes_through_dlpack(make, monkeypatch)
     assert through == ["w"]
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["on PyTorch's stream", "on a stream given"])
+def test_a_cuda_tensor_with_no_memory_of_its_own_is_refused(direct):
+    """A wrapper subclass (DTensor's kind) or a fake tensor has no memory of its own: its data pointer is 0, and its
+    DLPack export would name memory that is not its data. Refused, naming the operand, as its NumPy view is on the
+    host (``.numpy()`` is not supported for tensor subclasses); never viewed."""
+    library = _interop._Library("CuPy", lambda t: pytest.fail("exported"), None, None)
+    op = _interop._Operand("x", torch.ones(2, 3).as_subclass(_NoStorage))
+    with pytest.raises(TypeError, match="x cannot be viewed as a CuPy array without a copy: a tensor with no memory"):
+        if direct:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(_interop, "_cupy", lambda: library)
+                _interop._tensor_view(op)
+        else:
+            _interop._view(library, op)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_host_result_comes_back_to_torch_over_its_own_memory(dtype):
     """The way back for a torch caller: the tensor is a view of the array the op wrote, bfloat16 relabelled."""

@@ -239,6 +239,9 @@ def _view(library: _Library, op: _Operand) -> Any:
         return obj
     try:
         if op.kind == _TORCH:  # neither library has bfloat16: relabelled int16, and the view's dtype set back
+            if op.cuda and not obj.data_ptr() and obj.numel():
+                # a wrapper subclass (DTensor's kind) or a fake tensor: its DLPack export names memory not its data's
+                raise BufferError("a tensor with no memory of its own (its data pointer is 0): pass a plain tensor")
             if _is_torch_bfloat16(obj):
                 return library.from_torch(_torch_int16(obj)).view(_bfloat16())
             return library.from_torch(obj)
@@ -271,7 +274,7 @@ def _tensor_view(op: _Operand) -> Any:
         shape, strides, ptr = tuple(tensor.shape), tensor.stride(), tensor.data_ptr()
     except RuntimeError:  # no sizes or no storage to read (a nested tensor, vmap's batched one): DLPack says why
         return _view(_cupy(), op)
-    if not ptr or not all(shape):  # no elements, or no storage of its own (a wrapper subclass): as DLPack takes it
+    if not ptr or not all(shape):  # no elements (as DLPack gives them), or no memory of its own (refused there)
         return _view(_cupy(), op)
     cupy = sys.modules["cupy"]
     itemsize = tensor.element_size()
