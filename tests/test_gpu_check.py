@@ -147,3 +147,18 @@ def test_a_phases_report_names_its_failures_and_its_slowest_tests(tmp_path):
         {"test": "tests.test_a::test_slow", "seconds": 41.5}, {"test": "tests.test_b::test_broken", "seconds": 7.0},
         {"test": "tests.test_b::test_middle", "seconds": 3.0},
     ]
+
+
+def test_every_benchmark_gpu_check_runs_exists_and_takes_the_options_it_is_given():
+    """What a lent machine's minutes would find broken only there: a script renamed or an option dropped. Each
+    script named exists, and declares (``add_argument``) every option gpu_check passes it, --quick's included."""
+    import re
+
+    for (script, *args), factor in gpu_check.BENCHMARKS:
+        source = (ROOT / "bench" / script).read_text()
+        declared = set(re.findall(r'add_argument\(\s*"(--[\w-]+)"', source))
+        given = [a for a in (*args, *gpu_check.QUICK.get(script, ())) if a.startswith("--")]
+        assert set(given) <= declared, (script, set(given) - declared)
+        assert factor >= 1
+    named = {script for (script, *_), _ in gpu_check.BENCHMARKS}
+    assert set(gpu_check.QUICK) <= named
