@@ -217,27 +217,26 @@ class Arena:
         """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none; 0 too for
         a new stream that CUDA gave a dead stream's handle: the dead stream's buffer is not its own)."""
         key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
-        # A stream being captured is not asked its id (Table.replaced): its orphaned buffer is counted as held. CUDA is
-        # asked whether it is captured only where its id would be asked (an orphan's), outside the lock; until then no
-        # id is read (an orphan that a death swept in this very step made is counted as held).
-        can_tell = self._capture is not None  # a provider that can tell captures: no id read without asking
-        with self._lock:
-            if self._table.dead:
-                self._table.sweep()
-            sub = self._table.subs.get(key)
-            ask = can_tell and sub is not None and self._table.unchecked(sub)
-            if not ask:
-                sub, _ = self._table.serving(key, can_tell)
-                held = sub.capacity() if sub is not None else 0
-        if ask:
-            assert self._capture is not None
-            try:
-                capturing = self._capture(raw_handle(key)) is not None
-            except CaptureError:  # one CUDA will not use now (an invalidated capture): not asked its id either
-                capturing = True
+        # A stream being captured is not asked its id (Table.replaced): its orphaned buffer is counted as held. Where
+        # the provider can tell captures, no id is read unless CUDA has said the stream is not captured, which it is
+        # asked only where an id would be (an orphan's): so an orphan that a stream object's death makes between the
+        # two locked steps below is counted as held too.
+        capture = self._capture
+        capturing = capture is not None
+        if capture is not None:
             with self._lock:
-                sub, _ = self._table.serving(key, capturing)
-                held = sub.capacity() if sub is not None else 0
+                if self._table.dead:
+                    self._table.sweep()
+                sub = self._table.subs.get(key)
+                ask = sub is not None and self._table.unchecked(sub)
+            if ask:
+                try:
+                    capturing = capture(raw_handle(key)) is not None
+                except CaptureError:  # one CUDA will not use now (an invalidated capture): not asked its id either
+                    pass
+        with self._lock:
+            sub, _ = self._table.serving(key, capturing)
+            held = sub.capacity() if sub is not None else 0
         if self._to_free:  # what a sweep let go
             self._give_back(key)
         return held
