@@ -24,7 +24,11 @@ def freeze(value: Any) -> Any:
     if kind is int or kind is str or value is None:
         return value
     if kind is tuple or kind is list:
-        return tuple(v if type(v) is int else freeze(v) for v in value)
+        for v in value:
+            if type(v) is not int:
+                return tuple(map(freeze, value))
+        # ints alone, a stride or a shape: a loop and no generator, half the time (it runs several times a call)
+        return value if kind is tuple else tuple(value)
     # Anything else is checked every time: a float or a bool equals an int as a key (True == 1) yet is invalid.
     raise Uncacheable
 
@@ -33,7 +37,7 @@ def freeze_params(params: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """``params`` with lists frozen into tuples, or ``None`` when one of them cannot key a record (a float, a bool,
     a NumPy integer: each call checks those afresh, since ``True == 1`` would find the record of ``1``)."""
     try:
-        return tuple(freeze(v) for v in params)
+        return tuple(map(freeze, params))
     except Uncacheable:
         return None
 
