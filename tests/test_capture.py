@@ -7,7 +7,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import inspect
+import pickle
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -170,8 +172,10 @@ def test_growth_during_capture_is_a_capture_error_and_changes_nothing(device):
     provider.end_capture(graph)
     arena.reserve(512, stream=S1)
     graph = provider.begin_capture(S1)
-    with pytest.raises(wsarena.CaptureError, match="it holds 512 B"), arena.lease(1000, stream=S1):
+    with pytest.raises(wsarena.CaptureError, match="it holds 512 B") as refused, arena.lease(1000, stream=S1):
         pass
+    assert refused.value.stream == S1  # the stream it would have grown, for the caller (run_with_fallback's warning)
+    assert pickle.loads(pickle.dumps(refused.value)).stream == S1
     with arena.lease(512, stream=S1):  # the lane is free again, and a lease that fits is captured
         pass
     provider.end_capture(graph)
@@ -448,7 +452,8 @@ def test_a_capture_takes_the_algorithm_the_eager_step_fell_back_to(device):
 
     assert run_with_fallback(arena, cands, run, stream=S1, cap=None).algo == "small"
     graph = provider.begin_capture(S1)
-    assert run_with_fallback(arena, cands, run, stream=S1, cap=None).algo == "small"
+    with pytest.warns(wsarena.CaptureFallbackWarning, match="captured small .* in place of the first choice, big"):
+        assert run_with_fallback(arena, cands, run, stream=S1, cap=None).algo == "small"
     provider.end_capture(graph)
     assert ran[0] == ran[1] and len(graph.pins) == 1 and len(provider.allocations) == 1
     graph.close()
@@ -483,7 +488,44 @@ def test_a_captured_convolution_runs_the_algorithm_its_eager_call_fell_back_to(c
     wsarena.get_arena("cpu").reserve(6912, stream="lane")  # gemm_per_image's workspace; gemm_batch needs twice
     provider.fail = lambda n: n > 8192
     eager = wsarena.conv_forward(x, w, padding=1, stream="lane")
-    assert_captured_call_is_right(provider, x, w, eager)
+    with pytest.warns(wsarena.CaptureFallbackWarning, match="captured gemm_per_image .* first choice, gemm_batch"):
+        assert_captured_call_is_right(provider, x, w, eager)
+
+
+def test_a_capture_on_a_stream_its_warm_up_did_not_size_runs_what_fits_and_says_so_once(cpu_conv):
+    """The warm-up ran on another stream (as torch.cuda.make_graphed_callables does, and torch.cuda.graph without
+    stream=): the capture's stream holds no workspace, so each call runs what needs none, with a warning once per
+    stream that names both algorithms and what to do. Done as it says, the capture runs the first choice."""
+    provider, x, w = cpu_conv
+    eager = wsarena.conv_forward(x, w, padding=1, stream="warm-up")
+    arena = wsarena.get_arena("cpu")
+    graph = provider.begin_capture("lane")
+    out, again = np.empty_like(eager), np.empty_like(eager)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wsarena.conv_forward(x, w, padding=1, stream="lane", out=out)
+        wsarena.conv_forward(x, w, padding=1, stream="lane", out=again)  # once per stream
+    provider.end_capture(graph)
+    assert [w.category for w in caught] == [wsarena.CaptureFallbackWarning]
+    assert caught[0].filename == __file__  # at the caller's line
+    message = str(caught[0].message)
+    assert "captured implicit_gemm (0 B of workspace) in place of the first choice, gemm_batch (13.5 KiB)" in message
+    assert "stream 'lane' holds 0 B" in message and "arena.reserve(arena.stats().high_water_bytes" in message
+    want = ref_conv_forward(x.astype(np.float64), w.astype(np.float64), padding=1)
+    for result in (out, again):
+        np.testing.assert_allclose(result, want, rtol=1e-4, atol=1e-4)  # float32 against float64
+    graph.close()
+
+    arena.reserve(arena.stats().high_water_bytes, stream="other lane")
+    graph = provider.begin_capture("other lane")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", wsarena.CaptureFallbackWarning)
+        wsarena.conv_forward(x, w, padding=1, stream="other lane", out=out)
+    provider.end_capture(graph)
+    streams = arena.stats().streams
+    assert streams["other lane"].high_water_bytes == streams["warm-up"].high_water_bytes == 13824  # gemm_batch's
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+    graph.close()
 
 
 def test_eviction_of_idle_streams_never_drops_a_buffer_a_capture_under_way_pinned(device, monkeypatch):

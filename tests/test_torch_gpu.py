@@ -319,8 +319,9 @@ def test_a_step_captured_by_torch_cuda_graph_replays_equal_to_the_eager_step():
     (PyTorch operands, ``stream=None``) run on it, and so do the backward passes, which autograd runs, on its own
     thread, on the stream of their forward. A capture uses the workspace the stream's sub-arena already holds, so
     the eager steps run on ``side`` first: on ``torch.cuda.graph``'s own default stream the sub-arena would hold
-    nothing, and growing it is a CaptureError. The eager steps also choose every algorithm and make the cuDNN
-    handles of both threads, which a capture cannot. Replays run on ``side``, whose workspace they share.
+    nothing, and a capture cannot grow it (each call would run an algorithm that needs no workspace, the test
+    below). The eager steps also choose every algorithm and make the cuDNN handles of both threads, which a capture
+    cannot. Replays run on ``side``, whose workspace they share.
     """
     import wsarena.torch as wt
 
@@ -353,3 +354,36 @@ def test_a_step_captured_by_torch_cuda_graph_replays_equal_to_the_eager_step():
         scale = max(float(g.abs().max()) for g in ref_grads.values())
         assert all(float((grads[k] - ref_grads[k]).abs().max()) <= 1e-4 * scale for k in ref_grads), i
     del graph
+
+
+def test_a_model_graphed_by_make_graphed_callables_replays_the_eager_step_and_names_its_fallback():
+    """``torch.cuda.make_graphed_callables`` warms up on a stream of its own and captures on ``torch.cuda.graph``'s
+    default stream, whose sub-arena holds nothing and cannot grow during the capture: each convolution is captured
+    with an algorithm that fits in it, with one ``CaptureFallbackWarning`` for that stream where the eager step's
+    choices needed workspace. The graphed model still gives the eager step's loss and gradients (float32, 1e-4 of
+    the largest, as the test above)."""
+    import warnings
+
+    import wsarena.torch as wt
+
+    torch.manual_seed(3)
+    model = wt.convert(small_resnet()).cuda()
+    target = torch.arange(4, device="cuda") % 5
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+    eager_loss, eager_grads = step(model, x, target)
+    arena = get_arena(x.device.index)
+    allocations = arena.stats().allocations
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", wsarena.CaptureFallbackWarning)
+        graphed = torch.cuda.make_graphed_callables(model, (torch.randn_like(x),))
+    fallbacks = [w for w in caught if issubclass(w.category, wsarena.CaptureFallbackWarning)]
+    stats = arena.stats()
+    capture_stream = torch.cuda.graph.default_capture_stream.cuda_stream
+    assert stats.streams.get(capture_stream) is None or stats.streams[capture_stream].capacity_bytes == 0
+    assert len(fallbacks) == (1 if stats.high_water_bytes > 0 else 0), [str(w.message) for w in fallbacks]
+    assert stats.allocations >= allocations  # the warm-up's stream grew; the capture's did not
+    loss, grads = step(graphed, x, target)
+    torch.cuda.synchronize()
+    assert rel(loss, eager_loss) <= 1e-4
+    scale = max(float(g.abs().max()) for g in eager_grads.values())
+    assert all(float((grads[k] - eager_grads[k]).abs().max()) <= 1e-4 * scale for k in eager_grads)

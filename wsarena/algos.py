@@ -24,6 +24,7 @@ from .backends import Backend, Candidate
 from .errors import (
     ArenaOutOfMemoryError,
     CaptureError,
+    CaptureFallbackWarning,
     NoAlgorithmFitsError,
     UnsupportedConvolutionError,
     WorkspaceCapWarning,
@@ -33,16 +34,18 @@ __all__ = ["cache_clear", "choose", "forced", "generation", "is_cached", "run_wi
 
 _cache: dict[tuple, tuple[tuple[Candidate, ...], Candidate | None]] = {}
 _warned: set[tuple] = set()
-_lock = _forksafe.lock()  # guards _cache, _warned and _generation; never held while a backend runs or measures
+_captures_warned: set[str] = set()  # the streams a CaptureFallbackWarning named, by repr (no object kept alive)
+_lock = _forksafe.lock()  # guards the caches, the two sets and _generation; never held while a backend runs
 _generation = 0  # counts cache_clear() calls: whoever keeps a choice of its own checks it is still current
 
 
 def cache_clear() -> None:
-    """Forget every cached choice (and which cap warnings were already given)."""
+    """Forget every cached choice (and which cap and capture warnings were already given)."""
     global _generation
     with _lock:
         _cache.clear()
         _warned.clear()
+        _captures_warned.clear()
         _generation += 1
 
 
@@ -216,6 +219,24 @@ def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: 
     return (Candidate(algo, nbytes),)
 
 
+def _warn_captured(first: Candidate, ran: Candidate, held: int, refusal: CaptureError) -> None:
+    """A :class:`CaptureFallbackWarning`, once per stream: a capture ran ``ran`` because its stream's buffer (``held``
+    bytes) could not grow for ``first`` (``refusal`` says so, and names the stream)."""
+    stream = repr(refusal.stream)
+    with _lock:
+        if stream in _captures_warned:
+            return
+        _captures_warned.add(stream)
+    _callsite.warn(
+        f"captured {ran.algo} ({format_size(ran.workspace_bytes)} of workspace) in place of the first choice, "
+        f"{first.algo} ({format_size(first.workspace_bytes)}): stream {stream} holds {format_size(held)} of "
+        "workspace, and a capture cannot grow it. To capture the first choice, give that stream its workspace "
+        "before capturing: run the eager step on it (where memory allows), or "
+        "arena.reserve(arena.stats().high_water_bytes, stream=...) (warned once per stream)",
+        CaptureFallbackWarning,
+    )
+
+
 def run_with_fallback(
     arena: Any,
     candidates: tuple[Candidate, ...],
@@ -231,7 +252,8 @@ def run_with_fallback(
     fit in what the stream's sub-arena already holds; if the algorithm itself runs out (a ``MemoryError`` from
     NumPy's temporaries, say), to the next one. While the stream is captured into a CUDA graph the arena cannot grow
     at all: a candidate that would need it to moves on, as out of memory does, to those the stream's buffer holds
-    (the ones an eager step that ran out of memory fell back to). If ``run`` raises one of ``retry`` (the backend
+    (the ones an eager step that ran out of memory fell back to), with a :class:`CaptureFallbackWarning` once per
+    stream (a warm-up on another stream may have sized that one's buffer instead). If ``run`` raises one of ``retry`` (the backend
     refuses this algorithm for these operands, e.g. cuDNN's NOT_SUPPORTED), to the next one too. Raises
     :class:`CaptureError` when the capture stopped every candidate, :class:`NoAlgorithmFitsError` (a
     ``MemoryError``) with the numbers when memory did, or the last refusal when one was refused.
@@ -264,6 +286,8 @@ def run_with_fallback(
         except MemoryError as exc:  # the algorithm's own memory: its workspace was there, the rest was not
             failure = exc
             continue
+        if captured is not None:
+            _warn_captured(candidates[0], cand, limit or 0, captured)
         return cand
     if captured is not None:
         if refused is not None:

@@ -19,6 +19,9 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
         └── NoAlgorithmFitsError                   no algorithm can run within the cap and memory
 
     WorkspaceCapWarning (UserWarning)              the cap excluded the fastest algorithm (once per shape)
+    CaptureFallbackWarning (UserWarning)           a captured call runs an algorithm that needs less workspace than
+                                                   the first choice: its stream's buffer holds too little (once per
+                                                   stream)
     SearchCacheWarning (UserWarning)               the search cache could not be read or written; going on
     CudnnApiFallbackWarning (UserWarning)          cuDNN's graph API runs no engine for a convolution: the legacy
                                                    API runs it (once per pass and geometry)
@@ -27,6 +30,7 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable
 
 from ._sizes import format_size
 
@@ -35,6 +39,7 @@ __all__ = [
     "ArenaOutOfMemoryError",
     "BackendUnavailableError",
     "CaptureError",
+    "CaptureFallbackWarning",
     "CudnnApiFallbackWarning",
     "NoAlgorithmFitsError",
     "SearchCacheWarning",
@@ -63,7 +68,15 @@ class CaptureError(WsarenaError, RuntimeError):
       while another stream of the device is captured). Nothing was enqueued.
     - A :func:`wsarena.capture` block ended without a graph: its capture had been invalidated, or ended inside it (a
       capture begun on its stream since, which CUDA gives another id, is left to its owner).
+
+    Attributes
+    ----------
+    stream : hashable or None
+        Where a lease or a reserve would have had to grow the arena: the key of the stream being captured (its raw
+        handle; on the host, the lane's key). ``None`` in the other cases.
     """
+
+    stream: Hashable | None = None
 
 
 class UnsupportedConvolutionError(WsarenaError, ValueError):
@@ -129,6 +142,11 @@ class WorkspaceCapWarning(UserWarning):
 class SearchCacheWarning(UserWarning):
     """A search cache file was unreadable or foreign (it is ignored and replaced), or the cache directory could
     not be written (the process goes on without saving); issued once per file or directory."""
+
+
+class CaptureFallbackWarning(UserWarning):
+    """A call captured into a CUDA graph runs an algorithm that needs less workspace than the first choice, which
+    its stream's buffer is too small for: a capture cannot grow it. Issued once per stream."""
 
 
 class CudnnApiFallbackWarning(UserWarning):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._sizes import format_size
 from ..errors import CaptureError
+from ._keys import callers_key
 from ._lifecycle import give_back as _give_back
 from ._pins import GraphPin
 from .streams import PER_THREAD_DEFAULT_STREAM, is_own_stream, raw_handle, resolve_stream
@@ -170,11 +171,13 @@ class _Seeded:
 
 def growth_error(what: str, key: Hashable, held: int) -> CaptureError:
     """The error of ``what`` (a lease, a reserve) on the stream of ``key``, being captured, that needs it to grow."""
-    return CaptureError(
+    error = CaptureError(
         f"{what} on stream {key!r} during CUDA graph capture needs the arena to grow (it holds {format_size(held)} "
         "there), which cannot be captured: before capturing, run the step once or reserve "
         "(arena.reserve_for(plan) or arena.reserve(nbytes, stream=...))"
     )
+    error.stream = callers_key(key)
+    return error
 
 
 def growth_refusal(self: Arena, key: Hashable, n: int) -> CaptureError | None:
