@@ -586,3 +586,40 @@ def test_a_checkpointed_forward_is_recomputed_under_its_settings_with_checkpoint
             assert leased == [0, 0, 0]
         else:  # without it the recomputed forward runs under the settings where backward() runs: uncapped
             assert leased[0] > 0 and leased[1:] == [0, 0]
+
+
+def test_prepare_capture_gives_the_capture_stream_the_largest_workspace(monkeypatch):
+    """Without a GPU: PyTorch's CUDA streams stood in for by a class of the test's own, and device 0's arena by one over
+    a RecordingProvider. prepare_capture() makes torch.cuda.graph's default capture stream where PyTorch has not made
+    it yet (make_graphed_callables captures there), and reserves there the largest buffer the arena holds, at most the
+    cap; a stream given is the one prepared."""
+    from wsarena.arena import Arena, set_arena
+    from wsarena.arena.testing import RecordingProvider
+
+    class Stream:  # what prepare_capture and the arena read of a torch.cuda.Stream
+        def __init__(self, handle: int = 0x7001) -> None:
+            self.handle, self.device = handle, torch.device("cuda", 0)
+
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, self.handle)
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
+    arena = Arena(RecordingProvider(device_id=0))
+    previous = set_arena(0, arena)
+    try:
+        assert wt.prepare_capture() == 0  # nothing to give before the eager step
+        made = torch.cuda.graph.default_capture_stream
+        assert type(made) is Stream
+        arena.reserve(3000, stream=0x51)  # the eager step's largest workspace
+        arena.reserve(1000, stream=0x52)
+        held = wt.prepare_capture()
+        assert torch.cuda.graph.default_capture_stream is made and held == arena.stats().streams[0x51].capacity_bytes
+        assert arena.held_bytes(stream=made) == held
+        with wsarena.config(cap_workspace=2048):
+            assert wt.prepare_capture(Stream(0x7002)) == 2048
+        with pytest.raises(TypeError, match="torch.cuda.Stream"):
+            wt.prepare_capture(0x51)
+    finally:
+        set_arena(0, previous)
+        arena.close()

@@ -387,3 +387,32 @@ def test_a_model_graphed_by_make_graphed_callables_replays_the_eager_step_and_na
     assert rel(loss, eager_loss) <= 1e-4
     scale = max(float(g.abs().max()) for g in eager_grads.values())
     assert all(float((grads[k] - eager_grads[k]).abs().max()) <= 1e-4 * scale for k in eager_grads)
+
+
+def test_prepare_capture_lets_make_graphed_callables_capture_the_eager_steps_choices():
+    """After the eager step, ``wsarena.torch.prepare_capture()`` gives ``torch.cuda.graph``'s default capture stream
+    the largest workspace the arena holds: ``make_graphed_callables`` then captures every convolution with no
+    fallback (a CaptureFallbackWarning is an error here), and the graphed model gives the eager step's loss and
+    gradients (float32, 1e-4 of the largest)."""
+    import warnings
+
+    import wsarena.torch as wt
+
+    torch.manual_seed(4)
+    model = wt.convert(small_resnet()).cuda()
+    target = torch.arange(4, device="cuda") % 5
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+    eager_loss, eager_grads = step(model, x, target)
+    arena = get_arena(x.device.index)
+    held = wt.prepare_capture()
+    capture_stream = torch.cuda.graph.default_capture_stream.cuda_stream
+    assert held == arena.held_bytes(stream=capture_stream) >= arena.stats().high_water_bytes > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", wsarena.CaptureFallbackWarning)
+        graphed = torch.cuda.make_graphed_callables(model, (torch.randn_like(x),))
+    assert arena.stats().streams[capture_stream].pinned_bytes == held
+    loss, grads = step(graphed, x, target)
+    torch.cuda.synchronize()
+    assert rel(loss, eager_loss) <= 1e-4
+    scale = max(float(g.abs().max()) for g in eager_grads.values())
+    assert all(float((grads[k] - eager_grads[k]).abs().max()) <= 1e-4 * scale for k in eager_grads)

@@ -132,12 +132,17 @@ def seed_workspace(arena: Any, stream: Any) -> None:
     """
     if arena.held_bytes(stream=stream):
         return
-    largest = max((s.capacity_bytes for s in arena.stats().streams.values()), default=0)
-    cap = get_config().cap_workspace
-    if cap is not None:
-        largest = min(largest, cap)
+    largest = largest_workspace(arena)
     if largest:
         arena.reserve(largest, stream=stream)
+
+
+def largest_workspace(arena: Any) -> int:
+    """The largest buffer any stream of ``arena`` holds, at most the configured cap: what a step's capture on
+    another stream needs there (the eager step's largest workspace)."""
+    largest = max((s.capacity_bytes for s in arena.stats().streams.values()), default=0)
+    cap = get_config().cap_workspace
+    return largest if cap is None else min(largest, cap)
 
 
 def _capturing(runtime: Any, stream: int) -> bool:

@@ -23,8 +23,9 @@ Gradients of gradients are wsarena's passes too (:class:`WeightGradFunction` is 
 ``hessian`` (through the functions and modules: the public Functions define no ``jvp``, which ``torch.compile``
 refuses). Under ``torch.compile(dynamic=True)`` and ``torch.export`` with a ``Dim`` the batch and spatial sizes stay
 symbolic. CUDA tensors run on PyTorch's current stream; the device's arena takes its memory from PyTorch's caching
-allocator unless it was made before with another (the setting ``allocator``). :func:`layers` lists a model's
-convolutions for :func:`wsarena.plan` and :func:`wsarena.tune`.
+allocator unless it was made before with another (the setting ``allocator``). :func:`prepare_capture` gives the stream
+a ``torch.cuda.graph`` or ``torch.cuda.make_graphed_callables`` will capture on the workspace its calls need.
+:func:`layers` lists a model's convolutions for :func:`wsarena.plan` and :func:`wsarena.tune`.
 
 Needs PyTorch (``pip install "wsarena[torch]"``); ``import wsarena`` alone never imports it.
 """
@@ -48,6 +49,7 @@ from ._functional import (
     conv_transpose2d,
     conv_transpose3d,
 )
+from ._graphs import prepare_capture
 from ._layers import layers
 from ._modules import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, convert
 
@@ -70,4 +72,5 @@ __all__ = [
     "conv_transpose3d",
     "convert",
     "layers",
+    "prepare_capture",
 ]
