@@ -253,8 +253,9 @@ def run_with_fallback(
     NumPy's temporaries, say), to the next one. While the stream is captured into a CUDA graph the arena cannot grow
     at all: a candidate that would need it to moves on, as out of memory does, to those the stream's buffer holds
     (the ones an eager step that ran out of memory fell back to), with a :class:`CaptureFallbackWarning` once per
-    stream (a warm-up on another stream may have sized that one's buffer instead). If ``run`` raises one of ``retry`` (the backend
-    refuses this algorithm for these operands, e.g. cuDNN's NOT_SUPPORTED), to the next one too. Raises
+    stream (a warm-up on another stream may have sized that one's buffer instead). If ``run`` raises one of
+    ``retry`` (the backend refuses this algorithm for these operands, e.g. cuDNN's NOT_SUPPORTED), to the next one
+    too. Raises
     :class:`CaptureError` when the capture stopped every candidate, :class:`NoAlgorithmFitsError` (a
     ``MemoryError``) with the numbers when memory did, or the last refusal when one was refused.
     """
