@@ -603,6 +603,12 @@ def test_prepare_capture_gives_the_capture_stream_the_largest_workspace(monkeypa
         def __cuda_stream__(self) -> tuple[int, int]:
             return (0, self.handle)
 
+    from wsarena.torch import _graphs
+
+    monkeypatch.setattr(_graphs, "gpu_unusable_reason", lambda: "the CUDA driver sees no device")
+    with pytest.raises(wsarena.BackendUnavailableError, match="prepare_capture needs a GPU: the CUDA driver sees"):
+        wt.prepare_capture()
+    monkeypatch.setattr(_graphs, "gpu_unusable_reason", lambda: None)  # as on a GPU machine, below
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
     arena = Arena(RecordingProvider(device_id=0))

@@ -13,8 +13,10 @@ from typing import Any
 import torch
 
 from .. import _interop
+from .._gpu import gpu_unusable_reason
 from ..arena import get_arena
 from ..cudagraph import largest_workspace
+from ..errors import BackendUnavailableError
 
 __all__ = ["prepare_capture"]
 
@@ -36,9 +38,19 @@ def prepare_capture(stream: Any = None) -> int:
     int
         The bytes ``stream``'s workspace buffer holds now.
 
+    Raises
+    ------
+    BackendUnavailableError
+        No GPU is usable.
+    TypeError
+        ``stream`` is not a ``torch.cuda.Stream``.
+
     Without it, each convolution of such a capture runs an algorithm that needs no more workspace than the stream
     held (often a slower one than the eager step's), with a :class:`~wsarena.CaptureFallbackWarning`.
     """
+    reason = gpu_unusable_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"wsarena.torch.prepare_capture needs a GPU: {reason}")
     if stream is None:
         graph = torch.cuda.graph
         if graph.default_capture_stream is None:
