@@ -588,6 +588,16 @@ def test_a_checkpointed_forward_is_recomputed_under_its_settings_with_checkpoint
             assert leased[0] > 0 and leased[1:] == [0, 0]
 
 
+class Stream:
+    """What prepare_capture and the arena read of a torch.cuda.Stream, for the tests below without a GPU."""
+
+    def __init__(self, handle: int = 0x7001) -> None:
+        self.handle, self.device = handle, torch.device("cuda", 0)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
 def test_prepare_capture_gives_the_capture_stream_the_largest_workspace(monkeypatch):
     """Without a GPU: PyTorch's CUDA streams stood in for by a class of the test's own, and device 0's arena by one over
     a RecordingProvider. prepare_capture() makes torch.cuda.graph's default capture stream where PyTorch has not made
@@ -595,14 +605,6 @@ def test_prepare_capture_gives_the_capture_stream_the_largest_workspace(monkeypa
     cap; a stream given is the one prepared."""
     from wsarena.arena import Arena, set_arena
     from wsarena.arena.testing import RecordingProvider
-
-    class Stream:  # what prepare_capture and the arena read of a torch.cuda.Stream
-        def __init__(self, handle: int = 0x7001) -> None:
-            self.handle, self.device = handle, torch.device("cuda", 0)
-
-        def __cuda_stream__(self) -> tuple[int, int]:
-            return (0, self.handle)
-
     from wsarena.torch import _graphs
 
     monkeypatch.setattr(_graphs, "gpu_unusable_reason", lambda: "the CUDA driver sees no device")
@@ -626,6 +628,38 @@ def test_prepare_capture_gives_the_capture_stream_the_largest_workspace(monkeypa
             assert wt.prepare_capture(Stream(0x7002)) == 2048
         with pytest.raises(TypeError, match="torch.cuda.Stream"):
             wt.prepare_capture(0x51)
+    finally:
+        set_arena(0, previous)
+        arena.close()
+
+
+def test_prepare_capture_of_a_stream_object_dropped_after_it_still_serves_the_capture(monkeypatch):
+    """PyTorch gives a new Stream object for the same stream each time it is asked (torch.cuda.current_stream()). The
+    buffer prepare_capture gives is the stream's, keyed by its handle as wsarena.torch's calls key it: tied to the
+    object it came through, that object's death would leave it an orphan whose stream CUDA must be asked about before
+    it is used again, which a capture cannot do (each captured call a CaptureError)."""
+    import gc
+
+    from wsarena.arena import Arena, set_arena
+    from wsarena.arena.testing import RecordingProvider
+    from wsarena.torch import _graphs
+
+    monkeypatch.setattr(_graphs, "gpu_unusable_reason", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    provider = RecordingProvider(device_id=0)
+    provider.stream_ids = {0x51: 1, 0x7002: 2}  # CUDA tells streams apart, as cudaStreamGetId does
+    arena = Arena(provider)
+    previous = set_arena(0, arena)
+    try:
+        arena.reserve(3000, stream=0x51)  # the eager step's
+        held = wt.prepare_capture(Stream(0x7002))  # an object nothing keeps
+        gc.collect()
+        graph = provider.begin_capture(0x7002)
+        with arena.lease(held, stream=0x7002) as ws:  # as a captured call leases: by the handle
+            assert ws.pin is not None and ws.nbytes == held == 3072
+        provider.end_capture(graph)
+        assert len(provider.allocations) == 2  # the eager step's buffer and the prepared one: none during the capture
+        graph.close()
     finally:
         set_arena(0, previous)
         arena.close()

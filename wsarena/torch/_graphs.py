@@ -15,6 +15,7 @@ import torch
 from .. import _interop
 from .._gpu import gpu_unusable_reason
 from ..arena import get_arena
+from ..arena.streams import stream_handle
 from ..cudagraph import largest_workspace
 from ..errors import BackendUnavailableError
 
@@ -61,8 +62,11 @@ def prepare_capture(stream: Any = None) -> int:
     device = stream.device.index
     _interop._prefer_torch_memory(device)  # an arena made here takes PyTorch's memory, as a call's would
     arena = get_arena(device)
+    # By its handle, as wsarena.torch's calls key PyTorch's streams: PyTorch gives a new object for the same stream
+    # each time it is asked, and a buffer tied to one that dies is an orphan a capture cannot take (CaptureError).
+    handle = stream_handle(stream)
     largest = largest_workspace(arena)
     if largest:
-        arena.reserve(largest, stream=stream)
-    held: int = arena.held_bytes(stream=stream)
+        arena.reserve(largest, stream=handle)
+    held: int = arena.held_bytes(stream=handle)
     return held
