@@ -232,7 +232,8 @@ def _warn_captured(first: Candidate, ran: Candidate, held: int, refusal: Capture
         f"{first.algo} ({format_size(first.workspace_bytes)}): stream {stream} holds {format_size(held)} of "
         "workspace, and a capture cannot grow it. To capture the first choice, give that stream its workspace "
         "before capturing: run the eager step on it (where memory allows), or "
-        "arena.reserve(arena.stats().high_water_bytes, stream=...) (warned once per stream)",
+        "arena.reserve(arena.stats().high_water_bytes, stream=...), or for PyTorch's captures "
+        "wsarena.torch.prepare_capture(stream) (warned once per stream)",
         CaptureFallbackWarning,
     )
 

@@ -72,8 +72,9 @@ class CaptureError(WsarenaError, RuntimeError):
     Attributes
     ----------
     stream : hashable or None
-        Where a lease or a reserve would have had to grow the arena: the key of the stream being captured (its raw
-        handle; on the host, the lane's key). ``None`` in the other cases.
+        Where a lease or a reserve would have had to grow the arena: the key of the stream being captured, as
+        :meth:`Arena.stats` names it (its raw handle; the per-thread default stream's key object; on the host, the
+        lane's key). ``None`` in the other cases.
     """
 
     stream: Hashable | None = None
