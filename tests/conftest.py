@@ -1,3 +1,5 @@
+import gc
+
 import pytest
 
 import wsarena._config
@@ -111,3 +113,18 @@ def device_provider():
 def device_arena(device_provider):
     """A device arena on host memory: sub-arenas are keyed by CUDA stream handles, handle 2 per thread."""
     return Arena(device_provider)
+
+
+@pytest.fixture
+def frozen_heap():
+    """The objects that exist as the test starts, out of the collector's sight for the test (``gc.freeze``). The
+    tests that interrupt a step at each place, one run each, collect the garbage of the last run before the next (so
+    that no collection, and no finalizer, runs inside the traced step): some run hundreds of times. Over the heap the
+    whole suite leaves (some 750,000 objects, PyTorch's among them) each collection took a third of a second, and
+    such a test minutes, past its timeout; frozen, a collection looks at what the test itself made."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

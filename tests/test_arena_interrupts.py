@@ -12,6 +12,9 @@ from wsarena.arena.testing import FakeStream, RecordingProvider
 
 from .interrupts import interrupt_at_call, interrupt_at_check, interrupt_at_entry_of
 
+# each interrupting test collects the garbage of every run: over the heap the suite leaves, minutes (conftest)
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
 
 class _InterruptibleLock:
     """The arena's lock, whose next acquire raises KeyboardInterrupt once armed, instead of acquiring: a blocking

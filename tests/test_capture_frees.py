@@ -18,6 +18,9 @@ from wsarena.arena.testing import FakeStream, RecordingProvider
 from .capture_helpers import S1, S2, capture_a_lease, freed, freed_on
 from .interrupts import interrupt_at_check, interrupt_at_entry_of
 
+# its interrupting tests collect the garbage of every run: over the heap the suite leaves, minutes (conftest)
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
 
 class CaptureWatchingProvider(RecordingProvider):
     """Records each free made while its stream (or, with no stream, any stream) is being captured: CUDA would record
