@@ -356,21 +356,37 @@ def test_a_step_captured_by_torch_cuda_graph_replays_equal_to_the_eager_step():
     del graph
 
 
+
+def _converted_and_its_eager_step(seed):
+    """A converted small model on the GPU, a batch, its target, and the eager step's loss and gradients."""
+    import wsarena.torch as wt
+
+    torch.manual_seed(seed)
+    model = wt.convert(small_resnet()).cuda()
+    target = torch.arange(4, device="cuda") % 5
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+    return model, x, target, step(model, x, target)
+
+
+def _steps_as_eager(graphed, x, target, eager):
+    """The graphed model's step gives the eager step's loss and gradients (float32, 1e-4 of the largest)."""
+    eager_loss, eager_grads = eager
+    loss, grads = step(graphed, x, target)
+    torch.cuda.synchronize()
+    scale = max(float(g.abs().max()) for g in eager_grads.values())
+    return rel(loss, eager_loss) <= 1e-4 and all(
+        float((grads[k] - eager_grads[k]).abs().max()) <= 1e-4 * scale for k in eager_grads
+    )
+
+
 def test_a_model_graphed_by_make_graphed_callables_replays_the_eager_step_and_names_its_fallback():
     """``torch.cuda.make_graphed_callables`` warms up on a stream of its own and captures on ``torch.cuda.graph``'s
     default stream, whose sub-arena holds nothing and cannot grow during the capture: each convolution is captured
     with an algorithm that fits in it, with one ``CaptureFallbackWarning`` for that stream where the eager step's
-    choices needed workspace. The graphed model still gives the eager step's loss and gradients (float32, 1e-4 of
-    the largest, as the test above)."""
+    choices needed workspace. The graphed model still gives the eager step's loss and gradients."""
     import warnings
 
-    import wsarena.torch as wt
-
-    torch.manual_seed(3)
-    model = wt.convert(small_resnet()).cuda()
-    target = torch.arange(4, device="cuda") % 5
-    x = torch.randn(4, 3, 32, 32, device="cuda")
-    eager_loss, eager_grads = step(model, x, target)
+    model, x, target, eager = _converted_and_its_eager_step(3)
     arena = get_arena(x.device.index)
     allocations = arena.stats().allocations
     with warnings.catch_warnings(record=True) as caught:
@@ -382,27 +398,19 @@ def test_a_model_graphed_by_make_graphed_callables_replays_the_eager_step_and_na
     assert stats.streams.get(capture_stream) is None or stats.streams[capture_stream].capacity_bytes == 0
     assert len(fallbacks) == (1 if stats.high_water_bytes > 0 else 0), [str(w.message) for w in fallbacks]
     assert (stats.allocations > allocations) == (stats.high_water_bytes > 0)  # the warm-up's new stream grew
-    loss, grads = step(graphed, x, target)
-    torch.cuda.synchronize()
-    assert rel(loss, eager_loss) <= 1e-4
-    scale = max(float(g.abs().max()) for g in eager_grads.values())
-    assert all(float((grads[k] - eager_grads[k]).abs().max()) <= 1e-4 * scale for k in eager_grads)
+    assert _steps_as_eager(graphed, x, target, eager)
 
 
 def test_prepare_capture_lets_make_graphed_callables_capture_the_eager_steps_choices():
     """After the eager step, ``wsarena.torch.prepare_capture()`` gives ``torch.cuda.graph``'s default capture stream
     the largest workspace the arena holds: ``make_graphed_callables`` then captures every convolution with no
     fallback (a CaptureFallbackWarning is an error here), and the graphed model gives the eager step's loss and
-    gradients (float32, 1e-4 of the largest)."""
+    gradients."""
     import warnings
 
     import wsarena.torch as wt
 
-    torch.manual_seed(4)
-    model = wt.convert(small_resnet()).cuda()
-    target = torch.arange(4, device="cuda") % 5
-    x = torch.randn(4, 3, 32, 32, device="cuda")
-    eager_loss, eager_grads = step(model, x, target)
+    model, x, target, eager = _converted_and_its_eager_step(4)
     arena = get_arena(x.device.index)
     held = wt.prepare_capture()
     capture_stream = torch.cuda.graph.default_capture_stream.cuda_stream
@@ -411,8 +419,4 @@ def test_prepare_capture_lets_make_graphed_callables_capture_the_eager_steps_cho
         warnings.simplefilter("error", wsarena.CaptureFallbackWarning)
         graphed = torch.cuda.make_graphed_callables(model, (torch.randn_like(x),))
     assert arena.stats().streams[capture_stream].pinned_bytes == held
-    loss, grads = step(graphed, x, target)
-    torch.cuda.synchronize()
-    assert rel(loss, eager_loss) <= 1e-4
-    scale = max(float(g.abs().max()) for g in eager_grads.values())
-    assert all(float((grads[k] - eager_grads[k]).abs().max()) <= 1e-4 * scale for k in eager_grads)
+    assert _steps_as_eager(graphed, x, target, eager)
