@@ -156,7 +156,7 @@ def test_trim_sweeps_dead_streams():
     assert arena.stats().streams == {}
 
 
-def test_fresh_wrappers_for_one_stream_do_not_reallocate():
+def test_fresh_wrappers_for_one_stream_do_not_reallocate(frozen_heap):  # a collection each round
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     for _ in range(10):
