@@ -90,3 +90,30 @@ def wait_for_a_waiter(arena: Arena, key: Hashable, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while arena._subs[key].waiters == 0 and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+class RefusalClock:
+    """What the arena times the provider's refusals by (``wsarena.arena._refusals.clock``), moved on by the test
+    alone: ``now`` in seconds."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def refusing(provider: RecordingProvider, clock: RefusalClock, seconds: float, limit: int = 4096) -> list[int]:
+    """Make ``provider`` refuse more than ``limit`` bytes, each refusal taking ``seconds`` of ``clock``; returns the
+    list of sizes it is asked for, as it is asked."""
+    asked: list[int] = []
+
+    def fail(nbytes: int) -> bool:
+        asked.append(nbytes)
+        if nbytes > limit:
+            clock.now += seconds
+            return True
+        return False
+
+    provider.fail = fail
+    return asked

@@ -5,12 +5,12 @@ import pytest
 import wsarena._config
 from wsarena import algos, ops
 from wsarena._gpu import gpu_unusable_reason
-from wsarena.arena import Arena, HostProvider, reset_arenas
+from wsarena.arena import Arena, HostProvider, _refusals, reset_arenas
 from wsarena.arena.testing import RecordingProvider
 from wsarena.backends import reset_backends
 from wsarena.backends._cpu_backend import CpuBackend
 
-from .arena_helpers import KINDS, ArenaKind
+from .arena_helpers import KINDS, ArenaKind, RefusalClock
 
 
 def pytest_configure(config):
@@ -67,6 +67,14 @@ def fresh_arena(monkeypatch):
     monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
     yield arena
     arena.close()
+
+
+@pytest.fixture
+def refusal_clock(monkeypatch):
+    """The clock the arena times refusals by, stopped: it moves only as the test moves it (``.now``)."""
+    clock = RefusalClock()
+    monkeypatch.setattr(_refusals, "clock", clock)
+    return clock
 
 
 @pytest.fixture(params=KINDS)

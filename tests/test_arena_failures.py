@@ -4,9 +4,11 @@ through, and a run of the ops can fall back to what the arena holds."""
 import pytest
 
 from wsarena.arena import Arena, HostProvider
+from wsarena.arena._stats import aligned_size
+from wsarena.arena.testing import RecordingProvider
 from wsarena.errors import ArenaOutOfMemoryError
 
-from .arena_helpers import snapshot
+from .arena_helpers import refusing, snapshot
 
 
 def test_failed_growth_raises_with_numbers_and_keeps_the_old_buffer(arena, provider, key):
@@ -20,7 +22,7 @@ def test_failed_growth_raises_with_numbers_and_keeps_the_old_buffer(arena, provi
     err = info.value
     assert (err.requested, err.held, err.cap) == (50_000, 1024, None)
     assert isinstance(err.__cause__, MemoryError)
-    assert snapshot(arena) == before
+    assert snapshot(arena) == {**before, "refused_bytes": aligned_size(50_000)}  # remembered, nothing else
     assert arena.held_bytes(stream=key("s")) == 1024
     with arena.lease(1024, stream=key("s")) as ws:  # the stream was released, the old buffer still there
         assert ws.ptr == old_ptr
@@ -76,6 +78,96 @@ def test_ops_fallback_contract_held_bytes_after_oom(arena, provider):
     limit = arena.held_bytes()
     with arena.lease(limit) as ws:
         assert ws.nbytes == 4096
+
+
+# --------------------------------------------------------------------- refusals remembered
+@pytest.fixture
+def clock(refusal_clock):
+    return refusal_clock
+
+
+def _refused(arena, nbytes, stream):
+    with pytest.raises(ArenaOutOfMemoryError), arena.lease(nbytes, stream=stream):
+        pass
+
+
+def test_a_lease_always_asks_and_the_refusal_is_remembered(arena, provider, key, clock):
+    asked = refusing(provider, clock, 0.01)
+    for _ in range(3):
+        _refused(arena, 50_000, key("s"))
+    assert len(asked) == 3 and arena.stats().refused_bytes == aligned_size(50_000)
+    assert arena.refusing and arena.defers_growth(50_000, stream=key("s"))
+
+
+def test_after_two_refusals_a_caller_with_a_fallback_waits_a_hundred_times_the_refusal(arena, provider, key, clock):
+    arena.reserve(8192, stream=key("s"))
+    refusing(provider, clock, 0.01)
+    _refused(arena, 50_000, key("s"))
+    assert not arena.refusing and not arena.defers_growth(50_000, stream=key("s"))  # one refusal costs nothing
+    _refused(arena, 50_000, key("s"))  # again: callers with a fallback wait 100 x 10 ms
+    assert arena.refusing
+    assert arena.defers_growth(50_000, stream=key("s")) and arena.defers_growth(1 << 20, stream=key("t"))
+    assert arena.defers_growth(50_000, stream=key("s"), fallback=8192)  # the fallback fits what "s" holds
+    assert not arena.defers_growth(50_000, stream=key("t"), fallback=8192)  # "t" holds nothing: it would grow too
+    assert not arena.defers_growth(20_000, stream=key("s"))  # less than was refused: worth asking
+    assert not arena.defers_growth(8192, stream=key("s"))  # held already: no growth at all
+    clock.now += 0.99
+    assert arena.defers_growth(50_000, stream=key("s"))
+    clock.now += 0.02
+    assert not arena.defers_growth(50_000, stream=key("s"))  # the wait is over: ask
+    assert arena.stats().refused_bytes == aligned_size(50_000)
+
+
+def test_the_wait_is_at_most_a_minute_and_a_grant_as_large_or_trim_forgets(arena, provider, key, clock):
+    refusing(provider, clock, 10.0)  # a refusal that takes 10 s (a collection over a huge heap)
+    for _ in range(2):
+        _refused(arena, 50_000, key("s"))
+    clock.now += 59.9
+    assert arena.defers_growth(50_000, stream=key("s"))
+    clock.now += 0.2
+    assert not arena.defers_growth(50_000, stream=key("s"))
+    provider.fail = None
+    with arena.lease(60_000, stream=key("s")):  # granted, and as large: the refusals are forgotten
+        pass
+    assert not arena.refusing and arena.stats().refused_bytes == 0
+    refusing(provider, clock, 0.01, limit=64 << 10)
+    for _ in range(2):
+        _refused(arena, 100_000, key("s"))
+    assert arena.defers_growth(100_000, stream=key("s"))
+    arena.trim()  # what a caller who freed memory of their own may do
+    assert not arena.refusing and not arena.defers_growth(100_000, stream=key("s"))
+    assert arena.stats().refused_bytes == 0
+
+
+def test_a_refusal_of_a_smaller_growth_starts_a_record_of_its_own(arena, provider, key, clock):
+    refusing(provider, clock, 0.01, limit=0)
+    for _ in range(5):
+        _refused(arena, 1 << 20, key("s"))
+    _refused(arena, 10_000, key("t"))  # once, at a peak: it costs nothing later
+    assert arena.stats().refused_bytes == aligned_size(10_000)
+    assert not arena.refusing and not arena.defers_growth(10_000, stream=key("t"))
+
+
+def test_no_growth_is_deferred_on_a_stream_being_captured(clock):
+    from .capture_helpers import S1
+
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    refusing(provider, clock, 0.01)
+    for _ in range(2):
+        _refused(arena, 50_000, S1)
+    assert arena.defers_growth(50_000, stream=S1)
+    graph = provider.begin_capture(S1)
+    assert not arena.defers_growth(50_000, stream=S1)  # a capture grows nothing: it says so itself
+    provider.end_capture(graph)
+    assert arena.defers_growth(50_000, stream=S1)
+
+
+def test_defers_growth_checks_its_arguments(arena, key):
+    with pytest.raises(ValueError, match="nbytes"):
+        arena.defers_growth(-1, stream=key("s"))
+    with pytest.raises(TypeError, match="fallback"):
+        arena.defers_growth(10, stream=key("s"), fallback="4")
 
 
 # --------------------------------------------------------------------- a provider that breaks its contract

@@ -55,6 +55,7 @@ class HostArenaMachine(RuleBasedStateMachine):
         self.allocations = self.growths = self.high_water = 0
         self.stream_high = dict.fromkeys(self.KEYS, 0)  # largest lease per key since its sub-arena appeared
         self.armed = False  # the provider will fail the next allocation
+        self.refused = 0  # the smallest growth refused since one as large was granted, or the last trim
         self.limit = None  # cap_workspace in force
         self.patterns = iter(range(1, 1 << 30))
 
@@ -73,16 +74,21 @@ class HostArenaMachine(RuleBasedStateMachine):
         return self.limit is not None and n > self.limit
 
     def _grow(self, key, n):
-        """Model of the arena's growth; returns False where the armed provider makes it fail."""
+        """Model of the arena's growth; returns False where the armed provider makes it fail. The arena remembers
+        the smallest growth refused since one as large was granted (``refused``)."""
         if n <= self.cap[key]:
             return True
+        size = aligned_size(n)
         if self.armed:
             self.armed = False
+            self.refused = min(self.refused, size) if self.refused else size
             return False
+        if size >= self.refused:
+            self.refused = 0
         self.allocations += 1
         if self.cap[key]:
             self.growths += 1
-        self.cap[key] = aligned_size(n)
+        self.cap[key] = size
         self.on_current[key] = 0
         self.generation[key] += 1
         return True
@@ -155,6 +161,7 @@ class HostArenaMachine(RuleBasedStateMachine):
     @rule()
     def trim(self):
         self.arena.trim()
+        self.refused = 0
         for key in self.KEYS:
             if not self.on_current[key]:
                 self.cap[key] = self.largest[key] = 0
@@ -190,6 +197,7 @@ class HostArenaMachine(RuleBasedStateMachine):
         assert s.growths == self.growths
         assert s.frees == len(self.provider.frees) == s.allocations - len(self.provider.held)
         assert s.high_water_bytes == self.high_water
+        assert s.refused_bytes == self.refused
         for key, x in s.streams.items():
             assert x.leases == len(self.live[self._model_key(key)])
             assert x.high_water_bytes == self.stream_high[self._model_key(key)] <= s.high_water_bytes

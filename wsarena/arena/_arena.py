@@ -40,11 +40,11 @@ from typing import Any
 from .._config import get_config
 from .._sizes import as_int, format_size
 from ..errors import CaptureError, WorkspaceCapError
-from . import _growth, _leases, _pinning
+from . import _growth, _leases, _pinning, _refusals
 from ._leases import POISON_BYTE
 from ._lifecycle import give_back, release_all, track_arena, track_device_arena
 from ._pins import free_posted
-from ._stats import ArenaStats, snapshot
+from ._stats import ArenaStats, aligned_size, snapshot
 from ._table import _Table
 from ._workspace import Workspace
 from .streams import raw_handle, resolve_stream
@@ -125,10 +125,11 @@ class Arena:
         """Lease ``nbytes`` of workspace on ``stream``; use as ``with arena.lease(n) as ws:``.
 
         The sub-arena of ``stream`` grows if it holds less than ``nbytes`` (the outgrown buffer is retired in
-        stream order). Zero bytes is legal and takes nothing. ``cap`` is the cap to check ``nbytes`` against
-        (bytes or ``None``); by default ``get_config().cap_workspace``. The ops pass the cap their algorithm
-        was chosen under, so that a ``configure()`` in another thread, or a plan made under its own cap, cannot
-        refuse a workspace that the choice already checked.
+        stream order); the provider is asked, whatever it refused before (a caller that has a fallback asks
+        :meth:`defers_growth` first). Zero bytes is legal and takes nothing. ``cap`` is the cap to check
+        ``nbytes`` against (bytes or ``None``); by default ``get_config().cap_workspace``. The ops pass the cap
+        their algorithm was chosen under, so that a ``configure()`` in another thread, or a plan made under its
+        own cap, cannot refuse a workspace that the choice already checked.
 
         Raises
         ------
@@ -137,7 +138,8 @@ class Arena:
         WorkspaceCapError
             ``nbytes`` is above the cap; the arena is unchanged.
         ArenaOutOfMemoryError
-            (on entering) The provider could not grow the sub-arena; the arena is unchanged.
+            (on entering) The provider could not grow the sub-arena; the arena's buffers are unchanged (the
+            refusal is remembered: :meth:`defers_growth`).
         RuntimeError
             (on entering) This thread already holds a lease on this lane or stream (and ``nbytes > 0``): a
             nested lease would share the outer lease's bytes. Or the arena is closed.
@@ -203,6 +205,44 @@ class Arena:
         for (key, anchor), n in zip(resolved, sizes):
             self._reserve(n, key, anchor, None)  # a plan's own cap is not known here
 
+    @property
+    def refusing(self) -> bool:
+        """Whether :meth:`defers_growth` may say yes: the provider refused a growth twice or more in a row since it
+        last granted one as large (a plain read, for a caller's fast path)."""
+        return self._table.refusals.times > 1
+
+    def defers_growth(self, nbytes: int, *, stream: Any = None, fallback: int = 0) -> bool:
+        """Whether a caller that can do with ``fallback`` bytes should not ask for a lease of ``nbytes`` on
+        ``stream`` now, rather than have the provider asked for memory that it has just refused.
+
+        Yes when the lease would grow the sub-arena to at least as much as the provider refused twice or more in a
+        row lately (since it last granted as much, or since :meth:`trim`), less than 100 times that refusal's own
+        duration ago (at most a minute), and a lease of ``fallback`` bytes there needs no growth. Under lasting
+        memory pressure a refusal is costly: CuPy's pool runs the garbage collector first, PyTorch's allocator
+        drops its cache, which synchronizes the device. The ops ask this before each algorithm that has a smaller
+        one after it (:func:`wsarena.algos.run_with_fallback`). Never while ``stream`` is being captured (a capture
+        grows nothing, and says so itself). The buffers that released CUDA graphs kept are freed first: if there
+        were any, the answer is no.
+        """
+        n = nbytes if type(nbytes) is int and nbytes >= 0 else _non_negative_int(nbytes)
+        least = fallback if type(fallback) is int and fallback >= 0 else _non_negative_int(fallback, "fallback")
+        key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
+        with self._lock:
+            sub = self._subs.get(key)
+            held = sub.capacity() if sub is not None else 0
+            defer = n > held >= least
+            if defer and self._table.kept and self._table.release_kept():
+                defer = False  # what released graphs held is free now: worth asking
+            defer = defer and self._table.refusals.defers(aligned_size(n), _refusals.clock())
+        if self._to_free:
+            self._give_back(key)
+        if defer and self._capture is not None:
+            try:
+                defer = self._capture(raw_handle(key)) is None
+            except CaptureError:  # a stream CUDA will not use now: the lease says so
+                defer = False
+        return defer
+
     def capturing(self, *, stream: Any = None) -> bool:
         """Whether ``stream`` is being captured into a CUDA graph (never, for a provider that cannot tell).
 
@@ -244,7 +284,8 @@ class Arena:
     def trim(self) -> int:
         """Free every buffer that no live lease uses; return the number of bytes given back.
 
-        Sub-arenas left empty are forgotten (their per-stream counters with them). Kept: a buffer a CUDA graph
+        Sub-arenas left empty are forgotten (their per-stream counters with them), and so are the growths the
+        provider refused lately (:meth:`defers_growth` says no until it refuses again). Kept: a buffer a CUDA graph
         captured, and the one :func:`wsarena.capture` gave its stream until the capture's first lease there.
         """
         seeded = _pinning.seeded_streams(self)
@@ -261,6 +302,7 @@ class Arena:
                     released += sub.empty()
                 self._table.drop_if_idle(sub)
             released += self._table.release_kept()
+            self._table.refusals.forget()
         self._give_back()
         return released
 

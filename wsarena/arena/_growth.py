@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._sizes import format_size
 from ..errors import ArenaOutOfMemoryError
+from . import _refusals
 from ._interrupts import finish
 from ._stats import aligned_size
 from ._sub import _Block, _Owner, _SubArena, park, wait
@@ -98,6 +99,7 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
     size = aligned_size(n)
     got: list[Any] = []
     freed_on = None  # where a buffer never installed is queued to be freed
+    started = _refusals.clock()  # a refusal is timed: how long callers with a fallback then wait (_refusals.py)
     try:
         freed_on = sub.free_stream()  # read before a buffer exists: an interrupt in it loses none
         # allocate() hands its buffer to `got` within one C call (list.extend over a map): an interrupt lands as a
@@ -114,6 +116,9 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
             self._to_free.append((got[0], freed_on))  # never installed: no one else would free it
         finish(self._end_growth, sub, token, None)
         if isinstance(exc, MemoryError):
+            now = _refusals.clock()
+            with self._lock:
+                self._table.refusals.refused(size, now - started, now)
             raise ArenaOutOfMemoryError(
                 f"could not grow the workspace of stream {sub.key!r} to {format_size(size)}",
                 requested=n, held=sub.capacity(), cap=cap,

@@ -115,6 +115,9 @@ class ArenaStats(_Fields):
     pinned_bytes : int
         Buffers that CUDA graphs captured and still hold, over every stream (those of streams forgotten since
         included).
+    refused_bytes : int
+        The smallest growth the provider refused since it last granted one as large (or since :meth:`Arena.trim`):
+        leases that need as much ask it again only now and then (:meth:`Arena.lease`). 0: none.
     """
 
     capacity_bytes: int
@@ -126,6 +129,7 @@ class ArenaStats(_Fields):
     retired_bytes: int
     streams: Mapping[Hashable, StreamStats]
     pinned_bytes: int = 0
+    refused_bytes: int = 0
 
 
 def snapshot(table: _Table) -> ArenaStats:
@@ -155,4 +159,5 @@ def snapshot(table: _Table) -> ArenaStats:
         pinned_bytes=sum(s.pinned_bytes for s in streams.values()) + sum(
             block.size for key, block, _ in table.kept if key not in table.subs and block.pinned()
         ),
+        refused_bytes=table.refusals.nbytes,
     )

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CaptureError
 from . import _kept
 from ._keys import GoneStream, _caller_chosen, _LaneKey
+from ._refusals import Refusals
 from ._sub import Queue, _Anchor, _Block, _SubArena, _Totals, park, this_thread
 from .streams import PER_THREAD_DEFAULT_STREAM, PerThreadStream, ThreadLane
 
@@ -66,7 +67,7 @@ class _Table:
 
     __slots__ = (
         "captures", "capturing", "closed", "dead", "exited", "forked", "held_back", "kept", "lanes", "lock",
-        "rewatched", "stream_id", "subs", "to_free", "totals", "watches",
+        "refusals", "rewatched", "stream_id", "subs", "to_free", "totals", "watches",
     )
 
     def __init__(
@@ -95,6 +96,7 @@ class _Table:
         # (Table.rewatch), watching it again once the capture block is over (wsarena.arena._pinning.unwatch_capture).
         self.rewatched: dict[Hashable, Any] = {}
         self.totals = _Totals()
+        self.refusals = Refusals()  # the growths the provider refused lately (wsarena.arena._refusals)
         self.closed = False
         self.exited = False  # a device arena released by the exit handler: the interpreter is ending
         self.forked = False  # a device arena in a forked child: its memory is the parent's
@@ -277,6 +279,7 @@ class _Table:
         if sub.growing is token:
             if block is not None and not block.installed and not self.closed:
                 sub.install(block)
+                self.refusals.granted(block.size)
             sub.growing = None  # last
             sub.wake()
         if block is None or not block.installed:
