@@ -6,11 +6,12 @@ import warnings
 import pytest
 
 from wsarena._geometry import conv_geometry
-from wsarena.algos import choose, forced, run_with_fallback, select
+from wsarena.algos import choose, forced, is_cached, is_chosen, run_with_fallback, select
 from wsarena.backends import Candidate
 from wsarena.errors import ArenaOutOfMemoryError, NoAlgorithmFitsError, WorkspaceCapWarning
 
 GEOM = conv_geometry((2, 3, 8, 8), (4, 3, 3, 3), padding=1)
+TIMES = {"fft": 5.0, "gemm": 1.0, "implicit": 9.0}
 
 
 class FakeWorkspace:
@@ -21,6 +22,8 @@ class FakeWorkspace:
 
 class FakeArena:
     """Holds one buffer per stream; growth beyond ``memory`` bytes fails like a real provider."""
+
+    refusing = False  # it remembers no refusal (wsarena.arena.Arena.defers_growth)
 
     def __init__(self, memory):
         self.memory = memory
@@ -234,6 +237,94 @@ def test_a_search_cut_short_by_memory_keeps_the_untimed_after_the_timed():
     b._arena.memory = 1000
     got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
     assert [c.algo for c in got] == ["gemm", "fft", "implicit"]  # timed in full this time
+
+
+def test_a_search_cut_short_is_served_until_what_it_lacked_can_be_had():
+    """Timing again on every call what the held workspace serves would cost each call a search: the ranking is
+    kept, and a lease of the least that a skipped candidate needs (which the arena refuses cheaply while memory is
+    short) decides when to search again."""
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
+    b._arena = FakeArena(memory=150)
+    b._arena.held[None] = 120
+    for _ in range(3):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+        assert [c.algo for c in got] == ["gemm", "implicit", "fft"]
+    assert b.measured == [["gemm", "implicit"]]  # timed once
+    assert b.arena().leases == [100]  # the search's one lease (gemm's): each probe of 300 bytes was refused
+    assert not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+    assert is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
+    b._arena.memory = 1000
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None), search_again=False)
+    assert [c.algo for c in got] == ["gemm", "implicit", "fft"] and len(b.measured) == 1  # in a capture: kept
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["gemm", "fft", "implicit"]  # the probe got 300 bytes: timed in full
+    assert b.measured[1:] == [["fft", "gemm", "implicit"]] and b.arena().leases[1:] == [300, 300]
+    assert is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+    select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert len(b.measured) == 2 and len(b.arena().leases) == 3  # kept for good: no probe, no search
+
+
+class _OwnMemory(FakeBackend):
+    """A backend whose search runs out of memory of its own (temporaries, not workspace) timing ``failing``."""
+
+    def __init__(self, table, times, failing):
+        super().__init__(table, times)
+        self.failing = failing
+
+    def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+        if any(c.algo in self.failing for c in candidates):
+            self.measured.append("failed")
+            raise MemoryError("the algorithm's own temporaries")
+        return super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
+
+
+def test_a_search_short_of_its_own_memory_is_kept_without_searching_again():
+    """The arena held fft's workspace, which its own temporaries outgrew: no lease would change that, so the ranking
+    is kept, fft after the timed ones, each listed once."""
+    b = _OwnMemory({"fft": 300, "gemm": 100, "implicit": 0}, TIMES, failing={"fft"})
+    for _ in range(3):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+        assert [c.algo for c in got] == ["gemm", "implicit", "fft"]
+    assert b.measured == ["failed", ["gemm", "implicit"]]  # searched once
+    b = _OwnMemory({"fft": 300, "gemm": 100, "implicit": 0}, TIMES, failing={"fft", "gemm"})
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["implicit", "fft", "gemm"]  # two failed searches: each candidate once
+
+
+def test_a_search_cut_short_is_read_once_and_never_seen_as_kept_for_good(monkeypatch):
+    """Another thread may clear the cache, or finish a search, while one reads it (unlocked reads): the mark of a
+    search cut short is read once, and written before its ranking, so that is_cached() never takes it for one kept
+    for good (a call would then keep it in its record, and never search again)."""
+    from wsarena import algos
+
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times=TIMES)
+    b._arena = FakeArena(memory=150)
+    b._arena.held[None] = 120
+    seen = []
+
+    class Watching(dict):
+        def __setitem__(self, key, value):
+            dict.__setitem__(self, key, value)
+            seen.append(is_cached(b, "fwd", GEOM, cap=None, search="exhaustive"))
+
+    monkeypatch.setattr(algos, "_cache", Watching())
+    select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert seen == [False]
+
+    class Clearing(dict):  # another thread clears the cache just after each read
+        def get(self, key, default=None):
+            found = dict.get(self, key, default)
+            algos.cache_clear()
+            return found
+
+        def __contains__(self, key):
+            found = dict.__contains__(self, key)
+            algos.cache_clear()
+            return found
+
+    monkeypatch.setattr(algos, "_cut_short", Clearing(algos._cut_short))
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["gemm", "implicit", "fft"]
 
 
 def test_a_backend_without_any_algorithm_is_not_a_memory_error():

@@ -368,6 +368,37 @@ def test_a_first_call_during_capture_raises_before_anything_runs(cpu_conv):
     assert_captured_call_is_right(provider, x, w, eager, algo="gemm_batch")
 
 
+def test_a_capture_after_a_search_cut_short_by_memory_runs_the_ranking_it_kept(cpu_conv, monkeypatch,
+                                                                                  refusal_clock):
+    """An exhaustive search that memory cut short in the eager step is kept (searched again once memory allows): a
+    capture runs its choice, with no search and no CaptureError, and the next eager call with memory searches."""
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    from .arena_helpers import refusing
+
+    provider, x, w = cpu_conv
+    searched = []
+    real_measure = CpuBackend.measure
+    monkeypatch.setattr(CpuBackend, "measure", lambda self, *a: searched.append(len(a[-2])) or real_measure(self, *a))
+    wsarena.configure(algo_search="exhaustive")
+    refusing(provider, refusal_clock, 0.01, limit=8192)  # the two largest forward algorithms need 13.5 KiB
+    for _ in range(4):
+        eager = wsarena.conv_forward(x, w, padding=1, stream="lane")
+    assert searched == [1, 2]  # what the lane held, then what it could grow to: the third and fourth were served
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_captured_call_is_right(provider, x, w, eager)
+    assert searched == [1, 2]
+    provider.fail = None  # memory is there now, but refused twice in a row, it is not asked for within 1 s
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    assert searched == [1, 2]
+    refusal_clock.now += 1.01
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    assert searched == [1, 2, 4]  # asked, granted, and all four timed
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    assert searched == [1, 2, 4]
+
+
 def test_capture_without_a_gpu_is_a_backend_error_and_checks_its_mode(monkeypatch):
     """On any machine: no GPU is made to look usable (a GPU machine's capture would succeed)."""
     from wsarena import cudagraph

@@ -720,6 +720,8 @@ def test_an_alignment_workspace_error_gives_the_cap_in_force(faked):
 
 
 class _Arena:
+    refusing = False  # it remembers no refusal
+
     @contextlib.contextmanager
     def lease(self, nbytes, stream=None, cap=None):
         yield _lease(nbytes)

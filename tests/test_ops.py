@@ -548,3 +548,33 @@ def test_a_remembered_call_follows_a_cleared_algorithm_cache(monkeypatch):
     y = conv_forward(x, w, padding=1)
     assert ran[-1] == last
     assert rel_err(y, ref_conv_forward(x, w, padding=1)) <= TOL["float64"]
+
+
+def test_under_lasting_memory_pressure_a_call_asks_the_provider_again_only_now_and_then(monkeypatch, refusal_clock):
+    """A first choice whose workspace the provider refuses: every call runs the algorithm that fits (and matches
+    the reference), and after the second refusal the provider, whose refusal is costly on a GPU, is asked again
+    only once 100 times a refusal's duration has passed (or after trim())."""
+    from wsarena.arena import Arena
+    from wsarena.arena.testing import RecordingProvider
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    from .arena_helpers import refusing
+
+    provider = RecordingProvider()
+    asked = refusing(provider, refusal_clock, 0.01)  # each refusal takes 10 ms: then 1 s without asking
+    arena = Arena(provider)
+    monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 8, 16, 16))
+    w = rng.standard_normal((8, 8, 3, 3))
+    ref = ref_conv_forward(x, w, padding=1)
+    for _ in range(100):
+        assert rel_err(conv_forward(x, w, padding=1), ref) <= TOL["float64"]
+    assert len(asked) == 2 and all(n > 4096 for n in asked)  # the first two calls; the other 98 fell back at once
+    assert arena.stats().refused_bytes == min(asked)
+    refusal_clock.now += 1.01
+    conv_forward(x, w, padding=1)
+    assert len(asked) == 3  # the wait is over: asked, and refused again
+    arena.trim()  # what a caller who freed memory of their own may do: the next call asks at once
+    conv_forward(x, w, padding=1)
+    assert len(asked) == 4

@@ -4,7 +4,8 @@
 ``exhaustive`` times the candidates on real operands (cuDNN's ``Find...AlgorithmEx`` with the arena as its
 scratch; on the CPU each algorithm once) and ranks them by measured time. Either way the choice is the first
 candidate whose workspace fits the cap. Results are cached per (backend, its cuDNN API path, device, pass,
-geometry, search, cap):
+geometry, search, cap); a search cut short because some workspace could not be had is cached too, and searched
+again once that workspace can be had:
 the geometry includes shapes, dtype, layout and every convolution parameter, and the cap is part of the key,
 so changing the cap never serves a choice made under another one. Exhaustive results also outlive the process:
 :mod:`wsarena.searchcache` keeps each candidate's time on disk, and a search it already holds times nothing.
@@ -30,9 +31,12 @@ from .errors import (
     WorkspaceCapWarning,
 )
 
-__all__ = ["cache_clear", "choose", "forced", "generation", "is_cached", "run_with_fallback", "select"]
+__all__ = [
+    "cache_clear", "choose", "forced", "generation", "is_cached", "is_chosen", "run_with_fallback", "select",
+]
 
 _cache: dict[tuple, tuple[tuple[Candidate, ...], Candidate | None]] = {}
+_cut_short: dict[tuple, int] = {}  # keys of searches cut short by memory: the least workspace they could not get
 _warned: set[tuple] = set()
 _captures_warned: set[str] = set()  # the streams a CaptureFallbackWarning named, by repr (no object kept alive)
 _lock = _forksafe.lock()  # guards the caches, the two sets and _generation; never held while a backend runs
@@ -44,6 +48,7 @@ def cache_clear() -> None:
     global _generation
     with _lock:
         _cache.clear()
+        _cut_short.clear()
         _warned.clear()
         _captures_warned.clear()
         _generation += 1
@@ -61,7 +66,15 @@ def _key(backend: Backend, pass_: str, geom: ConvGeometry, search: str, cap: int
 
 
 def is_cached(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
-    """Whether the choice for these arguments is cached (a search cut short by memory pressure is not)."""
+    """Whether the choice for these arguments is cached for good (a search cut short by memory pressure is not:
+    see :func:`is_chosen`)."""
+    key = _key(backend, pass_, geom, search, cap)
+    return key in _cache and key not in _cut_short
+
+
+def is_chosen(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
+    """Whether a choice for these arguments is cached, for good or until memory allows a search cut short to be
+    run again: one that a call may run without searching."""
     return _key(backend, pass_, geom, search, cap) in _cache
 
 
@@ -76,8 +89,9 @@ def choose(
     *,
     cap: int | None,
     search: str = "heuristic",
-    measure: Callable[[list[Candidate]], tuple[list[Candidate], list[Candidate]]] | None = None,
+    measure: Callable[[list[Candidate]], searchcache.Found] | None = None,
     warn: bool = True,
+    can_have: Callable[[int], bool] | None = None,
 ) -> tuple[Candidate, ...]:
     """Return the usable candidates under ``cap``, best first; the first is the choice.
 
@@ -86,8 +100,14 @@ def choose(
     measure
         For ``search="exhaustive"``: a function that times the given candidates on real operands and returns
         ``(timed, skipped)``: those it timed, fastest first, and those it had no memory to time (the ops and
-        the planner provide one that leases the workspace from the arena). A candidate in neither list was
-        rejected by the backend's own search and is dropped. Without ``measure`` the heuristic order is used.
+        the planner provide one that leases the workspace from the arena), and may add the largest workspace it
+        leased (a skipped candidate that needs no more ran out of memory of its own). A candidate in neither list
+        was rejected by the backend's own search and is dropped. Without ``measure`` the heuristic order is used.
+    can_have
+        For a search cut short by memory (some candidates skipped), kept with the timed candidates first:
+        ``can_have(n)`` says whether ``n`` bytes of workspace, the least that a skipped one needs, can be had
+        now; if so the search runs again, else the kept ranking is served. Without it, a search cut short runs
+        again on every call.
     warn
         Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap excluded the heuristic favourite.
         The planner passes ``False``: its report shows the choice already.
@@ -101,12 +121,22 @@ def choose(
     exhaustive = search == "exhaustive" and measure is not None
     key = _key(backend, pass_, geom, "exhaustive" if exhaustive else "heuristic", cap)
     entry = _cache.get(key)
+    lacked = _cut_short.get(key)  # read once: another thread may clear it
+    if entry is not None and lacked and (can_have is None or can_have(lacked)):
+        entry = None  # the workspace it lacked can be had now: the search is run again
     if entry is None:
-        best, excluded, complete = _rank(backend, pass_, geom, cap, measure if exhaustive else None)
+        best, excluded, lacked = _rank(backend, pass_, geom, cap, measure if exhaustive else None)
         entry = (best, excluded)
-        if complete:  # a search cut short by memory pressure is not kept: a later call may time them all
+        if lacked is not None:
+            # In this order, so that is_cached(), which reads without the lock, never takes a search cut short
+            # for one kept for good.
             with _lock:
-                _cache[key] = entry
+                if lacked:
+                    _cut_short[key] = lacked
+                    _cache[key] = entry
+                else:
+                    _cache[key] = entry
+                    _cut_short.pop(key, None)
     best, excluded = entry
     if warn and excluded is not None and key not in _warned:
         with _lock:
@@ -124,8 +154,10 @@ def choose(
 
 def _rank(
     backend: Backend, pass_: str, geom: ConvGeometry, cap: int | None, measure: Callable | None
-) -> tuple[tuple[Candidate, ...], Candidate | None, bool]:
-    """(usable candidates best first, the heuristic favourite if the cap excluded it, whether all were ranked)."""
+) -> tuple[tuple[Candidate, ...], Candidate | None, int | None]:
+    """(usable candidates best first, the heuristic favourite if the cap excluded it, what to keep): 0 where all
+    were ranked, the least workspace a skipped candidate needs where a search was cut short by memory, ``None``
+    where nothing was timed (the heuristic order, not kept)."""
     ranked = backend.candidates(pass_, geom)
     if not ranked:
         raise UnsupportedConvolutionError(
@@ -142,12 +174,17 @@ def _rank(
         )
     excluded = None if ranked[0] in usable else ranked[0]
     if measure is None:
-        return tuple(usable), excluded, True
-    timed, skipped = measure(usable)  # only what fits the cap is ever timed
+        return tuple(usable), excluded, 0
+    timed, skipped, *leased = measure(usable)  # only what fits the cap is ever timed
     if not timed and not skipped:  # the search ranked nothing: keep the heuristic order, and ask again next time
-        return tuple(usable), excluded, False
-    # A search cut short by memory is not kept; one whose backend rejected some candidates is.
-    return tuple(timed) + tuple(skipped), excluded, not skipped
+        return tuple(usable), excluded, None
+    order = tuple(timed) + tuple(skipped)
+    if not timed:  # the backend rejected every candidate the workspace held: ask again next time
+        return order, excluded, None
+    # Cut short by the arena's memory: kept until the least that a skipped candidate needs can be had. Those the
+    # search's largest lease held (``leased``) ran out of memory of their own: that is no reason to search again.
+    largest = leased[0] if leased else 0
+    return order, excluded, min((c.workspace_bytes for c in skipped if c.workspace_bytes > largest), default=0)
 
 
 def select(
@@ -160,23 +197,36 @@ def select(
     operands: tuple[Any, Any, Any] | Callable[[], tuple[Any, Any, Any]] | None = None,
     stream: Any = None,
     warn: bool = True,
+    search_again: bool = True,
 ) -> tuple[Candidate, ...]:
     """:func:`choose`, with an exhaustive search timed on ``operands`` (``(a, b, out)`` of the pass).
 
     ``operands`` may be a function that makes them, called only when the choice is not cached yet (the
     planner's random operands). The search leases one workspace from the backend's arena, as large as the
     largest candidate under the cap needs (or, if that cannot be had, what the stream's sub-arena holds), and
-    times every candidate that fits.
+    times every candidate that fits. A search cut short because the largest could not be had is run again once a
+    lease of what it lacked succeeds (:func:`choose`'s ``can_have``), never while ``stream`` is being captured
+    (``search_again=False``, which the ops pass then: a search is no graph node).
     """
     if search != "exhaustive" or operands is None:
         return choose(backend, pass_, geom, cap=cap, search="heuristic", warn=warn)
     arena = backend.arena()
 
-    def measure(cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+    def can_have(nbytes: int) -> bool:
+        # The kept ranking is the fallback: where the provider refused as much lately, it is not asked again yet.
+        if not search_again or (arena.refusing and arena.defers_growth(nbytes, stream=stream)):
+            return False
+        try:
+            with arena.lease(nbytes, stream=stream, cap=cap):
+                return True
+        except (ArenaOutOfMemoryError, CaptureError):  # a capture grows nothing: the kept ranking serves it
+            return False
+
+    def measure(cands: list[Candidate]) -> searchcache.Found:
         # What an earlier process (or call under another cap) timed is read back, not timed again.
         return searchcache.search(backend, pass_, geom, cands, lambda: measure_now(cands))
 
-    def measure_now(cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+    def measure_now(cands: list[Candidate]) -> searchcache.Found:
         a, b, out = operands() if callable(operands) else operands
         # The choice (and the search cache) is kept per geometry, whatever the operands' addresses: a backend whose
         # algorithms depend on them times on operands at the addresses every allocation has (timing_operands).
@@ -184,20 +234,21 @@ def select(
         if timing is not None:
             a, b, out = timing(a, b, out)
         timed: list[Candidate] = []
-        skipped: list[Candidate] = []
+        leased = [0, 0]  # the largest workspace leased, and the one the search ran in
 
         def time_fitting(largest: Candidate, ws: Any) -> None:
+            leased[0] = max(leased[0], ws.nbytes)
             fitting = [c for c in cands if c.workspace_bytes <= ws.nbytes]
-            skipped.extend(c for c in cands if c.workspace_bytes > ws.nbytes)
             # A backend's search may report entries of its own; only those this workspace really holds count.
             found = backend.measure(pass_, geom, a, b, out, ws, fitting, stream)
             timed.extend(c for c in found if c.workspace_bytes <= ws.nbytes)
+            leased[1] = ws.nbytes
 
         by_size = tuple(sorted(cands, key=lambda c: c.workspace_bytes, reverse=True))
         run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap)
-        return timed, skipped
+        return timed, [c for c in cands if c.workspace_bytes > leased[1]], leased[0]
 
-    return choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure, warn=warn)
+    return choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure, warn=warn, can_have=can_have)
 
 
 def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: int | None) -> tuple[Candidate, ...]:
@@ -238,6 +289,16 @@ def _warn_captured(first: Candidate, ran: Candidate, held: int, refusal: Capture
     )
 
 
+def _deferred(arena: Any, candidates: tuple[Candidate, ...], index: int, stream: Any) -> bool:
+    """Whether the arena would rather not ask its provider for the workspace of ``candidates[index]``, which it
+    refused lately, a smaller candidate coming after it (:meth:`wsarena.arena.Arena.defers_growth`)."""
+    rest = candidates[index + 1:]
+    if not rest:
+        return False
+    least = min(c.workspace_bytes for c in rest)
+    return bool(arena.defers_growth(candidates[index].workspace_bytes, stream=stream, fallback=least))
+
+
 def run_with_fallback(
     arena: Any,
     candidates: tuple[Candidate, ...],
@@ -256,7 +317,9 @@ def run_with_fallback(
     (the ones an eager step that ran out of memory fell back to), with a :class:`CaptureFallbackWarning` once per
     stream (a warm-up on another stream may have sized that one's buffer instead). If ``run`` raises one of
     ``retry`` (the backend refuses this algorithm for these operands, e.g. cuDNN's NOT_SUPPORTED), to the next one
-    too. Raises
+    too. Where the provider refused as much lately and a smaller candidate comes after, one the stream's buffer
+    holds, the provider is not asked again yet (:meth:`~wsarena.arena.Arena.defers_growth`): as if out of memory.
+    Raises
     :class:`CaptureError` when the capture stopped every candidate, :class:`NoAlgorithmFitsError` (a
     ``MemoryError``) with the numbers when memory did, or the last refusal when one was refused.
     """
@@ -264,8 +327,11 @@ def run_with_fallback(
     failure: MemoryError | None = None
     refused: BaseException | None = None
     captured: CaptureError | None = None
-    for cand in candidates:
+    for index, cand in enumerate(candidates):
         if limit is not None and cand.workspace_bytes > limit:
+            continue
+        if arena.refusing and _deferred(arena, candidates, index, stream):
+            limit = arena.held_bytes(stream=stream)
             continue
         try:
             with arena.lease(cand.workspace_bytes, stream=stream, cap=cap) as ws:

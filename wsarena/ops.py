@@ -254,14 +254,19 @@ def _choice(record: _Record, pass_: Pass, cfg: Config, operands: tuple[Any, Any,
         record.generation = algos.generation()
     geom = record.geom
     cap, search = cfg.cap_workspace, cfg.algo_search
-    if not algos.is_cached(backend, pass_, geom, cap=cap, search=search) and backend.arena().capturing(stream=stream):
-        raise CaptureError(
-            f"the first {pass_} call of this shape ({describe_geometry(geom)}) came during CUDA graph capture, where "
-            "its algorithm cannot be chosen (a search or a cuDNN query is not a graph node): run the step once "
-            "before capturing"
-        )
-    chosen = select(backend, pass_, geom, cap=cap, search=search, operands=operands, stream=stream)
-    if algos.is_cached(backend, pass_, geom, cap=cap, search=search):  # a search cut short is not kept
+    capturing = False
+    if not algos.is_cached(backend, pass_, geom, cap=cap, search=search):
+        capturing = backend.arena().capturing(stream=stream)
+        if capturing and not algos.is_chosen(backend, pass_, geom, cap=cap, search=search):
+            raise CaptureError(
+                f"the first {pass_} call of this shape ({describe_geometry(geom)}) came during CUDA graph capture, "
+                "where its algorithm cannot be chosen (a search or a cuDNN query is not a graph node): run the step "
+                "once before capturing"
+            )
+    # A search cut short by memory runs again once memory allows, but not in a capture: the ranking it kept serves.
+    chosen = select(backend, pass_, geom, cap=cap, search=search, operands=operands, stream=stream,
+                    search_again=not capturing)
+    if algos.is_cached(backend, pass_, geom, cap=cap, search=search):  # not a search cut short: algos serves it
         record.choices[device] = chosen
     return chosen
 

@@ -57,7 +57,9 @@ _VERSION = 1
 _MARK_USED_AFTER = 3600.0  # seconds: a read older than this marks the entry used (sets its modification time)
 
 _Results = dict[tuple[str, int | None], tuple[int, float | None]]  # (algo, math type) -> (workspace, ms or None)
-_Measure = Callable[[], tuple[list[Candidate], list[Candidate]]]
+# (timed, skipped), and maybe the largest workspace the search leased (wsarena.algos.choose's ``measure``)
+Found = tuple[list[Candidate], list[Candidate]] | tuple[list[Candidate], list[Candidate], int]
+_Measure = Callable[[], Found]
 # Searches of this process: answered from the cache ("read") or timed ("timed"). A list of two ints: += on an item
 # is not atomic across threads, and a miscount under a race costs only a figure of a report.
 _counts = [0, 0]
@@ -81,13 +83,13 @@ def source() -> str:
 
 def search(
     backend: Any, pass_: str, geom: Any, candidates: Sequence[Candidate], measure: _Measure
-) -> tuple[list[Candidate], list[Candidate]]:
+) -> Found:
     """The exhaustive search of ``candidates``: from the cache when it holds all of them, else ``measure()``.
 
-    Returns what ``measure`` returns, ``(timed, skipped)``: the timed candidates fastest first, and those the
-    search had no memory to time. A fresh measurement is saved (merged into what the entry held): each timed
-    candidate's time and workspace, and as rejected those the backend's search dropped. Candidates skipped for
-    memory are not saved, so a later search times them.
+    Returns what ``measure`` returns, ``(timed, skipped)`` (and what it adds): the timed candidates fastest first,
+    and those the search had no memory to time. A fresh measurement is saved (merged into what the entry held):
+    each timed candidate's time and workspace, and as rejected those the backend's search dropped. Candidates
+    skipped for memory are not saved, so a later search times them.
     """
     root = cache_dir()
     if root is None or not candidates:
@@ -108,7 +110,8 @@ def search(
             _counts[0] += 1
             return sorted(timed, key=lambda c: c.time_ms or 0.0), []
     _counts[1] += 1
-    timed, skipped = measure()
+    found = measure()
+    timed, skipped = found[0], found[1]
     if timed:
         results = dict(stored or {})
         left_out = {(c.algo, c.math_type) for c in (*timed, *skipped)}
@@ -116,7 +119,7 @@ def search(
                         if (c.algo, c.math_type) not in left_out})
         results.update({(c.algo, c.math_type): (c.workspace_bytes, c.time_ms) for c in timed})
         _write(path, key, results)
-    return timed, skipped
+    return found
 
 
 def counts() -> tuple[int, int]:
