@@ -14,7 +14,8 @@ the last), ``wsarena tune`` of ResNet-50 and VGG-16 at batch 32 float32 and batc
 own) and the search cache's start-up saving (``search-cache-startup-resnet50-gpu.json``); the host, arena and CUDA
 graph benchmarks write their tables as JSON too (``bench_gpu_host-gpu.json``, ``bench_gpu_arena-gpu.json``,
 ``capture-resnet50-{b32-float32,b64-float16}-gpu.json``), and which stream questions CUDA answers during a capture
-(``probe_capture_ids.py``, ``capture-ids-gpu.json``). The file is
+(``probe_capture_ids.py``, ``capture-ids-gpu.json``), and what one refused growth costs through CuPy's pool and
+PyTorch's allocator (``probe_refusal_cost.py``, ``refusal-cost-gpu.json``). The file is
 written after every phase, so a run cut short by the machine's time limit still leaves what it finished. Exit
 status: 0 when every test run passed and every benchmark and curve exited 0, else 1.
 
@@ -57,6 +58,7 @@ _DRAIN_S = 10
 # standing for the results folder.
 BENCHMARKS = (
     (("probe_capture_ids.py", "--json", "{out}/capture-ids-gpu.json"), 1),
+    (("probe_refusal_cost.py", "--json", "{out}/refusal-cost-gpu.json"), 1),
     (("bench_gpu_torch.py", "--json", "{out}/torch-resnet50-b32-float32-gpu.json"), 3),
     (("bench_gpu_torch.py", "--memory-format", "contiguous", "--json",
       "{out}/torch-resnet50-b32-float32-contiguous-gpu.json"), 3),
