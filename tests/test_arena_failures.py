@@ -139,6 +139,43 @@ def test_the_wait_is_at_most_a_minute_and_a_grant_as_large_or_trim_forgets(arena
     assert arena.stats().refused_bytes == 0
 
 
+def test_each_further_refusal_in_a_row_doubles_the_wait(arena, provider, key, clock):
+    """What a refusal's own time leaves out (the allocations that refill the pool's dropped cache), and a workspace
+    that no device holds, asked for again after each wait: the waits double, up to a minute."""
+    refusing(provider, clock, 0.01)  # 10 ms a refusal: waits of 1 s, 2 s, 4 s, ...
+    _refused(arena, 50_000, key("s"))
+    for wait in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0):
+        _refused(arena, 50_000, key("s"))  # asked once the last wait was over: a lease always asks
+        clock.now += wait - 0.02
+        assert arena.refusing and arena.defers_growth(50_000, stream=key("s"))
+        clock.now += 0.03
+        assert not arena.refusing and not arena.defers_growth(50_000, stream=key("s"))
+
+
+def test_the_buffer_of_a_dead_stream_whose_handle_another_stream_has_is_not_held_for_the_fallback(clock):
+    """A lease of the fallback there would need a growth (the new stream's buffer is not the dead one's): no
+    deferral, as held_bytes() says 0."""
+    import gc
+
+    from wsarena.arena.testing import FakeStream
+
+    provider = RecordingProvider(device_id=0)
+    provider.stream_ids[11] = 101
+    arena = Arena(provider)
+    refusing(provider, clock, 0.01, limit=8192)
+    for _ in range(2):
+        _refused(arena, 50_000, 5)
+    stream = FakeStream(11)
+    with arena.lease(8192, stream=stream):
+        pass
+    assert arena.defers_growth(50_000, stream=11, fallback=8192)
+    del stream
+    gc.collect()
+    provider.stream_ids[11] = 102  # CUDA gave the dead stream's handle to a new stream
+    assert not arena.defers_growth(50_000, stream=11, fallback=8192)
+    assert arena.held_bytes(stream=11) == 0
+
+
 def test_a_refusal_of_a_smaller_growth_starts_a_record_of_its_own(arena, provider, key, clock):
     refusing(provider, clock, 0.01, limit=0)
     for _ in range(5):

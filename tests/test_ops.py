@@ -578,3 +578,33 @@ def test_under_lasting_memory_pressure_a_call_asks_the_provider_again_only_now_a
     arena.trim()  # what a caller who freed memory of their own may do: the next call asks at once
     conv_forward(x, w, padding=1)
     assert len(asked) == 4
+
+
+def test_once_the_wait_is_over_a_cached_call_does_not_ask_the_arena_about_refusals(monkeypatch, refusal_clock):
+    """A record of refusals long past (say two searches' largest candidates, never asked for again) costs the
+    cached calls nothing: the arena's cheap gate says no, and defers_growth is not asked."""
+    from wsarena.arena import Arena
+    from wsarena.arena.testing import RecordingProvider
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    from .arena_helpers import refusing
+
+    provider = RecordingProvider()
+    arena = Arena(provider)
+    monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
+    x = np.random.default_rng(0).standard_normal((2, 8, 16, 16))
+    w = np.ones((8, 8, 3, 3))
+    conv_forward(x, w, padding=1)
+    refusing(provider, refusal_clock, 0.01, limit=1 << 20)
+    for _ in range(2):
+        with pytest.raises(wsarena.ArenaOutOfMemoryError), arena.lease(1 << 30, stream="elsewhere"):
+            pass
+    asked = []
+    real = arena.defers_growth
+    monkeypatch.setattr(arena, "defers_growth", lambda *a, **k: asked.append(a) or real(*a, **k))
+    conv_forward(x, w, padding=1)
+    assert len(asked) == 1  # within the wait: asked, and no (the first choice needs no growth)
+    refusal_clock.now += 120
+    for _ in range(5):
+        conv_forward(x, w, padding=1)
+    assert len(asked) == 1

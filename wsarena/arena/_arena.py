@@ -207,9 +207,10 @@ class Arena:
 
     @property
     def refusing(self) -> bool:
-        """Whether :meth:`defers_growth` may say yes: the provider refused a growth twice or more in a row since it
-        last granted one as large (a plain read, for a caller's fast path)."""
-        return self._table.refusals.times > 1
+        """Whether :meth:`defers_growth` may say yes now: the provider refused a growth twice or more in a row
+        lately, and the wait that follows is not over (no lock: for a caller's fast path)."""
+        refusals = self._table.refusals
+        return refusals.times > 1 and _refusals.clock() < refusals.until  # the clock read only after refusals
 
     def defers_growth(self, nbytes: int, *, stream: Any = None, fallback: int = 0) -> bool:
         """Whether a caller that can do with ``fallback`` bytes should not ask for a lease of ``nbytes`` on
@@ -217,19 +218,24 @@ class Arena:
 
         Yes when the lease would grow the sub-arena to at least as much as the provider refused twice or more in a
         row lately (since it last granted as much, or since :meth:`trim`), less than 100 times that refusal's own
-        duration ago (at most a minute), and a lease of ``fallback`` bytes there needs no growth. Under lasting
-        memory pressure a refusal is costly: CuPy's pool runs the garbage collector first, PyTorch's allocator
-        drops its cache, which synchronizes the device. The ops ask this before each algorithm that has a smaller
-        one after it (:func:`wsarena.algos.run_with_fallback`). Never while ``stream`` is being captured (a capture
-        grows nothing, and says so itself). The buffers that released CUDA graphs kept are freed first: if there
-        were any, the answer is no.
+        duration ago (doubled with each further refusal in a row, at most a minute), and a lease of ``fallback``
+        bytes there needs no growth. Under lasting memory pressure a refusal is costly: CuPy's pool runs the
+        garbage collector first, PyTorch's allocator drops its cache, which synchronizes the device. The ops ask
+        this before each algorithm that has a smaller one after it (:func:`wsarena.algos.run_with_fallback`). Never
+        while ``stream`` is being captured (a capture grows nothing, and says so itself). Where the answer would be
+        yes, the buffers that released CUDA graphs kept are freed first: if there were any, the answer is no. The
+        buffer of a stream object that died counts as held only once the handle is known to name that stream still
+        (:meth:`held_bytes`).
         """
         n = nbytes if type(nbytes) is int and nbytes >= 0 else _non_negative_int(nbytes)
         least = fallback if type(fallback) is int and fallback >= 0 else _non_negative_int(fallback, "fallback")
         key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
         with self._lock:
+            if self._table.dead:
+                self._table.sweep()
             sub = self._subs.get(key)
-            held = sub.capacity() if sub is not None else 0
+            # an orphan whose handle may name another stream now is not asked its id here (a lease does that)
+            held = sub.capacity() if sub is not None and not self._table.unchecked(sub) else 0
             defer = n > held >= least
             if defer and self._table.kept and self._table.release_kept():
                 defer = False  # what released graphs held is free now: worth asking

@@ -10,11 +10,13 @@ the plan that ran after such a failure, and asks no more).
 
 So the arena times each refusal. After a growth to R bytes or more is refused again (the second refusal in a row;
 a single one costs nothing later), a caller that has a fallback is told not to ask for R or more
-(:meth:`Arena.defers_growth`) for :data:`WAIT_FACTOR` times as long as that refusal took, at most
-:data:`LONGEST_WAIT` seconds: asking then costs at most about one percent of the time, whatever the model's size,
-and memory freed meanwhile is found within that wait. A lease itself always asks, as does ``reserve``. A growth to
-R or more that the provider grants, or ``Arena.trim()`` (what a caller who has freed memory of their own may call),
-forgets the refusals; a refusal of a smaller growth starts a record of its own.
+(:meth:`Arena.defers_growth`) for :data:`WAIT_FACTOR` times as long as that refusal took, doubled with each further
+refusal in a row (what the pool's dropped cache costs the allocations after it is not in the refusal's own time, and
+a workspace larger than the device is refused for ever), at most :data:`LONGEST_WAIT` seconds: asking then costs
+about one percent of the time or less, whatever the model's size, and memory freed meanwhile is found within that
+wait. A lease itself always asks, as does ``reserve``. A growth to R or more that the provider grants, or
+``Arena.trim()`` (what a caller who has freed memory of their own may call), forgets the refusals; a refusal of a
+smaller growth starts a record of its own.
 
 One record per arena, not per stream: the memory is the device's (or the host's), whichever stream asks for it.
 Every method runs with the arena's lock held.
@@ -26,7 +28,7 @@ import time
 
 __all__ = ["LONGEST_WAIT", "WAIT_FACTOR"]
 
-WAIT_FACTOR = 100  # a wait this many times the refusal's own duration: asking costs about 1% of the time
+WAIT_FACTOR = 100  # a wait this many times the refusal's own duration (doubled with each further one in a row)
 LONGEST_WAIT = 60.0  # seconds: memory freed meanwhile is found within a minute, however slow the refusal
 
 clock = time.monotonic  # what refusals are timed and waits measured by (a test may set its own)
@@ -50,7 +52,11 @@ class Refusals:
             self.times = 0  # a smaller growth refused: a record of its own
         self.nbytes = size if not self.times else self.nbytes
         self.times += 1
-        self.until = now + min(WAIT_FACTOR * seconds, LONGEST_WAIT) if self.times > 1 else 0.0
+        if self.times > 1:
+            doubled = 1 << min(self.times - 2, 30)
+            self.until = now + min(WAIT_FACTOR * seconds * doubled, LONGEST_WAIT)
+        else:
+            self.until = 0.0
 
     def defers(self, size: int, now: float) -> bool:
         """Whether a caller with a fallback should not ask for a growth to ``size`` bytes at ``now``."""

@@ -117,7 +117,8 @@ class ArenaStats(_Fields):
         included).
     refused_bytes : int
         The smallest growth the provider refused since it last granted one as large (or since :meth:`Arena.trim`):
-        leases that need as much ask it again only now and then (:meth:`Arena.lease`). 0: none.
+        a call that can fall back to a buffer its stream holds does not ask for as much again for a while
+        (:meth:`Arena.defers_growth`; a lease itself always asks). 0: none.
     """
 
     capacity_bytes: int
