@@ -74,3 +74,58 @@ def test_threads_on_own_and_shared_lanes_match_the_serial_run_with_flat_memory()
     assert stats.leases == 0
     # the lanes of the exited workers were swept with their threads: the named lanes and this thread's are left
     assert len(stats.streams) <= 4 + 1 + 1 + 1
+
+
+def test_threads_under_memory_pressure_fall_back_with_a_trimming_thread_and_compute_right(monkeypatch):
+    """The same calls in four threads on an arena whose provider grants 16 KiB at most, while another thread trims
+    and reads the arena: the refused growths are recorded and deferred under contention, every call falls back to
+    an algorithm that fits, and each result matches the float64 reference (float32: 1e-4)."""
+    from wsarena.arena import Arena
+    from wsarena.arena.testing import RecordingProvider
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
+
+    refused = []
+    provider = RecordingProvider(fail=lambda n: n > 16 << 10 and not refused.append(n))
+    arena = Arena(provider)
+    monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
+    wsarena.configure(debug=True)
+    want = []
+    for x, w, dy, stride, padding in OPERANDS:
+        x64, w64, dy64 = (a.astype(np.float64) for a in (x, w, dy))
+        want.append(ref_conv_forward(x64, w64, stride=stride, padding=padding))
+        want.append(ref_conv_backward_data(dy64, w64, x.shape, stride=stride, padding=padding))
+        want.append(ref_conv_backward_filter(x64, dy64, w.shape, stride=stride, padding=padding))
+    errors, wrong = [], []
+    done = threading.Event()
+
+    def worker(t):
+        try:
+            for _ in range(5):
+                for lane in (f"own-{t}", "shared", None):
+                    for got, ref in zip(_calls(lane), want):
+                        if not np.allclose(got, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max())):
+                            wrong.append(lane)
+        except Exception as exc:  # noqa: BLE001 - any escape is the failure this test looks for
+            errors.append(exc)
+
+    def trimmer():
+        while not done.is_set():
+            arena.trim()
+            arena.stats()
+            arena.defers_growth(1 << 20, stream="shared", fallback=0)
+
+    workers = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    trimming = threading.Thread(target=trimmer)
+    trimming.start()
+    for each in workers:
+        each.start()
+    for each in workers:
+        each.join(120)
+    done.set()
+    trimming.join(30)
+    assert errors == [] and wrong == []
+    assert refused  # the provider did refuse: the calls ran their fallbacks
+    stats = arena.stats()
+    assert stats.leases == 0 and provider.held_bytes == stats.capacity_bytes + stats.retired_bytes
