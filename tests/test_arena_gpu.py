@@ -132,6 +132,33 @@ def test_out_of_memory_is_an_arena_error_and_the_arena_stays_usable(cupy):
         pass
 
 
+@pytest.mark.parametrize("make", PROVIDERS)
+def test_refusals_of_a_real_provider_are_recorded_and_a_call_with_a_fallback_defers(cupy, make, monkeypatch):
+    """The device's own refusals (CuPy's OutOfMemoryError, cuda.core's OUT_OF_MEMORY) are timed and recorded: after
+    two in a row a caller that can do with the 1 MiB its stream holds is told not to ask, and a lease still asks.
+    (The clock moves a second a read: a refusal takes one, and its wait of 100 outlasts the test, however fast the
+    device refuses.)"""
+    import itertools
+
+    from wsarena.arena import _refusals
+    from wsarena.arena._stats import aligned_size
+
+    monkeypatch.setattr(_refusals, "clock", itertools.count(1000).__next__)
+    arena = Arena(make(0))
+    with arena.lease(1 << 20):
+        pass
+    _, total = cupy.cuda.runtime.memGetInfo()
+    for _ in range(2):
+        with pytest.raises(wsarena.ArenaOutOfMemoryError), arena.lease(total * 4):
+            pass
+    assert arena.stats().refused_bytes == aligned_size(total * 4)
+    assert arena.refusing and arena.defers_growth(total * 4, fallback=1 << 20)
+    with arena.lease(2 << 20):  # less than was refused: asked, and granted
+        pass
+    arena.trim()
+    assert not arena.refusing and arena.stats().refused_bytes == 0
+
+
 def test_get_arena_device_and_current():
     assert get_arena(0) is get_arena(0) is get_arena(None)
     assert isinstance(get_arena(0).provider, CupyProvider)
