@@ -16,13 +16,16 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import wsarena
 import wsarena._config
-from wsarena.arena import Arena
+from wsarena.arena import Arena, _refusals
 from wsarena.arena._arena import POISON_BYTE
 from wsarena.arena._stats import aligned_size
 from wsarena.arena.testing import RecordingProvider
 from wsarena.errors import ArenaOutOfMemoryError, WorkspaceCapError
 
+from .arena_helpers import RefusalClock
+
 KEY = st.integers(0, 2)  # an index into the machine's KEYS (lanes on the host, stream handles on a device)
+REFUSAL = 0.01  # seconds of the clock a refusal takes: a wait of 1 s after the second in a row, doubled after each
 SIZES = st.one_of(st.integers(0, 5000), st.integers(5000, 300_000), st.sampled_from([1, 256, 257, 8192, 1 << 20]))
 
 
@@ -54,8 +57,15 @@ class HostArenaMachine(RuleBasedStateMachine):
         self.generation = dict.fromkeys(self.KEYS, 0)  # bumped whenever a key gets a new buffer
         self.allocations = self.growths = self.high_water = 0
         self.stream_high = dict.fromkeys(self.KEYS, 0)  # largest lease per key since its sub-arena appeared
-        self.armed = False  # the provider will fail the next allocation
-        self.refused = 0  # the smallest growth refused since one as large was granted, or the last trim
+        self.armed = False  # the provider will fail the next allocation, taking REFUSAL seconds of the clock
+        self.provider_armed = False
+        self.provider.fail = self._provider_fails
+        # The record of refusals: the smallest growth refused since one as large was granted or the last trim, the
+        # refusals in a row of that size or more, and until when a caller with a fallback is told to wait
+        self.refused = self.refusals = 0
+        self.until = 0.0
+        self.clock = RefusalClock()
+        self.real_clock, _refusals.clock = _refusals.clock, self.clock
         self.limit = None  # cap_workspace in force
         self.patterns = iter(range(1, 1 << 30))
 
@@ -63,7 +73,16 @@ class HostArenaMachine(RuleBasedStateMachine):
         for leases in getattr(self, "live", {}).values():
             for lease in leases:
                 lease.ws.__exit__(None, None, None)
+        if hasattr(self, "real_clock"):
+            _refusals.clock = self.real_clock
         wsarena._config._reset()
+
+    def _provider_fails(self, nbytes):
+        if not self.provider_armed:
+            return False
+        self.provider_armed = False
+        self.clock.now += REFUSAL
+        return True
 
     # -------------------------------------------------------------- model helpers
     def _model_key(self, key):
@@ -81,10 +100,17 @@ class HostArenaMachine(RuleBasedStateMachine):
         size = aligned_size(n)
         if self.armed:
             self.armed = False
-            self.refused = min(self.refused, size) if self.refused else size
+            if self.refusals and size < self.refused:
+                self.refusals = 0  # a smaller growth: a record of its own
+            if not self.refusals:
+                self.refused = size
+            self.refusals += 1
+            wait = min(100 * REFUSAL * 2 ** (self.refusals - 2), 60.0) if self.refusals > 1 else None
+            self.until = self.clock.now + wait if wait is not None else 0.0
             return False
-        if size >= self.refused:
-            self.refused = 0
+        if self.refusals and size >= self.refused:
+            self.refused = self.refusals = 0
+            self.until = 0.0
         self.allocations += 1
         if self.cap[key]:
             self.growths += 1
@@ -161,7 +187,8 @@ class HostArenaMachine(RuleBasedStateMachine):
     @rule()
     def trim(self):
         self.arena.trim()
-        self.refused = 0
+        self.refused = self.refusals = 0
+        self.until = 0.0
         for key in self.KEYS:
             if not self.on_current[key]:
                 self.cap[key] = self.largest[key] = 0
@@ -170,8 +197,27 @@ class HostArenaMachine(RuleBasedStateMachine):
 
     @rule()
     def arm_failure(self):
-        self.provider.fail_next = 1
-        self.armed = True
+        self.provider_armed = self.armed = True
+
+    @rule(k=KEY, n=st.integers(300_000, 1 << 20))
+    def refused_twice(self, k, n):
+        """Two refusals in a row (where the lease would grow): what starts a wait."""
+        for _ in range(2):
+            self.arm_failure()
+            self.lease(k, n)
+
+    @rule(seconds=st.sampled_from([0.3, 0.7, 1.1, 2.5, 61.0]))
+    def wait(self, seconds):
+        self.clock.now += seconds
+
+    @rule(k=KEY, n=st.one_of(SIZES, st.none()), fallback=st.sampled_from([0, 1, 4096, 300_000]))
+    def ask_whether_to_defer(self, k, n, fallback):
+        key = self.KEYS[k]
+        n = self.refused if n is None else n  # None: the growth refused, often what a caller asks again
+        held = self.cap[key]
+        waiting = self.refusals > 1 and self.clock.now < self.until
+        want = n > held >= fallback and waiting and aligned_size(n) >= self.refused
+        assert self.arena.defers_growth(n, stream=key, fallback=fallback) == want
 
     @rule(limit=st.one_of(st.none(), st.integers(0, 400_000)))
     def set_cap(self, limit):
@@ -198,6 +244,7 @@ class HostArenaMachine(RuleBasedStateMachine):
         assert s.frees == len(self.provider.frees) == s.allocations - len(self.provider.held)
         assert s.high_water_bytes == self.high_water
         assert s.refused_bytes == self.refused
+        assert self.arena.refusing == (self.refusals > 1 and self.clock.now < self.until)
         for key, x in s.streams.items():
             assert x.leases == len(self.live[self._model_key(key)])
             assert x.high_water_bytes == self.stream_high[self._model_key(key)] <= s.high_water_bytes
