@@ -289,14 +289,14 @@ def _warn_captured(first: Candidate, ran: Candidate, held: int, refusal: Capture
     )
 
 
-def _deferred(arena: Any, candidates: tuple[Candidate, ...], index: int, stream: Any) -> bool:
-    """Whether the arena would rather not ask its provider for the workspace of ``candidates[index]``, which it
-    refused lately, a smaller candidate coming after it (:meth:`wsarena.arena.Arena.defers_growth`)."""
-    rest = candidates[index + 1:]
+def _deferred(arena: Any, candidates: tuple[Candidate, ...], cand: Candidate, stream: Any) -> bool:
+    """Whether the arena would rather not ask its provider for the workspace of ``cand``, one of ``candidates``,
+    which it refused lately, a smaller candidate coming after it (:meth:`wsarena.arena.Arena.defers_growth`)."""
+    rest = candidates[candidates.index(cand) + 1:]  # found here, not counted by the loop: this path is rare
     if not rest:
         return False
     least = min(c.workspace_bytes for c in rest)
-    return bool(arena.defers_growth(candidates[index].workspace_bytes, stream=stream, fallback=least))
+    return bool(arena.defers_growth(cand.workspace_bytes, stream=stream, fallback=least))
 
 
 def run_with_fallback(
@@ -327,10 +327,10 @@ def run_with_fallback(
     failure: MemoryError | None = None
     refused: BaseException | None = None
     captured: CaptureError | None = None
-    for index, cand in enumerate(candidates):
+    for cand in candidates:
         if limit is not None and cand.workspace_bytes > limit:
             continue
-        if arena.refusing and _deferred(arena, candidates, index, stream):
+        if arena.refusing and _deferred(arena, candidates, cand, stream):
             limit = arena.held_bytes(stream=stream)
             continue
         try:
