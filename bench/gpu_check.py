@@ -15,8 +15,9 @@ own) and the search cache's start-up saving (``search-cache-startup-resnet50-gpu
 graph benchmarks write their tables as JSON too (``bench_gpu_host-gpu.json``, ``bench_gpu_arena-gpu.json``,
 ``capture-resnet50-{b32-float32,b64-float16}-gpu.json``), and which stream questions CUDA answers during a capture
 (``probe_capture_ids.py``, ``capture-ids-gpu.json``), and what one refused growth costs through CuPy's pool and
-PyTorch's allocator (``probe_refusal_cost.py``, ``refusal-cost-gpu.json``). The file is
-written after every phase, so a run cut short by the machine's time limit still leaves what it finished. Exit
+PyTorch's allocator (``probe_refusal_cost.py``, ``refusal-cost-gpu.json``) and what the arena's record of refusals
+saves a ResNet-50 step on a nearly full device (``bench_gpu_pressure.py``, ``pressure-resnet50-b32-gpu.json``).
+The file is written after every phase, so a run cut short by the machine's time limit still leaves what it finished. Exit
 status: 0 when every test run passed and every benchmark and curve exited 0, else 1.
 
     python bench/gpu_check.py [--out DIR] [--gpu-timeout S] [--test-timeout S] [--bench-timeout S]
@@ -58,7 +59,6 @@ _DRAIN_S = 10
 # standing for the results folder.
 BENCHMARKS = (
     (("probe_capture_ids.py", "--json", "{out}/capture-ids-gpu.json"), 1),
-    (("probe_refusal_cost.py", "--json", "{out}/refusal-cost-gpu.json"), 1),
     (("bench_gpu_torch.py", "--json", "{out}/torch-resnet50-b32-float32-gpu.json"), 3),
     (("bench_gpu_torch.py", "--memory-format", "contiguous", "--json",
       "{out}/torch-resnet50-b32-float32-contiguous-gpu.json"), 3),
@@ -68,6 +68,8 @@ BENCHMARKS = (
     (("bench_gpu_capture.py", "--json", "{out}/capture-resnet50-b32-float32-gpu.json"), 1),
     (("bench_gpu_capture.py", "--batch", "64", "--dtype", "float16", "--json",
       "{out}/capture-resnet50-b64-float16-gpu.json"), 1),
+    (("probe_refusal_cost.py", "--json", "{out}/refusal-cost-gpu.json"), 1),
+    (("bench_gpu_pressure.py", "--json", "{out}/pressure-resnet50-b32-gpu.json"), 1),
 )
 TUNES = (("resnet50", 32, "float32"), ("vgg16", 32, "float32"), ("resnet50", 64, "float16"), ("vgg16", 64, "float16"))
 # --quick: fewer repeats of each benchmark, and the first curve alone, so that the benchmarks fit in one command of
@@ -77,6 +79,7 @@ QUICK = {
     "bench_gpu_capture.py": ("--repeat", "3"),
     "bench_gpu_host.py": ("--rounds", "3"),
     "bench_gpu_torch.py": ("--steps", "5", "--warmup", "2"),
+    "bench_gpu_pressure.py": ("--steps", "3"),
 }
 
 

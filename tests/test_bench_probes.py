@@ -40,3 +40,53 @@ def test_the_refusal_probe_says_so_where_the_provider_grants_more_than_the_devic
     provider = RecordingProvider(device_id=0)
     with pytest.raises(RuntimeError, match="more than the device has"):
         refusal_cost.probe(provider, _fake_torch(1 << 20, []), blocks=1, block=4096, busy_cycles=0)
+
+
+_spec = importlib.util.spec_from_file_location("bench_gpu_pressure", ROOT / "bench" / "bench_gpu_pressure.py")
+assert _spec is not None and _spec.loader is not None
+pressure = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pressure)
+
+
+def test_the_pressure_benchmark_compares_an_arena_that_remembers_with_one_that_asks_and_restores_the_gate(
+    monkeypatch, refusal_clock
+):
+    """bench_gpu_pressure.py's measurement on the cpu backend: the provider refuses every first choice, each refusal
+    taking 10 ms of the test's clock, which stands still. The arena that remembers asks in its warm-up step and in
+    its first counted one, and not again; the other asks on every call that needs a growth; the gate is the arena's
+    own again afterwards, also after a failure."""
+    import numpy as np
+
+    import wsarena
+    from wsarena.arena import Arena, set_arena
+
+    from .arena_helpers import refusing
+
+    x = np.random.default_rng(0).standard_normal((2, 8, 16, 16))
+    w = np.random.default_rng(1).standard_normal((8, 8, 3, 3))
+    steps = []
+
+    def make():
+        provider = RecordingProvider()
+        refusing(provider, refusal_clock, 0.01)
+        return provider
+
+    def step():
+        steps.append(wsarena.conv_forward(x, w, padding=1, stream="lane"))
+
+    previous = set_arena("cpu", None)
+    try:
+        rows = pressure.measure(step, {"host": make}, lambda arena: set_arena("cpu", arena), lambda: None, 3, 2)
+    finally:
+        set_arena("cpu", previous)
+    assert rows["host, remembers"]["asks_per_step"] == round(1 / 6, 2) and rows["host, asks"]["asks_per_step"] == 1
+    assert rows["host, asks"]["refusals_per_step"] == 1 and len(steps) == 2 * (1 + 3 * 2)
+    assert vars(Arena)["refusing"] is pressure.Arena.__dict__["refusing"]
+
+    def failing():
+        raise RuntimeError("the step failed")
+
+    gate = vars(Arena)["refusing"]
+    with pytest.raises(RuntimeError, match="the step failed"):
+        pressure.measure(failing, {"host": make}, lambda arena: None, lambda: None, 1, 1)
+    assert vars(Arena)["refusing"] is gate

@@ -1,0 +1,167 @@
+"""A training step's convolutions on a GPU whose memory is nearly full: the arena's record of refusals against asking
+the provider again on every call.
+
+The device is filled (a ``cudaMalloc`` outside every pool) until ``--leave`` of the arena's planned size is free, so
+that the layers whose first choice needs more run their fallback. Two configurations, side by side in interleaved
+rounds, each on an arena of its own:
+
+- ``remembers``   wsarena as it is: after the second refusal in a row, a call that can fall back does not ask for
+                  as much again for 100 times the refusal's duration (``wsarena.arena._refusals``);
+- ``asks``        the same with the record's gate held shut (``Arena.refusing`` always false): every call whose first
+                  choice does not fit asks the provider again, as wsarena did before the record.
+
+For the provider of CuPy's pool (a refusal frees its cache and runs the garbage collector over ``--heap`` objects)
+and PyTorch's caching allocator (a refusal frees its cache, which synchronizes the device), when torch is there.
+Per step, over ``--steps`` after a warm-up step (the best of ``--rounds``): wall time (issued and synchronized), the
+provider's asks and its refusals.
+
+Run: python bench/bench_gpu_pressure.py [--model resnet50] [--batch 32] [--steps 5] [--leave 0.5] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import wsarena
+from wsarena.arena import Arena, CupyProvider, set_arena
+
+
+class Counted:
+    """A provider that counts the asks and refusals of the one it wraps."""
+
+    def __init__(self, upstream: Any) -> None:
+        self.upstream = upstream
+        self.device_id = upstream.device_id
+        self.asks = self.refusals = 0
+
+    def allocate(self, size: int, *, stream: Any) -> Any:
+        self.asks += 1
+        try:
+            return self.upstream.allocate(size, stream=stream)
+        except MemoryError:
+            self.refusals += 1
+            raise
+
+    def __getattr__(self, name: str) -> Any:  # deallocate, as_array, fill, current_stream, capture, stream_id
+        return getattr(self.upstream, name)
+
+
+def _name(name: Any) -> str:
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def measure(step: Any, providers: dict[str, Any], install: Any, sync: Any, steps: int, rounds: int) -> dict:
+    """For each provider (a name to a function that makes one), ``step()`` on an arena over it that remembers
+    refusals and on one that asks every time (``Arena.refusing`` held false), in alternating rounds of ``steps``
+    after a warm-up step each; ``install(arena)`` makes an arena the one ``step`` leases from, ``sync()`` waits for
+    the device. Per row: the best round's milliseconds a step, the provider's asks and refusals a step, the arena's
+    bytes."""
+    shut = property(lambda self: False)
+    real = vars(Arena)["refusing"]
+    rows: dict[str, dict[str, float]] = {}
+    try:
+        for name, make in providers.items():
+            arenas: dict[str, tuple[Arena, list[float]]] = {
+                config: (Arena(Counted(make())), []) for config in ("remembers", "asks")
+            }
+            for r in range(rounds * 2):
+                config = ("remembers", "asks")[r % 2]
+                arena, times = arenas[config]
+                setattr(Arena, "refusing", shut if config == "asks" else real)  # noqa: B010 - a property swapped
+                install(arena)
+                if not times:
+                    step()  # warm up: algorithm choice, the arena's growth and its first refusals
+                    sync()
+                    arena.provider.asks = arena.provider.refusals = 0
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                sync()
+                times.append((time.perf_counter() - start) / steps)
+            for config, (arena, times) in arenas.items():
+                rows[f"{name}, {config}"] = {
+                    "step_ms": round(1e3 * min(times), 2),
+                    "asks_per_step": round(arena.provider.asks / (steps * rounds), 2),
+                    "refusals_per_step": round(arena.provider.refusals / (steps * rounds), 2),
+                    "arena_bytes": arena.stats().capacity_bytes,
+                }
+                arena.close()
+    finally:
+        setattr(Arena, "refusing", real)  # noqa: B010
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of --steps per configuration")
+    parser.add_argument("--leave", type=float, default=0.5, help="free memory left, a fraction of the planned arena")
+    parser.add_argument("--heap", type=int, default=200_000, help="objects on Python's heap, for the collector")
+    parser.add_argument("--json", help="also write the table as JSON into this file")
+    args = parser.parse_args()
+
+    import cupy
+
+    device = cupy.cuda.Device().id
+    plan = wsarena.plan(wsarena.load_model(args.model), batch=args.batch, dtype=args.dtype, backend="cudnn",
+                        cap_workspace=None)
+    rng = cupy.random.default_rng(0)
+    layers = []
+    for lp in plan.layers:
+        g = lp.geometry
+        x, w, dy = (rng.standard_normal(s, dtype=cupy.float32).astype(args.dtype)
+                    for s in (g.input_shape, g.weight_shape, g.output_shape))
+        layers.append((g, x, w, dy, cupy.empty_like(dy), cupy.empty_like(x), cupy.empty_like(w)))
+
+    def step() -> None:
+        for g, x, w, dy, y, dx, dw in layers:
+            kw = {"stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups}
+            wsarena.conv_forward(x, w, **kw, out=y)
+            wsarena.conv_backward_data(dy, w, g.input_shape, **kw, out=dx)
+            wsarena.conv_backward_filter(x, dy, g.weight_shape, **kw, out=dw)
+
+    providers: dict[str, Any] = {"cupy pool": lambda: CupyProvider(device)}
+    try:
+        import torch
+    except ImportError:
+        pass
+    else:
+        from wsarena.arena import TorchProvider
+
+        torch.empty(1, device=f"cuda:{device}")  # PyTorch's CUDA state made before the device is filled
+        providers["torch caching allocator"] = lambda: TorchProvider(device)
+
+    planned = max(plan.stream_bytes)
+    leave = int(planned * args.leave)
+    cupy.get_default_memory_pool().free_all_blocks()
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    ballast = cupy.cuda.runtime.malloc(max(free - leave, 1))  # outside every pool: no refusal frees it
+    kept = [[i] for i in range(args.heap)]  # a program's heap: lists, which the collector traverses
+    try:
+        rows = measure(step, providers, lambda arena: set_arena(device, arena), cupy.cuda.Device().synchronize,
+                       args.steps, args.rounds)
+    finally:
+        del kept
+        cupy.cuda.runtime.free(ballast)
+    head = (f"{args.model} batch {args.batch} {args.dtype}, {3 * len(layers)} calls a step, {leave >> 20} MiB free "
+            f"of a planned arena of {planned >> 20} MiB, {args.heap} objects on the heap; best of {args.rounds} "
+            f"rounds of {args.steps} steps ({_name(cupy.cuda.runtime.getDeviceProperties(device)['name'])})")
+    print(head)
+    print(f"{'provider, configuration':<40} {'step ms':>9} {'asks/step':>10} {'refusals/step':>14} {'arena MiB':>10}")
+    for name, row in rows.items():
+        print(f"{name:<40} {row['step_ms']:9.2f} {row['asks_per_step']:10.2f} {row['refusals_per_step']:14.2f} "
+              f"{row['arena_bytes'] / 2**20:10.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": head, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
