@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
 import wsarena
+from wsarena import algos
 from wsarena.arena import Arena, CupyProvider, set_arena
+from wsarena.backends import get_backend
 
 
 class Counted:
@@ -49,46 +52,72 @@ class Counted:
         return getattr(self.upstream, name)
 
 
+PASSES = ("fwd", "bwd_data", "bwd_filter")
+
+
+def run_pass(layer: tuple[Any, ...], pass_: str, algo: str | None = None) -> None:
+    """One pass of ``layer`` (its geometry, operands and outputs), into its output."""
+    g, x, w, dy, y, dx, dw = layer
+    kw = {"stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups, "algo": algo}
+    if pass_ == "fwd":
+        wsarena.conv_forward(x, w, **kw, out=y)
+    elif pass_ == "bwd_data":
+        wsarena.conv_backward_data(dy, w, g.input_shape, **kw, out=dx)
+    else:
+        wsarena.conv_backward_filter(x, dy, g.weight_shape, **kw, out=dw)
+
+
 def _name(name: Any) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def measure(step: Any, providers: dict[str, Any], install: Any, sync: Any, steps: int, rounds: int) -> dict:
+def measure(step: Any, providers: dict[str, Any], install: Any, sync: Any, reset: Any, free: Any, steps: int,
+            rounds: int) -> dict:
     """For each provider (a name to a function that makes one), ``step()`` on an arena over it that remembers
-    refusals and on one that asks every time (``Arena.refusing`` held false), in alternating rounds of ``steps``
-    after a warm-up step each; ``install(arena)`` makes an arena the one ``step`` leases from, ``sync()`` waits for
-    the device. Per row: the best round's milliseconds a step, the provider's asks and refusals a step, the arena's
-    bytes."""
+    refusals and on one that asks every time (``Arena.refusing`` held false), in alternating rounds, each on a new
+    arena: a warm-up step, then ``steps`` counted. ``install(arena)`` makes an arena the one ``step`` leases from,
+    ``sync()`` waits for the device, ``reset()`` gives the pools' cached memory back once an arena is closed (so
+    that each round starts with the same free memory), ``free()`` says how much is free. Per row: the best round's
+    milliseconds a step, the provider's asks and refusals a step, the largest arena, the least free memory a round
+    started with."""
     shut = property(lambda self: False)
     real = vars(Arena)["refusing"]
     rows: dict[str, dict[str, float]] = {}
     try:
         for name, make in providers.items():
-            arenas: dict[str, tuple[Arena, list[float]]] = {
-                config: (Arena(Counted(make())), []) for config in ("remembers", "asks")
-            }
+            totals = {config: {"times": [], "asks": 0, "refusals": 0, "bytes": 0, "free": []}
+                      for config in ("remembers", "asks")}
             for r in range(rounds * 2):
                 config = ("remembers", "asks")[r % 2]
-                arena, times = arenas[config]
+                total: Any = totals[config]
                 setattr(Arena, "refusing", shut if config == "asks" else real)  # noqa: B010 - a property swapped
+                total["free"].append(free())
+                provider = Counted(make())
+                arena = Arena(provider)
                 install(arena)
-                if not times:
+                try:
                     step()  # warm up: algorithm choice, the arena's growth and its first refusals
                     sync()
-                    arena.provider.asks = arena.provider.refusals = 0
-                start = time.perf_counter()
-                for _ in range(steps):
-                    step()
-                sync()
-                times.append((time.perf_counter() - start) / steps)
-            for config, (arena, times) in arenas.items():
+                    provider.asks = provider.refusals = 0
+                    start = time.perf_counter()
+                    for _ in range(steps):
+                        step()
+                    sync()
+                    total["times"].append((time.perf_counter() - start) / steps)
+                    total["asks"] += provider.asks
+                    total["refusals"] += provider.refusals
+                    total["bytes"] = max(total["bytes"], arena.stats().capacity_bytes)
+                finally:
+                    arena.close()
+                    reset()
+            for config, total in totals.items():
                 rows[f"{name}, {config}"] = {
-                    "step_ms": round(1e3 * min(times), 2),
-                    "asks_per_step": round(arena.provider.asks / (steps * rounds), 2),
-                    "refusals_per_step": round(arena.provider.refusals / (steps * rounds), 2),
-                    "arena_bytes": arena.stats().capacity_bytes,
+                    "step_ms": round(1e3 * min(total["times"]), 2),
+                    "asks_per_step": round(total["asks"] / (steps * rounds), 2),
+                    "refusals_per_step": round(total["refusals"] / (steps * rounds), 2),
+                    "arena_bytes": total["bytes"],
+                    "free_bytes_at_start": min(total["free"]),
                 }
-                arena.close()
     finally:
         setattr(Arena, "refusing", real)  # noqa: B010
     return rows
@@ -120,13 +149,13 @@ def main() -> int:
         layers.append((g, x, w, dy, cupy.empty_like(dy), cupy.empty_like(x), cupy.empty_like(w)))
 
     def step() -> None:
-        for g, x, w, dy, y, dx, dw in layers:
-            kw = {"stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups}
-            wsarena.conv_forward(x, w, **kw, out=y)
-            wsarena.conv_backward_data(dy, w, g.input_shape, **kw, out=dx)
-            wsarena.conv_backward_filter(x, dy, g.weight_shape, **kw, out=dw)
+        for layer in layers:
+            for pass_ in PASSES:
+                run_pass(layer, pass_)
 
     providers: dict[str, Any] = {"cupy pool": lambda: CupyProvider(device)}
+    pool = cupy.get_default_memory_pool()
+    empty_caches = [pool.free_all_blocks]
     try:
         import torch
     except ImportError:
@@ -136,27 +165,49 @@ def main() -> int:
 
         torch.empty(1, device=f"cuda:{device}")  # PyTorch's CUDA state made before the device is filled
         providers["torch caching allocator"] = lambda: TorchProvider(device)
+        empty_caches.append(torch.cuda.empty_cache)
+
+    def reset() -> None:
+        for empty in empty_caches:
+            empty()
+
+    # Every candidate of every call runs once while memory is plentiful: CUDA loads a kernel's module on its first
+    # launch, into device memory, which a filled device may not have (an execution failure, not a refusal).
+    backend = get_backend("cudnn")
+    warm = Arena(CupyProvider(device))
+    set_arena(device, warm)
+    for layer in layers:
+        for pass_ in PASSES:
+            for cand in algos.choose(backend, pass_, layer[0], cap=None, warn=False):
+                try:
+                    run_pass(layer, pass_, cand.algo)
+                except backend.retry_errors:
+                    continue
+    cupy.cuda.Device().synchronize()
+    warm.close()
+    reset()
 
     planned = max(plan.stream_bytes)
-    leave = int(planned * args.leave)
-    cupy.get_default_memory_pool().free_all_blocks()
     free, _ = cupy.cuda.runtime.memGetInfo()
-    ballast = cupy.cuda.runtime.malloc(max(free - leave, 1))  # outside every pool: no refusal frees it
+    ballast = cupy.cuda.runtime.malloc(max(free - int(planned * args.leave), 1))  # outside every pool
+    left = cupy.cuda.runtime.memGetInfo()[0]
     kept = [[i] for i in range(args.heap)]  # a program's heap: lists, which the collector traverses
     try:
         rows = measure(step, providers, lambda arena: set_arena(device, arena), cupy.cuda.Device().synchronize,
-                       args.steps, args.rounds)
+                       reset, lambda: cupy.cuda.runtime.memGetInfo()[0], args.steps, args.rounds)
     finally:
         del kept
         cupy.cuda.runtime.free(ballast)
-    head = (f"{args.model} batch {args.batch} {args.dtype}, {3 * len(layers)} calls a step, {leave >> 20} MiB free "
+    head = (f"{args.model} batch {args.batch} {args.dtype}, {3 * len(layers)} calls a step, {left >> 20} MiB free "
             f"of a planned arena of {planned >> 20} MiB, {args.heap} objects on the heap; best of {args.rounds} "
-            f"rounds of {args.steps} steps ({_name(cupy.cuda.runtime.getDeviceProperties(device)['name'])})")
+            f"rounds of {args.steps} steps ({_name(cupy.cuda.runtime.getDeviceProperties(device)['name'])}), "
+            f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF')!r}")
     print(head)
-    print(f"{'provider, configuration':<40} {'step ms':>9} {'asks/step':>10} {'refusals/step':>14} {'arena MiB':>10}")
+    print(f"{'provider, configuration':<40} {'step ms':>9} {'asks/step':>10} {'refusals/step':>14} {'arena MiB':>10} "
+          f"{'free MiB':>9}")
     for name, row in rows.items():
         print(f"{name:<40} {row['step_ms']:9.2f} {row['asks_per_step']:10.2f} {row['refusals_per_step']:14.2f} "
-              f"{row['arena_bytes'] / 2**20:10.1f}")
+              f"{row['arena_bytes'] / 2**20:10.1f} {row['free_bytes_at_start'] / 2**20:9.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"setup": head, "rows": rows}, f, indent=2)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -80,7 +81,9 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "heap": args.heap, "blocks": args.blocks,
-                       "block_mib": args.block_mib, "busy_cycles": args.busy_cycles, "providers": rows}, f, indent=2)
+                       "block_mib": args.block_mib, "busy_cycles": args.busy_cycles,
+                       "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "providers": rows},
+                      f, indent=2)
     return 0
 
 

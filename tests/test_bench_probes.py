@@ -52,9 +52,10 @@ def test_the_pressure_benchmark_compares_an_arena_that_remembers_with_one_that_a
     monkeypatch, refusal_clock
 ):
     """bench_gpu_pressure.py's measurement on the cpu backend: the provider refuses every first choice, each refusal
-    taking 10 ms of the test's clock, which stands still. The arena that remembers asks in its warm-up step and in
-    its first counted one, and not again; the other asks on every call that needs a growth; the gate is the arena's
-    own again afterwards, also after a failure."""
+    taking 10 ms of the test's clock, which stands still. Each round runs on a new arena, closed and the pools reset
+    after it: the arena that remembers asks in its warm-up step and in its first counted one, and not again; the
+    other asks on every call that needs a growth; the gate is the arena's own again afterwards, also after a
+    failure."""
     import numpy as np
 
     import wsarena
@@ -74,19 +75,27 @@ def test_the_pressure_benchmark_compares_an_arena_that_remembers_with_one_that_a
     def step():
         steps.append(wsarena.conv_forward(x, w, padding=1, stream="lane"))
 
+    installed, resets = [], []
+
+    def install(arena):
+        installed.append(arena)
+        set_arena("cpu", arena)
+
     previous = set_arena("cpu", None)
     try:
-        rows = pressure.measure(step, {"host": make}, lambda arena: set_arena("cpu", arena), lambda: None, 3, 2)
+        rows = pressure.measure(step, {"host": make}, install, lambda: None, lambda: resets.append(1), lambda: 7, 3, 2)
     finally:
         set_arena("cpu", previous)
-    assert rows["host, remembers"]["asks_per_step"] == round(1 / 6, 2) and rows["host, asks"]["asks_per_step"] == 1
-    assert rows["host, asks"]["refusals_per_step"] == 1 and len(steps) == 2 * (1 + 3 * 2)
-    assert vars(Arena)["refusing"] is pressure.Arena.__dict__["refusing"]
+    # a new arena each round: the warm-up step asks once, the first counted one again, then the wait holds
+    assert rows["host, remembers"]["asks_per_step"] == round(2 / 6, 2) and rows["host, asks"]["asks_per_step"] == 1
+    assert rows["host, asks"]["refusals_per_step"] == 1 and len(steps) == 2 * 2 * (1 + 3)
+    assert len(installed) == len(set(map(id, installed))) == 4 and all(a.closed for a in installed)
+    assert len(resets) == 4 and rows["host, asks"]["free_bytes_at_start"] == 7
+    gate = vars(Arena)["refusing"]
 
     def failing():
         raise RuntimeError("the step failed")
 
-    gate = vars(Arena)["refusing"]
     with pytest.raises(RuntimeError, match="the step failed"):
-        pressure.measure(failing, {"host": make}, lambda arena: None, lambda: None, 1, 1)
-    assert vars(Arena)["refusing"] is gate
+        pressure.measure(failing, {"host": make}, install, lambda: None, lambda: resets.append(1), lambda: 0, 1, 1)
+    assert vars(Arena)["refusing"] is gate and installed[-1].closed and len(resets) == 5
