@@ -291,6 +291,21 @@ def test_a_search_short_of_its_own_memory_is_kept_without_searching_again():
     assert [c.algo for c in got] == ["implicit", "fft", "gemm"]  # two failed searches: each candidate once
 
 
+def test_a_search_whose_backend_rejected_all_it_could_time_is_not_kept():
+    """Memory cut the search short and the backend's own search rejected every candidate the workspace held: the
+    untimed ones, in heuristic order, serve this call, and the next searches again."""
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times=TIMES)
+    b._arena = FakeArena(memory=150)
+    b._arena.held[None] = 120
+    b.measure = lambda *args: []
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["fft"]  # skipped for memory; gemm and implicit rejected
+    assert not is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
+    del b.measure
+    select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert b.measured == [["gemm", "implicit"]]  # searched again
+
+
 def test_a_search_cut_short_is_read_once_and_never_seen_as_kept_for_good(monkeypatch):
     """Another thread may clear the cache, or finish a search, while one reads it (unlocked reads): the mark of a
     search cut short is read once, and written before its ranking, so that is_cached() never takes it for one kept
