@@ -30,7 +30,7 @@ import time
 import types
 
 import cupy
-from bench_gpu_host import event_time_ms, spin_kernel  # this folder is on the path when the script runs
+from bench_gpu_host import event_time_ms, layer_operands, spin_kernel  # this folder is on sys.path when run
 
 import wsarena
 from wsarena import algos
@@ -55,12 +55,8 @@ def main() -> None:
     with wsarena.config(cudnn_api="graph"):
         graph_plan = wsarena.plan(wsarena.load_model(args.model), batch=args.batch, dtype=args.dtype,
                                   backend="cudnn", cap_workspace=None)
-    rng = cupy.random.default_rng(0)
     layers = []
-    for lp in plan.layers:
-        g = lp.geometry
-        x, w, dy = (rng.standard_normal(s, dtype=cupy.float32).astype(args.dtype)
-                    for s in (g.input_shape, g.weight_shape, g.output_shape))
+    for lp, (g, x, w, dy) in zip(plan.layers, layer_operands(plan, args.dtype)):
         outs = {"fwd": cupy.empty_like(dy), "bwd_data": cupy.empty_like(x), "bwd_filter": cupy.empty_like(w)}
         ops = {"fwd": (x, w), "bwd_data": (dy, w), "bwd_filter": (x, dy)}
         layers.append((lp, g, ops, outs))

@@ -50,6 +50,17 @@ def spin_kernel() -> cupy.RawKernel:
     return cupy.RawKernel(_SPIN, "spin")
 
 
+def layer_operands(plan, dtype: str):
+    """Each planned layer's geometry with random operands of ``dtype`` on the GPU: ``(geometry, x, w, dy)``, the
+    same numbers in every benchmark that asks (bench_gpu_arena.py and bench_gpu_pressure.py do)."""
+    rng = cupy.random.default_rng(0)
+    for lp in plan.layers:
+        g = lp.geometry
+        x, w, dy = (rng.standard_normal(s, dtype=cupy.float32).astype(dtype)
+                    for s in (g.input_shape, g.weight_shape, g.output_shape))
+        yield g, x, w, dy
+
+
 def event_time_ms(fn, stream: cupy.cuda.Stream, spin: cupy.RawKernel, queued: bool) -> float:
     """Milliseconds between CUDA events recorded on ``stream`` around ``fn()``. ``queued``: behind ``spin`` (a
     :func:`spin_kernel`) spinning ~0.5 s, so that the host has issued all of ``fn``'s work before the GPU starts it

@@ -136,17 +136,13 @@ def main() -> int:
     args = parser.parse_args()
 
     import cupy
+    from bench_gpu_host import layer_operands  # this folder is on sys.path when the script runs
 
     device = cupy.cuda.Device().id
     plan = wsarena.plan(wsarena.load_model(args.model), batch=args.batch, dtype=args.dtype, backend="cudnn",
                         cap_workspace=None)
-    rng = cupy.random.default_rng(0)
-    layers = []
-    for lp in plan.layers:
-        g = lp.geometry
-        x, w, dy = (rng.standard_normal(s, dtype=cupy.float32).astype(args.dtype)
-                    for s in (g.input_shape, g.weight_shape, g.output_shape))
-        layers.append((g, x, w, dy, cupy.empty_like(dy), cupy.empty_like(x), cupy.empty_like(w)))
+    layers = [(g, x, w, dy, cupy.empty_like(dy), cupy.empty_like(x), cupy.empty_like(w))
+              for g, x, w, dy in layer_operands(plan, args.dtype)]
 
     def step() -> None:
         for layer in layers:
