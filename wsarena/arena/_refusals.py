@@ -48,15 +48,14 @@ class Refusals:
 
     def refused(self, size: int, seconds: float, now: float) -> None:
         """The provider refused a growth to ``size`` bytes, in ``seconds``, ending at ``now``."""
-        if self.times and size < self.nbytes:
-            self.times = 0  # a smaller growth refused: a record of its own
-        self.nbytes = size if not self.times else self.nbytes
+        if not self.times or size < self.nbytes:  # the first refusal, or a smaller growth's: a record of its own
+            self.nbytes, self.times = size, 0
         self.times += 1
-        if self.times > 1:
+        if self.times == 1:
+            self.until = 0.0  # a single refusal costs nothing later
+        else:
             doubled = 1 << min(self.times - 2, 30)
             self.until = now + min(WAIT_FACTOR * seconds * doubled, LONGEST_WAIT)
-        else:
-            self.until = 0.0
 
     def defers(self, size: int, now: float) -> bool:
         """Whether a caller with a fallback should not ask for a growth to ``size`` bytes at ``now``."""
