@@ -8,7 +8,11 @@ import pytest
 from wsarena._geometry import conv_geometry
 from wsarena.algos import choose, forced, is_cached, is_chosen, run_with_fallback, select
 from wsarena.backends import Candidate
-from wsarena.errors import ArenaOutOfMemoryError, NoAlgorithmFitsError, WorkspaceCapWarning
+from wsarena.errors import ArenaOutOfMemoryError, MemoryFallbackWarning, NoAlgorithmFitsError, WorkspaceCapWarning
+
+# Most tests here put the arena under memory pressure to check what is chosen and kept; the warning that says so is
+# checked by the tests at the end, whose pytest.warns records it all the same.
+pytestmark = pytest.mark.filterwarnings("ignore::wsarena.errors.MemoryFallbackWarning")
 
 GEOM = conv_geometry((2, 3, 8, 8), (4, 3, 3, 3), padding=1)
 TIMES = {"fft": 5.0, "gemm": 1.0, "implicit": 9.0}
@@ -398,3 +402,92 @@ def test_a_search_keeps_only_entries_the_workspace_held():
     with pytest.warns(WorkspaceCapWarning):
         got = select(b, "fwd", GEOM, cap=150, search="exhaustive", operands=(None, None, None))
     assert [c.algo for c in got] == ["gemm", "implicit"]
+
+
+def _memory_warnings(record):
+    return [str(w.message) for w in record if issubclass(w.category, MemoryFallbackWarning)]
+
+
+def test_a_fallback_for_want_of_memory_is_said_once_per_arena():
+    """Memory, not the cap, chose the algorithm: the call names what ran, what memory denied and why, once per
+    arena (while memory stays short every call falls back, and one line says so)."""
+    arena = FakeArena(memory=200)
+    arena.held["s"] = 120
+    cands = (Candidate("fft", 300), Candidate("gemm", 100), Candidate("implicit", 0))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ran = run_with_fallback(arena, cands, lambda c, ws: None, stream="s", cap=None, warn_for=("fwd", GEOM))
+            assert ran.algo == "gemm"
+        other = FakeArena(memory=0)  # another arena (another device) says it for itself
+        run_with_fallback(other, cands, lambda c, ws: None, stream="s", cap=None, warn_for=("bwd_data", GEOM))
+    said = _memory_warnings(record)
+    assert len(said) == 2, said
+    assert said[0].startswith("gemm (100 B of workspace) ran in place of fft (300 B) for fwd of input (2, 3, 8, 8)")
+    assert "refused the arena the growth it needs" in said[0] and "once per arena" in said[0]
+    assert said[1].startswith("implicit (0 B of workspace) ran in place of fft (300 B) for bwd_data")
+
+
+def test_only_memory_makes_a_fallback_warning():
+    """Without the call's pass and geometry (a search's own leases), when nothing was denied, when the backend
+    refused the first choice for these operands (not memory), or when nothing could run: no warning."""
+    cands = (Candidate("fft", 300), Candidate("gemm", 100), Candidate("implicit", 0))
+
+    def refusing_fft(c, ws):
+        if c.algo == "fft":
+            raise Refused("not supported")
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        run_with_fallback(FakeArena(memory=0), cands, lambda c, ws: None, stream=None, cap=None)
+        run_with_fallback(FakeArena(memory=1000), cands, lambda c, ws: None, stream=None, cap=None,
+                          warn_for=("fwd", GEOM))
+        run_with_fallback(FakeArena(memory=1000), cands, refusing_fft, stream=None, cap=None, retry=(Refused,),
+                          warn_for=("fwd", GEOM))
+        with pytest.raises(NoAlgorithmFitsError):
+            run_with_fallback(FakeArena(memory=0), cands[:2], lambda c, ws: None, stream=None, cap=None,
+                              warn_for=("fwd", GEOM))
+    assert _memory_warnings(record) == []
+
+
+def test_an_algorithm_out_of_memory_of_its_own_and_a_deferral_are_said_too():
+    cands = (Candidate("fft", 300), Candidate("gemm", 100), Candidate("implicit", 0))
+
+    def own(c, ws):
+        if c.algo == "fft":
+            raise MemoryError("the algorithm's own temporaries")
+
+    class Deferring(FakeArena):
+        refusing = True
+
+        def defers_growth(self, nbytes, *, stream=None, fallback=0):
+            return nbytes > 100
+
+    with pytest.warns(MemoryFallbackWarning, match=r"gemm .* in place of fft .*ran out of memory of its own"):
+        run_with_fallback(FakeArena(memory=1000), cands, own, stream=None, cap=None, warn_for=("fwd", GEOM))
+    arena = Deferring(memory=1000)
+    arena.held[None] = 100
+    with pytest.warns(MemoryFallbackWarning, match=r"gemm .* in place of fft .*that much growth lately"):
+        assert run_with_fallback(arena, cands, lambda c, ws: None, stream=None, cap=None,
+                                 warn_for=("fwd", GEOM)).algo == "gemm"
+    assert arena.leases == [100]  # fft was not asked for
+
+
+def test_a_search_cut_short_by_memory_is_said_once_per_arena_and_again_after_cache_clear():
+    from wsarena import algos
+
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times=TIMES)
+    b._arena = FakeArena(memory=150)
+    with pytest.warns(MemoryFallbackWarning, match=r"exhaustive search for fwd of .* need 100 B or more"):
+        select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        select(b, "bwd_data", GEOM, cap=None, search="exhaustive", operands=(None, None, None))  # cut short too
+        quiet = FakeBackend(b.table, times=TIMES)
+        quiet._arena = FakeArena(memory=150)  # the planner's choice: its report shows it
+        select(quiet, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None), warn=False)
+    assert _memory_warnings(record) == []
+    assert b.measured == [["implicit"]] * 2 and quiet.measured == [["implicit"]]
+    algos.cache_clear()
+    with pytest.warns(MemoryFallbackWarning):
+        select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))

@@ -48,6 +48,7 @@ pressure = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pressure)
 
 
+@pytest.mark.filterwarnings("ignore::wsarena.errors.MemoryFallbackWarning")  # fallbacks on purpose
 def test_the_pressure_benchmark_compares_an_arena_that_remembers_with_one_that_asks_and_restores_the_gate(
     monkeypatch, refusal_clock
 ):

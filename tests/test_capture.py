@@ -368,6 +368,7 @@ def test_a_first_call_during_capture_raises_before_anything_runs(cpu_conv):
     assert_captured_call_is_right(provider, x, w, eager, algo="gemm_batch")
 
 
+@pytest.mark.filterwarnings("ignore::wsarena.errors.MemoryFallbackWarning")  # the eager search is cut short on purpose
 def test_a_capture_after_a_search_cut_short_by_memory_runs_the_ranking_it_kept(cpu_conv, monkeypatch,
                                                                                   refusal_clock):
     """An exhaustive search that memory cut short in the eager step is kept (searched again once memory allows): a
@@ -512,6 +513,7 @@ def test_a_capture_no_held_buffer_serves_is_a_capture_error_and_the_runs_own_sto
     graph.close()
 
 
+@pytest.mark.filterwarnings("ignore::wsarena.errors.MemoryFallbackWarning")  # the eager call falls back on purpose
 def test_a_captured_convolution_runs_the_algorithm_its_eager_call_fell_back_to(cpu_conv):
     """The same through the ops, on the CPU backend: the eager call's first algorithm could not grow the lane's
     buffer, the second ran; the captured call runs the second too and gives the same result."""

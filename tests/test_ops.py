@@ -568,9 +568,13 @@ def test_under_lasting_memory_pressure_a_call_asks_the_provider_again_only_now_a
     x = rng.standard_normal((2, 8, 16, 16))
     w = rng.standard_normal((8, 8, 3, 3))
     ref = ref_conv_forward(x, w, padding=1)
-    for _ in range(100):
-        assert rel_err(conv_forward(x, w, padding=1), ref) <= TOL["float64"]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(100):
+            assert rel_err(conv_forward(x, w, padding=1), ref) <= TOL["float64"]
     assert len(asked) == 2 and all(n > 4096 for n in asked)  # the first two calls; the other 98 fell back at once
+    assert [w.category for w in said] == [wsarena.MemoryFallbackWarning]  # said once, at the caller's line
+    assert said[0].filename == __file__ and "for fwd of input (2, 8, 16, 16)" in str(said[0].message)
     assert arena.stats().refused_bytes == min(asked)
     refusal_clock.now += 1.01
     conv_forward(x, w, padding=1)

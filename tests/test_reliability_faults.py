@@ -99,6 +99,7 @@ class FailingNth(RecordingProvider):
         self.fail = fail
 
 
+@pytest.mark.filterwarnings("ignore::wsarena.errors.MemoryFallbackWarning")  # fallbacks on purpose
 @pytest.mark.parametrize("search", ["heuristic", "exhaustive"])
 def test_a_failed_allocation_anywhere_in_a_run_falls_back_or_raises_the_typed_error(monkeypatch, search):
     monkeypatch.setenv("WSARENA_ALGO_SEARCH", search)
@@ -124,6 +125,7 @@ def test_a_failed_allocation_anywhere_in_a_run_falls_back_or_raises_the_typed_er
     assert n > 8  # the run did allocate, on many lanes
 
 
+@pytest.mark.filterwarnings("ignore::wsarena.errors.MemoryFallbackWarning")  # fallbacks on purpose
 def test_a_memory_error_inside_any_algorithm_falls_back(monkeypatch):
     """NumPy's own temporaries (implicit_gemm's are as large as the output) running out: the k-th algorithm run
     of the run raises MemoryError, for every k."""
@@ -170,10 +172,14 @@ def test_when_every_algorithm_runs_out_of_memory_the_error_is_typed_and_the_aren
 
 def test_under_a_real_memory_limit_the_convolution_falls_back():
     """An address-space limit that leaves 2 MiB: implicit_gemm's temporaries (6 MiB) cannot be had, and the tiled
-    algorithm's 1 MiB workspace can. It used to end in NumPy's 'Unable to allocate 6.01 MiB'."""
+    algorithm's 1 MiB workspace can. It used to end in NumPy's 'Unable to allocate 6.01 MiB'. The fallback is
+    said once, at the script's line, and nothing else is written to stderr."""
     result = run_script("oom.py", 2)
     assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
+    said = result.stderr.splitlines()
+    assert len(said) == 2 and "oom.py" in said[0], result.stderr  # the warning's line, then the line's source
+    assert "MemoryFallbackWarning: gemm_tiled" in said[0] and "in place of implicit_gemm" in said[0]
+    assert "ran out of memory of its own" in said[0]
     found = __import__("json").loads(result.stdout)
     assert found["relative_error"] <= TOL and found["workspace_bytes"] > 0
 

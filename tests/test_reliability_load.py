@@ -5,6 +5,7 @@ overlap is found, and the resident memory stays flat from round to round."""
 import threading
 
 import numpy as np
+import pytest
 
 import wsarena
 from wsarena.arena import get_arena
@@ -76,6 +77,7 @@ def test_threads_on_own_and_shared_lanes_match_the_serial_run_with_flat_memory()
     assert len(stats.streams) <= 4 + 1 + 1 + 1
 
 
+@pytest.mark.filterwarnings("ignore::wsarena.errors.MemoryFallbackWarning")  # fallbacks on purpose
 def test_threads_under_memory_pressure_fall_back_with_a_trimming_thread_and_compute_right(monkeypatch):
     """The same calls in four threads on an arena whose provider grants 16 KiB at most, while another thread trims
     and reads the arena: the refused growths are recorded and deferred under contention, every call falls back to

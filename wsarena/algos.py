@@ -13,6 +13,7 @@ so changing the cap never serves a choice made under another one. Exhaustive res
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from .errors import (
     ArenaOutOfMemoryError,
     CaptureError,
     CaptureFallbackWarning,
+    MemoryFallbackWarning,
     NoAlgorithmFitsError,
     UnsupportedConvolutionError,
     WorkspaceCapWarning,
@@ -39,18 +41,20 @@ _cache: dict[tuple, tuple[tuple[Candidate, ...], Candidate | None]] = {}
 _cut_short: dict[tuple, int] = {}  # keys of searches cut short by memory: the least workspace they could not get
 _warned: set[tuple] = set()
 _captures_warned: set[str] = set()  # the streams a CaptureFallbackWarning named, by repr (no object kept alive)
-_lock = _forksafe.lock()  # guards the caches, the two sets and _generation; never held while a backend runs
+_memory_warned: weakref.WeakSet[Any] = weakref.WeakSet()  # the arenas a MemoryFallbackWarning was given for
+_lock = _forksafe.lock()  # guards the caches, the three sets and _generation; never held while a backend runs
 _generation = 0  # counts cache_clear() calls: whoever keeps a choice of its own checks it is still current
 
 
 def cache_clear() -> None:
-    """Forget every cached choice (and which cap and capture warnings were already given)."""
+    """Forget every cached choice (and which cap, capture and memory warnings were already given)."""
     global _generation
     with _lock:
         _cache.clear()
         _cut_short.clear()
         _warned.clear()
         _captures_warned.clear()
+        _memory_warned.clear()
         _generation += 1
 
 
@@ -109,8 +113,9 @@ def choose(
         now; if so the search runs again, else the kept ranking is served. Without it, a search cut short runs
         again on every call.
     warn
-        Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap excluded the heuristic favourite.
-        The planner passes ``False``: its report shows the choice already.
+        Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap excluded the heuristic favourite,
+        and a :class:`MemoryFallbackWarning` (once per arena) when memory cut a search short. The planner passes
+        ``False``: its report shows the choice already.
 
     Raises
     ------
@@ -137,6 +142,13 @@ def choose(
                 else:
                     _cache[key] = entry
                     _cut_short.pop(key, None)
+            if lacked and warn:
+                _warn_memory(
+                    backend.arena(),
+                    f"an exhaustive search for {pass_} of {describe_geometry(geom)} could not time the candidates "
+                    f"that need {format_size(lacked)} or more of workspace, for want of memory: the fastest of those "
+                    "it timed runs, and the search runs again once that much can be had",
+                )
     best, excluded = entry
     if warn and excluded is not None and key not in _warned:
         with _lock:
@@ -289,6 +301,24 @@ def _warn_captured(first: Candidate, ran: Candidate, held: int, refusal: Capture
     )
 
 
+# Why memory denied a candidate, as a MemoryFallbackWarning says it
+_REFUSED = "the memory provider refused the arena the growth it needs (arena.stats().refused_bytes)"
+_DEFERRED = "the memory provider refused the arena that much growth lately (arena.stats().refused_bytes)"
+_OWN_MEMORY = "it ran out of memory of its own, beside its workspace"
+
+
+def _warn_memory(arena: Any, text: str) -> None:
+    """A :class:`MemoryFallbackWarning` saying ``text``, once per arena."""
+    with _lock:
+        if arena in _memory_warned:
+            return
+        _memory_warned.add(arena)
+    _callsite.warn(
+        f"{text} (warned once per arena: while memory is short, other calls may fall back too)",
+        MemoryFallbackWarning,
+    )
+
+
 def _deferred(arena: Any, candidates: tuple[Candidate, ...], cand: Candidate, stream: Any) -> bool:
     """Whether the arena would rather not ask its provider for the workspace of ``cand``, one of ``candidates``,
     which it refused lately, a smaller candidate coming after it (:meth:`wsarena.arena.Arena.defers_growth`)."""
@@ -307,6 +337,7 @@ def run_with_fallback(
     stream: Any,
     cap: int | None,
     retry: tuple[type[BaseException], ...] = (),
+    warn_for: tuple[str, ConvGeometry] | None = None,
 ) -> Candidate:
     """Lease a workspace for the first candidate that gets one and run it; return the candidate that ran.
 
@@ -319,6 +350,8 @@ def run_with_fallback(
     ``retry`` (the backend refuses this algorithm for these operands, e.g. cuDNN's NOT_SUPPORTED), to the next one
     too. Where the provider refused as much lately and a smaller candidate comes after, one the stream's buffer
     holds, the provider is not asked again yet (:meth:`~wsarena.arena.Arena.defers_growth`): as if out of memory.
+    With ``warn_for``, the call's ``(pass, geometry)``, a candidate that ran in place of one memory denied gives a
+    :class:`MemoryFallbackWarning`, once per arena.
     Raises
     :class:`CaptureError` when the capture stopped every candidate, :class:`NoAlgorithmFitsError` (a
     ``MemoryError``) with the numbers when memory did, or the last refusal when one was refused.
@@ -327,11 +360,13 @@ def run_with_fallback(
     failure: MemoryError | None = None
     refused: BaseException | None = None
     captured: CaptureError | None = None
+    denied: tuple[Candidate, str] | None = None  # the first candidate memory denied, and how
     for cand in candidates:
         if limit is not None and cand.workspace_bytes > limit:
             continue
         if arena.refusing and _deferred(arena, candidates, cand, stream):
             limit = arena.held_bytes(stream=stream)
+            denied = denied or (cand, _DEFERRED)
             continue
         try:
             with arena.lease(cand.workspace_bytes, stream=stream, cap=cap) as ws:
@@ -339,6 +374,7 @@ def run_with_fallback(
         except ArenaOutOfMemoryError as exc:  # entering: the arena could not grow
             failure = exc
             limit = arena.held_bytes(stream=stream)
+            denied = denied or (cand, _REFUSED)
             continue
         except CaptureError as exc:
             # A growth that the capture cannot hold: those the stream's buffer holds may run. A refusal of a lease
@@ -353,9 +389,18 @@ def run_with_fallback(
             continue
         except MemoryError as exc:  # the algorithm's own memory: its workspace was there, the rest was not
             failure = exc
+            denied = denied or (cand, _OWN_MEMORY)
             continue
         if captured is not None:
             _warn_captured(candidates[0], cand, limit or 0, captured)
+        if denied is not None and warn_for is not None:
+            first, why = denied
+            pass_, geom = warn_for
+            _warn_memory(
+                arena,
+                f"{cand.algo} ({format_size(cand.workspace_bytes)} of workspace) ran in place of {first.algo} "
+                f"({format_size(first.workspace_bytes)}) for {pass_} of {describe_geometry(geom)}: {why}",
+            )
         return cand
     if captured is not None:
         if refused is not None:

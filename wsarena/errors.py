@@ -22,6 +22,8 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
     CaptureFallbackWarning (UserWarning)           a captured call runs an algorithm that needs less workspace than
                                                    the first choice: its stream's buffer holds too little (once per
                                                    stream)
+    MemoryFallbackWarning (UserWarning)            memory, not the cap, made a call run a slower algorithm, or cut
+                                                   an exhaustive search short (once per arena)
     SearchCacheWarning (UserWarning)               the search cache could not be read or written; going on
     CudnnApiFallbackWarning (UserWarning)          cuDNN's graph API runs no engine for a convolution: the legacy
                                                    API runs it (once per pass and geometry)
@@ -41,6 +43,7 @@ __all__ = [
     "CaptureError",
     "CaptureFallbackWarning",
     "CudnnApiFallbackWarning",
+    "MemoryFallbackWarning",
     "NoAlgorithmFitsError",
     "SearchCacheWarning",
     "UnsupportedConvolutionError",
@@ -148,6 +151,13 @@ class SearchCacheWarning(UserWarning):
 class CaptureFallbackWarning(UserWarning):
     """A call captured into a CUDA graph runs an algorithm that needs less workspace than the first choice, which
     its stream's buffer is too small for: a capture cannot grow it. Issued once per stream."""
+
+
+class MemoryFallbackWarning(UserWarning):
+    """Memory, not the cap, chose an algorithm: a call ran a candidate ranked after one that memory denied (the
+    arena could not grow for its workspace, or it ran out of memory of its own), or an exhaustive search could not
+    time the candidates that need more workspace than memory gave it. Issued once per arena: while memory stays
+    short, other calls fall back too (``arena.stats().refused_bytes`` shows the growth refused lately)."""
 
 
 class CudnnApiFallbackWarning(UserWarning):

@@ -225,7 +225,7 @@ def _run(
             backend.run(pass_, cand, geom, a, b, result, ws, stream)
 
         run_with_fallback(backend.arena(), chosen, run, stream=stream, cap=cfg.cap_workspace,
-                          retry=backend.retry_errors)
+                          retry=backend.retry_errors, warn_for=(pass_, geom))
     return result
 
 
