@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from wsarena._geometry import conv_geometry
+from wsarena._geometry import conv_geometry, describe_geometry
 from wsarena.algos import choose, forced, is_cached, is_chosen, run_with_fallback, select
 from wsarena.backends import Candidate
 from wsarena.errors import ArenaOutOfMemoryError, MemoryFallbackWarning, NoAlgorithmFitsError, WorkspaceCapWarning
@@ -474,20 +474,53 @@ def test_an_algorithm_out_of_memory_of_its_own_and_a_deferral_are_said_too():
 
 
 def test_a_search_cut_short_by_memory_is_said_once_per_arena_and_again_after_cache_clear():
+    """It names what it timed and what it could not, and when it runs again; the planner's searches (warn=False,
+    which silences the cap's warning) say it too: no report shows it."""
     from wsarena import algos
 
     b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times=TIMES)
     b._arena = FakeArena(memory=150)
-    with pytest.warns(MemoryFallbackWarning, match=r"exhaustive search for fwd of .* need 100 B or more"):
+    with pytest.warns(MemoryFallbackWarning) as said:
         select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert str(said[0].message).startswith(
+        f"an exhaustive search for fwd of {describe_geometry(GEOM)} timed implicit, not fft (300 B), gemm (100 B), "
+        "for want of memory: the fastest it timed runs, and it runs again once 100 B of workspace can be had"
+    )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         select(b, "bwd_data", GEOM, cap=None, search="exhaustive", operands=(None, None, None))  # cut short too
-        quiet = FakeBackend(b.table, times=TIMES)
-        quiet._arena = FakeArena(memory=150)  # the planner's choice: its report shows it
-        select(quiet, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None), warn=False)
     assert _memory_warnings(record) == []
-    assert b.measured == [["implicit"]] * 2 and quiet.measured == [["implicit"]]
+    planned = FakeBackend(b.table, times=TIMES)
+    planned._arena = FakeArena(memory=150)
+    with pytest.warns(MemoryFallbackWarning, match="timed implicit, not fft"):
+        select(planned, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None), warn=False)
+    assert b.measured == [["implicit"]] * 2 and planned.measured == [["implicit"]]
     algos.cache_clear()
     with pytest.warns(MemoryFallbackWarning):
         select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+
+
+def test_a_search_short_of_its_own_memory_is_said_and_kept():
+    b = _OwnMemory({"fft": 300, "gemm": 100, "implicit": 0}, TIMES, failing={"fft"})
+    with pytest.warns(MemoryFallbackWarning, match=r"timed gemm, implicit, not fft \(300 B\), .*ran out of memory "
+                                                   r"of their own, and the ranking is kept"):
+        select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+
+
+def test_an_arena_no_weak_reference_can_name_is_warned_on_each_fallback():
+    class Slotted:
+        __slots__ = ("held", "leases", "memory")
+        refusing = False
+        held_bytes = FakeArena.held_bytes
+        lease = FakeArena.lease
+
+    arena = Slotted()
+    arena.memory, arena.held, arena.leases = 0, {}, []
+    cands = (Candidate("fft", 300), Candidate("implicit", 0))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert run_with_fallback(arena, cands, lambda c, ws: None, stream=None, cap=None,
+                                     warn_for=("fwd", GEOM)).algo == "implicit"
+    assert len(_memory_warnings(record)) == 2

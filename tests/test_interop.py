@@ -88,6 +88,33 @@ def test_a_torch_out_written_in_place_is_seen_by_autograd_as_modified():
         loss.backward()
 
 
+def test_a_torch_out_written_by_a_call_that_then_raised_is_seen_by_autograd_as_modified(monkeypatch):
+    """A warning made an error (here the MemoryFallbackWarning of a first choice the arena could not grow for) is
+    raised after the convolution wrote out: the write still counts, or autograd would use the new values."""
+    import warnings
+
+    from wsarena.arena import Arena
+    from wsarena.arena.testing import RecordingProvider
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    arena = Arena(RecordingProvider(fail=lambda nbytes: nbytes > 0))
+    monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
+    x, w, _ = problem()
+    ref = ref_conv_forward(x, w, **KW)
+    a = torch.ones(ref.shape, dtype=torch.float64, requires_grad=True)
+    out = torch.ones(ref.shape, dtype=torch.float64)
+    loss = (a * out).sum()  # saves out for the gradient of a
+    before = out._version
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", wsarena.MemoryFallbackWarning)
+        with pytest.raises(wsarena.MemoryFallbackWarning):
+            conv_forward(torch.from_numpy(x), torch.from_numpy(w), **KW, out=out)
+    assert rel_err(out, ref) <= TOL["float64"]  # written, by the algorithm that needs no workspace
+    assert out._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_an_inference_tensor_is_out_only_inside_inference_mode(fresh_arena):
     x, w, _ = problem()
     ref = ref_conv_forward(x, w, **KW)

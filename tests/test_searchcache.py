@@ -122,6 +122,7 @@ def test_a_rejected_algorithm_is_remembered_as_rejected(cache):
     assert backend.measured == [("bwd_data", 4)]
 
 
+@pytest.mark.filterwarnings("ignore::wsarena.errors.MemoryFallbackWarning")  # the search is cut short on purpose
 def test_candidates_left_untimed_for_memory_are_not_saved(cache):
     backend = TableBackend(TABLE, memory=4000)  # fft's 8000 bytes cannot be had ...
     backend.arena().reserve(2000)  # ... and the search falls back to what the arena holds

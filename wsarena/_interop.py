@@ -168,11 +168,13 @@ def execute(
         _check_torch_out(out)
     if not cuda:
         leaves = out is None and type_backend_name(type(a)) is None  # the result goes to another library
-        result = run(pass_, _view(_NUMPY, first), _view(_NUMPY, second), shape_arg, params,
-                     None if last is None else _view(_NUMPY, last), stream, layout, algo,
-                     empty=_aligned_empty if leaves else None)
-        if torch_out:
-            _written(out)
+        try:
+            result = run(pass_, _view(_NUMPY, first), _view(_NUMPY, second), shape_arg, params,
+                         None if last is None else _view(_NUMPY, last), stream, layout, algo,
+                         empty=_aligned_empty if leaves else None)
+        finally:  # a call that raised may have written out all the same (a warning made an error, after the run)
+            if torch_out:
+                _written(out)
         return out if out is not None else _returned(a, result)
     for op in operands:
         if op.kind == _NATIVE_KIND:  # a CuPy array beside operands of other libraries: its device too
@@ -194,10 +196,12 @@ def execute(
     # the operands' device current (None: as it is) and `stream` CuPy's current stream there
     with library.device(device), library.stream(stream):
         views = [_tensor_view(op) if direct and op.kind == _TORCH else _view(library, op) for op in operands]
-        result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None, stream,
-                     layout, algo)
-        if torch_out:
-            _written(out)
+        try:
+            result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None,
+                         stream, layout, algo)
+        finally:  # as on the host
+            if torch_out:
+                _written(out)
         # inside the scope: the library imports the result on the stream it was computed on, with no extra wait
         return out if out is not None else _returned(a, result)
 

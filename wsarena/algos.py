@@ -13,6 +13,7 @@ so changing the cap never serves a choice made under another one. Exhaustive res
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -113,9 +114,9 @@ def choose(
         now; if so the search runs again, else the kept ranking is served. Without it, a search cut short runs
         again on every call.
     warn
-        Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap excluded the heuristic favourite,
-        and a :class:`MemoryFallbackWarning` (once per arena) when memory cut a search short. The planner passes
-        ``False``: its report shows the choice already.
+        Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap excluded the heuristic favourite.
+        The planner passes ``False``: its report shows the choice already. A search that memory cut short is
+        said whatever ``warn`` is (a :class:`MemoryFallbackWarning`, once per arena): no report shows that.
 
     Raises
     ------
@@ -130,7 +131,7 @@ def choose(
     if entry is not None and lacked and (can_have is None or can_have(lacked)):
         entry = None  # the workspace it lacked can be had now: the search is run again
     if entry is None:
-        best, excluded, lacked = _rank(backend, pass_, geom, cap, measure if exhaustive else None)
+        best, excluded, lacked, untimed = _rank(backend, pass_, geom, cap, measure if exhaustive else None)
         entry = (best, excluded)
         if lacked is not None:
             # In this order, so that is_cached(), which reads without the lock, never takes a search cut short
@@ -142,13 +143,8 @@ def choose(
                 else:
                     _cache[key] = entry
                     _cut_short.pop(key, None)
-            if lacked and warn:
-                _warn_memory(
-                    backend.arena(),
-                    f"an exhaustive search for {pass_} of {describe_geometry(geom)} could not time the candidates "
-                    f"that need {format_size(lacked)} or more of workspace, for want of memory: the fastest of those "
-                    "it timed runs, and the search runs again once that much can be had",
-                )
+            if untimed:
+                _warn_memory(backend.arena(), _cut_short_text(pass_, geom, best, len(best) - untimed, lacked or 0))
     best, excluded = entry
     if warn and excluded is not None and key not in _warned:
         with _lock:
@@ -164,12 +160,24 @@ def choose(
     return best
 
 
+def _cut_short_text(pass_: str, geom: ConvGeometry, ranking: tuple[Candidate, ...], timed: int, lacked: int) -> str:
+    """What a MemoryFallbackWarning says of a search that timed the first ``timed`` of ``ranking`` and no more."""
+    skipped = ", ".join(f"{c.algo} ({format_size(c.workspace_bytes)})" for c in ranking[timed:])
+    then = (f"it runs again once {format_size(lacked)} of workspace can be had" if lacked else
+            "those the search's workspace held ran out of memory of their own, and the ranking is kept")
+    return (f"an exhaustive search for {pass_} of {describe_geometry(geom)} timed "
+            f"{', '.join(c.algo for c in ranking[:timed])}, not {skipped}, for want of memory: the fastest it timed "
+            f"runs, and {then}")
+
+
 def _rank(
     backend: Backend, pass_: str, geom: ConvGeometry, cap: int | None, measure: Callable | None
-) -> tuple[tuple[Candidate, ...], Candidate | None, int | None]:
-    """(usable candidates best first, the heuristic favourite if the cap excluded it, what to keep): 0 where all
-    were ranked, the least workspace a skipped candidate needs where a search was cut short by memory, ``None``
-    where nothing was timed (the heuristic order, not kept)."""
+) -> tuple[tuple[Candidate, ...], Candidate | None, int | None, int]:
+    """(usable candidates best first, the heuristic favourite if the cap excluded it, what to keep, how many of
+    the last a search kept it could not time for want of memory). What to keep: 0 where all were ranked (or memory
+    stopped only candidates that ran out of memory of their own), the least workspace a skipped candidate needs
+    where a search was cut short by the arena's memory, ``None`` where nothing was timed (the heuristic order, not
+    kept)."""
     ranked = backend.candidates(pass_, geom)
     if not ranked:
         raise UnsupportedConvolutionError(
@@ -186,17 +194,18 @@ def _rank(
         )
     excluded = None if ranked[0] in usable else ranked[0]
     if measure is None:
-        return tuple(usable), excluded, 0
+        return tuple(usable), excluded, 0, 0
     timed, skipped, *leased = measure(usable)  # only what fits the cap is ever timed
     if not timed and not skipped:  # the search ranked nothing: keep the heuristic order, and ask again next time
-        return tuple(usable), excluded, None
+        return tuple(usable), excluded, None, 0
     order = tuple(timed) + tuple(skipped)
     if not timed:  # the backend rejected every candidate the workspace held: ask again next time
-        return order, excluded, None
+        return order, excluded, None, 0
     # Cut short by the arena's memory: kept until the least that a skipped candidate needs can be had. Those the
     # search's largest lease held (``leased``) ran out of memory of their own: that is no reason to search again.
     largest = leased[0] if leased else 0
-    return order, excluded, min((c.workspace_bytes for c in skipped if c.workspace_bytes > largest), default=0)
+    lacked = min((c.workspace_bytes for c in skipped if c.workspace_bytes > largest), default=0)
+    return order, excluded, lacked, len(skipped)
 
 
 def select(
@@ -312,7 +321,8 @@ def _warn_memory(arena: Any, text: str) -> None:
     with _lock:
         if arena in _memory_warned:
             return
-        _memory_warned.add(arena)
+        with contextlib.suppress(TypeError):  # an arena-like object no weak reference can name: said each time
+            _memory_warned.add(arena)
     _callsite.warn(
         f"{text} (warned once per arena: while memory is short, other calls may fall back too)",
         MemoryFallbackWarning,
