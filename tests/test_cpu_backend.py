@@ -408,6 +408,36 @@ def test_a_search_returns_the_candidates_fastest_first(fresh_arena, monkeypatch)
     assert _rel_err(y, ref_conv_forward(x, w, **_ref_kwargs(g))) <= TOL["float64"]  # the runs were real
 
 
+def test_a_search_times_the_others_when_some_run_out_of_memory_of_their_own(fresh_arena, monkeypatch):
+    """Those that ran out are named in PartlyTimed (a MemoryError) beside those timed; when none could be timed,
+    the first MemoryError itself is raised, as before."""
+    from wsarena.backends import PartlyTimed
+
+    g = conv_geometry((2, 4, 8, 8), (6, 4, 3, 3), padding=1, dtype="float64")
+    x, w, _ = _operands(g, np.random.default_rng(0))
+    y = np.empty(g.output_shape)
+    backend = _cpu_backend.CpuBackend()
+    cands = backend.candidates("fwd", g)
+    short, real_run = {cands[0].algo, cands[-1].algo}, cpu.run_unchecked
+
+    def run(pass_, algo, *args):
+        if algo in short:
+            raise MemoryError(f"{algo}'s temporaries")
+        real_run(pass_, algo, *args)
+
+    monkeypatch.setattr(cpu, "run_unchecked", run)
+    with fresh_arena.lease(max(c.workspace_bytes for c in cands)) as ws:
+        with pytest.raises(PartlyTimed) as info:
+            backend.measure("fwd", g, x, w, y, ws, cands, None)
+        assert info.value.failed == [cands[0], cands[-1]]
+        assert sorted(c.algo for c in info.value.timed) == sorted(c.algo for c in cands[1:-1])
+        assert all(c.time_ms is not None for c in info.value.timed)
+        short = {c.algo for c in cands}
+        with pytest.raises(MemoryError, match=f"^{cands[0].algo}'s temporaries$") as info:
+            backend.measure("fwd", g, x, w, y, ws, cands, None)
+        assert type(info.value) is MemoryError
+
+
 # ------------------------------------------------------------------------------ the reference, checked
 
 

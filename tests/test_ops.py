@@ -242,6 +242,39 @@ def test_exhaustive_search_gives_the_same_answer():
     assert rel_err(y, ref_conv_forward(x, w, stride=2, padding=1)) <= 1e-12
 
 
+def test_an_exhaustive_search_times_the_others_when_one_algorithm_is_out_of_memory_of_its_own(monkeypatch):
+    """implicit_gemm needs no workspace, so every workspace the search leases holds it: when its NumPy temporaries
+    cannot be had, the search times the others and ranks it after them (it used to fail at every lease, and the call
+    with it: NoAlgorithmFitsError, though the other algorithms run). Said once, and kept: no search again."""
+    from wsarena import algos
+
+    real = cpu.run_unchecked
+    tried = []
+
+    def short(pass_, algo, *args):
+        tried.append(algo)
+        if algo == "implicit_gemm":
+            raise MemoryError("no room for the temporaries")
+        return real(pass_, algo, *args)
+
+    monkeypatch.setattr(cpu, "run_unchecked", short)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 4, 10, 10))
+    w = rng.standard_normal((3, 4, 3, 3))
+    with config(algo_search="exhaustive"):
+        with pytest.warns(wsarena.MemoryFallbackWarning, match=r"not implicit_gemm \(0 B\).* ranking is kept"):
+            y = conv_forward(x, w, stride=2, padding=1)
+        assert rel_err(y, ref_conv_forward(x, w, stride=2, padding=1)) <= 1e-12
+        timed = len(tried)
+        conv_forward(x, w, stride=2, padding=1)
+        assert len(tried) == timed + 1  # the kept choice ran, with no search
+        from wsarena._geometry import conv_geometry
+        from wsarena.backends import get_backend
+
+        geom = conv_geometry(x.shape, w.shape, stride=2, padding=1, dtype="float64")
+        assert algos.is_cached(get_backend("cpu"), "fwd", geom, cap=None, search="exhaustive")
+
+
 def test_out_is_written_and_returned():
     x = np.ones((1, 2, 5, 5), np.float32)
     w = np.ones((3, 2, 3, 3), np.float32)

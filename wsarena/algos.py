@@ -23,7 +23,7 @@ from ._config import get_config
 from ._geometry import ConvGeometry, describe_geometry
 from ._pass import Pass
 from ._sizes import format_size
-from .backends import Backend, Candidate
+from .backends import Backend, Candidate, PartlyTimed
 from .errors import (
     ArenaOutOfMemoryError,
     CaptureError,
@@ -255,19 +255,24 @@ def select(
         if timing is not None:
             a, b, out = timing(a, b, out)
         timed: list[Candidate] = []
+        failed: list[Candidate] = []  # out of memory of their own, though the workspace held them
         leased = [0, 0]  # the largest workspace leased, and the one the search ran in
 
         def time_fitting(largest: Candidate, ws: Any) -> None:
             leased[0] = max(leased[0], ws.nbytes)
             fitting = [c for c in cands if c.workspace_bytes <= ws.nbytes]
+            try:
+                found = backend.measure(pass_, geom, a, b, out, ws, fitting, stream)
+            except PartlyTimed as exc:
+                found = exc.timed
+                failed.extend(exc.failed)
             # A backend's search may report entries of its own; only those this workspace really holds count.
-            found = backend.measure(pass_, geom, a, b, out, ws, fitting, stream)
             timed.extend(c for c in found if c.workspace_bytes <= ws.nbytes)
             leased[1] = ws.nbytes
 
         by_size = tuple(sorted(cands, key=lambda c: c.workspace_bytes, reverse=True))
         run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap)
-        return timed, [c for c in cands if c.workspace_bytes > leased[1]], leased[0]
+        return timed, [c for c in cands if c.workspace_bytes > leased[1] or c in failed], leased[0]
 
     return choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure, warn=warn, can_have=can_have)
 

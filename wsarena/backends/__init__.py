@@ -24,7 +24,7 @@ from .._gpu import gpu_unusable_reason
 from ..errors import BackendUnavailableError
 
 __all__ = [
-    "Backend", "Candidate", "array_backend_name", "device_properties_backend", "get_backend", "is_masked_type",
+    "Backend", "Candidate", "PartlyTimed", "array_backend_name", "device_properties_backend", "get_backend", "is_masked_type",
     "reset_backends", "resolve_backend_name", "type_backend_name",
 ]
 
@@ -41,6 +41,17 @@ class Candidate:
     workspace_bytes: int
     time_ms: float | None = None
     math_type: int | None = None
+
+
+class PartlyTimed(MemoryError):
+    """Raised by :meth:`Backend.measure` when some candidates ran out of memory of their own (beside their
+    workspace) and others were timed: ``timed``, fastest first, and ``failed``. A search keeps the timed ones and
+    ranks the failed ones after them, as it ranks those it had no workspace to time."""
+
+    def __init__(self, timed: list[Candidate], failed: list[Candidate]) -> None:
+        super().__init__(f"out of memory timing {', '.join(c.algo for c in failed)}")
+        self.timed = timed
+        self.failed = failed
 
 
 class Backend(Protocol):
@@ -85,7 +96,9 @@ class Backend(Protocol):
         self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate],
         stream: Any,
     ) -> list[Candidate]:
-        """Time ``candidates`` (all fit in ``workspace``) on real operands; return them sorted by time."""
+        """Time ``candidates`` (all fit in ``workspace``) on real operands; return them sorted by time. Those it
+        rejects are left out; when some ran out of memory of their own, :class:`PartlyTimed` says which (a plain
+        ``MemoryError`` where none could be timed)."""
 
     def run(
         self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any

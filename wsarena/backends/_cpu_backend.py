@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..arena import get_arena
-from . import Candidate, cpu
+from . import Candidate, PartlyTimed, cpu
 
 _OVERLAP_WORK = 10_000  # numpy.shares_memory's search budget for the exact overlap test
 
@@ -64,12 +64,23 @@ class CpuBackend:
         self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate],
         stream: Any,
     ) -> list[Candidate]:
-        timed = []
+        timed, failed = [], []
+        error: MemoryError | None = None
         for cand in candidates:
             start = time.perf_counter()
-            cpu.run_unchecked(pass_, cand.algo, geom, a, b, out, workspace.array)
+            try:
+                cpu.run_unchecked(pass_, cand.algo, geom, a, b, out, workspace.array)
+            except MemoryError as exc:  # NumPy's temporaries: the others may still be timed
+                failed.append(cand)
+                error = error or exc
+                continue
             timed.append(Candidate(cand.algo, cand.workspace_bytes, (time.perf_counter() - start) * 1e3))
-        return sorted(timed, key=lambda c: c.time_ms or 0.0)  # every one was just timed
+        timed.sort(key=lambda c: c.time_ms or 0.0)  # every one was just timed
+        if error is not None:
+            if not timed:
+                raise error
+            raise PartlyTimed(timed, failed) from error
+        return timed
 
     def run(
         self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any
