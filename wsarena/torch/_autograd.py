@@ -64,7 +64,7 @@ class _Pass(torch.autograd.Function):
 class ConvFunction(_Pass):
     """A convolution without bias: ``ConvFunction.apply(x, w, stride, padding, dilation, groups, layout)``.
 
-    ``stride``, ``padding`` and ``dilation`` are lists with one int per spatial dimension, ``layout`` is
+    ``stride``, ``padding`` and ``dilation`` are lists (or tuples) of one int per spatial dimension, ``layout`` is
     ``"NCHW"`` or ``"NHWC"`` (a channels-last tensor); the functions :func:`conv2d` and its kin work them out.
     Differentiable any number of times (reverse mode; forward mode through :func:`conv2d` and its kin, which apply
     a form of it with a ``jvp``), and batched by ``torch.func.vmap``.

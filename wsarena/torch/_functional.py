@@ -47,12 +47,19 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager[Any], contex
     return contextlib.nullcontext(), _config.using(_config.overridden())
 
 
+# Whether autocast is on for any device type that has it (in PyTorch since 2.4); before, asked as if it were.
+_any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The operands cast as ``torch.autocast`` casts a convolution's: floating types but float64 to its dtype."""
+    compiling = torch.compiler.is_compiling()
+    if not compiling and not _any_autocast():  # the common case, in one call
+        return x, w, bias
     device_type = x.device.type
     # A device autocast has no mode for (the meta device) makes is_autocast_enabled raise. torch.compile traces a
     # real device's tensors, and before PyTorch 2.13 cannot trace is_autocast_available (fullgraph=True fails on it).
-    if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device_type):
+    if not compiling and not torch.amp.is_autocast_available(device_type):
         return x, w, bias
     if not torch.is_autocast_enabled(device_type):
         return x, w, bias
@@ -135,11 +142,10 @@ def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, paddi
     stride, padding, dilation = _each(stride, nd), _each(padding, nd), _each(dilation, nd)
     if isinstance(padding, str) and padding == "same":
         x, padding = _same(x, w, stride, dilation, nd)
-    geom = _shapes.forward_geometry(x.shape, w.shape, stride, padding, dilation, groups)
-    _check_bias(bias, geom.out_channels)
-    layout = _ops.layout_of(x, w)
-    y = _autograd.apply(ConvFunction, x, w, list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups,
-                        layout)
+    checked = _shapes.forward_call(x, w, stride, padding, dilation, groups)
+    _check_bias(bias, checked.geom.out_channels)
+    layout = _ops.layout_of(x, w, checked.channels_last)
+    y = _autograd.apply(ConvFunction, x, w, *checked.args, layout)
     return _finished(y, bias, nd, unbatched)
 
 
@@ -147,11 +153,10 @@ def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: 
                     output_padding: Any, groups: int, dilation: Any) -> Tensor:
     x, w, bias, unbatched = _operands(f"conv_transpose{nd}d", nd, x, w, bias)
     stride, padding, output_padding, dilation = (_each(v, nd) for v in (stride, padding, output_padding, dilation))
-    geom, output_shape = _shapes.transpose_geometry(x.shape, w.shape, stride, padding, dilation, groups, output_padding)
-    _check_bias(bias, geom.in_channels)  # the output's channels: the input's of the convolution it transposes
-    layout = _ops.layout_of(x, w)
-    y = _autograd.apply(ConvTransposeFunction, x, w, output_shape, list(geom.stride), list(geom.padding),
-                        list(geom.dilation), geom.groups, layout)
+    checked = _shapes.transpose_call(x, w, stride, padding, dilation, groups, output_padding)
+    _check_bias(bias, checked.geom.in_channels)  # the output's channels: the input's of the convolution it transposes
+    layout = _ops.layout_of(x, w, checked.channels_last)
+    y = _autograd.apply(ConvTransposeFunction, x, w, checked.shape, *checked.args, layout)
     return _finished(y, bias, nd, unbatched)
 
 

@@ -35,7 +35,10 @@ from torch.autograd import forward_ad
 from .. import ops
 from .._geometry import output_size
 
-__all__ = ["call", "conv_backward_data", "conv_backward_filter", "conv_forward", "layout_of", "transforms_active"]
+__all__ = [
+    "call", "channels_last", "conv_backward_data", "conv_backward_filter", "conv_forward", "layout_of",
+    "transforms_active",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -70,13 +73,22 @@ def exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
-def layout_of(x: Tensor, w: Tensor) -> str:
+def channels_last(x: Tensor, w: Tensor) -> bool:
+    """Whether the input or the weight is channels-last (:func:`_channels_last`), which follows from their sizes and
+    strides alone."""
+    return _channels_last(x) or _channels_last(w)
+
+
+def layout_of(x: Tensor, w: Tensor, either_channels_last: bool | None = None) -> str:
     """``"NHWC"`` when the input or the weight is channels-last (PyTorch's rule for its output), else ``"NCHW"``;
     but ``"NCHW"`` for float64 tensors that PyTorch computes contiguous, results and gradients, whatever their
     format: on a CUDA device (cuDNN's format for them, ``cudnn_conv_suggest_memory_format``, is contiguous for
     float64) and 3-D ones in host memory (slow_conv3d: oneDNN takes no float64). (Its 3-D float32 and half results
-    on the CPU follow oneDNN's heuristics, of batch size, kernel and threads, which are not repeated here.)"""
-    if not (_channels_last(x) or _channels_last(w)):
+    on the CPU follow oneDNN's heuristics, of batch size, kernel and threads, which are not repeated here.)
+    ``either_channels_last``: :func:`channels_last` of the two, where the caller knows it."""
+    if either_channels_last is None:
+        either_channels_last = channels_last(x, w)
+    if not either_channels_last:
         return "NCHW"
     if x.dtype == torch.float64 and (x.is_cuda or (x.dim() == 5 and x.device.type == "cpu")):
         return "NCHW"

@@ -16,20 +16,22 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 
 from .._callkeys import freeze_params, remember
 from .._geometry import ConvGeometry, conv_geometry, conv_transpose_geometry, transposed_output_size
+from . import _ops
 from ._ops import exporting
 
-__all__ = ["forward_geometry", "per_dim", "transpose_geometry"]
+__all__ = ["Checked", "forward_call", "forward_geometry", "per_dim", "transpose_call"]
 
 _Make = Callable[..., ConvGeometry]
 
-# Geometries by call signature, bounded as the ops' records are (wsarena._callkeys.remember).
-_remembered: dict[tuple[Any, ...], ConvGeometry] = {}
+# What each call signature determines, bounded as the ops' records are (wsarena._callkeys.remember).
+_remembered: dict[tuple[Any, ...], Checked] = {}
 
 
 def per_dim(value: Any, nd: int) -> list[int] | None:
@@ -54,45 +56,76 @@ def _transpose(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Any, padd
                                    dilation=dilation, groups=groups)
 
 
+class Checked(NamedTuple):
+    """What a call signature determines: its checked geometry, the shape of a transposed convolution's output
+    (channels first), the parameters as the operators take them (``stride``, ``padding``, ``dilation`` with one
+    int per spatial dimension, and ``groups``), and whether an operand is channels-last by its strides (``None``: not known, asked each call)."""
+
+    geom: ConvGeometry
+    shape: list[Any]
+    args: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]
+    channels_last: bool | None
+
+
 def forward_geometry(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Any, padding: Any, dilation: Any,
                      groups: Any) -> ConvGeometry:
     """The checked geometry of a convolution of ``x_shape`` by ``w_shape`` (channels first); under a trace, that of
     a stand-in input (:func:`_stand_in`)."""
-    geom, _ = _geometry(_forward, x_shape, w_shape, (stride, padding, dilation, groups))
-    return geom
+    return _checked(_forward, x_shape, w_shape, (stride, padding, dilation, groups)).geom
 
 
-def transpose_geometry(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Any, padding: Any, dilation: Any,
-                       groups: Any, output_padding: Any) -> tuple[ConvGeometry, list[Any]]:
-    """The checked geometry of the convolution whose input gradient the transposed convolution of ``x_shape`` by
-    ``w_shape`` is (:func:`~wsarena._geometry.conv_transpose_geometry`), and the transposed convolution's output
-    shape: the geometry's input shape (channels first), or under a trace, the shape that ``x_shape`` gives,
+def forward_call(x: Tensor, w: Tensor, stride: Any, padding: Any, dilation: Any, groups: Any) -> Checked:
+    """What the convolution of ``x`` by ``w`` determines (:class:`Checked`), its geometry as
+    :func:`forward_geometry` checks it."""
+    return _checked(_forward, x.shape, w.shape, (stride, padding, dilation, groups), (x, w))
+
+
+def transpose_call(x: Tensor, w: Tensor, stride: Any, padding: Any, dilation: Any, groups: Any,
+                   output_padding: Any) -> Checked:
+    """What the transposed convolution of ``x`` by ``w`` determines (:class:`Checked`): the checked geometry of the
+    convolution whose input gradient it is (:func:`~wsarena._geometry.conv_transpose_geometry`), and as ``shape``
+    its output shape: the geometry's input shape (channels first), or under a trace, the shape that ``x``'s gives,
     symbolic where it is."""
-    return _geometry(_transpose, x_shape, w_shape, (stride, padding, dilation, groups, output_padding))
+    return _checked(_transpose, x.shape, w.shape, (stride, padding, dilation, groups, output_padding), (x, w))
 
 
-def _geometry(
-    make: _Make, x_shape: Sequence[Any], w_shape: Sequence[Any], params: tuple[Any, ...]
-) -> tuple[ConvGeometry, list[Any]]:
+def _checked(
+    make: _Make, x_shape: Sequence[Any], w_shape: Sequence[Any], params: tuple[Any, ...],
+    operands: tuple[Tensor, Tensor] | None = None,
+) -> Checked:
     # Traced, sizes may be symbolic, and torch.compile shows them as ints (isinstance and type say int). Nor does a
-    # trace read a remembered geometry: it would guard on the dictionary. torch.jit.trace's sizes are tensors, a
+    # trace read a remembered signature: it would guard on the dictionary. torch.jit.trace's sizes are tensors, a
     # new key every call.
     if torch.compiler.is_compiling():
-        return _stand_in(make, x_shape, w_shape, params)
+        return _made(*_stand_in(make, x_shape, w_shape, params))
     if torch.jit.is_tracing():
-        return _sized(make(x_shape, w_shape, *params))
+        return _made(*_sized(make(x_shape, w_shape, *params)))
     frozen = freeze_params(params)  # None: a float or a bool, which equal ints as keys, checked every time
     if frozen is None:
-        return _sized(make(x_shape, w_shape, *params))
-    key = (make, x_shape, w_shape, *frozen)
+        return _made(*_sized(make(x_shape, w_shape, *params)))
+    # The operands' strides key the signature too: whether one is channels-last follows from its sizes and strides
+    # (wsarena.torch._ops.layout_of), so it is worked out once.
+    strides = None
+    if operands is not None:
+        try:
+            strides = (operands[0].stride(), operands[1].stride())
+        except RuntimeError:  # a tensor without strides (a sparse one): its layout asked each call, as it fails
+            operands = None
+    key = (make, x_shape, w_shape, strides, *frozen)
     try:
-        geom = _remembered.get(key)
+        checked = _remembered.get(key)
     except TypeError:  # symbolic sizes outside torch.compile (a symbolic make_fx trace)
-        return _stand_in(make, x_shape, w_shape, params)
-    if geom is None:
-        geom = make(x_shape, w_shape, *params)
-        remember(_remembered, key, geom)
-    return _sized(geom)
+        return _made(*_stand_in(make, x_shape, w_shape, params))
+    if checked is None:
+        channels_last = None if operands is None else _ops.channels_last(*operands)
+        checked = _made(*_sized(make(x_shape, w_shape, *params)), channels_last)
+        remember(_remembered, key, checked)
+    return checked
+
+
+def _made(geom: ConvGeometry, shape: list[Any], channels_last: bool | None = None) -> Checked:
+    # tuples, which key the ops' records as they are (wsarena._callkeys.freeze_params)
+    return Checked(geom, shape, (geom.stride, geom.padding, geom.dilation, geom.groups), channels_last)
 
 
 def _sized(geom: ConvGeometry) -> tuple[ConvGeometry, list[Any]]:
