@@ -233,8 +233,8 @@ def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
     Under ``torch.export``, the operator itself: an exported program keeps no Function (a strict export runs a
     Function's forward without gradient), but the operator's registered gradient. Where no gradient can be asked
     of the result (grad mode off, as under ``torch.no_grad()`` and in inference mode, no forward AD, no
-    ``torch.jit.trace``), the operator alone, by :func:`wsarena.torch._ops.call`: a Function would record nothing
-    there, and costs some 15 us a call (bench/RESULTS.md)."""
+    ``torch.jit.trace``), the operator alone, by :func:`wsarena.torch._ops.call_unrecorded`: a Function would record
+    nothing there, and costs some 15 us a call (bench/RESULTS.md)."""
     if _ops.exporting():
         return function.forward(*args)
     if torch.compiler.is_compiling():
@@ -243,7 +243,7 @@ def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
         return _FORWARD[function].apply(*args[:2], _Rest(args[2:]))
     if not torch.is_grad_enabled() and forward_ad._current_level < 0 and not torch.jit.is_tracing():
         # (a torch.jit.trace records the Function: its check reruns the model without grad, to the same graph)
-        return _ops.call(_OPERATORS[function], *args)
+        return _ops.call_unrecorded(_OPERATORS[function], *args)
     return _OLDER[function].apply(*args)
 
 
@@ -269,7 +269,9 @@ def _setup(ctx: Any, inputs: tuple[Any, ...]) -> None:
     where its forward started."""
     a, b, *rest = inputs
     ctx.save_for_backward(a, b)
-    ctx.save_for_forward(a, b)
+    # for a jvp, which runs only where forward AD or torch.func's transforms are on as the Function runs
+    if torch.compiler.is_compiling() or forward_ad._current_level >= 0 or _transforms_active():
+        ctx.save_for_forward(a, b)
     ctx.rest = tuple(rest)
     ctx.conv = ctx.rest[-5:]
     ctx.started = _started()

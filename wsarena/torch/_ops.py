@@ -36,8 +36,8 @@ from .. import ops
 from .._geometry import output_size
 
 __all__ = [
-    "call", "channels_last", "conv_backward_data", "conv_backward_filter", "conv_forward", "layout_of",
-    "transforms_active",
+    "call", "call_unrecorded", "channels_last", "conv_backward_data", "conv_backward_filter", "conv_forward",
+    "layout_of", "transforms_active",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -153,8 +153,7 @@ def _run(function: Callable[..., Any], a: Tensor, b: Tensor, out: Tensor, layout
 def _output_shape(
     x: Sequence[int], w: Sequence[int], stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
 ) -> list[int]:
-    spatial = [output_size(*dims) for dims in zip(x[2:], w[2:], stride, padding, dilation)]
-    return [x[0], w[0], *spatial]
+    return [x[0], w[0], *map(output_size, x[2:], w[2:], stride, padding, dilation)]
 
 
 def _conv_forward(
@@ -258,9 +257,17 @@ def call(op: Any, a: Tensor, b: Tensor, *args: Any) -> Tensor:
     the dispatcher spares it.
     What Python cannot ask about goes unseen on the straight path: an ``ExecutionTraceObserver`` started without the
     profiler records the operators only from the dispatcher."""
-    if (torch.is_grad_enabled() or torch._C._has_torch_function((a, b)) or torch._C._len_torch_dispatch_stack()
-            or torch._C._autograd._profiler_enabled() or forward_ad._current_level >= 0 or transforms_active()
-            or torch.jit.is_tracing() or torch.compiler.is_compiling()):
+    if (torch.is_grad_enabled() or forward_ad._current_level >= 0 or transforms_active() or torch.jit.is_tracing()
+            or torch.compiler.is_compiling()):
+        return op(a, b, *args)
+    return call_unrecorded(op, a, b, *args)
+
+
+def call_unrecorded(op: Any, a: Tensor, b: Tensor, *args: Any) -> Tensor:
+    """:func:`call` where the caller has found grad mode and forward AD off, and no torch.func transform or trace
+    (:func:`wsarena.torch._autograd.apply`): the rest of its checks."""
+    if torch._C._has_torch_function((a, b)) or torch._C._len_torch_dispatch_stack() or \
+            torch._C._autograd._profiler_enabled():
         return op(a, b, *args)
     plain = _plain_keys.get(a.is_cuda)
     if plain is None:

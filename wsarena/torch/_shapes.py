@@ -59,7 +59,8 @@ def _transpose(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Any, padd
 class Checked(NamedTuple):
     """What a call signature determines: its checked geometry, the shape of a transposed convolution's output
     (channels first), the parameters as the operators take them (``stride``, ``padding``, ``dilation`` with one
-    int per spatial dimension, and ``groups``), and whether an operand is channels-last by its strides (``None``: not known, asked each call)."""
+    int per spatial dimension, and ``groups``), and whether an operand is channels-last by its strides (``None``:
+    not known, asked each call)."""
 
     geom: ConvGeometry
     shape: list[Any]
