@@ -143,3 +143,25 @@ def test_each_call_signature_is_checked_once(monkeypatch):
     assert close(y, F.conv2d(x, conv.weight, stride=2)) and len(checked) == 2
     with pytest.raises(TypeError, match="stride must be an int"):
         wt.conv2d(x, conv.weight, stride=True)  # a bool equals 1 as a key: never taken for the signature of 1
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_operands_of_other_strides_are_a_signature_of_their_own(transposed):
+    """A signature's record keeps whether an operand is channels-last, which follows from its strides: the same
+    shapes and parameters with an input or a weight of the other format give a result in that call's format."""
+    torch.manual_seed(0)
+    conv = (wt.ConvTranspose2d(3, 4, 3, stride=2) if transposed else wt.Conv2d(3, 4, 3)).double()
+    ref = F.conv_transpose2d if transposed else F.conv2d
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    weight = conv.weight.detach().clone()
+    last = torch.channels_last
+    for x_format, w_format in [(None, None), (last, None), (None, None), (None, last), (last, last), (None, None)]:
+        xf = x if x_format is None else x.contiguous(memory_format=x_format)
+        with torch.no_grad():
+            conv.weight.copy_(weight)
+            conv.weight.data = conv.weight.data.contiguous(memory_format=w_format or torch.contiguous_format)
+            y = conv(xf)
+        expected = last if last in (x_format, w_format) else torch.contiguous_format
+        assert y.is_contiguous(memory_format=expected) and not y.is_contiguous(
+            memory_format=torch.contiguous_format if expected is last else last)
+        assert close(y, ref(x, weight, conv.bias, **({"stride": 2} if transposed else {})))
