@@ -95,11 +95,6 @@ def layout_of(x: Tensor, w: Tensor, either_channels_last: bool | None = None) ->
     return "NHWC"
 
 
-def _view(t: Tensor, layout: str) -> Tensor:
-    """``t`` as the ops see it in ``layout``: channels-last tensors as ``(N, *spatial, C)`` views."""
-    return t if layout == "NCHW" else t.movedim(1, -1)
-
-
 def _order(shape: Sequence[int], layout: str) -> list[int]:
     """A logical ``(N, C, *spatial)`` shape in the order of ``layout``."""
     shape = list(shape)
@@ -117,26 +112,28 @@ def _empty(shape: Sequence[int], like: Tensor, layout: str) -> Tensor:
     return torch.empty(list(shape), dtype=like.dtype, device=like.device, memory_format=memory_format)
 
 
-def _computed(t: Tensor, layout: str) -> Tensor:
+def _computed(t: Tensor, memory_format: torch.memory_format) -> Tensor:
     """What the ops compute on: ``t`` without autograd history, in float32 when a half type on the CPU, and dense in
-    ``layout``. A gradient PyTorch hands over may be strided (an expanded ``sum()`` gradient, NCHW beside a
+    ``memory_format`` (the call's layout). A gradient PyTorch hands over may be strided (an expanded ``sum()`` gradient, NCHW beside a
     channels-last input): it is made dense here, by PyTorch's allocator, rather than by the ops' copy into their
     array library's memory, which a CUDA graph captured by ``torch.cuda.graph`` would not keep for its replays."""
     t = t.detach()
     if t.is_cpu and t.dtype in _HALF:
         t = t.float()
-    return t.contiguous(memory_format=_memory_format(t.dim(), layout))
+    return t.contiguous(memory_format=memory_format)
 
 
 def _run(function: Callable[..., Any], a: Tensor, b: Tensor, out: Tensor, layout: str, *args: Any) -> Tensor:
     """Call one of the public ops on ``a``, ``b`` with ``out=``, through a float32 copy for CPU half types."""
     half_on_cpu = out.is_cpu and out.dtype in _HALF
     target = torch.empty_like(out, dtype=torch.float32) if half_on_cpu else out
-    a, b = _computed(a, layout), _computed(b, layout)
+    memory_format = _memory_format(out.dim(), layout)
     # `out` is new, nothing has saved it: written through `.data`, which has a version counter of its own, it keeps
     # version 0, as the dispatcher's results do (the ops count a write into a PyTorch out= as an in-place change;
     # so does copy_, for a half type on the CPU)
-    a, b, into = _view(a, layout), _view(b, layout), _view(target.data, layout)
+    a, b, into = _computed(a, memory_format), _computed(b, memory_format), target.data
+    if layout != "NCHW":  # channels-last tensors as the ops see them, (N, *spatial, C) views
+        a, b, into = a.movedim(1, -1), b.movedim(1, -1), into.movedim(1, -1)
     if a.is_cpu and b.is_cpu and into.is_cpu:
         # All in host memory: the NumPy views the ops would make of them (wsarena._interop), made here, so that
         # the ops take them as they take NumPy arrays. What the ops check of a tensor first holds by construction:
