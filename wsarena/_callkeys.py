@@ -1,6 +1,6 @@
 """Keys of call signatures. A training step repeats its calls, so what a call's arguments determine is remembered
 per signature: by the ops, one record each (:mod:`wsarena.ops`), and by :mod:`wsarena.torch`, one checked geometry
-each (:mod:`wsarena.torch._shapes`). Both key them and bound them alike, here."""
+and what goes with it each (:mod:`wsarena.torch._shapes`). Both key them and bound them alike, here."""
 
 from __future__ import annotations
 

@@ -2,8 +2,10 @@
 traces with symbolic sizes.
 
 A training step repeats its calls, and checking a convolution's arguments (:func:`~wsarena._geometry.conv_geometry`)
-costs more than the rest of what this package adds to a call: each call signature (shapes and parameters) is
-checked once, as the ops remember theirs (:mod:`wsarena.ops`), and looked up after.
+costs more than the rest of what this package adds to a call: each call signature (the operands' shapes and
+strides, and the parameters) is checked once, as the ops remember theirs (:mod:`wsarena.ops`), and looked up after,
+with what else it determines (:class:`Checked`: the layout's channels-last test, the parameters as the operators
+take them).
 
 Under ``torch.compile(dynamic=True)`` or ``torch.export`` with a ``Dim``, the batch and spatial sizes are
 ``SymInt`` objects: checked as ints they would be fixed to the traced values (a graph per shape, an export refused).
