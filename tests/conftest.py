@@ -1,4 +1,5 @@
 import gc
+import sys
 
 import pytest
 
@@ -35,6 +36,9 @@ def _reset_process_state():
     wsarena._config._reset()
     algos.cache_clear()
     ops.records_clear()
+    shapes = sys.modules.get("wsarena.torch._shapes")  # wsarena.torch's records of call signatures, where loaded
+    if shapes is not None:
+        shapes._remembered.clear()
     reset_arenas()
     reset_backends()  # and the cuDNN backend's descriptor cache with it
 
