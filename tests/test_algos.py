@@ -428,6 +428,22 @@ def test_a_fallback_for_want_of_memory_is_said_once_per_arena():
     assert said[1].startswith("implicit (0 B of workspace) ran in place of fft (300 B) for bwd_data")
 
 
+def test_a_fallback_after_the_warning_makes_no_message(monkeypatch):
+    """Under lasting pressure every call falls back: once the arena was warned, none of them formats the message
+    (the geometry's description costs microseconds)."""
+    from wsarena import algos
+
+    made = []
+    real = algos._fallback_text
+    monkeypatch.setattr(algos, "_fallback_text", lambda *args: made.append(args) or real(*args))
+    arena = FakeArena(memory=0)
+    cands = (Candidate("fft", 300), Candidate("implicit", 0))
+    with pytest.warns(MemoryFallbackWarning):
+        for _ in range(5):
+            run_with_fallback(arena, cands, lambda c, ws: None, stream=None, cap=None, warn_for=("fwd", GEOM))
+    assert len(made) == 1
+
+
 def test_only_memory_makes_a_fallback_warning():
     """Without the call's pass and geometry (a search's own leases), when nothing was denied, when the backend
     refused the first choice for these operands (not memory), or when nothing could run: no warning."""

@@ -144,7 +144,7 @@ def choose(
                     _cache[key] = entry
                     _cut_short.pop(key, None)
             if untimed:
-                _warn_memory(backend.arena(), _cut_short_text(pass_, geom, best, len(best) - untimed, lacked or 0))
+                _warn_memory(backend.arena(), _cut_short_text, pass_, geom, best, len(best) - untimed, lacked or 0)
     best, excluded = entry
     if warn and excluded is not None and key not in _warned:
         with _lock:
@@ -321,17 +321,25 @@ _DEFERRED = "the memory provider refused the arena that much growth lately (aren
 _OWN_MEMORY = "it ran out of memory of its own, beside its workspace"
 
 
-def _warn_memory(arena: Any, text: str) -> None:
-    """A :class:`MemoryFallbackWarning` saying ``text``, once per arena."""
+def _warn_memory(arena: Any, text: Callable[..., str], *args: Any) -> None:
+    """A :class:`MemoryFallbackWarning` saying ``text(*args)``, once per arena (the text made only if said)."""
+    if arena in _memory_warned:  # read without the lock first: under lasting pressure every call falls back
+        return
     with _lock:
         if arena in _memory_warned:
             return
         with contextlib.suppress(TypeError):  # an arena-like object no weak reference can name: said each time
             _memory_warned.add(arena)
     _callsite.warn(
-        f"{text} (warned once per arena: while memory is short, other calls may fall back too)",
+        f"{text(*args)} (warned once per arena: while memory is short, other calls may fall back too)",
         MemoryFallbackWarning,
     )
+
+
+def _fallback_text(ran: Candidate, first: Candidate, why: str, pass_: str, geom: ConvGeometry) -> str:
+    """What a MemoryFallbackWarning says of a call that ran ``ran`` where memory denied ``first`` (``why``)."""
+    return (f"{ran.algo} ({format_size(ran.workspace_bytes)} of workspace) ran in place of {first.algo} "
+            f"({format_size(first.workspace_bytes)}) for {pass_} of {describe_geometry(geom)}: {why}")
 
 
 def _deferred(arena: Any, candidates: tuple[Candidate, ...], cand: Candidate, stream: Any) -> bool:
@@ -409,13 +417,7 @@ def run_with_fallback(
         if captured is not None:
             _warn_captured(candidates[0], cand, limit or 0, captured)
         if denied is not None and warn_for is not None:
-            first, why = denied
-            pass_, geom = warn_for
-            _warn_memory(
-                arena,
-                f"{cand.algo} ({format_size(cand.workspace_bytes)} of workspace) ran in place of {first.algo} "
-                f"({format_size(first.workspace_bytes)}) for {pass_} of {describe_geometry(geom)}: {why}",
-            )
+            _warn_memory(arena, _fallback_text, cand, *denied, *warn_for)
         return cand
     if captured is not None:
         if refused is not None:

@@ -24,8 +24,8 @@ from .._gpu import gpu_unusable_reason
 from ..errors import BackendUnavailableError
 
 __all__ = [
-    "Backend", "Candidate", "PartlyTimed", "array_backend_name", "device_properties_backend", "get_backend", "is_masked_type",
-    "reset_backends", "resolve_backend_name", "type_backend_name",
+    "Backend", "Candidate", "PartlyTimed", "array_backend_name", "device_properties_backend", "get_backend",
+    "is_masked_type", "reset_backends", "resolve_backend_name", "type_backend_name",
 ]
 
 
