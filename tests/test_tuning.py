@@ -170,6 +170,26 @@ def test_float16_without_a_gpu_is_the_environment(monkeypatch):
         tune(LAYERS, dtype="float16")
 
 
+def test_calls_whose_algorithms_memory_kept_from_being_timed_are_counted_and_said(monkeypatch):
+    """Memory grants at most 2000 bytes (the arena asks in whole KiB): a's fwd times gemm and implicit, not fft's
+    8000; a's bwd_data implicit, not gemm's 2000; b's fwd implicit alone; b's bwd_data its one. The curve is built
+    from what was timed, and says so."""
+    backend = TableBackend(TABLE, memory=2000)
+    monkeypatch.setitem(backends._backends, "cpu", backend)
+    with pytest.warns(wsarena.MemoryFallbackWarning, match="exhaustive search for fwd"):
+        tuning = run()
+    assert tuning.untimed_calls == 3 and tuning.to_dict()["untimed_calls"] == 3
+    geoms = [lp.geometry for lp in tuning.uncapped.layers]
+    assert [c.algo for c in tuning.measured[("fwd", geoms[0])]] == ["gemm", "implicit"]
+    assert [c.algo for c in tuning.measured[("bwd_data", geoms[0])]] == ["implicit"]
+    assert [p.cap_workspace_bytes for p in tuning.curve] == [0, 1000, None]
+    assert "; 3 with algorithms memory kept from being timed, which the curve leaves out" in render_curve(tuning)
+    algos.cache_clear()
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend(TABLE))
+    whole = run()
+    assert whole.untimed_calls == 0 and "memory kept" not in render_curve(whole)
+
+
 def test_the_persistent_cache_serves_a_second_tuning(fake, tmp_path, monkeypatch):
     monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path))
     first = run()

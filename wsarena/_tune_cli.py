@@ -70,8 +70,11 @@ def _searched(t: Any) -> str:
     sources = [f"{t.timed_calls} timed", f"{t.cached_calls} from the search cache"]
     if known > 0:
         sources.append(f"{known} searched before in this process")
-    return (f"{len(t.measured)} distinct calls (pass and geometry): {', '.join(sources)}; "
-            f"{t.search_seconds:.1f} s")
+    said = f"{len(t.measured)} distinct calls (pass and geometry): {', '.join(sources)}; {t.search_seconds:.1f} s"
+    if t.untimed_calls:
+        said += (f"; {t.untimed_calls} with algorithms memory kept from being timed, which the curve leaves out "
+                 "(free memory and tune again)")
+    return said
 
 
 def render_curve(t: Any) -> str:

@@ -75,6 +75,9 @@ class Tuning:
     timed_calls, cached_calls : int
         Of the distinct calls, how many were timed now and how many the search cache answered; the rest this
         process had searched before (its algorithm cache).
+    untimed_calls : int
+        Of the distinct calls, how many had algorithms that memory kept from being timed (a
+        :class:`~wsarena.MemoryFallbackWarning` names them): the curve leaves those algorithms out.
     """
 
     uncapped: Plan
@@ -86,6 +89,7 @@ class Tuning:
     shared_streams: bool = True
     timed_calls: int = 0
     cached_calls: int = 0
+    untimed_calls: int = 0
 
     @property
     def recommended(self) -> CurvePoint:
@@ -124,6 +128,7 @@ class Tuning:
             "search_seconds": self.search_seconds,
             "timed_calls": self.timed_calls,
             "cached_calls": self.cached_calls,
+            "untimed_calls": self.untimed_calls,
             "skipped_layers": head["skipped_layers"],  # the curve leaves these layers out
         }
 
@@ -173,6 +178,7 @@ def tune(
     # ... whose every candidate the algorithm cache now holds, fastest first (the choice is the first).
     impl = get_backend(uncapped.backend)
     measured: dict[tuple[str, ConvGeometry], tuple[Candidate, ...]] = {}
+    untimed = 0  # calls with algorithms a search kept but could not time, for want of memory
     # The settings plan() searched under, the backend included: an invalid variable of a setting given here does
     # not matter, as in plan()
     with config(**_given(algo_search="exhaustive", backend=backend, cap_workspace=None)):
@@ -184,6 +190,7 @@ def tune(
                 operands = functools.partial(_operands, impl, pass_, lp.geometry)
                 ranked = select(impl, pass_, lp.geometry, cap=None, search="exhaustive", operands=operands, warn=False)
                 timed = tuple(c for c in ranked if c.time_ms is not None)
+                untimed += len(timed) < len(ranked)
                 if not timed:
                     raise NoAlgorithmFitsError(
                         f"no {pass_} algorithm of layer {lp.name!r} could be timed",
@@ -197,7 +204,8 @@ def tune(
     )
     # (Other threads' searches meanwhile would count too; each call is searched once here.)
     cached_calls, timed_calls = (min(n, len(measured)) for n in searches)
-    return Tuning(uncapped, measured, curve, max_slowdown, recommended, seconds, shared, timed_calls, cached_calls)
+    return Tuning(uncapped, measured, curve, max_slowdown, recommended, seconds, shared, timed_calls, cached_calls,
+                  untimed)
 
 
 def _layer_plans(
