@@ -114,9 +114,10 @@ def _empty(shape: Sequence[int], like: Tensor, layout: str) -> Tensor:
 
 def _computed(t: Tensor, memory_format: torch.memory_format) -> Tensor:
     """What the ops compute on: ``t`` without autograd history, in float32 when a half type on the CPU, and dense in
-    ``memory_format`` (the call's layout). A gradient PyTorch hands over may be strided (an expanded ``sum()`` gradient, NCHW beside a
-    channels-last input): it is made dense here, by PyTorch's allocator, rather than by the ops' copy into their
-    array library's memory, which a CUDA graph captured by ``torch.cuda.graph`` would not keep for its replays."""
+    ``memory_format`` (the call's layout). A gradient PyTorch hands over may be strided (an expanded ``sum()``
+    gradient, NCHW beside a channels-last input): it is made dense here, by PyTorch's allocator, rather than by the
+    ops' copy into their array library's memory, which a CUDA graph captured by ``torch.cuda.graph`` would not keep
+    for its replays."""
     t = t.detach()
     if t.is_cpu and t.dtype in _HALF:
         t = t.float()

@@ -65,7 +65,7 @@ class Checked(NamedTuple):
     not known, asked each call)."""
 
     geom: ConvGeometry
-    shape: list[Any]
+    shape: tuple[Any, ...]
     args: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]
     channels_last: bool | None
 
@@ -127,8 +127,9 @@ def _checked(
 
 
 def _made(geom: ConvGeometry, shape: list[Any], channels_last: bool | None = None) -> Checked:
-    # tuples, which key the ops' records as they are (wsarena._callkeys.freeze_params)
-    return Checked(geom, shape, (geom.stride, geom.padding, geom.dilation, geom.groups), channels_last)
+    # tuples, which key the ops' records as they are (wsarena._callkeys.freeze_params), and which no caller can
+    # change in the record every later call of the signature reads
+    return Checked(geom, tuple(shape), (geom.stride, geom.padding, geom.dilation, geom.groups), channels_last)
 
 
 def _sized(geom: ConvGeometry) -> tuple[ConvGeometry, list[Any]]:
