@@ -316,8 +316,8 @@ def _warn_captured(first: Candidate, ran: Candidate, held: int, refusal: Capture
 
 
 # Why memory denied a candidate, as a MemoryFallbackWarning says it
-_REFUSED = "the memory provider refused the arena the growth it needs (arena.stats().refused_bytes)"
-_DEFERRED = "the memory provider refused the arena that much growth lately (arena.stats().refused_bytes)"
+_REFUSED = "the memory provider refused the arena the growth it needs (see arena.stats().refused_bytes)"
+_DEFERRED = "the memory provider refused the arena that much growth lately (see arena.stats().refused_bytes)"
 _OWN_MEMORY = "it ran out of memory of its own, beside its workspace"
 
 
@@ -331,7 +331,7 @@ def _warn_memory(arena: Any, text: Callable[..., str], *args: Any) -> None:
         with contextlib.suppress(TypeError):  # an arena-like object no weak reference can name: said each time
             _memory_warned.add(arena)
     _callsite.warn(
-        f"{text(*args)} (warned once per arena: while memory is short, other calls may fall back too)",
+        f"{text(*args)}; said once per arena: while memory is short, other calls may fall back too",
         MemoryFallbackWarning,
     )
 
