@@ -159,6 +159,54 @@ def test_refusals_of_a_real_provider_are_recorded_and_a_call_with_a_fallback_def
     assert not arena.refusing and arena.stats().refused_bytes == 0
 
 
+@pytest.mark.parametrize("api", ["graph", "legacy"])
+def test_a_call_whose_first_choice_the_device_refuses_runs_one_that_fits_and_says_so(cupy, api):
+    """A provider over CuPy's pool that refuses any growth: a convolution whose first choice needs workspace runs
+    one that needs none, right against the float64 reference, with one MemoryFallbackWarning for the arena over
+    three calls; where no candidate needs none, the typed NoAlgorithmFitsError."""
+    import warnings
+
+    import numpy as np
+
+    from wsarena import algos
+    from wsarena._geometry import conv_geometry
+    from wsarena.arena import set_arena
+    from wsarena.backends import get_backend
+
+    from .reference import ref_conv_forward
+
+    class Refusing(CupyProvider):
+        def allocate(self, size, *, stream):
+            raise MemoryError(f"refused {size} bytes")
+
+    wsarena.configure(cudnn_api=api)
+    cupy.cuda.Device(0).use()
+    arena = Arena(Refusing(0))
+    previous = set_arena(0, arena)
+    try:
+        rng = np.random.default_rng(0)
+        x, w = rng.standard_normal((8, 64, 28, 28)), rng.standard_normal((64, 64, 3, 3))
+        ref = ref_conv_forward(x, w, padding=1)
+        xd, wd = cupy.asarray(x, dtype="float32"), cupy.asarray(w, dtype="float32")
+        geom = conv_geometry(x.shape, w.shape, padding=1, dtype="float32")
+        ranking = algos.select(get_backend("cudnn"), "fwd", geom, cap=None, search="heuristic")
+        if not any(c.workspace_bytes == 0 for c in ranking):
+            with pytest.raises(wsarena.NoAlgorithmFitsError):
+                wsarena.conv_forward(xd, wd, padding=1)
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                y = cupy.asnumpy(wsarena.conv_forward(xd, wd, padding=1))
+                assert float(np.max(np.abs(y - ref))) / float(np.max(np.abs(ref))) <= 1e-4  # float32, no TF32
+        said = [str(m.message) for m in caught if issubclass(m.category, wsarena.MemoryFallbackWarning)]
+        assert len(said) == (1 if ranking[0].workspace_bytes > 0 else 0), said
+        assert not said or f"(0 B of workspace) ran in place of {ranking[0].algo} " in said[0]
+        assert arena.stats().capacity_bytes == 0
+    finally:
+        set_arena(0, previous)  # the settings the fixture resets
+
+
 def test_get_arena_device_and_current():
     assert get_arena(0) is get_arena(0) is get_arena(None)
     assert isinstance(get_arena(0).provider, CupyProvider)
