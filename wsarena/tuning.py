@@ -77,7 +77,7 @@ class Tuning:
         process had searched before (its algorithm cache).
     untimed_calls : int
         Of the distinct calls, how many had algorithms that memory kept from being timed (a
-        :class:`~wsarena.MemoryFallbackWarning` names them): the curve leaves those algorithms out.
+        :class:`~wsarena.MemoryFallbackWarning` says so, once per arena): the curve leaves those algorithms out.
     """
 
     uncapped: Plan
