@@ -17,8 +17,8 @@ graph benchmarks write their tables as JSON too (``bench_gpu_host-gpu.json``, ``
 (``probe_capture_ids.py``, ``capture-ids-gpu.json``), and what one refused growth costs through CuPy's pool and
 PyTorch's allocator (``probe_refusal_cost.py``, ``refusal-cost-gpu.json``) and what the arena's record of refusals
 saves a ResNet-50 step on a nearly full device (``bench_gpu_pressure.py``, ``pressure-resnet50-b32-gpu.json``).
-The file is written after every phase, so a run cut short by the machine's time limit still leaves what it finished. Exit
-status: 0 when every test run passed and every benchmark and curve exited 0, else 1.
+The file is written after every phase, so a run cut short by the machine's time limit still leaves what it
+finished. Exit status: 0 when every test run passed and every benchmark and curve exited 0, else 1.
 
     python bench/gpu_check.py [--out DIR] [--gpu-timeout S] [--test-timeout S] [--bench-timeout S]
                               [--per-test-timeout S] [--deadline S] [--no-bench | --no-tests] [--quick]
