@@ -190,6 +190,23 @@ def test_calls_whose_algorithms_memory_kept_from_being_timed_are_counted_and_sai
     assert whole.untimed_calls == 0 and "memory kept" not in render_curve(whole)
 
 
+def test_the_recommendation_says_what_it_saves_or_that_no_smaller_arena_is_within_the_slowdown(fake):
+    """From the known times: within 10% the 4000-byte cap (+5.56%) saves half the uncapped arena; within 2% only the
+    uncapped arena's 8000 bytes are, and the line says what the next smaller one would cost."""
+    def recommendation(max_slowdown):
+        (line,) = [x for x in render_curve(run(max_slowdown=max_slowdown)).splitlines() if x.startswith("recommended")]
+        return line
+
+    assert recommendation(0.1) == (
+        "recommended cap (slowdown within 10%): 3.91 KiB: step 38.00 ms (+5.56%), arena 3.91 KiB instead of "
+        "7.81 KiB uncapped"
+    )
+    assert recommendation(0.02) == (
+        "recommended cap (slowdown within 2%): 7.81 KiB: step 36.00 ms (+0.00%), arena 7.81 KiB, as uncapped: no "
+        "smaller one keeps the slowdown within 2% (the next, 3.91 KiB, costs +5.56%)"
+    )
+
+
 def test_the_persistent_cache_serves_a_second_tuning(fake, tmp_path, monkeypatch):
     monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path))
     first = run()

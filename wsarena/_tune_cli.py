@@ -101,12 +101,19 @@ def render_curve(t: Any) -> str:
         mark = "  <- recommended" if q.cap_workspace_bytes == t.recommended_cap_bytes else ""
         lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)) + mark)
     best, fastest = t.recommended, t.curve[-1]
+    within = _percent(t.max_slowdown)
+    if best.arena_bytes < fastest.arena_bytes:
+        saving = f" instead of {format_size(fastest.arena_bytes)} uncapped"
+    else:  # it saves nothing; the cap still bounds a later, larger call
+        saving = f", as uncapped: no smaller one keeps the slowdown within {within}"
+        smaller = [q for q in t.curve if q.arena_bytes < best.arena_bytes]
+        if smaller:
+            saving += f" (the next, {format_size(smaller[-1].arena_bytes)}, costs {smaller[-1].slowdown:+.2%})"
     lines += [
         "",
         (
-            f"recommended cap (slowdown within {_percent(t.max_slowdown)}): {_cap(best.cap_workspace_bytes)}: "
-            f"step {_seconds(best.step_seconds)} ({best.slowdown:+.2%}), arena {format_size(best.arena_bytes)} "
-            f"instead of {format_size(fastest.arena_bytes)} uncapped"
+            f"recommended cap (slowdown within {within}): {_cap(best.cap_workspace_bytes)}: "
+            f"step {_seconds(best.step_seconds)} ({best.slowdown:+.2%}), arena {format_size(best.arena_bytes)}{saving}"
         ),
         f"use it with: WSARENA_CAP_WORKSPACE={best.cap_workspace_bytes}",
     ]
