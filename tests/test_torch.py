@@ -87,6 +87,50 @@ def test_forward_and_both_gradients_run_through_wsarenas_three_ops(monkeypatch):
     assert calls == ["conv_forward", "conv_backward_filter"]
 
 
+def _counted_passes(monkeypatch):
+    calls = []
+    for name in ("conv_forward", "conv_backward_data", "conv_backward_filter"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    return calls
+
+
+def test_a_backward_computes_only_the_gradients_asked_for_as_torchs_does(monkeypatch):
+    """``torch.autograd.grad(y, x)`` (an adversarial input, a saliency map) asks nothing of the weights, which still
+    require gradients: PyTorch's convolution computes no weight gradient then, nor an input gradient for a weight's
+    alone (``backward(inputs=...)`` alike), and neither does wsarena's."""
+    calls = _counted_passes(monkeypatch)
+    torch.manual_seed(0)
+    theirs = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Tanh(),
+                                 torch.nn.ConvTranspose2d(4, 2, 2, stride=2)).double()
+    ours = wt.convert(copy.deepcopy(theirs))
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64, requires_grad=True)
+    asked = [  # what is asked for, and the passes its backward runs: the transposed layer's first
+        (lambda m: [x], ["conv_forward", "conv_backward_data"]),
+        (lambda m: [m[0].weight], ["conv_forward", "conv_backward_filter"]),
+        (lambda m: [m[2].weight], ["conv_backward_filter"]),
+        (lambda m: [x, m[0].bias], ["conv_forward", "conv_backward_data"]),
+    ]
+    for inputs, passes in asked:
+        y = ours(x)
+        calls.clear()
+        got = torch.autograd.grad(y.pow(2).sum(), inputs(ours))
+        assert calls == passes
+        expected = torch.autograd.grad(theirs(x).pow(2).sum(), inputs(theirs))
+        assert all(close(g, e) for g, e in zip(got, expected))
+        y = ours(x)
+        calls.clear()
+        y.pow(2).sum().backward(inputs=inputs(ours))
+        assert calls == passes
+    # a gradient penalty of the input alone: no weight gradient at either order
+    (dx,) = torch.autograd.grad(ours(x).pow(2).sum(), x, create_graph=True)
+    calls.clear()
+    (got,) = torch.autograd.grad(dx.pow(2).sum(), x)
+    assert "conv_backward_filter" not in calls
+    (dx,) = torch.autograd.grad(theirs(x).pow(2).sum(), x, create_graph=True)
+    assert close(got, torch.autograd.grad(dx.pow(2).sum(), x)[0])
+
+
 def test_unbatched_input_as_torch_takes_it():
     x, w, b = tensors((4, 9, 9), (6, 4, 3, 3))
     y = wt.conv2d(x, w, b, padding=1)

@@ -82,9 +82,9 @@ class ConvFunction(_Pass):
         dx = dw = None
         site, settings = _as_started(ctx.started)
         with site, settings:
-            if ctx.needs_input_grad[0]:
+            if _wanted(ctx, 0):
                 dx = _pass(ConvTransposeFunction, dy, w, list(x.shape), *ctx.conv)
-            if ctx.needs_input_grad[1]:
+            if _wanted(ctx, 1):
                 dw = _pass(WeightGradFunction, x, dy, list(w.shape), *ctx.conv)
         return (dx, dw, *_NO_GRADS[:5])
 
@@ -112,9 +112,9 @@ class ConvTransposeFunction(_Pass):
         dx = dw = None
         site, settings = _as_started(ctx.started)
         with site, settings:
-            if ctx.needs_input_grad[0]:
+            if _wanted(ctx, 0):
                 dx = _pass(ConvFunction, dy, w, *ctx.conv)
-            if ctx.needs_input_grad[1]:
+            if _wanted(ctx, 1):
                 dw = _pass(WeightGradFunction, dy, x, list(w.shape), *ctx.conv)
         return (dx, dw, *_NO_GRADS)
 
@@ -138,9 +138,9 @@ class WeightGradFunction(_Pass):
         dx = ddy = None
         site, settings = _as_started(ctx.started)
         with site, settings:
-            if ctx.needs_input_grad[0]:
+            if _wanted(ctx, 0):
                 dx = _pass(ConvTransposeFunction, dy, g, list(x.shape), *ctx.conv)
-            if ctx.needs_input_grad[1]:
+            if _wanted(ctx, 1):
                 ddy = _pass(ConvFunction, x, g, *ctx.conv)
         return (dx, ddy, *_NO_GRADS)
 
@@ -261,6 +261,21 @@ def _pass(function: type[torch.autograd.Function], *args: Any) -> Tensor:
     if forward_ad._current_level >= 0:  # dual tensors may come (forward over reverse): the jvp gives their tangents
         return _OLDER[function].apply(*args)
     return _ops.call(_OPERATORS[function], *args)
+
+
+def _wanted(ctx: Any, i: int) -> bool:
+    """Whether a backward pass computes the gradient of its ``i``-th input: one that requires it and that the
+    backward running uses, as PyTorch's convolution computes only those (``torch.autograd.grad(y, x)`` asks nothing
+    of the weights, ``backward(inputs=[w])`` nothing of the input). Where autograd cannot say (a torch.compile trace,
+    a backward called outside autograd's engine), every gradient required."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        return bool(torch._C._will_engine_execute_node(ctx.next_functions[i][0]))
+    except RuntimeError:  # outside the engine; or a leaf that torch.autograd.grad asks for, which it refuses to say
+        return True
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...]) -> None:
