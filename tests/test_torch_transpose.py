@@ -158,6 +158,30 @@ def test_padding_modes_and_output_padding_wsarena_cannot_run_are_refused():
         conv(torch.zeros(1, 3, 5, 5))
 
 
+@pytest.mark.parametrize(("attribute", "value"), [("stride", 2), ("output_padding", 1), ("stride", [3, 2])])
+def test_parameters_set_after_construction_as_ints_or_lists_run_as_torchs(attribute, value):
+    """PyTorch's transposed modules read their parameters each forward, and an int there is one per dimension:
+    converted or made by wsarena, a module so changed runs as PyTorch's; one whose output_padding it makes too
+    large is refused by the module, and left to PyTorch by convert."""
+    torch.manual_seed(0)
+    theirs = torch.nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, dtype=torch.float64)
+    setattr(theirs, attribute, value)
+    ours = wt.convert(torch.nn.Sequential(copy.deepcopy(theirs)))[0]
+    assert type(ours) is wt.ConvTranspose2d
+    made = wt.ConvTranspose2d(3, 4, 3, stride=2, padding=1, dtype=torch.float64)
+    made.load_state_dict(theirs.state_dict())
+    setattr(made, attribute, value)
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    assert close(ours(x), theirs(x)) and close(made(x), theirs(x))
+    theirs.stride = ours.stride = made.stride = 1  # now output_padding=1 (or 0) with stride 1
+    if attribute == "output_padding":
+        with pytest.raises(ValueError, match=r"output_padding=\(1, 1\) is not smaller than stride=\(1, 1\)"):
+            made(x)
+        assert type(wt.convert(torch.nn.Sequential(theirs))[0]) is torch.nn.ConvTranspose2d
+    else:
+        assert close(made(x), theirs(x))
+
+
 class EncoderDecoder(torch.nn.Module):
     """Convolutions down, transposed convolutions (1-D, 2-D, one grouped) back up, as a segmentation net has."""
 

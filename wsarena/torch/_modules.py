@@ -28,19 +28,30 @@ def unsupported(module: nn.Module) -> str | None:
     if padding_mode != "zeros":
         return f"padding_mode={padding_mode!r} (only 'zeros' is supported; pad the input with F.pad instead)"
     if _output_padding_beyond_stride(module):
-        output_padding: Any = module.output_padding
-        stride: Any = module.stride
+        output_padding, stride = _per_dim(module, "output_padding"), _per_dim(module, "stride")
         return (f"output_padding={tuple(output_padding)} is not smaller than stride={tuple(stride)}, which "
                 "wsarena's transposed convolutions need")
     return None
 
 
+def _per_dim(module: nn.Module, name: str) -> list[Any]:
+    """A transposed module's parameter ``name`` with a value per dimension: PyTorch's modules read their attributes
+    each call, where an int (or a one-element sequence) stands for every dimension."""
+    value: Any = getattr(module, name, 0)
+    kernel_size: Any = module.kernel_size
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return values * len(kernel_size) if len(values) == 1 else values
+
+
 def _output_padding_beyond_stride(module: nn.Module) -> bool:
     """A transposed convolution with an ``output_padding`` no convolution's backward-data gives (PyTorch takes it
-    below the dilation too)."""
+    below the dilation too). Values that are no ints are not (the convolution says what is wrong with them)."""
     if not getattr(module, "transposed", False):
         return False
-    return any(e >= s for e, s in zip(getattr(module, "output_padding", ()), getattr(module, "stride", ())))
+    try:
+        return any(e >= s for e, s in zip(_per_dim(module, "output_padding"), _per_dim(module, "stride")))
+    except TypeError:
+        return False
 
 
 class _TorchSignature:
