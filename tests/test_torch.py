@@ -129,6 +129,12 @@ def test_a_backward_computes_only_the_gradients_asked_for_as_torchs_does(monkeyp
     assert "conv_backward_filter" not in calls
     (dx,) = torch.autograd.grad(theirs(x).pow(2).sum(), x, create_graph=True)
     assert close(got, torch.autograd.grad(dx.pow(2).sum(), x)[0])
+    # a frozen layer (its weight requires no gradient) under a trained one, on an input that requires none
+    ours[0].weight.requires_grad_(False)
+    y = ours(x.detach())
+    calls.clear()
+    y.pow(2).sum().backward()
+    assert calls == ["conv_forward", "conv_backward_filter"]  # the transposed layer's; the frozen one's bias alone
 
 
 def test_unbatched_input_as_torch_takes_it():
