@@ -90,6 +90,32 @@ def test_converted_models_deepcopy_pickle_and_save_as_wsarenas():
         assert torch.equal(other(x), expected)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.ao's import
+def test_batch_norms_folded_before_converting_or_by_fuse_conv_bn_eval_give_torchs_results():
+    """As the README says: PyTorch's fusion tools that look for its classes fold before convert(), and
+    fuse_conv_bn_eval folds into wsarena's modules, which it keeps."""
+    from torch.fx.experimental import optimization
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
+    model = model.double().eval()
+    for norm in (model[1], model[4]):
+        norm.running_mean.normal_()
+        norm.running_var.uniform_(0.5, 2)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    fused = (torch.ao.quantization.fuse_modules(copy.deepcopy(model), [["0", "1", "2"], ["3", "4"]]),
+             optimization.fuse(copy.deepcopy(model)))
+    for folded in map(wt.convert, fused):
+        convs = [m for m in folded.modules() if isinstance(m, nn.Conv2d)]
+        assert len(convs) == 2 and all(type(m) is wt.Conv2d for m in convs)
+        assert not any(isinstance(m, nn.BatchNorm2d) for m in folded.modules())
+        assert close(folded(x), model(x))
+    with pytest.raises(AssertionError, match="did not find fuser method.*wsarena"):
+        torch.ao.quantization.fuse_modules(wt.convert(copy.deepcopy(model)), [["0", "1"]])
+    conv = torch.nn.utils.fusion.fuse_conv_bn_eval(wt.convert(copy.deepcopy(model))[0], model[1])
+    assert type(conv) is wt.Conv2d and close(conv(x), model[1](model[0](x)))
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("make", [lambda: wt.Conv2d(3, 4, 3),
                                   lambda: wt.convert(nn.Sequential(nn.Sequential(nn.ConvTranspose1d(3, 4, 3))))])
