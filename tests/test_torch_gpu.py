@@ -379,14 +379,19 @@ def _steps_as_eager(graphed, x, target, eager):
     )
 
 
-def test_a_model_graphed_by_make_graphed_callables_replays_the_eager_step_and_names_its_fallback():
+def test_a_model_graphed_by_make_graphed_callables_replays_the_eager_step_and_names_its_fallback(monkeypatch):
     """``torch.cuda.make_graphed_callables`` warms up on a stream of its own and captures on ``torch.cuda.graph``'s
     default stream, whose sub-arena holds nothing and cannot grow during the capture: each convolution is captured
     with an algorithm that fits in it, with one ``CaptureFallbackWarning`` for that stream where the eager step's
-    choices needed workspace. The graphed model still gives the eager step's loss and gradients."""
+    choices needed workspace. The graphed model still gives the eager step's loss and gradients.
+
+    ``torch.cuda.Stream()`` hands out PyTorch's pooled streams in turn, 32 of a priority: a default capture stream
+    made by an earlier test could be the one the warm-up gets, which would size it. One made just before the
+    warm-up's is never that one."""
     import warnings
 
     model, x, target, eager = _converted_and_its_eager_step(3)
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", torch.cuda.Stream())
     arena = get_arena(x.device.index)
     allocations = arena.stats().allocations
     with warnings.catch_warnings(record=True) as caught:
