@@ -136,8 +136,8 @@ def test_out_of_memory_is_an_arena_error_and_the_arena_stays_usable(cupy):
 def test_refusals_of_a_real_provider_are_recorded_and_a_call_with_a_fallback_defers(cupy, make, monkeypatch):
     """The device's own refusals (CuPy's OutOfMemoryError, cuda.core's OUT_OF_MEMORY) are timed and recorded: after
     two in a row a caller that can do with the 1 MiB its stream holds is told not to ask, and a lease still asks.
-    (The clock moves a second a read: a refusal takes one, and its wait of 100 outlasts the test, however fast the
-    device refuses.)"""
+    (The clock moves a second a read: a refusal takes one, and its wait, 100 times that but at most LONGEST_WAIT's
+    60, outlasts the test, however fast the device refuses.)"""
     import itertools
 
     from wsarena.arena import _refusals
