@@ -383,6 +383,80 @@ def test_convert_converts_parametrized_convolutions_and_keeps_their_parametrizat
     assert type(model[2]) is wt.Conv1d
 
 
+ALL_SIX = [
+    torch.nn.Conv1d(2, 4, 3), torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.Conv3d(2, 4, 1),
+    torch.nn.ConvTranspose1d(2, 4, 3, stride=2), torch.nn.ConvTranspose2d(2, 4, 2), torch.nn.ConvTranspose3d(2, 4, 1),
+]
+
+
+def test_revert_gives_each_converted_convolution_pytorchs_class_back_and_keeps_its_state():
+    """The same objects, parameters (an optimizer made before trains them still), hooks and state_dict; the model
+    trained through wsarena computes as PyTorch's modules compute it."""
+    torch.manual_seed(3)
+    model = torch.nn.ModuleList(copy.deepcopy(ALL_SIX)).double()
+    classes = [type(m) for m in model]
+    params = [id(p) for p in model.parameters()]
+    calls = []
+    model[1].register_forward_hook(lambda m, i, o: calls.append(type(m)))
+    wt.convert(model)
+    assert [type(m) for m in model] == [wt.Conv1d, wt.Conv2d, wt.Conv3d, wt.ConvTranspose1d, wt.ConvTranspose2d,
+                                        wt.ConvTranspose3d]
+    inputs = [torch.randn(1, 2, *(6,) * (i % 3 + 1), dtype=torch.float64) for i in range(6)]
+    trained = [m(x) for m, x in zip(model, inputs)]
+    assert wt.revert(model) is model
+    assert [type(m) for m in model] == classes and [id(p) for p in model.parameters()] == params
+    reverted = [m(x) for m, x in zip(model, inputs)]
+    assert all(close(r, t) for r, t in zip(reverted, trained))
+    assert calls == [wt.Conv2d, torch.nn.Conv2d]
+    one = wt.Conv2d(2, 4, 3)  # made as wsarena's, not converted: PyTorch's all the same
+    assert type(wt.revert(one)) is torch.nn.Conv2d and one.state_dict().keys() == {"weight", "bias"}
+
+
+def test_revert_keeps_parametrizations_and_leaves_subclasses_and_other_modules_alone():
+    parametrize = torch.nn.utils.parametrize
+
+    class Mine(wt.Conv2d):
+        pass
+
+    model = torch.nn.Sequential(
+        torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv2d(3, 4, 3, padding=1)), Mine(4, 4, 1),
+        torch.nn.BatchNorm2d(4),
+    ).double()
+    keys = model.state_dict().keys()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    ref = wt.convert(model)(x)
+    wt.revert(model)
+    assert parametrize.type_before_parametrizations(model[0]) is torch.nn.Conv2d
+    assert [type(m) for m in model[1:]] == [Mine, torch.nn.BatchNorm2d] and model.state_dict().keys() == keys
+    assert close(model(x), ref)
+    parametrize.remove_parametrizations(model[0], "weight")
+    assert type(model[0]) is torch.nn.Conv2d
+    with pytest.raises(TypeError, match="must be a torch.nn.Module, not list"):
+        wt.revert([torch.nn.Conv2d(1, 1, 1)])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # TorchScript and its ONNX exporter are deprecated
+def test_a_reverted_model_exports_to_onnx_and_scripts_as_pytorchs_own():
+    """What takes only PyTorch's own modules: TorchScript's ONNX exporter, which cannot export a Python autograd
+    Function, and torch.jit.script, which wsarena's modules refuse."""
+    onnx = pytest.importorskip("onnx")
+    import io
+
+    model = wt.convert(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(),
+                                           torch.nn.ConvTranspose2d(4, 2, 2, stride=2)))
+    x = torch.randn(1, 3, 8, 8)
+    with pytest.raises(RuntimeError, match="ConvFunction"):
+        torch.onnx.export(model, (x,), io.BytesIO(), dynamo=False)
+    with pytest.raises(TypeError, match=r"wsarena\.torch\.revert\(model\)"):
+        torch.jit.script(model)
+    wt.revert(model)
+    exported = io.BytesIO()
+    torch.onnx.export(model, (x,), exported, dynamo=False)
+    graph = onnx.load_from_string(exported.getvalue()).graph
+    assert [node.op_type for node in graph.node] == ["Conv", "Relu", "ConvTranspose"]
+    assert close(torch.jit.script(model)(x), model(x), 0)
+
+
 @pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
 def test_convert_refuses_torchscript_convolutions_and_changes_nothing():
     """A scripted or traced model runs TorchScript's code, not its modules' classes: converting it would change

@@ -1,5 +1,5 @@
-"""``Conv1d``, ``Conv2d``, ``Conv3d``, ``ConvTranspose1d``, ``ConvTranspose2d``, ``ConvTranspose3d`` modules and
-:func:`convert`, which swaps a model's convolutions in place.
+"""``Conv1d``, ``Conv2d``, ``Conv3d``, ``ConvTranspose1d``, ``ConvTranspose2d``, ``ConvTranspose3d`` modules,
+:func:`convert`, which swaps a model's convolutions in place, and :func:`revert`, which swaps them back.
 
 The modules are ``torch.nn``'s with the same constructor, parameters and ``state_dict``; only the convolution itself
 runs through :mod:`wsarena.torch`'s functions. ``padding_mode="zeros"`` only: the others pad the input on their
@@ -19,7 +19,9 @@ from torch.nn.utils import parametrize
 
 from . import _functional
 
-__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "convert"]
+__all__ = [
+    "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "convert", "revert",
+]
 
 
 def unsupported(module: nn.Module) -> str | None:
@@ -97,7 +99,7 @@ class _Checked(nn.Module):
         raise TypeError(
             f"wsarena.torch.{type(self).__name__} cannot be compiled by TorchScript (torch.jit.script): its "
             "convolution is a Python autograd Function. torch.compile and torch.export take it; torch.jit.trace "
-            "runs it, but cannot save it"
+            "runs it, but cannot save it; wsarena.torch.revert(model) gives the model PyTorch's modules back"
         )
 
 
@@ -187,13 +189,45 @@ def _swappable(module: nn.Module) -> type[nn.Module] | None:
     return type(module) if type(module) in _SWAPS else None
 
 
-def _swapped(module: nn.Module, base: type[nn.Module]) -> type[nn.Module]:
-    """wsarena's class for ``module``, a ``base``: for a parametrized one, its own class (which holds the
-    parametrized properties) over wsarena's, so that removing the parametrizations leaves wsarena's module."""
+def _swapped(module: nn.Module, base: type[nn.Module], swaps: dict[type[nn.Module], type[nn.Module]] = _SWAPS,
+             ) -> type[nn.Module]:
+    """The class ``swaps`` gives ``module``, a ``base``: for a parametrized one, its own class (which holds the
+    parametrized properties) over that one, so that removing the parametrizations leaves the swapped module."""
     if type(module) is base:
-        return _SWAPS[base]
+        return swaps[base]
     own = {k: v for k, v in vars(type(module)).items() if k not in ("__dict__", "__weakref__")}
-    return type(type(module).__name__, (_SWAPS[base],), own)
+    return type(type(module).__name__, (swaps[base],), own)
+
+
+_REVERTS = {wsarena_class: torch_class for torch_class, wsarena_class in _SWAPS.items()}
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Undo :func:`convert`: every wsarena.torch convolution module of ``model`` (``model`` itself included), made
+    by :func:`convert` or constructed as one, becomes the matching ``torch.nn`` class again, in place.
+
+    The same objects, with the same parameters, buffers, hooks, parametrizations and ``state_dict``, as
+    :func:`convert` keeps them: train with wsarena, then give the model to what takes only PyTorch's own modules
+    (``torch.onnx.export``, ``torch.jit.script``, tools that look for ``nn.Conv2d``). Subclasses of wsarena's
+    modules are left as they are.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``model``.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not a module.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    for module in model.modules():
+        before = parametrize.type_before_parametrizations(module)
+        if before in _REVERTS:
+            module.__class__ = _swapped(module, before, _REVERTS)
+    return model
 
 
 def convert(model: nn.Module) -> nn.Module:
