@@ -202,34 +202,6 @@ def _swapped(module: nn.Module, base: type[nn.Module], swaps: dict[type[nn.Modul
 _REVERTS = {wsarena_class: torch_class for torch_class, wsarena_class in _SWAPS.items()}
 
 
-def revert(model: nn.Module) -> nn.Module:
-    """Undo :func:`convert`: every wsarena.torch convolution module of ``model`` (``model`` itself included), made
-    by :func:`convert` or constructed as one, becomes the matching ``torch.nn`` class again, in place.
-
-    The same objects, with the same parameters, buffers, hooks, parametrizations and ``state_dict``, as
-    :func:`convert` keeps them: train with wsarena, then give the model to what takes only PyTorch's own modules
-    (``torch.onnx.export``, ``torch.jit.script``, tools that look for ``nn.Conv2d``). Subclasses of wsarena's
-    modules are left as they are.
-
-    Returns
-    -------
-    torch.nn.Module
-        ``model``.
-
-    Raises
-    ------
-    TypeError
-        ``model`` is not a module.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    for module in model.modules():
-        before = parametrize.type_before_parametrizations(module)
-        if before in _REVERTS:
-            module.__class__ = _swapped(module, before, _REVERTS)
-    return model
-
-
 def convert(model: nn.Module) -> nn.Module:
     """Make every ``nn.Conv1d/2d/3d`` and ``nn.ConvTranspose1d/2d/3d`` of ``model`` run through wsarena, in place.
 
@@ -275,4 +247,32 @@ def convert(model: nn.Module) -> nn.Module:
         raise ValueError("cannot convert these convolutions, so nothing was converted: " + "; ".join(problems))
     for _, module, base in found:
         module.__class__ = _swapped(module, base)
+    return model
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Undo :func:`convert`: every wsarena.torch convolution module of ``model`` (``model`` itself included), made
+    by :func:`convert` or constructed as one, becomes the matching ``torch.nn`` class again, in place.
+
+    The same objects, with the same parameters, buffers, hooks, parametrizations and ``state_dict``, as
+    :func:`convert` keeps them: train with wsarena, then give the model to what takes only PyTorch's own modules
+    (``torch.onnx.export``, ``torch.jit.script``, tools that look for ``nn.Conv2d``). Subclasses of wsarena's
+    modules are left as they are.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``model``.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not a module.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    for module in model.modules():
+        before = parametrize.type_before_parametrizations(module)
+        if before in _REVERTS:
+            module.__class__ = _swapped(module, before, _REVERTS)
     return model
