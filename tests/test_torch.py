@@ -482,7 +482,7 @@ def test_convert_refuses_torchscript_convolutions_and_changes_nothing():
 def test_convert_refuses_traced_parametrized_convolutions_of_pytorchs_only():
     """parametrize names its class after the module's (ParametrizedConv2d), in its own Python module: a traced
     weight_norm convolution of PyTorch's is refused as a plain one is, one of wsarena's (converted before tracing,
-    or parametrized as it was made) is not."""
+    or parametrized as it was made) is not, and one reverted to PyTorch's is again."""
     weight_norm = torch.nn.utils.parametrizations.weight_norm
     x = torch.randn(1, 3, 5, 5)
     traced = torch.jit.trace(torch.nn.Sequential(weight_norm(torch.nn.Conv2d(3, 4, 3))), x)
@@ -493,6 +493,12 @@ def test_convert_refuses_traced_parametrized_convolutions_of_pytorchs_only():
     for ours in (wt.convert(torch.nn.Sequential(weight_norm(torch.nn.Conv2d(3, 4, 3)))), torch.nn.Sequential(made)):
         traced = torch.jit.trace(ours, x)
         assert wt.convert(traced) is traced
+    # reverted, each is PyTorch's again, its class in parametrize's module: traced, it is refused as PyTorch's is
+    for reverted in (wt.revert(wt.convert(torch.nn.Sequential(weight_norm(torch.nn.Conv2d(3, 4, 3))))),
+                     wt.revert(torch.nn.Sequential(made))):
+        assert type(reverted[0]).__module__ == torch.nn.utils.parametrize.__name__
+        with pytest.raises(TypeError, match=r"nothing was converted: 0: ParametrizedConv2d"):
+            wt.convert(torch.jit.trace(reverted, x))
 
 
 def test_a_converted_model_trains_under_the_cap():

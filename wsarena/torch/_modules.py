@@ -192,11 +192,12 @@ def _swappable(module: nn.Module) -> type[nn.Module] | None:
 def _swapped(module: nn.Module, base: type[nn.Module], swaps: dict[type[nn.Module], type[nn.Module]] = _SWAPS,
              ) -> type[nn.Module]:
     """The class ``swaps`` gives ``module``, a ``base``: for a parametrized one, its own class (which holds the
-    parametrized properties) over that one, so that removing the parametrizations leaves the swapped module."""
+    parametrized properties) over that one, so that removing the parametrizations leaves the swapped module. That
+    class is parametrize's, in its module (which wsarena's classes make theirs: :meth:`_Checked.__init_subclass__`)."""
     if type(module) is base:
         return swaps[base]
     own = {k: v for k, v in vars(type(module)).items() if k not in ("__dict__", "__weakref__")}
-    return type(type(module).__name__, (swaps[base],), own)
+    return type(type(module).__name__, (swaps[base],), {**own, "__module__": parametrize.__name__})
 
 
 _REVERTS = {wsarena_class: torch_class for torch_class, wsarena_class in _SWAPS.items()}
