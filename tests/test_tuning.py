@@ -192,7 +192,7 @@ def test_calls_whose_algorithms_memory_kept_from_being_timed_are_counted_and_sai
 
 def test_the_recommendation_says_what_it_saves_or_that_no_smaller_arena_is_within_the_slowdown(fake):
     """From the known times: within 10% the 4000-byte cap (+5.56%) saves half the uncapped arena; within 2% only the
-    uncapped arena's 8000 bytes are, and the line says what the next smaller one would cost."""
+    uncapped arena's 8000 bytes are, and the line says what the next smaller one would cost, or that none is."""
     def recommendation(max_slowdown):
         (line,) = [x for x in render_curve(run(max_slowdown=max_slowdown)).splitlines() if x.startswith("recommended")]
         return line
@@ -205,6 +205,10 @@ def test_the_recommendation_says_what_it_saves_or_that_no_smaller_arena_is_withi
         "recommended cap (slowdown within 2%): 7.81 KiB: step 36.00 ms (+0.00%), arena 7.81 KiB, as uncapped: no "
         "smaller one keeps the slowdown within 2% (the next, 3.91 KiB, costs +5.56%)"
     )
+    # b's input gradient has one algorithm, without workspace: no cap gives a smaller arena, within any slowdown
+    only = tune([LAYERS[1]], batch=2, passes=("bwd_data",), backend="cpu", model="toy")
+    (line,) = [x for x in render_curve(only).splitlines() if x.startswith("recommended")]
+    assert line.endswith("arena 0 B, as uncapped: no cap gives a smaller one")
 
 
 def test_the_persistent_cache_serves_a_second_tuning(fake, tmp_path, monkeypatch):

@@ -105,10 +105,11 @@ def render_curve(t: Any) -> str:
     if best.arena_bytes < fastest.arena_bytes:
         saving = f" instead of {format_size(fastest.arena_bytes)} uncapped"
     else:  # it saves nothing; the cap still bounds a later, larger call
-        saving = f", as uncapped: no smaller one keeps the slowdown within {within}"
         smaller = [q for q in t.curve if q.arena_bytes < best.arena_bytes]
+        saving = ", as uncapped: no cap gives a smaller one"
         if smaller:
-            saving += f" (the next, {format_size(smaller[-1].arena_bytes)}, costs {smaller[-1].slowdown:+.2%})"
+            saving = (f", as uncapped: no smaller one keeps the slowdown within {within} "
+                      f"(the next, {format_size(smaller[-1].arena_bytes)}, costs {smaller[-1].slowdown:+.2%})")
     lines += [
         "",
         (
