@@ -270,12 +270,17 @@ def _wanted(ctx: Any, i: int) -> bool:
     a backward called outside autograd's engine), every gradient required."""
     if not ctx.needs_input_grad[i]:
         return False
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _will_execute is None:
         return True
     try:
-        return bool(torch._C._will_engine_execute_node(ctx.next_functions[i][0]))
+        return bool(_will_execute(ctx.next_functions[i][0]))
     except RuntimeError:  # outside the engine; or a leaf that torch.autograd.grad asks for, which it refuses to say
         return True
+
+
+# What torch.autograd.graph's multi-grad hooks ask the engine; a private name, so a PyTorch without it computes every
+# gradient required, as before
+_will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...]) -> None:
