@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from . import _functional
+from ._shapes import per_dim
 
 __all__ = [
     "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "convert", "revert",
@@ -29,31 +30,28 @@ def unsupported(module: nn.Module) -> str | None:
     padding_mode = getattr(module, "padding_mode", "zeros")
     if padding_mode != "zeros":
         return f"padding_mode={padding_mode!r} (only 'zeros' is supported; pad the input with F.pad instead)"
-    if _output_padding_beyond_stride(module):
-        output_padding, stride = _per_dim(module, "output_padding"), _per_dim(module, "stride")
+    beyond = _output_padding_beyond_stride(module)
+    if beyond is not None:
+        output_padding, stride = beyond
         return (f"output_padding={tuple(output_padding)} is not smaller than stride={tuple(stride)}, which "
                 "wsarena's transposed convolutions need")
     return None
 
 
-def _per_dim(module: nn.Module, name: str) -> list[Any]:
-    """A transposed module's parameter ``name`` with a value per dimension: PyTorch's modules read their attributes
-    each call, where an int (or a one-element sequence) stands for every dimension."""
-    value: Any = getattr(module, name, 0)
-    kernel_size: Any = module.kernel_size
-    values = list(value) if isinstance(value, (list, tuple)) else [value]
-    return values * len(kernel_size) if len(values) == 1 else values
-
-
-def _output_padding_beyond_stride(module: nn.Module) -> bool:
-    """A transposed convolution with an ``output_padding`` no convolution's backward-data gives (PyTorch takes it
-    below the dilation too). Values that are no ints are not (the convolution says what is wrong with them)."""
+def _output_padding_beyond_stride(module: nn.Module) -> tuple[list[int], list[int]] | None:
+    """A transposed convolution's ``output_padding`` and ``stride``, an int per dimension, where the first is not
+    below the second: an output no convolution's backward-data gives (PyTorch takes it below the dilation too).
+    ``None`` otherwise, and for values that are no ints (the convolution says what is wrong with them). PyTorch's
+    modules read these attributes each call, where an int (or a one-element sequence) stands for every dimension."""
     if not getattr(module, "transposed", False):
-        return False
-    try:
-        return any(e >= s for e, s in zip(_per_dim(module, "output_padding"), _per_dim(module, "stride")))
-    except TypeError:
-        return False
+        return None
+    nd = len(getattr(module, "kernel_size", ()))
+    extra, stride = (
+        per_dim(_functional._each(getattr(module, name, 0), nd), nd) for name in ("output_padding", "stride")
+    )
+    if extra is None or stride is None or not any(e >= s for e, s in zip(extra, stride)):
+        return None
+    return extra, stride
 
 
 class _TorchSignature:
@@ -241,7 +239,7 @@ def convert(model: nn.Module) -> nn.Module:
         )
     found = [
         (name, module, base) for name, module in model.named_modules()
-        if (base := _swappable(module)) is not None and not _output_padding_beyond_stride(module)
+        if (base := _swappable(module)) is not None and _output_padding_beyond_stride(module) is None
     ]
     problems = [f"{name or 'the model'}: {reason}" for name, module, _ in found if (reason := unsupported(module))]
     if problems:
