@@ -187,8 +187,9 @@ def _swappable(module: nn.Module) -> type[nn.Module] | None:
     return type(module) if type(module) in _SWAPS else None
 
 
-def _swapped(module: nn.Module, base: type[nn.Module], swaps: dict[type[nn.Module], type[nn.Module]] = _SWAPS,
-             ) -> type[nn.Module]:
+def _swapped(
+    module: nn.Module, base: type[nn.Module], swaps: dict[type[nn.Module], type[nn.Module]] = _SWAPS
+) -> type[nn.Module]:
     """The class ``swaps`` gives ``module``, a ``base``: for a parametrized one, its own class (which holds the
     parametrized properties) over that one, so that removing the parametrizations leaves the swapped module. That
     class is parametrize's, in its module (which wsarena's classes make theirs: :meth:`_Checked.__init_subclass__`)."""
