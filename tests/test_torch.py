@@ -439,8 +439,9 @@ def test_revert_keeps_parametrizations_and_leaves_subclasses_and_other_modules_a
 def test_a_reverted_model_exports_to_onnx_and_scripts_as_pytorchs_own():
     """What takes only PyTorch's own modules: TorchScript's ONNX exporter, which cannot export a Python autograd
     Function, and torch.jit.script, which wsarena's modules refuse."""
-    onnx = pytest.importorskip("onnx")
     import io
+
+    import onnx  # a dependency of wsarena's own
 
     model = wt.convert(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(),
                                            torch.nn.ConvTranspose2d(4, 2, 2, stride=2)))
