@@ -606,6 +606,20 @@ def test_onnx_symbolic_spatial_size_is_unknown(tmp_path):
             load_model(path, skip_unknown=True)
 
 
+def test_onnx_negative_dim_is_unknown(tmp_path):
+    # Some writers put -1 for a dynamic dim (helper.make_tensor_value_info("x", FLOAT, [-1, 3, -1, 16])); onnx's
+    # inference carries it on as -3, -5, ... It is a dim of unknown size, which input_shapes can fix.
+    nodes = [conv("a", "x", "w1", "y"), conv("b", "y", "w2", "z", pads=[1, 1, 1, 1])]
+    weights = [weight("w1", (4, 3, 3, 3)), weight("w2", (8, 4, 3, 3))]
+    path = save(tmp_path, nodes, [vi("x", [-1, 3, -1, 16])], weights)
+    with pytest.raises(ModelError, match=r"'a' \(input shape \[1, 3, \?, 16\] unknown\); 'b' \(input shape "
+                                         r"\[1, 4, \?, 14\] unknown\) \(fix the model's input shapes"):
+        load_model(path)
+    assert [l.input_shape for l in load_model(path, input_shapes=(2, 3, 12, 16))] == [(1, 3, 12, 16), (1, 4, 10, 14)]
+    channels = save(tmp_path, nodes, [vi("x", [1, -1, 12, 16])], weights, name="channels.onnx")
+    assert [l.input_shape for l in load_model(channels)] == [(1, 3, 12, 16), (1, 4, 10, 14)]  # from the weight
+
+
 
 @pytest.mark.parametrize("attrs, w_shape, message", [
     ({"strides": [2, 2], "output_padding": [1]}, (4, 6, 3, 3), r"'up': output_padding=\[1\] needs 2 entries"),

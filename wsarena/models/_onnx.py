@@ -12,8 +12,9 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   narrower than its stride gives, is output padding: onnxruntime pads nothing and leaves those positions without
   contribution.
 * Shapes: the weight shape from an initializer or the inferred value info; the input shape from the graph
-  inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation). A symbolic or missing batch dimension
-  is taken as 1, and any batch in the file is replaced by 1: the planner applies its own batch.
+  inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation). A negative dim in the file (some
+  writers' -1 for a dynamic one) is unknown, as a symbolic one. A symbolic or missing batch dimension is taken as 1,
+  and any batch in the file is replaced by 1: the planner applies its own batch.
 * Channels: where inference leaves a conv's input channel count unknown (a U-Net's skip connection through a
   ``Pad`` whose pads are computed, then a ``Concat``: ``[N, ?, H, W]``), it follows from the weight, as
   ``W.shape[1] * group`` for a ``Conv`` and ``W.shape[0]`` for a ``ConvTranspose``. Spatial sizes still come from
@@ -281,6 +282,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
                       stacklevel=3)
     if not convs:
         raise ModelError(f"{path!r}: the ONNX model has no Conv or ConvTranspose node in its main graph")
+    _unknown_negative_dims(model.graph)
     if input_shapes is not None:
         _fix_input_shapes(model.graph, input_shapes, path)
     try:
@@ -339,6 +341,16 @@ def _inline_functions(model: Any, path: str) -> Any:
         return inline_local_functions(model)
     except Exception as exc:  # noqa: BLE001 - the inliner raises several types; any means the calls are unreadable
         raise ModelError(f"{path!r}: cannot inline the model's local functions: {exc}".splitlines()[0]) from None
+
+
+def _unknown_negative_dims(graph: Any) -> None:
+    """Make each negative dim of the graph's declared shapes unknown: some writers put -1 for a dynamic dim, which
+    shape inference would carry on as a size (-3, -5, ... or a positive one after a ConvTranspose)."""
+    for vi in [*graph.input, *graph.value_info, *graph.output]:
+        if vi.type.HasField("tensor_type"):
+            for d in vi.type.tensor_type.shape.dim:
+                if d.HasField("dim_value") and d.dim_value < 0:
+                    d.ClearField("dim_value")
 
 
 def _fix_input_shapes(graph: Any, input_shapes: Mapping[str, Sequence[int]] | Sequence[int], path: str) -> None:
