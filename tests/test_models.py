@@ -669,6 +669,23 @@ def test_onnx_one_input_shape_needs_a_model_with_one_input(tmp_path):
     assert [l.input_shape for l in layers] == [(1, 3, 16, 16), (1, 3, 9, 9)]
 
 
+def test_onnx_external_data_gives_the_shapes_inference_reads(tmp_path):
+    # A model saved with every tensor in an external file (size_threshold=0): the weights' dims are in the model,
+    # but the Reshape's target shape is data, which onnx.load reads and inference needs.
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["image"]), conv("c", "image", "w", "y", pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "g", [vi("x", [1, 3 * 16 * 12])], [vi("y", None)],
+                              [weight("w", (8, 3, 3, 3)), numpy_helper.from_array(np.array([1, 3, 16, 12]), "shape")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "external.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="external.data", size_threshold=0)
+    (layer,) = load_model(path)
+    assert layer.input_shape == (1, 3, 16, 12) and layer.weight_shape == (8, 3, 3, 3)
+    assert inferred_output(path, "image") == (1, 3, 16, 12)  # onnx.load reads the external data too
+    (tmp_path / "external.data").unlink()  # without the data, the weights' dims are still known, the shape is not
+    with pytest.raises(ModelError, match=r"'c' \(input shape \? unknown\)"):
+        load_model(path)
+
+
 def test_onnx_without_conv(tmp_path):
     path = save(tmp_path, [helper.make_node("Relu", ["x"], ["y"])], [vi("x", [1, 3, 8, 8])])
     with pytest.raises(ModelError, match="has no Conv or ConvTranspose node"):

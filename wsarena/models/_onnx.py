@@ -12,7 +12,8 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   narrower than its stride gives, is output padding: onnxruntime pads nothing and leaves those positions without
   contribution.
 * Shapes: the weight shape from an initializer or the inferred value info; the input shape from the graph
-  inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation). A negative dim in the file (some
+  inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation; of tensors kept in external data files,
+  those of at most 64 elements are read for it, a ``Reshape``'s shape, never a weight). A negative dim in the file (some
   writers' -1 for a dynamic one) is unknown, as a symbolic one. A symbolic or missing batch dimension is taken as 1,
   and any batch in the file is replaced by 1: the planner applies its own batch.
 * Channels: where inference leaves a conv's input channel count unknown (a U-Net's skip connection through a
@@ -35,6 +36,8 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
 
 from __future__ import annotations
 
+import contextlib
+import math
 import numbers
 import os
 import warnings
@@ -274,6 +277,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         raise ModelError(f"{path!r} is not an ONNX model (no graph nodes)")
     if model.functions:
         model = _inline_functions(model, path)
+    _load_small_external_data(model.graph, os.path.dirname(path))
     convs = [(i, n) for i, n in enumerate(model.graph.node)
              if n.op_type in _CONV_OPS and n.domain in _DEFAULT_DOMAINS]
     nested = _count_subgraph_convs(model.graph)
@@ -341,6 +345,29 @@ def _inline_functions(model: Any, path: str) -> Any:
         return inline_local_functions(model)
     except Exception as exc:  # noqa: BLE001 - the inliner raises several types; any means the calls are unreadable
         raise ModelError(f"{path!r}: cannot inline the model's local functions: {exc}".splitlines()[0]) from None
+
+
+# The most elements of an external tensor read for shape inference: shapes, pads, scales; never a weight, of which
+# only the dims, in the model itself, are needed.
+_SMALL_EXTERNAL = 64
+
+
+def _load_small_external_data(graph: Any, base_dir: str) -> None:
+    """Read into the model the small tensors of the main graph kept in external data files, as ``onnx.load`` does,
+    for the shape inference that reads their values (a ``Reshape``'s shape); one that cannot be read stays without
+    its data."""
+    from onnx import TensorProto
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    tensors = [*graph.initializer, *(a.t for n in graph.node if n.op_type == "Constant" for a in n.attribute
+                                     if a.HasField("t"))]
+    for tensor in tensors:
+        if uses_external_data(tensor) and math.prod(tensor.dims) <= _SMALL_EXTERNAL:
+            copy = TensorProto()
+            copy.CopyFrom(tensor)
+            with contextlib.suppress(Exception):  # a missing or bad file: onnx raises several types
+                load_external_data_for_tensor(copy, base_dir)
+                tensor.CopyFrom(copy)
 
 
 def _unknown_negative_dims(graph: Any) -> None:
