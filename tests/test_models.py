@@ -686,6 +686,20 @@ def test_onnx_external_data_gives_the_shapes_inference_reads(tmp_path):
         load_model(path)
 
 
+def test_onnx_sparse_initializer_weight(tmp_path):
+    # A pruned weight stored as a sparse initializer (graph.sparse_initializer): its dims are the weight's shape,
+    # for the conv and, through inference, for the one after it.
+    values = numpy_helper.from_array(np.ones(2, np.float32), "w1")
+    sparse = helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([0, 5]), ""), [8, 3, 3, 3])
+    nodes = [conv("a", "x", "w1", "y", strides=[2, 2]), conv("b", "y", "w2", "z", pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "g", [vi("x", [1, 3, 17, 17])], [vi("z", None)], [weight("w2", (4, 8, 3, 3))],
+                              sparse_initializer=[sparse])
+    path = tmp_path / "sparse.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    a, b = load_model(path)
+    assert (a.input_shape, a.weight_shape, b.input_shape) == ((1, 3, 17, 17), (8, 3, 3, 3), (1, 8, 8, 8))
+
+
 def test_onnx_without_conv(tmp_path):
     path = save(tmp_path, [helper.make_node("Relu", ["x"], ["y"])], [vi("x", [1, 3, 8, 8])])
     with pytest.raises(ModelError, match="has no Conv or ConvTranspose node"):

@@ -11,11 +11,11 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   (``output_shape``, or ``SAME_*``'s input size times stride) past the full one by less than a stride, as a kernel
   narrower than its stride gives, is output padding: onnxruntime pads nothing and leaves those positions without
   contribution.
-* Shapes: the weight shape from an initializer or the inferred value info; the input shape from the graph
-  inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation; of tensors kept in external data files,
-  those of at most 64 elements are read for it, a ``Reshape``'s shape, never a weight). A negative dim in the file (some
-  writers' -1 for a dynamic one) is unknown, as a symbolic one. A symbolic or missing batch dimension is taken as 1,
-  and any batch in the file is replaced by 1: the planner applies its own batch.
+* Shapes: the weight shape from an initializer (a sparse one too) or the inferred value info; the input shape from
+  the graph inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation; of the tensors kept in external
+  data files, those of at most 64 elements are read for it, a ``Reshape``'s shape, never a weight). A negative dim
+  in the file (some writers' -1 for a dynamic one) is unknown, as a symbolic one. A symbolic or missing batch
+  dimension is taken as 1, and any batch in the file is replaced by 1: the planner applies its own batch.
 * Channels: where inference leaves a conv's input channel count unknown (a U-Net's skip connection through a
   ``Pad`` whose pads are computed, then a ``Concat``: ``[N, ?, H, W]``), it follows from the weight, as
   ``W.shape[1] * group`` for a ``Conv`` and ``W.shape[0]`` for a ``ConvTranspose``. Spatial sizes still come from
@@ -287,6 +287,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     if not convs:
         raise ModelError(f"{path!r}: the ONNX model has no Conv or ConvTranspose node in its main graph")
     _unknown_negative_dims(model.graph)
+    _densify_sparse_initializers(model.graph)
     if input_shapes is not None:
         _fix_input_shapes(model.graph, input_shapes, path)
     try:
@@ -368,6 +369,17 @@ def _load_small_external_data(graph: Any, base_dir: str) -> None:
             with contextlib.suppress(Exception):  # a missing or bad file: onnx raises several types
                 load_external_data_for_tensor(copy, base_dir)
                 tensor.CopyFrom(copy)
+
+
+def _densify_sparse_initializers(graph: Any) -> None:
+    """Replace the graph's sparse initializers (a pruned weight) by dense ones of their shape, without data, which
+    shape inference reads as it reads any initializer; it gives a sparse tensor a type no operator takes."""
+    from onnx import TensorProto
+
+    for sparse in graph.sparse_initializer:
+        graph.initializer.append(TensorProto(name=sparse.values.name, data_type=sparse.values.data_type,
+                                             dims=sparse.dims))
+    del graph.sparse_initializer[:]
 
 
 def _unknown_negative_dims(graph: Any) -> None:
