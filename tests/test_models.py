@@ -737,6 +737,24 @@ def test_onnx_convs_in_subgraphs_are_left_out_with_a_warning(tmp_path):
     assert [l.name for l in layers] == ["outer"]
 
 
+def test_onnx_quantized_convs_are_said_to_be_left_out(tmp_path):
+    """QLinearConv and ConvInteger (integer operands) are no floating-point convolution: a model that has only those
+    is refused saying so, and one beside float convs warns that they are not in the figures."""
+    quantized = helper.make_node("ConvInteger", ["xq", "wq"], ["yq"], name="q")
+    inputs = [vi("x", [1, 3, 8, 8]), helper.make_tensor_value_info("xq", TensorProto.UINT8, [1, 3, 8, 8]),
+              helper.make_tensor_value_info("wq", TensorProto.UINT8, [4, 3, 3, 3])]
+    only = save(tmp_path, [quantized], inputs[1:], outputs=[vi("yq", None)], name="only.onnx")
+    with pytest.raises(ModelError, match=r"no Conv or ConvTranspose node in its main graph \(its 1 QLinearConv or "
+                                         r"ConvInteger node\(s\) are quantized convolutions, which wsarena does not "
+                                         r"plan\)"):
+        load_model(only)
+    mixed = save(tmp_path, [conv("c", "x", "w", "y"), quantized], inputs, [weight("w", (4, 3, 3, 3))],
+                 outputs=[vi("y", None), vi("yq", None)], name="mixed.onnx")
+    with pytest.warns(UserWarning, match=r"its 1 QLinearConv or ConvInteger node\(s\) are quantized convolutions"):
+        layers = load_model(mixed)
+    assert [layer.name for layer in layers] == ["c"]
+
+
 def save_with_function(tmp_path, calls, body, name="f.onnx"):
     """A model whose main graph is ``calls`` (nodes of the "local" domain call ``Block``) and whose model-local
     function ``Block(inp, w) -> out`` is ``body``."""

@@ -31,7 +31,8 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   off. Either way the layer is the convolution cuDNN actually runs. With ``asymmetric_pads="error"`` such nodes
   are treated like unknown shapes (an error naming them, or skipped with a warning under ``skip_unknown``).
 * Nested subgraphs (the bodies of ``If``, ``Loop``, ``Scan``) are not searched; a warning says how many convs
-  they hold. Ops of other domains (e.g. ``com.microsoft.FusedConv``) are not convolutions here.
+  they hold. Quantized convolutions (``QLinearConv``, ``ConvInteger``) are not planned either, and a warning counts
+  them too. Ops of other domains (e.g. ``com.microsoft.FusedConv``) are not convolutions here.
 """
 
 from __future__ import annotations
@@ -203,6 +204,14 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
                      groups=group, transposed=True)
 
 
+# Quantized convolutions (integer operands): cuDNN's floating-point convolutions, which wsarena plans, run none of them
+_QUANTIZED_CONV_OPS = ("QLinearConv", "ConvInteger")
+
+
+def _quantized(n: int) -> str:
+    return f"its {n} QLinearConv or ConvInteger node(s) are quantized convolutions, which wsarena does not plan"
+
+
 def _count_subgraph_convs(graph: Any) -> int:
     from onnx import AttributeProto
 
@@ -284,8 +293,12 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     if nested:
         warnings.warn(f"{path}: {nested} conv node(s) inside subgraphs (If/Loop/Scan bodies) are not included",
                       stacklevel=3)
+    quantized = sum(1 for n in model.graph.node if n.op_type in _QUANTIZED_CONV_OPS and n.domain in _DEFAULT_DOMAINS)
     if not convs:
-        raise ModelError(f"{path!r}: the ONNX model has no Conv or ConvTranspose node in its main graph")
+        raise ModelError(f"{path!r}: the ONNX model has no Conv or ConvTranspose node in its main graph"
+                         + (f" ({_quantized(quantized)})" if quantized else ""))
+    if quantized:
+        warnings.warn(f"{path}: {_quantized(quantized)}, and are not included", stacklevel=3)
     _unknown_negative_dims(model.graph)
     _densify_sparse_initializers(model.graph)
     if input_shapes is not None:
