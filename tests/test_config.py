@@ -427,6 +427,38 @@ def test_a_block_left_open_by_a_suspended_generator_ends_later():
     assert get_config() == Config()
 
 
+def test_blocks_ended_out_of_order_leave_the_settings_before_them():
+    # a block ended while one begun inside it is still open (a generator suspended in it, an ExitStack unwound out
+    # of order): the inner one, ending last, restored the outer one's settings, which stayed in force for good
+    outer, inner = config(algo_search="exhaustive"), config(cap_workspace=0)
+
+    def steps():
+        with inner:
+            yield
+        yield
+
+    def run() -> list:
+        with outer:
+            it = steps()
+            next(it)
+        seen = [get_config()]
+        next(it)
+        return [*seen, get_config()]
+
+    assert contextvars.copy_context().run(run) == [Config(), Config()]
+    first, second = config(cap_workspace=1), config(cap_workspace=2)
+
+    def unwind() -> list:
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        seen = [get_config().cap_workspace]
+        second.__exit__(None, None, None)
+        return [*seen, get_config().cap_workspace]
+
+    assert contextvars.copy_context().run(unwind) == [None, None]
+
+
 def test_a_config_object_copies_and_pickles_inside_its_block():
     small = config(cap_workspace="1MiB")
     with small:

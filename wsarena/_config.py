@@ -235,10 +235,11 @@ def _from_env() -> _State:
 _lock = _forksafe.lock()  # guards _state; readers take the reference without it (assignment is atomic)
 _state: _State | None = None
 _override: contextvars.ContextVar[Config | None] = contextvars.ContextVar("wsarena_config", default=None)
-# the config() blocks begun in this thread or task, innermost first: (object, its token, the blocks around it). In a
-# context variable as the settings are: a block ends with the token made in its own context, which contextvars needs
-_blocks: contextvars.ContextVar[tuple[Any, contextvars.Token[Config | None], Any] | None] = contextvars.ContextVar(
-    "wsarena_config_blocks", default=None)
+# the config() blocks begun in this thread or task, innermost first: (object, its token, the blocks around it, the
+# settings to restore at its end). In a context variable as the settings are: a block ends with the token made in its
+# own context, which contextvars needs
+_Block = tuple[Any, contextvars.Token[Config | None], Any, Config | None]
+_blocks: contextvars.ContextVar[_Block | None] = contextvars.ContextVar("wsarena_config_blocks", default=None)
 
 
 # An argument that names a setting and was not given: the configured value applies (None is a value: no cap).
@@ -327,23 +328,29 @@ class config(contextlib.ContextDecorator):  # lower case: used as a function
 
     def __enter__(self) -> Config:
         new = _with_changes(self.changes)
+        prior = _override.get()
         token = _override.set(new)
-        _blocks.set((self, token, _blocks.get()))
+        _blocks.set((self, token, _blocks.get(), prior))
         return new
 
     def __exit__(self, *exc: object) -> None:
         block = _blocks.get()
-        inner = []  # blocks begun inside this one and not ended yet (a generator suspended in one): kept
+        inner: list[_Block] = []  # blocks begun inside this one and not ended yet (a generator suspended in one): kept
         while block is not None and block[0] is not self:
             inner.append(block)
             block = block[2]
         if block is None:
             raise RuntimeError("a config() block ends where it did not begin (another thread or task)")
-        rest = block[2]
-        for obj, token, _ in reversed(inner):
-            rest = (obj, token, rest)
+        _, token, rest, prior = block
+        if inner:  # the block begun directly inside this one restores, when it ends, what this one does
+            obj, its_token, _, _ = inner[-1]
+            inner[-1] = (obj, its_token, None, prior)
+        for obj, its_token, _, its_prior in reversed(inner):
+            rest = (obj, its_token, rest, its_prior)
         _blocks.set(rest)
-        _override.reset(block[1])
+        _override.reset(token)  # raises where the block began in another context
+        if _override.get() is not prior:  # the block it began in has ended: what was in force before that one
+            _override.set(prior)
 
     def __call__(self, func: Any) -> Any:
         if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
