@@ -241,6 +241,17 @@ def test_a_bad_search_cache_size_is_refused_and_changes_nothing(value, error, sa
     assert configure(search_cache_max_size=None).search_cache_max_size is None
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_size_string_means_the_settings_default(value):
+    # as an empty variable does, and an empty cache_dir: it gave no limit on the search cache, not its 64 MiB
+    configure(cap_workspace="1MiB", search_cache_max_size="1MiB")
+    assert configure(search_cache_max_size=value).search_cache_max_size == 64 << 20
+    with config(search_cache_max_size="1MiB"), config(search_cache_max_size=value) as c:
+        assert c.search_cache_max_size == get_config().search_cache_max_size == 64 << 20
+    assert configure(cap_workspace=value).cap_workspace is None
+    assert get_config() == Config()
+
+
 @pytest.mark.parametrize("key", list(BAD_ENV))
 def test_an_explicit_setting_replaces_an_invalid_environment_variable(monkeypatch, key):
     var, bad, good = BAD_ENV[key]

@@ -179,7 +179,10 @@ def _parse_cap(value: Any) -> int | None:
 
 def _named_size(key: str, value: Any) -> int | None:
     """:func:`_parse_cap`, with the setting's name in the error; at most ``2**64 - 1`` bytes, which no memory or disk
-    passes (a larger number could not even be shown: a float overflows, and str() stops at 4300 digits)."""
+    passes (a larger number could not even be shown: a float overflows, and str() stops at 4300 digits). An empty
+    string is the setting's default, as an empty variable is."""
+    if isinstance(value, str) and not value.strip():
+        return getattr(Config, key)  # the class attribute: the field's default
     try:
         n = _parse_cap(value)
     except (TypeError, ValueError) as exc:
