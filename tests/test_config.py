@@ -1,7 +1,9 @@
 import asyncio
 import contextvars
 import copy
+import os
 import pickle
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -156,6 +158,17 @@ def test_environment_is_read(monkeypatch):
     monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", " None ")
     wsarena._config._reset()
     assert get_config().search_cache_max_size is None
+
+
+def test_the_environment_is_read_at_the_first_use_of_the_settings_not_at_import():
+    """As the README says: a variable set after ``import wsarena`` counts; one changed after the first use does not."""
+    code = ("import os, wsarena; os.environ['WSARENA_CAP_WORKSPACE'] = '1MiB'; first = wsarena.get_config(); "
+            "os.environ['WSARENA_CAP_WORKSPACE'] = '2MiB'; print(first.cap_workspace, wsarena.get_config().cap_workspace)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).resolve().parent.parent, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(1 << 20)] * 2
 
 
 @pytest.mark.parametrize(
