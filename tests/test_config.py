@@ -99,6 +99,15 @@ def test_format_size(n, text):
     assert format_size(n) == text
 
 
+def test_format_size_takes_any_integer_type_as_parse_size_does():
+    # a byte count summed by NumPy (np.int64) was a TypeError; a bool or a float is still none
+    assert format_size(np.int64(3 << 29)) == format_size(np.uint64(3 << 29)) == "1.5 GiB"
+    assert format_size(np.int8(-3)) == "-3 B"
+    for value in (True, np.bool_(True), 1.0, "1"):
+        with pytest.raises(TypeError, match="format_size takes an int"):
+            format_size(value)
+
+
 def test_format_size_is_exact_past_a_floats_range():
     assert format_size(2**1100) == f"{2**1060} TiB"  # a float quotient overflows here
     assert format_size(-(2**1100 + 2**38)) == f"-{2**1060}.25 TiB"

@@ -111,9 +111,12 @@ def ascii_int(text: str) -> int:
 
 def format_size(nbytes: int) -> str:
     """Format a byte count in the smallest binary unit (up to TiB) that keeps it below 1024 once rounded to two
-    decimals: ``"1.5 MiB"``, and ``"1 MiB"`` for 1048575, not ``"1024 KiB"``."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-        raise TypeError(f"format_size takes an int, not {nbytes!r}")
+    decimals: ``"1.5 MiB"``, and ``"1 MiB"`` for 1048575, not ``"1024 KiB"``. ``nbytes`` is an integer of any type, as
+    :func:`parse_size` takes (``numpy.int64``); not a ``bool``."""
+    n = as_int(nbytes)
+    if n is None:
+        raise TypeError(f"format_size takes an int, not {short_repr(nbytes)}")
+    nbytes = n
     sign = "-" if nbytes < 0 else ""
     n = abs(nbytes)
     if n < 2**10:
