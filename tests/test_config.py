@@ -1,6 +1,7 @@
 import asyncio
 import contextvars
 import copy
+import enum
 import os
 import pickle
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 import wsarena
 from wsarena import Config, config, configure, format_size, get_config, parse_size
+from wsarena._report_cli import render_table
 
 
 @pytest.fixture(autouse=True)
@@ -246,6 +248,24 @@ def test_bad_graph_api_settings_are_refused_and_change_nothing(changes, error):
 def test_plan_cache_size_takes_any_integer_type_as_an_int():
     assert type(configure(plan_cache_size=np.int64(8)).plan_cache_size) is int  # was a TypeError
     assert get_config().plan_cache_size == 8
+
+
+def test_a_choice_given_as_a_str_enum_is_held_as_its_str():
+    # a (str, Enum) member or another str subclass equals its value, but the report's table wrote "backend B.CPU"
+    class Backend(str, enum.Enum):
+        CPU = "cpu"
+
+    class Search(str, enum.Enum):
+        EXHAUSTIVE = "exhaustive"
+
+    c = configure(backend=Backend.CPU, algo_search=Search.EXHAUSTIVE, cudnn_api=np.str_("legacy"),
+                  cache_dir="off")
+    assert (type(c.backend), type(c.algo_search), type(c.cudnn_api)) == (str, str, str)
+    assert f"{c.backend} {c.algo_search} {c.cudnn_api}" == "cpu exhaustive legacy"
+    assert "Backend" not in repr(c) and "np.str_" not in repr(c)
+    layers = wsarena.load_model([{"name": "c", "input_shape": [1, 2, 4, 4], "weight_shape": [2, 2, 3, 3]}])
+    header = render_table(wsarena.plan(layers)).splitlines()[1]
+    assert "backend cpu " in header and "search exhaustive" in header, header
 
 
 @pytest.mark.parametrize(

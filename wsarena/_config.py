@@ -39,6 +39,8 @@ BACKENDS = ("auto", "cudnn", "cpu")
 ALLOCATORS = ("auto", "cupy", "torch")
 CUDNN_APIS = ("legacy", "graph")
 CUDNN_HEURISTICS = ("instant", "b")  # cuDNN's CUDNN_HEUR_MODE_INSTANT and CUDNN_HEUR_MODE_B
+_CHOICES = {"algo_search": ALGO_SEARCHES, "backend": BACKENDS, "allocator": ALLOCATORS, "cudnn_api": CUDNN_APIS,
+            "cudnn_heuristic": CUDNN_HEURISTICS}
 # The cuDNN API path by default: the graph API, whose cached call costs less host time than the legacy one in every
 # layer and pass measured, with the same arena and the same GPU time (an H200, 2026-11-26: bench/RESULTS.md).
 DEFAULT_CUDNN_API = "graph"
@@ -149,16 +151,12 @@ class Config:
             # ccache reads a zero limit as no limit; refuse it rather than guess which is meant
             raise ValueError("search_cache_max_size must be at least 1 byte (none for no limit; "
                              "WSARENA_CACHE_DIR=off turns the cache off)")
-        if self.algo_search not in ALGO_SEARCHES:
-            raise ValueError(f"algo_search must be one of {ALGO_SEARCHES}, not {self.algo_search!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
-        if self.allocator not in ALLOCATORS:
-            raise ValueError(f"allocator must be one of {ALLOCATORS}, not {self.allocator!r}")
-        if self.cudnn_api not in CUDNN_APIS:
-            raise ValueError(f"cudnn_api must be one of {CUDNN_APIS}, not {self.cudnn_api!r}")
-        if self.cudnn_heuristic not in CUDNN_HEURISTICS:
-            raise ValueError(f"cudnn_heuristic must be one of {CUDNN_HEURISTICS}, not {self.cudnn_heuristic!r}")
+        for key, choices in _CHOICES.items():
+            value = getattr(self, key)
+            if value not in choices:
+                raise ValueError(f"{key} must be one of {choices}, not {value!r}")
+            # the choice's own str: a str subclass equal to it (a (str, Enum) member) is shown by its own name
+            object.__setattr__(self, key, choices[choices.index(value)])
         size = as_int(self.plan_cache_size)  # any integer type (numpy.int64), as sizes take; not a bool, nor a float
         if size is None:
             raise TypeError(f"plan_cache_size must be an int, not {self.plan_cache_size!r}")
