@@ -512,6 +512,46 @@ def test_blocks_ended_out_of_order_leave_the_settings_before_them():
     assert contextvars.copy_context().run(unwind) == [None, None]
 
 
+def test_a_block_ended_in_another_thread_or_context_says_so():
+    # an async generator left by a break in its block is closed by the event loop, in a context of its own: that
+    # was contextvars' own ValueError about a token, another thread's a RuntimeError
+    small = config(cap_workspace=0)
+
+    async def numbers():
+        with small:
+            yield 1
+            yield 2
+
+    async def main() -> Config:
+        async for _ in numbers():
+            break
+        await asyncio.sleep(0.01)  # the loop closes the generator
+        return get_config()
+
+    errors: list = []
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda _, context: errors.append(context.get("exception")))
+    try:
+        contextvars.copy_context().run(loop.run_until_complete, main())
+    finally:
+        loop.close()
+    assert [type(e) for e in errors] == [RuntimeError] and "config() block ends" in str(errors[0])
+
+    def end() -> None:
+        try:
+            small.__exit__(None, None, None)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    small.__enter__()
+    outside = threading.Thread(target=end)
+    outside.start()
+    outside.join()
+    contextvars.copy_context().run(end)
+    small.__exit__(None, None, None)
+    assert [type(e) for e in errors] == [RuntimeError] * 3 and get_config() == Config()
+
+
 def test_a_config_object_copies_and_pickles_inside_its_block():
     small = config(cap_workspace="1MiB")
     with small:

@@ -316,6 +316,10 @@ def configure(**changes: Any) -> Config:
     return new
 
 
+_ELSEWHERE = ("a config() block ends where it did not begin (another thread or task, or an async generator that the "
+              "event loop closes: contextlib.aclosing() closes it where it runs)")
+
+
 class config(contextlib.ContextDecorator):  # lower case: used as a function
     """Override settings for the body of a ``with`` block, in this thread or task only; ``as`` gives the
     :class:`Config` in force in it. The changes apply to the settings in force where the block begins (an enclosing
@@ -341,15 +345,18 @@ class config(contextlib.ContextDecorator):  # lower case: used as a function
             inner.append(block)
             block = block[2]
         if block is None:
-            raise RuntimeError("a config() block ends where it did not begin (another thread or task)")
+            raise RuntimeError(_ELSEWHERE)
         _, token, rest, prior = block
         if inner:  # the block begun directly inside this one restores, when it ends, what this one does
             obj, its_token, _, _ = inner[-1]
             inner[-1] = (obj, its_token, None, prior)
         for obj, its_token, _, its_prior in reversed(inner):
             rest = (obj, its_token, rest, its_prior)
+        try:
+            _override.reset(token)
+        except ValueError:  # the token was made in another context: this one holds a copy of the block
+            raise RuntimeError(_ELSEWHERE) from None
         _blocks.set(rest)
-        _override.reset(token)  # raises where the block began in another context
         if _override.get() is not prior:  # the block it began in has ended: what was in force before that one
             _override.set(prior)
 
