@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 import contextvars
 import copy
 import enum
@@ -522,17 +523,24 @@ def test_a_block_ended_in_another_thread_or_context_says_so():
             yield 1
             yield 2
 
-    async def main() -> Config:
+    async def left() -> int | None:
         async for _ in numbers():
             break
         await asyncio.sleep(0.01)  # the loop closes the generator
-        return get_config()
+        return get_config().cap_workspace
+
+    async def closed() -> int | None:
+        async with contextlib.aclosing(numbers()) as closing:
+            async for _ in closing:
+                break
+        return get_config().cap_workspace
 
     errors: list = []
     loop = asyncio.new_event_loop()
     loop.set_exception_handler(lambda _, context: errors.append(context.get("exception")))
-    try:
-        contextvars.copy_context().run(loop.run_until_complete, main())
+    try:  # as the README says: the generator's block stays in force, unless aclosing() closes it
+        assert contextvars.copy_context().run(loop.run_until_complete, left()) == 0
+        assert contextvars.copy_context().run(loop.run_until_complete, closed()) is None
     finally:
         loop.close()
     assert [type(e) for e in errors] == [RuntimeError] and "config() block ends" in str(errors[0])
