@@ -477,7 +477,7 @@ def test_a_block_left_open_by_a_suspended_generator_ends_later():
         next(it)  # the inner block ends here, with no error
         assert list(it) == []
 
-    contextvars.copy_context().run(run)  # a context of its own: misnested blocks leave it as contextvars resets
+    contextvars.copy_context().run(run)  # a context of its own, as the generator's caller may have
     assert get_config() == Config()
 
 
