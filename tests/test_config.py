@@ -461,6 +461,12 @@ def test_a_config_decorator_refuses_a_generator_function():
             yield get_config().cap_workspace
 
 
+def test_a_block_shows_its_changes():
+    assert repr(config(cap_workspace="64MiB", algo_search="exhaustive")) == (
+        "wsarena.config(cap_workspace='64MiB', algo_search='exhaustive')")
+    assert repr(config()) == "wsarena.config()"
+
+
 def test_a_block_left_open_by_a_suspended_generator_ends_later():
     # a generator suspended in one object's block while its caller's block of another ends: each ends its own
     outer, inner = config(algo_search="exhaustive"), config(cap_workspace=0)

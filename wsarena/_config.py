@@ -331,6 +331,9 @@ class config(contextlib.ContextDecorator):  # lower case: used as a function
     def __init__(self, **changes: Any) -> None:
         self.changes = changes
 
+    def __repr__(self) -> str:
+        return f"wsarena.config({', '.join(f'{k}={v!r}' for k, v in self.changes.items())})"
+
     def __enter__(self) -> Config:
         new = _with_changes(self.changes)
         prior = _override.get()
