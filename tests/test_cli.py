@@ -330,6 +330,7 @@ def test_plot_writes_a_png(capsys, tmp_path):
         (["report"], "model"),
         (["frobnicate"], "frobnicate"),
         (["report", "resnet50", "--input-shape", "1,3,a,b"], "1,3,a,b"),
+        (["report", "resnet50", "--input-shape", " =1,3,8,8"], "no input name before '='"),
         (["report", "resnet50", "--input-shape", "1,3,224,224"], "onnx models only"),
         (["report", "resnet50", "--plot", ""], "--plot"),
     ],

@@ -76,11 +76,13 @@ def _file_name(text: str) -> str:
 
 def _input_shape(text: str) -> tuple[str | None, tuple[int, ...]]:
     """``[NAME=]D0,D1,...`` (``x`` separates dims too: ``1x3x800x800``) -> (name or None, dims)."""
-    name, _, dims = text.rpartition("=")
+    name, equals, dims = text.rpartition("=")
     try:
         shape = tuple(_int(d) for d in dims.replace("x", ",").split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected [NAME=]D0,D1,... with integer dims, not {text!r}") from None
+    if equals and not name.strip():
+        raise argparse.ArgumentTypeError(f"no input name before '=' in {text!r}: write NAME=DIMS, or DIMS alone")
     return name.strip() or None, shape
 
 
