@@ -487,9 +487,11 @@ def test_a_block_left_open_by_a_suspended_generator_ends_later():
     assert get_config() == Config()
 
 
-def test_blocks_ended_out_of_order_leave_the_settings_before_them():
-    # a block ended while one begun inside it is still open (a generator suspended in it, an ExitStack unwound out
-    # of order): the inner one, ending last, restored the outer one's settings, which stayed in force for good
+def test_blocks_ended_out_of_order_leave_the_open_blocks_in_force_and_nothing_of_the_ended_ones():
+    # A block ended while one begun inside it is still open (a generator suspended in it, an ExitStack unwound out
+    # of order): the open one's changes stay in force, the ended one's go. Before, the open one, ending last, put
+    # back the ended one's settings, which stayed in force for good; and a caller's block was dropped in its own body
+    # when a generator's block begun before it ended there.
     outer, inner = config(algo_search="exhaustive"), config(cap_workspace=0)
 
     def steps():
@@ -505,18 +507,44 @@ def test_blocks_ended_out_of_order_leave_the_settings_before_them():
         next(it)
         return [*seen, get_config()]
 
-    assert contextvars.copy_context().run(run) == [Config(), Config()]
-    first, second = config(cap_workspace=1), config(cap_workspace=2)
+    assert contextvars.copy_context().run(run) == [Config(cap_workspace=0), Config()]
+    first, second = config(cap_workspace=1), config(cap_workspace=2, algo_search="exhaustive")
 
     def unwind() -> list:
         first.__enter__()
         second.__enter__()
         first.__exit__(None, None, None)
-        seen = [get_config().cap_workspace]
+        seen = [get_config()]
         second.__exit__(None, None, None)
-        return [*seen, get_config().cap_workspace]
+        return [*seen, get_config()]
 
-    assert contextvars.copy_context().run(unwind) == [None, None]
+    assert contextvars.copy_context().run(unwind) == [Config(cap_workspace=2, algo_search="exhaustive"), Config()]
+
+    def callers_block() -> list:
+        it = steps()
+        next(it)  # the generator's block, begun before the caller's
+        with config(algo_search="exhaustive"):
+            seen = [get_config()]
+            next(it)  # the generator's block ends inside the caller's: the caller's stays
+            seen.append(get_config())
+        return [*seen, get_config()]
+
+    assert contextvars.copy_context().run(callers_block) == [
+        Config(cap_workspace=0, algo_search="exhaustive"), Config(algo_search="exhaustive"), Config()]
+    three = [config(cap_workspace=1), config(algo_search="exhaustive"), config(cap_workspace=3)]
+
+    def middle_first() -> list:
+        for block in three:
+            block.__enter__()
+        three[1].__exit__(None, None, None)  # the innermost keeps its own changes, over the outermost's: no search
+        seen = [get_config()]
+        three[0].__exit__(None, None, None)
+        seen.append(get_config())
+        three[2].__exit__(None, None, None)
+        return [*seen, get_config()]
+
+    assert contextvars.copy_context().run(middle_first) == [Config(cap_workspace=3), Config(cap_workspace=3), Config()]
+    assert get_config() == Config()
 
 
 def test_a_block_ended_in_another_thread_or_context_says_so():

@@ -350,18 +350,21 @@ class config(contextlib.ContextDecorator):  # lower case: used as a function
         if block is None:
             raise RuntimeError(_ELSEWHERE)
         _, token, rest, prior = block
-        if inner:  # the block begun directly inside this one restores, when it ends, what this one does
-            obj, its_token, _, _ = inner[-1]
-            inner[-1] = (obj, its_token, None, prior)
-        for obj, its_token, _, its_prior in reversed(inner):
-            rest = (obj, its_token, rest, its_prior)
         try:
             _override.reset(token)
         except ValueError:  # the token was made in another context: this one holds a copy of the block
             raise RuntimeError(_ELSEWHERE) from None
+        # What is in force now: the blocks still open, each over those begun before it, over what was in force before
+        # this one. Ended in order, that is what was in force before it; ended before a block begun inside it (a
+        # generator suspended in one, whose caller's block ends, or the other way round), the blocks still open keep
+        # their own changes, and none of this one's.
+        settings = prior
+        for obj, its_token, _, _ in reversed(inner):
+            rest = (obj, its_token, rest, settings)
+            settings = _over(settings, obj.changes)
         _blocks.set(rest)
-        if _override.get() is not prior:  # the block it began in has ended: what was in force before that one
-            _override.set(prior)
+        if _override.get() is not settings:  # a block ended out of order made the tokens' values stale
+            _override.set(settings)
 
     def __call__(self, func: Any) -> Any:
         if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
@@ -407,15 +410,21 @@ def _with_changes(changes: dict[str, Any]) -> Config:
     """The settings in force with ``changes`` applied; a setting in ``changes`` needs no valid environment. The
     block's settings carry where each value comes from (:func:`origin`): those it changes from "config", the rest as
     in force when it began, which a later :func:`configure` does not change."""
-    override = _override.get()
-    if override is not None:
-        new = _replace(override, changes)
-        origins = _origins(override)
+    return _over(_override.get(), changes, check_env=True)
+
+
+def _over(settings: Config | None, changes: dict[str, Any], *, check_env: bool = False) -> Config:
+    """``changes`` applied over ``settings`` (``None``: the process-wide ones), with their origins (see
+    :func:`_with_changes`); ``check_env``: refuse an invalid variable of a setting ``changes`` leaves as it is."""
+    if settings is not None:
+        new = _replace(settings, changes)
+        origins = _origins(settings)
     else:
         # the settings and their origins of one state: a configure() of another thread meanwhile changes neither
         base, errors, origins = _base_state()
         new = _replace(base, changes)
-        _check_env(errors, changes)
+        if check_env:
+            _check_env(errors, changes)
     # not a field of Config (neither compared nor shown): it travels with these settings wherever using() takes them
     object.__setattr__(new, "_origins", {**origins, **dict.fromkeys(changes, "config")})
     return new
