@@ -281,6 +281,22 @@ def test_an_unknown_dlpack_device_is_refused():
         conv_forward(OnOpenCL(x), w, **KW)
 
 
+def test_a_dlpack_device_that_raises_is_a_type_error_naming_the_operand(fresh_arena):
+    """An exporter that cannot say where its memory is (JAX's sharded or deleted arrays raise BufferError or
+    TypeError there) is refused as what cannot be viewed is, naming the operand and the cause."""
+
+    class Sharded(_Foreign):
+        def __dlpack_device__(self):
+            raise BufferError("only supported for unsharded arrays")
+
+    x, w, _ = problem()
+    before = fresh_arena.stats()
+    match = r"^w cannot be viewed: its __dlpack_device__\(\) raised BufferError: only supported for unsharded arrays$"
+    with pytest.raises(TypeError, match=match):
+        conv_forward(x, Sharded(w), **KW)
+    assert fresh_arena.stats() == before
+
+
 def test_operands_on_different_cuda_devices_are_refused_before_any_view():
     """Checked from what the operands say of themselves (``__dlpack_device__``): no CUDA library is touched."""
 

@@ -8,6 +8,10 @@ elsewhere. That importing wsarena and a NumPy call leave JAX unimported is tests
 Tolerance: max|got - ref| / max|ref| <= 1e-12 in float64, 1e-5 in float32.
 """
 
+import os
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -144,3 +148,36 @@ def test_bfloat16_travels_through_dlpack_as_int16_without_a_copy():
     back = _interop._returned(source, result)
     assert isinstance(back, jax.Array) and back.dtype == jnp.bfloat16 and pointer(back) == pointer(result)
     assert np.array_equal(np.asarray(back), values)
+
+
+def test_a_deleted_jax_array_is_a_type_error_naming_it(fresh_arena):
+    """JAX's own ``__dlpack_device__`` fails on a deleted (or donated) array with a TypeError of its internals."""
+    x, w, _ = problem("float32")
+    jx, out = jnp.asarray(x), jnp.zeros(ref_conv_forward(x, w, **KW).shape, jnp.float32)
+    jx.delete()
+    out.delete()
+    before = fresh_arena.stats()
+    with pytest.raises(TypeError, match=r"^x cannot be viewed: its __dlpack_device__\(\) raised TypeError: "):
+        conv_forward(jx, w, **KW)
+    with pytest.raises(TypeError, match=r"^out cannot be viewed: its __dlpack_device__\(\) raised TypeError: "):
+        conv_forward(x, w, **KW, out=out)
+    assert fresh_arena.stats() == before
+
+
+def test_a_sharded_jax_array_is_a_type_error_naming_it():
+    """An array sharded over two devices (here two CPU devices, which XLA makes only at start: a new process) has
+    no one memory to view: JAX's ``__dlpack_device__`` raises a BufferError, which the call names."""
+    code = (
+        "import numpy as np, jax, wsarena\n"
+        "mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('b',))\n"
+        "x = jax.device_put(np.ones((2, 1, 4, 4), np.float32), jax.NamedSharding(mesh, jax.P('b')))\n"
+        "try:\n"
+        "    wsarena.conv_forward(x, np.ones((1, 1, 3, 3), np.float32))\n"
+        "except TypeError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("x cannot be viewed: its __dlpack_device__() raised BufferError: "), done.stdout

@@ -17,7 +17,8 @@ What cannot be viewed without a copy is a ``TypeError`` naming the argument: a l
 grad while autograd records (the ops record no history: use :mod:`wsarena.torch`; under ``torch.no_grad()`` or
 inference mode it is taken, as PyTorch's ops take it), a conjugated tensor, a dtype the array
 library cannot represent, an ``out`` whose DLPack export is read-only (a JAX array: JAX's arrays are immutable,
-and its legacy DLPack capsules promise no writes). Operands may come from different libraries as long as they are
+and its legacy DLPack capsules promise no writes), an exporter whose ``__dlpack_device__`` fails (a JAX array
+sharded over devices, or deleted). Operands may come from different libraries as long as they are
 all in host memory or all on one CUDA device; host beside device memory, or operands that say they are on two
 devices (a CuPy array's ``device``, a tensor's, ``__dlpack_device__``; ``__cuda_array_interface__`` names none),
 would need a copy and is a ``TypeError``.
@@ -109,7 +110,12 @@ class _Operand:
             self.cuda = bool(obj.is_cuda)
             self.device = int(obj.get_device()) if self.cuda else None
         elif kind == _DLPACK:
-            device_type, ordinal = (int(v) for v in obj.__dlpack_device__())
+            try:
+                device_type, ordinal = (int(v) for v in obj.__dlpack_device__())
+            except (BufferError, RuntimeError, TypeError, ValueError) as exc:  # a JAX array sharded, or deleted
+                raise TypeError(
+                    f"{name} cannot be viewed: its __dlpack_device__() raised {type(exc).__name__}: {exc}"
+                ) from exc
             if device_type not in _HOST_DEVICES + _CUDA_DEVICES:
                 raise TypeError(
                     f"{name} is in memory of DLPack device type {device_type}; wsarena takes host or CUDA memory"
