@@ -297,6 +297,20 @@ def test_a_dlpack_device_that_raises_is_a_type_error_naming_the_operand(fresh_ar
     assert fresh_arena.stats() == before
 
 
+def test_a_jax_tracer_is_refused_saying_what_it_is(monkeypatch, fresh_arena):
+    """A stand-in for JAX's tracers (tests/test_interop_jax.py has the real ones, where JAX is installed)."""
+
+    class DynamicJaxprTracer:
+        pass
+
+    monkeypatch.setitem(sys.modules, "jax", types.SimpleNamespace(core=types.SimpleNamespace(Tracer=DynamicJaxprTracer)))
+    x, _, _ = problem()
+    before = fresh_arena.stats()
+    with pytest.raises(TypeError, match=r"^w is a JAX tracer \(DynamicJaxprTracer: a value inside jax.jit, "):
+        conv_forward(x, DynamicJaxprTracer(), **KW)
+    assert fresh_arena.stats() == before
+
+
 def test_operands_on_different_cuda_devices_are_refused_before_any_view():
     """Checked from what the operands say of themselves (``__dlpack_device__``): no CUDA library is touched."""
 

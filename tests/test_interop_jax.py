@@ -150,6 +150,25 @@ def test_bfloat16_travels_through_dlpack_as_int16_without_a_copy():
     assert np.array_equal(np.asarray(back), values)
 
 
+@pytest.mark.parametrize("transform", ["jit", "grad", "vmap"])
+def test_a_jax_tracer_is_refused_saying_what_it_is(fresh_arena, transform):
+    """Inside a JAX transformation the operands are tracers, with no memory for the ops to read: a TypeError that
+    names them, not the plain 'must be an array' one."""
+    x, w, dy = problem("float32")
+    jx, jw, jdy = jnp.asarray(x), jnp.asarray(w), jnp.asarray(dy)
+    calls = {
+        "jit": lambda: jax.jit(lambda a: conv_backward_filter(jx, a, jw.shape, **KW))(jdy),
+        "grad": lambda: jax.grad(lambda a: conv_forward(a, jw, **KW).sum())(jx),
+        "vmap": lambda: jax.vmap(lambda b: conv_backward_data(jdy, b, jx.shape, **KW))(jw[None]),
+    }
+    name = {"jit": "dy", "grad": "x", "vmap": "w"}[transform]
+    before = fresh_arena.stats()
+    with pytest.raises(TypeError, match=rf"^{name} is a JAX tracer \(\w+Tracer: a value inside jax.jit, .*"
+                                        r"through jax.pure_callback"):  # JAX adds a line of its own after it
+        calls[transform]()
+    assert fresh_arena.stats() == before
+
+
 def test_a_deleted_jax_array_is_a_type_error_naming_it(fresh_arena):
     """JAX's own ``__dlpack_device__`` fails on a deleted (or donated) array with a TypeError of its internals."""
     x, w, _ = problem("float32")
@@ -181,3 +200,11 @@ def test_a_sharded_jax_array_is_a_type_error_naming_it():
                           check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("x cannot be viewed: its __dlpack_device__() raised BufferError: "), done.stdout
+
+
+def test_inside_jit_the_ops_run_through_pure_callback():
+    """What the tracer's refusal suggests."""
+    x, w, _ = problem("float32")
+    shape = jax.ShapeDtypeStruct(ref_conv_forward(x, w, **KW).shape, jnp.float32)
+    y = jax.jit(lambda a, b: jax.pure_callback(lambda *v: conv_forward(*v, **KW), shape, a, b))(jnp.asarray(x), w)
+    assert isinstance(y, jax.Array) and rel_err(y, ref_conv_forward(x, w, **KW)) <= TOL["float32"]

@@ -18,7 +18,7 @@ grad while autograd records (the ops record no history: use :mod:`wsarena.torch`
 inference mode it is taken, as PyTorch's ops take it), a conjugated tensor, a dtype the array
 library cannot represent, an ``out`` whose DLPack export is read-only (a JAX array: JAX's arrays are immutable,
 and its legacy DLPack capsules promise no writes), an exporter whose ``__dlpack_device__`` fails (a JAX array
-sharded over devices, or deleted). Operands may come from different libraries as long as they are
+sharded over devices, or deleted), a JAX tracer (inside ``jax.jit`` and kin). Operands may come from different libraries as long as they are
 all in host memory or all on one CUDA device; host beside device memory, or operands that say they are on two
 devices (a CuPy array's ``device``, a tensor's, ``__dlpack_device__``; ``__cuda_array_interface__`` names none),
 would need a copy and is a ``TypeError``.
@@ -126,6 +126,12 @@ class _Operand:
             self.cuda = True
         elif hasattr(obj, "__array_interface__"):
             self.cuda = False
+        elif _is_jax_tracer(obj):
+            raise TypeError(
+                f"{name} is a JAX tracer ({type(obj).__name__}: a value inside jax.jit, jax.grad, jax.vmap or another "
+                "transformation), with no memory for wsarena to compute on: call wsarena outside the transformation, "
+                "or inside it through jax.pure_callback"
+            )
         else:
             raise TypeError(
                 f"{name} must be an array (NumPy, CuPy, or an object with __dlpack__ and __dlpack_device__, "
@@ -135,6 +141,11 @@ class _Operand:
     def where(self) -> str:
         memory = f"CUDA device {self.device}" if self.device is not None else "a CUDA device" if self.cuda else "the host"
         return f"{self.name} is a {type(self.obj).__module__.partition('.')[0]} array on {memory}"
+
+
+def _is_jax_tracer(obj: Any) -> bool:
+    jax = sys.modules.get("jax")  # a tracer means JAX is imported already
+    return jax is not None and isinstance(obj, jax.core.Tracer)
 
 
 def _requires_grad(name: str) -> TypeError:
