@@ -686,6 +686,58 @@ def test_onnx_external_data_gives_the_shapes_inference_reads(tmp_path):
         load_model(path)
 
 
+def external_tensor(name, dims, location, **fields):
+    """An INT64 tensor of ``dims`` whose data is in ``location`` (``offset``, ``length``: further fields)."""
+    tensor = TensorProto(name=name, data_type=TensorProto.INT64, dims=dims, data_location=TensorProto.EXTERNAL)
+    for key, value in {"location": location, **fields}.items():
+        tensor.external_data.add(key=key, value=str(value))
+    return tensor
+
+
+@pytest.mark.parametrize(("dims", "location", "fields", "read"), [
+    ([4], "data.bin", {}, 32),  # no length: the tensor's 32 bytes, not the whole file
+    ([4], "data.bin", {"offset": 0, "length": 32}, 32),
+    ([4], "data.bin", {"offset": 0, "length": 1 << 20}, None),  # a length that is not the tensor's
+    ([-1], "data.bin", {}, None),  # a negative dim: no size to read
+    ([0], "data.bin", {}, 0),  # nothing to read: the file is not opened
+    ([], "data.bin", {}, 8),  # a scalar
+    ([4], "../outside.bin", {}, None),  # outside the model's folder
+    ([4], "link.bin", {}, None),  # a link out of it (which onnx before 1.17 follows)
+    ([4], "fifo.bin", {}, None),  # not a file: reading it would wait for a writer
+])
+def test_onnx_external_data_read_is_the_tensors_bytes_in_the_models_folder(tmp_path, monkeypatch, dims, location,
+                                                                           fields, read):
+    # The small external tensors read for shape inference: a field that does not fit the tensor, a file outside
+    # the model's folder or one that is not a regular file is not read; each read takes the tensor's bytes only
+    folder = tmp_path / "model"
+    folder.mkdir()
+    data = np.array([1, 3, 16, 12], np.int64).tobytes() + bytes(1 << 20)
+    (folder / "data.bin").write_bytes(data)
+    (tmp_path / "outside.bin").write_bytes(data)
+    (folder / "link.bin").symlink_to(tmp_path / "outside.bin")
+    os.mkfifo(folder / "fifo.bin")
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["image"]), conv("c", "image", "w", "y", pads=[1, 1, 1, 1])]
+    extra = external_tensor("extra", dims, location, **fields)  # read or not, it takes no part in the shapes
+    graph = helper.make_graph(nodes, "g", [vi("x", [1, 3 * 16 * 12])], [vi("y", None)],
+                              [weight("w", (8, 3, 3, 3)), external_tensor("shape", [4], "data.bin"), extra])
+    path = folder / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    seen = []
+    infer = onnx.shape_inference.infer_shapes
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", lambda model, **kw: seen.append(model) or infer(model,
+                                                                                                            **kw))
+    (layer,) = load_model(path)
+    assert layer.input_shape == (1, 3, 16, 12)
+    tensors = {t.name: t for t in seen[0].graph.initializer}
+    for name, nbytes in (("shape", 32), ("extra", read)):
+        tensor = tensors[name]
+        if nbytes is None:
+            assert tensor.data_location == TensorProto.EXTERNAL and not tensor.raw_data
+        else:  # as onnx.load leaves it (onnx before 1.17 leaves that to its caller): in the model, not external
+            assert len(tensor.raw_data) == nbytes
+            assert tensor.data_location == TensorProto.DEFAULT and not tensor.external_data
+
+
 def test_onnx_sparse_initializer_weight(tmp_path):
     # A pruned weight stored as a sparse initializer (graph.sparse_initializer): its dims are the weight's shape,
     # for the conv and, through inference, for the one after it.

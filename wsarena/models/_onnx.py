@@ -364,24 +364,50 @@ def _inline_functions(model: Any, path: str) -> Any:
 # The most elements of an external tensor read for shape inference: shapes, pads, scales; never a weight, of which
 # only the dims, in the model itself, are needed.
 _SMALL_EXTERNAL = 64
+# The bytes of an element of each type a shape or a scale comes in, as an external file holds it
+_ITEM_SIZES = {"BOOL": 1, "INT8": 1, "UINT8": 1, "INT16": 2, "UINT16": 2, "FLOAT16": 2, "BFLOAT16": 2, "INT32": 4,
+               "UINT32": 4, "FLOAT": 4, "INT64": 8, "UINT64": 8, "DOUBLE": 8}
 
 
 def _load_small_external_data(graph: Any, base_dir: str) -> None:
     """Read into the model the small tensors of the main graph kept in external data files, as ``onnx.load`` does,
     for the shape inference that reads their values (a ``Reshape``'s shape); one that cannot be read stays without
-    its data."""
+    its data. Each read takes the tensor's own bytes, from a regular file inside ``base_dir``: a file elsewhere (a
+    link out of the folder, which onnx 1.16 follows), a FIFO, or a ``length`` that is not the tensor's is not
+    read."""
     from onnx import TensorProto
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
+    folder = os.path.realpath(base_dir or os.curdir)
+    item_sizes = {getattr(TensorProto, name): size for name, size in _ITEM_SIZES.items()}
     tensors = [*graph.initializer, *(a.t for n in graph.node if n.op_type == "Constant" for a in n.attribute
                                      if a.HasField("t"))]
     for tensor in tensors:
-        if uses_external_data(tensor) and math.prod(tensor.dims) <= _SMALL_EXTERNAL:
-            copy = TensorProto()
-            copy.CopyFrom(tensor)
-            with contextlib.suppress(Exception):  # a missing or bad file: onnx raises several types
+        size = item_sizes.get(tensor.data_type)
+        if not uses_external_data(tensor) or size is None or min(tensor.dims, default=0) < 0:
+            continue
+        nbytes = math.prod(tensor.dims) * size
+        fields = {entry.key: entry.value for entry in tensor.external_data}
+        if nbytes > _SMALL_EXTERNAL * size or fields.get("length", str(nbytes)).strip() != str(nbytes):
+            continue
+        if nbytes:
+            data_file = os.path.realpath(os.path.join(folder, fields.get("location", "")))
+            if os.path.commonpath([folder, data_file]) != folder or not os.path.isfile(data_file):
+                continue
+            copy = TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
+                               data_location=TensorProto.EXTERNAL)
+            for key, value in {**fields, "length": str(nbytes)}.items():
+                copy.external_data.add(key=key, value=value)
+            with contextlib.suppress(Exception):  # a bad field or file: onnx raises several types
                 load_external_data_for_tensor(copy, base_dir)
-                tensor.CopyFrom(copy)
+            if len(copy.raw_data) != nbytes:  # not read, or from a file shorter than that (onnx 1.16 reads it)
+                continue
+            tensor.raw_data = copy.raw_data
+        else:
+            tensor.raw_data = b""
+        # as onnx.load leaves it: the data in the model (onnx 1.16 leaves that to load's caller)
+        tensor.data_location = TensorProto.DEFAULT
+        del tensor.external_data[:]
 
 
 def _densify_sparse_initializers(graph: Any) -> None:
