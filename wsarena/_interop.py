@@ -13,15 +13,15 @@ NumPy array (host memory) or a CuPy array (CUDA memory), by the first of these i
 2. ``__cuda_array_interface__`` (Numba device arrays, and the rest of the CUDA Python world);
 3. ``__array_interface__`` (host buffers).
 
-What cannot be viewed without a copy is a ``TypeError`` naming the argument: a list, a tensor that requires
-grad while autograd records (the ops record no history: use :mod:`wsarena.torch`; under ``torch.no_grad()`` or
-inference mode it is taken, as PyTorch's ops take it), a conjugated tensor, a dtype the array
-library cannot represent, an ``out`` whose DLPack export is read-only (a JAX array: JAX's arrays are immutable,
-and its legacy DLPack capsules promise no writes), an exporter whose ``__dlpack_device__`` fails (a JAX array
-sharded over devices, or deleted), a JAX tracer (inside ``jax.jit`` and kin). Operands may come from different libraries as long as they are
-all in host memory or all on one CUDA device; host beside device memory, or operands that say they are on two
-devices (a CuPy array's ``device``, a tensor's, ``__dlpack_device__``; ``__cuda_array_interface__`` names none),
-would need a copy and is a ``TypeError``.
+What cannot be viewed without a copy is a ``TypeError`` naming the argument: a list, a tensor that requires grad
+while autograd records (the ops record no history: use :mod:`wsarena.torch`; under ``torch.no_grad()`` or inference
+mode it is taken, as PyTorch's ops take it), a conjugated tensor, a dtype the array library cannot represent, an
+``out`` whose DLPack export is read-only (a JAX array: JAX's arrays are immutable, and its legacy DLPack capsules
+promise no writes), an exporter whose ``__dlpack_device__`` fails (a JAX array sharded over devices, or deleted), a
+JAX tracer (inside ``jax.jit`` and kin). Operands may come from different libraries as long as they are all in host
+memory or all on one CUDA device; host beside device memory, or operands that say they are on two devices (a CuPy
+array's ``device``, a tensor's, ``__dlpack_device__``; ``__cuda_array_interface__`` names none), would need a copy
+and is a ``TypeError``.
 
 The result comes back in the library of the first operand (``x``, or ``dy`` for ``conv_backward_data``), through
 that library's DLPack import (``torch.from_dlpack``, the ``from_dlpack`` of its ``__array_namespace__`` or of
