@@ -176,3 +176,26 @@ def test_the_reports_json_keys_are_those_the_readme_lists(capsys, tmp_path):
         assert set(report["layers"][0]) == layer_keys | set(PASSES)  # "the keys of a JSON layer", and the passes
         assert named - {"max_slowdown"} == keys - {"max_slowdown"}, named ^ keys
         assert ("max_slowdown" in report) == bool(extra) and "max_slowdown" in named
+
+
+def test_the_tune_json_keys_are_those_the_readme_lists(capsys, tmp_path):
+    """"`--format json` prints one object: the header keys of `report` but ..." names every top-level key of
+    ``wsarena tune``'s JSON and every key of a curve point: nothing more, nothing less. `report` (the command) and
+    `cap_workspace_bytes` (named as left out of the header; a curve point's key) are not top-level keys."""
+    import re
+
+    from .cli_helpers import run_main
+
+    text = _readme_sentence("`--format json` prints one object: the header keys of `report`", "The table's header")
+    spans = re.findall(r"`([^`]+)`", text)
+    named = {span for span in spans if re.fullmatch(r"[a-z_]+", span)} - {"report", "cap_workspace_bytes"}
+    point_spans = [span for span in spans if span.startswith("{")]
+    assert len(point_spans) == 1, point_spans
+    point_keys = set(re.findall(r'"(\w+)"', point_spans[0]))
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps([{"name": "c", "input_shape": [1, 2, 8, 8], "weight_shape": [2, 2, 3, 3]}]))
+    code, out, err = run_main(capsys, "tune", str(model), "--backend", "cpu", "--format", "json")
+    assert code == 0, err
+    tuned = json.loads(out)
+    assert named == set(tuned), named ^ set(tuned)
+    assert all(set(point) == point_keys for point in tuned["curve"]), tuned["curve"]
