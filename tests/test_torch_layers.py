@@ -104,6 +104,13 @@ def _padded(module: nn.Module, x: torch.Tensor, layer: wsarena.ConvLayer) -> tor
     return F.pad(x, [p for e in reversed(extra) for p in (0, e)])
 
 
+def _set(module: nn.Module, **settings: object) -> nn.Module:
+    """``module`` with ``settings`` set as attributes, as a model's surgery sets them (ints PyTorch takes too)."""
+    for name, value in settings.items():
+        setattr(module, name, value)
+    return module
+
+
 MODULES = {
     "1d-strided": (nn.Conv1d(3, 4, 5, stride=2, padding=1, bias=False), (2, 3, 17)),
     "2d-grouped-dilated": (nn.Conv2d(4, 6, 3, padding=2, dilation=2, groups=2, bias=False), (2, 4, 9, 10)),
@@ -115,6 +122,9 @@ MODULES = {
                               (1, 3, 8, 8)),
     "2d-replicate-unbatched": (nn.Conv2d(3, 4, 3, padding=1, padding_mode="replicate", bias=False), (3, 6, 7)),
     "3d": (nn.Conv3d(2, 3, (3, 1, 2), stride=(1, 2, 1), padding=(1, 0, 1), bias=False), (1, 2, 5, 6, 4)),
+    # a stride turned into a dilation after construction, as a dilated ResNet's surgery does, with ints
+    "2d-int-padding-dilation-set": (_set(nn.Conv2d(3, 4, 3, bias=False), padding=2, dilation=2), (1, 3, 9, 8)),
+    "2d-same-int-dilation-set": (_set(nn.Conv2d(3, 4, 4, padding="same", bias=False), dilation=2), (1, 3, 9, 8)),
 }
 
 

@@ -19,6 +19,7 @@ from torch.nn.parameter import is_lazy
 
 from .. import _forksafe
 from ..models import ConvLayer, ModelError
+from ._shapes import per_dim
 
 __all__ = ["layers"]
 
@@ -202,10 +203,12 @@ def _batched(t: torch.Tensor, nd: int) -> tuple[int, ...]:
 
 def _padding(module: Any, spatial: Sequence[int]) -> tuple[list[int], list[int]]:
     """The symmetric padding PyTorch convolves with, and the input size once the extra end of ``"same"`` (an odd
-    total padding: one more at the end) is added to it."""
+    total padding: one more at the end) is added to it. ``padding`` and ``dilation`` may be ints, which PyTorch takes
+    where a model's code set them after construction."""
+    nd = len(spatial)
     if module.padding == "valid":
-        return [0] * len(spatial), list(spatial)
+        return [0] * nd, list(spatial)
     if module.padding != "same":
-        return list(module.padding), list(spatial)
-    totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+        return per_dim(module.padding, nd) or list(module.padding), list(spatial)  # not ints: ConvLayer says so
+    totals = [d * (k - 1) for d, k in zip(per_dim(module.dilation, nd) or module.dilation, module.kernel_size)]
     return [t // 2 for t in totals], [s + t % 2 for s, t in zip(spatial, totals)]
