@@ -514,6 +514,25 @@ def test_a_replaced_buffer_and_an_inference_mode_model_are_left_as_they_were():
     assert layer.weight_shape == (4, 3, 1, 1) and float(served[1].running_var.sum()) == 4
 
 
+class Gridded(nn.Module):  # a buffer expanded over a dimension: its elements share memory, as expand() makes them
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.register_buffer("grid", torch.linspace(-1, 1, 4).expand(2, 4), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) + self.grid[0]
+
+
+def test_a_buffer_expanded_over_a_dimension_is_left_as_it_was():
+    """Such a buffer takes no write in place (PyTorch refuses one to elements that share memory), so the run cannot
+    have changed it; copying it back raised once the model had run."""
+    model = Gridded()
+    grid = model.grid
+    assert [layer.name for layer in wt.layers(model, torch.randn(1, 3, 4, 4))] == ["conv"]
+    assert model.grid is grid and torch.equal(grid, torch.linspace(-1, 1, 4).expand(2, 4))
+
+
 def test_a_users_forward_hook_that_changes_the_result_does_not_change_the_layer():
     conv = nn.Conv2d(3, 4, 3)
     conv.register_forward_hook(lambda module, args, out: out[..., 1:, 1:])  # the layer is the convolution's

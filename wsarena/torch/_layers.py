@@ -104,7 +104,8 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
         with torch.inference_mode():  # a model made in inference mode holds inference tensors, updated only there
             for owner, name, buffer, saved in reversed(buffers):  # a lazy module called twice: its first copy last
                 owner._buffers[name] = buffer  # where a forward replaced it (self.calls = self.calls + 1)
-                buffer.copy_(saved)
+                if saved is not None:
+                    buffer.copy_(saved)
     if not found:
         raise ModelError(f"{type(model).__name__} ran no nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d")
     return found
@@ -162,9 +163,16 @@ def _uncompiled(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else model
 
 
-def _copies(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]:
-    """Each made buffer of ``modules``, not their submodules': its module, name, tensor and a copy of it."""
-    return [(m, name, b, b.clone()) for m in modules for name, b in m.named_buffers(recurse=False) if not is_lazy(b)]
+def _copies(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor | None]]:
+    """Each made buffer of ``modules``, not their submodules': its module, name, tensor and a copy of it (``None``
+    for one expanded over a dimension, which takes no write in place: its elements share memory)."""
+    return [(m, name, b, None if _expanded(b) else b.clone())
+            for m in modules for name, b in m.named_buffers(recurse=False) if not is_lazy(b)]
+
+
+def _expanded(t: torch.Tensor) -> bool:
+    """Whether ``t`` repeats its elements along a dimension (a stride of 0, as ``expand()`` makes)."""
+    return t.layout == torch.strided and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape))
 
 
 def _layer(name: str, module: Any, x: torch.Tensor, y: torch.Tensor) -> ConvLayer:
