@@ -492,6 +492,17 @@ def test_a_subclass_convolving_otherwise_is_a_model_error_and_its_input_is_found
     assert layer.input_shape == (1, 3, 6, 6) and tuple(layer.geometry().output_shape) == (1, 4, 4, 4)
 
 
+class Masked(nn.Conv2d):  # NVIDIA's partial convolution (return_mask=True): the result and the updated mask
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        mask = F.conv2d(torch.ones_like(x[:, :1]), torch.ones(1, 1, *self.kernel_size), padding=self.padding)
+        return super().forward(x), mask.clamp(0, 1)
+
+
+def test_a_subclass_returning_no_tensor_is_a_model_error_naming_it():
+    with pytest.raises(ModelError, match=r"^1 \(Masked\) returned a tuple, not a tensor: .*ONNX"):
+        wt.layers(nn.Sequential(nn.Conv2d(3, 3, 1), Masked(3, 4, 3, padding=1)), torch.randn(1, 3, 8, 8))
+
+
 class Counted(nn.Module):  # a forward that replaces its buffer rather than updating it in place
     def __init__(self) -> None:
         super().__init__()

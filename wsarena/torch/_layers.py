@@ -25,6 +25,7 @@ __all__ = ["layers"]
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)  # wsarena.torch's modules and the lazy ones are subclasses
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_EXPORT = "export the model to ONNX and load that (wsarena.load_model)"
 
 
 def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
@@ -55,7 +56,7 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
         ``model`` is not an ``nn.Module``.
     ModelError
         It ran no such convolution, or one whose result has another size than its settings give (a subclass whose
-        ``forward`` pads the input itself, as timm's ``Conv2dSame``).
+        ``forward`` pads the input itself, as timm's ``Conv2dSame``) or is no tensor.
 
     Whatever the model raises while it runs is raised as it is.
     """
@@ -177,6 +178,10 @@ def _expanded(t: torch.Tensor) -> bool:
 
 def _layer(name: str, module: Any, x: torch.Tensor, y: torch.Tensor) -> ConvLayer:
     """One call of ``module`` on ``x`` that gave ``y``, as a layer at batch 1."""
+    for what, t in (("took", x), ("returned", y)):  # a subclass's forward (a partial convolution's result and mask)
+        if not isinstance(t, torch.Tensor):
+            raise ModelError(f"{name} ({type(module).__name__}) {what} a {type(t).__name__}, not a tensor: its forward "
+                             f"convolves otherwise than PyTorch's; {_EXPORT}")
     nd = module.weight.dim() - 2
     weight = tuple(module.weight.shape)
     common = {"stride": module.stride, "dilation": module.dilation, "groups": module.groups}
@@ -198,8 +203,7 @@ def _checked(layer: ConvLayer, module: Any, made: tuple[int, ...]) -> ConvLayer:
     gives = tuple(layer.geometry().output_shape)  # a ModelError where the settings fit no convolution of the input
     if gives[1:] != made[1:]:
         raise ModelError(f"{layer.name} ({type(module).__name__}) made {made[2:]} where its settings give "
-                         f"{gives[2:]}: its forward convolves otherwise than PyTorch's; export the model to ONNX and "
-                         "load that (wsarena.load_model)")
+                         f"{gives[2:]}: its forward convolves otherwise than PyTorch's; {_EXPORT}")
     return layer
 
 
