@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import threading
 import types
 
@@ -425,6 +426,29 @@ def test_the_run_leaves_running_statistics_and_the_random_stream_as_they_were():
     assert [layer.name for layer in found] == ["0", "3"] and model.training
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())  # num_batches_tracked and the running stats
+
+
+class LayerDrop(nn.Module):  # a train-mode layer drop drawn from Python's generator (older Hugging Face encoders')
+    def __init__(self) -> None:                                                      # and a jitter from NumPy's
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv1d(4, 4, 3, padding=1) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            if not self.training or random.uniform(0, 1) >= 0.1:
+                x = conv(x) * float(np.random.uniform(0.9, 1.1))
+        return x
+
+
+def test_the_run_leaves_pythons_and_numpys_random_streams_as_they_were():
+    model = LayerDrop().train()
+    random.seed(3)
+    np.random.seed(3)
+    expected = random.random(), np.random.random()
+    random.seed(3)
+    np.random.seed(3)
+    assert len(wt.layers(model, torch.randn(1, 4, 16))) == 3  # none dropped by seed 3
+    assert (random.random(), np.random.random()) == expected
 
 
 def test_a_model_that_raises_leaves_no_hook_and_bad_models_are_typed_errors():

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
@@ -31,17 +33,17 @@ _EXPORT = "export the model to ONNX and load that (wsarena.load_model)"
 def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     """The convolutions ``model(*args, **kwargs)`` runs, in the order it runs them, as :class:`~wsarena.ConvLayer`.
 
-    The model runs once, under ``torch.no_grad()``, in the mode it is in (a training-mode model may run other
-    layers): give it an input of the size it will see (its batch does not matter, the planner sets its own), on the
-    model's device, which may be the meta device (nothing is computed there: ``copy.deepcopy(model).to("meta")`` and
-    a meta input). Its buffers (BatchNorm's running statistics) and the random generators are as they were
-    afterwards. Every call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and lazy ones
-    included) is one layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called again is
-    listed again, ``#2`` and on after its name. Convolutions called as functions (``F.conv2d`` in a ``forward``) are
-    not seen: export such a model to ONNX and load that (:func:`wsarena.load_model`). A lazy module is initialized
-    by the run, its buffers left as first made. Of a ``torch.compile`` wrapper, the model it wraps runs; nothing is
-    compiled (a model compiled in place with ``Module.compile()``, or a compiled submodule, runs uncompiled). To
-    that end torch.compile's stance is ``"force_eager"`` while the model runs, and that stance is the process's:
+    The model runs once, under ``torch.no_grad()``, in the mode it is in (a training-mode model may run other layers):
+    give it an input of the size it will see (its batch does not matter, the planner sets its own), on the model's
+    device, which may be the meta device (nothing is computed there: ``copy.deepcopy(model).to("meta")`` and a meta
+    input). Its buffers (BatchNorm's running statistics) and the random generators (PyTorch's, Python's and NumPy's) are
+    as they were afterwards. Every call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and
+    lazy ones included) is one layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called
+    again is listed again, ``#2`` and on after its name. Convolutions called as functions (``F.conv2d`` in a
+    ``forward``) are not seen: export such a model to ONNX and load that (:func:`wsarena.load_model`). A lazy module is
+    initialized by the run, its buffers left as first made. Of a ``torch.compile`` wrapper, the model it wraps runs;
+    nothing is compiled (a model compiled in place with ``Module.compile()``, or a compiled submodule, runs uncompiled).
+    To that end torch.compile's stance is ``"force_eager"`` while the model runs, and that stance is the process's:
     compiled code that another thread runs meanwhile runs uncompiled too (a child forked meanwhile by another thread
     compiles as asked).
 
@@ -97,7 +99,7 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     try:
         # force_eager: a model compiled in place (Module.compile()) or holding a torch.compile'd module runs
         # uncompiled too (no seconds of compiling, and the hooks run as written)
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda), _force_eager():
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), _host_random(), _force_eager():
             model(*args, **kwargs)
     finally:
         for hook in hooks:
@@ -156,6 +158,18 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)  # once, as this module is imported
+
+
+@contextlib.contextmanager
+def _host_random() -> Iterator[None]:
+    """Python's and NumPy's global random streams, as they were, once the block ends (a forward may draw from them:
+    a layer drop drawn with ``random.uniform``, as older Hugging Face encoders draw it)."""
+    python, numpy = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:
