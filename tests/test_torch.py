@@ -87,7 +87,8 @@ def test_forward_and_both_gradients_run_through_wsarenas_three_ops(monkeypatch):
     assert calls == ["conv_forward", "conv_backward_filter"]
 
 
-def _counted_passes(monkeypatch):
+def _counted(monkeypatch):
+    """The names of wsarena's ops as they are called, in order."""
     calls = []
     for name in ("conv_forward", "conv_backward_data", "conv_backward_filter"):
         real = getattr(ops, name)
@@ -99,7 +100,7 @@ def test_a_backward_computes_only_the_gradients_asked_for_as_torchs_does(monkeyp
     """``torch.autograd.grad(y, x)`` (an adversarial input, a saliency map) asks nothing of the weights, which still
     require gradients: PyTorch's convolution computes no weight gradient then, nor an input gradient for a weight's
     alone (``backward(inputs=...)`` alike), and neither does wsarena's."""
-    calls = _counted_passes(monkeypatch)
+    calls = _counted(monkeypatch)
     torch.manual_seed(0)
     theirs = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Tanh(),
                                  torch.nn.ConvTranspose2d(4, 2, 2, stride=2)).double()

@@ -13,10 +13,10 @@ import warnings
 import pytest
 
 import wsarena
-from wsarena import algos, ops
+from wsarena import algos
 from wsarena.torch import _autograd
 
-from .test_torch import _backward, _cap_warnings, _line, close
+from .test_torch import _backward, _cap_warnings, _counted, _line, close
 from .test_torch_transpose import CASES as TRANSPOSE_CASES
 from .test_torch_transpose import FUNCTIONS as TRANSPOSE_FUNCTIONS
 from .test_torch_transpose import tensors as transpose_tensors
@@ -73,15 +73,6 @@ def test_the_public_functions_applied_directly_pass_gradgradcheck():
     for function, args, rest in ((wt.ConvFunction, (x, w), conv), (wt.ConvTransposeFunction, (dy, w), ([1, 2, 5, 5], *conv)),
                                  (wt.WeightGradFunction, (x, dy), ([3, 2, 3, 3], *conv))):
         assert torch.autograd.gradgradcheck(lambda a, b, f=function, r=rest: f.apply(a, b, *r), args)
-
-
-def _counted(monkeypatch):
-    """The names of wsarena's ops as they are called, in order."""
-    calls = []
-    for name in ("conv_forward", "conv_backward_data", "conv_backward_filter"):
-        real = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    return calls
 
 
 def test_vmap_calls_each_pass_once_through_the_operators_vmap_rules(monkeypatch):
