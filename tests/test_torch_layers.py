@@ -10,6 +10,7 @@ import os
 import random
 import threading
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -449,6 +450,24 @@ def test_the_run_leaves_pythons_and_numpys_random_streams_as_they_were():
     np.random.seed(3)
     assert len(wt.layers(model, torch.randn(1, 4, 16))) == 3  # none dropped by seed 3
     assert (random.random(), np.random.random()) == expected
+
+
+def test_numpys_random_stream_is_restored_without_a_warning_where_its_global_generator_is_not_mt19937():
+    """NumPy's global generator may be another bit generator (np.random.set_bit_generator): its state is saved as
+    it is, not as MT19937's legacy tuple, which NumPy gives for others only with a RuntimeWarning."""
+    model = LayerDrop().train()
+    found = np.random.get_bit_generator()
+    try:
+        np.random.set_bit_generator(np.random.PCG64(3))
+        expected = np.random.random()
+        np.random.set_bit_generator(np.random.PCG64(3))
+        random.seed(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert len(wt.layers(model, torch.randn(1, 4, 16))) == 3  # none dropped by seed 3
+        assert np.random.random() == expected
+    finally:
+        np.random.set_bit_generator(found)
 
 
 def test_a_model_that_raises_leaves_no_hook_and_bad_models_are_typed_errors():

@@ -163,8 +163,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)  # once, as this module
 @contextlib.contextmanager
 def _host_random() -> Iterator[None]:
     """Python's and NumPy's global random streams, as they were, once the block ends (a forward may draw from them:
-    a layer drop drawn with ``random.uniform``, as older Hugging Face encoders draw it)."""
-    python, numpy = random.getstate(), np.random.get_state()
+    a layer drop drawn with ``random.uniform``, as older Hugging Face encoders draw it). NumPy's is taken as a
+    dict: its global generator may be other than MT19937 (``np.random.set_bit_generator``), where the legacy tuple
+    warns."""
+    python, numpy = random.getstate(), np.random.get_state(legacy=False)
     try:
         yield
     finally:
