@@ -311,6 +311,15 @@ def test_a_jax_tracer_is_refused_saying_what_it_is(monkeypatch, fresh_arena):
     assert fresh_arena.stats() == before
 
 
+@pytest.mark.parametrize("jax", [types.SimpleNamespace(), types.SimpleNamespace(core=types.SimpleNamespace())])
+def test_a_module_named_jax_without_core_tracer_leaves_a_non_array_the_plain_type_error(monkeypatch, jax):
+    """A ``jax`` that is not JAX, or JAX halfway through its import (another thread's): no tracer to test against."""
+    monkeypatch.setitem(sys.modules, "jax", jax)
+    x, _, _ = problem()
+    with pytest.raises(TypeError, match=r"^w must be an array \(NumPy, CuPy, .*not list$"):
+        conv_forward(x, [1.0], **KW)
+
+
 def test_operands_on_different_cuda_devices_are_refused_before_any_view():
     """Checked from what the operands say of themselves (``__dlpack_device__``): no CUDA library is touched."""
 

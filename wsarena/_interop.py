@@ -144,8 +144,10 @@ class _Operand:
 
 
 def _is_jax_tracer(obj: Any) -> bool:
-    jax = sys.modules.get("jax")  # a tracer means JAX is imported already
-    return jax is not None and isinstance(obj, jax.core.Tracer)
+    # a tracer means JAX is imported already; a "jax" without jax.core.Tracer is another module, or JAX halfway
+    # through its import in another thread
+    tracer = getattr(getattr(sys.modules.get("jax"), "core", None), "Tracer", None)
+    return isinstance(tracer, type) and isinstance(obj, tracer)
 
 
 def _requires_grad(name: str) -> TypeError:
