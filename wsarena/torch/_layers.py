@@ -36,8 +36,9 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     The model runs once, under ``torch.no_grad()``, in the mode it is in (a training-mode model may run other layers):
     give it an input of the size it will see (its batch does not matter, the planner sets its own), on the model's
     device, which may be the meta device (nothing is computed there: ``copy.deepcopy(model).to("meta")`` and a meta
-    input). Its buffers (BatchNorm's running statistics) and the random generators (PyTorch's, Python's and NumPy's) are
-    as they were afterwards. Every call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and
+    input). Its buffers (BatchNorm's running statistics) and the random generators (PyTorch's, Python's and NumPy's)
+    are as they were afterwards; the generators are the process's, so draws another thread makes meanwhile are undone
+    too. Every call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and
     lazy ones included) is one layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called
     again is listed again, ``#2`` and on after its name. Convolutions called as functions (``F.conv2d`` in a
     ``forward``) are not seen: export such a model to ONNX and load that (:func:`wsarena.load_model`). A lazy module is
