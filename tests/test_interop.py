@@ -296,6 +296,20 @@ def test_a_dlpack_device_that_raises_is_a_type_error_naming_the_operand(fresh_ar
         conv_forward(x, Sharded(w), **KW)
     assert fresh_arena.stats() == before
 
+    class Muddled(_Foreign):
+        def __init__(self, array, answer):
+            super().__init__(array)
+            self.answer = answer
+
+        def __dlpack_device__(self):
+            return self.answer
+
+    for answer, shown in ((None, "None"), ((1, 0, 0), r"\(1, 0, 0\)"), (("cpu", 0), r"\('cpu', 0\)")):
+        with pytest.raises(TypeError, match=rf"^w cannot be viewed: its __dlpack_device__\(\) returned {shown}, not a "
+                                            r"\(device type, device id\) pair$"):
+            conv_forward(x, Muddled(w, answer), **KW)
+    assert fresh_arena.stats() == before
+
 
 def test_a_jax_tracer_is_refused_saying_what_it_is(monkeypatch, fresh_arena):
     """A stand-in for JAX's tracers (tests/test_interop_jax.py has the real ones, where JAX is installed)."""

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import reprlib
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -111,11 +112,16 @@ class _Operand:
             self.device = int(obj.get_device()) if self.cuda else None
         elif kind == _DLPACK:
             try:
-                device_type, ordinal = (int(v) for v in obj.__dlpack_device__())
+                found = obj.__dlpack_device__()
             except (BufferError, RuntimeError, TypeError, ValueError) as exc:  # a JAX array sharded, or deleted
                 raise TypeError(
                     f"{name} cannot be viewed: its __dlpack_device__() raised {type(exc).__name__}: {exc}"
                 ) from exc
+            try:
+                device_type, ordinal = (int(v) for v in found)
+            except (TypeError, ValueError):
+                raise TypeError(f"{name} cannot be viewed: its __dlpack_device__() returned {reprlib.repr(found)}, "
+                                "not a (device type, device id) pair") from None
             if device_type not in _HOST_DEVICES + _CUDA_DEVICES:
                 raise TypeError(
                     f"{name} is in memory of DLPack device type {device_type}; wsarena takes host or CUDA memory"
