@@ -36,17 +36,16 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     The model runs once, under ``torch.no_grad()``, in the mode it is in (a training-mode model may run other layers):
     give it an input of the size it will see (its batch does not matter, the planner sets its own), on the model's
     device, which may be the meta device (nothing is computed there: ``copy.deepcopy(model).to("meta")`` and a meta
-    input). Its buffers (BatchNorm's running statistics) and the random generators (PyTorch's, Python's and NumPy's)
-    are as they were afterwards; the generators are the process's, so draws another thread makes meanwhile are undone
-    too. Every call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and
-    lazy ones included) is one layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called
-    again is listed again, ``#2`` and on after its name. Convolutions called as functions (``F.conv2d`` in a
-    ``forward``) are not seen: export such a model to ONNX and load that (:func:`wsarena.load_model`). A lazy module is
-    initialized by the run, its buffers left as first made. Of a ``torch.compile`` wrapper, the model it wraps runs;
-    nothing is compiled (a model compiled in place with ``Module.compile()``, or a compiled submodule, runs uncompiled).
-    To that end torch.compile's stance is ``"force_eager"`` while the model runs, and that stance is the process's:
-    compiled code that another thread runs meanwhile runs uncompiled too (a child forked meanwhile by another thread
-    compiles as asked).
+    input). Its buffers (BatchNorm's running statistics) and the random generators (PyTorch's, Python's and NumPy's) are
+    as they were afterwards; the generators are the process's, so draws another thread makes meanwhile are undone too.
+    Every call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and lazy ones included) is one
+    layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called again is listed again, ``#2``
+    and on after its name. Convolutions called as functions (``F.conv2d`` in a ``forward``) are not seen: export such a
+    model to ONNX and load that (:func:`wsarena.load_model`). A lazy module is initialized by the run, its buffers left
+    as first made. Of a ``torch.compile`` wrapper, the model it wraps runs; nothing is compiled (a model compiled in
+    place with ``Module.compile()``, or a compiled submodule, runs uncompiled). To that end torch.compile's stance is
+    ``"force_eager"`` while the model runs, and that stance is the process's: compiled code that another thread runs
+    meanwhile runs uncompiled too (a child forked meanwhile by another thread compiles as asked).
 
     Padding is modelled as PyTorch runs it: ``"same"`` with an even total (a kernel of even size) pads the input by
     one more at the end, and a ``padding_mode`` other than ``"zeros"`` pads the input itself before an unpadded
