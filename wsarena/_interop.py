@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import reprlib
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -51,6 +50,7 @@ import numpy as np
 from ._config import get_config
 from ._dlpack import BFLOAT16, INT16, Export, ReadOnlyExport
 from ._pass import Pass
+from ._sizes import short_repr
 from .arena._registry import make_device_arena
 from .arena.streams import cupy_stream, stream_handle
 from .backends import is_masked_type, type_backend_name
@@ -120,7 +120,7 @@ class _Operand:
             try:
                 device_type, ordinal = (int(v) for v in found)
             except (TypeError, ValueError):
-                raise TypeError(f"{name} cannot be viewed: its __dlpack_device__() returned {reprlib.repr(found)}, "
+                raise TypeError(f"{name} cannot be viewed: its __dlpack_device__() returned {short_repr(found)}, "
                                 "not a (device type, device id) pair") from None
             if device_type not in _HOST_DEVICES + _CUDA_DEVICES:
                 raise TypeError(
