@@ -13,7 +13,10 @@ the step under ``torch.autocast`` instead). Per configuration, over ``--steps`` 
 of: the step time (CUDA synchronised around each step); the host's time to issue it (until ``opt.step()``
 returns, before the synchronisation); and its GPU time, the step queued behind ``torch.cuda._sleep`` spinning
 longer than the host takes to issue it, so that the GPU never waits for the host. A step whose time is its issue
-time is host-bound; one whose time is its GPU time is not. Then the peak of ``torch.cuda.max_memory_allocated()``
+time is host-bound; one whose time is its GPU time is not. The GPU time is the GPU's own only where the host issued
+the whole step while the GPU still spun (``gpu_own``; else it is marked ``*``): a step that waits for the device
+(a synchronisation, a copy to the host) has the GPU wait for the host after it, and so does one whose issue outlasts
+the spin. Then the peak of ``torch.cuda.max_memory_allocated()``
 and of ``memory_reserved()`` over a step, and the convolution workspace: for PyTorch, each convolution call's peak
 allocation beyond its inputs and outputs (measured in a step of its own through a ``TorchDispatchMode`` on
 ``aten.convolution`` and ``aten.convolution_backward``), the largest of them and their sum; for wsarena, what the
@@ -103,18 +106,21 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, ta
     opt.step()
 
 
-def gpu_ms(step) -> tuple[float, float]:
-    """``step()``'s GPU time, queued behind a spin of the GPU (``torch.cuda._sleep``): (GPU ms, spin ms). The GPU
-    time is the GPU's own where the host issued the whole step within the spin (issue time below spin time)."""
+def gpu_ms(step) -> tuple[float, float, bool]:
+    """``step()``'s GPU time, queued behind a spin of the GPU (``torch.cuda._sleep``): (GPU ms, spin ms, whether
+    it is the GPU's own). It is the GPU's own where the GPU still spun when ``step()`` returned (the event after
+    the spin not reached): the host issued the whole step meanwhile and waited for the device nowhere. A step that
+    synchronises (or outlasts the spin) ran in part while the GPU waited for the host, and its time counts the waits."""
     stream = torch.cuda.current_stream()
     spin_start, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     spin_start.record(stream)
     torch.cuda._sleep(SPIN_CYCLES)
     start.record(stream)
     step()
+    own = not start.query()
     end.record(stream)
     end.synchronize()
-    return start.elapsed_time(end), spin_start.elapsed_time(start)
+    return start.elapsed_time(end), spin_start.elapsed_time(start), own
 
 
 SPIN_CYCLES = 600_000_000  # some 0.3 s on an H100's or H200's clock: twice the slowest step's issue seen
@@ -157,12 +163,12 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, target: torch.Tensor, 
         times.append(time.perf_counter() - start)
         issues.append(issued - start)
         peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
-    gpu, spins = zip(*(gpu_ms(step) for _ in range(min(args.steps, 3))))  # each waits out a spin: three suffice
+    gpu, spins, owns = zip(*(gpu_ms(step) for _ in range(min(args.steps, 3))))  # each waits out a spin: three suffice
     row = {
         "name": name, "step_ms": round(statistics.median(times) * 1e3, 2),
         "issue_ms": round(statistics.median(issues) * 1e3, 2), "gpu_ms": round(statistics.median(gpu), 2),
-        # a GPU time is the GPU's own only where the spin outlasted the issue
-        "spin_ms": round(min(spins), 1),
+        # a GPU time is the GPU's own only where the host issued each step within its spin, waiting for nothing
+        "gpu_own": all(owns), "spin_ms": round(min(spins), 1),
         "peak_allocated_bytes": max(p[0] for p in peaks), "peak_reserved_bytes": max(p[1] for p in peaks),
     }
     if args.kernels:
@@ -230,11 +236,13 @@ def main() -> int:
         if "error" in r:
             print(f"{r['name']:<16} failed: {r['error'][:200]}")
             continue
-        print(f"{r['name']:<16} {r['step_ms']:8.1f} {r['issue_ms']:9.1f} {r['gpu_ms']:8.1f} "
+        gpu = f"{r['gpu_ms']:.1f}" + ("" if r["gpu_own"] else "*")
+        print(f"{r['name']:<16} {r['step_ms']:8.1f} {r['issue_ms']:9.1f} {gpu:>8} "
               f"{r['peak_allocated_bytes'] / mib:15.0f} {r['peak_reserved_bytes'] / mib:18.0f} "
               f"{r['workspace_peak_bytes'] / mib:14.1f}")
     spin = min((r["spin_ms"] for r in rows if "spin_ms" in r), default=0.0)
-    print(f"GPU ms: queued behind {spin:.0f} ms of spinning (the GPU's own time where issue ms is below that)")
+    print(f"GPU ms: queued behind {spin:.0f} ms of spinning; *: the host had not issued the step when the spin ended "
+          "(it waited for the device, or took longer), so the time counts the GPU's waits for the host")
     for r in rows:
         if r.get("kernels"):
             print(f"{r['name']}: " + "; ".join(f"{k['gpu_ms']:.2f} ms x{k['calls']} {k['kernel'][:70]}"

@@ -100,3 +100,58 @@ def test_the_pressure_benchmark_compares_an_arena_that_remembers_with_one_that_a
     with pytest.raises(RuntimeError, match="the step failed"):
         pressure.measure(failing, {"host": make}, install, lambda: None, lambda: resets.append(1), lambda: 0, 1, 1)
     assert vars(Arena)["refusing"] is gate and installed[-1].closed and len(resets) == 5
+
+
+class _SpinningDevice:
+    """Stand-ins for the ``torch.cuda`` calls of bench_gpu_torch's GPU time: ``_sleep`` starts a spin that runs
+    until something waits for the device (``synchronize``); an event recorded behind the spin is reached only then."""
+
+    def __init__(self) -> None:
+        self.spinning = False
+        device = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.behind_spin = False
+
+            def record(self, stream: object = None) -> None:
+                self.behind_spin = device.spinning
+
+            def query(self) -> bool:
+                return not (self.behind_spin and device.spinning)
+
+            def synchronize(self) -> None:
+                device.spinning = False
+
+            def elapsed_time(self, end: object) -> float:
+                return 1.0
+
+        self.Event = Event
+
+    def sleep(self, cycles: int) -> None:
+        self.spinning = True
+
+    def synchronize(self) -> None:
+        self.spinning = False
+
+
+@pytest.mark.parametrize("waits", [False, True], ids=["issues only", "synchronises"])
+def test_the_torch_benchmarks_gpu_time_is_the_gpus_own_only_where_the_step_waited_for_nothing(monkeypatch, waits):
+    """bench_gpu_torch.py's GPU time is queued behind a spin. A step that synchronises in the middle has the GPU
+    wait for the host after it, however short its issue time: its GPU time is said not to be the GPU's own."""
+    torch = pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("bench_gpu_torch", ROOT / "bench" / "bench_gpu_torch.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    device = _SpinningDevice()
+    for name, value in (("Event", device.Event), ("_sleep", device.sleep), ("synchronize", device.synchronize),
+                        ("current_stream", lambda: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+
+    def step() -> None:
+        if waits:
+            torch.cuda.synchronize()  # as a .item(), a copy to the host or a cudaDeviceSynchronize would
+
+    gpu, spin, own = bench.gpu_ms(step)
+    assert (gpu, spin) == (1.0, 1.0) and own is not waits and not device.spinning
