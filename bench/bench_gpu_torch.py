@@ -8,21 +8,23 @@ and SGD step in every configuration:
 - ``wsarena``          the model converted, no cap, on the default ``cudnn_api`` (``graph``); ``wsarena legacy``:
   the same on cuDNN's legacy API; ``wsarena 64MiB``: the default API under ``cap_workspace="64MiB"``.
 
-TF32 is off in PyTorch's convolutions, as wsarena computes float32 in full float32 (``--autocast float16`` runs
-the step under ``torch.autocast`` instead). Per configuration, over ``--steps`` steps after ``--warmup``, medians
-of: the step time (CUDA synchronised around each step); the host's time to issue it (until ``opt.step()``
-returns, before the synchronisation); and its GPU time, the step queued behind ``torch.cuda._sleep`` spinning
-longer than the host takes to issue it, so that the GPU never waits for the host. A step whose time is its issue
-time is host-bound; one whose time is its GPU time is not. The GPU time is the GPU's own only where the host issued
-the whole step while the GPU still spun (``gpu_own``; else it is marked ``*``): a step that waits for the device
-(a synchronisation, a copy to the host) has the GPU wait for the host after it, and so does one whose issue outlasts
-the spin. Then the peak of ``torch.cuda.max_memory_allocated()``
-and of ``memory_reserved()`` over a step, and the convolution workspace: for PyTorch, each convolution call's peak
-allocation beyond its inputs and outputs (measured in a step of its own through a ``TorchDispatchMode`` on
-``aten.convolution`` and ``aten.convolution_backward``), the largest of them and their sum; for wsarena, what the
-arena holds (its memory comes from PyTorch's caching allocator, so it is inside the peaks too). With
-``--kernels N``, the N kernels that took the most GPU time in one step (``torch.profiler``), by name: which
-convolution kernels each side runs.
+TF32 is off in PyTorch's convolutions, as wsarena computes float32 in full float32 (``--autocast float16`` runs the
+step under ``torch.autocast`` instead). Per configuration, over ``--steps`` steps after ``--warmup``, medians of:
+the step time (CUDA synchronised around each step); the host's time to issue it (until ``opt.step()`` returns,
+before the synchronisation); and its GPU time, the step queued behind ``torch.cuda._sleep`` spinning longer than the
+host takes to issue it, so that the GPU never waits for the host. A step whose time is its issue time is host-bound;
+one whose time is its GPU time is not. The GPU time is the GPU's own only where the host issued the whole step while
+the GPU still spun (``gpu_own``; else it is marked ``*``): a step that waits for the device (a synchronisation, a
+copy to the host) has the GPU wait for the host after it, and so does one whose issue outlasts the spin. Then the
+peak of ``torch.cuda.max_memory_allocated()`` and of ``memory_reserved()`` over a step, and the convolution
+workspace: for PyTorch, each convolution call's peak allocation beyond its inputs and outputs (measured in a step of
+its own through a ``TorchDispatchMode`` on ``aten.convolution`` and ``aten.convolution_backward``), the largest of
+them and their sum; for wsarena, what the arena holds (its memory comes from PyTorch's caching allocator, so it is
+inside the peaks too). With ``--kernels N``, one more step under ``torch.profiler``: the N kernels that took the
+most GPU time, by name (which convolution kernels each side runs), the step's number of kernels and their summed GPU
+time, and how often the host called each CUDA runtime or driver function that synchronises, copies, allocates or
+frees (``cudaStreamSynchronize``, ``cudaMemcpyAsync``, ``cudaMalloc``, ...): where a step's time goes other than to
+its kernels.
 
 Run: python bench/bench_gpu_torch.py [--batch 32] [--steps 10] [--warmup 3] [--autocast float16]
                                      [--memory-format channels_last|contiguous] [--kernels 8] [--json FILE]
@@ -34,6 +36,7 @@ import argparse
 import contextlib
 import copy
 import json
+import re
 import statistics
 import time
 import traceback
@@ -126,21 +129,37 @@ def gpu_ms(step) -> tuple[float, float, bool]:
 SPIN_CYCLES = 600_000_000  # some 0.3 s on an H100's or H200's clock: twice the slowest step's issue seen
 
 
-def top_kernels(step, count: int) -> list[dict]:
-    """The ``count`` kernels with the most GPU time in one ``step()``, from ``torch.profiler`` (CUPTI)."""
+# The CUDA runtime and driver functions that wait for the device or copy (cudaStreamSynchronize, cudaMemcpyAsync)
+# or allocate and free (cudaMalloc, cuMemAlloc_v2, cudaFree), by their names in torch.profiler's host events
+API_CALLS = re.compile(r"Synchronize|Memcpy|Malloc|MemAlloc|Free")
+
+
+def profile_step(step, count: int) -> dict:
+    """One ``step()`` under ``torch.profiler`` (CUPTI, host and device): the ``count`` kernels with the most GPU time
+    (``kernels``), the number of kernels and their summed GPU time (``kernel_count``, ``kernel_ms``; copies and
+    memsets on the device count as kernels), and how often the host called each CUDA runtime or driver function
+    that waits for the device, copies, allocates or frees (``api_calls``, by name; ``cudaDeviceSynchronize`` counts
+    the profile's own, after the step and as the profiler stops)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     totals: dict[str, list[float]] = {}
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        # a user annotation (a record_function range: Optimizer.step) is on the device too, spanning its kernels
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
             entry = totals.setdefault(event.name, [0.0, 0])
             entry[0] += event.device_time_total  # us
             entry[1] += 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:count]
-    return [{"kernel": name, "gpu_ms": round(us / 1e3, 3), "calls": calls} for name, (us, calls) in ranked]
+    calls = {e.key: e.count for e in prof.key_averages()  # the runtime's and driver's calls are host events
+             if e.device_type == torch.autograd.DeviceType.CPU and API_CALLS.search(e.key)}
+    return {
+        "kernels": [{"kernel": name, "gpu_ms": round(us / 1e3, 3), "calls": n} for name, (us, n) in ranked],
+        "kernel_count": int(sum(n for _, n in totals.values())),
+        "kernel_ms": round(sum(us for us, _ in totals.values()) / 1e3, 3), "api_calls": calls,
+    }
 
 
 def measure(name: str, model: nn.Module, x: torch.Tensor, target: torch.Tensor, args: argparse.Namespace,
@@ -173,7 +192,7 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, target: torch.Tensor, 
     }
     if args.kernels:
         try:
-            row["kernels"] = top_kernels(step, args.kernels)
+            row.update(profile_step(step, args.kernels))
         except Exception as exc:  # noqa: BLE001 - a profiler that cannot run (no CUPTI) leaves the timings
             row["kernels_error"] = f"{type(exc).__name__}: {exc}"
     if probe:
@@ -187,6 +206,38 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, target: torch.Tensor, 
         row.update(workspace_peak_bytes=stats.high_water_bytes, arena_bytes=stats.capacity_bytes,
                    provider=type(wsarena.get_arena(x.device.index).provider).__name__)
     return row
+
+
+def print_summary(rows: list[dict]) -> None:
+    """The rows as a table; then what each profiled step ran and called, and the workspace."""
+    mib = 1 << 20
+    print(f"{'':<16} {'step ms':>8} {'issue ms':>9} {'GPU ms':>8} {'peak alloc MiB':>15} "
+          f"{'peak reserved MiB':>18} {'workspace MiB':>14}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:<16} failed: {r['error'][:200]}")
+            continue
+        gpu = f"{r['gpu_ms']:.1f}" + ("" if r["gpu_own"] else "*")
+        print(f"{r['name']:<16} {r['step_ms']:8.1f} {r['issue_ms']:9.1f} {gpu:>8} "
+              f"{r['peak_allocated_bytes'] / mib:15.0f} {r['peak_reserved_bytes'] / mib:18.0f} "
+              f"{r['workspace_peak_bytes'] / mib:14.1f}")
+    spin = min((r["spin_ms"] for r in rows if "spin_ms" in r), default=0.0)
+    print(f"GPU ms: queued behind {spin:.0f} ms of spinning; *: the host had not issued the step when the spin ended "
+          "(it waited for the device, or took longer), so the time counts the GPU's waits for the host")
+    for r in rows:
+        if "kernel_count" in r:
+            calls = ", ".join(f"{name} x{n}" for name, n in sorted(r["api_calls"].items())) or "none"
+            print(f"{r['name']}: {r['kernel_count']} kernels, {r['kernel_ms']:.1f} GPU ms; calls that synchronise, "
+                  f"copy or allocate: {calls}")
+            if r["kernels"]:
+                print("  " + "; ".join(f"{k['gpu_ms']:.2f} ms x{k['calls']} {k['kernel'][:70]}" for k in r["kernels"]))
+        elif "kernels_error" in r:
+            print(f"{r['name']}: not profiled: {r['kernels_error'][:200]}")
+    sums = ", ".join(f"{r['name']} {r['workspace_sum_bytes'] / mib:.0f} MiB"
+                     for r in rows if "workspace_sum_bytes" in r)
+    held = ", ".join(f"{r['name']} {r['arena_bytes'] / mib:.0f} MiB" for r in rows if "arena_bytes" in r)
+    print(f"workspace: PyTorch, the largest per-call transient allocation of a convolution (sum over the step: "
+          f"{sums}); wsarena, the arena's largest lease (held: {held})")
 
 
 def main() -> int:
@@ -227,36 +278,15 @@ def main() -> int:
         wsarena.configure(cap_workspace=cap, cudnn_api=api)
         torch.cuda.empty_cache()
         attempt(name, lambda: wsarena.torch.convert(copy.deepcopy(base)), probe=False)
-    mib = 1 << 20
-    print(f"ResNet-50 training step, batch {args.batch}, {args.autocast or 'float32'}, {args.memory_format}, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
-    print(f"{'':<16} {'step ms':>8} {'issue ms':>9} {'GPU ms':>8} {'peak alloc MiB':>15} "
-          f"{'peak reserved MiB':>18} {'workspace MiB':>14}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['name']:<16} failed: {r['error'][:200]}")
-            continue
-        gpu = f"{r['gpu_ms']:.1f}" + ("" if r["gpu_own"] else "*")
-        print(f"{r['name']:<16} {r['step_ms']:8.1f} {r['issue_ms']:9.1f} {gpu:>8} "
-              f"{r['peak_allocated_bytes'] / mib:15.0f} {r['peak_reserved_bytes'] / mib:18.0f} "
-              f"{r['workspace_peak_bytes'] / mib:14.1f}")
-    spin = min((r["spin_ms"] for r in rows if "spin_ms" in r), default=0.0)
-    print(f"GPU ms: queued behind {spin:.0f} ms of spinning; *: the host had not issued the step when the spin ended "
-          "(it waited for the device, or took longer), so the time counts the GPU's waits for the host")
-    for r in rows:
-        if r.get("kernels"):
-            print(f"{r['name']}: " + "; ".join(f"{k['gpu_ms']:.2f} ms x{k['calls']} {k['kernel'][:70]}"
-                                               for k in r["kernels"]))
-    print("workspace: PyTorch, the largest per-call transient allocation of a convolution (sum over the step: "
-          + ", ".join(f"{r['name']} {r['workspace_sum_bytes'] / mib:.0f} MiB" for r in rows if "workspace_sum_bytes" in r)
-          + "); wsarena, the arena's largest lease (held: "
-          + ", ".join(f"{r['name']} {r['arena_bytes'] / mib:.0f} MiB" for r in rows if "arena_bytes" in r) + ")")
-    if args.json:
+    if args.json:  # before the table, so that the numbers are kept whatever the table makes of them
         result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "cudnn": torch.backends.cudnn.version(), "batch": args.batch,
                   "dtype": args.autocast or "float32", "memory_format": args.memory_format, "rows": rows}
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    print(f"ResNet-50 training step, batch {args.batch}, {args.autocast or 'float32'}, {args.memory_format}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    print_summary(rows)
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Self
 
 import pytest
 
@@ -135,15 +136,20 @@ class _SpinningDevice:
         self.spinning = False
 
 
+def _bench_gpu_torch():
+    spec = importlib.util.spec_from_file_location("bench_gpu_torch", ROOT / "bench" / "bench_gpu_torch.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 @pytest.mark.parametrize("waits", [False, True], ids=["issues only", "synchronises"])
 def test_the_torch_benchmarks_gpu_time_is_the_gpus_own_only_where_the_step_waited_for_nothing(monkeypatch, waits):
     """bench_gpu_torch.py's GPU time is queued behind a spin. A step that synchronises in the middle has the GPU
     wait for the host after it, however short its issue time: its GPU time is said not to be the GPU's own."""
     torch = pytest.importorskip("torch")
-    spec = importlib.util.spec_from_file_location("bench_gpu_torch", ROOT / "bench" / "bench_gpu_torch.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_gpu_torch()
     device = _SpinningDevice()
     for name, value in (("Event", device.Event), ("_sleep", device.sleep), ("synchronize", device.synchronize),
                         ("current_stream", lambda: None)):
@@ -155,3 +161,118 @@ def test_the_torch_benchmarks_gpu_time_is_the_gpus_own_only_where_the_step_waite
 
     gpu, spin, own = bench.gpu_ms(step)
     assert (gpu, spin) == (1.0, 1.0) and own is not waits and not device.spinning
+
+
+class _FakeProfile:
+    """Stands for ``torch.profiler.profile``: runs the block, then answers ``events()`` and ``key_averages()`` with
+    what it was given; ``fails``: entering it raises, as where CUPTI cannot start."""
+
+    def __init__(self, events: list, averages: list, fails: bool = False) -> None:
+        self.given, self.averages, self.fails, self.activities = events, averages, fails, []
+
+    def __call__(self, activities: list) -> Self:
+        self.activities.append(set(activities))
+        return self
+
+    def __enter__(self) -> Self:
+        if self.fails:
+            raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def events(self) -> list:
+        return self.given
+
+    def key_averages(self) -> list:
+        return self.averages
+
+
+def _profiled(torch, fails: bool = False) -> _FakeProfile:
+    """A step's profile: kernels, a copy on the device, the device's side of ``Optimizer.step``'s record_function
+    range (a user annotation, no kernel), and the host's calls into the CUDA runtime and driver among its ops."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, device, us, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, device_time_total=us, is_user_annotation=annotation)
+
+    events = [event("gemm", cuda, 100.0), event("conv", cuda, 120.0), event("gemm", cuda, 50.0),
+              event("Memcpy DtoD (Device -> Device)", cuda, 5.0), event("aten::mm", cpu, 150.0),
+              event("Optimizer.step#SGD.step", cuda, 1000.0, annotation=True)]
+    averages = [SimpleNamespace(key=key, count=n, device_type=device) for key, n, device in (
+        ("cudaStreamSynchronize", 3, cpu), ("cudaMemcpyAsync", 2, cpu), ("cuMemAlloc_v2", 1, cpu),
+        ("cudaLaunchKernel", 40, cpu), ("aten::copy_", 2, cpu), ("Optimizer.step#SGD.step", 1, cpu),
+        ("Memcpy DtoD (Device -> Device)", 1, cuda))]
+    return _FakeProfile(events, averages, fails)
+
+
+def test_the_torch_benchmarks_profile_counts_the_kernels_and_the_calls_that_wait_copy_or_allocate(monkeypatch):
+    """The profiled step's kernels (a copy on the device among them; the device's side of a record_function range
+    not: it spans kernels) and the host's calls into CUDA that synchronise, copy or allocate, by name: not its
+    launches, not its operators, not a copy on the device. The profile records the host too, where those calls are."""
+    torch = pytest.importorskip("torch")
+    bench = _bench_gpu_torch()
+    prof, steps = _profiled(torch), []
+    monkeypatch.setattr(torch.profiler, "profile", prof)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    result = bench.profile_step(lambda: steps.append(1), 2)
+    assert steps == [1] and prof.activities == [{torch.profiler.ProfilerActivity.CPU,
+                                                 torch.profiler.ProfilerActivity.CUDA}]
+    assert result == {
+        "kernels": [{"kernel": "gemm", "gpu_ms": 0.15, "calls": 2}, {"kernel": "conv", "gpu_ms": 0.12, "calls": 1}],
+        "kernel_count": 4, "kernel_ms": 0.275,
+        "api_calls": {"cudaStreamSynchronize": 3, "cudaMemcpyAsync": 2, "cuMemAlloc_v2": 1},
+    }
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")  # the profile keeps to the host here
+def test_the_torch_benchmarks_profile_reads_torch_profilers_own_results_and_finds_nothing_on_the_host():
+    """profile_step over the real torch.profiler, on the CPU: the attributes it reads exist on its events and on
+    key_averages()' entries, and a step of PyTorch's host operators (Optimizer.step's range among them) has no
+    kernel and no call into CUDA."""
+    torch = pytest.importorskip("torch")
+    bench = _bench_gpu_torch()
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        bench.train_step(model, opt, torch.randn(2, 4), torch.tensor([0, 2]), None)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "synchronize", lambda: None)
+        result = bench.profile_step(step, 3)
+    assert result == {"kernels": [], "kernel_count": 0, "kernel_ms": 0.0, "api_calls": {}}
+
+
+def test_the_torch_benchmark_keeps_the_profile_in_its_rows_and_prints_it(monkeypatch, capsys):
+    """bench_gpu_torch.measure on the CPU, over stand-ins for the device, an arena and the profiler: a row has the
+    profile beside its timings, and a profiler that cannot start leaves the timings. The table prints each, and a
+    row that failed."""
+    torch = pytest.importorskip("torch")
+    bench = _bench_gpu_torch()
+    device = _SpinningDevice()
+    for name, value in (("Event", device.Event), ("_sleep", device.sleep), ("synchronize", device.synchronize),
+                        ("current_stream", lambda: None), ("reset_peak_memory_stats", lambda: None),
+                        ("max_memory_allocated", lambda: 3 << 20), ("max_memory_reserved", lambda: 5 << 20)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    stats = SimpleNamespace(high_water_bytes=1 << 20, capacity_bytes=2 << 20)
+    arena = SimpleNamespace(provider=object(), stats=lambda: stats)
+    monkeypatch.setattr(bench, "wsarena", SimpleNamespace(get_arena=lambda device: arena))
+    model = torch.nn.Linear(4, 3)
+    args = SimpleNamespace(warmup=2, steps=3, kernels=2)
+    x, target = torch.randn(2, 4), torch.tensor([0, 2])
+    monkeypatch.setattr(torch.profiler, "profile", _profiled(torch))
+    row = bench.measure("wsarena", model, x, target, args, None, probe=False)
+    assert row["kernel_count"] == 4 and row["api_calls"]["cudaStreamSynchronize"] == 3
+    assert (row["workspace_peak_bytes"], row["arena_bytes"]) == (1 << 20, 2 << 20)
+    monkeypatch.setattr(torch.profiler, "profile", _profiled(torch, fails=True))
+    torch_row = bench.measure("torch", torch.nn.Linear(4, 3), x, target, args, None, probe=True)
+    assert torch_row["kernels_error"].startswith("RuntimeError: CUPTI")
+    assert torch_row["conv_calls"] == 0 and torch_row["step_ms"] >= 0
+    bench.print_summary([torch_row, row, {"name": "wsarena legacy", "error": "CudnnError: not supported"}])
+    out = capsys.readouterr().out
+    assert "torch: not profiled: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in out
+    assert ("wsarena: 4 kernels, 0.3 GPU ms; calls that synchronise, copy or allocate: cuMemAlloc_v2 x1, "
+            "cudaMemcpyAsync x2, cudaStreamSynchronize x3\n  0.15 ms x2 gemm; 0.12 ms x1 conv\n") in out
+    assert "wsarena legacy   failed: CudnnError: not supported" in out
