@@ -20,11 +20,12 @@ peak of ``torch.cuda.max_memory_allocated()`` and of ``memory_reserved()`` over 
 workspace: for PyTorch, each convolution call's peak allocation beyond its inputs and outputs (measured in a step of
 its own through a ``TorchDispatchMode`` on ``aten.convolution`` and ``aten.convolution_backward``), the largest of
 them and their sum; for wsarena, what the arena holds (its memory comes from PyTorch's caching allocator, so it is
-inside the peaks too). With ``--kernels N``, one more step under ``torch.profiler``: the N kernels that took the
-most GPU time, by name (which convolution kernels each side runs), the step's number of kernels and their summed GPU
-time, and how often the host called each CUDA runtime or driver function that synchronises, copies, allocates or
-frees (``cudaStreamSynchronize``, ``cudaMemcpyAsync``, ``cudaMalloc``, ...): where a step's time goes other than to
-its kernels.
+inside the peaks too), and how many buffers it allocated and grew over the timed steps (0 once warmed up). With
+``--kernels N``, one more step under ``torch.profiler``: the N kernels that took the most GPU time, by name (which
+convolution kernels each side runs), the step's number of kernels and their summed GPU time, and how often the host
+called each CUDA runtime or driver function that synchronises, copies, allocates or frees
+(``cudaStreamSynchronize``, ``cudaMemcpyAsync``, ``cudaMalloc``, ...): where a step's time goes other than to its
+kernels.
 
 Run: python bench/bench_gpu_torch.py [--batch 32] [--steps 10] [--warmup 3] [--autocast float16]
                                      [--memory-format channels_last|contiguous] [--kernels 8] [--json FILE]
@@ -169,9 +170,14 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, target: torch.Tensor, 
     def step() -> None:
         train_step(model, opt, x, target, autocast)
 
+    def arena_counts() -> dict[str, int]:
+        stats = wsarena.get_arena(x.device.index).stats()
+        return {"arena_allocations": stats.allocations, "arena_growths": stats.growths}
+
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
+    before = {} if probe else arena_counts()
     times, issues, peaks = [], [], []
     for _ in range(args.steps):
         torch.cuda.reset_peak_memory_stats()
@@ -182,6 +188,8 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, target: torch.Tensor, 
         times.append(time.perf_counter() - start)
         issues.append(issued - start)
         peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+    # what the arena allocated over the timed steps: warmed up, it should not grow
+    grown = {name: n - before[name] for name, n in arena_counts().items()} if before else {}
     gpu, spins, owns = zip(*(gpu_ms(step) for _ in range(min(args.steps, 3))))  # each waits out a spin: three suffice
     row = {
         "name": name, "step_ms": round(statistics.median(times) * 1e3, 2),
@@ -204,12 +212,12 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, target: torch.Tensor, 
     else:
         stats = wsarena.get_arena(x.device.index).stats()
         row.update(workspace_peak_bytes=stats.high_water_bytes, arena_bytes=stats.capacity_bytes,
-                   provider=type(wsarena.get_arena(x.device.index).provider).__name__)
+                   provider=type(wsarena.get_arena(x.device.index).provider).__name__, **grown)
     return row
 
 
 def print_summary(rows: list[dict]) -> None:
-    """The rows as a table; then what each profiled step ran and called, and the workspace."""
+    """The rows as a table; then what each profiled step ran and called, the workspace, and the arena's growth."""
     mib = 1 << 20
     print(f"{'':<16} {'step ms':>8} {'issue ms':>9} {'GPU ms':>8} {'peak alloc MiB':>15} "
           f"{'peak reserved MiB':>18} {'workspace MiB':>14}")
@@ -238,6 +246,10 @@ def print_summary(rows: list[dict]) -> None:
     held = ", ".join(f"{r['name']} {r['arena_bytes'] / mib:.0f} MiB" for r in rows if "arena_bytes" in r)
     print(f"workspace: PyTorch, the largest per-call transient allocation of a convolution (sum over the step: "
           f"{sums}); wsarena, the arena's largest lease (held: {held})")
+    grown = ", ".join(f"{r['name']} {r['arena_allocations']} allocations, {r['arena_growths']} growths"
+                      for r in rows if "arena_growths" in r)
+    if grown:
+        print(f"arena over the timed steps (0 expected: the warm-up grew it): {grown}")
 
 
 def main() -> int:

@@ -8,10 +8,10 @@ the one the tests load, commit it as ``tests/data/h100.json`` for the tests that
 may refuse an earlier one's, docs/deviceless.md). The benchmarks include a
 ResNet-50 training step at batch 32 in PyTorch against the same model converted by ``wsarena.torch`` (step, issue
 and GPU time, the kernels with the most GPU time, the step's kernel count and calls into CUDA that synchronise, copy
-or allocate, peak memory, PyTorch's peak convolution workspace against the arena's;
-``torch-resnet50-b32-{float32,float16,float32-contiguous}-gpu.json`` beside the JSON: channels-last but the last),
-``wsarena tune`` of ResNet-50 and VGG-16 at batch 32 float32 and batch 64 float16 on cuDNN
-(``tune-MODEL-DTYPE-bBATCH-gpu.json`` and ``.png`` beside the JSON, each searched afresh in a cache folder of its
+or allocate, peak memory, PyTorch's peak convolution workspace against the arena's, and what the arena allocated
+over the timed steps; ``torch-resnet50-b32-{float32,float16,float32-contiguous}-gpu.json`` beside the JSON:
+channels-last but the last), ``wsarena tune`` of ResNet-50 and VGG-16 at batch 32 float32 and batch 64 float16 on
+cuDNN (``tune-MODEL-DTYPE-bBATCH-gpu.json`` and ``.png`` beside the JSON, each searched afresh in a cache folder of its
 own) and the search cache's start-up saving (``search-cache-startup-resnet50-gpu.json``); the host, arena and CUDA
 graph benchmarks write their tables as JSON too (``bench_gpu_host-gpu.json``, ``bench_gpu_arena-gpu.json``,
 ``capture-resnet50-{b32-float32,b64-float16}-gpu.json``), and which stream questions CUDA answers during a capture

@@ -245,10 +245,12 @@ def test_the_torch_benchmarks_profile_reads_torch_profilers_own_results_and_find
     assert result == {"kernels": [], "kernel_count": 0, "kernel_ms": 0.0, "api_calls": {}}
 
 
-def test_the_torch_benchmark_keeps_the_profile_in_its_rows_and_prints_it(monkeypatch, capsys):
-    """bench_gpu_torch.measure on the CPU, over stand-ins for the device, an arena and the profiler: a row has the
-    profile beside its timings, and a profiler that cannot start leaves the timings. The table prints each, and a
-    row that failed."""
+def test_the_torch_benchmark_counts_the_arenas_growth_over_its_timed_steps_and_prints_the_profile(monkeypatch,
+                                                                                                  capsys):
+    """bench_gpu_torch.measure on the CPU, over stand-ins for the device, an arena and the profiler: a wsarena row
+    has what the arena allocated and grew during the timed steps alone (not the warm-up's, not the steps after),
+    with the profile beside; a PyTorch row has no arena counts, and a profiler that cannot start leaves its timings.
+    The table prints each, and a row that failed."""
     torch = pytest.importorskip("torch")
     bench = _bench_gpu_torch()
     device = _SpinningDevice()
@@ -256,19 +258,30 @@ def test_the_torch_benchmark_keeps_the_profile_in_its_rows_and_prints_it(monkeyp
                         ("current_stream", lambda: None), ("reset_peak_memory_stats", lambda: None),
                         ("max_memory_allocated", lambda: 3 << 20), ("max_memory_reserved", lambda: 5 << 20)):
         monkeypatch.setattr(torch.cuda, name, value)
+    counters = {"allocations": 0, "growths": 0}
     stats = SimpleNamespace(high_water_bytes=1 << 20, capacity_bytes=2 << 20)
-    arena = SimpleNamespace(provider=object(), stats=lambda: stats)
+    arena = SimpleNamespace(provider=object(), stats=lambda: SimpleNamespace(**counters, **vars(stats)))
     monkeypatch.setattr(bench, "wsarena", SimpleNamespace(get_arena=lambda device: arena))
+    forwards = []
     model = torch.nn.Linear(4, 3)
+
+    def forward_allocates(module: object, inputs: object) -> None:  # every step allocates, the 1st and 3rd grow
+        forwards.append(1)
+        counters["allocations"] += 1
+        counters["growths"] += len(forwards) in (1, 3)
+
+    model.register_forward_pre_hook(forward_allocates)
     args = SimpleNamespace(warmup=2, steps=3, kernels=2)
     x, target = torch.randn(2, 4), torch.tensor([0, 2])
     monkeypatch.setattr(torch.profiler, "profile", _profiled(torch))
     row = bench.measure("wsarena", model, x, target, args, None, probe=False)
+    # warm-up 2, timed 3, the GPU time's 3, the profile's 1: the timed steps are the 3rd to the 5th
+    assert len(forwards) == 9 and (row["arena_allocations"], row["arena_growths"]) == (3, 1)
     assert row["kernel_count"] == 4 and row["api_calls"]["cudaStreamSynchronize"] == 3
     assert (row["workspace_peak_bytes"], row["arena_bytes"]) == (1 << 20, 2 << 20)
     monkeypatch.setattr(torch.profiler, "profile", _profiled(torch, fails=True))
     torch_row = bench.measure("torch", torch.nn.Linear(4, 3), x, target, args, None, probe=True)
-    assert torch_row["kernels_error"].startswith("RuntimeError: CUPTI")
+    assert "arena_growths" not in torch_row and torch_row["kernels_error"].startswith("RuntimeError: CUPTI")
     assert torch_row["conv_calls"] == 0 and torch_row["step_ms"] >= 0
     bench.print_summary([torch_row, row, {"name": "wsarena legacy", "error": "CudnnError: not supported"}])
     out = capsys.readouterr().out
@@ -276,3 +289,5 @@ def test_the_torch_benchmark_keeps_the_profile_in_its_rows_and_prints_it(monkeyp
     assert ("wsarena: 4 kernels, 0.3 GPU ms; calls that synchronise, copy or allocate: cuMemAlloc_v2 x1, "
             "cudaMemcpyAsync x2, cudaStreamSynchronize x3\n  0.15 ms x2 gemm; 0.12 ms x1 conv\n") in out
     assert "wsarena legacy   failed: CudnnError: not supported" in out
+    assert out.rstrip().endswith("arena over the timed steps (0 expected: the warm-up grew it): wsarena 3 allocations, "
+                                 "1 growths")
