@@ -93,8 +93,8 @@ def as_int(value: Any) -> int | None:
     ``__index__`` refuses). The one test of "an integer" behind every check that names its argument."""
     if isinstance(value, bool):
         return None
-    numpy = sys.modules.get("numpy")  # NumPy before 2.0 gives its bool an __index__ (deprecated): not a count either
-    if numpy is not None and isinstance(value, numpy.bool_):
+    kind = type(value)  # NumPy before 2.0 gives its bool (a final type) an __index__ (deprecated): no count either
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
         return None
     try:
         return operator.index(value)
