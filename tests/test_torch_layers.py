@@ -481,6 +481,22 @@ def test_a_model_that_raises_leaves_no_hook_and_bad_models_are_typed_errors():
         wt.layers(F.conv2d, torch.randn(1, 3, 6, 6))
 
 
+class Guided(nn.Module):  # a forward with a keyword argument named as layers()' own first parameter
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.guide = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x: torch.Tensor, model: str = "plain") -> torch.Tensor:
+        return self.conv(x) if model == "plain" else self.guide(x)
+
+
+def test_a_keyword_argument_named_model_goes_to_the_models_forward():
+    found = wt.layers(Guided(), torch.randn(1, 3, 6, 6), model="guided")
+    assert [(layer.name, layer.weight_shape) for layer in found] == [("guide", (4, 3, 1, 1))]
+    assert [layer.name for layer in wt.layers(Guided(), x=torch.randn(1, 3, 6, 6))] == ["conv"]
+
+
 def test_the_layers_plan_tune_and_reach_the_command_through_json(tmp_path, capsys):
     found = wt.layers(Shared(), torch.randn(1, 3, 8, 8))
     p = wsarena.plan(found, batch=4, backend="cpu")

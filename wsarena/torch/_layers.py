@@ -30,7 +30,7 @@ _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _EXPORT = "export the model to ONNX and load that (wsarena.load_model)"
 
 
-def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
+def layers(model: nn.Module, /, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     """The convolutions ``model(*args, **kwargs)`` runs, in the order it runs them, as :class:`~wsarena.ConvLayer`.
 
     The model runs once, under ``torch.no_grad()``, in the mode it is in (a training-mode model may run other layers):
@@ -51,6 +51,8 @@ def layers(model: nn.Module, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     one more at the end, and a ``padding_mode`` other than ``"zeros"`` pads the input itself before an unpadded
     convolution; in both cases the layer's input is that padded one. A transposed convolution's ``output_padding``
     (or ``output_size``) makes its layer's input larger, as :class:`~wsarena.ConvLayer` describes.
+
+    ``model`` is positional-only: a keyword argument named ``model`` is passed on to its ``forward``.
 
     Raises
     ------
