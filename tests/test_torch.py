@@ -302,6 +302,37 @@ def test_padding_modes_other_than_zeros_are_refused():
         conv(torch.zeros(1, 3, 5, 5))
 
 
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("setting", ["stride", "padding", "dilation"])
+def test_one_value_in_a_sequence_runs_in_every_dimension_and_other_lengths_are_refused_as_torchs(setting, nd):
+    """``nn.Conv2d(..., padding=(2,))``, or ``conv.padding = [2]`` set after construction, runs as padding 2 in every
+    dimension in PyTorch (ATen's expand_param_if_needed): so do wsarena's function and modules, made so, changed so
+    or converted, against ``F.conv{nd}d`` with the explicit ``(2,) * nd`` in float64 (within 1e-10). A sequence of
+    another length, which PyTorch refuses, is refused."""
+    ours, theirs = FUNCTIONS[nd]
+    cls = f"Conv{nd}d"
+    x, w, b = (t.detach() for t in tensors((2, 4, *(9,) * nd), (6, 4, *(3,) * nd)))
+    ref = theirs(x, w, b, **{setting: (2,) * nd})
+    made = getattr(wt, cls)(4, 6, 3, dtype=torch.float64, **{setting: (2,)})
+    changed = getattr(wt, cls)(4, 6, 3, dtype=torch.float64)
+    setattr(changed, setting, [2])
+    converted = getattr(torch.nn, cls)(4, 6, 3, dtype=torch.float64)
+    setattr(converted, setting, (2,))
+    wt.convert(converted)
+    for module in (made, changed, converted):
+        module.load_state_dict({"weight": w, "bias": b})
+        assert close(module(x), ref)
+    assert close(ours(x, w, b, **{setting: [2]}), ref) and close(ours(x, w, b, **{setting: (2,)}), ref)
+    for wrong in ((), (2,) * (nd + 1)):
+        with pytest.raises(RuntimeError, match=f"expected {setting} to be a single integer value"):
+            theirs(x, w, b, **{setting: wrong})
+        with pytest.raises(ValueError, match=f"{setting}=.* must have one entry per spatial dimension"):
+            ours(x, w, b, **{setting: wrong})
+        setattr(changed, setting, wrong)
+        with pytest.raises(ValueError, match=f"{setting}=.* must have one entry per spatial dimension"):
+            changed(x)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_convert_keeps_a_resnet_style_model_outputs_and_gradients(dtype):
     torch.manual_seed(0)

@@ -5,6 +5,7 @@ through wsarena's ops on the input PyTorch padded as the layer says, gives what 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import random
@@ -83,8 +84,6 @@ def test_a_copy_moved_to_the_meta_device_gives_the_models_layers_and_leaves_the_
     give the layers the model gives on its own device with an input there (a converted model too), and the model
     keeps its weights. A meta input alone gives them too, as it does to PyTorch's own model (its convolution takes a
     meta input with weights elsewhere); once, the converted model's bias, added out of place, refused it."""
-    import copy
-
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 2, stride=2))
     wt.convert(model)
     weight = model[0].weight.detach().clone()
@@ -170,6 +169,27 @@ def test_a_transposed_layer_is_the_backward_data_pass_the_module_computed(case):
                                      (batched.shape[0], *layer.input_shape[1:]), stride=layer.stride,
                                      padding=layer.padding, dilation=layer.dilation, groups=layer.groups)
     np.testing.assert_allclose(got, want.detach().reshape(got.shape).numpy(), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("cls", [nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d])
+def test_one_value_in_a_sequence_is_that_value_in_every_dimension_as_pytorch_runs_it(cls):
+    """``nn.Conv2d(..., padding=(2,))``, or ``conv.padding = (2,)`` set after construction, runs as padding 2 in
+    every dimension (ATen's expand_param_if_needed): its layer is that of the explicit ``(2, 2)``, on the meta device
+    and converted too. A sequence of another length is PyTorch's error, raised as the model raises it."""
+    nd = int(cls.__name__[-2])
+    explicit = {"stride": 2, "padding": 2, "dilation": 2}
+    if cls in (nn.ConvTranspose2d, nn.ConvTranspose3d):
+        explicit["output_padding"] = 1
+    x = torch.randn(1, 3, *(9,) * nd)
+    (want,) = wt.layers(cls(3, 4, 3, **{k: (v,) * nd for k, v in explicit.items()}), x)
+    assert (want.stride, want.padding, want.dilation) == ((2,) * nd,) * 3
+    assert wt.layers(cls(3, 4, 3, **{k: [v] for k, v in explicit.items()}), x) == [want]
+    later = _set(cls(3, 4, 3), **{k: (v,) for k, v in explicit.items()})  # a transposed one takes tuples only
+    assert wt.layers(later, x) == [want]
+    assert wt.layers(copy.deepcopy(later).to("meta"), x.to("meta")) == [want]
+    assert wt.layers(wt.convert(later), x) == [want]
+    with pytest.raises(RuntimeError, match="expected padding to be a single integer value or a list of"):
+        wt.layers(_set(cls(3, 4, 3), padding=(2,) * (nd + 1)), x)
 
 
 class Shared(nn.Module):

@@ -158,9 +158,12 @@ def test_padding_modes_and_output_padding_wsarena_cannot_run_are_refused():
         conv(torch.zeros(1, 3, 5, 5))
 
 
-@pytest.mark.parametrize(("attribute", "value"), [("stride", 2), ("output_padding", 1), ("stride", [3, 2])])
+@pytest.mark.parametrize(("attribute", "value"), [
+    ("stride", 2), ("output_padding", 1), ("stride", [3, 2]), ("output_padding", (1,)), ("stride", [3]),
+])
 def test_parameters_set_after_construction_as_ints_or_lists_run_as_torchs(attribute, value):
-    """PyTorch's transposed modules read their parameters each forward, and an int there is one per dimension:
+    """PyTorch's transposed modules read their parameters each forward, and an int there (or one value in a
+    sequence) is one per dimension:
     converted or made by wsarena, a module so changed runs as PyTorch's; one whose output_padding it makes too
     large is refused by the module, and left to PyTorch by convert."""
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ from torch.overrides import handle_torch_function, has_torch_function_variadic
 from .. import _callsite, _config
 from . import _autograd, _ops, _shapes
 from ._autograd import ConvFunction, ConvTransposeFunction
-from ._shapes import per_dim
+from ._shapes import each, per_dim
 
 __all__ = [
     "ConvFunction", "ConvTransposeFunction", "checkpoint_context", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
@@ -129,18 +129,10 @@ def _same(x: Tensor, w: Tensor, stride: Any, dilation: Any, nd: int) -> tuple[Te
     return torch.nn.functional.pad(x, ends), [t // 2 for t in totals]
 
 
-def _each(value: Any, nd: int) -> Any:
-    """A sequence of one value as that value in each of ``nd`` dimensions, as PyTorch's convolutions read it (and
-    ``nn.Conv2d(..., stride=(2,))`` passes it on); anything else as it is, to be checked."""
-    if isinstance(value, (list, tuple)) and len(value) == 1:
-        return list(value) * nd
-    return value
-
-
 def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any, dilation: Any,
           groups: int) -> Tensor:
     x, w, bias, unbatched = _operands(f"conv{nd}d", nd, x, w, bias)
-    stride, padding, dilation = _each(stride, nd), _each(padding, nd), _each(dilation, nd)
+    stride, padding, dilation = each(stride, nd), each(padding, nd), each(dilation, nd)
     if isinstance(padding, str) and padding == "same":
         x, padding = _same(x, w, stride, dilation, nd)
     checked = _shapes.forward_call(x, w, stride, padding, dilation, groups)
@@ -153,7 +145,7 @@ def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, paddi
 def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any,
                     output_padding: Any, groups: int, dilation: Any) -> Tensor:
     x, w, bias, unbatched = _operands(f"conv_transpose{nd}d", nd, x, w, bias)
-    stride, padding, output_padding, dilation = (_each(v, nd) for v in (stride, padding, output_padding, dilation))
+    stride, padding, output_padding, dilation = (each(v, nd) for v in (stride, padding, output_padding, dilation))
     checked = _shapes.transpose_call(x, w, stride, padding, dilation, groups, output_padding)
     _check_bias(bias, checked.geom.in_channels)  # the output's channels: the input's of the convolution it transposes
     layout = _ops.layout_of(x, w, checked.channels_last)

@@ -202,9 +202,12 @@ def _layer(name: str, module: Any, x: torch.Tensor, y: torch.Tensor) -> ConvLaye
                              f"convolves otherwise than PyTorch's; {_EXPORT}")
     nd = module.weight.dim() - 2
     weight = tuple(module.weight.shape)
-    common = {"stride": module.stride, "dilation": module.dilation, "groups": module.groups}
+    # as PyTorch reads them (per_dim): (2,) in every dimension, and an int a model's code set; else as they are,
+    # for ConvLayer to say what is wrong
+    stride, dilation = (per_dim(v, nd) or v for v in (module.stride, module.dilation))
+    common = {"stride": stride, "dilation": dilation, "groups": module.groups}
     if isinstance(module, _TRANSPOSED):  # stored as its forward-equivalent convolution: its output is the input
-        padding = tuple(int(p) for p in module.padding)  # ints: a transposed convolution takes no "same"
+        padding: Any = per_dim(module.padding, nd) or module.padding  # a transposed convolution takes no "same"
         layer = ConvLayer(name, _batched(y, nd), weight, padding=padding, transposed=True, **common)
         return _checked(layer, module, _batched(x, nd))
     shape = _batched(x, nd)
@@ -233,8 +236,9 @@ def _batched(t: torch.Tensor, nd: int) -> tuple[int, ...]:
 
 def _padding(module: Any, spatial: Sequence[int]) -> tuple[list[int], list[int]]:
     """The symmetric padding PyTorch convolves with, and the input size once the extra end of ``"same"`` (an odd
-    total padding: one more at the end) is added to it. ``padding`` and ``dilation`` may be ints, which PyTorch takes
-    where a model's code set them after construction."""
+    total padding: one more at the end) is added to it. ``padding`` and ``dilation`` are read as PyTorch reads them
+    (:func:`~wsarena.torch._shapes.per_dim`): an int, which a model's code may set after construction, or one value
+    in a sequence stands for every dimension."""
     nd = len(spatial)
     if module.padding == "valid":
         return [0] * nd, list(spatial)

@@ -46,9 +46,7 @@ def _output_padding_beyond_stride(module: nn.Module) -> tuple[list[int], list[in
     if not getattr(module, "transposed", False):
         return None
     nd = len(getattr(module, "kernel_size", ()))
-    extra, stride = (
-        per_dim(_functional._each(getattr(module, name, 0), nd), nd) for name in ("output_padding", "stride")
-    )
+    extra, stride = (per_dim(getattr(module, name, 0), nd) for name in ("output_padding", "stride"))
     if extra is None or stride is None or not any(e >= s for e, s in zip(extra, stride)):
         return None
     return extra, stride

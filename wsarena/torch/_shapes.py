@@ -28,7 +28,7 @@ from .._geometry import ConvGeometry, conv_geometry, conv_transpose_geometry, tr
 from . import _ops
 from ._ops import exporting
 
-__all__ = ["Checked", "forward_call", "forward_geometry", "per_dim", "transpose_call"]
+__all__ = ["Checked", "each", "forward_call", "forward_geometry", "per_dim", "transpose_call"]
 
 _Make = Callable[..., ConvGeometry]
 
@@ -36,9 +36,19 @@ _Make = Callable[..., ConvGeometry]
 _remembered: dict[tuple[Any, ...], Checked] = {}
 
 
+def each(value: Any, nd: int) -> Any:
+    """A sequence of one value as that value in each of ``nd`` dimensions, as PyTorch's convolutions read a stride,
+    padding, dilation or output padding (ATen's ``expand_param_if_needed``; ``nn.Conv2d(..., padding=(2,))`` keeps
+    it as it is, and runs it so); anything else as it is, to be checked."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        return list(value) * nd
+    return value
+
+
 def per_dim(value: Any, nd: int) -> list[int] | None:
-    """``value`` (an int or one per dimension) as a list of ``nd`` ints, or ``None`` when it is no such thing (for
-    :func:`conv_geometry` to say what is wrong with it)."""
+    """``value`` (an int, one per dimension, or one in a sequence for every dimension: :func:`each`) as a list of
+    ``nd`` ints, or ``None`` when it is no such thing (for :func:`conv_geometry` to say what is wrong with it)."""
+    value = each(value, nd)
     values = list(value) if isinstance(value, (list, tuple)) else [value] * nd
     try:
         ints = [operator.index(v) for v in values]
