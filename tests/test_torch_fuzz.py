@@ -1,9 +1,9 @@
 """wsarena.torch's functions against torch.nn.functional's on generated calls, on the CPU.
 
 A drop-in must agree with what it replaces on every call, not only on the cases written out elsewhere. For each
-generated call (1-, 2- or 3-D, plain or transposed; stride, padding, dilation, groups, output_padding; batched,
-unbatched or empty; contiguous, channels-last or strided operands; with or without a bias), PyTorch's own function
-is the reference:
+generated call (1-, 2- or 3-D, plain or transposed; groups, and stride, padding, dilation, output_padding each an
+int, one per dimension or one in a sequence for every dimension; batched, unbatched or empty; contiguous,
+channels-last or strided operands; with or without a bias), PyTorch's own function is the reference:
 
 - a call PyTorch accepts is accepted, and gives the same result (shape, dtype and, but for an empty result or a
   3-D one in another dtype than float64, memory format) and the same gradients of input, weight and bias (all of
@@ -37,14 +37,18 @@ FORMATS = {2: torch.channels_last, 3: torch.channels_last_3d}
 
 
 def per_dim(draw, nd, low, high):
-    """One int for every dimension, or one per dimension."""
-    if draw(st.booleans()):
+    """One int for every dimension, one per dimension, or one in a sequence for every dimension (as PyTorch reads
+    it: ``padding=(2,)``); a sequence as a tuple or a list."""
+    kind = draw(st.sampled_from(["int", "int", "each", "each", "one"]))
+    if kind == "int":
         return draw(st.integers(low, high))
-    return tuple(draw(st.integers(low, high)) for _ in range(nd))
+    values = [draw(st.integers(low, high)) for _ in range(nd if kind == "each" else 1)]
+    return values if draw(st.booleans()) else tuple(values)
 
 
 def dims(value, nd):
-    return value if isinstance(value, tuple) else (value,) * nd
+    values = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    return values if len(values) == nd else values * nd
 
 
 def operand(draw, shape, dtype, seed, nd):
