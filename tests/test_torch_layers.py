@@ -126,6 +126,12 @@ MODULES = {
     # a stride turned into a dilation after construction, as a dilated ResNet's surgery does, with ints
     "2d-int-padding-dilation-set": (_set(nn.Conv2d(3, 4, 3, bias=False), padding=2, dilation=2), (1, 3, 9, 8)),
     "2d-same-int-dilation-set": (_set(nn.Conv2d(3, 4, 4, padding="same", bias=False), dilation=2), (1, 3, 9, 8)),
+    # a padding mode other than zeros pads by the padding the module was made with: PyTorch reads none set later
+    # (here, one the stride would give the same output size with)
+    "2d-reflect-padding-set": (_set(nn.Conv2d(3, 4, 3, stride=3, padding=1, padding_mode="reflect", bias=False),
+                                    padding=(2, 2)), (1, 3, 7, 7)),
+    "2d-circular-same-dilation-set": (
+        _set(nn.Conv2d(3, 4, 4, padding="same", padding_mode="circular", bias=False), dilation=2), (1, 3, 8, 8)),
 }
 
 

@@ -49,8 +49,10 @@ def layers(model: nn.Module, /, *args: Any, **kwargs: Any) -> list[ConvLayer]:
 
     Padding is modelled as PyTorch runs it: ``"same"`` with an even total (a kernel of even size) pads the input by
     one more at the end, and a ``padding_mode`` other than ``"zeros"`` pads the input itself before an unpadded
-    convolution; in both cases the layer's input is that padded one. A transposed convolution's ``output_padding``
-    (or ``output_size``) makes its layer's input larger, as :class:`~wsarena.ConvLayer` describes.
+    convolution (by the padding the module was made with: PyTorch reads none set later); in both cases the layer's
+    input is that padded one. A stride, padding or dilation of one value in a sequence is that value in every
+    dimension. A transposed convolution's ``output_padding`` (or ``output_size``) makes its layer's input larger, as
+    :class:`~wsarena.ConvLayer` describes.
 
     ``model`` is positional-only: a keyword argument named ``model`` is passed on to its ``forward``.
 
@@ -211,9 +213,13 @@ def _layer(name: str, module: Any, x: torch.Tensor, y: torch.Tensor) -> ConvLaye
         layer = ConvLayer(name, _batched(y, nd), weight, padding=padding, transposed=True, **common)
         return _checked(layer, module, _batched(x, nd))
     shape = _batched(x, nd)
-    pads, widened = _padding(module, shape[2:])
-    if module.padding_mode != "zeros":  # PyTorch pads the input itself (F.pad), then convolves without padding
-        widened, pads = [w + 2 * p for w, p in zip(widened, pads)], [0] * nd
+    if module.padding_mode != "zeros":
+        # PyTorch pads the input itself (F.pad), by the ends its construction worked out from the padding (one set
+        # later is not read), in F.pad's order (the last dimension's first), then convolves without padding
+        ends = module._reversed_padding_repeated_twice
+        widened, pads = [n + sum(ends[2 * (nd - 1 - i):2 * (nd - i)]) for i, n in enumerate(shape[2:])], [0] * nd
+    else:
+        pads, widened = _padding(module, shape[2:])
     layer = ConvLayer(name, (1, shape[1], *widened), weight, padding=tuple(pads), **common)
     return _checked(layer, module, _batched(y, nd))
 
