@@ -116,7 +116,7 @@ def test_warnings_are_one_line_each(tmp_path, command):
     r = run_cli(*command, str(path), "--backend", "cpu", "--skip-unknown")
     assert r.returncode == 0, r.stderr
     assert r.stderr == (f"wsarena: warning: {path}: skipped 1 conv node(s): 'lost' (input shape [1, 4, ?, ?] "
-                        "unknown)\n")
+                        "unknown: shape inference cannot work out the output of Reshape 'r')\n")
 
 
 def test_a_multi_line_warning_becomes_one_line(capsys, monkeypatch):
@@ -224,9 +224,16 @@ def test_an_unplannable_node_gets_the_hint_that_fits_it(capsys, tmp_path, attrs,
         assert err == f"wsarena: error: {str(path)!r}: 1 conv node(s) cannot be planned: 'c' ({why}) ({hint})\n"
 
 
-def test_an_unknown_shape_still_suggests_fixing_the_input_shapes(capsys, tmp_path):
+def test_an_unknown_shape_suggests_fixing_the_input_shapes_where_they_are_not_fixed(capsys, tmp_path):
+    # The Reshape's target shape is a runtime value: with the inputs' shapes fixed, --input-shape cannot help
     path = lost_conv_model(tmp_path)
     code, _, err = run_main(capsys, "report", str(path), "--backend", "cpu")
     assert code == 2
-    assert err.endswith("(input shape [1, 4, ?, ?] unknown) (fix the model's input shapes (input_shapes= / "
+    assert err.endswith("'lost' (input shape [1, 4, ?, ?] unknown: shape inference cannot work out the output of "
+                        "Reshape 'r') (skip them with skip_unknown=True / --skip-unknown)\n")
+    symbolic = save(tmp_path / "symbolic.onnx", [conv("c", "x", "w", "y")], [vi("x", [1, 4, "H", "W"])],
+                    [weight("w", (4, 4, 3, 3))])
+    code, _, err = run_main(capsys, "report", str(symbolic), "--backend", "cpu")
+    assert code == 2
+    assert err.endswith("'c' (input shape [1, 4, ?, ?] unknown) (fix the model's input shapes (input_shapes= / "
                         "--input-shape), or skip them with skip_unknown=True / --skip-unknown)\n")

@@ -11,19 +11,26 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   (``output_shape``, or ``SAME_*``'s input size times stride) past the full one by less than a stride, as a kernel
   narrower than its stride gives, is output padding: onnxruntime pads nothing and leaves those positions without
   contribution.
-* Shapes: the weight shape from an initializer (a sparse one too) or the inferred value info; the input shape from
-  the graph inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation; of the tensors kept in external
-  data files, those of at most 64 elements are read for it, a ``Reshape``'s shape, never a weight). A negative dim
-  in the file (some writers' -1 for a dynamic one) is unknown, as a symbolic one. A symbolic or missing batch
-  dimension is taken as 1, and any batch in the file is replaced by 1: the planner applies its own batch.
+* Shapes: the weight shape from an initializer (a sparse one too), a ``Constant`` or the inferred value info; the
+  input shape from the graph inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation; of the tensors
+  kept in external data files, those of at most 64 elements are read for it, a ``Reshape``'s shape, never a weight).
+  Before inference, the tensors of at most 64 elements computed from constants alone are evaluated (onnx's
+  reference evaluator, for the ops of shape arithmetic), so inference reads their values: PyTorch's exporter
+  computes the pads of ``padding_mode="reflect"`` and ``"replicate"`` with a ``Reshape``, a reversing ``Slice`` and
+  a ``Transpose``, which data propagation does not follow. A negative dim in the file (some writers' -1 for a
+  dynamic one) is unknown, as a symbolic one. A symbolic or missing batch dimension is taken as 1, and any batch in
+  the file is replaced by 1: the planner applies its own batch.
 * Channels: where inference leaves a conv's input channel count unknown (a U-Net's skip connection through a
   ``Pad`` whose pads are computed, then a ``Concat``: ``[N, ?, H, W]``), it follows from the weight, as
   ``W.shape[1] * group`` for a ``Conv`` and ``W.shape[0]`` for a ``ConvTranspose``. Spatial sizes still come from
   inference.
 * A convolution whose input or weight shape is still unknown after inference is an error naming the nodes, or,
   with ``skip_unknown=True``, is left out with a warning and listed in the returned list's ``skipped``, which
-  :func:`wsarena.plan` carries into its report. Symbolic spatial sizes (a detector's ``H`` and ``W``) can be
-  fixed with ``input_shapes`` (``--input-shape`` on the command line) before inference.
+  :func:`wsarena.plan` carries into its report. Each reason names the node where the shape was lost, when it was
+  not a graph input: the first, going back, whose inputs' shapes are known and whose output's is not (a ``Pad``
+  whose pads are computed at run time). Symbolic spatial sizes (a detector's ``H`` and ``W``) can be fixed with
+  ``input_shapes`` (``--input-shape`` on the command line) before inference; the error suggests it only when a graph
+  input's shape is not fixed.
 * Asymmetric padding (explicit ``pads`` or ``SAME_*`` with an odd total) cannot be given to cuDNN. With
   ``asymmetric_pads="widen"`` (the default) a ``Conv`` is modelled the way onnxruntime's CUDA provider runs it:
   the larger of the two pads on both sides, then the extra output row or column sliced off; a
@@ -47,6 +54,7 @@ from typing import Any, cast
 
 from .._geometry import conv_transpose_geometry
 from ._layer import ConvLayer, LayerList, ModelError
+from ._onnx_values import SMALL, fold_small_constants
 
 __all__ = ["load_onnx"]
 
@@ -244,6 +252,29 @@ def _with_channels(x: tuple[int | None, ...] | None, w: tuple[int | None, ...] |
     return (x[0], channels, *x[2:])
 
 
+def _lost(dims: tuple[int | None, ...] | None) -> bool:
+    """Whether a shape is unknown beyond its batch (the first dim, which the planner sets)."""
+    return dims is None or None in dims[1:]
+
+
+def _unknown_shape(what: str, dims: tuple[int | None, ...] | None, tensor: str, producers: Mapping[str, Any],
+                   shapes: Mapping[str, tuple[int | None, ...]]) -> str:
+    """Why a conv's ``what`` (input or weight) shape ``dims`` is unknown: the node where it was lost, going back from
+    ``tensor`` to the first node whose inputs have known shapes but whose output has not (a ``Pad`` whose pads are
+    computed at run time, a ``Reshape`` to a runtime shape); nothing more where it goes back to a graph input."""
+    seen = set()
+    while tensor in producers and tensor not in seen:
+        seen.add(tensor)
+        node = producers[tensor]
+        lost = [name for name in node.input if name and _lost(shapes.get(name))]
+        if not lost:
+            where = node.name or tensor
+            return (f"{what} shape {_show(dims)} unknown: shape inference cannot work out the output of "
+                    f"{node.op_type} {where!r}")
+        tensor = lost[0]
+    return f"{what} shape {_show(dims)} unknown"
+
+
 def check_asymmetric_pads(value: Any) -> None:
     """``asymmetric_pads`` must be ``"widen"`` or ``"error"`` (``ValueError``), whatever model it comes with."""
     if value not in ("widen", "error"):
@@ -301,6 +332,9 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         warnings.warn(f"{path}: {_quantized(quantized)}, and are not included", stacklevel=3)
     _unknown_negative_dims(model.graph)
     _densify_sparse_initializers(model.graph)
+    opset = next((o.version for o in model.opset_import if o.domain in _DEFAULT_DOMAINS), None)
+    if opset is not None:
+        fold_small_constants(model.graph, opset)
     if input_shapes is not None:
         _fix_input_shapes(model.graph, input_shapes, path)
     try:
@@ -308,6 +342,11 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     except Exception as exc:  # noqa: BLE001 - inference errors come in several types; any means no shapes
         raise ModelError(f"{path!r}: ONNX shape inference failed: {exc}".splitlines()[0]) from None
     shapes = _shape_table(inferred.graph)
+    producers = {out: n for n in model.graph.node for out in n.output if out}
+    initializers = {init.name for init in model.graph.initializer}
+    # input_shapes can help only where a graph input's shape is not fixed; else a lost shape is computed at run time
+    lost_kind = "shape" if any(_lost(shapes.get(vi.name)) for vi in model.graph.input
+                               if vi.name not in initializers) else "computed"
 
     layers = LayerList()
     unknown: list[tuple[str, str, str]] = []  # (name, why, kind)
@@ -322,10 +361,11 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
             x = (1, *x[1:])  # symbolic or fixed batch: the planner sets its own
         x = _with_channels(x, w, attrs.get("group", 1), node.op_type == "ConvTranspose")
         if x is None or None in x:
-            unknown.append((name, f"input shape {_show(x)} unknown", "shape"))
+            unknown.append((name, _unknown_shape("input", x, node.input[0], producers, shapes), lost_kind))
             continue
         if w is None or None in w:
-            unknown.append((name, f"weight shape {_show(w)} unknown", "shape"))
+            tensor = node.input[1] if len(node.input) > 1 else ""
+            unknown.append((name, _unknown_shape("weight", w, tensor, producers, shapes), lost_kind))
             continue
         if len(x) not in (3, 4, 5) or len(w) != len(x):
             why = f"input {list(x)} and weight {list(w)} are not a 1-, 2- or 3-D convolution"
@@ -361,9 +401,6 @@ def _inline_functions(model: Any, path: str) -> Any:
         raise ModelError(f"{path!r}: cannot inline the model's local functions: {exc}".splitlines()[0]) from None
 
 
-# The most elements of an external tensor read for shape inference: shapes, pads, scales; never a weight, of which
-# only the dims, in the model itself, are needed.
-_SMALL_EXTERNAL = 64
 # The bytes of an element of each type a shape or a scale comes in, as an external file holds it
 _ITEM_SIZES = {"BOOL": 1, "INT8": 1, "UINT8": 1, "INT16": 2, "UINT16": 2, "FLOAT16": 2, "BFLOAT16": 2, "INT32": 4,
                "UINT32": 4, "FLOAT": 4, "INT64": 8, "UINT64": 8, "DOUBLE": 8}
@@ -388,7 +425,7 @@ def _load_small_external_data(graph: Any, base_dir: str) -> None:
             continue
         nbytes = math.prod(tensor.dims) * size
         fields = {entry.key: entry.value for entry in tensor.external_data}
-        if nbytes > _SMALL_EXTERNAL * size or fields.get("length", str(nbytes)).strip() != str(nbytes):
+        if nbytes > SMALL * size or fields.get("length", str(nbytes)).strip() != str(nbytes):
             continue
         if nbytes:
             data_file = os.path.realpath(os.path.join(folder, fields.get("location", "")))

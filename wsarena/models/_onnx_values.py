@@ -1,0 +1,115 @@
+"""The values of an ONNX graph's small tensors, for the shape inference that reads them (a ``Pad``'s pads, a
+``Reshape``'s shape) where they are computed from constants alone.
+
+A tensor is small when it has at most :data:`SMALL` elements: shapes, pads, scales, never a weight, of which only
+the dims are needed. The graph is changed in place, for inference only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+__all__ = ["SMALL", "fold_small_constants"]
+
+SMALL = 64
+
+# Ops whose results, from small constant operands, are small too: the arithmetic with which exporters compute pads and
+# shapes. The PyTorch exporter's reflect and replicate padding computes its pads with ConstantOfShape, Concat,
+# Reshape, a reversing Slice, Transpose and Cast, which onnx's data propagation does not follow.
+_FOLDABLE = frozenset({"Add", "Cast", "CastLike", "Concat", "ConstantOfShape", "Div", "Flatten", "Gather", "Identity",
+                       "Max", "Min", "Mul", "Neg", "Reshape", "Shape", "Size", "Slice", "Squeeze", "Sub",
+                       "Transpose", "Unsqueeze"})
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def _constant(node: Any) -> Any:
+    """The value of a ``Constant`` node as a NumPy array, or ``None`` when it is not small or not numeric."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+    from onnx.external_data_helper import uses_external_data
+
+    if len(node.attribute) != 1:
+        return None
+    attr = node.attribute[0]
+    value = helper.get_attribute_value(attr)
+    if attr.name == "value":
+        if uses_external_data(value) or math.prod(value.dims) > SMALL:
+            return None
+        return numpy_helper.to_array(value)
+    if attr.name in ("value_int", "value_ints"):
+        return np.array(value, np.int64)
+    if attr.name in ("value_float", "value_floats"):
+        return np.array(value, np.float32)
+    return None
+
+
+def fold_small_constants(graph: Any, opset: int) -> None:
+    """Evaluate, with onnx's reference evaluator, the small tensors of the main graph computed from constants alone
+    through the ops of :data:`_FOLDABLE`, and give each one to the nodes outside that computation that read it as an
+    initializer of its own (a new name: the node that computes it stays), which shape inference reads as it reads any
+    initializer."""
+    import numpy as np
+    from onnx import numpy_helper
+    from onnx.external_data_helper import uses_external_data
+
+    values: dict[str, Any] = {}
+    for init in graph.initializer:
+        if not uses_external_data(init) and all(d >= 0 for d in init.dims) and math.prod(init.dims) <= SMALL:
+            with contextlib.suppress(Exception):  # a tensor without its data (a densified sparse weight)
+                values[init.name] = numpy_helper.to_array(init)
+    given = set(values)  # already constants: shape inference reads them
+    folded = set()  # the nodes evaluated here
+    for index, node in enumerate(graph.node):
+        if node.domain not in _DEFAULT_DOMAINS:
+            continue
+        if node.op_type == "Constant":
+            with contextlib.suppress(Exception):  # a malformed attribute: inference says what it makes of it
+                value = _constant(node)
+                if value is not None and node.output:
+                    values[node.output[0]] = value
+                    given.add(node.output[0])
+            continue
+        inputs = [name for name in node.input if name]
+        if node.op_type not in _FOLDABLE or not inputs or any(name not in values for name in inputs):
+            continue
+        if node.op_type == "ConstantOfShape" and not 0 <= math.prod(values[inputs[0]].reshape(-1).tolist()) <= SMALL:
+            continue
+        results = [np.asarray(r) for r in _evaluate(node, opset, {name: values[name] for name in inputs}) or ()]
+        if len(results) == len(node.output) and all(r.size <= SMALL for r in results):
+            values.update((name, r) for name, r in zip(node.output, results) if name)
+            folded.add(index)
+    taken = {name for n in graph.node for name in (*n.input, *n.output)} | {t.name for t in graph.initializer}
+    taken |= {v.name for v in (*graph.input, *graph.output, *graph.value_info)}
+    renamed: dict[str, str] = {}
+    for index, node in enumerate(graph.node):
+        if index in folded:
+            continue
+        for i, name in enumerate(node.input):
+            if name not in values or name in given:
+                continue
+            if name not in renamed:
+                new = f"{name}_folded"
+                while new in taken:
+                    new += "_"
+                try:
+                    graph.initializer.append(numpy_helper.from_array(values[name], new))
+                except Exception:  # noqa: BLE001 - a value no TensorProto holds (strings): left to inference
+                    given.add(name)
+                    continue
+                taken.add(new)
+                renamed[name] = new
+            node.input[i] = renamed[name]
+
+
+def _evaluate(node: Any, opset: int, inputs: dict[str, Any]) -> list[Any] | None:
+    """The outputs of ``node`` for ``inputs``, or ``None`` when the reference evaluator cannot compute them."""
+    import numpy as np
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        with np.errstate(all="ignore"):  # an integer division by zero: a value, not a warning to the caller
+            return list(ReferenceEvaluator(node, opsets={"": opset}).run(None, inputs))
+    except Exception:  # noqa: BLE001 - a node the evaluator refuses (bad attributes, types): left to inference
+        return None
