@@ -740,18 +740,45 @@ def test_onnx_external_data_read_is_the_tensors_bytes_in_the_models_folder(tmp_p
             assert tensor.data_location == TensorProto.DEFAULT and not tensor.external_data
 
 
-def test_onnx_sparse_initializer_weight(tmp_path):
-    # A pruned weight stored as a sparse initializer (graph.sparse_initializer): its dims are the weight's shape,
-    # for the conv and, through inference, for the one after it.
+def sparse_model(tmp_path, sparse, where, nodes, inputs, initializers=()):
+    """A model of ``nodes`` whose tensor ``sparse.values.name`` is the sparse tensor ``sparse``: a sparse initializer
+    (``graph.sparse_initializer``), or a Constant node's ``sparse_value``."""
+    name = sparse.values.name
+    if where == "Constant":
+        nodes = [helper.make_node("Constant", [], [name], sparse_value=sparse), *nodes]
+    graph = helper.make_graph(nodes, "g", inputs, [vi(nodes[-1].output[0], None)], list(initializers),
+                              sparse_initializer=[sparse] if where == "initializer" else [])
+    path = tmp_path / f"sparse_{where}.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+@pytest.mark.parametrize("where", ["initializer", "Constant"])
+def test_onnx_sparse_weight(tmp_path, where):
+    # A pruned weight stored as a sparse tensor: its dims are the weight's shape, for the conv and, through
+    # inference, for the one after it.
     values = numpy_helper.from_array(np.ones(2, np.float32), "w1")
     sparse = helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([0, 5]), ""), [8, 3, 3, 3])
     nodes = [conv("a", "x", "w1", "y", strides=[2, 2]), conv("b", "y", "w2", "z", pads=[1, 1, 1, 1])]
-    graph = helper.make_graph(nodes, "g", [vi("x", [1, 3, 17, 17])], [vi("z", None)], [weight("w2", (4, 8, 3, 3))],
-                              sparse_initializer=[sparse])
-    path = tmp_path / "sparse.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    a, b = load_model(path)
+    a, b = load_model(sparse_model(tmp_path, sparse, where, nodes, [vi("x", [1, 3, 17, 17])],
+                                   [weight("w2", (4, 8, 3, 3))]))
     assert (a.input_shape, a.weight_shape, b.input_shape) == ((1, 3, 17, 17), (8, 3, 3, 3), (1, 8, 8, 8))
+
+
+@pytest.mark.parametrize("where", ["initializer", "Constant"])
+@pytest.mark.parametrize("indices", [[2, 3, 6, 7], [[0, 2], [0, 3], [1, 2], [1, 3]]])  # linear, or coordinates
+def test_onnx_sparse_values_inference_reads(tmp_path, where, indices):
+    # A small sparse tensor is made dense with its values, which shape inference reads (a Pad's pads); a weight's
+    # sparse tensor is made dense without them, as only its dims count.
+    values = numpy_helper.from_array(np.array([1, 2, 3, 4]), "pads")
+    shape = [8] if np.ndim(indices) == 1 else [2, 4]
+    sparse = helper.make_sparse_tensor(values, numpy_helper.from_array(np.array(indices), ""), shape)
+    nodes = [helper.make_node("Reshape", ["pads", "flat"], ["pads8"]),
+             helper.make_node("Pad", ["x", "pads8"], ["p"], mode="reflect"), conv("c", "p", "w", "y")]
+    path = sparse_model(tmp_path, sparse, where, nodes, [vi("x", [1, 3, 10, 10])],
+                        [weight("w", (4, 3, 3, 3)), numpy_helper.from_array(np.array([8]), "flat")])
+    (layer,) = load_model(path)
+    assert layer.input_shape == (1, 3, 10 + 1 + 3, 10 + 2 + 4)  # pads [0, 0, 1, 2, 0, 0, 3, 4]
 
 
 def test_onnx_without_conv(tmp_path):

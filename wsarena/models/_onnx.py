@@ -11,15 +11,16 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   (``output_shape``, or ``SAME_*``'s input size times stride) past the full one by less than a stride, as a kernel
   narrower than its stride gives, is output padding: onnxruntime pads nothing and leaves those positions without
   contribution.
-* Shapes: the weight shape from an initializer (a sparse one too), a ``Constant`` or the inferred value info; the
+* Shapes: the weight shape from an initializer or a ``Constant`` (sparse ones too) or the inferred value info; the
   input shape from the graph inputs or ``onnx.shape_inference.infer_shapes`` (with data propagation; of the tensors
   kept in external data files, those of at most 64 elements are read for it, a ``Reshape``'s shape, never a weight).
   Before inference, the tensors of at most 64 elements computed from constants alone are evaluated (onnx's
   reference evaluator, for the ops of shape arithmetic), so inference reads their values: PyTorch's exporter
   computes the pads of ``padding_mode="reflect"`` and ``"replicate"`` with a ``Reshape``, a reversing ``Slice`` and
-  a ``Transpose``, which data propagation does not follow. A negative dim in the file (some writers' -1 for a
-  dynamic one) is unknown, as a symbolic one. A symbolic or missing batch dimension is taken as 1, and any batch in
-  the file is replaced by 1: the planner applies its own batch.
+  a ``Transpose``, which data propagation does not follow. A sparse tensor of at most 64 elements is read with its
+  values, a larger one (a pruned weight) as its dims. A negative dim in the file (some writers' -1 for a dynamic one)
+  is unknown, as a symbolic one. A symbolic or missing batch dimension is taken as 1, and any batch in the file is
+  replaced by 1: the planner applies its own batch.
 * Channels: where inference leaves a conv's input channel count unknown (a U-Net's skip connection through a
   ``Pad`` whose pads are computed, then a ``Concat``: ``[N, ?, H, W]``), it follows from the weight, as
   ``W.shape[1] * group`` for a ``Conv`` and ``W.shape[0]`` for a ``ConvTranspose``. Spatial sizes still come from
@@ -54,7 +55,7 @@ from typing import Any, cast
 
 from .._geometry import conv_transpose_geometry
 from ._layer import ConvLayer, LayerList, ModelError
-from ._onnx_values import SMALL, fold_small_constants
+from ._onnx_values import SMALL, densify_sparse_tensors, fold_small_constants
 
 __all__ = ["load_onnx"]
 
@@ -331,7 +332,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     if quantized:
         warnings.warn(f"{path}: {_quantized(quantized)}, and are not included", stacklevel=3)
     _unknown_negative_dims(model.graph)
-    _densify_sparse_initializers(model.graph)
+    densify_sparse_tensors(model.graph)
     opset = next((o.version for o in model.opset_import if o.domain in _DEFAULT_DOMAINS), None)
     if opset is not None:
         fold_small_constants(model.graph, opset)
@@ -445,17 +446,6 @@ def _load_small_external_data(graph: Any, base_dir: str) -> None:
         # as onnx.load leaves it: the data in the model (onnx 1.16 leaves that to load's caller)
         tensor.data_location = TensorProto.DEFAULT
         del tensor.external_data[:]
-
-
-def _densify_sparse_initializers(graph: Any) -> None:
-    """Replace the graph's sparse initializers (a pruned weight) by dense ones of their shape, without data, which
-    shape inference reads as it reads any initializer; it gives a sparse tensor a type no operator takes."""
-    from onnx import TensorProto
-
-    for sparse in graph.sparse_initializer:
-        graph.initializer.append(TensorProto(name=sparse.values.name, data_type=sparse.values.data_type,
-                                             dims=sparse.dims))
-    del graph.sparse_initializer[:]
 
 
 def _unknown_negative_dims(graph: Any) -> None:

@@ -1,8 +1,8 @@
 """The values of an ONNX graph's small tensors, for the shape inference that reads them (a ``Pad``'s pads, a
-``Reshape``'s shape) where they are computed from constants alone.
+``Reshape``'s shape): sparse tensors made dense, and small tensors computed from constants alone evaluated.
 
 A tensor is small when it has at most :data:`SMALL` elements: shapes, pads, scales, never a weight, of which only
-the dims are needed. The graph is changed in place, for inference only.
+the dims are needed. Both functions change the graph in place, for inference only.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import contextlib
 import math
 from typing import Any
 
-__all__ = ["SMALL", "fold_small_constants"]
+__all__ = ["SMALL", "densify_sparse_tensors", "fold_small_constants"]
 
 SMALL = 64
 
@@ -22,6 +22,42 @@ _FOLDABLE = frozenset({"Add", "Cast", "CastLike", "Concat", "ConstantOfShape", "
                        "Max", "Min", "Mul", "Neg", "Reshape", "Shape", "Size", "Slice", "Squeeze", "Sub",
                        "Transpose", "Unsqueeze"})
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def _dense(sparse: Any) -> Any:
+    """A dense TensorProto of ``sparse``'s dims: with its values where it is small and they can be read, else
+    without data (a pruned weight, of which shape inference reads only the dims)."""
+    import numpy as np
+    from onnx import TensorProto, numpy_helper
+
+    dims = list(sparse.dims)
+    name = sparse.values.name
+    if all(d >= 0 for d in dims) and math.prod(dims) <= SMALL:
+        with contextlib.suppress(Exception):  # values kept externally, indices out of range: no data, as for a weight
+            values = numpy_helper.to_array(sparse.values).reshape(-1)
+            indices = numpy_helper.to_array(sparse.indices)
+            flat = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dims)
+            data = np.zeros(math.prod(dims), values.dtype)
+            if len(flat) == len(values) and all(0 <= i < data.size for i in flat):
+                data[flat] = values
+                return numpy_helper.from_array(data.reshape(dims), name)
+    return TensorProto(name=name, data_type=sparse.values.data_type, dims=dims)
+
+
+def densify_sparse_tensors(graph: Any) -> None:
+    """Replace the graph's sparse initializers (a pruned weight) by dense ones, and a ``Constant``'s
+    ``sparse_value`` by a dense ``value``, of their dims (see :func:`_dense`): shape inference gives a sparse
+    initializer a type no operator takes, and the reference evaluator that folds constants takes no sparse one."""
+    from onnx import helper
+
+    for sparse in graph.sparse_initializer:
+        graph.initializer.append(_dense(sparse))
+    del graph.sparse_initializer[:]
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in _DEFAULT_DOMAINS:
+            for attr in node.attribute:
+                if attr.name == "sparse_value":
+                    attr.CopyFrom(helper.make_attribute("value", _dense(attr.sparse_tensor)))
 
 
 def _constant(node: Any) -> Any:
@@ -49,7 +85,7 @@ def fold_small_constants(graph: Any, opset: int) -> None:
     """Evaluate, with onnx's reference evaluator, the small tensors of the main graph computed from constants alone
     through the ops of :data:`_FOLDABLE`, and give each one to the nodes outside that computation that read it as an
     initializer of its own (a new name: the node that computes it stays), which shape inference reads as it reads any
-    initializer."""
+    initializer. Run after :func:`densify_sparse_tensors`."""
     import numpy as np
     from onnx import numpy_helper
     from onnx.external_data_helper import uses_external_data
@@ -57,7 +93,7 @@ def fold_small_constants(graph: Any, opset: int) -> None:
     values: dict[str, Any] = {}
     for init in graph.initializer:
         if not uses_external_data(init) and all(d >= 0 for d in init.dims) and math.prod(init.dims) <= SMALL:
-            with contextlib.suppress(Exception):  # a tensor without its data (a densified sparse weight)
+            with contextlib.suppress(Exception):  # a tensor without its data, as a densified weight
                 values[init.name] = numpy_helper.to_array(init)
     given = set(values)  # already constants: shape inference reads them
     folded = set()  # the nodes evaluated here
