@@ -793,6 +793,32 @@ def test_onnx_impossible_geometry(tmp_path):
         load_model(path)
 
 
+@pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
+def test_onnx_empty_convs_are_unsupported_as_the_ops_refuse_them(tmp_path):
+    # ONNX allows a conv of no output channels (an empty tensor, and an empty input for the conv after it); wsarena's
+    # ops and PyTorch's refuse a zero in a weight's or input's dims (the batch aside), so these cannot be planned.
+    nodes = [conv("ok", "x", "w1", "y1", pads=[1, 1, 1, 1]), conv("empty", "y1", "w0", "y0", pads=[1, 1, 1, 1]),
+             conv("after", "y0", "w2", "y2"), conv("up", "y1", "wt", "y3", op="ConvTranspose", strides=[2, 2])]
+    inits = [weight("w1", (4, 3, 3, 3)), weight("w0", (0, 4, 3, 3)), weight("w2", (5, 0, 3, 3)),
+             weight("wt", (4, 0, 2, 2))]
+    path = save(tmp_path, nodes, [vi("x", [1, 3, 8, 8])], inits, outputs=[vi("y2", None), vi("y3", None)])
+    for w_shape in [(0, 4, 3, 3), (4, 0, 3, 3), (4, 4, 0, 3)]:
+        with pytest.raises(ValueError, match="has a zero dimension"):
+            wsarena.conv_forward(np.zeros((1, 4, 8, 8), np.float32), np.zeros(w_shape, np.float32), padding=1)
+    with pytest.raises(ValueError, match="needs at least one channel"):
+        wsarena.conv_forward(np.zeros((1, 0, 8, 8), np.float32), np.zeros((5, 0, 3, 3), np.float32))
+    why = {"empty": "weight shape [0, 4, 3, 3] has a zero dimension, which wsarena's ops refuse",
+           "after": "input shape [1, 0, 8, 8] has a zero dimension, which wsarena's ops refuse",
+           "up": "weight shape [4, 0, 2, 2] has a zero dimension, which wsarena's ops refuse"}
+    listed = "; ".join(f"'{name}' ({reason})" for name, reason in why.items())
+    with pytest.raises(ModelError, match=re.escape(f"3 conv node(s) cannot be planned: {listed} (skip them with "
+                                                   "skip_unknown=True / --skip-unknown)")):
+        load_model(path)
+    with pytest.warns(UserWarning, match=re.escape(f"skipped 3 conv node(s): {listed}")):
+        layers = load_model(path, skip_unknown=True)
+    assert [l.name for l in layers] == ["ok"] and layers.skipped == tuple(why.items())
+
+
 @pytest.mark.parametrize("attrs, message", [
     ({"pads": [1, 1]}, r"'broken': pads=\[1, 1\] must have 4 entries"),
     ({"kernel_shape": [5, 5]}, r"'broken': kernel_shape=\[5, 5\] does not match weight shape"),

@@ -32,6 +32,8 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   whose pads are computed at run time). Symbolic spatial sizes (a detector's ``H`` and ``W``) can be fixed with
   ``input_shapes`` (``--input-shape`` on the command line) before inference; the error suggests it only when a graph
   input's shape is not fixed.
+* A convolution with a zero in its weight's or its input's dims (the batch aside), an empty one, which ONNX allows,
+  is refused by wsarena's ops as by PyTorch's: it is treated like an unknown shape.
 * Asymmetric padding (explicit ``pads`` or ``SAME_*`` with an odd total) cannot be given to cuDNN. With
   ``asymmetric_pads="widen"`` (the default) a ``Conv`` is modelled the way onnxruntime's CUDA provider runs it:
   the larger of the two pads on both sides, then the extra output row or column sliced off; a
@@ -146,6 +148,10 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
     kernel = list(a.get("kernel_shape") or w[2:])
     if len(kernel) != nd or list(w[2:]) != kernel:
         raise ModelError(f"ONNX node {name!r}: kernel_shape={kernel} does not match weight shape {list(w)}")
+    for what, dims in (("input", x[1:]), ("weight", w)):  # the batch aside: the planner sets its own
+        if 0 in dims:
+            shown = list(x) if what == "input" else list(w)
+            raise _Unsupported(f"{what} shape {shown} has a zero dimension, which wsarena's ops refuse")
     stride = list(a.get("strides") or [1] * nd)
     dilation = list(a.get("dilations") or [1] * nd)
     group = a.get("group", 1)
