@@ -114,6 +114,29 @@ def test_only_small_results_are_evaluated(tmp_path, monkeypatch):
     assert layer.input_shape == (1, 3, 12, 14) and len(evaluated) == 3
 
 
+def test_small_constants_that_broadcast_to_a_large_result_are_not_evaluated(tmp_path, monkeypatch):
+    # Four operands of 64 elements each broadcast to 64**4 (16.8 million): never made; the Max of operands that
+    # broadcast to 8 elements is.
+    shapes = [(64, 1, 1, 1), (1, 64, 1, 1), (1, 1, 64, 1), (1, 1, 1, 64)]
+    inits = [helper.make_tensor(f"m{i}", TensorProto.INT64, s, [0] * 64) for i, s in enumerate(shapes)]
+    nodes = [helper.make_node("Max", [f"m{i}" for i in range(4)], ["big"]),
+             helper.make_node("Reshape", ["big", "flat"], ["pads"]),
+             helper.make_node("Pad", ["x", "pads"], ["padded"], name="pad"), conv("c", "padded", "w", "y")]
+    path = save(tmp_path / "m.onnx", nodes, [vi("x", [1, 3, 10, 12])],
+                [*inits, ints("flat", [-1]), weight("w", (4, 3, 3, 3))])
+    evaluated = []
+    run = ReferenceEvaluator.run
+    monkeypatch.setattr(ReferenceEvaluator, "run", lambda self, *a, **k: evaluated.append(a) or run(self, *a, **k))
+    with pytest.raises(ModelError, match="the output of Pad 'pad'"):
+        wsarena.load_model(path)
+    assert evaluated == []
+    small = [ints("m0", [0, 0, 1, 1] * 2), helper.make_tensor("m1", TensorProto.INT64, (1,), [0])]
+    nodes[0] = helper.make_node("Max", ["m0", "m1"], ["big"])
+    (layer,) = wsarena.load_model(save(tmp_path / "small.onnx", nodes, [vi("x", [1, 3, 10, 12])],
+                                       [*small, ints("flat", [-1]), weight("w", (4, 3, 3, 3))]))
+    assert layer.input_shape == (1, 3, 12, 14) and len(evaluated) == 2
+
+
 def test_an_integer_division_by_zero_among_constants_warns_nothing(tmp_path):
     # NumPy's divide-by-zero warning is the evaluator's business, not the caller's: 1 // 0 is 0 there, as in ONNX's
     # reference, and the pads [0, 0, 1, 1, 0, 0, 1, 1] it gives here are read.

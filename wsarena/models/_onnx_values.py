@@ -110,7 +110,7 @@ def fold_small_constants(graph: Any, opset: int) -> None:
         inputs = [name for name in node.input if name]
         if node.op_type not in _FOLDABLE or not inputs or any(name not in values for name in inputs):
             continue
-        if node.op_type == "ConstantOfShape" and not 0 <= math.prod(values[inputs[0]].reshape(-1).tolist()) <= SMALL:
+        if not _small_result(node.op_type, [values[name] for name in inputs]):
             continue
         results = [np.asarray(r) for r in _evaluate(node, opset, {name: values[name] for name in inputs}) or ()]
         if len(results) == len(node.output) and all(r.size <= SMALL for r in results):
@@ -137,6 +137,26 @@ def fold_small_constants(graph: Any, opset: int) -> None:
                 taken.add(new)
                 renamed[name] = new
             node.input[i] = renamed[name]
+
+
+# Elementwise ops, whose result takes the shape its operands broadcast to: several small ones broadcast to a large one
+# ((64, 1, 1) by (1, 64, 1) by (1, 1, 64))
+_BROADCAST = frozenset({"Add", "Div", "Max", "Min", "Mul", "Sub"})
+
+
+def _small_result(op_type: str, operands: list[Any]) -> bool:
+    """Whether ``op_type`` of these small ``operands`` can be evaluated without making a large tensor: a
+    ``ConstantOfShape`` of a large shape, or operands that broadcast to one, are not."""
+    import numpy as np
+
+    try:
+        if op_type == "ConstantOfShape":
+            return 0 <= math.prod(operands[0].reshape(-1).tolist()) <= SMALL
+        if op_type in _BROADCAST:
+            return math.prod(np.broadcast_shapes(*(np.shape(v) for v in operands))) <= SMALL
+    except (ValueError, TypeError, IndexError):  # shapes that do not broadcast: the evaluator would refuse them
+        return False
+    return True
 
 
 def _evaluate(node: Any, opset: int, inputs: dict[str, Any]) -> list[Any] | None:
