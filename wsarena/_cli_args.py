@@ -133,7 +133,9 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cudnn-heuristic", choices=CUDNN_HEURISTICS,
                         help="cuDNN's heuristic that ranks the graph API's engines (default: WSARENA_CUDNN_HEURISTIC "
                              "or instant)")
-    parser.add_argument("--skip-unknown", action="store_true", help="skip ONNX convs whose input shape is unknown")
+    parser.add_argument("--skip-unknown", action="store_true",
+                        help="leave out, with a warning, the ONNX convs that cannot be planned (a shape unknown, "
+                             "an empty conv, asymmetric pads under --asymmetric-pads error)")
     parser.add_argument(
         "--asymmetric-pads", choices=("widen", "error"), default="widen",
         help="ONNX convs with asymmetric pads: model them as onnxruntime's CUDA provider runs them (widen, the "

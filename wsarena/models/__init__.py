@@ -85,8 +85,9 @@ def load_model(
         A zoo name (see :func:`zoo_names`; case and ``-``/``_`` do not matter), a path to a ``.onnx`` model or
         a ``.json`` layer list, or a sequence of :class:`ConvLayer` or of layer dicts in the JSON schema.
     skip_unknown : bool
-        ONNX only: leave out, with a warning, convolutions whose shapes stay unknown after shape inference
-        (or that cannot be expressed, see ``asymmetric_pads``), instead of raising.
+        ONNX only: leave out, with a warning, convolutions whose shapes stay unknown after shape inference,
+        empty ones (a zero in a weight's or input's dims), or those that cannot be expressed (see
+        ``asymmetric_pads``), instead of raising.
     asymmetric_pads : {"widen", "error"}
         ONNX only: how to treat asymmetric padding, which cuDNN cannot take. ``"widen"`` models the convolution
         onnxruntime's CUDA provider runs (see :mod:`wsarena.models._onnx`); ``"error"`` treats such nodes like
