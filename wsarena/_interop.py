@@ -61,7 +61,6 @@ NATIVE: set[type] = set()  # NumPy and CuPy array types seen so far: the ops tak
 
 _HOST_DEVICES = (1, 3)  # DLPack's kDLCPU and kDLCUDAHost (pinned host memory)
 _CUDA_DEVICES = (2, 13)  # kDLCUDA and kDLCUDAManaged
-_NUMPY_COPY_KEYWORD = np.lib.NumpyVersion(np.__version__) >= "2.1.0"  # from_dlpack(copy=False)
 
 Run = Callable[..., Any]
 
@@ -330,9 +329,7 @@ def _read_only(exc: ReadOnlyExport) -> TypeError:
 
 
 def _numpy_from_dlpack(obj: Any) -> np.ndarray:
-    if _NUMPY_COPY_KEYWORD:
-        return np.from_dlpack(obj, copy=False)
-    return np.from_dlpack(obj)  # NumPy < 2.1: the producer never copies unless asked to
+    return np.from_dlpack(obj, copy=False)
 
 
 # a torch tensor through Tensor.numpy(): the view DLPack would give, at a third of the cost (a lambda calls it
