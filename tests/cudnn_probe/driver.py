@@ -1,11 +1,11 @@
 """Let cuDNN's backend API finalize descriptors on a machine without the NVIDIA driver (no ``libcuda.so.1``).
 
 cuDNN loads its engine sub-libraries on the first ``cudnnBackendFinalize`` of the process, one of them links
-``libcuda.so.1``, and a failure is final for the process: without the driver library every finalize returns
-``SUBLIBRARY_LOADING_FAILED`` (1008). :func:`load_stand_in` compiles ``libcuda_stub.c`` (the six driver functions
-that sub-library imports, each failing as a driver without a device does) and loads it before anything else, so
-that the test process can build descriptors, operation graphs and execution plans against device properties.
-A machine with the driver (the lent GPU's) keeps its own: the stand-in is loaded only where none loads.
+``libcuda.so.1`` (from cuDNN 9.27 on), and a failure is final for the process: without the driver library every
+finalize returns ``SUBLIBRARY_LOADING_FAILED`` (1008). :func:`load_stand_in` compiles ``libcuda_stub.c`` (the six
+driver functions that sub-library imports, each failing as a driver without a device does) and loads it before
+anything else, so that the test process can build descriptors, operation graphs and execution plans against device
+properties. A machine with the driver (the lent GPU's) keeps its own: the stand-in is loaded only where none loads.
 """
 
 from __future__ import annotations
@@ -77,6 +77,14 @@ def finalize_unavailable_reason() -> str | None:
         except cudnn.CudnnError as exc:
             return f"cuDNN cannot finalize backend descriptors here: {exc}"
     return None
+
+
+def engines_link_the_driver() -> bool:
+    """Whether the loaded cuDNN's engine libraries link ``libcuda.so.1``, as from 9.27 on: an older cuDNN loads
+    them, and plans against device properties, without it."""
+    from wsarena.cudnn import load_library
+
+    return load_library().version >= 92700
 
 
 def real_driver_library() -> bool:
