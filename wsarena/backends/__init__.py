@@ -200,7 +200,7 @@ def device_properties_backend(properties_json: str, source: str | None = None) -
     ------
     BackendUnavailableError
         cuDNN cannot finalize descriptors here: its engine libraries need the NVIDIA driver library
-        ``libcuda.so.1``, even without a GPU (docs/deviceless.md); or the loaded cuDNN is older than 9.8, which
+        ``libcuda.so.1`` from cuDNN 9.27 on, even without a GPU (docs/deviceless.md); or the loaded cuDNN is older than 9.8, which
         has no device properties.
     wsarena.cudnn.graph.DevicePropertiesError
         The properties describe no GPU this cuDNN plans for (not JSON, not the members this cuDNN version reads,
