@@ -93,9 +93,6 @@ def as_int(value: Any) -> int | None:
     ``__index__`` refuses). The one test of "an integer" behind every check that names its argument."""
     if isinstance(value, bool):
         return None
-    kind = type(value)  # NumPy before 2.0 gives its bool (a final type) an __index__ (deprecated): no count either
-    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
-        return None
     try:
         return operator.index(value)
     except TypeError:
