@@ -199,9 +199,9 @@ def device_properties_backend(properties_json: str, source: str | None = None) -
     Raises
     ------
     BackendUnavailableError
-        cuDNN cannot finalize descriptors here: its engine libraries need the NVIDIA driver library
-        ``libcuda.so.1`` from cuDNN 9.27 on, even without a GPU (docs/deviceless.md); or the loaded cuDNN is older than 9.8, which
-        has no device properties.
+        cuDNN cannot finalize descriptors here: from cuDNN 9.27 on, its engine libraries need the NVIDIA driver
+        library ``libcuda.so.1``, even without a GPU (docs/deviceless.md); or the loaded cuDNN is older than 9.8,
+        which has no device properties.
     wsarena.cudnn.graph.DevicePropertiesError
         The properties describe no GPU this cuDNN plans for (not JSON, not the members this cuDNN version reads,
         a value no GPU has, naming the member): a ``CudnnBadParamError`` and a ``ValueError``.
