@@ -147,7 +147,8 @@ def main() -> None:
     for label, held, fn in rows:
         ratio = f"{held / held_ws:.2f}x" if held_ws else "-"
         print(f"{label:<10} {wsarena.format_size(int(held)):>15} {ratio:>11} {step_ms[fn]:9.2f} "
-              f"{step_ms[fn] / step_ms[run_wsarena]:10.2f}x {gpu_ms[fn]:8.2f} {gpu_ms[fn] / gpu_ms[run_wsarena]:10.2f}x")
+              f"{step_ms[fn] / step_ms[run_wsarena]:10.2f}x {gpu_ms[fn]:8.2f} "
+              f"{gpu_ms[fn] / gpu_ms[run_wsarena]:10.2f}x")
     for label, fn in (("legacy", run_wsarena), ("graph", run_graph)):
         print(f"{label} API: step as issued / GPU time = {step_ms[fn] / gpu_ms[fn]:.3f}")
     if args.json:

@@ -121,7 +121,8 @@ def main() -> int:
             for name, us in found.items():
                 best[root][name] = min(us, best[root].get(name, us))
     names = list(dict.fromkeys(n for found in best.values() for n in found))
-    print(f"best of {args.rounds} alternating rounds, each the best of {args.repeat} x {args.number} calls (us per call)")
+    print(f"best of {args.rounds} alternating rounds, each the best of {args.repeat} x {args.number} calls "
+          "(us per call)")
     print(f"{'case':<22}" + "".join(f" {os.path.basename(os.path.abspath(r)):>14}" for r in args.checkout))
     for name in names:
         cells = "".join(f" {best[r][name]:14.2f}" if name in best[r] else f" {'-':>14}" for r in args.checkout)

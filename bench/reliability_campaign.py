@@ -6,13 +6,14 @@
 
 Interrupt storms (``tests/scripts/storm.py``, every mode and signal source, in child processes): interrupts
 delivered, errors other than KeyboardInterrupt, leases left live, lanes not usable afterwards. Fork while busy
-(``tests/scripts/fork.py``, also while threads make a process's first convolution): forks, hangs (a child still running after 10 s), failed children. Injected faults
-(``tests/test_reliability_faults.py``): a provider failing its n-th allocation for every n of a ResNet-50-like
-forward and backward run, and a MemoryError in the k-th algorithm run for every k. Load
-(``tests/test_reliability_load.py``, debug mode): calls, overlaps found, results unequal to the serial run, resident
-memory growth after the first round. Process exits (``tests/scripts/exit.py``): processes, unclean ones. Fuzzing
-(``tests/test_fuzz_ops.py`` and ``tests/test_fuzz_inputs.py`` with ``WSARENA_FUZZ_EXAMPLES`` inputs per test, counted by
-``tests/fuzz_tally.py``): inputs tried, refused, refused as documented, and failed tests (an escape fails its test).
+(``tests/scripts/fork.py``, also while threads make a process's first convolution): forks, hangs (a child still
+running after 10 s), failed children. Injected faults (``tests/test_reliability_faults.py``): a provider failing its
+n-th allocation for every n of a ResNet-50-like forward and backward run, and a MemoryError in the k-th algorithm
+run for every k. Load (``tests/test_reliability_load.py``, debug mode): calls, overlaps found, results unequal to
+the serial run, resident memory growth after the first round. Process exits (``tests/scripts/exit.py``): processes,
+unclean ones. Fuzzing (``tests/test_fuzz_ops.py`` and ``tests/test_fuzz_inputs.py`` with ``WSARENA_FUZZ_EXAMPLES``
+inputs per test, counted by ``tests/fuzz_tally.py``): inputs tried, refused, refused as documented, and failed tests
+(an escape fails its test).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ def run_script(name: str, *args: object, timeout: float = 60, **env: str) -> sub
     """Run ``tests/scripts/<name>`` with ``args``; a child still running after ``timeout`` seconds is killed (and
     ``subprocess.TimeoutExpired`` fails the test: a hang)."""
     return subprocess.run(
-        script_command(name, *args), check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=child_env(**env)
+        script_command(name, *args), check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        env=child_env(**env),
     )
 
 

@@ -203,7 +203,8 @@ def test_an_interrupt_at_any_check_of_a_lease_that_lets_a_dead_stream_go_loses_n
         arena.stats()  # the deaths are seen: both are orphans
         provider.stream_ids[11] = 102  # a new stream has handle 11
         gc.collect()
-        if not interrupt_at_check(n, lambda arena=arena: _lease_cycle(arena, FakeStream(handle), 500), skip=_in_provider):
+        if not interrupt_at_check(n, lambda arena=arena: _lease_cycle(arena, FakeStream(handle), 500),
+                                  skip=_in_provider):
             break
         arena.close()
         arena.trim()

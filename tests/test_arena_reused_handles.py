@@ -424,7 +424,8 @@ def test_a_live_stream_object_watches_its_buffer_again_once_a_capture_blocks_own
     later.close()
 
 
-def test_a_watcher_that_dies_as_the_capture_blocks_object_takes_its_place_orphans_nothing(no_ids_in_capture, monkeypatch):
+def test_a_watcher_that_dies_as_the_capture_blocks_object_takes_its_place_orphans_nothing(
+        no_ids_in_capture, monkeypatch):
     """The object watching the buffer dies (the collector runs) just before the block's stream object takes its place:
     its death, swept later, is not the buffer's any more, and the capture's lease is served."""
     from wsarena.arena import _table

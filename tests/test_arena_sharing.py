@@ -64,7 +64,10 @@ def test_device_nested_lease_on_own_stream_is_refused_however_the_stream_is_name
         outer.array[:] = 4
         before = snapshot(device_arena)
         for n in (500, 1 << 20):  # fits, or would grow: refused before anything is allocated
-            with pytest.raises(RuntimeError, match="already holds a lease on stream 3"), device_arena.lease(n, stream=inner):
+            with (
+                pytest.raises(RuntimeError, match="already holds a lease on stream 3"),
+                device_arena.lease(n, stream=inner),
+            ):
                 pass
         assert snapshot(device_arena) == before and len(device_provider.allocations) == 1
         assert (outer.array == 4).all()

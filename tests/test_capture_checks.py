@@ -160,7 +160,8 @@ def test_a_forced_engine_finalizes_no_plan_during_capture(monkeypatch, captured)
     backend = CudnnGraphBackend()
     built = []
     monkeypatch.setattr(backend, "_handle", lambda stream=None: "handle")
-    backend._plans = PlanCache(lambda *args: Plan("graph"), lambda handle, graph, name: built.append(name) or Plan(name))
+    backend._plans = PlanCache(lambda *args: Plan("graph"),
+                               lambda handle, graph, name: built.append(name) or Plan(name))
     with pytest.raises(CaptureError, match="finalize a cuDNN execution plan"):
         algos.forced(backend, "fwd", GEOM, "eng0", cap=None)
     assert built == []

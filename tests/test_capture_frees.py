@@ -492,7 +492,9 @@ def test_a_buffer_held_back_on_a_stream_that_lives_on_is_freed_in_its_order(watc
 
 
 @pytest.mark.parametrize("handle_names", ["the same stream", "a new stream"])
-def test_a_buffer_held_back_waits_while_its_handle_is_captured_again_and_no_stream_id_is_read_then(watched, handle_names):
+def test_a_buffer_held_back_waits_while_its_handle_is_captured_again_and_no_stream_id_is_read_then(
+    watched, handle_names
+):
     """The handle is captured again before the next call: by its own stream, or by a new stream given it. The buffer
     waits until that capture is over: a free on the handle would be recorded into the graph, and one with no stream
     (the new stream's case) would break the capture. CUDA refuses cudaStreamGetId on a stream being captured, and in

@@ -88,8 +88,8 @@ def test_a_plot_over_the_device_properties_file_is_refused_and_the_file_kept(cap
     props.write_text("{}")
     code, out, err = run_main(capsys, "report", small_model(tmp_path), "--device-properties", str(props),
                               "--plot", str(props))
-    assert (code, out) == (2, "") and props.read_text() == "{}"
-    assert err.startswith(f"wsarena: error: --plot {str(props)!r} is the --device-properties file") and err.count("\n") == 1
+    assert (code, out) == (2, "") and props.read_text() == "{}" and err.count("\n") == 1
+    assert err.startswith(f"wsarena: error: --plot {str(props)!r} is the --device-properties file")
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose writes fail")

@@ -311,7 +311,8 @@ def test_a_cache_folder_that_may_not_be_read_exits_3(capsys, monkeypatch, tmp_pa
     assert err.startswith("wsarena: error: cannot read the search cache: ") and "Permission denied" in err
 
 
-@pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"], ["report", "--max-slowdown", "2%"]])
+@pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"],
+                                     ["report", "--max-slowdown", "2%"]])
 @pytest.mark.parametrize(("stop", "code", "says"), [(KeyboardInterrupt, 130, "wsarena: interrupted"),
                                                     (MemoryError, 3, "wsarena: error: ")])
 def test_work_stopped_midway_wipes_the_progress_bar(capsys, model, monkeypatch, command, stop, code, says):
@@ -334,8 +335,8 @@ def test_work_stopped_midway_wipes_the_progress_bar(capsys, model, monkeypatch, 
     assert (got, out) == (code, "")
     bar = re.search(r"\r(\[[#.]+\] 1/4 stem *)", err)
     assert bar, err  # the bar was drawn ...
-    wipe = r"\r {" + str(len(bar[1])) + r",}\r"
-    assert re.search(re.escape(bar[1]) + wipe + re.escape(says) + r"[^\r\n]*\n\Z", err), err  # ... and wiped before the line
+    wipe = r"\r {" + str(len(bar[1])) + r",}\r"  # ... and wiped before the line
+    assert re.search(re.escape(bar[1]) + wipe + re.escape(says) + r"[^\r\n]*\n\Z", err), err
 
 
 @pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"]])

@@ -178,7 +178,8 @@ def test_cudnn_path_comes_before_cuda_pathfinder(tmp_path):
     (tmp_path / "lib").mkdir()
     for lib in Path(_info["path"]).parent.glob("libcudnn*.so.9"):
         (tmp_path / "lib" / lib.name).symlink_to(lib)
-    code = "import wsarena.cudnn as c\ninfo = c.library_info()\nprint(info['found_via'], info['path'], info['version'])\n"
+    code = ("import wsarena.cudnn as c\ninfo = c.library_info()\n"
+            "print(info['found_via'], info['path'], info['version'])\n")
     env = {**os.environ, "CUDNN_PATH": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
                             check=False, timeout=120)

@@ -744,7 +744,8 @@ def test_a_forced_engine_whose_plan_for_a_view_needs_more_workspace_says_so(fake
     (forced,) = algos.forced(faked, "fwd", GEOM, "eng1", cap=None)
     assert forced.workspace_bytes == 64
     w, y = _array(0x2000), _array(0x3000)
-    with pytest.raises(AlignmentWorkspaceError, match=r"eng1 for operands aligned to 2, 16 and 16 bytes.*algo=") as caught:
+    with pytest.raises(AlignmentWorkspaceError,
+                       match=r"eng1 for operands aligned to 2, 16 and 16 bytes.*algo=") as caught:
         algos.run_with_fallback(_Arena(), (forced,),
                                 lambda c, ws: faked.run("fwd", c, GEOM, _array(0x1002), w, y, ws, None),
                                 stream=None, cap=None, retry=faked.retry_errors)

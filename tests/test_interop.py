@@ -141,7 +141,8 @@ def test_libraries_mix_when_every_view_is_zero_copy_and_the_first_operand_decide
 class _CudaArray:
     """An object that says its memory is on a CUDA device (never read here: the call is refused first)."""
 
-    __cuda_array_interface__: ClassVar[dict] = {"shape": (6, 2, 3, 3), "typestr": "<f8", "data": (0, False), "version": 3}
+    __cuda_array_interface__: ClassVar[dict] = {"shape": (6, 2, 3, 3), "typestr": "<f8", "data": (0, False),
+                                                "version": 3}
 
 
 def test_host_and_device_memory_in_one_call_is_a_type_error():
@@ -317,7 +318,8 @@ def test_a_jax_tracer_is_refused_saying_what_it_is(monkeypatch, fresh_arena):
     class DynamicJaxprTracer:
         pass
 
-    monkeypatch.setitem(sys.modules, "jax", types.SimpleNamespace(core=types.SimpleNamespace(Tracer=DynamicJaxprTracer)))
+    monkeypatch.setitem(sys.modules, "jax",
+                        types.SimpleNamespace(core=types.SimpleNamespace(Tracer=DynamicJaxprTracer)))
     x, _, _ = problem()
     before = fresh_arena.stats()
     with pytest.raises(TypeError, match=r"^w is a JAX tracer \(DynamicJaxprTracer: a value inside jax.jit, "):
@@ -348,7 +350,8 @@ def test_operands_on_different_cuda_devices_are_refused_before_any_view():
             return (2, self.ordinal)  # kDLCUDA
 
     x, w, _ = problem()
-    match = r"cannot mix CUDA devices.*x is a fakearrays array on CUDA device 0, w is a fakearrays array on CUDA device 1"
+    match = (r"cannot mix CUDA devices.*x is a fakearrays array on CUDA device 0, "
+             r"w is a fakearrays array on CUDA device 1")
     with pytest.raises(TypeError, match=match):
         conv_forward(OnDevice(x, 0), OnDevice(w, 1), **KW)
     with pytest.raises(TypeError, match="cannot mix CUDA devices"):
@@ -511,7 +514,8 @@ def fake_torch_cuda(monkeypatch):
         state.asked += 1
         return state.current
 
-    monkeypatch.setattr(_interop, "make_device_arena", lambda ordinal, allocator: state.arenas.append((ordinal, allocator)))
+    monkeypatch.setattr(_interop, "make_device_arena",
+                        lambda ordinal, allocator: state.arenas.append((ordinal, allocator)))
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device: types.SimpleNamespace(cuda_stream=current(device)))
     state.current_of = current

@@ -568,7 +568,8 @@ def test_a_remembered_call_follows_a_cleared_algorithm_cache(monkeypatch):
     w = np.random.default_rng(6).standard_normal((4, 3, 3, 3))
     geom = wsarena._geometry.conv_geometry(x.shape, w.shape, padding=1, dtype="float64")
     real_run, ran = CpuBackend.run, []
-    monkeypatch.setattr(CpuBackend, "run", lambda self, p, cand, *a: ran.append(cand.algo) or real_run(self, p, cand, *a))
+    monkeypatch.setattr(CpuBackend, "run",
+                        lambda self, p, cand, *a: ran.append(cand.algo) or real_run(self, p, cand, *a))
     conv_forward(x, w, padding=1)
     conv_forward(x, w, padding=1)
     first = cpu.candidates("fwd", geom)[0]

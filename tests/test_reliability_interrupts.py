@@ -61,7 +61,11 @@ def test_the_next_lease_of_a_with_block_interrupted_as_its_exit_starts_gets_the_
     """The with statement's ``ws`` still names the interrupted Workspace; its with statement is over, so its lease
     is too. It used to stay live, and every later lease of the thread on that lane failed."""
     lane = key("L")
-    with interrupt_at_entry_of(Workspace.__exit__), pytest.raises(KeyboardInterrupt), arena.lease(4096, stream=lane) as ws:
+    with (
+        interrupt_at_entry_of(Workspace.__exit__),
+        pytest.raises(KeyboardInterrupt),
+        arena.lease(4096, stream=lane) as ws,
+    ):
         ws.array[:] = 7
     assert ws._state == 1  # never released: the interrupt landed before __exit__ ran a line
     with arena.lease(4096, stream=lane) as again:  # the same frame, ws still bound

@@ -11,7 +11,8 @@ import wsarena
 from wsarena.arena import get_arena
 
 RNG = np.random.default_rng(0)
-SHAPES = [((2, 8, 16, 16), (8, 8, 3, 3), 1, 1), ((2, 16, 8, 8), (16, 16, 1, 1), 1, 0), ((2, 8, 16, 16), (16, 8, 3, 3), 2, 1)]
+SHAPES = [((2, 8, 16, 16), (8, 8, 3, 3), 1, 1), ((2, 16, 8, 8), (16, 16, 1, 1), 1, 0),
+          ((2, 8, 16, 16), (16, 8, 3, 3), 2, 1)]
 OPERANDS = []
 for x_shape, w_shape, stride, padding in SHAPES:
     x = RNG.standard_normal(x_shape).astype(np.float32)

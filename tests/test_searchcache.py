@@ -228,7 +228,8 @@ def _rewrite(path, change):
         pytest.param(lambda p: _rewrite(p, lambda d: d.update(version=99)), id="other-format-version"),
         pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(workspace_bytes="big")), id="bad-entry"),
         pytest.param(lambda p: _rewrite(p, lambda d: d.update(key=["not", "an", "object"])), id="key-not-an-object"),
-        pytest.param(lambda p: _rewrite(p, lambda d: d["key"].update(environment="cpu")), id="environment-not-an-object"),
+        pytest.param(lambda p: _rewrite(p, lambda d: d["key"].update(environment="cpu")),
+                     id="environment-not-an-object"),
         pytest.param(lambda p: p.write_text("[" * 100_000), id="nested-too-deep"),  # json.loads: RecursionError
         # json.loads reads Infinity and NaN, and 1e999 as inf: no time a search can measure
         pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(time_ms=float("inf"))), id="infinite-time"),
@@ -824,7 +825,9 @@ def test_info_names_the_setting_in_force(cache, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("variable", ["a folder", "off", "unset"])
-def test_the_source_in_a_block_that_set_no_folder_is_the_setting_of_the_folder_it_holds(monkeypatch, tmp_path, variable):
+def test_the_source_in_a_block_that_set_no_folder_is_the_setting_of_the_folder_it_holds(
+    monkeypatch, tmp_path, variable
+):
     """A config() block that sets no cache folder holds the folder in force as it began. A configure() inside it
     changes the process-wide folder, not the block's: source() names the setting that gives the folder in force (the
     environment variable, or the user's cache folder), neither config() (the block set no folder) nor configure()

@@ -346,7 +346,8 @@ def test_convert_keeps_a_resnet_style_model_outputs_and_gradients(dtype):
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     assert len(convs) == 9 and all(type(m) is wt.Conv2d for m in convs)
     assert dict(model.named_parameters()) == params  # the same Parameter objects: optimizers made before still train
-    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items()) and state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert state.keys() == model.state_dict().keys()
     loss, grads = step(model, x, target)
     ref_loss, ref_grads = step(reference, x, target)
     tol = TOL64 if dtype == torch.float64 else 1e-4  # float32: sums in another order, relative to the largest
@@ -578,7 +579,8 @@ def test_a_traced_call_reads_nothing_from_the_module_registry(make):
 def test_public_names_are_listed_sorted_and_resolve():
     assert wt.__all__ == sorted(wt.__all__)
     assert all(getattr(wt, name) is not None for name in wt.__all__)
-    public = {n for n, v in vars(wt).items() if not n.startswith("_") and type(v).__name__ != "module"} - {"annotations"}
+    public = {n for n, v in vars(wt).items()
+              if not n.startswith("_") and type(v).__name__ != "module"} - {"annotations"}
     assert public <= set(wt.__all__)
 
 

@@ -70,7 +70,8 @@ def test_the_public_functions_applied_directly_pass_gradgradcheck():
     conv = ([1, 2], [1, 0], [1, 1], 1, "NCHW")
     y = wt.ConvFunction.apply(x, w, *conv)
     dy = torch.randn(y.shape, dtype=torch.float64, requires_grad=True)
-    for function, args, rest in ((wt.ConvFunction, (x, w), conv), (wt.ConvTransposeFunction, (dy, w), ([1, 2, 5, 5], *conv)),
+    for function, args, rest in ((wt.ConvFunction, (x, w), conv),
+                                 (wt.ConvTransposeFunction, (dy, w), ([1, 2, 5, 5], *conv)),
                                  (wt.WeightGradFunction, (x, dy), ([3, 2, 3, 3], *conv))):
         assert torch.autograd.gradgradcheck(lambda a, b, f=function, r=rest: f.apply(a, b, *r), args)
 
@@ -217,7 +218,8 @@ def _operands(case, transposed):
     else:
         x, w, b = tensors(x_shape, w_shape)
     g = torch.Generator().manual_seed(2)
-    return (x.detach(), w.detach(), b.detach()), tuple(torch.randn(t.shape, dtype=t.dtype, generator=g) for t in (x, w, b))
+    return (x.detach(), w.detach(), b.detach()), tuple(torch.randn(t.shape, dtype=t.dtype, generator=g)
+                                                       for t in (x, w, b))
 
 
 @pytest.mark.parametrize(("ours", "theirs", "case", "transposed"), BOTH)

@@ -110,7 +110,8 @@ def _value(size, at):
 
 
 TOO_SMALL = [  # a module, an input too small for it, what is wrong
-    (lambda: wt.Conv2d(3, 4, 5), (2, 3, 3, 6), r"kernel \(5, 5\) \(dilation \(1, 1\)\) is larger than the padded input"),
+    (lambda: wt.Conv2d(3, 4, 5), (2, 3, 3, 6),
+     r"kernel \(5, 5\) \(dilation \(1, 1\)\) is larger than the padded input"),
     (lambda: wt.ConvTranspose2d(3, 4, 3, padding=2), (2, 3, 2, 6), r"padding=\(2, 2\) leaves an output of no elements"),
 ]
 

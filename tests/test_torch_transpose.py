@@ -19,7 +19,8 @@ wt = pytest.importorskip("wsarena.torch")
 
 CASES = [  # nd, input shape, weight shape (C_in, C_out/groups, *kernel), keyword arguments
     (1, (2, 4, 7), (4, 3, 3), {"stride": 3, "padding": 1, "output_padding": 2, "groups": 2, "dilation": 2}),
-    (2, (2, 4, 5, 6), (4, 2, 3, 2), {"stride": (2, 3), "padding": (1, 0), "output_padding": (1, 2), "dilation": (1, 2)}),
+    (2, (2, 4, 5, 6), (4, 2, 3, 2),
+     {"stride": (2, 3), "padding": (1, 0), "output_padding": (1, 2), "dilation": (1, 2)}),
     (2, (1, 6, 4, 4), (6, 1, 3, 3), {"stride": 2, "padding": 1, "output_padding": 1, "groups": 6}),  # depthwise
     (2, (2, 3, 5, 5), (3, 4, 1, 1), {}),  # every default
     (3, (1, 2, 3, 4, 3), (2, 3, 2, 3, 1), {"stride": 2, "output_padding": (1, 0, 1), "dilation": (1, 1, 2)}),
@@ -100,7 +101,8 @@ def test_channels_last_runs_as_nhwc_and_gives_torchs_memory_format(nd, dtype):
 
 
 def test_autocast_on_the_cpu_gives_torchs_dtype_and_values():
-    check_cpu_autocast(wt.conv_transpose2d, F.conv_transpose2d, tensors((2, 4, 5, 5), (4, 3, 3, 3)), stride=2, padding=1)
+    check_cpu_autocast(wt.conv_transpose2d, F.conv_transpose2d, tensors((2, 4, 5, 5), (4, 3, 3, 3)),
+                       stride=2, padding=1)
 
 
 @pytest.mark.parametrize(

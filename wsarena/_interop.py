@@ -144,7 +144,8 @@ class _Operand:
             )
 
     def where(self) -> str:
-        memory = f"CUDA device {self.device}" if self.device is not None else "a CUDA device" if self.cuda else "the host"
+        memory = (f"CUDA device {self.device}" if self.device is not None
+                  else "a CUDA device" if self.cuda else "the host")
         return f"{self.name} is a {type(self.obj).__module__.partition('.')[0]} array on {memory}"
 
 

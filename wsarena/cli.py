@@ -238,8 +238,9 @@ def _tune(args: argparse.Namespace) -> int:
     given = _given(algo_search="exhaustive", backend=args.backend, cap_workspace=None, cudnn_api=args.cudnn_api,
                    cudnn_heuristic=args.cudnn_heuristic)
     with config(**given), _progress_bar() as bar:
-        t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes, streams=args.streams,
-                 backend=args.backend, max_slowdown=args.max_slowdown, model=args.model, progress=bar)
+        t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes,
+                 streams=args.streams, backend=args.backend, max_slowdown=args.max_slowdown, model=args.model,
+                 progress=bar)
     if args.plot is not None:
         from .plot import plot_curve
 

@@ -112,7 +112,8 @@ class Tuning:
         chosen = self.max_slowdown if cap == self.recommended_cap_bytes else None
         return dataclasses.replace(
             self.uncapped, cap_workspace=cap, layers=tuple(layers), max_slowdown=chosen,
-            stream_bytes=_stream_bytes(layers, self.uncapped.streams, self.shared_streams, [lp.stream for lp in layers]),
+            stream_bytes=_stream_bytes(layers, self.uncapped.streams, self.shared_streams,
+                                       [lp.stream for lp in layers]),
         )
 
     def to_dict(self) -> dict[str, Any]:

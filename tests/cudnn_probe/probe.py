@@ -82,7 +82,8 @@ def run_probe(source: str, workdir: Path) -> dict[str, Any]:
     exe = workdir / "probe"
     src.write_text(source)
     build = subprocess.run(
-        [compiler(), "-std=c11", "-I", str(stub), "-I", str(cudnn_headers.header_directory()), str(src), "-o", str(exe)],
+        [compiler(), "-std=c11", "-I", str(stub), "-I", str(cudnn_headers.header_directory()),
+         str(src), "-o", str(exe)],
         capture_output=True,
         text=True,
         check=False,

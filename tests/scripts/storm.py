@@ -130,7 +130,8 @@ def main() -> dict[str, object]:
     del ws
     return {
         "mode": MODE, "source": SOURCE, "iterations": iterations, "delivered": delivered,
-        "errors": dict(errors), "leases_live": live, "lanes": len(LANES), "usable_here": own, "usable_elsewhere": others,
+        "errors": dict(errors), "leases_live": live, "lanes": len(LANES), "usable_here": own,
+        "usable_elsewhere": others,
     }
 
 

@@ -12,8 +12,9 @@ argument    ``"fwd"``               ``"bwd_data"``               ``"bwd_filter"`
 ``y_desc``  output y (written)      output gradient dy (read)    output gradient dy (read)
 ==========  ======================  ===========================  ============================
 
-Each wrapper reorders them into the C function's own argument order (``Pass.cudnn_order``). Pointers are raw device addresses (ints);
-handles and descriptors are the objects of :mod:`wsarena.cudnn.handle` and :mod:`wsarena.cudnn.descriptors`.
+Each wrapper reorders them into the C function's own argument order (``Pass.cudnn_order``). Pointers are raw device
+addresses (ints); handles and descriptors are the objects of :mod:`wsarena.cudnn.handle` and
+:mod:`wsarena.cudnn.descriptors`.
 """
 
 from __future__ import annotations
@@ -199,7 +200,8 @@ def find_algorithms(
     spec = _spec(pass_)
     first, second, written = _in_c_order(pass_, (x_desc, x_ptr), (w_desc, w_ptr), (y_desc, y_ptr))
     return _ranked(
-        spec, handle, spec.find_ex, (*first, *second, conv_desc, *written), (workspace_ptr or None, int(workspace_bytes)),
+        spec, handle, spec.find_ex, (*first, *second, conv_desc, *written),
+        (workspace_ptr or None, int(workspace_bytes)),
         f"{_context(pass_, x_desc, w_desc, conv_desc, y_desc)}, workspace {int(workspace_bytes)} bytes",
     )
 

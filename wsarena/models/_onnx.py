@@ -174,8 +174,8 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
             if not widen:
                 raise _Unsupported(f"asymmetric pads (begin {begin}, end {end})", "pads")
             begin = [max(b, e) for b, e in zip(begin, end)]  # onnxruntime's CUDA provider: widen, then slice
-        return ConvLayer(name, (1, x[1], *size), w, stride=tuple(stride), padding=tuple(begin), dilation=tuple(dilation),
-                         groups=group)
+        return ConvLayer(name, (1, x[1], *size), w, stride=tuple(stride), padding=tuple(begin),
+                         dilation=tuple(dilation), groups=group)
 
     # ConvTranspose: the forward-equivalent convolution maps the uncropped output back to the input `x`.
     if w[0] != x[1]:
