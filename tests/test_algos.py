@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 
+from wsarena import configure, get_config
 from wsarena._geometry import conv_geometry, describe_geometry
 from wsarena.algos import choose, forced, is_cached, is_chosen, run_with_fallback, select
 from wsarena.backends import Candidate
@@ -137,6 +138,24 @@ def test_search_mode_is_part_of_the_cache_key():
     assert b.measured == [["fft", "gemm", "implicit"]]  # a heuristic choice does not stand in for a search
     assert [c.algo for c in got] == ["gemm", "fft", "implicit"]
     assert choose(b, "fwd", GEOM, cap=None)[0].algo == "fft"  # nor a search for the heuristic order
+
+
+def test_a_graph_api_choice_is_ranked_under_the_heuristic_its_key_holds():
+    # Another thread's configure() as the backend ranks: the choice it ranked under B was kept under INSTANT, the
+    # heuristic the key was made of, and served to every later choice under INSTANT.
+    class Graph(FakeBackend):
+        api = "graph"
+
+        def candidates(self, pass_, geom):
+            configure(cudnn_heuristic="b")  # the other thread's
+            ranked = super().candidates(pass_, geom)
+            return ranked if get_config().cudnn_heuristic == "instant" else ranked[::-1]
+
+    b = Graph({"fft": 300, "gemm": 100, "implicit": 0})
+    assert choose(b, "fwd", GEOM, cap=None)[0].algo == "fft"  # the key and the ranking: INSTANT
+    assert choose(b, "fwd", GEOM, cap=None)[0].algo == "implicit"  # B now
+    configure(cudnn_heuristic="instant")
+    assert choose(b, "fwd", GEOM, cap=None)[0].algo == "fft"
 
 
 def test_nothing_fits_raises_memory_error_with_numbers():

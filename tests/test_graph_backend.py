@@ -355,8 +355,9 @@ def test_the_api_path_keys_the_caches(graph_backend):
     monkey = {"device_key": lambda: 0}
     for b in (graph_backend, legacy):
         b.__dict__.update(monkey)
-    assert algos._key(graph_backend, "fwd", GEOM, "heuristic", None) != algos._key(legacy, "fwd", GEOM, "heuristic",
-                                                                                  None)
+    settings = wsarena.get_config()
+    assert (algos._key(graph_backend, "fwd", GEOM, "heuristic", None, settings)
+            != algos._key(legacy, "fwd", GEOM, "heuristic", None, settings))
 
 
 # ------------------------------------------------------------------------ for real, against device properties

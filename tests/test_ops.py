@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import wsarena
-from wsarena import config, conv_backward_data, conv_backward_filter, conv_forward
+from wsarena import config, conv_backward_data, conv_backward_filter, conv_forward, ops
 from wsarena.backends import cpu
+from wsarena.backends._cpu_backend import CpuBackend
 from wsarena.errors import WorkspaceCapWarning
 
 from .interrupts import interrupt_at_entry_of
@@ -475,6 +476,55 @@ def test_a_remembered_call_still_checks_what_changed():
     again = conv_forward(x, w, stride=np.int64(1), padding=[0, 0])
     np.testing.assert_array_equal(again, y)
     assert rel_err(again, ref) <= TOL["float32"]
+
+
+class RankedByHeuristic(CpuBackend):
+    """The cpu backend as if on cuDNN's graph API: its candidates ranked by the cudnn_heuristic in force (B reverses
+    the order), and ``between()`` run where a call looks up its algorithm, after it read the settings."""
+
+    api = "graph"
+
+    def __init__(self, between):
+        self.between = between
+        self.ran = []
+
+    def device_key(self):
+        self.between()
+        return super().device_key()
+
+    def candidates(self, pass_, geom):
+        ranked = super().candidates(pass_, geom)
+        return ranked if wsarena.get_config().cudnn_heuristic == "instant" else ranked[::-1]
+
+    def run(self, pass_, candidate, *args):
+        self.ran.append(candidate.algo)
+        super().run(pass_, candidate, *args)
+
+
+def test_a_call_chooses_under_the_heuristic_it_read_whatever_another_thread_configures(monkeypatch):
+    # Another thread's configure() between a call's read of the settings and its choice: the algorithm cache's key
+    # and the ranking read cudnn_heuristic again, and the choice B ranked was kept for the call's signature under
+    # INSTANT, and served to every later call under INSTANT.
+    switched = []
+
+    def other_thread():
+        if not switched:
+            switched.append(wsarena.configure(cudnn_heuristic="b"))
+
+    backend = RankedByHeuristic(other_thread)
+    monkeypatch.setattr(ops, "get_backend", lambda name: backend)
+    rng = np.random.default_rng(9)
+    x, w = rng.standard_normal(X.shape, dtype=np.float32), rng.standard_normal(W.shape, dtype=np.float32)
+    instant = [c.algo for c in CpuBackend().candidates("fwd", wsarena._geometry.conv_geometry(x.shape, w.shape))]
+    assert instant[0] != instant[-1]
+    ref = ref_conv_forward(x, w)
+    assert rel_err(conv_forward(x, w), ref) <= TOL["float32"]  # read INSTANT; B configured as it chooses
+    assert switched and backend.ran == [instant[0]]
+    conv_forward(x, w)  # under B
+    assert backend.ran[-1] == instant[-1]
+    wsarena.configure(cudnn_heuristic="instant")
+    assert rel_err(conv_forward(x, w), ref) <= TOL["float32"]
+    assert backend.ran == [instant[0], instant[-1], instant[0]]
 
 
 def test_lanes_on_threads_give_the_serial_results():

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _callsite, _forksafe, searchcache
-from ._config import get_config
+from ._config import Config, get_config, using
 from ._geometry import ConvGeometry, describe_geometry
 from ._pass import Pass
 from ._sizes import format_size
@@ -64,23 +64,23 @@ def generation() -> int:
     return _generation
 
 
-def _key(backend: Backend, pass_: str, geom: ConvGeometry, search: str, cap: int | None) -> tuple:
+def _key(backend: Backend, pass_: str, geom: ConvGeometry, search: str, cap: int | None, settings: Config) -> tuple:
     api = getattr(backend, "api", None)
-    ranking = get_config().cudnn_heuristic if api == "graph" else None  # what ranks the graph API's candidates
+    ranking = settings.cudnn_heuristic if api == "graph" else None  # what ranks the graph API's candidates
     return (backend.name, api, ranking, backend.device_key(), pass_, geom, search, cap)
 
 
 def is_cached(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
     """Whether the choice for these arguments is cached for good (a search cut short by memory pressure is not:
     see :func:`is_chosen`)."""
-    key = _key(backend, pass_, geom, search, cap)
+    key = _key(backend, pass_, geom, search, cap, get_config())
     return key in _cache and key not in _cut_short
 
 
 def is_chosen(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
     """Whether a choice for these arguments is cached, for good or until memory allows a search cut short to be
     run again: one that a call may run without searching."""
-    return _key(backend, pass_, geom, search, cap) in _cache
+    return _key(backend, pass_, geom, search, cap, get_config()) in _cache
 
 
 def _fits(cands: list[Candidate], cap: int | None) -> list[Candidate]:
@@ -125,13 +125,15 @@ def choose(
     """
     pass_ = Pass(pass_)
     exhaustive = search == "exhaustive" and measure is not None
-    key = _key(backend, pass_, geom, "exhaustive" if exhaustive else "heuristic", cap)
+    settings = get_config()  # read once: the key and the ranking agree whatever another thread configures
+    key = _key(backend, pass_, geom, "exhaustive" if exhaustive else "heuristic", cap, settings)
     entry = _cache.get(key)
     lacked = _cut_short.get(key)  # read once: another thread may clear it
     if entry is not None and lacked and (can_have is None or can_have(lacked)):
         entry = None  # the workspace it lacked can be had now: the search is run again
     if entry is None:
-        best, excluded, lacked, untimed = _rank(backend, pass_, geom, cap, measure if exhaustive else None)
+        with using(settings):  # what the backend reads of them (cudnn_heuristic), as the key has them
+            best, excluded, lacked, untimed = _rank(backend, pass_, geom, cap, measure if exhaustive else None)
         entry = (best, excluded)
         if lacked is not None:
             # In this order, so that is_cached(), which reads without the lock, never takes a search cut short

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _interop, algos
 from ._callkeys import Uncacheable, freeze, freeze_params, remember
-from ._config import Config, get_config
+from ._config import Config, get_config, using
 from ._geometry import DTYPES, ITEMSIZES, ConvGeometry, conv_geometry, describe_geometry
 from ._pass import Pass
 from ._sizes import format_size
@@ -252,22 +252,25 @@ def _choice(record: _Record, pass_: Pass, cfg: Config, operands: tuple[Any, Any,
     else:
         record.choices.clear()
         record.generation = algos.generation()
-    geom = record.geom
-    cap, search = cfg.cap_workspace, cfg.algo_search
-    capturing = False
-    if not algos.is_cached(backend, pass_, geom, cap=cap, search=search):
-        capturing = backend.arena().capturing(stream=stream)
-        if capturing and not algos.is_chosen(backend, pass_, geom, cap=cap, search=search):
-            raise CaptureError(
-                f"the first {pass_} call of this shape ({describe_geometry(geom)}) came during CUDA graph capture, "
-                "where its algorithm cannot be chosen (a search or a cuDNN query is not a graph node): run the step "
-                "once before capturing"
-            )
-    # A search cut short by memory runs again once memory allows, but not in a capture: the ranking it kept serves.
-    chosen = select(backend, pass_, geom, cap=cap, search=search, operands=operands, stream=stream,
-                    search_again=not capturing)
-    if algos.is_cached(backend, pass_, geom, cap=cap, search=search):  # not a search cut short: algos serves it
-        record.choices[device] = chosen
+    # Chosen under the settings the call read, which the record's key holds: what the algorithm cache's key and the
+    # backend read of them (cudnn_heuristic) is not what a configure() of another thread made meanwhile.
+    with using(cfg):
+        geom = record.geom
+        cap, search = cfg.cap_workspace, cfg.algo_search
+        capturing = False
+        if not algos.is_cached(backend, pass_, geom, cap=cap, search=search):
+            capturing = backend.arena().capturing(stream=stream)
+            if capturing and not algos.is_chosen(backend, pass_, geom, cap=cap, search=search):
+                raise CaptureError(
+                    f"the first {pass_} call of this shape ({describe_geometry(geom)}) came during CUDA graph "
+                    "capture, where its algorithm cannot be chosen (a search or a cuDNN query is not a graph node): "
+                    "run the step once before capturing"
+                )
+        # A search cut short by memory runs again once memory allows, but not in a capture: the kept ranking serves.
+        chosen = select(backend, pass_, geom, cap=cap, search=search, operands=operands, stream=stream,
+                        search_again=not capturing)
+        if algos.is_cached(backend, pass_, geom, cap=cap, search=search):  # not a search cut short: algos serves it
+            record.choices[device] = chosen
     return chosen
 
 
