@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 import wsarena
-from wsarena import Config, config, configure, format_size, get_config, parse_size
+from wsarena import Config, _config, config, configure, format_size, get_config, parse_size
 from wsarena._report_cli import render_table
+
+from .interrupts import interrupt_at_check
 
 
 @pytest.fixture(autouse=True)
@@ -592,6 +594,47 @@ def test_a_block_ended_in_another_thread_or_context_says_so():
     contextvars.copy_context().run(end)
     small.__exit__(None, None, None)
     assert [type(e) for e in errors] == [RuntimeError] * 3 and get_config() == Config()
+
+
+def test_an_interrupt_in_a_blocks_beginning_or_end_leaves_all_of_it_or_none():
+    # Ctrl-C at every place CPython may deliver it in __enter__ and __exit__. __enter__ wrote the settings, then the
+    # block that ends them: an interrupt as the first write returned left the settings in force for good, as a with
+    # statement ends no block whose __enter__ raised.
+    small, inner = config(cap_workspace=0), config(algo_search="exhaustive")
+
+    def begin(block, settings: Config) -> int:
+        n = 1
+        while interrupt_at_check(n, block.__enter__):
+            assert get_config() == Config() and _config.overridden() is None  # none of it
+            n += 1
+        assert get_config() == settings  # the run with no interrupt left: all of it
+        block.__exit__(None, None, None)
+        return n
+
+    assert contextvars.copy_context().run(begin, small, Config(cap_workspace=0)) > 3
+    scope = _config.using(Config(algo_search="exhaustive"))  # a backward pass's, the settings of its forward
+    assert contextvars.copy_context().run(begin, scope, scope.settings) > 1
+
+    def ended(n: int, nested: bool) -> bool:
+        small.__enter__()
+        if nested:
+            inner.__enter__()  # begun inside the block, and still open as it ends
+        fired = interrupt_at_check(n, small.__exit__, None, None, None)
+        if get_config() in (Config(cap_workspace=0), Config(cap_workspace=0, algo_search="exhaustive")):
+            small.__exit__(None, None, None)  # none of it: ended now
+        assert get_config() == (Config(algo_search="exhaustive") if nested else Config())
+        if nested:
+            inner.__exit__(None, None, None)
+        assert get_config() == Config() and _config.overridden() is None
+        return fired
+
+    def end(nested: bool) -> int:
+        n = 1
+        while contextvars.copy_context().run(ended, n, nested):
+            n += 1
+        return n
+
+    assert end(nested=False) > 1 and end(nested=True) > 3
 
 
 def test_a_config_object_copies_and_pickles_inside_its_block():

@@ -235,12 +235,17 @@ def _from_env() -> _State:
 
 _lock = _forksafe.lock()  # guards _state; readers take the reference without it (assignment is atomic)
 _state: _State | None = None
-_override: contextvars.ContextVar[Config | None] = contextvars.ContextVar("wsarena_config", default=None)
-# the config() blocks begun in this thread or task, innermost first: (object, its token, the blocks around it, the
-# settings to restore at its end). In a context variable as the settings are: a block ends with the token made in its
-# own context, which contextvars needs
-_Block = tuple[Any, contextvars.Token[Config | None], Any, Config | None]
-_blocks: contextvars.ContextVar[_Block | None] = contextvars.ContextVar("wsarena_config_blocks", default=None)
+
+
+# A block in force, a config() block or a using() scope: [the settings in force in it (None: the process-wide ones),
+# its config or using object, the block it began in, the token of the write that began it (a block ends with the token
+# made in its own context, which contextvars needs)]. A list, which costs less to make than an object.
+_Block = list[Any]
+# The innermost block in force in this thread or task; outside any, _OUTSIDE. The blocks and their settings in one
+# context variable, so that a block begins with one write: an interrupt leaves no settings in force without the block
+# that ends them, nor a block that never was.
+_OUTSIDE: _Block = [None, None, None, None]
+_top: contextvars.ContextVar[_Block] = contextvars.ContextVar("wsarena_config", default=_OUTSIDE)
 
 
 # An argument that names a setting and was not given: the configured value applies (None is a value: no cap).
@@ -288,9 +293,9 @@ def _base_state() -> _State:
 
 def get_config() -> Config:
     """Return the settings in force for the calling thread or task (a frozen :class:`Config`)."""
-    override = _override.get()
-    if override is not None:
-        return override
+    settings = _top.get()[0]
+    if settings is not None:
+        return settings
     base, errors, _ = _base_state()
     if errors:
         _check_env(errors)
@@ -335,36 +340,22 @@ class config(contextlib.ContextDecorator):  # lower case: used as a function
         return f"wsarena.config({', '.join(f'{k}={v!r}' for k, v in self.changes.items())})"
 
     def __enter__(self) -> Config:
-        new = _with_changes(self.changes)
-        prior = _override.get()
-        token = _override.set(new)
-        _blocks.set((self, token, _blocks.get(), prior))
+        outer = _top.get()
+        new = _over(outer[0], self.changes, check_env=True)
+        block: _Block = [new, self, outer, None]
+        try:
+            block[3] = _top.set(block)
+        except BaseException:  # an interrupt as the write returned: undone, as no with statement ends this block
+            _top.set(outer)
+            raise
         return new
 
     def __exit__(self, *exc: object) -> None:
-        block = _blocks.get()
-        inner: list[_Block] = []  # blocks begun inside this one and not ended yet (a generator suspended in one): kept
-        while block is not None and block[0] is not self:
-            inner.append(block)
-            block = block[2]
-        if block is None:
-            raise RuntimeError(_ELSEWHERE)
-        _, token, rest, prior = block
-        try:
-            _override.reset(token)
-        except ValueError:  # the token was made in another context: this one holds a copy of the block
-            raise RuntimeError(_ELSEWHERE) from None
-        # What is in force now: the blocks still open, each over those begun before it, over what was in force before
-        # this one. Ended in order, that is what was in force before it; ended before a block begun inside it (a
-        # generator suspended in one, whose caller's block ends, or the other way round), the blocks still open keep
-        # their own changes, and none of this one's.
-        settings = prior
-        for obj, its_token, _, _ in reversed(inner):
-            rest = (obj, its_token, rest, settings)
-            settings = _over(settings, obj.changes)
-        _blocks.set(rest)
-        if _override.get() is not settings:  # a block ended out of order made the tokens' values stale
-            _override.set(settings)
+        _end(self)
+
+    def _settings_over(self, settings: Config | None) -> Config:
+        """This block's settings, begun where ``settings`` are in force."""
+        return _over(settings, self.changes)
 
     def __call__(self, func: Any) -> Any:
         if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
@@ -381,9 +372,36 @@ class config(contextlib.ContextDecorator):  # lower case: used as a function
         return super().__call__(func)
 
 
+def _end(owner: Any) -> None:
+    """End the block of ``owner`` in force here. Then in force: the blocks still open, each over those begun before it,
+    over what was in force before this one. Ended in order, that is what was in force before it; ended before a block
+    begun inside it (a generator suspended in one, whose caller's block ends, or the other way round), the blocks still
+    open keep their own changes, and none of this one's. An interrupt as a write returns ends it all the same."""
+    block = _top.get()
+    inner: list[_Block] = []  # blocks begun inside this one and not ended yet (a generator suspended in one): kept
+    while block is not None and block[1] is not owner:
+        inner.append(block)
+        block = block[2]
+    if block is None:
+        raise RuntimeError(_ELSEWHERE)
+    rest = block[2]
+    for _, kept, _, token in reversed(inner):
+        rest = [kept._settings_over(rest[0]), kept, rest, token]
+    try:
+        _top.reset(block[3])  # raises where the block began in another context, which holds a copy of it
+        if _top.get() is not rest:  # a block ended out of order made the token's value stale
+            _top.set(rest)
+    except (ValueError, RuntimeError):
+        raise RuntimeError(_ELSEWHERE) from None
+    except BaseException:  # an interrupt as a write returned: the reset was made, and the rest is
+        _top.set(rest)
+        raise
+
+
 def overridden() -> Config | None:
-    """The settings of the innermost :func:`config` block in force here, or ``None`` outside any."""
-    return _override.get()
+    """The settings of the innermost :func:`config` block (or :class:`using` scope) in force here, or ``None`` for the
+    process-wide ones."""
+    return _top.get()[0]
 
 
 class using:  # lower case: used like config()
@@ -392,30 +410,39 @@ class using:  # lower case: used like config()
     piece of work was started in, where the work goes on elsewhere (a backward pass on PyTorch's autograd thread).
     Reusable, and re-entrant: PyTorch's checkpoint enters a recompute context once per recompute."""
 
-    __slots__ = ("settings", "tokens")
+    __slots__ = ("settings",)
 
     def __init__(self, settings: Config | None) -> None:
         self.settings = settings
-        self.tokens: list[contextvars.Token[Config | None]] = []
 
     def __enter__(self) -> Config | None:
-        self.tokens.append(_override.set(self.settings))
+        outer = _top.get()
+        block: _Block = [self.settings, self, outer, None]
+        try:
+            block[3] = _top.set(block)
+        except BaseException:  # an interrupt as the write returned: undone, as no with statement ends this block
+            _top.set(outer)
+            raise
         return self.settings
 
     def __exit__(self, *exc: object) -> None:
-        _override.reset(self.tokens.pop())
+        block = _top.get()
+        while block is not None and block[1] is not self:
+            block = block[2]
+        if block is None:
+            raise RuntimeError(_ELSEWHERE)
+        _top.reset(block[3])  # what was in force where it began
 
-
-def _with_changes(changes: dict[str, Any]) -> Config:
-    """The settings in force with ``changes`` applied; a setting in ``changes`` needs no valid environment. The
-    block's settings carry where each value comes from (:func:`origin`): those it changes from "config", the rest as
-    in force when it began, which a later :func:`configure` does not change."""
-    return _over(_override.get(), changes, check_env=True)
+    def _settings_over(self, settings: Config | None) -> Config | None:
+        """The settings in force in this scope, wherever it begins."""
+        return self.settings
 
 
 def _over(settings: Config | None, changes: dict[str, Any], *, check_env: bool = False) -> Config:
-    """``changes`` applied over ``settings`` (``None``: the process-wide ones), with their origins (see
-    :func:`_with_changes`); ``check_env``: refuse an invalid variable of a setting ``changes`` leaves as it is."""
+    """``changes`` applied over ``settings`` (``None``: the process-wide ones); ``check_env``: refuse an invalid
+    variable of a setting ``changes`` leaves as it is (where a block begins; a setting in ``changes`` needs no valid
+    environment). The settings carry where each value comes from (:func:`origin`): those ``changes`` names from
+    "config", the rest as in force where the block began, which a later :func:`configure` does not change."""
     if settings is not None:
         new = _replace(settings, changes)
         origins = _origins(settings)
@@ -438,7 +465,7 @@ def _origins(settings: Config | None) -> dict[str, str]:
 def origin(key: str) -> str:
     """Where the value in force here of the setting ``key`` comes from: ``"config"`` (a :func:`config` block),
     ``"configure"`` (:func:`configure`), ``"environment"`` (its variable, as read) or ``"default"``."""
-    return _origins(_override.get()).get(key, "default")
+    return _origins(overridden()).get(key, "default")
 
 
 def _reset() -> None:
