@@ -549,6 +549,34 @@ def test_blocks_ended_out_of_order_leave_the_open_blocks_in_force_and_nothing_of
     assert get_config() == Config()
 
 
+def test_a_using_scope_and_a_block_ended_out_of_order_leave_the_open_one_in_force_and_nothing_of_the_ended_one():
+    # A using() scope (a backward pass's, a recompute's) ended by resetting the token it began with, which put back
+    # what was in force where it began: a config() block begun before it and ended first came back into force for
+    # good; and a block begun inside it lost its changes as the scope ended first, and put back the scope's settings
+    # as it ended itself.
+    scope, block = _config.using(Config(algo_search="exhaustive")), config(cap_workspace=0)
+
+    def block_first() -> list:
+        block.__enter__()
+        scope.__enter__()
+        block.__exit__(None, None, None)  # the scope begun inside it stays open
+        seen = [get_config()]
+        scope.__exit__(None, None, None)
+        return [*seen, get_config(), _config.overridden()]
+
+    assert contextvars.copy_context().run(block_first) == [Config(algo_search="exhaustive"), Config(), None]
+
+    def scope_first() -> list:
+        scope.__enter__()
+        block.__enter__()
+        scope.__exit__(None, None, None)  # the block begun inside it stays open, over what was in force before it
+        seen = [get_config()]
+        block.__exit__(None, None, None)
+        return [*seen, get_config(), _config.overridden()]
+
+    assert contextvars.copy_context().run(scope_first) == [Config(cap_workspace=0), Config(), None]
+
+
 def test_a_block_ended_in_another_thread_or_context_says_so():
     # an async generator left by a break in its block is closed by the event loop, in a context of its own: that
     # was contextvars' own ValueError about a token, another thread's a RuntimeError

@@ -426,12 +426,7 @@ class using:  # lower case: used like config()
         return self.settings
 
     def __exit__(self, *exc: object) -> None:
-        block = _top.get()
-        while block is not None and block[1] is not self:
-            block = block[2]
-        if block is None:
-            raise RuntimeError(_ELSEWHERE)
-        _top.reset(block[3])  # what was in force where it began
+        _end(self)  # as a config() block's: one begun before it and ended first does not come back
 
     def _settings_over(self, settings: Config | None) -> Config | None:
         """The settings in force in this scope, wherever it begins."""
