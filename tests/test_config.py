@@ -375,7 +375,7 @@ def test_config_block_is_local_to_its_thread():
     assert seen == [None]
 
 
-def test_one_config_object_is_reusable_and_re_entrant():
+def test_one_config_object_is_reusable_but_not_inside_a_block_of_its_own():
     # as torch.no_grad() objects are: a block kept in a variable and entered again raised AttributeError
     small = config(cap_workspace="1MiB")
     for _ in range(2):
@@ -384,7 +384,10 @@ def test_one_config_object_is_reusable_and_re_entrant():
         assert get_config().cap_workspace is None
     with config(algo_search="exhaustive"), small:  # the changes apply where the block begins, as before
         assert get_config() == Config(cap_workspace=1 << 20, algo_search="exhaustive")
-        with config(cap_workspace=0), small:
+        with config(cap_workspace=0), pytest.raises(RuntimeError, match="make a new config"), small:
+            pass
+        assert get_config() == Config(cap_workspace=1 << 20, algo_search="exhaustive")
+        with config(cap_workspace=0), config(**small.changes):  # a new one nests
             assert get_config() == Config(cap_workspace=1 << 20, algo_search="exhaustive")
         assert get_config().cap_workspace == 1 << 20
     assert get_config() == Config()
@@ -435,6 +438,14 @@ def test_one_config_object_serves_several_asyncio_tasks_at_once():
 
     assert asyncio.run(main()) == [[0, None]] * 3
     assert get_config().cap_workspace is None
+
+
+def test_a_config_decorator_serves_a_recursive_function():
+    @config(cap_workspace=0)
+    def depth(n: int) -> list:
+        return [get_config().cap_workspace, *(depth(n - 1) if n else [])]
+
+    assert depth(3) == [0] * 4 and get_config().cap_workspace is None
 
 
 def test_a_config_decorator_applies_to_the_body_of_a_coroutine():
@@ -575,6 +586,40 @@ def test_a_using_scope_and_a_block_ended_out_of_order_leave_the_open_one_in_forc
         return [*seen, get_config(), _config.overridden()]
 
     assert contextvars.copy_context().run(scope_first) == [Config(cap_workspace=0), Config(), None]
+
+
+def test_one_object_entered_by_a_caller_and_the_generator_it_drives_is_refused():
+    # The caller's block and the generator's of one object, ended out of order: the caller's end ended the
+    # generator's block, so that the generator went on in its own block under its outer block's cap of 5, as the caller
+    # did after its block.
+    small, outer = config(cap_workspace=0), config(cap_workspace=5)
+
+    def steps(block: config):
+        with outer, block:
+            yield
+            yield get_config().cap_workspace
+
+    def caller(block: config) -> list:
+        it = steps(block)
+        with small:
+            next(it)  # the generator's blocks begin inside the caller's
+        return [get_config().cap_workspace, next(it), *it, get_config()]
+
+    assert contextvars.copy_context().run(caller, config(cap_workspace=0)) == [0, 0, Config()]
+    with pytest.raises(RuntimeError, match=r"config\(cap_workspace=0\) is entered inside a block of its own"):
+        contextvars.copy_context().run(caller, small)
+
+    async def task() -> None:
+        with small:
+            pass
+
+    async def main() -> None:
+        with small:
+            await asyncio.create_task(task())  # its context holds the block it was created in
+
+    with pytest.raises(RuntimeError, match="a task was created in"):
+        asyncio.run(main())
+    assert get_config() == Config()
 
 
 def test_a_block_ended_in_another_thread_or_context_says_so():

@@ -328,8 +328,9 @@ _ELSEWHERE = ("a config() block ends where it did not begin (another thread or t
 class config(contextlib.ContextDecorator):  # lower case: used as a function
     """Override settings for the body of a ``with`` block, in this thread or task only; ``as`` gives the
     :class:`Config` in force in it. The changes apply to the settings in force where the block begins (an enclosing
-    block's), and are checked there. Reusable and re-entrant, also by several threads or asyncio tasks at once, and
-    usable as a decorator (which enters this one object at every call; of a coroutine function, around its body)."""
+    block's), and are checked there. Reusable, also by several threads or asyncio tasks at once, but not inside a
+    block of its own that has not ended (a ``RuntimeError``: nest a new ``config()``), and usable as a decorator (each
+    call a block of its own; of a coroutine function, around its body)."""
 
     __slots__ = ("changes",)
 
@@ -341,6 +342,14 @@ class config(contextlib.ContextDecorator):  # lower case: used as a function
 
     def __enter__(self) -> Config:
         outer = _top.get()
+        held = outer
+        while held is not None:
+            if held[1] is self:
+                # Two blocks of one object in one context (a caller's and a generator's it drives) could not be told
+                # apart as they end, if they end out of order.
+                raise RuntimeError(f"{self!r} is entered inside a block of its own that has not ended (in this thread "
+                                   "or task, or the block a task was created in): make a new config() for each block")
+            held = held[2]
         new = _over(outer[0], self.changes, check_env=True)
         block: _Block = [new, self, outer, None]
         try:
@@ -361,15 +370,23 @@ class config(contextlib.ContextDecorator):  # lower case: used as a function
         if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
             raise TypeError(f"config() cannot decorate the generator function {func.__qualname__}: its body runs "
                             "outside the call; use a with block inside it")
+        # Each call in a block of a new object, as torch.no_grad()'s: the blocks of a recursive function's calls, or of
+        # several threads' or tasks' at once, are each of their own.
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)
             async def body(*args: Any, **kwargs: Any) -> Any:
-                with self:
+                with config(**self.changes):
                     return await func(*args, **kwargs)
 
             return body
-        return super().__call__(func)
+
+        @functools.wraps(func)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with config(**self.changes):
+                return func(*args, **kwargs)
+
+        return call
 
 
 def _end(owner: Any) -> None:
@@ -408,7 +425,8 @@ class using:  # lower case: used like config()
     """``settings`` in force for the body of a ``with`` block, in this thread or task only, as an enclosing
     :func:`config` block's would be (``None``: the process-wide settings, as outside any block): the block a
     piece of work was started in, where the work goes on elsewhere (a backward pass on PyTorch's autograd thread).
-    Reusable, and re-entrant: PyTorch's checkpoint enters a recompute context once per recompute."""
+    Reusable, and re-entrant (PyTorch's checkpoint enters a recompute context once per recompute; unlike a config()
+    object, one scope is not refused inside itself: its entries end innermost first)."""
 
     __slots__ = ("settings",)
 
