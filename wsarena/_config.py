@@ -325,6 +325,36 @@ _ELSEWHERE = ("a config() block ends where it did not begin (another thread or t
               "event loop closes: contextlib.aclosing() closes it where it runs)")
 
 
+def _end(owner: Any, *exc: object) -> None:
+    """End the block of ``owner`` in force here (the ``__exit__`` of :func:`config` and :class:`using`). Then in force:
+    the blocks still open, each over those begun before it, over what was in force before this one. Ended in order,
+    that is what was in force before it; ended before a block begun inside it (a generator suspended in one, whose
+    caller's block ends, or the other way round), the blocks still open keep their own changes, and none of this one's.
+    An interrupt as a write returns ends it all the same."""
+    top = block = _top.get()
+    while block is not None and block[1] is not owner:
+        block = block[2]
+    if block is None:
+        raise RuntimeError(_ELSEWHERE)
+    rest = block[2]
+    if block is not top:  # blocks begun inside this one and not ended yet (a generator suspended in one): kept
+        inner = []
+        while top is not block:
+            inner.append(top)
+            top = top[2]
+        for _, kept, _, token in reversed(inner):
+            rest = [kept._settings_over(rest[0]), kept, rest, token]
+    try:
+        _top.reset(block[3])  # raises where the block began in another context, which holds a copy of it
+        if _top.get() is not rest:  # a block ended out of order made the token's value stale
+            _top.set(rest)
+    except (ValueError, RuntimeError):
+        raise RuntimeError(_ELSEWHERE) from None
+    except BaseException:  # an interrupt as a write returned: the reset was made, and the rest is
+        _top.set(rest)
+        raise
+
+
 class config(contextlib.ContextDecorator):  # lower case: used as a function
     """Override settings for the body of a ``with`` block, in this thread or task only; ``as`` gives the
     :class:`Config` in force in it. The changes apply to the settings in force where the block begins (an enclosing
@@ -359,8 +389,7 @@ class config(contextlib.ContextDecorator):  # lower case: used as a function
             raise
         return new
 
-    def __exit__(self, *exc: object) -> None:
-        _end(self)
+    __exit__ = _end
 
     def _settings_over(self, settings: Config | None) -> Config:
         """This block's settings, begun where ``settings`` are in force."""
@@ -387,32 +416,6 @@ class config(contextlib.ContextDecorator):  # lower case: used as a function
                 return func(*args, **kwargs)
 
         return call
-
-
-def _end(owner: Any) -> None:
-    """End the block of ``owner`` in force here. Then in force: the blocks still open, each over those begun before it,
-    over what was in force before this one. Ended in order, that is what was in force before it; ended before a block
-    begun inside it (a generator suspended in one, whose caller's block ends, or the other way round), the blocks still
-    open keep their own changes, and none of this one's. An interrupt as a write returns ends it all the same."""
-    block = _top.get()
-    inner: list[_Block] = []  # blocks begun inside this one and not ended yet (a generator suspended in one): kept
-    while block is not None and block[1] is not owner:
-        inner.append(block)
-        block = block[2]
-    if block is None:
-        raise RuntimeError(_ELSEWHERE)
-    rest = block[2]
-    for _, kept, _, token in reversed(inner):
-        rest = [kept._settings_over(rest[0]), kept, rest, token]
-    try:
-        _top.reset(block[3])  # raises where the block began in another context, which holds a copy of it
-        if _top.get() is not rest:  # a block ended out of order made the token's value stale
-            _top.set(rest)
-    except (ValueError, RuntimeError):
-        raise RuntimeError(_ELSEWHERE) from None
-    except BaseException:  # an interrupt as a write returned: the reset was made, and the rest is
-        _top.set(rest)
-        raise
 
 
 def overridden() -> Config | None:
@@ -443,8 +446,7 @@ class using:  # lower case: used like config()
             raise
         return self.settings
 
-    def __exit__(self, *exc: object) -> None:
-        _end(self)  # as a config() block's: one begun before it and ended first does not come back
+    __exit__ = _end  # as a config() block's: one begun before it and ended first does not come back
 
     def _settings_over(self, settings: Config | None) -> Config | None:
         """The settings in force in this scope, wherever it begins."""
