@@ -53,8 +53,8 @@ def test_parse_size_accepts(text, expected):
 
 
 @pytest.mark.parametrize(
-    "text", ["", "-1", "1.5", "1.0000000000000000000000000001KiB", "1.5.3GiB", "12 parsecs", "MiB", "1e3", "0x10", "inf", "nan", "1 GiB B",
-             "\u0661\u0662", "\uff11MiB", "1.\u0665KiB"]  # Arabic-Indic and fullwidth digits
+    "text", ["", "-1", "1.5", "1.0000000000000000000000000001KiB", "1.5.3GiB", "12 parsecs", "MiB", "1e3", "0x10",
+             "inf", "nan", "1 GiB B", "\u0661\u0662", "\uff11MiB", "1.\u0665KiB"]  # Arabic-Indic and fullwidth digits
 )
 def test_parse_size_rejects_with_value_error(text):
     with pytest.raises(ValueError, match="size|unit|bytes"):
@@ -177,7 +177,8 @@ def test_environment_is_read(monkeypatch):
 def test_the_environment_is_read_at_the_first_use_of_the_settings_not_at_import():
     """As the README says: a variable set after ``import wsarena`` counts; one changed after the first use does not."""
     code = ("import os, wsarena; os.environ['WSARENA_CAP_WORKSPACE'] = '1MiB'; first = wsarena.get_config(); "
-            "os.environ['WSARENA_CAP_WORKSPACE'] = '2MiB'; print(first.cap_workspace, wsarena.get_config().cap_workspace)")
+            "os.environ['WSARENA_CAP_WORKSPACE'] = '2MiB'; "
+            "print(first.cap_workspace, wsarena.get_config().cap_workspace)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        cwd=Path(__file__).resolve().parent.parent, timeout=120, check=False)
@@ -740,9 +741,9 @@ def test_the_cache_dir_default_is_the_user_cache_folder(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("off", None), (" OFF ", None), ("none", None), ("None", None), (None, None), ("./none", Path.cwd() / "none"), ("~/wsarena-cache", Path.home() / "wsarena-cache"),
-     ("/srv/cache", Path("/srv/cache")), (Path("/srv/cache"), Path("/srv/cache")),
-     ("relative/cache", Path.cwd() / "relative" / "cache")],
+    [("off", None), (" OFF ", None), ("none", None), ("None", None), (None, None), ("./none", Path.cwd() / "none"),
+     ("~/wsarena-cache", Path.home() / "wsarena-cache"), ("/srv/cache", Path("/srv/cache")),
+     (Path("/srv/cache"), Path("/srv/cache")), ("relative/cache", Path.cwd() / "relative" / "cache")],
 )
 def test_cache_dir_by_configure_config_and_the_environment(monkeypatch, value, expected):
     assert configure(cache_dir=value).cache_dir == expected
