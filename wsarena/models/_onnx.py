@@ -265,21 +265,30 @@ def _lost(dims: tuple[int | None, ...] | None) -> bool:
 
 
 def _unknown_shape(what: str, dims: tuple[int | None, ...] | None, tensor: str, producers: Mapping[str, Any],
-                   shapes: Mapping[str, tuple[int | None, ...]]) -> str:
+                   shapes: Mapping[str, tuple[int | None, ...]], found: dict[str, str | None]) -> str:
     """Why a conv's ``what`` (input or weight) shape ``dims`` is unknown: the node where it was lost, going back from
     ``tensor`` to the first node whose inputs have known shapes but whose output has not (a ``Pad`` whose pads are
-    computed at run time, a ``Reshape`` to a runtime shape); nothing more where it goes back to a graph input."""
-    seen = set()
-    while tensor in producers and tensor not in seen:
-        seen.add(tensor)
+    computed at run time, a ``Reshape`` to a runtime shape); nothing more where it goes back to a graph input.
+    ``found``: that node for each tensor passed before, by every call for one graph, so that the convs of a long
+    chain do not each go back over it."""
+    passed: list[str] = []
+    where = None
+    while tensor in producers:
+        if tensor in found:
+            where = found[tensor]
+            break
+        found[tensor] = None  # passed: a cycle ends here
+        passed.append(tensor)
         node = producers[tensor]
         lost = [name for name in node.input if name and _lost(shapes.get(name))]
         if not lost:
-            where = node.name or tensor
-            return (f"{what} shape {_show(dims)} unknown: shape inference cannot work out the output of "
-                    f"{node.op_type} {where!r}")
+            where = f"{node.op_type} {node.name or tensor!r}"
+            break
         tensor = lost[0]
-    return f"{what} shape {_show(dims)} unknown"
+    found.update(dict.fromkeys(passed, where))
+    if where is None:
+        return f"{what} shape {_show(dims)} unknown"
+    return f"{what} shape {_show(dims)} unknown: shape inference cannot work out the output of {where}"
 
 
 def check_asymmetric_pads(value: Any) -> None:
@@ -357,6 +366,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
 
     layers = LayerList()
     unknown: list[tuple[str, str, str]] = []  # (name, why, kind)
+    found: dict[str, str | None] = {}  # where each tensor's shape was lost, for _unknown_shape
     for index, node in convs:
         name = node.name or (node.output[0] if node.output and node.output[0] else f"{node.op_type}_{index}")
         x, w = (shapes.get(node.input[i]) if len(node.input) > i else None for i in (0, 1))
@@ -368,11 +378,11 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
             x = (1, *x[1:])  # symbolic or fixed batch: the planner sets its own
         x = _with_channels(x, w, attrs.get("group", 1), node.op_type == "ConvTranspose")
         if x is None or None in x:
-            unknown.append((name, _unknown_shape("input", x, node.input[0], producers, shapes), lost_kind))
+            unknown.append((name, _unknown_shape("input", x, node.input[0], producers, shapes, found), lost_kind))
             continue
         if w is None or None in w:
             tensor = node.input[1] if len(node.input) > 1 else ""
-            unknown.append((name, _unknown_shape("weight", w, tensor, producers, shapes), lost_kind))
+            unknown.append((name, _unknown_shape("weight", w, tensor, producers, shapes, found), lost_kind))
             continue
         if len(x) not in (3, 4, 5) or len(w) != len(x):
             why = f"input {list(x)} and weight {list(w)} are not a 1-, 2- or 3-D convolution"
