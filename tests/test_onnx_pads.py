@@ -156,6 +156,30 @@ def test_small_constants_that_broadcast_to_a_large_result_are_not_evaluated(tmp_
     assert layer.input_shape == (1, 3, 12, 14) and len(evaluated) == 2
 
 
+def test_arithmetic_before_opset_7_is_not_evaluated_with_numpys_broadcasting(tmp_path):
+    # Add, Sub, Mul and Div of opset 6 and before broadcast by their own rule: with broadcast=1, axis=0, b runs along
+    # a's first dimension, where NumPy's broadcasting (the evaluator's) runs it along the last. The shape gathered from
+    # their sum, [1, 3, 4, 6], was evaluated as [1, 3, 5, 5]: a layer of the wrong input. Now it is unknown, as
+    # before constants were evaluated; from opset 7 on, NumPy's broadcasting is ONNX's and it is evaluated.
+    a = helper.make_tensor("a", TensorProto.INT64, (2, 3, 2), [0, 3, 0, 0, 0, 0, 4, 1, 0, 0, 0, 0])
+
+    def model(opset):
+        legacy = {"broadcast": 1, "axis": 0} if opset < 7 else {}
+        nodes = [helper.make_node("Add", ["a", "b"], ["sum"], **legacy),
+                 helper.make_node("Reshape", ["sum", "flat"], ["all"]),
+                 helper.make_node("Gather", ["all", "picked"], ["shape"]),
+                 helper.make_node("Reshape", ["x", "shape"], ["r"], name="reshape"), conv("c", "r", "w", "y")]
+        inits = [a, ints("b", [1, 2]), ints("flat", [-1]), ints("picked", [0, 7, 1, 6]), weight("w", (4, 3, 3, 3))]
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n"])
+        return save(tmp_path / f"m{opset}.onnx", nodes, [x], inits, opset=opset)
+
+    with pytest.raises(ModelError, match=re.escape("'c' (input shape ? unknown)")):
+        wsarena.load_model(model(6))
+    (layer,) = wsarena.load_model(model(7))
+    shape = ReferenceEvaluator(str(model(7))).run(["shape"], {"x": np.zeros((1, 75), np.float32)})[0]
+    assert layer.input_shape == tuple(shape) == (1, 3, 5, 5)
+
+
 def test_an_integer_division_by_zero_among_constants_warns_nothing(tmp_path):
     # NumPy's divide-by-zero warning is the evaluator's business, not the caller's: 1 // 0 is 0 there, as in ONNX's
     # reference, and the pads [0, 0, 1, 1, 0, 0, 1, 1] it gives here are read.

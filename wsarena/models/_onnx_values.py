@@ -110,6 +110,8 @@ def fold_small_constants(graph: Any, opset: int) -> None:
         inputs = [name for name in node.input if name]
         if node.op_type not in _FOLDABLE or not inputs or any(name not in values for name in inputs):
             continue
+        if node.op_type in _BROADCAST and opset < _NUMPY_BROADCAST:
+            continue  # broadcast by the rule of their attributes broadcast and axis, not the evaluator's NumPy one
         if not _small_result(node.op_type, [values[name] for name in inputs]):
             continue
         results = [np.asarray(r) for r in _evaluate(node, opset, {name: values[name] for name in inputs}) or ()]
@@ -142,6 +144,8 @@ def fold_small_constants(graph: Any, opset: int) -> None:
 # Elementwise ops, whose result takes the shape its operands broadcast to: several small ones broadcast to a large one
 # ((64, 1, 1) by (1, 64, 1) by (1, 1, 64))
 _BROADCAST = frozenset({"Add", "Div", "Max", "Min", "Mul", "Sub"})
+# The opset from which they broadcast as NumPy does (Max and Min from 8; before, their operands' shapes are equal)
+_NUMPY_BROADCAST = 7
 
 
 def _small_result(op_type: str, operands: list[Any]) -> bool:
