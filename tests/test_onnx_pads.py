@@ -180,6 +180,26 @@ def test_arithmetic_before_opset_7_is_not_evaluated_with_numpys_broadcasting(tmp
     assert layer.input_shape == tuple(shape) == (1, 3, 5, 5)
 
 
+def test_a_concat_of_more_than_64_elements_is_not_evaluated(tmp_path, monkeypatch):
+    # 65 one-element constants: each small, their Concat not; 8 of them give the pads, evaluated
+    def model(count):
+        inits = [ints(f"p{i}", [i % 4 // 2]) for i in range(count)]
+        nodes = [helper.make_node("Concat", [f"p{i}" for i in range(count)], ["all"], axis=0),
+                 helper.make_node("Slice", ["all", "start", "end"], ["pads"]),
+                 helper.make_node("Pad", ["x", "pads"], ["padded"], name="pad"), conv("c", "padded", "w", "y")]
+        return save(tmp_path / f"m{count}.onnx", nodes, [vi("x", [1, 3, 10, 12])],
+                    [*inits, ints("start", [0]), ints("end", [8]), weight("w", (4, 3, 3, 3))])
+
+    evaluated = []
+    run = ReferenceEvaluator.run
+    monkeypatch.setattr(ReferenceEvaluator, "run", lambda self, *a, **k: evaluated.append(a) or run(self, *a, **k))
+    with pytest.raises(ModelError, match="the output of Pad 'pad'"):
+        wsarena.load_model(model(65))
+    assert evaluated == []
+    (layer,) = wsarena.load_model(model(8))
+    assert layer.input_shape == (1, 3, 12, 14) and len(evaluated) == 2
+
+
 def test_an_integer_division_by_zero_among_constants_warns_nothing(tmp_path):
     # NumPy's divide-by-zero warning is the evaluator's business, not the caller's: 1 // 0 is 0 there, as in ONNX's
     # reference, and the pads [0, 0, 1, 1, 0, 0, 1, 1] it gives here are read.

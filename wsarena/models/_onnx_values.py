@@ -150,12 +150,14 @@ _NUMPY_BROADCAST = 7
 
 def _small_result(op_type: str, operands: list[Any]) -> bool:
     """Whether ``op_type`` of these small ``operands`` can be evaluated without making a large tensor: a
-    ``ConstantOfShape`` of a large shape, or operands that broadcast to one, are not."""
+    ``ConstantOfShape`` of a large shape, operands that broadcast to one, or a ``Concat`` of many, are not."""
     import numpy as np
 
     try:
         if op_type == "ConstantOfShape":
             return 0 <= math.prod(operands[0].reshape(-1).tolist()) <= SMALL
+        if op_type == "Concat":  # its result holds them all: many small operands make a large one
+            return sum(np.size(v) for v in operands) <= SMALL
         if op_type in _BROADCAST:
             return math.prod(np.broadcast_shapes(*(np.shape(v) for v in operands))) <= SMALL
     except (ValueError, TypeError, IndexError):  # shapes that do not broadcast: the evaluator would refuse them
