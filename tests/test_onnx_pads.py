@@ -110,7 +110,16 @@ def test_where_a_shape_was_lost_is_found_once_for_a_chain_of_convs(tmp_path, mon
     assert len(asked) <= 3 * len(nodes)  # each node's two inputs, and the graph inputs
 
 
-def test_only_small_results_are_evaluated(tmp_path, monkeypatch):
+@pytest.fixture
+def evaluated(monkeypatch):
+    """The inputs of each node onnx's reference evaluator runs during the test."""
+    runs = []
+    run = ReferenceEvaluator.run
+    monkeypatch.setattr(ReferenceEvaluator, "run", lambda self, *a, **k: runs.append(a) or run(self, *a, **k))
+    return runs
+
+
+def test_only_small_results_are_evaluated(tmp_path, evaluated):
     # A ConstantOfShape of a million elements (the pads its Slice would take) is never made, nor anything from it.
     nodes = [helper.make_node("ConstantOfShape", ["huge"], ["all"], value=ints("", [1])),
              helper.make_node("Slice", ["all", "start", "end"], ["ones"]),
@@ -119,9 +128,6 @@ def test_only_small_results_are_evaluated(tmp_path, monkeypatch):
     inits = [ints("huge", [10**6]), ints("start", [0]), ints("end", [8]), ints("mask", [0, 0, 1, 1] * 2),
              weight("w", (4, 3, 3, 3))]
     path = save(tmp_path / "m.onnx", nodes, [vi("x", [1, 3, 10, 12])], inits)
-    evaluated = []
-    run = ReferenceEvaluator.run
-    monkeypatch.setattr(ReferenceEvaluator, "run", lambda self, *a, **k: evaluated.append(a) or run(self, *a, **k))
     with pytest.raises(ModelError, match="the output of Pad 'pad'"):
         wsarena.load_model(path)
     assert evaluated == []
@@ -133,7 +139,7 @@ def test_only_small_results_are_evaluated(tmp_path, monkeypatch):
     assert layer.input_shape == (1, 3, 12, 14) and len(evaluated) == 3
 
 
-def test_small_constants_that_broadcast_to_a_large_result_are_not_evaluated(tmp_path, monkeypatch):
+def test_small_constants_that_broadcast_to_a_large_result_are_not_evaluated(tmp_path, evaluated):
     # Four operands of 64 elements each broadcast to 64**4 (16.8 million): never made; the Max of operands that
     # broadcast to 8 elements is.
     shapes = [(64, 1, 1, 1), (1, 64, 1, 1), (1, 1, 64, 1), (1, 1, 1, 64)]
@@ -143,9 +149,6 @@ def test_small_constants_that_broadcast_to_a_large_result_are_not_evaluated(tmp_
              helper.make_node("Pad", ["x", "pads"], ["padded"], name="pad"), conv("c", "padded", "w", "y")]
     path = save(tmp_path / "m.onnx", nodes, [vi("x", [1, 3, 10, 12])],
                 [*inits, ints("flat", [-1]), weight("w", (4, 3, 3, 3))])
-    evaluated = []
-    run = ReferenceEvaluator.run
-    monkeypatch.setattr(ReferenceEvaluator, "run", lambda self, *a, **k: evaluated.append(a) or run(self, *a, **k))
     with pytest.raises(ModelError, match="the output of Pad 'pad'"):
         wsarena.load_model(path)
     assert evaluated == []
@@ -180,7 +183,7 @@ def test_arithmetic_before_opset_7_is_not_evaluated_with_numpys_broadcasting(tmp
     assert layer.input_shape == tuple(shape) == (1, 3, 5, 5)
 
 
-def test_a_concat_of_more_than_64_elements_is_not_evaluated(tmp_path, monkeypatch):
+def test_a_concat_of_more_than_64_elements_is_not_evaluated(tmp_path, evaluated):
     # 65 one-element constants: each small, their Concat not; 8 of them give the pads, evaluated
     def model(count):
         inits = [ints(f"p{i}", [i % 4 // 2]) for i in range(count)]
@@ -190,9 +193,6 @@ def test_a_concat_of_more_than_64_elements_is_not_evaluated(tmp_path, monkeypatc
         return save(tmp_path / f"m{count}.onnx", nodes, [vi("x", [1, 3, 10, 12])],
                     [*inits, ints("start", [0]), ints("end", [8]), weight("w", (4, 3, 3, 3))])
 
-    evaluated = []
-    run = ReferenceEvaluator.run
-    monkeypatch.setattr(ReferenceEvaluator, "run", lambda self, *a, **k: evaluated.append(a) or run(self, *a, **k))
     with pytest.raises(ModelError, match="the output of Pad 'pad'"):
         wsarena.load_model(model(65))
     assert evaluated == []
