@@ -110,6 +110,16 @@ def test_where_a_shape_was_lost_is_found_once_for_a_chain_of_convs(tmp_path, mon
     assert len(asked) <= 3 * len(nodes)  # each node's two inputs, and the graph inputs
 
 
+def test_the_node_that_lost_a_shape_is_named_in_one_line_whatever_its_op_type(tmp_path):
+    # A damaged file's op type may hold any character: the error, one line as every ModelError, shows it as a repr
+    nodes = [helper.make_node("My\nOp", ["x"], ["t"], name="odd"), conv("c", "t", "w", "y")]
+    path = save(tmp_path / "m.onnx", nodes, [vi("x", [1, 3, 10, 12])], [weight("w", (4, 3, 3, 3))])
+    with pytest.raises(ModelError) as caught:
+        wsarena.load_model(path)
+    assert "\n" not in str(caught.value)
+    assert "cannot work out the output of 'My\\nOp' 'odd'" in str(caught.value)
+
+
 @pytest.fixture
 def evaluated(monkeypatch):
     """The inputs of each node onnx's reference evaluator runs during the test."""
