@@ -189,7 +189,7 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, target: torch.Tensor, 
         issues.append(issued - start)
         peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
     # what the arena allocated over the timed steps: warmed up, it should not grow
-    grown = {name: n - before[name] for name, n in arena_counts().items()} if before else {}
+    grown = {key: n - before[key] for key, n in arena_counts().items()} if before else {}
     gpu, spins, owns = zip(*(gpu_ms(step) for _ in range(min(args.steps, 3))))  # each waits out a spin: three suffice
     row = {
         "name": name, "step_ms": round(statistics.median(times) * 1e3, 2),
@@ -210,9 +210,10 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, target: torch.Tensor, 
         row.update(workspace_peak_bytes=max(p.calls, default=0), workspace_sum_bytes=sum(p.calls),
                    conv_calls=len(p.calls))
     else:
-        stats = wsarena.get_arena(x.device.index).stats()
+        arena = wsarena.get_arena(x.device.index)
+        stats = arena.stats()
         row.update(workspace_peak_bytes=stats.high_water_bytes, arena_bytes=stats.capacity_bytes,
-                   provider=type(wsarena.get_arena(x.device.index).provider).__name__, **grown)
+                   provider=type(arena.provider).__name__, **grown)
     return row
 
 
