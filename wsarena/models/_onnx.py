@@ -361,10 +361,8 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         raise ModelError(f"{path!r}: ONNX shape inference failed: {exc}".splitlines()[0]) from None
     shapes = _shape_table(inferred.graph)
     producers = {out: n for n in model.graph.node for out in n.output if out}
-    initializers = {init.name for init in model.graph.initializer}
     # input_shapes can help only where a graph input's shape is not fixed; else a lost shape is computed at run time
-    lost_kind = "shape" if any(_lost(shapes.get(vi.name)) for vi in model.graph.input
-                               if vi.name not in initializers) else "computed"
+    lost_kind = "shape" if any(_lost(shapes.get(name)) for name in _inputs(model.graph)) else "computed"
 
     layers = LayerList()
     unknown: list[tuple[str, str, str]] = []  # (name, why, kind)
@@ -476,10 +474,16 @@ def _unknown_negative_dims(graph: Any) -> None:
                     d.ClearField("dim_value")
 
 
+def _inputs(graph: Any) -> dict[str, Any]:
+    """The graph's inputs by name, those that are initializers too aside (older exporters list every weight as an
+    input)."""
+    initializers = {init.name for init in graph.initializer}
+    return {vi.name: vi for vi in graph.input if vi.name not in initializers}
+
+
 def _fix_input_shapes(graph: Any, input_shapes: Mapping[str, Sequence[int]] | Sequence[int], path: str) -> None:
     """Write fixed dims into the graph inputs named by ``input_shapes`` (see :func:`load_onnx`)."""
-    initializers = {init.name for init in graph.initializer}
-    inputs = {vi.name: vi for vi in graph.input if vi.name not in initializers}
+    inputs = _inputs(graph)
     if not isinstance(input_shapes, Mapping):
         if len(inputs) != 1:
             raise ModelError(
