@@ -256,6 +256,24 @@ def test_a_bad_file_gives_one_warning_and_is_replaced(cache, spoil):
     assert backend.measured == [("fwd", 4)] * 2
 
 
+def test_a_file_larger_than_any_entry_is_a_bad_file_and_is_not_read_whole(cache):
+    """A file named as an entry that holds far more than any entry (damage, or another program's) was read whole by a
+    lookup and by cache info: a gigabyte took seconds and its size in memory twice over. Here a good entry with
+    whitespace after it, which JSON allows: read whole, it passed for the entry."""
+    backend = TableBackend(TABLE)
+    first = search(backend)
+    (path,) = entry_files(cache)
+    with path.open("a") as f:
+        f.write(" " * _searchcache_folder.MAX_ENTRY_BYTES)
+    info = searchcache.info()
+    assert (info["entries"], info["unreadable"]) == (0, 1)
+    with pytest.warns(SearchCacheWarning, match="ignoring the search cache file .* holds more than 16 MiB") as caught:
+        assert search(backend) == first
+    assert len(caught) == 1 and backend.measured == [("fwd", 4)] * 2
+    assert path.stat().st_size < 1 << 20  # replaced by the entry searched again
+    assert searchcache.info()["entries"] == 1
+
+
 def test_an_unwritable_directory_gives_one_warning_and_goes_on(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -32,7 +32,7 @@ import secrets
 import stat
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from . import _callsite, _forksafe
 from ._config import get_config
@@ -51,6 +51,9 @@ _TRIM_TO = 0.9  # a trim leaves the entries at this fraction of the limit
 _ENTRY_HEX = 40
 _TEMP_HEX = 16
 _OURS = re.compile(rf"[0-9a-f]{{{_ENTRY_HEX}}}\.json|{re.escape(TEMP_PREFIX)}[0-9a-f]{{{_TEMP_HEX}}}\.json")
+# The most a file named as an entry is read of: far more than any entry takes (a few KiB). A larger file is no entry,
+# and reading it whole would take its size in memory, and seconds a gigabyte, in a lookup or in cache info.
+MAX_ENTRY_BYTES = 16 << 20
 
 
 def entry_name(key_text: str) -> str:
@@ -61,6 +64,15 @@ def entry_name(key_text: str) -> str:
 def temp_name() -> str:
     """A new name for a write in progress (drawn at random: another writer may be writing at the same time)."""
     return f"{TEMP_PREFIX}{secrets.token_hex(_TEMP_HEX // 2)}.json"
+
+
+def entry_text(f: BinaryIO) -> str:
+    """The text of the entry file ``f``, open for reading. ``ValueError`` when it holds more than any entry
+    (:data:`MAX_ENTRY_BYTES`, of which no more is read) or is not UTF-8."""
+    data = f.read(MAX_ENTRY_BYTES + 1)
+    if len(data) > MAX_ENTRY_BYTES:
+        raise ValueError(f"it holds more than {format_size(MAX_ENTRY_BYTES)}, far more than any entry")
+    return data.decode("utf-8")
 
 
 def ours(name: str) -> bool:
@@ -225,7 +237,8 @@ def describe(root: Path) -> dict[str, Any]:
         size = 0
         try:
             size = disk_size(path.stat())
-            env = json.loads(path.read_text(encoding="utf-8"))["key"]["environment"]
+            with path.open("rb") as f:
+                env = json.loads(entry_text(f))["key"]["environment"]
             # as written (the CPU's API path is null), each a string or None, so that the groups sort
             group = tuple(_text(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
         except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:

@@ -42,6 +42,7 @@ from ._searchcache_folder import (
     describe,
     disk_size,
     entry_name,
+    entry_text,
     remove_entries,
     temp_name,
     warn_once,
@@ -151,10 +152,10 @@ def _read(path: Path, key: dict[str, Any]) -> _Results | None:
     try:
         with path.open("rb") as f:
             modified = os.fstat(f.fileno()).st_mtime
-            text = f.read().decode("utf-8")
+            text = entry_text(f)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except UnicodeDecodeError as exc:
+    except ValueError as exc:  # more than any entry holds, or not UTF-8
         _warn_bad(path, exc)
         return None
     except OSError as exc:
