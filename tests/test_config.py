@@ -739,6 +739,58 @@ def test_the_cache_dir_default_is_the_user_cache_folder(monkeypatch, tmp_path):
     assert Config().cache_dir == Path.home() / ".cache" / "wsarena"
 
 
+def _no_home(monkeypatch):
+    """What a process has whose user id has no account and HOME is unset (a container run under an arbitrary user
+    id): neither os.path.expanduser nor platformdirs can find a home folder."""
+    import pwd
+
+    def no_account(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_account)
+
+
+@pytest.mark.parametrize("platformdirs", ["installed", "missing", "older"])
+def test_without_a_home_folder_the_cache_is_off_and_the_rest_works(monkeypatch, tmp_path, capsys, platformdirs):
+    """platformdirs and Path.home() raise RuntimeError there: every get_config(), and so every convolution, heuristic
+    ones too, failed with it. An older platformdirs gave "~/.cache/wsarena" unexpanded, and the searches saved their
+    entries under a folder named "~" in the working directory."""
+    from wsarena.cli import main
+
+    from .reference import ref_conv_forward
+
+    _no_home(monkeypatch)
+    monkeypatch.delenv("WSARENA_CACHE_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    if platformdirs == "missing":
+        monkeypatch.setattr(wsarena._config, "platformdirs", None)
+    elif platformdirs == "older":
+        monkeypatch.setattr(wsarena._config.platformdirs, "user_cache_dir",
+                            lambda *args, **kwargs: os.path.join(os.path.expanduser("~/.cache"), "wsarena"))
+    _config._reset()
+    assert get_config().cache_dir is None and Config().cache_dir is None
+    x = np.random.default_rng(0).standard_normal((2, 3, 7, 7), dtype="float32")
+    w = np.random.default_rng(1).standard_normal((4, 3, 3, 3), dtype="float32")
+    expected = ref_conv_forward(x.astype("float64"), w.astype("float64"), padding=1)
+    for search in ("heuristic", "exhaustive"):
+        with config(algo_search=search):
+            np.testing.assert_allclose(wsarena.conv_forward(x, w, padding=1), expected, rtol=1e-4, atol=1e-4)
+    assert list(tmp_path.iterdir()) == []  # nothing saved, no "~" folder here
+    assert main(["cache", "info"]) == 0
+    assert capsys.readouterr().out == ("the search cache is off (no home folder for the user cache folder: set HOME, "
+                                       "XDG_CACHE_HOME or WSARENA_CACHE_DIR)\n")
+
+
+def test_without_platformdirs_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
+    # as platformdirs and the XDG rule do: a relative one would be a folder under the working directory
+    monkeypatch.setattr(wsarena._config, "platformdirs", None)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")
+    assert Config().cache_dir == tmp_path / ".cache" / "wsarena"
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [("off", None), (" OFF ", None), ("none", None), ("None", None), (None, None), ("./none", Path.cwd() / "none"),

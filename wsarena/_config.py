@@ -64,12 +64,21 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def default_cache_dir() -> Path:
+def default_cache_dir() -> Path | None:
     """The user's cache folder for wsarena: ``platformdirs.user_cache_dir("wsarena")``, which on Linux is
-    ``$XDG_CACHE_HOME/wsarena`` or ``~/.cache/wsarena``."""
-    if platformdirs is None:  # an install made without dependencies: the XDG rule, which platformdirs follows on Linux
-        return Path(os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache") / "wsarena"
-    return Path(platformdirs.user_cache_dir("wsarena", appauthor=False))
+    ``$XDG_CACHE_HOME/wsarena`` or ``~/.cache/wsarena``; ``None`` (no cache) where the home folder cannot be found
+    (``HOME`` unset and no account for the process's user id, as in a container run under an arbitrary one)."""
+    try:
+        if platformdirs is None:  # an install made without dependencies: the XDG rule, which platformdirs follows
+            xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+            folder = Path(xdg if os.path.isabs(xdg) else Path.home() / ".cache") / "wsarena"
+        else:
+            folder = Path(platformdirs.user_cache_dir("wsarena", appauthor=False))
+    except RuntimeError:  # Path.home() and platformdirs: the home folder cannot be found
+        return None
+    # An older platformdirs leaves "~/.cache/wsarena" as it is where "~" has no home (and takes a relative
+    # XDG_CACHE_HOME as it is): made absolute, that would be a folder named "~" in the working directory.
+    return folder if folder.is_absolute() else None
 
 
 def _cache_path(value: Any) -> Path | None:
@@ -128,7 +137,7 @@ class Config:
     cache_dir : Path or None
         The persistent search cache's folder; ``None`` when the cache is off. Given as a str or a path (``~``
         expanded, made absolute when set), ``"off"`` (or ``"none"``) or ``None``; default the user's cache folder
-        (:func:`default_cache_dir`).
+        (:func:`default_cache_dir`), or no cache where the home folder cannot be found.
     """
 
     cap_workspace: int | None = None

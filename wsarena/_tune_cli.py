@@ -172,7 +172,12 @@ def cache_output(action: str, fmt: str) -> str:
     source = searchcache.source()
     if data["directory"] is None:
         env = searchcache.ENV_VAR
-        off = f"{env}={_off_value(env)}" if source == "environment" else f"set by {source}()"
+        if source == "environment":
+            off = f"{env}={_off_value(env)}"
+        elif source == "default":  # the user cache folder: it is off where no home folder can be found
+            off = f"no home folder for the user cache folder: set HOME, XDG_CACHE_HOME or {env}"
+        else:
+            off = f"set by {source}()"
         return f"the search cache is off ({off})\n"
     where = _SOURCES.get(source, f"{source}()")
     directory = printable(data["directory"])  # a folder's name, as an entry's strings, may hold a newline or an escape

@@ -6,12 +6,12 @@ searched before. The ops, the planner and ``tune`` all reach it through :func:`w
 
 Where: the ``cache_dir`` setting (``configure(cache_dir=...)``, ``config(cache_dir=...)``, ``WSARENA_CACHE_DIR``;
 ``off`` or ``None`` turns the cache off), by default the user's cache folder
-(``platformdirs.user_cache_dir("wsarena")``: ``$XDG_CACHE_HOME/wsarena`` or ``~/.cache/wsarena`` on Linux). Entries
-are files under its ``search/`` folder, one per call, named by a hash of their key. A key is the environment
-(:func:`wsarena._search_env.environment`: device and compute capability, driver and cuDNN versions, on the CPU the
-processor, NumPy and its BLAS; wsarena's version; the API path) and the call: the pass and the whole geometry
-(shapes, dtype, layout, every convolution parameter). Each file holds its key, so a file that does not match is
-recognised.
+(``platformdirs.user_cache_dir("wsarena")``: ``$XDG_CACHE_HOME/wsarena`` or ``~/.cache/wsarena`` on Linux; no cache
+where no home folder can be found). Entries are files under its ``search/`` folder, one per call, named by a hash of
+their key. A key is the environment (:func:`wsarena._search_env.environment`: device and compute capability, driver
+and cuDNN versions, on the CPU the processor, NumPy and its BLAS; wsarena's version; the API path) and the call: the
+pass and the whole geometry (shapes, dtype, layout, every convolution parameter). Each file holds its key, so a file
+that does not match is recognised.
 
 Safety: a file is written whole to a temporary name and renamed over the entry, so a reader sees the old entry or
 the new one, never part of one, and processes writing at once lose no entry (each call is its own file; two writers
