@@ -783,6 +783,19 @@ def test_without_a_home_folder_the_cache_is_off_and_the_rest_works(monkeypatch, 
                                        "XDG_CACHE_HOME or WSARENA_CACHE_DIR)\n")
 
 
+def test_a_cache_dir_under_a_home_folder_that_cannot_be_found_is_refused(monkeypatch, tmp_path):
+    # "~" left as it is made a folder named "~" in the working directory (and `rm -r ~` to remove it removes another)
+    _no_home(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="cache_dir '~/cache': no home folder is known for '~'"):
+        configure(cache_dir="~/cache")
+    monkeypatch.setenv("WSARENA_CACHE_DIR", "~/cache")
+    _config._reset()
+    with pytest.raises(ValueError, match="WSARENA_CACHE_DIR='~/cache'"):
+        get_config()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_without_platformdirs_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
     # as platformdirs and the XDG rule do: a relative one would be a folder under the working directory
     monkeypatch.setattr(wsarena._config, "platformdirs", None)
@@ -828,7 +841,8 @@ def test_a_relative_cache_dir_does_not_move_with_the_working_directory(monkeypat
     assert wsarena.searchcache.cache_dir() == tmp_path / "cache"
 
 
-@pytest.mark.parametrize(("value", "error"), [(3, TypeError), (b"wsarena-cache", TypeError), ("a\0b", ValueError)])
+@pytest.mark.parametrize(("value", "error"), [(3, TypeError), (b"wsarena-cache", TypeError), ("a\0b", ValueError),
+                                            ("~wsarena-no-such-user/cache", ValueError)])
 def test_a_bad_cache_dir_is_refused_and_changes_nothing(value, error):
     with pytest.raises(error, match="cache_dir"):
         configure(cache_dir=value)

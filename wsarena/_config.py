@@ -82,9 +82,9 @@ def default_cache_dir() -> Path | None:
 
 
 def _cache_path(value: Any) -> Path | None:
-    """A ``cache_dir`` value as the setting holds it: an absolute folder (``~`` expanded; an empty string is the
-    user's cache folder), or ``None`` for ``None``, ``"off"`` and ``"none"`` (any case; a folder of that name is
-    ``"./none"``), as the other settings' ``none`` means none."""
+    """A ``cache_dir`` value as the setting holds it: an absolute folder (``~`` expanded, ``ValueError`` where it
+    cannot be; an empty string is the user's cache folder), or ``None`` for ``None``, ``"off"`` and ``"none"`` (any
+    case; a folder of that name is ``"./none"``), as the other settings' ``none`` means none."""
     if value is None:
         return None
     if isinstance(value, str) and value.strip().lower() in ("off", "none"):
@@ -98,8 +98,12 @@ def _cache_path(value: Any) -> Path | None:
         raise TypeError(f"cache_dir must be a folder (a str or a path), 'off', 'none' or None, not {value!r}")
     if "\0" in text:
         raise ValueError(f"cache_dir {value!r} holds a NUL character")
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):  # left as it is, "~" would be a folder of that name in the working directory
+        raise ValueError(f"cache_dir {value!r}: no home folder is known for {text.split('/', 1)[0]!r} "
+                         f"(./{text} is a folder of that name in the working directory)")
     # absolute now, so that a later os.chdir() does not move the cache
-    return Path(os.path.abspath(os.path.expanduser(text)))
+    return Path(os.path.abspath(expanded))
 
 
 @dataclasses.dataclass(frozen=True)
