@@ -2,6 +2,7 @@
 are bad or several processes write at once."""
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -392,6 +393,42 @@ def test_the_cpu_environment(monkeypatch):
     assert env["numpy"] == np.__version__ and "name" in env["blas"]
     assert env["threads"] == {"OPENBLAS_NUM_THREADS": "1"}  # a BLAS thread setting changes every time
     json.dumps(env)
+
+
+_X86 = """processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n\
+model name\t: AMD EPYC 9654 96-Core Processor\nstepping\t: 1\ncpu MHz\t\t: 2400.000\ncpu cores\t: 96\n\n\
+processor\t: 1\nmodel name\t: another\n"""
+_ARM = """processor\t: 0\nBogoMIPS\t: 2000.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid\n\
+CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x{variant}\nCPU part\t: 0x{part}\n\
+CPU revision\t: {revision}\n\n"""
+
+
+@pytest.mark.parametrize("cpuinfo", [
+    pytest.param({"a53": _ARM.format(variant=0, part="d03", revision=4),
+                  "a72": _ARM.format(variant=0, part="d08", revision=3),
+                  "a72 r1": _ARM.format(variant=1, part="d08", revision=3)}, id="arm"),
+    pytest.param({"power9": "processor\t: 0\ncpu\t\t: POWER9 (architected), altivec supported\nrevision\t: 2.2\n\n",
+                  "power10": "processor\t: 0\ncpu\t\t: POWER10 (architected), altivec supported\nrevision\t: 2.0\n\n"},
+                 id="power"),
+])
+def test_the_cpu_environment_names_the_processor_of_every_architecture(monkeypatch, cpuinfo):
+    """Arm's /proc/cpuinfo has no model name: every Arm processor was named as platform.processor() names them all
+    ("aarch64"), and the times one measured were served to another (two machines sharing a home folder). x86's name
+    is as it was, so that the entries saved before still serve."""
+    from wsarena import _search_env
+
+    def reading(text):
+        def fake_open(path, *args, **kwargs):
+            assert path == "/proc/cpuinfo"
+            return io.StringIO(text)
+        return fake_open
+
+    names = {}
+    for what, text in {"x86": _X86, **cpuinfo}.items():
+        monkeypatch.setattr(_search_env, "open", reading(text), raising=False)
+        names[what] = _search_env._processor()
+    assert names["x86"] == "AMD EPYC 9654 96-Core Processor AuthenticAMD 25 17 1"
+    assert len(set(names.values())) == len(names), names
 
 
 def test_the_cudnn_environment(monkeypatch):

@@ -73,8 +73,16 @@ def _cpu() -> dict[str, Any]:
     }
 
 
+# The fields of /proc/cpuinfo that name the processor: x86's, then Arm's (no model name: implementer and part number),
+# POWER's and RISC-V's. Only the first processor's are read.
+_CPUINFO_FIELDS = ("model name", "vendor_id", "cpu family", "model", "stepping",
+                   "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "CPU revision",
+                   "cpu", "revision", "uarch")
+
+
 def _processor() -> str:
-    """The processor's model name, family and model number (Linux), else what :mod:`platform` says."""
+    """The processor's model name, family and model number (Linux; on Arm its implementer and part number), else what
+    :mod:`platform` says."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             fields: dict[str, str] = {}
@@ -85,7 +93,7 @@ def _processor() -> str:
                 fields.setdefault(name.strip(), value.strip())
     except OSError:
         fields = {}
-    parts = [fields.get(k, "") for k in ("model name", "vendor_id", "cpu family", "model", "stepping")]
+    parts = [fields.get(k, "") for k in _CPUINFO_FIELDS]
     if any(parts):
         return " ".join(p for p in parts if p)
     return platform.processor() or platform.machine()
