@@ -335,3 +335,101 @@ def test_a_backend_given_replaces_an_invalid_variable(monkeypatch):
     assert wsarena.tune(layers, backend="cpu").uncapped.backend == "cpu"
     with pytest.raises(ValueError, match="WSARENA_BACKEND"):
         wsarena.tune(layers)
+
+
+def test_the_curves_work_grows_with_the_layers_not_with_layers_times_caps(monkeypatch):
+    """One call with 200 algorithms, each larger and faster than the one before: 200 caps, each a point. Repeating
+    its layer adds the same work per layer however many caps there are (counted in hashes of the layer's geometry,
+    as tests time nothing): working out every layer's choices at every cap took half a minute for 2,000 layers."""
+    from wsarena._geometry import ConvGeometry
+
+    monkeypatch.setitem(backends._backends, "cpu",
+                        TableBackend({("fwd", 4): [(f"algo{i}", 1000 * i, 300.0 - i) for i in range(200)]}))
+    real = ConvGeometry.__hash__
+    hashes = [0]
+
+    def counted(self):
+        hashes[0] += 1
+        return real(self)
+
+    def work(n):
+        algos.cache_clear()
+        hashes[0] = 0
+        monkeypatch.setattr(ConvGeometry, "__hash__", counted)
+        t = tune([LAYERS[0]] * n, passes=("fwd",), backend="cpu")
+        monkeypatch.setattr(ConvGeometry, "__hash__", real)
+        assert len(t.curve) == 201 and t.curve[0].step_seconds == pytest.approx(n * 0.3)
+        return hashes[0]
+
+    assert (work(200) - work(100)) / 100 < 20
+
+
+@st.composite
+def models(draw):
+    """Random workspaces and times (ties among both likely) for the calls of layers of 4, 8 and 16 output channels,
+    and a model of those layers, each repeated, over some of the passes and streams."""
+    sizes = draw(st.lists(st.integers(0, 5000), min_size=1, max_size=4))
+    times = draw(st.lists(st.floats(0.001, 100), min_size=1, max_size=4))
+    table = {(p, ch): [(f"algo{i}", draw(st.sampled_from(sizes)), draw(st.sampled_from(times)))
+                       for i in range(draw(st.integers(1, 4)))]
+             for p in ("fwd", "bwd_data", "bwd_filter") for ch in (4, 8, 16)}
+    repeats = draw(st.lists(st.tuples(st.sampled_from((4, 8, 16)), st.integers(1, 12)), min_size=1, max_size=4))
+    layers = [ConvLayer(f"l{i}.{j}", (1, 3, 8, 8), (ch, 3, 3, 3), padding=1)
+              for i, (ch, n) in enumerate(repeats) for j in range(n)]
+    passes = draw(st.sampled_from([("fwd",), ("bwd_filter",), ("fwd", "bwd_data"), ("fwd", "bwd_data", "bwd_filter")]))
+    streams = draw(st.one_of(st.integers(1, min(3, len(layers))),
+                             st.lists(st.integers(0, 2), min_size=len(layers), max_size=len(layers))))
+    return table, layers, passes, streams
+
+
+@settings(max_examples=150, deadline=None)
+@given(model=models(), max_slowdown=st.sampled_from([0.0, 0.02, 0.1, 1 / 3, 1.0]))
+def test_the_curve_against_every_cap_worked_out_layer_by_layer(model, max_slowdown):
+    """Brute force: at every cap each layer's pass takes the fastest algorithm that fits (the first of equal times, in
+    the table's order, as TableBackend ranks them); the step is the sum over the layers, the arena per stream the
+    largest workspace of its layers (every stream any layer's, for a number of streams). The curve has a point where
+    some choice changes, and the recommended cap is the smallest whose step is within max_slowdown of no cap's
+    (relative tolerance 1e-12, the rounding of the sums)."""
+    table, layers, passes, streams = model
+    saved = backends._backends.get("cpu")
+    backends._backends["cpu"] = TableBackend(table)
+    algos.cache_clear()
+    try:
+        t = tune(layers, passes=passes, streams=streams, backend="cpu", max_slowdown=max_slowdown)
+    finally:
+        backends._backends["cpu"] = saved
+        algos.cache_clear()
+
+    def choices(cap):
+        picked = []
+        for layer in layers:
+            row = []
+            for p in passes:
+                fits = [r for r in table[(p, layer.weight_shape[0])] if cap is None or r[1] <= cap]
+                if not fits:
+                    return None
+                row.append(min(fits, key=lambda r: r[2]))  # min keeps the first of equal times
+            picked.append(row)
+        return picked
+
+    def point(cap):
+        picked = choices(cap)
+        step = math.fsum(r[2] for row in picked for r in row) / 1e3
+        largest = [max(r[1] for r in row) for row in picked]
+        if isinstance(streams, int):
+            arena = streams * max(largest)
+        else:
+            lanes = range(max(streams) + 1)
+            arena = sum(max((b for b, s in zip(largest, streams) if s == k), default=0) for k in lanes)
+        return step, arena
+
+    caps = sorted({0} | {r[1] for rows in table.values() for r in rows})
+    fitting = [c for c in caps if choices(c) is not None]
+    changes = [c for i, c in enumerate(fitting) if i == 0 or choices(c) != choices(fitting[i - 1])]
+    assert [p.cap_workspace_bytes for p in t.curve] == [*changes, None]
+    for p in t.curve:
+        step, arena = point(p.cap_workspace_bytes)
+        assert p.step_seconds == pytest.approx(step, rel=1e-12) and p.arena_bytes == arena
+    fastest = point(None)[0]
+    within = [c for c in fitting if point(c)[0] <= fastest * (1 + max_slowdown) * (1 + 1e-12)]
+    assert t.recommended_cap_bytes == within[0]

@@ -20,7 +20,9 @@ import functools
 import math
 import numbers
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 from . import searchcache
@@ -223,20 +225,39 @@ def _layer_plans(
 
 
 def _curve(uncapped: Plan, measured: _Measured, shared: bool) -> tuple[CurvePoint, ...]:
-    caps: list[int | None] = [*sorted({0} | {c.workspace_bytes for cands in measured.values() for c in cands}), None]
+    """The caps swept upwards: a call's choice changes only at the workspace of an algorithm faster than the one
+    it has, so the step time and the arena follow from these changes, each counted once for every layer that makes
+    the call, not from every layer's choices at every cap (a model of thousands of layers has thousands of caps)."""
+    calls: Counter[tuple[str, ConvGeometry]] = Counter()
+    lanes: dict[tuple[str, ConvGeometry], set[int]] = {}  # the streams that make each call
+    for lp in uncapped.layers:
+        for pass_ in uncapped.passes:
+            calls[(pass_, lp.geometry)] += 1
+            lanes.setdefault((pass_, lp.geometry), set()).add(0 if shared else lp.stream)
+    changes: dict[int, list[tuple[tuple[str, ConvGeometry], Candidate]]] = {}
+    for key, cands in measured.items():
+        best = len(cands)  # under a cap a call takes the first of its candidates (fastest first) that fits
+        for rank, cand in sorted(enumerate(cands), key=lambda rc: (rc[1].workspace_bytes, rc[0])):
+            if rank < best:
+                best = rank
+                changes.setdefault(cand.workspace_bytes, []).append((key, cand))
+    chosen: dict[tuple[str, ConvGeometry], Candidate] = {}
+    total = Fraction(0)  # the step's milliseconds, exact: rounded once, as math.fsum of every call's time would be
+    largest = [0] * uncapped.streams  # per stream the largest chosen workspace: a call's only grows with the cap
     steps: list[tuple[int | None, int, float]] = []
-    previous: list[dict[str, Candidate]] | None = None
-    for cap in caps:
-        layers = _layer_plans(uncapped.layers, uncapped.passes, measured, cap)
-        if layers is None:
-            continue
-        choices = [lp.choices for lp in layers]
-        if choices == previous and cap is not None:
-            continue  # this cap changes no choice
-        previous = choices
-        stream_bytes = _stream_bytes(layers, uncapped.streams, shared, [lp.stream for lp in layers])
-        step = math.fsum((c.time_ms or 0.0) for lp in layers for c in lp.choices.values()) / 1e3
-        steps.append((cap, sum(stream_bytes), step))
+    for cap in sorted(changes):
+        for key, cand in changes[cap]:
+            before = chosen.get(key)
+            if before is not None:
+                total -= calls[key] * Fraction(before.time_ms or 0.0)
+            total += calls[key] * Fraction(cand.time_ms or 0.0)
+            chosen[key] = cand
+            for lane in lanes[key]:
+                largest[lane] = max(largest[lane], cand.workspace_bytes)
+        if len(chosen) == len(calls):  # from the smallest cap every call fits in
+            arena = largest[0] * uncapped.streams if shared else sum(largest)
+            steps.append((cap, arena, float(total) / 1e3))
+    steps.append((None, *steps[-1][1:]))  # every algorithm fits the largest cap
     fastest = steps[-1][2]
     return tuple(
         CurvePoint(cap, arena, step, step / fastest - 1.0 if fastest > 0 else 0.0) for cap, arena, step in steps
