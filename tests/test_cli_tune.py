@@ -383,6 +383,27 @@ def test_plot_without_matplotlib_fails_before_searching(capsys, model, monkeypat
     assert (code, out) == (3, "") and err == "wsarena: error: --plot needs matplotlib: pip install 'wsarena[plot]'\n"
 
 
+@pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"],
+                                     ["report", "--max-slowdown", "2%"]])
+@pytest.mark.parametrize(("where", "why"), [("", "Is a directory"), ("no-such-folder/p.png", "No such file"),
+                                            ("small.json/p.png", "Not a directory")])
+def test_a_plot_that_cannot_be_written_there_fails_before_searching(capsys, model, monkeypatch, tmp_path, command,
+                                                                    where, why):
+    """A folder, or a file in a folder that is missing (or is a file): the error the plot would get after the
+    search, before it, and nothing left in the folder by finding it out."""
+    pytest.importorskip("matplotlib")
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("searched although the plot could never be written")
+
+    monkeypatch.setattr(CpuBackend, "measure", refuse)
+    path = os.path.join(str(tmp_path), where)
+    code, out, err = run_main(capsys, command[0], model, "--backend", "cpu", *command[1:], "--plot", path)
+    assert (code, out) == (3, "") and err.startswith(f"wsarena: error: cannot write the plot to {path!r}: {why}"), err
+    assert err.count("\n") == 1 and os.listdir(tmp_path) == ["small.json"]
+
+
 @pytest.mark.parametrize(("variable", "argv"), [
     ("WSARENA_BACKEND", ["tune", "MODEL", "--backend", "cpu"]),
     ("WSARENA_CAP_WORKSPACE", ["tune", "MODEL", "--backend", "cpu"]),

@@ -99,17 +99,20 @@ def _drop_stdout() -> None:
 
 
 def _check_plot(path: str | None, inputs: dict[str, str | None]) -> None:
-    """With ``--plot``, fail now if matplotlib is missing, not after a search that may have taken minutes; or if the
-    plot would replace one of the command's ``inputs`` (what each is: a file, or ``None`` when not given), as a
-    compiler refuses an output that is its input."""
+    """With ``--plot``, fail now if matplotlib is missing or the file cannot be written there (a folder, a folder
+    missing), not after a search that may have taken minutes; or if the plot would replace one of the command's
+    ``inputs`` (what each is: a file, or ``None`` when not given), as a compiler refuses an output that is its
+    input."""
     if path is not None:
         for what, given in inputs.items():
             with contextlib.suppress(OSError):  # either missing: nothing to lose
                 if given is not None and os.path.samefile(path, given):
                     raise UsageError(f"--plot {path!r} is the {what}; the plot would replace it")
-        from .plot import _pyplot
+        from .plot import _pyplot, check_writable
 
         _pyplot()
+        with _plot_file(path):
+            check_writable(path)
 
 
 @contextlib.contextmanager

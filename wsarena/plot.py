@@ -5,6 +5,7 @@ a full disk leaves no part of a PNG there, and an earlier plot stays as it was."
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import secrets
@@ -13,7 +14,7 @@ from typing import Any
 
 from .errors import BackendUnavailableError
 
-__all__ = ["plot_curve", "plot_plan"]
+__all__ = ["check_writable", "plot_curve", "plot_plan"]
 
 _COLOURS = {"fwd": "#4c72b0", "bwd_data": "#dd8452", "bwd_filter": "#55a868"}
 
@@ -55,10 +56,8 @@ def _write_whole(path: str, data: bytes) -> None:
         with open(target, "wb") as f:
             f.write(data)
         return
-    # A new file gets the umask's permissions, as the file open() would make (mkstemp's are private); a random
-    # name, so that two runs writing the same plot do not write into one file, and the plot's cut short, so that a
-    # name as long as the file system takes leaves room for the rest
-    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)[:40]}.{secrets.token_hex(4)}.tmp")
+    # A new file gets the umask's permissions, as the file open() would make (mkstemp's are private)
+    tmp = _beside(target)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -72,6 +71,33 @@ def _write_whole(path: str, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def _beside(target: str) -> str:
+    """A name for a new file beside ``target``: random, so that two runs writing the same plot do not write into one
+    file, and the plot's cut short, so that a name as long as the file system takes leaves room for the rest."""
+    return os.path.join(os.path.dirname(target), f".{os.path.basename(target)[:40]}.{secrets.token_hex(4)}.tmp")
+
+
+def check_writable(path: str) -> None:
+    """Raise the ``OSError`` that writing the plot to ``path`` would, where it can be known before drawing it: a
+    folder, or a folder that cannot take the new file (missing, not a folder, not writable), tried with a file made
+    and removed there. A path that is no regular file is not opened: a named pipe would wait for its reader."""
+    target = os.path.realpath(path)
+    try:
+        mode: int | None = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    if mode is not None and not stat.S_ISREG(mode):
+        return
+    tmp = _beside(target)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.close(fd)
+    finally:
+        os.unlink(tmp)
 
 
 def plot_plan(p: Any, path: str) -> None:
