@@ -478,6 +478,20 @@ def test_a_plot_stopped_midway_leaves_no_half_written_file(capsys, model, monkey
         assert target.read_bytes() == before
 
 
+@pytest.mark.parametrize("command", [["tune"], ["report"], ["report", "--max-slowdown", "2%"]])
+def test_a_plot_draws_dollar_signs_in_names_as_they_are(capsys, tmp_path, command):
+    """A model's file name and its layers' names are any text: a $ pair in them is no mathematics for matplotlib
+    to parse (``$^^$`` it cannot), which failed the plot after the search, with matplotlib's parser's lines."""
+    pytest.importorskip("matplotlib")
+    layers = [dict(layer, name=f"{layer['name']}$^^$ $x_1$") for layer in MODEL["layers"]]
+    path = tmp_path / "model $^^$.json"
+    path.write_text(json.dumps({"layers": layers}))
+    target = tmp_path / "p.png"
+    code, out, err = run_main(capsys, command[0], str(path), "--backend", "cpu", *command[1:], "--plot", str(target))
+    assert (code, err) == (0, "") and out
+    assert target.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_a_plot_written_over_an_earlier_one_keeps_its_permissions(capsys, model, tmp_path):
     """Renamed over the earlier file, the new one has the earlier one's permissions, as a file written over in place
     has: a private plot stays private; a new one has the umask's, as open() gives."""

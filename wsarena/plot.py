@@ -117,13 +117,15 @@ def plot_plan(p: Any, path: str) -> None:
     ax.set_xlabel("layer")
     ax.set_ylabel("workspace (MiB)")
     cap = "none" if p.cap_workspace is None else f"{p.cap_workspace / mib:g} MiB"
+    # parse_math=False: names are drawn as given, where matplotlib reads a $ pair as mathematics (and fails on it)
     ax.set_title(
         f"{p.model}: batch {p.batch}, {p.dtype}, {p.backend}, cap {cap} - "
-        f"unshared {p.unshared_bytes / mib:.1f} MiB vs arena {p.arena_bytes / mib:.1f} MiB"
+        f"unshared {p.unshared_bytes / mib:.1f} MiB vs arena {p.arena_bytes / mib:.1f} MiB",
+        parse_math=False,
     )
     if n <= 60:
         ax.set_xticks(range(n))
-        ax.set_xticklabels([lp.name for lp in p.layers], rotation=90, fontsize=6)
+        ax.set_xticklabels([lp.name for lp in p.layers], rotation=90, fontsize=6, parse_math=False)
     ax.legend(fontsize=8)
     fig.tight_layout()
     _save(plt, fig, path)
@@ -151,7 +153,7 @@ def plot_curve(t: Any, path: str) -> None:
     ax.set_ylabel("step time, sum of the chosen algorithms (ms)")
     p = t.uncapped
     ax.set_title(f"{p.model}: batch {p.batch}, {p.dtype}, {p.backend} ({p.device}), {'+'.join(p.passes)}",
-                 fontsize=9)
+                 fontsize=9, parse_math=False)
     # at least the linear part: a curve whose only cap is 0 (every call has a zero-workspace algorithm that is
     # fastest) would otherwise have an empty axis, which matplotlib warns about
     ax.set_xlim(left=0, right=max(max(q.cap_workspace_bytes for q in finite) / mib * 1.5, linthresh))
