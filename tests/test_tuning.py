@@ -327,6 +327,30 @@ def test_a_curve_of_one_cap_plots_without_a_warning(monkeypatch, tmp_path):
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_plots_give_sizes_and_times_as_the_tables_do(fake, monkeypatch):
+    """The legends and titles name the recommended cap, the arenas and the step as the tables print them, where
+    fixed decimals of MiB made the 3.91 KiB cap "0.00 MiB"."""
+    pytest.importorskip("matplotlib")
+    from wsarena import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "_save", lambda plt, fig, path: (drawn.append(fig), plt.close(fig)))
+
+    def texts():
+        (ax,) = drawn.pop().axes
+        return ax.get_title(), [x.get_text() for x in ax.get_legend().get_texts()]
+
+    t = run(max_slowdown=0.1)
+    plot.plot_curve(t, "unused.png")
+    _, legend = texts()
+    assert legend[1:] == ["no cap: 36.00 ms, arena 7.81 KiB", "recommended cap 3.91 KiB (+5.56%, max slowdown 10%)"]
+    plot.plot_plan(t.plan(), "unused.png")
+    title, legend = texts()
+    # unshared: a and c, gemm 1000 + gemm 2000 each; b, gemm 4000 + implicit 0: 10000 bytes
+    assert title.endswith("cap 3.91 KiB - unshared 9.77 KiB vs arena 3.91 KiB")
+    assert "arena per stream (1 stream: total 3.91 KiB)" in legend
+
+
 def test_a_backend_given_replaces_an_invalid_variable(monkeypatch):
     """As plan() does: a setting given as an argument needs no valid environment variable."""
     monkeypatch.setenv("WSARENA_BACKEND", "bogus")

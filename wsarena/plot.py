@@ -12,6 +12,8 @@ import secrets
 import stat
 from typing import Any
 
+from ._sizes import format_size
+from ._tune_cli import _percent, _seconds
 from .errors import BackendUnavailableError
 
 __all__ = ["check_writable", "plot_curve", "plot_plan"]
@@ -113,14 +115,14 @@ def plot_plan(p: Any, path: str) -> None:
         ax.bar(xs, ys, width=width, color=_COLOURS.get(pass_), label=pass_)
     streams = f"{p.streams} stream{'s' if p.streams > 1 else ''}"
     ax.axhline(max(p.stream_bytes, default=0) / mib, color="black", linestyle="--",
-               label=f"arena per stream ({streams}: total {p.arena_bytes / mib:.1f} MiB)")
+               label=f"arena per stream ({streams}: total {format_size(p.arena_bytes)})")
     ax.set_xlabel("layer")
     ax.set_ylabel("workspace (MiB)")
-    cap = "none" if p.cap_workspace is None else f"{p.cap_workspace / mib:g} MiB"
+    cap = "none" if p.cap_workspace is None else format_size(p.cap_workspace)
     # parse_math=False: names are drawn as given, where matplotlib reads a $ pair as mathematics (and fails on it)
     ax.set_title(
         f"{p.model}: batch {p.batch}, {p.dtype}, {p.backend}, cap {cap} - "
-        f"unshared {p.unshared_bytes / mib:.1f} MiB vs arena {p.arena_bytes / mib:.1f} MiB",
+        f"unshared {format_size(p.unshared_bytes)} vs arena {format_size(p.arena_bytes)}",
         parse_math=False,
     )
     if n <= 60:
@@ -141,11 +143,11 @@ def plot_curve(t: Any, path: str) -> None:
     ax.step([q.cap_workspace_bytes / mib for q in finite], [q.step_seconds * 1e3 for q in finite], where="post",
             marker="o", markersize=3, color="#4c72b0", label="step time under the cap")
     ax.axhline(uncapped.step_seconds * 1e3, color="black", linestyle="--", linewidth=1,
-               label=f"no cap: {uncapped.step_seconds * 1e3:.1f} ms, arena {uncapped.arena_bytes / mib:.1f} MiB")
+               label=f"no cap: {_seconds(uncapped.step_seconds)}, arena {format_size(uncapped.arena_bytes)}")
     best = t.recommended
     ax.axvline(best.cap_workspace_bytes / mib, color="#dd8452", linestyle=":",
-               label=f"recommended cap {best.cap_workspace_bytes / mib:.2f} MiB ({best.slowdown:+.2%}, "
-               f"max slowdown {t.max_slowdown * 100:g}%)")
+               label=f"recommended cap {format_size(best.cap_workspace_bytes)} ({best.slowdown:+.2%}, "
+               f"max slowdown {_percent(t.max_slowdown)})")
     # Linear from 0 to the smallest cap above it, logarithmic beyond: caps span 0 to gigabytes.
     linthresh = max(min((q.cap_workspace_bytes for q in finite if q.cap_workspace_bytes), default=mib) / mib, 1e-3)
     ax.set_xscale("symlog", linthresh=linthresh)
