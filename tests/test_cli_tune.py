@@ -159,6 +159,16 @@ def test_a_negative_infinity_or_nan_slowdown_is_a_value_refused_as_no_number(cap
 
 
 @pytest.mark.parametrize("command", ["tune", "report"])
+@pytest.mark.parametrize(("value", "says"), [("x" * 5000, "expected a percentage"), ("-" + "1" * 5000, "negative"),
+                                             ("1" * 5000 + "%", "finite"), ("9" * 300, "is read as a fraction")])
+def test_a_long_slowdown_is_shortened_in_its_error(capsys, model, command, value, says):
+    """As the rest of wsarena's errors shorten a value: one line of a readable length, not the whole value (and, for
+    a fraction of 1 or more, the percentage it reads as not written out in all its digits)."""
+    code, out, err = run_main(capsys, command, model, "--backend", "cpu", "--max-slowdown", value)
+    assert (code, out) == (2, "") and says in err and err.count("\n") == 1 and len(err) < 250, err
+
+
+@pytest.mark.parametrize("command", ["tune", "report"])
 def test_an_option_after_max_slowdown_is_still_an_option(capsys, model, command):
     """Only what reads as a number is taken as the value: an option in its place is a missing value."""
     code, out, err = run_main(capsys, command, model, "--backend", "cpu", "--max-slowdown", "--format", "json")

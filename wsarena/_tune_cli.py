@@ -14,7 +14,7 @@ from typing import Any
 from . import __version__
 from ._config import _cache_path
 from ._report_cli import printable, skipped_note
-from ._sizes import format_size
+from ._sizes import format_size, short_repr
 
 __all__ = ["cache_output", "max_slowdown_arg", "render_curve", "tune_output"]
 
@@ -31,19 +31,19 @@ def max_slowdown_arg(text: str) -> float:
     """
     match = _SLOWDOWN.fullmatch(text)
     if match is None and _SLOWDOWN.fullmatch(text.strip().removeprefix("-")):
-        raise argparse.ArgumentTypeError(f"a slowdown cannot be negative: {text!r}")
+        raise argparse.ArgumentTypeError(f"a slowdown cannot be negative: {short_repr(text)}")
     if match is None:
-        raise argparse.ArgumentTypeError(f"expected a percentage (2%) or a fraction (0.02), not {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a percentage (2%) or a fraction (0.02), not {short_repr(text)}")
     number, percent = match.groups()
     value = float(number)
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite slowdown (2% or 0.02), not {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a finite slowdown (2% or 0.02), not {short_repr(text)}")
     if percent:
         return value / 100
     if value >= 1:
         raise argparse.ArgumentTypeError(
-            f"{text.strip()!r} is read as a fraction, a slowdown of {value:.0%}: write {value:g}% for {value:g} "
-            f"percent, or {value:.0%} if you mean it"
+            f"{short_repr(text.strip())} is read as a fraction, a slowdown of {_percent(value)}: write {value:g}% for "
+            f"{value:g} percent, or {_percent(value)} if you mean it"
         )
     return value
 
