@@ -488,6 +488,27 @@ def test_a_plot_stopped_midway_leaves_no_half_written_file(capsys, model, monkey
         assert target.read_bytes() == before
 
 
+@pytest.mark.parametrize("command", [["tune"], ["report"]])
+@pytest.mark.skipif(not os.path.isdir("/dev/fd"), reason="no /dev/fd")
+def test_a_plot_goes_into_a_pipe_named_by_dev_fd(capsys, model, command):
+    """``--plot /dev/stdout | viewer``, or a shell's ``--plot >(viewer)`` (``/dev/fd/63``): the path leads to a pipe,
+    whose realpath (``/proc/self/fd/pipe:[N]``) is no file's, which failed the plot with "No such file"."""
+    pytest.importorskip("matplotlib")
+    import threading
+
+    read, write = os.pipe()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(os.fdopen(read, "rb").read()))
+    reader.start()
+    try:
+        code, out, err = run_main(capsys, command[0], model, "--backend", "cpu", "--plot", f"/dev/fd/{write}")
+    finally:
+        os.close(write)
+        reader.join(timeout=60)
+    assert (code, err) == (0, "") and out
+    assert got and got[0][:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("command", [["tune"], ["report"], ["report", "--max-slowdown", "2%"]])
 def test_a_plot_draws_dollar_signs_in_names_as_they_are(capsys, tmp_path, command):
     """A model's file name and its layers' names are any text: a $ pair in them is no mathematics for matplotlib

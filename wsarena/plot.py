@@ -49,15 +49,12 @@ def _write_whole(path: str, data: bytes) -> None:
     symbolic link the file it leads to is replaced, and the link stays. A path that is no regular file (a named
     pipe, ``/dev/stdout``) is written as it is: nothing can be renamed over it. A file replaced keeps its
     permissions, as one written over in place does."""
-    target = os.path.realpath(path)
-    try:
-        mode: int | None = os.stat(target).st_mode
-    except FileNotFoundError:
-        mode = None  # made here
+    mode = _mode(path)
     if mode is not None and not stat.S_ISREG(mode):
-        with open(target, "wb") as f:
+        with open(path, "wb") as f:
             f.write(data)
         return
+    target = os.path.realpath(path)
     # A new file gets the umask's permissions, as the file open() would make (mkstemp's are private)
     tmp = _beside(target)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -75,6 +72,16 @@ def _write_whole(path: str, data: bytes) -> None:
         raise
 
 
+def _mode(path: str) -> int | None:
+    """The mode of what ``path`` leads to, ``None`` where nothing is there yet. Asked of the path itself, not of its
+    ``realpath``: ``/dev/stdout`` or a shell's ``/dev/fd/63`` on a pipe leads to the pipe, whose "path" (``pipe:[1]``)
+    is no file's."""
+    try:
+        return os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+
+
 def _beside(target: str) -> str:
     """A name for a new file beside ``target``: random, so that two runs writing the same plot do not write into one
     file, and the plot's cut short, so that a name as long as the file system takes leaves room for the rest."""
@@ -85,16 +92,12 @@ def check_writable(path: str) -> None:
     """Raise the ``OSError`` that writing the plot to ``path`` would, where it can be known before drawing it: a
     folder, or a folder that cannot take the new file (missing, not a folder, not writable), tried with a file made
     and removed there. A path that is no regular file is not opened: a named pipe would wait for its reader."""
-    target = os.path.realpath(path)
-    try:
-        mode: int | None = os.stat(target).st_mode
-    except FileNotFoundError:
-        mode = None
+    mode = _mode(path)
     if mode is not None and stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
     if mode is not None and not stat.S_ISREG(mode):
         return
-    tmp = _beside(target)
+    tmp = _beside(os.path.realpath(path))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.close(fd)
