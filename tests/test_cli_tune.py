@@ -89,13 +89,15 @@ def test_csv_and_table(capsys, model):
     assert lines[0].endswith(f"tune: {model}") and "batch 2" in lines[1]
     assert sum("<- recommended" in line for line in lines) == 1
     assert any(line.split()[:1] == ["none"] for line in lines)
-    assert lines[-1] == f"use it with: WSARENA_CAP_WORKSPACE={d['recommended_cap_bytes']}"
+    assert lines[-1] == (f"use it with: WSARENA_CAP_WORKSPACE={d['recommended_cap_bytes']} "
+                         "WSARENA_ALGO_SEARCH=exhaustive")
 
 
 def test_apply_prints_the_one_line(capsys, model):
     d = tune_json(capsys, model)
     code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--batch", "2", "--apply")
-    assert (code, out, err) == (0, f"WSARENA_CAP_WORKSPACE={d['recommended_cap_bytes']}\n", "")
+    line = f"WSARENA_CAP_WORKSPACE={d['recommended_cap_bytes']} WSARENA_ALGO_SEARCH=exhaustive\n"
+    assert (code, out, err) == (0, line, "")
     code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--apply", "--format", "json")
     assert code == 2 and out == "" and err.count("\n") == 1 and "--apply" in err
 

@@ -132,19 +132,34 @@ def test_the_cap_set_in_python_in_the_environment_or_on_the_command_line_is_one_
     assert _choices(environment["plan"]) == _choices(python["plan"]) == choices
 
 
-def test_tunes_apply_line_exported_is_the_cap_the_next_command_runs_under(tmp_path):
-    """``export $(wsarena tune MODEL --apply)``: the line is one NAME=VALUE a shell exports, and the next command
-    reads it back as the recommended cap."""
+def test_tunes_apply_line_exported_runs_the_tuned_choices(tmp_path):
+    """``export $(wsarena tune MODEL --apply)``: the line is NAME=VALUE words a shell exports, and the next command
+    runs under the recommended cap with the algorithms the curve timed there (those of ``report --max-slowdown``,
+    the plan at that cap), read from the search cache tuning filled. Under the cap alone the default heuristic
+    search chose other algorithms for most of these calls, and the step was not the one the curve promised."""
     model = tmp_path / "model.json"
-    model.write_text(json.dumps([{"name": "c", "input_shape": [1, 8, 16, 16], "weight_shape": [8, 8, 3, 3]}]))
-    r = run_cli("tune", str(model), "--backend", "cpu", "--apply")
+    model.write_text(json.dumps([
+        {"name": "a", "input_shape": [2, 8, 16, 16], "weight_shape": [16, 8, 3, 3]},
+        {"name": "b", "input_shape": [2, 16, 16, 16], "weight_shape": [16, 16, 1, 1]},
+        {"name": "c", "input_shape": [2, 16, 8, 8], "weight_shape": [32, 16, 3, 3], "stride": 2, "padding": 1},
+    ]))
+    cache = {"WSARENA_CACHE_DIR": str(tmp_path / "cache")}
+    r = run_cli("tune", str(model), "--backend", "cpu", "--apply", env=cache)
     assert r.returncode == 0, r.stderr
     (line,) = r.stdout.splitlines()
-    name, value = line.split("=")
-    assert name == "WSARENA_CAP_WORKSPACE" and value.isdigit()
-    r = run_cli("report", str(model), "--backend", "cpu", "--format", "json", env={name: value})
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["cap_workspace_bytes"] == int(value)
+    settings = dict(word.split("=", 1) for word in shlex.split(line))
+    assert settings.keys() == {"WSARENA_CAP_WORKSPACE", "WSARENA_ALGO_SEARCH"}, line
+
+    def algorithms(*argv: str, env: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+        r = run_cli("report", str(model), "--backend", "cpu", "--format", "json", *argv, env={**cache, **env})
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout)
+        return report, [layer[p]["algo"] for layer in report["layers"] for p in PASSES]
+
+    tuned, expected = algorithms("--max-slowdown", "2%", env={})
+    applied, chosen = algorithms(env=settings)
+    assert applied["cap_workspace_bytes"] == tuned["cap_workspace_bytes"] == int(settings["WSARENA_CAP_WORKSPACE"])
+    assert chosen == expected and applied["arena_bytes"] == tuned["arena_bytes"]
 
 
 def _readme_sentence(start: str, end: str) -> str:

@@ -185,7 +185,8 @@ def parser() -> _Parser:
     )
     tune.add_argument("--format", choices=("table", "json", "csv"), default=None, help="default: table")
     tune.add_argument("--plot", type=_file_name, metavar="FILE.png", help="draw the curve (needs wsarena[plot])")
-    tune.add_argument("--apply", action="store_true", help="print only WSARENA_CAP_WORKSPACE=<recommended cap>")
+    tune.add_argument("--apply", action="store_true", help="print only the settings that run the tuned choices: "
+                      "WSARENA_CAP_WORKSPACE=<recommended cap> WSARENA_ALGO_SEARCH=exhaustive")
 
     cache = sub.add_parser("cache", help="the persistent search cache: its entries, or empty it")
     cache.add_argument("action", choices=("info", "clear"), help="info: the folder (WSARENA_CACHE_DIR, else the user "

@@ -16,7 +16,7 @@ from ._config import _cache_path
 from ._report_cli import printable, skipped_note
 from ._sizes import format_size, short_repr
 
-__all__ = ["cache_output", "max_slowdown_arg", "render_curve", "tune_output"]
+__all__ = ["apply_line", "cache_output", "max_slowdown_arg", "render_curve", "tune_output"]
 
 
 # A decimal number (ASCII digits, an optional exponent) and an optional percent sign: not "inf", "nan", "1_0" or "0x1"
@@ -116,7 +116,7 @@ def render_curve(t: Any) -> str:
             f"recommended cap (slowdown within {within}): {_cap(best.cap_workspace_bytes)}: "
             f"step {_seconds(best.step_seconds)} ({best.slowdown:+.2%}), arena {format_size(best.arena_bytes)}{saving}"
         ),
-        f"use it with: WSARENA_CAP_WORKSPACE={best.cap_workspace_bytes}",
+        f"use it with: {apply_line(t)}",
     ]
     if p.skipped:
         lines.append(skipped_note(p.skipped, "these figures"))
@@ -140,10 +140,18 @@ def _curve_csv(t: Any) -> str:
     return out.getvalue()
 
 
+def apply_line(t: Any) -> str:
+    """The settings that run the calls as the curve times them: the recommended cap, and the exhaustive search, which
+    takes the fastest timed algorithm that fits it from the search cache that tuning filled (nothing is timed again
+    on this machine). Under the default heuristic search the cap bounds each call all the same, but the heuristics'
+    algorithms are not the ones timed, and the step time is not the curve's."""
+    return f"WSARENA_CAP_WORKSPACE={t.recommended_cap_bytes} WSARENA_ALGO_SEARCH=exhaustive"
+
+
 def tune_output(t: Any, fmt: str) -> str:
     """``fmt``: ``table``, ``json``, ``csv``, or ``apply`` (the one line that sets the recommended cap)."""
     if fmt == "apply":
-        return f"WSARENA_CAP_WORKSPACE={t.recommended_cap_bytes}\n"
+        return apply_line(t) + "\n"
     if fmt == "json":
         return json.dumps(t.to_dict(), indent=2) + "\n"
     if fmt == "csv":

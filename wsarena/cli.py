@@ -233,7 +233,8 @@ def _tune(args: argparse.Namespace) -> int:
     from .tuning import tune
 
     if args.apply and args.format is not None:
-        raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=...; leave out --format")
+        raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=... WSARENA_ALGO_SEARCH=exhaustive; "
+                         "leave out --format")
     _check_plot(args.plot, {"model file": args.model})
     layers = _load(args)
     # tune decides the search and the cap (exhaustive, none): their variables do not matter, nor does the
