@@ -298,6 +298,21 @@ def test_csv_report(capsys):
     assert "bwd_data_algo" not in rows[0]
 
 
+def test_csv_report_quotes_names_that_hold_separators_quotes_or_line_breaks(capsys, tmp_path):
+    # a bare "\r" too, which csv.writer before Python 3.11.9 and 3.12.3 left unquoted with "\n" rows: a reader
+    # then ends the row there, and the layer's figures land in a row of their own
+    names = ["a,b", 'say "hi"', "line\nbreak", "cr\rx", "crlf\r\ny", "tab\tz"]
+    path = tmp_path / "names.json"
+    path.write_text(json.dumps([{"name": n, "input_shape": [1, 4, 8, 8], "weight_shape": [4, 4, 3, 3]}
+                                for n in names]))
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--format", "csv")
+    assert code == 0, err
+    assert out.endswith("\n") and "\r\n" not in out.replace("crlf\r\ny", "")  # rows end in "\n"
+    rows = list(csv.reader(io.StringIO(out, newline="")))
+    assert [row[0] for row in rows[1:]] == names
+    assert {len(row) for row in rows} == {len(rows[0])}
+
+
 def test_csv_report_marks_transposed_layers(capsys):
     code, out, _ = run_main(capsys, "report", "unet", "--backend", "cpu", "--format", "csv")
     assert code == 0

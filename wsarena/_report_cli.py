@@ -4,13 +4,14 @@ the JSON is :meth:`wsarena.planner.Plan.to_dict`)."""
 from __future__ import annotations
 
 import csv
+import io
 from collections.abc import Sequence
 from typing import Any, TextIO
 
 from . import __version__
 from ._sizes import format_size
 
-__all__ = ["printable", "render_table", "shape_text", "skipped_note", "write_csv"]
+__all__ = ["csv_writer", "printable", "render_table", "shape_text", "skipped_note", "write_csv"]
 
 
 def shape_text(shape: Sequence[int]) -> str:
@@ -24,6 +25,32 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class _CsvRows:
+    """What :func:`csv_writer` returns: ``writerow(row)`` writes one row to ``out``, ending in ``"\\n"``."""
+
+    __slots__ = ("buffer", "out", "writer")
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.buffer = io.StringIO()
+        # "\r" in the terminator: a field holding a bare "\r" is quoted too, which the writer of Python before
+        # 3.11.9 and 3.12.3 does only for a character of its terminator; a reader ends a row at a bare "\r"
+        self.writer = csv.writer(self.buffer, lineterminator="\r\n")
+
+    def writerow(self, row: Sequence[Any]) -> None:
+        self.writer.writerow(row)
+        line = self.buffer.getvalue()
+        self.buffer.seek(0)
+        self.buffer.truncate()
+        self.out.write(line[:-2] + "\n")
+
+
+def csv_writer(out: TextIO) -> _CsvRows:
+    """A CSV writer onto ``out`` whose rows end in ``"\\n"``, with every field that holds a line break quoted (a
+    layer name may hold a ``"\\r"``)."""
+    return _CsvRows(out)
 
 
 def _params(g: Any) -> str:
@@ -128,7 +155,7 @@ def write_csv(p: Any, out: TextIO) -> None:
     """One row per layer; then one per convolution the loader left out (``--skip-unknown``): its name, empty
     shapes and workspaces, ``skipped`` as each pass's algorithm and, in the last column, ``skipped_reason`` (empty
     on the layers' rows), as the JSON's ``skipped_layers`` gives it, so that the rows show what the figures lack."""
-    writer = csv.writer(out, lineterminator="\n")
+    writer = csv_writer(out)
     head = ["name", "input_shape", "weight_shape", "stride", "padding", "dilation", "groups", "transposed"]
     for pass_ in p.passes:
         head += [f"{pass_}_algo", f"{pass_}_workspace_bytes"]

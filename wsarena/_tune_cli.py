@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import io
 import json
 import math
@@ -13,7 +12,7 @@ from typing import Any
 
 from . import __version__
 from ._config import _cache_path
-from ._report_cli import printable, skipped_note
+from ._report_cli import csv_writer, printable, skipped_note
 from ._sizes import format_size, short_repr
 
 __all__ = ["apply_line", "cache_output", "max_slowdown_arg", "render_curve", "tune_output"]
@@ -128,7 +127,7 @@ def _curve_csv(t: Any) -> str:
     ``skipped_layer`` and why in ``skipped_reason`` (both empty on the points), and every figure empty, so that the
     rows show what the curve lacks."""
     out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
+    writer = csv_writer(out)
     writer.writerow(["cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown", "recommended", "skipped_layer",
                      "skipped_reason"])
     for q in t.curve:
