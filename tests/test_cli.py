@@ -571,6 +571,16 @@ def test_output_that_cannot_be_written_exits_3_with_one_line(argv):
     assert r.stderr == "wsarena: error: cannot write the output: No space left on device\n"
 
 
+@pytest.mark.parametrize("argv", [("report", "vgg16"), ("report", "vgg16", "--format", "json"),
+                                  ("report", "vgg16", "--format", "csv"), ("info",)])
+def test_a_closed_stdout_exits_3_with_one_line(argv):
+    # started with stdout closed (`wsarena report ... >&-`), Python's sys.stdout is None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    r = subprocess.run(["sh", "-c", 'exec "$0" -m wsarena "$@" >&-', sys.executable, *argv], capture_output=True,
+                       text=True, env=env, timeout=300, check=False)
+    assert (r.returncode, r.stderr) == (3, "wsarena: error: cannot write the output: stdout is closed\n")
+
+
 def test_asymmetric_pads_are_widened_or_refused(capsys, tmp_path):
     import numpy as np
     import onnx

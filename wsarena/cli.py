@@ -91,6 +91,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def _drop_stdout() -> None:
     """Point stdout at the null device, so that the flush at exit cannot fail again on what is still buffered."""
+    if sys.stdout is None:  # closed from the start: nothing to flush
+        return
     try:
         fd = sys.stdout.fileno()
     except (OSError, ValueError):  # not a file (a caller's buffer): nothing buffered for the exit to flush
@@ -128,6 +130,8 @@ def _plot_file(path: str) -> Iterator[None]:
 def _output() -> Iterator[None]:
     """Around writing to stdout: flush at the end, so that a failure shows here and not at exit, and turn a
     failure other than a closed pipe (text stdout's encoding cannot show included) into :class:`OutputError`."""
+    if sys.stdout is None:  # the command started with its stdout closed (`>&-`): Python gives no stream for it
+        raise OutputError("cannot write the output: stdout is closed")
     try:
         yield
         sys.stdout.flush()
