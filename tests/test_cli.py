@@ -330,6 +330,21 @@ def test_plot_writes_a_png(capsys, tmp_path):
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("command", ["report", "tune"])
+def test_plot_shows_tabs_and_newlines_in_names_escaped(capsys, tmp_path, command):
+    # as the table shows them: drawn as they are, each warned of a glyph the font lacks
+    pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")
+    folder = tmp_path / "tab\there"
+    folder.mkdir()
+    path = folder / "m.json"
+    path.write_text(json.dumps([{"name": n, "input_shape": [1, 4, 8, 8], "weight_shape": [4, 4, 3, 3]}
+                                for n in ("tab\there", "new\nline", "cr\rx")]))
+    target = tmp_path / "ws.png"
+    code, _, err = run_main(capsys, command, str(path), "--backend", "cpu", "--passes", "fwd", "--plot", str(target))
+    assert (code, err) == (0, "")
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

@@ -12,6 +12,7 @@ import secrets
 import stat
 from typing import Any
 
+from ._report_cli import printable
 from ._sizes import format_size
 from ._tune_cli import _percent, _seconds
 from .errors import BackendUnavailableError
@@ -122,15 +123,16 @@ def plot_plan(p: Any, path: str) -> None:
     ax.set_xlabel("layer")
     ax.set_ylabel("workspace (MiB)")
     cap = "none" if p.cap_workspace is None else format_size(p.cap_workspace)
-    # parse_math=False: names are drawn as given, where matplotlib reads a $ pair as mathematics (and fails on it)
+    # parse_math=False: names are drawn as given, where matplotlib reads a $ pair as mathematics (and fails on it);
+    # a tab or a newline escaped, as the table shows it: the font has no glyph for one
     ax.set_title(
-        f"{p.model}: batch {p.batch}, {p.dtype}, {p.backend}, cap {cap} - "
+        f"{printable(p.model)}: batch {p.batch}, {p.dtype}, {p.backend}, cap {cap} - "
         f"unshared {format_size(p.unshared_bytes)} vs arena {format_size(p.arena_bytes)}",
         parse_math=False,
     )
     if n <= 60:
         ax.set_xticks(range(n))
-        ax.set_xticklabels([lp.name for lp in p.layers], rotation=90, fontsize=6, parse_math=False)
+        ax.set_xticklabels([printable(lp.name) for lp in p.layers], rotation=90, fontsize=6, parse_math=False)
     ax.legend(fontsize=8)
     fig.tight_layout()
     _save(plt, fig, path)
@@ -157,7 +159,7 @@ def plot_curve(t: Any, path: str) -> None:
     ax.set_xlabel("workspace cap (MiB; the arena needs the same)")
     ax.set_ylabel("step time, sum of the chosen algorithms (ms)")
     p = t.uncapped
-    ax.set_title(f"{p.model}: batch {p.batch}, {p.dtype}, {p.backend} ({p.device}), {'+'.join(p.passes)}",
+    ax.set_title(f"{printable(p.model)}: batch {p.batch}, {p.dtype}, {p.backend} ({p.device}), {'+'.join(p.passes)}",
                  fontsize=9, parse_math=False)
     # at least the linear part: a curve whose only cap is 0 (every call has a zero-workspace algorithm that is
     # fastest) would otherwise have an empty axis, which matplotlib warns about
