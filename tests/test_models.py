@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import warnings
 from itertools import pairwise
@@ -371,6 +372,16 @@ def test_unknown_zoo_name_lists_the_zoo():
         load_model("resnet5")
     msg = str(info.value)
     assert "unknown model 'resnet5'" in msg and all(n in msg for n in zoo_names()) and "did you mean 'resnet50'" in msg
+
+
+def test_a_path_that_names_no_file_is_not_called_an_unknown_zoo_model(tmp_path):
+    # it read "not a zoo model (resnet50, ...); did you mean 'resnet50'?" of Path("resnet50")
+    with pytest.raises(ModelError, match=r"^no model file 'resnet50': expected a \.onnx or \.json file; the zoo model "
+                       r"'resnet50' is named by a str, not a path$"):
+        load_model(pathlib.Path("resnet50"))
+    with pytest.raises(ModelError, match=r"^no model file '.*resnet5': expected a \.onnx or \.json file$"):
+        load_model(tmp_path / "resnet5")
+    assert len(load_model("resnet50")) == 53
 
 
 def test_unknown_extension_unreadable_and_not_onnx(tmp_path):

@@ -83,7 +83,8 @@ def load_model(
     ----------
     source : str, path-like or sequence
         A zoo name (see :func:`zoo_names`; case and ``-``/``_`` do not matter), a path to a ``.onnx`` model or
-        a ``.json`` layer list, or a sequence of :class:`ConvLayer` or of layer dicts in the JSON schema.
+        a ``.json`` layer list, or a sequence of :class:`ConvLayer` or of layer dicts in the JSON schema. A zoo
+        name is a str: a path-like object names a file.
     skip_unknown : bool
         ONNX only: leave out, with a warning, convolutions whose shapes stay unknown after shape inference,
         empty ones (a zero in a weight's or input's dims), or those that cannot be expressed (see
@@ -129,6 +130,10 @@ def load_model(
         zoo = ", ".join(zoo_names())
         if os.path.exists(text):
             raise ModelError(f"{text!r}: unknown model file extension {ext or '(none)'!r}; expected .onnx or .json")
+        if not isinstance(source, str):  # a path names a file, never a zoo model
+            named = zoo_model(text) is not None
+            hint = f"; the zoo model {text!r} is named by a str, not a path" if named else ""
+            raise ModelError(f"no model file {text!r}: expected a .onnx or .json file{hint}")
         close = difflib.get_close_matches(text.lower(), zoo_names(), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ModelError(f"unknown model {text!r}: not a zoo model ({zoo}) nor a .onnx or .json file{hint}")
