@@ -234,6 +234,9 @@ def test_text_progress_draws_nothing_where_the_stream_is_not_a_terminal():
         ({"batch": 2.0}, ValueError, "batch"),
         ({"streams": [0, 1]}, ValueError, "assigns 2 layers"),
         ({"streams": [0, -1, 1]}, ValueError, r"streams\[1\] must be a stream index >= 0, not -1"),
+        # four streams for three layers, as streams=4 is; a stream's handle for its index made a list that large
+        ({"streams": [0, 3, 1]}, ValueError, r"streams\[1\] must be a stream index below the model's 3 layer"),
+        ({"streams": [0, 1, 2**46]}, ValueError, r"streams\[2\] must be a stream index below the model's 3 layer"),
         ({"streams": [0, True, 1]}, TypeError, r"streams\[1\] must be an int"),
         ({"streams": [0, 1.0, 1]}, TypeError, r"streams\[1\] must be an int"),
         ({"streams": True}, TypeError, "streams must be an int or a sequence"),

@@ -402,7 +402,8 @@ def models(draw):
               for i, (ch, n) in enumerate(repeats) for j in range(n)]
     passes = draw(st.sampled_from([("fwd",), ("bwd_filter",), ("fwd", "bwd_data"), ("fwd", "bwd_data", "bwd_filter")]))
     streams = draw(st.one_of(st.integers(1, min(3, len(layers))),
-                             st.lists(st.integers(0, 2), min_size=len(layers), max_size=len(layers))))
+                             st.lists(st.integers(0, min(2, len(layers) - 1)), min_size=len(layers),
+                                      max_size=len(layers))))
     return table, layers, passes, streams
 
 

@@ -12,8 +12,8 @@ requests in flight): each stream's sub-arena holds the largest workspace of the 
 K times that. ``streams=[s0, s1, ...]`` assigns layer ``i`` to stream ``s_i`` (an Inception module's branches,
 say): each stream holds the largest workspace of its own layers, and the arena is their sum. Either way the streams
 are those one run of the model spreads its layers over, as the unshared figure is one run's workspaces: a run
-cannot keep more streams busy than it has layers, so ``streams`` above the number of layers is refused (rather
-than clamped, which would report a run other than the one asked for).
+cannot keep more streams busy than it has layers, so ``streams`` above the number of layers, or an index of
+``streams=[...]`` as high, is refused (rather than clamped, which would report a run other than the one asked for).
 
 Layers left out. A layer list from ``load_model(..., skip_unknown=True)`` carries the convolutions it left out
 (``skipped``); the plan keeps them (:attr:`Plan.skipped`), and its totals say that they leave those layers out.
@@ -197,6 +197,11 @@ def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[in
             raise TypeError(f"streams[{i}] must be an int, a stream index, not {s!r}")
         if s < 0:  # -1 would index the last stream's entry
             raise ValueError(f"streams[{i}] must be a stream index >= 0, not {s}")
+        if s >= n_layers:  # as for an int: one stream per entry up to the largest index (a stream's handle, 2**46)
+            raise ValueError(
+                f"streams[{i}] must be a stream index below the model's {n_layers} layer(s), not {s}: one run of the "
+                "model cannot keep more streams busy than it has layers"
+            )
     return False, assignment
 
 
@@ -230,7 +235,7 @@ def plan(
         The cap on one call's workspace; ``None`` for none. Default: the configured cap.
     passes : sequence of ``"fwd"``, ``"bwd_data"``, ``"bwd_filter"``
     streams : int or sequence of int
-        See the module docstring; an int is at most the number of layers.
+        See the module docstring; an int is at most the number of layers, an index below it.
     backend, search : str, optional
         Default: the configured ones. ``auto`` picks cuDNN when a GPU is usable.
     progress : callable, optional
