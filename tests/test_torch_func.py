@@ -158,6 +158,34 @@ def test_vmap_of_transposed_convolutions_matches_torchs(nd, x_shape, w_shape, kw
     assert got.shape == expected.shape and close(got, expected)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize(("in_dims", "bias"), [
+    ((0, None, None), True), ((None, 0, None), True), ((0, 0, 0), True),
+    ((0, None, None), False), ((None, 0, None), False),
+])
+def test_vmap_of_operands_that_require_grad_matches_torchs_and_its_result_changes_in_place(transposed, in_dims, bias):
+    """``vmap`` of a convolution whose operands require gradients (a model's parameters: ``vmap(model)(x)``,
+    an ensemble's stacked parameters), its result changed in place, and autograd's gradients through the vmap.
+    The result was a view made inside a Function, which autograd refuses to change in place (the bias added, a
+    ``relu_``, an ``nn.ReLU(inplace=True)``: a RuntimeError)."""
+    case, functions, make = ((TRANSPOSE_CASES[1], TRANSPOSE_FUNCTIONS, transpose_tensors) if transposed
+                             else (CASES[1], FUNCTIONS, tensors))
+    nd, x_shape, w_shape, kw = case
+    ours, theirs = functions[nd]
+    g = torch.Generator().manual_seed(1)
+    operands = [t.detach() for t in make(x_shape, w_shape)][:3 if bias else 2]
+    args = [(torch.randn(3, *t.shape, dtype=t.dtype, generator=g) if d == 0 else t).requires_grad_()
+            for t, d in zip(operands, in_dims)]
+
+    def run(conv):
+        y = func.vmap(lambda x, w, b=None: conv(x, w, b, **kw).relu_(), in_dims=in_dims[:len(args)])(*args)
+        return y, torch.autograd.grad(y, args, torch.ones_like(y))
+
+    (got, got_grads), (expected, expected_grads) = run(ours), run(theirs)
+    assert got.shape == expected.shape and close(got, expected)
+    assert all(close(a, e) for a, e in zip(got_grads, expected_grads))
+
+
 def test_torch_func_grad_jacrev_and_a_hessian_match_torchs():
     x, w, b = (t.detach() for t in tensors((1, 2, 4, 4), (3, 2, 2, 2)))
 

@@ -287,6 +287,15 @@ def _first(t: Tensor, dim: int | None, size: int) -> Tensor:
     return t.movedim(dim, 0) if dim is not None else t.expand(size, *t.shape)
 
 
+def _split(t: Tensor, dim: int, size: int) -> Tensor:
+    """``t``, a new result, with dimension ``dim`` split in two, ``(size, -1)``: ``unflatten``, but not a view to
+    autograd (``aten::_unsafe_view``, the same memory). A vmapped Function's result is what its forward returns
+    here, and a view made inside a Function is one autograd forbids to change in place (a ``relu_`` after a
+    convolution whose weight requires a gradient)."""
+    shape = list(t.shape)
+    return torch.ops.aten._unsafe_view(t, [*shape[:dim], size, shape[dim] // size, *shape[dim + 1:]])
+
+
 def _as_channels(t: Tensor, dim: int | None, size: int) -> Tensor:
     """``(size, N, C, *spatial)`` as ``(N, size * C, *spatial)``: the mapped dimension as groups of channels."""
     return _first(t, dim, size).movedim(0, 1).flatten(1, 2)
@@ -300,10 +309,10 @@ def _conv_forward_vmap(
     size, (dx, dw) = info.batch_size, in_dims[:2]
     if dw is None:
         y = conv_forward(_first(x, dx, size).flatten(0, 1), w, stride, padding, dilation, groups, layout)
-        return y.unflatten(0, (size, -1)), 0
+        return _split(y, 0, size), 0
     w = _first(w, dw, size).flatten(0, 1)
     y = conv_forward(_as_channels(x, dx, size), w, stride, padding, dilation, groups * size, layout)
-    return y.unflatten(1, (size, -1)), 1
+    return _split(y, 1, size), 1
 
 
 @conv_backward_data.register_vmap
@@ -316,10 +325,10 @@ def _conv_backward_data_vmap(
     if dw is None:
         dx = conv_backward_data(_first(dy, ddy, size).flatten(0, 1), w, [size * batch, channels, *spatial], stride,
                                 padding, dilation, groups, layout)
-        return dx.unflatten(0, (size, -1)), 0
+        return _split(dx, 0, size), 0
     dx = conv_backward_data(_as_channels(dy, ddy, size), _first(w, dw, size).flatten(0, 1),
                             [batch, size * channels, *spatial], stride, padding, dilation, groups * size, layout)
-    return dx.unflatten(1, (size, -1)), 1
+    return _split(dx, 1, size), 1
 
 
 @conv_backward_filter.register_vmap
@@ -331,4 +340,4 @@ def _conv_backward_filter_vmap(
     dw = conv_backward_filter(_as_channels(x, in_dims[0], size), _as_channels(dy, in_dims[1], size),
                               [size * weight_shape[0], *weight_shape[1:]], stride, padding, dilation, groups * size,
                               layout)
-    return dw.unflatten(0, (size, -1)), 0
+    return _split(dw, 0, size), 0
