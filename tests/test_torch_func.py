@@ -160,14 +160,15 @@ def test_vmap_of_transposed_convolutions_matches_torchs(nd, x_shape, w_shape, kw
 
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize(("in_dims", "bias"), [
-    ((0, None, None), True), ((None, 0, None), True), ((0, 0, 0), True),
+    ((0, None, None), True), ((None, 0, None), True), ((None, None, 0), True), ((0, 0, 0), True),
     ((0, None, None), False), ((None, 0, None), False),
 ])
 def test_vmap_of_operands_that_require_grad_matches_torchs_and_its_result_changes_in_place(transposed, in_dims, bias):
     """``vmap`` of a convolution whose operands require gradients (a model's parameters: ``vmap(model)(x)``,
     an ensemble's stacked parameters), its result changed in place, and autograd's gradients through the vmap.
     The result was a view made inside a Function, which autograd refuses to change in place (the bias added, a
-    ``relu_``, an ``nn.ReLU(inplace=True)``: a RuntimeError)."""
+    ``relu_``, an ``nn.ReLU(inplace=True)``: a RuntimeError); and biases mapped alone, with the input and weights
+    not, were added in place to a result that is not mapped (a RuntimeError of shapes)."""
     case, functions, make = ((TRANSPOSE_CASES[1], TRANSPOSE_FUNCTIONS, transpose_tensors) if transposed
                              else (CASES[1], FUNCTIONS, tensors))
     nd, x_shape, w_shape, kw = case

@@ -109,9 +109,12 @@ def _check_bias(bias: Tensor | None, channels: int) -> None:
 def _finished(y: Tensor, bias: Tensor | None, nd: int, unbatched: bool) -> Tensor:
     """``y`` with the bias added by PyTorch, in place, as PyTorch's own convolution adds it (``y`` is the new result,
     which no backward keeps: no second tensor of its size), unbatched again if the input was. A float16 or bfloat16
-    ``y`` is rounded already: PyTorch's CPU kernel adds the bias before rounding (README)."""
+    ``y`` is rounded already: PyTorch's CPU kernel adds the bias before rounding (README). Under torch.func's
+    transforms, a new tensor: ``vmap`` over the biases alone batches the bias and not ``y``, which cannot take a
+    batched value in place."""
     if bias is not None:
-        y = y.add_(bias.reshape(1, -1, *(1,) * nd))
+        bias = bias.reshape(1, -1, *(1,) * nd)
+        y = y + bias if _ops.transforms_active() else y.add_(bias)
     return y.squeeze(0) if unbatched else y
 
 
