@@ -270,6 +270,10 @@ def test_meta_tensors_give_torchs_shapes_through_a_converted_model(autocast):
         (lambda x, w: wt.conv2d(x.long(), w.long()), TypeError, "conv2d takes float16, .* tensors, not torch.int64"),
         (lambda x, w: wt.conv2d(x.cdouble(), w.cdouble()), TypeError, "not torch.complex128"),
         (lambda x, w: wt.conv2d(x.numpy(), w), TypeError, "must be tensors"),
+        # a sparse input failed in PyTorch's contiguous() with "unsupported memory format option Contiguous"
+        (lambda x, w: wt.conv2d(x.to_sparse(), w), TypeError, r"dense tensors \(torch.strided\), not torch.sparse_coo"),
+        (lambda x, w: wt.conv_transpose2d(x, w.transpose(0, 1).to_sparse()), TypeError, "and torch.sparse_coo"),
+        (lambda x, w: wt.conv2d(x.float().to_mkldnn(), w.float()), TypeError, "not torch._mkldnn and torch.strided"),
     ],
 )
 def test_bad_arguments_are_clear_errors(call, error, match):

@@ -93,6 +93,8 @@ def _operands(
                         + (f", bias is {bias.dtype}" if bias is not None else ""))
     if x.dtype not in _FLOATS:  # PyTorch's CPU convolution takes integers too; wsarena's ops do not
         raise TypeError(f"{name} takes float16, bfloat16, float32 or float64 tensors, not {x.dtype}")
+    if x.layout != torch.strided or w.layout != torch.strided:  # sparse or oneDNN (to_mkldnn) tensors
+        raise TypeError(f"{name} takes dense tensors (torch.strided), not {x.layout} and {w.layout}")
     return x, w, bias, unbatched
 
 
