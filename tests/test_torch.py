@@ -8,6 +8,7 @@ autocast within 2e-2 (two bfloat16 roundings of a float32 sum: the inputs' and t
 """
 
 import copy
+import functools
 import sys
 import threading
 import warnings
@@ -766,6 +767,36 @@ def test_a_checkpointed_forward_is_recomputed_under_its_settings_with_checkpoint
         else:  # without it the recomputed forward runs under the settings where backward() runs: uncapped
             assert leased[0] > 0 and leased[1:] == [0, 0]
 
+
+
+def test_selective_checkpointing_that_saves_the_operators_results_matches_torchs(leased):
+    """torch.utils.checkpoint's selective checkpointing, with a policy that saves the forward operators' results,
+    wsarena's and torch's: the recompute runs none of them, and the results and gradients are torch's. The bias was
+    added in place to the operator's result the policy saved, which it refused ("Tensor cached during selective
+    activation checkpoint has been mutated")."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    saved = {torch.ops.wsarena.conv_forward.default, torch.ops.wsarena.conv_backward_data.default,
+             torch.ops.aten.convolution.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    theirs = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Tanh(), torch.nn.ConvTranspose2d(4, 2, 3)).double()
+    ours = wt.convert(copy.deepcopy(theirs))
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+
+    def run(model):
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        y = checkpoint(model, x, use_reentrant=False, context_fn=context_fn)
+        leased.clear()
+        return y, torch.autograd.grad(y, (x, *model.parameters()), torch.ones_like(y))
+
+    got, got_grads = run(ours)
+    assert len(leased) == 4  # the backward: the two layers' backward passes, no forward recomputed
+    expected, expected_grads = run(theirs)
+    assert close(got, expected) and all(close(g, e) for g, e in zip(got_grads, expected_grads))
 
 class Stream:
     """What prepare_capture and the arena read of a torch.cuda.Stream, for the tests below without a GPU."""

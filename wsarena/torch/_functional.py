@@ -108,15 +108,21 @@ def _check_bias(bias: Tensor | None, channels: int) -> None:
         raise ValueError(f"bias must have shape ({channels},), one value per output channel, not {tuple(bias.shape)}")
 
 
+# the TorchDispatchModes in force (which a torch.compile trace cannot ask: a trace functionalizes the add)
+_dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
+
+
 def _finished(y: Tensor, bias: Tensor | None, nd: int, unbatched: bool) -> Tensor:
     """``y`` with the bias added by PyTorch, in place, as PyTorch's own convolution adds it (``y`` is the new result,
     which no backward keeps: no second tensor of its size), unbatched again if the input was. A float16 or bfloat16
-    ``y`` is rounded already: PyTorch's CPU kernel adds the bias before rounding (README). Under torch.func's
-    transforms, a new tensor: ``vmap`` over the biases alone batches the bias and not ``y``, which cannot take a
-    batched value in place."""
+    ``y`` is rounded already: PyTorch's CPU kernel adds the bias before rounding (README). A new tensor where ``y``
+    may not be ours alone to change: under torch.func's transforms (``vmap`` over the biases alone batches the bias
+    and not ``y``, which cannot take a batched value in place) and under a dispatch mode, which may keep the
+    operator's result (selective activation checkpointing refuses a result it saved that has changed since)."""
     if bias is not None:
         bias = bias.reshape(1, -1, *(1,) * nd)
-        y = y + bias if _ops.transforms_active() else y.add_(bias)
+        shared = _ops.transforms_active() or (not torch.compiler.is_compiling() and _dispatch_modes())
+        y = y + bias if shared else y.add_(bias)
     return y.squeeze(0) if unbatched else y
 
 
