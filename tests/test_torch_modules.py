@@ -212,6 +212,31 @@ def test_an_exported_model_trains_as_torchs_does(strict, leased):  # noqa: F811 
     assert all(g is not None and close(g, e) for g, e in zip(got, expected))
 
 
+def test_flop_counter_counts_a_converted_model_as_torchs():
+    """``torch.utils.flop_counter.FlopCounterMode`` counts each operator by PyTorch's formula for the pass it is: a
+    converted model's forward and backward count what PyTorch's convolutions count (they counted nothing), grouped,
+    transposed and 1-D ones among them, and so under ``vmap``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    theirs = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=4),
+                           nn.ConvTranspose2d(8, 4, 3, stride=2, groups=2), nn.Flatten(2),
+                           nn.Conv1d(4, 6, 2, dilation=2))
+    ours = wt.convert(copy.deepcopy(theirs))
+    x = torch.randn(2, 3, 10, 10, requires_grad=True)
+
+    def counted(model):
+        with FlopCounterMode(display=False) as counter:
+            y = model(x)
+            forward = counter.get_total_flops()
+            y.sum().backward()
+            both = counter.get_total_flops()
+            torch.func.vmap(model)(x.detach().expand(3, -1, -1, -1, -1))
+        return forward, both, counter.get_total_flops()
+
+    got = counted(ours)
+    assert got == counted(theirs) and 0 < got[0] < got[1] < got[2]
+
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_the_custom_operators_pass_torch_library_opcheck(fmt, dtype):

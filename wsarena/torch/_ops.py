@@ -13,7 +13,8 @@ Layout: ``"NHWC"`` runs a channels-last tensor (``torch.channels_last``, ``torch
 ops' channels-last layout, on its own memory; its results are channels-last tensors, as PyTorch's are.
 
 Under ``torch.func.vmap`` each operator is one call with the mapped dimension folded into the batch or the groups
-(their ``register_vmap`` rules).
+(their ``register_vmap`` rules). ``torch.utils.flop_counter.FlopCounterMode`` counts each by PyTorch's formula for the
+convolution pass it is.
 
 :func:`call` runs an operator's Python function straight, without PyTorch's dispatcher, where the dispatcher would
 do nothing else (an ordinary forward and backward on plain tensors, and calls in inference mode).
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd import forward_ad
+from torch.utils import flop_counter
 
 from .. import ops
 from .._geometry import output_size
@@ -341,3 +343,28 @@ def _conv_backward_filter_vmap(
                               [size * weight_shape[0], *weight_shape[1:]], stride, padding, dilation, groups * size,
                               layout)
     return _split(dw, 0, size), 0
+
+
+# -- torch.utils.flop_counter ----------------------------------------------------------------------------------------
+# FlopCounterMode counts each operator by PyTorch's own formula for the convolution pass it is, on its logical shapes,
+# so that a converted model counts what PyTorch's convolutions count (without these, nothing).
+
+
+@flop_counter.register_flop_formula(torch.ops.wsarena.conv_forward)
+def _conv_forward_flops(x_shape: list[int], w_shape: list[int], *_: Any, out_shape: list[int], **__: Any) -> int:
+    return flop_counter.conv_flop_count(x_shape, w_shape, out_shape)
+
+
+@flop_counter.register_flop_formula(torch.ops.wsarena.conv_backward_data)
+def _conv_backward_data_flops(dy_shape: list[int], w_shape: list[int], *_: Any, out_shape: list[int],
+                              **__: Any) -> int:
+    return flop_counter.conv_flop_count(dy_shape, w_shape, out_shape, transposed=True)
+
+
+@flop_counter.register_flop_formula(torch.ops.wsarena.conv_backward_filter)
+def _conv_backward_filter_flops(x_shape: list[int], dy_shape: list[int], *_: Any, out_shape: list[int],
+                                **__: Any) -> int:
+    def t(shape: list[int]) -> list[int]:  # channels and batch swapped, as PyTorch counts a weight gradient
+        return [shape[1], shape[0], *shape[2:]]
+
+    return flop_counter.conv_flop_count(t(x_shape), t(dy_shape), t(out_shape))
