@@ -769,6 +769,26 @@ def test_a_checkpointed_forward_is_recomputed_under_its_settings_with_checkpoint
 
 
 
+def test_checkpoint_context_under_torch_compile_gives_torchs_results():
+    """A compiled checkpoint takes from its context_fn only two TorchDispatchModes: checkpoint_context gives those of
+    PyTorch's own compiled checkpointing there, where its two other contexts failed the compile with an
+    AssertionError ("must generate a tuple of two `TorchDispatchMode`s")."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    theirs = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Tanh(), torch.nn.ConvTranspose2d(4, 2, 3)).double()
+    ours = wt.convert(copy.deepcopy(theirs))
+
+    def run(model, **kwargs):
+        x = torch.randn(2, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        compiled = torch.compile(lambda t: checkpoint(model, t, use_reentrant=False, **kwargs), backend="aot_eager",
+                                 fullgraph=True)
+        y = compiled(x)
+        return y, torch.autograd.grad(y.pow(2).sum(), (x, *model.parameters()))
+
+    (got, got_grads), (expected, expected_grads) = run(ours, context_fn=wt.checkpoint_context), run(theirs)
+    assert close(got, expected) and all(close(g, e) for g, e in zip(got_grads, expected_grads))
+
 def test_selective_checkpointing_that_saves_the_operators_results_matches_torchs(leased):
     """torch.utils.checkpoint's selective checkpointing, with a policy that saves the forward operators' results,
     wsarena's and torch's: the recompute runs none of them, and the results and gradients are torch's. The bias was

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function_variadic
+from torch.utils import checkpoint as _checkpoint
 
 from .. import _callsite, _config
 from . import _autograd, _ops, _shapes
@@ -43,8 +44,22 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager[Any], contex
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the recomputed forward
     runs under the settings the checkpointed forward ran under (its ``config()`` block, else the process-wide
     settings), as an ordinary forward's backward passes do; without it, under those in force where ``backward()``
-    runs."""
+    runs. Under ``torch.compile``, which takes only two ``TorchDispatchMode`` objects from a ``context_fn``, those
+    of PyTorch's own checkpointing there (every operator recomputed): the compiled backward, its recompute
+    included, runs under the settings where it runs."""
+    if _checkpoint_compiling(None, (), {}):
+        return _checkpoint.create_selective_checkpoint_contexts(_recompute)
     return contextlib.nullcontext(), _config.using(_config.overridden())
+
+
+def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> _checkpoint.CheckpointPolicy:
+    """The selective checkpointing policy of PyTorch's own compiled checkpointing: recompute every operator."""
+    return _checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# Whether torch.utils.checkpoint traces for torch.compile (AOTAutograd), where it takes a context_fn's two contexts
+# only as TorchDispatchModes (its own test; a private name, so a PyTorch without it runs the contexts as they are)
+_checkpoint_compiling: Callable[[Any, Any, Any], bool] = getattr(_checkpoint, "_is_compiling", lambda *_: False)
 
 
 # Whether autocast is on for any device type that has it (in PyTorch since 2.4); before, asked as if it were.
