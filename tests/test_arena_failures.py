@@ -1,9 +1,10 @@
 """When the provider fails, on either kind of arena: out of memory leaves the arena as it was, other errors pass
 through, and a run of the ops can fall back to what the arena holds."""
 
+import numpy as np
 import pytest
 
-from wsarena.arena import Arena, HostProvider
+from wsarena.arena import Arena, Buffer, HostProvider
 from wsarena.arena._stats import aligned_size
 from wsarena.arena.testing import RecordingProvider
 from wsarena.errors import ArenaOutOfMemoryError
@@ -226,3 +227,44 @@ def test_a_provider_that_returns_nothing_is_an_error_not_a_loop(arena, provider,
     with pytest.raises(TypeError, match="returned None"), arena.lease(4096, stream=key("s")):
         pass
     assert arena.stats().capacity_bytes == 0
+
+
+class _Returning(HostProvider):
+    """Hands out what ``wrap(buffer)`` makes of each host buffer; records what the arena gives back."""
+
+    def __init__(self, wrap, device_id=None):
+        self.wrap = wrap
+        self.device_id = device_id
+        self.given_back = []
+
+    def allocate(self, size, *, stream):
+        return self.wrap(super().allocate(size, stream=stream))
+
+    def deallocate(self, buffer, *, stream):
+        self.given_back.append(buffer)
+
+
+@pytest.mark.parametrize("wrap", [
+    pytest.param(lambda b: b.owner, id="the array"),
+    pytest.param(lambda b: b.ptr, id="the address"),
+    pytest.param(lambda b: Buffer(b.ptr, float(b.size), b.owner), id="a float size"),
+    pytest.param(lambda b: Buffer(None, b.size, b.owner), id="no address"),
+])
+@pytest.mark.parametrize("device_id", [None, 0])
+def test_a_provider_that_returns_no_buffer_is_a_type_error_and_what_it_returned_is_given_back(wrap, device_id):
+    provider = _Returning(wrap, device_id)
+    arena = Arena(provider)
+    with pytest.raises(TypeError, match="allocate returned .* for a request of 4096 bytes, where a Buffer with an int"):
+        arena.reserve(4096, stream=5)
+    assert arena.stats().capacity_bytes == 0 and len(provider.given_back) == 1
+
+
+def test_a_buffer_of_numpy_integers_gives_int_sizes_and_addresses():
+    provider = _Returning(lambda b: Buffer(np.uint64(b.ptr), np.int64(b.size), b.owner))
+    arena = Arena(provider)
+    with arena.lease(1000) as ws:
+        assert type(ws.ptr) is int and ws.ptr > 0
+    stats = arena.stats()
+    assert type(stats.capacity_bytes) is int and stats.capacity_bytes == 1024
+    assert all(type(s.capacity_bytes) is int for s in stats.streams.values())
+    assert repr(arena).endswith("1 stream(s), 1 KiB>")

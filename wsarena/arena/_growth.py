@@ -9,12 +9,13 @@ the arena's methods (``Arena._grow`` and the like), written here to keep each mo
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Hashable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from .._sizes import format_size
+from .._sizes import format_size, short_repr
 from ..errors import ArenaOutOfMemoryError
 from . import _refusals
 from ._interrupts import finish
@@ -106,11 +107,7 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
         # call returns to Python code, and one just after `buffer = allocate(...)` returned would lose the buffer.
         got.extend(map(partial(self.provider.allocate, stream=sub.stream), (size,)))
         buffer = got[0]
-        if buffer is None:
-            raise TypeError(f"{self.provider!r}.allocate returned None for a request of {size} bytes")
-        if buffer.size < size:
-            raise RuntimeError(f"{self.provider!r} returned {buffer!r} for a request of {size} bytes")
-        block = _Block(buffer)
+        block = _Block(buffer, *_address_and_size(self.provider, buffer, size))
     except BaseException as exc:
         if got and got[0] is not None:
             self._to_free.append((got[0], freed_on))  # never installed: no one else would free it
@@ -131,6 +128,23 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
             self._to_free.append((buffer, freed_on))
     if self._table.closed:
         raise self._table.closed_error()
+
+
+def _address_and_size(provider: Any, buffer: Any, size: int) -> tuple[int, int]:
+    """``buffer.ptr`` and ``buffer.size`` as ints, of the buffer ``provider.allocate`` returned for ``size`` bytes:
+    a ``TypeError`` if it is no :class:`~wsarena.arena.Buffer`, a ``RuntimeError`` if it holds less."""
+    if buffer is None:
+        raise TypeError(f"{provider!r}.allocate returned None for a request of {size} bytes")
+    try:
+        ptr, nbytes = operator.index(buffer.ptr), operator.index(buffer.size)
+    except (AttributeError, TypeError):
+        raise TypeError(
+            f"{provider!r}.allocate returned {short_repr(buffer)} for a request of {size} bytes, where a Buffer "
+            "with an int ptr and size is expected"
+        ) from None
+    if nbytes < size:
+        raise RuntimeError(f"{provider!r} returned {buffer!r} for a request of {size} bytes")
+    return ptr, nbytes
 
 
 def _end_growth(self: Arena, sub: _SubArena, token: Any, block: _Block | None, ws: Workspace | None = None) -> None:

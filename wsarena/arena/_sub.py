@@ -44,10 +44,10 @@ class _Block:
 
     __slots__ = ("buffer", "freed", "installed", "pins", "ptr", "size")
 
-    def __init__(self, buffer: Any) -> None:
+    def __init__(self, buffer: Any, ptr: int, size: int) -> None:
         self.buffer = buffer
-        self.ptr: int = buffer.ptr  # copied: the lease fast path reads them, and `buffer` is dropped once freed
-        self.size: int = buffer.size
+        self.ptr = ptr  # the buffer's, as ints: the lease fast path reads them, and `buffer` is dropped once freed
+        self.size = size
         self.freed = False
         # Made a sub-arena's buffer (by install): from then on the sub-arena frees it, so the growth that allocated
         # it must not. Whether it is still current says nothing: a trim or another growth may have let it go since.
