@@ -268,3 +268,31 @@ def test_a_buffer_of_numpy_integers_gives_int_sizes_and_addresses():
     assert type(stats.capacity_bytes) is int and stats.capacity_bytes == 1024
     assert all(type(s.capacity_bytes) is int for s in stats.streams.values())
     assert repr(arena).endswith("1 stream(s), 1 KiB>")
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise ValueError("no message")
+
+
+@pytest.mark.parametrize("raised", [_Unprintable(), MemoryError()], ids=["str() fails", "no message"])
+def test_a_failed_free_warns_naming_the_error_whatever_its_message(arena, provider, key, raised):
+    real_deallocate = provider.deallocate
+
+    def deallocate(buffer, *, stream):
+        real_deallocate(buffer, stream=stream)
+        raise raised
+
+    provider.deallocate = deallocate
+    for stream in "abc":
+        arena.reserve(1000, stream=key(stream))
+    name = type(raised).__name__
+    freed = rf"freeing Buffer\(ptr=0x[0-9a-f]+, size=1024\) failed: {name}$"
+    with pytest.warns(RuntimeWarning, match=freed), arena.lease(5000, stream=key("a")):  # frees the outgrown one
+        pass
+    with pytest.warns(RuntimeWarning, match=name):
+        arena.trim()
+    arena.reserve(1000, stream=key("b"))
+    with pytest.warns(RuntimeWarning, match=name):
+        arena.close()
+    assert provider.held == [] and arena.stats().frees == 5

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import reprlib
 import sys
 import threading
 import warnings
@@ -67,7 +68,10 @@ def give_back(
                         provider.deallocate(buffer, stream=None if stream in unstreamed else stream)
                     except Exception as exc:  # noqa: BLE001 - a failed free must not break a lease's exit
                         if not quiet:
-                            warnings.warn(f"wsarena: freeing {buffer!r} failed: {exc}", RuntimeWarning, stacklevel=3)
+                            warnings.warn(
+                                f"wsarena: freeing {_BUFFER.repr(buffer)} failed: {_failure(exc)}", RuntimeWarning,
+                                stacklevel=3,
+                            )
             except IndexError:  # the queue is empty (another thread may have taken the last one)
                 break
             except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt: raised once the rest are freed
@@ -79,6 +83,19 @@ def give_back(
             raise interrupted
         finally:
             interrupted = None
+
+
+_BUFFER = reprlib.Repr()  # a warning names the buffer even when its repr() fails, and not a whole array of it
+_BUFFER.maxother = 120
+
+
+def _failure(exc: Exception) -> str:
+    """What a warning says of ``exc``: its type, and its message unless that is empty or cannot be had."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - a provider's exception whose __str__ fails is still a failed free
+        text = ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def release_all(provider: Any, table: _Table) -> None:
