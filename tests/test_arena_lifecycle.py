@@ -1,7 +1,9 @@
 """Lifecycle: collected arenas, exited threads and dead streams give their memory back exactly once; exit is clean."""
 
+import copy
 import gc
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -51,6 +53,24 @@ def test_a_closed_arena_is_not_freed_twice_when_collected():
     del arena
     gc.collect()
     assert len(provider.frees) == 1  # RecordingProvider raises on a second free
+
+
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy])
+def test_a_copy_is_the_arena_itself_so_no_finalizer_frees_a_copys_lease(arena_kind, copier):
+    provider = RecordingProvider(device_id=arena_kind.device_id)
+    arena = Arena(provider)
+    copied = copier(arena)
+    assert copied is arena
+    with copied.lease(100, stream=arena_kind.key("x")) as ws:
+        ws.array[:] = 7
+        del arena  # the original's name: the copy leases on
+        gc.collect()
+        assert provider.frees == [] and (ws.array == 7).all()
+
+
+def test_an_arena_cannot_be_pickled():
+    with pytest.raises(TypeError, match="cannot be pickled: call wsarena.get_arena"):
+        pickle.dumps(Arena(RecordingProvider()))
 
 
 def test_a_live_lease_keeps_its_arena_alive():

@@ -87,6 +87,7 @@ class Arena:
       bytes with ``POISON_BYTE`` and raises ``AssertionError`` if two live leases on different streams overlap.
     - Memory is released by :meth:`trim`, :meth:`close`, when the arena is collected, when a stream or thread it
       served is gone, and, for device arenas, at interpreter exit before CUDA is torn down.
+    - ``copy.copy`` and ``copy.deepcopy`` return the arena itself; pickling it is a ``TypeError``.
     """
 
     def __init__(self, provider: Any) -> None:
@@ -341,6 +342,17 @@ class Arena:
             _pinning.forget_released(self._table.captures)
         self._give_back()
         free_posted()  # the pins dropped before their graphs went, once CUDA let go of them
+
+    def __copy__(self) -> Arena:
+        return self  # one arena per table of buffers: a copy's buffers would be freed under it by this one's finalizer
+
+    def __deepcopy__(self, memo: Any) -> Arena:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "an Arena holds memory of this process and cannot be pickled: call wsarena.get_arena() where it is needed"
+        )
 
     def __repr__(self) -> str:
         capacity = sum(sub.capacity() for sub in list(self._subs.values()))  # for repr only: no lock
