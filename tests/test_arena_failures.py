@@ -1,6 +1,8 @@
 """When the provider fails, on either kind of arena: out of memory leaves the arena as it was, other errors pass
 through, and a run of the ops can fall back to what the arena holds."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,7 @@ from wsarena.arena._stats import aligned_size
 from wsarena.arena.testing import RecordingProvider
 from wsarena.errors import ArenaOutOfMemoryError
 
-from .arena_helpers import refusing, snapshot
+from .arena_helpers import Plan, refusing, snapshot
 
 
 def test_failed_growth_raises_with_numbers_and_keeps_the_old_buffer(arena, provider, key):
@@ -296,3 +298,44 @@ def test_a_failed_free_warns_naming_the_error_whatever_its_message(arena, provid
     with pytest.warns(RuntimeWarning, match=name):
         arena.close()
     assert provider.held == [] and arena.stats().frees == 5
+
+
+@pytest.mark.parametrize("outer", ["lease", "reserve"])
+@pytest.mark.parametrize("inner", ["lease", "reserve", "reserve_for"])
+def test_a_provider_that_asks_for_the_stream_it_is_growing_is_refused_not_a_hang(arena, provider, key, outer, inner):
+    stream = key("s")
+    asks = {
+        "lease": lambda: arena.lease(100, stream=stream).__enter__(),
+        "reserve": lambda: arena.reserve(50_000, stream=stream),
+        "reserve_for": lambda: arena.reserve_for(Plan(50_000), streams=[stream]),
+    }
+    real_allocate = provider.allocate
+    errors = []
+
+    def allocate(nbytes, *, stream):
+        provider.allocate = real_allocate
+        try:
+            asks[inner]()
+        except RuntimeError as exc:
+            errors.append(exc)
+            raise
+        return real_allocate(nbytes, stream=stream)
+
+    def grow():
+        with pytest.raises(RuntimeError):
+            if outer == "lease":
+                arena.lease(1000, stream=stream).__enter__()
+            else:
+                arena.reserve(1000, stream=stream)
+
+    provider.allocate = allocate
+    thread = threading.Thread(target=grow, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the growth waits for itself"
+    # a lease inside a lease is the nested lease's error; anything else is this thread's own growth
+    assert len(errors) == 1 and ("already holds a lease" if (outer, inner) == ("lease", "lease") else
+                                 "this thread is growing the workspace") in str(errors[0])
+    with arena.lease(5000, stream=stream):
+        assert arena.stats().leases == 1
+    assert arena.stats().allocations == 1 and len(provider.held) == 1

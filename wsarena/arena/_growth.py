@@ -20,7 +20,7 @@ from ..errors import ArenaOutOfMemoryError
 from . import _refusals
 from ._interrupts import finish
 from ._stats import aligned_size
-from ._sub import _Block, _Owner, _SubArena, park, wait
+from ._sub import _Block, _Owner, _SubArena, park, this_thread, wait
 
 if TYPE_CHECKING:
     from ._arena import Arena
@@ -46,8 +46,11 @@ def _grow_for(self: Arena, ws: Workspace, sub: _SubArena) -> None:
                     return
                 if self._table.kept:  # a growth frees what released graphs held, as trim and stats do
                     self._table.release_kept()
+                sub.grower = this_thread.token
                 token = sub.growing = sub.holder  # the lease's own weak reference: it keeps nothing alive
             else:
+                if sub.grower is this_thread.token:
+                    raise _growing_already(self, sub)
                 waiter = park(sub.growth_waiters, waiter)
         if not over:
             wait(waiter)
@@ -80,8 +83,11 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
                     if refusal is not None:
                         self._table.drop_if_idle(sub)  # made just now, maybe: it holds nothing
                         raise refusal
+                    sub.grower = this_thread.token
                     sub.growing = token
                     break
+                if sub.grower is this_thread.token:
+                    raise _growing_already(self, sub)
                 waiter = park(sub.growth_waiters, waiter)
             wait(waiter)
         try:
@@ -92,6 +98,15 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
     finally:
         if self._to_free:
             self._give_back(key)
+
+
+def _growing_already(self: Arena, sub: _SubArena) -> RuntimeError:
+    """The error of a thread that would wait for its own growth of ``sub``: one that the provider's ``allocate`` (or
+    something it ran) asks for on that stream, which would never end."""
+    return RuntimeError(
+        f"this thread is growing the workspace of stream {sub.key!r} already: {self.provider!r}.allocate, or "
+        "something it ran, asked the arena for that stream's workspace again, which would wait for it forever"
+    )
 
 
 def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: Workspace | None = None) -> None:

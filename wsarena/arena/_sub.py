@@ -135,7 +135,8 @@ class _SubArena:
     is gone the lease can never be released, so whoever finds it so ends it (:func:`wsarena.arena._interrupts.gone`).
     ``holder_block`` is the block the lease uses, which is ``retired`` when ``reserve`` grew the buffer under the
     lease (one lease uses one block, so at most one is retired at a time). ``growing`` is a weak reference to
-    whoever is allocating a larger buffer right now (the lease's ``holder``, or a ``reserve`` call's owner object).
+    whoever is allocating a larger buffer right now (the lease's ``holder``, or a ``reserve`` call's owner object);
+    ``grower``, the thread doing so, which must not wait for it (a provider's ``allocate`` that leases again there).
 
     A buffer that a graph captured (:mod:`wsarena.arena._pins`) is never freed while it is pinned: the current one
     stays current (eager calls and later captures on the stream go on using it), and an outgrown, trimmed or
@@ -147,9 +148,9 @@ class _SubArena:
     """
 
     __slots__ = (
-        "allocations", "anchor", "block", "ending", "growing", "growth_waiters", "growths", "handoff", "high_water",
-        "holder", "holder_block", "holder_nbytes", "holder_thread", "kept", "key", "lane_waiters", "orphan",
-        "retired", "serial", "stream", "stream_id", "to_free", "totals", "used",
+        "allocations", "anchor", "block", "ending", "grower", "growing", "growth_waiters", "growths", "handoff",
+        "high_water", "holder", "holder_block", "holder_nbytes", "holder_thread", "kept", "key", "lane_waiters",
+        "orphan", "retired", "serial", "stream", "stream_id", "to_free", "totals", "used",
     )
 
     def __init__(self, key: Hashable, totals: _Totals, to_free: Queue, kept: list[Any]) -> None:
@@ -169,6 +170,7 @@ class _SubArena:
         self.holder_nbytes = 0
         self.ending: weakref.ref[Any] | None = None  # the _Owner of the holder's release while it poisons the bytes
         self.growing: weakref.ref[Any] | None = None
+        self.grower: object = None  # this_thread.token of the thread that set ``growing`` last
         self.lane_waiters: collections.deque[Any] = collections.deque()
         self.growth_waiters: collections.deque[Any] = collections.deque()
         self.handoff = False
