@@ -8,7 +8,7 @@ import pytest
 from wsarena.arena import Arena
 from wsarena.errors import ArenaOutOfMemoryError
 
-from .arena_helpers import GatedProvider, wait_for_a_waiter
+from .arena_helpers import GatedProvider, Plan, wait_for_a_waiter
 
 
 def test_close_frees_idle_buffers_now_and_busy_ones_at_release(arena, provider, key):
@@ -18,6 +18,20 @@ def test_close_frees_idle_buffers_now_and_busy_ones_at_release(arena, provider, 
         arena.close()  # idempotent
         assert len(provider.frees) == 1
     assert provider.held == []
+
+
+@pytest.mark.parametrize("nbytes", [0, 100])
+def test_a_closed_arena_refuses_a_reserve_as_it_does_a_lease_whatever_it_takes(arena, key, nbytes):
+    arena.reserve(1000, stream=key("s"))
+    arena.close()
+    for call in (
+        lambda: arena.lease(nbytes, stream=key("s")).__enter__(),
+        lambda: arena.reserve(nbytes, stream=key("s")),
+        lambda: arena.reserve_for(Plan(nbytes), streams=[key("s")]),
+    ):
+        with pytest.raises(RuntimeError, match="this arena is closed"):
+            call()
+    assert arena.stats().streams == {}
 
 
 @pytest.mark.parametrize("call", ["reserve", "lease"])

@@ -65,6 +65,8 @@ def _grow_for(self: Arena, ws: Workspace, sub: _SubArena) -> None:
 def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -> None:
     """Grow the sub-arena of ``key`` to hold ``n`` bytes, unless it does already (``Arena.reserve``)."""
     if n == 0:
+        if self._table.closed:  # reserves nothing, yet a closed arena refuses it, as it does a lease of 0 bytes
+            raise self._table.closed_error()
         return
     refusal = self._growth_refusal(key, n)  # a stream being captured cannot grow
     owner = _Owner()  # the growth lasts while this frame does: an interrupt that ends it ends the growth
