@@ -35,6 +35,20 @@ def test_get_arena_bad_device(bad):
         get_arena(bad)
 
 
+@pytest.mark.parametrize("call", [
+    pytest.param(get_arena, id="get_arena"),
+    pytest.param(lambda value: set_arena(value, None), id="set_arena"),
+    pytest.param(lambda value: Arena(HostProvider()).lease(value), id="lease"),
+    pytest.param(lambda value: Arena(HostProvider()).reserve(value), id="reserve"),
+    pytest.param(lambda value: Arena(HostProvider()).lease(1, cap=value), id="cap"),
+])
+@pytest.mark.parametrize("value", ["7" * 100_000, ["x" * 100_000], -(10**5000)], ids=["string", "list", "huge"])
+def test_an_arena_error_quotes_a_long_value_shortened(call, value):
+    with pytest.raises((TypeError, ValueError)) as info:
+        call(value)
+    assert len(str(info.value)) < 200 and "Exceeds the limit" not in str(info.value)
+
+
 def test_set_arena_installs_and_returns_the_old_one():
     mine = Arena(RecordingProvider())
     before = get_arena("cpu")

@@ -38,7 +38,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from .._config import get_config
-from .._sizes import as_int, format_size
+from .._sizes import as_int, format_size, short_repr
 from ..errors import CaptureError, WorkspaceCapError
 from . import _growth, _leases, _pinning, _refusals
 from ._leases import POISON_BYTE
@@ -59,9 +59,9 @@ def _non_negative_int(value: Any, name: str = "nbytes", expected: str | None = N
     (by default "``name`` must be an int"), ``ValueError`` that ``name`` cannot be negative."""
     n = as_int(value)
     if n is None:
-        raise TypeError(f"{expected or f'{name} must be an int'}, not {value!r}")
+        raise TypeError(f"{expected or f'{name} must be an int'}, not {short_repr(value)}")
     if n < 0:
-        raise ValueError(f"{name} cannot be negative: {n}")
+        raise ValueError(f"{name} cannot be negative: {short_repr(n)}")
     return n
 
 

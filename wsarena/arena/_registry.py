@@ -8,6 +8,7 @@ from typing import Any
 from .. import _forksafe
 from .._config import get_config
 from .._gpu import gpu_count, gpu_unusable_reason
+from .._sizes import short_repr
 from ..errors import BackendUnavailableError
 from ._arena import Arena, _non_negative_int
 from .providers import CupyProvider, HostProvider, TorchProvider
@@ -26,7 +27,7 @@ def _device_key(device: Any) -> str | int | None:
     if isinstance(device, str):
         if device.strip().lower() == "cpu":
             return "cpu"
-        raise ValueError(f"device must be 'cpu', a CUDA device ordinal or None, not {device!r}")
+        raise ValueError(f"device must be 'cpu', a CUDA device ordinal or None, not {short_repr(device)}")
     return _non_negative_int(device, "a CUDA device ordinal", "device must be 'cpu', a CUDA device ordinal or None")
 
 
@@ -66,10 +67,10 @@ def get_arena(device: Any = None) -> Arena:
         return _made("cpu", HostProvider)
     if _cuda_in_parent:
         raise BackendUnavailableError(
-            f"get_arena({device!r}) in a process forked after CUDA was initialised: CUDA cannot be used here "
-            "(start workers with the 'spawn' or 'forkserver' method); the cpu arena works"
+            f"get_arena({short_repr(device)}) in a process forked after CUDA was initialised: CUDA cannot be used "
+            "here (start workers with the 'spawn' or 'forkserver' method); the cpu arena works"
         )
-    _require_gpu(f"get_arena({device!r})")
+    _require_gpu(f"get_arena({short_repr(device)})")
     if key is None:
         import cupy
 
@@ -130,7 +131,9 @@ def set_arena(device: Any, arena: Arena | None) -> Arena | None:
     if arena is not None and arena.device != (None if key == "cpu" else key):
         # get_arena() would hand host memory to cuDNN, or one device's memory to another's calls
         where = "the host" if arena.device is None else f"CUDA device {arena.device}"
-        raise ValueError(f"set_arena({device!r}, ...) was given an arena of {where} (its provider's device_id)")
+        raise ValueError(
+            f"set_arena({short_repr(device)}, ...) was given an arena of {where} (its provider's device_id)"
+        )
     with _lock:
         old = _arenas.pop(key, None)
         if arena is not None:
