@@ -211,9 +211,17 @@ def test_defers_growth_checks_its_arguments(arena, key):
 
 
 # --------------------------------------------------------------------- a provider that breaks its contract
-def test_an_object_that_is_no_provider_is_refused():
+class _AllocateOnly:
+    device_id = None
+
+    def allocate(self, size, *, stream):
+        return HostProvider().allocate(size, stream=stream)
+
+
+@pytest.mark.parametrize("provider", [object(), _AllocateOnly()], ids=["nothing", "no deallocate"])
+def test_an_object_that_is_no_provider_is_refused(provider):
     with pytest.raises(TypeError, match="MemoryProvider"):
-        Arena(object())
+        Arena(provider)
 
 
 def test_a_provider_that_returns_too_little_is_an_error_and_its_buffer_is_freed(arena, provider, key):

@@ -93,7 +93,9 @@ class Arena:
     def __init__(self, provider: Any) -> None:
         if isinstance(provider, type):  # its methods are unbound: the first lease would fail on them
             raise TypeError(f"provider {provider!r} is a class: pass an instance, {provider.__name__}(...)")
-        if not hasattr(provider, "device_id") or not callable(getattr(provider, "allocate", None)):
+        if not hasattr(provider, "device_id") or not all(
+            callable(getattr(provider, name, None)) for name in ("allocate", "deallocate")
+        ):  # a provider that cannot free would be given every buffer in vain, and warn of each
             raise TypeError(f"provider {provider!r} is not a MemoryProvider (device_id, allocate, deallocate, ...)")
         self.provider = provider
         self._lanes = provider.device_id is None
