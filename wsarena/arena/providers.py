@@ -77,12 +77,19 @@ class MemoryProvider(Protocol):
         hashable key); a device arena's are CUDA streams (raw handles; the per-thread default stream, handle 2,
         is one sub-arena per thread). Either way a lease excludes other threads from its lane or stream and may
         not nest.
+
+    Notes
+    -----
+    The arena calls its provider without holding its own lock, from whichever thread grows a sub-arena or frees a
+    buffer (a lease's, a finalizer's): several threads at once, for different streams. A provider must be
+    thread-safe, and its ``allocate`` must not ask the arena for the stream it allocates for (``RuntimeError``).
     """
 
     device_id: int | None
 
     def allocate(self, size: int, *, stream: Any) -> Buffer:
-        """Return a new buffer of at least ``size`` (> 0) bytes, usable in stream order on ``stream``."""
+        """Return a new :class:`Buffer` (an int ``ptr`` and ``size``) of at least ``size`` (> 0) bytes, usable in
+        stream order on ``stream``."""
 
     def deallocate(self, buffer: Buffer, *, stream: Any) -> None:
         """Release ``buffer`` after the work already enqueued on ``stream``; ``None``: the stream may be gone."""
