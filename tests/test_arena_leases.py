@@ -1,6 +1,8 @@
 """Leases on either kind of arena: what a lease gives, reuse and disjointness, growth, reserve, trim, stats,
 the cap, and bad input."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -171,6 +173,20 @@ def test_reserve_for_a_plan_presizes_its_streams(arena, provider, key):
     with arena.lease(100_000), arena.lease(4096, stream=key("x")):
         pass
     assert len(provider.allocations) == before
+
+
+def test_reserve_for_refuses_a_plan_for_the_backend_the_arena_does_not_serve(arena_kind, arena, key):
+    layers = [wsarena.ConvLayer("c", (1, 8, 16, 16), (8, 8, 3, 3), padding=(1, 1))]
+    mine = wsarena.plan(layers, backend="cpu")
+    other = dataclasses.replace(mine, backend="cudnn", stream_bytes=(1 << 30,))  # as a deviceless plan for a GPU
+    if not arena_kind.host:
+        mine, other = dataclasses.replace(mine, backend="cudnn"), dataclasses.replace(other, backend="cpu")
+    serves = mine.backend
+    with pytest.raises(ValueError, match=f"the plan is for the {other.backend} backend .* serves the {serves} backend"):
+        arena.reserve_for(other)
+    assert arena.stats().streams == {}
+    arena.reserve_for(mine)
+    assert arena.held_bytes() == mine.held_bytes > 0
 
 
 @pytest.mark.parametrize(

@@ -176,7 +176,9 @@ class Arena:
         Parameters
         ----------
         plan : wsarena.planner.Plan
-            Anything with ``stream_bytes``: the capacity each planned stream needs, in order.
+            Anything with ``stream_bytes``: the capacity each planned stream needs, in order. A plan's ``backend``
+            must be the one the arena serves: ``"cpu"`` for the host arena, ``"cudnn"`` for a device's
+            (``ValueError``).
         streams : iterable, optional
             The stream (or CPU lane) each planned stream will run on, in the same order (a list, a tuple, a
             generator; not a set). By default the calling thread's default stream, which a one-stream plan needs; a
@@ -190,6 +192,13 @@ class Arena:
         stream_bytes = getattr(plan, "stream_bytes", None)
         if isinstance(stream_bytes, (str, bytes)) or not isinstance(stream_bytes, Sequence):
             raise TypeError(f"plan must be a wsarena.plan() result (with stream_bytes), not {plan!r:.80}")
+        backend, serves = getattr(plan, "backend", None), "cpu" if self._lanes else "cudnn"
+        if backend in ("cpu", "cudnn") and backend != serves:  # its sizes are another backend's algorithms'
+            arena = "the host arena" if self._lanes else f"the arena of CUDA device {self.device}"
+            raise ValueError(
+                f"the plan is for the {backend} backend and {arena} serves the {serves} backend: plan with "
+                f"backend={serves!r} for it"
+            )
         sizes = [_non_negative_int(n, "plan.stream_bytes") for n in stream_bytes]
         if streams is None:
             if len(sizes) > 1:
