@@ -20,6 +20,17 @@ def test_close_frees_idle_buffers_now_and_busy_ones_at_release(arena, provider, 
     assert provider.held == []
 
 
+def test_repr_says_what_the_arena_holds_and_whether_it_is_closed(arena, provider, key):
+    name = repr(provider)
+    assert repr(arena) == f"<Arena {name}: 0 stream(s), 0 B>"
+    arena.reserve(1000, stream=key("idle"))
+    with arena.lease(4096, stream=key("busy")):
+        assert repr(arena) == f"<Arena {name}: 2 stream(s), 5 KiB>"
+        arena.close()
+        assert repr(arena) == f"<Arena {name}: 1 stream(s), 4 KiB, closed>"  # the live lease's buffer
+    assert repr(arena) == f"<Arena {name}: 0 stream(s), 0 B, closed>"
+
+
 @pytest.mark.parametrize("nbytes", [0, 100])
 def test_a_closed_arena_refuses_a_reserve_as_it_does_a_lease_whatever_it_takes(arena, key, nbytes):
     arena.reserve(1000, stream=key("s"))

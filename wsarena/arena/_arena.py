@@ -367,7 +367,8 @@ class Arena:
 
     def __repr__(self) -> str:
         capacity = sum(sub.capacity() for sub in list(self._subs.values()))  # for repr only: no lock
-        return f"<Arena {self.provider!r}: {len(self._subs)} stream(s), {format_size(capacity)}>"
+        closed = ", closed" if self._table.closed else ""
+        return f"<Arena {self.provider!r}: {len(self._subs)} stream(s), {format_size(capacity)}{closed}>"
 
     # --------------------------------------------------------- leases, called by Workspace (_leases.py)
     _acquire = _leases._acquire
