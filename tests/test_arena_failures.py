@@ -224,6 +224,14 @@ def test_an_object_that_is_no_provider_is_refused(provider):
         Arena(provider)
 
 
+@pytest.mark.parametrize(("device_id", "error"), [
+    ("cpu", TypeError), ("0", TypeError), (True, TypeError), (0.0, TypeError), (-1, ValueError),
+])
+def test_a_provider_whose_device_id_is_no_ordinal_is_refused(device_id, error):
+    with pytest.raises(error, match="provider.device_id"):
+        Arena(RecordingProvider(device_id=device_id))
+
+
 def test_a_provider_that_returns_too_little_is_an_error_and_its_buffer_is_freed(arena, provider, key):
     real_allocate = provider.allocate
     provider.allocate = lambda nbytes, *, stream: real_allocate(nbytes // 2, stream=stream)

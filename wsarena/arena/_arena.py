@@ -97,6 +97,11 @@ class Arena:
             callable(getattr(provider, name, None)) for name in ("allocate", "deallocate")
         ):  # a provider that cannot free would be given every buffer in vain, and warn of each
             raise TypeError(f"provider {provider!r} is not a MemoryProvider (device_id, allocate, deallocate, ...)")
+        if provider.device_id is not None:  # "cpu" would make a device arena of CUDA streams over the host's memory
+            _non_negative_int(
+                provider.device_id, "provider.device_id",
+                "provider.device_id must be None (host memory) or a CUDA device ordinal",
+            )
         self.provider = provider
         self._lanes = provider.device_id is None
         self._current = None if self._lanes else getattr(provider, "current_stream", None)
