@@ -1,7 +1,9 @@
 """Leases on either kind of arena: what a lease gives, reuse and disjointness, growth, reserve, trim, stats,
 the cap, and bad input."""
 
+import copy
 import dataclasses
+import pickle
 
 import numpy as np
 import pytest
@@ -67,6 +69,16 @@ def test_a_lease_is_entered_once(arena):
         cm.__enter__()
     with pytest.raises(RuntimeError, match="inside its lease"):
         _ = cm.array
+
+
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy])
+def test_a_copy_of_a_lease_is_the_lease_itself(arena, key, copier):
+    with arena.lease(100, stream=key("s")) as ws:
+        copied = copier(ws)
+        copied.__exit__(None, None, None)  # ends the lease itself, not its owner's bytes behind its back
+        assert repr(ws).endswith("released>") and arena.stats().leases == 0
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(arena.lease(100))
 
 
 # ---------------------------------------------------------------------------------------------- growth

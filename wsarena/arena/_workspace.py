@@ -152,6 +152,15 @@ class Workspace:
         self._array = None
         self._anchor = None
 
+    def __copy__(self) -> Self:
+        return self  # a copy of a live lease would end it for its owner, who would go on using bytes no longer held
+
+    def __deepcopy__(self, memo: Any) -> Self:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a Workspace is a lease of this process's memory and cannot be pickled")
+
     def __repr__(self) -> str:
         state = ("not entered", "live", "released")[self._state]
         return f"<Workspace {format_size(self.nbytes)} at {self.ptr:#x} on stream {self.stream!r}, {state}>"
