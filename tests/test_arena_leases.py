@@ -4,6 +4,7 @@ the cap, and bad input."""
 import copy
 import dataclasses
 import pickle
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wsarena
+from wsarena.arena import ArenaStats
 from wsarena.arena._stats import aligned_size
 from wsarena.arena.streams import thread_lane
 from wsarena.errors import ArenaOutOfMemoryError, WorkspaceCapError
@@ -145,6 +147,17 @@ def test_stats_have_attribute_and_item_access(arena, key):
 
 class _Lane:
     """A lane key object: weakly referenceable, equal only to itself."""
+
+
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy, lambda s: pickle.loads(pickle.dumps(s))],
+                         ids=["copy", "deepcopy", "pickle"])
+def test_stats_can_be_copied_and_pickled(arena, key, copier):
+    with arena.lease(5000, stream=key("a")), arena.lease(100):
+        arena.reserve(9000, stream=key("a"))
+        stats = arena.stats()
+    copied = copier(stats)
+    assert type(copied) is ArenaStats and type(copied.streams) is MappingProxyType
+    assert copied.to_dict() == stats.to_dict() and copied.to_dict()["retired_bytes"] == 5120
 
 
 def test_stats_are_keyed_by_the_callers_lane_key_objects(host_arena):

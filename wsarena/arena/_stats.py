@@ -132,6 +132,17 @@ class ArenaStats(_Fields):
     pinned_bytes: int = 0
     refused_bytes: int = 0
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickle and deepcopy cannot take the read-only view of ``streams``: they get a dict, and wrap it again
+        fields = {name: getattr(self, name) for name in self.keys()}
+        fields["streams"] = dict(self.streams)
+        return (_arena_stats, (fields,))
+
+
+def _arena_stats(fields: dict[str, Any]) -> ArenaStats:
+    """An :class:`ArenaStats` from its fields, ``streams`` a plain dict (unpickling)."""
+    return ArenaStats(**{**fields, "streams": MappingProxyType(dict(fields["streams"]))})
+
 
 def snapshot(table: _Table) -> ArenaStats:
     """The stats of the sub-arenas in ``table`` now (the arena's lock held)."""
