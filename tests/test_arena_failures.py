@@ -240,6 +240,16 @@ def test_a_provider_that_returns_too_little_is_an_error_and_its_buffer_is_freed(
     assert provider.held == [] and arena.stats().capacity_bytes == 0
 
 
+def test_a_provider_that_raises_stop_iteration_is_named_not_an_index_error(arena, provider, key):
+    pool = iter([])  # a provider drawing buffers from an exhausted pool with next()
+    provider.allocate = lambda nbytes, *, stream: next(pool)
+    with pytest.raises(RuntimeError, match="allocate raised StopIteration for a request of 4096 bytes"):
+        arena.reserve(4096, stream=key("s"))
+    assert arena.stats().capacity_bytes == 0
+    del provider.allocate
+    arena.reserve(4096, stream=key("s"))
+
+
 def test_a_provider_that_returns_nothing_is_an_error_not_a_loop(arena, provider, key):
     provider.allocate = lambda nbytes, *, stream: None
     with pytest.raises(TypeError, match="returned None"), arena.lease(4096, stream=key("s")):

@@ -123,6 +123,8 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
         # allocate() hands its buffer to `got` within one C call (list.extend over a map): an interrupt lands as a
         # call returns to Python code, and one just after `buffer = allocate(...)` returned would lose the buffer.
         got.extend(map(partial(self.provider.allocate, stream=sub.stream), (size,)))
+        if not got:  # allocate() raised StopIteration (a pool drawn by next()), which ended the map instead
+            raise RuntimeError(f"{self.provider!r}.allocate raised StopIteration for a request of {size} bytes")
         buffer = got[0]
         block = _Block(buffer, *_address_and_size(self.provider, buffer, size))
     except BaseException as exc:

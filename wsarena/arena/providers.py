@@ -24,7 +24,8 @@ Like RAPIDS RMM's adaptors, a provider may wrap an *upstream* one (``wsarena.are
 ========================  ======================================================================
 
 A provider signals "out of memory" by raising ``MemoryError`` (or a subclass); the arena turns that into
-:class:`~wsarena.errors.ArenaOutOfMemoryError`. Any other exception passes through unchanged. CuPy and
+:class:`~wsarena.errors.ArenaOutOfMemoryError`. Any other exception passes through unchanged, but for a
+``StopIteration``, which becomes a ``RuntimeError`` saying so (as it does out of a generator). CuPy and
 cuda.core (and PyTorch) are imported only when a device provider is created.
 """
 
