@@ -134,6 +134,12 @@ def test_none_without_a_current_stream_is_a_type_error():
         resolve_stream(None, lanes=False)
 
 
+@pytest.mark.parametrize("current", [None, "junk"])
+def test_a_current_stream_that_is_none_says_it_is_the_providers(current):
+    with pytest.raises(TypeError, match=rf"stream=None: the provider's current stream, {current!r}, is not a CUDA"):
+        device(None, current=lambda: current)
+
+
 @pytest.mark.parametrize("bad", ["lane", 1.5, b"x", object(), [3], True, PtrStream("nope")])
 def test_device_refuses_other_kinds_naming_the_value(bad):
     with pytest.raises(TypeError) as info:

@@ -223,6 +223,7 @@ def resolve_stream(
 
 def _device_handle(stream: Any, current: Callable[[], Any] | None) -> tuple[int, Any]:
     """The plain ``int`` handle of a device ``stream=`` argument, and the anchor of a stream object."""
+    given = stream
     if stream is None:
         if current is None:
             raise TypeError("stream=None needs the current stream, and this arena's provider has none")
@@ -231,9 +232,10 @@ def _device_handle(stream: Any, current: Callable[[], Any] | None) -> tuple[int,
         return _check_handle(stream, stream), None
     handle = _handle_of(stream)
     if handle is None:
+        what = f"stream={stream!r}" if given is not None else f"stream=None: the provider's current stream, {stream!r},"
         raise TypeError(
-            f"stream={stream!r} is not a CUDA stream: expected None, a raw cudaStream_t int, a CuPy stream "
-            "or an object with __cuda_stream__()"
+            f"{what} is not a CUDA stream: expected None, a raw cudaStream_t int, a CuPy stream or an object with "
+            "__cuda_stream__()"
         )
     return handle, _anchor_of(stream)
 
