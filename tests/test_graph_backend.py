@@ -602,6 +602,58 @@ def test_device_properties_errors_pickle_with_their_file_and_member():
 
 
 
+def _report_in_child(tmp_path, properties):
+    """``wsarena report`` of one small layer against the ``properties`` file, in a child process (which loads the
+    tests' stand-in for libcuda.so.1 where this one did): what cuDNN may crash on must not crash the tests."""
+    model = tmp_path / "one.json"
+    model.write_text(json.dumps([{"name": "c", "input_shape": [1, 8, 16, 16], "weight_shape": [16, 8, 3, 3]}]))
+    stand_ins = [lib._name for lib in driver._loaded]
+    code = ("import ctypes, sys\n"
+            "for path in sys.argv[1:-2]: ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)\n"
+            "from wsarena.cli import main\n"
+            "sys.exit(main(['report', sys.argv[-2], '--device-properties', sys.argv[-1], '--format', 'json']))\n")
+    return subprocess.run([sys.executable, "-c", code, *stand_ins, str(model), str(properties)], capture_output=True,
+                          text=True, timeout=120, check=False, cwd=Path(__file__).parents[1])
+
+
+@pytest.mark.parametrize("name", ["x" * 256, "\u00e9" * 128, "x" * 100_000])
+def test_a_device_name_longer_than_cudnn_holds_is_refused_before_it_overruns_cudnn(finalizing, tmp_path, name):
+    """cuDNN copies deviceName into 256 bytes (cudaDeviceProp's name, its NUL included): 256 bytes or more of UTF-8
+    overran them, and the command died (std::bad_alloc, a double free, a segmentation fault) or planned on. Now
+    bad input naming the member; 255 bytes still plan."""
+    members = json.loads(H100.read_text())
+    members["deviceName"] = name
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(members))
+    result = _report_in_child(tmp_path, path)
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-2000:]
+    assert result.stderr.startswith(f"wsarena: error: {path}: device properties member deviceName is ")
+    assert "at most 255 bytes" in result.stderr and result.stderr.count("\n") == 1
+    members["deviceName"] = "\u00e9" * 127 + "x"  # 255 bytes
+    path.write_text(json.dumps(members))
+    result = _report_in_child(tmp_path, path)
+    assert result.returncode == 0 and result.stderr == ""
+    assert json.loads(result.stdout)["device"].startswith(members["deviceName"] + " (device properties ")
+
+
+@pytest.mark.parametrize("value", [[2147483647.0, 65535, 65535], [1.5, 2, 3], ["1", 1, 1], [True, 1, 1],
+                                   [None, 1, 1], [2**31, 1, 1], [2**32, 65535, 65535]])
+@pytest.mark.parametrize("member", ["maxGridSize", "maxBlockSize"])
+def test_grid_and_block_dimensions_cudnn_would_misread_are_refused(finalizing, tmp_path, member, value):
+    """cuDNN takes any JSON value in these arrays (a float, a string, a number past 32 bits) and plans with what it
+    makes of it: an H100's grid written [2147483647, 65535.0, 65535] changed 75 of ResNet-50's 159 choices, all
+    floats left a layer with no engine. Each must be an integer from 1 to 2147483647, as a GPU reports them."""
+    from wsarena.cudnn.graph import DevicePropertiesError
+
+    members = json.loads(H100.read_text())
+    members[member] = value
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(members))
+    with pytest.raises(DevicePropertiesError, match=rf"^{path}: device properties member {member} is ") as caught:
+        wsarena.plan(wsarena.load_model("resnet50")[:1], device_properties=path)
+    assert caught.value.member == member and "each an integer from 1 to 2147483647" in str(caught.value)
+
+
 @pytest.mark.parametrize("text", ["[" * 100_000, '{"a": ' * 100_000])
 def test_device_properties_nested_too_deep_are_left_to_cudnn(text):
     # the check of the members raised json's RecursionError: `wsarena report --device-properties` exited 3 with it

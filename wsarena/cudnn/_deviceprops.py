@@ -2,8 +2,10 @@
 
 cuDNN reads the JSON's members by name and type (docs/deviceless.md), and refuses a member missing or of another
 type. Values it then accepts that no GPU has (no SMs, a grid of no blocks, compute capability 0.0) end far from the
-file: in no engine for any convolution ("no algorithm"), or in plans sized for no device. wsarena refuses those
-first (:func:`check_members`), naming the file and the member; a member it does not check is left to cuDNN.
+file: in no engine for any convolution ("no algorithm"), or in plans sized for no device; and it reads the grid's and
+the block's dimensions whatever their type (a 65535.0 as some other number), and copies the device's name into 256
+bytes whatever its length (a longer one overruns them: the process aborts). wsarena refuses those first
+(:func:`check_members`), naming the file and the member; a member it does not check is left to cuDNN.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ _NON_NEGATIVE = (
 _TRIPLES = ("maxGridSize", "maxBlockSize")  # x, y, z: each at least 1
 # deviceVer is the compute capability times 100 (900 for 9.0): from 1.0 to below 100.0.
 _DEVICE_VER = (100, 10_000)
+_INT32 = (-(2**31), 2**31 - 1)
+_NAME_BYTES = 255  # cudaDeviceProp.name is char[256], its NUL included
 
 
 class DevicePropertiesError(CudnnBadParamError, ValueError):
@@ -75,6 +79,12 @@ def members(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _shown(value: Any) -> str:
+    """``value`` as the JSON it was read from (control characters escaped), its middle cut past 60 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else f"{text[:28]}...{text[-28:]}"
+
+
 def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -82,8 +92,9 @@ def _integer(value: Any) -> bool:
 def check_members(text: str, source: str | None = None) -> None:
     """Refuse device properties whose values no GPU has, naming ``source`` (the file) and the member.
 
-    Only integer values of the members named in this module are checked: what is no JSON object, a member missing
-    or of another type, is cuDNN's to refuse (its refusal names its version's schema).
+    Checked: integer values of the members named in this module, the grid's and the block's dimensions (which
+    cuDNN reads whatever their type), and the length of the device's name. What is no JSON object, a member
+    missing or of another type, is cuDNN's to refuse (its refusal names its version's schema).
 
     Raises
     ------
@@ -95,8 +106,8 @@ def check_members(text: str, source: str | None = None) -> None:
         return
 
     def refuse(member: str, why: str) -> DevicePropertiesError:
-        return _error(f"device properties member {member} is {found[member]!r}: {why}; these properties describe no "
-                      "GPU (capture them on the GPU: bench/gpu_check.py)", source, member)
+        return _error(f"device properties member {member} is {_shown(found[member])}: {why}; these properties "
+                      "describe no GPU (capture them on the GPU: bench/gpu_check.py)", source, member)
 
     for member in _POSITIVE:
         if _integer(found.get(member)) and found[member] < 1:
@@ -106,8 +117,12 @@ def check_members(text: str, source: str | None = None) -> None:
             raise refuse(member, "it is never negative")
     for member in _TRIPLES:
         value = found.get(member)
-        if isinstance(value, list) and all(map(_integer, value)) and (len(value) != 3 or min(value) < 1):
-            raise refuse(member, "a GPU has 3 dimensions (x, y, z) of at least 1 each")
+        if isinstance(value, list) and not (len(value) == 3 and all(_integer(v) and 1 <= v <= _INT32[1]
+                                                                    for v in value)):
+            raise refuse(member, f"a GPU has 3 dimensions (x, y, z), each an integer from 1 to {_INT32[1]}")
+    name: Any = found.get("deviceName")
+    if isinstance(name, str) and len(name.encode("utf-8", "surrogatepass")) > _NAME_BYTES:
+        raise refuse("deviceName", f"cuDNN holds a name of at most {_NAME_BYTES} bytes (UTF-8)")
     ver: Any = found.get("deviceVer")
     if _integer(ver) and not _DEVICE_VER[0] <= ver < _DEVICE_VER[1]:
         raise refuse("deviceVer", "it is the compute capability times 100, 900 for 9.0")
