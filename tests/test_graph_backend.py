@@ -654,6 +654,62 @@ def test_grid_and_block_dimensions_cudnn_would_misread_are_refused(finalizing, t
     assert caught.value.member == member and "each an integer from 1 to 2147483647" in str(caught.value)
 
 
+@pytest.mark.parametrize(("edit", "named"), [
+    ({"warpSize": None}, [("warpSize", "no member warpSize")]),
+    ({"deviceName": None}, [("deviceName", "no member deviceName")]),
+    ({"warpSize": "32"}, [("warpSize", 'member warpSize is "32", where cuDNN reads an integer from -2147483648')]),
+    ({"maxCtasPerSM": 32.0}, [("maxCtasPerSM", "member maxCtasPerSM is 32.0, where")]),
+    ({"l2CacheSize": 2**31}, [("l2CacheSize", "member l2CacheSize is 2147483648, where")]),
+    ({"totalGlobalMem": 2**64}, [("totalGlobalMem", "to 18446744073709551615")]),
+    ({"deviceName": 5}, [("deviceName", "member deviceName is 5, where cuDNN reads a string")]),
+    ({"maxBlockSize": "x"}, [("maxBlockSize", 'member maxBlockSize is "x", where cuDNN reads 3 integers')]),
+    ({"memoryBusWidth": None, "deviceVer": "900"}, [("memoryBusWidth", "no member memoryBusWidth"),
+                                                    ("deviceVer", 'member deviceVer is "900", where')]),
+    ({"smCountOrigin": None, "oversizedSharedMemoryPerBlock": None, "isTccDriver": False},
+     [("isTccDriver", "member isTccDriver is false, where")]),  # the two cuDNN 9.28 does without are not named
+])
+def test_the_members_cudnn_refuses_are_named(finalizing, capsys, tmp_path, edit, named):
+    """cuDNN's refusal of a member missing or of another type names none (``!json_object.HasMember(key)``,
+    ``!json_object.Is<T>()``): the error names each member that made it refuse, in the order cuDNN reads them, and
+    only those (``member``: the first)."""
+    from wsarena.cudnn import load_library
+    from wsarena.cudnn.graph import DevicePropertiesError
+
+    if load_library().version < 92800:
+        pytest.skip("the members read are cuDNN 9.28's")
+    members = json.loads(H100.read_text())
+    for key, value in edit.items():
+        if value is None:
+            del members[key]
+        else:
+            members[key] = value
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(members))
+    with pytest.raises(DevicePropertiesError, match="refuses these device properties") as caught:
+        wsarena.plan(wsarena.load_model("resnet50")[:1], device_properties=path)
+    message = str(caught.value)
+    assert caught.value.member == named[0][0]
+    assert message.count("no member ") + message.count(", where cuDNN reads ") == len(named), message
+    at = [message.index(says) for _, says in named]
+    assert at == sorted(at), message
+    assert main(["report", "resnet50", "--device-properties", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert all(says in err for _, says in named) and err.count("\n") == 1
+
+
+def test_another_versions_capture_names_the_member_this_cudnn_misses(finalizing):
+    """cuDNN 9.19 wrote no smCountOrigin, oversizedSharedMemoryPerBlock or memoryBusWidth; 9.28 needs only the
+    last: that one is named."""
+    from wsarena.cudnn import load_library
+    from wsarena.cudnn.graph import DevicePropertiesError
+
+    if load_library().version < 92800:
+        pytest.skip("the members read are cuDNN 9.28's")
+    captured = Path(__file__).parent / "data" / "h200-cudnn91900.json"
+    with pytest.raises(DevicePropertiesError, match=r"refuses these device properties \(no member memoryBusWidth\)"):
+        device_properties_backend(captured.read_text(), str(captured))
+
+
 @pytest.mark.parametrize("text", ["[" * 100_000, '{"a": ' * 100_000])
 def test_device_properties_nested_too_deep_are_left_to_cudnn(text):
     # the check of the members raised json's RecursionError: `wsarena report --device-properties` exited 3 with it

@@ -1,11 +1,12 @@
 """Device properties (``CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR``, cuDNN 9.8+): a GPU's, or one described in JSON.
 
 cuDNN reads the JSON's members by name and type (docs/deviceless.md), and refuses a member missing or of another
-type. Values it then accepts that no GPU has (no SMs, a grid of no blocks, compute capability 0.0) end far from the
-file: in no engine for any convolution ("no algorithm"), or in plans sized for no device; and it reads the grid's and
-the block's dimensions whatever their type (a 65535.0 as some other number), and copies the device's name into 256
-bytes whatever its length (a longer one overruns them: the process aborts). wsarena refuses those first
-(:func:`check_members`), naming the file and the member; a member it does not check is left to cuDNN.
+type, without naming it: wsarena then names it (:func:`device_properties`). Values it then accepts that no GPU has
+(no SMs, a grid of no blocks, compute capability 0.0) end far from the file: in no engine for any convolution ("no
+algorithm"), or in plans sized for no device; and it reads the grid's and the block's dimensions whatever their type
+(a 65535.0 as some other number), and copies the device's name into 256 bytes whatever its length (a longer one
+overruns them: the process aborts). wsarena refuses those first (:func:`check_members`), naming the file and the
+member; a member it does not check is left to cuDNN.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ._enums import BackendAttributeType as T
 from ._enums import BackendDescriptorType as D
 from ._enums import Status
 from ._library import load_library
-from ._status_errors import CudnnBadParamError, CudnnNotSupportedArchMismatchError
+from ._status_errors import CudnnBadParamError, CudnnError, CudnnNotSupportedArchMismatchError
 from .backend import BackendDescriptor, has_attribute
 
 __all__ = ["DevicePropertiesError", "check_members", "device_properties", "device_properties_json", "members"]
@@ -38,8 +39,22 @@ _NON_NEGATIVE = (
 _TRIPLES = ("maxGridSize", "maxBlockSize")  # x, y, z: each at least 1
 # deviceVer is the compute capability times 100 (900 for 9.0): from 1.0 to below 100.0.
 _DEVICE_VER = (100, 10_000)
+# The members cuDNN 9.28 reads, in its order (docs/deviceless.md), and the integers it reads them as
+# (cudaDeviceProp's: int, totalGlobalMem a size_t). deviceName is a string, the triples are 3 ints each.
+_KNOWN = (
+    "maxGridSize", "maxBlockSize", "regsPerBlock", "multiProcessorCount", "smCountOrigin", "warpSize",
+    "maxSharedMemoryPerBlock", "maxSharedMemoryPerBlockOptin", "oversizedSharedMemoryPerBlock",
+    "reservedSharedMemoryPerBlock", "maxRegistersPerSM", "maxCtasPerSM", "maxThreadsPerBlock", "maxThreadsPerSM",
+    "pciDeviceId", "isTccDriver", "supportCoopLaunch", "smClockRateKHz", "memClockRateKHz", "memoryBusWidth",
+    "l2CacheSize", "deviceName", "deviceVer", "driverVer", "totalGlobalMem", "cudaDeviceId",
+)
 _INT32 = (-(2**31), 2**31 - 1)
+_RANGES = {name: (0, 2**64 - 1) if name == "totalGlobalMem" else _INT32 for name in _KNOWN
+           if name not in (*_TRIPLES, "deviceName")}
 _NAME_BYTES = 255  # cudaDeviceProp.name is char[256], its NUL included
+# What stands in for a member missing or misread while the members cuDNN refused are looked for; else 1
+_PLACEHOLDERS = {"maxGridSize": [1, 1, 1], "maxBlockSize": [1, 1, 1], "deviceName": "GPU", "deviceVer": 900,
+                 "smCountOrigin": 0}
 
 
 class DevicePropertiesError(CudnnBadParamError, ValueError):
@@ -94,7 +109,7 @@ def check_members(text: str, source: str | None = None) -> None:
 
     Checked: integer values of the members named in this module, the grid's and the block's dimensions (which
     cuDNN reads whatever their type), and the length of the device's name. What is no JSON object, a member
-    missing or of another type, is cuDNN's to refuse (its refusal names its version's schema).
+    missing or of another type, is cuDNN's to refuse (:func:`device_properties` then names the member).
 
     Raises
     ------
@@ -139,8 +154,9 @@ def device_properties(
     ------
     DevicePropertiesError
         ``text`` describes no GPU this cuDNN plans for: a value no GPU has (:func:`check_members`, naming the
-        member), or cuDNN refused it (its reason in the message; for a member missing it names none), or cuDNN
-        does not support the GPU it describes (``NOT_SUPPORTED_ARCH_MISMATCH``).
+        member), or cuDNN refused it (its reason in the message, and the members missing or of another type that
+        made it refuse, the first as ``member``), or cuDNN does not support the GPU it describes
+        (``NOT_SUPPORTED_ARCH_MISMATCH``).
     BackendUnavailableError
         The loaded cuDNN is older than 9.8, which has no device properties.
     """
@@ -169,10 +185,60 @@ def device_properties(
             message = (f"cuDNN {version} does not support the GPU these device properties describe (deviceVer "
                        f"{ver!r}, its compute capability times 100): {exc}")
             raise _error(message, source, "deviceVer", exc.status, exc.func_name, exc.context) from None
-        message = (f"cuDNN {version} refuses these device properties: {exc}. They must be JSON with the members "
-                   "this cuDNN version reads, as it serialises them on the GPU (bench/gpu_check.py captures them; "
-                   "docs/deviceless.md)")
-        raise _error(message, source, None, exc.status, exc.func_name, exc.context) from None
+        culprits = _refused_members(members(text))
+        named = f" ({'; '.join(why for _, why in culprits)})" if culprits else ""
+        message = (f"cuDNN {version} refuses these device properties{named}: {exc}. They must be JSON with the "
+                   "members this cuDNN version reads, as it serialises them on the GPU (bench/gpu_check.py captures "
+                   "them; docs/deviceless.md)")
+        member = culprits[0][0] if culprits else None
+        raise _error(message, source, member, exc.status, exc.func_name, exc.context) from None
+
+
+def _misread(member: str, value: Any) -> str | None:
+    """Why cuDNN cannot read ``value`` as ``member`` (a type or range this module knows it reads); ``None``."""
+    if member == "deviceName":
+        return None if isinstance(value, str) else "a string"
+    if member in _TRIPLES:
+        return None if isinstance(value, list) and len(value) == 3 and all(map(_integer, value)) else "3 integers"
+    low, high = _RANGES[member]
+    return None if _integer(value) and low <= value <= high else f"an integer from {low} to {high}"
+
+
+def _accepted(found: dict[str, Any]) -> bool:
+    props = BackendDescriptor(D.DEVICEPROP_DESCRIPTOR)
+    with props:
+        try:
+            props.set(A.DEVICEPROP_JSON_REPRESENTATION, T.CHAR, json.dumps(found)).finalize()
+        except CudnnError:
+            return False
+    return True
+
+
+def _refused_members(found: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """``(member, why)`` of the members that made cuDNN refuse ``found``: those of :data:`_KNOWN` missing, or of
+    another type or range than it reads. cuDNN's reason names none (``!json_object.HasMember(key)``,
+    ``!json_object.Is<T>()``), so each is put right with a placeholder, and a member is named if cuDNN still refuses
+    the properties put right but for it. Empty when that finds none (or ``found`` is no JSON object)."""
+    if found is None:
+        return []
+    suspects = {name: "no member " + name for name in _KNOWN if name not in found}
+    for name in _KNOWN:
+        why = _misread(name, found[name]) if name in found else None
+        if why is not None:
+            suspects[name] = f"member {name} is {_shown(found[name])}, where cuDNN reads {why}"
+    if not suspects:
+        return []
+    fixed = {**found, **{name: _PLACEHOLDERS.get(name, 1) for name in suspects}}
+    if not _accepted(fixed):
+        return []
+    culprits = []
+    for name in (name for name in _KNOWN if name in suspects):
+        undone = {k: v for k, v in fixed.items() if k != name}
+        if name in found:
+            undone[name] = found[name]
+        if not _accepted(undone):
+            culprits.append((name, suspects[name]))
+    return culprits
 
 
 def device_properties_json(props: BackendDescriptor) -> str:
