@@ -154,6 +154,23 @@ def test_device_properties_decide_the_backend_search_and_api_whatever_their_vari
         wsarena.plan(resnet50[:2], device_properties=path)
 
 
+def test_device_properties_in_a_file_whose_name_starts_with_a_brace(resnet50, offline_properties, monkeypatch,
+                                                                     capsys):
+    """A path is a file whatever its name, and so is the command's FILE: ``{gpu}.json`` was taken for the JSON text
+    itself, and cuDNN refused its name as properties, naming no file."""
+    from wsarena.cli import main
+
+    path, made = offline_properties
+    braced = path.rename(path.with_name("{gpu}.json"))
+    wsarena.plan(resnet50[:1], device_properties=braced)
+    monkeypatch.chdir(braced.parent)
+    assert main(["report", "resnet50", "--device-properties", "{gpu}.json", "--format", "json"]) == 0
+    assert capsys.readouterr().err == ""
+    assert made == [str(braced), "{gpu}.json"]
+    wsarena.plan(resnet50[:1], device_properties=' {"warpSize": 32}')  # a str that starts as JSON is the text
+    assert made[-1] is None
+
+
 def test_an_exhaustive_plan_leases_under_its_own_cap(resnet50):
     with config(cap_workspace="1KiB"):  # the configured cap is not the plan's: the search's leases follow the plan
         p = wsarena.plan(resnet50[:1], backend="cpu", search="exhaustive", cap_workspace=None, passes=("fwd",))

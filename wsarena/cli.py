@@ -16,6 +16,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from ._cli_args import UsageError, input_shapes, parser, unplanned_batches
@@ -215,7 +216,7 @@ def _report(args: argparse.Namespace) -> int:
             model=args.model,
             progress=bar if exhaustive else None,
             max_slowdown=args.max_slowdown,
-            device_properties=args.device_properties,
+            device_properties=None if args.device_properties is None else Path(args.device_properties),
         )
     if args.plot is not None:
         from .plot import plot_plan

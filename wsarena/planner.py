@@ -246,8 +246,9 @@ def plan(
         the same measurements. Excludes ``cap_workspace``; the search is exhaustive.
     device_properties : str or path, optional
         A GPU's properties as cuDNN serialises them to JSON (``bench/gpu_check.py`` captures them): the JSON text
-        or a file holding it. Plans for that GPU through cuDNN's graph API, on this machine, with no GPU
-        (``backend`` must then be ``cudnn`` or left out, and ``search`` heuristic; docs/deviceless.md).
+        (a str that starts with ``{``) or a file holding it (another str, or a path). Plans for that GPU through
+        cuDNN's graph API, on this machine, with no GPU (``backend`` must then be ``cudnn`` or left out, and
+        ``search`` heuristic; docs/deviceless.md).
     """
     skipped = skipped_layers(layers)
     layers = checked_layers(layers)
@@ -264,7 +265,9 @@ def plan(
         if not isinstance(text, str):  # a dict of them, or bytes: os.fspath's own error named nothing
             raise TypeError("device_properties must be the JSON text or a file holding it (a str or a path), not "
                             f"{device_properties!r:.80}")
-        source = None if text.lstrip().startswith("{") else text
+        # a path is a file, whatever its name ({gpu}.json); a str is the JSON text where it starts as one
+        file = isinstance(device_properties, os.PathLike) or not text.lstrip().startswith("{")
+        source = text if file else None
         try:
             device_properties = text if source is None else Path(text).read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
