@@ -2,7 +2,10 @@
 
 import io
 import json
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -169,6 +172,39 @@ def test_device_properties_in_a_file_whose_name_starts_with_a_brace(resnet50, of
     assert made == [str(braced), "{gpu}.json"]
     wsarena.plan(resnet50[:1], device_properties=' {"warpSize": 32}')  # a str that starts as JSON is the text
     assert made[-1] is None
+
+
+def test_device_properties_larger_than_any_gpus_are_refused_unread(resnet50, offline_properties):
+    """A GPU's properties take about 1 KiB: more than 64 KiB, in a file or as text, is bad input, and no more of a
+    file is read (cuDNN copied 50 MiB of them over and over, to 3 GiB)."""
+    path, made = offline_properties
+    path.write_text("{}" + " " * (64 << 10))
+    with pytest.raises(ValueError, match=rf"^device properties '{path}' are larger than 64 KiB: a GPU's take about"):
+        wsarena.plan(resnet50[:1], device_properties=path)
+    with pytest.raises(ValueError, match="^device properties given as text are larger than 64 KiB"):
+        wsarena.plan(resnet50[:1], device_properties=path.read_text())
+    assert made == []
+    path.write_text("{}" + " " * ((64 << 10) - 2))
+    wsarena.plan(resnet50[:1], device_properties=path)
+    assert made == [str(path)]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero, a file without end")
+def test_device_properties_from_a_file_without_end_are_refused(tmp_path):
+    """``--device-properties /dev/zero`` read until memory ran out, then exited 3 with an empty error line (a
+    MemoryError's); a child under a 3 GiB address-space limit, so that the test machine's memory is not what runs
+    out."""
+    model = tmp_path / "one.json"
+    model.write_text(json.dumps([{"name": "c", "input_shape": [1, 8, 16, 16], "weight_shape": [16, 8, 3, 3]}]))
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+            "from wsarena.cli import main\n"
+            "sys.exit(main(['report', sys.argv[1], '--device-properties', '/dev/zero']))\n")
+    result = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == ("wsarena: error: device properties '/dev/zero' are larger than 64 KiB: a GPU's take about "
+                             "1 KiB (bench/gpu_check.py captures them)\n")
 
 
 def test_an_exhaustive_plan_leases_under_its_own_cap(resnet50):

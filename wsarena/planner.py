@@ -26,19 +26,20 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._geometry import DTYPES, ConvGeometry
 from ._pass import PASSES
-from ._sizes import as_int, short_repr
+from ._sizes import as_int, format_size, short_repr
 from .algos import select
 from .backends import Candidate, device_properties_backend, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
 from .models._layer import ConvLayer
 
 __all__ = ["LayerPlan", "Plan", "plan"]
+
+_PROPERTIES_MAX_BYTES = 64 << 10  # device properties: a GPU's take about 1 KiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,13 +269,9 @@ def plan(
         # a path is a file, whatever its name ({gpu}.json); a str is the JSON text where it starts as one
         file = isinstance(device_properties, os.PathLike) or not text.lstrip().startswith("{")
         source = text if file else None
-        try:
-            device_properties = text if source is None else Path(text).read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"device properties {text!r} are not a JSON text file (not UTF-8: {exc})") from None
-        except (OSError, ValueError) as exc:  # as load_model() names a model file it cannot read; ValueError: a NUL
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-            raise ValueError(f"cannot read the device properties {text!r}: {why}") from None
+        if not file:
+            _refuse_large(len(text.encode("utf-8", "surrogatepass")), "given as text")
+        device_properties = _read_properties(text) if file else text
     if max_slowdown is not None:
         if cap_workspace is not _FROM_CONFIG:
             raise ValueError("give cap_workspace or max_slowdown, not both: max_slowdown chooses the cap")
@@ -292,6 +289,30 @@ def plan(
         p = _plan(layers, cfg, batch=batch, dtype=dtype, layout=layout, passes=passes, streams=streams,
                   model=model, progress=progress, device_properties=device_properties, properties_source=source)
     return dataclasses.replace(p, skipped=skipped) if skipped else p
+
+
+def _read_properties(path: str) -> str:
+    """The text of the device properties file ``path``, of which no more is read than :func:`_refuse_large` allows
+    (``/dev/zero`` has no end)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_PROPERTIES_MAX_BYTES + 1)
+    except (OSError, ValueError) as exc:  # as load_model() names a model file it cannot read; ValueError: a NUL
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ValueError(f"cannot read the device properties {path!r}: {why}") from None
+    _refuse_large(len(data), repr(path))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"device properties {path!r} are not a JSON text file (not UTF-8: {exc})") from None
+
+
+def _refuse_large(size: int, what: str) -> None:
+    """Refuse device properties far larger than any GPU's: cuDNN copies the text over and over while it plans
+    (properties padded to 50 MiB held 3 GiB while one layer was planned)."""
+    if size > _PROPERTIES_MAX_BYTES:
+        raise ValueError(f"device properties {what} are larger than {format_size(_PROPERTIES_MAX_BYTES)}: a GPU's "
+                         "take about 1 KiB (bench/gpu_check.py captures them)")
 
 
 def _dtype_name(dtype: Any) -> str:
