@@ -636,6 +636,22 @@ def test_a_device_name_longer_than_cudnn_holds_is_refused_before_it_overruns_cud
     assert json.loads(result.stdout)["device"].startswith(members["deviceName"] + " (device properties ")
 
 
+def test_a_device_name_with_control_characters_is_shown_escaped(finalizing, capsys, tmp_path):
+    """The device's name comes from the properties file: a newline or an escape sequence in it broke the table's
+    header line and reached the terminal, where a layer's name is shown escaped; the JSON keeps it as it is."""
+    members = json.loads(H100.read_text())
+    members["deviceName"] = "H100\n\x1b[31mred\t"
+    path, model = tmp_path / "gpu.json", tmp_path / "one.json"
+    path.write_text(json.dumps(members))
+    model.write_text(json.dumps([{"name": "c", "input_shape": [1, 8, 16, 16], "weight_shape": [16, 8, 3, 3]}]))
+    assert main(["report", str(model), "--device-properties", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\t" not in out
+    assert out.splitlines()[1].startswith("backend cudnn (H100\\n\\x1b[31mred\\t (device properties ")
+    assert main(["report", str(model), "--device-properties", str(path), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device"].startswith("H100\n\x1b[31mred\t (device properties ")
+
+
 @pytest.mark.parametrize("value", [[2147483647.0, 65535, 65535], [1.5, 2, 3], ["1", 1, 1], [True, 1, 1],
                                    [None, 1, 1], [2**31, 1, 1], [2**32, 65535, 65535]])
 @pytest.mark.parametrize("member", ["maxGridSize", "maxBlockSize"])

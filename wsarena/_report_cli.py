@@ -84,7 +84,7 @@ def render_table(p: Any) -> str:
     lines = [
         f"wsarena {__version__} workspace report: {printable(p.model)}",
         (
-            f"backend {p.backend} ({p.device})  dtype {p.dtype}  layout {p.layout}  batch {p.batch}  "
+            f"backend {p.backend} ({printable(p.device)})  dtype {p.dtype}  layout {p.layout}  batch {p.batch}  "
             f"cap {cap}  streams {p.streams}  search {p.search}"
         ),
         "",
