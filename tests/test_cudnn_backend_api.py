@@ -229,6 +229,22 @@ def _since_in_headers() -> dict[str, int]:
     return {m[1]: int(m[2]) * 10000 + int(m[3]) * 100 + int(m[4]) for m in pattern.finditer(text)}
 
 
+def test_a_ctrl_c_anywhere_in_a_cudnn_call_is_a_keyboard_interrupt():
+    """ctypes reads an argument's ``_as_parameter_``, Python code, and turns what it raises into ArgumentError: a
+    Ctrl-C landing there came out as ``ArgumentError: argument 1: KeyboardInterrupt:`` (``wsarena report`` exited
+    3 with that line, planning). Every place of a call where CPython runs a signal handler is tried; only
+    KeyboardInterrupt may come out (another exception fails the test)."""
+    from .interrupts import interrupt_at_check
+
+    t = BackendDescriptor(D.TENSOR_DESCRIPTOR)
+    t.set(A.TENSOR_UNIQUE_ID, T.INT64, 1)  # the function declared first: a run interrupted there declares it again
+    n = 1
+    while interrupt_at_check(n, t.set, A.TENSOR_UNIQUE_ID, T.INT64, 1):
+        n += 1
+    assert n > 20  # the call's own checks were reached
+    t.close()
+
+
 def test_attributes_newer_than_cudnn_9_0_that_wsarena_uses_are_gated_by_their_version():
     """OPTIONAL_ATTRIBUTES holds, with the headers' version, every attribute the graph code sets or reads that
     cuDNN 9.0 lacks: reading ENGINECFG_WORKSPACE_SIZE (9.2) on 9.0 or 9.1 would fail for every geometry."""

@@ -21,6 +21,7 @@ from .. import _forksafe
 from . import _errors
 from ._errors import CudnnSymbolError, check
 from ._library import load_library
+from ._owned import Owned
 from ._structs import ConvolutionBwdDataAlgoPerfStruct, ConvolutionBwdFilterAlgoPerfStruct, ConvolutionFwdAlgoPerfStruct
 
 __all__ = ["OPTIONAL", "PROTOTYPES", "LibraryProperty", "available", "bind_all", "call", "function", "get_property"]
@@ -254,7 +255,9 @@ def call(name: str, *args: object, context: str | Callable[[], str] = "") -> Non
     fn = function(name)
     if name not in _NOT_CLEARED:
         _errors.clear_last_error()
-    check(fn(*args), name, context)
+    # An owned object's pointer is read here, not by ctypes through its _as_parameter_: ctypes turns whatever that
+    # Python code raises, a Ctrl-C's KeyboardInterrupt too, into ArgumentError("argument 1: KeyboardInterrupt: ").
+    check(fn(*[arg.handle if isinstance(arg, Owned) else arg for arg in args]), name, context)
 
 
 def available(name: str) -> bool:
