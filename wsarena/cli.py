@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,50 @@ class OutputError(Exception):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    with _one_line_warnings():
+    with _one_line_warnings(), _kept_interrupts():
         return _main(argv)
+
+
+_lost: list[type[BaseException]] = []  # the interrupts a finalizer raised while the command ran (below)
+
+
+@contextlib.contextmanager
+def _kept_interrupts() -> Iterator[None]:
+    """A Ctrl-C that lands in a finalizer or another weakref callback, which the collector runs anywhere (planning
+    destroys cuDNN descriptors all the time), raises ``KeyboardInterrupt`` there, and Python only reports it
+    ("Exception ignored in ..."): the command went on and exited 0. Such an interrupt is kept instead, and raised
+    after the next layer planned (:func:`_progress`) or when planning is over (:func:`_raise_kept`)."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            _lost.append(unraisable.exc_type)
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+        _lost.clear()
+
+
+def _raise_kept() -> None:
+    """Raise the interrupt a finalizer raised, if one did (:func:`_kept_interrupts`)."""
+    if _lost:
+        _lost.clear()
+        raise KeyboardInterrupt
+
+
+def _progress(bar: Any) -> Callable[[int, int, str], None]:
+    """What the planner calls after each layer: the progress bar, if any, once an interrupt kept is raised."""
+    def progress(done: int, total: int, name: str) -> None:
+        _raise_kept()
+        if bar is not None:
+            bar(done, total, name)
+
+    return progress
 
 
 @contextlib.contextmanager
@@ -214,10 +256,11 @@ def _report(args: argparse.Namespace) -> int:
             passes=args.passes,
             streams=args.streams,
             model=args.model,
-            progress=bar if exhaustive else None,
+            progress=_progress(bar if exhaustive else None),
             max_slowdown=args.max_slowdown,
             device_properties=None if args.device_properties is None else Path(args.device_properties),
         )
+        _raise_kept()
     if args.plot is not None:
         from .plot import plot_plan
 
@@ -249,7 +292,8 @@ def _tune(args: argparse.Namespace) -> int:
     with config(**given), _progress_bar() as bar:
         t = tune(layers, batch=args.batch, dtype=args.dtype, layout=args.layout, passes=args.passes,
                  streams=args.streams, backend=args.backend, max_slowdown=args.max_slowdown, model=args.model,
-                 progress=bar)
+                 progress=_progress(bar))
+        _raise_kept()
     if args.plot is not None:
         from .plot import plot_curve
 
