@@ -385,6 +385,42 @@ def test_device_properties_plan_candidates_with_workspace_sizes(finalizing):
         backend.run("fwd", chosen[0], GEOM, None, None, None, None, None)
 
 
+def test_only_the_last_device_properties_asked_for_keep_their_plans(finalizing):
+    """A backend, with its plans (up to plan_cache_size: some 20 MiB for ResNet-50), was kept for every distinct
+    device properties text a process planned for: a sweep over GPUs, or over one property, grew without end. The
+    last 8 asked for are kept; an older one is let go, and its plans are destroyed once it is collected."""
+    from wsarena.backends import _backends
+
+    members = json.loads(H100.read_text())
+    texts = []
+    for i in range(10):
+        members["l2CacheSize"] = (i + 1) << 20
+        texts.append(json.dumps(members))
+
+    def kept():
+        return [key.removeprefix("cudnn:properties:") for key in _backends if key.startswith("cudnn:properties:")]
+
+    backends = []
+    for text in texts[:8]:
+        backends.append(device_properties_backend(text))
+        backends[-1].candidates("fwd", GEOM)
+    plans = [[weakref.ref(plan.descriptor) for plan in backend._plans.built()] for backend in backends]
+    assert all(plans) and kept() == texts[:8]
+    assert device_properties_backend(texts[0]) is backends[0]  # asked for again: now the last
+    backends.clear()
+    device_properties_backend(texts[8])
+    gc.collect()
+
+    def destroyed(refs):
+        return all(ref() is None for ref in refs)
+
+    assert kept() == [*texts[2:8], texts[0], texts[8]]
+    assert destroyed(plans[1]) and not any(ref() is None or ref().closed for ref in plans[0] + plans[2])
+    device_properties_backend(texts[9])
+    gc.collect()
+    assert kept() == [*texts[3:8], texts[0], texts[8], texts[9]] and destroyed(plans[2])
+
+
 def test_a_real_plan_a_graph_ran_is_destroyed_only_once_the_graph_is_gone(finalizing):
     """What test_capture_gpu.py's eviction test takes for granted, with execution plans cuDNN finalizes here for an
     H100: the plan cache's eviction alone would destroy a plan (its descriptor collected, so destroyed); one a graph

@@ -148,6 +148,8 @@ def resolve_backend_name(name: str) -> str:
 
 _backends: dict[str, Backend] = {}
 _lock = _forksafe.lock()  # guards _backends: each backend is built once per process
+_PROPERTIES = "cudnn:properties:"  # the key of a device properties backend: this, then the JSON text
+_PROPERTIES_KEPT = 8  # device properties backends kept, each with its plans: those asked for last
 
 
 def get_backend(name: str, api: str | None = None) -> Backend:
@@ -193,8 +195,10 @@ def get_backend(name: str, api: str | None = None) -> Backend:
 def device_properties_backend(properties_json: str, source: str | None = None) -> Backend:
     """A cudnn backend on cuDNN's graph API that plans for the GPU these device properties describe (JSON that
     cuDNN serialised on that GPU, ``bench/gpu_check.py`` captures it first of all), on any machine: it ranks engine
-    configurations and gives their workspace sizes, and runs nothing. Cached per JSON text. ``source``: the file
-    the JSON came from, which the errors name.
+    configurations and gives their workspace sizes, and runs nothing. Cached per JSON text, for the last
+    :data:`_PROPERTIES_KEPT` texts asked for: an older one is let go, and its plans destroyed once collected
+    (each backend keeps up to ``plan_cache_size`` of them, some 20 MiB for ResNet-50). ``source``: the file the JSON
+    came from, which the errors name.
 
     Raises
     ------
@@ -206,9 +210,12 @@ def device_properties_backend(properties_json: str, source: str | None = None) -
         The properties describe no GPU this cuDNN plans for (not JSON, not the members this cuDNN version reads,
         a value no GPU has, naming the member): a ``CudnnBadParamError`` and a ``ValueError``.
     """
-    key = "cudnn:properties:" + properties_json
+    key = _PROPERTIES + properties_json
     backend = _backends.get(key)
     if backend is not None:
+        with _lock:
+            if _backends.get(key) is backend:  # the most recently asked for last
+                _backends[key] = _backends.pop(key)
         return backend
     from .. import cudnn
     from ._cudnn_graph import CudnnGraphBackend
@@ -221,7 +228,12 @@ def device_properties_backend(properties_json: str, source: str | None = None) -
             f"driver library libcuda.so.1, which is missing here (a GPU is not needed): {exc}"
         ) from None
     with _lock:
-        return _backends.setdefault(key, made)
+        if key not in _backends:
+            held = [k for k in _backends if k.startswith(_PROPERTIES)]
+            for older in held[: max(len(held) - _PROPERTIES_KEPT + 1, 0)]:
+                del _backends[older]  # its plans are destroyed with it, once no thread still plans with it
+            _backends[key] = made
+        return _backends[key]
 
 
 def reset_backends() -> None:
