@@ -368,6 +368,27 @@ def test_a_first_call_during_capture_raises_before_anything_runs(cpu_conv):
     assert_captured_call_is_right(provider, x, w, eager, algo="gemm_batch")
 
 
+@pytest.mark.parametrize(("change", "settings"), [
+    ({"cap_workspace": 4096}, "(cap_workspace 4 KiB, algo_search heuristic)"),
+    ({"algo_search": "exhaustive"}, "(cap_workspace none, algo_search exhaustive)"),
+])
+def test_a_capture_under_settings_changed_since_the_eager_step_says_so(cpu_conv, change, settings):
+    """A configure() between the eager step and a captured call: the shape was run, but its algorithm was chosen under
+    other settings, and cannot be chosen during the capture. The CaptureError names the settings in force and says to
+    run the step under them; once, it called the call the first of its shape, which the user knew it was not. Under
+    the step's settings again, the capture runs."""
+    provider, x, w = cpu_conv
+    eager = wsarena.conv_forward(x, w, padding=1, stream="lane")
+    graph = provider.begin_capture("lane")
+    with wsarena.config(**change), pytest.raises(wsarena.CaptureError) as refused:
+        wsarena.conv_forward(x, w, padding=1, stream="lane")
+    provider.end_capture(graph)
+    graph.close()
+    assert f"under the settings in force {settings}" in str(refused.value)
+    assert "before capturing, under the same settings (a configure() since the eager step" in str(refused.value)
+    assert_captured_call_is_right(provider, x, w, eager)
+
+
 @pytest.mark.filterwarnings("ignore::wsarena.errors.MemoryFallbackWarning")  # the eager search is cut short on purpose
 def test_a_capture_after_a_search_cut_short_by_memory_runs_the_ranking_it_kept(cpu_conv, monkeypatch,
                                                                                   refusal_clock):

@@ -261,10 +261,12 @@ def _choice(record: _Record, pass_: Pass, cfg: Config, operands: tuple[Any, Any,
         if not algos.is_cached(backend, pass_, geom, cap=cap, search=search):
             capturing = backend.arena().capturing(stream=stream)
             if capturing and not algos.is_chosen(backend, pass_, geom, cap=cap, search=search):
+                limit = "none" if cap is None else format_size(cap)
                 raise CaptureError(
-                    f"the first {pass_} call of this shape ({describe_geometry(geom)}) came during CUDA graph "
-                    "capture, where its algorithm cannot be chosen (a search or a cuDNN query is not a graph node): "
-                    "run the step once before capturing"
+                    f"the first {pass_} call of this shape ({describe_geometry(geom)}) under the settings in force "
+                    f"(cap_workspace {limit}, algo_search {search}) came during CUDA graph capture, where its "
+                    "algorithm cannot be chosen (a search or a cuDNN query is not a graph node): run the step once "
+                    "before capturing, under the same settings (a configure() since the eager step changes them)"
                 )
         # A search cut short by memory runs again once memory allows, but not in a capture: the kept ranking serves.
         chosen = select(backend, pass_, geom, cap=cap, search=search, operands=operands, stream=stream,
