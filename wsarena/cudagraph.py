@@ -11,8 +11,10 @@
 
 A capture stream that holds no workspace starts with a buffer as large as the largest one the device's arena holds
 (the eager step's), so the eager step may run on any stream; warm up on the stream you then pass to :func:`capture`
-to hold no second buffer. Inside the block every wsarena call is recorded, not run. A call that would have to
-search, finalize a plan, create a handle or grow the arena (a ``reserve`` too) raises
+to hold no second buffer. Inside the block every wsarena call on its stream is recorded, not run: one with
+``stream=None`` too, unless its operands are PyTorch tensors, which run on PyTorch's current stream (the block makes
+its stream CuPy's current one, not PyTorch's; capture a PyTorch step with ``torch.cuda.graph``). A call that would
+have to search, finalize a plan, create a handle or grow the arena (a ``reserve`` too) raises
 :class:`~wsarena.errors.CaptureError` instead (nothing is enqueued); so does a call once the capture was invalidated
 by an earlier error. Handles and plans are per thread: warm up on the thread that captures. Each workspace buffer
 the graph uses stays allocated, at the same address, until the graph is destroyed, even if the arena grows or is
@@ -186,8 +188,10 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
         Where to capture; a new non-blocking stream by default. Not the legacy default stream, which CUDA
         cannot capture (the per-thread default stream, ``cupy.cuda.Stream.ptds``, it can), nor one being captured
         already (``ValueError``).
-        It is the current CuPy stream inside the block, so calls with ``stream=None`` are captured. Before the
-        capture begins, a stream that holds no workspace gets the largest buffer the current device's arena holds.
+        It is the current CuPy stream inside the block, so calls with ``stream=None`` are captured, except those on
+        PyTorch tensors: they run on PyTorch's current stream, which the block does not change, and are not
+        captured. Before the capture begins, a stream that holds no workspace gets the largest buffer the current
+        device's arena holds.
     mode : ``"global"``, ``"thread_local"`` or ``"relaxed"``
         CUDA's capture mode: which CUDA calls of other threads are refused while the capture is under way.
         ``"relaxed"``, CuPy's own default, lets CuPy's memory pool allocate the block's new arrays.
