@@ -13,6 +13,7 @@ it; the guess here: the stream leaves capture mode, as CUDA's documentation of t
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 
 import pytest
@@ -548,6 +549,72 @@ def test_a_capture_begun_on_the_stream_before_the_blocks_own_is_not_ended_by_the
     provider.end_capture(theirs[0])
     theirs[0].close()
     assert_left_clean(provider, arena)
+
+
+def test_a_block_refused_as_another_block_captures_its_stream_leaves_that_capture_its_record(misuse, monkeypatch):
+    """Two blocks on one stream in two threads: the second checks that the stream is not captured before the first
+    begins its capture, so it records the stream and is refused only by CUDA. The first capture keeps its record:
+    frees with no stream (a device synchronisation) wait for it, and its stream object watches the buffer until it is
+    over. Once, the refused block dropped the record, and a free with no stream was made during the capture."""
+    provider, arena, cupy = misuse
+    provider.stream_ids[S] = 1  # the stream's id: its buffer is watched by a stream object, checked when it dies
+    eager = cupy.cuda.Stream(S)
+    arena.reserve(1000, stream=eager)  # the eager step's, on the stream of the capture
+    real, asked = wsarena.cudagraph._capturing, []
+
+    def asked_before_the_first_began(runtime, ptr):
+        asked.append(ptr)
+        return len(asked) > 1 and real(runtime, ptr)
+
+    first = cupy.cuda.Stream(S)
+    with wsarena.capture(first) as graph:
+        monkeypatch.setattr(wsarena.cudagraph, "_capturing", asked_before_the_first_began)
+        second = cupy.cuda.Stream(S)
+        with pytest.raises(RuntimeError, match="capturing already"), wsarena.capture(second):
+            pass
+        monkeypatch.setattr(wsarena.cudagraph, "_capturing", real)
+        assert arena._table.capturing == {S: None}
+        del second
+        gc.collect()
+        free_with_no_stream(arena, 0x700)  # another thread's
+        step(arena, first)
+    assert len(graph.graph.fake_graph.pins) == 1
+    assert_left_clean(provider, arena, graph)
+
+
+def test_a_block_whose_stream_another_block_began_to_capture_first_leaves_that_capture_alone(misuse, monkeypatch):
+    """Two blocks on one stream in two threads: the second seeds and begins its capture between the first's seeding
+    and its begin_capture, which CUDA refuses. The second capture keeps its record (frees with no stream wait for it)
+    and its stream object goes on watching the buffer, whatever becomes of the first block's stream object. Once, the
+    refused block dropped the record, and gave the buffer back to its own stream object, whose death then made the
+    second capture's step a CaptureError."""
+    provider, arena, cupy = misuse
+    provider.stream_ids[S] = 1
+    eager = cupy.cuda.Stream(S)
+    arena.reserve(1000, stream=eager)
+    seed = wsarena.cudagraph.seed_workspace
+    second = cupy.cuda.Stream(S)
+    blocks = []
+
+    def the_other_block_begins_first(arena_, stream):
+        if not blocks:
+            blocks.append(wsarena.capture(second))
+            blocks.append(blocks[0].__enter__())
+        seed(arena_, stream)
+
+    monkeypatch.setattr(wsarena.cudagraph, "seed_workspace", the_other_block_begins_first)
+    first = cupy.cuda.Stream(S)
+    with pytest.raises(RuntimeError, match="capturing already"), wsarena.capture(first):
+        pass
+    cm, graph = blocks
+    assert arena._table.capturing == {S: None}
+    del first
+    gc.collect()
+    free_with_no_stream(arena, 0x700)
+    step(arena, second)
+    cm.__exit__(None, None, None)
+    assert len(graph.graph.fake_graph.pins) == 1
+    assert_left_clean(provider, arena, graph)
 
 
 def test_an_interrupt_in_the_block_after_the_capture_ended_by_hand_leaves_nothing(misuse):

@@ -241,11 +241,12 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
         # Refused before anything is recorded: CUDA would refuse to begin a second capture there, and the record
         # and the end of a capture made below are for this block's own
         raise ValueError(f"stream {stream.ptr:#x} is being captured already: end that capture first")
-    from .arena._pinning import unwatch_capture, watch_capture
+    from .arena._pinning import recorded_for_another, unwatch_capture, watch_capture
     from .arena._registry import open_arena
 
     graph = CapturedGraph(stream)
     own = None  # the id of the block's capture, once read
+    mark = None  # what watch_capture returned
     another = False  # whether its stream captures for another, found as the block ends
     with stream:
         arena = open_arena(int(cupy.cuda.Device().id))  # none yet: no eager step ran, and the capture will say so
@@ -253,7 +254,7 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
             if arena is not None:
                 # Recorded before the seeding: a trim or an eviction of idle streams in another thread, before the
                 # capture's first lease, would free the seeded buffer, which the capture cannot allocate again.
-                watch_capture(arena, stream, beginning=True)
+                mark = watch_capture(arena, stream, beginning=True)
                 seed_workspace(arena, stream)
             refused = False
             try:
@@ -279,12 +280,16 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
                 # asked whether it began: a Ctrl-C just after begin_capture returned comes before any flag could say.
                 why = f"its capture block was left by {type(exc).__name__}, and its capture was discarded"
                 graph._failed(_State.RAISED, f"{why}: capture again")
-                if not refused:
-                    with contextlib.suppress(Exception):
-                        if _capturing(runtime, stream.ptr):
-                            another = _another(stream.ptr, own)
-                            if not another:
-                                stream.end_capture()
+                with contextlib.suppress(Exception):
+                    if refused:
+                        # One under way is another's, begun since the check above: another block's (in another
+                        # thread) keeps the stream's record, which frees with no stream wait for.
+                        another = (arena is not None and mark is not None and recorded_for_another(arena, mark)
+                                   and _capturing(runtime, stream.ptr))
+                    elif _capturing(runtime, stream.ptr):
+                        another = _another(stream.ptr, own)
+                        if not another:
+                            stream.end_capture()
                 raise
         finally:
             # Else recorded until a free with no stream finds the capture over. Another's capture under way keeps the

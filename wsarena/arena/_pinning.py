@@ -70,15 +70,17 @@ class _Beginning:
 BEGINNING = _Beginning()
 
 
-def watch_capture(self: Arena, stream: Any, beginning: bool = False) -> None:
+def watch_capture(self: Arena, stream: Any, beginning: bool = False) -> tuple[bool, int]:
     """``stream`` was just made to capture (by :func:`wsarena.capture`): frees with no stream wait while its capture
     may go on, from now on. A capture begun elsewhere is known from its first lease; before that, one in CUDA's global
     mode on a non-blocking stream is seen by no question the arena could ask. With ``beginning``, the capture is
     about to begin, and the stream's buffer about to be seeded: a trim, or another thread's eviction of idle streams,
-    leaves it from now on (:data:`BEGINNING`). (Lock not held.)"""
+    leaves it from now on (:data:`BEGINNING`). Returns what :func:`recorded_for_another` reads: whether the stream
+    was recorded already, and the count of watches with this one. (Lock not held.)"""
     key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
     with self._lock:
         self._table.watches += 1  # first: counted, the record is never taken for one made before
+        mark = (key in self._table.capturing, self._table.watches)
         self._table.capturing[key] = BEGINNING if beginning else None
         if beginning and anchor is not None and key in self._table.subs:
             # The buffer's stream object may be gone (one made per call): ``stream`` adopts it now, while the
@@ -88,20 +90,38 @@ def watch_capture(self: Arena, stream: Any, beginning: bool = False) -> None:
             old = self._table.rewatch(self._table.sub_for(key, anchor), anchor)
             if old is not None:
                 self._table.rewatched[key] = old
+    return mark
+
+
+def recorded_for_another(self: Arena, mark: tuple[bool, int]) -> bool:
+    """Whether the record a :func:`wsarena.capture` block made of its stream (``mark``: what :func:`watch_capture`
+    returned) may be another block's now, so that a capture of another's under way there keeps it: the stream was
+    recorded when the block began to watch it, or a block began to watch a stream since."""
+    recorded, watches = mark
+    return recorded or self._table.watches != watches
 
 
 def unwatch_capture(self: Arena, stream: Any, over: bool = True) -> None:
     """The block of :func:`wsarena.capture` on ``stream`` is over: the stream object that watched its buffer before
-    the block (:func:`watch_capture`) watches it again, if it lives. ``over``: so is the capture recorded there
-    (ended, or discarded), and nothing waits for it any more; its stream is evicted as idle streams are, whether or
-    not a lease came there (else another's capture under way there keeps the record). Lock not held."""
-    key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
+    the block (:func:`watch_capture`) watches it again, if it lives, unless another block's stream object watches it
+    now (a block on the same stream in another thread, whose capture may be under way: its end gives the watch back).
+    ``over``: so is the capture recorded there (ended, or discarded, or none begun), and nothing waits for it any more;
+    its stream is evicted as idle streams are, whether or not a lease came there. Else another's capture under way
+    there keeps the record, as one begun (not :data:`BEGINNING`), which a free with no stream forgets once that
+    capture is over. Lock not held."""
+    key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
     with self._lock:
-        old = self._table.rewatched.pop(key, None)
-        if old is not None:
-            self._table.watch_back(key, old)
+        table = self._table
+        sub = table.subs.get(key)
+        old = table.rewatched.get(key)
+        if old is not None and (sub is None or sub.serial != old.serial or sub.anchor is None
+                                or sub.anchor() is anchor):
+            table.watch_back(key, old)
+            del table.rewatched[key]
         if over:
-            self._table.capturing.pop(key, None)
+            table.capturing.pop(key, None)
+        elif table.capturing.get(key, False) is BEGINNING:
+            table.capturing[key] = None
 
 
 def _pin_for(self: Arena, capture: Any) -> Any:
