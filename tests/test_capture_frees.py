@@ -297,7 +297,7 @@ def test_a_seeding_that_fails_begins_no_capture_and_leaves_nothing_recorded(capt
     provider, arena, cupy = captures
     arena.reserve(1000, stream=S1)
     provider.fail_next = 1
-    with pytest.raises(MemoryError), wsarena.capture(cupy.cuda.Stream(0x60)):
+    with pytest.raises(wsarena.ArenaOutOfMemoryError), wsarena.capture(cupy.cuda.Stream(0x60)):
         pass
     assert cupy.modes == [] and arena._table.capturing == {}
     arena.trim()

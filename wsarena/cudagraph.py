@@ -208,6 +208,9 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
         A bad ``stream`` or ``mode``, or a stream that cannot be captured now (see above); nothing was done.
     BackendUnavailableError
         No GPU is usable.
+    ArenaOutOfMemoryError
+        The stream holds no workspace, and the buffer it is given before the capture begins could not be allocated;
+        no capture was begun. Run the eager step on that stream, which then holds its own.
     CaptureError
         (inside the block) A call needed something a capture cannot hold; run the step once before capturing.
         (as the block ends) Its capture could not be ended into a graph: an error inside the block invalidated it,
