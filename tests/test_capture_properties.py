@@ -62,6 +62,7 @@ class PinningMachine(RuleBasedStateMachine):
         self.frees_seen = 0  # the provider's frees the invariants have looked at
         self.held = {}  # handle -> (Workspace, (ptr, size) of the buffer it uses) of a lease held across steps
         self.retired = {}  # handle -> (ptr, size) of the buffer a reserve outgrew under the held lease
+        self.owners = {}  # id of each Buffer the arena allocated -> (the Buffer, the handle it was allocated for)
 
     def teardown(self):
         for ws, _ in getattr(self, "held", {}).values():
@@ -126,6 +127,7 @@ class PinningMachine(RuleBasedStateMachine):
             return
         size = aligned_size(n)
         current = self.arena._subs[handle].block
+        self.owners[id(current.buffer)] = (current.buffer, handle)
         assert current.size == size and (ptr is None or ptr == current.ptr)
         if old is not None:
             assert current.ptr != old[0]
@@ -337,13 +339,16 @@ class PinningMachine(RuleBasedStateMachine):
         current = {held[0] for held in self.buffer.values() if held is not None}
         current |= {ptr for ptr, _ in self.retired.values()}
         assert current | set(pins) <= held <= current | set(pins) | waiting
-        # Nothing was freed on a stream being captured, nor with no stream while a capture the arena knows goes on
-        for _, stream in self.provider.frees[self.frees_seen:]:
+        # Nothing was freed on a stream being captured, nor with no stream while a capture the arena knows goes on;
+        # each buffer is freed in its stream's order (with no stream only where that may be gone: OBJECT's)
+        for buffer, stream in self.provider.frees[self.frees_seen:]:
             assert self._capture_of(stream) is None and not (stream is None and known)
+            _, handle = self.owners.pop(id(buffer))
+            assert stream == handle or (stream is None and handle == OBJECT)
         self.frees_seen = len(self.provider.frees)
 
 
 TestPinning = PinningMachine.TestCase
 TestPinning.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
