@@ -212,6 +212,34 @@ def test_an_exported_model_trains_as_torchs_does(strict, leased):  # noqa: F811 
     assert all(g is not None and close(g, e) for g, e in zip(got, expected))
 
 
+def test_a_saved_exported_program_loads_in_a_new_process_that_imports_wsarena_torch(tmp_path):
+    """``torch.export.save`` writes the operators by name (``torch.ops.wsarena.*``): a process that imports
+    wsarena.torch first (README) loads and runs the program, giving PyTorch's results (float64, 1e-10); one that
+    does not cannot resolve them, as with any custom operator's library."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    theirs = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.ConvTranspose2d(4, 2, 2, stride=2)).double()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    torch.export.save(torch.export.export(wt.convert(copy.deepcopy(theirs)), (x,)), tmp_path / "model.pt2")
+    torch.save({"x": x, "expected": theirs(x).detach()}, tmp_path / "data.pt")
+    script = (
+        "import sys, torch\n"
+        "if sys.argv[1] == 'import': import wsarena.torch\n"
+        f"data = torch.load({str(tmp_path / 'data.pt')!r})\n"
+        f"y = torch.export.load({str(tmp_path / 'model.pt2')!r}).module()(data['x'])\n"
+        "error = (y - data['expected']).abs().max() / data['expected'].abs().max()\n"
+        "print(float(error))\n"
+    )
+    run = [sys.executable, "-c", script]
+    loaded = subprocess.run([*run, "import"], capture_output=True, text=True, timeout=240, check=False)
+    assert loaded.returncode == 0, loaded.stderr
+    assert float(loaded.stdout) < 1e-10
+    missing = subprocess.run([*run, "no-import"], capture_output=True, text=True, timeout=240, check=False)
+    assert missing.returncode != 0 and "torch.ops.wsarena.conv_forward" in missing.stderr
+
+
 def test_flop_counter_counts_a_converted_model_as_torchs():
     """``torch.utils.flop_counter.FlopCounterMode`` counts each operator by PyTorch's formula for the pass it is: a
     converted model's forward and backward count what PyTorch's convolutions count (they counted nothing), grouped,
