@@ -654,6 +654,24 @@ def test_cap_warnings_under_torch_compile_name_the_call_and_the_backward_call():
     assert _cap_warnings(run, ("fwd", "bwd_data", "bwd_filter")) == {(__file__, lines[0]), (__file__, lines[1])}
 
 
+def test_a_config_block_in_a_compiled_function_is_a_graph_break_whose_calls_run_under_it():
+    """Dynamo cannot trace the block's context variable: it runs the block eagerly between compiled pieces."""
+    conv = wt.Conv2d(4, 6, 3)
+    x = torch.randn(2, 4, 8, 8)
+
+    def capped(x):
+        with wsarena.config(cap_workspace=0):
+            return conv(x)
+
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(capped, backend="aot_eager", fullgraph=True)(x)
+    with pytest.warns(wsarena.WorkspaceCapWarning) as warned:
+        y = torch.compile(capped, backend="aot_eager")(x)
+    assert "cap 0 B" in str(warned[0].message)
+    assert wsarena.get_config().cap_workspace is None  # the block ended
+    torch.testing.assert_close(y, torch.nn.functional.conv2d(x, conv.weight, conv.bias))  # float32's defaults
+
+
 def _dense(operand):
     """Whether an operand the ops get is dense: a tensor, or on the host the NumPy view wsarena.torch makes of one."""
     return operand.flags.c_contiguous if isinstance(operand, np.ndarray) else operand.is_contiguous()
