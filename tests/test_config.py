@@ -16,6 +16,7 @@ import pytest
 import wsarena
 from wsarena import Config, _config, config, configure, format_size, get_config, parse_size
 from wsarena._report_cli import render_table
+from wsarena._sizes import format_percent, format_seconds
 
 from .interrupts import interrupt_at_check
 
@@ -102,6 +103,21 @@ def test_parse_size_rejects_negative_int():
 )
 def test_format_size(n, text):
     assert format_size(n) == text
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(2.5, "2.500 s"), (1.0, "1.000 s"), (0.999, "999.00 ms"), (1e-3, "1.00 ms"), (9.99e-4, "999.0 us"),
+     (3.2e-6, "3.2 us"), (0.0, "0.0 us")],
+)
+def test_format_seconds(seconds, text):
+    """The times that wsarena tune's table and its plot print, from one function: each unit from its own 1 up."""
+    assert format_seconds(seconds) == text
+
+
+@pytest.mark.parametrize(("fraction", "text"), [(0.02, "2%"), (0.025, "2.5%"), (0.0, "0%"), (5.0, "500%")])
+def test_format_percent(fraction, text):
+    assert format_percent(fraction) == text
 
 
 def test_format_size_takes_any_integer_type_as_parse_size_does():

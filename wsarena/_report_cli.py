@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from . import __version__
-from ._sizes import format_size
+from ._sizes import format_percent, format_size
 
 __all__ = ["csv_writer", "printable", "render_table", "shape_text", "skipped_note", "write_csv"]
 
@@ -80,7 +80,7 @@ def render_table(p: Any) -> str:
     """The report a person reads: a header, one row per layer, and the totals."""
     cap = "none" if p.cap_workspace is None else format_size(p.cap_workspace)
     if getattr(p, "max_slowdown", None) is not None:  # --max-slowdown chose it: say so, and from what
-        cap += f" (the smallest within a {p.max_slowdown * 100:g}% slowdown)"
+        cap += f" (the smallest within a {format_percent(p.max_slowdown)} slowdown)"
     lines = [
         f"wsarena {__version__} workspace report: {printable(p.model)}",
         (

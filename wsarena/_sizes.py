@@ -1,4 +1,5 @@
-"""Byte sizes written for people: ``"256MiB"``, ``"1.5GiB"``, ``"2GB"``.
+"""Byte sizes written for people: ``"256MiB"``, ``"1.5GiB"``, ``"2GB"``; and the other figures the commands print
+for people (seconds, percentages) and the values their errors quote.
 
 Binary units (KiB, MiB, GiB, TiB) are powers of 1024; decimal units (kB, MB, GB, TB) are powers of 1000.
 A size must come out as a whole, non-negative number of bytes.
@@ -131,3 +132,17 @@ def format_size(nbytes: int) -> str:
     whole, frac = divmod(hundredths, 100)
     # Decimal writes an int's digits however many: str() refuses past sys.get_int_max_str_digits() (4300)
     return f"{sign}{Decimal(whole)}{f'.{frac:02d}'.rstrip('0').rstrip('.')} {unit}"
+
+
+def format_seconds(value: float) -> str:
+    """A time in the unit that reads best: ``"1.234 s"``, ``"12.35 ms"``, ``"3.2 us"``."""
+    if value >= 1:
+        return f"{value:.3f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.2f} ms"
+    return f"{value * 1e6:.1f} us"
+
+
+def format_percent(fraction: float) -> str:
+    """A fraction as a percentage with no digits it does not need: ``0.02`` -> ``"2%"``, ``0.025`` -> ``"2.5%"``."""
+    return f"{fraction * 100:g}%"

@@ -13,7 +13,7 @@ from typing import Any
 from . import __version__
 from ._config import _cache_path
 from ._report_cli import csv_writer, printable, skipped_note
-from ._sizes import format_size, short_repr
+from ._sizes import format_percent, format_seconds, format_size, short_repr
 
 __all__ = ["apply_line", "cache_output", "max_slowdown_arg", "render_curve", "tune_output"]
 
@@ -41,22 +41,10 @@ def max_slowdown_arg(text: str) -> float:
         return value / 100
     if value >= 1:
         raise argparse.ArgumentTypeError(
-            f"{short_repr(text.strip())} is read as a fraction, a slowdown of {_percent(value)}: write {value:g}% for "
-            f"{value:g} percent, or {_percent(value)} if you mean it"
+            f"{short_repr(text.strip())} is read as a fraction, a slowdown of {format_percent(value)}: write "
+            f"{value:g}% for {value:g} percent, or {format_percent(value)} if you mean it"
         )
     return value
-
-
-def _percent(fraction: float) -> str:
-    return f"{fraction * 100:g}%"
-
-
-def _seconds(value: float) -> str:
-    if value >= 1:
-        return f"{value:.3f} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.2f} ms"
-    return f"{value * 1e6:.1f} us"
 
 
 def _cap(cap: int | None) -> str:
@@ -90,7 +78,7 @@ def render_curve(t: Any) -> str:
     ]
     head = ["cap", "arena", "step time", "slowdown"]
     rows = [
-        [_cap(q.cap_workspace_bytes), format_size(q.arena_bytes), _seconds(q.step_seconds), f"{q.slowdown:+.2%}"]
+        [_cap(q.cap_workspace_bytes), format_size(q.arena_bytes), format_seconds(q.step_seconds), f"{q.slowdown:+.2%}"]
         for q in t.curve
     ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
@@ -100,7 +88,7 @@ def render_curve(t: Any) -> str:
         mark = "  <- recommended" if q.cap_workspace_bytes == t.recommended_cap_bytes else ""
         lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)) + mark)
     best, fastest = t.recommended, t.curve[-1]
-    within = _percent(t.max_slowdown)
+    within = format_percent(t.max_slowdown)
     if best.arena_bytes < fastest.arena_bytes:
         saving = f" instead of {format_size(fastest.arena_bytes)} uncapped"
     else:  # it saves nothing; the cap still bounds a later, larger call
@@ -113,7 +101,8 @@ def render_curve(t: Any) -> str:
         "",
         (
             f"recommended cap (slowdown within {within}): {_cap(best.cap_workspace_bytes)}: "
-            f"step {_seconds(best.step_seconds)} ({best.slowdown:+.2%}), arena {format_size(best.arena_bytes)}{saving}"
+            f"step {format_seconds(best.step_seconds)} ({best.slowdown:+.2%}), "
+            f"arena {format_size(best.arena_bytes)}{saving}"
         ),
         f"use it with: {apply_line(t)}",
     ]

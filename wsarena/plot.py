@@ -13,8 +13,7 @@ import stat
 from typing import Any
 
 from ._report_cli import printable
-from ._sizes import format_size
-from ._tune_cli import _percent, _seconds
+from ._sizes import format_percent, format_seconds, format_size
 from .errors import BackendUnavailableError
 
 __all__ = ["check_writable", "plot_curve", "plot_plan"]
@@ -148,11 +147,11 @@ def plot_curve(t: Any, path: str) -> None:
     ax.step([q.cap_workspace_bytes / mib for q in finite], [q.step_seconds * 1e3 for q in finite], where="post",
             marker="o", markersize=3, color="#4c72b0", label="step time under the cap")
     ax.axhline(uncapped.step_seconds * 1e3, color="black", linestyle="--", linewidth=1,
-               label=f"no cap: {_seconds(uncapped.step_seconds)}, arena {format_size(uncapped.arena_bytes)}")
+               label=f"no cap: {format_seconds(uncapped.step_seconds)}, arena {format_size(uncapped.arena_bytes)}")
     best = t.recommended
     ax.axvline(best.cap_workspace_bytes / mib, color="#dd8452", linestyle=":",
                label=f"recommended cap {format_size(best.cap_workspace_bytes)} ({best.slowdown:+.2%}, "
-               f"max slowdown {_percent(t.max_slowdown)})")
+               f"max slowdown {format_percent(t.max_slowdown)})")
     # Linear from 0 to the smallest cap above it, logarithmic beyond: caps span 0 to gigabytes.
     linthresh = max(min((q.cap_workspace_bytes for q in finite if q.cap_workspace_bytes), default=mib) / mib, 1e-3)
     ax.set_xscale("symlog", linthresh=linthresh)
