@@ -1,6 +1,9 @@
 """The cap-versus-step-time curve and the recommended cap (`wsarena.tune`, `plan(max_slowdown=...)`)."""
 
+import csv
 import dataclasses
+import io
+import json
 import math
 
 import numpy as np
@@ -10,7 +13,7 @@ from hypothesis import strategies as st
 
 import wsarena
 from wsarena import algos, backends
-from wsarena._tune_cli import render_curve
+from wsarena._tune_cli import render_curve, tune_output
 from wsarena.errors import BackendUnavailableError
 from wsarena.models import ConvLayer
 from wsarena.tuning import tune
@@ -209,6 +212,40 @@ def test_the_recommendation_says_what_it_saves_or_that_no_smaller_arena_is_withi
     only = tune([LAYERS[1]], batch=2, passes=("bwd_data",), backend="cpu", model="toy")
     (line,) = [x for x in render_curve(only).splitlines() if x.startswith("recommended")]
     assert line.endswith("arena 0 B, as uncapped: no cap gives a smaller one")
+
+
+def test_against_an_uncapped_step_timed_at_0_a_slower_point_has_no_slowdown(monkeypatch):
+    """A model too small for the timer (or a search cache's 0): the workspace algorithms time 0 ms, the others 1 ms.
+    Worked out as EXPECTED is: cap 0: a, c: 1 + 1; b: 1 + 0 -> 5 ms; cap 1000: 3 ms; cap 2000: 1 ms; cap 4000 and
+    no cap: 0. Every slowdown read 0 (0 over 0), so the 5 ms cap 0 was recommended within 0 %; a slower point's
+    slowdown is infinite, within no max_slowdown, and says so in the table, the JSON (null) and the CSV (empty)."""
+    table = {key: [(a, n, 1.0 if n == 0 else 0.0) for a, n, _ in rows] for key, rows in TABLE.items()}
+    table[("bwd_data", 8)] = [("implicit", 0, 0.0)]
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))
+    algos.cache_clear()
+    t = run(max_slowdown=10.0)
+    assert [(p.cap_workspace_bytes, p.step_seconds) for p in t.curve] == [
+        (0, pytest.approx(0.005)), (1000, pytest.approx(0.003)), (2000, pytest.approx(0.001)), (4000, 0.0),
+        (None, 0.0)]
+    assert [p.slowdown for p in t.curve] == [math.inf, math.inf, math.inf, 0.0, 0.0]
+    assert t.recommended_cap_bytes == 4000  # the smallest as fast, whatever slowdown is allowed
+    assert wsarena.plan(LAYERS, batch=2, passes=PASSES, backend="cpu", max_slowdown=10.0).cap_workspace == 4000
+    d = json.loads(json.dumps(t.to_dict(), allow_nan=False))  # strict JSON: no Infinity
+    assert [p["slowdown"] for p in d["curve"]] == [None, None, None, 0.0, 0.0]
+    rows = list(csv.DictReader(io.StringIO(tune_output(t, "csv"))))
+    assert [r["slowdown"] for r in rows] == ["", "", "", "0.0", "0.0"]
+    text = render_curve(t).splitlines()
+    assert [line.split()[-1] for line in text[6:9]] == ["n/a"] * 3 and text[9].endswith("+0.00%  <- recommended")
+    assert text[11] == "n/a: slower than the uncapped step, which timed at 0.0 us; no --max-slowdown admits it"
+    assert text[13].endswith("as uncapped: no smaller one keeps the slowdown within 1000% (the next, 1.95 KiB, takes "
+                             "1.00 ms)")
+    # every step timed at 0: equal times, no slowdown, and the smallest cap is recommended
+    table = {key: [(a, n, 0.0) for a, n, _ in rows] for key, rows in TABLE.items()}
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))
+    algos.cache_clear()
+    t = run(max_slowdown=0.0)
+    assert [p.slowdown for p in t.curve] == [0.0, 0.0] and t.recommended_cap_bytes == 0
+    assert "n/a" not in render_curve(t)
 
 
 def test_the_persistent_cache_serves_a_second_tuning(fake, tmp_path, monkeypatch):

@@ -47,6 +47,11 @@ def max_slowdown_arg(text: str) -> float:
     return value
 
 
+def _slowdown(value: float) -> str:
+    """A point's slowdown, ``n/a`` where it has none: slower than an uncapped step timed at 0."""
+    return f"{value:+.2%}" if math.isfinite(value) else "n/a"
+
+
 def _cap(cap: int | None) -> str:
     return "none" if cap is None else format_size(cap)
 
@@ -78,7 +83,7 @@ def render_curve(t: Any) -> str:
     ]
     head = ["cap", "arena", "step time", "slowdown"]
     rows = [
-        [_cap(q.cap_workspace_bytes), format_size(q.arena_bytes), format_seconds(q.step_seconds), f"{q.slowdown:+.2%}"]
+        [_cap(q.cap_workspace_bytes), format_size(q.arena_bytes), format_seconds(q.step_seconds), _slowdown(q.slowdown)]
         for q in t.curve
     ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
@@ -96,7 +101,10 @@ def render_curve(t: Any) -> str:
         saving = ", as uncapped: no cap gives a smaller one"
         if smaller:
             saving = (f", as uncapped: no smaller one keeps the slowdown within {within} "
-                      f"(the next, {format_size(smaller[-1].arena_bytes)}, costs {smaller[-1].slowdown:+.2%})")
+                      f"(the next, {format_size(smaller[-1].arena_bytes)}, {_costs(smaller[-1])})")
+    if any(not math.isfinite(q.slowdown) for q in t.curve):
+        lines.append(f"n/a: slower than the uncapped step, which timed at {format_seconds(fastest.step_seconds)}; "
+                     "no --max-slowdown admits it")
     lines += [
         "",
         (
@@ -111,6 +119,11 @@ def render_curve(t: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _costs(q: Any) -> str:
+    """What a point costs against no cap: its slowdown, or its step time where it has no slowdown."""
+    return f"costs {q.slowdown:+.2%}" if math.isfinite(q.slowdown) else f"takes {format_seconds(q.step_seconds)}"
+
+
 def _curve_csv(t: Any) -> str:
     """One row per point; then, as ``report``'s CSV does, one per conv layer the loader left out: its name in
     ``skipped_layer`` and why in ``skipped_reason`` (both empty on the points), and every figure empty, so that the
@@ -122,7 +135,8 @@ def _curve_csv(t: Any) -> str:
     for q in t.curve:
         cap = "" if q.cap_workspace_bytes is None else q.cap_workspace_bytes
         recommended = "true" if q.cap_workspace_bytes == t.recommended_cap_bytes else "false"
-        writer.writerow([cap, q.arena_bytes, repr(q.step_seconds), repr(q.slowdown), recommended, "", ""])
+        slowdown = repr(q.slowdown) if math.isfinite(q.slowdown) else ""  # none, as the JSON's null
+        writer.writerow([cap, q.arena_bytes, repr(q.step_seconds), slowdown, recommended, "", ""])
     for name, why in t.uncapped.skipped:
         writer.writerow(["", "", "", "", "", name, why])
     return out.getvalue()

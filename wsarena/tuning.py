@@ -9,8 +9,9 @@ measurements without timing anything again.
 
 The curve has one point per cap that changes some choice: from the smallest cap every call fits in (0 when every
 pass has a zero-workspace algorithm) up to the smallest cap that changes nothing any more, then the uncapped point
-(``cap_workspace_bytes`` ``None``). A point's ``slowdown`` is its step time over the uncapped one, minus 1. The
-recommended cap is the smallest whose slowdown is within ``max_slowdown``.
+(``cap_workspace_bytes`` ``None``). A point's ``slowdown`` is its step time over the uncapped one, minus 1; where
+the uncapped step took no time the timer could measure (0), it is 0 for a point as fast and infinity for a slower
+one. The recommended cap is the smallest whose slowdown is within ``max_slowdown``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class CurvePoint:
     slowdown: float
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The point as JSON takes it: an infinite ``slowdown`` (against an uncapped step of 0) is ``None``."""
+        return {**dataclasses.asdict(self), "slowdown": self.slowdown if math.isfinite(self.slowdown) else None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +261,12 @@ def _curve(uncapped: Plan, measured: _Measured, shared: bool) -> tuple[CurvePoin
             steps.append((cap, arena, float(total) / 1e3))
     steps.append((None, *steps[-1][1:]))  # every algorithm fits the largest cap
     fastest = steps[-1][2]
-    return tuple(
-        CurvePoint(cap, arena, step, step / fastest - 1.0 if fastest > 0 else 0.0) for cap, arena, step in steps
-    )
+    return tuple(CurvePoint(cap, arena, step, _slowdown(step, fastest)) for cap, arena, step in steps)
+
+
+def _slowdown(step: float, fastest: float) -> float:
+    """``step`` over ``fastest`` minus 1; against a step timed at 0 (below the timer's resolution, or a search
+    cache's 0), 0 for a step as fast and infinity for a slower one, which no ``max_slowdown`` admits."""
+    if fastest > 0:
+        return step / fastest - 1.0
+    return 0.0 if step <= fastest else math.inf
