@@ -5,6 +5,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -246,6 +247,27 @@ def test_against_an_uncapped_step_timed_at_0_a_slower_point_has_no_slowdown(monk
     t = run(max_slowdown=0.0)
     assert [p.slowdown for p in t.curve] == [0.0, 0.0] and t.recommended_cap_bytes == 0
     assert "n/a" not in render_curve(t)
+
+
+def test_caps_that_read_alike_show_their_bytes(monkeypatch):
+    """Caps 4 bytes apart all read "1 MiB": those rows, and the recommendation naming one, give the bytes too; a cap
+    that reads as no other (0 B, 3 MiB) is shown as ever."""
+    mib = 2**20
+    table = {
+        ("fwd", 4): [("implicit", 0, 10.0), ("gemm", mib, 4.0), ("fft", mib + 8, 3.0)],
+        ("bwd_data", 4): [("implicit", 0, 6.0), ("gemm", mib + 4, 5.0)],
+        ("fwd", 8): [("implicit", 0, 20.0), ("gemm", 3 * mib, 12.0)],
+        ("bwd_data", 8): [("implicit", 0, 8.0)],
+    }
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))
+    algos.cache_clear()
+    t = run(max_slowdown=0.25)  # steps 60, 48, 46, 44, 36, 36 ms: 44 / 36 - 1 is 22 %
+    assert [p.cap_workspace_bytes for p in t.curve] == [0, mib, mib + 4, mib + 8, 3 * mib, None]
+    text = render_curve(t).splitlines()
+    assert [re.split(r"\s{2,}", line.strip())[0] for line in text[6:12]] == [
+        "0 B", "1 MiB (1048576 B)", "1 MiB (1048580 B)", "1 MiB (1048584 B)", "3 MiB", "none"]
+    assert text[9].endswith("<- recommended")
+    assert text[13].startswith("recommended cap (slowdown within 25%): 1 MiB (1048584 B): step 44.00 ms (+22.22%)")
 
 
 def test_the_persistent_cache_serves_a_second_tuning(fake, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from typing import Any
 
 from . import __version__
@@ -56,6 +57,14 @@ def _cap(cap: int | None) -> str:
     return "none" if cap is None else format_size(cap)
 
 
+def _caps(curve: Any) -> dict[int | None, str]:
+    """Each point's cap as the table shows it: its size, and its bytes too where another cap's size reads the same
+    (caps a few bytes apart), so that each row can be told apart and its cap copied."""
+    texts = {q.cap_workspace_bytes: _cap(q.cap_workspace_bytes) for q in curve}
+    alike = Counter(texts.values())
+    return {cap: text if alike[text] == 1 else f"{text} ({cap} B)" for cap, text in texts.items()}
+
+
 def _searched(t: Any) -> str:
     """Where the distinct calls' times came from: timed now, the search cache, or this process's memory."""
     known = len(t.measured) - t.timed_calls - t.cached_calls
@@ -82,8 +91,9 @@ def render_curve(t: Any) -> str:
         "",
     ]
     head = ["cap", "arena", "step time", "slowdown"]
+    caps = _caps(t.curve)
     rows = [
-        [_cap(q.cap_workspace_bytes), format_size(q.arena_bytes), format_seconds(q.step_seconds), _slowdown(q.slowdown)]
+        [caps[q.cap_workspace_bytes], format_size(q.arena_bytes), format_seconds(q.step_seconds), _slowdown(q.slowdown)]
         for q in t.curve
     ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
@@ -108,7 +118,7 @@ def render_curve(t: Any) -> str:
     lines += [
         "",
         (
-            f"recommended cap (slowdown within {within}): {_cap(best.cap_workspace_bytes)}: "
+            f"recommended cap (slowdown within {within}): {caps[best.cap_workspace_bytes]}: "
             f"step {format_seconds(best.step_seconds)} ({best.slowdown:+.2%}), "
             f"arena {format_size(best.arena_bytes)}{saving}"
         ),
