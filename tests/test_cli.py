@@ -88,6 +88,20 @@ def test_table_says_when_the_arena_holds_more_than_unshared(capsys):
     assert out.splitlines()[-1].startswith("saved:") and out.splitlines()[-1].endswith("x less)")
 
 
+def test_table_says_plainly_when_the_arena_saves_nothing(capsys, tmp_path):
+    """One layer, one pass with workspace: the arena is the one workspace unshared holds, where the line read
+    "saved: 0 B (1.0x less)"."""
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({"layers": [{"name": "c", "input_shape": [1, 16, 32, 32], "weight_shape": [16, 16, 3, 3],
+                                            "padding": [1, 1]}]}))
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--passes", "fwd", "--format", "json")
+    d = json.loads(out)
+    assert code == 0 and d["arena_bytes"] == d["unshared_bytes"] > 0, err
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--passes", "fwd")
+    assert code == 0, err
+    assert re.fullmatch(r"saved: +0 B \(the arena is as large as unshared\)", out.splitlines()[-1]), out
+
+
 @pytest.mark.parametrize("streams", [1, 2, 3, 53])
 def test_table_totals_stay_one_short_line_each_at_any_stream_count(capsys, streams):
     code, out, err = run_main(capsys, "report", "resnet50", "--backend", "cpu", "--streams", str(streams))
@@ -221,10 +235,12 @@ def test_table_shows_what_the_json_report_holds(capsys, tmp_path, model, flags):
         assert last[:2] == ("the arena holds more than unshared", format_size(-saved))
         ratio, unit = last[2].split("x ", 1)
         assert unit == "as much" and float(ratio) == pytest.approx(arena_bytes / unshared_bytes, abs=0.05)
-    elif arena_bytes:
+    elif saved:
         assert last[:2] == ("saved", format_size(saved))
         ratio, unit = last[2].split("x ", 1)
         assert unit == "less" and float(ratio) == pytest.approx(unshared_bytes / arena_bytes, abs=0.05)
+    elif arena_bytes:
+        assert last == ("saved", "0 B", "the arena is as large as unshared")
     else:
         assert last == ("saved", "0 B", "no workspace at all")
     if any(layer.get("transposed") for layer in d["layers"]):

@@ -147,7 +147,12 @@ def _saving(p: Any) -> tuple[str, str]:
     if p.saved_bytes < 0:
         ratio = f"{p.arena_bytes / p.unshared_bytes:.1f}x as much"
         return "the arena holds more than unshared", f"{format_size(-p.saved_bytes)} ({ratio})"
-    ratio = f"{p.unshared_bytes / p.arena_bytes:.1f}x less" if p.arena_bytes else "no workspace at all"
+    if not p.arena_bytes:
+        ratio = "no workspace at all"
+    elif not p.saved_bytes:  # one call needs workspace, say: "1.0x less" would read as a saving
+        ratio = "the arena is as large as unshared"
+    else:
+        ratio = f"{p.unshared_bytes / p.arena_bytes:.1f}x less"
     return "saved", f"{format_size(p.saved_bytes)} ({ratio})"
 
 
