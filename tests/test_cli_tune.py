@@ -184,6 +184,57 @@ def test_a_long_slowdown_is_shortened_in_its_error(capsys, model, command, value
     assert (code, out) == (2, "") and says in err and err.count("\n") == 1 and len(err) < 250, err
 
 
+LONG = "x" * 100_000
+
+
+@pytest.mark.parametrize("command", ["tune", "report"])
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--batch", LONG], "not an integer"), (["--batch", "-" + "9" * 4000], "must be >= 1"),
+    (["--streams", LONG], "not an integer"), (["--passes", LONG], "--passes takes distinct names"),
+    (["--input-shape", LONG], "with integer dims"), (["--input-shape", " " * 100_000 + "=1,3,8,8"], "no input name"),
+    (["--input-shape", "x=1x3x8x8", "--input-shape", "x=" + "1," * 50_000 + "1"], "given twice for input 'x'"),
+    (["--input-shape", f"{LONG}=1x3x8x8", "--input-shape", f"{LONG}=1x3x8x8"], "given twice for input 'xxx"),
+    (["--plot", " " * 100_000], "expected a file name"),
+])
+def test_a_long_value_is_shortened_in_its_error(capsys, model, command, flags, says):
+    """As the rest of wsarena's errors shorten a value: a line of a readable length, not the whole value (a 100 kB
+    argument gave a 100 kB error)."""
+    code, out, err = run_main(capsys, command, model, "--backend", "cpu", *flags)
+    assert (code, out) == (2, "") and says in err and err.count("\n") == 1 and len(err) < 250, err[:300]
+
+
+def test_a_long_cap_workspace_is_shortened_in_its_error(capsys, model):
+    code, out, err = run_main(capsys, "report", model, "--backend", "cpu", "--cap-workspace", " " * 100_000)
+    assert (code, out) == (2, "") and "expected a size or none" in err and len(err) < 250, err[:300]
+
+
+@pytest.mark.parametrize(("flag", "says"), [
+    (f"{LONG}=1x3x8x8", "no graph input 'xxx"),  # no such input
+    ("x=8x3x" + "1" * 4000 + "x16", "the shape of input 'x' must be positive ints below 2**63, not (8, 3, 111"),
+    ("x=" + "0," * 50_000 + "0", "the shape of input 'x' must be positive ints below 2**63, not (0, 0, 0"),
+])
+def test_a_long_input_shape_is_shortened_in_the_models_error(capsys, tmp_path, flag, says):
+    """The ONNX loader's refusal of an --input-shape quotes its name and shape shortened."""
+    from .onnx_graphs import conv, save, vi, weight
+
+    path = save(tmp_path / "m.onnx", [conv("stem", "x", "w", "y", pads=[1, 1, 1, 1])], [vi("x", ["N", 3, "H", "W"])],
+                [weight("w", (8, 3, 3, 3))])
+    code, out, err = run_main(capsys, "tune", str(path), "--backend", "cpu", "--input-shape", flag)
+    assert (code, out) == (2, "") and says in err and err.count("\n") == 1 and len(err) < 400, err[:500]
+
+
+def test_a_long_input_name_is_shortened_in_the_warning_of_its_batch(capsys, tmp_path):
+    """The warning that an input shape's batch is not --batch's names the input shortened, as an error would."""
+    from .onnx_graphs import conv, save, vi, weight
+
+    path = save(tmp_path / "m.onnx", [conv("stem", LONG, "w", "y", pads=[1, 1, 1, 1])], [vi(LONG, ["N", 3, "H", "W"])],
+                [weight("w", (8, 3, 3, 3))])
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--input-shape", f"{LONG}=8x3x16x16")
+    assert code == 0 and out, err[:300]
+    assert err.startswith("wsarena: warning: --input-shape xxx") and "x...x" in err, err[:300]
+    assert "x=8x3x16x16 has batch 8: " in err and err.count("\n") == 1 and len(err) < 250, err[:300]
+
+
 @pytest.mark.parametrize("command", ["tune", "report"])
 def test_an_option_after_max_slowdown_is_still_an_option(capsys, model, command):
     """Only what reads as a number is taken as the value: an option in its place is a missing value."""

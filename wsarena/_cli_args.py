@@ -40,7 +40,7 @@ def _size(text: str) -> int | None:
     # An empty variable means the default; an empty flag (--cap-workspace "$CAP", CAP unset) means nothing, and
     # read as "none" it would drop the variable's cap unseen
     if not text.strip():
-        raise argparse.ArgumentTypeError(f"expected a size or none, not {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a size or none, not {short_repr(text)}")
     try:
         n = _parse_cap(text)  # what WSARENA_CAP_WORKSPACE and configure() take, "none" included
     except (TypeError, ValueError) as exc:
@@ -54,7 +54,9 @@ def _passes(text: str) -> tuple[str, ...]:
     names = tuple(p.strip() for p in text.split(",") if p.strip())
     bad = [p for p in names if p not in PASSES]
     if bad or not names or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"--passes takes distinct names from {','.join(PASSES)}, not {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--passes takes distinct names from {','.join(PASSES)}, not {short_repr(text)}"
+        )
     return names
 
 
@@ -62,15 +64,15 @@ def _positive(text: str) -> int:
     try:
         value = _int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not an integer: {short_repr(text)}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {short_repr(value)}")
     return value
 
 
 def _file_name(text: str) -> str:
     if not text.strip():
-        raise argparse.ArgumentTypeError(f"expected a file name, not {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a file name, not {short_repr(text)}")
     return text
 
 
@@ -80,9 +82,13 @@ def _input_shape(text: str) -> tuple[str | None, tuple[int, ...]]:
     try:
         shape = tuple(_int(d) for d in dims.replace("x", ",").split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected [NAME=]D0,D1,... with integer dims, not {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected [NAME=]D0,D1,... with integer dims, not {short_repr(text)}"
+        ) from None
     if equals and not name.strip():
-        raise argparse.ArgumentTypeError(f"no input name before '=' in {text!r}: write NAME=DIMS, or DIMS alone")
+        raise argparse.ArgumentTypeError(
+            f"no input name before '=' in {short_repr(text)}: write NAME=DIMS, or DIMS alone"
+        )
     return name.strip() or None, shape
 
 
@@ -98,10 +104,15 @@ def input_shapes(given: list[tuple[str | None, tuple[int, ...]]] | None) -> Any:
     for name, shape in given:
         assert name is not None  # checked just above
         if name in shapes:
-            twice = f"{shape_text(shapes[name])} and {shape_text(shape)}"
-            raise UsageError(f"--input-shape given twice for input {name!r}: {twice}")
+            twice = f"{_dims(shapes[name])} and {_dims(shape)}"
+            raise UsageError(f"--input-shape given twice for input {short_repr(name)}: {twice}")
         shapes[name] = shape
     return shapes
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    """``1x3x224x224``, its middle cut to ``...`` where it is long, as :func:`short_repr` cuts a value."""
+    return short_repr(shape_text(shape))[1:-1]
 
 
 def unplanned_batches(given: list[tuple[str | None, tuple[int, ...]]] | None, batch: int) -> list[str]:
@@ -109,8 +120,8 @@ def unplanned_batches(given: list[tuple[str | None, tuple[int, ...]]] | None, ba
     reads it) is neither 1 nor ``batch``: the loader plans every layer at batch 1 and the planner at ``--batch``,
     so ``--input-shape 8,3,224,224`` alone plans batch 1."""
     return [
-        f"--input-shape {'' if name is None else f'{name}='}{shape_text(shape)} has batch {shape[0]}: the plan is "
-        f"for --batch {batch} (the batch comes from --batch)"
+        f"--input-shape {'' if name is None else f'{short_repr(name)[1:-1]}='}{_dims(shape)} has batch "
+        f"{short_repr(shape[0])}: the plan is for --batch {batch} (the batch comes from --batch)"
         for name, shape in given or ()
         if len(shape) >= 3 and shape[0] not in (1, batch)
     ]

@@ -56,6 +56,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from .._geometry import conv_transpose_geometry
+from .._sizes import short_repr
 from ._layer import ConvLayer, LayerList, ModelError
 from ._onnx_values import SMALL, densify_sparse_tensors, fold_small_constants
 
@@ -493,12 +494,14 @@ def _fix_input_shapes(graph: Any, input_shapes: Mapping[str, Sequence[int]] | Se
         input_shapes = {next(iter(inputs)): input_shapes}
     for name, shape in input_shapes.items():
         if name not in inputs:
-            raise ModelError(f"{path!r}: no graph input {name!r}; the inputs are {', '.join(map(repr, inputs))}")
+            raise ModelError(f"{path!r}: no graph input {short_repr(name)}; the inputs are "
+                             f"{', '.join(map(short_repr, inputs))}")
         dims = tuple(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else ()
         # a dim is an int64 in the file: 2**63 would be protobuf's ValueError, naming nothing
         if not dims or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 1 <= d < 2**63
                            for d in dims):
-            raise ModelError(f"{path!r}: the shape of input {name!r} must be positive ints below 2**63, not {shape!r}")
+            raise ModelError(f"{path!r}: the shape of input {short_repr(name)} must be positive ints below 2**63, "
+                             f"not {short_repr(shape)}")
         dims = tuple(int(d) for d in dims)
         tensor = inputs[name].type.tensor_type
         declared = _dims(inputs[name].type)
