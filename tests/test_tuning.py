@@ -410,6 +410,28 @@ def test_the_plots_give_sizes_and_times_as_the_tables_do(fake, monkeypatch):
     assert "arena per stream (1 stream: total 3.91 KiB)" in legend
 
 
+def test_a_plan_of_a_thousand_layers_plots_as_wide_as_one_of_sixty(tmp_path):
+    """report's plot names each layer up to 60 layers, growing wider with each; past that it names none and stays as
+    wide. A plan of 1,000 layers (one pass) drew a PNG 21,600 pixels wide (of 1,200 layers and three passes 77,760,
+    of 40,000 2.6 million, in minutes)."""
+    pytest.importorskip("matplotlib")
+    import struct
+    import warnings
+
+    from wsarena.plot import plot_plan
+
+    def size(n):
+        layers = [ConvLayer(f"l{i}", (1, 4, 8, 8), (4, 4, 3, 3), padding=1) for i in range(n)]
+        path = tmp_path / f"{n}.png"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            plot_plan(wsarena.plan(layers, backend="cpu", passes=("fwd",)), str(path))
+        return struct.unpack(">II", path.read_bytes()[16:24])  # the PNG's IHDR: width, height
+
+    assert size(1000) == size(60) == (1296, 540)  # 0.18 inches a layer and pass, at 120 dpi
+    assert size(50)[0] == 1080
+
+
 def test_a_backend_given_replaces_an_invalid_variable(monkeypatch):
     """As plan() does: a setting given as an argument needs no valid environment variable."""
     monkeypatch.setenv("WSARENA_BACKEND", "bogus")
