@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -275,6 +276,59 @@ def test_a_file_larger_than_any_entry_is_a_bad_file_and_is_not_read_whole(cache)
     assert searchcache.info()["entries"] == 1
 
 
+def _unblocked(call, fifo, timeout=20.0):
+    """``call()`` run in a thread; one still blocked after ``timeout`` seconds (opening the FIFO ``fifo``, which
+    waits for a writer) is let go by opening the FIFO for writing, and the test fails."""
+    out = []
+
+    def run():
+        try:
+            out.append(call())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a writer that writes nothing: the reader sees the end
+        thread.join(timeout)
+        pytest.fail(f"blocked opening {fifo}")
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-fifo", "link-to-device"])
+def test_a_file_named_as_an_entry_that_is_no_regular_file_is_replaced_unread(cache, tmp_path, kind):
+    """open() of a FIFO waits until a writer opens it: a FIFO in an entry's place, or a link to one, held the
+    lookup (and ``wsarena cache info``) for good. A link to a device was read up to the 16 MiB no entry takes. Only
+    a regular file is read, as the descriptor opened says, and the others are bad files: replaced when their call is
+    searched again (the link, not what it leads to)."""
+    backend = TableBackend(TABLE)
+    first = search(backend)
+    (path,) = entry_files(cache)
+    path.unlink()
+    fifo = tmp_path / "fifo"
+    if kind == "fifo":
+        os.mkfifo(path)
+        fifo = path
+    elif kind == "link-to-fifo":
+        os.mkfifo(fifo)
+        path.symlink_to(fifo)
+    else:
+        path.symlink_to("/dev/zero")
+    info = _unblocked(searchcache.info, fifo)
+    assert (info["entries"], info["unreadable"]) == (0, 1)
+    with pytest.warns(SearchCacheWarning, match="ignoring the search cache file .*: it is not a regular") as caught:
+        assert _unblocked(lambda: search(backend), fifo) == first
+    assert len(caught) == 1 and backend.measured == [("fwd", 4)] * 2
+    assert path.is_file() and not path.is_symlink()  # replaced by the entry searched again
+    assert search(backend) == first and len(backend.measured) == 2
+    if kind == "link-to-fifo":
+        assert fifo.is_fifo()
+
+
 def test_an_unwritable_directory_gives_one_warning_and_goes_on(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -295,10 +349,14 @@ def test_an_unreadable_directory_gives_one_warning(cache, monkeypatch):
     search(backend)
     search(backend, "bwd_data")
 
-    def denied(self, *args, **kwargs):
-        raise PermissionError(13, "Permission denied", str(self))
+    real_open = os.open
 
-    monkeypatch.setattr(Path, "open", denied)  # what a folder of another user's gives (root reads anything)
+    def denied(path, flags, *args, **kwargs):
+        if str(cache) in str(path) and flags & (os.O_WRONLY | os.O_RDWR) == 0:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)  # what a folder of another user's gives (root reads anything)
     with pytest.warns(SearchCacheWarning, match="cannot read the search cache") as caught:
         search(backend)
     with warnings.catch_warnings(record=True) as later:

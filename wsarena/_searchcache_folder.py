@@ -66,6 +66,28 @@ def temp_name() -> str:
     return f"{TEMP_PREFIX}{secrets.token_hex(_TEMP_HEX // 2)}.json"
 
 
+def open_entry(path: str | Path) -> BinaryIO:
+    """The file named as an entry, open for reading, if it is a regular file: checked on the descriptor opened, not
+    the path, which another process may replace meanwhile. Opened without blocking, so that a FIFO in its place (which
+    open() would wait on until a writer came, for good) or a device is refused, not read.
+
+    Raises ``IsADirectoryError`` for a folder (or a link to one), ``ValueError`` for any other file that is not a
+    regular one, and what :func:`os.open` raises.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            raise ValueError("it is not a regular file (a FIFO, a socket or a device)")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def entry_text(f: BinaryIO) -> str:
     """The text of the entry file ``f``, open for reading. ``ValueError`` when it holds more than any entry
     (:data:`MAX_ENTRY_BYTES`, of which no more is read) or is not UTF-8."""
@@ -237,7 +259,7 @@ def describe(root: Path) -> dict[str, Any]:
         size = 0
         try:
             size = disk_size(path.stat())
-            with path.open("rb") as f:
+            with open_entry(path) as f:
                 env = json.loads(entry_text(f))["key"]["environment"]
             # as written (the CPU's API path is null), each a string or None, so that the groups sort
             group = tuple(_text(env.get(k)) for k in ("backend", "device", "wsarena", "api"))

@@ -15,8 +15,10 @@ that does not match is recognised.
 
 Safety: a file is written whole to a temporary name and renamed over the entry, so a reader sees the old entry or
 the new one, never part of one, and processes writing at once lose no entry (each call is its own file; two writers
-of the same call both write complete results). A truncated, corrupt or foreign file is ignored and replaced, with
-one :class:`~wsarena.errors.SearchCacheWarning` for the first such file of the folder; a directory that cannot be
+of the same call both write complete results). Only a regular file is read, as the descriptor opened says (opened
+without waiting: open() of a FIFO waits for a writer). A truncated, corrupt or foreign file, or one that is no
+regular file (a FIFO, a device, a link to one), is ignored and replaced, with one
+:class:`~wsarena.errors.SearchCacheWarning` for the first such file of the folder; a directory that cannot be
 written gives one warning and the process goes on without saving.
 
 Size: the entries are kept within the ``search_cache_max_size`` setting (``WSARENA_SEARCH_CACHE_MAX_SIZE``,
@@ -43,6 +45,7 @@ from ._searchcache_folder import (
     disk_size,
     entry_name,
     entry_text,
+    open_entry,
     remove_entries,
     temp_name,
     warn_once,
@@ -150,12 +153,12 @@ def _warn_bad(path: Path, exc: Exception) -> None:
 def _read(path: Path, key: dict[str, Any]) -> _Results | None:
     """The entry's results, or ``None`` when there is none (or none usable: then one warning says why)."""
     try:
-        with path.open("rb") as f:
+        with open_entry(path) as f:
             modified = os.fstat(f.fileno()).st_mtime
             text = entry_text(f)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except ValueError as exc:  # more than any entry holds, or not UTF-8
+    except ValueError as exc:  # no regular file, more than any entry holds, or not UTF-8
         _warn_bad(path, exc)
         return None
     except OSError as exc:
