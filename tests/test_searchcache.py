@@ -911,6 +911,41 @@ def test_a_folder_with_an_entry_s_name_is_left_alone_by_the_trim_and_by_clear(ca
     assert (folder / named / "kept").read_text() == "x"
 
 
+def test_a_folder_with_an_entry_s_name_gives_one_warning_that_names_it_and_hides_no_other(cache, monkeypatch):
+    """A folder in an entry's place cannot be replaced, nor is it the cache's to remove: its call goes unsaved, and
+    one warning says so and names it. Each search of it gave two warnings that put the whole folder at fault (cannot
+    read the search cache, cannot save to it), each said once per folder, so that a real failure to save later went
+    unsaid; and ``wsarena cache info`` counted it among the unreadable files, which it says a search replaces."""
+    backend = TableBackend(TABLE)
+    first = search(backend)
+    (path,) = entry_files(cache)
+    path.unlink()
+    path.mkdir()
+    (path / "kept").write_text("x")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert search(backend) == first
+        assert search(backend) == first
+    assert [w.category for w in caught] == [SearchCacheWarning] and caught[0].filename == __file__
+    assert re.fullmatch(f"cannot save to the search cache file {re.escape(str(path))}: a folder of that name stands "
+                        "in its place; .*", str(caught[0].message))
+    assert backend.measured == [("fwd", 4)] * 3 and (path / "kept").read_text() == "x"
+    info = searchcache.info()
+    assert (info["entries"], info["unreadable"], info["size_bytes"]) == (0, 0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        search(backend, "bwd_data")  # the folder's other calls are saved, and read back
+        search(backend, "bwd_data")
+    assert len(backend.measured) == 4 and searchcache.info()["entries"] == 1
+
+    def refused(src, dst):
+        raise PermissionError(13, "Permission denied", str(dst))
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.warns(SearchCacheWarning, match="cannot save to the search cache in .*Permission denied"):
+        search(TableBackend(TABLE, device="fake device 2"))
+
+
 def test_info_names_the_setting_in_force(cache, monkeypatch, tmp_path):
     """``wsarena cache info`` says where its folder comes from: a folder configure() or config() set in the process
     is not the environment variable's, nor is a cache they turned off."""

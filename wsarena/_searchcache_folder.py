@@ -251,14 +251,17 @@ def _entry_files(root: Path) -> list[Path]:
 
 def describe(root: Path) -> dict[str, Any]:
     """What :func:`wsarena.searchcache.info` tells of the entries under ``root``: ``entries``, ``size_bytes``,
-    ``unreadable`` (files that are no readable entry) and ``environments``. ``OSError`` when the folder cannot be
-    listed."""
+    ``unreadable`` (files that are no readable entry) and ``environments``. A folder with an entry's name is none of
+    these. ``OSError`` when the folder cannot be listed."""
     out: dict[str, Any] = {"entries": 0, "size_bytes": 0, "unreadable": 0}
     groups: dict[tuple, int] = {}
     for path in _entry_files(root):
         size = 0
         try:
-            size = disk_size(path.stat())
+            st = path.stat()
+            if stat.S_ISDIR(st.st_mode) and not path.is_symlink():
+                continue  # a folder with an entry's name: no entry, and not the cache's (the trim leaves it too)
+            size = disk_size(st)
             with open_entry(path) as f:
                 env = json.loads(entry_text(f))["key"]["environment"]
             # as written (the CPU's API path is null), each a string or None, so that the groups sort

@@ -19,7 +19,8 @@ of the same call both write complete results). Only a regular file is read, as t
 without waiting: open() of a FIFO waits for a writer). A truncated, corrupt or foreign file, or one that is no
 regular file (a FIFO, a device, a link to one), is ignored and replaced, with one
 :class:`~wsarena.errors.SearchCacheWarning` for the first such file of the folder; a directory that cannot be
-written gives one warning and the process goes on without saving.
+written gives one warning and the process goes on without saving. A folder with an entry's name is not the cache's
+to remove: its call goes unsaved while it stands, which one warning says.
 
 Size: the entries are kept within the ``search_cache_max_size`` setting (``WSARENA_SEARCH_CACHE_MAX_SIZE``,
 default 64 MiB), the least recently used removed first; how, and how that races with other processes harmlessly, is
@@ -156,7 +157,8 @@ def _read(path: Path, key: dict[str, Any]) -> _Results | None:
         with open_entry(path) as f:
             modified = os.fstat(f.fileno()).st_mtime
             text = entry_text(f)
-    except (FileNotFoundError, NotADirectoryError):
+    # IsADirectoryError: a folder of the entry's name, which a write cannot replace and says so (_write)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
     except ValueError as exc:  # no regular file, more than any entry holds, or not UTF-8
         _warn_bad(path, exc)
@@ -221,6 +223,11 @@ def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
             nbytes = disk_size(os.fstat(f.fileno()))
         os.replace(tmp, path)
         tmp = None
+    except IsADirectoryError:  # renamed over a folder of the entry's name: not the cache's to remove
+        warn_once("folder", folder, f"cannot save to the search cache file {path}: a folder of that name stands "
+                                    "in its place; searches of that call are not kept until it is removed (said "
+                                    "once for all such folders here)")
+        return
     except OSError as exc:
         warn_once("write", folder, f"cannot save to the search cache in {folder}: {exc}; going on without saving")
         return
