@@ -776,6 +776,34 @@ def test_the_limit_counts_the_disk_space_an_entry_takes(cache, monkeypatch):
     assert searchcache.info()["size_bytes"] == len(entry_files(cache)) * block
 
 
+def test_a_limit_below_one_entry_keeps_none_and_says_so_once(cache, monkeypatch):
+    """Every write's trim removes the entry it wrote: the cache is off in all but name, which one warning says."""
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "1KiB")
+    wsarena._config._reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(1, 6):
+            put(k)
+    assert entry_files(cache) == [] and not held(1)  # the limit holds
+    assert [w.category for w in caught] == [SearchCacheWarning] and caught[0].filename == __file__
+    assert re.search(r"a search cache entry takes [\d.]+ [KM]iB on disk in .*, more than search_cache_max_size "
+                     r"\(1 KiB\): the cache keeps no entry", str(caught[0].message))
+
+
+def test_a_limit_of_about_one_entry_keeps_the_newest(cache, monkeypatch):
+    """A trim goes down to 90 % of the limit, least recently used first: under a limit of less than 1/0.9 entries,
+    it removed the entry just written too, at every other write. The most recently used stays where it fits."""
+    put(1)
+    (path,) = entry_files(cache)
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", str(on_disk(path) * 21 // 20))
+    wsarena._config._reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn of: an entry fits
+        for k in range(2, 8):
+            put(k)
+            assert list(files_by_channels(cache)) == [k], k
+
+
 def test_writes_made_without_a_limit_count_when_one_is_set_again(cache, limit):
     """The process's count of the folder's size runs ahead of it, never behind: what it wrote while the limit was
     off (configure(search_cache_max_size=None), a config() block) still counts, so the next write under a limit

@@ -5,20 +5,21 @@ cache clear`` do, and the files that are no entry (a killed writer's temporary f
 Size: the disk space the entries take stays within the ``search_cache_max_size`` setting
 (``WSARENA_SEARCH_CACHE_MAX_SIZE``, default 64 MiB): each file counts the blocks it occupies, or its size where that
 is larger (:func:`disk_size`). A write that takes the folder over it removes the least recently used entries, down
-to 90 % of it, so that the next trim is a tenth of the limit away. "Used" is the file's modification time: a write
-sets it, and a read sets it when it is more than an hour old (as Go's build cache does), so that a lookup costs no
-write. Entries of other wsarena versions, drivers or devices are not removed first: another installation may share
-the folder, and those no one uses become the least recently used anyway. The folder's size is learnt by listing it
-at a process's first write, then kept up to date with what the process writes; it is listed again when that count
-passes the limit. With several processes writing at once, the folder can therefore pass the limit by what the others
-wrote since this one last listed it, until one of them trims. Reads never list the folder. Trimming races with the
-other processes harmlessly: an entry they removed first is gone either way, a write in progress is a temporary file
-that no trim touches (a temporary file an hour old is a killed writer's, and is removed), and a reader that finds
-its entry gone searches again. A trim that cannot remove files gives one warning. The size is kept per folder as
-its resolved path names it, so that a folder reached through a symbolic link is counted once. A dangling symbolic
-link in the folder named as an entry or a write in progress (its target gone, or a loop) is removed by the listing
-and by :func:`remove_entries`, the link and not what it points to: nothing else would ever remove it. Files and
-links named otherwise are not the cache's, and the upkeep never looks at them.
+to 90 % of it, so that the next trim is a tenth of the limit away, but for the most recently used where it fits the
+limit alone; a limit smaller than one entry keeps none, which one warning says. "Used" is the file's modification
+time: a write sets it, and a read sets it when it is more than an hour old (as Go's build cache does), so that a
+lookup costs no write. Entries of other wsarena versions, drivers or devices are not removed first: another
+installation may share the folder, and those no one uses become the least recently used anyway. The folder's size is
+learnt by listing it at a process's first write, then kept up to date with what the process writes; it is listed
+again when that count passes the limit. With several processes writing at once, the folder can therefore pass the
+limit by what the others wrote since this one last listed it, until one of them trims. Reads never list the folder.
+Trimming races with the other processes harmlessly: an entry they removed first is gone either way, a write in
+progress is a temporary file that no trim touches (a temporary file an hour old is a killed writer's, and is
+removed), and a reader that finds its entry gone searches again. A trim that cannot remove files gives one warning.
+The size is kept per folder as its resolved path names it, so that a folder reached through a symbolic link is
+counted once. A dangling symbolic link in the folder named as an entry or a write in progress (its target gone, or a
+loop) is removed by the listing and by :func:`remove_entries`, the link and not what it points to: nothing else
+would ever remove it. Files and links named otherwise are not the cache's, and the upkeep never looks at them.
 """
 
 from __future__ import annotations
@@ -142,6 +143,10 @@ def written(folder: Path, nbytes: int) -> None:
     never late.
     """
     limit = get_config().search_cache_max_size
+    if limit is not None and nbytes > limit:  # the trim below removes it: no entry of this size is ever kept
+        warn_once("limit", folder, f"a search cache entry takes {format_size(nbytes)} on disk in {folder}, more "
+                                   f"than search_cache_max_size ({format_size(limit)}): the cache keeps no entry; "
+                                   "set a limit of some entries at least (WSARENA_CACHE_DIR=off turns it off)")
     where = same_folder(folder)
     with _size_lock:
         known = known_size.get(where)
@@ -197,8 +202,10 @@ def _trim(folder: Path, limit: int, target: int) -> tuple[int, OSError | None]:
     if total <= limit:
         return total, failure
     entries.sort()
-    for _, name, nbytes in entries:
-        if total <= target:
+    for i, (_, name, nbytes) in enumerate(entries):
+        # down to the target, but the most recently used stays where it fits the limit alone (a limit under
+        # 1/0.9 entries would remove each entry at the write after its own)
+        if total <= target or (i == len(entries) - 1 and total <= limit):
             break
         try:
             os.unlink(folder / name)
