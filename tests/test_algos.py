@@ -131,6 +131,36 @@ def test_device_is_part_of_the_cache_key():
     assert choose(same, "fwd", GEOM, cap=None)[0].algo == "fft"  # the first device's cached choice
 
 
+def test_the_choices_kept_are_bounded_and_the_least_recently_used_go_first():
+    """A sweep over shapes kept every choice, some 2-10 KiB each, for good. Past the bound, the least recently used
+    key's choice goes (and whether its cap warning was given), and it is chosen again when asked for."""
+    from wsarena import algos
+
+    asked = []
+
+    class Counting(FakeBackend):
+        def candidates(self, pass_, geom):
+            asked.append(geom.batch)
+            return super().candidates(pass_, geom)
+
+    b = Counting({"fft": 300, "implicit": 0})
+    bound = algos.CHOICES_MAX
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", WorkspaceCapWarning)
+        for n in range(1, bound + 11):
+            choose(b, "fwd", GEOM.with_batch(n), cap=100)
+            if n == bound:
+                choose(b, "fwd", GEOM.with_batch(1), cap=100)  # used again: the most recently used
+    assert len(algos._cache) == bound and len(algos._warned) == bound
+    assert len(asked) == bound + 10
+    choose(b, "fwd", GEOM.with_batch(1), cap=100, warn=False)  # kept
+    assert len(asked) == bound + 10 and is_cached(b, "fwd", GEOM.with_batch(1), cap=100, search="heuristic")
+    assert not is_chosen(b, "fwd", GEOM.with_batch(2), cap=100, search="heuristic")
+    with pytest.warns(WorkspaceCapWarning, match="excludes fft"):  # its warning went with it
+        assert choose(b, "fwd", GEOM.with_batch(2), cap=100)[0].algo == "implicit"
+    assert asked[-1] == 2 and len(asked) == bound + 11
+
+
 def test_search_mode_is_part_of_the_cache_key():
     b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
     assert choose(b, "fwd", GEOM, cap=None)[0].algo == "fft"
@@ -330,37 +360,35 @@ def test_a_search_whose_backend_rejected_all_it_could_time_is_not_kept():
 
 
 def test_a_search_cut_short_is_read_once_and_never_seen_as_kept_for_good(monkeypatch):
-    """Another thread may clear the cache, or finish a search, while one reads it (unlocked reads): the mark of a
-    search cut short is read once, and written before its ranking, so that is_cached() never takes it for one kept
-    for good (a call would then keep it in its record, and never search again)."""
+    """Another thread may clear the cache, or finish a search, while one reads it (unlocked reads): a choice and the
+    mark of a search cut short are one entry, written and read at once, so that is_cached() never takes it for one
+    kept for good (a call would then keep it in its record, and never search again)."""
     from wsarena import algos
+    from wsarena._lru import LRU
 
     b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times=TIMES)
     b._arena = FakeArena(memory=150)
     b._arena.held[None] = 120
     seen = []
 
-    class Watching(dict):
-        def __setitem__(self, key, value):
-            dict.__setitem__(self, key, value)
+    class Racing(LRU):
+        clear_after_read = False
+
+        def put(self, key, value):
+            super().put(key, value)
             seen.append(is_cached(b, "fwd", GEOM, cap=None, search="exhaustive"))
 
-    monkeypatch.setattr(algos, "_cache", Watching())
+        def lookup(self, key):  # another thread clears the cache just after each read
+            found = super().lookup(key)
+            if self.clear_after_read:
+                algos.cache_clear()
+            return found
+
+    racing = Racing(8)
+    monkeypatch.setattr(algos, "_cache", racing)
     select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
     assert seen == [False]
-
-    class Clearing(dict):  # another thread clears the cache just after each read
-        def get(self, key, default=None):
-            found = dict.get(self, key, default)
-            algos.cache_clear()
-            return found
-
-        def __contains__(self, key):
-            found = dict.__contains__(self, key)
-            algos.cache_clear()
-            return found
-
-    monkeypatch.setattr(algos, "_cut_short", Clearing(algos._cut_short))
+    racing.clear_after_read = True
     got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
     assert [c.algo for c in got] == ["gemm", "implicit", "fft"]
 

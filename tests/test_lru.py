@@ -50,6 +50,18 @@ def test_lookup_finds_a_valid_value_builds_nothing_and_makes_it_the_most_recent(
     assert cache.lookup("a") is None and cache.builds == 3  # closed: a miss, for get() to build again
 
 
+def test_put_replaces_the_value_makes_it_the_most_recent_and_keeps_the_bound():
+    discarded = []
+    cache = LRU(2, discard=discarded.append)
+    first = cache.get("a", lambda: Thing("a"))
+    cache.get("b", lambda: Thing("b"))
+    second = Thing("a again")
+    cache.put("a", second)  # in place of the first, which whoever holds it still uses: not discarded
+    assert cache.lookup("a") is second and len(cache) == 2 and discarded == [] and not first.closed
+    cache.put("c", Thing("c"))
+    assert "b" not in cache and "a" in cache and "c" in cache and cache.builds == 4
+
+
 def test_a_failed_build_is_not_cached():
     cache = LRU(8)
 

@@ -1,8 +1,10 @@
-"""A bounded map that builds what it lacks: the one cache of objects that are costly to build (cuDNN descriptors).
+"""A bounded map that builds what it lacks: the one cache of objects that are costly to build or to find (cuDNN
+descriptors and execution plans, the algorithms chosen per call).
 
 Lookups take no lock: a hit is one dictionary read and a move to the end, which CPython does atomically. A miss
 builds the value outside the lock (building may call into cuDNN and take milliseconds), then inserts it unless
-another thread inserted one first, in which case that one wins and the new one is given to ``discard``.
+another thread inserted one first, in which case that one wins and the new one is given to ``discard``. A value
+made elsewhere goes in with ``put``, in place of the key's.
 """
 
 from __future__ import annotations
@@ -72,16 +74,27 @@ class LRU(Generic[V]):
             current = self._items.get(key)
             if current is not None and (self._valid is None or self._valid(current)):
                 winner, loser = current, value
+                self._items.move_to_end(key)
             else:
-                self._items[key] = winner = value
-                loser = None
-                self.builds += 1
-                while len(self._items) > self.maxsize:
-                    self._items.popitem(last=False)
-            self._items.move_to_end(key)
+                self._insert(key, value)
+                winner, loser = value, None
         if loser is not None and self._discard is not None:
             self._discard(loser)
         return winner
+
+    def put(self, key: Hashable, value: V) -> None:
+        """Cache ``value`` for ``key`` as the most recently used, in place of any value it had (which is not
+        discarded: whoever read it may still use it)."""
+        with self._lock:
+            self._insert(key, value)
+
+    def _insert(self, key: Hashable, value: V) -> None:
+        """Under the lock: ``value`` in, the most recently used, and the least recently used out past the bound."""
+        self._items[key] = value
+        self._items.move_to_end(key)
+        self.builds += 1
+        while len(self._items) > self.maxsize:
+            self._items.popitem(last=False)
 
     def values(self) -> list[V]:
         """The cached values, least recently used first (a snapshot)."""

@@ -7,8 +7,10 @@ candidate whose workspace fits the cap. Results are cached per (backend, its cuD
 geometry, search, cap); a search cut short because some workspace could not be had is cached too, and searched
 again once that workspace can be had:
 the geometry includes shapes, dtype, layout and every convolution parameter, and the cap is part of the key,
-so changing the cap never serves a choice made under another one. Exhaustive results also outlive the process:
-:mod:`wsarena.searchcache` keeps each candidate's time on disk, and a search it already holds times nothing.
+so changing the cap never serves a choice made under another one. The process keeps the choices of the last
+:data:`CHOICES_MAX` keys used, as many as the ops keep call signatures (:data:`wsarena._callkeys.RECORDS_MAX`); an older
+one is chosen again when asked for. Exhaustive results also outlive the process: :mod:`wsarena.searchcache` keeps each
+candidate's time on disk, and a search it already holds times nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from . import _callsite, _forksafe, searchcache
 from ._config import Config, get_config, using
 from ._geometry import ConvGeometry, describe_geometry
+from ._lru import LRU
 from ._pass import Pass
 from ._sizes import format_size
 from .backends import Backend, Candidate, PartlyTimed
@@ -38,12 +41,18 @@ __all__ = [
     "cache_clear", "choose", "forced", "generation", "is_cached", "is_chosen", "run_with_fallback", "select",
 ]
 
-_cache: dict[tuple, tuple[tuple[Candidate, ...], Candidate | None]] = {}
-_cut_short: dict[tuple, int] = {}  # keys of searches cut short by memory: the least workspace they could not get
-_warned: set[tuple] = set()
+# Keys whose choice the process keeps, the least recently used let go first: some 2 KiB each with ten candidates (the
+# graph API's), 8 KiB with forty, so that a sweep over shapes holds some 10-35 MiB at most, where it grew without end.
+# As many as the ops keep call signatures, so that a signature they rebuild finds its choice here.
+CHOICES_MAX = 4096
+# Per key: the usable candidates best first, the heuristic favourite if the cap excluded it, and 0 where the choice is
+# kept for good or, for a search cut short by memory, the least workspace it could not get.
+_Entry = tuple[tuple[Candidate, ...], Candidate | None, int]
+_cache: LRU[_Entry] = LRU(CHOICES_MAX)
+_warned: LRU[bool] = LRU(CHOICES_MAX)  # the keys a WorkspaceCapWarning was given for
 _captures_warned: set[str] = set()  # the streams a CaptureFallbackWarning named, by repr (no object kept alive)
 _memory_warned: weakref.WeakSet[Any] = weakref.WeakSet()  # the arenas a MemoryFallbackWarning was given for
-_lock = _forksafe.lock()  # guards the caches, the three sets and _generation; never held while a backend runs
+_lock = _forksafe.lock()  # guards _warned's test and mark, the two sets, _generation; never held as a backend runs
 _generation = 0  # counts cache_clear() calls: whoever keeps a choice of its own checks it is still current
 
 
@@ -52,7 +61,6 @@ def cache_clear() -> None:
     global _generation
     with _lock:
         _cache.clear()
-        _cut_short.clear()
         _warned.clear()
         _captures_warned.clear()
         _memory_warned.clear()
@@ -73,8 +81,8 @@ def _key(backend: Backend, pass_: str, geom: ConvGeometry, search: str, cap: int
 def is_cached(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
     """Whether the choice for these arguments is cached for good (a search cut short by memory pressure is not:
     see :func:`is_chosen`)."""
-    key = _key(backend, pass_, geom, search, cap, get_config())
-    return key in _cache and key not in _cut_short
+    entry = _cache.lookup(_key(backend, pass_, geom, search, cap, get_config()))
+    return entry is not None and not entry[2]
 
 
 def is_chosen(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
@@ -127,31 +135,22 @@ def choose(
     exhaustive = search == "exhaustive" and measure is not None
     settings = get_config()  # read once: the key and the ranking agree whatever another thread configures
     key = _key(backend, pass_, geom, "exhaustive" if exhaustive else "heuristic", cap, settings)
-    entry = _cache.get(key)
-    lacked = _cut_short.get(key)  # read once: another thread may clear it
-    if entry is not None and lacked and (can_have is None or can_have(lacked)):
+    entry = _cache.lookup(key)  # the choice and whether a search was cut short, read at once
+    if entry is not None and entry[2] and (can_have is None or can_have(entry[2])):
         entry = None  # the workspace it lacked can be had now: the search is run again
     if entry is None:
         with using(settings):  # what the backend reads of them (cudnn_heuristic), as the key has them
             best, excluded, lacked, untimed = _rank(backend, pass_, geom, cap, measure if exhaustive else None)
-        entry = (best, excluded)
+        entry = (best, excluded, lacked or 0)
         if lacked is not None:
-            # In this order, so that is_cached(), which reads without the lock, never takes a search cut short
-            # for one kept for good.
-            with _lock:
-                if lacked:
-                    _cut_short[key] = lacked
-                    _cache[key] = entry
-                else:
-                    _cache[key] = entry
-                    _cut_short.pop(key, None)
+            _cache.put(key, entry)
             if untimed:
                 _warn_memory(backend.arena(), _cut_short_text, pass_, geom, best, len(best) - untimed, lacked or 0)
-    best, excluded = entry
+    best, excluded, _ = entry
     if warn and excluded is not None and key not in _warned:
         with _lock:
             first = key not in _warned
-            _warned.add(key)
+            _warned.put(key, True)
         if first:
             _callsite.warn(  # at the user's line: the op's caller, or the module call through wsarena.torch
                 f"workspace cap {format_size(cap or 0)} excludes {excluded.algo} "
