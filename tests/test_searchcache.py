@@ -329,6 +329,22 @@ def test_a_file_named_as_an_entry_that_is_no_regular_file_is_replaced_unread(cac
         assert fifo.is_fifo()
 
 
+def test_a_link_loop_named_as_an_entry_is_replaced_as_a_dangling_link_is(cache):
+    """A link that leads nowhere, its target gone or a loop, is no entry, and the write replaces it. A loop was
+    taken for a folder this process cannot read, with a warning that said so and was the folder's one: a real
+    failure to read it afterwards went unsaid."""
+    backend = TableBackend(TABLE)
+    first = search(backend)
+    (path,) = entry_files(cache)
+    path.unlink()
+    path.symlink_to(path.name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert search(backend) == first
+    assert path.is_file() and not path.is_symlink() and len(backend.measured) == 2
+    assert search(backend) == first and len(backend.measured) == 2
+
+
 def test_an_unwritable_directory_gives_one_warning_and_goes_on(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

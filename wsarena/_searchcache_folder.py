@@ -232,7 +232,7 @@ def _unlink_dangling(path: str | Path) -> int | None:
             os.stat(path)
             return None  # it leads somewhere
         except OSError as exc:
-            if not _leads_nowhere(exc):  # a target this process may not look at is still one
+            if not leads_nowhere(exc):  # a target this process may not look at is still one
                 return None
         os.unlink(path)
     except FileNotFoundError:  # another process removed it first
@@ -240,7 +240,7 @@ def _unlink_dangling(path: str | Path) -> int | None:
     return disk_size(st)
 
 
-def _leads_nowhere(exc: OSError) -> bool:
+def leads_nowhere(exc: OSError) -> bool:
     """Whether ``exc``, from following a path, says that it resolves to no file (gone, through a file, a loop)."""
     return isinstance(exc, (FileNotFoundError, NotADirectoryError)) or exc.errno == errno.ELOOP
 
@@ -313,7 +313,7 @@ def remove_entries(root: Path) -> dict[str, int]:
             size = disk_size(st)
             path.unlink()
         except OSError as exc:  # another process removed or renamed it meanwhile, or a dangling link
-            if not _leads_nowhere(exc):
+            if not leads_nowhere(exc):
                 raise
             freed = _unlink_dangling(path)
             if freed is None:

@@ -46,6 +46,7 @@ from ._searchcache_folder import (
     disk_size,
     entry_name,
     entry_text,
+    leads_nowhere,
     open_entry,
     remove_entries,
     temp_name,
@@ -158,12 +159,14 @@ def _read(path: Path, key: dict[str, Any]) -> _Results | None:
             modified = os.fstat(f.fileno()).st_mtime
             text = entry_text(f)
     # IsADirectoryError: a folder of the entry's name, which a write cannot replace and says so (_write)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+    except IsADirectoryError:
         return None
     except ValueError as exc:  # no regular file, more than any entry holds, or not UTF-8
         _warn_bad(path, exc)
         return None
     except OSError as exc:
+        if leads_nowhere(exc):  # no file, or a link to none (a loop, say), which the write replaces
+            return None
         warn_once("read", path.parent, f"cannot read the search cache in {path.parent}: {exc}; searching afresh")
         return None
     try:
