@@ -240,6 +240,7 @@ def _rewrite(path, change):
         pytest.param(lambda p: p.write_text(p.read_text().replace('"time_ms": 10.0', '"time_ms": 1' + "0" * 400)),
                      id="integer-time-past-float"),  # no float: math.isfinite and float() raise OverflowError
         pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(time_ms=float("nan"))), id="nan-time"),
+        pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(time_ms=True)), id="boolean-time"),
     ],
 )
 def test_a_bad_file_gives_one_warning_and_is_replaced(cache, spoil):

@@ -195,8 +195,9 @@ def _parse(data: Any, key: dict[str, Any]) -> _Results:
         algo, math, nbytes, ms = entry["algo"], entry["math_type"], entry["workspace_bytes"], entry["time_ms"]
         if not isinstance(algo, str) or not (math is None or type(math) is int) or type(nbytes) is not int:
             raise ValueError(f"malformed entry {entry!r}")
-        # JSON as Python reads it takes Infinity and NaN, and 1e999 as infinity: no time a search measures
-        if nbytes < 0 or not (ms is None or (isinstance(ms, (int, float)) and isfinite(ms) and ms >= 0)):
+        # JSON as Python reads it takes Infinity and NaN, and 1e999 as infinity: no time a search measures; nor is
+        # true or false (a bool is an int to isinstance)
+        if nbytes < 0 or not (ms is None or (type(ms) in (int, float) and isfinite(ms) and ms >= 0)):
             raise ValueError(f"malformed entry {entry!r}")
         results[(algo, math)] = (nbytes, None if ms is None else float(ms))
     return results
