@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -300,12 +301,13 @@ def _unblocked(call, fifo, timeout=20.0):
     return out[0]
 
 
-@pytest.mark.parametrize("kind", ["fifo", "link-to-fifo", "link-to-device"])
-def test_a_file_named_as_an_entry_that_is_no_regular_file_is_replaced_unread(cache, tmp_path, kind):
+@pytest.mark.parametrize("kind", ["fifo", "link-to-fifo", "link-to-device", "socket"])
+def test_a_file_named_as_an_entry_that_is_no_regular_file_is_replaced_unread(cache, tmp_path, monkeypatch, kind):
     """open() of a FIFO waits until a writer opens it: a FIFO in an entry's place, or a link to one, held the
-    lookup (and ``wsarena cache info``) for good. A link to a device was read up to the 16 MiB no entry takes. Only
-    a regular file is read, as the descriptor opened says, and the others are bad files: replaced when their call is
-    searched again (the link, not what it leads to)."""
+    lookup (and ``wsarena cache info``) for good. A link to a device was read up to the 16 MiB no entry takes, and a
+    socket, which open() refuses, was taken for a folder that cannot be read. Only a regular file is read, as the
+    descriptor opened says, and the others are bad files: replaced when their call is searched again (the link, not
+    what it leads to)."""
     backend = TableBackend(TABLE)
     first = search(backend)
     (path,) = entry_files(cache)
@@ -317,8 +319,13 @@ def test_a_file_named_as_an_entry_that_is_no_regular_file_is_replaced_unread(cac
     elif kind == "link-to-fifo":
         os.mkfifo(fifo)
         path.symlink_to(fifo)
-    else:
+    elif kind == "link-to-device":
         path.symlink_to("/dev/zero")
+    else:
+        listening = socket.socket(socket.AF_UNIX)
+        monkeypatch.chdir(path.parent)  # a socket's path is short: at most 107 bytes
+        listening.bind(path.name)
+        listening.close()
     info = _unblocked(searchcache.info, fifo)
     assert (info["entries"], info["unreadable"]) == (0, 1)
     with pytest.warns(SearchCacheWarning, match="ignoring the search cache file .*: it is not a regular") as caught:

@@ -67,6 +67,9 @@ def temp_name() -> str:
     return f"{TEMP_PREFIX}{secrets.token_hex(_TEMP_HEX // 2)}.json"
 
 
+_NOT_REGULAR = "it is not a regular file (a FIFO, a socket or a device)"
+
+
 def open_entry(path: str | Path) -> BinaryIO:
     """The file named as an entry, open for reading, if it is a regular file: checked on the descriptor opened, not
     the path, which another process may replace meanwhile. Opened without blocking, so that a FIFO in its place (which
@@ -76,13 +79,18 @@ def open_entry(path: str | Path) -> BinaryIO:
     regular one, and what :func:`os.open` raises.
     """
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
-    fd = os.open(path, flags)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a socket, or a device with no driver: none can be opened as a file
+            raise ValueError(_NOT_REGULAR) from None
+        raise
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         if not stat.S_ISREG(mode):
-            raise ValueError("it is not a regular file (a FIFO, a socket or a device)")
+            raise ValueError(_NOT_REGULAR)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)

@@ -17,9 +17,10 @@ Safety: a file is written whole to a temporary name and renamed over the entry, 
 the new one, never part of one, and processes writing at once lose no entry (each call is its own file; two writers
 of the same call both write complete results). Only a regular file is read, as the descriptor opened says (opened
 without waiting: open() of a FIFO waits for a writer). A truncated, corrupt or foreign file, or one that is no
-regular file (a FIFO, a device, a link to one), is ignored and replaced, with one
-:class:`~wsarena.errors.SearchCacheWarning` for the first such file of the folder; a directory that cannot be
-written gives one warning and the process goes on without saving. A folder with an entry's name is not the cache's
+regular file (a FIFO, a socket, a device, a link to one), is ignored and replaced, with one
+:class:`~wsarena.errors.SearchCacheWarning` for the first such file of the folder; a link that leads nowhere (its
+target gone, a loop) is replaced without one; a directory that cannot be written gives one warning and the process
+goes on without saving. A folder with an entry's name is not the cache's
 to remove: its call goes unsaved while it stands, which one warning says.
 
 Size: the entries are kept within the ``search_cache_max_size`` setting (``WSARENA_SEARCH_CACHE_MAX_SIZE``,
