@@ -242,6 +242,8 @@ def _rewrite(path, change):
                      id="integer-time-past-float"),  # no float: math.isfinite and float() raise OverflowError
         pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(time_ms=float("nan"))), id="nan-time"),
         pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(time_ms=True)), id="boolean-time"),
+        pytest.param(lambda p: _rewrite(p, lambda d: d["results"][0].update(time_ms=86_400_001.0)),
+                     id="time-past-a-day"),  # wsarena tune's exact sum of such times passed float's range
     ],
 )
 def test_a_bad_file_gives_one_warning_and_is_replaced(cache, spoil):

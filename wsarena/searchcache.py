@@ -61,6 +61,7 @@ __all__ = ["ENV_VAR", "cache_dir", "clear", "counts", "info", "search", "source"
 ENV_VAR = "WSARENA_CACHE_DIR"
 _FORMAT = "wsarena-search-cache"
 _VERSION = 1
+_MAX_TIME_MS = 86_400_000.0  # a day: no time a search measures is longer
 _MARK_USED_AFTER = 3600.0  # seconds: a read older than this marks the entry used (sets its modification time)
 
 _Results = dict[tuple[str, int | None], tuple[int, float | None]]  # (algo, math type) -> (workspace, ms or None)
@@ -197,8 +198,9 @@ def _parse(data: Any, key: dict[str, Any]) -> _Results:
         if not isinstance(algo, str) or not (math is None or type(math) is int) or type(nbytes) is not int:
             raise ValueError(f"malformed entry {entry!r}")
         # JSON as Python reads it takes Infinity and NaN, and 1e999 as infinity: no time a search measures; nor is
-        # true or false (a bool is an int to isinstance)
-        if nbytes < 0 or not (ms is None or (type(ms) in (int, float) and isfinite(ms) and ms >= 0)):
+        # true or false (a bool is an int to isinstance), nor one past a day, whose sums over a model's calls (as
+        # wsarena tune adds them, exactly) would pass float's range
+        if nbytes < 0 or not (ms is None or (type(ms) in (int, float) and isfinite(ms) and 0 <= ms <= _MAX_TIME_MS)):
             raise ValueError(f"malformed entry {entry!r}")
         results[(algo, math)] = (nbytes, None if ms is None else float(ms))
     return results
