@@ -172,7 +172,7 @@ def _api(name: str, *, reuse: bool = True, stub: bool = False):
     """A HostTimer setup: the cuDNN API path ``name``; on the graph API the variant-pack mode of every cached plan,
     and (``stub``) cudnnBackendExecute replaced by a C no-op declared as it is."""
     from wsarena.backends import get_backend
-    from wsarena.cudnn import graph
+    from wsarena.cudnn import _prototypes, graph
 
     def setup():
         wsarena.configure(cudnn_api=name)
@@ -184,11 +184,12 @@ def _api(name: str, *, reuse: bool = True, stub: bool = False):
             return None
         from bench_graph_host import no_op_execute  # this folder is on the path when the script runs
 
-        real = graph._execute_fn
-        graph._execute_fn = no_op_execute()  # a C no-op: ctypes still converts the arguments, as for cuDNN's
+        no_op = no_op_execute()  # a C no-op: ctypes still converts the arguments, as for cuDNN's
+        real = _prototypes._bound["cudnnBackendExecute"]  # declared by no_op_execute()
+        _prototypes._bound["cudnnBackendExecute"] = no_op  # what call() finds for it
 
         def undo():
-            graph._execute_fn = real
+            _prototypes._bound["cudnnBackendExecute"] = real
 
         return undo
 

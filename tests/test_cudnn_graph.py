@@ -10,7 +10,9 @@ finalize.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from wsarena._geometry import conv_geometry
 from wsarena._pass import PASSES
 from wsarena.backends import _graph_plans
 from wsarena.backends._graph_plans import ALIGNED, conv_problem, numerics_refusal, ranked_names, shortlist, usable
-from wsarena.cudnn import graph, load_library
+from wsarena.cudnn import _prototypes, graph, load_library
 
 from .cudnn_probe import driver
 
@@ -297,7 +299,7 @@ def test_plan_execute_gives_cudnn_a_finalized_pack_in_both_modes(props, monkeypa
         seen.append((handle, pack.value if hasattr(pack, "value") else pack.handle))
         return status[0]
 
-    monkeypatch.setattr(graph, "_execute_fn", execute)
+    monkeypatch.setitem(_prototypes._bound, "cudnnBackendExecute", execute)
     for i in range(graph._VARIANT_PACKS_KEPT + 3):
         plan.execute("handle", 0x1000 * (i + 1), 0x2000, 0x3000, 0x4000)
     plan.execute("handle", 0x1000, 0x2000, 0x3000, 0x4000)
@@ -325,7 +327,7 @@ def test_plan_execute_passes_the_plans_pointer_and_refuses_a_closed_plan(props, 
         seen.append((plan_arg, pack.value))
         return 0
 
-    monkeypatch.setattr(graph, "_execute_fn", execute)
+    monkeypatch.setitem(_prototypes._bound, "cudnnBackendExecute", execute)
     plan.execute("handle", 0x1000, 0x2000, 0x3000, 0x4000)
     assert seen[0][0] == plan.descriptor.handle and seen[0][1]
     if reuse:
@@ -336,4 +338,41 @@ def test_plan_execute_passes_the_plans_pointer_and_refuses_a_closed_plan(props, 
     with pytest.raises(ValueError, match="closed"):
         plan.execute("handle", 0x1000, 0x2000, 0x3000, 0x4000)
     assert len(seen) == 1
+    plan.close()
+
+
+class _Handle(cudnn.Handle):
+    """A handle as ctypes would be given one (an ``Owned``), with no cuDNN handle behind it: the pointer is never
+    dereferenced, since cudnnBackendExecute is a C no-op here."""
+
+    def __init__(self) -> None:
+        self.device, self.thread_id = 0, 0
+        self._handle = 0x1
+        self._stream = None
+        self._finalizer = weakref.finalize(self, int)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_a_ctrl_c_anywhere_in_plan_execute_is_a_keyboard_interrupt(props, monkeypatch, reuse):
+    """ctypes reads an argument's ``_as_parameter_``, Python code, and turns what it raises into ArgumentError: a
+    Ctrl-C landing there came out as ``ArgumentError: argument 1: KeyboardInterrupt:``. Plan.execute passed the
+    handle object so, where every other cuDNN call goes through ``call()``, which reads the pointer itself.
+    cudnnBackendExecute is a C no-op declared as it is (ctypes converts the arguments as it would for cuDNN's);
+    every place of the call where CPython runs a signal handler is tried, and only KeyboardInterrupt may come out."""
+    from .interrupts import interrupt_at_check
+
+    op_graph = graph.operation_graph(conv_problem("fwd", GEOMETRIES["2d"]))
+    (name, _), *_ = ranked_names(graph, op_graph, "float32", properties=props)
+    plan = graph.execution_plan(graph.engine_config(op_graph, name, properties=props), properties=props)
+    plan.reuse_variant_packs = reuse
+    real = cudnn.function("cudnnBackendExecute")
+    no_op = ctypes.CDLL(None).pthread_equal  # returns 0 (SUCCESS) for two different values, touches nothing
+    no_op.restype, no_op.argtypes = real.restype, real.argtypes
+    monkeypatch.setitem(_prototypes._bound, "cudnnBackendExecute", no_op)
+    handle = _Handle()
+    plan.execute(handle, 0x1000, 0x2000, 0x3000, 0x4000)  # a kept pack, if any, is made before the runs below
+    n = 1
+    while interrupt_at_check(n, plan.execute, handle, 0x1000, 0x2000, 0x3000, 0x4000):
+        n += 1
+    assert n > 3  # the call's own checks were reached
     plan.close()

@@ -252,7 +252,9 @@ def call(name: str, *args: object, context: str | Callable[[], str] = "") -> Non
     describes this call and not an earlier one whose message nobody read. ``context`` is text for the error, or
     a function that returns it (called only on failure).
     """
-    fn = function(name)
+    fn = _bound.get(name)  # function(name)'s own first step, inline: this runs once per convolution
+    if fn is None:
+        fn = function(name)
     if name not in _NOT_CLEARED:
         _errors.clear_last_error()
     # An owned object's pointer is read here, not by ctypes through its _as_parameter_: ctypes turns whatever that

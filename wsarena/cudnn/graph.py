@@ -28,7 +28,7 @@ from ._deviceprops import DevicePropertiesError, device_properties, device_prope
 from ._enums import BackendAttributeName, BackendAttributeType, BackendDescriptorType, BackendKnobType, DataType
 from ._enums import BackendHeurMode as Heur
 from ._errors import CudnnError, check
-from ._prototypes import function
+from ._prototypes import call, function
 from ._status_errors import CudnnNotInitializedError
 from .backend import BackendDescriptor, has_attribute, plan_workspace_size
 
@@ -305,7 +305,7 @@ class Plan:
         # The plan and its pack go to cuDNN as raw pointers: ctypes would convert a descriptor through its
         # _as_parameter_ (two properties and a c_void_p, some 0.3 us apiece on every call). The plan's is read
         # through the property that refuses a closed one; a kept pack is open as long as it is kept (close() and
-        # eviction let go of it first).
+        # eviction let go of it first). The handle's is read by call(), as for every cuDNN call.
         plan = self.descriptor.handle
         key = (x, w, y, workspace)
         if self.reuse_variant_packs:
@@ -314,7 +314,7 @@ class Plan:
                 pack = self._packs[key] = _variant_pack(key)
                 if len(self._packs) > _VARIANT_PACKS_KEPT:
                     self._packs.popitem(last=False)[1].close()
-            check(_execute(handle, plan, ctypes.c_void_p(pack._handle)), "cudnnBackendExecute", self._context)
+            call("cudnnBackendExecute", handle, plan, ctypes.c_void_p(pack._handle), context=self._context)
             return
         _execute_with_new_pack(handle, plan, key, self._context)
 
@@ -331,16 +331,6 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"<Plan {self.name} workspace={self.workspace_bytes}{' closed' if self.closed else ''}>"
-
-
-_execute_fn: Any = None  # cudnnBackendExecute, declared on first use
-
-
-def _execute(handle: Any, plan: int, pack: Any) -> int:
-    global _execute_fn
-    if _execute_fn is None:
-        _execute_fn = function("cudnnBackendExecute")
-    return int(_execute_fn(handle, plan, pack))
 
 
 _UID_ARRAY = (ctypes.c_int64 * 3)(UIDS["x"], UIDS["w"], UIDS["y"])
@@ -366,7 +356,7 @@ def _execute_with_new_pack(handle: Any, plan: int, key: tuple[int, int, int, int
         check(set_attr(pack, A.VARIANT_PACK_WORKSPACE, T.VOID_PTR, 1, ctypes.byref(scratch)),
               "cudnnBackendSetAttribute", context)
         check(finalize(pack), "cudnnBackendFinalize", context)
-        check(_execute(handle, plan, pack), "cudnnBackendExecute", context)
+        call("cudnnBackendExecute", handle, plan, pack, context=context)
     finally:
         destroy(pack)
 
