@@ -1,12 +1,15 @@
 """When the provider fails, on either kind of arena: out of memory leaves the arena as it was, other errors pass
 through, and a run of the ops can fall back to what the arena holds."""
 
+import re
 import threading
 
 import numpy as np
 import pytest
 
+import wsarena
 from wsarena.arena import Arena, Buffer, HostProvider
+from wsarena.arena._leases import POISON_BYTE
 from wsarena.arena._stats import aligned_size
 from wsarena.arena.testing import RecordingProvider
 from wsarena.errors import ArenaOutOfMemoryError
@@ -255,6 +258,66 @@ def test_a_provider_that_returns_nothing_is_an_error_not_a_loop(arena, provider,
     with pytest.raises(TypeError, match="returned None"), arena.lease(4096, stream=key("s")):
         pass
     assert arena.stats().capacity_bytes == 0
+
+
+class _HandsOutAgain(HostProvider):
+    """Host memory, but once ``again`` is set each buffer is ``again(first, fresh)``: ``first``, the first buffer it
+    handed out, and ``fresh``, the one it would have (a pool whose books are wrong, or one two threads use unlocked)."""
+
+    def __init__(self):
+        self.first = None
+        self.again = None
+
+    def allocate(self, size, *, stream=None):
+        fresh = super().allocate(size, stream=stream)
+        if self.first is None:
+            self.first = fresh
+        elif self.again is not None:
+            return self.again(self.first, fresh)
+        return fresh
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["", "debug"])
+@pytest.mark.parametrize("again", [
+    pytest.param(lambda first, fresh: first, id="the same buffer"),  # given back, it would free the one held
+    pytest.param(lambda first, fresh: Buffer(first.ptr, fresh.size, fresh.owner), id="the same address"),
+    pytest.param(lambda first, fresh: Buffer(first.ptr + 1000, fresh.size, fresh.owner), id="its last bytes"),
+    pytest.param(lambda first, fresh: Buffer(first.ptr - 100, fresh.size, fresh.owner), id="its first bytes"),
+])
+@pytest.mark.parametrize("grows", ["another stream", "the same stream"])
+def test_a_buffer_that_overlaps_one_the_arena_holds_is_refused_in_any_mode(arena_kind, key, grows, again, debug):
+    """A provider that hands out memory the arena holds (on any stream: a growth's old buffer is freed only once the
+    new one is in place) would have two leases share bytes. Only debug mode saw it, and only once two leases were
+    live at once: otherwise each stream wrote over the other's workspace. Refused as it would be installed: the
+    arena keeps what it held, and the new buffer goes back to the provider, unless it is the very one held (a free of
+    that would free the held one: the provider records it as a double free)."""
+    upstream = _HandsOutAgain()
+    provider = RecordingProvider(upstream, device_id=arena_kind.device_id)
+    arena = Arena(provider)
+    with wsarena.config(debug=debug):
+        with arena.lease(1024, stream=key("a")) as ws:
+            ws.array[:] = 7
+        before = snapshot(arena)
+        upstream.again = again
+        other, n = (key("b"), 1024) if grows == "another stream" else (key("a"), 5000)
+        where = "that stream" if grows == "the same stream" else f"stream {key('a')!r}"
+        message = (rf"allocate returned Buffer\(ptr=0x[0-9a-f]+, size={aligned_size(n)}\) for stream {other!r}, whose "
+                   rf"bytes overlap Buffer\(ptr={upstream.first.ptr:#x}, size=1024\), which the arena holds for "
+                   rf"{re.escape(where)}: the provider handed out memory that is in use")
+        if n > 1024 and again(upstream.first, Buffer(0, 0)) is upstream.first:  # the buffer held, too small for n
+            message = rf"returned Buffer\(ptr={upstream.first.ptr:#x}, size=1024\) for a request of {aligned_size(n)}"
+        with pytest.raises(RuntimeError, match=message), arena.lease(n, stream=other):
+            pass
+        assert snapshot(arena) == before
+        handed_again = provider.allocations[-1]
+        assert [buffer for buffer, _ in provider.frees] == ([] if handed_again is upstream.first else [handed_again])
+        upstream.again = None
+        with arena.lease(1024, stream=key("a")) as ws:
+            assert ws.ptr == upstream.first.ptr and (ws.array == (POISON_BYTE if debug else 7)).all()
+        with arena.lease(n, stream=other) as ws:
+            assert ws.ptr != upstream.first.ptr
+    arena.close()
+    assert provider.held == []
 
 
 class _Returning(HostProvider):

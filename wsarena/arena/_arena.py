@@ -83,6 +83,8 @@ class Arena:
     - Growth: to ``aligned_size(nbytes)``; the outgrown buffer is freed on the sub-arena's stream once no
       lease uses it.
     - :meth:`stats` returns a frozen :class:`ArenaStats`; fields read as attributes or items.
+    - A buffer from the provider whose bytes overlap one the arena holds (the same memory handed out twice) is a
+      ``RuntimeError`` as it would be installed, in any mode.
     - Debug mode (``wsarena.configure(debug=True)`` or ``WSARENA_DEBUG=1``, read at each lease) fills released
       bytes with ``POISON_BYTE`` and raises ``AssertionError`` if two live leases on different streams overlap.
     - Memory is released by :meth:`trim`, :meth:`close`, when the arena is collected, when a stream or thread it
@@ -150,7 +152,8 @@ class Arena:
             refusal is remembered: :meth:`defers_growth`).
         RuntimeError
             (on entering) This thread already holds a lease on this lane or stream (and ``nbytes > 0``): a
-            nested lease would share the outer lease's bytes. Or the arena is closed.
+            nested lease would share the outer lease's bytes. Or the arena is closed. Or the provider returned a
+            buffer that overlaps one the arena holds.
         """
         n = nbytes if type(nbytes) is int and nbytes >= 0 else _non_negative_int(nbytes)
         key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)

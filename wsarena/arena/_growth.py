@@ -19,6 +19,7 @@ from .._sizes import format_size, short_repr
 from ..errors import ArenaOutOfMemoryError
 from . import _refusals
 from ._interrupts import finish
+from ._keys import callers_key
 from ._stats import aligned_size
 from ._sub import _Block, _Owner, _SubArena, park, this_thread, wait
 
@@ -128,7 +129,7 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
         buffer = got[0]
         block = _Block(buffer, *_address_and_size(self.provider, buffer, size))
     except BaseException as exc:
-        if got and got[0] is not None:
+        if got and got[0] is not None and not _held(self, got[0]):  # a buffer held, handed out again, stays held
             self._to_free.append((got[0], freed_on))  # never installed: no one else would free it
         finish(self._end_growth, sub, token, None)
         if isinstance(exc, MemoryError):
@@ -140,13 +141,29 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
                 requested=n, held=sub.capacity(), cap=cap,
             ) from exc
         raise
+    clash = None
     try:
-        finish(self._end_growth, sub, token, block, ws)
+        clash = finish(self._end_growth, sub, token, block, ws)
     finally:
-        if not block.installed:  # refused (the arena closed), or cut short before it ran
+        # Refused (the arena closed, or the buffer overlaps one it holds), or cut short before it ran
+        if not block.installed and not block.freed:
             self._to_free.append((buffer, freed_on))
     if self._table.closed:
         raise self._table.closed_error()
+    if clash is not None:
+        key, held = clash
+        where = "that stream" if key is sub.key else f"stream {callers_key(key)!r}"
+        raise RuntimeError(
+            f"{self.provider!r}.allocate returned {buffer!r} for stream {callers_key(sub.key)!r}, whose bytes overlap "
+            f"{held.buffer!r}, which the arena holds for {where}: the provider handed out memory that is in use"
+        )
+
+
+def _held(self: Arena, buffer: Any) -> bool:
+    """Whether ``buffer``, which the provider returned and the arena refused, is the very buffer of one it holds
+    (handed out again): it is not given back then, as that would free the one held."""
+    with self._lock:
+        return any(held.buffer is buffer for _, held in self._table.held_blocks())
 
 
 def _address_and_size(provider: Any, buffer: Any, size: int) -> tuple[int, int]:
@@ -166,17 +183,21 @@ def _address_and_size(provider: Any, buffer: Any, size: int) -> tuple[int, int]:
     return ptr, nbytes
 
 
-def _end_growth(self: Arena, sub: _SubArena, token: Any, block: _Block | None, ws: Workspace | None = None) -> None:
-    """End ``token``'s growth of ``sub``, installing ``block`` (if any) unless the arena closed meanwhile (the
-    caller frees it then), and granting it to ``ws`` if given. Idempotent (lock not held).
+def _end_growth(
+    self: Arena, sub: _SubArena, token: Any, block: _Block | None, ws: Workspace | None = None
+) -> tuple[Hashable, _Block] | None:
+    """End ``token``'s growth of ``sub``, installing ``block`` (if any) unless the arena closed meanwhile or ``block``
+    overlaps a buffer the arena holds (returned then: :meth:`_Table.holding`; the caller frees ``block``), and
+    granting it to ``ws`` if given. Idempotent (lock not held).
 
     The grant is made in the same locked step as the installation: until the lease holds the block, a trim or
     another thread's growth may let it go, and the lease would then be granted whatever the stream holds by the time
     it looked again (a smaller buffer, or none)."""
     with self._lock:
-        self._table.end_growth(sub, token, block)
+        clash = self._table.end_growth(sub, token, block)
         if (
             ws is not None and block is not None and sub.block is block and sub.holder is ws._ref
             and sub.holder_block is None
         ):
             self._grant(sub, ws, block)
+    return clash

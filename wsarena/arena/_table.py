@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CaptureError
@@ -271,20 +271,48 @@ class _Table:
             self.reap(sub)
         return True
 
-    def end_growth(self, sub: _SubArena, token: Any, block: _Block | None) -> None:
-        """End ``token``'s growth of ``sub``, installing ``block`` (if any) unless the arena closed meanwhile (then
-        ``block.installed`` stays false and the caller frees it). Idempotent: a repeat after an interrupt finds the
-        block installed (it may have been let go since: ``installed`` says so, not ``sub.block``) and the growth
-        ended."""
+    def end_growth(self, sub: _SubArena, token: Any, block: _Block | None) -> tuple[Hashable, _Block] | None:
+        """End ``token``'s growth of ``sub``, installing ``block`` (if any) unless the arena closed meanwhile, or
+        ``block`` overlaps a buffer the arena holds (:meth:`holding`, returned then): ``block.installed`` stays false
+        and the caller frees it (unless ``block.freed``: it is a buffer the arena holds). Idempotent: a repeat after
+        an interrupt finds the block installed (it may have been let go since: ``installed`` says so, not
+        ``sub.block``) and the growth ended."""
+        clash = None
         if sub.growing is token:
-            if block is not None and not block.installed and not self.closed:
-                sub.install(block)
-                self.refusals.granted(block.size)
+            if block is not None and not block.installed:
+                clash = self.holding(block)
+                if clash is not None and clash[1].buffer is block.buffer:
+                    block.freed = True  # the very buffer held, handed out again: freed as that one, never as this
+                elif clash is None and not self.closed:
+                    sub.install(block)
+                    self.refusals.granted(block.size)
             sub.growing = None  # last
             sub.wake()
         if block is None or not block.installed:
             self.drop_if_idle(sub)
         self.drop_if_gone(sub)  # a reserve of a dead stream's sub-arena, moved aside while it grew
+        return clash
+
+    def holding(self, block: _Block) -> tuple[Hashable, _Block] | None:
+        """The buffer the arena holds (any stream's, current, outgrown or kept for a graph) whose bytes overlap those
+        of ``block``, a new one from the provider, and the key it is held under; ``None`` if there is none. Checked in
+        the locked step that installs ``block``: two streams' buffers must never share a byte. Growth is rare, and a
+        few buffers are held, so each growth looks at every one; a lease that needs no growth looks at none."""
+        start, stop = block.ptr, block.ptr + block.size
+        for key, held in self.held_blocks():
+            if held.ptr < stop and start < held.ptr + held.size:
+                return key, held
+        return None
+
+    def held_blocks(self) -> Iterator[tuple[Hashable, _Block]]:
+        """Every buffer the arena holds (each stream's current and outgrown one, those kept for graphs), with the key
+        it is held under."""
+        for sub in self.subs.values():
+            for held in (sub.block, sub.retired):
+                if held is not None:
+                    yield sub.key, held
+        for key, held, _ in self.kept:
+            yield key, held
 
     def _nested_error(self, key: Hashable) -> RuntimeError:
         """This thread leases again on a lane / stream it holds (nothing was changed)."""
