@@ -10,6 +10,7 @@ import inspect
 import pickle
 import sys
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -322,6 +323,61 @@ def test_a_collected_arena_abandons_what_a_graph_still_holds():
     gc.collect()
     assert provider.frees == [] and len(provider.held) == 1  # never freed: the graph may be replayed
     graph.close()
+
+
+@pytest.mark.parametrize("trigger", ["stats", "trim", "growth"])
+def test_a_closed_arena_nothing_refers_to_frees_what_a_graph_held_once_the_graph_is_gone(trigger):
+    """get_arena() replaces a closed arena, and nothing refers to the closed one then: the buffers its graphs held
+    were never freed (collected, it abandons them, for the graphs' sake). The closed arena is kept while it holds
+    them, and frees each on its stream once its graph is gone, at the next trim, stats or growth of any arena."""
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    graph, pinned = capture_a_lease(provider, arena)
+    arena.reserve(5000, stream=S2)
+    unpinned = arena._subs[S2].block.ptr
+    arena.close()
+    closed = weakref.ref(arena)
+    del arena
+    successor = Arena(provider)  # what get_arena() makes in its place
+    gc.collect()
+    successor.trim()
+    successor.stats()
+    assert freed_on(provider) == [(unpinned, S2)] and closed() is not None  # the graph may still be replayed
+    graph.close()
+    {"stats": successor.stats, "trim": successor.trim, "growth": lambda: successor.reserve(1000, stream=S1)}[trigger]()
+    assert freed_on(provider) == [(unpinned, S2), (pinned, S1)]
+    assert provider.held == ([successor._subs[S1].block.buffer] if trigger == "growth" else [])
+    gc.collect()
+    assert closed() is None  # holding nothing more, it is let go
+
+
+def test_a_closed_arenas_free_with_no_stream_waits_for_a_capture_another_arena_of_the_device_knows():
+    """What a closed arena held for a graph of a stream that is gone is freed with no stream (a device
+    synchronisation) once the graph is gone: not while a capture goes on that only the arena made in its place knows
+    of (one on a non-blocking stream, which no question through the legacy default stream sees)."""
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    stream = FakeStream(0x61)
+    provider.stream_ids[0x61] = 1
+    arena.reserve(1000, stream=stream)
+    graph, pinned = capture_a_lease(provider, arena, stream=stream)
+    del stream  # its stream is gone: the buffer is freed with no stream
+    gc.collect()
+    arena.close()
+    del arena
+    successor = Arena(provider)
+    successor.reserve(1000, stream=S2)
+    capture = provider.begin_capture(S2)
+    with successor.lease(1000, stream=S2):  # the capture is the successor's: the closed arena never saw it
+        pass
+    graph.close()
+    successor.stats()
+    assert provider.frees == []
+    provider.end_capture(capture)
+    successor.stats()
+    assert freed_on(provider) == [(pinned, None)]
+    capture.close()
 
 
 def test_a_graph_pin_is_live_until_its_c_destructor_runs():

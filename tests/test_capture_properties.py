@@ -1,17 +1,19 @@
 """Property-based test of pinning: random eager leases (some held across steps, under which a reserve grows the
 buffer), reserves, captures (of one stream or forked to two), leases during them, graphs closed, trims, a stream
-object dropped (its handle then naming the same stream or another), in debug mode, on a device-like arena whose
-capture status the test controls.
+object dropped (its handle then naming the same stream or another), the arena closed and replaced by a new one (as
+get_arena() replaces it, nothing else referring to it), in debug mode, on a device-like arena whose capture status the
+test controls.
 
 A model tracks, per stream, the buffer the arena holds (its address and size) and the one outgrown under a held
 lease, and, per graph, the buffers it captured. After every step: a lease during a capture gets its stream's buffer
 as it is, or a CaptureError where that is too small; no buffer a live graph holds was freed; ``stats()`` sizes and
-pinned bytes (per stream and in all) are the model's; the provider holds the streams' buffers, those pinned, and at
-most those whose free waits for a capture under way; and nothing was freed on a stream being captured, nor with no
-stream while a capture the arena knows of goes on.
+pinned bytes (per stream and in all) are the model's; the provider holds the streams' buffers, those pinned (by a
+closed arena's graphs too), and at most those whose free waits for a capture under way; and nothing was freed on a
+stream being captured, nor with no stream while a capture that an arena of the device knows of goes on.
 """
 
 import gc
+import weakref
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -36,7 +38,7 @@ class _Graph:
 
     def __init__(self, fake, streams):
         self.fake, self.streams = fake, streams
-        self.pinned = {}  # ptr -> (size, handle, frees made before) of each buffer it captured
+        self.pinned = {}  # ptr -> (size, handle, frees made before, arena) of each buffer it captured
         self.leased = False  # a lease that takes bytes was captured: the arena knows of the capture
         self.closed = False
 
@@ -63,6 +65,8 @@ class PinningMachine(RuleBasedStateMachine):
         self.held = {}  # handle -> (Workspace, (ptr, size) of the buffer it uses) of a lease held across steps
         self.retired = {}  # handle -> (ptr, size) of the buffer a reserve outgrew under the held lease
         self.owners = {}  # id of each Buffer the arena allocated -> (the Buffer, the handle it was allocated for)
+        self.generation = 0  # how many times the arena was replaced: the arena a pinned buffer is of
+        self.closed = []  # weak references to the arenas replaced
 
     def teardown(self):
         for ws, _ in getattr(self, "held", {}).values():
@@ -90,9 +94,9 @@ class PinningMachine(RuleBasedStateMachine):
             if self.provider.stream_ids[OBJECT] != self.watched_id:
                 self.buffer[OBJECT] = None
                 for graph in self.graphs:  # what graphs hold of the dead stream is no longer the handle's
-                    for ptr, (size, owner, before) in graph.pinned.items():
-                        if owner == OBJECT:
-                            graph.pinned[ptr] = (size, ("gone", self.watched_id), before)
+                    for ptr, (size, owner, before, generation) in graph.pinned.items():
+                        if owner == OBJECT and generation == self.generation:
+                            graph.pinned[ptr] = (size, ("gone", self.watched_id), before, generation)
 
     def _sync(self):
         """What the arena let go of its own accord: an orphaned buffer, once the sub-arena is forgotten (by a trim,
@@ -110,13 +114,15 @@ class PinningMachine(RuleBasedStateMachine):
     def _capture_of(self, handle):
         return next((g for g in self.graphs if handle in g.streams), None)
 
-    def _live_pins(self):
-        """ptr -> (size, handle, frees made before it was pinned) of every buffer a graph not closed holds."""
+    def _live_pins(self, every=False):
+        """ptr -> (size, handle, frees made before it was pinned) of every buffer of the arena (``every``: of the
+        arenas replaced too) that a graph not closed holds."""
         pins = {}
         for graph in self.graphs:
             if not graph.closed:
-                for ptr, (size, handle, before) in graph.pinned.items():
-                    pins[ptr] = (size, handle, min(before, pins.get(ptr, (0, 0, before))[2]))
+                for ptr, (size, handle, before, generation) in graph.pinned.items():
+                    if every or generation == self.generation:
+                        pins[ptr] = (size, handle, min(before, pins.get(ptr, (0, 0, before))[2]))
         return pins
 
     def _grew(self, handle, ptr, n):
@@ -232,7 +238,7 @@ class PinningMachine(RuleBasedStateMachine):
         with self.arena.lease(n, stream=self._stream(handle)) as ws:
             if n:
                 assert ws.ptr == held[0]  # the stream's buffer, as it is
-                graph.pinned.setdefault(held[0], (held[1], handle, len(self.provider.frees)))
+                graph.pinned.setdefault(held[0], (held[1], handle, len(self.provider.frees), self.generation))
                 graph.leased = True
         self._sync()
 
@@ -292,6 +298,22 @@ class PinningMachine(RuleBasedStateMachine):
             self.provider.stream_ids[OBJECT] = self.stream_id
 
     @rule()
+    def replace_arena(self):
+        """The arena is closed and replaced by a new one over the same provider, as get_arena() replaces a closed
+        arena, and nothing refers to the closed one: the buffers graphs hold of it are freed once they are gone (by
+        the new arena's stats(), which the invariant calls), in stream order and not during a capture."""
+        for ws, _ in self.held.values():
+            ws.__exit__(None, None, None)
+        self.held.clear()
+        self.retired.clear()
+        self.arena.close()
+        self.closed.append(weakref.ref(self.arena))
+        self.arena = Arena(self.provider)
+        self.generation += 1
+        self.buffer = dict.fromkeys(HANDLES)
+        self.orphan = False
+
+    @rule()
     def release_everything(self):
         """Every lease released, every capture ended and every graph closed: a trim gives every buffer back."""
         for ws, _ in self.held.values():
@@ -324,6 +346,7 @@ class PinningMachine(RuleBasedStateMachine):
             assert s.leases == (key in self.held)
             assert s.pinned_bytes == sum(size for size, h, _ in pins.values() if h == key)
         # No buffer a live graph holds is freed (an address freed before it was pinned may have been allocated again)
+        pins = self._live_pins(every=True)
         held = {buffer.ptr for buffer in self.provider.held}
         for ptr, (_, _, before) in pins.items():
             assert ptr not in [buffer.ptr for buffer, _ in self.provider.frees[before:]] and ptr in held
@@ -332,8 +355,9 @@ class PinningMachine(RuleBasedStateMachine):
         # that it asked about, a stream it knew a capture on before)
         known = any(g.capturing and g.leased for g in self.graphs)
         capturing = any(g.capturing for g in self.graphs)
+        arenas = [self.arena] + [arena for arena in (ref() for ref in self.closed) if arena is not None]
         waiting = {
-            buffer.ptr for buffer, stream in self.arena._to_free
+            buffer.ptr for arena in arenas for buffer, stream in arena._to_free
             if self._capture_of(stream) is not None or (stream is None and capturing)
         }
         current = {held[0] for held in self.buffer.values() if held is not None}

@@ -101,8 +101,9 @@ class CapturedGraph:
 
     def close(self) -> None:
         """Drop the graph (CuPy destroys it once nothing else refers to it); the workspace it pinned is freed in
-        stream order by the arena's next trim, stats or growth after CUDA let go of it (and after any capture under
-        way on its stream). Inside its capture block, the capture is discarded as the block ends. Idempotent."""
+        stream order by the arena's next trim, stats or growth after CUDA let go of it (any arena's, where that one
+        is closed; and after any capture under way on its stream). Inside its capture block, the capture is discarded
+        as the block ends. Idempotent."""
         self.graph = None
         self._state, self._reason = _State.CLOSED, "it is closed"
 

@@ -42,7 +42,7 @@ from .._sizes import as_int, format_size, short_repr
 from ..errors import CaptureError, WorkspaceCapError
 from . import _growth, _leases, _pinning, _refusals
 from ._leases import POISON_BYTE
-from ._lifecycle import give_back, release_all, track_arena, track_device_arena
+from ._lifecycle import give_back, keep_while_holding, release_all, release_closed, track_arena, track_device_arena
 from ._pins import free_posted
 from ._stats import ArenaStats, aligned_size, snapshot
 from ._table import _Table
@@ -330,6 +330,7 @@ class Arena:
             released += self._table.release_kept()
             self._table.refusals.forget()
         self._give_back()
+        release_closed()
         return released
 
     def stats(self) -> ArenaStats:
@@ -340,6 +341,7 @@ class Arena:
             self._table.release_kept()
             stats = snapshot(self._table)
         self._give_back()
+        release_closed()
         return stats
 
     def close(self) -> None:
@@ -347,7 +349,9 @@ class Arena:
 
         A lease or reserve still growing, or waiting for its stream, when ``close`` runs is refused too
         (``RuntimeError``) and what it allocated is freed. :func:`get_arena` replaces a closed arena by a new one.
-        Idempotent.
+        A buffer a CUDA graph holds is freed once the graph is gone (one whose free waits for a capture, once that
+        ends), by the next :meth:`trim`, :meth:`stats` or growth of any arena, or this call again: until then the
+        closed arena is kept, whoever else lets go of it. Idempotent.
         """
         with self._lock:
             self._table.closed = True
@@ -357,9 +361,12 @@ class Arena:
                 sub.wake()  # waiters see the arena closed
                 if sub.idle():
                     self._table.forget(sub)
-            self._table.release_kept()  # what graphs still hold is freed by a later trim() or stats()
+            self._table.release_kept()  # what graphs still hold is freed once they are gone (release_closed)
             _pinning.forget_released(self._table.captures)
         self._give_back()
+        # Kept while a lease, a graph or a capture under way holds a buffer of it: collected, it would abandon what a
+        # graph holds for good, and free the rest at once, captures or not
+        keep_while_holding(self, bool(self._subs or self._table.kept or self._table.captures or self._to_free))
         free_posted()  # the pins dropped before their graphs went, once CUDA let go of them
 
     def __copy__(self) -> Arena:

@@ -20,6 +20,7 @@ from ..errors import ArenaOutOfMemoryError
 from . import _refusals
 from ._interrupts import finish
 from ._keys import callers_key
+from ._lifecycle import release_closed
 from ._stats import aligned_size
 from ._sub import _Block, _Owner, _SubArena, park, this_thread, wait
 
@@ -120,6 +121,7 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
     freed_on = None  # where a buffer never installed is queued to be freed
     started = _refusals.clock()  # a refusal is timed: how long callers with a fallback then wait (_refusals.py)
     try:
+        release_closed()  # what closed arenas kept for graphs gone since: freed before the provider is asked for more
         freed_on = sub.free_stream()  # read before a buffer exists: an interrupt in it loses none
         # allocate() hands its buffer to `got` within one C call (list.extend over a map): an interrupt lands as a
         # call returns to Python code, and one just after `buffer = allocate(...)` returned would lose the buffer.

@@ -1,4 +1,5 @@
-"""Releasing memory when no one will: a collected arena, interpreter exit; and a forked child's arenas.
+"""Releasing memory when no one will: a collected arena, a closed one that nothing else refers to, interpreter exit;
+and a forked child's arenas.
 
 Finalizers here never raise (a failed free warns) and do nothing once the interpreter is finalizing; device
 arenas are released by an atexit handler instead, while CUDA is still up.
@@ -29,7 +30,10 @@ from .streams import PER_THREAD_DEFAULT_STREAM, PerThreadStream, own_per_thread_
 if TYPE_CHECKING:
     from ._arena import Arena
 
-__all__ = ["give_back", "keep_parents_memory", "release_all", "track_arena", "track_device_arena"]
+__all__ = [
+    "device_arenas", "give_back", "keep_parents_memory", "keep_while_holding", "release_all", "release_closed",
+    "track_arena", "track_device_arena",
+]
 
 
 def give_back(
@@ -107,6 +111,30 @@ def release_all(provider: Any, table: _Table) -> None:
     free_posted()
 
 
+# Closed arenas that still hold something, by id: a buffer a CUDA graph may still use, or one whose free waits for a
+# capture to end. Kept alive here, so that the arena frees them as it frees any (in stream order, and not while a
+# capture may be under way) once it may, where its finalizer, once collected, would abandon those graphs hold for good
+# and free the rest at once. get_arena() replaces a closed arena, and nothing else refers to it then.
+_closed_holding: dict[int, Arena] = {}
+
+
+def keep_while_holding(arena: Arena, holding: bool) -> None:
+    """Keep ``arena``, which is closed, while it still ``holding`` anything; else let it go."""
+    if holding:
+        _closed_holding[id(arena)] = arena
+    else:
+        _closed_holding.pop(id(arena), None)
+
+
+def release_closed() -> None:
+    """Free what closed arenas held for graphs gone since, or for captures over since, and let go of those that hold
+    nothing more: each is closed again (:meth:`Arena.close` is idempotent, and frees what it may). Called by every
+    arena's trim, stats and growth, with no arena's lock held; does nothing while no closed arena holds anything."""
+    if _closed_holding:
+        for arena in list(_closed_holding.values()):  # list(): one C call, whatever other threads do
+            arena.close()
+
+
 # Every arena, for the fork handler: weak references without callbacks (a callback is Python code, where an
 # interrupt would be lost), the dead ones dropped as the list grows.
 _arenas: list[weakref.ref[Arena]] = []
@@ -121,6 +149,13 @@ def track_arena(arena: Arena) -> None:
     _arenas.append(weakref.ref(arena))
 
 
+def device_arenas(device: int) -> list[Arena]:
+    """The arenas of CUDA device ``device`` that live now (closed ones too). No lock: the list of every arena is read
+    in one C call, so that an interrupt here leaves nothing held."""
+    live = (ref() for ref in list(_arenas))
+    return [arena for arena in live if arena is not None and arena.device == device]
+
+
 def keep_parents_memory(table: _Table) -> None:
     """In a forked child: keep ``table`` (and the parent's device buffers it refers to) alive and untouched for good.
     Dropping them would free device memory through CUDA, which cannot run in the child, and is the parent's."""
@@ -128,6 +163,7 @@ def keep_parents_memory(table: _Table) -> None:
 
 
 def _after_fork_in_child() -> None:
+    _closed_holding.clear()  # each starts again below, holding nothing: no graph of the parent's is the child's
     for ref in _arenas:
         arena = ref()
         if arena is not None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .._sizes import format_size
 from ..errors import CaptureError
 from ._keys import callers_key
+from ._lifecycle import device_arenas
 from ._lifecycle import give_back as _give_back
 from ._pins import GraphPin
 from .streams import PER_THREAD_DEFAULT_STREAM, is_own_stream, raw_handle, resolve_stream
@@ -231,9 +232,10 @@ def _capture_under_way(self: Arena, key: Any) -> bool:
     ``key`` (the call that drains the queue), on the calling thread's current stream (a capture block's), on any
     stream a lease was taken on during a capture that may not be over or that :func:`wsarena.capture` is capturing
     (:func:`watch_capture`; in any thread: a capture in CUDA's global mode is broken by another thread's
-    synchronisation), or, asked through the legacy default stream, on any blocking stream of the device. A recorded
-    stream found not captured any more is forgotten, unless it was recorded again since it was asked (by a new
-    capture block, or a new capture's lease)."""
+    synchronisation), recorded by this arena or by another of the device (the one :func:`get_arena` made in place of
+    this one, closed, say), or, asked through the legacy default stream, on any blocking stream of the device. A
+    stream this arena recorded and found not captured any more is forgotten, unless it was recorded again since it was
+    asked (by a new capture block, or a new capture's lease)."""
     capture, table, recorded = self._capture, self._table, self._table.capturing
     keys = [key]
     if self._lanes:
@@ -243,6 +245,11 @@ def _capture_under_way(self: Arena, key: Any) -> bool:
             keys.append(resolve_stream(None, lanes=False, current=self._current)[0])
         keys.append(0)
     keys += list(recorded)  # one C call, whatever other threads do
+    device = self.device
+    if device is not None:
+        for other in device_arenas(device):
+            if other is not self:
+                keys += list(other._table.capturing)
     for k in keys:
         if k is None or not is_own_stream(k):  # another thread's per-thread stream cannot be asked from here
             continue
