@@ -153,6 +153,10 @@ CASES = [
     ((3, 2, 4, 4), (2, 1, 1, 1), {"padding": 2, "groups": 2}),  # 1x1 with padding: some outputs read no input
     ((2, 4, 3, 3), (4, 4, 3, 3), {"padding": 4, "dilation": 3}),  # offsets entirely in the padding
     ((2, 4, 12, 12), (6, 4, 3, 3), {"stride": 2}),  # strided, no padding: every offset writes the whole output
+    # Kernels longer than their outputs: 1100 and 33x34 elements, and 3x9 with stride and dilation
+    ((2, 3, 40), (4, 3, 1100), {"padding": 550}),
+    ((1, 2, 9, 10), (3, 2, 33, 34), {"padding": (14, 15), "stride": (1, 2)}),
+    ((1, 2, 5, 12), (2, 2, 3, 9), {"padding": (1, 4), "stride": (1, 2), "dilation": (1, 2)}),
 ]
 
 
@@ -279,6 +283,32 @@ def test_tiled_algorithms_one_row_per_tile(case, layout, monkeypatch):
     _check_one_algorithm_per_pass(
         g, case, tiled, lambda pass_, algo: _poisoned(cpu.workspace_size(pass_, algo, g), "float64")
     )
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kept_and_made_afresh_plans_give_the_same_bits(case, layout, monkeypatch):
+    """Past _cpu_lowering.KEEP items a plan makes its offsets, blocks of rows and boxes in each call instead of
+    keeping them: the same copies and adds in the same order, so the very same bits, for every algorithm, on
+    whole images and in tiles of one row."""
+    g = _hand_picked(case, layout, "float32")
+    x, w, dy = _operands(g, np.random.default_rng(case))
+    for tile_bytes in (_cpu_tiled.TILE_BYTES, 1):
+        monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", tile_bytes)
+        outs = []
+        for keep in (10**9, 0):
+            monkeypatch.setattr(_cpu_lowering, "KEEP", keep)
+            _cpu_lowering.plan(g).memo.clear()
+            found = {}
+            for pass_ in PASSES:
+                a, b, shape = _args(pass_, g, x, w, dy)
+                for algo in cpu.ALGORITHMS[pass_]:
+                    out = np.full(shape, np.nan, dtype=g.dtype)
+                    cpu.run(pass_, algo, g, a, b, out, _poisoned(cpu.workspace_size(pass_, algo, g), g.dtype))
+                    found[algo] = out.tobytes()
+            outs.append(found)
+        assert outs[0] == outs[1]
+    _cpu_lowering.plan(g).memo.clear()
 
 
 def test_workspace_larger_than_needed_and_unaligned():

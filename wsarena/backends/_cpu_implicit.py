@@ -26,7 +26,9 @@ few input channels and a large kernel (a 7x7 RGB stem) run several times slower 
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -223,7 +225,7 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
     xp, yp = act_view(x, g.layout, p.groups), act_view(y, g.layout, p.groups)
     wv = weight_view(w, g.layout, p.groups)
     unit_stride = all(s == 1 for s in g.stride)
-    started = p.offsets[0].full_out
+    started = p.covered  # the first offset reads real input at every output
     if not started:
         y[...] = 0
     if not unit_stride and g.layout == "NCHW" and p.cg > 1:
@@ -231,13 +233,13 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
         # together (at most _GATHER_CHANNELS input channels per GEMM).
         for k, part in enumerate(_gather_groups(p)):
             srcs = [xp[(slice(None), *o.inp)] for o in part]
-            wks = [wv[(Ellipsis, *o.index)] for o in part]
+            wks = [wv[(Ellipsis, *o.kernel)] for o in part]
             _gathered(srcs, wks, yp[(slice(None), *part[0].out)], not (started and k == 0), SMALL_TEMP)
         return
     for i, off in enumerate(p.offsets):
         if off.empty:
             continue
-        at: tuple[Any, ...] = (Ellipsis, *off.index)
+        at: tuple[Any, ...] = (Ellipsis, *off.kernel)
         ys, wk = yp[(slice(None), *off.out)], wv[at]
         acc = i > 0 or not started
         if unit_stride:
@@ -262,11 +264,11 @@ def backward_data(p: Plan, dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -> Non
     first = next((o for o in p.offsets if o.full_in and not o.empty), None)
     if first is None:
         dx[...] = 0
-    for off in ([first] if first is not None else []) + [o for o in p.offsets if o is not first]:
-        if off.empty:
-            continue
+    skip = None if first is None else first.kernel
+    rest = (o for o in p.offsets if not o.empty and o.kernel != skip)
+    for off in itertools.chain([first] if first is not None else [], rest):
         dxs = dxp[(slice(None), *off.inp)]
-        at: tuple[Any, ...] = (Ellipsis, *off.index)
+        at: tuple[Any, ...] = (Ellipsis, *off.kernel)
         wk_t = wv[at].transpose(0, 2, 1)  # (G, Cg, Kg)
         _box(dy, dyp, off.lo, off.hi, wk_t, dxs, off is not first, dx.size, _unit(dy, g.layout))
 
@@ -296,10 +298,10 @@ def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> N
     G, kg, cg = p.groups, p.kg, p.cg
     for off in p.offsets:
         if off.empty:
-            at: tuple[Any, ...] = (Ellipsis, *off.index)
+            at: tuple[Any, ...] = (Ellipsis, *off.kernel)
             wv[at] = 0
     for offs in _gather_groups(p):
-        dwks = [wv[(Ellipsis, *o.index)] for o in offs]  # (G, Kg, Cg) views into dw
+        dwks = [wv[(Ellipsis, *o.kernel)] for o in offs]  # (G, Kg, Cg) views into dw
         dys = dyp[(slice(None), *offs[0].out)]
         xss = [xp[(slice(None), *o.inp)] for o in offs]
         npix = dys.ndim - 2
@@ -344,20 +346,20 @@ def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> N
             first = False
 
 
-def _gather_groups(p: Plan) -> list[list]:
+def _gather_groups(p: Plan) -> Iterable[list]:
     """The non-empty offsets, grouped for :func:`forward` and :func:`backward_filter`.
 
     NCHW rows read with stride > 1 must be gathered; offsets that read the same region of the output
     (same valid outputs) are then gathered together, up to ``_GATHER_CHANNELS`` input channels, so one GEMM
     covers them all. Otherwise every offset is its own group.
     """
-    offsets = [o for o in p.offsets if not o.empty]
     g = p.geom
     if g.layout != "NCHW" or all(s == 1 for s in g.stride) or p.cg == 1:
-        return [[o] for o in offsets]
+        return ([o] for o in p.offsets if not o.empty)
     shared: dict[tuple, list] = {}
-    for o in offsets:
-        shared.setdefault((o.lo, o.hi), []).append(o)
+    for o in p.offsets:
+        if not o.empty:
+            shared.setdefault((o.lo, o.hi), []).append(o)
     per = max(1, _GATHER_CHANNELS // p.cg)
     return [offs[j : j + per] for offs in shared.values() for j in range(0, len(offs), per)]
 

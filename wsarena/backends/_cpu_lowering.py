@@ -14,6 +14,12 @@ dimension (stride ``s``, padding ``p``, dilation ``d``, input length ``S``, outp
 reads input ``i = o*s - p + j*d``, which lies inside the input exactly for ``o`` in ``[lo, hi)`` with
 ``lo = max(0, ceil((p - j*d) / s))`` and ``hi = min(O, floor((S - 1 + p - j*d) / s) + 1)``. Outputs outside
 ``[lo, hi)`` read padding (zeros): im2col writes zeros there, the other algorithms skip them.
+
+A plan keeps these bounds per dimension and kernel index (:class:`Axis`), the sum of the kernel's sizes, and
+planning (all the workspace sizes, and so ``wsarena report``, need) makes nothing per kernel element. An
+offset, one kernel index per dimension, is made from its dimensions' bounds where an algorithm walks the
+offsets; what the algorithms make from the bounds (offsets, blocks of rows, boxes and their index pairs) is
+kept in the plan up to :data:`KEEP` items in all, and made afresh in each call beyond.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,6 +37,8 @@ from .._geometry import ConvGeometry
 from .._pass import Pass
 
 __all__ = [
+    "KEEP",
+    "Axis",
     "Offset",
     "Plan",
     "Rows",
@@ -46,16 +55,16 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class Offset:
+class Offset(NamedTuple):
     """One kernel position and the part of the output that reads real (non-padding) input there.
 
-    ``out`` slices the output's spatial dimensions (step 1), ``inp`` the matching input elements (step =
-    stride); ``lo``/``hi`` bound the valid outputs per dimension. ``full_out``: every output reads real
-    input at this position; ``full_in``: every input element is read (so a scatter-add can start with a copy).
+    ``kernel`` is the position's index per spatial dimension. ``out`` slices the output's spatial dimensions
+    (step 1), ``inp`` the matching input elements (step = stride); ``lo``/``hi`` bound the valid outputs per
+    dimension. ``full_out``: every output reads real input at this position; ``full_in``: every input element
+    is read (so a scatter-add can start with a copy).
     """
 
-    index: tuple[int, ...]
+    kernel: tuple[int, ...]
     out: tuple[slice, ...]
     inp: tuple[slice, ...]
     lo: tuple[int, ...]
@@ -63,12 +72,154 @@ class Offset:
     empty: bool
     full_out: bool
     full_in: bool
-    full_out_rest: bool = False  # full_out in every dimension but the first
 
 
-@dataclasses.dataclass(frozen=True)
+# A plan keeps up to this many items (offsets, boxes, blocks of rows) of what the algorithms make from its
+# axes, a few hundred bytes each: the per-call cost of a small convolution is Python's. Beyond, they are made
+# afresh in each call, and used as they come, so that what a plan holds does not grow with its kernel times
+# its tiles; those calls make a NumPy call or two per item anyway.
+KEEP = 1 << 15
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Axis:
+    """One spatial dimension of a block of outputs, per kernel index ``j``: the outputs ``[lo[j], hi[j])`` (block
+    coordinates) that read real input, the first of them input ``start[j]``, the next ones every ``stride``.
+
+    Arrays have one entry per kernel index, so a plan holds the sum of its kernel sizes, not their product;
+    an offset is one index per dimension, and its fields are those of its dimensions (:func:`_offsets`).
+    """
+
+    lo: np.ndarray
+    hi: np.ndarray  # >= lo; hi == lo where no output reads real input
+    start: np.ndarray  # 0 where hi == lo
+    stride: int
+    outputs: int  # block length
+    inputs: int  # input length
+    whole: bool  # the block is every output of the dimension
+
+    @classmethod
+    def of(cls, size: int, out: int, k: int, s: int, p: int, d: int) -> Axis:
+        """The whole dimension: ``size`` inputs, ``out`` outputs, kernel ``k``, stride, padding, dilation."""
+        shift = np.arange(k, dtype=np.int64) * d - p  # input read by output 0
+        lo = np.where(shift < 0, -(shift // s), 0)  # ceil(-shift / s) for negative shift
+        last = size - 1 - shift
+        hi = np.maximum(lo, np.where(last >= 0, np.minimum(out, last // s + 1), 0))
+        return cls(lo, hi, np.where(hi > lo, lo * s + shift, 0), s, out, size, True)
+
+    def block(self, r0: int, r1: int) -> Axis:
+        """This (whole) dimension's outputs ``[r0, r1)``, in block coordinates."""
+        lo, hi = np.maximum(self.lo, r0), np.minimum(self.hi, r1)
+        live = hi > lo
+        start = np.where(live, self.start + (lo - self.lo) * self.stride, 0)
+        lo = np.where(live, lo - r0, 0)
+        whole = r0 == 0 and r1 == self.outputs
+        return Axis(lo, np.where(live, hi - r0, 0), start, self.stride, r1 - r0, self.inputs, whole)
+
+    @property
+    def live(self) -> np.ndarray:
+        """Per kernel index: some output of the block reads real input."""
+        return self.hi > self.lo
+
+    @property
+    def full_out(self) -> np.ndarray:
+        """Per kernel index: every output of the block reads real input."""
+        return (self.lo == 0) & (self.hi == self.outputs)
+
+    @property
+    def full_in(self) -> np.ndarray:
+        """Per kernel index: the whole dimension's outputs read every input."""
+        n = self.hi - self.lo
+        return (n == self.inputs) & ((self.stride == 1) | (n == 1)) & self.whole
+
+    def _slices(self, js: np.ndarray) -> tuple[list[slice], list[slice]]:
+        """The ``out`` and ``inp`` slices of the live kernel indices ``js``."""
+        lo, hi, start = self.lo[js], self.hi[js], self.start[js]
+        stop = start + (hi - lo - 1) * self.stride + 1
+        steps = itertools.repeat(self.stride)
+        return list(map(slice, lo.tolist(), hi.tolist())), list(map(slice, start.tolist(), stop.tolist(), steps))
+
+    @functools.cached_property
+    def parts(self) -> list[tuple[int, slice, slice]]:
+        """``(j, out, inp)`` per live kernel index ``j``: what the boxes of im2col and col2im are made of."""
+        js = np.flatnonzero(self.live)
+        return list(zip(js.tolist(), *self._slices(js)))
+
+    @functools.cached_property
+    def entries(self) -> list[tuple]:
+        """``(j, out, inp, lo, hi, empty, full_out, full_in)`` per kernel index: the pieces of an :class:`Offset`."""
+        lo, hi = self.lo.tolist(), self.hi.tolist()
+        inp = [slice(0, 0)] * len(lo)
+        for j, _, reads in self.parts:
+            inp[j] = reads
+        return list(zip(
+            range(len(lo)), map(slice, lo, hi), inp, lo, hi, (~self.live).tolist(), self.full_out.tolist(),
+            self.full_in.tolist(),
+        ))
+
+
+def _ordered(items: list[list[tuple]], full: list[list[bool]]) -> Iterator[tuple]:
+    """Combinations of one item per dimension (an item starts with its kernel index ``j``) in the offsets' order:
+    row-major, those whose every index is ``full`` (every output reads real input there) first, when there
+    are any. A covering offset first lets the forward pass write it with ``out=`` instead of zero-filling and
+    adding; the adds of a pass keep this order (the rounding depends on it)."""
+    if not all(any(f) for f in full):
+        yield from itertools.product(*items)
+        return
+    yield from itertools.product(*([x for x in dim if f[x[0]]] for dim, f in zip(items, full)))
+    yield from _partial(items, full, 0)
+
+
+def _partial(items: list[list[tuple]], full: list[list[bool]], i: int) -> Iterator[tuple]:
+    """Row-major combinations of ``items[i:]`` with some index not ``full``."""
+    if i == len(items):
+        return
+    for x in items[i]:
+        rest = _partial(items, full, i + 1) if full[i][x[0]] else itertools.product(*items[i + 1 :])
+        for tail in rest:
+            yield (x, *tail)
+
+
+def _offsets(axes: tuple[Axis, ...]) -> Iterator[Offset]:
+    """Every :class:`Offset` of ``axes`` (the whole image's), in :func:`_ordered` order."""
+    for parts in _ordered([a.entries for a in axes], [a.full_out.tolist() for a in axes]):
+        kernel, out, inp, lo, hi, empty, fo, fi = zip(*parts)
+        yield Offset(kernel, out, inp, lo, hi, any(empty), all(fo), all(fi))
+
+
+def _keep(p: Plan, *parts: Iterable) -> tuple[bool, list[Iterable]]:
+    """``parts`` as tuples where the plan's room for :data:`KEEP` items holds them all, which it then counts
+    as taken (``True``), else as iterators to read once (``False``)."""
+    room = KEEP - p.memo.get("kept", 0)
+    found: list[Iterable] = []
+    for part in parts:
+        items = iter(part)
+        head = tuple(itertools.islice(items, room + 1)) if room >= 0 else ()
+        room -= len(head)
+        found.append(head if room >= 0 else itertools.chain(head, items))
+    if room >= 0:
+        p.memo["kept"] = KEEP - room
+    return room >= 0, found
+
+
+def _kept(p: Plan, key: Any, make: Callable[[], Iterable]) -> Iterable:
+    """``make()``'s items: kept in ``p.memo`` under ``key`` as a tuple where the plan has room (:func:`_keep`),
+    else made afresh."""
+    found = p.memo.get(key)
+    if found is None:
+        kept, (found,) = _keep(p, make())
+        if kept:
+            p.memo[key] = found
+    return found
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-    """What every algorithm needs to know about a geometry, computed once (cached per geometry)."""
+    """What every algorithm needs to know about a geometry, computed once (cached per geometry).
+
+    Kernel offsets are not kept here but made on use from ``axes`` (:attr:`offsets`): the workspace sizes
+    need none, and their number is the kernel's product of sizes.
+    """
 
     geom: ConvGeometry
     groups: int
@@ -77,45 +228,28 @@ class Plan:
     kprod: int  # kernel elements
     oprod: int  # output pixels per image
     osize: tuple[int, ...]  # output size per spatial dimension
-    offsets: tuple[Offset, ...]  # a fully covering offset first when there is one
+    axes: tuple[Axis, ...]  # per spatial dimension
     padded: bool  # some offset reads padding (im2col must write zeros)
+    covered: bool  # some offset reads real input at every output (the first of :attr:`offsets`)
     itemsize: int
     shapes: dict[str, tuple[tuple[int, ...], ...]]  # per pass: the shapes of (a, b, out)
-    memo: dict = dataclasses.field(default_factory=dict, compare=False)  # views and row blocks, filled lazily
+    memo: dict = dataclasses.field(default_factory=dict)  # views, row blocks and offsets, filled lazily
 
-
-def _dim_range(size: int, out: int, j: int, s: int, p: int, d: int) -> tuple[int, int]:
-    shift = j * d - p
-    lo = max(0, -(shift // s)) if shift < 0 else 0  # ceil(-shift / s) for negative shift
-    hi = min(out, (size - 1 - shift) // s + 1) if size - 1 - shift >= 0 else 0
-    return lo, max(lo, hi)
+    @property
+    def offsets(self) -> Iterable[Offset]:
+        """Every kernel offset, fully covering ones first (then row-major): a tuple where the plan has room
+        for them (:data:`KEEP`), else an iterator made afresh at each access."""
+        return _kept(self, "offsets", lambda: _offsets(self.axes))
 
 
 @functools.lru_cache(maxsize=512)
 def plan(geom: ConvGeometry) -> Plan:
     """The cached :class:`Plan` of ``geom``."""
-    nd = geom.nd
     osz = geom.output_size
-    offsets = []
-    for index in itertools.product(*(range(k) for k in geom.kernel_size)):
-        out, inp, los, his = [], [], [], []
-        full_in = True
-        for i in range(nd):
-            s, p, d = geom.stride[i], geom.padding[i], geom.dilation[i]
-            lo, hi = _dim_range(geom.input_size[i], osz[i], index[i], s, p, d)
-            start = lo * s - p + index[i] * d
-            out.append(slice(lo, hi))
-            inp.append(slice(start, start + (hi - lo - 1) * s + 1, s) if hi > lo else slice(0, 0))
-            los.append(lo)
-            his.append(hi)
-            if not (hi - lo == geom.input_size[i] and (s == 1 or hi - lo == 1)):
-                full_in = False
-        empty = any(h <= l for l, h in zip(los, his))
-        full_out = all(l == 0 and h == o for l, h, o in zip(los, his, osz))
-        rest = all(l == 0 and h == o for l, h, o in zip(los[1:], his[1:], osz[1:]))
-        offsets.append(Offset(index, tuple(out), tuple(inp), tuple(los), tuple(his), empty, full_out, full_in, rest))
-    # A covering offset first: the forward pass then writes it with out= instead of zero-filling and adding.
-    offsets.sort(key=lambda o: not o.full_out)
+    axes = tuple(
+        Axis.of(*dim)
+        for dim in zip(geom.input_size, osz, geom.kernel_size, geom.stride, geom.padding, geom.dilation)
+    )
     return Plan(
         geom=geom,
         groups=geom.groups,
@@ -124,8 +258,9 @@ def plan(geom: ConvGeometry) -> Plan:
         kprod=math.prod(geom.kernel_size),
         oprod=math.prod(osz),
         osize=tuple(osz),
-        offsets=tuple(offsets),
-        padded=not all(o.full_out for o in offsets),
+        axes=axes,
+        padded=not all(a.full_out.all() for a in axes),
+        covered=all(a.full_out.any() for a in axes),
         itemsize=np.dtype(geom.dtype).itemsize,
         shapes={p: geom.operand_shapes(p) for p in Pass},
     )
@@ -198,54 +333,40 @@ def strided(root: np.ndarray, offset: int, shape: tuple[int, ...], strides: tupl
     return np.ndarray(shape, root.dtype, root, offset, strides)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Rows:
-    """The kernel offsets of a block of output rows ``[row0, row0 + osize[0])`` (first spatial dimension).
-
-    Same fields as the plan's offsets, in the block's coordinates: a tiled algorithm lowers one block of
-    rows at a time into a column buffer of the block's size.
-    """
+    """A block of output rows ``[row0, row0 + osize[0])`` (first spatial dimension): a tiled algorithm lowers one
+    block of rows at a time into a column buffer of the block's size."""
 
     row0: int
     osize: tuple[int, ...]
-    offsets: tuple[Offset, ...]
     padded: bool  # some offset reads padding within the block
+    whole: tuple[Axis, ...]  # the plan's axes
+
+    @property
+    def axes(self) -> tuple[Axis, ...]:
+        """The plan's axes, the first restricted to the block (block coordinates); made at each access (what is
+        made from them is kept, where the plan has room, and the first has the kernel's length)."""
+        r0, r1 = self.row0, self.row0 + self.osize[0]
+        if r0 == 0 and r1 == self.whole[0].outputs:
+            return self.whole
+        return (self.whole[0].block(r0, r1), *self.whole[1:])
 
 
 def rows(p: Plan, r0: int, r1: int) -> Rows:
-    """The (cached) :class:`Rows` of output rows ``[r0, r1)``; ``rows(p, 0, O[0])`` is the whole image."""
+    """The :class:`Rows` of output rows ``[r0, r1)`` (kept, where the plan has room); ``rows(p, 0, O[0])`` is the
+    whole image."""
     key = ("rows", r0, r1)
     found = p.memo.get(key)
     if found is not None:
         return found
-    s0 = p.geom.stride[0]
-    whole = r0 == 0 and r1 == p.osize[0]
-    offsets = []
-    for off in p.offsets:
-        lo, hi = max(off.lo[0], r0), min(off.hi[0], r1)
-        if off.empty or hi <= lo:
-            lo = hi = r0
-        start = off.inp[0].start + (lo - off.lo[0]) * s0 if hi > lo else 0
-        inp0 = slice(start, start + (hi - lo - 1) * s0 + 1, s0) if hi > lo else slice(0, 0)
-        los, his = (lo - r0, *off.lo[1:]), (hi - r0, *off.hi[1:])
-        offsets.append(
-            Offset(
-                index=off.index,
-                out=(slice(lo - r0, hi - r0), *off.out[1:]),
-                inp=(inp0, *off.inp[1:]),
-                lo=los,
-                hi=his,
-                empty=off.empty or hi <= lo,
-                full_out=not off.empty and lo == r0 and hi == r1 and off.full_out_rest,
-                full_in=off.full_in and whole,
-            )
-        )
-    found = p.memo[key] = Rows(
-        row0=r0,
-        osize=(r1 - r0, *p.osize[1:]),
-        offsets=tuple(offsets),
-        padded=not all(o.full_out for o in offsets),
-    )
+    # Every offset reads real input at every output of the block where every kernel index of the first
+    # dimension reads rows [r0, r1) and those of the others read every output.
+    first = p.axes[0]
+    full = int(first.lo.max()) <= r0 and int(first.hi.min()) >= r1 and all(a.full_out.all() for a in p.axes[1:])
+    found = Rows(r0, (r1 - r0, *p.osize[1:]), not full, p.axes)
+    if _keep(p, (found,))[0]:
+        p.memo[key] = found
     return found
 
 
@@ -302,28 +423,19 @@ def im2col(xp: np.ndarray, col: np.ndarray, p: Plan, root: np.ndarray, offset: i
     ``xp`` is a view of the C-contiguous activation ``root`` starting ``offset`` bytes into it; ``block``
     selects a block of output rows (default: the whole image), whose size ``col`` has. Every element of
     ``col`` is written (zeros where the kernel reads padding), so ``col`` may start as garbage. Without
-    padding this is one strided copy; with padding, one copy per kernel offset plus zeroed frames.
+    padding this is one strided copy; with padding, per kernel offset its frames zeroed and one copy.
     """
-    nd = p.geom.nd
     block = block or rows(p, 0, p.osize[0])
     if not block.padded:
         np.copyto(col, _window(xp, p, root, offset, block))
         return
-    lead = (slice(None),)
-    for off in block.offsets:
-        at: tuple[Any, ...] = (Ellipsis, *off.index)
-        dst = col[at]  # (B, *O, G, Cg)
-        if off.empty:
-            dst[...] = 0
-            continue
-        # Zero the frame of outputs that read padding: per dimension, the slabs below lo and above hi.
-        for i in range(nd):
-            before = lead + (slice(None),) * i
-            if off.lo[i] > 0:
-                dst[before + (slice(0, off.lo[i]),)] = 0
-            if off.hi[i] < dst.shape[1 + i]:
-                dst[before + (slice(off.hi[i], None),)] = 0
-        dst[lead + off.out] = xp[lead + off.inp]
+    dead, boxes = _lowering(p, block)
+    for frame in dead:
+        col[frame] = 0
+    for frames, xp_index, col_index in boxes:
+        for frame in frames:
+            col[frame] = 0
+        col[col_index] = xp[xp_index]
 
 
 def col2im(col: np.ndarray, xp: np.ndarray, p: Plan, block: Rows | None = None, overwrite: bool = True) -> None:
@@ -332,31 +444,125 @@ def col2im(col: np.ndarray, xp: np.ndarray, p: Plan, block: Rows | None = None, 
     With ``overwrite`` ``xp`` is set (its first covering offset copied, or zeros first); otherwise the
     columns are added to what ``xp`` holds (a tiled algorithm adds block after block). ``block`` selects
     the output rows ``col`` holds (default: the whole image). For one kernel offset distinct outputs read
-    distinct inputs, so each offset's in-place add on a strided view is race-free and makes no temporary.
+    distinct inputs, so each offset's in-place add on a strided view is race-free and makes no temporary;
+    the offsets are added in the plan's order (:func:`_boxes`).
     """
-    first, rest = _scatter(p, block or rows(p, 0, p.osize[0]), overwrite)
-    if first is not None:
-        np.copyto(xp[first[0]], col[first[1]])
+    boxes = _boxes(p, block or rows(p, 0, p.osize[0]), overwrite)
+    if boxes.first is not None:
+        np.copyto(xp[boxes.first[0]], col[boxes.first[1]])
     elif overwrite:
         xp[...] = 0
-    for dst_index, src_index in rest:
-        dst = xp[dst_index]
-        np.add(dst, col[src_index], out=dst)
+    for xp_index, col_index in boxes.lead:
+        dst = xp[xp_index]
+        np.add(dst, col[col_index], out=dst)
+    for xp_index, col_index in boxes.rest:
+        dst = xp[xp_index]
+        np.add(dst, col[col_index], out=dst)
 
 
-def _scatter(p: Plan, block: Rows, overwrite: bool) -> tuple[tuple | None, tuple]:
-    """The (cached) ``(xp index, col index)`` pairs of :func:`col2im`: the offset copied first, then those added."""
-    key = ("scatter", block.row0, block.osize, overwrite)
+def _lowering(p: Plan, block: Rows) -> tuple[tuple, Iterable[tuple]]:
+    """What :func:`im2col` writes on a block that reads padding: ``(dead, boxes)``.
+
+    Per kernel offset that reads real input, ``(frames, xp index, col index)``: the column indices of the
+    outputs that read padding there, per dimension (zeroed), then its copy, so that the columns of one offset
+    are written together. ``dead`` zeroes the kernel indices of a dimension that read no real input, once
+    each. Kept where the plan has room.
+    """
+    key = ("lowering", block.row0, block.osize)
     found = p.memo.get(key)
-    if found is None:
-        lead = (slice(None),)
+    if found is not None:
+        return found
+    axes = block.axes
+    nd = len(axes)
+    lead = (slice(None),)
+    dims: list[list[tuple[Any, ...]]] = []
+    dead = []
+    spans: list[slice] = []  # per dimension: its kernel indices, first live one to last
+    for i, a in enumerate(axes):
+        pieces: list[tuple[Any, ...]] = []  # (the offset's outputs, the rest, input slice, kernel index)
+        for j, out, inp in a.parts:
+            lo, hi = out.start, out.stop
+            rest = ([slice(0, lo)] if lo > 0 else []) + ([slice(hi, None)] if hi < a.outputs else [])
+            pieces.append((out, rest, inp, j))
+        dims.append(pieces)
+        # The kernel indices that read no real input, within the earlier dimensions' live spans (the rest is
+        # zero already)
+        for j in np.flatnonzero(~a.live).tolist():
+            dead.append((Ellipsis, *spans, j, *lead * (nd - 1 - i)))
+        live = np.flatnonzero(a.live)
+        spans.append(slice(int(live[0]), int(live[-1]) + 1) if len(live) else slice(0, 0))
 
-        def pair(o: Offset) -> tuple[tuple, tuple]:
-            return lead + o.inp, (*lead, *o.out, Ellipsis, *o.index)
+    def boxes() -> Iterator[tuple]:
+        for cell in itertools.product(*dims):
+            frames = []
+            kernel = tuple(c[3] for c in cell)
+            for i in range(nd):
+                for part in cell[i][1]:
+                    frames.append((*lead, *(c[0] for c in cell[:i]), part, Ellipsis, *kernel))
+            yield tuple(frames), (*lead, *(c[2] for c in cell)), (*lead, *(c[0] for c in cell), Ellipsis, *kernel)
 
-        live = [o for o in block.offsets if not o.empty]
-        first = next((o for o in live if o.full_in), None) if overwrite else None
-        found = p.memo[key] = (None if first is None else pair(first), tuple(pair(o) for o in live if o is not first))
+    kept, (dead_kept, boxes_kept) = _keep(p, dead, boxes())
+    found = (tuple(dead_kept), boxes_kept)
+    if kept:
+        p.memo[key] = found
+    return found
+
+
+class _Boxes(NamedTuple):
+    """What im2col copies and col2im adds on a block of rows that reads padding: ``(xp index, col index)``
+    pairs, made by :func:`_boxes`."""
+
+    first: tuple | None  # col2im's with overwrite: the first offset that reads every input, copied
+    lead: Iterable[tuple]  # one per covering offset (but first), row-major
+    rest: Iterable[tuple]  # the other offsets, in the order of the adds
+
+
+def _boxes(p: Plan, block: Rows, overwrite: bool) -> _Boxes:
+    """The offsets of ``block`` that read real input, as ``(xp index, col index)`` pairs in the order col2im adds
+    them: the plan's offsets' (the rounding depends on it). With ``overwrite``, first the first offset that
+    reads every input (copied), then the covering offsets row-major, then the others row-major. Kept where
+    the plan has room.
+    """
+    key = ("boxes", block.row0, block.osize, overwrite)
+    found = p.memo.get(key)
+    if found is not None:
+        return found
+    lead = (slice(None),)
+    axes = block.axes
+    first: tuple | None = None
+    index: tuple[int, ...] | None = None
+    if overwrite:
+        # The first offset that reads every input: among the covering ones (which come first) if one of them
+        # does, else among the others; either way each dimension's first such index.
+        fi = [np.flatnonzero(a.full_in) for a in axes]
+        both = [np.flatnonzero(a.full_in & b.full_out) for a, b in zip(axes, p.axes)]
+        picks = both if all(len(b) for b in both) else fi
+        if all(len(f) for f in picks):
+            index = tuple(int(f[0]) for f in picks)
+            _, out, inp = zip(*(a.entries[j][:3] for a, j in zip(axes, index)))
+            first = lead + inp, (*lead, *out, Ellipsis, *index)
+    full = [np.flatnonzero(a.full_out) for a in p.axes]  # an interval per dimension
+    spans = tuple((int(f[0]), int(f[-1]) + 1) for f in full) if all(len(f) for f in full) else None
+
+    def covering() -> Iterator[tuple]:
+        if spans is None:
+            return
+        parts = [[x for x in a.parts if lo <= x[0] < hi] for a, (lo, hi) in zip(axes, spans)]
+        for combo in itertools.product(*parts):
+            kernel, out, inp = zip(*combo)
+            if kernel != index:
+                yield lead + inp, (*lead, *out, Ellipsis, *kernel)
+
+    def others() -> Iterator[tuple]:
+        for combo in itertools.product(*(a.parts for a in axes)):
+            kernel, out, inp = zip(*combo)
+            if kernel != index and not (spans and all(lo <= j < hi for j, (lo, hi) in zip(kernel, spans))):
+                yield lead + inp, (*lead, *out, Ellipsis, *kernel)
+
+    kept, (lead_kept, rest_kept) = _keep(p, covering(), others())
+    found = _Boxes(first, lead_kept, rest_kept)
+    if kept:
+        p.memo[key] = found
     return found
 
 

@@ -1,0 +1,253 @@
+"""The CPU backend's plans (wsarena.backends._cpu_lowering) against their definitions, computed by brute force.
+
+For kernel index ``j`` of one dimension (stride ``s``, padding ``p``, dilation ``d``, ``S`` inputs), output ``o``
+reads input ``o*s - p + j*d``: real input where that lies in ``[0, S)``. An offset is one index per dimension.
+The plan keeps per dimension what each index reads and makes offsets, blocks of rows and index pairs from it
+on use; these tests check what it makes against that definition, offset by offset, and that planning and
+running a large kernel keep no Python object per kernel element. The passes' numbers are checked against the
+reference in test_cpu_backend.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tracemalloc
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wsarena._geometry import conv_geometry
+from wsarena.backends import _cpu_lowering, _cpu_tiled, cpu
+from wsarena.backends._cpu_lowering import Axis, plan, rows
+
+from .test_cpu_backend import PASSES, geometries
+
+
+def _reads(g, i, j):
+    """The outputs of dimension ``i`` that read real input at kernel index ``j``, by brute force."""
+    s, p, d, size = g.stride[i], g.padding[i], g.dilation[i], g.input_size[i]
+    return [o for o in range(g.output_size[i]) if 0 <= o * s - p + j * d < size]
+
+
+def _expected_offsets(g):
+    """Every offset's ``(index, lo, hi, full_out, full_in)``, those whose every output reads real input first."""
+    found = []
+    for index in itertools.product(*map(range, g.kernel_size)):
+        outs = [_reads(g, i, j) for i, j in enumerate(index)]
+        lo = tuple(o[0] if o else None for o in outs)
+        hi = tuple(o[-1] + 1 if o else None for o in outs)
+        full_out = all(len(o) == n for o, n in zip(outs, g.output_size))
+        full_in = all(len({o * g.stride[i] - g.padding[i] + j * g.dilation[i] for o in outs[i]}) == g.input_size[i]
+                      for i, j in enumerate(index))
+        found.append((index, lo, hi, full_out, full_in))
+    return sorted(found, key=lambda e: not e[3])  # stable: row-major within each part
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(1, 12), k=st.integers(1, 12), s=st.integers(1, 4), p=st.integers(0, 6), d=st.integers(1, 3),
+       cut=st.tuples(st.integers(0, 40), st.integers(0, 40)))
+def test_an_axis_is_the_outputs_that_read_real_input_per_kernel_index(size, k, s, p, d, cut):
+    """Per kernel index: ``[lo, hi)`` are exactly the outputs that read real input, the first reading ``start``;
+    and a block of outputs ``[r0, r1)`` is the same in block coordinates."""
+    if d * (k - 1) + 1 > size + 2 * p:
+        return  # the kernel does not fit the padded input
+    g = conv_geometry((1, 1, size), (1, 1, k), stride=s, padding=p, dilation=d)
+    out = g.output_size[0]
+    whole = Axis.of(size, out, k, s, p, d)
+    r0, r1 = sorted(c % (out + 1) for c in cut)
+    if r0 == r1:
+        r0, r1 = 0, out
+    for a, first in ((whole, 0), (whole.block(r0, r1), r0)):
+        for j in range(k):
+            reads = [o - first for o in _reads(g, 0, j) if first <= o < first + a.outputs]
+            lo, hi = int(a.lo[j]), int(a.hi[j])
+            assert list(range(lo, hi)) == reads, (j, lo, hi, reads)
+            if reads:
+                assert a.start[j] == (reads[0] + first) * s - p + j * d
+
+
+@settings(max_examples=100, deadline=None)
+@given(g=geometries())
+def test_offsets_are_every_kernel_position_covering_ones_first(g):
+    """The plan's offsets, kept or made afresh: every kernel position once, those that read real input at every
+    output first, each part in row-major order (the order the passes add in); their fields as defined."""
+    p = plan(g)
+    expected = _expected_offsets(g)
+    for keep in (_cpu_lowering.KEEP, 0):
+        p.memo.clear()
+        _cpu_lowering.KEEP, saved = keep, _cpu_lowering.KEEP
+        try:
+            offsets = list(p.offsets)
+        finally:
+            _cpu_lowering.KEEP = saved
+        assert [o.kernel for o in offsets] == [e[0] for e in expected]
+        for o, (index, lo, hi, full_out, full_in) in zip(offsets, expected):
+            assert o.empty == (None in lo)
+            assert (o.full_out, o.full_in) == (full_out, full_in), index
+            if not o.empty:
+                assert (o.lo, o.hi) == (lo, hi)
+                assert o.out == tuple(slice(a, b) for a, b in zip(lo, hi))
+                lengths = [len(range(g.input_size[i])[sl]) for i, sl in enumerate(o.inp)]
+                assert lengths == [b - a for a, b in zip(lo, hi)]
+    assert p.covered == any(e[3] for e in expected)
+    assert p.padded == (not all(e[3] for e in expected))
+
+
+def _im2col_by_definition(xp, g, r0, r1):
+    """The canonical columns ``(B, *O, G, Cg, *R)`` of output rows ``[r0, r1)``: the input each (output, kernel
+    index) pair reads, from an explicitly zero-padded copy."""
+    pad = np.pad(xp, [(0, 0), *((p, p) for p in g.padding), (0, 0), (0, 0)])
+    osize = (r1 - r0, *g.output_size[1:])
+    col = np.empty((xp.shape[0], *osize, *xp.shape[-2:], *g.kernel_size), xp.dtype)
+    first = (r0, *[0] * (g.nd - 1))  # the block's first output per dimension
+    for kernel in itertools.product(*map(range, g.kernel_size)):
+        reads = tuple(
+            slice(f * s + j * d, f * s + j * d + (n - 1) * s + 1, s)
+            for f, j, n, s, d in zip(first, kernel, osize, g.stride, g.dilation)
+        )
+        col[(Ellipsis, *kernel)] = pad[(slice(None), *reads)]
+    return col
+
+
+@settings(max_examples=150, deadline=None)
+@given(g=geometries(), cut=st.tuples(st.integers(0, 40), st.integers(0, 40)), seed=st.integers(0, 2**16))
+def test_im2col_writes_what_each_output_reads_at_each_kernel_index(g, cut, seed):
+    """im2col, kept or made afresh, on the whole image or a block of rows: every column is the input its output
+    reads at its kernel index, or zero in the padding; the columns start as NaN, so one left unwritten shows."""
+    p = plan(g)
+    o0 = p.osize[0]
+    r0, r1 = sorted(c % (o0 + 1) for c in cut)
+    if r0 == r1:
+        r0, r1 = 0, o0
+    x = np.random.default_rng(seed).standard_normal(g.input_shape)
+    xp = _cpu_lowering.act_view(x, g.layout, g.groups)
+    expected = _im2col_by_definition(xp, g, r0, r1)
+    for keep in (_cpu_lowering.KEEP, 0):
+        p.memo.clear()
+        _cpu_lowering.KEEP, saved = keep, _cpu_lowering.KEEP
+        try:
+            col = np.full(expected.shape, np.nan)
+            _cpu_lowering.im2col(xp, col, p, x, 0, rows(p, r0, r1))
+        finally:
+            _cpu_lowering.KEEP = saved
+        np.testing.assert_array_equal(col, expected)
+    p.memo.clear()
+
+
+def _col2im_offset_by_offset(col, xp, p, r0, r1, overwrite):
+    """col2im by its definition on output rows ``[r0, r1)``: offset by offset in the plan's order, the columns of
+    the outputs that read real input added to the inputs they read; with ``overwrite`` on the whole image, the
+    first offset that reads every input copied first (else zeros)."""
+    offsets = list(p.offsets)
+    first = next((o for o in offsets if o.full_in), None) if overwrite and (r0, r1) == (0, p.osize[0]) else None
+    if overwrite and first is None:
+        xp[...] = 0
+    s0 = p.geom.stride[0]
+    for o in ([first] if first else []) + [o for o in offsets if o is not first]:
+        lo, hi = max(o.lo[0], r0), min(o.hi[0], r1)
+        if o.empty or hi <= lo:
+            continue
+        start = o.inp[0].start + (lo - o.lo[0]) * s0
+        xp_index = (slice(None), slice(start, start + (hi - lo - 1) * s0 + 1, s0), *o.inp[1:])
+        col_index = (slice(None), slice(lo - r0, hi - r0), *o.out[1:], Ellipsis, *o.kernel)
+        if o is first:
+            xp[xp_index] = col[col_index]
+        else:
+            xp[xp_index] += col[col_index]
+
+
+@settings(max_examples=150, deadline=None)
+@given(g=geometries(), cut=st.tuples(st.integers(0, 40), st.integers(0, 40)), overwrite=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_col2im_adds_in_the_offsets_order(g, cut, overwrite, seed):
+    """col2im, kept or made afresh, on the whole image or a block of rows, gives the very bits of adding offset
+    by offset in the plan's order: an input's columns arrive in the same order. Magnitudes from 1e-6 to 1e6
+    make float32 sums differ in another order."""
+    p = plan(g)
+    o0 = p.osize[0]
+    r0, r1 = sorted(c % (o0 + 1) for c in cut)
+    if r0 == r1:
+        r0, r1 = 0, o0
+    rng = np.random.default_rng(seed)
+
+    def scaled(shape):
+        return (rng.standard_normal(shape) * 10.0 ** rng.uniform(-6, 6, shape)).astype(np.float32)
+
+    col = scaled((2, r1 - r0, *p.osize[1:], p.groups, p.cg, *g.kernel_size))
+    xp = scaled((2, *g.input_size, p.groups, p.cg))
+    expected = xp.copy()
+    _col2im_offset_by_offset(col, expected, p, r0, r1, overwrite)
+    for keep in (_cpu_lowering.KEEP, 0):
+        p.memo.clear()
+        _cpu_lowering.KEEP, saved = keep, _cpu_lowering.KEEP
+        try:
+            got = xp.copy()
+            _cpu_lowering.col2im(col, got, p, rows(p, r0, r1), overwrite)
+        finally:
+            _cpu_lowering.KEEP = saved
+        assert got.tobytes() == expected.tobytes()
+    p.memo.clear()
+
+
+def _traced(fn):
+    """``(result, peak, kept)``: what ``fn`` returns, and the bytes it allocated at its peak and still holds
+    (Python objects and NumPy arrays), ``result`` held."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        result = fn()
+        now, peak = tracemalloc.get_traced_memory()
+        return result, peak - before, now - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_planning_a_large_kernel_makes_nothing_per_kernel_element():
+    """What the report asks for each layer (the plan and the workspace sizes) holds the sum of the kernel's
+    sizes, not their product: a 300x300 kernel (90,000 offsets, some 60 MiB when the plan made them all)."""
+    g = conv_geometry((1, 1, 300, 300), (1, 1, 300, 300), padding=150)
+    plan.cache_clear()
+
+    def planned():
+        sizes = [cpu.workspace_size(p, a, g) for p, algos in cpu.ALGORITHMS.items() for a in algos]
+        return plan(g), sizes
+
+    _, peak, kept = _traced(planned)
+    assert peak < 256 << 10 and kept < 256 << 10, (peak, kept)
+
+
+def _run_every_algorithm(g, algos=4):
+    rng = np.random.default_rng(0)
+    x, w, dy = (rng.standard_normal(s) for s in (g.input_shape, g.weight_shape, g.output_shape))
+    operands = {
+        "fwd": (x, w, g.output_shape), "bwd_data": (dy, w, g.input_shape), "bwd_filter": (x, dy, g.weight_shape)
+    }
+    for pass_ in PASSES:
+        a, b, shape = operands[pass_]
+        for algo in cpu.ALGORITHMS[pass_][:algos]:
+            cpu.run(pass_, algo, g, a, b, np.empty(shape), np.empty(cpu.workspace_size(pass_, algo, g), np.uint8))
+    return plan(g)
+
+
+def test_running_a_large_kernel_keeps_nothing_per_tile_and_offset(monkeypatch):
+    """Every algorithm of every pass on a 1-D kernel of 1100 in tiles of one row: the plan keeps what is made for
+    the whole image and for some tiles, up to KEEP items (4.6 MiB), not each tile's offsets (41 x 1100, 22 MiB)."""
+    monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", 1)
+    g = conv_geometry((1, 2, 40), (2, 2, 1100), padding=550, dtype="float64")
+    plan.cache_clear()
+    _, _, kept = _traced(lambda: _run_every_algorithm(g))
+    assert kept < 8 << 20, kept
+
+
+def test_a_plan_keeps_at_most_keep_items(monkeypatch):
+    """Past KEEP items a plan keeps nothing more: the 16 tiles of a 1x600 kernel over 16 channels (a column
+    matrix out of cache, lowered one kernel index at a time, 600 boxes a tile) are made afresh in each call
+    once 1000 items are kept (0.6 MiB; keeping them all would hold 1.6 MiB)."""
+    monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", 1)
+    monkeypatch.setattr(_cpu_lowering, "KEEP", 1000)
+    g = conv_geometry((1, 16, 16, 20), (4, 16, 1, 600), padding=(0, 300), dtype="float64")
+    plan.cache_clear()
+    p, _, kept = _traced(lambda: _run_every_algorithm(g, algos=2))
+    assert 0 < p.memo["kept"] <= 1000
+    assert kept < 1 << 20, kept
