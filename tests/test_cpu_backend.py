@@ -153,7 +153,8 @@ CASES = [
     ((3, 2, 4, 4), (2, 1, 1, 1), {"padding": 2, "groups": 2}),  # 1x1 with padding: some outputs read no input
     ((2, 4, 3, 3), (4, 4, 3, 3), {"padding": 4, "dilation": 3}),  # offsets entirely in the padding
     ((2, 4, 12, 12), (6, 4, 3, 3), {"stride": 2}),  # strided, no padding: every offset writes the whole output
-    # Kernels longer than their outputs: 1100 and 33x34 elements, and 3x9 with stride and dilation
+    # Kernels longer than their outputs (1100 and 33x34 elements; the last one with stride and dilation):
+    # im2col and col2im lower them one output at a time there where the column matrix stays in cache
     ((2, 3, 40), (4, 3, 1100), {"padding": 550}),
     ((1, 2, 9, 10), (3, 2, 33, 34), {"padding": (14, 15), "stride": (1, 2)}),
     ((1, 2, 5, 12), (2, 2, 3, 9), {"padding": (1, 4), "stride": (1, 2), "dilation": (1, 2)}),

@@ -423,19 +423,20 @@ def im2col(xp: np.ndarray, col: np.ndarray, p: Plan, root: np.ndarray, offset: i
     ``xp`` is a view of the C-contiguous activation ``root`` starting ``offset`` bytes into it; ``block``
     selects a block of output rows (default: the whole image), whose size ``col`` has. Every element of
     ``col`` is written (zeros where the kernel reads padding), so ``col`` may start as garbage. Without
-    padding this is one strided copy; with padding, per kernel offset its frames zeroed and one copy.
+    padding this is one strided copy; with padding, per box of :func:`_lowering` its frames zeroed and one
+    copy.
     """
     block = block or rows(p, 0, p.osize[0])
     if not block.padded:
         np.copyto(col, _window(xp, p, root, offset, block))
         return
-    dead, boxes = _lowering(p, block)
+    axes, dead, boxes = _lowering(p, block)
     for frame in dead:
         col[frame] = 0
     for frames, xp_index, col_index in boxes:
         for frame in frames:
             col[frame] = 0
-        col[col_index] = xp[xp_index]
+        col[col_index] = xp[xp_index] if axes is None else xp[xp_index].transpose(axes)
 
 
 def col2im(col: np.ndarray, xp: np.ndarray, p: Plan, block: Rows | None = None, overwrite: bool = True) -> None:
@@ -443,9 +444,9 @@ def col2im(col: np.ndarray, xp: np.ndarray, p: Plan, block: Rows | None = None, 
 
     With ``overwrite`` ``xp`` is set (its first covering offset copied, or zeros first); otherwise the
     columns are added to what ``xp`` holds (a tiled algorithm adds block after block). ``block`` selects
-    the output rows ``col`` holds (default: the whole image). For one kernel offset distinct outputs read
-    distinct inputs, so each offset's in-place add on a strided view is race-free and makes no temporary;
-    the offsets are added in the plan's order (:func:`_boxes`).
+    the output rows ``col`` holds (default: the whole image). Within one box of :func:`_boxes` distinct
+    columns add to distinct inputs, so each box's in-place add on a strided view is race-free and makes no
+    temporary; every input receives its columns in the order of the plan's offsets, box after box.
     """
     boxes = _boxes(p, block or rows(p, 0, p.osize[0]), overwrite)
     if boxes.first is not None:
@@ -456,56 +457,104 @@ def col2im(col: np.ndarray, xp: np.ndarray, p: Plan, block: Rows | None = None, 
         dst = xp[xp_index]
         np.add(dst, col[col_index], out=dst)
     for xp_index, col_index in boxes.rest:
-        dst = xp[xp_index]
+        dst = xp[xp_index] if boxes.axes is None else xp[xp_index].transpose(boxes.axes)
         np.add(dst, col[col_index], out=dst)
 
 
-def _lowering(p: Plan, block: Rows) -> tuple[tuple, Iterable[tuple]]:
-    """What :func:`im2col` writes on a block that reads padding: ``(dead, boxes)``.
+# An NCHW column matrix of at most this many bytes per image stays in cache while copies stride across its
+# output axes, its innermost ones: only then is one of its dimensions cut by output (tiles, small images).
+IN_CACHE = 1 << 20
 
-    Per kernel offset that reads real input, ``(frames, xp index, col index)``: the column indices of the
-    outputs that read padding there, per dimension (zeroed), then its copy, so that the columns of one offset
-    are written together. ``dead`` zeroes the kernel indices of a dimension that read no real input, once
-    each. Kept where the plan has room.
+
+def _cuts(p: Plan, block: Rows, axes: tuple[Axis, ...]) -> list[tuple[bool, Axis]]:
+    """Per dimension of ``block`` (whose ``axes`` these are): whether im2col and col2im cut it by output, and the
+    axis they cut.
+
+    In one dimension the pairs (output ``o``, kernel index ``j``) that read real input form a band. It is cut
+    into boxes by kernel index (for each ``j``, the outputs ``[lo, hi)``: one input slice of step stride) or
+    by output (for each ``o``, the kernel indices that read real input: one input slice of step dilation),
+    whichever makes fewer. NHWC keeps its channels innermost either way. NCHW has its output axes innermost:
+    a box of one kernel index writes runs of whole output rows, a box of one output breaks them, which is
+    slower once the matrix is out of cache; so NCHW is cut by output only in blocks whose matrix is at most
+    :data:`IN_CACHE` bytes per image, or in a dimension of one output (a tile of one row), where both write
+    the same runs. Cut by output, the axis is the band seen from the outputs: its "kernel" is the block's
+    outputs and its "outputs" are the kernel indices, stride and dilation swapping roles.
+    """
+    g = p.geom
+    cached = g.layout == "NHWC" or g.in_channels * p.kprod * math.prod(block.osize) * p.itemsize <= IN_CACHE
+    cuts = []
+    for i, a in enumerate(axes):
+        r0 = block.row0 if i == 0 else 0
+        t = Axis.of(g.input_size[i], len(a.lo), a.outputs, g.dilation[i], g.padding[i] - r0 * g.stride[i], g.stride[i])
+        by_output = (cached or a.outputs == 1) and bool(np.count_nonzero(t.live) < np.count_nonzero(a.live))
+        cuts.append((by_output, t if by_output else a))
+    return cuts
+
+
+def _lowering(p: Plan, block: Rows) -> tuple[tuple[int, ...] | None, tuple, Iterable[tuple]]:
+    """What :func:`im2col` writes on a block that reads padding: ``(axes, dead, boxes)``.
+
+    Each dimension is cut as :func:`_cuts` says. A piece of a cut is a line of the dimension's (output,
+    kernel index) pairs, one kernel index or one output, of which a part reads real input; a box is one piece
+    per dimension. Per box, ``(frames, xp index, col index)``: the column indices of the rest of its lines
+    (zeroed), then its copy, so that the columns of one box are written together (as they were offset by
+    offset: out of cache, zeroing all frames first and copying after writes the lines twice). ``dead``
+    zeroes the lines that read no real input. ``axes`` as in :func:`_boxes`. Kept where the plan has room.
     """
     key = ("lowering", block.row0, block.osize)
     found = p.memo.get(key)
     if found is not None:
         return found
-    axes = block.axes
-    nd = len(axes)
+    cuts = _cuts(p, block, block.axes)
+    nd = len(cuts)
     lead = (slice(None),)
     dims: list[list[tuple[Any, ...]]] = []
     dead = []
-    spans: list[slice] = []  # per dimension: its kernel indices, first live one to last
-    for i, a in enumerate(axes):
-        pieces: list[tuple[Any, ...]] = []  # (the offset's outputs, the rest, input slice, kernel index)
-        for j, out, inp in a.parts:
-            lo, hi = out.start, out.stop
+    spans: list[tuple[slice, slice]] = []  # per dimension: (output, kernel) items, first live line to last
+    for i, (by_output, a) in enumerate(cuts):
+        pieces: list[tuple[Any, ...]] = []  # (box's (output, kernel) items, line's, the rest's, input slice)
+        for at, seg, inp in a.parts:
+            lo, hi = seg.start, seg.stop
             rest = ([slice(0, lo)] if lo > 0 else []) + ([slice(hi, None)] if hi < a.outputs else [])
-            pieces.append((out, rest, inp, j))
+            if by_output:
+                pieces.append(((at, seg), (at, slice(None)), [(at, s) for s in rest], inp))
+            else:
+                pieces.append(((seg, at), (slice(None), at), [(s, at) for s in rest], inp))
         dims.append(pieces)
-        # The kernel indices that read no real input, within the earlier dimensions' live spans (the rest is
-        # zero already)
-        for j in np.flatnonzero(~a.live).tolist():
-            dead.append((Ellipsis, *spans, j, *lead * (nd - 1 - i)))
+        # The lines that read no real input, within the earlier dimensions' live spans (the rest is zero already)
+        for at in np.flatnonzero(~a.live).tolist():
+            line = (at, slice(None)) if by_output else (slice(None), at)
+            outs, kers = zip(*spans, line, *[(slice(None), slice(None))] * (nd - 1 - i))
+            dead.append((*lead, *outs, Ellipsis, *kers))
         live = np.flatnonzero(a.live)
-        spans.append(slice(int(live[0]), int(live[-1]) + 1) if len(live) else slice(0, 0))
+        span = slice(int(live[0]), int(live[-1]) + 1) if len(live) else slice(0, 0)
+        spans.append((span, slice(None)) if by_output else (slice(None), span))
 
     def boxes() -> Iterator[tuple]:
         for cell in itertools.product(*dims):
             frames = []
-            kernel = tuple(c[3] for c in cell)
             for i in range(nd):
-                for part in cell[i][1]:
-                    frames.append((*lead, *(c[0] for c in cell[:i]), part, Ellipsis, *kernel))
-            yield tuple(frames), (*lead, *(c[2] for c in cell)), (*lead, *(c[0] for c in cell), Ellipsis, *kernel)
+                for part in cell[i][2]:
+                    outs, kers = zip(*(*(c[0] for c in cell[:i]), part, *(c[1] for c in cell[i + 1 :])))
+                    frames.append((*lead, *outs, Ellipsis, *kers))
+            outs, kers = zip(*(c[0] for c in cell))
+            yield tuple(frames), (*lead, *(c[3] for c in cell)), (*lead, *outs, Ellipsis, *kers)
 
     kept, (dead_kept, boxes_kept) = _keep(p, dead, boxes())
-    found = (tuple(dead_kept), boxes_kept)
+    found = (_axes(cuts), tuple(dead_kept), boxes_kept)
     if kept:
         p.memo[key] = found
     return found
+
+
+def _axes(cuts: list[tuple[bool, Axis]]) -> tuple[int, ...] | None:
+    """The transpose of an xp box ``(B, *S, G, Cg)`` to its column box ``(B, *O kept, G, Cg, *R kept)``, where a
+    dimension is cut by output (its output is one, its kernel indices a range)."""
+    if not any(by_output for by_output, _ in cuts):
+        return None
+    nd = len(cuts)
+    kept = [1 + i for i, (by_output, _) in enumerate(cuts) if not by_output]
+    return (0, *kept, nd + 1, nd + 2, *(1 + i for i, (by_output, _) in enumerate(cuts) if by_output))
 
 
 class _Boxes(NamedTuple):
@@ -514,14 +563,37 @@ class _Boxes(NamedTuple):
 
     first: tuple | None  # col2im's with overwrite: the first offset that reads every input, copied
     lead: Iterable[tuple]  # one per covering offset (but first), row-major
-    rest: Iterable[tuple]  # the other offsets, in the order of the adds
+    axes: tuple[int, ...] | None  # transposes an xp box of ``rest`` to its column box's axes, where one must
+    rest: Iterable[tuple]  # the boxes of the other offsets, in the order of the adds
+
+
+def _minus(ranges: tuple[tuple[int, int], ...], boxes: list[tuple[tuple[int, int], ...]]) -> list[tuple]:
+    """The box of kernel indices ``ranges`` (one ``[lo, hi)`` per dimension) less ``boxes``, as boxes."""
+    cells = [ranges]
+    for box in boxes:
+        left = []
+        for cell in cells:
+            common = tuple((max(lo, a), min(hi, b)) for (lo, hi), (a, b) in zip(cell, box))
+            if any(lo >= hi for lo, hi in common):
+                left.append(cell)
+                continue
+            for i, ((lo, hi), (a, b)) in enumerate(zip(cell, common)):
+                left.extend((*common[:i], part, *cell[i + 1 :]) for part in ((lo, a), (b, hi)) if part[0] < part[1])
+        cells = left
+    return cells
 
 
 def _boxes(p: Plan, block: Rows, overwrite: bool) -> _Boxes:
-    """The offsets of ``block`` that read real input, as ``(xp index, col index)`` pairs in the order col2im adds
-    them: the plan's offsets' (the rounding depends on it). With ``overwrite``, first the first offset that
-    reads every input (copied), then the covering offsets row-major, then the others row-major. Kept where
-    the plan has room.
+    """The boxes of ``block``'s (output, kernel index) pairs that read real input, in the order col2im adds them.
+
+    Each dimension is cut as :func:`_cuts` says; a box is one cut piece per dimension. The order of the adds
+    is the plan's offsets' (the rounding depends on it): with ``overwrite``, first the first offset that reads
+    every input (copied), then the covering offsets row-major, then the others row-major. So the covering
+    offsets and ``first`` are taken out of the boxes, and those come with each dimension cut by output taken
+    from its last output to its first: an input's columns then arrive in increasing kernel index there, as
+    they do by kernel index elsewhere. A kernel longer than the block's outputs in a dimension (a tile of a
+    few rows, a long 1-D kernel) then takes one box per output there instead of one per kernel index. Kept
+    where the plan has room.
     """
     key = ("boxes", block.row0, block.osize, overwrite)
     found = p.memo.get(key)
@@ -543,6 +615,11 @@ def _boxes(p: Plan, block: Rows, overwrite: bool) -> _Boxes:
             first = lead + inp, (*lead, *out, Ellipsis, *index)
     full = [np.flatnonzero(a.full_out) for a in p.axes]  # an interval per dimension
     spans = tuple((int(f[0]), int(f[-1]) + 1) for f in full) if all(len(f) for f in full) else None
+    skip: list[tuple[tuple[int, int], ...]] = []  # what the boxes leave out: the covering offsets, first
+    if spans is not None:
+        skip.append(spans)
+    if index is not None:
+        skip.append(tuple((j, j + 1) for j in index))
 
     def covering() -> Iterator[tuple]:
         if spans is None:
@@ -553,14 +630,32 @@ def _boxes(p: Plan, block: Rows, overwrite: bool) -> _Boxes:
             if kernel != index:
                 yield lead + inp, (*lead, *out, Ellipsis, *kernel)
 
+    cuts = _cuts(p, block, axes)
+
     def others() -> Iterator[tuple]:
-        for combo in itertools.product(*(a.parts for a in axes)):
-            kernel, out, inp = zip(*combo)
-            if kernel != index and not (spans and all(lo <= j < hi for j, (lo, hi) in zip(kernel, spans))):
-                yield lead + inp, (*lead, *out, Ellipsis, *kernel)
+        pieces: list[list[tuple[Any, ...]]] = []  # per dimension: (kernel range, output, input slice or start, step)
+        for (by_output, a), d in zip(cuts, p.geom.dilation):
+            if by_output:
+                pieces.append([((j.start, j.stop), o, inp.start, d) for o, j, inp in reversed(a.parts)])
+            else:
+                pieces.append([((j, j + 1), out, inp, None) for j, out, inp in a.parts])
+        for cell in itertools.product(*pieces):
+            ranges = tuple(c[0] for c in cell)
+            for sub in _minus(ranges, skip) if skip else [ranges]:
+                inp, out, ker = [], [], []
+                for (rng, item, reads, step), (u, v) in zip(cell, sub):
+                    if step is None:  # by kernel index: a single one
+                        inp.append(reads)
+                        ker.append(u)
+                    else:
+                        start = reads + (u - rng[0]) * step
+                        inp.append(slice(start, start + (v - u - 1) * step + 1, step))
+                        ker.append(slice(u, v))
+                    out.append(item)
+                yield (*lead, *inp), (*lead, *out, Ellipsis, *ker)
 
     kept, (lead_kept, rest_kept) = _keep(p, covering(), others())
-    found = _Boxes(first, lead_kept, rest_kept)
+    found = _Boxes(first, lead_kept, _axes(cuts), rest_kept)
     if kept:
         p.memo[key] = found
     return found
