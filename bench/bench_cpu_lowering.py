@@ -15,6 +15,7 @@ package named ``wsarena_before``; "after" is the ``wsarena`` beside this script.
 ``after/before`` below 1 is faster or smaller::
 
     python bench/bench_cpu_lowering.py [--baseline REV] [--rounds 2] [--repeat 10] [--only plan|passes]
+                                       [--threads N]
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+if __name__ == "__main__" and "--threads" in sys.argv:
+    # BLAS reads its thread count when it loads, so set it before NumPy is imported.
+    _n = sys.argv[sys.argv.index("--threads") + 1]
+    for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[_var] = _n
 
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE = "wsarena_before"
@@ -156,6 +163,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="processes per tree and kernel when planning")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--only", choices=("plan", "passes"))
+    parser.add_argument("--threads", type=int, help="BLAS threads (default: its own); 1 is stable on a busy machine")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -165,8 +173,8 @@ def main() -> int:
 
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline], capture_output=True,
                          text=True, check=True).stdout.strip()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; numpy {np.__version__}; "
-          f"before: {args.baseline} ({rev}), after: the working tree")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; numpy {np.__version__} "
+          f"({args.threads or 'default'} BLAS threads); before: {args.baseline} ({rev}), after: the working tree")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         _baseline(args.baseline, folder)
