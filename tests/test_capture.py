@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import inspect
+import os
 import pickle
 import sys
 import warnings
@@ -24,6 +25,7 @@ from wsarena.arena.testing import FakeStream, RecordingProvider
 from wsarena.backends import Candidate
 
 from .capture_helpers import S1, S2, capture_a_lease, freed, freed_on
+from .forking import fork
 
 
 @pytest.fixture
@@ -350,6 +352,32 @@ def test_a_closed_arena_nothing_refers_to_frees_what_a_graph_held_once_the_graph
     assert provider.held == ([successor._subs[S1].block.buffer] if trigger == "growth" else [])
     gc.collect()
     assert closed() is None  # holding nothing more, it is let go
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_child_forked_while_a_closed_arena_is_kept_gives_none_of_its_buffers_to_the_provider():
+    """A closed arena that only the closed arenas still holding something keep alive, whose graph is gone but whose
+    buffer no trim, stats or growth freed yet: a forked child lets go of it only once it has started again, as every
+    arena does in a child. Let go first, it was collected with the parent's buffers, and its finalizer gave them to the
+    provider: a device's free through CUDA in the child, which cannot run it."""
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    graph, pinned = capture_a_lease(provider, arena)
+    arena.close()
+    closed = weakref.ref(arena)
+    del arena
+    graph.close()
+    gc.collect()
+    assert closed() is not None and provider.frees == []
+
+    def in_the_child():
+        gc.collect()
+        return freed(provider), closed() is None
+
+    assert fork(in_the_child)() == ([], True)
+    Arena(provider).stats()  # in this process, the next stats() frees it
+    assert freed_on(provider) == [(pinned, S1)]
 
 
 def test_a_closed_arenas_free_with_no_stream_waits_for_a_capture_another_arena_of_the_device_knows():

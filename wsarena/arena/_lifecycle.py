@@ -163,11 +163,13 @@ def keep_parents_memory(table: _Table) -> None:
 
 
 def _after_fork_in_child() -> None:
-    _closed_holding.clear()  # each starts again below, holding nothing: no graph of the parent's is the child's
     for ref in _arenas:
         arena = ref()
         if arena is not None:
             reset_in_child(arena)
+    # Let go of only once started again, holding nothing (no graph of the parent's is the child's): one collected
+    # before would give the parent's buffers to the provider
+    _closed_holding.clear()
 
 
 def reset_in_child(arena: Arena) -> None:
