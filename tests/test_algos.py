@@ -161,6 +161,27 @@ def test_the_choices_kept_are_bounded_and_the_least_recently_used_go_first():
     assert asked[-1] == 2 and len(asked) == bound + 11
 
 
+def test_a_key_in_steady_use_keeps_its_cap_warning_as_it_keeps_its_choice():
+    """The cap warning is given once per key kept: a key used again is the most recently used in both, and later
+    keys let go of older ones first. Only a key's choice was made recent by its use, so that a call made all along
+    warned again once as many other keys had warned."""
+    from wsarena import algos
+
+    b = FakeBackend({"fft": 300, "implicit": 0})
+    bound = algos.CHOICES_MAX
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", WorkspaceCapWarning)
+        for n in range(1, bound + 11):
+            choose(b, "fwd", GEOM.with_batch(n), cap=100)
+            if n == bound:
+                choose(b, "fwd", GEOM.with_batch(1), cap=100)  # used again: the most recently used
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose(b, "fwd", GEOM.with_batch(1), cap=100)[0].algo == "implicit"
+    with pytest.warns(WorkspaceCapWarning, match="excludes fft"):  # one not used again was let go
+        choose(b, "fwd", GEOM.with_batch(11), cap=100)
+
+
 def test_search_mode_is_part_of_the_cache_key():
     b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
     assert choose(b, "fwd", GEOM, cap=None)[0].algo == "fft"

@@ -147,7 +147,8 @@ def choose(
             if untimed:
                 _warn_memory(backend.arena(), _cut_short_text, pass_, geom, best, len(best) - untimed, lacked or 0)
     best, excluded, _ = entry
-    if warn and excluded is not None and key not in _warned:
+    # lookup(): a key in use is the most recently used here too, as in _cache, so its warning is not given again
+    if warn and excluded is not None and _warned.lookup(key) is None:
         with _lock:
             first = key not in _warned
             _warned.put(key, True)
