@@ -223,6 +223,18 @@ def test_a_long_input_shape_is_shortened_in_the_models_error(capsys, tmp_path, f
     assert (code, out) == (2, "") and says in err and err.count("\n") == 1 and len(err) < 400, err[:500]
 
 
+def test_the_long_input_names_a_shape_with_no_name_leaves_open_are_shortened(capsys, tmp_path):
+    """One --input-shape with no name, for a model of two inputs: the refusal lists the inputs, each shortened."""
+    from .onnx_graphs import conv, save, vi, weight
+
+    nodes = [conv("a", LONG, "w", "y", pads=[1, 1, 1, 1]), conv("b", LONG + "2", "w", "z", pads=[1, 1, 1, 1])]
+    path = save(tmp_path / "m.onnx", nodes, [vi(LONG, ["N", 3, "H", "W"]), vi(LONG + "2", ["N", 3, "H", "W"])],
+                [weight("w", (8, 3, 3, 3))])
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--input-shape", "1x3x8x8")
+    assert (code, out) == (2, "") and "one input shape was given but the model has 2 inputs ('xxx" in err, err[:300]
+    assert "x...x" in err and err.count("\n") == 1 and len(err) < 400, err[:300]
+
+
 def test_a_long_input_name_is_shortened_in_the_warning_of_its_batch(capsys, tmp_path):
     """The warning that an input shape's batch is not --batch's names the input shortened, as an error would."""
     from .onnx_graphs import conv, save, vi, weight

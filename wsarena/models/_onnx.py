@@ -489,7 +489,7 @@ def _fix_input_shapes(graph: Any, input_shapes: Mapping[str, Sequence[int]] | Se
         if len(inputs) != 1:
             raise ModelError(
                 f"{path!r}: one input shape was given but the model has {len(inputs)} inputs "
-                f"({', '.join(map(repr, inputs)) or 'none'}); name each, NAME=DIMS"
+                f"({', '.join(map(short_repr, inputs)) or 'none'}); name each, NAME=DIMS"
             )
         input_shapes = {next(iter(inputs)): input_shapes}
     for name, shape in input_shapes.items():
