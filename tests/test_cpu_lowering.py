@@ -11,6 +11,7 @@ reference in test_cpu_backend.py.
 from __future__ import annotations
 
 import itertools
+import threading
 import tracemalloc
 
 import numpy as np
@@ -274,3 +275,46 @@ def test_a_plan_keeps_at_most_keep_items(monkeypatch):
     p, _, kept = _traced(lambda: _run_every_algorithm(g, algos=2))
     assert 0 < p.memo["kept"] <= 1000
     assert kept < 1 << 20, kept
+
+
+def test_threads_keeping_at_once_keep_at_most_keep_items_each_counted_once(monkeypatch):
+    """Plans are shared by threads. Two that make items for different keys at once, each having read the plan's
+    count before the other added to it, keep no more than KEEP between them; two that make one key, the second
+    done after the first checked for it, count its items once."""
+    monkeypatch.setattr(_cpu_lowering, "KEEP", 3)
+    p = plan(conv_geometry((1, 1, 5), (1, 1, 3)))
+
+    def held():
+        return sum(len(v) for k, v in p.memo.items() if k != "kept")
+
+    p.memo.clear()
+    both_read = threading.Barrier(2, timeout=10)
+
+    def make():  # two items, the end once the other thread has read the count too
+        yield from "ab"
+        both_read.wait()
+
+    threads = [threading.Thread(target=_cpu_lowering._kept, args=(p, key, make)) for key in "xy"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert held() == p.memo["kept"] == 2  # one key kept, not both (4 items)
+
+    p.memo.clear()
+    monkeypatch.setattr(_cpu_lowering, "KEEP", 4)
+    checked, made = threading.Event(), threading.Event()
+
+    def late():  # made once the other thread has kept the key
+        checked.set()
+        assert made.wait(10)
+        return "ab"
+
+    second = threading.Thread(target=_cpu_lowering._kept, args=(p, "z", late))
+    second.start()
+    assert checked.wait(10)
+    assert _cpu_lowering._kept(p, "z", lambda: "ab") == ("a", "b")
+    made.set()
+    second.join()
+    assert held() == p.memo["kept"] == 2
+    p.memo.clear()

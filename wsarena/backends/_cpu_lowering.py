@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import _forksafe
 from .._geometry import ConvGeometry
 from .._pass import Pass
 
@@ -187,19 +188,33 @@ def _offsets(axes: tuple[Axis, ...]) -> Iterator[Offset]:
         yield Offset(kernel, out, inp, lo, hi, any(empty), all(fo), all(fi))
 
 
-def _keep(p: Plan, *parts: Iterable) -> tuple[bool, list[Iterable]]:
-    """``parts`` as tuples where the plan's room for :data:`KEEP` items holds them all, which it then counts
-    as taken (``True``), else as iterators to read once (``False``)."""
-    room = KEEP - p.memo.get("kept", 0)
+# Guards every plan's count of kept items with what it keeps under it: plans are shared by threads, and two
+# that read the count before either added to it would both take the same room (or keep one key twice).
+_KEEPING = _forksafe.lock()
+
+
+def _keep(p: Plan, key: Any, build: Callable[[list[Iterable]], Any], *parts: Iterable) -> Any:
+    """``build(found)``, ``found`` being ``parts`` as tuples where the plan's room for :data:`KEEP` items holds them
+    all, then kept under ``key`` (or what another thread kept there first); else as iterators to read once."""
+    room = free = KEEP - p.memo.get("kept", 0)
     found: list[Iterable] = []
     for part in parts:
         items = iter(part)
         head = tuple(itertools.islice(items, room + 1)) if room >= 0 else ()
         room -= len(head)
         found.append(head if room >= 0 else itertools.chain(head, items))
-    if room >= 0:
-        p.memo["kept"] = KEEP - room
-    return room >= 0, found
+    result = build(found)
+    if room < 0:
+        return result
+    with _KEEPING:
+        held = p.memo.get(key)
+        if held is not None:
+            return held
+        count = p.memo.get("kept", 0) + free - room
+        if count <= KEEP:
+            p.memo["kept"] = count
+            p.memo[key] = result
+    return result
 
 
 def _kept(p: Plan, key: Any, make: Callable[[], Iterable]) -> Iterable:
@@ -207,9 +222,7 @@ def _kept(p: Plan, key: Any, make: Callable[[], Iterable]) -> Iterable:
     else made afresh."""
     found = p.memo.get(key)
     if found is None:
-        kept, (found,) = _keep(p, make())
-        if kept:
-            p.memo[key] = found
+        found = _keep(p, key, lambda parts: parts[0], make())
     return found
 
 
@@ -364,10 +377,8 @@ def rows(p: Plan, r0: int, r1: int) -> Rows:
     # dimension reads rows [r0, r1) and those of the others read every output.
     first = p.axes[0]
     full = int(first.lo.max()) <= r0 and int(first.hi.min()) >= r1 and all(a.full_out.all() for a in p.axes[1:])
-    found = Rows(r0, (r1 - r0, *p.osize[1:]), not full, p.axes)
-    if _keep(p, (found,))[0]:
-        p.memo[key] = found
-    return found
+    made = Rows(r0, (r1 - r0, *p.osize[1:]), not full, p.axes)
+    return _keep(p, key, lambda parts: made, (made,))
 
 
 def blocks(shape: tuple[int, ...], size: int):
@@ -540,11 +551,8 @@ def _lowering(p: Plan, block: Rows) -> tuple[tuple[int, ...] | None, tuple, Iter
             outs, kers = zip(*(c[0] for c in cell))
             yield tuple(frames), (*lead, *(c[3] for c in cell)), (*lead, *outs, Ellipsis, *kers)
 
-    kept, (dead_kept, boxes_kept) = _keep(p, dead, boxes())
-    found = (_axes(cuts), tuple(dead_kept), boxes_kept)
-    if kept:
-        p.memo[key] = found
-    return found
+    axes = _axes(cuts)
+    return _keep(p, key, lambda parts: (axes, tuple(parts[0]), parts[1]), dead, boxes())
 
 
 def _axes(cuts: list[tuple[bool, Axis]]) -> tuple[int, ...] | None:
@@ -654,11 +662,8 @@ def _boxes(p: Plan, block: Rows, overwrite: bool) -> _Boxes:
                     out.append(item)
                 yield (*lead, *inp), (*lead, *out, Ellipsis, *ker)
 
-    kept, (lead_kept, rest_kept) = _keep(p, covering(), others())
-    found = _Boxes(first, lead_kept, _axes(cuts), rest_kept)
-    if kept:
-        p.memo[key] = found
-    return found
+    transpose = _axes(cuts)
+    return _keep(p, key, lambda parts: _Boxes(first, parts[0], transpose, parts[1]), covering(), others())
 
 
 def merge_pixels(views: list[np.ndarray], npix: int) -> list[np.ndarray]:
