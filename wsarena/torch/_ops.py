@@ -120,7 +120,8 @@ def _computed(t: Tensor, memory_format: torch.memory_format) -> Tensor:
     gradient, NCHW beside a channels-last input): it is made dense here, by PyTorch's allocator, rather than by the
     ops' copy into their array library's memory, which a CUDA graph captured by ``torch.cuda.graph`` would not keep
     for its replays."""
-    t = t.detach()
+    if t.requires_grad:  # one that requires none has no history: the same view undetached, without detach's 0.3 us
+        t = t.detach()
     if t.is_cpu and t.dtype in _HALF:
         t = t.float()
     return t.contiguous(memory_format=memory_format)
