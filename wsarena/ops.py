@@ -152,6 +152,8 @@ def _contiguous(array: Any) -> Any:
 
 
 def _shape_arg(name: str, shape: Any) -> tuple[int, ...]:
+    if type(shape) is tuple or type(shape) is list:  # the common case, without the isinstance of an ABC (0.1 us)
+        return tuple(shape)
     if not isinstance(shape, Sequence) or isinstance(shape, str):
         raise TypeError(f"{name} must be a sequence of ints, not {shape!r}")
     return tuple(shape)
