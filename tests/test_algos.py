@@ -145,12 +145,7 @@ def test_the_choices_kept_are_bounded_and_the_least_recently_used_go_first():
 
     b = Counting({"fft": 300, "implicit": 0})
     bound = algos.CHOICES_MAX
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", WorkspaceCapWarning)
-        for n in range(1, bound + 11):
-            choose(b, "fwd", GEOM.with_batch(n), cap=100)
-            if n == bound:
-                choose(b, "fwd", GEOM.with_batch(1), cap=100)  # used again: the most recently used
+    _sweep_past_the_bound(b)
     assert len(algos._cache) == bound and len(algos._warned) == bound
     assert len(asked) == bound + 10
     choose(b, "fwd", GEOM.with_batch(1), cap=100, warn=False)  # kept
@@ -161,20 +156,25 @@ def test_the_choices_kept_are_bounded_and_the_least_recently_used_go_first():
     assert asked[-1] == 2 and len(asked) == bound + 11
 
 
+def _sweep_past_the_bound(b):
+    """Choose for 10 more batch sizes than the choices kept, under a cap that excludes ``fft``; batch 1 used again
+    once the bound is reached, so that it is then the most recently used."""
+    from wsarena import algos
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", WorkspaceCapWarning)
+        for n in range(1, algos.CHOICES_MAX + 11):
+            choose(b, "fwd", GEOM.with_batch(n), cap=100)
+            if n == algos.CHOICES_MAX:
+                choose(b, "fwd", GEOM.with_batch(1), cap=100)
+
+
 def test_a_key_in_steady_use_keeps_its_cap_warning_as_it_keeps_its_choice():
     """The cap warning is given once per key kept: a key used again is the most recently used in both, and later
     keys let go of older ones first. Only a key's choice was made recent by its use, so that a call made all along
     warned again once as many other keys had warned."""
-    from wsarena import algos
-
     b = FakeBackend({"fft": 300, "implicit": 0})
-    bound = algos.CHOICES_MAX
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", WorkspaceCapWarning)
-        for n in range(1, bound + 11):
-            choose(b, "fwd", GEOM.with_batch(n), cap=100)
-            if n == bound:
-                choose(b, "fwd", GEOM.with_batch(1), cap=100)  # used again: the most recently used
+    _sweep_past_the_bound(b)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert choose(b, "fwd", GEOM.with_batch(1), cap=100)[0].algo == "implicit"
