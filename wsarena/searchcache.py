@@ -35,7 +35,6 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from math import isfinite
 from pathlib import Path
 from typing import Any
 
@@ -173,8 +172,8 @@ def _read(path: Path, key: dict[str, Any]) -> _Results | None:
         return None
     try:
         results = _parse(json.loads(text), key)
-    # RecursionError: JSON nested too deep; OverflowError: an integer time past float's range
-    except (ValueError, TypeError, KeyError, RecursionError, OverflowError) as exc:
+    # RecursionError: JSON nested too deep
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
         _warn_bad(path, exc)
         return None
     if time.time() - modified > _MARK_USED_AFTER:
@@ -197,10 +196,11 @@ def _parse(data: Any, key: dict[str, Any]) -> _Results:
         algo, math, nbytes, ms = entry["algo"], entry["math_type"], entry["workspace_bytes"], entry["time_ms"]
         if not isinstance(algo, str) or not (math is None or type(math) is int) or type(nbytes) is not int:
             raise ValueError(f"malformed entry {entry!r}")
-        # JSON as Python reads it takes Infinity and NaN, and 1e999 as infinity: no time a search measures; nor is
-        # true or false (a bool is an int to isinstance), nor one past a day, whose sums over a model's calls (as
-        # wsarena tune adds them, exactly) would pass float's range
-        if nbytes < 0 or not (ms is None or (type(ms) in (int, float) and isfinite(ms) and 0 <= ms <= _MAX_TIME_MS)):
+        # A time a search measures lies within a day: the bound refuses what JSON as Python reads it also takes
+        # (Infinity, NaN, 1e999 as infinity, an integer past float's range, compared exactly), and times whose sums
+        # over a model's calls (wsarena tune adds them exactly) would pass float's range; true and false are no
+        # times, though a bool is an int to isinstance
+        if nbytes < 0 or not (ms is None or (type(ms) in (int, float) and 0 <= ms <= _MAX_TIME_MS)):
             raise ValueError(f"malformed entry {entry!r}")
         results[(algo, math)] = (nbytes, None if ms is None else float(ms))
     return results
