@@ -52,6 +52,8 @@ def test_json_has_the_contract_keys_and_a_sorted_curve(capsys, model):
     for p in curve:
         assert set(p) == {"cap_workspace_bytes", "arena_bytes", "step_seconds", "slowdown"}
         assert p["step_seconds"] > 0 and p["slowdown"] >= 0
+        # a float, as the contract says, wherever it is not null (against an uncapped step timed at 0): 0.0, not 0
+        assert type(p["slowdown"]) is float and type(p["step_seconds"]) is float, p
     steps = [p["step_seconds"] for p in curve]
     assert steps == sorted(steps, reverse=True)
     assert d["recommended_cap_bytes"] in caps

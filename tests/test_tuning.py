@@ -233,6 +233,7 @@ def test_against_an_uncapped_step_timed_at_0_a_slower_point_has_no_slowdown(monk
     assert wsarena.plan(LAYERS, batch=2, passes=PASSES, backend="cpu", max_slowdown=10.0).cap_workspace == 4000
     d = json.loads(json.dumps(t.to_dict(), allow_nan=False))  # strict JSON: no Infinity
     assert [p["slowdown"] for p in d["curve"]] == [None, None, None, 0.0, 0.0]
+    assert [type(p["slowdown"]) for p in d["curve"]] == [type(None)] * 3 + [float] * 2  # a float where not null
     rows = list(csv.DictReader(io.StringIO(tune_output(t, "csv"))))
     assert [r["slowdown"] for r in rows] == ["", "", "", "0.0", "0.0"]
     text = render_curve(t).splitlines()
