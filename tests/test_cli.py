@@ -102,6 +102,40 @@ def test_table_says_plainly_when_the_arena_saves_nothing(capsys, tmp_path):
     assert re.fullmatch(r"saved: +0 B \(the arena is as large as unshared\)", out.splitlines()[-1]), out
 
 
+def _big_and(shape):
+    """A layer list: a 3x3 conv of 16 channels on 64x64 (some 2 MiB of workspace) and one on ``shape``."""
+    return {"layers": [
+        {"name": "big", "input_shape": [1, 16, 64, 64], "weight_shape": [16, 16, 3, 3], "padding": [1, 1]},
+        {"name": "other", "input_shape": shape, "weight_shape": [16, shape[1], 3, 3], "padding": [1, 1]},
+    ]}
+
+
+@pytest.mark.parametrize(("shape", "streams", "says"), [
+    ([1, 1, 4, 4], 1, "<1.001x less"),  # a tiny second workspace: 576 B saved of 2.25 MiB
+    ([1, 4, 8, 8], 1, "1.004x less"),
+    ([1, 8, 16, 16], 1, "1.03x less"),
+    ([1, 16, 64, 63], 2, "1.01x as much"),  # two streams each hold the big one: a little more than both
+])
+def test_table_gives_a_ratio_near_1_with_the_digits_that_tell_it_from_1(capsys, tmp_path, shape, streams, says):
+    """A saving (or an excess) of a few KiB in MiB read "(1.0x less)", as if there were none."""
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(_big_and(shape)))
+    flags = ["report", str(path), "--backend", "cpu", "--passes", "fwd", "--streams", str(streams)]
+    code, out, err = run_main(capsys, *flags, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    larger, smaller = sorted((d["unshared_bytes"], d["arena_bytes"]), reverse=True)
+    code, out, err = run_main(capsys, *flags)
+    assert code == 0, err
+    shown = re.fullmatch(r".*\((<?)([\d.]+)x (less|as much)\)", out.splitlines()[-1])
+    assert shown is not None and f"{shown[1]}{shown[2]}x {shown[3]}" == says, out.splitlines()[-1]
+    ratio, figure = larger / smaller, float(shown[2])
+    if shown[1]:  # below what three decimals tell from 1
+        assert 1 < ratio < figure
+    else:  # within half a unit of its last digit of the ratio, and not 1
+        assert abs(figure - ratio) <= 0.5 * 10 ** -len(shown[2].partition(".")[2]) and figure != 1
+
+
 @pytest.mark.parametrize("streams", [1, 2, 3, 53])
 def test_table_totals_stay_one_short_line_each_at_any_stream_count(capsys, streams):
     code, out, err = run_main(capsys, "report", "resnet50", "--backend", "cpu", "--streams", str(streams))

@@ -271,6 +271,31 @@ def test_caps_that_read_alike_show_their_bytes(monkeypatch):
     assert text[13].startswith("recommended cap (slowdown within 25%): 1 MiB (1048584 B): step 44.00 ms (+22.22%)")
 
 
+def test_arenas_that_read_alike_in_the_recommendation_show_their_bytes(monkeypatch):
+    """Arenas 8 bytes apart both read "1 MiB": the recommendation gave "arena 1 MiB instead of 1 MiB uncapped", as if
+    it saved nothing, and "arena 1 MiB ... (the next, 1 MiB, ...)" for the next smaller one."""
+    mib = 2**20
+    table = {
+        ("fwd", 4): [("implicit", 0, 10.0), ("gemm", mib, 4.0), ("fft", mib + 8, 3.9)],
+        ("bwd_data", 4): [("implicit", 0, 6.0)],
+        ("fwd", 8): [("implicit", 0, 20.0)],
+        ("bwd_data", 8): [("implicit", 0, 8.0)],
+    }
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))
+    algos.cache_clear()
+    t = run(max_slowdown=0.01)  # steps 60, 48 and 47.8 ms: the 1 MiB cap costs 0.42 %
+    assert [(p.cap_workspace_bytes, p.arena_bytes) for p in t.curve] == [(0, 0), (mib, mib), (mib + 8, mib + 8),
+                                                                         (None, mib + 8)]
+    (line,) = [x for x in render_curve(t).splitlines() if x.startswith("recommended")]
+    assert line.endswith(", arena 1 MiB (1048576 B) instead of 1 MiB (1048584 B) uncapped"), line
+    (line,) = [x for x in render_curve(run(max_slowdown=0.001)).splitlines() if x.startswith("recommended")]
+    assert line.endswith(", arena 1 MiB (1048584 B), as uncapped: no smaller one keeps the slowdown within 0.1% (the "
+                         "next, 1 MiB (1048576 B), costs +0.42%)"), line
+    # sizes that read apart are shown as ever
+    (line,) = [x for x in render_curve(run(max_slowdown=0.3)).splitlines() if x.startswith("recommended")]
+    assert line.endswith(", arena 0 B instead of 1 MiB uncapped"), line
+
+
 def test_the_persistent_cache_serves_a_second_tuning(fake, tmp_path, monkeypatch):
     monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path))
     first = run()

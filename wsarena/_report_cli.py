@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from . import __version__
-from ._sizes import format_percent, format_size
+from ._sizes import format_percent, format_ratio, format_size
 
 __all__ = ["csv_writer", "printable", "render_table", "shape_text", "skipped_note", "write_csv"]
 
@@ -145,14 +145,14 @@ def _saving(p: Any) -> tuple[str, str]:
     """The last totals line: what the arena saves, or, when several streams each hold the largest workspace,
     how much more than unshared it holds."""
     if p.saved_bytes < 0:
-        ratio = f"{p.arena_bytes / p.unshared_bytes:.1f}x as much"
+        ratio = f"{format_ratio(p.arena_bytes, p.unshared_bytes)}x as much"
         return "the arena holds more than unshared", f"{format_size(-p.saved_bytes)} ({ratio})"
     if not p.arena_bytes:
         ratio = "no workspace at all"
     elif not p.saved_bytes:  # one call needs workspace, say: "1.0x less" would read as a saving
         ratio = "the arena is as large as unshared"
     else:
-        ratio = f"{p.unshared_bytes / p.arena_bytes:.1f}x less"
+        ratio = f"{format_ratio(p.unshared_bytes, p.arena_bytes)}x less"
     return "saved", f"{format_size(p.saved_bytes)} ({ratio})"
 
 

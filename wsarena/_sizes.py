@@ -143,6 +143,18 @@ def format_seconds(value: float) -> str:
     return f"{value * 1e6:.1f} us"
 
 
+def format_ratio(larger: int, smaller: int) -> str:
+    """``larger / smaller`` (both positive, ``larger`` the larger) as a factor for people: one decimal (``"10.3"``),
+    or as many more, up to three, as tell it from 1 (``"1.04"``, ``"1.004"``); ``"<1.001"`` below that. A factor
+    rounded to ``"1.0"`` would say that the two are the same."""
+    ratio = larger / smaller
+    for digits in (1, 2, 3):
+        text = f"{ratio:.{digits}f}"
+        if float(text) != 1:
+            return text
+    return "<1.001"
+
+
 def format_percent(fraction: float) -> str:
     """A fraction as a percentage with no digits it does not need: ``0.02`` -> ``"2%"``, ``0.025`` -> ``"2.5%"``."""
     return f"{fraction * 100:g}%"

@@ -104,14 +104,17 @@ def render_curve(t: Any) -> str:
         lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)) + mark)
     best, fastest = t.recommended, t.curve[-1]
     within = format_percent(t.max_slowdown)
+    arena = format_size(best.arena_bytes)
     if best.arena_bytes < fastest.arena_bytes:
-        saving = f" instead of {format_size(fastest.arena_bytes)} uncapped"
+        arena, uncapped = _apart(best.arena_bytes, fastest.arena_bytes)
+        saving = f" instead of {uncapped} uncapped"
     else:  # it saves nothing; the cap still bounds a later, larger call
         smaller = [q for q in t.curve if q.arena_bytes < best.arena_bytes]
         saving = ", as uncapped: no cap gives a smaller one"
         if smaller:
+            arena, next_one = _apart(best.arena_bytes, smaller[-1].arena_bytes)
             saving = (f", as uncapped: no smaller one keeps the slowdown within {within} "
-                      f"(the next, {format_size(smaller[-1].arena_bytes)}, {_costs(smaller[-1])})")
+                      f"(the next, {next_one}, {_costs(smaller[-1])})")
     if any(not math.isfinite(q.slowdown) for q in t.curve):
         lines.append(f"n/a: slower than the uncapped step, which timed at {format_seconds(fastest.step_seconds)}; "
                      "no --max-slowdown admits it")
@@ -120,13 +123,22 @@ def render_curve(t: Any) -> str:
         (
             f"recommended cap (slowdown within {within}): {caps[best.cap_workspace_bytes]}: "
             f"step {format_seconds(best.step_seconds)} ({best.slowdown:+.2%}), "
-            f"arena {format_size(best.arena_bytes)}{saving}"
+            f"arena {arena}{saving}"
         ),
         f"use it with: {apply_line(t)}",
     ]
     if p.skipped:
         lines.append(skipped_note(p.skipped, "these figures"))
     return "\n".join(lines) + "\n"
+
+
+def _apart(nbytes: int, other: int) -> tuple[str, str]:
+    """Two arenas' sizes as a line compares them: with their bytes too where they read alike (a few bytes apart),
+    so that "1 MiB instead of 1 MiB" does not read as no saving."""
+    text, other_text = format_size(nbytes), format_size(other)
+    if text == other_text:
+        return f"{text} ({nbytes} B)", f"{other_text} ({other} B)"
+    return text, other_text
 
 
 def _costs(q: Any) -> str:
