@@ -73,6 +73,25 @@ def test_max_slowdown_as_a_percentage_or_a_fraction(capsys, model):
     assert huge["recommended_cap_bytes"] == 0
 
 
+@pytest.mark.parametrize("command", ["tune", "report"])
+def test_a_fraction_is_checked_against_1_as_written_not_as_its_float(capsys, model, command):
+    """0.99999999999999999 is a fraction below 1, whose nearest float is 1.0: it was refused with "write 1% for 1
+    percent, or 100% if you mean it", quoting a value not typed; so was 99999999999999999999999 ("write 1e+23%")."""
+    code, out, err = run_main(capsys, command, model, "--backend", "cpu", "--format", "json", "--max-slowdown",
+                              "0.99999999999999999")
+    assert code == 0 and json.loads(out)["max_slowdown"] == 1.0, err
+    code, out, err = run_main(capsys, command, model, "--backend", "cpu", "--max-slowdown", "1.00000000000000001")
+    assert (code, out) == (2, "") and err.startswith(
+        "wsarena: error: argument --max-slowdown: '1.00000000000000001' is read as a fraction, a slowdown of "
+        "100.000000000000001%: write 1.00000000000000001% for 1.00000000000000001 percent, or 100.000000000000001% "
+        "if you mean it"), err
+    code, out, err = run_main(capsys, command, model, "--backend", "cpu", "--max-slowdown", "9" * 23)
+    assert code == 2 and f"a slowdown of {'9' * 23}00%: write {'9' * 23}% for {'9' * 23} percent, or {'9' * 23}00%" \
+        in err, err
+    code, out, err = run_main(capsys, command, model, "--backend", "cpu", "--max-slowdown", "0.1e1")
+    assert code == 2 and "a slowdown of 100%: write 0.1e1% for 0.1e1 percent, or 100% if you mean it" in err, err
+
+
 def test_csv_and_table(capsys, model):
     d = tune_json(capsys, model)
     code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--batch", "2", "--format", "csv")

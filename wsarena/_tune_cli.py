@@ -9,6 +9,7 @@ import math
 import os
 import re
 from collections import Counter
+from decimal import Decimal, localcontext
 from typing import Any
 
 from . import __version__
@@ -40,12 +41,25 @@ def max_slowdown_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a finite slowdown (2% or 0.02), not {short_repr(text)}")
     if percent:
         return value / 100
-    if value >= 1:
+    # the number as written, not its float: 0.99999999999999999 is below 1, though its nearest float is 1.0
+    if Decimal(number) >= 1:
+        said = f"{short_repr(text.strip())} is read as a fraction"
+        if len(number) > 24:  # not quoted three times more
+            raise argparse.ArgumentTypeError(f"{said}, a slowdown of 100% or more: end it with % for a percentage")
+        percent = _percent(number)
         raise argparse.ArgumentTypeError(
-            f"{short_repr(text.strip())} is read as a fraction, a slowdown of {format_percent(value)}: write "
-            f"{value:g}% for {value:g} percent, or {format_percent(value)} if you mean it"
+            f"{said}, a slowdown of {percent}: write {number}% for {number} percent, or {percent} if you mean it"
         )
     return value
+
+
+def _percent(number: str) -> str:
+    """The decimal fraction ``number`` as a percentage, exactly: ``"5"`` -> ``"500%"``, ``"0.1e1"`` -> ``"100%"``,
+    ``"1e300"`` -> ``"1e+302%"``."""
+    with localcontext(prec=len(number) + 3):  # every digit of the number, and two more before the point
+        percent = Decimal(number).scaleb(2).normalize()
+    plain = f"{percent:f}"
+    return (plain if len(plain) <= 30 else str(percent).lower()) + "%"
 
 
 def _slowdown(value: float) -> str:
