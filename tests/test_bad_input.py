@@ -287,3 +287,21 @@ def test_an_auto_pad_that_is_not_utf8_is_a_model_error(tmp_path):
     path = damaged_conv(tmp_path, onnx.helper.make_attribute("auto_pad", b"SAME\xff"))
     with pytest.raises(ModelError, match="unknown auto_pad 'SAME\ufffd'"):
         wsarena.load_model(path)
+
+
+@pytest.mark.parametrize(("value", "shown"), [
+    (tuple(range(100)), "(0, 1, 2, 3, 4, 5, ... 94 more)"),
+    (list(range(100)), "[0, 1, 2, 3, 4, 5, ... 94 more]"),  # a list as a tuple
+    (tuple(range(7)), "(0, 1, 2, 3, 4, 5, ... 1 more)"),
+    (tuple(range(6)), "(0, 1, 2, 3, 4, 5)"),
+    ((1,), "(1,)"),
+    ({i: -i for i in range(10)}, "{0: 0, 1: -1, 2: -2, 3: -3, ... 6 more}"),
+    (set(range(10)), "{0, 1, 2, 3, 4, 5, ... 4 more}"),
+    (frozenset(range(10)), "frozenset({0, 1, 2, 3, 4, 5, ... 4 more})"),
+    ([list(range(10))], "[[0, 1, 2, 3, 4, 5, ... 4 more]]"),
+])
+def test_an_error_quotes_a_long_container_with_how_many_items_it_leaves_out(value, shown):
+    """reprlib ended a long tuple in "...", which reads as Python's Ellipsis there, and told nothing of its length."""
+    from wsarena._sizes import short_repr
+
+    assert short_repr(value) == shown

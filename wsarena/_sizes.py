@@ -7,6 +7,7 @@ A size must come out as a whole, non-negative number of bytes.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import re
 import reprlib
@@ -28,13 +29,65 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+class _Short(reprlib.Repr):
+    """reprlib's cuts, but a list or tuple of more than 6 items (a dict of more than 4, a set of more than 6) ends in
+    how many more it holds, ``[1, 2, 3, 4, 5, 6, ... 94 more]``, not in ``...``: in a tuple that reads as Python's
+    Ellipsis, and says nothing of the length."""
+
+    def _items(self, x: Any, level: int, left: str, right: str, limit: int, trail: str = "") -> str:
+        if level <= 0 and x:
+            return f"{left}...{right}"
+        shown = [self.repr1(item, level - 1) for item in itertools.islice(x, limit)]
+        if len(x) > limit:
+            shown.append(f"... {len(x) - limit} more")
+        elif len(x) == 1:
+            right = trail + right
+        return left + ", ".join(shown) + right
+
+    def repr_tuple(self, x: tuple[Any, ...], level: int) -> str:
+        return self._items(x, level, "(", ")", self.maxtuple, ",")
+
+    def repr_list(self, x: list[Any], level: int) -> str:
+        return self._items(x, level, "[", "]", self.maxlist)
+
+    def repr_set(self, x: set[Any], level: int) -> str:
+        if not x:
+            return "set()"
+        return self._items(_sorted(x), level, "{", "}", self.maxset)
+
+    def repr_frozenset(self, x: frozenset[Any], level: int) -> str:
+        if not x:
+            return "frozenset()"
+        return self._items(_sorted(x), level, "frozenset({", "})", self.maxfrozenset)
+
+    def repr_dict(self, x: dict[Any, Any], level: int) -> str:
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        pairs = [f"{self.repr1(k, level - 1)}: {self.repr1(x[k], level - 1)}"
+                 for k in itertools.islice(_sorted(x), self.maxdict)]
+        if len(x) > self.maxdict:
+            pairs.append(f"... {len(x) - self.maxdict} more")
+        return "{" + ", ".join(pairs) + "}"
+
+
+def _sorted(items: Any) -> list[Any]:
+    """A set's items (a dict's keys) sorted, as reprlib shows them, where they sort."""
+    try:
+        return sorted(items)
+    except Exception:  # noqa: BLE001 - items that do not compare, or whose comparison fails
+        return list(items)
+
+
 # An error quotes what it was given, not a megabyte of it: reprlib cuts a long string's or number's middle
-_SHORT = reprlib.Repr()
+_SHORT = _Short()
 _SHORT.maxstring = 60
 
 
 def short_repr(value: Any) -> str:
-    """``repr(value)`` for an error message, its middle cut to ``...`` past about 60 characters."""
+    """``repr(value)`` for an error message: a string's or a number's middle cut to ``...`` past about 60
+    characters, a list or tuple cut after 6 items (a dict after 4) and ended in how many more it holds."""
     if isinstance(value, int) and value.bit_length() > 4096:  # repr() itself refuses past 4300 digits
         return f"an integer of {value.bit_length()} bits"
     try:
