@@ -107,6 +107,56 @@ def test_a_plot_on_a_full_device_exits_3(capsys, tmp_path):
     assert stat("/dev/full.png") == before  # not written beside it
 
 
+LONG_DIR = "d/" * 5000  # a path of 10 kB, past what any file system takes (4 kB)
+
+
+@pytest.mark.parametrize(("argv", "says", "name"), [
+    (["report", LONG_DIR + "model.onnx"], "wsarena: error: cannot read 'd/d/", "/model.onnx': File name too long"),
+    (["tune", LONG_DIR + "model.json"], "wsarena: error: cannot read 'd/d/", "/model.json': File name too long"),
+    (["report", LONG_DIR + "resnet"], "wsarena: error: unknown model 'd/d/", "/resnet': not a zoo model"),
+    (["report", "vgg16", "--plot", LONG_DIR + "plot.png"], "wsarena: error: cannot write the plot to 'd/d/",
+     "/plot.png': "),
+    (["tune", "vgg16", "--plot", LONG_DIR + "curve.png"], "wsarena: error: cannot write the plot to 'd/d/",
+     "/curve.png': "),
+    (["report", "vgg16", "--device-properties", LONG_DIR + "gpu.json", "--backend", "cudnn"],
+     "wsarena: error: cannot read the device properties 'd/d/", "/gpu.json': "),
+])
+def test_a_long_path_is_shortened_in_its_error_and_keeps_its_file_name(capsys, argv, says, name):
+    """The model, --plot and --device-properties were quoted whole: a 10 kB path gave a 10 kB line. They are cut as
+    wsarena's other errors cut a long value, in the folders, so that the file name can be read."""
+    if "--plot" in argv:
+        pytest.importorskip("matplotlib")
+    backend = [] if "--backend" in argv else ["--backend", "cpu"]
+    code, out, err = run_main(capsys, *argv, *backend)
+    assert code in (2, 3) and out == "" and err.startswith(says), err[:300]
+    assert name in err and "d..." in err and err.count("\n") == 1 and len(err) < 300, err[:400]
+
+
+def test_the_inputs_a_refused_input_shape_lists_are_cut_after_five(capsys, tmp_path):
+    """The refusal of an --input-shape named as no input listed every input: a line as long as the model has inputs
+    (a mask per image, say)."""
+    nodes = [conv(f"c{i}", f"x{i}", "w", f"y{i}", pads=[1, 1, 1, 1]) for i in range(12)]
+    path = save(tmp_path / "m.onnx", nodes, [vi(f"x{i}", ["N", 3, "H", "W"]) for i in range(12)],
+                [weight("w", (8, 3, 3, 3))])
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--input-shape", "y=1x3x8x8")
+    assert (code, out) == (2, "") and err.endswith(
+        ": no graph input 'y'; the inputs are 'x0', 'x1', 'x2', 'x3', 'x4', and 7 more\n"), err
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--input-shape", "1x3x8x8")
+    assert (code, out) == (2, "") and err.endswith(
+        ": one input shape was given but the model has 12 inputs ('x0', 'x1', 'x2', 'x3', 'x4', and 7 more); name "
+        "each, NAME=DIMS\n"), err
+
+
+def test_a_folder_given_as_the_model_is_said_to_be_one(capsys, tmp_path):
+    """Where it read "'/tmp': unknown model file extension '(none)'"."""
+    code, out, err = run_main(capsys, "report", str(tmp_path), "--backend", "cpu")
+    assert (code, out) == (2, "") and err == f"wsarena: error: {str(tmp_path)!r} is a folder: expected a .onnx or " \
+                                             ".json file\n"
+    (tmp_path / "model").write_text("{}")
+    code, out, err = run_main(capsys, "report", str(tmp_path / "model"), "--backend", "cpu")
+    assert (code, out) == (2, "") and err.endswith(": unknown model file extension (none); expected .onnx or .json\n")
+
+
 # --------------------------------------------------------------------------------------------------- warnings
 
 
@@ -115,7 +165,7 @@ def test_warnings_are_one_line_each(tmp_path, command):
     path = lost_conv_model(tmp_path)
     r = run_cli(*command, str(path), "--backend", "cpu", "--skip-unknown")
     assert r.returncode == 0, r.stderr
-    assert r.stderr == (f"wsarena: warning: {path}: skipped 1 conv node(s): 'lost' (input shape [1, 4, ?, ?] "
+    assert r.stderr == (f"wsarena: warning: {str(path)!r}: skipped 1 conv node(s): 'lost' (input shape [1, 4, ?, ?] "
                         "unknown: shape inference cannot work out the output of Reshape 'r')\n")
 
 

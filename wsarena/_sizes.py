@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import os
 import re
 import reprlib
 import sys
@@ -96,6 +97,18 @@ def short_repr(value: Any) -> str:
         if isinstance(value, int):
             return f"an integer of {value.bit_length()} bits"
         raise
+
+
+def short_path(path: str | os.PathLike[str]) -> str:
+    """``repr(path)`` for an error message: past 200 characters, the folders' middle cut to ``...`` and the file name
+    kept (its last 120 characters at most), so that a 10 kB path does not give a 10 kB line and the file it names can
+    still be told: ``'/data/models/v...vvvv/resnet50.onnx'``."""
+    full = repr(os.fspath(path))
+    name = repr(os.path.basename(os.fspath(path).rstrip("/" + os.sep)))
+    keep = min(max(len(name), 80), 120)  # the name, its closing quote and the separator before it
+    if len(full) <= 200:
+        return full
+    return f"{full[:60]}...{full[-keep:]}"
 
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*([A-Za-z]*)\s*")  # \d would take any script's digits

@@ -22,6 +22,7 @@ from typing import Any
 from ._cli_args import UsageError, input_shapes, parser, unplanned_batches
 from ._config import _FROM_CONFIG, Config, _given, config
 from ._report_cli import render_table, write_csv
+from ._sizes import short_path
 from ._tune_cli import cache_output, tune_output
 from .errors import BackendUnavailableError
 
@@ -152,7 +153,7 @@ def _check_plot(path: str | None, inputs: dict[str, str | None]) -> None:
         for what, given in inputs.items():
             with contextlib.suppress(OSError):  # either missing: nothing to lose
                 if given is not None and os.path.samefile(path, given):
-                    raise UsageError(f"--plot {path!r} is the {what}; the plot would replace it")
+                    raise UsageError(f"--plot {short_path(path)} is the {what}; the plot would replace it")
         from .plot import _pyplot, check_writable
 
         _pyplot()
@@ -166,7 +167,7 @@ def _plot_file(path: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        raise OutputError(f"cannot write the plot to {path!r}: {exc.strerror or exc}") from None
+        raise OutputError(f"cannot write the plot to {short_path(path)}: {exc.strerror or exc}") from None
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from typing import Any
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._geometry import DTYPES, ConvGeometry
 from ._pass import PASSES
-from ._sizes import as_int, format_size, short_repr
+from ._sizes import as_int, format_size, short_path, short_repr
 from .algos import select
 from .backends import Candidate, device_properties_backend, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
@@ -299,12 +299,12 @@ def _read_properties(path: str) -> str:
             data = f.read(_PROPERTIES_MAX_BYTES + 1)
     except (OSError, ValueError) as exc:  # as load_model() names a model file it cannot read; ValueError: a NUL
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise ValueError(f"cannot read the device properties {path!r}: {why}") from None
-    _refuse_large(len(data), repr(path))
+        raise ValueError(f"cannot read the device properties {short_path(path)}: {why}") from None
+    _refuse_large(len(data), short_path(path))
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"device properties {path!r} are not a JSON text file (not UTF-8: {exc})") from None
+        raise ValueError(f"device properties {short_path(path)} are not a JSON text file (not UTF-8: {exc})") from None
 
 
 def _refuse_large(size: int, what: str) -> None:

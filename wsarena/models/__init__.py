@@ -62,6 +62,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._sizes import short_path, short_repr
 from ._json import layers_from_json, layers_to_json, load_json
 from ._layer import ConvLayer, ModelError
 from ._onnx import check_asymmetric_pads, load_onnx
@@ -116,7 +117,7 @@ def load_model(
         text = os.fspath(source)
         ext = os.path.splitext(text)[1].lower()
         if input_shapes is not None and ext != ".onnx":
-            raise ValueError(f"input_shapes applies to .onnx models only, not {text!r}")
+            raise ValueError(f"input_shapes (--input-shape) applies to .onnx models only, not {short_path(text)}")
         if isinstance(source, str):
             layers = zoo_model(text)
             if layers is not None:
@@ -128,15 +129,18 @@ def load_model(
         if ext == ".json":
             return load_json(text)
         zoo = ", ".join(zoo_names())
+        if os.path.isdir(text):
+            raise ModelError(f"{short_path(text)} is a folder: expected a .onnx or .json file")
         if os.path.exists(text):
-            raise ModelError(f"{text!r}: unknown model file extension {ext or '(none)'!r}; expected .onnx or .json")
+            unknown = short_repr(ext) if ext else "(none)"
+            raise ModelError(f"{short_path(text)}: unknown model file extension {unknown}; expected .onnx or .json")
         if not isinstance(source, str):  # a path names a file, never a zoo model
             named = zoo_model(text) is not None
-            hint = f"; the zoo model {text!r} is named by a str, not a path" if named else ""
-            raise ModelError(f"no model file {text!r}: expected a .onnx or .json file{hint}")
+            hint = f"; the zoo model {short_path(text)} is named by a str, not a path" if named else ""
+            raise ModelError(f"no model file {short_path(text)}: expected a .onnx or .json file{hint}")
         close = difflib.get_close_matches(text.lower(), zoo_names(), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ModelError(f"unknown model {text!r}: not a zoo model ({zoo}) nor a .onnx or .json file{hint}")
+        raise ModelError(f"unknown model {short_path(text)}: not a zoo model ({zoo}) nor a .onnx or .json file{hint}")
     if input_shapes is not None:
         raise ValueError("input_shapes applies to .onnx models only, not to a layer list")
     if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .._sizes import short_path
 from ._layer import ConvLayer, ModelError
 
 __all__ = ["layers_from_json", "layers_to_json", "load_json"]
@@ -70,15 +71,16 @@ def load_json(path: str | os.PathLike[str]) -> list[ConvLayer]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as exc:
-        raise ModelError(f"cannot read {path!r}: {exc.strerror or exc}") from None
+        raise ModelError(f"cannot read {short_path(path)}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
-        raise ModelError(f"{path!r} is not a JSON text file (not UTF-8)") from None
+        raise ModelError(f"{short_path(path)} is not a JSON text file (not UTF-8)") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ModelError(f"{path!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        where = f"line {exc.lineno} column {exc.colno}"
+        raise ModelError(f"{short_path(path)} is not valid JSON: {exc.msg} at {where}") from None
     except RecursionError:  # the decoder recurses per nesting level
-        raise ModelError(f"{path!r} is nested too deeply to be a JSON layer list") from None
+        raise ModelError(f"{short_path(path)} is nested too deeply to be a JSON layer list") from None
     except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits())
-        raise ModelError(f"{path!r} is not a JSON layer list: {exc}".split("; use sys.")[0]) from None
-    return layers_from_json(data, source=repr(path))
+        raise ModelError(f"{short_path(path)} is not a JSON layer list: {exc}".split("; use sys.")[0]) from None
+    return layers_from_json(data, source=short_path(path))

@@ -48,6 +48,7 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import numbers
 import os
@@ -56,7 +57,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from .._geometry import conv_transpose_geometry
-from .._sizes import short_repr
+from .._sizes import short_path, short_repr
 from ._layer import ConvLayer, LayerList, ModelError
 from ._onnx_values import SMALL, densify_sparse_tensors, fold_small_constants
 
@@ -322,44 +323,45 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     except ImportError as exc:  # pragma: no cover - onnx is a dependency
         raise ModelError(f"reading ONNX models needs the onnx package ({exc})") from None
     path = os.fspath(path)
+    where = short_path(path)  # as errors and warnings name it: shortened
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
-        raise ModelError(f"cannot read {path!r}: {exc.strerror or exc}") from None
+        raise ModelError(f"cannot read {where}: {exc.strerror or exc}") from None
     try:
         model = onnx.load_model_from_string(data)
     except (DecodeError, ValueError, RuntimeError) as exc:
-        raise ModelError(f"{path!r} is not an ONNX model ({type(exc).__name__}: {exc})".splitlines()[0]) from None
+        raise ModelError(f"{where} is not an ONNX model ({type(exc).__name__}: {exc})".splitlines()[0]) from None
     # Protobuf parses many byte strings (an empty file, for one) as an empty message: no graph means not ONNX.
     if not model.HasField("graph") or not model.graph.node:
-        raise ModelError(f"{path!r} is not an ONNX model (no graph nodes)")
+        raise ModelError(f"{where} is not an ONNX model (no graph nodes)")
     if model.functions:
-        model = _inline_functions(model, path)
+        model = _inline_functions(model, where)
     _load_small_external_data(model.graph, os.path.dirname(path))
     convs = [(i, n) for i, n in enumerate(model.graph.node)
              if n.op_type in _CONV_OPS and n.domain in _DEFAULT_DOMAINS]
     nested = _count_subgraph_convs(model.graph)
     if nested:
-        warnings.warn(f"{path}: {nested} conv node(s) inside subgraphs (If/Loop/Scan bodies) are not included",
+        warnings.warn(f"{where}: {nested} conv node(s) inside subgraphs (If/Loop/Scan bodies) are not included",
                       stacklevel=3)
     quantized = sum(1 for n in model.graph.node if n.op_type in _QUANTIZED_CONV_OPS and n.domain in _DEFAULT_DOMAINS)
     if not convs:
-        raise ModelError(f"{path!r}: the ONNX model has no Conv or ConvTranspose node in its main graph"
+        raise ModelError(f"{where}: the ONNX model has no Conv or ConvTranspose node in its main graph"
                          + (f" ({_quantized(quantized)})" if quantized else ""))
     if quantized:
-        warnings.warn(f"{path}: {_quantized(quantized)}, and are not included", stacklevel=3)
+        warnings.warn(f"{where}: {_quantized(quantized)}, and are not included", stacklevel=3)
     _unknown_negative_dims(model.graph)
     densify_sparse_tensors(model.graph)
     opset = next((o.version for o in model.opset_import if o.domain in _DEFAULT_DOMAINS), None)
     if opset is not None:
         fold_small_constants(model.graph, opset)
     if input_shapes is not None:
-        _fix_input_shapes(model.graph, input_shapes, path)
+        _fix_input_shapes(model.graph, input_shapes, where)
     try:
         inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
     except Exception as exc:  # noqa: BLE001 - inference errors come in several types; any means no shapes
-        raise ModelError(f"{path!r}: ONNX shape inference failed: {exc}".splitlines()[0]) from None
+        raise ModelError(f"{where}: ONNX shape inference failed: {exc}".splitlines()[0]) from None
     shapes = _shape_table(inferred.graph)
     producers = {out: n for n in model.graph.node for out in n.output if out}
     # input_shapes can help only where a graph input's shape is not fixed; else a lost shape is computed at run time
@@ -374,7 +376,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         try:
             attrs = _attrs(node, name)
         except ModelError as exc:
-            raise ModelError(f"{path!r}: {exc}") from None
+            raise ModelError(f"{where}: {exc}") from None
         if x is not None and len(x) >= 1:
             x = (1, *x[1:])  # symbolic or fixed batch: the planner sets its own
         x = _with_channels(x, w, attrs.get("group", 1), node.op_type == "ConvTranspose")
@@ -396,27 +398,28 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         except _Unsupported as exc:
             unknown.append((name, str(exc), exc.kind))
         except ModelError as exc:
-            raise ModelError(f"{path!r}: {exc}") from None
+            raise ModelError(f"{where}: {exc}") from None
     if unknown and not skip_unknown:
         raise ModelError(
-            f"{path!r}: {len(unknown)} conv node(s) cannot be planned: {_names(unknown)} ({_hint(unknown)})"
+            f"{where}: {len(unknown)} conv node(s) cannot be planned: {_names(unknown)} ({_hint(unknown)})"
         )
     if unknown:
-        warnings.warn(f"{path}: skipped {len(unknown)} conv node(s): {_names(unknown)}", stacklevel=3)
+        warnings.warn(f"{where}: skipped {len(unknown)} conv node(s): {_names(unknown)}", stacklevel=3)
     if not layers:
-        raise ModelError(f"{path!r}: none of the model's {len(convs)} conv node(s) could be planned")
+        raise ModelError(f"{where}: none of the model's {len(convs)} conv node(s) could be planned")
     layers.skipped = tuple((name, why) for name, why, _ in unknown)
     return layers
 
 
-def _inline_functions(model: Any, path: str) -> Any:
-    """``model`` with every call to a model-local function replaced by the function's body."""
+def _inline_functions(model: Any, where: str) -> Any:
+    """``model`` with every call to a model-local function replaced by the function's body; ``where`` names the file
+    in an error."""
     from onnx.inliner import inline_local_functions
 
     try:
         return inline_local_functions(model)
     except Exception as exc:  # noqa: BLE001 - the inliner raises several types; any means the calls are unreadable
-        raise ModelError(f"{path!r}: cannot inline the model's local functions: {exc}".splitlines()[0]) from None
+        raise ModelError(f"{where}: cannot inline the model's local functions: {exc}".splitlines()[0]) from None
 
 
 # The bytes of an element of each type a shape or a scale comes in, as an external file holds it
@@ -482,34 +485,41 @@ def _inputs(graph: Any) -> dict[str, Any]:
     return {vi.name: vi for vi in graph.input if vi.name not in initializers}
 
 
-def _fix_input_shapes(graph: Any, input_shapes: Mapping[str, Sequence[int]] | Sequence[int], path: str) -> None:
-    """Write fixed dims into the graph inputs named by ``input_shapes`` (see :func:`load_onnx`)."""
+def _fix_input_shapes(graph: Any, input_shapes: Mapping[str, Sequence[int]] | Sequence[int], where: str) -> None:
+    """Write fixed dims into the graph inputs named by ``input_shapes`` (see :func:`load_onnx`); ``where`` names the
+    file in an error."""
     inputs = _inputs(graph)
     if not isinstance(input_shapes, Mapping):
         if len(inputs) != 1:
             raise ModelError(
-                f"{path!r}: one input shape was given but the model has {len(inputs)} inputs "
-                f"({', '.join(map(short_repr, inputs)) or 'none'}); name each, NAME=DIMS"
+                f"{where}: one input shape was given but the model has {len(inputs)} inputs "
+                f"({_input_names(inputs) or 'none'}); name each, NAME=DIMS"
             )
         input_shapes = {next(iter(inputs)): input_shapes}
     for name, shape in input_shapes.items():
         if name not in inputs:
-            raise ModelError(f"{path!r}: no graph input {short_repr(name)}; the inputs are "
-                             f"{', '.join(map(short_repr, inputs))}")
+            raise ModelError(f"{where}: no graph input {short_repr(name)}; the inputs are {_input_names(inputs)}")
         dims = tuple(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else ()
         # a dim is an int64 in the file: 2**63 would be protobuf's ValueError, naming nothing
         if not dims or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 1 <= d < 2**63
                            for d in dims):
-            raise ModelError(f"{path!r}: the shape of input {short_repr(name)} must be positive ints below 2**63, "
+            raise ModelError(f"{where}: the shape of input {short_repr(name)} must be positive ints below 2**63, "
                              f"not {short_repr(shape)}")
         dims = tuple(int(d) for d in dims)
         tensor = inputs[name].type.tensor_type
         declared = _dims(inputs[name].type)
         if declared is not None and len(declared) != len(dims):
-            raise ModelError(f"{path!r}: input {name!r} has {len(declared)} dims {_show(declared)}, not {len(dims)}")
+            raise ModelError(f"{where}: input {short_repr(name)} has {len(declared)} dims {_show(declared)}, "
+                             f"not {len(dims)}")
         tensor.shape.ClearField("dim")
         for d in dims:
             tensor.shape.dim.add().dim_value = d
+
+
+def _input_names(inputs: Mapping[str, Any], limit: int = 5) -> str:
+    """The graph inputs' names, each shortened, and past ``limit`` how many more, as :func:`_names` lists nodes."""
+    shown = ", ".join(map(short_repr, itertools.islice(inputs, limit)))
+    return shown + (f", and {len(inputs) - limit} more" if len(inputs) > limit else "")
 
 
 def _show(dims: tuple[int | None, ...] | None) -> str:
