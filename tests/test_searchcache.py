@@ -251,7 +251,7 @@ def test_a_bad_file_gives_one_warning_and_is_replaced(cache, spoil):
     first = search(backend)
     (path,) = entry_files(cache)
     spoil(path)
-    with pytest.warns(SearchCacheWarning, match="ignoring the search cache file") as caught:
+    with pytest.warns(SearchCacheWarning, match="ignoring the search cache file .*; replaced it") as caught:
         assert search(backend) == first
     assert len(caught) == 1 and str(path) in str(caught[0].message)
     assert caught[0].filename == __file__  # the line outside wsarena that made the call
@@ -368,6 +368,54 @@ def test_an_unwritable_directory_gives_one_warning_and_goes_on(tmp_path, monkeyp
         assert search(backend)[0].algo == "fft"
     assert len(caught) == 1 and later == [] and caught[0].filename == __file__
     assert len(backend.measured) == 3
+
+
+def test_a_bad_file_that_cannot_be_replaced_gives_one_warning_that_says_so(cache, monkeypatch):
+    """A bad file in a folder that cannot be written: the warning said it would be replaced, and the next that it
+    could not be saved. One warning says both: the file is ignored, and cannot be replaced."""
+    backend = TableBackend(TABLE)
+    first = search(backend)
+    (path,) = entry_files(cache)
+    path.write_text("not an entry")
+    real_open = os.open
+
+    def denied(name, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", str(name))
+        return real_open(name, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)  # what a folder of another user's gives (root writes anything)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert search(backend) == first
+        assert search(backend, "bwd_data")[0].algo == "gemm"  # its write fails too: said already
+    assert [w.category for w in caught] == [SearchCacheWarning], [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert message.startswith(f"ignoring the search cache file {path}: ") and "will be" not in message
+    assert re.search(r"; it cannot be replaced: .*Permission denied.*; going on without saving$", message), message
+    assert path.read_text() == "not an entry" and len(backend.measured) == 3
+    monkeypatch.setattr(os, "open", real_open)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert search(backend) == first  # replaced now, said once already
+    assert json.loads(path.read_text())["format"] == "wsarena-search-cache"
+
+
+def test_a_bad_file_a_search_leaves_for_want_of_times_is_said_to_be_ignored_only(cache):
+    """A search that timed nothing (every candidate skipped for memory) saves nothing: the bad file stays, and the
+    warning says it is ignored, not that it is replaced."""
+    backend = TableBackend(TABLE)
+    search(backend)
+    (path,) = entry_files(cache)
+    path.write_text("not an entry")
+    candidates = [Candidate("implicit", 0), Candidate("gemm", 1000)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert searchcache.search(backend, "fwd", GEOM, candidates, lambda: ([], candidates)) == ([], candidates)
+    said = (f"ignoring the search cache file {path}: Expecting value: line 1 column 1 (char 0); any other bad file "
+            "in this folder is ignored without another warning")
+    assert [str(w.message) for w in caught] == [said]
+    assert path.read_text() == "not an entry"
 
 
 def test_an_unreadable_directory_gives_one_warning(cache, monkeypatch):

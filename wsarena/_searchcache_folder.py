@@ -126,14 +126,16 @@ def same_folder(folder: Path) -> str:
     return os.path.realpath(folder)
 
 
-def warn_once(kind: str, where: Path, message: str) -> None:
-    """One :class:`~wsarena.errors.SearchCacheWarning` of each ``kind`` per folder."""
-    seen = (kind, same_folder(where))
+def warn_once(kind: str, where: Path, message: str, also: tuple[str, ...] = ()) -> bool:
+    """One :class:`~wsarena.errors.SearchCacheWarning` of each ``kind`` per folder; ``also``: the kinds the message
+    says too, then said. Returns whether it warned."""
+    folder = same_folder(where)
     with _warn_lock:
-        if seen in _warned:
-            return
-        _warned.add(seen)
+        if (kind, folder) in _warned:
+            return False
+        _warned.update((k, folder) for k in (kind, *also))
     _callsite.warn(message, SearchCacheWarning)
+    return True
 
 
 def disk_size(st: os.stat_result) -> int:

@@ -18,7 +18,8 @@ the new one, never part of one, and processes writing at once lose no entry (eac
 of the same call both write complete results). Only a regular file is read, as the descriptor opened says (opened
 without waiting: open() of a FIFO waits for a writer). A truncated, corrupt or foreign file, or one that is no
 regular file (a FIFO, a socket, a device, a link to one), is ignored and replaced, with one
-:class:`~wsarena.errors.SearchCacheWarning` for the first such file of the folder; a link that leads nowhere (its
+:class:`~wsarena.errors.SearchCacheWarning` for the first such file of the folder (which says, where the folder
+cannot be written, that it cannot be replaced and nothing is saved: no second warning); a link that leads nowhere (its
 target gone, a loop) is replaced without one; a directory that cannot be written gives one warning and the process
 goes on without saving. A folder with an entry's name is not the cache's
 to remove: its call goes unsaved while it stands, which one warning says.
@@ -104,7 +105,7 @@ def search(
         return measure()
     key = _key(backend, pass_, geom)
     path = root / SUBDIR / entry_name(_canonical(key))
-    stored = _read(path, key)
+    stored, bad = _read(path, key)
     if stored is not None and all((c.algo, c.math_type) in stored for c in candidates):
         names = {c.algo for c in candidates}
         limit = max(c.workspace_bytes for c in candidates)
@@ -125,7 +126,10 @@ def search(
         results.update({(c.algo, c.math_type): (c.workspace_bytes, None) for c in candidates
                         if (c.algo, c.math_type) not in left_out})
         results.update({(c.algo, c.math_type): (c.workspace_bytes, c.time_ms) for c in timed})
-        _write(path, key, results)
+        _write(path, key, results, bad)
+    elif bad is not None:  # nothing to save: the bad file stays
+        warn_once("bad", path.parent, f"ignoring the search cache file {path}: {bad}; any other bad file in this "
+                                      "folder is ignored without another warning")
     return found
 
 
@@ -146,42 +150,33 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def _warn_bad(path: Path, exc: Exception) -> None:
-    """One warning per folder, not per file: a crash or a full disk can spoil many entries at once, and each
-    would otherwise add a line to the output of the job that replaces them."""
-    warn_once("bad", path.parent, f"ignoring the search cache file {path}: {exc}; it will be replaced, as will "
-                                   "any other bad file in this folder, without another warning")
-
-
-def _read(path: Path, key: dict[str, Any]) -> _Results | None:
-    """The entry's results, or ``None`` when there is none (or none usable: then one warning says why)."""
+def _read(path: Path, key: dict[str, Any]) -> tuple[_Results | None, Exception | None]:
+    """The entry's results, or ``None`` when there is none or none usable; and, for a bad file (one that is no
+    entry of this key), why, which the write that replaces it, or fails to, says (:func:`_write`)."""
     try:
         with open_entry(path) as f:
             modified = os.fstat(f.fileno()).st_mtime
             text = entry_text(f)
     # IsADirectoryError: a folder of the entry's name, which a write cannot replace and says so (_write)
     except IsADirectoryError:
-        return None
+        return None, None
     except ValueError as exc:  # no regular file, more than any entry holds, or not UTF-8
-        _warn_bad(path, exc)
-        return None
+        return None, exc
     except OSError as exc:
-        if leads_nowhere(exc):  # no file, or a link to none (a loop, say), which the write replaces
-            return None
-        warn_once("read", path.parent, f"cannot read the search cache in {path.parent}: {exc}; searching afresh")
-        return None
+        if not leads_nowhere(exc):  # no file, or a link to none (a loop, say), which the write replaces
+            warn_once("read", path.parent, f"cannot read the search cache in {path.parent}: {exc}; searching afresh")
+        return None, None
     try:
         results = _parse(json.loads(text), key)
     # RecursionError: JSON nested too deep
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
-        _warn_bad(path, exc)
-        return None
+        return None, exc
     if time.time() - modified > _MARK_USED_AFTER:
         try:
             os.utime(path)  # used now: the last to go when the cache is trimmed
         except OSError:  # a folder this process may read but not write: nothing to mark, nothing it trims
             pass
-    return results
+    return results, None
 
 
 def _parse(data: Any, key: dict[str, Any]) -> _Results:
@@ -212,8 +207,13 @@ def _written_by(key: Any) -> Any:
     return env.get("wsarena") if isinstance(env, dict) else None
 
 
-def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
-    """Write the entry whole under a temporary name, then rename it over ``path``; warn once if it cannot."""
+def _write(path: Path, key: dict[str, Any], results: _Results, bad: Exception | None = None) -> None:
+    """Write the entry whole under a temporary name, then rename it over ``path``; warn once if it cannot.
+
+    ``bad``: why the file at ``path`` is no entry, which one warning per folder says, with what became of it: a
+    crash or a full disk can spoil many entries at once, and each would otherwise add a line to the output of the
+    job that replaces them.
+    """
     entries = [
         {"algo": algo, "math_type": math, "workspace_bytes": nbytes, "time_ms": ms}
         for (algo, math), (nbytes, ms) in results.items()
@@ -236,7 +236,10 @@ def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
                                     "once for all such folders here)")
         return
     except OSError as exc:
-        warn_once("write", folder, f"cannot save to the search cache in {folder}: {exc}; going on without saving")
+        # one thing said of a bad file that cannot be replaced, not "it will be replaced" and then "cannot save"
+        if bad is None or not warn_once("bad", folder, f"ignoring the search cache file {path}: {bad}; it cannot be "
+                                        f"replaced: {exc}; going on without saving", also=("write",)):
+            warn_once("write", folder, f"cannot save to the search cache in {folder}: {exc}; going on without saving")
         return
     finally:
         if tmp is not None:
@@ -244,6 +247,9 @@ def _write(path: Path, key: dict[str, Any], results: _Results) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
+    if bad is not None:
+        warn_once("bad", folder, f"ignoring the search cache file {path}: {bad}; replaced it with the search's "
+                                 "results, as any other bad file in this folder will be, without another warning")
     written(folder, nbytes)
 
 
