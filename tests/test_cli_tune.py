@@ -408,6 +408,22 @@ def test_a_cache_folder_that_cannot_be_listed_exits_3(capsys, monkeypatch, tmp_p
     assert "Not a directory" in err
 
 
+def test_a_cache_folder_of_a_long_name_is_shortened_in_errors_and_warnings(capsys, model, monkeypatch, tmp_path):
+    """WSARENA_CACHE_DIR of 10 kB, which no file system takes: `cache info` and `cache clear` quoted it whole in their
+    error, and a search's warnings twice each (the folder, and the file the OSError names)."""
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / ("c" * 10_000)))
+    wsarena._config._reset()
+    for action in ("info", "clear"):
+        code, out, err = run_main(capsys, "cache", action)
+        assert (code, out) == (3, "") and err.count("\n") == 1 and len(err) < 400, err[:500]
+        assert "File name too long" in err and "...ccc" in err, err
+    code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--apply")
+    assert code == 0 and out.startswith("WSARENA_CAP_WORKSPACE="), err[:500]
+    warned = err.splitlines()
+    assert [w.split(":")[1] for w in warned] == [" warning"] * 2 and max(map(len, warned)) < 500, err[:1000]
+    assert "cannot read the search cache in " in warned[0] and "cannot save to the search cache in " in warned[1]
+
+
 def test_a_cache_folder_that_may_not_be_read_exits_3(capsys, monkeypatch, tmp_path):
     from pathlib import Path
 

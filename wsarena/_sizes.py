@@ -99,16 +99,25 @@ def short_repr(value: Any) -> str:
         raise
 
 
-def short_path(path: str | os.PathLike[str]) -> str:
-    """``repr(path)`` for an error message: past 200 characters, the folders' middle cut to ``...`` and the file name
-    kept (its last 120 characters at most), so that a 10 kB path does not give a 10 kB line and the file it names can
-    still be told: ``'/data/models/v...vvvv/resnet50.onnx'``."""
-    full = repr(os.fspath(path))
-    name = repr(os.path.basename(os.fspath(path).rstrip("/" + os.sep)))
-    keep = min(max(len(name), 80), 120)  # the name, its closing quote and the separator before it
+def short_path(path: str | os.PathLike[str], *, quoted: bool = True) -> str:
+    """``repr(path)`` (``quoted=False``: the path itself) for an error message: past 200 characters, the folders'
+    middle cut to ``...`` and the file name kept (its last 120 characters at most), so that a 10 kB path does not
+    give a 10 kB line and the file it names can still be told: ``'/data/models/v...vvvv/resnet50.onnx'``."""
+    text = os.fspath(path)
+    full = repr(text) if quoted else text
     if len(full) <= 200:
         return full
+    name = os.path.basename(text.rstrip("/" + os.sep))
+    keep = min(max(len(repr(name)) if quoted else len(name) + 1, 80), 120)  # with the separator before it
     return f"{full[:60]}...{full[-keep:]}"
+
+
+def os_error_text(exc: OSError) -> str:
+    """``str(exc)`` with the file names it quotes shortened as :func:`short_path` shortens them."""
+    if exc.strerror is None or exc.filename is None:
+        return str(exc)
+    text = f"[Errno {exc.errno}] {exc.strerror}: {short_path(exc.filename)}"
+    return text if exc.filename2 is None else f"{text} -> {short_path(exc.filename2)}"
 
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*([A-Za-z]*)\s*")  # \d would take any script's digits

@@ -22,7 +22,7 @@ from typing import Any
 from ._cli_args import UsageError, input_shapes, parser, unplanned_batches
 from ._config import _FROM_CONFIG, Config, _given, config
 from ._report_cli import render_table, write_csv
-from ._sizes import short_path
+from ._sizes import os_error_text, short_path
 from ._tune_cli import cache_output, tune_output
 from .errors import BackendUnavailableError
 
@@ -316,8 +316,8 @@ def _cache(args: argparse.Namespace) -> int:
         with config(**unread):
             text = cache_output(args.action, args.format)
     except OSError as exc:  # the folder, not the command, is at fault: a file in its place, or no permission
-        print(f"wsarena: error: cannot {'read' if args.action == 'info' else 'clear'} the search cache: {exc}",
-              file=sys.stderr)
+        print(f"wsarena: error: cannot {'read' if args.action == 'info' else 'clear'} the search cache: "
+              f"{os_error_text(exc)}", file=sys.stderr)
         return EXIT_ENVIRONMENT
     with _output():
         sys.stdout.write(text)

@@ -54,6 +54,7 @@ from ._searchcache_folder import (
     warn_once,
     written,
 )
+from ._sizes import os_error_text, short_path
 from .backends import Candidate
 
 __all__ = ["ENV_VAR", "cache_dir", "clear", "counts", "info", "search", "source"]
@@ -128,8 +129,8 @@ def search(
         results.update({(c.algo, c.math_type): (c.workspace_bytes, c.time_ms) for c in timed})
         _write(path, key, results, bad)
     elif bad is not None:  # nothing to save: the bad file stays
-        warn_once("bad", path.parent, f"ignoring the search cache file {path}: {bad}; any other bad file in this "
-                                      "folder is ignored without another warning")
+        warn_once("bad", path.parent, f"ignoring the search cache file {_shown(path)}: {bad}; any other bad file in "
+                                      "this folder is ignored without another warning")
     return found
 
 
@@ -150,6 +151,11 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def _shown(path: Path) -> str:
+    """``path`` as a warning names it: a folder of a 10 kB name (``WSARENA_CACHE_DIR``) cut short."""
+    return short_path(path, quoted=False)
+
+
 def _read(path: Path, key: dict[str, Any]) -> tuple[_Results | None, Exception | None]:
     """The entry's results, or ``None`` when there is none or none usable; and, for a bad file (one that is no
     entry of this key), why, which the write that replaces it, or fails to, says (:func:`_write`)."""
@@ -164,7 +170,8 @@ def _read(path: Path, key: dict[str, Any]) -> tuple[_Results | None, Exception |
         return None, exc
     except OSError as exc:
         if not leads_nowhere(exc):  # no file, or a link to none (a loop, say), which the write replaces
-            warn_once("read", path.parent, f"cannot read the search cache in {path.parent}: {exc}; searching afresh")
+            warn_once("read", path.parent, f"cannot read the search cache in {_shown(path.parent)}: "
+                                           f"{os_error_text(exc)}; searching afresh")
         return None, None
     try:
         results = _parse(json.loads(text), key)
@@ -231,15 +238,17 @@ def _write(path: Path, key: dict[str, Any], results: _Results, bad: Exception | 
         os.replace(tmp, path)
         tmp = None
     except IsADirectoryError:  # renamed over a folder of the entry's name: not the cache's to remove
-        warn_once("folder", folder, f"cannot save to the search cache file {path}: a folder of that name stands "
-                                    "in its place; searches of that call are not kept until it is removed (said "
-                                    "once for all such folders here)")
+        warn_once("folder", folder, f"cannot save to the search cache file {_shown(path)}: a folder of that name "
+                                    "stands in its place; searches of that call are not kept until it is removed "
+                                    "(said once for all such folders here)")
         return
     except OSError as exc:
         # one thing said of a bad file that cannot be replaced, not "it will be replaced" and then "cannot save"
-        if bad is None or not warn_once("bad", folder, f"ignoring the search cache file {path}: {bad}; it cannot be "
-                                        f"replaced: {exc}; going on without saving", also=("write",)):
-            warn_once("write", folder, f"cannot save to the search cache in {folder}: {exc}; going on without saving")
+        why = os_error_text(exc)
+        if bad is None or not warn_once("bad", folder, f"ignoring the search cache file {_shown(path)}: {bad}; it "
+                                        f"cannot be replaced: {why}; going on without saving", also=("write",)):
+            warn_once("write", folder, f"cannot save to the search cache in {_shown(folder)}: {why}; going on without "
+                                       "saving")
         return
     finally:
         if tmp is not None:
@@ -248,8 +257,9 @@ def _write(path: Path, key: dict[str, Any], results: _Results, bad: Exception | 
             except OSError:
                 pass
     if bad is not None:
-        warn_once("bad", folder, f"ignoring the search cache file {path}: {bad}; replaced it with the search's "
-                                 "results, as any other bad file in this folder will be, without another warning")
+        warn_once("bad", folder, f"ignoring the search cache file {_shown(path)}: {bad}; replaced it with the "
+                                 "search's results, as any other bad file in this folder will be, without another "
+                                 "warning")
     written(folder, nbytes)
 
 
