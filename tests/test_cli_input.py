@@ -132,6 +132,32 @@ def test_a_long_path_is_shortened_in_its_error_and_keeps_its_file_name(capsys, a
     assert name in err and "d..." in err and err.count("\n") == 1 and len(err) < 300, err[:400]
 
 
+CONV = '{"name": "c", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]'
+
+
+@pytest.mark.parametrize(("layer", "says"), [
+    ('{"name": "' + "n" * 10_000 + '", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3], "padding": -1}',
+     "layer 'nnnnnnnnnnnnnnnnnnnnnnnnnnn...nnnnnnnnnnnnnnnnnnnnnnnnnnnn': padding=(-1, -1) must be >= 0"),
+    (CONV + ', "stride": [' + "1, " * 999 + "1]}",
+     "stride=[1, 1, 1, 1, 1, 1, ... 994 more] must have one entry per spatial dimension (2)"),
+    ('{"name": "c", "input_shape": [' + "1, " * 99 + '1], "weight_shape": [4, 3, 3, 3]}',
+     "input_shape=[1, 1, 1, 1, 1, 1, ... 94 more] must have 3, 4 or 5 entries"),
+    (CONV + ', "stride": "' + "x" * 1000 + '"}', "stride must be an integer, not 'xxxxxxxxxxxxxxxxxxxxxxxxxxx...xxx"),
+    (CONV + ', "stride": [[' + "1, " * 999 + "1]]}", "stride must be an integer, not [1, 1, 1, 1, 1, 1, ... 994 more]"),
+    (CONV + ', "groups": 1' + "0" * 1000 + "}", "groups=100000000000000000...0000000000000000000 is above 2**31 - 1"),
+    (CONV + ', "groups": 1' + "0" * 4000 + "}", "groups=an integer of 13288 bits is above 2**31 - 1"),
+    ("[[" + "1, " * 999 + "1]]",  # cut at 80 characters mid-list, with no ellipsis
+     "layers[0] must be an object with name, input_shape and weight_shape, not [1, 1, 1, 1, 1, 1, ... 994 more]"),
+])
+def test_a_long_value_in_a_layer_list_is_shortened_in_its_error(capsys, tmp_path, layer, says):
+    """The JSON layer list's refusals quoted a value whole: a 10 kB layer name or a thousand strides gave a line as
+    long; they are cut as wsarena's other errors cut a value."""
+    path = tmp_path / "m.json"
+    path.write_text(layer if layer.startswith("[") else f"[{layer}]")
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu")
+    assert (code, out) == (2, "") and says in err and err.count("\n") == 1 and len(err) < 400, err[:500]
+
+
 def test_the_inputs_a_refused_input_shape_lists_are_cut_after_five(capsys, tmp_path):
     """The refusal of an --input-shape named as no input listed every input: a line as long as the model has inputs
     (a mask per image, say)."""

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from ._pass import Pass
-from ._sizes import as_int
+from ._sizes import as_int, short_repr
 
 __all__ = [
     "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "conv_transpose_geometry",
@@ -167,7 +167,7 @@ def _bounded(name: str, value: _Bounded, shown: Any = None) -> _Bounded:
     largest = max(value if isinstance(value, tuple) else (value,), default=0)
     if largest > INT32_MAX:
         shown = value if shown is None else shown
-        which = f"{name}={shown!r}" + ("" if shown == largest else f": {largest}")
+        which = f"{name}={short_repr(shown)}" + ("" if shown == largest else f": {short_repr(largest)}")
         raise ValueError(f"{which} is above 2**31 - 1 = {INT32_MAX}, the largest value a cuDNN descriptor holds")
     return value
 

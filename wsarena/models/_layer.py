@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._geometry import ConvGeometry, conv_geometry
-from .._sizes import as_int
+from .._sizes import as_int, short_repr
 from ..errors import WsarenaError
 
 __all__ = ["ConvLayer", "LayerList", "ModelError"]
@@ -37,13 +37,13 @@ def _int(where: str, value: Any) -> int:
     # JSON gives floats and bools where a careless writer put 3.0 or true; neither is a size.
     n = as_int(value)  # None: no __index__, or one that refuses (a NumPy array of one element)
     if n is None:
-        raise ModelError(f"{where} must be an integer, not {value!r}")
+        raise ModelError(f"{where} must be an integer, not {short_repr(value)}")
     return n
 
 
 def _ints(where: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ModelError(f"{where} must be a list of integers, not {value!r}")
+        raise ModelError(f"{where} must be a list of integers, not {short_repr(value)}")
     return tuple(_int(where, v) for v in value)
 
 
@@ -52,7 +52,7 @@ def _per_dim(where: str, value: Any, nd: int) -> tuple[int, ...]:
         return (_int(where, value),) * nd
     values = _ints(where, value)
     if len(values) != nd:
-        raise ModelError(f"{where}={list(values)} must have one entry per spatial dimension ({nd})")
+        raise ModelError(f"{where}={short_repr(list(values))} must have one entry per spatial dimension ({nd})")
     return values
 
 
@@ -109,17 +109,17 @@ class ConvLayer:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ModelError(f"a layer's name must be a non-empty string, not {self.name!r}")
-        where = f"layer {self.name!r}"
+            raise ModelError(f"a layer's name must be a non-empty string, not {short_repr(self.name)}")
+        where = f"layer {short_repr(self.name)}"
         input_shape = _ints(f"{where}: input_shape", self.input_shape)
         weight_shape = _ints(f"{where}: weight_shape", self.weight_shape)
         if len(input_shape) not in (3, 4, 5):
             raise ModelError(
-                f"{where}: input_shape={list(input_shape)} must have 3, 4 or 5 entries (N, C, *spatial)"
+                f"{where}: input_shape={short_repr(list(input_shape))} must have 3, 4 or 5 entries (N, C, *spatial)"
             )
         nd = len(input_shape) - 2
         if not isinstance(self.transposed, bool):
-            raise ModelError(f"{where}: transposed must be true or false, not {self.transposed!r}")
+            raise ModelError(f"{where}: transposed must be true or false, not {short_repr(self.transposed)}")
         values = {
             "input_shape": (1, *input_shape[1:]),
             "weight_shape": weight_shape,
@@ -152,14 +152,14 @@ class ConvLayer:
         """
         n = as_int(batch)  # numpy.int64 too, as the shapes take it
         if n is None or n < 1:
-            raise ValueError(f"batch must be a positive integer, not {batch!r}")
+            raise ValueError(f"batch must be a positive integer, not {short_repr(batch)}")
         x = (n, *self.input_shape[1:])
         w = self.weight_shape
         if layout == "NHWC":
             x = (x[0], *x[2:], x[1])
             w = (w[0], *w[2:], w[1])
         elif layout != "NCHW":
-            raise ValueError(f"layout must be 'NCHW' or 'NHWC', not {layout!r}")
+            raise ValueError(f"layout must be 'NCHW' or 'NHWC', not {short_repr(layout)}")
         try:
             return conv_geometry(
                 x,
@@ -172,7 +172,7 @@ class ConvLayer:
                 dtype=dtype,
             )
         except (ValueError, TypeError) as exc:
-            raise ModelError(f"layer {self.name!r}: {exc}") from None
+            raise ModelError(f"layer {short_repr(self.name)}: {exc}") from None
 
     @property
     def macs(self) -> int:
@@ -212,7 +212,8 @@ class ConvLayer:
             Naming ``where`` (e.g. ``"layers[3]"``) and the bad field.
         """
         if not isinstance(data, Mapping):
-            raise ModelError(f"{where} must be an object with name, input_shape and weight_shape, not {data!r:.80}")
+            raise ModelError(f"{where} must be an object with name, input_shape and weight_shape, "
+                             f"not {short_repr(data)}")
         missing = [k for k in _REQUIRED_KEYS if k not in data]
         if missing:
             raise ModelError(f"{where} lacks {', '.join(repr(k) for k in missing)}")
@@ -224,7 +225,7 @@ class ConvLayer:
             )
         name = data["name"]
         if not isinstance(name, str) or not name:
-            raise ModelError(f"{where}: name must be a non-empty string, not {name!r}")
+            raise ModelError(f"{where}: name must be a non-empty string, not {short_repr(name)}")
         kwargs = {k: data[k] for k in _OPTIONAL_KEYS if k in data}
         try:
             return cls(name=name, input_shape=data["input_shape"], weight_shape=data["weight_shape"], **kwargs)
