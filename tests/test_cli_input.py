@@ -158,6 +158,15 @@ def test_a_long_value_in_a_layer_list_is_shortened_in_its_error(capsys, tmp_path
     assert (code, out) == (2, "") and says in err and err.count("\n") == 1 and len(err) < 400, err[:500]
 
 
+def test_a_layer_list_that_starts_with_a_byte_order_mark_is_read(capsys, tmp_path):
+    """As Windows editors save UTF-8: it was refused, "Unexpected UTF-8 BOM (decode using utf-8-sig)", a hint to a
+    Python programmer."""
+    path = tmp_path / "m.json"
+    path.write_bytes(b"\xef\xbb\xbf" + f"[{CONV}}}]".encode())
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--format", "json")
+    assert code == 0 and [layer["name"] for layer in json.loads(out)["layers"]] == ["c"], err
+
+
 def test_the_inputs_a_refused_input_shape_lists_are_cut_after_five(capsys, tmp_path):
     """The refusal of an --input-shape named as no input listed every input: a line as long as the model has inputs
     (a mask per image, say)."""

@@ -68,7 +68,7 @@ def load_json(path: str | os.PathLike[str]) -> list[ConvLayer]:
     """Read a JSON layer list from ``path``."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte order mark first, as Windows editors write it
             text = f.read()
     except OSError as exc:
         raise ModelError(f"cannot read {short_path(path)}: {exc.strerror or exc}") from None
