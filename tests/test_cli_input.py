@@ -158,6 +158,20 @@ def test_a_long_value_in_a_layer_list_is_shortened_in_its_error(capsys, tmp_path
     assert (code, out) == (2, "") and says in err and err.count("\n") == 1 and len(err) < 400, err[:500]
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["report", "vgg16", "extra"], "unrecognized arguments: extra (see 'wsarena report --help')"),
+    (["tune", "vgg16", "--batch", "2", "one", "two"], "unrecognized arguments: one two (see 'wsarena tune --help')"),
+    (["cache", "info", "--bogus"], "unrecognized arguments: --bogus (see 'wsarena cache --help')"),
+    (["report", "vgg16", "x" * 100_000],
+     f"unrecognized arguments: {'x' * 27}...{'x' * 28} (see 'wsarena report --help')"),
+])
+def test_arguments_left_over_are_named_shortened_with_the_subcommands_help(capsys, argv, says):
+    """argparse leaves them to the top parser: "(see 'wsarena --help')", which does not list the subcommand's flags,
+    and every one of them whole (a 100 kB argument, a 100 kB line)."""
+    code, out, err = run_main(capsys, *argv)
+    assert (code, out, err) == (2, "", f"wsarena: error: {says}\n")
+
+
 def test_a_layer_list_that_starts_with_a_byte_order_mark_is_read(capsys, tmp_path):
     """As Windows editors save UTF-8: it was refused, "Unexpected UTF-8 BOM (decode using utf-8-sig)", a hint to a
     Python programmer."""

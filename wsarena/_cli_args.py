@@ -35,6 +35,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """As argparse's, but arguments left over are named shortened, with the help of the subcommand given,
+        which argparse leaves to the top parser: "unrecognized arguments: ... (see 'wsarena --help')"."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            prog = self.prog if command is None else f"{self.prog} {command}"
+            raise UsageError(f"unrecognized arguments: {short_repr(' '.join(extras))[1:-1]} (see '{prog} --help')")
+        return parsed
+
 
 def _size(text: str) -> int | None:
     # An empty variable means the default; an empty flag (--cap-workspace "$CAP", CAP unset) means nothing, and
