@@ -172,6 +172,14 @@ def test_arguments_left_over_are_named_shortened_with_the_subcommands_help(capsy
     assert (code, out, err) == (2, "", f"wsarena: error: {says}\n")
 
 
+@pytest.mark.parametrize("argv", [["x" * 100_000], ["cache", "x" * 100_000], ["info", "--format", "x" * 100_000]])
+def test_a_long_choice_is_shortened_in_its_error(capsys, argv):
+    """argparse quotes a value that is none of a flag's or a subcommand's choices whole."""
+    code, out, err = run_main(capsys, *argv)
+    assert (code, out) == (2, "") and f"invalid choice: '{'x' * 27}...{'x' * 28}' (choose from '" in err, err[:300]
+    assert len(err) < 250, err[:300]
+
+
 def test_a_layer_list_that_starts_with_a_byte_order_mark_is_read(capsys, tmp_path):
     """As Windows editors save UTF-8: it was refused, "Unexpected UTF-8 BOM (decode using utf-8-sig)", a hint to a
     Python programmer."""

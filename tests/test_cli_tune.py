@@ -216,6 +216,8 @@ LONG = "x" * 100_000
     (["--input-shape", "x=1x3x8x8", "--input-shape", "x=" + "1," * 50_000 + "1"], "given twice for input 'x'"),
     (["--input-shape", f"{LONG}=1x3x8x8", "--input-shape", f"{LONG}=1x3x8x8"], "given twice for input 'xxx"),
     (["--plot", " " * 100_000], "expected a file name"),
+    (["--dtype", LONG], "invalid choice: 'xxx"), (["--layout", LONG], "invalid choice: 'xxx"),
+    (["--format", LONG], "invalid choice: 'xxx"), (["--cudnn-api", LONG], "invalid choice: 'xxx"),
 ])
 def test_a_long_value_is_shortened_in_its_error(capsys, model, command, flags, says):
     """As the rest of wsarena's errors shorten a value: a line of a readable length, not the whole value (a 100 kB

@@ -35,6 +35,12 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # argparse's own check, but the value quoted shortened: a 100 kB --dtype gave a 100 kB line
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(repr, action.choices))
+            raise argparse.ArgumentError(action, f"invalid choice: {short_repr(value)} (choose from {choices})")
+
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
         """As argparse's, but arguments left over are named shortened, with the help of the subcommand given,
         which argparse leaves to the top parser: "unrecognized arguments: ... (see 'wsarena --help')"."""
