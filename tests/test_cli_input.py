@@ -180,6 +180,18 @@ def test_a_long_choice_is_shortened_in_its_error(capsys, argv):
     assert len(err) < 250, err[:300]
 
 
+@pytest.mark.parametrize("value", ["-1", " -2GiB", "-0.5MiB"])
+def test_a_negative_size_is_said_to_be_negative(capsys, monkeypatch, value):
+    """As a negative --batch or --max-slowdown is; it was "not a size: '-1' (expected e.g. '512', ...)"."""
+    code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu", "--cap-workspace", value)
+    assert (code, out) == (2, "") and err.startswith(
+        f"wsarena: error: argument --cap-workspace: a size cannot be negative: {value!r}"), err
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", value)
+    code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu")
+    said = f"environment variable WSARENA_CAP_WORKSPACE={value!r}: a size cannot be negative: {value!r}"
+    assert (code, out, err) == (2, "", f"wsarena: error: {said}\n")
+
+
 def test_a_layer_list_that_starts_with_a_byte_order_mark_is_read(capsys, tmp_path):
     """As Windows editors save UTF-8: it was refused, "Unexpected UTF-8 BOM (decode using utf-8-sig)", a hint to a
     Python programmer."""

@@ -140,6 +140,8 @@ def parse_size(value: int | str) -> int:
             raise ValueError(f"a size cannot be negative: {short_repr(value)}")
         return n
     match = _SIZE.fullmatch(value)
+    if match is None and _SIZE.fullmatch(value.strip().removeprefix("-")):  # "-1", "-2GiB": a size, but negative
+        raise ValueError(f"a size cannot be negative: {short_repr(value)}")
     if match is None:
         raise ValueError(f"not a size: {short_repr(value)} (expected e.g. '512', '64KiB', '1.5GiB', '2GB')")
     number, unit = match.groups()
