@@ -201,6 +201,21 @@ def test_a_layer_list_that_starts_with_a_byte_order_mark_is_read(capsys, tmp_pat
     assert code == 0 and [layer["name"] for layer in json.loads(out)["layers"]] == ["c"], err
 
 
+@pytest.mark.parametrize(("node", "shape", "says"), [
+    (conv("n" * 10_000, "x", "w", "y"), ["N", 3, "H", "W"],
+     f"1 conv node(s) cannot be planned: '{'n' * 27}...{'n' * 28}' (input shape"),
+    (conv("c", "x", "w", "y", pads=[0] * 1000), [1, 3, 8, 8],
+     "ONNX node 'c': pads=[0, 0, 0, 0, 0, 0, ... 994 more] must have 4 entries"),
+    (conv("n" * 10_000, "x", "w", "y", strides=[1] * 1000), [1, 3, 8, 8],
+     f"ONNX node '{'n' * 27}...{'n' * 28}': strides=[1, 1, 1, 1, 1, 1, ... 994 more] and dilations=[1, 1] need 2"),
+])
+def test_a_long_node_name_or_attribute_is_shortened_in_the_onnx_loaders_error(capsys, tmp_path, node, shape, says):
+    """A node's name and its attributes were quoted whole: a 10 kB name, or a thousand pads, gave a line as long."""
+    path = save(tmp_path / "m.onnx", [node], [vi("x", shape)], [weight("w", (8, 3, 3, 3))])
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu")
+    assert (code, out) == (2, "") and says in err and err.count("\n") == 1 and len(err) < 500, err[:600]
+
+
 def test_the_inputs_a_refused_input_shape_lists_are_cut_after_five(capsys, tmp_path):
     """The refusal of an --input-shape named as no input listed every input: a line as long as the model has inputs
     (a mask per image, say)."""

@@ -110,17 +110,18 @@ def _attrs(node: Any, name: str) -> dict[str, Any]:
     type or range (a damaged file can turn a list of ints into anything)."""
     from onnx import helper
 
+    where = f"ONNX node {short_repr(name)}"
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     for key, least in _INTS_ATTRS.items():
         value = attrs.get(key)
         if value is not None and not (isinstance(value, list) and all(
                 isinstance(v, int) and v >= least for v in value)):
-            raise ModelError(f"ONNX node {name!r}: {key}={value!r:.60} must be a list of ints >= {least}")
+            raise ModelError(f"{where}: {key}={short_repr(value)} must be a list of ints >= {least}")
     group = attrs.get("group", 1)
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
-        raise ModelError(f"ONNX node {name!r}: group={group!r:.60} must be an int >= 1")
+        raise ModelError(f"{where}: group={short_repr(group)} must be an int >= 1")
     if not isinstance(attrs.get("auto_pad", b""), (bytes, str)):
-        raise ModelError(f"ONNX node {name!r}: auto_pad={attrs['auto_pad']!r:.60} must be a string")
+        raise ModelError(f"{where}: auto_pad={short_repr(attrs['auto_pad'])} must be a string")
     return attrs
 
 
@@ -130,7 +131,8 @@ def _text(v: Any) -> str:
 
 def _split_pads(pads: list[int], nd: int, name: str) -> tuple[list[int], list[int]]:
     if len(pads) != 2 * nd:
-        raise ModelError(f"ONNX node {name!r}: pads={pads} must have {2 * nd} entries (begin and end per dim)")
+        raise ModelError(f"ONNX node {short_repr(name)}: pads={short_repr(pads)} must have {2 * nd} entries (begin and "
+                         "end per dim)")
     return list(pads[:nd]), list(pads[nd:])
 
 
@@ -146,10 +148,12 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
 
     Raises :class:`_Unsupported` for what ``skip_unknown`` may skip, :class:`ModelError` for a broken node.
     """
+    where = f"ONNX node {short_repr(name)}"
     nd = len(x) - 2
     kernel = list(a.get("kernel_shape") or w[2:])
     if len(kernel) != nd or list(w[2:]) != kernel:
-        raise ModelError(f"ONNX node {name!r}: kernel_shape={kernel} does not match weight shape {list(w)}")
+        raise ModelError(f"{where}: kernel_shape={short_repr(kernel)} does not match weight shape "
+                         f"{short_repr(list(w))}")
     for what, dims in (("input", x[1:]), ("weight", w)):  # the batch aside: the planner sets its own
         if 0 in dims:
             shown = list(x) if what == "input" else list(w)
@@ -159,9 +163,10 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
     group = a.get("group", 1)
     auto_pad = _text(a.get("auto_pad", "NOTSET")) or "NOTSET"
     if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
-        raise ModelError(f"ONNX node {name!r}: unknown auto_pad {auto_pad!r}")
+        raise ModelError(f"{where}: unknown auto_pad {short_repr(auto_pad)}")
     if len(stride) != nd or len(dilation) != nd:
-        raise ModelError(f"ONNX node {name!r}: strides={stride} and dilations={dilation} need {nd} entries")
+        raise ModelError(f"{where}: strides={short_repr(stride)} and dilations={short_repr(dilation)} need {nd} "
+                         "entries")
     eff = [d * (k - 1) + 1 for k, d in zip(kernel, dilation)]  # the dilated kernel's extent
     size = list(x[2:])
     if auto_pad == "VALID":
@@ -181,12 +186,12 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
 
     # ConvTranspose: the forward-equivalent convolution maps the uncropped output back to the input `x`.
     if w[0] != x[1]:
-        raise ModelError(f"ONNX node {name!r}: ConvTranspose weight {list(w)} needs {w[0]} input channels, not {x[1]}")
+        raise ModelError(f"{where}: ConvTranspose weight {list(w)} needs {w[0]} input channels, not {x[1]}")
     out_pad = list(a.get("output_padding") or [0] * nd)
     if len(out_pad) != nd:
-        raise ModelError(f"ONNX node {name!r}: output_padding={out_pad} needs {nd} entries")
+        raise ModelError(f"{where}: output_padding={short_repr(out_pad)} needs {nd} entries")
     if a.get("output_shape") and len(a["output_shape"]) not in (nd, nd + 2):
-        raise ModelError(f"ONNX node {name!r}: output_shape={a['output_shape']} needs {nd} entries (or {nd + 2}, "
+        raise ModelError(f"{where}: output_shape={short_repr(a['output_shape'])} needs {nd} entries (or {nd + 2}, "
                          "with N and C)")
     full = [st * (s - 1) + op + e for s, st, op, e in zip(size, stride, out_pad, eff)]  # before any cropping
     out_shape = list(a["output_shape"])[-nd:] if a.get("output_shape") else None  # spatial, or N, C too
@@ -216,7 +221,7 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
         geom = conv_transpose_geometry((1, *x[1:]), w, stride=stride, padding=pad, output_padding=out_pad,
                                        dilation=dilation, groups=group)
     except ValueError as exc:  # what ConvLayer would say of the equivalent convolution, for the ConvTranspose's shapes
-        raise ModelError(f"ONNX node {name!r}: {exc}") from None
+        raise ModelError(f"{where}: {exc}") from None
     return ConvLayer(name, geom.input_shape, w, stride=tuple(stride), padding=tuple(pad), dilation=tuple(dilation),
                      groups=group, transposed=True)
 
@@ -242,7 +247,7 @@ def _count_subgraph_convs(graph: Any) -> int:
 
 
 def _names(items: list[tuple[str, str, str]], limit: int = 5) -> str:
-    shown = "; ".join(f"{n!r} ({why})" for n, why, _ in items[:limit])
+    shown = "; ".join(f"{short_repr(n)} ({why})" for n, why, _ in items[:limit])
     return shown + (f"; and {len(items) - limit} more" if len(items) > limit else "")
 
 
