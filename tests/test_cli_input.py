@@ -216,6 +216,16 @@ def test_a_long_node_name_or_attribute_is_shortened_in_the_onnx_loaders_error(ca
     assert (code, out) == (2, "") and says in err and err.count("\n") == 1 and len(err) < 500, err[:600]
 
 
+def test_a_long_name_of_the_node_that_lost_a_shape_is_shortened(capsys, tmp_path):
+    """The node where a conv's input shape was lost (a Reshape to a shape computed at run time), named whole."""
+    nodes = [helper.make_node("Reshape", ["x", "s"], ["r"], name="R" * 10_000), conv("c", "r", "w", "y")]
+    inputs = [vi("x", [1, 3, 8, 8]), helper.make_tensor_value_info("s", TensorProto.INT64, [4])]
+    path = save(tmp_path / "m.onnx", nodes, inputs, [weight("w", (8, 3, 3, 3))])
+    says = f"shape inference cannot work out the output of Reshape '{'R' * 27}...{'R' * 28}')"
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu")
+    assert (code, out) == (2, "") and says in err and err.count("\n") == 1 and len(err) < 500, err[:600]
+
+
 def test_the_inputs_a_refused_input_shape_lists_are_cut_after_five(capsys, tmp_path):
     """The refusal of an --input-shape named as no input listed every input: a line as long as the model has inputs
     (a mask per image, say)."""

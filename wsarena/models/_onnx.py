@@ -290,8 +290,8 @@ def _unknown_shape(what: str, dims: tuple[int | None, ...] | None, tensor: str, 
         lost = [name for name in node.input if name and _lost(shapes.get(name))]
         if not lost:
             kind = node.op_type  # a damaged file's (text of any characters, or bytes not UTF-8) as a repr
-            kind = kind if isinstance(kind, str) and kind.isidentifier() else repr(kind)
-            where = f"{kind} {node.name or tensor!r}"
+            kind = kind if isinstance(kind, str) and kind.isidentifier() else short_repr(kind)
+            where = f"{kind} {short_repr(node.name or tensor)}"
             break
         tensor = lost[0]
     found.update(dict.fromkeys(passed, where))
