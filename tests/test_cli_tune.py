@@ -92,6 +92,13 @@ def test_a_fraction_is_checked_against_1_as_written_not_as_its_float(capsys, mod
     assert code == 2 and "a slowdown of 100%: write 0.1e1% for 0.1e1 percent, or 100% if you mean it" in err, err
 
 
+@pytest.mark.parametrize("text", ["1e-99999999999999999999", "0e99999999999999999999"])
+def test_a_fraction_of_an_exponent_past_decimals_range_is_read_as_its_float(capsys, model, text):
+    """A fraction whose float is 0 though its exponent has 20 digits: Decimal() refuses such an exponent, and the
+    check against 1 ended the command with "InvalidOperation: [<class 'decimal.InvalidOperation'>]"."""
+    assert tune_json(capsys, model, "--max-slowdown", text)["max_slowdown"] == 0
+
+
 def test_csv_and_table(capsys, model):
     d = tune_json(capsys, model)
     code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--batch", "2", "--format", "csv")

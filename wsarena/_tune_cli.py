@@ -41,8 +41,9 @@ def max_slowdown_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a finite slowdown (2% or 0.02), not {short_repr(text)}")
     if percent:
         return value / 100
-    # the number as written, not its float: 0.99999999999999999 is below 1, though its nearest float is 1.0
-    if Decimal(number) >= 1:
+    # the number as written, not its float: 0.99999999999999999 is below 1, though its nearest float is 1.0 (a
+    # float other than 1.0 tells it alone, and Decimal() refuses an exponent of 19 digits: 1e-99999999999999999999)
+    if value > 1 or (value == 1 and Decimal(number) >= 1):
         said = f"{short_repr(text.strip())} is read as a fraction"
         if len(number) > 24:  # not quoted three times more
             raise argparse.ArgumentTypeError(f"{said}, a slowdown of 100% or more: end it with % for a percentage")
