@@ -262,6 +262,24 @@ def test_a_bad_file_gives_one_warning_and_is_replaced(cache, spoil):
     assert backend.measured == [("fwd", 4)] * 2
 
 
+@pytest.mark.parametrize(("spoil", "said"), [
+    (lambda d: d["results"][0].update(algo=["x" * 100_000]), "malformed entry {'algo': ['xxx"),
+    (lambda d: d.update(version="9" * 100_000), "format version '999"),
+    (lambda d: d["key"]["environment"].update(wsarena="9" * 100_000), "it holds another key (written by wsarena 999"),
+], ids=["entry", "format-version", "wsarena-version"])
+def test_a_bad_file_is_quoted_shortened_in_its_warning(cache, spoil, said):
+    """A value of the file's that the warning quotes (an entry, a version) is cut as short_repr cuts it: a 100 kB
+    algorithm name gave a 100 kB warning line, and an entry may hold 16 MiB."""
+    backend = TableBackend(TABLE)
+    first = search(backend)
+    (path,) = entry_files(cache)
+    _rewrite(path, spoil)
+    with pytest.warns(SearchCacheWarning, match="ignoring the search cache file") as caught:
+        assert search(backend) == first
+    (message,) = [str(w.message) for w in caught]
+    assert f"{path}: {said}" in message and "..." in message and len(message) < len(str(path)) + 400, message
+
+
 def test_a_file_larger_than_any_entry_is_a_bad_file_and_is_not_read_whole(cache):
     """A file named as an entry that holds far more than any entry (damage, or another program's) was read whole by a
     lookup and by cache info: a gigabyte took seconds and its size in memory twice over. Here a good entry with

@@ -54,7 +54,7 @@ from ._searchcache_folder import (
     warn_once,
     written,
 )
-from ._sizes import os_error_text, short_path
+from ._sizes import os_error_text, short_path, short_repr
 from .backends import Candidate
 
 __all__ = ["ENV_VAR", "cache_dir", "clear", "counts", "info", "search", "source"]
@@ -190,28 +190,30 @@ def _parse(data: Any, key: dict[str, Any]) -> _Results:
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         raise ValueError("not a wsarena search cache file")
     if data.get("version") != _VERSION:
-        raise ValueError(f"format version {data.get('version')!r}, this wsarena reads {_VERSION}")
+        raise ValueError(f"format version {short_repr(data.get('version'))}, this wsarena reads {_VERSION}")
     if data.get("key") != key:
         raise ValueError(f"it holds another key (written by wsarena {_written_by(data.get('key'))})")
     results: _Results = {}
     for entry in data["results"]:
         algo, math, nbytes, ms = entry["algo"], entry["math_type"], entry["workspace_bytes"], entry["time_ms"]
         if not isinstance(algo, str) or not (math is None or type(math) is int) or type(nbytes) is not int:
-            raise ValueError(f"malformed entry {entry!r}")
+            raise ValueError(f"malformed entry {short_repr(entry)}")
         # A time a search measures lies within a day: the bound refuses what JSON as Python reads it also takes
         # (Infinity, NaN, 1e999 as infinity, an integer past float's range, compared exactly), and times whose sums
         # over a model's calls (wsarena tune adds them exactly) would pass float's range; true and false are no
         # times, though a bool is an int to isinstance
         if nbytes < 0 or not (ms is None or (type(ms) in (int, float) and 0 <= ms <= _MAX_TIME_MS)):
-            raise ValueError(f"malformed entry {entry!r}")
+            raise ValueError(f"malformed entry {short_repr(entry)}")
         results[(algo, math)] = (nbytes, None if ms is None else float(ms))
     return results
 
 
-def _written_by(key: Any) -> Any:
-    """The wsarena version a file's key names, or ``None`` where it names none (a foreign or damaged file)."""
+def _written_by(key: Any) -> str:
+    """The wsarena version a file's key names, its middle cut as :func:`short_repr` cuts a value; ``None`` where it
+    names none (a foreign or damaged file)."""
     env = key.get("environment") if isinstance(key, dict) else None
-    return env.get("wsarena") if isinstance(env, dict) else None
+    version = env.get("wsarena") if isinstance(env, dict) else None
+    return short_repr(version)[1:-1] if isinstance(version, str) else short_repr(version)
 
 
 def _write(path: Path, key: dict[str, Any], results: _Results, bad: Exception | None = None) -> None:
