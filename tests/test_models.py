@@ -317,6 +317,21 @@ def test_a_json_layout_other_than_nchw_or_nhwc_is_refused():
         layers_from_json({"layout": "CHWN", "layers": [GOOD]})
 
 
+@pytest.mark.parametrize(("data", "says"), [
+    ({"k" * 10_000: 1}, f"a JSON object needs a 'layers' list (found keys: ['{'k' * 27}...{'k' * 28}'])"),
+    ({f"k{i}": i for i in range(20)},
+     "a JSON object needs a 'layers' list (found keys: ['k0', 'k1', 'k10', 'k11', 'k12', 'k13', ... 14 more])"),
+    ({1: 2, "a": 3}, "a JSON object needs a 'layers' list (found keys: [1, 'a'])"),  # keys that do not compare
+    ({"layout": "x" * 10_000, "layers": []}, f"layout must be 'NCHW' or 'NHWC', not '{'x' * 27}...{'x' * 28}'"),
+], ids=["long-key", "many-keys", "keys-that-do-not-compare", "long-layout"])
+def test_a_json_objects_keys_and_layout_are_quoted_shortened(data, says):
+    """A JSON object's keys and its layout were quoted whole, a 10 kB key in a line as long (the layout cut at 40
+    characters, its quote left open); keys of a mapping given in Python that do not compare raised a TypeError."""
+    with pytest.raises(ModelError) as caught:
+        layers_from_json(data)
+    assert str(caught.value) == f"JSON: {says}"
+
+
 GOOD = {"name": "a", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}
 
 

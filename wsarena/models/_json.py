@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .._sizes import short_path
+from .._sizes import short_path, short_repr
 from ._layer import ConvLayer, ModelError
 
 __all__ = ["layers_from_json", "layers_to_json", "load_json"]
@@ -32,10 +32,12 @@ def layers_from_json(data: Any, *, source: str = "JSON") -> list[ConvLayer]:
     layout = "NCHW"
     if isinstance(data, Mapping):
         if "layers" not in data:
-            raise ModelError(f"{source}: a JSON object needs a 'layers' list (found keys: {sorted(data)[:8]})")
+            # sorted as text: a mapping given in Python may mix keys that do not compare (1 and "a")
+            found = short_repr(sorted(data, key=str))
+            raise ModelError(f"{source}: a JSON object needs a 'layers' list (found keys: {found})")
         layout = data.get("layout", "NCHW")
         if layout not in ("NCHW", "NHWC"):
-            raise ModelError(f"{source}: layout must be 'NCHW' or 'NHWC', not {layout!r:.40}")
+            raise ModelError(f"{source}: layout must be 'NCHW' or 'NHWC', not {short_repr(layout)}")
         data = data["layers"]
     if not isinstance(data, list):
         raise ModelError(f"{source}: expected a list of layers or {{\"layers\": [...]}}, not {type(data).__name__}")
