@@ -332,6 +332,20 @@ def test_a_json_objects_keys_and_layout_are_quoted_shortened(data, says):
     assert str(caught.value) == f"JSON: {says}"
 
 
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"k" * 10_000: 1}, f"has unknown key(s) '{'k' * 27}...{'k' * 28}'; known: "),
+    ({f"k{i}": i for i in range(20)}, "has unknown key(s) 'k0', 'k1', 'k10', 'k11', 'k12', and 15 more; known: "),
+    ({1: 2, "a": 3}, "has unknown key(s) 1, 'a'; known: "),  # keys that do not compare: a TypeError
+], ids=["long-key", "many-keys", "keys-that-do-not-compare"])
+def test_a_layers_unknown_keys_are_quoted_shortened(extra, says):
+    """A layer's unknown keys were each quoted whole, and all of them: a 10 kB key, or a thousand keys, gave a line
+    as long; keys of a mapping given in Python that do not compare raised a TypeError."""
+    layer = {"name": "a", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3], **extra}
+    with pytest.raises(ModelError) as caught:
+        layers_from_json([layer])
+    assert str(caught.value).startswith(f"JSON: layers[0] {says}name, input_shape"), str(caught.value)[:300]
+
+
 GOOD = {"name": "a", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}
 
 

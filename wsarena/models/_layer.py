@@ -217,10 +217,12 @@ class ConvLayer:
         missing = [k for k in _REQUIRED_KEYS if k not in data]
         if missing:
             raise ModelError(f"{where} lacks {', '.join(repr(k) for k in missing)}")
-        unknown = sorted(set(data) - set(_REQUIRED_KEYS) - set(_OPTIONAL_KEYS) - _REPORT_KEYS)
+        # sorted as text: a mapping given in Python may mix keys that do not compare (1 and "a")
+        unknown = sorted(set(data) - set(_REQUIRED_KEYS) - set(_OPTIONAL_KEYS) - _REPORT_KEYS, key=str)
         if unknown:
+            more = f", and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise ModelError(
-                f"{where} has unknown key(s) {', '.join(repr(k) for k in unknown)}; "
+                f"{where} has unknown key(s) {', '.join(map(short_repr, unknown[:5]))}{more}; "
                 f"known: {', '.join(_REQUIRED_KEYS + _OPTIONAL_KEYS)}"
             )
         name = data["name"]
