@@ -146,6 +146,14 @@ CONV = '{"name": "c", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]'
     (CONV + ', "stride": [[' + "1, " * 999 + "1]]}", "stride must be an integer, not [1, 1, 1, 1, 1, 1, ... 994 more]"),
     (CONV + ', "groups": 1' + "0" * 1000 + "}", "groups=100000000000000000...0000000000000000000 is above 2**31 - 1"),
     (CONV + ', "groups": 1' + "0" * 4000 + "}", "groups=an integer of 13288 bits is above 2**31 - 1"),
+    # as far below: a negative of 1,000 digits was quoted whole
+    (CONV + ', "groups": -1' + "0" * 1000 + "}", "groups must be >= 1, not -10000000000000000...0000000000000000000"),
+    (CONV + ', "padding": -1' + "0" * 1000 + "}",
+     "padding=(-10000000000000000...0000000000000000000, -10000000000000000...0000000000000000000) must be >= 0"),
+    (CONV + ', "stride": [1, -1' + "0" * 1000 + "]}",
+     "stride=(1, -10000000000000000...0000000000000000000) must be >= 1 in every dimension"),
+    ('{"name": "c", "input_shape": [1, 3, 8, -1' + "0" * 1000 + '], "weight_shape": [4, 3, 3, 3]}',
+     "input_shape must be >= 0, not -10000000000000000...0000000000000000000"),
     ("[[" + "1, " * 999 + "1]]",  # cut at 80 characters mid-list, with no ellipsis
      "layers[0] must be an object with name, input_shape and weight_shape, not [1, 1, 1, 1, 1, 1, ... 994 more]"),
 ])

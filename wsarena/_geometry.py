@@ -142,7 +142,7 @@ def describe_geometry(geom: ConvGeometry) -> str:
 def _int(name: str, value: Any) -> int:
     n = as_int(value)
     if n is None:  # e.g. a float, or a NumPy array (whose own message would not name the argument)
-        raise TypeError(f"{name} must be an int, not {value!r}")
+        raise TypeError(f"{name} must be an int, not {short_repr(value)}")
     return n
 
 
@@ -154,7 +154,7 @@ def _is_sequence(value: Any) -> bool:
 def _positive_or_zero(name: str, value: Any) -> int:
     v = _int(name, value)
     if v < 0:
-        raise ValueError(f"{name} must be >= 0, not {v}")
+        raise ValueError(f"{name} must be >= 0, not {short_repr(v)}")
     return v
 
 
@@ -175,12 +175,12 @@ def _bounded(name: str, value: _Bounded, shown: Any = None) -> _Bounded:
 def _per_dim(name: str, value: Any, nd: int, *, minimum: int) -> tuple[int, ...]:
     if _is_sequence(value):
         if len(value) != nd:
-            raise ValueError(f"{name}={value!r} must have one entry per spatial dimension ({nd})")
+            raise ValueError(f"{name}={short_repr(value)} must have one entry per spatial dimension ({nd})")
         values = tuple(_int(name, v) for v in value)
     else:
         values = (_int(name, value),) * nd
     if any(v < minimum for v in values):
-        raise ValueError(f"{name}={value!r} must be >= {minimum} in every dimension")
+        raise ValueError(f"{name}={short_repr(value)} must be >= {minimum} in every dimension")
     return _bounded(name, values, value)
 
 
@@ -200,18 +200,18 @@ def _padding(
                     f"(total {tuple(total)}); pass explicit symmetric padding instead"
                 )
             return tuple(t // 2 for t in total)
-        raise ValueError(f"padding must be an int, a sequence, 'valid' or 'same', not {value!r}")
+        raise ValueError(f"padding must be an int, a sequence, 'valid' or 'same', not {short_repr(value)}")
     if _is_sequence(value):
         if len(value) != nd:
-            raise ValueError(f"padding={value!r} must have one entry per spatial dimension ({nd})")
+            raise ValueError(f"padding={short_repr(value)} must have one entry per spatial dimension ({nd})")
         out = []
         for entry in value:
             if _is_sequence(entry):
                 if len(entry) != 2:
-                    raise ValueError(f"padding={value!r}: each pair must be (before, after)")
+                    raise ValueError(f"padding={short_repr(value)}: each pair must be (before, after)")
                 lo, hi = (_int("padding", e) for e in entry)
                 if lo != hi:
-                    raise ValueError(f"padding={value!r} is asymmetric; only symmetric padding is supported")
+                    raise ValueError(f"padding={short_repr(value)} is asymmetric; only symmetric padding is supported")
                 out.append(lo)
             else:
                 out.append(_int("padding", entry))
@@ -219,7 +219,7 @@ def _padding(
     else:
         values = (_int("padding", value),) * nd
     if any(v < 0 for v in values):
-        raise ValueError(f"padding={value!r} must be >= 0")
+        raise ValueError(f"padding={short_repr(value)} must be >= 0")
     return _bounded("padding", values, value)
 
 
@@ -284,7 +284,7 @@ def conv_geometry(
         raise ValueError(f"weight_shape={weight_shape} has a zero dimension")
     groups = _int("groups", groups)
     if groups < 1:
-        raise ValueError(f"groups must be >= 1, not {groups}")
+        raise ValueError(f"groups must be >= 1, not {short_repr(groups)}")
     _bounded("groups", groups)
     if in_channels % groups or out_channels % groups:
         raise ValueError(
