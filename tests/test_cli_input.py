@@ -188,6 +188,26 @@ def test_a_long_choice_is_shortened_in_its_error(capsys, argv):
     assert len(err) < 250, err[:300]
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["report", "vgg16", "--cud=" + "x" * 100_000],
+     (f"ambiguous option: --cud={'x' * 21}...{'x' * 28} could match --cudnn-api, --cudnn-heuristic "
+      "(see 'wsarena report --help')")),
+    (["report", "vgg16", "--cud=a\nb"],
+     "ambiguous option: --cud=a\\nb could match --cudnn-api, --cudnn-heuristic (see 'wsarena report --help')"),
+    (["tune", "vgg16", "--apply=" + "x" * 100_000],
+     f"argument --apply: ignored explicit argument '{'x' * 27}...{'x' * 28}' (see 'wsarena tune --help')"),
+    (["--version=" + "x" * 100_000],
+     f"argument --version: ignored explicit argument '{'x' * 27}...{'x' * 28}' (see 'wsarena --help')"),
+    (["tune", "vgg16", "--apply=it's \"so\""],
+     "argument --apply: ignored explicit argument 'it\\'s \"so\"' (see 'wsarena tune --help')"),
+])
+def test_an_argument_argparse_quotes_whole_is_shortened(capsys, argv, says):
+    """argparse's "ambiguous option" and "ignored explicit argument" quoted the argument whole: a 100 kB line, and a
+    newline in it broke the line."""
+    code, out, err = run_main(capsys, *argv)
+    assert (code, out, err) == (2, "", f"wsarena: error: {says}\n")
+
+
 @pytest.mark.parametrize("value", ["-1", " -2GiB", "-0.5MiB"])
 def test_a_negative_size_is_said_to_be_negative(capsys, monkeypatch, value):
     """As a negative --batch or --max-slowdown is; it was "not a size: '-1' (expected e.g. '512', ...)"."""

@@ -4,6 +4,7 @@ their values, and :class:`UsageError`, what :mod:`wsarena.cli` makes an exit 2 o
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 from typing import Any, NoReturn
 
@@ -23,6 +24,10 @@ class UsageError(Exception):
     """Bad usage or bad input: exit 2 with one line."""
 
 
+_AMBIGUOUS = re.compile(r"(ambiguous option: )(.*)( could match -[^ ]*(?:, -[^ ]*)*)", re.DOTALL)
+_IGNORED = re.compile(r"(argument [^ ]+: ignored explicit argument )('.*'|\".*\")", re.DOTALL)
+
+
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -33,6 +38,12 @@ class _Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"-(\.?[0-9]|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
+        # argparse's messages that quote an argument whole, the argument shortened: a 100 kB --cud=... gave a 100 kB
+        # "ambiguous option" line, a 100 kB --apply=... a 100 kB "ignored explicit argument" (quoted with repr)
+        if match := _AMBIGUOUS.fullmatch(message):
+            message = f"{match[1]}{short_repr(match[2])[1:-1]}{match[3]}"
+        elif match := _IGNORED.fullmatch(message):
+            message = f"{match[1]}{short_repr(ast.literal_eval(match[2]))}"
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
