@@ -812,6 +812,24 @@ def test_a_cache_dir_under_a_home_folder_that_cannot_be_found_is_refused(monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_long_cache_dir_is_shortened_in_its_refusal(monkeypatch, capsys):
+    """A WSARENA_CACHE_DIR of 10 kB under a user with no home folder was quoted whole twice (a 20 kB line), and
+    one holding a NUL whole, as the search cache's errors and warnings no longer quote it."""
+    from wsarena.cli import main
+
+    long = "~nosuchuser" + "/d" * 5000
+    monkeypatch.setenv("WSARENA_CACHE_DIR", long)
+    _config._reset()
+    assert main(["cache", "info"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) < 600, err[:700]
+    assert "cache_dir '~nosuchuser/d/d/" in err, err[:700]
+    assert "d/d': no home folder is known for '~nosuchuser' (./~nosuchuser/d/d/" in err, err[:700]
+    with pytest.raises(ValueError) as caught:
+        configure(cache_dir="/d" * 5000 + "\0")
+    assert len(str(caught.value)) < 250 and str(caught.value).endswith("\\x00' holds a NUL character"), caught.value
+
+
 def test_without_platformdirs_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
     # as platformdirs and the XDG rule do: a relative one would be a folder under the working directory
     monkeypatch.setattr(wsarena._config, "platformdirs", None)

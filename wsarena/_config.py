@@ -27,7 +27,7 @@ except ImportError:  # an install made without dependencies
     platformdirs = None  # type: ignore[assignment]
 
 from . import _forksafe
-from ._sizes import as_int, ascii_int, parse_size, short_repr
+from ._sizes import as_int, ascii_int, parse_size, short_path, short_repr
 
 __all__ = [
     "ALGO_SEARCHES", "ALLOCATORS", "BACKENDS", "CUDNN_APIS", "CUDNN_HEURISTICS", "Config", "config", "configure",
@@ -97,11 +97,12 @@ def _cache_path(value: Any) -> Path | None:
     if not isinstance(text, str):
         raise TypeError(f"cache_dir must be a folder (a str or a path), 'off', 'none' or None, not {value!r}")
     if "\0" in text:
-        raise ValueError(f"cache_dir {value!r} holds a NUL character")
+        raise ValueError(f"cache_dir {short_path(text)} holds a NUL character")
     expanded = os.path.expanduser(text)
     if expanded.startswith("~"):  # left as it is, "~" would be a folder of that name in the working directory
-        raise ValueError(f"cache_dir {value!r}: no home folder is known for {text.split('/', 1)[0]!r} "
-                         f"(./{text} is a folder of that name in the working directory)")
+        user = short_repr(text.split("/", 1)[0])
+        raise ValueError(f"cache_dir {short_path(text)}: no home folder is known for {user} "
+                         f"(./{short_path(text, quoted=False)} is a folder of that name in the working directory)")
     # absolute now, so that a later os.chdir() does not move the cache
     return Path(os.path.abspath(expanded))
 
