@@ -12,6 +12,7 @@ import types
 import pytest
 
 import wsarena
+import wsarena.arena._arena as arena_module
 from wsarena.arena import Arena, set_arena
 from wsarena.arena.testing import FakeStream, RecordingProvider
 
@@ -575,3 +576,58 @@ def test_a_buffer_a_graph_held_on_another_threads_per_thread_stream_is_freed_wit
     finally:
         done.set()
         thread.join(60)
+
+
+@pytest.mark.parametrize("put_back", ["after close()", "as close() decides"])
+def test_a_close_while_another_threads_drain_holds_back_a_buffer_keeps_the_arena_until_it_is_freed(
+    monkeypatch, put_back
+):
+    """Another thread's trim drains the queue: it takes off the buffer of a stream being captured (set aside) and frees
+    the next one, and only then puts the first back. A close() in between sees the queue empty. The closed arena is
+    kept all the same, and that buffer is freed on its stream by the next stats() of any arena once the capture is
+    over. Once, close() decided whether to keep the arena after letting go of its lock, from what it saw then: the
+    buffer was never freed while the arena lived (and, collected, its finalizer freed it at once, capture or not)."""
+
+    class GatedFrees(RecordingProvider):
+        def __init__(self):
+            super().__init__(device_id=0)
+            self.freeing, self.gate = threading.Event(), threading.Event()
+
+        def deallocate(self, buffer, *, stream):
+            if stream == S2:
+                self.freeing.set()
+                assert self.gate.wait(10)
+            super().deallocate(buffer, stream=stream)
+
+    provider = GatedFrees()
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    arena.reserve(1000, stream=S2)
+    held_back, other = arena._subs[S1].block.ptr, arena._subs[S2].block.ptr
+    graph = provider.begin_capture(S1)  # begun elsewhere: no lease of it came here
+    trim = threading.Thread(target=arena.trim)
+    if put_back == "as close() decides":
+        keep = arena_module.keep_while_holding
+
+        def deciding(arena, holding):
+            if threading.current_thread() is not trim:  # this thread's close(), not the trim's release_closed()
+                provider.gate.set()
+                trim.join(0.5)  # the drain puts the buffer back and keeps the arena, unless close() holds the lock
+            keep(arena, holding)
+
+        monkeypatch.setattr(arena_module, "keep_while_holding", deciding)
+    trim.start()
+    try:
+        assert provider.freeing.wait(10)  # S1's buffer set aside, S2's being freed
+        arena.close()
+    finally:
+        provider.gate.set()
+        trim.join(10)
+    assert freed_on(provider) == [(other, S2)]
+    successor = Arena(provider)
+    successor.stats()
+    assert freed_on(provider) == [(other, S2)]  # the capture goes on
+    provider.end_capture(graph)
+    successor.stats()
+    assert freed_on(provider) == [(other, S2), (held_back, S1)]
+    graph.close()

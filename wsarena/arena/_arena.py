@@ -365,8 +365,11 @@ class Arena:
             _pinning.forget_released(self._table.captures)
         self._give_back()
         # Kept while a lease, a graph or a capture under way holds a buffer of it: collected, it would abandon what a
-        # graph holds for good, and free the rest at once, captures or not
-        keep_while_holding(self, bool(self._subs or self._table.kept or self._table.captures or self._to_free))
+        # graph holds for good, and free the rest at once, captures or not. Decided in a locked step, as another
+        # thread's drain that held back a buffer for a capture, and queues it again, keeps the arena in one too
+        # (wsarena.arena._pinning.give_back): the later of the two decides.
+        with self._lock:
+            keep_while_holding(self, bool(self._subs or self._table.kept or self._table.captures or self._to_free))
         free_posted()  # the pins dropped before their graphs went, once CUDA let go of them
 
     def __copy__(self) -> Arena:

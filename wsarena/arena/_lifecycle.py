@@ -119,7 +119,8 @@ _closed_holding: dict[int, Arena] = {}
 
 
 def keep_while_holding(arena: Arena, holding: bool) -> None:
-    """Keep ``arena``, which is closed, while it still ``holding`` anything; else let it go."""
+    """Keep ``arena``, which is closed, while it still ``holding`` anything; else let it go. Called with the arena's
+    lock held, in the step that saw what it holds: two threads that decide at once decide in turn."""
     if holding:
         _closed_holding[id(arena)] = arena
     else:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .._sizes import format_size
 from ..errors import CaptureError
 from ._keys import callers_key
-from ._lifecycle import device_arenas
+from ._lifecycle import device_arenas, keep_while_holding
 from ._lifecycle import give_back as _give_back
 from ._pins import GraphPin
 from .streams import PER_THREAD_DEFAULT_STREAM, is_own_stream, raw_handle, resolve_stream
@@ -274,7 +274,9 @@ def give_back(self: Arena, key: Any = None) -> None:
 
     Which streams wait is asked before anything is taken off the queue (a copy of it is read); the queue is then
     drained as :func:`~wsarena.arena._lifecycle.give_back` always drains it, with no place between taking a buffer
-    and handing it to the provider, or setting it aside, where a Ctrl-C could lose it.
+    and handing it to the provider, or setting it aside, where a Ctrl-C could lose it. A closed arena that has buffers
+    queued again so is kept for them (:func:`~wsarena.arena._lifecycle.keep_while_holding`): a :meth:`Arena.close`
+    that looked while they were set aside did not see them.
     """
     capture = self._capture
     streams = {stream for _, stream in list(self._to_free)}  # list(): one C call, whatever other threads do
@@ -296,7 +298,14 @@ def give_back(self: Arena, key: Any = None) -> None:
         waiting |= gone | unowned  # freed with no stream: they wait as those do
     if waiting:
         _hold(self, waiting)
-    _give_back(self.provider, self._to_free, waiting=waiting, unstreamed=gone)
+    try:
+        _give_back(self.provider, self._to_free, waiting=waiting, unstreamed=gone)
+    finally:
+        if waiting and self._table.closed:
+            # What was held back is queued again: a close() that looked while it was off the queue saw none of it
+            with self._lock:
+                if self._to_free:
+                    keep_while_holding(self, True)
     if held:
         for stream in list(held):  # list(): one C call, whatever other threads do
             if stream not in waiting:  # given back now, or nothing queued: a later hold records its stream afresh
