@@ -134,6 +134,33 @@ def test_a_kept_buffer_of_a_stream_gone_since_is_not_freed_on_that_stream(device
     assert [s for _, s in provider.frees] == [None, None] and pinned in freed(provider)
 
 
+@pytest.mark.parametrize("forgotten_by", ["close", "a trim after a growth"])
+def test_a_kept_buffer_of_a_stream_forgotten_then_gone_is_not_freed_on_that_stream(device, forgotten_by):
+    """A stream's sub-arena is forgotten while a graph holds its buffer (kept aside for the graph): the arena stops
+    watching the stream object then, and its death goes unseen. The stream dies (destroyed, its handle given to the
+    next stream made) before the graph does: the buffer is freed with no stream once the graph is gone. Once, it kept
+    the handle it was kept with, and was freed on it (with AsyncProvider, cudaFreeAsync on a destroyed stream)."""
+    provider, arena = device
+    stream = FakeStream(S1)
+    provider.stream_ids[S1] = 1
+    arena.reserve(1000, stream=stream)
+    graph, pinned = capture_a_lease(provider, arena, stream=stream)
+    if forgotten_by == "close":
+        arena.close()  # the pinned buffer is kept for its graph, the sub-arena forgotten
+    else:
+        with arena.lease(50_000, stream=stream):  # an eager growth: the pinned buffer is kept aside
+            pass
+        arena.trim()  # frees the current buffer on its stream, which holds nothing more: forgotten
+    assert arena.stats().streams == {} and pinned not in freed(provider)
+    del stream
+    provider.stream_ids[S1] = 2  # the next stream made has its handle
+    gc.collect()
+    graph.close()
+    Arena(provider).stats()  # frees what closed arenas held; trims nothing of its own
+    arena.trim()
+    assert (pinned, None) in freed_on(provider) and provider.held == []
+
+
 def test_trim_and_close_keep_a_pinned_buffer_current_or_kept(device):
     provider, arena = device
     arena.reserve(4096, stream=S1)

@@ -39,9 +39,10 @@ def release_kept(self: _Table) -> int:
 
 
 def unstream_kept(self: _Table, key: Hashable, moved: Hashable = None) -> None:
-    """The stream of ``key`` may be gone: its kept buffers, which recorded that stream when they were kept, are
-    freed with no stream (the provider waits for the device), as its other buffers are; ``moved``: the key they
-    are listed under from now on (a dead stream's, whose handle another stream has)."""
+    """The stream of ``key`` may be gone, or its death would go unseen from now on: its kept buffers, which recorded
+    that stream when they were kept, are freed with no stream (the provider waits for the device), as its other
+    buffers are; ``moved``: the key they are listed under from now on (a dead stream's, whose handle another stream
+    has)."""
     kept = self.kept  # changed in place: every sub-arena shares this list
     for i, (k, block, stream) in enumerate(kept):
         if k == key and (stream is not None or moved is not None):

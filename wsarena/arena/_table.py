@@ -333,8 +333,13 @@ class _Table:
 
         The buffers are let go first, while the table still holds the sub-arena: an interrupt that stops this half
         way leaves it in the table, where a later sweep, trim or close finds what it still holds. (Dropped first, a
-        sub-arena stopped before its buffers were queued took them out of the arena's reach for good.)"""
+        sub-arena stopped before its buffers were queued took them out of the arena's reach for good.)
+
+        The stream object that watched it is let go: the stream's death would go unseen from now on, so the buffers
+        kept for graphs there are freed with no stream once the graphs are gone, as a dead stream's are."""
         released = sub.tidy() + sub.empty(gone, forgotten=True)
+        if sub.anchor is not None:
+            self.unstream_kept(sub.key)
         if self.subs.get(sub.key) is sub:
             del self.subs[sub.key]
             self.capturing.pop(sub.key, None)  # its stream may be gone: never asked about again
