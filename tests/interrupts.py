@@ -88,7 +88,8 @@ _CHECKED_AFTER = {dis.opmap[name] for name in ("CALL", "JUMP_BACKWARD") if name 
 
 
 def interrupt_at_check(
-    n: int, function: Callable[..., Any], *args: Any, skip: Callable[[Any], bool] = lambda code: False
+    n: int, function: Callable[..., Any], *args: Any, skip: Callable[[Any], bool] = lambda code: False,
+    after: Callable[[], bool] = lambda: True,
 ) -> bool:
     """Call ``function(*args)``, raising ``KeyboardInterrupt`` once at the ``n``-th place of that run where CPython
     runs signal handlers: as a Python function starts, just after a call returns, and at a loop's jump back (the
@@ -96,7 +97,8 @@ def interrupt_at_check(
     the tests and of ``threading`` (not in a garbage-collector callback of some other library's that happens to run
     meanwhile), leaving out frames whose code object ``skip`` accepts. Returns whether it was raised (the exception
     is swallowed here). Stepping ``n`` from 1 until this returns ``False`` delivers a Ctrl-C at every such place of
-    the run, one run each.
+    the run, one run each. ``after``: places are counted only once it returns true (once the run raised a first
+    Ctrl-C of the caller's own, say, for a second on its heels).
     """
     checks = 0
     fired = False
@@ -115,8 +117,10 @@ def interrupt_at_check(
             checked = last.get(here) in _CHECKED_AFTER
             last[here] = frame.f_code.co_code[frame.f_lasti]
         else:
+            if event == "exception":  # a call that raised: its frame goes on at a handler, where nothing is checked
+                last[here] = -1
             return trace
-        if checked:
+        if checked and after():
             checks += 1
             if checks == n:
                 fired = True
@@ -124,3 +128,4 @@ def interrupt_at_check(
         return trace
 
     return _run_traced(trace, lambda: fired, function, args)
+

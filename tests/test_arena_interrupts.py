@@ -2,12 +2,13 @@
 free afterwards, no lease is left live, no buffer is lost, and the stream serves this thread and others again
 (the rules are written down in ``wsarena/arena/_interrupts.py``)."""
 
+import contextlib
 import gc
 import threading
 
 import pytest
 
-from wsarena.arena import Arena
+from wsarena.arena import Arena, _growth
 from wsarena.arena.testing import FakeStream, RecordingProvider
 
 from .interrupts import interrupt_at_call, interrupt_at_check, interrupt_at_entry_of
@@ -182,6 +183,45 @@ def test_an_interrupt_at_any_check_of_a_growing_lease_loses_no_buffer(arena_kind
     assert runs >= 50  # it did reach the lease's own code, not only this test's
 
 
+
+
+def test_a_second_interrupt_on_the_heels_of_one_just_after_an_allocation_loses_no_buffer(
+    arena_kind, key, monkeypatch
+):
+    """A Ctrl-C just after the provider's allocate returned, in a lease that grows its stream's buffer, sends the new
+    buffer back to the provider; a second Ctrl-C at each check after it in turn, one run each: once the arena is
+    closed and trimmed, the provider holds nothing. Once, a second Ctrl-C as the error path asked whether the buffer
+    was one the arena holds (a provider's that handed it out again is not freed) lost that buffer for good."""
+    first = []
+    address_and_size = _growth._address_and_size
+
+    def interrupted(provider, buffer, size):  # what a growth does first with the buffer it was given
+        if size < 50_000:
+            return address_and_size(provider, buffer, size)
+        first.append(buffer)
+        raise KeyboardInterrupt("just after allocate returned")
+
+    monkeypatch.setattr(_growth, "_address_and_size", interrupted)
+    n = 1
+    while True:
+        provider = RecordingProvider(device_id=arena_kind.device_id)
+        arena = Arena(provider)
+        arena.reserve(1000, stream=key("L"))
+        first.clear()
+        gc.collect()  # earlier garbage is not collected in the traced run (its finalizers would get the interrupt)
+        fired = False
+        with contextlib.suppress(KeyboardInterrupt):  # the first, where the second did not come
+            fired = interrupt_at_check(
+                n, _lease_cycle, arena, key("L"), 50_000, skip=_in_provider, after=lambda: bool(first)
+            )
+        assert first, f"no first interrupt in run {n}"
+        arena.close()
+        arena.trim()
+        assert provider.held == [], f"interrupted again at check {n}"
+        if not fired:
+            break
+        n += 1
+    assert n > 10  # it did reach the error path and the release, not only this test's code
 
 
 @pytest.mark.parametrize("handle", [11, 12], ids=["a dead stream's handle given again", "a new handle"])

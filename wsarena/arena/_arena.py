@@ -319,6 +319,8 @@ class Arena:
         with self._lock:
             self._table.reap_all()
             released += self._table.sweep()
+            if self._table.unplaced:
+                self._table.let_go_unplaced()
             for sub in list(self._subs.values()):
                 if sub.orphan and sub.idle():
                     released += self._table.forget(sub, gone=True)
@@ -357,6 +359,8 @@ class Arena:
             self._table.closed = True
             self._table.reap_all()
             self._table.sweep()
+            if self._table.unplaced:
+                self._table.let_go_unplaced()
             for sub in list(self._subs.values()):
                 sub.wake()  # waiters see the arena closed
                 if sub.idle():

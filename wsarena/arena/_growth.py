@@ -131,8 +131,10 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
         buffer = got[0]
         block = _Block(buffer, *_address_and_size(self.provider, buffer, size))
     except BaseException as exc:
-        if got and got[0] is not None and not _held(self, got[0]):  # a buffer held, handed out again, stays held
-            self._to_free.append((got[0], freed_on))  # never installed: no one else would free it
+        if got and got[0] is not None:  # never installed: no one else would free it
+            # Handed to the arena in one C call, before anything that a second Ctrl-C could land in; ending the growth
+            # frees it, unless it is a buffer the arena holds, handed out again (Table.let_go_unplaced)
+            self._table.unplaced.append((got[0], freed_on))
         finish(self._end_growth, sub, token, None)
         if isinstance(exc, MemoryError):
             now = _refusals.clock()
@@ -159,13 +161,6 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
             f"{self.provider!r}.allocate returned {buffer!r} for stream {callers_key(sub.key)!r}, whose bytes overlap "
             f"{held.buffer!r}, which the arena holds for {where}: the provider handed out memory that is in use"
         )
-
-
-def _held(self: Arena, buffer: Any) -> bool:
-    """Whether ``buffer``, which the provider returned and the arena refused, is the very buffer of one it holds
-    (handed out again): it is not given back then, as that would free the one held."""
-    with self._lock:
-        return any(held.buffer is buffer for _, held in self._table.held_blocks())
 
 
 def _address_and_size(provider: Any, buffer: Any, size: int) -> tuple[int, int]:

@@ -27,11 +27,13 @@ of a lock and taking it back (``threading.Condition.wait`` has such a place: an 
    interrupt that landed in Python code there would be lost. The one exception is the finalizer that frees a
    collected arena's buffers (an interrupt there leaves them to their owner objects' own collection).
 6. A buffer changes hands within one C call: from the provider's ``allocate`` into a list (``list.extend`` over a
-   ``map``), from the queue of buffers let go to ``deallocate``, or to the list of those that wait for a capture to end
-   (a ``for`` loop over ``iter(queue.popleft, None)``, whose body calls no Python function first), never through a
-   local that an interrupt as the call returns would leave holding it. What the provider does in its own frames is
-   its own (a Ctrl-C inside ``allocate`` or ``deallocate`` may lose that buffer). Likewise a sub-arena that is
-   forgotten queues its buffers before it leaves the table.
+   ``map``), from there, where the growth fails or is interrupted before the buffer is installed, to the arena's
+   queue of buffers no sub-arena was given (the error path's first call, so that a second Ctrl-C on the heels of the
+   first finds it there), from the queue of buffers let go to ``deallocate``, or to the list of those that wait for a
+   capture to end (a ``for`` loop over ``iter(queue.popleft, None)``, whose body calls no Python function first),
+   never through a local that an interrupt as the call returns would leave holding it. What the provider does in its
+   own frames is its own (a Ctrl-C inside ``allocate`` or ``deallocate`` may lose that buffer). Likewise a sub-arena
+   that is forgotten queues its buffers before it leaves the table.
 """
 
 from __future__ import annotations

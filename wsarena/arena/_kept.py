@@ -62,6 +62,8 @@ def pinned_bytes(self: _Table, sub: _SubArena | None, key: Hashable) -> int:
 def let_go_everything(self: _Table) -> None:
     """At exit, or when the arena is collected: queue every buffer, even under live leases, and forget all.
     A buffer a graph still holds is abandoned instead (never freed: the graph may be replayed)."""
+    if self.unplaced:
+        self.let_go_unplaced()  # while what the arena holds is known
     blocks = [(sub.block, sub.retired) for sub in self.subs.values()]
     blocks += [(block, None) for _, block, _ in self.kept]
     for sub in list(self.subs.values()):

@@ -23,6 +23,7 @@ which must never block on the lock).
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator
@@ -67,7 +68,7 @@ class _Table:
 
     __slots__ = (
         "captures", "capturing", "closed", "dead", "exited", "forked", "held_back", "kept", "lanes", "lock",
-        "refusals", "rewatched", "stream_id", "subs", "to_free", "totals", "watches",
+        "refusals", "rewatched", "stream_id", "subs", "to_free", "totals", "unplaced", "watches",
     )
 
     def __init__(
@@ -79,6 +80,8 @@ class _Table:
         self.subs: dict[Hashable, _SubArena] = {}
         self.dead: collections.deque[_Anchor] = collections.deque()  # streams, threads, key objects gone
         self.to_free: Queue = collections.deque()  # (buffer, stream) let go, for the provider
+        # (buffer, stream) from the provider that a growth cut short gave no sub-arena, for let_go_unplaced()
+        self.unplaced: Queue = collections.deque()
         self.kept: list[tuple[Hashable, _Block, Any]] = []  # pinned buffers no sub-arena uses: (key, block, stream)
         self.captures: dict[Any, Any] = {}  # capture sequence id -> the pin of the graph it captures into
         # Keys of the streams a lease was taken on during a capture that may still be under way, in order, to the pin
@@ -277,6 +280,8 @@ class _Table:
         and the caller frees it (unless ``block.freed``: it is a buffer the arena holds). Idempotent: a repeat after
         an interrupt finds the block installed (it may have been let go since: ``installed`` says so, not
         ``sub.block``) and the growth ended."""
+        if self.unplaced:
+            self.let_go_unplaced()
         clash = None
         if sub.growing is token:
             if block is not None and not block.installed:
@@ -292,6 +297,20 @@ class _Table:
             self.drop_if_idle(sub)
         self.drop_if_gone(sub)  # a reserve of a dead stream's sub-arena, moved aside while it grew
         return clash
+
+    def let_go_unplaced(self) -> None:
+        """Queue to be freed each buffer that a growth cut short after the provider's ``allocate`` returned gave no
+        sub-arena (``unplaced``), unless it is the very buffer of one the arena holds (handed out again): freed, that
+        one would be. Each is taken off and queued in one C call, so that an interrupt here loses none and queues
+        none twice (the growth's error path runs this under :func:`~wsarena.arena._interrupts.finish`, and trim and
+        close do, for a growth cut short before it could)."""
+        unplaced = self.unplaced
+        while unplaced:
+            buffer = unplaced[0][0]
+            if any(held.buffer is buffer for _, held in self.held_blocks()):
+                unplaced.popleft()
+            else:
+                self.to_free.extend(itertools.islice(iter(unplaced.popleft, None), 1))
 
     def holding(self, block: _Block) -> tuple[Hashable, _Block] | None:
         """The buffer the arena holds (any stream's, current, outgrown or kept for a graph) whose bytes overlap those
