@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from wsarena.arena import Arena, _growth
+import wsarena
+from wsarena.arena import Arena, _growth, _lifecycle
 from wsarena.arena.testing import FakeStream, RecordingProvider
 
 from .interrupts import interrupt_at_call, interrupt_at_check, interrupt_at_entry_of
@@ -222,6 +223,29 @@ def test_a_second_interrupt_on_the_heels_of_one_just_after_an_allocation_loses_n
             break
         n += 1
     assert n > 10  # it did reach the error path and the release, not only this test's code
+
+
+def test_an_interrupt_at_any_check_of_a_reserve_leaves_nothing_that_close_does_not_let_go(arena_kind, key):
+    """Ctrl-C at every check of a reserve that grows a stream's buffer, one run each: close() then frees every buffer
+    and forgets every stream, so that the closed arena holds nothing and is not kept. Once, a Ctrl-C as the reserve
+    ended its growth left the growth's mark on the stream, which only a later growth there cleared (its owner, the
+    reserve call, is gone): close() took the stream for one in use, listed it for good, and kept the arena, closing it
+    again at every trim, stats or growth of any arena."""
+    wsarena.get_config()  # the settings are read before the runs: an interrupt there would leave them to the next
+    n = 1
+    while True:
+        provider = RecordingProvider(device_id=arena_kind.device_id)
+        arena = Arena(provider)
+        gc.collect()  # earlier garbage is not collected in the traced run (its finalizers would get the interrupt)
+        fired = interrupt_at_check(n, lambda arena=arena: arena.reserve(1000, stream=key("L")), skip=_in_provider)
+        arena.close()
+        where = f"interrupted at check {n}"
+        assert provider.held == [] and arena.stats().streams == {}, where
+        assert id(arena) not in _lifecycle._closed_holding, where
+        if not fired:
+            break
+        n += 1
+    assert n > 20  # it reached the growth, not only the call
 
 
 @pytest.mark.parametrize("handle", [11, 12], ids=["a dead stream's handle given again", "a new handle"])

@@ -20,9 +20,9 @@ of a lock and taking it back (``threading.Condition.wait`` has such a place: an 
    jump back) is covered by ownership: a lease is held through a weak reference to what will end it, the bound
    ``__exit__`` its ``with`` statement keeps until the statement is over (or, for a lease entered by hand, its
    Workspace); a growth, through one to its lease or its ``reserve`` call. Once that is gone, nothing can end the
-   lease or the growth any more, and the arena ends it when it next looks at the stream
-   (:mod:`wsarena.arena._table`). So a ``with arena.lease(...) as ws:`` that was interrupted anywhere leaves the
-   stream usable by the next statement, whether or not ``ws`` still refers to the Workspace.
+   lease or the growth any more, and the arena ends it when it next looks at the stream, or at every stream (a trim,
+   stats, close: :mod:`wsarena.arena._table`). So a ``with arena.lease(...) as ws:`` that was interrupted anywhere
+   leaves the stream usable by the next statement, whether or not ``ws`` still refers to the Workspace.
 5. Weakref callbacks, which the collector may run anywhere, are C calls (``deque.append``) or absent: an
    interrupt that landed in Python code there would be lost. The one exception is the finalizer that frees a
    collected arena's buffers (an interrupt there leaves them to their owner objects' own collection).

@@ -14,7 +14,8 @@ sub-arena go as gone (:meth:`_Table.let_go_replaced`) and gets a new one.
 
 A lease ends when its release runs, or when nothing can run it any more: the ``with`` statement that entered it is
 over, or its Workspace is gone (:meth:`_Table.reap`). Whoever finds such a lease ends it: a thread that wants the
-lane, :meth:`Arena.stats`, :meth:`Arena.trim`, :meth:`Arena.close`.
+lane, :meth:`Arena.stats`, :meth:`Arena.trim`, :meth:`Arena.close`; and so does a growth whose owner is gone (a
+thread that would grow the stream, and those three).
 
 Every method runs with the arena's lock held; ``dead`` is only appended to from outside it (by weakref callbacks,
 which must never block on the lock).
@@ -394,11 +395,15 @@ class _Table:
         self.after_lease(sub, granted)
 
     def reap_all(self) -> None:
-        """End every lease that nothing can release any more (except one its owner is releasing right now)."""
+        """End every lease that nothing can release any more (except one its owner is releasing right now), and every
+        growth that nothing can end any more (a reserve cut short before it could end its growth)."""
         for sub in list(self.subs.values()):
             ref = sub.holder
             if ref is not None and ref() is None and not sub.releasing():
                 self.reap(sub)
+            growing = sub.growing
+            if growing is not None and growing() is None:
+                self.growth_over(sub)
 
     def sweep(self) -> int:
         """Mark the sub-arenas of dead streams, threads and key objects, forgetting those that can never be used
