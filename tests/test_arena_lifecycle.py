@@ -265,6 +265,35 @@ def test_device_arenas_are_released_at_exit_before_later_atexit_handlers():
     assert result.stdout.split("\n")[:2] == ["leases 2", "freed 3 held 0"]
 
 
+def test_what_a_collected_device_arena_left_waiting_is_released_at_exit():
+    """A device arena collected during a capture that leased from it hands its buffers to a closed arena that frees
+    them once it may: one waits for the capture, one for its graph. At exit, the capture still under way, the exit
+    handler frees the first as it frees every device arena's (the graph's buffer stays, for the graph). Once, the
+    closed arena was no device arena the handler knew of, and left it to CUDA's teardown."""
+    code = """
+        import atexit, gc
+        from wsarena.arena import Arena
+        from wsarena.arena.testing import RecordingProvider
+
+        provider = RecordingProvider(device_id=0)
+        # registered first, so it runs last: after the arena's own handler
+        atexit.register(lambda: print("freed", len(provider.frees), "held", len(provider.held)))
+        arena = Arena(provider)
+        arena.reserve(1000, stream=3)
+        arena.reserve(1000, stream=4)
+        graph = provider.begin_capture(3)
+        with arena.lease(1000, stream=3):  # the capture's step: its buffer is the graph's
+            pass
+        del arena
+        gc.collect()
+        print("freed", len(provider.frees), "held", len(provider.held))
+    """
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.split("\n")[:2] == ["freed 0 held 2", "freed 1 held 1"]
+
+
 @pytest.mark.gpu
 def test_gpu_exit_with_a_live_lease_is_clean():
     code = """

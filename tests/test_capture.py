@@ -19,7 +19,7 @@ import pytest
 import wsarena
 from tests.reference import ref_conv_forward
 from wsarena.algos import run_with_fallback
-from wsarena.arena import Arena, _pinning, set_arena
+from wsarena.arena import Arena, _lifecycle, _pinning, set_arena
 from wsarena.arena._pins import GraphPin
 from wsarena.arena.testing import FakeStream, RecordingProvider
 from wsarena.backends import Candidate
@@ -343,15 +343,54 @@ def test_a_pins_semaphore_is_freed_only_once_cuda_has_posted_it(monkeypatch):
     assert frees[1:] == [address]
 
 
-def test_a_collected_arena_abandons_what_a_graph_still_holds():
+def test_a_collected_arena_frees_what_a_graph_held_once_the_graph_is_gone():
+    """An arena collected without close() (set_arena() replaced it, say) hands what it held to a closed arena over the
+    same buffers, kept as a closed arena is while a graph holds some of them; the collected arena itself stays gone.
+    What no graph holds is freed at once, the graph's buffer once the graph is gone, at the next trim, stats or growth
+    of any arena: each with no stream, as the streams of a collected arena may be gone with it. Once, the graph's
+    buffer was abandoned, and never freed even once the graph was gone."""
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     arena.reserve(1000, stream=S1)
-    graph, _ = capture_a_lease(provider, arena)
+    graph, pinned = capture_a_lease(provider, arena)
+    arena.reserve(5000, stream=S2)
+    unpinned = arena._subs[S2].block.ptr
+    collected = weakref.ref(arena)
     del arena
     gc.collect()
-    assert provider.frees == [] and len(provider.held) == 1  # never freed: the graph may be replayed
+    assert collected() is None
+    assert freed_on(provider) == [(unpinned, None)]
+    other = Arena(provider)
+    other.stats()
+    assert freed_on(provider) == [(unpinned, None)]  # the graph may be replayed
     graph.close()
+    other.stats()
+    assert freed_on(provider) == [(unpinned, None), (pinned, None)] and provider.held == []
+
+
+def test_a_collected_arenas_free_with_no_stream_waits_for_a_capture_it_knew():
+    """An arena collected while a capture that leased from it goes on: what it held is freed with no stream (the
+    provider synchronises the device first), which would break the capture, so that free waits until the capture is
+    over. Once, the collected arena's finalizer freed everything at once, capture or not."""
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    arena.reserve(1000, stream=S2)
+    unpinned = arena._subs[S2].block.ptr
+    graph = provider.begin_capture(S1)
+    with arena.lease(1000, stream=S1) as ws:  # the capture's step
+        pinned = ws.ptr
+    del arena, ws
+    gc.collect()
+    other = Arena(provider)
+    other.stats()
+    assert provider.frees == []
+    provider.end_capture(graph)
+    other.stats()
+    assert freed_on(provider) == [(unpinned, None)]
+    graph.close()
+    other.stats()
+    assert freed_on(provider) == [(unpinned, None), (pinned, None)] and provider.held == []
 
 
 @pytest.mark.parametrize("trigger", ["stats", "trim", "growth"])
@@ -382,21 +421,26 @@ def test_a_closed_arena_nothing_refers_to_frees_what_a_graph_held_once_the_graph
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
-def test_a_child_forked_while_a_closed_arena_is_kept_gives_none_of_its_buffers_to_the_provider():
-    """A closed arena that only the closed arenas still holding something keep alive, whose graph is gone but whose
-    buffer no trim, stats or growth freed yet: a forked child lets go of it only once it has started again, as every
-    arena does in a child. Let go first, it was collected with the parent's buffers, and its finalizer gave them to the
-    provider: a device's free through CUDA in the child, which cannot run it."""
+@pytest.mark.parametrize("let_go", ["closed", "collected"])
+def test_a_child_forked_while_a_closed_arena_is_kept_gives_none_of_its_buffers_to_the_provider(let_go):
+    """A closed arena that only the closed arenas still holding something keep alive (one closed, or the one a
+    collected arena handed its buffers to), whose graph is gone but whose buffer no trim, stats or growth freed yet: a
+    forked child lets go of it only once it has started again, as every arena does in a child. Let go first, it was
+    collected with the parent's buffers, and its finalizer gave them to the provider: a device's free through CUDA in
+    the child, which cannot run it."""
     provider = RecordingProvider(device_id=0)
     arena = Arena(provider)
     arena.reserve(1000, stream=S1)
     graph, pinned = capture_a_lease(provider, arena)
-    arena.close()
-    closed = weakref.ref(arena)
+    if let_go == "closed":
+        arena.close()
     del arena
-    graph.close()
     gc.collect()
-    assert closed() is not None and provider.frees == []
+    graph.close()
+    [kept] = [held for held in _lifecycle._closed_holding.values() if held.provider is provider]
+    closed = weakref.ref(kept)
+    del kept
+    assert provider.frees == []
 
     def in_the_child():
         gc.collect()
@@ -404,7 +448,7 @@ def test_a_child_forked_while_a_closed_arena_is_kept_gives_none_of_its_buffers_t
 
     assert fork(in_the_child)() == ([], True)
     Arena(provider).stats()  # in this process, the next stats() frees it
-    assert freed_on(provider) == [(pinned, S1)]
+    assert freed_on(provider) == [(pinned, S1 if let_go == "closed" else None)]
 
 
 def test_a_closed_arenas_free_with_no_stream_waits_for_a_capture_another_arena_of_the_device_knows():

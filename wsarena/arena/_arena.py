@@ -31,6 +31,7 @@ is in ``growing`` installs a new buffer. How the bookkeeping survives Ctrl-C is 
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import weakref
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Sized
@@ -42,7 +43,7 @@ from .._sizes import as_int, format_size, short_repr
 from ..errors import CaptureError, WorkspaceCapError
 from . import _growth, _leases, _pinning, _refusals
 from ._leases import POISON_BYTE
-from ._lifecycle import give_back, keep_while_holding, release_all, release_closed, track_arena, track_device_arena
+from ._lifecycle import give_back, keep_while_holding, release_closed, track_arena, track_device_arena
 from ._pins import free_posted
 from ._stats import ArenaStats, aligned_size, snapshot
 from ._table import _Table
@@ -87,8 +88,9 @@ class Arena:
       ``RuntimeError`` as it would be installed, in any mode.
     - Debug mode (``wsarena.configure(debug=True)`` or ``WSARENA_DEBUG=1``, read at each lease) fills released
       bytes with ``POISON_BYTE`` and raises ``AssertionError`` if two live leases on different streams overlap.
-    - Memory is released by :meth:`trim`, :meth:`close`, when the arena is collected, when a stream or thread it
-      served is gone, and, for device arenas, at interpreter exit before CUDA is torn down.
+    - Memory is released by :meth:`trim`, :meth:`close`, when the arena is collected (what a CUDA graph holds, once
+      the graph is gone, as :meth:`close` frees it), when a stream or thread it served is gone, and, for device
+      arenas, at interpreter exit before CUDA is torn down.
     - ``copy.copy`` and ``copy.deepcopy`` return the arena itself; pickling it is a ``TypeError``.
     """
 
@@ -104,20 +106,26 @@ class Arena:
                 provider.device_id, "provider.device_id",
                 "provider.device_id must be None (host memory) or a CUDA device ordinal",
             )
+        lanes = provider.device_id is None
+        stream_id = None if lanes else getattr(provider, "stream_id", None)  # stream_id(handle) -> int or None
+        self._attach(provider, _Table(threading.RLock(), lanes, stream_id))
+        track_arena(self)
+        if not self._lanes:
+            track_device_arena(self)
+
+    def _attach(self, provider: Any, table: _Table) -> None:
+        """Serve the buffers of ``table`` from ``provider``; once this object is collected, :func:`_collected` frees
+        them. (A forked child's arena starts again with a table of its own: ``_lifecycle.reset_in_child``.)"""
         self.provider = provider
         self._lanes = provider.device_id is None
         self._current = None if self._lanes else getattr(provider, "current_stream", None)
         self._capture = getattr(provider, "capture", None)  # capture(stream) -> the capture under way, or None
-        self._lock = threading.RLock()
-        stream_id = None if self._lanes else getattr(provider, "stream_id", None)  # stream_id(handle) -> int or None
-        self._table = table = _Table(self._lock, self._lanes, stream_id)
+        self._lock = table.lock
+        self._table = table
         self._subs = table.subs  # the table's own dict and queues, read directly on the fast paths
         self._dead, self._to_free = table.dead, table.to_free
-        self._finalizer = weakref.finalize(self, release_all, provider, table)
+        self._finalizer = weakref.finalize(self, _collected, provider, table)
         self._finalizer.atexit = False  # at exit, device arenas are released by an atexit handler instead
-        track_arena(self)
-        if not self._lanes:
-            track_device_arena(self)
 
     # ---------------------------------------------------------------------------------------------- public
     @property
@@ -430,3 +438,25 @@ class Arena:
             give_back(self.provider, self._to_free)
         else:
             _pinning.give_back(self, key)
+
+
+def _collected(provider: Any, table: _Table) -> None:
+    """Finalizer of a collected arena (never one's at interpreter exit): what it held goes to an heir, a closed arena
+    over the same table (the collected one stays gone), which frees it as :meth:`Arena.close` frees a closed arena's
+    and is kept while a graph or a capture under way holds some of it; a buffer a graph holds is freed once the graph
+    is gone (:func:`~wsarena.arena._lifecycle.release_closed`). Its streams may be gone with the arena: each buffer is
+    freed with no stream (:meth:`_Table.let_go_collected`), once no capture the arena knew of may be under way.
+
+    An interrupt here leaves the heir to its own finalizer, which is this function again; one before the heir is made
+    leaves the buffers to their owner objects' collection."""
+    if sys.is_finalizing():
+        return
+    if table.subs or table.kept or table.to_free or table.unplaced:
+        heir = Arena.__new__(Arena)
+        heir._attach(provider, table)
+        track_arena(heir)  # a forked child starts it again. At exit, release_closed's list has it: no lock taken here
+        with table.lock:
+            table.closed = True
+            table.let_go_collected()
+        heir.close()
+    free_posted()

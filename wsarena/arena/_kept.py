@@ -60,7 +60,7 @@ def pinned_bytes(self: _Table, sub: _SubArena | None, key: Hashable) -> int:
 
 
 def let_go_everything(self: _Table) -> None:
-    """At exit, or when the arena is collected: queue every buffer, even under live leases, and forget all.
+    """At exit: queue every buffer, even under live leases, and forget all.
     A buffer a graph still holds is abandoned instead (never freed: the graph may be replayed)."""
     if self.unplaced:
         self.let_go_unplaced()  # while what the arena holds is known
@@ -81,3 +81,21 @@ def let_go_everything(self: _Table) -> None:
             self.totals.frees += 1
             self.to_free.append((block.buffer, None))  # its streams may be gone too
     self.subs.clear()
+
+
+def let_go_collected(self: _Table) -> None:
+    """The arena was collected (no lease can be live: leases hold the arena), and its streams may be gone with it (a
+    raw handle's owner may have let go of both): forget every sub-arena, queue its buffers to be freed with no stream,
+    and keep those a graph holds for it, to be freed with no stream too once it is gone. Unlike :meth:`_Table.forget`,
+    this leaves the records of captures that may be under way: the frees with no stream wait for them."""
+    for sub in list(self.subs.values()):
+        sub.anchor = None
+        for block, retired in ((sub.retired, True), (sub.block, False)):
+            if block is not None:
+                sub._let_go(block, None, block.pinned(), retired)
+        if self.subs.get(sub.key) is sub:
+            del self.subs[sub.key]
+    kept = self.kept
+    for i, (key, block, stream) in enumerate(kept):
+        if stream is not None:
+            kept[i] = (key, block, None)

@@ -1,8 +1,8 @@
-"""Releasing memory when no one will: a collected arena, a closed one that nothing else refers to, interpreter exit;
-and a forked child's arenas.
+"""Releasing memory when no one will: a closed arena that nothing else refers to (and the one a collected arena hands
+what it held to: :func:`wsarena.arena._arena._collected`), interpreter exit; and a forked child's arenas.
 
-Finalizers here never raise (a failed free warns) and do nothing once the interpreter is finalizing; device
-arenas are released by an atexit handler instead, while CUDA is still up.
+Finalizers never raise (a failed free warns) and do nothing once the interpreter is finalizing; device arenas are
+released by an atexit handler instead, while CUDA is still up.
 
 Fork: a child gets a copy of every arena as it was at the fork, with leases and growths of threads that do not
 exist in the child (and maybe the arena's lock held by one of them). ``os.register_at_fork`` makes every arena
@@ -15,7 +15,6 @@ import atexit
 import collections
 import os
 import reprlib
-import sys
 import threading
 import warnings
 import weakref
@@ -23,7 +22,6 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from .. import _forksafe
-from ._pins import free_posted
 from ._table import _Table
 from .streams import PER_THREAD_DEFAULT_STREAM, PerThreadStream, own_per_thread_stream
 
@@ -31,8 +29,8 @@ if TYPE_CHECKING:
     from ._arena import Arena
 
 __all__ = [
-    "device_arenas", "give_back", "keep_parents_memory", "keep_while_holding", "release_all", "release_closed",
-    "track_arena", "track_device_arena",
+    "device_arenas", "give_back", "keep_parents_memory", "keep_while_holding", "release_closed", "track_arena",
+    "track_device_arena",
 ]
 
 
@@ -102,19 +100,10 @@ def _failure(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def release_all(provider: Any, table: _Table) -> None:
-    """Finalizer of a collected arena: free every buffer it held (no lease can be live: leases hold the arena)."""
-    if sys.is_finalizing():
-        return
-    table.let_go_everything()
-    give_back(provider, table.to_free)
-    free_posted()
-
-
 # Closed arenas that still hold something, by id: a buffer a CUDA graph may still use, or one whose free waits for a
-# capture to end. Kept alive here, so that the arena frees them as it frees any (in stream order, and not while a
-# capture may be under way) once it may, where its finalizer, once collected, would abandon those graphs hold for good
-# and free the rest at once. get_arena() replaces a closed arena, and nothing else refers to it then.
+# capture to end. Kept alive here, so that release_closed() frees them (not while a graph or a capture may use them)
+# whether or not anything else refers to the arena: get_arena() replaces a closed arena, and nothing else refers to it
+# then. A collected arena hands what it held to a new closed arena, kept here alike (wsarena.arena._arena._collected).
 _closed_holding: dict[int, Arena] = {}
 
 
@@ -130,10 +119,23 @@ def keep_while_holding(arena: Arena, holding: bool) -> None:
 def release_closed() -> None:
     """Free what closed arenas held for graphs gone since, or for captures over since, and let go of those that hold
     nothing more: each is closed again (:meth:`Arena.close` is idempotent, and frees what it may). Called by every
-    arena's trim, stats and growth, with no arena's lock held; does nothing while no closed arena holds anything."""
+    arena's trim, stats and growth, with no arena's lock held; does nothing while no closed arena holds anything, and
+    closes again only those of which something may be freed or let go now."""
     if _closed_holding:
         for arena in list(_closed_holding.values()):  # list(): one C call, whatever other threads do
-            arena.close()
+            if _may_let_go(arena._table):
+                arena.close()
+
+
+def _may_let_go(table: _Table) -> bool:
+    """Whether closing again an arena of ``table``, closed, may free or let go of something: a buffer is queued, a
+    lease or a growth is left, a graph it kept a buffer for, or one it recorded a capture for, is gone, or it holds
+    nothing at all (then it is let go). No lock, and nothing changed: each list is read in one C call, and a graph once
+    gone stays gone."""
+    if table.to_free or table.subs or table.unplaced or not (table.kept or table.captures):
+        return True
+    pins = [pin for _, block, _ in list(table.kept) for pin in list(block.pins) or (None,)]
+    return any(pin is None or not pin.live() for pin in pins + list(table.captures.values()))
 
 
 # Every arena, for the fork handler: weak references without callbacks (a callback is Python code, where an
@@ -182,17 +184,13 @@ def reset_in_child(arena: Arena) -> None:
     unreleased for good, and refuses every lease and reserve with a ``RuntimeError`` that says why.
     """
     old = arena._table
-    arena._lock = threading.RLock()
-    table = _Table(arena._lock, arena._lanes, old.stream_id)
+    table = _Table(threading.RLock(), arena._lanes, old.stream_id)
     table.closed = old.closed
     if not arena._lanes:
         table.closed = table.forked = True
         keep_parents_memory(old)
-    arena._table = table
-    arena._subs, arena._dead, arena._to_free = table.subs, table.dead, table.to_free
     arena._finalizer.detach()
-    arena._finalizer = weakref.finalize(arena, release_all, arena.provider, table)
-    arena._finalizer.atexit = False
+    arena._attach(arena.provider, table)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -220,6 +218,8 @@ def track_device_arena(arena: Arena) -> None:
 def _shutdown_device_arenas() -> None:
     with _device_lock:
         arenas = list(_device_arenas)
+    # and the heirs of collected arenas that still hold something (wsarena.arena._arena._collected), not tracked here
+    arenas += [arena for arena in list(_closed_holding.values()) if not arena._lanes and arena not in arenas]
     for arena in arenas:
         _shutdown(arena)
 

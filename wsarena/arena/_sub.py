@@ -104,7 +104,7 @@ class _ThisThread(threading.local):
 this_thread = _ThisThread()
 
 
-# Buffers of arenas collected (or shut down) while a graph still held them: kept, never freed, for that graph.
+# Buffers of device arenas shut down at exit while a graph still held them: kept, never freed, for that graph.
 abandoned: list[Any] = []
 
 

@@ -473,3 +473,4 @@ class _Table:
     unstream_kept = _kept.unstream_kept
     pinned_bytes = _kept.pinned_bytes
     let_go_everything = _kept.let_go_everything
+    let_go_collected = _kept.let_go_collected
