@@ -89,7 +89,7 @@ _CHECKED_AFTER = {dis.opmap[name] for name in ("CALL", "JUMP_BACKWARD") if name 
 
 def interrupt_at_check(
     n: int, function: Callable[..., Any], *args: Any, skip: Callable[[Any], bool] = lambda code: False,
-    after: Callable[[], bool] = lambda: True,
+    after: Callable[[], bool] = lambda: True, instead: Callable[[], Any] | None = None,
 ) -> bool:
     """Call ``function(*args)``, raising ``KeyboardInterrupt`` once at the ``n``-th place of that run where CPython
     runs signal handlers: as a Python function starts, just after a call returns, and at a loop's jump back (the
@@ -98,7 +98,8 @@ def interrupt_at_check(
     meanwhile), leaving out frames whose code object ``skip`` accepts. Returns whether it was raised (the exception
     is swallowed here). Stepping ``n`` from 1 until this returns ``False`` delivers a Ctrl-C at every such place of
     the run, one run each. ``after``: places are counted only once it returns true (once the run raised a first
-    Ctrl-C of the caller's own, say, for a second on its heels).
+    Ctrl-C of the caller's own, say, for a second on its heels). ``instead``: called there rather than raising (what
+    another thread does, which CPython may switch to at those places too).
     """
     checks = 0
     fired = False
@@ -124,6 +125,9 @@ def interrupt_at_check(
             checks += 1
             if checks == n:
                 fired = True
+                if instead is not None:
+                    instead()
+                    return None
                 raise KeyboardInterrupt(f"at check {n}: {frame.f_code.co_qualname}:{frame.f_lineno}")
         return trace
 

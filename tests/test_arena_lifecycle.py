@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from wsarena.arena import Arena
+from wsarena.arena import Arena, _lifecycle
 from wsarena.arena._stats import aligned_size
 from wsarena.arena.streams import ThreadLane
 from wsarena.arena.testing import FakeStream, RecordingProvider
+
+from .interrupts import interrupt_at_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -292,6 +294,39 @@ def test_what_a_collected_device_arena_left_waiting_is_released_at_exit():
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert result.stdout.split("\n")[:2] == ["freed 0 held 2", "freed 1 held 1"]
+
+
+def test_an_arena_made_by_another_thread_while_one_prunes_the_list_of_arenas_is_tracked():
+    """Every arena is on the list a forked child starts again from (and that a free with no stream asks for the
+    captures of the device), which drops its dead entries as it reaches each power of two. Another thread makes an
+    arena at each place a thread switch may come while one thread's new arena prunes the list, one run each: both are
+    listed. Once, the pruning thread rebound the list to its pruned copy, and an arena listed meanwhile on the old one
+    was lost: a forked child did not start it again (it kept leases and locks of threads gone), and the arenas of its
+    device did not see its captures."""
+    provider = RecordingProvider(device_id=0)
+    n = 1
+    while True:
+        filler = []
+        while not (len(_lifecycle._arenas) >= 64 and len(_lifecycle._arenas) & (len(_lifecycle._arenas) - 1) == 0):
+            filler.append(Arena(provider))  # the next arena made prunes the list
+        made = []
+
+        def make(made=made):
+            made.append(Arena(provider))
+
+        def another_thread():
+            thread = threading.Thread(target=make)
+            thread.start()
+            thread.join(10)
+
+        fired = interrupt_at_check(
+            n, make, skip=lambda code: code.co_name not in ("track_arena", "<listcomp>"), instead=another_thread
+        )
+        assert all(arena in _lifecycle.device_arenas(0) for arena in made + filler), f"switched at check {n}"
+        if not fired:
+            break
+        n += 1
+    assert n > 3  # it reached the pruning, not only the call
 
 
 @pytest.mark.gpu

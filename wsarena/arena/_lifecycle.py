@@ -139,23 +139,28 @@ def _may_let_go(table: _Table) -> bool:
 
 
 # Every arena, for the fork handler: weak references without callbacks (a callback is Python code, where an
-# interrupt would be lost), the dead ones dropped as the list grows.
-_arenas: list[weakref.ref[Arena]] = []
+# interrupt would be lost), by their ids, the dead ones dropped as it grows. Each entry is added and dropped by its own
+# key, one C call, and the dict is never replaced by a pruned copy: an arena that another thread (or a finalizer that
+# runs meanwhile) adds while one prunes stays on it.
+_arenas: dict[int, weakref.ref[Arena]] = {}
 _parents_memory: list[Any] = []  # in a forked child: device arenas' tables of the parent, never released
 
 
 def track_arena(arena: Arena) -> None:
     """Remember ``arena``, so that a forked child resets it."""
-    global _arenas
-    if len(_arenas) >= 64 and len(_arenas) & (len(_arenas) - 1) == 0:  # at each power of two
-        _arenas = [ref for ref in _arenas if ref() is not None]
-    _arenas.append(weakref.ref(arena))
+    n = len(_arenas)
+    if n >= 64 and n & (n - 1) == 0:  # at each power of two
+        for key, ref in list(_arenas.items()):  # list(): one C call, whatever other threads do
+            if ref() is None:
+                _arenas.pop(key, None)
+    ref = weakref.ref(arena)
+    _arenas[id(ref)] = ref
 
 
 def device_arenas(device: int) -> list[Arena]:
     """The arenas of CUDA device ``device`` that live now (closed ones too). No lock: the list of every arena is read
     in one C call, so that an interrupt here leaves nothing held."""
-    live = (ref() for ref in list(_arenas))
+    live = (ref() for ref in list(_arenas.values()))
     return [arena for arena in live if arena is not None and arena.device == device]
 
 
@@ -166,7 +171,7 @@ def keep_parents_memory(table: _Table) -> None:
 
 
 def _after_fork_in_child() -> None:
-    for ref in _arenas:
+    for ref in list(_arenas.values()):
         arena = ref()
         if arena is not None:
             reset_in_child(arena)
