@@ -95,6 +95,20 @@ def test_offsets_are_every_kernel_position_covering_ones_first(g):
     assert p.padded == (not all(e[3] for e in expected))
 
 
+def test_offsets_read_twice_are_every_offset_each_time(monkeypatch):
+    """A plan's offsets, kept or made afresh, are every offset each time they are read: made afresh, they were an
+    iterator, which a second read found empty."""
+    p = plan(conv_geometry((1, 2, 6, 6), (2, 2, 3, 3), padding=1))
+    for keep in (_cpu_lowering.KEEP, 0):
+        monkeypatch.setattr(_cpu_lowering, "KEEP", keep)
+        p.memo.clear()
+        offsets = p.offsets
+        first = list(offsets)
+        assert list(offsets) == first
+        assert len(first) == len(offsets) == 9
+    p.memo.clear()
+
+
 def _im2col_by_definition(xp, g, r0, r1):
     """The canonical columns ``(B, *O, G, Cg, *R)`` of output rows ``[r0, r1)``: the input each (output, kernel
     index) pair reads, from an explicitly zero-padded copy."""

@@ -41,6 +41,7 @@ __all__ = [
     "KEEP",
     "Axis",
     "Offset",
+    "Offsets",
     "Plan",
     "Rows",
     "act_view",
@@ -226,6 +227,26 @@ def _kept(p: Plan, key: Any, make: Callable[[], Iterable]) -> Iterable:
     return found
 
 
+class Offsets:
+    """Every kernel offset of a plan, fully covering ones first (then row-major): each iteration goes through all
+    of them, kept (:func:`_keep`) or made afresh."""
+
+    __slots__ = ("_plan",)
+
+    def __init__(self, p: Plan) -> None:
+        self._plan = p
+
+    def __iter__(self) -> Iterator[Offset]:
+        p = self._plan
+        found = p.memo.get("offsets")
+        if found is None:
+            found = _kept(p, "offsets", lambda: _offsets(p.axes))
+        return iter(found)
+
+    def __len__(self) -> int:
+        return self._plan.kprod
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
     """What every algorithm needs to know about a geometry, computed once (cached per geometry).
@@ -249,10 +270,9 @@ class Plan:
     memo: dict = dataclasses.field(default_factory=dict)  # views, row blocks and offsets, filled lazily
 
     @property
-    def offsets(self) -> Iterable[Offset]:
-        """Every kernel offset, fully covering ones first (then row-major): a tuple where the plan has room
-        for them (:data:`KEEP`), else an iterator made afresh at each access."""
-        return _kept(self, "offsets", lambda: _offsets(self.axes))
+    def offsets(self) -> Offsets:
+        """Every kernel offset, fully covering ones first (then row-major), as often as it is iterated."""
+        return Offsets(self)
 
 
 @functools.lru_cache(maxsize=512)
