@@ -299,7 +299,7 @@ def test_kept_and_made_afresh_plans_give_the_same_bits(case, layout, monkeypatch
         outs = []
         for keep in (10**9, 0):
             monkeypatch.setattr(_cpu_lowering, "KEEP", keep)
-            _cpu_lowering.plan(g).memo.clear()
+            _cpu_lowering.forget()
             found = {}
             for pass_ in PASSES:
                 a, b, shape = _args(pass_, g, x, w, dy)
@@ -309,7 +309,7 @@ def test_kept_and_made_afresh_plans_give_the_same_bits(case, layout, monkeypatch
                     found[algo] = out.tobytes()
             outs.append(found)
         assert outs[0] == outs[1]
-    _cpu_lowering.plan(g).memo.clear()
+    _cpu_lowering.forget()
 
 
 def test_workspace_larger_than_needed_and_unaligned():

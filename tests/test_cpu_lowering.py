@@ -76,7 +76,7 @@ def test_offsets_are_every_kernel_position_covering_ones_first(g):
     p = plan(g)
     expected = _expected_offsets(g)
     for keep in (_cpu_lowering.KEEP, 0):
-        p.memo.clear()
+        _cpu_lowering.forget()
         _cpu_lowering.KEEP, saved = keep, _cpu_lowering.KEEP
         try:
             offsets = list(p.offsets)
@@ -101,12 +101,12 @@ def test_offsets_read_twice_are_every_offset_each_time(monkeypatch):
     p = plan(conv_geometry((1, 2, 6, 6), (2, 2, 3, 3), padding=1))
     for keep in (_cpu_lowering.KEEP, 0):
         monkeypatch.setattr(_cpu_lowering, "KEEP", keep)
-        p.memo.clear()
+        _cpu_lowering.forget()
         offsets = p.offsets
         first = list(offsets)
         assert list(offsets) == first
         assert len(first) == len(offsets) == 9
-    p.memo.clear()
+    _cpu_lowering.forget()
 
 
 def _im2col_by_definition(xp, g, r0, r1):
@@ -140,7 +140,7 @@ def test_im2col_writes_what_each_output_reads_at_each_kernel_index(g, cut, seed)
     xp = _cpu_lowering.act_view(x, g.layout, g.groups)
     expected = _im2col_by_definition(xp, g, r0, r1)
     for keep in (_cpu_lowering.KEEP, 0):
-        p.memo.clear()
+        _cpu_lowering.forget()
         _cpu_lowering.KEEP, saved = keep, _cpu_lowering.KEEP
         try:
             col = np.full(expected.shape, np.nan)
@@ -148,7 +148,7 @@ def test_im2col_writes_what_each_output_reads_at_each_kernel_index(g, cut, seed)
         finally:
             _cpu_lowering.KEEP = saved
         np.testing.assert_array_equal(col, expected)
-    p.memo.clear()
+    _cpu_lowering.forget()
 
 
 def _col2im_offset_by_offset(col, xp, p, r0, r1, overwrite):
@@ -195,7 +195,7 @@ def test_col2im_adds_in_the_offsets_order(g, cut, overwrite, seed):
     expected = xp.copy()
     _col2im_offset_by_offset(col, expected, p, r0, r1, overwrite)
     for keep in (_cpu_lowering.KEEP, 0):
-        p.memo.clear()
+        _cpu_lowering.forget()
         _cpu_lowering.KEEP, saved = keep, _cpu_lowering.KEEP
         try:
             got = xp.copy()
@@ -203,7 +203,7 @@ def test_col2im_adds_in_the_offsets_order(g, cut, overwrite, seed):
         finally:
             _cpu_lowering.KEEP = saved
         assert got.tobytes() == expected.tobytes()
-    p.memo.clear()
+    _cpu_lowering.forget()
 
 
 def test_a_kernel_longer_than_its_outputs_is_cut_by_output():
@@ -246,6 +246,7 @@ def test_planning_a_large_kernel_makes_nothing_per_kernel_element():
     sizes, not their product: a 300x300 kernel (90,000 offsets, some 60 MiB when the plan made them all)."""
     g = conv_geometry((1, 1, 300, 300), (1, 1, 300, 300), padding=150)
     plan.cache_clear()
+    _cpu_lowering.forget()
 
     def planned():
         sizes = [cpu.workspace_size(p, a, g) for p, algos in cpu.ALGORITHMS.items() for a in algos]
@@ -256,15 +257,7 @@ def test_planning_a_large_kernel_makes_nothing_per_kernel_element():
 
 
 def _run_every_algorithm(g, algos=4):
-    rng = np.random.default_rng(0)
-    x, w, dy = (rng.standard_normal(s) for s in (g.input_shape, g.weight_shape, g.output_shape))
-    operands = {
-        "fwd": (x, w, g.output_shape), "bwd_data": (dy, w, g.input_shape), "bwd_filter": (x, dy, g.weight_shape)
-    }
-    for pass_ in PASSES:
-        a, b, shape = operands[pass_]
-        for algo in cpu.ALGORITHMS[pass_][:algos]:
-            cpu.run(pass_, algo, g, a, b, np.empty(shape), np.empty(cpu.workspace_size(pass_, algo, g), np.uint8))
+    _outputs(g, {algo for names in cpu.ALGORITHMS.values() for algo in names[:algos]})
     return plan(g)
 
 
@@ -274,34 +267,129 @@ def test_running_a_large_kernel_keeps_nothing_per_tile_and_offset(monkeypatch):
     monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", 1)
     g = conv_geometry((1, 2, 40), (2, 2, 1100), padding=550, dtype="float64")
     plan.cache_clear()
+    _cpu_lowering.forget()
     _, _, kept = _traced(lambda: _run_every_algorithm(g))
     assert kept < 2 << 20, kept
 
 
-def test_a_plan_keeps_at_most_keep_items(monkeypatch):
-    """Past KEEP items a plan keeps nothing more: the 16 tiles of a 1x600 kernel over 16 channels (a column
-    matrix out of cache, lowered one kernel index at a time, 600 boxes a tile) are made afresh in each call
-    once 1000 items are kept (0.6 MiB; keeping them all would hold 1.6 MiB)."""
+def _held():
+    """The items the plans keep, as their owners count them, checked against the total and the plans' memos."""
+    owners = list(_cpu_lowering._held)
+    items = sum(o.items for o in owners)
+    assert items == _cpu_lowering._total
+    for o in owners:
+        assert all(key in o.memo for key in o.keys)
+    return items
+
+
+def test_the_plans_keep_at_most_keep_items_in_all(monkeypatch):
+    """Past KEEP items in all, across plans, nothing more is kept: ten geometries of a 1x600 kernel over 16 channels
+    (a column matrix out of cache, lowered one kernel index at a time, 600 boxes a tile, 16 tiles) run in turn, in
+    tiles of one row, keep 760 items between them (0.3 MiB), where each plan kept up to KEEP items of its own
+    (6,160 items, 1.2 MiB), and their passes give the bits they give keeping nothing."""
     monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", 1)
+    geometries = [conv_geometry((1, 16, 16, 20 + i), (4, 16, 1, 600), padding=(0, 300), dtype="float64")
+                  for i in range(10)]
+    monkeypatch.setattr(_cpu_lowering, "KEEP", 0)
+    _cpu_lowering.forget()
+    expected = [_outputs(g, ("gemm_tiled",)) for g in geometries]
+    assert _held() == 0
     monkeypatch.setattr(_cpu_lowering, "KEEP", 1000)
-    g = conv_geometry((1, 16, 16, 20), (4, 16, 1, 600), padding=(0, 300), dtype="float64")
-    plan.cache_clear()
-    p, _, kept = _traced(lambda: _run_every_algorithm(g, algos=2))
-    assert 0 < p.memo["kept"] <= 1000
-    assert kept < 1 << 20, kept
+
+    def loop():
+        for _ in range(3):
+            for g, out in zip(geometries, expected):
+                assert _outputs(g, ("gemm_tiled",)) == out
+
+    _, _, kept = _traced(loop)
+    assert 0 < _held() <= 1000
+    assert kept < 3 << 18, kept
+
+
+def _outputs(g, algos):
+    """The bytes of the outputs of ``algos`` (names, of any pass) on ``g``, from fixed operands."""
+    rng = np.random.default_rng(0)
+    x, w, dy = (rng.standard_normal(s) for s in (g.input_shape, g.weight_shape, g.output_shape))
+    operands = {
+        "fwd": (x, w, g.output_shape), "bwd_data": (dy, w, g.input_shape), "bwd_filter": (x, dy, g.weight_shape)
+    }
+    found = []
+    for pass_ in PASSES:
+        a, b, shape = operands[pass_]
+        for algo in cpu.ALGORITHMS[pass_]:
+            if algo in algos:
+                out = np.empty(shape)
+                cpu.run(pass_, algo, g, a, b, out, np.empty(cpu.workspace_size(pass_, algo, g), np.uint8))
+                found.append(out.tobytes())
+    return found
+
+
+def _counted(monkeypatch):
+    """A list that counts the blocks of rows im2col and col2im make their boxes for, kept or not."""
+    made = []
+    cuts = _cpu_lowering._cuts
+
+    def counted(p, block, axes):
+        made.append(block.row0)
+        return cuts(p, block, axes)
+
+    monkeypatch.setattr(_cpu_lowering, "_cuts", counted)
+    return made
+
+
+def test_a_steady_loop_takes_the_room_of_calls_that_stopped(monkeypatch):
+    """A call that ran once (a search's candidate that was not chosen) keeps what it made while there is room; the
+    call that then runs again and again finds little, but from its second run on takes that room, and from its
+    third makes nothing: its 12 tiles' boxes are kept. The plans kept what was made first, and the loop made its
+    boxes afresh in every run."""
+    monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", 1)
+    monkeypatch.setattr(_cpu_lowering, "KEEP", 100)
+    g = conv_geometry((1, 2, 12, 12), (2, 2, 5, 5), padding=2, dtype="float64")
+    made = _counted(monkeypatch)
+    _cpu_lowering.forget()
+    expected = _outputs(g, ("gemm_tiled",))
+    _cpu_lowering.forget()
+    _outputs(g, ("col2im_tiled",))  # 12 tiles: 94 items
+    assert _held() > 90
+    runs = []
+    for _ in range(3):
+        made.clear()
+        assert _outputs(g, ("gemm_tiled",)) == expected
+        runs.append(len(made))
+    assert runs[0] == 12 and runs[2] == 0, runs
+    assert _held() <= 100
+
+
+def test_a_steady_loop_larger_than_the_room_keeps_what_it_kept_first(monkeypatch):
+    """Two calls that run in turn, 72 and 94 items in a room of 100, do not take each other's room: the first keeps
+    its boxes, the second makes most of its own in each run. Letting go of the first's for the second's would
+    make both of them afresh in every run."""
+    monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", 1)
+    monkeypatch.setattr(_cpu_lowering, "KEEP", 100)
+    _cpu_lowering.forget()
+    g = conv_geometry((1, 2, 12, 12), (2, 2, 5, 5), padding=2, dtype="float64")
+    made = _counted(monkeypatch)
+    for _ in range(3):
+        made.clear()
+        _outputs(g, ("gemm_tiled",))
+        first = len(made)
+        _outputs(g, ("col2im_tiled",))
+        second = len(made) - first
+    assert first == 0 and second > 6, (first, second)
+    assert _held() <= 100
 
 
 def test_threads_keeping_at_once_keep_at_most_keep_items_each_counted_once(monkeypatch):
-    """Plans are shared by threads. Two that make items for different keys at once, each having read the plan's
+    """Plans are shared by threads. Two that make items for different keys at once, each having read the
     count before the other added to it, keep no more than KEEP between them; two that make one key, the second
     done after the first checked for it, count its items once."""
     monkeypatch.setattr(_cpu_lowering, "KEEP", 3)
     p = plan(conv_geometry((1, 1, 5), (1, 1, 3)))
 
     def held():
-        return sum(len(v) for k, v in p.memo.items() if k != "kept")
+        return sum(len(p.memo[key]) for key in "xyz" if key in p.memo)
 
-    p.memo.clear()
+    _cpu_lowering.forget()
     both_read = threading.Barrier(2, timeout=10)
 
     def make():  # two items, the end once the other thread has read the count too
@@ -313,9 +401,9 @@ def test_threads_keeping_at_once_keep_at_most_keep_items_each_counted_once(monke
         t.start()
     for t in threads:
         t.join()
-    assert held() == p.memo["kept"] == 2  # one key kept, not both (4 items)
+    assert held() == _held() == 2  # one key kept, not both (4 items)
 
-    p.memo.clear()
+    _cpu_lowering.forget()
     monkeypatch.setattr(_cpu_lowering, "KEEP", 4)
     checked, made = threading.Event(), threading.Event()
 
@@ -330,5 +418,5 @@ def test_threads_keeping_at_once_keep_at_most_keep_items_each_counted_once(monke
     assert _cpu_lowering._kept(p, "z", lambda: "ab") == ("a", "b")
     made.set()
     second.join()
-    assert held() == p.memo["kept"] == 2
-    p.memo.clear()
+    assert held() == _held() == 2
+    _cpu_lowering.forget()

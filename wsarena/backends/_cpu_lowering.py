@@ -18,8 +18,10 @@ reads input ``i = o*s - p + j*d``, which lies inside the input exactly for ``o``
 A plan keeps these bounds per dimension and kernel index (:class:`Axis`), the sum of the kernel's sizes, and
 planning (all the workspace sizes, and so ``wsarena report``, need) makes nothing per kernel element. An
 offset, one kernel index per dimension, is made from its dimensions' bounds where an algorithm walks the
-offsets; what the algorithms make from the bounds (offsets, blocks of rows, boxes and their index pairs) is
-kept in the plan up to :data:`KEEP` items in all, and made afresh in each call beyond.
+offsets; what the algorithms make from the bounds (offsets, blocks of rows, boxes and their index pairs,
+windows) is kept in the plan's memo, up to :data:`KEEP` items across all plans, and made afresh in each call
+beyond. What a run of one pass and algorithm keeps is its own (:func:`begin_run`), and a run that finds no room
+takes that of runs that have not run since it last did (:func:`_keep`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -45,9 +48,11 @@ __all__ = [
     "Plan",
     "Rows",
     "act_view",
+    "begin_run",
     "blocks",
     "col2im",
     "col_view",
+    "forget",
     "im2col",
     "merge_pixels",
     "plan",
@@ -76,11 +81,11 @@ class Offset(NamedTuple):
     full_in: bool
 
 
-# A plan keeps up to this many items (offsets, boxes, blocks of rows) of what the algorithms make from its
-# axes, a few hundred bytes each: the per-call cost of a small convolution is Python's. Beyond, they are made
-# afresh in each call, and used as they come, so that what a plan holds does not grow with its kernel times
-# its tiles; those calls make a NumPy call or two per item anyway.
-KEEP = 1 << 15
+# The plans keep up to this many items in all (offsets, boxes, blocks of rows, windows) of what the algorithms
+# make from their axes, a few hundred bytes each (25 to 40 MiB in all): the per-call cost of a small convolution
+# is Python's. Beyond, they are made afresh in each call, and used as they come, so that what the plans hold
+# does not grow with their number, kernels or tiles; those calls make a NumPy call or two per item anyway.
+KEEP = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -141,13 +146,14 @@ class Axis:
         steps = itertools.repeat(self.stride)
         return list(map(slice, lo.tolist(), hi.tolist())), list(map(slice, start.tolist(), stop.tolist(), steps))
 
-    @functools.cached_property
+    @property
     def parts(self) -> list[tuple[int, slice, slice]]:
-        """``(j, out, inp)`` per live kernel index ``j``: what the boxes of im2col and col2im are made of."""
+        """``(j, out, inp)`` per live kernel index ``j``: what the boxes of im2col and col2im are made of (made at
+        each access: what is made from them is kept)."""
         js = np.flatnonzero(self.live)
         return list(zip(js.tolist(), *self._slices(js)))
 
-    @functools.cached_property
+    @property
     def entries(self) -> list[tuple]:
         """``(j, out, inp, lo, hi, empty, full_out, full_in)`` per kernel index: the pieces of an :class:`Offset`."""
         lo, hi = self.lo.tolist(), self.hi.tolist()
@@ -189,15 +195,88 @@ def _offsets(axes: tuple[Axis, ...]) -> Iterator[Offset]:
         yield Offset(kernel, out, inp, lo, hi, any(empty), all(fo), all(fi))
 
 
-# Guards every plan's count of kept items with what it keeps under it: plans are shared by threads, and two
-# that read the count before either added to it would both take the same room (or keep one key twice).
+class _Owner:
+    """A run of one pass and algorithm on one plan (or what is made outside a run, under ``None``): the keys of the
+    plan's memo that it keeps, the items they hold, and when it last ran and the time before (ticks of
+    :data:`_TICKS`)."""
+
+    __slots__ = ("items", "keys", "last", "memo", "prev", "stale", "swept")
+
+    def __init__(self, memo: dict) -> None:
+        self.memo = memo
+        self.keys: list[Any] = []
+        self.items = 0
+        self.last = self.prev = 0
+        self.swept = -1  # the run (its tick) whose owners to let go were looked for
+        self.stale: list[_Owner] = []  # those, the oldest last
+
+
+_TICKS = itertools.count(1)  # one per run
+_running = threading.local()  # .owner: the run last begun in this thread
+# Guards the owners' keys and counts, _held and _total: plans are shared by threads, and two that read the count
+# before either added to it would both take the same room (or keep one key twice).
 _KEEPING = _forksafe.lock()
+_held: dict[_Owner, None] = {}  # the owners that keep items
+_total = 0  # the items they keep
+
+
+def begin_run(p: Plan, pass_: str, algo: str) -> None:
+    """A run of ``algo`` for ``pass_`` on ``p`` starts in this thread: what it keeps is its own (:func:`_keep`)."""
+    owner = p.calls.get((pass_, algo))
+    if owner is None:
+        owner = p.calls.setdefault((pass_, algo), _Owner(p.memo))
+    owner.prev, owner.last = owner.last, next(_TICKS)
+    _running.owner = owner
+
+
+def _owner(p: Plan) -> _Owner:
+    """The run this thread is in, if on ``p``; else ``p``'s owner of what is made outside a run."""
+    owner = getattr(_running, "owner", None)
+    if owner is not None and owner.memo is p.memo:
+        return owner
+    found = p.calls.get(None)
+    return found if found is not None else p.calls.setdefault(None, _Owner(p.memo))
+
+
+def _spare(owner: _Owner) -> int:
+    """Under :data:`_KEEPING`: the items of the owners ``owner`` may let go, those that have not run since it last
+    ran before this run (a steady loop's other calls all have). Looked for once a run."""
+    if owner.swept != owner.last:
+        owner.swept = owner.last
+        owner.stale = sorted((o for o in _held if o.last < owner.prev), key=lambda o: -o.last) if owner.prev else []
+    return sum(o.items for o in owner.stale if o.last < owner.prev)
+
+
+def _let_go(owner: _Owner) -> None:
+    """Under :data:`_KEEPING`: ``owner``'s items, out of its plan's memo."""
+    global _total
+    for key in owner.keys:
+        owner.memo.pop(key, None)
+    _total -= owner.items
+    owner.keys, owner.items = [], 0
+    _held.pop(owner, None)
+
+
+def forget() -> None:
+    """Let go of every item the plans keep."""
+    with _KEEPING:
+        for owner in list(_held):
+            _let_go(owner)
 
 
 def _keep(p: Plan, key: Any, build: Callable[[list[Iterable]], Any], *parts: Iterable) -> Any:
-    """``build(found)``, ``found`` being ``parts`` as tuples where the plan's room for :data:`KEEP` items holds them
-    all, then kept under ``key`` (or what another thread kept there first); else as iterators to read once."""
-    room = free = KEEP - p.memo.get("kept", 0)
+    """``build(found)``, ``found`` being ``parts`` as tuples where the room for :data:`KEEP` items holds them all,
+    then kept under ``key`` as this run's (or what another thread kept there first); else as iterators to read
+    once.
+
+    The room is what the plans do not keep, and what the owners that have not run since this one's previous run
+    keep (:func:`_spare`): those are let go, the least recently run first, once this run needs their room. So a
+    steady loop's calls keep what they made first, and take the room of calls that stopped (a search's other
+    candidates, geometries no longer seen), not each other's; a call's first run lets go of nothing."""
+    global _total
+    owner = _owner(p)
+    with _KEEPING:
+        room = free = KEEP - _total + _spare(owner)
     found: list[Iterable] = []
     for part in parts:
         items = iter(part)
@@ -207,20 +286,27 @@ def _keep(p: Plan, key: Any, build: Callable[[list[Iterable]], Any], *parts: Ite
     result = build(found)
     if room < 0:
         return result
+    count = max(1, free - room)
     with _KEEPING:
         held = p.memo.get(key)
         if held is not None:
             return held
-        count = p.memo.get("kept", 0) + free - room
-        if count <= KEEP:
-            p.memo["kept"] = count
+        while _total + count > KEEP and owner.stale:
+            stale = owner.stale.pop()
+            if stale.last < owner.prev:
+                _let_go(stale)
+        if _total + count <= KEEP:
             p.memo[key] = result
+            owner.keys.append(key)
+            owner.items += count
+            _total += count
+            _held[owner] = None
     return result
 
 
 def _kept(p: Plan, key: Any, make: Callable[[], Iterable]) -> Iterable:
-    """``make()``'s items: kept in ``p.memo`` under ``key`` as a tuple where the plan has room (:func:`_keep`),
-    else made afresh."""
+    """``make()``'s items: kept in ``p.memo`` under ``key`` as a tuple where there is room (:func:`_keep`), else
+    made afresh."""
     found = p.memo.get(key)
     if found is None:
         found = _keep(p, key, lambda parts: parts[0], make())
@@ -251,8 +337,8 @@ class Offsets:
 class Plan:
     """What every algorithm needs to know about a geometry, computed once (cached per geometry).
 
-    Kernel offsets are not kept here but made on use from ``axes`` (:attr:`offsets`): the workspace sizes
-    need none, and their number is the kernel's product of sizes.
+    Kernel offsets are made on use from ``axes`` (:attr:`offsets`), and kept in ``memo`` where there is room: the
+    workspace sizes need none, and their number is the kernel's product of sizes.
     """
 
     geom: ConvGeometry
@@ -268,6 +354,7 @@ class Plan:
     itemsize: int
     shapes: dict[str, tuple[tuple[int, ...], ...]]  # per pass: the shapes of (a, b, out)
     memo: dict = dataclasses.field(default_factory=dict)  # views, row blocks and offsets, filled lazily
+    calls: dict = dataclasses.field(default_factory=dict)  # (pass, algorithm) or None: its _Owner
 
     @property
     def offsets(self) -> Offsets:
@@ -443,7 +530,8 @@ def _window(xp: np.ndarray, p: Plan, root: np.ndarray, offset: int, block: Rows)
         )
         # A block that reads no padding starts at input row row0*stride - padding (>= 0); in every other
         # dimension the padding is 0 (any padding there would be read by kernel index 0 at output 0).
-        found = p.memo[key] = (shape, strides, (block.row0 * g.stride[0] - g.padding[0]) * st[1])
+        made = (shape, strides, (block.row0 * g.stride[0] - g.padding[0]) * st[1])
+        found = _keep(p, key, lambda parts: made, (made,))
     shape, strides, start = found
     return strided(root, offset + start, shape, strides)
 

@@ -88,7 +88,7 @@ import numpy as np
 from .._geometry import ConvGeometry
 from .._pass import Pass
 from . import _cpu_gemm, _cpu_implicit, _cpu_tiled
-from ._cpu_lowering import plan
+from ._cpu_lowering import begin_run, plan
 
 __all__ = ["ALGORITHMS", "candidates", "run", "run_unchecked", "workspace_size"]
 
@@ -265,6 +265,7 @@ def run_unchecked(pass_: str, algo: str, geom: ConvGeometry, a, b, out, workspac
     """
     kind = _kind(algo)
     p = plan(geom)
+    begin_run(p, pass_, algo)
     if kind == "implicit":
         if pass_ == "fwd":
             _cpu_implicit.forward(p, a, b, out)
