@@ -10,7 +10,8 @@ package named ``wsarena_before``; "after" is the ``wsarena`` beside this script.
 * passes: every algorithm of every pass on a few ordinary geometries and three large kernels, through
   ``cpu.run`` with a workspace of its size, both trees in one process, their calls alternating (after one
   call each that fills the plans' caches): the best of ``--repeat`` calls, so that load from other processes
-  hits both alike. Only the cpu backend's modules of the baseline run, and those import nothing by name.
+  hits both alike. Only the cpu backend's modules of the baseline run, and those import nothing by name. The
+  outputs of the two trees' first calls are compared bit for bit: a row whose bits differ says so.
 
 ``after/before`` below 1 is faster or smaller::
 
@@ -107,7 +108,8 @@ def child_plan(package: str, name: str, repeat: int) -> dict:
 
 def passes(repeat: int):
     """Per geometry, pass and algorithm: the best milliseconds of the baseline's calls and of the working tree's,
-    alternating in this process; yields ``(key, before, after)``."""
+    alternating in this process, and whether their outputs have the same bits; yields ``(key, before, after,
+    same)``."""
     import numpy as np
 
     trees = {package: importlib.import_module(f"{package}.backends.cpu") for package in (BEFORE, "wsarena")}
@@ -122,16 +124,17 @@ def passes(repeat: int):
             for algo in trees["wsarena"].ALGORITHMS[pass_]:
                 ws = np.empty(trees["wsarena"].workspace_size(pass_, algo, g), np.uint8)
                 out = np.empty(shape, g.dtype)
-                best = {}
+                best, bits = {}, set()
                 for package, cpu in trees.items():
                     cpu.run(pass_, algo, gs[package], a, b, out, ws)  # fills the plan's caches
+                    bits.add(out.tobytes())
                 for _ in range(repeat):
                     for package, cpu in trees.items():
                         start = time.perf_counter()
                         cpu.run(pass_, algo, gs[package], a, b, out, ws)
                         took = time.perf_counter() - start
                         best[package] = min(took, best.get(package, took))
-                yield f"{name}|{pass_}|{algo}", best[BEFORE] * 1e3, best["wsarena"] * 1e3
+                yield f"{name}|{pass_}|{algo}", best[BEFORE] * 1e3, best["wsarena"] * 1e3, len(bits) == 1
 
 
 def _run_child(folder: Path, args: list[str]) -> dict:
@@ -204,13 +207,19 @@ def main() -> int:
             print(f"\npasses: best ms of {args.repeat} calls each, alternating\n"
                   f"{'geometry|pass|algorithm':<{width}} {'before':>12} {'after':>12} {'after/before':>12}")
             totals: dict[str, list[float]] = {}
-            for key, before, after in passes(args.repeat):
-                print(_row(key, before, after, "ms", width), flush=True)
+            differ = []
+            for key, before, after, same in passes(args.repeat):
+                print(_row(key, before, after, "ms", width) + ("" if same else "  bits differ"), flush=True)
+                if not same:
+                    differ.append(key)
                 total = totals.setdefault(key.split("|")[0], [0.0, 0.0])
                 total[0] += before
                 total[1] += after
             for name, (before, after) in totals.items():
                 print(_row(f"{name}: all 12", before, after, "ms", width))
+            calls = 12 * len(GEOMETRIES)
+            print(f"outputs: the bits differ in {len(differ)} of {calls} calls" if differ else
+                  f"outputs: the same bits before and after in all {calls} calls")
     return 0
 
 
