@@ -151,6 +151,34 @@ def test_im2col_writes_what_each_output_reads_at_each_kernel_index(g, cut, seed)
     _cpu_lowering.forget()
 
 
+def test_im2col_zeroes_a_block_mostly_of_padding_first(monkeypatch):
+    """Where less than BLANK of a block's columns read real input (a kernel longer than the image), im2col zeroes
+    the whole matrix and then copies box by box; elsewhere it zeroes around each box. Either way, kept or made
+    afresh, in tiles of one row or on the whole image, every column is what its output reads at its kernel index
+    (the columns start as NaN)."""
+    monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", 1)
+    cases = [
+        (conv_geometry((2, 2, 3, 40), (2, 2, 1, 160), padding=(0, 80)), True),  # 1/4 of the columns read input
+        (conv_geometry((2, 5, 9, 3), (3, 7, 7, 1), padding=3, groups=3, layout="NHWC"), True),  # 7x7 over 5x9
+        (conv_geometry((2, 3, 6, 6), (4, 3, 3, 3), padding=1), False),
+    ]
+    for g, blank in cases:
+        p = plan(g)
+        x = np.random.default_rng(0).standard_normal(g.input_shape)
+        xp = _cpu_lowering.act_view(x, g.layout, g.groups)
+        for r0, r1 in ((0, p.osize[0]), (1, 2)):
+            expected = _im2col_by_definition(xp, g, r0, r1)
+            for keep in (_cpu_lowering.KEEP, 0):
+                monkeypatch.setattr(_cpu_lowering, "KEEP", keep)
+                _cpu_lowering.forget()
+                block = rows(p, r0, r1)
+                assert _cpu_lowering._lowering(p, block)[1] == blank
+                col = np.full(expected.shape, np.nan)
+                _cpu_lowering.im2col(xp, col, p, x, 0, block)
+                np.testing.assert_array_equal(col, expected)
+    _cpu_lowering.forget()
+
+
 def _col2im_offset_by_offset(col, xp, p, r0, r1, overwrite):
     """col2im by its definition on output rows ``[r0, r1)``: offset by offset in the plan's order, the columns of
     the outputs that read real input added to the inputs they read; with ``overwrite`` on the whole image, the

@@ -543,13 +543,15 @@ def im2col(xp: np.ndarray, col: np.ndarray, p: Plan, root: np.ndarray, offset: i
     selects a block of output rows (default: the whole image), whose size ``col`` has. Every element of
     ``col`` is written (zeros where the kernel reads padding), so ``col`` may start as garbage. Without
     padding this is one strided copy; with padding, per box of :func:`_lowering` its frames zeroed and one
-    copy.
+    copy, or where a third of the columns or more read padding, all zeroed first and one copy per box.
     """
     block = block or rows(p, 0, p.osize[0])
     if not block.padded:
         np.copyto(col, _window(xp, p, root, offset, block))
         return
-    axes, dead, boxes = _lowering(p, block)
+    axes, blank, dead, boxes = _lowering(p, block)
+    if blank:
+        col[...] = 0
     for frame in dead:
         col[frame] = 0
     for frames, xp_index, col_index in boxes:
@@ -579,6 +581,12 @@ def col2im(col: np.ndarray, xp: np.ndarray, p: Plan, block: Rows | None = None, 
         dst = xp[xp_index] if boxes.axes is None else xp[xp_index].transpose(boxes.axes)
         np.add(dst, col[col_index], out=dst)
 
+
+# im2col zeroes a block's whole column matrix first, then copies what reads real input, where less than this share
+# of its columns reads real input: a memset then the copies writes the real ones twice, but makes one NumPy call
+# a box instead of up to 1 + 2 * dimensions (zeroing the lines around the box, which are strided where a
+# dimension is cut by output). Elsewhere it writes each column once, zeros box by box.
+BLANK = 2 / 3
 
 # An NCHW column matrix of at most this many bytes per image stays in cache while copies stride across its
 # output axes, its innermost ones: only then is one of its dimensions cut by output (tiles, small images).
@@ -610,15 +618,17 @@ def _cuts(p: Plan, block: Rows, axes: tuple[Axis, ...]) -> list[tuple[bool, Axis
     return cuts
 
 
-def _lowering(p: Plan, block: Rows) -> tuple[tuple[int, ...] | None, tuple, Iterable[tuple]]:
-    """What :func:`im2col` writes on a block that reads padding: ``(axes, dead, boxes)``.
+def _lowering(p: Plan, block: Rows) -> tuple[tuple[int, ...] | None, bool, tuple, Iterable[tuple]]:
+    """What :func:`im2col` writes on a block that reads padding: ``(axes, blank, dead, boxes)``.
 
     Each dimension is cut as :func:`_cuts` says. A piece of a cut is a line of the dimension's (output,
     kernel index) pairs, one kernel index or one output, of which a part reads real input; a box is one piece
     per dimension. Per box, ``(frames, xp index, col index)``: the column indices of the rest of its lines
     (zeroed), then its copy, so that the columns of one box are written together (as they were offset by
     offset: out of cache, zeroing all frames first and copying after writes the lines twice). ``dead``
-    zeroes the lines that read no real input. ``axes`` as in :func:`_boxes`. Kept where the plan has room.
+    zeroes the lines that read no real input. With ``blank`` (less than :data:`BLANK` of the block's columns
+    read real input) the whole matrix is zeroed first instead, and there are no frames and no ``dead``.
+    ``axes`` as in :func:`_boxes`. Kept where the plan has room.
     """
     key = ("lowering", block.row0, block.osize)
     found = p.memo.get(key)
@@ -627,6 +637,8 @@ def _lowering(p: Plan, block: Rows) -> tuple[tuple[int, ...] | None, tuple, Iter
     cuts = _cuts(p, block, block.axes)
     nd = len(cuts)
     lead = (slice(None),)
+    reads = math.prod(float((a.hi - a.lo).sum()) / (a.outputs * len(a.lo)) for _, a in cuts)
+    blank = reads < BLANK
     dims: list[list[tuple[Any, ...]]] = []
     dead = []
     spans: list[tuple[slice, slice]] = []  # per dimension: (output, kernel) items, first live line to last
@@ -660,7 +672,9 @@ def _lowering(p: Plan, block: Rows) -> tuple[tuple[int, ...] | None, tuple, Iter
             yield tuple(frames), (*lead, *(c[3] for c in cell)), (*lead, *outs, Ellipsis, *kers)
 
     axes = _axes(cuts)
-    return _keep(p, key, lambda parts: (axes, tuple(parts[0]), parts[1]), dead, boxes())
+    if blank:
+        dead, dims = [], [[(box, line, [], inp) for box, line, _, inp in pieces] for pieces in dims]
+    return _keep(p, key, lambda parts: (axes, blank, tuple(parts[0]), parts[1]), dead, boxes())
 
 
 def _axes(cuts: list[tuple[bool, Axis]]) -> tuple[int, ...] | None:
