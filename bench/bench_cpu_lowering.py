@@ -7,6 +7,9 @@ package named ``wsarena_before``; "after" is the ``wsarena`` beside this script.
   on a cold plan cache, in a fresh process per tree and kernel (the trees taking turns ``--rounds`` times): its
   time (the best of ``--repeat`` cold plans, one where the first took a second) and the memory the first one
   took, at its peak and kept (the process's resident memory, so to about 0.1 MiB);
+* sweep: what the plans keep (tracemalloc) and the time, in a fresh process per tree, after running one large-kernel
+  geometry after another (``--sweep N`` of each of ``SWEEPS``, each geometry's passes twice), as a long-running
+  process that sees many shapes would;
 * passes: every algorithm of every pass on a few ordinary geometries and three large kernels, through
   ``cpu.run`` with a workspace of its size, both trees in one process, their calls alternating (after one
   call each that fills the plans' caches): the best of ``--repeat`` calls, so that load from other processes
@@ -15,8 +18,8 @@ package named ``wsarena_before``; "after" is the ``wsarena`` beside this script.
 
 ``after/before`` below 1 is faster or smaller::
 
-    python bench/bench_cpu_lowering.py [--baseline REV] [--rounds 2] [--repeat 10] [--only plan|passes]
-                                       [--threads N]
+    python bench/bench_cpu_lowering.py [--baseline REV] [--rounds 2] [--repeat 10] [--only plan|sweep|passes]
+                                       [--sweep 20] [--threads N]
 """
 
 from __future__ import annotations
@@ -70,6 +73,15 @@ GEOMETRIES = {
 }
 
 
+# name: (the geometry of step i, its algorithms); each step a new shape of one large kernel
+SWEEPS = {
+    "181x181 kernel, implicit_gemm": (
+        lambda i: ((1, 1, 4, 4 + i), (1, 1, 181, 181), {"padding": 90}), ("implicit_gemm",)),
+    "1-D 4096 kernel, implicit_gemm and gemm_tiled": (
+        lambda i: ((1, 2, 4096 + 16 * i), (2, 2, 4096), {"padding": 2048}), ("implicit_gemm", "gemm_tiled")),
+}
+
+
 def _geometry(package: str, ishape, wshape, kw):
     conv_geometry = importlib.import_module(f"{package}._geometry").conv_geometry
     if kw.get("layout") == "NHWC":
@@ -107,6 +119,43 @@ def child_plan(package: str, name: str, repeat: int) -> dict:
             "module": cpu.__file__}
 
 
+def child_sweep(package: str, name: str, steps: int) -> dict:
+    """Run ``steps`` geometries of sweep ``name`` (the forward pass, each algorithm twice): the memory traced at the
+    end (the plans and what they keep), the items they keep, and the time."""
+    import tracemalloc
+
+    import numpy as np
+
+    cpu = importlib.import_module(f"{package}.backends.cpu")
+    lowering = importlib.import_module(f"{package}.backends._cpu_lowering")
+    shape, algos = SWEEPS[name]
+
+    def run(g, algo: str) -> None:
+        rng = np.random.default_rng(0)
+        x, w = (rng.standard_normal(s).astype(g.dtype) for s in (g.input_shape, g.weight_shape))
+        ws = np.empty(cpu.workspace_size("fwd", algo, g), np.uint8)
+        cpu.run("fwd", algo, g, x, w, np.empty(g.output_shape, g.dtype), ws)
+
+    run(_geometry(package, *shape(10**4)), algos[0])  # NumPy's first calls, not counted
+    lowering.plan.cache_clear()
+    geometries = [_geometry(package, *shape(i)) for i in range(steps)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    start = time.perf_counter()
+    for g in geometries:
+        for _ in range(2):
+            for algo in algos:
+                run(g, algo)
+    took = time.perf_counter() - start
+    traced = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    if hasattr(lowering, "_total"):
+        items = lowering._total
+    else:  # each plan counted its own
+        items = sum(lowering.plan(g).memo.get("kept", 0) for g in geometries)
+    return {"mib": traced / 2**20, "items": items, "s": took, "module": cpu.__file__}
+
+
 def passes(repeat: int):
     """Per geometry, pass and algorithm: the best milliseconds of the baseline's calls and of the working tree's,
     alternating in this process, and whether their outputs have the same bits; yields ``(key, before, after,
@@ -138,10 +187,10 @@ def passes(repeat: int):
                 yield f"{name}|{pass_}|{algo}", best[BEFORE] * 1e3, best["wsarena"] * 1e3, len(bits) == 1
 
 
-def _run_child(folder: Path, args: list[str]) -> dict:
+def _run_child(folder: Path, args: list[str], options: tuple[str, ...] = ()) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(folder)])}
-    out = subprocess.run([sys.executable, __file__, "--child", *args], env=env, capture_output=True, text=True,
-                         check=False, cwd=tempfile.gettempdir())
+    out = subprocess.run([sys.executable, __file__, *options, "--child", *args], env=env, capture_output=True,
+                         text=True, check=False, cwd=tempfile.gettempdir())
     if out.returncode != 0:
         raise SystemExit(f"child {args} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.splitlines()[-1])
@@ -166,12 +215,15 @@ def main() -> int:
     parser.add_argument("--baseline", default="main", help="git revision of the tree measured before")
     parser.add_argument("--rounds", type=int, default=2, help="processes per tree and kernel when planning")
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--only", choices=("plan", "passes"))
+    parser.add_argument("--only", choices=("plan", "sweep", "passes"))
+    parser.add_argument("--sweep", type=int, default=20, help="geometries of each sweep")
     parser.add_argument("--threads", type=int, help="BLAS threads (default: its own); 1 is stable on a busy machine")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child_plan(*args.child, args.repeat)))
+        package, name = args.child
+        found = child_sweep(package, name, args.sweep) if name in SWEEPS else child_plan(package, name, args.repeat)
+        print(json.dumps(found))
         return 0
     import numpy as np
 
@@ -182,7 +234,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         _baseline(args.baseline, folder)
-        if args.only != "passes":
+        if args.only in (None, "plan"):
             width = max(map(len, KERNELS)) + 8
             print(f"\nplanning on a cold cache (plan + 12 workspace sizes), best of {args.rounds} processes each\n"
                   f"{'kernel':<{width}} {'before':>12} {'after':>12} {'after/before':>12}")
@@ -199,7 +251,21 @@ def main() -> int:
                 print(_row(f"{name} time", before["ms"], after["ms"], "ms", width))
                 print(_row(f"{name} peak", before["peak_mib"], after["peak_mib"], "MiB", width))
                 print(_row(f"{name} kept", before["kept_mib"], after["kept_mib"], "MiB", width), flush=True)
-        if args.only != "plan":
+        if args.only in (None, "sweep"):
+            width = max(map(len, SWEEPS)) + 8
+            print(f"\nsweep: {args.sweep} geometries one after another, each geometry's passes twice\n"
+                  f"{'geometries':<{width}} {'before':>12} {'after':>12} {'after/before':>12}")
+            for name in SWEEPS:
+                found = {}
+                for package in (BEFORE, "wsarena"):
+                    found[package] = _run_child(folder, [package, name], ("--sweep", str(args.sweep)))
+                    if not found[package].pop("module").startswith(str(folder if package == BEFORE else ROOT)):
+                        raise SystemExit(f"{package} was not imported from its tree")
+                before, after = found[BEFORE], found["wsarena"]
+                print(_row(f"{name} kept", before["mib"], after["mib"], "MiB", width))
+                print(_row(f"{name} items", before["items"], after["items"], "", width))
+                print(_row(f"{name} time", before["s"], after["s"], "s", width), flush=True)
+        if args.only in (None, "passes"):
             sys.path.insert(0, str(folder))
             sys.path.insert(0, str(ROOT))
             for package in (BEFORE, "wsarena"):
