@@ -192,7 +192,11 @@ def parser() -> _Parser:
     command.add_argument("--version", action="version", version=f"wsarena {__version__}")
     sub = command.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    report = sub.add_parser("report", help="workspace each layer needs, shared vs unshared")
+    report = sub.add_parser(
+        "report", help="workspace each layer needs, shared vs unshared",
+        description="The algorithm and workspace each convolution layer takes per pass, and the arena wsarena holds "
+        "(per stream, the largest workspace) against one workspace per layer and pass.",
+    )
     _model_flags(report)
     report.add_argument(
         "--cap-workspace", type=_size, default=_FROM_CONFIG, metavar="SIZE",
@@ -214,7 +218,13 @@ def parser() -> _Parser:
         help="draw per-layer workspace and the arena (needs wsarena[plot])",
     )
 
-    tune = sub.add_parser("tune", help="step time against the workspace cap, and the cap to pick")
+    tune = sub.add_parser(
+        "tune", help="step time against the workspace cap, and the cap to pick",
+        description="Time every algorithm of every layer and pass once (kept in the search cache), print the step "
+        "time and arena under each cap that changes a choice, and recommend the smallest cap within --max-slowdown. "
+        "Tune at the batch, dtype and layout the job runs: its calls then read these times, under the cap picked "
+        "for them.",
+    )
     _model_flags(tune)
     tune.add_argument(
         "--max-slowdown", type=max_slowdown_arg, default=0.02, metavar="PCT",
@@ -224,7 +234,8 @@ def parser() -> _Parser:
     tune.add_argument("--format", choices=("table", "json", "csv"), default=None, help="default: table")
     tune.add_argument("--plot", type=_file_name, metavar="FILE.png", help="draw the curve (needs wsarena[plot])")
     tune.add_argument("--apply", action="store_true", help="print only the settings that run the tuned choices: "
-                      "WSARENA_CAP_WORKSPACE=<recommended cap> WSARENA_ALGO_SEARCH=exhaustive")
+                      "WSARENA_CAP_WORKSPACE=<recommended cap> WSARENA_ALGO_SEARCH=exhaustive, for "
+                      "export $(wsarena tune MODEL --apply)")
 
     cache = sub.add_parser("cache", help="the persistent search cache: its entries, or empty it")
     cache.add_argument("action", choices=("info", "clear"), help="info: the folder (WSARENA_CACHE_DIR, else the user "
