@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shlex
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 import wsarena
 
@@ -214,3 +216,110 @@ def test_the_tune_json_keys_are_those_the_readme_lists(capsys, tmp_path):
     tuned = json.loads(out)
     assert named == set(tuned), named ^ set(tuned)
     assert all(set(point) == point_keys for point in tuned["curve"]), tuned["curve"]
+
+
+def _python_blocks() -> list[str]:
+    """The README's ``python`` code blocks, in order."""
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    return re.findall(r"^```python\n(.*?)^```$", readme, flags=re.DOTALL | re.MULTILINE)
+
+
+# Each README block by the start of its first line: those the tests below run as written, and those that need a GPU
+# (CUDA streams and graphs, RMM), which they only compile.
+_RUN_HERE = {
+    "ops": "import numpy as np",
+    "convert": "import wsarena, wsarena.torch",
+    "layers": "import json, torch, wsarena, wsarena.torch",
+    "settings": "wsarena.configure(",
+    "arena": "arena = wsarena.get_arena(",
+}
+_GPU_ONLY = ("side = torch.cuda.Stream()", "import cupy, rmm, wsarena", "step()")
+
+
+def _run_block(name: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """Run the README block ``name`` as written, in ``namespace`` (the names it leaves undefined), and return it."""
+    (block,) = [b for b in _python_blocks() if b.startswith(_RUN_HERE[name])]
+    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code, as a user runs it
+    return namespace
+
+
+def test_every_python_block_of_the_readme_compiles_and_is_either_run_by_these_tests_or_needs_a_gpu():
+    blocks = _python_blocks()
+    assert len(blocks) == len(_RUN_HERE) + len(_GPU_ONLY)
+    for block in blocks:
+        compile(block, "README.md", "exec")
+        matches = [s for s in (*_RUN_HERE.values(), *_GPU_ONLY) if block.startswith(s)]
+        assert len(matches) == 1, block.splitlines()[0]
+
+
+def _positive_sums_error(got: Any, ref: Any) -> float:
+    from .reference import error_for_sums
+
+    return error_for_sums(got, ref, ref)  # operands of np.random.rand: no term is negative, the sums are the scale
+
+
+def test_the_ops_block_runs_as_written_and_convolves_as_the_float64_reference():
+    """The README's first Python block, as written: its three passes agree with tests/reference.py within 1e-5 of
+    the sums (float32 sums of 576 terms)."""
+    from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
+
+    ns = _run_block("ops", {})
+    x, w, y = ns["x"], ns["w"], ns["y"]
+    assert _positive_sums_error(y, ref_conv_forward(x, w, padding=1)) <= 1e-5
+    assert _positive_sums_error(ns["dx"], ref_conv_backward_data(y, w, x.shape, padding=1)) <= 1e-5
+    assert _positive_sums_error(ns["dw"], ref_conv_backward_filter(x, y, w.shape, padding=1)) <= 1e-5
+
+
+def test_the_settings_and_arena_blocks_run_as_written():
+    """The settings block leaves its cap configured; the arena block's lease is of the size asked, and its arena
+    holds nothing once trimmed."""
+    ns = _run_block("settings", {"wsarena": wsarena})
+    config = wsarena.get_config()
+    assert (config.cap_workspace, config.algo_search, config.backend) == (256 << 20, "heuristic", "auto")
+    _run_block("arena", ns)
+    assert ns["ws"].nbytes == 1 << 20
+    stats = ns["arena"].stats()
+    assert (stats.capacity_bytes, stats.leases, stats.high_water_bytes) == (0, 0, 1 << 20)  # reserved, trimmed
+
+
+def test_the_pytorch_blocks_run_as_written_train_as_pytorch_and_plan_the_model(monkeypatch, tmp_path, capsys):
+    """``convert`` and its training loop, on a float64 model (convolutions with and without bias, batch norm, a
+    transposed convolution), train it as PyTorch's own convolutions do (1e-10); the block that plans a model prints
+    the plan's arena and writes a ``model.json`` that reads back as the same layers, leaving no file open."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    import wsarena.torch as wt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(),
+        nn.ConvTranspose2d(8, 4, 2, stride=2),
+    ).double()
+    reference = copy.deepcopy(model)
+    loader = [(torch.randn(2, 3, 16, 16, dtype=torch.float64), torch.randn(2, 4, 16, 16, dtype=torch.float64))
+              for _ in range(3)]
+    loss_fn = nn.MSELoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _run_block("convert", {"model": model, "loader": loader, "loss_fn": loss_fn, "optimizer": optimizer})
+    assert [type(m) for m in model if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))] == [
+        wt.Conv2d, wt.Conv2d, wt.ConvTranspose2d]
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, target in loader:
+        optimizer.zero_grad()
+        loss_fn(reference(x), target).backward()
+        optimizer.step()
+    for trained, expected in zip(model.state_dict().values(), reference.state_dict().values(), strict=True):
+        assert torch.allclose(trained, expected, rtol=0, atol=1e-10)
+
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ns = _run_block("layers", {"model": model.float()})  # converted, in the dtype of the block's input
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+    layers = wsarena.load_model("model.json")
+    assert layers == ns["layers"] and [layer.name for layer in layers] == ["0", "3", "5"]
+    assert capsys.readouterr().out == f"{wsarena.plan(layers, batch=32).arena_bytes}\n"
