@@ -222,8 +222,8 @@ def parser() -> _Parser:
         "tune", help="step time against the workspace cap, and the cap to pick",
         description="Time every algorithm of every layer and pass once (kept in the search cache), print the step "
         "time and arena under each cap that changes a choice, and recommend the smallest cap within --max-slowdown. "
-        "Tune at the batch, dtype and layout the job runs: its calls then read these times, under the cap picked "
-        "for them.",
+        "Tune at the batch, dtype and layout the job runs: under the settings --apply prints, its calls then run "
+        "as timed here, under the cap picked for them.",
     )
     _model_flags(tune)
     tune.add_argument(
