@@ -1,5 +1,6 @@
 """Lifecycle: collected arenas, exited threads and dead streams give their memory back exactly once; exit is clean."""
 
+import collections
 import copy
 import gc
 import os
@@ -8,15 +9,19 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
 
+import wsarena.arena._arena as arena_module
 from wsarena.arena import Arena, _lifecycle
 from wsarena.arena._stats import aligned_size
 from wsarena.arena.streams import ThreadLane
 from wsarena.arena.testing import FakeStream, RecordingProvider
 
+from .capture_helpers import S1, freed_on
+from .forking import fork
 from .interrupts import interrupt_at_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +60,97 @@ def test_a_closed_arena_is_not_freed_twice_when_collected():
     del arena
     gc.collect()
     assert len(provider.frees) == 1  # RecordingProvider raises on a second free
+
+
+@pytest.fixture
+def finalizer_runs(monkeypatch):
+    """How many times the finalizer of a collected arena ran for each table of buffers (kept: no id is used again).
+    Past 20 runs for one table it hands the table on no more: a test that would run it for ever fails, not hangs."""
+    runs: collections.Counter[object] = collections.Counter()
+    collected = arena_module._collected
+
+    def counting(provider, table):
+        runs[table] += 1
+        if runs[table] <= 20:
+            collected(provider, table)
+
+    monkeypatch.setattr(arena_module, "_collected", counting)  # before any arena of the test is made
+    return runs
+
+
+class NoCurrentStream(RecordingProvider):
+    """A device provider whose ``current_stream()`` raises while ``failing``."""
+
+    failing = False
+
+    def current_stream(self):
+        if self.failing:
+            raise RuntimeError("no current stream")
+        return super().current_stream()
+
+
+def test_a_collected_arena_whose_buffers_cannot_be_freed_now_is_kept_and_freed_later(finalizer_runs):
+    """A collected arena's finalizer hands its buffers to a closed arena and closes it, which fails: the provider's
+    current_stream(), asked before a free with no stream (would it break a capture?), raises. The finalizer warns once
+    and the closed arena is kept: the next stats() of another arena frees the buffer. Once, the closed arena was let
+    go, and its own finalizer, which hands the buffers on to another closed arena and closes that, ran at once and
+    failed alike, for ever: the program hung where the arena was dropped, printing the error again and again."""
+    provider = NoCurrentStream(device_id=0)
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    ptr, table = arena._subs[S1].block.ptr, arena._table
+    provider.failing = True
+    with pytest.warns(RuntimeWarning, match="freeing what a collected arena held failed: RuntimeError: no current"):
+        del arena  # its last reference: collected at once
+    assert finalizer_runs[table] == 1 and provider.frees == []
+    provider.failing = False
+    Arena(provider).stats()
+    assert freed_on(provider) == [(ptr, None)] and provider.held == []
+
+
+def test_an_arena_collected_near_the_recursion_limit_frees_its_buffer_later(finalizer_runs, monkeypatch):
+    """An arena is dropped at each depth from 40 calls below the recursion limit to the limit, one run each: its
+    finalizer, which runs right there, fails with RecursionError at some depths, as it closes the arena it hands the
+    buffer to. Every run ends, and the next stats() of another arena, at an ordinary depth, frees the buffer, unless
+    the finalizer could not even make that arena (then nothing refers to the buffer but its owner object). Once, the
+    finalizer of the arena handed the buffer ran again at once, at the same depth, and failed alike, for ever."""
+
+    def room():  # how many more calls fit below this frame
+        try:
+            return 1 + room()
+        except RecursionError:
+            return 0
+
+    def drop_at(depth, holder):
+        if depth:
+            drop_at(depth - 1, holder)
+        else:
+            holder.clear()  # the arena's last reference: its finalizer runs here
+
+    # An error that the finalizer lets out, or its warning, is Python's to print, and so is a failure to print it
+    # (pytest's own hook fails at that depth)
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    outcomes = collections.Counter()
+    for margin in range(40, 0, -1):
+        provider = RecordingProvider(device_id=0)
+        holder = [Arena(provider)]
+        holder[0].reserve(1000, stream=S1)
+        ptr, table = holder[0]._subs[S1].block.ptr, holder[0]._table
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                drop_at(room() - margin, holder)
+            except RecursionError:  # before the arena was dropped
+                pass
+            holder.clear()
+        where = f"dropped {margin} calls below the limit"
+        assert finalizer_runs[table] <= 2, where  # its own, and that of the arena it handed the buffer to
+        made = any(arena._table is table for arena in _lifecycle.device_arenas(0))  # the arena handed the buffer
+        Arena(provider).stats()
+        if made or provider.frees:
+            assert freed_on(provider) == [(ptr, None)] and provider.held == [], where
+        outcomes["warned" if caught else "freed" if provider.frees else "lost"] += 1
+    assert outcomes["warned"] > 0 and outcomes["freed"] > outcomes["lost"], outcomes
 
 
 @pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy])
@@ -265,6 +361,40 @@ def test_device_arenas_are_released_at_exit_before_later_atexit_handlers():
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert result.stdout.split("\n")[:2] == ["leases 2", "freed 3 held 0"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_child_forked_while_an_unlisted_closed_arena_is_kept_gives_none_of_its_buffers_to_the_provider(
+    monkeypatch
+):
+    """The finalizer of a collected device arena fails before the closed arena it hands the buffer to is on the list of
+    arenas that a forked child starts again: that arena is kept all the same, for the next trim, stats or growth to
+    close again. A child forked then starts it again too, before it lets go of the closed arenas kept. Let go as it
+    was, its finalizer gave the parent's buffer to the provider: a free through CUDA in the child, which cannot run
+    it."""
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    ptr = arena._subs[S1].block.ptr
+    track, failing = arena_module.track_arena, [True]
+
+    def failing_once(arena):
+        if failing.pop() if failing else False:
+            raise RuntimeError("not listed")
+        track(arena)
+
+    monkeypatch.setattr(arena_module, "track_arena", failing_once)
+    with pytest.warns(RuntimeWarning, match="collected arena held failed: RuntimeError: not listed"):
+        del arena  # its last reference: collected at once
+    assert provider.frees == []
+
+    def in_the_child():
+        gc.collect()
+        return freed_on(provider)
+
+    assert fork(in_the_child)() == []
+    Arena(provider).stats()  # in this process, the next stats() frees it
+    assert freed_on(provider) == [(ptr, None)] and provider.held == []
 
 
 def test_what_a_collected_device_arena_left_waiting_is_released_at_exit():

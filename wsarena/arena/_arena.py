@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
@@ -41,7 +42,7 @@ from typing import Any
 from .._config import get_config
 from .._sizes import as_int, format_size, short_repr
 from ..errors import CaptureError, WorkspaceCapError
-from . import _growth, _leases, _pinning, _refusals
+from . import _growth, _leases, _lifecycle, _pinning, _refusals
 from ._leases import POISON_BYTE
 from ._lifecycle import give_back, keep_while_holding, release_closed, track_arena, track_device_arena
 from ._pins import free_posted
@@ -93,6 +94,8 @@ class Arena:
       arenas, at interpreter exit before CUDA is torn down.
     - ``copy.copy`` and ``copy.deepcopy`` return the arena itself; pickling it is a ``TypeError``.
     """
+
+    _heir = False  # the closed arena that a collected one hands its buffers to (_collected): close() lets them go so
 
     def __init__(self, provider: Any) -> None:
         if isinstance(provider, type):  # its methods are unbound: the first lease would fail on them
@@ -365,6 +368,8 @@ class Arena:
         """
         with self._lock:
             self._table.closed = True
+            if self._heir:
+                self._table.let_go_collected()
             self._table.reap_all()
             self._table.sweep()
             if self._table.unplaced:
@@ -447,16 +452,28 @@ def _collected(provider: Any, table: _Table) -> None:
     is gone (:func:`~wsarena.arena._lifecycle.release_closed`). Its streams may be gone with the arena: each buffer is
     freed with no stream (:meth:`_Table.let_go_collected`), once no capture the arena knew of may be under way.
 
-    An interrupt here leaves the heir to its own finalizer, which is this function again; one before the heir is made
-    leaves the buffers to their owner objects' collection."""
+    Where closing the heir fails (the collector ran this near the recursion limit, the provider raised) or is
+    interrupted, the heir is kept as a closed arena holding something is, for the next ``release_closed()`` to close
+    again; a failure warns. Let go, the heir's own finalizer, which is this function, would run at once, at the same
+    depth, and fail alike, for ever. An interrupt before the heir has its finalizer leaves the buffers to their owner
+    objects' collection."""
     if sys.is_finalizing():
         return
     if table.subs or table.kept or table.to_free or table.unplaced:
         heir = Arena.__new__(Arena)
-        heir._attach(provider, table)
-        track_arena(heir)  # a forked child starts it again. At exit, release_closed's list has it: no lock taken here
-        with table.lock:
-            table.closed = True
-            table.let_go_collected()
-        heir.close()
+        heir._heir = True
+        key = id(heir)
+        try:
+            heir._attach(provider, table)
+            track_arena(heir)  # a forked child starts it again. At exit, release_closed's list has it: no lock taken
+            heir.close()
+        except BaseException as exc:
+            if "_finalizer" in heir.__dict__:  # attached: its finalizer would run this again
+                _lifecycle._closed_holding[key] = heir  # a plain store: no call, which could fail as the last did
+            if not isinstance(exc, Exception):
+                raise
+            warnings.warn(
+                f"wsarena: freeing what a collected arena held failed: {_lifecycle._failure(exc)}; the next trim(), "
+                "stats() or growth of an arena tries again", RuntimeWarning, stacklevel=2,
+            )
     free_posted()

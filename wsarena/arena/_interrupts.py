@@ -25,8 +25,9 @@ of a lock and taking it back (``threading.Condition.wait`` has such a place: an 
    leaves the stream usable by the next statement, whether or not ``ws`` still refers to the Workspace.
 5. Weakref callbacks, which the collector may run anywhere, are C calls (``deque.append``) or absent: an
    interrupt that landed in Python code there would be lost. The one exception is the finalizer that frees a
-   collected arena's buffers (an interrupt there leaves them to the finalizer of the closed arena it hands them to,
-   or, before it made one, to their owner objects' own collection).
+   collected arena's buffers (an interrupt there leaves the closed arena it hands them to kept, for the next trim,
+   stats or growth of any arena to close again, or, before that arena could free anything, them to their owner
+   objects' own collection).
 6. A buffer changes hands within one C call: from the provider's ``allocate`` into a list (``list.extend`` over a
    ``map``), from there, where the growth fails or is interrupted before the buffer is installed, to the arena's
    queue of buffers no sub-arena was given (the error path's first call, so that a second Ctrl-C on the heels of the

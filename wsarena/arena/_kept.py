@@ -87,7 +87,8 @@ def let_go_collected(self: _Table) -> None:
     """The arena was collected (no lease can be live: leases hold the arena), and its streams may be gone with it (a
     raw handle's owner may have let go of both): forget every sub-arena, queue its buffers to be freed with no stream,
     and keep those a graph holds for it, to be freed with no stream too once it is gone. Unlike :meth:`_Table.forget`,
-    this leaves the records of captures that may be under way: the frees with no stream wait for them."""
+    this leaves the records of captures that may be under way: the frees with no stream wait for them. Idempotent:
+    the heir's :meth:`Arena.close` runs it, again if an earlier run failed (``wsarena.arena._arena._collected``)."""
     for sub in list(self.subs.values()):
         sub.anchor = None
         for block, retired in ((sub.retired, True), (sub.block, False)):

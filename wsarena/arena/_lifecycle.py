@@ -171,8 +171,11 @@ def keep_parents_memory(table: _Table) -> None:
 
 
 def _after_fork_in_child() -> None:
-    for ref in list(_arenas.values()):
-        arena = ref()
+    # And the closed arenas kept here that are not listed (the heir of a collected arena whose listing failed): let go
+    # as they are, their finalizers would give the parent's buffers to the provider
+    arenas = [ref() for ref in list(_arenas.values())]
+    arenas += [arena for arena in list(_closed_holding.values()) if not any(arena is seen for seen in arenas)]
+    for arena in arenas:
         if arena is not None:
             reset_in_child(arena)
     # Let go of only once started again, holding nothing (no graph of the parent's is the child's): one collected
