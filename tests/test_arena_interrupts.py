@@ -5,11 +5,13 @@ free afterwards, no lease is left live, no buffer is lost, and the stream serves
 import contextlib
 import gc
 import threading
+import warnings
 
 import pytest
 
 import wsarena
 from wsarena.arena import Arena, _growth, _lifecycle
+from wsarena.arena._interrupts import finish
 from wsarena.arena.testing import FakeStream, RecordingProvider
 
 from .interrupts import interrupt_at_call, interrupt_at_check, interrupt_at_entry_of
@@ -223,6 +225,40 @@ def test_a_second_interrupt_on_the_heels_of_one_just_after_an_allocation_loses_n
             break
         n += 1
     assert n > 10  # it did reach the error path and the release, not only this test's code
+
+
+def test_a_buffer_handed_out_again_and_left_by_a_growth_cut_short_is_freed_once_when_the_arena_is_collected(
+    arena_kind, key
+):
+    """The provider hands out again the buffer the arena holds for a stream, too small for the lease that grows it:
+    the growth's error path queues it among the buffers no sub-arena was given, and a Ctrl-C as it ends the growth
+    leaves it there. The arena is then collected: the buffer is freed once. Once, the closed arena that the collected
+    one hands its buffers to let go of the stream's buffer first, and then of the queued one, no longer among those it
+    held: the same buffer twice."""
+
+    class HandsOutAgain(RecordingProvider):
+        again = False
+
+        def allocate(self, size, *, stream):
+            if self.again:  # the last buffer it gave, which the arena holds
+                self.again = False
+                return self.allocations[-1]
+            return super().allocate(size, stream=stream)
+
+    provider = HandsOutAgain(device_id=arena_kind.device_id)
+    arena = Arena(provider)
+    arena.reserve(1000, stream=key("L"))
+    provider.again = True
+    gc.collect()  # earlier garbage is not collected in the traced run (its finalizers would get the interrupt)
+    with pytest.raises(KeyboardInterrupt), interrupt_at_entry_of(finish), arena.lease(50_000, stream=key("L")):
+        pass
+    assert len(arena._table.unplaced) == 1 and provider.frees == []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del arena
+        gc.collect()
+    assert [str(w.message) for w in caught] == []  # a free that fails (a buffer freed twice) warns
+    assert len(provider.frees) == 1 and provider.held == []
 
 
 def test_an_interrupt_at_any_check_of_a_reserve_leaves_nothing_that_close_does_not_let_go(arena_kind, key):

@@ -89,6 +89,8 @@ def let_go_collected(self: _Table) -> None:
     and keep those a graph holds for it, to be freed with no stream too once it is gone. Unlike :meth:`_Table.forget`,
     this leaves the records of captures that may be under way: the frees with no stream wait for them. Idempotent:
     the heir's :meth:`Arena.close` runs it, again if an earlier run failed (``wsarena.arena._arena._collected``)."""
+    if self.unplaced:
+        self.let_go_unplaced()  # while what the arena holds is known: one it holds, handed out again, stays held
     for sub in list(self.subs.values()):
         sub.anchor = None
         for block, retired in ((sub.retired, True), (sub.block, False)):
