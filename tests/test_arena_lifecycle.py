@@ -153,6 +153,34 @@ def test_an_arena_collected_near_the_recursion_limit_frees_its_buffer_later(fina
     assert outcomes["warned"] > 0 and outcomes["freed"] > outcomes["lost"], outcomes
 
 
+def test_a_collected_arena_frees_through_a_provider_that_the_collector_interrupted_in_its_own_lock():
+    """The collector may run at any allocation, a provider's own too: while the test provider records a free under
+    its lock, a collection finds another arena of the provider, dropped in a reference cycle, whose finalizer frees
+    through the provider in the same thread. Both frees go through. Once, the provider's lock was no reentrant one:
+    the thread waited for itself for good."""
+    provider = RecordingProvider(device_id=0)
+    arena, other = Arena(provider), Arena(provider)
+    arena.reserve(1000, stream=S1)
+    other.reserve(1000, stream=S1)
+    other.cycle = other  # garbage that only the collector finds
+
+    class Collecting(list):
+        def append(self, item):  # a collection as the record of a free is made, under the provider's lock
+            gc.collect()
+            super().append(item)
+
+    gc.disable()  # the test's own collection is the one that finds `other`
+    try:
+        del other
+        provider.frees = Collecting()
+        thread = threading.Thread(target=arena.close, daemon=True)  # a thread that waits for good stays behind
+        thread.start()
+        thread.join(10)
+    finally:
+        gc.enable()
+    assert not thread.is_alive() and len(provider.frees) == 2 and provider.held == []
+
+
 @pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy])
 def test_a_copy_is_the_arena_itself_so_no_finalizer_frees_a_copys_lease(arena_kind, copier):
     provider = RecordingProvider(device_id=arena_kind.device_id)

@@ -103,7 +103,9 @@ class RecordingProvider:
         self.frees: list[tuple[Buffer, Any]] = []
         self.fills: list[tuple[int, int, int, Any]] = []
         self._held: dict[int, Buffer] = {}
-        self._lock = threading.Lock()  # guards the records: arenas call providers from many threads
+        # Guards the records: arenas call providers from many threads, and a collected arena's finalizer frees through
+        # the provider wherever the collector runs, in this lock too (an allocation under it): reentrant
+        self._lock = threading.RLock()
 
     def allocate(self, size: int, *, stream: Any) -> Buffer:
         if size <= 0:
