@@ -381,10 +381,10 @@ class Arena:
             self._table.release_kept()  # what graphs still hold is freed once they are gone (release_closed)
             _pinning.forget_released(self._table.captures)
         self._give_back()
-        # Kept while a lease, a graph or a capture under way holds a buffer of it: collected, it would abandon what a
-        # graph holds for good, and free the rest at once, captures or not. Decided in a locked step, as another
-        # thread's drain that held back a buffer for a capture, and queues it again, keeps the arena in one too
-        # (wsarena.arena._pinning.give_back): the later of the two decides.
+        # Kept while a lease, a graph or a capture under way holds a buffer of it, for release_closed() to free each
+        # once it may, whoever else lets go of the arena (_lifecycle._closed_holding). Decided in a locked step, as
+        # another thread's drain that held back a buffer for a capture, and queues it again, keeps the arena in one
+        # too (wsarena.arena._pinning.give_back): the later of the two decides.
         with self._lock:
             keep_while_holding(self, bool(self._subs or self._table.kept or self._table.captures or self._to_free))
         free_posted()  # the pins dropped before their graphs went, once CUDA let go of them

@@ -1,7 +1,8 @@
 """Buffers that no sub-arena uses any more but that a CUDA graph may still hold: kept aside (the table's ``kept``)
-until no graph holds them, then freed in stream order; and, at exit or when the arena is collected, every buffer let
-go at once. These functions are the routing table's methods (``_Table.release_kept`` and the like), written here to
-keep each module to one job. Like every method of the table, they run with the arena's lock held.
+until no graph holds them, then freed in stream order; at exit, every buffer let go at once (one a graph holds is
+abandoned); when the arena is collected, every buffer let go with no stream (one a graph holds is kept for it). These
+functions are the routing table's methods (``_Table.release_kept`` and the like), written here to keep each module to
+one job. Like every method of the table, they run with the arena's lock held.
 """
 
 from __future__ import annotations
