@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import types
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -309,6 +310,83 @@ def test_kept_and_made_afresh_plans_give_the_same_bits(case, layout, monkeypatch
                     found[algo] = out.tobytes()
             outs.append(found)
         assert outs[0] == outs[1]
+    _cpu_lowering.forget()
+
+
+def _share(size, k, s, p, d):
+    """The share of one dimension's (output, kernel index) pairs that read real input, by brute force."""
+    out = (size + 2 * p - d * (k - 1) - 1) // s + 1
+    return Fraction(sum(0 <= o * s - p + j * d < size for o in range(out) for j in range(k)), out * k)
+
+
+# Geometries whose columns read real input in shares around _cpu_lowering.BLANK (2/3): per dimension (size, kernel,
+# stride, padding, dilation), each dimension's share, then the geometry's, below, at or above 2/3.
+NEAR_BLANK = [
+    ((2, 2, 2, 1, 1),),  # 1/2
+    ((5, 3, 1, 3, 2),),  # 13/21
+    ((9, 2, 2, 3, 1),),  # 9/14
+    ((3, 2, 1, 1, 2),),  # 2/3
+    ((8, 4, 3, 3, 1),),  # 11/16
+    ((5, 2, 1, 2, 2),),  # 5/7
+    ((5, 3, 3, 1, 1),),  # 5/6
+    ((6, 2, 1, 1, 2), (5, 3, 2, 1, 1)),  # 5/6 * 7/9 = 35/54
+    ((5, 4, 2, 1, 1), (3, 2, 2, 1, 1)),  # 7/8 * 3/4 = 21/32
+    ((4, 3, 2, 1, 1), (5, 2, 1, 1, 2)),  # 5/6 * 4/5 = 2/3
+    ((9, 2, 2, 1, 1), (4, 2, 1, 1, 2)),  # 9/10 * 3/4 = 27/40
+    ((9, 2, 2, 1, 1), (6, 5, 2, 1, 1), (4, 5, 2, 1, 1)),  # 9/10 * 9/10 * 4/5 = 81/125
+    ((8, 3, 1, 1, 2), (5, 4, 2, 1, 1), (8, 2, 1, 1, 3)),  # 8/9 * 7/8 * 6/7 = 2/3
+    ((9, 3, 2, 1, 1), (8, 2, 1, 1, 2), (6, 3, 2, 1, 1)),  # 13/15 * 7/8 * 8/9 = 91/135
+]
+
+
+def test_the_geometries_around_the_blank_share_are_on_both_sides_of_it():
+    """NEAR_BLANK has, in 1, 2 and 3 dimensions, geometries that read real input in less than 2/3 of their columns,
+    in exactly 2/3 and in more."""
+    for nd in (1, 2, 3):
+        shares = {math.prod(_share(*dim) for dim in dims) for dims in NEAR_BLANK if len(dims) == nd}
+        third = Fraction(2, 3)
+        assert min(shares) < third < max(shares) and third in shares, (nd, shares)
+    assert _cpu_lowering.BLANK == 2 / 3
+
+
+@pytest.mark.parametrize("tile_bytes", [None, 1])
+@pytest.mark.parametrize("case", range(len(NEAR_BLANK)))
+def test_blocks_around_the_blank_share_give_the_same_bits_and_match_the_reference(case, tile_bytes, monkeypatch):
+    """im2col zeroes a column matrix first where less than BLANK of its columns read real input, and zeroes around
+    each box elsewhere. Around that share (exactly 2/3 among them), in 1, 2 and 3 dimensions with stride, dilation
+    and groups, in both layouts, on whole images and in tiles of one row: every algorithm gives the same bits
+    whichever way each block is zeroed (BLANK 0: never first; 2: always first), and those match the reference
+    (float64, 1e-12 relative to the largest output)."""
+    dims = NEAR_BLANK[case]
+    share = math.prod(_share(*dim) for dim in dims)
+    size, k, s, p, d = zip(*dims)
+    layout = ("NCHW", "NHWC")[case % 2]
+    groups, cg = ((1, 3), (2, 2), (3, 1))[case % 3]
+    c, kout = groups * cg, groups * 2
+    ishape, wshape = ((2, c, *size), (kout, cg, *k)) if layout == "NCHW" else ((2, *size, c), (kout, *k, cg))
+    g = conv_geometry(ishape, wshape, stride=s, padding=p, dilation=d, groups=groups, layout=layout, dtype="float64")
+    if tile_bytes is not None:
+        monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", tile_bytes)
+    x, w, dy = _operands(g, np.random.default_rng(case))
+    refs = _references(g, x, w, dy)
+    whole = _cpu_lowering.rows(_cpu_lowering.plan(g), 0, g.output_size[0])
+    outs = []
+    for blank in (0, _cpu_lowering.BLANK, 2):
+        monkeypatch.setattr(_cpu_lowering, "BLANK", blank)
+        _cpu_lowering.forget()  # the lowerings kept say how they zero
+        first = _cpu_lowering._lowering(_cpu_lowering.plan(g), whole)[1]
+        at_share = share == Fraction(2, 3) and blank == 2 / 3  # a product of floats falls either side of it
+        assert first == (share < blank) or at_share, (share, blank, first)
+        found = {}
+        for pass_ in PASSES:
+            a, b, shape = _args(pass_, g, x, w, dy)
+            for algo in cpu.ALGORITHMS[pass_]:
+                out = np.full(shape, np.nan)
+                cpu.run(pass_, algo, g, a, b, out, _poisoned(cpu.workspace_size(pass_, algo, g), g.dtype))
+                assert _rel_err(out, refs[pass_]) <= TOL["float64"], (pass_, algo, blank)
+                found[algo] = out.tobytes()
+        outs.append(found)
+    assert outs[0] == outs[1] == outs[2]
     _cpu_lowering.forget()
 
 
