@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 import tracemalloc
+import weakref
 
 import numpy as np
 from hypothesis import given, settings
@@ -332,6 +333,26 @@ def test_the_plans_keep_at_most_keep_items_in_all(monkeypatch):
     _, _, kept = _traced(loop)
     assert 0 < _held() <= 1000
     assert kept < 3 << 18, kept
+
+
+def test_a_plan_out_of_the_cache_lets_go_of_what_it_kept():
+    """A plan that leaves the cache of plans lets go of the items it kept, and they count no more. They stayed kept
+    until a later run needed their room, and a kept block of rows holds its plan's axes (0.1 MiB for a kernel of
+    4096): a sweep of input lengths held the axes of up to KEEP / 2 plans (two items each), some 3 GiB, past the
+    cache's 512. Here 24 lengths of a 1-D kernel of 4096, the cache cleared after every 6."""
+    plan.cache_clear()
+    _cpu_lowering.forget()
+    gone = []
+    for i in range(25):
+        g = conv_geometry((1, 1, 4096 + i), (1, 1, 4096), dtype="float64")
+        _outputs(g, ("gemm_batch",))
+        if i < 24:
+            gone.append(weakref.ref(plan(g).axes[0]))
+        if i % 6 == 5:
+            plan.cache_clear()
+    assert sum(ref() is not None for ref in gone) == 0
+    assert _held() == sum(owner.items for owner in plan(g).calls.values()) > 0
+    _cpu_lowering.forget()
 
 
 def _outputs(g, algos):

@@ -31,6 +31,7 @@ import functools
 import itertools
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -218,6 +219,10 @@ _running = threading.local()  # .owner: the run last begun in this thread
 _KEEPING = _forksafe.lock()
 _held: dict[_Owner, None] = {}  # the owners that keep items
 _total = 0  # the items they keep
+# The owners (a plan's calls) of the plans gone from the cache of plans, whose items the next keep lets go of: a
+# kept block of rows holds its plan's axes, and what these keep would stay counted (and held) until a run needs
+# their room. Appended to by the plans' finalizers, which take no lock (they may run under one).
+_gone: list[dict] = []
 
 
 def begin_run(p: Plan, pass_: str, algo: str) -> None:
@@ -257,9 +262,26 @@ def _let_go(owner: _Owner) -> None:
     _held.pop(owner, None)
 
 
+def _going(calls: dict) -> None:
+    """A plan's finalizer: its calls' items are let go of at the next keep (if it made any: a plan only planned
+    has none)."""
+    if calls:
+        _gone.append(calls)
+
+
+def _let_go_of_gone() -> None:
+    """Under :data:`_KEEPING`: the items of the plans gone from the cache (:data:`_gone`), each plan's calls taken off
+    once let go of (a Ctrl-C meanwhile leaves them to the next keep; finalizers append meanwhile)."""
+    while _gone:
+        for owner in list(_gone[0].values()):
+            _let_go(owner)
+        del _gone[0]
+
+
 def forget() -> None:
     """Let go of every item the plans keep."""
     with _KEEPING:
+        _gone.clear()
         for owner in list(_held):
             _let_go(owner)
 
@@ -276,6 +298,8 @@ def _keep(p: Plan, key: Any, build: Callable[[list[Iterable]], Any], *parts: Ite
     global _total
     owner = _owner(p)
     with _KEEPING:
+        if _gone:
+            _let_go_of_gone()
         room = free = KEEP - _total + _spare(owner)
     found: list[Iterable] = []
     for part in parts:
@@ -364,13 +388,13 @@ class Plan:
 
 @functools.lru_cache(maxsize=512)
 def plan(geom: ConvGeometry) -> Plan:
-    """The cached :class:`Plan` of ``geom``."""
+    """The cached :class:`Plan` of ``geom`` (512 at most: what one that leaves the cache kept is let go of)."""
     osz = geom.output_size
     axes = tuple(
         Axis.of(*dim)
         for dim in zip(geom.input_size, osz, geom.kernel_size, geom.stride, geom.padding, geom.dilation)
     )
-    return Plan(
+    made = Plan(
         geom=geom,
         groups=geom.groups,
         cg=geom.in_channels // geom.groups,
@@ -384,6 +408,8 @@ def plan(geom: ConvGeometry) -> Plan:
         itemsize=np.dtype(geom.dtype).itemsize,
         shapes={p: geom.operand_shapes(p) for p in Pass},
     )
+    weakref.finalize(made, _going, made.calls).atexit = False  # out of the cache: what it keeps goes
+    return made
 
 
 def act_view(a: np.ndarray, layout: str, groups: int) -> np.ndarray:
