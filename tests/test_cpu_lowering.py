@@ -10,6 +10,7 @@ reference in test_cpu_backend.py.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import tracemalloc
@@ -23,6 +24,8 @@ from wsarena._geometry import conv_geometry
 from wsarena.backends import _cpu_lowering, _cpu_tiled, cpu
 from wsarena.backends._cpu_lowering import Axis, plan, rows
 
+from .forking import fork
+from .interrupts import interrupt_at_check
 from .test_cpu_backend import PASSES, geometries
 
 
@@ -426,6 +429,69 @@ def test_a_steady_loop_larger_than_the_room_keeps_what_it_kept_first(monkeypatch
         second = len(made) - first
     assert first == 0 and second > 6, (first, second)
     assert _held() <= 100
+
+
+_KEEPING_CODE = {f.__code__ for f in (_cpu_lowering._keep, _cpu_lowering._let_go, _cpu_lowering._spare)}
+
+
+def _each_kept_item_counted_once(plans):
+    """What a forked child, or the code after a Ctrl-C, finds: every key of ``plans``' memos that holds kept items
+    is one held owner's, and the total is what the held owners count (an owner's keys may be gone from its memo
+    already, where a letting go was cut short: they are let go again)."""
+    owners = list(_cpu_lowering._held)
+    owned = [(id(o.memo), key) for o in owners for key in o.keys]
+    kept = [(id(p.memo), key) for p in plans for key in p.memo
+            if key == "offsets" or key[0] in ("rows", "lowering", "boxes", "window")]
+    assert len(set(owned)) == len(owned) and set(kept) <= set(owned), set(kept) - set(owned)
+    assert sum(o.items for o in owners) == _cpu_lowering._total
+    assert all(o in _cpu_lowering._held for p in plans for o in p.calls.values() if o.items)
+
+
+def _fork(waits, child):
+    waits.append(fork(child))
+
+
+def test_a_ctrl_c_or_a_fork_while_keeping_leaves_each_kept_item_counted_once(monkeypatch):
+    """A Ctrl-C at each place in keeping and letting go where CPython may deliver one, one run each, leaves every
+    kept item counted once, and so does a thread switch there (where another thread may fork: its child starts
+    with the state as it is). A Ctrl-C, or a fork, just after the key kept was added to its run's keys left those
+    items kept and counted by none, and their run out of those that hold items: never let go while their plan
+    lived."""
+    monkeypatch.setattr(_cpu_lowering, "KEEP", 15)  # 10 items a call
+    first = conv_geometry((1, 2, 6, 6), (2, 2, 3, 3), padding=1, dtype="float64")
+    second = conv_geometry((1, 2, 7, 6), (2, 2, 3, 3), padding=1, dtype="float64")
+    plans = [plan(first), plan(second)]
+
+    def loop():  # the first keeps, the second takes its room at its second run and lets go of what it kept
+        for g in (first, second, second):
+            _outputs(g, ("gemm_batch",))
+
+    def skip(code):
+        return code not in _KEEPING_CODE
+
+    def child():  # a fork's: the lock is free, the count whole, and keeping goes on
+        _each_kept_item_counted_once(plans)
+        loop()
+        _each_kept_item_counted_once(plans)
+        return _cpu_lowering._total
+
+    for forks in (False, True):
+        n = 1
+        while True:
+            _cpu_lowering.forget()
+            for p in plans:
+                p.memo.clear()
+            waits: list = []
+            instead = functools.partial(_fork, waits, child) if forks else None
+            fired = interrupt_at_check(n, loop, skip=skip, instead=instead)
+            assert len(waits) == (fired and forks) and all(0 < wait() <= 15 for wait in waits)
+            _each_kept_item_counted_once(plans)
+            if not fired:
+                break
+            n += 1
+        assert n > 50, n
+        assert [o.memo for o in _cpu_lowering._held] == [plans[1].memo]  # the second let go of the first's
+    _cpu_lowering.forget()
 
 
 def test_threads_keeping_at_once_keep_at_most_keep_items_each_counted_once(monkeypatch):

@@ -320,11 +320,13 @@ def _keep(p: Plan, key: Any, build: Callable[[list[Iterable]], Any], *parts: Ite
             if stale.last < owner.prev:
                 _let_go(stale)
         if _total + count <= KEEP:
-            p.memo[key] = result
-            owner.keys.append(key)
+            # The stores first, the one call last: a Ctrl-C, or a thread switch (and another thread's fork), comes
+            # after a call, and one after the append found the key kept and counted by no owner held.
+            _held[owner] = None
             owner.items += count
             _total += count
-            _held[owner] = None
+            p.memo[key] = result
+            owner.keys.append(key)
     return result
 
 
