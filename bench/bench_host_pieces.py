@@ -107,14 +107,15 @@ def torch_cases() -> Cases:
         "operands checked (_operands)": (lambda: _functional._operands("conv2d", 2, x, w, b), k),
         "the signature's record (forward_call)": (lambda: _shapes.forward_call(x, w, 1, 0, 1, 1), k),
         "bias checked (_check_bias)": (lambda: _functional._check_bias(b, 1), k),
-        "the operator (apply)": (lambda: _autograd.apply(_autograd.ConvFunction, x, w, *checked.args, "NCHW"), k),
+        "the operator (apply)": (lambda: _autograd.apply(_autograd.ConvFunction, None, x, w, *checked.args,
+                                                         "NCHW"), k),
         "  its kernel alone": (lambda: _ops._conv_forward(x, w, *checked.args, "NCHW"), k),
         "  output shape (_output_shape)": (lambda: _ops._output_shape(x.shape, w.shape, *checked.args[:3]), k),
         "  the result (_empty)": (lambda: _ops._empty([1, 1, 2, 2], x, "NCHW"), k),
         "  operands ready (_computed x2)": (lambda: (_ops._computed(x, formats), _ops._computed(w, formats)), k),
         "  NumPy views (Tensor.numpy() x3)": (lambda: (x.numpy(), y.numpy(), y.numpy()), k),
         "  ops.conv_forward on the views": (lambda: ops.conv_forward(xn, wn, *checked.args, out=yn), k),
-        "the bias added (_finished)": (lambda: _functional._finished(y, b, 2, False), k),
+        "the bias added (add_bias)": (lambda: _autograd.add_bias(y, b), k),
     }
 
 
@@ -140,7 +141,7 @@ def step_cases() -> Cases:
         "the step": (lambda: module(x).sum().backward(), k),
         "the step, no bias": (lambda: plain(x).sum().backward(), k),
         "forward with gradient": (lambda: module(x), k),
-        "  the Function (apply)": (lambda: _autograd.apply(_autograd.ConvFunction, x, w, *args), k),
+        "  the Function (apply)": (lambda: _autograd.apply(_autograd.ConvFunction, None, x, w, *args), k),
         "  its line and settings kept (_started)": (_autograd._started, k),
         "a backward's scopes, entered and left": (scopes, k),
         "one backward pass (_pass)": (backward_pass, k),

@@ -141,8 +141,10 @@ def test_a_backward_computes_only_the_gradients_asked_for_as_torchs_does(monkeyp
 
 def test_unbatched_input_as_torch_takes_it():
     x, w, b = tensors((4, 9, 9), (6, 4, 3, 3))
-    y = wt.conv2d(x, w, b, padding=1)
-    assert y.shape == (6, 9, 9) and close(y, F.conv2d(x, w, b, padding=1))
+    y, ref = wt.conv2d(x, w, b, padding=1), F.conv2d(x, w, b, padding=1)
+    assert y.shape == (6, 9, 9) and close(y, ref)
+    got, expected = gradients(y, ref, (x, w, b))
+    assert all(close(g, e) for g, e in zip(got, expected))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -160,7 +162,7 @@ def test_channels_last_runs_as_nhwc_and_gives_torchs_memory_format(nd, dtype):
     assert y.is_contiguous(memory_format=fmt) == (nd == 2 or dtype == torch.float32)
     tol = TOL64 if dtype == torch.float64 else 1e-4
     assert close(y, ref, tol)
-    got, expected = gradients(y, ref, (xl, wl))
+    got, expected = gradients(y, ref, (xl, wl, b))
     assert all(close(g, e, tol) and g.stride() == e.stride() for g, e in zip(got, expected))
 
 

@@ -55,13 +55,33 @@ def test_gradients_of_gradients_pass_gradgradcheck_and_batched_gradcheck(nd, x_s
     assert torch.autograd.gradgradcheck(conv, (x, w, b), check_batched_grad=True)
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("nd", "x_shape", "w_shape", "kw"), TRANSPOSE_CASES[:3])
-def test_transposed_gradients_of_gradients_pass_gradgradcheck_and_batched_gradcheck(nd, x_shape, w_shape, kw):
+def test_transposed_gradients_of_gradients_pass_gradgradcheck_and_batched_gradcheck(nd, x_shape, w_shape, kw, bias):
     ours, _ = TRANSPOSE_FUNCTIONS[nd]
-    x, w, _b = transpose_tensors(x_shape, w_shape)
-    conv = lambda x, w: ours(x, w, **kw)
-    assert torch.autograd.gradcheck(conv, (x, w), check_batched_grad=True)
-    assert torch.autograd.gradgradcheck(conv, (x, w), check_batched_grad=True)
+    operands = transpose_tensors(x_shape, w_shape, kw.get("groups", 1))[:3 if bias else 2]
+    conv = lambda x, w, b=None: ours(x, w, b, **kw)
+    assert torch.autograd.gradcheck(conv, operands, check_batched_grad=True)
+    assert torch.autograd.gradgradcheck(conv, operands, check_batched_grad=True)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_biased_convolution_is_one_autograd_node_as_torchs(transposed):
+    """The bias is the Function's third operand, its gradient computed in the Function's backward, as PyTorch's
+    convolution computes it in its own node: the bias reshaped and added to the result were two more nodes, which
+    cost some 12 us more a training step (bench/RESULTS.md). Its gradient is torch's, and a frozen bias has none."""
+    ours, theirs = (TRANSPOSE_FUNCTIONS if transposed else FUNCTIONS)[2]
+    x, w, b = transpose_tensors((2, 4, 5, 6), (4, 3, 3, 3)) if transposed else tensors((2, 4, 6, 5), (6, 4, 3, 2))
+    y, ref = ours(x, w, b), theirs(x, w, b)
+    function = wt.ConvTransposeFunction if transposed else wt.ConvFunction
+    assert type(y.grad_fn)._forward_cls is _autograd._BIASED[function]
+    assert [f.variable for f, _ in y.grad_fn.next_functions] == [x, w, b]
+    dy = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(1))
+    got, expected = torch.autograd.grad(y, (x, w, b), dy), torch.autograd.grad(ref, (x, w, b), dy)
+    assert all(close(g, e) for g, e in zip(got, expected))
+    y = ours(x, w, b.detach())
+    assert [f.variable for f, _ in y.grad_fn.next_functions[:2]] == [x, w] and y.grad_fn.next_functions[2][0] is None
+    assert close(torch.autograd.grad(y, x, dy)[0], expected[0])
 
 
 def test_the_public_functions_applied_directly_pass_gradgradcheck():
@@ -281,17 +301,27 @@ def test_forward_ad_passes_gradcheck_batched_too(nd, x_shape, w_shape, kw):
                                     check_undefined_grad=False, check_batched_forward_grad=True)
 
 
-def test_dual_tensors_of_forward_ad_match_torchs():
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("tangents", ["all", "x", "b"])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_dual_tensors_of_forward_ad_match_torchs(transposed, tangents, fmt):
+    """Dual tensors' tangents, the input's alone, the bias's alone and all three together, in both memory formats:
+    torch's tangent, in the result's memory format."""
     import torch.autograd.forward_ad as fwad
 
-    (x, w, b), (dx, dw, db) = _operands(CASES[1], False)
+    case = TRANSPOSE_CASES[1] if transposed else CASES[1]
+    ours, theirs = (TRANSPOSE_FUNCTIONS if transposed else FUNCTIONS)[2]
+    primals, directions = _operands(case, transposed)
+    primals = (primals[0].contiguous(memory_format=fmt), *primals[1:])
+    keep = {"all": (0, 1, 2), "x": (0,), "b": (2,)}[tangents]
     results = []
     with fwad.dual_level():
-        for conv in (wt.conv2d, F.conv2d):
-            y = conv(fwad.make_dual(x, dx), fwad.make_dual(w, dw), fwad.make_dual(b, db), **CASES[1][3])
-            results.append(fwad.unpack_dual(y))
+        for conv in (ours, theirs):
+            args = [fwad.make_dual(p, d) if i in keep else p for i, (p, d) in enumerate(zip(primals, directions))]
+            results.append(fwad.unpack_dual(conv(*args, **case[3])))
     (y, dy), (ref, ref_dy) = results
-    assert close(y, ref) and close(dy, ref_dy)
+    assert close(y, ref) and dy.shape == ref_dy.shape and close(dy, ref_dy)
+    assert y.stride() == ref.stride() and dy.stride() == ref_dy.stride()
 
 
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])

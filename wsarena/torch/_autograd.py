@@ -19,11 +19,14 @@ tensors). ``torch.compile`` takes no Function that defines ``jvp``: the public F
 :func:`apply` runs forms of them that do (:data:`_FORWARD`, :data:`_OLDER`) wherever no torch.compile trace runs.
 
 :func:`apply` runs a Function as cheaply as the context allows: outside torch.func's transforms in autograd's older
-form. The operators are differentiable by themselves too, with the Functions' setup and backward: a backward pass
-calls them, not the Functions (:func:`_pass`), except where torch.func's transforms need the Functions; so does a
-graph that holds them rather than the Functions (``torch.export``'s), in reverse mode only (a custom operator has
-no forward mode). Under ``torch.func.vmap`` the operators batch themselves (:mod:`wsarena.torch._ops`), and the
-Functions follow.
+form, which takes a bias as a third operand (:data:`_BIASED`: the bias added in its forward, its gradient computed in
+its backward, one autograd node, as PyTorch's convolution with a bias is); elsewhere the bias is added to the result
+by PyTorch (:func:`add_bias`), which records the add where it is differentiated (the graphs of ``torch.compile`` and
+``torch.export`` hold it beside the operators, which take no bias). The operators are differentiable by themselves
+too, with the Functions' setup and backward: a backward pass calls them, not the Functions (:func:`_pass`), except
+where torch.func's transforms need the Functions; so does a graph that holds them rather than the Functions
+(``torch.export``'s), in reverse mode only (a custom operator has no forward mode). Under ``torch.func.vmap`` the
+operators batch themselves (:mod:`wsarena.torch._ops`), and the Functions follow.
 
 A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
 passes of CUDA tensors on a thread of its own, which a ``config()`` block of the caller's does not reach. A warning
@@ -36,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -45,7 +48,7 @@ from torch.autograd import forward_ad
 from .. import _callsite, _config
 from . import _ops
 
-__all__ = ["ConvFunction", "ConvTransposeFunction", "WeightGradFunction", "apply"]
+__all__ = ["ConvFunction", "ConvTransposeFunction", "WeightGradFunction", "add_bias", "apply"]
 
 _NO_GRADS = (None,) * 6  # for the arguments after the two operands: shapes and parameters
 
@@ -213,9 +216,45 @@ def _older_form(function: type[torch.autograd.Function]) -> type[torch.autograd.
     return type(function.__name__, (torch.autograd.Function,), body)
 
 
+def _biased_form(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """``function``'s older form with a bias, applied as ``(a, b, bias, *rest)``: its forward adds the bias to the
+    operator's result (:func:`add_bias`), its backward gives the bias's gradient too, the output gradient summed
+    over all but the channels (differentiable where the backward makes a graph), and its ``jvp`` adds the bias's
+    tangent. One autograd node, as PyTorch's convolution with a bias is one: the bias reshaped and added to the
+    result were two more, which cost some 12 us more a training step (bench/RESULTS.md)."""
+    op, jvp_of_pass = _OPERATORS[function], _jvp(function)
+
+    def forward(ctx: Any, a: Tensor, b: Tensor, bias: Tensor, *rest: Any) -> Tensor:
+        output = add_bias(_ops.call(op, a, b, *rest), bias)
+        function.setup_context(ctx, (a, b, *rest), output)
+        return output
+
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        dx, dw, *nones = function.backward(ctx, dy)
+        dbias = dy.sum(_ALL_BUT_CHANNELS[dy.dim()]) if _wanted(ctx, 2) else None
+        return (dx, dw, dbias, *nones)
+
+    def jvp(ctx: Any, da: Tensor, db: Tensor, dbias: Tensor, *_: Any) -> Tensor:
+        # (autograd hands zeros for an operand without a tangent, as it does for a backward's missing gradient)
+        return cast(Tensor, jvp_of_pass(ctx, da, db)) + dbias.reshape(_PER_CHANNEL[len(ctx.conv[0]) + 2])
+
+    body = {"forward": staticmethod(forward), "backward": staticmethod(backward), "jvp": staticmethod(jvp),
+            "__doc__": function.__doc__}
+    return type(function.__name__, (torch.autograd.Function,), body)
+
+
+# By an (N, C, *spatial) result's number of dimensions: the bias's shape that adds to it, one value a channel, and the
+# dimensions its gradient sums
+_PER_CHANNEL = {n: (1, -1, *(1,) * (n - 2)) for n in range(3, 6)}
+_ALL_BUT_CHANNELS = {n: (0, *range(2, n)) for n in range(3, 6)}
+
+
 _FUNCTIONS = (ConvFunction, ConvTransposeFunction, WeightGradFunction)
 _FORWARD: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {f: _forward_form(f) for f in _FUNCTIONS}
 _OLDER: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {f: _older_form(f) for f in _FUNCTIONS}
+_BIASED: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {
+    f: _biased_form(f) for f in (ConvFunction, ConvTransposeFunction)
+}
 for _function in (*_FUNCTIONS, *_FORWARD.values()):
     # under the transforms, inspect takes a signature kept on forward instead of working it out on every call
     _function.forward.__signature__ = inspect.signature(_function.forward)  # type: ignore[attr-defined]
@@ -227,24 +266,46 @@ for _function, _op in _OPERATORS.items():
     _op.register_autograd(_function.backward, setup_context=_function.setup_context)
 
 
-def apply(function: type[torch.autograd.Function], *args: Any) -> Tensor:
-    """``function.apply(*args)``: under a torch.compile trace ``function`` itself (a trace takes no Function with a
-    ``jvp``), under torch.func's transforms its form with a ``jvp``, elsewhere its older form (with a ``jvp``).
-    Under ``torch.export``, the operator itself: an exported program keeps no Function (a strict export runs a
-    Function's forward without gradient), but the operator's registered gradient. Where no gradient can be asked
-    of the result (grad mode off, as under ``torch.no_grad()`` and in inference mode, no forward AD, no
+def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: Any) -> Tensor:
+    """``function.apply(*args)``, and ``bias`` added to its result (one value per channel, or ``None``): under a
+    torch.compile trace ``function`` itself (a trace takes no Function with a ``jvp``), under torch.func's transforms
+    its form with a ``jvp``, elsewhere its older form (with a ``jvp``), which takes the bias as a third operand
+    (:data:`_BIASED`). Under ``torch.export``, the operator itself: an exported program keeps no Function (a strict
+    export runs a Function's forward without gradient), but the operator's registered gradient. Where no gradient
+    can be asked of the result (grad mode off, as under ``torch.no_grad()`` and in inference mode, no forward AD, no
     ``torch.jit.trace``), the operator alone, by :func:`wsarena.torch._ops.call_unrecorded`: a Function would record
-    nothing there, and costs some 15 us a call (bench/RESULTS.md)."""
+    nothing there, and costs some 15 us a call (bench/RESULTS.md). Except in the older form, the bias is added to the
+    result by PyTorch (:func:`add_bias`), which records it where it is differentiated."""
     if _ops.exporting():
-        return function.forward(*args)
+        return add_bias(function.forward(*args), bias)
     if torch.compiler.is_compiling():
-        return function.apply(*args)
+        return add_bias(function.apply(*args), bias)
     if _transforms_active():
-        return _FORWARD[function].apply(*args[:2], _Rest(args[2:]))
+        return add_bias(_FORWARD[function].apply(*args[:2], _Rest(args[2:])), bias)
     if not torch.is_grad_enabled() and forward_ad._current_level < 0 and not torch.jit.is_tracing():
         # (a torch.jit.trace records the Function: its check reruns the model without grad, to the same graph)
-        return _ops.call_unrecorded(_OPERATORS[function], *args)
-    return _OLDER[function].apply(*args)
+        return add_bias(_ops.call_unrecorded(_OPERATORS[function], *args), bias)
+    if bias is None:
+        return _OLDER[function].apply(*args)
+    return _BIASED[function].apply(args[0], args[1], bias, *args[2:])
+
+
+def add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
+    """``y``, a pass's new result, with ``bias`` added by PyTorch, in place, as PyTorch's own convolution adds it
+    (``y`` is new, and no backward keeps it: no second tensor of its size). A float16 or bfloat16 ``y`` is rounded
+    already: PyTorch's CPU kernel adds the bias before rounding (README). A new tensor where ``y`` may not be ours
+    alone to change: under torch.func's transforms (``vmap`` over the biases alone batches the bias and not ``y``,
+    which cannot take a batched value in place) and under a dispatch mode, which may keep the operator's result
+    (selective activation checkpointing refuses a result it saved that has changed since)."""
+    if bias is None:
+        return y
+    bias = bias.reshape(_PER_CHANNEL[y.dim()])
+    shared = _transforms_active() or (not torch.compiler.is_compiling() and _dispatch_modes())
+    return y + bias if shared else y.add_(bias)
+
+
+# the TorchDispatchModes in force (which a torch.compile trace cannot ask: a trace functionalizes the add)
+_dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
 
 
 def _pass(function: type[torch.autograd.Function], *args: Any) -> Tensor:

@@ -6,8 +6,9 @@ Each checks its arguments as wsarena's ops do (a clear ``ValueError``/``TypeErro
 input-gradient and weight-gradient are wsarena's ``conv_forward``, ``conv_backward_data`` and
 ``conv_backward_filter`` (as the custom operators of :mod:`wsarena.torch._ops`), or :class:`ConvTransposeFunction`,
 which runs the same three in other roles: a transposed convolution is a convolution's backward-data
-(:mod:`wsarena.torch._autograd`, where the backward passes run under their forward's settings). The bias is added
-by PyTorch.
+(:mod:`wsarena.torch._autograd`, where the backward passes run under their forward's settings). The bias goes with
+them: in an ordinary forward with gradient it is the Function's third operand, whose gradient the Function's backward
+computes, as PyTorch's convolution does; elsewhere it is added to the result by PyTorch.
 """
 
 from __future__ import annotations
@@ -123,24 +124,6 @@ def _check_bias(bias: Tensor | None, channels: int) -> None:
         raise ValueError(f"bias must have shape ({channels},), one value per output channel, not {tuple(bias.shape)}")
 
 
-# the TorchDispatchModes in force (which a torch.compile trace cannot ask: a trace functionalizes the add)
-_dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
-
-
-def _finished(y: Tensor, bias: Tensor | None, nd: int, unbatched: bool) -> Tensor:
-    """``y`` with the bias added by PyTorch, in place, as PyTorch's own convolution adds it (``y`` is the new result,
-    which no backward keeps: no second tensor of its size), unbatched again if the input was. A float16 or bfloat16
-    ``y`` is rounded already: PyTorch's CPU kernel adds the bias before rounding (README). A new tensor where ``y``
-    may not be ours alone to change: under torch.func's transforms (``vmap`` over the biases alone batches the bias
-    and not ``y``, which cannot take a batched value in place) and under a dispatch mode, which may keep the
-    operator's result (selective activation checkpointing refuses a result it saved that has changed since)."""
-    if bias is not None:
-        bias = bias.reshape(1, -1, *(1,) * nd)
-        shared = _ops.transforms_active() or (not torch.compiler.is_compiling() and _dispatch_modes())
-        y = y + bias if shared else y.add_(bias)
-    return y.squeeze(0) if unbatched else y
-
-
 def _same(x: Tensor, w: Tensor, stride: Any, dilation: Any, nd: int) -> tuple[Tensor, Any]:
     """``x`` and the padding to run ``padding="same"`` with: where a dimension's total padding is odd (an even
     kernel), ``x`` padded by PyTorch with the one more at the end that torch's own convolution adds there, and the
@@ -164,8 +147,8 @@ def _conv(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, paddi
     checked = _shapes.forward_call(x, w, stride, padding, dilation, groups)
     _check_bias(bias, checked.geom.out_channels)
     layout = _ops.layout_of(x, w, checked.channels_last)
-    y = _autograd.apply(ConvFunction, x, w, *checked.args, layout)
-    return _finished(y, bias, nd, unbatched)
+    y = _autograd.apply(ConvFunction, bias, x, w, *checked.args, layout)
+    return y.squeeze(0) if unbatched else y
 
 
 def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: Any, padding: Any,
@@ -175,8 +158,8 @@ def _conv_transpose(nd: int, x: Tensor, w: Tensor, bias: Tensor | None, stride: 
     checked = _shapes.transpose_call(x, w, stride, padding, dilation, groups, output_padding)
     _check_bias(bias, checked.geom.in_channels)  # the output's channels: the input's of the convolution it transposes
     layout = _ops.layout_of(x, w, checked.channels_last)
-    y = _autograd.apply(ConvTransposeFunction, x, w, checked.shape, *checked.args, layout)
-    return _finished(y, bias, nd, unbatched)
+    y = _autograd.apply(ConvTransposeFunction, bias, x, w, checked.shape, *checked.args, layout)
+    return y.squeeze(0) if unbatched else y
 
 
 _F = TypeVar("_F", bound=Callable[..., Tensor])
