@@ -7,7 +7,8 @@ The pieces of the path a GPU call shares with the CPU backend, each timed alone 
 - ``torch``  ``wsarena.torch.Conv2d(1, 1, 3)`` forward without gradient (inside ``torch.no_grad()``): the module
              call, the functional's checks, the operator run straight, its result and NumPy views, the bias;
 - ``step``   the same module's forward with gradient and ``.sum().backward()``: the autograd Function, the forward's
-             line and settings kept, a backward pass's scopes, one backward pass, and the step without a bias.
+             line and settings kept, a backward pass's scopes, one backward pass, the step and the forward without a
+             bias, and ``torch.nn.Conv2d``'s step with and without one, for scale.
 
 Each figure is the fewest microseconds per call over ``--rounds`` rounds that time every piece in turn, by the
 thread's CPU time (``time.thread_time``): on a machine shared with other work, the wall clock counts the time the
@@ -122,6 +123,7 @@ def torch_cases() -> Cases:
 def step_cases() -> Cases:
     x = torch.ones(1, 1, 4, 4, requires_grad=True)
     module, plain = wsarena.torch.Conv2d(1, 1, 3), wsarena.torch.Conv2d(1, 1, 3, bias=False)
+    torchs, torchs_plain = torch.nn.Conv2d(1, 1, 3), torch.nn.Conv2d(1, 1, 3, bias=False)
     w = module.weight
     args = (*_shapes.forward_call(x, w, 1, 0, 1, 1).args, "NCHW")
     started = _autograd._started()
@@ -141,10 +143,13 @@ def step_cases() -> Cases:
         "the step": (lambda: module(x).sum().backward(), k),
         "the step, no bias": (lambda: plain(x).sum().backward(), k),
         "forward with gradient": (lambda: module(x), k),
+        "forward with gradient, no bias": (lambda: plain(x), k),
         "  the Function (apply)": (lambda: _autograd.apply(_autograd.ConvFunction, None, x, w, *args), k),
         "  its line and settings kept (_started)": (_autograd._started, k),
         "a backward's scopes, entered and left": (scopes, k),
         "one backward pass (_pass)": (backward_pass, k),
+        "torch.nn.Conv2d's step, for scale": (lambda: torchs(x).sum().backward(), k),
+        "torch.nn.Conv2d's step, no bias": (lambda: torchs_plain(x).sum().backward(), k),
     }
 
 
