@@ -69,7 +69,7 @@ def test_transposed_gradients_of_gradients_pass_gradgradcheck_and_batched_gradch
 def test_a_biased_convolution_is_one_autograd_node_as_torchs(transposed):
     """The bias is the Function's third operand, its gradient computed in the Function's backward, as PyTorch's
     convolution computes it in its own node: the bias reshaped and added to the result were two more nodes, which
-    cost some 12 us more a training step (bench/RESULTS.md). Its gradient is torch's, and a frozen bias has none."""
+    cost 7-10 us more a training step (bench/RESULTS.md). Its gradient is torch's, and a frozen bias has none."""
     ours, theirs = (TRANSPOSE_FUNCTIONS if transposed else FUNCTIONS)[2]
     x, w, b = transpose_tensors((2, 4, 5, 6), (4, 3, 3, 3)) if transposed else tensors((2, 4, 6, 5), (6, 4, 3, 2))
     y, ref = ours(x, w, b), theirs(x, w, b)

@@ -221,7 +221,7 @@ def _biased_form(function: type[torch.autograd.Function]) -> type[torch.autograd
     operator's result (:func:`add_bias`), its backward gives the bias's gradient too, the output gradient summed
     over all but the channels (differentiable where the backward makes a graph), and its ``jvp`` adds the bias's
     tangent. One autograd node, as PyTorch's convolution with a bias is one: the bias reshaped and added to the
-    result were two more, which cost some 12 us more a training step (bench/RESULTS.md)."""
+    result were two more, which cost 7-10 us more a training step (bench/RESULTS.md)."""
     op, jvp_of_pass = _OPERATORS[function], _jvp(function)
 
     def forward(ctx: Any, a: Tensor, b: Tensor, bias: Tensor, *rest: Any) -> Tensor:
