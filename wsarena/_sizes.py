@@ -30,6 +30,8 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+
+
 class _Short(reprlib.Repr):
     """reprlib's cuts, but a list or tuple of more than 6 items (a dict of more than 4, a set of more than 6) ends in
     how many more it holds, ``[1, 2, 3, 4, 5, 6, ... 94 more]``, not in ``...``: in a tuple that reads as Python's
