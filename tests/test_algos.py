@@ -226,6 +226,24 @@ def test_exhaustive_ranks_by_measured_time_and_times_only_what_fits():
     assert b.arena().leases == [100]  # one lease, sized for the largest candidate under the cap
 
 
+
+def test_an_exhaustive_cap_warning_names_a_faster_algorithm_the_cap_keeps_out_where_one_is_known():
+    """An uncapped search of this process timed every candidate: under a cap, the warning names one that timed faster
+    than the choice (the slowdown), and none where the choice is the fastest. It named the heuristics' first, fft,
+    whenever the cap excluded it: at 200 B, where gemm, the fastest, runs, and at 50 B, where gemm is what it costs.
+    Where nothing timed those above the cap, it still names the heuristics' first (the test above)."""
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times=TIMES)
+    select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = select(b, "fwd", GEOM, cap=200, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["gemm", "implicit"]
+    with pytest.warns(WorkspaceCapWarning) as warned:
+        got = select(b, "fwd", GEOM, cap=50, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["implicit"]
+    (text,) = [str(w.message) for w in warned]
+    assert "excludes gemm (100 B, 1 ms) " in text and text.endswith("; using implicit (0 B, 9 ms)"), text
+
 def test_exhaustive_under_memory_pressure_times_what_the_arena_holds():
     b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
     b._arena = FakeArena(memory=150)

@@ -6,6 +6,7 @@ import io
 import json
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -14,8 +15,9 @@ from hypothesis import strategies as st
 
 import wsarena
 from wsarena import algos, backends
+from wsarena._geometry import describe_geometry
 from wsarena._tune_cli import render_curve, tune_output
-from wsarena.errors import BackendUnavailableError
+from wsarena.errors import BackendUnavailableError, WorkspaceCapWarning
 from wsarena.models import ConvLayer
 from wsarena.tuning import tune
 
@@ -312,6 +314,39 @@ def test_the_persistent_cache_serves_a_second_tuning(fake, tmp_path, monkeypatch
     assert "4 distinct calls (pass and geometry): 0 timed, 4 from the search cache;" in render_curve(second)
     assert "0 timed, 0 from the search cache, 4 searched before in this process" in render_curve(third)
 
+
+
+@pytest.mark.parametrize("max_slowdown", [0.02, 0.06, 0.3, 10])
+def test_under_the_tuned_cap_a_cap_warning_names_each_call_it_slows_and_no_other(fake, tmp_path, monkeypatch,
+                                                                                  max_slowdown):
+    """The job tune --apply sets up: an exhaustive search under the recommended cap, in a new process that reads the
+    search cache tune filled. A WorkspaceCapWarning names each call the cap keeps from its fastest algorithm (the
+    slowdown the curve counts), with that algorithm; the calls it does not slow say nothing. It compared the cap with
+    the heuristics' first candidate instead, which here fits every cap (each call's zero-workspace one): no call
+    said anything, whatever the cap slowed."""
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path))
+    t = run(max_slowdown=max_slowdown)
+    cap = t.recommended_cap_bytes
+    capped, fastest = t.plan(cap), t.plan(None)
+    slowed = {(p, lp.geometry): (lp.choices[p], best.choices[p])
+              for lp, best in zip(capped.layers, fastest.layers) for p in PASSES
+              if lp.choices[p].time_ms > best.choices[p].time_ms}
+    assert len(slowed) == {0.02: 0, 0.06: 1, 0.3: 2, 10: 3}[max_slowdown]
+    algos.cache_clear()  # as the job's new process starts
+    fake.measured.clear()
+    with wsarena.config(cap_workspace=cap, algo_search="exhaustive"), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for lp in capped.layers:
+            for p in PASSES:
+                got = algos.select(fake, p, lp.geometry, cap=cap, search="exhaustive", operands=(None, None, None))
+                assert got[0] == lp.choices[p]  # the curve's choice under the cap
+    assert fake.measured == []  # every call read from the search cache
+    warned = sorted(str(w.message) for w in said if w.category is WorkspaceCapWarning)
+    assert len(warned) == len(slowed)
+    for (p, geom), (ran, best) in slowed.items():
+        (line,) = [text for text in warned if f" for {p} of {describe_geometry(geom)};" in text]
+        assert f"excludes {best.algo} (" in line and f"; using {ran.algo} (" in line
+        assert f"{best.time_ms:.3g} ms" in line and f"{ran.time_ms:.3g} ms" in line
 
 @st.composite
 def tables(draw):

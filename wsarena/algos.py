@@ -16,8 +16,9 @@ candidate's time on disk, and a search it already holds times nothing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import _callsite, _forksafe, searchcache
@@ -45,9 +46,11 @@ __all__ = [
 # graph API's), 8 KiB with forty, so that a sweep over shapes holds some 10-35 MiB at most, where it grew without end.
 # As many as the ops keep call signatures, so that a signature they rebuild finds its choice here.
 CHOICES_MAX = 4096
-# Per key: the usable candidates best first, the heuristic favourite if the cap excluded it, and 0 where the choice is
-# kept for good or, for a search cut short by memory, the least workspace it could not get.
+# Per key: the usable candidates best first, the candidate the cap keeps from running first (the cap warning's), and 0
+# where the choice is kept for good or, for a search cut short by memory, the least workspace it could not get.
 _Entry = tuple[tuple[Candidate, ...], Candidate | None, int]
+# Per (algorithm, math type), what a search timed of a call: its time in ms, None where the backend's search rejected it
+_Times = Mapping[tuple[str, int | None], float | None]
 _cache: LRU[_Entry] = LRU(CHOICES_MAX)
 _warned: LRU[bool] = LRU(CHOICES_MAX)  # the keys a WorkspaceCapWarning was given for
 _captures_warned: set[str] = set()  # the streams a CaptureFallbackWarning named, by repr (no object kept alive)
@@ -105,6 +108,7 @@ def choose(
     measure: Callable[[list[Candidate]], searchcache.Found] | None = None,
     warn: bool = True,
     can_have: Callable[[int], bool] | None = None,
+    known: Callable[[], _Times] | None = None,
 ) -> tuple[Candidate, ...]:
     """Return the usable candidates under ``cap``, best first; the first is the choice.
 
@@ -121,10 +125,17 @@ def choose(
         ``can_have(n)`` says whether ``n`` bytes of workspace, the least that a skipped one needs, can be had
         now; if so the search runs again, else the kept ranking is served. Without it, a search cut short runs
         again on every call.
+    known
+        For ``search="exhaustive"`` under a cap that excludes some candidates: a function that returns what searches
+        timed of this call, those above the cap included (the search cache's entry, this process's uncapped search),
+        per ``(algo, math_type)``: a time in ms, or ``None`` for a candidate the backend's search rejected.
     warn
-        Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap excluded the heuristic favourite.
-        The planner passes ``False``: its report shows the choice already. A search that memory cut short is
-        said whatever ``warn`` is (a :class:`MemoryFallbackWarning`, once per arena): no report shows that.
+        Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap keeps the fastest algorithm from
+        running: the heuristic favourite; for an exhaustive search, one above the cap that ``known`` says is faster
+        than the choice (the fastest such), or where ``known`` has no time for the heuristic favourite, that one if
+        the cap excluded it. The planner passes ``False``: its report shows the choice already. A search that memory
+        cut short is said whatever ``warn`` is (a :class:`MemoryFallbackWarning`, once per arena): no report shows
+        that.
 
     Raises
     ------
@@ -140,7 +151,7 @@ def choose(
         entry = None  # the workspace it lacked can be had now: the search is run again
     if entry is None:
         with using(settings):  # what the backend reads of them (cudnn_heuristic), as the key has them
-            best, excluded, lacked, untimed = _rank(backend, pass_, geom, cap, measure if exhaustive else None)
+            best, excluded, lacked, untimed = _rank(backend, pass_, geom, cap, measure if exhaustive else None, known)
         entry = (best, excluded, lacked or 0)
         if lacked is not None:
             _cache.put(key, entry)
@@ -153,13 +164,19 @@ def choose(
             first = key not in _warned
             _warned.put(key, True)
         if first:
+            timed = excluded.time_ms is not None  # an exhaustive search's: the times say what the cap costs
             _callsite.warn(  # at the user's line: the op's caller, or the module call through wsarena.torch
-                f"workspace cap {format_size(cap or 0)} excludes {excluded.algo} "
-                f"({format_size(excluded.workspace_bytes)}) for {pass_} of {describe_geometry(geom)}; "
-                f"using {best[0].algo} ({format_size(best[0].workspace_bytes)})",
+                f"workspace cap {format_size(cap or 0)} excludes {_named(excluded, timed)} for {pass_} of "
+                f"{describe_geometry(geom)}; using {_named(best[0], timed)}",
                 WorkspaceCapWarning,
             )
     return best
+
+
+def _named(cand: Candidate, timed: bool) -> str:
+    """``cand`` as the cap warning names it: its algorithm and workspace, and with ``timed`` its time."""
+    ms = f", {cand.time_ms:.3g} ms" if timed and cand.time_ms is not None else ""
+    return f"{cand.algo} ({format_size(cand.workspace_bytes)}{ms})"
 
 
 def _cut_short_text(pass_: str, geom: ConvGeometry, ranking: tuple[Candidate, ...], timed: int, lacked: int) -> str:
@@ -173,9 +190,11 @@ def _cut_short_text(pass_: str, geom: ConvGeometry, ranking: tuple[Candidate, ..
 
 
 def _rank(
-    backend: Backend, pass_: str, geom: ConvGeometry, cap: int | None, measure: Callable | None
+    backend: Backend, pass_: str, geom: ConvGeometry, cap: int | None, measure: Callable | None,
+    known: Callable[[], _Times] | None = None,
 ) -> tuple[tuple[Candidate, ...], Candidate | None, int | None, int]:
-    """(usable candidates best first, the heuristic favourite if the cap excluded it, what to keep, how many of
+    """(usable candidates best first, the candidate the cap keeps from running first (:func:`_kept_out`; without
+    a search that timed something, the heuristic favourite if the cap excluded it), what to keep, how many of
     the last a search kept it could not time for want of memory). What to keep: 0 where all were ranked (or memory
     stopped only candidates that ran out of memory of their own), the least workspace a skipped candidate needs
     where a search was cut short by the arena's memory, ``None`` where nothing was timed (the heuristic order, not
@@ -203,11 +222,28 @@ def _rank(
     order = tuple(timed) + tuple(skipped)
     if not timed:  # the backend rejected every candidate the workspace held: ask again next time
         return order, excluded, None, 0
+    if known is not None and len(usable) < len(ranked):  # the cap excludes some: is one of them faster?
+        excluded = _kept_out([c for c in ranked if c not in usable], order[0], excluded, known())
     # Cut short by the arena's memory: kept until the least that a skipped candidate needs can be had. Those the
     # search's largest lease held (``leased``) ran out of memory of their own: that is no reason to search again.
     largest = leased[0] if leased else 0
     lacked = min((c.workspace_bytes for c in skipped if c.workspace_bytes > largest), default=0)
     return order, excluded, lacked, len(skipped)
+
+
+def _kept_out(
+    above: list[Candidate], choice: Candidate, favourite: Candidate | None, times: _Times
+) -> Candidate | None:
+    """Which of ``above``, the candidates above the cap, the cap keeps from running in place of ``choice``, an
+    exhaustive search's (timed): the fastest that ``times`` says is faster, with its time; where none is, the heuristic
+    favourite if the cap excluded it and ``times`` has nothing of it (a guess, as under the heuristic search)."""
+    faster = [dataclasses.replace(c, time_ms=ms) for c in above
+              if (ms := times.get((c.algo, c.math_type))) is not None and ms < (choice.time_ms or 0.0)]
+    if faster:
+        return min(faster, key=lambda c: c.time_ms or 0.0)
+    if favourite is not None and (favourite.algo, favourite.math_type) not in times:
+        return favourite
+    return None
 
 
 def select(
@@ -249,6 +285,15 @@ def select(
         # What an earlier process (or call under another cap) timed is read back, not timed again.
         return searchcache.search(backend, pass_, geom, cands, lambda: measure_now(cands))
 
+    def known() -> _Times:
+        # What searches timed of this call above the cap: an earlier process's (the search cache: wsarena tune's),
+        # and this process's uncapped search
+        times = dict(searchcache.times(backend, pass_, geom))
+        uncapped = _cache.lookup(_key(backend, pass_, geom, "exhaustive", None, get_config()))
+        if uncapped is not None:
+            times.update({(c.algo, c.math_type): c.time_ms for c in uncapped[0] if c.time_ms is not None})
+        return times
+
     def measure_now(cands: list[Candidate]) -> searchcache.Found:
         a, b, out = operands() if callable(operands) else operands
         # The choice (and the search cache) is kept per geometry, whatever the operands' addresses: a backend whose
@@ -276,7 +321,8 @@ def select(
         run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap)
         return timed, [c for c in cands if c.workspace_bytes > leased[1] or c in failed], leased[0]
 
-    return choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure, warn=warn, can_have=can_have)
+    return choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure, warn=warn, can_have=can_have,
+                  known=known)
 
 
 def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: int | None) -> tuple[Candidate, ...]:

@@ -57,7 +57,7 @@ from ._searchcache_folder import (
 from ._sizes import os_error_text, short_path, short_repr
 from .backends import Candidate
 
-__all__ = ["ENV_VAR", "cache_dir", "clear", "counts", "info", "search", "source"]
+__all__ = ["ENV_VAR", "cache_dir", "clear", "counts", "info", "search", "source", "times"]
 
 ENV_VAR = "WSARENA_CACHE_DIR"
 _FORMAT = "wsarena-search-cache"
@@ -133,6 +133,18 @@ def search(
                                       "this folder is ignored without another warning")
     return found
 
+
+
+def times(backend: Any, pass_: str, geom: Any) -> dict[tuple[str, int | None], float | None]:
+    """What the cache holds of a call, whatever the cap: per ``(algorithm, math type)``, its time in ms, ``None``
+    where the backend's search rejected it; empty where it holds nothing (or is off). A search under a cap reads
+    the times of those the cap excludes here (:func:`wsarena.algos.choose`'s ``known``)."""
+    root = cache_dir()
+    if root is None:
+        return {}
+    key = _key(backend, pass_, geom)
+    stored, _ = _read(root / SUBDIR / entry_name(_canonical(key)), key)  # a bad file: the search says so
+    return {found: ms for found, (_, ms) in (stored or {}).items()}
 
 def counts() -> tuple[int, int]:
     """``(read, timed)``: how many exhaustive searches of this process the cache answered, and how many timed
