@@ -512,7 +512,7 @@ def test_a_call_chooses_under_the_heuristic_it_read_whatever_another_thread_conf
             switched.append(wsarena.configure(cudnn_heuristic="b"))
 
     backend = RankedByHeuristic(other_thread)
-    monkeypatch.setattr(ops, "get_backend", lambda name: backend)
+    monkeypatch.setattr(ops, "get_backend", lambda name, api=None: backend)
     rng = np.random.default_rng(9)
     x, w = rng.standard_normal(X.shape, dtype=np.float32), rng.standard_normal(W.shape, dtype=np.float32)
     instant = [c.algo for c in CpuBackend().candidates("fwd", wsarena._geometry.conv_geometry(x.shape, w.shape))]
@@ -526,6 +526,44 @@ def test_a_call_chooses_under_the_heuristic_it_read_whatever_another_thread_conf
     assert rel_err(conv_forward(x, w), ref) <= TOL["float32"]
     assert backend.ran == [instant[0], instant[-1], instant[0]]
 
+
+
+class OnApi(CpuBackend):
+    """The cpu backend as if on one of cuDNN's two APIs, which records what it ran."""
+
+    def __init__(self, api, ran):
+        self.api = api
+        self.ran = ran
+
+    def run(self, pass_, candidate, *args):
+        self.ran.append(self.api)
+        super().run(pass_, candidate, *args)
+
+
+def test_a_call_runs_on_the_cudnn_api_it_read_whatever_another_thread_configures(monkeypatch):
+    """Another thread's configure(cudnn_api=...) between a call's read of the settings and its backend's: the record
+    of the call's signature, kept under the API the call read, held the other API's backend, which then ran every
+    later call under the API read (as CuPy arrays take the backend of the setting in force)."""
+    ran = []
+    on = {api: OnApi(api, ran) for api in ("graph", "legacy")}
+    switched = []
+
+    def get_backend(name, api=None):
+        if not switched:
+            switched.append(wsarena.configure(cudnn_api="legacy"))  # the other thread's
+        return on[api or wsarena.get_config().cudnn_api]
+
+    monkeypatch.setattr(ops, "get_backend", get_backend)
+    rng = np.random.default_rng(10)
+    x, w = rng.standard_normal(X.shape, dtype=np.float32), rng.standard_normal(W.shape, dtype=np.float32)
+    ref = ref_conv_forward(x, w)
+    assert wsarena.get_config().cudnn_api == "graph"
+    assert rel_err(conv_forward(x, w), ref) <= TOL["float32"]  # read graph; legacy configured as it checks
+    assert switched and ran == ["graph"]
+    assert rel_err(conv_forward(x, w), ref) <= TOL["float32"]  # under legacy now
+    wsarena.configure(cudnn_api="graph")
+    conv_forward(x, w)
+    assert ran == ["graph", "legacy", "graph"]
 
 def test_lanes_on_threads_give_the_serial_results():
     rng = np.random.default_rng(9)

@@ -70,7 +70,10 @@ def _dtype_name(name: str, dtype: Any) -> str:
     return text
 
 
-def _backend_for(names: tuple[str, str], types: tuple[type, type], configured: str) -> Backend:
+def _backend_for(names: tuple[str, str], types: tuple[type, type], cfg: Config) -> Backend:
+    """The backend of the operands' types, on the cuDNN API of ``cfg``: the settings the call read, which its record's
+    key holds, not what a configure() of another thread made meanwhile."""
+    configured = cfg.backend
     kinds: dict[str, str] = {}
     for name, kind in zip(names, types):
         found = type_backend_name(kind)
@@ -87,17 +90,17 @@ def _backend_for(names: tuple[str, str], types: tuple[type, type], configured: s
             f"backend={configured!r} is configured but the arrays are {'NumPy' if backend == 'cpu' else 'CuPy'}; "
             f"pass {'CuPy' if configured == 'cudnn' else 'NumPy'} arrays or configure backend='auto'"
         )
-    return get_backend(backend)
+    return get_backend(backend, cfg.cudnn_api)
 
 
 def _record(
-    pass_: Pass, a: Any, b: Any, shape_arg: Any, params: tuple[Any, Any, Any, Any], layout: str, configured: str
+    pass_: Pass, a: Any, b: Any, shape_arg: Any, params: tuple[Any, Any, Any, Any], layout: str, cfg: Config
 ) -> _Record:
     """Check what a call's array types, shapes and dtypes and its parameters determine.
 
     Raises the ``TypeError``/``ValueError`` that names a bad argument."""
     names = pass_.names
-    backend = _backend_for(names[:2], (type(a), type(b)), configured)
+    backend = _backend_for(names[:2], (type(a), type(b)), cfg)
     named = {name: _dtype_name(name, array.dtype) for name, array in zip(names, (a, b))}
     if len(set(named.values())) > 1:
         raise TypeError(f"dtypes differ: {', '.join(f'{n} is {d}' for n, d in named.items())}")
@@ -200,7 +203,7 @@ def _run(
         except TypeError:  # something unhashable (a shape that is no tuple): checked below, never remembered
             key = None
     if record is None:
-        record = _record(pass_, a, b, shape_arg, params, layout, cfg.backend)
+        record = _record(pass_, a, b, shape_arg, params, layout, cfg)
         if key is not None:
             remember(_records, key, record)
     if out is not None:
