@@ -348,6 +348,25 @@ def test_under_the_tuned_cap_a_cap_warning_names_each_call_it_slows_and_no_other
         assert f"excludes {best.algo} (" in line and f"; using {ran.algo} (" in line
         assert f"{best.time_ms:.3g} ms" in line and f"{ran.time_ms:.3g} ms" in line
 
+
+def test_the_curve_is_timed_on_the_cudnn_api_the_plan_searched_whatever_another_thread_configures(monkeypatch):
+    """Another thread's configure(cudnn_api=...) as tune plans: its curve came from the backend of the API configured
+    by the time the plan was made, which timed every call again, under the plan of the API tune began with."""
+    on = {}
+    for key, api in (("cudnn:graph", "graph"), ("cudnn", "legacy")):
+        on[api] = TableBackend(TABLE, device=f"fake {api} device")
+        on[api].api = api
+        monkeypatch.setitem(backends._backends, key, on[api])
+
+    def progress(done, total, name):
+        wsarena.configure(cudnn_api="legacy")  # the other thread's
+
+    assert wsarena.get_config().cudnn_api == "graph"
+    t = tune(LAYERS, batch=2, passes=PASSES, backend="cudnn", model="toy", progress=progress)
+    assert on["legacy"].measured == [] and len(on["graph"].measured) == 4
+    assert t.uncapped.device == "fake graph device"
+    assert [(p.cap_workspace_bytes, p.arena_bytes) for p in t.curve] == [e[:2] for e in EXPECTED]
+
 @st.composite
 def tables(draw):
     """Random workspaces and times for the toy model's four calls; every call has some algorithm."""

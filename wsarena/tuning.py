@@ -174,19 +174,20 @@ def tune(
     skipped, layers = skipped_layers(layers), checked_layers(layers)
     shared, _ = _streams(streams, len(layers))
     start, searched_before = time.perf_counter(), searchcache.counts()
-    # The planner checks the arguments and runs the searches (one per distinct call, with progress) ...
-    uncapped = plan(layers, batch=batch, dtype=dtype, layout=layout, cap_workspace=None, passes=passes,
-                    streams=streams, backend=backend, search="exhaustive", model=model, progress=progress)
-    uncapped = dataclasses.replace(uncapped, skipped=skipped) if skipped else uncapped
-    seconds = time.perf_counter() - start
-    searches = [now - before for now, before in zip(searchcache.counts(), searched_before)]
-    # ... whose every candidate the algorithm cache now holds, fastest first (the choice is the first).
-    impl = get_backend(uncapped.backend)
-    measured: dict[tuple[str, ConvGeometry], tuple[Candidate, ...]] = {}
-    untimed = 0  # calls with algorithms a search kept but could not time, for want of memory
-    # The settings plan() searched under, the backend included: an invalid variable of a setting given here does
-    # not matter, as in plan()
+    # The settings plan() searches under, the backend included, in one block around the plan and what follows: the
+    # same cuDNN API and heuristic whatever another thread configures meanwhile. An invalid variable of a setting
+    # given here does not matter, as in plan().
     with config(**_given(algo_search="exhaustive", backend=backend, cap_workspace=None)):
+        # The planner checks the arguments and runs the searches (one per distinct call, with progress) ...
+        uncapped = plan(layers, batch=batch, dtype=dtype, layout=layout, cap_workspace=None, passes=passes,
+                        streams=streams, backend=backend, search="exhaustive", model=model, progress=progress)
+        uncapped = dataclasses.replace(uncapped, skipped=skipped) if skipped else uncapped
+        seconds = time.perf_counter() - start
+        searches = [now - before for now, before in zip(searchcache.counts(), searched_before)]
+        # ... whose every candidate the algorithm cache now holds, fastest first (the choice is the first).
+        impl = get_backend(uncapped.backend)
+        measured: dict[tuple[str, ConvGeometry], tuple[Candidate, ...]] = {}
+        untimed = 0  # calls with algorithms a search kept but could not time, for want of memory
         for lp in uncapped.layers:
             for pass_ in uncapped.passes:
                 key = (pass_, lp.geometry)
