@@ -296,6 +296,7 @@ def test_an_auto_pad_that_is_not_utf8_is_a_model_error(tmp_path):
     (tuple(range(6)), "(0, 1, 2, 3, 4, 5)"),
     ((1,), "(1,)"),
     ({i: -i for i in range(10)}, "{0: 0, 1: -1, 2: -2, 3: -3, ... 6 more}"),
+    ({"a": {"b": {"c": {"d": {"e": {"f": {"g": 1}}}}}}}, "{'a': {'b': {'c': {'d': {'e': {'f': {...}}}}}}}"),  # too deep
     (set(range(10)), "{0, 1, 2, 3, 4, 5, ... 4 more}"),
     (frozenset(range(10)), "frozenset({0, 1, 2, 3, 4, 5, ... 4 more})"),
     ([list(range(10))], "[[0, 1, 2, 3, 4, 5, ... 4 more]]"),

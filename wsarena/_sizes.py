@@ -13,6 +13,7 @@ import os
 import re
 import reprlib
 import sys
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation, Overflow, localcontext
 from typing import Any
 
@@ -37,10 +38,13 @@ class _Short(reprlib.Repr):
     how many more it holds, ``[1, 2, 3, 4, 5, 6, ... 94 more]``, not in ``...``: in a tuple that reads as Python's
     Ellipsis, and says nothing of the length."""
 
-    def _items(self, x: Any, level: int, left: str, right: str, limit: int, trail: str = "") -> str:
+    def _items(self, x: Any, level: int, left: str, right: str, limit: int, trail: str = "",
+               show: Callable[[Any], str] | None = None) -> str:
+        """``x``'s first ``limit`` items, each as ``show`` gives it (by default its own short repr), between ``left``
+        and ``right``, and how many more it holds."""
         if level <= 0 and x:
             return f"{left}...{right}"
-        shown = [self.repr1(item, level - 1) for item in itertools.islice(x, limit)]
+        shown = [self.repr1(item, level - 1) if show is None else show(item) for item in itertools.islice(x, limit)]
         if len(x) > limit:
             shown.append(f"... {len(x) - limit} more")
         elif len(x) == 1:
@@ -66,13 +70,8 @@ class _Short(reprlib.Repr):
     def repr_dict(self, x: dict[Any, Any], level: int) -> str:
         if not x:
             return "{}"
-        if level <= 0:
-            return "{...}"
-        pairs = [f"{self.repr1(k, level - 1)}: {self.repr1(x[k], level - 1)}"
-                 for k in itertools.islice(_sorted(x), self.maxdict)]
-        if len(x) > self.maxdict:
-            pairs.append(f"... {len(x) - self.maxdict} more")
-        return "{" + ", ".join(pairs) + "}"
+        return self._items(_sorted(x), level, "{", "}", self.maxdict,
+                           show=lambda k: f"{self.repr1(k, level - 1)}: {self.repr1(x[k], level - 1)}")
 
 
 def _sorted(items: Any) -> list[Any]:
