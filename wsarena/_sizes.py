@@ -67,6 +67,12 @@ class _Short(reprlib.Repr):
             return "frozenset()"
         return self._items(_sorted(x), level, "frozenset({", "})", self.maxfrozenset)
 
+    def repr_int(self, x: int, level: int) -> str:
+        try:
+            return super().repr_int(x, level)
+        except ValueError:  # repr() refuses past 4300 digits (or a limit lowered with sys.set_int_max_str_digits())
+            return f"an integer of {x.bit_length()} bits"
+
     def repr_dict(self, x: dict[Any, Any], level: int) -> str:
         if not x:
             return "{}"
