@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wsarena._geometry import conv_geometry, output_size
+from wsarena._geometry import conv_geometry, conv_transpose_geometry, output_size
 
 
 def test_nchw_shapes_and_output():
@@ -100,6 +100,28 @@ def test_rank_mismatch_and_unsupported_rank():
         conv_geometry((1, 1, 5, 5, 5, 5), (1, 1, 3, 3, 3, 3))
     with pytest.raises(ValueError, match="as many dimensions"):
         conv_geometry((1, 1, 5, 5), (1, 1, 3))
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (lambda: conv_geometry(tuple(range(1, 3001)), (1, 1, 1)),
+     "input_shape=(1, 2, 3, 4, 5, 6, ... 2994 more) must have 3, 4 or 5 dimensions (1-, 2- or 3-D convolution)"),
+    (lambda: conv_geometry((1, 1, 5, 5), (1,) * 3000),
+     "weight_shape=(1, 1, 1, 1, 1, 1, ... 2994 more) must have as many dimensions as input_shape=(1, 1, 5, 5)"),
+    (lambda: conv_transpose_geometry((1,) * 3000, (1, 1, 1)),
+     ("input_shape=(1, 1, 1, 1, 1, 1, ... 2994 more) and weight_shape=(1, 1, 1) must both have 3, 4 or 5 dimensions "
+      "(1-, 2- or 3-D transposed convolution)")),
+    (lambda: conv_geometry((1, 1, 5, 5, 5, 5), (1, 1, 3, 3, 3, 3)),  # a short shape, as it always read
+     "input_shape=(1, 1, 5, 5, 5, 5) must have 3, 4 or 5 dimensions (1-, 2- or 3-D convolution)"),
+    (lambda: conv_geometry((1, 10**5000, 4), (1, 1, 1)),  # a number repr() refuses
+     ("input_shape=(1, an integer of 16610 bits, 4): an integer of 16610 bits is above 2**31 - 1 = 2147483647, the "
+      "largest value a cuDNN descriptor holds")),
+])
+def test_a_shape_of_many_dimensions_is_quoted_cut(make, says):
+    """A shape of thousands of dimensions was quoted whole, an error of thousands of characters; it is cut as
+    short_repr cuts a value, and a short one reads as before."""
+    with pytest.raises(ValueError) as info:
+        make()
+    assert str(info.value) == says
 
 
 def test_zero_batch_is_legal_and_empty_channel_is_not():

@@ -662,6 +662,20 @@ def test_onnx_negative_dim_is_unknown(tmp_path):
 
 
 
+def test_onnx_shapes_of_many_dims_are_quoted_cut(tmp_path):
+    """A shape of thousands of dims was quoted whole, an error of thousands of characters."""
+    w = [weight("w", (4, 3, 3, 3))]
+    unknown = save(tmp_path, [conv("c", "x", "w", "y")], [vi("x", ["N", *[None] * 3000])], w)
+    with pytest.raises(ModelError, match=re.escape("'c' (input shape [1, ?, ?, ?, ?, ?, ... 2995 more] unknown)")):
+        load_model(unknown)
+    with pytest.raises(ModelError, match=re.escape("input 'x' has 3001 dims [?, ?, ?, ?, ?, ?, ... 2995 more], not 4")):
+        load_model(unknown, input_shapes=(1, 3, 8, 8))
+    known = save(tmp_path, [conv("c", "x", "w", "y")], [vi("x", [1, 3, *[7] * 3000])], w, name="known.onnx")
+    says = "'c' (input [1, 3, 7, 7, 7, 7, ... 2996 more] and weight [4, 3, 3, 3] are not a 1-, 2- or 3-D convolution)"
+    with pytest.raises(ModelError, match=re.escape(says)):
+        load_model(known)
+
+
 @pytest.mark.parametrize("attrs, w_shape, message", [
     ({"strides": [2, 2], "output_padding": [1]}, (4, 6, 3, 3), r"'up': output_padding=\[1\] needs 2 entries"),
     ({"strides": [2, 2], "output_shape": [10]}, (4, 6, 3, 3), r"'up': output_shape=\[10\] needs 2 entries"),

@@ -240,9 +240,9 @@ def _check_sizes(
         nbytes = math.prod(shape) * itemsize
         if nbytes > sys.maxsize:
             raise ValueError(
-                f"{name} {shape} of {dtype} is {nbytes} bytes, more than an array can hold ({sys.maxsize})"
-                + ("" if name != "the output shape" else f" (input_shape {shapes['input_shape']}, weight_shape "
-                   f"{shapes['weight_shape']}, padding {padding})")
+                f"{name} {short_repr(shape)} of {dtype} is {nbytes} bytes, more than an array can hold ({sys.maxsize})"
+                + ("" if name != "the output shape" else f" (input_shape {short_repr(shapes['input_shape'])}, "
+                   f"weight_shape {short_repr(shapes['weight_shape'])}, padding {padding})")
             )
 
 
@@ -266,10 +266,12 @@ def conv_geometry(
     input_shape = _bounded("input_shape", tuple(_positive_or_zero("input_shape", d) for d in input_shape))
     weight_shape = _bounded("weight_shape", tuple(_positive_or_zero("weight_shape", d) for d in weight_shape))
     if len(input_shape) not in (3, 4, 5):
-        raise ValueError(f"input_shape={input_shape} must have 3, 4 or 5 dimensions (1-, 2- or 3-D convolution)")
+        raise ValueError(f"input_shape={short_repr(input_shape)} must have 3, 4 or 5 dimensions (1-, 2- or 3-D "
+                         "convolution)")
     if len(weight_shape) != len(input_shape):
         raise ValueError(
-            f"weight_shape={weight_shape} must have as many dimensions as input_shape={input_shape}"
+            f"weight_shape={short_repr(weight_shape)} must have as many dimensions as "
+            f"input_shape={short_repr(input_shape)}"
         )
     nd = len(input_shape) - 2
     if layout == "NCHW":
@@ -279,9 +281,10 @@ def conv_geometry(
         batch, in_channels, size = input_shape[0], input_shape[-1], input_shape[1:-1]
         out_channels, w_channels, kernel = weight_shape[0], weight_shape[-1], weight_shape[1:-1]
     if in_channels < 1 or any(s < 1 for s in size):
-        raise ValueError(f"input_shape={input_shape} needs at least one channel and one element per dimension")
+        raise ValueError(f"input_shape={short_repr(input_shape)} needs at least one channel and one element per "
+                         "dimension")
     if out_channels < 1 or w_channels < 1 or any(k < 1 for k in kernel):
-        raise ValueError(f"weight_shape={weight_shape} has a zero dimension")
+        raise ValueError(f"weight_shape={short_repr(weight_shape)} has a zero dimension")
     groups = _int("groups", groups)
     if groups < 1:
         raise ValueError(f"groups must be >= 1, not {short_repr(groups)}")
@@ -292,7 +295,8 @@ def conv_geometry(
         )
     if w_channels * groups != in_channels:
         raise ValueError(
-            f"weight_shape={weight_shape} has {w_channels} input channels per group; input_shape={input_shape} "
+            f"weight_shape={short_repr(weight_shape)} has {w_channels} input channels per group; "
+            f"input_shape={short_repr(input_shape)} "
             f"with groups={groups} needs {in_channels // groups}"
         )
     stride_t = _per_dim("stride", stride, nd, minimum=1)
@@ -348,12 +352,13 @@ def conv_transpose_geometry(
     input_shape = tuple(_positive_or_zero("input_shape", d) for d in input_shape)
     weight_shape = tuple(_positive_or_zero("weight_shape", d) for d in weight_shape)
     if len(input_shape) not in (3, 4, 5) or len(weight_shape) != len(input_shape):
-        raise ValueError(f"input_shape={input_shape} and weight_shape={weight_shape} must both have 3, 4 or 5 "
-                         "dimensions (1-, 2- or 3-D transposed convolution)")
+        raise ValueError(f"input_shape={short_repr(input_shape)} and weight_shape={short_repr(weight_shape)} must "
+                         "both have 3, 4 or 5 dimensions (1-, 2- or 3-D transposed convolution)")
     nd = len(input_shape) - 2
     channels, kernel = input_shape[1], weight_shape[2:]
     if channels != weight_shape[0]:
-        raise ValueError(f"input_shape={input_shape} has {channels} channels; weight_shape={weight_shape} takes "
+        raise ValueError(f"input_shape={short_repr(input_shape)} has {channels} channels; "
+                         f"weight_shape={short_repr(weight_shape)} takes "
                          f"{weight_shape[0]}")
     groups = _int("groups", groups)
     if groups < 1 or channels % groups:
@@ -368,7 +373,8 @@ def conv_transpose_geometry(
         transposed_output_size(*dims) for dims in zip(input_shape[2:], kernel, stride_t, padding_t, dilation_t, extra)
     )
     if any(o < 1 for o in out):
-        raise ValueError(f"padding={padding_t} leaves an output of size {out} for input_shape={input_shape}")
+        raise ValueError(f"padding={padding_t} leaves an output of size {out} for "
+                         f"input_shape={short_repr(input_shape)}")
     return conv_geometry(
         (input_shape[0], weight_shape[1] * groups, *out), weight_shape, stride=stride_t, padding=padding_t,
         dilation=dilation_t, groups=groups, dtype=dtype,

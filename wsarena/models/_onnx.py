@@ -393,7 +393,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
             unknown.append((name, _unknown_shape("weight", w, tensor, producers, shapes, found), lost_kind))
             continue
         if len(x) not in (3, 4, 5) or len(w) != len(x):
-            why = f"input {list(x)} and weight {list(w)} are not a 1-, 2- or 3-D convolution"
+            why = f"input {_show(x)} and weight {_show(w)} are not a 1-, 2- or 3-D convolution"
             unknown.append((name, why, "geometry"))
             continue
         try:
@@ -527,5 +527,16 @@ def _input_names(inputs: Mapping[str, Any], limit: int = 5) -> str:
     return shown + (f", and {len(inputs) - limit} more" if len(inputs) > limit else "")
 
 
-def _show(dims: tuple[int | None, ...] | None) -> str:
-    return "?" if dims is None else "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+class _Unknown:
+    """An unknown dim as :func:`_show` shows it."""
+
+    def __repr__(self) -> str:
+        return "?"
+
+
+_UNKNOWN = _Unknown()
+
+
+def _show(dims: Sequence[int | None] | None) -> str:
+    """``[1, 3, ?, ?]``: a shape with ``?`` for each unknown dim, cut as :func:`short_repr` cuts a list."""
+    return "?" if dims is None else short_repr([_UNKNOWN if d is None else d for d in dims])
