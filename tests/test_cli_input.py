@@ -220,6 +220,19 @@ def test_a_negative_size_is_said_to_be_negative(capsys, monkeypatch, value):
     assert (code, out, err) == (2, "", f"wsarena: error: {said}\n")
 
 
+@pytest.mark.parametrize("value", ["-0", "-0.0", " -00MiB", "-.0GiB"])
+def test_a_size_of_minus_zero_is_not_said_to_be_negative(capsys, monkeypatch, value):
+    """-0 is zero: it was "a size cannot be negative: '-0'"."""
+    code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu", "--cap-workspace", value)
+    said = f"a size is written without a sign: {value!r} (write 0)"
+    assert (code, out) == (2, "")
+    assert err == f"wsarena: error: argument --cap-workspace: {said} (see 'wsarena report --help')\n"
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", value)
+    code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu")
+    assert (code, out) == (2, "")
+    assert err == f"wsarena: error: environment variable WSARENA_CAP_WORKSPACE={value!r}: {said}\n"
+
+
 def test_a_layer_list_that_starts_with_a_byte_order_mark_is_read(capsys, tmp_path):
     """As Windows editors save UTF-8: it was refused, "Unexpected UTF-8 BOM (decode using utf-8-sig)", a hint to a
     Python programmer."""

@@ -193,6 +193,16 @@ def test_a_negative_slowdown_is_refused_as_such_however_written(capsys, model, c
 
 
 @pytest.mark.parametrize("command", ["tune", "report"])
+@pytest.mark.parametrize("value", ["-0", "-0.0%", "-0e-2", "-.0%"])
+def test_a_slowdown_of_minus_zero_is_not_said_to_be_negative(capsys, model, command, value):
+    """-0 is zero: it was "a slowdown cannot be negative: '-0'"."""
+    code, out, err = run_main(capsys, command, model, "--backend", "cpu", "--max-slowdown", value)
+    assert (code, out) == (2, "")
+    assert err == (f"wsarena: error: argument --max-slowdown: a slowdown is written without a sign: {value!r} "
+                   f"(write 0) (see 'wsarena {command} --help')\n")
+
+
+@pytest.mark.parametrize("command", ["tune", "report"])
 @pytest.mark.parametrize("value", ["-inf", "-Infinity", "-nan"])
 def test_a_negative_infinity_or_nan_slowdown_is_a_value_refused_as_no_number(capsys, model, command, value):
     """Not "expected one argument", as if ``-inf`` were an unknown option: the value is said to be no number."""

@@ -135,9 +135,9 @@ def parse_size(value: int | str) -> int:
 
     Accepts a non-negative integer (an ``int``, or any integer type such as ``numpy.int64``; not a ``bool``) or a
     string such as ``"0"``, ``"512"``, ``"64KiB"``, ``"1.5GiB"`` or ``"2GB"`` (ASCII digits; units are
-    case-insensitive). Raises ``TypeError`` for other types and ``ValueError`` for a negative size, an unknown
-    unit, a size that is not a whole number of bytes, or one of more digits than ``int()`` takes from a string
-    (``sys.get_int_max_str_digits()``).
+    case-insensitive; no sign). Raises ``TypeError`` for other types and ``ValueError`` for a negative size (or
+    ``"-0"``), an unknown unit, a size that is not a whole number of bytes, or one of more digits than ``int()``
+    takes from a string (``sys.get_int_max_str_digits()``).
     """
     if not isinstance(value, str):
         n = as_int(value)
@@ -147,7 +147,10 @@ def parse_size(value: int | str) -> int:
             raise ValueError(f"a size cannot be negative: {short_repr(value)}")
         return n
     match = _SIZE.fullmatch(value)
-    if match is None and _SIZE.fullmatch(value.strip().removeprefix("-")):  # "-1", "-2GiB": a size, but negative
+    unsigned = _SIZE.fullmatch(value.strip().removeprefix("-")) if match is None else None
+    if unsigned is not None and not unsigned[1].strip("0."):  # "-0", "-0.0MiB": zero, which is not negative
+        raise ValueError(f"a size is written without a sign: {short_repr(value)} (write 0)")
+    if unsigned is not None:  # "-1", "-2GiB": a size, but negative
         raise ValueError(f"a size cannot be negative: {short_repr(value)}")
     if match is None:
         raise ValueError(f"not a size: {short_repr(value)} (expected e.g. '512', '64KiB', '1.5GiB', '2GB')")

@@ -31,7 +31,10 @@ def max_slowdown_arg(text: str) -> float:
     otherwise allow a step five times slower (500 %) where 5 % was surely meant. ``500%`` says it plainly.
     """
     match = _SLOWDOWN.fullmatch(text)
-    if match is None and _SLOWDOWN.fullmatch(text.strip().removeprefix("-")):
+    unsigned = _SLOWDOWN.fullmatch(text.strip().removeprefix("-")) if match is None else None
+    if unsigned is not None and not unsigned[1].lower().partition("e")[0].strip("0."):  # "-0", "-0.0%": zero
+        raise argparse.ArgumentTypeError(f"a slowdown is written without a sign: {short_repr(text)} (write 0)")
+    if unsigned is not None:
         raise argparse.ArgumentTypeError(f"a slowdown cannot be negative: {short_repr(text)}")
     if match is None:
         raise argparse.ArgumentTypeError(f"expected a percentage (2%) or a fraction (0.02), not {short_repr(text)}")
