@@ -358,6 +358,26 @@ def test_a_numpy_or_pytorch_dtype_is_planned_by_its_name(resnet50, dtype):
     assert json.loads(json.dumps(p.to_dict())) == json.loads(json.dumps(named.to_dict()))
 
 
+def test_device_properties_that_start_with_a_byte_order_mark_are_read_without_it(resnet50, monkeypatch, tmp_path,
+                                                                                 capsys):
+    """As a JSON layer list is read (Windows editors save UTF-8 so): cuDNN was handed the mark with the JSON, and
+    refused it as no JSON, the command as bad input or, where cuDNN cannot plan, as the environment (exit 3)."""
+    from wsarena import planner
+    from wsarena.backends import get_backend
+    from wsarena.cli import main
+
+    texts = []
+    monkeypatch.setattr(planner, "device_properties_backend",
+                        lambda text, source: texts.append(text) or get_backend("cpu"))  # what cuDNN would read
+    props = '{"warpSize": 32}'
+    path = tmp_path / "gpu.json"
+    path.write_bytes(b"\xef\xbb\xbf" + props.encode())
+    wsarena.plan(resnet50[:1], device_properties=path)
+    wsarena.plan(resnet50[:1], device_properties="\ufeff" + props)  # the text of that file, read as UTF-8
+    assert main(["report", "resnet50", "--device-properties", str(path), "--format", "json"]) == 0
+    assert capsys.readouterr().err == "" and texts == [props] * 3
+
+
 @pytest.mark.parametrize("where", ["missing.json", "."])
 def test_device_properties_that_cannot_be_read_name_the_file(resnet50, tmp_path, where):
     """Bad input, as a model file that cannot be read is: a ValueError naming the file and why, which the command

@@ -247,9 +247,9 @@ def plan(
         the same measurements. Excludes ``cap_workspace``; the search is exhaustive.
     device_properties : str or path, optional
         A GPU's properties as cuDNN serialises them to JSON (``bench/gpu_check.py`` captures them): the JSON text
-        (a str that starts with ``{``) or a file holding it (another str, or a path). Plans for that GPU through
-        cuDNN's graph API, on this machine, with no GPU (``backend`` must then be ``cudnn`` or left out, and
-        ``search`` heuristic; docs/deviceless.md).
+        (a str that starts with ``{``, after any byte order mark) or a file holding it (another str, or a path; UTF-8,
+        a byte order mark first or not). Plans for that GPU through cuDNN's graph API, on this machine, with no GPU
+        (``backend`` must then be ``cudnn`` or left out, and ``search`` heuristic; docs/deviceless.md).
     """
     skipped = skipped_layers(layers)
     layers = checked_layers(layers)
@@ -266,12 +266,13 @@ def plan(
         if not isinstance(text, str):  # a dict of them, or bytes: os.fspath's own error named nothing
             raise TypeError("device_properties must be the JSON text or a file holding it (a str or a path), not "
                             f"{device_properties!r:.80}")
-        # a path is a file, whatever its name ({gpu}.json); a str is the JSON text where it starts as one
-        file = isinstance(device_properties, os.PathLike) or not text.lstrip().startswith("{")
+        # a path is a file, whatever its name ({gpu}.json); a str is the JSON text where it starts as one (after a
+        # byte order mark, as a file that has one reads with the utf-8 codec)
+        file = isinstance(device_properties, os.PathLike) or not text.removeprefix("\ufeff").lstrip().startswith("{")
         source = text if file else None
         if not file:
             _refuse_large(len(text.encode("utf-8", "surrogatepass")), "given as text")
-        device_properties = _read_properties(text) if file else text
+        device_properties = _read_properties(text) if file else text.removeprefix("\ufeff")
     if max_slowdown is not None:
         if cap_workspace is not _FROM_CONFIG:
             raise ValueError("give cap_workspace or max_slowdown, not both: max_slowdown chooses the cap")
@@ -302,7 +303,7 @@ def _read_properties(path: str) -> str:
         raise ValueError(f"cannot read the device properties {short_path(path)}: {why}") from None
     _refuse_large(len(data), short_path(path))
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte order mark first, as Windows editors write it, as load_json() reads
     except UnicodeDecodeError as exc:
         raise ValueError(f"device properties {short_path(path)} are not a JSON text file (not UTF-8: {exc})") from None
 
