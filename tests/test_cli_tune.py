@@ -342,7 +342,18 @@ def test_cache_info_and_clear(capsys, model, tmp_path, monkeypatch):
     code, out, _ = run_main(capsys, "cache", "clear")
     assert code == 0 and out.startswith(f"removed {calls} entries (") and out.endswith(f"from {folder}\n")
     code, out, _ = run_main(capsys, "cache", "clear", "--format", "json")
-    assert json.loads(out) == {"directory": str(folder), "removed": 0, "freed_bytes": 0}
+    assert json.loads(out) == {"directory": str(folder), "removed": 0, "unreadable": 0, "freed_bytes": 0}
+
+
+def test_cache_clear_says_how_many_unreadable_files_it_removed(capsys, model, tmp_path, monkeypatch):
+    """It counted them among the entries, where `cache info` lists them apart."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(folder))
+    wsarena._config._reset()
+    calls = tune_json(capsys, model)["distinct_calls"]
+    (folder / "search" / ("0" * 40 + ".json")).write_text("not an entry")
+    code, out, _ = run_main(capsys, "cache", "clear")
+    assert code == 0 and out.startswith(f"removed {calls} entries and 1 unreadable file(s) ("), out
 
 
 def test_cache_info_and_clear_escape_control_characters(capsys, model, tmp_path, monkeypatch):

@@ -521,15 +521,32 @@ def test_info_and_clear(cache):
     assert [(e["device"], e["entries"]) for e in info["environments"]] == [("fake device 1", 2), ("fake device 2", 1)]
     killed_size = on_disk(killed)
     cleared = searchcache.clear()
-    assert cleared["removed"] == 3 and cleared["freed_bytes"] == info["size_bytes"] + killed_size
+    assert (cleared["removed"], cleared["unreadable"]) == (3, 0)
+    assert cleared["freed_bytes"] == info["size_bytes"] + killed_size
     assert entry_files(cache) == [] and (cache / "notes.txt").exists()
     assert list((cache / "search").iterdir()) == []
+
+
+def test_clear_counts_the_files_that_are_no_readable_entry_apart(cache):
+    """clear() counted them among the entries it removed (a corrupt file, a link that leads nowhere, a FIFO), where
+    info() counts them apart: it says how many of each it removed."""
+    backend = TableBackend(TABLE)
+    search(backend)
+    search(backend, "bwd_data")
+    folder = cache / "search"
+    (folder / named_as_entry("corrupt")).write_text("{")
+    (folder / named_as_entry("dangling")).symlink_to(cache / "gone.json")
+    os.mkfifo(folder / named_as_entry("fifo"))
+    info = searchcache.info()
+    assert (info["entries"], info["unreadable"]) == (2, 3)
+    cleared = searchcache.clear()
+    assert (cleared["removed"], cleared["unreadable"]) == (2, 3) and list(folder.iterdir()) == []
 
 
 def test_info_and_clear_when_off():
     assert searchcache.info() == {"directory": None, "enabled": False, "source": "environment", "entries": 0,
                                   "size_bytes": 0, "max_size_bytes": 64 << 20, "unreadable": 0, "environments": []}
-    assert searchcache.clear() == {"directory": None, "removed": 0, "freed_bytes": 0}
+    assert searchcache.clear() == {"directory": None, "removed": 0, "unreadable": 0, "freed_bytes": 0}
 
 
 def test_the_cpu_environment(monkeypatch):
@@ -950,7 +967,7 @@ def test_a_dangling_symlink_in_the_folder_is_removed_by_the_trim_and_by_clear(ca
     assert sorted(p.name for p in folder.iterdir() if p.is_symlink()) == []
     (folder / named_as_entry("dangling")).symlink_to(cache / "gone.json")
     cleared = searchcache.clear()
-    assert cleared["removed"] == 3 and list(folder.iterdir()) == []
+    assert (cleared["removed"], cleared["unreadable"]) == (2, 1) and list(folder.iterdir()) == []
 
 
 def test_a_link_that_leads_nowhere_is_removed_as_a_dangling_one_is_and_only_the_link(cache, limit, tmp_path):
@@ -983,7 +1000,7 @@ def test_a_link_that_leads_nowhere_is_removed_as_a_dangling_one_is_and_only_the_
         (folder / name).unlink()
     make_links()
     cleared = searchcache.clear()
-    assert cleared["removed"] == 2 + 4 and list(folder.iterdir()) == []
+    assert (cleared["removed"], cleared["unreadable"]) == (2, 4) and list(folder.iterdir()) == []
     assert outside.read_text() == "not the cache's" and (tmp_path / "elsewhere").is_dir()
 
 

@@ -268,6 +268,19 @@ def _entry_files(root: Path) -> list[Path]:
         return []
 
 
+# What reading a file named as an entry raises where it is no readable entry (RecursionError: JSON nested too deep)
+_UNREADABLE = (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError)
+
+
+def _environment(path: Path) -> tuple[str | None, ...]:
+    """The environment the entry ``path`` was searched in: backend, device, wsarena version and API path, as written
+    (the CPU's API path is null), each a string or None, so that they sort. Raises one of :data:`_UNREADABLE` where
+    the file is no readable entry."""
+    with open_entry(path) as f:
+        env = json.loads(entry_text(f))["key"]["environment"]
+    return tuple(_text(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
+
+
 def describe(root: Path) -> dict[str, Any]:
     """What :func:`wsarena.searchcache.info` tells of the entries under ``root``: ``entries``, ``size_bytes``,
     ``unreadable`` (files that are no readable entry) and ``environments``. A folder with an entry's name is none of
@@ -281,11 +294,8 @@ def describe(root: Path) -> dict[str, Any]:
             if stat.S_ISDIR(st.st_mode) and not path.is_symlink():
                 continue  # a folder with an entry's name: no entry, and not the cache's (the trim leaves it too)
             size = disk_size(st)
-            with open_entry(path) as f:
-                env = json.loads(entry_text(f))["key"]["environment"]
-            # as written (the CPU's API path is null), each a string or None, so that the groups sort
-            group = tuple(_text(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            group = _environment(path)
+        except _UNREADABLE as exc:
             if isinstance(exc, FileNotFoundError) and not os.path.lexists(path):
                 continue  # removed since the listing, by another process's trim or clear: no entry, not a bad one
             out["size_bytes"] += size
@@ -306,9 +316,10 @@ def _text(value: Any) -> str | None:
 
 
 def remove_entries(root: Path) -> dict[str, int]:
-    """Remove the entries under ``root`` as :func:`wsarena.searchcache.clear` says; return ``removed`` (entries) and
-    ``freed_bytes``. ``OSError`` when the folder cannot be listed or an entry cannot be removed."""
-    out = {"removed": 0, "freed_bytes": 0}
+    """Remove the entries under ``root`` as :func:`wsarena.searchcache.clear` says; return ``removed`` (entries),
+    ``unreadable`` (files named as entries that were none, as :func:`describe` counts them) and ``freed_bytes``.
+    ``OSError`` when the folder cannot be listed or an entry cannot be removed."""
+    out = {"removed": 0, "unreadable": 0, "freed_bytes": 0}
     folder = root / SUBDIR
     try:
         paths = [p for p in folder.iterdir() if ours(p.name)]
@@ -316,13 +327,15 @@ def remove_entries(root: Path) -> dict[str, int]:
         return out
     now = time.time()
     for path in paths:
+        entry = not path.name.startswith(TEMP_PREFIX)
         try:
             st = path.stat()
             if stat.S_ISDIR(st.st_mode) and not path.is_symlink():
                 continue  # a folder with an entry's name: no entry, and not the cache's to remove
-            if path.name.startswith(TEMP_PREFIX) and now - st.st_mtime <= _STALE_TEMP:
+            if not entry and now - st.st_mtime <= _STALE_TEMP:
                 continue  # a write in progress
             size = disk_size(st)
+            readable = entry and _readable(path)
             path.unlink()
         except OSError as exc:  # another process removed or renamed it meanwhile, or a dangling link
             if not leads_nowhere(exc):
@@ -332,8 +345,17 @@ def remove_entries(root: Path) -> dict[str, int]:
                 if isinstance(exc, FileNotFoundError):
                     continue
                 raise
-            size = freed
-        if not path.name.startswith(TEMP_PREFIX):
-            out["removed"] += 1
+            size, readable = freed, False
+        if entry:
+            out["removed" if readable else "unreadable"] += 1
         out["freed_bytes"] += size
     return out
+
+
+def _readable(path: Path) -> bool:
+    """Whether ``path`` is a readable entry."""
+    try:
+        _environment(path)
+    except _UNREADABLE:
+        return False
+    return True

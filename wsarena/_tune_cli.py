@@ -232,7 +232,8 @@ def cache_output(action: str, fmt: str) -> str:
     where = _SOURCES.get(source, f"{source}()")
     directory = printable(data["directory"])  # a folder's name, as an entry's strings, may hold a newline or an escape
     if action == "clear":
-        return f"removed {data['removed']} entries ({format_size(data['freed_bytes'])}) from {directory}\n"
+        unreadable = f" and {data['unreadable']} unreadable file(s)" if data["unreadable"] else ""
+        return f"removed {data['removed']} entries{unreadable} ({format_size(data['freed_bytes'])}) from {directory}\n"
     cap = data["max_size_bytes"]
     limit = "no limit" if cap is None else f"limit {format_size(cap)}"
     lines = [

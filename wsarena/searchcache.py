@@ -315,11 +315,13 @@ def clear() -> dict[str, Any]:
     Only the files of the cache's ``search/`` folder named as the cache names them are removed (a key's hash, a
     write in progress), never the directory's or the folder's other contents, nor the temporary file of a write in
     progress in another process (one less than an hour old, as a trim spares it): that writer would lose its entry.
-    Returns ``directory``, ``removed`` (entries) and ``freed_bytes``. Raises ``OSError`` when the folder cannot be
+    Returns ``directory``, ``removed`` (entries), ``unreadable`` (the files that were no readable entry, which
+    :func:`info` counts apart too; removed as well) and ``freed_bytes``. Raises ``OSError`` when the folder cannot be
     listed or an entry cannot be removed.
     """
     root = cache_dir()
-    out: dict[str, Any] = {"directory": None if root is None else str(root), "removed": 0, "freed_bytes": 0}
+    out: dict[str, Any] = {"directory": None if root is None else str(root), "removed": 0, "unreadable": 0,
+                           "freed_bytes": 0}
     if root is not None:
         out.update(remove_entries(root))
     return out
