@@ -220,6 +220,18 @@ def test_a_negative_size_is_said_to_be_negative(capsys, monkeypatch, value):
     assert (code, out, err) == (2, "", f"wsarena: error: {said}\n")
 
 
+def test_memory_running_out_is_said_to(capsys, monkeypatch):
+    """Python's MemoryError, where an allocation fails (reading a model too large for memory), has no message: the
+    error line was "wsarena: error: " and nothing more."""
+    import wsarena.models
+
+    def load_model(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(wsarena.models, "load_model", load_model)
+    assert run_main(capsys, "report", "vgg16", "--backend", "cpu") == (3, "", "wsarena: error: out of memory\n")
+
+
 @pytest.mark.parametrize("value", ["-0", "-0.0", " -00MiB", "-.0GiB"])
 def test_a_size_of_minus_zero_is_not_said_to_be_negative(capsys, monkeypatch, value):
     """-0 is zero: it was "a size cannot be negative: '-0'"."""

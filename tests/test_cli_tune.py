@@ -472,7 +472,7 @@ def test_a_cache_folder_that_may_not_be_read_exits_3(capsys, monkeypatch, tmp_pa
 @pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"],
                                      ["report", "--max-slowdown", "2%"]])
 @pytest.mark.parametrize(("stop", "code", "says"), [(KeyboardInterrupt, 130, "wsarena: interrupted"),
-                                                    (MemoryError, 3, "wsarena: error: ")])
+                                                    (MemoryError, 3, "wsarena: error: out of memory")])
 def test_work_stopped_midway_wipes_the_progress_bar(capsys, model, monkeypatch, command, stop, code, says):
     """On a terminal the bar is drawn in place, with no newline: Ctrl-C or an error midway must not print its line
     onto the end of the bar."""

@@ -120,7 +120,8 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"wsarena: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (BackendUnavailableError, MemoryError) as exc:
-        print(f"wsarena: error: {exc}", file=sys.stderr)
+        # Python's own MemoryError, where an allocation fails (a model too large to read), carries no message
+        print(f"wsarena: error: {str(exc) or 'out of memory'}", file=sys.stderr)
         return EXIT_ENVIRONMENT
     except (ValueError, TypeError, OSError) as exc:
         print(f"wsarena: error: {exc}", file=sys.stderr)
