@@ -220,6 +220,21 @@ def test_a_negative_size_is_said_to_be_negative(capsys, monkeypatch, value):
     assert (code, out, err) == (2, "", f"wsarena: error: {said}\n")
 
 
+def test_an_integer_of_more_digits_than_python_reads_is_said_to_be_too_large(capsys, monkeypatch):
+    """int() takes at most 4300 digits from a string: --batch of 5000 was "not an integer", which it is."""
+    import wsarena
+
+    many = "9" * 5000
+    for flag, value in (("--batch", many), ("--streams", many), ("--input-shape", f"1,3,{many},4")):
+        code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu", flag, value)
+        assert (code, out) == (2, "") and err.count("\n") == 1 and len(err) < 300, err[:400]
+        assert err.startswith(f"wsarena: error: argument {flag}: an integer of 5000 digits is too large"), err[:400]
+    monkeypatch.setenv("WSARENA_PLAN_CACHE_SIZE", many)
+    wsarena._config._reset()
+    code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu")
+    assert (code, out) == (2, "") and err.endswith("': an integer of 5000 digits is too large\n"), err[:400]
+
+
 def test_memory_running_out_is_said_to(capsys, monkeypatch):
     """Python's MemoryError, where an allocation fails (reading a model too large for memory), has no message: the
     error line was "wsarena: error: " and nothing more."""

@@ -92,6 +92,8 @@ def _positive(text: str) -> int:
         value = _int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {short_repr(text)}") from None
+    except OverflowError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, not {short_repr(value)}")
     return value
@@ -112,6 +114,8 @@ def _input_shape(text: str) -> tuple[str | None, tuple[int, ...]]:
         raise argparse.ArgumentTypeError(
             f"expected [NAME=]D0,D1,... with integer dims, not {short_repr(text)}"
         ) from None
+    except OverflowError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}: {short_repr(text)}") from None
     if equals and not name.strip():
         raise argparse.ArgumentTypeError(
             f"no input name before '=' in {short_repr(text)}: write NAME=DIMS, or DIMS alone"

@@ -218,6 +218,8 @@ def _env_value(key: str, raw: str) -> Any:
             return ascii_int(raw)
         except ValueError:
             raise ValueError(f"expected a positive integer, not {short_repr(raw)}") from None
+        except OverflowError as exc:
+            raise ValueError(str(exc)) from None
     if key == "debug":
         low = raw.strip().lower()
         if low not in _TRUE | _FALSE:

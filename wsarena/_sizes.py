@@ -191,9 +191,13 @@ _INTEGER = re.compile(r"\s*-?[0-9]+\s*")  # as sizes take digits: int() would ta
 
 
 def ascii_int(text: str) -> int:
-    """``text`` as an integer written in ASCII digits; ``ValueError`` otherwise."""
+    """``text`` as an integer written in ASCII digits; ``ValueError`` otherwise, and ``OverflowError``, saying so,
+    for one of more digits than ``int()`` takes from a string (``sys.get_int_max_str_digits()``)."""
     if _INTEGER.fullmatch(text) is None:
         raise ValueError(text)
+    digits = len(text.strip().removeprefix("-"))
+    if 0 < sys.get_int_max_str_digits() < digits:  # int()'s ValueError would read as no integer
+        raise OverflowError(f"an integer of {digits} digits is too large")
     return int(text)
 
 
