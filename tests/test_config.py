@@ -901,7 +901,9 @@ def test_a_size_variable_past_64_bits_is_the_error_naming_it(monkeypatch):
         get_config()
 
 
-@pytest.mark.parametrize("var", ["WSARENA_CAP_WORKSPACE", "WSARENA_PLAN_CACHE_SIZE", "WSARENA_DEBUG"])
+@pytest.mark.parametrize("var", ["WSARENA_CAP_WORKSPACE", "WSARENA_PLAN_CACHE_SIZE", "WSARENA_DEBUG", "WSARENA_BACKEND",
+                                 "WSARENA_ALGO_SEARCH", "WSARENA_CUDNN_API", "WSARENA_CUDNN_HEURISTIC",
+                                 "WSARENA_ALLOCATOR"])
 def test_a_long_bad_variable_is_quoted_in_part(monkeypatch, var):
     # the message names the variable and quotes the value's ends, not all of a megabyte of it
     monkeypatch.setenv(var, "ab" + "x" * 1_000_000 + "yz")
@@ -918,6 +920,18 @@ def test_a_long_bad_size_is_quoted_in_part(value):
     assert len(str(raised.value)) < 400  # a huge negative int's repr() raised a ValueError of its own
     with pytest.raises((TypeError, ValueError)) as raised:
         parse_size(value)
+    assert len(str(raised.value)) < 400
+
+
+@pytest.mark.parametrize(("setting", "value"), [
+    ("backend", "x" * 100_000), ("algo_search", "x" * 100_000), ("plan_cache_size", "x" * 100_000),
+    ("plan_cache_size", -(10**5000)), ("debug", "x" * 100_000), ("cache_dir", [1] * 100_000),
+], ids=["backend", "algo_search", "plan_cache_size", "plan_cache_size-int", "debug", "cache_dir"])
+def test_a_long_bad_setting_is_quoted_in_part(setting, value):
+    """A choice, the plan cache's size and the debug flag were quoted whole (repr()): a 100 kB line, or repr()'s own
+    ValueError for an int of 5000 digits."""
+    with pytest.raises((TypeError, ValueError), match=f"^{setting} must be ") as raised:
+        configure(**{setting: value})
     assert len(str(raised.value)) < 400
 
 

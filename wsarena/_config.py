@@ -92,10 +92,10 @@ def _cache_path(value: Any) -> Path | None:
     if isinstance(value, str) and not value.strip():
         return default_cache_dir()
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"cache_dir must be a folder (a str or a path), 'off', 'none' or None, not {value!r}")
+        raise TypeError(f"cache_dir must be a folder (a str or a path), 'off', 'none' or None, not {short_repr(value)}")
     text = os.fspath(value)
     if not isinstance(text, str):
-        raise TypeError(f"cache_dir must be a folder (a str or a path), 'off', 'none' or None, not {value!r}")
+        raise TypeError(f"cache_dir must be a folder (a str or a path), 'off', 'none' or None, not {short_repr(value)}")
     if "\0" in text:
         raise ValueError(f"cache_dir {short_path(text)} holds a NUL character")
     expanded = os.path.expanduser(text)
@@ -168,17 +168,17 @@ class Config:
         for key, choices in _CHOICES.items():
             value = getattr(self, key)
             if value not in choices:
-                raise ValueError(f"{key} must be one of {choices}, not {value!r}")
+                raise ValueError(f"{key} must be one of {choices}, not {short_repr(value)}")
             # the choice's own str: a str subclass equal to it (a (str, Enum) member) is shown by its own name
             object.__setattr__(self, key, choices[choices.index(value)])
         size = as_int(self.plan_cache_size)  # any integer type (numpy.int64), as sizes take; not a bool, nor a float
         if size is None:
-            raise TypeError(f"plan_cache_size must be an int, not {self.plan_cache_size!r}")
+            raise TypeError(f"plan_cache_size must be an int, not {short_repr(self.plan_cache_size)}")
         object.__setattr__(self, "plan_cache_size", size)
         if self.plan_cache_size < 1:
-            raise ValueError(f"plan_cache_size must be >= 1, not {self.plan_cache_size}")
+            raise ValueError(f"plan_cache_size must be >= 1, not {short_repr(self.plan_cache_size)}")
         if not isinstance(self.debug, bool):
-            raise TypeError(f"debug must be True or False, not {self.debug!r}")
+            raise TypeError(f"debug must be True or False, not {short_repr(self.debug)}")
 
 
 def _parse_cap(value: Any) -> int | None:
