@@ -619,3 +619,19 @@ def test_the_curve_against_every_cap_worked_out_layer_by_layer(model, max_slowdo
     fastest = point(None)[0]
     within = [c for c in fitting if point(c)[0] <= fastest * (1 + max_slowdown) * (1 + 1e-12)]
     assert t.recommended_cap_bytes == within[0]
+
+
+def test_a_layer_no_algorithm_of_which_could_be_timed_is_named_shortened(monkeypatch):
+    """The error quoted the layer's name whole (a JSON layer list's names may be of any length)."""
+    from wsarena import tuning
+    from wsarena.backends import Candidate
+    from wsarena.errors import NoAlgorithmFitsError
+
+    def select(*args, **kwargs):  # memory kept every candidate from being timed
+        return [Candidate("gemm", 1024, None)]
+
+    monkeypatch.setattr(tuning, "select", select)
+    layer = ConvLayer("n" * 10_000, (1, 3, 8, 8), (4, 3, 3, 3))
+    cut = f"'{'n' * 27}...{'n' * 28}'"
+    with pytest.raises(NoAlgorithmFitsError, match=f"^no fwd algorithm of layer {re.escape(cut)} could be timed"):
+        tune([layer], backend="cpu", passes=("fwd",))

@@ -199,7 +199,7 @@ def tune(
                 untimed += len(timed) < len(ranked)
                 if not timed:
                     raise NoAlgorithmFitsError(
-                        f"no {pass_} algorithm of layer {lp.name!r} could be timed",
+                        f"no {pass_} algorithm of layer {short_repr(lp.name)} could be timed",
                         requested=min(c.workspace_bytes for c in ranked), held=0, cap=None,
                     )
                 measured[key] = timed
