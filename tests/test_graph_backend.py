@@ -638,6 +638,18 @@ def test_device_properties_errors_pickle_with_their_file_and_member():
 
 
 
+def test_device_properties_that_start_with_a_byte_order_mark_plan_as_without_it(finalizing, capsys, tmp_path):
+    """A file saved with a byte order mark (as Windows editors save UTF-8), as a JSON layer list may be: cuDNN was
+    handed the mark and refused the file as no JSON."""
+    bom = tmp_path / "gpu.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + H100.read_bytes())
+    reports = []
+    for path in (H100, bom):
+        assert main(["report", "resnet50", "--device-properties", str(path), "--format", "json"]) == 0
+        reports.append(json.loads(capsys.readouterr().out)["layers"])
+    assert reports[0] == reports[1]
+
+
 def _report_in_child(tmp_path, properties):
     """``wsarena report`` of one small layer against the ``properties`` file, in a child process (which loads the
     tests' stand-in for libcuda.so.1 where this one did): what cuDNN may crash on must not crash the tests."""
