@@ -226,7 +226,6 @@ def test_exhaustive_ranks_by_measured_time_and_times_only_what_fits():
     assert b.arena().leases == [100]  # one lease, sized for the largest candidate under the cap
 
 
-
 def test_an_exhaustive_cap_warning_names_a_faster_algorithm_the_cap_keeps_out_where_one_is_known():
     """An uncapped search of this process timed every candidate: under a cap, the warning names one that timed faster
     than the choice (the slowdown), and none where the choice is the fastest. It named the heuristics' first, fft,
@@ -243,6 +242,7 @@ def test_an_exhaustive_cap_warning_names_a_faster_algorithm_the_cap_keeps_out_wh
     assert [c.algo for c in got] == ["implicit"]
     (text,) = [str(w.message) for w in warned]
     assert "excludes gemm (100 B, 1 ms) " in text and text.endswith("; using implicit (0 B, 9 ms)"), text
+
 
 def test_exhaustive_under_memory_pressure_times_what_the_arena_holds():
     b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})

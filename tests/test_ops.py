@@ -527,7 +527,6 @@ def test_a_call_chooses_under_the_heuristic_it_read_whatever_another_thread_conf
     assert backend.ran == [instant[0], instant[-1], instant[0]]
 
 
-
 class OnApi(CpuBackend):
     """The cpu backend as if on one of cuDNN's two APIs, which records what it ran."""
 
@@ -564,6 +563,7 @@ def test_a_call_runs_on_the_cudnn_api_it_read_whatever_another_thread_configures
     wsarena.configure(cudnn_api="graph")
     conv_forward(x, w)
     assert ran == ["graph", "legacy", "graph"]
+
 
 def test_lanes_on_threads_give_the_serial_results():
     rng = np.random.default_rng(9)

@@ -315,7 +315,6 @@ def test_the_persistent_cache_serves_a_second_tuning(fake, tmp_path, monkeypatch
     assert "0 timed, 0 from the search cache, 4 searched before in this process" in render_curve(third)
 
 
-
 @pytest.mark.parametrize("max_slowdown", [0.02, 0.06, 0.3, 10])
 def test_under_the_tuned_cap_a_cap_warning_names_each_call_it_slows_and_no_other(fake, tmp_path, monkeypatch,
                                                                                   max_slowdown):
@@ -366,6 +365,7 @@ def test_the_curve_is_timed_on_the_cudnn_api_the_plan_searched_whatever_another_
     assert on["legacy"].measured == [] and len(on["graph"].measured) == 4
     assert t.uncapped.device == "fake graph device"
     assert [(p.cap_workspace_bytes, p.arena_bytes) for p in t.curve] == [e[:2] for e in EXPECTED]
+
 
 @st.composite
 def tables(draw):

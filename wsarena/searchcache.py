@@ -134,7 +134,6 @@ def search(
     return found
 
 
-
 def times(backend: Any, pass_: str, geom: Any) -> dict[tuple[str, int | None], float | None]:
     """What the cache holds of a call, whatever the cap: per ``(algorithm, math type)``, its time in ms, ``None``
     where the backend's search rejected it; empty where it holds nothing (or is off). A search under a cap reads
@@ -145,6 +144,7 @@ def times(backend: Any, pass_: str, geom: Any) -> dict[tuple[str, int | None], f
     key = _key(backend, pass_, geom)
     stored, _ = _read(root / SUBDIR / entry_name(_canonical(key)), key)  # a bad file: the search says so
     return {found: ms for found, (_, ms) in (stored or {}).items()}
+
 
 def counts() -> tuple[int, int]:
     """``(read, timed)``: how many exhaustive searches of this process the cache answered, and how many timed
