@@ -244,6 +244,31 @@ def test_an_exhaustive_cap_warning_names_a_faster_algorithm_the_cap_keeps_out_wh
     assert "excludes gemm (100 B, 1 ms) " in text and text.endswith("; using implicit (0 B, 9 ms)"), text
 
 
+def test_a_capped_search_memory_cut_short_names_what_the_cap_keeps_out_not_what_memory_does():
+    """Memory keeps a search under a cap of 200 B from timing gemm (1 ms), the fastest under the cap, and implicit
+    (9 ms) runs meanwhile, as a MemoryFallbackWarning says: the cap costs nothing, as gemm runs once memory allows.
+    It said the cap excluded fft (5 ms, an uncapped search's time), faster than implicit but not than gemm, and said
+    nothing once gemm ran (once per call). Where the uncapped search timed fft faster than gemm, the cap keeps fft
+    out."""
+    for fft, said in ((5.0, None), (0.5, "workspace cap 200 B excludes fft (300 B, 0.5 ms) ")):
+        b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={**TIMES, "fft": fft})
+        select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+        b._arena = FakeArena(memory=50)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            got = select(b, "fwd", GEOM, cap=200, search="exhaustive", operands=(None, None, None))
+        assert [(c.algo, c.time_ms) for c in got] == [("implicit", 9.0), ("gemm", None)]
+        assert [w.category for w in warned if w.category is not WorkspaceCapWarning] == [MemoryFallbackWarning]
+        texts = [str(w.message) for w in warned if w.category is WorkspaceCapWarning]
+        if said is None:
+            assert texts == []
+        else:
+            (text,) = texts
+            assert text.startswith(said) and text.endswith("; using implicit (0 B, 9 ms)"), text
+        b._arena.memory = 1 << 40
+        assert select(b, "fwd", GEOM, cap=200, search="exhaustive", operands=(None, None, None))[0].algo == "gemm"
+
+
 def test_exhaustive_under_memory_pressure_times_what_the_arena_holds():
     b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
     b._arena = FakeArena(memory=150)

@@ -132,10 +132,10 @@ def choose(
     warn
         Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap keeps the fastest algorithm from
         running: the heuristic favourite; for an exhaustive search, one above the cap that ``known`` says is faster
-        than the choice (the fastest such), or where ``known`` has no time for the heuristic favourite, that one if
-        the cap excluded it. The planner passes ``False``: its report shows the choice already. A search that memory
-        cut short is said whatever ``warn`` is (a :class:`MemoryFallbackWarning`, once per arena): no report shows
-        that.
+        than the choice and than those under the cap that memory kept the search from timing (the fastest such), or
+        where ``known`` has no time for the heuristic favourite, that one if the cap excluded it. The planner passes
+        ``False``: its report shows the choice already. A search that memory cut short is said whatever ``warn`` is
+        (a :class:`MemoryFallbackWarning`, once per arena): no report shows that.
 
     Raises
     ------
@@ -223,7 +223,7 @@ def _rank(
     if not timed:  # the backend rejected every candidate the workspace held: ask again next time
         return order, excluded, None, 0
     if known is not None and len(usable) < len(ranked):  # the cap excludes some: is one of them faster?
-        excluded = _kept_out([c for c in ranked if c not in usable], order[0], excluded, known())
+        excluded = _kept_out([c for c in ranked if c not in usable], order[0], skipped, excluded, known())
     # Cut short by the arena's memory: kept until the least that a skipped candidate needs can be had. Those the
     # search's largest lease held (``leased``) ran out of memory of their own: that is no reason to search again.
     largest = leased[0] if leased else 0
@@ -232,13 +232,18 @@ def _rank(
 
 
 def _kept_out(
-    above: list[Candidate], choice: Candidate, favourite: Candidate | None, times: _Times
+    above: list[Candidate], choice: Candidate, untimed: list[Candidate], favourite: Candidate | None, times: _Times
 ) -> Candidate | None:
     """Which of ``above``, the candidates above the cap, the cap keeps from running in place of ``choice``, an
     exhaustive search's (timed): the fastest that ``times`` says is faster, with its time; where none is, the heuristic
-    favourite if the cap excluded it and ``times`` has nothing of it (a guess, as under the heuristic search)."""
+    favourite if the cap excluded it and ``times`` has nothing of it (a guess, as under the heuristic search).
+    ``untimed``: those under the cap that memory kept the search from timing; one that ``times`` says is faster than
+    ``choice`` runs once memory allows, so the cap keeps the call only from what is faster still (memory, not the cap,
+    runs ``choice`` meanwhile, which a MemoryFallbackWarning says)."""
+    fits = [ms for c in untimed if (ms := times.get((c.algo, c.math_type))) is not None]
+    bar = min([choice.time_ms or 0.0, *fits])
     faster = [dataclasses.replace(c, time_ms=ms) for c in above
-              if (ms := times.get((c.algo, c.math_type))) is not None and ms < (choice.time_ms or 0.0)]
+              if (ms := times.get((c.algo, c.math_type))) is not None and ms < bar]
     if faster:
         return min(faster, key=lambda c: c.time_ms or 0.0)
     if favourite is not None and (favourite.algo, favourite.math_type) not in times:
