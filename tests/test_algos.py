@@ -244,6 +244,40 @@ def test_an_exhaustive_cap_warning_names_a_faster_algorithm_the_cap_keeps_out_wh
     assert "excludes gemm (100 B, 1 ms) " in text and text.endswith("; using implicit (0 B, 9 ms)"), text
 
 
+class MathTypes(FakeBackend):
+    """cuDNN's listing: an algorithm once per math type, each with its own workspace and time."""
+
+    def candidates(self, pass_, geom):
+        return [Candidate(a, n, None, m) for (a, m), n in self.table.items()]
+
+    def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+        self.measured.append([(c.algo, c.math_type) for c in candidates])
+        timed = (Candidate(c.algo, c.workspace_bytes, self.times[(c.algo, c.math_type)], c.math_type)
+                 for c in candidates)
+        return sorted(timed, key=lambda c: c.time_ms)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_cap_warning_takes_each_math_type_of_an_algorithm_by_its_own_time(cache, tmp_path):
+    """gemm on tensor cores (math type 1, 300 B, 1 ms) above a cap of 200 B, gemm without them (100 B, 4 ms) under
+    it: the cap keeps the call from the first, whose time is its own, not the other's, whether this process's
+    uncapped search or the search cache (read in a new process) timed it."""
+    table = {("gemm", 1): 300, ("gemm", 0): 100, ("implicit", 0): 0}
+    b = MathTypes(table, times={("gemm", 1): 1.0, ("gemm", 0): 4.0, ("implicit", 0): 9.0})
+    configure(cache_dir=tmp_path if cache else None)
+    select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    if cache:
+        from wsarena import algos
+
+        algos.cache_clear()  # as a new process starts
+    with pytest.warns(WorkspaceCapWarning) as warned:
+        got = select(b, "fwd", GEOM, cap=200, search="exhaustive", operands=(None, None, None))
+    assert [(c.algo, c.math_type, c.time_ms) for c in got] == [("gemm", 0, 4.0), ("implicit", 0, 9.0)]
+    assert len(b.measured) == 2 - cache  # the search cache answered the capped search
+    (text,) = [str(w.message) for w in warned]
+    assert "excludes gemm (300 B, 1 ms) " in text and text.endswith("; using gemm (100 B, 4 ms)"), text
+
+
 def test_a_capped_search_memory_cut_short_names_what_the_cap_keeps_out_not_what_memory_does():
     """Memory keeps a search under a cap of 200 B from timing gemm (1 ms), the fastest under the cap, and implicit
     (9 ms) runs meanwhile, as a MemoryFallbackWarning says: the cap costs nothing, as gemm runs once memory allows.
