@@ -278,6 +278,24 @@ def test_a_cap_warning_takes_each_math_type_of_an_algorithm_by_its_own_time(cach
     assert "excludes gemm (300 B, 1 ms) " in text and text.endswith("; using gemm (100 B, 4 ms)"), text
 
 
+def test_a_capped_search_the_search_cache_serves_reads_its_entry_once(tmp_path, monkeypatch):
+    """A search under a cap that the search cache serves (a job under wsarena tune's cap, in a new process) takes the
+    times of those above the cap from the entry the search read. It read the entry again for them: its key made, the
+    file opened and parsed, which doubled what the first call of each signature spent on the cache."""
+    from wsarena import algos, searchcache
+
+    configure(cache_dir=tmp_path)
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times=TIMES)
+    select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    algos.cache_clear()  # as a new process starts
+    reads = []
+    read = searchcache._read
+    monkeypatch.setattr(searchcache, "_read", lambda path, key: reads.append(path) or read(path, key))
+    with pytest.warns(WorkspaceCapWarning, match=r"excludes gemm \(100 B, 1 ms\) .*; using implicit \(0 B, 9 ms\)$"):
+        select(b, "fwd", GEOM, cap=50, search="exhaustive", operands=(None, None, None))
+    assert len(reads) == 1 and b.measured == [["fft", "gemm", "implicit"]]  # timed once, by the uncapped search
+
+
 def test_a_capped_search_memory_cut_short_names_what_the_cap_keeps_out_not_what_memory_does():
     """Memory keeps a search under a cap of 200 B from timing gemm (1 ms), the fastest under the cap, and implicit
     (9 ms) runs meanwhile, as a MemoryFallbackWarning says: the cap costs nothing, as gemm runs once memory allows.

@@ -223,7 +223,8 @@ def _rank(
     if not timed:  # the backend rejected every candidate the workspace held: ask again next time
         return order, excluded, None, 0
     if known is not None and len(usable) < len(ranked):  # the cap excludes some: is one of them faster?
-        excluded = _kept_out([c for c in ranked if c not in usable], order[0], skipped, excluded, known())
+        above = [c for c in ranked if cap is not None and c.workspace_bytes > cap]  # those _fits() left out
+        excluded = _kept_out(above, order[0], skipped, excluded, known())
     # Cut short by the arena's memory: kept until the least that a skipped candidate needs can be had. Those the
     # search's largest lease held (``leased``) ran out of memory of their own: that is no reason to search again.
     largest = leased[0] if leased else 0
@@ -286,14 +287,16 @@ def select(
         except (ArenaOutOfMemoryError, CaptureError):  # a capture grows nothing: the kept ranking serves it
             return False
 
+    stored: dict[tuple[str, int | None], float | None] = {}  # what the search cache holds of the call, searched
+
     def measure(cands: list[Candidate]) -> searchcache.Found:
         # What an earlier process (or call under another cap) timed is read back, not timed again.
-        return searchcache.search(backend, pass_, geom, cands, lambda: measure_now(cands))
+        return searchcache.search(backend, pass_, geom, cands, lambda: measure_now(cands), stored)
 
     def known() -> _Times:
         # What searches timed of this call above the cap: an earlier process's (the search cache: wsarena tune's),
         # and this process's uncapped search
-        times = dict(searchcache.times(backend, pass_, geom))
+        times = dict(stored)
         uncapped = _cache.lookup(_key(backend, pass_, geom, "exhaustive", None, get_config()))
         if uncapped is not None:
             times.update({(c.algo, c.math_type): c.time_ms for c in uncapped[0] if c.time_ms is not None})

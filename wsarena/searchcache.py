@@ -57,7 +57,7 @@ from ._searchcache_folder import (
 from ._sizes import os_error_text, short_path, short_repr
 from .backends import Candidate
 
-__all__ = ["ENV_VAR", "cache_dir", "clear", "counts", "info", "search", "source", "times"]
+__all__ = ["ENV_VAR", "cache_dir", "clear", "counts", "info", "search", "source"]
 
 ENV_VAR = "WSARENA_CACHE_DIR"
 _FORMAT = "wsarena-search-cache"
@@ -91,7 +91,8 @@ def source() -> str:
 
 
 def search(
-    backend: Any, pass_: str, geom: Any, candidates: Sequence[Candidate], measure: _Measure
+    backend: Any, pass_: str, geom: Any, candidates: Sequence[Candidate], measure: _Measure,
+    times: dict[tuple[str, int | None], float | None] | None = None,
 ) -> Found:
     """The exhaustive search of ``candidates``: from the cache when it holds all of them, else ``measure()``.
 
@@ -99,6 +100,11 @@ def search(
     and those the search had no memory to time. A fresh measurement is saved (merged into what the entry held):
     each timed candidate's time and workspace, and as rejected those the backend's search dropped. Candidates
     skipped for memory are not saved, so a later search times them.
+
+    ``times``, a dict, receives what the entry holds of the call once searched, whatever the cap: per ``(algorithm,
+    math type)``, its time in ms, ``None`` where the backend's search rejected it; nothing where the cache is off. A
+    search under a cap reads there the times of those the cap excludes (:func:`wsarena.algos.choose`'s ``known``),
+    without reading the entry again.
     """
     root = cache_dir()
     if root is None or not candidates:
@@ -107,6 +113,8 @@ def search(
     key = _key(backend, pass_, geom)
     path = root / SUBDIR / entry_name(_canonical(key))
     stored, bad = _read(path, key)
+    if times is not None and stored is not None:
+        times.update({found: ms for found, (_, ms) in stored.items()})
     if stored is not None and all((c.algo, c.math_type) in stored for c in candidates):
         names = {c.algo for c in candidates}
         limit = max(c.workspace_bytes for c in candidates)
@@ -127,23 +135,13 @@ def search(
         results.update({(c.algo, c.math_type): (c.workspace_bytes, None) for c in candidates
                         if (c.algo, c.math_type) not in left_out})
         results.update({(c.algo, c.math_type): (c.workspace_bytes, c.time_ms) for c in timed})
+        if times is not None:
+            times.update({found: ms for found, (_, ms) in results.items()})
         _write(path, key, results, bad)
     elif bad is not None:  # nothing to save: the bad file stays
         warn_once("bad", path.parent, f"ignoring the search cache file {_shown(path)}: {bad}; any other bad file in "
                                       "this folder is ignored without another warning")
     return found
-
-
-def times(backend: Any, pass_: str, geom: Any) -> dict[tuple[str, int | None], float | None]:
-    """What the cache holds of a call, whatever the cap: per ``(algorithm, math type)``, its time in ms, ``None``
-    where the backend's search rejected it; empty where it holds nothing (or is off). A search under a cap reads
-    the times of those the cap excludes here (:func:`wsarena.algos.choose`'s ``known``)."""
-    root = cache_dir()
-    if root is None:
-        return {}
-    key = _key(backend, pass_, geom)
-    stored, _ = _read(root / SUBDIR / entry_name(_canonical(key)), key)  # a bad file: the search says so
-    return {found: ms for found, (_, ms) in (stored or {}).items()}
 
 
 def counts() -> tuple[int, int]:
