@@ -425,6 +425,43 @@ def test_a_child_forked_while_an_unlisted_closed_arena_is_kept_gives_none_of_its
     assert freed_on(provider) == [(ptr, None)] and provider.held == []
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_an_arena_the_collector_finds_in_a_forked_child_before_wsarena_starts_it_again_frees_nothing():
+    """An arena in a reference cycle that the parent's collector had not reached yet is collected in a forked child by
+    an at-fork hook registered before wsarena's (any hook that allocates may run the collector), so before wsarena
+    starts the child's arenas again. Its finalizer runs in the child with the parent's buffers: it gives none of them
+    to the provider (a device's free through CUDA, which cannot run there; a host arena's copies are dropped, as when
+    the child starts an arena again), and the parent frees each once. Once, the child freed them all."""
+    code = """
+        import gc, os, sys
+        os.register_at_fork(after_in_child=gc.collect)  # before wsarena's own hook, registered as it is imported
+        from wsarena.arena import Arena
+        from wsarena.arena.testing import RecordingProvider
+
+        gc.disable()  # the parent's collector never reaches the cycles before the fork
+        providers = []
+        for device, stream in ((None, "a"), (0, 3)):
+            provider = RecordingProvider(device_id=device)
+            arena = Arena(provider)
+            arena.reserve(1000, stream=stream)
+            arena.cycle = arena  # only the collector frees it
+            providers.append(provider)
+        del arena
+        sys.stdout.flush()
+        if os.fork() == 0:
+            gc.collect()
+            print("child", [len(p.frees) for p in providers], flush=True)
+            sys.exit(0)  # the exit handlers run: they free nothing of the parent's either
+        _, status = os.wait()
+        gc.collect()
+        print("parent", [len(p.frees) for p in providers], os.waitstatus_to_exitcode(status))
+    """
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.split("\n")[:2] == ["child [0, 0]", "parent [1, 1] 0"]
+
+
 def test_what_a_collected_device_arena_left_waiting_is_released_at_exit():
     """A device arena collected during a capture that leased from it hands its buffers to a closed arena that frees
     them once it may: one waits for the capture, one for its graph. At exit, the capture still under way, the exit

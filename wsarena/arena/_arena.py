@@ -31,6 +31,7 @@ is in ``growing`` installs a new buffer. How the bookkeeping survives Ctrl-C is 
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import threading
 import warnings
@@ -456,8 +457,15 @@ def _collected(provider: Any, table: _Table) -> None:
     interrupted, the heir is kept as a closed arena holding something is, for the next ``release_closed()`` to close
     again; a failure warns. Let go, the heir's own finalizer, which is this function, would run at once, at the same
     depth, and fail alike, for ever. An interrupt before the heir has its finalizer leaves the buffers to their owner
-    objects' collection."""
+    objects' collection.
+
+    In a forked child, the collector may find an arena of the parent before the child starts its arenas again (an
+    at-fork hook that runs before wsarena's allocates): its buffers are the parent's, and none goes to the provider, as
+    :func:`~wsarena.arena._lifecycle.reset_in_child` gives none."""
     if sys.is_finalizing():
+        return
+    if table.pid != os.getpid():
+        _lifecycle.keep_parents_memory(table)
         return
     if table.subs or table.kept or table.to_free or table.unplaced:
         heir = Arena.__new__(Arena)

@@ -165,9 +165,12 @@ def device_arenas(device: int) -> list[Arena]:
 
 
 def keep_parents_memory(table: _Table) -> None:
-    """In a forked child: keep ``table`` (and the parent's device buffers it refers to) alive and untouched for good.
-    Dropping them would free device memory through CUDA, which cannot run in the child, and is the parent's."""
-    _parents_memory.append(table)
+    """In a forked child: give none of the parent's buffers in ``table`` to a provider. A device arena's table (and the
+    parent's device buffers it refers to) is kept alive and untouched for good: dropping them would free device memory
+    through CUDA, which cannot run in the child, and is the parent's. A host arena's is dropped (copy-on-write pages of
+    the child's own)."""
+    if not table.lanes:
+        _parents_memory.append(table)
 
 
 def _after_fork_in_child() -> None:
@@ -196,7 +199,7 @@ def reset_in_child(arena: Arena) -> None:
     table.closed = old.closed
     if not arena._lanes:
         table.closed = table.forked = True
-        keep_parents_memory(old)
+    keep_parents_memory(old)
     arena._finalizer.detach()
     arena._attach(arena.provider, table)
 

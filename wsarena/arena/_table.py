@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator
@@ -68,7 +69,7 @@ class _Table:
     """The sub-arenas of one arena, by key, and the queue that says which of them go away."""
 
     __slots__ = (
-        "captures", "capturing", "closed", "dead", "exited", "forked", "held_back", "kept", "lanes", "lock",
+        "captures", "capturing", "closed", "dead", "exited", "forked", "held_back", "kept", "lanes", "lock", "pid",
         "refusals", "rewatched", "stream_id", "subs", "to_free", "totals", "unplaced", "watches",
     )
 
@@ -104,6 +105,7 @@ class _Table:
         self.closed = False
         self.exited = False  # a device arena released by the exit handler: the interpreter is ending
         self.forked = False  # a device arena in a forked child: its memory is the parent's
+        self.pid = os.getpid()  # the process whose buffers these are: a forked child gives none to a provider
 
     def closed_error(self) -> BaseException:
         if self.forked:
