@@ -62,6 +62,7 @@ class PinningMachine(RuleBasedStateMachine):
         self.orphan = False  # OBJECT's stream object died since its buffer was last used: no lease adopted it yet
         self.watched_id = None  # the id of the stream whose object watches OBJECT's buffer
         self.frees_seen = 0  # the provider's frees the invariants have looked at
+        self.unstreamed = set()  # ptr of each buffer a graph holds whose stream the arena forgot: freed with no stream
         self.held = {}  # handle -> (Workspace, (ptr, size) of the buffer it uses) of a lease held across steps
         self.retired = {}  # handle -> (ptr, size) of the buffer a reserve outgrew under the held lease
         self.owners = {}  # id of each Buffer the arena allocated -> (the Buffer, the handle it was allocated for)
@@ -363,12 +364,23 @@ class PinningMachine(RuleBasedStateMachine):
         current = {held[0] for held in self.buffer.values() if held is not None}
         current |= {ptr for ptr, _ in self.retired.values()}
         assert current | set(pins) <= held <= current | set(pins) | waiting
+        # A buffer a graph holds whose stream the arena forgot since (a trim found nothing else there, the arena was
+        # closed) is freed with no stream: the handle's owner may have destroyed the stream since
+        freed_before = [buffer.ptr for buffer, _ in self.provider.frees[:self.frees_seen]]
+        for graph in self.graphs:
+            for ptr, (_, handle, before, generation) in graph.pinned.items():
+                if ptr not in freed_before[before:] and (
+                    generation != self.generation or handle not in self.arena._subs
+                ):
+                    self.unstreamed.add(ptr)
         # Nothing was freed on a stream being captured, nor with no stream while a capture the arena knows goes on;
-        # each buffer is freed in its stream's order (with no stream only where that may be gone: OBJECT's)
+        # each buffer is freed in its stream's order (with no stream only where that may be gone: OBJECT's, and a
+        # forgotten stream's)
         for buffer, stream in self.provider.frees[self.frees_seen:]:
             assert self._capture_of(stream) is None and not (stream is None and known)
             _, handle = self.owners.pop(id(buffer))
-            assert stream == handle or (stream is None and handle == OBJECT)
+            assert stream == handle or (stream is None and (handle == OBJECT or buffer.ptr in self.unstreamed))
+            self.unstreamed.discard(buffer.ptr)
         self.frees_seen = len(self.provider.frees)
 
 

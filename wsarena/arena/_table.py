@@ -358,10 +358,13 @@ class _Table:
         sub-arena stopped before its buffers were queued took them out of the arena's reach for good.)
 
         The stream object that watched it is let go: the stream's death would go unseen from now on, so the buffers
-        kept for graphs there are freed with no stream once the graphs are gone, as a dead stream's are."""
+        kept for graphs there are freed with no stream once the graphs are gone, as a dead stream's are. So are those
+        of a raw handle (no object watched it), whose owner may destroy the stream once nothing of the arena uses it.
+        """
         released = sub.tidy() + sub.empty(gone, forgotten=True)
-        if sub.anchor is not None:
-            self.unstream_kept(sub.key)
+        key = sub.key
+        if sub.anchor is not None or (type(key) is int and key > _DEFAULT_STREAMS):
+            self.unstream_kept(key)
         if self.subs.get(sub.key) is sub:
             del self.subs[sub.key]
             self.capturing.pop(sub.key, None)  # its stream may be gone: never asked about again
