@@ -548,6 +548,35 @@ def test_a_buffer_held_back_on_a_stream_whose_object_died_is_freed_with_no_strea
     graph.close()
 
 
+@pytest.mark.parametrize("given_as", ["a raw handle", "a stream object"])
+def test_a_buffer_held_back_when_its_arena_is_collected_is_freed_with_no_stream(given_as):
+    """An arena is collected while a capture goes on: the free of a buffer let go during the capture, on the captured
+    stream, is held back, and the closed arena the collected one hands its buffers to frees it once the capture is
+    over. As its other buffers, it is freed with no stream: the stream may be gone with the arena (its owner destroyed
+    it, and CUDA gave its handle to the next stream made), whether it was given as a raw handle or through an object.
+    Once, a raw handle's was freed on that handle, which the arena had never watched."""
+    provider = CaptureWatchingProvider()
+    provider.stream_ids[S1] = 1
+    arena = Arena(provider)
+    stream = S1 if given_as == "a raw handle" else FakeStream(S1)
+    arena.reserve(1000, stream=stream)
+    graph, first = capture_a_lease(provider, arena, stream=stream)
+    with arena.lease(50_000, stream=stream):  # an eager growth: the pinned buffer is kept aside
+        pass
+    graph.close()
+    again = provider.begin_capture(S1)
+    with arena.lease(1000, stream=stream):  # its free, on S1, is held back for the capture
+        pass
+    del arena
+    gc.collect()
+    assert first not in freed(provider)
+    provider.end_capture(again)
+    provider.stream_ids[S1] = 2  # S1 is destroyed, and its handle names a new stream now
+    Arena(provider).stats()  # frees what closed arenas held
+    assert (first, None) in freed_on(provider) and provider.during_capture == []
+    again.close()
+
+
 def test_a_buffer_a_graph_held_on_another_threads_per_thread_stream_is_freed_with_no_stream():
     """A thread captures a lease on its per-thread default stream (handle 2), then outgrows that buffer eagerly: the
     graph's buffer is kept aside. Once the graph is gone, another thread's call frees it. Handle 2 names the calling

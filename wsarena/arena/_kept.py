@@ -88,8 +88,10 @@ def let_go_collected(self: _Table) -> None:
     """The arena was collected (no lease can be live: leases hold the arena), and its streams may be gone with it (a
     raw handle's owner may have let go of both): forget every sub-arena, queue its buffers to be freed with no stream,
     and keep those a graph holds for it, to be freed with no stream too once it is gone. Unlike :meth:`_Table.forget`,
-    this leaves the records of captures that may be under way: the frees with no stream wait for them. Idempotent:
-    the heir's :meth:`Arena.close` runs it, again if an earlier run failed (``wsarena.arena._arena._collected``)."""
+    this leaves the records of captures that may be under way: the frees with no stream wait for them. A buffer queued
+    already on a stream (held back for a capture) is freed with no stream too, by the drain (``_pinning.give_back``).
+    Idempotent: the heir's :meth:`Arena.close` runs it, again if an earlier run failed
+    (``wsarena.arena._arena._collected``)."""
     if self.unplaced:
         self.let_go_unplaced()  # while what the arena holds is known: one it holds, handed out again, stays held
     for sub in list(self.subs.values()):

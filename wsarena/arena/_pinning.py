@@ -270,7 +270,8 @@ def give_back(self: Arena, key: Any = None) -> None:
     synchronises the device, would break (:func:`_capture_under_way`), and so do those of another thread's per-thread
     stream, which the drain frees with no stream (handle 2 would name this thread's, which is not theirs to ask about
     either). A buffer held back is freed on its stream later only if the handle still names that stream
-    (:func:`_gone_since_held`), else with no stream. (Lock not held.)
+    (:func:`_gone_since_held`), else with no stream; once the arena is collected, with no stream too, as its other
+    buffers are (its streams may be gone with it: :meth:`_Table.let_go_collected`). (Lock not held.)
 
     Which streams wait is asked before anything is taken off the queue (a copy of it is read); the queue is then
     drained as :func:`~wsarena.arena._lifecycle.give_back` always drains it, with no place between taking a buffer
@@ -291,8 +292,8 @@ def give_back(self: Arena, key: Any = None) -> None:
             gone.add(stream)  # CUDA is asked nothing about a handle that may name no stream
         elif _captured(capture, stream):
             waiting.add(stream)
-        elif held and stream in held and _gone_since_held(self, stream, ask=True):  # no capture is under way on it
-            gone.add(stream)
+        elif self._heir or (held and stream in held and _gone_since_held(self, stream, ask=True)):
+            gone.add(stream)  # no capture is under way on it
     if (None in streams or gone or unowned) and _capture_under_way(self, key):
         waiting.add(None)
         waiting |= gone | unowned  # freed with no stream: they wait as those do
