@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import wsarena._config
 import wsarena.arena._arena as arena_module
 from wsarena.arena import Arena, _lifecycle
 from wsarena.arena._stats import aligned_size
@@ -460,6 +461,39 @@ def test_an_arena_the_collector_finds_in_a_forked_child_before_wsarena_starts_it
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert result.stdout.split("\n")[:2] == ["child [0, 0]", "parent [1, 1] 0"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_collected_arenas_finalizer_reads_the_settings_during_the_first_read_after_the_tests_forget_them(
+    monkeypatch
+):
+    """The tests forget the settings (wsarena._config._reset(), which nothing in a program does: a lease reads them
+    before an arena records a capture), and the next read reads the environment under the settings' lock. The
+    collector may run at any allocation there, and finalize an arena that recorded a capture: its finalizer reads the
+    debug setting, to check what it frees, so the environment again, in the same thread. Once, that thread waited for
+    itself for good: a test that configured something after such garbage was made hung. In a forked child: a child
+    that hangs is killed."""
+    from_env = wsarena._config._from_env
+
+    def collecting():  # the collector, run at an allocation of the read
+        gc.collect()
+        return from_env()
+
+    def in_the_child():
+        provider = RecordingProvider(device_id=0)
+        arena = Arena(provider)
+        arena.reserve(1000, stream=S1)
+        graph = provider.begin_capture(S1)
+        with arena.lease(1000, stream=S1):  # the arena records the capture
+            pass
+        provider.end_capture(graph)
+        arena.cycle = arena  # only the collector frees it
+        del arena
+        wsarena._config._reset()
+        monkeypatch.setattr(wsarena._config, "_from_env", collecting)
+        return wsarena.configure(cap_workspace="1MiB").cap_workspace, len(_lifecycle._closed_holding) > 0
+
+    assert fork(in_the_child)() == (1 << 20, True)  # the graph holds the buffer: kept for it
 
 
 def test_what_a_collected_device_arena_left_waiting_is_released_at_exit():
