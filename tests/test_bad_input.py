@@ -296,6 +296,8 @@ def test_an_auto_pad_that_is_not_utf8_is_a_model_error(tmp_path):
     (tuple(range(6)), "(0, 1, 2, 3, 4, 5)"),
     ((1,), "(1,)"),
     ((1, 10**5000), "(1, an integer of 16610 bits)"),  # repr() refuses past 4300 digits
+    ((1, -(10**5000)), "(1, a negative integer of 16610 bits)"),  # its sign told: "must be >= 1, not ..."
+    pytest.param(-(10**5000), "a negative integer of 16610 bits", id="negative-int"),  # an id: str() refuses it
     ({i: -i for i in range(10)}, "{0: 0, 1: -1, 2: -2, 3: -3, ... 6 more}"),
     ({"a": {"b": {"c": {"d": {"e": {"f": {"g": 1}}}}}}}, "{'a': {'b': {'c': {'d': {'e': {'f': {...}}}}}}}"),  # too deep
     (set(range(10)), "{0, 1, 2, 3, 4, 5, ... 4 more}"),

@@ -152,7 +152,7 @@ def test_a_number_repr_refuses_is_described_under_any_digit_limit():
     limit = sys.get_int_max_str_digits()
     sys.set_int_max_str_digits(640)  # the least Python takes: repr() refuses an int of 641 digits
     try:
-        with pytest.raises(ValueError, match=r"cannot be negative: an integer of 2326 bits"):
+        with pytest.raises(ValueError, match=r"cannot be negative: a negative integer of 2326 bits"):
             parse_size(-(10**700))
     finally:
         sys.set_int_max_str_digits(limit)
@@ -933,6 +933,12 @@ def test_a_long_bad_setting_is_quoted_in_part(setting, value):
     with pytest.raises((TypeError, ValueError), match=f"^{setting} must be ") as raised:
         configure(**{setting: value})
     assert len(str(raised.value)) < 400
+
+
+def test_a_plan_cache_size_too_long_to_write_out_is_said_to_be_negative():
+    """Quoted as how many bits it has, "must be >= 1, not an integer of 16610 bits" read as a number too large."""
+    with pytest.raises(ValueError, match="^plan_cache_size must be >= 1, not a negative integer of 16610 bits$"):
+        configure(plan_cache_size=-(10**5000))
 
 
 @pytest.mark.parametrize("value", ["\u0661\u0662", "\uff11\uff12", "1_0"])

@@ -71,7 +71,7 @@ class _Short(reprlib.Repr):
         try:
             return super().repr_int(x, level)
         except ValueError:  # repr() refuses past 4300 digits (or a limit lowered with sys.set_int_max_str_digits())
-            return f"an integer of {x.bit_length()} bits"
+            return _bits(x)
 
     def repr_dict(self, x: dict[Any, Any], level: int) -> str:
         if not x:
@@ -97,13 +97,19 @@ def short_repr(value: Any) -> str:
     """``repr(value)`` for an error message: a string's or a number's middle cut to ``...`` past about 60
     characters, a list or tuple cut after 6 items (a dict after 4) and ended in how many more it holds."""
     if isinstance(value, int) and value.bit_length() > 4096:  # repr() itself refuses past 4300 digits
-        return f"an integer of {value.bit_length()} bits"
+        return _bits(value)
     try:
         return _SHORT.repr(value)
     except ValueError:  # an int past a digit limit lowered with sys.set_int_max_str_digits()
         if isinstance(value, int):
-            return f"an integer of {value.bit_length()} bits"
+            return _bits(value)
         raise
+
+
+def _bits(x: int) -> str:
+    """An integer too long to write out, as how many bits it has, and its sign: "must be >= 1, not an integer of 16610
+    bits" would read as a large number."""
+    return f"{'a negative' if x < 0 else 'an'} integer of {x.bit_length()} bits"
 
 
 def short_path(path: str | os.PathLike[str], *, quoted: bool = True) -> str:
