@@ -235,6 +235,14 @@ def test_an_integer_of_more_digits_than_python_reads_is_said_to_be_too_large(cap
     assert (code, out) == (2, "") and err.endswith("': an integer of 5000 digits is too large\n"), err[:400]
 
 
+def test_streams_of_as_many_digits_as_python_reads_are_quoted_in_part(capsys):
+    """4300 digits int() reads: the error that there are more streams than layers quoted all of them."""
+    code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu", "--streams", "9" * 4300)
+    assert (code, out) == (2, "")
+    assert err == ("wsarena: error: streams=an integer of 14285 bits is more than the model's 13 layer(s): one run of "
+                   "the model cannot keep more streams busy than it has layers\n")
+
+
 def test_memory_running_out_is_said_to(capsys, monkeypatch):
     """Python's MemoryError, where an allocation fails (reading a model too large for memory), has no message: the
     error line was "wsarena: error: " and nothing more."""

@@ -312,6 +312,32 @@ def test_bad_arguments(resnet50, kwargs, error, match):
         wsarena.plan(resnet50[:3], **kwargs)
 
 
+_LONG = "x" * 100_000
+
+
+@pytest.mark.parametrize(("kwargs", "said"), [
+    ({"search": _LONG}, "search must be one of ('heuristic', 'exhaustive'), not 'xxx"),
+    ({"backend": _LONG, "device_properties": "{}"}, "device_properties plans for a cuDNN GPU: backend must be 'cudnn'"),
+    ({"batch": _LONG}, "batch must be a positive int, not 'xxx"),
+    ({"batch": -(10**5000)}, "batch must be a positive int, not a negative integer of 16610 bits"),
+    ({"streams": _LONG}, "streams must be an int or a sequence of stream indices, not 'xxx"),
+    ({"streams": -(10**5000)}, "streams must be >= 1, not a negative integer of 16610 bits"),
+    ({"streams": 10**5000}, "streams=an integer of 16610 bits is more than the model's 3 layer(s)"),
+    ({"streams": [0, _LONG, 1]}, "streams[1] must be an int, a stream index, not 'xxx"),
+    ({"streams": [0, -(10**5000), 1]}, "streams[1] must be a stream index >= 0, not a negative integer of 16610 bits"),
+    ({"streams": [0, 10**5000, 1]}, "streams[1] must be a stream index below the model's 3 layer(s), not an integer "),
+    ({"passes": (_LONG,)}, "passes must be distinct names from fwd, bwd_data, bwd_filter, not ('xxx"),
+], ids=["search", "backend", "batch", "batch-int", "streams", "streams-int", "streams-many",
+        "stream", "stream-int", "stream-many", "passes"])
+def test_a_long_bad_argument_is_quoted_in_part(resnet50, kwargs, said):
+    """plan()'s own arguments were quoted whole (repr()), as the settings were: a 100 kB line, or repr()'s own
+    ValueError for an int of 5000 digits."""
+    kwargs = {"backend": "cpu", **kwargs}
+    with pytest.raises((TypeError, ValueError)) as raised:
+        wsarena.plan(resnet50[:3], **kwargs)
+    assert str(raised.value).startswith(said) and len(str(raised.value)) < 300, str(raised.value)[:300]
+
+
 class _Unequal:
     """An object whose == raises, as some array-likes' does."""
 

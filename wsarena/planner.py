@@ -181,27 +181,27 @@ def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[in
     streams = _integer(streams)
     if isinstance(streams, int) and not isinstance(streams, bool):
         if streams < 1:
-            raise ValueError(f"streams must be >= 1, not {streams}")
+            raise ValueError(f"streams must be >= 1, not {short_repr(streams)}")
         if streams > n_layers:
             raise ValueError(
-                f"streams={streams} is more than the model's {n_layers} layer(s): one run of the model cannot keep "
-                "more streams busy than it has layers"
+                f"streams={short_repr(streams)} is more than the model's {n_layers} layer(s): one run of the model "
+                "cannot keep more streams busy than it has layers"
             )
         return True, [0] * n_layers
     if isinstance(streams, (bool, str, bytes)) or not isinstance(streams, Iterable):
-        raise TypeError(f"streams must be an int or a sequence of stream indices, not {streams!r}")
+        raise TypeError(f"streams must be an int or a sequence of stream indices, not {short_repr(streams)}")
     assignment = [_integer(s) for s in streams]
     if len(assignment) != n_layers:
         raise ValueError(f"streams assigns {len(assignment)} layers; the model has {n_layers}")
     for i, s in enumerate(assignment):
         if isinstance(s, bool) or not isinstance(s, int):
-            raise TypeError(f"streams[{i}] must be an int, a stream index, not {s!r}")
+            raise TypeError(f"streams[{i}] must be an int, a stream index, not {short_repr(s)}")
         if s < 0:  # -1 would index the last stream's entry
-            raise ValueError(f"streams[{i}] must be a stream index >= 0, not {s}")
+            raise ValueError(f"streams[{i}] must be a stream index >= 0, not {short_repr(s)}")
         if s >= n_layers:  # as for an int: one stream per entry up to the largest index (a stream's handle, 2**46)
             raise ValueError(
-                f"streams[{i}] must be a stream index below the model's {n_layers} layer(s), not {s}: one run of the "
-                "model cannot keep more streams busy than it has layers"
+                f"streams[{i}] must be a stream index below the model's {n_layers} layer(s), not {short_repr(s)}: one "
+                "run of the model cannot keep more streams busy than it has layers"
             )
     return False, assignment
 
@@ -254,11 +254,12 @@ def plan(
     skipped = skipped_layers(layers)
     layers = checked_layers(layers)
     if search is not None and search not in ALGO_SEARCHES:
-        raise ValueError(f"search must be one of {ALGO_SEARCHES}, not {search!r}")
+        raise ValueError(f"search must be one of {ALGO_SEARCHES}, not {short_repr(search)}")
     source = None  # the file device_properties came from, which its errors name
     if device_properties is not None:
         if backend not in (None, "cudnn"):
-            raise ValueError(f"device_properties plans for a cuDNN GPU: backend must be 'cudnn', not {backend!r}")
+            raise ValueError("device_properties plans for a cuDNN GPU: backend must be 'cudnn', not "
+                             f"{short_repr(backend)}")
         if search == "exhaustive" or max_slowdown is not None:
             raise ValueError("device_properties plans without the GPU: it cannot time algorithms (search heuristic)")
         backend, search = "cudnn", "heuristic"
@@ -345,7 +346,7 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
           device_properties: str | None = None, properties_source: str | None = None) -> Plan:
     batch, streams = _integer(batch), _integer(streams)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive int, not {batch!r}")
+        raise ValueError(f"batch must be a positive int, not {short_repr(batch)}")
     dtype = _dtype_name(dtype)
     cap, search, requested = cfg.cap_workspace, cfg.algo_search, cfg.backend
     if isinstance(passes, (str, bytes)) or not isinstance(passes, Iterable):  # "fwd" would be ('f', 'w', 'd')
@@ -354,7 +355,7 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
         raise TypeError(f"progress must be callable, as progress(done, total, layer_name), not {progress!r:.60}")
     passes = tuple(passes)
     if not passes or any(p not in PASSES for p in passes) or len(set(passes)) != len(passes):
-        raise ValueError(f"passes must be distinct names from {', '.join(PASSES)}, not {passes!r}")
+        raise ValueError(f"passes must be distinct names from {', '.join(PASSES)}, not {short_repr(passes)}")
     shared, assignment = _streams(streams, len(layers))
     if device_properties is not None:
         name, impl = "cudnn", device_properties_backend(device_properties, properties_source)
