@@ -128,8 +128,8 @@ class Config:
         INSTANT, a quick guess) or ``"b"`` (mode B, a slower, more accurate model that falls back to INSTANT
         where it has none). Either way the fallback list follows them.
     plan_cache_size : int
-        How many execution plans (and as many operation graphs) the graph API path keeps, least recently used
-        evicted first.
+        How many execution plans (and as many operation graphs) the graph API path keeps, for all threads and
+        devices together, least recently used evicted first.
     debug : bool
         Poison released workspace bytes and check that live leases on different streams never overlap.
     allocator : str
