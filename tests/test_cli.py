@@ -707,3 +707,24 @@ def test_every_flag_with_a_default_value_says_it_in_its_help():
             assert "default" in text, (name, action.option_strings)
             if isinstance(action.default, (int, str)) and not isinstance(action.default, bool):
                 assert str(action.default) in text, (name, action.option_strings, action.default)
+
+
+@pytest.mark.parametrize("command", ["report", "tune"])
+def test_the_passes_flag_names_the_passes_in_its_help(capsys, command):
+    """``--passes`` takes names argparse does not list (it has no choices): its help names each, which it did not
+    ("comma-separated (default: all three)")."""
+    from wsarena.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse's line breaks undone
+    assert exited.value.code == 0
+    assert "--passes PASSES comma-separated, of fwd,bwd_data,bwd_filter" in help_text
+
+
+def test_cache_clear_says_in_its_help_that_it_removes_the_unreadable_files_too(capsys):
+    from wsarena.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["cache", "--help"])
+    assert "clear: remove the entries and the unreadable files" in " ".join(capsys.readouterr().out.split())

@@ -164,7 +164,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="default float32")
     parser.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW", help="default NCHW")
-    parser.add_argument("--passes", type=_passes, default=PASSES, help="comma-separated (default: all three)")
+    parser.add_argument("--passes", type=_passes, default=PASSES,
+                        help=f"comma-separated, of {','.join(PASSES)} (default: all three)")
     parser.add_argument(
         "--streams", type=_positive, default=1, help="concurrent streams, each may run any layer (default 1)"
     )
@@ -243,7 +244,8 @@ def parser() -> _Parser:
 
     cache = sub.add_parser("cache", help="the persistent search cache: its entries, or empty it")
     cache.add_argument("action", choices=("info", "clear"), help="info: the folder (WSARENA_CACHE_DIR, else the user "
-                       "cache folder), its entries, their size on disk and its limit; clear: remove the entries")
+                       "cache folder), its entries, their size on disk and its limit; clear: remove the entries and "
+                       "the unreadable files")
     cache.add_argument("--format", choices=("text", "json"), default="text", help="default text")
 
     info = sub.add_parser("info", help="versions, library paths, devices, and the backend 'auto' picks")

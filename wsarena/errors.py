@@ -145,7 +145,8 @@ class WorkspaceCapWarning(UserWarning):
 
 class SearchCacheWarning(UserWarning):
     """A search cache file was unreadable or foreign (it is ignored and replaced), or the cache directory could
-    not be written (the process goes on without saving); issued once per file or directory."""
+    not be read, written or trimmed (the process goes on without saving), or holds a folder named as an entry, or
+    its limit is smaller than one entry. Issued once per directory for each of these, not once per file."""
 
 
 class CaptureFallbackWarning(UserWarning):
