@@ -323,3 +323,57 @@ def test_the_pytorch_blocks_run_as_written_train_as_pytorch_and_plan_the_model(m
     layers = wsarena.load_model("model.json")
     assert layers == ns["layers"] and [layer.name for layer in layers] == ["0", "3", "5"]
     assert capsys.readouterr().out == f"{wsarena.plan(layers, batch=32).arena_bytes}\n"
+
+
+def test_the_settings_table_has_every_setting_with_its_variable_and_default():
+    """The README's settings table has one row per field of ``wsarena.Config``, each with the environment variable
+    the settings read for it and its default; every ``WSARENA_*`` name the package's code holds is in the README."""
+    import dataclasses
+    import re
+
+    from wsarena._config import _ENV
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## The cap and other settings"):readme.index("How the settings are read")]
+    rows = {m[1]: (m[2], m[3]) for m in re.finditer(r"^\| `(\w+)` \| `(\w+)` \| (.*) \|$", section, re.MULTILINE)}
+    fields = {f.name for f in dataclasses.fields(wsarena.Config)}
+    assert set(rows) == fields, set(rows) ^ fields
+    assert {key: var for key, (var, _) in rows.items()} == _ENV
+    defaults = wsarena.Config(cache_dir="off")  # the rest as built in
+    for key, (_, values) in rows.items():
+        if key == "cache_dir":
+            continue  # the user's cache folder, which differs by machine: the row says it in words
+        default = getattr(defaults, key)
+        if default is None or isinstance(default, bool):
+            words = ["none"] if default is None else ["on" if default else "off"]
+        elif isinstance(default, int):
+            words = [str(default), wsarena.format_size(default).replace(" ", "")]
+        else:
+            words = [default]
+        said = "|".join(map(re.escape, words))
+        # "`x` (default", "x, the default", "default 1024", "default `64MiB`"
+        assert re.search(rf"`?({said})`?,? \(?(the )?default|default `?({said})`?[ ),;]", values), (key, values)
+    names = {name for path in (ROOT / "wsarena").rglob("*.py")
+             for name in re.findall(r"WSARENA_[A-Z_]+", path.read_text(encoding="utf-8"))}
+    assert names and [name for name in sorted(names) if name not in readme] == []
+
+
+def test_every_public_name_is_named_in_the_readme_or_docs():
+    """Each name of ``wsarena.__all__``, ``wsarena.arena.__all__`` and ``wsarena.torch.__all__`` is written in the
+    README or docs/*.md, whole (``Conv1d/2d/3d`` names the three), where a user looks for it."""
+    import re
+
+    import wsarena.arena
+
+    modules = [wsarena, wsarena.arena]
+    try:
+        import wsarena.torch
+    except ImportError:  # an install without PyTorch: its names are checked where it is
+        pass
+    else:
+        modules.append(wsarena.torch)
+    text = "\n".join(path.read_text(encoding="utf-8") for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+    text = re.sub(r"\b(\w+)1d/2d/3d\b", r"\g<1>1d \g<1>2d \g<1>3d", text)
+    missing = [f"{module.__name__}.{name}" for module in modules for name in module.__all__
+               if not re.search(rf"(?<!\w){re.escape(name)}(?!\w)", text)]
+    assert missing == []
