@@ -387,6 +387,20 @@ def test_convert_leaves_subclasses_alone():
     assert [type(m) for m in model] == [Custom, CustomTranspose, wt.ConvTranspose2d, wt.Conv1d]
 
 
+def test_convert_leaves_a_lazy_convolution_until_a_forward_has_made_it_pytorchs():
+    """As the README says: a lazy module is a subclass, left as it is; its first forward makes it torch.nn.Conv2d,
+    which convert() then converts, and the model gives PyTorch's result (float64, 1e-10)."""
+    model = torch.nn.Sequential(torch.nn.LazyConv2d(4, 3, padding=1)).double()
+    wt.convert(model)
+    assert type(model[0]) is torch.nn.LazyConv2d
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    ref = model(x)
+    assert type(model[0]) is torch.nn.Conv2d
+    wt.convert(model)
+    assert type(model[0]) is wt.Conv2d
+    assert close(model(x), ref)
+
+
 def test_convert_converts_parametrized_convolutions_and_keeps_their_parametrizations():
     """weight_norm and spectral_norm (torch.nn.utils.parametrizations) and parametrize's own make a class of their
     own per module: converted to one over wsarena's, whose removal leaves wsarena's module."""
