@@ -74,9 +74,9 @@ class Arena:
     Parameters
     ----------
     provider : MemoryProvider
-        Where buffers come from (:class:`HostProvider`, :class:`CupyProvider`, :class:`AsyncProvider`, or any
-        object with the same methods). ``provider.device_id`` is ``None`` for host memory (sub-arenas are CPU
-        lanes) or a device ordinal (sub-arenas are CUDA streams).
+        Where buffers come from (:class:`HostProvider`, :class:`CupyProvider`, :class:`AsyncProvider`,
+        :class:`TorchProvider`, or any object with the methods of :class:`MemoryProvider`). ``provider.device_id``
+        is ``None`` for host memory (sub-arenas are CPU lanes) or a device ordinal (sub-arenas are CUDA streams).
 
     Notes
     -----
