@@ -11,6 +11,7 @@ up as a NaN or a wrong value.
 
 from __future__ import annotations
 
+import itertools
 import math
 import types
 from fractions import Fraction
@@ -590,3 +591,16 @@ def test_reference_forward_matches_torch(ishape, wshape, kw):
         if layout == "NHWC":
             got = np.moveaxis(got, -1, 1)
         np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_implicit_gemms_moveaxis_is_numpys():
+    a = np.empty((2, 3, 4, 5, 6))
+    for n in range(1, 3):
+        for source in itertools.permutations(range(-5, 5), n):
+            for destination in itertools.permutations(range(-5, 5), n):
+                if len({s % 5 for s in source}) < n or len({d % 5 for d in destination}) < n:
+                    continue
+                args = (source[0], destination[0]) if n == 1 else (source, destination)
+                want = np.moveaxis(a, *args)
+                got = _cpu_implicit._moveaxis(a, *args)
+                assert (got.shape, got.strides) == (want.shape, want.strides), args

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import threading
 import tracemalloc
 import weakref
@@ -535,3 +536,19 @@ def test_threads_keeping_at_once_keep_at_most_keep_items_each_counted_once(monke
     second.join()
     assert held() == _held() == 2
     _cpu_lowering.forget()
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=2, max_size=5), steps=st.lists(st.integers(1, 3), min_size=5,
+       max_size=5), starts=st.lists(st.integers(0, 2), min_size=5, max_size=5), npix=st.integers(1, 5))
+def test_merge_pixels_merges_the_pairs_of_axes_that_walk_memory_alike_in_every_view(shape, steps, starts, npix):
+    npix = min(npix, len(shape))
+    base = np.arange(math.prod(s * 3 + 2 for s in shape), dtype=np.float64).reshape([s * 3 + 2 for s in shape])
+    sliced = base[tuple(slice(a, a + (s - 1) * t + 1, t) for s, t, a in zip(shape, steps, starts))]
+    views = [sliced, np.zeros(shape)]
+    for _ in range(2):  # the second time as the first
+        merged = _cpu_lowering.merge_pixels(views, npix)
+        joins = [i for i in range(npix - 1) if all(v.strides[i] == v.strides[i + 1] * v.shape[i + 1] for v in views)]
+        for v, m in zip(views, merged):
+            assert m.ndim == v.ndim - len(joins) and m.shape[npix - len(joins) :] == v.shape[npix:]
+            assert np.shares_memory(m, v) and np.array_equal(m.ravel(), v.ravel())

@@ -26,6 +26,7 @@ few input channels and a large kernel (a 7x7 RGB stem) run several times slower 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable
@@ -51,6 +52,23 @@ SMALL_TEMP = 1 << 18
 # Gathered (strided NCHW) kernel offsets that share an output region are multiplied together, up to this
 # many input channels per GEMM.
 _GATHER_CHANNELS = 512
+
+
+def _moveaxis(a: np.ndarray, source: int | tuple[int, ...], destination: int | tuple[int, ...]) -> np.ndarray:
+    """``numpy.moveaxis``, its axes' order cached: NumPy's takes some 3 us a call to work it out, and the algorithms
+    below move axes a few times per kernel offset."""
+    return a.transpose(_moved(a.ndim, source, destination))
+
+
+@functools.lru_cache(maxsize=1024)
+def _moved(ndim: int, source: int | tuple[int, ...], destination: int | tuple[int, ...]) -> tuple[int, ...]:
+    """The transpose of ``numpy.moveaxis(a, source, destination)`` for an ``a`` of ``ndim`` axes."""
+    src = [n % ndim for n in ((source,) if isinstance(source, int) else source)]
+    dst = [n % ndim for n in ((destination,) if isinstance(destination, int) else destination)]
+    order = [n for n in range(ndim) if n not in src]
+    for d, n in sorted(zip(dst, src)):
+        order.insert(d, n)
+    return tuple(order)
 
 
 def _blas_operand(wmat: np.ndarray) -> np.ndarray:
@@ -95,8 +113,12 @@ def _apply(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate: bool)
     axes that walk memory alike are merged first, so a whole image (NCHW) or batch (NHWC) can be one GEMM.
     With ``accumulate`` the product goes to one temporary of ``dst``'s size and is added in place.
     """
-    npix = src.ndim - 2
-    src, dst = merge_pixels([src, dst], npix)
+    src, dst = merge_pixels([src, dst], src.ndim - 2)
+    _apply_merged(src, wmat, dst, accumulate)
+
+
+def _apply_merged(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate: bool) -> None:
+    """:func:`_apply` on views whose pixel axes :func:`merge_pixels` merged already."""
     npix = src.ndim - 2
     mi = src.shape[-1]
     calls = dst.size // (dst.shape[npix - 1] * dst.shape[-1])  # GEMMs: leading pixels x groups
@@ -112,23 +134,24 @@ def _apply(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate: bool)
     wmat = _blas_operand(wmat)
     if src.strides[-1] == src.itemsize:
         # Channels contiguous (NHWC): rows are pixels, (pix[-1], Mi) @ (Mi, Mo) per leading pixel and group.
-        a = np.moveaxis(src, npix - 1, -2)
+        a = _moveaxis(src, npix - 1, -2)
         b = wmat.transpose(0, 2, 1)
-        d = np.moveaxis(dst, npix - 1, -2)
+        d = _moveaxis(dst, npix - 1, -2)
     else:
         # Channels strided (NCHW): (Mo, Mi) @ (Mi, pix[-1]); the last pixel axis is the contiguous one.
         a = wmat
-        b = np.moveaxis(src, npix - 1, -1)
-        d = np.moveaxis(dst, npix - 1, -1)
+        b = _moveaxis(src, npix - 1, -1)
+        d = _moveaxis(dst, npix - 1, -1)
     if accumulate:
         np.add(d, np.matmul(a, b), out=d)
     else:
         np.matmul(a, b, out=d)
 
 
-def _box(root: np.ndarray, ap: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...], wmat: np.ndarray,
-         dst: np.ndarray, accumulate: bool, limit: int, unit: int) -> None:
-    """``dst (+)= wmat @ ap[:, box]`` for a step-1 box ``[lo, hi)`` of the pixel-major ``ap`` ``(B, *S, G, Mi)``.
+def _box(root: np.ndarray, ap: np.ndarray, box: tuple[slice, ...], wmat: np.ndarray, dst: np.ndarray,
+         accumulate: bool, limit: int, unit: int, pitch: list[int]) -> None:
+    """``dst (+)= wmat @ ap[box]`` for a box of the pixel-major ``ap`` ``(B, *S, G, Mi)``: ``box`` is every image,
+    then one step-1 slice per spatial dimension.
 
     A box narrower than its rows is not one matrix, so the row method would make one small GEMM per row.
     Instead this runs one GEMM per image over the *flat* range from the box's first to its last element
@@ -137,35 +160,41 @@ def _box(root: np.ndarray, ap: np.ndarray, lo: tuple[int, ...], hi: tuple[int, .
     most ``limit`` elements (images are chunked to stay under it); a box too large even for one image, or
     one that is a single matrix already, goes through :func:`_apply`. ``ap`` is a view of the C-contiguous
     activation ``root`` that starts at its first element; ``unit`` is the byte distance between spatial
-    neighbours in that memory (one element in NCHW, one pixel's channels in NHWC).
+    neighbours in that memory (one element in NCHW, one pixel's channels in NHWC); ``pitch`` is
+    :func:`_pitch` of ``ap``.
     """
-    nd = len(lo)
-    box = (slice(None), *(slice(a, b) for a, b in zip(lo, hi)))
-    src, dst = merge_pixels([ap[box], dst], nd + 1)
-    n, size = ap.shape[0], ap.shape[1 : nd + 1]
-    pitch = [math.prod(size[d + 1 :]) for d in range(nd)]  # row-major, from the shape, not from strides
-    flat = sum((b - a - 1) * pt for a, b, pt in zip(lo, hi, pitch)) + 1
-    per_image = flat * dst.shape[-2] * dst.shape[-1]
-    if src.ndim <= 4 or per_image > limit:
-        _apply(src, wmat, dst, accumulate)
+    src, merged = merge_pixels([ap[box], dst], len(box))
+    if src.ndim <= 4:
+        _apply_merged(src, wmat, merged, accumulate)
         return
-    dst = dst.reshape(n, *(b - a for a, b in zip(lo, hi)), *dst.shape[-2:])  # merged pixels -> the box again
-    st = ap.strides
-    origin = sum(a * st[1 + d] for d, a in enumerate(lo))  # bytes from root's start to the box's first element
+    size = dst.shape[1:-2]  # the box's
+    flat = sum([(e - 1) * pt for e, pt in zip(size, pitch)]) + 1
+    per_image = flat * dst.shape[-2] * dst.shape[-1]
+    if per_image > limit:
+        _apply_merged(src, wmat, merged, accumulate)
+        return
+    n, st = ap.shape[0], ap.strides
+    origin = sum([s.start * b for s, b in zip(box[1:], st[1:])])  # bytes from root's start to the box's first element
     chunk = limit // per_image
     for b0 in range(0, n, chunk):
         b = min(chunk, n - b0)
         rows = strided(root, origin + b0 * st[0], (b, flat, *ap.shape[-2:]), (st[0], unit, *st[-2:]))
         troot, t = _product(rows, wmat)  # t: (b, flat, G, Mo)
         ts = t.strides
-        tv = strided(troot, 0, (b, *(h - a for a, h in zip(lo, hi)), *t.shape[2:]),
-                     (ts[0], *(pt * ts[1] for pt in pitch), *ts[2:]))
+        tv = strided(troot, 0, (b, *size, *t.shape[2:]), (ts[0], *[pt * ts[1] for pt in pitch], *ts[2:]))
         d = dst[b0 : b0 + b]
         if accumulate:
             np.add(d, tv, out=d)
         else:
             np.copyto(d, tv)
         del troot, t, tv  # the next chunk's product is not made while this one's is alive
+
+
+def _pitch(ap: np.ndarray) -> list[int]:
+    """Per spatial dimension of the pixel-major ``ap`` ``(B, *S, G, Mi)``, the pixels between its neighbours: row-major,
+    from the shape, not from strides."""
+    size = ap.shape[1:-2]
+    return [math.prod(size[d + 1 :]) for d in range(len(size))]
 
 
 def _gathered(srcs: list[np.ndarray], wmats: list[np.ndarray], dst: np.ndarray, accumulate: bool, limit: int) -> None:
@@ -193,11 +222,11 @@ def _gathered(srcs: list[np.ndarray], wmats: list[np.ndarray], dst: np.ndarray, 
         start = 0
         for s, m in zip(srcs, mis):
             part = buf[:, start : start + m].reshape(g, m, *pix)
-            np.copyto(np.moveaxis(part, (0, 1), (-2, -1)), s[sel])
+            np.copyto(_moveaxis(part, (0, 1), (-2, -1)), s[sel])
             start += m
         t = np.matmul(wcat, buf)  # (G, Mo, pixels): one GEMM per group
         del buf, part
-        tv = np.moveaxis(t.reshape(g, mo, *pix), (0, 1), (-2, -1))
+        tv = _moveaxis(t.reshape(g, mo, *pix), (0, 1), (-2, -1))
         if accumulate:
             np.add(d, tv, out=d)
         else:
@@ -236,16 +265,15 @@ def forward(p: Plan, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
             wks = [wv[(Ellipsis, *o.kernel)] for o in part]
             _gathered(srcs, wks, yp[(slice(None), *part[0].out)], not (started and k == 0), SMALL_TEMP)
         return
+    unit, pitch = _unit(x, g.layout), _pitch(xp)
     for i, off in enumerate(p.offsets):
         if off.empty:
             continue
         at: tuple[Any, ...] = (Ellipsis, *off.kernel)
         ys, wk = yp[(slice(None), *off.out)], wv[at]
         acc = i > 0 or not started
-        if unit_stride:
-            lo = tuple(s.start for s in off.inp)
-            hi = tuple(a + b - c for a, b, c in zip(lo, off.hi, off.lo))
-            _box(x, xp, lo, hi, wk, ys, acc, y.size, _unit(x, g.layout))
+        if unit_stride:  # the input slices are of step 1
+            _box(x, xp, (slice(None), *off.inp), wk, ys, acc, y.size, unit, pitch)
         else:
             _apply(xp[(slice(None), *off.inp)], wk, ys, accumulate=acc)
 
@@ -266,11 +294,12 @@ def backward_data(p: Plan, dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -> Non
         dx[...] = 0
     skip = None if first is None else first.kernel
     rest = (o for o in p.offsets if not o.empty and o.kernel != skip)
+    unit, pitch = _unit(dy, g.layout), _pitch(dyp)
     for off in itertools.chain([first] if first is not None else [], rest):
         dxs = dxp[(slice(None), *off.inp)]
         at: tuple[Any, ...] = (Ellipsis, *off.kernel)
         wk_t = wv[at].transpose(0, 2, 1)  # (G, Cg, Kg)
-        _box(dy, dyp, off.lo, off.hi, wk_t, dxs, off is not first, dx.size, _unit(dy, g.layout))
+        _box(dy, dyp, (slice(None), *off.out), wk_t, dxs, off is not first, dx.size, unit, pitch)
 
 
 def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> None:
@@ -318,8 +347,8 @@ def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> N
         if gather:  # blocks of pixels (whole rows where one fits), G * (Kg + Cg * ng) elements each
             steps = blocks(dys.shape[:npix], max(1, budget // (G * (kg + cg * ng))))
         else:  # blocks of rows, each row's product G * Kg * Cg elements
-            a = np.moveaxis(dys, npix - 1, -1)  # (*lead, G, Kg, L)
-            b = np.moveaxis(xss[0], npix - 1, -2)  # (*lead, G, L, Cg)
+            a = _moveaxis(dys, npix - 1, -1)  # (*lead, G, Kg, L)
+            b = _moveaxis(xss[0], npix - 1, -2)  # (*lead, G, L, Cg)
             steps = blocks(lead, max(1, budget // (G * kg * cg)))
         first = True
         for sel in steps:
@@ -327,11 +356,11 @@ def backward_filter(p: Plan, x: np.ndarray, dy: np.ndarray, dw: np.ndarray) -> N
                 dyb = dys[sel]  # (*pix, G, Kg)
                 pix = dyb.shape[:npix]
                 ac = np.empty((G, kg, math.prod(pix)), dtype=dw.dtype)
-                np.copyto(np.moveaxis(ac.reshape(G, kg, *pix), (0, 1), (npix, npix + 1)), dyb)
+                np.copyto(_moveaxis(ac.reshape(G, kg, *pix), (0, 1), (npix, npix + 1)), dyb)
                 bc = np.empty((G, math.prod(pix), cg * ng), dtype=dw.dtype)
                 for j, xs in enumerate(xss):
                     view = bc[:, :, j * cg : (j + 1) * cg].reshape(G, *pix, cg)
-                    np.copyto(np.moveaxis(view, 0, npix), xs[sel])
+                    np.copyto(_moveaxis(view, 0, npix), xs[sel])
                 part = np.matmul(ac, bc)  # (G, Kg, Cg * ng): every offset of the group at once
                 del ac, bc, view  # before the next block's copies are made
             else:

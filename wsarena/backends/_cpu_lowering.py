@@ -825,18 +825,8 @@ def merge_pixels(views: list[np.ndarray], npix: int) -> list[np.ndarray]:
     merges exactly such axes without copying; the check below makes sure no copy slipped in, because a
     copy of an output view would silently drop the writes.)
     """
-    shapes = [list(v.shape) for v in views]
-    strides = [list(v.strides) for v in views]
-    merged = False
-    i = npix - 2
-    while i >= 0:
-        if all(st[i] == st[i + 1] * sh[i + 1] for sh, st in zip(shapes, strides)):
-            for sh, st in zip(shapes, strides):
-                sh[i] *= sh.pop(i + 1)
-                st[i] = st.pop(i + 1)
-            merged = True
-        i -= 1
-    if not merged:
+    shapes = _merged(npix, tuple([v.shape for v in views]), tuple([v.strides for v in views]))
+    if shapes is None:
         return views
     out = []
     for v, sh in zip(views, shapes):
@@ -845,3 +835,25 @@ def merge_pixels(views: list[np.ndarray], npix: int) -> list[np.ndarray]:
             raise AssertionError("merge_pixels: reshape made a copy")
         out.append(r)
     return out
+
+
+@functools.lru_cache(maxsize=2048)
+def _merged(
+    npix: int, shapes: tuple[tuple[int, ...], ...], strides: tuple[tuple[int, ...], ...]
+) -> tuple[tuple[int, ...], ...] | None:
+    """The shapes :func:`merge_pixels` gives its views, or ``None`` where no axes merge (cached: the implicit
+    algorithms ask once per kernel offset, and a small call spent a few microseconds a time working it out).
+
+    Each pair of axes is tested as it is: merging a pair keeps its outer axis's ``stride * shape``, which is
+    all that the test of the pair outside it reads.
+    """
+    joins = [i for i in range(npix - 1) if all(st[i] == st[i + 1] * sh[i + 1] for sh, st in zip(shapes, strides))]
+    if not joins:
+        return None
+    merged = []
+    for shape in shapes:
+        sh = list(shape)
+        for i in reversed(joins):
+            sh[i] *= sh.pop(i + 1)
+        merged.append(tuple(sh))
+    return tuple(merged)
