@@ -604,3 +604,18 @@ def test_implicit_gemms_moveaxis_is_numpys():
                 want = np.moveaxis(a, *args)
                 got = _cpu_implicit._moveaxis(a, *args)
                 assert (got.shape, got.strides) == (want.shape, want.strides), args
+
+
+def test_a_row_whose_column_matrix_streams_through_memory_ranks_implicit_gemm_first():
+    """A column algorithm lowers one output row at the least: a 1x4096 kernel's row over 8x4096 images of 2 channels
+    is 128 MiB of columns, while implicit_gemm goes over an output of 256 KiB once per kernel offset."""
+    long = conv_geometry((1, 2, 8, 4096), (2, 2, 1, 4096), padding=(0, 2048))
+    shorter = conv_geometry((1, 2, 8, 1024), (2, 2, 1, 1024), padding=(0, 512))  # a row of 8 MiB
+    large_output = long.with_batch(64)  # 16 MiB of output
+    many_channels = conv_geometry((1, 64, 64, 64, 64), (64, 64, 3, 3, 3), padding=1)  # a row of 27 MiB, 64 MiB out
+    for pass_ in PASSES:
+        implicit, tiled, per_image, batch = cpu.ALGORITHMS[pass_]
+        assert cpu.candidates(pass_, long) == [implicit, tiled, per_image, batch]
+        assert cpu.candidates(pass_, long.with_dtype("float64")) == [implicit, tiled, per_image, batch]
+        for g in (shorter, large_output, many_channels):
+            assert cpu.candidates(pass_, g)[0] != implicit

@@ -85,7 +85,7 @@ import math
 
 import numpy as np
 
-from .._geometry import ConvGeometry
+from .._geometry import ITEMSIZES, ConvGeometry
 from .._pass import Pass
 from . import _cpu_gemm, _cpu_implicit, _cpu_tiled
 from ._cpu_lowering import begin_run, plan
@@ -125,6 +125,10 @@ _LARGE_IMAGE = 512
 # Python overhead, and the batch column algorithm makes the fewest NumPy calls (implicit_gemm makes a few
 # per kernel offset).
 _SMALL_PROBLEM = 1 << 16
+# A column algorithm lowers one output row at the least (the tiled one's smallest tile); where that row's column
+# matrix is this many times both a tile and the output, every column algorithm streams it through memory while
+# implicit_gemm's pass over the output per kernel offset stays in cache (a long kernel over few channels).
+_ROW_PAST_CACHE = 16
 
 
 def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
@@ -140,6 +144,12 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
     - Depthwise (one input channel per group, several groups): ``implicit_gemm`` first (broadcast
       multiply-adds and ``einsum``; a column matrix is ``kprod`` times the input for GEMMs of one row),
       except the NCHW forward pass, where short image rows make the offset-by-offset adds slower than im2col.
+    - One output row's column matrix at least 16 times both the output and a tile (1 MiB): ``implicit_gemm``
+      first, then the tiled column algorithm. A column algorithm lowers a row at the least, so each streams its
+      column matrix through memory, while ``implicit_gemm`` goes over an output that stays in cache once per
+      kernel offset: a 1x4096 kernel over 8x4096 NCHW images of 2 channels 1.6 to 3.5 times faster than every
+      column algorithm, whose column matrix is 1 GiB an image. Not where the output is large too: over 64
+      channels at 64^3 a 3x3x3 kernel's tiled algorithm is 2.4 times faster.
     - NHWC, stride 1, large images (``oprod >= 512``): ``implicit_gemm`` first. Image rows merge into long
       GEMMs over the unpadded views and nothing is copied; then the tiled column algorithm.
     - Grouped: NCHW the per-image column algorithm, NHWC the tiled one (its short rows of ``Cg`` channels
@@ -164,6 +174,9 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
     if geom.groups > 1 and geom.in_channels == geom.groups:
         if not nhwc and pass_ == "fwd":
             return [per_image, tiled, batch, implicit]
+        return [implicit, tiled, per_image, batch]
+    row = geom.in_channels * math.prod(geom.kernel_size) * math.prod(geom.output_size[1:])
+    if row >= _ROW_PAST_CACHE * max(_cpu_tiled.TILE_BYTES // ITEMSIZES[geom.dtype], math.prod(geom.output_shape)):
         return [implicit, tiled, per_image, batch]
     if nhwc and unit_stride and large:
         return [implicit, tiled, per_image, batch]
