@@ -432,7 +432,31 @@ def test_a_steady_loop_larger_than_the_room_keeps_what_it_kept_first(monkeypatch
     assert _held() <= 100
 
 
-_KEEPING_CODE = {f.__code__ for f in (_cpu_lowering._keep, _cpu_lowering._let_go, _cpu_lowering._spare)}
+def test_calls_that_run_more_than_once_in_a_row_in_turn_keep_what_they_kept_first(monkeypatch):
+    """Two calls that run twice (or three times) in a row, in turn, 72 and 78 items in a room of 100 (A A B B): the
+    first keeps its boxes, the second makes what it could not keep in each run. A call's second run of a turn found
+    the other not run since its first and took its room, so each made its boxes afresh in its first run of a turn
+    and again to keep them in its second (43 tiles' boxes a turn, 18 now; three in a row 43, now 27)."""
+    monkeypatch.setattr(_cpu_tiled, "TILE_BYTES", 1)
+    monkeypatch.setattr(_cpu_lowering, "KEEP", 100)
+    first, second = (conv_geometry((1, 2, h, 12), (2, 2, 5, 5), padding=2, dtype="float64") for h in (12, 13))
+    made = _counted(monkeypatch)
+    for times in (2, 3):
+        _cpu_lowering.forget()
+        for _ in range(3):
+            runs = []
+            for g in (first, second):
+                for _ in range(times):
+                    made.clear()
+                    _outputs(g, ("gemm_tiled",))
+                    runs.append(len(made))
+        assert runs[:times] == [0] * times and all(0 < n < 13 for n in runs[times:]), runs
+        assert _held() <= 100
+
+
+_KEEPING_CODE = {
+    f.__code__ for f in (_cpu_lowering._keep, _cpu_lowering._let_go, _cpu_lowering._spare, _cpu_lowering._stopped)
+}
 
 
 def _each_kept_item_counted_once(plans):

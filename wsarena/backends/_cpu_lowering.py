@@ -21,7 +21,7 @@ offset, one kernel index per dimension, is made from its dimensions' bounds wher
 offsets; what the algorithms make from the bounds (offsets, blocks of rows, boxes and their index pairs,
 windows) is kept in the plan's memo, up to :data:`KEEP` items across all plans, and made afresh in each call
 beyond. What a run of one pass and algorithm keeps is its own (:func:`begin_run`), and a run that finds no room
-takes that of runs that have not run since it last did (:func:`_keep`).
+takes that of runs that have not run since it last did, or as many of its runs as they ran in a row (:func:`_keep`).
 """
 
 from __future__ import annotations
@@ -198,21 +198,24 @@ def _offsets(axes: tuple[Axis, ...]) -> Iterator[Offset]:
 
 class _Owner:
     """A run of one pass and algorithm on one plan (or what is made outside a run, under ``None``): the keys of the
-    plan's memo that it keeps, the items they hold, and when it last ran and the time before (ticks of
-    :data:`_TICKS`)."""
+    plan's memo that it keeps, the items they hold, how many times it ran, and when it last ran and the runs before
+    (ticks of :data:`_TICKS`)."""
 
-    __slots__ = ("items", "keys", "last", "memo", "prev", "stale", "swept")
+    __slots__ = ("count", "items", "keys", "last", "memo", "runs", "stale", "swept")
 
     def __init__(self, memo: dict) -> None:
         self.memo = memo
         self.keys: list[Any] = []
         self.items = 0
-        self.last = self.prev = 0
+        self.last = 0
+        self.count = 0  # its runs
+        self.runs = [0] * _LOOKBACK  # the tick of its run i - 1 at i % _LOOKBACK, for its last runs i (0: none)
         self.swept = -1  # the run (its tick) whose owners to let go were looked for
         self.stale: list[_Owner] = []  # those, the oldest last
 
 
 _TICKS = itertools.count(1)  # one per run
+_LOOKBACK = 8  # the runs an owner remembers, and so the most runs in a row that count (:func:`_stopped`)
 _running = threading.local()  # .owner: the run last begun in this thread
 # Guards the owners' keys and counts, _held and _total: plans are shared by threads, and two that read the count
 # before either added to it would both take the same room (or keep one key twice).
@@ -230,7 +233,9 @@ def begin_run(p: Plan, pass_: str, algo: str) -> None:
     owner = p.calls.get((pass_, algo))
     if owner is None:
         owner = p.calls.setdefault((pass_, algo), _Owner(p.memo))
-    owner.prev, owner.last = owner.last, next(_TICKS)
+    owner.runs[owner.count % _LOOKBACK] = owner.last
+    owner.count += 1
+    owner.last = next(_TICKS)
     _running.owner = owner
 
 
@@ -243,13 +248,27 @@ def _owner(p: Plan) -> _Owner:
     return found if found is not None else p.calls.setdefault(None, _Owner(p.memo))
 
 
+def _stopped(owner: _Owner, other: _Owner) -> bool:
+    """Whether ``owner``'s run may take ``other``'s room: before this run, ``owner`` ran as many times since
+    ``other`` last ran as ``other`` ran in a row then (once at least, :data:`_LOOKBACK` times at most).
+
+    Once is a steady loop's rule: its other calls have all run since its previous run, a call that stopped has
+    not. Calls that each run twice in a row, in turn (A A B B), would take each other's room in every turn by it:
+    in a call's second run of a turn, the other has not run since its first. The price: a call that ran ``n`` times
+    in a row and stopped gives its room to a loop's run ``n + 1`` after it, not its second."""
+    n, last = 1, other.last  # other's runs in a row (no other run between), to its last
+    while n < min(other.count, _LOOKBACK) and other.runs[(other.count - n) % _LOOKBACK] == last - n:
+        n += 1
+    return n <= owner.count and other.last < owner.runs[(owner.count - n) % _LOOKBACK]
+
+
 def _spare(owner: _Owner) -> int:
-    """Under :data:`_KEEPING`: the items of the owners ``owner`` may let go, those that have not run since it last
-    ran before this run (a steady loop's other calls all have). Looked for once a run."""
+    """Under :data:`_KEEPING`: the items of the owners ``owner`` may let go (:func:`_stopped`; a steady loop's
+    other calls have all run since its previous run). Looked for once a run."""
     if owner.swept != owner.last:
         owner.swept = owner.last
-        owner.stale = sorted((o for o in _held if o.last < owner.prev), key=lambda o: -o.last) if owner.prev else []
-    return sum(o.items for o in owner.stale if o.last < owner.prev)
+        owner.stale = sorted((o for o in _held if _stopped(owner, o)), key=lambda o: -o.last)
+    return sum(o.items for o in owner.stale if _stopped(owner, o))
 
 
 def _let_go(owner: _Owner) -> None:
@@ -292,9 +311,10 @@ def _keep(p: Plan, key: Any, build: Callable[[list[Iterable]], Any], *parts: Ite
     once.
 
     The room is what the plans do not keep, and what the owners that have not run since this one's previous run
-    keep (:func:`_spare`): those are let go, the least recently run first, once this run needs their room. So a
-    steady loop's calls keep what they made first, and take the room of calls that stopped (a search's other
-    candidates, geometries no longer seen), not each other's; a call's first run lets go of nothing."""
+    keep (since its runs before, as many as those ran in a row: :func:`_stopped`): those are let go, the least
+    recently run first, once this run needs their room. So a steady loop's calls keep what they made first, and
+    take the room of calls that stopped (a search's other candidates, geometries no longer seen), not each other's;
+    a call's first run lets go of nothing."""
     global _total
     owner = _owner(p)
     with _KEEPING:
@@ -317,7 +337,7 @@ def _keep(p: Plan, key: Any, build: Callable[[list[Iterable]], Any], *parts: Ite
             return held
         while _total + count > KEEP and owner.stale:
             stale = owner.stale.pop()
-            if stale.last < owner.prev:
+            if _stopped(owner, stale):
                 _let_go(stale)
         if _total + count <= KEEP:
             # The stores first, the one call last: a Ctrl-C, or a thread switch (and another thread's fork), comes
