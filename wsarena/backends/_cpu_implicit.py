@@ -125,7 +125,7 @@ def _apply_merged(src: np.ndarray, wmat: np.ndarray, dst: np.ndarray, accumulate
     if mi == 1 or (mi <= _ELEMENTWISE_MAX_REDUCTION and mi * dst.size < _CALL_COST_IN_ELEMENTS * calls):
         # Broadcast multiply-adds, one per input channel: (*pix, G, 1) * (G, Mo) -> (*pix, G, Mo).
         for j in range(mi):
-            term = (src[..., j : j + 1], wmat[:, :, j])
+            term = (src if mi == 1 else src[..., j : j + 1], wmat[:, :, j])  # src[..., 0:1] is src
             if accumulate or j > 0:
                 np.add(dst, np.multiply(*term), out=dst)
             else:
