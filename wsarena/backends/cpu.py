@@ -147,7 +147,7 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
     - One output row's column matrix at least 16 times both the output and a tile (1 MiB): ``implicit_gemm``
       first, then the tiled column algorithm. A column algorithm lowers a row at the least, so each streams its
       column matrix through memory, while ``implicit_gemm`` goes over an output that stays in cache once per
-      kernel offset: a 1x4096 kernel over 8x4096 NCHW images of 2 channels 1.6 to 3.5 times faster than every
+      kernel offset: a 1x4096 kernel over 8x4096 NCHW images of 2 channels 1.6 to 3.4 times faster than every
       column algorithm, whose column matrix is 1 GiB an image. Not where the output is large too: over 64
       channels at 64^3 a 3x3x3 kernel's tiled algorithm is 2.4 times faster.
     - NHWC, stride 1, large images (``oprod >= 512``): ``implicit_gemm`` first. Image rows merge into long
