@@ -562,17 +562,46 @@ def test_threads_keeping_at_once_keep_at_most_keep_items_each_counted_once(monke
     _cpu_lowering.forget()
 
 
-@settings(max_examples=60, deadline=None)
-@given(shape=st.lists(st.integers(1, 4), min_size=2, max_size=5), steps=st.lists(st.integers(1, 3), min_size=5,
-       max_size=5), starts=st.lists(st.integers(0, 2), min_size=5, max_size=5), npix=st.integers(1, 5))
-def test_merge_pixels_merges_the_pairs_of_axes_that_walk_memory_alike_in_every_view(shape, steps, starts, npix):
+def _merged_by_definition(views, npix):
+    """The shapes merge_pixels gives ``views``: pairs of pixel axes merged from the innermost out, each tested on the
+    shapes and strides the merges inside it left (None where none merge)."""
+    shapes, strides = [list(v.shape) for v in views], [list(v.strides) for v in views]
+    merged = False
+    for i in reversed(range(npix - 1)):
+        if all(st[i] == st[i + 1] * sh[i + 1] for sh, st in zip(shapes, strides)):
+            for sh, st in zip(shapes, strides):
+                sh[i] *= sh.pop(i + 1)
+                st[i] = st.pop(i + 1)
+            merged = True
+    return [tuple(sh) for sh in shapes] if merged else None
+
+
+_AXIS_KINDS = ("whole", "whole", "reversed", "stepped", "broadcast")
+
+
+def _view(shape, kinds):
+    """A view of ``shape`` over an arange, each axis whole, reversed (a negative stride), every other element of one
+    twice as long, or broadcast (stride 0)."""
+    sizes = [2 * s if k == "stepped" else 1 if k == "broadcast" else s for s, k in zip(shape, kinds)]
+    base = np.arange(math.prod(sizes), dtype=np.float64).reshape(sizes)
+    cut = base[tuple(slice(None, None, -1 if k == "reversed" else 2 if k == "stepped" else 1) for k in kinds)]
+    return np.broadcast_to(cut, shape)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.integers(0, 3), min_size=2, max_size=5),
+       kinds=st.lists(st.lists(st.sampled_from(_AXIS_KINDS), min_size=5, max_size=5), min_size=1, max_size=3),
+       npix=st.integers(1, 5))
+def test_merge_pixels_merges_the_pairs_of_axes_that_walk_memory_alike_in_every_view(shape, kinds, npix):
+    """Views of one shape whose axes are whole, reversed, stepped or broadcast (zero-size ones too) merge as the
+    definition says, into views of their memory; the same shapes with other strides (C-contiguous copies, which
+    merge every pair) get their own shapes, before and after."""
     npix = min(npix, len(shape))
-    base = np.arange(math.prod(s * 3 + 2 for s in shape), dtype=np.float64).reshape([s * 3 + 2 for s in shape])
-    sliced = base[tuple(slice(a, a + (s - 1) * t + 1, t) for s, t, a in zip(shape, steps, starts))]
-    views = [sliced, np.zeros(shape)]
-    for _ in range(2):  # the second time as the first
-        merged = _cpu_lowering.merge_pixels(views, npix)
-        joins = [i for i in range(npix - 1) if all(v.strides[i] == v.strides[i + 1] * v.shape[i + 1] for v in views)]
-        for v, m in zip(views, merged):
-            assert m.ndim == v.ndim - len(joins) and m.shape[npix - len(joins) :] == v.shape[npix:]
-            assert np.shares_memory(m, v) and np.array_equal(m.ravel(), v.ravel())
+    views = [_view(shape, k[: len(shape)]) for k in kinds]
+    copies = [np.ascontiguousarray(v) for v in views]
+    for vs in (copies, views, copies, views):
+        want = _merged_by_definition(vs, npix)
+        merged = _cpu_lowering.merge_pixels(vs, npix)
+        for v, m, sh in zip(vs, merged, want or [v.shape for v in vs]):
+            assert m.shape == sh, (v.shape, v.strides, npix)
+            assert np.array_equal(m.ravel(), v.ravel()) and (v.size == 0 or np.shares_memory(m, v))
