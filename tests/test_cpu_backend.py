@@ -619,3 +619,21 @@ def test_a_row_whose_column_matrix_streams_through_memory_ranks_implicit_gemm_fi
         assert cpu.candidates(pass_, long.with_dtype("float64")) == [implicit, tiled, per_image, batch]
         for g in (shorter, large_output, many_channels):
             assert cpu.candidates(pass_, g)[0] != implicit
+
+
+def test_implicit_gemm_ranks_first_from_a_row_of_16_times_both_a_tile_and_the_output():
+    """The bound is at 16 times, by the dtype's tile: a 1x1024 kernel over rows of 4096 outputs makes rows of 2**22
+    elements, 16 tiles of float32 (4 MiB); 4095 outputs are a row short. A 1x512 kernel's row is 16 tiles of
+    float64, not of float32. 32 output channels of float64 over two rows make an output of 2**18 elements, a 16th
+    of the row, where 33 make it larger."""
+
+    def rows(width, kernel, channels=1, dtype="float32"):  # one image of two rows, one input channel
+        return conv_geometry((1, 1, 2, width + kernel - 1), (channels, 1, 1, kernel), dtype=dtype)
+
+    for pass_ in PASSES:
+        implicit = cpu.ALGORITHMS[pass_][0]
+        for g in (rows(4096, 1024), rows(4096, 512, dtype="float64"), rows(4096, 1024, channels=32, dtype="float64")):
+            assert cpu.candidates(pass_, g)[0] == implicit, g
+        for g in (rows(4095, 1024), rows(4096, 512), rows(4095, 512, dtype="float64"),
+                  rows(4096, 1024, channels=33, dtype="float64")):
+            assert cpu.candidates(pass_, g)[0] != implicit, g
