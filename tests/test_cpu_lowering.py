@@ -15,6 +15,7 @@ import itertools
 import math
 import threading
 import tracemalloc
+import types
 import weakref
 
 import numpy as np
@@ -452,6 +453,31 @@ def test_calls_that_run_more_than_once_in_a_row_in_turn_keep_what_they_kept_firs
                     runs.append(len(made))
         assert runs[:times] == [0] * times and all(0 < n < 13 for n in runs[times:]), runs
         assert _held() <= 100
+
+
+@settings(max_examples=300, deadline=None)
+@given(calls=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 12)), min_size=1, max_size=12))
+def test_a_run_takes_the_room_of_calls_that_stopped_as_the_whole_history_says(calls):
+    """Runs of four calls, each some times in a row (past the runs an owner remembers too): after each run, whether
+    it may take another call's room (:func:`_cpu_lowering._stopped`) is what the whole history says: the other ran
+    ``n`` times in a row to its last run (at most ``_LOOKBACK``), and this call ran ``n`` times since, before this
+    run."""
+    plans = [types.SimpleNamespace(calls={}, memo={}) for _ in range(4)]  # fresh owners, counted from no run
+    history: list[int] = []
+    for call, times in calls:
+        for _ in range(times):
+            _cpu_lowering.begin_run(plans[call], "fwd", "gemm_tiled")
+            history.append(call)
+            owner = plans[call].calls["fwd", "gemm_tiled"]
+            for other, p in enumerate(plans):
+                if other == call or not p.calls:
+                    continue
+                last = max(i for i, c in enumerate(history) if c == other)
+                n = 1
+                while n < _cpu_lowering._LOOKBACK and last >= n and history[last - n] == other:
+                    n += 1
+                since = history[last + 1 : -1].count(call)
+                assert _cpu_lowering._stopped(owner, p.calls["fwd", "gemm_tiled"]) == (since >= n), (history, other)
 
 
 _KEEPING_CODE = {
