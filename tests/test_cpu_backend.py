@@ -613,27 +613,30 @@ def test_a_row_whose_column_matrix_streams_through_memory_ranks_implicit_gemm_fi
     shorter = conv_geometry((1, 2, 8, 1024), (2, 2, 1, 1024), padding=(0, 512))  # a row of 8 MiB
     large_output = long.with_batch(64)  # 16 MiB of output
     many_channels = conv_geometry((1, 64, 64, 64, 64), (64, 64, 3, 3, 3), padding=1)  # a row of 27 MiB, 64 MiB out
+    # A row of 256 MiB, 32 times an output of 8 MiB, which leaves the cache at every kernel offset: implicit_gemm
+    # took 58-128 s a forward pass here, the per-image algorithm 10-18 s.
+    wide = conv_geometry((8, 16, 8, 2048), (16, 16, 1, 2048), padding=(0, 1024))
     for pass_ in PASSES:
         implicit, tiled, per_image, batch = cpu.ALGORITHMS[pass_]
         assert cpu.candidates(pass_, long) == [implicit, tiled, per_image, batch]
         assert cpu.candidates(pass_, long.with_dtype("float64")) == [implicit, tiled, per_image, batch]
-        for g in (shorter, large_output, many_channels):
+        for g in (shorter, large_output, many_channels, wide):
             assert cpu.candidates(pass_, g)[0] != implicit
 
 
-def test_implicit_gemm_ranks_first_from_a_row_of_16_times_both_a_tile_and_the_output():
+def test_implicit_gemm_ranks_first_from_a_row_of_16_tiles_over_an_output_of_a_tile_at_most():
     """The bound is at 16 times, by the dtype's tile: a 1x1024 kernel over rows of 4096 outputs makes rows of 2**22
     elements, 16 tiles of float32 (4 MiB); 4095 outputs are a row short. A 1x512 kernel's row is 16 tiles of
-    float64, not of float32. 32 output channels of float64 over two rows make an output of 2**18 elements, a 16th
-    of the row, where 33 make it larger."""
+    float64, not of float32. 16 output channels of float64 over two rows make an output of 2**17 elements, a tile,
+    where 17 make it larger."""
 
     def rows(width, kernel, channels=1, dtype="float32"):  # one image of two rows, one input channel
         return conv_geometry((1, 1, 2, width + kernel - 1), (channels, 1, 1, kernel), dtype=dtype)
 
     for pass_ in PASSES:
         implicit = cpu.ALGORITHMS[pass_][0]
-        for g in (rows(4096, 1024), rows(4096, 512, dtype="float64"), rows(4096, 1024, channels=32, dtype="float64")):
+        for g in (rows(4096, 1024), rows(4096, 512, dtype="float64"), rows(4096, 1024, channels=16, dtype="float64")):
             assert cpu.candidates(pass_, g)[0] == implicit, g
         for g in (rows(4095, 1024), rows(4096, 512), rows(4095, 512, dtype="float64"),
-                  rows(4096, 1024, channels=33, dtype="float64")):
+                  rows(4096, 1024, channels=17, dtype="float64")):
             assert cpu.candidates(pass_, g)[0] != implicit, g

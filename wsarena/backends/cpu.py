@@ -126,8 +126,8 @@ _LARGE_IMAGE = 512
 # per kernel offset).
 _SMALL_PROBLEM = 1 << 16
 # A column algorithm lowers one output row at the least (the tiled one's smallest tile); where that row's column
-# matrix is this many times both a tile and the output, every column algorithm streams it through memory while
-# implicit_gemm's pass over the output per kernel offset stays in cache (a long kernel over few channels).
+# matrix is this many tiles, every column algorithm streams it through memory, while implicit_gemm's pass over the
+# output per kernel offset stays in cache if the output is no larger than a tile (a long kernel over few channels).
 _ROW_PAST_CACHE = 16
 
 
@@ -144,12 +144,13 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
     - Depthwise (one input channel per group, several groups): ``implicit_gemm`` first (broadcast
       multiply-adds and ``einsum``; a column matrix is ``kprod`` times the input for GEMMs of one row),
       except the NCHW forward pass, where short image rows make the offset-by-offset adds slower than im2col.
-    - One output row's column matrix at least 16 times both the output and a tile (1 MiB): ``implicit_gemm``
-      first, then the tiled column algorithm. A column algorithm lowers a row at the least, so each streams its
-      column matrix through memory, while ``implicit_gemm`` goes over an output that stays in cache once per
-      kernel offset: a 1x4096 kernel over 8x4096 NCHW images of 2 channels 1.6 to 3.4 times faster than every
-      column algorithm, whose column matrix is 1 GiB an image. Not where the output is large too: over 64
-      channels at 64^3 a 3x3x3 kernel's tiled algorithm is 2.4 times faster.
+    - One output row's column matrix at least 16 tiles (1 MiB each) and an output of at most a tile:
+      ``implicit_gemm`` first, then the tiled column algorithm. A column algorithm lowers a row at the least, so
+      each streams its column matrix through memory, while ``implicit_gemm`` goes over an output that stays in
+      cache once per kernel offset: a 1x4096 kernel over 8x4096 NCHW images of 2 channels 1.6 to 3.4 times faster
+      than every column algorithm, whose column matrix is 1 GiB an image. Not where the output is larger: over 8
+      images of 16 channels at 8x2048 (8 MiB out) a 1x2048 kernel's per-image algorithm is 5 times faster
+      forward, over 64 channels at 64^3 a 3x3x3 kernel's tiled algorithm 2.4 times.
     - NHWC, stride 1, large images (``oprod >= 512``): ``implicit_gemm`` first. Image rows merge into long
       GEMMs over the unpadded views and nothing is copied; then the tiled column algorithm.
     - Grouped: NCHW the per-image column algorithm, NHWC the tiled one (its short rows of ``Cg`` channels
@@ -176,7 +177,8 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
             return [per_image, tiled, batch, implicit]
         return [implicit, tiled, per_image, batch]
     row = geom.in_channels * math.prod(geom.kernel_size) * math.prod(geom.output_size[1:])
-    if row >= _ROW_PAST_CACHE * max(_cpu_tiled.TILE_BYTES // ITEMSIZES[geom.dtype], math.prod(geom.output_shape)):
+    tile = _cpu_tiled.TILE_BYTES // ITEMSIZES[geom.dtype]
+    if row >= _ROW_PAST_CACHE * tile and math.prod(geom.output_shape) <= tile:
         return [implicit, tiled, per_image, batch]
     if nhwc and unit_stride and large:
         return [implicit, tiled, per_image, batch]
