@@ -324,6 +324,122 @@ def test_dual_tensors_of_forward_ad_match_torchs(transposed, tangents, fmt):
     assert y.stride() == ref.stride() and dy.stride() == ref_dy.stride()
 
 
+_TANGENT_CASES = [  # 1-, 2- and 3-D, transposed too; channels-last where the tensors have the format
+    (case, transposed, channels_last)
+    for case, transposed in [(c, False) for c in CASES] + [(TRANSPOSE_CASES[i], True) for i in (0, 1, 4)]
+    for channels_last in ((False, True) if case[0] > 1 else (False,))
+]
+_TANGENTS = [("x", True), ("w", True), ("b", True), ("all", True), ("x", False), ("w", False), ("all", False)]
+
+
+def _channels_last(t):
+    return t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+
+
+@pytest.mark.parametrize(("case", "transposed", "channels_last"), _TANGENT_CASES,
+                         ids=[f"{c[0]}d{'-transposed' if t else ''}{'-channels-last' if cl else ''}"
+                              for c, t, cl in _TANGENT_CASES])
+@pytest.mark.parametrize(("tangents", "bias"), _TANGENTS, ids=[f"{t}{'' if b else '-nobias'}" for t, b in _TANGENTS])
+@pytest.mark.parametrize("mode", ["dual tensors", "jvp", "vmap of jvp"])
+def test_a_tangent_convolves_only_the_operands_that_have_one(monkeypatch, case, transposed, channels_last, tangents,
+                                                             bias, mode):
+    """The tangent of conv(x, w) + b is conv(dx, w) + conv(x, dw) + db, each term only where its operand has a
+    tangent: autograd hands the jvp no tangent (not zeros) for the others, and no convolution runs for them. The
+    input's or the weight's alone is one convolution besides the forward, the bias's alone none, the input's and the
+    weight's two. Against torch's tangent (float64, within 1e-10 of its largest magnitude), in 1, 2 and 3
+    dimensions with groups, stride and dilation, both memory formats, transposed too; dual tensors (forward_ad),
+    ``torch.func.jvp``, and ``vmap`` of ``jvp`` over two directions."""
+    import torch.autograd.forward_ad as fwad
+
+    nd, kw = case[0], case[3]
+    ours, theirs = (TRANSPOSE_FUNCTIONS if transposed else FUNCTIONS)[nd]
+    primals, directions = _operands(case, transposed)
+    if channels_last:
+        primals = (_channels_last(primals[0]), _channels_last(primals[1]), primals[2])
+    keep = {"x": (0,), "w": (1,), "b": (2,), "all": (0, 1) + ((2,) if bias else ())}[tangents]
+
+    def conv(f, x, w, b):
+        return f(x, w, b if bias else None, **kw)
+
+    def tangent(f):
+        if mode == "dual tensors":
+            with fwad.dual_level():
+                args = [fwad.make_dual(p, d) if i in keep else p for i, (p, d) in enumerate(zip(primals, directions))]
+                return fwad.unpack_dual(conv(f, *args)).tangent
+
+        def with_chosen(*chosen):
+            args = list(primals)
+            for i, t in zip(keep, chosen):
+                args[i] = t
+            return conv(f, *args)
+
+        chosen = tuple(primals[i] for i in keep)
+        if mode == "jvp":
+            return func.jvp(with_chosen, chosen, tuple(directions[i] for i in keep))[1]
+        return func.vmap(lambda *d: func.jvp(with_chosen, chosen, d)[1])(
+            *(torch.stack([directions[i], -2 * directions[i]]) for i in keep))
+
+    calls = _counted(monkeypatch)
+    got = tangent(ours)
+    pass_ = "conv_backward_data" if transposed else "conv_forward"
+    assert calls == [pass_] * (1 + len(set(keep) & {0, 1}))  # the forward, and one convolution a tangent of x or w
+    expected = tangent(theirs)
+    assert got.shape == expected.shape and close(got, expected)
+    if mode == "dual tensors":
+        assert got.stride() == expected.stride()
+
+
+class _NoGradient(torch.autograd.Function):
+    """The identity, whose backward gives its input no gradient (``None``)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return None
+
+
+_PASS_ARGS = ([1, 1], [1, 0], [1, 1], 1, "NCHW")
+_UNREACHED = {  # the ways a convolution is recorded: its forms with and without a bias, the Function, the operator
+    "conv2d": (lambda x, w, b: wt.conv2d(x, w, b, padding=(1, 0)), lambda x, w, b: F.conv2d(x, w, b, padding=(1, 0))),
+    "conv_transpose2d": (lambda x, w, b: wt.conv_transpose2d(x, w, b, padding=(1, 0)),
+                         lambda x, w, b: F.conv_transpose2d(x, w, b, padding=(1, 0))),
+    "ConvFunction.apply": (lambda x, w, b: wt.ConvFunction.apply(x, w, *_PASS_ARGS),
+                           lambda x, w, b: F.conv2d(x, w, padding=(1, 0))),
+    "operator": (lambda x, w, b: torch.ops.wsarena.conv_forward(x, w, *_PASS_ARGS),
+                 lambda x, w, b: F.conv2d(x, w, padding=(1, 0))),
+}
+
+
+@pytest.mark.parametrize(("how", "bias"), [("conv2d", False), ("conv2d", True), ("conv_transpose2d", False),
+                                           ("conv_transpose2d", True), ("ConvFunction.apply", False),
+                                           ("operator", False)])
+def test_no_gradient_reaching_the_output_gives_the_operands_none_as_torchs(monkeypatch, how, bias):
+    """Where no gradient reaches a convolution's output (a Function's backward returns ``None`` for it), PyTorch's
+    convolution gives its operands none: ``w.grad`` stays ``None`` (an optimizer then leaves ``w`` alone, where a
+    zero gradient would still apply weight decay and momentum). wsarena's gives none either, and runs no backward
+    pass, however the convolution was recorded."""
+    ours, theirs = _UNREACHED[how]
+    x, w, b = tensors((2, 4, 6, 5), (4, 4, 3, 2))
+    b = b[:4].detach().requires_grad_() if bias else None
+    calls = _counted(monkeypatch)
+
+    def gradients(conv):
+        operands = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
+        y = conv(*operands)
+        calls.clear()  # the backward's passes only
+        (_NoGradient.apply(y).sum() + operands[0].sum()).backward()
+        return [None if t is None else t.grad for t in operands]
+
+    x_grad, w_grad, b_grad = gradients(theirs)
+    ours_x_grad, ours_w_grad, ours_b_grad = gradients(ours)
+    assert w_grad is None and b_grad is None
+    assert ours_w_grad is None and ours_b_grad is None and torch.equal(ours_x_grad, x_grad)
+    assert calls == []
+
+
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
 def test_jacfwd_and_hessians_match_torchs(fmt):
     """``hessian`` is ``jacfwd(jacrev(...))``: forward mode over the backward passes, each Function's tangent.

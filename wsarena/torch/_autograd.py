@@ -14,9 +14,10 @@ dw(x, dy)
 =========================  ==========================================  ==========================================
 
 Forward mode follows from the same bilinearity: the tangent of ``P(a, b)`` is ``P(da, b) + P(a, db)``, each
-Function's pass again (``torch.func.jvp``, ``jacfwd``, ``hessian``, and ``torch.autograd.forward_ad``'s dual
-tensors). ``torch.compile`` takes no Function that defines ``jvp``: the public Functions define none, and
-:func:`apply` runs forms of them that do (:data:`_FORWARD`, :data:`_OLDER`) wherever no torch.compile trace runs.
+Function's pass again, run only for an operand that has a tangent (``torch.func.jvp``, ``jacfwd``, ``hessian``, and
+``torch.autograd.forward_ad``'s dual tensors). ``torch.compile`` takes no Function that defines ``jvp``: the public
+Functions define none, and :func:`apply` runs forms of them that do (:data:`_FORWARD`, :data:`_OLDER`) wherever no
+torch.compile trace runs.
 
 :func:`apply` runs a Function as cheaply as the context allows: outside torch.func's transforms in autograd's older
 form, which takes a bias as a third operand (:data:`_BIASED`: the bias added in its forward, its gradient computed in
@@ -39,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -61,7 +62,7 @@ class _Pass(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        _setup(ctx, inputs)
+        _setup(ctx, inputs, output)
 
 
 class ConvFunction(_Pass):
@@ -80,14 +81,14 @@ class ConvFunction(_Pass):
         return torch.ops.wsarena.conv_forward(x, w, stride, padding, dilation, groups, layout)
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, dy: Tensor | None) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
         dx = dw = None
         site, settings = _as_started(ctx.started)
         with site, settings:
-            if _wanted(ctx, 0):
+            if _wanted(ctx, 0, dy):
                 dx = _pass(ConvTransposeFunction, dy, w, list(x.shape), *ctx.conv)
-            if _wanted(ctx, 1):
+            if _wanted(ctx, 1, dy):
                 dw = _pass(WeightGradFunction, x, dy, list(w.shape), *ctx.conv)
         return (dx, dw, *_NO_GRADS[:5])
 
@@ -110,14 +111,14 @@ class ConvTransposeFunction(_Pass):
         return torch.ops.wsarena.conv_backward_data(x, w, output_shape, stride, padding, dilation, groups, layout)
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, dy: Tensor | None) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
         dx = dw = None
         site, settings = _as_started(ctx.started)
         with site, settings:
-            if _wanted(ctx, 0):
+            if _wanted(ctx, 0, dy):
                 dx = _pass(ConvFunction, dy, w, *ctx.conv)
-            if _wanted(ctx, 1):
+            if _wanted(ctx, 1, dy):
                 dw = _pass(WeightGradFunction, dy, x, list(w.shape), *ctx.conv)
         return (dx, dw, *_NO_GRADS)
 
@@ -136,14 +137,14 @@ class WeightGradFunction(_Pass):
         return torch.ops.wsarena.conv_backward_filter(x, dy, weight_shape, stride, padding, dilation, groups, layout)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, g: Tensor | None) -> tuple[Tensor | None, ...]:
         x, dy = ctx.saved_tensors
         dx = ddy = None
         site, settings = _as_started(ctx.started)
         with site, settings:
-            if _wanted(ctx, 0):
+            if _wanted(ctx, 0, g):
                 dx = _pass(ConvTransposeFunction, dy, g, list(x.shape), *ctx.conv)
-            if _wanted(ctx, 1):
+            if _wanted(ctx, 1, g):
                 ddy = _pass(ConvFunction, x, g, *ctx.conv)
         return (dx, ddy, *_NO_GRADS)
 
@@ -192,9 +193,9 @@ def _forward_form(function: type[torch.autograd.Function]) -> type[torch.autogra
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         a, b, rest = inputs
-        _setup(ctx, (a, b, *rest.args))
+        _setup(ctx, (a, b, *rest.args), output)
 
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, ...]:
         return (*function.backward(ctx, grad)[:2], None)
 
     body = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
@@ -229,14 +230,18 @@ def _biased_form(function: type[torch.autograd.Function]) -> type[torch.autograd
         function.setup_context(ctx, (a, b, *rest), output)
         return output
 
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, dy: Tensor | None) -> tuple[Tensor | None, ...]:
         dx, dw, *nones = function.backward(ctx, dy)
-        dbias = dy.sum(_ALL_BUT_CHANNELS[dy.dim()]) if _wanted(ctx, 2) else None
+        dbias = dy.sum(_ALL_BUT_CHANNELS[dy.dim()]) if dy is not None and _wanted(ctx, 2, dy) else None
         return (dx, dw, dbias, *nones)
 
-    def jvp(ctx: Any, da: Tensor, db: Tensor, dbias: Tensor, *_: Any) -> Tensor:
-        # (autograd hands zeros for an operand without a tangent, as it does for a backward's missing gradient)
-        return cast(Tensor, jvp_of_pass(ctx, da, db)) + dbias.reshape(*_PER_CHANNEL[len(ctx.conv[0]) + 2])
+    def jvp(ctx: Any, da: Tensor | None, db: Tensor | None, dbias: Tensor | None, *_: Any) -> Tensor | None:
+        tangent = jvp_of_pass(ctx, da, db)
+        if dbias is None:
+            return tangent
+        dbias = dbias.reshape(*_PER_CHANNEL[len(ctx.conv[0]) + 2])
+        # the bias's tangent alone: one value a channel, broadcast over the output (autograd copies it out)
+        return dbias.expand(ctx.output_shape) if tangent is None else tangent + dbias
 
     body = {"forward": staticmethod(forward), "backward": staticmethod(backward), "jvp": staticmethod(jvp),
             "__doc__": function.__doc__}
@@ -324,12 +329,14 @@ def _pass(function: type[torch.autograd.Function], *args: Any) -> Tensor:
     return _ops.call(_OPERATORS[function], *args)
 
 
-def _wanted(ctx: Any, i: int) -> bool:
+def _wanted(ctx: Any, i: int, grad: Tensor | None) -> bool:
     """Whether a backward pass computes the gradient of its ``i``-th input: one that requires it and that the
     backward running uses, as PyTorch's convolution computes only those (``torch.autograd.grad(y, x)`` asks nothing
-    of the weights, ``backward(inputs=[w])`` nothing of the input). Where autograd cannot say (a torch.compile trace,
-    a backward called outside autograd's engine), every gradient required."""
-    if not ctx.needs_input_grad[i]:
+    of the weights, ``backward(inputs=[w])`` nothing of the input); none where no gradient reaches the output
+    (``grad`` is ``None``, :func:`_setup`), whose gradients are then ``None``, as PyTorch's convolution's are. Where
+    autograd cannot say (a torch.compile trace, a backward called outside autograd's engine), every gradient
+    required."""
+    if grad is None or not ctx.needs_input_grad[i]:
         return False
     if torch.compiler.is_compiling() or _will_execute is None:
         return True
@@ -344,15 +351,24 @@ def _wanted(ctx: Any, i: int) -> bool:
 _will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
 
 
-def _setup(ctx: Any, inputs: tuple[Any, ...]) -> None:
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     """What each Function keeps: its two operands (for its backward and its ``jvp``), the arguments after them
     (``rest``: a shape argument, where it takes one, then ``conv``: stride, padding, dilation, groups, layout), and
-    where its forward started."""
+    where its forward started. Outside a torch.compile trace, autograd hands the backward and the ``jvp`` ``None``
+    for an output gradient or a tangent there is none of (``set_materialize_grads(False)``), not zeros: a tangent of
+    the input or the weight alone runs one convolution, not two (the bias's alone none), and where no gradient
+    reaches the output the operands get none, as PyTorch's convolution gives none (not zeros, which an optimizer
+    would apply weight decay and momentum to)."""
     a, b, *rest = inputs
     ctx.save_for_backward(a, b)
-    # for a jvp, which runs only where forward AD or torch.func's transforms are on as the Function runs
-    if torch.compiler.is_compiling() or forward_ad._current_level >= 0 or _transforms_active():
+    if torch.compiler.is_compiling():
         ctx.save_for_forward(a, b)
+    else:
+        ctx.set_materialize_grads(False)
+        # for a jvp, which runs only where forward AD or torch.func's transforms are on as the Function runs
+        if forward_ad._current_level >= 0 or _transforms_active():
+            ctx.save_for_forward(a, b)
+            ctx.output_shape = output.shape
     ctx.rest = tuple(rest)
     ctx.conv = ctx.rest[-5:]
     ctx.started = _started()
