@@ -565,6 +565,52 @@ def test_torch_cuda_operands_run_on_torchs_current_stream_asked_on_every_call(fa
     assert out._version > before and state.asked == 4
 
 
+class _CudaTensor1(_CudaTensor):
+    def get_device(self):
+        return 1
+
+
+def test_a_side_streams_cupy_object_is_kept_from_call_to_call(fake_torch_cuda, monkeypatch):
+    """On a stream other than the default (PyTorch's current, on a side stream), CuPy's stream object for it is
+    made once and kept while the calls stay on that stream and device; made again for another stream, another
+    device, or after one (only the last is kept). The default streams are CuPy's own objects, which neither keep
+    nor evict it. Every call enters its stream, kept or made."""
+    state = fake_torch_cuda
+    made = []
+
+    def cupy_stream(handle):  # a new object for each wrapping, as cuda.core's and CuPy's wrappers are
+        made.append(handle)
+        return _Scope(state.log, f"stream {handle}")
+
+    monkeypatch.setattr(_interop, "cupy_stream", cupy_stream)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", state.current_of, raising=False)
+    on = {0: [torch.ones(shape).as_subclass(_CudaTensor) for shape in ((1, 1, 4, 4), (1, 1, 3, 3))],
+          1: [torch.ones(shape).as_subclass(_CudaTensor1) for shape in ((1, 1, 4, 4), (1, 1, 3, 3))]}
+    run = _device_run(state.log)
+    for device, current, wrapped in [(0, 7, [7]), (0, 7, []), (0, 7, []), (0, 0, [0]), (0, 7, []), (1, 7, [7]),
+                                     (1, 7, []), (0, 7, [7]), (0, 9, [9]), (0, 7, [7]), (0, 2, [2]), (0, 7, [])]:
+        state.current = current
+        state.log.clear()
+        made.clear()
+        _interop.execute(run, Pass.FWD, *on[device], None, (1, 0, 1, 1), None, None, "NCHW", None)
+        assert made == wrapped, (device, current)
+        assert state.log == [f"enter device {device}", f"enter stream {current}", f"run on {current}",
+                             f"exit stream {current}", f"exit device {device}"]
+
+
+def test_a_stream_given_on_no_known_device_is_wrapped_each_call(fake_torch_cuda, monkeypatch):
+    """Where no operand names its device (a bare ``__cuda_array_interface__``), the device stays as it is, and CuPy
+    may tie a stream object to it: the stream is wrapped afresh each call, as before, and not kept."""
+    made = []
+    monkeypatch.setattr(_interop, "cupy_stream", lambda handle: made.append(handle) or object())
+    library = _interop._cupy()
+    assert library.stream(None, 0) is _interop._AS_IT_IS and made == []
+    first, second = library.stream(7, None), library.stream(7, None)
+    assert first is not second and made == [7, 7]
+    kept = library.stream(7, 0)
+    assert library.stream(7, 0) is kept and library.stream(7, None) is not kept and made == [7, 7, 7, 7]
+
+
 _DIRECT = {  # tensors a call on PyTorch's current stream views directly
     "contiguous": lambda: torch.arange(24.0).reshape(2, 3, 4),
     "channels-last": lambda: torch.arange(120.0).reshape(2, 3, 4, 5).to(memory_format=torch.channels_last),

@@ -52,7 +52,7 @@ from ._dlpack import BFLOAT16, INT16, Export, ReadOnlyExport
 from ._pass import Pass
 from ._sizes import short_repr
 from .arena._registry import make_device_arena
-from .arena.streams import cupy_stream, stream_handle
+from .arena.streams import PER_THREAD_DEFAULT_STREAM, cupy_stream, stream_handle
 from .backends import is_masked_type, type_backend_name
 
 __all__ = ["NATIVE", "execute"]
@@ -219,7 +219,7 @@ def execute(
             direct = True
     library = _cupy()
     # the operands' device current (None: as it is) and `stream` CuPy's current stream there
-    with library.device(device), library.stream(stream):
+    with library.device(device), library.stream(stream, device):
         views = [_tensor_view(op) if direct and op.kind == _TORCH else _view(library, op) for op in operands]
         try:
             result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None,
@@ -251,14 +251,14 @@ _AS_IT_IS: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()  # 
 
 class _Library(NamedTuple):
     """How NumPy or CuPy views an operand's memory without a copy, and (CuPy) makes a device and a stream current
-    for a block; ``None`` for either leaves it as it is."""
+    for a block; ``None`` for either leaves it as it is (``stream`` is told the device made current too)."""
 
     name: str
     from_torch: Callable[[Any], Any]  # a torch tensor (bfloat16 relabelled int16)
     from_dlpack: Callable[[Any], Any]  # an Export
     asarray: Callable[[Any], Any]  # a holder of __array_interface__ or __cuda_array_interface__
     device: Callable[[int | None], contextlib.AbstractContextManager[Any]] = lambda _: _AS_IT_IS
-    stream: Callable[[Any], contextlib.AbstractContextManager[Any]] = lambda _: _AS_IT_IS
+    stream: Callable[[Any, int | None], contextlib.AbstractContextManager[Any]] = lambda _, __: _AS_IT_IS
 
 
 def _view(library: _Library, op: _Operand) -> Any:
@@ -349,10 +349,30 @@ def _cupy() -> _Library:
     def device(ordinal: int | None) -> contextlib.AbstractContextManager[Any]:
         return _AS_IT_IS if ordinal is None else cupy.cuda.Device(ordinal)
 
-    def stream(given: Any) -> contextlib.AbstractContextManager[Any]:
-        return _AS_IT_IS if given is None else cupy_stream(stream_handle(given))
+    # The stream last wrapped, (handle, device, CuPy's stream): a call on a stream other than the default (PyTorch's
+    # current, on a side stream) wrapped it afresh each time, 10 us and more (cuda.core's from_handle makes a class a
+    # call; bench/RESULTS.md), and a wrapper holds nothing but the handle, which it does not own. Kept only where the
+    # device is known: CuPy may tie a wrapper to the device current when it is made. One tuple, replaced whole: a
+    # thread reads it or its successor, never a mix. CuPy's `with stream:` keeps its stack per thread, so threads
+    # may enter the one object at once, as they enter Stream.null.
+    last: list[tuple[int, int, Any]] = [(-1, -1, None)]
+
+    def stream(given: Any, device: int | None) -> contextlib.AbstractContextManager[Any]:
+        if given is None:
+            return _AS_IT_IS
+        handle = stream_handle(given)
+        kept = last[0]
+        if kept[0] == handle and kept[1] == device:
+            return kept[2]
+        made = cupy_stream(handle)
+        if device is not None and handle not in _CUPYS_OWN:
+            last[0] = (handle, device, made)
+        return made
 
     return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray, device, stream)
+
+
+_CUPYS_OWN = (0, PER_THREAD_DEFAULT_STREAM)  # handles whose stream objects CuPy keeps (Stream.null and .ptds)
 
 
 def _is_torch_bfloat16(tensor: Any) -> bool:
