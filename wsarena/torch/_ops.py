@@ -111,7 +111,8 @@ def _memory_format(ndim: int, layout: str) -> torch.memory_format:
 
 def _empty(shape: Sequence[int], like: Tensor, layout: str) -> Tensor:
     memory_format = _memory_format(len(shape), layout)
-    return torch.empty(list(shape), dtype=like.dtype, device=like.device, memory_format=memory_format)
+    # the sizes as arguments: a list (a copy of the shape) takes PyTorch's argument parser 1.8-4k instructions more
+    return torch.empty(*shape, dtype=like.dtype, device=like.device, memory_format=memory_format)
 
 
 def _computed(t: Tensor, memory_format: torch.memory_format) -> Tensor:
