@@ -365,7 +365,9 @@ class PinningMachine(RuleBasedStateMachine):
         current |= {ptr for ptr, _ in self.retired.values()}
         assert current | set(pins) <= held <= current | set(pins) | waiting
         # A buffer a graph holds whose stream the arena forgot since (a trim found nothing else there, the arena was
-        # closed) is freed with no stream: the handle's owner may have destroyed the stream since
+        # closed) is freed with no stream: the handle's owner may have destroyed the stream since. Where the arena
+        # forgot it before the last step, with no stream for sure (during the step, the free may have come first)
+        unstreamed = set(self.unstreamed)
         freed_before = [buffer.ptr for buffer, _ in self.provider.frees[:self.frees_seen]]
         for graph in self.graphs:
             for ptr, (_, handle, before, generation) in graph.pinned.items():
@@ -379,8 +381,11 @@ class PinningMachine(RuleBasedStateMachine):
         for buffer, stream in self.provider.frees[self.frees_seen:]:
             assert self._capture_of(stream) is None and not (stream is None and known)
             _, handle = self.owners.pop(id(buffer))
+            if buffer.ptr in unstreamed:
+                assert stream is None
             assert stream == handle or (stream is None and (handle == OBJECT or buffer.ptr in self.unstreamed))
             self.unstreamed.discard(buffer.ptr)
+            unstreamed.discard(buffer.ptr)
         self.frees_seen = len(self.provider.frees)
 
 
