@@ -507,6 +507,35 @@ def test_a_closed_arenas_free_with_no_stream_waits_for_a_capture_another_arena_o
     capture.close()
 
 
+@pytest.mark.parametrize("given_as", ["a raw handle", "a stream object"])
+def test_a_closed_arenas_free_with_no_stream_waits_for_a_capture_that_leased_from_it(given_as):
+    """The arena is closed while a capture that leased from it goes on (on S2). The buffer a finished graph held on S1
+    is freed with no stream once that graph is gone (the close forgot S1, whose owner may destroy it): not while the
+    capture on S2 goes on, which a device synchronisation would break. Once, the close forgot the record of that
+    capture with S2's sub-arena, and the free came during it."""
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    stream = S1 if given_as == "a raw handle" else FakeStream(S1)
+    arena.reserve(1000, stream=stream)
+    arena.reserve(1000, stream=S2)
+    graph, pinned = capture_a_lease(provider, arena, stream=stream)
+    with arena.lease(50_000, stream=stream):  # an eager growth: the pinned buffer is kept aside
+        pass
+    capture = provider.begin_capture(S2)
+    with arena.lease(1000, stream=S2):  # the capture's step
+        pass
+    arena.close()
+    graph.close()
+    Arena(provider).stats()  # frees what the closed arena may
+    assert pinned not in freed(provider)
+    provider.end_capture(capture)
+    Arena(provider).stats()
+    assert (pinned, None) in freed_on(provider)
+    capture.close()
+    Arena(provider).stats()
+    assert provider.held == []
+
+
 def test_a_graph_pin_is_live_until_its_c_destructor_runs():
     pin = GraphPin()
     assert pin.live() and pin.live()

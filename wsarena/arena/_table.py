@@ -367,7 +367,10 @@ class _Table:
             self.unstream_kept(key)
         if self.subs.get(sub.key) is sub:
             del self.subs[sub.key]
-            self.capturing.pop(sub.key, None)  # its stream may be gone: never asked about again
+            if gone:
+                self.capturing.pop(sub.key, None)  # its stream may be gone: never asked about again
+            # Else a capture recorded there may go on (a close() during it): the frees with no stream that forgetting
+            # the stream brings wait for it, until it is found over (wsarena.arena._pinning._capture_under_way)
         sub.anchor = None  # a reference dropped before its object dies never calls back
         sub.wake()  # threads queued for it look the key up again
         return released
