@@ -106,7 +106,8 @@ def test_nothing_that_would_synchronise_the_device_is_freed_in_a_capture_block()
     assert provider.during_capture == [] and [s for _, s in provider.frees] == [0x54]  # not captured: freed
     provider.end_capture(graph)
     arena.trim()
-    assert [s for _, s in provider.frees] == [0x54, None, None, S1] and provider.during_capture == []
+    # S1's too: the first trim forgot S1, whose owner may have destroyed it since the capture ended
+    assert [s for _, s in provider.frees] == [0x54, None, None, None] and provider.during_capture == []
     graph.close()
 
 
@@ -549,6 +550,37 @@ def test_a_buffer_held_back_on_a_stream_whose_object_died_is_freed_with_no_strea
 
 
 @pytest.mark.parametrize("given_as", ["a raw handle", "a stream object"])
+@pytest.mark.parametrize("forgotten_by", ["a trim", "close"])
+def test_a_buffer_held_back_whose_stream_was_forgotten_is_freed_with_no_stream(given_as, forgotten_by):
+    """The stream's owner captures it with no lease of the arena there (a step of its own), and a trim or a close lets
+    the stream's buffer go and forgets the stream meanwhile: the free, on the captured stream, is held back. Nothing of
+    the arena uses the stream from then on: once the capture is over, its owner may destroy it and CUDA give its handle
+    to the next stream made. The buffer is freed with no stream once no capture is under way on the handle, as a
+    forgotten stream's buffers that graphs held are. Once, it was freed on the handle, in the new stream's order (that
+    of a stream object too, whose sub-arena was forgotten before the drain held the buffer back)."""
+    provider = CaptureWatchingProvider()
+    provider.stream_ids[S1] = 1
+    arena = Arena(provider)
+    stream = S1 if given_as == "a raw handle" else FakeStream(S1)
+    arena.reserve(1000, stream=stream)
+    first = arena._subs[S1].block.ptr
+    graph = provider.begin_capture(S1)
+    if forgotten_by == "a trim":
+        arena.trim()
+    else:
+        arena.close()
+    assert arena.stats().streams == {} and first not in freed(provider)  # a call while the capture goes on: it waits
+    provider.end_capture(graph)
+    del stream
+    gc.collect()
+    provider.stream_ids[S1] = 2  # S1 is destroyed, and its handle names a new stream now
+    arena.stats()  # the next call
+    assert (first, None) in freed_on(provider) and provider.during_capture == [] and provider.read_in_capture == []
+    assert provider.held == [] and arena._table.held_back == {}
+    graph.close()
+
+
+@pytest.mark.parametrize("given_as", ["a raw handle", "a stream object"])
 def test_a_buffer_held_back_when_its_arena_is_collected_is_freed_with_no_stream(given_as):
     """An arena is collected while a capture goes on: the free of a buffer let go during the capture, on the captured
     stream, is held back, and the closed arena the collected one hands its buffers to frees it once the capture is
@@ -613,9 +645,10 @@ def test_a_close_while_another_threads_drain_holds_back_a_buffer_keeps_the_arena
 ):
     """Another thread's trim drains the queue: it takes off the buffer of a stream being captured (set aside) and frees
     the next one, and only then puts the first back. A close() in between sees the queue empty. The closed arena is
-    kept all the same, and that buffer is freed on its stream by the next stats() of any arena once the capture is
-    over. Once, close() decided whether to keep the arena after letting go of its lock, from what it saw then: the
-    buffer was never freed while the arena lived (and, collected, its finalizer freed it at once, capture or not)."""
+    kept all the same, and that buffer is freed by the next stats() of any arena once the capture is over (with no
+    stream: the trim forgot S1, whose owner may have destroyed it since). Once, close() decided whether to keep the
+    arena after letting go of its lock, from what it saw then: the buffer was never freed while the arena lived (and,
+    collected, its finalizer freed it at once, capture or not)."""
 
     class GatedFrees(RecordingProvider):
         def __init__(self):
@@ -658,5 +691,5 @@ def test_a_close_while_another_threads_drain_holds_back_a_buffer_keeps_the_arena
     assert freed_on(provider) == [(other, S2)]  # the capture goes on
     provider.end_capture(graph)
     successor.stats()
-    assert freed_on(provider) == [(other, S2), (held_back, S1)]
+    assert freed_on(provider) == [(other, S2), (held_back, None)]
     graph.close()

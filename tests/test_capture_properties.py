@@ -65,7 +65,8 @@ class PinningMachine(RuleBasedStateMachine):
         self.unstreamed = set()  # ptr of each buffer a graph holds whose stream the arena forgot: freed with no stream
         self.held = {}  # handle -> (Workspace, (ptr, size) of the buffer it uses) of a lease held across steps
         self.retired = {}  # handle -> (ptr, size) of the buffer a reserve outgrew under the held lease
-        self.owners = {}  # id of each Buffer the arena allocated -> (the Buffer, the handle it was allocated for)
+        # id of each Buffer the arena allocated -> (the Buffer, the handle it was allocated for, the arena's generation)
+        self.owners = {}
         self.generation = 0  # how many times the arena was replaced: the arena a pinned buffer is of
         self.closed = []  # weak references to the arenas replaced
 
@@ -134,7 +135,7 @@ class PinningMachine(RuleBasedStateMachine):
             return
         size = aligned_size(n)
         current = self.arena._subs[handle].block
-        self.owners[id(current.buffer)] = (current.buffer, handle)
+        self.owners[id(current.buffer)] = (current.buffer, handle, self.generation)
         assert current.size == size and (ptr is None or ptr == current.ptr)
         if old is not None:
             assert current.ptr != old[0]
@@ -352,21 +353,24 @@ class PinningMachine(RuleBasedStateMachine):
         for ptr, (_, _, before) in pins.items():
             assert ptr not in [buffer.ptr for buffer, _ in self.provider.frees[before:]] and ptr in held
         # The provider holds the streams' buffers, those pinned, and those whose free waits for a capture: on their
-        # stream, or, freed with no stream (a device synchronisation), one under way (that the arena knows of, or
-        # that it asked about, a stream it knew a capture on before)
+        # stream, or, freed with no stream (a device synchronisation; that of a stream the arena forgot since it was
+        # queued, too), one under way (that the arena knows of, or that it asked about, a stream it knew a capture on
+        # before)
         known = any(g.capturing and g.leased for g in self.graphs)
         capturing = any(g.capturing for g in self.graphs)
         arenas = [self.arena] + [arena for arena in (ref() for ref in self.closed) if arena is not None]
         waiting = {
             buffer.ptr for arena in arenas for buffer, stream in arena._to_free
-            if self._capture_of(stream) is not None or (stream is None and capturing)
+            if self._capture_of(stream) is not None or ((stream is None or stream not in arena._subs) and capturing)
         }
         current = {held[0] for held in self.buffer.values() if held is not None}
         current |= {ptr for ptr, _ in self.retired.values()}
         assert current | set(pins) <= held <= current | set(pins) | waiting
         # A buffer a graph holds whose stream the arena forgot since (a trim found nothing else there, the arena was
-        # closed) is freed with no stream: the handle's owner may have destroyed the stream since. Where the arena
-        # forgot it before the last step, with no stream for sure (during the step, the free may have come first)
+        # closed) is freed with no stream: the handle's owner may have destroyed the stream since. So is one whose
+        # free was held back while its stream was captured, once the arena forgot that stream. Where the arena forgot
+        # it before the last step, with no stream for sure (during the step, the free may have come first, on the
+        # stream; or with none, the free held back during the step as the stream was forgotten)
         unstreamed = set(self.unstreamed)
         freed_before = [buffer.ptr for buffer, _ in self.provider.frees[:self.frees_seen]]
         for graph in self.graphs:
@@ -375,15 +379,21 @@ class PinningMachine(RuleBasedStateMachine):
                     generation != self.generation or handle not in self.arena._subs
                 ):
                     self.unstreamed.add(ptr)
+        for arena in arenas:
+            self.unstreamed |= {
+                buffer.ptr for buffer, stream in list(arena._to_free)
+                if self._capture_of(stream) is not None and stream not in arena._subs
+            }
         # Nothing was freed on a stream being captured, nor with no stream while a capture the arena knows goes on;
         # each buffer is freed in its stream's order (with no stream only where that may be gone: OBJECT's, and a
         # forgotten stream's)
         for buffer, stream in self.provider.frees[self.frees_seen:]:
             assert self._capture_of(stream) is None and not (stream is None and known)
-            _, handle = self.owners.pop(id(buffer))
+            _, handle, generation = self.owners.pop(id(buffer))
             if buffer.ptr in unstreamed:
                 assert stream is None
-            assert stream == handle or (stream is None and (handle == OBJECT or buffer.ptr in self.unstreamed))
+            forgotten = buffer.ptr in self.unstreamed or generation != self.generation or handle not in self.arena._subs
+            assert stream == handle or (stream is None and (handle == OBJECT or forgotten))
             self.unstreamed.discard(buffer.ptr)
             unstreamed.discard(buffer.ptr)
         self.frees_seen = len(self.provider.frees)

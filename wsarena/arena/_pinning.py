@@ -269,9 +269,10 @@ def give_back(self: Arena, key: Any = None) -> None:
     queued for a later call. The buffers of no stream wait too while a capture is under way that their free, which
     synchronises the device, would break (:func:`_capture_under_way`), and so do those of another thread's per-thread
     stream, which the drain frees with no stream (handle 2 would name this thread's, which is not theirs to ask about
-    either). A buffer held back is freed on its stream later only if the handle still names that stream
-    (:func:`_gone_since_held`), else with no stream; once the arena is collected, with no stream too, as its other
-    buffers are (its streams may be gone with it: :meth:`_Table.let_go_collected`). (Lock not held.)
+    either). A buffer held back is freed on its stream later only if the handle still names that stream, and the
+    arena still uses it (:func:`_gone_since_held`), else with no stream; once the arena is collected, with no stream
+    too, as its other buffers are (its streams may be gone with it: :meth:`_Table.let_go_collected`). (Lock not
+    held.)
 
     Which streams wait is asked before anything is taken off the queue (a copy of it is read); the queue is then
     drained as :func:`~wsarena.arena._lifecycle.give_back` always drains it, with no place between taking a buffer
@@ -316,20 +317,33 @@ def give_back(self: Arena, key: Any = None) -> None:
 _GONE: Any = object()  # held_back: the stream was found gone (its buffers are freed with no stream)
 
 
+class _Unwatched:
+    """Recorded in ``held_back`` for a handle whose stream the arena cannot tell apart (a raw handle, or a provider
+    with no ``stream_id``), or whose sub-arena was forgotten before its buffers were held back: the buffers are freed
+    on it only while the sub-arena of ``serial`` (0: none) still serves it (:func:`_gone_since_held`)."""
+
+    __slots__ = ("serial",)
+
+    def __init__(self, serial: int) -> None:
+        self.serial = serial
+
+
 def _hold(self: Arena, streams: set[Any]) -> None:
     """Record, for each stream whose buffers are held back now, the id the arena read when it began to watch that
     stream (:attr:`~wsarena.arena._sub._SubArena.stream_id`): the buffers are freed on it later only if the handle
     still names that stream (:func:`_gone_since_held`). No id is read here: CUDA refuses ``cudaStreamGetId`` on a
     stream being captured, and in its global and thread-local modes the refusal invalidates the capture. A stream the
-    arena does not watch (a raw handle, a default stream) or cannot tell apart is not recorded: its buffers keep the
-    handle, as a sub-arena is adopted on it."""
+    arena cannot tell apart keeps the handle while its sub-arena serves it (:class:`_Unwatched`); once that is
+    forgotten (before the buffers were held back, too: a trim or a close during its owner's capture), nothing of the
+    arena uses the stream, and its owner may destroy it. A default stream is not recorded: it is never destroyed."""
     held, subs = self._table.held_back, self._subs
     for stream in streams:
         if type(stream) is int and stream > PER_THREAD_DEFAULT_STREAM and stream not in held:
             sub = subs.get(stream)
-            stream_id = sub.stream_id if sub is not None else None
-            if stream_id is not None:
-                held[stream] = stream_id
+            if sub is not None and sub.stream_id is not None:
+                held[stream] = sub.stream_id
+            else:
+                held[stream] = _Unwatched(sub.serial if sub is not None else 0)
 
 
 def _gone_since_held(self: Arena, stream: Any, ask: bool) -> bool:
@@ -338,9 +352,15 @@ def _gone_since_held(self: Arena, stream: Any, ask: bool) -> bool:
     order the buffers must not be freed (CuPy's pool would hand them to that stream at once). Known without asking CUDA
     once the stream object the arena watched died, or its sub-arena was forgotten or is another stream's: the handle
     may name no stream then, and CUDA reads through it. With ``ask`` (no capture is under way on the handle, which the
-    question would invalidate), also when CUDA gives the handle's stream another id (or none)."""
+    question would invalidate), also when CUDA gives the handle's stream another id (or none). A handle recorded as
+    :class:`_Unwatched` is asked whether it is captured first, as it was when its buffers were held back (a capture
+    the arena may not know of): only with ``ask``, then, is it gone, once the sub-arena that served it is not there
+    any more (forgotten, or another), or its stream object died."""
     held = self._table.held_back
     stream_id = held.get(stream)
+    if type(stream_id) is _Unwatched:  # asked again at each drain: a later capture of the handle is seen
+        sub = self._subs.get(stream)
+        return ask and (sub is None or sub.serial != stream_id.serial or sub.orphan)
     if stream_id is not _GONE and _watched(self, stream, stream_id):
         read = self._table.stream_id
         if not ask or (read is not None and read(stream) == stream_id):
