@@ -558,6 +558,48 @@ def test_an_arena_made_by_another_thread_while_one_prunes_the_list_of_arenas_is_
     assert n > 3  # it reached the pruning, not only the call
 
 
+def test_an_arena_made_while_the_collector_frees_another_prunes_the_list_of_arenas():
+    """The list of every arena drops its dead entries as it reaches each power of two. The collector may run at any
+    allocation there, and finalize an arena in a reference cycle that held a buffer: the closed arena that frees what
+    it held is listed, and the list grows. Here the collector runs at each allocation, and each collection leaves such
+    an arena for the next. Once, the list's entries were copied as pairs, which the collector counts: a collection
+    during the copy made the new arena (get_arena(), Arena()) raise "dictionary changed size during iteration"."""
+    code = """
+        import gc
+        from wsarena.arena import Arena, HostProvider, _lifecycle
+
+        def garbage():  # its finalizer hands the buffer to a closed arena, which is listed
+            arena = Arena(HostProvider())
+            arena.reserve(10, stream="lane")
+            arena.cycle = arena
+
+        made = []
+
+        def between(phase, info):  # each collection leaves such an arena for the next one
+            if phase == "stop" and len(made) < 100:
+                made.append(None)
+                garbage()
+
+        target = 64
+        while target <= len(_lifecycle._arenas):
+            target *= 2
+        live = [Arena(HostProvider()) for _ in range(target - len(_lifecycle._arenas))]
+        gc.collect()
+        assert len(_lifecycle._arenas) == target
+        gc.callbacks.append(between)
+        gc.set_threshold(1)
+        _lifecycle.track_arena(live[0])  # as the next arena made is listed: the list is pruned
+        gc.set_threshold(700)
+        gc.callbacks.remove(between)
+        gc.collect()
+        print(len(made) > 1, all(any(ref() is arena for ref in _lifecycle._arenas.values()) for arena in live))
+    """
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout == "True True\n"
+
+
 @pytest.mark.gpu
 def test_gpu_exit_with_a_live_lease_is_clean():
     code = """

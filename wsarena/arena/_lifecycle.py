@@ -150,8 +150,12 @@ def track_arena(arena: Arena) -> None:
     """Remember ``arena``, so that a forked child resets it."""
     n = len(_arenas)
     if n >= 64 and n & (n - 1) == 0:  # at each power of two
-        for key, ref in list(_arenas.items()):  # list(): one C call, whatever other threads do
-            if ref() is None:
+        # list() of the keys: one C call, whatever other threads do, and one that makes no object the collector
+        # counts (the items' pairs are such objects): a collection there could run a collected arena's finalizer,
+        # which tracks its heir, and the dict would change size under the copy
+        for key in list(_arenas):
+            ref = _arenas.get(key)
+            if ref is not None and ref() is None:
                 _arenas.pop(key, None)
     ref = weakref.ref(arena)
     _arenas[id(ref)] = ref
