@@ -354,14 +354,15 @@ class PinningMachine(RuleBasedStateMachine):
             assert ptr not in [buffer.ptr for buffer, _ in self.provider.frees[before:]] and ptr in held
         # The provider holds the streams' buffers, those pinned, and those whose free waits for a capture: on their
         # stream, or, freed with no stream (a device synchronisation; that of a stream the arena forgot since it was
-        # queued, too), one under way (that the arena knows of, or that it asked about, a stream it knew a capture on
-        # before)
+        # queued, too, even once it uses the handle again), one under way (that the arena knows of, or that it asked
+        # about, a stream it knew a capture on before)
         known = any(g.capturing and g.leased for g in self.graphs)
         capturing = any(g.capturing for g in self.graphs)
         arenas = [self.arena] + [arena for arena in (ref() for ref in self.closed) if arena is not None]
         waiting = {
             buffer.ptr for arena in arenas for buffer, stream in arena._to_free
-            if self._capture_of(stream) is not None or ((stream is None or stream not in arena._subs) and capturing)
+            if self._capture_of(stream) is not None
+            or ((stream is None or stream not in arena._subs or buffer.ptr in self.unstreamed) and capturing)
         }
         current = {held[0] for held in self.buffer.values() if held is not None}
         current |= {ptr for ptr, _ in self.retired.values()}
