@@ -7,7 +7,7 @@ import wsarena._config
 import wsarena._forksafe
 from wsarena import algos, ops
 from wsarena._gpu import gpu_unusable_reason
-from wsarena.arena import Arena, HostProvider, _refusals, reset_arenas
+from wsarena.arena import Arena, HostProvider, _refusals, reset_arenas, streams
 from wsarena.arena.testing import RecordingProvider
 from wsarena.backends import reset_backends
 from wsarena.backends._cpu_backend import CpuBackend
@@ -49,6 +49,7 @@ def _reset_process_state():
         shapes._remembered.clear()
     reset_arenas()
     reset_backends()  # and the cuDNN backend's descriptor cache with it
+    streams.forget_kept_stream()  # a stand-in's stream object, kept by the last test
 
 
 @pytest.fixture(autouse=True)

@@ -645,7 +645,15 @@ def test_capture_without_a_gpu_is_a_backend_error_and_checks_its_mode(monkeypatc
         pass
 
 
-def test_a_captured_graph_is_launched_on_any_stream_that_stream_takes():
+class _Graph:  # CuPy's Graph.launch(stream), without a GPU
+    def __init__(self):
+        self.launched = []
+
+    def launch(self, stream=None):
+        self.launched.append(stream.ptr)
+
+
+def test_a_captured_graph_is_launched_on_any_stream_that_stream_takes(monkeypatch):
     """CapturedGraph.launch(stream) takes what every stream= of wsarena takes (a raw handle, an object with
     __cuda_stream__ such as a PyTorch or cuda.core stream), not only a CuPy stream: CuPy's Graph.launch reads the
     stream's ``ptr``, which the others lack (an AttributeError once)."""
@@ -653,20 +661,44 @@ def test_a_captured_graph_is_launched_on_any_stream_that_stream_takes():
 
     from wsarena.cudagraph import CapturedGraph
 
-    class Graph:  # CuPy's Graph.launch(stream), without a GPU
-        def __init__(self):
-            self.launched = []
-
-        def launch(self, stream=None):
-            self.launched.append(stream.ptr)
-
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)  # the current device, asked of a GPU
     captured = CapturedGraph(cupy.cuda.Stream.from_external(FakeStream(S1)))
-    captured.graph = Graph()
+    captured.graph = _Graph()
     captured.launch()
     captured.launch(S2)
     captured.launch(FakeStream(0x53))
     captured.launch(captured.stream)
     assert captured.graph.launched == [S1, S2, 0x53, S1]
+
+
+def test_a_launch_keeps_the_stream_object_it_wraps_from_launch_to_launch(monkeypatch):
+    """A launch on a stream that is no CuPy stream wraps it for CuPy once and keeps the object while the launches stay
+    on that stream and current device (the one keep the ops' calls share): made again for another stream, or with
+    another device current, where CuPy ties the object to that device."""
+    import cupy
+
+    from wsarena.arena import streams
+    from wsarena.cudagraph import CapturedGraph
+
+    device, made = [0], []
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: device[0])
+
+    def cupy_stream(handle):  # a new object for each wrapping, as cuda.core's and CuPy's wrappers are
+        made.append((handle, device[0]))
+        return type("Stream", (), {"ptr": handle})()
+
+    monkeypatch.setattr(streams, "cupy_stream", cupy_stream)
+    captured = CapturedGraph(cupy.cuda.Stream.from_external(FakeStream(S1)))
+    captured.graph = _Graph()
+    for stream in (S2, S2, FakeStream(S2), captured.stream, S2):
+        captured.launch(stream)
+    assert made == [(S2, 0)]
+    device[0] = 1
+    captured.launch(S2)
+    captured.launch(S2)
+    captured.launch(0x53)
+    assert made == [(S2, 0), (S2, 1), (0x53, 1)]
+    assert captured.graph.launched == [S2, S2, S2, S1, S2, S2, S2, 0x53]
 
 
 def test_the_capture_stream_starts_with_the_largest_buffer_the_warm_up_left(device):

@@ -4,17 +4,20 @@ GPU tolerances (relative error max|y - ref| / max|ref| against the float64 refer
 no TF32), float16 and bfloat16 2e-2 and 5e-2 (inputs rounded to those types, accumulation in float32).
 """
 
+import gc
 import threading
 import warnings
+import weakref
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wsarena import algos, config, conv_backward_data, conv_backward_filter, conv_forward
+from wsarena import _interop, algos, config, conv_backward_data, conv_backward_filter, conv_forward
 from wsarena._geometry import conv_geometry
 from wsarena._pass import Pass
+from wsarena.arena import streams
 from wsarena.backends import Candidate
 from wsarena.backends._cudnn_backend import CudnnBackend, _channels_last, _DeviceAndStream, _usable, pointers
 from wsarena.cudnn import AlgoPerf, ConvolutionFwdAlgo, MathType, Status
@@ -110,43 +113,104 @@ def test_context_refuses_arrays_on_different_devices(backend):
     assert ctx is d1  # no stream: the arrays' CuPy device is the context
 
 
-def test_a_raw_stream_is_wrapped_on_the_arrays_device(monkeypatch):
-    from wsarena.backends import _cudnn_backend
+class _Device:
+    """A CuPy device that makes itself the fake CUDA current device ``current[0]`` while entered."""
 
+    def __init__(self, id_, current):
+        self.id, self.current = id_, current
+
+    def __enter__(self):
+        self.prev, self.current[0] = self.current[0], self.id
+
+    def __exit__(self, *exc):
+        self.current[0] = self.prev
+
+
+class _Stream:
+    """A CuPy stream object: its handle, and the device current when it was made, which CuPy ties it to."""
+
+    def __init__(self, handle, device):
+        self.handle, self.device = handle, device
+        self.ptr = handle
+
+
+def _fake_cupy(monkeypatch, backend, current, current_streams):
+    """The backend's CuPy faked, and the stream objects arena.streams makes: a new one for each wrapping, as
+    cuda.core's and CuPy's are, tied to the current device; returns the handles wrapped."""
+    made = []
+
+    def cupy_stream(handle):
+        made.append(handle)
+        return _Stream(handle, current[0])
+
+    cuda = type("cuda", (), {"Stream": _Stream, "get_current_stream": staticmethod(current_streams.__getitem__)})
+    monkeypatch.setattr(backend, "_cupy", type("FakeCupy", (), {"cuda": cuda}))
+    monkeypatch.setattr(streams, "cupy_stream", cupy_stream)
+    return made
+
+
+def _protocol(handle):
+    return type("ForeignStream", (), {"__cuda_stream__": lambda self: (0, handle)})()
+
+
+def test_a_raw_stream_is_wrapped_on_the_arrays_device(monkeypatch):
     backend = CudnnBackend()
     current = [0]  # the fake CUDA current device
-
-    class Device:
-        def __init__(self, id_):
-            self.id = id_
-
-        def __enter__(self):
-            self.prev, current[0] = current[0], self.id
-
-        def __exit__(self, *exc):
-            current[0] = self.prev
-
-    class Stream:
-        def __init__(self, handle, device):
-            self.handle, self.device = handle, device
-            self.ptr = handle
-
-        @classmethod
-        def from_external(cls, obj):
-            return cls(obj.__cuda_stream__()[1], current[0])  # as CuPy does: tied to the current device
-
-    current_streams = {0: Stream(0x77, 0), 1: Stream(0, 1)}  # CuPy's current stream of each device
-    cuda = type("cuda", (), {"Stream": Stream, "get_current_stream": staticmethod(current_streams.__getitem__)})
-    monkeypatch.setattr(backend, "_cupy", type("FakeCupy", (), {"cuda": cuda}))
-    monkeypatch.setattr(_cudnn_backend, "cupy_stream", lambda handle: Stream(handle, current[0]))
-    on_1 = _on(Device(1))
+    current_streams = {0: _Stream(0x77, 0), 1: _Stream(0, 1)}  # CuPy's current stream of each device
+    _fake_cupy(monkeypatch, backend, current, current_streams)
+    on_1 = _on(_Device(1, current))
     ctx = backend.context((on_1, on_1), 0x77)  # a raw handle (current on device 0, not on the arrays' device 1)
     assert (ctx.stream.handle, ctx.stream.device) == (0x77, 1) and current == [0]
-    protocol = type("ForeignStream", (), {"__cuda_stream__": lambda self: (0, 0x78)})()
-    ctx = backend.context((on_1, on_1), protocol)  # a foreign stream object goes to CuPy as it is
+    ctx = backend.context((on_1, on_1), _protocol(0x78))  # a foreign stream object, through its handle
     assert (ctx.stream.handle, ctx.stream.device) == (0x78, 1) and current == [0]
-    current_streams[1] = Stream(0x77, 1)  # made current there by the caller (wsarena._interop for torch tensors)
+    current_streams[1] = _Stream(0x77, 1)  # made current there by the caller (wsarena._interop for torch tensors)
     assert backend.context((on_1, on_1), 0x77) is on_1.device  # nothing to switch: the device alone
+
+
+def test_the_contexts_stream_object_is_kept_from_call_to_call(monkeypatch):
+    """A stream other than CuPy's current one, however given (a raw handle, an object with ``cuda_stream`` as a
+    PyTorch stream has, or with ``__cuda_stream__``), is wrapped for CuPy once and kept while the calls stay on that
+    stream and device: the keep wsarena._interop's calls share, where the last one made is kept. Another device, or
+    another handle, is wrapped again (a stream destroyed and its handle given to another, on another device, gets an
+    object tied to that device); the default streams are CuPy's own objects, which neither take nor evict it."""
+    backend = CudnnBackend()
+    current = [0]
+    made = _fake_cupy(monkeypatch, backend, current, {0: _Stream(2, 0), 1: _Stream(2, 1)})
+    on_0, on_1 = _on(_Device(0, current)), _on(_Device(1, current))
+    torch_like = type("TorchStream", (), {"cuda_stream": 0x77})()
+    first = backend.context((on_1, on_1), 0x77).stream
+    for stream in (0x77, torch_like, _protocol(0x77)):
+        assert backend.context((on_1, on_1), stream).stream is first
+    assert made == [0x77] and (first.handle, first.device) == (0x77, 1)
+    assert _interop._cupy().stream(0x77, 1) is first and made == [0x77]  # one keep: the interop's calls' too
+    on_other = backend.context((on_0, on_0), _protocol(0x77)).stream  # the handle on another device
+    assert on_other is not first and (on_other.handle, on_other.device) == (0x77, 0) and current == [0]
+    assert backend.context((on_1, on_1), 0x77).stream is not first and made == [0x77] * 3  # only the last is kept
+    kept = backend.context((on_1, on_1), 0x77).stream
+    for default in (0, streams.PerThreadStream(streams.thread_lane())):  # CuPy's current: 2, the per-thread stream
+        backend.context((on_1, on_1), default)
+    assert backend.context((on_1, on_1), 0x77).stream is kept and made == [0x77] * 3 + [0, 2]
+    assert backend.context((on_1, on_1), 0x78).stream is not kept and made == [0x77] * 3 + [0, 2, 0x78]
+
+
+def test_the_kept_stream_object_holds_no_stream_object_of_the_callers(monkeypatch):
+    """The object kept from call to call is made from the handle (CuPy's own, here), not from the caller's stream
+    object, which CuPy's Stream.from_external would hold: a stream the caller drops is not kept alive by it."""
+    import cupy
+
+    backend = CudnnBackend()
+    null = staticmethod(lambda device: cupy.cuda.Stream.null)  # CuPy's current stream, asked of a GPU
+    monkeypatch.setattr(backend, "_cupy", type("FakeCupy", (), {"cuda": type("cuda", (), {
+        "Stream": cupy.cuda.Stream, "get_current_stream": null})}))
+    current = [0]
+    on_1 = _on(_Device(1, current))
+    foreign = _protocol(0x79)
+    gone = weakref.ref(foreign)
+    kept = backend.context((on_1, on_1), foreign).stream
+    assert isinstance(kept, cupy.cuda.Stream) and kept.ptr == 0x79
+    del foreign
+    gc.collect()
+    assert gone() is None and backend.context((on_1, on_1), 0x79).stream is kept
 
 
 def test_device_and_stream_enter_in_order_and_leave_in_reverse():

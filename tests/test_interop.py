@@ -15,6 +15,7 @@ import pytest
 import wsarena
 from wsarena import _interop, conv_backward_data, conv_backward_filter, conv_forward, ops
 from wsarena._pass import Pass
+from wsarena.arena import streams
 
 from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
 
@@ -582,7 +583,7 @@ def test_a_side_streams_cupy_object_is_kept_from_call_to_call(fake_torch_cuda, m
         made.append(handle)
         return _Scope(state.log, f"stream {handle}")
 
-    monkeypatch.setattr(_interop, "cupy_stream", cupy_stream)
+    monkeypatch.setattr(streams, "cupy_stream", cupy_stream)  # where the kept object is made
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", state.current_of, raising=False)
     on = {0: [torch.ones(shape).as_subclass(_CudaTensor) for shape in ((1, 1, 4, 4), (1, 1, 3, 3))],
           1: [torch.ones(shape).as_subclass(_CudaTensor1) for shape in ((1, 1, 4, 4), (1, 1, 3, 3))]}
@@ -602,7 +603,8 @@ def test_a_stream_given_on_no_known_device_is_wrapped_each_call(fake_torch_cuda,
     """Where no operand names its device (a bare ``__cuda_array_interface__``), the device stays as it is, and CuPy
     may tie a stream object to it: the stream is wrapped afresh each call, as before, and not kept."""
     made = []
-    monkeypatch.setattr(_interop, "cupy_stream", lambda handle: made.append(handle) or object())
+    for module in (_interop, streams):  # made here; kept there
+        monkeypatch.setattr(module, "cupy_stream", lambda handle: made.append(handle) or object())
     library = _interop._cupy()
     assert library.stream(None, 0) is _interop._AS_IT_IS and made == []
     first, second = library.stream(7, None), library.stream(7, None)

@@ -52,7 +52,7 @@ from ._dlpack import BFLOAT16, INT16, Export, ReadOnlyExport
 from ._pass import Pass
 from ._sizes import short_repr
 from .arena._registry import make_device_arena
-from .arena.streams import PER_THREAD_DEFAULT_STREAM, cupy_stream, stream_handle
+from .arena.streams import cupy_stream, kept_cupy_stream, stream_handle
 from .backends import is_masked_type, type_backend_name
 
 __all__ = ["NATIVE", "execute"]
@@ -349,30 +349,15 @@ def _cupy() -> _Library:
     def device(ordinal: int | None) -> contextlib.AbstractContextManager[Any]:
         return _AS_IT_IS if ordinal is None else cupy.cuda.Device(ordinal)
 
-    # The stream last wrapped, (handle, device, CuPy's stream): a call on a stream other than the default (PyTorch's
-    # current, on a side stream) wrapped it afresh each time, 10 us and more (cuda.core's from_handle makes a class a
-    # call; bench/RESULTS.md), and a wrapper holds nothing but the handle, which it does not own. Kept only where the
-    # device is known: CuPy may tie a wrapper to the device current when it is made. One tuple, replaced whole: a
-    # thread reads it or its successor, never a mix. CuPy's `with stream:` keeps its stack per thread, so threads
-    # may enter the one object at once, as they enter Stream.null.
-    last: list[tuple[int, int, Any]] = [(-1, -1, None)]
-
     def stream(given: Any, device: int | None) -> contextlib.AbstractContextManager[Any]:
         if given is None:
             return _AS_IT_IS
         handle = stream_handle(given)
-        kept = last[0]
-        if kept[0] == handle and kept[1] == device:
-            return kept[2]
-        made = cupy_stream(handle)
-        if device is not None and handle not in _CUPYS_OWN:
-            last[0] = (handle, device, made)
-        return made
+        if device is None:  # CuPy may tie a wrapper to the device current when it is made: not kept
+            return cupy_stream(handle)
+        return kept_cupy_stream(handle, device)  # the device is current (entered first)
 
     return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray, device, stream)
-
-
-_CUPYS_OWN = (0, PER_THREAD_DEFAULT_STREAM)  # handles whose stream objects CuPy keeps (Stream.null and .ptds)
 
 
 def _is_torch_bfloat16(tensor: Any) -> bool:

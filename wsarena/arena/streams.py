@@ -33,8 +33,8 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 __all__ = [
-    "PER_THREAD_DEFAULT_STREAM", "PerThreadStream", "ThreadLane", "cupy_stream", "raw_handle", "resolve_stream",
-    "stream_handle", "thread_lane",
+    "PER_THREAD_DEFAULT_STREAM", "PerThreadStream", "ThreadLane", "cupy_stream", "kept_cupy_stream", "raw_handle",
+    "resolve_stream", "stream_handle", "thread_lane",
 ]
 
 PER_THREAD_DEFAULT_STREAM = 2  # cudaStreamPerThread: a different stream in each host thread
@@ -271,3 +271,40 @@ def cupy_stream(handle: int) -> Any:
     from cuda.core import Stream
 
     return cupy.cuda.Stream.from_external(Stream.from_handle(handle))
+
+
+# The stream last wrapped by kept_cupy_stream, (handle, device, CuPy's object). One tuple, replaced whole: a thread
+# reads it or its successor, never a mix.
+_kept: list[tuple[int, int, Any]] = [(-1, -1, None)]
+_CUPYS_OWN = (0, PER_THREAD_DEFAULT_STREAM)  # handles whose stream objects CuPy keeps (Stream.null and .ptds)
+
+
+def kept_cupy_stream(handle: int, device: int, current: Any = None) -> Any:
+    """:func:`cupy_stream` for ``handle`` on CUDA device ``device``, the last one made kept for the next call.
+
+    A call on a stream other than the default wrapped it afresh each time, 10 us and more (cuda.core's
+    ``from_handle`` makes a class a call; bench/RESULTS.md). A wrapper holds nothing but the handle, which it does
+    not own, so the same handle on the same device makes an equal one, even where the stream was destroyed and CUDA
+    gave its handle to another; CuPy ties a wrapper to the device current when it is made, hence the key's device.
+    CuPy's ``with stream:`` keeps its stack per thread, so threads may enter the one object at once, as they enter
+    ``Stream.null``. The default streams are CuPy's own objects, which neither take nor evict the kept one.
+
+    ``device`` must be the current device, or ``current`` a context manager that makes it current (entered only to
+    make a new object).
+    """
+    kept = _kept[0]
+    if kept[0] == handle and kept[1] == device:
+        return kept[2]
+    if current is None:
+        made = cupy_stream(handle)
+    else:
+        with current:
+            made = cupy_stream(handle)
+    if handle not in _CUPYS_OWN:
+        _kept[0] = (handle, device, made)
+    return made
+
+
+def forget_kept_stream() -> None:
+    """Drop the stream object :func:`kept_cupy_stream` keeps (the tests' fresh process)."""
+    _kept[0] = (-1, -1, None)
