@@ -167,3 +167,37 @@ def test_scaling_factors_follow_the_data_type():
     assert isinstance(conv_mod._scale(1.0, cudnn.DataType.DOUBLE), ctypes.c_double)
     for dtype in (cudnn.DataType.FLOAT, cudnn.DataType.HALF, cudnn.DataType.BFLOAT16):
         assert isinstance(conv_mod._scale(1.0, dtype), ctypes.c_float)
+
+
+@needs_cudnn
+def test_a_convolution_passes_its_scaling_factors_as_cudnn_reads_them(monkeypatch, descs):
+    """alpha 1 and beta 0, every convolution's, go to cuDNN through pointers made once per width (float for every
+    data type but double's), the same from call to call; other factors through scalars of their own. An algorithm
+    given by value reaches cuDNN as its enum member."""
+    x, w, conv, y = descs
+    seen = []
+    monkeypatch.setattr(conv_mod, "call", lambda name, *args, context="": seen.append(args))
+
+    def run(pass_, data_type=None, **scales):
+        cudnn.convolution(pass_, _NullHandle(), x_desc=x, x_ptr=X_PTR, w_desc=w, w_ptr=W_PTR, conv_desc=conv,
+                          y_desc=y, y_ptr=Y_PTR, algo=1, data_type=data_type, **scales)
+        args = seen.pop()  # (handle, &alpha, in, in, in, in, conv, algo, ws, bytes, &beta, out, out)
+        assert args[7] is cudnn.ALGORITHMS[pass_](1)
+        return args[1], args[10]
+
+    first = run("fwd")
+    for pass_ in PASSES:
+        again = run(pass_)
+        assert again[0] is first[0] and again[1] is first[1]
+    assert [(type(p._obj), p._obj.value) for p in first] == [(ctypes.c_float, 1.0), (ctypes.c_float, 0.0)]
+    half = run("fwd", data_type=cudnn.DataType.HALF)
+    assert half[0] is first[0] and half[1] is first[1]
+    double = run("bwd_data", data_type=cudnn.DataType.DOUBLE)
+    assert run("fwd", data_type=cudnn.DataType.DOUBLE) == double and double[0] is not first[0]
+    assert [(type(p._obj), p._obj.value) for p in double] == [(ctypes.c_double, 1.0), (ctypes.c_double, 0.0)]
+    scaled = run("bwd_filter", alpha=0.5, beta=1.0)
+    assert [(type(p._obj), p._obj.value) for p in scaled] == [(ctypes.c_float, 0.5), (ctypes.c_float, 1.0)]
+    again = run("bwd_filter", alpha=0.5, beta=1.0, data_type=cudnn.DataType.DOUBLE)
+    assert [(type(p._obj), p._obj.value) for p in again] == [(ctypes.c_double, 0.5), (ctypes.c_double, 1.0)]
+    with pytest.raises(ValueError, match="pass must be one of .*forward"):
+        run("forward")

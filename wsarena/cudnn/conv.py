@@ -92,7 +92,9 @@ ALGORITHMS: dict[str, type[IntEnum]] = {name: spec.algo_enum for name, spec in _
 
 
 def _spec(pass_: str) -> _Pass:
-    return _PASSES[Pass(pass_)]
+    # a member or its name is found as it is (Pass(name) costs more than the lookup); anything else Pass() refuses
+    found = _PASSES.get(pass_) if isinstance(pass_, str) else None
+    return found if found is not None else _PASSES[Pass(pass_)]
 
 
 def algorithm(pass_: str, value: int | str) -> IntEnum:
@@ -115,9 +117,16 @@ def _in_c_order(pass_: str, x: Any, w: Any, y: Any) -> tuple[Any, Any, Any]:
         bwd_data   (wDesc, w, dyDesc, dy, convDesc, ..., dxDesc, dx)
         bwd_filter (xDesc, x, dyDesc, dy, convDesc, ..., dwDesc, dw)
     """
-    tensors = {"x": x, "w": w, "y": y}
-    first, second, written = Pass(pass_).cudnn_order
-    return tensors[first], tensors[second], tensors[written]
+    order = _C_ORDER.get(pass_) if isinstance(pass_, str) else None
+    first, second, written = order if order is not None else _C_ORDER[Pass(pass_)]
+    xwy = (x, w, y)
+    return xwy[first], xwy[second], xwy[written]
+
+
+# Where cuDNN's first input, second input and written tensor stand in (x, w, y), per pass
+_C_ORDER: dict[str, tuple[int, int, int]] = {
+    p: ("xwy".index(p.cudnn_order[0]), "xwy".index(p.cudnn_order[1]), "xwy".index(p.cudnn_order[2])) for p in Pass
+}
 
 
 def _context(pass_: str, x_desc, w_desc, conv_desc, y_desc) -> str:
@@ -223,6 +232,14 @@ def _scale(value: float, data: DataType) -> ctypes.c_float | ctypes.c_double:
     return ctypes.c_double(value) if data == DataType.DOUBLE else ctypes.c_float(value)
 
 
+# alpha 1 and beta 0, every convolution's, as the pointers cuDNN reads them through (it only reads them, during the
+# call): made once per width, where each call made two scalars and their pointers
+_UNIT_SCALES = {
+    double: (ctypes.byref(_scale(1.0, data)), ctypes.byref(_scale(0.0, data)))
+    for double, data in ((False, DataType.FLOAT), (True, DataType.DOUBLE))
+}
+
+
 def convolution(
     pass_: str,
     handle: Handle,
@@ -249,13 +266,17 @@ def convolution(
     more than :func:`workspace_size` asks for; the workspace must not be used by another stream meanwhile.
     """
     spec = _spec(pass_)
-    algo = spec.algo_enum(algo)
+    if type(algo) is not spec.algo_enum:  # a member, the backend's case, as it is
+        algo = spec.algo_enum(algo)
     data = x_desc.dtype if data_type is None else DataType(data_type)
-    alpha_c, beta_c = _scale(alpha, data), _scale(beta, data)
+    if alpha == 1.0 and beta == 0.0:
+        alpha_p, beta_p = _UNIT_SCALES[data == DataType.DOUBLE]
+    else:
+        alpha_p, beta_p = ctypes.byref(_scale(alpha, data)), ctypes.byref(_scale(beta, data))
     first, second, written = _in_c_order(pass_, (x_desc, x_ptr), (w_desc, w_ptr), (y_desc, y_ptr))
     call(
-        spec.run, handle, ctypes.byref(alpha_c), *first, *second, conv_desc, algo, workspace_ptr or None,
-        int(workspace_bytes), ctypes.byref(beta_c), *written,
+        spec.run, handle, alpha_p, *first, *second, conv_desc, algo, workspace_ptr or None,
+        int(workspace_bytes), beta_p, *written,
         context=lambda: f"{_context(pass_, x_desc, w_desc, conv_desc, y_desc)}, algo {algo.name}, "
         f"workspace {int(workspace_bytes)} bytes",  # formatted only for an error: this runs once per convolution
     )
