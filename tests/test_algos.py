@@ -9,7 +9,13 @@ from wsarena import configure, get_config
 from wsarena._geometry import conv_geometry, describe_geometry
 from wsarena.algos import choose, forced, is_cached, is_chosen, run_with_fallback, select
 from wsarena.backends import Candidate
-from wsarena.errors import ArenaOutOfMemoryError, MemoryFallbackWarning, NoAlgorithmFitsError, WorkspaceCapWarning
+from wsarena.errors import (
+    AlignmentWorkspaceError,
+    ArenaOutOfMemoryError,
+    MemoryFallbackWarning,
+    NoAlgorithmFitsError,
+    WorkspaceCapWarning,
+)
 
 # Most tests here put the arena under memory pressure to check what is chosen and kept; the warning that says so is
 # checked by the tests at the end, whose pytest.warns records it all the same.
@@ -51,6 +57,7 @@ class FakeArena:
 
 class FakeBackend:
     name = "fake"
+    retry_errors = ()
 
     def __init__(self, table, times=None):
         self.table = table  # algo -> workspace, in heuristic order
@@ -546,6 +553,75 @@ def test_when_every_algorithm_is_refused_the_last_refusal_is_raised_with_the_mem
     with pytest.raises(Refused, match="implicit") as info:
         run_with_fallback(arena, cands, run, stream=None, cap=None, retry=(Refused,))
     assert any("could not get it" in note for note in info.value.__notes__)
+
+
+class _Refusing(FakeBackend):
+    """A backend whose search refuses a workspace holding ``fft`` with one of its retry errors (the algorithm cannot
+    run these operands), as cuDNN's FindEx may refuse a call as a whole; ``everything``: every workspace."""
+
+    def __init__(self, table, times, error, everything=False):
+        super().__init__(table, times)
+        self.retry_errors = (error,)
+        self.everything = everything
+
+    def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+        if self.everything or any(c.algo == "fft" for c in candidates):
+            self.measured.append("refused")
+            if issubclass(self.retry_errors[0], MemoryError):
+                raise self.retry_errors[0]("refused", requested=workspace.nbytes, held=workspace.nbytes, cap=None)
+            raise self.retry_errors[0]("refused")
+        return super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
+
+
+@pytest.mark.parametrize("error", [Refused, AlignmentWorkspaceError])
+def test_a_search_lease_the_backend_refuses_is_not_a_want_of_memory(error):
+    """The search's largest lease held fft, and the backend refused to time what it held (a retry error, which an
+    AlignmentWorkspaceError is though it is a MemoryError): the next lease times the rest, and fft is left out as a
+    candidate the backend's search rejects. Memory stopped nothing: no MemoryFallbackWarning, and the ranking is
+    kept. A plain refusal ended the call; an AlignmentWorkspaceError was taken for memory of its own, and said so."""
+    b = _Refusing({"fft": 300, "gemm": 100, "implicit": 0}, TIMES, error)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert _memory_warnings(record) == []
+    assert [c.algo for c in got] == ["gemm", "implicit"]
+    assert b.measured == ["refused", ["gemm", "implicit"]] and b.arena().leases == [300, 100]
+    assert is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+
+
+def test_a_search_cut_short_by_memory_and_refused_below_says_only_what_memory_stopped():
+    """fft's 300 B cannot be had (the arena holds 220 B), the backend refuses the lease of mid (200 B): the search
+    times gemm and implicit, keeps fft after them until 300 B can be had, and drops mid."""
+
+    class RefusingMid(FakeBackend):
+        retry_errors = (Refused,)
+
+        def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+            if any(c.algo == "mid" for c in candidates):
+                raise Refused("mid")
+            return super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
+
+    b = RefusingMid({"fft": 300, "mid": 200, "gemm": 100, "implicit": 0}, times={**TIMES, "mid": 0.5})
+    b._arena = FakeArena(memory=250)
+    b._arena.held[None] = 220
+    with pytest.warns(MemoryFallbackWarning) as said:
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["gemm", "implicit", "fft"]
+    assert "timed gemm, implicit, not fft (300 B), for want of memory" in str(said[0].message)
+    assert "runs again once 300 B of workspace can be had" in str(said[0].message)
+    assert b.arena().leases == [200, 100] and not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+
+
+@pytest.mark.parametrize("error", [Refused, AlignmentWorkspaceError])
+def test_a_search_every_lease_of_which_the_backend_refuses_raises_the_refusal(error):
+    """No memory story either: the last refusal, not a NoAlgorithmFitsError (out of memory), and nothing kept."""
+    b = _Refusing({"fft": 300, "gemm": 100, "implicit": 0}, TIMES, error, everything=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(error, match="refused") as info:
+            select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert not isinstance(info.value, NoAlgorithmFitsError) and _memory_warnings(record) == []
+    assert b.measured == ["refused"] * 3 and not is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
 
 
 def test_a_search_whose_backend_rejects_some_candidates_is_kept_without_them():

@@ -118,8 +118,10 @@ def choose(
         For ``search="exhaustive"``: a function that times the given candidates on real operands and returns
         ``(timed, skipped)``: those it timed, fastest first, and those it had no memory to time (the ops and
         the planner provide one that leases the workspace from the arena), and may add the largest workspace it
-        leased (a skipped candidate that needs no more ran out of memory of its own). A candidate in neither list
-        was rejected by the backend's own search and is dropped. Without ``measure`` the heuristic order is used.
+        leased (a skipped candidate that needs no more ran out of memory of its own). A candidate in neither
+        list was rejected by the backend's own search, or refused in a workspace of its own size (one of the
+        backend's ``retry_errors``: no want of memory), and is dropped. Without ``measure`` the heuristic order is
+        used.
     can_have
         For a search cut short by memory (some candidates skipped), kept with the timed candidates first:
         ``can_have(n)`` says whether ``n`` bytes of workspace, the least that a skipped one needs, can be had
@@ -269,7 +271,9 @@ def select(
     ``operands`` may be a function that makes them, called only when the choice is not cached yet (the
     planner's random operands). The search leases one workspace from the backend's arena, as large as the
     largest candidate under the cap needs (or, if that cannot be had, what the stream's sub-arena holds), and
-    times every candidate that fits. A search cut short because the largest could not be had is run again once a
+    times every candidate that fits; where the backend refuses to time what a lease holds (one of its
+    ``retry_errors``), the next lease times the rest, and the candidate that lease was for is dropped, as one its
+    search rejects. A search cut short because the largest could not be had is run again once a
     lease of what it lacked succeeds (:func:`choose`'s ``can_have``), never while ``stream`` is being captured
     (``search_again=False``, which the ops pass then: a search is no graph node).
     """
@@ -311,13 +315,18 @@ def select(
             a, b, out = timing(a, b, out)
         timed: list[Candidate] = []
         failed: list[Candidate] = []  # out of memory of their own, though the workspace held them
+        refused: list[Candidate] = []  # those whose own lease the backend refused to time these operands in
         leased = [0, 0]  # the largest workspace leased, and the one the search ran in
+        retry = backend.retry_errors
 
         def time_fitting(largest: Candidate, ws: Any) -> None:
             leased[0] = max(leased[0], ws.nbytes)
             fitting = [c for c in cands if c.workspace_bytes <= ws.nbytes]
             try:
                 found = backend.measure(pass_, geom, a, b, out, ws, fitting, stream)
+            except retry:  # an AlignmentWorkspaceError too: not out of memory, though a MemoryError
+                refused.append(largest)
+                raise
             except PartlyTimed as exc:
                 found = exc.timed
                 failed.extend(exc.failed)
@@ -326,8 +335,11 @@ def select(
             leased[1] = ws.nbytes
 
         by_size = tuple(sorted(cands, key=lambda c: c.workspace_bytes, reverse=True))
-        run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap)
-        return timed, [c for c in cands if c.workspace_bytes > leased[1] or c in failed], leased[0]
+        # A refused lease moves on to the next, as memory does. One refused in its own lease the backend's search
+        # rejects, as it rejects an entry it reports failed: it is dropped, neither timed nor skipped for memory.
+        run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap, retry=retry)
+        skipped = [c for c in cands if (c.workspace_bytes > leased[1] and c not in refused) or c in failed]
+        return timed, skipped, leased[0]
 
     return choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure, warn=warn, can_have=can_have,
                   known=known)
