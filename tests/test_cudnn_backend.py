@@ -282,6 +282,41 @@ def test_usable_keeps_each_successful_algorithm_and_math_type_once_in_order():
     assert next(c for c in got if c.workspace_bytes <= 150) == Candidate("implicit_precomp_gemm", 100, 0.5, default)
 
 
+def test_measure_takes_only_successful_entries_of_a_candidates_algorithm_and_math_type(backend, monkeypatch):
+    """FindEx on the float32 descriptor (FMA_MATH) as a stand-in reports: an entry of a candidate's algorithm in a math
+    type no candidate has (TF32 tensor cores, which float32 never runs), an algorithm not asked for, a failed
+    entry. Only the candidates' own (algorithm, math type) pairs that ran are timed; the first was taken by its
+    name alone, and would have run float32 in TF32 (run() builds the descriptor in the entry's math type)."""
+    from wsarena.cudnn import Determinism
+    from wsarena.cudnn import conv as conv_mod
+
+    fma, tf32 = int(MathType.FMA_MATH), int(MathType.TENSOR_OP_MATH_ALLOW_CONVERSION)
+    A = ConvolutionFwdAlgo
+    found = [
+        AlgoPerf(A.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 0.2, 100, Determinism.DETERMINISTIC, tf32),
+        AlgoPerf(A.FFT, Status.SUCCESS, 0.3, 150, Determinism.DETERMINISTIC, fma),
+        AlgoPerf(A.GEMM, Status.NOT_SUPPORTED, 0.4, 200, Determinism.DETERMINISTIC, fma),
+        AlgoPerf(A.IMPLICIT_PRECOMP_GEMM, Status.SUCCESS, 0.5, 100, Determinism.NON_DETERMINISTIC, fma),
+        AlgoPerf(A.IMPLICIT_GEMM, Status.SUCCESS, 0.9, 0, Determinism.DETERMINISTIC, fma),
+    ]
+    asked = []
+
+    def find(pass_, handle, x, x_ptr, w, w_ptr, conv, y, y_ptr, ws_ptr, ws_bytes):
+        asked.append((pass_, handle, x_ptr, w_ptr, y_ptr, ws_ptr, ws_bytes, conv.math_type))
+        return found
+
+    monkeypatch.setattr(conv_mod, "find_algorithms", find)
+    monkeypatch.setattr(backend, "_bound_handle", lambda stream, workspace=None: "handle")
+    geom = conv_geometry((2, 4, 8, 8), (4, 4, 3, 3), padding=1)
+    cands = [Candidate("implicit_precomp_gemm", 100, None, fma), Candidate("gemm", 200, None, fma),
+             Candidate("implicit_gemm", 0, None, fma)]
+    arrays = [type("A", (), {"data": type("D", (), {"ptr": ptr})()})() for ptr in (0x1000, 0x2000, 0x3000)]
+    workspace = type("W", (), {"ptr": 0x4000, "nbytes": 200})()
+    timed = backend.measure("fwd", geom, *arrays, workspace, cands, None)
+    assert asked == [("fwd", "handle", 0x1000, 0x2000, 0x3000, 0x4000, 200, MathType.FMA_MATH)]
+    assert timed == [Candidate("implicit_precomp_gemm", 100, 0.5, fma), Candidate("implicit_gemm", 0, 0.9, fma)]
+
+
 def test_descriptors_follow_the_candidates_math_type(backend):
     from wsarena.cudnn import MathType as M
 

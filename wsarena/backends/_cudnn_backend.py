@@ -185,8 +185,10 @@ class CudnnBackend:
         perfs = self._cudnn.conv.find_algorithms(
             pass_, handle, x, x_ptr, w, w_ptr, conv, y, y_ptr, workspace.ptr, workspace.nbytes
         )
-        wanted = {c.algo for c in candidates}
-        return [c for c in _usable(perfs, timed=True) if c.algo in wanted]
+        # Each candidate's own (algorithm, math type): FindEx reports each entry's math type, which need not be one a
+        # candidate has, and run() builds its descriptor in it (TF32 tensor cores for float32, say)
+        wanted = {(c.algo, c.math_type) for c in candidates}
+        return [c for c in _usable(perfs, timed=True) if (c.algo, c.math_type) in wanted]
 
     def run(
         self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any
