@@ -251,6 +251,30 @@ def test_an_exhaustive_cap_warning_names_a_faster_algorithm_the_cap_keeps_out_wh
     assert "excludes gemm (100 B, 1 ms) " in text and text.endswith("; using implicit (0 B, 9 ms)"), text
 
 
+@pytest.mark.parametrize("cache", [False, True])
+def test_no_exhaustive_cap_warning_names_an_algorithm_above_the_cap_as_fast_as_the_choice(cache, tmp_path):
+    """fft, above a cap of 200 B and the heuristics' first, timed exactly as fast as gemm, the choice under it: the
+    cap costs nothing, and nothing is said, whether this process's uncapped search or the search cache (read in a
+    new process) timed fft. A microsecond faster, the cap keeps the call from it, and that is said."""
+    from wsarena import algos
+
+    for fft, said in ((1.0, None), (0.999, "workspace cap 200 B excludes fft (300 B, 0.999 ms) ")):
+        configure(cache_dir=tmp_path / str(fft) if cache else None)
+        algos.cache_clear()
+        b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={**TIMES, "fft": fft})
+        select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+        if cache:
+            algos.cache_clear()  # as a new process starts
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            got = select(b, "fwd", GEOM, cap=200, search="exhaustive", operands=(None, None, None))
+        assert [(c.algo, c.time_ms) for c in got] == [("gemm", 1.0), ("implicit", 9.0)]
+        assert len(b.measured) == 2 - cache  # the search cache answered the capped search
+        texts = [str(w.message) for w in warned if w.category is WorkspaceCapWarning]
+        whole = f"{said}for fwd of {describe_geometry(GEOM)}; using gemm (100 B, 1 ms)"
+        assert texts == ([] if said is None else [whole])
+
+
 class MathTypes(FakeBackend):
     """cuDNN's listing: an algorithm once per math type, each with its own workspace and time."""
 

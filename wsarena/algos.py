@@ -134,8 +134,9 @@ def choose(
     warn
         Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap keeps the fastest algorithm from
         running: the heuristic favourite; for an exhaustive search, one above the cap that ``known`` says is faster
-        than the choice and than those under the cap that memory kept the search from timing (the fastest such), or
-        where ``known`` has no time for the heuristic favourite, that one if the cap excluded it. The planner passes
+        than the choice and than those under the cap that memory kept the search from timing (the fastest such; one
+        as fast costs nothing, and is not named), or where ``known`` has no time for the heuristic favourite, that
+        one if the cap excluded it. The planner passes
         ``False``: its report shows the choice already. A search that memory cut short is said whatever ``warn`` is
         (a :class:`MemoryFallbackWarning`, once per arena): no report shows that.
 
