@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import wsarena
-from wsarena import config, conv_backward_data, conv_backward_filter, conv_forward
+from wsarena import config, conv_backward_data, conv_backward_filter, conv_forward, format_size
 from wsarena._gpu import gpu_unusable_reason
 from wsarena.arena import Arena, HostProvider
 from wsarena.arena._stats import aligned_size
@@ -223,6 +223,28 @@ def test_streams_multiply_and_assignments_sum(resnet50):
     assert split.stream_bytes == tuple(per)
     assert split.arena_bytes == sum(per) and split.streams == 3
     assert split.held_bytes == sum(aligned_size(b) for b in per)
+
+
+def test_an_assignment_counts_only_the_streams_it_lists(resnet50):
+    """streams=[5, 0, 0, 0, 0, 5] leaves streams 1 to 4 idle: the plan has two streams, each with its own layers'
+    largest workspace, in the order of their indices. It counted six, each idle one holding 0 B (a report of
+    "6 streams of 0 B to ...", and reserve_for() asking for six streams)."""
+    from wsarena._report_cli import render_table
+
+    layers = resnet50[:6]
+    split = wsarena.plan(layers, batch=2, backend="cpu", streams=[5, 0, 0, 0, 0, 5])
+    per = [max(lp.largest_bytes for lp in split.layers if lp.stream == s) for s in (0, 5)]
+    assert split.stream_bytes == tuple(per) and split.streams == 2 and split.to_dict()["streams"] == 2
+    assert split.to_dict()["stream_bytes"] == per and split.arena_bytes == sum(per)
+    assert split.held_bytes == sum(aligned_size(b) for b in per) and min(per) > 0
+    assert render_table(split).splitlines()[-2].endswith(
+        f" (2 streams of {format_size(min(per))} to {format_size(max(per))})")
+    arena = Arena(HostProvider())
+    arena.reserve_for(split, streams=["a", "b"])
+    assert {k: s.capacity_bytes for k, s in arena.stats().streams.items()} == {
+        "a": aligned_size(per[0]), "b": aligned_size(per[1])}
+    packed = wsarena.plan(layers, batch=2, backend="cpu", streams=[1, 0, 0, 0, 0, 1])  # the same run, streams 0, 1
+    assert split.stream_bytes == packed.stream_bytes
 
 
 def test_progress_is_called_as_each_layer_is_planned(resnet50, monkeypatch):

@@ -99,6 +99,18 @@ def test_streams_multiply_or_split_the_arena(fake):
         (0, 0), (1000, 1000), (2000, 2000), (4000, 6000), (8000, 12000), (None, 12000)]
 
 
+def test_an_assignment_counts_only_the_streams_it_lists(fake):
+    """a and c on stream 0, b on stream 2, stream 1 idle: the curve and every plan are those of streams 0 and 1, two
+    streams; an idle stream 1 was one of three in the plans."""
+    gap, packed = run(streams=[0, 2, 0]), run(streams=[0, 1, 0])
+    assert gap.curve == packed.curve
+    assert gap.to_dict()["streams"] == 2
+    for point in gap.curve:
+        p = gap.plan(point.cap_workspace_bytes)
+        assert p.streams == 2 and p.stream_bytes == packed.plan(point.cap_workspace_bytes).stream_bytes
+        assert p.arena_bytes == point.arena_bytes
+
+
 def test_numpy_integers_count_as_ints(fake):
     for kwargs in ({"streams": 2}, {"batch": 3}):
         numpy = run(**{key: np.int64(value) for key, value in kwargs.items()})

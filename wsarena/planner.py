@@ -10,10 +10,12 @@ the candidates in one workspace as large as the largest of them.)
 Streams. ``streams=K`` models K concurrent streams each able to run any layer (an inference server with K
 requests in flight): each stream's sub-arena holds the largest workspace of the whole network, so the arena is
 K times that. ``streams=[s0, s1, ...]`` assigns layer ``i`` to stream ``s_i`` (an Inception module's branches,
-say): each stream holds the largest workspace of its own layers, and the arena is their sum. Either way the streams
-are those one run of the model spreads its layers over, as the unshared figure is one run's workspaces: a run
-cannot keep more streams busy than it has layers, so ``streams`` above the number of layers, or an index of
-``streams=[...]`` as high, is refused (rather than clamped, which would report a run other than the one asked for).
+say): each stream holds the largest workspace of its own layers, and the arena is their sum; the plan's streams are
+those listed, in the order of their indices (``streams=[0, 2, 0]`` plans two streams: an index left out runs no
+layer, and holds no workspace). Either way the streams are those one run of the model spreads its layers over, as
+the unshared figure is one run's workspaces: a run cannot keep more streams busy than it has layers, so ``streams``
+above the number of layers, or an index of ``streams=[...]`` as high, is refused (rather than clamped, which would
+report a run other than the one asked for).
 
 Layers left out. A layer list from ``load_model(..., skip_unknown=True)`` carries the convolutions it left out
 (``skipped``); the plan keeps them (:attr:`Plan.skipped`), and its totals say that they leave those layers out.
@@ -88,7 +90,8 @@ class Plan:
     search: str
     passes: tuple[str, ...]
     layers: tuple[LayerPlan, ...]
-    stream_bytes: tuple[int, ...]  # per stream: the largest workspace chosen for a layer it runs
+    # per stream: the largest workspace chosen for a layer it runs; for streams=[...], the indices it lists, in order
+    stream_bytes: tuple[int, ...]
     max_slowdown: float | None = None  # set when the cap was chosen by plan(max_slowdown=...)
     skipped: tuple[tuple[str, str], ...] = ()  # (name, why) of each conv the model's loader left out
 
@@ -399,14 +402,23 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
 
 
 def _stream_bytes(planned: Sequence[LayerPlan], streams: Any, shared: bool, assignment: list[int]) -> tuple[int, ...]:
-    """Per stream, the largest workspace chosen for a layer it runs (see the module docstring)."""
+    """Per stream, the largest workspace chosen for a layer it runs (see the module docstring): for an assignment,
+    the streams it lists, in the order of their indices (:func:`_stream_slots`)."""
     if shared:
         largest = max((lp.largest_bytes for lp in planned), default=0)
         return (largest,) * int(streams)
-    per_stream = [0] * (max(assignment, default=-1) + 1)
+    slots = _stream_slots(assignment)
+    per_stream = [0] * len(slots)
     for lp in planned:
-        per_stream[lp.stream] = max(per_stream[lp.stream], lp.largest_bytes)
+        slot = slots[lp.stream]
+        per_stream[slot] = max(per_stream[slot], lp.largest_bytes)
     return tuple(per_stream)
+
+
+def _stream_slots(assignment: Iterable[int]) -> dict[int, int]:
+    """Each stream index an assignment lists -> its entry in :attr:`Plan.stream_bytes`: the streams it lists in the
+    order of their indices; one it skips runs no layer and has none."""
+    return {s: slot for slot, s in enumerate(sorted(set(assignment)))}
 
 
 def _operands(backend: Any, pass_: str, geom: ConvGeometry) -> tuple[Any, Any, Any]:

@@ -34,7 +34,17 @@ from ._sizes import short_repr
 from .algos import select
 from .backends import Candidate, get_backend
 from .errors import NoAlgorithmFitsError
-from .planner import LayerPlan, Plan, _operands, _stream_bytes, _streams, checked_layers, plan, skipped_layers
+from .planner import (
+    LayerPlan,
+    Plan,
+    _operands,
+    _stream_bytes,
+    _stream_slots,
+    _streams,
+    checked_layers,
+    plan,
+    skipped_layers,
+)
 
 __all__ = ["CurvePoint", "Tuning", "tune"]
 
@@ -232,11 +242,12 @@ def _curve(uncapped: Plan, measured: _Measured, shared: bool) -> tuple[CurvePoin
     it has, so the step time and the arena follow from these changes, each counted once for every layer that makes
     the call, not from every layer's choices at every cap (a model of thousands of layers has thousands of caps)."""
     calls: Counter[tuple[str, ConvGeometry]] = Counter()
-    lanes: dict[tuple[str, ConvGeometry], set[int]] = {}  # the streams that make each call
+    lanes: dict[tuple[str, ConvGeometry], set[int]] = {}  # the streams that make each call, by their stream_bytes entry
+    slots = _stream_slots(lp.stream for lp in uncapped.layers)
     for lp in uncapped.layers:
         for pass_ in uncapped.passes:
             calls[(pass_, lp.geometry)] += 1
-            lanes.setdefault((pass_, lp.geometry), set()).add(0 if shared else lp.stream)
+            lanes.setdefault((pass_, lp.geometry), set()).add(0 if shared else slots[lp.stream])
     changes: dict[int, list[tuple[tuple[str, ConvGeometry], Candidate]]] = {}
     for key, cands in measured.items():
         best = len(cands)  # under a cap a call takes the first of its candidates (fastest first) that fits
