@@ -369,6 +369,25 @@ def test_forced_algorithm_checks_name_and_cap():
         forced(b, "fwd", GEOM, "fft", cap=100)
 
 
+def test_a_forced_algorithm_with_nothing_to_compute_needs_no_workspace():
+    """At batch 0 any algorithm of the pass fits any cap, 0 included, and its size is not asked for (cuDNN cannot
+    describe a tensor of no images); the name is still checked."""
+
+    class NoEmptySizes(FakeBackend):
+        def workspace_size(self, pass_, algo, geom):
+            assert geom.batch, "a size asked for a call with nothing to compute"
+            return super().workspace_size(pass_, algo, geom)
+
+    b = NoEmptySizes({"fft": 300, "gemm": 100, "implicit": 0})
+    empty = GEOM.with_batch(0)
+    for pass_ in ("fwd", "bwd_data", "bwd_filter"):
+        assert forced(b, pass_, empty, "fft", cap=0) == (Candidate("fft", 0),)
+    with pytest.raises(ValueError, match="not a fake fwd algorithm"):
+        forced(b, "fwd", empty, "winograd", cap=0)
+    with pytest.raises(ValueError, match="above the cap"):
+        forced(b, "fwd", GEOM, "fft", cap=0)
+
+
 def test_out_of_memory_falls_back_to_what_is_held():
     arena = FakeArena(memory=200)
     arena.held["s"] = 120

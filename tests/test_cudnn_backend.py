@@ -317,6 +317,26 @@ def test_measure_takes_only_successful_entries_of_a_candidates_algorithm_and_mat
     assert timed == [Candidate("implicit_precomp_gemm", 100, 0.5, fma), Candidate("implicit_gemm", 0, 0.9, fma)]
 
 
+def test_a_call_with_nothing_to_compute_needs_no_workspace(backend, monkeypatch):
+    """At batch 0 every algorithm of each pass needs 0 bytes, and a forced one fits a cap of 0: cuDNN refuses a
+    tensor descriptor of no images (BAD_PARAM), so the size query raised, and needs no handle to say so. A name that
+    is no algorithm of the pass is still refused."""
+
+    def no_handle(stream=None):
+        raise AssertionError("a cuDNN handle asked for a call with nothing to compute")
+
+    monkeypatch.setattr(backend, "_handle", no_handle)
+    empty = conv_geometry((0, 4, 8, 8), (4, 4, 3, 3), padding=1)
+    for pass_ in Pass:
+        for algo in backend.algorithms(pass_):
+            assert backend.workspace_size(pass_, algo, empty) == 0
+            assert algos.forced(backend, pass_, empty, algo, cap=0) == (Candidate(algo, 0),)
+    with pytest.raises(ValueError, match="not a cudnn fwd algorithm"):
+        algos.forced(backend, "fwd", empty, "winograd_fast", cap=0)
+    with pytest.raises(KeyError):
+        backend.workspace_size("fwd", "winograd_fast", empty)
+
+
 def test_descriptors_follow_the_candidates_math_type(backend):
     from wsarena.cudnn import MathType as M
 

@@ -339,6 +339,24 @@ def test_no_usable_engine_falls_back_to_the_legacy_api_with_one_warning(monkeypa
     assert ran == ["fft"]  # a legacy name runs through the legacy API
 
 
+def test_a_call_with_nothing_to_compute_needs_no_workspace_for_any_name(graph_backend, monkeypatch):
+    """At batch 0 an engine configuration, as a legacy algorithm, needs 0 bytes and fits a cap of 0, with no operation
+    graph or plan built (cuDNN refuses a tensor of no images); a name of neither API is still refused."""
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("a plan built for a call with nothing to compute")
+
+    monkeypatch.setattr(graph_backend._plans, "plan", no_plan)
+    monkeypatch.setattr(graph_backend, "_handle", lambda stream=None: no_plan())
+    empty = GEOM.with_batch(0)
+    for pass_, legacy in (("fwd", "implicit_gemm"), ("bwd_data", "algo_0"), ("bwd_filter", "algo_1")):
+        for name in ("eng28:tile_size=3", "eng0", legacy):
+            assert graph_backend.workspace_size(pass_, name, empty) == 0
+            assert algos.forced(graph_backend, pass_, empty, name, cap=0) == (Candidate(name, 0),)
+    with pytest.raises(ValueError, match="neither"):
+        graph_backend.workspace_size("fwd", "eng1:nosuch=1", empty)
+
+
 def test_algo_names_of_both_apis_are_accepted_and_others_refused(graph_backend):
     graph_backend.check_algorithm("fwd", "implicit_gemm")
     graph_backend.check_algorithm("fwd", "eng28:tile_size=3")

@@ -337,6 +337,30 @@ def test_zero_batch_gives_empty_results_without_workspace(fresh_arena):
         conv_forward(x, w, stream=[1])
 
 
+def test_zero_batch_runs_any_forced_algorithm_under_a_cap_of_zero(fresh_arena):
+    """A call with nothing to compute needs no workspace, whichever algorithm is forced: gemm_per_image at batch 0
+    was refused under cap 0 as needing one image's column matrix, gemm_batch was not. Its results are the reference's
+    (empty, and dw's zeros, exactly); at batch 1 the cap still refuses what needs workspace."""
+    rng = np.random.default_rng(3)
+    x, w = np.zeros((0, 3, 6, 6)), rng.standard_normal((2, 3, 3, 3))
+    dy = np.zeros((0, 2, 4, 4))
+    calls = {
+        "fwd": (lambda algo: conv_forward(x, w, algo=algo), ref_conv_forward(x, w)),
+        "bwd_data": (lambda algo: conv_backward_data(dy, w, x.shape, algo=algo),
+                     ref_conv_backward_data(dy, w, x.shape)),
+        "bwd_filter": (lambda algo: conv_backward_filter(x, dy, w.shape, algo=algo),
+                       ref_conv_backward_filter(x, dy, w.shape)),
+    }
+    with config(cap_workspace=0):
+        for pass_, (call, expected) in calls.items():
+            for algo in cpu.ALGORITHMS[pass_]:
+                got = call(algo)
+                assert got.shape == expected.shape and np.array_equal(got, expected), (pass_, algo)
+        with pytest.raises(ValueError, match="algo='gemm_per_image' needs .* above the cap of 0 B"):
+            conv_forward(np.zeros((1, 3, 6, 6)), w, algo="gemm_per_image")
+    assert fresh_arena.stats()["allocations"] == 0
+
+
 def test_zero_batch_refuses_what_any_call_refuses_before_writing(monkeypatch):
     """An empty batch enqueues nothing but dw's zeros, yet its zero-byte lease is taken as any call's is: a stream
     whose capture CUDA refuses (one an error invalidated, the legacy stream while another is captured) or a closed

@@ -348,7 +348,8 @@ def select(
 
 def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: int | None) -> tuple[Candidate, ...]:
     """The single candidate ``algo``, checked against the backend's algorithms (or by its ``check_algorithm``, for
-    a backend whose names are not a fixed list) and the cap."""
+    a backend whose names are not a fixed list) and the cap. A call with nothing to compute (batch 0) needs no
+    workspace, whatever the algorithm: its size is not asked for, and it fits any cap."""
     check = getattr(backend, "check_algorithm", None)
     if check is not None:
         check(pass_, algo)
@@ -356,7 +357,7 @@ def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: 
         known = backend.algorithms(pass_)
         if algo not in known:
             raise ValueError(f"algo={algo!r} is not a {backend.name} {pass_} algorithm; known: {', '.join(known)}")
-    nbytes = backend.workspace_size(pass_, algo, geom)
+    nbytes = backend.workspace_size(pass_, algo, geom) if geom.batch else 0
     if cap is not None and nbytes > cap:
         raise ValueError(
             f"algo={algo!r} needs {format_size(nbytes)} of workspace for this {pass_}, "

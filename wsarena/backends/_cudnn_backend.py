@@ -166,8 +166,10 @@ class CudnnBackend:
         return tuple(a.name.lower() for a in self._cudnn.conv.algorithms(pass_))
 
     def workspace_size(self, pass_: str, algo: str, geom: Any) -> int:
-        x, w, conv, y = self._descriptors(geom)
         value = self._cudnn.conv.algorithm(pass_, algo.upper())
+        if not geom.batch:  # nothing to compute, and no tensor of no images that cuDNN takes to ask about
+            return 0
+        x, w, conv, y = self._descriptors(geom)
         return self._cudnn.conv.workspace_size(pass_, self._handle(), x, w, conv, y, value)
 
     def candidates(self, pass_: str, geom: Any) -> list[Candidate]:

@@ -189,7 +189,8 @@ class CudnnGraphBackend(CudnnBackend):
     def workspace_size(self, pass_: str, algo: str, geom: Any) -> int:
         """The workspace of ``algo`` (what ``algo=`` leases): a legacy algorithm's, or an engine configuration's
         plan's for 16-byte-aligned operands. A call whose operands are aligned otherwise runs the plan for their
-        alignment, and raises :class:`~wsarena.errors.AlignmentWorkspaceError` if that one needs more.
+        alignment, and raises :class:`~wsarena.errors.AlignmentWorkspaceError` if that one needs more. A call with
+        nothing to compute (batch 0) needs none, and builds no plan.
 
         Raises
         ------
@@ -200,6 +201,9 @@ class CudnnGraphBackend(CudnnBackend):
         """
         if not is_engine_name(algo):
             return super().workspace_size(pass_, algo, geom)
+        if not geom.batch:  # cuDNN takes no tensor of no images to build a plan for
+            self.check_algorithm(pass_, algo)
+            return 0
         plan = self._plans.plan(self._handle(), pass_, geom, algo, stream=self._here())
         why = numerics_refusal(geom.dtype, plan.numerical_notes)
         if why is not None:

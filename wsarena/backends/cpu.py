@@ -27,6 +27,8 @@ bwd_filter     ``im2col_per_image``   ``C * kprod * oprod * s``
 bwd_filter     ``im2col_batch``       ``N * C * kprod * oprod * s``, plus ``N * K * oprod * s`` in NCHW
 =============  =====================  ==============================================================
 
+A zero-size batch needs no workspace with any algorithm (:func:`run` computes nothing but ``dw``'s zeros).
+
 ``T`` is the pixel count of the largest tile of output rows (see :mod:`._cpu_tiled`): with ``inner`` the
 output size without its first dimension ``O0`` and ``rows = max(1, 2**20 // (C * kprod * inner * s))``
 (capped at ``O0`` for the NCHW filter gradient), ``T = rows * inner`` if ``rows < O0``, else
@@ -190,10 +192,11 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
 
 
 def workspace_size(pass_: str, algo: str, geom: ConvGeometry) -> int:
-    """Exact workspace bytes of ``algo`` for ``pass_`` on ``geom`` (see the table in the module docstring)."""
+    """Exact workspace bytes of ``algo`` for ``pass_`` on ``geom`` (see the table in the module docstring); 0 for a
+    zero-size batch, which :func:`run` computes without a workspace."""
     _check(pass_, algo)
     kind = _kind(algo)
-    if kind == "implicit":
+    if kind == "implicit" or not geom.batch:
         return 0
     p = plan(geom)
     return _workspace_elements(pass_, kind, p) * p.itemsize
