@@ -323,6 +323,42 @@ def test_debug_mode_checks_the_queue_while_another_thread_drains_it(device):
     graph.close()
 
 
+@pytest.mark.parametrize(
+    ("var", "key", "junk", "good"),
+    [("WSARENA_CAP_WORKSPACE", "cap_workspace", "junk", "1MiB"), ("WSARENA_ALGO_SEARCH", "algo_search", "fast",
+      "exhaustive"), ("WSARENA_DEBUG", "debug", "maybe", False)],
+)
+def test_an_invalid_variable_a_config_block_replaced_is_no_error_of_a_free(device, monkeypatch, var, key, junk, good):
+    """A program whose environment holds an invalid variable works inside config() blocks that replace it. What
+    frees the buffers of an arena that recorded a capture, later and outside the blocks (a trim, stats, the collected
+    arena's finalizer, a growth), reads the debug setting alone (to check what it frees) and raises nothing: its
+    variable, if it is the invalid one, counts as off. Once, they read every setting, as get_config() does: trim and
+    stats raised the variable's ValueError, and the finalizer warned and kept the buffers."""
+    monkeypatch.setenv(var, junk)
+    wsarena._config._reset()
+    provider, arena = device
+    collected = Arena(provider)
+    graphs = []
+    for each in (arena, collected):
+        with wsarena.config(**{key: good}):
+            each.reserve(1000, stream=S1)
+            graphs.append(capture_a_lease(provider, each)[0])  # the graph holds the S1 buffer
+            each.reserve(1000, stream=S2)
+    with pytest.raises(ValueError, match=var):  # outside the blocks, reading the settings is the variable's error
+        wsarena.get_config()
+    arena.stats()
+    assert arena.trim() == 1024 and freed_on(provider) == [(provider.allocations[1].ptr, S2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del collected, each
+        gc.collect()  # its finalizer frees its S2 buffer (with no stream), and keeps the one its graph holds
+    assert freed_on(provider)[1:] == [(provider.allocations[3].ptr, None)]
+    for graph in graphs:
+        graph.close()
+    assert arena.trim() == 1024  # and what the collected arena's heir kept goes, as each trim frees it
+    assert provider.held == []
+
+
 def test_a_reserve_that_would_grow_a_captured_stream_is_a_capture_error(device):
     """A reserve cannot be captured any more than a lease's growth (an allocation on the captured stream would be
     recorded into the graph, or break it): CaptureError, and nothing allocated or left behind. Once, it grew."""

@@ -341,6 +341,25 @@ def test_an_invalid_environment_variable_still_counts_for_the_settings_not_given
         get_config()
 
 
+def test_a_free_reads_one_setting_and_no_invalid_variable_of_another_is_its_error(monkeypatch):
+    """setting() (what frees and finalizers read) gives the value in force here, as get_config() does, but raises for
+    no invalid variable: another setting's is not read, and its own setting's gives the default."""
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", "junk")
+    monkeypatch.setenv("WSARENA_DEBUG", "maybe")
+    wsarena._config._reset()
+    assert _config.setting("debug") is False and _config.setting("cap_workspace") is None
+    assert _config.setting("algo_search") == "heuristic"
+    with config(debug=True, cap_workspace="1MiB"):
+        assert _config.setting("debug") is True and _config.setting("cap_workspace") == 1 << 20
+    with pytest.raises(ValueError, match="WSARENA_CAP_WORKSPACE"):
+        configure(debug=True)
+    monkeypatch.setenv("WSARENA_DEBUG", "1")
+    wsarena._config._reset()
+    assert _config.setting("debug") is True
+    configure(debug=False, cap_workspace=None)
+    assert _config.setting("debug") is False and get_config().debug is False
+
+
 def test_configure_and_bad_values_change_nothing():
     configure(cap_workspace="1MiB")
     assert get_config().cap_workspace == 1 << 20

@@ -493,6 +493,16 @@ def _origins(settings: Config | None) -> dict[str, str]:
     return found if found is not None else _base_state()[2]
 
 
+def setting(key: str) -> Any:
+    """The value in force here of the setting ``key``, for a path that must not raise (freeing memory, a finalizer):
+    where :func:`get_config` raises for an invalid environment variable of any setting that nothing replaced, this
+    raises for none; a setting whose variable is invalid has its default, as the settings hold it meanwhile."""
+    settings = _top.get()[0]
+    if settings is None:
+        settings = _base_state()[0]
+    return getattr(settings, key)
+
+
 def origin(key: str) -> str:
     """Where the value in force here of the setting ``key`` comes from: ``"config"`` (a :func:`config` block),
     ``"configure"`` (:func:`configure`), ``"environment"`` (its variable, as read) or ``"default"``."""

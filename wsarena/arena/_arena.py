@@ -40,7 +40,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from .._config import get_config
+from .._config import get_config, setting
 from .._sizes import as_int, format_size, short_repr
 from ..errors import CaptureError, WorkspaceCapError
 from . import _growth, _leases, _lifecycle, _pinning, _refusals
@@ -437,8 +437,10 @@ class Arena:
     def _give_back(self, key: Any = None) -> None:
         """Give the buffers let go to the provider (lock not held; any thread may drain the queue). ``key``: the
         stream of the call that drains it, if any; where streams can be captured, a buffer whose stream is being
-        captured stays queued (:func:`wsarena.arena._pinning.give_back`)."""
-        if self._table.captures and get_config().debug:
+        captured stays queued (:func:`wsarena.arena._pinning.give_back`). Reads the debug setting alone: an invalid
+        environment variable of another setting (which a config() block around the leases replaced) is no error of a
+        free, nor of a finalizer, trim or stats that frees."""
+        if self._table.captures and setting("debug"):
             _pinning.check_unpinned(self)
         if self._capture is None:
             give_back(self.provider, self._to_free)
