@@ -4,7 +4,6 @@ import sys
 import pytest
 
 import wsarena._config
-import wsarena._forksafe
 from wsarena import algos, ops
 from wsarena._gpu import gpu_unusable_reason
 from wsarena.arena import Arena, HostProvider, _refusals, reset_arenas, streams
@@ -13,13 +12,6 @@ from wsarena.backends import reset_backends
 from wsarena.backends._cpu_backend import CpuBackend
 
 from .arena_helpers import KINDS, ArenaKind, RefusalClock
-
-# The tests forget the settings (wsarena._config._reset()), which nothing in a program does: a program reads them before
-# its first lease, and they stay read. The first read after a reset reads the environment under the settings' lock, and
-# the collector may run there a collected arena's finalizer, which reads the debug setting (to check what it frees), so
-# the environment again, in the same thread: under a lock of their own that the thread may take again, it does not wait
-# for itself.
-wsarena._config._lock = wsarena._forksafe.rlock()
 
 
 def pytest_configure(config):

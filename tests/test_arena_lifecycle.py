@@ -470,9 +470,10 @@ def test_a_collected_arenas_finalizer_reads_the_settings_during_the_first_read_a
     """The tests forget the settings (wsarena._config._reset(), which nothing in a program does: a lease reads them
     before an arena records a capture), and the next read reads the environment under the settings' lock. The
     collector may run at any allocation there, and finalize an arena that recorded a capture: its finalizer reads the
-    debug setting, to check what it frees, so the environment again, in the same thread. Once, that thread waited for
-    itself for good: a test that configured something after such garbage was made hung. In a forked child: a child
-    that hangs is killed."""
+    debug setting, to check what it frees, so the environment again, in the same thread, and takes the lock again (a
+    finalizer of a program's own that reads the settings in their first read does the same: tests/test_config.py).
+    Once, that thread waited for itself for good: a test that configured something after such garbage was made hung.
+    In a forked child: a child that hangs is killed."""
     from_env = wsarena._config._from_env
 
     def collecting():  # the collector, run at an allocation of the read

@@ -360,6 +360,62 @@ def test_a_free_reads_one_setting_and_no_invalid_variable_of_another_is_its_erro
     assert _config.setting("debug") is False and get_config().debug is False
 
 
+# A program whose object's finalizer uses wsarena's settings, and whose first read of the settings (or first
+# configure()) runs the collector, which finalizes that object. The collector may run at any allocation of the read,
+# which reads the environment under the settings' lock: here it runs as the read begins, where the test can tell.
+_FINALIZED_IN_THE_FIRST_READ = """
+import gc
+import wsarena
+from wsarena import _config
+
+from_env = _config._from_env
+
+
+def collecting():
+    gc.collect()
+    return from_env()
+
+
+_config._from_env = collecting
+seen = []
+
+
+class UsesTheSettings:
+    def __del__(self):
+        seen.append({inner})
+
+
+garbage = UsesTheSettings()
+garbage.cycle = garbage
+del garbage
+{outer}
+print(seen, wsarena.get_config().cap_workspace, wsarena.get_config().debug)
+"""
+
+
+@pytest.mark.parametrize(
+    ("inner", "outer", "expected"),
+    [
+        ("wsarena.get_config().debug", "wsarena.get_config()", "[False] None False"),
+        ("wsarena.get_config().debug", "wsarena.configure(cap_workspace='1MiB')", "[False] 1048576 False"),
+        ("wsarena.configure(debug=True).debug", "wsarena.configure(cap_workspace='1MiB')", "[True] 1048576 True"),
+    ],
+)
+def test_a_finalizer_that_uses_the_settings_during_their_first_read_neither_waits_nor_is_lost(inner, outer, expected):
+    """The collector may run a finalizer of the program's in the first read of the settings, under their lock, in the
+    same thread: one that reads the settings takes the lock again. Once a plain lock, the thread waited for itself
+    for good. A configure() there counts too: the configure() it ran in makes its settings again over it."""
+    code = _FINALIZED_IN_THE_FIRST_READ.format(inner=inner, outer=outer)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           cwd=Path(__file__).resolve().parent.parent, timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the program hung for 30 s: its finalizer waited for the settings' lock its own thread held")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == expected
+
+
 def test_configure_and_bad_values_change_nothing():
     configure(cap_workspace="1MiB")
     assert get_config().cap_workspace == 1 << 20

@@ -249,7 +249,11 @@ def _from_env() -> _State:
     return Config(**values), errors, dict.fromkeys(values, "environment")
 
 
-_lock = _forksafe.lock()  # guards _state; readers take the reference without it (assignment is atomic)
+# Guards _state; readers take the reference without it (assignment is atomic). Reentrant: the first read reads the
+# environment under it, and configure() makes its settings under it, where the collector may run a finalizer (a
+# collected arena's, which reads the debug setting; any of the program's) or a signal handler may run, in this thread,
+# that reads or changes the settings: it takes the lock again, where a plain lock would wait for itself for good.
+_lock = _forksafe.rlock()
 _state: _State | None = None
 
 
@@ -330,10 +334,15 @@ def configure(**changes: Any) -> Config:
     """
     global _state
     with _lock:
-        base, errors, origins = _state if _state is not None else _from_env()
-        new = _replace(base, changes)
-        _check_env(errors, changes)
-        _state = (new, {}, {**origins, **dict.fromkeys(changes, "configure")})
+        while True:
+            state = _state
+            base, errors, origins = state if state is not None else _from_env()
+            new = _replace(base, changes)
+            _check_env(errors, changes)
+            changed: _State = (new, {}, {**origins, **dict.fromkeys(changes, "configure")})
+            if _state is state:  # else this thread changed them meanwhile (a finalizer, under the lock): made again
+                break
+        _state = changed
     return new
 
 
