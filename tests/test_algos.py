@@ -606,9 +606,10 @@ class _Refusing(FakeBackend):
         super().__init__(table, times)
         self.retry_errors = (error,)
         self.everything = everything
+        self.refusing = True
 
     def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
-        if self.everything or any(c.algo == "fft" for c in candidates):
+        if self.refusing and (self.everything or any(c.algo == "fft" for c in candidates)):
             self.measured.append("refused")
             if issubclass(self.retry_errors[0], MemoryError):
                 raise self.retry_errors[0]("refused", requested=workspace.nbytes, held=workspace.nbytes, cap=None)
@@ -630,6 +631,27 @@ def test_a_search_lease_the_backend_refuses_is_not_a_want_of_memory(error):
     assert [c.algo for c in got] == ["gemm", "implicit"]
     assert b.measured == ["refused", ["gemm", "implicit"]] and b.arena().leases == [300, 100]
     assert is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+
+
+def test_a_search_lease_the_backend_refused_is_no_verdict_the_search_cache_keeps(tmp_path):
+    """A refused lease says nothing of the candidate it was sized for alone (FindEx refuses a call as a whole, on
+    operands a search under memory pressure takes as they are): this process drops fft, and the search cache keeps
+    gemm's and implicit's times but no word of fft, so a new process searches again and times fft. It saved fft as
+    rejected, which every later process read back: fft was never timed again until the cache was cleared."""
+    from wsarena import algos
+
+    configure(cache_dir=tmp_path)
+    b = _Refusing({"fft": 300, "gemm": 100, "implicit": 0}, TIMES, Refused)
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["gemm", "implicit"]
+    algos.cache_clear()  # as a new process starts
+    b.refusing, b.measured = False, []
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [(c.algo, c.time_ms) for c in got] == [("gemm", 1.0), ("fft", 5.0), ("implicit", 9.0)]
+    assert b.measured == [["fft", "gemm", "implicit"]]
+    algos.cache_clear()  # a third process: the search cache holds every candidate now, and answers
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["gemm", "fft", "implicit"] and len(b.measured) == 1
 
 
 def test_a_search_cut_short_by_memory_and_refused_below_says_only_what_memory_stopped():

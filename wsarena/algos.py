@@ -295,8 +295,12 @@ def select(
     stored: dict[tuple[str, int | None], float | None] = {}  # what the search cache holds of the call, searched
 
     def measure(cands: list[Candidate]) -> searchcache.Found:
-        # What an earlier process (or call under another cap) timed is read back, not timed again.
-        return searchcache.search(backend, pass_, geom, cands, lambda: measure_now(cands), stored)
+        # What an earlier process (or call under another cap) timed is read back, not timed again. A refused lease
+        # is no verdict on the candidate it was sized for alone (cuDNN's FindEx refuses a call as a whole): that
+        # candidate is dropped from this ranking, but neither saved as rejected nor as timed, and searched again.
+        refused: list[Candidate] = []
+        return searchcache.search(backend, pass_, geom, cands, lambda: measure_now(cands, refused), stored,
+                                  unsaved=refused)
 
     def known() -> _Times:
         # What searches timed of this call above the cap: an earlier process's (the search cache: wsarena tune's),
@@ -307,7 +311,7 @@ def select(
             times.update({(c.algo, c.math_type): c.time_ms for c in uncapped[0] if c.time_ms is not None})
         return times
 
-    def measure_now(cands: list[Candidate]) -> searchcache.Found:
+    def measure_now(cands: list[Candidate], refused: list[Candidate]) -> searchcache.Found:
         a, b, out = operands() if callable(operands) else operands
         # The choice (and the search cache) is kept per geometry, whatever the operands' addresses: a backend whose
         # algorithms depend on them times on operands at the addresses every allocation has (timing_operands).
@@ -316,7 +320,7 @@ def select(
             a, b, out = timing(a, b, out)
         timed: list[Candidate] = []
         failed: list[Candidate] = []  # out of memory of their own, though the workspace held them
-        refused: list[Candidate] = []  # those whose own lease the backend refused to time these operands in
+        # refused: those whose own lease the backend refused to time these operands in
         leased = [0, 0]  # the largest workspace leased, and the one the search ran in
         retry = backend.retry_errors
 

@@ -92,14 +92,15 @@ def source() -> str:
 
 def search(
     backend: Any, pass_: str, geom: Any, candidates: Sequence[Candidate], measure: _Measure,
-    times: dict[tuple[str, int | None], float | None] | None = None,
+    times: dict[tuple[str, int | None], float | None] | None = None, unsaved: Sequence[Candidate] = (),
 ) -> Found:
     """The exhaustive search of ``candidates``: from the cache when it holds all of them, else ``measure()``.
 
     Returns what ``measure`` returns, ``(timed, skipped)`` (and what it adds): the timed candidates fastest first,
     and those the search had no memory to time. A fresh measurement is saved (merged into what the entry held):
     each timed candidate's time and workspace, and as rejected those the backend's search dropped. Candidates
-    skipped for memory are not saved, so a later search times them.
+    skipped for memory are not saved, so a later search times them, nor those in ``unsaved`` once ``measure()`` has
+    run (a lease the backend refused to time them in: no verdict on them alone).
 
     ``times``, a dict, receives what the entry holds of the call once searched, whatever the cap: per ``(algorithm,
     math type)``, its time in ms, ``None`` where the backend's search rejected it; nothing where the cache is off. A
@@ -131,7 +132,7 @@ def search(
     timed, skipped = found[0], found[1]
     if timed:
         results = dict(stored or {})
-        left_out = {(c.algo, c.math_type) for c in (*timed, *skipped)}
+        left_out = {(c.algo, c.math_type) for c in (*timed, *skipped, *unsaved)}
         results.update({(c.algo, c.math_type): (c.workspace_bytes, None) for c in candidates
                         if (c.algo, c.math_type) not in left_out})
         results.update({(c.algo, c.math_type): (c.workspace_bytes, c.time_ms) for c in timed})
