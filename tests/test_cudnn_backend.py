@@ -317,6 +317,73 @@ def test_measure_takes_only_successful_entries_of_a_candidates_algorithm_and_mat
     assert timed == [Candidate("implicit_precomp_gemm", 100, 0.5, fma), Candidate("implicit_gemm", 0, 0.9, fma)]
 
 
+def _findex_stand_in(backend, monkeypatch, listed, found):
+    """The backend with cuDNN's heuristics listing ``listed`` and FindEx reporting ``found`` (AlgoPerf entries), its
+    handle, device and arena stand-ins (a host arena: the leases' sizes are all a search asks of it); returns the
+    list of FindEx calls."""
+    from wsarena.arena import Arena, HostProvider
+    from wsarena.cudnn import conv as conv_mod
+
+    asked = []
+    monkeypatch.setattr(conv_mod, "heuristic_algorithms", lambda *args: listed)
+    monkeypatch.setattr(conv_mod, "find_algorithms", lambda *args: asked.append(args[-1]) or found)
+    monkeypatch.setattr(backend, "_handle", lambda stream=None: "handle")
+    monkeypatch.setattr(backend, "_bound_handle", lambda stream, workspace=None: "handle")
+    monkeypatch.setattr(backend, "device_key", lambda: 0)
+    arena = Arena(HostProvider())
+    monkeypatch.setattr(backend, "arena", lambda: arena)
+    return asked
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_exhaustive_search_takes_findex_entries_in_another_math_type_the_dtype_runs_in(backend, monkeypatch,
+                                                                                          dtype):
+    """The heuristics list every algorithm in the TENSOR_OP_MATH of a half-precision descriptor; FindEx tries one
+    without tensor cores in DEFAULT_MATH and reports it so, and may report one with them in either. Such entries are
+    timed and ranked in their own math type (run() builds the descriptor in it), and the ranking is kept: one
+    search. Taken only in a candidate's own pair, every entry was left out: the search ranked nothing, kept nothing,
+    and every call ran FindEx again, with no word said. An entry in TENSOR_OP_MATH_ALLOW_CONVERSION, which may round
+    down, and one of an algorithm no candidate has, are still left out."""
+    from wsarena.cudnn import Determinism
+
+    A, ok, det = ConvolutionFwdAlgo, Status.SUCCESS, Determinism.DETERMINISTIC
+    default, tensor_op = int(MathType.DEFAULT_MATH), int(MathType.TENSOR_OP_MATH)
+    convert = int(MathType.TENSOR_OP_MATH_ALLOW_CONVERSION)
+    listed = [AlgoPerf(A.IMPLICIT_PRECOMP_GEMM, ok, -1.0, 100, det, tensor_op),
+              AlgoPerf(A.FFT, ok, -1.0, 300, det, tensor_op), AlgoPerf(A.IMPLICIT_GEMM, ok, -1.0, 0, det, tensor_op)]
+    found = [AlgoPerf(A.FFT, ok, 0.2, 300, det, default), AlgoPerf(A.IMPLICIT_PRECOMP_GEMM, ok, 0.3, 100, det, convert),
+             AlgoPerf(A.WINOGRAD, ok, 0.35, 0, det, tensor_op),
+             AlgoPerf(A.IMPLICIT_PRECOMP_GEMM, ok, 0.4, 120, det, default),
+             AlgoPerf(A.IMPLICIT_GEMM, ok, 0.9, 0, det, default)]
+    asked = _findex_stand_in(backend, monkeypatch, listed, found)
+    geom = conv_geometry((2, 8, 8, 8), (8, 8, 3, 3), padding=1, dtype=dtype)
+    arrays = [type("A", (), {"data": type("D", (), {"ptr": ptr})()})() for ptr in (0x1000, 0x2000, 0x3000)]
+    for _ in range(2):
+        got = algos.select(backend, "fwd", geom, cap=None, search="exhaustive", operands=tuple(arrays))
+        assert got == (Candidate("fft", 300, 0.2, default), Candidate("implicit_precomp_gemm", 120, 0.4, default),
+                       Candidate("implicit_gemm", 0, 0.9, default))
+    assert asked == [300] and algos.is_cached(backend, "fwd", geom, cap=None, search="exhaustive")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_an_exhaustive_search_leaves_out_findex_entries_of_float32_and_float64_off_fma(backend, monkeypatch, dtype):
+    """float32 and float64 run in FMA_MATH only: an entry FindEx reports in DEFAULT_MATH (TF32 on an Ampere or later
+    GPU), TENSOR_OP_MATH or TENSOR_OP_MATH_ALLOW_CONVERSION is not timed, whatever its algorithm."""
+    from wsarena.cudnn import Determinism
+
+    A, ok, det, fma = ConvolutionFwdAlgo, Status.SUCCESS, Determinism.DETERMINISTIC, int(MathType.FMA_MATH)
+    listed = [AlgoPerf(A.IMPLICIT_PRECOMP_GEMM, ok, -1.0, 100, det, fma), AlgoPerf(A.FFT, ok, -1.0, 300, det, fma),
+              AlgoPerf(A.IMPLICIT_GEMM, ok, -1.0, 0, det, fma)]
+    found = [AlgoPerf(A.FFT, ok, 0.1, 300, det, int(m)) for m in MathType if m != MathType.FMA_MATH]
+    found += [AlgoPerf(A.IMPLICIT_PRECOMP_GEMM, ok, 0.2, 100, det, int(m)) for m in MathType if m != MathType.FMA_MATH]
+    found += [AlgoPerf(A.IMPLICIT_GEMM, ok, 0.9, 0, det, fma), AlgoPerf(A.FFT, ok, 1.5, 300, det, fma)]
+    _findex_stand_in(backend, monkeypatch, listed, found)
+    geom = conv_geometry((2, 8, 8, 8), (8, 8, 3, 3), padding=1, dtype=dtype)
+    arrays = [type("A", (), {"data": type("D", (), {"ptr": ptr})()})() for ptr in (0x1000, 0x2000, 0x3000)]
+    got = algos.select(backend, "fwd", geom, cap=None, search="exhaustive", operands=tuple(arrays))
+    assert got == (Candidate("implicit_gemm", 0, 0.9, fma), Candidate("fft", 300, 1.5, fma))
+
+
 def test_a_call_with_nothing_to_compute_needs_no_workspace(backend, monkeypatch):
     """At batch 0 every algorithm of each pass needs 0 bytes, and a forced one fits a cap of 0: cuDNN refuses a
     tensor descriptor of no images (BAD_PARAM), so the size query raised, and needs no handle to say so. A name that

@@ -23,6 +23,16 @@ from . import Candidate
 from ._graph_plans import ALIGNED, alignment
 
 _DESCRIPTOR_SETS = 1024  # (geometry, math type) pairs whose descriptors the backend keeps at hand
+# The math types (cudnn.MathType values) a dtype's convolution may run in, as the module docstring promises:
+# float32 and float64 on FMA only (DEFAULT_MATH lets an Ampere or later GPU run float32 in TF32); float16 and bfloat16
+# with or without tensor cores, accumulating in float32 (the descriptors' compute type), though not down-converting.
+_FMA_MATH, _DEFAULT_MATH, _TENSOR_OP_MATH = 3, 0, 1
+_MATH_TYPES = {
+    "float32": frozenset({_FMA_MATH}),
+    "float64": frozenset({_FMA_MATH}),
+    "float16": frozenset({_DEFAULT_MATH, _TENSOR_OP_MATH, _FMA_MATH}),
+    "bfloat16": frozenset({_DEFAULT_MATH, _TENSOR_OP_MATH, _FMA_MATH}),
+}
 
 
 class CudnnBackend:
@@ -187,10 +197,14 @@ class CudnnBackend:
         perfs = self._cudnn.conv.find_algorithms(
             pass_, handle, x, x_ptr, w, w_ptr, conv, y, y_ptr, workspace.ptr, workspace.nbytes
         )
-        # Each candidate's own (algorithm, math type): FindEx reports each entry's math type, which need not be one a
-        # candidate has, and run() builds its descriptor in it (TF32 tensor cores for float32, say)
-        wanted = {(c.algo, c.math_type) for c in candidates}
-        return [c for c in _usable(perfs, timed=True) if (c.algo, c.math_type) in wanted]
+        # A candidate's algorithm, in its own math type or one the dtype may run in (_MATH_TYPES). FindEx reports
+        # each entry's own, which need not be the one the heuristics listed it in (an algorithm without tensor cores
+        # is tried in DEFAULT_MATH under a TENSOR_OP_MATH descriptor, and reported so), and run() builds the
+        # descriptor in it: one the dtype may not run in (TF32 tensor cores for float32) is left out.
+        pairs = {(c.algo, c.math_type) for c in candidates}
+        names, allowed = {c.algo for c in candidates}, _MATH_TYPES.get(geom.dtype, frozenset())
+        return [c for c in _usable(perfs, timed=True)
+                if (c.algo, c.math_type) in pairs or (c.algo in names and c.math_type in allowed)]
 
     def run(
         self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any
