@@ -440,6 +440,126 @@ def test_no_gradient_reaching_the_output_gives_the_operands_none_as_torchs(monke
     assert calls == []
 
 
+def _compiled(f, backend):
+    """``f`` compiled in one graph by ``backend``, with what Dynamo has cached forgotten, so that it compiles
+    afresh (not once the recompile limit of the code object is reached, running eagerly); its ``frame_count`` is
+    the graphs compiled."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    compiled.counter = counter
+    return compiled
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize(("how", "bias"), [("conv2d", False), ("conv2d", True), ("conv_transpose2d", False),
+                                           ("conv_transpose2d", True), ("operator", False)])
+def test_no_gradient_reaching_the_output_under_torch_compile_gives_the_operands_none_as_torchs(monkeypatch, how,
+                                                                                                bias, backend):
+    """Under ``torch.compile`` too, where no gradient reaches a convolution's output (a Function in the same graph
+    returning ``None`` for it), ``w.grad`` and ``b.grad`` stay ``None``, as PyTorch's convolution's do, and no
+    backward pass runs. The convolution is its operator there, whose registered gradient hands the backward
+    ``None``; as a Function traced by Dynamo (``autograd_function_apply``) it was handed zeros, and the weight got
+    a gradient of zeros, computed by a backward-filter of zeros."""
+    ours, theirs = _UNREACHED[how]
+    x, w, b = tensors((2, 4, 6, 5), (4, 4, 3, 2))
+    b = b[:4].detach().requires_grad_() if bias else None
+    calls = _counted(monkeypatch)
+
+    def gradients(conv):
+        operands = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
+        compiled = _compiled(lambda x, w, b: _NoGradient.apply(conv(x, w, b)).sum() + x.sum(), backend)
+        loss = compiled(*operands)
+        assert compiled.counter.frame_count == 1
+        calls.clear()  # the backward's passes only
+        loss.backward()
+        return [None if t is None else t.grad for t in operands]
+
+    x_grad, w_grad, b_grad = gradients(theirs)
+    ours_x_grad, ours_w_grad, ours_b_grad = gradients(ours)
+    assert w_grad is None and b_grad is None
+    assert ours_w_grad is None and ours_b_grad is None and torch.equal(ours_x_grad, x_grad)
+    assert calls == []
+
+
+@torch.library.custom_op("wsarena_tests::scaled", mutates_args=())
+def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A plain custom operator, ``x * w.sum()``, whose gradient asks for no zeros in place of a missing one."""
+    return x * w.sum()
+
+
+_scaled.register_fake(lambda x, w: torch.empty_like(x))
+
+
+def _scaled_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+    ctx.set_materialize_grads(False)
+
+
+def _scaled_backward(ctx, g):
+    x, w = ctx.saved_tensors
+    return (None, None) if g is None else (g * w.sum(), (g * x).sum().expand_as(w))
+
+
+_scaled.register_autograd(_scaled_backward, setup_context=_scaled_setup)
+
+
+class _Scaled(torch.autograd.Function):
+    """The same as a plain autograd Function."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        _scaled_setup(ctx, (x, w), None)
+        return x * w.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _scaled_backward(ctx, g)
+
+
+_ZEROS_HANDED = {  # ways of convolving whose output gradient the compiler hands over, beside plain PyTorch ones
+    "conv2d": lambda x, w: wt.conv2d(x, w, padding=(1, 0)),
+    "ConvFunction.apply": lambda x, w: wt.ConvFunction.apply(x, w, *_PASS_ARGS),
+    "F.conv2d": lambda x, w: F.conv2d(x, w, padding=(1, 0)),
+    "custom operator": lambda x, w: _scaled(x, w),
+    "Function": lambda x, w: _Scaled.apply(x, w),
+}
+
+
+@pytest.mark.parametrize(("what", "backend", "ways"), [
+    ("another output", "aot_eager", ["conv2d", "ConvFunction.apply", "F.conv2d", "custom operator", "Function"]),
+    ("None", "aot_eager", ["ConvFunction.apply", "Function"]),
+    ("None", "eager", ["ConvFunction.apply", "Function"]),
+])
+def test_where_torch_compile_hands_the_output_a_zero_gradient_the_weight_gets_zeros_as_with_torchs_own(what, backend,
+                                                                                                      ways):
+    """Where the compiler itself hands a convolution's output a gradient of zeros, the weight's gradient is zeros,
+    as it is for PyTorch's convolution, a plain custom operator and a plain Function that ask for no zeros
+    (``set_materialize_grads(False)``): AOTAutograd (``aot_eager``, ``inductor``) hands zeros to each output of the
+    compiled function that ``backward()`` does not reach (only another output does), and Dynamo traces a Function
+    (wsarena's public Functions applied directly) into ``autograd_function_apply``, which hands its backward zeros
+    for ``None``. Without ``torch.compile`` every one of them gives ``None``."""
+    x, w, _ = tensors((2, 4, 6, 5), (4, 4, 3, 2))
+
+    def gradient(conv, compile):
+        operands = [t.detach().requires_grad_() for t in (x, w)]
+
+        def f(x, w):
+            y = conv(x, w)
+            return (y, x * 2) if what == "another output" else (_NoGradient.apply(y), x * 2)
+
+        y, other = (_compiled(f, backend) if compile else f)(*operands)
+        (other.sum() if what == "another output" else y.sum() + other.sum()).backward()
+        return operands[1].grad
+
+    for way in ways:
+        assert gradient(_ZEROS_HANDED[way], False) is None
+        got = gradient(_ZEROS_HANDED[way], True)
+        assert got is not None and got.shape == w.shape and not got.any(), way
+
+
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
 def test_jacfwd_and_hessians_match_torchs(fmt):
     """``hessian`` is ``jacfwd(jacrev(...))``: forward mode over the backward passes, each Function's tangent.

@@ -17,7 +17,7 @@ Forward mode follows from the same bilinearity: the tangent of ``P(a, b)`` is ``
 Function's pass again, run only for an operand that has a tangent (``torch.func.jvp``, ``jacfwd``, ``hessian``, and
 ``torch.autograd.forward_ad``'s dual tensors). ``torch.compile`` takes no Function that defines ``jvp``: the public
 Functions define none, and :func:`apply` runs forms of them that do (:data:`_FORWARD`, :data:`_OLDER`) wherever no
-torch.compile trace runs.
+torch.compile trace runs (where one runs, the operators).
 
 :func:`apply` runs a Function as cheaply as the context allows: outside torch.func's transforms in autograd's older
 form, which takes a bias as a third operand (:data:`_BIASED`: the bias added in its forward, its gradient computed in
@@ -26,8 +26,8 @@ by PyTorch (:func:`add_bias`), which records the add where it is differentiated 
 ``torch.export`` hold it beside the operators, which take no bias). The operators are differentiable by themselves
 too, with the Functions' setup and backward: a backward pass calls them, not the Functions (:func:`_pass`), except
 where torch.func's transforms need the Functions; so does a graph that holds them rather than the Functions
-(``torch.export``'s), in reverse mode only (a custom operator has no forward mode). Under ``torch.func.vmap`` the
-operators batch themselves (:mod:`wsarena.torch._ops`), and the Functions follow.
+(``torch.compile``'s and ``torch.export``'s), in reverse mode only (a custom operator has no forward mode). Under
+``torch.func.vmap`` the operators batch themselves (:mod:`wsarena.torch._ops`), and the Functions follow.
 
 A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
 passes of CUDA tensors on a thread of its own, which a ``config()`` block of the caller's does not reach. A warning
@@ -272,19 +272,18 @@ for _function, _op in _OPERATORS.items():
 
 
 def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: Any) -> Tensor:
-    """``function.apply(*args)``, and ``bias`` added to its result (one value per channel, or ``None``): under a
-    torch.compile trace ``function`` itself (a trace takes no Function with a ``jvp``), under torch.func's transforms
-    its form with a ``jvp``, elsewhere its older form (with a ``jvp``), which takes the bias as a third operand
-    (:data:`_BIASED`). Under ``torch.export``, the operator itself: an exported program keeps no Function (a strict
-    export runs a Function's forward without gradient), but the operator's registered gradient. Where no gradient
+    """``function.apply(*args)``, and ``bias`` added to its result (one value per channel, or ``None``): under
+    torch.func's transforms its form with a ``jvp``, elsewhere its older form (with a ``jvp``), which takes the bias
+    as a third operand (:data:`_BIASED`). Under a ``torch.compile`` or ``torch.export`` trace, the operator itself,
+    with its registered gradient: an exported program keeps no Function (a strict export runs a Function's forward
+    without gradient), and Dynamo would trace the Function into ``autograd_function_apply``, whose backward is handed
+    zeros where no gradient reaches the output, where the operator's gradient is handed ``None``. Where no gradient
     can be asked of the result (grad mode off, as under ``torch.no_grad()`` and in inference mode, no forward AD, no
     ``torch.jit.trace``), the operator alone, by :func:`wsarena.torch._ops.call_unrecorded`: a Function would record
     nothing there, and costs some 15 us a call (bench/RESULTS.md). Except in the older form, the bias is added to the
     result by PyTorch (:func:`add_bias`), which records it where it is differentiated."""
-    if _ops.exporting():
+    if _ops.exporting() or torch.compiler.is_compiling():
         return add_bias(function.forward(*args), bias)
-    if torch.compiler.is_compiling():
-        return add_bias(function.apply(*args), bias)
     if _transforms_active():
         return add_bias(_FORWARD[function].apply(*args[:2], _Rest(args[2:])), bias)
     if not torch.is_grad_enabled() and forward_ad._current_level < 0 and not torch.jit.is_tracing():
@@ -354,14 +353,16 @@ _will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_ex
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     """What each Function keeps: its two operands (for its backward and its ``jvp``), the arguments after them
     (``rest``: a shape argument, where it takes one, then ``conv``: stride, padding, dilation, groups, layout), and
-    where its forward started. Outside a torch.compile trace, autograd hands the backward and the ``jvp`` ``None``
-    for an output gradient or a tangent there is none of (``set_materialize_grads(False)``), not zeros: a tangent of
-    the input or the weight alone runs one convolution, not two (the bias's alone none), and where no gradient
-    reaches the output the operands get none, as PyTorch's convolution gives none (not zeros, which an optimizer
-    would apply weight decay and momentum to)."""
+    where its forward started. Autograd hands the backward and the ``jvp`` ``None`` for an output gradient or a
+    tangent there is none of (``set_materialize_grads(False)``), not zeros: a tangent of the input or the weight
+    alone runs one convolution, not two (the bias's alone none), and where no gradient reaches the output the
+    operands get none, as PyTorch's convolution gives none (not zeros, which an optimizer would apply weight decay
+    and momentum to). So is a compiled graph's backward, which the operator's gradient runs in (set up outside
+    Dynamo's trace); not a Function that Dynamo traces (a public one applied directly): its ``autograd_function_apply``
+    hands the backward zeros whatever the setting, which is left as it was there."""
     a, b, *rest = inputs
     ctx.save_for_backward(a, b)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         ctx.save_for_forward(a, b)
     else:
         ctx.set_materialize_grads(False)
