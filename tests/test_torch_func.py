@@ -560,6 +560,51 @@ def test_where_torch_compile_hands_the_output_a_zero_gradient_the_weight_gets_ze
         assert got is not None and got.shape == w.shape and not got.any(), way
 
 
+_COMPILED_TANGENT_CASES = [(c, False) for c in CASES] + [(TRANSPOSE_CASES[1], True)]
+
+
+@pytest.mark.parametrize(("case", "transposed"), _COMPILED_TANGENT_CASES,
+                         ids=[f"{c[0]}d{'-transposed' if t else ''}" for c, t in _COMPILED_TANGENT_CASES])
+@pytest.mark.parametrize(("mode", "bias"), [("dual tensors", True), ("dual tensors", False), ("jvp", True),
+                                            ("jacfwd", False)])
+def test_forward_mode_under_torch_compile_gives_torchs_tangents(case, transposed, mode, bias):
+    """A custom operator has no forward mode, and Dynamo takes no Function with a ``jvp``: under ``torch.compile``
+    a convolution whose operands may have tangents (forward AD on: dual tensors, ``torch.func.jvp``, ``jacfwd``)
+    runs outside the graph in its form with a ``jvp`` (a graph break), and its tangent is torch's (float64, within
+    1e-10 of its largest magnitude; 1, 2 and 3 dimensions, groups, stride, padding, dilation, transposed, with a bias
+    and without). The operator in the graph dropped every tangent: dual tensors came out with none, ``jvp`` and
+    ``jacfwd`` with zeros. ``fullgraph=True`` refuses the break, with Dynamo's error naming the reason."""
+    import torch.autograd.forward_ad as fwad
+
+    ours, theirs = (TRANSPOSE_FUNCTIONS if transposed else FUNCTIONS)[case[0]]
+    (x, w, b), (dx, dw, db) = _operands(case, transposed)
+
+    def tangent(conv):
+        def conv_(x, w, b):
+            return conv(x, w, b if bias else None, **case[3])
+
+        def f(x, w, b, dx, dw, db):
+            if mode == "dual tensors":
+                with fwad.dual_level():
+                    duals = [fwad.make_dual(p, d) for p, d in ((x, dx), (w, dw), (b, db))]
+                    return fwad.unpack_dual(conv_(*duals)).tangent
+            if mode == "jvp":
+                return func.jvp(conv_, (x, w, b), (dx, dw, db))[1]
+            return func.jacfwd(lambda w: conv_(x, w, b))(w)
+
+        torch._dynamo.reset()
+        return torch.compile(f, backend="aot_eager")(x, w, b, dx, dw, db)
+
+    got, expected = tangent(ours), tangent(theirs)
+    assert got is not None and got.shape == expected.shape and close(got, expected)
+    if mode != "jvp":
+        return
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="under forward AD runs outside the graph"):
+        torch.compile(lambda x, w, b: func.jvp(lambda w: ours(x, w, b, **case[3]), (w,), (dw,)), backend="eager",
+                      fullgraph=True)(x, w, b)
+
+
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
 def test_jacfwd_and_hessians_match_torchs(fmt):
     """``hessian`` is ``jacfwd(jacrev(...))``: forward mode over the backward passes, each Function's tangent.

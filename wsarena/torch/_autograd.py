@@ -17,7 +17,7 @@ Forward mode follows from the same bilinearity: the tangent of ``P(a, b)`` is ``
 Function's pass again, run only for an operand that has a tangent (``torch.func.jvp``, ``jacfwd``, ``hessian``, and
 ``torch.autograd.forward_ad``'s dual tensors). ``torch.compile`` takes no Function that defines ``jvp``: the public
 Functions define none, and :func:`apply` runs forms of them that do (:data:`_FORWARD`, :data:`_OLDER`) wherever no
-torch.compile trace runs (where one runs, the operators).
+torch.compile trace runs (where one runs, the operators, but for forward AD, which runs such a form by a graph break).
 
 :func:`apply` runs a Function as cheaply as the context allows: outside torch.func's transforms in autograd's older
 form, which takes a bias as a third operand (:data:`_BIASED`: the bias added in its forward, its gradient computed in
@@ -277,12 +277,19 @@ def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: A
     as a third operand (:data:`_BIASED`). Under a ``torch.compile`` or ``torch.export`` trace, the operator itself,
     with its registered gradient: an exported program keeps no Function (a strict export runs a Function's forward
     without gradient), and Dynamo would trace the Function into ``autograd_function_apply``, whose backward is handed
-    zeros where no gradient reaches the output, where the operator's gradient is handed ``None``. Where no gradient
-    can be asked of the result (grad mode off, as under ``torch.no_grad()`` and in inference mode, no forward AD, no
-    ``torch.jit.trace``), the operator alone, by :func:`wsarena.torch._ops.call_unrecorded`: a Function would record
-    nothing there, and costs some 15 us a call (bench/RESULTS.md). Except in the older form, the bias is added to the
-    result by PyTorch (:func:`add_bias`), which records it where it is differentiated."""
-    if _ops.exporting() or torch.compiler.is_compiling():
+    zeros where no gradient reaches the output, where the operator's gradient is handed ``None``. But where forward
+    AD is on in a torch.compile trace (dual tensors, ``torch.func.jvp``, ``jacfwd``, ``hessian``), the form with a
+    ``jvp`` outside the graph, by a graph break (:data:`_uncompiled`): the operator has no forward mode and would
+    drop the tangents, and Dynamo takes no Function with a ``jvp``. Where no gradient can be asked of the result
+    (grad mode off, as under ``torch.no_grad()`` and in inference mode, no forward AD, no ``torch.jit.trace``), the
+    operator alone, by :func:`wsarena.torch._ops.call_unrecorded`: a Function would record nothing there, and costs
+    some 15 us a call (bench/RESULTS.md). Except in the older form, the bias is added to the result by PyTorch
+    (:func:`add_bias`), which records it where it is differentiated."""
+    if _ops.exporting():
+        return add_bias(function.forward(*args), bias)
+    if torch.compiler.is_compiling():
+        if forward_ad._current_level >= 0:
+            return _uncompiled(function, bias, *args)
         return add_bias(function.forward(*args), bias)
     if _transforms_active():
         return add_bias(_FORWARD[function].apply(*args[:2], _Rest(args[2:])), bias)
@@ -292,6 +299,14 @@ def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: A
     if bias is None:
         return _OLDER[function].apply(*args)
     return _BIASED[function].apply(args[0], args[1], bias, *args[2:])
+
+
+# apply() where a torch.compile trace meets forward AD: a graph break (fullgraph=True refuses it), run eagerly
+_BREAK = "wsarena.torch: a convolution under forward AD runs outside the graph (its operator has no forward mode)"
+try:
+    _uncompiled = torch.compiler.disable(apply, reason=_BREAK)
+except TypeError:  # PyTorch before 2.7 takes no reason
+    _uncompiled = torch.compiler.disable(apply)
 
 
 def add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
