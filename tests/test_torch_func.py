@@ -484,6 +484,40 @@ def test_no_gradient_reaching_the_output_under_torch_compile_gives_the_operands_
     assert calls == []
 
 
+_COMPILED_CASES = [(c, False) for c in CASES] + [(TRANSPOSE_CASES[i], True) for i in (0, 1, 4)]
+
+
+@pytest.mark.parametrize(("case", "transposed"), _COMPILED_CASES,
+                         ids=[f"{c[0]}d{'-transposed' if t else ''}" for c, t in _COMPILED_CASES])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_results_and_gradients_under_torch_compile_match_torchs(case, transposed, bias):
+    """A compiled convolution is its operator, differentiated by its registered gradient: results and the input's,
+    the weight's and the bias's gradients are torch's (float64, within 1e-10 of the largest magnitude of each), in
+    1, 2 and 3 dimensions with groups, stride, padding and dilation, transposed too, with a bias and without, in one
+    graph."""
+    ours, theirs = (TRANSPOSE_FUNCTIONS if transposed else FUNCTIONS)[case[0]]
+    (x, w, b), _ = _operands(case, transposed)
+    b = b if bias else None
+    dy = None
+
+    def run(conv, compile):
+        nonlocal dy
+        operands = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
+        f = _compiled(lambda x, w, b: conv(x, w, b, **case[3]), "aot_eager") if compile else \
+            (lambda x, w, b: conv(x, w, b, **case[3]))
+        y = f(*operands)
+        if compile:
+            assert f.counter.frame_count == 1
+        if dy is None:
+            dy = torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(3))
+        y.backward(dy)
+        return [y, *(t.grad for t in operands if t is not None)]
+
+    got, expected = run(ours, True), run(theirs, False)
+    assert len(got) == len(expected) == (4 if bias else 3)
+    assert all(g.shape == e.shape and close(g, e) for g, e in zip(got, expected))
+
+
 @torch.library.custom_op("wsarena_tests::scaled", mutates_args=())
 def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """A plain custom operator, ``x * w.sum()``, whose gradient asks for no zeros in place of a missing one."""
