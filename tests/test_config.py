@@ -399,12 +399,17 @@ print(seen, wsarena.get_config().cap_workspace, wsarena.get_config().debug)
         ("wsarena.get_config().debug", "wsarena.get_config()", "[False] None False"),
         ("wsarena.get_config().debug", "wsarena.configure(cap_workspace='1MiB')", "[False] 1048576 False"),
         ("wsarena.configure(debug=True).debug", "wsarena.configure(cap_workspace='1MiB')", "[True] 1048576 True"),
+        ("wsarena.configure(debug=True).debug", "wsarena.get_config()", "[True] None True"),
+        ("wsarena.configure(debug=True).debug", "_config.setting('debug')", "[True] None True"),
+        ("wsarena.configure(debug=True).debug", "wsarena.config(cap_workspace=0).__enter__()", "[True] 0 True"),
     ],
 )
 def test_a_finalizer_that_uses_the_settings_during_their_first_read_neither_waits_nor_is_lost(inner, outer, expected):
     """The collector may run a finalizer of the program's in the first read of the settings, under their lock, in the
     same thread: one that reads the settings takes the lock again. Once a plain lock, the thread waited for itself
-    for good. A configure() there counts too: the configure() it ran in makes its settings again over it."""
+    for good. A configure() there counts too: the configure() it ran in makes its settings again over it, and the
+    read it ran in (get_config(), a free's setting(), a config() block's start) keeps it, where the read stored the
+    environment's settings over it."""
     code = _FINALIZED_IN_THE_FIRST_READ.format(inner=inner, outer=outer)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
     try:

@@ -252,7 +252,8 @@ def _from_env() -> _State:
 # Guards _state; readers take the reference without it (assignment is atomic). Reentrant: the first read reads the
 # environment under it, and configure() makes its settings under it, where the collector may run a finalizer (a
 # collected arena's, which reads the debug setting; any of the program's) or a signal handler may run, in this thread,
-# that reads or changes the settings: it takes the lock again, where a plain lock would wait for itself for good.
+# that reads or changes the settings: it takes the lock again, where a plain lock would wait for itself for good. A
+# configure() run there is kept: the first read stores the environment's settings only where none were stored meanwhile.
 _lock = _forksafe.rlock()
 _state: _State | None = None
 
@@ -306,7 +307,9 @@ def _base_state() -> _State:
     if state is None:
         with _lock:
             if _state is None:
-                _state = _from_env()
+                read = _from_env()
+                if _state is None:  # else this thread stored them meanwhile (a finalizer's configure()): kept
+                    _state = read
             state = _state
     return state
 
