@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -289,6 +290,53 @@ def test_non_contiguous_inputs_are_accepted():
     x = rng.standard_normal((2, 3, 10, 10))[:, :, ::2, ::2]
     w = np.asfortranarray(rng.standard_normal((4, 3, 3, 3)))
     assert rel_err(conv_forward(x, w, padding=1), ref_conv_forward(x, w, padding=1)) <= 1e-12
+
+
+class _Scope:
+    """A backend's context that logs its entry and exit (the cuDNN backend's makes the call's stream current)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __enter__(self):
+        self.log.append("enter")
+
+    def __exit__(self, *exc):
+        self.log.append("exit")
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+def test_the_operands_copies_go_before_the_calls_stream_is_left(monkeypatch, raises):
+    """The copies a call makes of non-contiguous operands are dropped inside the backend's context, while the call's
+    stream object is current and alive: CuPy's stream-ordered allocator frees them on it, after the convolution that
+    reads them, where after the block (the call's return) it freed them on the stream current then, which nothing
+    orders after the convolution. The result is the caller's; a call that raises drops them too."""
+    log = []
+    monkeypatch.setattr(CpuBackend, "context", lambda self, arrays, stream: _Scope(log))
+    contiguous = ops._contiguous
+
+    def watched(array):
+        made = contiguous(array)
+        if made is not array:
+            weakref.finalize(made, log.append, "copy freed")
+        return made
+
+    monkeypatch.setattr(ops, "_contiguous", watched)
+    if raises:
+        def fails(arena, chosen, run, **kwargs):
+            raise RuntimeError("no room")
+
+        monkeypatch.setattr(ops, "run_with_fallback", fails)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 10, 10))[:, :, ::2, ::2]
+    w = np.asfortranarray(rng.standard_normal((4, 3, 3, 3)))
+    if raises:
+        with pytest.raises(RuntimeError, match="no room"):
+            conv_forward(x, w, padding=1)
+    else:
+        y = conv_forward(x, w, padding=1)
+        assert rel_err(y, ref_conv_forward(x, w, padding=1)) <= 1e-12
+    assert log == ["enter", "copy freed", "copy freed", "exit"]
 
 
 def test_edge_shapes():

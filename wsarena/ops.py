@@ -223,14 +223,20 @@ def _run(
                     result[...] = 0
             return result
         a, b = _contiguous(a), _contiguous(b)
-        if chosen is None:
-            chosen = _choice(record, pass_, cfg, (a, b, result), stream)
+        try:
+            if chosen is None:
+                chosen = _choice(record, pass_, cfg, (a, b, result), stream)
 
-        def run(cand: Candidate, ws: Any) -> None:
-            backend.run(pass_, cand, geom, a, b, result, ws, stream)
+            def run(cand: Candidate, ws: Any) -> None:
+                backend.run(pass_, cand, geom, a, b, result, ws, stream)
 
-        run_with_fallback(backend.arena(), chosen, run, stream=stream, cap=cfg.cap_workspace,
-                          retry=backend.retry_errors, warn_for=(pass_, geom))
+            run_with_fallback(backend.arena(), chosen, run, stream=stream, cap=cfg.cap_workspace,
+                              retry=backend.retry_errors, warn_for=(pass_, geom))
+        finally:
+            # The operands' copies go while the call's stream object lives: CuPy's stream-ordered allocator frees them
+            # on it, after the convolution that reads them, where once it is gone it would free them on the stream
+            # current then (arena.streams.cupy_stream). The result is the caller's.
+            a = b = None
     return result
 
 
