@@ -41,7 +41,7 @@ def _reset_process_state():
         shapes._remembered.clear()
     reset_arenas()
     reset_backends()  # and the cuDNN backend's descriptor cache with it
-    streams.forget_kept_stream()  # a stand-in's stream object, kept by the last test
+    streams.forget_kept_stream()  # the cuda.core stream object kept by the last test
 
 
 @pytest.fixture(autouse=True)

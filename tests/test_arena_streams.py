@@ -1,8 +1,10 @@
 """What ``stream=`` accepts: raw handles, stream objects, ``__cuda_stream__``, CPU lane keys; what it refuses."""
 
 import copy
+import gc
 import pickle
 import threading
+import weakref
 
 import pytest
 
@@ -208,3 +210,26 @@ def test_a_lane_key_object_that_can_be_weakly_referenced_is_its_own_anchor(key):
 def test_unhashable_lane_keys_are_type_errors(bad):
     with pytest.raises(TypeError, match="hashable"):
         resolve_stream(bad, lanes=True)
+
+
+def test_cupy_stream_makes_an_object_for_each_call_over_one_kept_cuda_core_object():
+    """CuPy's object for a handle is new each time (CuPy's stream-ordered allocator frees an array on the object it
+    was allocated under while that lives: it must die with the call that made it current), tied to no device; the
+    cuda.core object under it, 5 to 9 us to make, is kept for the next call on that handle. The default streams are
+    CuPy's own objects, which neither take nor evict it. Real CuPy and cuda.core objects: none needs a GPU."""
+    import cupy
+
+    from wsarena.arena.streams import core_stream, cupy_stream
+
+    first = cupy_stream(0x1234)
+    gone = weakref.ref(first)
+    core = core_stream(0x1234)
+    second = cupy_stream(0x1234)
+    assert first is not second and isinstance(second, cupy.cuda.Stream)
+    assert (first.ptr, first.device_id) == (second.ptr, second.device_id) == (0x1234, -1)
+    del first
+    gc.collect()
+    assert gone() is None and core.__cuda_stream__() == (0, 0x1234)
+    assert cupy_stream(0) is cupy.cuda.Stream.null and cupy_stream(2) is cupy.cuda.Stream.ptds
+    assert core_stream(0x1234) is core
+    assert core_stream(0x4321) is not core and core_stream(0x1234) is not core  # only the last is kept

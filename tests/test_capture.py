@@ -689,7 +689,7 @@ class _Graph:  # CuPy's Graph.launch(stream), without a GPU
         self.launched.append(stream.ptr)
 
 
-def test_a_captured_graph_is_launched_on_any_stream_that_stream_takes(monkeypatch):
+def test_a_captured_graph_is_launched_on_any_stream_that_stream_takes():
     """CapturedGraph.launch(stream) takes what every stream= of wsarena takes (a raw handle, an object with
     __cuda_stream__ such as a PyTorch or cuda.core stream), not only a CuPy stream: CuPy's Graph.launch reads the
     stream's ``ptr``, which the others lack (an AttributeError once)."""
@@ -697,7 +697,6 @@ def test_a_captured_graph_is_launched_on_any_stream_that_stream_takes(monkeypatc
 
     from wsarena.cudagraph import CapturedGraph
 
-    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)  # the current device, asked of a GPU
     captured = CapturedGraph(cupy.cuda.Stream.from_external(FakeStream(S1)))
     captured.graph = _Graph()
     captured.launch()
@@ -707,34 +706,31 @@ def test_a_captured_graph_is_launched_on_any_stream_that_stream_takes(monkeypatc
     assert captured.graph.launched == [S1, S2, 0x53, S1]
 
 
-def test_a_launch_keeps_the_stream_object_it_wraps_from_launch_to_launch(monkeypatch):
-    """A launch on a stream that is no CuPy stream wraps it for CuPy once and keeps the object while the launches stay
-    on that stream and current device (the one keep the ops' calls share): made again for another stream, or with
-    another device current, where CuPy ties the object to that device."""
+def test_a_launch_wraps_a_stream_for_cupy_over_the_kept_cuda_core_object(monkeypatch):
+    """A launch on a stream that is no CuPy stream gives CuPy's Graph.launch a CuPy object made for the launch, over
+    cuda.core's object for the handle, which is made once and kept while the launches stay on that handle (the one
+    keep the ops' calls share), whatever device is current; a CuPy stream goes as it is."""
     import cupy
 
     from wsarena.arena import streams
     from wsarena.cudagraph import CapturedGraph
 
-    device, made = [0], []
-    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: device[0])
+    wrapped, given = [], []
+    from_handle = streams._from_handle
+    monkeypatch.setattr(streams, "_from_handle", lambda handle: wrapped.append(handle) or from_handle(handle))
 
-    def cupy_stream(handle):  # a new object for each wrapping, as cuda.core's and CuPy's wrappers are
-        made.append((handle, device[0]))
-        return type("Stream", (), {"ptr": handle})()
+    class Graph(_Graph):
+        def launch(self, stream=None):
+            given.append(stream)
+            super().launch(stream)
 
-    monkeypatch.setattr(streams, "cupy_stream", cupy_stream)
     captured = CapturedGraph(cupy.cuda.Stream.from_external(FakeStream(S1)))
-    captured.graph = _Graph()
-    for stream in (S2, S2, FakeStream(S2), captured.stream, S2):
+    captured.graph = Graph()
+    for stream in (S2, S2, FakeStream(S2), captured.stream, 0x53, S2):
         captured.launch(stream)
-    assert made == [(S2, 0)]
-    device[0] = 1
-    captured.launch(S2)
-    captured.launch(S2)
-    captured.launch(0x53)
-    assert made == [(S2, 0), (S2, 1), (0x53, 1)]
-    assert captured.graph.launched == [S2, S2, S2, S1, S2, S2, S2, 0x53]
+    assert wrapped == [S2, 0x53, S2] and captured.graph.launched == [S2, S2, S2, S1, 0x53, S2]
+    assert given[3] is captured.stream and all(isinstance(stream, cupy.cuda.Stream) for stream in given)
+    assert len(set(map(id, given))) == len(given)  # all alive here: one object each
 
 
 def test_the_capture_stream_starts_with_the_largest_buffer_the_warm_up_left(device):

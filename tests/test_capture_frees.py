@@ -191,7 +191,7 @@ class FakeCupy:
         self.modes = []
         runtime = types.SimpleNamespace(streamCaptureModeGlobal=0, streamCaptureModeThreadLocal=1,
                                         streamCaptureModeRelaxed=2, streamIsCapturing=provider.capturing.__contains__,
-                                        CUDARuntimeError=CUDARuntimeError, getDevice=lambda: 0)
+                                        CUDARuntimeError=CUDARuntimeError)
         self.cuda = types.SimpleNamespace(Stream=Stream, ExternalStream=sibling(Stream), runtime=runtime,
                                           Device=lambda: types.SimpleNamespace(id=0))
 

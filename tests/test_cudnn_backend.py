@@ -126,91 +126,96 @@ class _Device:
         self.current[0] = self.prev
 
 
-class _Stream:
-    """A CuPy stream object: its handle, and the device current when it was made, which CuPy ties it to."""
+def _real_streams(monkeypatch, backend, current_streams):
+    """The backend's CuPy with its real Stream class, whose objects need no GPU to be made, and CuPy's current stream
+    of each device from ``current_streams``; returns the handles cuda.core's ``Stream.from_handle`` was given."""
+    import cupy
 
-    def __init__(self, handle, device):
-        self.handle, self.device = handle, device
-        self.ptr = handle
+    wrapped = []
+    from_handle = streams._from_handle
 
+    def counted(handle):
+        wrapped.append(handle)
+        return from_handle(handle)
 
-def _fake_cupy(monkeypatch, backend, current, current_streams):
-    """The backend's CuPy faked, and the stream objects arena.streams makes: a new one for each wrapping, as
-    cuda.core's and CuPy's are, tied to the current device; returns the handles wrapped."""
-    made = []
-
-    def cupy_stream(handle):
-        made.append(handle)
-        return _Stream(handle, current[0])
-
-    cuda = type("cuda", (), {"Stream": _Stream, "get_current_stream": staticmethod(current_streams.__getitem__)})
+    cuda = type("cuda", (), {"Stream": cupy.cuda.Stream,
+                             "get_current_stream": staticmethod(current_streams.__getitem__)})
     monkeypatch.setattr(backend, "_cupy", type("FakeCupy", (), {"cuda": cuda}))
-    monkeypatch.setattr(streams, "cupy_stream", cupy_stream)
-    return made
+    monkeypatch.setattr(streams, "_from_handle", counted)
+    return wrapped
+
+
+def _current(handle):
+    return type("CurrentStream", (), {"ptr": handle})()  # CuPy's current stream of a device, as far as it is asked
 
 
 def _protocol(handle):
     return type("ForeignStream", (), {"__cuda_stream__": lambda self: (0, handle)})()
 
 
-def test_a_raw_stream_is_wrapped_on_the_arrays_device(monkeypatch):
-    backend = CudnnBackend()
-    current = [0]  # the fake CUDA current device
-    current_streams = {0: _Stream(0x77, 0), 1: _Stream(0, 1)}  # CuPy's current stream of each device
-    _fake_cupy(monkeypatch, backend, current, current_streams)
-    on_1 = _on(_Device(1, current))
-    ctx = backend.context((on_1, on_1), 0x77)  # a raw handle (current on device 0, not on the arrays' device 1)
-    assert (ctx.stream.handle, ctx.stream.device) == (0x77, 1) and current == [0]
-    ctx = backend.context((on_1, on_1), _protocol(0x78))  # a foreign stream object, through its handle
-    assert (ctx.stream.handle, ctx.stream.device) == (0x78, 1) and current == [0]
-    current_streams[1] = _Stream(0x77, 1)  # made current there by the caller (wsarena._interop for torch tensors)
-    assert backend.context((on_1, on_1), 0x77) is on_1.device  # nothing to switch: the device alone
-
-
-def test_the_contexts_stream_object_is_kept_from_call_to_call(monkeypatch):
-    """A stream other than CuPy's current one, however given (a raw handle, an object with ``cuda_stream`` as a
-    PyTorch stream has, or with ``__cuda_stream__``), is wrapped for CuPy once and kept while the calls stay on that
-    stream and device: the keep wsarena._interop's calls share, where the last one made is kept. Another device, or
-    another handle, is wrapped again (a stream destroyed and its handle given to another, on another device, gets an
-    object tied to that device); the default streams are CuPy's own objects, which neither take nor evict it."""
-    backend = CudnnBackend()
-    current = [0]
-    made = _fake_cupy(monkeypatch, backend, current, {0: _Stream(2, 0), 1: _Stream(2, 1)})
-    on_0, on_1 = _on(_Device(0, current)), _on(_Device(1, current))
-    torch_like = type("TorchStream", (), {"cuda_stream": 0x77})()
-    first = backend.context((on_1, on_1), 0x77).stream
-    for stream in (0x77, torch_like, _protocol(0x77)):
-        assert backend.context((on_1, on_1), stream).stream is first
-    assert made == [0x77] and (first.handle, first.device) == (0x77, 1)
-    assert _interop._cupy().stream(0x77, 1) is first and made == [0x77]  # one keep: the interop's calls' too
-    on_other = backend.context((on_0, on_0), _protocol(0x77)).stream  # the handle on another device
-    assert on_other is not first and (on_other.handle, on_other.device) == (0x77, 0) and current == [0]
-    assert backend.context((on_1, on_1), 0x77).stream is not first and made == [0x77] * 3  # only the last is kept
-    kept = backend.context((on_1, on_1), 0x77).stream
-    for default in (0, streams.PerThreadStream(streams.thread_lane())):  # CuPy's current: 2, the per-thread stream
-        backend.context((on_1, on_1), default)
-    assert backend.context((on_1, on_1), 0x77).stream is kept and made == [0x77] * 3 + [0, 2]
-    assert backend.context((on_1, on_1), 0x78).stream is not kept and made == [0x77] * 3 + [0, 2, 0x78]
-
-
-def test_the_kept_stream_object_holds_no_stream_object_of_the_callers(monkeypatch):
-    """The object kept from call to call is made from the handle (CuPy's own, here), not from the caller's stream
-    object, which CuPy's Stream.from_external would hold: a stream the caller drops is not kept alive by it."""
+def test_a_raw_stream_becomes_a_cupy_stream_entered_on_the_arrays_device(monkeypatch):
+    """A stream other than CuPy's current one on the arrays' device is wrapped as a CuPy stream for its handle, tied
+    to no device (CuPy's from_external: the device current where it is entered, the arrays', entered first), without
+    making any device current to wrap it; one that is current there already leaves the device alone to enter."""
     import cupy
 
     backend = CudnnBackend()
-    null = staticmethod(lambda device: cupy.cuda.Stream.null)  # CuPy's current stream, asked of a GPU
-    monkeypatch.setattr(backend, "_cupy", type("FakeCupy", (), {"cuda": type("cuda", (), {
-        "Stream": cupy.cuda.Stream, "get_current_stream": null})}))
+    current = [0]  # the fake CUDA current device
+    current_streams = {0: _current(0x77), 1: _current(0)}
+    _real_streams(monkeypatch, backend, current_streams)
+    on_1 = _on(_Device(1, current))
+    for stream in (0x77, _protocol(0x78)):  # a raw handle (current on device 0, not on 1), a foreign stream object
+        ctx = backend.context((on_1, on_1), stream)
+        assert isinstance(ctx.stream, cupy.cuda.Stream) and ctx.device is on_1.device and current == [0]
+        assert (ctx.stream.ptr, ctx.stream.device_id) == (streams.stream_handle(stream), -1)
+    current_streams[1] = _current(0x77)  # made current there by the caller (wsarena._interop for torch tensors)
+    assert backend.context((on_1, on_1), 0x77) is on_1.device  # nothing to switch: the device alone
+
+
+def test_each_call_gets_a_cupy_stream_object_of_its_own_over_one_kept_cuda_core_object(monkeypatch):
+    """A stream other than CuPy's current one, however given (a raw handle, an object with ``cuda_stream`` as a
+    PyTorch stream has, or with ``__cuda_stream__``), on any device, gets a CuPy object made for the call, over
+    cuda.core's object for its handle, made once (5 to 9 us) and kept while the calls stay on that handle: the keep
+    wsarena._interop's calls share, where the last one made is kept. The default streams are CuPy's own objects,
+    which neither take nor evict it."""
+    import cupy
+
+    backend = CudnnBackend()
     current = [0]
+    wrapped = _real_streams(monkeypatch, backend, {0: _current(2), 1: _current(2)})
+    on_0, on_1 = _on(_Device(0, current)), _on(_Device(1, current))
+    torch_like = type("TorchStream", (), {"cuda_stream": 0x77})()
+    made = [backend.context((on, on), stream).stream for on in (on_1, on_0) for stream in (0x77, torch_like,
+                                                                                              _protocol(0x77))]
+    made.append(_interop._cupy().stream(0x77))
+    assert wrapped == [0x77] and all(stream.ptr == 0x77 for stream in made)
+    assert len(set(map(id, made))) == len(made)  # all alive here: one object each
+    assert backend.context((on_1, on_1), 0).stream is cupy.cuda.Stream.null
+    assert backend.context((on_1, on_1), streams.PerThreadStream(streams.thread_lane())).stream is cupy.cuda.Stream.ptds
+    backend.context((on_1, on_1), 0x77)
+    assert wrapped == [0x77]
+    backend.context((on_1, on_1), 0x78)
+    backend.context((on_1, on_1), 0x77)
+    assert wrapped == [0x77, 0x78, 0x77]  # only the last is kept
+
+
+def test_the_stream_object_a_call_makes_current_dies_with_the_call(monkeypatch):
+    """CuPy's stream-ordered allocator (MemoryAsyncPool) frees an array on the stream object current when it was
+    allocated while that object lives, else on the stream current when it is freed. An object kept from call to call
+    (as the backend's and the interop's were) outlived the call's stream: a result freed once its owner destroyed
+    the stream went to a dead handle, or to another stream given it. Made for the call, it is collected once the call
+    lets go of it, and so is a stream object of the caller's it was given."""
+    backend = CudnnBackend()
+    current = [0]
+    _real_streams(monkeypatch, backend, {1: _current(0)})
     on_1 = _on(_Device(1, current))
     foreign = _protocol(0x79)
-    gone = weakref.ref(foreign)
-    kept = backend.context((on_1, on_1), foreign).stream
-    assert isinstance(kept, cupy.cuda.Stream) and kept.ptr == 0x79
+    caller_gone = weakref.ref(foreign)
+    made = [weakref.ref(backend.context((on_1, on_1), stream).stream) for stream in (0x79, foreign)]
+    made.append(weakref.ref(_interop._cupy().stream(0x79)))  # wsarena.torch's calls on a side stream
     del foreign
     gc.collect()
-    assert gone() is None and backend.context((on_1, on_1), 0x79).stream is kept
+    assert [ref() for ref in made] == [None] * 3 and caller_gone() is None
 
 
 def test_device_and_stream_enter_in_order_and_leave_in_reverse():

@@ -5,8 +5,10 @@ Tolerance: max|got - ref| / max|ref| <= 1e-12 in float64, 1e-5 in float32.
 """
 
 import ctypes
+import gc
 import sys
 import types
+import weakref
 from typing import ClassVar
 
 import numpy as np
@@ -571,46 +573,40 @@ class _CudaTensor1(_CudaTensor):
         return 1
 
 
-def test_a_side_streams_cupy_object_is_kept_from_call_to_call(fake_torch_cuda, monkeypatch):
-    """On a stream other than the default (PyTorch's current, on a side stream), CuPy's stream object for it is
-    made once and kept while the calls stay on that stream and device; made again for another stream, another
-    device, or after one (only the last is kept). The default streams are CuPy's own objects, which neither keep
-    nor evict it. Every call enters its stream, kept or made."""
+def test_a_side_stream_gets_a_cupy_object_of_its_own_each_call(fake_torch_cuda, monkeypatch):
+    """On a stream other than the default (PyTorch's current, on a side stream), each call enters a CuPy stream
+    object made for it, over cuda.core's object for the handle, which is made once and kept while the calls stay on
+    that handle, on any device; made again for another handle (only the last is kept). The default streams are
+    CuPy's own objects, which neither take nor evict it. The object a call entered is gone once the call returns:
+    CuPy's stream-ordered allocator frees a result on it while it lives, and its owner may destroy the stream (the
+    object kept from call to call outlived it)."""
     state = fake_torch_cuda
-    made = []
+    wrapped, entered = [], []
+    from_handle = streams._from_handle
+    monkeypatch.setattr(streams, "_from_handle", lambda handle: wrapped.append(handle) or from_handle(handle))
 
-    def cupy_stream(handle):  # a new object for each wrapping, as cuda.core's and CuPy's wrappers are
-        made.append(handle)
-        return _Scope(state.log, f"stream {handle}")
+    def from_external(core):  # CuPy's Stream.from_external: an object of its own for each wrapping
+        scope = _Scope(state.log, f"stream {core.__cuda_stream__()[1]}")
+        entered.append(weakref.ref(scope))
+        return scope
 
-    monkeypatch.setattr(streams, "cupy_stream", cupy_stream)  # where the kept object is made
+    monkeypatch.setattr(sys.modules["cupy"].cuda.Stream, "from_external", from_external, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", state.current_of, raising=False)
     on = {0: [torch.ones(shape).as_subclass(_CudaTensor) for shape in ((1, 1, 4, 4), (1, 1, 3, 3))],
           1: [torch.ones(shape).as_subclass(_CudaTensor1) for shape in ((1, 1, 4, 4), (1, 1, 3, 3))]}
     run = _device_run(state.log)
-    for device, current, wrapped in [(0, 7, [7]), (0, 7, []), (0, 7, []), (0, 0, [0]), (0, 7, []), (1, 7, [7]),
-                                     (1, 7, []), (0, 7, [7]), (0, 9, [9]), (0, 7, [7]), (0, 2, [2]), (0, 7, [])]:
+    for device, current, made in [(0, 7, [7]), (0, 7, []), (0, 0, []), (0, 7, []), (1, 7, []), (1, 7, []),
+                                  (0, 9, [9]), (0, 7, [7]), (0, 2, []), (0, 7, [])]:
         state.current = current
         state.log.clear()
-        made.clear()
+        wrapped.clear()
+        entered.clear()
         _interop.execute(run, Pass.FWD, *on[device], None, (1, 0, 1, 1), None, None, "NCHW", None)
-        assert made == wrapped, (device, current)
+        assert wrapped == made, (device, current)
         assert state.log == [f"enter device {device}", f"enter stream {current}", f"run on {current}",
                              f"exit stream {current}", f"exit device {device}"]
-
-
-def test_a_stream_given_on_no_known_device_is_wrapped_each_call(fake_torch_cuda, monkeypatch):
-    """Where no operand names its device (a bare ``__cuda_array_interface__``), the device stays as it is, and CuPy
-    may tie a stream object to it: the stream is wrapped afresh each call, as before, and not kept."""
-    made = []
-    for module in (_interop, streams):  # made here; kept there
-        monkeypatch.setattr(module, "cupy_stream", lambda handle: made.append(handle) or object())
-    library = _interop._cupy()
-    assert library.stream(None, 0) is _interop._AS_IT_IS and made == []
-    first, second = library.stream(7, None), library.stream(7, None)
-    assert first is not second and made == [7, 7]
-    kept = library.stream(7, 0)
-    assert library.stream(7, 0) is kept and library.stream(7, None) is not kept and made == [7, 7, 7, 7]
+        gc.collect()
+        assert len(entered) == (current not in (0, 2)) and not any(ref() for ref in entered), (device, current)
 
 
 _DIRECT = {  # tensors a call on PyTorch's current stream views directly

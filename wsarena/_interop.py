@@ -52,7 +52,7 @@ from ._dlpack import BFLOAT16, INT16, Export, ReadOnlyExport
 from ._pass import Pass
 from ._sizes import short_repr
 from .arena._registry import make_device_arena
-from .arena.streams import cupy_stream, kept_cupy_stream, stream_handle
+from .arena.streams import cupy_stream, stream_handle
 from .backends import is_masked_type, type_backend_name
 
 __all__ = ["NATIVE", "execute"]
@@ -219,7 +219,7 @@ def execute(
             direct = True
     library = _cupy()
     # the operands' device current (None: as it is) and `stream` CuPy's current stream there
-    with library.device(device), library.stream(stream, device):
+    with library.device(device), library.stream(stream):
         views = [_tensor_view(op) if direct and op.kind == _TORCH else _view(library, op) for op in operands]
         try:
             result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None,
@@ -251,14 +251,14 @@ _AS_IT_IS: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()  # 
 
 class _Library(NamedTuple):
     """How NumPy or CuPy views an operand's memory without a copy, and (CuPy) makes a device and a stream current
-    for a block; ``None`` for either leaves it as it is (``stream`` is told the device made current too)."""
+    for a block; ``None`` for either leaves it as it is."""
 
     name: str
     from_torch: Callable[[Any], Any]  # a torch tensor (bfloat16 relabelled int16)
     from_dlpack: Callable[[Any], Any]  # an Export
     asarray: Callable[[Any], Any]  # a holder of __array_interface__ or __cuda_array_interface__
     device: Callable[[int | None], contextlib.AbstractContextManager[Any]] = lambda _: _AS_IT_IS
-    stream: Callable[[Any, int | None], contextlib.AbstractContextManager[Any]] = lambda _, __: _AS_IT_IS
+    stream: Callable[[Any], contextlib.AbstractContextManager[Any]] = lambda _: _AS_IT_IS
 
 
 def _view(library: _Library, op: _Operand) -> Any:
@@ -349,13 +349,9 @@ def _cupy() -> _Library:
     def device(ordinal: int | None) -> contextlib.AbstractContextManager[Any]:
         return _AS_IT_IS if ordinal is None else cupy.cuda.Device(ordinal)
 
-    def stream(given: Any, device: int | None) -> contextlib.AbstractContextManager[Any]:
-        if given is None:
-            return _AS_IT_IS
-        handle = stream_handle(given)
-        if device is None:  # CuPy may tie a wrapper to the device current when it is made: not kept
-            return cupy_stream(handle)
-        return kept_cupy_stream(handle, device)  # the device is current (entered first)
+    def stream(given: Any) -> contextlib.AbstractContextManager[Any]:
+        # the call's own CuPy object, which dies with it (arena.streams.cupy_stream says why)
+        return _AS_IT_IS if given is None else cupy_stream(stream_handle(given))
 
     return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray, device, stream)
 

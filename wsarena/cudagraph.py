@@ -37,7 +37,7 @@ from typing import Any
 from ._config import get_config
 from ._gpu import gpu_unusable_reason
 from .arena._capture import capture_of
-from .arena.streams import kept_cupy_stream, stream_handle
+from .arena.streams import cupy_stream, stream_handle
 from .errors import BackendUnavailableError, CaptureError
 
 __all__ = ["CapturedGraph", "capture"]
@@ -95,9 +95,7 @@ class CapturedGraph:
         if stream is None:
             stream = self.stream
         elif type(getattr(stream, "ptr", None)) is not int:  # CuPy's Graph.launch reads a CuPy stream's ptr
-            import cupy
-
-            stream = kept_cupy_stream(stream_handle(stream), cupy.cuda.runtime.getDevice())
+            stream = cupy_stream(stream_handle(stream))
         graph.launch(stream)
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 __all__ = [
-    "PER_THREAD_DEFAULT_STREAM", "PerThreadStream", "ThreadLane", "cupy_stream", "kept_cupy_stream", "raw_handle",
+    "PER_THREAD_DEFAULT_STREAM", "PerThreadStream", "ThreadLane", "core_stream", "cupy_stream", "raw_handle",
     "resolve_stream", "stream_handle", "thread_lane",
 ]
 
@@ -257,10 +257,17 @@ def stream_handle(stream: Any = None) -> int:
 
 
 def cupy_stream(handle: int) -> Any:
-    """CuPy's stream object for a raw ``cudaStream_t`` (CuPy ties it to the device current at this moment).
+    """CuPy's stream object for a raw ``cudaStream_t``, which it does not own.
 
-    The null and per-thread default streams are CuPy's own objects; any other handle is wrapped through the
-    stream protocol, by cuda.core's ``Stream.from_handle``, without taking ownership.
+    The null and per-thread default streams are CuPy's own objects; any other handle gets a new CuPy object each call,
+    over cuda.core's object for the handle (:func:`core_stream`), through the stream protocol. CuPy ties it to no
+    device (its ``device_id`` is -1: the device current where it is entered).
+
+    New, because CuPy's stream-ordered allocator (``MemoryAsyncPool``) frees an array on the stream object current
+    when it was allocated while that object lives, else on the stream current when it is freed: an object kept from
+    call to call would outlive the call's stream, and an array made in the call would be freed on a handle its owner
+    may have destroyed. One made for a call dies with it: what the call frees inside it goes on the call's stream,
+    and what it returns on the stream current when it is freed, as for any stream object its owner dropped.
     """
     import cupy
 
@@ -268,43 +275,36 @@ def cupy_stream(handle: int) -> Any:
         return cupy.cuda.Stream.null
     if handle == PER_THREAD_DEFAULT_STREAM:
         return cupy.cuda.Stream.ptds
+    return cupy.cuda.Stream.from_external(core_stream(handle))
+
+
+def _from_handle(handle: int) -> Any:
     from cuda.core import Stream
 
-    return cupy.cuda.Stream.from_external(Stream.from_handle(handle))
+    return Stream.from_handle(handle)
 
 
-# The stream last wrapped by kept_cupy_stream, (handle, device, CuPy's object). One tuple, replaced whole: a thread
-# reads it or its successor, never a mix.
-_kept: list[tuple[int, int, Any]] = [(-1, -1, None)]
-_CUPYS_OWN = (0, PER_THREAD_DEFAULT_STREAM)  # handles whose stream objects CuPy keeps (Stream.null and .ptds)
+# The object core_stream made last, (handle, cuda.core's object). One tuple, replaced whole: a thread reads it or its
+# successor, never a mix.
+_kept: list[tuple[int, Any]] = [(-1, None)]
 
 
-def kept_cupy_stream(handle: int, device: int, current: Any = None) -> Any:
-    """:func:`cupy_stream` for ``handle`` on CUDA device ``device``, the last one made kept for the next call.
+def core_stream(handle: int) -> Any:
+    """cuda.core's ``Stream.from_handle(handle)``, the last one made kept for the next call.
 
-    A call on a stream other than the default wrapped it afresh each time, 10 us and more (cuda.core's
-    ``from_handle`` makes a class a call; bench/RESULTS.md). A wrapper holds nothing but the handle, which it does
-    not own, so the same handle on the same device makes an equal one, even where the stream was destroyed and CUDA
-    gave its handle to another; CuPy ties a wrapper to the device current when it is made, hence the key's device.
-    CuPy's ``with stream:`` keeps its stack per thread, so threads may enter the one object at once, as they enter
-    ``Stream.null``. The default streams are CuPy's own objects, which neither take nor evict the kept one.
-
-    ``device`` must be the current device, or ``current`` a context manager that makes it current (entered only to
-    make a new object).
+    It makes a class a call, 5 to 9 us (bench/RESULTS.md), where CuPy's ``Stream.from_external`` over it takes some
+    0.4 us. It holds nothing but the handle, which it does not own, and CuPy asks it for nothing else
+    (``__cuda_stream__``), so the same handle makes an equal one, even where the stream was destroyed and CUDA gave
+    its handle to another, on any device. It is never a current stream, so no array refers to it.
     """
     kept = _kept[0]
-    if kept[0] == handle and kept[1] == device:
-        return kept[2]
-    if current is None:
-        made = cupy_stream(handle)
-    else:
-        with current:
-            made = cupy_stream(handle)
-    if handle not in _CUPYS_OWN:
-        _kept[0] = (handle, device, made)
+    if kept[0] == handle:
+        return kept[1]
+    made = _from_handle(handle)
+    _kept[0] = (handle, made)
     return made
 
 
 def forget_kept_stream() -> None:
-    """Drop the stream object :func:`kept_cupy_stream` keeps (the tests' fresh process)."""
-    _kept[0] = (-1, -1, None)
+    """Drop the stream object :func:`core_stream` keeps (the tests' fresh process)."""
+    _kept[0] = (-1, None)

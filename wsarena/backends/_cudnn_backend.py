@@ -18,7 +18,7 @@ from .._lru import LRU
 from .._pass import Pass
 from ..arena import get_arena
 from ..arena._capture import CURRENT, refuse_in_capture
-from ..arena.streams import kept_cupy_stream, stream_handle
+from ..arena.streams import cupy_stream, stream_handle
 from . import Candidate
 from ._graph_plans import ALIGNED, alignment
 
@@ -95,8 +95,8 @@ class CudnnBackend:
         if not isinstance(stream, self._cupy.cuda.Stream):
             if type(stream) is int and stream == self._cupy.cuda.get_current_stream(device.id).ptr:
                 return device  # CuPy's current there already (an operand of another library made it so)
-            # wrapped with the arrays' device current (CuPy ties a wrapper to it), or the one kept from the last call
-            stream = kept_cupy_stream(stream_handle(stream), device.id, device)
+            # a CuPy object of the call's own, which dies with it (arena.streams.cupy_stream says why)
+            stream = cupy_stream(stream_handle(stream))
         return _DeviceAndStream(device, stream)
 
     def may_share_memory(self, a: Any, b: Any) -> bool:
