@@ -2,6 +2,7 @@
 memory (``MemoryError``, hence ``ArenaOutOfMemoryError`` from the arena) and which pass through."""
 
 import contextlib
+import weakref
 
 import pytest
 
@@ -38,6 +39,45 @@ def test_cupy_provider_reports_a_failed_cudamalloc_as_out_of_memory(monkeypatch)
     monkeypatch.setattr(cupy.cuda, "alloc", fails_with(cupy.cuda.runtime.CUDARuntimeError(700)))
     with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):  # an illegal address is not a memory shortage
         provider.allocate(4096, stream=7)
+
+
+class _Scope:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def __enter__(self):
+        self.log.append(f"enter {self.name}")
+
+    def __exit__(self, *exc):
+        self.log.append(f"exit {self.name}")
+
+
+def test_cupy_provider_frees_a_block_with_its_stream_current(monkeypatch):
+    """CuPy's stream-ordered allocator (MemoryAsyncPool) frees a block on the stream object current when it was
+    allocated while that object lives, else on the stream current when it is freed. The provider allocates under an
+    object made for the allocation, which dies with it, so deallocate(stream=H) drops the last reference to the block
+    with H current on the provider's device, after H's work; it went on whatever stream the freeing thread had current
+    (a trim outside a call raced H's last kernels). With no stream (it may be gone) the device is synchronised first,
+    and no stream is entered."""
+    import cupy
+
+    from wsarena.arena import CupyProvider, providers
+
+    log = []
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: _Scope(log, f"device {device}"))  # no GPU here
+    monkeypatch.setattr(providers, "cupy_stream", lambda handle: _Scope(log, f"stream {handle:#x}"))
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceSynchronize", lambda: log.append("synchronize"))
+    monkeypatch.setattr(cupy.cuda, "alloc", lambda size: type("MemoryPointer", (), {"ptr": 0x1000})())
+    provider = CupyProvider(3)
+    for stream, freed in [(0x51, ["enter device 3", "enter stream 0x51", "freed", "exit stream 0x51"]),
+                          (None, ["enter device 3", "synchronize", "freed"])]:
+        buffer = provider.allocate(256, stream=0x51)
+        assert log == ["enter device 3", "enter stream 0x51", "exit stream 0x51", "exit device 3"]
+        log.clear()
+        weakref.finalize(buffer.owner, log.append, "freed")
+        provider.deallocate(buffer, stream=stream)
+        assert log == [*freed, "exit device 3"] and buffer.owner is None
+        log.clear()
 
 
 class _FailingResource:

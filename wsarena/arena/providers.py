@@ -192,10 +192,13 @@ class CupyProvider(_DeviceProvider):
     """Device memory from ``cupy.cuda.alloc``, allocated under the sub-arena's stream.
 
     The memory comes from CuPy's current allocator, by default its stream-aware ``MemoryPool``, so the arena
-    shares the pool with the user's arrays instead of fragmenting the device beside it. The pool files a block
-    under the stream it was allocated on and hands it out again only to that stream, which is what makes
-    ``deallocate`` stream-ordered; an allocator that calls ``cudaFree`` directly synchronises instead. When the
-    stream may be gone the device is synchronised first.
+    shares the pool with the user's arrays instead of fragmenting the device beside it. ``deallocate`` drops the
+    last reference to a block with the sub-arena's stream current, so that either pool frees it after the work
+    enqueued there: the default pool files the block under the stream it was allocated on and hands it out again
+    only to that stream; ``MemoryAsyncPool`` frees it with ``cudaFreeAsync`` on the stream object it was allocated
+    under while that lives (CuPy's own, for the default streams), else on the current stream, as for any other stream,
+    whose object is made for the allocation and dies with it. An allocator that calls ``cudaFree`` directly
+    synchronises instead. When the stream may be gone the device is synchronised first.
 
     Parameters
     ----------
@@ -220,14 +223,17 @@ class CupyProvider(_DeviceProvider):
     def deallocate(self, buffer: Buffer, *, stream: int | None) -> None:
         import cupy
 
-        if stream is None:
-            # The stream may be gone or belong to another thread: wait for the device first. The default pool files
-            # the block under the handle it was allocated on, and CUDA gives a destroyed stream's handle to the next
-            # stream made, to which the pool would hand the block while the dead stream's work may still use it;
-            # MemoryAsyncPool frees with cudaFreeAsync on this thread's current stream, unordered with the owner's.
-            with cupy.cuda.Device(self.device_id):
+        with cupy.cuda.Device(self.device_id):
+            if stream is None:
+                # The stream may be gone or belong to another thread: wait for the device first. The default pool
+                # files the block under the handle it was allocated on, and CUDA gives a destroyed stream's handle to
+                # the next stream made, to which the pool would hand the block while the dead stream's work may still
+                # use it; MemoryAsyncPool frees on this thread's current stream, unordered with the owner's.
                 cupy.cuda.runtime.deviceSynchronize()
-        buffer.owner = None  # back to the pool, under the stream it was allocated on
+                buffer.owner = None
+            else:
+                with cupy_stream(stream):  # MemoryAsyncPool frees on the current stream
+                    buffer.owner = None
 
 
 class AsyncProvider(_DeviceProvider):
