@@ -27,7 +27,7 @@ from wsarena._geometry import conv_geometry
 from wsarena._search_env import api_path
 from wsarena.arena._pins import GraphPin
 from wsarena.arena.testing import FakeGraph
-from wsarena.backends import Candidate, device_properties_backend, reset_backends
+from wsarena.backends import Candidate, PartlyTimed, device_properties_backend, reset_backends
 from wsarena.backends._cudnn_backend import CudnnBackend
 from wsarena.backends._graph_plans import ALIGNED, PlanCache, alignment, conv_problem, is_engine_name
 from wsarena.cli import main
@@ -1033,9 +1033,117 @@ def test_measure_skips_a_plan_that_needs_more_workspace_than_was_leased(faked, m
     b = AlignedBuilder({("eng2", (2, 16, 16)): 4096})
     faked._plans = PlanCache(b.graph, b.plan)
     cands = [Candidate("eng1", 64), Candidate("eng2", 64)]
-    timed = faked.measure("fwd", GEOM, _array(0x1002), _array(0x2000), _array(0x3000), _lease(64, 0x77), cands, None)
-    assert [c.algo for c in timed] == ["eng1"] and {e[0] for e in b.executed} == {"eng1"}
+    with pytest.raises(PartlyTimed) as caught:  # eng2 is refused in this lease, on these operands only
+        faked.measure("fwd", GEOM, _array(0x1002), _array(0x2000), _array(0x3000), _lease(64, 0x77), cands, None)
+    assert [c.algo for c in caught.value.timed] == ["eng1"] and caught.value.refused == [cands[1]]
+    assert {e[0] for e in b.executed} == {"eng1"}
     assert recorded == {0x77}  # timed on the lease's stream, where the plans ran
+
+
+class RefusingBuilder(AlignedBuilder):
+    """An AlignedBuilder whose cuDNN refuses: to finalize ``unbuilt`` (``(name, alignment)`` pairs, as cuDNN's
+    NOT_SUPPORTED), and to execute the plans of ``unrun`` names for operands off 16-byte boundaries (as
+    BAD_PARAM_MISALIGNED_POINTER). Each execution is timed ``times[name]`` ms (the runtime stand-in,
+    :func:`_timing_runtime`, reads the last one)."""
+
+    def __init__(self, sizes, unbuilt=(), unrun=(), times=None):
+        super().__init__(sizes)
+        self.unbuilt, self.unrun, self.times = set(unbuilt), set(unrun), times or {}
+
+    def plan(self, handle, graph, name):
+        from wsarena import cudnn
+
+        aligned = _aligned(self, graph)
+        if (name, aligned) in self.unbuilt:
+            raise cudnn.CudnnNotSupportedError(int(cudnn_status.NOT_SUPPORTED), f"{name} for {aligned}")
+        made = super().plan(handle, graph, name)
+        if name in self.unrun and aligned != ALIGNED:
+            def refuse(*args):
+                raise cudnn.CudnnBadParamMisalignedPointerError(int(cudnn_status.BAD_PARAM_MISALIGNED_POINTER),
+                                                                f"{name} at {args[1:4]}")
+            made.execute = refuse
+        return made
+
+
+# eng1 finalizes for 16-byte-aligned operands only, eng5 for none
+UNBUILT = {("eng1", (2, 16, 16)), ("eng5", (2, 16, 16)), ("eng5", ALIGNED)}
+
+
+def _timing_runtime(builder):
+    """CuPy's runtime as the graph backend's measure uses it: events whose elapsed time is the builder's time of
+    the plan executed last."""
+    return SimpleNamespace(
+        eventCreate=lambda: object(), eventRecord=lambda event, stream: None, eventSynchronize=lambda event: None,
+        eventDestroy=lambda event: None,
+        eventElapsedTime=lambda start, end: float(builder.times.get(builder.executed[-1][0], 1.0)))
+
+
+def _stand_in_builder(faked, monkeypatch, builder):
+    faked._plans = PlanCache(builder.graph, builder.plan, refused=faked.retry_errors[:1])
+    monkeypatch.setattr(faked, "_cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=_timing_runtime(builder))))
+
+
+def test_measure_says_which_engines_it_refused_on_these_operands_alone(faked, monkeypatch):
+    """What the search cache may keep of an engine measure skips (PartlyTimed's refused: no verdict, searched again
+    by a later process) and what it may not: a plan cuDNN refuses to finalize for 16-byte-aligned operands, those
+    every candidate was ranked and sized for, is the engine's verdict on the geometry, left out (rejected); one
+    refused for a view's own alignment, a plan for it that needs more than the lease, and an execution refused for a
+    misaligned pointer are verdicts on this call's operands and lease only."""
+    b = RefusingBuilder({("eng2", (2, 16, 16)): 4096}, unbuilt=UNBUILT,
+                        unrun={"eng3"}, times={"eng1": 1, "eng2": 2, "eng3": 3, "eng4": 4})
+    _stand_in_builder(faked, monkeypatch, b)
+    cands = [Candidate(f"eng{i}", 64) for i in range(1, 6)]
+    w, y = _array(0x2000), _array(0x3000)
+    with pytest.raises(PartlyTimed) as caught:  # x off a 16-byte boundary, as a search under memory pressure takes it
+        faked.measure("fwd", GEOM, _array(0x1002), w, y, _lease(64), cands, None)
+    assert [(c.algo, c.time_ms) for c in caught.value.timed] == [("eng4", 4.0)]
+    assert caught.value.refused == [*cands[:3], cands[4]] and caught.value.failed == []
+    timed = faked.measure("fwd", GEOM, _array(0x1000), w, y, _lease(64), cands, None)  # all on 16-byte boundaries
+    assert [(c.algo, c.time_ms) for c in timed] == [("eng1", 1.0), ("eng2", 2.0), ("eng3", 3.0), ("eng4", 4.0)]
+
+
+def test_an_exhaustive_search_saves_no_verdict_on_engines_refused_on_its_operands_alone(faked, monkeypatch,
+                                                                                        tmp_path):
+    """A search timed on operands off a 16-byte boundary (copies could not be had: memory pressure) drops the engines
+    refused on them, and the search cache keeps only what it timed; a later process (the choices and plans gone, the
+    entry read back from disk) searches again on aligned operands and times them; the engine whose plan cuDNN
+    refuses for those is saved as rejected, and a third process reads every verdict back, timing nothing. Saved as
+    rejected by the first process, the refused engines were never timed again until the cache was cleared."""
+    from wsarena import _search_env
+
+    arena = _Arena()
+    cands = [Candidate(f"eng{i}", 64) for i in range(1, 6)]
+    monkeypatch.setattr(faked, "_ranked", lambda handle, pass_, geom: list(cands))
+    monkeypatch.setattr(faked, "arena", lambda: arena)
+    monkeypatch.setattr(faked, "device_key", lambda: "stand-in")
+    monkeypatch.setattr(faked, "search_environment", lambda: {"device": "stand-in GPU"}, raising=False)
+    monkeypatch.setattr(_search_env, "_known", {})
+    configure(cache_dir=tmp_path)
+    times = {"eng1": 1, "eng2": 2, "eng3": 3, "eng4": 4}
+
+    def process(x_ptr):
+        """A new process's search: no choice kept, no plan built, the search cache on disk as the last one left it."""
+        algos.cache_clear()
+        b = RefusingBuilder({("eng2", (2, 16, 16)): 4096}, unbuilt=UNBUILT,
+                            unrun={"eng3"}, times=times)
+        _stand_in_builder(faked, monkeypatch, b)
+
+        def short_of_memory():
+            raise MemoryError("no copy at an aligned address")
+
+        x = SimpleNamespace(data=SimpleNamespace(ptr=x_ptr), copy=short_of_memory)
+        got = algos.select(faked, "fwd", GEOM, cap=None, search="exhaustive", operands=(x, _array(0x2000),
+                                                                                         _array(0x3000)))
+        (entry,) = (tmp_path / "search").glob("*.json")
+        saved = {r["algo"]: r["time_ms"] for r in json.loads(entry.read_text())["results"]}
+        return [(c.algo, c.time_ms) for c in got], saved, {e[0] for e in b.executed}
+
+    got, saved, ran = process(0x1002)
+    assert got == [("eng4", 4.0)] and saved == {"eng4": 4.0} and ran == {"eng4"}
+    got, saved, ran = process(0x1000)
+    assert got == [("eng1", 1.0), ("eng2", 2.0), ("eng3", 3.0), ("eng4", 4.0)]
+    assert saved == {"eng1": 1.0, "eng2": 2.0, "eng3": 3.0, "eng4": 4.0, "eng5": None} and ran == set(times)
+    assert process(0x1002) == (got, saved, set())  # read back whole: nothing timed, on any operands
 
 
 def test_the_heuristic_setting_picks_cudnns_mode_and_keys_the_choices(finalizing, monkeypatch):

@@ -120,8 +120,8 @@ def choose(
         the planner provide one that leases the workspace from the arena), and may add the largest workspace it
         leased (a skipped candidate that needs no more ran out of memory of its own). A candidate in neither
         list was rejected by the backend's own search, or refused in a workspace of its own size (one of the
-        backend's ``retry_errors``: no want of memory), and is dropped. Without ``measure`` the heuristic order is
-        used.
+        backend's ``retry_errors``: no want of memory) or on the operands timed (:class:`PartlyTimed`'s
+        ``refused``), and is dropped. Without ``measure`` the heuristic order is used.
     can_have
         For a search cut short by memory (some candidates skipped), kept with the timed candidates first:
         ``can_have(n)`` says whether ``n`` bytes of workspace, the least that a skipped one needs, can be had
@@ -274,9 +274,10 @@ def select(
     largest candidate under the cap needs (or, if that cannot be had, what the stream's sub-arena holds), and
     times every candidate that fits; where the backend refuses to time what a lease holds (one of its
     ``retry_errors``), the next lease times the rest, and the candidate that lease was for is dropped, as one its
-    search rejects. A search cut short because the largest could not be had is run again once a
-    lease of what it lacked succeeds (:func:`choose`'s ``can_have``), never while ``stream`` is being captured
-    (``search_again=False``, which the ops pass then: a search is no graph node).
+    search rejects, and so is one the backend refuses to time on these operands (:class:`PartlyTimed`'s ``refused``);
+    neither is saved in the search cache as rejected. A search cut short because the largest could not be had is run
+    again once a lease of what it lacked succeeds (:func:`choose`'s ``can_have``), never while ``stream`` is being
+    captured (``search_again=False``, which the ops pass then: a search is no graph node).
     """
     if search != "exhaustive" or operands is None:
         return choose(backend, pass_, geom, cap=cap, search="heuristic", warn=warn)
@@ -296,7 +297,8 @@ def select(
 
     def measure(cands: list[Candidate]) -> searchcache.Found:
         # What an earlier process (or call under another cap) timed is read back, not timed again. A refused lease
-        # is no verdict on the candidate it was sized for alone (cuDNN's FindEx refuses a call as a whole): that
+        # is no verdict on the candidate it was sized for alone (cuDNN's FindEx refuses a call as a whole), nor is a
+        # candidate the backend refused on these operands (PartlyTimed.refused: their alignment, the lease): that
         # candidate is dropped from this ranking, but neither saved as rejected nor as timed, and searched again.
         refused: list[Candidate] = []
         return searchcache.search(backend, pass_, geom, cands, lambda: measure_now(cands, refused), stored,
@@ -320,7 +322,8 @@ def select(
             a, b, out = timing(a, b, out)
         timed: list[Candidate] = []
         failed: list[Candidate] = []  # out of memory of their own, though the workspace held them
-        # refused: those whose own lease the backend refused to time these operands in
+        # refused: those whose own lease the backend refused to time these operands in, and those it refused to time
+        # on these operands in a lease that held them
         leased = [0, 0]  # the largest workspace leased, and the one the search ran in
         retry = backend.retry_errors
 
@@ -335,6 +338,7 @@ def select(
             except PartlyTimed as exc:
                 found = exc.timed
                 failed.extend(exc.failed)
+                refused.extend(exc.refused)  # on these operands, in this lease: no verdict either
             # A backend's search may report entries of its own; only those this workspace really holds count.
             timed.extend(c for c in found if c.workspace_bytes <= ws.nbytes)
             leased[1] = ws.nbytes

@@ -44,14 +44,19 @@ class Candidate:
 
 
 class PartlyTimed(MemoryError):
-    """Raised by :meth:`Backend.measure` when some candidates ran out of memory of their own (beside their
-    workspace) and others were timed: ``timed``, fastest first, and ``failed``. A search keeps the timed ones and
-    ranks the failed ones after them, as it ranks those it had no workspace to time."""
+    """Raised by :meth:`Backend.measure` when some candidates went untimed for reasons of this call alone, not of
+    the geometry: ``timed``, fastest first; ``failed``, those that ran out of memory of their own (beside their
+    workspace), which a search ranks after the timed ones, as it ranks those it had no workspace to time; and
+    ``refused``, those the backend would not time on these operands in this workspace (cuDNN's plan for their
+    alignment, a pointer it calls misaligned, a plan needing more than the lease), which a search drops from its
+    ranking. Neither is a verdict the search cache keeps: a later process times them again."""
 
-    def __init__(self, timed: list[Candidate], failed: list[Candidate]) -> None:
-        super().__init__(f"out of memory timing {', '.join(c.algo for c in failed)}")
+    def __init__(self, timed: list[Candidate], failed: list[Candidate], refused: Sequence[Candidate] = ()) -> None:
+        untimed = [("out of memory timing", failed), ("refused to time", refused)]
+        super().__init__("; ".join(f"{what} {', '.join(c.algo for c in cands)}" for what, cands in untimed if cands))
         self.timed = timed
         self.failed = failed
+        self.refused = list(refused)
 
 
 class Backend(Protocol):
@@ -97,8 +102,9 @@ class Backend(Protocol):
         stream: Any,
     ) -> list[Candidate]:
         """Time ``candidates`` (all fit in ``workspace``) on real operands; return them sorted by time. Those it
-        rejects are left out; when some ran out of memory of their own, :class:`PartlyTimed` says which (a plain
-        ``MemoryError`` where none could be timed)."""
+        rejects (it cannot run the geometry: a verdict the search cache keeps) are left out; when some ran out of
+        memory of their own, or were refused on this call's operands or workspace alone, :class:`PartlyTimed` says
+        which (the CPU backend raises a plain ``MemoryError`` where memory let it time none)."""
 
     def run(
         self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any

@@ -31,7 +31,7 @@ from .._config import get_config
 from .._geometry import ITEMSIZES, describe_geometry
 from ..arena._capture import CURRENT, refuse_in_capture
 from ..errors import AlignmentWorkspaceError, BackendUnavailableError, CudnnApiFallbackWarning
-from . import Candidate
+from . import Candidate, PartlyTimed
 from ._cudnn_backend import CudnnBackend, pointers
 from ._graph_plans import (
     ALIGNED,
@@ -233,6 +233,14 @@ class CudnnGraphBackend(CudnnBackend):
         self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate],
         stream: Any,
     ) -> list[Candidate]:
+        """Time each engine configuration's plan for these operands' alignment, on the lease's stream.
+
+        One whose plan cuDNN refuses to finalize for 16-byte-aligned operands is left out: the engine cannot run
+        the geometry, which the search cache keeps. What the operands or the lease alone decide, a plan refused for a
+        view's alignment, one that needs more workspace than the lease holds, an execution cuDNN refuses (a
+        misaligned pointer), is no verdict on the engine: :class:`~wsarena.backends.PartlyTimed` names those
+        (``refused``) beside the timed ones.
+        """
         self._no_device("time algorithms")
         if not any(is_engine_name(c.algo) for c in candidates):
             return super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
@@ -242,15 +250,26 @@ class CudnnGraphBackend(CudnnBackend):
         aligned = _alignments(x, w, y)
         runtime = self._cupy.cuda.runtime
         start, end = runtime.eventCreate(), runtime.eventCreate()
-        timed = []
+        timed: list[Candidate] = []
+        refused: list[Candidate] = []  # untimed on these operands or in this lease alone: no verdict (PartlyTimed)
         try:
             for cand in candidates:
                 try:
                     plan = self._plans.plan(handle, pass_, geom, cand.algo, aligned)
-                    if plan.workspace_bytes > workspace.nbytes:
-                        continue  # this plan, for these operands' alignment, needs more than the candidate said
-                    plan.execute(handle, x, w, y, workspace.ptr)  # warm-up: loads the kernels
                 except self.retry_errors:
+                    # cuDNN refuses to finalize it: for 16-byte-aligned operands, those the candidates were ranked
+                    # and sized for, a verdict on the engine for this geometry (left out: rejected); for a view's
+                    # own alignment (operands a search under memory pressure takes as they are), on these alone
+                    if aligned != ALIGNED:
+                        refused.append(cand)
+                    continue
+                if plan.workspace_bytes > workspace.nbytes:  # the plan for these operands' alignment needs more
+                    refused.append(cand)
+                    continue
+                try:
+                    plan.execute(handle, x, w, y, workspace.ptr)  # warm-up: loads the kernels
+                except self.retry_errors:  # a finalized plan refused at execution: these pointers, this workspace
+                    refused.append(cand)
                     continue
                 best = float("inf")
                 for _ in range(_TIMED_RUNS):
@@ -263,7 +282,10 @@ class CudnnGraphBackend(CudnnBackend):
         finally:
             runtime.eventDestroy(start)
             runtime.eventDestroy(end)
-        return sorted(timed, key=lambda c: c.time_ms or 0.0)
+        timed.sort(key=lambda c: c.time_ms or 0.0)
+        if refused:
+            raise PartlyTimed(timed, [], refused)
+        return timed
 
     def run(
         self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any
