@@ -5,23 +5,25 @@ no TF32), float16 and bfloat16 2e-2 and 5e-2 (inputs rounded to those types, acc
 """
 
 import gc
+import json
 import threading
 import warnings
 import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wsarena import _interop, algos, config, conv_backward_data, conv_backward_filter, conv_forward
+from wsarena import _interop, algos, config, configure, conv_backward_data, conv_backward_filter, conv_forward
 from wsarena._geometry import conv_geometry
 from wsarena._pass import Pass
 from wsarena.arena import streams
 from wsarena.backends import Candidate
 from wsarena.backends._cudnn_backend import CudnnBackend, _channels_last, _DeviceAndStream, _usable, pointers
 from wsarena.cudnn import AlgoPerf, ConvolutionFwdAlgo, MathType, Status
-from wsarena.errors import UnsupportedConvolutionError, WorkspaceCapWarning
+from wsarena.errors import MemoryFallbackWarning, UnsupportedConvolutionError, WorkspaceCapWarning
 
 from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
 
@@ -387,6 +389,107 @@ def test_an_exhaustive_search_leaves_out_findex_entries_of_float32_and_float64_o
     arrays = [type("A", (), {"data": type("D", (), {"ptr": ptr})()})() for ptr in (0x1000, 0x2000, 0x3000)]
     got = algos.select(backend, "fwd", geom, cap=None, search="exhaustive", operands=tuple(arrays))
     assert got == (Candidate("implicit_gemm", 0, 0.9, fma), Candidate("fft", 300, 1.5, fma))
+
+
+def _operands(*pointers, copies=True):
+    """Stand-ins for CuPy arrays at these addresses; with ``copies=False`` no copy can be had (memory pressure), so a
+    search times them where they are."""
+
+    def copy():
+        raise MemoryError("no memory for a copy")
+
+    return tuple(SimpleNamespace(data=SimpleNamespace(ptr=ptr), copy=(lambda: None) if copies else copy)
+                 for ptr in pointers)
+
+
+def _entries(statuses, times):
+    """FindEx entries in FMA_MATH: per algorithm (a ConvolutionFwdAlgo member's name), its status, its time and its
+    workspace (that of ``LISTED``)."""
+    from wsarena.cudnn import Determinism
+
+    fma = int(MathType.FMA_MATH)
+    found = [AlgoPerf(ConvolutionFwdAlgo[name], status, times.get(name, -1.0), nbytes, Determinism.DETERMINISTIC, fma)
+             for name, nbytes in LISTED.items() for status in [statuses.get(name, Status.SUCCESS)]]
+    return sorted(found, key=lambda perf: (perf.status != Status.SUCCESS, perf.time_ms))
+
+
+# What the heuristics list (algorithm and workspace, in FMA_MATH), and FindEx's times of those that run
+LISTED = {"IMPLICIT_PRECOMP_GEMM": 100, "FFT": 300, "GEMM": 200, "WINOGRAD": 0, "IMPLICIT_GEMM": 0}
+FINDEX_TIMES = {"FFT": 0.1, "IMPLICIT_PRECOMP_GEMM": 0.2, "GEMM": 0.5, "IMPLICIT_GEMM": 0.9}
+# Entries that failed: for want of memory, for a pointer FindEx calls misaligned, and NOT_SUPPORTED
+FAILED = {"FFT": Status.INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED, "GEMM": Status.BAD_PARAM_MISALIGNED_POINTER,
+          "WINOGRAD": Status.NOT_SUPPORTED}
+
+
+def test_measure_says_which_candidates_findex_failed_on_these_operands_alone(backend, monkeypatch):
+    """What FindEx says of a candidate that the search cache may keep (NOT_SUPPORTED on 16-byte-aligned operands: the
+    candidate is left out, rejected) and what it may not: an entry out of memory (PartlyTimed's failed: ranked after
+    the timed), one for a misaligned pointer, and any entry failed on operands off 16-byte boundaries (refused)."""
+    from wsarena.backends import PartlyTimed
+    from wsarena.cudnn import conv as conv_mod
+
+    fma = int(MathType.FMA_MATH)
+    cands = [Candidate(name.lower(), nbytes, None, fma) for name, nbytes in LISTED.items()]
+    found = _entries(FAILED, FINDEX_TIMES)
+    monkeypatch.setattr(conv_mod, "find_algorithms", lambda *args: found)
+    monkeypatch.setattr(backend, "_bound_handle", lambda stream, workspace=None: "handle")
+    geom = conv_geometry((2, 4, 8, 8), (4, 4, 3, 3), padding=1)
+    workspace = SimpleNamespace(ptr=0x4000, nbytes=300)
+    timed = [Candidate("implicit_precomp_gemm", 100, 0.2, fma), Candidate("implicit_gemm", 0, 0.9, fma)]
+    by_name = {c.algo: c for c in cands}
+    with pytest.raises(PartlyTimed) as caught:
+        backend.measure("fwd", geom, *_operands(0x1000, 0x2000, 0x3000), workspace, cands, None)
+    assert caught.value.timed == timed
+    assert caught.value.failed == [by_name["fft"]] and caught.value.refused == [by_name["gemm"]]
+    with pytest.raises(PartlyTimed) as caught:  # x off a 16-byte boundary: winograd's NOT_SUPPORTED may be its own
+        backend.measure("fwd", geom, *_operands(0x1004, 0x2000, 0x3000), workspace, cands, None)
+    assert caught.value.timed == timed
+    assert caught.value.failed == [by_name["fft"]] and caught.value.refused == [by_name["gemm"], by_name["winograd"]]
+    found[:] = _entries({"WINOGRAD": Status.NOT_SUPPORTED}, FINDEX_TIMES)
+    got = backend.measure("fwd", geom, *_operands(0x1000, 0x2000, 0x3000), workspace, cands, None)
+    assert [c.algo for c in got] == ["fft", "implicit_precomp_gemm", "gemm", "implicit_gemm"]
+
+
+def test_an_exhaustive_search_saves_no_verdict_on_findex_entries_failed_for_its_call_alone(backend, monkeypatch,
+                                                                                           tmp_path):
+    """A search on operands off a 16-byte boundary (no copies could be had: memory pressure) whose FindEx reports fft
+    out of memory, gemm at a misaligned pointer and winograd NOT_SUPPORTED keeps no word of those three in the search
+    cache: a later process (the choices gone, the entry read back from disk) searches again on aligned operands,
+    times fft and gemm, and saves winograd as rejected; a third process reads every verdict back, asking FindEx
+    nothing. Saved as rejected by the first process, fft, gemm and winograd were never timed again until the cache
+    was cleared."""
+    from wsarena import _search_env
+    from wsarena.cudnn import Determinism
+
+    fma, det = int(MathType.FMA_MATH), Determinism.DETERMINISTIC
+    listed = [AlgoPerf(ConvolutionFwdAlgo[name], Status.SUCCESS, -1.0, nbytes, det, fma)
+              for name, nbytes in LISTED.items()]
+    found = _entries(FAILED, FINDEX_TIMES)
+    asked = _findex_stand_in(backend, monkeypatch, listed, found)
+    monkeypatch.setattr(backend, "search_environment", lambda: {"device": "stand-in GPU"}, raising=False)
+    monkeypatch.setattr(_search_env, "_known", {})
+    configure(cache_dir=tmp_path)
+    geom = conv_geometry((2, 4, 8, 8), (4, 4, 3, 3), padding=1)
+
+    def process(x_ptr):
+        """A new process's search: no choice kept, the search cache on disk as the last one left it."""
+        algos.cache_clear()
+        operands = _operands(x_ptr, 0x2000, 0x3000, copies=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MemoryFallbackWarning)  # fft ran out of memory of its own
+            got = algos.select(backend, "fwd", geom, cap=None, search="exhaustive", operands=operands)
+        (entry,) = (tmp_path / "search").glob("*.json")
+        saved = {r["algo"]: r["time_ms"] for r in json.loads(entry.read_text())["results"]}
+        return [(c.algo, c.time_ms) for c in got], saved
+
+    got, saved = process(0x1004)
+    assert got == [("implicit_precomp_gemm", 0.2), ("implicit_gemm", 0.9), ("fft", None)]
+    assert saved == {"implicit_precomp_gemm": 0.2, "implicit_gemm": 0.9} and asked == [300]
+    found[:] = _entries({"WINOGRAD": Status.NOT_SUPPORTED}, FINDEX_TIMES)  # memory for fft now
+    got, saved = process(0x1000)
+    assert got == [("fft", 0.1), ("implicit_precomp_gemm", 0.2), ("gemm", 0.5), ("implicit_gemm", 0.9)]
+    assert saved == {**{c: t for c, t in got}, "winograd": None} and asked == [300, 300]
+    assert process(0x1004) == (got, saved) and asked == [300, 300]  # read back whole, on any operands
 
 
 def test_a_call_with_nothing_to_compute_needs_no_workspace(backend, monkeypatch):

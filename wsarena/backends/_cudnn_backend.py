@@ -19,7 +19,7 @@ from .._pass import Pass
 from ..arena import get_arena
 from ..arena._capture import CURRENT, refuse_in_capture
 from ..arena.streams import cupy_stream, stream_handle
-from . import Candidate
+from . import Candidate, PartlyTimed
 from ._graph_plans import ALIGNED, alignment
 
 _DESCRIPTOR_SETS = 1024  # (geometry, math type) pairs whose descriptors the backend keeps at hand
@@ -27,6 +27,10 @@ _DESCRIPTOR_SETS = 1024  # (geometry, math type) pairs whose descriptors the bac
 # float32 and float64 on FMA only (DEFAULT_MATH lets an Ampere or later GPU run float32 in TF32); float16 and bfloat16
 # with or without tensor cores, accumulating in float32 (the descriptors' compute type), though not down-converting.
 _FMA_MATH, _DEFAULT_MATH, _TENSOR_OP_MATH = 3, 0, 1
+# FindEx statuses (cudnn.Status values) of an entry that say nothing of the algorithm on this geometry, only of the
+# search's call: a pointer it calls misaligned, memory it could not allocate (host or device)
+_MISALIGNED = 2003
+_OUT_OF_MEMORY = frozenset({4003, 4004})
 _MATH_TYPES = {
     "float32": frozenset({_FMA_MATH}),
     "float64": frozenset({_FMA_MATH}),
@@ -191,6 +195,10 @@ class CudnnBackend:
         self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate],
         stream: Any,
     ) -> list[Candidate]:
+        """Time the candidates with cuDNN's FindEx in ``workspace``: its successful entries of the candidates'
+        algorithms in their own math types or one the dtype may run in. A candidate FindEx does not support on
+        16-byte-aligned operands is left out (the search cache keeps that verdict); one whose entry failed for this
+        call's operands or memory alone, :class:`~wsarena.backends.PartlyTimed` names (``refused``, ``failed``)."""
         x, w, conv, y = self._descriptors(geom)  # the dtype's math type: FindEx reports each entry's own
         handle = self._bound_handle(stream, workspace)
         x_ptr, w_ptr, y_ptr = pointers(pass_, a, b, out)
@@ -203,8 +211,30 @@ class CudnnBackend:
         # descriptor in it: one the dtype may not run in (TF32 tensor cores for float32) is left out.
         pairs = {(c.algo, c.math_type) for c in candidates}
         names, allowed = {c.algo for c in candidates}, _MATH_TYPES.get(geom.dtype, frozenset())
-        return [c for c in _usable(perfs, timed=True)
-                if (c.algo, c.math_type) in pairs or (c.algo in names and c.math_type in allowed)]
+        timed = [c for c in _usable(perfs, timed=True)
+                 if (c.algo, c.math_type) in pairs or (c.algo in names and c.math_type in allowed)]
+        # A candidate with no entry of its own pair timed: a failed entry on 16-byte-aligned operands is FindEx's
+        # verdict on it for this geometry (NOT_SUPPORTED: left out, rejected), but for a misaligned pointer, or
+        # on operands off 16-byte boundaries at all (a search under memory pressure times a view as it is), only
+        # on this call's operands, and out of memory only of this call's: neither is a verdict (PartlyTimed)
+        ran = {(c.algo, c.math_type) for c in timed}
+        statuses: dict[tuple[str, int | None], set[int]] = {}
+        for perf in perfs:
+            if hasattr(perf.algo, "name"):
+                statuses.setdefault((perf.algo.name.lower(), int(perf.math_type)), set()).add(int(perf.status))
+        aligned = tuple(alignment(ptr) for ptr in (x_ptr, w_ptr, y_ptr)) == ALIGNED
+        failed, refused = [], []
+        for cand in candidates:
+            if (cand.algo, cand.math_type) in ran:
+                continue
+            seen = statuses.get((cand.algo, cand.math_type), set())
+            if seen & _OUT_OF_MEMORY:
+                failed.append(cand)
+            elif not aligned or _MISALIGNED in seen:
+                refused.append(cand)
+        if failed or refused:
+            raise PartlyTimed(timed, failed, refused)
+        return timed
 
     def run(
         self, pass_: str, candidate: Candidate, geom: Any, a: Any, b: Any, out: Any, workspace: Any, stream: Any
