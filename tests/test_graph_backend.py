@@ -1046,9 +1046,9 @@ class RefusingBuilder(AlignedBuilder):
     BAD_PARAM_MISALIGNED_POINTER). Each execution is timed ``times[name]`` ms (the runtime stand-in,
     :func:`_timing_runtime`, reads the last one)."""
 
-    def __init__(self, sizes, unbuilt=(), unrun=(), times=None):
+    def __init__(self, sizes, unbuilt=(), unrun=(), times=None, short=()):
         super().__init__(sizes)
-        self.unbuilt, self.unrun, self.times = set(unbuilt), set(unrun), times or {}
+        self.unbuilt, self.unrun, self.times, self.short = set(unbuilt), set(unrun), times or {}, dict(short)
 
     def plan(self, handle, graph, name):
         from wsarena import cudnn
@@ -1056,7 +1056,13 @@ class RefusingBuilder(AlignedBuilder):
         aligned = _aligned(self, graph)
         if (name, aligned) in self.unbuilt:
             raise cudnn.CudnnNotSupportedError(int(cudnn_status.NOT_SUPPORTED), f"{name} for {aligned}")
+        if self.short.get(name) == "finalize":
+            raise cudnn.CudnnError(int(cudnn_status.INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED), name)
         made = super().plan(handle, graph, name)
+        if self.short.get(name) == "execute":
+            def out_of_memory(*args):
+                raise cudnn.CudnnError(int(cudnn_status.INTERNAL_ERROR_HOST_ALLOCATION_FAILED), name)
+            made.execute = out_of_memory
         if name in self.unrun and aligned != ALIGNED:
             def refuse(*args):
                 raise cudnn.CudnnBadParamMisalignedPointerError(int(cudnn_status.BAD_PARAM_MISALIGNED_POINTER),
@@ -1100,6 +1106,19 @@ def test_measure_says_which_engines_it_refused_on_these_operands_alone(faked, mo
     assert caught.value.refused == [*cands[:3], cands[4]] and caught.value.failed == []
     timed = faked.measure("fwd", GEOM, _array(0x1000), w, y, _lease(64), cands, None)  # all on 16-byte boundaries
     assert [(c.algo, c.time_ms) for c in timed] == [("eng1", 1.0), ("eng2", 2.0), ("eng3", 3.0), ("eng4", 4.0)]
+
+
+def test_measure_names_the_engines_cudnn_had_no_memory_for_as_out_of_memory_of_their_own(faked, monkeypatch):
+    """A plan cuDNN could not allocate for, finalizing it (device memory) or running it (host memory), is out of memory
+    of its own (PartlyTimed's failed: ranked after the timed ones, no verdict the search cache keeps), not an error
+    that ends the search: cuDNN's allocation failures are no MemoryError, and the whole search raised it."""
+    b = RefusingBuilder({}, times={"eng1": 1, "eng2": 2, "eng3": 3}, short={"eng1": "finalize", "eng3": "execute"})
+    _stand_in_builder(faked, monkeypatch, b)
+    cands = [Candidate(f"eng{i}", 64) for i in range(1, 4)]
+    with pytest.raises(PartlyTimed) as caught:
+        faked.measure("fwd", GEOM, _array(0x1000), _array(0x2000), _array(0x3000), _lease(64), cands, None)
+    assert [(c.algo, c.time_ms) for c in caught.value.timed] == [("eng2", 2.0)]
+    assert caught.value.failed == [cands[0], cands[2]] and caught.value.refused == []
 
 
 def test_an_exhaustive_search_saves_no_verdict_on_engines_refused_on_its_operands_alone(faked, monkeypatch,

@@ -239,7 +239,8 @@ class CudnnGraphBackend(CudnnBackend):
         the geometry, which the search cache keeps. What the operands or the lease alone decide, a plan refused for a
         view's alignment, one that needs more workspace than the lease holds, an execution cuDNN refuses (a
         misaligned pointer), is no verdict on the engine: :class:`~wsarena.backends.PartlyTimed` names those
-        (``refused``) beside the timed ones.
+        (``refused``) beside the timed ones, and those whose plan cuDNN could not allocate for (host or device
+        memory, finalizing or running it: ``failed``, out of memory of their own).
         """
         self._no_device("time algorithms")
         if not any(is_engine_name(c.algo) for c in candidates):
@@ -252,6 +253,9 @@ class CudnnGraphBackend(CudnnBackend):
         start, end = runtime.eventCreate(), runtime.eventCreate()
         timed: list[Candidate] = []
         refused: list[Candidate] = []  # untimed on these operands or in this lease alone: no verdict (PartlyTimed)
+        failed: list[Candidate] = []  # cuDNN could not allocate what finalizing or running its plan takes
+        short = (self._cudnn.CudnnInternalErrorHostAllocationFailedError,
+                 self._cudnn.CudnnInternalErrorDeviceAllocationFailedError)
         try:
             for cand in candidates:
                 try:
@@ -263,6 +267,9 @@ class CudnnGraphBackend(CudnnBackend):
                     if aligned != ALIGNED:
                         refused.append(cand)
                     continue
+                except short:
+                    failed.append(cand)
+                    continue
                 if plan.workspace_bytes > workspace.nbytes:  # the plan for these operands' alignment needs more
                     refused.append(cand)
                     continue
@@ -270,6 +277,9 @@ class CudnnGraphBackend(CudnnBackend):
                     plan.execute(handle, x, w, y, workspace.ptr)  # warm-up: loads the kernels
                 except self.retry_errors:  # a finalized plan refused at execution: these pointers, this workspace
                     refused.append(cand)
+                    continue
+                except short:
+                    failed.append(cand)
                     continue
                 best = float("inf")
                 for _ in range(_TIMED_RUNS):
@@ -283,8 +293,8 @@ class CudnnGraphBackend(CudnnBackend):
             runtime.eventDestroy(start)
             runtime.eventDestroy(end)
         timed.sort(key=lambda c: c.time_ms or 0.0)
-        if refused:
-            raise PartlyTimed(timed, [], refused)
+        if refused or failed:
+            raise PartlyTimed(timed, failed, refused)
         return timed
 
     def run(
