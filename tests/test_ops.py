@@ -3,6 +3,7 @@
 Tolerance: relative error max|y - ref| / max|ref| <= 1e-5 for float32 and <= 1e-12 for float64.
 """
 
+import gc
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import wsarena
 from wsarena import config, conv_backward_data, conv_backward_filter, conv_forward, ops
 from wsarena.backends import cpu
 from wsarena.backends._cpu_backend import CpuBackend
-from wsarena.errors import WorkspaceCapWarning
+from wsarena.errors import MemoryFallbackWarning, WorkspaceCapWarning
 
 from .interrupts import interrupt_at_entry_of
 from .reference import error_for_sums, ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
@@ -336,6 +337,59 @@ def test_the_operands_copies_go_before_the_calls_stream_is_left(monkeypatch, rai
     else:
         y = conv_forward(x, w, padding=1)
         assert rel_err(y, ref_conv_forward(x, w, padding=1)) <= 1e-12
+    assert log == ["enter", "copy freed", "copy freed", "exit"]
+
+
+class _Refused(Exception):
+    """A backend's refusal of one algorithm for these operands (cuDNN's NOT_SUPPORTED, say): the next one runs."""
+
+
+@pytest.mark.parametrize("search", ["heuristic", "exhaustive"])
+@pytest.mark.parametrize("refusal", [_Refused, MemoryError], ids=["refused", "own-memory"])
+def test_the_operands_copies_go_before_the_calls_stream_is_left_after_a_refusal(monkeypatch, refusal, search):
+    """A call whose first algorithm is refused (or runs out of its own memory), in the search or in the run, and
+    whose next one runs drops the copies of its operands inside the backend's context too. The refusal, kept by
+    run_with_fallback to be raised should every candidate fail, holds in its traceback the frames that ran the first
+    one, which hold the copies, and the frame that kept it: a cycle, and the copies went with the garbage collector,
+    after the block, on whatever stream was current then. The collector is off for the call."""
+    log = []
+    monkeypatch.setattr(CpuBackend, "context", lambda self, arrays, stream: _Scope(log))
+    monkeypatch.setattr(CpuBackend, "retry_errors", (_Refused,))
+    contiguous = ops._contiguous
+
+    def watched(array):
+        made = contiguous(array)
+        if made is not array:
+            weakref.finalize(made, log.append, "copy freed")
+        return made
+
+    monkeypatch.setattr(ops, "_contiguous", watched)
+    refused = []
+    # the search times in one workspace after another (the largest first); a call runs one candidate after another
+    name = "measure" if search == "exhaustive" else "run"
+    method = getattr(CpuBackend, name)
+
+    def first_refused(self, *args):
+        if not refused:
+            refused.append(name)  # not the operands, which must go
+            raise refusal("refused")
+        return method(self, *args)
+
+    monkeypatch.setattr(CpuBackend, name, first_refused)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 10, 10))[:, :, ::2, ::2]
+    w = np.asfortranarray(rng.standard_normal((4, 3, 3, 3)))
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with config(algo_search=search), warnings.catch_warnings():
+            warnings.simplefilter("ignore", MemoryFallbackWarning)
+            y = conv_forward(x, w, padding=1)
+    finally:
+        if collecting:
+            gc.enable()
+    assert refused
+    assert rel_err(y, ref_conv_forward(x, w, padding=1)) <= 1e-12
     assert log == ["enter", "copy freed", "copy freed", "exit"]
 
 

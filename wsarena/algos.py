@@ -462,53 +462,59 @@ def run_with_fallback(
     refused: BaseException | None = None
     captured: CaptureError | None = None
     denied: tuple[Candidate, str] | None = None  # the first candidate memory denied, and how
-    for cand in candidates:
-        if limit is not None and cand.workspace_bytes > limit:
-            continue
-        if arena.refusing and _deferred(arena, candidates, cand, stream):
-            limit = arena.held_bytes(stream=stream)
-            denied = denied or (cand, _DEFERRED)
-            continue
-        try:
-            with arena.lease(cand.workspace_bytes, stream=stream, cap=cap) as ws:
-                run(cand, ws)
-        except ArenaOutOfMemoryError as exc:  # entering: the arena could not grow
-            failure = exc
-            limit = arena.held_bytes(stream=stream)
-            denied = denied or (cand, _REFUSED)
-            continue
-        except CaptureError as exc:
-            # A growth that the capture cannot hold: those the stream's buffer holds may run. A refusal of a lease
-            # the buffer holds (or one that `run` raised, whose lease the buffer held) no other candidate changes.
-            limit = arena.held_bytes(stream=stream)
-            if cand.workspace_bytes <= limit:
-                raise
-            captured = captured or exc
-            continue
-        except retry as exc:
-            refused = exc
-            continue
-        except MemoryError as exc:  # the algorithm's own memory: its workspace was there, the rest was not
-            failure = exc
-            denied = denied or (cand, _OWN_MEMORY)
-            continue
+    try:
+        for cand in candidates:
+            if limit is not None and cand.workspace_bytes > limit:
+                continue
+            if arena.refusing and _deferred(arena, candidates, cand, stream):
+                limit = arena.held_bytes(stream=stream)
+                denied = denied or (cand, _DEFERRED)
+                continue
+            try:
+                with arena.lease(cand.workspace_bytes, stream=stream, cap=cap) as ws:
+                    run(cand, ws)
+            except ArenaOutOfMemoryError as exc:  # entering: the arena could not grow
+                failure = exc
+                limit = arena.held_bytes(stream=stream)
+                denied = denied or (cand, _REFUSED)
+                continue
+            except CaptureError as exc:
+                # A growth that the capture cannot hold: those the stream's buffer holds may run. A refusal of a lease
+                # the buffer holds (or one that `run` raised, whose lease the buffer held) no other candidate changes.
+                limit = arena.held_bytes(stream=stream)
+                if cand.workspace_bytes <= limit:
+                    raise
+                captured = captured or exc
+                continue
+            except retry as exc:
+                refused = exc
+                continue
+            except MemoryError as exc:  # the algorithm's own memory: its workspace was there, the rest was not
+                failure = exc
+                denied = denied or (cand, _OWN_MEMORY)
+                continue
+            if captured is not None:
+                _warn_captured(candidates[0], cand, limit or 0, captured)
+            if denied is not None and warn_for is not None:
+                _warn_memory(arena, _fallback_text, cand, *denied, *warn_for)
+            return cand
         if captured is not None:
-            _warn_captured(candidates[0], cand, limit or 0, captured)
-        if denied is not None and warn_for is not None:
-            _warn_memory(arena, _fallback_text, cand, *denied, *warn_for)
-        return cand
-    if captured is not None:
+            if refused is not None:
+                captured.add_note(f"the algorithms the held workspace serves were refused: {refused}")
+            raise captured
         if refused is not None:
-            captured.add_note(f"the algorithms the held workspace serves were refused: {refused}")
-        raise captured
-    if refused is not None:
-        if failure is not None:
-            refused.add_note(f"algorithms needing more memory could not get it: {failure}")
-        raise refused
-    raise NoAlgorithmFitsError(
-        "out of memory: no algorithm fits in the workspace and memory the arena could provide",
-        requested=candidates[0].workspace_bytes,
-        held=arena.held_bytes(stream=stream) if limit is None else limit,
-        cap=cap,
-    ) from failure
+            if failure is not None:
+                refused.add_note(f"algorithms needing more memory could not get it: {failure}")
+            raise refused
+        raise NoAlgorithmFitsError(
+            "out of memory: no algorithm fits in the workspace and memory the arena could provide",
+            requested=candidates[0].workspace_bytes,
+            held=arena.held_bytes(stream=stream) if limit is None else limit,
+            cap=cap,
+        ) from failure
+    finally:
+        # A refusal's traceback holds the frames that ran the candidate, whose operands may be the call's copies,
+        # and this frame, which holds the refusal: a cycle, which would keep them until the garbage collector ran,
+        # after the call's stream block (ops._run). Raised, the exception holds its traceback itself.
+        failure = refused = captured = None
 
