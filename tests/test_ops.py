@@ -393,6 +393,55 @@ def test_the_operands_copies_go_before_the_calls_stream_is_left_after_a_refusal(
     assert log == ["enter", "copy freed", "copy freed", "exit"]
 
 
+@pytest.mark.parametrize("given_out", [False, True], ids=["new", "out"])
+def test_a_result_never_returned_goes_before_the_calls_stream_is_left(monkeypatch, given_out):
+    """A call that raises once its convolution ran (a MemoryFallbackWarning made an error, after the candidate that
+    ran in place of the first) drops the result it made inside the backend's context, while the call's stream object
+    is current and alive, as it drops the operands' copies: it is returned to no one, and after the block CuPy's
+    stream-ordered allocator freed it on the stream current then, which nothing orders after the convolution that
+    writes it. An out= array is the caller's, and kept. The collector is off for the call."""
+    log = []
+    monkeypatch.setattr(CpuBackend, "context", lambda self, arrays, stream: _Scope(log))
+    new_output = ops._new_output
+
+    def watched(record, empty):
+        made = new_output(record, empty)
+        weakref.finalize(made, log.append, "result freed")
+        return made
+
+    monkeypatch.setattr(ops, "_new_output", watched)
+    run = CpuBackend.run
+    ran = []
+
+    def first_out_of_memory(self, pass_, cand, *args):
+        ran.append(cand.algo)
+        if len(ran) == 1:
+            raise MemoryError("the algorithm's own temporaries")
+        run(self, pass_, cand, *args)
+
+    monkeypatch.setattr(CpuBackend, "run", first_out_of_memory)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 3, 6, 6))
+    w = rng.standard_normal((4, 3, 3, 3))
+    out = np.empty((2, 4, 6, 6)) if given_out else None
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", MemoryFallbackWarning)
+            with pytest.raises(MemoryFallbackWarning, match="ran in place of"):
+                conv_forward(x, w, padding=1, out=out)
+    finally:
+        if collecting:
+            gc.enable()
+    assert len(ran) == 2
+    if given_out:
+        assert log == ["enter", "exit"]
+        assert rel_err(out, ref_conv_forward(x, w, padding=1)) <= 1e-12  # written before the warning
+    else:
+        assert log == ["enter", "result freed", "exit"]
+
+
 def test_edge_shapes():
     rng = np.random.default_rng(7)
     # batch 1, 1x1 kernel, kernel as large as the padded input

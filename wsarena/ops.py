@@ -232,10 +232,14 @@ def _run(
 
             run_with_fallback(backend.arena(), chosen, run, stream=stream, cap=cfg.cap_workspace,
                               retry=backend.retry_errors, warn_for=(pass_, geom))
+        except BaseException:
+            if out is None:  # a result returned to no one (the convolution may have run: a warning made an error)
+                result = None
+            raise
         finally:
             # The operands' copies go while the call's stream object lives: CuPy's stream-ordered allocator frees them
             # on it, after the convolution that reads them, where once it is gone it would free them on the stream
-            # current then (arena.streams.cupy_stream). The result is the caller's.
+            # current then (arena.streams.cupy_stream). The result is the caller's, once returned.
             a = b = None
     return result
 
