@@ -4,6 +4,7 @@ GPU tolerances (relative error max|y - ref| / max|ref| against the float64 refer
 no TF32), float16 and bfloat16 2e-2 and 5e-2 (inputs rounded to those types, accumulation in float32).
 """
 
+import dataclasses
 import gc
 import json
 import threading
@@ -490,6 +491,50 @@ def test_an_exhaustive_search_saves_no_verdict_on_findex_entries_failed_for_its_
     assert got == [("fft", 0.1), ("implicit_precomp_gemm", 0.2), ("gemm", 0.5), ("implicit_gemm", 0.9)]
     assert saved == {**{c: t for c, t in got}, "winograd": None} and asked == [300, 300]
     assert process(0x1004) == (got, saved) and asked == [300, 300]  # read back whole, on any operands
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_search_saves_no_verdict_on_entries_failed_in_another_math_type(backend, monkeypatch,
+                                                                                        tmp_path, dtype):
+    """The heuristics list every algorithm of a half-precision descriptor in TENSOR_OP_MATH, and FindEx reports one it
+    tries in DEFAULT_MATH so, failed entries too: fft out of memory there is out of memory of its own (failed), gemm at
+    a misaligned pointer is refused, on 16-byte-aligned operands, as in the candidates' own math type; winograd's
+    NOT_SUPPORTED is a verdict (off 16-byte boundaries, none). Matched to the candidates' own pairs alone, fft and gemm
+    were saved as rejected, and no later process timed them until the cache was cleared."""
+    from wsarena import _search_env
+    from wsarena.backends import PartlyTimed
+    from wsarena.cudnn import Determinism
+
+    det, default, tensor_op = Determinism.DETERMINISTIC, int(MathType.DEFAULT_MATH), int(MathType.TENSOR_OP_MATH)
+    listed = [AlgoPerf(ConvolutionFwdAlgo[name], Status.SUCCESS, -1.0, nbytes, det, tensor_op)
+              for name, nbytes in LISTED.items()]
+    found = [dataclasses.replace(perf, math_type=default) for perf in _entries(FAILED, FINDEX_TIMES)]
+    asked = _findex_stand_in(backend, monkeypatch, listed, found)
+    geom = conv_geometry((2, 4, 8, 8), (4, 4, 3, 3), padding=1, dtype=dtype)
+    cands = {c.algo: c for c in backend.candidates("fwd", geom)}
+    with pytest.raises(PartlyTimed) as caught:
+        backend.measure("fwd", geom, *_operands(0x1000, 0x2000, 0x3000), SimpleNamespace(ptr=0x4000, nbytes=300),
+                        list(cands.values()), None)
+    assert [(c.algo, c.time_ms, c.math_type) for c in caught.value.timed] == [
+        ("implicit_precomp_gemm", 0.2, default), ("implicit_gemm", 0.9, default)]
+    assert caught.value.failed == [cands["fft"]] and caught.value.refused == [cands["gemm"]]
+    with pytest.raises(PartlyTimed) as caught:  # x off a 16-byte boundary: those timed in DEFAULT_MATH are no refusal
+        backend.measure("fwd", geom, *_operands(0x1004, 0x2000, 0x3000), SimpleNamespace(ptr=0x4000, nbytes=300),
+                        list(cands.values()), None)
+    assert caught.value.failed == [cands["fft"]] and caught.value.refused == [cands["gemm"], cands["winograd"]]
+
+    monkeypatch.setattr(backend, "search_environment", lambda: {"device": "stand-in GPU"}, raising=False)
+    monkeypatch.setattr(_search_env, "_known", {})
+    configure(cache_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryFallbackWarning)  # fft ran out of memory of its own
+        algos.select(backend, "fwd", geom, cap=None, search="exhaustive", operands=_operands(0x1000, 0x2000, 0x3000))
+    (entry,) = (tmp_path / "search").glob("*.json")
+    saved = {(r["algo"], r["math_type"]): r["time_ms"] for r in json.loads(entry.read_text())["results"]}
+    assert saved == {("implicit_precomp_gemm", default): 0.2, ("implicit_gemm", default): 0.9,
+                     ("implicit_precomp_gemm", tensor_op): None, ("implicit_gemm", tensor_op): None,
+                     ("winograd", tensor_op): None}
+    assert asked == [300, 300, 300]  # two measures, one search
 
 
 def test_a_call_with_nothing_to_compute_needs_no_workspace(backend, monkeypatch):

@@ -216,7 +216,9 @@ class CudnnBackend:
         # A candidate with no entry of its own pair timed: a failed entry on 16-byte-aligned operands is FindEx's
         # verdict on it for this geometry (NOT_SUPPORTED: left out, rejected), but for a misaligned pointer, or
         # on operands off 16-byte boundaries at all (a search under memory pressure times a view as it is), only
-        # on this call's operands, and out of memory only of this call's: neither is a verdict (PartlyTimed)
+        # on this call's operands, and out of memory only of this call's: neither is a verdict (PartlyTimed). Its
+        # entries are those timed ones would be: its own pair's, else (none reported) its algorithm's in a math type
+        # the dtype may run in (a half-precision one tried in DEFAULT_MATH is reported so, failed or not)
         ran = {(c.algo, c.math_type) for c in timed}
         statuses: dict[tuple[str, int | None], set[int]] = {}
         for perf in perfs:
@@ -228,6 +230,10 @@ class CudnnBackend:
             if (cand.algo, cand.math_type) in ran:
                 continue
             seen = statuses.get((cand.algo, cand.math_type), set())
+            if not seen:
+                if any(c.algo == cand.algo for c in timed):
+                    continue  # timed in another math type
+                seen = set().union(*(statuses.get((cand.algo, math), set()) for math in allowed))
             if seen & _OUT_OF_MEMORY:
                 failed.append(cand)
             elif not aligned or _MISALIGNED in seen:
