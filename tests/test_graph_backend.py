@@ -1165,6 +1165,70 @@ def test_an_exhaustive_search_saves_no_verdict_on_engines_refused_on_its_operand
     assert process(0x1002) == (got, saved, set())  # read back whole: nothing timed, on any operands
 
 
+class RunRefusingBuilder(RefusingBuilder):
+    """A RefusingBuilder whose cuDNN refuses to execute the plans of ``refusals``' names, on any operands, with the
+    status each names."""
+
+    def __init__(self, sizes, refusals, times):
+        super().__init__(sizes, times=times)
+        self.refusals = refusals
+
+    def plan(self, handle, graph, name):
+        from wsarena import cudnn
+
+        made = super().plan(handle, graph, name)
+        if name in self.refusals:
+            def refuse(*args):
+                raise cudnn.CudnnError(int(self.refusals[name]), f"{name} at {args[1:5]}")
+            made.execute = refuse
+        return made
+
+
+def test_measure_leaves_out_an_engine_cudnn_will_not_run_on_aligned_operands(faked, monkeypatch, tmp_path):
+    """A finalized plan whose execution cuDNN refuses (NOT_SUPPORTED) on 16-byte-aligned operands, those every
+    candidate is ranked and sized for, in a lease that holds it, is the engine's verdict on the geometry, as a plan
+    cuDNN will not finalize for them and a FindEx entry failed on them are: left out, saved as rejected, and a later
+    process reads it back, timing nothing. Taken as refused on these operands alone, it was saved neither way, and every
+    process searched the call again. A misaligned pointer (x, w and y aligned: the workspace's) is still refused, and
+    off 16-byte boundaries any refusal."""
+    from wsarena import _search_env
+
+    refusals = {"eng1": cudnn_status.NOT_SUPPORTED, "eng2": cudnn_status.BAD_PARAM_MISALIGNED_POINTER}
+    times = {"eng1": 1, "eng2": 2, "eng3": 3}
+    b = RunRefusingBuilder({}, refusals, times)
+    _stand_in_builder(faked, monkeypatch, b)
+    cands = [Candidate(f"eng{i}", 64) for i in range(1, 4)]
+    w, y = _array(0x2000), _array(0x3000)
+    with pytest.raises(PartlyTimed) as caught:
+        faked.measure("fwd", GEOM, _array(0x1000), w, y, _lease(64), cands, None)
+    assert [(c.algo, c.time_ms) for c in caught.value.timed] == [("eng3", 3.0)]
+    assert caught.value.refused == [cands[1]] and caught.value.failed == []
+    with pytest.raises(PartlyTimed) as caught:
+        faked.measure("fwd", GEOM, _array(0x1002), w, y, _lease(64), cands, None)
+    assert caught.value.refused == cands[:2]
+
+    arena = _Arena()
+    monkeypatch.setattr(faked, "_ranked", lambda handle, pass_, geom: [cands[0], cands[2]])
+    monkeypatch.setattr(faked, "arena", lambda: arena)
+    monkeypatch.setattr(faked, "device_key", lambda: "stand-in")
+    monkeypatch.setattr(faked, "search_environment", lambda: {"device": "stand-in GPU"}, raising=False)
+    monkeypatch.setattr(_search_env, "_known", {})
+    configure(cache_dir=tmp_path)
+
+    def process():
+        """A new process's search on aligned operands: no choice kept, no plan built, the search cache on disk."""
+        algos.cache_clear()
+        b = RunRefusingBuilder({}, {"eng1": cudnn_status.NOT_SUPPORTED}, times)
+        _stand_in_builder(faked, monkeypatch, b)
+        got = algos.select(faked, "fwd", GEOM, cap=None, search="exhaustive", operands=(_array(0x1000), w, y))
+        (entry,) = (tmp_path / "search").glob("*.json")
+        saved = {r["algo"]: r["time_ms"] for r in json.loads(entry.read_text())["results"]}
+        return [(c.algo, c.time_ms) for c in got], saved, len(b.graphs), {e[0] for e in b.executed}
+
+    assert process() == ([("eng3", 3.0)], {"eng1": None, "eng3": 3.0}, 1, {"eng3"})
+    assert process() == ([("eng3", 3.0)], {"eng1": None, "eng3": 3.0}, 0, set())  # read back: nothing built or run
+
+
 def test_the_heuristic_setting_picks_cudnns_mode_and_keys_the_choices(finalizing, monkeypatch):
     """cudnn_heuristic="b" ranks with cuDNN's mode B, for real against the H100's properties; a choice made under
     one mode is not the other's (the algorithm cache is keyed by it)."""

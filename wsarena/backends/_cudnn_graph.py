@@ -235,12 +235,12 @@ class CudnnGraphBackend(CudnnBackend):
     ) -> list[Candidate]:
         """Time each engine configuration's plan for these operands' alignment, on the lease's stream.
 
-        One whose plan cuDNN refuses to finalize for 16-byte-aligned operands is left out: the engine cannot run
-        the geometry, which the search cache keeps. What the operands or the lease alone decide, a plan refused for a
-        view's alignment, one that needs more workspace than the lease holds, an execution cuDNN refuses (a
-        misaligned pointer), is no verdict on the engine: :class:`~wsarena.backends.PartlyTimed` names those
-        (``refused``) beside the timed ones, and those whose plan cuDNN could not allocate for (host or device
-        memory, finalizing or running it: ``failed``, out of memory of their own).
+        One whose plan cuDNN refuses to finalize or execute for 16-byte-aligned operands is left out: the engine
+        cannot run the geometry, which the search cache keeps. What the operands or the lease alone decide, a plan
+        refused for a view's alignment, one that needs more workspace than the lease holds, an execution cuDNN refuses
+        for a misaligned pointer or on a view, is no verdict on the engine: :class:`~wsarena.backends.PartlyTimed`
+        names those (``refused``) beside the timed ones, and those whose plan cuDNN could not allocate for (host or
+        device memory, finalizing or running it: ``failed``, out of memory of their own).
         """
         self._no_device("time algorithms")
         if not any(is_engine_name(c.algo) for c in candidates):
@@ -275,8 +275,12 @@ class CudnnGraphBackend(CudnnBackend):
                     continue
                 try:
                     plan.execute(handle, x, w, y, workspace.ptr)  # warm-up: loads the kernels
-                except self.retry_errors:  # a finalized plan refused at execution: these pointers, this workspace
-                    refused.append(cand)
+                except self.retry_errors as exc:
+                    # A finalized plan refused at execution: for a misaligned pointer (x, w and y aligned, the
+                    # workspace's), or on a view's alignment, these pointers alone; else (NOT_SUPPORTED on 16-byte-
+                    # aligned operands, in a lease that holds it) the engine's verdict on the geometry: left out
+                    if aligned != ALIGNED or isinstance(exc, self._cudnn.CudnnBadParamMisalignedPointerError):
+                        refused.append(cand)
                     continue
                 except short:
                     failed.append(cand)
