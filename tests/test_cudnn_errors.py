@@ -48,6 +48,17 @@ def test_specific_statuses_derive_from_their_category():
     assert not issubclass(cudnn.CudnnNotSupportedError, cudnn.CudnnBadParamError)
 
 
+def test_only_the_allocation_failures_are_memory_errors():
+    """cuDNN's failure to allocate host or device memory (ALLOC_FAILED is the first) is a MemoryError too, as CuPy's
+    out of memory is, so that the ops run the next algorithm; no other status is."""
+    memory = {value for value, cls in cudnn.STATUS_ERRORS.items() if issubclass(cls, MemoryError)}
+    status = cudnn.Status
+    assert memory == {status.INTERNAL_ERROR_HOST_ALLOCATION_FAILED, status.INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED}
+    err = cudnn.CudnnError(int(cudnn.Status.ALLOC_FAILED), "no host memory")
+    assert isinstance(err, MemoryError) and isinstance(err, cudnn.CudnnInternalError)
+    assert type(pickle.loads(pickle.dumps(err))) is type(err)
+
+
 def test_base_class_picks_the_subclass():
     err = cudnn.CudnnError(2008, "shapes differ")
     assert type(err) is cudnn.CudnnBadParamShapeMismatchError

@@ -37,6 +37,7 @@ from wsarena.errors import (
     BackendUnavailableError,
     CaptureError,
     CudnnApiFallbackWarning,
+    MemoryFallbackWarning,
     NoAlgorithmFitsError,
     WorkspaceMemoryError,
 )
@@ -1119,6 +1120,29 @@ def test_measure_names_the_engines_cudnn_had_no_memory_for_as_out_of_memory_of_t
         faked.measure("fwd", GEOM, _array(0x1000), _array(0x2000), _array(0x3000), _lease(64), cands, None)
     assert [(c.algo, c.time_ms) for c in caught.value.timed] == [("eng2", 2.0)]
     assert caught.value.failed == [cands[0], cands[2]] and caught.value.refused == []
+
+
+@pytest.mark.parametrize("where", ["finalize", "execute"])
+def test_a_call_runs_the_next_engine_where_cudnn_could_not_allocate_for_the_first(faked, where):
+    """Outside a search too, a plan cuDNN could not allocate for, finalizing it (device memory) or running it (host
+    memory), is out of memory of its own, as the search takes it: the next candidate runs, a MemoryFallbackWarning says
+    why, and where none can, a NoAlgorithmFitsError (a MemoryError) says so. cuDNN's allocation failures were no
+    MemoryError: the call raised the first one."""
+    b = RefusingBuilder({}, short={"eng1": where})
+    faked._plans = PlanCache(b.graph, b.plan, refused=faked.retry_errors[:1])
+    cands = (Candidate("eng1", 64), Candidate("eng2", 64))
+    x, w, y = _array(0x1000), _array(0x2000), _array(0x3000)
+
+    def run(cand, ws):
+        faked.run("fwd", cand, GEOM, x, w, y, ws, None)
+
+    with pytest.warns(MemoryFallbackWarning, match="eng2 .* in place of eng1 .*out of memory of its own"):
+        ran = algos.run_with_fallback(_Arena(), cands, run, stream=None, cap=None, retry=faked.retry_errors,
+                                      warn_for=("fwd", GEOM))
+    assert ran is cands[1] and [e[0] for e in b.executed] == ["eng2"]
+    with pytest.raises(NoAlgorithmFitsError) as caught:
+        algos.run_with_fallback(_Arena(), cands[:1], run, stream=None, cap=None, retry=faked.retry_errors)
+    assert isinstance(caught.value.__cause__, wsarena.cudnn.CudnnInternalError)
 
 
 def test_an_exhaustive_search_saves_no_verdict_on_engines_refused_on_its_operands_alone(faked, monkeypatch,

@@ -11,7 +11,8 @@ ones and ``COUNT`` included; an enumerator whose value repeats an earlier one be
 
 ``_status_errors.py`` holds one exception class per ``cudnnStatus_t`` value (aliases share their value's class):
 ``CUDNN_STATUS_BAD_PARAM`` -> ``CudnnBadParamError``, ``CUDNN_STATUS_INTERNAL_ERROR`` -> ``CudnnInternalError``.
-A specific status (2003) derives from its category's class (2000), a category from ``CudnnError``.
+A specific status (2003) derives from its category's class (2000), a category from ``CudnnError``; a status of
+memory cuDNN could not allocate (:data:`MEMORY_STATUSES`) from ``MemoryError`` too.
 
 Usage::
 
@@ -123,6 +124,11 @@ def render(enums: dict[str, list[tuple[str, int]]], version: str, headers: tuple
     return "\n".join(lines)
 
 
+# Statuses of memory cuDNN could not allocate: their classes are MemoryErrors too, so that out of memory inside cuDNN
+# runs the next algorithm, as any algorithm's own out of memory does (wsarena.algos.run_with_fallback)
+MEMORY_STATUSES = frozenset({"INTERNAL_ERROR_HOST_ALLOCATION_FAILED", "INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED"})
+
+
 def error_class_name(status: str) -> str:
     """``BAD_PARAM`` -> ``CudnnBadParamError``; ``INTERNAL_ERROR`` -> ``CudnnInternalError`` (no doubled "Error")."""
     camel = "Cudnn" + "".join(word.capitalize() for word in status.split("_"))
@@ -144,7 +150,8 @@ def render_status_errors(statuses: list[tuple[str, int]], version: str, headers:
         '"""One exception class per cuDNN status, mirrored from ``cudnnStatus_t``.',
         "",
         "A specific status (2003) derives from its category's class (2000), so ``except CudnnBadParamError`` catches",
-        "every 2xxx status; ``CudnnError(status)`` returns an instance of the status's class.",
+        "every 2xxx status; ``CudnnError(status)`` returns an instance of the status's class. A status of memory cuDNN",
+        "could not allocate (host or device) is a ``MemoryError`` too.",
         '"""',
         "",
         "from __future__ import annotations",
@@ -158,6 +165,8 @@ def render_status_errors(statuses: list[tuple[str, int]], version: str, headers:
     for value in order:
         parent = names.get(value // 1000 * 1000, "CudnnError") if value % 1000 else "CudnnError"
         doc = f"cuDNN returned ``CUDNN_STATUS_{canonical[value]}`` ({value})."
+        if canonical[value] in MEMORY_STATUSES:
+            parent += ", MemoryError"
         lines += ["", "", f"class {names[value]}({parent}):", f'    """{doc}"""']
     lines += [
         "",

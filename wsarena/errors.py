@@ -7,7 +7,8 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
     │   └── wsarena.cudnn.CudnnNotFoundError
     ├── CaptureError (RuntimeError)                a call in a CUDA graph capture would search, finalize a plan,
     │                                              create a handle or grow the arena; nothing was enqueued
-    ├── wsarena.cudnn.CudnnError (RuntimeError)    a cuDNN status; one subclass per status
+    ├── wsarena.cudnn.CudnnError (RuntimeError)    a cuDNN status; one subclass per status (those of memory cuDNN
+    │   │                                          could not allocate, host or device, are MemoryErrors too)
     │   └── wsarena.cudnn.graph.DevicePropertiesError
     │                                              device properties that describe no GPU (BAD_PARAM; a ValueError)
     ├── UnsupportedConvolutionError (ValueError)   the backend has no algorithm at all for this convolution

@@ -15,7 +15,8 @@
         ├── CudnnNotSupportedError                                  3000
         │   └── CudnnNotSupportedShapeError, ...                    3xxx
         ├── CudnnInternalError                                      4000
-        │   └── ...                                                 4xxx
+        │   └── ...                                                 4xxx (4003, 4004: allocation failed, host or
+        │                                                           device; MemoryErrors too)
         └── CudnnExecutionFailedError                               5000
             └── ...                                                 5xxx
 

@@ -3,7 +3,8 @@
 """One exception class per cuDNN status, mirrored from ``cudnnStatus_t``.
 
 A specific status (2003) derives from its category's class (2000), so ``except CudnnBadParamError`` catches
-every 2xxx status; ``CudnnError(status)`` returns an instance of the status's class.
+every 2xxx status; ``CudnnError(status)`` returns an instance of the status's class. A status of memory cuDNN
+could not allocate (host or device) is a ``MemoryError`` too.
 """
 
 from __future__ import annotations
@@ -223,11 +224,11 @@ class CudnnInternalErrorUnexpectedValueError(CudnnInternalError):
     """cuDNN returned ``CUDNN_STATUS_INTERNAL_ERROR_UNEXPECTED_VALUE`` (4002)."""
 
 
-class CudnnInternalErrorHostAllocationFailedError(CudnnInternalError):
+class CudnnInternalErrorHostAllocationFailedError(CudnnInternalError, MemoryError):
     """cuDNN returned ``CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED`` (4003)."""
 
 
-class CudnnInternalErrorDeviceAllocationFailedError(CudnnInternalError):
+class CudnnInternalErrorDeviceAllocationFailedError(CudnnInternalError, MemoryError):
     """cuDNN returned ``CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED`` (4004)."""
 
 
