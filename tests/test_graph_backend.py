@@ -1112,7 +1112,7 @@ def test_measure_says_which_engines_it_refused_on_these_operands_alone(faked, mo
 def test_measure_names_the_engines_cudnn_had_no_memory_for_as_out_of_memory_of_their_own(faked, monkeypatch):
     """A plan cuDNN could not allocate for, finalizing it (device memory) or running it (host memory), is out of memory
     of its own (PartlyTimed's failed: ranked after the timed ones, no verdict the search cache keeps), not an error
-    that ends the search: cuDNN's allocation failures are no MemoryError, and the whole search raised it."""
+    that ends measure(): the search would lose every engine of the lease with it."""
     b = RefusingBuilder({}, times={"eng1": 1, "eng2": 2, "eng3": 3}, short={"eng1": "finalize", "eng3": "execute"})
     _stand_in_builder(faked, monkeypatch, b)
     cands = [Candidate(f"eng{i}", 64) for i in range(1, 4)]
