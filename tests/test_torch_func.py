@@ -639,6 +639,31 @@ def test_forward_mode_under_torch_compile_gives_torchs_tangents(case, transposed
                       fullgraph=True)(x, w, b)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_forward_mode_in_a_function_torch_compile_runs_rather_than_traces_calls_no_graph_break(transposed):
+    """Dynamo runs a function of ``torch._dynamo.allow_in_graph``'s on fake tensors rather than tracing it, while
+    ``torch.compiler.is_compiling()`` is true (PyTorch 2.13 holds it so for the whole compile): under forward AD a
+    convolution there runs as it does outside torch.compile, and its result is torch's (float64, within 1e-10). It
+    took the graph break meant for Dynamo's trace, which runs the convolution again where it is called, and so
+    again, without end: a RecursionError, which failed the compile. (Its tangent is lost: the graph holds the
+    operator, which has no forward mode, README.)"""
+    import torch.autograd.forward_ad as fwad
+
+    case = TRANSPOSE_CASES[1] if transposed else CASES[1]
+    ours, theirs = (TRANSPOSE_FUNCTIONS if transposed else FUNCTIONS)[case[0]]
+    (x, w, b), (dx, _, _) = _operands(case, transposed)
+
+    @torch._dynamo.allow_in_graph
+    def block(x, w, b):
+        return ours(x, w, b, **case[3])
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, b: block(x, w, b).tanh(), backend="aot_eager")
+    with fwad.dual_level():
+        got = fwad.unpack_dual(compiled(fwad.make_dual(x, dx), w, b)).primal
+    assert close(got, theirs(x, w, b, **case[3]).tanh())
+
+
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
 def test_jacfwd_and_hessians_match_torchs(fmt):
     """``hessian`` is ``jacfwd(jacrev(...))``: forward mode over the backward passes, each Function's tangent.

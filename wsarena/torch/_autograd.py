@@ -278,19 +278,23 @@ def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: A
     with its registered gradient: an exported program keeps no Function (a strict export runs a Function's forward
     without gradient), and Dynamo would trace the Function into ``autograd_function_apply``, whose backward is handed
     zeros where no gradient reaches the output, where the operator's gradient is handed ``None``. But where forward
-    AD is on in a torch.compile trace (dual tensors, ``torch.func.jvp``, ``jacfwd``, ``hessian``), the form with a
-    ``jvp`` outside the graph, by a graph break (:data:`_uncompiled`): the operator has no forward mode and would
-    drop the tangents, and Dynamo takes no Function with a ``jvp``. Where no gradient can be asked of the result
-    (grad mode off, as under ``torch.no_grad()`` and in inference mode, no forward AD, no ``torch.jit.trace``), the
-    operator alone, by :func:`wsarena.torch._ops.call_unrecorded`: a Function would record nothing there, and costs
-    some 15 us a call (bench/RESULTS.md). Except in the older form, the bias is added to the result by PyTorch
-    (:func:`add_bias`), which records it where it is differentiated."""
+    AD is on as Dynamo traces (dual tensors, ``torch.func.jvp``, ``jacfwd``, ``hessian``), the form with a ``jvp``
+    outside the graph, by a graph break (:data:`_uncompiled`): the operator has no forward mode and would drop the
+    tangents, and Dynamo takes no Function with a ``jvp``; in code a compile runs rather than traces, that form as
+    outside a compile. Where no gradient can be asked of the result (grad mode off, as under ``torch.no_grad()``
+    and in inference mode, no forward AD, no ``torch.jit.trace``), the operator alone, by
+    :func:`wsarena.torch._ops.call_unrecorded`: a Function would record nothing there, and costs some 15 us a call
+    (bench/RESULTS.md). Except in the older form, the bias is added to the result by PyTorch (:func:`add_bias`),
+    which records it where it is differentiated."""
     if _ops.exporting():
         return add_bias(function.forward(*args), bias)
     if torch.compiler.is_compiling():
-        if forward_ad._current_level >= 0:
+        if forward_ad._current_level < 0:
+            return add_bias(function.forward(*args), bias)
+        if torch.compiler.is_dynamo_compiling():
             return _uncompiled(function, bias, *args)
-        return add_bias(function.forward(*args), bias)
+        # forward AD in code the compiler runs rather than traces (a function of torch._dynamo.allow_in_graph's, on
+        # fake tensors), where _uncompiled would call this again without end: a form with a jvp, as outside it
     if _transforms_active():
         return add_bias(_FORWARD[function].apply(*args[:2], _Rest(args[2:])), bias)
     if not torch.is_grad_enabled() and forward_ad._current_level < 0 and not torch.jit.is_tracing():
