@@ -664,6 +664,29 @@ def test_forward_mode_in_a_function_torch_compile_runs_rather_than_traces_calls_
     assert close(got, theirs(x, w, b, **case[3]).tanh())
 
 
+def test_a_graph_compiled_without_forward_mode_is_not_run_under_it():
+    """The check for forward AD is made as Dynamo traces, which guards the level it read: a function compiled
+    without forward AD, in one graph, compiles again where it is called with dual tensors, whose tangent is torch's
+    (float64, within 1e-10), not the first graph's, which has none."""
+    import torch.autograd.forward_ad as fwad
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    case = CASES[1]
+    (x, w, b), (dx, dw, _) = _operands(case, False)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x, w, b: wt.conv2d(x, w, b, **case[3]).tanh(), backend=counter)
+
+    def tangent(f):
+        with fwad.dual_level():
+            return fwad.unpack_dual(f(fwad.make_dual(x, dx), fwad.make_dual(w, dw), b)).tangent
+
+    assert close(compiled(x, w, b), F.conv2d(x, w, b, **case[3]).tanh()) and counter.frame_count == 1
+    got = tangent(compiled)
+    assert got is not None and close(got, tangent(lambda x, w, b: F.conv2d(x, w, b, **case[3]).tanh()))
+    assert counter.frame_count > 1
+
+
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
 def test_jacfwd_and_hessians_match_torchs(fmt):
     """``hessian`` is ``jacfwd(jacrev(...))``: forward mode over the backward passes, each Function's tangent.
