@@ -248,6 +248,7 @@ def parser() -> _Parser:
                        "the unreadable files")
     cache.add_argument("--format", choices=("text", "json"), default="text", help="default text")
 
-    info = sub.add_parser("info", help="versions, library paths, devices, and the backend 'auto' picks")
+    info = sub.add_parser("info", help="versions (PyTorch's too), library paths, devices, the backend 'auto' picks, "
+                                       "and the settings in force with where each comes from")
     info.add_argument("--format", choices=("text", "json"), default="text", help="default text")
     return command

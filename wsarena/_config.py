@@ -521,6 +521,23 @@ def origin(key: str) -> str:
     return _origins(overridden()).get(key, "default")
 
 
+def in_force() -> dict[str, tuple[Any, str, str | None]]:
+    """Each setting in force here, as ``wsarena info`` shows it: ``(value, source, error)``, ``source`` as
+    :func:`origin` names it. ``error`` is that of an invalid environment variable nothing has replaced, which reading
+    the settings raises (its ``value`` then the default, its ``source`` ``"environment"``); ``None`` for the rest.
+    Never raises."""
+    settings = overridden()
+    if settings is None:
+        settings, errors, origins = _base_state()  # one state: a configure() of another thread changes neither
+    else:  # a block's settings: an invalid variable was refused where it began, or replaced
+        errors, origins = {}, _origins(settings)
+    return {
+        f.name: (getattr(settings, f.name), "environment" if f.name in errors else origins.get(f.name, "default"),
+                 errors.get(f.name))
+        for f in dataclasses.fields(Config)
+    }
+
+
 def _reset() -> None:
     """Forget every change and re-read the environment on next use (for tests)."""
     global _state

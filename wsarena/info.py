@@ -1,17 +1,23 @@
-"""What ``wsarena info`` prints: versions, library paths, devices, and the backend ``auto`` picks.
+"""What ``wsarena info`` prints: versions (PyTorch's too), library paths, devices, the backend ``auto`` picks, and the
+settings in force with where each comes from.
 
 Every probe here reports failure as text instead of raising, so the command works on any machine.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import platform
 import sys
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from . import __version__
+from ._config import in_force
 from ._gpu import gpu_count, gpu_unusable_reason
+from ._report_cli import printable
+from ._sizes import format_size
 
 __all__ = ["collect_info", "render_info"]
 
@@ -76,6 +82,49 @@ def _cudnn() -> dict[str, Any]:
     return library_info()
 
 
+def _torch() -> dict[str, Any]:
+    """PyTorch as ``wsarena.torch`` finds it: ``installed`` (a ``torch`` package is found); once imported, its
+    ``version`` and ``cuda``, the CUDA version its build is for (``None`` for a CPU build); or ``error``, why it cannot
+    be imported. Importing it takes a second or two, as a report of the environment is expected to (PyTorch's own
+    ``collect_env`` imports it): a torch installed but broken (a CUDA library missing) is what it should show."""
+    out: dict[str, Any] = {"installed": False, "version": None, "cuda": None, "error": None}
+    try:
+        out["installed"] = importlib.util.find_spec("torch") is not None
+        if not out["installed"]:
+            return out
+        import torch
+
+        out["version"] = str(torch.__version__)
+        cuda = getattr(getattr(torch, "version", None), "cuda", None)
+        out["cuda"] = None if cuda is None else str(cuda)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        lines = str(exc).strip().splitlines()
+        out["error"] = f"cannot be imported: {type(exc).__name__}" + (f": {lines[0]}" if lines else "")
+    return out
+
+
+def _settings() -> dict[str, dict[str, Any]]:
+    """The settings in force, each as ``{"value", "source", "error"}`` (:func:`wsarena._config.in_force`), JSON-ready:
+    a size in bytes or ``None``, ``cache_dir`` a str or ``None`` (no cache); ``value`` is ``None`` where ``error``
+    says that its environment variable is invalid."""
+    return {
+        name: {"value": None if error is not None else str(value) if isinstance(value, Path) else value,
+               "source": source, "error": error}
+        for name, (value, source, error) in in_force().items()
+    }
+
+
+def _shown_setting(name: str, value: Any) -> str:
+    """A setting's value as the text form shows it: a size as a size, ``none`` and ``off`` as the settings take them."""
+    if name == "cache_dir":
+        return "off" if value is None else printable(value)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if name in ("cap_workspace", "search_cache_max_size"):
+        return "none" if value is None else format_size(value)
+    return str(value)
+
+
 def collect_info() -> dict[str, Any]:
     """Gather everything ``wsarena info`` reports, as a JSON-ready dict; never raises."""
     from .backends import resolve_backend_name
@@ -99,6 +148,8 @@ def collect_info() -> dict[str, Any]:
         "cuda": _cuda_versions(),
         "gpu": {"usable": gpu_unusable_reason() is None, "reason": gpu_unusable_reason(), "devices": _devices()},
         "auto_backend": resolve_backend_name("auto"),
+        "torch": _torch(),
+        "settings": _settings(),
     }
 
 
@@ -107,6 +158,14 @@ def render_info(data: dict[str, Any]) -> str:
     lines = [f"wsarena {data['wsarena_version']}  ({data['python']}, {data['platform']})", "packages:"]
     for name, version in data["packages"].items():
         lines.append(f"  {name:<16} {version or 'not installed'}")
+    torch = data["torch"]
+    if torch["error"] is not None:
+        shown = torch["error"]
+    elif torch["version"] is None:
+        shown = "not installed"
+    else:
+        shown = f"{torch['version']} ({'CPU build' if torch['cuda'] is None else 'built for CUDA ' + torch['cuda']})"
+    lines.append(f"  {'torch':<16} {shown}")
     cudnn = data["cudnn"]
     if cudnn.get("found"):
         cudart = cudnn.get("cudart_version")
@@ -131,4 +190,10 @@ def render_info(data: dict[str, Any]) -> str:
     else:
         lines.append(f"devices: none ({gpu['reason']})")
     lines.append(f"backend 'auto' picks: {data['auto_backend']}")
+    lines.append("settings (and where each comes from):")
+    for name, setting in data["settings"].items():
+        if setting["error"] is not None:
+            lines.append(f"  {name:<22} invalid: {setting['error']}")
+        else:
+            lines.append(f"  {name:<22} {_shown_setting(name, setting['value'])} ({setting['source']})")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,96 @@
+"""`wsarena info`: PyTorch's version and the settings in force, each with where it comes from."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+
+import pytest
+
+import wsarena
+from wsarena._config import Config
+from wsarena.info import collect_info, render_info
+
+from .cli_helpers import run_cli
+
+
+def _setting_lines(text: str) -> dict[str, str]:
+    """The settings block of ``wsarena info``'s text: each setting's name and what its line shows."""
+    lines = text.splitlines()
+    start = lines.index("settings (and where each comes from):")
+    return dict(line.split(None, 1) for line in lines[start + 1:])
+
+
+def test_info_shows_every_setting_its_value_and_where_it_comes_from(monkeypatch, tmp_path):
+    """It showed none of them: the cap, the allocator or the API path in force could not be told from it."""
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", "256MiB")
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path))
+    wsarena.configure(allocator="cupy", cudnn_api="legacy")
+    settings = collect_info()["settings"]
+    assert list(settings) == [f.name for f in dataclasses.fields(Config)]
+    assert settings["cap_workspace"] == {"value": 256 << 20, "source": "environment", "error": None}
+    assert settings["cache_dir"] == {"value": str(tmp_path), "source": "environment", "error": None}
+    assert settings["allocator"] == {"value": "cupy", "source": "configure", "error": None}
+    assert settings["cudnn_api"] == {"value": "legacy", "source": "configure", "error": None}
+    defaults = Config()
+    for name in ("algo_search", "backend", "cudnn_heuristic", "plan_cache_size", "debug", "search_cache_max_size"):
+        assert settings[name] == {"value": getattr(defaults, name), "source": "default", "error": None}, name
+    shown = _setting_lines(render_info(collect_info()))
+    assert shown["cap_workspace"] == "256 MiB (environment)"
+    assert shown["allocator"] == "cupy (configure)" and shown["cudnn_api"] == "legacy (configure)"
+    assert shown["search_cache_max_size"] == "64 MiB (default)" and shown["debug"] == "off (default)"
+    assert shown["cache_dir"] == f"{tmp_path} (environment)"
+    with wsarena.config(cap_workspace=0, cache_dir=None):
+        shown = _setting_lines(render_info(collect_info()))
+    assert shown["cap_workspace"] == "0 B (config)" and shown["cache_dir"] == "off (config)"
+    assert shown["allocator"] == "cupy (configure)"
+
+
+def test_info_shows_an_invalid_variable_with_its_error_and_still_exits_0():
+    """Reading the settings raises for it: info says so in place of a value, and goes on."""
+    r = run_cli("info", env={"WSARENA_ALGO_SEARCH": "fastest", "WSARENA_DEBUG": "1"})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    shown = _setting_lines(r.stdout)
+    assert shown["algo_search"].startswith("invalid: environment variable WSARENA_ALGO_SEARCH='fastest': ")
+    assert shown["debug"] == "on (environment)" and shown["backend"] == "auto (default)"
+    r = run_cli("info", "--format", "json", env={"WSARENA_ALGO_SEARCH": "fastest", "WSARENA_DEBUG": "1"})
+    settings = json.loads(r.stdout)["settings"]
+    assert settings["algo_search"]["value"] is None and settings["algo_search"]["source"] == "environment"
+    assert settings["algo_search"]["error"].startswith("environment variable WSARENA_ALGO_SEARCH='fastest': ")
+    assert settings["debug"] == {"value": True, "source": "environment", "error": None}
+
+
+def test_info_shows_pytorchs_version_and_build():
+    """It named no PyTorch at all, which wsarena.torch needs."""
+    torch = pytest.importorskip("torch")
+    found = collect_info()["torch"]
+    assert found == {"installed": True, "version": torch.__version__, "cuda": torch.version.cuda, "error": None}
+    build = "CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+    assert f"  torch            {torch.__version__} ({build})" in render_info(collect_info()).splitlines()
+    r = run_cli("info", "--format", "json")
+    assert r.returncode == 0 and json.loads(r.stdout)["torch"] == found
+
+
+class Broken:
+    """A finder whose ``torch`` fails to import as a build missing a CUDA library does."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            raise OSError("libcudnn.so.9: cannot open shared object file\nmore lines of the loader")
+
+
+def test_info_says_when_pytorch_is_missing_or_cannot_be_imported(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    data = collect_info()
+    assert data["torch"] == {"installed": False, "version": None, "cuda": None, "error": None}
+    assert "  torch            not installed" in render_info(data).splitlines()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torch" else real(name, *a))
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    data = collect_info()
+    assert data["torch"] == {"installed": True, "version": None, "cuda": None,
+                             "error": "cannot be imported: OSError: libcudnn.so.9: cannot open shared object file"}
+    assert f"  torch            {data['torch']['error']}" in render_info(data).splitlines()
