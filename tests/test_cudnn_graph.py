@@ -286,6 +286,18 @@ def test_device_properties_refuse_json_without_a_member_and_need_a_device_otherw
     assert json.loads(graph.device_properties_json(again)) == json.loads(graph.device_properties_json(props))
 
 
+def test_device_properties_read_json_text_that_starts_with_a_byte_order_mark_as_without_it(props):
+    """As plan() reads it (a file saved by a Windows editor): device_properties() handed cuDNN the mark, which it
+    refused as no JSON, and its own checks could not read the members (a value no GPU has went unnamed)."""
+    text = (DATA / "h100-handwritten.json").read_text()
+    with_mark = graph.device_properties("\ufeff" + text)
+    assert json.loads(graph.device_properties_json(with_mark)) == json.loads(graph.device_properties_json(props))
+    bad = json.loads(text) | {"multiProcessorCount": 0}
+    with pytest.raises(graph.DevicePropertiesError, match="multiProcessorCount is 0: a GPU has at least 1") as caught:
+        graph.device_properties("\ufeff" + json.dumps(bad), source="gpu.json")
+    assert (caught.value.source, caught.value.member) == ("gpu.json", "multiProcessorCount")
+
+
 @pytest.mark.parametrize("reuse", [True, False])
 def test_plan_execute_gives_cudnn_a_finalized_pack_in_both_modes(props, monkeypatch, reuse):
     """cudnnBackendExecute replaced (it needs a GPU); everything before it is cuDNN's own."""

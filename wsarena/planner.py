@@ -266,17 +266,19 @@ def plan(
         if search == "exhaustive" or max_slowdown is not None:
             raise ValueError("device_properties plans without the GPU: it cannot time algorithms (search heuristic)")
         backend, search = "cudnn", "heuristic"
+        from .cudnn._deviceprops import without_bom  # the cuDNN layer plans for them: loaded here, not with wsarena
+
         text = os.fspath(device_properties) if isinstance(device_properties, (str, os.PathLike)) else None
         if not isinstance(text, str):  # a dict of them, or bytes: os.fspath's own error named nothing
             raise TypeError("device_properties must be the JSON text or a file holding it (a str or a path), not "
                             f"{device_properties!r:.80}")
         # a path is a file, whatever its name ({gpu}.json); a str is the JSON text where it starts as one (after a
         # byte order mark, as a file that has one reads with the utf-8 codec)
-        file = isinstance(device_properties, os.PathLike) or not text.removeprefix("\ufeff").lstrip().startswith("{")
+        file = isinstance(device_properties, os.PathLike) or not without_bom(text).lstrip().startswith("{")
         source = text if file else None
         if not file:
             _refuse_large(len(text.encode("utf-8", "surrogatepass")), "given as text")
-        device_properties = _read_properties(text) if file else text.removeprefix("\ufeff")
+        device_properties = without_bom(_read_properties(text) if file else text)
     if max_slowdown is not None:
         if cap_workspace is not _FROM_CONFIG:
             raise ValueError("give cap_workspace or max_slowdown, not both: max_slowdown chooses the cap")
@@ -307,7 +309,7 @@ def _read_properties(path: str) -> str:
         raise ValueError(f"cannot read the device properties {short_path(path)}: {why}") from None
     _refuse_large(len(data), short_path(path))
     try:
-        return data.decode("utf-8-sig")  # a byte order mark first, as Windows editors write it, as load_json() reads
+        return data.decode("utf-8")  # a byte order mark first is kept, for without_bom() to drop
     except UnicodeDecodeError as exc:
         raise ValueError(f"device properties {short_path(path)} are not a JSON text file (not UTF-8: {exc})") from None
 

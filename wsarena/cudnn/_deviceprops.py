@@ -84,6 +84,13 @@ def _error(message: str, source: str | None, member: str | None, status: int = S
     return exc
 
 
+def without_bom(text: str) -> str:
+    """Device properties' JSON ``text`` without the byte order mark it may start with (as Windows editors save UTF-8,
+    and as the utf-8 codec reads it), which neither ``json.loads`` nor cuDNN takes: what :func:`device_properties` and
+    :func:`wsarena.plan` read of it."""
+    return text.removeprefix("\ufeff")
+
+
 def members(text: str) -> dict[str, Any] | None:
     """The JSON object ``text`` as cuDNN reads it (of a member given twice, the first: ``json.loads`` would keep the
     last); ``None`` if it is no JSON object."""
@@ -146,9 +153,9 @@ def check_members(text: str, source: str | None = None) -> None:
 def device_properties(
     text: str | None = None, *, handle: Any = None, device: int | None = None, source: str | None = None
 ) -> BackendDescriptor:
-    """A finalized ``DEVICEPROP`` descriptor: from JSON ``text`` (no device needed), or from a GPU (``handle`` or
-    ``device``), whose JSON :func:`device_properties_json` then gives. ``source``: the file ``text`` came from, for
-    the errors.
+    """A finalized ``DEVICEPROP`` descriptor: from JSON ``text`` (no device needed; a byte order mark first is
+    dropped, :func:`without_bom`), or from a GPU (``handle`` or ``device``), whose JSON :func:`device_properties_json`
+    then gives. ``source``: the file ``text`` came from, for the errors.
 
     Raises
     ------
@@ -166,6 +173,7 @@ def device_properties(
             "planning for a GPU from its properties needs cuDNN 9.8 or later"
         )
     if text is not None:
+        text = without_bom(text)
         check_members(text, source)
     props = BackendDescriptor(D.DEVICEPROP_DESCRIPTOR)
     if text is not None:
