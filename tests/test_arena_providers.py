@@ -4,10 +4,12 @@ memory (``MemoryError``, hence ``ArenaOutOfMemoryError`` from the arena) and whi
 import contextlib
 import weakref
 
+import numpy as np
 import pytest
 
-from wsarena.arena import Arena
-from wsarena.errors import ArenaOutOfMemoryError
+import wsarena
+from wsarena.arena import Arena, HostProvider, set_arena
+from wsarena.errors import ArenaOutOfMemoryError, BackendUnavailableError
 
 
 def test_cupy_provider_reports_a_failed_cudamalloc_as_out_of_memory(monkeypatch):
@@ -123,3 +125,46 @@ def test_device_providers_read_a_streams_id_from_cuda_bindings(monkeypatch):
     monkeypatch.setattr(rt, "cudaStreamGetId", get_id)
     provider = CupyProvider(0)
     assert provider.stream_id(7) == 42 and provider.stream_id(8) is None
+
+
+class LeaseOnlyProvider:
+    """A provider of leases alone: what Arena() requires, without as_array and fill."""
+
+    device_id = None
+
+    def __init__(self):
+        self.host = HostProvider()
+
+    def allocate(self, size, *, stream=None):
+        return self.host.allocate(size, stream=stream)
+
+    def deallocate(self, buffer, *, stream=None):
+        self.host.deallocate(buffer, stream=stream)
+
+
+def test_a_provider_of_leases_alone_leases_and_a_convolution_on_it_names_the_method_it_lacks():
+    """The first convolution failed with an AttributeError from inside the cpu backend; now the typed error of an
+    arena that cannot run it, naming the method, where it is needed: a lease still works, before and after."""
+    arena = Arena(LeaseOnlyProvider())
+    with arena.lease(100) as ws:
+        assert ws.ptr and ws.nbytes == 100
+    set_arena("cpu", arena)
+    x, w = np.ones((1, 2, 6, 6), np.float32), np.ones((3, 2, 3, 3), np.float32)
+    for algo in ("gemm_per_image", "implicit_gemm"):  # a workspace, and none: each computes on ws.array
+        with pytest.raises(BackendUnavailableError, match=r"ws\.array \(the array the cpu backend computes on\) needs "
+                           r"the arena's provider to have as_array\(buffer, nbytes\), and LeaseOnlyProvider has not"):
+            wsarena.conv_forward(x, w, algo=algo)
+    with arena.lease(100) as ws:  # the lane was let go
+        assert ws.ptr
+    set_arena("cpu", Arena(HostProvider()))
+    np.testing.assert_allclose(wsarena.conv_forward(x, w), np.full((1, 3, 4, 4), 18.0), rtol=1e-6)
+
+
+def test_debug_mode_on_a_provider_of_leases_alone_names_fill_and_lets_the_lane_go():
+    arena = Arena(LeaseOnlyProvider())
+    refused = pytest.raises(BackendUnavailableError, match=r"debug mode .* fill\(buffer, value, nbytes, \*, stream\), "
+                            "and LeaseOnlyProvider has not")
+    with wsarena.config(debug=True), refused, arena.lease(64):
+        pass
+    with arena.lease(64) as ws:
+        assert ws.nbytes == 64

@@ -3,7 +3,8 @@
 Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argument. Everything else::
 
     WsarenaError
-    ├── BackendUnavailableError (RuntimeError)     the environment cannot do it: no GPU, no libcudnn
+    ├── BackendUnavailableError (RuntimeError)     the environment cannot do it: no GPU, no libcudnn, an arena
+    │                                              whose provider lacks a method the call needs (as_array, fill)
     │   └── wsarena.cudnn.CudnnNotFoundError
     ├── CaptureError (RuntimeError)                a call in a CUDA graph capture would search, finalize a plan,
     │                                              create a handle or grow the arena; nothing was enqueued
@@ -60,7 +61,8 @@ class WsarenaError(Exception):
 
 
 class BackendUnavailableError(WsarenaError, RuntimeError):
-    """The requested backend cannot run here (no usable GPU, no libcudnn, ...)."""
+    """The requested backend cannot run here (no usable GPU, no libcudnn, an arena whose provider lacks the method
+    the call needs, ...)."""
 
 
 class CaptureError(WsarenaError, RuntimeError):

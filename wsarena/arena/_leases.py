@@ -10,6 +10,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from ._sub import _Block, _Owner, _SubArena, this_thread, wait
+from .providers import missing_method
 from .streams import PerThreadStream
 
 if TYPE_CHECKING:
@@ -105,7 +106,10 @@ def _end(self: Arena, ws: Workspace) -> None:
                 sub.ending = weakref.ref(owner)
         try:
             if poison:
-                self.provider.fill(block.buffer, POISON_BYTE, ws.nbytes, stream=sub.stream)
+                fill = getattr(self.provider, "fill", None)
+                if fill is None:  # a provider of leases alone
+                    raise missing_method(self.provider, "fill")
+                fill(block.buffer, POISON_BYTE, ws.nbytes, stream=sub.stream)
         finally:
             del owner  # not kept alive by a traceback that holds this frame
     with self._lock:

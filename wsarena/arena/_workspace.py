@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from .._sizes import format_size
 from ._interrupts import finish
+from .providers import missing_method
 from .streams import raw_handle
 
 if TYPE_CHECKING:
@@ -106,7 +107,12 @@ class Workspace:
         array = self._array
         if array is None:
             buffer = self._block.buffer if self._block is not None else None
-            array = self._array = self._arena.provider.as_array(buffer, self.nbytes)
+            provider = self._arena.provider
+            try:
+                as_array = provider.as_array
+            except AttributeError:  # a provider of leases alone
+                raise missing_method(provider, "as_array") from None
+            array = self._array = as_array(buffer, self.nbytes)
         return array
 
     def __enter__(self) -> Self:

@@ -3,7 +3,8 @@
 A provider is shaped like cuda.core's ``MemoryResource``: ``allocate(size, *, stream)`` returns a
 :class:`Buffer`, ``deallocate(buffer, *, stream)`` gives it back in stream order, and ``device_id`` says whose
 memory it is (``None``: the host's, whose sub-arenas are CPU lanes). Two more methods serve the workspace itself:
-``as_array`` (the array a backend computes on) and ``fill`` (debug poisoning); a device provider also has
+``as_array`` (the array the cpu backend computes on) and ``fill`` (debug poisoning), which a provider of leases
+alone may leave out (:func:`missing_method` says what needs them where called); a device provider also has
 ``capture(stream)``, the CUDA graph capture under way on a stream (or ``None``), for leases taken during capture,
 and ``stream_id(stream)``, CUDA's id of the stream a live handle names (or ``None``: unknown, as for a provider
 without the method), which tells a new stream given a dead stream's handle from the dead one. The arena calls
@@ -36,6 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .._sizes import format_size
+from ..errors import BackendUnavailableError
 from ._capture import capture_of
 from .streams import PER_THREAD_DEFAULT_STREAM, cupy_stream
 
@@ -99,10 +101,30 @@ class MemoryProvider(Protocol):
         """Release ``buffer`` after the work already enqueued on ``stream``; ``None``: the stream may be gone."""
 
     def as_array(self, buffer: Buffer | None, nbytes: int) -> Any:
-        """A 1-D ``uint8`` array over the first ``nbytes`` of ``buffer`` (NumPy on the host, CuPy on a device)."""
+        """A 1-D ``uint8`` array over the first ``nbytes`` of ``buffer`` (NumPy on the host, CuPy on a device): what
+        ``ws.array`` gives, which the cpu backend computes on. A provider of leases alone may leave it out."""
 
     def fill(self, buffer: Buffer, value: int, nbytes: int, *, stream: Any) -> None:
-        """Set the first ``nbytes`` of ``buffer`` to the byte ``value``, in stream order (debug poisoning)."""
+        """Set the first ``nbytes`` of ``buffer`` to the byte ``value``, in stream order (debug poisoning). A provider
+        of leases alone may leave it out, if debug mode is not used."""
+
+
+# What needs each of the methods that a provider of leases alone (device_id, allocate, deallocate) may leave out
+_NEEDED_FOR = {
+    "as_array": ("ws.array (the array the cpu backend computes on)", "as_array(buffer, nbytes)"),
+    "fill": ("debug mode (it poisons released workspace bytes)", "fill(buffer, value, nbytes, *, stream)"),
+}
+
+
+def missing_method(provider: Any, name: str) -> BackendUnavailableError:
+    """The error of a call that needs ``provider``'s method ``name``, ``"as_array"`` or ``"fill"``, where it has none:
+    :class:`~wsarena.arena.Arena` does not require them, since a provider of leases alone serves ``arena.lease()``
+    and the cudnn backend (which computes on ``ws.ptr``). It names the method and what needs it."""
+    user, signature = _NEEDED_FOR[name]
+    return BackendUnavailableError(
+        f"{user} needs the arena's provider to have {signature}, and {type(provider).__name__} has not: a provider "
+        "of leases alone serves arena.lease() and the cudnn backend, not this (wsarena.arena.MemoryProvider)"
+    )
 
 
 class HostProvider:
