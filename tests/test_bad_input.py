@@ -289,6 +289,16 @@ def test_an_auto_pad_that_is_not_utf8_is_a_model_error(tmp_path):
         wsarena.load_model(path)
 
 
+class Shown:
+    """An object whose repr() is ``text``."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __repr__(self):
+        return self.text
+
+
 @pytest.mark.parametrize(("value", "shown"), [
     (tuple(range(100)), "(0, 1, 2, 3, 4, 5, ... 94 more)"),
     (list(range(100)), "[0, 1, 2, 3, 4, 5, ... 94 more]"),  # a list as a tuple
@@ -303,9 +313,78 @@ def test_an_auto_pad_that_is_not_utf8_is_a_model_error(tmp_path):
     (set(range(10)), "{0, 1, 2, 3, 4, 5, ... 4 more}"),
     (frozenset(range(10)), "frozenset({0, 1, 2, 3, 4, 5, ... 4 more})"),
     ([list(range(10))], "[[0, 1, 2, 3, 4, 5, ... 4 more]]"),
+    # another object's repr whole up to 120 characters (a stream object's class and address), then its middle cut
+    (Shown("<tests.test_arena_streams.PtrStream object at 0x7ff7bd0c4a10>"),
+     "<tests.test_arena_streams.PtrStream object at 0x7ff7bd0c4a10>"),
+    (Shown("<" + "a" * 118 + ">"), "<" + "a" * 118 + ">"),
+    (Shown("<" + "a" * 100_000 + ">"), "<" + "a" * 57 + "..." + "a" * 58 + ">"),
 ])
 def test_an_error_quotes_a_long_container_with_how_many_items_it_leaves_out(value, shown):
     """reprlib ended a long tuple in "...", which reads as Python's Ellipsis there, and told nothing of its length."""
     from wsarena._sizes import short_repr
 
     assert short_repr(value) == shown
+
+
+LONG = "ab" + "x" * 100_000 + "yz"  # shown as short_repr cuts it: 'abxxx...xxxyz'
+HUGE = 10**5000  # repr() refuses it past 4300 digits: short_repr writes "an integer of 16610 bits"
+
+
+class _Plan:
+    """What arena.reserve_for() reads of a plan."""
+
+    stream_bytes = (0,)
+    backend = "cpu"
+
+
+def _misuses():
+    """``(id, call, error)``: each a call that echoes a value it was given, a long one or one repr() refuses."""
+    from wsarena import _pass, cudagraph
+    from wsarena.arena import set_arena
+    from wsarena.backends import cpu, get_backend, resolve_backend_name
+    from wsarena.cudnn import descriptors, graph
+    from wsarena.models._onnx import check_asymmetric_pads
+
+    x, w = np.ones((1, 2, 6, 6), np.float32), np.ones((3, 2, 3, 3), np.float32)
+    geom = conv_geometry(x.shape, w.shape)
+    y = np.empty((1, 3, 4, 4), np.float32)
+    arena = wsarena.get_arena("cpu")
+    return [
+        ("reserve_for plan", lambda: arena.reserve_for(LONG), TypeError),
+        ("reserve_for plan huge", lambda: arena.reserve_for(HUGE), TypeError),
+        ("reserve_for streams", lambda: arena.reserve_for(_Plan(), streams=HUGE), TypeError),
+        ("cpu workspace", lambda: cpu.run("fwd", "gemm_per_image", geom, x, w, y, LONG), ValueError),
+        ("cpu algorithm", lambda: cpu.run("fwd", LONG, geom, x, w, y, None), ValueError),
+        ("plan layers", lambda: wsarena.plan(LONG), TypeError),
+        ("plan layers huge", lambda: wsarena.plan(HUGE), TypeError),
+        ("plan layer", lambda: wsarena.plan([LONG]), TypeError),
+        ("plan device_properties", lambda: wsarena.plan(LAYERS, device_properties=HUGE), TypeError),
+        ("plan passes", lambda: wsarena.plan(LAYERS, passes=HUGE, backend="cpu"), TypeError),
+        ("plan progress", lambda: wsarena.plan(LAYERS, progress=LONG, backend="cpu"), TypeError),
+        ("layout", lambda: wsarena.conv_forward(x, w, layout=LONG), ValueError),
+        ("backend", lambda: resolve_backend_name(LONG), ValueError),
+        ("cudnn api", lambda: get_backend("cudnn", api=LONG), ValueError),
+        ("capture mode", lambda: cudagraph.capture(mode=LONG).__enter__(), ValueError),
+        ("pass", lambda: _pass.Pass(LONG), ValueError),
+        ("asymmetric_pads", lambda: check_asymmetric_pads(LONG), ValueError),
+        ("algo", lambda: wsarena.conv_forward(x, w, algo=LONG), ValueError),
+        ("input_shape", lambda: wsarena.conv_backward_data(y, w, input_shape=LONG), TypeError),
+        ("set_arena", lambda: set_arena("cpu", LONG), TypeError),
+        ("engine name", lambda: graph.parse_name(LONG), ValueError),
+        ("cudnn data type", lambda: descriptors.data_type(LONG), ValueError),
+        ("cudnn ints", lambda: descriptors._ints("dims", LONG), TypeError),
+        ("lane key", lambda: arena.lease(1, stream=[LONG]).__enter__(), TypeError),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_misuses())), ids=[m[0] for m in _misuses()])
+def test_an_error_quotes_a_value_it_was_given_as_short_repr_cuts_it(index):
+    """Some quoted a value whole (a 100 kB string, a 100 kB line), some cut its repr() at 60 or 80 characters, which
+    drops its end (and its closing quote), and asks repr() for a number it refuses past 4300 digits: the ValueError
+    "Exceeds the limit" in place of the TypeError meant."""
+    _, call, error = _misuses()[index]
+    with pytest.raises(error) as caught:
+        call()
+    message = str(caught.value)
+    assert len(message) < 600, message[:300]
+    assert "xxxyz'" in message or "integer of 16610 bits" in message, message

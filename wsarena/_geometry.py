@@ -262,7 +262,7 @@ def conv_geometry(
     Raises ``ValueError`` or ``TypeError`` naming the offending argument and its value.
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {short_repr(layout)}")
     input_shape = _bounded("input_shape", tuple(_positive_or_zero("input_shape", d) for d in input_shape))
     weight_shape = _bounded("weight_shape", tuple(_positive_or_zero("weight_shape", d) for d in weight_shape))
     if len(input_shape) not in (3, 4, 5):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from ._sizes import short_repr
+
 __all__ = ["PASSES", "Pass"]
 
 
@@ -60,7 +62,7 @@ class Pass(enum.StrEnum):
 
     @classmethod
     def _missing_(cls, value: object) -> Pass:
-        raise ValueError(f"pass must be one of {', '.join(map(repr, PASSES))}, not {value!r}")
+        raise ValueError(f"pass must be one of {', '.join(map(repr, PASSES))}, not {short_repr(value)}")
 
 
 _ROLES = {Pass.FWD: ("x", "w", "y"), Pass.BWD_DATA: ("y", "w", "x"), Pass.BWD_FILTER: ("x", "y", "w")}

@@ -91,11 +91,13 @@ def _sorted(items: Any) -> list[Any]:
 # An error quotes what it was given, not a megabyte of it: reprlib cuts a long string's or number's middle
 _SHORT = _Short()
 _SHORT.maxstring = 60
+_SHORT.maxother = 120  # another object's repr: its class's qualified name and address whole (a stream object's)
 
 
 def short_repr(value: Any) -> str:
     """``repr(value)`` for an error message: a string's or a number's middle cut to ``...`` past about 60
-    characters, a list or tuple cut after 6 items (a dict after 4) and ended in how many more it holds."""
+    characters (another object's past 120), a list or tuple cut after 6 items (a dict after 4) and ended in how many
+    more it holds."""
     if isinstance(value, int) and value.bit_length() > 4096:  # repr() itself refuses past 4300 digits
         return _bits(value)
     try:

@@ -26,7 +26,7 @@ from ._config import Config, get_config, using
 from ._geometry import ConvGeometry, describe_geometry
 from ._lru import LRU
 from ._pass import Pass
-from ._sizes import format_size
+from ._sizes import format_size, short_repr
 from .backends import Backend, Candidate, PartlyTimed
 from .errors import (
     ArenaOutOfMemoryError,
@@ -364,7 +364,8 @@ def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: 
     else:
         known = backend.algorithms(pass_)
         if algo not in known:
-            raise ValueError(f"algo={algo!r} is not a {backend.name} {pass_} algorithm; known: {', '.join(known)}")
+            raise ValueError(f"algo={short_repr(algo)} is not a {backend.name} {pass_} algorithm; known: "
+                             f"{', '.join(known)}")
     nbytes = backend.workspace_size(pass_, algo, geom) if geom.batch else 0
     if cap is not None and nbytes > cap:
         raise ValueError(

@@ -22,7 +22,7 @@ from typing import Any
 from ._cli_args import UsageError, input_shapes, parser, unplanned_batches
 from ._config import _FROM_CONFIG, Config, _given, config
 from ._report_cli import render_table, write_csv
-from ._sizes import os_error_text, short_path
+from ._sizes import os_error_text, short_path, short_repr
 from ._tune_cli import cache_output, tune_output
 from .errors import BackendUnavailableError
 
@@ -190,7 +190,7 @@ def _output() -> Iterator[None]:
             hint = "a lone surrogate, which no encoding shows; PYTHONIOENCODING=utf-8:surrogateescape writes a byte"
         else:
             hint = "use a UTF-8 locale or set PYTHONIOENCODING=utf-8"
-        why = f"its encoding, {exc.encoding}, cannot show {shown!r} ({hint})"
+        why = f"its encoding, {exc.encoding}, cannot show {short_repr(shown)} ({hint})"
         raise OutputError(f"cannot write the output: {why}") from None
 
 

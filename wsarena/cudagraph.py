@@ -36,6 +36,7 @@ from typing import Any
 
 from ._config import get_config
 from ._gpu import gpu_unusable_reason
+from ._sizes import short_repr
 from .arena._capture import capture_of
 from .arena.streams import cupy_stream, stream_handle
 from .errors import BackendUnavailableError, CaptureError
@@ -220,7 +221,7 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
     if not isinstance(mode, str):
         raise TypeError(f"mode must be a str, one of {', '.join(map(repr, _MODES))}, not {type(mode).__name__}")
     if mode not in _MODES:
-        raise ValueError(f"mode must be one of {', '.join(map(repr, _MODES))}, not {mode!r}")
+        raise ValueError(f"mode must be one of {', '.join(map(repr, _MODES))}, not {short_repr(mode)}")
     reason = gpu_unusable_reason()
     if reason is not None:
         raise BackendUnavailableError(f"wsarena.capture needs a GPU: {reason}")

@@ -26,7 +26,7 @@ from ._callkeys import Uncacheable, freeze, freeze_params, remember
 from ._config import Config, get_config, using
 from ._geometry import DTYPES, ITEMSIZES, ConvGeometry, conv_geometry, describe_geometry
 from ._pass import Pass
-from ._sizes import format_size
+from ._sizes import format_size, short_repr
 from .algos import forced, run_with_fallback, select
 from .backends import Backend, Candidate, array_backend_name, get_backend, is_masked_type, type_backend_name
 from .errors import CaptureError
@@ -158,7 +158,7 @@ def _shape_arg(name: str, shape: Any) -> tuple[int, ...]:
     if type(shape) is tuple or type(shape) is list:  # the common case, without the isinstance of an ABC (0.1 us)
         return tuple(shape)
     if not isinstance(shape, Sequence) or isinstance(shape, str):
-        raise TypeError(f"{name} must be a sequence of ints, not {shape!r}")
+        raise TypeError(f"{name} must be a sequence of ints, not {short_repr(shape)}")
     return tuple(shape)
 
 

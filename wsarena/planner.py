@@ -152,17 +152,18 @@ def checked_layers(layers: Any) -> list[ConvLayer]:
 
     Raises ``TypeError`` or ``ValueError`` naming ``layers`` (and the entry) otherwise."""
     if isinstance(layers, (str, bytes, os.PathLike)):
-        raise TypeError(f"layers must be a list of ConvLayer, not {layers!r:.80}: load it with wsarena.load_model()")
+        raise TypeError(f"layers must be a list of ConvLayer, not {short_repr(layers)}: load it with "
+                        "wsarena.load_model()")
     if not isinstance(layers, Iterable):
-        raise TypeError(f"layers must be a list of ConvLayer (from wsarena.load_model), not {layers!r:.80}")
+        raise TypeError(f"layers must be a list of ConvLayer (from wsarena.load_model), not {short_repr(layers)}")
     items = list(layers)
     if not items:
         raise ValueError("layers is empty: a plan needs at least one convolution")
     for i, layer in enumerate(items):
         if not isinstance(layer, ConvLayer):
             raise TypeError(
-                f"layers[{i}] must be a ConvLayer, not {type(layer).__name__} {layer!r:.60}: wsarena.load_model() "
-                "reads a zoo name, a file or a list of JSON layer dicts"
+                f"layers[{i}] must be a ConvLayer, not {type(layer).__name__} {short_repr(layer)}: "
+                "wsarena.load_model() reads a zoo name, a file or a list of JSON layer dicts"
             )
     return items
 
@@ -271,7 +272,7 @@ def plan(
         text = os.fspath(device_properties) if isinstance(device_properties, (str, os.PathLike)) else None
         if not isinstance(text, str):  # a dict of them, or bytes: os.fspath's own error named nothing
             raise TypeError("device_properties must be the JSON text or a file holding it (a str or a path), not "
-                            f"{device_properties!r:.80}")
+                            f"{short_repr(device_properties)}")
         # a path is a file, whatever its name ({gpu}.json); a str is the JSON text where it starts as one (after a
         # byte order mark, as a file that has one reads with the utf-8 codec)
         file = isinstance(device_properties, os.PathLike) or not without_bom(text).lstrip().startswith("{")
@@ -355,9 +356,9 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
     dtype = _dtype_name(dtype)
     cap, search, requested = cfg.cap_workspace, cfg.algo_search, cfg.backend
     if isinstance(passes, (str, bytes)) or not isinstance(passes, Iterable):  # "fwd" would be ('f', 'w', 'd')
-        raise TypeError(f"passes must be a sequence of pass names such as ('fwd',), not {passes!r:.60}")
+        raise TypeError(f"passes must be a sequence of pass names such as ('fwd',), not {short_repr(passes)}")
     if progress is not None and not callable(progress):  # else a TypeError of its own after the first layer's search
-        raise TypeError(f"progress must be callable, as progress(done, total, layer_name), not {progress!r:.60}")
+        raise TypeError(f"progress must be callable, as progress(done, total, layer_name), not {short_repr(progress)}")
     passes = tuple(passes)
     if not passes or any(p not in PASSES for p in passes) or len(set(passes)) != len(passes):
         raise ValueError(f"passes must be distinct names from {', '.join(PASSES)}, not {short_repr(passes)}")

@@ -211,7 +211,7 @@ class Arena:
         """
         stream_bytes = getattr(plan, "stream_bytes", None)
         if isinstance(stream_bytes, (str, bytes)) or not isinstance(stream_bytes, Sequence):
-            raise TypeError(f"plan must be a wsarena.plan() result (with stream_bytes), not {plan!r:.80}")
+            raise TypeError(f"plan must be a wsarena.plan() result (with stream_bytes), not {short_repr(plan)}")
         backend, serves = getattr(plan, "backend", None), "cpu" if self._lanes else "cudnn"
         if backend in ("cpu", "cudnn") and backend != serves:  # its sizes are another backend's algorithms'
             arena = "the host arena" if self._lanes else f"the arena of CUDA device {self.device}"
@@ -227,7 +227,7 @@ class Arena:
         # in the plan's order: "ab" is no list of two lanes, nor is a set in any order
         if (isinstance(streams, (str, bytes, bytearray, memoryview, AbstractSet, Mapping))
                 or not isinstance(streams, Iterable)):
-            raise TypeError(f"streams must be a sequence of streams, one per planned stream, not {streams!r:.80}")
+            raise TypeError(f"streams must be a sequence of streams, one per planned stream, not {short_repr(streams)}")
         sized = isinstance(streams, Sized)  # an iterator is read one past the plan: an endless one ends there
         streams = list(streams if sized else itertools.islice(streams, len(sizes) + 1))
         if len(streams) != len(sizes):

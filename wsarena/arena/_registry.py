@@ -127,7 +127,7 @@ def set_arena(device: Any, arena: Arena | None) -> Arena | None:
     if key is None:
         raise ValueError("set_arena needs 'cpu' or a device ordinal, not None")
     if arena is not None and not isinstance(arena, Arena):
-        raise TypeError(f"arena must be an Arena or None, not {arena!r}")
+        raise TypeError(f"arena must be an Arena or None, not {short_repr(arena)}")
     if arena is not None and arena.device != (None if key == "cpu" else key):
         # get_arena() would hand host memory to cuDNN, or one device's memory to another's calls
         where = "the host" if arena.device is None else f"CUDA device {arena.device}"

@@ -32,6 +32,8 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from .._sizes import short_repr
+
 __all__ = [
     "PER_THREAD_DEFAULT_STREAM", "PerThreadStream", "ThreadLane", "core_stream", "cupy_stream", "raw_handle",
     "resolve_stream", "stream_handle", "thread_lane",
@@ -138,7 +140,8 @@ def _handle_of(stream: Any) -> int | None:
         try:
             _version, handle = proto(stream)
         except (TypeError, ValueError):
-            raise TypeError(f"stream={stream!r}: __cuda_stream__() must return a (version, handle) pair") from None
+            raise TypeError(f"stream={short_repr(stream)}: __cuda_stream__() must return a (version, handle) "
+                            "pair") from None
         return _check_handle(stream, handle)
     for attr in ("ptr", "cuda_stream"):  # CuPy streams, PyTorch streams
         handle = getattr(stream, attr, None)
@@ -153,9 +156,9 @@ def _check_handle(stream: Any, handle: Any) -> int:
         try:
             handle = int(handle)  # cuda.core hands out handle objects that convert with int()
         except (TypeError, ValueError):
-            raise TypeError(f"stream={stream!r}: its handle {handle!r} is not an integer") from None
+            raise TypeError(f"stream={short_repr(stream)}: its handle {short_repr(handle)} is not an integer") from None
     if handle < 0:
-        raise ValueError(f"stream={stream!r}: a stream handle cannot be negative ({handle})")
+        raise ValueError(f"stream={short_repr(stream)}: a stream handle cannot be negative ({short_repr(handle)})")
     return int(handle)
 
 
@@ -206,10 +209,11 @@ def resolve_stream(
         try:
             hash(stream)
         except TypeError:
-            raise TypeError(f"stream={stream!r} is not a lane key: a CPU lane key must be hashable") from None
+            raise TypeError(f"stream={short_repr(stream)} is not a lane key: a CPU lane key must be hashable") from None
         if not stream == stream:  # noqa: PLR0124 - NaN and the like
             raise ValueError(
-                f"stream={stream!r} is not a lane key: it is not equal to itself, so every call would make a new lane"
+                f"stream={short_repr(stream)} is not a lane key: it is not equal to itself, so every call would make a "
+                "new lane"
             )
         if kind.__weakrefoffset__ and kind is not ThreadLane:  # a key object: its lane goes when it does
             return stream, stream
@@ -232,7 +236,8 @@ def _device_handle(stream: Any, current: Callable[[], Any] | None) -> tuple[int,
         return _check_handle(stream, stream), None
     handle = _handle_of(stream)
     if handle is None:
-        what = f"stream={stream!r}" if given is not None else f"stream=None: the provider's current stream, {stream!r},"
+        shown = short_repr(stream)
+        what = f"stream={shown}" if given is not None else f"stream=None: the provider's current stream, {shown},"
         raise TypeError(
             f"{what} is not a CUDA stream: expected None, a raw cudaStream_t int, a CuPy stream or an object with "
             "__cuda_stream__()"

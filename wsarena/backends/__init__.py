@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from .. import _forksafe
 from .._gpu import gpu_unusable_reason
+from .._sizes import short_repr
 from ..errors import BackendUnavailableError
 
 __all__ = [
@@ -148,7 +149,7 @@ def resolve_backend_name(name: str) -> str:
     if name == "auto":
         return "cudnn" if gpu_unusable_reason() is None else "cpu"
     if name not in ("cpu", "cudnn"):
-        raise ValueError(f"backend must be 'auto', 'cudnn' or 'cpu', not {name!r}")
+        raise ValueError(f"backend must be 'auto', 'cudnn' or 'cpu', not {short_repr(name)}")
     return name
 
 
@@ -172,7 +173,7 @@ def get_backend(name: str, api: str | None = None) -> Backend:
 
             api = get_config().cudnn_api
         if api not in ("legacy", "graph"):
-            raise ValueError(f"api must be 'legacy' or 'graph', not {api!r}")
+            raise ValueError(f"api must be 'legacy' or 'graph', not {short_repr(api)}")
         key = name if api == "legacy" else f"{name}:{api}"
     else:
         key = name

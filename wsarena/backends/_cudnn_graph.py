@@ -29,6 +29,7 @@ from typing import Any
 from .. import _callsite
 from .._config import get_config
 from .._geometry import ITEMSIZES, describe_geometry
+from .._sizes import short_repr
 from ..arena._capture import CURRENT, refuse_in_capture
 from ..errors import AlignmentWorkspaceError, BackendUnavailableError, CudnnApiFallbackWarning
 from . import Candidate, PartlyTimed
@@ -183,7 +184,7 @@ class CudnnGraphBackend(CudnnBackend):
         try:
             self._graph.parse_name(algo)
         except ValueError as exc:
-            raise ValueError(f"algo={algo!r} is neither a cudnn {pass_} algorithm of the legacy API "
+            raise ValueError(f"algo={short_repr(algo)} is neither a cudnn {pass_} algorithm of the legacy API "
                              f"({', '.join(super().algorithms(pass_))}) nor {exc}") from None
 
     def workspace_size(self, pass_: str, algo: str, geom: Any) -> int:

@@ -89,6 +89,7 @@ import numpy as np
 
 from .._geometry import ITEMSIZES, ConvGeometry
 from .._pass import Pass
+from .._sizes import short_repr
 from . import _cpu_gemm, _cpu_implicit, _cpu_tiled
 from ._cpu_lowering import begin_run, plan
 
@@ -106,7 +107,7 @@ DTYPES = ("float32", "float64")
 def _check(pass_: str, algo: str | None = None) -> tuple[str, ...]:
     algos = ALGORITHMS[Pass(pass_)]
     if algo is not None and algo not in algos:
-        raise ValueError(f"unknown cpu algorithm {algo!r} for pass {pass_!r}; expected one of {algos}")
+        raise ValueError(f"unknown cpu algorithm {short_repr(algo)} for pass {pass_!r}; expected one of {algos}")
     return algos
 
 
@@ -266,7 +267,7 @@ def run(pass_: str, algo: str, geom: ConvGeometry, a, b, out, workspace) -> None
     if kind != "implicit":
         need = _workspace_elements(pass_, kind, p) * p.itemsize
         if not isinstance(workspace, np.ndarray) or workspace.dtype != np.uint8 or workspace.ndim != 1:
-            raise ValueError(f"workspace must be a 1-D uint8 NumPy array, not {workspace!r:.80}")
+            raise ValueError(f"workspace must be a 1-D uint8 NumPy array, not {short_repr(workspace)}")
         if workspace.nbytes < need:
             raise ValueError(f"workspace has {workspace.nbytes} bytes; {pass_}/{algo} on this geometry needs {need}")
         if not workspace.flags.c_contiguous:

@@ -191,7 +191,7 @@ def device_properties(
         if isinstance(exc, CudnnNotSupportedArchMismatchError):
             ver = (members(text) or {}).get("deviceVer")
             message = (f"cuDNN {version} does not support the GPU these device properties describe (deviceVer "
-                       f"{ver!r}, its compute capability times 100): {exc}")
+                       f"{_shown(ver)}, its compute capability times 100): {exc}")
             raise _error(message, source, "deviceVer", exc.status, exc.func_name, exc.context) from None
         culprits = _refused_members(members(text))
         named = f" ({'; '.join(why for _, why in culprits)})" if culprits else ""

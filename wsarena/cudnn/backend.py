@@ -22,6 +22,7 @@ import weakref
 from enum import IntEnum
 from typing import Any, Self
 
+from .._sizes import short_repr
 from ._enums import (
     BackendAttributeName,
     BackendAttributeType,
@@ -173,7 +174,8 @@ class BackendDescriptor(Owned):
             return (ctype * max(len(items), 1))(*converted), len(items)
         except (TypeError, ValueError, OverflowError) as exc:
             kind = TypeError if isinstance(exc, TypeError) else ValueError
-            raise kind(f"{self._context(name)}: {values!r} cannot be {attr_type.name} values ({exc})") from None
+            shown = short_repr(values)
+            raise kind(f"{self._context(name)}: {shown} cannot be {attr_type.name} values ({exc})") from None
 
     def finalize(self) -> Self:
         """Check the attributes and make the descriptor read-only (``cudnnBackendFinalize``); returns ``self``."""
@@ -303,7 +305,7 @@ def _c_value(attr_type: BackendAttributeType, value: Any) -> Any:
         return float(value)
     if attr_type == T.BOOLEAN:
         if not isinstance(value, bool):
-            raise TypeError(f"True or False, not {value!r}")
+            raise TypeError(f"True or False, not {short_repr(value)}")
         return value
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"an int, not {type(value).__name__}")

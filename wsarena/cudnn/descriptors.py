@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
+from .._sizes import short_repr
 from ..errors import UnsupportedConvolutionError
 from ._enums import ConvolutionMode, DataType, MathType, TensorFormat
 from ._owned import Owned
@@ -59,7 +60,7 @@ def data_type(value: DataType | int | str) -> DataType:
         try:
             return DATA_TYPES[value] if value in DATA_TYPES else DataType[value.upper()]
         except KeyError:
-            raise ValueError(f"no cuDNN data type for {value!r}; known: {', '.join(DATA_TYPES)}") from None
+            raise ValueError(f"no cuDNN data type for {short_repr(value)}; known: {', '.join(DATA_TYPES)}") from None
     return DataType(value)
 
 
@@ -67,7 +68,7 @@ def _ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
     try:
         return tuple(int(v.__index__()) for v in values)
     except (AttributeError, TypeError):
-        raise TypeError(f"{name} must be a sequence of ints, not {values!r}") from None
+        raise TypeError(f"{name} must be a sequence of ints, not {short_repr(values)}") from None
 
 
 _INT_MIN, _INT_MAX = -(2**31), 2**31 - 1

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from typing import Any
 
 from .._pass import Pass
+from .._sizes import short_repr
 from ._deviceprops import DevicePropertiesError, device_properties, device_properties_json
 from ._enums import BackendAttributeName, BackendAttributeType, BackendDescriptorType, BackendKnobType, DataType
 from ._enums import BackendHeurMode as Heur
@@ -165,7 +166,8 @@ def parse_name(name: str) -> tuple[int, list[tuple[int, int]]]:
     """
     match = _NAME.fullmatch(name) if isinstance(name, str) else None
     if match is None:
-        raise ValueError(f"{name!r} is not an engine configuration name such as 'eng28' or 'eng0:tile_size=3'")
+        raise ValueError(f"{short_repr(name)} is not an engine configuration name such as 'eng28' or "
+                         "'eng0:tile_size=3'")
     knobs = []
     for item in filter(None, (match.group(2) or "").split(",")):
         label, value = item.split("=")
@@ -174,7 +176,7 @@ def parse_name(name: str) -> tuple[int, list[tuple[int, int]]]:
         elif label.upper() in BackendKnobType.__members__:
             kind = BackendKnobType[label.upper()].value
         else:
-            raise ValueError(f"{name!r} is not an engine configuration name: no knob {label!r}")
+            raise ValueError(f"{short_repr(name)} is not an engine configuration name: no knob {short_repr(label)}")
         knobs.append((kind, int(value)))
     return int(match.group(1)), knobs
 

@@ -303,7 +303,7 @@ def _unknown_shape(what: str, dims: tuple[int | None, ...] | None, tensor: str, 
 def check_asymmetric_pads(value: Any) -> None:
     """``asymmetric_pads`` must be ``"widen"`` or ``"error"`` (``ValueError``), whatever model it comes with."""
     if value not in ("widen", "error"):
-        raise ValueError(f"asymmetric_pads must be 'widen' or 'error', not {value!r}")
+        raise ValueError(f"asymmetric_pads must be 'widen' or 'error', not {short_repr(value)}")
 
 
 def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,

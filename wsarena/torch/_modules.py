@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from .._sizes import short_repr
 from . import _functional
 from ._shapes import per_dim
 
@@ -29,7 +30,7 @@ def unsupported(module: nn.Module) -> str | None:
     """Why wsarena cannot run ``module``'s convolution, or ``None`` when it can."""
     padding_mode = getattr(module, "padding_mode", "zeros")
     if padding_mode != "zeros":
-        return f"padding_mode={padding_mode!r} (only 'zeros' is supported; pad the input with F.pad instead)"
+        return f"padding_mode={short_repr(padding_mode)} (only 'zeros' is supported; pad the input with F.pad instead)"
     beyond = _output_padding_beyond_stride(module)
     if beyond is not None:
         output_padding, stride = beyond
