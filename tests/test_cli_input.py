@@ -410,6 +410,17 @@ def test_output_the_terminal_cannot_encode_exits_3_saying_so(tmp_path, fmt):
     assert run_cli("report", str(path), "--backend", "cpu", "--format", fmt).returncode == 0  # UTF-8 shows it
 
 
+def test_a_long_run_of_characters_the_encoding_cannot_show_is_quoted_in_part(tmp_path):
+    """The run of characters was quoted whole: a layer name of 100,000 of them gave a line as long."""
+    path = tmp_path / "names.json"
+    path.write_text(json.dumps([{"name": "\u00fc" * 100_000, "input_shape": [1, 4, 8, 8],
+                                 "weight_shape": [4, 4, 3, 3]}]))
+    done = run_cli("report", str(path), "--backend", "cpu", "--format", "csv", env={"PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 3 and done.stderr.count("\n") == 1 and len(done.stderr) < 400, done.stderr[:400]
+    assert "cannot show '\\xfc\\xfc" in done.stderr and "..." in done.stderr
+    assert "\\xfc' (use a UTF-8 locale" in done.stderr
+
+
 def test_a_lone_surrogate_no_encoding_shows_exits_3_saying_how_to_write_it(tmp_path):
     # JSON's "\udcff", or a byte that decoded to no character: a UTF-8 locale, the usual advice, cannot show it
     path = tmp_path / "names.json"
