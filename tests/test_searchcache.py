@@ -543,6 +543,43 @@ def test_clear_counts_the_files_that_are_no_readable_entry_apart(cache):
     assert (cleared["removed"], cleared["unreadable"]) == (2, 3) and list(folder.iterdir()) == []
 
 
+def test_reading_an_entry_takes_memory_of_its_size_not_of_the_bound(cache):
+    """A read of the bound (MAX_ENTRY_BYTES + 1) took 16 MiB for each entry read, in a lookup, info() and clear(): some
+    15 of the 20 us that a read of a 2.5 kB entry took."""
+    import tracemalloc
+
+    backend = TableBackend(TABLE)
+    first = search(backend)
+    tracemalloc.start()
+    try:
+        for step in (lambda: search(backend), searchcache.info, searchcache.clear):
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            step()
+            assert tracemalloc.get_traced_memory()[1] - before < 1 << 20, step
+    finally:
+        tracemalloc.stop()
+    assert backend.measured == [("fwd", 4)] and first  # the lookup read the entry
+
+
+def test_an_entry_read_past_the_size_its_status_gave_is_read_to_its_end(cache, monkeypatch):
+    """The size fstat() gave is a hint (the file may grow as it is read): the read goes on to the end, to the bound."""
+    backend = TableBackend(TABLE)
+    search(backend)
+    (path,) = entry_files(cache)
+    real = os.fstat
+
+    def smaller(fd):
+        st = real(fd)
+        return os.stat_result((st.st_mode, *st[1:6], 10, *st[7:]))  # st_size 10
+
+    monkeypatch.setattr(_searchcache_folder.os, "fstat", smaller)
+    assert _searchcache_folder.read_entry(path)[0] == path.read_text()
+    monkeypatch.setattr(_searchcache_folder, "MAX_ENTRY_BYTES", 100)
+    with pytest.raises(ValueError, match="holds more than 100 B"):
+        _searchcache_folder.read_entry(path)
+
+
 def test_info_and_clear_when_off():
     assert searchcache.info() == {"directory": None, "enabled": False, "source": "environment", "entries": 0,
                                   "size_bytes": 0, "max_size_bytes": 64 << 20, "unreadable": 0, "environments": []}

@@ -46,9 +46,8 @@ from ._searchcache_folder import (
     describe,
     disk_size,
     entry_name,
-    entry_text,
     leads_nowhere,
-    open_entry,
+    read_entry,
     remove_entries,
     temp_name,
     warn_once,
@@ -171,9 +170,7 @@ def _read(path: Path, key: dict[str, Any]) -> tuple[_Results | None, Exception |
     """The entry's results, or ``None`` when there is none or none usable; and, for a bad file (one that is no
     entry of this key), why, which the write that replaces it, or fails to, says (:func:`_write`)."""
     try:
-        with open_entry(path) as f:
-            modified = os.fstat(f.fileno()).st_mtime
-            text = entry_text(f)
+        text, st = read_entry(path)
     # IsADirectoryError: a folder of the entry's name, which a write cannot replace and says so (_write)
     except IsADirectoryError:
         return None, None
@@ -189,7 +186,7 @@ def _read(path: Path, key: dict[str, Any]) -> tuple[_Results | None, Exception |
     # RecursionError: JSON nested too deep
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         return None, exc
-    if time.time() - modified > _MARK_USED_AFTER:
+    if time.time() - st.st_mtime > _MARK_USED_AFTER:
         try:
             os.utime(path)  # used now: the last to go when the cache is trimmed
         except OSError:  # a folder this process may read but not write: nothing to mark, nothing it trims
