@@ -543,6 +543,43 @@ def test_clear_counts_the_files_that_are_no_readable_entry_apart(cache):
     assert (cleared["removed"], cleared["unreadable"]) == (2, 3) and list(folder.iterdir()) == []
 
 
+def test_entries_begin_and_end_as_clear_tells_them_without_parsing(cache):
+    """clear() takes a file that begins and ends as the cache writes an entry for one; the written layout is that."""
+    search(TableBackend(TABLE))
+    search(CpuBackend())  # the CPU's API path is null
+    for path in entry_files(cache):
+        text = path.read_text()
+        assert text.startswith(_searchcache_folder.ENTRY_HEAD) and text.endswith(_searchcache_folder.ENTRY_TAIL)
+
+
+def test_clear_parses_no_entry_written_whole_and_parses_any_other_file(cache, monkeypatch):
+    """Parsing each entry to tell it from a file that is none made wsarena cache clear five times slower (20,000
+    entries: 2.0 s against 0.45 s before it counted them apart). A file in another layout is parsed, and counts as
+    info() counts it; one that begins and ends as written but is damaged in between counts among the entries, where
+    info(), which parses each file, counts it unreadable: removed either way."""
+    backend = TableBackend(TABLE)
+    search(backend)
+    search(backend, "bwd_data")
+    folder = cache / "search"
+    first, second = entry_files(cache)
+    compact = folder / named_as_entry("compact")  # a good entry written in another layout
+    compact.write_text(json.dumps(json.loads(first.read_text())))
+    text = second.read_text()
+    middle = text.index('"results"')
+    damaged = folder / named_as_entry("damaged")
+    damaged.write_text(text[:middle] + "\0" * 40 + text[middle + 40:])
+    (folder / named_as_entry("foreign")).write_text('{"key": {"environment": ["not", "a", "dict"]}}')
+    (folder / named_as_entry("truncated")).write_text(text[:-10])
+    info = searchcache.info()
+    assert (info["entries"], info["unreadable"]) == (3, 3)  # the two entries and the compact one
+    parsed = []
+    loads = json.loads
+    monkeypatch.setattr(_searchcache_folder.json, "loads", lambda text, **kw: parsed.append(text) or loads(text, **kw))
+    cleared = searchcache.clear()
+    assert (cleared["removed"], cleared["unreadable"]) == (4, 2) and list(folder.iterdir()) == []
+    assert len(parsed) == 3  # the compact, foreign and truncated files
+
+
 def test_reading_an_entry_takes_memory_of_its_size_not_of_the_bound(cache):
     """A read of the bound (MAX_ENTRY_BYTES + 1) took 16 MiB for each entry read, in a lookup, info() and clear(): some
     15 of the 20 us that a read of a 2.5 kB entry took."""

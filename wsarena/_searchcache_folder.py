@@ -289,7 +289,12 @@ def _environment(path: str | Path) -> tuple[str | None, ...]:
     """The environment the entry ``path`` was searched in: backend, device, wsarena version and API path, as written
     (the CPU's API path is null), each a string or None, so that they sort. Raises one of :data:`_UNREADABLE` where
     the file is no readable entry."""
-    env = json.loads(read_entry(path)[0])["key"]["environment"]
+    return _environment_in(read_entry(path)[0])
+
+
+def _environment_in(text: str) -> tuple[str | None, ...]:
+    """:func:`_environment` of an entry file's ``text``."""
+    env = json.loads(text)["key"]["environment"]
     return tuple(_text(env.get(k)) for k in ("backend", "device", "wsarena", "api"))
 
 
@@ -329,26 +334,29 @@ def _text(value: Any) -> str | None:
 
 def remove_entries(root: Path) -> dict[str, int]:
     """Remove the entries under ``root`` as :func:`wsarena.searchcache.clear` says; return ``removed`` (entries),
-    ``unreadable`` (files named as entries that were none, as :func:`describe` counts them) and ``freed_bytes``.
+    ``unreadable`` (files named as entries that were none, as :func:`describe` counts them, but for one that begins
+    and ends as entries are written: :func:`_readable`) and ``freed_bytes``.
     ``OSError`` when the folder cannot be listed or an entry cannot be removed."""
     out = {"removed": 0, "unreadable": 0, "freed_bytes": 0}
     folder = root / SUBDIR
     try:
-        paths = [p for p in folder.iterdir() if ours(p.name)]
+        with os.scandir(folder) as listing:  # each item's type without a call of its own, as iterdir() has not
+            items = [item for item in listing if ours(item.name)]
     except FileNotFoundError:
         return out
     now = time.time()
-    for path in paths:
-        entry = not path.name.startswith(TEMP_PREFIX)
+    for item in items:
+        entry = not item.name.startswith(TEMP_PREFIX)
+        path = item.path
         try:
-            st = path.stat()
-            if stat.S_ISDIR(st.st_mode) and not path.is_symlink():
+            st = item.stat()
+            if stat.S_ISDIR(st.st_mode) and not item.is_symlink():
                 continue  # a folder with an entry's name: no entry, and not the cache's to remove
             if not entry and now - st.st_mtime <= _STALE_TEMP:
                 continue  # a write in progress
             size = disk_size(st)
             readable = entry and _readable(path)
-            path.unlink()
+            os.unlink(path)
         except OSError as exc:  # another process removed or renamed it meanwhile, or a dangling link
             if not leads_nowhere(exc):
                 raise
@@ -364,10 +372,27 @@ def remove_entries(root: Path) -> dict[str, int]:
     return out
 
 
-def _readable(path: Path) -> bool:
-    """Whether ``path`` is a readable entry."""
+# How the file of every entry begins and ends, as wsarena.searchcache writes it (json.dumps(..., indent=1) of its
+# format, version, key, whose environment comes first, and results; the tests check both against what it writes)
+ENTRY_HEAD = '{\n "format": "wsarena-search-cache",\n "version": 1,\n "key": {\n  "environment": {'
+ENTRY_TAIL = "\n ]\n}"
+
+
+def _readable(path: str | Path) -> bool:
+    """Whether ``path`` is a readable entry, as :func:`remove_entries` counts them.
+
+    A file that begins and ends as entries are written is one without being parsed, which would take half the time
+    of a clear (20,000 entries on tmpfs: 0.78 s of CPU time parsed, 0.38 s not, 0.27 s not read at all): an entry is
+    written whole and then renamed into place, so such a file is one a search wrote, and what a full parse finds
+    more (a middle damaged on disk, or edited by hand) is counted here among the entries, where :func:`describe`,
+    which parses each file, counts it unreadable, and a lookup refuses and replaces it. Any other file is parsed, and
+    counts as :func:`describe` counts it.
+    """
     try:
-        _environment(path)
+        text = read_entry(path)[0]
+        if text.startswith(ENTRY_HEAD) and text.endswith(ENTRY_TAIL):
+            return True
+        _environment_in(text)
     except _UNREADABLE:
         return False
     return True

@@ -312,7 +312,8 @@ def clear() -> dict[str, Any]:
     write in progress), never the directory's or the folder's other contents, nor the temporary file of a write in
     progress in another process (one less than an hour old, as a trim spares it): that writer would lose its entry.
     Returns ``directory``, ``removed`` (entries), ``unreadable`` (the files that were no readable entry, which
-    :func:`info` counts apart too; removed as well) and ``freed_bytes``. Raises ``OSError`` when the folder cannot be
+    :func:`info` counts apart too; removed as well; a file that begins and ends as an entry is written counts as
+    one unparsed, where info() parses it) and ``freed_bytes``. Raises ``OSError`` when the folder cannot be
     listed or an entry cannot be removed.
     """
     root = cache_dir()
