@@ -232,4 +232,26 @@ def test_cupy_stream_makes_an_object_for_each_call_over_one_kept_cuda_core_objec
     assert gone() is None and core.__cuda_stream__() == (0, 0x1234)
     assert cupy_stream(0) is cupy.cuda.Stream.null and cupy_stream(2) is cupy.cuda.Stream.ptds
     assert core_stream(0x1234) is core
-    assert core_stream(0x4321) is not core and core_stream(0x1234) is not core  # only the last is kept
+    assert core_stream(0x4321) is not core and core_stream(0x1234) is core  # kept by handle, several at once
+
+
+def test_core_stream_keeps_an_object_per_handle_for_streams_used_in_turn(monkeypatch):
+    """A program that alternates between side streams makes cuda.core's object once per handle, not once per call
+    (5 to 9 us each): the objects own nothing, so several are kept, the least recently used going past the bound."""
+    from wsarena.arena import streams
+
+    made = []
+    from_handle = streams._from_handle
+    monkeypatch.setattr(streams, "_from_handle", lambda handle: made.append(handle) or from_handle(handle))
+    first, second = streams.core_stream(0x51), streams.core_stream(0x52)
+    for _ in range(3):
+        assert streams.core_stream(0x51) is first and streams.core_stream(0x52) is second
+    assert made == [0x51, 0x52]
+    assert first.__cuda_stream__() == (0, 0x51) and second.__cuda_stream__() == (0, 0x52)
+    others = range(0x1000, 0x1000 + streams.KEPT_STREAMS)  # as many others as are kept: 0x51 goes, then 0x52
+    for handle in others:
+        streams.core_stream(handle)
+    assert streams.core_stream(0x51) is not first
+    assert made == [0x51, 0x52, *others, 0x51]
+    streams.forget_kept_stream()
+    assert streams.core_stream(0x52) is not second

@@ -178,8 +178,8 @@ def test_a_raw_stream_becomes_a_cupy_stream_entered_on_the_arrays_device(monkeyp
 def test_each_call_gets_a_cupy_stream_object_of_its_own_over_one_kept_cuda_core_object(monkeypatch):
     """A stream other than CuPy's current one, however given (a raw handle, an object with ``cuda_stream`` as a
     PyTorch stream has, or with ``__cuda_stream__``), on any device, gets a CuPy object made for the call, over
-    cuda.core's object for its handle, made once (5 to 9 us) and kept while the calls stay on that handle: the keep
-    wsarena._interop's calls share, where the last one made is kept. The default streams are CuPy's own objects,
+    cuda.core's object for its handle, made once (5 to 9 us) and kept by handle: the keep wsarena._interop's calls
+    share, where a call on another handle made since leaves it kept. The default streams are CuPy's own objects,
     which neither take nor evict it."""
     import cupy
 
@@ -199,7 +199,7 @@ def test_each_call_gets_a_cupy_stream_object_of_its_own_over_one_kept_cuda_core_
     assert wrapped == [0x77]
     backend.context((on_1, on_1), 0x78)
     backend.context((on_1, on_1), 0x77)
-    assert wrapped == [0x77, 0x78, 0x77]  # only the last is kept
+    assert wrapped == [0x77, 0x78]  # each handle's kept
 
 
 def test_the_stream_object_a_call_makes_current_dies_with_the_call(monkeypatch):

@@ -575,8 +575,8 @@ class _CudaTensor1(_CudaTensor):
 
 def test_a_side_stream_gets_a_cupy_object_of_its_own_each_call(fake_torch_cuda, monkeypatch):
     """On a stream other than the default (PyTorch's current, on a side stream), each call enters a CuPy stream
-    object made for it, over cuda.core's object for the handle, which is made once and kept while the calls stay on
-    that handle, on any device; made again for another handle (only the last is kept). The default streams are
+    object made for it, over cuda.core's object for the handle, which is made once and kept by handle, on any
+    device, a call on another handle meanwhile too. The default streams are
     CuPy's own objects, which neither take nor evict it. The object a call entered is gone once the call returns:
     CuPy's stream-ordered allocator frees a result on it while it lives, and its owner may destroy the stream (the
     object kept from call to call outlived it)."""
@@ -596,7 +596,7 @@ def test_a_side_stream_gets_a_cupy_object_of_its_own_each_call(fake_torch_cuda, 
           1: [torch.ones(shape).as_subclass(_CudaTensor1) for shape in ((1, 1, 4, 4), (1, 1, 3, 3))]}
     run = _device_run(state.log)
     for device, current, made in [(0, 7, [7]), (0, 7, []), (0, 0, []), (0, 7, []), (1, 7, []), (1, 7, []),
-                                  (0, 9, [9]), (0, 7, [7]), (0, 2, []), (0, 7, [])]:
+                                  (0, 9, [9]), (0, 7, []), (0, 2, []), (0, 7, [])]:
         state.current = current
         state.log.clear()
         wrapped.clear()

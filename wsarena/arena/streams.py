@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from .._lru import LRU
 from .._sizes import short_repr
 
 __all__ = [
@@ -289,27 +290,23 @@ def _from_handle(handle: int) -> Any:
     return Stream.from_handle(handle)
 
 
-# The object core_stream made last, (handle, cuda.core's object). One tuple, replaced whole: a thread reads it or its
-# successor, never a mix.
-_kept: list[tuple[int, Any]] = [(-1, None)]
+KEPT_STREAMS = 16  # cuda.core's objects core_stream keeps, by handle: a program's side streams, used in turn
+_kept: LRU[Any] = LRU(KEPT_STREAMS)
 
 
 def core_stream(handle: int) -> Any:
-    """cuda.core's ``Stream.from_handle(handle)``, the last one made kept for the next call.
+    """cuda.core's ``Stream.from_handle(handle)``, kept by handle for the next calls (the :data:`KEPT_STREAMS` used
+    last).
 
     It makes a class a call, 5 to 9 us (bench/RESULTS.md), where CuPy's ``Stream.from_external`` over it takes some
     0.4 us. It holds nothing but the handle, which it does not own, and CuPy asks it for nothing else
     (``__cuda_stream__``), so the same handle makes an equal one, even where the stream was destroyed and CUDA gave
     its handle to another, on any device. It is never a current stream, so no array refers to it.
     """
-    kept = _kept[0]
-    if kept[0] == handle:
-        return kept[1]
-    made = _from_handle(handle)
-    _kept[0] = (handle, made)
-    return made
+    made = _kept.lookup(handle)  # a hit, every call's case, makes no closure
+    return made if made is not None else _kept.get(handle, lambda: _from_handle(handle))
 
 
 def forget_kept_stream() -> None:
-    """Drop the stream object :func:`core_stream` keeps (the tests' fresh process)."""
-    _kept[0] = (-1, None)
+    """Drop the stream objects :func:`core_stream` keeps (the tests' fresh process)."""
+    _kept.clear()
