@@ -222,13 +222,15 @@ def _run(
                 if pass_ is Pass.BWD_FILTER:
                     result[...] = 0
             return result
-        a, b = _contiguous(a), _contiguous(b)
+        operands = [a, b]  # made C-contiguous, by copies, once the algorithm is chosen (or for its search)
         try:
             if chosen is None:
-                chosen = _choice(record, pass_, cfg, (a, b, result), stream)
+                chosen = _choice(record, pass_, cfg, operands, result, stream)
+            operands[0] = x = _contiguous(operands[0])  # (made for the search already, if it ran)
+            operands[1] = y = _contiguous(operands[1])
 
             def run(cand: Candidate, ws: Any) -> None:
-                backend.run(pass_, cand, geom, a, b, result, ws, stream)
+                backend.run(pass_, cand, geom, x, y, result, ws, stream)
 
             run_with_fallback(backend.arena(), chosen, run, stream=stream, cap=cfg.cap_workspace,
                               retry=backend.retry_errors, warn_for=(pass_, geom))
@@ -240,8 +242,15 @@ def _run(
             # The operands' copies go while the call's stream object lives: CuPy's stream-ordered allocator frees them
             # on it, after the convolution that reads them, where once it is gone it would free them on the stream
             # current then (arena.streams.cupy_stream). The result is the caller's, once returned.
-            a = b = None
+            operands.clear()
+            x = y = None
     return result
+
+
+def _made_contiguous(operands: list[Any]) -> list[Any]:
+    """``operands``, ``[a, b]``, made C-contiguous in place: copies where they are not, made once."""
+    operands[0], operands[1] = _contiguous(operands[0]), _contiguous(operands[1])
+    return operands
 
 
 def _new_output(record: _Record, empty: Callable[[tuple[int, ...], str], Any] | None) -> Any:
@@ -256,8 +265,11 @@ def _new_output(record: _Record, empty: Callable[[tuple[int, ...], str], Any] | 
         ) from exc
 
 
-def _choice(record: _Record, pass_: Pass, cfg: Config, operands: tuple[Any, Any, Any], stream: Any) -> tuple[Any, ...]:
-    """The record's candidates for the current device, chosen by :func:`select` on first use."""
+def _choice(
+    record: _Record, pass_: Pass, cfg: Config, operands: list[Any], out: Any, stream: Any
+) -> tuple[Any, ...]:
+    """The record's candidates for the current device, chosen by :func:`select` on first use; an exhaustive search
+    times them on ``operands`` (``[a, b]``, made C-contiguous in place for it) and ``out``."""
     backend = record.backend
     device = backend.device_key()
     if record.generation == algos.generation():
@@ -284,8 +296,8 @@ def _choice(record: _Record, pass_: Pass, cfg: Config, operands: tuple[Any, Any,
                     "before capturing, under the same settings (a configure() since the eager step changes them)"
                 )
         # A search cut short by memory runs again once memory allows, but not in a capture: the kept ranking serves.
-        chosen = select(backend, pass_, geom, cap=cap, search=search, operands=operands, stream=stream,
-                        search_again=not capturing)
+        chosen = select(backend, pass_, geom, cap=cap, search=search, stream=stream, search_again=not capturing,
+                        operands=lambda: (*_made_contiguous(operands), out))
         if algos.is_cached(backend, pass_, geom, cap=cap, search=search):  # not a search cut short: algos serves it
             record.choices[device] = chosen
     return chosen
