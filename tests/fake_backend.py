@@ -57,6 +57,9 @@ class TableBackend:
     def empty(self, shape, dtype):
         return np.zeros(shape, dtype="float32")
 
+    def graph_allocated(self, array):
+        return False
+
     def algorithms(self, pass_):
         return tuple(dict.fromkeys(a for (p, _), rows in self.table.items() if p == pass_ for a, _, _ in rows))
 

@@ -1,10 +1,13 @@
-"""What a convolution captured into a CUDA graph allocates besides its workspace: the copies of operands that are not
-C-contiguous, a result made without out=. Without a GPU: the CPU backend over a provider whose capture status the
-test sets (wsarena.arena.testing), as tests/test_capture.py does."""
+"""What a convolution captured into a CUDA graph allocates besides its workspace (the copies of operands that are not
+C-contiguous, a result made without out=) stays allocated as long as the graph, as its workspace does: CuPy's
+MemoryPool hands a block freed when the call returns (or when its caller drops the result) to the next allocation on
+that stream, which every replay would then overwrite, or read from. Without a GPU: the CPU backend over a provider
+whose capture status the test sets (wsarena.arena.testing), as tests/test_capture.py does."""
 
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 
 import numpy as np
@@ -13,8 +16,10 @@ import pytest
 import wsarena
 from tests.reference import ref_conv_forward
 from wsarena import ops
-from wsarena.arena import Arena, set_arena
+from wsarena.arena import Arena, _pins, set_arena
+from wsarena.arena._pins import GraphPin
 from wsarena.arena.testing import RecordingProvider
+from wsarena.backends._cpu_backend import CpuBackend
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}  # float32 against the float64 reference
 
@@ -62,6 +67,66 @@ def reference(x, w):
     return ref_conv_forward(x.astype(np.float64), w.astype(np.float64), padding=1)
 
 
+@pytest.mark.parametrize("release", ["trim", "stats"])
+@pytest.mark.parametrize("given_out", [False, True], ids=["new", "out"])
+def test_what_a_captured_call_allocated_lives_until_its_graph_is_gone(provider, freed, given_out, release):
+    """The copies of the operands, and the result made without out= (dropped by its caller, as an intermediate of a
+    captured step is), stay until the graph is gone, and go with the arena's next trim or stats after that, as the
+    workspace the graph pinned does. An eager call's go as it returns. Once, a captured call's copies went as it
+    returned, and its result when dropped, while the graph's kernels kept writing and reading them."""
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")  # eager: chooses and sizes the lane's buffer
+    gc.collect()
+    assert freed == ["copy", "copy", "result"]
+    freed.clear()
+    arena = wsarena.get_arena("cpu")
+    out = np.empty(reference(x, w).shape, np.float32) if given_out else None
+    graph = provider.begin_capture("lane")
+    y = wsarena.conv_forward(x, w, padding=1, stream="lane", out=out)
+    provider.end_capture(graph)
+    np.testing.assert_allclose(y, reference(x, w), **TOL)
+    del y
+    gc.collect()
+    arena.trim()
+    arena.stats()
+    assert freed == []  # every replay writes and reads them
+    graph.close()
+    gc.collect()
+    assert freed == []  # until the arena looks
+    getattr(arena, release)()
+    gc.collect()
+    assert sorted(freed) == ["copy", "copy"] + ([] if given_out else ["result"])
+
+
+def test_what_graphs_gone_kept_goes_with_the_next_capture_that_keeps(provider, freed):
+    """A program that captures again and again, never trimming, keeps what the graphs alive kept, not what every
+    graph ever kept: the first call of a capture that keeps something lets go of what graphs gone since kept."""
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    gc.collect()
+    freed.clear()
+    graphs = []
+    for _ in range(3):
+        graph = provider.begin_capture("lane")
+        wsarena.conv_forward(x, w, padding=1, stream="lane")
+        provider.end_capture(graph)
+        graphs.append(graph)
+        gc.collect()
+        assert freed == []
+    graphs[0].close()
+    graphs[1].close()
+    last = provider.begin_capture("lane")
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    provider.end_capture(last)
+    gc.collect()
+    assert sorted(freed) == ["copy"] * 4 + ["result"] * 2  # the two closed graphs' calls
+    graphs[2].close()
+    last.close()
+    wsarena.get_arena("cpu").stats()
+    gc.collect()
+    assert len(freed) == 12
+
+
 def test_a_first_call_during_capture_makes_no_copy_before_it_raises(provider, freed, monkeypatch):
     """A call whose algorithm cannot be chosen during a capture raises CaptureError before anything is enqueued: no
     copy of its operands either, whose copying kernel the graph would run. Once, the copies came first."""
@@ -85,3 +150,121 @@ def test_a_first_call_during_capture_makes_no_copy_before_it_raises(provider, fr
     graph.close()
     wsarena.conv_forward(x, w, padding=1, stream="lane")
     assert copies == [x.shape, w.shape]
+
+
+def test_copies_a_call_made_before_its_capture_refused_it_live_until_the_graph_is_gone(provider, freed):
+    """A call whose lease the capture refuses (its forced algorithm needs the arena to grow) has enqueued the copies of
+    its operands: they stay with the graph as a call's that ran do. Its result, never written, goes."""
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane", algo="implicit_gemm")  # the lane holds no workspace
+    gc.collect()
+    freed.clear()
+    graph = provider.begin_capture("lane")
+    with pytest.raises(wsarena.CaptureError, match="needs the arena to grow"):
+        wsarena.conv_forward(x, w, padding=1, stream="lane", algo="gemm_batch")
+    provider.end_capture(graph)
+    gc.collect()
+    assert freed == ["result"]
+    graph.close()
+    wsarena.get_arena("cpu").trim()
+    gc.collect()
+    assert sorted(freed) == ["copy", "copy", "result"]
+
+
+def test_a_captured_zero_batch_gradient_of_the_filters_keeps_its_result(provider, freed):
+    """A batch of no images writes dw's zeros, with no workspace: the result, made without out=, stays with the graph
+    too."""
+    x = np.empty((0, 3, 8, 8), np.float32)
+    dy = np.empty((0, 4, 8, 8), np.float32)
+    graph = provider.begin_capture("lane")
+    dw = wsarena.conv_backward_filter(x, dy, (4, 3, 3, 3), padding=1, stream="lane")
+    provider.end_capture(graph)
+    assert not dw.any()
+    del dw
+    gc.collect()
+    assert freed == []
+    graph.close()
+    wsarena.get_arena("cpu").stats()
+    gc.collect()
+    assert freed == ["result"]
+
+
+def test_memory_the_graph_allocated_itself_is_not_kept(provider, freed, monkeypatch):
+    """Arrays the backend says the graph allocated (CuPy's MemoryAsyncPool, whose allocation during a capture is a node
+    of the graph, and its free too) go as they would without a capture: kept past it, the graph would hold an
+    allocation it never frees, which CUDA refuses to launch again until it is freed."""
+    monkeypatch.setattr(CpuBackend, "graph_allocated", lambda self, array: True)
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    gc.collect()
+    freed.clear()
+    graph = provider.begin_capture("lane")
+    y = wsarena.conv_forward(x, w, padding=1, stream="lane")
+    provider.end_capture(graph)
+    np.testing.assert_allclose(y, reference(x, w), **TOL)
+    del y
+    gc.collect()
+    assert sorted(freed) == ["copy", "copy", "result"]
+    graph.close()
+
+
+def test_the_cudnn_backend_says_which_arrays_a_graph_allocated():
+    """CuPy's MemoryAsyncPool's arrays (MemoryAsync, a view's too) are the graph's own when made during a capture;
+    those of CuPy's MemoryPool (PooledMemory) and of plain cudaMalloc (Memory) are not. No GPU needed: the memory
+    objects are made empty."""
+    from cupy.cuda import memory
+
+    from wsarena.backends._cudnn_backend import CudnnBackend
+
+    backend = CudnnBackend()
+
+    def array(kind):
+        return types.SimpleNamespace(data=memory.MemoryPointer(kind.__new__(kind), 0))
+
+    assert backend.graph_allocated(array(memory.MemoryAsync))
+    assert not backend.graph_allocated(array(memory.PooledMemory))
+    assert not backend.graph_allocated(array(memory.Memory))
+
+
+def test_an_arena_keeps_arrays_for_the_graph_being_captured_on_a_stream(provider):
+    """keep_with_capture keeps a program's own arrays while the graph being captured on the stream exists, and says
+    whether it is being captured; a stream not captured, or whose capture an earlier error invalidated (it becomes no
+    graph), keeps nothing."""
+    arena = wsarena.get_arena("cpu")
+    arrays = [np.empty(8) for _ in range(3)]
+    gone = [weakref.ref(array) for array in arrays]
+    graph = provider.begin_capture("lane")
+    assert arena.keep_with_capture(arrays[:1], stream="lane")
+    assert not arena.keep_with_capture(arrays[1:2], stream="other lane")
+
+    def invalidated(stream):
+        raise wsarena.CaptureError(f"the capture on {stream!r} was invalidated")
+
+    refusing = RecordingProvider()
+    refusing.capture = invalidated
+    assert not Arena(refusing).keep_with_capture(arrays[2:], stream="lane")
+    provider.end_capture(graph)
+    del arrays
+    gc.collect()
+    assert [ref() is None for ref in gone] == [False, True, True]
+    graph.close()
+    arena.stats()
+    gc.collect()
+    assert gone[0]() is None
+
+
+def test_a_pin_keeps_objects_until_cuda_posts_it(monkeypatch):
+    """GraphPin.keep holds objects while the pin is live; let_go_kept drops them once CUDA ran its destructor."""
+    monkeypatch.setattr(_pins, "_keeping", {})
+    pin = GraphPin()
+    kept = np.empty(4)
+    gone = weakref.ref(kept)
+    pin.keep([kept])
+    del kept
+    _pins.let_go_kept()
+    gc.collect()
+    assert gone() is not None
+    pin.never_held()  # posts it, as CUDA does when it destroys the graph
+    _pins.let_go_kept()
+    gc.collect()
+    assert gone() is None and _pins._keeping == {}

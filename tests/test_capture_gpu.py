@@ -151,6 +151,70 @@ def test_capture_forked_to_two_streams_keeps_their_workspaces_apart(cupy, arena,
         assert_same(cupy, captured, eager)
 
 
+def _strided_step(cupy):
+    """A step of two convolutions on a view (not C-contiguous: the first call copies it) whose first result is
+    dropped, as an intermediate is; ``step(out)`` writes the second into ``out``, or returns it."""
+    rng = cupy.random.default_rng(0)
+    x = rng.standard_normal((4, 8, 34, 34), dtype=cupy.float32)[:, :, 1:33, 1:33]
+    w1, w2 = (rng.standard_normal((8, 8, 3, 3), dtype=cupy.float32) for _ in range(2))
+    cupy.cuda.Device().synchronize()  # made on the legacy stream; the steps run on a non-blocking one
+
+    def step(out=None):
+        return wsarena.conv_forward(wsarena.conv_forward(x, w1, padding=1), w2, padding=1, out=out)
+
+    return x.shape, step  # the copy of x and the first result are both of x's shape
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_memory_a_captured_call_allocated_is_given_to_no_later_allocation(cupy, arena, api):
+    """The copy a captured call made of its operand and the result its step dropped stay the graph's as long as it
+    exists: arrays of their size allocated on the capture's stream afterwards, which CuPy's MemoryPool would hand
+    the blocks freed there, are left as they were by the replays, which equal the eager step. Once, the pool handed
+    those blocks out, and every replay wrote into them."""
+    with wsarena.config(cudnn_api=api):
+        shape, step = _strided_step(cupy)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            want = step()
+            stream.synchronize()
+        with wsarena.capture(stream) as graph:
+            y = step()
+        with stream:
+            later = [cupy.full(shape, 7.0, dtype=cupy.float32) for _ in range(4)]
+            for _ in range(3):
+                graph.launch()
+            stream.synchronize()
+        cupy.testing.assert_allclose(y, want, **TOL)
+        assert all(bool((array == 7.0).all()) for array in later)
+        graph.close()
+
+
+def test_memory_the_graph_allocated_itself_is_left_to_it(cupy, arena):
+    """Under CuPy's MemoryAsyncPool a capture's allocations are the graph's own (allocation nodes), and so are their
+    frees: the copy and the dropped result are not kept past the capture, which would leave the graph an allocation it
+    never frees, and CUDA refuses to launch such a graph again. Launched again and again, it equals the eager step."""
+    previous = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(cupy.cuda.MemoryAsyncPool().malloc)
+    try:
+        _, step = _strided_step(cupy)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            want = step()
+            y = cupy.empty_like(want)
+            stream.synchronize()
+        with wsarena.capture(stream) as graph:
+            step(out=y)
+        for _ in range(3):
+            graph.launch()
+        stream.synchronize()
+        cupy.testing.assert_allclose(y, want, **TOL)
+        graph.close()
+        del graph
+        stream.synchronize()
+    finally:
+        cupy.cuda.set_allocator(previous)
+
+
 def test_a_capture_that_would_search_raises_before_anything_is_enqueued(cupy, arena):
     x = cupy.ones((2, 8, 17, 17), cupy.float32)
     w = cupy.ones((8, 8, 3, 3), cupy.float32)
@@ -491,18 +555,21 @@ def test_a_graph_on_the_graph_api_replays_after_close_all_handles_and_its_proces
     assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "ok", "")
 
 
-def test_a_graph_alive_at_interpreter_exit_ends_the_process_cleanly():
+@pytest.mark.parametrize("call", ["x, w, padding=1, out=y", "x[:, :, ::2, ::2], w, padding=1"],
+                         ids=["out", "copied-and-new"])
+def test_a_graph_alive_at_interpreter_exit_ends_the_process_cleanly(call):
     """The exit handler releases the arena while a graph still holds its buffer (kept, never freed), and CUDA may
-    run the graph's destructor later, as the interpreter goes: the semaphore it posts is still there."""
+    run the graph's destructor later, as the interpreter goes: the semaphore it posts is still there. A call that
+    copied an operand and made its result leaves them kept for the graph, freed as the interpreter goes."""
     code = (
         "import cupy, wsarena\n"
         "x = cupy.ones((4, 16, 32, 32), cupy.float32)\n"
         "w = cupy.ones((16, 16, 3, 3), cupy.float32)\n"
         "y = cupy.empty((4, 16, 32, 32), cupy.float32)\n"
         "with cupy.cuda.Stream(non_blocking=True) as s:\n"
-        "    wsarena.conv_forward(x, w, padding=1, out=y)\n"
+        f"    wsarena.conv_forward({call})\n"
         "    with wsarena.capture(s) as graph:\n"
-        "        wsarena.conv_forward(x, w, padding=1, out=y)\n"
+        f"        wsarena.conv_forward({call})\n"
         "    wsarena.get_arena(cupy.cuda.Device().id).reserve(64 << 20, stream=s)  # the graph's buffer kept aside\n"
         "    graph.launch()\n"
         "    s.synchronize()\n"

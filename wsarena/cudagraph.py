@@ -19,7 +19,10 @@ have to search, finalize a plan, create a handle or grow the arena (a ``reserve`
 by an earlier error. Handles and plans are per thread: warm up on the thread that captures. Each workspace buffer
 the graph uses stays allocated, at the same address, until the graph is destroyed, even if the arena grows or is
 trimmed meanwhile (:mod:`wsarena.arena._pinning`), and so is each graph-API execution plan it ran kept, even once
-evicted from the plan cache (:class:`~wsarena.backends._graph_plans.PlanCache`). The same holds for a capture made
+evicted from the plan cache (:class:`~wsarena.backends._graph_plans.PlanCache`), and what a call allocated during the
+capture, even once dropped: its copies of operands that are not C-contiguous, a result made without ``out=``
+(:meth:`~wsarena.arena.Arena.keep_with_capture`; under CuPy's ``MemoryAsyncPool`` the graph allocates and frees
+them itself). The same holds for a capture made
 with CuPy's ``stream.begin_capture()`` or ``torch.cuda.graph``: wsarena detects capture from the stream's capture
 status.
 

@@ -4,7 +4,9 @@ NumPy arrays run on the ``cpu`` backend, CuPy arrays on ``cudnn``; arrays of oth
 Numba, anything with DLPack or an array interface) run as NumPy or CuPy views of their memory, and the result
 comes back in the caller's library (:mod:`wsarena._interop`). 1-, 2- or 3-D convolution follows from
 ``x.ndim`` (3, 4 or 5). Every workspace is leased from the arena's sub-arena for ``stream``; no op allocates
-scratch memory of its own. Arguments are checked before any workspace is leased or any work enqueued.
+scratch memory of its own. Arguments are checked before any workspace is leased or any work enqueued. During a CUDA
+graph capture, what a call allocates (copies of operands that are not C-contiguous, a result made without ``out=``)
+is kept as long as the graph (:meth:`~wsarena.arena.Arena.keep_with_capture`).
 
 On cuDNN, float16 and bfloat16 are computed in float32 with tensor cores allowed, as PyTorch does.
 
@@ -218,22 +220,33 @@ def _run(
         if geom.batch == 0:
             # Takes nothing, and refuses what a real call's lease refuses (a bad stream, a closed arena, a stream
             # CUDA cannot use during a capture) before dw's zeros are enqueued
-            with backend.arena().lease(0, stream=stream):
+            with backend.arena().lease(0, stream=stream) as ws:
                 if pass_ is Pass.BWD_FILTER:
                     result[...] = 0
+            if ws.pin is not None and out is None and not backend.graph_allocated(result):
+                ws.pin.keep([result])  # dw's zeros are written at every replay
             return result
         operands = [a, b]  # made C-contiguous, by copies, once the algorithm is chosen (or for its search)
+        pin = _NOT_RUN  # once a lease ran the call: the pin of the graph it was captured into, or None
         try:
-            if chosen is None:
-                chosen = _choice(record, pass_, cfg, operands, result, stream)
-            operands[0] = x = _contiguous(operands[0])  # (made for the search already, if it ran)
-            operands[1] = y = _contiguous(operands[1])
+            try:
+                if chosen is None:
+                    chosen = _choice(record, pass_, cfg, operands, result, stream)
+                operands[0] = x = _contiguous(operands[0])  # (made for the search already, if it ran)
+                operands[1] = y = _contiguous(operands[1])
 
-            def run(cand: Candidate, ws: Any) -> None:
-                backend.run(pass_, cand, geom, x, y, result, ws, stream)
+                def run(cand: Candidate, ws: Any) -> None:
+                    nonlocal pin
+                    pin = ws.pin
+                    backend.run(pass_, cand, geom, x, y, result, ws, stream)
 
-            run_with_fallback(backend.arena(), chosen, run, stream=stream, cap=cfg.cap_workspace,
-                              retry=backend.retry_errors, warn_for=(pass_, geom))
+                run_with_fallback(backend.arena(), chosen, run, stream=stream, cap=cfg.cap_workspace,
+                                  retry=backend.retry_errors, warn_for=(pass_, geom))
+            finally:
+                # During a capture, what the call allocated stays as long as the graph: the copies once made (and
+                # enqueued), the result once the call ran. Outside one, the first lease said so (pin None).
+                if pin is not None and (pin is not _NOT_RUN or operands[0] is not a or operands[1] is not b):
+                    _keep_with_capture(backend, stream, pin, operands, (a, b), None if out is not None else result)
         except BaseException:
             if out is None:  # a result returned to no one (the convolution may have run: a warning made an error)
                 result = None
@@ -241,7 +254,8 @@ def _run(
         finally:
             # The operands' copies go while the call's stream object lives: CuPy's stream-ordered allocator frees them
             # on it, after the convolution that reads them, where once it is gone it would free them on the stream
-            # current then (arena.streams.cupy_stream). The result is the caller's, once returned.
+            # current then (arena.streams.cupy_stream). The result is the caller's, once returned. (During a capture,
+            # the graph's pin keeps them.)
             operands.clear()
             x = y = None
     return result
@@ -251,6 +265,30 @@ def _made_contiguous(operands: list[Any]) -> list[Any]:
     """``operands``, ``[a, b]``, made C-contiguous in place: copies where they are not, made once."""
     operands[0], operands[1] = _contiguous(operands[0]), _contiguous(operands[1])
     return operands
+
+
+_NOT_RUN: Any = object()  # _run's pin before a lease ran the call
+
+
+def _keep_with_capture(
+    backend: Backend, stream: Any, pin: Any, operands: list[Any], given: tuple[Any, Any], result: Any
+) -> None:
+    """Keep what a call allocated while the graph being captured on ``stream`` exists, whose kernels write and read it
+    at every replay: the copies among ``operands`` (of the arrays ``given``), enqueued once made, whatever the call
+    did since, and ``result`` (a new one, or ``None``), where a kernel of the call was captured. ``pin``: the graph's,
+    as the call's lease gave it, or :data:`_NOT_RUN` where no lease ran the call (the capture refused it): the arena is
+    asked, and keeps nothing where no capture is under way. What the graph allocates itself is left as it is
+    (:meth:`~wsarena.backends.Backend.graph_allocated`)."""
+    made = [copy for copy, array in zip(operands, given) if copy is not array]
+    if pin is not _NOT_RUN and result is not None:
+        made.append(result)
+    kept = [array for array in made if not backend.graph_allocated(array)]
+    if not kept:
+        return
+    if pin is _NOT_RUN:
+        backend.arena().keep_with_capture(kept, stream=stream)
+    else:
+        pin.keep(kept)
 
 
 def _new_output(record: _Record, empty: Callable[[tuple[int, ...], str], Any] | None) -> Any:

@@ -291,6 +291,15 @@ class Arena:
         key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
         return self._capture(raw_handle(key)) is not None
 
+    def keep_with_capture(self, objects: Iterable[Any], *, stream: Any = None) -> bool:
+        """Keep ``objects`` (arrays whose memory kernels captured on ``stream`` write or read) as long as the CUDA graph
+        being captured on ``stream`` exists, as a workspace buffer pinned to it is kept; returns whether it is being
+        captured (else nothing is kept). Freed meanwhile, an array's memory would go to the next allocation (CuPy's
+        ``MemoryPool`` hands it to the next on that stream), which every replay would overwrite. They are let go by the
+        first trim, stats or growth of an arena once CUDA has destroyed the graph. A capture an earlier error
+        invalidated keeps nothing: it becomes no graph. (The ops keep what they allocate during a capture so.)"""
+        return _pinning.keep_with_capture(self, objects, stream)
+
     def held_bytes(self, *, stream: Any = None) -> int:
         """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none; 0 too for
         a new stream that CUDA gave a dead stream's handle: the dead stream's buffer is not its own)."""

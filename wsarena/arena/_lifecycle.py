@@ -22,6 +22,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from .. import _forksafe
+from ._pins import let_go_kept
 from ._table import _Table
 from .streams import PER_THREAD_DEFAULT_STREAM, PerThreadStream, own_per_thread_stream
 
@@ -120,7 +121,9 @@ def release_closed() -> None:
     """Free what closed arenas held for graphs gone since, or for captures over since, and let go of those that hold
     nothing more: each is closed again (:meth:`Arena.close` is idempotent, and frees what it may). Called by every
     arena's trim, stats and growth, with no arena's lock held; does nothing while no closed arena holds anything, and
-    closes again only those of which something may be freed or let go now."""
+    closes again only those of which something may be freed or let go now. What captured calls kept for graphs gone
+    since goes too (:func:`~wsarena.arena._pins.let_go_kept`)."""
+    let_go_kept()
     if _closed_holding:
         for arena in list(_closed_holding.values()):  # list(): one C call, whatever other threads do
             if _may_let_go(arena._table):

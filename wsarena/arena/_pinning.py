@@ -143,6 +143,22 @@ def _pin_for(self: Arena, capture: Any) -> Any:
         return captures.setdefault(capture.id, pin)
 
 
+def keep_with_capture(self: Arena, objects: Any, stream: Any) -> bool:
+    """:meth:`Arena.keep_with_capture`: ``objects`` kept by the pin of the graph being captured on ``stream``, made
+    and handed to the graph if no lease of the capture did yet (lock not held)."""
+    if self._capture is None:
+        return False
+    key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
+    try:
+        capture = self._capture(raw_handle(key))
+    except CaptureError:  # invalidated: it becomes no graph (or the legacy stream beside a capture: it ran nothing)
+        return False
+    if capture is None:
+        return False
+    self._pin_for(capture).keep(objects)
+    return True
+
+
 def forget_released(captures: dict[Any, Any]) -> None:
     """Forget the captures whose graphs are gone; their pins go with them (lock held)."""
     for key in [key for key, old in captures.items() if not old.live()]:

@@ -14,6 +14,9 @@ once CUDA has posted it, when CUDA will never touch it again. A pin dropped befo
 thread's first lease of a capture; the pins of a collected arena) leaves its semaphore on a list that
 :func:`free_posted` looks at, when a pin is made and when an arena is closed or collected: each is freed once posted.
 
+A pin also keeps what else the graph's kernels use that would otherwise be freed while it exists (:meth:`GraphPin.keep`:
+the copies a captured call made of its operands, the result it made), until :func:`let_go_kept` finds the pin posted.
+
 ``sem_post`` returns an int and CUDA calls it as ``void (*)(void *)``: on the ABIs CUDA runs on (x86-64 System V,
 AArch64) a return value the caller ignores stays in a register, so the call is sound.
 """
@@ -23,9 +26,10 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["HOST_FN", "SEM_POST", "GraphPin", "free_posted"]
+__all__ = ["HOST_FN", "SEM_POST", "GraphPin", "free_posted", "let_go_kept"]
 
 _libc = ctypes.CDLL(None, use_errno=True)  # the process's own C library: sem_* live there (or in libpthread)
 _sem_init = _libc.sem_init
@@ -44,6 +48,9 @@ _SEM_BYTES = 64  # sizeof(sem_t) is 32 on 64-bit glibc and musl; room to spare
 
 # The semaphores of pins dropped before CUDA posted them, by address: CUDA may still post each (its graph lives on).
 _unposted: dict[int, list[Any]] = {}
+# The pins that keep objects for their graphs (GraphPin.keep), by id: each is held here until let_go_kept finds it
+# posted, whoever else lets go of it (an arena forgets its captures' pins when it likes).
+_keeping: dict[int, GraphPin] = {}
 
 
 class GraphPin:
@@ -55,9 +62,11 @@ class GraphPin:
     blocks : list
         The buffers (the arena's blocks) pinned to the graph, which debug mode checks are never freed while the
         pin is live.
+    kept : list
+        What else the graph uses, kept for it (:meth:`keep`).
     """
 
-    __slots__ = ("__weakref__", "_state", "blocks")
+    __slots__ = ("__weakref__", "_state", "blocks", "kept")
 
     destroy = SEM_POST
 
@@ -72,6 +81,7 @@ class GraphPin:
             raise OSError(errno, f"sem_init: {os.strerror(errno)}")
         self._state = state = [address, False]  # the semaphore, and whether CUDA has posted it (seen here)
         self.blocks: list[Any] = []
+        self.kept: list[Any] = []
         weakref.finalize(self, _let_go, state).atexit = False  # at exit, CUDA may still post it: never freed
 
     @property
@@ -92,6 +102,16 @@ class GraphPin:
         It reads the semaphore's count (``sem_getvalue``) rather than taking the post (``sem_trywait``): a post taken
         and not yet recorded when an interrupt lands would be lost, and the pin would read live for good."""
         return not _posted(self._state)
+
+    def keep(self, objects: Iterable[Any]) -> None:
+        """Keep ``objects`` (arrays whose memory the graph's kernels write or read) while the graph exists: freed
+        meanwhile, their memory would go to the next allocation, which every replay would overwrite. The first
+        :func:`let_go_kept` after CUDA posts the pin lets go of them; the first keep of each pin runs one, so what is
+        kept is what graphs alive kept."""
+        if id(self) not in _keeping:
+            let_go_kept()
+            _keeping[id(self)] = self
+        self.kept.extend(objects)
 
     def never_held(self) -> None:
         """No graph was given this pin (the call that would have failed): post it here, as CUDA would have, so that it
@@ -117,6 +137,16 @@ def _let_go(state: list[Any]) -> None:
         _free(state[0])
     else:
         _unposted[state[0]] = state
+
+
+def let_go_kept() -> None:
+    """Let go of what pins kept (:meth:`GraphPin.keep`) for graphs gone since: the arenas' trim, stats and growth run
+    this, as they free the buffers such graphs pinned. No lock: a pin is claimed by taking it off the list (one C call,
+    which one caller alone wins); the objects go outside any lock of wsarena's (an array's free may call CUDA)."""
+    for key in list(_keeping):  # list(): one C call, whatever other threads do
+        pin = _keeping.get(key)
+        if pin is not None and not pin.live() and _keeping.pop(key, None) is pin:
+            pin.kept.clear()
 
 
 def free_posted() -> None:

@@ -92,6 +92,11 @@ class Backend(Protocol):
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
         """A new uninitialised array of this backend's kind."""
 
+    def graph_allocated(self, array: Any) -> bool:
+        """Whether ``array``, made during a CUDA graph capture, is memory the graph allocates and frees itself (an
+        allocation node), which the ops then leave alone, rather than memory they keep while the graph exists
+        (:meth:`~wsarena.arena.Arena.keep_with_capture`)."""
+
     def check_dtype(self, dtype: str) -> None:
         """Raise ``TypeError`` if this backend cannot compute in ``dtype``."""
 

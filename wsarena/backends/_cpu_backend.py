@@ -48,6 +48,9 @@ class CpuBackend:
     def empty(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.empty(shape, dtype=dtype)
 
+    def graph_allocated(self, array: Any) -> bool:
+        return False
+
     def random(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.random.default_rng(0).standard_normal(shape, dtype=np.float32 if dtype == "float32" else np.float64)
 

@@ -114,6 +114,12 @@ class CudnnBackend:
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
         return self._cupy.empty(shape, dtype=dtype)
 
+    def graph_allocated(self, array: Any) -> bool:
+        """Whether ``array`` is memory of CuPy's ``MemoryAsyncPool`` (``cudaMallocAsync``): made during a capture,
+        it is an allocation node of the graph, and freed there a free node, so the graph owns it. (CuPy's
+        ``MemoryPool`` hands a block freed during a capture to the next allocation on that stream, captured or not.)"""
+        return isinstance(array.data.mem, self._cupy.cuda.memory.MemoryAsync)
+
     def random(self, shape: tuple[int, ...], dtype: str) -> Any:
         return self._cupy.random.default_rng(0).standard_normal(shape, dtype="float32").astype(dtype)
 
