@@ -8,7 +8,7 @@ import pytest
 from wsarena import configure, get_config
 from wsarena._geometry import conv_geometry, describe_geometry
 from wsarena.algos import choose, forced, is_cached, is_chosen, run_with_fallback, select
-from wsarena.backends import Candidate
+from wsarena.backends import Candidate, PartlyTimed
 from wsarena.errors import (
     AlignmentWorkspaceError,
     ArenaOutOfMemoryError,
@@ -687,6 +687,42 @@ def test_a_search_every_lease_of_which_the_backend_refuses_raises_the_refusal(er
             select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
     assert not isinstance(info.value, NoAlgorithmFitsError) and _memory_warnings(record) == []
     assert b.measured == ["refused"] * 3 and not is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
+
+
+class _RefusingOnOperands(FakeBackend):
+    """A backend whose search refuses fft on operands at an address off 16 bytes (PartlyTimed's refused), which its
+    ``operands_key`` tells apart, as cuDNN's refuses a tensor-core algorithm on a view. The operands are addresses."""
+
+    def operands_key(self, a, b, out):
+        return a % 16, b % 16, out % 16
+
+    def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+        timed = super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
+        if not a % 16:
+            return timed
+        raise PartlyTimed([c for c in timed if c.algo != "fft"], [], [c for c in candidates if c.algo == "fft"])
+
+
+def test_a_ranking_without_candidates_refused_on_its_operands_serves_only_operands_alike():
+    """A search whose backend refused fft on its operands drops fft, and that ranking serves the calls whose operands
+    have the same key, and a capture (which cannot search) whatever its operands; a call on other operands searches
+    again, and one on operands nothing is refused on gets every candidate, kept for good. It was kept for good from
+    the first search: every later call ran without fft."""
+    b = _RefusingOnOperands({"fft": 300, "gemm": 100, "implicit": 0}, TIMES)
+
+    def search(x, again=True):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(x, 0, 0), search_again=again)
+        return [c.algo for c in got], len(b.measured)
+
+    assert search(0x1004) == (["gemm", "implicit"], 1)
+    assert is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
+    assert not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")  # the ops keep no record of it
+    assert search(0x2004) == (["gemm", "implicit"], 1)  # operands alike: served
+    assert search(0x1002) == (["gemm", "implicit"], 2)  # other operands: searched again
+    assert search(0x1000, again=False) == (["gemm", "implicit"], 2)  # captured: the kept ranking runs
+    assert search(0x1000) == (["gemm", "fft", "implicit"], 3)
+    assert is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+    assert search(0x1002) == (["gemm", "fft", "implicit"], 3)
 
 
 def test_a_search_whose_backend_rejects_some_candidates_is_kept_without_them():

@@ -493,6 +493,38 @@ def test_an_exhaustive_search_saves_no_verdict_on_findex_entries_failed_for_its_
     assert process(0x1004) == (got, saved) and asked == [300, 300]  # read back whole, on any operands
 
 
+def test_a_ranking_searched_on_a_view_serves_views_alike_and_an_aligned_call_searches_again(backend, monkeypatch):
+    """A search on x off a 16-byte boundary (no copies could be had: memory pressure) whose FindEx failed gemm and
+    winograd there drops them. That ranking serves later calls on operands aligned alike, asking FindEx nothing, but
+    a call on 16-byte-aligned operands in the same process searches again, times gemm and keeps that ranking for good.
+    The process kept its choice per geometry alone: aligned calls ran the view's ranking, without gemm, for the rest
+    of the process."""
+    from wsarena.cudnn import Determinism
+
+    fma, det = int(MathType.FMA_MATH), Determinism.DETERMINISTIC
+    listed = [AlgoPerf(ConvolutionFwdAlgo[name], Status.SUCCESS, -1.0, nbytes, det, fma)
+              for name, nbytes in LISTED.items()]
+    found = _entries({"GEMM": Status.BAD_PARAM_MISALIGNED_POINTER, "WINOGRAD": Status.NOT_SUPPORTED}, FINDEX_TIMES)
+    asked = _findex_stand_in(backend, monkeypatch, listed, found)
+    geom = conv_geometry((2, 4, 8, 8), (4, 4, 3, 3), padding=1)
+
+    def search(x_ptr):
+        operands = _operands(x_ptr, 0x2000, 0x3000, copies=False)
+        got = algos.select(backend, "fwd", geom, cap=None, search="exhaustive", operands=operands)
+        return [c.algo for c in got], len(asked)
+
+    def kept():
+        return algos.is_cached(backend, "fwd", geom, cap=None, search="exhaustive")
+
+    view = ["fft", "implicit_precomp_gemm", "implicit_gemm"]
+    assert search(0x1004) == (view, 1) and not kept()
+    assert search(0x1004) == (view, 1)  # aligned alike: served, FindEx not asked
+    found[:] = _entries({"WINOGRAD": Status.NOT_SUPPORTED}, FINDEX_TIMES)
+    full = ["fft", "implicit_precomp_gemm", "gemm", "implicit_gemm"]
+    assert search(0x1000) == (full, 2) and kept()
+    assert search(0x1004) == (full, 2) and search(0x1008) == (full, 2)  # kept for good: any operands
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_half_precision_search_saves_no_verdict_on_entries_failed_in_another_math_type(backend, monkeypatch,
                                                                                         tmp_path, dtype):

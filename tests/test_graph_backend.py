@@ -1289,3 +1289,46 @@ def test_report_takes_the_heuristic_flag(finalizing, capsys, monkeypatch):
     assert main(["report", "resnet50", "--device-properties", str(H100)]) == 2
     assert "WSARENA_CUDNN_HEURISTIC='c'" in capsys.readouterr().err
     assert main(["report", "resnet50", "--device-properties", str(H100), "--cudnn-heuristic", "instant"]) == 0
+
+
+def _searching_process(faked, monkeypatch, cands):
+    """The graph backend with ``cands`` as its ranking, a host of stand-ins for its arena and device, and no search
+    cache: what one process keeps of its searches."""
+    arena = _Arena()
+    monkeypatch.setattr(faked, "_ranked", lambda handle, pass_, geom: list(cands))
+    monkeypatch.setattr(faked, "arena", lambda: arena)
+    monkeypatch.setattr(faked, "device_key", lambda: "stand-in")
+
+
+def _short_of_memory():
+    raise MemoryError("no copy at an aligned address")
+
+
+def test_a_ranking_searched_on_a_view_serves_views_alike_and_an_aligned_call_searches_again(faked, monkeypatch):
+    """A search on x off a 16-byte boundary (no copies could be had: memory pressure) drops the engines refused on
+    it. That ranking serves later calls on operands aligned alike, timing nothing, but not a call on 16-byte-aligned
+    operands in the same process: it searches again, gets every engine, and that ranking is kept for good, the view
+    then running the first that takes it. The process kept its choice per geometry alone: every later call, aligned
+    ones too, ran the view's ranking for the rest of the process."""
+    cands = [Candidate(f"eng{i}", 64) for i in range(1, 6)]
+    _searching_process(faked, monkeypatch, cands)
+    b = RefusingBuilder({("eng2", (2, 16, 16)): 4096}, unbuilt=UNBUILT, unrun={"eng3"},
+                        times={"eng1": 1, "eng2": 2, "eng3": 3, "eng4": 4})
+    _stand_in_builder(faked, monkeypatch, b)
+
+    def search(x_ptr):
+        x = SimpleNamespace(data=SimpleNamespace(ptr=x_ptr), copy=_short_of_memory)
+        b.executed.clear()
+        got = algos.select(faked, "fwd", GEOM, cap=None, search="exhaustive",
+                           operands=(x, _array(0x2000), _array(0x3000)))
+        return [(c.algo, c.time_ms) for c in got], {e[0] for e in b.executed}
+
+    def kept():
+        return algos.is_cached(faked, "fwd", GEOM, cap=None, search="exhaustive")
+
+    assert search(0x1002) == ([("eng4", 4.0)], {"eng4"}) and not kept()
+    assert search(0x1002) == ([("eng4", 4.0)], set())  # operands aligned alike: served, nothing timed
+    full = [("eng1", 1.0), ("eng2", 2.0), ("eng3", 3.0), ("eng4", 4.0)]
+    assert search(0x1000) == (full, {"eng1", "eng2", "eng3", "eng4"}) and kept()
+    assert search(0x1002) == (full, set())  # kept for good: any operands
+    assert search(0x1004) == (full, set())

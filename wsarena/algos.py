@@ -5,7 +5,8 @@
 scratch; on the CPU each algorithm once) and ranks them by measured time. Either way the choice is the first
 candidate whose workspace fits the cap. Results are cached per (backend, its cuDNN API path, device, pass,
 geometry, search, cap); a search cut short because some workspace could not be had is cached too, and searched
-again once that workspace can be had:
+again once that workspace can be had, and one without candidates the backend refused on its operands serves calls
+on operands alike (on cuDNN, aligned alike), others searching again:
 the geometry includes shapes, dtype, layout and every convolution parameter, and the cap is part of the key,
 so changing the cap never serves a choice made under another one. The process keeps the choices of the last
 :data:`CHOICES_MAX` keys used, as many as the ops keep call signatures (:data:`wsarena._callkeys.RECORDS_MAX`); an older
@@ -46,9 +47,11 @@ __all__ = [
 # graph API's), 8 KiB with forty, so that a sweep over shapes holds some 10-35 MiB at most, where it grew without end.
 # As many as the ops keep call signatures, so that a signature they rebuild finds its choice here.
 CHOICES_MAX = 4096
-# Per key: the usable candidates best first, the candidate the cap keeps from running first (the cap warning's), and 0
-# where the choice is kept for good or, for a search cut short by memory, the least workspace it could not get.
-_Entry = tuple[tuple[Candidate, ...], Candidate | None, int]
+# Per key: the usable candidates best first, the candidate the cap keeps from running first (the cap warning's), 0
+# where the choice is kept for good or, for a search cut short by memory, the least workspace it could not get, and
+# None where it serves any operands or, for a search the backend refused some candidates in on its operands, their
+# key (the backend's operands_key): it serves calls on operands alike, and others search again.
+_Entry = tuple[tuple[Candidate, ...], Candidate | None, int, Any]
 # Per (algorithm, math type), what a search timed of a call: its time in ms, None where the backend's search rejected it
 _Times = Mapping[tuple[str, int | None], float | None]
 _cache: LRU[_Entry] = LRU(CHOICES_MAX)
@@ -82,15 +85,15 @@ def _key(backend: Backend, pass_: str, geom: ConvGeometry, search: str, cap: int
 
 
 def is_cached(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
-    """Whether the choice for these arguments is cached for good (a search cut short by memory pressure is not:
-    see :func:`is_chosen`)."""
+    """Whether the choice for these arguments is cached for good (a search cut short by memory pressure is not, nor
+    one that serves only operands like its own: see :func:`is_chosen`)."""
     entry = _cache.lookup(_key(backend, pass_, geom, search, cap, get_config()))
-    return entry is not None and not entry[2]
+    return entry is not None and not entry[2] and entry[3] is None
 
 
 def is_chosen(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
-    """Whether a choice for these arguments is cached, for good or until memory allows a search cut short to be
-    run again: one that a call may run without searching."""
+    """Whether a choice for these arguments is cached, for good, until memory allows a search cut short to be run
+    again, or for operands like the search's: one that a call may run without searching."""
     return _key(backend, pass_, geom, search, cap, get_config()) in _cache
 
 
@@ -109,6 +112,7 @@ def choose(
     warn: bool = True,
     can_have: Callable[[int], bool] | None = None,
     known: Callable[[], _Times] | None = None,
+    serves: Callable[[Any], bool] | None = None,
 ) -> tuple[Candidate, ...]:
     """Return the usable candidates under ``cap``, best first; the first is the choice.
 
@@ -118,10 +122,11 @@ def choose(
         For ``search="exhaustive"``: a function that times the given candidates on real operands and returns
         ``(timed, skipped)``: those it timed, fastest first, and those it had no memory to time (the ops and
         the planner provide one that leases the workspace from the arena), and may add the largest workspace it
-        leased (a skipped candidate that needs no more ran out of memory of its own). A candidate in neither
-        list was rejected by the backend's own search, or refused in a workspace of its own size (one of the
-        backend's ``retry_errors``: no want of memory) or on the operands timed (:class:`PartlyTimed`'s
-        ``refused``), and is dropped. Without ``measure`` the heuristic order is used.
+        leased (a skipped candidate that needs no more ran out of memory of its own), and then the key of the operands
+        it timed where the backend refused some candidates on them (``serves``). A candidate in neither list was
+        rejected by the backend's own search, or refused in a workspace of its own size (one of the backend's
+        ``retry_errors``: no want of memory) or on the operands timed (:class:`PartlyTimed`'s ``refused``), and is
+        dropped. Without ``measure`` the heuristic order is used.
     can_have
         For a search cut short by memory (some candidates skipped), kept with the timed candidates first:
         ``can_have(n)`` says whether ``n`` bytes of workspace, the least that a skipped one needs, can be had
@@ -131,6 +136,10 @@ def choose(
         For ``search="exhaustive"`` under a cap that excludes some candidates: a function that returns what searches
         timed of this call, those above the cap included (the search cache's entry, this process's uncapped search),
         per ``(algo, math_type)``: a time in ms, or ``None`` for a candidate the backend's search rejected.
+    serves
+        For a ranking kept from a search that dropped candidates the backend refused on its operands, kept with their
+        key: ``serves(key)`` says whether it serves this call (its operands have that key); if not, the search runs
+        again. Without it, such a search runs again on every call.
     warn
         Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap keeps the fastest algorithm from
         running: the heuristic favourite; for an exhaustive search, one above the cap that ``known`` says is faster
@@ -150,17 +159,20 @@ def choose(
     settings = get_config()  # read once: the key and the ranking agree whatever another thread configures
     key = _key(backend, pass_, geom, "exhaustive" if exhaustive else "heuristic", cap, settings)
     entry = _cache.lookup(key)  # the choice and whether a search was cut short, read at once
+    if entry is not None and entry[3] is not None and (serves is None or not serves(entry[3])):
+        entry = None  # ranked without candidates refused on operands unlike this call's: the search is run again
     if entry is not None and entry[2] and (can_have is None or can_have(entry[2])):
         entry = None  # the workspace it lacked can be had now: the search is run again
     if entry is None:
         with using(settings):  # what the backend reads of them (cudnn_heuristic), as the key has them
-            best, excluded, lacked, untimed = _rank(backend, pass_, geom, cap, measure if exhaustive else None, known)
-        entry = (best, excluded, lacked or 0)
+            best, excluded, lacked, untimed, only = _rank(backend, pass_, geom, cap, measure if exhaustive else None,
+                                                          known)
+        entry = (best, excluded, lacked or 0, only)
         if lacked is not None:
             _cache.put(key, entry)
             if untimed:
                 _warn_memory(backend.arena(), _cut_short_text, pass_, geom, best, len(best) - untimed, lacked or 0)
-    best, excluded, _ = entry
+    best, excluded = entry[0], entry[1]
     # lookup(): a key in use is the most recently used here too, as in _cache, so its warning is not given again
     if warn and excluded is not None and _warned.lookup(key) is None:
         with _lock:
@@ -195,13 +207,14 @@ def _cut_short_text(pass_: str, geom: ConvGeometry, ranking: tuple[Candidate, ..
 def _rank(
     backend: Backend, pass_: str, geom: ConvGeometry, cap: int | None, measure: Callable | None,
     known: Callable[[], _Times] | None = None,
-) -> tuple[tuple[Candidate, ...], Candidate | None, int | None, int]:
+) -> tuple[tuple[Candidate, ...], Candidate | None, int | None, int, Any]:
     """(usable candidates best first, the candidate the cap keeps from running first (:func:`_kept_out`; without
     a search that timed something, the heuristic favourite if the cap excluded it), what to keep, how many of
-    the last a search kept it could not time for want of memory). What to keep: 0 where all were ranked (or memory
-    stopped only candidates that ran out of memory of their own), the least workspace a skipped candidate needs
-    where a search was cut short by the arena's memory, ``None`` where nothing was timed (the heuristic order, not
-    kept)."""
+    the last a search kept it could not time for want of memory, the operands it serves). What to keep: 0 where all
+    were ranked (or memory stopped only candidates that ran out of memory of their own), the least workspace a
+    skipped candidate needs where a search was cut short by the arena's memory, ``None`` where nothing was timed (the
+    heuristic order, not kept). The operands: ``None`` for any, else the key of those a search timed where the
+    backend refused some candidates on them (``measure``'s fourth item)."""
     ranked = backend.candidates(pass_, geom)
     if not ranked:
         raise UnsupportedConvolutionError(
@@ -218,21 +231,21 @@ def _rank(
         )
     excluded = None if ranked[0] in usable else ranked[0]
     if measure is None:
-        return tuple(usable), excluded, 0, 0
-    timed, skipped, *leased = measure(usable)  # only what fits the cap is ever timed
+        return tuple(usable), excluded, 0, 0, None
+    timed, skipped, *rest = measure(usable)  # only what fits the cap is ever timed
     if not timed and not skipped:  # the search ranked nothing: keep the heuristic order, and ask again next time
-        return tuple(usable), excluded, None, 0
+        return tuple(usable), excluded, None, 0, None
     order = tuple(timed) + tuple(skipped)
     if not timed:  # the backend rejected every candidate the workspace held: ask again next time
-        return order, excluded, None, 0
+        return order, excluded, None, 0, None
     if known is not None and len(usable) < len(ranked):  # the cap excludes some: is one of them faster?
         above = [c for c in ranked if cap is not None and c.workspace_bytes > cap]  # those _fits() left out
         excluded = _kept_out(above, order[0], skipped, excluded, known())
     # Cut short by the arena's memory: kept until the least that a skipped candidate needs can be had. Those the
-    # search's largest lease held (``leased``) ran out of memory of their own: that is no reason to search again.
-    largest = leased[0] if leased else 0
+    # search's largest lease held (``rest[0]``) ran out of memory of their own: that is no reason to search again.
+    largest = rest[0] if rest else 0
     lacked = min((c.workspace_bytes for c in skipped if c.workspace_bytes > largest), default=0)
-    return order, excluded, lacked, len(skipped)
+    return order, excluded, lacked, len(skipped), rest[1] if len(rest) > 1 else None
 
 
 def _kept_out(
@@ -275,9 +288,11 @@ def select(
     times every candidate that fits; where the backend refuses to time what a lease holds (one of its
     ``retry_errors``), the next lease times the rest, and the candidate that lease was for is dropped, as one its
     search rejects, and so is one the backend refuses to time on these operands (:class:`PartlyTimed`'s ``refused``);
-    neither is saved in the search cache as rejected. A search cut short because the largest could not be had is run
-    again once a lease of what it lacked succeeds (:func:`choose`'s ``can_have``), never while ``stream`` is being
-    captured (``search_again=False``, which the ops pass then: a search is no graph node).
+    neither is saved in the search cache as rejected, and the ranking without them serves only later calls whose
+    operands have the same key as those timed (the backend's ``operands_key``: on cuDNN their alignments), others
+    searching again. A search cut short because the largest could not be had is run again once a lease of what it
+    lacked succeeds (:func:`choose`'s ``can_have``), never while ``stream`` is being captured (``search_again=False``,
+    which the ops pass then: a search is no graph node).
     """
     if search != "exhaustive" or operands is None:
         return choose(backend, pass_, geom, cap=cap, search="heuristic", warn=warn)
@@ -292,6 +307,21 @@ def select(
                 return True
         except (ArenaOutOfMemoryError, CaptureError):  # a capture grows nothing: the kept ranking serves it
             return False
+
+    key_of = getattr(backend, "operands_key", None)  # what of the operands decides the candidates refused on them
+    made: list[tuple[Any, Any, Any]] = []
+
+    def the_operands() -> tuple[Any, Any, Any]:  # made once, where asked for
+        if not made:
+            made.append(operands() if callable(operands) else operands)  # type: ignore[arg-type]
+        return made[0]
+
+    def serves(searched_on: Any) -> bool:
+        # A ranking without the candidates refused on the search's operands serves calls on operands alike; a capture,
+        # which cannot search, runs it whatever its operands (run_with_fallback passes over those refused there)
+        if not search_again:
+            return True
+        return key_of is not None and key_of(*the_operands()) == searched_on
 
     stored: dict[tuple[str, int | None], float | None] = {}  # what the search cache holds of the call, searched
 
@@ -314,7 +344,7 @@ def select(
         return times
 
     def measure_now(cands: list[Candidate], refused: list[Candidate]) -> searchcache.Found:
-        a, b, out = operands() if callable(operands) else operands
+        a, b, out = the_operands()
         # The choice (and the search cache) is kept per geometry, whatever the operands' addresses: a backend whose
         # algorithms depend on them times on operands at the addresses every allocation has (timing_operands).
         timing = getattr(backend, "timing_operands", None)
@@ -348,10 +378,12 @@ def select(
         # rejects, as it rejects an entry it reports failed: it is dropped, neither timed nor skipped for memory.
         run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap, retry=retry)
         skipped = [c for c in cands if (c.workspace_bytes > leased[1] and c not in refused) or c in failed]
-        return timed, skipped, leased[0]
+        # Without those refused on these operands, the ranking serves only calls on operands alike (serves)
+        only = key_of(a, b, out) if refused and key_of is not None else None
+        return timed, skipped, leased[0], only
 
     return choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure, warn=warn, can_have=can_have,
-                  known=known)
+                  known=known, serves=serves)
 
 
 def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: int | None) -> tuple[Candidate, ...]:

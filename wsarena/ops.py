@@ -336,7 +336,8 @@ def _choice(
         # A search cut short by memory runs again once memory allows, but not in a capture: the kept ranking serves.
         chosen = select(backend, pass_, geom, cap=cap, search=search, stream=stream, search_again=not capturing,
                         operands=lambda: (*_made_contiguous(operands), out))
-        if algos.is_cached(backend, pass_, geom, cap=cap, search=search):  # not a search cut short: algos serves it
+        # Kept for good: not a search cut short, nor one for operands like its own (algos serves those)
+        if algos.is_cached(backend, pass_, geom, cap=cap, search=search):
             record.choices[device] = chosen
     return chosen
 

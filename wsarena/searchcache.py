@@ -65,8 +65,10 @@ _MAX_TIME_MS = 86_400_000.0  # a day: no time a search measures is longer
 _MARK_USED_AFTER = 3600.0  # seconds: a read older than this marks the entry used (sets its modification time)
 
 _Results = dict[tuple[str, int | None], tuple[int, float | None]]  # (algo, math type) -> (workspace, ms or None)
-# (timed, skipped), and maybe the largest workspace the search leased (wsarena.algos.choose's ``measure``)
-Found = tuple[list[Candidate], list[Candidate]] | tuple[list[Candidate], list[Candidate], int]
+# (timed, skipped), and maybe the largest workspace the search leased and the key of the operands it refused some
+# candidates on (wsarena.algos.choose's ``measure``)
+Found = (tuple[list[Candidate], list[Candidate]] | tuple[list[Candidate], list[Candidate], int]
+         | tuple[list[Candidate], list[Candidate], int, Any])
 _Measure = Callable[[], Found]
 # Searches of this process: answered from the cache ("read") or timed ("timed"). A list of two ints: += on an item
 # is not atomic across threads, and a miscount under a race costs only a figure of a report.

@@ -123,13 +123,19 @@ class CudnnBackend:
     def random(self, shape: tuple[int, ...], dtype: str) -> Any:
         return self._cupy.random.default_rng(0).standard_normal(shape, dtype="float32").astype(dtype)
 
+    def operands_key(self, a: Any, b: Any, out: Any) -> tuple[int, int, int]:
+        """What of the operands decides which candidates cuDNN refuses to run on them: the alignment of each one's
+        address (:func:`~wsarena.backends._graph_plans.alignment`). A ranking searched without the candidates refused
+        on some operands serves calls whose operands have the same key (:func:`wsarena.algos.select`)."""
+        return alignment(a.data.ptr), alignment(b.data.ptr), alignment(out.data.ptr)
+
     def timing_operands(self, a: Any, b: Any, out: Any) -> tuple[Any, Any, Any]:
         """The operands an exhaustive search times on: these, or, when one is a view off a 16-byte boundary,
         copies at aligned addresses (CuPy allocates at 256). Algorithms and engines that refuse misaligned
         operands would be left out of a search timed on them, and the choice and the search cache are kept per
         geometry: the first call would decide for every later one. (A misaligned call then runs the first
         candidate that takes its operands.) Under memory pressure, the operands themselves."""
-        if tuple(alignment(arr.data.ptr) for arr in (a, b, out)) == ALIGNED:
+        if self.operands_key(a, b, out) == ALIGNED:
             return a, b, out
         try:
             return a.copy(), b.copy(), self._cupy.empty_like(out)
