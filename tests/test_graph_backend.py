@@ -1045,7 +1045,8 @@ class RefusingBuilder(AlignedBuilder):
     """An AlignedBuilder whose cuDNN refuses: to finalize ``unbuilt`` (``(name, alignment)`` pairs, as cuDNN's
     NOT_SUPPORTED), and to execute the plans of ``unrun`` names for operands off 16-byte boundaries (as
     BAD_PARAM_MISALIGNED_POINTER). Each execution is timed ``times[name]`` ms (the runtime stand-in,
-    :func:`_timing_runtime`, reads the last one)."""
+    :func:`_timing_runtime`, reads the last one). ``short[name]``: where cuDNN cannot allocate what that plan takes
+    (``"finalize"``, ``"execute"``, or ``"timed"``: every execution after the first)."""
 
     def __init__(self, sizes, unbuilt=(), unrun=(), times=None, short=()):
         super().__init__(sizes)
@@ -1060,8 +1061,12 @@ class RefusingBuilder(AlignedBuilder):
         if self.short.get(name) == "finalize":
             raise cudnn.CudnnError(int(cudnn_status.INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED), name)
         made = super().plan(handle, graph, name)
-        if self.short.get(name) == "execute":
+        if self.short.get(name) in ("execute", "timed"):
+            runs = [] if self.short[name] == "execute" else [made.execute]
+
             def out_of_memory(*args):
+                if runs:
+                    return runs.pop()(*args)
                 raise cudnn.CudnnError(int(cudnn_status.INTERNAL_ERROR_HOST_ALLOCATION_FAILED), name)
             made.execute = out_of_memory
         if name in self.unrun and aligned != ALIGNED:
@@ -1120,6 +1125,20 @@ def test_measure_names_the_engines_cudnn_had_no_memory_for_as_out_of_memory_of_t
         faked.measure("fwd", GEOM, _array(0x1000), _array(0x2000), _array(0x3000), _lease(64), cands, None)
     assert [(c.algo, c.time_ms) for c in caught.value.timed] == [("eng2", 2.0)]
     assert caught.value.failed == [cands[0], cands[2]] and caught.value.refused == []
+
+
+def test_measure_takes_an_engine_cudnn_had_no_memory_for_in_a_timed_run_as_out_of_memory_of_its_own(faked,
+                                                                                                  monkeypatch):
+    """A plan whose warm-up ran but one of whose timed runs cuDNN could not allocate for is out of memory of its own,
+    as one whose warm-up it could not allocate for: named in PartlyTimed's failed, the next engines timed. The error
+    ended measure(), and the search lost every engine of that workspace with it."""
+    b = RefusingBuilder({}, times={"eng1": 1, "eng2": 2, "eng3": 3}, short={"eng2": "timed"})
+    _stand_in_builder(faked, monkeypatch, b)
+    cands = [Candidate(f"eng{i}", 64) for i in range(1, 4)]
+    with pytest.raises(PartlyTimed) as caught:
+        faked.measure("fwd", GEOM, _array(0x1000), _array(0x2000), _array(0x3000), _lease(64), cands, None)
+    assert [(c.algo, c.time_ms) for c in caught.value.timed] == [("eng1", 1.0), ("eng3", 3.0)]
+    assert caught.value.failed == [cands[1]] and caught.value.refused == []
 
 
 @pytest.mark.parametrize("where", ["finalize", "execute"])
