@@ -8,7 +8,7 @@ import pytest
 from wsarena import configure, get_config
 from wsarena._geometry import conv_geometry, describe_geometry
 from wsarena.algos import choose, forced, is_cached, is_chosen, run_with_fallback, select
-from wsarena.backends import Candidate, PartlyTimed
+from wsarena.backends import Candidate, PartlyRanked, PartlyTimed
 from wsarena.errors import (
     AlignmentWorkspaceError,
     ArenaOutOfMemoryError,
@@ -723,6 +723,34 @@ def test_a_ranking_without_candidates_refused_on_its_operands_serves_only_operan
     assert search(0x1000) == (["gemm", "fft", "implicit"], 3)
     assert is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
     assert search(0x1002) == (["gemm", "fft", "implicit"], 3)
+
+
+@pytest.mark.parametrize("search", ["heuristic", "exhaustive"])
+def test_a_ranking_memory_kept_the_backend_from_finishing_serves_that_call_alone(search):
+    """A backend that could not rank fft for want of memory (cuDNN could not allocate what finalizing its plan takes)
+    says so with PartlyRanked: the call chooses among the others, searched or not, and the next call ranks again,
+    now with fft, and keeps that. No verdict on fft: it was left out for the rest of the process."""
+
+    class Short(FakeBackend):
+        short = True
+
+        def candidates(self, pass_, geom):
+            cands = super().candidates(pass_, geom)
+            if self.short:
+                raise PartlyRanked([c for c in cands if c.algo != "fft"]) from MemoryError("no memory for fft's plan")
+            return cands
+
+    b = Short({"fft": 300, "gemm": 100, "implicit": 0}, TIMES)
+
+    def choice():
+        return [c.algo for c in select(b, "fwd", GEOM, cap=None, search=search, operands=(0, 0, 0))]
+
+    first = ["gemm", "implicit"]
+    assert choice() == first and not is_chosen(b, "fwd", GEOM, cap=None, search=search)
+    b.short = False
+    assert choice() == (["gemm", "fft", "implicit"] if search == "exhaustive" else ["fft", "gemm", "implicit"])
+    assert is_cached(b, "fwd", GEOM, cap=None, search=search)
+    assert len(b.measured) == (2 if search == "exhaustive" else 0)
 
 
 def test_a_search_whose_backend_rejects_some_candidates_is_kept_without_them():

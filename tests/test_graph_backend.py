@@ -537,6 +537,60 @@ def test_on_cudnn_9_1_the_workspace_sizes_come_from_the_plans(finalizing, monkey
         assert backend.candidates(pass_, geom) == cands, pass_
 
 
+@pytest.mark.parametrize("version", [None, 90100])
+@pytest.mark.parametrize("where", ["sizing", "views", "everywhere"])
+def test_an_engine_cudnn_could_not_allocate_for_while_ranking_is_left_out_of_that_ranking_alone(finalizing, monkeypatch,
+                                                                                             version, where):
+    """Ranking finalizes plans: to size the shortlisted configurations (on cuDNN 9.0 and 9.1, each one the heuristics
+    list), and to find the one that runs views aligned only to their element size. A finalize cuDNN could not
+    allocate for (device memory) is no verdict on the configuration: the ranking made without it serves that call
+    but is not kept, and the next call ranks again, with it. Taken as a configuration cuDNN will not finalize, it was
+    left out of a ranking kept for the rest of the process. Where nothing could be ranked for want of memory, the
+    call raises cuDNN's allocation failure, a MemoryError, and keeps nothing: it ran the legacy API for good."""
+    from wsarena import cudnn
+    from wsarena.cudnn import graph
+
+    geom = GEOM.with_batch(3)
+    want = [c.algo for c in device_properties_backend(H100.read_text()).candidates("fwd", geom)]
+    reset_backends()
+    backend = device_properties_backend(H100.read_text())
+    if version is not None:
+        _as_cudnn(monkeypatch, version)
+    short = [True]  # until memory comes back
+    real_finalize, real_build = graph._finalize_plan, backend._build_plan
+
+    def finalize(plan, cfg, handle, properties):
+        name = graph.config_name(cfg)
+        if short[0] and (where == "everywhere" or where == "sizing" and name == "eng1"):
+            raise cudnn.CudnnError(int(cudnn_status.INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED), f"{name}: no memory")
+        return real_finalize(plan, cfg, handle, properties)
+
+    def build_for_views(handle, op_graph, name):  # the plan cache builds with its own: the views' probe comes here
+        if short[0] and where == "views" and name == want[0]:  # the first candidate runs views aligned to 4 bytes
+            raise cudnn.CudnnError(int(cudnn_status.INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED), f"{name}: no memory")
+        return real_build(handle, op_graph, name)
+
+    monkeypatch.setattr(graph, "_finalize_plan", finalize)
+    monkeypatch.setattr(backend, "_build_plan", build_for_views)
+
+    def choose():
+        return [c.algo for c in algos.choose(backend, "fwd", geom, cap=None)]
+
+    def chosen():
+        return algos.is_chosen(backend, "fwd", geom, cap=None, search="heuristic")
+
+    if where == "everywhere":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CudnnApiFallbackWarning)
+            with pytest.raises(MemoryError, match="no memory"):
+                choose()
+    else:
+        assert choose() == [name for name in want if where != "sizing" or name != "eng1"]
+    assert not chosen()
+    short[0] = False
+    assert choose() == want and algos.is_cached(backend, "fwd", geom, cap=None, search="heuristic")
+
+
 def test_on_cudnn_before_9_8_device_properties_are_unavailable(finalizing, monkeypatch):
     _as_cudnn(monkeypatch, 90700)
     with pytest.raises(BackendUnavailableError, match=r"cuDNN 9\.7\.0 has no device properties.*9\.8"):

@@ -28,7 +28,7 @@ from ._geometry import ConvGeometry, describe_geometry
 from ._lru import LRU
 from ._pass import Pass
 from ._sizes import format_size, short_repr
-from .backends import Backend, Candidate, PartlyTimed
+from .backends import Backend, Candidate, PartlyRanked, PartlyTimed
 from .errors import (
     ArenaOutOfMemoryError,
     CaptureError,
@@ -214,8 +214,12 @@ def _rank(
     were ranked (or memory stopped only candidates that ran out of memory of their own), the least workspace a
     skipped candidate needs where a search was cut short by the arena's memory, ``None`` where nothing was timed (the
     heuristic order, not kept). The operands: ``None`` for any, else the key of those a search timed where the
-    backend refused some candidates on them (``measure``'s fourth item)."""
-    ranked = backend.candidates(pass_, geom)
+    backend refused some candidates on them (``measure``'s fourth item). A ranking the backend made without those
+    memory kept it from ranking (:class:`PartlyRanked`) is not kept either: the next call ranks again."""
+    try:
+        ranked, keep = backend.candidates(pass_, geom), True
+    except PartlyRanked as exc:  # no verdict on those left out: this call's ranking alone
+        ranked, keep = exc.ranked, False
     if not ranked:
         raise UnsupportedConvolutionError(
             f"the {backend.name} backend has no algorithm for {pass_} of {describe_geometry(geom)}"
@@ -231,7 +235,7 @@ def _rank(
         )
     excluded = None if ranked[0] in usable else ranked[0]
     if measure is None:
-        return tuple(usable), excluded, 0, 0, None
+        return tuple(usable), excluded, 0 if keep else None, 0, None
     timed, skipped, *rest = measure(usable)  # only what fits the cap is ever timed
     if not timed and not skipped:  # the search ranked nothing: keep the heuristic order, and ask again next time
         return tuple(usable), excluded, None, 0, None
@@ -245,7 +249,7 @@ def _rank(
     # search's largest lease held (``rest[0]``) ran out of memory of their own: that is no reason to search again.
     largest = rest[0] if rest else 0
     lacked = min((c.workspace_bytes for c in skipped if c.workspace_bytes > largest), default=0)
-    return order, excluded, lacked, len(skipped), rest[1] if len(rest) > 1 else None
+    return order, excluded, lacked if keep else None, len(skipped), rest[1] if len(rest) > 1 else None
 
 
 def _kept_out(

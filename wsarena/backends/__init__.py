@@ -25,8 +25,8 @@ from .._sizes import short_repr
 from ..errors import BackendUnavailableError
 
 __all__ = [
-    "Backend", "Candidate", "PartlyTimed", "array_backend_name", "device_properties_backend", "get_backend",
-    "is_masked_type", "reset_backends", "resolve_backend_name", "type_backend_name",
+    "Backend", "Candidate", "PartlyRanked", "PartlyTimed", "array_backend_name", "device_properties_backend",
+    "get_backend", "is_masked_type", "reset_backends", "resolve_backend_name", "type_backend_name",
 ]
 
 
@@ -58,6 +58,16 @@ class PartlyTimed(MemoryError):
         self.timed = timed
         self.failed = failed
         self.refused = list(refused)
+
+
+class PartlyRanked(MemoryError):
+    """Raised by :meth:`Backend.candidates` when memory kept it from ranking some candidates (cuDNN could not allocate
+    what finalizing their plans takes): ``ranked``, those it could rank, best first. No verdict on the others: the
+    ranking serves the call that asked, and the next one asks again. The first such error is its ``__cause__``."""
+
+    def __init__(self, ranked: list[Candidate]) -> None:
+        super().__init__(f"ranked {', '.join(c.algo for c in ranked)} alone: memory kept the others from being ranked")
+        self.ranked = ranked
 
 
 class Backend(Protocol):
@@ -101,7 +111,8 @@ class Backend(Protocol):
         """Raise ``TypeError`` if this backend cannot compute in ``dtype``."""
 
     def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
-        """Usable algorithms for ``pass_`` on ``geom``, fastest expected first, with exact workspace sizes."""
+        """Usable algorithms for ``pass_`` on ``geom``, fastest expected first, with exact workspace sizes;
+        :class:`PartlyRanked` where memory kept some from being ranked (a ``MemoryError`` where it kept all)."""
 
     def measure(
         self, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Sequence[Candidate],

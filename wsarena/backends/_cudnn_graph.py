@@ -32,7 +32,7 @@ from .._geometry import ITEMSIZES, describe_geometry
 from .._sizes import short_repr
 from ..arena._capture import CURRENT, refuse_in_capture
 from ..errors import AlignmentWorkspaceError, BackendUnavailableError, CudnnApiFallbackWarning
-from . import Candidate, PartlyTimed
+from . import Candidate, PartlyRanked, PartlyTimed
 from ._cudnn_backend import CudnnBackend, pointers
 from ._graph_plans import (
     ALIGNED,
@@ -117,7 +117,11 @@ class CudnnGraphBackend(CudnnBackend):
         """The shortlisted usable engine configurations, as candidates with their plans' workspace sizes
         (heuristics' order, then cuDNN's fallback list; :func:`~wsarena.backends._graph_plans.shortlist`), and
         last, unless one of them is it, the first configuration that runs operands aligned only to their element
-        size (:meth:`_general`)."""
+        size (:meth:`_general`).
+
+        A plan cuDNN could not allocate for (host or device memory) is no verdict on its configuration: the
+        candidates ranked without it are raised as :class:`~wsarena.backends.PartlyRanked` (the call runs them, and
+        the next ranks again), and where none could be ranked, the first such error."""
         from ..cudnn.backend import has_attribute
 
         graph = self._plans.graph(handle, pass_, geom)
@@ -127,35 +131,55 @@ class CudnnGraphBackend(CudnnBackend):
             # outside the plan cache and its own refusal
             refuse_in_capture(here, "finalize a cuDNN execution plan")
         mode = self._cudnn.BackendHeurMode.MODE_B if get_config().cudnn_heuristic == "b" else None  # None: INSTANT
-        ranked = ranked_names(self._graph, graph, geom.dtype, properties=self._properties, mode=mode, handle=handle)
-        sizes = {name: self._workspace(handle, pass_, geom, name) for name in shortlist(ranked)}
+        short: list[MemoryError] = []  # what cuDNN could not allocate for, finalizing a plan
+        ranked = ranked_names(self._graph, graph, geom.dtype, properties=self._properties, mode=mode, handle=handle,
+                              short=short)
+
+        def size(name: str) -> int | None:
+            try:
+                return self._workspace(handle, pass_, geom, name)
+            except MemoryError as exc:
+                short.append(exc)
+                return None
+
+        sizes = {name: size(name) for name in shortlist(ranked)}
         kept = {name: nbytes for name, nbytes in sizes.items() if nbytes is not None}
-        general = self._general(handle, pass_, geom, [*kept, *(name for name, _ in ranked)])
+        general = self._general(handle, pass_, geom, [*kept, *(name for name, _ in ranked)], short)
         if general is not None:
             name, nbytes = general
-            aligned = kept[name] if name in kept else self._workspace(handle, pass_, geom, name)
+            aligned = kept[name] if name in kept else size(name)
             if aligned is not None:  # its lease must hold the plan for either alignment
                 kept[name] = max(nbytes, aligned)
-        return [Candidate(name, nbytes) for name, nbytes in kept.items()]
+        cands = [Candidate(name, nbytes) for name, nbytes in kept.items()]
+        if short and not cands:
+            raise short[0]
+        if short:
+            raise PartlyRanked(cands) from short[0]
+        return cands
 
     def _workspace(self, handle: Any, pass_: str, geom: Any, name: str) -> int | None:
         """The workspace size of the (cached) plan of ``name`` for 16-byte-aligned operands; ``None`` when
-        cuDNN refuses to finalize it (the heuristics list configurations their kernels then refuse)."""
+        cuDNN refuses to finalize it (the heuristics list configurations their kernels then refuse). A
+        ``MemoryError`` where cuDNN could not allocate what finalizing it takes: no verdict on it."""
         try:
             return int(self._plans.plan(handle, pass_, geom, name, stream=self._here()).workspace_bytes)
         except self._cudnn.CudnnError as exc:
-            if isinstance(exc, self._cudnn.CudnnNotInitializedError):
-                raise  # the handle or the library, not this configuration
+            if isinstance(exc, (self._cudnn.CudnnNotInitializedError, MemoryError)):
+                raise  # the handle or the library, or memory, not this configuration
             return None
 
-    def _general(self, handle: Any, pass_: str, geom: Any, names: list[str]) -> tuple[str, int] | None:
+    def _general(
+        self, handle: Any, pass_: str, geom: Any, names: list[str], short: list[MemoryError] | None = None,
+    ) -> tuple[str, int] | None:
         """``(name, workspace bytes)`` of the first of ``names`` (the candidates, then the rest in rank order)
         whose plan finalizes for operands aligned only to their element size; ``None`` if none does.
 
         The candidates are ranked for 16-byte-aligned operands (what every allocation has). A view at another
         offset is run by the plan for its own alignment (the plan cache's key), which tensor-core engines refuse:
         for float16 NHWC, often every one of the first candidates. This one runs it, where the legacy API would.
-        Probed outside the plan cache, so that planning adds nothing to it that a call may never use.
+        Probed outside the plan cache, so that planning adds nothing to it that a call may never use. A finalize
+        cuDNN could not allocate for (a ``MemoryError``) is appended to ``short``, and the probe goes on (without
+        ``short``, it is raised).
         """
         smallest = (ITEMSIZES[geom.dtype],) * 3
         here = self._here()
@@ -165,12 +189,21 @@ class CudnnGraphBackend(CudnnBackend):
             graph = self._build_graph(handle, pass_, geom, smallest)
         except self.retry_errors + (self._cudnn.CudnnBadParamError,):
             return None
+        except MemoryError as exc:
+            if short is None:
+                raise
+            short.append(exc)
+            return None
         for name in dict.fromkeys(names):
             try:
                 plan = self._build_plan(handle, graph, name)
             except self._cudnn.CudnnError as exc:
                 if isinstance(exc, self._cudnn.CudnnNotInitializedError):
                     raise
+                if isinstance(exc, MemoryError):
+                    if short is None:
+                        raise
+                    short.append(exc)
                 continue
             plan.close()
             return name, plan.workspace_bytes

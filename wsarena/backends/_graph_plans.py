@@ -126,14 +126,16 @@ def conv_problem(pass_: str, geom: Any, aligned: tuple[int, int, int] = ALIGNED)
 
 
 def ranked_names(
-    graph_api: Any, op_graph: Any, dtype: str, *, properties: Any = None, mode: Any = None, handle: Any = None
+    graph_api: Any, op_graph: Any, dtype: str, *, properties: Any = None, mode: Any = None, handle: Any = None,
+    short: list[MemoryError] | None = None,
 ) -> list[tuple[str, int]]:
     """``(name, workspace bytes)`` of the usable engine configurations for ``op_graph``: the heuristics' (``mode``,
     default INSTANT) in their order, then those of cuDNN's fallback list not named yet.
 
     On cuDNN 9.0 and 9.1 a configuration's size is that of a plan finalized for it (``handle``'s device, or that
     of ``properties``; :func:`~wsarena.cudnn.graph.config_workspace`), and one whose plan cuDNN refuses is left
-    out.
+    out. One whose plan cuDNN could not allocate for (a ``MemoryError``) is left out too, its error appended to
+    ``short``; without ``short``, the error is raised.
     """
     from ..cudnn import BackendHeurMode
 
@@ -144,7 +146,13 @@ def ranked_names(
             name = graph_api.config_name(cfg)
             if name in ranked or not usable(dtype, *graph_api.engine_notes(cfg)):
                 continue
-            nbytes = graph_api.config_workspace(cfg, handle=handle, properties=properties)
+            try:
+                nbytes = graph_api.config_workspace(cfg, handle=handle, properties=properties)
+            except MemoryError as exc:
+                if short is None:
+                    raise
+                short.append(exc)
+                continue
             if nbytes is not None:
                 ranked[name] = nbytes
     return list(ranked.items())

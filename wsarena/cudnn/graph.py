@@ -210,6 +210,9 @@ def config_workspace(cfg: BackendDescriptor, *, handle: Any = None, properties: 
     ------
     CudnnNotInitializedError
         On cuDNN 9.0 and 9.1, the handle or the library, not the configuration, failed.
+    MemoryError
+        On cuDNN 9.0 and 9.1, cuDNN could not allocate what finalizing the plan takes (host or device memory): no
+        verdict on the configuration either.
     CudnnError
         Reading the attribute failed (9.2 and later): no configuration's size can be trusted then.
     """
@@ -219,7 +222,7 @@ def config_workspace(cfg: BackendDescriptor, *, handle: Any = None, properties: 
         try:
             _finalize_plan(plan, cfg, handle, properties)
         except CudnnError as exc:
-            if isinstance(exc, CudnnNotInitializedError):
+            if isinstance(exc, (CudnnNotInitializedError, MemoryError)):
                 raise
             return None
         return plan_workspace_size(plan)
