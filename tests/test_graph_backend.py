@@ -1377,12 +1377,14 @@ def _short_of_memory():
     raise MemoryError("no copy at an aligned address")
 
 
-def test_a_ranking_searched_on_a_view_serves_views_alike_and_an_aligned_call_searches_again(faked, monkeypatch):
+@pytest.mark.parametrize("lazy", [False, True], ids=["operands", "made-when-asked"])
+def test_a_ranking_searched_on_a_view_serves_views_alike_and_an_aligned_call_searches_again(faked, monkeypatch, lazy):
     """A search on x off a 16-byte boundary (no copies could be had: memory pressure) drops the engines refused on
     it. That ranking serves later calls on operands aligned alike, timing nothing, but not a call on 16-byte-aligned
     operands in the same process: it searches again, gets every engine, and that ranking is kept for good, the view
     then running the first that takes it. The process kept its choice per geometry alone: every later call, aligned
-    ones too, ran the view's ranking for the rest of the process."""
+    ones too, ran the view's ranking for the rest of the process. The ops hand their operands as a function that
+    makes them (copies once the algorithm is chosen): served alike."""
     cands = [Candidate(f"eng{i}", 64) for i in range(1, 6)]
     _searching_process(faked, monkeypatch, cands)
     b = RefusingBuilder({("eng2", (2, 16, 16)): 4096}, unbuilt=UNBUILT, unrun={"eng3"},
@@ -1392,8 +1394,9 @@ def test_a_ranking_searched_on_a_view_serves_views_alike_and_an_aligned_call_sea
     def search(x_ptr):
         x = SimpleNamespace(data=SimpleNamespace(ptr=x_ptr), copy=_short_of_memory)
         b.executed.clear()
+        operands = (x, _array(0x2000), _array(0x3000))
         got = algos.select(faked, "fwd", GEOM, cap=None, search="exhaustive",
-                           operands=(x, _array(0x2000), _array(0x3000)))
+                           operands=(lambda: operands) if lazy else operands)
         return [(c.algo, c.time_ms) for c in got], {e[0] for e in b.executed}
 
     def kept():

@@ -317,7 +317,7 @@ def select(
 
     def the_operands() -> tuple[Any, Any, Any]:  # made once, where asked for
         if not made:
-            made.append(operands() if callable(operands) else operands)  # type: ignore[arg-type]
+            made.append(operands() if callable(operands) else operands)
         return made[0]
 
     def serves(searched_on: Any) -> bool:
