@@ -94,3 +94,24 @@ def test_info_says_when_pytorch_is_missing_or_cannot_be_imported(monkeypatch):
     assert data["torch"] == {"installed": True, "version": None, "cuda": None,
                              "error": "cannot be imported: OSError: libcudnn.so.9: cannot open shared object file"}
     assert f"  torch            {data['torch']['error']}" in render_info(data).splitlines()
+
+
+class Garbled:
+    """A finder whose ``torch`` fails to import with control characters in its message."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            raise ImportError("libc10.so:\tundefined symbol \x1b[31m_ZN3c10\r")
+
+
+def test_info_shows_control_characters_of_pytorchs_error_as_escapes(monkeypatch):
+    """The line of a torch that fails to import is written as the cache folder's is: a tab or an escape sequence of
+    the error's text broke the column or drove the terminal."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torch" else real(name, *a))
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Garbled(), *sys.meta_path])
+    data = collect_info()
+    assert data["torch"]["error"] == "cannot be imported: ImportError: libc10.so:\tundefined symbol \x1b[31m_ZN3c10"
+    assert ("  torch            cannot be imported: ImportError: libc10.so:\\tundefined symbol \\x1b[31m_ZN3c10"
+            in render_info(data).splitlines())

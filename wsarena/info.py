@@ -165,7 +165,7 @@ def render_info(data: dict[str, Any]) -> str:
         shown = "not installed"
     else:
         shown = f"{torch['version']} ({'CPU build' if torch['cuda'] is None else 'built for CUDA ' + torch['cuda']})"
-    lines.append(f"  {'torch':<16} {shown}")
+    lines.append(f"  {'torch':<16} {printable(shown)}")  # an error's text may hold a tab or an escape sequence
     cudnn = data["cudnn"]
     if cudnn.get("found"):
         cudart = cudnn.get("cudart_version")
