@@ -96,6 +96,20 @@ def test_info_says_when_pytorch_is_missing_or_cannot_be_imported(monkeypatch):
     assert f"  torch            {data['torch']['error']}" in render_info(data).splitlines()
 
 
+def test_info_writes_what_stdout_cannot_show_as_escapes_and_exits_0(tmp_path):
+    """A cache folder under a home of a name the encoding has no character for, or a variable holding one, gave exit 3
+    and no output at all, where info showed neither before: its settings lines are read, not parsed."""
+    folder = tmp_path / "caf\xe9"
+    env = {"PYTHONIOENCODING": "ascii", "WSARENA_CACHE_DIR": str(folder), "WSARENA_BACKEND": "cudnn\u2019"}
+    r = run_cli("info", env=env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    shown = _setting_lines(r.stdout)
+    assert shown["cache_dir"] == f"{tmp_path}/caf\\xe9 (environment)"
+    assert shown["backend"].startswith("invalid: environment variable WSARENA_BACKEND='cudnn\\u2019': ")
+    r = run_cli("info", "--format", "json", env=env)  # JSON escapes them itself
+    assert r.returncode == 0 and json.loads(r.stdout)["settings"]["cache_dir"]["value"] == str(folder)
+
+
 class Garbled:
     """A finder whose ``torch`` fails to import with control characters in its message."""
 
