@@ -404,6 +404,14 @@ def test_device_properties_plan_candidates_with_workspace_sizes(finalizing):
         backend.run("fwd", chosen[0], GEOM, None, None, None, None, None)
 
 
+def test_device_properties_with_a_byte_order_mark_are_the_same_gpu(finalizing):
+    """The text of a file a Windows editor saved, given to device_properties_backend(): cuDNN read it (d3a9a6b), but
+    the backend named the GPU "a GPU" (the mark hid its deviceName) and was another one, of another search cache key."""
+    text = H100.read_text()
+    marked = device_properties_backend("\ufeff" + text)
+    assert marked.device_label().startswith("NVIDIA H100 80GB HBM3 (device properties ")
+    assert device_properties_backend(text) is marked
+
 def test_only_the_last_device_properties_asked_for_keep_their_plans(finalizing):
     """A backend, with its plans (up to plan_cache_size: some 20 MiB for ResNet-50), was kept for every distinct
     device properties text a process planned for: a sweep over GPUs, or over one property, grew without end. The

@@ -220,8 +220,9 @@ def device_properties_backend(properties_json: str, source: str | None = None) -
     cuDNN serialised on that GPU, ``bench/gpu_check.py`` captures it first of all), on any machine: it ranks engine
     configurations and gives their workspace sizes, and runs nothing. Cached per JSON text, for the last
     :data:`_PROPERTIES_KEPT` texts asked for: an older one is let go, and its plans destroyed once collected
-    (each backend keeps up to ``plan_cache_size`` of them, some 20 MiB for ResNet-50). ``source``: the file the JSON
-    came from, which the errors name.
+    (each backend keeps up to ``plan_cache_size`` of them, some 20 MiB for ResNet-50); a byte order mark the text
+    starts with is dropped first, as :func:`wsarena.plan` drops it. ``source``: the file the JSON came from, which
+    the errors name.
 
     Raises
     ------
@@ -233,6 +234,9 @@ def device_properties_backend(properties_json: str, source: str | None = None) -
         The properties describe no GPU this cuDNN plans for (not JSON, not the members this cuDNN version reads,
         a value no GPU has, naming the member): a ``CudnnBadParamError`` and a ``ValueError``.
     """
+    from ..cudnn._deviceprops import without_bom
+
+    properties_json = without_bom(properties_json)  # one GPU, one backend: its name read, its cache key the same
     key = _PROPERTIES + properties_json
     backend = _backends.get(key)
     if backend is not None:
