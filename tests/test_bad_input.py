@@ -9,8 +9,10 @@ import pytest
 
 import wsarena
 from wsarena._geometry import conv_geometry
-from wsarena.arena import HostProvider
+from wsarena.arena import Arena, HostProvider
+from wsarena.arena.testing import RecordingProvider
 from wsarena.backends._cpu_backend import CpuBackend
+from wsarena.errors import ArenaOutOfMemoryError, WorkspaceCapError
 from wsarena.models import ModelError
 from wsarena.tuning import tune
 
@@ -374,7 +376,23 @@ def _misuses():
         ("cudnn data type", lambda: descriptors.data_type(LONG), ValueError),
         ("cudnn ints", lambda: descriptors._ints("dims", LONG), TypeError),
         ("lane key", lambda: arena.lease(1, stream=[LONG]).__enter__(), TypeError),
+        ("arena provider", lambda: Arena([LONG]), TypeError),
+        ("nested lease on a lane", lambda: _nested_lease(LONG), RuntimeError),
+        ("cap on a lane", lambda: _above_cap(LONG), WorkspaceCapError),
+        ("growth on a lane", lambda: Arena(RecordingProvider(fail=lambda n: True)).reserve(64, stream=LONG),
+         ArenaOutOfMemoryError),
     ]
+
+
+def _nested_lease(lane):
+    arena = Arena(HostProvider())
+    with arena.lease(64, stream=lane), arena.lease(64, stream=lane):
+        pass
+
+
+def _above_cap(lane):
+    with wsarena.config(cap_workspace=0):
+        Arena(HostProvider()).reserve(64, stream=lane)
 
 
 @pytest.mark.parametrize("index", range(len(_misuses())), ids=[m[0] for m in _misuses()])

@@ -104,7 +104,9 @@ class Arena:
         if not hasattr(provider, "device_id") or not all(
             callable(getattr(provider, name, None)) for name in ("allocate", "deallocate")
         ):  # a provider that cannot free would be given every buffer in vain, and warn of each
-            raise TypeError(f"provider {provider!r} is not a MemoryProvider (device_id, allocate, deallocate, ...)")
+            raise TypeError(
+                f"provider {short_repr(provider)} is not a MemoryProvider (device_id, allocate, deallocate, ...)"
+            )
         if provider.device_id is not None:  # "cpu" would make a device arena of CUDA streams over the host's memory
             _non_negative_int(
                 provider.device_id, "provider.device_id",
@@ -439,7 +441,7 @@ class Arena:
             sub = self._subs.get(key)
             held = sub.capacity() if sub is not None else 0
         raise WorkspaceCapError(
-            f"a workspace of {format_size(n)} on stream {key!r} is above the workspace cap",
+            f"a workspace of {format_size(n)} on stream {short_repr(key)} is above the workspace cap",
             requested=n, held=held, cap=cap,
         )
 

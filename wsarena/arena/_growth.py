@@ -108,8 +108,8 @@ def _growing_already(self: Arena, sub: _SubArena) -> RuntimeError:
     """The error of a thread that would wait for its own growth of ``sub``: one that the provider's ``allocate`` (or
     something it ran) asks for on that stream, which would never end."""
     return RuntimeError(
-        f"this thread is growing the workspace of stream {sub.key!r} already: {self.provider!r}.allocate, or "
-        "something it ran, asked the arena for that stream's workspace again, which would wait for it forever"
+        f"this thread is growing the workspace of stream {short_repr(sub.key)} already: {self.provider!r}.allocate, "
+        "or something it ran, asked the arena for that stream's workspace again, which would wait for it forever"
     )
 
 
@@ -141,7 +141,7 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
             with self._lock:
                 self._table.refusals.refused(size, now - started, now)
             raise ArenaOutOfMemoryError(
-                f"could not grow the workspace of stream {sub.key!r} to {format_size(size)}",
+                f"could not grow the workspace of stream {short_repr(sub.key)} to {format_size(size)}",
                 requested=n, held=sub.capacity(), cap=cap,
             ) from exc
         raise

@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from .._sizes import short_repr
 from ..errors import CaptureError
 from . import _kept
 from ._keys import GoneStream, _caller_chosen, _LaneKey
@@ -340,12 +341,12 @@ class _Table:
         """This thread leases again on a lane / stream it holds (nothing was changed)."""
         if self.lanes:
             return RuntimeError(
-                f"this thread already holds a lease on CPU lane {key!r}; a nested lease there would "
+                f"this thread already holds a lease on CPU lane {short_repr(key)}; a nested lease there would "
                 "share its bytes: lease the inner workspace on another lane (stream=<any hashable>)"
             )
         return RuntimeError(
-            f"this thread already holds a lease on stream {key!r}; a nested lease there would get the same "
-            "bytes and overwrite what the outer lease still holds (e.g. a wsarena call inside your own "
+            f"this thread already holds a lease on stream {short_repr(key)}; a nested lease there would get the "
+            "same bytes and overwrite what the outer lease still holds (e.g. a wsarena call inside your own "
             "arena.lease() on the same stream): lease the inner workspace on another stream, or after the outer "
             "lease is released"
         )
@@ -472,8 +473,8 @@ class _Table:
             start, stop = block.ptr, block.ptr + other.holder_nbytes
             if start < end and ptr < stop:
                 raise AssertionError(
-                    f"wsarena debug: a lease of [{ptr:#x}, {end:#x}) on stream {sub.key!r} overlaps the live lease "
-                    f"[{start:#x}, {stop:#x}) on stream {other.key!r}"
+                    f"wsarena debug: a lease of [{ptr:#x}, {end:#x}) on stream {short_repr(sub.key)} overlaps the live "
+                    f"lease [{start:#x}, {stop:#x}) on stream {short_repr(other.key)}"
                 )
 
     # ------------------------------------------------------------------------- pinned buffers (_kept.py)
