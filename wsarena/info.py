@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from ._config import in_force
+from ._config import _SIZES, in_force
 from ._gpu import gpu_count, gpu_unusable_reason
 from ._report_cli import printable
 from ._sizes import format_size
@@ -120,7 +120,7 @@ def _shown_setting(name: str, value: Any) -> str:
         return "off" if value is None else printable(value)
     if isinstance(value, bool):
         return "on" if value else "off"
-    if name in ("cap_workspace", "search_cache_max_size"):
+    if name in _SIZES:  # the settings given in bytes, as _config names them
         return "none" if value is None else format_size(value)
     return str(value)
 
