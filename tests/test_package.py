@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import wsarena
 
 
@@ -62,3 +64,27 @@ def test_the_models_module_is_reached_from_the_package_as_the_docs_write_it():
     from wsarena.models import zoo_names
 
     assert out.split() == [",".join(zoo_names()), "ModelError", "True"]
+
+
+@pytest.mark.parametrize("version, refused", [("2.5.1+cpu", True), ("2.6.0a0+git1234", False), ("2.13.0", False)])
+def test_wsarena_torch_refuses_a_pytorch_older_than_the_one_it_needs(version, refused):
+    """wsarena.torch needs PyTorch 2.6 (``torch.library.custom_op``, ``register_vmap``,
+    ``torch.compiler.is_exporting``): an older one is an ImportError naming both versions at import, not an
+    AttributeError at a first call. A new process in which ``torch.__version__`` reads as ``version``."""
+    pytest.importorskip("torch")
+    code = (
+        "import torch\n"
+        "from torch.torch_version import TorchVersion\n"
+        f"torch.__version__ = TorchVersion({version!r})\n"
+        "try:\n"
+        "    import wsarena.torch\n"
+        "except ImportError as exc:\n"
+        "    print('refused:', exc)\n"
+        "else:\n"
+        "    print('imported')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    if refused:
+        assert out.startswith("refused: wsarena.torch needs PyTorch 2.6 or newer") and version in out
+    else:
+        assert out.strip() == "imported"
