@@ -7,6 +7,7 @@ whose capture status the test sets (wsarena.arena.testing), as tests/test_captur
 from __future__ import annotations
 
 import gc
+import os
 import types
 import weakref
 
@@ -20,6 +21,8 @@ from wsarena.arena import Arena, _pins, set_arena
 from wsarena.arena._pins import GraphPin
 from wsarena.arena.testing import RecordingProvider
 from wsarena.backends._cpu_backend import CpuBackend
+
+from .forking import fork
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}  # float32 against the float64 reference
 
@@ -268,3 +271,31 @@ def test_a_pin_keeps_objects_until_cuda_posts_it(monkeypatch):
     _pins.let_go_kept()
     gc.collect()
     assert gone() is None and _pins._keeping == {}
+
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_forked_child_lets_go_of_nothing_its_parent_kept_for_a_graph(provider, freed):
+    """What the parent's pins kept is the parent's memory: a forked child's stats or growth never lets go of it, which
+    would free it through the array library (CUDA, which the child cannot use), as the parent's workspace buffers are
+    never freed there. The parent lets go of it. Once, the child's first stats or growth let go of what a graph the
+    parent destroyed before the fork had kept."""
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    graph = provider.begin_capture("lane")
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    provider.end_capture(graph)
+    graph.close()  # no trim, stats or growth since
+    gc.collect()
+    freed.clear()
+
+    def in_the_child():
+        wsarena.get_arena("cpu").stats()
+        wsarena.conv_forward(x[:1], w, padding=1, stream="another lane")  # a growth
+        gc.collect()
+        return sorted(freed)
+
+    assert fork(in_the_child)() == ["copy", "copy", "result"]  # the child's own call's
+    wsarena.get_arena("cpu").stats()
+    gc.collect()
+    assert sorted(freed) == ["copy", "copy", "result"]

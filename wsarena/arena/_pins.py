@@ -16,6 +16,7 @@ thread's first lease of a capture; the pins of a collected arena) leaves its sem
 
 A pin also keeps what else the graph's kernels use that would otherwise be freed while it exists (:meth:`GraphPin.keep`:
 the copies a captured call made of its operands, the result it made), until :func:`let_go_kept` finds the pin posted.
+A forked child never lets go of what its parent's pins kept: the parent's memory, kept there for good.
 
 ``sem_post`` returns an int and CUDA calls it as ``void (*)(void *)``: on the ABIs CUDA runs on (x86-64 System V,
 AArch64) a return value the caller ignores stays in a register, so the call is sound.
@@ -51,6 +52,8 @@ _unposted: dict[int, list[Any]] = {}
 # The pins that keep objects for their graphs (GraphPin.keep), by id: each is held here until let_go_kept finds it
 # posted, whoever else lets go of it (an arena forgets its captures' pins when it likes).
 _keeping: dict[int, GraphPin] = {}
+# In a forked child, the parent's pins and what they keep: the parent's memory, never let go here (_after_fork_in_child)
+_parents_keeping: list[dict[int, GraphPin]] = []
 
 
 class GraphPin:
@@ -147,6 +150,17 @@ def let_go_kept() -> None:
         pin = _keeping.get(key)
         if pin is not None and not pin.live() and _keeping.pop(key, None) is pin:
             pin.kept.clear()
+
+
+def _after_fork_in_child() -> None:
+    # What the parent's pins keep is the parent's device memory: let go of here, it would be freed through the array
+    # library, which cannot use CUDA in the child, as the parent's workspace buffers are never freed there
+    # (_lifecycle.keep_parents_memory). Kept for good; the child's own pins, if any, start afresh.
+    _parents_keeping.append(dict(_keeping))
+    _keeping.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def free_posted() -> None:
