@@ -256,6 +256,20 @@ def test_an_arena_keeps_arrays_for_the_graph_being_captured_on_a_stream(provider
     assert gone[0]() is None
 
 
+def test_keep_with_capture_refuses_one_array_or_no_collection_before_it_keeps_anything(provider):
+    """One array, or an object that is no collection, is a TypeError before a pin is made for the capture: one array
+    iterated would be kept as its rows, a view each."""
+    arena = wsarena.get_arena("cpu")
+    graph = provider.begin_capture("lane")
+    with pytest.raises(TypeError, match=r"a collection of arrays, not one: \[array\("):
+        arena.keep_with_capture(np.empty((4, 8)), stream="lane")
+    with pytest.raises(TypeError, match="not iterable"):
+        arena.keep_with_capture(7, stream="lane")  # type: ignore[arg-type]
+    assert arena.stats().pinned_bytes == 0 and not arena._table.captures  # no pin was made for the capture
+    provider.end_capture(graph)
+    graph.close()
+
+
 def test_a_pin_keeps_objects_until_cuda_posts_it(monkeypatch):
     """GraphPin.keep holds objects while the pin is live; let_go_kept drops them once CUDA ran its destructor."""
     monkeypatch.setattr(_pins, "_keeping", {})

@@ -299,8 +299,13 @@ class Arena:
         captured (else nothing is kept). Freed meanwhile, an array's memory would go to the next allocation (CuPy's
         ``MemoryPool`` hands it to the next on that stream), which every replay would overwrite. They are let go by the
         first trim, stats or growth of an arena once CUDA has destroyed the graph. A capture an earlier error
-        invalidated keeps nothing: it becomes no graph. (The ops keep what they allocate during a capture so.)"""
-        return _pinning.keep_with_capture(self, objects, stream)
+        invalidated keeps nothing: it becomes no graph. (The ops keep what they allocate during a capture so.)
+
+        ``objects`` is a collection of arrays, read before anything is kept: one array is a ``TypeError`` (iterated,
+        it would be kept as its rows, one view each)."""
+        if any(hasattr(objects, name) for name in ("shape", "__cuda_array_interface__", "__dlpack__")):
+            raise TypeError(f"keep_with_capture() takes a collection of arrays, not one: [{short_repr(objects)}]")
+        return _pinning.keep_with_capture(self, list(objects), stream)
 
     def held_bytes(self, *, stream: Any = None) -> int:
         """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none; 0 too for
