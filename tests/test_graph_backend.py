@@ -1416,3 +1416,33 @@ def test_a_ranking_searched_on_a_view_serves_views_alike_and_an_aligned_call_sea
     assert search(0x1000) == (full, {"eng1", "eng2", "eng3", "eng4"}) and kept()
     assert search(0x1002) == (full, set())  # kept for good: any operands
     assert search(0x1004) == (full, set())
+
+
+@pytest.mark.parametrize("x_ptr", [0x1000, 0x1002], ids=["aligned", "view-copied"])
+def test_a_ranking_searched_on_aligned_operands_without_an_engine_refused_there_is_kept_for_good(faked, monkeypatch,
+                                                                                               x_ptr):
+    """An engine refused on 16-byte-aligned operands for a misaligned pointer (the workspace's) is dropped, as
+    refused on these operands alone; but operands aligned so, or a view's aligned copies, are what every search times
+    on where it can: the ranking is kept for good, and no later call searches again. It served only operands aligned
+    as those timed: a view, whose search timed its aligned copies, searched again on every call, and an aligned call
+    was never kept for good (the ops asked algos every time)."""
+    cands = [Candidate(f"eng{i}", 64) for i in range(1, 4)]
+    _searching_process(faked, monkeypatch, cands)
+    b = RunRefusingBuilder({}, {"eng2": cudnn_status.BAD_PARAM_MISALIGNED_POINTER}, {"eng1": 1, "eng2": 2, "eng3": 3})
+    _stand_in_builder(faked, monkeypatch, b)
+    faked._cupy.empty_like = lambda out: _array(0x6000)
+
+    def copyable(ptr):  # a copy is at an aligned address
+        return SimpleNamespace(data=SimpleNamespace(ptr=ptr), copy=lambda: _array(0x5000))
+
+    def search(ptr):
+        b.executed.clear()
+        got = algos.select(faked, "fwd", GEOM, cap=None, search="exhaustive",
+                           operands=lambda: (copyable(ptr), copyable(0x2000), _array(0x3000)))
+        return [(c.algo, c.time_ms) for c in got], {e[0] for e in b.executed}
+
+    ranking = [("eng1", 1.0), ("eng3", 3.0)]
+    assert search(x_ptr) == (ranking, {"eng1", "eng3"})
+    assert algos.is_cached(faked, "fwd", GEOM, cap=None, search="exhaustive")
+    assert search(x_ptr) == (ranking, set())  # nothing timed again
+    assert search(0x1000) == (ranking, set()) and search(0x1004) == (ranking, set())

@@ -6,7 +6,8 @@ scratch; on the CPU each algorithm once) and ranks them by measured time. Either
 candidate whose workspace fits the cap. Results are cached per (backend, its cuDNN API path, device, pass,
 geometry, search, cap); a search cut short because some workspace could not be had is cached too, and searched
 again once that workspace can be had, and one without candidates the backend refused on its operands serves calls
-on operands alike (on cuDNN, aligned alike), others searching again:
+on operands alike (on cuDNN, aligned alike), others searching again, unless those are operands every search times on
+where it can (on cuDNN, 16-byte-aligned):
 the geometry includes shapes, dtype, layout and every convolution parameter, and the cap is part of the key,
 so changing the cap never serves a choice made under another one. The process keeps the choices of the last
 :data:`CHOICES_MAX` keys used, as many as the ops keep call signatures (:data:`wsarena._callkeys.RECORDS_MAX`); an older
@@ -286,17 +287,19 @@ def select(
 ) -> tuple[Candidate, ...]:
     """:func:`choose`, with an exhaustive search timed on ``operands`` (``(a, b, out)`` of the pass).
 
-    ``operands`` may be a function that makes them, called only when the choice is not cached yet (the
-    planner's random operands). The search leases one workspace from the backend's arena, as large as the
-    largest candidate under the cap needs (or, if that cannot be had, what the stream's sub-arena holds), and
-    times every candidate that fits; where the backend refuses to time what a lease holds (one of its
-    ``retry_errors``), the next lease times the rest, and the candidate that lease was for is dropped, as one its
-    search rejects, and so is one the backend refuses to time on these operands (:class:`PartlyTimed`'s ``refused``);
-    neither is saved in the search cache as rejected, and the ranking without them serves only later calls whose
-    operands have the same key as those timed (the backend's ``operands_key``: on cuDNN their alignments), others
-    searching again. A search cut short because the largest could not be had is run again once a lease of what it
-    lacked succeeds (:func:`choose`'s ``can_have``), never while ``stream`` is being captured (``search_again=False``,
-    which the ops pass then: a search is no graph node).
+    ``operands`` may be a function that makes them, called at most once: where the choice is not cached yet, or where a
+    ranking kept for operands alike asks whether these are (the planner's random operands; the ops' C-contiguous
+    copies). The search leases one workspace from the backend's arena, as large as the largest candidate under the cap
+    needs (or, if that cannot be had, what the stream's sub-arena holds), and times every candidate that fits; where the
+    backend refuses to time what a lease holds (one of its ``retry_errors``), the next lease times the rest, and the
+    candidate that lease was for is dropped, as one its search rejects, and so is one the backend refuses to time on
+    these operands (:class:`PartlyTimed`'s ``refused``); neither is saved in the search cache as rejected, and the
+    ranking without them serves only later calls whose operands have the same key as those timed (the backend's
+    ``operands_key``: on cuDNN their alignments), others searching again; a key of ``None`` (operands every search times
+    on where it can: on cuDNN, 16-byte-aligned ones, or a view's aligned copies) keeps it for good. A search cut short
+    because the largest could not be had is run again once a lease of what it lacked succeeds (:func:`choose`'s
+    ``can_have``), never while ``stream`` is being captured (``search_again=False``, which the ops pass then: a search
+    is no graph node).
     """
     if search != "exhaustive" or operands is None:
         return choose(backend, pass_, geom, cap=cap, search="heuristic", warn=warn)
@@ -382,7 +385,8 @@ def select(
         # rejects, as it rejects an entry it reports failed: it is dropped, neither timed nor skipped for memory.
         run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap, retry=retry)
         skipped = [c for c in cands if (c.workspace_bytes > leased[1] and c not in refused) or c in failed]
-        # Without those refused on these operands, the ranking serves only calls on operands alike (serves)
+        # Without those refused on these operands, the ranking serves only calls on operands alike (serves), unless
+        # every search times on such operands where it can (key None: a search again would time them as this one did)
         only = key_of(a, b, out) if refused and key_of is not None else None
         return timed, skipped, leased[0], only
 

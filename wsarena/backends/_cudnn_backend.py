@@ -123,11 +123,14 @@ class CudnnBackend:
     def random(self, shape: tuple[int, ...], dtype: str) -> Any:
         return self._cupy.random.default_rng(0).standard_normal(shape, dtype="float32").astype(dtype)
 
-    def operands_key(self, a: Any, b: Any, out: Any) -> tuple[int, int, int]:
+    def operands_key(self, a: Any, b: Any, out: Any) -> tuple[int, int, int] | None:
         """What of the operands decides which candidates cuDNN refuses to run on them: the alignment of each one's
-        address (:func:`~wsarena.backends._graph_plans.alignment`). A ranking searched without the candidates refused
-        on some operands serves calls whose operands have the same key (:func:`wsarena.algos.select`)."""
-        return alignment(a.data.ptr), alignment(b.data.ptr), alignment(out.data.ptr)
+        address (:func:`~wsarena.backends._graph_plans.alignment`), ``None`` where all three are on 16-byte boundaries,
+        as a search's operands are wherever copies can be had (:meth:`timing_operands`). A ranking searched without
+        the candidates refused on other operands serves calls whose operands have the same key; one searched on such
+        operands is kept for good, whatever it left out (:func:`wsarena.algos.select`)."""
+        key = alignment(a.data.ptr), alignment(b.data.ptr), alignment(out.data.ptr)
+        return None if key == ALIGNED else key
 
     def timing_operands(self, a: Any, b: Any, out: Any) -> tuple[Any, Any, Any]:
         """The operands an exhaustive search times on: these, or, when one is a view off a 16-byte boundary,
@@ -135,7 +138,7 @@ class CudnnBackend:
         operands would be left out of a search timed on them, and the choice and the search cache are kept per
         geometry: the first call would decide for every later one. (A misaligned call then runs the first
         candidate that takes its operands.) Under memory pressure, the operands themselves."""
-        if self.operands_key(a, b, out) == ALIGNED:
+        if self.operands_key(a, b, out) is None:
             return a, b, out
         try:
             return a.copy(), b.copy(), self._cupy.empty_like(out)
