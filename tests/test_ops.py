@@ -3,6 +3,7 @@
 Tolerance: relative error max|y - ref| / max|ref| <= 1e-5 for float32 and <= 1e-12 for float64.
 """
 
+import dataclasses
 import gc
 import os
 import subprocess
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 import wsarena
 from wsarena import config, conv_backward_data, conv_backward_filter, conv_forward, ops
-from wsarena.backends import cpu
+from wsarena.backends import PartlyTimed, cpu
 from wsarena.backends._cpu_backend import CpuBackend
 from wsarena.errors import MemoryFallbackWarning, WorkspaceCapWarning
 
@@ -909,3 +910,67 @@ def test_once_the_wait_is_over_a_cached_call_does_not_ask_the_arena_about_refusa
     for _ in range(5):
         conv_forward(x, w, padding=1)
     assert len(asked) == 1
+
+
+class RefusingOffBoundaries(CpuBackend):
+    """The cpu backend as if its search, on operands off 16-byte boundaries, refused the algorithm it times fastest
+    (PartlyTimed's refused: cuDNN's tensor-core kernels refuse such views), which ``operands_key`` tells apart as the
+    cudnn backends' does. Times are fixed: each algorithm's place in the heuristic order, in ms. It records what ran."""
+
+    def __init__(self):
+        self.ran = []
+
+    def operands_key(self, a, b, out):
+        key = tuple(arr.ctypes.data % 16 for arr in (a, b, out))
+        return None if key == (0, 0, 0) else key
+
+    def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+        order = [c.algo for c in self.candidates(pass_, geom)]
+        timed = sorted((dataclasses.replace(c, time_ms=order.index(c.algo) + 1.0) for c in candidates),
+                       key=lambda c: c.time_ms)
+        if self.operands_key(a, b, out) is None:
+            return timed
+        raise PartlyTimed(timed[1:], [], timed[:1])
+
+    def run(self, pass_, candidate, *args):
+        self.ran.append(candidate.algo)
+        super().run(pass_, candidate, *args)
+
+
+def _at(array, offset):
+    """A C-contiguous copy of ``array`` whose address is ``offset`` past a 16-byte boundary."""
+    flat = np.empty(array.size + 16, array.dtype)
+    skip = (offset - flat.ctypes.data) % 16 // array.itemsize
+    placed = flat[skip:skip + array.size].reshape(array.shape)
+    placed[...] = array
+    assert placed.ctypes.data % 16 == offset
+    return placed
+
+
+def test_a_call_whose_search_another_thread_outran_keeps_no_ranking_that_is_not_kept_for_good(monkeypatch):
+    """A call on x off a 16-byte boundary whose search dropped the fastest algorithm (refused there) gets a ranking
+    that serves operands alike only; another thread's call of the same signature on aligned operands, between the
+    first's search and its look at the algorithm cache, keeps the full ranking for good. The first call's record kept
+    its own ranking: every later call of the signature, aligned ones too, ran without the fastest algorithm."""
+    backend = RefusingOffBoundaries()
+    monkeypatch.setattr(ops, "get_backend", lambda name, api=None: backend)
+    rng = np.random.default_rng(11)
+    x, w = rng.standard_normal(X.shape, dtype=np.float32), rng.standard_normal(W.shape, dtype=np.float32)
+    aligned, view, w, ref = _at(x, 0), _at(x, 4), _at(w, 0), ref_conv_forward(x, w)
+    outs = [_at(np.empty_like(ref, np.float32), 0) for _ in range(3)]
+    first, second = (c.algo for c in backend.candidates("fwd", wsarena._geometry.conv_geometry(x.shape, w.shape))[:2])
+    select, raced = ops.select, []
+
+    def racing(*args, **kwargs):
+        chosen = select(*args, **kwargs)
+        if not raced:  # the other thread's call, all of it, between this one's search and its look at the cache
+            raced.append(outs[0])
+            conv_forward(aligned, w, out=outs[0])
+        return chosen
+
+    monkeypatch.setattr(ops, "select", racing)
+    with config(algo_search="exhaustive"):
+        assert rel_err(conv_forward(view, w, out=outs[1]), ref) <= TOL["float32"]
+        assert backend.ran == [first, second] and rel_err(raced[0], ref) <= TOL["float32"]
+        assert rel_err(conv_forward(aligned, w, out=outs[2]), ref) <= TOL["float32"]
+    assert backend.ran[-1] == first

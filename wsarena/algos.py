@@ -85,11 +85,16 @@ def _key(backend: Backend, pass_: str, geom: ConvGeometry, search: str, cap: int
     return (backend.name, api, ranking, backend.device_key(), pass_, geom, search, cap)
 
 
-def is_cached(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
+def is_cached(
+    backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str,
+    ranking: tuple[Candidate, ...] | None = None,
+) -> bool:
     """Whether the choice for these arguments is cached for good (a search cut short by memory pressure is not, nor
-    one that serves only operands like its own: see :func:`is_chosen`)."""
+    one that serves only operands like its own: see :func:`is_chosen`); with ``ranking``, what :func:`select` returned,
+    whether that is it. A caller that keeps the ranking it got asks so: another thread's choice may have replaced its
+    own since, which kept the ranking for good where its own was not."""
     entry = _cache.lookup(_key(backend, pass_, geom, search, cap, get_config()))
-    return entry is not None and not entry[2] and entry[3] is None
+    return entry is not None and not entry[2] and entry[3] is None and (ranking is None or entry[0] is ranking)
 
 
 def is_chosen(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:

@@ -336,8 +336,9 @@ def _choice(
         # A search cut short by memory runs again once memory allows, but not in a capture: the kept ranking serves.
         chosen = select(backend, pass_, geom, cap=cap, search=search, stream=stream, search_again=not capturing,
                         operands=lambda: (*_made_contiguous(operands), out))
-        # Kept for good: not a search cut short, nor one for operands like its own (algos serves those)
-        if algos.is_cached(backend, pass_, geom, cap=cap, search=search):
+        # Kept for good: not a search cut short, nor one for operands like its own (algos serves those), and this
+        # call's, not one another thread's choice has kept since in place of it
+        if algos.is_cached(backend, pass_, geom, cap=cap, search=search, ranking=chosen):
             record.choices[device] = chosen
     return chosen
 
