@@ -729,28 +729,35 @@ def test_a_ranking_without_candidates_refused_on_its_operands_serves_only_operan
 def test_a_ranking_memory_kept_the_backend_from_finishing_serves_that_call_alone(search):
     """A backend that could not rank fft for want of memory (cuDNN could not allocate what finalizing its plan takes)
     says so with PartlyRanked: the call chooses among the others, searched or not, and the next call ranks again,
-    now with fft, and keeps that. No verdict on fft: it was left out for the rest of the process."""
+    now with fft, and keeps that. No verdict on fft: it was left out for the rest of the process. A capture, which
+    cannot rank (search_again=False), runs the ranking without fft, asking the backend nothing."""
 
     class Short(FakeBackend):
         short = True
+        ranked = 0
 
         def candidates(self, pass_, geom):
             cands = super().candidates(pass_, geom)
+            self.ranked += 1
             if self.short:
                 raise PartlyRanked([c for c in cands if c.algo != "fft"]) from MemoryError("no memory for fft's plan")
             return cands
 
     b = Short({"fft": 300, "gemm": 100, "implicit": 0}, TIMES)
 
-    def choice():
-        return [c.algo for c in select(b, "fwd", GEOM, cap=None, search=search, operands=(0, 0, 0))]
+    def choice(again=True):
+        got = select(b, "fwd", GEOM, cap=None, search=search, operands=(0, 0, 0), search_again=again)
+        return [c.algo for c in got]
 
     first = ["gemm", "implicit"]
-    assert choice() == first and not is_chosen(b, "fwd", GEOM, cap=None, search=search)
+    assert choice() == first and not is_cached(b, "fwd", GEOM, cap=None, search=search)
+    assert is_chosen(b, "fwd", GEOM, cap=None, search=search)  # a capture may run it
+    assert choice(again=False) == first and b.ranked == 1
+    assert choice() == first and b.ranked == 2
     b.short = False
     assert choice() == (["gemm", "fft", "implicit"] if search == "exhaustive" else ["fft", "gemm", "implicit"])
-    assert is_cached(b, "fwd", GEOM, cap=None, search=search)
-    assert len(b.measured) == (2 if search == "exhaustive" else 0)
+    assert is_cached(b, "fwd", GEOM, cap=None, search=search) and b.ranked == 3
+    assert len(b.measured) == (3 if search == "exhaustive" else 0)
 
 
 def test_a_search_whose_backend_rejects_some_candidates_is_kept_without_them():

@@ -669,6 +669,44 @@ def test_a_capture_after_a_search_cut_short_by_memory_runs_the_ranking_it_kept(c
     assert searched == [1, 2, 4]
 
 
+@pytest.mark.parametrize("search", ["heuristic", "exhaustive"])
+def test_a_capture_after_calls_memory_kept_from_ranking_every_candidate_runs_their_ranking(cpu_conv, monkeypatch,
+                                                                                          search):
+    """Eager calls whose backend memory kept from ranking a candidate (PartlyRanked: cuDNN could not allocate what
+    finalizing its plan takes) each rank again; a capture, which cannot, runs the last ranking, asking the backend
+    nothing, and the next eager call ranks again, keeping the full ranking. The capture raised CaptureError, calling
+    the call the first of its shape, to be run once before capturing, which it had been."""
+    from wsarena.backends import PartlyRanked
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    provider, x, w = cpu_conv
+    ranked, short = [], [True]
+    real_candidates = CpuBackend.candidates
+
+    def candidates(self, pass_, geom):
+        cands = real_candidates(self, pass_, geom)
+        ranked.append(pass_)
+        if short:
+            raise PartlyRanked(cands[1:]) from MemoryError("no memory for the first one's plan")
+        return cands
+
+    monkeypatch.setattr(CpuBackend, "candidates", candidates)
+    wsarena.configure(algo_search=search)
+    for _ in range(2):
+        eager = wsarena.conv_forward(x, w, padding=1, stream="lane")
+    assert len(ranked) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_captured_call_is_right(provider, x, w, eager)
+    assert len(ranked) == 2
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    assert len(ranked) == 3
+    short.clear()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    assert len(ranked) == 4
+
+
 def test_capture_without_a_gpu_is_a_backend_error_and_checks_its_mode(monkeypatch):
     """On any machine: no GPU is made to look usable (a GPU machine's capture would succeed)."""
     from wsarena import cudagraph

@@ -51,8 +51,10 @@ CHOICES_MAX = 4096
 # Per key: the usable candidates best first, the candidate the cap keeps from running first (the cap warning's), 0
 # where the choice is kept for good or, for a search cut short by memory, the least workspace it could not get, and
 # None where it serves any operands or, for a search the backend refused some candidates in on its operands, their
-# key (the backend's operands_key): it serves calls on operands alike, and others search again.
+# key (the backend's operands_key): it serves calls on operands alike, and others search again; _PARTLY_RANKED where
+# memory kept the backend from ranking some candidates (PartlyRanked): it serves a capture alone, which cannot rank.
 _Entry = tuple[tuple[Candidate, ...], Candidate | None, int, Any]
+_PARTLY_RANKED: Any = object()
 # Per (algorithm, math type), what a search timed of a call: its time in ms, None where the backend's search rejected it
 _Times = Mapping[tuple[str, int | None], float | None]
 _cache: LRU[_Entry] = LRU(CHOICES_MAX)
@@ -99,7 +101,8 @@ def is_cached(
 
 def is_chosen(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
     """Whether a choice for these arguments is cached, for good, until memory allows a search cut short to be run
-    again, or for operands like the search's: one that a call may run without searching."""
+    again, for operands like the search's, or until the backend can rank every candidate: one that a capture may run
+    without ranking or searching (``search_again=False``)."""
     return _key(backend, pass_, geom, search, cap, get_config()) in _cache
 
 
@@ -145,7 +148,9 @@ def choose(
     serves
         For a ranking kept from a search that dropped candidates the backend refused on its operands, kept with their
         key: ``serves(key)`` says whether it serves this call (its operands have that key); if not, the search runs
-        again. Without it, such a search runs again on every call.
+        again. For one the backend made without candidates memory kept it from ranking (:class:`PartlyRanked`), the
+        key is a marker no operands have: it serves a call that cannot rank (a capture's). Without it, either is
+        ranked again on every call.
     warn
         Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap keeps the fastest algorithm from
         running: the heuristic favourite; for an exhaustive search, one above the cap that ``known`` says is faster
@@ -220,8 +225,9 @@ def _rank(
     were ranked (or memory stopped only candidates that ran out of memory of their own), the least workspace a
     skipped candidate needs where a search was cut short by the arena's memory, ``None`` where nothing was timed (the
     heuristic order, not kept). The operands: ``None`` for any, else the key of those a search timed where the
-    backend refused some candidates on them (``measure``'s fourth item). A ranking the backend made without those
-    memory kept it from ranking (:class:`PartlyRanked`) is not kept either: the next call ranks again."""
+    backend refused some candidates on them (``measure``'s fourth item), or :data:`_PARTLY_RANKED` for a ranking the
+    backend made without those memory kept it from ranking (:class:`PartlyRanked`): it serves a capture, which cannot
+    rank, and the next other call ranks again."""
     try:
         ranked, keep = backend.candidates(pass_, geom), True
     except PartlyRanked as exc:  # no verdict on those left out: this call's ranking alone
@@ -241,7 +247,7 @@ def _rank(
         )
     excluded = None if ranked[0] in usable else ranked[0]
     if measure is None:
-        return tuple(usable), excluded, 0 if keep else None, 0, None
+        return tuple(usable), excluded, 0, 0, None if keep else _PARTLY_RANKED
     timed, skipped, *rest = measure(usable)  # only what fits the cap is ever timed
     if not timed and not skipped:  # the search ranked nothing: keep the heuristic order, and ask again next time
         return tuple(usable), excluded, None, 0, None
@@ -255,7 +261,7 @@ def _rank(
     # search's largest lease held (``rest[0]``) ran out of memory of their own: that is no reason to search again.
     largest = rest[0] if rest else 0
     lacked = min((c.workspace_bytes for c in skipped if c.workspace_bytes > largest), default=0)
-    return order, excluded, lacked if keep else None, len(skipped), rest[1] if len(rest) > 1 else None
+    return order, excluded, lacked, len(skipped), (rest[1] if len(rest) > 1 else None) if keep else _PARTLY_RANKED
 
 
 def _kept_out(
@@ -306,8 +312,9 @@ def select(
     ``can_have``), never while ``stream`` is being captured (``search_again=False``, which the ops pass then: a search
     is no graph node).
     """
-    if search != "exhaustive" or operands is None:
-        return choose(backend, pass_, geom, cap=cap, search="heuristic", warn=warn)
+    if search != "exhaustive" or operands is None:  # a capture runs a ranking the backend made without some (serves)
+        return choose(backend, pass_, geom, cap=cap, search="heuristic", warn=warn,
+                      serves=None if search_again else lambda kept_for: True)
     arena = backend.arena()
 
     def can_have(nbytes: int) -> bool:
@@ -333,7 +340,7 @@ def select(
         # which cannot search, runs it whatever its operands (run_with_fallback passes over those refused there)
         if not search_again:
             return True
-        return key_of is not None and key_of(*the_operands()) == searched_on
+        return searched_on is not _PARTLY_RANKED and key_of is not None and key_of(*the_operands()) == searched_on
 
     stored: dict[tuple[str, int | None], float | None] = {}  # what the search cache holds of the call, searched
 

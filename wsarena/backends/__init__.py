@@ -63,7 +63,8 @@ class PartlyTimed(MemoryError):
 class PartlyRanked(MemoryError):
     """Raised by :meth:`Backend.candidates` when memory kept it from ranking some candidates (cuDNN could not allocate
     what finalizing their plans takes): ``ranked``, those it could rank, best first. No verdict on the others: the
-    ranking serves the call that asked, and the next one asks again. The first such error is its ``__cause__``."""
+    ranking serves the call that asked (and a capture, which cannot rank), and the next one asks again. The first such
+    error is its ``__cause__``."""
 
     def __init__(self, ranked: list[Candidate]) -> None:
         super().__init__(f"ranked {', '.join(c.algo for c in ranked)} alone: memory kept the others from being ranked")

@@ -120,8 +120,8 @@ class CudnnGraphBackend(CudnnBackend):
         size (:meth:`_general`).
 
         A plan cuDNN could not allocate for (host or device memory) is no verdict on its configuration: the
-        candidates ranked without it are raised as :class:`~wsarena.backends.PartlyRanked` (the call runs them, and
-        the next ranks again), and where none could be ranked, the first such error."""
+        candidates ranked without it are raised as :class:`~wsarena.backends.PartlyRanked` (the call runs them, as
+        does a capture, and the next call ranks again), and where none could be ranked, the first such error."""
         from ..cudnn.backend import has_attribute
 
         graph = self._plans.graph(handle, pass_, geom)
