@@ -51,6 +51,33 @@ def test_a_lease_during_capture_uses_the_streams_buffer_and_pins_it(device):
     assert len(provider.allocations) == 1
 
 
+def test_stats_count_what_pins_keep_apart_from_the_buffers_they_pin(device):
+    """kept_bytes: the arrays kept for the graphs of this arena's pins that exist, from a capture's first keep (under
+    way too), over the streams a graph captured; pinned_bytes stays the workspace buffers'. Another arena of the device
+    counts what its own pins keep. 0 once the graphs are destroyed."""
+    provider, arena = device
+    other = Arena(provider)
+    a, b, c = np.empty(1000, np.uint8), np.empty(300, np.float64), np.empty(7, np.int32)
+    arena.reserve(1000, stream=S1)
+    graph = provider.begin_capture(S1, S2)  # one graph, forked to two streams
+    with arena.lease(1000, stream=S1):
+        pass
+    assert arena.keep_with_capture([a], stream=S1) and arena.keep_with_capture([b], stream=S2)
+    assert other.keep_with_capture([c], stream=S1)
+    assert arena.stats().kept_bytes == 1000 + 300 * 8
+    provider.end_capture(graph)
+    later = provider.begin_capture(S2)
+    assert arena.keep_with_capture([c], stream=S2)
+    provider.end_capture(later)
+    stats = arena.stats()
+    assert (stats.kept_bytes, other.stats().kept_bytes) == (1000 + 300 * 8 + 7 * 4, 7 * 4)
+    assert stats.pinned_bytes == stats.streams[S1].capacity_bytes == arena.held_bytes(stream=S1) > 0
+    graph.close()
+    assert (arena.stats().kept_bytes, other.stats().kept_bytes) == (7 * 4, 0)
+    later.close()
+    assert arena.stats().kept_bytes == 0
+
+
 def test_a_lease_carries_the_pin_of_the_graph_being_captured_zero_bytes_too(device):
     """What a call ties to its graph (the graph API's plan) it finds on the lease: the graph's one pin, on a lease
     of no bytes as on one that takes bytes; nothing outside a capture."""

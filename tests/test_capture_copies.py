@@ -17,7 +17,7 @@ import pytest
 import wsarena
 from tests.reference import ref_conv_forward
 from wsarena import ops
-from wsarena.arena import Arena, _pins, set_arena
+from wsarena.arena import Arena, _lifecycle, _pins, set_arena
 from wsarena.arena._pins import GraphPin
 from wsarena.arena.testing import RecordingProvider
 from wsarena.backends._cpu_backend import CpuBackend
@@ -128,6 +128,91 @@ def test_what_graphs_gone_kept_goes_with_the_next_capture_that_keeps(provider, f
     wsarena.get_arena("cpu").stats()
     gc.collect()
     assert len(freed) == 12
+
+
+def made_bytes(x, w, given_out):
+    """The bytes a call on ``x`` and ``w`` (strided_operands()) allocates: a copy of each, and the result unless
+    given."""
+    return x.size * x.itemsize + w.nbytes + (0 if given_out else reference(x, w).size * np.dtype(np.float32).itemsize)
+
+
+@pytest.mark.parametrize("given_out", [False, True], ids=["new", "out"])
+def test_stats_count_what_captured_calls_keep_while_their_graphs_exist(provider, freed, given_out):
+    """arena.stats().kept_bytes: what the calls of graphs that exist allocated, each capture's (a step captured twice
+    keeps its allocations twice), apart from the workspace (pinned_bytes); 0 once the graphs are destroyed, and what
+    they kept let go. Once, stats() said nothing of it."""
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    arena = wsarena.get_arena("cpu")
+    assert arena.stats().kept_bytes == 0  # an eager call keeps nothing
+    gc.collect()
+    freed.clear()
+    one = made_bytes(x, w, given_out)
+    out = np.empty(reference(x, w).shape, np.float32) if given_out else None
+    graphs = []
+    for n in (1, 2):
+        graph = provider.begin_capture("lane")
+        wsarena.conv_forward(x, w, padding=1, stream="lane", out=out)
+        provider.end_capture(graph)
+        graphs.append(graph)
+        stats = arena.stats()
+        assert stats.kept_bytes == n * one and stats.to_dict()["kept_bytes"] == n * one
+        assert stats.pinned_bytes == stats.streams["lane"].capacity_bytes > 0  # the workspace alone
+    graphs[0].close()
+    assert arena.stats().kept_bytes == one
+    arena.trim()
+    assert arena.stats().kept_bytes == one
+    graphs[1].close()
+    assert arena.stats().kept_bytes == 0
+    gc.collect()
+    assert len(freed) == 2 * (2 if given_out else 3)
+
+
+def test_kept_bytes_count_each_memory_kept_once(provider):
+    """Views of one array, kept by one graph or several, count as the array that owns their memory, once: kept, a
+    view keeps all of it. An object with no nbytes counts nothing."""
+    arena = wsarena.get_arena("cpu")
+    base = np.empty((4, 256), np.float32)
+    other = np.empty(100, np.uint8)
+    first = provider.begin_capture("lane")
+    arena.keep_with_capture([base, base[1:], base.T, base[::2][1:], other[:10], object()], stream="lane")
+    provider.end_capture(first)
+    second = provider.begin_capture("lane")
+    arena.keep_with_capture([base[0]], stream="lane")
+    provider.end_capture(second)
+    assert arena.stats().kept_bytes == 4 * 256 * 4 + 100
+    first.close()
+    assert arena.stats().kept_bytes == 4 * 256 * 4
+    second.close()
+    assert arena.stats().kept_bytes == 0
+
+
+@pytest.mark.parametrize("ends", ["closed", "collected"])
+def test_a_closed_or_collected_arena_counts_what_its_graphs_keep(provider, freed, ends):
+    """A closed arena's stats, and those of the heir of a collected one (the closed arena that frees what it held),
+    count what its pins keep while their graphs exist, and nothing once they are gone; the arena made in its place
+    counts none of it."""
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    gc.collect()
+    freed.clear()
+    graph = provider.begin_capture("lane")
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    provider.end_capture(graph)
+    arena = wsarena.get_arena("cpu")
+    set_arena("cpu", Arena(RecordingProvider()))
+    if ends == "closed":
+        arena.close()
+    else:
+        del arena
+        gc.collect()
+        (arena,) = [a for a in _lifecycle._closed_holding.values() if a.provider is provider]
+    assert arena.closed and arena.stats().kept_bytes == made_bytes(x, w, False)
+    assert wsarena.get_arena("cpu").stats().kept_bytes == 0
+    graph.close()
+    assert arena.stats().kept_bytes == 0
+    gc.collect()
+    assert sorted(freed) == ["copy", "copy", "result"]
 
 
 def test_a_first_call_during_capture_makes_no_copy_before_it_raises(provider, freed, monkeypatch):
@@ -313,3 +398,23 @@ def test_a_forked_child_lets_go_of_nothing_its_parent_kept_for_a_graph(provider,
     wsarena.get_arena("cpu").stats()
     gc.collect()
     assert sorted(freed) == ["copy", "copy", "result"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_forked_childs_stats_count_nothing_its_parent_kept(provider):
+    """What the parent's graphs keep is the parent's: a forked child's arenas, started again, count none of it, as
+    they pin none of its buffers."""
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    graph = provider.begin_capture("lane")
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    provider.end_capture(graph)
+    arena = wsarena.get_arena("cpu")
+
+    def in_the_child():
+        stats = arena.stats()
+        return stats.kept_bytes, stats.pinned_bytes
+
+    assert fork(in_the_child)() == (0, 0)
+    assert arena.stats().kept_bytes == made_bytes(x, w, False)
+    graph.close()

@@ -186,7 +186,12 @@ def test_memory_a_captured_call_allocated_is_given_to_no_later_allocation(cupy, 
             stream.synchronize()
         cupy.testing.assert_allclose(y, want, **TOL)
         assert all(bool((array == 7.0).all()) for array in later)
+        assert arena.stats().kept_bytes == 3 * y.nbytes  # the copy of x and both results, each of x's shape
         graph.close()
+        deadline = time.monotonic() + 5.0  # CUDA runs the graph's destructors on its own thread
+        while arena.stats().kept_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert arena.stats().kept_bytes == 0
 
 
 def test_memory_the_graph_allocated_itself_is_left_to_it(cupy, arena):
@@ -208,6 +213,7 @@ def test_memory_the_graph_allocated_itself_is_left_to_it(cupy, arena):
             graph.launch()
         stream.synchronize()
         cupy.testing.assert_allclose(y, want, **TOL)
+        assert arena.stats().kept_bytes == 0  # the graph's own
         graph.close()
         del graph
         stream.synchronize()

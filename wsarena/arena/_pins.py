@@ -30,7 +30,9 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["HOST_FN", "SEM_POST", "GraphPin", "free_posted", "let_go_kept"]
+from .._sizes import as_int
+
+__all__ = ["HOST_FN", "SEM_POST", "GraphPin", "free_posted", "kept_bytes", "let_go_kept"]
 
 _libc = ctypes.CDLL(None, use_errno=True)  # the process's own C library: sem_* live there (or in libpthread)
 _sem_init = _libc.sem_init
@@ -150,6 +152,29 @@ def let_go_kept() -> None:
         pin = _keeping.get(key)
         if pin is not None and not pin.live() and _keeping.pop(key, None) is pin:
             pin.kept.clear()
+
+
+def kept_bytes(pins: Iterable[GraphPin]) -> int:
+    """Bytes of the arrays that the live ones of ``pins`` keep (:meth:`GraphPin.keep`): each array counted by the
+    ``nbytes`` of the array that owns its memory (its ``base``, for a NumPy or CuPy view; kept, a view keeps all of
+    it), once however many views of it, and however many pins, keep it. An object with no ``nbytes`` counts nothing.
+    No lock: each list is read in one C call, and the objects are held while they are counted."""
+    owners: dict[int, Any] = {}
+    for pin in list(pins):
+        if pin.live():
+            for array in list(pin.kept):
+                owner = _owner(array)
+                owners.setdefault(id(owner), owner)
+    return sum(as_int(getattr(owner, "nbytes", None)) or 0 for owner in owners.values())
+
+
+def _owner(array: Any) -> Any:
+    """The array whose memory ``array`` is: its ``base``, the base's base, ..., as long as that is an array too."""
+    while True:
+        base = getattr(array, "base", None)
+        if base is None or base is array or getattr(base, "nbytes", None) is None:
+            return array
+        array = base
 
 
 def _after_fork_in_child() -> None:

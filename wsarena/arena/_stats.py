@@ -114,11 +114,17 @@ class ArenaStats(_Fields):
         A snapshot keeps the lane key objects it names alive, and so their lanes: drop it once read.
     pinned_bytes : int
         Buffers that CUDA graphs captured and still hold, over every stream (those of streams forgotten since
-        included).
+        included): workspace alone (what else the graphs keep: ``kept_bytes``).
     refused_bytes : int
         The smallest growth the provider refused since it last granted one as large (or since :meth:`Arena.trim`):
         a call that can fall back to a buffer its stream holds does not ask for as much again for a while
         (:meth:`Arena.defers_growth`; a lease itself always asks). 0: none.
+    kept_bytes : int
+        Arrays kept for CUDA graphs that still exist, by this arena's pins (:meth:`Arena.keep_with_capture`): what
+        the calls captured on its streams allocated (copies of operands, results made without ``out=``), and a
+        program's own arrays it was given. Each counted by the ``nbytes`` of the array that owns its memory (the
+        ``base`` of a NumPy or CuPy view), once however many views of it, or graphs, keep it. 0 once those graphs
+        are destroyed. Not per stream: a graph may capture several.
     """
 
     capacity_bytes: int
@@ -131,6 +137,7 @@ class ArenaStats(_Fields):
     streams: Mapping[Hashable, StreamStats]
     pinned_bytes: int = 0
     refused_bytes: int = 0
+    kept_bytes: int = 0
 
     def __reduce__(self) -> tuple[Any, ...]:
         # pickle and deepcopy cannot take the read-only view of ``streams``: they get a dict, and wrap it again
@@ -144,8 +151,9 @@ def _arena_stats(fields: dict[str, Any]) -> ArenaStats:
     return ArenaStats(**{**fields, "streams": MappingProxyType(dict(fields["streams"]))})
 
 
-def snapshot(table: _Table) -> ArenaStats:
-    """The stats of the sub-arenas in ``table`` now (the arena's lock held)."""
+def snapshot(table: _Table, kept_bytes: int = 0) -> ArenaStats:
+    """The stats of the sub-arenas in ``table`` now (the arena's lock held), with ``kept_bytes`` as its pins' count
+    (:func:`~wsarena.arena._pins.kept_bytes`, made without the lock)."""
     streams = {
         callers_key(key): StreamStats(
             capacity_bytes=sub.capacity(),
@@ -172,4 +180,5 @@ def snapshot(table: _Table) -> ArenaStats:
             block.size for key, block, _ in table.kept if key not in table.subs and block.pinned()
         ),
         refused_bytes=table.refusals.nbytes,
+        kept_bytes=kept_bytes,
     )
