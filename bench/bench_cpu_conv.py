@@ -14,17 +14,27 @@ other ResNet-50 layers (1x1, strided, stem, late 7x7) and a depthwise one.
 Run: python bench/bench_cpu_conv.py [--suite] [--layout NCHW|NHWC] [--dtype float32|float64] [--repeat 15]
 [--threads N]
 Needs torch; prints the machine and thread counts it ran on.
+
+``--ranking`` times the algorithms alone (no torch) on :data:`RANKING`, ordinary layers and the geometries at the
+bounds of :func:`~wsarena.backends.cpu.candidates`' rules, and says per pass how far the algorithm it ranks first is
+from the fastest (median against median, the algorithms timed in turn: on a shared machine compare these ratios, not
+times across runs); with ``--baseline REV`` the ranking of that git revision too, timed in the same run::
+
+    python bench/bench_cpu_conv.py --ranking [--only TEXT] [--baseline main] [--repeat 7] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from functools import partial
+from pathlib import Path
 
 if __name__ == "__main__" and "--threads" in sys.argv:
     # BLAS reads its thread count when it loads, so set it before NumPy is imported.
@@ -47,12 +57,63 @@ SUITE = [
     ("depthwise 3x3 256 @28", (4, 256, 28, 28), (256, 1, 3, 3), {"padding": 1, "groups": 256}),
 ]
 
+# name: (input shape NCHW, weight shape, keyword arguments), NCHW. Ordinary layers first (ResNet's 3x3 and 1x1 at
+# 56^2, 28^2 and 14^2, VGG's and U-Net's large images, 1-D and 3-D), then those at the bounds of candidates()' rules:
+# a row's column matrix of 16 tiles or more (long kernels over wide rows) over outputs of 1 to 8 MiB.
+RANKING = {
+    "3x3 64 @56 b1": ((1, 64, 56, 56), (64, 64, 3, 3), {"padding": 1}),
+    "3x3 64 @56 b8": ((8, 64, 56, 56), (64, 64, 3, 3), {"padding": 1}),
+    "3x3 128 @28 b1": ((1, 128, 28, 28), (128, 128, 3, 3), {"padding": 1}),
+    "3x3 128 @28 b8": ((8, 128, 28, 28), (128, 128, 3, 3), {"padding": 1}),
+    "3x3 256 @14 b1": ((1, 256, 14, 14), (256, 256, 3, 3), {"padding": 1}),
+    "3x3 256 @14 b8": ((8, 256, 14, 14), (256, 256, 3, 3), {"padding": 1}),
+    "3x3 512 @14 b4": ((4, 512, 14, 14), (512, 512, 3, 3), {"padding": 1}),
+    "3x3 s2 128 @56 b4": ((4, 128, 56, 56), (128, 128, 3, 3), {"stride": 2, "padding": 1}),
+    "1x1 64->256 @56 b8": ((8, 64, 56, 56), (256, 64, 1, 1), {}),
+    "1x1 256->64 @56 b1": ((1, 256, 56, 56), (64, 256, 1, 1), {}),
+    "1x1 512->128 @28 b4": ((4, 512, 28, 28), (128, 512, 1, 1), {}),
+    "1x1 s2 256->512 @56 b2": ((2, 256, 56, 56), (512, 256, 1, 1), {"stride": 2}),
+    "1x1 1024->256 @14 b8": ((8, 1024, 14, 14), (256, 1024, 1, 1), {}),
+    "3x3 256 @56 b2": ((2, 256, 56, 56), (256, 256, 3, 3), {"padding": 1}),
+    "3x3 128 @112 b1": ((1, 128, 112, 112), (128, 128, 3, 3), {"padding": 1}),
+    "3x3 64 @224 b1": ((1, 64, 224, 224), (64, 64, 3, 3), {"padding": 1}),
+    "3x3 64 @224 b2": ((2, 64, 224, 224), (64, 64, 3, 3), {"padding": 1}),
+    "U-Net 3x3 64 @570 b1": ((1, 64, 570, 570), (64, 64, 3, 3), {}),
+    "U-Net 3x3 128->64 @392 b1": ((1, 128, 392, 392), (64, 128, 3, 3), {}),
+    "U-Net 3x3 256 @138 b1": ((1, 256, 138, 138), (256, 256, 3, 3), {}),
+    "U-Net 3x3 512->256 @104 b1": ((1, 512, 104, 104), (256, 512, 3, 3), {}),
+    "U-Net 3x3 1024->512 @56 b1": ((1, 1024, 56, 56), (512, 1024, 3, 3), {}),
+    "1-D k3 64 @4096 b4": ((4, 64, 4096), (64, 64, 3), {"padding": 1}),
+    "1-D k3 512 @1024 b8": ((8, 512, 1024), (512, 512, 3), {"padding": 1}),
+    "1-D k5 256 @16384 b1": ((1, 256, 16384), (256, 256, 5), {"padding": 2}),
+    "3-D 3x3x3 16 @12 b2": ((2, 16, 12, 12, 12), (16, 16, 3, 3, 3), {"padding": 1}),
+    "3-D 3x3x3 64 @16 b4": ((4, 64, 16, 16, 16), (64, 64, 3, 3, 3), {"padding": 1}),
+    "3-D 3x3x3 32 @32 b2": ((2, 32, 32, 32, 32), (32, 32, 3, 3, 3), {"padding": 1}),
+    "3-D 3x3x3 64 @64 b1": ((1, 64, 64, 64, 64), (64, 64, 3, 3, 3), {"padding": 1}),
+    "3-D 3x3x3 64 @64 b2": ((2, 64, 64, 64, 64), (64, 64, 3, 3, 3), {"padding": 1}),
+    "3x3 256 @8x2048 b1": ((1, 256, 8, 2048), (256, 256, 3, 3), {"padding": 1}),
+    "1x64 16 @2x8192 b1": ((1, 16, 2, 8192), (16, 16, 1, 64), {"padding": (0, 32)}),
+    "1x64 16 @3x8192 b1": ((1, 16, 3, 8192), (16, 16, 1, 64), {"padding": (0, 32)}),
+    "1x64 16 @4x8192 b1": ((1, 16, 4, 8192), (16, 16, 1, 64), {"padding": (0, 32)}),
+    "1x64 16 @6x8192 b1": ((1, 16, 6, 8192), (16, 16, 1, 64), {"padding": (0, 32)}),
+    "1x64 16 @8x8192 b1": ((1, 16, 8, 8192), (16, 16, 1, 64), {"padding": (0, 32)}),
+    "1x64 16 @12x8192 b1": ((1, 16, 12, 8192), (16, 16, 1, 64), {"padding": (0, 32)}),
+    "1x64 16 @16x8192 b1": ((1, 16, 16, 8192), (16, 16, 1, 64), {"padding": (0, 32)}),
+    "1x4096 2 @8x4096 b4": ((4, 2, 8, 4096), (2, 2, 1, 4096), {"padding": (0, 2048)}),
+    "1x2048 16 @8x2048 b1": ((1, 16, 8, 2048), (16, 16, 1, 2048), {"padding": (0, 1024)}),
+    "1x2048 16 @8x2048 b2": ((2, 16, 8, 2048), (16, 16, 1, 2048), {"padding": (0, 1024)}),
+}
 
-def _interleaved_ms(fns: dict, repeat: int) -> dict:
+
+def _interleaved_ms(fns: dict, repeat: int, seconds: float = 0.0) -> dict:
     """Best and median milliseconds of each callable, timed round-robin so that load from other processes
-    (a shared 2-core machine) hits every contender alike."""
+    (a shared 2-core machine) hits every contender alike: ``repeat`` rounds, or more (up to ten times as many)
+    where fewer would take less than ``seconds``."""
+    start = time.perf_counter()
     for fn in fns.values():
         fn()  # warm up (page faults, BLAS thread start)
+    warm = time.perf_counter() - start
+    repeat = max(repeat, min(10 * repeat, int(seconds / max(warm, 1e-9))))
     times = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
@@ -123,6 +184,59 @@ def bench_layer(name, ishape, wshape, kw, layout, dtype, repeat, torch):
             )
 
 
+def _geometry(cpu_module, ishape, wshape, kw, dtype):
+    conv_geometry_of = importlib.import_module(cpu_module.__name__.rsplit(".", 2)[0] + "._geometry").conv_geometry
+    return conv_geometry_of(ishape, wshape, dtype=dtype, **kw)
+
+
+def ranking(names, dtype, repeat, baseline) -> None:
+    """Every algorithm of every pass on ``names`` of :data:`RANKING`, timed in turn; per pass the medians, and how far
+    the algorithm ranked first (now, and by ``baseline``'s cpu module if given) is from the fastest."""
+    trees = {"now": cpu}
+    if baseline is not None:
+        trees["before"] = baseline
+    print(f"\nmedian ms of {repeat} calls each (up to {10 * repeat} where that takes under 2 s), in turn; "
+          "x: median / the fastest median")
+    rows = []
+    for name in names:
+        g = conv_geometry(*RANKING[name][:2], dtype=dtype, **RANKING[name][2])
+        rng = np.random.default_rng(0)
+        x, w, dy = (rng.standard_normal(s, dtype=np.float64).astype(dtype)
+                    for s in (g.input_shape, g.weight_shape, g.output_shape))
+        operands = {"fwd": (x, w, g.output_shape), "bwd_data": (dy, w, g.input_shape),
+                    "bwd_filter": (x, dy, g.weight_shape)}
+        for pass_, (a, b, shape) in operands.items():
+            out = np.empty(shape, dtype)
+            algos = cpu.ALGORITHMS[pass_]
+            wss = {algo: np.empty(cpu.workspace_size(pass_, algo, g), np.uint8) for algo in algos}
+            ms = _interleaved_ms({algo: partial(cpu.run, pass_, algo, g, a, b, out, wss[algo]) for algo in algos},
+                                 repeat, seconds=2.0)
+            del wss
+            fastest = min(med for _, med in ms.values())
+            first = {tree: module.candidates(pass_, _geometry(module, *RANKING[name], dtype))[0]
+                     for tree, module in trees.items()}
+            cells = "  ".join(f"{algo.split('_', 1)[-1] if algo != 'implicit_gemm' else 'implicit'} "
+                              f"{ms[algo][1]:.1f} ({cpu.workspace_size(pass_, algo, g) / 2**20:.0f} MiB)"
+                              for algo in algos)
+            firsts = "  ".join(f"{tree}: {algo} x{ms[algo][1] / fastest:.2f}" for tree, algo in first.items())
+            print(f"{name:<24} {pass_:<10} {cells}  | {firsts}", flush=True)
+            rows.append((name, pass_, {tree: ms[algo][1] / fastest for tree, algo in first.items()}))
+    for tree in trees:
+        ratios = [r[tree] for _, _, r in rows]
+        print(f"{tree}: the first ranked is the fastest in {sum(r == 1.0 for r in ratios)} of {len(ratios)} passes; "
+              f"x{statistics.geometric_mean(ratios):.3f} the fastest (geometric mean), x{max(ratios):.2f} at worst")
+
+
+def _baseline_cpu(rev: str, folder: Path):
+    """The cpu module of ``wsarena`` at git revision ``rev``, imported as ``wsarena_before`` from ``folder``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_cpu_lowering import BEFORE, _baseline
+
+    _baseline(rev, folder)
+    sys.path.insert(0, str(folder))
+    return importlib.import_module(f"{BEFORE}.backends.cpu")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", action="store_true", help="also a few other ResNet-50 layers and a depthwise one")
@@ -133,7 +247,18 @@ def main(argv=None):
         "--threads", type=int, default=None,
         help="BLAS and torch threads (default: their own); 1 is stable on a busy machine"
     )
+    parser.add_argument("--ranking", action="store_true", help="how far each pass's first ranked is from the fastest")
+    parser.add_argument("--only", action="append", help="with --ranking: the cases whose name has this text")
+    parser.add_argument("--baseline", help="with --ranking: a git revision whose ranking to time too")
     args = parser.parse_args(argv)
+    if args.ranking:
+        names = [n for n in RANKING if not args.only or any(text in n for text in args.only)]
+        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; numpy {np.__version__}"
+              f" ({args.threads or 'default'} BLAS threads); {args.dtype}, NCHW")
+        with tempfile.TemporaryDirectory() as tmp:
+            baseline = _baseline_cpu(args.baseline, Path(tmp)) if args.baseline else None
+            ranking(names, args.dtype, args.repeat, baseline)
+        return
     try:
         import torch
     except ImportError:
