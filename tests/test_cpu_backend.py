@@ -615,7 +615,7 @@ def test_a_row_whose_column_matrix_streams_through_memory_ranks_implicit_gemm_fi
     large_output = long.with_batch(64)  # 16 MiB of output
     many_channels = conv_geometry((1, 64, 64, 64, 64), (64, 64, 3, 3, 3), padding=1)  # a row of 27 MiB, 64 MiB out
     # A row of 256 MiB, 32 times an output of 8 MiB, which leaves the cache at every kernel offset: implicit_gemm
-    # took 58-128 s a forward pass here, the per-image algorithm 10-18 s.
+    # took 58-128 s a forward pass here in one run and 15-16 s in another, the per-image algorithm 10-18 s.
     wide = conv_geometry((8, 16, 8, 2048), (16, 16, 1, 2048), padding=(0, 1024))
     for pass_ in PASSES:
         implicit, tiled, per_image, batch = cpu.ALGORITHMS[pass_]
@@ -625,19 +625,84 @@ def test_a_row_whose_column_matrix_streams_through_memory_ranks_implicit_gemm_fi
             assert cpu.candidates(pass_, g)[0] != implicit
 
 
-def test_implicit_gemm_ranks_first_from_a_row_of_16_tiles_over_an_output_of_a_tile_at_most():
-    """The bound is at 16 times, by the dtype's tile: a 1x1024 kernel over rows of 4096 outputs makes rows of 2**22
-    elements, 16 tiles of float32 (4 MiB); 4095 outputs are a row short. A 1x512 kernel's row is 16 tiles of
-    float64, not of float32. 16 output channels of float64 over two rows make an output of 2**17 elements, a tile,
-    where 17 make it larger."""
+def test_implicit_gemm_ranks_first_from_a_row_of_16_tiles_over_an_output_under_8_tiles_or_2_for_the_data_gradient():
+    """The row's bound is at 16 times, by the dtype's tile: a 1x1024 kernel over rows of 4096 outputs makes rows of
+    2**22 elements, 16 tiles of float32 (4 MiB); 4095 outputs are a row short. A 1x512 kernel's row is 16 tiles of
+    float64, not of float32. The output's, over two rows of 4096 (2**13 elements a channel): under 8 tiles, 255
+    output channels of float32 (2**21 elements is 8 tiles), 127 of float64; under 2 tiles for the data gradient, 63
+    and 31."""
 
     def rows(width, kernel, channels=1, dtype="float32"):  # one image of two rows, one input channel
         return conv_geometry((1, 1, 2, width + kernel - 1), (channels, 1, 1, kernel), dtype=dtype)
 
     for pass_ in PASSES:
         implicit = cpu.ALGORITHMS[pass_][0]
-        for g in (rows(4096, 1024), rows(4096, 512, dtype="float64"), rows(4096, 1024, channels=16, dtype="float64")):
+        tiles = 2 if pass_ == "bwd_data" else 8
+        channels = {"float32": tiles * 32, "float64": tiles * 16}  # output channels of `tiles` tiles over 2 rows
+        for g in (rows(4096, 1024), rows(4096, 512, dtype="float64"), rows(4096, 1024, channels["float32"] - 1),
+                  rows(4096, 1024, channels["float64"] - 1, dtype="float64")):
             assert cpu.candidates(pass_, g)[0] == implicit, g
         for g in (rows(4095, 1024), rows(4096, 512), rows(4095, 512, dtype="float64"),
-                  rows(4096, 1024, channels=17, dtype="float64")):
+                  rows(4096, 1024, channels["float32"]), rows(4096, 1024, channels["float64"], dtype="float64")):
             assert cpu.candidates(pass_, g)[0] != implicit, g
+
+
+def test_the_geometries_timed_at_the_bounds_rank_as_measured():
+    """What ``bench/bench_cpu_conv.py --ranking`` timed (float32, one BLAS thread, the algorithms in turn): the order
+    pinned, never a time. The first of each was as fast as the fastest or within the noise of the run (10 to 20 %)."""
+    # A 3x3x3 kernel over 64 channels at 64^3: one image's column matrix 1.7 GiB, a tile (one plane) 27 MiB.
+    volume = conv_geometry((1, 64, 64, 64, 64), (64, 64, 3, 3, 3), padding=1)
+    # 3x3 kernels over 64 channels at 224x224 (VGG) and 570x570 (U-Net): 110 and 709 MiB an image, tiles of 1 MiB.
+    vgg = conv_geometry((2, 64, 224, 224), (64, 64, 3, 3), padding=1)
+    unet = conv_geometry((1, 64, 570, 570), (64, 64, 3, 3))
+    # Over more channels the tiles are one row of 136, 102 and 54 pixels, whose GEMMs are short.
+    narrow = [conv_geometry((1, 256, 138, 138), (256, 256, 3, 3)), conv_geometry((1, 512, 104, 104), (256, 512, 3, 3)),
+              conv_geometry((1, 1024, 56, 56), (512, 1024, 3, 3))]
+    # Column matrices past the cache in tiles of 204 and 224 pixels (80 and 55 MiB an image).
+    short_tiles = [conv_geometry((1, 256, 16384), (256, 256, 5), padding=2),
+                   conv_geometry((1, 128, 112, 112), (128, 128, 3, 3), padding=1)]
+    # A 1x64 kernel over 16 channels at 8x8192 (a row of 32 MiB, 4 MiB out), at 2 rows (1 MiB and a column out) and
+    # at 16 (8 MiB and two columns); a 1x4096 kernel over 4 images of 2 channels at 8x4096 (1 MiB and 4 columns).
+    rows = {h: conv_geometry((1, 16, h, 8192), (16, 16, 1, 64), padding=(0, 32)) for h in (2, 8, 16)}
+    long = conv_geometry((4, 2, 8, 4096), (2, 2, 1, 4096), padding=(0, 2048))
+    for pass_ in PASSES:
+        implicit, tiled, per_image, batch = cpu.ALGORITHMS[pass_]
+        column = [per_image, batch] if pass_ != "bwd_filter" else [batch, per_image]
+        wide = [tiled, per_image, batch, implicit]
+        assert cpu.candidates(pass_, volume) == ([*column, tiled, implicit] if pass_ == "bwd_data" else wide)
+        assert cpu.candidates(pass_, volume.with_batch(2)) == cpu.candidates(pass_, volume)
+        assert cpu.candidates(pass_, vgg) == wide
+        assert cpu.candidates(pass_, unet) == wide
+        for g in narrow + short_tiles:
+            assert cpu.candidates(pass_, g) == [*column, tiled, implicit], g
+        assert cpu.candidates(pass_, rows[2]) == [implicit, tiled, per_image, batch]
+        assert cpu.candidates(pass_, long) == [implicit, tiled, per_image, batch]
+        if pass_ == "bwd_data":
+            assert cpu.candidates(pass_, rows[8]) == [*column, tiled, implicit]
+            assert cpu.candidates(pass_, rows[16]) == [*column, tiled, implicit]
+        else:
+            assert cpu.candidates(pass_, rows[8]) == [implicit, tiled, per_image, batch]
+            assert cpu.candidates(pass_, rows[16]) == wide
+
+
+def test_the_tiled_algorithm_ranks_first_from_an_image_of_64_tiles_in_tiles_of_256_output_pixels():
+    """NCHW, a 2x2 kernel over 64 channels: rows of 256 outputs make rows of 2**16 column elements, so one image's
+    column matrix is 64 float32 tiles (2**24 elements) from 256 rows, 64 float64 tiles from 128; a row short is
+    under. A 3x3 kernel over 64 channels: rows of 256 outputs make rows of 147456 column elements, a tile each (more
+    than half a float32 tile), so tiles of 256 output pixels; 255 outputs make tiles of 255. NHWC keeps its order,
+    and so does the data gradient of rows of 16 tiles (a 3x3x3 kernel over 64 channels at 64^3)."""
+
+    def image(height, width, kernel=2, dtype="float32", **kw):  # no padding: the output is kernel - 1 smaller
+        return conv_geometry((1, 64, height + kernel - 1, width + kernel - 1), (64, 64, kernel, kernel), dtype=dtype,
+                             **kw)
+
+    nhwc = conv_geometry((1, 512, 512, 64), (64, 2, 2, 64), stride=2, layout="NHWC")  # 256x256 out
+    volume = conv_geometry((1, 64, 64, 64, 64), (64, 64, 3, 3, 3), padding=1)
+    for pass_ in PASSES:
+        implicit, tiled, per_image, batch = cpu.ALGORITHMS[pass_]
+        for g in (image(256, 256), image(128, 256, dtype="float64"), image(256, 256).with_batch(4),
+                  image(200, 256, kernel=3)):
+            assert cpu.candidates(pass_, g) == [tiled, per_image, batch, implicit], g
+        for g in (image(255, 256), image(127, 256, dtype="float64"), image(200, 255, kernel=3), nhwc):
+            assert cpu.candidates(pass_, g)[0] != tiled, g
+        assert (cpu.candidates(pass_, volume)[0] == tiled) == (pass_ != "bwd_data")

@@ -130,15 +130,24 @@ _LARGE_IMAGE = 512
 _SMALL_PROBLEM = 1 << 16
 # A column algorithm lowers one output row at the least (the tiled one's smallest tile); where that row's column
 # matrix is this many tiles, every column algorithm streams it through memory, while implicit_gemm's pass over the
-# output per kernel offset stays in cache if the output is no larger than a tile (a long kernel over few channels).
+# output per kernel offset stays in cache if the output is under _OUTPUT_IN_CACHE tiles (a long kernel over few
+# channels), or under _DX_IN_CACHE tiles for the data gradient, whose per-image col2im keeps up with it beyond.
 _ROW_PAST_CACHE = 16
+_OUTPUT_IN_CACHE = 8
+_DX_IN_CACHE = 2
+# Where one image's column matrix is this many tiles (twice the 32 MiB cache of the machine measured), the per-image
+# and batch algorithms stream it through memory, and the tiled one, lowering a tile of at least _WIDE_TILE output
+# pixels at a time (its GEMMs as efficient as an image's), is as fast or faster in a workspace that stays in cache.
+_IMAGE_PAST_CACHE = 64
+_WIDE_TILE = 256
 
 
 def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
     """This geometry's algorithms for ``pass_``, fastest expected first (every algorithm, in a fixed order).
 
     The order comes from timing every algorithm on ResNet-50's layers (plus depthwise and grouped ones) at
-    batch 4 on a 2-core AVX-512 machine with OpenBLAS, one BLAS thread (stable against noise).
+    batch 4 on a 2-core AVX-512 machine with OpenBLAS, one BLAS thread (stable against noise); the bounds on large
+    column matrices from ``bench/bench_cpu_conv.py --ranking`` on a 2-core AMD EPYC (AVX2, 32 MiB of L3 cache).
 
     - Pointwise (1x1 kernel, stride 1, no padding): ``implicit_gemm`` first. Its single offset is the whole
       input, so it is exactly one GEMM on the operands themselves, with no copy and no workspace.
@@ -147,13 +156,24 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
     - Depthwise (one input channel per group, several groups): ``implicit_gemm`` first (broadcast
       multiply-adds and ``einsum``; a column matrix is ``kprod`` times the input for GEMMs of one row),
       except the NCHW forward pass, where short image rows make the offset-by-offset adds slower than im2col.
-    - One output row's column matrix at least 16 tiles (1 MiB each) and an output of at most a tile:
-      ``implicit_gemm`` first, then the tiled column algorithm. A column algorithm lowers a row at the least, so
-      each streams its column matrix through memory, while ``implicit_gemm`` goes over an output that stays in
-      cache once per kernel offset: a 1x4096 kernel over 8x4096 NCHW images of 2 channels 1.6 to 3.4 times faster
-      than every column algorithm, whose column matrix is 1 GiB an image. Not where the output is larger: over 8
-      images of 16 channels at 8x2048 (8 MiB out) a 1x2048 kernel's per-image algorithm is 5 times faster
-      forward, over 64 channels at 64^3 a 3x3x3 kernel's tiled algorithm 2.4 times.
+    - One output row's column matrix at least 16 tiles (1 MiB each) and an output under 8 tiles (under 2 for the
+      data gradient): ``implicit_gemm`` first, then the tiled column algorithm. A column algorithm lowers a row at
+      the least, so each streams its column matrix through memory, while ``implicit_gemm`` goes over an output that
+      stays in cache once per kernel offset: a 1x4096 kernel over 4 NCHW images of 2 channels at 8x4096 (1 MiB out)
+      2.3 to 8.8 times faster than every column algorithm, whose column matrix is 1 GiB an image; a 1x64 kernel
+      over one 8x8192 image of 16 channels (4 MiB out) 1.4 to 2.3 times faster than the per-image algorithm forward
+      and 1.1 to 1.3 times than the batch one for the filter gradient. Not where the output is larger: over 8
+      images of 16 channels at 8x2048 (8 MiB out) a 1x2048 kernel's per-image algorithm is 1.3 times faster
+      forward; nor for the data gradient from 2 tiles out, where the per-image col2im keeps up with it and is up to
+      twice as fast (the 1x64 kernel over 4 to 16 rows).
+    - NCHW, one image's column matrix at least 64 tiles in tiles of at least 256 output pixels: the tiled
+      algorithm first, then per image, batch, ``implicit_gemm``. The per-image and batch algorithms stream that
+      matrix through memory, the tiled one lowers a tile at a time into a workspace that stays in cache, in GEMMs
+      as wide as an image's: a 3x3x3 kernel over 64 channels at 64^3 forward 0.79 to 1.04 times the per-image
+      algorithm's time in 27 MiB of workspace where that takes 1.7 GiB an image, a 3x3 kernel over 64 channels at
+      224x224 or 570x570 0.66 to 1.0 times in 1 MiB. Not in narrower tiles (136 pixels or fewer: up to 2.5 times
+      slower over 256 to 1024 channels at 138x138 to 56x56), nor for the data gradient of rows of 16 tiles, whose
+      tiles' GEMMs over few output channels are up to twice as slow as the per-image col2im.
     - NHWC, stride 1, large images (``oprod >= 512``): ``implicit_gemm`` first. Image rows merge into long
       GEMMs over the unpadded views and nothing is copied; then the tiled column algorithm.
     - Grouped: NCHW the per-image column algorithm, NHWC the tiled one (its short rows of ``Cg`` channels
@@ -179,14 +199,21 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
         if not nhwc and pass_ == "fwd":
             return [per_image, tiled, batch, implicit]
         return [implicit, tiled, per_image, batch]
-    row = geom.in_channels * math.prod(geom.kernel_size) * math.prod(geom.output_size[1:])
+    inner = math.prod(geom.output_size[1:])
+    row = geom.in_channels * math.prod(geom.kernel_size) * inner
     tile = _cpu_tiled.TILE_BYTES // ITEMSIZES[geom.dtype]
-    if row >= _ROW_PAST_CACHE * tile and math.prod(geom.output_shape) <= tile:
+    long_row = row >= _ROW_PAST_CACHE * tile
+    in_cache = _DX_IN_CACHE if pass_ == "bwd_data" else _OUTPUT_IN_CACHE
+    if long_row and math.prod(geom.output_shape) < in_cache * tile:
         return [implicit, tiled, per_image, batch]
     if nhwc and unit_stride and large:
         return [implicit, tiled, per_image, batch]
     if geom.groups > 1:
         return [tiled, implicit, per_image, batch] if nhwc else [per_image, tiled, implicit, batch]
+    image = row * geom.output_size[0]  # one image's column matrix
+    wide_tile = max(1, tile // row) * inner >= _WIDE_TILE  # a tile's output pixels, rows of an image
+    if not nhwc and image >= _IMAGE_PAST_CACHE * tile and wide_tile and not (long_row and pass_ == "bwd_data"):
+        return [tiled, per_image, batch, implicit]
     if large and not (pass_ == "bwd_filter" and not nhwc):
         return [per_image, batch, tiled, implicit]
     return [batch, per_image, tiled, implicit]
