@@ -307,14 +307,8 @@ class _Scope:
         self.log.append("exit")
 
 
-@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
-def test_the_operands_copies_go_before_the_calls_stream_is_left(monkeypatch, raises):
-    """The copies a call makes of non-contiguous operands are dropped inside the backend's context, while the call's
-    stream object is current and alive: CuPy's stream-ordered allocator frees them on it, after the convolution that
-    reads them, where after the block (the call's return) it freed them on the stream current then, which nothing
-    orders after the convolution. The result is the caller's; a call that raises drops them too."""
-    log = []
-    monkeypatch.setattr(CpuBackend, "context", lambda self, arrays, stream: _Scope(log))
+def _log_copies(monkeypatch, log):
+    """Have each copy the ops make of an operand append "copy freed" to ``log`` when it is freed."""
     contiguous = ops._contiguous
 
     def watched(array):
@@ -324,6 +318,17 @@ def test_the_operands_copies_go_before_the_calls_stream_is_left(monkeypatch, rai
         return made
 
     monkeypatch.setattr(ops, "_contiguous", watched)
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+def test_the_operands_copies_go_before_the_calls_stream_is_left(monkeypatch, raises):
+    """The copies a call makes of non-contiguous operands are dropped inside the backend's context, while the call's
+    stream object is current and alive: CuPy's stream-ordered allocator frees them on it, after the convolution that
+    reads them, where after the block (the call's return) it freed them on the stream current then, which nothing
+    orders after the convolution. The result is the caller's; a call that raises drops them too."""
+    log = []
+    monkeypatch.setattr(CpuBackend, "context", lambda self, arrays, stream: _Scope(log))
+    _log_copies(monkeypatch, log)
     if raises:
         def fails(arena, chosen, run, **kwargs):
             raise RuntimeError("no room")
@@ -356,15 +361,7 @@ def test_the_operands_copies_go_before_the_calls_stream_is_left_after_a_refusal(
     log = []
     monkeypatch.setattr(CpuBackend, "context", lambda self, arrays, stream: _Scope(log))
     monkeypatch.setattr(CpuBackend, "retry_errors", (_Refused,))
-    contiguous = ops._contiguous
-
-    def watched(array):
-        made = contiguous(array)
-        if made is not array:
-            weakref.finalize(made, log.append, "copy freed")
-        return made
-
-    monkeypatch.setattr(ops, "_contiguous", watched)
+    _log_copies(monkeypatch, log)
     refused = []
     # the search times in one workspace after another (the largest first); a call runs one candidate after another
     name = "measure" if search == "exhaustive" else "run"
