@@ -689,8 +689,9 @@ def test_the_tiled_algorithm_ranks_first_from_an_image_of_64_tiles_in_tiles_of_2
     """NCHW, a 2x2 kernel over 64 channels: rows of 256 outputs make rows of 2**16 column elements, so one image's
     column matrix is 64 float32 tiles (2**24 elements) from 256 rows, 64 float64 tiles from 128; a row short is
     under. A 3x3 kernel over 64 channels: rows of 256 outputs make rows of 147456 column elements, a tile each (more
-    than half a float32 tile), so tiles of 256 output pixels; 255 outputs make tiles of 255. NHWC keeps its order,
-    and so does the data gradient of rows of 16 tiles (a 3x3x3 kernel over 64 channels at 64^3)."""
+    than half a float32 tile), so tiles of 256 output pixels; 255 outputs make tiles of 255. Both bounds are an
+    image's and a tile's, whatever the batch. NHWC keeps its order, so do grouped layers (the per-image algorithm
+    first) and the data gradient of rows of 16 tiles (a 3x3x3 kernel over 64 channels at 64^3)."""
 
     def image(height, width, kernel=2, dtype="float32", **kw):  # no padding: the output is kernel - 1 smaller
         return conv_geometry((1, 64, height + kernel - 1, width + kernel - 1), (64, 64, kernel, kernel), dtype=dtype,
@@ -698,11 +699,14 @@ def test_the_tiled_algorithm_ranks_first_from_an_image_of_64_tiles_in_tiles_of_2
 
     nhwc = conv_geometry((1, 512, 512, 64), (64, 2, 2, 64), stride=2, layout="NHWC")  # 256x256 out
     volume = conv_geometry((1, 64, 64, 64, 64), (64, 64, 3, 3, 3), padding=1)
+    grouped = conv_geometry((1, 64, 257, 257), (64, 32, 2, 2), groups=2)  # image(256, 256) in two groups
     for pass_ in PASSES:
         implicit, tiled, per_image, batch = cpu.ALGORITHMS[pass_]
         for g in (image(256, 256), image(128, 256, dtype="float64"), image(256, 256).with_batch(4),
                   image(200, 256, kernel=3)):
             assert cpu.candidates(pass_, g) == [tiled, per_image, batch, implicit], g
-        for g in (image(255, 256), image(127, 256, dtype="float64"), image(200, 255, kernel=3), nhwc):
+        for g in (image(255, 256), image(127, 256, dtype="float64"), image(200, 255, kernel=3), nhwc,
+                  image(255, 256).with_batch(4), image(200, 255, kernel=3).with_batch(4)):
             assert cpu.candidates(pass_, g)[0] != tiled, g
+        assert cpu.candidates(pass_, grouped) == [per_image, tiled, implicit, batch]
         assert (cpu.candidates(pass_, volume)[0] == tiled) == (pass_ != "bwd_data")

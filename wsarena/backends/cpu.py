@@ -166,10 +166,10 @@ def candidates(pass_: str, geom: ConvGeometry) -> list[str]:
       images of 16 channels at 8x2048 (8 MiB out) a 1x2048 kernel's per-image algorithm is 1.3 times faster
       forward; nor for the data gradient from 2 tiles out, where the per-image col2im keeps up with it and is up to
       twice as fast (the 1x64 kernel over 4 to 16 rows).
-    - NCHW, one image's column matrix at least 64 tiles in tiles of at least 256 output pixels: the tiled
-      algorithm first, then per image, batch, ``implicit_gemm``. The per-image and batch algorithms stream that
-      matrix through memory, the tiled one lowers a tile at a time into a workspace that stays in cache, in GEMMs
-      as wide as an image's: a 3x3x3 kernel over 64 channels at 64^3 forward 0.79 to 1.04 times the per-image
+    - NCHW, ungrouped, one image's column matrix at least 64 tiles in tiles of at least 256 output pixels: the
+      tiled algorithm first, then per image, batch, ``implicit_gemm``. The per-image and batch algorithms stream
+      that matrix through memory, the tiled one lowers a tile at a time into a workspace that stays in cache, in
+      GEMMs as wide as an image's: a 3x3x3 kernel over 64 channels at 64^3 forward 0.79 to 1.04 times the per-image
       algorithm's time in 27 MiB of workspace where that takes 1.7 GiB an image, a 3x3 kernel over 64 channels at
       224x224 or 570x570 0.66 to 1.0 times in 1 MiB. Not in narrower tiles (136 pixels or fewer: up to 2.5 times
       slower over 256 to 1024 channels at 138x138 to 56x56), nor for the data gradient of rows of 16 tiles, whose
