@@ -223,8 +223,8 @@ def _run(
             with backend.arena().lease(0, stream=stream) as ws:
                 if pass_ is Pass.BWD_FILTER:
                     result[...] = 0
-            if ws.pin is not None and out is None and not backend.graph_allocated(result):
-                ws.pin.keep([result])  # dw's zeros are written at every replay
+            if ws.pin is not None:  # dw's zeros are written at every replay
+                _keep_with_capture(backend, stream, ws.pin, [], (), None if out is not None else result)
             return result
         operands = [a, b]  # made C-contiguous, by copies, once the algorithm is chosen (or for its search)
         pin = _NOT_RUN  # once a lease ran the call: the pin of the graph it was captured into, or None
@@ -232,8 +232,7 @@ def _run(
             try:
                 if chosen is None:
                     chosen = _choice(record, pass_, cfg, operands, result, stream)
-                operands[0] = x = _contiguous(operands[0])  # (made for the search already, if it ran)
-                operands[1] = y = _contiguous(operands[1])
+                x, y = _made_contiguous(operands)  # (made for the search already, if it ran)
 
                 def run(cand: Candidate, ws: Any) -> None:
                     nonlocal pin
@@ -271,7 +270,7 @@ _NOT_RUN: Any = object()  # _run's pin before a lease ran the call
 
 
 def _keep_with_capture(
-    backend: Backend, stream: Any, pin: Any, operands: list[Any], given: tuple[Any, Any], result: Any
+    backend: Backend, stream: Any, pin: Any, operands: list[Any], given: tuple[Any, ...], result: Any
 ) -> None:
     """Keep what a call allocated while the graph being captured on ``stream`` exists, whose kernels write and read it
     at every replay: the copies among ``operands`` (of the arrays ``given``), enqueued once made, whatever the call
