@@ -82,11 +82,11 @@ def test_the_run_keys_its_plan_by_each_pointers_alignment():
     """The run's one test for three 16-byte-aligned pointers gives what alignment() gives each, for any mix."""
     from itertools import product
 
-    from wsarena.backends._cudnn_graph import _alignments
+    from wsarena.backends._graph_plans import alignments
 
     pointers = (0, 0x1000, 0x1008, 0x100C, 0x1002, 0x1001, 0x1010, 0x1004)
     for x, w, y in product(pointers, repeat=3):
-        assert _alignments(x, w, y) == (alignment(x), alignment(w), alignment(y)), (x, w, y)
+        assert alignments(x, w, y) == (alignment(x), alignment(w), alignment(y)), (x, w, y)
 
 
 def test_a_cached_plan_is_built_once_per_handle_pass_geometry_name_and_alignment():

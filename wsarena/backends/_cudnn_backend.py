@@ -20,7 +20,7 @@ from ..arena import get_arena
 from ..arena._capture import CURRENT, refuse_in_capture
 from ..arena.streams import cupy_stream, stream_handle
 from . import Candidate, PartlyTimed
-from ._graph_plans import ALIGNED, alignment
+from ._graph_plans import ALIGNED, alignments
 
 _DESCRIPTOR_SETS = 1024  # (geometry, math type) pairs whose descriptors the backend keeps at hand
 # The math types (cudnn.MathType values) a dtype's convolution may run in, as the module docstring promises:
@@ -129,7 +129,7 @@ class CudnnBackend:
         as a search's operands are wherever copies can be had (:meth:`timing_operands`). A ranking searched without
         the candidates refused on other operands serves calls whose operands have the same key; one searched on such
         operands is kept for good, whatever it left out (:func:`wsarena.algos.select`)."""
-        key = alignment(a.data.ptr), alignment(b.data.ptr), alignment(out.data.ptr)
+        key = alignments(a.data.ptr, b.data.ptr, out.data.ptr)
         return None if key == ALIGNED else key
 
     def timing_operands(self, a: Any, b: Any, out: Any) -> tuple[Any, Any, Any]:
@@ -239,7 +239,7 @@ class CudnnBackend:
         for perf in perfs:
             if hasattr(perf.algo, "name"):
                 statuses.setdefault((perf.algo.name.lower(), int(perf.math_type)), set()).add(int(perf.status))
-        aligned = tuple(alignment(ptr) for ptr in (x_ptr, w_ptr, y_ptr)) == ALIGNED
+        aligned = alignments(x_ptr, w_ptr, y_ptr) == ALIGNED
         failed, refused = [], []
         for cand in candidates:
             if (cand.algo, cand.math_type) in ran:

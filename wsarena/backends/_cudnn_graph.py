@@ -37,7 +37,7 @@ from ._cudnn_backend import CudnnBackend, pointers
 from ._graph_plans import (
     ALIGNED,
     PlanCache,
-    alignment,
+    alignments,
     conv_problem,
     is_engine_name,
     numerics_refusal,
@@ -46,13 +46,6 @@ from ._graph_plans import (
 )
 
 _TIMED_RUNS = 3  # executions timed per candidate in an exhaustive search (the fewest counts)
-
-
-def _alignments(x: int, w: int, y: int) -> tuple[int, int, int]:
-    """The alignments of the x, w and y pointers (part of a plan's key), each :func:`alignment`'s."""
-    if not (x | w | y) & 15:  # all three on 16-byte boundaries, as every allocation is: one test, not three calls
-        return ALIGNED
-    return alignment(x), alignment(w), alignment(y)
 
 
 class CudnnGraphBackend(CudnnBackend):
@@ -282,7 +275,7 @@ class CudnnGraphBackend(CudnnBackend):
         handle = self._bound_handle(stream, workspace)
         raw = handle.stream  # the stream it was just bound to: the lease's, or the call's own
         x, w, y = pointers(pass_, a, b, out)
-        aligned = _alignments(x, w, y)
+        aligned = alignments(x, w, y)
         runtime = self._cupy.cuda.runtime
         start, end = runtime.eventCreate(), runtime.eventCreate()
         timed: list[Candidate] = []
@@ -348,7 +341,7 @@ class CudnnGraphBackend(CudnnBackend):
             return
         handle = self._bound_handle(stream, workspace)
         x, w, y = pointers(pass_, a, b, out)
-        aligned = _alignments(x, w, y)
+        aligned = alignments(x, w, y)
         # stream=: checked for a capture before a plan is finalized, the stream the handle was just bound to (the
         # lease's, or the call's own for a zero-byte lease, whose cuda_stream is None), not resolved again. pin=: the
         # CUDA graph being captured, if any (the lease's), for which the plan is kept: its kernel uses what it owns.

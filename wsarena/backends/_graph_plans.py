@@ -70,6 +70,13 @@ def alignment(ptr: int) -> int:
     return min(ptr & -ptr, _MAX_ALIGNMENT) if ptr else _MAX_ALIGNMENT
 
 
+def alignments(x: int, w: int, y: int) -> tuple[int, int, int]:
+    """The alignments of the x, w and y pointers (part of a plan's key), each :func:`alignment`'s."""
+    if not (x | w | y) & 15:  # all three on 16-byte boundaries, as every allocation is: one test, not three calls
+        return ALIGNED
+    return alignment(x), alignment(w), alignment(y)
+
+
 def is_engine_name(algo: str) -> bool:
     """Whether ``algo`` names an engine configuration (``"eng..."``) rather than a legacy algorithm."""
     return algo.startswith("eng")
