@@ -502,6 +502,30 @@ def test_the_plots_give_sizes_and_times_as_the_tables_do(fake, monkeypatch):
     assert "arena per stream (1 stream: total 3.91 KiB)" in legend
 
 
+def test_the_curves_axis_says_what_the_arena_needs_at_a_cap_on_several_streams(fake, monkeypatch):
+    """At each point's cap one stream's arena needs that cap; on K streams each running any layer, the arena needs K
+    times it (the table's arena column): the axis said "the arena needs the same" whatever the streams."""
+    pytest.importorskip("matplotlib")
+    from wsarena import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "_save", lambda plt, fig, path: (drawn.append(fig), plt.close(fig)))
+
+    def label(t):
+        plot.plot_curve(t, "unused.png")
+        (ax,) = drawn.pop().axes
+        return ax.get_xlabel()
+
+    one, shared, split = run(), run(streams=2), run(streams=[0, 1, 0])
+    assert all(q.arena_bytes == q.cap_workspace_bytes for q in one.curve[:-1])
+    assert label(one) == "workspace cap (MiB; the arena needs the same)"
+    assert all(q.arena_bytes == 2 * q.cap_workspace_bytes for q in shared.curve[:-1])
+    assert label(shared) == "workspace cap (MiB; the arena needs as much on each of its 2 streams)"
+    # b alone on stream 1: at the 1000-byte cap stream 1 holds nothing
+    assert any(q.arena_bytes < 2 * q.cap_workspace_bytes for q in split.curve[:-1])
+    assert label(split) == "workspace cap (MiB; the arena needs up to as much on each of its 2 streams)"
+
+
 def test_a_plan_of_a_thousand_layers_plots_as_wide_as_one_of_sixty(tmp_path):
     """report's plot names each layer up to 60 layers, growing wider with each; past that it names none and stays as
     wide. A plan of 1,000 layers (one pass) drew a PNG 21,600 pixels wide (of 1,200 layers and three passes 77,760,

@@ -159,9 +159,16 @@ def plot_curve(t: Any, path: str) -> None:
     # Linear from 0 to the smallest cap above it, logarithmic beyond: caps span 0 to gigabytes.
     linthresh = max(min((q.cap_workspace_bytes for q in finite if q.cap_workspace_bytes), default=mib) / mib, 1e-3)
     ax.set_xscale("symlog", linthresh=linthresh)
-    ax.set_xlabel("workspace cap (MiB; the arena needs the same)")
     ax.set_ylabel("step time, sum of the chosen algorithms (ms)")
     p = t.uncapped
+    # at a point's cap, a stream's largest chosen workspace is the cap: every stream's where each may run any layer
+    if p.streams == 1:
+        arena = "the arena needs the same"
+    elif t.shared_streams:
+        arena = f"the arena needs as much on each of its {p.streams} streams"
+    else:  # streams=[...]: a stream holds the largest workspace of the layers given to it
+        arena = f"the arena needs up to as much on each of its {p.streams} streams"
+    ax.set_xlabel(f"workspace cap (MiB; {arena})")
     ax.set_title(f"{printable(p.model)}: batch {p.batch}, {p.dtype}, {p.backend} ({p.device}), {'+'.join(p.passes)}",
                  fontsize=9, parse_math=False)
     # at least the linear part: a curve whose only cap is 0 (every call has a zero-workspace algorithm that is
