@@ -76,6 +76,18 @@ def test_a_plot_over_the_model_file_is_refused_and_the_model_kept(capsys, tmp_pa
     assert (tmp_path / "small.json").read_bytes() == before
 
 
+@pytest.mark.parametrize("command", [("report",), ("tune", "--passes", "fwd")])
+def test_a_plot_named_as_a_zoo_model_is_written_over_a_file_of_that_name(capsys, tmp_path, command, monkeypatch):
+    """A zoo name names no file: the loader reads the zoo model whatever the working directory holds. A second
+    `wsarena report mobilenet_v2 --plot mobilenet_v2` was refused, the first one's plot called the model file."""
+    pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mobilenet_v2").write_bytes(b"an earlier plot")
+    code, out, err = run_main(capsys, *command, "mobilenet_v2", "--backend", "cpu", "--plot", "mobilenet_v2")
+    assert code == 0, err
+    assert "mobilenet_v2" in out and (tmp_path / "mobilenet_v2").read_bytes()[:8] == PNG
+
+
 def test_a_plot_over_the_device_properties_file_is_refused_and_the_file_kept(capsys, tmp_path, monkeypatch):
     """The --device-properties file is an input too, read before the plot is drawn (and made only on the GPU it
     describes): the PNG would replace it."""

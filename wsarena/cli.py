@@ -212,6 +212,14 @@ def _progress_bar() -> Iterator[Any]:
         bar.clear()
 
 
+def _model_file(model: str) -> str | None:
+    """The file ``model`` names, ``None`` for a zoo name: the loader reads the zoo model then, whatever file of that
+    name the working directory holds (an earlier ``--plot resnet50``)."""
+    from .models._zoo import zoo_model
+
+    return None if zoo_model(model) is not None else model
+
+
 def _load(args: argparse.Namespace) -> Any:
     from .models import load_model
 
@@ -240,7 +248,7 @@ def _report(args: argparse.Namespace) -> int:
                              + ("--search exhaustive" if args.max_slowdown is None else "--max-slowdown"))
         if args.cudnn_api == "legacy":
             raise UsageError("--device-properties plans through cuDNN's graph API: leave out --cudnn-api legacy")
-    _check_plot(args.plot, {"model file": args.model, "--device-properties file": args.device_properties})
+    _check_plot(args.plot, {"model file": _model_file(args.model), "--device-properties file": args.device_properties})
     layers = _load(args)
     # --max-slowdown decides the search and the cap, --device-properties the backend, the search and the API, as
     # plan() does: their variables do not matter
@@ -285,7 +293,7 @@ def _tune(args: argparse.Namespace) -> int:
     if args.apply and args.format is not None:
         raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=... WSARENA_ALGO_SEARCH=exhaustive; "
                          "leave out --format")
-    _check_plot(args.plot, {"model file": args.model})
+    _check_plot(args.plot, {"model file": _model_file(args.model)})
     layers = _load(args)
     # tune decides the search and the cap (exhaustive, none): their variables do not matter, nor does the
     # backend's when --backend is given
