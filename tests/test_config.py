@@ -108,10 +108,12 @@ def test_format_size(n, text):
 @pytest.mark.parametrize(
     ("seconds", "text"),
     [(2.5, "2.500 s"), (1.0, "1.000 s"), (0.999, "999.00 ms"), (1e-3, "1.00 ms"), (9.99e-4, "999.0 us"),
-     (3.2e-6, "3.2 us"), (0.0, "0.0 us")],
+     (3.2e-6, "3.2 us"), (0.0, "0.0 us"), (0.999996, "1.000 s"), (0.999994, "999.99 ms"), (9.9996e-4, "1.00 ms"),
+     (9.9994e-4, "999.9 us")],
 )
 def test_format_seconds(seconds, text):
-    """The times that wsarena tune's table and its plot print, from one function: each unit from its own 1 up."""
+    """The times that wsarena tune's table and its plot print, from one function: each unit from its own 1 up, as
+    the value is rounded (a step of 0.999996 s read "1000.00 ms" in a column where the next read "1.000 s")."""
     assert format_seconds(seconds) == text
 
 

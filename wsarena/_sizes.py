@@ -234,10 +234,11 @@ def format_size(nbytes: int) -> str:
 
 
 def format_seconds(value: float) -> str:
-    """A time in the unit that reads best: ``"1.234 s"``, ``"12.35 ms"``, ``"3.2 us"``."""
-    if value >= 1:
+    """A time in the unit that reads best: ``"1.234 s"``, ``"12.35 ms"``, ``"3.2 us"``; ``"1.000 s"`` for 0.999996,
+    not ``"1000.00 ms"``, as :func:`format_size` writes ``"1 MiB"`` for 1048575 bytes."""
+    if value >= 1 or float(f"{value * 1e3:.2f}") >= 1000:  # rounded up to 1000 of the smaller unit
         return f"{value:.3f} s"
-    if value >= 1e-3:
+    if value >= 1e-3 or float(f"{value * 1e6:.1f}") >= 1000:
         return f"{value * 1e3:.2f} ms"
     return f"{value * 1e6:.1f} us"
 
