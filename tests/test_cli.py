@@ -647,6 +647,30 @@ def test_a_closed_stdout_exits_3_with_one_line(argv):
     assert (r.returncode, r.stderr) == (3, "wsarena: error: cannot write the output: stdout is closed\n")
 
 
+def test_a_closed_stderr_keeps_warnings_and_errors_out_of_the_output(tmp_path):
+    """Started with stderr closed (`2>&-`, Python's sys.stderr None), print(file=sys.stderr) writes to stdout: a
+    warning went into the JSON object and --apply's line (`export $(wsarena tune ... --apply 2>&-)`), and an
+    error onto stdout."""
+    from .onnx_graphs import conv, save, vi, weight
+
+    path = save(tmp_path / "m.onnx", [conv("stem", "x", "w", "y", pads=[1, 1, 1, 1])], [vi("x", ["N", 3, "H", "W"])],
+                [weight("w", (8, 3, 3, 3))])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+
+    def run(*argv):
+        return subprocess.run(["sh", "-c", 'exec "$0" -m wsarena "$@" 2>&-', sys.executable, *argv],
+                              capture_output=True, text=True, env={**env, "WSARENA_CACHE_DIR": "off"}, timeout=300,
+                              check=False)
+
+    warned = ("--backend", "cpu", "--input-shape", "8,3,16,16")  # a warning: the batch planned is --batch's
+    r = run("report", str(path), *warned, "--format", "json")
+    assert r.returncode == 0 and json.loads(r.stdout)["layers"][0]["input_shape"] == [1, 3, 16, 16]
+    r = run("tune", str(path), *warned, "--apply")
+    assert r.returncode == 0 and re.fullmatch(r"WSARENA_CAP_WORKSPACE=\d+ WSARENA_ALGO_SEARCH=exhaustive\n", r.stdout)
+    r = run("report", "resnet50", "--cap-workspace", "-1")
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", "")
+
+
 def test_asymmetric_pads_are_widened_or_refused(capsys, tmp_path):
     import numpy as np
     import onnx

@@ -66,6 +66,14 @@ def _kept_interrupts() -> Iterator[None]:
         _lost.clear()
 
 
+def _say(line: str) -> None:
+    """Write ``line`` to stderr, or nothing where the command started with its stderr closed (``2>&-``): Python gives
+    no stream for it then, and print() would write the line to stdout, into the output (a JSON object, --apply's
+    line)."""
+    if sys.stderr is not None:
+        print(line, file=sys.stderr)
+
+
 def _raise_kept() -> None:
     """Raise the interrupt a finalizer raised, if one did (:func:`_kept_interrupts`)."""
     if _lost:
@@ -92,7 +100,7 @@ def _one_line_warnings() -> Iterator[None]:
         for bar in _bars:  # the bar has no newline: the warning would print onto its end; it is drawn again next
             bar.clear()
         with contextlib.suppress(OSError):
-            print(f"wsarena: warning: {' '.join(str(message).splitlines())}", file=sys.stderr)
+            _say(f"wsarena: warning: {' '.join(str(message).splitlines())}")
 
     with warnings.catch_warnings():
         warnings.showwarning = show
@@ -114,23 +122,23 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_BROKEN_PIPE
     except OutputError as exc:
         _drop_stdout()
-        print(f"wsarena: error: {exc}", file=sys.stderr)
+        _say(f"wsarena: error: {exc}")
         return EXIT_ENVIRONMENT
     except UsageError as exc:
-        print(f"wsarena: error: {exc}", file=sys.stderr)
+        _say(f"wsarena: error: {exc}")
         return EXIT_USAGE
     except (BackendUnavailableError, MemoryError) as exc:
         # Python's own MemoryError, where an allocation fails (a model too large to read), carries no message
-        print(f"wsarena: error: {str(exc) or 'out of memory'}", file=sys.stderr)
+        _say(f"wsarena: error: {str(exc) or 'out of memory'}")
         return EXIT_ENVIRONMENT
     except (ValueError, TypeError, OSError) as exc:
-        print(f"wsarena: error: {exc}", file=sys.stderr)
+        _say(f"wsarena: error: {exc}")
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - a cuDNN or CUDA failure: one line, as for any other error
-        print(f"wsarena: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _say(f"wsarena: error: {type(exc).__name__}: {exc}")
         return EXIT_ENVIRONMENT
     except KeyboardInterrupt:
-        print("wsarena: interrupted", file=sys.stderr)
+        _say("wsarena: interrupted")
         return 130
 
 
@@ -325,8 +333,8 @@ def _cache(args: argparse.Namespace) -> int:
         with config(**unread):
             text = cache_output(args.action, args.format)
     except OSError as exc:  # the folder, not the command, is at fault: a file in its place, or no permission
-        print(f"wsarena: error: cannot {'read' if args.action == 'info' else 'clear'} the search cache: "
-              f"{os_error_text(exc)}", file=sys.stderr)
+        _say(f"wsarena: error: cannot {'read' if args.action == 'info' else 'clear'} the search cache: "
+             f"{os_error_text(exc)}")
         return EXIT_ENVIRONMENT
     with _output():
         sys.stdout.write(text)
