@@ -671,6 +671,24 @@ def test_a_closed_stderr_keeps_warnings_and_errors_out_of_the_output(tmp_path):
     assert (r.returncode, r.stdout, r.stderr) == (2, "", "")
 
 
+@pytest.mark.parametrize(("argv", "code"), [(("report", "resnet50", "--cap-workspace", "-1"), 2),
+                                            (("report", "resnet50", "--backend", "cudnn"), 3)])
+def test_an_error_whose_stderr_reader_went_away_keeps_its_exit_code(argv, code):
+    """The error's line cannot be written (`2>&1 | head -0`): the exit code still says what went wrong, where the
+    BrokenPipeError of printing it ended the command with 1."""
+    if code == 3 and gpu_unusable_reason() is None:
+        pytest.skip("needs a machine without a usable GPU")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([sys.executable, "-m", "wsarena", *argv], stdout=subprocess.PIPE, stderr=write_end,
+                           env=env, timeout=300, check=False)
+    finally:
+        os.close(write_end)
+    assert (r.returncode, r.stdout) == (code, b"")
+
+
 def test_asymmetric_pads_are_widened_or_refused(capsys, tmp_path):
     import numpy as np
     import onnx

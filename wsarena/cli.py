@@ -69,9 +69,10 @@ def _kept_interrupts() -> Iterator[None]:
 def _say(line: str) -> None:
     """Write ``line`` to stderr, or nothing where the command started with its stderr closed (``2>&-``): Python gives
     no stream for it then, and print() would write the line to stdout, into the output (a JSON object, --apply's
-    line)."""
+    line). Where stderr cannot be written (its reader gone), the command's exit code still says what happened."""
     if sys.stderr is not None:
-        print(line, file=sys.stderr)
+        with contextlib.suppress(OSError):
+            print(line, file=sys.stderr)
 
 
 def _raise_kept() -> None:
@@ -99,8 +100,7 @@ def _one_line_warnings() -> Iterator[None]:
              line: str | None = None) -> None:
         for bar in _bars:  # the bar has no newline: the warning would print onto its end; it is drawn again next
             bar.clear()
-        with contextlib.suppress(OSError):
-            _say(f"wsarena: warning: {' '.join(str(message).splitlines())}")
+        _say(f"wsarena: warning: {' '.join(str(message).splitlines())}")
 
     with warnings.catch_warnings():
         warnings.showwarning = show
