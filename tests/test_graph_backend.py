@@ -23,7 +23,7 @@ import pytest
 
 import wsarena
 from wsarena import algos, config, configure
-from wsarena._geometry import conv_geometry
+from wsarena._geometry import conv_geometry, describe_geometry
 from wsarena._search_env import api_path
 from wsarena.arena._pins import GraphPin
 from wsarena.arena.testing import FakeGraph
@@ -554,8 +554,8 @@ def test_an_engine_cudnn_could_not_allocate_for_while_ranking_is_left_out_of_tha
     for (device memory) is no verdict on the configuration: the ranking made without it serves that call (and a capture,
     which cannot rank) but is not kept for good, and the next call ranks again, with it. Taken as a configuration cuDNN
     will not finalize, it was left out of a ranking kept for the rest of the process. Where nothing could be ranked for
-    want of memory, the call raises cuDNN's allocation failure, a MemoryError, and keeps nothing: it ran the legacy API
-    for good."""
+    want of memory, the call raises cuDNN's allocation failure, a MemoryError, its message naming the pass and the
+    geometry (cuDNN's names a descriptor's kind alone), and keeps nothing: it ran the legacy API for good."""
     from wsarena import cudnn
     from wsarena.cudnn import graph
 
@@ -591,8 +591,11 @@ def test_an_engine_cudnn_could_not_allocate_for_while_ranking_is_left_out_of_tha
     if where == "everywhere":
         with warnings.catch_warnings():
             warnings.simplefilter("error", CudnnApiFallbackWarning)
-            with pytest.raises(MemoryError, match="no memory"):
+            with pytest.raises(MemoryError, match="no memory") as raised:
                 choose()
+        # cuDNN's own error, its message naming the call: the text of a finalize names a descriptor's kind alone
+        assert type(raised.value) is cudnn.error_class(cudnn_status.INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED)
+        assert f"ranking the engines for fwd of {describe_geometry(geom)} takes" in str(raised.value)
     else:
         assert choose() == [name for name in want if where != "sizing" or name != "eng1"]
     assert chosen() == (where != "everywhere")  # a capture, which cannot rank, runs what was ranked

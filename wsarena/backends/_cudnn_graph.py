@@ -114,7 +114,8 @@ class CudnnGraphBackend(CudnnBackend):
 
         A plan cuDNN could not allocate for (host or device memory) is no verdict on its configuration: the
         candidates ranked without it are raised as :class:`~wsarena.backends.PartlyRanked` (the call runs them, as
-        does a capture, and the next call ranks again), and where none could be ranked, the first such error."""
+        does a capture, and the next call ranks again), and where none could be ranked, the first such error, its
+        message naming the pass and the geometry."""
         from ..cudnn.backend import has_attribute
 
         graph = self._plans.graph(handle, pass_, geom)
@@ -144,8 +145,13 @@ class CudnnGraphBackend(CudnnBackend):
             if aligned is not None:  # its lease must hold the plan for either alignment
                 kept[name] = max(nbytes, aligned)
         cands = [Candidate(name, nbytes) for name, nbytes in kept.items()]
-        if short and not cands:
-            raise short[0]
+        if short and not cands:  # cuDNN's error names a descriptor's kind alone: the message names the call
+            first = short[0]
+            text = (f"cuDNN could not allocate what ranking the engines for {pass_} of {describe_geometry(geom)} "
+                    f"takes: {first}")
+            if isinstance(first, self._cudnn.CudnnError):
+                raise self._cudnn.CudnnError(int(first.status), text, first.func_name, first.context) from first
+            raise MemoryError(text) from first
         if short:
             raise PartlyRanked(cands) from short[0]
         return cands
