@@ -540,8 +540,8 @@ def test_a_search_cut_short_is_read_once_and_never_seen_as_kept_for_good(monkeyp
     class Racing(LRU):
         clear_after_read = False
 
-        def put(self, key, value):
-            super().put(key, value)
+        def put(self, key, value, **kwargs):
+            super().put(key, value, **kwargs)
             seen.append(is_cached(b, "fwd", GEOM, cap=None, search="exhaustive"))
 
         def lookup(self, key):  # another thread clears the cache just after each read
@@ -723,6 +723,28 @@ def test_a_ranking_without_candidates_refused_on_its_operands_serves_only_operan
     assert search(0x1000) == (["gemm", "fft", "implicit"], 3)
     assert is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
     assert search(0x1002) == (["gemm", "fft", "implicit"], 3)
+
+
+def test_a_search_on_a_view_leaves_the_ranking_another_thread_kept_for_good_meanwhile():
+    """A search on a view (fft refused there) is under way when another call of the signature, on aligned operands,
+    searches and keeps its ranking for good: the view's ranking, which serves operands alike alone, is its own call's
+    and does not replace that one. It did: the next aligned call searched again."""
+    b = _RefusingOnOperands({"fft": 300, "gemm": 100, "implicit": 0}, TIMES)
+    real = b.measure
+
+    def measure(pass_, geom, a, *rest):
+        if a % 16 and len(b.measured) == 0:  # meanwhile, in another thread
+            aligned = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(0x1000, 0, 0))
+            assert [c.algo for c in aligned] == ["gemm", "fft", "implicit"]
+        return real(pass_, geom, a, *rest)
+
+    b.measure = measure
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(0x1004, 0, 0))
+    assert [c.algo for c in got] == ["gemm", "implicit"] and len(b.measured) == 2
+    assert is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+    for x in (0x2000, 0x1004):  # aligned or not, the ranking kept for good serves: nothing is searched
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(x, 0, 0))
+        assert [c.algo for c in got] == ["gemm", "fft", "implicit"] and len(b.measured) == 2
 
 
 @pytest.mark.parametrize("search", ["heuristic", "exhaustive"])

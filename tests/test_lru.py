@@ -62,6 +62,18 @@ def test_put_replaces_the_value_makes_it_the_most_recent_and_keeps_the_bound():
     assert "b" not in cache and "a" in cache and "c" in cache and cache.builds == 4
 
 
+def test_put_keeps_a_value_the_check_keeps():
+    """``keep`` decides on the value the key holds (a valid one): kept, ``put`` changes nothing and says so."""
+    cache = LRU(2, valid=lambda t: not t.closed)
+    first = Thing("a")
+    assert cache.put("a", first, keep=lambda t: True)  # nothing held: in it goes
+    assert not cache.put("a", Thing("other"), keep=lambda t: t is first) and cache.lookup("a") is first
+    assert cache.builds == 1
+    first.close()  # no longer valid: not kept, whatever the check says
+    again = Thing("again")
+    assert cache.put("a", again, keep=lambda t: True) and cache.lookup("a") is again
+
+
 def test_a_failed_build_is_not_cached():
     cache = LRU(8)
 

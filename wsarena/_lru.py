@@ -4,7 +4,7 @@ descriptors and execution plans, the algorithms chosen per call).
 Lookups take no lock: a hit is one dictionary read and a move to the end, which CPython does atomically. A miss
 builds the value outside the lock (building may call into cuDNN and take milliseconds), then inserts it unless
 another thread inserted one first, in which case that one wins and the new one is given to ``discard``. A value
-made elsewhere goes in with ``put``, in place of the key's.
+made elsewhere goes in with ``put``, in place of the key's, or beside a check of the key's that may keep it.
 """
 
 from __future__ import annotations
@@ -82,11 +82,17 @@ class LRU(Generic[V]):
             self._discard(loser)
         return winner
 
-    def put(self, key: Hashable, value: V) -> None:
+    def put(self, key: Hashable, value: V, *, keep: Callable[[V], bool] | None = None) -> bool:
         """Cache ``value`` for ``key`` as the most recently used, in place of any value it had (which is not
-        discarded: whoever read it may still use it)."""
+        discarded: whoever read it may still use it), unless ``keep(that value)`` says it stays, which is decided
+        under the lock that guards inserts. Returns whether ``value`` went in."""
         with self._lock:
+            if keep is not None:
+                current = self._items.get(key)
+                if current is not None and (self._valid is None or self._valid(current)) and keep(current):
+                    return False
             self._insert(key, value)
+            return True
 
     def _insert(self, key: Hashable, value: V) -> None:
         """Under the lock: ``value`` in, the most recently used, and the least recently used out past the bound."""

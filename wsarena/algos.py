@@ -96,7 +96,12 @@ def is_cached(
     whether that is it. A caller that keeps the ranking it got asks so: another thread's choice may have replaced its
     own since, which kept the ranking for good where its own was not."""
     entry = _cache.lookup(_key(backend, pass_, geom, search, cap, get_config()))
-    return entry is not None and not entry[2] and entry[3] is None and (ranking is None or entry[0] is ranking)
+    return entry is not None and _for_good(entry) and (ranking is None or entry[0] is ranking)
+
+
+def _for_good(entry: _Entry) -> bool:
+    """Whether ``entry`` is kept for good: no search cut short by memory, and it serves any operands."""
+    return not entry[2] and entry[3] is None
 
 
 def is_chosen(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
@@ -180,7 +185,8 @@ def choose(
                                                           known)
         entry = (best, excluded, lacked or 0, only)
         if lacked is not None:
-            _cache.put(key, entry)
+            # A ranking kept for good that another thread's search stored meanwhile stays: this one serves fewer calls
+            _cache.put(key, entry, keep=None if _for_good(entry) else _for_good)
             if untimed:
                 _warn_memory(backend.arena(), _cut_short_text, pass_, geom, best, len(best) - untimed, lacked or 0)
     best, excluded = entry[0], entry[1]
