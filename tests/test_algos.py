@@ -750,9 +750,10 @@ def test_a_search_on_a_view_leaves_the_ranking_another_thread_kept_for_good_mean
 @pytest.mark.parametrize("search", ["heuristic", "exhaustive"])
 def test_a_ranking_memory_kept_the_backend_from_finishing_serves_that_call_alone(search):
     """A backend that could not rank fft for want of memory (cuDNN could not allocate what finalizing its plan takes)
-    says so with PartlyRanked: the call chooses among the others, searched or not, and the next call ranks again,
-    now with fft, and keeps that. No verdict on fft: it was left out for the rest of the process. A capture, which
-    cannot rank (search_again=False), runs the ranking without fft, asking the backend nothing."""
+    says so with PartlyRanked: the call chooses among the others, searched or not, and the next call ranks again
+    (timing nothing it timed before), now with fft, and keeps that. No verdict on fft: it was left out for the rest of
+    the process. A capture, which cannot rank (search_again=False), runs the ranking without fft, asking the backend
+    nothing."""
 
     class Short(FakeBackend):
         short = True
@@ -779,7 +780,31 @@ def test_a_ranking_memory_kept_the_backend_from_finishing_serves_that_call_alone
     b.short = False
     assert choice() == (["gemm", "fft", "implicit"] if search == "exhaustive" else ["fft", "gemm", "implicit"])
     assert is_cached(b, "fwd", GEOM, cap=None, search=search) and b.ranked == 3
-    assert len(b.measured) == (3 if search == "exhaustive" else 0)
+    assert len(b.measured) == (2 if search == "exhaustive" else 0)  # fft's ranking timed again; not the one without
+
+
+def test_a_search_on_a_ranking_memory_kept_the_backend_from_finishing_times_only_what_it_had_not():
+    """With the search cache off, each call of a signature the backend ranks without fft for want of memory ranks
+    again, and finds what the last one timed: nothing is timed again, however many calls. Each call timed every
+    candidate again. A ranking with a candidate not timed yet (fft, once memory allows) is timed."""
+
+    class Short(FakeBackend):
+        ranked = 0
+
+        def candidates(self, pass_, geom):
+            self.ranked += 1
+            if self.ranked < 4:
+                raise PartlyRanked([Candidate("gemm", 100), Candidate("implicit", 0)])
+            return super().candidates(pass_, geom)
+
+    assert get_config().cache_dir is None
+    b = Short({"fft": 300, "gemm": 100, "implicit": 0}, TIMES)
+    for _ in range(3):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(0, 0, 0))
+        assert [(c.algo, c.time_ms) for c in got] == [("gemm", 1.0), ("implicit", 9.0)]
+    assert b.ranked == 3 and b.measured == [["gemm", "implicit"]]
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(0, 0, 0))
+    assert [c.algo for c in got] == ["gemm", "fft", "implicit"] and b.measured[1:] == [["fft", "gemm", "implicit"]]
 
 
 def test_a_search_whose_backend_rejects_some_candidates_is_kept_without_them():

@@ -52,7 +52,8 @@ CHOICES_MAX = 4096
 # where the choice is kept for good or, for a search cut short by memory, the least workspace it could not get, and
 # None where it serves any operands or, for a search the backend refused some candidates in on its operands, their
 # key (the backend's operands_key): it serves calls on operands alike, and others search again; _PARTLY_RANKED where
-# memory kept the backend from ranking some candidates (PartlyRanked): it serves a capture alone, which cannot rank.
+# memory kept the backend from ranking some candidates (PartlyRanked): it serves a capture alone, which cannot rank,
+# and its times the next search of the key (_timed_before).
 _Entry = tuple[tuple[Candidate, ...], Candidate | None, int, Any]
 _PARTLY_RANKED: Any = object()
 # Per (algorithm, math type), what a search timed of a call: its time in ms, None where the backend's search rejected it
@@ -154,8 +155,9 @@ def choose(
         For a ranking kept from a search that dropped candidates the backend refused on its operands, kept with their
         key: ``serves(key)`` says whether it serves this call (its operands have that key); if not, the search runs
         again. For one the backend made without candidates memory kept it from ranking (:class:`PartlyRanked`), the
-        key is a marker no operands have: it serves a call that cannot rank (a capture's). Without it, either is
-        ranked again on every call.
+        key is a marker no operands have: it serves a call that cannot rank (a capture's); another call ranks again,
+        and its search times only where the backend now ranks a candidate that ranking has no time for. Without it,
+        either is ranked again on every call.
     warn
         Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap keeps the fastest algorithm from
         running: the heuristic favourite; for an exhaustive search, one above the cap that ``known`` says is faster
@@ -174,15 +176,17 @@ def choose(
     exhaustive = search == "exhaustive" and measure is not None
     settings = get_config()  # read once: the key and the ranking agree whatever another thread configures
     key = _key(backend, pass_, geom, "exhaustive" if exhaustive else "heuristic", cap, settings)
-    entry = _cache.lookup(key)  # the choice and whether a search was cut short, read at once
+    entry = kept = _cache.lookup(key)  # the choice and whether a search was cut short, read at once
     if entry is not None and entry[3] is not None and (serves is None or not serves(entry[3])):
         entry = None  # ranked without candidates refused on operands unlike this call's: the search is run again
     if entry is not None and entry[2] and (can_have is None or can_have(entry[2])):
         entry = None  # the workspace it lacked can be had now: the search is run again
     if entry is None:
+        timing = measure if exhaustive else None
+        if timing is not None and kept is not None and kept[3] is _PARTLY_RANKED:
+            timing = _timed_before(kept[0], timing)  # ranked again, but not timed again
         with using(settings):  # what the backend reads of them (cudnn_heuristic), as the key has them
-            best, excluded, lacked, untimed, only = _rank(backend, pass_, geom, cap, measure if exhaustive else None,
-                                                          known)
+            best, excluded, lacked, untimed, only = _rank(backend, pass_, geom, cap, timing, known)
         entry = (best, excluded, lacked or 0, only)
         if lacked is not None:
             # A ranking kept for good that another thread's search stored meanwhile stays: this one serves fewer calls
@@ -203,6 +207,24 @@ def choose(
                 WorkspaceCapWarning,
             )
     return best
+
+
+def _timed_before(
+    ranking: tuple[Candidate, ...], measure: Callable[[list[Candidate]], searchcache.Found]
+) -> Callable[[list[Candidate]], searchcache.Found]:
+    """``measure``, but where ``ranking``, the one kept for the call (ranked by the backend without some candidates,
+    :class:`PartlyRanked`, so ranked again by each call), timed every candidate given: those times. Each call ranks
+    again, to rank those left out once memory allows, and without this, times again what it timed (with the search
+    cache off, every call); a ranking kept for good is timed once per process."""
+    times = {(c.algo, c.math_type): c.time_ms for c in ranking if c.time_ms is not None}
+
+    def search(cands: list[Candidate]) -> searchcache.Found:
+        if not all((c.algo, c.math_type) in times for c in cands):
+            return measure(cands)
+        timed = [dataclasses.replace(c, time_ms=times[(c.algo, c.math_type)]) for c in cands]
+        return sorted(timed, key=lambda c: c.time_ms or 0.0), []
+
+    return search
 
 
 def _named(cand: Candidate, timed: bool) -> str:
