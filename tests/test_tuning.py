@@ -208,6 +208,34 @@ def test_calls_whose_algorithms_memory_kept_from_being_timed_are_counted_and_sai
     assert whole.untimed_calls == 0 and "memory kept" not in render_curve(whole)
 
 
+def test_calls_the_backend_ranked_without_some_algorithms_are_ranked_and_timed_once(monkeypatch):
+    """Memory keeps the backend from ranking fft (PartlyRanked): the plan's ranking is not kept for good, and tune,
+    which reads back what the plan searched, ranked each such call again (and, with the search cache off, timed it
+    again). It takes the plan's ranking: each distinct call is timed once, and the curve is built without fft. (The
+    plan ranks each layer's call: c repeats a's fwd, which it ranks again and does not time again.)"""
+    from wsarena.backends import Candidate, PartlyRanked
+
+    ranked = []
+
+    class Short(TableBackend):
+        def candidates(self, pass_, geom):
+            ranked.append((pass_, geom.out_channels))
+            cands = super().candidates(pass_, geom)
+            if any(c.algo == "fft" for c in cands):
+                raise PartlyRanked([c for c in cands if c.algo != "fft"])
+            return cands
+
+    backend = Short(TABLE)
+    monkeypatch.setitem(backends._backends, "cpu", backend)
+    t = run()
+    distinct = [("bwd_data", 4), ("bwd_data", 8), ("fwd", 4), ("fwd", 8)]
+    assert sorted(backend.measured) == distinct
+    assert sorted(ranked) == [("bwd_data", 4), ("bwd_data", 8), ("fwd", 4), ("fwd", 4), ("fwd", 8)]
+    assert [p.cap_workspace_bytes for p in t.curve] == [0, 1000, 2000, 4000, None]  # no fft
+    geom = t.uncapped.layers[0].geometry
+    assert t.measured[("fwd", geom)] == (Candidate("gemm", 1000, 4.0), Candidate("implicit", 0, 10.0))
+
+
 def test_the_recommendation_says_what_it_saves_or_that_no_smaller_arena_is_within_the_slowdown(fake):
     """From the known times: within 10% the 4000-byte cap (+5.56%) saves half the uncapped arena; within 2% only the
     uncapped arena's 8000 bytes are, and the line says what the next smaller one would cost, or that none is."""

@@ -338,7 +338,7 @@ def select(
     on where it can: on cuDNN, 16-byte-aligned ones, or a view's aligned copies) keeps it for good. A search cut short
     because the largest could not be had is run again once a lease of what it lacked succeeds (:func:`choose`'s
     ``can_have``), never while ``stream`` is being captured (``search_again=False``, which the ops pass then: a search
-    is no graph node).
+    is no graph node). :func:`wsarena.tune` passes it too, to take what the plan it made just before ranked.
     """
     if search != "exhaustive" or operands is None:  # a capture runs a ranking the backend made without some (serves)
         return choose(backend, pass_, geom, cap=cap, search="heuristic", warn=warn,

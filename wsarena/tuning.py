@@ -194,7 +194,9 @@ def tune(
         uncapped = dataclasses.replace(uncapped, skipped=skipped) if skipped else uncapped
         seconds = time.perf_counter() - start
         searches = [now - before for now, before in zip(searchcache.counts(), searched_before)]
-        # ... whose every candidate the algorithm cache now holds, fastest first (the choice is the first).
+        # ... whose every candidate the algorithm cache now holds, fastest first (the choice is the first): what the
+        # plan ranked is taken as it is (search_again=False), not ranked or timed again where the plan's ranking is not
+        # kept for good (memory kept the backend from ranking some candidates, or the search from timing some).
         impl = get_backend(uncapped.backend)
         measured: dict[tuple[str, ConvGeometry], tuple[Candidate, ...]] = {}
         untimed = 0  # calls with algorithms a search kept but could not time, for want of memory
@@ -204,7 +206,8 @@ def tune(
                 if key in measured:
                     continue
                 operands = functools.partial(_operands, impl, pass_, lp.geometry)
-                ranked = select(impl, pass_, lp.geometry, cap=None, search="exhaustive", operands=operands, warn=False)
+                ranked = select(impl, pass_, lp.geometry, cap=None, search="exhaustive", operands=operands, warn=False,
+                                search_again=False)
                 timed = tuple(c for c in ranked if c.time_ms is not None)
                 untimed += len(timed) < len(ranked)
                 if not timed:
