@@ -512,13 +512,18 @@ def test_a_search_short_of_its_own_memory_is_kept_without_searching_again():
 
 def test_a_search_whose_backend_rejected_all_it_could_time_is_not_kept():
     """Memory cut the search short and the backend's own search rejected every candidate the workspace held: the
-    untimed ones, in heuristic order, serve this call, and the next searches again."""
+    call runs them all in the heuristic order, as the heuristic search would, which a MemoryFallbackWarning says, and
+    the next searches again. It ran fft alone, which memory then refused as it refused the search."""
     b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times=TIMES)
     b._arena = FakeArena(memory=150)
     b._arena.held[None] = 120
     b.measure = lambda *args: []
-    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
-    assert [c.algo for c in got] == ["fft"]  # skipped for memory; gemm and implicit rejected
+    with pytest.warns(MemoryFallbackWarning) as said:
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["fft", "gemm", "implicit"]  # fft skipped for memory; gemm and implicit rejected
+    assert (f"an exhaustive search for fwd of {describe_geometry(GEOM)} could not time any algorithm (no workspace "
+            "could be had for fft; the search rejected gemm, implicit): the call runs them in the heuristic order"
+            ) in str(said[0].message)
     assert not is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
     del b.measure
     select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
@@ -678,15 +683,29 @@ def test_a_search_cut_short_by_memory_and_refused_below_says_only_what_memory_st
 
 
 @pytest.mark.parametrize("error", [Refused, AlignmentWorkspaceError])
-def test_a_search_every_lease_of_which_the_backend_refuses_raises_the_refusal(error):
-    """No memory story either: the last refusal, not a NoAlgorithmFitsError (out of memory), and nothing kept."""
+def test_a_search_every_lease_of_which_the_backend_refuses_gives_the_heuristic_order(error):
+    """A refused lease moves on to the next, and where every one is refused the search has timed nothing: the call
+    runs the candidates in the heuristic order, as the heuristic search would (which raises only where those cannot
+    run either), a MemoryFallbackWarning says so with the refusal, and nothing is kept. The search raised the
+    refusal: a call that the heuristic search runs failed under the exhaustive one."""
     b = _Refusing({"fft": 300, "gemm": 100, "implicit": 0}, TIMES, error, everything=True)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        with pytest.raises(error, match="refused") as info:
-            select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
-    assert not isinstance(info.value, NoAlgorithmFitsError) and _memory_warnings(record) == []
+    with pytest.warns(MemoryFallbackWarning) as said:
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [(c.algo, c.time_ms) for c in got] == [("fft", None), ("gemm", None), ("implicit", None)]
+    assert "could not time any algorithm (refused" in str(said[0].message)
     assert b.measured == ["refused"] * 3 and not is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
+
+
+def test_a_search_memory_gave_no_workspace_gives_the_heuristic_order():
+    """Every candidate needs workspace and the provider grants none: the search timed nothing, and the call runs as
+    the heuristic search runs it (a planner's call is planned; a run raises NoAlgorithmFitsError where memory stops
+    it too). The search raised NoAlgorithmFitsError, where a heuristic plan planned."""
+    b = FakeBackend({"fft": 300, "gemm": 100}, TIMES)
+    b._arena = FakeArena(memory=0)
+    with pytest.warns(MemoryFallbackWarning, match=r"could not time any algorithm \(out of memory"):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert got == choose(b, "fwd", GEOM, cap=None) and b.measured == []
+    assert not is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
 
 
 class _RefusingOnOperands(FakeBackend):

@@ -971,3 +971,47 @@ def test_a_call_whose_search_another_thread_outran_keeps_no_ranking_that_is_not_
         assert backend.ran == [first, second] and rel_err(raced[0], ref) <= TOL["float32"]
         assert rel_err(conv_forward(aligned, w, out=outs[2]), ref) <= TOL["float32"]
     assert backend.ran[-1] == first
+
+
+class RefusingEverySearch(CpuBackend):
+    """The cpu backend as if its search refused every workspace it was given, as cuDNN's FindEx refuses a call as a
+    whole (on a view at a misaligned address, timed as it is where memory kept aligned copies from being made); its
+    runs refuse the algorithms in ``refuse``. It records what ran."""
+
+    retry_errors = (_Refused,)
+
+    def __init__(self):
+        self.refuse, self.ran = set(), []
+
+    def measure(self, *args):
+        raise _Refused("the search's call was refused")
+
+    def run(self, pass_, candidate, *args):
+        if candidate.algo in self.refuse:
+            raise _Refused(f"{candidate.algo} was refused")
+        self.ran.append(candidate.algo)
+        super().run(pass_, candidate, *args)
+
+
+def test_a_call_whose_search_timed_nothing_runs_as_the_heuristic_search_runs_it(monkeypatch):
+    """Every lease of the exhaustive search refused: the call runs the heuristic order (its first candidate, here),
+    with a MemoryFallbackWarning that the search could time nothing, and is right (against float64, 1e-5 of the
+    output's largest magnitude); where the heuristic search raises (every algorithm refused), so does it. It raised
+    the search's refusal."""
+    backend = RefusingEverySearch()
+    monkeypatch.setattr(ops, "get_backend", lambda name, api=None: backend)
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal(X.shape, dtype=np.float32), rng.standard_normal(W.shape, dtype=np.float32)
+    ref = ref_conv_forward(x, w, padding=1)
+    order = [c.algo for c in backend.candidates("fwd", wsarena._geometry.conv_geometry(x.shape, w.shape, padding=1))]
+    with config(algo_search="exhaustive"):
+        with pytest.warns(MemoryFallbackWarning, match="exhaustive search for fwd of .* could not time any algorithm"):
+            assert rel_err(conv_forward(x, w, padding=1), ref) <= TOL["float32"]
+        assert backend.ran == order[:1]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", MemoryFallbackWarning)  # searched again, said once
+            assert rel_err(conv_forward(x, w, padding=1), ref) <= TOL["float32"]
+    backend.refuse = set(order)
+    for search in ("heuristic", "exhaustive"):
+        with config(algo_search=search), pytest.raises(_Refused, match=f"{order[-1]} was refused"):
+            conv_forward(x, w, padding=1)

@@ -165,6 +165,24 @@ def test_the_uncapped_plan_is_the_exhaustive_plan(fake):
                                       cap_workspace=None, search="exhaustive")
 
 
+def test_an_exhaustive_plan_memory_let_time_nothing_plans_as_the_heuristic_one(monkeypatch):
+    """Every algorithm needs workspace and the provider grants none: the exhaustive searches time nothing, and the
+    plan takes the heuristic order, as the heuristic plan does (a MemoryFallbackWarning says so); tune, which needs
+    the times, names the layer. The plan raised NoAlgorithmFitsError, where the heuristic plan planned."""
+    from wsarena.errors import NoAlgorithmFitsError
+
+    table = {key: [row for row in rows if row[1]] or [("gemm", 300, 8.0)] for key, rows in TABLE.items()}
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend(table, memory=0))
+    args = {"batch": 2, "passes": PASSES, "backend": "cpu", "model": "toy"}
+    with pytest.warns(wsarena.MemoryFallbackWarning, match="could not time any algorithm"):
+        exhaustive = wsarena.plan(LAYERS, search="exhaustive", **args)
+    heuristic = wsarena.plan(LAYERS, search="heuristic", **args)
+    assert [lp.choices for lp in exhaustive.layers] == [lp.choices for lp in heuristic.layers]
+    assert [c.algo for lp in exhaustive.layers for c in lp.choices.values()] == ["gemm"] * 6
+    with pytest.raises(NoAlgorithmFitsError, match="^no fwd algorithm of layer 'a' could be timed"):
+        run()
+
+
 def test_a_model_without_zero_workspace_algorithms_starts_at_its_smallest_cap(monkeypatch):
     table = {**TABLE, ("bwd_data", 8): [("gemm", 300, 8.0)]}
     monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))

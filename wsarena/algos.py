@@ -243,6 +243,12 @@ def _cut_short_text(pass_: str, geom: ConvGeometry, ranking: tuple[Candidate, ..
             f"runs, and {then}")
 
 
+def _untimed_text(pass_: str, geom: ConvGeometry, why: str) -> str:
+    """What a MemoryFallbackWarning says of an exhaustive search that could time nothing, ``why``."""
+    return (f"an exhaustive search for {pass_} of {describe_geometry(geom)} could not time any algorithm ({why}): the "
+            "call runs them in the heuristic order, as algo_search='heuristic' does, and the next call searches again")
+
+
 def _rank(
     backend: Backend, pass_: str, geom: ConvGeometry, cap: int | None, measure: Callable | None,
     known: Callable[[], _Times] | None = None,
@@ -277,11 +283,9 @@ def _rank(
     if measure is None:
         return tuple(usable), excluded, 0, 0, None if keep else _PARTLY_RANKED
     timed, skipped, *rest = measure(usable)  # only what fits the cap is ever timed
-    if not timed and not skipped:  # the search ranked nothing: keep the heuristic order, and ask again next time
+    if not timed:  # the search timed nothing: the heuristic order, as the heuristic search runs it; searched again
         return tuple(usable), excluded, None, 0, None
     order = tuple(timed) + tuple(skipped)
-    if not timed:  # the backend rejected every candidate the workspace held: ask again next time
-        return order, excluded, None, 0, None
     if known is not None and len(usable) < len(ranked):  # the cap excludes some: is one of them faster?
         above = [c for c in ranked if cap is not None and c.workspace_bytes > cap]  # those _fits() left out
         excluded = _kept_out(above, order[0], skipped, excluded, known())
@@ -335,7 +339,9 @@ def select(
     these operands (:class:`PartlyTimed`'s ``refused``); neither is saved in the search cache as rejected, and the
     ranking without them serves only later calls whose operands have the same key as those timed (the backend's
     ``operands_key``: on cuDNN their alignments), others searching again; a key of ``None`` (operands every search times
-    on where it can: on cuDNN, 16-byte-aligned ones, or a view's aligned copies) keeps it for good. A search cut short
+    on where it can: on cuDNN, 16-byte-aligned ones, or a view's aligned copies) keeps it for good. Where nothing could
+    be timed (every lease refused, memory for none, no operands to be had), the call gets the heuristic order, as the
+    heuristic search would give it, with a :class:`MemoryFallbackWarning`, and nothing is kept. A search cut short
     because the largest could not be had is run again once a lease of what it lacked succeeds (:func:`choose`'s
     ``can_have``), never while ``stream`` is being captured (``search_again=False``, which the ops pass then: a search
     is no graph node). :func:`wsarena.tune` passes it too, to take what the plan it made just before ranked.
@@ -390,7 +396,19 @@ def select(
             times.update({(c.algo, c.math_type): c.time_ms for c in uncapped[0] if c.time_ms is not None})
         return times
 
+    stopped: tuple[type[BaseException], ...] = (MemoryError, *backend.retry_errors)
+
     def measure_now(cands: list[Candidate], refused: list[Candidate]) -> searchcache.Found:
+        try:
+            return time_all(cands, refused)
+        except stopped as exc:
+            # No lease timed anything (memory gave none, or the backend refused to time in each), or there were no
+            # operands to time on: the call runs as the heuristic search runs it (choose, for a search that timed
+            # nothing), which raises only where that cannot run it either
+            _warn_memory(arena, _untimed_text, pass_, geom, str(exc))
+            return [], []
+
+    def time_all(cands: list[Candidate], refused: list[Candidate]) -> searchcache.Found:
         a, b, out = the_operands()
         # The choice (and the search cache) is kept per geometry, whatever the operands' addresses: a backend whose
         # algorithms depend on them times on operands at the addresses every allocation has (timing_operands).
@@ -425,6 +443,12 @@ def select(
         # rejects, as it rejects an entry it reports failed: it is dropped, neither timed nor skipped for memory.
         run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap, retry=retry)
         skipped = [c for c in cands if (c.workspace_bytes > leased[1] and c not in refused) or c in failed]
+        if not timed and (skipped or refused):  # what ran timed nothing, for reasons of this call too: as above
+            said = (("no workspace could be had for", [c for c in skipped if c not in failed]),
+                    ("out of memory timing", failed), ("refused to time", refused),
+                    ("the search rejected", [c for c in cands if c not in skipped and c not in refused]))
+            why = "; ".join(f"{what} {', '.join(c.algo for c in those)}" for what, those in said if those)
+            _warn_memory(arena, _untimed_text, pass_, geom, why)
         # Without those refused on these operands, the ranking serves only calls on operands alike (serves), unless
         # every search times on such operands where it can (key None: a search again would time them as this one did)
         only = key_of(a, b, out) if refused and key_of is not None else None

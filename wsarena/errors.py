@@ -160,8 +160,9 @@ class CaptureFallbackWarning(UserWarning):
 class MemoryFallbackWarning(UserWarning):
     """Memory, not the cap, chose an algorithm: a call ran a candidate ranked after one that memory denied (the
     arena could not grow for its workspace, or it ran out of memory of its own), or an exhaustive search could not
-    time the candidates that need more workspace than memory gave it. Issued once per arena: while memory stays
-    short, other calls fall back too (``arena.stats().refused_bytes`` shows the growth refused lately)."""
+    time the candidates that need more workspace than memory gave it, or could time none (the call then runs the
+    heuristic order). Issued once per arena: while memory stays short, other calls fall back too
+    (``arena.stats().refused_bytes`` shows the growth refused lately)."""
 
 
 class CudnnApiFallbackWarning(UserWarning):
