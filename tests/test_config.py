@@ -84,6 +84,52 @@ def test_a_size_with_more_digits_than_int_takes_is_a_value_error():
         parse_size("1" + "0" * 999_998 + "MiB")
 
 
+def _run_python(code):
+    """Run ``code`` in a fresh interpreter without the WSARENA_ variables: its output, or a failed test where it hung
+    or crashed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           cwd=Path(__file__).resolve().parent.parent, timeout=60, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the program hung for 60 s")
+    assert r.returncode == 0, f"exit status {r.returncode}: {r.stderr[-2000:]}"
+    return r.stdout.strip()
+
+
+# A finalizer that parses a size and makes garbage again, which the collector, run at every allocation, finalizes in
+# the middle of the program's own parse of a size.
+_PARSED_IN_A_PARSE = """
+import gc
+import wsarena
+
+parsed = []
+
+
+class ParsesASize:
+    def __del__(self):
+        parsed.append(wsarena.parse_size("2MiB"))
+        again = ParsesASize()
+        again.cycle = again
+
+
+first = ParsesASize()
+first.cycle = first
+del first
+gc.set_threshold(1)
+sizes = [wsarena.parse_size(f"{i}.5KiB") for i in range(200)]
+gc.set_threshold(700)
+print(sizes == [i * 1024 + 512 for i in range(200)], len(parsed) > 0, set(parsed))
+"""
+
+
+def test_a_size_parsed_in_a_finalizer_during_a_parse_does_not_crash_the_interpreter():
+    """parse_size() computed in a decimal.localcontext(), which sets a context variable; the collector, run as that
+    allocates, ran a finalizer that parsed a size too, and CPython 3.11 freed the context's table under the first set
+    (python/cpython#148891): a segmentation fault, where a finalizer configures a cap while the program does."""
+    assert _run_python(_PARSED_IN_A_PARSE) == "True True {2097152}"
+
+
 @pytest.mark.parametrize("value", [1.5, 2.0, None, True, [1], b"1"])
 def test_parse_size_rejects_other_types(value):
     with pytest.raises(TypeError):

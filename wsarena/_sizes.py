@@ -14,7 +14,7 @@ import re
 import reprlib
 import sys
 from collections.abc import Callable
-from decimal import Decimal, InvalidOperation, Overflow, localcontext
+from decimal import Decimal
 from typing import Any
 
 __all__ = ["format_size", "parse_size"]
@@ -135,6 +135,9 @@ def os_error_text(exc: OSError) -> str:
     return text if exc.filename2 is None else f"{text} -> {short_path(exc.filename2)}"
 
 
+# The most digits a size's whole part may have, whatever sys.get_int_max_str_digits() allows: no memory or disk is
+# near it, and int() would take minutes over it.
+_MOST_DIGITS = 10**6
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*([A-Za-z]*)\s*")  # \d would take any script's digits
 
 
@@ -167,20 +170,18 @@ def parse_size(value: int | str) -> int:
     if scale is None:
         known = ", ".join(u for u in ("B", "kB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"))
         raise ValueError(f"unknown size unit {short_repr(unit)} in {short_repr(value)} (known: {known})")
-    digits = len(number.partition(".")[0])
-    if 0 < sys.get_int_max_str_digits() < digits:  # as int() refuses it: its conversion to an int takes seconds
+    whole, _, fraction = number.partition(".")
+    digits = len(whole)
+    if 0 < sys.get_int_max_str_digits() < digits or digits > _MOST_DIGITS:  # as int() refuses it
         raise ValueError(f"a size of {digits} digits is too large")
-    try:
-        # exact: the default context's 28 digits would round a longer number (to a whole one, or to another)
-        with localcontext(prec=len(number) + 16):  # the scale has at most 13 digits
-            nbytes = Decimal(number) * scale
-    except InvalidOperation:  # pragma: no cover - the regex admits only decimal numerals
-        raise ValueError(f"not a size: {short_repr(value)}") from None
-    except Overflow:  # past the largest exponent a Decimal has (a number of a million digits)
-        raise ValueError(f"a size of {len(number)} digits is too large") from None
-    if nbytes != nbytes.to_integral_value():
+    # Computed with ints: decimal.localcontext() sets a context variable, and a finalizer that the collector runs
+    # meanwhile and that sets one too (a finalizer's configure(cap_workspace="1MiB")) crashed the interpreter
+    # (python/cpython#148891, on 3.11). Past its trailing zeros, a fraction of more digits than the largest unit
+    # (2**40) has factors of 2 is a whole number of bytes in no unit.
+    fraction = fraction.rstrip("0")
+    if len(fraction) > 40 or int(fraction or "0") * scale % 10 ** len(fraction):
         raise ValueError(f"{short_repr(value)} is not a whole number of bytes")
-    return int(nbytes)
+    return int(whole or "0") * scale + int(fraction or "0") * scale // 10 ** len(fraction)
 
 
 def as_int(value: Any) -> int | None:
