@@ -469,6 +469,78 @@ def test_a_finalizer_that_uses_the_settings_during_their_first_read_neither_wait
     assert r.stdout.strip() == expected
 
 
+# A finalizer that configures and makes garbage again, finalized at every collection, which runs at every allocation:
+# in the middle of the program's configure(), each time it made its settings again over the finalizer's.
+_CONFIGURED_IN_EACH_COLLECTION = """
+import gc
+import wsarena
+
+wsarena.get_config()
+seen = []
+stop = False
+
+
+class Configures:
+    def __del__(self):
+        if stop:
+            return
+        seen.append(len(seen) + 1)
+        wsarena.configure({setting}={value})
+        again = Configures()
+        again.cycle = again
+
+
+first = Configures()
+first.cycle = first
+del first
+gc.set_threshold(1)
+before = len(seen)
+got = wsarena.configure(cap_workspace="1MiB", debug=True)
+during = len(seen) - before
+stop = True
+gc.set_threshold(700)
+now = wsarena.get_config()
+origins = sorted((key, source) for key, (_, source, _) in wsarena._config.in_force().items() if source != "default")
+print(during > 10, got == now, now.cap_workspace, now.debug, getattr(now, "{setting}") == {last}, origins)
+"""
+
+
+@pytest.mark.parametrize(("setting", "value", "last"), [
+    ("plan_cache_size", "len(seen)", "seen[-1]"),
+    ("search_cache_max_size", 'f"{len(seen)}MiB"', "seen[-1] << 20"),  # parsed in the finalizer, in the program's
+])
+def test_a_finalizer_that_configures_at_every_collection_lets_configure_return_and_is_kept(setting, value, last):
+    """configure() made its settings again, under its lock, until no finalizer had changed them meanwhile: under
+    gc.set_threshold(1), with a finalizer that configures and makes garbage each time, it never returned. Now a
+    configure() made inside it applies its changes over the finalizer's: both kept, the program's last."""
+    code = _CONFIGURED_IN_EACH_COLLECTION.format(setting=setting, value=value, last=last)
+    origins = sorted((key, "configure") for key in ("cap_workspace", "debug", setting))
+    assert _run_python(code) == f"True True 1048576 True True {origins}"
+
+
+def test_a_configure_inside_another_applies_under_it():
+    """As a finalizer or a signal handler runs one: the outer call's changes apply over the inner one's, which keeps
+    those the outer does not make."""
+    inner = []
+
+    def configures_inside(base, changes):
+        if not inner:
+            inner.append(None)
+            inner[0] = configure(cap_workspace="2MiB", algo_search="exhaustive")
+        return real_replace(base, changes)
+
+    real_replace = _config._replace
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_config, "_replace", configures_inside)
+        outer = configure(cap_workspace="1MiB", backend="cpu")
+    assert (inner[0].cap_workspace, inner[0].algo_search, inner[0].backend) == (2 << 20, "exhaustive", "auto")
+    assert outer == get_config()
+    assert (outer.cap_workspace, outer.algo_search, outer.backend) == (1 << 20, "exhaustive", "cpu")
+    assert {key: _config.origin(key) for key in ("cap_workspace", "algo_search", "backend")} == dict.fromkeys(
+        ("cap_workspace", "algo_search", "backend"), "configure")
+    configure(cap_workspace=None, algo_search="heuristic", backend="auto")
+
+
 def test_configure_and_bad_values_change_nothing():
     configure(cap_workspace="1MiB")
     assert get_config().cap_workspace == 1 << 20

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -258,6 +259,19 @@ _lock = _forksafe.rlock()
 _state: _State | None = None
 
 
+class _UnderWay(threading.local):
+    """The changes of the configure() calls under way in this thread, outermost first, each checked: one run inside
+    another (a finalizer, a signal handler) stores its settings with those of the calls it runs in over them, so that
+    none is made again, which a finalizer making garbage and configuring at every collection would make forever. Of
+    this thread: a forked child has none of another thread's, whose configure() the fork cut short."""
+
+    def __init__(self) -> None:
+        self.changes: list[dict[str, Any]] = []
+
+
+_under_way = _UnderWay()
+
+
 # A block in force, a config() block or a using() scope: [the settings in force in it (None: the process-wide ones),
 # its config or using object, the block it began in, the token of the write that began it (a block ends with the token
 # made in its own context, which contextvars needs)]. A list, which costs less to make than an object.
@@ -333,20 +347,36 @@ def configure(**changes: Any) -> Config:
     ``search_cache_max_size`` (bytes, a size string or ``None``), ``cache_dir`` (a folder, ``"off"``, ``"none"`` or
     ``None``).
     Invalid values raise and change nothing; so does an invalid environment variable for a setting that
-    ``changes`` leaves to it.
+    ``changes`` leaves to it. A call made inside this one, in the same thread (by a finalizer the collector runs
+    here, or a signal handler), is kept, and this one's changes apply over it.
     """
     global _state
     with _lock:
-        while True:
-            state = _state
-            base, errors, origins = state if state is not None else _from_env()
-            new = _replace(base, changes)
-            _check_env(errors, changes)
-            changed: _State = (new, {}, {**origins, **dict.fromkeys(changes, "configure")})
-            if _state is state:  # else this thread changed them meanwhile (a finalizer, under the lock): made again
-                break
-        _state = changed
-    return new
+        pending = _under_way.changes
+        state = _base_state()
+        new = _replace(state[0], changes)
+        _check_env(state[1], changes)
+        # checked, and as the settings hold them (a size parsed): a configure() run inside this one applies them
+        ours = {key: getattr(new, key) for key in changes}
+        try:
+            pending.append(ours)
+            if _state is not state or len(pending) > 1:
+                # Run inside another configure(), or one ran inside this one meanwhile (in this thread, under the
+                # lock: a finalizer the collector ran, a signal handler): made over the settings stored now, with the
+                # changes of the configure() calls under way here applied over them, outermost last.
+                state = _base_state()
+                new = state[0]
+                for made in reversed(pending):
+                    new = _replace(new, made)
+            origins = {**state[2], **dict.fromkeys([key for made in pending for key in made], "configure")}
+            stored: _State = (new, {}, origins)
+            # Nothing is allocated from this test to the store, where the collector could run a finalizer
+            if _state is state:  # else one run meanwhile stored its settings with these changes over them
+                _state = stored
+        finally:
+            if pending and pending[-1] is ours:
+                pending.pop()
+        return _base_state()[0]
 
 
 _ELSEWHERE = ("a config() block ends where it did not begin (another thread or task, or an async generator that the "
