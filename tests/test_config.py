@@ -541,6 +541,26 @@ def test_a_configure_inside_another_applies_under_it():
     configure(cap_workspace=None, algo_search="heuristic", backend="auto")
 
 
+def test_a_configure_inside_another_as_it_stores_its_settings_is_kept():
+    """The last allocation before the store may run the collector: a configure() that a finalizer made there was
+    lost, the outer call storing the settings it had made before."""
+    get_config()  # the environment read
+    made = []
+
+    def configures_inside(settings, origins):
+        if not made:
+            made.append(None)
+            made[0] = configure(algo_search="exhaustive")
+        return real_carrying(settings, origins)
+
+    real_carrying = _config._carrying
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_config, "_carrying", configures_inside)
+        outer = configure(cap_workspace="1MiB")
+    assert made[0] == outer == get_config()
+    assert (outer.cap_workspace, outer.algo_search) == (1 << 20, "exhaustive")
+
+
 def test_configure_and_bad_values_change_nothing():
     configure(cap_workspace="1MiB")
     assert get_config().cap_workspace == 1 << 20
@@ -803,6 +823,29 @@ def test_a_using_scope_and_a_block_ended_out_of_order_leave_the_open_one_in_forc
         return [*seen, get_config(), _config.overridden()]
 
     assert contextvars.copy_context().run(scope_first) == [Config(cap_workspace=0), Config(), None]
+
+
+def test_settings_passed_back_in_a_using_scope_keep_where_each_comes_from(monkeypatch):
+    """A scope of what get_config() gave (an op's, as it chooses its algorithm; a backward pass's) showed where the
+    process-wide settings come from as they are now: a value of the environment's said "configure" once a configure()
+    had set it since, and a configure()'s value "default" once the settings were read again."""
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", "1MiB")
+    _config._reset()
+    read = get_config()
+    configure(cap_workspace="2MiB", algo_search="exhaustive")
+    configured = get_config()
+    _config._reset()  # as a fork's child, or a test, reads the environment again
+    monkeypatch.setenv("WSARENA_ALGO_SEARCH", "heuristic")
+    for settings, cap, search in ((read, ("1 MiB", "environment"), ("heuristic", "default")),
+                                  (configured, ("2 MiB", "configure"), ("exhaustive", "configure"))):
+        with _config.using(settings):
+            shown = _config.in_force()
+            assert (format_size(shown["cap_workspace"][0]), shown["cap_workspace"][1]) == cap
+            assert shown["algo_search"][:2] == search
+            assert (_config.origin("cap_workspace"), _config.origin("algo_search")) == (cap[1], search[1])
+    with config(backend="cpu") as block, _config.using(block):  # a block's settings kept theirs already
+        assert [_config.origin(key) for key in ("backend", "cap_workspace", "algo_search")] == [
+            "config", "environment", "environment"]
 
 
 def test_one_object_entered_by_a_caller_and_the_generator_it_drives_is_refused():

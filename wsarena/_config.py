@@ -247,7 +247,8 @@ def _from_env() -> _State:
             errors[key] = f"environment variable {var}={short_repr(raw)}: {exc}"
         else:
             values[key] = value
-    return Config(**values), errors, dict.fromkeys(values, "environment")
+    origins = dict.fromkeys(values, "environment")
+    return _carrying(Config(**values), origins), errors, origins
 
 
 # Guards _state; readers take the reference without it (assignment is atomic). Reentrant: the first read reads the
@@ -369,7 +370,7 @@ def configure(**changes: Any) -> Config:
                 for made in reversed(pending):
                     new = _replace(new, made)
             origins = {**state[2], **dict.fromkeys([key for made in pending for key in made], "configure")}
-            stored: _State = (new, {}, origins)
+            stored: _State = (_carrying(new, origins), {}, origins)
             # Nothing is allocated from this test to the store, where the collector could run a finalizer
             if _state is state:  # else one run meanwhile stored its settings with these changes over them
                 _state = stored
@@ -525,12 +526,20 @@ def _over(settings: Config | None, changes: dict[str, Any], *, check_env: bool =
         new = _replace(base, changes)
         if check_env:
             _check_env(errors, changes)
-    # not a field of Config (neither compared nor shown): it travels with these settings wherever using() takes them
-    object.__setattr__(new, "_origins", {**origins, **dict.fromkeys(changes, "config")})
-    return new
+    return _carrying(new, {**origins, **dict.fromkeys(changes, "config")})
+
+
+def _carrying(settings: Config, origins: dict[str, str]) -> Config:
+    """``settings``, made here, carrying where each of their values comes from: not a field of Config (neither
+    compared nor shown), it travels with them wherever they go, into a :class:`using` scope (a backward pass's, an op's
+    that chose under what get_config() gave) too, where a later :func:`configure` does not change it."""
+    object.__setattr__(settings, "_origins", origins)
+    return settings
 
 
 def _origins(settings: Config | None) -> dict[str, str]:
+    """Where each value of ``settings`` comes from; for settings made by hand (``Config(...)``), which carry none,
+    the process-wide settings' origins."""
     found: dict[str, str] | None = None if settings is None else settings.__dict__.get("_origins")
     return found if found is not None else _base_state()[2]
 
