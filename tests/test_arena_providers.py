@@ -9,6 +9,7 @@ import pytest
 
 import wsarena
 from wsarena.arena import Arena, HostProvider, set_arena
+from wsarena.arena.testing import RecordingProvider
 from wsarena.errors import ArenaOutOfMemoryError, BackendUnavailableError
 
 
@@ -142,10 +143,17 @@ class LeaseOnlyProvider:
         self.host.deallocate(buffer, stream=stream)
 
 
-def test_a_provider_of_leases_alone_leases_and_a_convolution_on_it_names_the_method_it_lacks():
+# A provider of leases alone as the arena's, and under a RecordingProvider, which gave an AttributeError from its
+# as_array and fill
+_LEASES_ALONE = pytest.mark.parametrize("make", [LeaseOnlyProvider, lambda: RecordingProvider(LeaseOnlyProvider())],
+                                        ids=["own", "recorded"])
+
+
+@_LEASES_ALONE
+def test_a_provider_of_leases_alone_leases_and_a_convolution_on_it_names_the_method_it_lacks(make):
     """The first convolution failed with an AttributeError from inside the cpu backend; now the typed error of an
     arena that cannot run it, naming the method, where it is needed: a lease still works, before and after."""
-    arena = Arena(LeaseOnlyProvider())
+    arena = Arena(make())
     with arena.lease(100) as ws:
         assert ws.ptr and ws.nbytes == 100
     set_arena("cpu", arena)
@@ -160,11 +168,14 @@ def test_a_provider_of_leases_alone_leases_and_a_convolution_on_it_names_the_met
     np.testing.assert_allclose(wsarena.conv_forward(x, w), np.full((1, 3, 4, 4), 18.0), rtol=1e-6)
 
 
-def test_debug_mode_on_a_provider_of_leases_alone_names_fill_and_lets_the_lane_go():
-    arena = Arena(LeaseOnlyProvider())
+@_LEASES_ALONE
+def test_debug_mode_on_a_provider_of_leases_alone_names_fill_and_lets_the_lane_go(make):
+    provider = make()
+    arena = Arena(provider)
     refused = pytest.raises(BackendUnavailableError, match=r"debug mode .* fill\(buffer, value, nbytes, \*, stream\), "
                             "and LeaseOnlyProvider has not")
     with wsarena.config(debug=True), refused, arena.lease(64):
         pass
     with arena.lease(64) as ws:
         assert ws.nbytes == 64
+    assert getattr(provider, "fills", []) == []  # no fill made, none recorded

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._pins import HOST_FN
-from .providers import Buffer, HostProvider
+from .providers import Buffer, HostProvider, missing_method
 
 __all__ = ["FakeGraph", "FakeStream", "RecordingProvider"]
 
@@ -130,12 +130,21 @@ class RecordingProvider:
         self.upstream.deallocate(buffer, stream=stream)
 
     def as_array(self, buffer: Buffer | None, nbytes: int) -> Any:
-        return self.upstream.as_array(buffer, nbytes)
+        return self._upstreams("as_array")(buffer, nbytes)
 
     def fill(self, buffer: Buffer, value: int, nbytes: int, *, stream: Any) -> None:
+        fill = self._upstreams("fill")
         with self._lock:
             self.fills.append((buffer.ptr, value, nbytes, stream))
-        self.upstream.fill(buffer, value, nbytes, stream=stream)
+        fill(buffer, value, nbytes, stream=stream)
+
+    def _upstreams(self, name: str) -> Any:
+        """The upstream's method ``name``, ``"as_array"`` or ``"fill"``; over a provider of leases alone, which may
+        leave them out, the error the arena gives for one (:func:`~wsarena.arena.providers.missing_method`)."""
+        method = getattr(self.upstream, name, None)
+        if method is None:
+            raise missing_method(self.upstream, name)
+        return method
 
     def current_stream(self) -> Any:
         return self.current
