@@ -428,3 +428,60 @@ def test_a_provider_that_asks_for_the_stream_it_is_growing_is_refused_not_a_hang
     with arena.lease(5000, stream=stream):
         assert arena.stats().leases == 1
     assert arena.stats().allocations == 1 and len(provider.held) == 1
+
+
+class _LongRepr(HostProvider):
+    """Host memory from a provider whose repr, and that of each buffer it hands out once ``wrong`` is set, is 100 kB
+    long: a pool whose repr lists its blocks. ``wrong(first, fresh)`` makes what it returns of the first buffer it
+    handed out and the one it would have."""
+
+    def __init__(self, device_id):
+        self.device_id = device_id
+        self.first = None
+        self.wrong = None
+
+    def allocate(self, size, *, stream):
+        fresh = super().allocate(size, stream=stream)
+        self.first = self.first or fresh
+        return fresh if self.wrong is None else self.wrong(self.first, fresh)
+
+    def deallocate(self, buffer, *, stream):
+        pass  # NumPy's memory goes with its last reference
+
+    def __repr__(self):
+        return "LongRepr(" + "p" * 100_000 + ")"
+
+
+class _LongBuffer(Buffer):
+    def __repr__(self):
+        return "LongBuffer(" + "b" * 100_000 + ")"
+
+
+def _ask_again(arena, stream):
+    def allocate(first, fresh):
+        arena.reserve(1 << 20, stream=stream)  # waits for the growth it is part of
+
+    return allocate
+
+
+@pytest.mark.parametrize(("wrong", "error"), [
+    pytest.param(lambda first, fresh: _LongBuffer(fresh.ptr, 16, fresh.owner), RuntimeError, id="too small"),
+    pytest.param(lambda first, fresh: _LongBuffer(first.ptr, fresh.size, fresh.owner), RuntimeError, id="overlapping"),
+    pytest.param(lambda first, fresh: list(range(10**5)), TypeError, id="no buffer"),
+    pytest.param(lambda first, fresh: None, TypeError, id="none"),
+    pytest.param(lambda first, fresh: next(iter([])), RuntimeError, id="stop iteration"),
+    pytest.param("ask again", RuntimeError, id="asks the arena again"),
+])
+def test_a_growth_error_quotes_the_provider_and_what_it_returned_in_part(arena_kind, key, wrong, error):
+    """The errors of a growth quoted the provider and the buffer it returned whole (repr()), and the lane keys: a
+    provider or buffer whose repr is 100 kB gave an error line as long."""
+    provider = _LongRepr(arena_kind.device_id)
+    arena = Arena(provider)
+    arena.reserve(1000, stream=key("a"))
+    provider.wrong = _ask_again(arena, key("b")) if wrong == "ask again" else wrong
+    with pytest.raises(error) as raised:
+        arena.reserve(5000, stream=key("b"))
+    message = str(raised.value)
+    assert len(message) < 600 and "LongRepr(ppp" in message, message[:1000]
+    provider.wrong = None
+    arena.reserve(5000, stream=key("b"))

@@ -108,8 +108,9 @@ def _growing_already(self: Arena, sub: _SubArena) -> RuntimeError:
     """The error of a thread that would wait for its own growth of ``sub``: one that the provider's ``allocate`` (or
     something it ran) asks for on that stream, which would never end."""
     return RuntimeError(
-        f"this thread is growing the workspace of stream {short_repr(sub.key)} already: {self.provider!r}.allocate, "
-        "or something it ran, asked the arena for that stream's workspace again, which would wait for it forever"
+        f"this thread is growing the workspace of stream {short_repr(sub.key)} already: {short_repr(self.provider)}"
+        ".allocate, or something it ran, asked the arena for that stream's workspace again, which would wait for it "
+        "forever"
     )
 
 
@@ -127,7 +128,9 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
         # call returns to Python code, and one just after `buffer = allocate(...)` returned would lose the buffer.
         got.extend(map(partial(self.provider.allocate, stream=sub.stream), (size,)))
         if not got:  # allocate() raised StopIteration (a pool drawn by next()), which ended the map instead
-            raise RuntimeError(f"{self.provider!r}.allocate raised StopIteration for a request of {size} bytes")
+            raise RuntimeError(
+                f"{short_repr(self.provider)}.allocate raised StopIteration for a request of {size} bytes"
+            )
         buffer = got[0]
         block = _Block(buffer, *_address_and_size(self.provider, buffer, size))
     except BaseException as exc:
@@ -156,10 +159,11 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
         raise self._table.closed_error()
     if clash is not None:
         key, held = clash
-        where = "that stream" if key is sub.key else f"stream {callers_key(key)!r}"
+        where = "that stream" if key is sub.key else f"stream {short_repr(callers_key(key))}"
         raise RuntimeError(
-            f"{self.provider!r}.allocate returned {buffer!r} for stream {callers_key(sub.key)!r}, whose bytes overlap "
-            f"{held.buffer!r}, which the arena holds for {where}: the provider handed out memory that is in use"
+            f"{short_repr(self.provider)}.allocate returned {short_repr(buffer)} for stream "
+            f"{short_repr(callers_key(sub.key))}, whose bytes overlap {short_repr(held.buffer)}, which the arena holds "
+            f"for {where}: the provider handed out memory that is in use"
         )
 
 
@@ -167,16 +171,16 @@ def _address_and_size(provider: Any, buffer: Any, size: int) -> tuple[int, int]:
     """``buffer.ptr`` and ``buffer.size`` as ints, of the buffer ``provider.allocate`` returned for ``size`` bytes:
     a ``TypeError`` if it is no :class:`~wsarena.arena.Buffer`, a ``RuntimeError`` if it holds less."""
     if buffer is None:
-        raise TypeError(f"{provider!r}.allocate returned None for a request of {size} bytes")
+        raise TypeError(f"{short_repr(provider)}.allocate returned None for a request of {size} bytes")
     try:
         ptr, nbytes = operator.index(buffer.ptr), operator.index(buffer.size)
     except (AttributeError, TypeError):
         raise TypeError(
-            f"{provider!r}.allocate returned {short_repr(buffer)} for a request of {size} bytes, where a Buffer "
-            "with an int ptr and size is expected"
+            f"{short_repr(provider)}.allocate returned {short_repr(buffer)} for a request of {size} bytes, where a "
+            "Buffer with an int ptr and size is expected"
         ) from None
     if nbytes < size:
-        raise RuntimeError(f"{provider!r} returned {buffer!r} for a request of {size} bytes")
+        raise RuntimeError(f"{short_repr(provider)} returned {short_repr(buffer)} for a request of {size} bytes")
     return ptr, nbytes
 
 
