@@ -11,11 +11,11 @@ Streams. ``streams=K`` models K concurrent streams each able to run any layer (a
 requests in flight): each stream's sub-arena holds the largest workspace of the whole network, so the arena is
 K times that. ``streams=[s0, s1, ...]`` assigns layer ``i`` to stream ``s_i`` (an Inception module's branches,
 say): each stream holds the largest workspace of its own layers, and the arena is their sum; the plan's streams are
-those listed, in the order of their indices (``streams=[0, 2, 0]`` plans two streams: an index left out runs no
-layer, and holds no workspace). Either way the streams are those one run of the model spreads its layers over, as
-the unshared figure is one run's workspaces: a run cannot keep more streams busy than it has layers, so ``streams``
-above the number of layers, or an index of ``streams=[...]`` as high, is refused (rather than clamped, which would
-report a run other than the one asked for).
+those listed, in the order of their indices (``streams=[0, 2, 0]`` plans two streams, as ``[0, 1, 0]`` does: an
+index is a label, any int >= 0, and one left out is no stream). Either way the streams are those one run of the model
+spreads its layers over, as the unshared figure is one run's workspaces: a run cannot keep more streams busy than it
+has layers, so ``streams`` above the number of layers is refused (rather than clamped, which would report a run other
+than the one asked for); a list, one entry per layer, names no more streams than that.
 
 Layers left out. A layer list from ``load_model(..., skip_unknown=True)`` carries the convolutions it left out
 (``skipped``); the plan keeps them (:attr:`Plan.skipped`), and its totals say that they leave those layers out.
@@ -200,13 +200,10 @@ def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[in
     for i, s in enumerate(assignment):
         if isinstance(s, bool) or not isinstance(s, int):
             raise TypeError(f"streams[{i}] must be an int, a stream index, not {short_repr(s)}")
-        if s < 0:  # -1 would index the last stream's entry
+        if s < 0:
             raise ValueError(f"streams[{i}] must be a stream index >= 0, not {short_repr(s)}")
-        if s >= n_layers:  # as for an int: one stream per entry up to the largest index (a stream's handle, 2**46)
-            raise ValueError(
-                f"streams[{i}] must be a stream index below the model's {n_layers} layer(s), not {short_repr(s)}: one "
-                "run of the model cannot keep more streams busy than it has layers"
-            )
+    # An index is a label (a stream's handle, 2**46, will do): the plan has the streams the list names, one entry per
+    # layer, so never more streams than layers, whatever the largest index.
     return False, assignment
 
 
@@ -240,7 +237,7 @@ def plan(
         The cap on one call's workspace; ``None`` for none. Default: the configured cap.
     passes : sequence of ``"fwd"``, ``"bwd_data"``, ``"bwd_filter"``
     streams : int or sequence of int
-        See the module docstring; an int is at most the number of layers, an index below it.
+        See the module docstring; an int is at most the number of layers, an index any int >= 0.
     backend, search : str, optional
         Default: the configured ones. ``auto`` picks cuDNN when a GPU is usable.
     progress : callable, optional
