@@ -275,6 +275,43 @@ def test_the_recommendation_says_what_it_saves_or_that_no_smaller_arena_is_withi
     assert line.endswith("arena 0 B, as uncapped: no cap gives a smaller one")
 
 
+def test_a_slowdown_reads_on_the_side_of_the_limit_that_judged_it(monkeypatch):
+    """A cap refused at 2.003 % under a 2 % limit read "+2.00%" in its row and in "the next ... costs", as if within
+    it; one taken at 1.2358 % under 1.236 % read "+1.24%", as if over it. Each gets the digits that tell it."""
+    def curve(capped_ms, max_slowdown):
+        table = {("fwd", 4): [("implicit", 0, capped_ms), ("gemm", 1000, 10.0)]}
+        monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))
+        algos.cache_clear()
+        return tune(LAYERS[:1], batch=2, passes=("fwd",), backend="cpu", model="toy", max_slowdown=max_slowdown)
+
+    t = curve(10.2003, 0.02)  # 10.2003 / 10 - 1: 2.003 %
+    assert t.recommended_cap_bytes == 1000
+    text = render_curve(t).splitlines()
+    assert text[6].endswith(" +2.003%") and text[7].endswith(" +0.00%  <- recommended")
+    assert text[10].endswith("no smaller one keeps the slowdown within 2% (the next, 0 B, costs +2.003%)")
+    t = curve(10.12358, 0.01236)  # 1.2358 %
+    assert t.recommended_cap_bytes == 0
+    text = render_curve(t).splitlines()
+    assert text[6].endswith(" +1.236%  <- recommended")
+    assert "step 10.12 ms (+1.236%)" in text[10]
+    assert render_curve(curve(10.3, 0.02)).splitlines()[6].endswith(" +3.00%")  # two decimals tell it: as ever
+
+
+def test_the_plots_recommended_slowdown_reads_within_the_limit(monkeypatch):
+    """As the table's: a cap taken at 1.2358 % under 1.236 % read "+1.24%" in the legend."""
+    pytest.importorskip("matplotlib")
+    from wsarena import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "_save", lambda plt, fig, path: (drawn.append(fig), plt.close(fig)))
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend({("fwd", 4): [("implicit", 0, 10.12358),
+                                                                               ("gemm", 1000, 10.0)]}))
+    algos.cache_clear()
+    plot.plot_curve(tune(LAYERS[:1], batch=2, passes=("fwd",), backend="cpu", max_slowdown=0.01236), "unused.png")
+    (ax,) = drawn.pop().axes
+    assert "recommended cap 0 B (+1.236%, max slowdown 1.236%)" in [x.get_text() for x in ax.get_legend().texts]
+
+
 def test_against_an_uncapped_step_timed_at_0_a_slower_point_has_no_slowdown(monkeypatch):
     """A model too small for the timer (or a search cache's 0): the workspace algorithms time 0 ms, the others 1 ms.
     Worked out as EXPECTED is: cap 0: a, c: 1 + 1; b: 1 + 0 -> 5 ms; cap 1000: 3 ms; cap 2000: 1 ms; cap 4000 and

@@ -17,7 +17,7 @@ from ._config import _cache_path
 from ._report_cli import csv_writer, printable, skipped_note
 from ._sizes import format_percent, format_seconds, format_size, short_repr
 
-__all__ = ["apply_line", "cache_output", "max_slowdown_arg", "render_curve", "tune_output"]
+__all__ = ["apply_line", "cache_output", "max_slowdown_arg", "render_curve", "slowdown_text", "tune_output"]
 
 
 # A decimal number (ASCII digits, an optional exponent) and an optional percent sign: not "inf", "nan", "1_0" or "0x1"
@@ -66,9 +66,21 @@ def _percent(number: str) -> str:
     return (plain if len(plain) <= 30 else str(percent).lower()) + "%"
 
 
-def _slowdown(value: float) -> str:
-    """A point's slowdown, ``n/a`` where it has none: slower than an uncapped step timed at 0."""
-    return f"{value:+.2%}" if math.isfinite(value) else "n/a"
+def slowdown_text(value: float, max_slowdown: float) -> str:
+    """A point's slowdown, ``n/a`` where it has none (slower than an uncapped step timed at 0): a percentage to two
+    decimals, or as many more, up to ten, as make it read on the side of ``max_slowdown`` (as
+    :func:`~wsarena._sizes.format_percent` writes it) that tune judged it: a cap refused at 2.003 % under 2 % reads
+    ``"+2.003%"``, not ``"+2.00%"``, and one taken at 1.2358 % under 1.236 % ``"+1.236%"``, not ``"+1.24%"``."""
+    from .tuning import _within
+
+    if not math.isfinite(value):
+        return "n/a"
+    within, limit = _within(value, max_slowdown), Decimal(format_percent(max_slowdown)[:-1])
+    for digits in range(2, 11):
+        text = f"{value:+.{digits}%}"
+        if (Decimal(text[:-1]) <= limit) == within:
+            return text
+    return f"{value:+.2%}"  # none does: a limit of more digits than format_percent shows
 
 
 def _cap(cap: int | None) -> str:
@@ -111,7 +123,8 @@ def render_curve(t: Any) -> str:
     head = ["cap", "arena", "step time", "slowdown"]
     caps = _caps(t.curve)
     rows = [
-        [caps[q.cap_workspace_bytes], format_size(q.arena_bytes), format_seconds(q.step_seconds), _slowdown(q.slowdown)]
+        [caps[q.cap_workspace_bytes], format_size(q.arena_bytes), format_seconds(q.step_seconds),
+         slowdown_text(q.slowdown, t.max_slowdown)]
         for q in t.curve
     ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
@@ -132,7 +145,7 @@ def render_curve(t: Any) -> str:
         if smaller:
             arena, next_one = _apart(best.arena_bytes, smaller[-1].arena_bytes)
             saving = (f", as uncapped: no smaller one keeps the slowdown within {within} "
-                      f"(the next, {next_one}, {_costs(smaller[-1])})")
+                      f"(the next, {next_one}, {_costs(smaller[-1], t.max_slowdown)})")
     if any(not math.isfinite(q.slowdown) for q in t.curve):
         lines.append(f"n/a: slower than the uncapped step, which timed at {format_seconds(fastest.step_seconds)}; "
                      "no --max-slowdown admits it")
@@ -140,7 +153,7 @@ def render_curve(t: Any) -> str:
         "",
         (
             f"recommended cap (slowdown within {within}): {caps[best.cap_workspace_bytes]}: "
-            f"step {format_seconds(best.step_seconds)} ({best.slowdown:+.2%}), "
+            f"step {format_seconds(best.step_seconds)} ({slowdown_text(best.slowdown, t.max_slowdown)}), "
             f"arena {arena}{saving}"
         ),
         f"use it with: {apply_line(t)}",
@@ -159,9 +172,11 @@ def _apart(nbytes: int, other: int) -> tuple[str, str]:
     return text, other_text
 
 
-def _costs(q: Any) -> str:
+def _costs(q: Any, max_slowdown: float) -> str:
     """What a point costs against no cap: its slowdown, or its step time where it has no slowdown."""
-    return f"costs {q.slowdown:+.2%}" if math.isfinite(q.slowdown) else f"takes {format_seconds(q.step_seconds)}"
+    if math.isfinite(q.slowdown):
+        return f"costs {slowdown_text(q.slowdown, max_slowdown)}"
+    return f"takes {format_seconds(q.step_seconds)}"
 
 
 def _curve_csv(t: Any) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from ._report_cli import printable
 from ._sizes import format_percent, format_seconds, format_size
+from ._tune_cli import slowdown_text
 from .errors import BackendUnavailableError
 
 __all__ = ["check_writable", "plot_curve", "plot_plan"]
@@ -154,8 +155,8 @@ def plot_curve(t: Any, path: str) -> None:
                label=f"no cap: {format_seconds(uncapped.step_seconds)}, arena {format_size(uncapped.arena_bytes)}")
     best = t.recommended
     ax.axvline(best.cap_workspace_bytes / mib, color="#dd8452", linestyle=":",
-               label=f"recommended cap {format_size(best.cap_workspace_bytes)} ({best.slowdown:+.2%}, "
-               f"max slowdown {format_percent(t.max_slowdown)})")
+               label=f"recommended cap {format_size(best.cap_workspace_bytes)} "
+               f"({slowdown_text(best.slowdown, t.max_slowdown)}, max slowdown {format_percent(t.max_slowdown)})")
     # Linear from 0 to the smallest cap above it, logarithmic beyond: caps span 0 to gigabytes.
     linthresh = max(min((q.cap_workspace_bytes for q in finite if q.cap_workspace_bytes), default=mib) / mib, 1e-3)
     ax.set_xscale("symlog", linthresh=linthresh)

@@ -217,10 +217,8 @@ def tune(
                     )
                 measured[key] = timed
     curve = _curve(uncapped, measured, shared)
-    recommended = next(
-        p.cap_workspace_bytes for p in curve
-        if p.cap_workspace_bytes is not None and p.slowdown <= max_slowdown + _ROUNDING
-    )
+    recommended = next(p.cap_workspace_bytes for p in curve
+                       if p.cap_workspace_bytes is not None and _within(p.slowdown, max_slowdown))
     # (Other threads' searches meanwhile would count too; each call is searched once here.)
     cached_calls, timed_calls = (min(n, len(measured)) for n in searches)
     return Tuning(uncapped, measured, curve, max_slowdown, recommended, seconds, shared, timed_calls, cached_calls,
@@ -277,6 +275,11 @@ def _curve(uncapped: Plan, measured: _Measured, shared: bool) -> tuple[CurvePoin
     steps.append((None, *steps[-1][1:]))  # every algorithm fits the largest cap
     fastest = steps[-1][2]
     return tuple(CurvePoint(cap, arena, step, _slowdown(step, fastest)) for cap, arena, step in steps)
+
+
+def _within(slowdown: float, max_slowdown: float) -> bool:
+    """Whether a point of ``slowdown`` is within ``max_slowdown``, as the recommendation judges it."""
+    return slowdown <= max_slowdown + _ROUNDING
 
 
 def _slowdown(step: float, fastest: float) -> float:
