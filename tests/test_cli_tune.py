@@ -135,13 +135,28 @@ def test_csv_quotes_a_skipped_layer_whose_name_holds_a_carriage_return(capsys, t
     assert [row[5] for row in rows[1:] if row[5]] == ["odd\rname"]
 
 
-def test_apply_prints_the_one_line(capsys, model):
+def test_apply_prints_the_one_line(capsys, model, monkeypatch, tmp_path):
     d = tune_json(capsys, model)
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / "cache"))  # the job reads the times from it
+    wsarena._config._reset()
     code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--batch", "2", "--apply")
     line = f"WSARENA_CAP_WORKSPACE={d['recommended_cap_bytes']} WSARENA_ALGO_SEARCH=exhaustive\n"
     assert (code, out, err) == (0, line, "")
     code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--apply", "--format", "json")
     assert code == 2 and out == "" and err.count("\n") == 1 and "--apply" in err
+
+
+@pytest.mark.parametrize("off", ["off", "none"])
+def test_apply_with_the_search_cache_off_warns_that_the_job_times_again(capsys, model, monkeypatch, off):
+    """The line's exhaustive search takes tune's times from the search cache: with it off, the job times every call
+    again (its choices may differ from the curve's), where --apply printed the line as ever and said nothing."""
+    monkeypatch.setenv("WSARENA_CACHE_DIR", off)
+    wsarena._config._reset()
+    code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--apply")
+    assert code == 0 and re.fullmatch(r"WSARENA_CAP_WORKSPACE=\d+ WSARENA_ALGO_SEARCH=exhaustive\n", out), err
+    assert err == (f"wsarena: warning: the search cache is off (WSARENA_CACHE_DIR={off}): nothing tune timed is "
+                   "kept, so a job run with WSARENA_ALGO_SEARCH=exhaustive times every call again, and may choose "
+                   "other algorithms than those the curve timed\n")
 
 
 def test_plot_writes_a_png(capsys, model, tmp_path):

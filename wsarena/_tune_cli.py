@@ -17,7 +17,8 @@ from ._config import _cache_path
 from ._report_cli import csv_writer, printable, skipped_note
 from ._sizes import format_percent, format_seconds, format_size, short_repr
 
-__all__ = ["apply_line", "cache_output", "max_slowdown_arg", "render_curve", "slowdown_text", "tune_output"]
+__all__ = ["apply_line", "cache_output", "max_slowdown_arg", "render_curve", "slowdown_text", "tune_output",
+           "uncached_apply"]
 
 
 # A decimal number (ASCII digits, an optional exponent) and an optional percent sign: not "inf", "nan", "1_0" or "0x1"
@@ -227,6 +228,31 @@ def _off_value(variable: str) -> str:
     return raw if raw and _cache_path(raw) is None else "off"  # changed since it was read: the setting's own word
 
 
+def _cache_off() -> str:
+    """That the search cache is off, and which setting turned it off."""
+    from . import searchcache
+
+    source, env = searchcache.source(), searchcache.ENV_VAR
+    if source == "environment":
+        off = f"{env}={_off_value(env)}"
+    elif source == "default":  # the user cache folder: it is off where no home folder can be found
+        off = f"no home folder for the user cache folder: set HOME, XDG_CACHE_HOME or {env}"
+    else:
+        off = f"set by {source}()"
+    return f"the search cache is off ({off})"
+
+
+def uncached_apply() -> str | None:
+    """Where the search cache is off, what ``--apply`` warns of: the job's exhaustive search cannot read the times
+    tune took (:func:`apply_line`); ``None`` where it is on."""
+    from . import searchcache
+
+    if searchcache.cache_dir() is not None:
+        return None
+    return (f"{_cache_off()}: nothing tune timed is kept, so a job run with WSARENA_ALGO_SEARCH=exhaustive times "
+            "every call again, and may choose other algorithms than those the curve timed")
+
+
 def cache_output(action: str, fmt: str) -> str:
     """``wsarena cache info`` or ``clear``, as ``text`` or ``json``."""
     from . import searchcache
@@ -236,14 +262,7 @@ def cache_output(action: str, fmt: str) -> str:
         return json.dumps(data, indent=2) + "\n"
     source = searchcache.source()
     if data["directory"] is None:
-        env = searchcache.ENV_VAR
-        if source == "environment":
-            off = f"{env}={_off_value(env)}"
-        elif source == "default":  # the user cache folder: it is off where no home folder can be found
-            off = f"no home folder for the user cache folder: set HOME, XDG_CACHE_HOME or {env}"
-        else:
-            off = f"set by {source}()"
-        return f"the search cache is off ({off})\n"
+        return f"{_cache_off()}\n"
     where = _SOURCES.get(source, f"{source}()")
     directory = printable(data["directory"])  # a folder's name, as an entry's strings, may hold a newline or an escape
     if action == "clear":

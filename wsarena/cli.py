@@ -23,7 +23,7 @@ from ._cli_args import UsageError, input_shapes, parser, unplanned_batches
 from ._config import _FROM_CONFIG, Config, _given, config
 from ._report_cli import render_table, write_csv
 from ._sizes import os_error_text, short_path, short_repr
-from ._tune_cli import cache_output, tune_output
+from ._tune_cli import cache_output, tune_output, uncached_apply
 from .errors import BackendUnavailableError
 
 __all__ = ["main"]
@@ -317,6 +317,8 @@ def _tune(args: argparse.Namespace) -> int:
 
         with _plot_file(args.plot):
             plot_curve(t, args.plot)
+    if args.apply and (uncached := uncached_apply()) is not None:
+        warnings.warn(uncached, stacklevel=1)
     with _output():
         sys.stdout.write(tune_output(t, "apply" if args.apply else args.format or "table"))
     return EXIT_OK
