@@ -312,6 +312,29 @@ def test_the_plots_recommended_slowdown_reads_within_the_limit(monkeypatch):
     assert "recommended cap 0 B (+1.236%, max slowdown 1.236%)" in [x.get_text() for x in ax.get_legend().texts]
 
 
+def test_the_device_is_shown_escaped_in_the_header(monkeypatch):
+    """As report's header shows it: a newline or an escape sequence in the device's name broke the line of tune's
+    header or drove the terminal."""
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend(TABLE, device="gpu\n\x1b[2J 0"))
+    algos.cache_clear()
+    t = run()
+    assert render_curve(t).splitlines()[1].startswith("backend cpu (gpu\\n\\x1b[2J 0)  dtype float32")
+
+
+def test_the_device_is_shown_escaped_in_the_plots_title(monkeypatch):
+    """As the header: the font has no glyph for a newline or an escape."""
+    pytest.importorskip("matplotlib")
+    from wsarena import plot
+
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend(TABLE, device="gpu\n\x1b[2J 0"))
+    algos.cache_clear()
+    drawn = []
+    monkeypatch.setattr(plot, "_save", lambda plt, fig, path: (drawn.append(fig), plt.close(fig)))
+    plot.plot_curve(run(), "unused.png")
+    (ax,) = drawn.pop().axes
+    assert ax.get_title() == "toy: batch 2, float32, cpu (gpu\\n\\x1b[2J 0), fwd+bwd_data"
+
+
 def test_against_an_uncapped_step_timed_at_0_a_slower_point_has_no_slowdown(monkeypatch):
     """A model too small for the timer (or a search cache's 0): the workspace algorithms time 0 ms, the others 1 ms.
     Worked out as EXPECTED is: cap 0: a, c: 1 + 1; b: 1 + 0 -> 5 ms; cap 1000: 3 ms; cap 2000: 1 ms; cap 4000 and

@@ -115,7 +115,7 @@ def render_curve(t: Any) -> str:
     lines = [
         f"wsarena {__version__} tune: {printable(p.model)}",
         (
-            f"backend {p.backend} ({p.device})  dtype {p.dtype}  layout {p.layout}  batch {p.batch}  "
+            f"backend {p.backend} ({printable(p.device)})  dtype {p.dtype}  layout {p.layout}  batch {p.batch}  "
             f"streams {p.streams}  passes {','.join(p.passes)}"
         ),
         _searched(t),

@@ -170,8 +170,8 @@ def plot_curve(t: Any, path: str) -> None:
     else:  # streams=[...]: a stream holds the largest workspace of the layers given to it
         arena = f"the arena needs up to as much on each of its {p.streams} streams"
     ax.set_xlabel(f"workspace cap (MiB; {arena})")
-    ax.set_title(f"{printable(p.model)}: batch {p.batch}, {p.dtype}, {p.backend} ({p.device}), {'+'.join(p.passes)}",
-                 fontsize=9, parse_math=False)
+    ax.set_title(f"{printable(p.model)}: batch {p.batch}, {p.dtype}, {p.backend} ({printable(p.device)}), "
+                 f"{'+'.join(p.passes)}", fontsize=9, parse_math=False)
     # at least the linear part: a curve whose only cap is 0 (every call has a zero-workspace algorithm that is
     # fastest) would otherwise have an empty axis, which matplotlib warns about
     ax.set_xlim(left=0, right=max(max(q.cap_workspace_bytes for q in finite) / mib * 1.5, linthresh))
