@@ -92,6 +92,13 @@ def test_a_fraction_is_checked_against_1_as_written_not_as_its_float(capsys, mod
     assert code == 2 and "a slowdown of 100%: write 0.1e1% for 0.1e1 percent, or 100% if you mean it" in err, err
 
 
+@pytest.mark.parametrize(("text", "written"), [("5.", "5"), ("5.e0", "5e0"), ("5.0", "5.0"), ("1.E1", "1E1")])
+def test_a_number_that_ends_its_digits_with_a_point_is_suggested_without_it(capsys, model, text, written):
+    """--max-slowdown 5. said "write 5.% for 5. percent"."""
+    code, out, err = run_main(capsys, "tune", model, "--backend", "cpu", "--max-slowdown", text)
+    assert (code, out) == (2, "") and f": write {written}% for {written} percent, or " in err, err
+
+
 @pytest.mark.parametrize("text", ["1e-99999999999999999999", "0e99999999999999999999"])
 def test_a_fraction_of_an_exponent_past_decimals_range_is_read_as_its_float(capsys, model, text):
     """A fraction whose float is 0 though its exponent has 20 digits: Decimal() refuses such an exponent, and the

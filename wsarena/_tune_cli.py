@@ -52,8 +52,9 @@ def max_slowdown_arg(text: str) -> float:
         if len(number) > 24:  # not quoted three times more
             raise argparse.ArgumentTypeError(f"{said}, a slowdown of 100% or more: end it with % for a percentage")
         percent = _percent(number)
+        written = re.sub(r"\.(?=[eE]|$)", "", number)  # "5." -> "5": "write 5.% for 5. percent" read oddly
         raise argparse.ArgumentTypeError(
-            f"{said}, a slowdown of {percent}: write {number}% for {number} percent, or {percent} if you mean it"
+            f"{said}, a slowdown of {percent}: write {written}% for {written} percent, or {percent} if you mean it"
         )
     return value
 
