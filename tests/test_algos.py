@@ -512,8 +512,9 @@ def test_a_search_short_of_its_own_memory_is_kept_without_searching_again():
 
 def test_a_search_whose_backend_rejected_all_it_could_time_is_not_kept():
     """Memory cut the search short and the backend's own search rejected every candidate the workspace held: the
-    call runs them all in the heuristic order, as the heuristic search would, which a MemoryFallbackWarning says, and
-    the next searches again. It ran fft alone, which memory then refused as it refused the search."""
+    call runs them all in the heuristic order, as the heuristic search would, which a MemoryFallbackWarning says, a
+    capture (which cannot search) too, and the next searches again. It ran fft alone, which memory then refused as it
+    refused the search."""
     b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times=TIMES)
     b._arena = FakeArena(memory=150)
     b._arena.held[None] = 120
@@ -524,7 +525,8 @@ def test_a_search_whose_backend_rejected_all_it_could_time_is_not_kept():
     assert (f"an exhaustive search for fwd of {describe_geometry(GEOM)} could not time any algorithm (no workspace "
             "could be had for fft; the search rejected gemm, implicit): the call runs them in the heuristic order"
             ) in str(said[0].message)
-    assert not is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
+    assert not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+    assert is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")  # for a capture alone
     del b.measure
     select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
     assert b.measured == [["gemm", "implicit"]]  # searched again
@@ -686,14 +688,14 @@ def test_a_search_cut_short_by_memory_and_refused_below_says_only_what_memory_st
 def test_a_search_every_lease_of_which_the_backend_refuses_gives_the_heuristic_order(error):
     """A refused lease moves on to the next, and where every one is refused the search has timed nothing: the call
     runs the candidates in the heuristic order, as the heuristic search would (which raises only where those cannot
-    run either), a MemoryFallbackWarning says so with the refusal, and nothing is kept. The search raised the
-    refusal: a call that the heuristic search runs failed under the exhaustive one."""
+    run either), a MemoryFallbackWarning says so with the refusal, and it is kept for a capture alone. The search
+    raised the refusal: a call that the heuristic search runs failed under the exhaustive one."""
     b = _Refusing({"fft": 300, "gemm": 100, "implicit": 0}, TIMES, error, everything=True)
     with pytest.warns(MemoryFallbackWarning) as said:
         got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
     assert [(c.algo, c.time_ms) for c in got] == [("fft", None), ("gemm", None), ("implicit", None)]
     assert "could not time any algorithm (refused" in str(said[0].message)
-    assert b.measured == ["refused"] * 3 and not is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
+    assert b.measured == ["refused"] * 3 and not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
 
 
 def test_a_search_memory_gave_no_workspace_gives_the_heuristic_order():
@@ -705,7 +707,37 @@ def test_a_search_memory_gave_no_workspace_gives_the_heuristic_order():
     with pytest.warns(MemoryFallbackWarning, match=r"could not time any algorithm \(out of memory"):
         got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
     assert got == choose(b, "fwd", GEOM, cap=None) and b.measured == []
-    assert not is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
+    assert not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+
+
+def test_a_search_that_timed_nothing_serves_a_capture_and_leaves_a_ranking_a_search_timed():
+    """A search that timed nothing gives its call the heuristic order, and keeps it for a capture, which cannot search
+    (search_again=False): the capture raised CaptureError as the first call of its shape. Where a ranking a search
+    timed is kept (here one memory cut short, searched again once memory allows), that one stays, for a capture and
+    for the next call, and the untimed order serves its own call alone."""
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 50}, TIMES)
+    capture = {"cap": None, "search": "exhaustive", "operands": (None, None, None), "search_again": False}
+    b._arena = FakeArena(memory=0)
+    with pytest.warns(MemoryFallbackWarning, match="could not time any algorithm"):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [(c.algo, c.time_ms) for c in got] == [("fft", None), ("gemm", None), ("implicit", None)]
+    assert select(b, "fwd", GEOM, **capture) is got and b.measured == []
+    b.operands_key = lambda *operands: None
+
+    def no_operands():
+        raise MemoryError("no memory for the operands")
+
+    # The next call searches again, asking no key of operands it has not made: none could be had, and it runs as before
+    assert select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=no_operands) == got
+    b._arena.held[None] = 150  # cut short: fft untimed
+    cut = [("gemm", 1.0), ("implicit", 9.0), ("fft", None)]
+    assert [(c.algo, c.time_ms) for c in select(b, "fwd", GEOM, cap=None, search="exhaustive",
+                                                 operands=(None, None, None))] == cut
+    b._arena.memory = 1000  # fft's workspace can be had: searched again, and timing fails
+    b.measure = lambda *args: []
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["fft", "gemm", "implicit"]
+    assert [(c.algo, c.time_ms) for c in select(b, "fwd", GEOM, **capture)] == cut
 
 
 class _RefusingOnOperands(FakeBackend):

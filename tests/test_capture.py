@@ -734,6 +734,35 @@ def test_a_capture_after_calls_memory_kept_from_ranking_every_candidate_runs_the
     assert len(ranked) == 4
 
 
+def test_a_capture_after_calls_whose_search_timed_nothing_runs_the_heuristic_order(cpu_conv, monkeypatch):
+    """Eager calls whose exhaustive search could time nothing (here every timing out of memory of its own) run the
+    heuristic order, each searching again; a capture, which cannot search, runs that order too, searching nothing, and
+    is right (against float64, 1e-4). The capture raised CaptureError, calling the call the first of its shape, to be
+    run once before capturing, which it had been."""
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    provider, x, w = cpu_conv
+    searched = []
+
+    def measure(self, *args):
+        searched.append(1)
+        raise MemoryError("no memory for the search's temporaries")
+
+    monkeypatch.setattr(CpuBackend, "measure", measure)
+    wsarena.configure(algo_search="exhaustive")
+    with pytest.warns(wsarena.MemoryFallbackWarning, match="could not time any algorithm"):
+        eager = wsarena.conv_forward(x, w, padding=1, stream="lane")
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    tried = len(searched)
+    assert tried >= 2  # searched again
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_captured_call_is_right(provider, x, w, eager)
+    assert len(searched) == tried
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    assert len(searched) > tried  # an eager call searches again
+
+
 def test_capture_without_a_gpu_is_a_backend_error_and_checks_its_mode(monkeypatch):
     """On any machine: no GPU is made to look usable (a GPU machine's capture would succeed)."""
     from wsarena import cudagraph

@@ -53,9 +53,11 @@ CHOICES_MAX = 4096
 # None where it serves any operands or, for a search the backend refused some candidates in on its operands, their
 # key (the backend's operands_key): it serves calls on operands alike, and others search again; _PARTLY_RANKED where
 # memory kept the backend from ranking some candidates (PartlyRanked): it serves a capture alone, which cannot rank,
-# and its times the next search of the key (_timed_before).
+# and its times the next search of the key (_timed_before); _UNTIMED where a search could time nothing (the heuristic
+# order): it serves a capture alone, which cannot search, and replaces no ranking a search timed.
 _Entry = tuple[tuple[Candidate, ...], Candidate | None, int, Any]
 _PARTLY_RANKED: Any = object()
+_UNTIMED: Any = object()
 # Per (algorithm, math type), what a search timed of a call: its time in ms, None where the backend's search rejected it
 _Times = Mapping[tuple[str, int | None], float | None]
 _cache: LRU[_Entry] = LRU(CHOICES_MAX)
@@ -107,8 +109,8 @@ def _for_good(entry: _Entry) -> bool:
 
 def is_chosen(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str) -> bool:
     """Whether a choice for these arguments is cached, for good, until memory allows a search cut short to be run
-    again, for operands like the search's, or until the backend can rank every candidate: one that a capture may run
-    without ranking or searching (``search_again=False``)."""
+    again, for operands like the search's, until the backend can rank every candidate, or until a search times
+    something: one that a capture may run without ranking or searching (``search_again=False``)."""
     return _key(backend, pass_, geom, search, cap, get_config()) in _cache
 
 
@@ -187,12 +189,12 @@ def choose(
             timing = _timed_before(kept[0], timing)  # ranked again, but not timed again
         with using(settings):  # what the backend reads of them (cudnn_heuristic), as the key has them
             best, excluded, lacked, untimed, only = _rank(backend, pass_, geom, cap, timing, known)
-        entry = (best, excluded, lacked or 0, only)
-        if lacked is not None:
-            # A ranking kept for good that another thread's search stored meanwhile stays: this one serves fewer calls
-            _cache.put(key, entry, keep=None if _for_good(entry) else _for_good)
-            if untimed:
-                _warn_memory(backend.arena(), _cut_short_text, pass_, geom, best, len(best) - untimed, lacked or 0)
+        entry = (best, excluded, lacked, only)
+        # A ranking kept for good that another thread's search stored meanwhile stays: this one serves fewer calls; an
+        # untimed one (for captures) leaves any ranking a search timed
+        _cache.put(key, entry, keep=_timed if only is _UNTIMED else None if _for_good(entry) else _for_good)
+        if untimed:
+            _warn_memory(backend.arena(), _cut_short_text, pass_, geom, best, len(best) - untimed, lacked)
     best, excluded = entry[0], entry[1]
     # lookup(): a key in use is the most recently used here too, as in _cache, so its warning is not given again
     if warn and excluded is not None and _warned.lookup(key) is None:
@@ -207,6 +209,11 @@ def choose(
                 WorkspaceCapWarning,
             )
     return best
+
+
+def _timed(entry: _Entry) -> bool:
+    """Whether ``entry`` is no search's that timed nothing (:data:`_UNTIMED`)."""
+    return entry[3] is not _UNTIMED
 
 
 def _timed_before(
@@ -252,16 +259,16 @@ def _untimed_text(pass_: str, geom: ConvGeometry, why: str) -> str:
 def _rank(
     backend: Backend, pass_: str, geom: ConvGeometry, cap: int | None, measure: Callable | None,
     known: Callable[[], _Times] | None = None,
-) -> tuple[tuple[Candidate, ...], Candidate | None, int | None, int, Any]:
+) -> tuple[tuple[Candidate, ...], Candidate | None, int, int, Any]:
     """(usable candidates best first, the candidate the cap keeps from running first (:func:`_kept_out`; without
     a search that timed something, the heuristic favourite if the cap excluded it), what to keep, how many of
     the last a search kept it could not time for want of memory, the operands it serves). What to keep: 0 where all
     were ranked (or memory stopped only candidates that ran out of memory of their own), the least workspace a
-    skipped candidate needs where a search was cut short by the arena's memory, ``None`` where nothing was timed (the
-    heuristic order, not kept). The operands: ``None`` for any, else the key of those a search timed where the
-    backend refused some candidates on them (``measure``'s fourth item), or :data:`_PARTLY_RANKED` for a ranking the
-    backend made without those memory kept it from ranking (:class:`PartlyRanked`): it serves a capture, which cannot
-    rank, and the next other call ranks again."""
+    skipped candidate needs where a search was cut short by the arena's memory. The operands: ``None`` for any, else
+    the key of those a search timed where the backend refused some candidates on them (``measure``'s fourth item),
+    :data:`_PARTLY_RANKED` for a ranking the backend made without those memory kept it from ranking
+    (:class:`PartlyRanked`), or :data:`_UNTIMED` where a search timed nothing (the heuristic order): either serves a
+    capture, which cannot rank or search, and the next other call ranks again."""
     try:
         ranked, keep = backend.candidates(pass_, geom), True
     except PartlyRanked as exc:  # no verdict on those left out: this call's ranking alone
@@ -284,7 +291,7 @@ def _rank(
         return tuple(usable), excluded, 0, 0, None if keep else _PARTLY_RANKED
     timed, skipped, *rest = measure(usable)  # only what fits the cap is ever timed
     if not timed:  # the search timed nothing: the heuristic order, as the heuristic search runs it; searched again
-        return tuple(usable), excluded, None, 0, None
+        return tuple(usable), excluded, 0, 0, _UNTIMED
     order = tuple(timed) + tuple(skipped)
     if known is not None and len(usable) < len(ranked):  # the cap excludes some: is one of them faster?
         above = [c for c in ranked if cap is not None and c.workspace_bytes > cap]  # those _fits() left out
@@ -341,10 +348,11 @@ def select(
     ``operands_key``: on cuDNN their alignments), others searching again; a key of ``None`` (operands every search times
     on where it can: on cuDNN, 16-byte-aligned ones, or a view's aligned copies) keeps it for good. Where nothing could
     be timed (every lease refused, memory for none, no operands to be had), the call gets the heuristic order, as the
-    heuristic search would give it, with a :class:`MemoryFallbackWarning`, and nothing is kept. A search cut short
-    because the largest could not be had is run again once a lease of what it lacked succeeds (:func:`choose`'s
-    ``can_have``), never while ``stream`` is being captured (``search_again=False``, which the ops pass then: a search
-    is no graph node). :func:`wsarena.tune` passes it too, to take what the plan it made just before ranked.
+    heuristic search would give it, with a :class:`MemoryFallbackWarning`, kept for a capture alone (the next other
+    call searches again) where no ranking a search timed is kept. A search cut short because the largest could not be
+    had is run again once a lease of what it lacked succeeds (:func:`choose`'s ``can_have``), never while ``stream`` is
+    being captured (``search_again=False``, which the ops pass then: a search is no graph node). :func:`wsarena.tune`
+    passes it too, to take what the plan it made just before ranked.
     """
     if search != "exhaustive" or operands is None:  # a capture runs a ranking the backend made without some (serves)
         return choose(backend, pass_, geom, cap=cap, search="heuristic", warn=warn,
@@ -374,7 +382,9 @@ def select(
         # which cannot search, runs it whatever its operands (run_with_fallback passes over those refused there)
         if not search_again:
             return True
-        return searched_on is not _PARTLY_RANKED and key_of is not None and key_of(*the_operands()) == searched_on
+        if searched_on is _PARTLY_RANKED or searched_on is _UNTIMED or key_of is None:
+            return False
+        return key_of(*the_operands()) == searched_on
 
     stored: dict[tuple[str, int | None], float | None] = {}  # what the search cache holds of the call, searched
 
