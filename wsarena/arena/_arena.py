@@ -46,7 +46,7 @@ from ..errors import CaptureError, WorkspaceCapError
 from . import _growth, _leases, _lifecycle, _pinning, _refusals
 from ._leases import POISON_BYTE
 from ._lifecycle import give_back, keep_while_holding, release_closed, track_arena, track_device_arena
-from ._pins import free_posted, kept_bytes
+from ._pins import free_posted
 from ._stats import ArenaStats, aligned_size, snapshot
 from ._table import _Table
 from ._workspace import Workspace
@@ -300,7 +300,7 @@ class Arena:
         ``MemoryPool`` hands it to the next on that stream), which every replay would overwrite. They are let go by the
         first trim, stats or growth of an arena once CUDA has destroyed the graph. A capture an earlier error
         invalidated keeps nothing: it becomes no graph. (The ops keep what they allocate during a capture so.)
-        :meth:`stats` counts what is kept so in ``kept_bytes``.
+        :meth:`stats` counts what is kept so in ``kept_bytes``, each array's size read once, here.
 
         ``objects`` is a collection of arrays, read before anything is kept: one array is a ``TypeError`` (iterated,
         it would be kept as its rows, one view each)."""
@@ -366,15 +366,13 @@ class Arena:
 
     def stats(self) -> ArenaStats:
         """A snapshot of the arena's sizes and counters (attribute or item access: ``s.capacity_bytes``)."""
-        # What the graphs' pins keep is counted without the lock: an array's nbytes is the array library's to read
-        kept = kept_bytes(list(self._table.captures.values()))  # list(): one C call, whatever other threads do
+        release_closed()  # first: what graphs gone since kept is let go before kept_bytes is read
         with self._lock:
             self._table.reap_all()
             self._table.sweep()
             self._table.release_kept()
-            stats = snapshot(self._table, kept)
+            stats = snapshot(self._table)
         self._give_back()
-        release_closed()
         return stats
 
     def close(self) -> None:

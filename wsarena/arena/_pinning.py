@@ -133,7 +133,7 @@ def _pin_for(self: Arena, capture: Any) -> Any:
         pin = captures.get(capture.id)
     if pin is not None:
         return pin
-    pin = GraphPin()
+    pin = GraphPin(self._table.kept_arrays)
     capture.retain(pin)
     with self._lock:
         if len(captures) >= _PRUNE_AT and len(captures) & (len(captures) - 1) == 0:  # at each power of two

@@ -16,6 +16,8 @@ thread's first lease of a capture; the pins of a collected arena) leaves its sem
 
 A pin also keeps what else the graph's kernels use that would otherwise be freed while it exists (:meth:`GraphPin.keep`:
 the copies a captured call made of its operands, the result it made), until :func:`let_go_kept` finds the pin posted.
+What the pins of an arena keep is counted as they keep it (:class:`KeptBytes`), so that :meth:`Arena.stats` reads a
+number.
 A forked child never lets go of what its parent's pins kept: the parent's memory, kept there for good.
 
 ``sem_post`` returns an int and CUDA calls it as ``void (*)(void *)``: on the ABIs CUDA runs on (x86-64 System V,
@@ -30,9 +32,10 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from .. import _forksafe
 from .._sizes import as_int
 
-__all__ = ["HOST_FN", "SEM_POST", "GraphPin", "free_posted", "kept_bytes", "let_go_kept"]
+__all__ = ["HOST_FN", "SEM_POST", "GraphPin", "KeptBytes", "free_posted", "let_go_kept"]
 
 _libc = ctypes.CDLL(None, use_errno=True)  # the process's own C library: sem_* live there (or in libpthread)
 _sem_init = _libc.sem_init
@@ -67,15 +70,19 @@ class GraphPin:
     blocks : list
         The buffers (the arena's blocks) pinned to the graph, which debug mode checks are never freed while the
         pin is live.
-    kept : list
-        What else the graph uses, kept for it (:meth:`keep`).
+    kept : dict
+        What else the graph uses, kept for it (:meth:`keep`), by ``id``.
+    tally : KeptBytes or None
+        Where what it keeps is counted: its arena's (``None``: nowhere).
+    counted : dict
+        The ids of the owners of what it keeps that it counted in ``tally``.
     """
 
-    __slots__ = ("__weakref__", "_state", "blocks", "kept")
+    __slots__ = ("__weakref__", "_state", "blocks", "counted", "kept", "tally")
 
     destroy = SEM_POST
 
-    def __init__(self) -> None:
+    def __init__(self, tally: KeptBytes | None = None) -> None:
         free_posted()
         address = _malloc(_SEM_BYTES)
         if not address:
@@ -86,7 +93,9 @@ class GraphPin:
             raise OSError(errno, f"sem_init: {os.strerror(errno)}")
         self._state = state = [address, False]  # the semaphore, and whether CUDA has posted it (seen here)
         self.blocks: list[Any] = []
-        self.kept: list[Any] = []
+        self.kept: dict[int, Any] = {}
+        self.tally = tally
+        self.counted: dict[int, bool] = {}
         weakref.finalize(self, _let_go, state).atexit = False  # at exit, CUDA may still post it: never freed
 
     @property
@@ -112,11 +121,10 @@ class GraphPin:
         """Keep ``objects`` (arrays whose memory the graph's kernels write or read) while the graph exists: freed
         meanwhile, their memory would go to the next allocation, which every replay would overwrite. The first
         :func:`let_go_kept` after CUDA posts the pin lets go of them; the first keep of each pin runs one, so what is
-        kept is what graphs alive kept."""
+        kept is what graphs alive kept. What they hold is counted in :attr:`tally` now, once (:class:`KeptBytes`)."""
         if id(self) not in _keeping:
             let_go_kept()
-            _keeping[id(self)] = self
-        self.kept.extend(objects)
+        _keep(self, objects if type(objects) is list else list(objects))
 
     def never_held(self) -> None:
         """No graph was given this pin (the call that would have failed): post it here, as CUDA would have, so that it
@@ -144,37 +152,108 @@ def _let_go(state: list[Any]) -> None:
         _unposted[state[0]] = state
 
 
+def _keep(pin: GraphPin, objects: list[Any]) -> None:
+    """:meth:`GraphPin.keep`: the objects go to the pin, which is listed for :func:`let_go_kept`, and what they hold
+    is counted."""
+    pin.kept.update(zip(map(id, objects), objects))
+    _keeping[id(pin)] = pin
+    if pin.tally is not None:
+        pin.tally.count(pin, objects)
+
+
+class KeptBytes:
+    """The bytes that the pins of one arena keep (:meth:`GraphPin.keep`), counted as they keep them and as
+    :func:`let_go_kept` lets go of them: each memory once, by the ``nbytes`` of the array that owns it (its ``base``,
+    for a NumPy or CuPy view; kept, a view keeps all of it), however many views of it, and however many pins, keep it.
+    An array's size is read as it is kept (:func:`owner_and_size`), never again: :meth:`Arena.stats` reads
+    :attr:`nbytes`, whatever the number of arrays kept.
+
+    Each owner is counted, and taken off, in a step with no call between its stores, so that an interrupt lands
+    before or after the whole of it; a pin records the owners it counted (``GraphPin.counted``), so that a step run
+    again counts nothing twice. The lock guards a few stores at a time (a forked child finds it free); reentrant, as
+    the garbage collector may run a finalizer inside it, at an allocation (never between two stores of a step)."""
+
+    __slots__ = ("lock", "nbytes", "owners")
+
+    def __init__(self) -> None:
+        self.lock = _forksafe.rlock()
+        self.nbytes = 0
+        # id of an owner -> [its nbytes, how many pins count it, the owner (alive while counted: its id is no other's)]
+        self.owners: dict[int, list[Any]] = {}
+
+    def count(self, pin: GraphPin, objects: list[Any]) -> None:
+        """Count what ``objects``, which ``pin`` keeps, hold that ``pin`` has not counted yet. Idempotent."""
+        sized = [owner_and_size(array) for array in objects]  # the objects' own code runs here, not under the lock
+        counted, owners = pin.counted, self.owners
+        with self.lock:
+            for owner, nbytes in sized:
+                key = id(owner)
+                if key in counted:
+                    continue
+                entry = owners.get(key)
+                # no call from here to the loop's jump back
+                if entry is None:
+                    owners[key] = [nbytes, 1, owner]
+                    self.nbytes += nbytes
+                else:
+                    entry[1] += 1
+                counted[key] = True
+
+    def uncount(self, pin: GraphPin) -> None:
+        """Take off what ``pin`` counted. Idempotent. An owner no pin counts any more is dropped once the lock is let
+        go (an array's free may run any code)."""
+        counted, owners = pin.counted, self.owners
+        dropped: list[Any] = []
+        with self.lock:
+            for key in list(counted):
+                entry = owners.get(key)
+                # no call from here to the append, which runs before its check
+                del counted[key]
+                if entry is not None:
+                    entry[1] -= 1
+                    if not entry[1]:
+                        del owners[key]
+                        self.nbytes -= entry[0]
+                        dropped.append(entry)
+
+
+_MAX_BASES = 64  # a chain of bases is walked this far at most (a cycle of them would never end)
+
+
+def owner_and_size(array: Any) -> tuple[Any, int]:
+    """The array whose memory ``array`` is (its ``base``, the base's base, ..., as long as that is an array too: it
+    has ``nbytes``), and that one's ``nbytes``: what keeping ``array`` keeps. An attribute that cannot be read (a
+    property of the object's that raises) counts as absent: a ``base`` so ends the walk there, and an ``nbytes`` so, or
+    one that is no integer, counts 0 (as an object with no ``nbytes`` does)."""
+    owner = array
+    for _ in range(_MAX_BASES):
+        try:
+            base = getattr(owner, "base", None)
+            if base is None or base is owner or getattr(base, "nbytes", None) is None:
+                break
+        except Exception:  # noqa: BLE001 - the object's own property: the walk ends here
+            break
+        owner = base
+    try:
+        nbytes = as_int(getattr(owner, "nbytes", None)) or 0
+    except Exception:  # noqa: BLE001 - the object's own property or __index__: counted as none
+        nbytes = 0
+    return owner, max(nbytes, 0)
+
+
 def let_go_kept() -> None:
     """Let go of what pins kept (:meth:`GraphPin.keep`) for graphs gone since: the arenas' trim, stats and growth run
-    this, as they free the buffers such graphs pinned. No lock: a pin is claimed by taking it off the list (one C call,
-    which one caller alone wins); the objects go outside any lock of wsarena's (an array's free may call CUDA)."""
-    for key in list(_keeping):  # list(): one C call, whatever other threads do
-        pin = _keeping.get(key)
-        if pin is not None and not pin.live() and _keeping.pop(key, None) is pin:
-            pin.kept.clear()
+    this (:func:`~wsarena.arena._lifecycle.release_closed`), as they free the buffers such graphs pinned.
 
-
-def kept_bytes(pins: Iterable[GraphPin]) -> int:
-    """Bytes of the arrays that the live ones of ``pins`` keep (:meth:`GraphPin.keep`): each array counted by the
-    ``nbytes`` of the array that owns its memory (its ``base``, for a NumPy or CuPy view; kept, a view keeps all of
-    it), once however many views of it, and however many pins, keep it. An object with no ``nbytes`` counts nothing.
-    No lock: each list is read in one C call, and the objects are held while they are counted."""
-    owners: dict[int, Any] = {}
-    for pin in list(pins):
-        if pin.live():
-            for array in list(pin.kept):
-                owner = _owner(array)
-                owners.setdefault(id(owner), owner)
-    return sum(as_int(getattr(owner, "nbytes", None)) or 0 for owner in owners.values())
-
-
-def _owner(array: Any) -> Any:
-    """The array whose memory ``array`` is: its ``base``, the base's base, ..., as long as that is an array too."""
-    while True:
-        base = getattr(array, "base", None)
-        if base is None or base is array or getattr(base, "nbytes", None) is None:
-            return array
-        array = base
+    No lock of wsarena's while the objects go (an array's free may call CUDA). Each pin is let go of in idempotent
+    steps, taken off the list last: two callers at once, or a call after one that an interrupt cut short, end the
+    same."""
+    posted = [pin for pin in list(_keeping.values()) if not pin.live()]  # list(): one C call, whatever other threads do
+    for pin in posted:
+        if pin.tally is not None:
+            pin.tally.uncount(pin)
+        pin.kept.clear()
+        _keeping.pop(id(pin), None)
 
 
 def _after_fork_in_child() -> None:

@@ -120,11 +120,13 @@ class ArenaStats(_Fields):
         a call that can fall back to a buffer its stream holds does not ask for as much again for a while
         (:meth:`Arena.defers_growth`; a lease itself always asks). 0: none.
     kept_bytes : int
-        Arrays kept for CUDA graphs that still exist, by this arena's pins (:meth:`Arena.keep_with_capture`): what
-        the calls captured on its streams allocated (copies of operands, results made without ``out=``), and a
-        program's own arrays it was given. Each counted by the ``nbytes`` of the array that owns its memory (the
-        ``base`` of a NumPy or CuPy view), once however many views of it, or graphs, keep it. 0 once those graphs
-        are destroyed. Not per stream: a graph may capture several.
+        Arrays kept for CUDA graphs, by this arena's pins (:meth:`Arena.keep_with_capture`): what the calls captured
+        on its streams allocated (copies of operands, results made without ``out=``), and a program's own arrays it
+        was given. Each counted by the ``nbytes`` of the array that owns its memory (the ``base`` of a NumPy or CuPy
+        view), once however many views of it, or graphs, keep it; read as it is kept, never again. An object whose
+        ``base`` cannot be read (a property that raises) counts as its own owner, and one whose ``nbytes`` cannot
+        be read (none, a property that raises, no integer) counts 0. 0 once those graphs are destroyed and what
+        they kept is let go. Not per stream: a graph may capture several.
     """
 
     capacity_bytes: int
@@ -151,9 +153,9 @@ def _arena_stats(fields: dict[str, Any]) -> ArenaStats:
     return ArenaStats(**{**fields, "streams": MappingProxyType(dict(fields["streams"]))})
 
 
-def snapshot(table: _Table, kept_bytes: int = 0) -> ArenaStats:
-    """The stats of the sub-arenas in ``table`` now (the arena's lock held), with ``kept_bytes`` as its pins' count
-    (:func:`~wsarena.arena._pins.kept_bytes`, made without the lock)."""
+def snapshot(table: _Table) -> ArenaStats:
+    """The stats of the sub-arenas in ``table`` now (the arena's lock held); ``kept_bytes``, its pins' count
+    (:class:`~wsarena.arena._pins.KeptBytes`), made as they keep."""
     streams = {
         callers_key(key): StreamStats(
             capacity_bytes=sub.capacity(),
@@ -180,5 +182,5 @@ def snapshot(table: _Table, kept_bytes: int = 0) -> ArenaStats:
             block.size for key, block, _ in table.kept if key not in table.subs and block.pinned()
         ),
         refused_bytes=table.refusals.nbytes,
-        kept_bytes=kept_bytes,
+        kept_bytes=table.kept_arrays.nbytes,
     )

@@ -35,6 +35,7 @@ from .._sizes import short_repr
 from ..errors import CaptureError
 from . import _kept
 from ._keys import GoneStream, _caller_chosen, _LaneKey
+from ._pins import KeptBytes
 from ._refusals import Refusals
 from ._sub import Queue, _Anchor, _Block, _SubArena, _Totals, park, this_thread
 from .streams import PER_THREAD_DEFAULT_STREAM, PerThreadStream, ThreadLane
@@ -70,8 +71,8 @@ class _Table:
     """The sub-arenas of one arena, by key, and the queue that says which of them go away."""
 
     __slots__ = (
-        "captures", "capturing", "closed", "dead", "exited", "forked", "held_back", "kept", "lanes", "lock", "pid",
-        "refusals", "rewatched", "stream_id", "subs", "to_free", "totals", "unplaced", "watches",
+        "captures", "capturing", "closed", "dead", "exited", "forked", "held_back", "kept", "kept_arrays", "lanes",
+        "lock", "pid", "refusals", "rewatched", "stream_id", "subs", "to_free", "totals", "unplaced", "watches",
     )
 
     def __init__(
@@ -87,6 +88,7 @@ class _Table:
         self.unplaced: Queue = collections.deque()
         self.kept: list[tuple[Hashable, _Block, Any]] = []  # pinned buffers no sub-arena uses: (key, block, stream)
         self.captures: dict[Any, Any] = {}  # capture sequence id -> the pin of the graph it captures into
+        self.kept_arrays = KeptBytes()  # what the pins of captures keep besides buffers (ArenaStats.kept_bytes)
         # Keys of the streams a lease was taken on during a capture that may still be under way, in order, to the pin
         # of the graph it records into (None: wsarena.capture began it, and no lease there has come yet; BEGINNING:
         # wsarena.capture is seeding its buffer, its capture not begun yet, wsarena.arena._pinning): asked before
