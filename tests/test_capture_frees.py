@@ -8,7 +8,9 @@ import gc
 import sys
 import threading
 import types
+import weakref
 
+import numpy as np
 import pytest
 
 import wsarena
@@ -304,6 +306,75 @@ def test_a_seeding_that_fails_begins_no_capture_and_leaves_nothing_recorded(capt
     assert cupy.modes == [] and arena._table.capturing == {}
     arena.trim()
     assert arena.stats().capacity_bytes == 0
+
+
+@pytest.mark.parametrize("trigger", ["stats", "trim", "growth"])
+@pytest.mark.parametrize("known_by", ["a lease", "a keep", "another arena's lease", "a capture block"])
+def test_what_a_graph_gone_kept_is_not_dropped_while_a_capture_is_under_way(captures, known_by, trigger):
+    """An array a graph kept goes once CUDA has destroyed the graph, but dropping it may free its device memory
+    (cudaFree, where the allocator keeps no pool), which a capture forbids (in CUDA's global mode, from any thread).
+    While a capture that an arena knows of is under way (one that leased, or kept, from this arena or another of the
+    device, or a wsarena.capture block's, before any lease), the trim, stats or growth of an arena, in the thread that
+    captures or another, leaves it; the first one after the capture lets go of it, and so does the end of the block.
+    Once, any of them dropped it at once."""
+    provider, arena, cupy = captures
+    other = Arena(provider)  # another arena of device 0
+    for stream in (S1, S2, 0x60):  # every stream holds its buffer already: the block seeds nothing
+        arena.reserve(1000, stream=stream)
+    other.reserve(1000, stream=S2)
+    dropped = []  # what the provider captured as each kept array was dropped
+
+    def kept_array():
+        array = np.empty(256, np.uint8)
+        weakref.finalize(array, lambda: dropped.append(dict(provider.capturing)))
+        return array
+
+    gone = provider.begin_capture(S1)
+    assert arena.keep_with_capture([kept_array()], stream=S1)
+    provider.end_capture(gone)
+    gone.close()  # its arrays wait for the next trim, stats or growth
+    assert arena.stats().kept_bytes == 0 and dropped == [{}]
+    gone = provider.begin_capture(S1)
+    assert arena.keep_with_capture([kept_array(), kept_array()], stream=S1)
+    provider.end_capture(gone)
+    gone.close()
+
+    sizes = iter(range(50_000, 1 << 20, 50_000))
+
+    def look():
+        if trigger == "growth":
+            arena.reserve(next(sizes), stream=0x70)  # grows the buffer
+        else:
+            getattr(arena, trigger)()
+
+    if known_by == "a capture block":
+        with wsarena.capture(cupy.cuda.Stream(0x60)):
+            look()
+            gc.collect()
+            assert dropped == [{}]
+        gc.collect()  # the block's end let them go
+        assert dropped == [{}] * 3
+        return
+    graph = provider.begin_capture(S2)
+    if known_by == "a lease":
+        with arena.lease(1000, stream=S2):
+            pass
+    elif known_by == "a keep":
+        assert arena.keep_with_capture([np.empty(8)], stream=S2)
+    else:
+        with other.lease(1000, stream=S2):
+            pass
+    look()
+    thread = threading.Thread(target=look)
+    thread.start()
+    thread.join(10)
+    gc.collect()
+    assert dropped == [{}] and arena.stats().kept_bytes == 512 + (8 * 8 if known_by == "a keep" else 0)
+    provider.end_capture(graph)
+    look()
+    gc.collect()
+    assert dropped == [{}] * 3 and provider.during_capture == []
+    graph.close()
 
 
 @pytest.mark.parametrize("block", ["leases elsewhere", "raises"])

@@ -105,8 +105,8 @@ class CapturedGraph:
     def close(self) -> None:
         """Drop the graph (CuPy destroys it once nothing else refers to it); the workspace it pinned is freed in
         stream order by the arena's next trim, stats or growth after CUDA let go of it (any arena's, where that one
-        is closed; and after any capture under way on its stream). Inside its capture block, the capture is discarded
-        as the block ends. Idempotent."""
+        is closed; and after any capture under way on its stream), and what its calls kept is let go by the next one
+        with no capture under way. Inside its capture block, the capture is discarded as the block ends. Idempotent."""
         self.graph = None
         self._state, self._reason = _State.CLOSED, "it is closed"
 
@@ -248,6 +248,7 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
         # Refused before anything is recorded: CUDA would refuse to begin a second capture there, and the record
         # and the end of a capture made below are for this block's own
         raise ValueError(f"stream {stream.ptr:#x} is being captured already: end that capture first")
+    from .arena._lifecycle import release_closed
     from .arena._pinning import recorded_for_another, unwatch_capture, watch_capture
     from .arena._registry import open_arena
 
@@ -303,6 +304,9 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
             # record (its lease's, or the block's): frees with no stream, which would break it, wait for it.
             if arena is not None:
                 unwatch_capture(arena, stream, over=not another)
+    # What graphs destroyed since kept, which waited for captures under way to end, goes now that this one is over
+    # (unless another is under way): a program that captures again and again holds what the graphs alive keep.
+    release_closed()
 
 
 def _end(runtime: Any, stream: Any, graph: CapturedGraph, own: int | None) -> None:

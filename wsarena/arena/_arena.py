@@ -298,9 +298,11 @@ class Arena:
         being captured on ``stream`` exists, as a workspace buffer pinned to it is kept; returns whether it is being
         captured (else nothing is kept). Freed meanwhile, an array's memory would go to the next allocation (CuPy's
         ``MemoryPool`` hands it to the next on that stream), which every replay would overwrite. They are let go by the
-        first trim, stats or growth of an arena once CUDA has destroyed the graph. A capture an earlier error
-        invalidated keeps nothing: it becomes no graph. (The ops keep what they allocate during a capture so.)
-        :meth:`stats` counts what is kept so in ``kept_bytes``, each array's size read once, here.
+        first trim, stats or growth of an arena, or end of a :func:`wsarena.capture` block, once CUDA has destroyed
+        the graph and no capture that an arena knows of is under way in the process (an array dropped may free its
+        memory, ``cudaFree``, which a capture forbids). A capture an earlier error invalidated keeps nothing: it
+        becomes no graph. (The ops keep what they allocate during a capture so.) :meth:`stats` counts what is kept so
+        in ``kept_bytes``, each array's size read once, here.
 
         ``objects`` is a collection of arrays, read before anything is kept: one array is a ``TypeError`` (iterated,
         it would be kept as its rows, one view each)."""
@@ -439,6 +441,7 @@ class Arena:
     # ---------------------------------------------------------------------------- capture (_pinning.py)
     _acquire_captured = _pinning._acquire_captured
     _pin_for = _pinning._pin_for
+    _capture_under_way = _pinning._capture_under_way
     _growth_refusal = _pinning.growth_refusal
 
     # ----------------------------------------------------------------------------------- lock not held

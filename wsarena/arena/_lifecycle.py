@@ -122,12 +122,21 @@ def release_closed() -> None:
     nothing more: each is closed again (:meth:`Arena.close` is idempotent, and frees what it may). Called by every
     arena's trim, stats and growth, with no arena's lock held; does nothing while no closed arena holds anything, and
     closes again only those of which something may be freed or let go now. What captured calls kept for graphs gone
-    since goes too (:func:`~wsarena.arena._pins.let_go_kept`)."""
-    let_go_kept()
+    since goes too, once no capture is under way (:func:`~wsarena.arena._pins.let_go_kept`)."""
+    let_go_kept(_no_capture_under_way)
     if _closed_holding:
         for arena in list(_closed_holding.values()):  # list(): one C call, whatever other threads do
             if _may_let_go(arena._table):
                 arena.close()
+
+
+def _no_capture_under_way() -> bool:
+    """Whether no CUDA graph capture that an arena knows of may be under way in this process, in any thread: each
+    arena that can tell captures is asked (``Arena._capture_under_way``: the calling thread's current stream, the
+    legacy default stream, and the streams of the captures it recorded, a lease's, a keep's or a
+    :func:`wsarena.capture` block's). No lock: the lists are read in one C call each."""
+    arenas = _live_arenas() + list(_closed_holding.values())
+    return not any(arena._capture is not None and arena._capture_under_way(None) for arena in arenas)
 
 
 def _may_let_go(table: _Table) -> bool:
@@ -167,8 +176,16 @@ def track_arena(arena: Arena) -> None:
 def device_arenas(device: int) -> list[Arena]:
     """The arenas of CUDA device ``device`` that live now (closed ones too). No lock: the list of every arena is read
     in one C call, so that an interrupt here leaves nothing held."""
-    live = (ref() for ref in list(_arenas.values()))
-    return [arena for arena in live if arena is not None and arena.device == device]
+    return [arena for arena in _live_arenas() if arena.device == device]
+
+
+def _live_arenas() -> list[Arena]:
+    """The arenas that live now (closed ones too): the list of every arena read in one C call, and its weak references
+    followed in C (``map``), where the dead ones it keeps until it is pruned would each cost a turn of a Python loop."""
+    return list(filter(None, map(_follow, list(_arenas.values()))))
+
+
+_follow = weakref.ref.__call__  # _follow(ref) is ref(): the object, or None once it is gone
 
 
 def keep_parents_memory(table: _Table) -> None:

@@ -143,9 +143,11 @@ def _pin_for(self: Arena, capture: Any) -> Any:
         return captures.setdefault(capture.id, pin)
 
 
-def keep_with_capture(self: Arena, objects: Any, stream: Any) -> bool:
+def keep_with_capture(self: Arena, objects: list[Any], stream: Any) -> bool:
     """:meth:`Arena.keep_with_capture`: ``objects`` kept by the pin of the graph being captured on ``stream``, made
-    and handed to the graph if no lease of the capture did yet (lock not held)."""
+    and handed to the graph if no lease of the capture did yet. The stream is recorded, unless it is already (by a
+    lease, or by :func:`wsarena.capture`, whose record keeps its seeded buffer until the first lease): frees with no
+    stream, and the drop of what graphs gone kept, wait while its capture may go on (lock not held)."""
     if self._capture is None:
         return False
     key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
@@ -155,7 +157,10 @@ def keep_with_capture(self: Arena, objects: Any, stream: Any) -> bool:
         return False
     if capture is None:
         return False
-    self._pin_for(capture).keep(objects)
+    pin = self._pin_for(capture)
+    with self._lock:
+        self._table.capturing.setdefault(key, pin)
+    pin.keep(objects)
     return True
 
 
@@ -245,7 +250,7 @@ def _captured(capture: Any, key: Any) -> bool:
 
 def _capture_under_way(self: Arena, key: Any) -> bool:
     """Whether a free with no stream (a device synchronisation) would break a capture under way: on the stream of
-    ``key`` (the call that drains the queue), on the calling thread's current stream (a capture block's), on any
+    ``key`` (the call that drains the queue, if any), on the calling thread's current stream (a capture block's), on any
     stream a lease was taken on during a capture that may not be over or that :func:`wsarena.capture` is capturing
     (:func:`watch_capture`; in any thread: a capture in CUDA's global mode is broken by another thread's
     synchronisation), recorded by this arena or by another of the device (the one :func:`get_arena` made in place of

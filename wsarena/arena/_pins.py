@@ -15,9 +15,9 @@ thread's first lease of a capture; the pins of a collected arena) leaves its sem
 :func:`free_posted` looks at, when a pin is made and when an arena is closed or collected: each is freed once posted.
 
 A pin also keeps what else the graph's kernels use that would otherwise be freed while it exists (:meth:`GraphPin.keep`:
-the copies a captured call made of its operands, the result it made), until :func:`let_go_kept` finds the pin posted.
-What the pins of an arena keep is counted as they keep it (:class:`KeptBytes`), so that :meth:`Arena.stats` reads a
-number.
+the copies a captured call made of its operands, the result it made), until :func:`let_go_kept` finds the pin posted
+and no capture under way (dropping an array may free its device memory, ``cudaFree``, which a capture forbids). What
+the pins of an arena keep is counted as they keep it (:class:`KeptBytes`), so that :meth:`Arena.stats` reads a number.
 A forked child never lets go of what its parent's pins kept: the parent's memory, kept there for good.
 
 ``sem_post`` returns an int and CUDA calls it as ``void (*)(void *)``: on the ABIs CUDA runs on (x86-64 System V,
@@ -29,7 +29,7 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import _forksafe
@@ -120,10 +120,8 @@ class GraphPin:
     def keep(self, objects: Iterable[Any]) -> None:
         """Keep ``objects`` (arrays whose memory the graph's kernels write or read) while the graph exists: freed
         meanwhile, their memory would go to the next allocation, which every replay would overwrite. The first
-        :func:`let_go_kept` after CUDA posts the pin lets go of them; the first keep of each pin runs one, so what is
-        kept is what graphs alive kept. What they hold is counted in :attr:`tally` now, once (:class:`KeptBytes`)."""
-        if id(self) not in _keeping:
-            let_go_kept()
+        :func:`let_go_kept` after CUDA posts the pin, once no capture is under way, lets go of them. What they hold is
+        counted in :attr:`tally` now, once (:class:`KeptBytes`)."""
         _keep(self, objects if type(objects) is list else list(objects))
 
     def never_held(self) -> None:
@@ -241,19 +239,23 @@ def owner_and_size(array: Any) -> tuple[Any, int]:
     return owner, max(nbytes, 0)
 
 
-def let_go_kept() -> None:
-    """Let go of what pins kept (:meth:`GraphPin.keep`) for graphs gone since: the arenas' trim, stats and growth run
-    this (:func:`~wsarena.arena._lifecycle.release_closed`), as they free the buffers such graphs pinned.
+def let_go_kept(may_drop: Callable[[], bool]) -> None:
+    """Let go of what pins kept (:meth:`GraphPin.keep`) for graphs gone since, unless ``may_drop()`` (asked only where
+    there is some) says no: a CUDA graph capture may be under way, which dropping an array would break where that
+    frees its memory (``cudaFree``, with an allocator that keeps no pool); a later call lets go of it. The arenas'
+    trim, stats and growth, and the end of a :func:`wsarena.capture` block, run this
+    (:func:`~wsarena.arena._lifecycle.release_closed`).
 
     No lock of wsarena's while the objects go (an array's free may call CUDA). Each pin is let go of in idempotent
     steps, taken off the list last: two callers at once, or a call after one that an interrupt cut short, end the
     same."""
     posted = [pin for pin in list(_keeping.values()) if not pin.live()]  # list(): one C call, whatever other threads do
-    for pin in posted:
-        if pin.tally is not None:
-            pin.tally.uncount(pin)
-        pin.kept.clear()
-        _keeping.pop(id(pin), None)
+    if posted and may_drop():
+        for pin in posted:
+            if pin.tally is not None:
+                pin.tally.uncount(pin)
+            pin.kept.clear()
+            _keeping.pop(id(pin), None)
 
 
 def _after_fork_in_child() -> None:
