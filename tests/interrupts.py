@@ -133,3 +133,20 @@ def interrupt_at_check(
 
     return _run_traced(trace, lambda: fired, function, args)
 
+
+
+def from_a_frame_of(function: Callable[..., Any]) -> Callable[[], bool]:
+    """An ``after`` for :func:`interrupt_at_check`: true from the first check made while a frame of ``function`` is
+    on this thread's stack on (where a step begins that must lose nothing from its first instruction on)."""
+    code = function.__code__
+    began = False
+
+    def after() -> bool:
+        nonlocal began
+        frame = None if began else sys._getframe()
+        while frame is not None and frame.f_code is not code:
+            frame = frame.f_back
+        began = began or frame is not None
+        return began
+
+    return after

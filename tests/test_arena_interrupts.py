@@ -3,6 +3,7 @@ free afterwards, no lease is left live, no buffer is lost, and the stream serves
 (the rules are written down in ``wsarena/arena/_interrupts.py``)."""
 
 import contextlib
+import functools
 import gc
 import threading
 import warnings
@@ -12,11 +13,11 @@ import numpy as np
 import pytest
 
 import wsarena
-from wsarena.arena import Arena, _growth, _lifecycle
+from wsarena.arena import Arena, _growth, _lifecycle, _pinning
 from wsarena.arena._interrupts import finish
 from wsarena.arena.testing import FakeStream, RecordingProvider
 
-from .interrupts import interrupt_at_call, interrupt_at_check, interrupt_at_entry_of
+from .interrupts import from_a_frame_of, interrupt_at_call, interrupt_at_check, interrupt_at_entry_of
 
 # each interrupting test collects the garbage of every run: over the heap the suite leaves, minutes (conftest)
 pytestmark = pytest.mark.usefixtures("frozen_heap")
@@ -369,6 +370,46 @@ def test_an_interrupt_at_any_check_of_a_trim_that_frees_what_a_released_graph_he
         graph.close()
 
     assert _interrupt_each_check_of_a_trim(prepare) > 20
+
+
+def test_an_interrupt_at_any_check_of_a_keep_keeps_every_array_and_counts_it_once():
+    """keep_with_capture during a capture, after a graph that kept an array was destroyed. Ctrl-C at every check from
+    the first instruction of the keep (``_pinning.keep_with_capture``, which the call runs to completion) to the call's
+    return, one run each: every array is kept as long as the graph exists, counted once in kept_bytes, and let go once
+    the graph is destroyed. Once, the keep let go of what the destroyed graph had kept first, and an interrupt there
+    lost the arrays, whose memory the graph's kernels would have used once freed."""
+    n = 1
+    while True:
+        provider = RecordingProvider(device_id=0)
+        arena = Arena(provider)
+        gone = provider.begin_capture(0x51)
+        arena.keep_with_capture([np.empty(100, np.uint8)], stream=0x51)
+        provider.end_capture(gone)
+        gone.close()
+        graph = provider.begin_capture(0x51)
+        base = np.empty(1000, np.uint8)
+        arrays = [base[10:], np.empty(64, np.uint8), base[:5]]
+        kept = [weakref.ref(array) for array in (*arrays, base)]
+        del base
+        gc.collect()  # earlier garbage is not collected in the traced run (its finalizers would get the interrupt)
+        fired = interrupt_at_check(
+            n, functools.partial(arena.keep_with_capture, stream=0x51), arrays, skip=_in_provider,
+            after=from_a_frame_of(_pinning.keep_with_capture),
+        )
+        del arrays
+        gc.collect()
+        where = f"interrupted at check {n}"
+        assert all(ref() is not None for ref in kept), where
+        provider.end_capture(graph)
+        assert arena.stats().kept_bytes == 1000 + 64, where
+        graph.close()
+        assert arena.stats().kept_bytes == 0, where
+        gc.collect()
+        assert all(ref() is None for ref in kept), where
+        if not fired:
+            break
+        n += 1
+    assert n > 30  # it reached the count, not only the keep's first step
 
 
 def test_an_interrupt_at_any_check_of_a_stats_that_lets_go_of_what_a_graph_kept_counts_it_right():

@@ -23,6 +23,7 @@ from wsarena.arena.testing import RecordingProvider
 from wsarena.backends._cpu_backend import CpuBackend
 
 from .forking import fork
+from .interrupts import from_a_frame_of, interrupt_at_check
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}  # float32 against the float64 reference
 
@@ -132,6 +133,43 @@ def test_what_graphs_gone_kept_is_let_go_once_no_capture_is_under_way(provider, 
     assert sorted(freed) == ["copy"] * 4 + ["result"] * 2  # the two closed graphs' calls'
     last.close()
     assert arena.stats().kept_bytes == 0
+
+
+@pytest.mark.usefixtures("frozen_heap")  # a run each: the garbage of the last collected before the next
+def test_an_interrupt_at_any_check_of_a_captured_calls_keep_keeps_what_the_call_made(provider, freed):
+    """A captured call keeps its operands' copies and its result while the graph exists, a graph destroyed before it
+    waiting to have what it kept let go. Ctrl-C at every check from the first instruction of the call's keep
+    (ops._keep_with_capture, which the call runs to completion) to the call's return, one run each: the copies and the
+    result live until the graph is destroyed, counted once. Once, the pin's first keep let go of what graphs gone
+    since had kept first, and an interrupt there lost the call's copies and result, which the graph's kernels write
+    and read at every replay."""
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    arena = wsarena.get_arena("cpu")
+    n = 1
+    while True:
+        gone = provider.begin_capture("lane")
+        arena.keep_with_capture([np.empty(100, np.uint8)], stream="lane")
+        provider.end_capture(gone)
+        gone.close()
+        graph = provider.begin_capture("lane")
+        gc.collect()
+        freed.clear()
+        after = from_a_frame_of(ops._keep_with_capture)
+        fired = interrupt_at_check(n, lambda: wsarena.conv_forward(x, w, padding=1, stream="lane"), after=after)
+        gc.collect()
+        where = f"interrupted at check {n}"
+        assert freed == [], where
+        provider.end_capture(graph)
+        assert arena.stats().kept_bytes == made_bytes(x, w, False), where
+        graph.close()
+        arena.stats()
+        gc.collect()
+        assert sorted(freed) == ["copy", "copy", "result"], where
+        if not fired:
+            break
+        n += 1
+    assert n > 30  # it reached the count, not only the keep's first step
 
 
 def made_bytes(x, w, given_out):

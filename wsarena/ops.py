@@ -30,6 +30,7 @@ from ._geometry import DTYPES, ITEMSIZES, ConvGeometry, conv_geometry, describe_
 from ._pass import Pass
 from ._sizes import format_size, short_repr
 from .algos import forced, run_with_fallback, select
+from .arena._interrupts import finish
 from .backends import Backend, Candidate, array_backend_name, get_backend, is_masked_type, type_backend_name
 from .errors import CaptureError
 
@@ -224,7 +225,7 @@ def _run(
                 if pass_ is Pass.BWD_FILTER:
                     result[...] = 0
             if ws.pin is not None:  # dw's zeros are written at every replay
-                _keep_with_capture(backend, stream, ws.pin, [], (), None if out is not None else result)
+                finish(_keep_with_capture, backend, stream, ws.pin, [], (), None if out is not None else result)
             return result
         operands = [a, b]  # made C-contiguous, by copies, once the algorithm is chosen (or for its search)
         pin = _NOT_RUN  # once a lease ran the call: the pin of the graph it was captured into, or None
@@ -245,7 +246,9 @@ def _run(
                 # During a capture, what the call allocated stays as long as the graph: the copies once made (and
                 # enqueued), the result once the call ran. Outside one, the first lease said so (pin None).
                 if pin is not None and (pin is not _NOT_RUN or operands[0] is not a or operands[1] is not b):
-                    _keep_with_capture(backend, stream, pin, operands, (a, b), None if out is not None else result)
+                    finish(
+                        _keep_with_capture, backend, stream, pin, operands, (a, b), None if out is not None else result
+                    )
         except BaseException:
             if out is None:  # a result returned to no one (the convolution may have run: a warning made an error)
                 result = None
@@ -277,7 +280,9 @@ def _keep_with_capture(
     did since, and ``result`` (a new one, or ``None``), where a kernel of the call was captured. ``pin``: the graph's,
     as the call's lease gave it, or :data:`_NOT_RUN` where no lease ran the call (the capture refused it): the arena is
     asked, and keeps nothing where no capture is under way. What the graph allocates itself is left as it is
-    (:meth:`~wsarena.backends.Backend.graph_allocated`)."""
+    (:meth:`~wsarena.backends.Backend.graph_allocated`). Idempotent: the call runs it under
+    :func:`~wsarena.arena._interrupts.finish`, again after a Ctrl-C, which would otherwise leave what its kernels use
+    to be freed as the call returns."""
     made = [copy for copy, array in zip(operands, given) if copy is not array]
     if pin is not _NOT_RUN and result is not None:
         made.append(result)

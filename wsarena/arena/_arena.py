@@ -44,6 +44,7 @@ from .._config import get_config, setting
 from .._sizes import as_int, format_size, short_repr
 from ..errors import CaptureError, WorkspaceCapError
 from . import _growth, _leases, _lifecycle, _pinning, _refusals
+from ._interrupts import finish
 from ._leases import POISON_BYTE
 from ._lifecycle import give_back, keep_while_holding, release_closed, track_arena, track_device_arena
 from ._pins import free_posted
@@ -305,10 +306,11 @@ class Arena:
         in ``kept_bytes``, each array's size read once, here.
 
         ``objects`` is a collection of arrays, read before anything is kept: one array is a ``TypeError`` (iterated,
-        it would be kept as its rows, one view each)."""
+        it would be kept as its rows, one view each). A Ctrl-C once the keep has begun loses none of them: it
+        completes, then the interrupt is raised (:func:`~wsarena.arena._interrupts.finish`)."""
         if any(hasattr(objects, name) for name in ("shape", "__cuda_array_interface__", "__dlpack__")):
             raise TypeError(f"keep_with_capture() takes a collection of arrays, not one: [{short_repr(objects)}]")
-        return _pinning.keep_with_capture(self, list(objects), stream)
+        return finish(_pinning.keep_with_capture, self, list(objects), stream)
 
     def held_bytes(self, *, stream: Any = None) -> int:
         """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none; 0 too for

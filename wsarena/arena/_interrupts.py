@@ -36,6 +36,13 @@ of a lock and taking it back (``threading.Condition.wait`` has such a place: an 
    never through a local that an interrupt as the call returns would leave holding it. What the provider does in its
    own frames is its own (a Ctrl-C inside ``allocate`` or ``deallocate`` may lose that buffer). Likewise a sub-arena
    that is forgotten queues its buffers before it leaves the table.
+7. An array kept for a CUDA graph (:meth:`~wsarena.arena._pins.GraphPin.keep`) goes to its pin within one C call
+   (``dict.update`` over a ``zip``), in a step that runs under :func:`finish` from the first instruction of the
+   keep on (the ops' ``_keep_with_capture``, ``Arena.keep_with_capture``, the pin's own): an interrupt before that
+   call runs the step again, one after it finds the array kept. The count of what pins keep
+   (:class:`~wsarena.arena._pins.KeptBytes`) changes owner by owner, with no call between the stores of one, and
+   the pin records each owner it counted, so that a step run again counts none twice; letting go of a pin's
+   objects is such steps too, the pin taken off the list of those that keep last.
 """
 
 from __future__ import annotations

@@ -147,7 +147,8 @@ def keep_with_capture(self: Arena, objects: list[Any], stream: Any) -> bool:
     """:meth:`Arena.keep_with_capture`: ``objects`` kept by the pin of the graph being captured on ``stream``, made
     and handed to the graph if no lease of the capture did yet. The stream is recorded, unless it is already (by a
     lease, or by :func:`wsarena.capture`, whose record keeps its seeded buffer until the first lease): frees with no
-    stream, and the drop of what graphs gone kept, wait while its capture may go on (lock not held)."""
+    stream, and the drop of what graphs gone kept, wait while its capture may go on. Idempotent: run again after an
+    interrupt (lock not held)."""
     if self._capture is None:
         return False
     key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)

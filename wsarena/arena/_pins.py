@@ -34,6 +34,7 @@ from typing import Any
 
 from .. import _forksafe
 from .._sizes import as_int
+from ._interrupts import finish
 
 __all__ = ["HOST_FN", "SEM_POST", "GraphPin", "KeptBytes", "free_posted", "let_go_kept"]
 
@@ -121,8 +122,11 @@ class GraphPin:
         """Keep ``objects`` (arrays whose memory the graph's kernels write or read) while the graph exists: freed
         meanwhile, their memory would go to the next allocation, which every replay would overwrite. The first
         :func:`let_go_kept` after CUDA posts the pin, once no capture is under way, lets go of them. What they hold is
-        counted in :attr:`tally` now, once (:class:`KeptBytes`)."""
-        _keep(self, objects if type(objects) is list else list(objects))
+        counted in :attr:`tally` now, once (:class:`KeptBytes`).
+
+        A Ctrl-C once the keep has begun (:func:`~wsarena.arena._interrupts.finish` runs it) loses none of them: they
+        go to the pin in one C call, and the step runs again until it completes, then the interrupt is raised."""
+        finish(_keep, self, objects if type(objects) is list else list(objects))
 
     def never_held(self) -> None:
         """No graph was given this pin (the call that would have failed): post it here, as CUDA would have, so that it
@@ -151,8 +155,9 @@ def _let_go(state: list[Any]) -> None:
 
 
 def _keep(pin: GraphPin, objects: list[Any]) -> None:
-    """:meth:`GraphPin.keep`: the objects go to the pin, which is listed for :func:`let_go_kept`, and what they hold
-    is counted."""
+    """:meth:`GraphPin.keep`'s one step, idempotent (run again after an interrupt): the objects go to the pin within
+    one C call (``dict.update`` over a ``zip``); then the pin is listed for :func:`let_go_kept`, and what they hold is
+    counted."""
     pin.kept.update(zip(map(id, objects), objects))
     _keeping[id(pin)] = pin
     if pin.tally is not None:
