@@ -1,11 +1,16 @@
 """What a lease costs: a lease/release pair on an existing CPU lane, beside a bare lock and a fresh allocation.
 
-    python bench/bench_lease.py [--repeat 7] [--min-time 0.2]
+    python bench/bench_lease.py [--repeat 7] [--min-time 0.2] [--kept 30000] [--graphs 100]
 
 For 4 KiB, 1 MiB and 64 MiB: ``with arena.lease(n):`` on a lane whose buffer already holds ``n`` bytes (the
 steady state of a network's forward/backward passes), the same with ``ws.array`` taken, a bare
 ``threading.Lock`` acquire/release, a fresh ``numpy.empty(n, uint8)``, and one trivial ctypes call for scale.
 Each figure is the median over ``--repeat`` timeit runs, in microseconds per operation.
+
+Then ``arena.stats()`` of an arena whose pins keep ``--kept`` arrays for ``--graphs`` CUDA graphs (stand-in captures
+on a lane, :mod:`wsarena.arena.testing`; each ``keep_with_capture`` keeps two arrays of their own and a view of one
+array they all share), which each ``wsarena.capture()`` calls; one such keep, and the ``stats()`` that lets go of them
+all once the graphs are destroyed (milliseconds, once).
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ import ctypes
 import platform
 import statistics
 import threading
+import time
 import timeit
 
 import numpy as np
 
 from wsarena._sizes import format_size
 from wsarena.arena import Arena, HostProvider
+from wsarena.arena.testing import RecordingProvider
 
 SIZES = (4 << 10, 1 << 20, 64 << 20)
 
@@ -36,10 +43,37 @@ def per_call_us(stmt, *, repeat: int, min_time: float, number: int | None = None
     return statistics.median(runs) / number * 1e6
 
 
+def kept_stats(kept: int, graphs: int, timing: dict[str, float]) -> tuple[float, float, float]:
+    """Microseconds per ``stats()`` while ``graphs`` graphs keep ``kept`` arrays, per ``keep_with_capture`` of three,
+    and milliseconds of the ``stats()`` that lets go of them all once the graphs are destroyed."""
+    provider = RecordingProvider()
+    arena = Arena(provider)
+    shared = np.empty(1 << 16, np.uint8)
+    keeps = max(1, kept // graphs // 3)
+    made = []
+    start = time.perf_counter()
+    for _ in range(graphs):
+        graph = provider.begin_capture("bench")
+        for i in range(keeps):
+            arena.keep_with_capture([np.empty(16, np.float32), np.empty(16, np.float32), shared[i:]], stream="bench")
+        provider.end_capture(graph)
+        made.append(graph)
+    keep_us = (time.perf_counter() - start) / (graphs * keeps) * 1e6
+    stats_us = per_call_us(arena.stats, **timing)
+    assert arena.stats().kept_bytes == graphs * keeps * 2 * 64 + shared.nbytes
+    for graph in made:
+        graph.close()
+    start = time.perf_counter()
+    assert arena.stats().kept_bytes == 0
+    return stats_us, keep_us, (time.perf_counter() - start) * 1e3
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per timeit run (about)")
+    parser.add_argument("--kept", type=int, default=30_000, help="arrays kept for graphs, for stats()")
+    parser.add_argument("--graphs", type=int, default=100, help="graphs that keep them")
     args = parser.parse_args(argv)
     timing = {"repeat": args.repeat, "min_time": args.min_time}
 
@@ -82,6 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     for n, lease_us, array_us, empty_us in rows:
         print(f"{format_size(n):>8}  {lease_us:>13.3f}  {array_us:>10.3f}  {lock_us:>6.3f}  {empty_us:>8.3f}  "
               f"{lease_us / lock_us:>9.1f}x  {lease_us / empty_us:>10.2f}x  {lease_us / ctypes_us:>11.1f}x")
+    stats_us, keep_us, let_go_ms = kept_stats(args.kept, args.graphs, timing)
+    print(f"stats() with {args.kept:,} arrays kept for {args.graphs} graphs: {stats_us:.1f} µs    "
+          f"a keep of 3: {keep_us:.1f} µs    the stats() that lets go of them all: {let_go_ms:.1f} ms")
 
 
 if __name__ == "__main__":
