@@ -858,6 +858,41 @@ def test_a_search_on_a_ranking_memory_kept_the_backend_from_finishing_times_only
     assert [c.algo for c in got] == ["gemm", "fft", "implicit"] and b.measured[1:] == [["fft", "gemm", "implicit"]]
 
 
+def test_a_ranking_memory_kept_from_ranking_and_timing_some_searches_again_once_what_it_lacked_can_be_had():
+    """The backend ranks fwd without wino for want of memory (PartlyRanked) and the search has no memory for fft's
+    300 B: each call ranks again, and takes the times the last search took, fft skipped as a search cut short keeps
+    it, until 300 B can be had (one lease asks, as for a search cut short); then fft is timed. Each call timed gemm
+    and implicit again, asking the provider for fft's workspace in the search's own lease."""
+
+    class Short(FakeBackend):
+        ranked = 0
+
+        def candidates(self, pass_, geom):
+            self.ranked += 1
+            raise PartlyRanked([c for c in super().candidates(pass_, geom) if c.algo != "wino"])
+
+    class Asked(FakeArena):
+        def lease(self, nbytes, *, stream=None, cap=None):
+            self.asked.append(nbytes)
+            return super().lease(nbytes, stream=stream, cap=cap)
+
+    b = Short({"fft": 300, "gemm": 100, "implicit": 0, "wino": 50}, {**TIMES, "wino": 0.5})
+    b._arena = Asked(memory=150)
+    b._arena.held[None], b._arena.asked = 120, []
+    cut = [("gemm", 1.0), ("implicit", 9.0), ("fft", None)]
+    for _ in range(3):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(0, 0, 0))
+        assert [(c.algo, c.time_ms) for c in got] == cut
+    assert b.ranked == 3 and b.measured == [["gemm", "implicit"]]
+    assert b.arena().asked == [300, 100, 300, 300]  # the search's two leases, then one probe a call
+    b._arena.memory = 1000
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(0, 0, 0))
+    assert [c.algo for c in got] == ["gemm", "fft", "implicit"] and b.measured[1:] == [["fft", "gemm", "implicit"]]
+    select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(0, 0, 0))
+    assert len(b.measured) == 2 and b.ranked == 5  # every candidate ranked is timed: nothing timed, nothing probed
+    assert b.arena().asked == [300, 100, 300, 300, 300, 300]
+
+
 def test_a_search_whose_backend_rejects_some_candidates_is_kept_without_them():
     b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times={"fft": 5.0, "gemm": 1.0, "implicit": 9.0})
     real = b.measure

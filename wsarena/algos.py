@@ -158,8 +158,9 @@ def choose(
         key: ``serves(key)`` says whether it serves this call (its operands have that key); if not, the search runs
         again. For one the backend made without candidates memory kept it from ranking (:class:`PartlyRanked`), the
         key is a marker no operands have: it serves a call that cannot rank (a capture's); another call ranks again,
-        and its search times only where the backend now ranks a candidate that ranking has no time for. Without it,
-        either is ranked again on every call.
+        and its search times only where the backend now ranks a candidate that ranking did not rank, or where what
+        memory kept its search from timing can be had (``can_have``). Without it, either is ranked again on every
+        call.
     warn
         Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap keeps the fastest algorithm from
         running: the heuristic favourite; for an exhaustive search, one above the cap that ``known`` says is faster
@@ -186,7 +187,10 @@ def choose(
     if entry is None:
         timing = measure if exhaustive else None
         if timing is not None and kept is not None and kept[3] is _PARTLY_RANKED:
-            timing = _timed_before(kept[0], timing)  # ranked again, but not timed again
+            # Ranked again, but not timed again: those memory kept its search from timing wait, as for a search cut
+            # short, until what it lacked can be had
+            again = bool(kept[2]) and (can_have is None or can_have(kept[2]))
+            timing = _timed_before(kept, timing, again)
         with using(settings):  # what the backend reads of them (cudnn_heuristic), as the key has them
             best, excluded, lacked, untimed, only = _rank(backend, pass_, geom, cap, timing, known)
         entry = (best, excluded, lacked, only)
@@ -217,19 +221,29 @@ def _timed(entry: _Entry) -> bool:
 
 
 def _timed_before(
-    ranking: tuple[Candidate, ...], measure: Callable[[list[Candidate]], searchcache.Found]
+    kept: _Entry, measure: Callable[[list[Candidate]], searchcache.Found], again: bool
 ) -> Callable[[list[Candidate]], searchcache.Found]:
-    """``measure``, but where ``ranking``, the one kept for the call (ranked by the backend without some candidates,
-    :class:`PartlyRanked`, so ranked again by each call), timed every candidate given: those times. Each call ranks
-    again, to rank those left out once memory allows, and without this, times again what it timed (with the search
-    cache off, every call); a ranking kept for good is timed once per process."""
-    times = {(c.algo, c.math_type): c.time_ms for c in ranking if c.time_ms is not None}
+    """``measure``, but where ``kept``, the entry kept for the call (ranked by the backend without some candidates,
+    :class:`PartlyRanked`, so ranked again by each call), ranked every candidate given and timed one: its times, and
+    those it could not time skipped again, unless ``again`` (what memory kept its search from timing can be had now:
+    every candidate is timed, as a search cut short runs again). Each call ranks again, to rank those left out once
+    memory allows, and without this, times again what it timed (with the search cache off, every call) and asks
+    memory again for what it lacked; a ranking kept for good is timed once per process."""
+    ranking, lacked = kept[0], kept[2]
+    times = {(c.algo, c.math_type): c.time_ms for c in ranking}
 
     def search(cands: list[Candidate]) -> searchcache.Found:
-        if not all((c.algo, c.math_type) in times for c in cands):
+        if again or not all((c.algo, c.math_type) in times for c in cands):
             return measure(cands)
-        timed = [dataclasses.replace(c, time_ms=times[(c.algo, c.math_type)]) for c in cands]
-        return sorted(timed, key=lambda c: c.time_ms or 0.0), []
+        known = [times[(c.algo, c.math_type)] for c in cands]
+        if all(ms is None for ms in known):  # nothing to rank them by
+            return measure(cands)
+        timed = [dataclasses.replace(c, time_ms=ms) for c, ms in zip(cands, known) if ms is not None]
+        skipped = [c for c, ms in zip(cands, known) if ms is None]
+        # The largest lease, as a search reports it (_rank): those skipped below what that search lacked ran out of
+        # memory of their own, and the ranking waits for what it lacked alone
+        held = max((c.workspace_bytes for c in skipped if not lacked or c.workspace_bytes < lacked), default=0)
+        return sorted(timed, key=lambda c: c.time_ms or 0.0), skipped, held
 
     return search
 
