@@ -776,6 +776,26 @@ def test_a_ranking_without_candidates_refused_on_its_operands_serves_only_operan
     assert search(0x1002) == (["gemm", "fft", "implicit"], 3)
 
 
+def test_a_ranking_for_operands_alike_asked_of_operands_memory_cannot_make_falls_back_as_its_search_would():
+    """The ranking kept serves operands alike, and this call's operands cannot be made (no memory for the copies) to
+    tell: the call is not served, and runs the heuristic order, as a search without operands does, making them once.
+    The ranking kept stays for the calls it serves. The MemoryError ended the call, where the search falls back."""
+    b = _RefusingOnOperands({"fft": 300, "gemm": 100, "implicit": 0}, TIMES)
+    select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(0x1004, 0, 0))
+    asked = []
+
+    def no_operands():
+        asked.append(1)
+        raise MemoryError("no memory for the operands")
+
+    with pytest.warns(MemoryFallbackWarning, match=r"could not time any algorithm \(no memory for the operands\)"):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=no_operands)
+    assert [(c.algo, c.time_ms) for c in got] == [("fft", None), ("gemm", None), ("implicit", None)]
+    assert asked == [1] and len(b.measured) == 1
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(0x2004, 0, 0))
+    assert [c.algo for c in got] == ["gemm", "implicit"] and len(b.measured) == 1
+
+
 def test_a_search_on_a_view_leaves_the_ranking_another_thread_kept_for_good_meanwhile():
     """A search on a view (fft refused there) is under way when another call of the signature, on aligned operands,
     searches and keeps its ranking for good: the view's ranking, which serves operands alike alone, is its own call's

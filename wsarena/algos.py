@@ -385,10 +385,17 @@ def select(
 
     key_of = getattr(backend, "operands_key", None)  # what of the operands decides the candidates refused on them
     made: list[tuple[Any, Any, Any]] = []
+    lacking: list[str] = []  # why they could not be made: not asked for again (the text alone, holding no frames)
 
     def the_operands() -> tuple[Any, Any, Any]:  # made once, where asked for
+        if lacking:
+            raise MemoryError(lacking[0])
         if not made:
-            made.append(operands() if callable(operands) else operands)
+            try:
+                made.append(operands() if callable(operands) else operands)
+            except MemoryError as exc:
+                lacking.append(str(exc) or type(exc).__name__)
+                raise
         return made[0]
 
     def serves(searched_on: Any) -> bool:
@@ -398,7 +405,10 @@ def select(
             return True
         if searched_on is _PARTLY_RANKED or searched_on is _UNTIMED or key_of is None:
             return False
-        return key_of(*the_operands()) == searched_on
+        try:
+            return key_of(*the_operands()) == searched_on
+        except MemoryError:  # no operands to tell: the search, which has none either, falls back (measure_now)
+            return False
 
     stored: dict[tuple[str, int | None], float | None] = {}  # what the search cache holds of the call, searched
 
