@@ -522,9 +522,9 @@ def test_a_search_whose_backend_rejected_all_it_could_time_is_not_kept():
     with pytest.warns(MemoryFallbackWarning) as said:
         got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
     assert [c.algo for c in got] == ["fft", "gemm", "implicit"]  # fft skipped for memory; gemm and implicit rejected
-    assert (f"an exhaustive search for fwd of {describe_geometry(GEOM)} could not time any algorithm (no workspace "
-            "could be had for fft; the search rejected gemm, implicit): the call runs them in the heuristic order"
-            ) in str(said[0].message)
+    assert (f"an exhaustive search for fwd of {describe_geometry(GEOM)} could not time any algorithm for want of "
+            "memory (no workspace could be had for fft; the search rejected gemm, implicit): the call runs them in "
+            "the heuristic order") in str(said[0].message)
     assert not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
     assert is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")  # for a capture alone
     del b.measure
@@ -694,7 +694,8 @@ def test_a_search_every_lease_of_which_the_backend_refuses_gives_the_heuristic_o
     with pytest.warns(MemoryFallbackWarning) as said:
         got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
     assert [(c.algo, c.time_ms) for c in got] == [("fft", None), ("gemm", None), ("implicit", None)]
-    assert "could not time any algorithm (refused" in str(said[0].message)
+    assert "could not time any algorithm as the backend refused to time it, not for want of memory (refused" in str(
+        said[0].message)
     assert b.measured == ["refused"] * 3 and not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
 
 
@@ -704,7 +705,7 @@ def test_a_search_memory_gave_no_workspace_gives_the_heuristic_order():
     it too). The search raised NoAlgorithmFitsError, where a heuristic plan planned."""
     b = FakeBackend({"fft": 300, "gemm": 100}, TIMES)
     b._arena = FakeArena(memory=0)
-    with pytest.warns(MemoryFallbackWarning, match=r"could not time any algorithm \(out of memory"):
+    with pytest.warns(MemoryFallbackWarning, match=r"could not time any algorithm for want of memory \(out of memory"):
         got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
     assert got == choose(b, "fwd", GEOM, cap=None) and b.measured == []
     assert not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
@@ -788,7 +789,7 @@ def test_a_ranking_for_operands_alike_asked_of_operands_memory_cannot_make_falls
         asked.append(1)
         raise MemoryError("no memory for the operands")
 
-    with pytest.warns(MemoryFallbackWarning, match=r"could not time any algorithm \(no memory for the operands\)"):
+    with pytest.warns(MemoryFallbackWarning, match=r"algorithm for want of memory \(no memory for the operands\)"):
         got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=no_operands)
     assert [(c.algo, c.time_ms) for c in got] == [("fft", None), ("gemm", None), ("implicit", None)]
     assert asked == [1] and len(b.measured) == 1
@@ -1069,3 +1070,52 @@ def test_an_arena_no_weak_reference_can_name_is_warned_on_each_fallback():
             assert run_with_fallback(arena, cands, lambda c, ws: None, stream=None, cap=None,
                                      warn_for=("fwd", GEOM)).algo == "implicit"
     assert len(_memory_warnings(record)) == 2
+
+
+def test_a_search_that_could_time_nothing_is_said_once_per_call_whatever_memory_warnings_said_before():
+    """Memory gives no workspace: each exhaustive search falls back to the heuristic order, and a SearchFallbackWarning
+    (a MemoryFallbackWarning) names each call once, though a fallback of another call had said the arena was short
+    already; a call under another cap is another call, and cache_clear() lets each be said again. Said once per
+    arena, the first memory warning hid every such search after it."""
+    from wsarena import algos
+    from wsarena.errors import SearchFallbackWarning
+
+    b = FakeBackend({"fft": 300, "gemm": 100}, TIMES)
+    b._arena = FakeArena(memory=0)
+    b._arena.held[None] = 100
+
+    def search(pass_, cap=None):
+        return select(b, pass_, GEOM, cap=cap, search="exhaustive", operands=(None, None, None))
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        run_with_fallback(b.arena(), tuple(choose(b, "fwd", GEOM, cap=None)), lambda c, ws: None, stream=None,
+                          cap=None, warn_for=("bwd_filter", GEOM))  # gemm ran in place of fft: said for the arena
+        b._arena.held.clear()
+        for pass_, cap in [("fwd", None), ("fwd", None), ("bwd_data", None), ("fwd", 200), ("fwd", None)]:
+            assert [c.algo for c in search(pass_, cap)] == (["fft", "gemm"] if cap is None else ["gemm"])
+        algos.cache_clear()
+        search("fwd")
+    said = [(w.category, str(w.message)) for w in record if issubclass(w.category, MemoryFallbackWarning)]
+    assert [c for c, _ in said] == [MemoryFallbackWarning] + [SearchFallbackWarning] * 4
+    assert issubclass(SearchFallbackWarning, MemoryFallbackWarning)
+    assert [text.split(" of ")[0] for _, text in said[1:]] == [
+        "an exhaustive search for fwd", "an exhaustive search for bwd_data", "an exhaustive search for fwd",
+        "an exhaustive search for fwd",
+    ]
+    assert all("could not time any algorithm for want of memory (out of memory" in text for _, text in said[1:])
+    assert b.measured == []
+
+
+def test_a_search_the_backend_refused_to_time_in_what_memory_gave_says_both():
+    """fft's 300 B cannot be had (nor then gemm's, above what the arena holds), and the backend refuses to time in the
+    lease memory gives: the search could time nothing for both reasons, and says so."""
+    from wsarena.errors import SearchFallbackWarning
+
+    b = _Refusing({"fft": 300, "gemm": 100, "implicit": 0}, TIMES, Refused, everything=True)
+    b._arena = FakeArena(memory=200)
+    with pytest.warns(SearchFallbackWarning) as said:
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["fft", "gemm", "implicit"] and b.measured == ["refused"]
+    assert "could not time any algorithm as the backend refused to time it in the workspace memory gave (refused)" in (
+        str(said[0].message))

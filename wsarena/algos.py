@@ -36,6 +36,7 @@ from .errors import (
     CaptureFallbackWarning,
     MemoryFallbackWarning,
     NoAlgorithmFitsError,
+    SearchFallbackWarning,
     UnsupportedConvolutionError,
     WorkspaceCapWarning,
 )
@@ -64,16 +65,19 @@ _cache: LRU[_Entry] = LRU(CHOICES_MAX)
 _warned: LRU[bool] = LRU(CHOICES_MAX)  # the keys a WorkspaceCapWarning was given for
 _captures_warned: set[str] = set()  # the streams a CaptureFallbackWarning named, by repr (no object kept alive)
 _memory_warned: weakref.WeakSet[Any] = weakref.WeakSet()  # the arenas a MemoryFallbackWarning was given for
-_lock = _forksafe.lock()  # guards _warned's test and mark, the two sets, _generation; never held as a backend runs
+_untimed_warned: LRU[bool] = LRU(CHOICES_MAX)  # the keys a SearchFallbackWarning was given for
+# guards the test and mark of _warned and _untimed_warned, the two sets, _generation; never held as a backend runs
+_lock = _forksafe.lock()
 _generation = 0  # counts cache_clear() calls: whoever keeps a choice of its own checks it is still current
 
 
 def cache_clear() -> None:
-    """Forget every cached choice (and which cap, capture and memory warnings were already given)."""
+    """Forget every cached choice (and which cap, capture, memory and search warnings were already given)."""
     global _generation
     with _lock:
         _cache.clear()
         _warned.clear()
+        _untimed_warned.clear()
         _captures_warned.clear()
         _memory_warned.clear()
         _generation += 1
@@ -264,10 +268,23 @@ def _cut_short_text(pass_: str, geom: ConvGeometry, ranking: tuple[Candidate, ..
             f"runs, and {then}")
 
 
-def _untimed_text(pass_: str, geom: ConvGeometry, why: str) -> str:
-    """What a MemoryFallbackWarning says of an exhaustive search that could time nothing, ``why``."""
-    return (f"an exhaustive search for {pass_} of {describe_geometry(geom)} could not time any algorithm ({why}): the "
-            "call runs them in the heuristic order, as algo_search='heuristic' does, and the next call searches again")
+def _warn_untimed(key: tuple, pass_: str, geom: ConvGeometry, memory: bool, refused: bool, why: str) -> None:
+    """A :class:`SearchFallbackWarning`, once per cache key: an exhaustive search could time nothing, for want of
+    ``memory``, ``refused`` by the backend, or both (``why`` says what of each candidate)."""
+    if _untimed_warned.lookup(key) is not None:  # lookup(): a key in use is the most recently used here too
+        return
+    with _lock:
+        if key in _untimed_warned:
+            return
+        _untimed_warned.put(key, True)
+    cause = ("as the backend refused to time it in the workspace memory gave" if memory and refused else
+             "as the backend refused to time it, not for want of memory" if refused else "for want of memory")
+    _callsite.warn(
+        f"an exhaustive search for {pass_} of {describe_geometry(geom)} could not time any algorithm {cause} ({why}): "
+        "the call runs them in the heuristic order, as algo_search='heuristic' does, and the next call searches "
+        "again (said once per call: pass, geometry and cap)",
+        SearchFallbackWarning,
+    )
 
 
 def _rank(
@@ -362,7 +379,7 @@ def select(
     ``operands_key``: on cuDNN their alignments), others searching again; a key of ``None`` (operands every search times
     on where it can: on cuDNN, 16-byte-aligned ones, or a view's aligned copies) keeps it for good. Where nothing could
     be timed (every lease refused, memory for none, no operands to be had), the call gets the heuristic order, as the
-    heuristic search would give it, with a :class:`MemoryFallbackWarning`, kept for a capture alone (the next other
+    heuristic search would give it, with a :class:`SearchFallbackWarning`, kept for a capture alone (the next other
     call searches again) where no ranking a search timed is kept. A search cut short because the largest could not be
     had is run again once a lease of what it lacked succeeds (:func:`choose`'s ``can_have``), never while ``stream`` is
     being captured (``search_again=False``, which the ops pass then: a search is no graph node). :func:`wsarena.tune`
@@ -438,9 +455,14 @@ def select(
         except stopped as exc:
             # No lease timed anything (memory gave none, or the backend refused to time in each), or there were no
             # operands to time on: the call runs as the heuristic search runs it (choose, for a search that timed
-            # nothing), which raises only where that cannot run it either
-            _warn_memory(arena, _untimed_text, pass_, geom, str(exc))
+            # nothing), which raises only where that cannot run it either. A candidate the backend did not refuse
+            # in its own lease memory stopped (run_with_fallback tried each in turn)
+            untimed(any(c not in refused for c in cands), bool(refused), str(exc))
             return [], []
+
+    def untimed(memory: bool, refused: bool, why: str) -> None:
+        # Under the settings choose() keyed the call by (it measures in a using() scope of them)
+        _warn_untimed(_key(backend, pass_, geom, "exhaustive", cap, get_config()), pass_, geom, memory, refused, why)
 
     def time_all(cands: list[Candidate], refused: list[Candidate]) -> searchcache.Found:
         a, b, out = the_operands()
@@ -482,7 +504,7 @@ def select(
                     ("out of memory timing", failed), ("refused to time", refused),
                     ("the search rejected", [c for c in cands if c not in skipped and c not in refused]))
             why = "; ".join(f"{what} {', '.join(c.algo for c in those)}" for what, those in said if those)
-            _warn_memory(arena, _untimed_text, pass_, geom, why)
+            untimed(bool(skipped), bool(refused), why)
         # Without those refused on these operands, the ranking serves only calls on operands alike (serves), unless
         # every search times on such operands where it can (key None: a search again would time them as this one did)
         only = key_of(a, b, out) if refused and key_of is not None else None

@@ -26,6 +26,8 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
                                                    stream)
     MemoryFallbackWarning (UserWarning)            memory, not the cap, made a call run a slower algorithm, or cut
                                                    an exhaustive search short (once per arena)
+    └── SearchFallbackWarning                      an exhaustive search could time nothing (memory, or the backend
+                                                   refused): the call runs the heuristic order (once per call)
     SearchCacheWarning (UserWarning)               the search cache could not be read or written; going on
     CudnnApiFallbackWarning (UserWarning)          cuDNN's graph API runs no engine for a convolution: the legacy
                                                    API runs it (once per pass and geometry)
@@ -48,6 +50,7 @@ __all__ = [
     "MemoryFallbackWarning",
     "NoAlgorithmFitsError",
     "SearchCacheWarning",
+    "SearchFallbackWarning",
     "UnsupportedConvolutionError",
     "WorkspaceCapError",
     "WorkspaceCapWarning",
@@ -160,9 +163,17 @@ class CaptureFallbackWarning(UserWarning):
 class MemoryFallbackWarning(UserWarning):
     """Memory, not the cap, chose an algorithm: a call ran a candidate ranked after one that memory denied (the
     arena could not grow for its workspace, or it ran out of memory of its own), or an exhaustive search could not
-    time the candidates that need more workspace than memory gave it, or could time none (the call then runs the
-    heuristic order). Issued once per arena: while memory stays short, other calls fall back too
-    (``arena.stats().refused_bytes`` shows the growth refused lately)."""
+    time the candidates that need more workspace than memory gave it. Issued once per arena: while memory stays
+    short, other calls fall back too (``arena.stats().refused_bytes`` shows the growth refused lately). A search
+    that could time none says so with :class:`SearchFallbackWarning`, once per call."""
+
+
+class SearchFallbackWarning(MemoryFallbackWarning):
+    """An exhaustive search could time no algorithm of a call, for want of memory (no workspace, no operands) or
+    because the backend refused to time the call (cuDNN's FindEx may refuse it as a whole), which the message says:
+    the call runs the candidates in the heuristic order, as the heuristic search does, and the next call searches
+    again. Issued once per call (pass, geometry, cap, device), whatever other memory warnings said; a
+    :class:`MemoryFallbackWarning`, memory being its usual cause, so that a filter of those takes it too."""
 
 
 class CudnnApiFallbackWarning(UserWarning):
