@@ -219,7 +219,8 @@ def test_calls_whose_algorithms_memory_kept_from_being_timed_are_counted_and_sai
     assert [c.algo for c in tuning.measured[("fwd", geoms[0])]] == ["gemm", "implicit"]
     assert [c.algo for c in tuning.measured[("bwd_data", geoms[0])]] == ["implicit"]
     assert [p.cap_workspace_bytes for p in tuning.curve] == [0, 1000, None]
-    assert "; 3 with algorithms memory kept from being timed, which the curve leaves out" in render_curve(tuning)
+    assert "; 3 with algorithms memory kept from being ranked or timed, which the curve leaves out" in (
+        render_curve(tuning))
     algos.cache_clear()
     monkeypatch.setitem(backends._backends, "cpu", TableBackend(TABLE))
     whole = run()
@@ -229,8 +230,9 @@ def test_calls_whose_algorithms_memory_kept_from_being_timed_are_counted_and_sai
 def test_calls_the_backend_ranked_without_some_algorithms_are_ranked_and_timed_once(monkeypatch):
     """Memory keeps the backend from ranking fft (PartlyRanked): the plan's ranking is not kept for good, and tune,
     which reads back what the plan searched, ranked each such call again (and, with the search cache off, timed it
-    again). It takes the plan's ranking: each distinct call is timed once, and the curve is built without fft. (The
-    plan ranks each layer's call: c repeats a's fwd, which it ranks again and does not time again.)"""
+    again). It takes the plan's ranking: each distinct call is timed once, and the curve is built without fft, which
+    untimed_calls counts (the fwd calls), as the table says: it counted none, as if the curve were whole. (The plan
+    ranks each layer's call: c repeats a's fwd, which it ranks again and does not time again.)"""
     from wsarena.backends import Candidate, PartlyRanked
 
     ranked = []
@@ -252,6 +254,8 @@ def test_calls_the_backend_ranked_without_some_algorithms_are_ranked_and_timed_o
     assert [p.cap_workspace_bytes for p in t.curve] == [0, 1000, 2000, 4000, None]  # no fft
     geom = t.uncapped.layers[0].geometry
     assert t.measured[("fwd", geom)] == (Candidate("gemm", 1000, 4.0), Candidate("implicit", 0, 10.0))
+    assert t.untimed_calls == 2 and t.to_dict()["untimed_calls"] == 2
+    assert "; 2 with algorithms memory kept from being ranked or timed, which the curve leaves out" in render_curve(t)
 
 
 def test_the_recommendation_says_what_it_saves_or_that_no_smaller_arena_is_within_the_slowdown(fake):

@@ -105,8 +105,8 @@ def _searched(t: Any) -> str:
         sources.append(f"{known} searched before in this process")
     said = f"{len(t.measured)} distinct calls (pass and geometry): {', '.join(sources)}; {t.search_seconds:.1f} s"
     if t.untimed_calls:
-        said += (f"; {t.untimed_calls} with algorithms memory kept from being timed, which the curve leaves out "
-                 "(free memory and tune again)")
+        said += (f"; {t.untimed_calls} with algorithms memory kept from being ranked or timed, which the curve "
+                 "leaves out (free memory and tune again)")
     return said
 
 

@@ -42,7 +42,8 @@ from .errors import (
 )
 
 __all__ = [
-    "cache_clear", "choose", "forced", "generation", "is_cached", "is_chosen", "run_with_fallback", "select",
+    "cache_clear", "choose", "forced", "generation", "is_cached", "is_chosen", "is_partly_ranked", "run_with_fallback",
+    "select",
 ]
 
 # Keys whose choice the process keeps, the least recently used let go first: some 2 KiB each with ten candidates (the
@@ -116,6 +117,15 @@ def is_chosen(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | No
     again, for operands like the search's, until the backend can rank every candidate, or until a search times
     something: one that a capture may run without ranking or searching (``search_again=False``)."""
     return _key(backend, pass_, geom, search, cap, get_config()) in _cache
+
+
+def is_partly_ranked(
+    backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str, ranking: tuple[Candidate, ...]
+) -> bool:
+    """Whether ``ranking``, what :func:`select` returned for these arguments, is the one kept for them, which the
+    backend made without some candidates memory kept it from ranking (:class:`PartlyRanked`): no search timed those."""
+    entry = _cache.lookup(_key(backend, pass_, geom, search, cap, get_config()))
+    return entry is not None and entry[0] is ranking and entry[3] is _PARTLY_RANKED
 
 
 def _fits(cands: list[Candidate], cap: int | None) -> list[Candidate]:

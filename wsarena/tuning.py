@@ -31,7 +31,7 @@ from ._config import _given, _named_size, config
 from ._geometry import ConvGeometry
 from ._pass import PASSES
 from ._sizes import short_repr
-from .algos import select
+from .algos import is_partly_ranked, select
 from .backends import Candidate, get_backend
 from .errors import NoAlgorithmFitsError
 from .planner import (
@@ -90,8 +90,9 @@ class Tuning:
         Of the distinct calls, how many were timed now and how many the search cache answered; the rest this
         process had searched before (its algorithm cache).
     untimed_calls : int
-        Of the distinct calls, how many had algorithms that memory kept from being timed (a
-        :class:`~wsarena.MemoryFallbackWarning` says so, once per arena): the curve leaves those algorithms out.
+        Of the distinct calls, how many had algorithms that memory kept from being ranked (the backend ranked the
+        others alone) or timed (a :class:`~wsarena.MemoryFallbackWarning` says so, once per arena): the curve leaves
+        those algorithms out.
     """
 
     uncapped: Plan
@@ -199,7 +200,7 @@ def tune(
         # kept for good (memory kept the backend from ranking some candidates, or the search from timing some).
         impl = get_backend(uncapped.backend)
         measured: dict[tuple[str, ConvGeometry], tuple[Candidate, ...]] = {}
-        untimed = 0  # calls with algorithms a search kept but could not time, for want of memory
+        untimed = 0  # calls with algorithms memory kept from being ranked, or a search kept but could not time
         for lp in uncapped.layers:
             for pass_ in uncapped.passes:
                 key = (pass_, lp.geometry)
@@ -209,7 +210,8 @@ def tune(
                 ranked = select(impl, pass_, lp.geometry, cap=None, search="exhaustive", operands=operands, warn=False,
                                 search_again=False)
                 timed = tuple(c for c in ranked if c.time_ms is not None)
-                untimed += len(timed) < len(ranked)
+                untimed += len(timed) < len(ranked) or is_partly_ranked(
+                    impl, pass_, lp.geometry, cap=None, search="exhaustive", ranking=ranked)
                 if not timed:
                     raise NoAlgorithmFitsError(
                         f"no {pass_} algorithm of layer {short_repr(lp.name)} could be timed",
