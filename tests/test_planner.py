@@ -79,6 +79,29 @@ def test_exhaustive_plan_times_each_distinct_shape_once_and_the_ops_follow_it(re
     assert len(timed) == len(geoms)
 
 
+@pytest.mark.parametrize("search", ["heuristic", "exhaustive"])
+def test_a_plan_ranks_a_call_the_backend_ranks_without_some_candidates_once(resnet50, monkeypatch, search):
+    """Memory keeps the backend from ranking its last candidate (PartlyRanked): that ranking is not kept for good,
+    and each call ranks again; a plan ranks each distinct call once, however many layers repeat it, and another plan
+    ranks it again. Each layer that repeated a geometry ranked it again."""
+    from wsarena.backends import PartlyRanked
+
+    layers = resnet50[4:11]  # layer1.1 and layer1.2 repeat layer1.0's shapes after its downsample
+    geoms = {layer.geometry(batch=1) for layer in layers}
+    ranked, real = [], CpuBackend.candidates
+
+    def candidates(self, pass_, geom):
+        ranked.append(geom)
+        raise PartlyRanked(real(self, pass_, geom)[:-1])
+
+    monkeypatch.setattr(CpuBackend, "candidates", candidates)
+    for plans in (1, 2):
+        p = wsarena.plan(layers, batch=1, backend="cpu", search=search, passes=("fwd",), cap_workspace=None)
+        assert len(geoms) < len(layers) and len(ranked) == plans * len(geoms)
+    chosen = {lp.geometry: lp.choices["fwd"] for lp in p.layers}
+    assert all(lp.choices["fwd"] == chosen[lp.geometry] for lp in p.layers)
+
+
 def test_cap_bounds_every_choice(resnet50):
     cap = 2 << 20
     p = wsarena.plan(resnet50, batch=8, backend="cpu", cap_workspace=cap)
