@@ -60,6 +60,9 @@ class TableBackend:
     def graph_allocated(self, array):
         return False
 
+    def frees_when_dropped(self, array):
+        return False
+
     def algorithms(self, pass_):
         return tuple(dict.fromkeys(a for (p, _), rows in self.table.items() if p == pass_ for a, _, _ in rows))
 

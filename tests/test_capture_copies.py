@@ -102,12 +102,13 @@ def test_what_a_captured_call_allocated_lives_until_its_graph_is_gone(provider, 
     assert sorted(freed) == ["copy", "copy"] + ([] if given_out else ["result"])
 
 
-def test_what_graphs_gone_kept_is_let_go_once_no_capture_is_under_way(provider, freed):
-    """What graphs gone kept goes with the first trim, stats or growth once no capture is under way: not with the
-    keep, trim, stats or growth of one under way (on the lane that stands for a device's stream here), where dropping
-    an array may free its device memory (cudaFree, with an allocator that keeps no pool), which a capture forbids.
-    Once, the first keep of a capture let go of what graphs gone since had kept, and so did a trim, stats or growth
-    during a capture."""
+def test_what_graphs_gone_kept_is_let_go_once_no_capture_is_under_way(provider, freed, monkeypatch):
+    """What graphs gone kept, where dropping it may free device memory at once (cudaFree, with an allocator that keeps
+    no pool: the backend says so here of its host arrays), goes with the first trim, stats or growth once no capture
+    is under way: not with the keep, trim, stats or growth of one under way (on the lane that stands for a device's
+    stream here), which a cudaFree would break. Once, the first keep of a capture let go of what graphs gone since
+    had kept, and so did a trim, stats or growth during a capture."""
+    monkeypatch.setattr(CpuBackend, "frees_when_dropped", lambda self, array: True)
     x, w = strided_operands()
     wsarena.conv_forward(x, w, padding=1, stream="lane")
     arena = wsarena.get_arena("cpu")
@@ -135,21 +136,52 @@ def test_what_graphs_gone_kept_is_let_go_once_no_capture_is_under_way(provider, 
     assert arena.stats().kept_bytes == 0
 
 
+def test_what_graphs_gone_kept_that_frees_nothing_goes_with_the_next_capture_that_keeps(provider, freed):
+    """A program that captures again and again (with CuPy's stream.begin_capture, or torch.cuda.graph: no capture
+    block, and no trim, stats or growth between captures) holds what the graphs alive keep, not what every graph ever
+    kept, where dropping it frees no device memory at once (host memory here, a block of CuPy's MemoryPool on a GPU):
+    the first keep of each capture lets go of what graphs gone since kept, during that capture. Once, it waited for a
+    trim, stats or growth with no capture under way: every captured call's copies and result, for good."""
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    arena = wsarena.get_arena("cpu")
+    one = made_bytes(x, w, False)
+    gc.collect()
+    freed.clear()
+    for n in range(4):
+        graph = provider.begin_capture("lane")
+        wsarena.conv_forward(x, w, padding=1, stream="lane")
+        gc.collect()
+        assert sorted(freed) == (["copy", "copy", "result"] if n else []), n  # the graph gone before it's
+        assert arena._table.kept_arrays.nbytes == one, n
+        freed.clear()
+        provider.end_capture(graph)
+        graph.close()  # no trim, stats or growth since
+    assert arena.stats().kept_bytes == 0
+
+
 @pytest.mark.usefixtures("frozen_heap")  # a run each: the garbage of the last collected before the next
-def test_an_interrupt_at_any_check_of_a_captured_calls_keep_keeps_what_the_call_made(provider, freed):
+@pytest.mark.parametrize("gone_kept", ["a program's array", "a captured call's"])
+def test_an_interrupt_at_any_check_of_a_captured_calls_keep_keeps_what_the_call_made(provider, freed, gone_kept):
     """A captured call keeps its operands' copies and its result while the graph exists, a graph destroyed before it
-    waiting to have what it kept let go. Ctrl-C at every check from the first instruction of the call's keep
-    (ops._keep_with_capture, which the call runs to completion) to the call's return, one run each: the copies and the
-    result live until the graph is destroyed, counted once. Once, the pin's first keep let go of what graphs gone
+    waiting to have what it kept let go (a program's array, which may free device memory as it goes), or let go by
+    the call's keep (a captured call's copies and result, host memory here). Ctrl-C at every check from the first
+    instruction of the call's keep (ops._keep_with_capture, which the call runs to completion) to the call's return,
+    one run each: the copies and the result live until the graph is destroyed, counted once, and what the graph gone
+    kept is let go once, by the keep or by the next stats(). Once, the pin's first keep let go of what graphs gone
     since had kept first, and an interrupt there lost the call's copies and result, which the graph's kernels write
     and read at every replay."""
     x, w = strided_operands()
     wsarena.conv_forward(x, w, padding=1, stream="lane")
     arena = wsarena.get_arena("cpu")
+    gone_made = [] if gone_kept == "a program's array" else ["copy", "copy", "result"]
     n = 1
     while True:
         gone = provider.begin_capture("lane")
-        arena.keep_with_capture([np.empty(100, np.uint8)], stream="lane")
+        if gone_made:
+            wsarena.conv_forward(x, w, padding=1, stream="lane")
+        else:
+            arena.keep_with_capture([np.empty(100, np.uint8)], stream="lane")
         provider.end_capture(gone)
         gone.close()
         graph = provider.begin_capture("lane")
@@ -159,9 +191,12 @@ def test_an_interrupt_at_any_check_of_a_captured_calls_keep_keeps_what_the_call_
         fired = interrupt_at_check(n, lambda: wsarena.conv_forward(x, w, padding=1, stream="lane"), after=after)
         gc.collect()
         where = f"interrupted at check {n}"
-        assert freed == [], where
+        assert freed in ([], gone_made), where  # the graph gone's, if the keep let go of them
         provider.end_capture(graph)
         assert arena.stats().kept_bytes == made_bytes(x, w, False), where
+        gc.collect()
+        assert sorted(freed) == gone_made, where
+        freed.clear()
         graph.close()
         arena.stats()
         gc.collect()
@@ -354,6 +389,26 @@ def test_the_cudnn_backend_says_which_arrays_a_graph_allocated():
     assert backend.graph_allocated(array(memory.MemoryAsync))
     assert not backend.graph_allocated(array(memory.PooledMemory))
     assert not backend.graph_allocated(array(memory.Memory))
+
+
+def test_the_cudnn_backend_says_which_arrays_free_device_memory_as_they_are_dropped():
+    """A block of CuPy's MemoryPool (PooledMemory, a view's too) goes back to the pool as it is dropped, which a
+    capture under way allows; plain cudaMalloc's memory (Memory, set_allocator(None)) is freed at once (cudaFree,
+    which a capture forbids), and so may any other (MemoryAsync, UnownedMemory: another library's allocator). No GPU
+    needed: the memory objects are made empty."""
+    from cupy.cuda import memory
+
+    from wsarena.backends._cudnn_backend import CudnnBackend
+
+    backend = CudnnBackend()
+
+    def array(kind):
+        return types.SimpleNamespace(data=memory.MemoryPointer(kind.__new__(kind), 0))
+
+    assert not backend.frees_when_dropped(array(memory.PooledMemory))
+    assert backend.frees_when_dropped(array(memory.Memory))
+    assert backend.frees_when_dropped(array(memory.MemoryAsync))
+    assert backend.frees_when_dropped(array(memory.UnownedMemory))
 
 
 def test_an_arena_keeps_arrays_for_the_graph_being_captured_on_a_stream(provider):

@@ -106,7 +106,8 @@ class CapturedGraph:
         """Drop the graph (CuPy destroys it once nothing else refers to it); the workspace it pinned is freed in
         stream order by the arena's next trim, stats or growth after CUDA let go of it (any arena's, where that one
         is closed; and after any capture under way on its stream), and what its calls kept is let go by the next one
-        with no capture under way. Inside its capture block, the capture is discarded as the block ends. Idempotent."""
+        with no capture under way (what CuPy's memory pool takes back, by a later capture's first call too). Inside
+        its capture block, the capture is discarded as the block ends. Idempotent."""
         self.graph = None
         self._state, self._reason = _State.CLOSED, "it is closed"
 

@@ -280,9 +280,10 @@ def _keep_with_capture(
     did since, and ``result`` (a new one, or ``None``), where a kernel of the call was captured. ``pin``: the graph's,
     as the call's lease gave it, or :data:`_NOT_RUN` where no lease ran the call (the capture refused it): the arena is
     asked, and keeps nothing where no capture is under way. What the graph allocates itself is left as it is
-    (:meth:`~wsarena.backends.Backend.graph_allocated`). Idempotent: the call runs it under
-    :func:`~wsarena.arena._interrupts.finish`, again after a Ctrl-C, which would otherwise leave what its kernels use
-    to be freed as the call returns."""
+    (:meth:`~wsarena.backends.Backend.graph_allocated`); whether dropping the rest may free device memory at once
+    (:meth:`~wsarena.backends.Backend.frees_when_dropped`) decides when it may be let go. Idempotent: the call runs it
+    under :func:`~wsarena.arena._interrupts.finish`, again after a Ctrl-C, which would otherwise leave what its kernels
+    use to be freed as the call returns."""
     made = [copy for copy, array in zip(operands, given) if copy is not array]
     if pin is not _NOT_RUN and result is not None:
         made.append(result)
@@ -292,7 +293,7 @@ def _keep_with_capture(
     if pin is _NOT_RUN:
         backend.arena().keep_with_capture(kept, stream=stream)
     else:
-        pin.keep(kept)
+        pin.keep(kept, frees=any(map(backend.frees_when_dropped, kept)))
 
 
 def _new_output(record: _Record, empty: Callable[[tuple[int, ...], str], Any] | None) -> Any:

@@ -302,7 +302,8 @@ class Arena:
         first trim, stats or growth of an arena, or end of a :func:`wsarena.capture` block, once CUDA has destroyed
         the graph and no capture that an arena knows of is under way in the process (an array dropped may free its
         memory, ``cudaFree``, which a capture forbids). A capture an earlier error invalidated keeps nothing: it
-        becomes no graph. (The ops keep what they allocate during a capture so.) :meth:`stats` counts what is kept so
+        becomes no graph. (The ops keep what they allocate during a capture so; what of theirs a memory pool takes
+        back as it is dropped goes with the first keep of a later capture too.) :meth:`stats` counts what is kept so
         in ``kept_bytes``, each array's size read once, here.
 
         ``objects`` is a collection of arrays, read before anything is kept: one array is a ``TypeError`` (iterated,

@@ -16,8 +16,9 @@ thread's first lease of a capture; the pins of a collected arena) leaves its sem
 
 A pin also keeps what else the graph's kernels use that would otherwise be freed while it exists (:meth:`GraphPin.keep`:
 the copies a captured call made of its operands, the result it made), until :func:`let_go_kept` finds the pin posted
-and no capture under way (dropping an array may free its device memory, ``cudaFree``, which a capture forbids). What
-the pins of an arena keep is counted as they keep it (:class:`KeptBytes`), so that :meth:`Arena.stats` reads a number.
+and, where dropping what it keeps may free device memory at once (``cudaFree``, which a capture forbids), no capture
+under way. What the pins of an arena keep is counted as they keep it (:class:`KeptBytes`), so that
+:meth:`Arena.stats` reads a number.
 A forked child never lets go of what its parent's pins kept: the parent's memory, kept there for good.
 
 ``sem_post`` returns an int and CUDA calls it as ``void (*)(void *)``: on the ABIs CUDA runs on (x86-64 System V,
@@ -77,9 +78,11 @@ class GraphPin:
         Where what it keeps is counted: its arena's (``None``: nowhere).
     counted : dict
         The ids of the owners of what it keeps that it counted in ``tally``.
+    frees : bool
+        Whether dropping something it keeps may free device memory at once (:meth:`keep`'s ``frees``).
     """
 
-    __slots__ = ("__weakref__", "_state", "blocks", "counted", "kept", "tally")
+    __slots__ = ("__weakref__", "_state", "blocks", "counted", "frees", "kept", "tally")
 
     destroy = SEM_POST
 
@@ -97,6 +100,7 @@ class GraphPin:
         self.kept: dict[int, Any] = {}
         self.tally = tally
         self.counted: dict[int, bool] = {}
+        self.frees = False
         weakref.finalize(self, _let_go, state).atexit = False  # at exit, CUDA may still post it: never freed
 
     @property
@@ -118,15 +122,22 @@ class GraphPin:
         and not yet recorded when an interrupt lands would be lost, and the pin would read live for good."""
         return not _posted(self._state)
 
-    def keep(self, objects: Iterable[Any]) -> None:
+    def keep(self, objects: Iterable[Any], frees: bool = True) -> None:
         """Keep ``objects`` (arrays whose memory the graph's kernels write or read) while the graph exists: freed
         meanwhile, their memory would go to the next allocation, which every replay would overwrite. The first
-        :func:`let_go_kept` after CUDA posts the pin, once no capture is under way, lets go of them. What they hold is
-        counted in :attr:`tally` now, once (:class:`KeptBytes`).
+        :func:`let_go_kept` after CUDA posts the pin lets go of them; with ``frees`` (dropping one may free device
+        memory at once, ``cudaFree``: not where it goes back to a pool, or is host memory), only once no capture is
+        under way. What they hold is counted in :attr:`tally` now, once (:class:`KeptBytes`). The first keep of each
+        pin lets go of what graphs gone since kept that frees nothing (a capture is under way: this one), so that a
+        program that captures again and again, with a pool, holds what the graphs alive keep.
 
         A Ctrl-C once the keep has begun (:func:`~wsarena.arena._interrupts.finish` runs it) loses none of them: they
-        go to the pin in one C call, and the step runs again until it completes, then the interrupt is raised."""
-        finish(_keep, self, objects if type(objects) is list else list(objects))
+        go to the pin in one C call, and the step runs again until it completes, then the interrupt is raised (the
+        let-go that follows is idempotent: one cut short leaves the rest to the next)."""
+        first = id(self) not in _keeping
+        finish(_keep, self, objects if type(objects) is list else list(objects), frees)
+        if first:
+            let_go_kept(None)
 
     def never_held(self) -> None:
         """No graph was given this pin (the call that would have failed): post it here, as CUDA would have, so that it
@@ -154,10 +165,12 @@ def _let_go(state: list[Any]) -> None:
         _unposted[state[0]] = state
 
 
-def _keep(pin: GraphPin, objects: list[Any]) -> None:
-    """:meth:`GraphPin.keep`'s one step, idempotent (run again after an interrupt): the objects go to the pin within
-    one C call (``dict.update`` over a ``zip``); then the pin is listed for :func:`let_go_kept`, and what they hold is
-    counted."""
+def _keep(pin: GraphPin, objects: list[Any], frees: bool) -> None:
+    """:meth:`GraphPin.keep`'s one step, idempotent (run again after an interrupt): the pin is marked as keeping what
+    may free device memory (``frees``), the objects go to it within one C call (``dict.update`` over a ``zip``); then
+    the pin is listed for :func:`let_go_kept`, and what they hold is counted."""
+    if frees:
+        pin.frees = True
     pin.kept.update(zip(map(id, objects), objects))
     _keeping[id(pin)] = pin
     if pin.tally is not None:
@@ -244,23 +257,28 @@ def owner_and_size(array: Any) -> tuple[Any, int]:
     return owner, max(nbytes, 0)
 
 
-def let_go_kept(may_drop: Callable[[], bool]) -> None:
-    """Let go of what pins kept (:meth:`GraphPin.keep`) for graphs gone since, unless ``may_drop()`` (asked only where
-    there is some) says no: a CUDA graph capture may be under way, which dropping an array would break where that
-    frees its memory (``cudaFree``, with an allocator that keeps no pool); a later call lets go of it. The arenas'
-    trim, stats and growth, and the end of a :func:`wsarena.capture` block, run this
-    (:func:`~wsarena.arena._lifecycle.release_closed`).
+def let_go_kept(may_drop: Callable[[], bool] | None) -> None:
+    """Let go of what pins kept (:meth:`GraphPin.keep`) for graphs gone since. What a pin keeps that may free device
+    memory as it is dropped (``GraphPin.frees``: ``cudaFree``, with an allocator that keeps no pool, which a CUDA graph
+    capture under way forbids) goes only where ``may_drop()`` (asked only where there is some) says no capture is
+    under way; ``None``: one is (a keep's). A later call lets go of it. The arenas' trim, stats and growth, and the
+    end of a :func:`wsarena.capture` block, run this (:func:`~wsarena.arena._lifecycle.release_closed`); so does the
+    first keep of each pin, with ``None``.
 
     No lock of wsarena's while the objects go (an array's free may call CUDA). Each pin is let go of in idempotent
     steps, taken off the list last: two callers at once, or a call after one that an interrupt cut short, end the
     same."""
-    posted = [pin for pin in list(_keeping.values()) if not pin.live()]  # list(): one C call, whatever other threads do
-    if posted and may_drop():
-        for pin in posted:
-            if pin.tally is not None:
-                pin.tally.uncount(pin)
-            pin.kept.clear()
-            _keeping.pop(id(pin), None)
+    pins = list(_keeping.values())  # list(): one C call, whatever other threads do
+    if may_drop is None:
+        pins = [pin for pin in pins if not pin.frees]
+    posted = [pin for pin in pins if not pin.live()]
+    if any(pin.frees for pin in posted) and (may_drop is None or not may_drop()):
+        posted = [pin for pin in posted if not pin.frees]
+    for pin in posted:
+        if pin.tally is not None:
+            pin.tally.uncount(pin)
+        pin.kept.clear()
+        _keeping.pop(id(pin), None)
 
 
 def _after_fork_in_child() -> None:

@@ -126,7 +126,8 @@ class ArenaStats(_Fields):
         view), once however many views of it, or graphs, keep it; read as it is kept, never again. An object whose
         ``base`` cannot be read (a property that raises) counts as its own owner, and one whose ``nbytes`` cannot
         be read (none, a property that raises, no integer) counts 0. 0 once those graphs are destroyed and what
-        they kept is let go (which waits while a capture is under way). Not per stream: a graph may capture several.
+        they kept is let go (what may free device memory as it goes waits while a capture is under way). Not per
+        stream: a graph may capture several.
     """
 
     capacity_bytes: int

@@ -108,6 +108,11 @@ class Backend(Protocol):
         allocation node), which the ops then leave alone, rather than memory they keep while the graph exists
         (:meth:`~wsarena.arena.Arena.keep_with_capture`)."""
 
+    def frees_when_dropped(self, array: Any) -> bool:
+        """Whether dropping ``array`` (the last reference to its memory) may free device memory at once
+        (``cudaFree``), which a CUDA graph capture under way forbids: not where the memory goes back to a pool, nor
+        for host memory. What a graph kept so waits to be let go until no capture is under way."""
+
     def check_dtype(self, dtype: str) -> None:
         """Raise ``TypeError`` if this backend cannot compute in ``dtype``."""
 

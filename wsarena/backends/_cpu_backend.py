@@ -51,6 +51,9 @@ class CpuBackend:
     def graph_allocated(self, array: Any) -> bool:
         return False
 
+    def frees_when_dropped(self, array: Any) -> bool:
+        return False  # host memory
+
     def random(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.random.default_rng(0).standard_normal(shape, dtype=np.float32 if dtype == "float32" else np.float64)
 

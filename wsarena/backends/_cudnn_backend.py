@@ -120,6 +120,12 @@ class CudnnBackend:
         ``MemoryPool`` hands a block freed during a capture to the next allocation on that stream, captured or not.)"""
         return isinstance(array.data.mem, self._cupy.cuda.memory.MemoryAsync)
 
+    def frees_when_dropped(self, array: Any) -> bool:
+        """Whether ``array`` is memory that dropping may free at once: all but a block of CuPy's ``MemoryPool``,
+        which goes back to the pool (``cudaFree`` with no pool, ``set_allocator(None)``; what another allocator
+        does is its own)."""
+        return not isinstance(array.data.mem, self._cupy.cuda.memory.PooledMemory)
+
     def random(self, shape: tuple[int, ...], dtype: str) -> Any:
         return self._cupy.random.default_rng(0).standard_normal(shape, dtype="float32").astype(dtype)
 
