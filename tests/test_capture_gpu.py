@@ -11,6 +11,7 @@ import textwrap
 import threading
 import time
 import warnings
+import weakref
 
 import pytest
 
@@ -192,6 +193,69 @@ def test_memory_a_captured_call_allocated_is_given_to_no_later_allocation(cupy, 
         while arena.stats().kept_bytes and time.monotonic() < deadline:
             time.sleep(0.01)
         assert arena.stats().kept_bytes == 0
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_stats_in_a_global_capture_with_no_pool_leaves_what_a_graph_gone_kept_until_the_capture_ends(
+    cupy, arena, api, monkeypatch
+):
+    """With no memory pool (cupy.cuda.set_allocator(None)) dropping an array frees it (cudaFree), which a capture in
+    CUDA's global mode refuses, invalidating the capture. A graph destroyed before such a capture kept a captured
+    call's copy of its operand and its results: a stats() during the capture leaves them (and raises nothing), the
+    capture ends into a graph that replays as the eager call, and the end of its block lets go of them. Once, a trim,
+    stats or growth during a capture let go of them there."""
+    previous = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(None)
+    unraisable = []  # a cudaFree that CUDA refused, in an array's deallocation, raises nowhere else
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    try:
+        with wsarena.config(cudnn_api=api):
+            shape, step = _strided_step(cupy)
+            rng = cupy.random.default_rng(1)
+            x = rng.standard_normal(shape, dtype=cupy.float32)  # C-contiguous: a call on it copies nothing
+            w = rng.standard_normal((8, 8, 3, 3), dtype=cupy.float32)
+            cupy.cuda.Device().synchronize()  # made on the legacy stream; the steps run on a non-blocking one
+            stream = cupy.cuda.Stream(non_blocking=True)
+            with stream:
+                step()  # the warm-up of the first graph's calls
+                want = wsarena.conv_forward(x, w, padding=1)  # and of the second's
+                y = cupy.empty_like(want)
+                stream.synchronize()
+            with wsarena.capture(stream) as first:  # relaxed: cudaMalloc may make the copy and the results
+                step()
+            assert arena.stats().kept_bytes == 3 * y.nbytes  # the copy of x and both results
+            owners = [weakref.ref(entry[2]) for entry in list(arena._table.kept_arrays.owners.values())]
+            assert len(owners) == 3
+            first.close()
+            del first
+            deadline = time.monotonic() + 5
+            while any(pin.live() for pin in arena._table.captures.values()) and time.monotonic() < deadline:
+                gc.collect()
+                time.sleep(0.01)  # CUDA runs the graph's destructor on a thread of its own
+            assert not any(pin.live() for pin in arena._table.captures.values())
+            assert all(ref() is not None for ref in owners)  # no trim, stats or growth since
+            gc.collect()  # garbage of earlier steps goes now, not in the global capture (a cudaFree there too)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a failed free warns
+                gc.disable()
+                try:
+                    with wsarena.capture(stream, mode="global") as second:
+                        wsarena.conv_forward(x, w, padding=1, out=y)  # allocates nothing
+                        stats = arena.stats()
+                        assert capture_of(stream.ptr) is not None  # still capturing: not invalidated
+                        assert stats.kept_bytes == 3 * y.nbytes and all(ref() is not None for ref in owners)
+                finally:
+                    gc.enable()
+                assert all(ref() is None for ref in owners)  # the end of the block let go of them
+            assert arena.stats().kept_bytes == 0 and unraisable == []
+            with stream:  # in the replay's order (the stream is non-blocking)
+                y.fill(0)
+                second.launch()
+                stream.synchronize()
+            cupy.testing.assert_allclose(y, want, **TOL)
+            second.close()
+    finally:
+        cupy.cuda.set_allocator(previous)
 
 
 def test_memory_the_graph_allocated_itself_is_left_to_it(cupy, arena):
