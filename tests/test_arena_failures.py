@@ -378,7 +378,7 @@ def test_a_failed_free_warns_naming_the_error_whatever_its_message(arena, provid
     for stream in "abc":
         arena.reserve(1000, stream=key(stream))
     name = type(raised).__name__
-    freed = rf"freeing Buffer\(ptr=0x[0-9a-f]+, size=1024\) failed: {name}$"
+    freed = rf"freeing Buffer\(ptr=0x[0-9a-f]+, size=1024\) failed: {name}\(\)$"
     with pytest.warns(RuntimeWarning, match=freed), arena.lease(5000, stream=key("a")):  # frees the outgrown one
         pass
     with pytest.warns(RuntimeWarning, match=name):
@@ -485,3 +485,29 @@ def test_a_growth_error_quotes_the_provider_and_what_it_returned_in_part(arena_k
     assert len(message) < 600 and "LongRepr(ppp" in message, message[:1000]
     provider.wrong = None
     arena.reserve(5000, stream=key("b"))
+
+
+def test_a_failed_free_warns_quoting_the_error_in_part(arena, provider, key):
+    """The warning of a failed free copied the provider's exception text whole: a message that lists a pool's blocks
+    gave a warning line as long."""
+    real_deallocate = provider.deallocate
+
+    def deallocate(buffer, *, stream):
+        real_deallocate(buffer, stream=stream)
+        raise RuntimeError("the pool's blocks: " + "x" * 100_000)
+
+    provider.deallocate = deallocate
+    arena.reserve(1000, stream=key("a"))
+    with pytest.warns(RuntimeWarning, match="failed: RuntimeError") as warned:
+        arena.trim()
+    message = str(warned[0].message)
+    assert len(message) < 300 and "the pool's blocks: xxx" in message, message[:1000]
+
+
+def test_an_arena_quotes_its_provider_in_part(arena_kind, key):
+    """repr() of an arena quoted its provider's repr whole: 100 kB for a pool whose repr lists its blocks."""
+    arena = Arena(_LongRepr(arena_kind.device_id))
+    arena.reserve(1000, stream=key("a"))
+    shown = repr(arena)
+    assert len(shown) < 300 and shown.startswith("<Arena LongRepr(ppp"), shown[:1000]
+    assert shown.endswith(": 1 stream(s), 1 KiB>"), shown[-200:]

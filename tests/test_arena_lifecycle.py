@@ -101,7 +101,7 @@ def test_a_collected_arena_whose_buffers_cannot_be_freed_now_is_kept_and_freed_l
     arena.reserve(1000, stream=S1)
     ptr, table = arena._subs[S1].block.ptr, arena._table
     provider.failing = True
-    with pytest.warns(RuntimeWarning, match="freeing what a collected arena held failed: RuntimeError: no current"):
+    with pytest.warns(RuntimeWarning, match=r"freeing what a collected arena held failed: RuntimeError\(.no current"):
         del arena  # its last reference: collected at once
     assert finalizer_runs[table] == 1 and provider.frees == []
     provider.failing = False
@@ -413,7 +413,7 @@ def test_a_child_forked_while_an_unlisted_closed_arena_is_kept_gives_none_of_its
         track(arena)
 
     monkeypatch.setattr(arena_module, "track_arena", failing_once)
-    with pytest.warns(RuntimeWarning, match="collected arena held failed: RuntimeError: not listed"):
+    with pytest.warns(RuntimeWarning, match=r"collected arena held failed: RuntimeError\(.not listed"):
         del arena  # its last reference: collected at once
     assert provider.frees == []
 

@@ -19,7 +19,7 @@ import pytest
 import wsarena
 from tests.reference import ref_conv_forward
 from wsarena.algos import run_with_fallback
-from wsarena.arena import Arena, _lifecycle, _pinning, set_arena
+from wsarena.arena import Arena, Buffer, HostProvider, _lifecycle, _pinning, set_arena
 from wsarena.arena._pins import GraphPin
 from wsarena.arena.testing import FakeStream, RecordingProvider
 from wsarena.backends import Candidate
@@ -292,6 +292,37 @@ def test_debug_mode_refuses_to_free_a_pinned_buffer(device):
     with wsarena.config(debug=True):
         arena.trim()
     assert len(provider.frees) == 1
+
+
+class _LongBuffers(HostProvider):
+    """Host memory in buffers whose repr is 100 kB long."""
+
+    def allocate(self, size, *, stream):
+        buffer = super().allocate(size, stream=stream)
+        return _LongBuffer(buffer.ptr, buffer.size, buffer.owner)
+
+
+class _LongBuffer(Buffer):
+    __slots__ = ()
+
+    def __repr__(self):
+        return "LongBuffer(" + "b" * 100_000 + ")"
+
+
+def test_debug_mode_quotes_a_pinned_buffer_in_part():
+    """Debug mode's error for a pinned buffer queued to be freed quoted the buffer's repr whole: 100 kB for one whose
+    repr lists a pool's blocks."""
+    provider = RecordingProvider(_LongBuffers(), device_id=0)
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    graph, _ = capture_a_lease(provider, arena)
+    arena._to_free.append((arena._subs[S1].block.buffer, S1))  # what a bookkeeping mistake would queue
+    with wsarena.config(debug=True), pytest.raises(AssertionError, match="graph that captured it") as raised:
+        arena.trim()
+    message = str(raised.value)
+    assert len(message) < 300 and "LongBuffer(bbb" in message, message[:1000]
+    arena._to_free.clear()
+    graph.close()
 
 
 def test_debug_mode_sees_a_pinned_buffer_queued_after_the_arena_lost_track_of_it(device):

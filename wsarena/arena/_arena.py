@@ -426,7 +426,7 @@ class Arena:
     def __repr__(self) -> str:
         capacity = sum(sub.capacity() for sub in list(self._subs.values()))  # for repr only: no lock
         closed = ", closed" if self._table.closed else ""
-        return f"<Arena {self.provider!r}: {len(self._subs)} stream(s), {format_size(capacity)}{closed}>"
+        return f"<Arena {short_repr(self.provider)}: {len(self._subs)} stream(s), {format_size(capacity)}{closed}>"
 
     # --------------------------------------------------------- leases, called by Workspace (_leases.py)
     _acquire = _leases._acquire
@@ -506,7 +506,7 @@ def _collected(provider: Any, table: _Table) -> None:
             if not isinstance(exc, Exception):
                 raise
             warnings.warn(
-                f"wsarena: freeing what a collected arena held failed: {_lifecycle._failure(exc)}; the next trim(), "
+                f"wsarena: freeing what a collected arena held failed: {short_repr(exc)}; the next trim(), "
                 "stats() or growth of an arena tries again", RuntimeWarning, stacklevel=2,
             )
     free_posted()

@@ -22,6 +22,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from .. import _forksafe
+from .._sizes import short_repr
 from ._pins import let_go_kept
 from ._table import _Table
 from .streams import PER_THREAD_DEFAULT_STREAM, PerThreadStream, own_per_thread_stream
@@ -72,7 +73,7 @@ def give_back(
                     except Exception as exc:  # noqa: BLE001 - a failed free must not break a lease's exit
                         if not quiet:
                             warnings.warn(
-                                f"wsarena: freeing {_BUFFER.repr(buffer)} failed: {_failure(exc)}", RuntimeWarning,
+                                f"wsarena: freeing {_BUFFER.repr(buffer)} failed: {short_repr(exc)}", RuntimeWarning,
                                 stacklevel=3,
                             )
             except IndexError:  # the queue is empty (another thread may have taken the last one)
@@ -90,15 +91,6 @@ def give_back(
 
 _BUFFER = reprlib.Repr()  # a warning names the buffer even when its repr() fails, and not a whole array of it
 _BUFFER.maxother = 120
-
-
-def _failure(exc: Exception) -> str:
-    """What a warning says of ``exc``: its type, and its message unless that is empty or cannot be had."""
-    try:
-        text = str(exc)
-    except Exception:  # noqa: BLE001 - a provider's exception whose __str__ fails is still a failed free
-        text = ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # Closed arenas that still hold something, by id: a buffer a CUDA graph may still use, or one whose free waits for a

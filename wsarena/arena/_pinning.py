@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
-from .._sizes import format_size
+from .._sizes import format_size, short_repr
 from ..errors import CaptureError
 from ._keys import callers_key
 from ._lifecycle import device_arenas, keep_while_holding
@@ -410,5 +410,6 @@ def check_unpinned(self: Arena) -> None:
         for buffer, _ in list(self._to_free):  # a copy: other threads drain the queue without the lock
             if id(buffer) in pinned:
                 raise AssertionError(
-                    f"wsarena debug: {buffer!r} is about to be freed while a CUDA graph that captured it still exists"
+                    f"wsarena debug: {short_repr(buffer)} is about to be freed while a CUDA graph that captured it "
+                    "still exists"
                 )
