@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wsarena
-from wsarena.arena import ArenaStats
+from wsarena.arena import Arena, ArenaStats, HostProvider
 from wsarena.arena._stats import aligned_size
 from wsarena.arena.streams import thread_lane
 from wsarena.errors import ArenaOutOfMemoryError, WorkspaceCapError
@@ -81,6 +81,14 @@ def test_a_copy_of_a_lease_is_the_lease_itself(arena, key, copier):
         assert repr(ws).endswith("released>") and arena.stats().leases == 0
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(arena.lease(100))
+
+
+def test_a_lease_quotes_its_lane_in_part():
+    """repr() of a lease quoted its stream whole: 100 kB for a CPU lane keyed by a 100 kB string."""
+    arena = Arena(HostProvider())
+    with arena.lease(100, stream="k" * 100_000) as ws:
+        shown = repr(ws)
+    assert len(shown) < 300 and "on stream 'kkk" in shown and shown.endswith(", live>"), shown[:1000]
 
 
 # ---------------------------------------------------------------------------------------------- growth

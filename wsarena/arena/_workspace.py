@@ -6,7 +6,7 @@ from collections.abc import Callable, Hashable
 from types import MethodType
 from typing import TYPE_CHECKING, Any, Self
 
-from .._sizes import format_size
+from .._sizes import format_size, short_repr
 from ._interrupts import finish
 from .providers import missing_method
 from .streams import raw_handle
@@ -169,4 +169,4 @@ class Workspace:
 
     def __repr__(self) -> str:
         state = ("not entered", "live", "released")[self._state]
-        return f"<Workspace {format_size(self.nbytes)} at {self.ptr:#x} on stream {self.stream!r}, {state}>"
+        return f"<Workspace {format_size(self.nbytes)} at {self.ptr:#x} on stream {short_repr(self.stream)}, {state}>"
