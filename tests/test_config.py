@@ -126,7 +126,8 @@ print(sizes == [i * 1024 + 512 for i in range(200)], len(parsed) > 0, set(parsed
 def test_a_size_parsed_in_a_finalizer_during_a_parse_does_not_crash_the_interpreter():
     """parse_size() computed in a decimal.localcontext(), which sets a context variable; the collector, run as that
     allocates, ran a finalizer that parsed a size too, and CPython 3.11 freed the context's table under the first set
-    (python/cpython#148891): a segmentation fault, where a finalizer configures a cap while the program does."""
+    (decimal's current context across Python callbacks, python/cpython#148382): a segmentation fault, where a
+    finalizer configures a cap while the program does."""
     assert _run_python(_PARSED_IN_A_PARSE) == "True True {2097152}"
 
 

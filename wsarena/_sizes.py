@@ -175,9 +175,9 @@ def parse_size(value: int | str) -> int:
     if 0 < sys.get_int_max_str_digits() < digits or digits > _MOST_DIGITS:  # as int() refuses it
         raise ValueError(f"a size of {digits} digits is too large")
     # Computed with ints: decimal.localcontext() sets a context variable, and a finalizer that the collector runs
-    # meanwhile and that sets one too (a finalizer's configure(cap_workspace="1MiB")) crashed the interpreter
-    # (python/cpython#148891, on 3.11). Past its trailing zeros, a fraction of more digits than the largest unit
-    # (2**40) has factors of 2 is a whole number of bytes in no unit.
+    # meanwhile and that sets one too (a finalizer's configure(cap_workspace="1MiB")) crashed the interpreter on
+    # 3.11 (decimal's current context across Python callbacks, python/cpython#148382). Past its trailing zeros, a
+    # fraction of more digits than the largest unit (2**40) has factors of 2 is a whole number of bytes in no unit.
     fraction = fraction.rstrip("0")
     if len(fraction) > 40 or int(fraction or "0") * scale % 10 ** len(fraction):
         raise ValueError(f"{short_repr(value)} is not a whole number of bytes")
