@@ -82,7 +82,7 @@ def ops_cases() -> Cases:
         "out= checks (_check_out)": (lambda: ops._check_out(record, y, x, w), k),
         "  of which two overlap tests": (lambda: (backend.may_share_memory(y, x), backend.may_share_memory(y, w)), k),
         "backend's scope, entered and left": (context, k),
-        "operands contiguous (_contiguous x2)": (lambda: (ops._contiguous(x), ops._contiguous(w)), k),
+        "operands contiguous (_made_contiguous)": (lambda: ops._made_contiguous([x, w]), k),
         "the choice (_choice)": (lambda: ops._choice(record, Pass.FWD, cfg, (x, w, y), None), k),
         "backend.arena()": (backend.arena, k),
         "run_with_fallback, lease included": (lambda: algos.run_with_fallback(

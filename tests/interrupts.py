@@ -150,3 +150,17 @@ def from_a_frame_of(function: Callable[..., Any]) -> Callable[[], bool]:
         return began
 
     return after
+
+
+def within_a_frame_of(function: Callable[..., Any]) -> Callable[[], bool]:
+    """An ``after`` for :func:`interrupt_at_check`: true while a frame of ``function`` is on this thread's stack (the
+    checks of a step alone, its own frame's and those of what it calls)."""
+    code = function.__code__
+
+    def within() -> bool:
+        frame = sys._getframe()
+        while frame is not None and frame.f_code is not code:
+            frame = frame.f_back
+        return frame is not None
+
+    return within

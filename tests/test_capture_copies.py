@@ -23,7 +23,7 @@ from wsarena.arena.testing import RecordingProvider
 from wsarena.backends._cpu_backend import CpuBackend
 
 from .forking import fork
-from .interrupts import from_a_frame_of, interrupt_at_check
+from .interrupts import from_a_frame_of, interrupt_at_check, within_a_frame_of
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}  # float32 against the float64 reference
 
@@ -41,12 +41,11 @@ def provider():
 def freed(monkeypatch):
     """What the ops make, logged as each is freed: "copy" (an operand's C-contiguous copy) or "result"."""
     log = []
-    contiguous, new_output = ops._contiguous, ops._new_output
+    copy_of, new_output = ops._copy, ops._new_output
 
     def copy(array):
-        made = contiguous(array)
-        if made is not array:
-            weakref.finalize(made, log.append, "copy")
+        made = copy_of(array)
+        weakref.finalize(made, log.append, "copy")
         return made
 
     def output(record, empty):
@@ -54,7 +53,7 @@ def freed(monkeypatch):
         weakref.finalize(made, log.append, "result")
         return made
 
-    monkeypatch.setattr(ops, "_contiguous", copy)
+    monkeypatch.setattr(ops, "_copy", copy)
     monkeypatch.setattr(ops, "_new_output", output)
     return log
 
@@ -207,6 +206,37 @@ def test_an_interrupt_at_any_check_of_a_captured_calls_keep_keeps_what_the_call_
     assert n > 30  # it reached the count, not only the keep's first step
 
 
+@pytest.mark.usefixtures("frozen_heap")  # a run each: the garbage of the last collected before the next
+def test_an_interrupt_as_a_captured_call_copies_its_operands_loses_no_copy(provider, freed):
+    """Ctrl-C at every check of a captured call's copying of its operands (ops._made_contiguous and what it calls),
+    one run each: each copy made, whose kernel the graph holds, lives until the graph is destroyed. Once, a Ctrl-C as
+    a copy returned, before it was stored where the call keeps what it made, lost it: freed as the call unwound while
+    every replay writes it."""
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    arena = wsarena.get_arena("cpu")
+    n = 1
+    while True:
+        graph = provider.begin_capture("lane")
+        gc.collect()
+        freed.clear()
+        call = lambda: wsarena.conv_forward(x, w, padding=1, stream="lane")
+        fired = interrupt_at_check(n, call, after=within_a_frame_of(ops._made_contiguous))
+        provider.end_capture(graph)
+        gc.collect()
+        where = f"interrupted at check {n}"
+        assert "copy" not in freed, where  # the result goes where no kernel of the call was captured
+        made = 2 if not fired else len(arena._table.kept_arrays.owners)
+        graph.close()
+        arena.stats()
+        gc.collect()
+        assert freed.count("copy") == made, where
+        if not fired:
+            break
+        n += 1
+    assert n > 3  # it reached the copies
+
+
 def made_bytes(x, w, given_out):
     """The bytes a call on ``x`` and ``w`` (strided_operands()) allocates: a copy of each, and the result unless
     given."""
@@ -296,15 +326,14 @@ def test_a_first_call_during_capture_makes_no_copy_before_it_raises(provider, fr
     """A call whose algorithm cannot be chosen during a capture raises CaptureError before anything is enqueued: no
     copy of its operands either, whose copying kernel the graph would run. Once, the copies came first."""
     copies = []
-    contiguous = ops._contiguous
+    copy_of = ops._copy
 
     def counted(array):
-        made = contiguous(array)
-        if made is not array:
-            copies.append(made.shape)
+        made = copy_of(array)
+        copies.append(made.shape)
         return made
 
-    monkeypatch.setattr(ops, "_contiguous", counted)
+    monkeypatch.setattr(ops, "_copy", counted)
     x, w = strided_operands()
     graph = provider.begin_capture("lane")
     with pytest.raises(wsarena.CaptureError, match="run the step once before capturing"):

@@ -18,6 +18,7 @@ signature: a repeated call makes one dictionary lookup, then leases and runs.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -153,8 +154,7 @@ def _check_out(record: _Record, out: Any, a: Any, b: Any) -> None:
         raise ValueError("out overlaps an input; convolutions cannot run in place")
 
 
-def _contiguous(array: Any) -> Any:
-    return array if array.flags.c_contiguous else array.copy(order="C")
+_copy = operator.methodcaller("copy", order="C")  # a C-contiguous copy, made from C (_made_contiguous)
 
 
 def _shape_arg(name: str, shape: Any) -> tuple[int, ...]:
@@ -264,8 +264,14 @@ def _run(
 
 
 def _made_contiguous(operands: list[Any]) -> list[Any]:
-    """``operands``, ``[a, b]``, made C-contiguous in place: copies where they are not, made once."""
-    operands[0], operands[1] = _contiguous(operands[0]), _contiguous(operands[1])
+    """``operands``, ``[a, b]``, made C-contiguous in place: copies where they are not, made once.
+
+    Each copy goes to ``operands`` within the C call that makes it (a slice assignment over a ``map``): during a
+    capture its kernel is the graph's from then on, and ``_run`` keeps what ``operands`` holds. A Ctrl-C as the copy
+    returned to a Python frame would lose it, freed while every replay writes it (``_interrupts``, rule 7)."""
+    for i in (0, 1):
+        if not operands[i].flags.c_contiguous:
+            operands[i:i + 1] = map(_copy, operands[i:i + 1])
     return operands
 
 

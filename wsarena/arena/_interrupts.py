@@ -42,7 +42,9 @@ of a lock and taking it back (``threading.Condition.wait`` has such a place: an 
    call runs the step again, one after it finds the array kept. The count of what pins keep
    (:class:`~wsarena.arena._pins.KeptBytes`) changes owner by owner, with no call between the stores of one, and
    the pin records each owner it counted, so that a step run again counts none twice; letting go of a pin's
-   objects is such steps too, the pin taken off the list of those that keep last.
+   objects is such steps too, the pin taken off the list of those that keep last. A captured call's copy of an
+   operand goes to the list the call keeps from within the C call that makes it (``ops._made_contiguous``: a slice
+   assignment over a ``map``), so that no Ctrl-C lands between the copy and its store.
 """
 
 from __future__ import annotations
