@@ -309,14 +309,16 @@ def test_a_seeding_that_fails_begins_no_capture_and_leaves_nothing_recorded(capt
 
 
 @pytest.mark.parametrize("trigger", ["stats", "trim", "growth"])
-@pytest.mark.parametrize("known_by", ["a lease", "a keep", "another arena's lease", "a capture block"])
+@pytest.mark.parametrize(
+    "known_by", ["a lease", "a keep", "another arena's lease", "a capture block", "a capture block that raises"]
+)
 def test_what_a_graph_gone_kept_is_not_dropped_while_a_capture_is_under_way(captures, known_by, trigger):
     """An array a graph kept goes once CUDA has destroyed the graph, but dropping it may free its device memory
     (cudaFree, where the allocator keeps no pool), which a capture forbids (in CUDA's global mode, from any thread).
     While a capture that an arena knows of is under way (one that leased, or kept, from this arena or another of the
     device, or a wsarena.capture block's, before any lease), the trim, stats or growth of an arena, in the thread that
-    captures or another, leaves it; the first one after the capture lets go of it, and so does the end of the block.
-    Once, any of them dropped it at once."""
+    captures or another, leaves it; the first one after the capture lets go of it, and so does the end of the block,
+    one that raised too. Once, any of them dropped it at once; and a block that raised skipped its let-go."""
     provider, arena, cupy = captures
     other = Arena(provider)  # another arena of device 0
     for stream in (S1, S2, 0x60):  # every stream holds its buffer already: the block seeds nothing
@@ -347,13 +349,15 @@ def test_what_a_graph_gone_kept_is_not_dropped_while_a_capture_is_under_way(capt
         else:
             getattr(arena, trigger)()
 
-    if known_by == "a capture block":
-        with wsarena.capture(cupy.cuda.Stream(0x60)):
+    if known_by in ("a capture block", "a capture block that raises"):
+        with contextlib.suppress(KeyError), wsarena.capture(cupy.cuda.Stream(0x60)):
             look()
             gc.collect()
             assert dropped == [{}]
-        gc.collect()  # the block's end let them go
-        assert dropped == [{}] * 3
+            if known_by == "a capture block that raises":
+                raise KeyError("the step failed")
+        gc.collect()  # the block's end let them go, its capture over (discarded, where it raised)
+        assert dropped == [{}] * 3 and provider.capturing == {}
         return
     graph = provider.begin_capture(S2)
     if known_by == "a lease":

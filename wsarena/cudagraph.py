@@ -257,56 +257,67 @@ def capture(stream: Any = None, *, mode: str = "relaxed") -> Iterator[CapturedGr
     own = None  # the id of the block's capture, once read
     mark = None  # what watch_capture returned
     another = False  # whether its stream captures for another, found as the block ends
-    with stream:
-        arena = open_arena(int(cupy.cuda.Device().id))  # none yet: no eager step ran, and the capture will say so
-        try:
-            if arena is not None:
-                # Recorded before the seeding: a trim or an eviction of idle streams in another thread, before the
-                # capture's first lease, would free the seeded buffer, which the capture cannot allocate again.
-                mark = watch_capture(arena, stream, beginning=True)
-                seed_workspace(arena, stream)
-            refused = False
+    over = False  # whether the block's capture is over (ended or discarded, or none begun), found as the block ends
+    try:
+        with stream:
+            arena = open_arena(int(cupy.cuda.Device().id))  # none yet: no eager step ran, and the capture will say so
             try:
-                try:
-                    stream.begin_capture(cuda_mode)
-                except Exception:
-                    # CUDA refused: no capture of this block's to end. One under way there is another's (begun in
-                    # another thread since the check above), which the block must leave alone.
-                    refused = True
-                    raise
-                # Read first: the block ends no capture but this one (it may be ended inside the block and another
-                # begun). Until it is read, a capture on the stream is this one, begun just now.
-                own = _capture_id(stream.ptr)
                 if arena is not None:
-                    # Frees that would synchronise the device wait from now on, not from the step's first lease:
-                    # another thread's free breaks a global-mode capture, and a non-blocking stream's capture is not
-                    # seen by asking the legacy default stream.
-                    watch_capture(arena, stream)
-                yield graph
-                _end(runtime, stream, graph, own)  # in the try: a Ctrl-C before its capture ended discards it
-            except BaseException as exc:
-                # The capture begun here, if any, is discarded (its pins are released when CUDA destroys it). CUDA is
-                # asked whether it began: a Ctrl-C just after begin_capture returned comes before any flag could say.
-                why = f"its capture block was left by {type(exc).__name__}, and its capture was discarded"
-                graph._failed(_State.RAISED, f"{why}: capture again")
-                with contextlib.suppress(Exception):
-                    if refused:
-                        # One under way is another's, begun since the check above: another block's (in another
-                        # thread) keeps the stream's record, which frees with no stream wait for.
-                        another = (arena is not None and mark is not None and recorded_for_another(arena, mark)
-                                   and _capturing(runtime, stream.ptr))
-                    elif _capturing(runtime, stream.ptr):
-                        another = _another(stream.ptr, own)
-                        if not another:
-                            stream.end_capture()
-                raise
-        finally:
-            # Else recorded until a free with no stream finds the capture over. Another's capture under way keeps the
-            # record (its lease's, or the block's): frees with no stream, which would break it, wait for it.
-            if arena is not None:
-                unwatch_capture(arena, stream, over=not another)
-    # What graphs destroyed since kept, which waited for captures under way to end, goes now that this one is over
-    # (unless another is under way): a program that captures again and again holds what the graphs alive keep.
+                    # Recorded before the seeding: a trim or an eviction of idle streams in another thread, before the
+                    # capture's first lease, would free the seeded buffer, which the capture cannot allocate again.
+                    mark = watch_capture(arena, stream, beginning=True)
+                    seed_workspace(arena, stream)
+                refused = False
+                try:
+                    try:
+                        stream.begin_capture(cuda_mode)
+                    except Exception:
+                        # CUDA refused: no capture of this block's to end. One under way there is another's (begun in
+                        # another thread since the check above), which the block must leave alone.
+                        refused = True
+                        raise
+                    # Read first: the block ends no capture but this one (it may be ended inside the block and another
+                    # begun). Until it is read, a capture on the stream is this one, begun just now.
+                    own = _capture_id(stream.ptr)
+                    if arena is not None:
+                        # Frees that would synchronise the device wait from now on, not from the step's first lease:
+                        # another thread's free breaks a global-mode capture, and a non-blocking stream's capture is not
+                        # seen by asking the legacy default stream.
+                        watch_capture(arena, stream)
+                    yield graph
+                    _end(runtime, stream, graph, own)  # in the try: a Ctrl-C before its capture ended discards it
+                    over = True
+                except BaseException as exc:
+                    # The capture begun here, if any, is discarded (its pins are released when CUDA destroys it). CUDA
+                    # is asked whether it began: a Ctrl-C just after begin_capture returned comes before any flag could
+                    # say.
+                    why = f"its capture block was left by {type(exc).__name__}, and its capture was discarded"
+                    graph._failed(_State.RAISED, f"{why}: capture again")
+                    with contextlib.suppress(Exception):
+                        if refused:
+                            # One under way is another's, begun since the check above: another block's (in another
+                            # thread) keeps the stream's record, which frees with no stream wait for.
+                            another = (arena is not None and mark is not None and recorded_for_another(arena, mark)
+                                       and _capturing(runtime, stream.ptr))
+                        elif _capturing(runtime, stream.ptr):
+                            another = _another(stream.ptr, own)
+                            if not another:
+                                stream.end_capture()
+                        over = True  # another's under way keeps its record: the let-go below waits for it
+                    raise
+            finally:
+                # Else recorded until a free with no stream finds the capture over. Another's capture under way keeps
+                # the record (its lease's, or the block's): frees with no stream, which would break it, wait for it.
+                if arena is not None:
+                    unwatch_capture(arena, stream, over=not another)
+    except BaseException:
+        if over:
+            with contextlib.suppress(Exception):  # the block's own exception is the one raised
+                release_closed()
+        raise
+    # What graphs destroyed since kept, which waited for captures under way to end, goes now that this one is over,
+    # whether or not the block raised (unless another is under way, or its capture could not be found ended): a
+    # program that captures again and again holds what the graphs alive keep.
     release_closed()
 
 
