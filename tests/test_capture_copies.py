@@ -135,6 +135,49 @@ def test_what_graphs_gone_kept_is_let_go_once_no_capture_is_under_way(provider, 
     assert arena.stats().kept_bytes == 0
 
 
+def test_what_graphs_gone_kept_that_frees_device_memory_goes_with_the_next_eager_call(provider, freed, monkeypatch):
+    """A program that captures again and again with no pool (cupy.cuda.set_allocator(None): dropping an array frees
+    its device memory, cudaFree, as the backend says here of its host arrays), with CuPy's stream.begin_capture, no
+    capture block and no trim, stats or growth, but eager calls between captures: each eager call looks at one pin of
+    those that keep so, in turn, and lets go of what graphs gone since kept where that one was posted, once no capture
+    is under way; within as many eager calls as there are graphs keeping. An eager call during a capture lets go of
+    nothing. Once, it was kept until a trim, stats or growth: every captured call's copies and result, for good."""
+    monkeypatch.setattr(CpuBackend, "frees_when_dropped", lambda self, array: True)
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    arena = wsarena.get_arena("cpu")
+    one = made_bytes(x, w, False)
+    arena.reserve(1000, stream="another lane")
+    alive = provider.begin_capture("lane")  # a graph that lives on, keeping its call's
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    provider.end_capture(alive)
+    gc.collect()
+    freed.clear()
+    for n in range(4):
+        graph = provider.begin_capture("lane")
+        wsarena.conv_forward(x, w, padding=1, stream="lane")
+        provider.end_capture(graph)
+        graph.close()
+        during = provider.begin_capture("another lane")  # another capture under way, that leased: nothing goes
+        with arena.lease(100, stream="another lane"):
+            pass
+        for _ in range(3):
+            wsarena.conv_forward(x, w, padding=1, stream="lane")
+        provider.end_capture(during)
+        gc.collect()
+        assert freed.count("copy") == 6 and arena._table.kept_arrays.nbytes == 2 * one, n  # the eager calls' own
+        freed.clear()
+        for _ in range(2):  # two graphs keep: the one gone is looked at within two calls
+            wsarena.conv_forward(x, w, padding=1, stream="lane")
+        gc.collect()
+        assert sorted(freed) == ["copy"] * 6 + ["result"] * 3, n  # the two calls' own, and the graph gone's
+        assert arena._table.kept_arrays.nbytes == one, n
+        freed.clear()
+        during.close()
+    alive.close()
+    assert arena.stats().kept_bytes == 0
+
+
 def test_what_graphs_gone_kept_that_frees_nothing_goes_with_the_next_capture_that_keeps(provider, freed):
     """A program that captures again and again (with CuPy's stream.begin_capture, or torch.cuda.graph: no capture
     block, and no trim, stats or growth between captures) holds what the graphs alive keep, not what every graph ever

@@ -9,6 +9,8 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from ._lifecycle import let_go_posted
+from ._pins import freeing
 from ._sub import _Block, _Owner, _SubArena, this_thread, wait
 from .providers import missing_method
 from .streams import PerThreadStream
@@ -35,6 +37,7 @@ def _acquire(self: Arena, ws: Workspace) -> None:
     if anchor is None:  # entered by hand
         anchor = ws
         ref = weakref.ref(ws)
+    capture = None
     try:
         if self._capture is not None:
             # raw_handle(ws.stream), inline: this runs once per lease of a device arena
@@ -66,6 +69,8 @@ def _acquire(self: Arena, ws: Workspace) -> None:
     finally:
         if self._to_free:  # what a sweep or a growth let go, even if this lease failed
             self._give_back(ws.stream)
+        if freeing and capture is None:  # an eager lease: what graphs gone kept that may free device memory
+            let_go_posted()
 
 
 def _take_lane(self: Arena, ws: Workspace, anchor: Any, capturing: bool = False) -> _SubArena:

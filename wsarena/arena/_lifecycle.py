@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _forksafe
 from .._sizes import short_repr
-from ._pins import let_go_kept
+from ._pins import let_go_kept, posted_in_turn
 from ._table import _Table
 from .streams import PER_THREAD_DEFAULT_STREAM, PerThreadStream, own_per_thread_stream
 
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from ._arena import Arena
 
 __all__ = [
-    "device_arenas", "give_back", "keep_parents_memory", "keep_while_holding", "release_closed", "track_arena",
-    "track_device_arena",
+    "device_arenas", "give_back", "keep_parents_memory", "keep_while_holding", "let_go_posted", "release_closed",
+    "track_arena", "track_device_arena",
 ]
 
 
@@ -120,6 +120,16 @@ def release_closed() -> None:
         for arena in list(_closed_holding.values()):  # list(): one C call, whatever other threads do
             if _may_let_go(arena._table):
                 arena.close()
+
+
+def let_go_posted() -> None:
+    """An eager lease's look at what pins keep that may free device memory as it goes (``_pins.freeing``, which it
+    reads first: nothing to look at, it is not called): where the pin whose turn it is was posted, what graphs gone
+    since kept is let go, once no capture is under way (:func:`~wsarena.arena._pins.let_go_kept`). So a program that
+    captures with CuPy's ``stream.begin_capture()`` in a loop, with no pool (``cupy.cuda.set_allocator(None)``), and
+    no trim, stats or growth, lets go of it at its next eager call, within as many as there are graphs keeping so."""
+    if posted_in_turn():
+        let_go_kept(_no_capture_under_way)
 
 
 def _no_capture_under_way() -> bool:

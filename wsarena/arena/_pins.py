@@ -27,6 +27,8 @@ AArch64) a return value the caller ignores stays in a register, so the call is s
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import os
 import weakref
@@ -37,7 +39,7 @@ from .. import _forksafe
 from .._sizes import as_int
 from ._interrupts import finish
 
-__all__ = ["HOST_FN", "SEM_POST", "GraphPin", "KeptBytes", "free_posted", "let_go_kept"]
+__all__ = ["HOST_FN", "SEM_POST", "GraphPin", "KeptBytes", "free_posted", "freeing", "let_go_kept", "posted_in_turn"]
 
 _libc = ctypes.CDLL(None, use_errno=True)  # the process's own C library: sem_* live there (or in libpthread)
 _sem_init = _libc.sem_init
@@ -59,6 +61,11 @@ _unposted: dict[int, list[Any]] = {}
 # The pins that keep objects for their graphs (GraphPin.keep), by id: each is held here until let_go_kept finds it
 # posted, whoever else lets go of it (an arena forgets its captures' pins when it likes).
 _keeping: dict[int, GraphPin] = {}
+# The pins that keep what may free device memory as it goes (GraphPin.frees), looked at one in turn by each eager lease
+# (posted_in_turn): a program that captures with no capture block, no trim, stats or growth lets go of it so. A pin may
+# be listed twice (a keep run again after an interrupt), or after it was let go (an interrupt): each such entry goes
+# when its turn comes.
+freeing: collections.deque[GraphPin] = collections.deque()
 # In a forked child, the parent's pins and what they keep: the parent's memory, never let go here (_after_fork_in_child)
 _parents_keeping: list[dict[int, GraphPin]] = []
 
@@ -169,7 +176,8 @@ def _keep(pin: GraphPin, objects: list[Any], frees: bool) -> None:
     """:meth:`GraphPin.keep`'s one step, idempotent (run again after an interrupt): the pin is marked as keeping what
     may free device memory (``frees``), the objects go to it within one C call (``dict.update`` over a ``zip``); then
     the pin is listed for :func:`let_go_kept`, and what they hold is counted."""
-    if frees:
+    if frees and not pin.frees:
+        freeing.append(pin)  # first: run again after an interrupt, it is listed twice, never not at all
         pin.frees = True
     pin.kept.update(zip(map(id, objects), objects))
     _keeping[id(pin)] = pin
@@ -279,6 +287,26 @@ def let_go_kept(may_drop: Callable[[], bool] | None) -> None:
             pin.tally.uncount(pin)
         pin.kept.clear()
         _keeping.pop(id(pin), None)
+        if pin.frees:
+            with contextlib.suppress(ValueError):  # taken off by posted_in_turn, or by another caller
+                freeing.remove(pin)
+
+
+def posted_in_turn() -> bool:
+    """Whether the pin whose turn it is, of those that keep what may free device memory as it goes (:data:`freeing`,
+    one looked at each call, the next one at the next call), was posted: what it keeps may be let go once no capture
+    is under way. An entry of a pin let go already is taken off. (A C call or two each: ``sem_getvalue``, where the
+    pin was not seen posted yet.)"""
+    try:
+        pin = freeing[0]
+        freeing.rotate(-1)
+    except IndexError:  # another thread took the last one meanwhile
+        return False
+    if _keeping.get(id(pin)) is not pin:
+        with contextlib.suppress(ValueError):
+            freeing.remove(pin)
+        return False
+    return not pin.live()
 
 
 def _after_fork_in_child() -> None:
@@ -287,6 +315,7 @@ def _after_fork_in_child() -> None:
     # (_lifecycle.keep_parents_memory). Kept for good; the child's own pins, if any, start afresh.
     _parents_keeping.append(dict(_keeping))
     _keeping.clear()
+    freeing.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
