@@ -145,6 +145,47 @@ def test_nothing_that_would_synchronise_the_device_is_freed_while_another_thread
     graph.close()
 
 
+class AskedProvider(CaptureWatchingProvider):
+    """Records each stream handle the arena asks whether it is captured (CUDA's cudaStreamIsCapturing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def capture(self, stream):
+        self.asked.append(stream)
+        return super().capture(stream)
+
+
+def test_a_keep_on_a_stream_object_asks_nothing_of_its_handle_once_the_object_is_gone():
+    """A keep_with_capture on a stream given as an object (no lease there: a captured call the capture refused)
+    records the stream, so that frees with no stream, and what graphs gone kept, wait while its capture may go on.
+    Once the object is gone, its owner may have destroyed the stream: the next stats, which asks whether a capture
+    is under way before it lets go of what a graph gone kept, asks nothing of that handle, and lets go. Once, the
+    record held the handle alone, and CUDA was asked about a stream that may be destroyed (undefined behaviour)."""
+    provider = AskedProvider()
+    arena = Arena(provider)
+    gone = provider.begin_capture(S1)  # a graph gone that kept an array: stats asks about captures before it goes
+    assert arena.keep_with_capture([np.empty(8)], stream=S1)
+    provider.end_capture(gone)
+    gone.close()
+    stream = FakeStream(0x70)
+    graph = provider.begin_capture(0x70)
+    assert arena.keep_with_capture([np.empty(16)], stream=stream)
+    provider.end_capture(graph)
+    assert 0x70 in arena._table.capturing
+    del stream  # its owner destroys the stream
+    gc.collect()
+    provider.asked.clear()
+    assert arena.stats().kept_bytes == 16 * 8  # what the graph gone kept went: no capture under way
+    with arena.lease(10, stream=S2):
+        pass
+    arena.trim()
+    assert provider.asked and 0x70 not in provider.asked and 0x70 not in arena._table.capturing
+    graph.close()
+    assert arena.stats().kept_bytes == 0
+
+
 def sibling(stream_type):
     """A class with ``stream_type``'s methods but not a subclass of it: CuPy's ExternalStream beside its Stream."""
     methods = {k: v for k, v in vars(stream_type).items() if k not in ("__dict__", "__weakref__")}

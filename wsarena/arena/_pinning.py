@@ -13,6 +13,7 @@ capture the arena knows of is under way, in any thread. Most functions here are 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -148,10 +149,11 @@ def keep_with_capture(self: Arena, objects: list[Any], stream: Any) -> bool:
     and handed to the graph if no lease of the capture did yet. The stream is recorded, unless it is already (by a
     lease, or by :func:`wsarena.capture`, whose record keeps its seeded buffer until the first lease): frees with no
     stream, and the drop of what graphs gone kept, wait while its capture may go on. Idempotent: run again after an
-    interrupt (lock not held)."""
+    interrupt (lock not held). A stream given as an object is recorded with a weak reference to it
+    (:class:`KeptOn`): CUDA is not asked about its handle once the object is gone."""
     if self._capture is None:
         return False
-    key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
+    key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
     try:
         capture = self._capture(raw_handle(key))
     except CaptureError:  # invalidated: it becomes no graph (or the legacy stream beside a capture: it ran nothing)
@@ -159,10 +161,32 @@ def keep_with_capture(self: Arena, objects: list[Any], stream: Any) -> bool:
     if capture is None:
         return False
     pin = self._pin_for(capture)
+    record = pin if anchor is None or anchor is key else KeptOn(pin, anchor)
     with self._lock:
-        self._table.capturing.setdefault(key, pin)
+        self._table.capturing.setdefault(key, record)
     pin.keep(objects)
     return True
+
+
+class KeptOn:
+    """Recorded in ``_Table.capturing`` by a keep (:func:`keep_with_capture`) for a stream given as an object, where no
+    lease or capture block recorded it: the pin of the graph it keeps for, and a weak reference to the stream object,
+    as a sub-arena's anchor watches it. Once the object is gone, its owner may have destroyed the stream: CUDA is asked
+    nothing more about the handle (:func:`_capture_under_way` drops the record), and the capture counts as over."""
+
+    __slots__ = ("pin", "stream")
+
+    def __init__(self, pin: Any, stream: Any) -> None:
+        self.pin = pin
+        self.stream = weakref.ref(stream)
+
+    def live(self) -> bool:
+        return self.stream() is not None and bool(self.pin.live())
+
+
+def _stream_gone(record: Any) -> bool:
+    """Whether ``record`` is a keep's whose stream object is gone (:class:`KeptOn`)."""
+    return type(record) is KeptOn and record.stream() is None
 
 
 def forget_released(captures: dict[Any, Any]) -> None:
@@ -266,12 +290,19 @@ def _capture_under_way(self: Arena, key: Any) -> bool:
         if self._current is not None:
             keys.append(resolve_stream(None, lanes=False, current=self._current)[0])
         keys.append(0)
-    keys += list(recorded)  # one C call, whatever other threads do
+    records = list(recorded.items())  # one C call, whatever other threads do
     device = self.device
     if device is not None:
         for other in device_arenas(device):
             if other is not self:
-                keys += list(other._table.capturing)
+                records += list(other._table.capturing.items())
+    for k, record in records:
+        if not _stream_gone(record):
+            keys.append(k)
+        elif recorded.get(k, False) is record:  # a keep's, whose stream object is gone: never asked about again
+            with self._lock:
+                if recorded.get(k, False) is record:
+                    del recorded[k]
     for k in keys:
         if k is None or not is_own_stream(k):  # another thread's per-thread stream cannot be asked from here
             continue
