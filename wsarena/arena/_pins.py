@@ -270,7 +270,8 @@ def let_go_kept(may_drop: Callable[[], bool] | None) -> None:
     memory as it is dropped (``GraphPin.frees``: ``cudaFree``, with an allocator that keeps no pool, which a CUDA graph
     capture under way forbids) goes only where ``may_drop()`` (asked only where there is some) says no capture is
     under way; ``None``: one is (a keep's). A later call lets go of it. The arenas' trim, stats and growth, and the
-    end of a :func:`wsarena.capture` block, run this (:func:`~wsarena.arena._lifecycle.release_closed`); so does the
+    end of a :func:`wsarena.capture` block, run this (:func:`~wsarena.arena._lifecycle.release_closed`), and an eager
+    lease that finds a pin of :data:`freeing` posted (:func:`~wsarena.arena._lifecycle.let_go_posted`); so does the
     first keep of each pin, with ``None``.
 
     No lock of wsarena's while the objects go (an array's free may call CUDA). Each pin is let go of in idempotent
