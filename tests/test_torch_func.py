@@ -218,6 +218,30 @@ def test_torch_func_grad_jacrev_and_a_hessian_match_torchs():
     assert close(func.jacrev(func.jacrev(loss(wt.conv2d)))(w), func.jacrev(func.jacrev(loss(F.conv2d)))(w))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_torch_func_grad_and_jacrev_under_torch_compile_match_torchs(transposed):
+    """``torch.func.grad``, ``jacrev`` and per-sample gradients (``vmap`` of ``grad``) inside ``torch.compile``, in
+    one graph: the compiled convolution is its operator, whose gradient ``register_autograd`` registered as a
+    Function without ``setup_context``, which torch.func refused ('must override the setup_context staticmethod').
+    Torch's (float64, within 1e-10)."""
+    case = TRANSPOSE_CASES[1] if transposed else CASES[1]
+    ours, theirs = (TRANSPOSE_FUNCTIONS if transposed else FUNCTIONS)[case[0]]
+    (x, w, b), _ = _operands(case, transposed)
+
+    def transforms(conv):
+        def loss(x, w):
+            return conv(x, w, b, **case[3]).tanh().sum()
+
+        return (func.grad(loss, argnums=(0, 1))(x, w), func.jacrev(lambda w: conv(x, w, b, **case[3]).sum(0))(w),
+                func.vmap(func.grad(lambda x, w: loss(x[None], w), argnums=1), in_dims=(0, None))(x, w))
+
+    compiled = _compiled(transforms, "aot_eager")
+    got = torch.utils._pytree.tree_leaves(compiled(ours))
+    expected = torch.utils._pytree.tree_leaves(transforms(theirs))
+    assert compiled.counter.frame_count == 1
+    assert len(got) == len(expected) == 4 and all(close(g, e) for g, e in zip(got, expected))
+
+
 def test_per_sample_gradients_of_a_module_match_torchs():
     """``vmap(grad(...))`` over the samples of a batch, through a converted model's functional call."""
     torch.manual_seed(0)
@@ -732,3 +756,135 @@ def test_forward_over_reverse_with_dual_tensors_matches_torchs():
             results.append(fwad.unpack_dual(dw))
     (got, got_tangent), (expected, expected_tangent) = results
     assert close(got, expected) and got_tangent is not None and close(got_tangent, expected_tangent)
+
+
+# torch.ops.wsarena.* called directly, as a graph that holds them calls them (an exported program's): each is a
+# convolution pass, compared with the same pass of torch's convolution (its input or weight gradient through
+# torch.func.vjp), in float64 within 1e-10 of the largest magnitude
+_OPERATOR_CASES = [  # nd, input shape, weight shape, stride, padding, dilation, groups
+    (1, (2, 4, 9), (6, 2, 3), [2], [1], [1], 2),
+    (2, (2, 4, 6, 5), (6, 4, 3, 2), [2, 1], [1, 0], [1, 2], 1),
+    (3, (1, 2, 4, 4, 3), (4, 1, 2, 2, 1), [1, 1, 2], [1, 0, 0], [1, 1, 1], 2),
+]
+
+
+def _passes(case):
+    """For one case: the inputs of each pass (forward: x, w; data gradient: dy, w; filter gradient: x, dy), each
+    pass as its operator, and as torch's convolution."""
+    nd, x_shape, w_shape, stride, padding, dilation, groups = case
+    x, w, _ = (t.detach() for t in tensors(x_shape, w_shape))
+    conv = getattr(F, f"conv{nd}d")
+
+    def theirs(x, w):
+        return conv(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups)
+
+    dy = torch.randn(theirs(x, w).shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    rest = (stride, padding, dilation, groups, "NCHW")
+    ops = torch.ops.wsarena
+    return {
+        "conv_forward": ((x, w), lambda x, w: ops.conv_forward(x, w, *rest), theirs),
+        "conv_backward_data": ((dy, w), lambda dy, w: ops.conv_backward_data(dy, w, list(x.shape), *rest),
+                               lambda dy, w: func.vjp(lambda x: theirs(x, w), x)[1](dy)[0]),
+        "conv_backward_filter": ((x, dy), lambda x, dy: ops.conv_backward_filter(x, dy, list(w.shape), *rest),
+                                 lambda x, dy: func.vjp(lambda w: theirs(x, w), w)[1](dy)[0]),
+    }
+
+
+@pytest.mark.parametrize("case", _OPERATOR_CASES, ids=[f"{c[0]}d" for c in _OPERATOR_CASES])
+@pytest.mark.parametrize("name", ["conv_forward", "conv_backward_data", "conv_backward_filter"])
+@pytest.mark.parametrize("mode", ["dual tensors", "jvp", "jvp of the first"])
+def test_the_operators_called_directly_give_torchs_tangents(monkeypatch, case, name, mode):
+    """Each operator has a forward mode, bilinear as its pass: the tangent of ``op(a, b)`` is ``op(da, b) +
+    op(a, db)``, torch's (float64, within 1e-10), for dual tensors and ``torch.func.jvp``, of both operands or the
+    first alone, and the pass runs once for each term (the operands' own tangents taken again ran ``op(da, db)``
+    too). The operators had none: dual tensors came out with no tangent, ``jvp`` with zeros."""
+    import torch.autograd.forward_ad as fwad
+
+    (a, b), ours, theirs = _passes(case)[name]
+    g = torch.Generator().manual_seed(5)
+    da, db = (torch.randn(t.shape, dtype=t.dtype, generator=g) for t in (a, b))
+    expected = func.jvp(theirs, (a, b), (da, db))[1] if mode != "jvp of the first" else \
+        func.jvp(lambda a: theirs(a, b), (a,), (da,))[1]
+    calls = _counted(monkeypatch)
+    if mode == "dual tensors":
+        with fwad.dual_level():
+            got = fwad.unpack_dual(ours(fwad.make_dual(a, da), fwad.make_dual(b, db))).tangent
+    elif mode == "jvp":
+        got = func.jvp(ours, (a, b), (da, db))[1]
+    else:
+        got = func.jvp(lambda a: ours(a, b), (a,), (da,))[1]
+    assert got is not None and got.shape == expected.shape and close(got, expected)
+    assert calls == [name] * (2 if mode == "jvp of the first" else 3)
+
+
+@pytest.mark.parametrize("name", ["conv_forward", "conv_backward_data", "conv_backward_filter"])
+def test_torch_func_transforms_of_the_operators_match_torchs(name):
+    """``torch.func``'s transforms take the operators called directly, as they take the functions: ``grad``,
+    ``jacrev`` and ``vmap`` of ``grad`` (refused with 'must override the setup_context staticmethod': the gradient
+    ``register_autograd`` registers is a Function without one), and transforms of transforms, whose inner
+    convolutions the outer transform differentiates (``grad`` of ``grad``, ``jacfwd`` of ``jacrev``, ``jvp`` of
+    ``grad``, ``grad`` of ``jvp``). Torch's, in float64 within 1e-10."""
+    (a, b), ours, theirs = _passes(_OPERATOR_CASES[1])[name]
+    g = torch.Generator().manual_seed(6)
+    da, db = (torch.randn(t.shape, dtype=t.dtype, generator=g) for t in (a, b))
+
+    def loss(conv):
+        return lambda a, b: conv(a, b).tanh().pow(2).sum()
+
+    transforms = {
+        "grad": lambda conv: func.grad(loss(conv), argnums=(0, 1))(a, b),
+        "jacrev": lambda conv: func.jacrev(lambda b: conv(a, b).sum(0))(b),
+        "vmap of grad": lambda conv: func.vmap(func.grad(lambda b: loss(conv)(a, b)))(torch.stack([b, db])),
+        "grad of grad": lambda conv: func.grad(lambda b: func.grad(loss(conv), argnums=1)(a, b).sum())(b),
+        "hessian": lambda conv: func.jacfwd(func.jacrev(loss(conv), argnums=1), argnums=1)(a, b),
+        "jvp of grad": lambda conv: func.jvp(func.grad(loss(conv), argnums=1), (a, b), (da, db))[1],
+        "grad of jvp": lambda conv: func.grad(lambda b: func.jvp(loss(conv), (a, b), (da, db))[1])(b),
+    }
+    for what, transform in transforms.items():
+        got, expected = transform(ours), transform(theirs)
+        got, expected = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)
+        assert len(got) == len(expected) and all(close(g, e) for g, e in zip(got, expected)), what
+
+
+class _Exported(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = wt.Conv2d(2, 3, (3, 2), padding=(1, 0), dtype=torch.float64)
+        self.up = wt.ConvTranspose2d(3, 2, 2, stride=2, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.up(self.conv(x).tanh())
+
+
+def test_an_exported_program_takes_forward_mode_and_torch_func_as_the_module_does():
+    """An exported program holds the operators; run with dual tensors, under ``torch.func.jvp`` or ``grad``, it gives
+    the module's tangents and gradients (float64, within 1e-10 of the largest magnitude): with parameters that
+    require a gradient, dual tensors raised 'You must implement the jvp function', without, they came out with no
+    tangent; ``jvp`` gave zeros, ``grad`` was refused ('must override the setup_context staticmethod')."""
+    import torch.autograd.forward_ad as fwad
+
+    model = _Exported()
+    g = torch.Generator().manual_seed(7)
+    x, dx = (torch.randn(2, 2, 6, 5, dtype=torch.float64, generator=g) for _ in range(2))
+    exported = torch.export.export(model, (x,)).module()
+    names = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert {"wsarena.conv_forward.default", "wsarena.conv_backward_data.default"} <= names
+
+    def dual(module):
+        with fwad.dual_level():
+            return fwad.unpack_dual(module(fwad.make_dual(x, dx))).tangent
+
+    def functional(module, transform):
+        params = {k: v.detach() for k, v in module.named_parameters()}
+        return transform(lambda x: func.functional_call(module, params, (x,)))
+
+    def jvp(f):
+        return func.jvp(f, (x,), (dx,))[1]
+
+    def grad(f):
+        return func.grad(lambda x: f(x).sin().sum())(x)
+
+    for what, run in {"dual tensors": dual, "jvp": lambda m: functional(m, jvp),
+                      "grad": lambda m: functional(m, grad)}.items():
+        got, expected = run(exported), run(model)
+        assert got is not None and close(got, expected), what

@@ -26,8 +26,10 @@ by PyTorch (:func:`add_bias`), which records the add where it is differentiated 
 ``torch.export`` hold it beside the operators, which take no bias). The operators are differentiable by themselves
 too, with the Functions' setup and backward: a backward pass calls them, not the Functions (:func:`_pass`), except
 where torch.func's transforms need the Functions; so does a graph that holds them rather than the Functions
-(``torch.compile``'s and ``torch.export``'s), in reverse mode only (a custom operator has no forward mode). Under
-``torch.func.vmap`` the operators batch themselves (:mod:`wsarena.torch._ops`), and the Functions follow.
+(``torch.compile``'s and ``torch.export``'s), and a call of ``torch.ops.wsarena.*`` itself, in both modes and under
+torch.func's transforms: their autograd kernel (:func:`_autograd_kernel`) applies a form of the Function with a
+``jvp`` made of the operator. Under ``torch.func.vmap`` the operators batch themselves (:mod:`wsarena.torch._ops`),
+and the Functions follow.
 
 A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
 passes of CUDA tensors on a thread of its own, which a ``config()`` block of the caller's does not reach. A warning
@@ -39,12 +41,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch._functorch.utils import enable_single_level_autograd_function as _single_level
 from torch.autograd import forward_ad
+from torch.autograd.function import _SingleLevelFunction
 
 from .. import _callsite, _config
 from . import _ops
@@ -265,10 +270,88 @@ for _function in (*_FUNCTIONS, *_FORWARD.values()):
     _function.forward.__signature__ = inspect.signature(_function.forward)  # type: ignore[attr-defined]
 
 
-# Each operator is differentiable as its Function is, by the same setup and backward: a graph that holds the operators
-# themselves (an exported program's) trains as the Functions do.
-for _function, _op in _OPERATORS.items():
-    _op.register_autograd(_function.backward, setup_context=_function.setup_context)
+def _operator_form(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """The Function an operator's autograd kernel applies, as ``(a, b, *rest, keyset, grad, forward_grad)``:
+    ``function``'s setup and backward, a forward that passes the call on below autograd, and a ``jvp`` made of the
+    operator itself, called as a C++ operator's formulas call operators. A single-level Function, as torch.func's own
+    rule for a Function applies: the kernel runs at one transform's level. Autograd runs a Function's forward and
+    ``jvp`` with gradient modes off; what they call reaches the transforms below this level (a ``grad`` or ``jvp``
+    around this one) in the modes the kernel was called in, as a C++ operator's calls do: with them off, the outer
+    transform recorded nothing (``grad`` of ``grad`` gave zeros, ``jacfwd`` of ``jacrev`` a wrong Hessian)."""
+    op = _OPERATORS[function]._opoverload
+    below = torch._C._after_autograd_keyset
+
+    def forward(*args: Any) -> Tensor:
+        *operands, keyset, grad, forward_grad = args
+        with torch.set_grad_enabled(grad), forward_ad._set_fwd_grad_enabled(forward_grad), \
+                torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & below, *operands)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        function.setup_context(ctx, inputs[:-3], output)
+        ctx.save_for_forward(*inputs[:2])
+
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, ...]:
+        return (*function.backward(ctx, grad), None, None, None)
+
+    def jvp(ctx: Any, da: Tensor | None, db: Tensor | None, *_: Any) -> Tensor | None:
+        # the operands' primals: they are the dual tensors themselves, whose tangents would be taken a second time
+        a, b = (forward_ad.unpack_dual(t, level=0).primal for t in ctx.saved_tensors)
+        site, settings = _as_started(ctx.started)
+        with site, settings, forward_ad._set_fwd_grad_enabled(True):  # it was on: autograd runs no jvp otherwise
+            first = None if da is None else op(da, b, *ctx.rest)
+            second = None if db is None else op(a, db, *ctx.rest)
+        return second if first is None else first if second is None else first + second
+
+    body = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward), "jvp": staticmethod(jvp), "__doc__": function.__doc__}
+    return type(function.__name__, (_SingleLevelFunction,), body)
+
+
+def _autograd_kernel(function: type[torch.autograd.Function]) -> Callable[..., Tensor]:
+    """The operator's kernel for PyTorch's Autograd key, in place of the one ``register_autograd`` makes, whose
+    Function has neither a ``jvp`` (forward AD's tangents were dropped: none for dual tensors, zeros from
+    ``torch.func.jvp``) nor a ``setup_context`` (torch.func's ``grad`` and ``jacrev`` refused it). Where a gradient
+    may be asked of the result (grad mode on and an operand that requires one) or an operand may have a tangent
+    (:func:`_dual`), the operator's form with a ``jvp`` (:func:`_operator_form`); elsewhere the operator below
+    autograd, as PyTorch's kernel does."""
+    op, form = _OPERATORS[function]._opoverload, _operator_form(function)
+    below = torch._C._after_autograd_keyset
+
+    def kernel(keyset: Any, a: Tensor, b: Tensor, *rest: Any) -> Tensor:
+        grad, forward_grad = torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()
+        if (grad and (a.requires_grad or b.requires_grad)) or (forward_grad and _dual(a, b)):
+            with _single_level():
+                return form.apply(a, b, *rest, keyset, grad, forward_grad)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & below, a, b, *rest)
+
+    # Dynamo would compile its frame where it runs eagerly inside a compiled function, as it is not PyTorch's own
+    # (0.5 us a call)
+    return torch.compiler.disable(kernel)
+
+
+def _dual(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` or ``b`` may have a tangent (forward AD's grad mode found on): a dual level entered by
+    ``torch.autograd.forward_ad`` (torch.func's ``jvp`` enters one too), a compile tracing (a graph enters its own),
+    else an operand's own tangent, asked of PyTorch (1-2 us each): a graph run as it is (``torch.compile``'s
+    ``eager`` backend, an exported program) enters its dual level without the flag Python keeps."""
+    if forward_ad._current_level >= 0 or torch.compiler.is_compiling():
+        return True
+    return _unpack_dual(a, 0)[1] is not None or _unpack_dual(b, 0)[1] is not None
+
+
+_unpack_dual = torch._C._VariableFunctions._unpack_dual  # forward_ad.unpack_dual, at level 0, the only one
+
+
+# Each operator is differentiable as its Function is, by the same setup and backward, in forward mode too: a graph
+# that holds the operators themselves (an exported program's, a compiled one's) is differentiated as the Functions
+# are. Registered over the kernel custom_op made (which PyTorch warns of).
+_LIBRARY = torch.library.Library("wsarena", "IMPL")
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "Warning only once for all operators")
+    for _function, _op in _OPERATORS.items():
+        _LIBRARY.impl(_op._name, _autograd_kernel(_function), "Autograd", with_keyset=True)
 
 
 def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: Any) -> Tensor:

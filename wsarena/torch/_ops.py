@@ -2,7 +2,7 @@
 
 Registered with ``torch.library.custom_op``, with fake implementations that give the output's shape, dtype and
 memory format, so that ``torch.compile`` traces them as single operators instead of looking inside; their
-gradients (the other two operators) are registered by :mod:`wsarena.torch._autograd`. Each runs
+gradients (the other two operators) and tangents are registered by :mod:`wsarena.torch._autograd`. Each runs
 through the public ops (:func:`wsarena.conv_forward` and the two gradients) on the tensors themselves, which
 the ops view as NumPy or CuPy arrays without a copy; the result is written into a tensor PyTorch allocated. An
 operand that is not dense in the call's layout (a gradient PyTorch hands over strided) is made dense by PyTorch
