@@ -624,74 +624,103 @@ _COMPILED_TANGENT_CASES = [(c, False) for c in CASES] + [(TRANSPOSE_CASES[1], Tr
 @pytest.mark.parametrize(("case", "transposed"), _COMPILED_TANGENT_CASES,
                          ids=[f"{c[0]}d{'-transposed' if t else ''}" for c, t in _COMPILED_TANGENT_CASES])
 @pytest.mark.parametrize(("mode", "bias"), [("dual tensors", True), ("dual tensors", False), ("jvp", True),
-                                            ("jacfwd", False)])
-def test_forward_mode_under_torch_compile_gives_torchs_tangents(case, transposed, mode, bias):
-    """A custom operator has no forward mode, and Dynamo takes no Function with a ``jvp``: under ``torch.compile``
-    a convolution whose operands may have tangents (forward AD on: dual tensors, ``torch.func.jvp``, ``jacfwd``)
-    runs outside the graph in its form with a ``jvp`` (a graph break), and its tangent is torch's (float64, within
-    1e-10 of its largest magnitude; 1, 2 and 3 dimensions, groups, stride, padding, dilation, transposed, with a bias
-    and without). The operator in the graph dropped every tangent: dual tensors came out with none, ``jvp`` and
-    ``jacfwd`` with zeros. ``fullgraph=True`` refuses the break, with Dynamo's error naming the reason."""
+                                            ("jacfwd", False), ("hessian", True)])
+def test_forward_mode_under_torch_compile_is_one_graph_and_gives_torchs_tangents(case, transposed, mode, bias):
+    """Under ``torch.compile`` forward mode is in the graph, which takes ``fullgraph=True``: dual tensors made in the
+    compiled function, ``torch.func.jvp``, ``jacfwd`` and ``hessian``, the convolution followed by other operations.
+    Its tangents are torch's (float64, within 1e-10 of the largest magnitude; 1, 2 and 3 dimensions, groups, stride,
+    padding, dilation, transposed, with a bias and without). A convolution under forward AD ran outside the graph, by
+    a graph break, which ``fullgraph=True`` refused; the graph after it was given dual tensors, whose tangents it
+    dropped (dual tensors came out with none)."""
     import torch.autograd.forward_ad as fwad
 
     ours, theirs = (TRANSPOSE_FUNCTIONS if transposed else FUNCTIONS)[case[0]]
     (x, w, b), (dx, dw, db) = _operands(case, transposed)
 
-    def tangent(conv):
+    def tangent(conv, compile):
         def conv_(x, w, b):
-            return conv(x, w, b if bias else None, **case[3])
+            return conv(x, w, b if bias else None, **case[3]).tanh()
 
         def f(x, w, b, dx, dw, db):
             if mode == "dual tensors":
                 with fwad.dual_level():
                     duals = [fwad.make_dual(p, d) for p, d in ((x, dx), (w, dw), (b, db))]
-                    return fwad.unpack_dual(conv_(*duals)).tangent
+                    return fwad.unpack_dual(conv_(*duals).sin()).tangent
             if mode == "jvp":
                 return func.jvp(conv_, (x, w, b), (dx, dw, db))[1]
-            return func.jacfwd(lambda w: conv_(x, w, b))(w)
+            if mode == "jacfwd":
+                return func.jacfwd(lambda w: conv_(x, w, b))(w)
+            return func.hessian(lambda w: conv_(x, w, b).pow(2).sum())(w)
 
-        torch._dynamo.reset()
-        return torch.compile(f, backend="aot_eager")(x, w, b, dx, dw, db)
+        compiled = _compiled(f, "aot_eager") if compile else f
+        result = compiled(x, w, b, dx, dw, db)
+        assert not compile or compiled.counter.frame_count == 1
+        return result
 
-    got, expected = tangent(ours), tangent(theirs)
+    got, expected = tangent(ours, True), tangent(theirs, False)
     assert got is not None and got.shape == expected.shape and close(got, expected)
-    if mode != "jvp":
-        return
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_convolution_of_dual_tensors_given_to_a_compiled_function_runs_outside_its_graph(backend):
+    """Dual tensors given to a compiled function reach the graph without their tangents, which the graph is not
+    traced with: a convolution of them runs outside the graph (a graph break, which ``fullgraph=True`` refuses,
+    naming the reason), and its tangent is torch's (float64, within 1e-10)."""
+    import torch.autograd.forward_ad as fwad
+
+    case = CASES[1]
+    (x, w, b), (dx, dw, _) = _operands(case, False)
+
+    def tangent(f):
+        with fwad.dual_level():
+            return fwad.unpack_dual(f(fwad.make_dual(x, dx), fwad.make_dual(w, dw), b)).tangent
+
     torch._dynamo.reset()
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="under forward AD runs outside the graph"):
-        torch.compile(lambda x, w, b: func.jvp(lambda w: ours(x, w, b, **case[3]), (w,), (dw,)), backend="eager",
-                      fullgraph=True)(x, w, b)
+    got = tangent(torch.compile(lambda x, w, b: wt.conv2d(x, w, b, **case[3]), backend=backend))
+    assert got is not None and close(got, tangent(lambda x, w, b: F.conv2d(x, w, b, **case[3])))
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="dual tensors given to a compiled function"):
+        tangent(torch.compile(lambda x, w, b: wt.conv2d(x, w, b, **case[3]), backend=backend, fullgraph=True))
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_forward_mode_in_a_function_torch_compile_runs_rather_than_traces_calls_no_graph_break(transposed):
-    """Dynamo runs a function of ``torch._dynamo.allow_in_graph``'s on fake tensors rather than tracing it, while
-    ``torch.compiler.is_compiling()`` is true (PyTorch 2.13 holds it so for the whole compile): under forward AD a
-    convolution there runs as it does outside torch.compile, and its result is torch's (float64, within 1e-10). It
-    took the graph break meant for Dynamo's trace, which runs the convolution again where it is called, and so
-    again, without end: a RecursionError, which failed the compile. (Its tangent is lost: the graph holds the
-    operator, which has no forward mode, README.)"""
+@pytest.mark.parametrize("decorator", ["allow_in_graph", "nonstrict_trace"])
+def test_forward_mode_in_a_function_torch_compile_runs_rather_than_traces_gives_torchs_tangents(transposed,
+                                                                                                 decorator):
+    """Dynamo runs a function of ``torch._dynamo.allow_in_graph``'s (or ``nonstrict_trace``'s) on fake tensors
+    rather than tracing it, while ``torch.compiler.is_compiling()`` is true (PyTorch 2.13 holds it so for the whole
+    compile): a convolution there is its operator, whose tangent the graph holds, torch's (float64, within 1e-10;
+    dual tensors made in the compiled function). The operator had no forward mode there: the tangent was lost. (A
+    graph break meant for Dynamo's trace ran the convolution again where it is called, and so again, without end.)"""
     import torch.autograd.forward_ad as fwad
 
     case = TRANSPOSE_CASES[1] if transposed else CASES[1]
     ours, theirs = (TRANSPOSE_FUNCTIONS if transposed else FUNCTIONS)[case[0]]
     (x, w, b), (dx, _, _) = _operands(case, transposed)
 
-    @torch._dynamo.allow_in_graph
     def block(x, w, b):
         return ours(x, w, b, **case[3])
 
+    block = getattr(torch._dynamo, decorator)(block)
+
+    def f(conv):
+        def f(x, w, b, dx):
+            with fwad.dual_level():
+                return fwad.unpack_dual(conv(fwad.make_dual(x, dx), w, b).tanh())
+
+        return f
+
     torch._dynamo.reset()
-    compiled = torch.compile(lambda x, w, b: block(x, w, b).tanh(), backend="aot_eager")
-    with fwad.dual_level():
-        got = fwad.unpack_dual(compiled(fwad.make_dual(x, dx), w, b)).primal
-    assert close(got, theirs(x, w, b, **case[3]).tanh())
+    got = torch.compile(f(block), backend="aot_eager")(x, w, b, dx)
+    expected = f(lambda x, w, b: theirs(x, w, b, **case[3]))(x, w, b, dx)
+    assert close(got.primal, expected.primal)
+    assert got.tangent is not None and close(got.tangent, expected.tangent)
 
 
 def test_a_graph_compiled_without_forward_mode_is_not_run_under_it():
     """The check for forward AD is made as Dynamo traces, which guards the level it read: a function compiled
     without forward AD, in one graph, compiles again where it is called with dual tensors, whose tangent is torch's
-    (float64, within 1e-10), not the first graph's, which has none."""
+    (float64, within 1e-10), not the first graph's, which was traced without tangents."""
     import torch.autograd.forward_ad as fwad
     from torch._dynamo.testing import CompileCounterWithBackend
 

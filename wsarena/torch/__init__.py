@@ -20,11 +20,12 @@ channels-last tensors run as NHWC and give channels-last results (float64 ones o
 run contiguous, as PyTorch's); under ``torch.autocast`` the operands are cast as PyTorch casts its own convolution's.
 Gradients of gradients are wsarena's passes too (:class:`WeightGradFunction` is the third pass as a Function), and
 ``torch.func``'s ``grad``, ``vmap`` and ``jacrev`` take them, and so, in forward mode, do ``jvp``, ``jacfwd`` and
-``hessian`` (through the functions and modules: the public Functions define no ``jvp``, which ``torch.compile``
-refuses). Under ``torch.compile(dynamic=True)`` and ``torch.export`` with a ``Dim`` the batch and spatial sizes stay
-symbolic. CUDA tensors run on PyTorch's current stream; the device's arena takes its memory from PyTorch's caching
-allocator unless it was made before with another (the setting ``allocator``). :func:`prepare_capture` gives the stream a
-``torch.cuda.graph`` or ``torch.cuda.make_graphed_callables`` will capture on the workspace its calls need.
+``hessian`` (through the functions, modules and operators: the public Functions define no ``jvp``, which
+``torch.compile`` refuses). Under ``torch.compile(dynamic=True)`` and ``torch.export`` with a ``Dim`` the batch and
+spatial sizes stay symbolic. CUDA tensors run on PyTorch's current stream; the device's arena takes its memory from
+PyTorch's caching allocator unless it was made before with another (the setting ``allocator``).
+:func:`prepare_capture` gives the stream a ``torch.cuda.graph`` or ``torch.cuda.make_graphed_callables`` will capture
+on the workspace its calls need.
 :func:`layers` lists a model's convolutions for :func:`wsarena.plan` and :func:`wsarena.tune`.
 
 Needs PyTorch (``pip install "wsarena[torch]"``); ``import wsarena`` alone never imports it.

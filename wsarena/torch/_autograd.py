@@ -17,7 +17,8 @@ Forward mode follows from the same bilinearity: the tangent of ``P(a, b)`` is ``
 Function's pass again, run only for an operand that has a tangent (``torch.func.jvp``, ``jacfwd``, ``hessian``, and
 ``torch.autograd.forward_ad``'s dual tensors). ``torch.compile`` takes no Function that defines ``jvp``: the public
 Functions define none, and :func:`apply` runs forms of them that do (:data:`_FORWARD`, :data:`_OLDER`) wherever no
-torch.compile trace runs (where one runs, the operators, but for forward AD, which runs such a form by a graph break).
+torch.compile trace runs (where one runs, the operators, which have a forward mode of their own, but for dual tensors
+the compiled function may be given, which run such a form by a graph break).
 
 :func:`apply` runs a Function as cheaply as the context allows: outside torch.func's transforms in autograd's older
 form, which takes a bias as a third operand (:data:`_BIASED`: the bias added in its forward, its gradient computed in
@@ -358,13 +359,16 @@ def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: A
     """``function.apply(*args)``, and ``bias`` added to its result (one value per channel, or ``None``): under
     torch.func's transforms its form with a ``jvp``, elsewhere its older form (with a ``jvp``), which takes the bias
     as a third operand (:data:`_BIASED`). Under a ``torch.compile`` or ``torch.export`` trace, the operator itself,
-    with its registered gradient: an exported program keeps no Function (a strict export runs a Function's forward
-    without gradient), and Dynamo would trace the Function into ``autograd_function_apply``, whose backward is handed
-    zeros where no gradient reaches the output, where the operator's gradient is handed ``None``. But where forward
-    AD is on as Dynamo traces (dual tensors, ``torch.func.jvp``, ``jacfwd``, ``hessian``), the form with a ``jvp``
-    outside the graph, by a graph break (:data:`_uncompiled`): the operator has no forward mode and would drop the
-    tangents, and Dynamo takes no Function with a ``jvp``; in code a compile runs rather than traces, that form as
-    outside a compile. Where no gradient can be asked of the result (grad mode off, as under ``torch.no_grad()``
+    differentiable in both modes by its autograd kernel (:func:`_autograd_kernel`): an exported program keeps no
+    Function (a strict export runs a Function's forward without gradient), Dynamo takes no Function with a ``jvp``,
+    and would trace one without into ``autograd_function_apply``, whose backward is handed zeros where no gradient
+    reaches the output, where the operator's gradient is handed ``None``. Under forward AD the graph holds the
+    tangents' convolutions too (torch.func's ``jvp``, ``jacfwd``, ``hessian``; dual tensors made in the compiled
+    function). But where Dynamo traces a convolution under a dual level and no operand has a tangent there, so that
+    they may be dual tensors given to the compiled function, the form with a ``jvp`` outside the graph, by a graph
+    break (:data:`_uncompiled`): a graph is traced without the tangents of the tensors it is given, and runs on them
+    as its backend made it (inductor's kernels write the result of one operation over another's, which keeps the
+    first one's tangent). Where no gradient can be asked of the result (grad mode off, as under ``torch.no_grad()``
     and in inference mode, no forward AD, no ``torch.jit.trace``), the operator alone, by
     :func:`wsarena.torch._ops.call_unrecorded`: a Function would record nothing there, and costs some 15 us a call
     (bench/RESULTS.md). Except in the older form, the bias is added to the result by PyTorch (:func:`add_bias`),
@@ -372,12 +376,12 @@ def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: A
     if _ops.exporting():
         return add_bias(function.forward(*args), bias)
     if torch.compiler.is_compiling():
-        if forward_ad._current_level < 0:
-            return add_bias(function.forward(*args), bias)
-        if torch.compiler.is_dynamo_compiling():
+        # the level read as Dynamo traces, which guards it: a graph compiled without dual tensors compiles again
+        # where it is called with them
+        if torch.compiler.is_dynamo_compiling() and forward_ad._current_level >= 0 and not _ops.transforms_traced() \
+                and not _traced_tangent(args[0], args[1], bias):
             return _uncompiled(function, bias, *args)
-        # forward AD in code the compiler runs rather than traces (a function of torch._dynamo.allow_in_graph's, on
-        # fake tensors), where _uncompiled would call this again without end: a form with a jvp, as outside it
+        return add_bias(function.forward(*args), bias)
     if _transforms_active():
         return add_bias(_FORWARD[function].apply(*args[:2], _Rest(args[2:])), bias)
     if not torch.is_grad_enabled() and forward_ad._current_level < 0 and not torch.jit.is_tracing():
@@ -388,8 +392,14 @@ def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: A
     return _BIASED[function].apply(args[0], args[1], bias, *args[2:])
 
 
-# apply() where a torch.compile trace meets forward AD: a graph break (fullgraph=True refuses it), run eagerly
-_BREAK = "wsarena.torch: a convolution under forward AD runs outside the graph (its operator has no forward mode)"
+def _traced_tangent(*operands: Tensor | None) -> bool:
+    """Whether an operand has a tangent as Dynamo traces it: a dual tensor made in the compiled function has; one it
+    is given has none there (the graph takes its primal alone)."""
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in operands)
+
+
+# apply() where a torch.compile trace meets dual tensors: a graph break (fullgraph=True refuses it), run eagerly
+_BREAK = "wsarena.torch: a convolution of dual tensors given to a compiled function runs outside its graph"
 try:
     _uncompiled = torch.compiler.disable(apply, reason=_BREAK)
 except TypeError:  # PyTorch before 2.7 takes no reason
@@ -416,13 +426,14 @@ _dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
 
 def _pass(function: type[torch.autograd.Function], *args: Any) -> Tensor:
     """One pass of a backward pass or of a tangent (``function``'s forward): the Function where torch.func's
-    transforms or a torch.compile trace may ask for its gradient, its older form where forward AD is on (dual tensors
-    may come, whose tangents its ``jvp`` gives), else the operator, which costs less and is differentiable by itself
-    where the backward makes a graph (grad mode is on in a backward only then). Not the Function there: under
-    ``is_grads_batched``'s batching a Function's graph stays on the batched wrapper, and the gradients that come out
-    of it have none."""
+    transforms may ask for its gradient, its older form where forward AD is on (dual tensors may come, whose tangents
+    its ``jvp`` gives), else the operator, which costs less and is differentiable by itself where the backward makes
+    a graph (grad mode is on in a backward only then). Not the Function there: under ``is_grads_batched``'s batching
+    a Function's graph stays on the batched wrapper, and the gradients that come out of it have none. Under a
+    torch.compile trace the operator (the Function's forward calls it), in every mode: its autograd kernel takes
+    transforms and forward AD, where the public Function, which Dynamo takes, has no ``jvp``."""
     if torch.compiler.is_compiling():
-        return function.apply(*args) if torch.is_grad_enabled() else function.forward(*args)
+        return function.forward(*args)
     if torch.is_grad_enabled() and _transforms_active():
         return _FORWARD[function].apply(*args[:2], _Rest(args[2:]))
     if forward_ad._current_level >= 0:  # dual tensors may come (forward over reverse): the jvp gives their tangents

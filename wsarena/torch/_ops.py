@@ -39,7 +39,7 @@ from .._geometry import output_size
 
 __all__ = [
     "call", "call_unrecorded", "channels_last", "conv_backward_data", "conv_backward_filter", "conv_forward",
-    "layout_of", "transforms_active",
+    "layout_of", "transforms_active", "transforms_traced",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -223,6 +223,15 @@ _KERNELS: dict[Any, Callable[..., Tensor]] = {
     conv_forward: _conv_forward, conv_backward_data: _conv_backward_data, conv_backward_filter: _conv_backward_filter,
 }
 transforms_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+
+
+@torch.compiler.assume_constant_result
+def transforms_traced() -> bool:
+    """:func:`transforms_active` where a torch.compile trace may ask: a constant of the trace, where Dynamo records
+    the call in its graph as well, whose result nothing uses."""
+    return transforms_active()
+
+
 _plain_keys: dict[bool, tuple[Any, Any]] = {}  # is_cuda: the dispatch keys of an ordinary and an inference tensor
 
 
