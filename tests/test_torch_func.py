@@ -242,6 +242,32 @@ def test_torch_func_grad_and_jacrev_under_torch_compile_match_torchs(transposed)
     assert len(got) == len(expected) == 4 and all(close(g, e) for g, e in zip(got, expected))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_compiled_convolution_with_a_bias_leaves_no_unused_call_in_the_graph(transposed):
+    """Dynamo's graph of a convolution with a bias holds the operator, the bias's reshape and the add, and nothing
+    else: whether torch.func's transforms are active, asked as the bias is added, is a constant of the trace (under
+    ``vmap`` over the biases the add makes a new tensor, as outside torch.compile: torch's, float32 within 1e-5).
+    Dynamo recorded the call of ``torch._C._are_functorch_transforms_active`` in the graph, whose result nothing
+    used."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    case = TRANSPOSE_CASES[1] if transposed else CASES[1]
+    ours, theirs = (TRANSPOSE_FUNCTIONS if transposed else FUNCTIONS)[case[0]]
+    (x, w, b), _ = _operands(case, transposed)
+    x, w, b = x.float(), w.float(), b.float()
+    biases = torch.stack([b, 2 * b, -b])
+    graphs = EagerAndRecordGraphs()
+    torch._dynamo.reset()
+    got = torch.compile(lambda x, w, b: ours(x, w, b, **case[3]), backend=graphs, fullgraph=True)(x, w, b)
+    batched = torch.compile(func.vmap(lambda b: ours(x, w, b, **case[3])), backend=graphs, fullgraph=True)(biases)
+    assert close(got, theirs(x, w, b, **case[3]), 1e-5)
+    assert close(batched, func.vmap(lambda b: theirs(x, w, b, **case[3]))(biases), 1e-5)
+    called = [str(n.target) for g in graphs.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert not [c for c in called if "functorch_transforms_active" in c], called
+    assert [n.op for n in graphs.graphs[0].graph.nodes].count("call_function") == 1  # the operator
+    assert [n.op for n in graphs.graphs[0].graph.nodes].count("call_method") == 2  # reshape, add_
+
+
 def test_per_sample_gradients_of_a_module_match_torchs():
     """``vmap(grad(...))`` over the samples of a batch, through a converted model's functional call."""
     torch.manual_seed(0)

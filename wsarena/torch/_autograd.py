@@ -412,11 +412,15 @@ def add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
     already: PyTorch's CPU kernel adds the bias before rounding (README). A new tensor where ``y`` may not be ours
     alone to change: under torch.func's transforms (``vmap`` over the biases alone batches the bias and not ``y``,
     which cannot take a batched value in place) and under a dispatch mode, which may keep the operator's result
-    (selective activation checkpointing refuses a result it saved that has changed since)."""
+    (selective activation checkpointing refuses a result it saved that has changed since). A torch.compile trace
+    asks for the transforms by :func:`~wsarena.torch._ops.transforms_traced`, which leaves no call in its graph."""
     if bias is None:
         return y
     bias = bias.reshape(*_PER_CHANNEL[y.dim()])  # the sizes as arguments: a tuple takes PyTorch 3k instructions more
-    shared = _transforms_active() or (not torch.compiler.is_compiling() and _dispatch_modes())
+    if torch.compiler.is_compiling():
+        shared = _ops.transforms_traced()
+    else:
+        shared = _transforms_active() or _dispatch_modes()
     return y + bias if shared else y.add_(bias)
 
 
