@@ -797,7 +797,7 @@ def test_the_public_functions_define_no_jvp_so_torch_compile_takes_them():
 
 def test_forward_over_reverse_with_dual_tensors_matches_torchs():
     """A backward of dual tensors (``torch.autograd.grad`` under ``forward_ad``) runs its passes with their
-    tangents: the operators alone have no forward mode and would drop them."""
+    tangents, torch's (float64, within 1e-10)."""
     import torch.autograd.forward_ad as fwad
 
     x, w, b = (t.detach() for t in tensors((1, 2, 5, 5), (3, 2, 3, 3)))
