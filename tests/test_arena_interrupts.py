@@ -20,7 +20,11 @@ from wsarena.arena.testing import FakeStream, RecordingProvider
 from .interrupts import from_a_frame_of, interrupt_at_call, interrupt_at_check, interrupt_at_entry_of
 
 # each interrupting test collects the garbage of every run: over the heap the suite leaves, minutes (conftest)
-pytestmark = pytest.mark.usefixtures("frozen_heap")
+# An interrupt that Python reports as ignored (raised as a suspended generator is closed) is a Ctrl-C lost: an error.
+pytestmark = [
+    pytest.mark.usefixtures("frozen_heap"),
+    pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning"),
+]
 
 
 class _InterruptibleLock:

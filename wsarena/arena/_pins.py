@@ -281,7 +281,8 @@ def let_go_kept(may_drop: Callable[[], bool] | None) -> None:
     if may_drop is None:
         pins = [pin for pin in pins if not pin.frees]
     posted = [pin for pin in pins if not pin.live()]
-    if any(pin.frees for pin in posted) and (may_drop is None or not may_drop()):
+    # A list, not a generator any() leaves suspended: Ctrl-C as such a generator is closed is lost (ignored).
+    if [pin for pin in posted if pin.frees] and (may_drop is None or not may_drop()):
         posted = [pin for pin in posted if not pin.frees]
     for pin in posted:
         if pin.tally is not None:
