@@ -186,6 +186,32 @@ def test_a_keep_on_a_stream_object_asks_nothing_of_its_handle_once_the_object_is
     assert arena.stats().kept_bytes == 0
 
 
+def test_a_keep_through_a_stream_object_made_for_it_leaves_the_capture_known_while_the_stream_is_watched():
+    """A keep_with_capture through a stream object made for the call (cupy.cuda.ExternalStream(handle), say) on a
+    stream whose buffer a live object of the program watches: the wrapper's death shows nothing of the stream, which
+    lives on, being captured. Frees with no stream wait for the capture, as they do for a lease's. Once, the keep's
+    record went with the wrapper, and a trim during the capture freed a dead stream's buffer with no stream (a device
+    synchronisation, which breaks the capture)."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    stream = FakeStream(0x70)
+    arena.reserve(1000, stream=stream)  # the program's stream, used before the capture
+    gone = FakeStream(0x71)
+    arena.reserve(1000, stream=gone)
+    del gone  # its buffer is freed with no stream by the next trim
+    gc.collect()
+    graph = provider.begin_capture(0x70)  # no lease there yet
+    assert arena.keep_with_capture([np.empty(8)], stream=FakeStream(0x70))
+    gc.collect()
+    arena.trim()
+    assert provider.during_capture == [] and provider.frees == []
+    provider.end_capture(graph)
+    arena.trim()  # the dead stream's buffer, and the live one's, trimmed
+    assert [s for _, s in provider.frees] == [None, None] and provider.during_capture == []
+    graph.close()
+    assert arena.stats().kept_bytes == 0
+
+
 def sibling(stream_type):
     """A class with ``stream_type``'s methods but not a subclass of it: CuPy's ExternalStream beside its Stream."""
     methods = {k: v for k, v in vars(stream_type).items() if k not in ("__dict__", "__weakref__")}

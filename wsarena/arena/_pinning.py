@@ -150,7 +150,8 @@ def keep_with_capture(self: Arena, objects: list[Any], stream: Any) -> bool:
     lease, or by :func:`wsarena.capture`, whose record keeps its seeded buffer until the first lease): frees with no
     stream, and the drop of what graphs gone kept, wait while its capture may go on. Idempotent: run again after an
     interrupt (lock not held). A stream given as an object is recorded with a weak reference to it
-    (:class:`KeptOn`): CUDA is not asked about its handle once the object is gone."""
+    (:class:`KeptOn`), unless a live object watches its buffer (a lease's record, then): CUDA is not asked about its
+    handle once the object is gone."""
     if self._capture is None:
         return False
     key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
@@ -161,8 +162,12 @@ def keep_with_capture(self: Arena, objects: list[Any], stream: Any) -> bool:
     if capture is None:
         return False
     pin = self._pin_for(capture)
-    record = pin if anchor is None or anchor is key else KeptOn(pin, anchor)
     with self._lock:
+        # A live object watching the stream's buffer shows the stream alive: the record is a lease's, which that
+        # object's death drops; ``stream`` may be a wrapper made for this call, whose death shows nothing.
+        sub = self._table.subs.get(key)
+        watched = sub is not None and sub.anchor is not None and sub.anchor() is not None
+        record = pin if anchor is None or anchor is key or watched else KeptOn(pin, anchor)
         self._table.capturing.setdefault(key, record)
     pin.keep(objects)
     return True
