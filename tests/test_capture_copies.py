@@ -7,6 +7,7 @@ whose capture status the test sets (wsarena.arena.testing), as tests/test_captur
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import types
 import weakref
@@ -140,9 +141,11 @@ def test_what_graphs_gone_kept_that_frees_device_memory_goes_with_the_next_eager
     its device memory, cudaFree, as the backend says here of its host arrays), with CuPy's stream.begin_capture, no
     capture block and no trim, stats or growth, but eager calls between captures: each eager call looks at one pin of
     those that keep so, in turn, and lets go of what graphs gone since kept where that one was posted, once no capture
-    is under way; within as many eager calls as there are graphs keeping. An eager call during a capture lets go of
-    nothing. Once, it was kept until a trim, stats or growth: every captured call's copies and result, for good."""
+    is under way; within as many eager calls as there are graphs keeping (each call looks here, not one in
+    _pins.LOOK_EVERY). An eager call during a capture lets go of nothing. Once, it was kept until a trim, stats or
+    growth: every captured call's copies and result, for good."""
     monkeypatch.setattr(CpuBackend, "frees_when_dropped", lambda self, array: True)
+    monkeypatch.setattr(_pins, "_looks", itertools.repeat(True))
     x, w = strided_operands()
     wsarena.conv_forward(x, w, padding=1, stream="lane")
     arena = wsarena.get_arena("cpu")
@@ -175,6 +178,33 @@ def test_what_graphs_gone_kept_that_frees_device_memory_goes_with_the_next_eager
         freed.clear()
         during.close()
     alive.close()
+    assert arena.stats().kept_bytes == 0
+
+
+def test_one_eager_lease_in_look_every_looks_at_a_graph_that_keeps_what_may_free_device_memory(provider, monkeypatch):
+    """While a graph alive keeps what may free device memory as it goes, an eager lease in _pins.LOOK_EVERY asks
+    whether it was destroyed (sem_getvalue, a third of a bare lease), not every lease; the let-go waits that many more
+    calls at most."""
+    monkeypatch.setattr(CpuBackend, "frees_when_dropped", lambda self, array: True)
+    x, w = strided_operands()
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    arena = wsarena.get_arena("cpu")
+    graph = provider.begin_capture("lane")
+    wsarena.conv_forward(x, w, padding=1, stream="lane")
+    provider.end_capture(graph)
+    asked = []
+    live = GraphPin.live
+    monkeypatch.setattr(GraphPin, "live", lambda pin: asked.append(pin) or live(pin))
+    for _ in range(10 * _pins.LOOK_EVERY):
+        with arena.lease(100, stream="lane"):
+            pass
+    assert len(asked) == 10 and _pins.LOOK_EVERY > 1
+    graph.close()
+    gc.collect()
+    for _ in range(_pins.LOOK_EVERY):
+        with arena.lease(100, stream="lane"):
+            pass
+    assert arena._table.kept_arrays.nbytes == 0  # let go within LOOK_EVERY calls of one graph keeping
     assert arena.stats().kept_bytes == 0
 
 

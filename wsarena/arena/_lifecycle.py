@@ -127,7 +127,8 @@ def let_go_posted() -> None:
     reads first: nothing to look at, it is not called): where the pin whose turn it is was posted, what graphs gone
     since kept is let go, once no capture is under way (:func:`~wsarena.arena._pins.let_go_kept`). So a program that
     captures with CuPy's ``stream.begin_capture()`` in a loop, with no pool (``cupy.cuda.set_allocator(None)``), and
-    no trim, stats or growth, lets go of it at its next eager call, within as many as there are graphs keeping so."""
+    no trim, stats or growth, lets go of it at its eager calls: within ``_pins.LOOK_EVERY`` times as many as
+    there are graphs keeping so."""
     if posted_in_turn():
         let_go_kept(_no_capture_under_way)
 

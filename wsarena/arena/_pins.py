@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import itertools
 import os
 import weakref
 from collections.abc import Callable, Iterable
@@ -66,6 +67,10 @@ _keeping: dict[int, GraphPin] = {}
 # be listed twice (a keep run again after an interrupt), or after it was let go (an interrupt): each such entry goes
 # when its turn comes.
 freeing: collections.deque[GraphPin] = collections.deque()
+# One eager lease in LOOK_EVERY looks (posted_in_turn): a look is a sem_getvalue (some 0.7 us, a third of a bare
+# lease), and what a graph gone kept may wait that many more calls
+LOOK_EVERY = 32
+_looks = itertools.cycle((True,) + (False,) * (LOOK_EVERY - 1))  # next() in one C call, whatever other threads do
 # In a forked child, the parent's pins and what they keep: the parent's memory, never let go here (_after_fork_in_child)
 _parents_keeping: list[dict[int, GraphPin]] = []
 
@@ -296,9 +301,11 @@ def let_go_kept(may_drop: Callable[[], bool] | None) -> None:
 
 def posted_in_turn() -> bool:
     """Whether the pin whose turn it is, of those that keep what may free device memory as it goes (:data:`freeing`,
-    one looked at each call, the next one at the next call), was posted: what it keeps may be let go once no capture
-    is under way. An entry of a pin let go already is taken off. (A C call or two each: ``sem_getvalue``, where the
-    pin was not seen posted yet.)"""
+    one looked at every :data:`LOOK_EVERY` calls, the next one at the next look), was posted: what it keeps may be
+    let go once no capture is under way. An entry of a pin let go already is taken off. (A C call or two each look:
+    ``sem_getvalue``, where the pin was not seen posted yet.)"""
+    if not next(_looks):
+        return False
     try:
         pin = freeing[0]
         freeing.rotate(-1)
