@@ -743,6 +743,37 @@ def test_forward_mode_in_a_function_torch_compile_runs_rather_than_traces_gives_
     assert got.tangent is not None and close(got.tangent, expected.tangent)
 
 
+
+@pytest.mark.parametrize("decorator", ["allow_in_graph", "nonstrict_trace"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_dual_tensors_given_to_a_compiled_function_break_its_graph_at_a_function_dynamo_runs(decorator, backend):
+    """Dual tensors given to a compiled function, convolved in a function Dynamo runs rather than traces
+    (``allow_in_graph``'s, ``nonstrict_trace``'s): the graph break falls on the function's call, which runs outside
+    the graph, and the tangent after the rest of the compiled function is torch's convolution's: kept by
+    ``aot_eager`` (float64, within 1e-10), dropped by ``inductor`` (``None``). The graph held the operator, which
+    ``inductor`` ran on the dual tensors and wrote the ``tanh`` over, keeping the convolution's tangent: a wrong
+    one. ``fullgraph=True`` refuses the break (``nonstrict_trace``'s in Dynamo's words)."""
+    import torch.autograd.forward_ad as fwad
+
+    case = CASES[1]
+    (x, w, b), (dx, _, _) = _operands(case, False)
+
+    def tangent(conv, **options):
+        block = getattr(torch._dynamo, decorator)(lambda x, w, b: conv(x, w, b, **case[3]))
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, w, b: block(x, w, b).tanh(), backend=backend, **options)
+        with fwad.dual_level():
+            got = fwad.unpack_dual(compiled(fwad.make_dual(x, dx), w, b))
+        assert close(got.primal, F.conv2d(x, w, b, **case[3]).tanh())
+        return got.tangent
+
+    got, expected = tangent(wt.conv2d), tangent(F.conv2d)
+    assert (got is None) == (expected is None) == (backend == "inductor")
+    assert got is None or close(got, expected)
+    reason = "dual tensors given to a compiled function" if decorator == "allow_in_graph" else "nonstrict_trace"
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=reason):
+        tangent(wt.conv2d, fullgraph=True)
+
 def test_a_graph_compiled_without_forward_mode_is_not_run_under_it():
     """The check for forward AD is made as Dynamo traces, which guards the level it read: a function compiled
     without forward AD, in one graph, compiles again where it is called with dual tensors, whose tangent is torch's

@@ -368,19 +368,25 @@ def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: A
     they may be dual tensors given to the compiled function, the form with a ``jvp`` outside the graph, by a graph
     break (:data:`_uncompiled`): a graph is traced without the tangents of the tensors it is given, and runs on them
     as its backend made it (inductor's kernels write the result of one operation over another's, which keeps the
-    first one's tangent). Where no gradient can be asked of the result (grad mode off, as under ``torch.no_grad()``
-    and in inference mode, no forward AD, no ``torch.jit.trace``), the operator alone, by
-    :func:`wsarena.torch._ops.call_unrecorded`: a Function would record nothing there, and costs some 15 us a call
-    (bench/RESULTS.md). Except in the older form, the bias is added to the result by PyTorch (:func:`add_bias`),
-    which records it where it is differentiated."""
+    first one's tangent: a wrong one). In a function Dynamo runs on fake tensors rather than traces (allow_in_graph's,
+    nonstrict_trace's), the break falls on the function's call. Where no gradient can be asked of the result (grad
+    mode off, as under ``torch.no_grad()`` and in inference mode, no forward AD, no ``torch.jit.trace``), the
+    operator alone, by :func:`wsarena.torch._ops.call_unrecorded`: a Function would record nothing there, and costs
+    some 15 us a call (bench/RESULTS.md). Except in the older form, the bias is added to the result by PyTorch
+    (:func:`add_bias`), which records it where it is differentiated."""
     if _ops.exporting():
         return add_bias(function.forward(*args), bias)
     if torch.compiler.is_compiling():
         # the level read as Dynamo traces, which guards it: a graph compiled without dual tensors compiles again
         # where it is called with them
-        if torch.compiler.is_dynamo_compiling() and forward_ad._current_level >= 0 and not _ops.transforms_traced() \
+        if forward_ad._current_level >= 0 and not _ops.transforms_traced() \
                 and not _traced_tangent(args[0], args[1], bias):
-            return _uncompiled(function, bias, *args)
+            if torch.compiler.is_dynamo_compiling():
+                return _uncompiled(function, bias, *args)
+            if _dynamo_fake_run():
+                # a function Dynamo runs rather than traces (allow_in_graph's, nonstrict_trace's): the graph break
+                # falls on its call
+                raise torch._dynamo.exc.Unsupported(_BREAK)
         return add_bias(function.forward(*args), bias)
     if _transforms_active():
         return add_bias(_FORWARD[function].apply(*args[:2], _Rest(args[2:])), bias)
@@ -396,6 +402,16 @@ def _traced_tangent(*operands: Tensor | None) -> bool:
     """Whether an operand has a tangent as Dynamo traces it: a dual tensor made in the compiled function has; one it
     is given has none there (the graph takes its primal alone)."""
     return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in operands)
+
+
+def _dynamo_fake_run() -> bool:
+    """Whether a compile runs this on Dynamo's fake tensors, as it runs a function of ``allow_in_graph``'s or
+    ``nonstrict_trace``'s (AOTAutograd's trace of the graph, which runs it again, functionalizes)."""
+    return _dispatch_mode(_FUNCTIONAL) is None and _dispatch_mode(_PROXY) is None
+
+
+_dispatch_mode = torch._C._get_dispatch_mode
+_FUNCTIONAL, _PROXY = torch._C._TorchDispatchModeKey.FUNCTIONAL, torch._C._TorchDispatchModeKey.PROXY
 
 
 # apply() where a torch.compile trace meets dual tensors: a graph break (fullgraph=True refuses it), run eagerly
