@@ -932,6 +932,50 @@ def test_torch_func_transforms_of_the_operators_match_torchs(name):
         assert len(got) == len(expected) and all(close(g, e) for g, e in zip(got, expected)), what
 
 
+
+# A PyTorch whose Library.impl refuses to override a kernel registered from Python by default (2.8 to 2.10), or
+# always, having no allow_override in its signature (before 2.8), made of this one's (whose own calls pass it)
+_REFUSING_IMPL = {
+    "allow_override": """
+def impl(self, op_name, fn, dispatch_key="", *, with_keyset=False, allow_override=False):
+    return original(self, op_name, fn, dispatch_key, with_keyset=with_keyset, allow_override=allow_override)
+""",
+    "no allow_override": """
+def impl(self, op_name, fn, dispatch_key="", *, with_keyset=False, **torchs):
+    return original(self, op_name, fn, dispatch_key, with_keyset=with_keyset, allow_override=bool(torchs))
+""",
+}
+
+
+@pytest.mark.parametrize("impl", list(_REFUSING_IMPL))
+def test_the_operators_forward_mode_is_registered_where_library_impl_refuses_overrides_by_default(impl):
+    """``import wsarena.torch`` registers the operators' autograd kernel over the one ``custom_op`` made where
+    ``torch.library.Library.impl`` refuses to override a Python kernel unless told to, or has no way to be told
+    (PyTorch 2.6 to 2.10): the import raised 'there's already a kernel registered from python overriding
+    conv_forward's behavior for Autograd dispatch key'. The operator's tangent is then torch's (float64, within
+    1e-10)."""
+    import subprocess
+    import sys
+
+    script = "\n".join([
+        "import torch, torch.library, torch.nn.functional as F, torch.autograd.forward_ad as fwad",
+        "original = torch.library.Library.impl",
+        _REFUSING_IMPL[impl],
+        "torch.library.Library.impl = impl",
+        "import wsarena.torch",
+        "g = torch.Generator().manual_seed(0)",
+        "x, dx = (torch.randn(1, 2, 5, 5, dtype=torch.float64, generator=g) for _ in range(2))",
+        "w = torch.randn(3, 2, 3, 3, dtype=torch.float64, generator=g)",
+        "with fwad.dual_level():",
+        "    dual = torch.ops.wsarena.conv_forward(fwad.make_dual(x, dx), w, [1, 1], [0, 0], [1, 1], 1, 'NCHW')",
+        "    got = fwad.unpack_dual(dual).tangent",
+        "    expected = fwad.unpack_dual(F.conv2d(fwad.make_dual(x, dx), w)).tangent",
+        "print((got - expected).abs().max().item() / expected.abs().max().item())",
+    ])
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) <= 1e-10
+
 class _Exported(torch.nn.Module):
     def __init__(self):
         super().__init__()

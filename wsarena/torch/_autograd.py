@@ -347,12 +347,19 @@ _unpack_dual = torch._C._VariableFunctions._unpack_dual  # forward_ad.unpack_dua
 
 # Each operator is differentiable as its Function is, by the same setup and backward, in forward mode too: a graph
 # that holds the operators themselves (an exported program's, a compiled one's) is differentiated as the Functions
-# are. Registered over the kernel custom_op made (which PyTorch warns of).
+# are. Registered over the kernel custom_op made (which PyTorch warns of), which Library.impl refuses to override
+# unless told to (allow_override: False by default in PyTorch 2.8 to 2.10), and before 2.8 while it keeps a record of
+# that kernel, dropped here.
 _LIBRARY = torch.library.Library("wsarena", "IMPL")
+_OVERRIDE = "allow_override" in inspect.signature(torch.library.Library.impl).parameters
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Warning only once for all operators")
     for _function, _op in _OPERATORS.items():
-        _LIBRARY.impl(_op._name, _autograd_kernel(_function), "Autograd", with_keyset=True)
+        if _OVERRIDE:
+            _LIBRARY.impl(_op._name, _autograd_kernel(_function), "Autograd", with_keyset=True, allow_override=True)
+        else:
+            torch.library._impls.discard(f"wsarena/{_op._name}/Autograd")
+            _LIBRARY.impl(_op._name, _autograd_kernel(_function), "Autograd", with_keyset=True)
 
 
 def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: Any) -> Tensor:
