@@ -66,11 +66,12 @@ def test_the_models_module_is_reached_from_the_package_as_the_docs_write_it():
     assert out.split() == [",".join(zoo_names()), "ModelError", "True"]
 
 
-@pytest.mark.parametrize("version, refused", [("2.5.1+cpu", True), ("2.6.0a0+git1234", False), ("2.13.0", False)])
+@pytest.mark.parametrize("version, refused", [("2.6.0+cpu", True), ("2.7.0a0+git1234", False), ("2.13.0", False)])
 def test_wsarena_torch_refuses_a_pytorch_older_than_the_one_it_needs(version, refused):
-    """wsarena.torch needs PyTorch 2.6 (``torch.library.custom_op``, ``register_vmap``,
-    ``torch.compiler.is_exporting``): an older one is an ImportError naming both versions at import, not an
-    AttributeError at a first call. A new process in which ``torch.__version__`` reads as ``version``."""
+    """wsarena.torch needs PyTorch 2.7 (``torch.library.custom_op`` of ``list[int]`` parameters, ``register_vmap``,
+    ``torch.compiler.is_exporting``): an older one is an ImportError naming both versions at import, not an error
+    from inside the import (2.6 raised a ValueError: its custom_op takes no ``list[int]``). A new process in which
+    ``torch.__version__`` reads as ``version``."""
     pytest.importorskip("torch")
     code = (
         "import torch\n"
@@ -85,6 +86,6 @@ def test_wsarena_torch_refuses_a_pytorch_older_than_the_one_it_needs(version, re
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     if refused:
-        assert out.startswith("refused: wsarena.torch needs PyTorch 2.6 or newer") and version in out
+        assert out.startswith("refused: wsarena.torch needs PyTorch 2.7 or newer") and version in out
     else:
         assert out.strip() == "imported"

@@ -37,10 +37,12 @@ try:
     import torch as _torch  # PyTorch itself: this package's name shadows it only as wsarena.torch
 except ImportError as exc:  # pragma: no cover - the test environment has PyTorch
     raise ImportError('wsarena.torch needs PyTorch: pip install "wsarena[torch]"') from exc
-if tuple(map(int, _torch.__version__.split(".")[:2])) < (2, 6):  # 2.6's pre-releases too; older: a missing name
+# 2.7's pre-releases too; older: a missing name (2.6 has no torch.compiler.is_exporting, and its custom_op takes
+# no list[int] parameter)
+if tuple(map(int, _torch.__version__.split(".")[:2])) < (2, 7):
     raise ImportError(
-        f"wsarena.torch needs PyTorch 2.6 or newer (torch.library.custom_op, register_vmap, "
-        f"torch.compiler.is_exporting); this is {_torch.__version__}: pip install 'torch>=2.6'"
+        f"wsarena.torch needs PyTorch 2.7 or newer (torch.library.custom_op, register_vmap, "
+        f"torch.compiler.is_exporting); this is {_torch.__version__}: pip install 'torch>=2.7'"
     )
 
 from ._autograd import WeightGradFunction
