@@ -934,7 +934,8 @@ def test_torch_func_transforms_of_the_operators_match_torchs(name):
 
 
 # A PyTorch whose Library.impl refuses to override a kernel registered from Python by default (2.8 to 2.10), or
-# always, having no allow_override in its signature (before 2.8), made of this one's (whose own calls pass it)
+# always, having no allow_override in its signature (before 2.8), made of this one's where it takes allow_override
+# (and its own calls pass it); a PyTorch whose Library.impl does not is one before 2.8 already
 _REFUSING_IMPL = {
     "allow_override": """
 def impl(self, op_name, fn, dispatch_key="", *, with_keyset=False, allow_override=False):
@@ -961,7 +962,8 @@ def test_the_operators_forward_mode_is_registered_where_library_impl_refuses_ove
         "import torch, torch.library, torch.nn.functional as F, torch.autograd.forward_ad as fwad",
         "original = torch.library.Library.impl",
         _REFUSING_IMPL[impl],
-        "torch.library.Library.impl = impl",
+        "if 'allow_override' in __import__('inspect').signature(original).parameters:",
+        "    torch.library.Library.impl = impl",
         "import wsarena.torch",
         "g = torch.Generator().manual_seed(0)",
         "x, dx = (torch.randn(1, 2, 5, 5, dtype=torch.float64, generator=g) for _ in range(2))",
