@@ -1,6 +1,6 @@
 """What a lease costs: a lease/release pair on an existing CPU lane, beside a bare lock and a fresh allocation.
 
-    python bench/bench_lease.py [--repeat 7] [--min-time 0.2] [--kept 30000] [--graphs 100]
+    python bench/bench_lease.py [--repeat 7] [--min-time 0.2] [--kept 30000] [--graphs 100] [--live 3]
 
 For 4 KiB, 1 MiB and 64 MiB: ``with arena.lease(n):`` on a lane whose buffer already holds ``n`` bytes (the
 steady state of a network's forward/backward passes), the same with ``ws.array`` taken, a bare
@@ -11,12 +11,17 @@ Then ``arena.stats()`` of an arena whose pins keep ``--kept`` arrays for ``--gra
 on a lane, :mod:`wsarena.arena.testing`; each ``keep_with_capture`` keeps two arrays of their own and a view of one
 array they all share), which each ``wsarena.capture()`` calls; one such keep, and the ``stats()`` that lets go of them
 all once the graphs are destroyed (milliseconds, once).
+
+Last, a bare lease while ``--live`` graphs alive keep what may free device memory as it goes (``keep_with_capture``:
+no pool), whose destruction eager leases look for: one lease in ``_pins.LOOK_EVERY`` looking (a ``sem_getvalue``),
+beside every lease looking, and beside no graph keeping, interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import platform
 import statistics
 import threading
@@ -26,7 +31,7 @@ import timeit
 import numpy as np
 
 from wsarena._sizes import format_size
-from wsarena.arena import Arena, HostProvider
+from wsarena.arena import Arena, HostProvider, _pins
 from wsarena.arena.testing import RecordingProvider
 
 SIZES = (4 << 10, 1 << 20, 64 << 20)
@@ -68,12 +73,47 @@ def kept_stats(kept: int, graphs: int, timing: dict[str, float]) -> tuple[float,
     return stats_us, keep_us, (time.perf_counter() - start) * 1e3
 
 
+def lease_with_graphs_keeping(live: int, timing: dict[str, float], rounds: int = 3) -> list[tuple[float, ...]]:
+    """Microseconds per bare lease on a lane with no graph keeping, then with ``live`` graphs alive keeping what may
+    free device memory (one lease in LOOK_EVERY looking, and every lease looking), ``rounds`` times interleaved."""
+    provider = RecordingProvider()
+    arena = Arena(provider)
+    arena.reserve(4096, stream="bench")
+
+    def lease() -> None:
+        with arena.lease(4096, stream="bench"):
+            pass
+
+    looks = _pins._looks
+    rows = []
+    for _ in range(rounds):
+        none = per_call_us(lease, **timing)
+        graphs = []
+        for _ in range(live):
+            graph = provider.begin_capture("bench")
+            arena.keep_with_capture([np.empty(16, np.float32)], stream="bench")
+            provider.end_capture(graph)
+            graphs.append(graph)
+        some = per_call_us(lease, **timing)
+        _pins._looks = itertools.repeat(True)
+        try:
+            every = per_call_us(lease, **timing)
+        finally:
+            _pins._looks = looks
+        for graph in graphs:
+            graph.close()
+        arena.stats()  # lets go of what they kept: the next round starts with none keeping
+        rows.append((none, some, every))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per timeit run (about)")
     parser.add_argument("--kept", type=int, default=30_000, help="arrays kept for graphs, for stats()")
     parser.add_argument("--graphs", type=int, default=100, help="graphs that keep them")
+    parser.add_argument("--live", type=int, default=3, help="graphs alive keeping what may free device memory")
     args = parser.parse_args(argv)
     timing = {"repeat": args.repeat, "min_time": args.min_time}
 
@@ -119,6 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     stats_us, keep_us, let_go_ms = kept_stats(args.kept, args.graphs, timing)
     print(f"stats() with {args.kept:,} arrays kept for {args.graphs} graphs: {stats_us:.1f} µs    "
           f"a keep of 3: {keep_us:.1f} µs    the stats() that lets go of them all: {let_go_ms:.1f} ms")
+    print(f"a bare lease (4 KiB), with {args.live} graphs alive keeping what may free device memory, µs:")
+    for none, some, every in lease_with_graphs_keeping(args.live, timing):
+        print(f"  none keeping {none:.3f}    one lease in {_pins.LOOK_EVERY} looking {some:.3f}    "
+              f"every lease looking {every:.3f}    ({every / some:.2f}x)")
 
 
 if __name__ == "__main__":
