@@ -774,6 +774,104 @@ def test_dual_tensors_given_to_a_compiled_function_break_its_graph_at_a_function
     with pytest.raises(torch._dynamo.exc.Unsupported, match=reason):
         tangent(wt.conv2d, fullgraph=True)
 
+def test_eager_forward_mode_on_one_thread_while_another_compiles_is_not_taken_for_a_compile():
+    """Forward AD on one thread, while another compiles: ``torch.compiler.is_compiling()`` reads a flag of the
+    process, on for this thread too, where a convolution of tensors without tangents in a dual level (a branch the
+    dual input does not reach) raised Dynamo's ``Unsupported`` in eager code, taken for a function Dynamo runs on
+    its fake tensors. The results are torch's convolution's (float64, within 1e-10)."""
+    import threading
+
+    import torch.autograd.forward_ad as fwad
+
+    case = CASES[1]
+    (x, w, b), (dx, _, _) = _operands(case, False)
+    started, done = threading.Event(), threading.Event()
+
+    def backend(gm, example_inputs):
+        started.set()
+        done.wait(120)
+        return gm
+
+    compiling = threading.Thread(target=lambda: torch.compile(lambda t: t.sin() + 1, backend=backend)(x))
+    compiling.start()
+    try:
+        assert started.wait(120) and torch.compiler.is_compiling()
+        with fwad.dual_level():
+            plain = wt.conv2d(x, w, b, **case[3])
+            dual = fwad.unpack_dual(wt.conv2d(fwad.make_dual(x, dx), w, b, **case[3]))
+            expected = fwad.unpack_dual(F.conv2d(fwad.make_dual(x, dx), w, b, **case[3]))
+    finally:
+        done.set()
+        compiling.join()
+    assert close(plain, F.conv2d(x, w, b, **case[3])) and close(dual.primal, expected.primal)
+    assert close(dual.tangent, expected.tangent)
+
+
+def _fake_shapes(x, w, b, kw):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x, w, b = (mode.from_tensor(t) for t in (x, w, b))
+        return wt.conv2d(x, w, b, **kw).shape, wt.conv2d(_dual_of(x), w, b, **kw).shape
+
+
+def _dual_of(x):
+    import torch.autograd.forward_ad as fwad
+
+    return fwad.make_dual(x, torch.ones_like(x))
+
+
+def _meta_shapes(x, w, b, kw):
+    x, w, b = (t.to("meta") for t in (x, w, b))
+    return wt.conv2d(x, w, b, **kw).shape, wt.conv2d(_dual_of(x), w, b, **kw).shape
+
+
+def _exported_shapes(x, w, b, kw):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Conv(torch.nn.Module):
+        def forward(self, x):
+            return wt.conv2d(x, w, b, **kw).tanh()
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        program = torch.export.export(Conv(), (mode.from_tensor(x),))
+    (output,) = (node for node in program.graph.nodes if node.op == "output")
+    return tuple(node.meta["val"].shape for node in output.args[0])
+
+
+@pytest.mark.parametrize("run", [_fake_shapes, _meta_shapes, _exported_shapes])
+def test_a_dual_level_around_fake_or_meta_tensors_or_an_export_is_no_compile(run):
+    """Shapes worked out in a dual level, where no Dynamo compile runs: by the user's own ``FakeTensorMode``, on
+    meta tensors, by ``torch.export`` of fake tensors. No graph break is asked for (Dynamo's ``Unsupported`` would
+    be raised in the user's code); the shapes are torch's convolution's."""
+    import torch.autograd.forward_ad as fwad
+
+    case = CASES[1]
+    (x, w, b), _ = _operands(case, False)
+    with fwad.dual_level():
+        got = run(x, w, b, case[3])
+    assert all(shape == F.conv2d(x, w, b, **case[3]).shape for shape in got) and got
+
+
+def test_a_training_step_compiled_in_one_graph_without_forward_mode_gives_torchs_gradients():
+    """A training step's forward pass, compiled in one graph (``fullgraph=True``, ``aot_eager``), no forward AD:
+    no graph break is asked for, and the loss and the gradients are torch's convolution's (float64, within
+    1e-10)."""
+    case = CASES[1]
+
+    def gradients(conv):
+        (x, w, b), _ = _operands(case, False)
+        w.requires_grad_(), b.requires_grad_()
+        torch._dynamo.reset()
+        loss = torch.compile(lambda x: conv(x, w, b, **case[3]).tanh().square().mean(), backend="aot_eager",
+                             fullgraph=True)(x)
+        loss.backward()
+        return loss, w.grad, b.grad
+
+    got, expected = gradients(wt.conv2d), gradients(F.conv2d)
+    assert all(close(g, e) for g, e in zip(got, expected))
+
+
 def test_a_graph_compiled_without_forward_mode_is_not_run_under_it():
     """The check for forward AD is made as Dynamo traces, which guards the level it read: a function compiled
     without forward AD, in one graph, compiles again where it is called with dual tensors, whose tangent is torch's

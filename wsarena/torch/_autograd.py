@@ -413,12 +413,16 @@ def _traced_tangent(*operands: Tensor | None) -> bool:
 
 def _dynamo_fake_run() -> bool:
     """Whether a compile runs this on Dynamo's fake tensors, as it runs a function of ``allow_in_graph``'s or
-    ``nonstrict_trace``'s (AOTAutograd's trace of the graph, which runs it again, functionalizes)."""
-    return _dispatch_mode(_FUNCTIONAL) is None and _dispatch_mode(_PROXY) is None
+    ``nonstrict_trace``'s (AOTAutograd's trace of the graph, which runs it again, functionalizes). A fake mode in
+    force on this thread: ``is_compiling()`` reads a flag of the process, found on too by eager code that another
+    thread runs while one compiles."""
+    return _dispatch_mode(_FAKE) is not None and _dispatch_mode(_FUNCTIONAL) is None \
+        and _dispatch_mode(_PROXY) is None
 
 
 _dispatch_mode = torch._C._get_dispatch_mode
-_FUNCTIONAL, _PROXY = torch._C._TorchDispatchModeKey.FUNCTIONAL, torch._C._TorchDispatchModeKey.PROXY
+_KEY = torch._C._TorchDispatchModeKey
+_FAKE, _FUNCTIONAL, _PROXY = _KEY.FAKE, _KEY.FUNCTIONAL, _KEY.PROXY
 
 
 # apply() where a torch.compile trace meets dual tensors: a graph break (fullgraph=True refuses it), run eagerly
