@@ -221,7 +221,6 @@ def test_modules_are_named_by_their_path_and_each_call_listed():
     assert found[0].weight_shape == (4, 3, 3, 3)
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile
 def test_a_compiled_model_gives_its_modules_layers_without_compiling():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1))
     compiled = torch.compile(model)
@@ -230,7 +229,6 @@ def test_a_compiled_model_gives_its_modules_layers_without_compiling():
     assert found == wt.layers(model, torch.randn(1, 3, 8, 8))
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile
 def test_a_model_compiled_in_place_or_holding_a_compiled_module_runs_uncompiled():
     """Module.compile() compiles the model in place (no wrapper to unwrap), and a compiled submodule is a wrapper
     inside the model: their layers too come from an uncompiled run, which the backend given to torch.compile never
@@ -269,7 +267,6 @@ class _Overlaps(nn.Module):
         return self.conv(x)
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile
 def test_overlapping_calls_in_two_threads_leave_torch_compile_as_it_was():
     """torch.compile's stance is the process's: two layers() calls in two threads, the first ending while the second
     runs, each restoring the stance it found, would leave "force_eager" set for good (and the second's compiled
@@ -318,7 +315,6 @@ def _compiles() -> int:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile
 def test_a_child_forked_while_another_thread_runs_layers_compiles_as_asked():
     """The thread inside layers() at os.fork() does not exist in the child, where its call never ends: the child
     would run uncompiled for ever. It finds torch.compile's stance as that call found it."""
@@ -351,7 +347,6 @@ class _Forks(nn.Module):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile
 def test_a_child_forked_by_the_model_itself_runs_uncompiled_until_its_call_ends():
     """The thread that forks goes on in the child, inside its layers() call: there "force_eager" holds until that
     call ends, as in the parent."""
@@ -408,7 +403,6 @@ def _refused_once(monkeypatch):
 
 
 @pytest.mark.parametrize("where", ["as the lock is let go", "once the stance is set", "as the stance is set"])
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile
 def test_a_ctrl_c_as_layers_sets_the_stance_leaves_torch_compile_as_it_was(monkeypatch, where):
     """A Ctrl-C between the stance set and the count of calls under way, or after them before the run that ends
     them, would leave "force_eager", or the count and with it "force_eager", for the rest of the process; one as
