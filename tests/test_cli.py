@@ -671,6 +671,38 @@ def test_a_closed_stderr_keeps_warnings_and_errors_out_of_the_output(tmp_path):
     assert (r.returncode, r.stdout, r.stderr) == (2, "", "")
 
 
+def test_a_caller_that_closed_sys_stderr_or_sys_stdout_gets_the_exit_code(monkeypatch, tmp_path):
+    """A Python caller of main() that closed sys.stderr (a file object whose writes raise ValueError, where a
+    command started with `2>&-` has None): an error, a warning and the progress bar's check of the terminal raised
+    that ValueError out of main(). A closed sys.stdout is the output that cannot be written (exit 3), as `>&-` is;
+    --help writes nothing there, as argparse does where the stream is missing."""
+    from wsarena.cli import main
+
+    from .onnx_graphs import conv, save, vi, weight
+
+    path = save(tmp_path / "m.onnx", [conv("stem", "x", "w", "y", pads=[1, 1, 1, 1])], [vi("x", ["N", 3, "H", "W"])],
+                [weight("w", (8, 3, 3, 3))])
+    monkeypatch.setenv("WSARENA_CACHE_DIR", "off")
+    closed, out = io.StringIO(), io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", closed)
+    warned = ("--backend", "cpu", "--input-shape", "8,3,16,16")  # a warning: the batch planned is --batch's
+    assert main(["report", str(path), *warned, "--format", "json"]) == 0
+    assert json.loads(out.getvalue())["layers"][0]["input_shape"] == [1, 3, 16, 16]
+    assert main(["tune", str(path), *warned, "--apply"]) == 0
+    assert main(["report", "resnet50", "--cap-workspace", "-1"]) == 2
+    assert main(["report", "resnet50", "--bogus"]) == 2
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", closed)
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(["report", "vgg16", "--backend", "cpu"]) == 3
+    assert err.getvalue() == "wsarena: error: cannot write the output: stdout is closed\n"
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+
+
 @pytest.mark.parametrize(("argv", "code"), [(("report", "resnet50", "--cap-workspace", "-1"), 2),
                                             (("report", "resnet50", "--backend", "cudnn"), 3)])
 def test_an_error_whose_stderr_reader_went_away_keeps_its_exit_code(argv, code):

@@ -324,6 +324,24 @@ def test_text_progress_draws_a_growing_bar_on_a_terminal_and_wipes_it_at_the_end
     assert wipe.strip() == "" and len(wipe) >= max(len(f) for f in frames)
 
 
+def test_text_progress_on_a_closed_stream_draws_nothing_and_one_closed_midway_stops_drawing():
+    """isatty() of a closed file raises ValueError: text_progress() raised it, and wsarena report with a
+    sys.stderr a caller of main() closed exited 2; a write that fails later (a terminal hung up) ended the work."""
+    closed = FakeTerminal()
+    closed.close()
+    show = text_progress(closed)
+    show(1, 2, "conv")
+    show.clear()
+    terminal = FakeTerminal()
+    show = text_progress(terminal)
+    show(1, 3, "conv1")
+    drawn = terminal.getvalue()
+    terminal.close()
+    show(2, 3, "conv2")  # nothing raised; nothing drawn from here on
+    show.clear()
+    assert drawn.startswith("\r[") and show.out is None and not show.shown
+
+
 def test_text_progress_draws_nothing_where_the_stream_is_not_a_terminal():
     stream = io.StringIO()
     show = text_progress(stream)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import re
 from typing import Any, NoReturn
 
@@ -45,6 +46,12 @@ class _Parser(argparse.ArgumentParser):
         elif match := _IGNORED.fullmatch(message):
             message = f"{match[1]}{short_repr(ast.literal_eval(match[2]))}"
         raise UsageError(f"{message} (see '{self.prog} --help')")
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        # --help and --version: argparse writes nothing where the stream is missing or its write fails (OSError),
+        # and nothing either where a caller of main() closed it, whose write raises ValueError
+        with contextlib.suppress(ValueError):
+            super()._print_message(message, file)
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         # argparse's own check, but the value quoted shortened: a 100 kB --dtype gave a 100 kB line

@@ -69,9 +69,10 @@ def _kept_interrupts() -> Iterator[None]:
 def _say(line: str) -> None:
     """Write ``line`` to stderr, or nothing where the command started with its stderr closed (``2>&-``): Python gives
     no stream for it then, and print() would write the line to stdout, into the output (a JSON object, --apply's
-    line). Where stderr cannot be written (its reader gone), the command's exit code still says what happened."""
+    line). Where stderr cannot be written (its reader gone, or a caller of :func:`main` closed ``sys.stderr``: a
+    ValueError), the command's exit code still says what happened."""
     if sys.stderr is not None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
             print(line, file=sys.stderr)
 
 
@@ -183,7 +184,9 @@ def _plot_file(path: str) -> Iterator[None]:
 def _output() -> Iterator[None]:
     """Around writing to stdout: flush at the end, so that a failure shows here and not at exit, and turn a
     failure other than a closed pipe (text stdout's encoding cannot show included) into :class:`OutputError`."""
-    if sys.stdout is None:  # the command started with its stdout closed (`>&-`): Python gives no stream for it
+    # the command started with its stdout closed (`>&-`): Python gives no stream for it; or a caller of main()
+    # closed sys.stdout, whose writes raise ValueError
+    if sys.stdout is None or getattr(sys.stdout, "closed", False):
         raise OutputError("cannot write the output: stdout is closed")
     try:
         yield

@@ -455,18 +455,23 @@ class ProgressBar:
             return
         filled = self._WIDTH * done // max(total, 1)
         shown = name if name.isprintable() else repr(name)[1:-1]  # a newline would break the bar
-        self.out.write(f"\r[{'#' * filled}{'.' * (self._WIDTH - filled)}] {done}/{total} {shown[:40]:<40}")
-        self.shown = True
-        if done == total:
-            self.clear()
-        else:
-            self.out.flush()
+        try:
+            self.out.write(f"\r[{'#' * filled}{'.' * (self._WIDTH - filled)}] {done}/{total} {shown[:40]:<40}")
+            self.shown = True
+            if done == total:
+                self.clear()
+            else:
+                self.out.flush()
+        except (OSError, ValueError):  # a terminal gone (closed, hung up): the work goes on, undrawn
+            self.out, self.shown = None, False
 
     def clear(self) -> None:
         """Wipe the bar if one is drawn (nothing otherwise)."""
         if not self.shown:
             return
         self.shown = False
+        if self.out is None:
+            return
         try:
             self.out.write("\r" + " " * (self._WIDTH + 55) + "\r")
             self.out.flush()
@@ -477,4 +482,8 @@ class ProgressBar:
 def text_progress(stream: Any = None) -> ProgressBar:
     """A progress bar on ``stream`` (default stderr), drawn in place; nothing when it is not a terminal."""
     out = sys.stderr if stream is None else stream
-    return ProgressBar(out if getattr(out, "isatty", lambda: False)() else None)
+    try:
+        terminal = getattr(out, "isatty", lambda: False)()
+    except (OSError, ValueError):  # a stream closed (a caller's sys.stderr.close()): nowhere to draw
+        terminal = False
+    return ProgressBar(out if terminal else None)
