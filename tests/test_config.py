@@ -5,6 +5,7 @@ import copy
 import enum
 import os
 import pickle
+import random
 import subprocess
 import sys
 import threading
@@ -195,6 +196,53 @@ def test_format_size_is_exact_past_the_digits_str_takes():
     arena = wsarena.get_arena("cpu")
     with pytest.raises(wsarena.ArenaOutOfMemoryError, match="could not grow"):
         arena.reserve(2**15000)
+
+
+def _format_size_with_decimal(nbytes):
+    """format_size as it was written with decimal.Decimal (before it computed in ints): the reference."""
+    from decimal import Decimal
+
+    sign = "-" if nbytes < 0 else ""
+    n = abs(nbytes)
+    if n < 2**10:
+        return f"{sign}{n} B"
+    for unit, scale in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40)):
+        hundredths, rest = divmod(n * 100, scale)
+        if 2 * rest > scale or (2 * rest == scale and hundredths % 2):
+            hundredths += 1
+        if hundredths < 1024 * 100:
+            break
+    whole, frac = divmod(hundredths, 100)
+    return f"{sign}{Decimal(whole)}{f'.{frac:02d}'.rstrip('0').rstrip('.')} {unit}"
+
+
+def test_format_size_writes_what_it_wrote_with_decimal():
+    """Sizes around each unit's edges and each rounding's half (where half to even decides), a few bytes either
+    side, random ones, and ones past the digits str() takes (4300), negative ones too."""
+    sizes = {0, 1, 1023, 1024, 10**4400, 2**15000 + 2**39, 10**9000 - 1, 10**9000 + 2**40 * 5 // 1000}
+    for scale in (2**10, 2**20, 2**30, 2**40):
+        for hundredths in (1, 5, 50, 99, 100, 101, 125, 150, 999, 102_350, 102_399, 102_400, 102_450, 10**9 + 7):
+            exact, half = hundredths * scale // 100, (2 * hundredths + 1) * scale // 200  # x.yz and x.yz5
+            sizes.update(n + d for n in (exact, half) for d in range(-3, 4))
+    rng = random.Random(20261127)
+    sizes.update(rng.getrandbits(rng.randint(1, 120)) for _ in range(5000))
+    sizes.update(rng.getrandbits(rng.randint(14_300, 30_000)) for _ in range(20))
+    for n in sorted(sizes):
+        assert format_size(n) == _format_size_with_decimal(n), n
+        if n:
+            assert format_size(-n) == _format_size_with_decimal(-n), n
+
+
+def test_format_size_leaves_the_threads_decimal_context_unset():
+    """Decimal() sets the thread's decimal context on first use, a context variable: format_size did, where
+    parse_size computes in ints so that a finalizer's parse, run while a context variable is being set, cannot crash
+    CPython 3.11 (python/cpython#148382)."""
+    def set_variables(n):
+        format_size(n)
+        return [var.name for var in contextvars.copy_context()]
+
+    for n in (1, 3 << 29, 2**15000 + 2**39):
+        assert contextvars.Context().run(set_variables, n) == []
 
 
 def test_a_number_repr_refuses_is_described_under_any_digit_limit():

@@ -14,7 +14,6 @@ import re
 import reprlib
 import sys
 from collections.abc import Callable
-from decimal import Decimal
 from typing import Any
 
 __all__ = ["format_size", "parse_size"]
@@ -230,8 +229,21 @@ def format_size(nbytes: int) -> str:
         if hundredths < 1024 * 100:  # 1023.999 KiB rounds to 1024: that is 1 MiB
             break
     whole, frac = divmod(hundredths, 100)
-    # Decimal writes an int's digits however many: str() refuses past sys.get_int_max_str_digits() (4300)
-    return f"{sign}{Decimal(whole)}{f'.{frac:02d}'.rstrip('0').rstrip('.')} {unit}"
+    return f"{sign}{int_text(whole)}{f'.{frac:02d}'.rstrip('0').rstrip('.')} {unit}"
+
+
+_PART = 10**600  # fewer digits than any limit sys.set_int_max_str_digits() takes (640 at least)
+
+
+def int_text(n: int, width: int = 0) -> str:
+    """The decimal digits of ``n`` (``>= 0``), at least ``width`` of them (zeros first), however many: ``str()``
+    refuses past ``sys.get_int_max_str_digits()`` (4300). Computed with ints, not ``decimal.Decimal``, which sets
+    the thread's decimal context on first use (a context variable, as parse_size says)."""
+    if n < _PART:
+        return f"{n:0{width}d}"
+    half = n.bit_length() * 30103 // 200000  # about half its digits (log10(2) = 0.30103)
+    high, low = divmod(n, 10**half)
+    return int_text(high, max(width - half, 0)) + int_text(low, half)
 
 
 def format_seconds(value: float) -> str:
