@@ -260,17 +260,18 @@ def test_calls_the_backend_ranked_without_some_algorithms_are_ranked_and_timed_o
 
 def test_the_recommendation_says_what_it_saves_or_that_no_smaller_arena_is_within_the_slowdown(fake):
     """From the known times: within 10% the 4000-byte cap (+5.56%) saves half the uncapped arena; within 2% only the
-    uncapped arena's 8000 bytes are, and the line says what the next smaller one would cost, or that none is."""
+    uncapped arena's 8000 bytes are, and the line says what the next smaller one would cost, or that none is. A cap
+    is named as --cap-workspace takes it back: 4 KiB for 4000 bytes, 7.875 KiB for 8000."""
     def recommendation(max_slowdown):
         (line,) = [x for x in render_curve(run(max_slowdown=max_slowdown)).splitlines() if x.startswith("recommended")]
         return line
 
     assert recommendation(0.1) == (
-        "recommended cap (slowdown within 10%): 3.91 KiB: step 38.00 ms (+5.56%), arena 3.91 KiB instead of "
+        "recommended cap (slowdown within 10%): 4 KiB: step 38.00 ms (+5.56%), arena 3.91 KiB instead of "
         "7.81 KiB uncapped"
     )
     assert recommendation(0.02) == (
-        "recommended cap (slowdown within 2%): 7.81 KiB: step 36.00 ms (+0.00%), arena 7.81 KiB, as uncapped: no "
+        "recommended cap (slowdown within 2%): 7.875 KiB: step 36.00 ms (+0.00%), arena 7.81 KiB, as uncapped: no "
         "smaller one keeps the slowdown within 2% (the next, 3.91 KiB, costs +5.56%)"
     )
     # b's input gradient has one algorithm, without workspace: no cap gives a smaller arena, within any slowdown
@@ -374,9 +375,9 @@ def test_against_an_uncapped_step_timed_at_0_a_slower_point_has_no_slowdown(monk
     assert "n/a" not in render_curve(t)
 
 
-def test_caps_that_read_alike_show_their_bytes(monkeypatch):
-    """Caps 4 bytes apart all read "1 MiB": those rows, and the recommendation naming one, give the bytes too; a cap
-    that reads as no other (0 B, 3 MiB) is shown as ever."""
+def test_caps_a_few_bytes_apart_are_shown_each_as_it_is_taken_back(monkeypatch):
+    """Caps 4 bytes apart all read "1 MiB": a row shows a cap that --cap-workspace takes back for its choices, in
+    bytes where an eighth of a MiB more would reach the next cap; the recommendation names it so."""
     mib = 2**20
     table = {
         ("fwd", 4): [("implicit", 0, 10.0), ("gemm", mib, 4.0), ("fft", mib + 8, 3.0)],
@@ -390,9 +391,55 @@ def test_caps_that_read_alike_show_their_bytes(monkeypatch):
     assert [p.cap_workspace_bytes for p in t.curve] == [0, mib, mib + 4, mib + 8, 3 * mib, None]
     text = render_curve(t).splitlines()
     assert [re.split(r"\s{2,}", line.strip())[0] for line in text[6:12]] == [
-        "0 B", "1 MiB (1048576 B)", "1 MiB (1048580 B)", "1 MiB (1048584 B)", "3 MiB", "none"]
+        "0 B", "1 MiB", "1048580 B", "1.125 MiB", "3 MiB", "none"]
     assert text[9].endswith("<- recommended")
-    assert text[13].startswith("recommended cap (slowdown within 25%): 1 MiB (1048584 B): step 44.00 ms (+22.22%)")
+    assert text[13].startswith("recommended cap (slowdown within 25%): 1.125 MiB: step 44.00 ms (+22.22%)")
+
+
+def _shown_caps(t):
+    """The cap column of render_curve's table, row by row."""
+    lines = render_curve(t).splitlines()
+    rows = lines[lines.index(next(x for x in lines if x.lstrip().startswith("---"))) + 1:][:len(t.curve)]
+    return [re.split(r"\s{2,}", row.strip())[0] for row in rows]
+
+
+def _check_caps_taken_back(caps, shown):
+    """Each cap shown, parsed as --cap-workspace and WSARENA_CAP_WORKSPACE parse it, is at least the row's cap and
+    below the next row's (the same choices); with at most three decimals."""
+    for cap, below, text in zip(caps, [*caps[1:], None], shown):
+        if cap is None:
+            assert text == "none"
+            continue
+        n = wsarena.parse_size(text)
+        assert cap <= n and (below is None or n < below), (cap, text, below)
+        assert re.fullmatch(r"[0-9]+(\.[0-9]{1,3})? (B|KiB|MiB|GiB|TiB)", text), text
+
+
+@pytest.mark.parametrize("model", ["resnet50", "googlenet", "mobilenet_v2"])
+def test_each_cap_the_table_shows_is_taken_back_for_the_same_choices(model):
+    """The table showed format_size's rounding ("55.12 MiB" for 55.125 MiB): given back to --cap-workspace it is no
+    whole number of bytes, and a cap rounded down ("1.5 MiB" for a few bytes more) is below the row's, whose
+    choices it refuses. On the built-in models' forward passes, as the cpu backend times them."""
+    algos.cache_clear()
+    t = tune(wsarena.load_model(model), batch=1, passes=("fwd",), backend="cpu", model=model)
+    caps = [p.cap_workspace_bytes for p in t.curve]
+    shown = _shown_caps(t)
+    _check_caps_taken_back(caps, shown)
+    for cap, text in zip(caps[:-1], shown):
+        assert t.plan(text.replace(" ", "")).layers == t.plan(cap).layers
+    best = shown[caps.index(t.recommended_cap_bytes)]
+    assert f"recommended cap (slowdown within 2%): {best}: " in render_curve(t)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2**45), min_size=1, max_size=12, unique=True))
+def test_caps_shown_are_taken_back_for_any_caps(caps):
+    from wsarena._tune_cli import _caps
+    from wsarena.tuning import CurvePoint
+
+    caps = [*sorted(caps), None]
+    shown = _caps([CurvePoint(cap, 0, 0.0, 0.0) for cap in caps])
+    _check_caps_taken_back(caps, [shown[cap] for cap in caps])
 
 
 def test_arenas_that_read_alike_in_the_recommendation_show_their_bytes(monkeypatch):
