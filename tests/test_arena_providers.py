@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import wsarena
+from wsarena._sizes import short_repr
 from wsarena.arena import Arena, HostProvider, set_arena
 from wsarena.arena.testing import RecordingProvider
 from wsarena.errors import ArenaOutOfMemoryError, BackendUnavailableError
@@ -109,6 +110,26 @@ def test_async_provider_reports_a_resource_out_of_memory_as_memory_error(monkeyp
         provider.allocate(1 << 20, stream=0)
     assert provider.resource.calls == 1
     assert raised is MemoryError or not isinstance(info.value, MemoryError)  # only a shortage is a MemoryError
+
+
+def test_async_provider_quotes_its_resource_shortened(monkeypatch):
+    """The MemoryError quoted the resource's repr whole, where every other error quotes a value as short_repr cuts
+    it: a resource whose repr lists its options at length gave a line of that length."""
+    import cupy
+
+    from wsarena.arena import AsyncProvider, providers
+
+    class Verbose(_FailingResource):
+        def __repr__(self):
+            return f"Verbose({'o' * 100_000})"
+
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())  # no GPU here
+    monkeypatch.setattr(providers, "_core_stream", lambda handle: handle)
+    provider = AsyncProvider(0, resource=Verbose("CUDA_ERROR_OUT_OF_MEMORY"))
+    with pytest.raises(MemoryError) as info:
+        provider.allocate(1 << 20, stream=0)
+    quoted = short_repr(provider.resource)
+    assert len(quoted) < 200 and str(info.value).startswith(f"{quoted} could not allocate 1048576 bytes: ")
 
 
 def test_device_providers_read_a_streams_id_from_cuda_bindings(monkeypatch):

@@ -36,7 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .._sizes import format_size
+from .._sizes import format_size, short_repr
 from ..errors import BackendUnavailableError
 from ._capture import capture_of
 from .streams import PER_THREAD_DEFAULT_STREAM, cupy_stream
@@ -289,7 +289,7 @@ class AsyncProvider(_DeviceProvider):
                 owner = self.resource.allocate(size, stream=_core_stream(stream))
             except Exception as exc:
                 if "OUT_OF_MEMORY" in str(exc):  # cuda.core's CUDAError names the driver's CUresult
-                    raise MemoryError(f"{self.resource!r} could not allocate {size} bytes: {exc}") from exc
+                    raise MemoryError(f"{short_repr(self.resource)} could not allocate {size} bytes: {exc}") from exc
                 raise
         return Buffer(int(owner.handle), size, owner)
 
