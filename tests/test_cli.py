@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -768,6 +769,22 @@ def test_report_device_properties_decides_the_backend_search_and_api(capsys, mon
     assert (code, out) == (2, "") and "WSARENA_CAP_WORKSPACE='bogus'" in err
     assert run_main(capsys, "report", "resnet50", "--device-properties", str(props), "--cap-workspace", "1MiB")[0] == 0
 
+
+
+def test_device_properties_without_the_driver_library_is_one_line_of_wsarenas():
+    """Where libcuda.so.1 is missing (cuDNN 9.27 on), cuDNN printed its own "Unable to load any of {...}" line to
+    stderr at its first finalize, before wsarena's: the engine library that needs the driver library is loaded first,
+    and its failure said in wsarena's line alone."""
+    props = Path(__file__).with_name("data") / "h100-handwritten.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    r = subprocess.run([sys.executable, "-m", "wsarena", "report", "resnet50", "--device-properties", str(props)],
+                       capture_output=True, text=True, env={**env, "WSARENA_CACHE_DIR": "off"}, timeout=300,
+                       check=False)
+    if r.returncode == 0:
+        pytest.skip("cuDNN plans here: libcuda.so.1 loads, or this cuDNN (before 9.27) does without it")
+    assert (r.returncode, r.stdout) == (3, ""), r.stderr
+    assert re.fullmatch(r"wsarena: error: planning against device properties needs cuDNN's engine libraries, .*: "
+                        r"libcuda\.so\.1: cannot open shared object file: .*\n", r.stderr), r.stderr
 
 
 def test_every_flag_with_a_default_value_says_it_in_its_help():

@@ -251,15 +251,18 @@ def device_properties_backend(properties_json: str, source: str | None = None) -
                 _backends[key] = _backends.pop(key)
         return backend
     from .. import cudnn
+    from ..cudnn._library import load_library, missing_driver_library
     from ._cudnn_graph import CudnnGraphBackend
 
+    needs = ("planning against device properties needs cuDNN's engine libraries, and one of them links the NVIDIA "
+             "driver library libcuda.so.1, which is missing here (a GPU is not needed)")
+    why = missing_driver_library(load_library().path)  # found before cuDNN prints its own line of it to stderr
+    if why is not None:
+        raise BackendUnavailableError(f"{needs}: {why}")
     try:
         made = CudnnGraphBackend(properties_json, source)
     except cudnn.CudnnSublibraryLoadingFailedError as exc:
-        raise BackendUnavailableError(
-            "planning against device properties needs cuDNN's engine libraries, and one of them links the NVIDIA "
-            f"driver library libcuda.so.1, which is missing here (a GPU is not needed): {exc}"
-        ) from None
+        raise BackendUnavailableError(f"{needs}: {exc}") from None
     with _lock:
         if key not in _backends:
             held = [k for k in _backends if k.startswith(_PROPERTIES)]

@@ -159,6 +159,24 @@ def _check_sublibraries(path: str) -> None:
             raise _Miss(path, f"loaded, but its sub-library {name} cannot be loaded: {exc}") from None
 
 
+# The engine library that links the NVIDIA driver library (cuDNN 9.27 on), which cuDNN loads at the first finalize
+ENGINES_NEEDING_DRIVER = "libcudnn_engines_runtime_compiled.so.9"
+DRIVER_LIBRARY = "libcuda.so.1"
+
+
+def missing_driver_library(path: str) -> str | None:
+    """Where the engine library beside the libcudnn at ``path`` cannot be loaded for want of ``libcuda.so.1``, the
+    loader's reason; ``None`` otherwise (it loads, or fails for another reason, which cuDNN then reports). Asked
+    before cuDNN loads it, whose failure prints a line of cuDNN's own to stderr ("Unable to load any of ...") and is
+    final for the process; it stays loaded where it loads, as cuDNN would load it (docs/deviceless.md)."""
+    beside = Path(path).parent / ENGINES_NEEDING_DRIVER if os.path.dirname(path) else None
+    try:
+        ctypes.CDLL(str(beside) if beside is not None and beside.is_file() else ENGINES_NEEDING_DRIVER)
+    except OSError as exc:
+        return str(exc) if str(exc).startswith(f"{DRIVER_LIBRARY}:") else None
+    return None
+
+
 def _read_version(cdll: ctypes.CDLL) -> int:
     get_version = cdll.cudnnGetVersion
     get_version.argtypes = []
