@@ -26,6 +26,7 @@ from wsarena.backends._cpu_backend import CpuBackend
 from wsarena.errors import SearchCacheWarning
 
 from .fake_backend import TableBackend
+from .reference import error_for_sums, ref_conv_forward
 
 TABLE = {
     ("fwd", 4): [("implicit", 0, 10.0), ("gemm", 1000, 4.0), ("fft", 8000, 3.0)],
@@ -279,6 +280,26 @@ def test_a_bad_file_is_quoted_shortened_in_its_warning(cache, spoil, said):
     (message,) = [str(w.message) for w in caught]
     assert f"{path}: {said}" in message and "..." in message and len(message) < len(str(path)) + 400, message
 
+
+def test_an_entry_whose_workspace_is_damaged_below_what_the_algorithm_needs_is_leased_what_it_needs(cache, fresh_arena):
+    """An entry that still parses but records less workspace than an algorithm needs (a digit lost on disk): each
+    call of the geometry ran in that lease, which the CPU's algorithms cannot reshape (a ValueError at every call)."""
+    x = np.random.default_rng(3).standard_normal((2, 3, 16, 16), dtype="float32")
+    w = np.random.default_rng(4).standard_normal((4, 3, 3, 3), dtype="float32")
+    with wsarena.config(algo_search="exhaustive"):
+        wsarena.conv_forward(x, w, padding=1)
+    (path,) = [p for p in entry_files(cache) if json.loads(p.read_text())["key"]["pass"] == "fwd"]
+    # every algorithm recorded with no workspace, and one that needs some as the fastest
+    _rewrite(path, lambda d: [r.update(workspace_bytes=0, time_ms=0.0 if r["algo"] != "implicit_gemm" else 9.0)
+                              for r in d["results"]])
+    algos.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with wsarena.config(algo_search="exhaustive"):
+            got = wsarena.conv_forward(x, w, padding=1)
+    # float32 sums of 27 products: a few ulps of the sums of their magnitudes
+    assert error_for_sums(got, ref_conv_forward(x, w, padding=1), ref_conv_forward(abs(x), abs(w), padding=1)) < 1e-6
+    assert fresh_arena.stats().high_water_bytes > 0
 
 def test_a_file_larger_than_any_entry_is_a_bad_file_and_is_not_read_whole(cache):
     """A file named as an entry that holds far more than any entry (damage, or another program's) was read whole by a

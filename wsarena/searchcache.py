@@ -22,7 +22,8 @@ regular file (a FIFO, a socket, a device, a link to one), is ignored and replace
 cannot be written, that it cannot be replaced and nothing is saved: no second warning); a link that leads nowhere (its
 target gone, a loop) is replaced without one; a directory that cannot be written gives one warning and the process
 goes on without saving. A folder with an entry's name is not the cache's
-to remove: its call goes unsaved while it stands, which one warning says.
+to remove: its call goes unsaved while it stands, which one warning says. An algorithm read back is leased no less
+workspace than the backend says it needs now, whatever the entry records.
 
 Size: the entries are kept within the ``search_cache_max_size`` setting (``WSARENA_SEARCH_CACHE_MAX_SIZE``,
 default 64 MiB), the least recently used removed first; how, and how that races with other processes harmlessly, is
@@ -120,8 +121,11 @@ def search(
     if stored is not None and all((c.algo, c.math_type) in stored for c in candidates):
         names = {c.algo for c in candidates}
         limit = max(c.workspace_bytes for c in candidates)
+        # A candidate is leased no less than the backend says it needs now: a damaged entry that still parses (a digit
+        # of its workspace lost) would have every call of the geometry run in too little
+        needs = {(c.algo, c.math_type): c.workspace_bytes for c in candidates}
         timed = [
-            Candidate(algo, nbytes, ms, math)
+            Candidate(algo, max(nbytes, needs.get((algo, math), 0)), ms, math)
             for (algo, math), (nbytes, ms) in stored.items()
             if ms is not None and algo in names and nbytes <= limit
         ]
