@@ -916,6 +916,42 @@ def test_onnx_quantized_convs_are_said_to_be_left_out(tmp_path):
     assert [layer.name for layer in layers] == ["c"]
 
 
+def test_onnx_convs_of_an_element_type_no_conv_takes_cannot_be_planned(tmp_path):
+    """ONNX's Conv and ConvTranspose take float16, float, double and bfloat16 operands; onnxruntime refuses to load
+    a model whose conv has an integer, boolean or string input or weight, and cuDNN has no such convolution. The
+    loader planned them as float convolutions. Floats of any width, and a weight dequantized first (a QDQ model's),
+    are planned, and so is a conv whose input a value_info says is an integer."""
+    def typed(name, shape, elem_type):
+        return helper.make_tensor(name, elem_type, shape, np.zeros(shape).astype(
+            helper.tensor_dtype_to_np_dtype(elem_type)).reshape(-1).tolist(), raw=False)
+
+    ints_x = helper.make_tensor_value_info("xi", TensorProto.INT64, [1, 3, 8, 8])
+    nodes = [conv("float", "x", "w", "y0", pads=[1, 1, 1, 1]), conv("int_weight", "x", "wi", "y1"),
+             conv("bool_weight", "x", "wb", "y2"), conv("int_input", "xi", "w", "y3"),
+             conv("double", "xd", "wd", "y4"), conv("up", "x", "wu", "y5", op="ConvTranspose"),
+             helper.make_node("DequantizeLinear", ["wq", "scale"], ["wdq"]), conv("dequantized", "x", "wdq", "y6")]
+    inits = [weight("w", (4, 3, 3, 3)), typed("wi", (4, 3, 3, 3), TensorProto.INT64),
+             typed("wb", (4, 3, 3, 3), TensorProto.BOOL), typed("wd", (4, 3, 3, 3), TensorProto.DOUBLE),
+             typed("wu", (3, 4, 2, 2), TensorProto.INT32), typed("wq", (4, 3, 3, 3), TensorProto.INT8),
+             numpy_helper.from_array(np.array(0.5, np.float32), "scale")]
+    inputs = [vi("x", [1, 3, 8, 8]), ints_x, helper.make_tensor_value_info("xd", TensorProto.DOUBLE, [1, 3, 8, 8])]
+    # a value_info is an annotation, a writer's mistake at worst: its type is not the tensor's
+    nodes += [helper.make_node("Relu", ["x"], ["r"]), conv("annotated", "r", "w", "y7")]
+    path = save(tmp_path, nodes, inputs, inits, outputs=[vi(f"y{i}", None) for i in range(8)])
+    model = onnx.load(str(path))
+    model.graph.value_info.append(helper.make_tensor_value_info("r", TensorProto.INT64, [1, 3, 8, 8]))
+    onnx.save(model, str(path))
+    why = {"int_weight": "weight 'wi' is int64", "bool_weight": "weight 'wb' is bool",
+           "int_input": "input 'xi' is int64", "up": "weight 'wu' is int32"}
+    listed = "; ".join(f"'{name}' ({reason}: a {'ConvTranspose' if name == 'up' else 'Conv'} takes float16, float, "
+                       "double or bfloat16)" for name, reason in why.items())
+    with pytest.raises(ModelError, match=re.escape(f"4 conv node(s) cannot be planned: {listed} (skip them")):
+        load_model(path)
+    with pytest.warns(UserWarning, match=re.escape(f"skipped 4 conv node(s): {listed}")):
+        layers = load_model(path, skip_unknown=True)
+    assert [layer.name for layer in layers] == ["float", "double", "dequantized", "annotated"]
+    assert [layer.weight_shape for layer in layers] == [(4, 3, 3, 3)] * 4
+
 def save_with_function(tmp_path, calls, body, name="f.onnx"):
     """A model whose main graph is ``calls`` (nodes of the "local" domain call ``Block``) and whose model-local
     function ``Block(inp, w) -> out`` is ``body``."""

@@ -33,7 +33,9 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   ``input_shapes`` (``--input-shape`` on the command line) before inference; the error suggests it only when a graph
   input's shape is not fixed.
 * A convolution with a zero in its weight's or its input's dims (the batch aside), an empty one, which ONNX allows,
-  is refused by wsarena's ops as by PyTorch's: it is treated like an unknown shape.
+  is refused by wsarena's ops as by PyTorch's: it is treated like an unknown shape. So is one whose input or weight,
+  a graph input or an initializer, is of an element type no ONNX conv takes (an integer, a bool, a string;
+  onnxruntime refuses such a model).
 * Asymmetric padding (explicit ``pads`` or ``SAME_*`` with an odd total) cannot be given to cuDNN. With
   ``asymmetric_pads="widen"`` (the default) a ``Conv`` is modelled the way onnxruntime's CUDA provider runs it:
   the larger of the two pads on both sides, then the extra output row or column sliced off; a
@@ -99,6 +101,41 @@ def _shape_table(graph: Any) -> dict[str, tuple[int | None, ...]]:
     for init in graph.initializer:  # an initializer's dims are authoritative, data or not
         shapes[init.name] = tuple(init.dims)
     return shapes
+
+
+def _type_table(graph: Any) -> dict[str, int]:
+    """The element type (TensorProto.DataType) of each graph input and initializer that gives one (not UNDEFINED):
+    the tensors whose type is data, not an annotation (a value_info's may be a writer's mistake, which inference
+    keeps where it infers no type of its own)."""
+    types: dict[str, int] = {}
+    for vi in graph.input:
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            types[vi.name] = vi.type.tensor_type.elem_type
+    for init in graph.initializer:
+        if init.data_type:
+            types[init.name] = init.data_type
+    return types
+
+
+# The element types ONNX's Conv and ConvTranspose take: FLOAT, FLOAT16, DOUBLE, BFLOAT16
+_FLOAT_TYPES = (1, 10, 11, 16)
+
+
+def _not_float(node: Any, types: Mapping[str, int]) -> str | None:
+    """Why the conv ``node`` cannot run: an input or weight of an element type no Conv takes (an integer, a string),
+    which onnxruntime refuses to load and cuDNN has no convolution of; ``None`` where none is known to be one."""
+    from onnx import TensorProto
+
+    for what, tensor in zip(("input", "weight"), node.input[:2]):
+        found = types.get(tensor)
+        if found is not None and found not in _FLOAT_TYPES:
+            try:
+                kind = TensorProto.DataType.Name(found).lower()
+            except ValueError:  # a damaged file's number
+                kind = f"of element type {found}"
+            return (f"{what} {short_repr(tensor)} is {kind}: a {node.op_type} takes float16, float, double or "
+                    "bfloat16")
+    return None
 
 
 # The attributes a conv reads that are lists of ints, and the least each entry may be.
@@ -368,6 +405,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     except Exception as exc:  # noqa: BLE001 - inference errors come in several types; any means no shapes
         raise ModelError(f"{where}: ONNX shape inference failed: {exc}".splitlines()[0]) from None
     shapes = _shape_table(inferred.graph)
+    types = _type_table(model.graph)
     producers = {out: n for n in model.graph.node for out in n.output if out}
     # input_shapes can help only where a graph input's shape is not fixed; else a lost shape is computed at run time
     lost_kind = "shape" if any(_lost(shapes.get(name)) for name in _inputs(model.graph)) else "computed"
@@ -395,6 +433,10 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         if len(x) not in (3, 4, 5) or len(w) != len(x):
             why = f"input {_show(x)} and weight {_show(w)} are not a 1-, 2- or 3-D convolution"
             unknown.append((name, why, "geometry"))
+            continue
+        why_not = _not_float(node, types)
+        if why_not is not None:
+            unknown.append((name, why_not, "geometry"))
             continue
         try:
             known_x, known_w = cast(tuple[int, ...], x), cast(tuple[int, ...], w)  # no None left: checked above
