@@ -21,7 +21,7 @@ import pytest
 import wsarena
 from wsarena import _searchcache_folder, algos, searchcache
 from wsarena._geometry import conv_geometry
-from wsarena.backends import Candidate
+from wsarena.backends import Candidate, cpu
 from wsarena.backends._cpu_backend import CpuBackend
 from wsarena.errors import SearchCacheWarning
 
@@ -283,23 +283,32 @@ def test_a_bad_file_is_quoted_shortened_in_its_warning(cache, spoil, said):
 
 def test_an_entry_whose_workspace_is_damaged_below_what_the_algorithm_needs_is_leased_what_it_needs(cache, fresh_arena):
     """An entry that still parses but records less workspace than an algorithm needs (a digit lost on disk): each
-    call of the geometry ran in that lease, which the CPU's algorithms cannot reshape (a ValueError at every call)."""
+    call of the geometry ran in that lease, which the CPU's algorithms cannot reshape (a ValueError at every call),
+    and a plan reported that workspace (0 B for every pass)."""
     x = np.random.default_rng(3).standard_normal((2, 3, 16, 16), dtype="float32")
     w = np.random.default_rng(4).standard_normal((4, 3, 3, 3), dtype="float32")
+    layers = [wsarena.models.ConvLayer("c", (1, 3, 16, 16), (4, 3, 3, 3), padding=(1, 1))]
     with wsarena.config(algo_search="exhaustive"):
         wsarena.conv_forward(x, w, padding=1)
-    (path,) = [p for p in entry_files(cache) if json.loads(p.read_text())["key"]["pass"] == "fwd"]
+        wsarena.plan(layers, batch=2, backend="cpu", search="exhaustive")
     # every algorithm recorded with no workspace, and one that needs some as the fastest
-    _rewrite(path, lambda d: [r.update(workspace_bytes=0, time_ms=0.0 if r["algo"] != "implicit_gemm" else 9.0)
-                              for r in d["results"]])
+    for path in entry_files(cache):
+        _rewrite(path, lambda d: [r.update(workspace_bytes=0, time_ms=0.0 if r["algo"] != "implicit_gemm" else 9.0)
+                                  for r in d["results"]])
     algos.cache_clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with wsarena.config(algo_search="exhaustive"):
             got = wsarena.conv_forward(x, w, padding=1)
+            again = wsarena.plan(layers, batch=2, backend="cpu", search="exhaustive").to_dict()["layers"]
     # float32 sums of 27 products: a few ulps of the sums of their magnitudes
     assert error_for_sums(got, ref_conv_forward(x, w, padding=1), ref_conv_forward(abs(x), abs(w), padding=1)) < 1e-6
     assert fresh_arena.stats().high_water_bytes > 0
+    geom = layers[0].geometry(batch=2)
+    for pass_ in ("fwd", "bwd_data", "bwd_filter"):
+        chosen = again[0][pass_]
+        assert chosen["workspace_bytes"] == cpu.workspace_size(pass_, chosen["algo"], geom) > 0, (pass_, chosen)
+
 
 def test_a_file_larger_than_any_entry_is_a_bad_file_and_is_not_read_whole(cache):
     """A file named as an entry that holds far more than any entry (damage, or another program's) was read whole by a
