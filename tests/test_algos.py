@@ -1119,3 +1119,63 @@ def test_a_search_the_backend_refused_to_time_in_what_memory_gave_says_both():
     assert [c.algo for c in got] == ["fft", "gemm", "implicit"] and b.measured == ["refused"]
     assert "could not time any algorithm as the backend refused to time it in the workspace memory gave (refused)" in (
         str(said[0].message))
+
+
+class _AskedArena(FakeArena):
+    """Records every lease asked for, granted or not."""
+
+    def __init__(self, memory):
+        super().__init__(memory)
+        self.asked = []
+
+    def lease(self, nbytes, *, stream=None, cap=None):
+        self.asked.append(nbytes)
+        return super().lease(nbytes, stream=stream, cap=cap)
+
+
+def test_a_search_memory_stopped_every_candidate_of_waits_for_the_least_it_lacked():
+    """No workspace for fft or gemm, and implicit (none needed) out of memory of its own: the search times nothing and
+    the call gets the heuristic order. The calls that follow take that order, asking only whether gemm's 100 B can be
+    had, as for a search cut short, making no operands and timing nothing; a capture takes it asking nothing. Once
+    memory allows, the next call searches and times for real, and keeps that. Each call made its operands, asked for
+    every lease and timed implicit again."""
+    from wsarena.errors import SearchFallbackWarning
+
+    b = _OwnMemory({"fft": 300, "gemm": 100, "implicit": 0}, TIMES, failing={"implicit"})
+    b._arena = _AskedArena(memory=0)
+    made = []
+
+    def operands():
+        made.append(1)
+        return (None, None, None)
+
+    def choice(again=True):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=operands, search_again=again)
+        return [(c.algo, c.time_ms) for c in got]
+
+    heuristic = [("fft", None), ("gemm", None), ("implicit", None)]
+    with pytest.warns(SearchFallbackWarning, match="the next call searches again once 100 B of workspace can be had"):
+        assert choice() == heuristic
+    asked = list(b.arena().asked)
+    assert made == [1] and b.measured == ["failed"] and asked[0] == 300
+    for _ in range(3):
+        assert choice() == heuristic
+    assert choice(again=False) == heuristic
+    assert made == [1] and b.measured == ["failed"] and b.arena().asked == [*asked, 100, 100, 100]
+    assert is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
+    assert not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+    b._arena.memory = 1000
+    b.failing = set()
+    assert choice() == [("gemm", 1.0), ("fft", 5.0), ("implicit", 9.0)]
+    assert made == [1, 1] and b.measured[1:] == [["fft", "gemm", "implicit"]]
+    assert is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+
+
+def test_a_search_that_timed_nothing_for_want_of_its_own_memory_alone_searches_again():
+    """Every lease was granted and each candidate ran out of memory of its own: no workspace would change that, and
+    the next call searches again, as before."""
+    b = _OwnMemory({"fft": 300, "gemm": 100, "implicit": 0}, TIMES, failing={"fft", "gemm", "implicit"})
+    for _ in range(2):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+        assert [(c.algo, c.time_ms) for c in got] == [("fft", None), ("gemm", None), ("implicit", None)]
+    assert b.measured == ["failed"] * 6  # three leases a search

@@ -42,8 +42,8 @@ from .errors import (
 )
 
 __all__ = [
-    "cache_clear", "choose", "forced", "generation", "is_cached", "is_chosen", "is_partly_ranked", "run_with_fallback",
-    "select",
+    "cache_clear", "choose", "forced", "generation", "is_cached", "is_chosen", "is_partly_ranked", "is_untimed",
+    "run_with_fallback", "select",
 ]
 
 # Keys whose choice the process keeps, the least recently used let go first: some 2 KiB each with ten candidates (the
@@ -56,7 +56,9 @@ CHOICES_MAX = 4096
 # key (the backend's operands_key): it serves calls on operands alike, and others search again; _PARTLY_RANKED where
 # memory kept the backend from ranking some candidates (PartlyRanked): it serves a capture alone, which cannot rank,
 # and its times the next search of the key (_timed_before); _UNTIMED where a search could time nothing (the heuristic
-# order): it serves a capture alone, which cannot search, and replaces no ranking a search timed.
+# order): it serves a capture, which cannot search, and where memory alone stopped it, with the least workspace it
+# lacked, the calls that follow until that can be had, as a search cut short does; it replaces no ranking a search
+# timed.
 _Entry = tuple[tuple[Candidate, ...], Candidate | None, int, Any]
 _PARTLY_RANKED: Any = object()
 _UNTIMED: Any = object()
@@ -128,6 +130,15 @@ def is_partly_ranked(
     return entry is not None and entry[0] is ranking and entry[3] is _PARTLY_RANKED
 
 
+def is_untimed(
+    backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str, ranking: tuple[Candidate, ...]
+) -> bool:
+    """Whether ``ranking``, what :func:`select` returned for these arguments, is the one kept for them, the heuristic
+    order given where an exhaustive search could time nothing."""
+    entry = _cache.lookup(_key(backend, pass_, geom, search, cap, get_config()))
+    return entry is not None and entry[0] is ranking and entry[3] is _UNTIMED
+
+
 def _fits(cands: list[Candidate], cap: int | None) -> list[Candidate]:
     return [c for c in cands if cap is None or c.workspace_bytes <= cap]
 
@@ -161,8 +172,9 @@ def choose(
     can_have
         For a search cut short by memory (some candidates skipped), kept with the timed candidates first:
         ``can_have(n)`` says whether ``n`` bytes of workspace, the least that a skipped one needs, can be had
-        now; if so the search runs again, else the kept ranking is served. Without it, a search cut short runs
-        again on every call.
+        now; if so the search runs again, else the kept ranking is served. So is a search that timed nothing where
+        memory stopped every candidate, its heuristic order kept with the least workspace memory denied. Without
+        it, a search cut short runs again on every call.
     known
         For ``search="exhaustive"`` under a cap that excludes some candidates: a function that returns what searches
         timed of this call, those above the cap included (the search cache's entry, this process's uncapped search),
@@ -194,7 +206,8 @@ def choose(
     settings = get_config()  # read once: the key and the ranking agree whatever another thread configures
     key = _key(backend, pass_, geom, "exhaustive" if exhaustive else "heuristic", cap, settings)
     entry = kept = _cache.lookup(key)  # the choice and whether a search was cut short, read at once
-    if entry is not None and entry[3] is not None and (serves is None or not serves(entry[3])):
+    if entry is not None and entry[3] is not None and not (entry[3] is _UNTIMED and entry[2]) and (
+            serves is None or not serves(entry[3])):
         entry = None  # ranked without candidates refused on operands unlike this call's: the search is run again
     if entry is not None and entry[2] and (can_have is None or can_have(entry[2])):
         entry = None  # the workspace it lacked can be had now: the search is run again
@@ -278,9 +291,12 @@ def _cut_short_text(pass_: str, geom: ConvGeometry, ranking: tuple[Candidate, ..
             f"runs, and {then}")
 
 
-def _warn_untimed(key: tuple, pass_: str, geom: ConvGeometry, memory: bool, refused: bool, why: str) -> None:
+def _warn_untimed(
+    key: tuple, pass_: str, geom: ConvGeometry, memory: bool, refused: bool, why: str, lacked: int = 0
+) -> None:
     """A :class:`SearchFallbackWarning`, once per cache key: an exhaustive search could time nothing, for want of
-    ``memory``, ``refused`` by the backend, or both (``why`` says what of each candidate)."""
+    ``memory``, ``refused`` by the backend, or both (``why`` says what of each candidate); with ``lacked``, the least
+    workspace memory denied it, which the next search waits for."""
     if _untimed_warned.lookup(key) is not None:  # lookup(): a key in use is the most recently used here too
         return
     with _lock:
@@ -292,7 +308,8 @@ def _warn_untimed(key: tuple, pass_: str, geom: ConvGeometry, memory: bool, refu
     _callsite.warn(
         f"an exhaustive search for {pass_} of {describe_geometry(geom)} could not time any algorithm {cause} ({why}): "
         "the call runs them in the heuristic order, as algo_search='heuristic' does, and the next call searches "
-        "again (said once per call: pass, geometry and cap)",
+        f"again{f' once {format_size(lacked)} of workspace can be had' if lacked else ''} (said once per call: pass, "
+        "geometry and cap)",
         SearchFallbackWarning,
     )
 
@@ -305,11 +322,13 @@ def _rank(
     a search that timed something, the heuristic favourite if the cap excluded it), what to keep, how many of
     the last a search kept it could not time for want of memory, the operands it serves). What to keep: 0 where all
     were ranked (or memory stopped only candidates that ran out of memory of their own), the least workspace a
-    skipped candidate needs where a search was cut short by the arena's memory. The operands: ``None`` for any, else
+    skipped candidate needs where a search was cut short by the arena's memory, or timed nothing for want of it.
+    The operands: ``None`` for any, else
     the key of those a search timed where the backend refused some candidates on them (``measure``'s fourth item),
     :data:`_PARTLY_RANKED` for a ranking the backend made without those memory kept it from ranking
     (:class:`PartlyRanked`), or :data:`_UNTIMED` where a search timed nothing (the heuristic order): either serves a
-    capture, which cannot rank or search, and the next other call ranks again."""
+    capture, which cannot rank or search, and the next other call ranks again, or, for an untimed one with workspace
+    to keep, waits until that can be had."""
     try:
         ranked, keep = backend.candidates(pass_, geom), True
     except PartlyRanked as exc:  # no verdict on those left out: this call's ranking alone
@@ -331,17 +350,23 @@ def _rank(
     if measure is None:
         return tuple(usable), excluded, 0, 0, None if keep else _PARTLY_RANKED
     timed, skipped, *rest = measure(usable)  # only what fits the cap is ever timed
-    if not timed:  # the search timed nothing: the heuristic order, as the heuristic search runs it; searched again
-        return tuple(usable), excluded, 0, 0, _UNTIMED
+    # Cut short by the arena's memory: kept until the least that a skipped candidate needs can be had. Those the
+    # search's largest lease held (``rest[0]``) ran out of memory of their own: that is no reason to search again.
+    lacked = _lacked(skipped, rest[0] if rest else 0)
+    if not timed:  # the search timed nothing: the heuristic order, as the heuristic search runs it; searched again,
+        # where memory stopped every candidate (none refused or rejected), once what it lacked can be had
+        return tuple(usable), excluded, lacked if len(skipped) == len(usable) else 0, 0, _UNTIMED
     order = tuple(timed) + tuple(skipped)
     if known is not None and len(usable) < len(ranked):  # the cap excludes some: is one of them faster?
         above = [c for c in ranked if cap is not None and c.workspace_bytes > cap]  # those _fits() left out
         excluded = _kept_out(above, order[0], skipped, excluded, known())
-    # Cut short by the arena's memory: kept until the least that a skipped candidate needs can be had. Those the
-    # search's largest lease held (``rest[0]``) ran out of memory of their own: that is no reason to search again.
-    largest = rest[0] if rest else 0
-    lacked = min((c.workspace_bytes for c in skipped if c.workspace_bytes > largest), default=0)
     return order, excluded, lacked, len(skipped), (rest[1] if len(rest) > 1 else None) if keep else _PARTLY_RANKED
+
+
+def _lacked(skipped: list[Candidate], largest: int) -> int:
+    """The least workspace that memory denied one of ``skipped``, those a search could not time, ``largest`` the
+    largest workspace it leased (one that needs no more ran out of memory of its own); 0 where none was denied."""
+    return min((c.workspace_bytes for c in skipped if c.workspace_bytes > largest), default=0)
 
 
 def _kept_out(
@@ -390,10 +415,11 @@ def select(
     on where it can: on cuDNN, 16-byte-aligned ones, or a view's aligned copies) keeps it for good. Where nothing could
     be timed (every lease refused, memory for none, no operands to be had), the call gets the heuristic order, as the
     heuristic search would give it, with a :class:`SearchFallbackWarning`, kept for a capture alone (the next other
-    call searches again) where no ranking a search timed is kept. A search cut short because the largest could not be
-    had is run again once a lease of what it lacked succeeds (:func:`choose`'s ``can_have``), never while ``stream`` is
-    being captured (``search_again=False``, which the ops pass then: a search is no graph node). :func:`wsarena.tune`
-    passes it too, to take what the plan it made just before ranked.
+    call searches again) where no ranking a search timed is kept; where memory alone stopped it (no lease, or out of
+    memory of their own in what each held), kept as a search cut short is. A search cut short because the largest
+    could not be had is run again once a lease of what it lacked succeeds (:func:`choose`'s ``can_have``), never
+    while ``stream`` is being captured (``search_again=False``, which the ops pass then: a search is no graph node).
+    :func:`wsarena.tune` passes it too, to take what the plan it made just before ranked.
     """
     if search != "exhaustive" or operands is None:  # a capture runs a ranking the backend made without some (serves)
         return choose(backend, pass_, geom, cap=cap, search="heuristic", warn=warn,
@@ -470,9 +496,10 @@ def select(
             untimed(any(c not in refused for c in cands), bool(refused), str(exc))
             return [], []
 
-    def untimed(memory: bool, refused: bool, why: str) -> None:
+    def untimed(memory: bool, refused: bool, why: str, lacked: int = 0) -> None:
         # Under the settings choose() keyed the call by (it measures in a using() scope of them)
-        _warn_untimed(_key(backend, pass_, geom, "exhaustive", cap, get_config()), pass_, geom, memory, refused, why)
+        _warn_untimed(_key(backend, pass_, geom, "exhaustive", cap, get_config()), pass_, geom, memory, refused, why,
+                      lacked)
 
     def time_all(cands: list[Candidate], refused: list[Candidate]) -> searchcache.Found:
         a, b, out = the_operands()
@@ -507,7 +534,14 @@ def select(
         by_size = tuple(sorted(cands, key=lambda c: c.workspace_bytes, reverse=True))
         # A refused lease moves on to the next, as memory does. One refused in its own lease the backend's search
         # rejects, as it rejects an entry it reports failed: it is dropped, neither timed nor skipped for memory.
-        run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap, retry=retry)
+        try:
+            run_with_fallback(arena, by_size, time_fitting, stream=stream, cap=cap, retry=retry)
+        except NoAlgorithmFitsError as exc:
+            # Memory stopped every candidate (no refusal: that would be raised): the lease of each, or what ran in the
+            # one held. Each is skipped, so that the heuristic order given waits, as a search cut short does, until
+            # the least workspace memory denied can be had (_rank), not searched again on every call meanwhile.
+            untimed(True, False, str(exc), _lacked(cands, leased[0]))
+            return [], list(cands), leased[0]
         skipped = [c for c in cands if (c.workspace_bytes > leased[1] and c not in refused) or c in failed]
         if not timed and (skipped or refused):  # what ran timed nothing, for reasons of this call too: as above
             said = (("no workspace could be had for", [c for c in skipped if c not in failed]),
