@@ -1,5 +1,6 @@
 """The planner: totals, streams, caps, bad input, and that the report tells the truth about a real run."""
 
+import contextlib
 import io
 import json
 import os
@@ -100,6 +101,33 @@ def test_a_plan_ranks_a_call_the_backend_ranks_without_some_candidates_once(resn
         assert len(geoms) < len(layers) and len(ranked) == plans * len(geoms)
     chosen = {lp.geometry: lp.choices["fwd"] for lp in p.layers}
     assert all(lp.choices["fwd"] == chosen[lp.geometry] for lp in p.layers)
+
+
+def test_a_plan_searches_a_call_whose_search_could_time_nothing_once(resnet50, monkeypatch):
+    """Every timing runs out of memory of its own (NumPy's temporaries): each search times nothing and the call gets
+    the heuristic order, kept for this call alone. A plan searches each distinct call once, however many layers
+    repeat it, making its operands once, and another plan searches again. Each layer that repeated a geometry
+    made fresh operands and searched again."""
+    from wsarena.backends import cpu
+
+    layers = resnet50[4:11]  # layer1.1 and layer1.2 repeat layer1.0's shapes after its downsample
+    geoms = {layer.geometry(batch=1) for layer in layers}
+    made, timed = [], []
+    real_random = CpuBackend.random
+
+    def measure(self, *args):
+        timed.append(1)
+        raise MemoryError("no memory for the search's temporaries")
+
+    monkeypatch.setattr(CpuBackend, "random", lambda self, *a: made.append(a) or real_random(self, *a))
+    monkeypatch.setattr(CpuBackend, "measure", measure)
+    for plans in (1, 2):
+        with pytest.warns(wsarena.SearchFallbackWarning) if plans == 1 else contextlib.nullcontext():
+            p = wsarena.plan(layers, batch=1, backend="cpu", search="exhaustive", passes=("fwd",), cap_workspace=None)
+        assert len(geoms) < len(layers) and len(made) == 3 * plans * len(geoms)
+    assert timed  # the searches ran, and timed nothing
+    want = {g: cpu.candidates("fwd", g)[0] for g in geoms}  # the heuristic order's first
+    assert all(lp.choices["fwd"].algo == want[lp.geometry] for lp in p.layers)
 
 
 def test_cap_bounds_every_choice(resnet50):
