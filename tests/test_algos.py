@@ -1179,3 +1179,59 @@ def test_a_search_that_timed_nothing_for_want_of_its_own_memory_alone_searches_a
         got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
         assert [(c.algo, c.time_ms) for c in got] == [("fft", None), ("gemm", None), ("implicit", None)]
     assert b.measured == ["failed"] * 6  # three leases a search
+
+
+class _ShortRefusing(_Refusing):
+    """A backend that ranks fwd without wino for want of memory (PartlyRanked) while ``short``, and refuses to time a
+    workspace holding fft (:class:`_Refusing`)."""
+
+    short = True
+
+    def candidates(self, pass_, geom):
+        cands = super().candidates(pass_, geom)
+        if self.short:
+            raise PartlyRanked([c for c in cands if c.algo != "wino"])
+        return cands
+
+
+def test_a_search_on_a_partial_ranking_drops_again_what_the_backend_refused_without_timing_the_rest():
+    """The backend ranks fwd without wino for want of memory, so each call ranks again, and it refuses to time fft's
+    own lease: the search drops fft, and the calls that follow take its times, dropping fft again, timing nothing and
+    asking for no lease, with the search cache off. Each timed every candidate again, fft's refused lease first. Once
+    the backend ranks wino, the call searches again."""
+    b = _ShortRefusing({"fft": 300, "gemm": 100, "implicit": 0, "wino": 50}, {**TIMES, "wino": 0.5}, Refused)
+    b._arena = _AskedArena(memory=1000)
+    assert get_config().cache_dir is None
+    for _ in range(3):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+        assert [(c.algo, c.time_ms) for c in got] == [("gemm", 1.0), ("implicit", 9.0)]
+    assert b.measured == ["refused", ["gemm", "implicit"]] and b.arena().asked == [300, 100]
+    assert not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+    b.short = False
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["wino", "gemm", "implicit"]
+    assert b.measured[2:] == ["refused", ["gemm", "implicit", "wino"]]
+
+
+def test_a_search_on_a_partial_ranking_times_what_was_refused_on_operands_unlike_the_calls():
+    """The backend ranks fwd without wino for want of memory and refuses fft on operands off 16 bytes: a call on
+    operands alike drops fft again, timing nothing; one on aligned operands, which fft takes, times every candidate,
+    as a search of a ranking kept for operands alike does. Each call on operands alike timed every candidate again."""
+
+    class Short(_RefusingOnOperands):
+        def candidates(self, pass_, geom):
+            raise PartlyRanked([c for c in super().candidates(pass_, geom) if c.algo != "wino"])
+
+    b = Short({"fft": 300, "gemm": 100, "implicit": 0, "wino": 50}, {**TIMES, "wino": 0.5})
+
+    def search(x):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(x, 0, 0))
+        return [c.algo for c in got]
+
+    for x in (0x1004, 0x2004, 0x1004):
+        assert search(x) == ["gemm", "implicit"]
+    assert b.measured == [["fft", "gemm", "implicit"]]
+    assert search(0x1000) == ["gemm", "fft", "implicit"]
+    assert b.measured[1:] == [["fft", "gemm", "implicit"]]
+    assert search(0x2000) == ["gemm", "fft", "implicit"]  # nothing dropped: its times serve
+    assert len(b.measured) == 2

@@ -50,17 +50,30 @@ __all__ = [
 # graph API's), 8 KiB with forty, so that a sweep over shapes holds some 10-35 MiB at most, where it grew without end.
 # As many as the ops keep call signatures, so that a signature they rebuild finds its choice here.
 CHOICES_MAX = 4096
-# Per key: the usable candidates best first, the candidate the cap keeps from running first (the cap warning's), 0
-# where the choice is kept for good or, for a search cut short by memory, the least workspace it could not get, and
-# None where it serves any operands or, for a search the backend refused some candidates in on its operands, their
-# key (the backend's operands_key): it serves calls on operands alike, and others search again; _PARTLY_RANKED where
-# memory kept the backend from ranking some candidates (PartlyRanked): it serves a capture alone, which cannot rank,
-# and its times the next search of the key (_timed_before); _UNTIMED where a search could time nothing (the heuristic
-# order): it serves a capture, which cannot search, and where memory alone stopped it, with the least workspace it
-# lacked, the calls that follow until that can be had, as a search cut short does; it replaces no ranking a search
-# timed.
+# Per key: the usable candidates best first, the candidate the cap keeps from running first (the cap warning's), 0 where
+# the choice is kept for good or, for a search cut short by memory, the least workspace it could not get, and None where
+# it serves any operands or, for a search the backend refused some candidates in on its operands, their key (the
+# backend's operands_key): it serves calls on operands alike, and others search again; a _PartlyRanked where memory kept
+# the backend from ranking some candidates (PartlyRanked): it serves a capture alone, which cannot rank, and its times,
+# and what its search dropped, the next search of the key (_timed_before); _UNTIMED where a search could time nothing
+# (the heuristic order): it serves a capture, which cannot search, and where memory alone stopped it, with the least
+# workspace it lacked, the calls that follow until that can be had, as a search cut short does; it replaces no ranking a
+# search timed.
 _Entry = tuple[tuple[Candidate, ...], Candidate | None, int, Any]
-_PARTLY_RANKED: Any = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _PartlyRanked:
+    """The mark of a ranking the backend made without some candidates (:class:`PartlyRanked`): of those its search was
+    given, per ``(algorithm, math type)``, the ones it dropped (rejected by the backend's search, or refused in a lease
+    of their own or on its operands), and where some were refused, the key of those operands (the backend's
+    ``operands_key``; ``None`` where every search times on operands alike, or none was refused)."""
+
+    dropped: frozenset[tuple[str, int | None]] = frozenset()
+    refused_on: Any = None
+
+
+_PARTLY_RANKED = _PartlyRanked()  # a heuristic ranking's, or a search's that dropped nothing
 _UNTIMED: Any = object()
 # Per (algorithm, math type), what a search timed of a call: its time in ms, None where the backend's search rejected it
 _Times = Mapping[tuple[str, int | None], float | None]
@@ -127,7 +140,7 @@ def is_partly_ranked(
     """Whether ``ranking``, what :func:`select` returned for these arguments, is the one kept for them, which the
     backend made without some candidates memory kept it from ranking (:class:`PartlyRanked`): no search timed those."""
     entry = _cache.lookup(_key(backend, pass_, geom, search, cap, get_config()))
-    return entry is not None and entry[0] is ranking and entry[3] is _PARTLY_RANKED
+    return entry is not None and entry[0] is ranking and isinstance(entry[3], _PartlyRanked)
 
 
 def is_untimed(
@@ -185,8 +198,9 @@ def choose(
         again. For one the backend made without candidates memory kept it from ranking (:class:`PartlyRanked`), the
         key is a marker no operands have: it serves a call that cannot rank (a capture's); another call ranks again,
         and its search times only where the backend now ranks a candidate that ranking did not rank, or where what
-        memory kept its search from timing can be had (``can_have``). Without it, either is ranked again on every
-        call.
+        memory kept its search from timing can be had (``can_have``); what its search dropped stays dropped, unless
+        refused on operands this call's are not alike (``serves`` of their key). Without it, either is ranked again
+        on every call.
     warn
         Issue a :class:`WorkspaceCapWarning` (once per cache key) when the cap keeps the fastest algorithm from
         running: the heuristic favourite; for an exhaustive search, one above the cap that ``known`` says is faster
@@ -213,11 +227,14 @@ def choose(
         entry = None  # the workspace it lacked can be had now: the search is run again
     if entry is None:
         timing = measure if exhaustive else None
-        if timing is not None and kept is not None and kept[3] is _PARTLY_RANKED:
+        if timing is not None and kept is not None and isinstance(kept[3], _PartlyRanked):
             # Ranked again, but not timed again: those memory kept its search from timing wait, as for a search cut
-            # short, until what it lacked can be had
+            # short, until what it lacked can be had, and those it dropped stay dropped, as a ranking kept without
+            # them is served: unless refused on operands unlike this call's, which a search times again
             again = bool(kept[2]) and (can_have is None or can_have(kept[2]))
-            timing = _timed_before(kept, timing, again)
+            mark = kept[3]
+            holds = mark.refused_on is None or (serves is not None and serves(mark.refused_on))
+            timing = _timed_before(kept, timing, again, mark if holds else _PARTLY_RANKED)
         with using(settings):  # what the backend reads of them (cudnn_heuristic), as the key has them
             best, excluded, lacked, untimed, only = _rank(backend, pass_, geom, cap, timing, known)
         entry = (best, excluded, lacked, only)
@@ -248,29 +265,33 @@ def _timed(entry: _Entry) -> bool:
 
 
 def _timed_before(
-    kept: _Entry, measure: Callable[[list[Candidate]], searchcache.Found], again: bool
+    kept: _Entry, measure: Callable[[list[Candidate]], searchcache.Found], again: bool, mark: _PartlyRanked
 ) -> Callable[[list[Candidate]], searchcache.Found]:
     """``measure``, but where ``kept``, the entry kept for the call (ranked by the backend without some candidates,
-    :class:`PartlyRanked`, so ranked again by each call), ranked every candidate given and timed one: its times, and
-    those it could not time skipped again, unless ``again`` (what memory kept its search from timing can be had now:
-    every candidate is timed, as a search cut short runs again). Each call ranks again, to rank those left out once
-    memory allows, and without this, times again what it timed (with the search cache off, every call) and asks
-    memory again for what it lacked; a ranking kept for good is timed once per process."""
+    :class:`PartlyRanked`, so ranked again by each call), ranked every candidate given but those ``mark`` says its
+    search dropped, and timed one: its times, those it could not time skipped again and those it dropped dropped
+    again, unless ``again`` (what memory kept its search from timing can be had now: every candidate is timed, as a
+    search cut short runs again). Each call ranks again, to rank those left out once memory allows, and without this,
+    times again what it timed (with the search cache off, every call; with it on, every call where the search dropped
+    a candidate refused, which it does not save) and asks memory again for what it lacked; a ranking kept for good is
+    timed once per process. ``mark``: what to drop again (the kept one's, or none where this call's operands are
+    unlike those its candidates were refused on)."""
     ranking, lacked = kept[0], kept[2]
     times = {(c.algo, c.math_type): c.time_ms for c in ranking}
 
     def search(cands: list[Candidate]) -> searchcache.Found:
-        if again or not all((c.algo, c.math_type) in times for c in cands):
+        fresh = [c for c in cands if (c.algo, c.math_type) not in mark.dropped]
+        if again or not fresh or not all((c.algo, c.math_type) in times for c in fresh):
             return measure(cands)
-        known = [times[(c.algo, c.math_type)] for c in cands]
+        known = [times[(c.algo, c.math_type)] for c in fresh]
         if all(ms is None for ms in known):  # nothing to rank them by
             return measure(cands)
-        timed = [dataclasses.replace(c, time_ms=ms) for c, ms in zip(cands, known) if ms is not None]
-        skipped = [c for c, ms in zip(cands, known) if ms is None]
+        timed = [dataclasses.replace(c, time_ms=ms) for c, ms in zip(fresh, known) if ms is not None]
+        skipped = [c for c, ms in zip(fresh, known) if ms is None]
         # The largest lease, as a search reports it (_rank): those skipped below what that search lacked ran out of
-        # memory of their own, and the ranking waits for what it lacked alone
+        # memory of their own, and the ranking waits for what it lacked alone; and the operands of those refused
         held = max((c.workspace_bytes for c in skipped if not lacked or c.workspace_bytes < lacked), default=0)
-        return sorted(timed, key=lambda c: c.time_ms or 0.0), skipped, held
+        return sorted(timed, key=lambda c: c.time_ms or 0.0), skipped, held, mark.refused_on
 
     return search
 
@@ -325,7 +346,7 @@ def _rank(
     skipped candidate needs where a search was cut short by the arena's memory, or timed nothing for want of it.
     The operands: ``None`` for any, else
     the key of those a search timed where the backend refused some candidates on them (``measure``'s fourth item),
-    :data:`_PARTLY_RANKED` for a ranking the backend made without those memory kept it from ranking
+    a :class:`_PartlyRanked` for a ranking the backend made without those memory kept it from ranking
     (:class:`PartlyRanked`), or :data:`_UNTIMED` where a search timed nothing (the heuristic order): either serves a
     capture, which cannot rank or search, and the next other call ranks again, or, for an untimed one with workspace
     to keep, waits until that can be had."""
@@ -360,7 +381,11 @@ def _rank(
     if known is not None and len(usable) < len(ranked):  # the cap excludes some: is one of them faster?
         above = [c for c in ranked if cap is not None and c.workspace_bytes > cap]  # those _fits() left out
         excluded = _kept_out(above, order[0], skipped, excluded, known())
-    return order, excluded, lacked, len(skipped), (rest[1] if len(rest) > 1 else None) if keep else _PARTLY_RANKED
+    only = rest[1] if len(rest) > 1 else None
+    if not keep:  # what the search dropped, for the next search of the call (_timed_before)
+        ordered = {(c.algo, c.math_type) for c in order}
+        only = _PartlyRanked(frozenset((c.algo, c.math_type) for c in usable) - ordered, only)
+    return order, excluded, lacked, len(skipped), only
 
 
 def _lacked(skipped: list[Candidate], largest: int) -> int:
@@ -456,7 +481,7 @@ def select(
         # which cannot search, runs it whatever its operands (run_with_fallback passes over those refused there)
         if not search_again:
             return True
-        if searched_on is _PARTLY_RANKED or searched_on is _UNTIMED or key_of is None:
+        if isinstance(searched_on, _PartlyRanked) or searched_on is _UNTIMED or key_of is None:
             return False
         try:
             return key_of(*the_operands()) == searched_on
