@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from wsarena import configure, get_config
+from wsarena import config, configure, get_config
 from wsarena._geometry import conv_geometry, describe_geometry
 from wsarena.algos import choose, forced, is_cached, is_chosen, run_with_fallback, select
 from wsarena.backends import Candidate, PartlyRanked, PartlyTimed
@@ -1194,21 +1194,22 @@ class _ShortRefusing(_Refusing):
         return cands
 
 
-def test_a_search_on_a_partial_ranking_drops_again_what_the_backend_refused_without_timing_the_rest():
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_search_on_a_partial_ranking_drops_again_what_the_backend_refused_without_timing_the_rest(cached, tmp_path):
     """The backend ranks fwd without wino for want of memory, so each call ranks again, and it refuses to time fft's
     own lease: the search drops fft, and the calls that follow take its times, dropping fft again, timing nothing and
-    asking for no lease, with the search cache off. Each timed every candidate again, fft's refused lease first. Once
-    the backend ranks wino, the call searches again."""
+    asking for no lease, with the search cache off or on (which saves no word of fft). Each timed every candidate
+    again, fft's refused lease first. Once the backend ranks wino, the call searches again."""
     b = _ShortRefusing({"fft": 300, "gemm": 100, "implicit": 0, "wino": 50}, {**TIMES, "wino": 0.5}, Refused)
     b._arena = _AskedArena(memory=1000)
-    assert get_config().cache_dir is None
-    for _ in range(3):
+    with config(cache_dir=tmp_path if cached else None):
+        for _ in range(3):
+            got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+            assert [(c.algo, c.time_ms) for c in got] == [("gemm", 1.0), ("implicit", 9.0)]
+        assert b.measured == ["refused", ["gemm", "implicit"]] and b.arena().asked == [300, 100]
+        assert not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
+        b.short = False
         got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
-        assert [(c.algo, c.time_ms) for c in got] == [("gemm", 1.0), ("implicit", 9.0)]
-    assert b.measured == ["refused", ["gemm", "implicit"]] and b.arena().asked == [300, 100]
-    assert not is_cached(b, "fwd", GEOM, cap=None, search="exhaustive")
-    b.short = False
-    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
     assert [c.algo for c in got] == ["wino", "gemm", "implicit"]
     assert b.measured[2:] == ["refused", ["gemm", "implicit", "wino"]]
 
