@@ -1236,3 +1236,22 @@ def test_a_search_on_a_partial_ranking_times_what_was_refused_on_operands_unlike
     assert b.measured[1:] == [["fft", "gemm", "implicit"]]
     assert search(0x2000) == ["gemm", "fft", "implicit"]  # nothing dropped: its times serve
     assert len(b.measured) == 2
+
+
+def test_a_search_of_a_partial_ranking_that_memory_stopped_for_every_candidate_ranks_again_on_the_next_call():
+    """The backend ranks fwd without wino for want of memory, and memory stops the search for every candidate: the
+    next call ranks again, as the backend's ranking asks, and searches again, rather than wait for the workspace."""
+
+    class Short(_OwnMemory):
+        ranked = 0
+
+        def candidates(self, pass_, geom):
+            self.ranked += 1
+            raise PartlyRanked([c for c in super().candidates(pass_, geom) if c.algo != "wino"])
+
+    b = Short({"fft": 300, "gemm": 100, "implicit": 0, "wino": 50}, TIMES, failing={"implicit"})
+    b._arena = FakeArena(memory=0)
+    for _ in range(2):
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+        assert [c.algo for c in got] == ["fft", "gemm", "implicit"]
+    assert b.ranked == 2 and b.measured == ["failed"] * 2

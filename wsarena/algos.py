@@ -375,8 +375,9 @@ def _rank(
     # search's largest lease held (``rest[0]``) ran out of memory of their own: that is no reason to search again.
     lacked = _lacked(skipped, rest[0] if rest else 0)
     if not timed:  # the search timed nothing: the heuristic order, as the heuristic search runs it; searched again,
-        # where memory stopped every candidate (none refused or rejected), once what it lacked can be had
-        return tuple(usable), excluded, lacked if len(skipped) == len(usable) else 0, 0, _UNTIMED
+        # where memory stopped every candidate (none refused or rejected) of a whole ranking, once what it lacked can
+        # be had (one the backend made without some is made again by the next call, as PartlyRanked says)
+        return tuple(usable), excluded, lacked if keep and len(skipped) == len(usable) else 0, 0, _UNTIMED
     order = tuple(timed) + tuple(skipped)
     if known is not None and len(usable) < len(ranked):  # the cap excludes some: is one of them faster?
         above = [c for c in ranked if cap is not None and c.workspace_bytes > cap]  # those _fits() left out
