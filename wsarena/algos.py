@@ -289,7 +289,8 @@ def _timed_before(
         timed = [dataclasses.replace(c, time_ms=ms) for c, ms in zip(fresh, known) if ms is not None]
         skipped = [c for c, ms in zip(fresh, known) if ms is None]
         # The largest lease, as a search reports it (_rank): those skipped below what that search lacked ran out of
-        # memory of their own, and the ranking waits for what it lacked alone; and the operands of those refused
+        # memory of their own, and the ranking waits for what it lacked alone. Those dropped keep the key of the
+        # operands they were refused on, for the next search.
         held = max((c.workspace_bytes for c in skipped if not lacked or c.workspace_bytes < lacked), default=0)
         return sorted(timed, key=lambda c: c.time_ms or 0.0), skipped, held, mark.refused_on
 
@@ -343,13 +344,12 @@ def _rank(
     a search that timed something, the heuristic favourite if the cap excluded it), what to keep, how many of
     the last a search kept it could not time for want of memory, the operands it serves). What to keep: 0 where all
     were ranked (or memory stopped only candidates that ran out of memory of their own), the least workspace a
-    skipped candidate needs where a search was cut short by the arena's memory, or timed nothing for want of it.
-    The operands: ``None`` for any, else
-    the key of those a search timed where the backend refused some candidates on them (``measure``'s fourth item),
-    a :class:`_PartlyRanked` for a ranking the backend made without those memory kept it from ranking
-    (:class:`PartlyRanked`), or :data:`_UNTIMED` where a search timed nothing (the heuristic order): either serves a
-    capture, which cannot rank or search, and the next other call ranks again, or, for an untimed one with workspace
-    to keep, waits until that can be had."""
+    skipped candidate needs where a search was cut short by the arena's memory, or timed nothing for want of it. The
+    operands: ``None`` for any, else the key of those a search timed where the backend refused some candidates on
+    them (``measure``'s fourth item), a :class:`_PartlyRanked` for a ranking the backend made without those memory
+    kept it from ranking (:class:`PartlyRanked`), or :data:`_UNTIMED` where a search timed nothing (the heuristic
+    order): either serves a capture, which cannot rank or search, and the next other call ranks again, or, for an
+    untimed one with workspace to keep, waits until that can be had."""
     try:
         ranked, keep = backend.candidates(pass_, geom), True
     except PartlyRanked as exc:  # no verdict on those left out: this call's ranking alone
