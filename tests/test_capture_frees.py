@@ -15,7 +15,7 @@ import pytest
 
 import wsarena
 import wsarena.arena._arena as arena_module
-from wsarena.arena import Arena, set_arena
+from wsarena.arena import Arena, _lifecycle, set_arena
 from wsarena.arena.testing import FakeStream, RecordingProvider
 
 from .capture_helpers import S1, S2, capture_a_lease, freed, freed_on
@@ -210,6 +210,52 @@ def test_a_keep_through_a_stream_object_made_for_it_leaves_the_capture_known_whi
     assert [s for _, s in provider.frees] == [None, None] and provider.during_capture == []
     graph.close()
     assert arena.stats().kept_bytes == 0
+
+
+def test_whether_a_capture_is_under_way_asks_each_arena_about_each_stream_once(monkeypatch):
+    """The let-go of what graphs gone kept asks each arena whether a capture is under way, each through its own
+    provider, about the streams that any arena of its device recorded: each arena about each stream once, the records
+    read once. Once, each arena read every other's records again, and asked about a stream as many times as arenas
+    recorded it, so that the questions grew with the square of the arenas alive (46 of them took a test past its
+    timeout). A capture under way that only another arena recorded, in the world of this arena's provider, is still
+    seen."""
+
+    class Counting(RecordingProvider):
+        def __init__(self):
+            super().__init__(device_id=0)
+            self.asked = []
+
+        def capture(self, stream):
+            self.asked.append(stream)
+            return super().capture(stream)
+
+    arenas, graphs = [], []
+    monkeypatch.setattr(_lifecycle, "_live_arenas", lambda: list(arenas))
+    monkeypatch.setattr(_lifecycle, "_closed_holding", {})
+    for i in range(8):
+        arena = Arena(Counting())
+        for stream in (S1, 0x60 + i):  # a stream every arena recorded, and one of its own
+            graphs.append(arena.provider.begin_capture(stream))
+            assert arena.keep_with_capture([np.empty(8)], stream=stream)
+            arena.provider.end_capture(graphs[-1])  # still recorded: nothing asked since
+        arenas.append(arena)
+    for arena in arenas:
+        arena.provider.asked.clear()
+    assert _lifecycle._no_capture_under_way()
+    for arena in arenas:
+        assert sorted(arena.provider.asked) == sorted([0, S1, *range(0x60, 0x68)])  # each once
+        assert arena._table.capturing == {}  # found over, and forgotten
+    first, last = arenas[0], arenas[-1]
+    graphs.append(first.provider.begin_capture(0x70))
+    assert first.keep_with_capture([np.empty(8)], stream=0x70)
+    first.provider.end_capture(graphs[-1])
+    graph = last.provider.begin_capture(0x70)  # no arena but the first recorded the stream
+    assert not _lifecycle._no_capture_under_way()
+    last.provider.end_capture(graph)
+    assert _lifecycle._no_capture_under_way()
+    for graph in graphs:
+        graph.close()
+    assert first.stats().kept_bytes == 0 and last.stats().kept_bytes == 0  # every arena's let go
 
 
 def sibling(stream_type):

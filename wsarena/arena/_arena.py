@@ -445,6 +445,7 @@ class Arena:
     _acquire_captured = _pinning._acquire_captured
     _pin_for = _pinning._pin_for
     _capture_under_way = _pinning._capture_under_way
+    _recorded_streams = _pinning.recorded_streams
     _growth_refusal = _pinning.growth_refusal
 
     # ----------------------------------------------------------------------------------- lock not held

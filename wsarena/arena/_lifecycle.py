@@ -136,10 +136,22 @@ def let_go_posted() -> None:
 def _no_capture_under_way() -> bool:
     """Whether no CUDA graph capture that an arena knows of may be under way in this process, in any thread: each
     arena that can tell captures is asked (``Arena._capture_under_way``: the calling thread's current stream, the
-    legacy default stream, and the streams of the captures it recorded, a lease's, a keep's or a
-    :func:`wsarena.capture` block's). No lock: the lists are read in one C call each."""
-    arenas = _live_arenas() + list(_closed_holding.values())
-    return not any(arena._capture is not None and arena._capture_under_way(None) for arena in arenas)
+    legacy default stream, and the streams of the captures that it or another arena of its device recorded, a lease's,
+    a keep's or a :func:`wsarena.capture` block's). Each arena asks through its own provider, each stream once; the
+    streams each device's arenas recorded are read once, for all of them (read by each arena, they made the question
+    grow with the square of the arenas alive). No lock: the lists are read in one C call each."""
+    live = _live_arenas()
+    listed = set(map(id, live))
+    arenas = live + [arena for arena in list(_closed_holding.values()) if id(arena) not in listed]
+    streams: dict[int | None, dict[Any, None]] = {}  # device -> the streams its live arenas recorded, each once
+    for arena in live:
+        device = arena.device
+        if device is not None:
+            streams.setdefault(device, {}).update(dict.fromkeys(arena._recorded_streams()))
+    for arena in arenas:  # a loop, not a generator any() leaves suspended (a Ctrl-C as it is closed is lost)
+        if arena._capture is not None and arena._capture_under_way(None, streams.get(arena.device, ())):
+            return False
+    return True
 
 
 def _may_let_go(table: _Table) -> bool:

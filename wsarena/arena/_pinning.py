@@ -14,7 +14,7 @@ capture the arena knows of is under way, in any thread. Most functions here are 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .._sizes import format_size, short_repr
@@ -278,7 +278,14 @@ def _captured(capture: Any, key: Any) -> bool:
         return False
 
 
-def _capture_under_way(self: Arena, key: Any) -> bool:
+def recorded_streams(self: Arena) -> list[Any]:
+    """The keys of the streams this arena recorded for captures that may be under way (:attr:`_Table.capturing`),
+    except a keep's whose stream object is gone (CUDA is asked nothing more about its handle). No lock: the records
+    are read in one C call."""
+    return [k for k, record in list(self._table.capturing.items()) if not _stream_gone(record)]
+
+
+def _capture_under_way(self: Arena, key: Any, device_streams: Iterable[Any] | None = None) -> bool:
     """Whether a free with no stream (a device synchronisation) would break a capture under way: on the stream of
     ``key`` (the call that drains the queue, if any), on the calling thread's current stream (a capture block's), on any
     stream a lease was taken on during a capture that may not be over or that :func:`wsarena.capture` is capturing
@@ -286,7 +293,11 @@ def _capture_under_way(self: Arena, key: Any) -> bool:
     synchronisation), recorded by this arena or by another of the device (the one :func:`get_arena` made in place of
     this one, closed, say), or, asked through the legacy default stream, on any blocking stream of the device. A
     stream this arena recorded and found not captured any more is forgotten, unless it was recorded again since it was
-    asked (by a new capture block, or a new capture's lease)."""
+    asked (by a new capture block, or a new capture's lease). Each stream is asked once, through this arena's provider.
+
+    ``device_streams``: the streams the device's arenas recorded (:func:`recorded_streams` of each), read once by a
+    caller that asks every arena (:func:`~wsarena.arena._lifecycle._no_capture_under_way`); by default they are read
+    here."""
     capture, table, recorded = self._capture, self._table, self._table.capturing
     keys = [key]
     if self._lanes:
@@ -295,20 +306,21 @@ def _capture_under_way(self: Arena, key: Any) -> bool:
         if self._current is not None:
             keys.append(resolve_stream(None, lanes=False, current=self._current)[0])
         keys.append(0)
-    records = list(recorded.items())  # one C call, whatever other threads do
-    device = self.device
-    if device is not None:
-        for other in device_arenas(device):
-            if other is not self:
-                records += list(other._table.capturing.items())
-    for k, record in records:
+    for k, record in list(recorded.items()):  # list(): one C call, whatever other threads do
         if not _stream_gone(record):
             keys.append(k)
         elif recorded.get(k, False) is record:  # a keep's, whose stream object is gone: never asked about again
             with self._lock:
                 if recorded.get(k, False) is record:
                     del recorded[k]
-    for k in keys:
+    device = self.device
+    if device_streams is not None:
+        keys += device_streams
+    elif device is not None:
+        for other in device_arenas(device):
+            if other is not self:
+                keys += recorded_streams(other)
+    for k in dict.fromkeys(keys):  # each once, in order
         if k is None or not is_own_stream(k):  # another thread's per-thread stream cannot be asked from here
             continue
         watches = table.watches  # before the record: a block that records the stream again meanwhile is counted
