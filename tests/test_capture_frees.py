@@ -212,6 +212,51 @@ def test_a_keep_through_a_stream_object_made_for_it_leaves_the_capture_known_whi
     assert arena.stats().kept_bytes == 0
 
 
+@pytest.mark.parametrize("given_as", ["the new stream's object", "its raw handle"])
+def test_a_keep_on_a_handle_whose_last_keep_was_through_a_stream_object_gone_since_records_the_capture(given_as):
+    """A keep through a stream object records the stream with a weak reference to it; the object dies with the stream
+    (its owner destroys it), and CUDA gives the handle to a new stream, which a capture that only keeps records on
+    (through its object, or its raw handle, as torch's integer). Frees with no stream, and what a graph gone kept,
+    wait for that capture, in another thread too. Once, the keep left the record of the dead object in place, which
+    says to ask nothing of the handle: the capture went unseen, and another thread's trim dropped what the graph
+    gone kept (a cudaFree, with no pool) and freed a dead stream's buffer with no stream, during the capture."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    gone = FakeStream(0x71)
+    arena.reserve(1000, stream=gone)
+    del gone  # its buffer is freed with no stream by the next trim
+    gc.collect()
+    dropped = []  # what the provider captured as the kept array was dropped
+    kept = provider.begin_capture(S1)  # a graph that keeps an array, then is gone: it waits for no capture under way
+    array = np.empty(256, np.uint8)
+    weakref.finalize(array, lambda: dropped.append(dict(provider.capturing)))
+    assert arena.keep_with_capture([array], stream=S1)
+    provider.end_capture(kept)
+    del array
+    stream = FakeStream(0x70)
+    graph = provider.begin_capture(0x70)
+    assert arena.keep_with_capture([np.empty(16)], stream=stream)
+    provider.end_capture(graph)
+    graph.close()
+    del stream  # its owner destroys the stream
+    gc.collect()
+    kept.close()  # nothing asked since: the dead object's record is there still
+    new = FakeStream(0x70)  # CUDA gave the handle to a new stream
+    graph = provider.begin_capture(0x70)
+    assert arena.keep_with_capture([np.empty(8)], stream=new if given_as == "the new stream's object" else 0x70)
+    thread = threading.Thread(target=arena.trim)
+    thread.start()
+    thread.join(10)
+    gc.collect()
+    assert dropped == [] and provider.frees == [] and provider.during_capture == []
+    provider.end_capture(graph)
+    arena.trim()
+    gc.collect()
+    assert dropped == [{}] and [s for _, s in provider.frees] == [None] and provider.during_capture == []
+    graph.close()
+    assert arena.stats().kept_bytes == 0
+
+
 def test_whether_a_capture_is_under_way_asks_each_arena_about_each_stream_once(monkeypatch):
     """The let-go of what graphs gone kept asks each arena whether a capture is under way, each through its own
     provider, about the streams that any arena of its device recorded: each arena about each stream once, the records

@@ -146,12 +146,12 @@ def _pin_for(self: Arena, capture: Any) -> Any:
 
 def keep_with_capture(self: Arena, objects: list[Any], stream: Any) -> bool:
     """:meth:`Arena.keep_with_capture`: ``objects`` kept by the pin of the graph being captured on ``stream``, made
-    and handed to the graph if no lease of the capture did yet. The stream is recorded, unless it is already (by a
-    lease, or by :func:`wsarena.capture`, whose record keeps its seeded buffer until the first lease): frees with no
-    stream, and the drop of what graphs gone kept, wait while its capture may go on. Idempotent: run again after an
-    interrupt (lock not held). A stream given as an object is recorded with a weak reference to it
-    (:class:`KeptOn`), unless a live object watches its buffer (a lease's record, then): CUDA is not asked about its
-    handle once the object is gone."""
+    and handed to the graph if no lease of the capture did yet. The stream is recorded, unless this capture's record
+    is there already (a lease's, or :func:`wsarena.capture`'s, whose record keeps its seeded buffer until the first
+    lease; :func:`_kept_record`): frees with no stream, and the drop of what graphs gone kept, wait while its capture
+    may go on. Idempotent: run again after an interrupt (lock not held). A stream given as an object is recorded with
+    a weak reference to it (:class:`KeptOn`), unless a live object watches its buffer (a lease's record, then): CUDA
+    is not asked about its handle once the object is gone."""
     if self._capture is None:
         return False
     key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
@@ -162,15 +162,30 @@ def keep_with_capture(self: Arena, objects: list[Any], stream: Any) -> bool:
     if capture is None:
         return False
     pin = self._pin_for(capture)
+    recorded = self._table.capturing
     with self._lock:
-        # A live object watching the stream's buffer shows the stream alive: the record is a lease's, which that
-        # object's death drops; ``stream`` may be a wrapper made for this call, whose death shows nothing.
-        sub = self._table.subs.get(key)
-        watched = sub is not None and sub.anchor is not None and sub.anchor() is not None
-        record = pin if anchor is None or anchor is key or watched else KeptOn(pin, anchor)
-        self._table.capturing.setdefault(key, record)
+        old = recorded.get(key, False)
+        if _kept_record(old, pin):
+            # A live object watching the stream's buffer shows the stream alive: the record is a lease's, which that
+            # object's death drops; ``stream`` may be a wrapper made for this call, whose death shows nothing. Over a
+            # pin's record of another capture, which was asked about until found over, so is this one.
+            sub = self._table.subs.get(key)
+            watched = sub is not None and sub.anchor is not None and sub.anchor() is not None
+            if anchor is None or anchor is key or watched or (old is not False and type(old) is not KeptOn):
+                recorded[key] = pin
+            elif not (type(old) is KeptOn and old.pin is pin and old.stream() is not None):
+                recorded[key] = KeptOn(pin, anchor)
     pin.keep(objects)
     return True
+
+
+def _kept_record(old: Any, pin: Any) -> bool:
+    """Whether a keep for ``pin``'s capture may record its stream where ``old`` is recorded (``False``: nothing): not
+    over a capture block's record (``None``, :data:`BEGINNING`) nor this capture's pin. Over a record of another
+    capture (over, as one stream captures one graph at a time) or a keep's whose stream object is gone, it records
+    its own: kept, that one said nothing of this capture (a dead object's record is dropped unasked, and a lease of
+    this capture records its pin over another's)."""
+    return old is not None and old is not BEGINNING and old is not pin
 
 
 class KeptOn:
