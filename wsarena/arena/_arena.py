@@ -309,7 +309,7 @@ class Arena:
         ``objects`` is a collection of arrays, read before anything is kept: one array is a ``TypeError`` (iterated,
         it would be kept as its rows, one view each). A Ctrl-C once the keep has begun loses none of them: it
         completes, then the interrupt is raised (:func:`~wsarena.arena._interrupts.finish`)."""
-        if any(hasattr(objects, name) for name in ("shape", "__cuda_array_interface__", "__dlpack__")):
+        if hasattr(objects, "shape") or hasattr(objects, "__cuda_array_interface__") or hasattr(objects, "__dlpack__"):
             raise TypeError(f"keep_with_capture() takes a collection of arrays, not one: [{short_repr(objects)}]")
         return finish(_pinning.keep_with_capture, self, list(objects), stream)
 

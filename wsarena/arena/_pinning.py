@@ -130,8 +130,7 @@ def _pin_for(self: Arena, capture: Any) -> Any:
     """The pin of the graph that ``capture`` records into, made and handed to the graph on the capture's first
     lease (lock not held: ``capture.retain`` calls CUDA)."""
     captures = self._table.captures
-    with self._lock:
-        pin = captures.get(capture.id)
+    pin = captures.get(capture.id)  # no lock: one C call, and a capture under way's pin is never forgotten (live)
     if pin is not None:
         return pin
     pin = GraphPin(self._table.kept_arrays)
@@ -163,18 +162,19 @@ def keep_with_capture(self: Arena, objects: list[Any], stream: Any) -> bool:
         return False
     pin = self._pin_for(capture)
     recorded = self._table.capturing
-    with self._lock:
-        old = recorded.get(key, False)
-        if _kept_record(old, pin):
-            # A live object watching the stream's buffer shows the stream alive: the record is a lease's, which that
-            # object's death drops; ``stream`` may be a wrapper made for this call, whose death shows nothing. Over a
-            # pin's record of another capture, which was asked about until found over, so is this one.
-            sub = self._table.subs.get(key)
-            watched = sub is not None and sub.anchor is not None and sub.anchor() is not None
-            if anchor is None or anchor is key or watched or (old is not False and type(old) is not KeptOn):
-                recorded[key] = pin
-            elif not (type(old) is KeptOn and old.pin is pin and old.stream() is not None):
-                recorded[key] = KeptOn(pin, anchor)
+    if _kept_record(recorded.get(key, False), pin):  # no lock where nothing is stored: the common case
+        with self._lock:
+            old = recorded.get(key, False)
+            if _kept_record(old, pin):
+                # A live object watching the stream's buffer shows the stream alive: the record is a lease's, which
+                # that object's death drops; ``stream`` may be a wrapper made for this call, whose death shows nothing.
+                # Over a pin's record of another capture, which was asked about until found over, so is this one.
+                sub = self._table.subs.get(key)
+                watched = sub is not None and sub.anchor is not None and sub.anchor() is not None
+                if anchor is None or anchor is key or watched or (old is not False and type(old) is not KeptOn):
+                    recorded[key] = pin
+                elif not (type(old) is KeptOn and old.pin is pin and old.stream() is not None):
+                    recorded[key] = KeptOn(pin, anchor)
     pin.keep(objects)
     return True
 

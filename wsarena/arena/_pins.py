@@ -212,7 +212,7 @@ class KeptBytes:
 
     def count(self, pin: GraphPin, objects: list[Any]) -> None:
         """Count what ``objects``, which ``pin`` keeps, hold that ``pin`` has not counted yet. Idempotent."""
-        sized = [owner_and_size(array) for array in objects]  # the objects' own code runs here, not under the lock
+        sized = list(map(owner_and_size, objects))  # the objects' own code runs here, not under the lock
         counted, owners = pin.counted, self.owners
         with self.lock:
             for owner, nbytes in sized:
@@ -264,7 +264,9 @@ def owner_and_size(array: Any) -> tuple[Any, int]:
             break
         owner = base
     try:
-        nbytes = as_int(getattr(owner, "nbytes", None)) or 0
+        nbytes = getattr(owner, "nbytes", None)
+        if type(nbytes) is not int:  # an array's own is one: as_int() only for the others
+            nbytes = as_int(nbytes) or 0
     except Exception:  # noqa: BLE001 - the object's own property or __index__: counted as none
         nbytes = 0
     return owner, max(nbytes, 0)
