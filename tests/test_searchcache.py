@@ -310,6 +310,31 @@ def test_an_entry_whose_workspace_is_damaged_below_what_the_algorithm_needs_is_l
         assert chosen["workspace_bytes"] == cpu.workspace_size(pass_, chosen["algo"], geom) > 0, (pass_, chosen)
 
 
+class _OwnSizesBackend(TableBackend):
+    """A search that reports workspace sizes of its own, as cuDNN's FindEx does: here gemm's less than its candidate
+    (1000 bytes, the heuristics'), implicit's more."""
+
+    def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+        timed = super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
+        reported = {"implicit": 40, "gemm": 600}
+        return [Candidate(c.algo, reported.get(c.algo, c.workspace_bytes), c.time_ms) for c in timed]
+
+
+def test_a_searched_algorithm_is_leased_what_its_candidate_needs_in_the_process_that_searched_and_the_next(cache):
+    """A search that reported less workspace than an algorithm's candidate had the process that searched lease that
+    much, and the next, reading the entry, the candidate's: a plan made twice gave two sizes (wsarena report
+    --search exhaustive, run twice, two arena sizes). Both lease the larger."""
+    backend = _OwnSizesBackend(TABLE)
+    first = search(backend)
+    want = [("fft", 8000), ("gemm", 1000), ("implicit", 40)]  # each the larger of the candidate's and the search's
+    assert [(c.algo, c.workspace_bytes) for c in first] == want
+    again = search(backend)
+    assert again == first and backend.measured == [("fwd", 4)]
+    saved = {e["algo"]: e["workspace_bytes"] for e in json.loads(entry_files(cache)[0].read_text())["results"]}
+    assert saved == dict(want)
+    assert [(c.algo, c.workspace_bytes) for c in search(backend, cap=1000)] == [("gemm", 1000), ("implicit", 40)]
+
+
 def test_a_file_larger_than_any_entry_is_a_bad_file_and_is_not_read_whole(cache):
     """A file named as an entry that holds far more than any entry (damage, or another program's) was read whole by a
     lookup and by cache info: a gigabyte took seconds and its size in memory twice over. Here a good entry with

@@ -23,7 +23,8 @@ cannot be written, that it cannot be replaced and nothing is saved: no second wa
 target gone, a loop) is replaced without one; a directory that cannot be written gives one warning and the process
 goes on without saving. A folder with an entry's name is not the cache's
 to remove: its call goes unsaved while it stands, which one warning says. An algorithm read back is leased no less
-workspace than the backend says it needs now, whatever the entry records.
+workspace than the backend says it needs now, whatever the entry records, as a search's own is
+(:func:`wsarena.algos.select`).
 
 Size: the entries are kept within the ``search_cache_max_size`` setting (``WSARENA_SEARCH_CACHE_MAX_SIZE``,
 default 64 MiB), the least recently used removed first; how, and how that races with other processes harmlessly, is
