@@ -410,6 +410,21 @@ def test_a_bad_cache_size_exits_2_naming_the_variable(capsys, model, monkeypatch
     assert not (tmp_path / "cache").exists()  # refused before anything was searched or saved
 
 
+def test_cache_clear_needs_no_size_limit_and_clears_under_a_bad_one(capsys, model, monkeypatch, tmp_path):
+    """Clearing reads no limit: a bad WSARENA_SEARCH_CACHE_MAX_SIZE (a typo the user may be clearing the cache to
+    get past) made `cache clear` exit 2 and remove nothing, as `cache info`, which shows the limit, still does."""
+    monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path / "cache"))
+    wsarena._config._reset()
+    calls = tune_json(capsys, model)["distinct_calls"]
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "64 MB of it")
+    wsarena._config._reset()
+    code, out, err = run_main(capsys, "cache", "clear", "--format", "json")
+    assert (code, err) == (0, "") and json.loads(out)["removed"] == calls > 0
+    assert not list((tmp_path / "cache" / "search").glob("*.json"))
+    code, out, err = run_main(capsys, "cache", "info")
+    assert code == 2 and err.startswith("wsarena: error: environment variable WSARENA_SEARCH_CACHE_MAX_SIZE=")
+
+
 @pytest.mark.parametrize("var", ["WSARENA_CAP_WORKSPACE", "WSARENA_BACKEND", "WSARENA_DEBUG", "WSARENA_ALLOCATOR"])
 def test_the_cache_command_reads_only_the_caches_settings(capsys, model, monkeypatch, tmp_path, var):
     # the command uses the folder and its size limit alone: a bad variable of another setting does not stop it

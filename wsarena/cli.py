@@ -327,13 +327,13 @@ def _tune(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# What `wsarena cache` reads: an invalid variable of any other setting does not stop it
-_CACHE_SETTINGS = ("cache_dir", "search_cache_max_size")
+# What `wsarena cache` reads: an invalid variable of any other setting does not stop it. `clear` needs no limit.
+_CACHE_SETTINGS = {"info": ("cache_dir", "search_cache_max_size"), "clear": ("cache_dir",)}
 
 
 def _cache(args: argparse.Namespace) -> int:
-    defaults = Config()
-    unread = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(Config) if f.name not in _CACHE_SETTINGS}
+    defaults, read = Config(), _CACHE_SETTINGS[args.action]
+    unread = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(Config) if f.name not in read}
     try:
         with config(**unread):
             text = cache_output(args.action, args.format)
