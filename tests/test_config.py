@@ -6,6 +6,7 @@ import enum
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -1102,6 +1103,32 @@ def test_a_cache_dir_under_a_home_folder_that_cannot_be_found_is_refused(monkeyp
     with pytest.raises(ValueError, match="WSARENA_CACHE_DIR='~/cache'"):
         get_config()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("quoted", ['"/data/cache"', "'/data/cache'", '"off"', '""'])
+def test_a_cache_dir_in_quotes_is_refused(monkeypatch, tmp_path, capsys, quoted):
+    """docker's --env-file keeps a value's quotes: WSARENA_CACHE_DIR="/data/cache" was taken as a folder named with
+    them, relative, so under the working directory ('"' and below it 'data', 'cache"'), silently. A folder so named
+    is still had as ./NAME, or as a Path."""
+    from wsarena.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"cache_dir {quoted!r} is in quotes")):
+        configure(cache_dir=quoted)
+    monkeypatch.setenv("WSARENA_CACHE_DIR", quoted)
+    _config._reset()
+    with pytest.raises(ValueError, match=re.escape(f"WSARENA_CACHE_DIR={quoted!r}: cache_dir {quoted!r} is in quotes")):
+        get_config()
+    assert main(["cache", "info"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "give the folder without them, or as ./NAME" in err, err
+    assert list(tmp_path.iterdir()) == []
+    with config(cache_dir="./" + quoted):
+        assert get_config().cache_dir == tmp_path / quoted
+    with config(cache_dir=Path(quoted)):
+        assert get_config().cache_dir == tmp_path / quoted
+    with config(cache_dir='/data/"cache"'):  # quotes inside a name are the name's
+        assert get_config().cache_dir == Path('/data/"cache"')
 
 
 def test_a_long_cache_dir_is_shortened_in_its_refusal(monkeypatch, capsys):

@@ -85,7 +85,8 @@ def default_cache_dir() -> Path | None:
 def _cache_path(value: Any) -> Path | None:
     """A ``cache_dir`` value as the setting holds it: an absolute folder (``~`` expanded, ``ValueError`` where it
     cannot be; an empty string is the user's cache folder), or ``None`` for ``None``, ``"off"`` and ``"none"`` (any
-    case; a folder of that name is ``"./none"``), as the other settings' ``none`` means none."""
+    case; a folder of that name is ``"./none"``), as the other settings' ``none`` means none. A string in quotes is
+    refused (``ValueError``): they would be part of the folder's name; a folder so named is ``./"name"``."""
     if value is None:
         return None
     if isinstance(value, str) and value.strip().lower() in ("off", "none"):
@@ -99,6 +100,10 @@ def _cache_path(value: Any) -> Path | None:
         raise TypeError(f"cache_dir must be a folder (a str or a path), 'off', 'none' or None, not {short_repr(value)}")
     if "\0" in text:
         raise ValueError(f"cache_dir {short_path(text)} holds a NUL character")
+    # a string in quotes, as docker's --env-file leaves VAR="/data/cache" (a Path says what it names)
+    if isinstance(value, str) and len(text) > 1 and text[0] == text[-1] and text[0] in "\"'":
+        raise ValueError(f"cache_dir {short_path(text)} is in quotes, which would be part of the folder's name (under "
+                         "the working directory): give the folder without them, or as ./NAME for a folder so named")
     expanded = os.path.expanduser(text)
     if expanded.startswith("~"):  # left as it is, "~" would be a folder of that name in the working directory
         user = short_repr(text.split("/", 1)[0])
