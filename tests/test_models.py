@@ -952,6 +952,36 @@ def test_onnx_convs_of_an_element_type_no_conv_takes_cannot_be_planned(tmp_path)
     assert [layer.name for layer in layers] == ["float", "double", "dequantized", "annotated"]
     assert [layer.weight_shape for layer in layers] == [(4, 3, 3, 3)] * 4
 
+def test_onnx_convs_fed_a_computed_tensor_of_an_element_type_no_conv_takes_cannot_be_planned(tmp_path):
+    """A conv whose input or weight a node computes as an integer (a Constant's, a Cast's, a QuantizeLinear's with no
+    DequantizeLinear after it) was planned as a float convolution, as one on an integer initializer was: the types
+    checked were the graph inputs' and the initializers' alone. A node's output has the type inference gives it from
+    those, whatever a value_info says (an annotation: a Relu of a float is a float, a Cast to int32 an int32)."""
+    big = np.zeros((64, 3, 3, 3), np.int64)  # more than the constants folded into initializers
+    nodes = [helper.make_node("Constant", [], ["wc"], value=numpy_helper.from_array(big, "v")),
+             conv("constant", "x", "wc", "y0"),
+             helper.make_node("Cast", ["x"], ["xi"], to=TensorProto.INT32), conv("cast", "xi", "w", "y1"),
+             helper.make_node("QuantizeLinear", ["x", "scale"], ["xq"]), conv("quantized", "xq", "w", "y2"),
+             helper.make_node("Cast", ["x"], ["xh"], to=TensorProto.FLOAT16), conv("half", "xh", "wh", "y3"),
+             helper.make_node("Relu", ["x"], ["r"]), conv("annotated", "r", "w", "y4")]
+    inits = [weight("w", (64, 3, 3, 3)), numpy_helper.from_array(np.zeros((64, 3, 3, 3), np.float16), "wh"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "scale")]
+    outputs = [vi(f"y{i}", None) for i in range(5)]
+    path = save(tmp_path, nodes, [vi("x", [1, 3, 8, 8])], inits, outputs=outputs, opset=19)
+    model = onnx.load(str(path))
+    model.graph.value_info.extend([helper.make_tensor_value_info("xi", TensorProto.FLOAT, [1, 3, 8, 8]),
+                                   helper.make_tensor_value_info("r", TensorProto.INT64, [1, 3, 8, 8])])
+    onnx.save(model, str(path))
+    why = {"constant": "weight 'wc' is int64", "cast": "input 'xi' is int32", "quantized": "input 'xq' is uint8"}
+    listed = "; ".join(f"'{name}' ({reason}: a Conv takes float16, float, double or bfloat16)"
+                       for name, reason in why.items())
+    with pytest.raises(ModelError, match=re.escape(f"3 conv node(s) cannot be planned: {listed} (skip them")):
+        load_model(path)
+    with pytest.warns(UserWarning, match=re.escape(f"skipped 3 conv node(s): {listed}")):
+        layers = load_model(path, skip_unknown=True)
+    assert [layer.name for layer in layers] == ["half", "annotated"]
+
+
 def save_with_function(tmp_path, calls, body, name="f.onnx"):
     """A model whose main graph is ``calls`` (nodes of the "local" domain call ``Block``) and whose model-local
     function ``Block(inp, w) -> out`` is ``body``."""

@@ -33,9 +33,10 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   ``input_shapes`` (``--input-shape`` on the command line) before inference; the error suggests it only when a graph
   input's shape is not fixed.
 * A convolution with a zero in its weight's or its input's dims (the batch aside), an empty one, which ONNX allows,
-  is refused by wsarena's ops as by PyTorch's: it is treated like an unknown shape. So is one whose input or weight,
-  a graph input or an initializer, is of an element type no ONNX conv takes (an integer, a bool, a string;
-  onnxruntime refuses such a model).
+  is refused by wsarena's ops as by PyTorch's: it is treated like an unknown shape. So is one whose input or weight
+  is of an element type no ONNX conv takes (an integer, a bool, a string; onnxruntime refuses such a model): a
+  graph input's or an initializer's, or the one inference gives a node's output from theirs (a Cast's, a
+  Constant's, a QuantizeLinear's); a value_info's type is an annotation, and is not read.
 * Asymmetric padding (explicit ``pads`` or ``SAME_*`` with an odd total) cannot be given to cuDNN. With
   ``asymmetric_pads="widen"`` (the default) a ``Conv`` is modelled the way onnxruntime's CUDA provider runs it:
   the larger of the two pads on both sides, then the extra output row or column sliced off; a
@@ -103,10 +104,14 @@ def _shape_table(graph: Any) -> dict[str, tuple[int | None, ...]]:
     return shapes
 
 
-def _type_table(graph: Any) -> dict[str, int]:
-    """The element type (TensorProto.DataType) of each graph input and initializer that gives one (not UNDEFINED):
-    the tensors whose type is data, not an annotation (a value_info's may be a writer's mistake, which inference
-    keeps where it infers no type of its own)."""
+def _type_table(model: Any) -> dict[str, int]:
+    """The element type (TensorProto.DataType) of each graph input, initializer and node output that has one (not
+    UNDEFINED). A node output's is inferred afresh, from the inputs' and initializers' types alone (no data): a
+    value_info's type is an annotation, a writer's mistake at worst, which inference keeps over its own."""
+    import onnx
+    from onnx import helper
+
+    graph = model.graph
     types: dict[str, int] = {}
     for vi in graph.input:
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
@@ -114,6 +119,18 @@ def _type_table(graph: Any) -> dict[str, int]:
     for init in graph.initializer:
         if init.data_type:
             types[init.name] = init.data_type
+    declared = {vi.name for vi in graph.input}
+    given = [*graph.input, *(helper.make_tensor_value_info(init.name, init.data_type, init.dims)
+                             for init in graph.initializer if init.name not in declared)]
+    bare = helper.make_model(helper.make_graph(graph.node, graph.name, given, []),
+                             opset_imports=model.opset_import, ir_version=model.ir_version)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(bare, check_type=False, strict_mode=False)
+    except Exception:  # noqa: BLE001 - as for the shapes: any error means no types beyond the given ones
+        return types
+    for vi in inferred.graph.value_info:
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type and vi.name not in types:
+            types[vi.name] = vi.type.tensor_type.elem_type
     return types
 
 
@@ -405,7 +422,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     except Exception as exc:  # noqa: BLE001 - inference errors come in several types; any means no shapes
         raise ModelError(f"{where}: ONNX shape inference failed: {exc}".splitlines()[0]) from None
     shapes = _shape_table(inferred.graph)
-    types = _type_table(model.graph)
+    types = _type_table(model)
     producers = {out: n for n in model.graph.node for out in n.output if out}
     # input_shapes can help only where a graph input's shape is not fixed; else a lost shape is computed at run time
     lost_kind = "shape" if any(_lost(shapes.get(name)) for name in _inputs(model.graph)) else "computed"
