@@ -14,6 +14,7 @@ from wsarena.errors import (
     ArenaOutOfMemoryError,
     MemoryFallbackWarning,
     NoAlgorithmFitsError,
+    SearchFallbackWarning,
     WorkspaceCapWarning,
 )
 
@@ -1255,3 +1256,51 @@ def test_a_search_of_a_partial_ranking_that_memory_stopped_for_every_candidate_r
         got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
         assert [c.algo for c in got] == ["fft", "gemm", "implicit"]
     assert b.ranked == 2 and b.measured == ["failed"] * 2
+
+
+class _EntriesOutOfMemory(FakeBackend):
+    """A backend whose search reports ``failing`` out of memory of their own entry by entry (PartlyTimed's failed), as
+    cuDNN's FindEx and graph search do, where the cpu backend raises for a search that timed none."""
+
+    def __init__(self, table, times, failing):
+        super().__init__(table, times)
+        self.failing = failing
+
+    def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+        timed = super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
+        failed = [c for c in candidates if c.algo in self.failing]
+        if failed:
+            raise PartlyTimed([c for c in timed if c.algo not in self.failing], failed)
+        return timed
+
+
+def test_a_search_memory_stopped_entry_by_entry_says_it_waits_for_the_least_it_lacked():
+    """No workspace for fft or gemm, and implicit (none needed) out of memory of its own, reported by the backend's
+    search entry by entry: the heuristic order is kept until gemm's 100 B can be had, and the SearchFallbackWarning
+    says so. It said that the next call searches again, which it did not."""
+    b = _EntriesOutOfMemory({"fft": 300, "gemm": 100, "implicit": 0}, TIMES, failing={"implicit"})
+    b._arena = FakeArena(memory=0)
+    with pytest.warns(SearchFallbackWarning) as said:
+        got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["fft", "gemm", "implicit"] and len(b.measured) == 1
+    assert "the next call searches again once 100 B of workspace can be had" in str(said[0].message)
+    select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert len(b.measured) == 1  # not searched again
+
+
+def test_a_partial_ranking_memory_stopped_every_candidate_of_says_the_next_call_searches_again():
+    """The backend ranks fwd without wino for want of memory, and memory stops the search for every candidate: the
+    next call searches again, which the SearchFallbackWarning says. It said the next call waits for gemm's 100 B."""
+
+    class Short(_OwnMemory):
+        def candidates(self, pass_, geom):
+            raise PartlyRanked([c for c in super().candidates(pass_, geom) if c.algo != "wino"])
+
+    b = Short({"fft": 300, "gemm": 100, "implicit": 0, "wino": 50}, TIMES, failing={"implicit"})
+    b._arena = FakeArena(memory=0)
+    with pytest.warns(SearchFallbackWarning) as said:
+        select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    message = str(said[0].message)
+    assert "the next call searches again (said once" in message and "can be had" not in message
+    select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert b.measured == ["failed"] * 2  # searched again

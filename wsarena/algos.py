@@ -522,10 +522,11 @@ def select(
             untimed(any(c not in refused for c in cands), bool(refused), str(exc))
             return [], []
 
-    def untimed(memory: bool, refused: bool, why: str, lacked: int = 0) -> None:
+    said: list[tuple[tuple, bool, bool, str]] = []  # a search that timed nothing, said once choose() kept its order
+
+    def untimed(memory: bool, refused: bool, why: str) -> None:
         # Under the settings choose() keyed the call by (it measures in a using() scope of them)
-        _warn_untimed(_key(backend, pass_, geom, "exhaustive", cap, get_config()), pass_, geom, memory, refused, why,
-                      lacked)
+        said.append((_key(backend, pass_, geom, "exhaustive", cap, get_config()), memory, refused, why))
 
     def time_all(cands: list[Candidate], refused: list[Candidate]) -> searchcache.Found:
         a, b, out = the_operands()
@@ -572,7 +573,7 @@ def select(
             # Memory stopped every candidate (no refusal: that would be raised): the lease of each, or what ran in the
             # one held. Each is skipped, so that the heuristic order given waits, as a search cut short does, until
             # the least workspace memory denied can be had (_rank), not searched again on every call meanwhile.
-            untimed(True, False, str(exc), _lacked(cands, leased[0]))
+            untimed(True, False, str(exc))
             return [], list(cands), leased[0]
         skipped = [c for c in cands if (c.workspace_bytes > leased[1] and c not in refused) or c in failed]
         if not timed and (skipped or refused):  # what ran timed nothing, for reasons of this call too: as above
@@ -586,8 +587,15 @@ def select(
         only = key_of(a, b, out) if refused and key_of is not None else None
         return timed, skipped, leased[0], only
 
-    return choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure, warn=warn, can_have=can_have,
-                  known=known, serves=serves)
+    ranking = choose(backend, pass_, geom, cap=cap, search="exhaustive", measure=measure, warn=warn,
+                     can_have=can_have, known=known, serves=serves)
+    for key, memory, refused, why in said:
+        # What the next call does is what choose() kept: the least workspace memory denied where memory alone stopped
+        # a whole ranking (_rank), else nothing to wait for
+        kept = _cache.lookup(key)
+        lacked = kept[2] if kept is not None and kept[0] is ranking and kept[3] is _UNTIMED else 0
+        _warn_untimed(key, pass_, geom, memory, refused, why, lacked)
+    return ranking
 
 
 def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: int | None) -> tuple[Candidate, ...]:

@@ -169,11 +169,12 @@ class MemoryFallbackWarning(UserWarning):
 
 
 class SearchFallbackWarning(MemoryFallbackWarning):
-    """An exhaustive search could time no algorithm of a call, for want of memory (no workspace, no operands) or
-    because the backend refused to time the call (cuDNN's FindEx may refuse it as a whole), which the message says:
-    the call runs the candidates in the heuristic order, as the heuristic search does, and the next call searches
-    again. Issued once per call (pass, geometry, cap, device), whatever other memory warnings said; a
-    :class:`MemoryFallbackWarning`, memory being its usual cause, so that a filter of those takes it too."""
+    """An exhaustive search could time no algorithm of a call, for want of memory (no workspace, no operands) or because
+    the backend refused to time the call (cuDNN's FindEx may refuse it as a whole), which the message says: the call
+    runs the candidates in the heuristic order, as the heuristic search does, and the next call searches again, or,
+    where memory alone stopped every candidate of a whole ranking, once the least workspace it lacked can be had, which
+    the message says with its size. Issued once per call (pass, geometry, cap, device), whatever other memory warnings
+    said; a :class:`MemoryFallbackWarning`, memory being its usual cause, so that a filter of those takes it too."""
 
 
 class CudnnApiFallbackWarning(UserWarning):
