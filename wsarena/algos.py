@@ -186,8 +186,8 @@ def choose(
         For a search cut short by memory (some candidates skipped), kept with the timed candidates first:
         ``can_have(n)`` says whether ``n`` bytes of workspace, the least that a skipped one needs, can be had
         now; if so the search runs again, else the kept ranking is served. So is a search that timed nothing where
-        memory stopped every candidate, its heuristic order kept with the least workspace memory denied. Without
-        it, a search cut short runs again on every call.
+        memory stopped every candidate of a whole ranking (not :class:`PartlyRanked`), its heuristic order kept with
+        the least workspace memory denied. Without it, a search cut short runs again on every call.
     known
         For ``search="exhaustive"`` under a cap that excludes some candidates: a function that returns what searches
         timed of this call, those above the cap included (the search cache's entry, this process's uncapped search),
@@ -442,10 +442,11 @@ def select(
     be timed (every lease refused, memory for none, no operands to be had), the call gets the heuristic order, as the
     heuristic search would give it, with a :class:`SearchFallbackWarning`, kept for a capture alone (the next other
     call searches again) where no ranking a search timed is kept; where memory alone stopped it (no lease, or out of
-    memory of their own in what each held), kept as a search cut short is. A search cut short because the largest
-    could not be had is run again once a lease of what it lacked succeeds (:func:`choose`'s ``can_have``), never
-    while ``stream`` is being captured (``search_again=False``, which the ops pass then: a search is no graph node).
-    :func:`wsarena.tune` passes it too, to take what the plan it made just before ranked.
+    memory of their own in what each held) for every candidate of a whole ranking, kept as a search cut short is. A
+    search cut short because the largest could not be had is run again once a lease of what it lacked succeeds
+    (:func:`choose`'s ``can_have``), never while ``stream`` is being captured (``search_again=False``, which the ops
+    pass then: a search is no graph node). :func:`wsarena.tune` passes it too, to take what the plan it made just before
+    ranked.
     """
     if search != "exhaustive" or operands is None:  # a capture runs a ranking the backend made without some (serves)
         return choose(backend, pass_, geom, cap=cap, search="heuristic", warn=warn,
