@@ -434,12 +434,28 @@ def test_each_cap_the_table_shows_is_taken_back_for_the_same_choices(model):
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 2**45), min_size=1, max_size=12, unique=True))
 def test_caps_shown_are_taken_back_for_any_caps(caps):
-    from wsarena._tune_cli import _caps
+    from wsarena._tune_cli import cap_texts
     from wsarena.tuning import CurvePoint
 
     caps = [*sorted(caps), None]
-    shown = _caps([CurvePoint(cap, 0, 0.0, 0.0) for cap in caps])
+    shown = cap_texts([CurvePoint(cap, 0, 0.0, 0.0) for cap in caps])
     _check_caps_taken_back(caps, [shown[cap] for cap in caps])
+
+
+def test_the_report_header_names_its_cap_as_it_is_taken_back(fake):
+    """The report's header (report --max-slowdown's chosen cap as any) named the cap as format_size rounds it,
+    "3.91 KiB" for 4000 bytes, which --cap-workspace refuses (no whole number of bytes): it names it exactly."""
+    from wsarena._report_cli import render_table
+
+    t = run(max_slowdown=0.1)
+    p = t.plan()
+    assert (p.cap_workspace, p.max_slowdown) == (4000, 0.1)
+    (cap,) = re.findall(r"  cap (.+?) \(the smallest within a 10% slowdown\)  ", render_table(p))
+    assert cap == "4000 B"
+    for asked in (1_000_000, 3 * 2**20 // 2, 0, 2**40 + 1):  # a cap given, exactly as it was given
+        (text,) = re.findall(r"  cap (.+?)  streams", render_table(t.plan(asked)))
+        assert wsarena.parse_size(text) == asked, text
+    assert re.search(r"  cap none  ", render_table(t.plan(None)))
 
 
 def test_arenas_that_read_alike_in_the_recommendation_show_their_bytes(monkeypatch):
@@ -637,7 +653,9 @@ def test_a_curve_of_one_cap_plots_without_a_warning(monkeypatch, tmp_path):
 
 def test_the_plots_give_sizes_and_times_as_the_tables_do(fake, monkeypatch):
     """The legends and titles name the recommended cap, the arenas and the step as the tables print them, where
-    fixed decimals of MiB made the 3.91 KiB cap "0.00 MiB"."""
+    fixed decimals of MiB made the 3.91 KiB cap "0.00 MiB"; and the caps as --cap-workspace takes them back, where
+    format_size's "3.91 KiB" for 4000 bytes it refuses: the recommended cap as the tune table names it (4 KiB, which
+    chooses as 4000 bytes does), a plan's own cap exactly."""
     pytest.importorskip("matplotlib")
     from wsarena import plot
 
@@ -651,11 +669,11 @@ def test_the_plots_give_sizes_and_times_as_the_tables_do(fake, monkeypatch):
     t = run(max_slowdown=0.1)
     plot.plot_curve(t, "unused.png")
     _, legend = texts()
-    assert legend[1:] == ["no cap: 36.00 ms, arena 7.81 KiB", "recommended cap 3.91 KiB (+5.56%, max slowdown 10%)"]
+    assert legend[1:] == ["no cap: 36.00 ms, arena 7.81 KiB", "recommended cap 4 KiB (+5.56%, max slowdown 10%)"]
     plot.plot_plan(t.plan(), "unused.png")
     title, legend = texts()
     # unshared: a and c, gemm 1000 + gemm 2000 each; b, gemm 4000 + implicit 0: 10000 bytes
-    assert title.endswith("cap 3.91 KiB - unshared 9.77 KiB vs arena 3.91 KiB")
+    assert title.endswith("cap 4000 B - unshared 9.77 KiB vs arena 3.91 KiB")
     assert "arena per stream (1 stream: total 3.91 KiB)" in legend
 
 

@@ -246,6 +246,29 @@ def int_text(n: int, width: int = 0) -> str:
     return int_text(high, max(width - half, 0)) + int_text(low, half)
 
 
+_BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def cap_text(cap: int, below: int | None) -> str:
+    """A cap (``>= 0``) as ``--cap-workspace`` and ``WSARENA_CAP_WORKSPACE`` take it back: ``cap`` rounded up to an
+    eighth of the unit :func:`format_size` shows it in (``"55.125 MiB"``: at most three decimals, each a whole
+    number of bytes), or of a smaller unit where that reaches ``below`` (``None``: no limit), the next cap, which
+    makes other choices (caps a few bytes apart: ``"1225 KiB"``, ``"1048580 B"``); ``below=cap + 1`` gives the cap
+    itself. format_size's two decimals are none: "55.12MiB" is no whole number of bytes, and a size rounded down is
+    below the cap, which then refuses algorithms the cap admits."""
+    largest = dict(_BINARY)[format_size(cap).rpartition(" ")[2]]
+    for scale in (scale for _, scale in _BINARY if scale <= largest):
+        step = max(scale // 8, 1)
+        shown = -(-cap // step) * step
+        if below is None or shown < below:
+            break
+    for unit, scale in _BINARY[:-1]:  # the largest unit it is a whole number of eighths of
+        if shown >= scale and shown * 8 % scale == 0:
+            whole, rest = divmod(shown, scale)
+            return f"{int_text(whole)}{f'.{rest * 1000 // scale:03d}'.rstrip('0').rstrip('.')} {unit}"
+    return f"{int_text(shown)} B"
+
+
 def format_seconds(value: float) -> str:
     """A time in the unit that reads best: ``"1.234 s"``, ``"12.35 ms"``, ``"3.2 us"``; ``"1.000 s"`` for 0.999996,
     not ``"1000.00 ms"``, as :func:`format_size` writes ``"1 MiB"`` for 1048575 bytes."""

@@ -14,10 +14,10 @@ from typing import Any
 from . import __version__
 from ._config import _cache_path
 from ._report_cli import csv_writer, printable, skipped_note
-from ._sizes import format_percent, format_seconds, format_size, int_text, short_repr
+from ._sizes import cap_text, format_percent, format_seconds, format_size, short_repr
 
-__all__ = ["apply_line", "cache_output", "max_slowdown_arg", "render_curve", "slowdown_text", "tune_output",
-           "uncached_apply"]
+__all__ = ["apply_line", "cache_output", "cap_texts", "max_slowdown_arg", "render_curve", "slowdown_text",
+           "tune_output", "uncached_apply"]
 
 
 # A decimal number (ASCII digits, an optional exponent) and an optional percent sign: not "inf", "nan", "1_0" or "0x1"
@@ -84,35 +84,14 @@ def slowdown_text(value: float, max_slowdown: float) -> str:
     return f"{value:+.2%}"  # none does: a limit of more digits than format_percent shows
 
 
-def _caps(curve: Any) -> dict[int | None, str]:
-    """Each point's cap as the table and the recommendation show it, for ``--cap-workspace`` or
+def cap_texts(curve: Any) -> dict[int | None, str]:
+    """Each point's cap as the table, the recommendation and the plot show it, for ``--cap-workspace`` or
     ``WSARENA_CAP_WORKSPACE`` to take back: a size at least the cap and below the next one, which makes the same
-    choices (:func:`_cap_text`)."""
+    choices (:func:`~wsarena._sizes.cap_text`)."""
     caps = [q.cap_workspace_bytes for q in curve if q.cap_workspace_bytes is not None]
-    texts: dict[int | None, str] = {cap: _cap_text(cap, below) for cap, below in zip(caps, [*caps[1:], None])}
+    texts: dict[int | None, str] = {cap: cap_text(cap, below) for cap, below in zip(caps, [*caps[1:], None])}
     texts[None] = "none"
     return texts
-
-
-_BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
-
-
-def _cap_text(cap: int, below: int | None) -> str:
-    """``cap`` rounded up to an eighth of the unit :func:`format_size` shows it in (``"55.125 MiB"``: at most three
-    decimals, each a whole number of bytes), or of a smaller unit where that reaches ``below``, the next cap (caps a
-    few bytes apart: ``"1225 KiB"``, ``"1048580 B"``). format_size's two decimals are none: "55.12MiB" is no whole
-    number of bytes, and a size rounded down is below the cap, which then refuses algorithms the row counts."""
-    largest = dict(_BINARY)[format_size(cap).rpartition(" ")[2]]
-    for scale in (scale for _, scale in _BINARY if scale <= largest):
-        step = max(scale // 8, 1)
-        shown = -(-cap // step) * step
-        if below is None or shown < below:
-            break
-    for unit, scale in _BINARY[:-1]:  # the largest unit it is a whole number of eighths of
-        if shown >= scale and shown * 8 % scale == 0:
-            whole, rest = divmod(shown, scale)
-            return f"{int_text(whole)}{f'.{rest * 1000 // scale:03d}'.rstrip('0').rstrip('.')} {unit}"
-    return f"{int_text(shown)} B"
 
 
 def _searched(t: Any) -> str:
@@ -141,7 +120,7 @@ def render_curve(t: Any) -> str:
         "",
     ]
     head = ["cap", "arena", "step time", "slowdown"]
-    caps = _caps(t.curve)
+    caps = cap_texts(t.curve)
     rows = [
         [caps[q.cap_workspace_bytes], format_size(q.arena_bytes), format_seconds(q.step_seconds),
          slowdown_text(q.slowdown, t.max_slowdown)]

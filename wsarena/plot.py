@@ -12,9 +12,9 @@ import secrets
 import stat
 from typing import Any
 
-from ._report_cli import printable
+from ._report_cli import cap_header, printable
 from ._sizes import format_percent, format_seconds, format_size
-from ._tune_cli import slowdown_text
+from ._tune_cli import cap_texts, slowdown_text
 from .errors import BackendUnavailableError
 
 __all__ = ["check_writable", "plot_curve", "plot_plan"]
@@ -125,7 +125,7 @@ def plot_plan(p: Any, path: str) -> None:
                label=f"arena per stream ({streams}: total {format_size(p.arena_bytes)})")
     ax.set_xlabel("layer")
     ax.set_ylabel("workspace (MiB)")
-    cap = "none" if p.cap_workspace is None else format_size(p.cap_workspace)
+    cap = cap_header(p.cap_workspace)
     # parse_math=False: names are drawn as given, where matplotlib reads a $ pair as mathematics (and fails on it);
     # a tab or a newline escaped, as the table shows it: the font has no glyph for one
     ax.set_title(
@@ -155,7 +155,7 @@ def plot_curve(t: Any, path: str) -> None:
                label=f"no cap: {format_seconds(uncapped.step_seconds)}, arena {format_size(uncapped.arena_bytes)}")
     best = t.recommended
     ax.axvline(best.cap_workspace_bytes / mib, color="#dd8452", linestyle=":",
-               label=f"recommended cap {format_size(best.cap_workspace_bytes)} "
+               label=f"recommended cap {cap_texts(t.curve)[best.cap_workspace_bytes]} "
                f"({slowdown_text(best.slowdown, t.max_slowdown)}, max slowdown {format_percent(t.max_slowdown)})")
     # Linear from 0 to the smallest cap above it, logarithmic beyond: caps span 0 to gigabytes.
     linthresh = max(min((q.cap_workspace_bytes for q in finite if q.cap_workspace_bytes), default=mib) / mib, 1e-3)
