@@ -708,6 +708,29 @@ def test_device_properties_no_gpu_has_blame_the_file_and_the_member(finalizing, 
     assert str(path) in err and member in err and err.count("\n") == 1
 
 
+def test_device_properties_no_gpu_has_are_bad_input_where_the_driver_library_is_missing(monkeypatch, tmp_path, capsys):
+    """Where libcuda.so.1 is missing, the check for it (made before cuDNN loads its engine libraries) came before
+    wsarena's check of the values: zero SMs exited 3 saying the driver library is missing, where it exits 2 naming
+    the member, as with the driver library (the test process has a stand-in for it; here it reads as missing)."""
+    from wsarena.backends import _backends
+    from wsarena.cudnn import _library
+    from wsarena.cudnn.graph import DevicePropertiesError
+
+    monkeypatch.setattr(_library, "missing_driver_library", lambda path: "libcuda.so.1: cannot open shared object")
+    members = json.loads(H100.read_text()) | {"multiProcessorCount": 0}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(members))
+    with pytest.raises(DevicePropertiesError, match=r"multiProcessorCount is 0: a GPU has at least 1"):
+        device_properties_backend(json.dumps(members), str(path))
+    assert main(["report", "resnet50", "--device-properties", str(path)]) == 2
+    assert "multiProcessorCount" in capsys.readouterr().err
+    before = dict(_backends)
+    gpu = json.dumps(members | {"multiProcessorCount": 132, "deviceName": "no driver library here"})  # not cached
+    with pytest.raises(BackendUnavailableError, match=r"libcuda\.so\.1, which is missing here .*: libcuda"):
+        device_properties_backend(gpu)  # values a GPU has: what the machine lacks is said
+    assert _backends == before
+
+
 def test_device_properties_errors_pickle_with_their_file_and_member():
     import pickle
 

@@ -240,7 +240,7 @@ def device_properties_backend(properties_json: str, source: str | None = None) -
         The properties describe no GPU this cuDNN plans for (not JSON, not the members this cuDNN version reads,
         a value no GPU has, naming the member): a ``CudnnBadParamError`` and a ``ValueError``.
     """
-    from ..cudnn._deviceprops import without_bom
+    from ..cudnn._deviceprops import check_members, without_bom
 
     properties_json = without_bom(properties_json)  # one GPU, one backend: its name read, its cache key the same
     key = _PROPERTIES + properties_json
@@ -256,6 +256,7 @@ def device_properties_backend(properties_json: str, source: str | None = None) -
 
     needs = ("planning against device properties needs cuDNN's engine libraries, and one of them links the NVIDIA "
              "driver library libcuda.so.1, which is missing here (a GPU is not needed)")
+    check_members(properties_json, source)  # a value no GPU has is bad input, said before what this machine lacks
     why = missing_driver_library(load_library().path)  # found before cuDNN prints its own line of it to stderr
     if why is not None:
         raise BackendUnavailableError(f"{needs}: {why}")
