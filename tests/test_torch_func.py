@@ -917,11 +917,11 @@ def test_jacfwd_and_hessians_match_torchs(fmt):
 
 def test_the_public_functions_define_no_jvp_so_torch_compile_takes_them():
     """torch.compile refuses a Function with a jvp of its own: the forms that define one are wsarena.torch's
-    own, applied wherever no compile trace runs."""
+    own, applied outside compile traces and torch.func's transforms."""
     for function in (wt.ConvFunction, wt.ConvTransposeFunction, wt.WeightGradFunction):
         assert function.jvp is torch.autograd.Function.jvp
-        assert _autograd._FORWARD[function].jvp is not torch.autograd.Function.jvp
         assert _autograd._OLDER[function].jvp is not torch.autograd.Function.jvp
+        assert _autograd._BIASED.get(function, _autograd._OLDER[function]).jvp is not torch.autograd.Function.jvp
 
 
 def test_forward_over_reverse_with_dual_tensors_matches_torchs():

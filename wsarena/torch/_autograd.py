@@ -16,21 +16,20 @@ dw(x, dy)
 Forward mode follows from the same bilinearity: the tangent of ``P(a, b)`` is ``P(da, b) + P(a, db)``, each
 Function's pass again, run only for an operand that has a tangent (``torch.func.jvp``, ``jacfwd``, ``hessian``, and
 ``torch.autograd.forward_ad``'s dual tensors). ``torch.compile`` takes no Function that defines ``jvp``: the public
-Functions define none, and :func:`apply` runs forms of them that do (:data:`_FORWARD`, :data:`_OLDER`) wherever no
-torch.compile trace runs (where one runs, the operators, which have a forward mode of their own, but for dual tensors
-the compiled function may be given, which run such a form by a graph break).
+Functions define none, and :func:`apply` runs forms of them that do (:data:`_OLDER`, :data:`_BIASED`) outside
+torch.func's transforms and torch.compile traces; under those, the operators, which have a forward mode of their own
+(but for dual tensors a compiled function may be given, which run such a form by a graph break).
 
 :func:`apply` runs a Function as cheaply as the context allows: outside torch.func's transforms in autograd's older
 form, which takes a bias as a third operand (:data:`_BIASED`: the bias added in its forward, its gradient computed in
 its backward, one autograd node, as PyTorch's convolution with a bias is); elsewhere the bias is added to the result
 by PyTorch (:func:`add_bias`), which records the add where it is differentiated (the graphs of ``torch.compile`` and
 ``torch.export`` hold it beside the operators, which take no bias). The operators are differentiable by themselves
-too, with the Functions' setup and backward: a backward pass calls them, not the Functions (:func:`_pass`), except
-where torch.func's transforms need the Functions; so does a graph that holds them rather than the Functions
-(``torch.compile``'s and ``torch.export``'s), and a call of ``torch.ops.wsarena.*`` itself, in both modes and under
-torch.func's transforms: their autograd kernel (:func:`_autograd_kernel`) applies a form of the Function with a
-``jvp`` made of the operator. Under ``torch.func.vmap`` the operators batch themselves (:mod:`wsarena.torch._ops`),
-and the Functions follow.
+too, with the Functions' setup and backward: a backward pass calls them, not the Functions (:func:`_pass`), and so
+do torch.func's transforms, a graph that holds them rather than the Functions (``torch.compile``'s and
+``torch.export``'s), and a call of ``torch.ops.wsarena.*`` itself, in both modes: their autograd kernel
+(:func:`_autograd_kernel`) applies a form of the Function with a ``jvp`` made of the operator. Under
+``torch.func.vmap`` the operators batch themselves (:mod:`wsarena.torch._ops`), and the Functions follow.
 
 A backward pass runs under the settings (:func:`wsarena.config`) its forward ran under: PyTorch runs the backward
 passes of CUDA tensors on a thread of its own, which a ``config()`` block of the caller's does not reach. A warning
@@ -155,11 +154,12 @@ class WeightGradFunction(_Pass):
         return (dx, ddy, *_NO_GRADS)
 
 
-# torch.func's transforms take a Function only in the form above, whose forward has no ctx (setup_context does its
-# part), and autograd runs that form about 15 us a call slower than the older one, binding the arguments to forward's
-# signature. Outside the transforms (and outside a torch.compile trace, which takes only the public form: it refuses a
-# Function with a jvp) each runs in the older form, made here from the same setup and backward, whose forward runs
-# the operator by _ops.call. Both forms made here define the jvp of forward mode (_jvp).
+# Autograd runs the form above, whose forward has no ctx (setup_context does its part), about 15 us a call slower than
+# the older one, binding the arguments to forward's signature. Outside torch.func's transforms (which take a Function
+# only in the form above: under them the operators run, whose autograd kernel applies its own form) and outside a
+# torch.compile trace (which takes only the public form: it refuses a Function with a jvp) each runs in the older
+# form, made here from the same setup and backward, whose forward runs the operator by _ops.call and which defines
+# the jvp of forward mode (_jvp).
 _transforms_active = _ops.transforms_active
 _OPERATORS: dict[type[torch.autograd.Function], Any] = {
     ConvFunction: _ops.conv_forward, ConvTransposeFunction: _ops.conv_backward_data,
@@ -179,35 +179,6 @@ def _jvp(function: type[torch.autograd.Function]) -> Callable[..., Tensor | None
         return second if first is None else first if second is None else first + second
 
     return jvp
-
-
-class _Rest:
-    """The arguments after a Function's two operands, as one: torch.func's vmap of a ``jvp`` pairs the tangents
-    with the inputs' pytree leaves, and a list argument's ints are leaves without a tangent (torch 2.13 fails)."""
-
-    __slots__ = ("args",)
-
-    def __init__(self, args: tuple[Any, ...]) -> None:
-        self.args = args
-
-
-def _forward_form(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
-    """``function`` with a ``jvp``, applied as ``(a, b, _Rest(rest))``, for torch.func's transforms."""
-
-    def forward(a: Tensor, b: Tensor, rest: _Rest) -> Tensor:
-        return function.forward(a, b, *rest.args)
-
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        a, b, rest = inputs
-        _setup(ctx, (a, b, *rest.args), output)
-
-    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, ...]:
-        return (*function.backward(ctx, grad)[:2], None)
-
-    body = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(backward), "jvp": staticmethod(_jvp(function)),
-            "generate_vmap_rule": True, "__doc__": function.__doc__}
-    return type(function.__name__, (torch.autograd.Function,), body)
 
 
 def _older_form(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
@@ -260,13 +231,12 @@ _PER_CHANNEL = {n: (1, -1, *(1,) * (n - 2)) for n in range(3, 6)}
 _ALL_BUT_CHANNELS = {n: (0, *range(2, n)) for n in range(3, 6)}
 
 
-_FUNCTIONS = (ConvFunction, ConvTransposeFunction, WeightGradFunction)
-_FORWARD: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {f: _forward_form(f) for f in _FUNCTIONS}
+_FUNCTIONS: tuple[type[torch.autograd.Function], ...] = (ConvFunction, ConvTransposeFunction, WeightGradFunction)
 _OLDER: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {f: _older_form(f) for f in _FUNCTIONS}
 _BIASED: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {
     f: _biased_form(f) for f in (ConvFunction, ConvTransposeFunction)
 }
-for _function in (*_FUNCTIONS, *_FORWARD.values()):
+for _function in _FUNCTIONS:
     # under the transforms, inspect takes a signature kept on forward instead of working it out on every call
     _function.forward.__signature__ = inspect.signature(_function.forward)  # type: ignore[attr-defined]
 
@@ -363,9 +333,11 @@ with warnings.catch_warnings():
 
 
 def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: Any) -> Tensor:
-    """``function.apply(*args)``, and ``bias`` added to its result (one value per channel, or ``None``): under
-    torch.func's transforms its form with a ``jvp``, elsewhere its older form (with a ``jvp``), which takes the bias
-    as a third operand (:data:`_BIASED`). Under a ``torch.compile`` or ``torch.export`` trace, the operator itself,
+    """``function.apply(*args)``, and ``bias`` added to its result (one value per channel, or ``None``): its older
+    form (with a ``jvp``), which takes the bias as a third operand (:data:`_BIASED`). Under torch.func's transforms
+    the operator, differentiable at each of their levels by its autograd kernel (:func:`_autograd_kernel`), which
+    costs some 40 % less of a ``grad`` than a Function at the transforms' own level calling the operator (two
+    Functions a convolution). Under a ``torch.compile`` or ``torch.export`` trace, the operator itself,
     differentiable in both modes by its autograd kernel (:func:`_autograd_kernel`): an exported program keeps no
     Function (a strict export runs a Function's forward without gradient), Dynamo takes no Function with a ``jvp``,
     and would trace one without into ``autograd_function_apply``, whose backward is handed zeros where no gradient
@@ -396,7 +368,7 @@ def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: A
                 raise torch._dynamo.exc.Unsupported(_BREAK)
         return add_bias(function.forward(*args), bias)
     if _transforms_active():
-        return add_bias(_FORWARD[function].apply(*args[:2], _Rest(args[2:])), bias)
+        return add_bias(function.forward(*args), bias)
     if not torch.is_grad_enabled() and forward_ad._current_level < 0 and not torch.jit.is_tracing():
         # (a torch.jit.trace records the Function: its check reruns the model without grad, to the same graph)
         return add_bias(_ops.call_unrecorded(_OPERATORS[function], *args), bias)
@@ -456,17 +428,15 @@ _dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
 
 
 def _pass(function: type[torch.autograd.Function], *args: Any) -> Tensor:
-    """One pass of a backward pass or of a tangent (``function``'s forward): the Function where torch.func's
-    transforms may ask for its gradient, its older form where forward AD is on (dual tensors may come, whose tangents
-    its ``jvp`` gives), else the operator, which costs less and is differentiable by itself where the backward makes
-    a graph (grad mode is on in a backward only then). Not the Function there: under ``is_grads_batched``'s batching
-    a Function's graph stays on the batched wrapper, and the gradients that come out of it have none. Under a
-    torch.compile trace the operator (the Function's forward calls it), in every mode: its autograd kernel takes
-    transforms and forward AD, where the public Function, which Dynamo takes, has no ``jvp``."""
-    if torch.compiler.is_compiling():
+    """One pass of a backward pass or of a tangent (``function``'s forward): the operator under torch.func's
+    transforms (differentiable at their levels by its autograd kernel), its older form where forward AD is on (dual
+    tensors may come, whose tangents its ``jvp`` gives), else the operator, which costs less and is differentiable by
+    itself where the backward makes a graph (grad mode is on in a backward only then). Not the Function there: under
+    ``is_grads_batched``'s batching a Function's graph stays on the batched wrapper, and the gradients that come out
+    of it have none. Under a torch.compile trace the operator (the Function's forward calls it), in every mode: its
+    autograd kernel takes transforms and forward AD, where the public Function, which Dynamo takes, has no ``jvp``."""
+    if torch.compiler.is_compiling() or _transforms_active():
         return function.forward(*args)
-    if torch.is_grad_enabled() and _transforms_active():
-        return _FORWARD[function].apply(*args[:2], _Rest(args[2:]))
     if forward_ad._current_level >= 0:  # dual tensors may come (forward over reverse): the jvp gives their tangents
         return _OLDER[function].apply(*args)
     return _ops.call(_OPERATORS[function], *args)
