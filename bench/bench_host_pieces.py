@@ -5,7 +5,8 @@ The pieces of the path a GPU call shares with the CPU backend, each timed alone 
 - ``ops``    the public op on NumPy arrays with ``out=`` (a 1x1x4x4 float32 input, a 3x3 filter): the record's key
              and lookup, the ``out=`` checks, the backend's scope, the choice, the lease;
 - ``torch``  ``wsarena.torch.Conv2d(1, 1, 3)`` forward without gradient (inside ``torch.no_grad()``): the module
-             call, the functional's checks, the operator run straight, its result and NumPy views, the bias;
+             call, the functional's checks, the operator run straight, its result and NumPy views, the bias; the
+             operator called through PyTorch's dispatcher (its autograd kernel), and ``F.conv2d`` for scale;
 - ``step``   the same module's forward with gradient and ``.sum().backward()``: the autograd Function, the forward's
              line and settings kept, a backward pass's scopes, one backward pass, the step and the forward without a
              bias, and ``torch.nn.Conv2d``'s step with and without one, for scale.
@@ -117,6 +118,9 @@ def torch_cases() -> Cases:
         "  NumPy views (Tensor.numpy() x3)": (lambda: (x.numpy(), y.numpy(), y.numpy()), k),
         "  ops.conv_forward on the views": (lambda: ops.conv_forward(xn, wn, *checked.args, out=yn), k),
         "the bias added (add_bias)": (lambda: _autograd.add_bias(y, b), k),
+        "the operator called directly (torch.ops)": (lambda: torch.ops.wsarena.conv_forward(x, w, *checked.args,
+                                                                                          "NCHW"), k),
+        "torch.nn.functional.conv2d, for scale": (lambda: torch.nn.functional.conv2d(x, w, b), k),
     }
 
 
