@@ -257,6 +257,51 @@ def test_a_keep_on_a_handle_whose_last_keep_was_through_a_stream_object_gone_sin
     assert arena.stats().kept_bytes == 0
 
 
+@pytest.mark.parametrize("given_as", ["the new stream's object", "its raw handle"])
+@pytest.mark.parametrize("death_seen", [True, False], ids=["death seen", "death not seen yet"])
+def test_a_keep_on_a_handle_whose_buffer_was_watched_by_a_stream_object_dead_since_records_the_capture(
+    given_as, death_seen
+):
+    """The stream object that watched a handle's buffer dies (its owner destroys the stream), and CUDA gives the handle
+    to a new stream, which a capture that only keeps records on. A sweep of dead stream objects, and the forgetting
+    of their sub-arenas, drop the record of their handles (never asked about again): not the keep's, made after the
+    death, whether the arena saw the death before the keep or not. Once, each dropped it, in another thread's trim
+    during the capture: the capture went unseen, and the trim freed the dead stream's buffer with no stream (a device
+    synchronisation) and dropped what a graph gone kept (a cudaFree, with no pool), during it."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    old = FakeStream(0x70)
+    arena.reserve(1000, stream=old)
+    if death_seen:
+        del old  # its owner destroys the stream: the arena sees it at its next sweep, the keep's below
+        gc.collect()
+    dropped = []  # what the provider captured as the kept array was dropped
+    kept = provider.begin_capture(S1)  # a graph that keeps an array, then is gone: it waits for no capture under way
+    array = np.empty(256, np.uint8)
+    weakref.finalize(array, lambda: dropped.append(dict(provider.capturing)))
+    assert arena.keep_with_capture([array], stream=S1)
+    provider.end_capture(kept)
+    del array
+    kept.close()
+    if not death_seen:
+        del old
+        gc.collect()
+    new = FakeStream(0x70)  # CUDA gave the handle to a new stream
+    graph = provider.begin_capture(0x70)
+    assert arena.keep_with_capture([np.empty(8)], stream=new if given_as == "the new stream's object" else 0x70)
+    thread = threading.Thread(target=arena.trim)
+    thread.start()
+    thread.join(10)
+    gc.collect()
+    assert dropped == [] and provider.during_capture == []
+    provider.end_capture(graph)
+    arena.trim()
+    gc.collect()
+    assert dropped == [{}] and [s for _, s in provider.frees] == [None] and provider.during_capture == []
+    graph.close()
+    assert arena.stats().kept_bytes == 0
+
+
 def test_whether_a_capture_is_under_way_asks_each_arena_about_each_stream_once(monkeypatch):
     """The let-go of what graphs gone kept asks each arena whether a capture is under way, each through its own
     provider, about the streams that any arena of its device recorded: each arena about each stream once, the records

@@ -164,6 +164,8 @@ def keep_with_capture(self: Arena, objects: list[Any], stream: Any) -> bool:
     recorded = self._table.capturing
     if _kept_record(recorded.get(key, False), pin):  # no lock where nothing is stored: the common case
         with self._lock:
+            if self._table.dead:  # as a lease does: a later sweep of a stream object dead now would drop the record
+                self._table.sweep()
             old = recorded.get(key, False)
             if _kept_record(old, pin):
                 # A live object watching the stream's buffer shows the stream alive: the record is a lease's, which

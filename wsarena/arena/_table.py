@@ -369,11 +369,11 @@ class _Table:
         if sub.anchor is not None or (type(key) is int and key > _DEFAULT_STREAMS):
             self.unstream_kept(key)
         if self.subs.get(sub.key) is sub:
+            # A capture recorded there may go on (a close() during it): the frees with no stream that forgetting the
+            # stream brings wait for it, until it is found over (wsarena.arena._pinning._capture_under_way). Where
+            # ``gone``, the sweep that found its stream object dead dropped the record of then: one there now was
+            # made since, by a keep or a capture block that used the handle (a new stream CUDA gave it, say).
             del self.subs[sub.key]
-            if gone:
-                self.capturing.pop(sub.key, None)  # its stream may be gone: never asked about again
-            # Else a capture recorded there may go on (a close() during it): the frees with no stream that forgetting
-            # the stream brings wait for it, until it is found over (wsarena.arena._pinning._capture_under_way)
         sub.anchor = None  # a reference dropped before its object dies never calls back
         sub.wake()  # threads queued for it look the key up again
         return released
@@ -426,10 +426,11 @@ class _Table:
             gone = self.subs.get(anchor.key)
             # else already gone, a newer one, or an anchor replaced (rewatch) whose object died meanwhile
             if gone is not None and gone.serial == anchor.serial and gone.anchor is anchor:
+                # No call into Python between these: an orphan's record of then is dropped (forget() keeps a later one)
                 gone.anchor = None
                 gone.orphan = True
-                self.unstream_kept(gone.key)
                 self.capturing.pop(gone.key, None)  # its stream may be gone: never asked about again
+                self.unstream_kept(gone.key)
                 if anchor.eager and gone.idle():
                     released += self.forget(gone, gone=True)
             self.dead.popleft()
