@@ -348,6 +348,50 @@ def test_whether_a_capture_is_under_way_asks_each_arena_about_each_stream_once(m
     assert first.stats().kept_bytes == 0 and last.stats().kept_bytes == 0  # every arena's let go
 
 
+def test_whether_a_capture_is_under_way_asks_nothing_about_a_kept_stream_once_its_object_is_gone(monkeypatch):
+    """A keep through a stream object records the stream with a weak reference to it: once the object is gone (its
+    owner destroys the stream with it), CUDA is asked nothing more about the handle. The question whether a capture
+    is under way reads the streams each device's arenas recorded before asking any arena: the objects of those it
+    read live until it has asked, so that none dies in between (another thread lets go of it) and is asked about after.
+    Once, an arena asked after another had let go of the object: its own record, found gone, was dropped, and the
+    handle, read earlier for the device, asked about all the same."""
+    destroyed = set()  # the handles whose stream the owner destroyed (its object died)
+
+    class Destroying(RecordingProvider):
+        def __init__(self):
+            super().__init__(device_id=0)
+            self.after = []  # the handles asked about once their streams were destroyed
+            self.on_question = None
+
+        def capture(self, stream):
+            if stream in destroyed:
+                self.after.append(stream)
+            answer = super().capture(stream)
+            if self.on_question is not None:
+                self.on_question(stream)
+            return answer
+
+    arenas = [Arena(Destroying()), Arena(Destroying())]
+    monkeypatch.setattr(_lifecycle, "_live_arenas", lambda: list(arenas))
+    monkeypatch.setattr(_lifecycle, "_closed_holding", {})
+    first, second = arenas
+    held = [FakeStream(0x70)]
+    weakref.finalize(held[0], destroyed.add, 0x70)
+    graph = second.provider.begin_capture(0x70)
+    assert second.keep_with_capture([np.empty(8)], stream=held[0])
+    second.provider.end_capture(graph)
+    # another thread lets go of the stream object while the first arena asks about its handle
+    first.provider.on_question = lambda stream: held.clear() if stream == 0x70 else None
+    assert _lifecycle._no_capture_under_way()
+    gc.collect()
+    assert destroyed == {0x70}
+    assert first.provider.after == [] and second.provider.after == []
+    assert _lifecycle._no_capture_under_way()  # and never again
+    assert first.provider.after == [] and second.provider.after == []
+    graph.close()
+    assert second.stats().kept_bytes == 0
+
+
 def sibling(stream_type):
     """A class with ``stream_type``'s methods but not a subclass of it: CuPy's ExternalStream beside its Stream."""
     methods = {k: v for k, v in vars(stream_type).items() if k not in ("__dict__", "__weakref__")}

@@ -144,10 +144,11 @@ def _no_capture_under_way() -> bool:
     listed = set(map(id, live))
     arenas = live + [arena for arena in list(_closed_holding.values()) if id(arena) not in listed]
     streams: dict[int | None, dict[Any, None]] = {}  # device -> the streams its live arenas recorded, each once
+    alive: list[Any] = []  # their keeps' stream objects: none dies, its stream destroyed, before it is asked about
     for arena in live:
         device = arena.device
         if device is not None:
-            streams.setdefault(device, {}).update(dict.fromkeys(arena._recorded_streams()))
+            streams.setdefault(device, {}).update(dict.fromkeys(arena._recorded_streams(alive)))
     for arena in arenas:  # a loop, not a generator any() leaves suspended (a Ctrl-C as it is closed is lost)
         if arena._capture is not None and arena._capture_under_way(None, streams.get(arena.device, ())):
             return False

@@ -206,11 +206,6 @@ class KeptOn:
         return self.stream() is not None and bool(self.pin.live())
 
 
-def _stream_gone(record: Any) -> bool:
-    """Whether ``record`` is a keep's whose stream object is gone (:class:`KeptOn`)."""
-    return type(record) is KeptOn and record.stream() is None
-
-
 def forget_released(captures: dict[Any, Any]) -> None:
     """Forget the captures whose graphs are gone; their pins go with them (lock held)."""
     for key in [key for key, old in captures.items() if not old.live()]:
@@ -295,11 +290,20 @@ def _captured(capture: Any, key: Any) -> bool:
         return False
 
 
-def recorded_streams(self: Arena) -> list[Any]:
+def recorded_streams(self: Arena, alive: list[Any]) -> list[Any]:
     """The keys of the streams this arena recorded for captures that may be under way (:attr:`_Table.capturing`),
-    except a keep's whose stream object is gone (CUDA is asked nothing more about its handle). No lock: the records
-    are read in one C call."""
-    return [k for k, record in list(self._table.capturing.items()) if not _stream_gone(record)]
+    except a keep's whose stream object is gone (CUDA is asked nothing more about its handle). The stream objects of
+    keeps' records go in ``alive``: held there, none dies (its owner destroys the stream with it) before the caller has
+    asked about its handle. No lock: the records are read in one C call."""
+    keys = []
+    for k, record in list(self._table.capturing.items()):
+        if type(record) is KeptOn:
+            stream = record.stream()
+            if stream is None:
+                continue
+            alive.append(stream)
+        keys.append(k)
+    return keys
 
 
 def _capture_under_way(self: Arena, key: Any, device_streams: Iterable[Any] | None = None) -> bool:
@@ -313,8 +317,8 @@ def _capture_under_way(self: Arena, key: Any, device_streams: Iterable[Any] | No
     asked (by a new capture block, or a new capture's lease). Each stream is asked once, through this arena's provider.
 
     ``device_streams``: the streams the device's arenas recorded (:func:`recorded_streams` of each), read once by a
-    caller that asks every arena (:func:`~wsarena.arena._lifecycle._no_capture_under_way`); by default they are read
-    here."""
+    caller that asks every arena (:func:`~wsarena.arena._lifecycle._no_capture_under_way`), which holds their keeps'
+    stream objects until it has asked; by default they are read here."""
     capture, table, recorded = self._capture, self._table, self._table.capturing
     keys = [key]
     if self._lanes:
@@ -323,20 +327,25 @@ def _capture_under_way(self: Arena, key: Any, device_streams: Iterable[Any] | No
         if self._current is not None:
             keys.append(resolve_stream(None, lanes=False, current=self._current)[0])
         keys.append(0)
+    alive: list[Any] = []  # the stream objects of keeps' records: none dies before its handle is asked about
     for k, record in list(recorded.items()):  # list(): one C call, whatever other threads do
-        if not _stream_gone(record):
-            keys.append(k)
-        elif recorded.get(k, False) is record:  # a keep's, whose stream object is gone: never asked about again
-            with self._lock:
+        if type(record) is KeptOn:
+            stream = record.stream()
+            if stream is None:  # a keep's, whose stream object is gone: never asked about again
                 if recorded.get(k, False) is record:
-                    del recorded[k]
+                    with self._lock:
+                        if recorded.get(k, False) is record:
+                            del recorded[k]
+                continue
+            alive.append(stream)
+        keys.append(k)
     device = self.device
     if device_streams is not None:
         keys += device_streams
     elif device is not None:
         for other in device_arenas(device):
             if other is not self:
-                keys += recorded_streams(other)
+                keys += recorded_streams(other, alive)
     for k in dict.fromkeys(keys):  # each once, in order
         if k is None or not is_own_stream(k):  # another thread's per-thread stream cannot be asked from here
             continue
