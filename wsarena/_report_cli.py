@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from . import __version__
-from ._sizes import cap_text, format_percent, format_ratio, format_size
+from ._sizes import exact_cap, format_percent, format_ratio, format_size
 
-__all__ = ["cap_header", "csv_writer", "printable", "render_table", "shape_text", "skipped_note", "write_csv"]
+__all__ = ["csv_writer", "printable", "render_table", "shape_text", "skipped_note", "write_csv"]
 
 
 def shape_text(shape: Sequence[int]) -> str:
@@ -76,16 +76,9 @@ def skipped_note(skipped: Sequence[tuple[str, str]], what: str, limit: int = 5) 
             f"{shown}{more}")
 
 
-def cap_header(cap: int | None) -> str:
-    """The cap a plan was made under, as its table's header and its plot's title name it: exactly, as
-    ``--cap-workspace`` takes it back (a size rounded, "55.12 MiB", it refuses, and one rounded up or down may
-    choose otherwise)."""
-    return "none" if cap is None else cap_text(cap, cap + 1)
-
-
 def render_table(p: Any) -> str:
     """The report a person reads: a header, one row per layer, and the totals."""
-    cap = cap_header(p.cap_workspace)
+    cap = exact_cap(p.cap_workspace)  # as --cap-workspace takes it back: one rounded may choose otherwise
     if getattr(p, "max_slowdown", None) is not None:  # --max-slowdown chose it: say so, and from what
         cap += f" (the smallest within a {format_percent(p.max_slowdown)} slowdown)"
     lines = [

@@ -269,6 +269,14 @@ def cap_text(cap: int, below: int | None) -> str:
     return f"{int_text(shown)} B"
 
 
+def exact_cap(cap: int | None) -> str:
+    """A setting's size (a cap, a limit) exactly, as the setting takes it back: ``"none"`` for ``None``, else
+    ``cap_text(cap, cap + 1)``, itself in the largest binary unit it is a whole eighth of (``"3.5 KiB"``), or in
+    bytes (``"4000 B"``). Where an error or a warning names a setting's value, format_size's ``"3.91 KiB"`` is no
+    whole number of bytes, which the setting refuses."""
+    return "none" if cap is None else cap_text(cap, cap + 1)
+
+
 def format_seconds(value: float) -> str:
     """A time in the unit that reads best: ``"1.234 s"``, ``"12.35 ms"``, ``"3.2 us"``; ``"1.000 s"`` for 0.999996,
     not ``"1000.00 ms"``, as :func:`format_size` writes ``"1 MiB"`` for 1048575 bytes."""

@@ -12,8 +12,8 @@ import secrets
 import stat
 from typing import Any
 
-from ._report_cli import cap_header, printable
-from ._sizes import format_percent, format_seconds, format_size
+from ._report_cli import printable
+from ._sizes import exact_cap, format_percent, format_seconds, format_size
 from ._tune_cli import cap_texts, slowdown_text
 from .errors import BackendUnavailableError
 
@@ -125,7 +125,7 @@ def plot_plan(p: Any, path: str) -> None:
                label=f"arena per stream ({streams}: total {format_size(p.arena_bytes)})")
     ax.set_xlabel("layer")
     ax.set_ylabel("workspace (MiB)")
-    cap = cap_header(p.cap_workspace)
+    cap = exact_cap(p.cap_workspace)
     # parse_math=False: names are drawn as given, where matplotlib reads a $ pair as mathematics (and fails on it);
     # a tab or a newline escaped, as the table shows it: the font has no glyph for one
     ax.set_title(
