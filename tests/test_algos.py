@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from wsarena import config, configure, get_config
+from wsarena import config, configure, get_config, parse_size
 from wsarena._geometry import conv_geometry, describe_geometry
 from wsarena.algos import choose, forced, is_cached, is_chosen, run_with_fallback, select
 from wsarena.backends import Candidate, PartlyRanked, PartlyTimed
@@ -368,6 +368,20 @@ def test_forced_algorithm_checks_name_and_cap():
         forced(b, "fwd", GEOM, "winograd", cap=None)
     with pytest.raises(ValueError, match="above the cap"):
         forced(b, "fwd", GEOM, "fft", cap=100)
+
+
+def test_the_cap_an_algorithm_is_refused_or_kept_from_is_named_as_cap_workspace_takes_it_back():
+    """A cap of 4000 bytes, which format_size writes "3.91 KiB" (no whole number of bytes: cap_workspace refuses it),
+    is named "4000 B" by the error of algo= above it and by the WorkspaceCapWarning; the algorithms' workspaces are
+    sizes to read."""
+    b = FakeBackend({"fft": 5000, "gemm": 100, "implicit": 0})
+    with pytest.raises(ValueError) as refused:
+        forced(b, "fwd", GEOM, "fft", cap=4000)
+    assert str(refused.value).endswith("needs 4.88 KiB of workspace for this fwd, above the cap of 4000 B")
+    with pytest.warns(WorkspaceCapWarning) as warned:
+        select(b, "fwd", GEOM, cap=4000, search="heuristic")
+    assert str(warned[0].message).startswith("workspace cap 4000 B excludes fft (4.88 KiB) for fwd")
+    assert parse_size("4000 B") == 4000
 
 
 def test_a_forced_algorithm_with_nothing_to_compute_needs_no_workspace():

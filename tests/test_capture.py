@@ -676,6 +676,7 @@ def test_a_first_call_during_capture_raises_before_anything_runs(cpu_conv):
 
 @pytest.mark.parametrize(("change", "settings"), [
     ({"cap_workspace": 4096}, "(cap_workspace 4 KiB, algo_search heuristic)"),
+    ({"cap_workspace": 4000}, "(cap_workspace 4000 B, algo_search heuristic)"),  # format_size's 3.91 KiB is refused
     ({"algo_search": "exhaustive"}, "(cap_workspace none, algo_search exhaustive)"),
 ])
 def test_a_capture_under_settings_changed_since_the_eager_step_says_so(cpu_conv, change, settings):
@@ -691,6 +692,8 @@ def test_a_capture_under_settings_changed_since_the_eager_step_says_so(cpu_conv,
     provider.end_capture(graph)
     graph.close()
     assert f"under the settings in force {settings}" in str(refused.value)
+    shown = settings.removeprefix("(cap_workspace ").partition(",")[0]  # as cap_workspace takes it back
+    assert (None if shown == "none" else wsarena.parse_size(shown)) == change.get("cap_workspace")
     assert "before capturing, under the same settings (a configure() since the eager step" in str(refused.value)
     assert_captured_call_is_right(provider, x, w, eager)
 

@@ -357,6 +357,11 @@ def test_cache_info_and_clear(capsys, model, tmp_path, monkeypatch):
     code, out, _ = run_main(capsys, "cache", "info")
     assert code == 0 and out.splitlines()[0] == f"search cache: {folder} (from WSARENA_CACHE_DIR)"
     assert out.splitlines()[1].startswith(f"entries: {calls} (") and out.splitlines()[1].endswith("; limit 64 MiB)")
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "1048575")  # format_size's 1 MiB is a byte more
+    wsarena._config._reset()
+    code, out, _ = run_main(capsys, "cache", "info")
+    assert code == 0 and out.splitlines()[1].endswith("; limit 1048575 B)")  # as the setting takes it back
+    assert wsarena.parse_size(out.splitlines()[1].rpartition("; limit ")[2].rstrip(")")) == (1 << 20) - 1
     monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "none")
     wsarena._config._reset()
     code, out, _ = run_main(capsys, "cache", "info")

@@ -48,6 +48,18 @@ def test_info_shows_every_setting_its_value_and_where_it_comes_from(monkeypatch,
     assert shown["allocator"] == "cupy (configure)"
 
 
+def test_info_shows_the_sizes_in_force_as_the_settings_take_them_back(monkeypatch):
+    """Exactly: format_size's "3.91 KiB" for 4000 bytes is no whole number of bytes, which the settings refuse, and
+    its "1 MiB" for 1048575 is another size."""
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", "4000")
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "1048575")
+    shown = _setting_lines(render_info(collect_info()))
+    assert shown["cap_workspace"] == "4000 B (environment)"
+    assert shown["search_cache_max_size"] == "1048575 B (environment)"
+    for name, value in (("cap_workspace", 4000), ("search_cache_max_size", (1 << 20) - 1)):
+        assert wsarena.parse_size(shown[name].removesuffix(" (environment)")) == value
+
+
 def test_info_shows_an_invalid_variable_with_its_error_and_still_exits_0():
     """Reading the settings raises for it: info says so in place of a value, and goes on."""
     r = run_cli("info", env={"WSARENA_ALGO_SEARCH": "fastest", "WSARENA_DEBUG": "1"})

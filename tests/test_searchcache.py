@@ -880,7 +880,11 @@ def test_a_lookup_neither_lists_the_folder_nor_writes_a_fresh_entry(cache, limit
 
 
 @pytest.mark.parametrize("fault", ["unlink", "scandir"])
-def test_a_cache_that_cannot_be_trimmed_gives_one_warning_and_goes_on(cache, limit, monkeypatch, fault):
+def test_a_cache_that_cannot_be_trimmed_gives_one_warning_and_goes_on(cache, monkeypatch, fault):
+    """The warning names the limit as the setting takes it back: format_size's "126.95 KiB" for 130000 bytes is no
+    whole number of bytes."""
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "130000")  # some thirty entries, as the limit fixture's
+    wsarena._config._reset()
     real = getattr(os, fault)
 
     def denied(path, *args, **kwargs):
@@ -894,7 +898,8 @@ def test_a_cache_that_cannot_be_trimmed_gives_one_warning_and_goes_on(cache, lim
         for k in range(1, 201):
             put(k)
     assert [w.category for w in caught] == [SearchCacheWarning]
-    assert re.search("cannot trim the search cache .* to 128 KiB: .*Permission denied", str(caught[0].message))
+    assert re.search("cannot trim the search cache .* to 130000 B: .*Permission denied", str(caught[0].message))
+    assert wsarena.parse_size("130000 B") == 130000
     assert all(held(k) for k in range(1, 201))  # nothing could be removed; every entry still serves
 
 
@@ -1014,9 +1019,12 @@ def test_the_limit_counts_the_disk_space_an_entry_takes(cache, monkeypatch):
     assert searchcache.info()["size_bytes"] == len(entry_files(cache)) * block
 
 
-def test_a_limit_below_one_entry_keeps_none_and_says_so_once(cache, monkeypatch):
-    """Every write's trim removes the entry it wrote: the cache is off in all but name, which one warning says."""
-    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", "1KiB")
+@pytest.mark.parametrize(("given", "shown"), [("1KiB", "1 KiB"), ("2000", "2000 B")])
+def test_a_limit_below_one_entry_keeps_none_and_says_so_once(cache, monkeypatch, given, shown):
+    """Every write's trim removes the entry it wrote: the cache is off in all but name, which one warning says. It
+    names the limit as the setting takes it back: format_size's "1.95 KiB" for 2000 bytes is no whole number of
+    bytes."""
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", given)
     wsarena._config._reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -1025,7 +1033,8 @@ def test_a_limit_below_one_entry_keeps_none_and_says_so_once(cache, monkeypatch)
     assert entry_files(cache) == [] and not held(1)  # the limit holds
     assert [w.category for w in caught] == [SearchCacheWarning] and caught[0].filename == __file__
     assert re.search(r"a search cache entry takes [\d.]+ [KM]iB on disk in .*, more than search_cache_max_size "
-                     r"\(1 KiB\): the cache keeps no entry", str(caught[0].message))
+                     rf"\({shown}\): the cache keeps no entry", str(caught[0].message))
+    assert wsarena.parse_size(shown) == wsarena.parse_size(given)
 
 
 def test_a_limit_of_about_one_entry_keeps_the_newest(cache, monkeypatch):

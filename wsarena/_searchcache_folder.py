@@ -37,7 +37,7 @@ from typing import Any
 
 from . import _callsite, _forksafe
 from ._config import get_config
-from ._sizes import format_size, os_error_text, short_path
+from ._sizes import exact_cap, format_size, os_error_text, short_path
 from .errors import SearchCacheWarning
 
 __all__: list[str] = []  # wsarena.searchcache's own: its info() and clear() are the public names
@@ -169,7 +169,7 @@ def written(folder: Path, nbytes: int) -> None:
     if limit is not None and nbytes > limit:  # the trim below removes it: no entry of this size is ever kept
         warn_once("limit", folder, f"a search cache entry takes {format_size(nbytes)} on disk in "
                                    f"{short_path(folder, quoted=False)}, more than search_cache_max_size "
-                                   f"({format_size(limit)}): the cache keeps no entry; set a limit of some entries at "
+                                   f"({exact_cap(limit)}): the cache keeps no entry; set a limit of some entries at "
                                    "least (WSARENA_CACHE_DIR=off turns it off)")
     where = same_folder(folder)
     with _size_lock:
@@ -186,7 +186,7 @@ def written(folder: Path, nbytes: int) -> None:
     if size > limit:
         why = os_error_text(failure) if isinstance(failure, OSError) else failure
         warn_once("trim", folder, f"cannot trim the search cache in {short_path(folder, quoted=False)} to "
-                                  f"{format_size(limit)}: {why}; it may grow past that")
+                                  f"{exact_cap(limit)}: {why}; it may grow past that")
         size = target  # try again once another tenth of the limit is written, not at every write
     with _size_lock:
         known_size[where] = size

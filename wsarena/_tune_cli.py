@@ -14,7 +14,7 @@ from typing import Any
 from . import __version__
 from ._config import _cache_path
 from ._report_cli import csv_writer, printable, skipped_note
-from ._sizes import cap_text, format_percent, format_seconds, format_size, short_repr
+from ._sizes import cap_text, exact_cap, format_percent, format_seconds, format_size, short_repr
 
 __all__ = ["apply_line", "cache_output", "cap_texts", "max_slowdown_arg", "render_curve", "slowdown_text",
            "tune_output", "uncached_apply"]
@@ -267,7 +267,7 @@ def cache_output(action: str, fmt: str) -> str:
         unreadable = f" and {data['unreadable']} unreadable file(s)" if data["unreadable"] else ""
         return f"removed {data['removed']} entries{unreadable} ({format_size(data['freed_bytes'])}) from {directory}\n"
     cap = data["max_size_bytes"]
-    limit = "no limit" if cap is None else f"limit {format_size(cap)}"
+    limit = "no limit" if cap is None else f"limit {exact_cap(cap)}"  # as the setting takes it
     lines = [
         f"search cache: {directory} (from {where})",
         f"entries: {data['entries']} ({format_size(data['size_bytes'])}; {limit})",

@@ -28,7 +28,7 @@ from ._config import Config, get_config, using
 from ._geometry import ConvGeometry, describe_geometry
 from ._lru import LRU
 from ._pass import Pass
-from ._sizes import format_size, short_repr
+from ._sizes import exact_cap, format_size, short_repr
 from .backends import Backend, Candidate, PartlyRanked, PartlyTimed
 from .errors import (
     ArenaOutOfMemoryError,
@@ -252,7 +252,7 @@ def choose(
         if first:
             timed = excluded.time_ms is not None  # an exhaustive search's: the times say what the cap costs
             _callsite.warn(  # at the user's line: the op's caller, or the module call through wsarena.torch
-                f"workspace cap {format_size(cap or 0)} excludes {_named(excluded, timed)} for {pass_} of "
+                f"workspace cap {exact_cap(cap or 0)} excludes {_named(excluded, timed)} for {pass_} of "
                 f"{describe_geometry(geom)}; using {_named(best[0], timed)}",
                 WorkspaceCapWarning,
             )
@@ -615,7 +615,7 @@ def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: 
     if cap is not None and nbytes > cap:
         raise ValueError(
             f"algo={algo!r} needs {format_size(nbytes)} of workspace for this {pass_}, "
-            f"above the cap of {format_size(cap)}"
+            f"above the cap of {exact_cap(cap)}"
         )
     return (Candidate(algo, nbytes),)
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Hashable
 
-from ._sizes import format_size
+from ._sizes import exact_cap, format_size
 
 __all__ = [
     "AlignmentWorkspaceError",
@@ -111,9 +111,8 @@ class WorkspaceMemoryError(WsarenaError, MemoryError):
         self.held = held
         self.cap = cap
         self._message = message
-        cap_text = "none" if cap is None else format_size(cap)
-        super().__init__(
-            f"{message} (requested {format_size(requested)}, held {format_size(held)}, cap {cap_text})"
+        super().__init__(  # the cap as cap_workspace takes it back; the sizes to read
+            f"{message} (requested {format_size(requested)}, held {format_size(held)}, cap {exact_cap(cap)})"
         )
 
     def __reduce__(self) -> tuple:

@@ -17,7 +17,7 @@ from . import __version__
 from ._config import _SIZES, in_force
 from ._gpu import gpu_count, gpu_unusable_reason
 from ._report_cli import printable
-from ._sizes import format_size
+from ._sizes import exact_cap
 
 __all__ = ["collect_info", "render_info"]
 
@@ -118,13 +118,14 @@ def _settings() -> dict[str, dict[str, Any]]:
 
 
 def _shown_setting(name: str, value: Any) -> str:
-    """A setting's value as the text form shows it: a size as a size, ``none`` and ``off`` as the settings take them."""
+    """A setting's value as the text form shows it, as the setting takes it back: a size exactly (``4000 B``, not
+    ``3.91 KiB``), ``none`` and ``off``."""
     if name == "cache_dir":
         return "off" if value is None else printable(value)
     if isinstance(value, bool):
         return "on" if value else "off"
     if name in _SIZES:  # the settings given in bytes, as _config names them
-        return "none" if value is None else format_size(value)
+        return exact_cap(value)
     return str(value)
 
 

@@ -29,7 +29,7 @@ from ._callkeys import Uncacheable, freeze, freeze_params, remember
 from ._config import Config, get_config, using
 from ._geometry import DTYPES, ITEMSIZES, ConvGeometry, conv_geometry, describe_geometry
 from ._pass import Pass
-from ._sizes import format_size, short_repr
+from ._sizes import exact_cap, format_size, short_repr
 from .algos import forced, run_with_fallback, select
 from .arena._interrupts import finish
 from .backends import Backend, Candidate, array_backend_name, get_backend, is_masked_type, type_backend_name
@@ -337,10 +337,9 @@ def _choice(
         if not algos.is_cached(backend, pass_, geom, cap=cap, search=search):
             capturing = backend.arena().capturing(stream=stream)
             if capturing and not algos.is_chosen(backend, pass_, geom, cap=cap, search=search):
-                limit = "none" if cap is None else format_size(cap)
                 raise CaptureError(
                     f"the first {pass_} call of this shape ({describe_geometry(geom)}) under the settings in force "
-                    f"(cap_workspace {limit}, algo_search {search}) came during CUDA graph capture, where its "
+                    f"(cap_workspace {exact_cap(cap)}, algo_search {search}) came during CUDA graph capture, where its "
                     "algorithm cannot be chosen (a search or a cuDNN query is not a graph node): run the step once "
                     "before capturing, under the same settings (a configure() since the eager step changes them)"
                 )
