@@ -260,6 +260,28 @@ def test_meta_tensors_give_torchs_shapes_through_a_converted_model(autocast):
 
 
 @pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, w, b: wt.conv2d(x, w.to("meta"), b),
+        lambda x, w, b: wt.conv2d(x, w, b.to("meta")),
+        lambda x, w, b: wt.conv_transpose2d(x, w.transpose(0, 1).to("meta")),
+        lambda x, w, b: wt.convert(torch.nn.Conv2d(4, 2, 3, dtype=x.dtype)).to("meta")(x),
+        lambda x, w, b: wt.ConvFunction.apply(x, w.to("meta"), [1, 1], [0, 0], [1, 1], 1, "NCHW"),
+        lambda x, w, b: wt.WeightGradFunction.apply(x, torch.ones(1, 2, 4, 4, device="meta", dtype=x.dtype),
+                                                    [2, 4, 3, 3], [1, 1], [0, 0], [1, 1], 1, "NCHW"),
+    ],
+)
+def test_a_meta_operand_beside_a_real_one_is_refused(call):
+    """A model left partly on the meta device (weights never loaded) run on a real input ran the operators' fake
+    kernel: an unwritten result on the input's device, its values whatever the allocator left there. (A meta input
+    beside real weights gives a meta result, as PyTorch's convolution does: wsarena.torch.layers reads a model so.)"""
+    x, w, b = (t.detach() for t in tensors((1, 4, 6, 6), (2, 4, 3, 3)))
+    with pytest.raises(TypeError, match="on the meta device, which holds no values"):
+        call(x, w, b)
+    assert close(wt.conv2d(x, w, b), torch.nn.functional.conv2d(x, w, b))  # nothing left behind
+
+
+@pytest.mark.parametrize(
     ("call", "error", "match"),
     [
         (lambda x, w: wt.conv2d(x, w, padding="same", dilation=1, stride=1)[..., :0], None, None),

@@ -67,9 +67,9 @@ _checkpoint_compiling: Callable[[Any, Any, Any], bool] = getattr(_checkpoint, "_
 _any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
-def _autocast(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The operands cast as ``torch.autocast`` casts a convolution's: floating types but float64 to its dtype."""
-    compiling = torch.compiler.is_compiling()
+def _autocast(x: Tensor, w: Tensor, bias: Tensor | None, compiling: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The operands cast as ``torch.autocast`` casts a convolution's: floating types but float64 to its dtype.
+    ``compiling``: whether a torch.compile trace runs (``torch.compiler.is_compiling()``)."""
     if not compiling and not _any_autocast():  # the common case, in one call
         return x, w, bias
     device_type = x.device.type
@@ -103,7 +103,8 @@ def _operands(
         )
     if bias is not None and not isinstance(bias, Tensor):
         raise TypeError(f"bias must be a tensor or None, not {type(bias).__name__}")
-    x, w, bias = _autocast(x, w, bias)
+    compiling = torch.compiler.is_compiling()
+    x, w, bias = _autocast(x, w, bias, compiling)
     if x.dtype != w.dtype or (bias is not None and bias.dtype != x.dtype):
         raise TypeError(f"dtypes differ: input is {x.dtype}, weight is {w.dtype}"
                         + (f", bias is {bias.dtype}" if bias is not None else ""))
@@ -111,7 +112,19 @@ def _operands(
         raise TypeError(f"{name} takes float16, bfloat16, float32 or float64 tensors, not {x.dtype}")
     if x.layout != torch.strided or w.layout != torch.strided:  # sparse or oneDNN (to_mkldnn) tensors
         raise TypeError(f"{name} takes dense tensors (torch.strided), not {x.layout} and {w.layout}")
+    # (a trace's fake tensors are no meta tensors; Dynamo would record is_meta in its graph)
+    if not compiling and (w.is_meta or (bias is not None and bias.is_meta)):
+        _no_meta_beside(x, w, bias)
     return x, w, bias, unbatched
+
+
+def _no_meta_beside(x: Tensor, w: Tensor, bias: Tensor | None) -> None:
+    """Refuse a meta weight or bias beside a real input: the operator's fake kernel would answer, with a result on
+    the input's device never written. A meta input beside real weights gives a meta result, as PyTorch's does."""
+    if not x.is_meta:
+        meta = "weight" if w.is_meta else "bias"
+        raise TypeError(f"{meta} is on the meta device, which holds no values, and input on {x.device}: "
+                        "load the model's weights, or give a meta input to run on the meta device")
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -169,10 +169,19 @@ def _conv_forward(
 conv_forward = torch.library.custom_op("wsarena::conv_forward", mutates_args=())(_conv_forward)
 
 
+def _no_meta_beside(names: str, a: Tensor, b: Tensor) -> None:
+    """Refuse a meta ``b`` beside a real ``a``, whose device the result takes: the fake kernel answers for such a
+    mix, with a result never written."""
+    if b.is_meta and not a.is_meta:
+        first, second = names.split()
+        raise TypeError(f"{second} is on the meta device, which holds no values, and {first} on {a.device}")
+
+
 @conv_forward.register_fake
 def _conv_forward_fake(
     x: Tensor, w: Tensor, stride: list[int], padding: list[int], dilation: list[int], groups: int, layout: str
 ) -> Tensor:
+    _no_meta_beside("x w", x, w)
     return _empty(_output_shape(x.shape, w.shape, stride, padding, dilation), x, layout)
 
 
@@ -194,6 +203,7 @@ def _conv_backward_data_fake(
     dy: Tensor, w: Tensor, input_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
     groups: int, layout: str,
 ) -> Tensor:
+    _no_meta_beside("dy w", dy, w)
     return _empty(input_shape, dy, layout)
 
 
@@ -215,6 +225,7 @@ def _conv_backward_filter_fake(
     x: Tensor, dy: Tensor, weight_shape: list[int], stride: list[int], padding: list[int], dilation: list[int],
     groups: int, layout: str,
 ) -> Tensor:
+    _no_meta_beside("x dy", x, dy)
     return _empty(weight_shape, x, layout)
 
 
