@@ -372,16 +372,28 @@ def test_forced_algorithm_checks_name_and_cap():
 
 def test_the_cap_an_algorithm_is_refused_or_kept_from_is_named_as_cap_workspace_takes_it_back():
     """A cap of 4000 bytes, which format_size writes "3.91 KiB" (no whole number of bytes: cap_workspace refuses it),
-    is named "4000 B" by the error of algo= above it and by the WorkspaceCapWarning; the algorithms' workspaces are
-    sizes to read."""
+    is named "4000 B" by the error of algo= above it and by the WorkspaceCapWarning; the algorithm's workspace, 5000
+    bytes (format_size's "4.88 KiB"), as the cap that admits it: "5 KiB", rounded up to an eighth of a KiB."""
     b = FakeBackend({"fft": 5000, "gemm": 100, "implicit": 0})
     with pytest.raises(ValueError) as refused:
         forced(b, "fwd", GEOM, "fft", cap=4000)
-    assert str(refused.value).endswith("needs 4.88 KiB of workspace for this fwd, above the cap of 4000 B")
+    assert str(refused.value).endswith("needs 5 KiB of workspace for this fwd, above the cap of 4000 B")
     with pytest.warns(WorkspaceCapWarning) as warned:
         select(b, "fwd", GEOM, cap=4000, search="heuristic")
-    assert str(warned[0].message).startswith("workspace cap 4000 B excludes fft (4.88 KiB) for fwd")
+    assert str(warned[0].message).startswith("workspace cap 4000 B excludes fft (5 KiB) for fwd")
     assert parse_size("4000 B") == 4000
+    assert select(b, "fwd", GEOM, cap=parse_size("5 KiB"), search="heuristic")[0].algo == "fft"
+
+
+@pytest.mark.parametrize(("smallest", "shown"), [(4097, "4.125 KiB"), (43200, "42.25 KiB"), (4096, "4 KiB")])
+def test_the_request_a_no_algorithm_fits_error_names_is_a_cap_that_admits_the_smallest(smallest, shown):
+    """format_size's "4 KiB" for 4097 bytes is a cap that admits nothing, and its "42.19 KiB" for 43200 no whole
+    number of bytes: the request is rounded up, to an eighth of its unit."""
+    b = FakeBackend({"fft": 5 * smallest, "gemm": smallest})
+    with pytest.raises(NoAlgorithmFitsError) as info:
+        choose(b, "fwd", GEOM, cap=smallest - 1)
+    assert f"(requested {shown}, held 0 B, cap " in str(info.value)
+    assert choose(b, "fwd", GEOM, cap=parse_size(shown))[0].algo == "gemm"
 
 
 def test_a_forced_algorithm_with_nothing_to_compute_needs_no_workspace():

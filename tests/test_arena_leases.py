@@ -304,14 +304,21 @@ def test_lease_above_the_cap_raises_with_the_numbers_and_changes_nothing(arena, 
     assert (err.requested, err.held, err.cap) == (2049, 1024, 2048)
 
 
-@pytest.mark.parametrize(("cap", "shown"), [(4000, "4000 B"), ((1 << 20) - 1, "1048575 B"), (3584, "3.5 KiB")])
-def test_a_cap_error_names_the_cap_as_cap_workspace_takes_it_back(arena, cap, shown):
-    """Exactly: format_size's "3.91 KiB" for 4000 bytes is no whole number of bytes, which cap_workspace refuses, and
-    its "1 MiB" for 1048575 is a larger cap; the sizes requested and held are there to read."""
+@pytest.mark.parametrize(("cap", "shown", "requested"), [
+    (4000, "4000 B", "4 KiB"), ((1 << 20) - 1, "1048575 B", "1 MiB"), (3584, "3.5 KiB", "3.625 KiB"),
+    (2048, "2 KiB", "2.125 KiB"),  # format_size's "2 KiB" for 2049 would be the very cap that refused it
+])
+def test_a_cap_error_names_the_cap_as_cap_workspace_takes_it_back(arena, cap, shown, requested):
+    """The cap exactly: format_size's "3.91 KiB" for 4000 bytes is no whole number of bytes, which cap_workspace
+    refuses, and its "1 MiB" for 1048575 is a larger cap. The request as a cap that admits it (rounded up to an
+    eighth of its unit); the size held is there to read."""
     with wsarena.config(cap_workspace=cap), pytest.raises(WorkspaceCapError) as info:
         arena.lease(cap + 1)
-    assert str(info.value).endswith(f", cap {shown})")
+    assert str(info.value).startswith(f"a workspace of {requested} on stream ")
+    assert str(info.value).endswith(f"(requested {requested}, held 0 B, cap {shown})")
     assert wsarena.parse_size(shown) == cap
+    with wsarena.config(cap_workspace=requested), arena.lease(cap + 1):
+        pass
 
 
 def test_cap_zero_still_allows_zero_byte_leases(arena):

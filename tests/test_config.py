@@ -18,7 +18,7 @@ import pytest
 import wsarena
 from wsarena import Config, _config, config, configure, format_size, get_config, parse_size
 from wsarena._report_cli import render_table
-from wsarena._sizes import format_percent, format_seconds
+from wsarena._sizes import cap_for, exact_cap, format_percent, format_seconds
 
 from .interrupts import interrupt_at_check
 
@@ -232,6 +232,24 @@ def test_format_size_writes_what_it_wrote_with_decimal():
         assert format_size(n) == _format_size_with_decimal(n), n
         if n:
             assert format_size(-n) == _format_size_with_decimal(-n), n
+
+
+def test_a_cap_a_message_names_is_a_size_the_settings_take_back():
+    """exact_cap(n) reads back as n, and cap_for(n) as at least n and less than an eighth of format_size's unit more,
+    in at most three decimals: format_size's "3.91 KiB" for 4000 bytes is no whole number of bytes, and its "4 KiB"
+    for 4097 less than 4097."""
+    rng = random.Random(20261127)
+    sizes = {0, 1, 1023, 1024, 1025, 4000, 4097, 43200, (1 << 20) - 1, 1 << 20, 2**64 - 1}
+    sizes.update(rng.getrandbits(rng.randint(1, 70)) for _ in range(3000))
+    sizes.update(rng.getrandbits(rng.randint(1, 50)) << 7 for _ in range(1000))
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    for n in sorted(sizes):
+        assert parse_size(exact_cap(n)) == n, n
+        shown = cap_for(n)
+        assert n <= parse_size(shown) < n + max(units[format_size(n).rpartition(" ")[2]] // 8, 1), n
+        assert len(shown.partition(".")[2].partition(" ")[0]) <= 3, n
+    assert (cap_for(4000), cap_for(4097), cap_for(43200), exact_cap(4000)) == ("4 KiB", "4.125 KiB", "42.25 KiB",
+                                                                                "4000 B")
 
 
 def test_format_size_leaves_the_threads_decimal_context_unset():

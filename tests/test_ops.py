@@ -6,6 +6,7 @@ Tolerance: relative error max|y - ref| / max|ref| <= 1e-5 for float32 and <= 1e-
 import dataclasses
 import gc
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 import wsarena
 from wsarena import config, conv_backward_data, conv_backward_filter, conv_forward, ops
+from wsarena.arena import Arena, HostProvider
 from wsarena.backends import PartlyTimed, cpu
 from wsarena.backends._cpu_backend import CpuBackend
 from wsarena.errors import MemoryFallbackWarning, WorkspaceCapWarning
@@ -209,6 +211,89 @@ def test_a_cap_warning_whose_showing_fails_is_shown_once_and_the_failure_comes_o
         with pytest.raises(RuntimeError, match="the log is down"):
             op()
     assert shown == [(__file__, op.__code__.co_firstlineno)]
+
+
+# A workspace a message names, pasted back as the cap: 43200 bytes for fwd and bwd_data, 47808 for bwd_filter, which
+# format_size writes "42.19 KiB" and "46.69 KiB", no whole number of bytes (cap_workspace refuses them)
+X_ODD, DY_ODD, W_ODD = (np.ones(s, np.float32) for s in ((1, 3, 16, 16), (1, 8, 12, 12), (8, 3, 5, 5)))
+ODD_OPS = {
+    "fwd": lambda **kw: conv_forward(X_ODD, W_ODD, **kw),
+    "bwd_data": lambda **kw: conv_backward_data(DY_ODD, W_ODD, X_ODD.shape, **kw),
+    "bwd_filter": lambda **kw: conv_backward_filter(X_ODD, DY_ODD, W_ODD.shape, **kw),
+}
+
+
+def runs(monkeypatch):
+    """The algorithms the cpu backend runs from now on, in order."""
+    ran = []
+    real = CpuBackend.run
+
+    def run(self, pass_, candidate, *args):
+        ran.append(candidate.algo)
+        return real(self, pass_, candidate, *args)
+
+    monkeypatch.setattr(CpuBackend, "run", run)
+    return ran
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd_data", "bwd_filter"])
+def test_the_workspace_a_cap_warning_names_is_a_cap_that_admits_its_algorithm(monkeypatch, pass_):
+    """Set as cap_workspace, the size the warning gives the algorithm the cap excluded makes the call run it."""
+    with config(cap_workspace=0), pytest.warns(WorkspaceCapWarning) as warned:
+        ODD_OPS[pass_]()
+    algo, shown = re.search(r"excludes (\w+) \(([^)]+)\)", str(warned[0].message)).groups()
+    ran = runs(monkeypatch)
+    with config(cap_workspace=shown), warnings.catch_warnings():
+        warnings.simplefilter("error", WorkspaceCapWarning)  # nothing faster is left out now
+        ODD_OPS[pass_]()
+    assert ran == [algo]
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd_data", "bwd_filter"])
+def test_the_workspace_a_forced_algorithm_is_refused_for_is_a_cap_that_admits_it(monkeypatch, pass_):
+    algo = cpu.ALGORITHMS[pass_][-1]  # the batch column algorithm: the most workspace
+    with config(cap_workspace=0), pytest.raises(ValueError, match="above the cap of 0 B") as refused:
+        ODD_OPS[pass_](algo=algo)
+    shown = re.search(r"needs (.+) of workspace", str(refused.value)).group(1)
+    ran = runs(monkeypatch)
+    with config(cap_workspace=shown):
+        ODD_OPS[pass_](algo=algo)
+    assert ran == [algo]
+
+
+def test_the_workspaces_a_memory_fallback_warning_names_are_caps_that_admit_their_algorithms(monkeypatch):
+    """Set as the cap, the workspace of the one that ran makes the call run it, with no fallback; that of the one
+    memory denied makes it run where memory allows. At batch 2, gemm_batch (86400 bytes, format_size's "84.38 KiB")
+    comes first, gemm_per_image (43200 bytes, "42.19 KiB") next."""
+
+    class Refusing(HostProvider):
+        def allocate(self, size, *, stream=None):
+            if size > 50000:
+                raise MemoryError("no host memory for that")
+            return super().allocate(size, stream=stream)
+
+    x, w = np.ones((2, 3, 16, 16), np.float32), np.ones((8, 3, 5, 5), np.float32)
+    arena = Arena(Refusing())
+    arena.reserve(45000)  # what it holds serves the fallback: the arena grows no more once refused
+    monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
+    with pytest.warns(MemoryFallbackWarning) as warned:
+        conv_forward(x, w)
+    ran_algo, ran_size, first_algo, first_size = re.match(
+        r"(\w+) \((.+?) of workspace\) ran in place of (\w+) \((.+?)\)", str(warned[0].message)).groups()
+    assert (ran_algo, first_algo) == ("gemm_per_image", "gemm_batch")
+    ran = runs(monkeypatch)
+    with config(cap_workspace=ran_size), warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryFallbackWarning)
+        warnings.simplefilter("ignore", WorkspaceCapWarning)
+        conv_forward(x, w)
+    assert ran == [ran_algo]
+    arena.close()
+    arena = Arena(HostProvider())
+    ran.clear()
+    with config(cap_workspace=first_size):
+        conv_forward(x, w)
+    assert ran == [first_algo]
+    arena.close()
 
 
 def test_one_mib_cap_bounds_every_lease(fresh_arena):

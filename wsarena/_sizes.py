@@ -277,6 +277,15 @@ def exact_cap(cap: int | None) -> str:
     return "none" if cap is None else cap_text(cap, cap + 1)
 
 
+def cap_for(nbytes: int) -> str:
+    """A workspace (``>= 0``) as a cap that admits it, as the settings take it: ``cap_text(nbytes, None)``, rounded up
+    to an eighth of the unit :func:`format_size` writes it in. Where a warning or an error names an algorithm's
+    workspace or a request's, it is the cap to set for it: format_size's ``"42.19 KiB"`` for 43200 bytes is no whole
+    number of bytes, which cap_workspace refuses, and its ``"4 KiB"`` for 4097 a cap that refuses the request; this
+    writes ``"42.25 KiB"`` and ``"4.125 KiB"``."""
+    return cap_text(nbytes, None)
+
+
 def format_seconds(value: float) -> str:
     """A time in the unit that reads best: ``"1.234 s"``, ``"12.35 ms"``, ``"3.2 us"``; ``"1.000 s"`` for 0.999996,
     not ``"1000.00 ms"``, as :func:`format_size` writes ``"1 MiB"`` for 1048575 bytes."""

@@ -28,7 +28,7 @@ from ._config import Config, get_config, using
 from ._geometry import ConvGeometry, describe_geometry
 from ._lru import LRU
 from ._pass import Pass
-from ._sizes import exact_cap, format_size, short_repr
+from ._sizes import cap_for, exact_cap, format_size, short_repr
 from .backends import Backend, Candidate, PartlyRanked, PartlyTimed
 from .errors import (
     ArenaOutOfMemoryError,
@@ -300,13 +300,13 @@ def _timed_before(
 def _named(cand: Candidate, timed: bool) -> str:
     """``cand`` as the cap warning names it: its algorithm and workspace, and with ``timed`` its time."""
     ms = f", {cand.time_ms:.3g} ms" if timed and cand.time_ms is not None else ""
-    return f"{cand.algo} ({format_size(cand.workspace_bytes)}{ms})"
+    return f"{cand.algo} ({cap_for(cand.workspace_bytes)}{ms})"
 
 
 def _cut_short_text(pass_: str, geom: ConvGeometry, ranking: tuple[Candidate, ...], timed: int, lacked: int) -> str:
     """What a MemoryFallbackWarning says of a search that timed the first ``timed`` of ``ranking`` and no more."""
-    skipped = ", ".join(f"{c.algo} ({format_size(c.workspace_bytes)})" for c in ranking[timed:])
-    then = (f"it runs again once {format_size(lacked)} of workspace can be had" if lacked else
+    skipped = ", ".join(f"{c.algo} ({cap_for(c.workspace_bytes)})" for c in ranking[timed:])
+    then = (f"it runs again once {cap_for(lacked)} of workspace can be had" if lacked else
             "those the search's workspace held ran out of memory of their own, and the ranking is kept")
     return (f"an exhaustive search for {pass_} of {describe_geometry(geom)} timed "
             f"{', '.join(c.algo for c in ranking[:timed])}, not {skipped}, for want of memory: the fastest it timed "
@@ -330,7 +330,7 @@ def _warn_untimed(
     _callsite.warn(
         f"an exhaustive search for {pass_} of {describe_geometry(geom)} could not time any algorithm {cause} ({why}): "
         "the call runs them in the heuristic order, as algo_search='heuristic' does, and the next call searches "
-        f"again{f' once {format_size(lacked)} of workspace can be had' if lacked else ''} (said once per call: pass, "
+        f"again{f' once {cap_for(lacked)} of workspace can be had' if lacked else ''} (said once per call: pass, "
         "geometry and cap)",
         SearchFallbackWarning,
     )
@@ -614,7 +614,7 @@ def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: 
     nbytes = backend.workspace_size(pass_, algo, geom) if geom.batch else 0
     if cap is not None and nbytes > cap:
         raise ValueError(
-            f"algo={algo!r} needs {format_size(nbytes)} of workspace for this {pass_}, "
+            f"algo={algo!r} needs {cap_for(nbytes)} of workspace for this {pass_}, "
             f"above the cap of {exact_cap(cap)}"
         )
     return (Candidate(algo, nbytes),)
@@ -629,8 +629,8 @@ def _warn_captured(first: Candidate, ran: Candidate, held: int, refusal: Capture
             return
         _captures_warned.add(stream)
     _callsite.warn(
-        f"captured {ran.algo} ({format_size(ran.workspace_bytes)} of workspace) in place of the first choice, "
-        f"{first.algo} ({format_size(first.workspace_bytes)}): stream {stream} holds {format_size(held)} of "
+        f"captured {ran.algo} ({cap_for(ran.workspace_bytes)} of workspace) in place of the first choice, "
+        f"{first.algo} ({cap_for(first.workspace_bytes)}): stream {stream} holds {format_size(held)} of "
         "workspace, and a capture cannot grow it. To capture the first choice, give that stream its workspace "
         "before capturing: run the eager step on it (where memory allows), or "
         "arena.reserve(arena.stats().high_water_bytes, stream=...), or for PyTorch's captures "
@@ -662,8 +662,8 @@ def _warn_memory(arena: Any, text: Callable[..., str], *args: Any) -> None:
 
 def _fallback_text(ran: Candidate, first: Candidate, why: str, pass_: str, geom: ConvGeometry) -> str:
     """What a MemoryFallbackWarning says of a call that ran ``ran`` where memory denied ``first`` (``why``)."""
-    return (f"{ran.algo} ({format_size(ran.workspace_bytes)} of workspace) ran in place of {first.algo} "
-            f"({format_size(first.workspace_bytes)}) for {pass_} of {describe_geometry(geom)}: {why}")
+    return (f"{ran.algo} ({cap_for(ran.workspace_bytes)} of workspace) ran in place of {first.algo} "
+            f"({cap_for(first.workspace_bytes)}) for {pass_} of {describe_geometry(geom)}: {why}")
 
 
 def _deferred(arena: Any, candidates: tuple[Candidate, ...], cand: Candidate, stream: Any) -> bool:

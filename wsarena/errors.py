@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Hashable
 
-from ._sizes import exact_cap, format_size
+from ._sizes import cap_for, exact_cap, format_size
 
 __all__ = [
     "AlignmentWorkspaceError",
@@ -99,7 +99,7 @@ class WorkspaceMemoryError(WsarenaError, MemoryError):
     Attributes
     ----------
     requested : int
-        Bytes asked for.
+        Bytes asked for. The message writes them as a cap that admits them (rounded up: ``cap_for``).
     held : int
         Bytes the sub-arena held when the request failed.
     cap : int or None
@@ -111,8 +111,8 @@ class WorkspaceMemoryError(WsarenaError, MemoryError):
         self.held = held
         self.cap = cap
         self._message = message
-        super().__init__(  # the cap as cap_workspace takes it back; the sizes to read
-            f"{message} (requested {format_size(requested)}, held {format_size(held)}, cap {exact_cap(cap)})"
+        super().__init__(  # the cap as cap_workspace takes it back, and the request as a cap that admits it
+            f"{message} (requested {cap_for(requested)}, held {format_size(held)}, cap {exact_cap(cap)})"
         )
 
     def __reduce__(self) -> tuple:

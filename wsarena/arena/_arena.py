@@ -41,7 +41,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from .._config import get_config, setting
-from .._sizes import as_int, format_size, short_repr
+from .._sizes import as_int, cap_for, format_size, short_repr
 from ..errors import CaptureError, WorkspaceCapError
 from . import _growth, _leases, _lifecycle, _pinning, _refusals
 from ._interrupts import finish
@@ -454,7 +454,7 @@ class Arena:
             sub = self._subs.get(key)
             held = sub.capacity() if sub is not None else 0
         raise WorkspaceCapError(
-            f"a workspace of {format_size(n)} on stream {short_repr(key)} is above the workspace cap",
+            f"a workspace of {cap_for(n)} on stream {short_repr(key)} is above the workspace cap",
             requested=n, held=held, cap=cap,
         )
 
