@@ -568,6 +568,181 @@ def test_results_and_gradients_under_torch_compile_match_torchs(case, transposed
     assert all(g.shape == e.shape and close(g, e) for g, e in zip(got, expected))
 
 
+def _penalized(conv):
+    """A gradient penalty: ``conv``'s result summed, plus the squared norm of the input's gradient of its squares,
+    taken with ``create_graph`` (in a compiled function a graph break, after which ``torch.autograd.grad`` runs
+    eagerly)."""
+
+    def f(x, *params):
+        y = conv(x, *params)
+        (dx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+        return y.sum() + dx.pow(2).sum()
+
+    return f
+
+
+def _penalty_and_gradients(f, operands):
+    """``f`` of fresh leaves of ``operands``, and the gradient ``backward()`` gives each."""
+    operands = [t.detach().requires_grad_() for t in operands]
+    loss = f(*operands)
+    loss.backward()
+    return [loss, *(t.grad for t in operands)]
+
+
+@pytest.mark.parametrize(("case", "transposed"), _COMPILED_CASES,
+                         ids=[f"{c[0]}d{'-transposed' if t else ''}" for c, t in _COMPILED_CASES])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_a_gradient_penalty_in_a_compiled_function_gives_torchs_values_and_gradients(case, transposed, bias):
+    """A gradient penalty in a compiled function (``backend="eager"``): the graph before the break at
+    ``torch.autograd.grad`` holds the convolution's operator, whose backward autograd runs in the code the compiled
+    function runs eagerly. The penalty and the input's, weight's and bias's gradients are torch's, compiled and not
+    (float64, within 1e-10 of the largest magnitude of each), in 1, 2 and 3 dimensions with groups, stride, padding
+    and dilation, transposed too, with a bias and without. Dynamo compiled the operator's backward as a frame of its
+    own, which raised ``AssertionError: Expected FakeBackwardCFunction``. (``aot_eager`` and ``inductor`` refuse a
+    second backward through their graph, PyTorch's convolution's too.)"""
+    ours, theirs = (TRANSPOSE_FUNCTIONS if transposed else FUNCTIONS)[case[0]]
+    (x, w, b), _ = _operands(case, transposed)
+    operands = (x, w, b) if bias else (x, w)
+
+    def run(conv, compile):
+        f = _penalized(lambda *t: conv(*t, **case[3]))
+        return _penalty_and_gradients(torch.compile(f, backend="eager") if compile else f, operands)
+
+    torch._dynamo.reset()
+    got, expected, eager = run(ours, True), run(theirs, True), run(theirs, False)
+    assert len(got) == len(expected) == len(operands) + 1
+    assert all(g.shape == e.shape and close(g, e) and close(r, e) for g, e, r in zip(got, expected, eager))
+
+
+@pytest.mark.parametrize("convert", [False, True], ids=["modules", "convert"])
+def test_a_gradient_penalty_of_a_compiled_model_gives_torchs_values_and_gradients(convert):
+    """The same through wsarena.torch's modules, made as such or by ``convert()`` (grouped, with a bias and without,
+    one transposed), the model called in the compiled function: the penalty, the input's gradient and every
+    parameter's are torch's (float64, within 1e-10)."""
+    def layers(conv, transposed):
+        return torch.nn.Sequential(conv(4, 6, 3, padding=1, groups=2), torch.nn.Tanh(),
+                                   transposed(6, 4, 2, stride=2, groups=2, bias=False), torch.nn.Tanh(),
+                                   conv(4, 3, 3)).double()
+
+    torch.manual_seed(0)
+    theirs = layers(torch.nn.Conv2d, torch.nn.ConvTranspose2d)
+    if convert:
+        ours = wt.convert(copy.deepcopy(theirs))
+    else:
+        ours = layers(wt.Conv2d, wt.ConvTranspose2d)
+        ours.load_state_dict(theirs.state_dict())
+    assert [type(m) for m in ours[::2]] == [wt.Conv2d, wt.ConvTranspose2d, wt.Conv2d]
+    x = torch.randn(2, 4, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def run(model):
+        loss, dx = _penalty_and_gradients(torch.compile(_penalized(model), backend="eager"), [x])
+        return [loss, dx, *(p.grad for p in model.parameters())]
+
+    torch._dynamo.reset()
+    got, expected = run(ours), run(theirs)
+    assert len(got) == len(expected) == 2 + 5
+    assert all(g is not None and g.shape == e.shape and close(g, e) for g, e in zip(got, expected))
+
+
+@pytest.mark.parametrize(("how", "bias", "backend"), [
+    ("conv2d", True, "eager"), ("conv2d", False, "aot_eager"), ("conv2d", True, "aot_eager"),
+    ("conv_transpose2d", True, "aot_eager"), ("operator", False, "aot_eager"), ("conv2d", True, "inductor"),
+])
+def test_a_compiled_gradient_penalty_of_an_eager_convolution_runs_its_backward_as_recorded(monkeypatch, how, bias,
+                                                                                          backend):
+    """A convolution recorded eagerly (its forms with a bias and without, the operator called directly) and its
+    gradient penalty compiled: autograd runs the convolution's backward in the code the compiled function runs
+    eagerly (after its break at ``torch.autograd.grad``), as it runs PyTorch's convolution's. The penalty and the
+    gradients are torch's (float64, within 1e-10); that backward runs the input's gradient alone (the weight's is not
+    asked for), under the ``config()`` block its forward ran in (a cap of 0, which warns, naming the forward's line),
+    as does the second backward.
+    Dynamo compiled the backward as a frame of its own, which raised ``AssertionError: Expected
+    FakeBackwardCFunction`` with a bias, and without one computed the weight's gradient too, under the process-wide
+    settings."""
+    ours, theirs = _UNREACHED[how]
+    x, w, b = tensors((2, 4, 6, 5), (4, 4, 3, 2))
+    operands = (x, w, b) if bias else (x, w)
+    calls = _counted(monkeypatch)
+
+    def penalty(loss, x):
+        (dx,) = torch.autograd.grad(loss, x, create_graph=True)
+        return dx.pow(2).sum()
+
+    def sites(run):
+        """What ``run()`` returns, and the (file, line) each cap warning it gives names."""
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always", wsarena.WorkspaceCapWarning)
+            result = run()
+        return result, {(w.filename, w.lineno) for w in warned if issubclass(w.category, wsarena.WorkspaceCapWarning)}
+
+    def run(conv):
+        leaves = [t.detach().requires_grad_() for t in operands]
+        with wsarena.config(cap_workspace=0):
+            loss = sites(lambda: conv(*leaves, *[None] * (3 - len(leaves))).pow(2).sum())[0]
+        algos.cache_clear()  # and the record of the shapes that warned: the backward warns again
+        calls.clear()
+        result, warned = sites(lambda: torch.compile(penalty, backend=backend)(loss, leaves[0]))
+        passes = calls[:]
+        gradients, second = sites(lambda: torch.autograd.grad(result, leaves))
+        return [result, *gradients], passes, warned, second
+
+    torch._dynamo.reset()
+    got, passes, warned, second = run(ours)
+    expected = run(theirs)[0]
+    assert passes == ["conv_forward" if how == "conv_transpose2d" else "conv_backward_data"]
+    assert warned == second == {(ours.__code__.co_filename, ours.__code__.co_firstlineno)}  # the convolving line
+    assert len(got) == len(expected) == len(operands) + 1
+    assert all(g.shape == e.shape and close(g, e) for g, e in zip(got, expected))
+
+
+class _Squared(torch.autograd.Function):
+    """``x * x``, a Function whose backward another's calls (as the forms with a bias and the operators' call the
+    public Functions')."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+def _squared_backward(ctx, g):
+    return _Squared.backward(ctx, g)
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["marked", "disabled"])
+def test_a_backward_run_eagerly_in_a_compiled_function_is_no_frame_dynamo_compiles(monkeypatch, marked):
+    """Both ways wsarena.torch keeps Dynamo off the backward of a Function it records eagerly (Dynamo's mark of its
+    code, where PyTorch has it; else ``torch.compiler.disable``): run by autograd in a compiled function's eager code
+    (after the graph break at ``torch.autograd.grad``), it calls another Function's backward, which Dynamo compiling
+    it as a frame refused with ``AssertionError: Expected FakeBackwardCFunction``, and compiles nothing: the graphs
+    are the compiled function's own. Its gradients are the analytic ones (float64, within 1e-10)."""
+    from torch._dynamo.testing import CompileCounter
+
+    if not marked:
+        monkeypatch.setattr(_autograd, "_SKIP_FRAMES", None)
+    # a copy of the code, which the mark goes on, so that each case starts unmarked
+    backward = type(_squared_backward)(_squared_backward.__code__.replace(), globals())
+    squared = type("Squared", (torch.autograd.Function,), {
+        "forward": staticmethod(_Squared.forward), "backward": staticmethod(_autograd._eager_backward(backward))})
+
+    def penalty(loss, x):
+        (dx,) = torch.autograd.grad(loss, x, create_graph=True)
+        return dx.pow(2).sum()
+
+    x = torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    result = torch.compile(penalty, backend=counter)(squared.apply(x).sum(), x)
+    assert counter.frame_count == 1  # the graph after the break, dx.pow(2).sum()
+    (got,) = torch.autograd.grad(result, x)
+    assert close(result, (2 * x).pow(2).sum()) and close(got, 8 * x)
+
+
 @torch.library.custom_op("wsarena_tests::scaled", mutates_args=())
 def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """A plain custom operator, ``x * w.sum()``, whose gradient asks for no zeros in place of a missing one."""

@@ -167,6 +167,30 @@ _OPERATORS: dict[type[torch.autograd.Function], Any] = {
 }
 
 
+def _eager_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """``backward``, a Function's backward, run uncompiled where autograd runs it in code a compiled function runs
+    eagerly (after a graph break, as at ``torch.autograd.grad`` in a gradient penalty), as a C++ operator's backward
+    runs: Dynamo compiled it as a frame of its own, which raised ``AssertionError: Expected FakeBackwardCFunction``
+    where it calls another Function's backward (the forms with a bias, the operators'), and elsewhere ran it under
+    the process-wide settings, not its forward's, and computed every gradient required, asked for or not. Its code is
+    marked for Dynamo to skip its frames and those they call, which costs nothing outside a compile (the older forms'
+    backward is the public Function's, skipped alike); where PyTorch has no such mark, a wrapper disables Dynamo
+    (0.5 us a call). Dynamo still traces it where it traces the Function (a public one applied in a compiled
+    function): the mark is read only where a frame starts."""
+    if _SKIP_FRAMES is None:
+        return torch.compiler.disable(backward)
+    _set_code_exec_strategy(backward.__code__, _SKIP_FRAMES)
+    return backward
+
+
+try:  # Dynamo's own skip of a code object's frames, here with those they call (its skip_code leaves these)
+    from torch._dynamo.eval_frame import set_code_exec_strategy as _set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+    _SKIP_FRAMES: Any = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+except (ImportError, AttributeError):  # pragma: no cover - a PyTorch without it
+    _SKIP_FRAMES = None
+
+
 def _jvp(function: type[torch.autograd.Function]) -> Callable[..., Tensor | None]:
     """``function``'s ``jvp``: the tangent of its output, bilinear in its two operands, from theirs."""
 
@@ -189,7 +213,7 @@ def _older_form(function: type[torch.autograd.Function]) -> type[torch.autograd.
         function.setup_context(ctx, args, output)
         return output
 
-    body = {"forward": staticmethod(forward), "backward": staticmethod(function.backward),
+    body = {"forward": staticmethod(forward), "backward": staticmethod(_eager_backward(function.backward)),
             "jvp": staticmethod(_jvp(function)), "__doc__": function.__doc__}
     return type(function.__name__, (torch.autograd.Function,), body)
 
@@ -220,8 +244,8 @@ def _biased_form(function: type[torch.autograd.Function]) -> type[torch.autograd
         # the bias's tangent alone: one value a channel, broadcast over the output (autograd copies it out)
         return dbias.expand(ctx.output_shape) if tangent is None else tangent + dbias
 
-    body = {"forward": staticmethod(forward), "backward": staticmethod(backward), "jvp": staticmethod(jvp),
-            "__doc__": function.__doc__}
+    body = {"forward": staticmethod(forward), "backward": staticmethod(_eager_backward(backward)),
+            "jvp": staticmethod(jvp), "__doc__": function.__doc__}
     return type(function.__name__, (torch.autograd.Function,), body)
 
 
@@ -275,7 +299,7 @@ def _operator_form(function: type[torch.autograd.Function]) -> type[torch.autogr
         return second if first is None else first if second is None else first + second
 
     body = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(backward), "jvp": staticmethod(jvp), "__doc__": function.__doc__}
+            "backward": staticmethod(_eager_backward(backward)), "jvp": staticmethod(jvp), "__doc__": function.__doc__}
     return type(function.__name__, (_SingleLevelFunction,), body)
 
 
