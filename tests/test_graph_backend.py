@@ -25,7 +25,7 @@ import wsarena
 from wsarena import algos, config, configure
 from wsarena._geometry import conv_geometry, describe_geometry
 from wsarena._search_env import api_path
-from wsarena.arena._pins import GraphPin
+from wsarena.arena._pins import GraphPin, KeptBytes, let_go_kept
 from wsarena.arena.testing import FakeGraph
 from wsarena.backends import Candidate, PartlyTimed, device_properties_backend, reset_backends
 from wsarena.backends._cudnn_backend import CudnnBackend
@@ -168,6 +168,7 @@ def test_a_plan_a_graph_captured_outlives_its_eviction_until_the_graph_is_gone()
         assert made[0]() is None and cache.kept() == []
 
 
+
 @contextlib.contextmanager
 def _held_by_another_thread(*locks):
     """``locks`` held by a thread of their own for the block's duration (in a forked child that thread is gone)."""
@@ -227,13 +228,14 @@ def test_a_miss_takes_back_the_plan_a_graph_keeps_even_during_a_capture(monkeypa
     b = Builder()
     with config(plan_cache_size=1):
         cache = PlanCache(b.graph, b.plan)
-        _, pin = _captured_graph()
+        graph, pin = _captured_graph()
         kept = cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
         cache.plan("h", "fwd", GEOM, "eng2")  # evicts eng1
         assert cache.plan("h", "fwd", GEOM, "eng1", stream=captured, pin=pin) is kept
         assert [name for *_, name, _ in b.plans] == ["eng1", "eng2"]
         with pytest.raises(CaptureError, match="finalize a cuDNN execution plan"):
             cache.plan("h", "fwd", GEOM, "eng2", stream=captured)  # evicted, and kept by no graph: a build
+        graph.close()  # as CUDA destroys every graph: no pin left live for the tests that follow
 
 
 def test_a_plan_kept_for_a_graph_stays_cached_once_the_graph_is_gone():
@@ -255,11 +257,12 @@ def test_a_plan_captured_again_and_again_forgets_the_graphs_that_are_gone():
         cache.plan("h", "fwd", GEOM, "eng1", pin=pin)  # the same graph's second call: one entry
         graph.close()
         graphs.append(graph)
-    _, pin = _captured_graph()
+    graph, pin = _captured_graph()
     cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
     cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
     ((kept, pins),) = cache._captured.values()
     assert kept is plan and len(pins) <= 16 and pins.count(pin) == 1 and pins[-1] is pin and cache.kept() == [plan]
+    graph.close()
 
 
 def test_clear_spares_the_plans_graphs_may_still_use_for_good():
@@ -1094,6 +1097,36 @@ def test_a_call_whose_lease_carries_a_graphs_pin_keeps_its_plan_for_that_graph(f
     graph.close()
     assert faked._plans.kept() == []
 
+
+
+def test_a_legacy_call_captured_into_a_graph_keeps_its_cudnn_handle_while_the_graph_exists(monkeypatch):
+    """A thread's handle is destroyed once the thread has ended (at the next handle created), and cuDNN does not say a
+    captured call may outlive its handle: a lease taken during a capture carries the graph's pin, which keeps the
+    handle of each call captured into it until CUDA has destroyed the graph (dropping it calls no CUDA). An eager
+    call keeps nothing."""
+    backend = CudnnBackend()
+    handles, ran = [_BoundHandle()], []  # the thread's handle (its thread-local reference), what each call ran with
+    monkeypatch.setattr(backend, "_handle", lambda stream=None: handles[-1])
+    monkeypatch.setattr(backend, "_descriptors", lambda geom, math_type=None: ("x", "w", "conv", "y"))
+    monkeypatch.setattr(backend._cudnn.conv, "convolution", lambda pass_, h, **kw: ran.append(id(h)))
+    x, w, y = _array(0x1000), _array(0x2000), _array(0x3000)
+    graph, pin = FakeGraph(), GraphPin(KeptBytes())  # as the arena's: it counts what it keeps for stats()
+    graph.retain(pin)
+    lease = _lease(64)
+    lease.pin = pin
+    backend.run("fwd", Candidate("implicit_gemm", 64), GEOM, x, w, y, lease, None)
+    backend.run("fwd", Candidate("implicit_gemm", 64), GEOM, x, w, y, lease, None)  # the graph's second call
+    handles.append(_BoundHandle())  # another thread's, say: an eager call
+    backend.run("fwd", Candidate("implicit_gemm", 64), GEOM, x, w, y, _lease(64), None)
+    captured, uncaptured = map(weakref.ref, handles)
+    assert ran == [id(handles[0])] * 2 + [id(handles[1])] and list(pin.kept.values()) == [handles[0]]
+    assert pin.tally.owners == {} and pin.tally.nbytes == 0  # no array: nothing for kept_bytes to count
+    handles.clear()  # the threads ended
+    gc.collect()
+    assert captured() is not None and uncaptured() is None  # the thread's own reference gone: the graph's remains
+    graph.close()
+    let_go_kept(None)
+    assert captured() is None
 
 def test_a_call_on_a_zero_byte_lease_asks_its_stream_for_its_handle_once(graph_backend, monkeypatch):
     """A zero-byte lease carries no stream handle: the call's stream is resolved for the handle's binding, and that

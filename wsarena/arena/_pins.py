@@ -134,20 +134,21 @@ class GraphPin:
         and not yet recorded when an interrupt lands would be lost, and the pin would read live for good."""
         return not _posted(self._state)
 
-    def keep(self, objects: Iterable[Any], frees: bool = True) -> None:
+    def keep(self, objects: Iterable[Any], frees: bool = True, counted: bool = True) -> None:
         """Keep ``objects`` (arrays whose memory the graph's kernels write or read) while the graph exists: freed
         meanwhile, their memory would go to the next allocation, which every replay would overwrite. The first
         :func:`let_go_kept` after CUDA posts the pin lets go of them; with ``frees`` (dropping one may free device
         memory at once, ``cudaFree``: not where it goes back to a pool, or is host memory), only once no capture is
-        under way. What they hold is counted in :attr:`tally` now, once (:class:`KeptBytes`). The first keep of each
-        pin lets go of what graphs gone since kept that frees nothing (a capture is under way: this one), so that a
-        program that captures again and again, with a pool, holds what the graphs alive keep.
+        under way. What they hold is counted in :attr:`tally` now, once (:class:`KeptBytes`), unless ``counted`` is
+        false (no array: a cuDNN handle or execution plan a captured call used). The first keep of each pin lets go of
+        what graphs gone since kept that frees nothing (a capture is under way: this one), so that a program that
+        captures again and again, with a pool, holds what the graphs alive keep.
 
         A Ctrl-C once the keep has begun (:func:`~wsarena.arena._interrupts.finish` runs it) loses none of them: they
         go to the pin in one C call, and the step runs again until it completes, then the interrupt is raised (the
         let-go that follows is idempotent: one cut short leaves the rest to the next)."""
         first = id(self) not in _keeping
-        finish(_keep, self, objects if type(objects) is list else list(objects), frees)
+        finish(_keep, self, objects if type(objects) is list else list(objects), frees, counted)
         if first:
             let_go_kept(None)
 
@@ -177,7 +178,7 @@ def _let_go(state: list[Any]) -> None:
         _unposted[state[0]] = state
 
 
-def _keep(pin: GraphPin, objects: list[Any], frees: bool) -> None:
+def _keep(pin: GraphPin, objects: list[Any], frees: bool, counted: bool = True) -> None:
     """:meth:`GraphPin.keep`'s one step, idempotent (run again after an interrupt): the pin is marked as keeping what
     may free device memory (``frees``), the objects go to it within one C call (``dict.update`` over a ``zip``); then
     the pin is listed for :func:`let_go_kept`, and what they hold is counted."""
@@ -186,7 +187,7 @@ def _keep(pin: GraphPin, objects: list[Any], frees: bool) -> None:
         pin.frees = True
     pin.kept.update(zip(map(id, objects), objects))
     _keeping[id(pin)] = pin
-    if pin.tally is not None:
+    if counted and pin.tally is not None:
         pin.tally.count(pin, objects)
 
 

@@ -282,13 +282,19 @@ class CudnnBackend:
         """This thread's handle for the current device, bound to ``stream``.
 
         A workspace leased from the arena carries its stream's raw handle (an int) already: resolving ``stream``
-        again would cost as much as the lease's own resolution.
+        again would cost as much as the lease's own resolution. One leased during a capture carries the graph's pin,
+        which keeps the handle while the graph exists: cuDNN does not say a captured call may outlive its handle, and
+        a thread's handle is destroyed once the thread has ended (at the next handle created). Dropping it calls no
+        CUDA (its finalizer queues it for that).
         """
         raw = getattr(workspace, "cuda_stream", None)
         if raw is None:
             raw = stream_handle(stream)
         handle = self._handle(raw)
         handle.set_stream(raw)
+        pin = getattr(workspace, "pin", None)
+        if pin is not None and id(handle) not in pin.kept:
+            pin.keep([handle], frees=False, counted=False)
         return handle
 
 

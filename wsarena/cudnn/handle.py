@@ -10,7 +10,9 @@ All handles are destroyed by an ``atexit`` hook, which runs before the CUDA runt
 garbage-collection finalizers (a thread that ended, :func:`close_all_handles`) do nothing at shutdown. The handle of a
 thread that ended is destroyed by the next creation of a handle, or at exit, not as the thread ends: ``cudnnDestroy``
 synchronizes the device, which would invalidate a CUDA graph capture in CUDA's global mode that another thread may
-have under way then. A forked child forgets the parent's handles, destroying none (CUDA cannot run there).
+have under way then. A CUDA graph that captured calls on a handle keeps it (its pin: the backend's ``_bound_handle``)
+until CUDA has destroyed the graph. A forked child forgets the parent's handles, destroying none (CUDA cannot run
+there).
 """
 
 from __future__ import annotations
