@@ -169,6 +169,44 @@ def test_a_plan_a_graph_captured_outlives_its_eviction_until_the_graph_is_gone()
 
 
 
+def test_a_plan_a_graph_holds_outlives_its_cache_until_the_graph_is_gone():
+    """A backend dropped (reset_backends()) takes its plan cache with it: a plan a graph may still replay is left to
+    the graph's pin, not destroyed with the cache (a captured kernel uses what its plan owns), and goes once CUDA has
+    destroyed the graph and no capture is under way (destroying a plan may unload its kernels). A plan no graph ran
+    goes with the cache."""
+    build, made = _weak_builder()
+    cache = PlanCache(lambda *args: FakePlan("graph"), build)
+    graph, pin = FakeGraph(), GraphPin(KeptBytes())  # as the arena's: it counts what it keeps for stats()
+    graph.retain(pin)
+    cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
+    cache.plan("h", "fwd", GEOM, "eng2")
+    del cache
+    gc.collect()
+    assert made[1]() is None
+    assert made[0]() is not None and not made[0]().closed and pin.tally.owners == {}  # no array to count
+    let_go_kept(lambda: True)  # the graph lives: kept
+    assert made[0]() is not None
+    graph.close()
+    let_go_kept(lambda: False)  # a capture under way: kept
+    assert made[0]() is not None
+    let_go_kept(lambda: True)
+    assert made[0]() is None
+
+
+def test_the_plans_clear_spared_are_never_destroyed_once_their_cache_is_gone():
+    """clear() (close_all_handles) spares the plans of graphs that may still exist for good: their handles are
+    destroyed next. The cache collected later destroys none of them, even once the graph is gone."""
+    build, made = _weak_builder()
+    cache = PlanCache(lambda *args: FakePlan("graph"), build)
+    graph, pin = _captured_graph()
+    cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
+    cache.clear()
+    del cache
+    gc.collect()
+    graph.close()
+    let_go_kept(lambda: True)
+    assert made[0]() is not None and not made[0]().closed
+
 @contextlib.contextmanager
 def _held_by_another_thread(*locks):
     """``locks`` held by a thread of their own for the block's duration (in a forked child that thread is gone)."""

@@ -193,7 +193,8 @@ class PlanCache:
     ``CUDNN_CUDA_GRAPH_RETENTION=none``) nothing else keeps it (cuDNN's header, on ``cudnnCudaGraphRetention_t``).
     A miss of its key takes it back into the cache, built already (during a capture too). An evicted plan is
     destroyed once nothing refers to it; one kept for graphs, by the first miss that builds after they are all gone
-    (a miss builds nothing during a capture, so this never destroys a plan in the middle of one).
+    (a miss builds nothing during a capture, so this never destroys a plan in the middle of one). A cache collected
+    while such graphs exist (its backend dropped) leaves the plans to their pins (``_hand_over``).
 
     Parameters
     ----------
@@ -221,6 +222,8 @@ class PlanCache:
         self._spared: list[tuple[Any, list[Any]]] = []
         self._lock = _forksafe.lock()  # guards _captured, _spared and their lists
         _caches.add(self)
+        # Collected (its backend dropped: reset_backends()), the cache leaves what graphs may still use to them
+        weakref.finalize(self, _hand_over, self._captured, self._spared).atexit = False
 
     def built(self) -> list[Any]:
         """The finalized plans held, least recently used first; the configurations' cached refusals left out."""
@@ -303,9 +306,10 @@ class PlanCache:
         """Start empty, destroying nothing, and return what was held. Takes no lock: it runs in a forked child's
         at-fork hook, where no other thread is (a lock the parent's threads held is freed by :mod:`wsarena._forksafe`'s
         hook, before this one)."""
-        held = [self._plans, self._graphs, self._captured, self._spared]
+        held = [self._plans, self._graphs, dict(self._captured), list(self._spared)]
         self._plans, self._graphs = _lru(self._plans.maxsize), _lru(self._graphs.maxsize)
-        self._captured, self._spared = {}, []
+        self._captured.clear()  # in place: the finalizer (_hand_over) holds these two
+        self._spared.clear()
         return held
 
     @staticmethod
@@ -351,7 +355,8 @@ def _lru(size: int) -> LRU[Any]:
 
 
 _caches: weakref.WeakSet[PlanCache] = weakref.WeakSet()
-_forsaken: list[Any] = []  # in a forked child, the parent's plans and graphs: never destroyed (below)
+_forsaken: list[Any] = []  # never destroyed: in a forked child, the parent's plans and graphs (below); the plans
+# clear() spared of a cache collected since (_hand_over)
 
 
 def _after_fork_in_child() -> None:
@@ -364,6 +369,22 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _hand_over(captured: dict[_PlanKey, tuple[Any, list[Any]]], spared: list[tuple[Any, list[Any]]]) -> None:
+    """A plan cache was collected with the plans it kept for CUDA graphs (``captured``, ``spared``): each that a graph
+    may still use goes to the pins of those graphs (:meth:`~wsarena.arena._pins.GraphPin.keep`), which let go of it
+    once CUDA has destroyed them and no capture is under way (destroying a plan may unload the kernels it loaded),
+    rather than being destroyed with the cache while a graph replays it. Those :meth:`PlanCache.clear` spared, whose
+    handles are destroyed, are never destroyed (:data:`_forsaken`). The rest go as the cache does."""
+    live = _Asked()
+    for plan, pins in list(captured.values()):
+        for pin in pins:
+            if live(pin):
+                pin.keep([plan], frees=True, counted=False)
+    held = [(plan, pins) for plan, pins in spared if any(map(live, pins))]
+    if held:
+        _forsaken.append(held)
 
 
 class _Asked:
