@@ -300,7 +300,15 @@ def _operator_form(function: type[torch.autograd.Function]) -> type[torch.autogr
 
     body = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
             "backward": staticmethod(_eager_backward(backward)), "jvp": staticmethod(jvp), "__doc__": function.__doc__}
+    if _COMPILED_AUTOGRAD_KEY is not None:
+        body["_compiled_autograd_key"] = _COMPILED_AUTOGRAD_KEY
     return type(function.__name__, (_SingleLevelFunction,), body)
+
+
+# What compiled autograd asks of a Function's node, which only torch.autograd.Function defines, not the single-level
+# base the operators' form is made on: without it, a backward under compiled autograd of a graph that holds the
+# operators (torch.compile's eager backend, an operator called directly) raised AttributeError
+_COMPILED_AUTOGRAD_KEY = torch.autograd.Function.__dict__.get("_compiled_autograd_key")
 
 
 def _autograd_kernel(function: type[torch.autograd.Function]) -> Callable[..., Tensor]:
