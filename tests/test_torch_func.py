@@ -9,6 +9,7 @@ under ``vmap``).
 
 import contextlib
 import copy
+import os
 import warnings
 
 import pytest
@@ -728,6 +729,35 @@ def test_a_backward_under_compiled_autograd_gives_torchs_gradients(how, bias, fo
     got, expected = run(ours, True), run(theirs, False)
     assert len(got) == len(expected) == len(operands)
     assert all(g is not None and g.shape == e.shape and close(g, e) for g, e in zip(got, expected))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["nograd", "grad"])
+def test_an_operator_run_eagerly_in_a_compiled_function_is_no_frame_dynamo_compiles(grad):
+    """``torch.ops.wsarena.conv_forward`` called in a frame that a compiled function runs rather than traces
+    (``torch.compiler.disable(..., recursive=False)``, as Dynamo runs a frame it gives up on): Dynamo compiles none of
+    wsarena's frames, as it compiles none of PyTorch's convolution's, and the result and the input's gradient are
+    torch's (float64, within 1e-10). Dynamo compiled the operator's autograd kernel as a frame of its own, and ran it
+    as if compiling (its check of a tangent true), applying a Function where nothing was recorded."""
+    from torch._dynamo import convert_frame
+
+    x, w, _ = tensors((2, 4, 6, 5), (4, 4, 3, 2))
+
+    def run(conv):
+        inner = torch.compiler.disable(conv, recursive=False)
+        torch._dynamo.reset()
+        leaf = x.detach().requires_grad_(grad)
+        y = torch.compile(lambda x, w: inner(x, w) * 2, backend="eager")(leaf, w)
+        compiled = {c.co_name for c in (ref() for ref in convert_frame.input_codes.seen) if c is not None
+                    and c.co_filename.startswith(os.path.dirname(wsarena.__file__))}
+        if grad:
+            y.backward(torch.ones_like(y))
+        return y, leaf.grad, compiled
+
+    got, got_grad, compiled = run(lambda x, w: torch.ops.wsarena.conv_forward(x, w, *_PASS_ARGS))
+    expected, expected_grad, _ = run(lambda x, w: F.conv2d(x, w, padding=(1, 0)))
+    assert compiled == set()
+    assert close(got, expected) and (got_grad is None) == (expected_grad is None) == (not grad)
+    assert not grad or close(got_grad, expected_grad)
 
 
 class _Squared(torch.autograd.Function):

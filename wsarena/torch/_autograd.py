@@ -336,6 +336,11 @@ def _autograd_kernel(function: type[torch.autograd.Function]) -> Callable[..., T
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & below, a, b, *rest)
 
+    if _SKIP_FRAMES is not None:
+        # nor the kernel's frames, where it is called in code a compiled function runs eagerly (a frame it runs
+        # rather than traces): Dynamo compiled them, and ran the kernel as if compiling (_dual true), applying the
+        # Function where nothing records. Marked as the backward forms' are (_eager_backward), at no cost a call
+        _set_code_exec_strategy(kernel.__code__, _SKIP_FRAMES)
     return kernel
 
 
