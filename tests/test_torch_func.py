@@ -1316,6 +1316,34 @@ def test_the_operators_forward_mode_is_registered_where_library_impl_refuses_ove
     assert run.returncode == 0, run.stderr[-2000:]
     assert float(run.stdout.split()[-1]) <= 1e-10
 
+def test_import_takes_dynamos_wrapper_where_the_frame_mark_has_another_form():
+    """A PyTorch whose ``FrameExecStrategy`` takes other arguments (a private name of Dynamo's) leaves
+    ``import wsarena.torch`` working, with ``torch.compiler.disable``'s wrapper in place of the mark: its TypeError
+    broke the import. The gradient is then torch's (float64, within 1e-10)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch, torch._dynamo.types as types, torch.nn.functional as F
+        def strategy(*args):
+            raise TypeError('takes other arguments')
+        types.FrameExecStrategy = strategy
+        import wsarena.torch as wt
+        from wsarena.torch import _autograd
+        assert _autograd._SKIP_FRAMES is None
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 2, 5, 5, dtype=torch.float64, generator=g, requires_grad=True)
+        w = torch.randn(3, 2, 3, 3, dtype=torch.float64, generator=g)
+        (got,) = torch.autograd.grad(wt.conv2d(x, w).pow(2).sum(), x)
+        (expected,) = torch.autograd.grad(F.conv2d(x, w).pow(2).sum(), x)
+        print((got - expected).abs().max().item() / expected.abs().max().item())
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) <= 1e-10
+
+
 class _Exported(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -187,7 +187,7 @@ try:  # Dynamo's own skip of a code object's frames, here with those they call (
     from torch._dynamo.eval_frame import set_code_exec_strategy as _set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy
     _SKIP_FRAMES: Any = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-except (ImportError, AttributeError):  # pragma: no cover - a PyTorch without it
+except (ImportError, AttributeError, TypeError):  # pragma: no cover - a PyTorch without it, or with another form
     _SKIP_FRAMES = None
 
 
