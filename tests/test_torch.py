@@ -281,6 +281,42 @@ def test_a_meta_operand_beside_a_real_one_is_refused(call):
     assert close(wt.conv2d(x, w, b), torch.nn.functional.conv2d(x, w, b))  # nothing left behind
 
 
+def test_a_meta_bias_beside_real_operands_is_refused_under_torch_compile():
+    """The bias is no operand of the operators, whose fake kernels refuse a meta weight: a compiled model with a
+    meta bias (one a checkpoint left unloaded) added it by PyTorch's in-place add, which adds nothing from the meta
+    device, and gave the convolution without its bias."""
+    model = wt.convert(torch.nn.Conv2d(4, 2, 3, dtype=torch.float64))
+    model.bias = torch.nn.Parameter(torch.ones(2, dtype=torch.float64, device="meta"))
+    x = torch.randn(1, 4, 6, 6, dtype=torch.float64)
+    torch._dynamo.reset()
+    with pytest.raises(TypeError, match="bias is on the meta device, which holds no values"):
+        torch.compile(model, backend="eager")(x)
+
+
+def test_a_meta_bias_is_refused_in_eager_while_another_thread_compiles():
+    """torch.compiler.is_compiling() is the process's, true while any thread compiles: a call in eager mode in
+    another thread meanwhile is checked as any other (a meta bias there was added as nothing)."""
+    x, w, b = (t.detach() for t in tensors((1, 4, 6, 6), (2, 4, 3, 3)))
+    compiling, done = threading.Event(), threading.Event()
+
+    def backend(gm, example_inputs):  # holds the compilation open while the test's thread runs
+        compiling.set()
+        done.wait(30)
+        return gm
+
+    worker = threading.Thread(target=lambda: torch.compile(lambda t: t + 1, backend=backend)(torch.zeros(2)))
+    torch._dynamo.reset()
+    worker.start()
+    try:
+        assert compiling.wait(30) and torch.compiler.is_compiling()
+        with pytest.raises(TypeError, match="bias is on the meta device, which holds no values"):
+            wt.conv2d(x, w, b.to("meta"))
+    finally:
+        done.set()
+        worker.join()
+    assert close(wt.conv2d(x, w, b), torch.nn.functional.conv2d(x, w, b))
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [

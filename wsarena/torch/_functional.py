@@ -112,17 +112,25 @@ def _operands(
         raise TypeError(f"{name} takes float16, bfloat16, float32 or float64 tensors, not {x.dtype}")
     if x.layout != torch.strided or w.layout != torch.strided:  # sparse or oneDNN (to_mkldnn) tensors
         raise TypeError(f"{name} takes dense tensors (torch.strided), not {x.layout} and {w.layout}")
-    # (a trace's fake tensors are no meta tensors; Dynamo would record is_meta in its graph)
-    if not compiling and (w.is_meta or (bias is not None and bias.is_meta)):
-        _no_meta_beside(x, w, bias)
+    # Under a trace too (a fake tensor is on its tensor's device): the bias is no operand of the operators, whose
+    # fake kernels refuse a meta weight, and PyTorch's in-place add adds nothing from the meta device.
+    if _on_meta(w, compiling) or (bias is not None and _on_meta(bias, compiling)):
+        _no_meta_beside(x, w, compiling)
     return x, w, bias, unbatched
 
 
-def _no_meta_beside(x: Tensor, w: Tensor, bias: Tensor | None) -> None:
+def _on_meta(t: Tensor, compiling: bool) -> bool:
+    """Whether ``t`` is on the meta device: asked of its device while anything compiles (Dynamo's trace makes that
+    a constant, where ``is_meta`` would be a call in its graph; the flag is the process's, true for another thread's
+    eager calls meanwhile too), else of ``is_meta``, which costs less."""
+    return t.device.type == "meta" if compiling else t.is_meta
+
+
+def _no_meta_beside(x: Tensor, w: Tensor, compiling: bool) -> None:
     """Refuse a meta weight or bias beside a real input: the operator's fake kernel would answer, with a result on
     the input's device never written. A meta input beside real weights gives a meta result, as PyTorch's does."""
-    if not x.is_meta:
-        meta = "weight" if w.is_meta else "bias"
+    if not _on_meta(x, compiling):
+        meta = "weight" if _on_meta(w, compiling) else "bias"
         raise TypeError(f"{meta} is on the meta device, which holds no values, and input on {x.device}: "
                         "load the model's weights, or give a meta input to run on the meta device")
 
