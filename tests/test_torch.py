@@ -259,6 +259,23 @@ def test_meta_tensors_give_torchs_shapes_through_a_converted_model(autocast):
     assert y.device.type == "meta" and y.shape == ref.shape == (2, 4, 16, 16) and y.dtype == ref.dtype
 
 
+@pytest.mark.parametrize("trace", ["compile", "export"])
+def test_a_model_on_the_meta_device_compiles_and_exports_with_a_meta_input(trace):
+    """As PyTorch's own model does: the autocast check asked autocast about the meta device, which it has no mode
+    for (a RuntimeError), where the trace does not ask whether autocast is available."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ConvTranspose2d(8, 4, 2, 2))
+    model = model.to("meta")
+    x = torch.empty(2, 3, 15, 15, device="meta")
+    ref = model(x)
+    wt.convert(model)
+    torch._dynamo.reset()
+    if trace == "compile":
+        y = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    else:
+        y = torch.export.export(model, (x,)).module()(x)
+    assert y.device.type == "meta" and y.shape == ref.shape == (2, 4, 16, 16) and y.dtype == ref.dtype
+
+
 @pytest.mark.parametrize(
     "call",
     [

@@ -73,9 +73,9 @@ def _autocast(x: Tensor, w: Tensor, bias: Tensor | None, compiling: bool) -> tup
     if not compiling and not _any_autocast():  # the common case, in one call
         return x, w, bias
     device_type = x.device.type
-    # A device autocast has no mode for (the meta device) makes is_autocast_enabled raise. torch.compile traces a
-    # real device's tensors, and before PyTorch 2.13 cannot trace is_autocast_available (fullgraph=True fails on it).
-    if not compiling and not torch.amp.is_autocast_available(device_type):
+    # A device autocast has no mode for (the meta device) makes is_autocast_enabled raise. Before PyTorch 2.13
+    # torch.compile cannot trace is_autocast_available (fullgraph=True fails on it): a trace asks of meta by name.
+    if device_type == "meta" if compiling else not torch.amp.is_autocast_available(device_type):
         return x, w, bias
     if not torch.is_autocast_enabled(device_type):
         return x, w, bias
