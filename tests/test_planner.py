@@ -390,8 +390,10 @@ def test_text_progress_draws_nothing_where_the_stream_is_not_a_terminal():
         ({"dtype": object()}, ValueError, "dtype"),
         ({"passes": ("fwd", "bwd")}, ValueError, "passes"),
         ({"streams": 0}, ValueError, "streams"),
-        ({"batch": True}, ValueError, "batch"),
-        ({"batch": 2.0}, ValueError, "batch"),
+        ({"batch": True}, TypeError, "batch must be a positive int, not True"),
+        ({"batch": 2.0}, TypeError, "batch must be a positive int, not 2.0"),
+        ({"batch": "2"}, TypeError, "batch must be a positive int, not '2'"),
+        ({"batch": 0}, ValueError, "batch must be a positive int, not 0"),
         ({"streams": [0, 1]}, ValueError, "assigns 2 layers"),
         ({"streams": [0, -1, 1]}, ValueError, r"streams\[1\] must be a stream index >= 0, not -1"),
         ({"streams": [0, True, 1]}, TypeError, r"streams\[1\] must be an int"),
@@ -530,11 +532,13 @@ def test_device_properties_with_a_nul_name_the_argument(resnet50, value):
         wsarena.plan(resnet50[:3], device_properties=value)
 
 
-@pytest.mark.parametrize("batch", [True, False, 0, 2.0])
-def test_batch_is_checked_before_anything_else(batch):
-    with pytest.raises(ValueError, match="batch must be a positive int"):
+@pytest.mark.parametrize(("batch", "error"), [(True, TypeError), (False, TypeError), (0, ValueError),
+                                               (2.0, TypeError)])
+def test_batch_is_checked_before_anything_else(batch, error):
+    """A batch of the wrong type is a TypeError, as streams' is; one below 1 a ValueError."""
+    with pytest.raises(error, match="batch must be a positive int"):
         wsarena.plan(HONEST_LAYERS, batch=batch, backend="cpu")
-    with pytest.raises(ValueError, match="batch must be a positive int"):  # not the GPU that auto or cudnn lacks
+    with pytest.raises(error, match="batch must be a positive int"):  # not the GPU that auto or cudnn lacks
         wsarena.plan(HONEST_LAYERS, batch=batch, backend="cudnn")
 
 

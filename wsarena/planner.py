@@ -348,7 +348,9 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
           streams: int | Sequence[int], model: str, progress: Callable[[int, int, str], None] | None,
           device_properties: str | None = None, properties_source: str | None = None) -> Plan:
     batch, streams = _integer(batch), _integer(streams)
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+    if isinstance(batch, bool) or not isinstance(batch, int):
+        raise TypeError(f"batch must be a positive int, not {short_repr(batch)}")
+    if batch < 1:
         raise ValueError(f"batch must be a positive int, not {short_repr(batch)}")
     dtype = _dtype_name(dtype)
     cap, search, requested = cfg.cap_workspace, cfg.algo_search, cfg.backend
