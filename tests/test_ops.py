@@ -855,6 +855,23 @@ def test_a_bad_forced_algorithm_is_rejected_before_any_memory_is_touched(monkeyp
         conv_forward(np.zeros((2, 4, 8, 8), np.float32)[:, :, ::1, ::-1], W, **kwargs)
 
 
+@pytest.mark.parametrize("algo", [3, b"gemm_batch", ["gemm_batch"], True])
+@pytest.mark.parametrize("op", [conv_forward, conv_backward_data, conv_backward_filter])
+def test_a_forced_algorithm_of_the_wrong_type_is_a_type_error_naming_algo(monkeypatch, op, algo):
+    """As the package's other arguments of the wrong type: algo=3 was a ValueError, as an unknown name is."""
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    def no_allocation(self, shape, dtype):
+        raise AssertionError("output allocated before the arguments were checked")
+
+    monkeypatch.setattr(CpuBackend, "empty", no_allocation)
+    x = np.zeros((2, 4, 8, 8), np.float32)
+    a, b, shape = {conv_forward: (x, W, None), conv_backward_data: (np.zeros((2, 2, 6, 6), np.float32), W, x.shape),
+                   conv_backward_filter: (x, np.zeros((2, 2, 6, 6), np.float32), W.shape)}[op]
+    with pytest.raises(TypeError, match=r"^algo must be a str, an algorithm's name, not "):
+        op(a, b, algo=algo) if shape is None else op(a, b, shape, algo=algo)
+
+
 def test_an_algorithm_the_backend_refuses_is_skipped_for_the_next(monkeypatch):
     """As cuDNN's NOT_SUPPORTED at run time: the call moves on to the next candidate and still gets it right."""
     from wsarena.backends._cpu_backend import CpuBackend

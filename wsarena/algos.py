@@ -603,6 +603,8 @@ def forced(backend: Backend, pass_: str, geom: ConvGeometry, algo: str, *, cap: 
     """The single candidate ``algo``, checked against the backend's algorithms (or by its ``check_algorithm``, for
     a backend whose names are not a fixed list) and the cap. A call with nothing to compute (batch 0) needs no
     workspace, whatever the algorithm: its size is not asked for, and it fits any cap."""
+    if not isinstance(algo, str):
+        raise TypeError(f"algo must be a str, an algorithm's name, not {short_repr(algo)}")
     check = getattr(backend, "check_algorithm", None)
     if check is not None:
         check(pass_, algo)
