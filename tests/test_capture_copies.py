@@ -547,11 +547,17 @@ def test_keep_with_capture_refuses_one_array_or_no_collection_before_it_keeps_an
     graph = provider.begin_capture("lane")
     with pytest.raises(TypeError, match=r"a collection of arrays, not one: \[array\("):
         arena.keep_with_capture(np.empty((4, 8)), stream="lane")
-    with pytest.raises(TypeError, match="not iterable"):
+    with pytest.raises(TypeError, match=r"^keep_with_capture\(\)'s objects must be a collection of arrays, not 7$"):
         arena.keep_with_capture(7, stream="lane")  # type: ignore[arg-type]
     assert arena.stats().pinned_bytes == 0 and not arena._table.captures  # no pin was made for the capture
     provider.end_capture(graph)
     graph.close()
+
+
+def test_keep_with_capture_names_objects_of_the_wrong_type_outside_a_capture_too():
+    """Python's own "'int' object is not iterable" named no argument."""
+    with pytest.raises(TypeError, match=r"^keep_with_capture\(\)'s objects must be a collection of arrays, not 3$"):
+        wsarena.get_arena("cpu").keep_with_capture(3)  # type: ignore[arg-type]
 
 
 def test_a_pin_keeps_objects_until_cuda_posts_it(monkeypatch):

@@ -307,11 +307,17 @@ class Arena:
         in ``kept_bytes``, each array's size read once, here.
 
         ``objects`` is a collection of arrays, read before anything is kept: one array is a ``TypeError`` (iterated,
-        it would be kept as its rows, one view each). A Ctrl-C once the keep has begun loses none of them: it
-        completes, then the interrupt is raised (:func:`~wsarena.arena._interrupts.finish`)."""
+        it would be kept as its rows, one view each), as is what cannot be iterated. A Ctrl-C once the keep has
+        begun loses none of them: it completes, then the interrupt is raised
+        (:func:`~wsarena.arena._interrupts.finish`)."""
         if hasattr(objects, "shape") or hasattr(objects, "__cuda_array_interface__") or hasattr(objects, "__dlpack__"):
             raise TypeError(f"keep_with_capture() takes a collection of arrays, not one: [{short_repr(objects)}]")
-        return finish(_pinning.keep_with_capture, self, list(objects), stream)
+        try:
+            each = iter(objects)
+        except TypeError:
+            raise TypeError(f"keep_with_capture()'s objects must be a collection of arrays, not {short_repr(objects)}"
+                            ) from None
+        return finish(_pinning.keep_with_capture, self, list(each), stream)
 
     def held_bytes(self, *, stream: Any = None) -> int:
         """Capacity of the sub-arena of ``stream``: the largest lease it serves without growing (0 if none; 0 too for
