@@ -259,8 +259,17 @@ def test_meta_tensors_give_torchs_shapes_through_a_converted_model(autocast):
     assert y.device.type == "meta" and y.shape == ref.shape == (2, 4, 16, 16) and y.dtype == ref.dtype
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after: a test's compiles of shared code (a module's forward, on other
+    devices) count toward its recompile limit, which a later test's fullgraph=True compile would then exceed."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("trace", ["compile", "export"])
-def test_a_model_on_the_meta_device_compiles_and_exports_with_a_meta_input(trace):
+def test_a_model_on_the_meta_device_compiles_and_exports_with_a_meta_input(trace, fresh_dynamo):
     """As PyTorch's own model does: the autocast check asked autocast about the meta device, which it has no mode
     for (a RuntimeError), where the trace does not ask whether autocast is available."""
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ConvTranspose2d(8, 4, 2, 2))
@@ -268,7 +277,6 @@ def test_a_model_on_the_meta_device_compiles_and_exports_with_a_meta_input(trace
     x = torch.empty(2, 3, 15, 15, device="meta")
     ref = model(x)
     wt.convert(model)
-    torch._dynamo.reset()
     if trace == "compile":
         y = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
     else:
@@ -298,19 +306,18 @@ def test_a_meta_operand_beside_a_real_one_is_refused(call):
     assert close(wt.conv2d(x, w, b), torch.nn.functional.conv2d(x, w, b))  # nothing left behind
 
 
-def test_a_meta_bias_beside_real_operands_is_refused_under_torch_compile():
+def test_a_meta_bias_beside_real_operands_is_refused_under_torch_compile(fresh_dynamo):
     """The bias is no operand of the operators, whose fake kernels refuse a meta weight: a compiled model with a
     meta bias (one a checkpoint left unloaded) added it by PyTorch's in-place add, which adds nothing from the meta
     device, and gave the convolution without its bias."""
     model = wt.convert(torch.nn.Conv2d(4, 2, 3, dtype=torch.float64))
     model.bias = torch.nn.Parameter(torch.ones(2, dtype=torch.float64, device="meta"))
     x = torch.randn(1, 4, 6, 6, dtype=torch.float64)
-    torch._dynamo.reset()
     with pytest.raises(TypeError, match="bias is on the meta device, which holds no values"):
         torch.compile(model, backend="eager")(x)
 
 
-def test_a_meta_bias_is_refused_in_eager_while_another_thread_compiles():
+def test_a_meta_bias_is_refused_in_eager_while_another_thread_compiles(fresh_dynamo):
     """torch.compiler.is_compiling() is the process's, true while any thread compiles: a call in eager mode in
     another thread meanwhile is checked as any other (a meta bias there was added as nothing)."""
     x, w, b = (t.detach() for t in tensors((1, 4, 6, 6), (2, 4, 3, 3)))
@@ -322,7 +329,6 @@ def test_a_meta_bias_is_refused_in_eager_while_another_thread_compiles():
         return gm
 
     worker = threading.Thread(target=lambda: torch.compile(lambda t: t + 1, backend=backend)(torch.zeros(2)))
-    torch._dynamo.reset()
     worker.start()
     try:
         assert compiling.wait(30) and torch.compiler.is_compiling()
