@@ -168,7 +168,6 @@ def test_a_plan_a_graph_captured_outlives_its_eviction_until_the_graph_is_gone()
         assert made[0]() is None and cache.kept() == []
 
 
-
 def test_a_plan_a_graph_holds_outlives_its_cache_until_the_graph_is_gone():
     """A backend dropped (reset_backends()) takes its plan cache with it: a plan a graph may still replay is left to
     the graph's pin, not destroyed with the cache (a captured kernel uses what its plan owns), and goes once CUDA has
@@ -206,6 +205,59 @@ def test_the_plans_clear_spared_are_never_destroyed_once_their_cache_is_gone():
     graph.close()
     let_go_kept(lambda: True)
     assert made[0]() is not None and not made[0]().closed
+
+
+class _Handle:
+    """A cuDNN handle as a plan's key holds it: ``closed`` once destroyed (close_all_handles)."""
+
+    closed = False
+
+
+def test_a_plan_left_to_a_graph_is_never_destroyed_once_its_handle_is():
+    """close_all_handles() (at exit too) destroys every handle, those of the plans a collected cache left to graphs'
+    pins included, which it cannot reach to spare: such a plan is never destroyed after its handle, even once the
+    graph is gone and let go of it."""
+    build, made = _weak_builder()
+    handle = _Handle()
+    cache = PlanCache(lambda *args: FakePlan("graph"), build)
+    graph, pin = _captured_graph()
+    cache.plan(handle, "fwd", GEOM, "eng1", pin=pin)
+    del cache
+    gc.collect()
+    handle.closed = True  # close_all_handles()
+    graph.close()
+    let_go_kept(lambda: True)
+    assert pin.kept == {} and made[0]() is not None and not made[0]().closed
+
+
+def test_a_plan_left_to_a_graph_is_destroyed_before_its_handle_is_let_go():
+    """The graph gone, the plan its pin kept is destroyed while its handle is still held: the pin keeps the handle
+    too (a thread that ended has no other reference), and the handle it drops first would go to be destroyed by the
+    next handle created, another thread's meanwhile."""
+    events = []
+
+    class Plan(FakePlan):  # destroyed by close() or, as a descriptor is, once collected
+        def __init__(self, name):
+            super().__init__(name)
+            self.destroy = weakref.finalize(self, events.append, "plan")
+
+        def close(self):
+            self.destroy()
+            super().close()
+
+    handle = _Handle()
+    weakref.finalize(handle, events.append, "handle")
+    cache = PlanCache(lambda *args: FakePlan("graph"), lambda handle, graph, name: Plan(name))
+    graph, pin = _captured_graph()
+    pin.keep([handle], frees=False, counted=False)  # as the call's _bound_handle keeps it
+    cache.plan(handle, "fwd", GEOM, "eng1", pin=pin)
+    del cache, handle  # the thread ended
+    gc.collect()
+    graph.close()
+    let_go_kept(lambda: True)
+    gc.collect()
+    assert events == ["plan", "handle"]
+
 
 @contextlib.contextmanager
 def _held_by_another_thread(*locks):
@@ -1136,7 +1188,6 @@ def test_a_call_whose_lease_carries_a_graphs_pin_keeps_its_plan_for_that_graph(f
     assert faked._plans.kept() == []
 
 
-
 def test_a_legacy_call_captured_into_a_graph_keeps_its_cudnn_handle_while_the_graph_exists(monkeypatch):
     """A thread's handle is destroyed once the thread has ended (at the next handle created), and cuDNN does not say a
     captured call may outlive its handle: a lease taken during a capture carries the graph's pin, which keeps the
@@ -1165,6 +1216,7 @@ def test_a_legacy_call_captured_into_a_graph_keeps_its_cudnn_handle_while_the_gr
     graph.close()
     let_go_kept(None)
     assert captured() is None
+
 
 def test_a_call_on_a_zero_byte_lease_asks_its_stream_for_its_handle_once(graph_backend, monkeypatch):
     """A zero-byte lease carries no stream handle: the call's stream is resolved for the handle's binding, and that

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -375,16 +376,41 @@ def _hand_over(captured: dict[_PlanKey, tuple[Any, list[Any]]], spared: list[tup
     """A plan cache was collected with the plans it kept for CUDA graphs (``captured``, ``spared``): each that a graph
     may still use goes to the pins of those graphs (:meth:`~wsarena.arena._pins.GraphPin.keep`), which let go of it
     once CUDA has destroyed them and no capture is under way (destroying a plan may unload the kernels it loaded),
-    rather than being destroyed with the cache while a graph replays it. Those :meth:`PlanCache.clear` spared, whose
-    handles are destroyed, are never destroyed (:data:`_forsaken`). The rest go as the cache does."""
+    rather than being destroyed with the cache while a graph replays it: through a :class:`_Handed`, which never
+    destroys it after its handle. Those :meth:`PlanCache.clear` spared, whose handles are destroyed, are never
+    destroyed (:data:`_forsaken`). The rest go as the cache does."""
     live = _Asked()
-    for plan, pins in list(captured.values()):
-        for pin in pins:
-            if live(pin):
-                pin.keep([plan], frees=True, counted=False)
-    held = [(plan, pins) for plan, pins in spared if any(map(live, pins))]
-    if held:
-        _forsaken.append(held)
+    for key, (plan, pins) in list(captured.items()):
+        held = [pin for pin in pins if live(pin)]
+        if held:
+            handed = _Handed(plan, key[0])
+            for pin in held:
+                pin.keep([handed], frees=True, counted=False)
+    kept = [(plan, pins) for plan, pins in spared if any(map(live, pins))]
+    if kept:
+        _forsaken.append(kept)
+
+
+class _Handed:
+    """A plan a collected cache left to the pins of the graphs that may still use it (:func:`_hand_over`). Let go of
+    by the last of them, it destroys the plan while it still holds the plan's handle, unless that handle was
+    destroyed already (:func:`~wsarena.cudnn.close_all_handles`, at exit too): that plan is never destroyed
+    (:data:`_forsaken`), as :meth:`PlanCache.clear` spares it."""
+
+    __slots__ = ("__weakref__",)
+
+    def __init__(self, plan: Any, handle: Any) -> None:
+        weakref.finalize(self, _let_go_handed, plan, handle).atexit = False
+
+
+def _let_go_handed(plan: Any, handle: Any) -> None:
+    if getattr(handle, "closed", False):
+        _forsaken.append(plan)
+        return
+    try:
+        plan.close()  # here, where the handle is held: dropped first, it could be destroyed first
+    except Exception as exc:  # noqa: BLE001 - a finalizer: warn, never raise
+        warnings.warn(f"wsarena: destroying an execution plan failed: {exc}", ResourceWarning, stacklevel=1)
 
 
 class _Asked:
