@@ -259,6 +259,28 @@ def test_a_plan_left_to_a_graph_is_destroyed_before_its_handle_is_let_go():
     assert events == ["plan", "handle"]
 
 
+def test_a_ctrl_c_as_a_collected_cache_hands_its_plans_over_destroys_none_of_them(monkeypatch):
+    """The hand-over runs in the collector's callback, where a KeyboardInterrupt is reported and lost: the plans it
+    had not handed over yet stay, never destroyed, rather than going under the graphs that may replay them."""
+    build, made = _weak_builder()
+    cache = PlanCache(lambda *args: FakePlan("graph"), build)
+    graph, pin = _captured_graph()
+    cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
+    lost = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda report: lost.append(report.exc_type))
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(GraphPin, "live", interrupted)  # Ctrl-C as the hand-over asks about the graph
+    del cache
+    gc.collect()
+    monkeypatch.undo()
+    assert lost == [KeyboardInterrupt] and pin.kept == {}
+    assert made[0]() is not None and not made[0]().closed
+    graph.close()
+
+
 @contextlib.contextmanager
 def _held_by_another_thread(*locks):
     """``locks`` held by a thread of their own for the block's duration (in a forked child that thread is gone)."""

@@ -358,6 +358,7 @@ def _lru(size: int) -> LRU[Any]:
 _caches: weakref.WeakSet[PlanCache] = weakref.WeakSet()
 _forsaken: list[Any] = []  # never destroyed: in a forked child, the parent's plans and graphs (below); the plans
 # clear() spared of a cache collected since (_hand_over)
+_handing: dict[int, Any] = {}  # what a collected cache kept for graphs, held while _hand_over hands it over
 
 
 def _after_fork_in_child() -> None:
@@ -378,7 +379,12 @@ def _hand_over(captured: dict[_PlanKey, tuple[Any, list[Any]]], spared: list[tup
     once CUDA has destroyed them and no capture is under way (destroying a plan may unload the kernels it loaded),
     rather than being destroyed with the cache while a graph replays it: through a :class:`_Handed`, which never
     destroys it after its handle. Those :meth:`PlanCache.clear` spared, whose handles are destroyed, are never
-    destroyed (:data:`_forsaken`). The rest go as the cache does."""
+    destroyed (:data:`_forsaken`). The rest go as the cache does.
+
+    A collector's callback: a Ctrl-C in it is lost (reported as ignored), and so would be the plans not handed over
+    yet. They are held for good (:data:`_handing`) until every one is."""
+    records = (captured, spared)
+    _handing[id(records)] = records  # first, one C call: an interrupt from here on leaves them held, never destroyed
     live = _Asked()
     for key, (plan, pins) in list(captured.items()):
         held = [pin for pin in pins if live(pin)]
@@ -389,6 +395,7 @@ def _hand_over(captured: dict[_PlanKey, tuple[Any, list[Any]]], spared: list[tup
     kept = [(plan, pins) for plan, pins in spared if any(map(live, pins))]
     if kept:
         _forsaken.append(kept)
+    del _handing[id(records)]
 
 
 class _Handed:
