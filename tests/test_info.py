@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
 import wsarena
-from wsarena._config import Config
+from wsarena._config import _ENV, Config, unknown_variables
 from wsarena.info import collect_info, render_info
 
 from .cli_helpers import run_cli
@@ -20,7 +22,19 @@ def _setting_lines(text: str) -> dict[str, str]:
     """The settings block of ``wsarena info``'s text: each setting's name and what its line shows."""
     lines = text.splitlines()
     start = lines.index("settings (and where each comes from):")
-    return dict(line.split(None, 1) for line in lines[start + 1:])
+    block = []
+    for line in lines[start + 1:]:
+        if not line.startswith("  "):
+            break
+        block.append(line)
+    return dict(line.split(None, 1) for line in block)
+
+
+def _unknown_lines(text: str) -> list[str]:
+    """The block of ``wsarena info``'s text that names the variables no setting reads, each line stripped."""
+    lines = text.splitlines()
+    start = lines.index("environment variables not read by the wsarena package:")
+    return [line.strip() for line in lines[start + 1:]]
 
 
 def test_info_shows_every_setting_its_value_and_where_it_comes_from(monkeypatch, tmp_path):
@@ -141,3 +155,55 @@ def test_info_shows_control_characters_of_pytorchs_error_as_escapes(monkeypatch)
     assert data["torch"]["error"] == "cannot be imported: ImportError: libc10.so:\tundefined symbol \x1b[31m_ZN3c10"
     assert ("  torch            cannot be imported: ImportError: libc10.so:\\tundefined symbol \\x1b[31m_ZN3c10"
             in render_info(data).splitlines())
+
+
+def test_info_names_a_misspelled_variable_with_the_setting_it_is_closest_to():
+    """WSARENA_CAP_WORKSPCE=1GiB was ignored without a word: the user believed a cap was in force that was not, and
+    info showed the cap as none (default) with nothing to say why. A variable of bench/ or the tests, which the package
+    does not read either, is named too, with no setting where none is close."""
+    env = {"WSARENA_CAP_WORKSPCE": "1GiB", "WSARENA_COMMIT": "abc", "Wsarena_Debug": "1",
+           "WSARENA_ALGO_SEARCH": "exhaustive"}
+    r = run_cli("info", env=env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert _setting_lines(r.stdout)["cap_workspace"] == "none (default)"
+    assert _setting_lines(r.stdout)["algo_search"] == "exhaustive (environment)"
+    assert _unknown_lines(r.stdout) == ["WSARENA_CAP_WORKSPCE  (did you mean WSARENA_CAP_WORKSPACE?)",
+                                        "WSARENA_COMMIT", "Wsarena_Debug  (did you mean WSARENA_DEBUG?)"]
+    r = run_cli("info", "--format", "json", env=env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert json.loads(r.stdout)["unknown_variables"] == [
+        {"name": "WSARENA_CAP_WORKSPCE", "closest": "WSARENA_CAP_WORKSPACE"},
+        {"name": "WSARENA_COMMIT", "closest": None},
+        {"name": "Wsarena_Debug", "closest": "WSARENA_DEBUG"},
+    ]
+
+
+def test_info_names_no_variable_a_setting_reads():
+    """Every setting's variable set, none of them is named; the text has no such block then, and the JSON an empty
+    list."""
+    env = dict.fromkeys(_ENV.values(), "")
+    r = run_cli("info", env=env)
+    assert r.returncode == 0 and "not read by the wsarena package" not in r.stdout
+    r = run_cli("info", "--format", "json", env=env)
+    assert json.loads(r.stdout)["unknown_variables"] == []
+    assert unknown_variables({**env, "PATH": "/bin", "XWSARENA_DEBUG": "1", "WSARENA": "1"}) == {}
+
+
+def test_unknown_variables_suggest_only_a_close_setting():
+    """The closeness is of the names after the prefix, which every variable shares: on the whole names difflib found
+    WSARENA_FUZZ_TALLY close to WSARENA_CUDNN_API."""
+    found = unknown_variables({
+        "WSARENA_CACHEDIR": "", "WSARENA_SEARCH": "", "WSARENA_PLAN_CACHE": "", "WSARENA_FUZZ_TALLY": "",
+        "WSARENA_WHEELS": "", "WSARENA_": "", "WSARENA_CAP_WORKSPACE": "0",
+    })
+    assert found == {"WSARENA_": None, "WSARENA_CACHEDIR": "WSARENA_CACHE_DIR", "WSARENA_FUZZ_TALLY": None,
+                     "WSARENA_PLAN_CACHE": "WSARENA_PLAN_CACHE_SIZE", "WSARENA_SEARCH": "WSARENA_ALGO_SEARCH",
+                     "WSARENA_WHEELS": None}
+
+
+def test_every_variable_the_package_names_is_one_a_setting_reads():
+    """info names as unknown each WSARENA_* variable that is no setting's (_config._ENV): a variable the package read
+    elsewhere, not listed there, would be named as one it does not read."""
+    package = Path(wsarena.__file__).parent
+    named = {m for f in package.rglob("*.py") for m in re.findall(r"WSARENA_[A-Z0-9_]*[A-Z0-9]", f.read_text())}
+    assert named and named <= set(_ENV.values()), sorted(named - set(_ENV.values()))

@@ -14,11 +14,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import functools
 import inspect
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,8 @@ _ENV = {
     "search_cache_max_size": "WSARENA_SEARCH_CACHE_MAX_SIZE",
     "cache_dir": "WSARENA_CACHE_DIR",
 }
+# Every environment variable the package reads is a setting's, named above: wsarena info names the others.
+_PREFIX = "WSARENA_"
 # Settings given in bytes: an int or a size string ("256MiB"), or None ("none").
 _SIZES = ("cap_workspace", "search_cache_max_size")
 _SIZE_MAX = 2**64 - 1
@@ -580,6 +583,21 @@ def in_force() -> dict[str, tuple[Any, str, str | None]]:
                  errors.get(f.name))
         for f in dataclasses.fields(Config)
     }
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """The variables of ``environ`` (default ``os.environ``, as it is now) whose name begins with ``WSARENA_``, in any
+    case, and that no setting reads, sorted, each with the setting's variable whose name is closest to it (difflib,
+    on the part after the prefix), or ``None`` where none is close: a misspelled one is otherwise ignored silently."""
+    environ = os.environ if environ is None else environ
+    known = {var[len(_PREFIX):]: var for var in _ENV.values()}
+    found: dict[str, str | None] = {}
+    for name in sorted(environ):
+        if name[:len(_PREFIX)].upper() != _PREFIX or name in _ENV.values():
+            continue
+        close = difflib.get_close_matches(name[len(_PREFIX):].upper(), known, n=1)
+        found[name] = known[close[0]] if close else None
+    return found
 
 
 def _reset() -> None:

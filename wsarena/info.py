@@ -1,5 +1,5 @@
-"""What ``wsarena info`` prints: versions (PyTorch's too), library paths, devices, the backend ``auto`` picks, and the
-settings in force with where each comes from.
+"""What ``wsarena info`` prints: versions (PyTorch's too), library paths, devices, the backend ``auto`` picks, the
+settings in force with where each comes from, and the ``WSARENA_*`` variables no setting reads.
 
 Every probe here reports failure as text instead of raising, so the command works on any machine.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from ._config import _SIZES, in_force
+from ._config import _SIZES, in_force, unknown_variables
 from ._gpu import gpu_count, gpu_unusable_reason
 from ._report_cli import printable
 from ._sizes import exact_cap
@@ -154,6 +154,7 @@ def collect_info() -> dict[str, Any]:
         "auto_backend": resolve_backend_name("auto"),
         "torch": _torch(),
         "settings": _settings(),
+        "unknown_variables": [{"name": name, "closest": closest} for name, closest in unknown_variables().items()],
     }
 
 
@@ -200,4 +201,9 @@ def render_info(data: dict[str, Any]) -> str:
             lines.append(f"  {name:<22} invalid: {setting['error']}")
         else:
             lines.append(f"  {name:<22} {_shown_setting(name, setting['value'])} ({setting['source']})")
+    if data["unknown_variables"]:
+        lines.append("environment variables not read by the wsarena package:")
+        for var in data["unknown_variables"]:
+            hint = "" if var["closest"] is None else f"  (did you mean {var['closest']}?)"
+            lines.append(f"  {printable(var['name'])}{hint}")
     return "\n".join(lines) + "\n"
