@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._config import get_config
+from ._config import _ENV, get_config
 from ._search_env import environment
 from ._searchcache_folder import (
     SUBDIR,
@@ -60,7 +60,7 @@ from .backends import Candidate
 
 __all__ = ["ENV_VAR", "cache_dir", "clear", "counts", "info", "search", "source"]
 
-ENV_VAR = "WSARENA_CACHE_DIR"
+ENV_VAR = _ENV["cache_dir"]
 _FORMAT = "wsarena-search-cache"
 _VERSION = 1
 _MAX_TIME_MS = 86_400_000.0  # a day: no time a search measures is longer
