@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from wsarena import cudnn
@@ -174,6 +175,37 @@ def test_a_handle_whose_thread_ended_is_destroyed_by_the_next_creation_not_as_th
     assert sorted(destroyed) == [0x5000, 0x5010, 0x5020] and mine.closed
     cudnn.close_all_handles()
     assert len(destroyed) == 3  # each once
+
+
+@pytest.mark.skipif(not _info["found"], reason=f"libcudnn not loadable: {_info['error']}")
+def test_a_handle_whose_thread_ended_waits_for_a_creation_while_no_capture_is_under_way(fake_handles, monkeypatch):
+    """A creation of a handle in one thread while another captures a CUDA graph (CUDA's global mode: its default, and
+    CuPy's and PyTorch's) destroys no handle of a thread that ended: cudnnDestroy synchronizes the device, which would
+    break the capture. They wait for the first creation once no capture that an arena knows of is under way, the
+    question the cuDNN backends give the handles."""
+    from wsarena.arena import Arena
+    from wsarena.arena.testing import RecordingProvider
+    from wsarena.backends._cudnn_backend import CudnnBackend
+
+    from .capture_helpers import S1
+
+    destroyed = fake_handles
+    monkeypatch.setattr(handle_mod, "_no_capture", [])  # the question given below goes after the test
+    CudnnBackend()
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    thread = threading.Thread(target=cudnn.get_handle, args=(3,))
+    thread.start()
+    thread.join()
+    gc.collect()  # 0x5000 queued
+    graph = provider.begin_capture(S1)
+    assert arena.keep_with_capture([np.empty(8)], stream=S1)  # the arena knows of the capture
+    cudnn.get_handle(4)  # a creation during it
+    assert destroyed == []
+    provider.end_capture(graph)
+    cudnn.get_handle(5)  # the first creation after it
+    assert destroyed == [0x5000]
+    graph.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")

@@ -18,6 +18,7 @@ from .._lru import LRU
 from .._pass import Pass
 from ..arena import get_arena
 from ..arena._capture import CURRENT, refuse_in_capture
+from ..arena._lifecycle import _no_capture_under_way
 from ..arena.streams import cupy_stream, stream_handle
 from . import Candidate, PartlyTimed
 from ._graph_plans import ALIGNED, alignments
@@ -51,6 +52,9 @@ class CudnnBackend:
         self._cupy = cupy
         self._cudnn = cudnn
         cudnn.bind_all()
+        # A thread's handle, once the thread has ended, is destroyed (a device synchronisation) by a later creation
+        # only while no capture an arena knows of is under way, in any thread
+        cudnn.handle.ask_before_destroying(_no_capture_under_way)
         # (pass, algorithm name as the backend reports it) -> cuDNN's enum member, for the per-call lookup
         self._algos: dict[tuple[str, str], Any] = {
             (p, a.name.lower()): a for p in Pass for a in cudnn.conv.algorithms(p)

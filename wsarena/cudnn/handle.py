@@ -10,9 +10,10 @@ All handles are destroyed by an ``atexit`` hook, which runs before the CUDA runt
 garbage-collection finalizers (a thread that ended, :func:`close_all_handles`) do nothing at shutdown. The handle of a
 thread that ended is destroyed by the next creation of a handle, or at exit, not as the thread ends: ``cudnnDestroy``
 synchronizes the device, which would invalidate a CUDA graph capture in CUDA's global mode that another thread may
-have under way then. A CUDA graph that captured calls on a handle keeps it (its pin: the backend's ``_bound_handle``)
-until CUDA has destroyed the graph. A forked child forgets the parent's handles, destroying none (CUDA cannot run
-there).
+have under way then; and a creation destroys them only where no capture that an arena knows of is under way
+(:func:`ask_before_destroying`: the question the cuDNN backends give), else they wait for a later one. A CUDA graph
+that captured calls on a handle keeps it (its pin: the backend's ``_bound_handle``) until CUDA has destroyed the graph.
+A forked child forgets the parent's handles, destroying none (CUDA cannot run there).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from .. import _forksafe
@@ -32,7 +34,7 @@ from ._errors import CudnnGpuUnavailableError, check, status_message
 from ._owned import Owned
 from ._prototypes import call, function
 
-__all__ = ["Handle", "close_all_handles", "get_handle", "has_handle", "on_close_all"]
+__all__ = ["Handle", "ask_before_destroying", "close_all_handles", "get_handle", "has_handle", "on_close_all"]
 
 
 def _destroy(handle: int, device: int) -> None:
@@ -67,7 +69,22 @@ def _orphan(handle: int, device: int) -> None:
     _orphans.append((handle, device))
 
 
-def _destroy_orphans() -> None:
+# Whether no CUDA graph capture that wsarena knows of is under way, in any thread: the arenas' question
+# (wsarena.arena._lifecycle._no_capture_under_way), which the cuDNN backends give (this layer imports no arena). Empty:
+# none given, a creation destroys the orphans.
+_no_capture: list[Callable[[], bool]] = []
+
+
+def ask_before_destroying(no_capture_under_way: Callable[[], bool]) -> None:
+    """Have a creation destroy the handles of threads that ended only where ``no_capture_under_way()`` says so; while
+    a capture is under way they stay queued, for the next creation where none is, or :func:`close_all_handles`."""
+    _no_capture[:] = [no_capture_under_way]
+
+
+def _destroy_orphans(ask: bool = False) -> None:
+    """Destroy the queued handles of threads that ended; with ``ask``, none while a capture is under way."""
+    if ask and _orphans and _no_capture and not _no_capture[0]():
+        return
     while True:
         try:
             handle, device = _orphans.popleft()
@@ -232,7 +249,7 @@ def get_handle(device: int) -> Handle:
     current = _current_device()
     if current is not None and current != device:
         raise ValueError(f"device {device} is not the current CUDA device ({current}); make it current first")
-    _destroy_orphans()
+    _destroy_orphans(ask=True)
     handle = _create(device)
     handles[device] = handle
     with _lock:
