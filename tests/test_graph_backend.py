@@ -192,6 +192,26 @@ def test_a_plan_a_graph_holds_outlives_its_cache_until_the_graph_is_gone():
     assert made[0]() is None
 
 
+def test_a_dropped_backends_plans_go_with_it_not_at_a_later_collection():
+    """The backend and its plan cache made a cycle (the cache held the backend's bound methods to build with): a
+    dropped backend's plans were destroyed whenever the collector ran next, in any thread, a capture's too. The cache
+    holds builders that do not hold the backend: dropped, it goes at once, and its plans with it."""
+    from wsarena.backends._cudnn_graph import CudnnGraphBackend
+
+    backend = CudnnGraphBackend()
+    plan = FakePlan("eng1")
+    backend._plans._plans.put(("h", "fwd", GEOM, "eng1", ALIGNED), plan)
+    cache, made = weakref.ref(backend._plans), weakref.ref(plan)
+    del plan
+    gc.collect()
+    gc.disable()
+    try:
+        del backend
+        assert cache() is None and made() is None
+    finally:
+        gc.enable()
+
+
 def test_the_plans_clear_spared_are_never_destroyed_once_their_cache_is_gone():
     """clear() (close_all_handles) spares the plans of graphs that may still exist for good: their handles are
     destroyed next. The cache collected later destroys none of them, even once the graph is gone."""

@@ -22,6 +22,7 @@ heuristics and plans need no device then, so it answers :meth:`candidates` and :
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -57,10 +58,6 @@ class CudnnGraphBackend(CudnnBackend):
         from ..cudnn._deviceprops import members
 
         self._graph = graph
-        self._plans = PlanCache(self._build_graph, self._build_plan, refused=self.retry_errors[:1])
-        # A plan that needs more workspace for a call's operands than its candidate was leased: the next candidate
-        # is tried, and a lone one (algo=) raises it as it is, rather than as "no algorithm fits".
-        self.retry_errors = (*self.retry_errors, AlignmentWorkspaceError)
         self._fallbacks: set[tuple[str, Any]] = set()  # (pass, geometry) already warned about
         self._properties: Any = None
         self._target = ""
@@ -69,6 +66,14 @@ class CudnnGraphBackend(CudnnBackend):
             name = (members(properties_json) or {}).get("deviceName", "a GPU")  # as cuDNN reads it
             digest = hashlib.sha256(properties_json.encode()).hexdigest()[:12]
             self._target = f"{name} (device properties {digest})"
+        # Builders that do not hold the backend: its bound methods made a cycle (backend, cache, method), so that a
+        # dropped backend's plans were destroyed whenever the collector ran, in any thread (a capture's among them)
+        self._plans = PlanCache(functools.partial(_operation_graph, graph),
+                                functools.partial(_execution_plan, graph, self._properties),
+                                refused=self.retry_errors[:1])
+        # A plan that needs more workspace for a call's operands than its candidate was leased: the next candidate
+        # is tried, and a lone one (algo=) raises it as it is, rather than as "no algorithm fits".
+        self.retry_errors = (*self.retry_errors, AlignmentWorkspaceError)
         self._cudnn.handle.on_close_all(self._plans.clear)  # plans go before the handles they were built with
 
     # -- where -------------------------------------------------------------------------------------------------
@@ -100,11 +105,10 @@ class CudnnGraphBackend(CudnnBackend):
 
     # -- building (the cuDNN calls) ----------------------------------------------------------------------------
     def _build_graph(self, handle: Any, pass_: str, geom: Any, aligned: tuple[int, int, int]) -> Any:
-        return self._graph.operation_graph(conv_problem(pass_, geom, aligned), handle=handle)
+        return _operation_graph(self._graph, handle, pass_, geom, aligned)
 
     def _build_plan(self, handle: Any, graph: Any, name: str) -> Any:
-        cfg = self._graph.engine_config(graph, name, properties=self._properties)
-        return self._graph.execution_plan(cfg, name, handle=handle, properties=self._properties)
+        return _execution_plan(self._graph, self._properties, handle, graph, name)
 
     def _ranked(self, handle: Any, pass_: str, geom: Any) -> list[Candidate]:
         """The shortlisted usable engine configurations, as candidates with their plans' workspace sizes
@@ -364,3 +368,14 @@ class CudnnGraphBackend(CudnnBackend):
             )
         plan.execute(handle, x, w, y, workspace.ptr)
 
+
+def _operation_graph(graph_api: Any, handle: Any, pass_: str, geom: Any, aligned: tuple[int, int, int]) -> Any:
+    """The finalized operation graph of one pass of ``geom`` with operands of these alignments."""
+    return graph_api.operation_graph(conv_problem(pass_, geom, aligned), handle=handle)
+
+
+def _execution_plan(graph_api: Any, properties: Any, handle: Any, graph: Any, name: str) -> Any:
+    """The finalized plan of engine configuration ``name`` for ``graph``, on ``handle``'s device or for
+    ``properties``."""
+    cfg = graph_api.engine_config(graph, name, properties=properties)
+    return graph_api.execution_plan(cfg, name, handle=handle, properties=properties)
