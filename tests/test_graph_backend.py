@@ -19,14 +19,16 @@ import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 import wsarena
 from wsarena import algos, config, configure
 from wsarena._geometry import conv_geometry, describe_geometry
 from wsarena._search_env import api_path
+from wsarena.arena import Arena
 from wsarena.arena._pins import GraphPin, KeptBytes, let_go_kept
-from wsarena.arena.testing import FakeGraph
+from wsarena.arena.testing import FakeGraph, RecordingProvider
 from wsarena.backends import Candidate, PartlyTimed, device_properties_backend, reset_backends
 from wsarena.backends._cudnn_backend import CudnnBackend
 from wsarena.backends._graph_plans import ALIGNED, PlanCache, alignment, conv_problem, is_engine_name
@@ -42,6 +44,7 @@ from wsarena.errors import (
     WorkspaceMemoryError,
 )
 
+from .capture_helpers import S1
 from .cudnn_probe import driver
 from .forking import fork
 
@@ -210,6 +213,36 @@ def test_a_dropped_backends_plans_go_with_it_not_at_a_later_collection():
         assert cache() is None and made() is None
     finally:
         gc.enable()
+
+
+def test_a_collected_caches_plans_wait_for_a_capture_under_way_to_end():
+    """Destroying an execution plan may unload the kernels cuDNN compiled for it at run time (cuModuleUnload), which
+    breaks a CUDA graph capture under way in any thread (CUDA's global mode). A cache collected (its backend dropped)
+    while a capture that an arena knows of is under way destroys none of its plans, those no graph ran too: they go
+    at the first trim, stats or growth once it is over (let_go_kept). With none under way, they go with the cache."""
+    build, made = _weak_builder()
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    cache = PlanCache(lambda *args: FakePlan("graph"), build)
+    graph, pin = _captured_graph()
+    cache.plan("h", "fwd", GEOM, "eng1", pin=pin)  # a graph ran it; the graph gone since
+    cache.plan("h", "fwd", GEOM, "eng2")
+    graph.close()
+    capture = provider.begin_capture(S1)
+    assert arena.keep_with_capture([np.empty(8)], stream=S1)  # the arena knows of the capture
+    del cache
+    gc.collect()
+    assert all(ref() is not None and not ref().closed for ref in made)
+    arena.trim()  # the capture still under way
+    assert all(ref() is not None and not ref().closed for ref in made)
+    provider.end_capture(capture)
+    arena.trim()
+    assert all(ref() is None for ref in made)
+    cache = PlanCache(lambda *args: FakePlan("graph"), build)
+    cache.plan("h", "fwd", GEOM, "eng3")
+    del cache
+    assert made[-1]() is None
+    capture.close()
 
 
 def test_the_plans_clear_spared_are_never_destroyed_once_their_cache_is_gone():

@@ -107,6 +107,11 @@ class LRU(Generic[V]):
         with self._lock:
             return list(self._items.values())
 
+    def items(self) -> list[tuple[Hashable, V]]:
+        """``(key, value)`` of each cached entry, least recently used first: a snapshot read in one C call, without
+        the lock (a finalizer's, which may run where it is held)."""
+        return list(self._items.items())
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

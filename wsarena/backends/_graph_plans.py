@@ -10,13 +10,15 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, cast
 
 from .. import _forksafe
 from .._config import get_config
 from .._lru import LRU
 from .._pass import Pass
 from ..arena._capture import refuse_in_capture
+from ..arena._lifecycle import _no_capture_under_way
+from ..arena._pins import GraphPin
 
 __all__ = [
     "ALIGNED", "CANDIDATES", "PlanCache", "alignment", "conv_problem", "is_engine_name", "numerics_refusal",
@@ -195,7 +197,8 @@ class PlanCache:
     A miss of its key takes it back into the cache, built already (during a capture too). An evicted plan is
     destroyed once nothing refers to it; one kept for graphs, by the first miss that builds after they are all gone
     (a miss builds nothing during a capture, so this never destroys a plan in the middle of one). A cache collected
-    while such graphs exist (its backend dropped) leaves the plans to their pins (``_hand_over``).
+    while such graphs exist (its backend dropped) leaves the plans to their pins (``_hand_over``); its other plans go
+    with it, or, while a capture that an arena knows of is under way in any thread, once none is.
 
     Parameters
     ----------
@@ -222,9 +225,10 @@ class PlanCache:
         # (plan, pins) of the plans clear() found a graph might still use, never destroyed (clear's docstring)
         self._spared: list[tuple[Any, list[Any]]] = []
         self._lock = _forksafe.lock()  # guards _captured, _spared and their lists
+        self._stores = [self._plans]  # the plans' LRU, for the finalizer (a forked child's is another)
         _caches.add(self)
         # Collected (its backend dropped: reset_backends()), the cache leaves what graphs may still use to them
-        weakref.finalize(self, _hand_over, self._captured, self._spared).atexit = False
+        weakref.finalize(self, _hand_over, self._captured, self._spared, self._stores).atexit = False
 
     def built(self) -> list[Any]:
         """The finalized plans held, least recently used first; the configurations' cached refusals left out."""
@@ -309,8 +313,9 @@ class PlanCache:
         hook, before this one)."""
         held = [self._plans, self._graphs, dict(self._captured), list(self._spared)]
         self._plans, self._graphs = _lru(self._plans.maxsize), _lru(self._graphs.maxsize)
-        self._captured.clear()  # in place: the finalizer (_hand_over) holds these two
+        self._captured.clear()  # in place: the finalizer (_hand_over) holds these three
         self._spared.clear()
+        self._stores[:] = [self._plans]
         return held
 
     @staticmethod
@@ -373,36 +378,54 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _hand_over(captured: dict[_PlanKey, tuple[Any, list[Any]]], spared: list[tuple[Any, list[Any]]]) -> None:
-    """A plan cache was collected with the plans it kept for CUDA graphs (``captured``, ``spared``): each that a graph
-    may still use goes to the pins of those graphs (:meth:`~wsarena.arena._pins.GraphPin.keep`), which let go of it
-    once CUDA has destroyed them and no capture is under way (destroying a plan may unload the kernels it loaded),
-    rather than being destroyed with the cache while a graph replays it: through a :class:`_Handed`, which never
-    destroys it after its handle. Those :meth:`PlanCache.clear` spared, whose handles are destroyed, are never
-    destroyed (:data:`_forsaken`). The rest go as the cache does.
+def _hand_over(
+    captured: dict[_PlanKey, tuple[Any, list[Any]]], spared: list[tuple[Any, list[Any]]], stores: list[LRU[Any]],
+) -> None:
+    """A plan cache was collected with the plans it kept for CUDA graphs (``captured``, ``spared``) and those it cached
+    (``stores``): each that a graph may still use goes to the pins of those graphs
+    (:meth:`~wsarena.arena._pins.GraphPin.keep`), which let go of it once CUDA has destroyed them and no capture is
+    under way (destroying a plan may unload the kernels it loaded), rather than being destroyed with the cache while a
+    graph replays it: through a :class:`_Handed`, which never destroys it after its handle. Those
+    :meth:`PlanCache.clear` spared, whose handles are destroyed, are never destroyed (:data:`_forsaken`). The rest go
+    as the cache does, unless a capture that an arena knows of is under way (in any thread: CUDA's global mode); then
+    they go to a pin no graph holds, and so once none is, at the first trim, stats or growth, capture block's end or
+    eager lease's look (:func:`~wsarena.arena._pins.let_go_kept`).
 
     A collector's callback: a Ctrl-C in it is lost (reported as ignored), and so would be the plans not handed over
     yet. They are held for good (:data:`_handing`) until every one is."""
-    records = (captured, spared)
+    records = (captured, spared, stores)
     _handing[id(records)] = records  # first, one C call: an interrupt from here on leaves them held, never destroyed
     live = _Asked()
+    rest: dict[int, tuple[Any, Any]] = {}  # what no graph may use: (plan, its handle), by id
+    for store in stores:
+        for key, plan in store.items():
+            if type(plan) is not _Refusal:
+                rest[id(plan)] = (plan, cast(_PlanKey, key)[0])
     for key, (plan, pins) in list(captured.items()):
         held = [pin for pin in pins if live(pin)]
         if held:
             handed = _Handed(plan, key[0])
             for pin in held:
                 pin.keep([handed], frees=True, counted=False)
+            rest.pop(id(plan), None)
+        else:
+            rest.setdefault(id(plan), (plan, key[0]))
     kept = [(plan, pins) for plan, pins in spared if any(map(live, pins))]
     if kept:
         _forsaken.append(kept)
+    rest = {key: entry for key, entry in rest.items() if not entry[0].closed}
+    if rest and not _no_capture_under_way():
+        later = GraphPin()
+        later.never_held()  # no graph: let go of once no capture is under way
+        later.keep([_Handed(plan, handle) for plan, handle in rest.values()], frees=True, counted=False)
     del _handing[id(records)]
 
 
 class _Handed:
-    """A plan a collected cache left to the pins of the graphs that may still use it (:func:`_hand_over`). Let go of
-    by the last of them, it destroys the plan while it still holds the plan's handle, unless that handle was
-    destroyed already (:func:`~wsarena.cudnn.close_all_handles`, at exit too): that plan is never destroyed
-    (:data:`_forsaken`), as :meth:`PlanCache.clear` spares it."""
+    """A plan a collected cache left to the pins of the graphs that may still use it, or, while a capture is under
+    way, to a pin no graph holds (:func:`_hand_over`). Let go of by the last of them, it destroys the plan while it
+    still holds the plan's handle, unless that handle was destroyed already (:func:`~wsarena.cudnn.close_all_handles`,
+    at exit too): that plan is never destroyed (:data:`_forsaken`), as :meth:`PlanCache.clear` spares it."""
 
     __slots__ = ("__weakref__",)
 
