@@ -731,6 +731,50 @@ def test_a_backward_under_compiled_autograd_gives_torchs_gradients(how, bias, fo
     assert all(g is not None and g.shape == e.shape and close(g, e) for g, e in zip(got, expected))
 
 
+def _mixed_loss(m, t, swap):
+    """Five convolutions of ``m`` (wsarena.torch or torch.nn.functional) in one loss: 1-D and 2-D, forward and
+    transposed, with a bias and without; the first two of equal shapes, with other padding and dilation (their
+    parameters exchanged by ``swap``)."""
+    first, second = {"padding": 1}, {"padding": 2, "dilation": 2}
+    if swap:
+        first, second = second, first
+    outputs = (m.conv1d(t[0], t[1], t[2], **first), m.conv1d(t[3], t[4], **second),
+               m.conv2d(t[5], t[6], stride=(2, 1), padding=(1, 0)),
+               m.conv_transpose1d(t[7], t[8], t[9], stride=2, padding=1, output_padding=1),
+               m.conv_transpose2d(t[10], t[11], stride=(1, 2), padding=(0, 1), dilation=(2, 1)))
+    return sum((y * y.sin()).sum() for y in outputs)
+
+
+@pytest.mark.parametrize(("forward", "backend"), [("eager", "aot_eager"), (None, "eager"), ("aot_eager", "eager")])
+def test_one_compiled_autograd_backward_of_several_passes_gives_each_torchs_gradients(forward, backend):
+    """Compiled autograd over one backward of five convolutions (1-D and 2-D, forward and transposed, with a bias
+    and without, two of equal shapes and other parameters), compiled (``eager``: the graph holds the operators, whose
+    three forms share the key function compiled autograd caches by) or not; then a second backward, its graph cached,
+    with those two's parameters exchanged. Each operand's gradient is torch's (float64, within 1e-10 of the largest
+    magnitude of each)."""
+    from torch._dynamo import compiled_autograd
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, 3, 5), (4, 3, 3), (4,), (2, 3, 5), (4, 3, 3), (2, 3, 6, 5), (4, 3, 3, 2),
+              (2, 4, 5), (4, 3, 3), (3,), (2, 4, 6, 5), (4, 3, 3, 2)]
+    data = [torch.randn(s, dtype=torch.float64, generator=g) for s in shapes]
+
+    def run(m, compiled, swap):
+        leaves = [t.clone().requires_grad_() for t in data]
+        f = (lambda *t: _mixed_loss(m, t, swap))
+        if compiled and forward is not None:
+            f = torch.compile(f, backend=forward)
+        loss = f(*leaves)
+        with compiled_autograd._enable(torch.compile(backend=backend)) if compiled else contextlib.nullcontext():
+            loss.backward()
+        return [t.grad for t in leaves]
+
+    torch._dynamo.reset()
+    for swap in (False, True):
+        got, expected = run(wt, True, swap), run(F, False, swap)
+        assert all(g is not None and g.shape == e.shape and close(g, e) for g, e in zip(got, expected, strict=True))
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["nograd", "grad"])
 def test_an_operator_run_eagerly_in_a_compiled_function_is_no_frame_dynamo_compiles(grad):
     """``torch.ops.wsarena.conv_forward`` called in a frame that a compiled function runs rather than traces
