@@ -1360,6 +1360,7 @@ def test_the_operators_forward_mode_is_registered_where_library_impl_refuses_ove
     assert run.returncode == 0, run.stderr[-2000:]
     assert float(run.stdout.split()[-1]) <= 1e-10
 
+
 def test_import_takes_dynamos_wrapper_where_the_frame_mark_has_another_form():
     """A PyTorch whose ``FrameExecStrategy`` takes other arguments (a private name of Dynamo's) leaves
     ``import wsarena.torch`` working, with ``torch.compiler.disable``'s wrapper in place of the mark: its TypeError
