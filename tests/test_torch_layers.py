@@ -25,6 +25,7 @@ from wsarena.models import ModelError, layers_to_json
 
 from .cli_helpers import run_main
 from .forking import fork
+from .torch_models import small_resnet
 
 
 class Bottleneck(nn.Module):  # torchvision's ResNet v1.5 block: the stride on the 3x3
@@ -93,6 +94,26 @@ def test_a_copy_moved_to_the_meta_device_gives_the_models_layers_and_leaves_the_
     assert model[0].weight.device.type == "cpu" and torch.equal(model[0].weight, weight)
     assert wt.layers(model, torch.empty(1, 3, 16, 16, device="meta")) == found
     assert model[0].weight.device.type == "cpu" and torch.equal(model[0].weight, weight)
+
+
+@pytest.mark.parametrize("converted", [True, False], ids=["converted", "pytorch"])
+def test_a_model_built_on_the_meta_device_gives_with_a_real_input_the_layers_of_the_model_materialised(converted):
+    """A model never materialised (built under ``torch.device("meta")``, as a large one is to save memory) is planned
+    with a real input: layers() moves the input to the meta device, and gives the layers the same model gives on
+    the CPU. Without that, a converted model's convolution refused its meta weight beside the real input, and
+    PyTorch's own gave a CPU result its BatchNorm's meta statistics refused. The model, called itself, still
+    refuses the mix."""
+    prepare = wt.convert if converted else (lambda model: model)
+    with torch.device("meta"):
+        meta = prepare(small_resnet())
+    x = torch.randn(2, 3, 16, 16)
+    found = wt.layers(meta, x)
+    assert found == wt.layers(prepare(small_resnet()), x)
+    assert len(found) == 9 and found[0].input_shape == (1, 3, 16, 16)
+    assert x.device.type == "cpu" and all(p.is_meta for p in meta.parameters())
+    assert wt.layers(meta, x.to("meta")) == found
+    with pytest.raises(TypeError if converted else RuntimeError, match="meta"):
+        meta(x)
 
 
 def _padded(module: nn.Module, x: torch.Tensor, layer: wsarena.ConvLayer) -> torch.Tensor:

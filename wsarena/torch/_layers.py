@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.utils._pytree import tree_map_only
 
 from .. import _forksafe
 from ..models import ConvLayer, ModelError
@@ -35,9 +36,11 @@ def layers(model: nn.Module, /, *args: Any, **kwargs: Any) -> list[ConvLayer]:
 
     The model runs once, under ``torch.no_grad()``, in the mode it is in (a training-mode model may run other layers):
     give it an input of the size it will see (its batch does not matter, the planner sets its own), on the model's
-    device, which may be the meta device (nothing is computed there: ``copy.deepcopy(model).to("meta")`` and a meta
-    input). Its buffers (BatchNorm's running statistics) and the random generators (PyTorch's, Python's and NumPy's) are
-    as they were afterwards; the generators are the process's, so draws another thread makes meanwhile are undone too.
+    device. A model with a parameter or buffer on the meta device (built there, never loaded, or
+    ``copy.deepcopy(model).to("meta")``) computes nothing: the input's tensors, in ``args`` and ``kwargs`` and the
+    lists, tuples and dicts in them, are moved there first, as only their sizes matter. Its buffers (BatchNorm's
+    running statistics) and the random generators (PyTorch's, Python's and NumPy's) are as they were afterwards; the
+    generators are the process's, so draws another thread makes meanwhile are undone too.
     Every call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and lazy ones included) is one
     layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called again is listed again, ``#2``
     and on after its name. Convolutions called as functions (``F.conv2d`` in a ``forward``) are not seen: export such a
@@ -95,6 +98,10 @@ def layers(model: nn.Module, /, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     def made(module: nn.Module, args: tuple[Any, ...]) -> None:
         buffers.extend(_copies((module,)))
 
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers()) if not is_lazy(t)):
+        # a model built on the meta device, planned with a real input: a convolution's meta weight beside it is a
+        # TypeError (wsarena's) or memory never written (PyTorch's), and other layers refuse the mix
+        args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.is_cuda})
     convs = [m for m in model.modules() if isinstance(m, _CONVS + _TRANSPOSED)]
     # first: a user's hook may change the result (crop it), and the layer is the convolution's
