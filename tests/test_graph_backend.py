@@ -260,6 +260,21 @@ def test_the_plans_clear_spared_are_never_destroyed_once_their_cache_is_gone():
     assert made[0]() is not None and not made[0]().closed
 
 
+def test_the_plans_clear_spared_are_never_destroyed_when_their_graph_went_before_their_cache():
+    """clear() spared a plan for a graph that was destroyed before the cache was collected: the plan's handle is
+    destroyed already (close_all_handles destroys the handles next), so the collected cache destroys it neither."""
+    build, made = _weak_builder()
+    cache = PlanCache(lambda *args: FakePlan("graph"), build)
+    graph, pin = _captured_graph()
+    cache.plan("h", "fwd", GEOM, "eng1", pin=pin)
+    cache.clear()
+    graph.close()  # gone before the cache
+    del cache
+    gc.collect()
+    let_go_kept(lambda: True)
+    assert made[0]() is not None and not made[0]().closed
+
+
 class _Handle:
     """A cuDNN handle as a plan's key holds it: ``closed`` once destroyed (close_all_handles)."""
 

@@ -386,10 +386,10 @@ def _hand_over(
     (:meth:`~wsarena.arena._pins.GraphPin.keep`), which let go of it once CUDA has destroyed them and no capture is
     under way (destroying a plan may unload the kernels it loaded), rather than being destroyed with the cache while a
     graph replays it: through a :class:`_Handed`, which never destroys it after its handle. Those
-    :meth:`PlanCache.clear` spared, whose handles are destroyed, are never destroyed (:data:`_forsaken`). The rest go
-    as the cache does, unless a capture that an arena knows of is under way (in any thread: CUDA's global mode); then
-    they go to a pin no graph holds, and so once none is, at the first trim, stats or growth, capture block's end or
-    eager lease's look (:func:`~wsarena.arena._pins.let_go_kept`).
+    :meth:`PlanCache.clear` spared, whose handles are destroyed, are never destroyed (:data:`_forsaken`), their graphs
+    gone since or not. The rest go as the cache does, unless a capture that an arena knows of is under way (in any
+    thread: CUDA's global mode); then they go to a pin no graph holds, and so once none is, at the first trim, stats or
+    growth, capture block's end or eager lease's look (:func:`~wsarena.arena._pins.let_go_kept`).
 
     A collector's callback: a Ctrl-C in it is lost (reported as ignored), and so would be the plans not handed over
     yet. They are held for good (:data:`_handing`) until every one is."""
@@ -410,9 +410,8 @@ def _hand_over(
             rest.pop(id(plan), None)
         else:
             rest.setdefault(id(plan), (plan, key[0]))
-    kept = [(plan, pins) for plan, pins in spared if any(map(live, pins))]
-    if kept:
-        _forsaken.append(kept)
+    if spared:  # their graphs gone or not: their handles are destroyed
+        _forsaken.append(spared)
     rest = {key: entry for key, entry in rest.items() if not entry[0].closed}
     if rest and not _no_capture_under_way():
         later = GraphPin()
