@@ -160,3 +160,25 @@ def test_a_caches_lock_goes_with_the_cache():
     lock = weakref.ref(LRU(2)._lock)
     gc.collect()
     assert lock() is None
+
+
+def test_items_reads_every_entry_whatever_a_hit_does_meanwhile():
+    """items() takes no lock (a collected plan cache's finalizer reads it, which may run where the lock is held), and
+    lookups take none either: it must run no code of the keys' (a geometry's __hash__ is Python), where another
+    thread's hit could move an entry and cut the snapshot short. Here a key's own __hash__ makes that hit."""
+    cache = LRU(8)
+
+    class Key:
+        hit = False
+
+        def __hash__(self):
+            if Key.hit:
+                Key.hit = False
+                cache.lookup(keys[0])  # a hit elsewhere, between two entries' reads
+            return 7
+
+    keys = [(Key(), n) for n in range(4)]
+    for key in keys:
+        cache.put(key, Thing(key))
+    Key.hit = True
+    assert sorted(n for (_, n), _ in cache.items()) == [0, 1, 2, 3]

@@ -108,9 +108,10 @@ class LRU(Generic[V]):
             return list(self._items.values())
 
     def items(self) -> list[tuple[Hashable, V]]:
-        """``(key, value)`` of each cached entry, least recently used first: a snapshot read in one C call, without
-        the lock (a finalizer's, which may run where it is held)."""
-        return list(self._items.items())
+        """``(key, value)`` of each cached entry, in no set order: a snapshot read without the lock (a finalizer's,
+        which may run where it is held). Read as a plain dict's entries: the ordered view would hash each key again
+        (a geometry's ``__hash__`` is Python code), where a hit in another thread moving an entry cuts it short."""
+        return list(dict.items(self._items))
 
     def clear(self) -> None:
         with self._lock:
