@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import timeit
 from typing import Any
+
+import _checkouts  # this folder is on sys.path when the script runs
 
 
 def measure(number: int, repeat: int) -> dict[str, float]:
@@ -101,9 +101,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--number", type=int, default=2000, help="calls per timing")
     parser.add_argument("--repeat", type=int, default=5, help="timings per round; the best counts")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per checkout")
-    parser.add_argument("--checkout", action="append", default=[], help="a checkout root to compare")
-    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one measurement, for a parent
+    _checkouts.add_options(parser)
     args = parser.parse_args()
     if args.json:
         print(json.dumps(measure(args.number, args.repeat)))
@@ -115,9 +113,8 @@ def main() -> int:
     best: dict[str, dict[str, float]] = {root: {} for root in args.checkout}
     for _ in range(args.rounds):
         for root in args.checkout:
-            env = {**os.environ, "PYTHONPATH": os.path.abspath(root)}
-            command = [sys.executable, __file__, "--json", "--number", str(args.number), "--repeat", str(args.repeat)]
-            found = json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
+            found = _checkouts.measure_in(root, __file__, ["--json", "--number", str(args.number), "--repeat",
+                                                          str(args.repeat)])
             for name, us in found.items():
                 best[root][name] = min(us, best[root].get(name, us))
     names = list(dict.fromkeys(n for found in best.values() for n in found))

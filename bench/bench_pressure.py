@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
-import sys
 import time
 from typing import Any
+
+import _checkouts  # this folder is on sys.path when the script runs
 
 LAYERS = (  # (input, weight, padding): the first choices need 20-300 KiB of workspace
     ((2, 16, 16, 16), (16, 16, 3, 3), 1),
@@ -34,6 +33,7 @@ LAYERS = (  # (input, weight, padding): the first choices need 20-300 KiB of wor
     ((2, 32, 8, 8), (64, 32, 1, 1), 0),
 )
 LIMIT = 4096  # bytes the provider grants at most: every algorithm but the workspace-free one is refused
+SEARCHES = ("heuristic", "exhaustive")  # the cases: algo_search settings
 
 
 def measure(steps: int, heap: int, search: str) -> dict[str, float]:
@@ -97,36 +97,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--heap", type=int, default=500_000, help="objects on the heap, for the collector")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per checkout")
-    parser.add_argument("--checkout", action="append", default=[], help="a checkout root to compare")
-    parser.add_argument("--json", metavar="SEARCH", help=argparse.SUPPRESS)  # one measurement, for a parent
+    _checkouts.add_options(parser, json_metavar="SEARCH")
     args = parser.parse_args()
     if args.json:
         print(json.dumps(measure(args.steps, args.heap, args.json)))
         return 0
-    roots = args.checkout or [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    best: dict[tuple[str, str], dict[str, float]] = {}
-    for _ in range(args.rounds):
-        for search in ("heuristic", "exhaustive"):
-            for root in roots:
-                env = {**os.environ, "PYTHONPATH": os.path.abspath(root), "OPENBLAS_NUM_THREADS": "1"}
-                command = [sys.executable, __file__, "--json", search, "--steps", str(args.steps),
-                           "--heap", str(args.heap)]
-                found = json.loads(subprocess.run(command, env=env, capture_output=True, text=True,
-                                                  check=True).stdout)
-                kept = best.get((root, search))
-                if kept is None or found["ms"] < kept["ms"]:
-                    best[root, search] = found
+    roots = args.checkout or [_checkouts.ROOT]
+    best = _checkouts.best_of_rounds(__file__, roots, SEARCHES, args.rounds,
+                                     ["--steps", str(args.steps), "--heap", str(args.heap)],
+                                     env={"OPENBLAS_NUM_THREADS": "1"})
     print(f"{len(LAYERS)} layers x 3 passes a step, provider granting {LIMIT} bytes at most, gc.collect() on each "
           f"refusal, {args.heap} objects on the heap; mean of {args.steps} steps, best of {args.rounds} rounds")
     print(f"{'search':<11} {'checkout':<16} {'step ms':>9} {'asks':>8} {'searches':>9} {'vs first':>9}")
-    for search in ("heuristic", "exhaustive"):
-        first = best[roots[0], search]["ms"]
-        for root in roots:
-            got = best[root, search]
-            name = os.path.basename(os.path.abspath(root))
-            print(f"{search:<11} {name:<16} {got['ms']:9.2f} {got['asks']:8d} {got['searches']:9d} "
-                  f"{got['ms'] / first:8.2f}x")
+    for search, name, got, ratio in _checkouts.rows(best, roots, SEARCHES):
+        print(f"{search:<11} {name:<16} {got['ms']:9.2f} {got['asks']:8d} {got['searches']:9d} {ratio:8.2f}x")
     return 0
 
 

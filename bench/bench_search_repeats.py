@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from typing import Any
+
+import _checkouts  # this folder is on sys.path when the script runs
 
 CASES = ("plan-untimed", "ops-untimed", "ops-refused")
 
@@ -106,35 +105,20 @@ def measure(case: str, calls: int) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=50, help="timed calls of the ops' cases")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per checkout")
-    parser.add_argument("--checkout", action="append", default=[], help="a checkout root to compare")
-    parser.add_argument("--json", metavar="CASE", help=argparse.SUPPRESS)  # one measurement, for a parent
+    _checkouts.add_options(parser, json_metavar="CASE")
     args = parser.parse_args()
     if args.json:
         print(json.dumps(measure(args.json, args.calls)))
         return 0
-    roots = args.checkout or [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    best: dict[tuple[str, str], dict[str, float]] = {}
-    for _ in range(args.rounds):
-        for case in CASES:
-            for root in roots:
-                env = {**os.environ, "PYTHONPATH": os.path.abspath(root), "OPENBLAS_NUM_THREADS": "1"}
-                command = [sys.executable, os.path.abspath(__file__), "--json", case, "--calls", str(args.calls)]
-                found = json.loads(subprocess.run(command, env=env, capture_output=True, text=True,
-                                                  check=True).stdout)
-                kept = best.get((root, case))
-                if kept is None or found["ms"] < kept["ms"]:
-                    best[root, case] = found
+    roots = args.checkout or [_checkouts.ROOT]
+    best = _checkouts.best_of_rounds(__file__, roots, CASES, args.rounds, ["--calls", str(args.calls)],
+                                     env={"OPENBLAS_NUM_THREADS": "1"})
     print(f"plan: ResNet-50 layer1 at batch 4, three passes; ops: forward of (2, 16, 16, 16) by (16, 16, 3, 3), "
           f"mean of {args.calls} calls after the first; best of {args.rounds} rounds")
     print(f"{'case':<13} {'checkout':<16} {'ms':>9} {'operands':>9} {'asks':>6} {'timings':>8} {'vs first':>9}")
-    for case in CASES:
-        first = best[roots[0], case]["ms"]
-        for root in roots:
-            got = best[root, case]
-            name = os.path.basename(os.path.abspath(root))
-            print(f"{case:<13} {name:<16} {got['ms']:9.3f} {got['operands']:9d} {got['asks']:6d} {got['timings']:8d} "
-                  f"{got['ms'] / first:8.3f}x")
+    for case, name, got, ratio in _checkouts.rows(best, roots, CASES):
+        print(f"{case:<13} {name:<16} {got['ms']:9.3f} {got['operands']:9d} {got['asks']:6d} {got['timings']:8d} "
+              f"{ratio:8.3f}x")
     return 0
 
 
