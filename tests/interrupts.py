@@ -134,7 +134,6 @@ def interrupt_at_check(
     return _run_traced(trace, lambda: fired, function, args)
 
 
-
 def from_a_frame_of(function: Callable[..., Any]) -> Callable[[], bool]:
     """An ``after`` for :func:`interrupt_at_check`: true from the first check made while a frame of ``function`` is
     on this thread's stack on (where a step begins that must lose nothing from its first instruction on)."""

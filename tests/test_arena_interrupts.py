@@ -193,8 +193,6 @@ def test_an_interrupt_at_any_check_of_a_growing_lease_loses_no_buffer(arena_kind
     assert runs >= 50  # it did reach the lease's own code, not only this test's
 
 
-
-
 def test_a_second_interrupt_on_the_heels_of_one_just_after_an_allocation_loses_no_buffer(
     arena_kind, key, monkeypatch
 ):

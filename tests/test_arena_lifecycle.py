@@ -28,8 +28,6 @@ from .interrupts import interrupt_at_check
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
-
 def test_a_collected_arena_frees_every_buffer_once():
     provider = RecordingProvider()
     arena = Arena(provider)

@@ -17,8 +17,6 @@ from wsarena.arena.testing import FakeStream, RecordingProvider
 H = 11  # the handle the dead stream and the new one share
 
 
-
-
 @pytest.fixture
 def provider():
     provider = RecordingProvider(device_id=0)

@@ -667,7 +667,6 @@ def test_stats_read_no_kept_array_and_count_each_memory_once(provider):
     assert len(reads) == read  # read as they were kept, never again
 
 
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
 def test_a_forked_child_lets_go_of_nothing_its_parent_kept_for_a_graph(provider, freed):
     """What the parent's pins kept is the parent's memory: a forked child's stats or growth never lets go of it, which

@@ -770,7 +770,6 @@ def test_report_device_properties_decides_the_backend_search_and_api(capsys, mon
     assert run_main(capsys, "report", "resnet50", "--device-properties", str(props), "--cap-workspace", "1MiB")[0] == 0
 
 
-
 def test_device_properties_without_the_driver_library_is_one_line_of_wsarenas():
     """Where libcuda.so.1 is missing (cuDNN 9.27 on), cuDNN printed its own "Unable to load any of {...}" line to
     stderr at its first finalize, before wsarena's: the engine library that needs the driver library is loaded first,

@@ -16,8 +16,6 @@ from .onnx_graphs import conv, save, vi, weight
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-
-
 def lost_conv_model(tmp_path, name="lost"):
     """Two convs; the second reads a tensor reshaped to a runtime shape, so its spatial size stays unknown."""
     nodes = [conv("known", "x", "w", "y0", pads=[1, 1, 1, 1]), helper.make_node("Reshape", ["y0", "s"], ["r"]),
@@ -107,6 +105,7 @@ def test_a_plot_over_the_device_properties_file_is_refused_and_the_file_kept(cap
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose writes fail")
 def test_a_plot_on_a_full_device_exits_3(capsys, tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")
+
     def stat(path):
         with contextlib.suppress(FileNotFoundError):
             return os.stat(path)

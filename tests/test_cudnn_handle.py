@@ -224,6 +224,7 @@ def test_a_forked_child_never_destroys_the_parents_handles(fake_handles):
     other.start()
     other.join()
     gc.collect()  # 0x5020 queued
+
     def in_the_child():
         del destroyed[:]
         mine = cudnn.get_handle(4)  # the parent's live handle is not the child's: a new one

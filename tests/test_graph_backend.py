@@ -384,6 +384,7 @@ def test_a_forked_child_destroys_none_of_the_parents_plans():
         cache.plan("h", "fwd", GEOM, "eng1", pin=pin)  # kept for the graph
         for name in ("eng2", "eng3"):  # cached; eng1 evicted
             cache.plan("h", "fwd", GEOM, name)
+
         def in_the_child():
             mine = cache.plan("h", "fwd", GEOM, "eng4")
             cache.clear()
@@ -594,6 +595,7 @@ def test_device_properties_with_a_byte_order_mark_are_the_same_gpu(finalizing):
     marked = device_properties_backend("\ufeff" + text)
     assert marked.device_label().startswith("NVIDIA H100 80GB HBM3 (device properties ")
     assert device_properties_backend(text) is marked
+
 
 def test_only_the_last_device_properties_asked_for_keep_their_plans(finalizing):
     """A backend, with its plans (up to plan_cache_size: some 20 MiB for ResNet-50), was kept for every distinct
@@ -929,7 +931,6 @@ def test_device_properties_errors_pickle_with_their_file_and_member():
     check_members(json.dumps({"warpSize": "32", "maxGridSize": "x"}))  # types too
 
 
-
 def test_device_properties_that_start_with_a_byte_order_mark_plan_as_without_it(finalizing, capsys, tmp_path):
     """A file saved with a byte order mark (as Windows editors save UTF-8), as a JSON layer list may be: cuDNN was
     handed the mark and refused the file as no JSON."""
@@ -1073,6 +1074,7 @@ def test_device_properties_nested_too_deep_are_left_to_cudnn(text):
 
     assert members(text) is None
     check_members(text, "deep.json")  # no JSON object: cuDNN's to refuse, as "not json"
+
 
 def test_the_device_is_named_as_cudnn_reads_the_properties(finalizing):
     """JSON with a member twice: cuDNN reads the first, Python's json the last; the label is the device cuDNN

@@ -139,6 +139,7 @@ def test_a_child_forked_while_another_thread_inserts_can_insert():
     thread = threading.Thread(target=insert)
     thread.start()
     inserting.wait(10)
+
     def in_the_child():
         if not cache._lock.acquire(timeout=1):
             return "the lock is held"

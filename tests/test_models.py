@@ -661,7 +661,6 @@ def test_onnx_negative_dim_is_unknown(tmp_path):
     assert [l.input_shape for l in load_model(channels)] == [(1, 3, 12, 16), (1, 4, 10, 14)]  # from the weight
 
 
-
 def test_onnx_shapes_of_many_dims_are_quoted_cut(tmp_path):
     """A shape of thousands of dims was quoted whole, an error of thousands of characters."""
     w = [weight("w", (4, 3, 3, 3))]
@@ -695,6 +694,7 @@ def test_onnx_input_shapes_beyond_what_onnx_holds_are_a_model_error(tmp_path):
     path = save(tmp_path, [conv("c", "x", "w", "y")], [vi("x", [1, 3, "H", "W"])], [weight("w", (4, 3, 3, 3))])
     with pytest.raises(ModelError, match=r"the shape of input 'x' must be positive ints below 2\*\*63"):
         load_model(path, input_shapes={"x": (1, 3, 2**63, 8)})
+
 
 def test_onnx_input_shapes_fix_symbolic_sizes_before_inference(tmp_path):
     nodes = [conv("c1", "x", "w1", "y1", pads=[1, 1, 1, 1]), conv("c2", "y1", "w2", "y2", strides=[2, 2])]
@@ -952,6 +952,7 @@ def test_onnx_convs_of_an_element_type_no_conv_takes_cannot_be_planned(tmp_path)
     assert [layer.name for layer in layers] == ["float", "double", "dequantized", "annotated"]
     assert [layer.weight_shape for layer in layers] == [(4, 3, 3, 3)] * 4
 
+
 def test_onnx_convs_fed_a_computed_tensor_of_an_element_type_no_conv_takes_cannot_be_planned(tmp_path):
     """A conv whose input or weight a node computes as an integer (a Constant's, a Cast's, a QuantizeLinear's with no
     DequantizeLinear after it) was planned as a float convolution, as one on an integer initializer was: the types
@@ -1066,7 +1067,6 @@ def test_onnx_conv_transpose_reference_output_shape(tmp_path):
     assert layer.input_shape == (1, *y.shape[1:]) == (1, 3, 10, 10)
 
 
-
 @pytest.mark.parametrize("attrs", [
     {"strides": [3, 3], "auto_pad": "SAME_UPPER"},  # a kernel narrower than the stride: 4 * 3 = 12 from a full 11
     {"strides": [3, 3], "auto_pad": "SAME_LOWER", "output_padding": [1, 0]},
@@ -1084,6 +1084,7 @@ def test_onnx_conv_transpose_output_within_a_stride_past_the_full_one(tmp_path, 
     (layer,) = load_model(path, asymmetric_pads="error")
     assert layer.input_shape == (1, *y.shape[1:]) and layer.padding == (0, 0)
     assert layer.geometry().output_shape == (1, 2, 4, 4)
+
 
 def test_onnx_conv_transpose_with_impossible_output_padding(tmp_path):
     nodes = [conv("bad", "x", "w", "y", op="ConvTranspose", strides=[2, 2], output_padding=[3, 3])]

@@ -942,7 +942,6 @@ def test_info_keeps_a_null_api_path_and_counts_any_foreign_file_as_unreadable(ca
     assert "None" not in text and re.search(r"\(wsarena [^,)]+\)$", text.splitlines()[-1])
 
 
-
 def test_info_counts_no_entry_that_another_process_removed_after_the_listing(cache, monkeypatch):
     # another process's trim or clear removes an entry between info's listing and its reading of the file: the
     # entry is gone, not unreadable (a dangling link named as an entry stays unreadable, as it is still there)
@@ -961,6 +960,7 @@ def test_info_counts_no_entry_that_another_process_removed_after_the_listing(cac
     monkeypatch.setattr(_searchcache_folder, "_entry_files", listing_then_a_trim)
     info = searchcache.info()
     assert (info["entries"], info["unreadable"], info["size_bytes"]) == (1, 1, kept_size)
+
 
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
 def test_entries_take_the_permissions_the_umask_leaves(cache, umask):

@@ -203,6 +203,7 @@ def test_tensors_channels_last_in_both_senses_run_in_the_format_torch_reads_from
     assert y.stride() == ref.stride()  # torch's own output is channels-last in the first two cases
     assert (y.stride()[1] == 1) == bool(last)
 
+
 def check_cpu_autocast(ours, theirs, operands, **kw):
     """Under CPU autocast to bfloat16, ``ours(x, w, b, **kw)`` of the float32 ``operands`` gives the dtype and (within
     2e-2) the values of ``theirs``'s, and float32 gradients within 2e-2 of theirs."""
@@ -883,7 +884,6 @@ def test_a_checkpointed_forward_is_recomputed_under_its_settings_with_checkpoint
             assert leased[0] > 0 and leased[1:] == [0, 0]
 
 
-
 def test_checkpoint_context_under_torch_compile_gives_torchs_results():
     """A compiled checkpoint takes from its context_fn only two TorchDispatchModes: checkpoint_context gives those of
     PyTorch's own compiled checkpointing there, where its two other contexts failed the compile with an
@@ -903,6 +903,7 @@ def test_checkpoint_context_under_torch_compile_gives_torchs_results():
 
     (got, got_grads), (expected, expected_grads) = run(ours, context_fn=wt.checkpoint_context), run(theirs)
     assert close(got, expected) and all(close(g, e) for g, e in zip(got_grads, expected_grads))
+
 
 def test_selective_checkpointing_that_saves_the_operators_results_matches_torchs(leased):
     """torch.utils.checkpoint's selective checkpointing, with a policy that saves the forward operators' results,
@@ -932,6 +933,7 @@ def test_selective_checkpointing_that_saves_the_operators_results_matches_torchs
     assert len(leased) == 4  # the backward: the two layers' backward passes, no forward recomputed
     expected, expected_grads = run(theirs)
     assert close(got, expected) and all(close(g, e) for g, e in zip(got_grads, expected_grads))
+
 
 class Stream:
     """What prepare_capture and the arena read of a torch.cuda.Stream, for the tests below without a GPU."""

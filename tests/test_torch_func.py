@@ -1027,7 +1027,6 @@ def test_forward_mode_in_a_function_torch_compile_runs_rather_than_traces_gives_
     assert got.tangent is not None and close(got.tangent, expected.tangent)
 
 
-
 @pytest.mark.parametrize("decorator", ["allow_in_graph", "nonstrict_trace"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_dual_tensors_given_to_a_compiled_function_break_its_graph_at_a_function_dynamo_runs(decorator, backend):
@@ -1057,6 +1056,7 @@ def test_dual_tensors_given_to_a_compiled_function_break_its_graph_at_a_function
     reason = "dual tensors given to a compiled function" if decorator == "allow_in_graph" else "nonstrict_trace"
     with pytest.raises(torch._dynamo.exc.Unsupported, match=reason):
         tangent(wt.conv2d, fullgraph=True)
+
 
 def test_eager_forward_mode_on_one_thread_while_another_compiles_is_not_taken_for_a_compile():
     """Forward AD on one thread, while another compiles: ``torch.compiler.is_compiling()`` reads a flag of the
@@ -1312,7 +1312,6 @@ def test_torch_func_transforms_of_the_operators_match_torchs(name):
         got, expected = transform(ours), transform(theirs)
         got, expected = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)
         assert len(got) == len(expected) and all(close(g, e) for g, e in zip(got, expected)), what
-
 
 
 # A PyTorch whose Library.impl refuses to override a kernel registered from Python by default (2.8 to 2.10), or

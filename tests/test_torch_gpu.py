@@ -356,7 +356,6 @@ def test_a_step_captured_by_torch_cuda_graph_replays_equal_to_the_eager_step():
     del graph
 
 
-
 def _converted_and_its_eager_step(seed):
     """A converted small model on the GPU, a batch, its target, and the eager step's loss and gradients."""
     import wsarena.torch as wt

@@ -320,7 +320,6 @@ def test_overlapping_calls_in_two_threads_leave_torch_compile_as_it_was():
         torch.compiler.set_stance("default")  # the tests after this one compile as asked, whatever it found
 
 
-
 def _compiles() -> int:
     """How many graphs a function compiled now makes on a tiny tensor: 1, or 0 under "force_eager". (Elementwise on
     two numbers: no OpenMP region, which a forked child of a process that ran convolutions may wait on for ever.)"""
@@ -375,7 +374,6 @@ def test_a_child_forked_by_the_model_itself_runs_uncompiled_until_its_call_ends(
     assert [layer.name for layer in wt.layers(_Forks(box), torch.randn(1, 3, 8, 8))] == ["conv"]
     assert box["wait"]() == 0
     assert _compiles() == 1
-
 
 
 class _InterruptedLock:
@@ -446,6 +444,7 @@ def test_a_ctrl_c_as_layers_sets_the_stance_leaves_torch_compile_as_it_was(monke
         assert _compiles() == 1
     finally:
         torch.compiler.set_stance("default")  # the tests after this one compile as asked, whatever it found
+
 
 def test_a_converted_model_gives_the_same_layers_and_hooks_are_removed():
     model = ResNet50()

@@ -265,6 +265,7 @@ def test_flop_counter_counts_a_converted_model_as_torchs():
     got = counted(ours)
     assert got == counted(theirs) and 0 < got[0] < got[1] < got[2]
 
+
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_the_custom_operators_pass_torch_library_opcheck(fmt, dtype):

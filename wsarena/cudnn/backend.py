@@ -79,6 +79,7 @@ def has_attribute(name: BackendAttributeName | int) -> bool:
     since = OPTIONAL_ATTRIBUTES.get(BackendAttributeName(name))
     return since is None or load_library().version >= since
 
+
 # Enumeration types read back as members of their IntEnum (a value this wsarena does not know stays an int).
 _ENUM_TYPES: dict[BackendAttributeType, type[IntEnum]] = {
     T.DATA_TYPE: DataType,

@@ -46,6 +46,7 @@ __all__ = [
     "workspace_size",
 ]
 
+
 @dataclasses.dataclass(frozen=True)
 class _Pass:
     algo_enum: type[IntEnum]
