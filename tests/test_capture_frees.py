@@ -212,6 +212,30 @@ def test_a_keep_through_a_stream_object_made_for_it_leaves_the_capture_known_whi
     assert arena.stats().kept_bytes == 0
 
 
+def _a_graph_that_kept_an_array(provider, arena):
+    """A graph captured on S1 that kept an array, for the caller to close: once it is gone, what it kept waits for no
+    capture under way. Returns the graph and a list that gets, as the array is dropped, what the provider was
+    capturing then."""
+    dropped = []
+    kept = provider.begin_capture(S1)
+    array = np.empty(256, np.uint8)
+    weakref.finalize(array, lambda: dropped.append(dict(provider.capturing)))
+    assert arena.keep_with_capture([array], stream=S1)
+    provider.end_capture(kept)
+    return kept, dropped
+
+
+def _the_capture_ends_and_the_next_trim_lets_go(provider, arena, graph, dropped):
+    """``graph``'s capture ends: the next trim drops what the graph gone kept, with no capture under way, and frees
+    the dead stream's buffer with no stream; nothing is kept any more."""
+    provider.end_capture(graph)
+    arena.trim()
+    gc.collect()
+    assert dropped == [{}] and [s for _, s in provider.frees] == [None] and provider.during_capture == []
+    graph.close()
+    assert arena.stats().kept_bytes == 0
+
+
 @pytest.mark.parametrize("given_as", ["the new stream's object", "its raw handle"])
 def test_a_keep_on_a_handle_whose_last_keep_was_through_a_stream_object_gone_since_records_the_capture(given_as):
     """A keep through a stream object records the stream with a weak reference to it; the object dies with the stream
@@ -226,13 +250,7 @@ def test_a_keep_on_a_handle_whose_last_keep_was_through_a_stream_object_gone_sin
     arena.reserve(1000, stream=gone)
     del gone  # its buffer is freed with no stream by the next trim
     gc.collect()
-    dropped = []  # what the provider captured as the kept array was dropped
-    kept = provider.begin_capture(S1)  # a graph that keeps an array, then is gone: it waits for no capture under way
-    array = np.empty(256, np.uint8)
-    weakref.finalize(array, lambda: dropped.append(dict(provider.capturing)))
-    assert arena.keep_with_capture([array], stream=S1)
-    provider.end_capture(kept)
-    del array
+    kept, dropped = _a_graph_that_kept_an_array(provider, arena)
     stream = FakeStream(0x70)
     graph = provider.begin_capture(0x70)
     assert arena.keep_with_capture([np.empty(16)], stream=stream)
@@ -249,12 +267,7 @@ def test_a_keep_on_a_handle_whose_last_keep_was_through_a_stream_object_gone_sin
     thread.join(10)
     gc.collect()
     assert dropped == [] and provider.frees == [] and provider.during_capture == []
-    provider.end_capture(graph)
-    arena.trim()
-    gc.collect()
-    assert dropped == [{}] and [s for _, s in provider.frees] == [None] and provider.during_capture == []
-    graph.close()
-    assert arena.stats().kept_bytes == 0
+    _the_capture_ends_and_the_next_trim_lets_go(provider, arena, graph, dropped)
 
 
 @pytest.mark.parametrize("given_as", ["the new stream's object", "its raw handle"])
@@ -275,13 +288,7 @@ def test_a_keep_on_a_handle_whose_buffer_was_watched_by_a_stream_object_dead_sin
     if death_seen:
         del old  # its owner destroys the stream: the arena sees it at its next sweep, the keep's below
         gc.collect()
-    dropped = []  # what the provider captured as the kept array was dropped
-    kept = provider.begin_capture(S1)  # a graph that keeps an array, then is gone: it waits for no capture under way
-    array = np.empty(256, np.uint8)
-    weakref.finalize(array, lambda: dropped.append(dict(provider.capturing)))
-    assert arena.keep_with_capture([array], stream=S1)
-    provider.end_capture(kept)
-    del array
+    kept, dropped = _a_graph_that_kept_an_array(provider, arena)
     kept.close()
     if not death_seen:
         del old
@@ -294,12 +301,7 @@ def test_a_keep_on_a_handle_whose_buffer_was_watched_by_a_stream_object_dead_sin
     thread.join(10)
     gc.collect()
     assert dropped == [] and provider.during_capture == []
-    provider.end_capture(graph)
-    arena.trim()
-    gc.collect()
-    assert dropped == [{}] and [s for _, s in provider.frees] == [None] and provider.during_capture == []
-    graph.close()
-    assert arena.stats().kept_bytes == 0
+    _the_capture_ends_and_the_next_trim_lets_go(provider, arena, graph, dropped)
 
 
 def test_whether_a_capture_is_under_way_asks_each_arena_about_each_stream_once(monkeypatch):
