@@ -438,12 +438,40 @@ def test_a_reserve_that_would_grow_a_captured_stream_is_a_capture_error(device):
     assert len(provider.allocations) == 2
 
 
+def test_a_pin_is_collected_with_no_python_code_run():
+    """The collector may drop a pin anywhere, and a Ctrl-C that lands in Python code it runs then is lost (printed as
+    unraisable, the pin's semaphore never freed): collecting a pin runs none. Once, a ``weakref.finalize`` freed the
+    semaphore there."""
+    from wsarena.arena import _pins
+
+    pin = GraphPin()
+    address = pin.address
+    called = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            called.append(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        del pin
+    finally:
+        sys.setprofile(None)
+    assert called == []
+    assert [ref.state[0] for ref in _pins._collected] == [address]
+    destroy = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    destroy(GraphPin.destroy)(address)  # its graph goes: the next look frees the semaphore
+    _pins.free_posted()
+    assert address not in _pins._held and address not in _pins._unposted and not _pins._collected
+
+
 def test_a_pins_semaphore_is_freed_only_once_cuda_has_posted_it(monkeypatch):
     """CUDA may run a graph's destructor (sem_post) after the pin is gone, and at exit after the interpreter freed
     its objects: the semaphore is memory of libc's, freed only once CUDA posted it."""
     from wsarena.arena import _pins
 
     gc.collect()  # other tests' pins go now, not under the patch below
+    _pins.free_posted()
     frees = []
     monkeypatch.setattr(_pins, "_free", frees.append)  # never freed for real here: these are test pins
     monkeypatch.setattr(_pins, "_unposted", {})  # those of other tests' pins are theirs
@@ -461,7 +489,29 @@ def test_a_pins_semaphore_is_freed_only_once_cuda_has_posted_it(monkeypatch):
     address = posted.address
     del posted
     gc.collect()
+    assert frees[1:] == []  # collected: its semaphore waits for the next look, which frees it as CUDA posted it
+    _pins.free_posted()
     assert frees[1:] == [address]
+
+
+def test_a_pin_dropped_before_its_address_was_read_has_its_semaphore_freed(monkeypatch):
+    """A Ctrl-C just after a pin is made, before the graph is given its address, drops it: no graph will ever post
+    it, so its semaphore is freed at the next look, unposted. Once, it waited for a post for good, and each later
+    look checked it again."""
+    from wsarena.arena import _pins
+
+    gc.collect()  # other tests' pins go now, not under the patch below
+    _pins.free_posted()
+    frees = []
+    monkeypatch.setattr(_pins, "_free", frees.append)  # never freed for real here: these are test pins
+    monkeypatch.setattr(_pins, "_unposted", {})  # those of other tests' pins are theirs
+    dropped, handed = GraphPin(), GraphPin()
+    dropped_at = dropped._state[0]
+    handed_at = handed.address  # what a capture's retain reads: the graph may post it
+    del dropped, handed
+    gc.collect()
+    _pins.free_posted()
+    assert frees == [dropped_at] and list(_pins._unposted) == [handed_at]
 
 
 def test_a_collected_arena_frees_what_a_graph_held_once_the_graph_is_gone():
@@ -1047,6 +1097,7 @@ def test_a_spare_pins_semaphore_is_freed_once_cuda_has_posted_it(device, monkeyp
     from wsarena.arena import _pins
 
     gc.collect()  # other tests' pins go now, not under the patch below
+    _pins.free_posted()
     frees = []
     monkeypatch.setattr(_pins, "_free", frees.append)  # never freed for real here: these are test pins
     monkeypatch.setattr(_pins, "_unposted", {})  # those of other tests' pins are theirs

@@ -10,9 +10,12 @@ pin's own, and the arena reads the semaphore's count (``sem_getvalue``) whenever
 
 The semaphore lives in memory from libc's ``malloc``, not in a Python object: CUDA may post it after the pin is
 gone, and even after the interpreter has freed its own objects at exit (a graph destroyed then). It is freed only
-once CUDA has posted it, when CUDA will never touch it again. A pin dropped before that (a spare, made by a second
-thread's first lease of a capture; the pins of a collected arena) leaves its semaphore on a list that
-:func:`free_posted` looks at, when a pin is made and when an arena is closed or collected: each is freed once posted.
+once CUDA has posted it, when CUDA will never touch it again, and its pin is gone: :func:`free_posted` looks at the
+semaphores of the pins collected since (a spare, made by a second thread's first lease of a capture; the pins of a
+collected arena; any pin once its graph and arena are done with it) when a pin is made and when an arena is closed or
+collected, and frees each that CUDA has posted, or that no graph was given (its address never read: a pin dropped by
+a Ctrl-C as it was made). A pin's collection itself runs no Python code (interrupt rule 5 of
+:mod:`~wsarena.arena._interrupts`): a weak reference's callback, ``deque.append``, lists it.
 
 A pin also keeps what else the graph's kernels use that would otherwise be freed while it exists (:meth:`GraphPin.keep`:
 the copies a captured call made of its operands, the result it made), until :func:`let_go_kept` finds the pin posted
@@ -34,7 +37,7 @@ import itertools
 import os
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Self
 
 from .. import _forksafe
 from .._sizes import as_int
@@ -57,7 +60,12 @@ SEM_POST: int = ctypes.cast(_libc.sem_post, ctypes.c_void_p).value or 0  # the d
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # what CUDA calls it as (cudaHostFn_t): void (*)(void *)
 _SEM_BYTES = 64  # sizeof(sem_t) is 32 on 64-bit glibc and musl; room to spare
 
-# The semaphores of pins dropped before CUDA posted them, by address: CUDA may still post each (its graph lives on).
+# A weak reference to each pin whose semaphore is not freed yet, by the semaphore's address (what keeps the reference
+# alive: its callback runs only while it is).
+_held: dict[int, _PinRef] = {}
+# The references of the pins collected since free_posted last looked, listed by their callback (a C call).
+_collected: collections.deque[_PinRef] = collections.deque()
+# The semaphores of pins collected before CUDA posted them, by address: CUDA may still post each (its graph lives on).
 _unposted: dict[int, list[Any]] = {}
 # The pins that keep objects for their graphs (GraphPin.keep), by id: each is held here until let_go_kept finds it
 # posted, whoever else lets go of it (an arena forgets its captures' pins when it likes).
@@ -107,18 +115,23 @@ class GraphPin:
             errno = ctypes.get_errno()
             _free(address)
             raise OSError(errno, f"sem_init: {os.strerror(errno)}")
-        self._state = state = [address, False]  # the semaphore, and whether CUDA has posted it (seen here)
+        # the semaphore, whether CUDA has posted it (seen here), and whether its address was read (given to a graph)
+        self._state = state = [address, False, False]
         self.blocks: list[Any] = []
         self.kept: dict[int, Any] = {}
         self.tally = tally
         self.counted: dict[int, bool] = {}
         self.frees = False
-        weakref.finalize(self, _let_go, state).atexit = False  # at exit, CUDA may still post it: never freed
+        _held[address] = _PinRef(self, state)
 
     @property
     def address(self) -> int:
-        """What CUDA passes to the destructor: the semaphore's address."""
-        address: int = self._state[0]
+        """What CUDA passes to the destructor: the semaphore's address. Read, it may have been given to a graph; a pin
+        whose address was never read (one dropped as it was being made, by a Ctrl-C) has its semaphore freed after it
+        is collected (:func:`free_posted`), posted or not."""
+        state = self._state
+        state[2] = True
+        address: int = state[0]
         return address
 
     @property
@@ -169,13 +182,18 @@ def _posted(state: list[Any]) -> bool:
     return bool(state[1])
 
 
-def _let_go(state: list[Any]) -> None:
-    """A pin was collected: free its semaphore if CUDA has posted it (it never will again); else it waits on the list
-    of those :func:`free_posted` frees once CUDA has."""
-    if _posted(state):
-        _free(state[0])
-    else:
-        _unposted[state[0]] = state
+class _PinRef(weakref.ref["GraphPin"]):
+    """A weak reference to a pin, which carries the pin's semaphore (its ``state``) and, as the pin is collected,
+    lists itself in :data:`_collected`: a C call, where an interrupt cannot land (a ``weakref.finalize``, Python code,
+    would lose it)."""
+
+    __slots__ = ("state",)
+    state: list[Any]
+
+    def __new__(cls, pin: GraphPin, state: list[Any]) -> Self:
+        ref = super().__new__(cls, pin, _collected.append)
+        ref.state = state
+        return ref
 
 
 def _keep(pin: GraphPin, objects: list[Any], frees: bool, counted: bool = True) -> None:
@@ -334,17 +352,28 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def free_posted() -> None:
-    """Free the semaphores of dropped pins that CUDA has posted since (never one that it may still post).
+    """Free the semaphores of collected pins that CUDA has posted or no graph was given (never one that CUDA may
+    still post).
 
     No lock: this runs in finalizers too (an arena's, which the collector may run in the middle of this very loop).
-    Each semaphore is claimed before it is looked at, by taking it off the list (one C call, which one caller alone
-    wins), and put back if CUDA has not posted it yet. An interrupt in between loses 64 bytes, never frees them twice.
+    Each pin collected since the last look is taken off :data:`_collected` (one C call, which one caller alone wins)
+    and its semaphore listed with those CUDA had not posted; each semaphore is claimed before it is looked at, by
+    taking it off that list likewise, and put back if CUDA has not posted it yet. An interrupt in between loses 64
+    bytes, never frees them twice.
     """
+    while _collected:
+        try:
+            ref = _collected.popleft()
+        except IndexError:  # another caller took the last one
+            break
+        address = ref.state[0]
+        _held.pop(address, None)  # first: listed, it may be freed, and its address be a new pin's
+        _unposted[address] = ref.state
     for address in list(_unposted):
         state = _unposted.pop(address, None)
         if state is None:  # another caller's now
             continue
-        if _posted(state):
+        if not state[2] or _posted(state):
             _free(address)
         else:
             _unposted[address] = state
