@@ -1,6 +1,7 @@
 """The persistent search cache: where it lives, its round trip, its keys, and its behaviour when files or folders
 are bad or several processes write at once."""
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -333,6 +334,57 @@ def test_a_searched_algorithm_is_leased_what_its_candidate_needs_in_the_process_
     saved = {e["algo"]: e["workspace_bytes"] for e in json.loads(entry_files(cache)[0].read_text())["results"]}
     assert saved == dict(want)
     assert [(c.algo, c.workspace_bytes) for c in search(backend, cap=1000)] == [("gemm", 1000), ("implicit", 40)]
+
+
+def _recorded(path, algo, math_type, **change):
+    """Change the record of ``(algo, math_type)`` in the entry at ``path``."""
+    _rewrite(path, lambda d: [r.update(change) for r in d["results"]
+                              if (r["algo"], r["math_type"]) == (algo, math_type)])
+
+
+@pytest.mark.parametrize("cap", [None, 1000])
+def test_an_entry_whose_workspace_is_damaged_past_every_candidate_s_serves_the_algorithm_with_what_it_needs(cache, cap):
+    """An entry that records more workspace for a candidate than any candidate of the call needs (a digit added on
+    disk) serves that algorithm with the workspace the backend says it needs, as one that records less does. It was
+    dropped from the ranking without a word, in this process and in every later one the entry served."""
+    backend = TableBackend(TABLE)
+    first = search(backend, cap=cap)
+    assert "gemm" in [c.algo for c in first]
+    (path,) = entry_files(cache)
+    _recorded(path, "gemm", None, workspace_bytes=10**12)
+    again = search(backend, cap=cap)
+    assert again == first and backend.measured == [("fwd", 4)]
+    assert next(c for c in again if c.algo == "gemm").workspace_bytes == 1000
+
+
+class _OtherMathType(TableBackend):
+    """Candidates in math type 1; the search reports gemm in math type 0, as cuDNN's FindEx reports an algorithm it ran
+    without tensor cores in DEFAULT_MATH, whatever math type its heuristics listed it in."""
+
+    def candidates(self, pass_, geom):
+        return [dataclasses.replace(c, math_type=1) for c in super().candidates(pass_, geom)]
+
+    def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+        timed = super().measure(pass_, geom, a, b, out, workspace, candidates, stream)
+        return [dataclasses.replace(c, math_type=0 if c.algo == "gemm" else 1) for c in timed]
+
+
+@pytest.mark.parametrize("reported", [1000, 10])
+def test_a_pair_no_candidate_has_is_leased_what_its_algorithm_s_candidate_needs(cache, reported):
+    """An algorithm the search timed in a math type no candidate has (cuDNN's FindEx in DEFAULT_MATH where the
+    heuristics listed tensor cores) is leased no less than its algorithm's candidate needs, whether the search reported
+    less or its entry records less (a digit lost on disk): the process that searched and the next lease the same. The
+    entry's record of it was leased as it stood, 10 bytes where gemm needs 1000."""
+    backend = _OtherMathType(TABLE)
+    real = backend.measure
+    backend.measure = lambda *args: [dataclasses.replace(c, workspace_bytes=reported) if c.algo == "gemm" else c
+                                     for c in real(*args)]
+    first = search(backend)
+    assert [(c.algo, c.workspace_bytes, c.math_type) for c in first] == [
+        ("fft", 8000, 1), ("gemm", 1000, 0), ("implicit", 0, 1)]
+    (path,) = entry_files(cache)
+    _recorded(path, "gemm", 0, workspace_bytes=10)
+    assert search(backend) == first and backend.measured == [("fwd", 4)]
 
 
 def test_a_file_larger_than_any_entry_is_a_bad_file_and_is_not_read_whole(cache):

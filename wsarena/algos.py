@@ -541,7 +541,6 @@ def select(
         # refused: those whose own lease the backend refused to time these operands in, and those it refused to time
         # on these operands in a lease that held them
         leased = [0, 0]  # the largest workspace leased, and the one the search ran in
-        needs = {(c.algo, c.math_type): c.workspace_bytes for c in cands}
         retry = backend.retry_errors
 
         def time_fitting(largest: Candidate, ws: Any) -> None:
@@ -557,10 +556,12 @@ def select(
                 failed.extend(exc.failed)
                 refused.extend(exc.refused)  # on these operands, in this lease: no verdict either
             # A backend's search may report entries of its own; only those this workspace really holds count. One
-            # reported with less workspace than its candidate (cuDNN's FindEx may report less than its heuristics) is
-            # leased the candidate's, as a search cache entry read back is (searchcache.search): a plan the same in
-            # the process that searched and in the next, which reads it
-            sized = (c if (n := needs.get((c.algo, c.math_type), 0)) <= c.workspace_bytes
+            # reported with less workspace than its candidate (cuDNN's FindEx may report less than its heuristics),
+            # or, in a math type no candidate has, than the candidates of its algorithm this workspace held, is leased
+            # theirs, as a search cache entry read back is (searchcache.search): a plan the same in the process that
+            # searched and in the next, which reads it
+            needed = searchcache.workspace_needed(cands, fitting)
+            sized = (c if (n := needed(c.algo, c.math_type)) <= c.workspace_bytes
                      else dataclasses.replace(c, workspace_bytes=n) for c in found)
             timed.extend(c for c in sized if c.workspace_bytes <= ws.nbytes)
             leased[1] = ws.nbytes

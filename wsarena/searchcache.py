@@ -121,14 +121,18 @@ def search(
         times.update({found: ms for found, (_, ms) in stored.items()})
     if stored is not None and all((c.algo, c.math_type) in stored for c in candidates):
         names = {c.algo for c in candidates}
+        pairs = {(c.algo, c.math_type) for c in candidates}
         limit = max(c.workspace_bytes for c in candidates)
         # A candidate is leased no less than the backend says it needs now: a damaged entry that still parses (a digit
-        # of its workspace lost) would have every call of the geometry run in too little
-        needs = {(c.algo, c.math_type): c.workspace_bytes for c in candidates}
+        # of its workspace lost) would have every call of the geometry run in too little. A size past the largest
+        # candidate's, which no search of these candidates leased, says of a pair no candidate has that the cap keeps
+        # it out (its candidate is above it); of a candidate's own pair it can only be damage (a digit added), which
+        # dropped the algorithm from every ranking the entry served: it is leased what its candidate needs
+        needed = workspace_needed(candidates)
         timed = [
-            Candidate(algo, max(nbytes, needs.get((algo, math), 0)), ms, math)
+            Candidate(algo, max(nbytes if nbytes <= limit else 0, needed(algo, math)), ms, math)
             for (algo, math), (nbytes, ms) in stored.items()
-            if ms is not None and algo in names and nbytes <= limit
+            if ms is not None and algo in names and (nbytes <= limit or (algo, math) in pairs)
         ]
         if timed:
             _counts[0] += 1
@@ -149,6 +153,27 @@ def search(
         warn_once("bad", path.parent, f"ignoring the search cache file {_shown(path)}: {bad}; any other bad file in "
                                       "this folder is ignored without another warning")
     return found
+
+
+def workspace_needed(
+    candidates: Sequence[Candidate], fitting: Sequence[Candidate] | None = None
+) -> Callable[[str, int | None], int]:
+    """The workspace an ``(algorithm, math type)`` pair that a search timed or an entry records needs, as the backend's
+    ``candidates`` of the call say now: its own candidate's; for a pair no candidate has (cuDNN's FindEx reports an
+    algorithm in the math type it ran it in, which need not be the one its heuristics listed), the most that a
+    candidate of its algorithm among ``fitting`` (by default ``candidates``: those a search's workspace holds) needs,
+    the one its search stood in for; 0 for an algorithm none has. Without this floor such a pair was leased whatever
+    the entry recorded, a digit lost on disk too."""
+    own = {(c.algo, c.math_type): c.workspace_bytes for c in candidates}
+    most: dict[str, int] = {}
+    for c in candidates if fitting is None else fitting:
+        most[c.algo] = max(most.get(c.algo, 0), c.workspace_bytes)
+
+    def needed(algo: str, math: int | None) -> int:
+        nbytes = own.get((algo, math))
+        return most.get(algo, 0) if nbytes is None else nbytes
+
+    return needed
 
 
 def counts() -> tuple[int, int]:
