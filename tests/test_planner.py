@@ -130,6 +130,46 @@ def test_a_plan_searches_a_call_whose_search_could_time_nothing_once(resnet50, m
     assert all(lp.choices["fwd"].algo == want[lp.geometry] for lp in p.layers)
 
 
+@pytest.mark.parametrize("alike", [True, False])
+def test_a_plan_asks_once_whether_a_ranking_kept_for_operands_alike_serves_a_call(resnet50, monkeypatch, alike):
+    """The backend refuses its last candidate on the search's operands (PartlyTimed's refused, as cuDNN refuses a
+    tensor-core algorithm on a view): the ranking without it serves only calls on operands alike, which the ops ask of
+    each call's own. A plan's operands are its own random ones, the same for each layer that repeats a call: it asks
+    once per plan, making its operands once, where they are alike and where no memory can make them, and each layer
+    gets the same choice. Each layer that repeated a geometry made fresh operands to ask again."""
+    from wsarena.backends import PartlyTimed
+
+    layers = resnet50[4:11]  # layer1.1 and layer1.2 repeat layer1.0's shapes after its downsample
+    geoms = {layer.geometry(batch=1) for layer in layers}
+    made = []
+    real_random, real_measure = CpuBackend.random, CpuBackend.measure
+
+    def random(self, *args):
+        made.append(args)
+        if len(made) > 3 * len(geoms) and not alike:
+            raise MemoryError("no memory for the operands")
+        return real_random(self, *args)
+
+    def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+        timed = real_measure(self, pass_, geom, a, b, out, workspace, candidates, stream)
+        refused = [c for c in candidates if c.algo == candidates[-1].algo]
+        raise PartlyTimed([c for c in timed if c not in refused], [], refused)
+
+    monkeypatch.setattr(CpuBackend, "random", random)
+    monkeypatch.setattr(CpuBackend, "measure", measure)
+    monkeypatch.setattr(CpuBackend, "operands_key", lambda self, a, b, out: "alike", raising=False)
+    p = wsarena.plan(layers, batch=1, backend="cpu", search="exhaustive", passes=("fwd",), cap_workspace=None)
+    assert len(geoms) < len(layers) and len(made) == 3 * len(geoms)
+    first = {lp.geometry: lp.choices["fwd"] for lp in p.layers}
+    with pytest.warns(wsarena.SearchFallbackWarning) if not alike else contextlib.nullcontext():
+        p = wsarena.plan(layers, batch=1, backend="cpu", search="exhaustive", passes=("fwd",), cap_workspace=None)
+    assert len(made) == 3 * len(geoms) + (3 if alike else 1) * len(geoms)
+    chosen = {lp.geometry: lp.choices["fwd"] for lp in p.layers}
+    assert all(lp.choices["fwd"] == chosen[lp.geometry] for lp in p.layers)
+    if alike:
+        assert chosen == first
+
+
 def test_cap_bounds_every_choice(resnet50):
     cap = 2 << 20
     p = wsarena.plan(resnet50, batch=8, backend="cpu", cap_workspace=cap)

@@ -42,7 +42,8 @@ from .errors import (
 )
 
 __all__ = [
-    "cache_clear", "choose", "forced", "generation", "is_cached", "is_chosen", "is_partly_ranked", "is_untimed",
+    "cache_clear", "choose", "forced", "generation", "is_cached", "is_chosen", "is_cut_short", "is_partly_ranked",
+    "is_untimed",
     "run_with_fallback", "select",
 ]
 
@@ -132,6 +133,16 @@ def is_chosen(backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | No
     again, for operands like the search's, until the backend can rank every candidate, or until a search times
     something: one that a capture may run without ranking or searching (``search_again=False``)."""
     return _key(backend, pass_, geom, search, cap, get_config()) in _cache
+
+
+def is_cut_short(
+    backend: Backend, pass_: str, geom: ConvGeometry, *, cap: int | None, search: str, ranking: tuple[Candidate, ...]
+) -> bool:
+    """Whether ``ranking``, what :func:`select` returned for these arguments, is the one kept for them, from a search
+    that memory cut short and that serves any operands: the next call searches again once what it lacked can be had,
+    which it finds out with a lease, asking for no operands."""
+    entry = _cache.lookup(_key(backend, pass_, geom, search, cap, get_config()))
+    return entry is not None and entry[0] is ranking and bool(entry[2]) and entry[3] is None
 
 
 def is_partly_ranked(

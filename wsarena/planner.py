@@ -34,7 +34,7 @@ from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._geometry import DTYPES, ConvGeometry
 from ._pass import PASSES
 from ._sizes import as_int, format_size, short_path, short_repr
-from .algos import is_partly_ranked, is_untimed, select
+from .algos import is_cached, is_cut_short, select
 from .backends import Candidate, device_properties_backend, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
 from .models._layer import ConvLayer
@@ -376,24 +376,26 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
     geometries = [layer.geometry(batch=batch, dtype=dtype, layout=layout) for layer in layers]
 
     planned = []
-    # The calls the backend ranked without some candidates for want of memory, ranked once per plan, and those whose
-    # search could time nothing (the heuristic order), searched once: such a ranking is not kept for good, and each
-    # layer that repeats the call would rank it again, or search again, making operands and asking for memory. (One
-    # memory cut short is probed by each, which is cheap, and searched again where what it lacked can be had by then.)
-    partly: dict[tuple[str, ConvGeometry], Candidate] = {}
+    # The calls whose ranking is not kept for good, chosen once per plan: the backend ranked them without some
+    # candidates for want of memory, their search could time nothing (the heuristic order), or their ranking serves
+    # only operands alike those its search timed on. Each layer that repeats the call would rank it again, search
+    # again, or make operands to ask whether they are alike, which a plan's own random ones, made alike for each layer,
+    # cannot tell of any real call. (One memory cut short is probed by each, with a lease, which is cheap, and searched
+    # again where what it lacked can be had by then.)
+    once: dict[tuple[str, ConvGeometry], Candidate] = {}
     for i, (layer, geom) in enumerate(zip(layers, geometries)):
         choices = {}
         for pass_ in passes:
-            if (pass_, geom) in partly:
-                choices[pass_] = partly[(pass_, geom)]
+            if (pass_, geom) in once:
+                choices[pass_] = once[(pass_, geom)]
                 continue
             # Random operands only where the search really times (a shape seen before is cached).
             operands = functools.partial(_operands, impl, pass_, geom)
             ranked = select(impl, pass_, geom, cap=cap, search=search, operands=operands, warn=False)
             choices[pass_] = ranked[0]
-            if is_partly_ranked(impl, pass_, geom, cap=cap, search=search, ranking=ranked) or is_untimed(
-                    impl, pass_, geom, cap=cap, search=search, ranking=ranked):
-                partly[(pass_, geom)] = ranked[0]
+            if not (is_cached(impl, pass_, geom, cap=cap, search=search, ranking=ranked)
+                    or is_cut_short(impl, pass_, geom, cap=cap, search=search, ranking=ranked)):
+                once[(pass_, geom)] = ranked[0]
         planned.append(
             LayerPlan(layer.name, geom, assignment[i], choices, transposed=bool(getattr(layer, "transposed", False)))
         )
