@@ -138,6 +138,42 @@ def test_candidates_left_untimed_for_memory_are_not_saved(cache):
     assert backend.measured == [("fwd", 4)] * 2  # fft still unknown: the search runs again
 
 
+@pytest.mark.parametrize("filled", ["searched here", "read here"])
+def test_a_heuristic_order_waiting_for_memory_takes_the_entry_a_search_under_another_cap_filled(cache, tmp_path,
+                                                                                                   filled):
+    """Memory gives an exhaustive search no workspace for any candidate: the call runs the heuristic order, kept
+    until the least workspace it lacked can be had. A search of the same call under another cap (here by a backend
+    with memory on the same device) fills the search cache, or reads the entry another process filled: the next call
+    searches again, and the entry serves it, timing nothing. The order ran until memory allowed, whatever the entry
+    held. Until then, the call that waits reads no file."""
+    table = {("fwd", 4): [("implicit", 100, 10.0), ("gemm", 1000, 4.0), ("fft", 8000, 3.0)]}
+    starved, other = TableBackend(table, memory=50), TableBackend(table)
+
+    def choice(backend, cap=None):
+        got = algos.select(backend, "fwd", GEOM, cap=cap, search="exhaustive", warn=False,
+                           operands=tuple(np.zeros(s, dtype="float32") for s in GEOM.operand_shapes("fwd")))
+        return [(c.algo, c.time_ms) for c in got]
+
+    heuristic = [("implicit", None), ("gemm", None), ("fft", None)]
+    timed = [("fft", 3.0), ("gemm", 4.0), ("implicit", 10.0)]
+    if filled == "read here":  # another process's search, whose entry comes into the folder later
+        with wsarena.config(cache_dir=tmp_path / "elsewhere"):
+            assert choice(other, cap=10**6) == timed
+    algos.cache_clear()
+    with pytest.warns(wsarena.SearchFallbackWarning):
+        assert choice(starved) == heuristic
+    if filled == "read here":
+        (made,) = entry_files(tmp_path / "elsewhere")
+        (cache / "search").mkdir(parents=True, exist_ok=True)
+        made.rename(cache / "search" / made.name)
+    searched = sum(searchcache.counts())
+    assert choice(starved) == heuristic and sum(searchcache.counts()) == searched  # waiting: no search, no file read
+    assert choice(other, cap=10**7) == timed
+    assert other.measured == [("fwd", 4)]  # timed once, here or elsewhere
+    assert choice(starved) == timed and starved.measured == []
+    assert algos.is_cached(starved, "fwd", GEOM, cap=None, search="exhaustive")
+
+
 class _AddressBackend(TableBackend):
     """fft refuses operands off a 16-byte boundary, as tensor-core kernels do; the search times on aligned
     copies of such operands (``timing_operands``), as the cudnn backends do."""

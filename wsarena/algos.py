@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -83,7 +84,11 @@ _warned: LRU[bool] = LRU(CHOICES_MAX)  # the keys a WorkspaceCapWarning was give
 _captures_warned: set[str] = set()  # the streams a CaptureFallbackWarning named, by repr (no object kept alive)
 _memory_warned: weakref.WeakSet[Any] = weakref.WeakSet()  # the arenas a MemoryFallbackWarning was given for
 _untimed_warned: LRU[bool] = LRU(CHOICES_MAX)  # the keys a SearchFallbackWarning was given for
-# guards the test and mark of _warned and _untimed_warned, the two sets, _generation; never held as a backend runs
+# The keys whose kept entry is a heuristic order waiting for the workspace memory denied its search (_UNTIMED, with what
+# it lacked): a search of the same call under another key that ranks it by times wakes them (_wake). Pruned of keys the
+# cache let go once it holds more than the cache does.
+_waiting: set[tuple] = set()
+# guards the test and mark of _warned and _untimed_warned, the three sets, _generation; never held as a backend runs
 _lock = _forksafe.lock()
 _generation = 0  # counts cache_clear() calls: whoever keeps a choice of its own checks it is still current
 
@@ -97,6 +102,7 @@ def cache_clear() -> None:
         _untimed_warned.clear()
         _captures_warned.clear()
         _memory_warned.clear()
+        _waiting.clear()
         _generation += 1
 
 
@@ -198,7 +204,9 @@ def choose(
         ``can_have(n)`` says whether ``n`` bytes of workspace, the least that a skipped one needs, can be had
         now; if so the search runs again, else the kept ranking is served. So is a search that timed nothing where
         memory stopped every candidate of a whole ranking (not :class:`PartlyRanked`), its heuristic order kept with
-        the least workspace memory denied. Without it, a search cut short runs again on every call.
+        the least workspace memory denied, which a search of the same call under another cap that ranks it by times,
+        the search cache on, also sends to search again (the search cache's entry may serve it). Without it, a search
+        cut short runs again on every call.
     known
         For ``search="exhaustive"`` under a cap that excludes some candidates: a function that returns what searches
         timed of this call, those above the cap included (the search cache's entry, this process's uncapped search),
@@ -251,7 +259,12 @@ def choose(
         entry = (best, excluded, lacked, only)
         # A ranking kept for good that another thread's search stored meanwhile stays: this one serves fewer calls; an
         # untimed one (for captures) leaves any ranking a search timed
-        _cache.put(key, entry, keep=_timed if only is _UNTIMED else None if _for_good(entry) else _for_good)
+        went_in = _cache.put(key, entry, keep=_timed if only is _UNTIMED else None if _for_good(entry) else _for_good)
+        if only is _UNTIMED:
+            if lacked and went_in:
+                _wait(key)
+        elif timing is not None and settings.cache_dir is not None:
+            _wake(key)
         if untimed:
             _warn_memory(backend.arena(), _cut_short_text, pass_, geom, best, len(best) - untimed, lacked)
     best, excluded = entry[0], entry[1]
@@ -268,6 +281,44 @@ def choose(
                 WorkspaceCapWarning,
             )
     return best
+
+
+def _call(key: tuple) -> tuple:
+    """What of an algorithm cache key names the call a search cache entry is kept for: the backend, its API path and
+    device, the pass, the geometry, the search; neither the cap nor the heuristic that ranked the candidates."""
+    return key[:2] + key[3:7]
+
+
+def _wait(key: tuple) -> None:
+    """Note that ``key``'s entry is a heuristic order waiting for the workspace memory denied its search."""
+    with _lock:
+        _waiting.add(key)
+        if len(_waiting) > CHOICES_MAX:  # those the cache let go wait no longer
+            _waiting.intersection_update([k for k in _waiting if k in _cache])
+
+
+def _wake(key: tuple) -> None:
+    """A search of ``key``'s call ranked it by times, so the search cache holds what it timed or read: the heuristic
+    orders kept for the same call under other keys (another cap, another cuDNN heuristic), which wait for the workspace
+    memory denied their search, search again at their next call, not only once that workspace can be had. That search
+    reads the entry, and where it holds every candidate under their cap, times nothing and needs no workspace to: the
+    entry serves, whether this process's search filled it or another process's, which this one read. Without it the
+    order ran until memory allowed, whatever the entry held. A call that waits asks nothing more (no file is read)."""
+    if not _waiting:  # the common case: no order waits for memory
+        return
+    call = _call(key)
+    with _lock:
+        woken = [k for k in _waiting if k != key and _call(k) == call]
+        _waiting.difference_update(woken)
+    for k in woken:
+        entry = _cache.lookup(k)
+        if entry is not None and entry[3] is _UNTIMED and entry[2]:
+            # Still the order it kept, which serves a capture still, unless another thread's search replaced it
+            _cache.put(k, (entry[0], entry[1], 0, _UNTIMED), keep=functools.partial(_is_not, entry))
+
+
+def _is_not(was: _Entry, current: _Entry) -> bool:
+    return current is not was
 
 
 def _timed(entry: _Entry) -> bool:
