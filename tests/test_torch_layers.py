@@ -116,6 +116,48 @@ def test_a_model_built_on_the_meta_device_gives_with_a_real_input_the_layers_of_
         meta(x)
 
 
+
+class Stepped(nn.Module):
+    """A forward that reads the values of tensors it is given: a step count's ``.item()``, a flag in an ``if``, the
+    widths of a 1-D tensor's ``tolist()``; and a 1-D shift that meets the model's tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.block = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.heads = nn.ModuleList(nn.Conv2d(4, 2, k) for k in (1, 2, 3))
+
+    def forward(self, x: torch.Tensor, steps: torch.Tensor, shift: torch.Tensor, *,
+                kernels: torch.Tensor, norm: torch.Tensor) -> list[torch.Tensor]:
+        x = self.stem(x) + shift.view(1, -1, 1, 1)
+        for _ in range(steps.item()):
+            x = self.block(x)
+        if norm:
+            x = self.bn(x)
+        return [self.heads[k - 1](x) for k in kernels.tolist()]
+
+
+@pytest.mark.parametrize("converted", [True, False], ids=["converted", "pytorch"])
+def test_a_model_on_the_meta_device_reads_the_values_of_small_tensors_it_is_given(converted):
+    """The input's tensors move to the meta device where they meet the model's, not before: a forward that reads
+    the value of a tensor it is given (``.item()``, an ``if``, ``tolist()``) gives, on a model built on the meta
+    device, the layers the same model gives on the CPU. Moving every tensor of the input first made each such read
+    a RuntimeError (a meta tensor holds no value)."""
+    prepare = wt.convert if converted else (lambda model: model)
+    with torch.device("meta"):
+        meta = prepare(Stepped())
+    x, steps, shift, kernels = torch.randn(2, 3, 8, 8), torch.tensor(2), torch.randn(4), torch.tensor([3, 1])
+    found = wt.layers(meta, x, steps, shift, kernels=kernels, norm=torch.tensor(True))
+    assert found == wt.layers(prepare(Stepped()), x, steps, shift, kernels=kernels, norm=torch.tensor(True))
+    assert [layer.name for layer in found] == ["stem", "block", "block#2", "heads.2", "heads.0"]
+    assert [layer.weight_shape for layer in found][-2:] == [(2, 4, 3, 3), (2, 4, 1, 1)]
+    assert all(t.device.type == "cpu" for t in (x, steps, shift, kernels)) and all(p.is_meta for p in meta.parameters())
+    other = (x, torch.tensor(0), shift)
+    fewer = wt.layers(meta, *other, kernels=torch.tensor([2]), norm=torch.tensor(False))
+    assert fewer == wt.layers(prepare(Stepped()), *other, kernels=torch.tensor([2]), norm=torch.tensor(False))
+    assert [layer.name for layer in fewer] == ["stem", "heads.1"]
+
 def _padded(module: nn.Module, x: torch.Tensor, layer: wsarena.ConvLayer) -> torch.Tensor:
     """``x`` padded as the layer says PyTorch pads it: by the module's own mode over its whole padding where that
     mode is not zeros, else with zeros at the end up to the layer's input size."""

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
-from torch.utils._pytree import tree_map_only
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .. import _forksafe
 from ..models import ConvLayer, ModelError
@@ -37,10 +38,13 @@ def layers(model: nn.Module, /, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     The model runs once, under ``torch.no_grad()``, in the mode it is in (a training-mode model may run other layers):
     give it an input of the size it will see (its batch does not matter, the planner sets its own), on the model's
     device. A model with a parameter or buffer on the meta device (built there, never loaded, or
-    ``copy.deepcopy(model).to("meta")``) computes nothing: the input's tensors, in ``args`` and ``kwargs`` and the
-    lists, tuples and dicts in them, are moved there first, as only their sizes matter. Its buffers (BatchNorm's
-    running statistics) and the random generators (PyTorch's, Python's and NumPy's) are as they were afterwards; the
-    generators are the process's, so draws another thread makes meanwhile are undone too.
+    ``copy.deepcopy(model).to("meta")``) computes nothing with them: a tensor an operation takes beside a meta
+    tensor is moved there as the operation is called, as only its size matters, so that a real input will do and the
+    forward may still read the value of one that has met none (``.item()`` of a step count given as a tensor, an
+    ``if`` on a flag); what the input's tensors compute among themselves before they meet the model's is computed
+    where they are. Its buffers (BatchNorm's running statistics) and the random generators (PyTorch's, Python's and
+    NumPy's) are as they were afterwards; the generators are the process's, so draws another thread makes meanwhile
+    are undone too.
     Every call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and lazy ones included) is one
     layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called again is listed again, ``#2``
     and on after its name. Convolutions called as functions (``F.conv2d`` in a ``forward``) are not seen: export such a
@@ -98,10 +102,9 @@ def layers(model: nn.Module, /, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     def made(module: nn.Module, args: tuple[Any, ...]) -> None:
         buffers.extend(_copies((module,)))
 
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers()) if not is_lazy(t)):
-        # a model built on the meta device, planned with a real input: a convolution's meta weight beside it is a
-        # TypeError (wsarena's) or memory never written (PyTorch's), and other layers refuse the mix
-        args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    # a model built on the meta device, planned with a real input: a convolution's meta weight beside it is a
+    # TypeError (wsarena's) or memory never written (PyTorch's), and other layers refuse the mix
+    meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()) if not is_lazy(t))
     cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.is_cuda})
     convs = [m for m in model.modules() if isinstance(m, _CONVS + _TRANSPOSED)]
     # first: a user's hook may change the result (crop it), and the layer is the convolution's
@@ -110,7 +113,8 @@ def layers(model: nn.Module, /, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     try:
         # force_eager: a model compiled in place (Module.compile()) or holding a torch.compile'd module runs
         # uncompiled too (no seconds of compiling, and the hooks run as written)
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda), _host_random(), _force_eager():
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), _host_random(), _force_eager(), \
+                _MetaWhereMet() if meta else contextlib.nullcontext():
             model(*args, **kwargs)
     finally:
         for hook in hooks:
@@ -123,6 +127,22 @@ def layers(model: nn.Module, /, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     if not found:
         raise ModelError(f"{type(model).__name__} ran no nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d")
     return found
+
+
+class _MetaWhereMet(TorchFunctionMode):
+    """Moves to the meta device the tensors an operation takes beside a meta tensor, as it is called: a model on the
+    meta device runs on a real input, whose tensors hold their values until they meet the model's (a forward may read
+    a step count's ``.item()``, or branch on a flag), where moving them all first left none to read. The mode is the
+    calling thread's."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
+            # an operation that writes into a real tensor (add_, x[i] = ...) writes into its meta copy, which it
+            # returns: the tensor keeps its values, as PyTorch's own add_ of a meta tensor into a CPU one does
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        return func(*args, **kwargs)
 
 
 # torch.compile's stance is one for the process, and torch offers none for one thread: torch.compiler.disable acts
