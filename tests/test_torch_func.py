@@ -852,6 +852,56 @@ def test_a_backward_run_eagerly_in_a_compiled_function_is_no_frame_dynamo_compil
     assert close(result, (2 * x).pow(2).sum()) and close(got, 8 * x)
 
 
+_DELEGATED = {"stride": (2, 1), "padding": (1, 0), "dilation": (1, 2)}
+
+
+class _Delegating(torch.autograd.Function):
+    """A user's convolution whose forward, setup and backward are ``ConvFunction``'s, its backward's call made
+    through ``torch.compiler.disable``, as README says: Dynamo refuses a call of another Function's ``backward`` in
+    one it compiles (``AssertionError: Expected FakeBackwardCFunction``), PyTorch's own Functions' too."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        inputs = (x, w, *(list(v) for v in _DELEGATED.values()), 1, "NCHW")
+        y = wt.ConvFunction.forward(*inputs)
+        wt.ConvFunction.setup_context(ctx, inputs, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return torch.compiler.disable(wt.ConvFunction.backward)(ctx, dy)[:2]
+
+
+@pytest.mark.parametrize("compiled", ["penalty", "all"], ids=["applied-eagerly", "applied-in-the-compiled-function"])
+def test_a_function_whose_backward_calls_conv_functions_through_disable_gives_a_compiled_penalty(monkeypatch,
+                                                                                                 compiled):
+    """README's way for a Function of one's own whose backward calls ``ConvFunction.backward``: made through
+    ``torch.compiler.disable``, that call runs in a compiled gradient penalty (``backend="eager"``), the Function
+    applied eagerly (its backward compiled as a frame of its own after the break at ``torch.autograd.grad``) or in
+    the compiled function (Dynamo leaves the Function to run eagerly). The penalty and the input's and weight's
+    gradients are PyTorch's convolution's (float64, within 1e-10), and the passes are wsarena's: the forward, the
+    input's gradient, and the second backward's four (the input gradient's two, then the convolution's two)."""
+    x, w, _ = tensors((2, 4, 6, 5), (6, 4, 3, 2))
+    calls = _counted(monkeypatch)
+
+    def penalty(y, x):
+        (dx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+        return y.sum() + dx.pow(2).sum()
+
+    def run(conv, compile):
+        def whole(x, w):
+            return (torch.compile(penalty, backend="eager") if compile == "penalty" else penalty)(conv(x, w), x)
+
+        return _penalty_and_gradients(torch.compile(whole, backend="eager") if compile == "all" else whole, (x, w))
+
+    torch._dynamo.reset()
+    got = run(_Delegating.apply, compiled)
+    assert calls == ["conv_forward", "conv_backward_data",  # the input's gradient alone: the weight's is not asked
+                     "conv_forward", "conv_backward_filter", "conv_backward_data", "conv_backward_filter"]
+    expected = run(lambda x, w: F.conv2d(x, w, **_DELEGATED), None)
+    assert len(got) == len(expected) == 3
+    assert all(g.shape == e.shape and close(g, e) for g, e in zip(got, expected))
+
 @torch.library.custom_op("wsarena_tests::scaled", mutates_args=())
 def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """A plain custom operator, ``x * w.sum()``, whose gradient asks for no zeros in place of a missing one."""
