@@ -338,6 +338,17 @@ def test_a_folder_given_as_the_model_is_said_to_be_one(capsys, tmp_path):
     assert (code, out) == (2, "") and err.endswith(": unknown model file extension (none); expected .onnx or .json\n")
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("command", ["report", "tune"])
+def test_a_fifo_given_as_the_model_is_refused_not_waited_on(capsys, tmp_path, command):
+    """``wsarena report pipe.onnx`` waited for a writer, for good where none came, as ``cat`` would."""
+    fifo = tmp_path / "pipe.onnx"
+    os.mkfifo(fifo)
+    code, out, err = run_main(capsys, command, str(fifo), "--backend", "cpu")
+    assert (code, out) == (2, "") and err == f"wsarena: error: {str(fifo)!r} is a FIFO (named pipe), not a regular " \
+                                             "file: a model is read from a .onnx or .json file\n"
+
+
 # --------------------------------------------------------------------------------------------------- warnings
 
 

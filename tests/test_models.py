@@ -432,10 +432,30 @@ def test_unknown_extension_unreadable_and_not_onnx(tmp_path):
         load_model(empty)
     directory = tmp_path / "dir.onnx"
     directory.mkdir()
-    with pytest.raises(ModelError, match="cannot read"):
+    with pytest.raises(ModelError, match=r"'.*dir\.onnx' is a folder, not a regular file"):
         load_model(directory)
+    # a NUL in the path was a bare ValueError
+    with pytest.raises(ModelError, match=r"^cannot read 'nul\\x00\.onnx': embedded null byte$"):
+        load_model("nul\x00.onnx")
     with pytest.raises(TypeError, match="source must be"):
         load_model(42)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("ext", [".onnx", ".json"])
+def test_a_model_path_that_is_no_regular_file_is_refused_unopened(tmp_path, ext):
+    """A FIFO named as a model was opened and waited on until a writer came, for good where none comes, and a link to
+    a character device read (/dev/zero without end): each is refused naming the path and what it is. The timeout
+    fails the wait."""
+    fifo = tmp_path / f"pipe{ext}"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelError, match=rf"^'.*pipe\{ext}' is a FIFO \(named pipe\), not a regular file: a model is "
+                                         r"read from a \.onnx or \.json file$"):
+        load_model(fifo)
+    device = tmp_path / f"null{ext}"
+    device.symlink_to(os.devnull)
+    with pytest.raises(ModelError, match=rf"^'.*null\{ext}' is a character device, not a regular file"):
+        load_model(device)
 
 
 # ------------------------------------------------------------------------------- ONNX: the light models

@@ -50,7 +50,8 @@ Errors
 ------
 Everything that is wrong with the model, rather than with the call, raises :class:`ModelError` (a
 ``ValueError`` and a :class:`~wsarena.errors.WsarenaError`) with one line naming the problem: an unknown zoo
-name (the message lists the zoo), an unreadable file, a file that is not ONNX or not JSON, an ONNX model with
+name (the message lists the zoo), an unreadable file, a path that is no regular file (a FIFO, a device, a folder:
+refused before it is read, as a FIFO would be waited on), a file that is not ONNX or not JSON, an ONNX model with
 no convolution, convolutions whose shapes stay unknown, malformed layers, impossible geometry, an unknown file
 extension.
 """

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._sizes import short_path, short_repr
+from ._file import read_model_file
 from ._layer import ConvLayer, ModelError
 
 __all__ = ["layers_from_json", "layers_to_json", "load_json"]
@@ -70,10 +71,7 @@ def load_json(path: str | os.PathLike[str]) -> list[ConvLayer]:
     """Read a JSON layer list from ``path``."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8-sig") as f:  # a byte order mark first, as Windows editors write it
-            text = f.read()
-    except OSError as exc:
-        raise ModelError(f"cannot read {short_path(path)}: {exc.strerror or exc}") from None
+        text = read_model_file(path).decode("utf-8-sig")  # a byte order mark first, as Windows editors write it
     except UnicodeDecodeError:
         raise ModelError(f"{short_path(path)} is not a JSON text file (not UTF-8)") from None
     try:

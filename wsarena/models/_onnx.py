@@ -61,6 +61,7 @@ from typing import Any, cast
 
 from .._geometry import conv_transpose_geometry
 from .._sizes import short_path, short_repr
+from ._file import read_model_file
 from ._layer import ConvLayer, LayerList, ModelError
 from ._onnx_values import SMALL, densify_sparse_tensors, fold_small_constants
 
@@ -383,11 +384,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         raise ModelError(f"reading ONNX models needs the onnx package ({exc})") from None
     path = os.fspath(path)
     where = short_path(path)  # as errors and warnings name it: shortened
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise ModelError(f"cannot read {where}: {exc.strerror or exc}") from None
+    data = read_model_file(path)
     try:
         model = onnx.load_model_from_string(data)
     except (DecodeError, ValueError, RuntimeError) as exc:
