@@ -937,10 +937,10 @@ def test_onnx_quantized_convs_are_said_to_be_left_out(tmp_path):
 
 
 def test_onnx_convs_of_an_element_type_no_conv_takes_cannot_be_planned(tmp_path):
-    """ONNX's Conv and ConvTranspose take float16, float, double and bfloat16 operands; onnxruntime refuses to load
-    a model whose conv has an integer, boolean or string input or weight, and cuDNN has no such convolution. The
-    loader planned them as float convolutions. Floats of any width, and a weight dequantized first (a QDQ model's),
-    are planned, and so is a conv whose input a value_info says is an integer."""
+    """ONNX's Conv and ConvTranspose take float16, float and double operands (bfloat16 too from opset 22, below);
+    onnxruntime refuses to load a model whose conv has an integer, boolean or string input or weight, and cuDNN has
+    no such convolution. The loader planned them as float convolutions. Floats of any width, and a weight
+    dequantized first (a QDQ model's), are planned, and so is a conv whose input a value_info says is an integer."""
     def typed(name, shape, elem_type):
         return helper.make_tensor(name, elem_type, shape, np.zeros(shape).astype(
             helper.tensor_dtype_to_np_dtype(elem_type)).reshape(-1).tolist(), raw=False)
@@ -957,17 +957,20 @@ def test_onnx_convs_of_an_element_type_no_conv_takes_cannot_be_planned(tmp_path)
     inputs = [vi("x", [1, 3, 8, 8]), ints_x, helper.make_tensor_value_info("xd", TensorProto.DOUBLE, [1, 3, 8, 8])]
     # a value_info is an annotation, a writer's mistake at worst: its type is not the tensor's
     nodes += [helper.make_node("Relu", ["x"], ["r"]), conv("annotated", "r", "w", "y7")]
-    path = save(tmp_path, nodes, inputs, inits, outputs=[vi(f"y{i}", None) for i in range(8)])
+    # the bias is of the same type T: an integer one was not looked at
+    nodes.append(helper.make_node("Conv", ["x", "w", "bi"], ["y8"], name="int_bias"))
+    inits.append(typed("bi", (4,), TensorProto.INT64))
+    path = save(tmp_path, nodes, inputs, inits, outputs=[vi(f"y{i}", None) for i in range(9)])
     model = onnx.load(str(path))
     model.graph.value_info.append(helper.make_tensor_value_info("r", TensorProto.INT64, [1, 3, 8, 8]))
     onnx.save(model, str(path))
     why = {"int_weight": "weight 'wi' is int64", "bool_weight": "weight 'wb' is bool",
-           "int_input": "input 'xi' is int64", "up": "weight 'wu' is int32"}
-    listed = "; ".join(f"'{name}' ({reason}: a {'ConvTranspose' if name == 'up' else 'Conv'} takes float16, float, "
-                       "double or bfloat16)" for name, reason in why.items())
-    with pytest.raises(ModelError, match=re.escape(f"4 conv node(s) cannot be planned: {listed} (skip them")):
+           "int_input": "input 'xi' is int64", "up": "weight 'wu' is int32", "int_bias": "bias 'bi' is int64"}
+    listed = "; ".join(f"'{name}' ({reason}: a {'ConvTranspose' if name == 'up' else 'Conv'} of opset 17 takes "
+                       "float16, float or double)" for name, reason in why.items())
+    with pytest.raises(ModelError, match=re.escape(f"5 conv node(s) cannot be planned: {listed} (skip them")):
         load_model(path)
-    with pytest.warns(UserWarning, match=re.escape(f"skipped 4 conv node(s): {listed}")):
+    with pytest.warns(UserWarning, match=re.escape(f"skipped 5 conv node(s): {listed}")):
         layers = load_model(path, skip_unknown=True)
     assert [layer.name for layer in layers] == ["float", "double", "dequantized", "annotated"]
     assert [layer.weight_shape for layer in layers] == [(4, 3, 3, 3)] * 4
@@ -994,13 +997,64 @@ def test_onnx_convs_fed_a_computed_tensor_of_an_element_type_no_conv_takes_canno
                                    helper.make_tensor_value_info("r", TensorProto.INT64, [1, 3, 8, 8])])
     onnx.save(model, str(path))
     why = {"constant": "weight 'wc' is int64", "cast": "input 'xi' is int32", "quantized": "input 'xq' is uint8"}
-    listed = "; ".join(f"'{name}' ({reason}: a Conv takes float16, float, double or bfloat16)"
+    listed = "; ".join(f"'{name}' ({reason}: a Conv of opset 19 takes float16, float or double)"
                        for name, reason in why.items())
     with pytest.raises(ModelError, match=re.escape(f"3 conv node(s) cannot be planned: {listed} (skip them")):
         load_model(path)
     with pytest.warns(UserWarning, match=re.escape(f"skipped 3 conv node(s): {listed}")):
         layers = load_model(path, skip_unknown=True)
     assert [layer.name for layer in layers] == ["half", "annotated"]
+
+
+# Operand types of one conv: (input, weight, bias or None), all floats
+_TYPED_CONVS = {
+    "bfloat16": (TensorProto.BFLOAT16, TensorProto.BFLOAT16, None),
+    "float16": (TensorProto.FLOAT16, TensorProto.FLOAT16, TensorProto.FLOAT16),
+    "double": (TensorProto.DOUBLE, TensorProto.DOUBLE, TensorProto.DOUBLE),
+    "float_weight_float16": (TensorProto.FLOAT, TensorProto.FLOAT16, None),
+    "float_bias_float16": (TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.FLOAT16),
+    "bfloat16_weight_float": (TensorProto.BFLOAT16, TensorProto.FLOAT, None),
+}
+
+
+@pytest.mark.parametrize("opset", [1, 11, 17, 21, 22, 24])
+@pytest.mark.parametrize("op", ["Conv", "ConvTranspose"])
+def test_onnx_conv_operand_types_are_those_its_opset_takes_and_one(tmp_path, op, opset):
+    """A bfloat16 conv was planned whatever the model's opset, though Conv and ConvTranspose take bfloat16 only from
+    opset 22 (float16 and double from the first), and so was one whose input, weight and bias differ in type (float
+    and float16), which the operators' one type T forbids; onnxruntime refuses to load either. Each is refused where
+    onnx's own type-checking shape inference refuses it, and planned where it does not."""
+    kernel = (4, 3, 3, 3) if op == "Conv" else (3, 4, 3, 3)
+    for case, (x_type, w_type, b_type) in _TYPED_CONVS.items():
+        inits = [helper.make_tensor("w", w_type, kernel, [0.0] * 108)]
+        if b_type is not None:
+            inits.append(helper.make_tensor("b", b_type, [4], [0.0] * 4))
+        node = helper.make_node(op, ["x", "w", "b"][:len(inits) + 1], ["y"], name=case)
+        path = save(tmp_path, [node], [helper.make_tensor_value_info("x", x_type, [1, 3, 8, 8])], inits,
+                    name=f"{case}.onnx", outputs=[helper.make_tensor_value_info("y", x_type, None)], opset=opset)
+        try:
+            onnx.shape_inference.infer_shapes(onnx.load(str(path)), check_type=True, strict_mode=True)
+        except onnx.shape_inference.InferenceError:
+            valid = False
+        else:
+            valid = True
+        assert valid == (case in ("float16", "double") or case == "bfloat16" and opset >= 22), case
+        if valid:
+            assert [layer.name for layer in load_model(path)] == [case]
+            continue
+        if case.startswith("bfloat16") and opset < 22:
+            why = f"input 'x' is bfloat16: a {op} of opset {opset} takes float16, float or double; bfloat16 from " \
+                  "opset 22"
+        else:
+            types = [("input", "x", x_type), ("weight", "w", w_type), ("bias", "b", b_type)][:len(inits) + 1]
+            listed = [f"{what} '{name}' is {TensorProto.DataType.Name(t).lower()}" for what, name, t in types]
+            listed = ", ".join(listed[:-1]) + " and " + listed[-1]
+            why = f"{listed}: a {op}'s input, weight and bias are of one type"
+        with pytest.raises(ModelError, match=re.escape(f"1 conv node(s) cannot be planned: '{case}' ({why}) (skip")):
+            load_model(path)
+        with pytest.warns(UserWarning, match=re.escape(f"skipped 1 conv node(s): '{case}' ({why})")), \
+                pytest.raises(ModelError, match="none of the model's 1 conv node"):
+            load_model(path, skip_unknown=True)
 
 
 def save_with_function(tmp_path, calls, body, name="f.onnx"):

@@ -33,10 +33,12 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   ``input_shapes`` (``--input-shape`` on the command line) before inference; the error suggests it only when a graph
   input's shape is not fixed.
 * A convolution with a zero in its weight's or its input's dims (the batch aside), an empty one, which ONNX allows,
-  is refused by wsarena's ops as by PyTorch's: it is treated like an unknown shape. So is one whose input or weight
-  is of an element type no ONNX conv takes (an integer, a bool, a string; onnxruntime refuses such a model): a
-  graph input's or an initializer's, or the one inference gives a node's output from theirs (a Cast's, a
-  Constant's, a QuantizeLinear's); a value_info's type is an annotation, and is not read.
+  is refused by wsarena's ops as by PyTorch's: it is treated like an unknown shape. So is one whose input, weight or
+  bias is of an element type its operator does not take at the model's opset, as the installed onnx's schema of
+  that version says (an integer, a bool, a string; bfloat16 before opset 22), or whose input, weight and bias are
+  not of one type (a float input, a float16 weight), which the operator's one type ``T`` forbids; onnxruntime
+  refuses such a model. A type is a graph input's or an initializer's, or the one inference gives a node's output
+  from theirs (a Cast's, a Constant's, a QuantizeLinear's); a value_info's type is an annotation, and is not read.
 * Asymmetric padding (explicit ``pads`` or ``SAME_*`` with an odd total) cannot be given to cuDNN. With
   ``asymmetric_pads="widen"`` (the default) a ``Conv`` is modelled the way onnxruntime's CUDA provider runs it:
   the larger of the two pads on both sides, then the extra output row or column sliced off; a
@@ -51,6 +53,7 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import numbers
@@ -135,25 +138,67 @@ def _type_table(model: Any) -> dict[str, int]:
     return types
 
 
-# The element types ONNX's Conv and ConvTranspose take: FLOAT, FLOAT16, DOUBLE, BFLOAT16
-_FLOAT_TYPES = (1, 10, 11, 16)
+@functools.cache
+def _conv_types(op: str, opset: int | None) -> tuple[int, ...]:
+    """The element types (``TensorProto.DataType``) that ONNX's ``op`` (``Conv`` or ``ConvTranspose``) of ``opset``
+    takes for its input, weight and bias, as the installed onnx's schema of that version says (Conv-22 added
+    bfloat16); the newest schema's where the model's opset is unknown or none onnx has (below 1)."""
+    from onnx import TensorProto, defs
+
+    newest = defs.onnx_opset_version()
+    schema = defs.get_schema(op, min(opset, newest)) if opset is not None and opset >= 1 else defs.get_schema(op)
+    codes = {f"tensor({name.lower()})": code for name, code in TensorProto.DataType.items()}
+    param = schema.inputs[0].type_str  # "T", which the input, the weight and the bias share
+    allowed = next(c.allowed_type_strs for c in schema.type_constraints if c.type_param_str == param)
+    return tuple(codes[text] for text in allowed if text in codes)
 
 
-def _not_float(node: Any, types: Mapping[str, int]) -> str | None:
-    """Why the conv ``node`` cannot run: an input or weight of an element type no Conv takes (an integer, a string),
-    which onnxruntime refuses to load and cuDNN has no convolution of; ``None`` where none is known to be one."""
+def _opset_taking(op: str, opset: int, elem_type: int) -> int | None:
+    """The first opset after ``opset`` whose ``op`` takes ``elem_type``, or ``None`` where none does."""
+    from onnx import defs
+
+    return next((v for v in range(opset + 1, defs.onnx_opset_version() + 1)
+                 if elem_type in _conv_types(op, v)), None)
+
+
+def _type_name(elem_type: int) -> str:
+    """``float16``, ``int64``: an element type as ONNX writes it in lower case (a damaged file's number as such)."""
     from onnx import TensorProto
 
-    for what, tensor in zip(("input", "weight"), node.input[:2]):
-        found = types.get(tensor)
-        if found is not None and found not in _FLOAT_TYPES:
-            try:
-                kind = TensorProto.DataType.Name(found).lower()
-            except ValueError:  # a damaged file's number
-                kind = f"of element type {found}"
-            return (f"{what} {short_repr(tensor)} is {kind}: a {node.op_type} takes float16, float, double or "
-                    "bfloat16")
+    try:
+        return TensorProto.DataType.Name(elem_type).lower()
+    except ValueError:
+        return f"of element type {elem_type}"
+
+
+def _wrong_types(node: Any, types: Mapping[str, int], opset: int | None) -> str | None:
+    """Why the conv ``node`` of a model of ``opset`` cannot run: an input, weight or bias of an element type its
+    operator of that opset does not take (an integer, a string; bfloat16 before opset 22), or of different types
+    (the operator's one type T), which onnxruntime refuses to load and cuDNN has no convolution of; ``None`` where
+    none is known to be so. A tensor whose type is not known is not compared."""
+    if opset is not None and opset < 1:
+        opset = None  # none onnx has: the newest schema's types, as for a model that names no opset
+    allowed = _conv_types(node.op_type, opset)
+    of = f"a {node.op_type}" if opset is None else f"a {node.op_type} of opset {opset}"
+    known = []
+    for what, tensor in zip(("input", "weight", "bias"), node.input[:3]):
+        found = types.get(tensor) if tensor else None
+        if found is None:
+            continue
+        if found not in allowed:
+            later = None if opset is None else _opset_taking(node.op_type, opset, found)
+            since = f"; {_type_name(found)} from opset {later}" if later is not None else ""
+            takes = _listed([_type_name(t) for t in allowed], "or")
+            return f"{what} {short_repr(tensor)} is {_type_name(found)}: {of} takes {takes}{since}"
+        known.append(f"{what} {short_repr(tensor)} is {_type_name(found)}")
+    if len({types[tensor] for tensor in node.input[:3] if tensor in types}) > 1:
+        return f"{_listed(known, 'and')}: a {node.op_type}'s input, weight and bias are of one type"
     return None
+
+
+def _listed(items: Sequence[str], last: str) -> str:
+    """``a, b or c``: the items in a sentence, ``last`` before the last."""
+    return ", ".join(items[:-1]) + f" {last} {items[-1]}" if len(items) > 1 else "".join(items)
 
 
 # The attributes a conv reads that are lists of ints, and the least each entry may be.
@@ -448,7 +493,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
             why = f"input {_show(x)} and weight {_show(w)} are not a 1-, 2- or 3-D convolution"
             unknown.append((name, why, "geometry"))
             continue
-        why_not = _not_float(node, types)
+        why_not = _wrong_types(node, types, opset)
         if why_not is not None:
             unknown.append((name, why_not, "geometry"))
             continue
