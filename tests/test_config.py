@@ -1149,6 +1149,48 @@ def test_a_cache_dir_in_quotes_is_refused(monkeypatch, tmp_path, capsys, quoted)
         assert get_config().cache_dir == Path('/data/"cache"')
 
 
+@pytest.mark.parametrize(("stray", "why"), [
+    ("'/data/cache", "begins with a quote"), ('"/data/cache', "begins with a quote"), ('"', "begins with a quote"),
+    ('/data/cache"', "ends with a quote that closes none"), ("/data/cache'", "ends with a quote that closes none"),
+])
+def test_a_cache_dir_with_one_quote_of_a_pair_is_refused(monkeypatch, tmp_path, capsys, stray, why):
+    """A value pasted with one of its quotes, the other lost, was taken as a folder named with it: '/data/cache a
+    folder "'" under the working directory, /data/cache" a folder 'cache"' in /data. A quote inside a name, or a pair
+    that ends it, is the name's; a folder whose name begins or ends with a quote is had as ./NAME/ or NAME/."""
+    from wsarena.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"cache_dir {stray!r} {why}, which would be part of the folder's")):
+        configure(cache_dir=stray)
+    monkeypatch.setenv("WSARENA_CACHE_DIR", stray)
+    _config._reset()
+    with pytest.raises(ValueError, match=re.escape(f"WSARENA_CACHE_DIR={stray!r}: cache_dir {stray!r} {why}")):
+        get_config()
+    assert main(["cache", "info"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "give the folder without it, or as " in err, err
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.delenv("WSARENA_CACHE_DIR")
+    _config._reset()
+    escaped = "./" + stray + "/" if why.startswith("begins") else stray + "/"
+    with config(cache_dir=escaped):
+        assert get_config().cache_dir == Path(os.path.abspath(stray))
+    with config(cache_dir=Path(stray)):
+        assert get_config().cache_dir == Path(os.path.abspath(stray))
+
+
+@pytest.mark.parametrize("name", ['/data/a"b', "/data/it's", '/data/"cache"', "./'cache'", "/data/it's/'cache'",
+                                  "/data/it's/cache'"])
+def test_a_cache_dir_with_quotes_inside_its_name_is_taken_as_it_is(monkeypatch, tmp_path, name):
+    """A quote in a name is a character of it, and so is one at its end that closes another."""
+    monkeypatch.chdir(tmp_path)
+    with config(cache_dir=name):
+        assert get_config().cache_dir == Path(os.path.abspath(name))
+    monkeypatch.setenv("WSARENA_CACHE_DIR", name)
+    _config._reset()
+    assert get_config().cache_dir == Path(os.path.abspath(name))
+
+
 def test_a_long_cache_dir_is_shortened_in_its_refusal(monkeypatch, capsys):
     """A WSARENA_CACHE_DIR of 10 kB under a user with no home folder was quoted whole twice (a 20 kB line), and
     one holding a NUL whole, as the search cache's errors and warnings no longer quote it."""

@@ -89,7 +89,9 @@ def _cache_path(value: Any) -> Path | None:
     """A ``cache_dir`` value as the setting holds it: an absolute folder (``~`` expanded, ``ValueError`` where it
     cannot be; an empty string is the user's cache folder), or ``None`` for ``None``, ``"off"`` and ``"none"`` (any
     case; a folder of that name is ``"./none"``), as the other settings' ``none`` means none. A string in quotes is
-    refused (``ValueError``): they would be part of the folder's name; a folder so named is ``./"name"``."""
+    refused (``ValueError``): they would be part of the folder's name; a folder so named is ``./"name"``. So is one
+    that begins with a quote (``'/data/cache``; ``./'name``) or ends with the only one of its kind
+    (``/data/cache"``; ``name"/``), one quote of a pair pasted with the value."""
     if value is None:
         return None
     if isinstance(value, str) and value.strip().lower() in ("off", "none"):
@@ -107,6 +109,16 @@ def _cache_path(value: Any) -> Path | None:
     if isinstance(value, str) and len(text) > 1 and text[0] == text[-1] and text[0] in "\"'":
         raise ValueError(f"cache_dir {short_path(text)} is in quotes, which would be part of the folder's name (under "
                          "the working directory): give the folder without them, or as ./NAME for a folder so named")
+    # One quote of a pair pasted with the value, the other lost ('/data/cache or /data/cache"): a name that begins
+    # with a quote is a folder under the working directory, and a quote at the end, the only one of its kind, closes
+    # none. Quotes inside a name, or a pair that ends it (/data/"cache", ./"/data/cache"), are the name's.
+    if isinstance(value, str) and text[0] in "\"'":
+        raise ValueError(f"cache_dir {short_path(text)} begins with a quote, which would be part of the folder's name "
+                         "(under the working directory): give the folder without it, or as ./NAME for a folder so "
+                         "named")
+    if isinstance(value, str) and text[-1] in "\"'" and text.count(text[-1]) == 1:
+        raise ValueError(f"cache_dir {short_path(text)} ends with a quote that closes none, which would be part of the "
+                         "folder's name: give the folder without it, or as NAME/ for a folder so named")
     expanded = os.path.expanduser(text)
     if expanded.startswith("~"):  # left as it is, "~" would be a folder of that name in the working directory
         user = short_repr(text.split("/", 1)[0])
