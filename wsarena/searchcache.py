@@ -121,18 +121,18 @@ def search(
         times.update({found: ms for found, (_, ms) in stored.items()})
     if stored is not None and all((c.algo, c.math_type) in stored for c in candidates):
         names = {c.algo for c in candidates}
-        pairs = {(c.algo, c.math_type) for c in candidates}
         limit = max(c.workspace_bytes for c in candidates)
         # A candidate is leased no less than the backend says it needs now: a damaged entry that still parses (a digit
         # of its workspace lost) would have every call of the geometry run in too little. A size past the largest
-        # candidate's, which no search of these candidates leased, says of a pair no candidate has that the cap keeps
-        # it out (its candidate is above it); of a candidate's own pair it can only be damage (a digit added), which
-        # dropped the algorithm from every ranking the entry served: it is leased what its candidate needs
+        # candidate's is left out, as a search of these candidates leaves it out (its lease cannot hold it): a search
+        # under a wider cap may have recorded it, cuDNN's FindEx saying an algorithm needs more than its heuristics
+        # did, which cannot be told apart from damage (a digit added), and its candidate's size would run it in less
+        # than FindEx said
         needed = workspace_needed(candidates)
         timed = [
-            Candidate(algo, max(nbytes if nbytes <= limit else 0, needed(algo, math)), ms, math)
+            Candidate(algo, max(nbytes, needed(algo, math)), ms, math)
             for (algo, math), (nbytes, ms) in stored.items()
-            if ms is not None and algo in names and (nbytes <= limit or (algo, math) in pairs)
+            if ms is not None and algo in names and nbytes <= limit
         ]
         if timed:
             _counts[0] += 1
