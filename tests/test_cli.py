@@ -704,6 +704,28 @@ def test_a_caller_that_closed_sys_stderr_or_sys_stdout_gets_the_exit_code(monkey
     assert exited.value.code == 0
 
 
+def test_a_caller_stream_whose_encoding_lacks_a_character_gets_the_text_escaped(monkeypatch, tmp_path):
+    """A caller of main() whose sys.stderr is ASCII (``encoding="ascii"``, its errors strict): an error naming a
+    file whose name is not ASCII raised UnicodeEncodeError, a ValueError, which was taken for a closed stream and
+    the line dropped. It shows with the character escaped, as Python's own stderr shows it; the parser's --help and
+    --version writer escapes so too."""
+    from wsarena.cli import main
+
+    err = io.BytesIO()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(err, encoding="ascii", write_through=True))
+    missing = tmp_path / "mod\u00e8le.onnx"
+    assert main(["report", str(missing)]) == 2
+    line = err.getvalue().decode("ascii")
+    assert line.count("\n") == 1 and line.startswith("wsarena: error: ")
+    assert str(missing).replace("\u00e8", "\\xe8") in line and "No such file" in line
+    # escaped only where the encoding has no character: latin-1 has the accents
+    for encoding, written in [("ascii", b"d\\xe9j\\xe0 \\u2713\n"), ("latin-1", b"d\xe9j\xe0 \\u2713\n")]:
+        out = io.BytesIO()
+        stream = io.TextIOWrapper(out, encoding=encoding, write_through=True)
+        _parser()._print_message("d\u00e9j\u00e0 \u2713\n", stream)
+        assert out.getvalue() == written
+
+
 @pytest.mark.parametrize(("argv", "code"), [(("report", "resnet50", "--cap-workspace", "-1"), 2),
                                             (("report", "resnet50", "--backend", "cudnn"), 3)])
 def test_an_error_whose_stderr_reader_went_away_keeps_its_exit_code(argv, code):

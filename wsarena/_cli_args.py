@@ -7,6 +7,7 @@ import argparse
 import ast
 import contextlib
 import re
+import sys
 from typing import Any, NoReturn
 
 from . import __version__
@@ -49,9 +50,11 @@ class _Parser(argparse.ArgumentParser):
 
     def _print_message(self, message: str, file: Any = None) -> None:
         # --help and --version: argparse writes nothing where the stream is missing or its write fails (OSError),
-        # and nothing either where a caller of main() closed it, whose write raises ValueError
-        with contextlib.suppress(ValueError):
-            super()._print_message(message, file)
+        # and nothing either where a caller of main() closed it, whose write raises ValueError; what the stream's
+        # encoding cannot show is escaped, not the whole text lost (write_text)
+        if message:
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                write_text(file or sys.stderr, message)
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         # argparse's own check, but the value quoted shortened: a 100 kB --dtype gave a 100 kB line
@@ -68,6 +71,22 @@ class _Parser(argparse.ArgumentParser):
             prog = self.prog if command is None else f"{self.prog} {command}"
             raise UsageError(f"unrecognized arguments: {short_repr(' '.join(extras))[1:-1]} (see '{prog} --help')")
         return parsed
+
+
+def write_text(stream: Any, text: str) -> None:
+    """Write ``text`` to ``stream``; where the stream's encoding has no character for some of it (a caller's stream
+    opened with ``encoding="ascii"``, a path or a model name in the text not ASCII), write it again with those
+    characters as backslash escapes, ``\\xe8``, as Python's own stderr writes them: a UnicodeEncodeError is a
+    ValueError, which the callers take for a closed stream and would drop the text for. A text stream encodes the
+    whole text before it writes any of it, so the failed write left nothing behind."""
+    try:
+        stream.write(text)
+    except UnicodeEncodeError as exc:
+        try:
+            escaped = text.encode(exc.encoding, "backslashreplace").decode(exc.encoding)
+        except LookupError:  # a stream of the caller's own, naming an encoding Python has no codec for
+            escaped = text.encode("ascii", "backslashreplace").decode("ascii")
+        stream.write(escaped)
 
 
 def _size(text: str) -> int | None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._cli_args import UsageError, input_shapes, parser, unplanned_batches
+from ._cli_args import UsageError, input_shapes, parser, unplanned_batches, write_text
 from ._config import _FROM_CONFIG, Config, _given, config
 from ._report_cli import render_table, write_csv
 from ._sizes import os_error_text, short_path, short_repr
@@ -70,10 +70,11 @@ def _say(line: str) -> None:
     """Write ``line`` to stderr, or nothing where the command started with its stderr closed (``2>&-``): Python gives
     no stream for it then, and print() would write the line to stdout, into the output (a JSON object, --apply's
     line). Where stderr cannot be written (its reader gone, or a caller of :func:`main` closed ``sys.stderr``: a
-    ValueError), the command's exit code still says what happened."""
+    ValueError), the command's exit code still says what happened. What stderr's encoding cannot show is escaped
+    (:func:`write_text`), not the line lost."""
     if sys.stderr is not None:
         with contextlib.suppress(OSError, ValueError):
-            print(line, file=sys.stderr)
+            write_text(sys.stderr, f"{line}\n")
 
 
 def _raise_kept() -> None:
