@@ -28,6 +28,7 @@ import platform
 import time
 import timeit
 from collections.abc import Callable
+from unittest import mock
 
 import numpy as np
 import torch
@@ -84,7 +85,7 @@ def ops_cases() -> Cases:
         "  of which two overlap tests": (lambda: (backend.may_share_memory(y, x), backend.may_share_memory(y, w)), k),
         "backend's scope, entered and left": (context, k),
         "operands contiguous (_made_contiguous)": (lambda: ops._made_contiguous([x, w]), k),
-        "the choice (_choice)": (lambda: ops._choice(record, Pass.FWD, cfg, (x, w, y), None), k),
+        "the choice (_choice)": (lambda: ops._choice(record, Pass.FWD, cfg, [x, w], y, None), k),
         "backend.arena()": (backend.arena, k),
         "run_with_fallback, lease included": (lambda: algos.run_with_fallback(
             arena, chosen, lambda c, ws: None, stream=None, cap=None, warn_for=(Pass.FWD, record.geom)), k),
@@ -98,6 +99,8 @@ def torch_cases() -> Cases:
     module = wsarena.torch.Conv2d(1, 1, 3)
     w, b = module.weight, module.bias
     checked = _shapes.forward_call(x, w, 1, 0, 1, 1)
+    stride, padding, dilation, groups = checked.args
+    as_op = ([*stride], [*padding], [*dilation], groups)  # lists, as the operator's schema (int[]) hands its kernel
     y = torch.empty(1, 1, 2, 2)
     xn, wn, yn = x.numpy(), w.detach().numpy(), y.numpy()
     formats = torch.contiguous_format
@@ -111,7 +114,7 @@ def torch_cases() -> Cases:
         "bias checked (_check_bias)": (lambda: _functional._check_bias(b, 1), k),
         "the operator (apply)": (lambda: _autograd.apply(_autograd.ConvFunction, None, x, w, *checked.args,
                                                          "NCHW"), k),
-        "  its kernel alone": (lambda: _ops._conv_forward(x, w, *checked.args, "NCHW"), k),
+        "  its kernel alone": (lambda: _ops._conv_forward(x, w, *as_op, "NCHW"), k),
         "  output shape (_output_shape)": (lambda: _ops._output_shape(x.shape, w.shape, *checked.args[:3]), k),
         "  the result (_empty)": (lambda: _ops._empty([1, 1, 2, 2], x, "NCHW"), k),
         "  operands ready (_computed x2)": (lambda: (_ops._computed(x, formats), _ops._computed(w, formats)), k),
@@ -163,21 +166,20 @@ def main() -> None:
     parser.add_argument("--only", default="ops,torch,step", help="which paths, comma-separated")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    backend = type(get_backend("cpu"))
-    backend.run = lambda self, *a: None  # the convolution: a no-op
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; python "
           f"{platform.python_version()}, torch {torch.__version__}; fewest of {args.rounds} rounds, us per call "
           "(thread CPU time), the CPU convolution a no-op")
     # the forward without gradient timed inside one torch.no_grad() block, which costs some 1.5 us of its own
     makers = {"ops": (ops_cases, contextlib.nullcontext), "torch": (torch_cases, torch.no_grad),
               "step": (step_cases, contextlib.nullcontext)}
-    for path in args.only.split(","):
-        make, scope = makers[path]
-        print(f"{path}:")
-        with scope():
-            found = best_us(make(), args.rounds)
-        for name, us in found.items():
-            print(f"  {name:<42} {us:8.2f}")
+    with mock.patch.object(type(get_backend("cpu")), "run", lambda self, *a: None):  # the convolution: a no-op
+        for path in args.only.split(","):
+            make, scope = makers[path]
+            print(f"{path}:")
+            with scope():
+                found = best_us(make(), args.rounds)
+            for name, us in found.items():
+                print(f"  {name:<42} {us:8.2f}")
 
 
 if __name__ == "__main__":
