@@ -35,6 +35,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 if __name__ == "__main__" and "--threads" in sys.argv:
     # BLAS reads its thread count when it loads, so set it before NumPy is imported.
@@ -60,7 +61,7 @@ SUITE = [
 # name: (input shape NCHW, weight shape, keyword arguments), NCHW. Ordinary layers first (ResNet's 3x3 and 1x1 at
 # 56^2, 28^2 and 14^2, VGG's and U-Net's large images, 1-D and 3-D), then those at the bounds of candidates()' rules:
 # a row's column matrix of 16 tiles or more (long kernels over wide rows) over outputs of 1 to 8 MiB.
-RANKING = {
+RANKING: dict[str, tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]] = {
     "3x3 64 @56 b1": ((1, 64, 56, 56), (64, 64, 3, 3), {"padding": 1}),
     "3x3 64 @56 b8": ((8, 64, 56, 56), (64, 64, 3, 3), {"padding": 1}),
     "3x3 128 @28 b1": ((1, 128, 28, 28), (128, 128, 3, 3), {"padding": 1}),
@@ -114,7 +115,7 @@ def _interleaved_ms(fns: dict, repeat: int, seconds: float = 0.0) -> dict:
         fn()  # warm up (page faults, BLAS thread start)
     warm = time.perf_counter() - start
     repeat = max(repeat, min(10 * repeat, int(seconds / max(warm, 1e-9))))
-    times = {name: [] for name in fns}
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
             start = time.perf_counter()

@@ -174,7 +174,8 @@ def passes(repeat: int):
             for algo in trees["wsarena"].ALGORITHMS[pass_]:
                 ws = np.empty(trees["wsarena"].workspace_size(pass_, algo, g), np.uint8)
                 out = np.empty(shape, g.dtype)
-                best, bits = {}, set()
+                best: dict[str, float] = {}
+                bits: set[bytes] = set()
                 for package, cpu in trees.items():
                     cpu.run(pass_, algo, gs[package], a, b, out, ws)  # fills the plan's caches
                     bits.add(out.tobytes())
@@ -282,8 +283,8 @@ def main() -> int:
                 total = totals.setdefault(key.split("|")[0], [0.0, 0.0])
                 total[0] += before
                 total[1] += after
-            for name, (before, after) in totals.items():
-                print(_row(f"{name}: all 12", before, after, "ms", width))
+            for name, (before_ms, after_ms) in totals.items():
+                print(_row(f"{name}: all 12", before_ms, after_ms, "ms", width))
             calls = 12 * len(GEOMETRIES)
             print(f"outputs: the bits differ in {len(differ)} of {calls} calls" if differ else
                   f"outputs: the same bits before and after in all {calls} calls")

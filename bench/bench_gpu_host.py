@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import TypedDict
 
 import cupy
 
@@ -73,6 +74,13 @@ def event_time_ms(fn, stream: cupy.cuda.Stream, spin: cupy.RawKernel, queued: bo
     end.record(stream)
     end.synchronize()
     return cupy.cuda.get_elapsed_time(start, end)
+
+
+class Params(TypedDict):
+    """A case's convolution parameters, as the ops and wsarena.torch take them by keyword."""
+
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
 
 
 def cases() -> list[tuple[str, tuple, tuple, tuple, tuple]]:
@@ -218,7 +226,7 @@ def wsarena_times(timer: HostTimer) -> dict[str, list[float]]:
         rng = cupy.random.default_rng(0)
         x = rng.standard_normal(xs, dtype=cupy.float32)
         w = rng.standard_normal(ws, dtype=cupy.float32)
-        kw = {"stride": stride, "padding": padding}
+        kw: Params = {"stride": stride, "padding": padding}
         y = wsarena.conv_forward(x, w, **kw)
         dy = rng.standard_normal(y.shape, dtype=cupy.float32)
         dx, dw = cupy.empty_like(x), cupy.empty_like(w)
@@ -278,7 +286,7 @@ def profiles(stream: cupy.cuda.Stream, calls: int, top: int = 15) -> dict[str, d
     name, xs, ws, stride, padding = cases()[1]
     x = cupy.ones(xs, cupy.float32)
     w = cupy.ones(ws, cupy.float32)
-    kw = {"stride": stride, "padding": padding}
+    kw: Params = {"stride": stride, "padding": padding}
     y = wsarena.conv_forward(x, w, **kw)
     tx, tw = torch.from_dlpack(x), torch.from_dlpack(w)
     runs = {"ops": lambda: wsarena.conv_forward(x, w, **kw, out=y), "torch": lambda: wtorch.conv2d(tx, tw, **kw)}

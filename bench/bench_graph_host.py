@@ -25,8 +25,11 @@ import platform
 import sys
 import timeit
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -56,15 +59,15 @@ def _handle() -> object:
     return Handle()
 
 
-def no_op_execute() -> object:
+def no_op_execute() -> Callable[..., Any]:
     """A C function declared as ``cudnnBackendExecute`` is, which returns 0 (SUCCESS) and touches nothing:
     ``pthread_equal`` of two different values (the handle and the plan; the variant pack, a third argument, a C
     call may ignore). A Python stand-in would leave out ctypes' conversion of the arguments."""
-    from wsarena.cudnn._prototypes import function
+    from wsarena.cudnn._prototypes import PROTOTYPES
 
-    real = function("cudnnBackendExecute")
     stub = ctypes.CDLL(None).pthread_equal
-    stub.restype, stub.argtypes = real.restype, real.argtypes
+    stub.restype, argtypes = PROTOTYPES["cudnnBackendExecute"]  # as wsarena.cudnn declares the real one
+    stub.argtypes = list(argtypes)
     return stub
 
 
@@ -75,15 +78,10 @@ def best_us(fn, number: int, repeat: int) -> float:
 def ops_us(number: int, repeat: int) -> float:
     x, w = np.ones((1, 1, 4, 4), np.float32), np.ones((1, 1, 3, 3), np.float32)
     y = np.empty((1, 1, 2, 2), np.float32)
-    backend = type(get_backend("cpu"))
-    real = backend.run
-    backend.run = lambda self, *args: None
-    try:
+    with mock.patch.object(type(get_backend("cpu")), "run", lambda self, *args: None):
         call = lambda: wsarena.conv_forward(x, w, out=y)
         call()
         return best_us(call, number, repeat)
-    finally:
-        backend.run = real
 
 
 def run_us(number: int, repeat: int) -> dict[str, tuple[float, float]]:
@@ -97,9 +95,13 @@ def run_us(number: int, repeat: int) -> dict[str, tuple[float, float]]:
     if reason is not None:
         raise SystemExit(f"cuDNN cannot finalize plans here: {reason}")
     props = graph.device_properties((ROOT / "tests" / "data" / "h100-handwritten.json").read_text())
-    backend = CudnnGraphBackend()
     handle = _handle()
-    backend._bound_handle = lambda stream, workspace=None: handle
+
+    class Backend(CudnnGraphBackend):
+        def _bound_handle(self, stream: Any, workspace: Any = None) -> Any:
+            return handle  # the stand-in, whatever the stream
+
+    backend = Backend()
     backend._plans = PlanCache(
         lambda handle, pass_, geom, aligned: graph.operation_graph(conv_problem(pass_, geom), properties=props),
         lambda handle, op_graph, name: graph.execution_plan(graph.engine_config(op_graph, name, properties=props),

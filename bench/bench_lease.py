@@ -34,6 +34,7 @@ import statistics
 import threading
 import time
 import timeit
+from typing import TypedDict
 
 import numpy as np
 
@@ -42,6 +43,13 @@ from wsarena.arena import Arena, HostProvider, _lifecycle, _pins
 from wsarena.arena.testing import RecordingProvider
 
 SIZES = (4 << 10, 1 << 20, 64 << 20)
+
+
+class Timing(TypedDict):
+    """How :func:`per_call_us` times, as the command line says: runs, and seconds per run (about)."""
+
+    repeat: int
+    min_time: float
 
 
 def per_call_us(stmt, *, repeat: int, min_time: float, number: int | None = None) -> float:
@@ -55,9 +63,10 @@ def per_call_us(stmt, *, repeat: int, min_time: float, number: int | None = None
     return statistics.median(runs) / number * 1e6
 
 
-def kept_stats(kept: int, graphs: int, timing: dict[str, float]) -> tuple[float, float, float]:
+def kept_stats(kept: int, graphs: int, timing: Timing) -> tuple[float, float, float, float]:
     """Microseconds per ``stats()`` while ``graphs`` graphs keep ``kept`` arrays, per ``keep_with_capture`` of three,
-    and milliseconds of the ``stats()`` that lets go of them all once the graphs are destroyed."""
+    milliseconds of the ``stats()`` that lets go of them all once the graphs are destroyed, and microseconds per
+    ``keep_with_capture`` of the same three again during one capture."""
     provider = RecordingProvider()
     arena = Arena(provider)
     shared = np.empty(1 << 16, np.uint8)
@@ -95,7 +104,7 @@ class _AskedProvider(RecordingProvider):
         return super().capture(stream)
 
 
-def capture_question(arenas: int, timing: dict[str, float], own: bool) -> tuple[float, float]:
+def capture_question(arenas: int, timing: Timing, own: bool) -> tuple[float, float]:
     """Microseconds per question whether a capture that an arena knows of is under way, while ``arenas`` arenas of
     device 0 are alive, each having recorded two streams (captures over, recorded again before each question: found
     over, a record is forgotten), the same two, or with ``own`` one that all of them recorded and one of its own; and
@@ -125,7 +134,7 @@ def capture_question(arenas: int, timing: dict[str, float], own: bool) -> tuple[
     return question_us, asked
 
 
-def lease_with_graphs_keeping(live: int, timing: dict[str, float], rounds: int = 3) -> list[tuple[float, ...]]:
+def lease_with_graphs_keeping(live: int, timing: Timing, rounds: int = 3) -> list[tuple[float, float, float]]:
     """Microseconds per bare lease on a lane with no graph keeping, then with ``live`` graphs alive keeping what may
     free device memory (one lease in LOOK_EVERY looking, and every lease looking), ``rounds`` times interleaved."""
     provider = RecordingProvider()
@@ -168,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--live", type=int, default=3, help="graphs alive keeping what may free device memory")
     parser.add_argument("--arenas", type=int, default=46, help="arenas of one device alive, for the capture question")
     args = parser.parse_args(argv)
-    timing = {"repeat": args.repeat, "min_time": args.min_time}
+    timing: Timing = {"repeat": args.repeat, "min_time": args.min_time}
 
     arena = Arena(HostProvider())
     lock = threading.Lock()

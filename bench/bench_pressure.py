@@ -58,9 +58,9 @@ def measure(steps: int, heap: int, search: str) -> dict[str, float]:
     searches = [0]
     real_measure = CpuBackend.measure
 
-    def counted(self: Any, *args: Any) -> Any:
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         searches[0] += 1
-        return real_measure(self, *args)
+        return real_measure(self, *args, **kwargs)
 
     CpuBackend.measure = counted  # type: ignore[method-assign]
     set_arena("cpu", Arena(RecordingProvider(fail=refuse)))

@@ -27,6 +27,7 @@ import platform
 import statistics
 import tempfile
 import timeit
+from types import ModuleType
 
 from bench_lease import per_call_us  # this folder is on the path when the script runs
 
@@ -133,7 +134,11 @@ def compare(checkout: str, repeat: int, number: int = 2000) -> None:
         searchcache.search(backend, "fwd", geom, cands, lambda: (list(timed), []))
         for _ in range(repeat):
             for (where, results), module in zip(runs.items(), (other, searchcache)):
-                seconds = timeit.timeit(lambda m=module: m.search(backend, "fwd", geom, cands, refuse), number=number)
+
+                def lookup(m: ModuleType = module) -> object:
+                    return m.search(backend, "fwd", geom, cands, refuse)
+
+                seconds = timeit.timeit(lookup, number=number)
                 results.append(seconds / number * 1e6)
     print(f"a cached lookup (20 algorithms), {repeat} alternating runs of {number}, microseconds per lookup")
     for where, results in runs.items():

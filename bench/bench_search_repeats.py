@@ -51,17 +51,18 @@ def measure(case: str, calls: int) -> dict[str, float]:
 
     real_random, real_measure, real_candidates = CpuBackend.random, CpuBackend.measure, CpuBackend.candidates
 
-    def random(self: Any, *args: Any) -> Any:
+    def random(self: Any, *args: Any, **kwargs: Any) -> Any:
         counts["operands"] += 1
-        return real_random(self, *args)
+        return real_random(self, *args, **kwargs)
 
-    def timed(self: Any, pass_: str, geom: Any, a: Any, b: Any, out: Any, ws: Any, cands: Any, stream: Any) -> Any:
+    def timed(self: Any, pass_: str, geom: Any, a: Any, b: Any, out: Any, workspace: Any, candidates: Any,
+              stream: Any) -> Any:
         counts["timings"] += 1
         # Under pressure implicit_gemm's temporaries cannot be had; otherwise the backend refuses the call's operands
         # for implicit_gemm (no verdict on it)
-        left_out = [c for c in cands if c.algo == "implicit_gemm"]
-        rest = [c for c in cands if c.algo != "implicit_gemm"]
-        found = real_measure(self, pass_, geom, a, b, out, ws, rest, stream) if rest else []
+        left_out = [c for c in candidates if c.algo == "implicit_gemm"]
+        rest = [c for c in candidates if c.algo != "implicit_gemm"]
+        found = real_measure(self, pass_, geom, a, b, out, workspace, rest, stream) if rest else []
         if not left_out:
             return found
         if pressure:

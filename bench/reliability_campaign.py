@@ -24,6 +24,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -94,10 +96,10 @@ def _faults() -> dict[str, int]:
         while True:
             provider = t.FailingNth(n)
             arena = Arena(provider)
-            _cpu_backend.CpuBackend.arena = lambda self, arena=arena: arena
             algos.cache_clear()
             ops.records_clear()
-            with __import__("wsarena").config(algo_search=search):
+            with (mock.patch.object(_cpu_backend.CpuBackend, "arena", lambda self, arena=arena: arena),
+                  __import__("wsarena").config(algo_search=search)):
                 outcomes = t._step()
             if provider.calls < n:
                 break
@@ -108,21 +110,20 @@ def _faults() -> dict[str, int]:
             n += 1
     real = cpu.run_unchecked
     arena = Arena(RecordingProvider())
-    _cpu_backend.CpuBackend.arena = lambda self: arena
     k = 1
     while True:
         runs = 0
 
-        def run(*args: object, k: int = k) -> None:
+        def run(*args: Any, k: int = k) -> None:
             nonlocal runs
             runs += 1
             if runs == k:
                 raise MemoryError("injected")
             real(*args)
 
-        cpu.run_unchecked = run
-        outcomes = t._step()
-        cpu.run_unchecked = real
+        with (mock.patch.object(_cpu_backend.CpuBackend, "arena", lambda self: arena),
+              mock.patch.object(cpu, "run_unchecked", run)):
+            outcomes = t._step()
         if runs < k:
             break
         totals["algorithm_faults"] += 1

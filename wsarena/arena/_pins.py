@@ -36,7 +36,7 @@ import ctypes
 import itertools
 import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Self
 
 from .. import _forksafe
@@ -78,7 +78,8 @@ freeing: collections.deque[GraphPin] = collections.deque()
 # One eager lease in LOOK_EVERY looks (posted_in_turn): a look is a sem_getvalue (some 0.7 us, a third of a bare
 # lease), and what a graph gone kept may wait that many more calls
 LOOK_EVERY = 32
-_looks = itertools.cycle((True,) + (False,) * (LOOK_EVERY - 1))  # next() in one C call, whatever other threads do
+# next() in one C call, whatever other threads do; any iterator of bools (the tests' and bench_lease's repeat(True))
+_looks: Iterator[bool] = itertools.cycle((True,) + (False,) * (LOOK_EVERY - 1))
 # In a forked child, the parent's pins and what they keep: the parent's memory, never let go here (_after_fork_in_child)
 _parents_keeping: list[dict[int, GraphPin]] = []
 

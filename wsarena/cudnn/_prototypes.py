@@ -50,7 +50,7 @@ _fwd_perf = _P(ConvolutionFwdAlgoPerfStruct)
 _bwd_data_perf = _P(ConvolutionBwdDataAlgoPerfStruct)
 _bwd_filter_perf = _P(ConvolutionBwdFilterAlgoPerfStruct)
 
-Prototype = tuple[object, tuple[object, ...]]
+Prototype = tuple[type[Any] | None, tuple[type[Any], ...]]  # (restype, None for void; argtypes): ctypes types
 _Function = Callable[..., Any]  # a declared ctypes function
 
 # name -> (restype, argtypes), grouped by the header that declares it. Argument names in the comments are the
