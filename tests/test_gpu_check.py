@@ -5,6 +5,7 @@ process would hold the GPU through the next phases)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -149,16 +150,83 @@ def test_a_phases_report_names_its_failures_and_its_slowest_tests(tmp_path):
     ]
 
 
-def test_every_benchmark_gpu_check_runs_exists_and_takes_the_options_it_is_given():
-    """What a lent machine's minutes would find broken only there: a script renamed or an option dropped. Each
-    script named exists, and declares (``add_argument``) every option gpu_check passes it, --quick's included."""
-    import re
+# Each (script, arguments) of argv[1] (JSON) run as `python bench/SCRIPT` runs it, up to its parser's parse_args,
+# where what that parser makes of the arguments is taken instead: null where it takes them, else argparse's error
+# (an unknown option, a value refused, an option missing its value); one JSON list, an entry each.
+PARSE = """
+import argparse, contextlib, io, json, os, runpy, sys
 
+class Reached(Exception):
+    pass
+
+def reached(self, args=None, namespace=None):
+    raise Reached(self)
+
+real = argparse.ArgumentParser.parse_known_args
+found = []
+for script, given in json.loads(sys.argv[1]):
+    sys.argv = [script]
+    sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT` puts its folder first
+    argparse.ArgumentParser.parse_known_args = reached  # parse_args calls it
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except Reached as exc:
+        parser = exc.args[0]
+    else:
+        found.append("the script never parsed its arguments")
+        continue
+    finally:
+        argparse.ArgumentParser.parse_known_args = real
+        sys.path.pop(0)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            parser.parse_args(given)
+    except SystemExit:
+        found.append(err.getvalue().strip().splitlines()[-1])
+    else:
+        found.append(None)
+print(json.dumps(found))
+"""
+
+
+def parsed_by_scripts(cases: list[tuple[str, list[str]]]) -> list[str | None]:
+    """What each bench script's own argparse parser makes of the arguments given it (:data:`PARSE`), in one child
+    process: options that a script adds through a shared helper (``_checkouts.add_options``, hidden ones too)
+    count as any other."""
+    run = subprocess.run(
+        [sys.executable, "-c", PARSE, json.dumps([[str(ROOT / "bench" / script), args] for script, args in cases])],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def test_every_benchmark_gpu_check_runs_exists_and_takes_the_options_it_is_given(tmp_path):
+    """What a lent machine's minutes would find broken only there: a script renamed, an option dropped or a value
+    it no longer takes. Each script named exists, and its parser takes the arguments gpu_check passes it, with
+    --quick's and without."""
+    cases = []
     for (script, *args), factor in gpu_check.BENCHMARKS:
-        source = (ROOT / "bench" / script).read_text()
-        declared = set(re.findall(r'add_argument\(\s*"(--[\w-]+)"', source))
-        given = [a for a in (*args, *gpu_check.QUICK.get(script, ())) if a.startswith("--")]
-        assert set(given) <= declared, (script, set(given) - declared)
+        assert (ROOT / "bench" / script).is_file(), script
         assert factor >= 1
+        given = [a.replace("{out}", str(tmp_path)) for a in args]
+        cases += [(script, given), (script, given + list(gpu_check.QUICK.get(script, ())))]
+    refused = [(script, args, why) for (script, args), why in zip(cases, parsed_by_scripts(cases)) if why is not None]
+    assert refused == []
     named = {script for (script, *_), _ in gpu_check.BENCHMARKS}
     assert set(gpu_check.QUICK) <= named
+
+
+def test_the_scripts_parsers_are_asked_options_of_shared_helpers_included():
+    """The check above asks the parser: the options a checkout-comparing benchmark takes through
+    ``_checkouts.add_options`` (--rounds, --checkout, the hidden --json), which its own source does not spell, are
+    taken, and what no parser declares, or a value of the wrong type, is refused."""
+    found = parsed_by_scripts([
+        ("bench_pressure.py", ["--rounds", "2", "--checkout", "a", "--checkout", "b", "--json", "heuristic"]),
+        ("bench_pressure.py", ["--steps", "3", "--bogus"]),
+        ("bench_pressure.py", ["--rounds", "two"]),
+    ])
+    assert found[0] is None
+    assert found[1] is not None and found[1].endswith("error: unrecognized arguments: --bogus")
+    assert found[2] is not None and "--rounds" in found[2] and "'two'" in found[2]
