@@ -235,10 +235,17 @@ def test_geometry_batch_dtype_layout():
     assert g.macs == 32 * layer.macs
     h = layer.geometry(batch=2, layout="NHWC")
     assert h.input_shape == (2, 56, 56, 64) and h.weight_shape == (64, 3, 3, 64) and h.output_shape == (2, 56, 56, 64)
-    # a one-element array has __index__ too, yet is no integer: refused as a batch, as plan() refuses it
-    for bad in (0, -1, 1.5, True, np.int64(0), np.True_, np.array([32])):
-        with pytest.raises(ValueError, match="batch"):
+    for bad in (0, -1, np.int64(0)):
+        with pytest.raises(ValueError, match=r"^batch must be a positive int, not "):
             layer.geometry(batch=bad)
+    # A batch of another type is a TypeError, as plan() gives it: a float, a bool (no count), a one-element array
+    # (it has __index__ too, yet is no integer)
+    for bad, shown in ((1.5, "1.5"), (2.0, "2.0"), (True, "True"), (False, "False"), (np.True_, r"np\.True_"),
+                       (np.array([32]), "array")):
+        with pytest.raises(TypeError, match=rf"batch must be a positive int, not {shown}"):
+            layer.geometry(batch=bad)
+        with pytest.raises(TypeError, match=rf"batch must be a positive int, not {shown}"):
+            wsarena.plan([layer], batch=bad, backend="cpu")
     assert layer.geometry(batch=np.int64(32)) == g.with_dtype("float32")  # as the layer's own shapes take them
     with pytest.raises(ValueError, match="layout"):
         layer.geometry(layout="CHWN")

@@ -195,6 +195,18 @@ def as_int(value: Any) -> int | None:
         return None
 
 
+def positive_batch(batch: Any) -> int:
+    """``batch`` as an ``int`` where it is a batch size: an integer of any type, >= 1. A ``TypeError`` for another
+    type (a float, a ``bool``, an array of one element: :func:`as_int`), a ``ValueError`` below 1. The one check of
+    every API's ``batch``."""
+    n = as_int(batch)
+    if n is None:
+        raise TypeError(f"batch must be a positive int, not {short_repr(batch)}")
+    if n < 1:
+        raise ValueError(f"batch must be a positive int, not {short_repr(batch)}")
+    return n
+
+
 _INTEGER = re.compile(r"\s*-?[0-9]+\s*")  # as sizes take digits: int() would take 1_0 and any script's digits
 
 

@@ -33,7 +33,7 @@ from typing import Any
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._geometry import DTYPES, ConvGeometry
 from ._pass import PASSES
-from ._sizes import as_int, format_size, short_path, short_repr
+from ._sizes import as_int, format_size, positive_batch, short_path, short_repr
 from .algos import is_cached, is_cut_short, select
 from .backends import Candidate, device_properties_backend, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
@@ -347,11 +347,7 @@ def _dtype_name(dtype: Any) -> str:
 def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str, passes: Sequence[str],
           streams: int | Sequence[int], model: str, progress: Callable[[int, int, str], None] | None,
           device_properties: str | None = None, properties_source: str | None = None) -> Plan:
-    batch, streams = _integer(batch), _integer(streams)
-    if isinstance(batch, bool) or not isinstance(batch, int):
-        raise TypeError(f"batch must be a positive int, not {short_repr(batch)}")
-    if batch < 1:
-        raise ValueError(f"batch must be a positive int, not {short_repr(batch)}")
+    batch, streams = positive_batch(batch), _integer(streams)
     dtype = _dtype_name(dtype)
     cap, search, requested = cfg.cap_workspace, cfg.algo_search, cfg.backend
     if isinstance(passes, (str, bytes)) or not isinstance(passes, Iterable):  # "fwd" would be ('f', 'w', 'd')

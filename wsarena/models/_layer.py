@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._geometry import ConvGeometry, conv_geometry
-from .._sizes import as_int, short_repr
+from .._sizes import as_int, positive_batch, short_repr
 from ..errors import WsarenaError
 
 __all__ = ["ConvLayer", "LayerList", "ModelError"]
@@ -138,7 +138,7 @@ class ConvLayer:
         Parameters
         ----------
         batch : int
-            Batch size, >= 1.
+            Batch size, >= 1 (``ValueError`` below; ``TypeError`` for a float, a bool or another non-integer).
         dtype : str
             Element type, e.g. ``"float32"``, ``"float16"``, ``"bfloat16"``.
         layout : {"NCHW", "NHWC"}
@@ -150,9 +150,7 @@ class ConvLayer:
         ConvGeometry
             For a transposed layer, the forward-equivalent convolution (see the class notes).
         """
-        n = as_int(batch)  # numpy.int64 too, as the shapes take it
-        if n is None or n < 1:
-            raise ValueError(f"batch must be a positive integer, not {short_repr(batch)}")
+        n = positive_batch(batch)  # numpy.int64 too, as the shapes take it
         x = (n, *self.input_shape[1:])
         w = self.weight_shape
         if layout == "NHWC":
