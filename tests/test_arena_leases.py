@@ -200,6 +200,9 @@ def test_reserve_for_a_plan_presizes_its_streams(arena, provider, key):
     assert arena.held_bytes() == aligned_size(100_000)
     arena.reserve_for(Plan(4096, 8192), streams=[key("x"), key("y")])
     assert (arena.held_bytes(stream=key("x")), arena.held_bytes(stream=key("y"))) == (4096, 8192)
+    # two planned streams on one: its calls run in its order, so it holds the larger of the two, not their sum
+    arena.reserve_for(Plan(16384, 12288), streams=[key("w"), key("w")])
+    assert arena.held_bytes(stream=key("w")) == 16384
     with wsarena.config(cap_workspace=100_000):  # the plan's rounded size may sit just above the cap
         arena.reserve_for(Plan(aligned_size(99_999)), streams=[key("z")])
     before = len(provider.allocations)

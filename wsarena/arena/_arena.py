@@ -205,7 +205,8 @@ class Arena:
         streams : iterable, optional
             The stream (or CPU lane) each planned stream will run on, in the same order (a list, a tuple, a
             generator; not a set). By default the calling thread's default stream, which a one-stream plan needs; a
-            plan for several streams must name them.
+            plan for several streams must name them. A stream named more than once runs the calls of those planned
+            streams one after another, so it is reserved for the largest of them, not their sum.
 
         The plan was made under its own cap, so its sizes are not checked against the configured cap again
         (each is rounded up by ``aligned_size``, as any growth is, so the capacity may sit just above it).
