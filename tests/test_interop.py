@@ -154,6 +154,26 @@ def test_host_and_device_memory_in_one_call_is_a_type_error():
         conv_forward(torch.from_numpy(x), _CudaArray(), **KW)
 
 
+def test_a_cuda_array_interface_out_whose_data_says_read_only_is_refused_before_any_cuda_library_is_touched(
+    monkeypatch,
+):
+    """CuPy, which views such an ``out``, has no read-only arrays: it would write one."""
+    monkeypatch.setattr(_interop, "_cupy", lambda: pytest.fail("a CUDA library was touched"))
+    x, w, dy = problem()
+
+    def on_device(shape, read_only=False):
+        array = _CudaArray()
+        array.__cuda_array_interface__ = {**_CudaArray.__cuda_array_interface__, "shape": shape,
+                                          "data": (1 << 40, read_only)}
+        return array
+
+    out = on_device(dy.shape, read_only=True)
+    with pytest.raises(ValueError, match=r"^out is read-only: its __cuda_array_interface__'s data says so"):
+        conv_forward(on_device(x.shape), on_device(w.shape), **KW, out=out)
+    assert _interop._says_read_only(out.__cuda_array_interface__)
+    assert not any(map(_interop._says_read_only, ({"data": (1, False)}, {"data": None}, {}, None)))
+
+
 def test_dlpack_round_trips_with_numpy_share_memory():
     x, w, _ = problem()
     tx = torch.from_numpy(x)

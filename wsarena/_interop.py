@@ -211,6 +211,11 @@ def execute(
             + ", ".join(op.where() for op in operands) + ")"
         )
     device = next(iter(devices), None)
+    if last is not None and last.kind == "" and _says_read_only(out.__cuda_array_interface__):
+        # NumPy makes a read-only array of an __array_interface__ that says so, which the ops refuse; CuPy's arrays
+        # have no such flag, and it would write this one
+        raise ValueError("out is read-only: its __cuda_array_interface__'s data says so; pass a writable array, or "
+                         "call without out=")
     direct = False  # torch tensors viewed directly: the call runs on PyTorch's current stream, nothing to order
     if device is not None and (first.kind == _TORCH or second.kind == _TORCH or torch_out):
         _prefer_torch_memory(device)
@@ -229,6 +234,13 @@ def execute(
                 _written(out)
         # inside the scope: the library imports the result on the stream it was computed on, with no extra wait
         return out if out is not None else _returned(a, result)
+
+
+def _says_read_only(interface: Any) -> bool:
+    """Whether an array interface's ``data``, ``(address, read_only)``, says read-only (a malformed one is left to
+    the library that views it)."""
+    data = interface.get("data") if isinstance(interface, dict) else None
+    return isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], (bool, np.bool_)) and bool(data[1])
 
 
 def _check_torch_out(out: Any) -> None:
