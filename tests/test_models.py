@@ -382,6 +382,21 @@ def test_malformed_json(tmp_path, content, message):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("newline", ["\r", "\r\n", "\n"])
+def test_a_json_error_is_placed_on_its_line_whatever_ends_the_lines(tmp_path, newline):
+    """The line and column of an error are those of the file read as text, as they were: a file whose lines end in a
+    lone \\r (an old Mac's) said line 1, as the decoder counts only \\n, once the file was read as bytes."""
+    path = tmp_path / "bad.json"
+    path.write_bytes(newline.join(["[", "  {", '    "name": "a",', '    "input_shape": ]', "]"]).encode())
+    with open(path, encoding="utf-8-sig") as f:  # text mode: any of the three ends a line
+        text = f.read()
+    with pytest.raises(json.JSONDecodeError) as expected:
+        json.loads(text)
+    assert (expected.value.lineno, expected.value.colno) == (4, 20)
+    with pytest.raises(ModelError, match=r"is not valid JSON: Expecting value at line 4 column 20$"):
+        load_model(path)
+
+
 def test_json_nested_too_deeply(tmp_path):
     path = tmp_path / "deep.json"
     path.write_text("[" * 100000)

@@ -74,6 +74,9 @@ def load_json(path: str | os.PathLike[str]) -> list[ConvLayer]:
         text = read_model_file(path).decode("utf-8-sig")  # a byte order mark first, as Windows editors write it
     except UnicodeDecodeError:
         raise ModelError(f"{short_path(path)} is not a JSON text file (not UTF-8)") from None
+    # Lines end as reading in text mode ends them, so that an error's line and column count a lone \r (an old Mac's
+    # line end) as one, as the decoder counts only \n; a line end in JSON is whitespace, and stays so
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
