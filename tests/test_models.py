@@ -6,6 +6,8 @@ import json
 import os
 import pathlib
 import re
+import select
+import stat
 import warnings
 from itertools import pairwise
 
@@ -478,6 +480,20 @@ def test_a_model_path_that_is_no_regular_file_is_refused_unopened(tmp_path, ext)
     device.symlink_to(os.devnull)
     with pytest.raises(ModelError, match=rf"^'.*null\{ext}' is a character device, not a regular file"):
         load_model(device)
+
+
+@pytest.mark.skipif(not hasattr(select, "epoll") or not os.path.isdir("/proc/self/fd"), reason="Linux's epoll")
+def test_a_model_path_to_a_file_of_no_type_says_what_it_is_once(tmp_path):
+    """A link to an epoll's descriptor, whose inode has no file type (none of a folder, a FIFO, a device, a socket),
+    was said to be "not a regular file, not a regular file"."""
+    with select.epoll() as epoll:
+        link = tmp_path / "epoll.onnx"
+        link.symlink_to(f"/proc/self/fd/{epoll.fileno()}")
+        assert stat.S_IFMT(os.stat(link).st_mode) == 0
+        with pytest.raises(ModelError) as caught:
+            load_model(link)
+    assert str(caught.value) == f"{str(link)!r} is a file of another kind, not a regular file: a model is read " \
+                                "from a .onnx or .json file"
 
 
 # ------------------------------------------------------------------------------- ONNX: the light models

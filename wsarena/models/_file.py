@@ -20,7 +20,8 @@ def _kind(mode: int) -> str | None:
         return None
     kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
+    # none of these: a door, or an anonymous inode, which has no type (an epoll's, linked to as /proc/PID/fd/N)
+    return next((kind for test, kind in kinds if test(mode)), "a file of another kind")
 
 
 def read_model_file(path: str) -> bytes:
