@@ -29,7 +29,9 @@ of a lock and taking it back (``threading.Condition.wait`` has such a place: an 
    stats or growth of any arena to close again, or, before that arena could free anything, them to their owner
    objects' own collection). The graph API's plan cache's (``backends._graph_plans._hand_over``) holds what it
    hands over or defers (its records, its plans) first, in one C call, and lets go of it last: an interrupt there
-   leaves it held for good.
+   leaves it held for good. The finalizers of what the arena does not own (cuDNN handles, descriptors and plans,
+   the CPU backend's lowered calls) are Python too: an interrupt there is lost, and what it was to destroy or let
+   go of stays, never destroyed twice.
 6. A buffer changes hands within one C call: from the provider's ``allocate`` into a list (``list.extend`` over a
    ``map``), from there, where the growth fails or is interrupted before the buffer is installed, to the arena's
    queue of buffers no sub-arena was given (the error path's first call, so that a second Ctrl-C on the heels of the

@@ -9,12 +9,12 @@ Python either (it may run while the interpreter shuts down). So it is libc's ``s
 pin's own, and the arena reads the semaphore's count (``sem_getvalue``) whenever it is about to free the buffer.
 
 The semaphore lives in memory from libc's ``malloc``, not in a Python object: CUDA may post it after the pin is
-gone, and even after the interpreter has freed its own objects at exit (a graph destroyed then). It is freed only
-once CUDA has posted it, when CUDA will never touch it again, and its pin is gone: :func:`free_posted` looks at the
-semaphores of the pins collected since (a spare, made by a second thread's first lease of a capture; the pins of a
-collected arena; any pin once its graph and arena are done with it) when a pin is made and when an arena is closed or
-collected, and frees each that CUDA has posted, or that no graph was given (its address never read: a pin dropped by
-a Ctrl-C as it was made). A pin's collection itself runs no Python code (interrupt rule 5 of
+gone, and even after the interpreter has freed its own objects at exit (a graph destroyed then). It is freed once
+its pin is gone and CUDA has posted it (it will never touch it again), or was never given it: :func:`free_posted`
+looks at the semaphores of the pins collected since (a spare, made by a second thread's first lease of a capture;
+the pins of a collected arena; any pin once its graph and arena are done with it) when a pin is made and when an
+arena is closed or collected, and frees each that CUDA has posted, or that no graph was given (its address never
+read: a pin dropped by a Ctrl-C as it was made). A pin's collection itself runs no Python code (interrupt rule 5 of
 :mod:`~wsarena.arena._interrupts`): a weak reference's callback, ``deque.append``, lists it.
 
 A pin also keeps what else the graph's kernels use that would otherwise be freed while it exists (:meth:`GraphPin.keep`:
@@ -60,8 +60,8 @@ SEM_POST: int = ctypes.cast(_libc.sem_post, ctypes.c_void_p).value or 0  # the d
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # what CUDA calls it as (cudaHostFn_t): void (*)(void *)
 _SEM_BYTES = 64  # sizeof(sem_t) is 32 on 64-bit glibc and musl; room to spare
 
-# A weak reference to each pin whose semaphore is not freed yet, by the semaphore's address (what keeps the reference
-# alive: its callback runs only while it is).
+# A weak reference to each pin not looked at since it was made or collected, by its semaphore's address (what keeps
+# the reference alive: its callback runs only while it is).
 _held: dict[int, _PinRef] = {}
 # The references of the pins collected since free_posted last looked, listed by their callback (a C call).
 _collected: collections.deque[_PinRef] = collections.deque()
@@ -168,8 +168,9 @@ class GraphPin:
 
     def never_held(self) -> None:
         """No graph was given this pin (the call that would have failed): post it here, as CUDA would have, so that it
-        reads as released and its semaphore is freed with it."""
-        HOST_FN(self.destroy)(self.address)
+        reads as released and its semaphore is freed once it is collected (:func:`free_posted`). Its address is not
+        read (:attr:`address`): a Ctrl-C before the post leaves it a pin no graph was given, freed unposted."""
+        HOST_FN(self.destroy)(self._state[0])
 
     def __repr__(self) -> str:
         return f"GraphPin({'released' if self.released else 'live'})"
