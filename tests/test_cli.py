@@ -726,6 +726,37 @@ def test_a_caller_stream_whose_encoding_lacks_a_character_gets_the_text_escaped(
         assert out.getvalue() == written
 
 
+@pytest.mark.parametrize(("encoding", "name"), [("cp437", "S\u00e3o \u2713"),
+                                              ("cp1251", "\u0444\u0430\u0439\u043b caf\u00e9"),
+                                              ("cp1252", "\u20ac \u2713"), ("mac-roman", "\u00a4 \u2713")])
+def test_a_caller_stream_of_a_code_page_gets_the_text_escaped_as_its_own_encoding_escapes_it(monkeypatch, tmp_path,
+                                                                                            encoding, name):
+    """A code page's codec (cp437, cp1251, cp1252, mac-roman) names itself "charmap" in its UnicodeEncodeError,
+    which as an encoding is latin-1's: escaped for latin-1, a character the page lacks but latin-1 has (cp437's ã,
+    cp1251's é, mac-roman's ¤) failed the second write too and the line was lost, and one the page has but latin-1
+    lacks (cp1252's €, cp1251's Cyrillic) was escaped for nothing. The line is what the stream writes with
+    errors="backslashreplace", as Python's own stderr in that encoding writes it."""
+    from wsarena.cli import main
+
+    def expected(text: str) -> bytes:
+        out = io.BytesIO()
+        stream = io.TextIOWrapper(out, encoding=encoding, errors="backslashreplace", write_through=True)
+        stream.write(text)
+        return out.getvalue()
+
+    err = io.BytesIO()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(err, encoding=encoding, write_through=True))
+    missing = tmp_path / f"{name}.onnx"
+    assert main(["report", str(missing)]) == 2
+    line = err.getvalue()
+    assert line.count(b"\n") == 1 and line.startswith(b"wsarena: error: ")
+    assert expected(str(missing)) in line and b"No such file" in line
+    out = io.BytesIO()
+    stream = io.TextIOWrapper(out, encoding=encoding, write_through=True)
+    _parser()._print_message(f"{name}\n", stream)
+    assert out.getvalue() == expected(f"{name}\n")
+
+
 @pytest.mark.parametrize(("argv", "code"), [(("report", "resnet50", "--cap-workspace", "-1"), 2),
                                             (("report", "resnet50", "--backend", "cudnn"), 3)])
 def test_an_error_whose_stderr_reader_went_away_keeps_its_exit_code(argv, code):

@@ -82,9 +82,13 @@ def write_text(stream: Any, text: str) -> None:
     try:
         stream.write(text)
     except UnicodeEncodeError as exc:
+        # The stream's encoding, not the error's: a code page's codec (cp437, cp1251, cp1252) names itself "charmap"
+        # in its errors, which as an encoding is latin-1's, and its escapes kept a character the page lacks (the ã
+        # of cp437), whose second write failed too and lost the line
+        encoding = getattr(stream, "encoding", None) or exc.encoding
         try:
-            escaped = text.encode(exc.encoding, "backslashreplace").decode(exc.encoding)
-        except LookupError:  # a stream of the caller's own, naming an encoding Python has no codec for
+            escaped = text.encode(encoding, "backslashreplace").decode(encoding)
+        except (LookupError, UnicodeError):  # an encoding Python has no codec for, or one that cannot decode it back
             escaped = text.encode("ascii", "backslashreplace").decode("ascii")
         stream.write(escaped)
 
