@@ -356,18 +356,5 @@ def _info(args: argparse.Namespace) -> int:
             json.dump(data, sys.stdout, indent=2)
             sys.stdout.write("\n")
         else:
-            sys.stdout.write(_escaped(render_info(data), sys.stdout))
+            write_text(sys.stdout, render_info(data))  # read, not parsed: shown on any terminal, escaped
     return EXIT_OK
-
-
-def _escaped(text: str, stream: Any) -> str:
-    """``text`` with each character that ``stream``'s encoding cannot show written as its escape (``\\xe9``): what
-    ``wsarena info`` shows is read, not parsed (a home folder's name in the cache folder, a variable's value in its
-    error), and the command works on any machine, where a report's names, which a program reads, refuse it."""
-    encoding = getattr(stream, "encoding", None)
-    if not encoding:
-        return text
-    try:
-        return text.encode(encoding, "backslashreplace").decode(encoding)
-    except (LookupError, UnicodeError):  # an encoding Python has no codec for, or one that cannot decode it back
-        return text
