@@ -116,7 +116,6 @@ def test_a_model_built_on_the_meta_device_gives_with_a_real_input_the_layers_of_
         meta(x)
 
 
-
 class Stepped(nn.Module):
     """A forward that reads the values of tensors it is given: a step count's ``.item()``, a flag in an ``if``, the
     widths of a 1-D tensor's ``tolist()``; and a 1-D shift that meets the model's tensors."""
@@ -157,6 +156,64 @@ def test_a_model_on_the_meta_device_reads_the_values_of_small_tensors_it_is_give
     fewer = wt.layers(meta, *other, kernels=torch.tensor([2]), norm=torch.tensor(False))
     assert fewer == wt.layers(prepare(Stepped()), *other, kernels=torch.tensor([2]), norm=torch.tensor(False))
     assert [layer.name for layer in fewer] == ["stem", "heads.1"]
+
+
+class Selecting(nn.Module):
+    """A forward whose operations read the values of tensors it is given beside its own activations: a boolean mask
+    keeping some of the batch, ``repeat_interleave``'s repeats along the width, and a number of groups given as a
+    tensor, that reshapes the result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.grouped = nn.Conv3d(2, 4, (1, 3, 3))
+        self.head = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor, repeats: torch.Tensor,
+                groups: torch.Tensor) -> torch.Tensor:
+        y = torch.repeat_interleave(self.stem(x)[keep], repeats, dim=3)
+        z = self.grouped(y.view(y.shape[0], -1, groups, *y.shape[2:]))
+        return self.head(y) + z.sum()
+
+
+@pytest.mark.parametrize("converted", [True, False], ids=["converted", "pytorch"])
+def test_a_model_on_the_meta_device_reads_the_values_of_tensors_it_is_given_beside_its_own(converted):
+    """An operation given a real tensor beside the model's meta ones, whose values it reads (a boolean mask, the
+    repeats of ``repeat_interleave``, a size as a tensor), runs on that tensor as it is, which PyTorch's meta kernels
+    take: the layers are those the model gives on the CPU, as long as the shapes they read into. Moved to the meta
+    device too, each such operation failed (a meta tensor holds no values)."""
+    prepare = wt.convert if converted else (lambda model: model)
+    with torch.device("meta"):
+        meta = prepare(Selecting())
+    x, keep, groups = torch.randn(3, 3, 6, 5), torch.tensor([True, False, True]), torch.tensor(4)
+    for repeats in (torch.tensor([1, 2, 1, 3, 1]), torch.tensor([2, 2, 2, 2, 2])):
+        found = wt.layers(meta, x, keep, repeats, groups)
+        assert found == wt.layers(prepare(Selecting()), x, keep, repeats, groups)
+        widths = int(repeats.sum())
+        assert [layer.input_shape for layer in found] == [(1, 3, 6, 5), (1, 2, 4, 6, widths), (1, 8, 6, widths)]
+    assert all(p.is_meta for p in meta.parameters())
+
+
+def test_an_operation_that_fails_on_the_meta_device_and_beside_it_says_so():
+    """An operation that fails with the tensors of its input moved to the meta device and as they were (masked_select
+    has no meta kernel) raises the error of the first, as PyTorch raises it, with a note saying the model's tensors
+    were meta and the others were moved there: the error may name as meta a tensor the forward was given real."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 1)
+
+        def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            return self.conv(x).masked_select(keep)
+
+    with torch.device("meta"):
+        meta = Masked()
+    with pytest.raises(NotImplementedError, match="masked_select") as raised:
+        wt.layers(meta, torch.randn(1, 3, 2, 2), torch.ones(1, 4, 2, 2, dtype=torch.bool))
+    assert [note for note in raised.value.__notes__ if "wsarena.torch.layers: masked_select was given the model's meta "
+            "tensors beside others" in note]
+
 
 def _padded(module: nn.Module, x: torch.Tensor, layer: wsarena.ConvLayer) -> torch.Tensor:
     """``x`` padded as the layer says PyTorch pads it: by the module's own mode over its whole padding where that

@@ -38,13 +38,14 @@ def layers(model: nn.Module, /, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     The model runs once, under ``torch.no_grad()``, in the mode it is in (a training-mode model may run other layers):
     give it an input of the size it will see (its batch does not matter, the planner sets its own), on the model's
     device. A model with a parameter or buffer on the meta device (built there, never loaded, or
-    ``copy.deepcopy(model).to("meta")``) computes nothing with them: a tensor an operation takes beside a meta
-    tensor is moved there as the operation is called, as only its size matters, so that a real input will do and the
-    forward may still read the value of one that has met none (``.item()`` of a step count given as a tensor, an
-    ``if`` on a flag); what the input's tensors compute among themselves before they meet the model's is computed
-    where they are. Its buffers (BatchNorm's running statistics) and the random generators (PyTorch's, Python's and
-    NumPy's) are as they were afterwards; the generators are the process's, so draws another thread makes meanwhile
-    are undone too.
+    ``copy.deepcopy(model).to("meta")``) computes nothing with them: a tensor an operation takes beside a meta tensor is
+    moved there as the operation is called, as only its size matters, so that a real input will do and the forward may
+    still read the value of one that has met none (``.item()`` of a step count given as a tensor, an ``if`` on a flag);
+    what the input's tensors compute among themselves before they meet the model's is computed where they are. An
+    operation that fails on the moved tensors, as it reads the values of one (a boolean mask selecting from a meta
+    tensor, ``repeat_interleave``'s repeats), runs on them as they are. Its buffers (BatchNorm's running statistics) and
+    the random generators (PyTorch's, Python's and NumPy's) are as they were afterwards; the generators are the
+    process's, so draws another thread makes meanwhile are undone too.
     Every call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and lazy ones included) is one
     layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called again is listed again, ``#2``
     and on after its name. Convolutions called as functions (``F.conv2d`` in a ``forward``) are not seen: export such a
@@ -132,17 +133,30 @@ def layers(model: nn.Module, /, *args: Any, **kwargs: Any) -> list[ConvLayer]:
 class _MetaWhereMet(TorchFunctionMode):
     """Moves to the meta device the tensors an operation takes beside a meta tensor, as it is called: a model on the
     meta device runs on a real input, whose tensors hold their values until they meet the model's (a forward may read
-    a step count's ``.item()``, or branch on a flag), where moving them all first left none to read. The mode is the
-    calling thread's."""
+    a step count's ``.item()``, or branch on a flag), where moving them all first left none to read. An operation
+    that fails so, as it reads the values of a real tensor it is given (a boolean mask selecting from a meta tensor,
+    ``repeat_interleave``'s repeats, a size given as a tensor), runs on the tensors as they were: PyTorch's meta
+    kernels read those values where they are. The mode is the calling thread's."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
-            # an operation that writes into a real tensor (add_, x[i] = ...) writes into its meta copy, which it
-            # returns: the tensor keeps its values, as PyTorch's own add_ of a meta tensor into a CPU one does
-            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-        return func(*args, **kwargs)
+        if not any(t.is_meta for t in tensors) or all(t.is_meta for t in tensors):
+            return func(*args, **kwargs)
+        # an operation that writes into a real tensor (add_, x[i] = ...) writes into its meta copy, which it
+        # returns: the tensor keeps its values, as PyTorch's own add_ of a meta tensor into a CPU one does
+        moved, moved_kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        try:
+            return func(*moved, **moved_kwargs)
+        except Exception as error:
+            # the values it reads are the real tensors' (a mask's, the repeats); its other work is the meta kernels'
+            with contextlib.suppress(Exception):
+                return func(*args, **kwargs)
+            # the moved call's error, which may name as meta a tensor the forward was given real: the note says why
+            error.add_note(f"wsarena.torch.layers: {getattr(func, '__name__', func)} was given the model's meta "
+                           "tensors beside others, and failed with those moved to the meta device (which holds no "
+                           "values to read) and as they were")
+            raise error from None
 
 
 # torch.compile's stance is one for the process, and torch offers none for one thread: torch.compiler.disable acts
