@@ -158,6 +158,25 @@ def test_a_model_on_the_meta_device_reads_the_values_of_small_tensors_it_is_give
     assert [layer.name for layer in fewer] == ["stem", "heads.1"]
 
 
+def test_a_forward_that_writes_into_its_input_on_a_meta_model_writes_into_the_callers_tensor():
+    """The input's tensors are not copied: a forward that scales its input in place before it meets the model scales
+    the caller's tensor, as the model on the CPU does (the README says to pass a copy to keep it)."""
+
+    class Scaling(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x.div_(255))
+
+    with torch.device("meta"):
+        meta = wt.convert(Scaling())
+    x = torch.full((1, 3, 5, 5), 255.0)
+    assert [layer.input_shape for layer in wt.layers(meta, x)] == [(1, 3, 5, 5)]
+    assert torch.equal(x, torch.ones(1, 3, 5, 5))
+
+
 class Selecting(nn.Module):
     """A forward whose operations read the values of tensors it is given beside its own activations: a boolean mask
     keeping some of the batch, ``repeat_interleave``'s repeats along the width, and a number of groups given as a

@@ -43,8 +43,10 @@ def layers(model: nn.Module, /, *args: Any, **kwargs: Any) -> list[ConvLayer]:
     still read the value of one that has met none (``.item()`` of a step count given as a tensor, an ``if`` on a flag);
     what the input's tensors compute among themselves before they meet the model's is computed where they are. An
     operation that fails on the moved tensors, as it reads the values of one (a boolean mask selecting from a meta
-    tensor, ``repeat_interleave``'s repeats), runs on them as they are. Its buffers (BatchNorm's running statistics) and
-    the random generators (PyTorch's, Python's and NumPy's) are as they were afterwards; the generators are the
+    tensor, ``repeat_interleave``'s repeats), runs on them as they are. The tensors stay the caller's: a forward that
+    writes into one in place (``x.div_(255)``) writes into it, as the model would. The moving is the calling thread's: a
+    forward that runs branches in threads of its own is given a meta input. Its buffers (BatchNorm's running statistics)
+    and the random generators (PyTorch's, Python's and NumPy's) are as they were afterwards; the generators are the
     process's, so draws another thread makes meanwhile are undone too.
     Every call of an ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` (wsarena.torch's and lazy ones included) is one
     layer, named by the module's path in ``model`` (``layer1.0.conv2``); a module called again is listed again, ``#2``
