@@ -496,6 +496,34 @@ def test_a_model_path_to_a_file_of_no_type_says_what_it_is_once(tmp_path):
                                 "from a .onnx or .json file"
 
 
+@pytest.mark.parametrize("again", ["a socket", "a regular file"])
+def test_a_socket_put_in_a_model_files_place_after_it_was_looked_at_is_said_to_be_one(tmp_path, monkeypatch, again):
+    """open() refuses a socket with ENXIO, which read "cannot read ...: No such device or address": the path is looked
+    at again, and said to be what it is then, or what open() refuses where that is a regular file again. The look
+    before the open is made to see a regular file, as it would before the socket took its place."""
+    import socket
+
+    monkeypatch.chdir(tmp_path)  # a socket's path is short: at most 107 bytes
+    regular = tmp_path / "regular.json"
+    regular.write_text("[]")
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind("sock.json")
+    real, looks = os.stat, []
+
+    def swapped(path, *args, **kwargs):
+        if os.fspath(path) == "sock.json" and (again == "a regular file" or not looks):
+            looks.append(path)
+            return real(regular)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", swapped)
+    kind = "a socket" if again == "a socket" else "a socket or a device with no driver"
+    with pytest.raises(ModelError) as caught:
+        load_model("sock.json")
+    assert str(caught.value) == f"'sock.json' is {kind}, not a regular file: a model is read from a .onnx or .json file"
+    assert looks
+
+
 # ------------------------------------------------------------------------------- ONNX: the light models
 
 def light(name):

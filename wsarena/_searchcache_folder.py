@@ -37,6 +37,7 @@ from typing import Any
 
 from . import _callsite, _forksafe
 from ._config import get_config
+from ._files import NotRegularFile, read_regular_file
 from ._sizes import exact_cap, format_size, os_error_text, short_path
 from .errors import SearchCacheWarning
 
@@ -67,56 +68,24 @@ def temp_name() -> str:
     return f"{TEMP_PREFIX}{secrets.token_hex(_TEMP_HEX // 2)}.json"
 
 
-_NOT_REGULAR = "it is not a regular file (a FIFO, a socket or a device)"
-
-
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
-
-
 def read_entry(path: str | Path) -> tuple[str, os.stat_result]:
-    """The text of the file named as an entry, and its status, if it is a regular file: checked on the descriptor
-    opened, not the path, which another process may replace meanwhile. Opened without blocking, so that a FIFO in its
-    place (which open() would wait on until a writer came, for good) or a device is refused, not read.
+    """The text of the file named as an entry, and its status, if it is a regular file, as
+    :func:`wsarena._files.read_regular_file` reads one (without looking at the path first: a lookup reads an entry
+    each time, and the folder is the cache's own).
 
     Raises ``IsADirectoryError`` for a folder (or a link to one), ``ValueError`` for any other file that is not a
     regular one, for one that holds more than any entry (:data:`MAX_ENTRY_BYTES`, of which no more is read) or is not
     UTF-8, and what :func:`os.open` and :func:`os.read` raise.
     """
     try:
-        fd = os.open(path, _READ_FLAGS)
-    except OSError as exc:
-        if exc.errno == errno.ENXIO:  # a socket, or a device with no driver: none can be opened as a file
-            raise ValueError(_NOT_REGULAR) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(_NOT_REGULAR)
-        data = _read_to_end(fd, st.st_size)
-    finally:
-        os.close(fd)
+        data, st = read_regular_file(path, limit=MAX_ENTRY_BYTES, look_first=False)
+    except NotRegularFile as exc:
+        if exc.folder:
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path)) from None
+        raise ValueError(f"it is {exc.kind}, not a regular file") from None
     if len(data) > MAX_ENTRY_BYTES:
         raise ValueError(f"it holds more than {format_size(MAX_ENTRY_BYTES)}, far more than any entry")
     return data.decode("utf-8"), st
-
-
-def _read_to_end(fd: int, size: int) -> bytes:
-    """What ``fd`` holds, or its first ``MAX_ENTRY_BYTES + 1`` bytes: asked for in the ``size`` its status gave and
-    a byte more, to find the end. A read of the bound itself would take 16 MiB of memory first, each time (some 15 us
-    of an entry's 20 us read)."""
-    parts = []
-    n = 0
-    ask = min(size, MAX_ENTRY_BYTES) + 1
-    while n <= MAX_ENTRY_BYTES:
-        chunk = os.read(fd, min(ask, MAX_ENTRY_BYTES + 1 - n))
-        if not chunk:
-            break
-        parts.append(chunk)
-        n += len(chunk)
-        ask = 1 << 16  # past the size the status gave (the file grew meanwhile): on, 64 KiB at a time
-    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def ours(name: str) -> bool:
