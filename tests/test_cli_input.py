@@ -349,6 +349,16 @@ def test_a_fifo_given_as_the_model_is_refused_not_waited_on(capsys, tmp_path, co
                                              "file: a model is read from a .onnx or .json file\n"
 
 
+@pytest.mark.timeout(30)
+def test_a_fifo_given_as_the_device_properties_is_refused_not_waited_on(capsys, tmp_path):
+    """``wsarena report resnet50 --device-properties pipe.json`` waited for a writer, for good where none came."""
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    code, out, err = run_main(capsys, "report", "resnet50", "--device-properties", str(fifo))
+    assert (code, out) == (2, "") and err == f"wsarena: error: cannot read the device properties {str(fifo)!r}: it " \
+                                             "is a FIFO (named pipe), not a regular file\n"
+
+
 # --------------------------------------------------------------------------------------------------- warnings
 
 

@@ -1,5 +1,6 @@
-"""Reading a file that must be a regular one (wsarena._files), as the model loader and the search cache read theirs.
-Each caller's own refusals are tested with it: test_models, test_searchcache."""
+"""Reading a file that must be a regular one (wsarena._files), as the model loader, the device properties and the
+search cache read theirs. Each caller's own refusals are tested with it: test_models, test_planner,
+test_searchcache."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import pytest
 
 import wsarena
-from wsarena import _files, _searchcache_folder
+from wsarena import _files, _searchcache_folder, planner
 
 DATA = bytes(range(256)) * 40  # 10 KiB, no two neighbouring parts alike
 
@@ -18,12 +19,17 @@ def _model(path):
     assert [layer.name for layer in wsarena.load_model(path)] == ["c"]
 
 
+def _properties(path):
+    path.write_text("{}")
+    assert planner._read_properties(str(path)) == "{}"
+
+
 def _entry(path):
     path.write_text("{}")
     assert _searchcache_folder.read_entry(path)[0] == "{}"
 
 
-@pytest.mark.parametrize("read", [_model, _entry], ids=["model", "search entry"])
+@pytest.mark.parametrize("read", [_model, _properties, _entry], ids=["model", "device properties", "search entry"])
 def test_a_regular_file_is_read_from_a_blocking_descriptor(tmp_path, monkeypatch, read):
     """The file is opened without blocking, so that a FIFO in its place is refused rather than waited on; it was read
     from that descriptor still non-blocking, where a file system that honours O_NONBLOCK on a regular file (a

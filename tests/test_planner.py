@@ -284,7 +284,7 @@ def test_device_properties_larger_than_any_gpus_are_refused_unread(resnet50, off
 def test_device_properties_from_a_file_without_end_are_refused(tmp_path):
     """``--device-properties /dev/zero`` read until memory ran out, then exited 3 with an empty error line (a
     MemoryError's); a child under a 3 GiB address-space limit, so that the test machine's memory is not what runs
-    out."""
+    out. It is a character device, refused unread."""
     model = tmp_path / "one.json"
     model.write_text(json.dumps([{"name": "c", "input_shape": [1, 8, 16, 16], "weight_shape": [16, 8, 3, 3]}]))
     code = ("import resource, sys\n"
@@ -294,8 +294,30 @@ def test_device_properties_from_a_file_without_end_are_refused(tmp_path):
     result = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, timeout=120,
                             check=False)
     assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == ("wsarena: error: device properties '/dev/zero' are larger than 64 KiB: a GPU's take about "
-                             "1 KiB (bench/gpu_check.py captures them)\n")
+    assert result.stderr == ("wsarena: error: cannot read the device properties '/dev/zero': it is a character device, "
+                             "not a regular file\n")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["fifo", "folder", "link-to-device"])
+@pytest.mark.parametrize("as_path", [False, True])
+def test_device_properties_from_no_regular_file_are_refused_unread(resnet50, offline_properties, kind, as_path):
+    """A FIFO given as the device properties file was opened and waited on until a writer came, for good where none
+    came (the timeout fails the wait); a folder was "Is a directory", and a link to a device read. Each is refused,
+    saying what it is, as a model path that is no regular file is, and nothing is planned."""
+    path, made = offline_properties
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to(os.devnull)
+    what = {"fifo": r"a FIFO \(named pipe\)", "folder": "a folder", "link-to-device": "a character device"}[kind]
+    with pytest.raises(ValueError, match=rf"^cannot read the device properties '{re.escape(str(path))}': it is {what}, "
+                                         "not a regular file$"):
+        wsarena.plan(resnet50[:1], device_properties=path if as_path else str(path))
+    assert made == []
 
 
 def test_an_exhaustive_plan_leases_under_its_own_cap(resnet50, monkeypatch):

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
+from ._files import NotRegularFile, read_regular_file
 from ._geometry import DTYPES, ConvGeometry
 from ._pass import PASSES
 from ._sizes import as_int, format_size, positive_batch, short_path, short_repr
@@ -248,9 +249,9 @@ def plan(
         the same measurements. Excludes ``cap_workspace``; the search is exhaustive.
     device_properties : str or path, optional
         A GPU's properties as cuDNN serialises them to JSON (``bench/gpu_check.py`` captures them): the JSON text
-        (a str that starts with ``{``, after any byte order mark) or a file holding it (another str, or a path; UTF-8,
-        a byte order mark first or not). Plans for that GPU through cuDNN's graph API, on this machine, with no GPU
-        (``backend`` must then be ``cudnn`` or left out, and ``search`` heuristic; docs/deviceless.md).
+        (a str that starts with ``{``, after any byte order mark) or a regular file holding it (another str, or a
+        path; UTF-8, a byte order mark first or not). Plans for that GPU through cuDNN's graph API, on this machine,
+        with no GPU (``backend`` must then be ``cudnn`` or left out, and ``search`` heuristic; docs/deviceless.md).
     """
     skipped = skipped_layers(layers)
     layers = checked_layers(layers)
@@ -297,11 +298,14 @@ def plan(
 
 
 def _read_properties(path: str) -> str:
-    """The text of the device properties file ``path``, of which no more is read than :func:`_refuse_large` allows
-    (``/dev/zero`` has no end)."""
+    """The text of the device properties file ``path``, which must be a regular file (a FIFO would be waited on
+    until a writer came, and ``/dev/zero`` has no end), of which no more is read than :func:`_refuse_large`
+    allows."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(_PROPERTIES_MAX_BYTES + 1)
+        data = read_regular_file(path, limit=_PROPERTIES_MAX_BYTES)[0]
+    except NotRegularFile as exc:
+        raise ValueError(f"cannot read the device properties {short_path(path)}: it is {exc.kind}, not a regular "
+                         "file") from None
     except (OSError, ValueError) as exc:  # as load_model() names a model file it cannot read; ValueError: a NUL
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise ValueError(f"cannot read the device properties {short_path(path)}: {why}") from None
