@@ -205,10 +205,11 @@ def test_unknown_variables_suggest_the_setting_a_short_form_abbreviates():
     """WSARENA_CAP, for WSARENA_CAP_WORKSPACE, got no suggestion: difflib asks for more than half of a name. A short
     form whose words each begin the words of one setting's variable, in order, is that variable's (CUDNN_H the
     heuristic's, where difflib found CUDNN_API closer); one of fewer than three letters, or that begins several
-    names alike, is none's, and names of other words stay without a suggestion."""
+    names alike, is none's (CUDNN kept difflib's CUDNN_API, of CUDNN_API and CUDNN_HEURISTIC), and names of other
+    words stay without a suggestion."""
     found = unknown_variables({f"WSARENA_{short}": "" for short in (
         "CAP", "Cap_Work", "ALLOC", "PLAN", "CUDNN_H", "SEARCH_C_MAX", "S_C_M", "DEB",  # abbreviations
-        "C", "CA", "CUD", "S_C",  # too short, or of several
+        "C", "CA", "CUD", "CUDN", "CUDNN", "cudnn_", "S_C",  # too short, or of several
         "COMMIT", "FUZZ_TALLY", "WHEELS", "CAPTURE", "DEVICE", "API_KEY", "MAX_THREADS", "HOME", "LOG_LEVEL",
     )})
     assert found == {
@@ -216,7 +217,8 @@ def test_unknown_variables_suggest_the_setting_a_short_form_abbreviates():
         "WSARENA_CUDNN_H": "WSARENA_CUDNN_HEURISTIC", "WSARENA_Cap_Work": "WSARENA_CAP_WORKSPACE",
         "WSARENA_DEB": "WSARENA_DEBUG", "WSARENA_PLAN": "WSARENA_PLAN_CACHE_SIZE",
         "WSARENA_SEARCH_C_MAX": "WSARENA_SEARCH_CACHE_MAX_SIZE", "WSARENA_S_C_M": "WSARENA_SEARCH_CACHE_MAX_SIZE",
-        "WSARENA_C": None, "WSARENA_CA": None, "WSARENA_CUD": None, "WSARENA_S_C": None,
+        "WSARENA_C": None, "WSARENA_CA": None, "WSARENA_CUD": None, "WSARENA_CUDN": None, "WSARENA_CUDNN": None,
+        "WSARENA_cudnn_": None, "WSARENA_S_C": None,
         "WSARENA_API_KEY": None, "WSARENA_CAPTURE": None, "WSARENA_COMMIT": None, "WSARENA_DEVICE": None,
         "WSARENA_FUZZ_TALLY": None, "WSARENA_HOME": None, "WSARENA_LOG_LEVEL": None, "WSARENA_MAX_THREADS": None,
         "WSARENA_WHEELS": None,

@@ -600,8 +600,8 @@ def in_force() -> dict[str, tuple[Any, str, str | None]]:
 def unknown_variables(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
     """The variables of ``environ`` (default ``os.environ``, as it is now) whose name begins with ``WSARENA_``, in any
     case, and that no setting reads, sorted, each with the setting's variable whose name is closest to it (difflib,
-    on the part after the prefix) or that it abbreviates (:func:`_abbreviated`), or ``None`` where none is close: a
-    misspelled one is otherwise ignored silently."""
+    on the part after the prefix) or that it alone abbreviates (:func:`_abbreviates`), or ``None`` where none is
+    close, or where it abbreviates several: a misspelled one is otherwise ignored silently."""
     environ = os.environ if environ is None else environ
     known = {var[len(_PREFIX):]: var for var in _ENV.values()}
     found: dict[str, str | None] = {}
@@ -610,12 +610,15 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> dict[str, str
             continue
         short = name[len(_PREFIX):].upper()
         close = difflib.get_close_matches(short, known, n=1)
-        abbreviated = _abbreviated(short, known)
+        abbreviates = _abbreviates(short, known)
         # Of two words or more, an abbreviation follows a name's words, as a misspelling of another name hardly does
         # (CUDNN_H, which difflib finds closer to CUDNN_API); one word may be another name's, misspelt or whole, as
-        # difflib finds it (SEARCH, of ALGO_SEARCH: `wsarena report --search`).
-        if abbreviated is not None and (not close or len(_words(short)) > 1):
-            close = [abbreviated]
+        # difflib finds it (SEARCH, of ALGO_SEARCH: `wsarena report --search`). A short form of several names is
+        # none's: difflib's pick would be a guess (CUDNN: CUDNN_API, of CUDNN_API and CUDNN_HEURISTIC).
+        if len(abbreviates) > 1:
+            close = []
+        elif abbreviates and (not close or len(_words(short)) > 1):
+            close = abbreviates
         found[name] = known[close[0]] if close else None
     return found
 
@@ -625,17 +628,15 @@ def _words(name: str) -> list[str]:
     return [word for word in name.split("_") if word]
 
 
-def _abbreviated(short: str, names: Iterable[str]) -> str | None:
-    """The one name of ``names`` that ``short`` abbreviates, word by word: each of its words begins the name's word
-    in the same place, as ``CAP`` does ``CAP_WORKSPACE`` and ``SEARCH_C_MAX`` ``SEARCH_CACHE_MAX_SIZE`` (difflib
-    finds neither: it asks for more than half of the name); ``None`` for a ``short`` of fewer than three letters, or
-    where it abbreviates several names."""
+def _abbreviates(short: str, names: Iterable[str]) -> list[str]:
+    """The names of ``names`` that ``short`` abbreviates, word by word: each of its words begins the name's word in
+    the same place, as ``CAP`` does ``CAP_WORKSPACE`` and ``SEARCH_C_MAX`` ``SEARCH_CACHE_MAX_SIZE`` (difflib finds
+    neither: it asks for more than half of the name); none for a ``short`` of fewer than three letters."""
     words = _words(short)
     if sum(map(len, words)) < 3:
-        return None
-    matches = [name for name in names if len(words) <= len(_words(name))
-               and all(full.startswith(word) for word, full in zip(words, _words(name)))]
-    return matches[0] if len(matches) == 1 else None
+        return []
+    return [name for name in names if len(words) <= len(_words(name))
+            and all(full.startswith(word) for word, full in zip(words, _words(name)))]
 
 
 def _reset() -> None:
