@@ -1,15 +1,20 @@
-"""Reading a file that must be a regular one (wsarena._files), as the model loader, the device properties and the
-search cache read theirs. Each caller's own refusals are tested with it: test_models, test_planner,
-test_searchcache."""
+"""Reading a file that must be a regular one, or a pipe where the caller takes one (wsarena._files), as the model
+loader, the device properties and the search cache read theirs. Each caller's own refusals are tested with it:
+test_models, test_planner, test_searchcache."""
 
 from __future__ import annotations
 
+import io
 import os
+import stat
+import tracemalloc
 
 import pytest
 
 import wsarena
 from wsarena import _files, _searchcache_folder, planner
+
+from .pipe_helpers import written_pipe
 
 DATA = bytes(range(256)) * 40  # 10 KiB, no two neighbouring parts alike
 
@@ -31,27 +36,97 @@ def _entry(path):
 
 @pytest.mark.parametrize("read", [_model, _properties, _entry], ids=["model", "device properties", "search entry"])
 def test_a_regular_file_is_read_from_a_blocking_descriptor(tmp_path, monkeypatch, read):
-    """The file is opened without blocking, so that a FIFO in its place is refused rather than waited on; it was read
-    from that descriptor still non-blocking, where a file system that honours O_NONBLOCK on a regular file (a
-    FUSE one may) can return part of it. Each read of it is asked of a blocking descriptor."""
-    real, blocking = os.read, []
+    """The file is opened without blocking, so that a FIFO in its place is not waited on until a writer comes; it
+    was read from that descriptor still non-blocking, where a file system that honours O_NONBLOCK on a regular file
+    (a FUSE one may) can return part of it. Each read of it is asked of a blocking descriptor: os.read's (the
+    bounded reads), and FileIO.readall's (a model file, read whole into one buffer)."""
+    real_read, blocking = os.read, []
 
     def recorded(fd, n):
         blocking.append(os.get_blocking(fd))
-        return real(fd, n)
+        return real_read(fd, n)
+
+    class Recorded(io.FileIO):
+        def readall(self):
+            blocking.append(os.get_blocking(self.fileno()))
+            return super().readall()
 
     monkeypatch.setattr(os, "read", recorded)
+    monkeypatch.setattr(io, "FileIO", Recorded)
     read(tmp_path / "file.json")
     assert blocking and all(blocking), blocking
 
 
-@pytest.mark.parametrize("limit", [None, 4096, len(DATA), len(DATA) - 1])
+@pytest.mark.parametrize("limit", [4096, len(DATA), len(DATA) - 1])
 def test_a_file_read_in_parts_is_read_whole_or_to_its_limit(tmp_path, monkeypatch, limit):
     """A read may return less than asked for (Linux's at most 2 GiB at a time, for one): the rest is asked for, to
-    the end, or to the limit and a byte past it, which tells the caller that the file is larger."""
+    the end, or to the limit and a byte past it, which tells the caller that the file is larger. (A read without a
+    limit is FileIO.readall's, whose reads are not os.read's: in parts below, from a pipe.)"""
     path = tmp_path / "data"
     path.write_bytes(DATA)
     real = os.read
     monkeypatch.setattr(os, "read", lambda fd, n: real(fd, min(n, 1000)))
     data, st = _files.read_regular_file(path, limit=limit)
-    assert data == (DATA if limit is None else DATA[:limit + 1]) and st.st_size == len(DATA)
+    assert data == DATA[:limit + 1] and st.st_size == len(DATA)
+
+
+@pytest.mark.timeout(60)
+def test_a_whole_file_read_in_parts_is_held_once(tmp_path):
+    """Read in parts (a model file over 2 GiB is: Linux reads at most 2 GiB at a time), the parts were joined, and
+    the file held twice in memory at the end. A pipe gives 64 KiB a read: 8 MiB read from one, through the reader
+    without a limit, take one buffer, which grows as the parts come, where parts joined took 16 MiB."""
+    data = os.urandom(8 << 20)
+    with written_pipe(data) as path:
+        tracemalloc.start()
+        try:
+            read, _ = _files.read_regular_file(path, pipes=True)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert read == data
+    assert peak < 1.5 * len(data), peak
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("limit", [None, 4096])
+def test_a_fifo_that_no_writer_has_open_reads_as_empty_where_pipes_are_read(tmp_path, limit):
+    """Opened as open() opens it, a FIFO that no writer has open waits until one comes, for good where none comes:
+    opened without blocking it is not waited on, and a blocking read of it finds its end at once (the timeout fails
+    a wait). Refused unread where the caller takes no pipe."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert _files.read_regular_file(fifo, limit=limit, pipes=True)[0] == b""
+    for look_first in (True, False):
+        with pytest.raises(_files.NotRegularFile, match=r"^a FIFO \(named pipe\)$"):
+            _files.read_regular_file(fifo, limit=limit, look_first=look_first)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("limit", [None, 4096, len(DATA), len(DATA) - 1, 1 << 20])
+def test_a_pipe_is_read_to_its_end_or_to_the_limit(limit):
+    """A pipe is read as cat reads it: to the end of what its writer writes (DATA 20 times, in parts), or to the
+    limit and a byte past it, which tells the caller that it gives more, and no more is read. Refused unread where
+    the caller takes no pipe."""
+    data = DATA * 20
+    with written_pipe(data) as path:
+        read, st = _files.read_regular_file(path, limit=limit, pipes=True)
+    assert read == (data if limit is None else data[:limit + 1]) and stat.S_ISFIFO(st.st_mode)
+    with written_pipe(b"") as path, pytest.raises(_files.NotRegularFile, match=r"^a FIFO \(named pipe\)$"):
+        _files.read_regular_file(path, limit=limit)
+
+
+@pytest.mark.parametrize("pipes", [False, True])
+def test_a_device_a_socket_and_a_folder_are_refused_even_where_pipes_are_read(tmp_path, monkeypatch, pipes):
+    """Only a FIFO is read where the caller takes pipes: a character device may have no end (/dev/zero)."""
+    import socket
+
+    monkeypatch.chdir(tmp_path)  # a socket's path is short: at most 107 bytes
+    os.symlink(os.devnull, "null")
+    os.mkdir("folder")
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind("sock")
+        for name, kind, folder in (("null", "a character device", False), ("folder", "a folder", True),
+                                   ("sock", "a socket", False)):
+            with pytest.raises(_files.NotRegularFile) as caught:
+                _files.read_regular_file(name, pipes=pipes)
+            assert (caught.value.kind, caught.value.folder) == (kind, folder)

@@ -1,13 +1,18 @@
-"""Reading a file that must be a regular one: a model file, the device properties file, a search cache entry.
+"""Reading a file that must be a regular one, or where the caller takes it, a pipe: a model file, the device
+properties file, a search cache entry.
 
-A FIFO would be waited on until a writer came, for good where none comes, and a character device (``/dev/zero``)
-has no end: :func:`read_regular_file` refuses both, and any other file that is no regular one, with
-:class:`NotRegularFile`, which each caller words as its own error.
+A FIFO opened as ``open()`` opens one is waited on until a writer comes, for good where none comes, and a character
+device (``/dev/zero``) has no end: :func:`read_regular_file` refuses both, and any other file that is no regular one,
+with :class:`NotRegularFile`, which each caller words as its own error. A caller that takes a pipe (``pipes``: a
+FIFO, or the anonymous pipe a shell's ``<(command)`` or a pipe on ``/dev/stdin`` names) has it read to its end
+without that wait: opened without blocking, which returns at once, then read blocking, which returns what its
+writers write until the last of them closes it, or at once an end where it has none.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
 
@@ -16,12 +21,13 @@ __all__: list[str] = []
 # Opened without blocking: a FIFO put in the file's place after it was looked at is then refused, not waited on.
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _READ_FLAGS = os.O_RDONLY | _NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
-_CHUNK = 1 << 16  # what is asked for past the size the file's status gave (it grew meanwhile)
+_CHUNK = 1 << 16  # what is asked for past the size the file's status gave (it grew meanwhile), and of a pipe
 
 
 class NotRegularFile(Exception):
-    """The path given to :func:`read_regular_file` is no regular file: ``kind`` says what it is (``"a FIFO (named
-    pipe)"``), ``folder`` whether it is a folder. No error of wsarena's own: each caller raises its own."""
+    """The path given to :func:`read_regular_file` is no regular file (nor a pipe, where the caller takes one):
+    ``kind`` says what it is (``"a FIFO (named pipe)"``), ``folder`` whether it is a folder. No error of wsarena's
+    own: each caller raises its own."""
 
     def __init__(self, kind: str, folder: bool = False) -> None:
         super().__init__(kind)
@@ -39,9 +45,9 @@ def _kind(mode: int) -> str | None:
     return next((kind for test, kind in kinds if test(mode)), "a file of another kind")
 
 
-def _refuse(mode: int) -> None:
-    """Raise :class:`NotRegularFile` where ``mode`` is not a regular file's."""
-    kind = _kind(mode)
+def _refuse(mode: int, pipes: bool) -> None:
+    """Raise :class:`NotRegularFile` where ``mode`` is not a regular file's, nor a pipe's where ``pipes``."""
+    kind = None if pipes and stat.S_ISFIFO(mode) else _kind(mode)
     if kind is not None:
         raise NotRegularFile(kind, stat.S_ISDIR(mode))
 
@@ -59,27 +65,35 @@ def _unopenable(path: str | os.PathLike[str]) -> NotRegularFile:
     return NotRegularFile(kind, stat.S_ISDIR(mode))
 
 
-def read_regular_file(path: str | os.PathLike[str], *, limit: int | None = None,
-                      look_first: bool = True) -> tuple[bytes, os.stat_result]:
-    """The bytes of the file ``path`` (a link is followed), which must be a regular file, and its status; with
-    ``limit``, no more than its first ``limit + 1`` bytes, so that the caller can tell a file larger than that.
+def read_regular_file(path: str | os.PathLike[str], *, limit: int | None = None, look_first: bool = True,
+                      pipes: bool = False) -> tuple[bytes, os.stat_result]:
+    """The bytes of the file ``path`` (a link is followed), which must be a regular file, or a pipe where ``pipes``,
+    and its status; with ``limit``, no more than its first ``limit + 1`` bytes, so that the caller can tell a file
+    larger than that.
 
     What ``path`` is, is looked at before it is opened (``look_first``), so that a device is not even opened (opening
     one may do something: a watchdog's starts it), and again on the descriptor, opened without blocking, as another
     process may have put something else in its place meanwhile. The search cache, which reads an entry in each
-    lookup, leaves out the first look: its folder is its own, and a lookup costs a system call less.
+    lookup, leaves out the first look: its folder is its own, and its read of an entry then makes six system calls
+    (open, fstat, the ioctl that makes the descriptor blocking, a read of the entry, a read that finds its end, close)
+    where the look would make it seven.
+
+    A pipe (``pipes``) is read to the end of what its writers write, blocking until the last of them closes it, as
+    ``cat`` reads it; a FIFO that no writer has open when it is read reads as empty, at once (opened without
+    blocking, it is not waited on until a writer comes).
 
     Raises
     ------
     NotRegularFile
-        Where ``path`` is no regular file, or one :func:`os.open` refuses as it refuses a socket (``ENXIO``).
+        Where ``path`` is no regular file (nor a pipe, where ``pipes``), or one :func:`os.open` refuses as it refuses
+        a socket (``ENXIO``).
     OSError
-        What :func:`os.stat`, :func:`os.open` and :func:`os.read` raise otherwise.
+        What :func:`os.stat`, :func:`os.open` and the reads raise otherwise.
     ValueError
         A NUL in ``path``.
     """
     if look_first:
-        _refuse(os.stat(path).st_mode)
+        _refuse(os.stat(path).st_mode, pipes)
     try:
         fd = os.open(path, _READ_FLAGS)
     except OSError as exc:
@@ -88,26 +102,37 @@ def read_regular_file(path: str | os.PathLike[str], *, limit: int | None = None,
         raise
     try:
         st = os.fstat(fd)
-        _refuse(st.st_mode)
-        if _NONBLOCK:  # a regular file now: read blocking, as a file system that honours O_NONBLOCK on regular files
-            os.set_blocking(fd, True)  # (a FUSE one may) could otherwise return part of it, or raise BlockingIOError
-        return _read_to_end(fd, st.st_size, limit), st
+        _refuse(st.st_mode, pipes)
+        # Read blocking: a pipe would otherwise raise BlockingIOError where its writer has not written yet, and a
+        # file system that honours O_NONBLOCK on regular files (a FUSE one may) could return part of a file.
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+        size = st.st_size if stat.S_ISREG(st.st_mode) else 0  # what a pipe's status says is no size
+        return _read_to_end(fd, size, limit), st
     finally:
         os.close(fd)
 
 
 def _read_to_end(fd: int, size: int, limit: int | None) -> bytes:
-    """What ``fd`` holds, or its first ``limit + 1`` bytes: asked for in the ``size`` its status gave and a byte
-    more, to find the end. A read of the bound itself would take that much memory first, each time (the search cache
-    bounds an entry at 16 MiB, some 15 us of an entry's 20 us read)."""
-    most = None if limit is None else limit + 1
+    """What ``fd`` holds, or its first ``limit + 1`` bytes, of which ``size`` were expected (0: unknown).
+
+    Without a limit, :meth:`io.FileIO.readall` reads it into one buffer, of the size the status gave and a byte
+    (grown where the file grew, or a pipe gave more), in as many reads as it takes: Linux reads at most 2 GiB at a
+    time, and parts of a larger model file read apart and joined held it twice in memory. With one, the reads here
+    ask for the ``size`` and a byte, to find the end, then 64 KiB at a time, never past the bound: a read of the
+    bound itself would take that much memory first, each time (the search cache bounds an entry at 16 MiB, some
+    15 us of an entry's 20 us read), and parts joined hold at most the bound's bytes twice.
+    """
+    if limit is None:
+        with io.FileIO(fd, "r", closefd=False) as f:
+            return f.readall()
+    most = limit + 1
     parts: list[bytes] = []
     n = 0
-    while most is None or n < most:
-        # the rest of the size the status gave (a read may return less: Linux's at most 2 GiB), then past it (the
-        # file grew meanwhile) on, 64 KiB at a time
-        ask = max(size - n + 1, _CHUNK) if parts else size + 1
-        chunk = os.read(fd, ask if most is None else min(ask, most - n))
+    while n < most:
+        # the rest of the size the status gave (a read may return less), then past it (the file grew meanwhile, or
+        # it is a pipe) on, 64 KiB at a time
+        chunk = os.read(fd, min(size - n + 1 if n < size else _CHUNK, most - n))
         if not chunk:
             break
         parts.append(chunk)
