@@ -4,6 +4,8 @@ and the hint an error about an unplannable ONNX node gives; for `report` and `tu
 import contextlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -340,23 +342,51 @@ def test_a_folder_given_as_the_model_is_said_to_be_one(capsys, tmp_path):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("command", ["report", "tune"])
-def test_a_fifo_given_as_the_model_is_refused_not_waited_on(capsys, tmp_path, command):
-    """``wsarena report pipe.onnx`` waited for a writer, for good where none came, as ``cat`` would."""
+def test_a_fifo_given_as_the_model_is_not_waited_on(capsys, tmp_path, command):
+    """``wsarena report pipe.onnx`` waited for a writer, for good where none came, where ``cat`` would have: a FIFO
+    that no writer has open gives nothing at once (the timeout fails a wait), and is refused, saying so."""
     fifo = tmp_path / "pipe.onnx"
     os.mkfifo(fifo)
     code, out, err = run_main(capsys, command, str(fifo), "--backend", "cpu")
-    assert (code, out) == (2, "") and err == f"wsarena: error: {str(fifo)!r} is a FIFO (named pipe), not a regular " \
-                                             "file: a model is read from a .onnx or .json file\n"
+    assert (code, out) == (2, "") and err == f"wsarena: error: {str(fifo)!r} is a pipe that gave nothing: no writer " \
+                                             "had it open, or its writer wrote nothing\n"
 
 
 @pytest.mark.timeout(30)
-def test_a_fifo_given_as_the_device_properties_is_refused_not_waited_on(capsys, tmp_path):
-    """``wsarena report resnet50 --device-properties pipe.json`` waited for a writer, for good where none came."""
+def test_a_fifo_given_as_the_device_properties_is_not_waited_on(capsys, tmp_path):
+    """``wsarena report resnet50 --device-properties pipe.json`` waited for a writer, for good where none came: a FIFO
+    that no writer has open gives nothing at once, and is refused, saying so."""
     fifo = tmp_path / "pipe.json"
     os.mkfifo(fifo)
     code, out, err = run_main(capsys, "report", "resnet50", "--device-properties", str(fifo))
-    assert (code, out) == (2, "") and err == f"wsarena: error: cannot read the device properties {str(fifo)!r}: it " \
-                                             "is a FIFO (named pipe), not a regular file\n"
+    assert (code, out) == (2, "") and err == f"wsarena: error: device properties {str(fifo)!r} are empty: the pipe " \
+                                             "gave nothing (no writer had it open, or its writer wrote nothing)\n"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["process substitution", "here-string", "piped to stdin"])
+def test_device_properties_are_read_from_a_pipe_the_shell_gives(tmp_path, how):
+    """``--device-properties <(ssh gpu-host cat props.json)`` (bash passes /dev/fd/63, a pipe), ``/dev/stdin`` with
+    a here-string or with the properties piped in: each was refused as no regular file. Each is read, as its
+    error, which names the member no GPU has, shows: said before cuDNN is loaded, it is the same with cuDNN or
+    without (exit 2)."""
+    props = tmp_path / "props.json"
+    props.write_text(json.dumps({"deviceName": "NVIDIA H100", "multiProcessorCount": 0}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    report = [sys.executable, "-m", "wsarena", "report", "resnet50", "--device-properties"]
+    stdin = None
+    if how == "piped to stdin":
+        argv, stdin = [*report, "/dev/stdin"], props.read_text()
+    else:
+        bash = shutil.which("bash")
+        if bash is None:
+            pytest.skip(f"{how} is bash's: no bash here")
+        line = '"$@" <(cat "$PROPS")' if how == "process substitution" else '"$@" /dev/stdin <<< "$(cat "$PROPS")"'
+        argv, env["PROPS"] = [bash, "-c", line, "bash", *report], str(props)
+    done = subprocess.run(argv, input=stdin, capture_output=True, text=True, env=env, timeout=100, check=False)
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert re.fullmatch(r"wsarena: error: /dev/(fd/\d+|stdin): device properties member multiProcessorCount is 0: "
+                        r"a GPU has at least 1; .*\n", done.stderr), done.stderr
 
 
 # --------------------------------------------------------------------------------------------------- warnings

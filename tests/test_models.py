@@ -20,6 +20,8 @@ import wsarena
 from wsarena.errors import WsarenaError
 from wsarena.models import ConvLayer, ModelError, layers_from_json, layers_to_json, load_model, total_macs, zoo_names
 
+from .pipe_helpers import written_pipe
+
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 
 
@@ -456,7 +458,7 @@ def test_unknown_extension_unreadable_and_not_onnx(tmp_path):
         load_model(empty)
     directory = tmp_path / "dir.onnx"
     directory.mkdir()
-    with pytest.raises(ModelError, match=r"'.*dir\.onnx' is a folder, not a regular file"):
+    with pytest.raises(ModelError, match=r"'.*dir\.onnx' is a folder, not a regular file or a pipe"):
         load_model(directory)
     # a NUL in the path was a bare ValueError
     with pytest.raises(ModelError, match=r"^cannot read 'nul\\x00\.onnx': embedded null byte$"):
@@ -467,19 +469,39 @@ def test_unknown_extension_unreadable_and_not_onnx(tmp_path):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("ext", [".onnx", ".json"])
-def test_a_model_path_that_is_no_regular_file_is_refused_unopened(tmp_path, ext):
-    """A FIFO named as a model was opened and waited on until a writer came, for good where none comes, and a link to
-    a character device read (/dev/zero without end): each is refused naming the path and what it is. The timeout
-    fails the wait."""
+def test_a_model_path_that_is_no_regular_file_nor_a_pipe_is_refused_unopened(tmp_path, ext):
+    """A FIFO named as a model that no writer has open was waited on until one came, for good where none comes: it
+    reads as empty, at once, and is said to have given nothing (the timeout fails the wait). A link to a character
+    device read /dev/zero without end: it is refused naming the path and what it is."""
     fifo = tmp_path / f"pipe{ext}"
     os.mkfifo(fifo)
-    with pytest.raises(ModelError, match=rf"^'.*pipe\{ext}' is a FIFO \(named pipe\), not a regular file: a model is "
-                                         r"read from a \.onnx or \.json file$"):
+    with pytest.raises(ModelError, match=rf"^'.*pipe\{ext}' is a pipe that gave nothing: no writer had it open, or "
+                                         "its writer wrote nothing$"):
         load_model(fifo)
     device = tmp_path / f"null{ext}"
     device.symlink_to(os.devnull)
-    with pytest.raises(ModelError, match=rf"^'.*null\{ext}' is a character device, not a regular file"):
+    with pytest.raises(ModelError, match=rf"^'.*null\{ext}' is a character device, not a regular file or a pipe: a "
+                                         r"model is read from a \.onnx or \.json file$"):
         load_model(device)
+
+
+@pytest.mark.timeout(60)
+def test_a_model_is_read_from_a_pipe(tmp_path):
+    """A model named by a link to a pipe (or a FIFO that a writer has open) is read to its end, as cat reads it: its
+    layers are those of the same file read as one. The ONNX model is larger than a pipe gives a read (64 KiB)."""
+    from .onnx_graphs import conv, save, vi, weight
+
+    json_path = tmp_path / "regular.json"
+    json_path.write_text(json.dumps([{"name": "c", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}]))
+    onnx_path = save(tmp_path / "regular.onnx", [conv("c", "x", "w", "y", pads=[1, 1, 1, 1])], [vi("x", [1, 64, 8, 8])],
+                     [weight("w", (64, 64, 3, 3))])  # 144 KiB of weights
+    assert onnx_path.stat().st_size > 1 << 16
+    for name, regular in (("model.json", json_path), ("model.onnx", onnx_path)):
+        expected = load_model(regular)
+        assert expected
+        with written_pipe(regular.read_bytes()) as pipe:
+            (tmp_path / name).symlink_to(pipe)
+            assert load_model(tmp_path / name) == expected
 
 
 @pytest.mark.skipif(not hasattr(select, "epoll") or not os.path.isdir("/proc/self/fd"), reason="Linux's epoll")
@@ -492,8 +514,8 @@ def test_a_model_path_to_a_file_of_no_type_says_what_it_is_once(tmp_path):
         assert stat.S_IFMT(os.stat(link).st_mode) == 0
         with pytest.raises(ModelError) as caught:
             load_model(link)
-    assert str(caught.value) == f"{str(link)!r} is a file of another kind, not a regular file: a model is read " \
-                                "from a .onnx or .json file"
+    assert str(caught.value) == f"{str(link)!r} is a file of another kind, not a regular file or a pipe: a model is " \
+                                "read from a .onnx or .json file"
 
 
 @pytest.mark.parametrize("again", ["a socket", "a regular file"])
@@ -520,7 +542,8 @@ def test_a_socket_put_in_a_model_files_place_after_it_was_looked_at_is_said_to_b
     kind = "a socket" if again == "a socket" else "a socket or a device with no driver"
     with pytest.raises(ModelError) as caught:
         load_model("sock.json")
-    assert str(caught.value) == f"'sock.json' is {kind}, not a regular file: a model is read from a .onnx or .json file"
+    assert str(caught.value) == f"'sock.json' is {kind}, not a regular file or a pipe: a model is read from a " \
+                                ".onnx or .json file"
     assert looks
 
 

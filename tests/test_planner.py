@@ -22,6 +22,8 @@ from wsarena.errors import BackendUnavailableError, WorkspaceCapWarning
 from wsarena.models import ConvLayer
 from wsarena.planner import text_progress
 
+from .pipe_helpers import written_pipe
+
 pytestmark = pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
 
 
@@ -295,29 +297,75 @@ def test_device_properties_from_a_file_without_end_are_refused(tmp_path):
                             check=False)
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == ("wsarena: error: cannot read the device properties '/dev/zero': it is a character device, "
-                             "not a regular file\n")
+                             "not a regular file or a pipe\n")
+
+
+@pytest.mark.parametrize("kind", ["folder", "link-to-device", "socket"])
+@pytest.mark.parametrize("as_path", [False, True])
+def test_device_properties_from_no_regular_file_nor_a_pipe_are_refused_unread(resnet50, offline_properties,
+                                                                             monkeypatch, kind, as_path):
+    """A folder given as the device properties file was "Is a directory", and a link to a device read (/dev/zero
+    without end). Each is refused, saying what it is, as a model path that is neither is, and nothing is planned."""
+    import socket
+
+    path, made = offline_properties
+    path.unlink()
+    monkeypatch.chdir(path.parent)  # a socket's path is short: at most 107 bytes
+    with socket.socket(socket.AF_UNIX) as listening:
+        if kind == "folder":
+            path.mkdir()
+        elif kind == "socket":
+            listening.bind(path.name)
+        else:
+            path.symlink_to(os.devnull)
+        what = {"folder": "a folder", "link-to-device": "a character device", "socket": "a socket"}[kind]
+        with pytest.raises(ValueError, match=rf"^cannot read the device properties '{re.escape(str(path))}': it is "
+                                             f"{what}, not a regular file or a pipe$"):
+            wsarena.plan(resnet50[:1], device_properties=path if as_path else str(path))
+    assert made == []
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("kind", ["fifo", "folder", "link-to-device"])
-@pytest.mark.parametrize("as_path", [False, True])
-def test_device_properties_from_no_regular_file_are_refused_unread(resnet50, offline_properties, kind, as_path):
-    """A FIFO given as the device properties file was opened and waited on until a writer came, for good where none
-    came (the timeout fails the wait); a folder was "Is a directory", and a link to a device read. Each is refused,
-    saying what it is, as a model path that is no regular file is, and nothing is planned."""
+@pytest.mark.parametrize("kind", ["empty file", "fifo"])
+def test_empty_device_properties_are_refused_before_cudnn(resnet50, offline_properties, kind):
+    """A FIFO given as the device properties file that no writer has open was waited on until one came, for good
+    where none came: it reads as empty, at once (the timeout fails a wait). Empty properties, from a pipe or a file,
+    are refused, where they reached cuDNN, which says no JSON, where it loads, and nothing is planned."""
     path, made = offline_properties
     path.unlink()
     if kind == "fifo":
         os.mkfifo(path)
-    elif kind == "folder":
-        path.mkdir()
+        why = r": the pipe gave nothing \(no writer had it open, or its writer wrote nothing\)"
     else:
-        path.symlink_to(os.devnull)
-    what = {"fifo": r"a FIFO \(named pipe\)", "folder": "a folder", "link-to-device": "a character device"}[kind]
-    with pytest.raises(ValueError, match=rf"^cannot read the device properties '{re.escape(str(path))}': it is {what}, "
-                                         "not a regular file$"):
-        wsarena.plan(resnet50[:1], device_properties=path if as_path else str(path))
+        path.write_bytes(b"")
+        why = ""
+    with pytest.raises(ValueError, match=rf"^device properties '{re.escape(str(path))}' are empty{why}$"):
+        wsarena.plan(resnet50[:1], device_properties=path)
     assert made == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", ["small", "past the limit"])
+def test_device_properties_are_read_from_a_pipe(resnet50, offline_properties, monkeypatch, size):
+    """``--device-properties <(ssh gpu-host cat props.json)`` names a pipe (/dev/fd/63), which was refused as no
+    regular file: it is read to its end, as cat reads it, and planned for, or, past the 64 KiB and a byte no GPU's
+    properties come near, read no further and refused."""
+    from wsarena import planner
+
+    _, made = offline_properties
+    texts = []
+    real = planner.device_properties_backend
+    monkeypatch.setattr(planner, "device_properties_backend", lambda text, source: texts.append(text) or
+                        real(text, source))
+    properties = json.dumps({"deviceName": "NVIDIA H100", "multiProcessorCount": 132})
+    data = (properties + " " * (64 << 10 if size == "past the limit" else 0) + "\n").encode()
+    with written_pipe(data) as path:
+        if size == "small":
+            wsarena.plan(resnet50[:1], device_properties=path)
+        else:
+            with pytest.raises(ValueError, match=f"^device properties '{path}' are larger than 64 KiB"):
+                wsarena.plan(resnet50[:1], device_properties=path)
+    assert (texts, made) == (([data.decode()], [path]) if size == "small" else ([], []))
 
 
 def test_an_exhaustive_plan_leases_under_its_own_cap(resnet50, monkeypatch):

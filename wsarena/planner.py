@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -249,9 +250,10 @@ def plan(
         the same measurements. Excludes ``cap_workspace``; the search is exhaustive.
     device_properties : str or path, optional
         A GPU's properties as cuDNN serialises them to JSON (``bench/gpu_check.py`` captures them): the JSON text
-        (a str that starts with ``{``, after any byte order mark) or a regular file holding it (another str, or a
-        path; UTF-8, a byte order mark first or not). Plans for that GPU through cuDNN's graph API, on this machine,
-        with no GPU (``backend`` must then be ``cudnn`` or left out, and ``search`` heuristic; docs/deviceless.md).
+        (a str that starts with ``{``, after any byte order mark) or a regular file or a pipe holding it (another
+        str, or a path; UTF-8, a byte order mark first or not). Plans for that GPU through cuDNN's graph API, on
+        this machine, with no GPU (``backend`` must then be ``cudnn`` or left out, and ``search`` heuristic;
+        docs/deviceless.md).
     """
     skipped = skipped_layers(layers)
     layers = checked_layers(layers)
@@ -298,17 +300,21 @@ def plan(
 
 
 def _read_properties(path: str) -> str:
-    """The text of the device properties file ``path``, which must be a regular file (a FIFO would be waited on
-    until a writer came, and ``/dev/zero`` has no end), of which no more is read than :func:`_refuse_large`
-    allows."""
+    """The text of the device properties file ``path``, which must be a regular file or a pipe (``--device-properties
+    <(ssh gpu cat props.json)``; ``/dev/zero`` has no end), of which no more is read than :func:`_refuse_large`
+    allows. A pipe is not waited on until a writer comes: one that none has open reads as empty, which is refused."""
     try:
-        data = read_regular_file(path, limit=_PROPERTIES_MAX_BYTES)[0]
+        data, st = read_regular_file(path, limit=_PROPERTIES_MAX_BYTES, pipes=True)
     except NotRegularFile as exc:
         raise ValueError(f"cannot read the device properties {short_path(path)}: it is {exc.kind}, not a regular "
-                         "file") from None
+                         "file or a pipe") from None
     except (OSError, ValueError) as exc:  # as load_model() names a model file it cannot read; ValueError: a NUL
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise ValueError(f"cannot read the device properties {short_path(path)}: {why}") from None
+    if not data:  # said here, not by cuDNN (not JSON), which may not even load on this machine
+        why = ": the pipe gave nothing (no writer had it open, or its writer wrote nothing)" \
+            if stat.S_ISFIFO(st.st_mode) else ""
+        raise ValueError(f"device properties {short_path(path)} are empty{why}")
     _refuse_large(len(data), short_path(path))
     try:
         return data.decode("utf-8")  # a byte order mark first is kept, for without_bom() to drop

@@ -50,10 +50,10 @@ Errors
 ------
 Everything that is wrong with the model, rather than with the call, raises :class:`ModelError` (a
 ``ValueError`` and a :class:`~wsarena.errors.WsarenaError`) with one line naming the problem: an unknown zoo
-name (the message lists the zoo), an unreadable file, a path that is no regular file (a FIFO, a device, a folder:
-refused before it is read, as a FIFO would be waited on), a file that is not ONNX or not JSON, an ONNX model with
-no convolution, convolutions whose shapes stay unknown, malformed layers, impossible geometry, an unknown file
-extension.
+name (the message lists the zoo), an unreadable file, a path that is neither a regular file nor a pipe (a device,
+a socket, a folder: refused before it is read), a pipe that gave nothing (a FIFO is read from the writers it has,
+not waited on until one comes), a file that is not ONNX or not JSON, an ONNX model with no convolution,
+convolutions whose shapes stay unknown, malformed layers, impossible geometry, an unknown file extension.
 """
 
 from __future__ import annotations

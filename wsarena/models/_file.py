@@ -1,6 +1,8 @@
-"""Reading a model file: only a regular file is read, as :func:`read_model_file` says."""
+"""Reading a model file: only a regular file or a pipe is read, as :func:`read_model_file` says."""
 
 from __future__ import annotations
+
+import stat
 
 from .._files import NotRegularFile, read_regular_file
 from .._sizes import short_path
@@ -10,21 +12,25 @@ __all__ = ["read_model_file"]
 
 
 def read_model_file(path: str) -> bytes:
-    """The bytes of the model file ``path`` (a link is followed), which must be a regular file: a FIFO would be
-    waited on until a writer came, for good where none comes, and a character device (``/dev/zero``) has no end.
+    """The bytes of the model file ``path`` (a link is followed), which must be a regular file or a pipe (a FIFO,
+    or ``/dev/fd/N``): a character device (``/dev/zero``) has no end. A pipe is read to its end, as ``cat`` reads
+    it, but not waited on until a writer comes: one that none has open reads as empty, which is refused.
     :func:`wsarena._files.read_regular_file` reads it.
 
     Raises
     ------
     ModelError
-        Naming the path and what it is where it is no regular file, or why it cannot be read.
+        Naming the path and what it is where it is neither, or a pipe that gave nothing, or why it cannot be read.
     """
     where = short_path(path)
     try:
-        return read_regular_file(path)[0]
+        data, st = read_regular_file(path, pipes=True)
     except NotRegularFile as exc:
-        raise ModelError(f"{where} is {exc.kind}, not a regular file: a model is read from a .onnx or .json "
-                         "file") from None
+        raise ModelError(f"{where} is {exc.kind}, not a regular file or a pipe: a model is read from a .onnx or "
+                         ".json file") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise ModelError(f"cannot read {where}: {why}") from None
+    if not data and stat.S_ISFIFO(st.st_mode):  # an empty regular file is the JSON or ONNX reader's to refuse
+        raise ModelError(f"{where} is a pipe that gave nothing: no writer had it open, or its writer wrote nothing")
+    return data
