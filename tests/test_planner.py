@@ -326,18 +326,19 @@ def test_device_properties_from_no_regular_file_nor_a_pipe_are_refused_unread(re
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("kind", ["empty file", "fifo"])
+@pytest.mark.parametrize("kind", ["empty file", "blank file", "fifo"])
 def test_empty_device_properties_are_refused_before_cudnn(resnet50, offline_properties, kind):
     """A FIFO given as the device properties file that no writer has open was waited on until one came, for good
     where none came: it reads as empty, at once (the timeout fails a wait). Empty properties, from a pipe or a file,
-    are refused, where they reached cuDNN, which says no JSON, where it loads, and nothing is planned."""
+    are refused, blank ones too, where they reached cuDNN, which says no JSON, where it loads, and nothing is
+    planned."""
     path, made = offline_properties
     path.unlink()
     if kind == "fifo":
         os.mkfifo(path)
         why = r": the pipe gave nothing \(no writer had it open, or its writer wrote nothing\)"
     else:
-        path.write_bytes(b"")
+        path.write_bytes(b"" if kind == "empty file" else b" \n\t\n")  # blank: what echo "$UNSET" gives
         why = ""
     with pytest.raises(ValueError, match=rf"^device properties '{re.escape(str(path))}' are empty{why}$"):
         wsarena.plan(resnet50[:1], device_properties=path)

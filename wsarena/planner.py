@@ -311,7 +311,7 @@ def _read_properties(path: str) -> str:
     except (OSError, ValueError) as exc:  # as load_model() names a model file it cannot read; ValueError: a NUL
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise ValueError(f"cannot read the device properties {short_path(path)}: {why}") from None
-    if not data:  # said here, not by cuDNN (not JSON), which may not even load on this machine
+    if not data.strip():  # said here, not by cuDNN (not JSON), which may not even load on this machine
         why = ": the pipe gave nothing (no writer had it open, or its writer wrote nothing)" \
             if stat.S_ISFIFO(st.st_mode) else ""
         raise ValueError(f"device properties {short_path(path)} are empty{why}")
