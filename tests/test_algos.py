@@ -1332,3 +1332,63 @@ def test_a_partial_ranking_memory_stopped_every_candidate_of_says_the_next_call_
     assert "the next call searches again (said once" in message and "can be had" not in message
     select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
     assert b.measured == ["failed"] * 2  # searched again
+
+
+def test_a_cap_warning_another_thread_gave_meanwhile_is_not_given_again(monkeypatch):
+    """Two threads that both find no cap warning given yet for a key (read without the lock) give it once: the one
+    that marks it second gives none. Simulated by a first read that always finds nothing."""
+    from wsarena import algos
+
+    monkeypatch.setattr(algos._warned, "lookup", lambda key: None)
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0})
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        choose(b, "fwd", GEOM, cap=150)
+        choose(b, "fwd", GEOM, cap=150)
+    assert [w.category for w in warned] == [WorkspaceCapWarning]
+
+
+def test_an_exhaustive_search_without_operands_is_the_heuristic_order_and_times_nothing():
+    """With no operands to time on, select() gives the heuristic choice (kept under the heuristic search's key), as
+    under algo_search='heuristic', and calls no search."""
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times=TIMES)
+    got = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=None)
+    assert [c.algo for c in got] == ["fft", "gemm", "implicit"] and b.measured == []
+    assert is_chosen(b, "fwd", GEOM, cap=None, search="heuristic")
+    assert not is_chosen(b, "fwd", GEOM, cap=None, search="exhaustive")
+
+
+def test_a_capture_error_of_a_lease_the_buffer_holds_exactly_stops_the_fallback():
+    """A CaptureError from a candidate whose workspace is exactly what the stream's buffer holds is no want of growth:
+    another candidate cannot change it, so it is raised, and the smaller candidate after it does not run."""
+    from wsarena.errors import CaptureError
+
+    arena = FakeArena(memory=1 << 40)
+    arena.held["s"] = 100
+    ran = []
+
+    def refuse(cand, ws):
+        ran.append(cand.algo)
+        if cand.algo == "gemm":
+            raise CaptureError("this call would create a handle")
+
+    with pytest.raises(CaptureError, match="create a handle"):
+        run_with_fallback(arena, (Candidate("gemm", 100), Candidate("implicit", 0)), refuse, stream="s", cap=None)
+    assert ran == ["gemm"]
+
+
+def test_a_capped_search_names_the_heuristic_favourite_an_uncapped_search_could_not_time():
+    """An uncapped search that memory cut short timed gemm and implicit, not fft (the heuristics' first): under a cap
+    that excludes fft, its time is unknown, so the warning names it as the heuristic search does, a guess, not as an
+    algorithm the search rejected."""
+    b = FakeBackend({"fft": 300, "gemm": 100, "implicit": 0}, times=TIMES)
+    b._arena = FakeArena(memory=150)
+    b._arena.held[None] = 120
+    uncapped = select(b, "fwd", GEOM, cap=None, search="exhaustive", operands=(None, None, None))
+    assert [(c.algo, c.time_ms) for c in uncapped] == [("gemm", 1.0), ("implicit", 9.0), ("fft", None)]
+    with pytest.warns(WorkspaceCapWarning) as warned:
+        got = select(b, "fwd", GEOM, cap=200, search="exhaustive", operands=(None, None, None))
+    assert [c.algo for c in got] == ["gemm", "implicit"]
+    (text,) = [str(w.message) for w in warned]
+    assert text.startswith("workspace cap 200 B excludes fft (300 B) for fwd"), text
+    assert text.endswith("; using gemm (100 B)"), text  # no time of fft to set the choice's against
