@@ -45,6 +45,8 @@ def _default_cache_dir(monkeypatch):
         ("7B", 7),
         ("1TiB", 2**40),
         ("0.5KiB", 512),
+        (".5KiB", 512),  # no whole part: none, not one
+        (".25 MiB", 2**18),
         # more digits than Decimal's default 28 of precision, which rounded them
         ("123456789012345678901234567891", 123456789012345678901234567891),
         pytest.param("9" * 400, 10**400 - 1, id="400-nines"),
