@@ -362,3 +362,31 @@ def test_cap_from_the_environment(arena, monkeypatch):
     wsarena._config._reset()
     with pytest.raises(WorkspaceCapError):
         arena.lease(1025)
+
+
+def test_each_stream_counts_its_own_allocations_and_growths(arena, key):
+    """A stream's statistics count the buffers it was given and how many of them replaced one, as the arena's
+    totals do for all streams: stream a grew once (1000 bytes, then 5000), stream b never."""
+    for n in (1000, 5000, 3000):
+        with arena.lease(n, stream=key("a")):
+            pass
+    with arena.lease(100, stream=key("b")):
+        pass
+    s = arena.stats()
+    a, b = s.streams[key("a")], s.streams[key("b")]
+    assert (a.allocations, a.growths) == (2, 1)
+    assert (b.allocations, b.growths) == (1, 0)
+    assert (s.allocations, s.growths) == (3, 1)
+
+
+def test_a_trim_under_a_lease_keeps_the_buffer_a_reserve_outgrew_until_the_lease_ends(arena, provider, key):
+    """reserve() grows a stream's buffer under a live lease: the leased buffer is retired, and a trim meanwhile lets
+    go of the new, unused one alone. Once the lease ends, the retired one goes too."""
+    with arena.lease(5000, stream=key("a")):
+        arena.reserve(20_000, stream=key("a"))
+        assert sorted(b.size for b in provider.held) == [aligned_size(5000), aligned_size(20_000)]
+        assert arena.trim() == aligned_size(20_000)
+        assert [b.size for b in provider.held] == [aligned_size(5000)]
+        assert arena.stats().retired_bytes == aligned_size(5000)
+    arena.trim()
+    assert provider.held == [] and arena.stats().retired_bytes == 0
