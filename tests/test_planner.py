@@ -515,6 +515,7 @@ def test_text_progress_draws_nothing_where_the_stream_is_not_a_terminal():
         ({"dtype": np.int32}, ValueError, "dtype"),
         ({"dtype": object()}, ValueError, "dtype"),
         ({"passes": ("fwd", "bwd")}, ValueError, "passes"),
+        ({"passes": ("fwd", "fwd")}, ValueError, "passes must be distinct names"),
         ({"streams": 0}, ValueError, "streams"),
         ({"batch": True}, TypeError, "batch must be a positive int, not True"),
         ({"batch": 2.0}, TypeError, "batch must be a positive int, not 2.0"),
@@ -793,3 +794,36 @@ def test_report_is_honest_about_a_real_run_on_cudnn(cap, cudnn_api):
         set_arena(device, None)
         for arena in arenas:
             arena.close()
+
+
+def test_a_plan_searches_again_a_call_memory_cut_short_once_what_it_lacked_can_be_had(monkeypatch):
+    """The first of two layers of one geometry is searched while the provider refuses every allocation: the search
+    times implicit_gemm (no workspace) alone, cut short. Memory is back by the second layer (its progress callback
+    gives it back, and a trim forgets the refusal): that layer's call searches again, timing every candidate, where
+    a call kept for good, or one the plan ranks once, would take the first layer's choice."""
+    from wsarena.arena.testing import RecordingProvider
+
+    provider = RecordingProvider(fail=lambda n: True)
+    arena = Arena(provider)
+    monkeypatch.setattr(CpuBackend, "arena", lambda self: arena)
+    measured, real = [], CpuBackend.measure
+
+    def measure(self, pass_, geom, a, b, out, workspace, candidates, stream):
+        measured.append(sorted(c.algo for c in candidates))
+        return real(self, pass_, geom, a, b, out, workspace, candidates, stream)
+
+    def progress(done, total, name):
+        provider.fail = None
+        arena.trim()
+
+    monkeypatch.setattr(CpuBackend, "measure", measure)
+    layers = [ConvLayer(name, (1, 8, 16, 16), (8, 8, 3, 3), padding=(1, 1)) for name in ("first", "second")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", wsarena.MemoryFallbackWarning)
+        p = wsarena.plan(layers, batch=1, backend="cpu", search="exhaustive", passes=("fwd",), cap_workspace=None,
+                         progress=progress)
+    everything = sorted(c.algo for c in CpuBackend().candidates("fwd", p.layers[0].geometry))
+    assert len(everything) > 1
+    assert measured == [["implicit_gemm"], everything]
+    assert p.layers[0].choices["fwd"].algo == "implicit_gemm"
+    arena.close()
