@@ -1392,3 +1392,51 @@ def test_a_capped_search_names_the_heuristic_favourite_an_uncapped_search_could_
     (text,) = [str(w.message) for w in warned]
     assert text.startswith("workspace cap 200 B excludes fft (300 B) for fwd"), text
     assert text.endswith("; using gemm (100 B)"), text  # no time of fft to set the choice's against
+
+
+def test_a_choice_of_a_backend_without_the_graph_api_is_kept_whatever_cudnn_heuristic_says():
+    """cudnn_heuristic ranks the graph API's candidates alone: a backend without it (the CPU's, cuDNN's legacy path)
+    keeps its choice, and its cap warning, when the setting changes, ranking nothing again."""
+
+    class Counting(FakeBackend):
+        ranked = 0
+
+        def candidates(self, pass_, geom):
+            self.ranked += 1
+            return super().candidates(pass_, geom)
+
+    b = Counting({"fft": 300, "gemm": 100, "implicit": 0})
+    with pytest.warns(WorkspaceCapWarning):
+        choose(b, "fwd", GEOM, cap=150)
+    with config(cudnn_heuristic="b"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert is_chosen(b, "fwd", GEOM, cap=150, search="heuristic")
+        assert choose(b, "fwd", GEOM, cap=150)[0].algo == "gemm"
+    assert b.ranked == 1
+
+
+def test_a_capture_error_whose_fallbacks_were_refused_says_so():
+    """A capture stops the first candidate (its lease would grow the stream's buffer) and the backend refuses the one
+    the buffer holds: the CaptureError is raised, with a note naming the refusal."""
+    from wsarena.errors import CaptureError
+
+    class Refused(Exception):
+        pass
+
+    class Captured(FakeArena):
+        @contextlib.contextmanager
+        def lease(self, nbytes, *, stream=None, cap=None):
+            if nbytes > self.held_bytes(stream=stream):
+                raise CaptureError("a lease needs the arena to grow")
+            with super().lease(nbytes, stream=stream, cap=cap) as ws:
+                yield ws
+
+    def refuse(cand, ws):
+        raise Refused(f"{cand.algo} is not supported here")
+
+    arena = Captured(memory=1 << 40)
+    arena.held["s"] = 100
+    with pytest.raises(CaptureError, match="needs the arena to grow") as info:
+        run_with_fallback(arena, (Candidate("fft", 300), Candidate("gemm", 100)), refuse, stream="s", cap=None,
+                          retry=(Refused,))
+    assert info.value.__notes__ == ["the algorithms the held workspace serves were refused: gemm is not supported here"]
