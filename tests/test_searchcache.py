@@ -1456,3 +1456,29 @@ def test_the_source_is_the_environment_as_the_settings_read_it(monkeypatch, tmp_
     wsarena.configure(cache_dir=tmp_path / "later")  # the folder the variable names now, given by configure()
     assert searchcache.source() == "configure"
 
+
+
+def test_a_search_of_another_call_leaves_a_heuristic_order_waiting_for_memory_waiting(cache):
+    """A heuristic order kept until memory allows its search waits on when a search of another call (another
+    geometry) fills the search cache: that entry holds nothing of its call, so it searches nothing and reads no
+    file. A search of its own call, under another cap, sends it to search again."""
+    table = {
+        ("fwd", 4): [("implicit", 100, 10.0), ("gemm", 1000, 4.0), ("fft", 8000, 3.0)],
+        ("fwd", 8): [("implicit", 100, 20.0), ("gemm", 1000, 8.0)],
+    }
+    starved, other = TableBackend(table, memory=50), TableBackend(table)
+    geom8 = conv_geometry((2, 3, 8, 8), (8, 3, 3, 3), padding=1)
+
+    def choice(backend, geom=GEOM, cap=None):
+        got = algos.select(backend, "fwd", geom, cap=cap, search="exhaustive", warn=False,
+                           operands=tuple(np.zeros(s, dtype="float32") for s in geom.operand_shapes("fwd")))
+        return [(c.algo, c.time_ms) for c in got]
+
+    heuristic = [("implicit", None), ("gemm", None), ("fft", None)]
+    with pytest.warns(wsarena.SearchFallbackWarning):
+        assert choice(starved) == heuristic
+    assert choice(other, geom8, cap=10**7) == [("gemm", 8.0), ("implicit", 20.0)]
+    searched = sum(searchcache.counts())
+    assert choice(starved) == heuristic and sum(searchcache.counts()) == searched  # still waiting
+    assert choice(other, cap=10**7) == [("fft", 3.0), ("gemm", 4.0), ("implicit", 10.0)]
+    assert choice(starved) == [("fft", 3.0), ("gemm", 4.0), ("implicit", 10.0)] and starved.measured == []
