@@ -180,7 +180,7 @@ def _wrong_types(node: Any, types: Mapping[str, int], opset: int | None) -> str 
         opset = None  # none onnx has: the newest schema's types, as for a model that names no opset
     allowed = _conv_types(node.op_type, opset)
     of = f"a {node.op_type}" if opset is None else f"a {node.op_type} of opset {opset}"
-    known = []
+    known, seen = [], set()
     for what, tensor in zip(("input", "weight", "bias"), node.input[:3]):
         found = types.get(tensor) if tensor else None
         if found is None:
@@ -191,7 +191,8 @@ def _wrong_types(node: Any, types: Mapping[str, int], opset: int | None) -> str 
             takes = _listed([_type_name(t) for t in allowed], "or")
             return f"{what} {short_repr(tensor)} is {_type_name(found)}: {of} takes {takes}{since}"
         known.append(f"{what} {short_repr(tensor)} is {_type_name(found)}")
-    if len({types[tensor] for tensor in node.input[:3] if tensor in types}) > 1:
+        seen.add(found)
+    if len(seen) > 1:
         return f"{_listed(known, 'and')}: a {node.op_type}'s input, weight and bias are of one type"
     return None
 
