@@ -697,6 +697,21 @@ def test_a_compiled_gradient_penalty_of_an_eager_convolution_runs_its_backward_a
     assert all(g.shape == e.shape and close(g, e) for g, e in zip(got, expected))
 
 
+def _gradients(loss, operands, *, forward=None, backward=None):
+    """The gradients of ``loss(*leaves)`` for fresh leaves of ``operands``: ``loss`` compiled with the backend
+    ``forward`` (``None``: run eagerly), its backward run by compiled autograd over the backend ``backward``
+    (``None``: by autograd itself)."""
+    from torch._dynamo import compiled_autograd
+
+    leaves = [t.detach().requires_grad_() for t in operands]
+    if forward is not None:
+        loss = torch.compile(loss, backend=forward)
+    value = loss(*leaves)
+    with compiled_autograd._enable(torch.compile(backend=backward)) if backward else contextlib.nullcontext():
+        value.backward()
+    return [t.grad for t in leaves]
+
+
 @pytest.mark.parametrize(("how", "bias", "forward"), [
     ("conv2d", True, "eager"), ("conv2d", False, "eager"), ("conv_transpose2d", True, "eager"),
     ("operator", False, None), ("conv2d", True, None), ("conv2d", True, "aot_eager"),
@@ -709,24 +724,16 @@ def test_a_backward_under_compiled_autograd_gives_torchs_gradients(how, bias, fo
     largest magnitude of each). Compiled autograd asked the operators' form, a single-level Function, for a key only
     torch.autograd.Function defines: ``AttributeError: type object 'ConvFunction' has no attribute
     '_compiled_autograd_key'``."""
-    from torch._dynamo import compiled_autograd
-
     ours, theirs = _UNREACHED[how]
     x, w, b = tensors((2, 4, 6, 5), (4, 4, 3, 2))
     operands = (x, w, b) if bias else (x, w)
 
-    def run(conv, compiled):
-        leaves = [t.detach().requires_grad_() for t in operands]
-        f = (lambda *t: conv(*t, *[None] * (3 - len(t))).pow(2).sum())
-        if compiled and forward is not None:
-            f = torch.compile(f, backend=forward)
-        loss = f(*leaves)
-        with compiled_autograd._enable(torch.compile(backend=backend)) if compiled else contextlib.nullcontext():
-            loss.backward()
-        return [t.grad for t in leaves]
+    def loss(conv):
+        return lambda *t: conv(*t, *[None] * (3 - len(t))).pow(2).sum()
 
     torch._dynamo.reset()
-    got, expected = run(ours, True), run(theirs, False)
+    got = _gradients(loss(ours), operands, forward=forward, backward=backend)
+    expected = _gradients(loss(theirs), operands)
     assert len(got) == len(expected) == len(operands)
     assert all(g is not None and g.shape == e.shape and close(g, e) for g, e in zip(got, expected))
 
@@ -752,26 +759,15 @@ def test_one_compiled_autograd_backward_of_several_passes_gives_each_torchs_grad
     three forms share the key function compiled autograd caches by) or not; then a second backward, its graph cached,
     with those two's parameters exchanged. Each operand's gradient is torch's (float64, within 1e-10 of the largest
     magnitude of each)."""
-    from torch._dynamo import compiled_autograd
-
     g = torch.Generator().manual_seed(0)
     shapes = [(2, 3, 5), (4, 3, 3), (4,), (2, 3, 5), (4, 3, 3), (2, 3, 6, 5), (4, 3, 3, 2),
               (2, 4, 5), (4, 3, 3), (3,), (2, 4, 6, 5), (4, 3, 3, 2)]
     data = [torch.randn(s, dtype=torch.float64, generator=g) for s in shapes]
 
-    def run(m, compiled, swap):
-        leaves = [t.clone().requires_grad_() for t in data]
-        f = (lambda *t: _mixed_loss(m, t, swap))
-        if compiled and forward is not None:
-            f = torch.compile(f, backend=forward)
-        loss = f(*leaves)
-        with compiled_autograd._enable(torch.compile(backend=backend)) if compiled else contextlib.nullcontext():
-            loss.backward()
-        return [t.grad for t in leaves]
-
     torch._dynamo.reset()
     for swap in (False, True):
-        got, expected = run(wt, True, swap), run(F, False, swap)
+        got = _gradients(lambda *t, swap=swap: _mixed_loss(wt, t, swap), data, forward=forward, backward=backend)
+        expected = _gradients(lambda *t, swap=swap: _mixed_loss(F, t, swap), data)
         assert all(g is not None and g.shape == e.shape and close(g, e) for g, e in zip(got, expected, strict=True))
 
 
