@@ -1125,24 +1125,31 @@ def test_a_cache_dir_under_a_home_folder_that_cannot_be_found_is_refused(monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
+def _refused_everywhere(monkeypatch, tmp_path, capsys, value, why, hint):
+    """``cache_dir=value`` is refused saying ``why`` by configure(), as WSARENA_CACHE_DIR (naming the variable), and
+    by ``wsarena cache info`` (exit 2, one line giving ``hint``), with nothing made in the working directory."""
+    from wsarena.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"cache_dir {value!r} {why}")):
+        configure(cache_dir=value)
+    monkeypatch.setenv("WSARENA_CACHE_DIR", value)
+    _config._reset()
+    with pytest.raises(ValueError, match=re.escape(f"WSARENA_CACHE_DIR={value!r}: cache_dir {value!r} {why}")):
+        get_config()
+    assert main(["cache", "info"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and hint in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("quoted", ['"/data/cache"', "'/data/cache'", '"off"', '""'])
 def test_a_cache_dir_in_quotes_is_refused(monkeypatch, tmp_path, capsys, quoted):
     """docker's --env-file keeps a value's quotes: WSARENA_CACHE_DIR="/data/cache" was taken as a folder named with
     them, relative, so under the working directory ('"' and below it 'data', 'cache"'), silently. A folder so named
     is still had as ./NAME, or as a Path."""
-    from wsarena.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=re.escape(f"cache_dir {quoted!r} is in quotes")):
-        configure(cache_dir=quoted)
-    monkeypatch.setenv("WSARENA_CACHE_DIR", quoted)
-    _config._reset()
-    with pytest.raises(ValueError, match=re.escape(f"WSARENA_CACHE_DIR={quoted!r}: cache_dir {quoted!r} is in quotes")):
-        get_config()
-    assert main(["cache", "info"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "give the folder without them, or as ./NAME" in err, err
-    assert list(tmp_path.iterdir()) == []
+    _refused_everywhere(monkeypatch, tmp_path, capsys, quoted, "is in quotes",
+                        "give the folder without them, or as ./NAME")
     with config(cache_dir="./" + quoted):
         assert get_config().cache_dir == tmp_path / quoted
     with config(cache_dir=Path(quoted)):
@@ -1159,19 +1166,8 @@ def test_a_cache_dir_with_one_quote_of_a_pair_is_refused(monkeypatch, tmp_path, 
     """A value pasted with one of its quotes, the other lost, was taken as a folder named with it: '/data/cache a
     folder "'" under the working directory, /data/cache" a folder 'cache"' in /data. A quote inside a name, or a pair
     that ends it, is the name's; a folder whose name begins or ends with a quote is had as ./NAME/ or NAME/."""
-    from wsarena.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=re.escape(f"cache_dir {stray!r} {why}, which would be part of the folder's")):
-        configure(cache_dir=stray)
-    monkeypatch.setenv("WSARENA_CACHE_DIR", stray)
-    _config._reset()
-    with pytest.raises(ValueError, match=re.escape(f"WSARENA_CACHE_DIR={stray!r}: cache_dir {stray!r} {why}")):
-        get_config()
-    assert main(["cache", "info"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "give the folder without it, or as " in err, err
-    assert list(tmp_path.iterdir()) == []
+    _refused_everywhere(monkeypatch, tmp_path, capsys, stray, f"{why}, which would be part of the folder's",
+                        "give the folder without it, or as ")
     monkeypatch.delenv("WSARENA_CACHE_DIR")
     _config._reset()
     escaped = "./" + stray + "/" if why.startswith("begins") else stray + "/"
