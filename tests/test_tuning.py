@@ -597,6 +597,7 @@ def test_tuning_on_cudnn_and_its_cache(tmp_path, monkeypatch):
     from wsarena.backends import get_backend
 
     monkeypatch.setenv("WSARENA_CACHE_DIR", str(tmp_path))
+    wsarena.configure(cudnn_api="legacy")  # cuDNN's FindEx search: the legacy API path, not the default (graph)
     algos.cache_clear()
     env = environment(get_backend("cudnn"))
     assert env["api"] == "legacy" and env["compute_capability"] and env["cudnn"] and env["driver"]
