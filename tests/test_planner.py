@@ -496,6 +496,33 @@ def test_text_progress_on_a_closed_stream_draws_nothing_and_one_closed_midway_st
     assert drawn.startswith("\r[") and show.out is None and not show.shown
 
 
+@pytest.mark.parametrize(("encoding", "name", "escape"),
+                         [("ascii", "\u00fcbung", "\\xfc"), ("cp437", "s\u00e3o", "\\xe3")])
+def test_text_progress_escapes_what_the_terminals_encoding_cannot_show_and_keeps_drawing(encoding, name, escape):
+    """A layer name the terminal's encoding has no character for (ü on an ASCII stream, the ã that cp437 lacks)
+    raised UnicodeEncodeError, a ValueError, which the bar took for a terminal gone: it drew nothing from there on.
+    It is written with a backslash escape, as the command's lines are, cut to the bar's 40 characters once escaped,
+    so that the wipe at the end covers it."""
+
+    class Terminal(io.TextIOWrapper):
+        def isatty(self):
+            return True
+
+    raw = io.BytesIO()
+    terminal = Terminal(raw, encoding=encoding, errors="strict", newline="")
+    show = text_progress(terminal)
+    names = ["conv1", name, name * 30, "conv4"]
+    for done, layer in enumerate(names, 1):
+        show(done, len(names), layer)
+    terminal.flush()
+    *frames, wipe, end = raw.getvalue().decode(encoding).split("\r")[1:]
+    assert len(frames) == len(names) and end == ""
+    shown = [re.fullmatch(r"\[[#.]*\] \d+/\d+ (.*)", frame)[1].rstrip() for frame in frames]
+    expected = name.encode(encoding, "backslashreplace").decode(encoding)
+    assert escape in expected and shown == ["conv1", expected, (expected * 30)[:40], "conv4"]
+    assert wipe.strip() == "" and len(wipe) >= max(len(f) for f in frames)
+
+
 def test_text_progress_draws_nothing_where_the_stream_is_not_a_terminal():
     stream = io.StringIO()
     show = text_progress(stream)

@@ -16,7 +16,7 @@ from ._geometry import DTYPES
 from ._pass import PASSES
 from ._report_cli import shape_text
 from ._sizes import ascii_int as _int
-from ._sizes import short_repr
+from ._sizes import short_repr, write_text
 from ._tune_cli import max_slowdown_arg
 
 __all__: list[str] = []  # wsarena.cli's own
@@ -71,26 +71,6 @@ class _Parser(argparse.ArgumentParser):
             prog = self.prog if command is None else f"{self.prog} {command}"
             raise UsageError(f"unrecognized arguments: {short_repr(' '.join(extras))[1:-1]} (see '{prog} --help')")
         return parsed
-
-
-def write_text(stream: Any, text: str) -> None:
-    """Write ``text`` to ``stream``; where the stream's encoding has no character for some of it (a caller's stream
-    opened with ``encoding="ascii"``, a path or a model name in the text not ASCII), write it again with those
-    characters as backslash escapes, ``\\xe8``, as Python's own stderr writes them: a UnicodeEncodeError is a
-    ValueError, which the callers take for a closed stream and would drop the text for. A text stream encodes the
-    whole text before it writes any of it, so the failed write left nothing behind."""
-    try:
-        stream.write(text)
-    except UnicodeEncodeError as exc:
-        # The stream's encoding, not the error's: a code page's codec (cp437, cp1251, cp1252) names itself "charmap"
-        # in its errors, which as an encoding is latin-1's, and its escapes kept a character the page lacks (the ã
-        # of cp437), whose second write failed too and lost the line
-        encoding = getattr(stream, "encoding", None) or exc.encoding
-        try:
-            escaped = text.encode(encoding, "backslashreplace").decode(encoding)
-        except (LookupError, UnicodeError):  # an encoding Python has no codec for, or one that cannot decode it back
-            escaped = text.encode("ascii", "backslashreplace").decode("ascii")
-        stream.write(escaped)
 
 
 def _size(text: str) -> int | None:

@@ -1,5 +1,6 @@
 """Byte sizes written for people: ``"256MiB"``, ``"1.5GiB"``, ``"2GB"``; and the other figures the commands print
-for people (seconds, percentages) and the values their errors quote.
+for people (seconds, percentages) and the values their errors quote; and :func:`write_text`, which writes such text
+to a stream whose encoding may not show all of it.
 
 Binary units (KiB, MiB, GiB, TiB) are powers of 1024; decimal units (kB, MB, GB, TB) are powers of 1000.
 A size must come out as a whole, non-negative number of bytes.
@@ -323,3 +324,30 @@ def format_ratio(larger: int, smaller: int) -> str:
 def format_percent(fraction: float) -> str:
     """A fraction as a percentage with no digits it does not need: ``0.02`` -> ``"2%"``, ``0.025`` -> ``"2.5%"``."""
     return f"{fraction * 100:g}%"
+
+
+def write_text(stream: Any, text: str) -> None:
+    """Write ``text`` to ``stream``; where the stream's encoding has no character for some of it (a caller's stream
+    opened with ``encoding="ascii"``, a path or a model name in the text not ASCII), write it again with those
+    characters as backslash escapes, ``\\xe8``, as Python's own stderr writes them: a UnicodeEncodeError is a
+    ValueError, which the callers take for a closed stream and would drop the text for. A text stream encodes the
+    whole text before it writes any of it, so the failed write left nothing behind."""
+    try:
+        stream.write(text)
+    except UnicodeEncodeError as exc:
+        # The stream's encoding, not the error's: a code page's codec (cp437, cp1251, cp1252) names itself "charmap"
+        # in its errors, which as an encoding is latin-1's, and its escapes kept a character the page lacks (the ã
+        # of cp437), whose second write failed too and lost the line
+        stream.write(escaped(text, getattr(stream, "encoding", None) or exc.encoding))
+
+
+def escaped(text: str, encoding: str | None) -> str:
+    """``text`` with the characters that ``encoding`` has none for as backslash escapes (``\\xe8``), as
+    :func:`write_text` writes it; escaped as ASCII where Python has no codec for ``encoding``, or one that cannot
+    decode its escapes back; ``text`` itself where ``encoding`` is None or no name (a stream that names none)."""
+    if not isinstance(encoding, str):  # None, or what a stand-in for a stream names
+        return text
+    try:
+        return text.encode(encoding, "backslashreplace").decode(encoding)
+    except (LookupError, UnicodeError):  # an encoding Python has no codec for, or one that cannot decode it back
+        return text.encode("ascii", "backslashreplace").decode("ascii")

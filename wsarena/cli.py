@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._cli_args import UsageError, input_shapes, parser, unplanned_batches, write_text
+from ._cli_args import UsageError, input_shapes, parser, unplanned_batches
 from ._config import _FROM_CONFIG, Config, _given, config
 from ._report_cli import render_table, write_csv
-from ._sizes import os_error_text, short_path, short_repr
+from ._sizes import os_error_text, short_path, short_repr, write_text
 from ._tune_cli import cache_output, tune_output, uncached_apply
 from .errors import BackendUnavailableError
 

@@ -35,7 +35,7 @@ from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._files import NotRegularFile, read_regular_file
 from ._geometry import DTYPES, ConvGeometry
 from ._pass import PASSES
-from ._sizes import as_int, format_size, positive_batch, short_path, short_repr
+from ._sizes import as_int, escaped, format_size, positive_batch, short_path, short_repr, write_text
 from .algos import is_cached, is_cut_short, select
 from .backends import Candidate, device_properties_backend, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
@@ -468,7 +468,11 @@ class ProgressBar:
         filled = self._WIDTH * done // max(total, 1)
         shown = name if name.isprintable() else repr(name)[1:-1]  # a newline would break the bar
         try:
-            self.out.write(f"\r[{'#' * filled}{'.' * (self._WIDTH - filled)}] {done}/{total} {shown[:40]:<40}")
+            # What the terminal's encoding cannot show (on an ASCII or cp437 stream) is escaped, as the command's
+            # lines are, where its UnicodeEncodeError, a ValueError, was taken for a closed terminal and the bar
+            # stopped; escaped before it is cut to its 40 characters, which clear() then wipes
+            shown = escaped(shown, getattr(self.out, "encoding", None))
+            write_text(self.out, f"\r[{'#' * filled}{'.' * (self._WIDTH - filled)}] {done}/{total} {shown[:40]:<40}")
             self.shown = True
             if done == total:
                 self.clear()
