@@ -57,29 +57,54 @@ def test_a_regular_file_is_read_from_a_blocking_descriptor(tmp_path, monkeypatch
     assert blocking and all(blocking), blocking
 
 
-@pytest.mark.parametrize("limit", [4096, len(DATA), len(DATA) - 1])
-def test_a_file_read_in_parts_is_read_whole_or_to_its_limit(tmp_path, monkeypatch, limit):
+@pytest.mark.parametrize("limit", [len(DATA), len(DATA) + 1, 1 << 20])
+def test_a_file_read_in_parts_is_read_whole(tmp_path, monkeypatch, limit):
     """A read may return less than asked for (Linux's at most 2 GiB at a time, for one): the rest is asked for, to
-    the end, or to the limit and a byte past it, which tells the caller that the file is larger. (A read without a
-    limit is FileIO.readall's, whose reads are not os.read's: in parts below, from a pipe.)"""
+    the end. (A read without a limit is FileIO.readall's, whose reads are not os.read's: in parts below, from a
+    pipe.)"""
     path = tmp_path / "data"
     path.write_bytes(DATA)
     real = os.read
     monkeypatch.setattr(os, "read", lambda fd, n: real(fd, min(n, 1000)))
     data, st = _files.read_regular_file(path, limit=limit)
-    assert data == DATA[:limit + 1] and st.st_size == len(DATA)
+    assert data == DATA and st.st_size == len(DATA)
+
+
+@pytest.mark.parametrize("look_first", [True, False])
+def test_a_regular_file_larger_than_the_limit_is_refused_unread(tmp_path, monkeypatch, look_first):
+    """A regular file whose status gives more than the limit (a sparse one of 3 GiB here, which takes no disk) is
+    refused before anything of it is read, its size said: an ONNX model over protobuf's 2 GiB was read whole before
+    protobuf refused it. One that grows past its status as it is read is read to the limit and a byte, no more."""
+    path = tmp_path / "large"
+    with path.open("wb") as f:
+        f.truncate(3 << 30)
+    asked = []
+    real = os.read
+    monkeypatch.setattr(os, "read", lambda fd, n: asked.append(n) or real(fd, n))
+    with pytest.raises(_files.TooLarge) as caught:
+        _files.read_regular_file(path, limit=(2 << 30) - 1, look_first=look_first)
+    assert (caught.value.size, caught.value.limit, asked) == (3 << 30, (2 << 30) - 1, [])
+    assert str(caught.value) == f"{3 << 30} bytes, more than {(2 << 30) - 1}"
+    path.write_bytes(DATA)
+    real_fstat = os.fstat
+    monkeypatch.setattr(os, "fstat", lambda fd: os.stat_result((*real_fstat(fd)[:6], 10, *real_fstat(fd)[7:])))
+    with pytest.raises(_files.TooLarge) as caught:
+        _files.read_regular_file(path, limit=4096)  # its status says 10 bytes
+    assert (caught.value.size, str(caught.value)) == (None, "more than 4096 bytes") and sum(asked) == 4097
 
 
 @pytest.mark.timeout(60)
-def test_a_whole_file_read_in_parts_is_held_once(tmp_path):
+@pytest.mark.parametrize("limit", [None, 1 << 30])
+def test_a_whole_file_read_in_parts_is_held_once(tmp_path, limit):
     """Read in parts (a model file over 2 GiB is: Linux reads at most 2 GiB at a time), the parts were joined, and
     the file held twice in memory at the end. A pipe gives 64 KiB a read: 8 MiB read from one, through the reader
-    without a limit, take one buffer, which grows as the parts come, where parts joined took 16 MiB."""
+    without a limit and with one (an ONNX model's, 2 GiB), take one buffer, which grows as the parts come, where
+    parts joined took 16 MiB."""
     data = os.urandom(8 << 20)
     with written_pipe(data) as path:
         tracemalloc.start()
         try:
-            read, _ = _files.read_regular_file(path, pipes=True)
+            read, _ = _files.read_regular_file(path, limit=limit, pipes=True)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -102,15 +127,22 @@ def test_a_fifo_that_no_writer_has_open_reads_as_empty_where_pipes_are_read(tmp_
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("limit", [None, 4096, len(DATA), len(DATA) - 1, 1 << 20])
-def test_a_pipe_is_read_to_its_end_or_to_the_limit(limit):
-    """A pipe is read as cat reads it: to the end of what its writer writes (DATA 20 times, in parts), or to the
-    limit and a byte past it, which tells the caller that it gives more, and no more is read. Refused unread where
-    the caller takes no pipe."""
+@pytest.mark.parametrize("limit", [None, 4096, len(DATA) * 20, len(DATA) * 20 - 1, 1 << 20])
+def test_a_pipe_is_read_to_its_end_or_to_the_limit(monkeypatch, limit):
+    """A pipe is read as cat reads it: to the end of what its writer writes (DATA 20 times, in parts), or refused
+    once it gives a byte past the limit, and no more is read. Refused unread where the caller takes no pipe."""
     data = DATA * 20
+    parts = []
+    real = os.read
+    monkeypatch.setattr(os, "read", lambda fd, n: parts.append(real(fd, n)) or parts[-1])
     with written_pipe(data) as path:
-        read, st = _files.read_regular_file(path, limit=limit, pipes=True)
-    assert read == (data if limit is None else data[:limit + 1]) and stat.S_ISFIFO(st.st_mode)
+        if limit is None or limit >= len(data):
+            read, st = _files.read_regular_file(path, limit=limit, pipes=True)
+            assert read == data and stat.S_ISFIFO(st.st_mode)
+        else:
+            with pytest.raises(_files.TooLarge) as caught:
+                _files.read_regular_file(path, limit=limit, pipes=True)
+            assert (caught.value.size, caught.value.limit, sum(map(len, parts))) == (None, limit, limit + 1)
     with written_pipe(b"") as path, pytest.raises(_files.NotRegularFile, match=r"^a FIFO \(named pipe\)$"):
         _files.read_regular_file(path, limit=limit)
 

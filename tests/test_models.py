@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -502,6 +503,63 @@ def test_a_model_is_read_from_a_pipe(tmp_path):
         with written_pipe(regular.read_bytes()) as pipe:
             (tmp_path / name).symlink_to(pipe)
             assert load_model(tmp_path / name) == expected
+
+
+def test_an_onnx_model_larger_than_protobuf_reads_is_refused_unread(tmp_path, monkeypatch):
+    """Protobuf parses no message over 2 GiB less a byte: an ONNX file larger (a sparse one here, which takes no disk)
+    was read whole, then refused as "not an ONNX model (DecodeError: ... Wire format was corrupt)". It is refused
+    before it is read, naming its size, the limit and where weights that large belong."""
+    from wsarena import _files
+
+    path = tmp_path / "large.onnx"
+    with path.open("wb") as f:
+        f.truncate(1 << 31)
+    read = []
+    monkeypatch.setattr(_files, "_read_to_end", lambda *args: read.append(args) or b"")
+    with pytest.raises(ModelError) as caught:
+        load_model(path)
+    assert str(caught.value) == (
+        f"{str(path)!r} holds 2 GiB (2147483648 bytes): more than the 2147483647 bytes (2 GiB less a byte) that "
+        "protobuf reads as one ONNX model; weights that large belong in ONNX external data, files beside the model "
+        "(onnx.save_model(model, path, save_as_external_data=True)), whose weights wsarena does not read")
+    assert read == []
+
+
+@pytest.mark.timeout(60)
+def test_an_onnx_model_from_a_pipe_without_end_is_refused_past_the_limit(tmp_path, monkeypatch):
+    """A pipe (``<(cat big.onnx)``, or a writer that never ends) was read until memory ran out: it is refused once it
+    gives a byte past the limit (here 1 MiB for protobuf's 2 GiB), read no further, and its writer then finds no
+    reader. A JSON layer list has no such limit (json reads any size): 2 MiB of one are read."""
+    import threading
+
+    from wsarena.models import _onnx
+
+    monkeypatch.setattr(_onnx, "_PROTOBUF_MAX", 1 << 20)
+    r, w = os.pipe()
+    written = []
+
+    def write():  # 64 MiB, far past the limit, unless its reader goes away first
+        with contextlib.suppress(BrokenPipeError), open(w, "wb") as f:
+            for _ in range(1024):
+                f.write(bytes(1 << 16))
+                written.append(1 << 16)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    link = tmp_path / "model.onnx"
+    link.symlink_to(f"/dev/fd/{r}")
+    try:
+        with pytest.raises(ModelError, match=rf"^'{re.escape(str(link))}' gave more than 1048576 bytes: more than the "
+                                             r"2147483647 bytes \(2 GiB less a byte\) .*belong in ONNX external data"):
+            load_model(link)
+    finally:
+        os.close(r)
+        writer.join()
+    assert sum(written) < 16 << 20
+    layers = json.dumps([{"name": "c", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}]) + " " * (2 << 20)
+    with written_pipe(layers.encode()) as pipe:
+        (tmp_path / "model.json").symlink_to(pipe)
+        assert [layer.name for layer in load_model(tmp_path / "model.json")] == ["c"]
 
 
 @pytest.mark.skipif(not hasattr(select, "epoll") or not os.path.isdir("/proc/self/fd"), reason="Linux's epoll")

@@ -6,7 +6,9 @@ device (``/dev/zero``) has no end: :func:`read_regular_file` refuses both, and a
 with :class:`NotRegularFile`, which each caller words as its own error. A caller that takes a pipe (``pipes``: a
 FIFO, or the anonymous pipe a shell's ``<(command)`` or a pipe on ``/dev/stdin`` names) has it read to its end
 without that wait: opened without blocking, which returns at once, then read blocking, which returns what its
-writers write until the last of them closes it, or at once an end where it has none.
+writers write until the last of them closes it, or at once an end where it has none. A caller's ``limit`` bounds
+what is read: a regular file larger than that is refused unread, a pipe once it gives a byte more
+(:class:`TooLarge`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,17 @@ class NotRegularFile(Exception):
         super().__init__(kind)
         self.kind = kind
         self.folder = folder
+
+
+class TooLarge(Exception):
+    """The file given to :func:`read_regular_file` holds more than the caller's ``limit`` of bytes: ``size`` is its
+    size, where its status gave it (a regular file, refused unread), or None where it gave more as it was read (a
+    pipe, or a file that grew), read no further. No error of wsarena's own: each caller raises its own."""
+
+    def __init__(self, size: int | None, limit: int) -> None:
+        super().__init__(f"more than {limit} bytes" if size is None else f"{size} bytes, more than {limit}")
+        self.size = size
+        self.limit = limit
 
 
 def _kind(mode: int) -> str | None:
@@ -68,8 +81,8 @@ def _unopenable(path: str | os.PathLike[str]) -> NotRegularFile:
 def read_regular_file(path: str | os.PathLike[str], *, limit: int | None = None, look_first: bool = True,
                       pipes: bool = False) -> tuple[bytes, os.stat_result]:
     """The bytes of the file ``path`` (a link is followed), which must be a regular file, or a pipe where ``pipes``,
-    and its status; with ``limit``, no more than its first ``limit + 1`` bytes, so that the caller can tell a file
-    larger than that.
+    and its status; with ``limit``, a file of at most ``limit`` bytes: a regular file whose status gives it more is
+    refused unread, and a pipe (or a file that grows as it is read) once ``limit + 1`` bytes are read, no more.
 
     What ``path`` is, is looked at before it is opened (``look_first``), so that a device is not even opened (opening
     one may do something: a watchdog's starts it), and again on the descriptor, opened without blocking, as another
@@ -87,6 +100,8 @@ def read_regular_file(path: str | os.PathLike[str], *, limit: int | None = None,
     NotRegularFile
         Where ``path`` is no regular file (nor a pipe, where ``pipes``), or one :func:`os.open` refuses as it refuses
         a socket (``ENXIO``).
+    TooLarge
+        Where it holds more than ``limit`` bytes.
     OSError
         What :func:`os.stat`, :func:`os.open` and the reads raise otherwise.
     ValueError
@@ -108,7 +123,12 @@ def read_regular_file(path: str | os.PathLike[str], *, limit: int | None = None,
         if _NONBLOCK:
             os.set_blocking(fd, True)
         size = st.st_size if stat.S_ISREG(st.st_mode) else 0  # what a pipe's status says is no size
-        return _read_to_end(fd, size, limit), st
+        if limit is not None and size > limit:
+            raise TooLarge(size, limit)
+        data = _read_to_end(fd, size, limit)
+        if limit is not None and len(data) > limit:
+            raise TooLarge(None, limit)
+        return data, st
     finally:
         os.close(fd)
 
@@ -121,13 +141,16 @@ def _read_to_end(fd: int, size: int, limit: int | None) -> bytes:
     time, and parts of a larger model file read apart and joined held it twice in memory. With one, the reads here
     ask for the ``size`` and a byte, to find the end, then 64 KiB at a time, never past the bound: a read of the
     bound itself would take that much memory first, each time (the search cache bounds an entry at 16 MiB, some
-    15 us of an entry's 20 us read), and parts joined hold at most the bound's bytes twice.
+    15 us of an entry's 20 us read; an ONNX model's bound is 2 GiB). A file read in one part (a regular one below
+    2 GiB) is that part; parts are written into one buffer as they come, which grows with them, where parts joined
+    held a pipe's bytes twice (an ONNX model piped in, up to its 2 GiB).
     """
     if limit is None:
         with io.FileIO(fd, "r", closefd=False) as f:
             return f.readall()
     most = limit + 1
-    parts: list[bytes] = []
+    first = b""
+    rest = io.BytesIO()  # the parts after the first, and the first once there are more; its value is not copied
     n = 0
     while n < most:
         # the rest of the size the status gave (a read may return less), then past it (the file grew meanwhile, or
@@ -135,6 +158,12 @@ def _read_to_end(fd: int, size: int, limit: int | None) -> bytes:
         chunk = os.read(fd, min(size - n + 1 if n < size else _CHUNK, most - n))
         if not chunk:
             break
-        parts.append(chunk)
+        if n == 0:
+            first = chunk
+        else:
+            if first:
+                rest.write(first)
+                first = b""
+            rest.write(chunk)
         n += len(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return first if n == len(first) else rest.getvalue()

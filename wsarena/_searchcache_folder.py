@@ -37,7 +37,7 @@ from typing import Any
 
 from . import _callsite, _forksafe
 from ._config import get_config
-from ._files import NotRegularFile, read_regular_file
+from ._files import NotRegularFile, TooLarge, read_regular_file
 from ._sizes import exact_cap, format_size, os_error_text, short_path
 from .errors import SearchCacheWarning
 
@@ -74,8 +74,8 @@ def read_entry(path: str | Path) -> tuple[str, os.stat_result]:
     each time, and the folder is the cache's own).
 
     Raises ``IsADirectoryError`` for a folder (or a link to one), ``ValueError`` for any other file that is not a
-    regular one, for one that holds more than any entry (:data:`MAX_ENTRY_BYTES`, of which no more is read) or is not
-    UTF-8, and what :func:`os.open` and :func:`os.read` raise.
+    regular one, for one that holds more than any entry (:data:`MAX_ENTRY_BYTES`: refused unread where its status
+    says so, else once a byte more is read) or is not UTF-8, and what :func:`os.open` and :func:`os.read` raise.
     """
     try:
         data, st = read_regular_file(path, limit=MAX_ENTRY_BYTES, look_first=False)
@@ -83,8 +83,8 @@ def read_entry(path: str | Path) -> tuple[str, os.stat_result]:
         if exc.folder:
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path)) from None
         raise ValueError(f"it is {exc.kind}, not a regular file") from None
-    if len(data) > MAX_ENTRY_BYTES:
-        raise ValueError(f"it holds more than {format_size(MAX_ENTRY_BYTES)}, far more than any entry")
+    except TooLarge:
+        raise ValueError(f"it holds more than {format_size(MAX_ENTRY_BYTES)}, far more than any entry") from None
     return data.decode("utf-8"), st
 
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
-from ._files import NotRegularFile, read_regular_file
+from ._files import NotRegularFile, TooLarge, read_regular_file
 from ._geometry import DTYPES, ConvGeometry
 from ._pass import PASSES
 from ._sizes import as_int, escaped, format_size, positive_batch, short_path, short_repr, write_text
@@ -301,10 +301,13 @@ def plan(
 
 def _read_properties(path: str) -> str:
     """The text of the device properties file ``path``, which must be a regular file or a pipe (``--device-properties
-    <(ssh gpu cat props.json)``; ``/dev/zero`` has no end), of which no more is read than :func:`_refuse_large`
-    allows. A pipe is not waited on until a writer comes: one that none has open reads as empty, which is refused."""
+    <(ssh gpu cat props.json)``; ``/dev/zero`` has no end), no larger than :func:`_refuse_large` allows: a regular
+    file larger is refused unread, a pipe once it gives a byte more. A pipe is not waited on until a writer comes: one
+    that none has open reads as empty, which is refused."""
     try:
         data, st = read_regular_file(path, limit=_PROPERTIES_MAX_BYTES, pipes=True)
+    except TooLarge:
+        raise _too_large(short_path(path)) from None
     except NotRegularFile as exc:
         raise ValueError(f"cannot read the device properties {short_path(path)}: it is {exc.kind}, not a regular "
                          "file or a pipe") from None
@@ -315,7 +318,6 @@ def _read_properties(path: str) -> str:
         why = ": the pipe gave nothing (no writer had it open, or its writer wrote nothing)" \
             if stat.S_ISFIFO(st.st_mode) else ""
         raise ValueError(f"device properties {short_path(path)} are empty{why}")
-    _refuse_large(len(data), short_path(path))
     try:
         return data.decode("utf-8")  # a byte order mark first is kept, for without_bom() to drop
     except UnicodeDecodeError as exc:
@@ -326,8 +328,13 @@ def _refuse_large(size: int, what: str) -> None:
     """Refuse device properties far larger than any GPU's: cuDNN copies the text over and over while it plans
     (properties padded to 50 MiB held 3 GiB while one layer was planned)."""
     if size > _PROPERTIES_MAX_BYTES:
-        raise ValueError(f"device properties {what} are larger than {format_size(_PROPERTIES_MAX_BYTES)}: a GPU's "
-                         "take about 1 KiB (bench/gpu_check.py captures them)")
+        raise _too_large(what)
+
+
+def _too_large(what: str) -> ValueError:
+    """The error of device properties ``what`` larger than :data:`_PROPERTIES_MAX_BYTES`."""
+    return ValueError(f"device properties {what} are larger than {format_size(_PROPERTIES_MAX_BYTES)}: a GPU's take "
+                      "about 1 KiB (bench/gpu_check.py captures them)")
 
 
 def _dtype_name(dtype: Any) -> str:

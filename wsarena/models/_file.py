@@ -4,27 +4,33 @@ from __future__ import annotations
 
 import stat
 
-from .._files import NotRegularFile, read_regular_file
-from .._sizes import short_path
+from .._files import NotRegularFile, TooLarge, read_regular_file
+from .._sizes import format_size, short_path
 from ._layer import ModelError
 
 __all__ = ["read_model_file"]
 
 
-def read_model_file(path: str) -> bytes:
+def read_model_file(path: str, *, limit: int | None = None, beyond: str = "") -> bytes:
     """The bytes of the model file ``path`` (a link is followed), which must be a regular file or a pipe (a FIFO,
     or ``/dev/fd/N``): a character device (``/dev/zero``) has no end. A pipe is read to its end, as ``cat`` reads
     it, but not waited on until a writer comes: one that none has open reads as empty, which is refused.
-    :func:`wsarena._files.read_regular_file` reads it.
+    :func:`wsarena._files.read_regular_file` reads it, no larger than ``limit`` where its kind of model has one: a
+    regular file larger is refused unread, a pipe once it gives a byte more, saying ``beyond``, why.
 
     Raises
     ------
     ModelError
-        Naming the path and what it is where it is neither, or a pipe that gave nothing, or why it cannot be read.
+        Naming the path and what it is where it is neither, or a pipe that gave nothing, or why it cannot be read, or
+        its size and ``beyond`` where it is larger than ``limit``.
     """
     where = short_path(path)
     try:
-        data, st = read_regular_file(path, pipes=True)
+        data, st = read_regular_file(path, limit=limit, pipes=True)
+    except TooLarge as exc:
+        held = f"gave more than {exc.limit} bytes" if exc.size is None else \
+            f"holds {format_size(exc.size)} ({exc.size} bytes)"
+        raise ModelError(f"{where} {held}: {beyond}") from None
     except NotRegularFile as exc:
         raise ModelError(f"{where} is {exc.kind}, not a regular file or a pipe: a model is read from a .onnx or "
                          ".json file") from None

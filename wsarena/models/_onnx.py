@@ -401,6 +401,15 @@ def _unknown_shape(what: str, dims: tuple[int | None, ...] | None, tensor: str, 
     return f"{what} shape {_show(dims)} unknown: shape inference cannot work out the output of {where}"
 
 
+# The most bytes protobuf parses as one message, an ONNX model (onnx.checker.MAXIMUM_PROTOBUF): a file larger is
+# refused before it is read, where protobuf refused it only once all of it was read ("Wire format was corrupt"), and
+# a pipe once it gives a byte more, where one without end was read until memory ran out
+_PROTOBUF_MAX = 2**31 - 1
+_BEYOND_PROTOBUF = (f"more than the {_PROTOBUF_MAX} bytes (2 GiB less a byte) that protobuf reads as one ONNX model; "
+                    "weights that large belong in ONNX external data, files beside the model (onnx.save_model(model, "
+                    "path, save_as_external_data=True)), whose weights wsarena does not read")
+
+
 def check_asymmetric_pads(value: Any) -> None:
     """``asymmetric_pads`` must be ``"widen"`` or ``"error"`` (``ValueError``), whatever model it comes with."""
     if value not in ("widen", "error"):
@@ -430,7 +439,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         raise ModelError(f"reading ONNX models needs the onnx package ({exc})") from None
     path = os.fspath(path)
     where = short_path(path)  # as errors and warnings name it: shortened
-    data = read_model_file(path)
+    data = read_model_file(path, limit=_PROTOBUF_MAX, beyond=_BEYOND_PROTOBUF)
     try:
         model = onnx.load_model_from_string(data)
     except (DecodeError, ValueError, RuntimeError) as exc:
