@@ -14,7 +14,7 @@ import pytest
 import wsarena
 from wsarena import _files, _searchcache_folder, planner
 
-from .pipe_helpers import written_pipe
+from .pipe_helpers import unblocked, written_pipe
 
 DATA = bytes(range(256)) * 40  # 10 KiB, no two neighbouring parts alike
 
@@ -145,6 +145,25 @@ def test_a_pipe_is_read_to_its_end_or_to_the_limit(monkeypatch, limit):
             assert (caught.value.size, caught.value.limit, sum(map(len, parts))) == (None, limit, limit + 1)
     with written_pipe(b"") as path, pytest.raises(_files.NotRegularFile, match=r"^a FIFO \(named pipe\)$"):
         _files.read_regular_file(path, limit=limit)
+
+
+def test_a_part_of_a_regular_file_is_read_in_parts_and_a_fifo_is_refused(tmp_path, monkeypatch):
+    """read_regular_part (a small tensor in an ONNX model's external data) reads the bytes asked for, in as many
+    reads as it takes, fewer where the file ends sooner; a FIFO, even one that the look before the open took for a
+    regular file (put in its place meanwhile), is refused, not waited on until a writer comes."""
+    path = tmp_path / "data"
+    path.write_bytes(DATA)
+    real = os.read
+    monkeypatch.setattr(os, "read", lambda fd, n: real(fd, min(n, 1000)))
+    assert _files.read_regular_part(path, 100, 5000) == DATA[100:5100]
+    assert _files.read_regular_part(path, len(DATA) - 10, 5000) == DATA[-10:]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(path) if os.fspath(p) == str(fifo) else
+                        real_stat(p, *a, **k))
+    with pytest.raises(_files.NotRegularFile, match=r"^a FIFO \(named pipe\)$"):
+        unblocked(lambda: _files.read_regular_part(fifo, 0, 32), fifo)
 
 
 @pytest.mark.parametrize("pipes", [False, True])

@@ -21,7 +21,7 @@ import wsarena
 from wsarena.errors import WsarenaError
 from wsarena.models import ConvLayer, ModelError, layers_from_json, layers_to_json, load_model, total_macs, zoo_names
 
-from .pipe_helpers import written_pipe
+from .pipe_helpers import unblocked, written_pipe
 
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 
@@ -921,6 +921,11 @@ def external_tensor(name, dims, location, **fields):
     ([4], "data.bin", {}, 32),  # no length: the tensor's 32 bytes, not the whole file
     ([4], "data.bin", {"offset": 0, "length": 32}, 32),
     ([4], "data.bin", {"offset": 0, "length": 1 << 20}, None),  # a length that is not the tensor's
+    ([4], "data.bin", {"offset": 8}, 32),
+    ([4], "data.bin", {"offset": (1 << 20) + 1}, None),  # fewer bytes than the tensor's from there
+    ([4], "data.bin", {"offset": -8}, None),
+    ([4], "data.bin", {"offset": "eight"}, None),
+    ([4], "ABSOLUTE", {}, None),  # an absolute location, even inside the folder (onnx refuses it)
     ([-1], "data.bin", {}, None),  # a negative dim: no size to read
     ([0], "data.bin", {}, 0),  # nothing to read: the file is not opened
     ([], "data.bin", {}, 8),  # a scalar
@@ -939,6 +944,7 @@ def test_onnx_external_data_read_is_the_tensors_bytes_in_the_models_folder(tmp_p
     (tmp_path / "outside.bin").write_bytes(data)
     (folder / "link.bin").symlink_to(tmp_path / "outside.bin")
     os.mkfifo(folder / "fifo.bin")
+    location = str(folder / "data.bin") if location == "ABSOLUTE" else location
     nodes = [helper.make_node("Reshape", ["x", "shape"], ["image"]), conv("c", "image", "w", "y", pads=[1, 1, 1, 1])]
     extra = external_tensor("extra", dims, location, **fields)  # read or not, it takes no part in the shapes
     graph = helper.make_graph(nodes, "g", [vi("x", [1, 3 * 16 * 12])], [vi("y", None)],
@@ -959,6 +965,37 @@ def test_onnx_external_data_read_is_the_tensors_bytes_in_the_models_folder(tmp_p
         else:  # as onnx.load leaves it (onnx before 1.17 leaves that to its caller): in the model, not external
             assert len(tensor.raw_data) == nbytes
             assert tensor.data_location == TensorProto.DEFAULT and not tensor.external_data
+
+
+@pytest.mark.timeout(60)
+def test_onnx_external_data_that_became_a_fifo_is_not_waited_on(tmp_path, monkeypatch):
+    """The external data file was looked at (isfile()), then opened by onnx as open() opens a file: a FIFO put in
+    its place meanwhile was waited on until a writer came, for good where none came. It is opened without blocking
+    and refused as what it is. The race is played out: the looks (os.stat, which isfile() asks, and onnx's own, whose
+    open, openat2 without O_NONBLOCK in onnx 1.23, follows it) are made to see a regular file where the FIFO is; a
+    load still blocked after 20 s is let go and fails."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "data.bin").write_bytes(np.array([1, 3, 16, 12], np.int64).tobytes())
+    fifo = folder / "fifo.bin"
+    os.mkfifo(fifo)
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["image"]), conv("c", "image", "w", "y", pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "g", [vi("x", [1, 3 * 16 * 12])], [vi("y", None)],
+                              [weight("w", (8, 3, 3, 3)), external_tensor("shape", [4], "fifo.bin")])
+    path = folder / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    real_stat, regular = os.stat, os.stat(folder / "data.bin")
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: regular if os.fspath(p) == str(fifo) else real_stat(p, *a, **k))
+    assert os.path.isfile(fifo)  # as the look sees it
+    from onnx import external_data_helper
+
+    # onnx's look (a stat in C++) then its open: the open as it is, of what is there by then
+    monkeypatch.setattr(external_data_helper, "_open_external_data_fd",
+                        lambda base_dir, location, *_: os.open(os.path.join(base_dir, location), os.O_RDONLY),
+                        raising=False)
+    with pytest.raises(ModelError, match=r"'c' \(input shape \? unknown: shape inference cannot work out the output "
+                                         r"of Reshape 'image'\)"):
+        unblocked(lambda: load_model(path), fifo)
 
 
 def sparse_model(tmp_path, sparse, where, nodes, inputs, initializers=()):

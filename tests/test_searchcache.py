@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -27,6 +26,7 @@ from wsarena.backends._cpu_backend import CpuBackend
 from wsarena.errors import SearchCacheWarning
 
 from .fake_backend import TableBackend
+from .pipe_helpers import unblocked
 from .reference import error_for_sums, ref_conv_forward
 
 TABLE = {
@@ -456,29 +456,6 @@ def test_a_file_larger_than_any_entry_is_a_bad_file_and_is_not_read_whole(cache)
     assert searchcache.info()["entries"] == 1
 
 
-def _unblocked(call, fifo, timeout=20.0):
-    """``call()`` run in a thread; one still blocked after ``timeout`` seconds (opening the FIFO ``fifo``, which
-    waits for a writer) is let go by opening the FIFO for writing, and the test fails."""
-    out = []
-
-    def run():
-        try:
-            out.append(call())
-        except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a writer that writes nothing: the reader sees the end
-        thread.join(timeout)
-        pytest.fail(f"blocked opening {fifo}")
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
-
-
 @pytest.mark.parametrize("kind", ["fifo", "link-to-fifo", "link-to-device", "socket"])
 def test_a_file_named_as_an_entry_that_is_no_regular_file_is_replaced_unread(cache, tmp_path, monkeypatch, kind):
     """open() of a FIFO waits until a writer opens it: a FIFO in an entry's place, or a link to one, held the
@@ -504,13 +481,13 @@ def test_a_file_named_as_an_entry_that_is_no_regular_file_is_replaced_unread(cac
         monkeypatch.chdir(path.parent)  # a socket's path is short: at most 107 bytes
         listening.bind(path.name)
         listening.close()
-    info = _unblocked(searchcache.info, fifo)
+    info = unblocked(searchcache.info, fifo)
     assert (info["entries"], info["unreadable"]) == (0, 1)
     # what it is, as the descriptor says, or the path looked at again where open() refused it (ENXIO: a socket)
     what = {"link-to-device": "a character device", "socket": "a socket"}.get(kind, r"a FIFO \(named pipe\)")
     says = f"ignoring the search cache file .*: it is {what}, not a regular file;"
     with pytest.warns(SearchCacheWarning, match=says) as caught:
-        assert _unblocked(lambda: search(backend), fifo) == first
+        assert unblocked(lambda: search(backend), fifo) == first
     assert len(caught) == 1 and backend.measured == [("fwd", 4)] * 2
     assert path.is_file() and not path.is_symlink()  # replaced by the entry searched again
     assert search(backend) == first and len(backend.measured) == 2

@@ -8,7 +8,7 @@ FIFO, or the anonymous pipe a shell's ``<(command)`` or a pipe on ``/dev/stdin``
 without that wait: opened without blocking, which returns at once, then read blocking, which returns what its
 writers write until the last of them closes it, or at once an end where it has none. A caller's ``limit`` bounds
 what is read: a regular file larger than that is refused unread, a pipe once it gives a byte more
-(:class:`TooLarge`).
+(:class:`TooLarge`). :func:`read_regular_part` reads a part of a regular file, opened as these are.
 """
 
 from __future__ import annotations
@@ -107,6 +107,55 @@ def read_regular_file(path: str | os.PathLike[str], *, limit: int | None = None,
     ValueError
         A NUL in ``path``.
     """
+    fd, st = _open(path, look_first, pipes)
+    try:
+        size = st.st_size if stat.S_ISREG(st.st_mode) else 0  # what a pipe's status says is no size
+        if limit is not None and size > limit:
+            raise TooLarge(size, limit)
+        data = _read_to_end(fd, size, limit)
+        if limit is not None and len(data) > limit:
+            raise TooLarge(None, limit)
+        return data, st
+    finally:
+        os.close(fd)
+
+
+def read_regular_part(path: str | os.PathLike[str], offset: int, length: int) -> bytes:
+    """``length`` bytes of the regular file ``path`` from ``offset``, fewer where it ends sooner: a small tensor's
+    bytes in the external data file of an ONNX model, which may hold gigabytes of weights besides. Opened as
+    :func:`read_regular_file` opens a file, so that a FIFO put in its place after it was looked at is refused, not
+    waited on until a writer comes.
+
+    Raises
+    ------
+    NotRegularFile
+        Where ``path`` is no regular file.
+    OSError
+        What :func:`os.stat`, :func:`os.open`, :func:`os.lseek` (a negative ``offset``) and the reads raise otherwise.
+    ValueError
+        A NUL in ``path``.
+    OverflowError
+        An ``offset`` or a ``length`` beyond what a file's can be.
+    """
+    fd, _ = _open(path, look_first=True, pipes=False)
+    try:
+        os.lseek(fd, offset, os.SEEK_SET)
+        parts: list[bytes] = []
+        while length > 0:  # a read may return less than asked for
+            chunk = os.read(fd, length)
+            if not chunk:
+                break
+            parts.append(chunk)
+            length -= len(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def _open(path: str | os.PathLike[str], look_first: bool, pipes: bool) -> tuple[int, os.stat_result]:
+    """A blocking descriptor of ``path``, which the caller closes, and its status, where it is a regular file, or a
+    pipe where ``pipes``: looked at first (``look_first``), then opened without blocking and looked at again, as
+    :func:`read_regular_file` says; :class:`NotRegularFile` otherwise."""
     if look_first:
         _refuse(os.stat(path).st_mode, pipes)
     try:
@@ -122,15 +171,10 @@ def read_regular_file(path: str | os.PathLike[str], *, limit: int | None = None,
         # file system that honours O_NONBLOCK on regular files (a FUSE one may) could return part of a file.
         if _NONBLOCK:
             os.set_blocking(fd, True)
-        size = st.st_size if stat.S_ISREG(st.st_mode) else 0  # what a pipe's status says is no size
-        if limit is not None and size > limit:
-            raise TooLarge(size, limit)
-        data = _read_to_end(fd, size, limit)
-        if limit is not None and len(data) > limit:
-            raise TooLarge(None, limit)
-        return data, st
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd, st
 
 
 def _read_to_end(fd: int, size: int, limit: int | None) -> bytes:

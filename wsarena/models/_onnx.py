@@ -52,7 +52,6 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import math
@@ -62,6 +61,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+from .._files import NotRegularFile, read_regular_part
 from .._geometry import conv_transpose_geometry
 from .._sizes import short_path, short_repr
 from ._file import read_model_file
@@ -547,10 +547,12 @@ def _load_small_external_data(graph: Any, base_dir: str) -> None:
     """Read into the model the small tensors of the main graph kept in external data files, as ``onnx.load`` does,
     for the shape inference that reads their values (a ``Reshape``'s shape); one that cannot be read stays without
     its data. Each read takes the tensor's own bytes, from a regular file inside ``base_dir``: a file elsewhere (a
-    link out of the folder, which onnx 1.16 follows), a FIFO, or a ``length`` that is not the tensor's is not
-    read."""
+    link out of the folder, which onnx 1.16 follows; an absolute ``location``, which onnx refuses), a FIFO, or a
+    ``length`` that is not the tensor's is not read. It is read as a model file is
+    (:func:`wsarena._files.read_regular_part`), where onnx opened it as ``open()`` does, and a FIFO put in the
+    file's place after it was looked at was waited on until a writer came, for good where none came."""
     from onnx import TensorProto
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+    from onnx.external_data_helper import uses_external_data
 
     folder = os.path.realpath(base_dir or os.curdir)
     item_sizes = {getattr(TensorProto, name): size for name, size in _ITEM_SIZES.items()}
@@ -565,18 +567,18 @@ def _load_small_external_data(graph: Any, base_dir: str) -> None:
         if nbytes > SMALL * size or fields.get("length", str(nbytes)).strip() != str(nbytes):
             continue
         if nbytes:
-            data_file = os.path.realpath(os.path.join(folder, fields.get("location", "")))
-            if os.path.commonpath([folder, data_file]) != folder or not os.path.isfile(data_file):
+            location = fields.get("location", "")
+            data_file = os.path.realpath(os.path.join(folder, location))
+            if os.path.isabs(location) or os.path.commonpath([folder, data_file]) != folder:
                 continue
-            copy = TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
-                               data_location=TensorProto.EXTERNAL)
-            for key, value in {**fields, "length": str(nbytes)}.items():
-                copy.external_data.add(key=key, value=value)
-            with contextlib.suppress(Exception):  # a bad field or file: onnx raises several types
-                load_external_data_for_tensor(copy, base_dir)
-            if len(copy.raw_data) != nbytes:  # not read, or from a file shorter than that (onnx 1.16 reads it)
+            try:
+                offset = int(fields.get("offset", "0"))  # as onnx reads it: " 8", "+8" and "0_8" are 8
+                data = b"" if offset < 0 else read_regular_part(data_file, offset, nbytes)
+            except (NotRegularFile, OSError, ValueError, OverflowError):  # a folder, a FIFO, gone; not a number
                 continue
-            tensor.raw_data = copy.raw_data
+            if len(data) != nbytes:  # from a file shorter than that
+                continue
+            tensor.raw_data = data
         else:
             tensor.raw_data = b""
         # as onnx.load leaves it: the data in the model (onnx 1.16 leaves that to load's caller)
