@@ -16,7 +16,7 @@ def read_model_file(path: str, *, limit: int | None = None, beyond: str = "") ->
     or ``/dev/fd/N``): a character device (``/dev/zero``) has no end. A pipe is read to its end, as ``cat`` reads
     it, but not waited on until a writer comes: one that none has open reads as empty, which is refused.
     :func:`wsarena._files.read_regular_file` reads it, no larger than ``limit`` where its kind of model has one: a
-    regular file larger is refused unread, a pipe once it gives a byte more, saying ``beyond``, why.
+    regular file larger is refused unread, a pipe once it gives a byte more, saying ``beyond`` of the limit.
 
     Raises
     ------
@@ -28,9 +28,8 @@ def read_model_file(path: str, *, limit: int | None = None, beyond: str = "") ->
     try:
         data, st = read_regular_file(path, limit=limit, pipes=True)
     except TooLarge as exc:
-        held = f"gave more than {exc.limit} bytes" if exc.size is None else \
-            f"holds {format_size(exc.size)} ({exc.size} bytes)"
-        raise ModelError(f"{where} {held}: {beyond}") from None
+        held = "gave" if exc.size is None else f"holds {format_size(exc.size)} ({exc.size} bytes),"
+        raise ModelError(f"{where} {held} more than {exc.limit} bytes, {beyond}") from None
     except NotRegularFile as exc:
         raise ModelError(f"{where} is {exc.kind}, not a regular file or a pipe: a model is read from a .onnx or "
                          ".json file") from None

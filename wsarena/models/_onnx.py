@@ -405,9 +405,9 @@ def _unknown_shape(what: str, dims: tuple[int | None, ...] | None, tensor: str, 
 # refused before it is read, where protobuf refused it only once all of it was read ("Wire format was corrupt"), and
 # a pipe once it gives a byte more, where one without end was read until memory ran out
 _PROTOBUF_MAX = 2**31 - 1
-_BEYOND_PROTOBUF = (f"more than the {_PROTOBUF_MAX} bytes (2 GiB less a byte) that protobuf reads as one ONNX model; "
-                    "weights that large belong in ONNX external data, files beside the model (onnx.save_model(model, "
-                    "path, save_as_external_data=True)), whose weights wsarena does not read")
+_BEYOND_PROTOBUF = ("the most protobuf reads as one ONNX model (2 GiB less a byte): weights that large belong in ONNX "
+                    "external data, files beside the model (onnx.save_model(model, path, save_as_external_data=True)), "
+                    "whose weights wsarena does not read")
 
 
 def check_asymmetric_pads(value: Any) -> None:
