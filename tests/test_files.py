@@ -4,6 +4,7 @@ test_models, test_planner, test_searchcache."""
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import stat
@@ -151,19 +152,76 @@ def test_a_part_of_a_regular_file_is_read_in_parts_and_a_fifo_is_refused(tmp_pat
     """read_regular_part (a small tensor in an ONNX model's external data) reads the bytes asked for, in as many
     reads as it takes, fewer where the file ends sooner; a FIFO, even one that the look before the open took for a
     regular file (put in its place meanwhile), is refused, not waited on until a writer comes."""
-    path = tmp_path / "data"
-    path.write_bytes(DATA)
+    (tmp_path / "data").write_bytes(DATA)
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "inner" / "data").write_bytes(DATA)
     real = os.read
     monkeypatch.setattr(os, "read", lambda fd, n: real(fd, min(n, 1000)))
-    assert _files.read_regular_part(path, 100, 5000) == DATA[100:5100]
-    assert _files.read_regular_part(path, len(DATA) - 10, 5000) == DATA[-10:]
+    assert _files.read_regular_part(tmp_path, "data", 100, 5000) == DATA[100:5100]
+    assert _files.read_regular_part(tmp_path, "data", len(DATA) - 10, 5000) == DATA[-10:]
+    assert _files.read_regular_part(tmp_path, "data", len(DATA) + 10, 5000) == b""
+    assert _files.read_regular_part(tmp_path, "./inner//data", 0, 10) == DATA[:10]
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    real_stat = os.stat
-    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(path) if os.fspath(p) == str(fifo) else
-                        real_stat(p, *a, **k))
+    real_stat, regular = os.stat, os.stat(tmp_path / "data")
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: regular if os.fspath(p) == "fifo" else real_stat(p, *a, **k))
     with pytest.raises(_files.NotRegularFile, match=r"^a FIFO \(named pipe\)$"):
-        unblocked(lambda: _files.read_regular_part(fifo, 0, 32), fifo)
+        unblocked(lambda: _files.read_regular_part(tmp_path, "fifo", 0, 32), fifo)
+
+
+def test_a_part_is_read_beneath_its_folder_through_no_link_as_onnx_reads_it(tmp_path, monkeypatch):
+    """What onnx's loader refuses (onnx.checker's checks, then openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
+    read_regular_part refuses: a location absolute, empty or with ".." in it, a link on the way, even to a file or a
+    folder inside the folder, a file of several hard links; onnx's own loader is the reference for each. The path was
+    resolved (realpath), then opened as it was by then, links followed: a link put in the place of the file after
+    the look is refused too, not followed out of the folder."""
+    from onnx import TensorProto
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    folder = tmp_path / "model"
+    (folder / "inner").mkdir(parents=True)
+    (folder / "data").write_bytes(DATA)
+    (folder / "a..b").write_bytes(DATA)
+    (folder / "twice").write_bytes(DATA)
+    os.link(folder / "twice", folder / "hard")
+    (folder / "inner" / "data").write_bytes(DATA)
+    (folder / "folder-link").symlink_to("inner")
+    (folder / "inner-link").symlink_to(folder / "data")
+    (tmp_path / "secret").write_bytes(b"S" * 64)
+    (folder / "out-link").symlink_to(tmp_path / "secret")
+
+    def onnx_reads(location):
+        tensor = TensorProto(name="t", data_type=TensorProto.UINT8, dims=[16], data_location=TensorProto.EXTERNAL)
+        for key, value in (("location", location), ("offset", "0"), ("length", "16")):
+            tensor.external_data.add(key=key, value=value)
+        try:
+            load_external_data_for_tensor(tensor, str(folder))
+        except Exception:  # noqa: BLE001 - onnx raises several types
+            return None
+        return tensor.raw_data
+
+    refused = (ValueError, OSError, _files.NotRegularFile)
+    for location, reads in [("data", True), ("inner/data", True), ("inner/../data", True), ("", False), (".", False),
+                            (str(folder / "data"), False), ("../model/data", False), ("a..b", False),
+                            ("hard", False), ("twice", False), ("folder-link/data", False), ("inner-link", False),
+                            ("out-link", False), ("missing", False)]:
+        assert (onnx_reads(location) is not None) == reads, location
+        if reads:
+            assert _files.read_regular_part(folder, location, 0, 16) == onnx_reads(location) == DATA[:16]
+        else:
+            with pytest.raises(refused):
+                _files.read_regular_part(folder, location, 0, 16)
+    with pytest.raises(_files.NotRegularFile, match=r"^a symbolic link$"):
+        _files.read_regular_part(folder, "out-link", 0, 16)
+    with pytest.raises(_files.NotRegularFile, match=r"^a file of 2 hard links$"):
+        _files.read_regular_part(folder, "hard", 0, 16)
+    # the look made to see the file the link was before it was put there: the open follows no link either
+    real_stat, regular = os.stat, os.stat(folder / "data")
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: regular if os.fspath(p) == "out-link" else
+                        real_stat(p, *a, **k))
+    with pytest.raises(OSError) as caught:
+        _files.read_regular_part(folder, "out-link", 0, 16)
+    assert caught.value.errno == errno.ELOOP
 
 
 @pytest.mark.parametrize("pipes", [False, True])

@@ -930,19 +930,38 @@ def external_tensor(name, dims, location, **fields):
     ([0], "data.bin", {}, 0),  # nothing to read: the file is not opened
     ([], "data.bin", {}, 8),  # a scalar
     ([4], "../outside.bin", {}, None),  # outside the model's folder
+    ([4], "inner/../data.bin", {}, 32),  # inside it, once written plainly (onnx reads it)
+    ([4], "a..b.bin", {}, None),  # ".." in a name: onnx refuses it too
     ([4], "link.bin", {}, None),  # a link out of it (which onnx before 1.17 follows)
+    ([4], "inner.bin", {}, None),  # a link to a file inside it: onnx refuses it too
+    ([4], "hard.bin", {}, None),  # a hard link (to a file inside it here): onnx refuses it too
+    ([4], "inner/data.bin", {}, 32),  # in a folder inside it
+    ([4], "folder-link/data.bin", {}, None),  # through a link to that folder: onnx refuses it too
     ([4], "fifo.bin", {}, None),  # not a file: reading it would wait for a writer
 ])
+@pytest.mark.parametrize("beneath", [True, False], ids=["beneath", "onnx-loader"])
 def test_onnx_external_data_read_is_the_tensors_bytes_in_the_models_folder(tmp_path, monkeypatch, dims, location,
-                                                                           fields, read):
+                                                                           fields, read, beneath):
     # The small external tensors read for shape inference: a field that does not fit the tensor, a file outside
-    # the model's folder or one that is not a regular file is not read; each read takes the tensor's bytes only
+    # the model's folder or one that is not a regular file is not read; each read takes the tensor's bytes only.
+    # What onnx's own loader refuses (a link even inside the folder, a hard link) is refused, where a file is opened
+    # beneath its folder through no link and where (as on Windows) onnx's loader reads it
+    from wsarena.models import _onnx
+
+    monkeypatch.setattr(_onnx, "OPENS_BENEATH", beneath)
     folder = tmp_path / "model"
     folder.mkdir()
     data = np.array([1, 3, 16, 12], np.int64).tobytes() + bytes(1 << 20)
     (folder / "data.bin").write_bytes(data)
+    (folder / "a..b.bin").write_bytes(data)
+    (folder / "inner").mkdir()
+    (folder / "inner" / "data.bin").write_bytes(data)
+    (folder / "folder-link").symlink_to(folder / "inner")
+    (folder / "inner.bin").symlink_to(folder / "inner" / "data.bin")
     (tmp_path / "outside.bin").write_bytes(data)
     (folder / "link.bin").symlink_to(tmp_path / "outside.bin")
+    (folder / "twice.bin").write_bytes(data)
+    os.link(folder / "twice.bin", folder / "hard.bin")
     os.mkfifo(folder / "fifo.bin")
     location = str(folder / "data.bin") if location == "ABSOLUTE" else location
     nodes = [helper.make_node("Reshape", ["x", "shape"], ["image"]), conv("c", "image", "w", "y", pads=[1, 1, 1, 1])]
@@ -985,7 +1004,9 @@ def test_onnx_external_data_that_became_a_fifo_is_not_waited_on(tmp_path, monkey
     path = folder / "m.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     real_stat, regular = os.stat, os.stat(folder / "data.bin")
-    monkeypatch.setattr(os, "stat", lambda p, *a, **k: regular if os.fspath(p) == str(fifo) else real_stat(p, *a, **k))
+    # the FIFO by its path (isfile()'s look), or by its name in its folder's descriptor (read_regular_part's)
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: regular if os.fspath(p) in (str(fifo), fifo.name) else
+                        real_stat(p, *a, **k))
     assert os.path.isfile(fifo)  # as the look sees it
     from onnx import external_data_helper
 

@@ -8,7 +8,8 @@ FIFO, or the anonymous pipe a shell's ``<(command)`` or a pipe on ``/dev/stdin``
 without that wait: opened without blocking, which returns at once, then read blocking, which returns what its
 writers write until the last of them closes it, or at once an end where it has none. A caller's ``limit`` bounds
 what is read: a regular file larger than that is refused unread, a pipe once it gives a byte more
-(:class:`TooLarge`). :func:`read_regular_part` reads a part of a regular file, opened as these are.
+(:class:`TooLarge`). :func:`read_regular_part` reads a part of a regular file, opened as these are, inside a folder
+and reached through no link, as onnx reads an external data file.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ _CHUNK = 1 << 16  # what is asked for past the size the file's status gave (it g
 
 
 class NotRegularFile(Exception):
-    """The path given to :func:`read_regular_file` is no regular file (nor a pipe, where the caller takes one):
-    ``kind`` says what it is (``"a FIFO (named pipe)"``), ``folder`` whether it is a folder. No error of wsarena's
-    own: each caller raises its own."""
+    """The path given to :func:`read_regular_file` is no regular file (nor a pipe, where the caller takes one), or
+    the one given to :func:`read_regular_part` is no regular file of one link (a symbolic link, a file of several
+    hard links): ``kind`` says what it is (``"a FIFO (named pipe)"``), ``folder`` whether it is a folder. No error of
+    wsarena's own: each caller raises its own."""
 
     def __init__(self, kind: str, folder: bool = False) -> None:
         super().__init__(kind)
@@ -120,24 +122,32 @@ def read_regular_file(path: str | os.PathLike[str], *, limit: int | None = None,
         os.close(fd)
 
 
-def read_regular_part(path: str | os.PathLike[str], offset: int, length: int) -> bytes:
-    """``length`` bytes of the regular file ``path`` from ``offset``, fewer where it ends sooner: a small tensor's
-    bytes in the external data file of an ONNX model, which may hold gigabytes of weights besides. Opened as
-    :func:`read_regular_file` opens a file, so that a FIFO put in its place after it was looked at is refused, not
-    waited on until a writer comes.
+def read_regular_part(folder: str | os.PathLike[str], location: str, offset: int, length: int) -> bytes:
+    """``length`` bytes from ``offset`` of the regular file ``location`` inside the folder ``folder``, fewer where it
+    ends sooner: a small tensor's bytes in the external data file of an ONNX model, which may hold gigabytes of
+    weights besides. What onnx's own loader refuses is refused (onnx 1.23: ``onnx.checker``'s checks, then an
+    ``openat2`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``): a ``location`` empty, absolute or with ``..`` in it,
+    a link anywhere on the way, even to a file inside the folder, and a file of several hard links. Each folder on
+    the way is opened from the one before it, and the file from the last, none of them through a link
+    (``O_NOFOLLOW``), so that a link put in the place of one after it was looked at is refused, not followed out of
+    the folder; the file is opened as :func:`read_regular_file` opens one, so that a FIFO put in its place after it
+    was looked at is refused, not waited on until a writer comes. ``folder`` itself is opened as its path says, links
+    followed, as onnx opens it. Only where :func:`os.open` opens from a folder's descriptor (not on Windows,
+    :data:`OPENS_BENEATH`).
 
     Raises
     ------
-    NotRegularFile
-        Where ``path`` is no regular file.
-    OSError
-        What :func:`os.stat`, :func:`os.open`, :func:`os.lseek` (a negative ``offset``) and the reads raise otherwise.
     ValueError
-        A NUL in ``path``.
+        A ``location`` empty, absolute or with ``..`` in it, or a NUL in it or ``folder``.
+    NotRegularFile
+        Where ``location`` is no regular file (a link is ``"a symbolic link"``), or one of several hard links.
+    OSError
+        What :func:`os.open` (a link on the way: ``ELOOP``; a file on the way: ``ENOTDIR``), :func:`os.lseek` (a
+        negative ``offset``) and the reads raise otherwise.
     OverflowError
         An ``offset`` or a ``length`` beyond what a file's can be.
     """
-    fd, _ = _open(path, look_first=True, pipes=False)
+    fd = _open_beneath(folder, location)
     try:
         os.lseek(fd, offset, os.SEEK_SET)
         parts: list[bytes] = []
@@ -152,6 +162,49 @@ def read_regular_part(path: str | os.PathLike[str], offset: int, length: int) ->
         os.close(fd)
 
 
+# Whether read_regular_part can open a file beneath a folder, through no link: os.open from a folder's descriptor,
+# and the flags that refuse a link and a non-folder; Windows has none of them
+OPENS_BENEATH = (os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd and hasattr(os, "O_NOFOLLOW")
+                 and hasattr(os, "O_DIRECTORY"))
+
+
+def _open_beneath(folder: str | os.PathLike[str], location: str) -> int:
+    """A blocking descriptor, which the caller closes, of the regular file ``location`` inside ``folder``, reached
+    through no link, as :func:`read_regular_part` says."""
+    if not OPENS_BENEATH:
+        raise OSError(errno.ENOTSUP, "opening a file beneath a folder through no link is not supported here")
+    # as onnx.checker refuses them: absolute, or ".." anywhere once normalized, even inside a name ("a..b")
+    if not location or os.path.isabs(location) or ".." in os.path.normpath(location):
+        raise ValueError(f"the location {location!r} is not a relative path inside the folder without '..'")
+    *folders, name = os.path.normpath(location).split(os.sep)
+    no_link = os.O_NOFOLLOW | _NONBLOCK
+    at = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | _NONBLOCK)
+    try:
+        for part in folders:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | no_link, dir_fd=at)  # a link: ELOOP
+            os.close(at)
+            at = inner
+        if name == os.curdir:  # the folder itself
+            raise NotRegularFile("a folder", folder=True)
+        mode = os.stat(name, dir_fd=at, follow_symlinks=False).st_mode  # a device is not even opened
+        if stat.S_ISLNK(mode):
+            raise NotRegularFile("a symbolic link")
+        _refuse(mode, pipes=False)
+        try:
+            fd = os.open(name, _READ_FLAGS | no_link, dir_fd=at)  # a link put there since: ELOOP
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                raise NotRegularFile("a socket or a device with no driver") from None
+            raise
+    finally:
+        os.close(at)
+    st = _checked(fd, pipes=False)
+    if st.st_nlink > 1:  # onnx refuses it: a hard link made to a file elsewhere is read as one inside
+        os.close(fd)
+        raise NotRegularFile(f"a file of {st.st_nlink} hard links")
+    return fd
+
+
 def _open(path: str | os.PathLike[str], look_first: bool, pipes: bool) -> tuple[int, os.stat_result]:
     """A blocking descriptor of ``path``, which the caller closes, and its status, where it is a regular file, or a
     pipe where ``pipes``: looked at first (``look_first``), then opened without blocking and looked at again, as
@@ -164,6 +217,12 @@ def _open(path: str | os.PathLike[str], look_first: bool, pipes: bool) -> tuple[
         if exc.errno == errno.ENXIO:
             raise _unopenable(path) from None
         raise
+    return fd, _checked(fd, pipes)
+
+
+def _checked(fd: int, pipes: bool) -> os.stat_result:
+    """The status of ``fd``, opened without blocking, now made blocking, where it is a regular file, or a pipe where
+    ``pipes``; closed, and :class:`NotRegularFile` raised, otherwise."""
     try:
         st = os.fstat(fd)
         _refuse(st.st_mode, pipes)
@@ -174,7 +233,7 @@ def _open(path: str | os.PathLike[str], look_first: bool, pipes: bool) -> tuple[
     except BaseException:
         os.close(fd)
         raise
-    return fd, st
+    return st
 
 
 def _read_to_end(fd: int, size: int, limit: int | None) -> bytes:

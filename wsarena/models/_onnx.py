@@ -52,6 +52,7 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -61,7 +62,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from .._files import NotRegularFile, read_regular_part
+from .._files import OPENS_BENEATH, NotRegularFile, read_regular_part
 from .._geometry import conv_transpose_geometry
 from .._sizes import short_path, short_repr
 from ._file import read_model_file
@@ -546,15 +547,17 @@ _ITEM_SIZES = {"BOOL": 1, "INT8": 1, "UINT8": 1, "INT16": 2, "UINT16": 2, "FLOAT
 def _load_small_external_data(graph: Any, base_dir: str) -> None:
     """Read into the model the small tensors of the main graph kept in external data files, as ``onnx.load`` does,
     for the shape inference that reads their values (a ``Reshape``'s shape); one that cannot be read stays without
-    its data. Each read takes the tensor's own bytes, from a regular file inside ``base_dir``: a file elsewhere (a
-    link out of the folder, which onnx 1.16 follows; an absolute ``location``, which onnx refuses), a FIFO, or a
-    ``length`` that is not the tensor's is not read. It is read as a model file is
-    (:func:`wsarena._files.read_regular_part`), where onnx opened it as ``open()`` does, and a FIFO put in the
-    file's place after it was looked at was waited on until a writer came, for good where none came."""
+    its data. Each read takes the tensor's own bytes, from a regular file inside ``base_dir``, and refuses what onnx
+    refuses (:func:`wsarena._files.read_regular_part`): an absolute ``location`` or one with ``..``, a link on the
+    way (even one to a file inside the folder), a file of several hard links.
+    A FIFO, or a ``length`` that is not the tensor's, is not read either: the file is opened without blocking, where
+    onnx opened it as ``open()`` does, and a FIFO put in the file's place after it was looked at was waited on until
+    a writer came, for good where none came. Where a file cannot be opened beneath a folder so (Windows), onnx's own
+    loader reads it (no FIFO there is a file's name)."""
     from onnx import TensorProto
     from onnx.external_data_helper import uses_external_data
 
-    folder = os.path.realpath(base_dir or os.curdir)
+    folder = base_dir or os.curdir
     item_sizes = {getattr(TensorProto, name): size for name, size in _ITEM_SIZES.items()}
     tensors = [*graph.initializer, *(a.t for n in graph.node if n.op_type == "Constant" for a in n.attribute
                                      if a.HasField("t"))]
@@ -567,16 +570,11 @@ def _load_small_external_data(graph: Any, base_dir: str) -> None:
         if nbytes > SMALL * size or fields.get("length", str(nbytes)).strip() != str(nbytes):
             continue
         if nbytes:
-            location = fields.get("location", "")
-            data_file = os.path.realpath(os.path.join(folder, location))
-            if os.path.isabs(location) or os.path.commonpath([folder, data_file]) != folder:
-                continue
-            try:
-                offset = int(fields.get("offset", "0"))  # as onnx reads it: " 8", "+8" and "0_8" are 8
-                data = b"" if offset < 0 else read_regular_part(data_file, offset, nbytes)
-            except (NotRegularFile, OSError, ValueError, OverflowError):  # a folder, a FIFO, gone; not a number
-                continue
-            if len(data) != nbytes:  # from a file shorter than that
+            if OPENS_BENEATH:
+                data = _read_external_part(fields, folder, nbytes)
+            else:  # Windows
+                data = _read_external_by_onnx(tensor, fields, folder, nbytes)
+            if len(data) != nbytes:  # not read, or from a file shorter than that
                 continue
             tensor.raw_data = data
         else:
@@ -584,6 +582,33 @@ def _load_small_external_data(graph: Any, base_dir: str) -> None:
         # as onnx.load leaves it: the data in the model (onnx 1.16 leaves that to load's caller)
         tensor.data_location = TensorProto.DEFAULT
         del tensor.external_data[:]
+
+
+def _read_external_part(fields: dict[str, str], folder: str, nbytes: int) -> bytes:
+    """The ``nbytes`` that the external data ``fields`` of a tensor locate beneath ``folder``, fewer where they cannot
+    be read (:func:`wsarena._files.read_regular_part` refuses the file, or the offset is no number, or negative)."""
+    try:
+        offset = int(fields.get("offset", "0"))  # as onnx reads it: " 8", "+8" and "0_8" are 8
+        if offset < 0:
+            return b""
+        return read_regular_part(folder, fields.get("location", ""), offset, nbytes)
+    except (NotRegularFile, OSError, ValueError, OverflowError):  # a link, a FIFO, gone; not a number, not inside
+        return b""
+
+
+def _read_external_by_onnx(tensor: Any, fields: dict[str, str], folder: str, nbytes: int) -> bytes:
+    """The ``nbytes`` of ``tensor`` read by onnx's own loader, which makes its own checks, from its external data
+    ``fields`` beneath ``folder``; nothing where it refuses them."""
+    from onnx import TensorProto
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    copy = TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
+                       data_location=TensorProto.EXTERNAL)
+    for key, value in {**fields, "length": str(nbytes)}.items():
+        copy.external_data.add(key=key, value=value)
+    with contextlib.suppress(Exception):  # a bad field or file: onnx raises several types
+        load_external_data_for_tensor(copy, folder)
+    return bytes(copy.raw_data)
 
 
 def _unknown_negative_dims(graph: Any) -> None:
