@@ -17,7 +17,8 @@ graph benchmarks write their tables as JSON too (``bench_gpu_host-gpu.json``, ``
 ``capture-resnet50-{b32-float32,b64-float16}-gpu.json``), and which stream questions CUDA answers during a capture
 (``probe_capture_ids.py``, ``capture-ids-gpu.json``), and what one refused growth costs through CuPy's pool and
 PyTorch's allocator (``probe_refusal_cost.py``, ``refusal-cost-gpu.json``) and what the arena's record of refusals
-saves a ResNet-50 step on a nearly full device (``bench_gpu_pressure.py``, ``pressure-resnet50-b32-gpu.json``).
+saves a ResNet-50 step on a nearly full device (``bench_gpu_pressure.py``, ``pressure-resnet50-b32-gpu.json``),
+and a cached call's CUDA-touching calls, counted and timed (``bench_device_calls.py``, ``device-calls-gpu.json``).
 The file is written after every phase, so a run cut short by the machine's time limit still leaves what it
 finished. Exit status: 0 when every test run passed and every benchmark and curve exited 0, else 1.
 
@@ -66,6 +67,7 @@ BENCHMARKS = (
     (("bench_gpu_torch.py", "--autocast", "float16", "--json", "{out}/torch-resnet50-b32-float16-gpu.json"), 3),
     (("bench_gpu_arena.py", "--json", "{out}/bench_gpu_arena-gpu.json"), 1),
     (("bench_gpu_host.py", "--json", "{out}/bench_gpu_host-gpu.json"), 1),
+    (("bench_device_calls.py", "--gpu", "--json", "{out}/device-calls-gpu.json"), 1),
     (("bench_gpu_capture.py", "--json", "{out}/capture-resnet50-b32-float32-gpu.json"), 1),
     (("bench_gpu_capture.py", "--batch", "64", "--dtype", "float16", "--json",
       "{out}/capture-resnet50-b64-float16-gpu.json"), 1),

@@ -1,0 +1,365 @@
+"""The cuDNN backends' device path without a GPU: a stand-in for CuPy, the CUDA runtime and libcudnn that counts
+every call a convolution makes into them.
+
+:class:`FakeCupy` is what the backends, the arena's :class:`~wsarena.arena.providers.CupyProvider` and
+:mod:`wsarena.arena.streams` use of CuPy, made the way CuPy 14.2's Cython is (``cupy/cuda/device.pyx``,
+``stream.pyx``): ``Device()`` asks ``cudaGetDevice``, entering a ``Device`` asks it and sets the device where it
+differs, leaving one always sets the device it found; entering a ``Stream`` asks the device (twice for a stream tied
+to none, ``Stream.from_external``'s), and so does leaving one to a stream tied to none (the null stream);
+``get_current_stream(device)`` is a thread's own table, asking the device only when given none. The current device
+and streams are the calling thread's, as CUDA's and CuPy's are. Arrays (:meth:`FakeCupy.array`) are a type named
+``ndarray`` in a ``cupy`` module, which the ops take as CuPy's, on a device of their own.
+
+:func:`fake_gpu` puts it in place for a block: ``sys.modules["cupy"]``, device 0's arena over a ``CupyProvider``, the
+graph and legacy cuDNN backends as :func:`wsarena.backends.get_backend` hands them out, and libcudnn's per-call
+functions (``cudnnCreate``, ``cudnnSetStream``, the legacy convolutions, ``cudnnBackendExecute``) replaced by
+recorders; the graph backend's plans are stand-ins that execute through ``cudnnBackendExecute``, and each backend's
+candidates are given (cuDNN's heuristics need a device). ``calls`` counts each call by name, ``log`` keeps them in
+order with their arguments. ``bench/bench_device_calls.py`` prints the counts of a cached call.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from typing import Any, Self
+
+import numpy as np
+
+from wsarena.backends import Candidate
+
+# The names calls are counted under: CuPy's API as the backends call it, then the CUDA runtime functions CuPy's
+# Cython calls inside it, then cuda.bindings and libcudnn.
+GET_DEVICE = "cudaGetDevice"
+SET_DEVICE = "cudaSetDevice"
+IS_CAPTURING = "cudaStreamIsCapturing"
+
+
+class Recorder:
+    """Counts calls by name and keeps them in order, while ``on``."""
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.log: list[tuple[str, tuple[Any, ...]]] = []
+        self.on = True
+
+    def __call__(self, name: str, *args: Any) -> None:
+        if self.on:
+            self.calls[name] += 1
+            self.log.append((name, args))
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.log.clear()
+
+
+class CUDARuntimeError(RuntimeError):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"CUDA error {status}")
+        self.status = status
+
+
+class FakeCupy(types.ModuleType):
+    """CuPy as far as wsarena's device path uses it, on ``devices`` devices, recording into ``record``."""
+
+    def __init__(self, record: Recorder, devices: int = 2) -> None:
+        super().__init__("cupy")
+        self.record = record
+        self.devices = devices
+        self.capturing: set[int] = set()  # the raw handles being captured
+        local = threading.local()
+        fake = self
+
+        def thread() -> Any:  # the calling thread's current device, CuPy's stream stacks and its Device stack
+            if not hasattr(local, "device"):
+                local.device = 0
+                local.streams = [[Stream.null] for _ in range(devices)]
+                local.entered = []  # CuPy's Device stack, and its streams' devices (as ~device)
+            return local
+
+        self.thread = thread
+
+        def get_device() -> int:
+            record(GET_DEVICE)
+            return int(thread().device)
+
+        def set_device(device: int) -> None:
+            record(SET_DEVICE, device)
+            if not 0 <= device < devices:
+                raise CUDARuntimeError(101)  # cudaErrorInvalidDevice
+            thread().device = device
+
+        def stream_is_capturing(handle: int) -> bool:
+            record(IS_CAPTURING, handle)
+            return handle in fake.capturing
+
+        runtime = types.SimpleNamespace(getDevice=get_device, setDevice=set_device, CUDARuntimeError=CUDARuntimeError,
+                                        streamIsCapturing=stream_is_capturing,
+                                        deviceSynchronize=lambda: record("cudaDeviceSynchronize"))
+
+        class Device:
+            def __init__(self, device: Any = None) -> None:
+                self.id = get_device() if device is None else int(device)
+
+            def __enter__(self) -> Self:
+                record("cupy.cuda.Device.__enter__", self.id)
+                found = get_device()
+                thread().entered.append(found)
+                if self.id != found:
+                    set_device(self.id)
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                record("cupy.cuda.Device.__exit__", self.id)
+                set_device(thread().entered.pop())
+
+        class Stream:
+            null: Stream
+            ptds: Stream
+
+            def __init__(self, ptr: int, device_id: int = -1, owner: Any = None) -> None:
+                self.ptr, self.device_id, self.owner = ptr, device_id, owner
+
+            @classmethod
+            def from_external(cls, obj: Any) -> Stream:
+                record("cupy.cuda.Stream.from_external")
+                return cls(int(obj.__cuda_stream__()[1]), -1, obj)
+
+            def __cuda_stream__(self) -> tuple[int, int]:
+                return (0, self.ptr)
+
+            def _device(self) -> int:  # check_stream_device_match
+                current = get_device()
+                if self.device_id not in (-1, current):
+                    raise RuntimeError(f"The device that the stream is created on ({self.device_id}) does not match "
+                                       f"with the current device ({current})")
+                return current
+
+            def __enter__(self) -> Self:
+                record("cupy.cuda.Stream.__enter__", self.ptr)
+                device = self._device()
+                thread().streams[device].append(self)
+                thread().entered.append(~device)  # CuPy's current_device_id_stack, beside the Device stack
+                if self.device_id == -1:  # set_current_stream asks again for a stream tied to no device
+                    get_device()
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                record("cupy.cuda.Stream.__exit__", self.ptr)
+                device = ~thread().entered.pop()
+                stack = thread().streams[device]
+                stack.pop()
+                if stack[-1].device_id == -1:
+                    get_device()
+
+            def __repr__(self) -> str:
+                return f"<fake cupy Stream {self.ptr:#x}>"
+
+        Stream.null = Stream(0)
+        Stream.ptds = Stream(2)
+
+        def get_current_stream(device_id: int = -1) -> Stream:
+            record("cupy.cuda.get_current_stream")
+            if device_id == -1:
+                device_id = get_device()
+            return thread().streams[device_id][-1]
+
+        class Memory:
+            def __init__(self, ptr: int, size: int, device_id: int) -> None:
+                self.ptr, self.size, self.device_id = ptr, size, device_id
+
+        class MemoryPointer:
+            def __init__(self, mem: Memory) -> None:
+                self.mem, self.ptr, self.device_id = mem, mem.ptr, mem.device_id
+
+            @property
+            def device(self) -> Device:
+                return Device(self.device_id)
+
+        addresses = iter(range(0x7F0000000000, 1 << 62, 1 << 20))
+
+        def alloc(size: int) -> MemoryPointer:
+            record("cupy.cuda.alloc", size)
+            return MemoryPointer(Memory(next(addresses), size, get_device()))
+
+        memory = types.SimpleNamespace(MemoryAsync=type("MemoryAsync", (Memory,), {}),
+                                       PooledMemory=type("PooledMemory", (Memory,), {}))
+        self.cuda = types.SimpleNamespace(Device=Device, Stream=Stream, ExternalStream=Stream, runtime=runtime,
+                                          get_current_stream=get_current_stream, alloc=alloc, memory=memory)
+        self.Memory, self.MemoryPointer, self._addresses = Memory, MemoryPointer, addresses
+
+        class ndarray:  # the name the ops tell CuPy's arrays by
+            __module__ = "cupy._core.core"
+
+            def __init__(self, shape: tuple[int, ...], dtype: Any, data: MemoryPointer) -> None:
+                self.shape, self.dtype, self.data = tuple(shape), np.dtype(dtype), data
+                self.ndim = len(self.shape)
+                self.flags = types.SimpleNamespace(c_contiguous=True)
+
+            @property
+            def device(self) -> Device:  # CuPy: self.data.device, a Device of the memory's ordinal, asked nothing
+                return self.data.device
+
+            @property
+            def nbytes(self) -> int:
+                return int(np.prod(self.shape)) * self.dtype.itemsize
+
+        self.ndarray = ndarray
+
+    def array(self, shape: tuple[int, ...], dtype: Any = "float32", device: int = 0) -> Any:
+        """An array of ``shape`` on ``device`` (no call recorded: what the caller made before the convolution)."""
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self.ndarray(shape, dtype, self.MemoryPointer(self.Memory(next(self._addresses), nbytes, device)))
+
+    def empty(self, shape: tuple[int, ...], dtype: Any = "float32") -> Any:
+        self.record("cupy.empty", shape)
+        return self.array(shape, dtype, self.thread().device)
+
+    def may_share_memory(self, a: Any, b: Any) -> bool:  # CuPy's bounds check, on the host
+        self.record("cupy.may_share_memory")
+        return bool(a.data.device_id == b.data.device_id and a.data.ptr < b.data.ptr + b.nbytes
+                    and b.data.ptr < a.data.ptr + a.nbytes)
+
+
+class FakePlan:
+    """An execution plan of the graph backend's cache that executes through libcudnn's ``cudnnBackendExecute``."""
+
+    numerical_notes: frozenset[str] = frozenset()
+
+    def __init__(self, name: str, workspace_bytes: int) -> None:
+        self.name, self.workspace_bytes, self.closed = name, workspace_bytes, False
+
+    def execute(self, handle: Any, x: int, w: int, y: int, workspace: int) -> None:
+        from wsarena.cudnn._prototypes import call
+
+        call("cudnnBackendExecute", handle, x, w, y, workspace)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+GRAPH_CANDIDATES = (Candidate("eng0", 1 << 20), Candidate("eng1", 0))
+_SIZES = {cand.algo: cand.workspace_bytes for cand in GRAPH_CANDIDATES}
+LEGACY_CANDIDATES = {"fwd": Candidate("implicit_gemm", 0), "bwd_data": Candidate("algo_0", 0),
+                     "bwd_filter": Candidate("algo_0", 0)}
+# libcudnn's per-call functions, and its handle's life, replaced by recorders
+CUDNN_CALLS = ("cudnnCreate", "cudnnDestroy", "cudnnSetStream", "cudnnBackendExecute", "cudnnConvolutionForward",
+               "cudnnConvolutionBackwardData", "cudnnConvolutionBackwardFilter")
+
+
+class FakeGpu:
+    """What :func:`fake_gpu` yields: the recorder, the fake CuPy, device 0's arena and the two backends."""
+
+    def __init__(self, record: Recorder, cupy: FakeCupy, arena: Any, graph: Any, legacy: Any) -> None:
+        self.record, self.cupy, self.arena, self.graph, self.legacy = record, cupy, arena, graph, legacy
+
+    @property
+    def calls(self) -> collections.Counter[str]:
+        return self.record.calls
+
+    def current_device(self) -> int:
+        return int(self.cupy.thread().device)
+
+
+@contextlib.contextmanager
+def fake_gpu(devices: int = 2) -> Iterator[FakeGpu]:
+    """The fake in place for the block (module docstring); everything it replaced is put back after it, and the
+    cuDNN handles made meanwhile are closed with the recorders still in place."""
+    from cuda.bindings import runtime as rt
+
+    import wsarena
+    from wsarena import _interop, algos, ops
+    from wsarena.arena import Arena, set_arena
+    from wsarena.arena.providers import CupyProvider
+    from wsarena.backends import _backends
+    from wsarena.backends._cudnn_backend import CudnnBackend
+    from wsarena.backends._cudnn_graph import CudnnGraphBackend
+    from wsarena.backends._graph_plans import PlanCache
+    from wsarena.cudnn import _prototypes, handle
+
+    record = Recorder()
+    cupy = FakeCupy(record, devices)
+    saved_modules = {name: sys.modules.get(name) for name in ("cupy",)}
+    saved_bound = {name: _prototypes._bound.get(name) for name in CUDNN_CALLS}
+    saved = [(rt, "cudaStreamGetId", rt.cudaStreamGetId), (handle, "_current_device", handle._current_device),
+             (handle, "_set_device", handle._set_device)]
+    saved_backends = {key: _backends.get(key) for key in ("cudnn", "cudnn:graph")}
+    arenas = []
+    before = set(handle._live)  # the handles made in the block are closed after it, no other
+    try:
+        sys.modules["cupy"] = cupy
+        for name in CUDNN_CALLS:
+            _prototypes.function(name)  # declared for real first, so that bind_all() leaves the recorder in place
+
+            def recorder(*args: Any, name: str = name) -> int:
+                record(name, *args)
+                return 0
+
+            _prototypes._bound[name] = recorder  # type: ignore[assignment,unused-ignore]
+
+        def stream_id(stream: int) -> tuple[int, int]:
+            record("cuda.bindings cudaStreamGetId", stream)
+            return 0, stream
+
+        rt.cudaStreamGetId = stream_id
+
+        def current_device() -> int:
+            record("cuda.core Device()")
+            return int(cupy.thread().device)
+
+        handle._current_device = current_device
+
+        def set_device(device: int) -> None:
+            record("cuda.core Device.set_current", device)
+            cupy.thread().device = device
+
+        handle._set_device = set_device
+
+        class Graph(CudnnGraphBackend):
+            def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
+                return list(GRAPH_CANDIDATES)
+
+        class Legacy(CudnnBackend):
+            def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
+                return [LEGACY_CANDIDATES[pass_]]
+
+        graph, legacy = Graph(), Legacy()
+        graph._plans = PlanCache(lambda handle, pass_, geom, aligned: ("graph", pass_, geom, aligned),
+                                 lambda handle, graph_, name: FakePlan(name, _SIZES[name]))
+        _backends["cudnn"], _backends["cudnn:graph"] = legacy, graph
+        for device in range(devices):
+            arenas.append(set_arena(device, Arena(CupyProvider(device))))
+        _interop._KINDS.clear()
+        yield FakeGpu(record, cupy, wsarena.get_arena(0), graph, legacy)
+    finally:
+        record.on = False
+        for device, previous in enumerate(arenas):
+            ours = set_arena(device, previous)
+            if ours is not None:
+                ours.close()
+        for live in set(handle._live) - before:  # destroyed through the recorder, not libcudnn
+            live.close()
+        for key, backend in saved_backends.items():
+            if backend is None:
+                _backends.pop(key, None)
+            else:
+                _backends[key] = backend
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        for name, fn in saved_bound.items():
+            if fn is None:
+                _prototypes._bound.pop(name, None)
+            else:
+                _prototypes._bound[name] = fn
+        for name, module in saved_modules.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+        ops.records_clear()
+        algos.cache_clear()
+        _interop.NATIVE.discard(cupy.ndarray)
