@@ -1,12 +1,13 @@
 """The calls a cached convolution makes into CuPy, the CUDA runtime, cuda.bindings and libcudnn, counted per call.
 
 Without a GPU (the default): the ops run on ``tests/device_calls.py``'s stand-in for CuPy (made as CuPy 14.2's Cython
-is: which CUDA runtime function each of its calls makes), device 0's arena over a ``CupyProvider``, the graph and
+is: which CUDA runtime function each of its calls makes), each device's arena over a ``CupyProvider``, the graph and
 legacy cuDNN backends with libcudnn's per-call functions recorded. Each pass is called once (the algorithm chosen,
 the plan built, the handle made, the arena grown), then ``--calls`` times; the counts printed are those of one cached
 call, for each pass, backend and way of calling: ``stream=None`` with ``out=`` (as ``bench_gpu_host.py`` calls),
-without ``out=``, ``stream=`` a CuPy stream that is not the current one, and the same stream made current around the
-call (``with s: conv(..., stream=s)``), and from device 0 with operands on device 1.
+without ``out=``, with ``out=`` under ``cap_workspace=0`` (an algorithm that takes no workspace: a zero-byte lease),
+``stream=`` a CuPy stream that is not the current one, the same stream made current around the call
+(``with s: conv(..., stream=s)``), and operands on device 1 while device 0 is current.
 
 ``--gpu``, on a GPU: the same calls for real, with ``cudnnBackendExecute`` replaced by a C no-op (as
 ``bench_gpu_host.py``'s ``graph py`` column), timed per call, and each CUDA-touching piece alone (``cudaGetDevice``
@@ -53,7 +54,8 @@ def _arrays(make: Any, device: int = 0) -> dict[str, Any]:
     return {name: make(SHAPES[shape], "float32", device) for name, shape in names.items()}
 
 
-WAYS = ("stream=None, out=", "stream=None", "stream=s", "with s: stream=s", "operands on device 1")
+WAYS = ("stream=None, out=", "stream=None", "stream=None, out=, cap 0", "stream=s", "with s: stream=s",
+        "operands on device 1")
 
 
 def counts(calls: int) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
@@ -64,14 +66,15 @@ def counts(calls: int) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
     for api in ("graph", "legacy"):
         per_way: dict[str, dict[str, dict[str, float]]] = {}
         for way in WAYS:
-            with fake_gpu() as gpu, wsarena.config(cudnn_api=api, backend="cudnn"):
+            cap = 0 if way.endswith("cap 0") else None  # the candidate that takes no workspace: a zero-byte lease
+            with fake_gpu() as gpu, wsarena.config(cudnn_api=api, backend="cudnn", cap_workspace=cap):
                 cupy = gpu.cupy
                 device = 1 if way == "operands on device 1" else 0
                 arrays = _arrays(gpu.cupy.array, device)
                 side = cupy.cuda.Stream(0x5000, 0)  # a stream of device 0's, not the current one
                 stream = side if way.endswith("stream=s") else None
                 per_pass = {}
-                for pass_, fn in _passes(arrays, way == "stream=None, out=" or device == 1, stream).items():
+                for pass_, fn in _passes(arrays, way.startswith("stream=None, out=") or device == 1, stream).items():
                     scope = side if way.startswith("with s") else None
                     if scope is not None:
                         scope.__enter__()

@@ -10,12 +10,13 @@ to none, ``Stream.from_external``'s), and so does leaving one to a stream tied t
 and streams are the calling thread's, as CUDA's and CuPy's are. Arrays (:meth:`FakeCupy.array`) are a type named
 ``ndarray`` in a ``cupy`` module, which the ops take as CuPy's, on a device of their own.
 
-:func:`fake_gpu` puts it in place for a block: ``sys.modules["cupy"]``, device 0's arena over a ``CupyProvider``, the
-graph and legacy cuDNN backends as :func:`wsarena.backends.get_backend` hands them out, and libcudnn's per-call
+:func:`fake_gpu` puts it in place for a block: ``sys.modules["cupy"]``, each device's arena over a ``CupyProvider``,
+the graph and legacy cuDNN backends as :func:`wsarena.backends.get_backend` hands them out, and libcudnn's per-call
 functions (``cudnnCreate``, ``cudnnSetStream``, the legacy convolutions, ``cudnnBackendExecute``) replaced by
-recorders; the graph backend's plans are stand-ins that execute through ``cudnnBackendExecute``, and each backend's
-candidates are given (cuDNN's heuristics need a device). ``calls`` counts each call by name, ``log`` keeps them in
-order with their arguments. ``bench/bench_device_calls.py`` prints the counts of a cached call.
+recorders (``cudnnCreate`` logs the handle it makes and the device current then); the graph backend's plans are
+stand-ins that execute through ``cudnnBackendExecute``, and each backend's candidates are given (cuDNN's heuristics
+need a device). ``calls`` counts each call by name, ``log`` keeps them in order with their arguments.
+``bench/bench_device_calls.py`` prints the counts of a cached call.
 """
 
 from __future__ import annotations
@@ -242,10 +243,12 @@ class FakePlan:
         self.closed = True
 
 
+# Each backend's candidates, best first: one that takes workspace, and one that takes none (what cap_workspace=0 runs)
 GRAPH_CANDIDATES = (Candidate("eng0", 1 << 20), Candidate("eng1", 0))
 _SIZES = {cand.algo: cand.workspace_bytes for cand in GRAPH_CANDIDATES}
-LEGACY_CANDIDATES = {"fwd": Candidate("implicit_gemm", 0), "bwd_data": Candidate("algo_0", 0),
-                     "bwd_filter": Candidate("algo_0", 0)}
+LEGACY_CANDIDATES = {"fwd": (Candidate("implicit_precomp_gemm", 1 << 16), Candidate("implicit_gemm", 0)),
+                     "bwd_data": (Candidate("algo_1", 1 << 16), Candidate("algo_0", 0)),
+                     "bwd_filter": (Candidate("algo_1", 1 << 16), Candidate("algo_0", 0))}
 # libcudnn's per-call functions, and its handle's life, replaced by recorders
 CUDNN_CALLS = ("cudnnCreate", "cudnnDestroy", "cudnnSetStream", "cudnnBackendExecute", "cudnnConvolutionForward",
                "cudnnConvolutionBackwardData", "cudnnConvolutionBackwardFilter")
@@ -292,10 +295,14 @@ def fake_gpu(devices: int = 2) -> Iterator[FakeGpu]:
     before = set(handle._live)  # the handles made in the block are closed after it, no other
     try:
         sys.modules["cupy"] = cupy
+        handles = iter(range(0x1000, 1 << 62, 0x1000))
         for name in CUDNN_CALLS:
             _prototypes.function(name)  # declared for real first, so that bind_all() leaves the recorder in place
 
             def recorder(*args: Any, name: str = name) -> int:
+                if name == "cudnnCreate":  # a handle of its own, written through the byref; logged with its device
+                    made = args[0]._obj.value = next(handles)
+                    args = (made, cupy.thread().device)
                 record(name, *args)
                 return 0
 
@@ -325,7 +332,7 @@ def fake_gpu(devices: int = 2) -> Iterator[FakeGpu]:
 
         class Legacy(CudnnBackend):
             def candidates(self, pass_: str, geom: Any) -> list[Candidate]:
-                return [LEGACY_CANDIDATES[pass_]]
+                return list(LEGACY_CANDIDATES[pass_])
 
         graph, legacy = Graph(), Legacy()
         graph._plans = PlanCache(lambda handle, pass_, geom, aligned: ("graph", pass_, geom, aligned),

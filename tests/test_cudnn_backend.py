@@ -22,7 +22,7 @@ from wsarena._geometry import conv_geometry
 from wsarena._pass import Pass
 from wsarena.arena import streams
 from wsarena.backends import Candidate
-from wsarena.backends._cudnn_backend import CudnnBackend, _channels_last, _DeviceAndStream, _usable, pointers
+from wsarena.backends._cudnn_backend import CudnnBackend, _channels_last, _OnDevice, _usable, pointers
 from wsarena.cudnn import AlgoPerf, ConvolutionFwdAlgo, MathType, Status
 from wsarena.errors import MemoryFallbackWarning, UnsupportedConvolutionError, WorkspaceCapWarning
 
@@ -113,7 +113,7 @@ def test_context_refuses_arrays_on_different_devices(backend):
     with pytest.raises(ValueError, match=r"different devices \[0, 1\]"):
         backend.context((_on(d0), _on(d0), _on(d1)), None)
     ctx = backend.context((_on(d1), _on(d1)), None)
-    assert ctx is d1  # no stream: the arrays' CuPy device is the context
+    assert ctx.device is d1 and ctx.stream is None  # no stream: the arrays' CuPy device alone
 
 
 class _Device:
@@ -172,7 +172,8 @@ def test_a_raw_stream_becomes_a_cupy_stream_entered_on_the_arrays_device(monkeyp
         assert isinstance(ctx.stream, cupy.cuda.Stream) and ctx.device is on_1.device and current == [0]
         assert (ctx.stream.ptr, ctx.stream.device_id) == (streams.stream_handle(stream), -1)
     current_streams[1] = _current(0x77)  # made current there by the caller (wsarena._interop for torch tensors)
-    assert backend.context((on_1, on_1), 0x77) is on_1.device  # nothing to switch: the device alone
+    ctx = backend.context((on_1, on_1), 0x77)
+    assert ctx.device is on_1.device and ctx.stream is None  # nothing to switch: the device alone
 
 
 def test_each_call_gets_a_cupy_stream_object_of_its_own_over_one_kept_cuda_core_object(monkeypatch):
@@ -221,18 +222,50 @@ def test_the_stream_object_a_call_makes_current_dies_with_the_call(monkeypatch):
     assert [ref() for ref in made] == [None] * 3 and caller_gone() is None
 
 
+def _runtime(current):
+    """``cupy.cuda`` as far as the ops' context asks it: the current device is ``current``."""
+    return SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: current))
+
+
 def test_device_and_stream_enter_in_order_and_leave_in_reverse():
     log = []
-    with _DeviceAndStream(_FakeDevice(3, log), _FakeStream(log)):
+    with _OnDevice(_runtime(0), _FakeDevice(3, log), _FakeStream(log)):
         log.append("body")
     assert log == [("enter device", 3), "enter stream", "body", "exit stream", ("exit device", 3)]
     log.clear()
     with (
         pytest.raises(RuntimeError, match="another device"),
-        _DeviceAndStream(_FakeDevice(3, log), _FakeStream(log, fail=True)),
+        _OnDevice(_runtime(0), _FakeDevice(3, log), _FakeStream(log, fail=True)),
     ):
         log.append("body")
     assert log == [("enter device", 3), ("exit device", 3)]  # the device is left when the stream cannot be entered
+
+
+def test_a_device_current_already_is_not_entered_and_the_block_knows_it_without_asking(monkeypatch):
+    """CuPy's Device asks cudaGetDevice as it enters and calls cudaSetDevice as it leaves, even where nothing changes:
+    a device current already is asked once and left alone. Within the block the backend's device (its key, its arena,
+    the handle's) is the one made current, in this thread alone, asked of no one; after it CuPy is asked again."""
+    log, asked = [], []
+    backend = CudnnBackend()
+    monkeypatch.setattr(backend, "_cupy", SimpleNamespace(cuda=SimpleNamespace(
+        Device=lambda: asked.append(1) or SimpleNamespace(id=5))))
+    with _OnDevice(_runtime(3), _FakeDevice(3, log), _FakeStream(log)):
+        assert log == ["enter stream"]
+        assert backend._device() == backend.device_key() == 3 and asked == []
+        elsewhere = []
+        thread = threading.Thread(target=lambda: elsewhere.append(backend._device()))
+        thread.start()
+        thread.join()
+        assert elsewhere == [5] and len(asked) == 1  # another thread's current device is CuPy's
+        with _OnDevice(_runtime(3), _FakeDevice(4, log), None):  # nested, on another device
+            assert backend._device() == 4
+        assert backend._device() == 3 and log[-2:] == [("enter device", 4), ("exit device", 4)]
+    assert log[-1] == "exit stream" and ("exit device", 3) not in log
+    assert backend._device() == 5 and len(asked) == 2
+    with pytest.raises(RuntimeError, match="another device"), _OnDevice(_runtime(3), _FakeDevice(3, log),
+                                                                        _FakeStream(log, fail=True)):
+        pass
+    assert backend._device() == 5
 
 
 def test_the_handle_is_bound_to_the_leased_workspaces_stream(monkeypatch):

@@ -10,6 +10,7 @@ float32 with tensor cores allowed (``TENSOR_OP_MATH``), as PyTorch does; float64
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,7 +75,10 @@ class CudnnBackend:
 
     # -- where -------------------------------------------------------------------------------------------------
     def _device(self) -> int:
-        return int(self._cupy.cuda.Device().id)
+        """The calling thread's current CUDA device: within an op's :meth:`context`, the device it made current,
+        asked of no one; else CuPy's (a ``cudaGetDevice``)."""
+        device: int | None = getattr(_within, "device", None)
+        return device if device is not None else int(self._cupy.cuda.Device().id)
 
     def device_key(self) -> Any:
         return self._device()
@@ -88,24 +92,23 @@ class CudnnBackend:
         return get_arena(self._device())
 
     def context(self, arrays: Sequence[Any], stream: Any) -> Any:
-        """The arrays' device current, and ``stream`` (when given) CuPy's current stream, for the block.
-
-        A CuPy ``Device`` (or a pair with the stream) rather than a generator: this runs on every call, and a
-        ``contextlib.contextmanager`` costs microseconds of its own.
+        """The arrays' device current, and ``stream`` (when given) CuPy's current stream, for the block
+        (:class:`_OnDevice`: an object rather than a generator, as this runs on every call and a
+        ``contextlib.contextmanager`` costs microseconds of its own).
         """
         device = arrays[0].device
         for array in arrays[1:]:
             if array.device.id != device.id:
                 devices = sorted({int(a.device.id) for a in arrays})
                 raise ValueError(f"the arrays are on different devices {devices}; put them on one device")
-        if stream is None:
-            return device
-        if not isinstance(stream, self._cupy.cuda.Stream):
-            if type(stream) is int and stream == self._cupy.cuda.get_current_stream(device.id).ptr:
-                return device  # CuPy's current there already (an operand of another library made it so)
-            # a CuPy object of the call's own, which dies with it (arena.streams.cupy_stream says why)
-            stream = cupy_stream(stream_handle(stream))
-        return _DeviceAndStream(device, stream)
+        cuda = self._cupy.cuda
+        if stream is not None and not isinstance(stream, cuda.Stream):
+            if type(stream) is int and stream == cuda.get_current_stream(device.id).ptr:
+                stream = None  # CuPy's current there already (an operand of another library made it so)
+            else:
+                # a CuPy object of the call's own, which dies with it (arena.streams.cupy_stream says why)
+                stream = cupy_stream(stream_handle(stream))
+        return _OnDevice(cuda, device, stream)
 
     def may_share_memory(self, a: Any, b: Any) -> bool:
         return bool(self._cupy.may_share_memory(a, b))
@@ -344,25 +347,51 @@ def _usable(perfs: Sequence[Any], *, timed: bool = False) -> list[Candidate]:
     return list(seen.values())
 
 
-class _DeviceAndStream:
-    """Enter a CuPy device, then a CuPy stream on it; leave both, in reverse order."""
+# .device: the CUDA device an op's context (_OnDevice) made current in this thread, for the block; absent or None
+# outside one
+_within = threading.local()
 
-    __slots__ = ("device", "stream")
 
-    def __init__(self, device: Any, stream: Any) -> None:
+class _OnDevice:
+    """Make a CuPy device current, then enter a CuPy stream on it (``stream``: ``None`` for none); leave both, in
+    reverse order, and the device current before as it was.
+
+    The device is entered only where it is not current: CuPy's ``Device`` asks ``cudaGetDevice`` as it enters and
+    calls ``cudaSetDevice`` as it leaves, even where nothing changed, and this asks once. Within the block the
+    backends' ``_device()`` answers with it in this thread (what ``device_key()``, ``arena()`` and the handle ask
+    each call), as nothing the ops run there leaves another device current."""
+
+    __slots__ = ("cuda", "device", "entered", "outer", "stream")
+
+    def __init__(self, cuda: Any, device: Any, stream: Any) -> None:
+        self.cuda = cuda  # cupy.cuda
         self.device = device
         self.stream = stream
+        self.entered: Any = None
+        self.outer: int | None = None
 
     def __enter__(self) -> None:
-        self.device.__enter__()
+        device = self.device
+        if self.cuda.runtime.getDevice() != device.id:
+            device.__enter__()
+            self.entered = device
         try:
-            self.stream.__enter__()
+            if self.stream is not None:
+                self.stream.__enter__()
         except BaseException:
-            self.device.__exit__(None, None, None)
+            entered, self.entered = self.entered, None
+            if entered is not None:
+                entered.__exit__(None, None, None)
             raise
+        self.outer = getattr(_within, "device", None)
+        _within.device = int(device.id)
 
     def __exit__(self, *exc: object) -> None:
+        _within.device = self.outer
         try:
-            self.stream.__exit__(*exc)
+            if self.stream is not None:
+                self.stream.__exit__(*exc)
         finally:
-            self.device.__exit__(*exc)
+            entered, self.entered = self.entered, None
+            if entered is not None:
+                entered.__exit__(*exc)

@@ -1,0 +1,128 @@
+"""The cuDNN backends' device path without a GPU, on tests/device_calls.py's stand-in for CuPy, the CUDA runtime and
+libcudnn: which device and stream a call runs on, what it leaves current, and how many CUDA calls a cached call makes
+(what bench/bench_device_calls.py prints)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import wsarena
+
+from .device_calls import GET_DEVICE, IS_CAPTURING, SET_DEVICE, fake_gpu
+
+X, W, Y = (2, 4, 8, 8), (6, 4, 3, 3), (2, 6, 8, 8)
+CONVOLUTIONS = ("cudnnBackendExecute", "cudnnConvolutionForward", "cudnnConvolutionBackwardData",
+                "cudnnConvolutionBackwardFilter")
+
+
+@pytest.fixture(params=["graph", "legacy"])
+def gpu(request):
+    with fake_gpu() as gpu, wsarena.config(cudnn_api=request.param, backend="cudnn"):
+        gpu.api = request.param
+        yield gpu
+
+
+def _calls(gpu, device=0, out=True):
+    """Each pass's call on operands of ``device``, with ``out=`` or without."""
+    cupy = gpu.cupy
+    x, w, dy = cupy.array(X, device=device), cupy.array(W, device=device), cupy.array(Y, device=device)
+    outs = {"fwd": cupy.array(Y, device=device), "bwd_data": cupy.array(X, device=device),
+            "bwd_filter": cupy.array(W, device=device)}
+
+    def kw(pass_, stream):
+        return {"padding": 1, "stream": stream, **({"out": outs[pass_]} if out else {})}
+
+    return {
+        "fwd": lambda stream=None: wsarena.conv_forward(x, w, **kw("fwd", stream)),
+        "bwd_data": lambda stream=None: wsarena.conv_backward_data(dy, w, X, **kw("bwd_data", stream)),
+        "bwd_filter": lambda stream=None: wsarena.conv_backward_filter(x, dy, W, **kw("bwd_filter", stream)),
+    }
+
+
+def _ran(gpu):
+    """(handle, device it was made on) of each convolution cuDNN was given, in order."""
+    made = {args[0]: args[1] for name, args in gpu.record.log if name == "cudnnCreate"}
+    return [(args[0], made[args[0]]) for name, args in gpu.record.log if name in CONVOLUTIONS]
+
+
+def _bound(gpu):
+    """The streams the handles were bound to, in order."""
+    return [args[1] for name, args in gpu.record.log if name == "cudnnSetStream"]
+
+
+@pytest.mark.parametrize("out", [True, False])
+def test_a_cached_call_asks_the_current_device_once_and_sets_none(gpu, out):
+    """The operands' device is current already: it is asked once (where CuPy's Device asks as it enters and sets it
+    again as it leaves, and the call asked again for its algorithm's key, its arena and its handle: four asked, one
+    set), and the stream's capture is asked once, by the lease. Each pass runs one convolution."""
+    for pass_, call in _calls(gpu, out=out).items():
+        call()
+        gpu.record.clear()
+        call()
+        calls = gpu.calls
+        assert (calls[GET_DEVICE], calls[SET_DEVICE], calls[IS_CAPTURING]) == (1, 0, 1), (pass_, dict(calls))
+        assert sum(calls[name] for name in CONVOLUTIONS) == 1 and calls["cudnnSetStream"] == 0
+        assert gpu.current_device() == 0
+
+
+def test_a_call_on_another_devices_operands_runs_there_and_restores_the_current_device(gpu):
+    """Operands on device 1, device 0 current: the call makes 1 current, runs on device 1's handle and leases from
+    device 1's arena, and leaves 0 current, also when cuDNN refuses the call."""
+    for call in _calls(gpu, device=1).values():
+        call()
+        assert gpu.current_device() == 0
+        mark = len(gpu.record.log)
+        call()
+        assert [args[0] for name, args in gpu.record.log[mark:] if name == SET_DEVICE] == [1, 0]
+    assert gpu.current_device() == 0
+    assert {device for _, device in _ran(gpu)} == {1}
+    assert wsarena.get_arena(1).stats().high_water_bytes > 0 and wsarena.get_arena(0).stats().high_water_bytes == 0
+    name = "cudnnBackendExecute" if gpu.api == "graph" else "cudnnConvolutionForward"
+    from wsarena.cudnn import _prototypes
+
+    _prototypes._bound[name] = lambda *args: 3  # BAD_PARAM
+    with pytest.raises(wsarena.cudnn.CudnnError):
+        _calls(gpu, device=1)["fwd"]()
+    assert gpu.current_device() == 0
+
+
+def test_each_thread_runs_on_its_own_current_device_and_handle(gpu):
+    """A thread whose current device is 1 calls on device 1's operands as this thread calls on device 0's: each runs
+    on its own handle of its own device, and neither changes the other's current device."""
+    calls = {device: _calls(gpu, device=device) for device in (0, 1)}
+    ran = {}
+
+    def worker():
+        gpu.cupy.cuda.runtime.setDevice(1)
+        for call in calls[1].values():
+            call()
+        ran["worker"] = gpu.current_device()
+
+    for call in calls[0].values():
+        call()
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    for call in calls[0].values():
+        call()
+    assert ran["worker"] == 1 and gpu.current_device() == 0
+    handles = _ran(gpu)
+    assert [device for _, device in handles] == [0] * 3 + [1] * 3 + [0] * 3
+    assert len({handle for handle, _ in handles}) == 2  # one per thread and device
+
+
+def test_a_side_stream_is_entered_for_the_call_and_bound_to_the_handle(gpu):
+    """``stream=s``, a stream that is not CuPy's current one: the call enters it (what it allocates goes on it), binds
+    the handle to it and leases from its sub-arena, and leaves CuPy's current stream as it was."""
+    side = gpu.cupy.cuda.Stream(0x5000, 0)
+    _calls(gpu)["fwd"](side)
+    assert _bound(gpu) == [0x5000]
+    for call in _calls(gpu).values():
+        call(side)
+        gpu.record.clear()
+        call(side)
+        assert [args for name, args in gpu.record.log if name == "cupy.cuda.Stream.__enter__"] == [(0x5000,)]
+        assert gpu.cupy.cuda.get_current_stream(0).ptr == 0
+    assert set(wsarena.get_arena(0).stats().streams) == {0x5000}
