@@ -50,6 +50,18 @@ def test_zero_bytes_is_legal_and_allocates_nothing(arena, provider, arena_kind):
     assert arena.stats().streams == {}
 
 
+def test_a_zero_byte_lease_on_a_device_carries_its_streams_raw_handle(arena, arena_kind):
+    """As a lease that takes bytes does: the cuDNN backends bind their handle to it without resolving the call's stream
+    again (CuPy's current stream, for None). The per-thread default stream's is 2, a lane's nothing."""
+    if arena_kind.host:
+        with arena.lease(0) as ws, arena.lease(0, stream="lane") as named:
+            assert ws.cuda_stream is None and named.cuda_stream is None
+        return
+    for stream, raw in ((None, arena.provider.current), (0x77, 0x77), (2, 2), (0, 0)):
+        with arena.lease(0, stream=stream) as ws, arena.lease(8, stream=stream) as taking:
+            assert ws.cuda_stream == taking.cuda_stream == raw
+
+
 def test_same_stream_reuses_the_same_bytes(arena, provider):
     with arena.lease(4096) as a:
         pa = a.ptr

@@ -67,6 +67,25 @@ def test_a_cached_call_asks_the_current_device_once_and_sets_none(gpu, out):
         assert gpu.current_device() == 0
 
 
+@pytest.mark.filterwarnings("ignore::wsarena.WorkspaceCapWarning")  # the cap leaves out the first candidate
+def test_a_call_on_a_zero_byte_lease_binds_its_handle_to_the_leases_stream_resolved_once(gpu):
+    """An algorithm that takes no workspace (cap_workspace=0) leases zero bytes, which carry the stream the lease
+    resolved: CuPy's current stream is read once a call (where the handle's binding read it again, asking the current
+    device for it), and the handle follows it from call to call."""
+    side = gpu.cupy.cuda.Stream(0x5000, 0)
+    with wsarena.config(cap_workspace=0):
+        for call in _calls(gpu).values():
+            call()
+            gpu.record.clear()
+            call()
+            assert (gpu.calls["cupy.cuda.get_current_stream"], gpu.calls[GET_DEVICE]) == (1, 1), dict(gpu.calls)
+            with side:
+                call()
+            call()
+            assert _bound(gpu) == [0x5000, 0]
+    assert wsarena.get_arena(0).stats().streams == {}  # nothing leased
+
+
 def test_a_call_on_another_devices_operands_runs_there_and_restores_the_current_device(gpu):
     """Operands on device 1, device 0 current: the call makes 1 current, runs on device 1's handle and leases from
     device 1's arena, and leaves 0 current, also when cuDNN refuses the call."""

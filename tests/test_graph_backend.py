@@ -1133,8 +1133,8 @@ def _array(ptr):
 
 
 def _lease(nbytes, stream=0x77):
-    """A device lease as the arena gives it: one that takes bytes carries its stream's raw handle, a zero-byte one
-    none."""
+    """A device lease: one that takes bytes carries its stream's raw handle, as the arena's do; a zero-byte one none,
+    as a workspace of the caller's own may not (the arena's zero-byte leases carry theirs too)."""
     return SimpleNamespace(ptr=0x100000 if nbytes else 0, nbytes=nbytes, cuda_stream=stream if nbytes else None,
                            pin=None)
 
@@ -1311,9 +1311,9 @@ def test_a_legacy_call_captured_into_a_graph_keeps_its_cudnn_handle_while_the_gr
 
 
 def test_a_call_on_a_zero_byte_lease_asks_its_stream_for_its_handle_once(graph_backend, monkeypatch):
-    """A zero-byte lease carries no stream handle: the call's stream is resolved for the handle's binding, and that
-    binding is the stream checked for a capture, not resolved a second time (an object with __cuda_stream__ is asked
-    once per call, as CuPy's current stream is read once)."""
+    """A zero-byte workspace that carries no stream handle: the call's stream is resolved for the handle's binding, and
+    that binding is the stream checked for a capture, not resolved a second time (an object with __cuda_stream__ is
+    asked once per call, as CuPy's current stream is read once)."""
     from wsarena.arena import _capture
 
     handle = _BoundHandle()

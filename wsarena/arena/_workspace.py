@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from types import MethodType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from .._sizes import format_size, short_repr
 from ._interrupts import finish
@@ -64,8 +64,8 @@ class Workspace:
         The sub-arena key: the raw ``cudaStream_t`` handle on a device (for handle 2, the per-thread default
         stream, the thread's own key, whose ``handle`` is 2), the lane key on the host.
     cuda_stream : int or None
-        On a device, the raw ``cudaStream_t`` the workspace belongs to (2 for the per-thread default stream);
-        ``None`` on the host.
+        On a device, the raw ``cudaStream_t`` the workspace belongs to (2 for the per-thread default stream), also
+        for zero bytes (once entered); ``None`` on the host.
     pin : GraphPin or None
         Taken while its stream was captured into a CUDA graph: that graph's pin (:mod:`wsarena.arena._pins`),
         live as long as the graph exists, to which the buffer is pinned; a call ties to it what else its captured
@@ -133,6 +133,8 @@ class Workspace:
                 graph = capture(raw_handle(self.stream))
                 if graph is not None:
                     self.pin = self._arena._pin_for(graph)
+            if not self._arena._lanes:  # the stream it resolved, which the call binds its cuDNN handle to
+                self.cuda_stream = cast(int, raw_handle(self.stream))
             self._state = 1
             return self
         try:

@@ -353,7 +353,7 @@ class CudnnGraphBackend(CudnnBackend):
         x, w, y = pointers(pass_, a, b, out)
         aligned = alignments(x, w, y)
         # stream=: checked for a capture before a plan is finalized, the stream the handle was just bound to (the
-        # lease's, or the call's own for a zero-byte lease, whose cuda_stream is None), not resolved again. pin=: the
+        # lease's, or the call's own where a workspace carries none), not resolved again. pin=: the
         # CUDA graph being captured, if any (the lease's), for which the plan is kept: its kernel uses what it owns.
         plan = self._plans.plan(handle, pass_, geom, name, aligned, stream=handle.stream, pin=workspace.pin)
         if plan.workspace_bytes > workspace.nbytes:
