@@ -293,6 +293,7 @@ def fake_gpu(devices: int = 2) -> Iterator[FakeGpu]:
     saved_backends = {key: _backends.get(key) for key in ("cudnn", "cudnn:graph")}
     arenas = []
     before = set(handle._live)  # the handles made in the block are closed after it, no other
+    graph: Any = None
     try:
         sys.modules["cupy"] = cupy
         handles = iter(range(0x1000, 1 << 62, 0x1000))
@@ -350,6 +351,8 @@ def fake_gpu(devices: int = 2) -> Iterator[FakeGpu]:
                 ours.close()
         for live in set(handle._live) - before:  # destroyed through the recorder, not libcudnn
             live.close()
+        if graph is not None:  # its plans closed now: a backend a failed test's traceback holds hands none over later
+            graph._plans.clear()
         for key, backend in saved_backends.items():
             if backend is None:
                 _backends.pop(key, None)

@@ -186,7 +186,7 @@ def test_each_call_gets_a_cupy_stream_object_of_its_own_over_one_kept_cuda_core_
 
     backend = CudnnBackend()
     current = [0]
-    wrapped = _real_streams(monkeypatch, backend, {0: _current(2), 1: _current(2)})
+    wrapped = _real_streams(monkeypatch, backend, {0: _current(0x99), 1: _current(0x99)})  # none of those given
     on_0, on_1 = _on(_Device(0, current)), _on(_Device(1, current))
     torch_like = type("TorchStream", (), {"cuda_stream": 0x77})()
     made = [backend.context((on, on), stream).stream for on in (on_1, on_0) for stream in (0x77, torch_like,

@@ -145,3 +145,25 @@ def test_a_side_stream_is_entered_for_the_call_and_bound_to_the_handle(gpu):
         assert [args for name, args in gpu.record.log if name == "cupy.cuda.Stream.__enter__"] == [(0x5000,)]
         assert gpu.cupy.cuda.get_current_stream(0).ptr == 0
     assert set(wsarena.get_arena(0).stats().streams) == {0x5000}
+
+
+def test_a_stream_current_already_is_not_entered_again(gpu):
+    """``with s: conv(..., stream=s)``, s given as CuPy's object, its raw handle or another library's object over it:
+    CuPy's current stream on the operands' device already, so the call enters nothing (entering asked the current
+    device twice and leaving it once more), and runs on it all the same: the handle bound to it, the lease its."""
+    from wsarena.arena.testing import FakeStream
+
+    side = gpu.cupy.cuda.Stream(0x5000, 0)
+    for given in (side, 0x5000, FakeStream(0x5000)):
+        with side:
+            for call in _calls(gpu).values():
+                call(given)
+                mark = len(gpu.record.log)
+                call(given)
+                entered = [name for name, _ in gpu.record.log[mark:] if name.startswith("cupy.cuda.Stream")]
+                assert entered == [] and gpu.record.log[mark:].count((GET_DEVICE, ())) == 1
+                assert gpu.cupy.cuda.get_current_stream(0) is side
+        assert gpu.cupy.cuda.get_current_stream(0).ptr == 0
+    assert _bound(gpu) == [0x5000]
+    assert set(wsarena.get_arena(0).stats().streams) == {0x5000}
+

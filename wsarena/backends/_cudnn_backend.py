@@ -102,12 +102,18 @@ class CudnnBackend:
                 devices = sorted({int(a.device.id) for a in arrays})
                 raise ValueError(f"the arrays are on different devices {devices}; put them on one device")
         cuda = self._cupy.cuda
-        if stream is not None and not isinstance(stream, cuda.Stream):
-            if type(stream) is int and stream == cuda.get_current_stream(device.id).ptr:
-                stream = None  # CuPy's current there already (an operand of another library made it so)
-            else:
-                # a CuPy object of the call's own, which dies with it (arena.streams.cupy_stream says why)
-                stream = cupy_stream(stream_handle(stream))
+        if stream is not None:
+            own = isinstance(stream, cuda.Stream)
+            raw = type(stream) is int
+            handle = stream.ptr if own else stream if raw else stream_handle(stream)
+            if handle == cuda.get_current_stream(device.id).ptr:
+                # CuPy's current there already (the caller's `with stream:`, or wsarena._interop's for the operands of
+                # another library): nothing to enter, which would ask the current device up to three times
+                stream = None
+            elif not own:
+                # a CuPy object of the call's own, which dies with it (arena.streams.cupy_stream says why); a raw
+                # handle checked first (a negative one is refused)
+                stream = cupy_stream(stream_handle(stream) if raw else handle)
         return _OnDevice(cuda, device, stream)
 
     def may_share_memory(self, a: Any, b: Any) -> bool:
