@@ -377,20 +377,23 @@ class _OnDevice:
         self.outer: int | None = None
 
     def __enter__(self) -> None:
+        # Nothing runs after the stream is entered: an exception there (a Ctrl-C) would leave it and the device
+        # entered, as __exit__ does not run for an __enter__ that raised
+        outer = self.outer = getattr(_within, "device", None)
         device = self.device
         if self.cuda.runtime.getDevice() != device.id:
             device.__enter__()
             self.entered = device
         try:
+            _within.device = device.id
             if self.stream is not None:
                 self.stream.__enter__()
         except BaseException:
+            _within.device = outer
             entered, self.entered = self.entered, None
             if entered is not None:
                 entered.__exit__(None, None, None)
             raise
-        self.outer = getattr(_within, "device", None)
-        _within.device = int(device.id)
 
     def __exit__(self, *exc: object) -> None:
         _within.device = self.outer
