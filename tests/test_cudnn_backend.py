@@ -223,8 +223,9 @@ def test_the_stream_object_a_call_makes_current_dies_with_the_call(monkeypatch):
 
 
 def _runtime(current):
-    """``cupy.cuda`` as far as the ops' context asks it: the current device is ``current``."""
-    return SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: current))
+    """``cupy.cuda`` as far as the ops' context asks it: the current device is ``current``, and CuPy's current stream
+    there none of the tests' streams."""
+    return SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: current), get_current_stream=lambda device: None)
 
 
 def test_device_and_stream_enter_in_order_and_leave_in_reverse():

@@ -10,7 +10,7 @@ import pytest
 
 import wsarena
 
-from .device_calls import GET_DEVICE, IS_CAPTURING, SET_DEVICE, fake_gpu
+from .device_calls import GET_DEVICE, IS_CAPTURING, SET_DEVICE, CUDARuntimeError, fake_gpu
 
 X, W, Y = (2, 4, 8, 8), (6, 4, 3, 3), (2, 6, 8, 8)
 CONVOLUTIONS = ("cudnnBackendExecute", "cudnnConvolutionForward", "cudnnConvolutionBackwardData",
@@ -167,3 +167,36 @@ def test_a_stream_current_already_is_not_entered_again(gpu):
     assert _bound(gpu) == [0x5000]
     assert set(wsarena.get_arena(0).stats().streams) == {0x5000}
 
+
+
+@pytest.mark.parametrize("where", ["device", "stream", "stream, device current", "device refused"])
+def test_a_scope_interrupted_or_refused_as_it_enters_leaves_what_it_entered(where):
+    """CPython raises a Ctrl-C's KeyboardInterrupt as a call returns: on the heels of CuPy's Device or Stream
+    ``__enter__``, done, the ops' scope raises with no ``__exit__`` to run. It leaves what was entered: the current
+    device, CuPy's device and stream stacks and the backends' device are as they were before it. So does a device
+    that cudaSetDevice refuses, which CuPy's Device pushed before it tried."""
+    from wsarena.backends._cudnn_backend import _OnDevice, _within
+
+    with fake_gpu() as gpu:
+        cuda = gpu.cupy.cuda
+
+        class Device(cuda.Device):
+            def __enter__(self):
+                super().__enter__()
+                if where == "device":
+                    raise KeyboardInterrupt
+
+        class Stream(cuda.Stream):
+            def __enter__(self):
+                super().__enter__()
+                raise KeyboardInterrupt
+
+        device = {"stream, device current": 0, "device refused": 5}.get(where, 1)
+        stream = None if where.startswith("device") else Stream(0x5000, device)
+        raised = CUDARuntimeError if where == "device refused" else KeyboardInterrupt
+        with pytest.raises(raised), _OnDevice(cuda, Device(device), stream):
+            pass
+        thread = gpu.cupy.thread()
+        assert gpu.current_device() == 0 and thread.entered == []
+        assert [[s.ptr for s in stack] for stack in thread.streams] == [[0], [0]]
+        assert getattr(_within, "device", None) is None

@@ -377,22 +377,28 @@ class _OnDevice:
         self.outer: int | None = None
 
     def __enter__(self) -> None:
-        # Nothing runs after the stream is entered: an exception there (a Ctrl-C) would leave it and the device
-        # entered, as __exit__ does not run for an __enter__ that raised
+        # No __exit__ runs for an __enter__ that raised, and a Ctrl-C lands as a call returns (never as one starts):
+        # what was entered by then is left here. CuPy's Device pushes the device it goes back to before it sets its
+        # own, so it is recorded before it is entered; a stream is entered where it is CuPy's current one after,
+        # which it was not before (context() enters none that is).
         outer = self.outer = getattr(_within, "device", None)
-        device = self.device
-        if self.cuda.runtime.getDevice() != device.id:
-            device.__enter__()
-            self.entered = device
+        cuda, device, stream = self.cuda, self.device, self.stream
         try:
+            if cuda.runtime.getDevice() != device.id:
+                self.entered = device
+                device.__enter__()
             _within.device = device.id
-            if self.stream is not None:
-                self.stream.__enter__()
+            if stream is not None:
+                stream.__enter__()
         except BaseException:
             _within.device = outer
             entered, self.entered = self.entered, None
-            if entered is not None:
-                entered.__exit__(None, None, None)
+            try:
+                if stream is not None and cuda.get_current_stream(device.id) is stream:
+                    stream.__exit__(None, None, None)
+            finally:
+                if entered is not None:
+                    entered.__exit__(None, None, None)
             raise
 
     def __exit__(self, *exc: object) -> None:
