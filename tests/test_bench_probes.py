@@ -4,6 +4,7 @@ costs its run there, which no test here would otherwise catch."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Self
@@ -291,3 +292,27 @@ def test_the_torch_benchmark_counts_the_arenas_growth_over_its_timed_steps_and_p
     assert "wsarena legacy   failed: CudnnError: not supported" in out
     assert out.rstrip().endswith("arena over the timed steps (0 expected: the warm-up grew it): wsarena 3 allocations, "
                                  "1 growths")
+
+
+def test_the_device_calls_benchmark_counts_each_way_of_calling_as_bench_results_gives_them(monkeypatch):
+    """bench_device_calls.py without a GPU (gpu_check.py runs it with --gpu on one, its counts first): each backend,
+    way of calling and pass is counted on the CuPy stand-in, with the counts bench/RESULTS.md gives for a cached
+    call."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the checkout and tools/ first as it loads
+    spec = importlib.util.spec_from_file_location("bench_device_calls", ROOT / "bench" / "bench_device_calls.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    found = bench.counts(2)
+    assert set(found) == {"graph", "legacy"}
+    # per way: cudaGetDevice, cudaSetDevice, CuPy Streams entered, cudaStreamIsCapturing per cached call
+    expected = {"stream=None, out=": (1, 0, 0, 1), "stream=None": (1, 0, 0, 1),
+                "stream=None, out=, cap 0": (1, 0, 0, 1), "stream=s": (3, 0, 1, 1), "with s: stream=s": (1, 0, 0, 1),
+                "operands on device 1": (2, 2, 0, 1)}
+    for per_way in found.values():
+        assert list(per_way) == list(bench.WAYS) and set(expected) == set(bench.WAYS)
+        for way, per_pass in per_way.items():
+            assert list(per_pass) == ["fwd", "bwd_data", "bwd_filter"]
+            for calls in per_pass.values():
+                names = ("cudaGetDevice", "cudaSetDevice", "cupy.cuda.Stream.__enter__", "cudaStreamIsCapturing")
+                assert tuple(calls.get(name, 0) for name in names) == expected[way], (way, calls)
