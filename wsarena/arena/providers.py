@@ -88,7 +88,10 @@ class MemoryProvider(Protocol):
     thread-safe, and its ``allocate`` must not ask the arena for the stream it allocates for (``RuntimeError``).
     A collected arena's finalizer frees through the provider wherever the garbage collector runs, which may be in
     the middle of the provider's own methods in the same thread: a lock the provider holds while it allocates Python
-    objects must be reentrant (``threading.RLock``), as CuPy's pool's is.
+    objects must be reentrant (``threading.RLock``), as CuPy's pool's is. A device provider that makes another CUDA
+    device current (``with cupy.cuda.Device(...)``, PyTorch's device guard) makes the one it found current again before
+    it returns: the ops call it with the operands' device current, which they asked once as the call began and take
+    to be current until it ends, and restore only where they switched to it.
     """
 
     device_id: int | None

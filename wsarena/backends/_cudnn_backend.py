@@ -365,7 +365,8 @@ class _OnDevice:
     The device is entered only where it is not current: CuPy's ``Device`` asks ``cudaGetDevice`` as it enters and
     calls ``cudaSetDevice`` as it leaves, even where nothing changed, and this asks once. Within the block the
     backends' ``_device()`` answers with it in this thread (what ``device_key()``, ``arena()`` and the handle ask
-    each call), as nothing the ops run there leaves another device current."""
+    each call), as nothing the ops run there leaves another device current (a provider may not either:
+    :class:`~wsarena.arena.providers.MemoryProvider`'s notes)."""
 
     __slots__ = ("cuda", "device", "entered", "outer", "stream")
 
