@@ -7,17 +7,25 @@ the plan built, the handle made, the arena grown), then ``--calls`` times; the c
 call, for each pass, backend and way of calling: ``stream=None`` with ``out=`` (as ``bench_gpu_host.py`` calls),
 without ``out=``, with ``out=`` under ``cap_workspace=0`` (an algorithm that takes no workspace: a zero-byte lease),
 ``stream=`` a CuPy stream that is not the current one, the same stream made current around the call
-(``with s: conv(..., stream=s)``), and operands on device 1 while device 0 is current.
+(``with s: conv(..., stream=s)``), and operands on device 1 while device 0 is current; then through
+``wsarena._interop``: CUDA tensors of PyTorch's (``tests/device_calls.py``'s stand-in: host tensors that say they are
+on a device), with ``out=`` (as ``wsarena.torch``'s operators call) or without, on PyTorch's default stream or a side
+stream of its current, on device 1, or ``stream=s`` (a DLPack import each); and arrays with ``__cuda_array_interface__``
+alone, ``stream=None`` with ``out=``, ``stream=s`` and ``with s:`` around it. The PyTorch ways need PyTorch installed.
 
 ``--gpu``, on a GPU: the same calls for real, with ``cudnnBackendExecute`` replaced by a C no-op (as
 ``bench_gpu_host.py``'s ``graph py`` column), timed per call, and each CUDA-touching piece alone (``cudaGetDevice``
-through CuPy, a CuPy ``Device`` entered and left, ``cudaStreamIsCapturing``, ...). Run:
+through CuPy, a CuPy ``Device`` entered and left, ``cudaStreamIsCapturing``, ...), and where PyTorch has CUDA the
+same calls on its tensors and its current stream's query. Run:
 python bench/bench_device_calls.py [--calls 10] [--json FILE] [--gpu]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import importlib.util
 import json
 import os
 import platform
@@ -55,30 +63,55 @@ def _arrays(make: Any, device: int = 0) -> dict[str, Any]:
     return {name: make(SHAPES[shape], "float32", device) for name, shape in names.items()}
 
 
+def _tensor(cuda_tensor: Any, gpu: Any, shape: tuple[int, ...], dtype: str, device: int) -> Any:
+    return cuda_tensor(gpu, shape, device)  # float32
+
+
+def _interface_holder(holder: Any, cupy: Any, shape: tuple[int, ...], dtype: str, device: int) -> Any:
+    return holder(cupy.array(shape, dtype, device))
+
+
 WAYS = ("stream=None, out=", "stream=None", "stream=None, out=, cap 0", "stream=s", "with s: stream=s",
         "operands on device 1")
+# The same through wsarena._interop: CUDA tensors of PyTorch's (as wsarena.torch's operators call, stream=None and
+# out=), PyTorch's current stream its default one unless said; arrays of no library's, __cuda_array_interface__ alone
+TORCH_WAYS = ("torch, stream=None, out=", "torch, stream=None", "torch, stream=None, out=, a side stream current",
+              "torch, operands on device 1", "torch, stream=s")
+CAI_WAYS = ("cuda_array_interface, stream=None, out=", "cuda_array_interface, stream=s",
+            "cuda_array_interface, with s: stream=s")
+ALL_WAYS = WAYS + TORCH_WAYS + CAI_WAYS
 
 
 def counts(calls: int) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
     """Per backend, way of calling and pass: each recorded call's count per cached call."""
-    from tests.device_calls import fake_gpu
+    from tests.device_calls import CudaArray, cuda_tensor, fake_gpu, torch_cuda
 
     found: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     for api in ("graph", "legacy"):
         per_way: dict[str, dict[str, dict[str, float]]] = {}
-        for way in WAYS:
+        for way in ALL_WAYS:
+            if way.startswith("torch") and importlib.util.find_spec("torch") is None:
+                continue
             cap = 0 if way.endswith("cap 0") else None  # the candidate that takes no workspace: a zero-byte lease
             with (fake_gpu() as gpu, wsarena.config(cudnn_api=api, backend="cudnn", cap_workspace=cap),
-                  warnings.catch_warnings()):
+                  warnings.catch_warnings(), torch_cuda(gpu) if way.startswith("torch") else contextlib.nullcontext()):
                 warnings.simplefilter("ignore", wsarena.WorkspaceCapWarning)  # the cap leaves the first candidate out
                 cupy = gpu.cupy
-                device = 1 if way == "operands on device 1" else 0
-                arrays = _arrays(gpu.cupy.array, device)
+                device = 1 if way.endswith("operands on device 1") else 0
+                if way.startswith("torch"):
+                    arrays = _arrays(functools.partial(_tensor, cuda_tensor, gpu), device)
+                    if way.endswith("a side stream current"):
+                        gpu.torch_stream = 0x6000
+                elif way.startswith("cuda_array_interface"):
+                    arrays = _arrays(functools.partial(_interface_holder, CudaArray, cupy), device)
+                else:
+                    arrays = _arrays(gpu.cupy.array, device)
                 side = cupy.cuda.Stream(0x5000, 0)  # a stream of device 0's, not the current one
                 stream = side if way.endswith("stream=s") else None
+                out = "stream=None, out=" in way or device == 1
                 per_pass = {}
-                for pass_, fn in _passes(arrays, way.startswith("stream=None, out=") or device == 1, stream).items():
-                    scope = side if way.startswith("with s") else None
+                for pass_, fn in _passes(arrays, out, stream).items():
+                    scope = side if way.endswith("with s: stream=s") else None
                     if scope is not None:
                         scope.__enter__()
                     try:
@@ -146,19 +179,38 @@ def gpu_times(number: int, repeat: int) -> dict[str, float]:
             pass
 
     out["with a CuPy stream:"] = best(side_entered)
+    torch = _torch_on_gpu()
+    if torch is not None:
+        out["torch._C._cuda_getCurrentRawStream(0)"] = best(lambda: torch._C._cuda_getCurrentRawStream(0))
     with wsarena.config(cudnn_api="graph", backend="cudnn"):
         arrays = _arrays(lambda shape, dtype, device: cupy.empty(shape, dtype=dtype))
         no_op = no_op_execute()
         _prototypes.function("cudnnBackendExecute")
         real = _prototypes._bound["cudnnBackendExecute"]
+        torch = _torch_on_gpu()
+        tensors = None if torch is None else _arrays(lambda shape, dtype, device: torch.empty(
+            shape, dtype=getattr(torch, dtype), device="cuda"))
         try:
             _prototypes._bound["cudnnBackendExecute"] = no_op
             for pass_, fn in _passes(arrays, True, None).items():
                 fn()
                 out[f"graph {pass_}, stream=None, out= (execute a no-op)"] = best(fn)
+            if tensors is not None:  # through wsarena._interop, as wsarena.torch's operators call
+                for pass_, fn in _passes(tensors, True, None).items():
+                    fn()
+                    out[f"graph {pass_}, torch tensors, stream=None, out= (execute a no-op)"] = best(fn)
         finally:
             _prototypes._bound["cudnnBackendExecute"] = real
     return out
+
+
+def _torch_on_gpu() -> Any:
+    """PyTorch where it is installed with CUDA, else None."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    return torch if torch.cuda.is_available() else None
 
 
 def main() -> None:

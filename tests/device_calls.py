@@ -8,7 +8,17 @@ differs, leaving one always sets the device it found; entering a ``Stream`` asks
 to none, ``Stream.from_external``'s), and so does leaving one to a stream tied to none (the null stream);
 ``get_current_stream(device)`` is a thread's own table, asking the device only when given none. The current device
 and streams are the calling thread's, as CUDA's and CuPy's are. Arrays (:meth:`FakeCupy.array`) are a type named
-``ndarray`` in a ``cupy`` module, which the ops take as CuPy's, on a device of their own.
+``ndarray`` in a ``cupy`` module, which the ops take as CuPy's, on a device of their own. What
+:mod:`wsarena._interop` asks of CuPy for operands of other libraries is made as CuPy's is too: ``asarray`` of a
+``__cuda_array_interface__`` asks CUDA for the memory's device (``cudaPointerGetAttributes``, as ``UnownedMemory``
+given none does) and synchronises a stream the interface names; ``from_dlpack`` makes the exporter's device current
+around its export, asking the device first and for its current stream; ``cuda.UnownedMemory``, ``cuda.MemoryPointer``
+and ``ndarray(shape, dtype, memptr, strides)`` build a view over a tensor's memory.
+
+Operands of other libraries: :class:`CudaArray`, an array of no library's with ``__cuda_array_interface__`` alone, over
+a fake CuPy array's memory; :func:`cuda_tensor`, a host tensor of PyTorch's that says it is on a CUDA device (its
+``get_device()`` recorded); and :func:`torch_cuda`, PyTorch's current stream as the interop asks it (recorded,
+settable), and a result bound for such a tensor's library taken through a recorded ``torch.from_dlpack``.
 
 :func:`fake_gpu` puts it in place for a block: ``sys.modules["cupy"]``, each device's arena over a ``CupyProvider``,
 the graph and legacy cuDNN backends as :func:`wsarena.backends.get_backend` hands them out, and libcudnn's per-call
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import sys
 import threading
 import types
@@ -38,6 +49,7 @@ from wsarena.backends import Candidate
 GET_DEVICE = "cudaGetDevice"
 SET_DEVICE = "cudaSetDevice"
 IS_CAPTURING = "cudaStreamIsCapturing"
+POINTER_ATTRIBUTES = "cudaPointerGetAttributes"
 
 
 class Recorder:
@@ -173,9 +185,18 @@ class FakeCupy(types.ModuleType):
             def __init__(self, ptr: int, size: int, device_id: int) -> None:
                 self.ptr, self.size, self.device_id = ptr, size, device_id
 
+        def unowned(ptr: int, size: int, owner: Any, device_id: int = -1) -> Memory:
+            # CuPy's UnownedMemory: the device of a pointer given none asked of CUDA (cudaPointerGetAttributes)
+            if device_id < 0:
+                record(POINTER_ATTRIBUTES, ptr)
+                device_id = fake.devices_of.get(ptr, thread().device)
+            memory = Memory(ptr, size, device_id)
+            memory.owner = owner  # type: ignore[attr-defined]
+            return memory
+
         class MemoryPointer:
-            def __init__(self, mem: Memory) -> None:
-                self.mem, self.ptr, self.device_id = mem, mem.ptr, mem.device_id
+            def __init__(self, mem: Memory, offset: int = 0) -> None:
+                self.mem, self.ptr, self.device_id = mem, mem.ptr + offset, mem.device_id
 
             @property
             def device(self) -> Device:
@@ -190,16 +211,22 @@ class FakeCupy(types.ModuleType):
         memory = types.SimpleNamespace(MemoryAsync=type("MemoryAsync", (Memory,), {}),
                                        PooledMemory=type("PooledMemory", (Memory,), {}))
         self.cuda = types.SimpleNamespace(Device=Device, Stream=Stream, ExternalStream=Stream, runtime=runtime,
-                                          get_current_stream=get_current_stream, alloc=alloc, memory=memory)
+                                          get_current_stream=get_current_stream, alloc=alloc, memory=memory,
+                                          UnownedMemory=unowned, MemoryPointer=MemoryPointer)
+        self.devices_of: dict[int, int] = {}  # the device of each address array() handed out
         self.Memory, self.MemoryPointer, self._addresses = Memory, MemoryPointer, addresses
 
         class ndarray:  # the name the ops tell CuPy's arrays by
             __module__ = "cupy._core.core"
 
-            def __init__(self, shape: tuple[int, ...], dtype: Any, data: MemoryPointer) -> None:
+            def __init__(self, shape: tuple[int, ...], dtype: Any, data: MemoryPointer,
+                         strides: tuple[int, ...] | None = None) -> None:
                 self.shape, self.dtype, self.data = tuple(shape), np.dtype(dtype), data
                 self.ndim = len(self.shape)
-                self.flags = types.SimpleNamespace(c_contiguous=True)
+                dense = np.empty(0, self.dtype).itemsize * np.cumprod((1, *self.shape[:0:-1]))[::-1]
+                self.strides = tuple(int(s) for s in dense) if strides is None else tuple(strides)
+                contiguous = all(a == b for a, b, n in zip(self.strides, dense, self.shape) if n != 1)
+                self.flags = types.SimpleNamespace(c_contiguous=contiguous)
 
             @property
             def device(self) -> Device:  # CuPy: self.data.device, a Device of the memory's ordinal, asked nothing
@@ -214,7 +241,41 @@ class FakeCupy(types.ModuleType):
     def array(self, shape: tuple[int, ...], dtype: Any = "float32", device: int = 0) -> Any:
         """An array of ``shape`` on ``device`` (no call recorded: what the caller made before the convolution)."""
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        return self.ndarray(shape, dtype, self.MemoryPointer(self.Memory(next(self._addresses), nbytes, device)))
+        ptr = next(self._addresses)
+        self.devices_of[ptr] = device
+        return self.ndarray(shape, dtype, self.MemoryPointer(self.Memory(ptr, nbytes, device)))
+
+    def asarray(self, obj: Any) -> Any:
+        """CuPy 14.2's view of a ``__cuda_array_interface__`` (``_convert_object_with_cuda_array_interface``): the
+        memory's device asked of CUDA, and a stream the interface names synchronised (its protocol's version 3)."""
+        if isinstance(obj, self.ndarray):
+            return obj
+        desc = obj.__cuda_array_interface__
+        shape, dtype, ptr = tuple(desc["shape"]), np.dtype(desc["typestr"]), desc["data"][0]
+        memory = self.cuda.UnownedMemory(ptr, int(np.prod(shape)) * dtype.itemsize, obj)
+        if desc.get("stream") is not None:
+            self.record("cudaStreamSynchronize", desc["stream"])
+        return self.ndarray(shape, dtype, self.MemoryPointer(memory, 0), desc.get("strides"))
+
+    def from_dlpack(self, obj: Any, copy: Any = None) -> Any:
+        """CuPy 14.2's DLPack import of device memory: the exporter's device made current around its export, asked
+        for first, its current stream (the current device's, asked again) handed to it; here the export is a
+        :class:`CudaTensor`'s, recorded, and the array made over its memory."""
+        device_type, device = obj.__dlpack_device__()
+        if device_type not in (2, 13):
+            raise TypeError("CPU arrays cannot be directly imported to CuPy")
+        runtime = self.cuda.runtime
+        before = runtime.getDevice()
+        try:
+            runtime.setDevice(device)
+            stream = self.thread().streams[runtime.getDevice()][-1].ptr  # get_current_stream_ptr()
+            self.record("Tensor.__dlpack__", stream)
+        finally:
+            runtime.setDevice(before)
+        size = obj.element_size()
+        memory = self.Memory(obj.data_ptr(), obj.numel() * size, device)
+        return self.ndarray(tuple(obj.shape), str(obj.dtype).removeprefix("torch."), self.MemoryPointer(memory),
+                            tuple(n * size for n in obj.stride()))
 
     def empty(self, shape: tuple[int, ...], dtype: Any = "float32") -> Any:
         self.record("cupy.empty", shape)
@@ -224,6 +285,87 @@ class FakeCupy(types.ModuleType):
         self.record("cupy.may_share_memory")
         return bool(a.data.device_id == b.data.device_id and a.data.ptr < b.data.ptr + b.nbytes
                     and b.data.ptr < a.data.ptr + a.nbytes)
+
+
+class CudaArray:
+    """An array of no library's over a fake CuPy array's memory: ``__cuda_array_interface__`` alone (version 3,
+    without a stream, as Numba's and most producers' that order their work themselves)."""
+
+    __module__ = "cudaarrays"  # a library with no import of its own: the result comes back as CuPy's array
+
+    def __init__(self, array: Any) -> None:
+        self.__cuda_array_interface__ = {"shape": array.shape, "typestr": array.dtype.str,
+                                         "data": (array.data.ptr, False), "version": 3, "strides": None}
+
+
+@functools.cache
+def _tensor_type() -> type:
+    import torch
+
+    class CudaTensor(torch.Tensor):
+        """A host tensor that says it is on a CUDA device (its ``fake_device``), as the interop reads a tensor: its
+        device asked (recorded), its DLPack device CUDA's; its memory is the host's, which nothing here touches."""
+
+        fake_device = 0
+
+        @property
+        def is_cuda(self) -> bool:  # type: ignore[override]
+            return True
+
+        def get_device(self) -> int:
+            recording = getattr(self, "record", None)
+            if recording is not None:
+                recording("Tensor.get_device")
+            return int(self.fake_device)
+
+        def __dlpack_device__(self) -> Any:
+            return (2, int(self.fake_device))
+
+    return CudaTensor
+
+
+def cuda_tensor(gpu: FakeGpu, shape: tuple[int, ...], device: int = 0) -> Any:
+    """A float32 tensor of ``shape`` that says it is on CUDA device ``device``, whose queries ``gpu`` records."""
+    import torch
+
+    tensor: Any = torch.zeros(shape).as_subclass(_tensor_type())
+    tensor.fake_device = device
+    tensor.record = gpu.record
+    return tensor
+
+
+@contextlib.contextmanager
+def torch_cuda(gpu: FakeGpu) -> Iterator[Any]:
+    """PyTorch's CUDA as the interop asks it, for the block: its current stream, ``gpu.torch_stream`` (the raw
+    handle; 0, PyTorch's default stream, to start with), through ``torch._C._cuda_getCurrentRawStream`` (recorded),
+    and a result bound for a :func:`cuda_tensor`'s library through a recorded ``torch.from_dlpack`` (the fake CuPy
+    array itself comes back)."""
+    import torch
+
+    from wsarena import _interop
+
+    gpu.torch_stream = 0
+
+    def current_raw_stream(device: int) -> int:
+        gpu.record("torch._C._cuda_getCurrentRawStream", device)
+        return int(gpu.torch_stream)
+
+    def from_dlpack(caller: Any, result: Any) -> Any:
+        gpu.record("torch.from_dlpack")
+        return result
+
+    saved = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    kind = _tensor_type()
+    torch._C._cuda_getCurrentRawStream = current_raw_stream
+    _interop._RETURNERS[kind] = from_dlpack
+    try:
+        yield torch
+    finally:
+        _interop._RETURNERS.pop(kind, None)
+        if saved is None:
+            del torch._C._cuda_getCurrentRawStream
+        else:
+            torch._C._cuda_getCurrentRawStream = saved
 
 
 class FakePlan:
@@ -259,6 +401,7 @@ class FakeGpu:
 
     def __init__(self, record: Recorder, cupy: FakeCupy, arena: Any, graph: Any, legacy: Any) -> None:
         self.record, self.cupy, self.arena, self.graph, self.legacy = record, cupy, arena, graph, legacy
+        self.torch_stream = 0  # PyTorch's current stream, under torch_cuda()
 
     @property
     def calls(self) -> collections.Counter[str]:
@@ -342,6 +485,7 @@ def fake_gpu(devices: int = 2) -> Iterator[FakeGpu]:
         for device in range(devices):
             arenas.append(set_arena(device, Arena(CupyProvider(device))))
         _interop._KINDS.clear()
+        _interop._cupy.cache_clear()  # the interop's CuPy the fake's, and after the block CuPy's again
         yield FakeGpu(record, cupy, wsarena.get_arena(0), graph, legacy)
     finally:
         record.on = False
@@ -373,3 +517,4 @@ def fake_gpu(devices: int = 2) -> Iterator[FakeGpu]:
         ops.records_clear()
         algos.cache_clear()
         _interop.NATIVE.discard(cupy.ndarray)
+        _interop._cupy.cache_clear()
