@@ -4,13 +4,23 @@ libcudnn: which device and stream a call runs on, what it leaves current, and ho
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
 
 import wsarena
 
-from .device_calls import GET_DEVICE, IS_CAPTURING, SET_DEVICE, CUDARuntimeError, fake_gpu
+from .device_calls import (
+    GET_DEVICE,
+    IS_CAPTURING,
+    SET_DEVICE,
+    CudaArray,
+    CUDARuntimeError,
+    cuda_tensor,
+    fake_gpu,
+    torch_cuda,
+)
 
 X, W, Y = (2, 4, 8, 8), (6, 4, 3, 3), (2, 6, 8, 8)
 CONVOLUTIONS = ("cudnnBackendExecute", "cudnnConvolutionForward", "cudnnConvolutionBackwardData",
@@ -200,3 +210,184 @@ def test_a_scope_interrupted_or_refused_as_it_enters_leaves_what_it_entered(wher
         assert gpu.current_device() == 0 and thread.entered == []
         assert [[s.ptr for s in stack] for stack in thread.streams] == [[0], [0]]
         assert getattr(_within, "device", None) is None
+
+
+# -- operands of other libraries, through wsarena._interop ------------------------------------------------------------
+def _foreign_calls(gpu, make, device=0, out=True):
+    """Each pass's call on operands ``make(gpu, shape, device)``, with ``out=`` or without."""
+    x, w, dy = (make(gpu, shape, device) for shape in (X, W, Y))
+    outs = {"fwd": make(gpu, Y, device), "bwd_data": make(gpu, X, device), "bwd_filter": make(gpu, W, device)}
+
+    def kw(pass_, stream):
+        return {"padding": 1, "stream": stream, **({"out": outs[pass_]} if out else {})}
+
+    return {
+        "fwd": lambda stream=None: wsarena.conv_forward(x, w, **kw("fwd", stream)),
+        "bwd_data": lambda stream=None: wsarena.conv_backward_data(dy, w, X, **kw("bwd_data", stream)),
+        "bwd_filter": lambda stream=None: wsarena.conv_backward_filter(x, dy, W, **kw("bwd_filter", stream)),
+    }
+
+
+@pytest.fixture
+def torch_gpu(gpu):
+    pytest.importorskip("torch")
+    with torch_cuda(gpu):
+        yield gpu
+
+
+def _cuda_array(gpu, shape, device):
+    return CudaArray(gpu.cupy.array(shape, device=device))
+
+
+def _entered(gpu, mark=0):
+    return [name for name, _ in gpu.record.log[mark:] if name.startswith(("cupy.cuda.Device.", "cupy.cuda.Stream.__"))]
+
+
+@pytest.mark.parametrize("out", [True, False])
+def test_torch_operands_on_torchs_default_stream_ask_the_current_device_once_and_enter_nothing(torch_gpu, out):
+    """CUDA tensors, stream=None (as wsarena.torch's operators call): PyTorch's current stream, its default one, is
+    CuPy's current stream already and the tensors' device the current one, so the call enters neither (where the
+    interop entered CuPy's Device, asking the device and setting it again as it left, and a CuPy object over the
+    null stream, asking the device three times, and the ops asked once more: five asked, one set). It runs on that
+    stream, with PyTorch's current stream asked once; with out= it returns out, written (its version bumped)."""
+    gpu = torch_gpu
+    for pass_, call in _foreign_calls(gpu, cuda_tensor, out=out).items():
+        call()
+        gpu.record.clear()
+        result = call()
+        calls = gpu.calls
+        assert (calls[GET_DEVICE], calls[SET_DEVICE], calls[IS_CAPTURING]) == (1, 0, 1), (pass_, dict(calls))
+        assert _entered(gpu) == [] and calls["torch._C._cuda_getCurrentRawStream"] == 1
+        assert sum(calls[name] for name in CONVOLUTIONS) == 1
+        assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
+        if out:
+            assert result._version > 0
+        else:
+            assert calls["torch.from_dlpack"] == 1  # the result in PyTorch's library
+    assert set(wsarena.get_arena(0).stats().streams) == {0}
+
+
+def test_torch_operands_follow_torchs_current_stream_from_call_to_call(torch_gpu):
+    """PyTorch's current stream switched between calls (``with torch.cuda.stream(s):``): each call runs on the one
+    current as it is made, entered as CuPy's current stream for the call (a CuPy object made for it) where it is not
+    CuPy's current one already, and left after; the device is asked once, never set."""
+    gpu = torch_gpu
+    calls = _foreign_calls(gpu, cuda_tensor)
+    for handle in (0x6000, 0, 0x7000, 0x6000):
+        gpu.torch_stream = handle
+        for call in calls.values():
+            call()
+            mark = len(gpu.record.log)
+            call()
+            log = gpu.record.log[mark:]
+            side = handle != 0
+            assert _entered(gpu, mark) == (["cupy.cuda.Stream.__enter__", "cupy.cuda.Stream.__exit__"] if side else [])
+            assert [args[0] for name, args in log if name == "cupy.cuda.Stream.__enter__"] == ([handle] if side else [])
+            assert log.count((SET_DEVICE, (0,))) == 0 and gpu.cupy.cuda.get_current_stream(0).ptr == 0
+    assert _bound(gpu) == [0x6000, 0, 0x7000, 0x6000]
+    assert set(wsarena.get_arena(0).stats().streams) == {0, 0x6000, 0x7000}
+
+
+def test_torch_operands_on_another_device_run_there_and_the_current_device_is_restored(torch_gpu):
+    """Tensors on device 1 while device 0 is current: the call makes 1 current once (the ops' scope inside knows it
+    current and asks nothing), runs on device 1's handle and arena, and makes 0 current again, also where cuDNN
+    refuses the call."""
+    gpu = torch_gpu
+    for call in _foreign_calls(gpu, cuda_tensor, device=1).values():
+        call()
+        mark = len(gpu.record.log)
+        call()
+        log = gpu.record.log[mark:]
+        assert [args[0] for name, args in log if name == SET_DEVICE] == [1, 0]
+        assert log.count((GET_DEVICE, ())) == 2  # the interop's, and CuPy's Device as it enters
+        assert gpu.current_device() == 0
+    assert {device for _, device in _ran(gpu)} == {1}
+    assert wsarena.get_arena(1).stats().high_water_bytes > 0 and wsarena.get_arena(0).stats().high_water_bytes == 0
+    from wsarena.cudnn import _prototypes
+
+    name = "cudnnBackendExecute" if gpu.api == "graph" else "cudnnConvolutionForward"
+    _prototypes._bound[name] = lambda *args: 3  # BAD_PARAM
+    with pytest.raises(wsarena.cudnn.CudnnError):
+        _foreign_calls(gpu, cuda_tensor, device=1)["fwd"]()
+    assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
+
+
+@pytest.mark.parametrize("where", ["in the convolution", "as the device is entered", "as the stream is entered"])
+def test_a_ctrl_c_in_a_call_on_torch_operands_leaves_the_device_and_streams_as_they_were(torch_gpu, monkeypatch,
+                                                                                       where):
+    """A KeyboardInterrupt in cuDNN's call, or on the heels of CuPy's Device or Stream ``__enter__`` (CPython raises
+    it as a call returns), on tensors of device 1 on a side stream of PyTorch's: device 0 is current after it, CuPy's
+    device and stream stacks as they were, and the backends' device unset."""
+    from wsarena.backends._cudnn_backend import _within
+
+    gpu = torch_gpu
+    gpu.torch_stream = 0x6000
+    calls = _foreign_calls(gpu, cuda_tensor, device=1)
+    calls["fwd"]()
+    cuda = gpu.cupy.cuda
+    if where == "in the convolution":
+        from wsarena.cudnn import _prototypes
+
+        name = "cudnnBackendExecute" if gpu.api == "graph" else "cudnnConvolutionForward"
+
+        def interrupted(*args):
+            raise KeyboardInterrupt
+
+        monkeypatch.setitem(_prototypes._bound, name, interrupted)
+    else:
+        entered = cuda.Device if where.endswith("device is entered") else cuda.Stream
+
+        def enter(self, real=entered.__enter__):
+            real(self)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(entered, "__enter__", enter)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            calls["fwd"]()
+    finally:  # before the stand-in's own teardown, which enters devices
+        monkeypatch.undo()
+    thread = gpu.cupy.thread()
+    assert gpu.current_device() == 0 and thread.entered == []
+    assert [[s.ptr for s in stack] for stack in thread.streams] == [[0], [0]]
+    assert getattr(_within, "device", None) is None
+
+
+def test_operands_of_another_library_beside_torchs_still_get_cupys_device_which_sets_the_device_back(torch_gpu,
+                                                                                                      monkeypatch):
+    """An array of another library's beside a tensor: the library's own code runs in the call (here its from_dlpack,
+    which takes the result, makes device 1 current and leaves it so), and CuPy's Device is entered as before, which
+    makes the device it found current again as it leaves; the ops ask the device again."""
+    import types
+
+    gpu = torch_gpu
+    set_device = gpu.cupy.cuda.runtime.setDevice
+
+    def from_dlpack(result):
+        set_device(1)
+        return result
+
+    monkeypatch.setitem(sys.modules, "unrulyarrays", types.SimpleNamespace(from_dlpack=from_dlpack))
+    Unruly = type("Unruly", (CudaArray,), {"__module__": "unrulyarrays"})
+    x, w = Unruly(gpu.cupy.array(X)), cuda_tensor(gpu, W)
+    wsarena.conv_forward(x, w, padding=1)
+    assert gpu.current_device() == 0
+    mark = len(gpu.record.log)
+    wsarena.conv_forward(x, w, padding=1)
+    assert _entered(gpu, mark) == ["cupy.cuda.Device.__enter__", "cupy.cuda.Device.__exit__"]
+    assert gpu.record.log[mark:].count((GET_DEVICE, ())) == 2
+    assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
+
+
+def test_cuda_array_interface_operands_are_asked_where_their_memory_is_and_come_back_as_cupy_arrays(gpu):
+    """Arrays of no library's, __cuda_array_interface__ alone, which names no device: CuPy asks CUDA where each one's
+    memory is (cudaPointerGetAttributes), nothing is entered with stream=None, the ops ask the current device once,
+    and the result is the out given, or a new CuPy array."""
+    for out in (True, False):
+        for call in _foreign_calls(gpu, _cuda_array, out=out).values():
+            call()
+            gpu.record.clear()
+            result = call()
+            calls = gpu.calls
+            assert (calls[GET_DEVICE], calls[SET_DEVICE], calls["cudaPointerGetAttributes"]) == (1, 0, 2 + out)
+            assert _entered(gpu) == [] and type(result) is (CudaArray if out else gpu.cupy.ndarray)

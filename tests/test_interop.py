@@ -509,6 +509,14 @@ class _Scope:
         self.log.append(f"exit {self.name}")
 
 
+class _Device(_Scope):
+    """A fake CuPy device: its ordinal, and a log of its entry and exit."""
+
+    def __init__(self, log, ordinal):
+        super().__init__(log, f"device {ordinal}")
+        self.id = ordinal
+
+
 class _DeviceResult(np.ndarray):
     """A result that is no NumPy array to the way back, as a CuPy array is not: it returns through DLPack."""
 
@@ -523,8 +531,11 @@ def fake_torch_cuda(monkeypatch):
     cupy.from_dlpack = lambda obj, copy=None: views.append("dlpack") or obj.numpy()
     cupy.asarray = np.asarray
     cupy.cuda = types.SimpleNamespace(
-        Device=lambda ordinal: _Scope(log, f"device {ordinal}"),
+        Device=lambda ordinal: _Device(log, ordinal),
         Stream=types.SimpleNamespace(null=_Scope(log, "stream 0"), ptds=_Scope(log, "stream 2")),
+        # another device current, and CuPy's current stream none of the tests': each call enters its own
+        runtime=types.SimpleNamespace(getDevice=lambda: 9),
+        get_current_stream=lambda device: types.SimpleNamespace(ptr=-1),
         UnownedMemory=lambda ptr, size, owner, device_id: owner,
         MemoryPointer=lambda memory, offset: memory,
     )

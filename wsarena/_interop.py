@@ -222,9 +222,12 @@ def execute(
         if stream is None:
             stream = _torch_current_stream(device)
             direct = True
+    # the operands' device current (None: as it is) and `stream` CuPy's current stream there; the device entered only
+    # where it is not current, and the ops then asking nothing, where the operands are PyTorch's and CuPy's alone
+    own = all(op.kind in (_TORCH, _NATIVE_KIND) for op in operands)
     library = _cupy()
-    # the operands' device current (None: as it is) and `stream` CuPy's current stream there
-    with library.device(device), library.stream(stream):
+    on_device, on_stream = library.scopes(device, stream, own)
+    with on_device, on_stream:
         views = [_tensor_view(op) if direct and op.kind == _TORCH else _view(library, op) for op in operands]
         try:
             result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None,
@@ -261,16 +264,19 @@ def _written(out: Any) -> None:
 _AS_IT_IS: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()  # reusable: it holds nothing
 
 
+Scope = contextlib.AbstractContextManager[Any]
+
+
 class _Library(NamedTuple):
     """How NumPy or CuPy views an operand's memory without a copy, and (CuPy) makes a device and a stream current
-    for a block; ``None`` for either leaves it as it is."""
+    for a block (:func:`_cupy`'s ``scopes``); ``None`` for either leaves it as it is."""
 
     name: str
     from_torch: Callable[[Any], Any]  # a torch tensor (bfloat16 relabelled int16)
     from_dlpack: Callable[[Any], Any]  # an Export
     asarray: Callable[[Any], Any]  # a holder of __array_interface__ or __cuda_array_interface__
-    device: Callable[[int | None], contextlib.AbstractContextManager[Any]] = lambda _: _AS_IT_IS
-    stream: Callable[[Any], contextlib.AbstractContextManager[Any]] = lambda _: _AS_IT_IS
+    scopes: Callable[[int | None, Any, bool], tuple[Scope, Scope]] = lambda *_: (_AS_IT_IS, _AS_IT_IS)
+    stream: Callable[[Any], Scope] = lambda _: _AS_IT_IS
 
 
 def _view(library: _Library, op: _Operand) -> Any:
@@ -355,17 +361,37 @@ _host_view = functools.partial(_view, _NUMPY)
 def _cupy() -> _Library:
     import cupy
 
+    from .backends._cudnn_backend import _OnDevice
+
+    cuda = cupy.cuda
+
     def from_dlpack(obj: Any) -> Any:
         return cupy.from_dlpack(obj, copy=False)  # imported on the current (the call's) stream
 
-    def device(ordinal: int | None) -> contextlib.AbstractContextManager[Any]:
-        return _AS_IT_IS if ordinal is None else cupy.cuda.Device(ordinal)
-
-    def stream(given: Any) -> contextlib.AbstractContextManager[Any]:
+    def stream(given: Any) -> Scope:
         # the call's own CuPy object, which dies with it (arena.streams.cupy_stream says why)
         return _AS_IT_IS if given is None else cupy_stream(stream_handle(given))
 
-    return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray, device, stream)
+    def scopes(ordinal: int | None, given: Any, own: bool) -> tuple[Scope, Scope]:
+        """CUDA device ``ordinal`` current (``None``: as it is), then ``given`` CuPy's current stream there, for the
+        block: two scopes, entered in order.
+
+        A stream that is CuPy's current one on the device already is not entered (entering CuPy's object asks the
+        current device twice, and leaving it once more), as the ops' own scope does not enter it
+        (``CudnnBackend.context``). ``own``: only PyTorch's, CuPy's and wsarena's code runs in the block, which all
+        leave the current device as they found it; then the device is entered only where it is not current and the
+        ops' scope knows it current without asking (the backend's ``_OnDevice``). Else a library's own code runs
+        there (its ``__dlpack__``, its ``from_dlpack`` of the result) and CuPy's ``Device`` is entered as before,
+        which sets the device it found again as it leaves, whatever that code did, and the ops ask again."""
+        if ordinal is None:
+            return _AS_IT_IS, stream(given)
+        handle = None if given is None else stream_handle(given)
+        on = None if handle is None or handle == cuda.get_current_stream(ordinal).ptr else cupy_stream(handle)
+        if own:
+            return _OnDevice(cuda, cuda.Device(ordinal), on), _AS_IT_IS
+        return cuda.Device(ordinal), _AS_IT_IS if on is None else on
+
+    return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray, scopes, stream)
 
 
 def _is_torch_bfloat16(tensor: Any) -> bool:

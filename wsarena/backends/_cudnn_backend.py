@@ -363,10 +363,11 @@ class _OnDevice:
     reverse order, and the device current before as it was.
 
     The device is entered only where it is not current: CuPy's ``Device`` asks ``cudaGetDevice`` as it enters and
-    calls ``cudaSetDevice`` as it leaves, even where nothing changed, and this asks once. Within the block the
-    backends' ``_device()`` answers with it in this thread (what ``device_key()``, ``arena()`` and the handle ask
-    each call), as nothing the ops run there leaves another device current (a provider may not either:
-    :class:`~wsarena.arena.providers.MemoryProvider`'s notes)."""
+    calls ``cudaSetDevice`` as it leaves, even where nothing changed, and this asks once, or not at all within a
+    scope of its kind on the same device (:mod:`wsarena._interop`'s, around the ops' on operands of PyTorch).
+    Within the block the backends' ``_device()`` answers with it in this thread (what ``device_key()``, ``arena()``
+    and the handle ask each call), as nothing the ops run there leaves another device current (a provider may not
+    either: :class:`~wsarena.arena.providers.MemoryProvider`'s notes)."""
 
     __slots__ = ("cuda", "device", "entered", "outer", "stream")
 
@@ -385,7 +386,9 @@ class _OnDevice:
         outer = self.outer = getattr(_within, "device", None)
         cuda, device, stream = self.cuda, self.device, self.stream
         try:
-            if cuda.runtime.getDevice() != device.id:
+            # an enclosing scope of this thread's made the device current (wsarena._interop's, around the ops'): it is
+            # current still, as within the block nothing leaves another current
+            if outer != device.id and cuda.runtime.getDevice() != device.id:
                 self.entered = device
                 device.__enter__()
             _within.device = device.id
