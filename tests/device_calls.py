@@ -18,7 +18,9 @@ and ``ndarray(shape, dtype, memptr, strides)`` build a view over a tensor's memo
 Operands of other libraries: :class:`CudaArray`, an array of no library's with ``__cuda_array_interface__`` alone, over
 a fake CuPy array's memory; :func:`cuda_tensor`, a host tensor of PyTorch's that says it is on a CUDA device (its
 ``get_device()`` recorded); and :func:`torch_cuda`, PyTorch's current stream as the interop asks it (recorded,
-settable), and a result bound for such a tensor's library taken through a recorded ``torch.from_dlpack``.
+settable), and a result bound for such a tensor's library taken through ``torch.from_dlpack`` as PyTorch's takes a
+CuPy array: its current stream on the array's device handed to the array's ``__dlpack__``, which asks as CuPy 14.2's
+does (its memory's type, twice, and its current stream, the current device's) and orders that stream where it differs.
 
 :func:`fake_gpu` puts it in place for a block: ``sys.modules["cupy"]``, each device's arena over a ``CupyProvider``,
 the graph and legacy cuDNN backends as :func:`wsarena.backends.get_backend` hands them out, and libcudnn's per-call
@@ -232,6 +234,25 @@ class FakeCupy(types.ModuleType):
             def device(self) -> Device:  # CuPy: self.data.device, a Device of the memory's ordinal, asked nothing
                 return self.data.device
 
+            def __dlpack_device__(self) -> tuple[int, int]:
+                # CuPy 14.2's get_dlpack_device: the memory's type asked of CUDA (managed or not), its own device
+                record(POINTER_ATTRIBUTES, self.data.ptr)
+                return (2, self.data.device_id)
+
+            def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                           copy: Any = None) -> Self:
+                # CuPy 14.2's export: its current stream, the current device's (asked), made to order the consumer's
+                # stream where they differ (the legacy default stream 1 for 0 and None), then the memory's type asked
+                # again; the array itself stands for the capsule
+                record("cupy.ndarray.__dlpack__", stream)
+                current = get_current_stream().ptr or 1
+                consumer = 1 if stream is None or stream == 0 else int(stream)
+                if consumer >= 0 and consumer != current:
+                    record("cudaEventRecord", current)
+                    record("cudaStreamWaitEvent", consumer)
+                self.__dlpack_device__()
+                return self
+
             @property
             def nbytes(self) -> int:
                 return int(np.prod(self.shape)) * self.dtype.itemsize
@@ -338,8 +359,9 @@ def cuda_tensor(gpu: FakeGpu, shape: tuple[int, ...], device: int = 0) -> Any:
 def torch_cuda(gpu: FakeGpu) -> Iterator[Any]:
     """PyTorch's CUDA as the interop asks it, for the block: its current stream, ``gpu.torch_stream`` (the raw
     handle; 0, PyTorch's default stream, to start with), through ``torch._C._cuda_getCurrentRawStream`` (recorded),
-    and a result bound for a :func:`cuda_tensor`'s library through a recorded ``torch.from_dlpack`` (the fake CuPy
-    array itself comes back)."""
+    and a result bound for a :func:`cuda_tensor`'s library through ``torch.from_dlpack`` as PyTorch 2.13 takes a CuPy
+    array: recorded, PyTorch's current stream on the array's device handed to the fake array's ``__dlpack__``, which
+    asks what CuPy's asks (the fake CuPy array itself comes back)."""
     import torch
 
     from wsarena import _interop
@@ -351,8 +373,13 @@ def torch_cuda(gpu: FakeGpu) -> Iterator[Any]:
         return int(gpu.torch_stream)
 
     def from_dlpack(caller: Any, result: Any) -> Any:
+        # torch.from_dlpack (2.13): the exporter's device, PyTorch's current stream there (torch.cuda.current_stream
+        # of it, no CUDA call) handed to its export, 1 for PyTorch's default stream
         gpu.record("torch.from_dlpack")
-        return result
+        _, device = result.__dlpack_device__()
+        gpu.record("torch.cuda.current_stream", device)
+        stream = int(gpu.torch_stream)
+        return result.__dlpack__(stream=1 if stream == 0 else stream, max_version=(1, 0))
 
     saved = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     kind = _tensor_type()

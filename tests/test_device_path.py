@@ -249,14 +249,18 @@ def test_torch_operands_on_torchs_default_stream_ask_the_current_device_once_and
     CuPy's current stream already and the tensors' device the current one, so the call enters neither (where the
     interop entered CuPy's Device, asking the device and setting it again as it left, and a CuPy object over the
     null stream, asking the device three times, and the ops asked once more: five asked, one set). It runs on that
-    stream, with PyTorch's current stream asked once; with out= it returns out, written (its version bumped)."""
+    stream, with PyTorch's current stream asked once; with out= it returns out, written (its version bumped), else
+    the result through torch.from_dlpack, whose CuPy export asks the current device once more (for CuPy's current
+    stream, which is PyTorch's, so that no event orders one after the other)."""
     gpu = torch_gpu
     for pass_, call in _foreign_calls(gpu, cuda_tensor, out=out).items():
         call()
         gpu.record.clear()
         result = call()
         calls = gpu.calls
-        assert (calls[GET_DEVICE], calls[SET_DEVICE], calls[IS_CAPTURING]) == (1, 0, 1), (pass_, dict(calls))
+        asked = 1 if out else 2
+        assert (calls[GET_DEVICE], calls[SET_DEVICE], calls[IS_CAPTURING]) == (asked, 0, 1), (pass_, dict(calls))
+        assert calls["cudaEventRecord"] == calls["cudaStreamWaitEvent"] == 0
         assert _entered(gpu) == [] and calls["torch._C._cuda_getCurrentRawStream"] == 1
         assert sum(calls[name] for name in CONVOLUTIONS) == 1
         assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
@@ -288,10 +292,28 @@ def test_torch_operands_follow_torchs_current_stream_from_call_to_call(torch_gpu
     assert set(wsarena.get_arena(0).stats().streams) == {0, 0x6000, 0x7000}
 
 
+def test_a_result_goes_back_to_torch_on_the_stream_it_was_computed_on(torch_gpu):
+    """Without out=, on a side stream PyTorch's current (on device 1 while 0 is current, too): the result is handed
+    to torch.from_dlpack within the call's scope, where CuPy's current stream is PyTorch's, so that CuPy's export
+    orders nothing (no event recorded, none waited on) and asks its current stream of the result's device."""
+    gpu = torch_gpu
+    for device in (0, 1):
+        for handle in (0x6000, 0):
+            gpu.torch_stream = handle
+            for call in _foreign_calls(gpu, cuda_tensor, device=device, out=False).values():
+                call()
+                gpu.record.clear()
+                call()
+                calls = gpu.calls
+                assert calls["torch.from_dlpack"] == 1 and calls["cupy.ndarray.__dlpack__"] == 1
+                assert calls["cudaEventRecord"] == calls["cudaStreamWaitEvent"] == 0, (device, handle, dict(calls))
+                assert gpu.current_device() == 0
+
+
 def test_torch_operands_on_another_device_run_there_and_the_current_device_is_restored(torch_gpu):
     """Tensors on device 1 while device 0 is current: the call makes 1 current once (the ops' scope inside knows it
-    current and asks nothing), runs on device 1's handle and arena, and makes 0 current again, also where cuDNN
-    refuses the call."""
+    current and asks nothing), runs on device 1's handle and arena, on PyTorch's current stream of device 1 (not of
+    the current device), and makes 0 current again, also where cuDNN refuses the call."""
     gpu = torch_gpu
     for call in _foreign_calls(gpu, cuda_tensor, device=1).values():
         call()
@@ -300,6 +322,7 @@ def test_torch_operands_on_another_device_run_there_and_the_current_device_is_re
         log = gpu.record.log[mark:]
         assert [args[0] for name, args in log if name == SET_DEVICE] == [1, 0]
         assert log.count((GET_DEVICE, ())) == 2  # the interop's, and CuPy's Device as it enters
+        assert [args for name, args in log if name == "torch._C._cuda_getCurrentRawStream"] == [(1,)]
         assert gpu.current_device() == 0
     assert {device for _, device in _ran(gpu)} == {1}
     assert wsarena.get_arena(1).stats().high_water_bytes > 0 and wsarena.get_arena(0).stats().high_water_bytes == 0
