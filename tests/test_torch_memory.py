@@ -5,6 +5,7 @@ and the arena ask of PyTorch (which stream, which device, when), and how out-of-
 allocator is exercised by the GPU tests in test_torch_gpu.py.
 """
 
+import cupy
 import pytest
 
 import wsarena
@@ -16,25 +17,47 @@ torch = pytest.importorskip("torch")
 
 
 class _FakeCaching:
-    """Stands in for torch.cuda's caching-allocator functions; records each call."""
+    """Stands in for torch.cuda's caching-allocator functions; records each call. ``current`` is CUDA's current
+    device, which CuPy's ``Device`` (:meth:`device`) sets as it enters and sets back as it leaves; ``leaves``, where
+    set, is the device each call leaves current, as PyTorch's device guard may (it restores a device that has no CUDA
+    context yet only in its own records)."""
 
     def __init__(self):
         self.calls = []
         self.next = 0x10000
         self.fail = False
+        self.current = 0
+        self.leaves = None
+
+    def _ran(self, *call):
+        self.calls.append(call)
+        if self.leaves is not None:
+            self.current = self.leaves
 
     def alloc(self, size, device=None, stream=None):
-        self.calls.append(("alloc", size, device, stream))
+        self._ran("alloc", size, device, stream)
         if self.fail:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
         self.next += 1 << 20
         return self.next
 
     def delete(self, ptr):
-        self.calls.append(("delete", ptr))
+        self._ran("delete", ptr)
 
     def synchronize(self, device=None):
-        self.calls.append(("synchronize", device))
+        self._ran("synchronize", device)
+
+    def device(self, device):
+        fake = self
+
+        class Device:  # CuPy's: the device found current set again as it leaves, whatever happened within
+            def __enter__(self):
+                self.found, fake.current = fake.current, device
+
+            def __exit__(self, *exc):
+                fake.current = self.found
+
+        return Device()
 
 
 @pytest.fixture
@@ -43,6 +66,7 @@ def caching(monkeypatch):
     monkeypatch.setattr(torch.cuda, "caching_allocator_alloc", fake.alloc)
     monkeypatch.setattr(torch.cuda, "caching_allocator_delete", fake.delete)
     monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    monkeypatch.setattr(cupy.cuda, "Device", fake.device)  # no GPU here: CuPy's would ask a CUDA driver
     monkeypatch.setattr(providers, "capture_of", lambda stream: None)  # no GPU here: no stream is being captured
     return fake
 
@@ -65,6 +89,16 @@ def test_a_buffer_whose_stream_may_be_gone_is_freed_after_the_device_synchronise
     assert buffer.owner is None
     provider.deallocate(buffer, stream=9)  # a second time gives nothing back twice
     assert len(caching.calls) == 3
+
+
+@pytest.mark.parametrize("stream", [9, None])
+def test_the_device_current_before_is_current_after_whatever_device_torchs_calls_leave_current(caching, stream):
+    provider = TorchProvider(0)
+    caching.leaves = 1  # PyTorch's guard left device 1 current in CUDA, where it restored 0 in its own records only
+    buffer = provider.allocate(4096, stream=9)
+    assert caching.current == 0 and caching.calls == [("alloc", 4096, 0, 9)]
+    provider.deallocate(buffer, stream=stream)
+    assert caching.current == 0 and caching.calls[-1] == ("delete", buffer.ptr)
 
 
 def test_torchs_out_of_memory_is_a_memory_error_and_the_arena_stays_usable(caching):

@@ -314,7 +314,10 @@ class TorchProvider(_DeviceProvider):
     PyTorch files a block under the stream it was allocated on and hands it out again only to that stream, so
     ``caching_allocator_delete`` is stream-ordered, as CuPy's pool is. The arena's buffers count in
     ``torch.cuda.memory_allocated()`` and are given back to PyTorch's pool, not to the device, when freed.
-    When the stream may be gone the device is synchronised first.
+    When the stream may be gone the device is synchronised first. Each is done within CuPy's ``Device``, which sets
+    the device it found current again as it leaves: PyTorch's device guard may restore a device that has no CUDA
+    context yet only in its own records, leaving CUDA's current device the allocator's (the provider protocol's
+    notes say why the ops need it back).
 
     Parameters
     ----------
@@ -323,23 +326,27 @@ class TorchProvider(_DeviceProvider):
     """
 
     def allocate(self, size: int, *, stream: int) -> Buffer:
+        import cupy
         import torch
 
         try:
-            ptr = torch.cuda.caching_allocator_alloc(size, device=self.device_id, stream=int(stream))
+            with cupy.cuda.Device(self.device_id):
+                ptr = torch.cuda.caching_allocator_alloc(size, device=self.device_id, stream=int(stream))
         except torch.cuda.OutOfMemoryError as exc:  # a RuntimeError; the arena wants a MemoryError
             raise MemoryError(f"PyTorch's caching allocator could not allocate {size} bytes: {exc}") from exc
         return Buffer(int(ptr), size, int(ptr))
 
     def deallocate(self, buffer: Buffer, *, stream: int | None) -> None:
+        import cupy
         import torch
 
         ptr, buffer.owner = buffer.owner, None
         if ptr is None:
             return
-        if stream is None:
-            torch.cuda.synchronize(self.device_id)
-        torch.cuda.caching_allocator_delete(ptr)
+        with cupy.cuda.Device(self.device_id):
+            if stream is None:
+                torch.cuda.synchronize(self.device_id)
+            torch.cuda.caching_allocator_delete(ptr)
 
 
 def _core_stream(handle: int) -> Any:
