@@ -35,11 +35,14 @@ def gpu(request):
 
 
 def _calls(gpu, device=0, out=True):
-    """Each pass's call on operands of ``device``, with ``out=`` or without."""
-    cupy = gpu.cupy
-    x, w, dy = cupy.array(X, device=device), cupy.array(W, device=device), cupy.array(Y, device=device)
-    outs = {"fwd": cupy.array(Y, device=device), "bwd_data": cupy.array(X, device=device),
-            "bwd_filter": cupy.array(W, device=device)}
+    """Each pass's call on CuPy operands of ``device``, with ``out=`` or without."""
+    return _calls_on(gpu, lambda gpu, shape, device: gpu.cupy.array(shape, device=device), device, out)
+
+
+def _calls_on(gpu, make, device=0, out=True):
+    """Each pass's call on operands ``make(gpu, shape, device)``, with ``out=`` or without."""
+    x, w, dy = (make(gpu, shape, device) for shape in (X, W, Y))
+    outs = {"fwd": make(gpu, Y, device), "bwd_data": make(gpu, X, device), "bwd_filter": make(gpu, W, device)}
 
     def kw(pass_, stream):
         return {"padding": 1, "stream": stream, **({"out": outs[pass_]} if out else {})}
@@ -106,14 +109,20 @@ def test_a_call_on_another_devices_operands_runs_there_and_restores_the_current_
         call()
         assert [args[0] for name, args in gpu.record.log[mark:] if name == SET_DEVICE] == [1, 0]
     assert gpu.current_device() == 0
+    _ran_on_device_1_and_refused_there(gpu, _calls(gpu, device=1)["fwd"])
+
+
+def _ran_on_device_1_and_refused_there(gpu, forward):
+    """The calls so far ran on device 1's handle and arena alone; ``forward`` (on device 1's operands), refused by
+    cuDNN, leaves device 0 current."""
     assert {device for _, device in _ran(gpu)} == {1}
     assert wsarena.get_arena(1).stats().high_water_bytes > 0 and wsarena.get_arena(0).stats().high_water_bytes == 0
-    name = "cudnnBackendExecute" if gpu.api == "graph" else "cudnnConvolutionForward"
     from wsarena.cudnn import _prototypes
 
+    name = "cudnnBackendExecute" if gpu.api == "graph" else "cudnnConvolutionForward"
     _prototypes._bound[name] = lambda *args: 3  # BAD_PARAM
     with pytest.raises(wsarena.cudnn.CudnnError):
-        _calls(gpu, device=1)["fwd"]()
+        forward()
     assert gpu.current_device() == 0
 
 
@@ -213,21 +222,6 @@ def test_a_scope_interrupted_or_refused_as_it_enters_leaves_what_it_entered(wher
 
 
 # -- operands of other libraries, through wsarena._interop ------------------------------------------------------------
-def _foreign_calls(gpu, make, device=0, out=True):
-    """Each pass's call on operands ``make(gpu, shape, device)``, with ``out=`` or without."""
-    x, w, dy = (make(gpu, shape, device) for shape in (X, W, Y))
-    outs = {"fwd": make(gpu, Y, device), "bwd_data": make(gpu, X, device), "bwd_filter": make(gpu, W, device)}
-
-    def kw(pass_, stream):
-        return {"padding": 1, "stream": stream, **({"out": outs[pass_]} if out else {})}
-
-    return {
-        "fwd": lambda stream=None: wsarena.conv_forward(x, w, **kw("fwd", stream)),
-        "bwd_data": lambda stream=None: wsarena.conv_backward_data(dy, w, X, **kw("bwd_data", stream)),
-        "bwd_filter": lambda stream=None: wsarena.conv_backward_filter(x, dy, W, **kw("bwd_filter", stream)),
-    }
-
-
 @pytest.fixture
 def torch_gpu(gpu):
     pytest.importorskip("torch")
@@ -253,7 +247,7 @@ def test_torch_operands_on_torchs_default_stream_ask_the_current_device_once_and
     the result through torch.from_dlpack, whose CuPy export asks the current device once more (for CuPy's current
     stream, which is PyTorch's, so that no event orders one after the other)."""
     gpu = torch_gpu
-    for pass_, call in _foreign_calls(gpu, cuda_tensor, out=out).items():
+    for pass_, call in _calls_on(gpu, cuda_tensor, out=out).items():
         call()
         gpu.record.clear()
         result = call()
@@ -276,7 +270,7 @@ def test_torch_operands_follow_torchs_current_stream_from_call_to_call(torch_gpu
     current as it is made, entered as CuPy's current stream for the call (a CuPy object made for it) where it is not
     CuPy's current one already, and left after; the device is asked once, never set."""
     gpu = torch_gpu
-    calls = _foreign_calls(gpu, cuda_tensor)
+    calls = _calls_on(gpu, cuda_tensor)
     for handle in (0x6000, 0, 0x7000, 0x6000):
         gpu.torch_stream = handle
         for call in calls.values():
@@ -300,7 +294,7 @@ def test_a_result_goes_back_to_torch_on_the_stream_it_was_computed_on(torch_gpu)
     for device in (0, 1):
         for handle in (0x6000, 0):
             gpu.torch_stream = handle
-            for call in _foreign_calls(gpu, cuda_tensor, device=device, out=False).values():
+            for call in _calls_on(gpu, cuda_tensor, device=device, out=False).values():
                 call()
                 gpu.record.clear()
                 call()
@@ -315,7 +309,7 @@ def test_torch_operands_on_another_device_run_there_and_the_current_device_is_re
     current and asks nothing), runs on device 1's handle and arena, on PyTorch's current stream of device 1 (not of
     the current device), and makes 0 current again, also where cuDNN refuses the call."""
     gpu = torch_gpu
-    for call in _foreign_calls(gpu, cuda_tensor, device=1).values():
+    for call in _calls_on(gpu, cuda_tensor, device=1).values():
         call()
         mark = len(gpu.record.log)
         call()
@@ -324,15 +318,8 @@ def test_torch_operands_on_another_device_run_there_and_the_current_device_is_re
         assert log.count((GET_DEVICE, ())) == 2  # the interop's, and CuPy's Device as it enters
         assert [args for name, args in log if name == "torch._C._cuda_getCurrentRawStream"] == [(1,)]
         assert gpu.current_device() == 0
-    assert {device for _, device in _ran(gpu)} == {1}
-    assert wsarena.get_arena(1).stats().high_water_bytes > 0 and wsarena.get_arena(0).stats().high_water_bytes == 0
-    from wsarena.cudnn import _prototypes
-
-    name = "cudnnBackendExecute" if gpu.api == "graph" else "cudnnConvolutionForward"
-    _prototypes._bound[name] = lambda *args: 3  # BAD_PARAM
-    with pytest.raises(wsarena.cudnn.CudnnError):
-        _foreign_calls(gpu, cuda_tensor, device=1)["fwd"]()
-    assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
+    _ran_on_device_1_and_refused_there(gpu, _calls_on(gpu, cuda_tensor, device=1)["fwd"])
+    assert gpu.cupy.thread().entered == []
 
 
 @pytest.mark.parametrize("where", ["in the convolution", "as the device is entered", "as the stream is entered"])
@@ -345,7 +332,7 @@ def test_a_ctrl_c_in_a_call_on_torch_operands_leaves_the_device_and_streams_as_t
 
     gpu = torch_gpu
     gpu.torch_stream = 0x6000
-    calls = _foreign_calls(gpu, cuda_tensor, device=1)
+    calls = _calls_on(gpu, cuda_tensor, device=1)
     calls["fwd"]()
     cuda = gpu.cupy.cuda
     if where == "in the convolution":
@@ -407,7 +394,7 @@ def test_cuda_array_interface_operands_are_asked_where_their_memory_is_and_come_
     memory is (cudaPointerGetAttributes), nothing is entered with stream=None, the ops ask the current device once,
     and the result is the out given, or a new CuPy array."""
     for out in (True, False):
-        for call in _foreign_calls(gpu, _cuda_array, out=out).values():
+        for call in _calls_on(gpu, _cuda_array, out=out).values():
             call()
             gpu.record.clear()
             result = call()
