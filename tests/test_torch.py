@@ -260,6 +260,29 @@ def test_meta_tensors_give_torchs_shapes_through_a_converted_model(autocast):
     assert y.device.type == "meta" and y.shape == ref.shape == (2, 4, 16, 16) and y.dtype == ref.dtype
 
 
+def _skip_unless_compiling_everywhere():
+    """Skips the test, one of another thread compiling meanwhile, where ``torch.compiler.is_compiling()`` is true
+    only in the frames Dynamo traces (PyTorch 2.11, 2.7): 2.13 holds it for the whole process while a compile runs,
+    its backend's call included, and so for eager code on other threads, which it tests. Asked of a compile on this
+    thread, before the test starts its own: on 2.11, a torch.compile on another thread left a later FakeTensorMode
+    entered in a dual level to crash the process (a segmentation fault)."""
+    if not _flag_held_through_the_compile():
+        pytest.skip("this PyTorch holds torch.compiler.is_compiling() true only in the frames Dynamo traces, not "
+                    "for the process while a compile runs: no eager call on another thread is taken for a compile")
+
+
+@functools.cache
+def _flag_held_through_the_compile():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(torch.compiler.is_compiling())
+        return gm
+
+    torch.compile(lambda t: t + 1, backend=backend)(torch.zeros(1))
+    return seen == [True]
+
+
 @pytest.fixture
 def fresh_dynamo():
     """Dynamo's caches emptied before and after: a test's compiles of shared code (a module's forward, on other
@@ -321,6 +344,7 @@ def test_a_meta_bias_beside_real_operands_is_refused_under_torch_compile(fresh_d
 def test_a_meta_bias_is_refused_in_eager_while_another_thread_compiles(fresh_dynamo):
     """torch.compiler.is_compiling() is the process's, true while any thread compiles: a call in eager mode in
     another thread meanwhile is checked as any other (a meta bias there was added as nothing)."""
+    _skip_unless_compiling_everywhere()
     x, w, b = (t.detach() for t in tensors((1, 4, 6, 6), (2, 4, 3, 3)))
     compiling, done = threading.Event(), threading.Event()
 

@@ -18,7 +18,7 @@ import wsarena
 from wsarena import algos
 from wsarena.torch import _autograd
 
-from .test_torch import _backward, _cap_warnings, _counted, _line, close
+from .test_torch import _backward, _cap_warnings, _counted, _line, _skip_unless_compiling_everywhere, close
 from .test_torch_transpose import CASES as TRANSPOSE_CASES
 from .test_torch_transpose import FUNCTIONS as TRANSPOSE_FUNCTIONS
 from .test_torch_transpose import tensors as transpose_tensors
@@ -1113,6 +1113,7 @@ def test_eager_forward_mode_on_one_thread_while_another_compiles_is_not_taken_fo
 
     import torch.autograd.forward_ad as fwad
 
+    _skip_unless_compiling_everywhere()
     case = CASES[1]
     (x, w, b), (dx, _, _) = _operands(case, False)
     started, done = threading.Event(), threading.Event()
