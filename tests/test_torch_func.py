@@ -1104,6 +1104,27 @@ def test_dual_tensors_given_to_a_compiled_function_break_its_graph_at_a_function
         tangent(wt.conv2d, fullgraph=True)
 
 
+@pytest.mark.parametrize("decorator", ["allow_in_graph", "nonstrict_trace"])
+def test_forward_mode_in_a_function_dynamo_runs_where_only_its_traced_frames_are_compiling(decorator, monkeypatch):
+    """The two tests above, where ``torch.compiler.is_compiling()`` is true only in the frames Dynamo traces, not in
+    a function it runs on fake tensors nor in AOTAutograd's trace, as before PyTorch 2.13 (2.11, 2.7): simulated
+    here by the compile session's flag left unset. Dual tensors made in the compiled function: the tangent was
+    asked of a Function that had not kept its operands for it (``ValueError: not enough values to unpack``); given
+    to it: no graph break, and ``fullgraph=True`` took the convolution."""
+    monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(torch.compiler.is_compiling())
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(lambda t: t + 1, backend=backend)(torch.zeros(1))
+    assert seen == [False]
+    test_forward_mode_in_a_function_torch_compile_runs_rather_than_traces_gives_torchs_tangents(False, decorator)
+    test_dual_tensors_given_to_a_compiled_function_break_its_graph_at_a_function_dynamo_runs(decorator, "aot_eager")
+
+
 def test_eager_forward_mode_on_one_thread_while_another_compiles_is_not_taken_for_a_compile():
     """Forward AD on one thread, while another compiles: ``torch.compiler.is_compiling()`` reads a flag of the
     process, on for this thread too, where a convolution of tensors without tangents in a dual level (a branch the

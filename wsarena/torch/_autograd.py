@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._functorch.utils import enable_single_level_autograd_function as _single_level
+from torch._guards import TracingContext
 from torch.autograd import forward_ad
 from torch.autograd.function import _SingleLevelFunction
 
@@ -397,7 +398,7 @@ def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: A
     (:func:`add_bias`), which records it where it is differentiated."""
     if _ops.exporting():
         return add_bias(function.forward(*args), bias)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (forward_ad._current_level >= 0 and _compile_runs()):
         # the level read as Dynamo traces, which guards it: a graph compiled without dual tensors compiles again
         # where it is called with them
         if forward_ad._current_level >= 0 and not _ops.transforms_traced() \
@@ -423,6 +424,18 @@ def _traced_tangent(*operands: Tensor | None) -> bool:
     """Whether an operand has a tangent as Dynamo traces it: a dual tensor made in the compiled function has; one it
     is given has none there (the graph takes its primal alone)."""
     return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in operands)
+
+
+def _compile_runs() -> bool:
+    """Whether a compile runs this on this thread, where ``torch.compiler.is_compiling()`` says none: before PyTorch
+    2.13 (2.11, 2.7) it is true only in the frames Dynamo traces, and false in a function Dynamo runs on its fake
+    tensors (``allow_in_graph``'s, ``nonstrict_trace``'s) or AOTAutograd traces, which then ran the Function with a
+    ``jvp`` on dual tensors given to the compiled function (inductor kept a wrong tangent) rather than breaking the
+    graph. The tracing context Dynamo holds while it compiles, which a FakeTensorMode of the user's has none of."""
+    return _tracing_context() is not None
+
+
+_tracing_context = TracingContext.try_get
 
 
 def _dynamo_fake_run() -> bool:
@@ -522,8 +535,10 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         ctx.save_for_forward(a, b)
     else:
         ctx.set_materialize_grads(False)
-        # for a jvp, which runs only where forward AD or torch.func's transforms are on as the Function runs
-        if forward_ad._current_level >= 0 or _transforms_active():
+        # for a jvp, which runs only where forward AD or torch.func's transforms are on as the Function runs; or a
+        # dispatch mode is, as where a compile runs a function rather than traces it (allow_in_graph's, on fake
+        # tensors), whose dual level the graph entered without the flag Python keeps
+        if forward_ad._current_level >= 0 or _transforms_active() or _dispatch_modes():
             ctx.save_for_forward(a, b)
             ctx.output_shape = output.shape
     ctx.rest = tuple(rest)
