@@ -45,6 +45,24 @@ def test_an_ordinary_forward_and_backward_run_the_operators_straight(straight):
     assert close(y, ref)
 
 
+def test_the_operators_run_straight_where_a_dispatch_key_set_equals_only_itself(straight, monkeypatch):
+    """As before PyTorch 2.8 (2.7), whose DispatchKeySet defines no ``==``: two sets of the same keys were unequal,
+    so the operators never ran straight. Simulated by key sets that compare by identity; an ordinary forward and
+    backward run them straight still."""
+
+    class Keys:
+        def __init__(self, keys):
+            self.keys = keys
+
+        def __getattr__(self, name):
+            return getattr(self.keys, name)
+
+    dispatch_keys = torch._C._dispatch_keys
+    monkeypatch.setattr(torch._C, "_dispatch_keys", lambda t: Keys(dispatch_keys(t)))
+    monkeypatch.setattr(_ops, "_plain_keys", {})
+    assert torch._C._dispatch_keys(torch.empty(0)) != torch._C._dispatch_keys(torch.empty(0))
+    test_an_ordinary_forward_and_backward_run_the_operators_straight(straight)
+
 def test_a_dispatch_mode_sees_every_operator(straight):
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -243,19 +243,21 @@ def transforms_traced() -> bool:
     return transforms_active()
 
 
-_plain_keys: dict[bool, tuple[Any, Any]] = {}  # is_cuda: the dispatch keys of an ordinary and an inference tensor
+# is_cuda: the dispatch keys of an ordinary and an inference tensor, as their raw_repr() numbers: a DispatchKeySet
+# equals only itself before PyTorch 2.8 (2.7 defines no ==), so an ordinary tensor never ran straight there
+_plain_keys: dict[bool, tuple[int, int]] = {}
 
 
-def _plain(is_cuda: bool) -> tuple[Any, Any]:
+def _plain(is_cuda: bool) -> tuple[int, int]:
     """The dispatch keys of a plain tensor on the CPU (``False``) or a CUDA device, made once: an ordinary tensor's
     (made outside inference mode: backend, ADInplaceOrView, Autograd and Autocast keys) and an inference tensor's
     (made in inference mode: backend and Autocast keys alone). On that device whatever the operands' (a meta
     tensor's are no plain tensor's), and only where no mode is active (a fake mode would make the tensor fake)."""
     device = "cuda" if is_cuda else "cpu"
     with torch.inference_mode(False):
-        ordinary = torch._C._dispatch_keys(torch.empty(0, device=device))
+        ordinary = torch._C._dispatch_keys(torch.empty(0, device=device)).raw_repr()
     with torch.inference_mode():
-        inference = torch._C._dispatch_keys(torch.empty(0, device=device))
+        inference = torch._C._dispatch_keys(torch.empty(0, device=device)).raw_repr()
     keys = _plain_keys[is_cuda] = (ordinary, inference)
     return keys
 
@@ -295,7 +297,7 @@ def call_unrecorded(op: Any, a: Tensor, b: Tensor, *args: Any) -> Tensor:
     if plain is None:
         plain = _plain(a.is_cuda)
     ordinary, inference = plain
-    keys_a, keys_b = torch._C._dispatch_keys(a), torch._C._dispatch_keys(b)
+    keys_a, keys_b = torch._C._dispatch_keys(a).raw_repr(), torch._C._dispatch_keys(b).raw_repr()
     if (keys_a == ordinary or keys_a == inference) and (keys_b == ordinary or keys_b == inference):
         return _KERNELS[op](a, b, *args)
     return op(a, b, *args)
