@@ -17,6 +17,8 @@ from .test_torch import close
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 wt = pytest.importorskip("wsarena.torch")
+from wsarena.torch import _shapes
+
 nn = torch.nn
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")  # torch's own
 
@@ -122,10 +124,34 @@ def test_a_traced_input_too_small_is_refused_with_the_reason(make, small, reason
     """Under torch.compile a RuntimeError that names the reason (a call outside it raises ValueError), whether the
     small input is the first traced or comes after a valid one (the size's guard fails, and the retrace refuses
     it); a transposed convolution's, unchecked, would be the ops' error about a convolution of no elements."""
+    if not _shapes._TRACED_MESSAGE:
+        pytest.skip("this PyTorch's Dynamo has no rule for torch._check's message (2.7): its error names no reason")
     compiled = torch.compile(make().double(), backend="aot_eager", dynamic=True)
     if not first:
         compiled(torch.randn(2, 3, 9, 9, dtype=torch.float64))
     with pytest.raises(RuntimeError, match=reason):
+        compiled(torch.randn(small, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(("make", "small", "reason"), TOO_SMALL)
+def test_a_dynamo_without_a_rule_for_checks_messages_compiles_in_one_graph_and_refuses_a_small_input(
+        make, small, reason, monkeypatch):
+    """Where Dynamo has no rule of its own for ``torch._check`` (PyTorch 2.7, simulated here), the checks go
+    without their message: that Dynamo put the message function in the graph and failed (``Unsupported: Failed to
+    convert args/kwargs to proxy``), for every compiled convolution. One graph (``fullgraph=True``) with dynamic
+    sizes, torch's results, and a too small input a RuntimeError."""
+    monkeypatch.setattr(_shapes, "_TRACED_MESSAGE", False)
+    real = torch._check
+    messages = []
+    monkeypatch.setattr(torch, "_check", lambda cond, *message: messages.append(message) or real(cond, *message))
+    torch._dynamo.reset()
+    module = make().double()
+    compiled = torch.compile(module, backend="aot_eager", dynamic=True, fullgraph=True)
+    for size in (9, 11):
+        x = torch.randn(2, 3, size, size, dtype=torch.float64)
+        assert close(compiled(x), wt.revert(copy.deepcopy(module))(x))
+    assert messages and all(m == () for m in messages)
+    with pytest.raises(RuntimeError):
         compiled(torch.randn(small, dtype=torch.float64))
 
 

@@ -189,10 +189,27 @@ def _check(condition: Any, message: str) -> None:
     which a compiled graph raises as a ``RuntimeError`` with the message. A trace before PyTorch 2.13 takes neither
     ``torch._check_with``'s error type for a symbolic size nor a message function with a closure: the message is the
     function's default. Under ``torch.export`` without the message: a strict export takes none (torch 2.13 keeps the
-    function in its graph, and fails)."""
-    if exporting():
+    function in its graph, and fails); nor under ``torch.compile`` where Dynamo takes none (:data:`_TRACED_MESSAGE`),
+    whose error then names no reason."""
+    if exporting() or (not _TRACED_MESSAGE and torch.compiler.is_compiling()):
         torch._check(condition)
     elif torch.compiler.is_compiling():
         torch._check(condition, lambda message=message: message)
     else:
         torch._check_with(ValueError, condition, lambda: message)
+
+
+def _traced_message() -> bool:
+    """Whether Dynamo traces ``torch._check``'s message function, by a rule of its own for ``torch._check``
+    (PyTorch 2.11 and 2.13 have one). Without it (2.7) it records the call as any other in its graph, and fails on
+    the function, which it cannot put in a graph (``Unsupported: Failed to convert args/kwargs to proxy``): no
+    convolution compiled. A private table of Dynamo's; where it is not found, the rule is taken to be there."""
+    try:
+        from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+        return torch._check in TorchInGraphFunctionVariable._get_handlers()
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a Dynamo without the table
+        return True
+
+
+_TRACED_MESSAGE = _traced_message()
