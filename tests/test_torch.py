@@ -929,6 +929,23 @@ def test_checkpoint_context_under_torch_compile_gives_torchs_results():
     assert close(got, expected) and all(close(g, e) for g, e in zip(got_grads, expected_grads))
 
 
+
+def test_checkpoint_context_under_torch_compile_where_checkpoint_looks_for_functional_arguments(monkeypatch):
+    """The test above where torch.utils.checkpoint tells a compile by functional tensors among the checkpointed
+    function's arguments, as PyTorch 2.7 does (simulated): checkpoint_context, given no arguments, still gives
+    the two TorchDispatchModes, where it gave its eager contexts and the compile failed."""
+    import torch.utils.checkpoint as checkpointing
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    def is_compiling(func, args, kwargs):  # PyTorch 2.7's test
+        return any(isinstance(arg, FunctionalTensor) or torch._is_functional_tensor(arg)
+                   for arg in args if isinstance(arg, torch.Tensor))
+
+    monkeypatch.setattr(checkpointing, "_is_compiling", is_compiling)
+    monkeypatch.setattr("wsarena.torch._functional._checkpoint_compiling", is_compiling)
+    torch._dynamo.reset()
+    test_checkpoint_context_under_torch_compile_gives_torchs_results()
+
 def test_selective_checkpointing_that_saves_the_operators_results_matches_torchs(leased):
     """torch.utils.checkpoint's selective checkpointing, with a policy that saves the forward operators' results,
     wsarena's and torch's: the recompute runs none of them, and the results and gradients are torch's. The bias was
