@@ -5,6 +5,7 @@ signature's arguments are checked once.
 Tolerance as in test_torch.py: float64 within 1e-10 of torch's, relative to the largest magnitude.
 """
 
+import contextlib
 import copy
 import itertools
 
@@ -117,6 +118,28 @@ TOO_SMALL = [  # a module, an input too small for it, what is wrong
     (lambda: wt.ConvTranspose2d(3, 4, 3, padding=2), (2, 3, 2, 6), r"padding=\(2, 2\) leaves an output of no elements"),
 ]
 
+
+
+@pytest.mark.parametrize("decorator", ["allow_in_graph", "nonstrict_trace"])
+def test_sizes_stay_symbolic_in_a_function_dynamo_runs_where_only_its_traced_frames_are_compiling(decorator,
+                                                                                                  monkeypatch):
+    """A convolution in a function Dynamo runs on its fake tensors rather than traces (``allow_in_graph``'s,
+    ``nonstrict_trace``'s; in a strict export on PyTorch 2.7, a module of torch.nn's classes), where
+    ``torch.compiler.is_compiling()`` is false, as before PyTorch 2.13 (simulated here by the compile session's flag
+    left unset): the sizes stay symbolic, one graph for every batch and size. They were made ints, fixed to the
+    traced values (a compile a size; on 2.7 a strict export refused its Dims as constants)."""
+    from torch._dynamo.testing import CompileCounter
+
+    monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
+    conv = wt.Conv2d(3, 4, 3).double()
+    block = getattr(torch._dynamo, decorator)(lambda x, w, b: wt.conv2d(x, w, b))
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: block(x, conv.weight, conv.bias).tanh(), backend=counter, dynamic=True)
+    for shape in ((2, 3, 8, 9), (3, 3, 10, 7), (4, 3, 6, 11)):
+        x = torch.randn(shape, dtype=torch.float64)
+        assert close(compiled(x), F.conv2d(x, conv.weight, conv.bias).tanh())
+    assert counter.frame_count == 1
 
 @pytest.mark.parametrize(("make", "small", "reason"), TOO_SMALL)
 @pytest.mark.parametrize("first", [False, True])

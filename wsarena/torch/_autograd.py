@@ -48,7 +48,6 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._functorch.utils import enable_single_level_autograd_function as _single_level
-from torch._guards import TracingContext
 from torch.autograd import forward_ad
 from torch.autograd.function import _SingleLevelFunction
 
@@ -162,6 +161,7 @@ class WeightGradFunction(_Pass):
 # form, made here from the same setup and backward, whose forward runs the operator by _ops.call and which defines
 # the jvp of forward mode (_jvp).
 _transforms_active = _ops.transforms_active
+_compiling = _ops.compiling
 _OPERATORS: dict[type[torch.autograd.Function], Any] = {
     ConvFunction: _ops.conv_forward, ConvTransposeFunction: _ops.conv_backward_data,
     WeightGradFunction: _ops.conv_backward_filter,
@@ -350,7 +350,7 @@ def _dual(a: Tensor, b: Tensor) -> bool:
     ``torch.autograd.forward_ad`` (torch.func's ``jvp`` enters one too), a compile tracing (a graph enters its own),
     else an operand's own tangent, asked of PyTorch (1-2 us each): a graph run as it is (``torch.compile``'s
     ``eager`` backend, an exported program) enters its dual level without the flag Python keeps."""
-    if forward_ad._current_level >= 0 or torch.compiler.is_compiling():
+    if forward_ad._current_level >= 0 or _compiling():
         return True
     return _unpack_dual(a, 0)[1] is not None or _unpack_dual(b, 0)[1] is not None
 
@@ -398,7 +398,7 @@ def apply(function: type[torch.autograd.Function], bias: Tensor | None, *args: A
     (:func:`add_bias`), which records it where it is differentiated."""
     if _ops.exporting():
         return add_bias(function.forward(*args), bias)
-    if torch.compiler.is_compiling() or (forward_ad._current_level >= 0 and _compile_runs()):
+    if _compiling():
         # the level read as Dynamo traces, which guards it: a graph compiled without dual tensors compiles again
         # where it is called with them
         if forward_ad._current_level >= 0 and not _ops.transforms_traced() \
@@ -424,18 +424,6 @@ def _traced_tangent(*operands: Tensor | None) -> bool:
     """Whether an operand has a tangent as Dynamo traces it: a dual tensor made in the compiled function has; one it
     is given has none there (the graph takes its primal alone)."""
     return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in operands)
-
-
-def _compile_runs() -> bool:
-    """Whether a compile runs this on this thread, where ``torch.compiler.is_compiling()`` says none: before PyTorch
-    2.13 (2.11, 2.7) it is true only in the frames Dynamo traces, and false in a function Dynamo runs on its fake
-    tensors (``allow_in_graph``'s, ``nonstrict_trace``'s) or AOTAutograd traces, which then ran the Function with a
-    ``jvp`` on dual tensors given to the compiled function (inductor kept a wrong tangent) rather than breaking the
-    graph. The tracing context Dynamo holds while it compiles, which a FakeTensorMode of the user's has none of."""
-    return _tracing_context() is not None
-
-
-_tracing_context = TracingContext.try_get
 
 
 def _dynamo_fake_run() -> bool:
@@ -471,7 +459,7 @@ def add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
     if bias is None:
         return y
     bias = bias.reshape(*_PER_CHANNEL[y.dim()])  # the sizes as arguments: a tuple takes PyTorch 3k instructions more
-    if torch.compiler.is_compiling():
+    if _compiling():
         shared = _ops.transforms_traced()
     else:
         shared = _transforms_active() or _dispatch_modes()
@@ -490,7 +478,7 @@ def _pass(function: type[torch.autograd.Function], *args: Any) -> Tensor:
     ``is_grads_batched``'s batching a Function's graph stays on the batched wrapper, and the gradients that come out
     of it have none. Under a torch.compile trace the operator (the Function's forward calls it), in every mode: its
     autograd kernel takes transforms and forward AD, where the public Function, which Dynamo takes, has no ``jvp``."""
-    if torch.compiler.is_compiling() or _transforms_active():
+    if _compiling() or _transforms_active():
         return function.forward(*args)
     if forward_ad._current_level >= 0:  # dual tensors may come (forward over reverse): the jvp gives their tangents
         return _OLDER[function].apply(*args)
@@ -506,7 +494,7 @@ def _wanted(ctx: Any, i: int, grad: Tensor | None) -> bool:
     required."""
     if grad is None or not ctx.needs_input_grad[i]:
         return False
-    if torch.compiler.is_compiling() or _will_execute is None:
+    if _compiling() or _will_execute is None:
         return True
     try:
         return bool(_will_execute(ctx.next_functions[i][0]))
@@ -552,7 +540,7 @@ def _started() -> tuple[_callsite.Site, _config.Config | None] | None:
     ``torch.compile`` traces it: a compiled backward runs the operators without these functions, and a warning
     names the first line outside PyTorch and wsarena). Inside a backward pass (a gradient of a gradient) that is
     the backward's own forward call and settings."""
-    return None if torch.compiler.is_compiling() else (_callsite.caller(), _config.overridden())
+    return None if _compiling() else (_callsite.caller(), _config.overridden())
 
 
 def _as_started(
@@ -563,7 +551,7 @@ def _as_started(
     Two scopes, not one made of them by a generator, which cost about 2 us more a backward pass. No settings scope
     where the forward ran under the process-wide settings and so does the backward (no block in force either side,
     as on PyTorch's autograd thread): it would change nothing, for some 0.5 us."""
-    if started is None or torch.compiler.is_compiling():
+    if started is None or _compiling():
         return _UNCHANGED
     site, settings = started
     if settings is None and _config.overridden() is None:

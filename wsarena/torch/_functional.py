@@ -109,7 +109,7 @@ def _operands(
         )
     if bias is not None and not isinstance(bias, Tensor):
         raise TypeError(f"bias must be a tensor or None, not {type(bias).__name__}")
-    compiling = torch.compiler.is_compiling()
+    compiling = _ops.compiling()
     x, w, bias = _autocast(x, w, bias, compiling)
     if x.dtype != w.dtype or (bias is not None and bias.dtype != x.dtype):
         raise TypeError(f"dtypes differ: input is {x.dtype}, weight is {w.dtype}"

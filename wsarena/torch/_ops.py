@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._guards import TracingContext
 from torch.autograd import forward_ad
 from torch.utils import flop_counter
 
@@ -55,7 +56,7 @@ def _channels_last(t: Tensor) -> bool:
         return False
     # ints, where torch.jit.trace gives tensors; traced by torch.compile or torch.export, as they are (symbolic
     # sizes made ints would be fixed to the traced values)
-    sizes = list(t.shape) if torch.compiler.is_compiling() else [operator.index(n) for n in t.shape]
+    sizes = list(t.shape) if compiling() else [operator.index(n) for n in t.shape]
     strides = t.stride()
     if strides[1] == 0:
         return False
@@ -66,6 +67,21 @@ def _channels_last(t: Tensor) -> bool:
         least = strides[d] * sizes[d]
     return True
 
+
+def compiling() -> bool:
+    """Whether a torch.compile or torch.export trace runs this: ``torch.compiler.is_compiling()``, which PyTorch
+    2.13 holds true for the whole compile; before (2.11, 2.7) it is true only in the frames Dynamo traces, and
+    false in code Dynamo runs on its fake tensors rather than traces (an ``allow_in_graph`` or ``nonstrict_trace``
+    function; on 2.7 a module of torch.nn's own classes in a strict export, wsarena's among them) and in
+    AOTAutograd's trace, where symbolic sizes were then made ints (fixed to the traced values) and forward AD took
+    the eager path. There the tracing context Dynamo holds while it compiles, on this thread alone, says so: a
+    FakeTensorMode of the user's, a meta tensor, eager code on another thread have none. Asked only under a
+    dispatch mode (such code runs under the compile's fake mode): its lookup costs some 2 us where there is none."""
+    return torch.compiler.is_compiling() or (_dispatch_modes() > 0 and _tracing_context() is not None)
+
+
+_tracing_context = TracingContext.try_get
+_dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
 
 def exporting() -> bool:
     """Whether ``torch.export`` is tracing: the flag ``torch.compiler.is_exporting()`` returns, read where PyTorch
@@ -282,7 +298,7 @@ def call(op: Any, a: Tensor, b: Tensor, *args: Any) -> Tensor:
     What Python cannot ask about goes unseen on the straight path: an ``ExecutionTraceObserver`` started without the
     profiler records the operators only from the dispatcher."""
     if (torch.is_grad_enabled() or forward_ad._current_level >= 0 or transforms_active() or torch.jit.is_tracing()
-            or torch.compiler.is_compiling()):
+            or compiling()):
         return op(a, b, *args)
     return call_unrecorded(op, a, b, *args)
 

@@ -109,7 +109,7 @@ def _checked(
     # Traced, sizes may be symbolic, and torch.compile shows them as ints (isinstance and type say int). Nor does a
     # trace read a remembered signature: it would guard on the dictionary. torch.jit.trace's sizes are tensors, a
     # new key every call.
-    if torch.compiler.is_compiling():
+    if _ops.compiling():
         return _made(*_stand_in(make, x_shape, w_shape, params))
     if torch.jit.is_tracing():
         return _made(*_sized(make(x_shape, w_shape, *params)))
@@ -191,9 +191,9 @@ def _check(condition: Any, message: str) -> None:
     function's default. Under ``torch.export`` without the message: a strict export takes none (torch 2.13 keeps the
     function in its graph, and fails); nor under ``torch.compile`` where Dynamo takes none (:data:`_TRACED_MESSAGE`),
     whose error then names no reason."""
-    if exporting() or (not _TRACED_MESSAGE and torch.compiler.is_compiling()):
+    if exporting() or (not _TRACED_MESSAGE and _ops.compiling()):
         torch._check(condition)
-    elif torch.compiler.is_compiling():
+    elif _ops.compiling():
         torch._check(condition, lambda message=message: message)
     else:
         torch._check_with(ValueError, condition, lambda: message)
