@@ -7,6 +7,7 @@ tensor; for a whole model's gradients, of the largest gradient of the model), fl
 autocast within 2e-2 (two bfloat16 roundings of a float32 sum: the inputs' and the output's).
 """
 
+import contextlib
 import copy
 import functools
 import sys
@@ -281,6 +282,44 @@ def _flag_held_through_the_compile():
 
     torch.compile(lambda t: t + 1, backend=backend)(torch.zeros(1))
     return seen == [True]
+
+
+def _only_traced_frames_compiling(monkeypatch):
+    """PyTorch before 2.13 (2.11, 2.7), simulated: ``torch.compiler.is_compiling()`` true only in the frames Dynamo
+    traces (the compile session's flag left unset), and wsarena.torch's test of a compile the one it takes there
+    (``_ops._compiling_traced``), where a PyTorch that holds the flag through the compile takes the flag alone."""
+    from wsarena.torch import _autograd, _ops
+
+    monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
+    monkeypatch.setattr(_ops, "compiling", _ops._compiling_traced)
+    monkeypatch.setattr(_autograd, "_compiling", _ops._compiling_traced)
+
+
+def test_a_compile_is_told_by_is_compiling_alone_where_pytorch_holds_it_through_the_compile():
+    """wsarena.torch's test of a compile is ``torch.compiler.is_compiling()`` itself, at no cost over it, exactly
+    where PyTorch holds that true through the compile, its backend's call included (2.13), as a compile shows here
+    (not the name the choice reads); elsewhere (2.11, 2.7) the test that asks Dynamo's tracing context as well. Both
+    are true in a function Dynamo runs rather than traces, and false in eager code under a dispatch mode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from wsarena.torch import _autograd, _ops
+
+    held = _flag_held_through_the_compile()
+    assert (_ops.compiling is torch.compiler.is_compiling) == held
+    assert _ops.compiling is (torch.compiler.is_compiling if held else _ops._compiling_traced)
+    assert _autograd._compiling is _ops.compiling
+    seen = []
+
+    @torch._dynamo.allow_in_graph
+    def block(t):
+        seen.append((_ops.compiling(), _ops._compiling_traced()))
+        return t + 1
+
+    torch._dynamo.reset()
+    torch.compile(lambda t: block(t) * 2, backend="aot_eager")(torch.zeros(2))
+    assert seen and all(s == (True, True) for s in seen)
+    with FlopCounterMode(display=False):
+        assert (_ops.compiling(), _ops._compiling_traced()) == (False, False)
 
 
 @pytest.fixture
@@ -929,7 +968,6 @@ def test_checkpoint_context_under_torch_compile_gives_torchs_results():
     assert close(got, expected) and all(close(g, e) for g, e in zip(got_grads, expected_grads))
 
 
-
 def test_checkpoint_context_under_torch_compile_where_checkpoint_looks_for_functional_arguments(monkeypatch):
     """The test above where torch.utils.checkpoint tells a compile by functional tensors among the checkpointed
     function's arguments, as PyTorch 2.7 does (simulated): checkpoint_context, given no arguments, still gives
@@ -945,6 +983,7 @@ def test_checkpoint_context_under_torch_compile_where_checkpoint_looks_for_funct
     monkeypatch.setattr("wsarena.torch._functional._checkpoint_compiling", is_compiling)
     torch._dynamo.reset()
     test_checkpoint_context_under_torch_compile_gives_torchs_results()
+
 
 def test_selective_checkpointing_that_saves_the_operators_results_matches_torchs(leased):
     """torch.utils.checkpoint's selective checkpointing, with a policy that saves the forward operators' results,

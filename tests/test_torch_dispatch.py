@@ -63,6 +63,7 @@ def test_the_operators_run_straight_where_a_dispatch_key_set_equals_only_itself(
     assert torch._C._dispatch_keys(torch.empty(0)) != torch._C._dispatch_keys(torch.empty(0))
     test_an_ordinary_forward_and_backward_run_the_operators_straight(straight)
 
+
 def test_a_dispatch_mode_sees_every_operator(straight):
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -19,7 +19,15 @@ import wsarena
 from wsarena import algos
 from wsarena.torch import _autograd
 
-from .test_torch import _backward, _cap_warnings, _counted, _line, _skip_unless_compiling_everywhere, close
+from .test_torch import (
+    _backward,
+    _cap_warnings,
+    _counted,
+    _line,
+    _only_traced_frames_compiling,
+    _skip_unless_compiling_everywhere,
+    close,
+)
 from .test_torch_transpose import CASES as TRANSPOSE_CASES
 from .test_torch_transpose import FUNCTIONS as TRANSPOSE_FUNCTIONS
 from .test_torch_transpose import tensors as transpose_tensors
@@ -1119,7 +1127,7 @@ def test_forward_mode_in_a_function_dynamo_runs_where_only_its_traced_frames_are
     here by the compile session's flag left unset. Dual tensors made in the compiled function: the tangent was
     asked of a Function that had not kept its operands for it (``ValueError: not enough values to unpack``); given
     to it: no graph break, and ``fullgraph=True`` took the convolution."""
-    monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
+    _only_traced_frames_compiling(monkeypatch)
     seen = []
 
     def backend(gm, example_inputs):

@@ -5,7 +5,6 @@ signature's arguments are checked once.
 Tolerance as in test_torch.py: float64 within 1e-10 of torch's, relative to the largest magnitude.
 """
 
-import contextlib
 import copy
 import itertools
 
@@ -13,7 +12,7 @@ import pytest
 
 from wsarena import _geometry
 
-from .test_torch import close
+from .test_torch import _only_traced_frames_compiling, close
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -119,7 +118,6 @@ TOO_SMALL = [  # a module, an input too small for it, what is wrong
 ]
 
 
-
 @pytest.mark.parametrize("decorator", ["allow_in_graph", "nonstrict_trace"])
 def test_sizes_stay_symbolic_in_a_function_dynamo_runs_where_only_its_traced_frames_are_compiling(decorator,
                                                                                                   monkeypatch):
@@ -130,7 +128,7 @@ def test_sizes_stay_symbolic_in_a_function_dynamo_runs_where_only_its_traced_fra
     traced values (a compile a size; on 2.7 a strict export refused its Dims as constants)."""
     from torch._dynamo.testing import CompileCounter
 
-    monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
+    _only_traced_frames_compiling(monkeypatch)
     conv = wt.Conv2d(3, 4, 3).double()
     block = getattr(torch._dynamo, decorator)(lambda x, w, b: wt.conv2d(x, w, b))
     counter = CompileCounter()
@@ -140,6 +138,7 @@ def test_sizes_stay_symbolic_in_a_function_dynamo_runs_where_only_its_traced_fra
         x = torch.randn(shape, dtype=torch.float64)
         assert close(compiled(x), F.conv2d(x, conv.weight, conv.bias).tanh())
     assert counter.frame_count == 1
+
 
 @pytest.mark.parametrize(("make", "small", "reason"), TOO_SMALL)
 @pytest.mark.parametrize("first", [False, True])

@@ -75,7 +75,7 @@ _any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled"
 
 def _autocast(x: Tensor, w: Tensor, bias: Tensor | None, compiling: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """The operands cast as ``torch.autocast`` casts a convolution's: floating types but float64 to its dtype.
-    ``compiling``: whether a torch.compile trace runs (``torch.compiler.is_compiling()``)."""
+    ``compiling``: whether a torch.compile trace runs (:func:`wsarena.torch._ops.compiling`)."""
     if not compiling and not _any_autocast():  # the common case, in one call
         return x, w, bias
     device_type = x.device.type
