@@ -89,9 +89,13 @@ def test_traced_output_sizes_are_torchs_symbolic_sizes(nd, x_shape, w_shape, kw,
     g = torch.Generator().manual_seed(0)
     w = torch.randn(w_shape, dtype=torch.float64, generator=g)
 
-    class Both(nn.Module):
+    class Both(nn.Module):  # the weight a buffer: a strict export (PyTorch 2.7's default) takes no closed-over one
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("w", w)
+
         def forward(self, x):
-            return ours(x, w, **kw), theirs(x, w, **kw)
+            return ours(x, self.w, **kw), theirs(x, self.w, **kw)
 
     x = torch.randn(x_shape, dtype=torch.float64, generator=g)
     dims = {0: torch.export.Dim("b"), **{d: torch.export.Dim(f"s{d}", min=x_shape[d]) for d in range(2, nd + 2)}}
