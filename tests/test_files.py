@@ -171,8 +171,9 @@ def test_a_part_of_a_regular_file_is_read_in_parts_and_a_fifo_is_refused(tmp_pat
 
 def test_a_part_is_read_beneath_its_folder_through_no_link_as_onnx_reads_it(tmp_path, monkeypatch):
     """What onnx's loader refuses (onnx.checker's checks, then openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
-    read_regular_part refuses: a location absolute, empty or with ".." in it, a link on the way, even to a file or a
-    folder inside the folder, a file of several hard links; onnx's own loader is the reference for each. The path was
+    read_regular_part refuses: a location absolute, empty or with ".." in it, or naming a folder ("data/", which
+    normpath() makes "data"), a link on the way, even to a file or a folder inside the folder, a file of several hard
+    links; onnx's own loader is the reference for each. The path was
     resolved (realpath), then opened as it was by then, links followed: a link put in the place of the file after
     the look is refused too, not followed out of the folder."""
     from onnx import TensorProto
@@ -204,7 +205,8 @@ def test_a_part_is_read_beneath_its_folder_through_no_link_as_onnx_reads_it(tmp_
     for location, reads in [("data", True), ("inner/data", True), ("inner/../data", True), ("", False), (".", False),
                             (str(folder / "data"), False), ("../model/data", False), ("a..b", False),
                             ("hard", False), ("twice", False), ("folder-link/data", False), ("inner-link", False),
-                            ("out-link", False), ("missing", False)]:
+                            ("out-link", False), ("missing", False), ("data/", False), ("data/.", False),
+                            ("inner/data/", False), ("inner/", False), ("folder-link/", False), ("inner-link/", False)]:
         assert (onnx_reads(location) is not None) == reads, location
         if reads:
             assert _files.read_regular_part(folder, location, 0, 16) == onnx_reads(location) == DATA[:16]

@@ -127,13 +127,13 @@ def read_regular_part(folder: str | os.PathLike[str], location: str, offset: int
     ends sooner: a small tensor's bytes in the external data file of an ONNX model, which may hold gigabytes of
     weights besides. What onnx's own loader refuses is refused (onnx 1.23: ``onnx.checker``'s checks, then an
     ``openat2`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``): a ``location`` empty, absolute or with ``..`` in it,
-    a link anywhere on the way, even to a file inside the folder, and a file of several hard links. Each folder on
-    the way is opened from the one before it, and the file from the last, none of them through a link
-    (``O_NOFOLLOW``), so that a link put in the place of one after it was looked at is refused, not followed out of
-    the folder; the file is opened as :func:`read_regular_file` opens one, so that a FIFO put in its place after it
-    was looked at is refused, not waited on until a writer comes. ``folder`` itself is opened as its path says, links
-    followed, as onnx opens it. Only where :func:`os.open` opens from a folder's descriptor (not on Windows,
-    :data:`OPENS_BENEATH`).
+    or naming a folder (``data/``, ``data/.``), a link anywhere on the way, even to a file inside the folder, and a
+    file of several hard links. Each folder on the way is opened from the one before it, and the file from the last,
+    none of them through a link (``O_NOFOLLOW``), so that a link put in the place of one after it was looked at is
+    refused, not followed out of the folder; the file is opened as :func:`read_regular_file` opens one, so that a
+    FIFO put in its place after it was looked at is refused, not waited on until a writer comes. ``folder`` itself is
+    opened as its path says, links followed, as onnx opens it. Only where :func:`os.open` opens from a folder's
+    descriptor (not on Windows, :data:`OPENS_BENEATH`).
 
     Raises
     ------
@@ -177,6 +177,10 @@ def _open_beneath(folder: str | os.PathLike[str], location: str) -> int:
     if not location or os.path.isabs(location) or ".." in os.path.normpath(location):
         raise ValueError(f"the location {location!r} is not a relative path inside the folder without '..'")
     *folders, name = os.path.normpath(location).split(os.sep)
+    if os.path.basename(location) in ("", os.curdir) and name != os.curdir:
+        # "data/" and "data/." name a folder, as open() and onnx's loader read them, where normpath() drops the end
+        # and left "data", read as a file: the look below sees what it is (a file: ENOTDIR; a folder: refused)
+        name += os.sep
     no_link = os.O_NOFOLLOW | _NONBLOCK
     at = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | _NONBLOCK)
     try:
