@@ -264,7 +264,7 @@ def _written(out: Any) -> None:
 _AS_IT_IS: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()  # reusable: it holds nothing
 
 
-Scope = contextlib.AbstractContextManager[Any]
+_Scope = contextlib.AbstractContextManager[Any]
 
 
 class _Library(NamedTuple):
@@ -275,8 +275,8 @@ class _Library(NamedTuple):
     from_torch: Callable[[Any], Any]  # a torch tensor (bfloat16 relabelled int16)
     from_dlpack: Callable[[Any], Any]  # an Export
     asarray: Callable[[Any], Any]  # a holder of __array_interface__ or __cuda_array_interface__
-    scopes: Callable[[int | None, Any, bool], tuple[Scope, Scope]] = lambda *_: (_AS_IT_IS, _AS_IT_IS)
-    stream: Callable[[Any], Scope] = lambda _: _AS_IT_IS
+    scopes: Callable[[int | None, Any, bool], tuple[_Scope, _Scope]] = lambda *_: (_AS_IT_IS, _AS_IT_IS)
+    stream: Callable[[Any], _Scope] = lambda _: _AS_IT_IS
 
 
 def _view(library: _Library, op: _Operand) -> Any:
@@ -368,11 +368,11 @@ def _cupy() -> _Library:
     def from_dlpack(obj: Any) -> Any:
         return cupy.from_dlpack(obj, copy=False)  # imported on the current (the call's) stream
 
-    def stream(given: Any) -> Scope:
+    def stream(given: Any) -> _Scope:
         # the call's own CuPy object, which dies with it (arena.streams.cupy_stream says why)
         return _AS_IT_IS if given is None else cupy_stream(stream_handle(given))
 
-    def scopes(ordinal: int | None, given: Any, own: bool) -> tuple[Scope, Scope]:
+    def scopes(ordinal: int | None, given: Any, own: bool) -> tuple[_Scope, _Scope]:
         """CUDA device ``ordinal`` current (``None``: as it is), then ``given`` CuPy's current stream there, for the
         block: two scopes, entered in order.
 
