@@ -48,7 +48,7 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager[Any], contex
     runs. Under ``torch.compile``, which takes only two ``TorchDispatchMode`` objects from a ``context_fn``, those
     of PyTorch's own checkpointing there (every operator recomputed): the compiled backward, its recompute
     included, runs under the settings where it runs."""
-    if _checkpoint_compiling(None, (), {}) or _dispatch_mode(_FUNCTIONAL) is not None:
+    if _checkpoint_compiling(None, (), {}) or _autograd._dispatch_mode(_autograd._FUNCTIONAL) is not None:
         return _checkpoint.create_selective_checkpoint_contexts(_recompute)
     return contextlib.nullcontext(), _config.using(_config.overridden())
 
@@ -65,8 +65,6 @@ _checkpoint_compiling: Callable[[Any, Any, Any], bool] = getattr(_checkpoint, "_
 # checkpointed function's arguments, which a context_fn is not given, so it found none, and torch.compile refused the
 # eager form's two contexts ("must generate a tuple of two `TorchDispatchMode`s"): asked here as a functional mode in
 # force, which AOTAutograd's traces hold where they hold such tensors (a first one, of metadata, has no proxy mode)
-_dispatch_mode = torch._C._get_dispatch_mode
-_FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
 
 
 # Whether autocast is on for any device type that has it (in PyTorch since 2.4); before, asked as if it were.
