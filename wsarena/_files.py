@@ -174,9 +174,10 @@ def _open_beneath(folder: str | os.PathLike[str], location: str) -> int:
     if not OPENS_BENEATH:
         raise OSError(errno.ENOTSUP, "opening a file beneath a folder through no link is not supported here")
     # as onnx.checker refuses them: absolute, or ".." anywhere once normalized, even inside a name ("a..b")
-    if not location or os.path.isabs(location) or ".." in os.path.normpath(location):
+    normal = os.path.normpath(location)
+    if not location or os.path.isabs(location) or ".." in normal:
         raise ValueError(f"the location {location!r} is not a relative path inside the folder without '..'")
-    *folders, name = os.path.normpath(location).split(os.sep)
+    *folders, name = normal.split(os.sep)
     if os.path.basename(location) in ("", os.curdir) and name != os.curdir:
         # "data/" and "data/." name a folder, as open() and onnx's loader read them, where normpath() drops the end
         # and left "data", read as a file: the look below sees what it is (a file: ENOTDIR; a folder: refused)
