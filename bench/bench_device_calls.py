@@ -29,7 +29,6 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 import timeit
 import warnings
@@ -131,14 +130,6 @@ def counts(calls: int) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
     return found
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=False).stdout.strip()
-    except OSError:
-        return ""
-
-
 def print_counts(found: dict[str, Any]) -> None:
     for api, per_way in found.items():
         for way, per_pass in per_way.items():
@@ -221,8 +212,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args()
+    from gpu_check import checkout_commit
+
     found: dict[str, Any] = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                             "python": platform.python_version(), "commit": _commit()}
+                             "python": platform.python_version(), "commit": checkout_commit()}
     found["counts"] = counts(args.calls)
     print(f"{found['machine']}; python {found['python']}; commit {found['commit']}")
     print_counts(found["counts"])

@@ -162,6 +162,12 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, leave)
 
 
+def checkout_commit() -> str | None:
+    """The commit of this checkout as the results name it: WSARENA_COMMIT where given (gpu_check.sh's header says
+    when), else git's."""
+    return os.environ.get("WSARENA_COMMIT") or _git_commit()
+
+
 def _git_commit() -> str | None:
     """The checkout's commit, where git and the .git folder are there (a copy sent to a GPU machine may lack
     them: gpu_check.sh passes WSARENA_COMMIT then)."""
@@ -315,7 +321,7 @@ def main() -> int:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result: dict = {
         "date": datetime.date.today().isoformat(),
-        "commit": os.environ.get("WSARENA_COMMIT") or _git_commit(),
+        "commit": checkout_commit(),
         "device": devices[0] if devices else None,
         "devices": devices,
         "cudnn_version": info["cudnn"].get("version_string") or info["cudnn"].get("version"),
