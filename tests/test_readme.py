@@ -358,6 +358,26 @@ def test_the_settings_table_has_every_setting_with_its_variable_and_default():
     assert names and [name for name in sorted(names) if name not in readme] == []
 
 
+def test_a_switchs_row_names_what_python_takes_beside_the_variables_words():
+    """A switch (``debug``) is ``1``/``on``/... in its environment variable but ``True`` or ``False`` in Python, where
+    ``configure()`` refuses the variable's words: its row of the settings table says both."""
+    import dataclasses
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## The cap and other settings"):readme.index("How the settings are read")]
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `(\w+)` \| `\w+` \| (.*) \|$", section, re.MULTILINE)}
+    defaults = wsarena.Config(cache_dir="off")
+    switches = [f.name for f in dataclasses.fields(wsarena.Config) if isinstance(getattr(defaults, f.name), bool)]
+    assert switches == ["debug"]
+    for key in switches:
+        assert "`True` or `False`" in rows[key], rows[key]
+        for word in ("1", "on", 1):
+            with pytest.raises(TypeError, match=f"{key} must be True or False"), wsarena.config(**{key: word}):
+                pass
+        with wsarena.config(**{key: True}):
+            assert getattr(wsarena.get_config(), key) is True
+
 def test_every_public_name_is_named_in_the_readme_or_docs():
     """Each name of ``wsarena.__all__``, ``wsarena.arena.__all__`` and ``wsarena.torch.__all__`` is written in the
     README or docs/*.md, whole (``Conv1d/2d/3d`` names the three), where a user looks for it."""
