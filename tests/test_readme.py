@@ -378,6 +378,20 @@ def test_a_switchs_row_names_what_python_takes_beside_the_variables_words():
         with wsarena.config(**{key: True}):
             assert getattr(wsarena.get_config(), key) is True
 
+def test_the_errors_the_readme_calls_wsarena_errors_are():
+    """"Those classes, `ModelError` and cuDNN's errors (`wsarena.cudnn`) are all `wsarena.WsarenaError`s": every
+    exception (not a warning) that ``wsarena.errors``, ``wsarena.models`` and ``wsarena.cudnn`` export."""
+    import wsarena.cudnn
+    import wsarena.errors
+    import wsarena.models
+
+    assert "`wsarena.WsarenaError`s" in _readme_sentence("**Bad input.**", "On the command line")
+    found = [getattr(module, name) for module in (wsarena.errors, wsarena.models, wsarena.cudnn)
+             for name in module.__all__]
+    errors = [c for c in found if isinstance(c, type) and issubclass(c, Exception) and not issubclass(c, Warning)]
+    assert wsarena.models.ModelError in errors and wsarena.cudnn.CudnnError in errors and len(errors) > 20
+    assert [c.__name__ for c in errors if not issubclass(c, wsarena.WsarenaError)] == []
+
 def test_every_public_name_is_named_in_the_readme_or_docs():
     """Each name of ``wsarena.__all__``, ``wsarena.arena.__all__`` and ``wsarena.torch.__all__`` is written in the
     README or docs/*.md, whole (``Conv1d/2d/3d`` names the three), where a user looks for it."""
