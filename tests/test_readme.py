@@ -392,6 +392,20 @@ def test_the_errors_the_readme_calls_wsarena_errors_are():
     assert wsarena.models.ModelError in errors and wsarena.cudnn.CudnnError in errors and len(errors) > 20
     assert [c.__name__ for c in errors if not issubclass(c, wsarena.WsarenaError)] == []
 
+def test_the_reliability_tests_that_need_a_gpu_are_those_the_readme_names():
+    """"all of them but `tests/test_capture_gpu.py`, which needs a GPU, run in CI, on the CPU": of the test files the
+    Reliability table names, those marked ``gpu`` as a whole (skipped without a GPU) are the ones said to need one."""
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("## Reliability"):readme.index("**Bad input.**")]
+    intro, rows = table.split("| promise |", 1)
+    named = set(re.findall(r"`(tests/test_\w+\.py)`", rows))
+    assert len(named) > 10 and all((ROOT / path).is_file() for path in named), named
+    marked = re.compile(r"^pytestmark = pytest\.mark\.gpu$", re.MULTILINE)
+    gpu_only = {path for path in named if marked.search((ROOT / path).read_text(encoding="utf-8"))}
+    assert gpu_only == set(re.findall(r"`(tests/test_\w+\.py)`, which needs a GPU", " ".join(intro.split())))
+
 def test_every_public_name_is_named_in_the_readme_or_docs():
     """Each name of ``wsarena.__all__``, ``wsarena.arena.__all__`` and ``wsarena.torch.__all__`` is written in the
     README or docs/*.md, whole (``Conv1d/2d/3d`` names the three), where a user looks for it."""
