@@ -801,6 +801,37 @@ def test_asymmetric_pads_are_widened_or_refused(capsys, tmp_path):
     assert code == 2 and "none of the model's 1 conv node(s) could be planned" in error
 
 
+def test_skip_unknowns_help_names_each_kind_of_conv_it_leaves_out(capsys, tmp_path):
+    """--skip-unknown's help names what it leaves out: a shape unknown, an empty conv, operands of a type the
+    operator refuses (an int64 weight, which it did not name) and asymmetric pads under --asymmetric-pads error;
+    each such conv of one model is left out, and the float one beside them planned."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from .onnx_graphs import conv, save, vi, weight
+
+    r = run_cli("report", "--help")
+    assert r.returncode == 0, r.stderr
+    help_text = " ".join(r.stdout.split())
+    start = help_text.index("--skip-unknown leave out")
+    said = help_text[start:help_text.index("--asymmetric-pads {", start)]
+    for kind in ("a shape unknown", "an empty conv", "a type the operator refuses", "asymmetric pads"):
+        assert kind in said, said
+    nodes = [conv("float", "x", "w", "y0"), conv("empty", "x", "w0", "y1"), conv("int_weight", "x", "wi", "y2"),
+             conv("asym", "x", "w", "y3", pads=[0, 0, 1, 1]),
+             helper.make_node("Reshape", ["x", "s"], ["r"]), conv("lost", "r", "w", "y4")]
+    inits = [weight("w", (4, 3, 3, 3)), weight("w0", (0, 3, 3, 3)),
+             numpy_helper.from_array(np.zeros((4, 3, 3, 3), np.int64), "wi")]
+    path = save(tmp_path / "kinds.onnx", nodes, [vi("x", [1, 3, 8, 8]),
+                                                 helper.make_tensor_value_info("s", TensorProto.INT64, [4])], inits,
+                outputs=[vi(f"y{i}", None) for i in range(5)])
+    code, out, err = run_main(capsys, "report", str(path), "--backend", "cpu", "--format", "json",
+                              "--asymmetric-pads", "error", "--skip-unknown")
+    assert code == 0, err
+    report = json.loads(out)
+    assert [layer["name"] for layer in report["layers"]] == ["float"]
+    assert [skipped["name"] for skipped in report["skipped_layers"]] == ["empty", "int_weight", "asym", "lost"]
+
 @pytest.mark.parametrize("variable", ["WSARENA_BACKEND", "WSARENA_ALGO_SEARCH", "WSARENA_CUDNN_API"])
 def test_report_device_properties_decides_the_backend_search_and_api(capsys, monkeypatch, tmp_path, variable):
     """--device-properties plans cuDNN's heuristic choices through the graph API, as plan(device_properties=...)

@@ -188,7 +188,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
                              "or instant)")
     parser.add_argument("--skip-unknown", action="store_true",
                         help="leave out, with a warning, the ONNX convs that cannot be planned (a shape unknown, "
-                             "an empty conv, asymmetric pads under --asymmetric-pads error)")
+                             "an empty conv, operands of a type the operator refuses, asymmetric pads under "
+                             "--asymmetric-pads error)")
     parser.add_argument(
         "--asymmetric-pads", choices=("widen", "error"), default="widen",
         help="ONNX convs with asymmetric pads: model them as onnxruntime's CUDA provider runs them (widen, the "
