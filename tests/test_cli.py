@@ -897,6 +897,16 @@ def test_the_passes_flag_names_the_passes_in_its_help(capsys, command):
     assert "--passes PASSES comma-separated, of fwd,bwd_data,bwd_filter" in help_text
 
 
+def test_every_subcommands_help_says_what_it_does():
+    """``wsarena CMD --help`` opens with what the command does, as ``report`` and ``tune`` did and ``cache`` and
+    ``info`` did not (usage and options alone); ``info``'s names the variables it reports that nothing reads, as the
+    README says it does."""
+    commands = next(a for a in _parser()._actions if a.dest == "command").choices
+    assert set(commands) == {"report", "tune", "cache", "info"}
+    for name, parser in commands.items():
+        assert parser.description and len(parser.description) > 60, name
+    assert "WSARENA_* variable of the environment that the package does not read" in commands["info"].description
+
 def test_cache_clear_says_in_its_help_that_it_removes_the_unreadable_files_too(capsys):
     from wsarena.cli import main
 

@@ -253,13 +253,24 @@ def parser() -> _Parser:
                       "WSARENA_CAP_WORKSPACE=<recommended cap> WSARENA_ALGO_SEARCH=exhaustive, for "
                       "export $(wsarena tune MODEL --apply)")
 
-    cache = sub.add_parser("cache", help="the persistent search cache: its entries, or empty it")
+    cache = sub.add_parser(
+        "cache", help="the persistent search cache: its entries, or empty it",
+        description="The search cache, where exhaustive searches keep each candidate's time and workspace: info "
+        "shows its folder and the setting that folder comes from, its entries per device, wsarena version and cuDNN "
+        "API, their size on disk and its limit; clear removes the entries and the unreadable files, nothing else.",
+    )
     cache.add_argument("action", choices=("info", "clear"), help="info: the folder (WSARENA_CACHE_DIR, else the user "
                        "cache folder), its entries, their size on disk and its limit; clear: remove the entries and "
                        "the unreadable files")
     cache.add_argument("--format", choices=("text", "json"), default="text", help="default text")
 
-    info = sub.add_parser("info", help="versions (PyTorch's too), library paths, devices, the backend 'auto' picks, "
-                                       "and the settings in force with where each comes from")
+    what = ("versions (PyTorch's too), library paths, devices, the backend 'auto' picks, and the settings in force "
+            "with where each comes from")
+    info = sub.add_parser(
+        "info", help=what,
+        description=f"What wsarena found here: {what} (an invalid variable with its error), and each WSARENA_* "
+        "variable of the environment that the package does not read, naming the setting's variable closest to it, "
+        "if any.",
+    )
     info.add_argument("--format", choices=("text", "json"), default="text", help="default text")
     return command
