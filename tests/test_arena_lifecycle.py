@@ -390,6 +390,32 @@ def test_device_arenas_are_released_at_exit_before_later_atexit_handlers():
     assert result.stdout.split("\n")[:2] == ["leases 2", "freed 3 held 0"]
 
 
+def test_a_later_exit_handler_is_refused_by_a_wsarena_error_that_is_a_runtime_error():
+    """An exit handler that runs after wsarena's (registered before the first device arena) and leases from the
+    released arena, or reserves, gets ``wsarena.ReleasedAtExitError``: caught by ``WsarenaError``, as the README
+    says wsarena's errors are, and still a ``RuntimeError``, as it was."""
+    code = """
+        import atexit
+        import wsarena
+        from wsarena.arena import Arena
+        from wsarena.arena.testing import RecordingProvider
+
+        def late():
+            for ask in (lambda: arena.lease(10, stream=5).__enter__(), lambda: arena.reserve(10, stream=6)):
+                try:
+                    ask()
+                except wsarena.WsarenaError as exc:
+                    print(type(exc).__name__, isinstance(exc, RuntimeError), exc)
+
+        atexit.register(late)  # registered first, so it runs after the arena's own handler
+        arena = Arena(RecordingProvider(device_id=0))
+        arena.reserve(100, stream=3)
+    """
+    result = run_python(code)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == "ReleasedAtExitError True this arena was released at interpreter exit\n" * 2
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
 def test_a_child_forked_while_an_unlisted_closed_arena_is_kept_gives_none_of_its_buffers_to_the_provider(
     monkeypatch

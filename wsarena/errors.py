@@ -12,6 +12,8 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
     │   │                                          could not allocate, host or device, are MemoryErrors too)
     │   └── wsarena.cudnn.graph.DevicePropertiesError
     │                                              device properties that describe no GPU (BAD_PARAM; a ValueError)
+    ├── ReleasedAtExitError (RuntimeError)         a lease or reserve of a device arena that wsarena's exit
+    │                                              handler released (a later exit handler, a thread still running)
     ├── UnsupportedConvolutionError (ValueError)   the backend has no algorithm at all for this convolution
     └── WorkspaceMemoryError (MemoryError)         carries requested, held and cap, in bytes
         ├── WorkspaceCapError                      the request is above the workspace cap
@@ -49,6 +51,7 @@ __all__ = [
     "CudnnApiFallbackWarning",
     "MemoryFallbackWarning",
     "NoAlgorithmFitsError",
+    "ReleasedAtExitError",
     "SearchCacheWarning",
     "SearchFallbackWarning",
     "UnsupportedConvolutionError",
@@ -87,6 +90,13 @@ class CaptureError(WsarenaError, RuntimeError):
     """
 
     stream: Hashable | None = None
+
+
+class ReleasedAtExitError(WsarenaError, RuntimeError):
+    """A lease or reserve of a device arena that wsarena's exit handler released, as the interpreter exits, before
+    CUDA is torn down: only a later exit handler (one registered before the first device arena) or a thread still
+    running can still ask. A daemon thread gets ``SystemExit`` instead, which ends it quietly; a thread made outside
+    ``threading`` (PyTorch's autograd thread) gets this error."""
 
 
 class UnsupportedConvolutionError(WsarenaError, ValueError):

@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._sizes import short_repr
-from ..errors import CaptureError
+from ..errors import CaptureError, ReleasedAtExitError
 from . import _kept
 from ._keys import GoneStream, _caller_chosen, _LaneKey
 from ._pins import KeptBytes
@@ -60,11 +60,6 @@ _DEFAULT_STREAMS = PER_THREAD_DEFAULT_STREAM
 def _may_go_on(pin: Any) -> bool:
     """Whether a capture recorded in ``_Table.capturing`` with ``pin`` (``False``: none) may still be under way."""
     return pin is None or (pin is not False and bool(pin.live()))
-
-
-class ReleasedAtExit(RuntimeError):
-    """A lease or reserve of a device arena that wsarena's exit handler released: only a daemon thread (or a later
-    exit handler) can still ask. A daemon thread gets ``SystemExit`` instead, which ends it quietly."""
 
 
 class _Table:
@@ -124,7 +119,7 @@ class _Table:
                 # for it) and unwinds it, so the locks it holds are let go for the exit handlers still to run.
                 # (A thread made outside threading, such as PyTorch's autograd thread, gets the error.)
                 return SystemExit("this arena was released at interpreter exit")
-            return ReleasedAtExit("this arena was released at interpreter exit")
+            return ReleasedAtExitError("this arena was released at interpreter exit")
         return RuntimeError("this arena is closed")
 
     def sub_for(self, key: Hashable, anchor: Any, capturing: bool = False) -> _SubArena:
