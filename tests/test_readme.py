@@ -1,5 +1,6 @@
-"""What the README tells a user to type: its first two commands, and the cap's three forms (``configure()``,
-``WSARENA_CAP_WORKSPACE``, ``--cap-workspace``), which must give one and the same cap."""
+"""What the README tells a user to type: its first two commands, the cap's three forms (``configure()``,
+``WSARENA_CAP_WORKSPACE``, ``--cap-workspace``), which must give one and the same cap, and its Python blocks, each
+run as written (those that need CUDA, marked ``gpu``, on a GPU)."""
 
 from __future__ import annotations
 
@@ -226,8 +227,8 @@ def _python_blocks() -> list[str]:
     return re.findall(r"^```python\n(.*?)^```$", readme, flags=re.DOTALL | re.MULTILINE)
 
 
-# Each README block by the start of its first line: those the tests below run as written, and those that need a GPU
-# (CUDA streams and graphs, RMM), which they only compile.
+# Each README block by the start of its first line: those the tests below run here, and those they run on a GPU
+# (CUDA streams and graphs, RMM), skipped without one.
 _RUN_HERE = {
     "ops": "import numpy as np",
     "convert": "import wsarena, wsarena.torch",
@@ -235,23 +236,38 @@ _RUN_HERE = {
     "settings": "wsarena.configure(",
     "arena": "arena = wsarena.get_arena(",
 }
-_GPU_ONLY = ("side = torch.cuda.Stream()", "import cupy, rmm, wsarena", "step()")
+_RUN_ON_GPU = {
+    "torch graph": "side = torch.cuda.Stream()",
+    "rmm": "import cupy, rmm, wsarena",
+    "capture": "step()",
+}
+
+
+def _block(name: str) -> str:
+    """The README block ``name``, as written: the one block that starts as ``_RUN_HERE`` or ``_RUN_ON_GPU`` says."""
+    start = {**_RUN_HERE, **_RUN_ON_GPU}[name]
+    (block,) = [b for b in _python_blocks() if b.startswith(start)]
+    return block
 
 
 def _run_block(name: str, namespace: dict[str, Any]) -> dict[str, Any]:
     """Run the README block ``name`` as written, in ``namespace`` (the names it leaves undefined), and return it."""
-    (block,) = [b for b in _python_blocks() if b.startswith(_RUN_HERE[name])]
-    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code, as a user runs it
+    exec(compile(_block(name), "README.md", "exec"), namespace)  # noqa: S102 - the README's own code, as a user runs it
     return namespace
 
 
-def test_every_python_block_of_the_readme_compiles_and_is_either_run_by_these_tests_or_needs_a_gpu():
+def test_every_python_block_of_the_readme_compiles_and_is_one_these_tests_run():
+    """Each start names one block, and together they name every block: those needing a GPU are the
+    ``torch.cuda.graph`` capture, RMM under CuPy and ``wsarena.capture()``, which the ``gpu`` tests below run."""
     blocks = _python_blocks()
-    assert len(blocks) == len(_RUN_HERE) + len(_GPU_ONLY)
+    assert len(blocks) == len(_RUN_HERE) + len(_RUN_ON_GPU)
     for block in blocks:
         compile(block, "README.md", "exec")
-        matches = [s for s in (*_RUN_HERE.values(), *_GPU_ONLY) if block.startswith(s)]
-        assert len(matches) == 1, block.splitlines()[0]
+    named = [_block(name) for name in (*_RUN_HERE, *_RUN_ON_GPU)]
+    assert sorted(named) == sorted(blocks)
+    assert "with torch.cuda.graph(graph, stream=side):" in _block("torch graph")
+    assert "rmm.reinitialize(pool_allocator=True" in _block("rmm")
+    assert "with wsarena.capture() as graph:" in _block("capture")
 
 
 def _positive_sums_error(got: Any, ref: Any) -> float:
@@ -323,6 +339,157 @@ def test_the_pytorch_blocks_run_as_written_train_as_pytorch_and_plan_the_model(m
     layers = wsarena.load_model("model.json")
     assert layers == ns["layers"] and [layer.name for layer in layers] == ["0", "3", "5"]
     assert capsys.readouterr().out == f"{wsarena.plan(layers, batch=32).arena_bytes}\n"
+
+
+def _torch_on_a_gpu() -> Any:
+    """PyTorch, where it sees a CUDA device (else the test is skipped, saying which is missing)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device")
+    return torch
+
+
+@pytest.mark.gpu
+def test_the_torch_cuda_graph_block_runs_as_written_and_replays_pytorchs_own_step():
+    """The block that captures a step with ``torch.cuda.graph`` on a stream of its own, on a converted float32 model
+    (convolutions with and without bias, batch norm, a transposed convolution): its replay on ``next_x`` gives the
+    loss and gradients PyTorch's own convolutions give there (TF32 off; within 1e-4 of the largest, as
+    test_torch_gpu.py), no captured call fell back for want of workspace, and the graph pinned the workspace of
+    ``side`` where the calls took any."""
+    torch = _torch_on_a_gpu()
+    from torch import nn
+
+    import wsarena.torch as wt
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(),
+        nn.ConvTranspose2d(8, 4, 2, stride=2),
+    ).cuda()
+    model = wt.convert(copy.deepcopy(reference))
+    static_x, next_x, static_target = (torch.randn(2, c, 16, 16, device="cuda") for c in (3, 3, 4))
+    loss_fn = nn.MSELoss()
+    allow_tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        loss = loss_fn(reference(next_x), static_target)
+        loss.backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", wsarena.CaptureFallbackWarning)
+            ns = _run_block("torch graph", {"torch": torch, "model": model, "loss_fn": loss_fn, "static_x": static_x,
+                                            "static_target": static_target, "next_x": next_x})
+        ns["side"].synchronize()
+    finally:
+        torch.backends.cudnn.allow_tf32 = allow_tf32
+    assert [str(w.message) for w in caught if issubclass(w.category, wsarena.CaptureFallbackWarning)] == []
+    assert type(model[0]) is wt.Conv2d and type(model[5]) is wt.ConvTranspose2d
+    assert abs(float(ns["static_loss"]) - float(loss)) <= 1e-4 * abs(float(loss))
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    assert grads.keys() == expected.keys()
+    scale = max(float(g.abs().max()) for g in expected.values())
+    assert [name for name, g in expected.items() if float((grads[name] - g).abs().max()) > 1e-4 * scale] == []
+    stats = wsarena.get_arena(static_x.device.index).stats()
+    side = stats.streams.get(ns["side"].cuda_stream)
+    assert (side is not None and side.pinned_bytes > 0) == (stats.high_water_bytes > 0)  # tiny calls may take none
+
+
+@pytest.mark.gpu
+def test_the_rmm_block_runs_as_written_and_the_arena_takes_its_memory_from_rmms_pool():
+    """The block that makes RMM CuPy's allocator: the device's arena made after it is a ``CupyProvider``'s whose
+    buffers come from the RMM pool the block made (counted by a statistics adaptor over the pool), and a convolution
+    through it agrees with the float64 reference. CuPy's allocator and RMM's resource are put back after."""
+    pytest.importorskip("cupy", reason="CuPy is not installed")
+    pytest.importorskip("rmm.allocators.cupy", reason="RAPIDS RMM is not installed")
+    import cupy
+    import rmm
+    from rmm.allocators.cupy import rmm_cupy_allocator
+
+    from wsarena.arena import CupyProvider, reset_arenas
+
+    from .reference import ref_conv_forward
+
+    resource, allocator = rmm.mr.get_current_device_resource(), cupy.cuda.get_allocator()
+    try:
+        _run_block("rmm", {})
+        pool = rmm.mr.get_current_device_resource()
+        assert isinstance(pool, rmm.mr.PoolMemoryResource) and cupy.cuda.get_allocator() is rmm_cupy_allocator
+        assert wsarena.get_config().allocator == "cupy"
+        counted = rmm.mr.StatisticsResourceAdaptor(pool)
+        rmm.mr.set_current_device_resource(counted)
+
+        def current_bytes() -> int:
+            counts = counted.allocation_counts  # a Statistics object; a dict before RMM 24.10
+            return int(counts["current_bytes"] if isinstance(counts, dict) else counts.current_bytes)
+
+        arena = wsarena.get_arena(cupy.cuda.Device().id)
+        assert type(arena.provider) is CupyProvider
+        before = current_bytes()
+        arena.reserve(8 << 20, stream=cupy.cuda.get_current_stream())
+        assert current_bytes() - before >= 8 << 20
+        rng = np.random.default_rng(0)
+        x, w = rng.random((2, 4, 9, 9), dtype=np.float32), rng.random((6, 4, 3, 3), dtype=np.float32)
+        y = cupy.asnumpy(wsarena.conv_forward(cupy.asarray(x), cupy.asarray(w), padding=1))
+        assert _positive_sums_error(y, ref_conv_forward(x, w, padding=1)) <= 1e-5
+    finally:
+        reset_arenas()  # its buffers go back to RMM before RMM's resource and CuPy's allocator are put back
+        cupy.cuda.Device().synchronize()
+        cupy.cuda.set_allocator(allocator)
+        rmm.mr.set_current_device_resource(resource)
+
+
+@pytest.mark.gpu
+def test_the_capture_block_runs_as_written_and_its_launches_run_the_step():
+    """The block that captures ``step()`` with ``wsarena.capture()`` and launches the graph 1,000 times, on a step of
+    the three passes (float32) whose input is its own call count times a fixed array: the count is 1,001 (the eager
+    call and the launches; the capture recorded the step without running it), the last launch's results agree with
+    the float64 reference for that input, the capture's stream held a buffer as large as the eager stream's, and
+    the graph, closed, pins nothing (once CUDA has let go of it)."""
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    import gc
+    import time
+
+    from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
+
+    rng = np.random.default_rng(0)
+    base, w = rng.random((2, 4, 9, 9), dtype=np.float32), rng.random((6, 4, 3, 3), dtype=np.float32)
+    count = cupy.zeros((), cupy.float32)
+    base_d, w_d = cupy.asarray(base), cupy.asarray(w)
+    x, y = cupy.empty(base.shape, cupy.float32), cupy.empty((2, 6, 9, 9), cupy.float32)
+    dx, dw = cupy.empty_like(x), cupy.empty_like(w_d)
+
+    def step() -> None:
+        cupy.add(count, 1, out=count)
+        cupy.multiply(base_d, count, out=x)
+        wsarena.conv_forward(x, w_d, padding=1, out=y)
+        wsarena.conv_backward_data(y, w_d, x.shape, padding=1, out=dx)
+        wsarena.conv_backward_filter(x, y, w_d.shape, padding=1, out=dw)
+        stream = cupy.cuda.get_current_stream()
+        if not stream.is_capturing():
+            stream.synchronize()  # the eager step is over before the launches, on a stream that does not wait for it
+
+    arena = wsarena.get_arena(cupy.cuda.Device().id)
+    eager_stream = cupy.cuda.get_current_stream()
+    arena.reserve(1 << 20, stream=eager_stream)  # a workspace the eager stream holds, whatever its calls need
+    cupy.cuda.Device().synchronize()  # the operands, written on the legacy default stream
+    ns = _run_block("capture", {"wsarena": wsarena, "step": step})
+    graph = ns["graph"]
+    graph.stream.synchronize()
+    assert isinstance(graph, wsarena.CapturedGraph) and graph.closed and float(count) == 1001
+    x64 = base.astype(np.float64) * 1001
+    y64 = ref_conv_forward(x64, w, padding=1)
+    assert _positive_sums_error(cupy.asnumpy(y), y64) <= 1e-5
+    assert _positive_sums_error(cupy.asnumpy(dx), ref_conv_backward_data(y64, w, x64.shape, padding=1)) <= 1e-5
+    assert _positive_sums_error(cupy.asnumpy(dw), ref_conv_backward_filter(x64, y64, w.shape, padding=1)) <= 1e-5
+    streams = arena.stats().streams
+    eager = max(held.capacity_bytes for key, held in streams.items() if key != graph.stream.ptr)
+    assert streams[graph.stream.ptr].capacity_bytes >= eager >= 1 << 20  # the eager stream's, rounded as a growth
+    deadline = time.monotonic() + 5.0  # CUDA runs a dropped graph's destructors on a thread of its own
+    while arena.stats().pinned_bytes and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert arena.stats().pinned_bytes == 0
 
 
 def test_the_settings_table_has_every_setting_with_its_variable_and_default():
