@@ -527,7 +527,7 @@ def test_the_settings_table_has_every_setting_with_its_variable_and_default():
 
 def test_a_switchs_row_names_what_python_takes_beside_the_variables_words():
     """A switch (``debug``) is ``1``/``on``/... in its environment variable but ``True`` or ``False`` in Python, where
-    ``configure()`` refuses the variable's words: its row of the settings table says both."""
+    ``config()`` refuses the variable's words: its row of the settings table names both Python values."""
     import dataclasses
     import re
 
@@ -536,9 +536,9 @@ def test_a_switchs_row_names_what_python_takes_beside_the_variables_words():
     rows = {m[1]: m[2] for m in re.finditer(r"^\| `(\w+)` \| `\w+` \| (.*) \|$", section, re.MULTILINE)}
     defaults = wsarena.Config(cache_dir="off")
     switches = [f.name for f in dataclasses.fields(wsarena.Config) if isinstance(getattr(defaults, f.name), bool)]
-    assert switches == ["debug"]
+    assert "debug" in switches
     for key in switches:
-        assert "`True` or `False`" in rows[key], rows[key]
+        assert "`True`" in rows[key] and "`False`" in rows[key], rows[key]
         for word in ("1", "on", 1):
             with pytest.raises(TypeError, match=f"{key} must be True or False"), wsarena.config(**{key: word}):
                 pass
