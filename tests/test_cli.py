@@ -832,6 +832,7 @@ def test_skip_unknowns_help_names_each_kind_of_conv_it_leaves_out(capsys, tmp_pa
     assert [layer["name"] for layer in report["layers"]] == ["float"]
     assert [skipped["name"] for skipped in report["skipped_layers"]] == ["empty", "int_weight", "asym", "lost"]
 
+
 @pytest.mark.parametrize("variable", ["WSARENA_BACKEND", "WSARENA_ALGO_SEARCH", "WSARENA_CUDNN_API"])
 def test_report_device_properties_decides_the_backend_search_and_api(capsys, monkeypatch, tmp_path, variable):
     """--device-properties plans cuDNN's heuristic choices through the graph API, as plan(device_properties=...)
@@ -906,6 +907,7 @@ def test_every_subcommands_help_says_what_it_does():
     for name, parser in commands.items():
         assert parser.description and len(parser.description) > 60, name
     assert "WSARENA_* variable of the environment that the package does not read" in commands["info"].description
+
 
 def test_cache_clear_says_in_its_help_that_it_removes_the_unreadable_files_too(capsys):
     from wsarena.cli import main

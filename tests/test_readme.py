@@ -545,6 +545,7 @@ def test_a_switchs_row_names_what_python_takes_beside_the_variables_words():
         with wsarena.config(**{key: True}):
             assert getattr(wsarena.get_config(), key) is True
 
+
 def test_the_errors_the_readme_calls_wsarena_errors_are():
     """"Those classes, `ModelError` and cuDNN's errors (`wsarena.cudnn`) are all `wsarena.WsarenaError`s": every
     exception (not a warning) that ``wsarena.errors``, ``wsarena.models`` and ``wsarena.cudnn`` export."""
@@ -559,19 +560,28 @@ def test_the_errors_the_readme_calls_wsarena_errors_are():
     assert wsarena.models.ModelError in errors and wsarena.cudnn.CudnnError in errors and len(errors) > 20
     assert [c.__name__ for c in errors if not issubclass(c, wsarena.WsarenaError)] == []
 
+
 def test_the_reliability_tests_that_need_a_gpu_are_those_the_readme_names():
     """"all of them but `tests/test_capture_gpu.py`, which needs a GPU, run in CI, on the CPU": of the test files the
     Reliability table names, those marked ``gpu`` as a whole (skipped without a GPU) are the ones said to need one."""
+    import ast
     import re
+
+    def marked_gpu(path: str) -> bool:
+        """Whether the module's ``pytestmark``, one mark or a list of them, has ``pytest.mark.gpu``."""
+        for node in ast.parse((ROOT / path).read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+                return re.search(r"\bpytest\.mark\.gpu\b", ast.unparse(node.value)) is not None
+        return False
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     table = readme[readme.index("## Reliability"):readme.index("**Bad input.**")]
     intro, rows = table.split("| promise |", 1)
     named = set(re.findall(r"`(tests/test_\w+\.py)`", rows))
     assert len(named) > 10 and all((ROOT / path).is_file() for path in named), named
-    marked = re.compile(r"^pytestmark = pytest\.mark\.gpu$", re.MULTILINE)
-    gpu_only = {path for path in named if marked.search((ROOT / path).read_text(encoding="utf-8"))}
+    gpu_only = {path for path in named if marked_gpu(path)}
     assert gpu_only == set(re.findall(r"`(tests/test_\w+\.py)`, which needs a GPU", " ".join(intro.split())))
+
 
 def test_every_public_name_is_named_in_the_readme_or_docs():
     """Each name of ``wsarena.__all__``, ``wsarena.arena.__all__`` and ``wsarena.torch.__all__`` is written in the
