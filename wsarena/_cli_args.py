@@ -257,7 +257,8 @@ def parser() -> _Parser:
         "cache", help="the persistent search cache: its entries, or empty it",
         description="The search cache, where exhaustive searches keep each candidate's time and workspace: info "
         "shows its folder and the setting that folder comes from, its entries per device, wsarena version and cuDNN "
-        "API, their size on disk and its limit; clear removes the entries and the unreadable files, nothing else.",
+        "API, their size on disk and its limit, and the files that are no readable entry; clear removes the entries "
+        "and those unreadable files, nothing else.",
     )
     cache.add_argument("action", choices=("info", "clear"), help="info: the folder (WSARENA_CACHE_DIR, else the user "
                        "cache folder), its entries, their size on disk and its limit; clear: remove the entries and "
