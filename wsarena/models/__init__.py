@@ -89,7 +89,8 @@ def load_model(
         name is a str: a path-like object names a file.
     skip_unknown : bool
         ONNX only: leave out, with a warning, convolutions whose shapes stay unknown after shape inference,
-        empty ones (a zero in a weight's or input's dims), or those that cannot be expressed (see
+        empty ones (a zero in a weight's or input's dims), those whose operands are of a type the operator refuses
+        (an integer weight; a float16 weight beside a float input), or those that cannot be expressed (see
         ``asymmetric_pads``), instead of raising.
     asymmetric_pads : {"widen", "error"}
         ONNX only: how to treat asymmetric padding, which cuDNN cannot take. ``"widen"`` models the convolution
