@@ -384,7 +384,8 @@ def test_the_torch_cuda_graph_block_runs_as_written_and_replays_pytorchs_own_ste
         torch.backends.cudnn.allow_tf32 = allow_tf32
     assert [str(w.message) for w in caught if issubclass(w.category, wsarena.CaptureFallbackWarning)] == []
     assert type(model[0]) is wt.Conv2d and type(model[5]) is wt.ConvTranspose2d
-    assert abs(float(ns["static_loss"]) - float(loss)) <= 1e-4 * abs(float(loss))
+    # item(), not float(): PyTorch warns when float() takes a tensor that requires grad, as both losses do
+    assert abs(ns["static_loss"].item() - loss.item()) <= 1e-4 * abs(loss.item())
     grads = {name: p.grad for name, p in model.named_parameters()}
     expected = {name: p.grad for name, p in reference.named_parameters()}
     assert grads.keys() == expected.keys()
