@@ -434,10 +434,12 @@ def test_the_rmm_block_runs_as_written_and_the_arena_takes_its_memory_from_rmms_
         y = cupy.asnumpy(wsarena.conv_forward(cupy.asarray(x), cupy.asarray(w), padding=1))
         assert _positive_sums_error(y, ref_conv_forward(x, w, padding=1)) <= 1e-5
     finally:
-        reset_arenas()  # its buffers go back to RMM before RMM's resource and CuPy's allocator are put back
-        cupy.cuda.Device().synchronize()
-        cupy.cuda.set_allocator(allocator)
-        rmm.mr.set_current_device_resource(resource)
+        try:
+            reset_arenas()  # its buffers go back to RMM before RMM's resource and CuPy's allocator are put back
+            cupy.cuda.Device().synchronize()
+        finally:  # put back even where that raised, so that the tests after run on CuPy's own allocator
+            cupy.cuda.set_allocator(allocator)
+            rmm.mr.set_current_device_resource(resource)
 
 
 @pytest.mark.gpu
