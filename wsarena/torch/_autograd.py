@@ -467,7 +467,7 @@ def add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
 
 
 # the TorchDispatchModes in force (which a torch.compile trace cannot ask: a trace functionalizes the add)
-_dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
+_dispatch_modes = _ops._dispatch_modes
 
 
 def _pass(function: type[torch.autograd.Function], *args: Any) -> Tensor:

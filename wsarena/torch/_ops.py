@@ -81,6 +81,7 @@ def _compiling_traced() -> bool:
 
 
 _tracing_context = TracingContext.try_get
+# how many TorchDispatchModes are in force on this thread (wsarena.torch's one lookup of it)
 _dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
 # Whether a torch.compile or torch.export trace runs this: torch.compiler.is_compiling() itself where PyTorch holds it
 # true for the whole compile (2.13: Dynamo enters torch.compiler._compile_session_context for each frame it compiles,
@@ -313,7 +314,7 @@ def call(op: Any, a: Tensor, b: Tensor, *args: Any) -> Tensor:
 def call_unrecorded(op: Any, a: Tensor, b: Tensor, *args: Any) -> Tensor:
     """:func:`call` where the caller has found grad mode and forward AD off, and no torch.func transform or trace
     (:func:`wsarena.torch._autograd.apply`): the rest of its checks."""
-    if torch._C._has_torch_function((a, b)) or torch._C._len_torch_dispatch_stack() or \
+    if torch._C._has_torch_function((a, b)) or _dispatch_modes() or \
             torch._C._autograd._profiler_enabled():
         return op(a, b, *args)
     plain = _plain_keys.get(a.is_cuda)
