@@ -985,6 +985,59 @@ def test_checkpoint_context_under_torch_compile_where_checkpoint_looks_for_funct
     test_checkpoint_context_under_torch_compile_gives_torchs_results()
 
 
+def test_checkpoint_context_under_functionalize_gives_torchs_results_or_torchs_errors():
+    """A convolution checkpointed with checkpoint_context under an eager torch.func.functionalize: its result and
+    gradients are torch.nn.functional.conv2d's in float64, and where PyTorch's checkpointing fails there for its own
+    convolution, it fails alike. torch.func.functionalize holds no functional dispatch mode (it functionalizes at a
+    torch.func level), so checkpoint_context gives its eager contexts there, not the selective checkpointing it
+    gives under a compile's trace. PyTorch 2.13 runs the checkpointed forward there and refuses its recompute, for
+    every operator (a CheckpointError); earlier ones refuse the forward; torch.func.grad refuses checkpoint's
+    saved-tensor hooks. The same without functionalize, where both run on every PyTorch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    generator = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, dtype=torch.float64, generator=generator)
+               for shape in ((2, 3, 8, 8), (4, 3, 3, 3), (4,)))
+    contexts = []
+
+    def context_fn():
+        contexts.extend(wt.checkpoint_context())
+        return contexts[-2:]
+
+    def runs(conv, **kwargs):
+        def f(x, w, b):
+            return checkpoint(lambda *t: torch.tanh(conv(*t, padding=1)), x, w, b, use_reentrant=False, **kwargs)
+
+        def with_autograd(function):
+            operands = [t.clone().requires_grad_() for t in (x, w, b)]
+            y = function(*operands)
+            return (y, *torch.autograd.grad(y.pow(2).sum(), operands))
+
+        functionalized = torch.func.functionalize(f)
+        loss = torch.func.functionalize(lambda *t: f(*t).pow(2).sum())
+        return [
+            lambda: with_autograd(f),
+            lambda: (functionalized(x, w, b),),
+            lambda: with_autograd(functionalized),
+            lambda: torch.func.grad(loss, argnums=(0, 1, 2))(x, w, b),
+        ]
+
+    def outcome(run):
+        try:
+            return run()
+        except RuntimeError as e:  # PyTorch's own refusal (CheckpointError is one), as for its convolution (below)
+            return type(e)
+
+    for got, expected in zip(map(outcome, runs(wt.conv2d, context_fn=context_fn)), map(outcome, runs(F.conv2d))):
+        if isinstance(expected, type):
+            assert got is expected
+        else:
+            assert not isinstance(got, type), got
+            assert len(got) == len(expected) and all(close(g, e) for g, e in zip(got, expected))
+    assert contexts and not any(isinstance(c, TorchDispatchMode) for c in contexts)
+
+
 def test_selective_checkpointing_that_saves_the_operators_results_matches_torchs(leased):
     """torch.utils.checkpoint's selective checkpointing, with a policy that saves the forward operators' results,
     wsarena's and torch's: the recompute runs none of them, and the results and gradients are torch's. The bias was

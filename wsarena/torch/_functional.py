@@ -59,12 +59,14 @@ def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> _checkpoint.Chec
 
 
 # Whether torch.utils.checkpoint traces for torch.compile (AOTAutograd), where it takes a context_fn's two contexts
-# only as TorchDispatchModes (its own test; a private name, so a PyTorch without it runs the contexts as they are)
-_checkpoint_compiling: Callable[[Any, Any, Any], bool] = getattr(_checkpoint, "_is_compiling", lambda *_: False)
-# (a proxy mode in force, since PyTorch 2.8 or so). Before (2.7) its test looks for functional tensors among the
+# only as TorchDispatchModes (its own test; a private name, so a PyTorch without it runs the contexts as they are):
+# a proxy mode in force, since PyTorch 2.8 or so. Before (2.7) its test looks for functional tensors among the
 # checkpointed function's arguments, which a context_fn is not given, so it found none, and torch.compile refused the
-# eager form's two contexts ("must generate a tuple of two `TorchDispatchMode`s"): asked here as a functional mode in
-# force, which AOTAutograd's traces hold where they hold such tensors (a first one, of metadata, has no proxy mode)
+# eager form's two contexts ("must generate a tuple of two `TorchDispatchMode`s"): checkpoint_context asks for a
+# functional mode in force too, which AOTAutograd's traces hold where they hold such tensors (a first one, of
+# metadata, has no proxy mode). An eager torch.func.functionalize holds none (it functionalizes at a torch.func
+# level, below Python's modes): the eager form there.
+_checkpoint_compiling: Callable[[Any, Any, Any], bool] = getattr(_checkpoint, "_is_compiling", lambda *_: False)
 
 
 # Whether autocast is on for any device type that has it (in PyTorch since 2.4); before, asked as if it were.
