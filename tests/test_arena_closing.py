@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from wsarena.arena import Arena
-from wsarena.errors import ArenaOutOfMemoryError
+from wsarena.errors import ArenaClosedError, ArenaOutOfMemoryError, WsarenaError
 
 from .arena_helpers import GatedProvider, Plan, wait_for_a_waiter
 
@@ -33,6 +33,9 @@ def test_repr_says_what_the_arena_holds_and_whether_it_is_closed(arena, provider
 
 @pytest.mark.parametrize("nbytes", [0, 100])
 def test_a_closed_arena_refuses_a_reserve_as_it_does_a_lease_whatever_it_takes(arena, key, nbytes):
+    """With ``wsarena.ArenaClosedError``: caught by ``WsarenaError``, as the README says what a program meets as it
+    runs is (another thread may close the arena), and still a ``RuntimeError``, as it was. Once, a plain
+    ``RuntimeError``."""
     arena.reserve(1000, stream=key("s"))
     arena.close()
     for call in (
@@ -40,8 +43,9 @@ def test_a_closed_arena_refuses_a_reserve_as_it_does_a_lease_whatever_it_takes(a
         lambda: arena.reserve(nbytes, stream=key("s")),
         lambda: arena.reserve_for(Plan(nbytes), streams=[key("s")]),
     ):
-        with pytest.raises(RuntimeError, match="this arena is closed"):
+        with pytest.raises(WsarenaError, match="^this arena is closed$") as caught:
             call()
+        assert type(caught.value) is ArenaClosedError and isinstance(caught.value, RuntimeError)
     assert arena.stats().streams == {}
 
 
@@ -59,7 +63,7 @@ def test_close_during_a_growth_refuses_it_and_frees_what_it_allocated(arena_kind
                 with arena.lease(1 << 20, stream=key("L")):
                     errors.append("granted")
         except RuntimeError as exc:
-            errors.append(str(exc))
+            errors.append((type(exc), str(exc)))
 
     thread = threading.Thread(target=grow)
     thread.start()
@@ -67,7 +71,7 @@ def test_close_during_a_growth_refuses_it_and_frees_what_it_allocated(arena_kind
     arena.close()
     provider.gate.set()
     thread.join(10)
-    assert errors == ["this arena is closed"]
+    assert errors == [(ArenaClosedError, "this arena is closed")]
     assert provider.held == [] and arena.stats().capacity_bytes == 0
 
 

@@ -393,7 +393,8 @@ def test_device_arenas_are_released_at_exit_before_later_atexit_handlers():
 def test_a_later_exit_handler_is_refused_by_a_wsarena_error_that_is_a_runtime_error():
     """An exit handler that runs after wsarena's (registered before the first device arena) and leases from the
     released arena, or reserves, gets ``wsarena.ReleasedAtExitError``: caught by ``WsarenaError``, as the README
-    says wsarena's errors are, and still a ``RuntimeError``, as it was."""
+    says wsarena's errors are, and by ``ArenaClosedError``, as any closed arena's lease is, and still a
+    ``RuntimeError``, as it was."""
     code = """
         import atexit
         import wsarena
@@ -405,7 +406,8 @@ def test_a_later_exit_handler_is_refused_by_a_wsarena_error_that_is_a_runtime_er
                 try:
                     ask()
                 except wsarena.WsarenaError as exc:
-                    print(type(exc).__name__, isinstance(exc, RuntimeError), exc)
+                    print(type(exc).__name__, isinstance(exc, wsarena.ArenaClosedError), isinstance(exc, RuntimeError),
+                          exc)
 
         atexit.register(late)  # registered first, so it runs after the arena's own handler
         arena = Arena(RecordingProvider(device_id=0))
@@ -413,7 +415,7 @@ def test_a_later_exit_handler_is_refused_by_a_wsarena_error_that_is_a_runtime_er
     """
     result = run_python(code)
     assert (result.returncode, result.stderr) == (0, "")
-    assert result.stdout == "ReleasedAtExitError True this arena was released at interpreter exit\n" * 2
+    assert result.stdout == "ReleasedAtExitError True True this arena was released at interpreter exit\n" * 2
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
@@ -448,6 +450,32 @@ def test_a_child_forked_while_an_unlisted_closed_arena_is_kept_gives_none_of_its
     assert fork(in_the_child)() == []
     Arena(provider).stats()  # in this process, the next stats() frees it
     assert freed_on(provider) == [(ptr, None)] and provider.held == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_device_arena_in_a_forked_child_refuses_leases_with_the_error_get_arena_raises_there():
+    """In a child forked after CUDA was initialised, a device arena's lease and reserve raise
+    ``BackendUnavailableError``, as the README says and as ``get_arena(device)`` does there: a ``WsarenaError`` and a
+    ``RuntimeError``. Once, a plain ``RuntimeError``, which a program catching wsarena's errors missed. A host arena
+    serves the child."""
+    from wsarena.errors import BackendUnavailableError, WsarenaError
+
+    device, host = Arena(RecordingProvider(device_id=0)), Arena(RecordingProvider())
+    device.reserve(1000, stream=S1)
+
+    def in_the_child():
+        refused = []
+        for ask in (lambda: device.lease(10, stream=S1).__enter__(), lambda: device.reserve(10, stream=S1)):
+            try:
+                ask()
+            except WsarenaError as exc:
+                refused.append((type(exc) is BackendUnavailableError, isinstance(exc, RuntimeError), str(exc)[:48]))
+        with host.lease(10, stream="lane"):
+            pass
+        return refused
+
+    assert fork(in_the_child)() == [(True, True, "this arena's device memory belongs to the parent")] * 2
+    device.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")

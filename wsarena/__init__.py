@@ -15,6 +15,7 @@ from ._config import Config, config, configure, get_config
 from ._sizes import format_size, parse_size
 from .errors import (
     AlignmentWorkspaceError,
+    ArenaClosedError,
     ArenaOutOfMemoryError,
     BackendUnavailableError,
     CaptureError,
@@ -58,6 +59,7 @@ _LAZY = {
 __all__ = [
     "AlignmentWorkspaceError",
     "Arena",
+    "ArenaClosedError",
     "ArenaOutOfMemoryError",
     "BackendUnavailableError",
     "CaptureError",

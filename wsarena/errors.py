@@ -1,10 +1,21 @@
 """Exceptions raised by wsarena.
 
-Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argument. Everything else::
+Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argument. What a correct program can
+meet as it runs, and may want to handle, is a :class:`WsarenaError`: what the environment cannot do, an arena closed
+under it (by another thread, at exit), the memory provider or a CUDA call failing, a graph with nothing to launch;
+those that are runtime errors keep ``RuntimeError`` as a base, so ``except RuntimeError`` catches them too. A misuse
+of an object in the caller's own code stays a plain ``RuntimeError``, as Python's own objects raise it: a lease
+entered twice, or its array used outside it; a nested lease on a lane or stream the thread holds; a ``config()``
+block entered inside itself, or ended where it did not begin. Everything else::
 
     WsarenaError
-    ├── BackendUnavailableError (RuntimeError)     the environment cannot do it: no GPU, no libcudnn, an arena
-    │                                              whose provider lacks a method the call needs (as_array, fill)
+    ├── ArenaClosedError (RuntimeError)            a lease or reserve of a closed arena (close(), reset_arenas());
+    │   │                                          get_arena() then makes a new one
+    │   └── ReleasedAtExitError                    a lease or reserve of a device arena that wsarena's exit
+    │                                              handler released (a later exit handler, a thread still running)
+    ├── BackendUnavailableError (RuntimeError)     the environment cannot do it: no GPU, no libcudnn, CUDA in a
+    │                                              child forked after it was initialised, an arena whose provider
+    │                                              lacks a method the call needs (as_array, fill)
     │   └── wsarena.cudnn.CudnnNotFoundError
     ├── CaptureError (RuntimeError)                a call in a CUDA graph capture would search, finalize a plan,
     │                                              create a handle or grow the arena; nothing was enqueued
@@ -12,8 +23,6 @@ Bad arguments raise the built-in ``ValueError`` or ``TypeError`` naming the argu
     │   │                                          could not allocate, host or device, are MemoryErrors too)
     │   └── wsarena.cudnn.graph.DevicePropertiesError
     │                                              device properties that describe no GPU (BAD_PARAM; a ValueError)
-    ├── ReleasedAtExitError (RuntimeError)         a lease or reserve of a device arena that wsarena's exit
-    │                                              handler released (a later exit handler, a thread still running)
     ├── UnsupportedConvolutionError (ValueError)   the backend has no algorithm at all for this convolution
     └── WorkspaceMemoryError (MemoryError)         carries requested, held and cap, in bytes
         ├── WorkspaceCapError                      the request is above the workspace cap
@@ -44,6 +53,7 @@ from ._sizes import cap_for, exact_cap, format_size
 
 __all__ = [
     "AlignmentWorkspaceError",
+    "ArenaClosedError",
     "ArenaOutOfMemoryError",
     "BackendUnavailableError",
     "CaptureError",
@@ -67,8 +77,8 @@ class WsarenaError(Exception):
 
 
 class BackendUnavailableError(WsarenaError, RuntimeError):
-    """The requested backend cannot run here (no usable GPU, no libcudnn, an arena whose provider lacks the method
-    the call needs, ...)."""
+    """The requested backend cannot run here (no usable GPU, no libcudnn, CUDA in a child forked after it was
+    initialised, an arena whose provider lacks the method the call needs, ...)."""
 
 
 class CaptureError(WsarenaError, RuntimeError):
@@ -92,7 +102,13 @@ class CaptureError(WsarenaError, RuntimeError):
     stream: Hashable | None = None
 
 
-class ReleasedAtExitError(WsarenaError, RuntimeError):
+class ArenaClosedError(WsarenaError, RuntimeError):
+    """A lease or reserve of an arena that is closed (``arena.close()``, ``wsarena.arena.reset_arenas()``), another
+    thread's doing perhaps: ``get_arena()`` makes a new arena for its device. A device arena that wsarena's exit
+    handler released raises :class:`ReleasedAtExitError`."""
+
+
+class ReleasedAtExitError(ArenaClosedError):
     """A lease or reserve of a device arena that wsarena's exit handler released, as the interpreter exits, before
     CUDA is torn down: only a later exit handler (one registered before the first device arena) or a thread still
     running can still ask. A daemon thread gets ``SystemExit`` instead, which ends it quietly; a thread made outside

@@ -390,11 +390,11 @@ class Arena:
     def close(self) -> None:
         """Free what no lease uses and refuse new leases; buffers of live leases are freed when they end.
 
-        A lease or reserve still growing, or waiting for its stream, when ``close`` runs is refused too
-        (``RuntimeError``) and what it allocated is freed. :func:`get_arena` replaces a closed arena by a new one.
-        A buffer a CUDA graph holds is freed once the graph is gone (one whose free waits for a capture, once that
-        ends), by the next :meth:`trim`, :meth:`stats` or growth of any arena, or this call again: until then the
-        closed arena is kept, whoever else lets go of it. Idempotent.
+        Later leases and reserves raise :class:`~wsarena.errors.ArenaClosedError`, and so does one still growing,
+        or waiting for its stream, when ``close`` runs; what it allocated is freed. :func:`get_arena` replaces a
+        closed arena by a new one. A buffer a CUDA graph holds is freed once the graph is gone (one whose free waits
+        for a capture, once that ends), by the next :meth:`trim`, :meth:`stats` or growth of any arena, or this call
+        again: until then the closed arena is kept, whoever else lets go of it. Idempotent.
         """
         with self._lock:
             self._table.closed = True

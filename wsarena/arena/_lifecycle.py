@@ -232,7 +232,8 @@ def reset_in_child(arena: Arena) -> None:
 
     A host arena drops its copies of the buffers (copy-on-write pages of the child's own; a live lease of the
     forking thread keeps its bytes until it ends). A device arena keeps the parent's table referenced and
-    unreleased for good, and refuses every lease and reserve with a ``RuntimeError`` that says why.
+    unreleased for good, and refuses every lease and reserve with a
+    :class:`~wsarena.errors.BackendUnavailableError` that says why (as ``get_arena(device)`` is refused there).
     """
     old = arena._table
     table = _Table(threading.RLock(), arena._lanes, old.stream_id)

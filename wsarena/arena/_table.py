@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._sizes import short_repr
-from ..errors import CaptureError, ReleasedAtExitError
+from ..errors import ArenaClosedError, BackendUnavailableError, CaptureError, ReleasedAtExitError
 from . import _kept
 from ._keys import GoneStream, _caller_chosen, _LaneKey
 from ._pins import KeptBytes
@@ -107,7 +107,7 @@ class _Table:
 
     def closed_error(self) -> BaseException:
         if self.forked:
-            return RuntimeError(
+            return BackendUnavailableError(
                 "this arena's device memory belongs to the parent process: CUDA cannot be used in a child forked "
                 "after it was initialised (start workers with the 'spawn' or 'forkserver' method)"
             )
@@ -120,7 +120,7 @@ class _Table:
                 # (A thread made outside threading, such as PyTorch's autograd thread, gets the error.)
                 return SystemExit("this arena was released at interpreter exit")
             return ReleasedAtExitError("this arena was released at interpreter exit")
-        return RuntimeError("this arena is closed")
+        return ArenaClosedError("this arena is closed")
 
     def sub_for(self, key: Hashable, anchor: Any, capturing: bool = False) -> _SubArena:
         """The sub-arena of ``key``, made if needed; ``anchor`` is an object whose death means the stream is gone.
