@@ -12,7 +12,7 @@ from wsarena.arena import Arena, Buffer, HostProvider
 from wsarena.arena._leases import POISON_BYTE
 from wsarena.arena._stats import aligned_size
 from wsarena.arena.testing import RecordingProvider
-from wsarena.errors import ArenaOutOfMemoryError
+from wsarena.errors import ArenaOutOfMemoryError, ProviderError, WsarenaError
 
 from .arena_helpers import Plan, refusing, snapshot
 
@@ -235,19 +235,29 @@ def test_a_provider_whose_device_id_is_no_ordinal_is_refused(device_id, error):
         Arena(RecordingProvider(device_id=device_id))
 
 
+def assert_provider_error(caught):
+    """What a provider that broke its contract makes the arena raise: a ``ProviderError``, caught by
+    ``WsarenaError`` as what a program meets as it runs is (the README's Bad input), and a ``RuntimeError`` as it was.
+    Once, a plain ``RuntimeError``."""
+    assert type(caught.value) is ProviderError
+    assert isinstance(caught.value, WsarenaError) and isinstance(caught.value, RuntimeError)
+
+
 def test_a_provider_that_returns_too_little_is_an_error_and_its_buffer_is_freed(arena, provider, key):
     real_allocate = provider.allocate
     provider.allocate = lambda nbytes, *, stream: real_allocate(nbytes // 2, stream=stream)
-    with pytest.raises(RuntimeError, match="for a request of 4096 bytes"), arena.lease(4096, stream=key("s")):
+    with pytest.raises(RuntimeError, match="for a request of 4096 bytes") as caught, arena.lease(4096, stream=key("s")):
         pass
+    assert_provider_error(caught)
     assert provider.held == [] and arena.stats().capacity_bytes == 0
 
 
 def test_a_provider_that_raises_stop_iteration_is_named_not_an_index_error(arena, provider, key):
     pool = iter([])  # a provider drawing buffers from an exhausted pool with next()
     provider.allocate = lambda nbytes, *, stream: next(pool)
-    with pytest.raises(RuntimeError, match="allocate raised StopIteration for a request of 4096 bytes"):
+    with pytest.raises(RuntimeError, match="allocate raised StopIteration for a request of 4096 bytes") as caught:
         arena.reserve(4096, stream=key("s"))
+    assert_provider_error(caught)
     assert arena.stats().capacity_bytes == 0
     del provider.allocate
     arena.reserve(4096, stream=key("s"))
@@ -306,8 +316,9 @@ def test_a_buffer_that_overlaps_one_the_arena_holds_is_refused_in_any_mode(arena
                    rf"{re.escape(where)}: the provider handed out memory that is in use")
         if n > 1024 and again(upstream.first, Buffer(0, 0)) is upstream.first:  # the buffer held, too small for n
             message = rf"returned Buffer\(ptr={upstream.first.ptr:#x}, size=1024\) for a request of {aligned_size(n)}"
-        with pytest.raises(RuntimeError, match=message), arena.lease(n, stream=other):
+        with pytest.raises(RuntimeError, match=message) as caught, arena.lease(n, stream=other):
             pass
+        assert_provider_error(caught)
         assert snapshot(arena) == before
         handed_again = provider.allocations[-1]
         assert [buffer for buffer, _ in provider.frees] == ([] if handed_again is upstream.first else [handed_again])
@@ -425,6 +436,8 @@ def test_a_provider_that_asks_for_the_stream_it_is_growing_is_refused_not_a_hang
     # a lease inside a lease is the nested lease's error; anything else is this thread's own growth
     assert len(errors) == 1 and ("already holds a lease" if (outer, inner) == ("lease", "lease") else
                                  "this thread is growing the workspace") in str(errors[0])
+    # the nested lease is the caller's misuse, a plain RuntimeError; the provider's request a ProviderError
+    assert type(errors[0]) is (RuntimeError if (outer, inner) == ("lease", "lease") else ProviderError)
     with arena.lease(5000, stream=stream):
         assert arena.stats().leases == 1
     assert arena.stats().allocations == 1 and len(provider.held) == 1

@@ -23,6 +23,9 @@ block entered inside itself, or ended where it did not begin. Everything else::
     │   │                                          could not allocate, host or device, are MemoryErrors too)
     │   └── wsarena.cudnn.graph.DevicePropertiesError
     │                                              device properties that describe no GPU (BAD_PARAM; a ValueError)
+    ├── ProviderError (RuntimeError)               the memory provider broke its contract: a buffer smaller than
+    │                                              asked or overlapping one the arena holds, a StopIteration, a
+    │                                              request for the stream it allocates for
     ├── UnsupportedConvolutionError (ValueError)   the backend has no algorithm at all for this convolution
     └── WorkspaceMemoryError (MemoryError)         carries requested, held and cap, in bytes
         ├── WorkspaceCapError                      the request is above the workspace cap
@@ -61,6 +64,7 @@ __all__ = [
     "CudnnApiFallbackWarning",
     "MemoryFallbackWarning",
     "NoAlgorithmFitsError",
+    "ProviderError",
     "ReleasedAtExitError",
     "SearchCacheWarning",
     "SearchFallbackWarning",
@@ -113,6 +117,14 @@ class ReleasedAtExitError(ArenaClosedError):
     CUDA is torn down: only a later exit handler (one registered before the first device arena) or a thread still
     running can still ask. A daemon thread gets ``SystemExit`` instead, which ends it quietly; a thread made outside
     ``threading`` (PyTorch's autograd thread) gets this error."""
+
+
+class ProviderError(WsarenaError, RuntimeError):
+    """The arena's memory provider broke its contract: its ``allocate`` returned a buffer smaller than asked, or one
+    whose bytes overlap a buffer the arena holds, raised ``StopIteration`` (a pool drawn by ``next()``), or asked the
+    arena for the stream it allocates for, which would wait for itself. The arena is unchanged and usable; what the
+    provider returned went back to its ``deallocate``, unless it is a buffer the arena holds. A buffer of another
+    type is a ``TypeError``, and any other exception of the provider's passes through unchanged."""
 
 
 class UnsupportedConvolutionError(WsarenaError, ValueError):

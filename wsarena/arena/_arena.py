@@ -88,7 +88,7 @@ class Arena:
       lease uses it.
     - :meth:`stats` returns a frozen :class:`ArenaStats`; fields read as attributes or items.
     - A buffer from the provider whose bytes overlap one the arena holds (the same memory handed out twice) is a
-      ``RuntimeError`` as it would be installed, in any mode.
+      :class:`~wsarena.errors.ProviderError` as it would be installed, in any mode.
     - Debug mode (``wsarena.configure(debug=True)`` or ``WSARENA_DEBUG=1``, read at each lease) fills released
       bytes with ``POISON_BYTE`` and raises ``AssertionError`` if two live leases on different streams overlap.
     - Memory is released by :meth:`trim`, :meth:`close`, when the arena is collected (what a CUDA graph holds, once

@@ -16,7 +16,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .._sizes import format_size, short_repr
-from ..errors import ArenaOutOfMemoryError
+from ..errors import ArenaOutOfMemoryError, ProviderError
 from . import _refusals
 from ._interrupts import finish
 from ._keys import callers_key
@@ -104,10 +104,10 @@ def _reserve(self: Arena, n: int, key: Hashable, anchor: Any, cap: int | None) -
             self._give_back(key)
 
 
-def _growing_already(self: Arena, sub: _SubArena) -> RuntimeError:
+def _growing_already(self: Arena, sub: _SubArena) -> ProviderError:
     """The error of a thread that would wait for its own growth of ``sub``: one that the provider's ``allocate`` (or
     something it ran) asks for on that stream, which would never end."""
-    return RuntimeError(
+    return ProviderError(
         f"this thread is growing the workspace of stream {short_repr(sub.key)} already: {short_repr(self.provider)}"
         ".allocate, or something it ran, asked the arena for that stream's workspace again, which would wait for it "
         "forever"
@@ -128,7 +128,7 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
         # call returns to Python code, and one just after `buffer = allocate(...)` returned would lose the buffer.
         got.extend(map(partial(self.provider.allocate, stream=sub.stream), (size,)))
         if not got:  # allocate() raised StopIteration (a pool drawn by next()), which ended the map instead
-            raise RuntimeError(
+            raise ProviderError(
                 f"{short_repr(self.provider)}.allocate raised StopIteration for a request of {size} bytes"
             )
         buffer = got[0]
@@ -160,7 +160,7 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
     if clash is not None:
         key, held = clash
         where = "that stream" if key is sub.key else f"stream {short_repr(callers_key(key))}"
-        raise RuntimeError(
+        raise ProviderError(
             f"{short_repr(self.provider)}.allocate returned {short_repr(buffer)} for stream "
             f"{short_repr(callers_key(sub.key))}, whose bytes overlap {short_repr(held.buffer)}, which the arena holds "
             f"for {where}: the provider handed out memory that is in use"
@@ -169,7 +169,8 @@ def _grow(self: Arena, sub: _SubArena, token: Any, n: int, cap: int | None, ws: 
 
 def _address_and_size(provider: Any, buffer: Any, size: int) -> tuple[int, int]:
     """``buffer.ptr`` and ``buffer.size`` as ints, of the buffer ``provider.allocate`` returned for ``size`` bytes:
-    a ``TypeError`` if it is no :class:`~wsarena.arena.Buffer`, a ``RuntimeError`` if it holds less."""
+    a ``TypeError`` if it is no :class:`~wsarena.arena.Buffer`, a :class:`~wsarena.errors.ProviderError` if it holds
+    less."""
     if buffer is None:
         raise TypeError(f"{short_repr(provider)}.allocate returned None for a request of {size} bytes")
     try:
@@ -180,7 +181,7 @@ def _address_and_size(provider: Any, buffer: Any, size: int) -> tuple[int, int]:
             "Buffer with an int ptr and size is expected"
         ) from None
     if nbytes < size:
-        raise RuntimeError(f"{short_repr(provider)} returned {short_repr(buffer)} for a request of {size} bytes")
+        raise ProviderError(f"{short_repr(provider)} returned {short_repr(buffer)} for a request of {size} bytes")
     return ptr, nbytes
 
 

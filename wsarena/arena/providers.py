@@ -26,8 +26,8 @@ Like RAPIDS RMM's adaptors, a provider may wrap an *upstream* one (``wsarena.are
 
 A provider signals "out of memory" by raising ``MemoryError`` (or a subclass); the arena turns that into
 :class:`~wsarena.errors.ArenaOutOfMemoryError`. Any other exception passes through unchanged, but for a
-``StopIteration``, which becomes a ``RuntimeError`` saying so (as it does out of a generator). CuPy and
-cuda.core (and PyTorch) are imported only when a device provider is created.
+``StopIteration``, which becomes a :class:`~wsarena.errors.ProviderError` saying so (a ``RuntimeError``, as it is
+out of a generator). CuPy and cuda.core (and PyTorch) are imported only when a device provider is created.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class MemoryProvider(Protocol):
     -----
     The arena calls its provider without holding its own lock, from whichever thread grows a sub-arena or frees a
     buffer (a lease's, a finalizer's): several threads at once, for different streams. A provider must be
-    thread-safe, and its ``allocate`` must not ask the arena for the stream it allocates for (``RuntimeError``).
+    thread-safe, and its ``allocate`` must not ask the arena for the stream it allocates for
+    (:class:`~wsarena.errors.ProviderError`).
     A collected arena's finalizer frees through the provider wherever the garbage collector runs, which may be in
     the middle of the provider's own methods in the same thread: a lock the provider holds while it allocates Python
     objects must be reentrant (``threading.RLock``), as CuPy's pool's is. A device provider that makes another CUDA
