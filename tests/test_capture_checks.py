@@ -10,7 +10,7 @@ from wsarena._geometry import conv_geometry
 from wsarena.arena import Arena, _capture, streams
 from wsarena.arena._capture import CudaCapture, capture_of, refuse_in_capture
 from wsarena.arena.testing import FakeStream, RecordingProvider
-from wsarena.errors import CaptureError
+from wsarena.errors import CaptureError, CudaError, WsarenaError
 
 S1 = 0x51
 GEOM = conv_geometry((2, 4, 9, 9), (6, 4, 3, 3), padding=1)
@@ -215,7 +215,8 @@ def test_cudnn_9_1_finalizes_no_plan_to_size_a_configuration_during_capture(monk
 
 def test_a_pin_cuda_never_took_reads_released_and_its_semaphore_is_freed(monkeypatch):
     """cudaUserObjectCreate fails: no graph holds the pin, and CUDA will never post it. It reads as released (nothing
-    is kept for it) and its semaphore is freed with it. Once, it stayed live, so the semaphore was never freed."""
+    is kept for it) and its semaphore is freed with it. Once, it stayed live, so the semaphore was never freed. The
+    failure is a ``wsarena.CudaError``, a ``WsarenaError`` and a ``RuntimeError``, naming the call and CUDA's error."""
     import gc
 
     from cuda.bindings import runtime as rt
@@ -230,10 +231,11 @@ def test_a_pin_cuda_never_took_reads_released_and_its_semaphore_is_freed(monkeyp
     monkeypatch.setattr(rt, "cudaUserObjectCreate", lambda *args: (rt.cudaError_t.cudaErrorMemoryAllocation, None))
     pin = _pins.GraphPin()
     address = pin.address
-    with pytest.raises(RuntimeError, match="cudaUserObjectCreate failed: cudaErrorMemoryAllocation"):
+    with pytest.raises(WsarenaError, match="cudaUserObjectCreate failed: cudaErrorMemoryAllocation") as caught:
         _capture.CudaCapture(7, "graph").retain(pin)
+    assert type(caught.value) is CudaError and isinstance(caught.value, RuntimeError)  # once a plain RuntimeError
     assert not pin.live()
-    del pin
+    del pin, caught  # its traceback holds the pin too
     gc.collect()
     _pins.free_posted()  # what the next pin made, or an arena closed, runs
     assert frees == [address]

@@ -19,6 +19,8 @@ block entered inside itself, or ended where it did not begin. Everything else::
     │   └── wsarena.cudnn.CudnnNotFoundError
     ├── CaptureError (RuntimeError)                a call in a CUDA graph capture would search, finalize a plan,
     │                                              create a handle or grow the arena; nothing was enqueued
+    ├── CudaError (RuntimeError)                   a CUDA runtime call of wsarena's own failed (those CuPy makes
+    │                                              raise CuPy's errors)
     ├── wsarena.cudnn.CudnnError (RuntimeError)    a cuDNN status; one subclass per status (those of memory cuDNN
     │   │                                          could not allocate, host or device, are MemoryErrors too)
     │   └── wsarena.cudnn.graph.DevicePropertiesError
@@ -61,6 +63,7 @@ __all__ = [
     "BackendUnavailableError",
     "CaptureError",
     "CaptureFallbackWarning",
+    "CudaError",
     "CudnnApiFallbackWarning",
     "MemoryFallbackWarning",
     "NoAlgorithmFitsError",
@@ -78,6 +81,19 @@ __all__ = [
 
 class WsarenaError(Exception):
     """Base class of wsarena's own exceptions."""
+
+
+class ArenaClosedError(WsarenaError, RuntimeError):
+    """A lease or reserve of an arena that is closed (``arena.close()``, ``wsarena.arena.reset_arenas()``), another
+    thread's doing perhaps: ``get_arena()`` makes a new arena for its device. A device arena that wsarena's exit
+    handler released raises :class:`ReleasedAtExitError`."""
+
+
+class ReleasedAtExitError(ArenaClosedError):
+    """A lease or reserve of a device arena that wsarena's exit handler released, as the interpreter exits, before
+    CUDA is torn down: only a later exit handler (one registered before the first device arena) or a thread still
+    running can still ask. A daemon thread gets ``SystemExit`` instead, which ends it quietly; a thread made outside
+    ``threading`` (PyTorch's autograd thread) gets this error."""
 
 
 class BackendUnavailableError(WsarenaError, RuntimeError):
@@ -106,17 +122,10 @@ class CaptureError(WsarenaError, RuntimeError):
     stream: Hashable | None = None
 
 
-class ArenaClosedError(WsarenaError, RuntimeError):
-    """A lease or reserve of an arena that is closed (``arena.close()``, ``wsarena.arena.reset_arenas()``), another
-    thread's doing perhaps: ``get_arena()`` makes a new arena for its device. A device arena that wsarena's exit
-    handler released raises :class:`ReleasedAtExitError`."""
-
-
-class ReleasedAtExitError(ArenaClosedError):
-    """A lease or reserve of a device arena that wsarena's exit handler released, as the interpreter exits, before
-    CUDA is torn down: only a later exit handler (one registered before the first device arena) or a thread still
-    running can still ask. A daemon thread gets ``SystemExit`` instead, which ends it quietly; a thread made outside
-    ``threading`` (PyTorch's autograd thread) gets this error."""
+class CudaError(WsarenaError, RuntimeError):
+    """A CUDA runtime call that wsarena makes itself failed (the user object by which a graph captured on a stream
+    holds the workspace it used, a capture's state): the message names the call and CUDA's error. CUDA errors of the
+    calls CuPy makes are CuPy's (``cupy.cuda.runtime.CUDARuntimeError``, a ``RuntimeError`` too)."""
 
 
 class ProviderError(WsarenaError, RuntimeError):

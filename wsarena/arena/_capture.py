@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import CaptureError
+from ..errors import CaptureError, CudaError
 
 __all__ = ["CURRENT", "CudaCapture", "capture_of", "refuse_in_capture"]
 
@@ -107,4 +107,4 @@ def _check(err: Any, call: str) -> None:
         from cuda.bindings import runtime as rt
 
         _, name = rt.cudaGetErrorName(err)
-        raise RuntimeError(f"{call} failed: {name.decode() if isinstance(name, bytes) else name}")
+        raise CudaError(f"{call} failed: {name.decode() if isinstance(name, bytes) else name}")
