@@ -885,6 +885,28 @@ def test_a_captured_graph_is_launched_on_any_stream_that_stream_takes():
     assert captured.graph.launched == [S1, S2, 0x53, S1]
 
 
+def test_a_graph_with_none_to_launch_raises_a_capture_error_saying_why():
+    """``launch()`` of a graph whose block has not ended, raised, or which is closed raises ``wsarena.CaptureError``:
+    caught by ``WsarenaError``, as what a program meets as it runs is (the README's Bad input), and a
+    ``RuntimeError``, as it was. Once, a plain ``RuntimeError``."""
+    from wsarena.cudagraph import _NOT_OVER, CapturedGraph, _State
+
+    def launched(graph):
+        with pytest.raises(wsarena.WsarenaError) as caught:
+            graph.launch()
+        assert type(caught.value) is wsarena.CaptureError and isinstance(caught.value, RuntimeError)
+        return str(caught.value)
+
+    graph = CapturedGraph(FakeStream(S1))
+    assert launched(graph) == f"cannot launch this graph: {_NOT_OVER}"
+    graph._failed(_State.RAISED, "its block was left by KeyError")
+    assert launched(graph) == "cannot launch this graph: its block was left by KeyError"
+    graph = CapturedGraph(FakeStream(S1))
+    graph._captured(_Graph())
+    graph.close()
+    assert launched(graph) == "cannot launch this graph: it is closed"
+
+
 def test_a_launch_wraps_a_stream_for_cupy_over_the_kept_cuda_core_object(monkeypatch):
     """A launch on a stream that is no CuPy stream gives CuPy's Graph.launch a CuPy object made for the launch, over
     cuda.core's object for the handle, which is made once and kept by handle (the one keep the ops' calls share),

@@ -91,11 +91,11 @@ class CapturedGraph:
         """Replay the graph on ``stream`` (by default the stream it was captured on; a CuPy stream, a raw handle or
         an object with ``__cuda_stream__``, as wsarena's ``stream=`` takes); returns once enqueued.
 
-        Raises ``RuntimeError`` saying why when there is no graph: its capture block has not ended, it raised, its
-        capture could not be ended, or the graph is closed."""
+        Raises :class:`~wsarena.errors.CaptureError` (a ``RuntimeError``) saying why when there is no graph: its
+        capture block has not ended, it raised, its capture could not be ended, or the graph is closed."""
         graph = self.graph
         if graph is None:
-            raise RuntimeError(f"cannot launch this graph: {self._reason}")
+            raise CaptureError(f"cannot launch this graph: {self._reason}")
         if stream is None:
             stream = self.stream
         elif type(getattr(stream, "ptr", None)) is not int:  # CuPy's Graph.launch reads a CuPy stream's ptr

@@ -18,7 +18,8 @@ block entered inside itself, or ended where it did not begin. Everything else::
     │                                              lacks a method the call needs (as_array, fill)
     │   └── wsarena.cudnn.CudnnNotFoundError
     ├── CaptureError (RuntimeError)                a call in a CUDA graph capture would search, finalize a plan,
-    │                                              create a handle or grow the arena; nothing was enqueued
+    │                                              create a handle or grow the arena (nothing was enqueued); a
+    │                                              capture block that ended with no graph, and its launch()
     ├── CudaError (RuntimeError)                   a CUDA runtime call of wsarena's own failed (those CuPy makes
     │                                              raise CuPy's errors)
     ├── wsarena.cudnn.CudnnError (RuntimeError)    a cuDNN status; one subclass per status (those of memory cuDNN
@@ -110,6 +111,8 @@ class CaptureError(WsarenaError, RuntimeError):
       while another stream of the device is captured). Nothing was enqueued.
     - A :func:`wsarena.capture` block ended without a graph: its capture had been invalidated, or ended inside it (a
       capture begun on its stream since, which CUDA gives another id, is left to its owner).
+    - :meth:`wsarena.CapturedGraph.launch` of a graph that has none: its block has not ended, raised or ended
+      without one, or the graph is closed. Nothing was launched.
 
     Attributes
     ----------
