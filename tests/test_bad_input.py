@@ -16,6 +16,8 @@ from wsarena.errors import ArenaOutOfMemoryError, WorkspaceCapError
 from wsarena.models import ModelError
 from wsarena.tuning import tune
 
+from .reference import ref_conv_backward_data
+
 pytestmark = pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
 
 LAYERS = wsarena.load_model("resnet50")[:2]
@@ -99,6 +101,41 @@ def test_reserve_for_reads_no_further_than_one_stream_past_the_plan(fresh_arena)
     assert len(pulled) == 3 and fresh_arena.stats().capacity_bytes == 0
     with pytest.raises(ValueError, match=r"the plan has 2 stream\(s\) but 3 were given"):
         fresh_arena.reserve_for(Plan(), streams=["a", "b", "c"])  # a list's length is told
+
+
+BINARY = [bytes, bytearray, lambda b: memoryview(bytes(b))]
+
+
+@pytest.mark.parametrize("binary", BINARY, ids=["bytes", "bytearray", "memoryview"])
+def test_binary_data_is_no_shape_nor_list_of_values(fresh_arena, binary):
+    """Binary data is a sequence of small ints: b"\\x02\\x04\\x06\\x06" was taken as the shape (2, 4, 6, 6), a
+    memoryview as a stride, a bytearray as a layer's shape or the planner's stream indices, where text is refused and
+    a layer's bytes too. Each is refused, naming the argument, and nothing is leased."""
+    dy, w, x = np.ones((2, 6, 4, 4)), np.ones((6, 2, 3, 3)), np.ones((2, 4, 6, 6))
+    with pytest.raises(TypeError, match=r"^input_shape must be a sequence of ints, not "):
+        wsarena.conv_backward_data(dy, w, binary(x.shape), groups=2)
+    with pytest.raises(TypeError, match=r"^weight_shape must be a sequence of ints, not "):
+        wsarena.conv_backward_filter(x, dy, binary(w.shape), groups=2)
+    for name in ("stride", "padding", "dilation"):
+        with pytest.raises(TypeError, match=rf"^{name} must be an int"):
+            wsarena.conv_forward(x, w, groups=2, **{name: binary((1, 1))})
+    assert fresh_arena.stats().allocations == 0 and fresh_arena.stats().leases == 0
+    layer = {"name": "c", "input_shape": (1, 3, 8, 8), "weight_shape": (4, 3, 3, 3)}
+    for key, value in [*layer.items(), ("stride", (1, 1))][1:]:
+        with pytest.raises(ModelError, match=rf"^layer 'c': {key} must be "):
+            wsarena.ConvLayer(**{**layer, key: binary(value)})
+    with pytest.raises(TypeError, match=r"^streams must be an int or a sequence of stream indices, not "):
+        wsarena.plan(LAYERS, backend="cpu", streams=binary((0, 1)))
+
+    class Plan:
+        stream_bytes = binary((16,))
+
+    with pytest.raises(TypeError, match=r"^plan must be a wsarena.plan\(\) result"):
+        fresh_arena.reserve_for(Plan())
+    assert fresh_arena.stats().capacity_bytes == 0
+    # the shapes and values themselves, as lists, are taken
+    np.testing.assert_allclose(wsarena.conv_backward_data(dy, w, list(x.shape), groups=2),
+                               ref_conv_backward_data(dy, w, x.shape, groups=2))
 
 
 def test_an_arena_of_a_provider_class_is_refused():

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from ._pass import Pass
-from ._sizes import as_int, short_repr
+from ._sizes import as_int, is_sequence, short_repr
 
 __all__ = [
     "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "conv_transpose_geometry",
@@ -146,11 +146,6 @@ def _int(name: str, value: Any) -> int:
     return n
 
 
-def _is_sequence(value: Any) -> bool:
-    """A list, tuple or other sequence of per-dimension values; text and bytes are not."""
-    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
-
-
 def _positive_or_zero(name: str, value: Any) -> int:
     v = _int(name, value)
     if v < 0:
@@ -173,7 +168,7 @@ def _bounded(name: str, value: _Bounded, shown: Any = None) -> _Bounded:
 
 
 def _per_dim(name: str, value: Any, nd: int, *, minimum: int) -> tuple[int, ...]:
-    if _is_sequence(value):
+    if is_sequence(value):
         if len(value) != nd:
             raise ValueError(f"{name}={short_repr(value)} must have one entry per spatial dimension ({nd})")
         values = tuple(_int(name, v) for v in value)
@@ -201,12 +196,12 @@ def _padding(
                 )
             return tuple(t // 2 for t in total)
         raise ValueError(f"padding must be an int, a sequence, 'valid' or 'same', not {short_repr(value)}")
-    if _is_sequence(value):
+    if is_sequence(value):
         if len(value) != nd:
             raise ValueError(f"padding={short_repr(value)} must have one entry per spatial dimension ({nd})")
         out = []
         for entry in value:
-            if _is_sequence(entry):
+            if is_sequence(entry):
                 if len(entry) != 2:
                     raise ValueError(f"padding={short_repr(value)}: each pair must be (before, after)")
                 lo, hi = (_int("padding", e) for e in entry)

@@ -14,8 +14,8 @@ import os
 import re
 import reprlib
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeGuard
 
 __all__ = ["format_size", "parse_size"]
 
@@ -194,6 +194,17 @@ def as_int(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+# Text and binary data: sequences, but of characters or bytes, never a list of values (b"\x02\x04" is no shape (2, 4))
+TEXT_OR_BYTES = (str, bytes, bytearray, memoryview)
+
+
+def is_sequence(value: Any) -> TypeGuard[Sequence[Any]]:
+    """Whether ``value`` is a sequence of values (a list, a tuple, a ``range``): text and binary data
+    (:data:`TEXT_OR_BYTES`) are not, whose items would be read as characters or as small ints. The one test of "a
+    sequence" behind every check of a shape or a per-dimension value."""
+    return isinstance(value, Sequence) and not isinstance(value, TEXT_OR_BYTES)
 
 
 def positive_batch(batch: Any) -> int:

@@ -29,7 +29,7 @@ from ._callkeys import Uncacheable, freeze, freeze_params, remember
 from ._config import Config, get_config, using
 from ._geometry import DTYPES, ITEMSIZES, ConvGeometry, conv_geometry, describe_geometry
 from ._pass import Pass
-from ._sizes import exact_cap, format_size, short_repr
+from ._sizes import exact_cap, format_size, is_sequence, short_repr
 from .algos import forced, run_with_fallback, select
 from .arena._interrupts import finish
 from .backends import Backend, Candidate, array_backend_name, get_backend, is_masked_type, type_backend_name
@@ -160,7 +160,7 @@ _copy = operator.methodcaller("copy", order="C")  # a C-contiguous copy, made fr
 def _shape_arg(name: str, shape: Any) -> tuple[int, ...]:
     if type(shape) is tuple or type(shape) is list:  # the common case, without the isinstance of an ABC (0.1 us)
         return tuple(shape)
-    if not isinstance(shape, Sequence) or isinstance(shape, str):
+    if not is_sequence(shape):  # neither text nor binary data (b"\x02\x04" read as (2, 4))
         raise TypeError(f"{name} must be a sequence of ints, not {short_repr(shape)}")
     return tuple(shape)
 

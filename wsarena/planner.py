@@ -35,7 +35,7 @@ from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._files import NotRegularFile, TooLarge, read_regular_file
 from ._geometry import DTYPES, ConvGeometry
 from ._pass import PASSES
-from ._sizes import as_int, escaped, format_size, positive_batch, short_path, short_repr, write_text
+from ._sizes import TEXT_OR_BYTES, as_int, escaped, format_size, positive_batch, short_path, short_repr, write_text
 from .algos import is_cached, is_cut_short, select
 from .backends import Candidate, device_properties_backend, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
@@ -194,7 +194,7 @@ def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[in
                 "cannot keep more streams busy than it has layers"
             )
         return True, [0] * n_layers
-    if isinstance(streams, (bool, str, bytes)) or not isinstance(streams, Iterable):
+    if isinstance(streams, (bool, *TEXT_OR_BYTES)) or not isinstance(streams, Iterable):
         raise TypeError(f"streams must be an int or a sequence of stream indices, not {short_repr(streams)}")
     assignment = [_integer(s) for s in streams]
     if len(assignment) != n_layers:

@@ -36,12 +36,12 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Hashable, Iterable, Mapping, Sequence, Sized
+from collections.abc import Hashable, Iterable, Mapping, Sized
 from collections.abc import Set as AbstractSet
 from typing import Any
 
 from .._config import get_config, setting
-from .._sizes import as_int, cap_for, format_size, short_repr
+from .._sizes import TEXT_OR_BYTES, as_int, cap_for, format_size, is_sequence, short_repr
 from ..errors import CaptureError, WorkspaceCapError
 from . import _growth, _leases, _lifecycle, _pinning, _refusals
 from ._interrupts import finish
@@ -214,7 +214,7 @@ class Arena:
         the failing one stay reserved.
         """
         stream_bytes = getattr(plan, "stream_bytes", None)
-        if isinstance(stream_bytes, (str, bytes)) or not isinstance(stream_bytes, Sequence):
+        if not is_sequence(stream_bytes):
             raise TypeError(f"plan must be a wsarena.plan() result (with stream_bytes), not {short_repr(plan)}")
         backend, serves = getattr(plan, "backend", None), "cpu" if self._lanes else "cudnn"
         if backend in ("cpu", "cudnn") and backend != serves:  # its sizes are another backend's algorithms'
@@ -229,7 +229,7 @@ class Arena:
                 raise ValueError(f"a plan for {len(sizes)} streams needs streams=[...], one per planned stream")
             streams = [None] * len(sizes)
         # in the plan's order: "ab" is no list of two lanes, nor is a set in any order
-        if (isinstance(streams, (str, bytes, bytearray, memoryview, AbstractSet, Mapping))
+        if (isinstance(streams, (*TEXT_OR_BYTES, AbstractSet, Mapping))
                 or not isinstance(streams, Iterable)):
             raise TypeError(f"streams must be a sequence of streams, one per planned stream, not {short_repr(streams)}")
         sized = isinstance(streams, Sized)  # an iterator is read one past the plan: an endless one ends there

@@ -8,11 +8,11 @@ turns it into a :class:`~wsarena._geometry.ConvGeometry` for a batch, dtype and 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from .._geometry import ConvGeometry, conv_geometry
-from .._sizes import as_int, positive_batch, short_repr
+from .._sizes import as_int, is_sequence, positive_batch, short_repr
 from ..errors import WsarenaError
 
 __all__ = ["ConvLayer", "LayerList", "ModelError"]
@@ -42,13 +42,13 @@ def _int(where: str, value: Any) -> int:
 
 
 def _ints(where: str, value: Any) -> tuple[int, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+    if not is_sequence(value):
         raise ModelError(f"{where} must be a list of integers, not {short_repr(value)}")
     return tuple(_int(where, v) for v in value)
 
 
 def _per_dim(where: str, value: Any, nd: int) -> tuple[int, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+    if not is_sequence(value):
         return (_int(where, value),) * nd
     values = _ints(where, value)
     if len(values) != nd:
