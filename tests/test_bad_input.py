@@ -16,7 +16,7 @@ from wsarena.errors import ArenaOutOfMemoryError, WorkspaceCapError
 from wsarena.models import ModelError
 from wsarena.tuning import tune
 
-from .reference import ref_conv_backward_data
+from .reference import ref_conv_backward_data, ref_conv_forward
 
 pytestmark = pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
 
@@ -136,6 +136,22 @@ def test_binary_data_is_no_shape_nor_list_of_values(fresh_arena, binary):
     # the shapes and values themselves, as lists, are taken
     np.testing.assert_allclose(wsarena.conv_backward_data(dy, w, list(x.shape), groups=2),
                                ref_conv_backward_data(dy, w, x.shape, groups=2))
+
+
+@pytest.mark.parametrize("name", ["stride", "padding", "dilation"])
+@pytest.mark.parametrize("bad", [np.array([2, 2]), 2.0, None], ids=["array", "float", "none"])
+def test_a_parameter_that_is_neither_an_int_nor_a_sequence_is_told_both_are_taken(fresh_arena, name, bad):
+    """stride=np.array([2, 2]) was told "stride must be an int", as if the list [2, 2] were refused too: the message
+    names what is taken, an int or one int per spatial dimension (and padding's two modes), and what was given."""
+    x, w = np.arange(2 * 4 * 7 * 7.0).reshape(2, 4, 7, 7) % 5, np.ones((6, 2, 3, 3))
+    modes = ", 'valid' or 'same'" if name == "padding" else ""
+    taken = f"an int{',' if modes else ' or'} a sequence of 2 ints (one per spatial dimension){modes}"
+    with pytest.raises(TypeError) as info:
+        wsarena.conv_forward(x, w, groups=2, **{name: bad})
+    assert str(info.value) == f"{name} must be {taken}, not {bad!r}"
+    assert fresh_arena.stats().allocations == 0
+    np.testing.assert_allclose(wsarena.conv_forward(x, w, groups=2, **{name: [2, 2]}),
+                               ref_conv_forward(x, w, groups=2, **{name: 2}))
 
 
 def test_an_arena_of_a_provider_class_is_refused():

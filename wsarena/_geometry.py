@@ -139,10 +139,11 @@ def describe_geometry(geom: ConvGeometry) -> str:
     )
 
 
-def _int(name: str, value: Any) -> int:
+def _int(name: str, value: Any, accepted: str = "an int") -> int:
+    """``value`` as an ``int``; else a ``TypeError`` that says ``name`` must be ``accepted``, and what it was."""
     n = as_int(value)
     if n is None:  # e.g. a float, or a NumPy array (whose own message would not name the argument)
-        raise TypeError(f"{name} must be an int, not {short_repr(value)}")
+        raise TypeError(f"{name} must be {accepted}, not {short_repr(value)}")
     return n
 
 
@@ -173,7 +174,7 @@ def _per_dim(name: str, value: Any, nd: int, *, minimum: int) -> tuple[int, ...]
             raise ValueError(f"{name}={short_repr(value)} must have one entry per spatial dimension ({nd})")
         values = tuple(_int(name, v) for v in value)
     else:
-        values = (_int(name, value),) * nd
+        values = (_int(name, value, f"an int or a sequence of {nd} ints (one per spatial dimension)"),) * nd
     if any(v < minimum for v in values):
         raise ValueError(f"{name}={short_repr(value)} must be >= {minimum} in every dimension")
     return _bounded(name, values, value)
@@ -212,7 +213,8 @@ def _padding(
                 out.append(_int("padding", entry))
         values = tuple(out)
     else:
-        values = (_int("padding", value),) * nd
+        values = (_int("padding", value, f"an int, a sequence of {nd} ints (one per spatial dimension), 'valid' or "
+                       "'same'"),) * nd
     if any(v < 0 for v in values):
         raise ValueError(f"padding={short_repr(value)} must be >= 0")
     return _bounded("padding", values, value)
