@@ -75,6 +75,19 @@ def test_reserve_for_names_streams_that_are_not_a_list_of_them(fresh_arena, stre
     assert fresh_arena.stats().capacity_bytes == 0
 
 
+@pytest.mark.parametrize(("stream", "error"), [([], TypeError), ({}, TypeError), (float("nan"), ValueError)])
+def test_a_capture_question_about_what_is_no_stream_is_refused_by_an_arena_that_cannot_capture(fresh_arena, stream,
+                                                                                               error):
+    # The host arena answered capturing(stream=[]) with False, and keep_with_capture kept nothing and said so, where
+    # its held_bytes, lease and reserve refuse that stream, as a device arena refuses it for all of them
+    for ask in (lambda: fresh_arena.capturing(stream=stream), lambda: fresh_arena.keep_with_capture([], stream=stream),
+                lambda: fresh_arena.held_bytes(stream=stream)):
+        with pytest.raises(error, match=r"is not a lane key"):
+            ask()
+    assert fresh_arena.capturing(stream="lane") is False and fresh_arena.keep_with_capture([X], stream="lane") is False
+    assert fresh_arena.stats().capacity_bytes == 0 and fresh_arena.stats().kept_bytes == 0
+
+
 def test_reserve_for_takes_the_streams_from_any_ordered_iterable(fresh_arena):
     class Plan:
         stream_bytes = (4096, 8192)

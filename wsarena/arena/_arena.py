@@ -290,9 +290,10 @@ class Arena:
 
         Raises :class:`~wsarena.errors.CaptureError` where CUDA refuses the question because using ``stream`` would
         break a capture under way (the legacy default stream while another stream of the device is captured)."""
+        # the stream checked first: one that is none is refused by any arena, not only by those that can tell
+        key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
         if self._capture is None:
             return False
-        key, _ = resolve_stream(stream, lanes=self._lanes, current=self._current)
         return self._capture(raw_handle(key)) is not None
 
     def keep_with_capture(self, objects: Iterable[Any], *, stream: Any = None) -> bool:

@@ -151,9 +151,9 @@ def keep_with_capture(self: Arena, objects: list[Any], stream: Any) -> bool:
     may go on. Idempotent: run again after an interrupt (lock not held). A stream given as an object is recorded with
     a weak reference to it (:class:`KeptOn`), unless a live object watches its buffer (a lease's record, then): CUDA
     is not asked about its handle once the object is gone."""
+    key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)  # refused by any arena
     if self._capture is None:
         return False
-    key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
     try:
         capture = self._capture(raw_handle(key))
     except CaptureError:  # invalidated: it becomes no graph (or the legacy stream beside a capture: it ran nothing)
