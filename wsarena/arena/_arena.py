@@ -176,7 +176,7 @@ class Arena:
         if cap is _CONFIGURED:
             cap = cfg.cap_workspace
         elif cap is not None and (type(cap) is not int or cap < 0):
-            cap = _non_negative_int(cap, "cap")
+            cap = _non_negative_int(cap, "cap", "cap must be an int, in bytes, or None for no cap")
         if cap is not None and n > cap:
             self._refuse(n, key, cap)
         return Workspace(self, n, key, anchor, cfg.debug, cap)
