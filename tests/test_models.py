@@ -421,6 +421,23 @@ def test_layers_from_json_names_its_source():
         layers_from_json([{"name": "x"}], source="mine")
 
 
+def test_a_layer_list_may_mix_layers_and_layer_dicts():
+    """A layer made by hand added to those read from dicts was refused: "layers[1] must be an object with name,
+    input_shape and weight_shape, not ConvLayer(...)", which a layer is. Each entry is taken as it is or read as the
+    schema reads it, in its place; a bad entry is named by its own index among all of them."""
+    made = ConvLayer("made", (1, 4, 6, 6), (8, 4, 1, 1))
+    layers = load_model([GOOD, made, {**GOOD, "name": "c", "stride": 2}])
+    assert [layer.name for layer in layers] == ["a", "made", "c"] and layers[1] is made
+    assert layers[0] == ConvLayer.from_dict(GOOD) and layers[2].stride == (2, 2)
+    with pytest.raises(ModelError, match=r"^layer list: layers\[2\] must be an object with name"):
+        load_model((made, GOOD, None))
+    with pytest.raises(ModelError, match=r"^layer list: layers\[1\] lacks 'weight_shape'$"):
+        load_model([made, {"name": "b", "input_shape": [1, 3, 8, 8]}])
+    assert load_model((made,)) == [made]  # layers alone, and dicts alone, as before
+    with pytest.raises(ModelError, match=r"^the layer list is empty$"):
+        load_model([])
+
+
 # -------------------------------------------------------------------------------------------- sources
 
 def test_unknown_zoo_name_lists_the_zoo():

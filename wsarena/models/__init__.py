@@ -85,8 +85,8 @@ def load_model(
     ----------
     source : str, path-like or sequence
         A zoo name (see :func:`zoo_names`; case and ``-``/``_`` do not matter), a path to a ``.onnx`` model or
-        a ``.json`` layer list, or a sequence of :class:`ConvLayer` or of layer dicts in the JSON schema. A zoo
-        name is a str: a path-like object names a file.
+        a ``.json`` layer list, or a sequence of :class:`ConvLayer` and layer dicts in the JSON schema (either, or
+        both in any mix). A zoo name is a str: a path-like object names a file.
     skip_unknown : bool
         ONNX only: leave out, with a warning, convolutions whose shapes stay unknown after shape inference,
         empty ones (a zero in a weight's or input's dims), those whose operands are of a type the operator refuses
@@ -146,9 +146,13 @@ def load_model(
     if input_shapes is not None:
         raise ValueError("input_shapes applies to .onnx models only, not to a layer list")
     if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
-        if all(isinstance(layer, ConvLayer) for layer in source):
-            if not source:
-                raise ModelError("the layer list is empty")
-            return list(source)  # type: ignore[arg-type]
-        return layers_from_json(list(source), source="layer list")
+        if not source:
+            raise ModelError("the layer list is empty")
+        # Layers and layer dicts in any mix (a layer made by hand added to those read from dicts): a layer as it is
+        entries: Sequence[Any] = source  # from_dict names an entry that is neither
+        try:
+            return [layer if isinstance(layer, ConvLayer) else ConvLayer.from_dict(layer, where=f"layers[{i}]")
+                    for i, layer in enumerate(entries)]
+        except ModelError as exc:
+            raise ModelError(f"layer list: {exc}") from None
     raise TypeError(f"source must be a zoo name, a path or a list of layers, not {type(source).__name__}")
