@@ -256,6 +256,21 @@ def test_geometry_batch_dtype_layout():
         layer.geometry(layout="CHWN")
 
 
+def test_geometry_takes_the_dtypes_the_planner_takes_and_refuses_the_rest():
+    """The geometry's dtype was whatever was given, unchecked: "int8", None (as "None"), np.float32 (as "<class
+    'numpy.float32'>"). It is a name of one the backends compute in, given as the planner takes it (a NumPy or
+    PyTorch dtype by its name); any other is the planner's ValueError."""
+    layer = ConvLayer("c", (1, 3, 8, 8), (4, 3, 3, 3))
+    for given, name in (("float16", "float16"), (np.float32, "float32"), (np.dtype("float64"), "float64"),
+                        ("bfloat16", "bfloat16")):
+        assert layer.geometry(dtype=given).dtype == name
+    for bad in ("int8", None, "f4", np.int32, "float"):
+        with pytest.raises(ValueError, match=r"^dtype must be one of float32, float16, bfloat16, float64, or their "):
+            layer.geometry(dtype=bad)
+        with pytest.raises(ValueError, match=r"^dtype must be one of "):
+            wsarena.plan([layer], dtype=bad, backend="cpu")
+
+
 def test_layer_normalizes_and_checks():
     layer = ConvLayer("c", [8, 4, 10], [6, 2, 3], stride=2, padding=1, groups=2)  # 1-D, batch read as 1
     assert layer.input_shape == (1, 4, 10) and layer.stride == (2,) and layer.padding == (1,)

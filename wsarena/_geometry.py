@@ -24,13 +24,37 @@ from ._sizes import as_int, is_sequence, short_repr
 
 __all__ = [
     "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "conv_transpose_geometry",
-    "describe_geometry", "output_size", "transposed_output_size",
+    "describe_geometry", "dtype_name", "output_size", "transposed_output_size",
 ]
 
 LAYOUTS = ("NCHW", "NHWC")
 DTYPES = ("float32", "float16", "bfloat16", "float64")  # what some backend computes in
 INT32_MAX = 2**31 - 1  # the largest dimension or parameter a cuDNN descriptor holds
 ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # bytes per element
+
+
+def dtype_name(dtype: Any) -> str:
+    """``dtype`` as one of :data:`DTYPES`' names: a name given as it is, or a NumPy or PyTorch dtype (``np.float32``,
+    ``np.dtype("float16")``, ``torch.bfloat16``) by its name. A string must be the name itself: NumPy's own
+    spellings (``"f4"``, and ``"float"``, which is float64) would read as a guess. Only a str is compared with the
+    names: another object's ``==`` may raise, or answer an array."""
+    name: Any = None
+    if isinstance(dtype, str):
+        name = str.__str__(dtype)  # a str subclass (an enum's member) as the plain str it holds
+    elif type(dtype).__module__ == "torch":
+        name = str(dtype).removeprefix("torch.")
+    elif dtype is not None:  # which NumPy would read as float64
+        import numpy as np
+
+        try:
+            name = np.dtype(dtype).name
+        except Exception:  # noqa: BLE001 - no dtype NumPy knows (an object's own dtype attribute may raise anything)
+            name = None
+    if not isinstance(name, str) or name not in DTYPES:
+        raise ValueError(
+            f"dtype must be one of {', '.join(DTYPES)}, or their NumPy or PyTorch dtype, not {short_repr(dtype)}"
+        )
+    return name
 
 
 def output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:

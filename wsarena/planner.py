@@ -33,7 +33,7 @@ from typing import Any
 
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._files import NotRegularFile, TooLarge, read_regular_file
-from ._geometry import DTYPES, ConvGeometry
+from ._geometry import ConvGeometry, dtype_name
 from ._pass import PASSES
 from ._sizes import TEXT_OR_BYTES, as_int, escaped, format_size, positive_batch, short_path, short_repr, write_text
 from .algos import is_cached, is_cut_short, select
@@ -337,35 +337,11 @@ def _too_large(what: str) -> ValueError:
                       "about 1 KiB (bench/gpu_check.py captures them)")
 
 
-def _dtype_name(dtype: Any) -> str:
-    """``dtype`` as one of :data:`DTYPES`' names: a name given as it is, or a NumPy or PyTorch dtype (``np.float32``,
-    ``np.dtype("float16")``, ``torch.bfloat16``) by its name. A string must be the name itself: NumPy's own
-    spellings (``"f4"``, and ``"float"``, which is float64) would read as a guess. Only a str is compared with the
-    names: another object's ``==`` may raise, or answer an array."""
-    name: Any = None
-    if isinstance(dtype, str):
-        name = str.__str__(dtype)  # a str subclass (an enum's member) as the plain str it holds
-    elif type(dtype).__module__ == "torch":
-        name = str(dtype).removeprefix("torch.")
-    elif dtype is not None:  # which NumPy would read as float64
-        import numpy as np
-
-        try:
-            name = np.dtype(dtype).name
-        except Exception:  # noqa: BLE001 - no dtype NumPy knows (an object's own dtype attribute may raise anything)
-            name = None
-    if not isinstance(name, str) or name not in DTYPES:
-        raise ValueError(
-            f"dtype must be one of {', '.join(DTYPES)}, or their NumPy or PyTorch dtype, not {short_repr(dtype)}"
-        )
-    return name
-
-
 def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str, passes: Sequence[str],
           streams: int | Sequence[int], model: str, progress: Callable[[int, int, str], None] | None,
           device_properties: str | None = None, properties_source: str | None = None) -> Plan:
     batch, streams = positive_batch(batch), _integer(streams)
-    dtype = _dtype_name(dtype)
+    dtype = dtype_name(dtype)
     cap, search, requested = cfg.cap_workspace, cfg.algo_search, cfg.backend
     if isinstance(passes, (str, bytes)) or not isinstance(passes, Iterable):  # "fwd" would be ('f', 'w', 'd')
         raise TypeError(f"passes must be a sequence of pass names such as ('fwd',), not {short_repr(passes)}")

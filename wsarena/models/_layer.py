@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from .._geometry import ConvGeometry, conv_geometry
+from .._geometry import ConvGeometry, conv_geometry, dtype_name
 from .._sizes import as_int, is_sequence, positive_batch, short_repr
 from ..errors import WsarenaError
 
@@ -132,15 +132,16 @@ class ConvLayer:
             object.__setattr__(self, key, value)
         self.geometry()  # raises ModelError naming the layer if the geometry is impossible
 
-    def geometry(self, *, batch: int = 1, dtype: str = "float32", layout: str = "NCHW") -> ConvGeometry:
+    def geometry(self, *, batch: int = 1, dtype: Any = "float32", layout: str = "NCHW") -> ConvGeometry:
         """The checked geometry of this convolution for a batch size, dtype and memory layout.
 
         Parameters
         ----------
         batch : int
             Batch size, >= 1 (``ValueError`` below; ``TypeError`` for a float, a bool or another non-integer).
-        dtype : str
-            Element type, e.g. ``"float32"``, ``"float16"``, ``"bfloat16"``.
+        dtype : str or dtype
+            Element type: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"float64"``, or its NumPy or PyTorch dtype
+            (``ValueError`` for another).
         layout : {"NCHW", "NHWC"}
             ``"NHWC"`` permutes the shapes to channels last (``x`` is ``(N, *spatial, C)``, ``w`` is
             ``(K, *kernel, C/groups)``); the convolution is the same.
@@ -151,6 +152,7 @@ class ConvLayer:
             For a transposed layer, the forward-equivalent convolution (see the class notes).
         """
         n = positive_batch(batch)  # numpy.int64 too, as the shapes take it
+        dtype = dtype_name(dtype)  # as the planner takes it: "int8", or None, was the geometry's dtype
         x = (n, *self.input_shape[1:])
         w = self.weight_shape
         if layout == "NHWC":
