@@ -572,6 +572,19 @@ def test_bad_arguments(resnet50, kwargs, error, match):
         wsarena.plan(resnet50[:3], **kwargs)
 
 
+@pytest.mark.parametrize("entry", [wsarena.plan, wsarena.tune])
+def test_the_model_name_is_text_or_a_path(resnet50, tmp_path, entry):
+    """plan(model=Path(...)) kept the path, and to_dict(), which promises JSON, held it: json.dumps() failed, far
+    from the call ("Object of type PosixPath is not JSON serializable"). A path is named by its text, and what is
+    neither is refused at once."""
+    path = tmp_path / "model.onnx"
+    made = entry(resnet50[:1], backend="cpu", model=path)
+    assert made.to_dict()["model"] == str(path) and json.loads(json.dumps(made.to_dict()))["model"] == str(path)
+    for bad in (5, b"model.onnx", ["model"]):
+        with pytest.raises(TypeError, match=r"^model must be a str, the model's name in the report, or a path, not "):
+            entry(resnet50[:1], backend="cpu", model=bad)
+
+
 _LONG = "x" * 100_000
 
 

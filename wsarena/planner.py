@@ -220,7 +220,7 @@ def plan(
     streams: int | Sequence[int] = 1,
     backend: str | None = None,
     search: str | None = None,
-    model: str = "",
+    model: str | os.PathLike[str] = "",
     progress: Callable[[int, int, str], None] | None = None,
     max_slowdown: float | None = None,
     device_properties: str | os.PathLike[str] | None = None,
@@ -248,6 +248,8 @@ def plan(
         Choose the cap instead of taking one: the smallest cap whose step is at most this fraction slower than
         with no cap (0.02 for 2 %), from one exhaustive search (:func:`wsarena.tune`), and the plan under it from
         the same measurements. Excludes ``cap_workspace``; the search is exhaustive.
+    model : str or path, optional
+        The model's name in the report (``to_dict()["model"]``); a path by its text.
     device_properties : str or path, optional
         A GPU's properties as cuDNN serialises them to JSON (``bench/gpu_check.py`` captures them): the JSON text
         (a str that starts with ``{``, after any byte order mark) or a regular file or a pipe holding it (another
@@ -338,7 +340,7 @@ def _too_large(what: str) -> ValueError:
 
 
 def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str, passes: Sequence[str],
-          streams: int | Sequence[int], model: str, progress: Callable[[int, int, str], None] | None,
+          streams: int | Sequence[int], model: Any, progress: Callable[[int, int, str], None] | None,
           device_properties: str | None = None, properties_source: str | None = None) -> Plan:
     batch, streams = positive_batch(batch), _integer(streams)
     dtype = dtype_name(dtype)
@@ -347,6 +349,12 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
         raise TypeError(f"passes must be a sequence of pass names such as ('fwd',), not {short_repr(passes)}")
     if progress is not None and not callable(progress):  # else a TypeError of its own after the first layer's search
         raise TypeError(f"progress must be callable, as progress(done, total, layer_name), not {short_repr(progress)}")
+    # the report's "model": text, as to_dict() promises JSON (a path, as load_model takes one, by its name), else a
+    # json.dumps() of the plan's dict failed, far from the call
+    named = os.fspath(model) if isinstance(model, os.PathLike) else model
+    if not isinstance(named, str):
+        raise TypeError(f"model must be a str, the model's name in the report, or a path, not {short_repr(model)}")
+    model = named
     passes = tuple(passes)
     if not passes or any(p not in PASSES for p in passes) or len(set(passes)) != len(passes):
         raise ValueError(f"passes must be distinct names from {', '.join(PASSES)}, not {short_repr(passes)}")

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -173,7 +174,7 @@ def tune(
     streams: int | Sequence[int] = 1,
     backend: str | None = None,
     max_slowdown: float = 0.02,
-    model: str = "",
+    model: str | os.PathLike[str] = "",
     progress: Callable[[int, int, str], None] | None = None,
 ) -> Tuning:
     """Time every algorithm of every layer and pass once; the cap-versus-step-time curve and the cap to pick.
