@@ -167,6 +167,36 @@ def test_a_parameter_that_is_neither_an_int_nor_a_sequence_is_told_both_are_take
                                ref_conv_forward(x, w, groups=2, **{name: 2}))
 
 
+@pytest.mark.parametrize("array", [np.array(["NCHW", "cpu"]), np.array(["NCHW"]), np.array(["cpu"])],
+                         ids=["two", "NCHW", "cpu"])
+def test_an_array_is_no_choice_of_a_setting_or_an_argument(fresh_arena, array):
+    """A choice compared an array with its names: one of two or more elements raised NumPy's "The truth value of an
+    array with more than one element is ambiguous", naming nothing, and one of a single name was taken as that name
+    (configure(backend=np.array(["cpu"])) set "cpu"). Each is refused, naming the setting or the argument, and
+    changes nothing."""
+    before = wsarena.get_config()
+    for key in ("backend", "algo_search", "cudnn_api", "cudnn_heuristic", "allocator"):
+        with pytest.raises(ValueError, match=rf"^{key} must be one of \(.*\), not array\(\["):
+            wsarena.configure(**{key: array})
+        with pytest.raises(ValueError, match=rf"^{key} must be one of "), wsarena.config(**{key: array}):
+            pass
+    assert wsarena.get_config() == before
+    x, w = np.ones((1, 2, 5, 5)), np.ones((3, 2, 3, 3))
+    with pytest.raises(ValueError, match=r"^layout must be one of \('NCHW', 'NHWC'\), not array\(\["):
+        wsarena.conv_forward(x, w, layout=array)
+    assert fresh_arena.stats().allocations == 0
+    for kwargs, says in [({"backend": array}, "backend must be one of"), ({"search": array}, "search must be one of"),
+                         ({"layout": array}, "layout must be 'NCHW' or 'NHWC'"),
+                         ({"device_properties": "{}", "backend": array}, "device_properties plans for a cuDNN GPU")]:
+        with pytest.raises(ValueError, match=rf"^{re.escape(says)}.*, not array\(\["):
+            wsarena.plan(LAYERS, **{"backend": "cpu", **kwargs})
+    with pytest.raises(ValueError, match=r"^asymmetric_pads must be 'widen' or 'error', not array\(\["):
+        wsarena.load_model("resnet50", asymmetric_pads=array)
+    with pytest.raises(ModelError, match=r"^JSON: layout must be 'NCHW' or 'NHWC', not array\(\["):
+        wsarena.models.layers_from_json({"layers": [], "layout": array})
+    np.testing.assert_allclose(wsarena.conv_forward(x, w, layout="NCHW"), ref_conv_forward(x, w))
+
+
 def test_an_arena_of_a_provider_class_is_refused():
     # Arena(HostProvider) was taken; its first lease raised "allocate() missing 1 required positional argument"
     with pytest.raises(TypeError, match=r"provider .*HostProvider.* is a class: pass an instance"):

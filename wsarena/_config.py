@@ -29,7 +29,7 @@ except ImportError:  # an install made without dependencies
     platformdirs = None  # type: ignore[assignment]
 
 from . import _forksafe
-from ._sizes import as_int, ascii_int, parse_size, short_path, short_repr
+from ._sizes import as_int, ascii_int, is_choice, parse_size, short_path, short_repr
 
 __all__ = [
     "ALGO_SEARCHES", "ALLOCATORS", "BACKENDS", "CUDNN_APIS", "CUDNN_HEURISTICS", "Config", "config", "configure",
@@ -188,7 +188,7 @@ class Config:
                              "WSARENA_CACHE_DIR=off turns the cache off)")
         for key, choices in _CHOICES.items():
             value = getattr(self, key)
-            if value not in choices:
+            if not is_choice(value, choices):
                 raise ValueError(f"{key} must be one of {choices}, not {short_repr(value)}")
             # the choice's own str: a str subclass equal to it (a (str, Enum) member) is shown by its own name
             object.__setattr__(self, key, choices[choices.index(value)])

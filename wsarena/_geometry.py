@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from ._pass import Pass
-from ._sizes import as_int, is_sequence, short_repr
+from ._sizes import as_int, is_choice, is_sequence, short_repr
 
 __all__ = [
     "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "conv_transpose_geometry",
@@ -282,7 +282,7 @@ def conv_geometry(
 
     Raises ``ValueError`` or ``TypeError`` naming the offending argument and its value.
     """
-    if layout not in LAYOUTS:
+    if not is_choice(layout, LAYOUTS):
         raise ValueError(f"layout must be one of {LAYOUTS}, not {short_repr(layout)}")
     input_shape = _bounded("input_shape", tuple(_positive_or_zero("input_shape", d) for d in input_shape))
     weight_shape = _bounded("weight_shape", tuple(_positive_or_zero("weight_shape", d) for d in weight_shape))

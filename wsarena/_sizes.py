@@ -207,6 +207,13 @@ def is_sequence(value: Any) -> TypeGuard[Sequence[Any]]:
     return isinstance(value, Sequence) and not isinstance(value, TEXT_OR_BYTES)
 
 
+def is_choice(value: Any, choices: tuple[str, ...]) -> bool:
+    """Whether ``value`` is one of ``choices``, names: only a str is compared with them, as another object's ``==`` may
+    raise, or answer an array, whose truth NumPy refuses ("ambiguous") and a one-element array's it takes (an array
+    of "cpu" would be the setting "cpu"). The one test of a choice behind every check that names its argument."""
+    return isinstance(value, str) and value in choices
+
+
 def positive_batch(batch: Any) -> int:
     """``batch`` as an ``int`` where it is a batch size: an integer of any type, >= 1. A ``TypeError`` for another
     type (a float, a ``bool``, an array of one element: :func:`as_int`), a ``ValueError`` below 1. The one check of

@@ -35,7 +35,17 @@ from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
 from ._files import NotRegularFile, TooLarge, read_regular_file
 from ._geometry import ConvGeometry, dtype_name
 from ._pass import PASSES
-from ._sizes import TEXT_OR_BYTES, as_int, escaped, format_size, positive_batch, short_path, short_repr, write_text
+from ._sizes import (
+    TEXT_OR_BYTES,
+    as_int,
+    escaped,
+    format_size,
+    is_choice,
+    positive_batch,
+    short_path,
+    short_repr,
+    write_text,
+)
 from .algos import is_cached, is_cut_short, select
 from .backends import Candidate, device_properties_backend, get_backend, resolve_backend_name
 from .errors import BackendUnavailableError
@@ -259,11 +269,11 @@ def plan(
     """
     skipped = skipped_layers(layers)
     layers = checked_layers(layers)
-    if search is not None and search not in ALGO_SEARCHES:
+    if search is not None and not is_choice(search, ALGO_SEARCHES):
         raise ValueError(f"search must be one of {ALGO_SEARCHES}, not {short_repr(search)}")
     source = None  # the file device_properties came from, which its errors name
     if device_properties is not None:
-        if backend not in (None, "cudnn"):
+        if backend is not None and not is_choice(backend, ("cudnn",)):
             raise ValueError("device_properties plans for a cuDNN GPU: backend must be 'cudnn', not "
                              f"{short_repr(backend)}")
         if search == "exhaustive" or max_slowdown is not None:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .._sizes import short_path, short_repr
+from .._sizes import is_choice, short_path, short_repr
 from ._file import read_model_file
 from ._layer import ConvLayer, ModelError
 
@@ -37,7 +37,7 @@ def layers_from_json(data: Any, *, source: str = "JSON") -> list[ConvLayer]:
             found = short_repr(sorted(data, key=str))
             raise ModelError(f"{source}: a JSON object needs a 'layers' list (found keys: {found})")
         layout = data.get("layout", "NCHW")
-        if layout not in ("NCHW", "NHWC"):
+        if not is_choice(layout, ("NCHW", "NHWC")):
             raise ModelError(f"{source}: layout must be 'NCHW' or 'NHWC', not {short_repr(layout)}")
         data = data["layers"]
     if not isinstance(data, list):

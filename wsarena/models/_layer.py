@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._geometry import ConvGeometry, conv_geometry, dtype_name
-from .._sizes import as_int, is_sequence, positive_batch, short_repr
+from .._sizes import as_int, is_choice, is_sequence, positive_batch, short_repr
 from ..errors import WsarenaError
 
 __all__ = ["ConvLayer", "LayerList", "ModelError"]
@@ -155,11 +155,11 @@ class ConvLayer:
         dtype = dtype_name(dtype)  # as the planner takes it: "int8", or None, was the geometry's dtype
         x = (n, *self.input_shape[1:])
         w = self.weight_shape
+        if not is_choice(layout, ("NCHW", "NHWC")):
+            raise ValueError(f"layout must be 'NCHW' or 'NHWC', not {short_repr(layout)}")
         if layout == "NHWC":
             x = (x[0], *x[2:], x[1])
             w = (w[0], *w[2:], w[1])
-        elif layout != "NCHW":
-            raise ValueError(f"layout must be 'NCHW' or 'NHWC', not {short_repr(layout)}")
         try:
             return conv_geometry(
                 x,

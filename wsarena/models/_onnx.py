@@ -64,7 +64,7 @@ from typing import Any, cast
 
 from .._files import OPENS_BENEATH, NotRegularFile, read_regular_part
 from .._geometry import conv_transpose_geometry
-from .._sizes import short_path, short_repr
+from .._sizes import is_choice, short_path, short_repr
 from ._file import read_model_file
 from ._layer import ConvLayer, LayerList, ModelError
 from ._onnx_values import SMALL, densify_sparse_tensors, fold_small_constants
@@ -413,7 +413,7 @@ _BEYOND_PROTOBUF = ("the most protobuf reads as one ONNX model (2 GiB less a byt
 
 def check_asymmetric_pads(value: Any) -> None:
     """``asymmetric_pads`` must be ``"widen"`` or ``"error"`` (``ValueError``), whatever model it comes with."""
-    if value not in ("widen", "error"):
+    if not is_choice(value, ("widen", "error")):
         raise ValueError(f"asymmetric_pads must be 'widen' or 'error', not {short_repr(value)}")
 
 
