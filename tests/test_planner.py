@@ -543,6 +543,9 @@ def test_text_progress_draws_nothing_where_the_stream_is_not_a_terminal():
         ({"dtype": object()}, ValueError, "dtype"),
         ({"passes": ("fwd", "bwd")}, ValueError, "passes"),
         ({"passes": ("fwd", "fwd")}, ValueError, "passes must be distinct names"),
+        # an array's == answers an array: NumPy's "truth value ... is ambiguous", or "unhashable type" of one element
+        ({"passes": [np.array(["fwd", "bwd_data"])]}, ValueError, r"passes must be distinct names .*, not \(array"),
+        ({"passes": [np.array(["fwd"])]}, ValueError, r"passes must be distinct names .*, not \(array"),
         ({"streams": 0}, ValueError, "streams"),
         ({"batch": True}, TypeError, "batch must be a positive int, not True"),
         ({"batch": 2.0}, TypeError, "batch must be a positive int, not 2.0"),

@@ -366,8 +366,10 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
         raise TypeError(f"model must be a str, the model's name in the report, or a path, not {short_repr(model)}")
     model = named
     passes = tuple(passes)
-    if not passes or any(p not in PASSES for p in passes) or len(set(passes)) != len(passes):
+    # names alone compared (an array's == answers an array), and kept as the plain names (a str subclass's)
+    if not passes or not all(is_choice(p, PASSES) for p in passes) or len(set(passes)) != len(passes):
         raise ValueError(f"passes must be distinct names from {', '.join(PASSES)}, not {short_repr(passes)}")
+    passes = tuple(PASSES[PASSES.index(p)] for p in passes)
     shared, assignment = _streams(streams, len(layers))
     if device_properties is not None:
         name, impl = "cudnn", device_properties_backend(device_properties, properties_source)
