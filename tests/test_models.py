@@ -814,6 +814,11 @@ def test_onnx_asymmetric_pads(tmp_path):
     for other in ("resnet50", [ConvLayer("c", (1, 3, 8, 8), (4, 3, 3, 3))]):  # a zoo model, a layer list
         with pytest.raises(ValueError, match="asymmetric_pads must be 'widen' or 'error', not 'crop'"):
             load_model(other, asymmetric_pads="crop")  # was taken silently: a misspelt option went unseen
+    # skip_unknown="no" (from a config file) was true, and skipped 'asym' with a warning; checked for any model too
+    for source in (path, "resnet50"):
+        for given in ("no", "false", 0, None, np.False_):
+            with pytest.raises(TypeError, match=rf"^skip_unknown must be True or False, not {re.escape(repr(given))}$"):
+                load_model(source, skip_unknown=given, asymmetric_pads="error")
 
 
 def test_onnx_unknown_input_shape(tmp_path):

@@ -113,8 +113,12 @@ def load_model(
     ValueError
         ``asymmetric_pads`` other than ``"widen"`` or ``"error"``, whatever the source (a zoo name or a layer
         list too, though only an ONNX model reads it).
+    TypeError
+        ``skip_unknown`` other than ``True`` or ``False``, whatever the source, as ``asymmetric_pads``.
     """
     check_asymmetric_pads(asymmetric_pads)  # an option of ONNX models, checked for any, as a typo would be missed
+    if not isinstance(skip_unknown, bool):  # so is this one: "no", or "false" from a config file, is true
+        raise TypeError(f"skip_unknown must be True or False, not {short_repr(skip_unknown)}")
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         ext = os.path.splitext(text)[1].lower()
