@@ -898,6 +898,10 @@ def test_onnx_input_shapes_beyond_what_onnx_holds_are_a_model_error(tmp_path):
     path = save(tmp_path, [conv("c", "x", "w", "y")], [vi("x", [1, 3, "H", "W"])], [weight("w", (4, 3, 3, 3))])
     with pytest.raises(ModelError, match=r"the shape of input 'x' must be positive ints below 2\*\*63"):
         load_model(path, input_shapes={"x": (1, 3, 2**63, 8)})
+    for binary in (b"\x01\x03\x08\x08", bytearray(b"\x01\x03\x08\x08")):  # was taken as the dims (1, 3, 8, 8)
+        for given in (binary, {"x": binary}):
+            with pytest.raises(ModelError, match=r"the shape of input 'x' must be positive ints below 2\*\*63, not b"):
+                load_model(path, input_shapes=given)
 
 
 def test_onnx_input_shapes_fix_symbolic_sizes_before_inference(tmp_path):

@@ -64,7 +64,7 @@ from typing import Any, cast
 
 from .._files import OPENS_BENEATH, NotRegularFile, read_regular_part
 from .._geometry import conv_transpose_geometry
-from .._sizes import is_choice, short_path, short_repr
+from .._sizes import is_choice, is_sequence, short_path, short_repr
 from ._file import read_model_file
 from ._layer import ConvLayer, LayerList, ModelError
 from ._onnx_values import SMALL, densify_sparse_tensors, fold_small_constants
@@ -642,7 +642,8 @@ def _fix_input_shapes(graph: Any, input_shapes: Mapping[str, Sequence[int]] | Se
     for name, shape in input_shapes.items():
         if name not in inputs:
             raise ModelError(f"{where}: no graph input {short_repr(name)}; the inputs are {_input_names(inputs)}")
-        dims = tuple(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else ()
+        # not text, nor binary data (b"abcd" was read as the dims 97, 98, 99, 100)
+        dims: tuple[int, ...] = tuple(shape) if is_sequence(shape) else ()
         # a dim is an int64 in the file: 2**63 would be protobuf's ValueError, naming nothing
         if not dims or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 1 <= d < 2**63
                            for d in dims):
