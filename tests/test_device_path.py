@@ -322,17 +322,26 @@ def test_torch_operands_on_another_device_run_there_and_the_current_device_is_re
     assert gpu.cupy.thread().entered == []
 
 
+def _beside_torchs(gpu, shape, device):
+    """``x`` an array of another library's (``__cuda_array_interface__`` alone, which names no device), the rest
+    tensors of ``device``: a call whose scope enters CuPy's Device whatever is current, as that library's code runs in
+    it."""
+    return _cuda_array(gpu, shape, device) if shape == X else cuda_tensor(gpu, shape, device)
+
+
 @pytest.mark.parametrize("where", ["in the convolution", "as the device is entered", "as the stream is entered"])
+@pytest.mark.parametrize("make", [cuda_tensor, _beside_torchs], ids=["torch's", "another library's beside torch's"])
 def test_a_ctrl_c_in_a_call_on_torch_operands_leaves_the_device_and_streams_as_they_were(torch_gpu, monkeypatch,
-                                                                                       where):
+                                                                                       where, make):
     """A KeyboardInterrupt in cuDNN's call, or on the heels of CuPy's Device or Stream ``__enter__`` (CPython raises
-    it as a call returns), on tensors of device 1 on a side stream of PyTorch's: device 0 is current after it, CuPy's
-    device and stream stacks as they were, and the backends' device unset."""
+    it as a call returns), on tensors of device 1 on a side stream of PyTorch's, alone or beside another library's
+    array: device 0 is current after it, CuPy's device and stream stacks as they were, and the backends' device
+    unset."""
     from wsarena.backends._cudnn_backend import _within
 
     gpu = torch_gpu
     gpu.torch_stream = 0x6000
-    calls = _calls_on(gpu, cuda_tensor, device=1)
+    calls = _calls_on(gpu, make, device=1)
     calls["fwd"]()
     cuda = gpu.cupy.cuda
     if where == "in the convolution":
@@ -361,6 +370,26 @@ def test_a_ctrl_c_in_a_call_on_torch_operands_leaves_the_device_and_streams_as_t
     assert gpu.current_device() == 0 and thread.entered == []
     assert [[s.ptr for s in stack] for stack in thread.streams] == [[0], [0]]
     assert getattr(_within, "device", None) is None
+
+
+class _NamesDevice5:
+    """A DLPack exporter of another library's that says its memory is on CUDA device 5, which the stand-in lacks."""
+
+    def __dlpack__(self, **kwargs):
+        pytest.fail("exported")
+
+    def __dlpack_device__(self):
+        return (2, 5)
+
+
+def test_operands_on_a_device_cuda_refuses_leave_cupys_device_stack_as_it_was(gpu):
+    """Operands of another library's on a device cudaSetDevice refuses (cudaErrorInvalidDevice): CuPy's Device pushed
+    the device it found before it tried, and is left as it raises, so that its stack is as it was (an entry left
+    there is the device a later Device's exit makes current, in place of the one that Device found)."""
+    x, w = _NamesDevice5(), _NamesDevice5()
+    with pytest.raises(CUDARuntimeError):
+        wsarena.conv_forward(x, w, padding=1)
+    assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
 
 
 def test_operands_of_another_library_beside_torchs_still_get_cupys_device_which_sets_the_device_back(torch_gpu,

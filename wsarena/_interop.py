@@ -226,8 +226,7 @@ def execute(
     # where it is not current, and the ops then asking nothing, where the operands are PyTorch's and CuPy's alone
     own = all(op.kind in (_TORCH, _NATIVE_KIND) for op in operands)
     library = _cupy()
-    on_device, on_stream = library.scopes(device, stream, own)
-    with on_device, on_stream:
+    with library.scope(device, stream, own):
         views = [_tensor_view(op) if direct and op.kind == _TORCH else _view(library, op) for op in operands]
         try:
             result = run(pass_, views[0], views[1], shape_arg, params, views[2] if out is not None else None,
@@ -269,13 +268,13 @@ _Scope = contextlib.AbstractContextManager[Any]
 
 class _Library(NamedTuple):
     """How NumPy or CuPy views an operand's memory without a copy, and (CuPy) makes a device and a stream current
-    for a block (:func:`_cupy`'s ``scopes``); ``None`` for either leaves it as it is."""
+    for a block (:func:`_cupy`'s ``scope``); ``None`` for either leaves it as it is."""
 
     name: str
     from_torch: Callable[[Any], Any]  # a torch tensor (bfloat16 relabelled int16)
     from_dlpack: Callable[[Any], Any]  # an Export
     asarray: Callable[[Any], Any]  # a holder of __array_interface__ or __cuda_array_interface__
-    scopes: Callable[[int | None, Any, bool], tuple[_Scope, _Scope]] = lambda *_: (_AS_IT_IS, _AS_IT_IS)
+    scope: Callable[[int | None, Any, bool], _Scope] = lambda *_: _AS_IT_IS
     stream: Callable[[Any], _Scope] = lambda _: _AS_IT_IS
 
 
@@ -361,7 +360,7 @@ _host_view = functools.partial(_view, _NUMPY)
 def _cupy() -> _Library:
     import cupy
 
-    from .backends._cudnn_backend import _OnDevice
+    from .backends._cudnn_backend import _OnDevice, _OnDeviceEntered
 
     cuda = cupy.cuda
 
@@ -372,26 +371,25 @@ def _cupy() -> _Library:
         # the call's own CuPy object, which dies with it (arena.streams.cupy_stream says why)
         return _AS_IT_IS if given is None else cupy_stream(stream_handle(given))
 
-    def scopes(ordinal: int | None, given: Any, own: bool) -> tuple[_Scope, _Scope]:
-        """CUDA device ``ordinal`` current (``None``: as it is), then ``given`` CuPy's current stream there, for the
-        block: two scopes, entered in order.
+    def scope(ordinal: int | None, given: Any, own: bool) -> _Scope:
+        """CUDA device ``ordinal`` current (``None``: as it is), and ``given`` CuPy's current stream there, for the
+        block: one scope, which leaves what it entered where entering either is interrupted or refused.
 
         A stream that is CuPy's current one on the device already is not entered (entering CuPy's object asks the
         current device twice, and leaving it once more), as the ops' own scope does not enter it
         (``CudnnBackend.context``). ``own``: only PyTorch's, CuPy's and wsarena's code runs in the block, which all
         leave the current device as they found it; then the device is entered only where it is not current and the
         ops' scope knows it current without asking (the backend's ``_OnDevice``). Else a library's own code runs
-        there (its ``__dlpack__``, its ``from_dlpack`` of the result) and CuPy's ``Device`` is entered as before,
-        which sets the device it found again as it leaves, whatever that code did, and the ops ask again."""
+        there (its ``__dlpack__``, its ``from_dlpack`` of the result) and CuPy's ``Device`` is entered whatever is
+        current, which sets the device it found again as it leaves, whatever that code did, and the ops ask again
+        (``_OnDeviceEntered``)."""
         if ordinal is None:
-            return _AS_IT_IS, stream(given)
+            return stream(given)
         handle = None if given is None else stream_handle(given)
         on = None if handle is None or handle == cuda.get_current_stream(ordinal).ptr else cupy_stream(handle)
-        if own:
-            return _OnDevice(cuda, cuda.Device(ordinal), on), _AS_IT_IS
-        return cuda.Device(ordinal), _AS_IT_IS if on is None else on
+        return (_OnDevice if own else _OnDeviceEntered)(cuda, cuda.Device(ordinal), on)
 
-    return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray, scopes, stream)
+    return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray, scope, stream)
 
 
 def _is_torch_bfloat16(tensor: Any) -> bool:

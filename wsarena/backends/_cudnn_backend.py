@@ -395,15 +395,20 @@ class _OnDevice:
             if stream is not None:
                 stream.__enter__()
         except BaseException:
-            _within.device = outer
-            entered, self.entered = self.entered, None
-            try:
-                if stream is not None and cuda.get_current_stream(device.id) is stream:
-                    stream.__exit__(None, None, None)
-            finally:
-                if entered is not None:
-                    entered.__exit__(None, None, None)
+            self._unwind()
             raise
+
+    def _unwind(self) -> None:
+        """Leave what an ``__enter__`` that raised had entered, as its ``__exit__`` would have."""
+        _within.device = self.outer
+        entered, self.entered = self.entered, None
+        stream = self.stream
+        try:
+            if stream is not None and self.cuda.get_current_stream(self.device.id) is stream:
+                stream.__exit__(None, None, None)
+        finally:
+            if entered is not None:
+                entered.__exit__(None, None, None)
 
     def __exit__(self, *exc: object) -> None:
         _within.device = self.outer
@@ -414,3 +419,24 @@ class _OnDevice:
             entered, self.entered = self.entered, None
             if entered is not None:
                 entered.__exit__(*exc)
+
+
+class _OnDeviceEntered(_OnDevice):
+    """:class:`_OnDevice` for a block where another library's code runs (wsarena._interop's, around the views of
+    that library's operands and its import of the result): CuPy's ``Device`` is entered whether or not its device is
+    current, so that leaving it sets the device it found current again whatever that code did, and the block's device
+    is not recorded for the backends, which ask CUDA within it. Device and stream are one scope, left as
+    :class:`_OnDevice`'s are where the ``__enter__`` raises."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_within, "device", None)  # set again as it is: the block's device is asked for
+        try:
+            self.entered = device = self.device  # recorded before it is entered, as in _OnDevice
+            device.__enter__()
+            if self.stream is not None:
+                self.stream.__enter__()
+        except BaseException:
+            self._unwind()
+            raise
