@@ -286,6 +286,24 @@ def test_torch_operands_follow_torchs_current_stream_from_call_to_call(torch_gpu
     assert set(wsarena.get_arena(0).stats().streams) == {0, 0x6000, 0x7000}
 
 
+def test_a_cupy_stream_given_with_torch_operands_is_entered_as_it_is(torch_gpu):
+    """``stream=s``, a CuPy stream that is not CuPy's current one, with tensors: the interop's scope enters the
+    caller's object, as the ops' scope enters it with CuPy operands (one choice of both), where it made a CuPy object
+    of its own over s's handle, tied to no device, whose entry asked the current device once more. The ops' scope
+    inside finds it current and enters nothing; the call runs on it and leaves CuPy's current stream as it was."""
+    gpu = torch_gpu
+    side = gpu.cupy.cuda.Stream(0x5000, 0)
+    for call in _calls_on(gpu, cuda_tensor).values():
+        call(side)
+        mark = len(gpu.record.log)
+        call(side)
+        log = gpu.record.log[mark:]
+        made = [name for name, _ in log if name == "cupy.cuda.Stream.from_external"]
+        assert made == [] and _entered(gpu, mark) == ["cupy.cuda.Stream.__enter__", "cupy.cuda.Stream.__exit__"]
+        assert gpu.cupy.cuda.get_current_stream(0).ptr == 0
+    assert set(_bound(gpu)) == {0x5000}
+
+
 def test_a_result_goes_back_to_torch_on_the_stream_it_was_computed_on(torch_gpu):
     """Without out=, on a side stream PyTorch's current (on device 1 while 0 is current, too): the result is handed
     to torch.from_dlpack within the call's scope, where CuPy's current stream is PyTorch's, so that CuPy's export

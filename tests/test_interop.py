@@ -540,7 +540,7 @@ def fake_torch_cuda(monkeypatch):
     cupy.asarray = np.asarray
     cupy.cuda = types.SimpleNamespace(
         Device=lambda ordinal: _Device(log, ordinal),
-        Stream=types.SimpleNamespace(null=_Scope(log, "stream 0"), ptds=_Scope(log, "stream 2")),
+        Stream=type("Stream", (), {"null": _Scope(log, "stream 0"), "ptds": _Scope(log, "stream 2")}),  # a class
         # another device current, and CuPy's current stream none of the tests': each call enters its own
         runtime=types.SimpleNamespace(getDevice=lambda: 9),
         get_current_stream=lambda device: types.SimpleNamespace(ptr=-1),

@@ -360,7 +360,7 @@ _host_view = functools.partial(_view, _NUMPY)
 def _cupy() -> _Library:
     import cupy
 
-    from .backends._cudnn_backend import _OnDevice, _OnDeviceEntered
+    from .backends._cudnn_backend import _OnDevice, _OnDeviceEntered, _stream_to_enter
 
     cuda = cupy.cuda
 
@@ -377,16 +377,16 @@ def _cupy() -> _Library:
 
         A stream that is CuPy's current one on the device already is not entered (entering CuPy's object asks the
         current device twice, and leaving it once more), as the ops' own scope does not enter it
-        (``CudnnBackend.context``). ``own``: only PyTorch's, CuPy's and wsarena's code runs in the block, which all
-        leave the current device as they found it; then the device is entered only where it is not current and the
-        ops' scope knows it current without asking (the backend's ``_OnDevice``). Else a library's own code runs
-        there (its ``__dlpack__``, its ``from_dlpack`` of the result) and CuPy's ``Device`` is entered whatever is
-        current, which sets the device it found again as it leaves, whatever that code did, and the ops ask again
-        (``_OnDeviceEntered``)."""
+        (``CudnnBackend.context``, whose choice this is); another library's stream object gets a CuPy object of the
+        call's own, which dies with it (arena.streams.cupy_stream says why). ``own``: only PyTorch's, CuPy's and
+        wsarena's code runs in the block, which all leave the current device as they found it; then the device is
+        entered only where it is not current and the ops' scope knows it current without asking (the backend's
+        ``_OnDevice``). Else a library's own code runs there (its ``__dlpack__``, its ``from_dlpack`` of the
+        result) and CuPy's ``Device`` is entered whatever is current, which sets the device it found again as it
+        leaves, whatever that code did, and the ops ask again (``_OnDeviceEntered``)."""
         if ordinal is None:
             return stream(given)
-        handle = None if given is None else stream_handle(given)
-        on = None if handle is None or handle == cuda.get_current_stream(ordinal).ptr else cupy_stream(handle)
+        on = None if given is None else _stream_to_enter(cuda, given, ordinal)
         return (_OnDevice if own else _OnDeviceEntered)(cuda, cuda.Device(ordinal), on)
 
     return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray, scope, stream)
