@@ -131,7 +131,8 @@ class _Device:
 
 def _real_streams(monkeypatch, backend, current_streams):
     """The backend's CuPy with its real Stream class, whose objects need no GPU to be made, and CuPy's current stream
-    of each device from ``current_streams``; returns the handles cuda.core's ``Stream.from_handle`` was given."""
+    of each device from ``current_streams``, the backend's and wsarena._interop's; returns the handles cuda.core's
+    ``Stream.from_handle`` was given."""
     import cupy
 
     wrapped = []
@@ -144,6 +145,7 @@ def _real_streams(monkeypatch, backend, current_streams):
     cuda = type("cuda", (), {"Stream": cupy.cuda.Stream,
                              "get_current_stream": staticmethod(current_streams.__getitem__)})
     monkeypatch.setattr(backend, "_cupy", type("FakeCupy", (), {"cuda": cuda}))
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", current_streams.__getitem__)
     monkeypatch.setattr(streams, "_from_handle", counted)
     return wrapped
 
@@ -191,7 +193,7 @@ def test_each_call_gets_a_cupy_stream_object_of_its_own_over_one_kept_cuda_core_
     torch_like = type("TorchStream", (), {"cuda_stream": 0x77})()
     made = [backend.context((on, on), stream).stream for on in (on_1, on_0) for stream in (0x77, torch_like,
                                                                                               _protocol(0x77))]
-    made.append(_interop._cupy().stream(0x77))
+    made += [_interop._cupy().scope(device, 0x77, own).stream for device, own in ((1, True), (0, False))]
     assert wrapped == [0x77] and all(stream.ptr == 0x77 for stream in made)
     assert len(set(map(id, made))) == len(made)  # all alive here: one object each
     assert backend.context((on_1, on_1), 0).stream is cupy.cuda.Stream.null
@@ -216,10 +218,11 @@ def test_the_stream_object_a_call_makes_current_dies_with_the_call(monkeypatch):
     foreign = _protocol(0x79)
     caller_gone = weakref.ref(foreign)
     made = [weakref.ref(backend.context((on_1, on_1), stream).stream) for stream in (0x79, foreign)]
-    made.append(weakref.ref(_interop._cupy().stream(0x79)))  # wsarena.torch's calls on a side stream
+    made.append(weakref.ref(_interop._cupy().scope(1, 0x79, True).stream))  # wsarena.torch's calls on a side stream
+    made.append(weakref.ref(_interop._cupy().scope(1, 0x79, False).stream))  # beside another library's operands
     del foreign
     gc.collect()
-    assert [ref() for ref in made] == [None] * 3 and caller_gone() is None
+    assert [ref() for ref in made] == [None] * 4 and caller_gone() is None
 
 
 def _runtime(current):

@@ -275,7 +275,6 @@ class _Library(NamedTuple):
     from_dlpack: Callable[[Any], Any]  # an Export
     asarray: Callable[[Any], Any]  # a holder of __array_interface__ or __cuda_array_interface__
     scope: Callable[[int | None, Any, bool], _Scope] = lambda *_: _AS_IT_IS
-    stream: Callable[[Any], _Scope] = lambda _: _AS_IT_IS
 
 
 def _view(library: _Library, op: _Operand) -> Any:
@@ -367,10 +366,6 @@ def _cupy() -> _Library:
     def from_dlpack(obj: Any) -> Any:
         return cupy.from_dlpack(obj, copy=False)  # imported on the current (the call's) stream
 
-    def stream(given: Any) -> _Scope:
-        # the call's own CuPy object, which dies with it (arena.streams.cupy_stream says why)
-        return _AS_IT_IS if given is None else cupy_stream(stream_handle(given))
-
     def scope(ordinal: int | None, given: Any, own: bool) -> _Scope:
         """CUDA device ``ordinal`` current (``None``: as it is), and ``given`` CuPy's current stream there, for the
         block: one scope, which leaves what it entered where entering either is interrupted or refused.
@@ -384,12 +379,12 @@ def _cupy() -> _Library:
         ``_OnDevice``). Else a library's own code runs there (its ``__dlpack__``, its ``from_dlpack`` of the
         result) and CuPy's ``Device`` is entered whatever is current, which sets the device it found again as it
         leaves, whatever that code did, and the ops ask again (``_OnDeviceEntered``)."""
-        if ordinal is None:
-            return stream(given)
+        if ordinal is None:  # no device to ask for its current stream there: an object of the call's own, entered
+            return _AS_IT_IS if given is None else cupy_stream(stream_handle(given))
         on = None if given is None else _stream_to_enter(cuda, given, ordinal)
         return (_OnDevice if own else _OnDeviceEntered)(cuda, cuda.Device(ordinal), on)
 
-    return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray, scope, stream)
+    return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray, scope)
 
 
 def _is_torch_bfloat16(tensor: Any) -> bool:
