@@ -28,6 +28,8 @@ class _FakeCaching:
         self.fail = False
         self.current = 0
         self.leaves = None
+        self.refuse = None  # where set, what entering CuPy's Device raises (cudaSetDevice's error, a Ctrl-C)
+        self.sync_fails = False
 
     def _ran(self, *call):
         self.calls.append(call)
@@ -46,12 +48,16 @@ class _FakeCaching:
 
     def synchronize(self, device=None):
         self._ran("synchronize", device)
+        if self.sync_fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     def device(self, device):
         fake = self
 
         class Device:  # CuPy's: the device found current set again as it leaves, whatever happened within
             def __enter__(self):
+                if fake.refuse is not None:
+                    raise fake.refuse
                 self.found, fake.current = fake.current, device
 
             def __exit__(self, *exc):
@@ -89,6 +95,28 @@ def test_a_buffer_whose_stream_may_be_gone_is_freed_after_the_device_synchronise
     assert buffer.owner is None
     provider.deallocate(buffer, stream=9)  # a second time gives nothing back twice
     assert len(caching.calls) == 3
+
+
+@pytest.mark.parametrize("failure", ["device refused", "interrupted", "synchronisation failed"])
+def test_a_free_that_fails_before_it_frees_leaves_the_block_to_a_later_one(caching, failure):
+    """Entering CuPy's Device refused (cudaSetDevice's error) or interrupted, or the device's synchronisation failed:
+    nothing went back to PyTorch, and the buffer still holds its block, which a later deallocate frees, once. (Its
+    owner cleared before, the block was lost for good: a bare pointer, which nothing frees as it is collected.)"""
+    provider = TorchProvider(0)
+    buffer = provider.allocate(4096, stream=9)
+    raised = KeyboardInterrupt if failure == "interrupted" else RuntimeError
+    if failure == "synchronisation failed":
+        caching.sync_fails = True
+    else:
+        caching.refuse = raised("CUDA error: invalid device ordinal") if raised is RuntimeError else raised
+    with pytest.raises(raised):
+        provider.deallocate(buffer, stream=None)
+    assert buffer.owner == buffer.ptr and caching.current == 0
+    caching.refuse, caching.sync_fails = None, False
+    provider.deallocate(buffer, stream=None)
+    provider.deallocate(buffer, stream=9)
+    assert [call for call in caching.calls if call[0] == "delete"] == [("delete", buffer.ptr)]
+    assert buffer.owner is None
 
 
 @pytest.mark.parametrize("stream", [9, None])

@@ -341,13 +341,17 @@ class TorchProvider(_DeviceProvider):
         import cupy
         import torch
 
-        ptr, buffer.owner = buffer.owner, None
-        if ptr is None:
+        if buffer.owner is None:  # freed already
             return
         with cupy.cuda.Device(self.device_id):
             if stream is None:
                 torch.cuda.synchronize(self.device_id)
-            torch.cuda.caching_allocator_delete(ptr)
+            # Taken off the buffer only now, in one statement before the free: one that failed or was interrupted
+            # before it leaves the buffer holding its block for a later deallocate (a bare pointer, which nothing
+            # frees as it is collected), and one after it finds nothing to free twice
+            ptr, buffer.owner = buffer.owner, None
+            if ptr is not None:
+                torch.cuda.caching_allocator_delete(ptr)
 
 
 def _core_stream(handle: int) -> Any:
