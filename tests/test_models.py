@@ -557,6 +557,24 @@ def test_an_onnx_model_larger_than_protobuf_reads_is_refused_unread(tmp_path, mo
     assert read == []
 
 
+def test_a_model_file_past_a_limit_given_without_a_reason_ends_its_error_at_the_limit(tmp_path):
+    """read_model_file's ``beyond``, the reason for the limit, is said after it where given; its default, none,
+    left the error ending in ", " after the limit."""
+    from wsarena.models._file import read_model_file
+
+    path = tmp_path / "model.json"
+    path.write_bytes(b"[]   ")
+    with pytest.raises(ModelError) as caught:
+        read_model_file(str(path), limit=4)
+    assert str(caught.value) == f"{str(path)!r} holds 5 B (5 bytes), more than 4 bytes"
+    with written_pipe(b"[]   ") as pipe, pytest.raises(ModelError) as caught:
+        read_model_file(pipe, limit=4)
+    assert str(caught.value) == f"{pipe!r} gave more than 4 bytes"
+    with pytest.raises(ModelError) as caught:
+        read_model_file(str(path), limit=4, beyond="the most this kind reads")
+    assert str(caught.value) == f"{str(path)!r} holds 5 B (5 bytes), more than 4 bytes, the most this kind reads"
+
+
 @pytest.mark.timeout(60)
 def test_an_onnx_model_from_a_pipe_without_end_is_refused_past_the_limit(tmp_path, monkeypatch):
     """A pipe (``<(cat big.onnx)``, or a writer that never ends) was read until memory ran out: it is refused once it

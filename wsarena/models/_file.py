@@ -16,7 +16,8 @@ def read_model_file(path: str, *, limit: int | None = None, beyond: str = "") ->
     or ``/dev/fd/N``): a character device (``/dev/zero``) has no end. A pipe is read to its end, as ``cat`` reads
     it, but not waited on until a writer comes: one that none has open reads as empty, which is refused.
     :func:`wsarena._files.read_regular_file` reads it, no larger than ``limit`` where its kind of model has one: a
-    regular file larger is refused unread, a pipe once it gives a byte more, saying ``beyond`` of the limit.
+    regular file larger is refused unread, a pipe once it gives a byte more, saying ``beyond`` of the limit after
+    it, where given.
 
     Raises
     ------
@@ -29,7 +30,8 @@ def read_model_file(path: str, *, limit: int | None = None, beyond: str = "") ->
         data, st = read_regular_file(path, limit=limit, pipes=True)
     except TooLarge as exc:
         held = "gave" if exc.size is None else f"holds {format_size(exc.size)} ({exc.size} bytes),"
-        raise ModelError(f"{where} {held} more than {exc.limit} bytes, {beyond}") from None
+        said = f"{where} {held} more than {exc.limit} bytes"
+        raise ModelError(f"{said}, {beyond}" if beyond else said) from None
     except NotRegularFile as exc:
         raise ModelError(f"{where} is {exc.kind}, not a regular file or a pipe: a model is read from a .onnx or "
                          ".json file") from None
