@@ -638,6 +638,29 @@ def test_output_that_cannot_be_written_exits_3_with_one_line(argv):
     assert r.stderr == "wsarena: error: cannot write the output: No space left on device\n"
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose writes fail")
+@pytest.mark.parametrize("argv", [("--help",), ("report", "--help"), ("cache", "--help"), ("--version",)])
+def test_help_and_version_that_cannot_be_written_exit_as_the_commands_output_does(argv):
+    """--help and --version wrote as argparse writes, its failure dropped: on a full disk, or to a reader gone, they
+    exited 0 with nothing said, where every command's output exits 3 with one line, or 141 silently."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "wsarena", *argv], stdout=full, stderr=subprocess.PIPE,
+                           text=True, env=env, timeout=300, check=False)
+    assert (r.returncode, r.stderr) == (3, "wsarena: error: cannot write the output: No space left on device\n")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([sys.executable, "-m", "wsarena", *argv], stdout=write_end, stderr=subprocess.PIPE,
+                           text=True, env=env, timeout=300, check=False)
+    finally:
+        os.close(write_end)
+    assert (r.returncode, r.stderr) == (141, "")
+    r = subprocess.run([sys.executable, "-m", "wsarena", *argv], capture_output=True, text=True, env=env,
+                       timeout=300, check=False)
+    assert r.returncode == 0 and r.stdout.startswith("usage: wsarena" if "--help" in argv else "wsarena ")
+
+
 @pytest.mark.parametrize("argv", [("report", "vgg16"), ("report", "vgg16", "--format", "json"),
                                   ("report", "vgg16", "--format", "csv"), ("info",)])
 def test_a_closed_stdout_exits_3_with_one_line(argv):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import re
 import sys
 from typing import Any, NoReturn
@@ -24,6 +23,10 @@ __all__: list[str] = []  # wsarena.cli's own
 
 class UsageError(Exception):
     """Bad usage or bad input: exit 2 with one line."""
+
+
+class OutputError(Exception):
+    """Writing the output failed (a full disk, a closed terminal): the environment, exit 3 with one line."""
 
 
 _AMBIGUOUS = re.compile(r"(ambiguous option: )(.*)( could match -[^ ]*(?:, -[^ ]*)*)", re.DOTALL)
@@ -49,12 +52,24 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
     def _print_message(self, message: str, file: Any = None) -> None:
-        # --help and --version: argparse writes nothing where the stream is missing or its write fails (OSError),
-        # and nothing either where a caller of main() closed it, whose write raises ValueError; what the stream's
-        # encoding cannot show is escaped, not the whole text lost (write_text)
-        if message:
-            with contextlib.suppress(AttributeError, OSError, ValueError):
-                write_text(file or sys.stderr, message)
+        # --help and --version: written and flushed here, so that a write that fails ends them as it ends the other
+        # commands' output, where argparse dropped the text and exited 0: a reader gone (`| head -0`) as
+        # BrokenPipeError, exit 141, another failure (a full disk) as OutputError, exit 3. Nothing is written where
+        # the stream is missing (AttributeError), or where a caller of main() closed it, whose write raises
+        # ValueError, as argparse does; what the stream's encoding cannot show is escaped, not the whole text lost
+        # (write_text)
+        if not message:
+            return
+        stream = file or sys.stderr
+        try:
+            write_text(stream, message)
+            stream.flush()
+        except (AttributeError, ValueError):
+            pass
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         # argparse's own check, but the value quoted shortened: a 100 kB --dtype gave a 100 kB line

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._cli_args import UsageError, input_shapes, parser, unplanned_batches
+from ._cli_args import OutputError, UsageError, input_shapes, parser, unplanned_batches
 from ._config import _FROM_CONFIG, Config, _given, config
 from ._report_cli import render_table, write_csv
 from ._sizes import os_error_text, short_path, short_repr, write_text
@@ -30,10 +30,6 @@ __all__ = ["main"]
 
 EXIT_OK, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 2, 3
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader closed the pipe
-
-
-class OutputError(Exception):
-    """Writing the output failed (a full disk, a closed terminal): the environment, exit 3 with one line."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
