@@ -523,6 +523,43 @@ def test_text_progress_escapes_what_the_terminals_encoding_cannot_show_and_keeps
     assert wipe.strip() == "" and len(wipe) >= max(len(f) for f in frames)
 
 
+@pytest.mark.skipif(not hasattr(os, "openpty") or sys.platform == "win32", reason="a pseudo-terminal of a set width")
+@pytest.mark.parametrize(("columns", "drawn", "total"), [(80, range(100, 104), 159), (50, range(1, 4), 3),
+                                                         (20, range(1, 4), 3)])
+def test_text_progress_fits_each_line_in_the_terminals_width(columns, drawn, total):
+    """The bar's line, 78 to 85 characters, was drawn whole on any terminal: a line as wide as the terminal or
+    wider wraps, and "\\r" returns to the start of its last row only, so that a narrower terminal (an 80-column one
+    from the 100th layer on) got a row of bar for each layer; the wipe at the end, 85 spaces, wrapped on an
+    80-column one too. Each line, the wipe's included, takes fewer characters than the terminal has columns."""
+    import fcntl
+    import select
+    import struct
+    import termios
+
+    master, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    terminal = open(follower, "w", encoding="utf-8")  # noqa: SIM115 - closed below, with the reads
+    written = b""
+    try:
+        show = text_progress(terminal)
+        for done in drawn:
+            show(done, total, f"layer{done}.conv" + "x" * 40)
+        show.clear()
+        terminal.flush()
+        while select.select([master], [], [], 1)[0]:
+            written += os.read(master, 1 << 16)
+            if written.count(b"\r") == len(drawn) + 2:  # each frame's, and the wipe's two
+                break
+    finally:
+        terminal.close()
+        os.close(master)
+    first, *frames, wipe, end = written.decode().split("\r")
+    assert (first, end) == ("", "") and len(frames) == len(drawn) and all(f.startswith("[") for f in frames), frames
+    assert all(0 < len(line) < columns for line in [*frames, wipe]), [len(line) for line in frames]
+    assert wipe == " " * len(frames[-1])
+    assert frames[0].startswith(f"[{'#' * (30 * drawn[0] // total)}"[:columns - 1])
+
+
 def test_text_progress_draws_nothing_where_the_stream_is_not_a_terminal():
     stream = io.StringIO()
     show = text_progress(stream)

@@ -457,13 +457,25 @@ class ProgressBar:
     itself when the last layer is done; :meth:`clear` wipes it sooner, when the work stops midway (an error,
     Ctrl-C), so that what is printed next starts a line of its own."""
 
-    __slots__ = ("out", "shown")
+    __slots__ = ("drawn", "out", "shown")
 
     def __init__(self, out: Any) -> None:
         self.out = out  # None: not a terminal, nothing is drawn
         self.shown = False  # a bar is on the line now
+        self.drawn = 0  # the characters of the line drawn last, which clear() wipes
 
     _WIDTH = 30
+
+    def _columns(self) -> int | None:
+        """The characters a line may take: one less than the terminal's width, so that the cursor never reaches its
+        last column; a line as wide as the terminal or wider wraps there, and each ``"\\r"`` then returns to the
+        start of its last row only, leaving a row of bar behind for each layer (the bar's 78 to 85 characters on an
+        80-column terminal, or a narrower one). ``None`` where the width is unknown (a stream with no descriptor)."""
+        try:
+            width = os.get_terminal_size(self.out.fileno()).columns
+        except (AttributeError, OSError, ValueError):  # no descriptor (a caller's stream), or no size known
+            return None
+        return width - 1 if width > 1 else None
 
     def __call__(self, done: int, total: int, name: str) -> None:
         if self.out is None:
@@ -475,8 +487,9 @@ class ProgressBar:
             # lines are, where its UnicodeEncodeError, a ValueError, was taken for a closed terminal and the bar
             # stopped; escaped before it is cut to its 40 characters, which clear() then wipes
             shown = escaped(shown, getattr(self.out, "encoding", None))
-            write_text(self.out, f"\r[{'#' * filled}{'.' * (self._WIDTH - filled)}] {done}/{total} {shown[:40]:<40}")
-            self.shown = True
+            line = f"[{'#' * filled}{'.' * (self._WIDTH - filled)}] {done}/{total} {shown[:40]:<40}"[:self._columns()]
+            write_text(self.out, f"\r{line}")
+            self.shown, self.drawn = True, len(line)
             if done == total:
                 self.clear()
             else:
@@ -492,7 +505,7 @@ class ProgressBar:
         if self.out is None:
             return
         try:
-            self.out.write("\r" + " " * (self._WIDTH + 55) + "\r")
+            self.out.write("\r" + " " * min(self.drawn, self._columns() or self.drawn) + "\r")
             self.out.flush()
         except (OSError, ValueError):  # a terminal gone (closed, hung up): nothing left to wipe
             pass
