@@ -178,6 +178,20 @@ def test_info_names_a_misspelled_variable_with_the_setting_it_is_closest_to():
     ]
 
 
+def test_info_cuts_a_long_unknown_variable_name_in_the_middle():
+    """A variable of a 100 kB name gave a 100 kB line, where every value wsarena quotes is cut in the middle past
+    some 60 characters; the JSON keeps the name whole."""
+    long = "WSARENA_" + "X" * 100_000 + "_END"
+    r = run_cli("info", env={long: "1", "WSARENA_CAP_WORKSPCE": "1"})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    shown = _unknown_lines(r.stdout)
+    assert shown[0] == "WSARENA_CAP_WORKSPCE  (did you mean WSARENA_CAP_WORKSPACE?)"
+    assert len(shown[1]) < 100 and shown[1].startswith("WSARENA_XXX") and "..." in shown[1]
+    assert shown[1].endswith("XXX_END") and len(r.stdout) < 10_000
+    r = run_cli("info", "--format", "json", env={long: "1"})
+    assert [var["name"] for var in json.loads(r.stdout)["unknown_variables"]] == [long]
+
+
 def test_info_names_no_variable_a_setting_reads():
     """Every setting's variable set, none of them is named; the text has no such block then, and the JSON an empty
     list."""
