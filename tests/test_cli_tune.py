@@ -570,6 +570,33 @@ def test_a_ctrl_c_in_a_finalizer_still_stops_the_command(capsys, model, monkeypa
     assert len(calls) == 3 and sys.unraisablehook is hook
 
 
+class _InterruptedAtTheEnd(list):
+    """The interrupts kept (wsarena.cli's ``_lost``), whose clear() as the command's blocks end raises as a Ctrl-C
+    landing there would."""
+
+    def clear(self):
+        super().clear()
+        _interrupt()
+
+
+@pytest.mark.parametrize("first", [None, KeyboardInterrupt], ids=["done", "interrupted"])
+def test_a_ctrl_c_as_the_command_ends_exits_130_with_one_line(capsys, model, monkeypatch, first):
+    """A Ctrl-C that lands as the command's blocks end, after the command is done (its output written) or after a
+    first Ctrl-C's line (a key pressed twice, or held down: 1 of 10 storms of SIGINT every 2 ms gave it), left
+    main() as a traceback. It exits 130, with the line said once."""
+    from wsarena import cli, planner
+
+    if first is not None:
+        monkeypatch.setattr(planner, "select", lambda *args, **kwargs: _interrupt())
+    monkeypatch.setattr(cli, "_lost", _InterruptedAtTheEnd())
+    try:
+        code, out, err = run_main(capsys, "report", model, "--backend", "cpu")
+    except KeyboardInterrupt:  # caught here: left to pytest, it would end the whole run
+        pytest.fail("the Ctrl-C left main()")
+    assert (code, err) == (130, "wsarena: interrupted\n")
+    assert ("wsarena: interrupted" not in out) and (out.startswith("wsarena ") if first is None else out == "")
+
+
 @pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"]])
 def test_a_warning_midway_starts_a_line_of_its_own_and_the_bar_goes_on(capsys, model, monkeypatch, command):
     """A warning while the bar is drawn (a bad search cache file found at the tenth layer, say) wipes the bar

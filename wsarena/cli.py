@@ -28,13 +28,22 @@ from .errors import BackendUnavailableError
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 2, 3
+EXIT_OK, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 2, 3, 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader closed the pipe
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    with _one_line_warnings(), _kept_interrupts():
-        return _main(argv)
+    code = None
+    try:
+        with _one_line_warnings(), _kept_interrupts():
+            code = _main(argv)
+    except KeyboardInterrupt:
+        # A Ctrl-C as these blocks end, where _main() no longer catches it: a second one (a key pressed twice, or
+        # held down) after the first one's line, which gave a traceback; or the first, as the command was done
+        if code is not None and code != EXIT_INTERRUPTED:
+            _say("wsarena: interrupted")
+        return EXIT_INTERRUPTED
+    return code
 
 
 _lost: list[type[BaseException]] = []  # the interrupts a finalizer raised while the command ran (below)
@@ -137,7 +146,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_ENVIRONMENT
     except KeyboardInterrupt:
         _say("wsarena: interrupted")
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def _drop_stdout() -> None:
