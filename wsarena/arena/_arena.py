@@ -165,10 +165,18 @@ class Arena:
         ArenaOutOfMemoryError
             (on entering) The provider could not grow the sub-arena; the arena's buffers are unchanged (the
             refusal is remembered: :meth:`defers_growth`).
+        ArenaClosedError
+            (on entering) The arena is closed; :class:`~wsarena.errors.BackendUnavailableError` instead for a
+            device arena in a forked child.
+        ProviderError
+            (on entering) The provider broke its contract: a buffer smaller than asked or overlapping one the arena
+            holds, a ``StopIteration``, or a request for this stream from inside its ``allocate``.
+        CaptureError
+            (on entering) The stream is being captured into a CUDA graph and the lease needs the arena to grow, or
+            CUDA refuses the stream now (its capture invalidated; the legacy default stream beside a capture).
         RuntimeError
             (on entering) This thread already holds a lease on this lane or stream (and ``nbytes > 0``): a
-            nested lease would share the outer lease's bytes. Or the arena is closed. Or the provider returned a
-            buffer that overlaps one the arena holds.
+            nested lease would share the outer lease's bytes.
         """
         n = nbytes if type(nbytes) is int and nbytes >= 0 else _non_negative_int(nbytes)
         key, anchor = resolve_stream(stream, lanes=self._lanes, current=self._current)
