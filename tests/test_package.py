@@ -28,6 +28,41 @@ def test_every_error_and_warning_is_in_the_hierarchy_and_exported():
     assert set(errors.__all__) <= set(wsarena.__all__)
 
 
+def test_the_errors_tree_draws_each_class_under_its_nearest_drawn_base():
+    """Each class in wsarena.errors' tree is drawn under the nearest of the drawn classes that it subclasses (none at
+    the left edge), and the built-in named beside it in brackets is one of its bases: a class moved under another
+    (ReleasedAtExitError under ArenaClosedError) and its drawing change together."""
+    import builtins
+    import importlib
+    import re
+
+    from wsarena import errors
+
+    def resolve(name):
+        if "." not in name:
+            return getattr(errors, name)
+        module, _, attribute = name.rpartition(".")
+        return getattr(importlib.import_module(module), attribute)
+
+    drawn = []  # (depth, class, the built-in in brackets or None)
+    for line in errors.__doc__.split("::\n", 1)[1].splitlines():
+        # a class at the left edge (column 4), or after a branch; a description's continuation is neither
+        found = re.match(r"^ {4}((?:[│ ] {3})*)(?:[├└]── )?([A-Za-z_][\w.]*)(?: \((\w+)\))?(?: {2,}|$)", line)
+        if found and ("── " in line or not found[1]):
+            depth = len(found[1]) // 4 + ("── " in line)
+            drawn.append((depth, resolve(found[2]), found[3]))
+    classes = [cls for _, cls, _ in drawn]
+    assert {cls.__name__ for cls in classes} >= set(errors.__all__)
+    parents = []
+    for depth, cls, builtin in drawn:
+        del parents[depth:]
+        ancestors = [other for other in classes if other is not cls and issubclass(cls, other)]
+        nearest = [a for a in ancestors if all(issubclass(a, other) for other in ancestors)]
+        assert (parents[-1] if parents else None) is (nearest[0] if nearest else None), cls
+        assert builtin is None or issubclass(cls, getattr(builtins, builtin)), (cls, builtin)
+        parents.append(cls)
+
+
 def test_the_contract_names_exist():
     for name in ("configure", "config", "get_config", "parse_size", "format_size", "conv_forward",
                  "conv_backward_data", "conv_backward_filter", "get_arena", "load_model", "plan", "cudnn"):
