@@ -134,8 +134,9 @@ class CudaError(WsarenaError, RuntimeError):
 class ProviderError(WsarenaError, RuntimeError):
     """The arena's memory provider broke its contract: its ``allocate`` returned a buffer smaller than asked, or one
     whose bytes overlap a buffer the arena holds, raised ``StopIteration`` (a pool drawn by ``next()``), or asked the
-    arena for the stream it allocates for, which would wait for itself. The arena is unchanged and usable; what the
-    provider returned went back to its ``deallocate``, unless it is a buffer the arena holds. A buffer of another
+    arena for the stream it allocates for, which would wait for itself (a lease there while a lease grows it is a
+    nested lease on a stream the thread holds: a plain ``RuntimeError``). The arena is unchanged and usable; what
+    the provider returned went back to its ``deallocate``, unless it is a buffer the arena holds. A buffer of another
     type is a ``TypeError``, and any other exception of the provider's passes through unchanged."""
 
 

@@ -86,7 +86,8 @@ class MemoryProvider(Protocol):
     The arena calls its provider without holding its own lock, from whichever thread grows a sub-arena or frees a
     buffer (a lease's, a finalizer's): several threads at once, for different streams. A provider must be
     thread-safe, and its ``allocate`` must not ask the arena for the stream it allocates for
-    (:class:`~wsarena.errors.ProviderError`).
+    (:class:`~wsarena.errors.ProviderError`; a lease there while a lease grows it is a nested lease, a
+    ``RuntimeError``).
     A collected arena's finalizer frees through the provider wherever the garbage collector runs, which may be in
     the middle of the provider's own methods in the same thread: a lock the provider holds while it allocates Python
     objects must be reentrant (``threading.RLock``), as CuPy's pool's is. A device provider that makes another CUDA
