@@ -119,6 +119,26 @@ def test_memory_errors_pickle_with_their_numbers(cls):
     assert (back.requested, back.held, back.cap, back.__notes__) == (4096, 1024, None, ["tried 3 algorithms"])
 
 
+def test_every_error_wsarena_errors_exports_pickles_as_itself():
+    """Each exception class of wsarena.errors comes back from a pickle (a worker process's error reaching its parent)
+    as itself, with its message and attributes: those taking the message alone by Exception's own pickling, the
+    memory errors by their __reduce__. A class given an __init__ of other arguments and no __reduce__ fails here."""
+    from wsarena import errors
+
+    classes = [getattr(errors, name) for name in errors.__all__]
+    classes = [cls for cls in classes if issubclass(cls, Exception) and not issubclass(cls, Warning)]
+    assert errors.ArenaClosedError in classes and errors.CaptureError in classes
+    for cls in classes:
+        if issubclass(cls, errors.WorkspaceMemoryError):
+            err = cls("no room", requested=4096, held=1024, cap=None)
+        else:
+            err = cls("what went wrong")
+        if cls is errors.CaptureError:
+            err.stream = 0x51  # set where a growth was refused
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is cls and str(back) == str(err) and vars(back) == vars(err), cls
+
+
 def test_environment_errors_are_backend_unavailable():
     for cls in (cudnn.CudnnNotFoundError, cudnn.CudnnVersionError, cudnn.CudnnSymbolError,
                 cudnn.CudnnGpuUnavailableError):
