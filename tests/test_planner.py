@@ -755,6 +755,13 @@ def test_batch_is_checked_before_anything_else(batch, error):
         ({"progress": 5}, "progress must be callable"),
         ({"passes": None}, "passes must be a sequence of pass names"),
         ({"passes": "fwd"}, r"passes must be a sequence of pass names .*\('fwd',\)"),
+        ({"passes": bytearray(b"fwd")}, r"passes must be a sequence of pass names .*, not bytearray\(b'fwd'\)$"),
+        # taken, a set of names gave the passes in another order each run (str hashes are randomized): the report's
+        # columns, the CSV's and the plot's
+        ({"passes": {"fwd", "bwd_data"}}, r"not \{'bwd_data', 'fwd'\}: a set has no order, and the plan lists "),
+        ({"passes": frozenset({"fwd"})}, r"not frozenset\(\{'fwd'\}\): a set has no order"),
+        ({"passes": {"fwd": 1, "bwd_data": 2}.keys()}, r"passes must be a sequence of pass names .*, not dict_keys"),
+        ({"passes": {"fwd": 1}}, r"passes must be a sequence of pass names .*, not \{'fwd': 1\}$"),
     ],
 )
 @pytest.mark.parametrize("function", ["plan", "tune"])

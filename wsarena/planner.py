@@ -28,7 +28,8 @@ import functools
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
@@ -248,6 +249,8 @@ def plan(
     cap_workspace : int, str or None
         The cap on one call's workspace; ``None`` for none. Default: the configured cap.
     passes : sequence of ``"fwd"``, ``"bwd_data"``, ``"bwd_filter"``
+        Distinct names, in the order the plan lists them (its report, CSV columns and plot): a list, a tuple, a
+        generator; not a set, whose order changes from run to run (``TypeError``).
     streams : int or sequence of int
         See the module docstring; an int is at most the number of layers, an index any int >= 0.
     backend, search : str, optional
@@ -355,8 +358,12 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
     batch, streams = positive_batch(batch), _integer(streams)
     dtype = dtype_name(dtype)
     cap, search, requested = cfg.cap_workspace, cfg.algo_search, cfg.backend
-    if isinstance(passes, (str, bytes)) or not isinstance(passes, Iterable):  # "fwd" would be ('f', 'w', 'd')
-        raise TypeError(f"passes must be a sequence of pass names such as ('fwd',), not {short_repr(passes)}")
+    # "fwd" would be ('f', 'w', 'd'); a set has no order (a set of str iterates in another order each run, as str
+    # hashes are randomized), and the plan keeps the passes in the order given: its report, CSV columns and plot too
+    if isinstance(passes, (*TEXT_OR_BYTES, AbstractSet, Mapping)) or not isinstance(passes, Iterable):
+        why = ": a set has no order, and the plan lists the passes in the order given" \
+            if isinstance(passes, (set, frozenset)) else ""
+        raise TypeError(f"passes must be a sequence of pass names such as ('fwd',), not {short_repr(passes)}{why}")
     if progress is not None and not callable(progress):  # else a TypeError of its own after the first layer's search
         raise TypeError(f"progress must be callable, as progress(done, total, layer_name), not {short_repr(progress)}")
     # the report's "model": text, as to_dict() promises JSON (a path, as load_model takes one, by its name), else a
