@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import re
 import types
 import weakref
 
@@ -18,6 +19,7 @@ import pytest
 import wsarena
 from tests.reference import ref_conv_forward
 from wsarena import ops
+from wsarena._sizes import short_repr
 from wsarena.arena import Arena, _lifecycle, _pins, set_arena
 from wsarena.arena._pins import GraphPin
 from wsarena.arena.testing import RecordingProvider
@@ -552,6 +554,25 @@ def test_keep_with_capture_refuses_one_array_or_no_collection_before_it_keeps_an
     assert arena.stats().pinned_bytes == 0 and not arena._table.captures  # no pin was made for the capture
     provider.end_capture(graph)
     graph.close()
+
+
+@pytest.mark.parametrize("objects", ["lane", b"ab", bytearray(b"ab")], ids=["str", "bytes", "bytearray"])
+def test_keep_with_capture_refuses_text_or_binary_data_as_its_objects(provider, objects):
+    """Text or binary data is no collection of arrays: "lane" (a stream given in place of the arrays) was kept as its
+    characters on the stream captured, and said nothing on another (the calling thread's default), where the
+    program's arrays, not given, were not kept either."""
+    arena = wsarena.get_arena("cpu")
+    graph = provider.begin_capture("lane")
+    says = (rf"^keep_with_capture\(\)'s objects must be a collection of arrays, not {re.escape(short_repr(objects))} "
+            r"\(a stream, or a CPU lane, goes as stream=\)$")
+    for stream in ("lane", None):
+        with pytest.raises(TypeError, match=says):
+            arena.keep_with_capture(objects, stream=stream)  # type: ignore[arg-type]
+    assert arena.stats().pinned_bytes == 0 and not arena._table.captures  # no pin was made for the capture
+    provider.end_capture(graph)
+    graph.close()
+    with pytest.raises(TypeError, match=says):  # outside a capture too, as any other object of the wrong type
+        arena.keep_with_capture(objects)  # type: ignore[arg-type]
 
 
 def test_keep_with_capture_names_objects_of_the_wrong_type_outside_a_capture_too():

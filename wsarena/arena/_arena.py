@@ -317,11 +317,15 @@ class Arena:
         in ``kept_bytes``, each array's size read once, here.
 
         ``objects`` is a collection of arrays, read before anything is kept: one array is a ``TypeError`` (iterated,
-        it would be kept as its rows, one view each), as is what cannot be iterated. A Ctrl-C once the keep has
+        it would be kept as its rows, one view each), as are text and binary data (``"lane"``, a stream given in
+        place of the arrays, would be kept as its characters) and what cannot be iterated. A Ctrl-C once the keep has
         begun loses none of them: it completes, then the interrupt is raised
         (:func:`~wsarena.arena._interrupts.finish`)."""
         if hasattr(objects, "shape") or hasattr(objects, "__cuda_array_interface__") or hasattr(objects, "__dlpack__"):
             raise TypeError(f"keep_with_capture() takes a collection of arrays, not one: [{short_repr(objects)}]")
+        if isinstance(objects, TEXT_OR_BYTES):  # iterable, but of characters or small ints: no arrays to keep
+            raise TypeError(f"keep_with_capture()'s objects must be a collection of arrays, not {short_repr(objects)} "
+                            "(a stream, or a CPU lane, goes as stream=)")
         try:
             each = iter(objects)
         except TypeError:
