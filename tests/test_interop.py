@@ -5,8 +5,11 @@ Tolerance: max|got - ref| / max|ref| <= 1e-12 in float64, 1e-5 in float32.
 """
 
 import ctypes
+import enum
 import gc
 import inspect
+import itertools
+import re
 import sys
 import types
 import weakref
@@ -18,6 +21,7 @@ import pytest
 import wsarena
 from wsarena import _interop, conv_backward_data, conv_backward_filter, conv_forward, ops
 from wsarena._pass import Pass
+from wsarena._sizes import short_repr
 from wsarena.arena import streams
 
 from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
@@ -333,11 +337,25 @@ def test_a_dlpack_device_that_raises_is_a_type_error_naming_the_operand(fresh_ar
         def __dlpack_device__(self):
             return self.answer
 
-    for answer, shown in ((None, "None"), ((1, 0, 0), r"\(1, 0, 0\)"), (("cpu", 0), r"\('cpu', 0\)")):
+    for answer, shown in ((None, "None"), ((1, 0, 0), r"\(1, 0, 0\)"), ("10", "'10'"), (b"\x01\x00", r"b'\\x01\\x00'"),
+                          (itertools.count(), r"count\(3\)")):  # an endless iterator: read one past a pair
         with pytest.raises(TypeError, match=rf"^w cannot be viewed: its __dlpack_device__\(\) returned {shown}, not a "
                                             r"\(device type, device id\) pair$"):
             conv_forward(x, Muddled(w, answer), **KW)
+    # A device type or id that is no integer was made one by int(): (1.7, 0) was the host, (2, 1.7) CUDA device 1,
+    # ('1', 0) the host
+    for answer, which in (((1.7, 0), "device type 1.7"), ((2, 1.7), "device id 1.7"), (("1", 0), "device type '1'"),
+                          (("cpu", 0), "device type 'cpu'"), ((1, None), "device id None"),
+                          ((True, 0), "device type True"), ([np.float64(1.0), 0], "device type np.float64(1.0)")):
+        says = f"w cannot be viewed: its __dlpack_device__() returned {short_repr(answer)}, whose {which} is not an " \
+            "integer"
+        with pytest.raises(TypeError, match=f"^{re.escape(says)}$"):
+            conv_forward(x, Muddled(w, answer), **KW)
     assert fresh_arena.stats() == before
+    # integers of any type: a NumPy integer, an IntEnum (PyTorch's and JAX's device type), a list
+    host = enum.IntEnum("DLDeviceType", {"kDLCPU": 1})
+    for answer in ((np.int64(1), np.int32(0)), (host.kDLCPU, 0), [1, 0]):
+        np.testing.assert_array_equal(conv_forward(x, Muddled(w, answer), **KW), conv_forward(x, w, **KW))
 
 
 def test_a_jax_tracer_is_refused_saying_what_it_is(monkeypatch, fresh_arena):

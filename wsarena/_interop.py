@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import sys
 from collections.abc import Callable
@@ -50,7 +51,7 @@ import numpy as np
 from ._config import get_config
 from ._dlpack import BFLOAT16, INT16, Export, ReadOnlyExport
 from ._pass import Pass
-from ._sizes import short_repr
+from ._sizes import TEXT_OR_BYTES, as_int, short_repr
 from .arena._registry import make_device_arena
 from .arena.streams import cupy_stream, stream_handle
 from .backends import is_masked_type, type_backend_name
@@ -116,11 +117,20 @@ class _Operand:
                 raise TypeError(
                     f"{name} cannot be viewed: its __dlpack_device__() raised {type(exc).__name__}: {exc}"
                 ) from exc
-            try:
-                device_type, ordinal = (int(v) for v in found)
-            except (TypeError, ValueError):
+            try:  # not text: "12" would be the pair ('1', '2'); one item past a pair read at most
+                pair = () if isinstance(found, TEXT_OR_BYTES) else tuple(itertools.islice(iter(found), 3))
+            except TypeError:
+                pair = ()
+            if len(pair) != 2:
                 raise TypeError(f"{name} cannot be viewed: its __dlpack_device__() returned {short_repr(found)}, "
-                                "not a (device type, device id) pair") from None
+                                "not a (device type, device id) pair")
+            # integers of any type (PyTorch's and JAX's device type is an IntEnum), never made ones: int() would take
+            # (2, 1.7) as CUDA device 1, (1.7, 0) as the host, ('2', '0') as CUDA device 0
+            device_type, ordinal = as_int(pair[0]), as_int(pair[1])
+            if device_type is None or ordinal is None:
+                what, value = ("device type", pair[0]) if device_type is None else ("device id", pair[1])
+                raise TypeError(f"{name} cannot be viewed: its __dlpack_device__() returned {short_repr(found)}, "
+                                f"whose {what} {short_repr(value)} is not an integer")
             if device_type not in _HOST_DEVICES + _CUDA_DEVICES:
                 raise TypeError(
                     f"{name} is in memory of DLPack device type {device_type}; wsarena takes host or CUDA memory"
