@@ -166,7 +166,7 @@ CONV = '{"name": "c", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]'
     (CONV + ', "stride": [1, -1' + "0" * 1000 + "]}",
      "stride=(1, -10000000000000000...0000000000000000000) must be >= 1 in every dimension"),
     ('{"name": "c", "input_shape": [1, 3, 8, -1' + "0" * 1000 + '], "weight_shape": [4, 3, 3, 3]}',
-     "input_shape must be >= 0, not -10000000000000000...0000000000000000000"),
+     "input_shape[3] must be >= 1, not -10000000000000000...0000000000000000000"),
     ("[[" + "1, " * 999 + "1]]",  # cut at 80 characters mid-list, with no ellipsis
      "layers[0] must be an object with name, input_shape and weight_shape, not [1, 1, 1, 1, 1, 1, ... 994 more]"),
 ])

@@ -130,6 +130,27 @@ def test_zero_batch_is_legal_and_empty_channel_is_not():
         conv_geometry((1, 0, 5, 5), (2, 0, 3, 3))
 
 
+@pytest.mark.parametrize(("make", "layout"), [(conv_geometry, "NCHW"), (conv_geometry, "NHWC"),
+                                              (conv_transpose_geometry, None)], ids=["NCHW", "NHWC", "transposed"])
+def test_a_negative_dim_is_told_what_that_dim_takes(make, layout):
+    """Every dim but the batch must be 1 or more, the batch 0 or more (an empty batch): a negative dim was told
+    "input_shape must be >= 0", whatever the dim, and the 0 that suggests was then refused for all but the batch."""
+    kwargs = {} if layout is None else {"layout": layout}
+    x, w = ((2, 6, 6, 4), (4, 3, 3, 4)) if layout == "NHWC" else ((2, 4, 6, 6), (4, 4, 3, 3))
+    assert make((0, *x[1:]), w, **kwargs).batch == 0  # as it says: 0 taken for the batch...
+    for i in range(4):
+        with pytest.raises(ValueError) as info:
+            make(x[:i] + (-6,) + x[i + 1:], w, **kwargs)
+        assert str(info.value) == ("input_shape[0], the batch, must be >= 0, not -6" if i == 0 else
+                                   f"input_shape[{i}] must be >= 1, not -6")
+        if i:
+            with pytest.raises(ValueError):  # ... and refused for any other dim
+                make(x[:i] + (0,) + x[i + 1:], w, **kwargs)
+        with pytest.raises(ValueError) as info:
+            make(x, w[:i] + (-3,) + w[i + 1:], **kwargs)
+        assert str(info.value) == f"weight_shape[{i}] must be >= 1, not -3"
+
+
 def test_geometry_hash_matches_equality_and_survives_pickling_into_another_process():
     g = conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), stride=2, padding=1, layout="NHWC", dtype="float64")
     same = conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), stride=2, padding=1, layout="NHWC", dtype="float64")

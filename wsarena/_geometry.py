@@ -178,6 +178,18 @@ def _positive_or_zero(name: str, value: Any) -> int:
     return v
 
 
+def _shape(name: str, shape: Any, *, batch: bool) -> tuple[int, ...]:
+    """``shape``'s dims as ints. A negative dim is a ``ValueError`` that says what that dim takes: an input's batch
+    (its first dim, with ``batch``) may be 0, an empty batch; any other dim is 1 or more (a zero there is refused
+    after, with the whole shape, as a channel, element or kernel dim missing)."""
+    dims = tuple(_int(name, d) for d in shape)
+    for i, d in enumerate(dims):
+        if d < 0:
+            least, what = (0, f"{name}[0], the batch,") if batch and i == 0 else (1, f"{name}[{i}]")
+            raise ValueError(f"{what} must be >= {least}, not {short_repr(d)}")
+    return dims
+
+
 _Bounded = TypeVar("_Bounded", int, tuple[int, ...])
 
 
@@ -284,8 +296,8 @@ def conv_geometry(
     """
     if not is_choice(layout, LAYOUTS):
         raise ValueError(f"layout must be one of {LAYOUTS}, not {short_repr(layout)}")
-    input_shape = _bounded("input_shape", tuple(_positive_or_zero("input_shape", d) for d in input_shape))
-    weight_shape = _bounded("weight_shape", tuple(_positive_or_zero("weight_shape", d) for d in weight_shape))
+    input_shape = _bounded("input_shape", _shape("input_shape", input_shape, batch=True))
+    weight_shape = _bounded("weight_shape", _shape("weight_shape", weight_shape, batch=False))
     if len(input_shape) not in (3, 4, 5):
         raise ValueError(f"input_shape={short_repr(input_shape)} must have 3, 4 or 5 dimensions (1-, 2- or 3-D "
                          "convolution)")
@@ -370,8 +382,8 @@ def conv_transpose_geometry(
 
     Raises ``ValueError`` or ``TypeError`` naming the offending argument and its value.
     """
-    input_shape = tuple(_positive_or_zero("input_shape", d) for d in input_shape)
-    weight_shape = tuple(_positive_or_zero("weight_shape", d) for d in weight_shape)
+    input_shape = _shape("input_shape", input_shape, batch=True)
+    weight_shape = _shape("weight_shape", weight_shape, batch=False)
     if len(input_shape) not in (3, 4, 5) or len(weight_shape) != len(input_shape):
         raise ValueError(f"input_shape={short_repr(input_shape)} and weight_shape={short_repr(weight_shape)} must "
                          "both have 3, 4 or 5 dimensions (1-, 2- or 3-D transposed convolution)")
