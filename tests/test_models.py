@@ -472,6 +472,34 @@ def test_a_path_that_names_no_file_is_not_called_an_unknown_zoo_model(tmp_path):
     assert len(load_model("resnet50")) == 53
 
 
+@pytest.mark.parametrize("given", [str, pathlib.Path], ids=["str", "path"])
+def test_a_model_path_is_read_as_written_and_an_unexpanded_home_is_suggested(tmp_path, monkeypatch, given):
+    """A path is read as open() reads it, ``~`` unexpanded (a shell expands it first, unless it is quoted; the
+    cache_dir setting, which an environment variable may hold, expands it): "~/m.json" is a file in a folder named "~"
+    where there is one. Where there is none and the home folder holds the file, the error suggests it, where it said
+    only "No such file or directory"; the device properties file alike."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    (work / "~").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    layer = {"name": "c", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}
+    (home / "m.json").write_text(json.dumps([layer]))
+    (work / "~" / "m.json").write_text(json.dumps([{**layer, "name": "not home's"}]))
+    assert [lp.name for lp in load_model(given("~/m.json"))] == ["not home's"]  # the folder named "~" here
+    os.remove(work / "~" / "m.json")
+    hint = f" (~ is not expanded, as open() expands none: did you mean {str(home / 'm.json')!r}?)"
+    with pytest.raises(ModelError) as info:
+        load_model(given("~/m.json"))
+    assert str(info.value) == "cannot read '~/m.json': No such file or directory" + hint
+    with pytest.raises(ValueError) as info:
+        wsarena.plan(load_model([layer]), device_properties=given("~/m.json"))
+    assert str(info.value) == "cannot read the device properties '~/m.json': No such file or directory" + hint
+    with pytest.raises(ModelError) as info:  # none in the home folder either: nothing to suggest
+        load_model(given("~/other.json"))
+    assert str(info.value) == "cannot read '~/other.json': No such file or directory"
+
+
 def test_unknown_extension_unreadable_and_not_onnx(tmp_path):
     weights = tmp_path / "model.pt"
     weights.write_bytes(b"\x00")

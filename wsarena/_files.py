@@ -19,6 +19,8 @@ import io
 import os
 import stat
 
+from ._sizes import short_path
+
 __all__: list[str] = []
 
 # Opened without blocking: a FIFO put in the file's place after it was looked at is then refused, not waited on.
@@ -120,6 +122,20 @@ def read_regular_file(path: str | os.PathLike[str], *, limit: int | None = None,
         return data, st
     finally:
         os.close(fd)
+
+
+def unexpanded_home(path: str | os.PathLike[str], exc: BaseException) -> str:
+    """What an error that ``path`` cannot be read (``exc``) adds where it was not found, begins with ``~``, and names a
+    file once that is expanded: that ``~`` is not expanded, and the file; else nothing. A path is read as written, as
+    ``open()`` reads it: a shell expands ``~`` before wsarena sees it (unless it is quoted), and expanded here, a
+    folder named ``~`` in the working directory could not be named as plainly."""
+    text = os.fspath(path)
+    if not isinstance(exc, FileNotFoundError) or not isinstance(text, str) or not text.startswith("~"):
+        return ""
+    expanded = os.path.expanduser(text)
+    if expanded == text or not os.path.exists(expanded):
+        return ""
+    return f" (~ is not expanded, as open() expands none: did you mean {short_path(expanded)}?)"
 
 
 def read_regular_part(folder: str | os.PathLike[str], location: str, offset: int, length: int) -> bytes:

@@ -33,7 +33,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
-from ._files import NotRegularFile, TooLarge, read_regular_file
+from ._files import NotRegularFile, TooLarge, read_regular_file, unexpanded_home
 from ._geometry import ConvGeometry, dtype_name
 from ._pass import PASSES
 from ._sizes import (
@@ -328,7 +328,8 @@ def _read_properties(path: str) -> str:
                          "file or a pipe") from None
     except (OSError, ValueError) as exc:  # as load_model() names a model file it cannot read; ValueError: a NUL
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise ValueError(f"cannot read the device properties {short_path(path)}: {why}") from None
+        raise ValueError(f"cannot read the device properties {short_path(path)}: {why}{unexpanded_home(path, exc)}"
+                         ) from None
     if not data.strip():  # said here, not by cuDNN (not JSON), which may not even load on this machine
         why = ": the pipe gave nothing (no writer had it open, or its writer wrote nothing)" \
             if stat.S_ISFIFO(st.st_mode) else ""

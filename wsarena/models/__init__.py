@@ -86,7 +86,9 @@ def load_model(
     source : str, path-like or sequence
         A zoo name (see :func:`zoo_names`; case and ``-``/``_`` do not matter), a path to a ``.onnx`` model or
         a ``.json`` layer list, or a sequence of :class:`ConvLayer` and layer dicts in the JSON schema (either, or
-        both in any mix). A zoo name is a str: a path-like object names a file.
+        both in any mix). A zoo name is a str: a path-like object names a file. A path is read as written, as
+        ``open()`` reads it: ``~`` is not expanded (``os.path.expanduser()`` it), and where one not found begins
+        with ``~`` that names a file once expanded, the error suggests that file.
     skip_unknown : bool
         ONNX only: leave out, with a warning, convolutions whose shapes stay unknown after shape inference,
         empty ones (a zero in a weight's or input's dims), those whose operands are of a type the operator refuses

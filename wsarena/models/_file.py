@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import stat
 
-from .._files import NotRegularFile, TooLarge, read_regular_file
+from .._files import NotRegularFile, TooLarge, read_regular_file, unexpanded_home
 from .._sizes import format_size, short_path
 from ._layer import ModelError
 
@@ -22,8 +22,9 @@ def read_model_file(path: str, *, limit: int | None = None, beyond: str = "") ->
     Raises
     ------
     ModelError
-        Naming the path and what it is where it is neither, or a pipe that gave nothing, or why it cannot be read, or
-        its size and ``beyond`` where it is larger than ``limit``.
+        Naming the path and what it is where it is neither, or a pipe that gave nothing, or why it cannot be read (a
+        path is read as written: where one not found begins with ``~`` and names a file once that is expanded, the
+        error suggests that file), or its size and ``beyond`` where it is larger than ``limit``.
     """
     where = short_path(path)
     try:
@@ -37,7 +38,7 @@ def read_model_file(path: str, *, limit: int | None = None, beyond: str = "") ->
                          ".json file") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise ModelError(f"cannot read {where}: {why}") from None
+        raise ModelError(f"cannot read {where}: {why}{unexpanded_home(path, exc)}") from None
     if not data and stat.S_ISFIFO(st.st_mode):  # an empty regular file is the JSON or ONNX reader's to refuse
         raise ModelError(f"{where} is a pipe that gave nothing: no writer had it open, or its writer wrote nothing")
     return data
