@@ -3,6 +3,7 @@
 Tolerance: relative error max|y - ref| / max|ref| <= 1e-5 for float32 and <= 1e-12 for float64.
 """
 
+import collections
 import dataclasses
 import gc
 import os
@@ -692,6 +693,26 @@ def test_bad_input_is_rejected_before_any_lease(fresh_arena, call, error, match)
     with pytest.raises(error, match=match):
         call()
     assert fresh_arena.stats() == before
+
+
+def test_a_shape_argument_is_any_sequence_of_ints(fresh_arena):
+    """input_shape and weight_shape take a tuple's or list's subclass (torch.Size, a PyTorch tensor's .shape) and any
+    other sequence (a UserList) as the tuple of their values, as a tuple is taken; text is refused."""
+
+    class Size(tuple):
+        pass
+
+    rng = np.random.default_rng(11)
+    x, w, dy = (rng.standard_normal(s) for s in ((2, 4, 6, 5), (6, 2, 3, 3), (2, 6, 2, 2)))
+    for as_shape in (Size, collections.UserList, lambda s: Size(np.int64(d) for d in s)):
+        dx = conv_backward_data(dy, w, as_shape(x.shape), stride=2, groups=2)
+        assert rel_err(dx, ref_conv_backward_data(dy, w, x.shape, stride=2, groups=2)) <= TOL["float64"]
+        dw = conv_backward_filter(x, dy, as_shape(w.shape), stride=2, groups=2)
+        assert rel_err(dw, ref_conv_backward_filter(x, dy, w.shape, stride=2, groups=2)) <= TOL["float64"]
+    for name, call in (("input_shape", lambda: conv_backward_data(dy, w, "2,4,6,5", stride=2, groups=2)),
+                       ("weight_shape", lambda: conv_backward_filter(x, dy, b"\x06\x02\x03\x03", stride=2, groups=2))):
+        with pytest.raises(TypeError, match=rf"^{name} must be a sequence of ints, not "):
+            call()
 
 
 @pytest.mark.parametrize("bad", [True, 1.0, [1, True]])
