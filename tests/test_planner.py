@@ -1,6 +1,7 @@
 """The planner: totals, streams, caps, bad input, and that the report tells the truth about a real run."""
 
 import contextlib
+import enum
 import io
 import json
 import os
@@ -15,6 +16,7 @@ import pytest
 import wsarena
 from wsarena import config, conv_backward_data, conv_backward_filter, conv_forward, format_size
 from wsarena._gpu import gpu_unusable_reason
+from wsarena._report_cli import render_table
 from wsarena.arena import Arena, HostProvider
 from wsarena.arena._stats import aligned_size
 from wsarena.backends._cpu_backend import CpuBackend
@@ -610,6 +612,20 @@ def test_bad_arguments(resnet50, kwargs, error, match):
     kwargs = {"backend": "cpu", **kwargs}
     with pytest.raises(error, match=match):
         wsarena.plan(resnet50[:3], **kwargs)
+
+
+def test_pass_names_given_as_str_subclasses_are_kept_as_the_plain_names(resnet50):
+    """A pass given as a (str, Enum) member or a numpy.str_ is the name it holds, and the plan keeps the plain str: a
+    (str, Enum) member formats as its class's name ("Name.BWD_DATA"), which the report's head would show."""
+
+    class Name(str, enum.Enum):
+        BWD_DATA = "bwd_data"
+
+    p = wsarena.plan(resnet50[:1], backend="cpu", passes=[Name.BWD_DATA, np.str_("fwd")])
+    assert p.passes == ("bwd_data", "fwd") and [type(name) for name in p.passes] == [str, str]
+    assert [type(name) for name in p.layers[0].choices] == [str, str]
+    head = render_table(p).splitlines()[3]
+    assert "bwd_data algo" in head and "fwd algo" in head and "Name." not in head
 
 
 @pytest.mark.parametrize("entry", [wsarena.plan, wsarena.tune])
