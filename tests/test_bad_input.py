@@ -139,6 +139,10 @@ def test_binary_data_is_no_shape_nor_list_of_values(fresh_arena, binary):
             wsarena.ConvLayer(**{**layer, key: binary(value)})
     with pytest.raises(TypeError, match=r"^streams must be an int or a sequence of stream indices, not "):
         wsarena.plan(LAYERS, backend="cpu", streams=binary((0, 1)))
+    with pytest.raises(TypeError, match=r"^passes must be a sequence of pass names such as \('fwd',\), not "):
+        wsarena.plan(LAYERS, backend="cpu", passes=binary(b"fwd"))  # bytearray's were the names (102, 119, 100)
+    with pytest.raises(TypeError, match=r"^source must be a zoo name, a path or a list of layers, not "):
+        wsarena.load_model(binary(b"resnet50"))  # a memoryview's entries were each refused as no layer
 
     class Plan:
         stream_bytes = binary((16,))

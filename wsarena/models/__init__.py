@@ -63,7 +63,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._sizes import short_path, short_repr
+from .._sizes import is_sequence, short_path, short_repr
 from ._json import layers_from_json, layers_to_json, load_json
 from ._layer import ConvLayer, ModelError
 from ._onnx import check_asymmetric_pads, load_onnx
@@ -151,7 +151,7 @@ def load_model(
         raise ModelError(f"unknown model {short_path(text)}: not a zoo model ({zoo}) nor a .onnx or .json file{hint}")
     if input_shapes is not None:
         raise ValueError("input_shapes applies to .onnx models only, not to a layer list")
-    if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
+    if is_sequence(source):  # not binary data (a memoryview's entries, ints, were each refused as no layer)
         if not source:
             raise ModelError("the layer list is empty")
         # Layers and layer dicts in any mix (a layer made by hand added to those read from dicts): a layer as it is
