@@ -6,9 +6,11 @@ every call a convolution makes into them.
 ``stream.pyx``): ``Device()`` asks ``cudaGetDevice``, entering a ``Device`` asks it and sets the device where it
 differs, leaving one always sets the device it found; entering a ``Stream`` asks the device (twice for a stream tied
 to none, ``Stream.from_external``'s), and so does leaving one to a stream tied to none (the null stream);
-``get_current_stream(device)`` is a thread's own table, asking the device only when given none. The current device
-and streams are the calling thread's, as CUDA's and CuPy's are. Arrays (:meth:`FakeCupy.array`) are a type named
-``ndarray`` in a ``cupy`` module, which the ops take as CuPy's, on a device of their own. What
+``get_current_stream(device)`` is a thread's own table, asking the device only when given none, which entering or
+leaving a stream sets on the stream's device, or for one tied to none on the device current then (whatever stack the
+stream came off: CuPy's ``set_current_stream``); ``ExternalStream`` is a sibling of ``Stream``, not a subclass. The
+current device and streams are the calling thread's, as CUDA's and CuPy's are. Arrays (:meth:`FakeCupy.array`) are a
+type named ``ndarray`` in a ``cupy`` module, which the ops take as CuPy's, on a device of their own. What
 :mod:`wsarena._interop` asks of CuPy for operands of other libraries is made as CuPy's is too: ``asarray`` of a
 ``__cuda_array_interface__`` asks CUDA for the memory's device (``cudaPointerGetAttributes``, as ``UnownedMemory``
 given none does) and synchronises a stream the interface names; ``from_dlpack`` makes the exporter's device current
@@ -93,6 +95,10 @@ class FakeCupy(types.ModuleType):
             if not hasattr(local, "device"):
                 local.device = 0
                 local.streams = [[Stream.null] for _ in range(devices)]
+                # CuPy's current stream of each device: set as a stream is entered or left, on the stream's device, or
+                # for one tied to none (the null stream, Stream.from_external's) the device current then, whatever
+                # device the stack it came off was
+                local.current = [Stream.null] * devices
                 local.entered = []  # CuPy's Device stack, and its streams' devices (as ~device)
             return local
 
@@ -154,13 +160,15 @@ class FakeCupy(types.ModuleType):
                                        f"with the current device ({current})")
                 return current
 
+            def _made_current(self) -> None:  # set_current_stream: asks the device for a stream tied to none
+                thread().current[get_device() if self.device_id == -1 else self.device_id] = self
+
             def __enter__(self) -> Self:
                 record("cupy.cuda.Stream.__enter__", self.ptr)
                 device = self._device()
                 thread().streams[device].append(self)
                 thread().entered.append(~device)  # CuPy's current_device_id_stack, beside the Device stack
-                if self.device_id == -1:  # set_current_stream asks again for a stream tied to no device
-                    get_device()
+                self._made_current()
                 return self
 
             def __exit__(self, *exc: object) -> None:
@@ -168,20 +176,23 @@ class FakeCupy(types.ModuleType):
                 device = ~thread().entered.pop()
                 stack = thread().streams[device]
                 stack.pop()
-                if stack[-1].device_id == -1:
-                    get_device()
+                stack[-1]._made_current()
 
             def __repr__(self) -> str:
                 return f"<fake cupy Stream {self.ptr:#x}>"
 
         Stream.null = Stream(0)
         Stream.ptds = Stream(2)
+        # CuPy's deprecated ExternalStream(ptr, device_id): a _BaseStream as Stream is, no Stream
+        external = type("ExternalStream", (), {name: value for name, value in vars(Stream).items()
+                                               if name in ("__init__", "__cuda_stream__", "_device", "_made_current",
+                                                           "__enter__", "__exit__", "__repr__")})
 
         def get_current_stream(device_id: int = -1) -> Stream:
             record("cupy.cuda.get_current_stream")
             if device_id == -1:
                 device_id = get_device()
-            return thread().streams[device_id][-1]
+            return thread().current[device_id]
 
         class Memory:
             def __init__(self, ptr: int, size: int, device_id: int) -> None:
@@ -212,7 +223,7 @@ class FakeCupy(types.ModuleType):
 
         memory = types.SimpleNamespace(MemoryAsync=type("MemoryAsync", (Memory,), {}),
                                        PooledMemory=type("PooledMemory", (Memory,), {}))
-        self.cuda = types.SimpleNamespace(Device=Device, Stream=Stream, ExternalStream=Stream, runtime=runtime,
+        self.cuda = types.SimpleNamespace(Device=Device, Stream=Stream, ExternalStream=external, runtime=runtime,
                                           get_current_stream=get_current_stream, alloc=alloc, memory=memory,
                                           UnownedMemory=unowned, MemoryPointer=MemoryPointer)
         self.devices_of: dict[int, int] = {}  # the device of each address array() handed out
@@ -289,7 +300,7 @@ class FakeCupy(types.ModuleType):
         before = runtime.getDevice()
         try:
             runtime.setDevice(device)
-            stream = self.thread().streams[runtime.getDevice()][-1].ptr  # get_current_stream_ptr()
+            stream = self.thread().current[runtime.getDevice()].ptr  # get_current_stream_ptr()
             self.record("Tensor.__dlpack__", stream)
         finally:
             runtime.setDevice(before)
