@@ -436,6 +436,78 @@ def test_operands_of_another_library_beside_torchs_still_get_cupys_device_which_
     assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
 
 
+@pytest.mark.parametrize("given", ["CuPy's stream", "a raw handle"])
+def test_a_stream_given_beside_another_librarys_operands_is_left_on_its_device_whatever_that_library_did(
+        torch_gpu, monkeypatch, given):
+    """``stream=s`` with an array of another library's beside a tensor, whose code (its from_dlpack of the result)
+    leaves device 1 current: s is left with device 0 current again, as CuPy sets the stream it goes back to as the
+    current one of the device current then where that stream is tied to none (its null stream), so that CuPy's
+    current stream of device 0 is its null stream after the call, not s, and device 1's is untouched."""
+    import types
+
+    gpu = torch_gpu
+    set_device = gpu.cupy.cuda.runtime.setDevice
+
+    def from_dlpack(result):
+        set_device(1)
+        return result
+
+    monkeypatch.setitem(sys.modules, "unrulyarrays", types.SimpleNamespace(from_dlpack=from_dlpack))
+    Unruly = type("Unruly", (CudaArray,), {"__module__": "unrulyarrays"})
+    x, w = Unruly(gpu.cupy.array(X)), cuda_tensor(gpu, W)
+    side = gpu.cupy.cuda.Stream(0x5000, 0)
+    for _ in range(2):
+        wsarena.conv_forward(x, w, padding=1, stream=side if given == "CuPy's stream" else 0x5000)
+        assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
+        assert [gpu.cupy.cuda.get_current_stream(device).ptr for device in (0, 1)] == [0, 0]
+    assert set(_bound(gpu)) == {0x5000}
+
+
+class _LeavesDevice1Current:
+    """An array of another library's, ``__cuda_array_interface__`` alone, whose interface read within CuPy's
+    ``Device`` (a call's) leaves device 1 current. (A class of the module's: one made in a test, whose methods held
+    the stand-in, would keep its arenas until a collection.)"""
+
+    def __init__(self, gpu, array):
+        self.gpu, self.interface = gpu, CudaArray(array).__cuda_array_interface__
+
+    @property
+    def __cuda_array_interface__(self):
+        if self.gpu.cupy.thread().entered:
+            self.gpu.cupy.cuda.runtime.setDevice(1)
+        return self.interface
+
+
+def test_a_call_within_an_ops_scope_asks_the_device_again_after_another_librarys_code(gpu, monkeypatch):
+    """A call made within another call's scope on the same device (a provider's code, a finaliser or a signal handler
+    of this thread's), on an array of another library's whose code, run within the call's scope (here reading its
+    ``__cuda_array_interface__``), leaves device 1 current: the ops' scope asks the device again, as the interop's
+    scope records none for its block, and makes 0 current for the convolution, where it took the enclosing scope's
+    record of device 0 as current; the enclosing scope's record is as it was after the call."""
+    from wsarena.backends._cudnn_backend import _within
+    from wsarena.cudnn import _prototypes
+
+    ran_on = []
+    name = "cudnnBackendExecute" if gpu.api == "graph" else "cudnnConvolutionForward"
+    recorder = _prototypes._bound[name]
+
+    def execute(*args):
+        ran_on.append(gpu.current_device())
+        return recorder(*args)
+
+    monkeypatch.setitem(_prototypes._bound, name, execute)
+    x, w = _LeavesDevice1Current(gpu, gpu.cupy.array(X)), gpu.cupy.array(W)
+    wsarena.conv_forward(x, w, padding=1)  # planned outside any scope
+    _within.device = 0  # the enclosing call's scope, on device 0, current already
+    try:
+        result = wsarena.conv_forward(x, w, padding=1)
+        assert _within.device == 0
+    finally:
+        _within.device = None
+    assert ran_on == [0, 0] and result.data.device_id == 0
+    assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
+
+
 def test_cuda_array_interface_operands_are_asked_where_their_memory_is_and_come_back_as_cupy_arrays(gpu):
     """Arrays of no library's, __cuda_array_interface__ alone, which names no device: CuPy asks CUDA where each one's
     memory is (cudaPointerGetAttributes), nothing is entered with stream=None, the ops ask the current device once,

@@ -427,14 +427,16 @@ class _OnDeviceEntered(_OnDevice):
     """:class:`_OnDevice` for a block where another library's code runs (wsarena._interop's, around the views of
     that library's operands and its import of the result): CuPy's ``Device`` is entered whether or not its device is
     current, so that leaving it sets the device it found current again whatever that code did, and the block's device
-    is not recorded for the backends, which ask CUDA within it. Device and stream are one scope, left as
-    :class:`_OnDevice`'s are where the ``__enter__`` raises."""
+    is not recorded for the backends, which ask CUDA within it (an enclosing scope's record, of a call this one runs
+    within, is unset for the block). Device and stream are one scope, left as :class:`_OnDevice`'s are where the
+    ``__enter__`` raises."""
 
     __slots__ = ()
 
     def __enter__(self) -> None:
-        self.outer = getattr(_within, "device", None)  # set again as it is: the block's device is asked for
+        self.outer = getattr(_within, "device", None)
         try:
+            _within.device = None
             self.entered = device = self.device  # recorded before it is entered, as in _OnDevice
             device.__enter__()
             if self.stream is not None:
@@ -442,3 +444,13 @@ class _OnDeviceEntered(_OnDevice):
         except BaseException:
             self._unwind()
             raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.stream is not None:
+                # The stream's device current again for CuPy to leave it: CuPy makes the stream it goes back to
+                # (its null stream, one tied to no device) the current one of the device current then, which that
+                # code may have changed, and the stream left would stay the current one of its own device
+                self.cuda.runtime.setDevice(self.device.id)
+        finally:
+            super().__exit__(*exc)
