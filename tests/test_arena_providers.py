@@ -200,3 +200,26 @@ def test_debug_mode_on_a_provider_of_leases_alone_names_fill_and_lets_the_lane_g
     with arena.lease(64) as ws:
         assert ws.nbytes == 64
     assert getattr(provider, "fills", []) == []  # no fill made, none recorded
+
+
+def test_a_device_cuda_refuses_leaves_cupys_device_stack_as_it_was():
+    """CuPy's Device pushes the device it finds before cudaSetDevice, which refuses a device CUDA lacks: each of the
+    CuPy provider's calls raises CUDA's error with CuPy's device stack as it was, where the entry left there was the
+    device the next Device's exit made current (in place of the one that Device found)."""
+    from wsarena.arena import Buffer, CupyProvider
+
+    from .device_calls import CUDARuntimeError, fake_gpu
+
+    with fake_gpu() as gpu:
+        provider = CupyProvider(5)  # the stand-in has devices 0 and 1
+        buffer = Buffer(0x1000, 256, object())
+        calls = {"allocate": lambda: provider.allocate(256, stream=0),
+                 "deallocate": lambda: provider.deallocate(buffer, stream=0),
+                 "deallocate, the stream maybe gone": lambda: provider.deallocate(buffer, stream=None),
+                 "as_array": lambda: provider.as_array(buffer, 256),
+                 "fill": lambda: provider.fill(buffer, 0, 256, stream=0)}
+        for name, call in calls.items():
+            with pytest.raises(CUDARuntimeError):
+                call()
+            assert (gpu.current_device(), gpu.cupy.thread().entered) == (0, []), name
+        assert buffer.owner is not None

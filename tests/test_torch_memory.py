@@ -27,6 +27,7 @@ class _FakeCaching:
         self.next = 0x10000
         self.fail = False
         self.current = 0
+        self.entered = []  # CuPy's Device stack: the devices found as each Device entered
         self.leaves = None
         self.refuse = None  # where set, what entering CuPy's Device raises (cudaSetDevice's error, a Ctrl-C)
         self.sync_fails = False
@@ -55,13 +56,16 @@ class _FakeCaching:
         fake = self
 
         class Device:  # CuPy's: the device found current set again as it leaves, whatever happened within
+            id = device
+
             def __enter__(self):
+                fake.entered.append(fake.current)  # pushed before the device is set, which may be refused
                 if fake.refuse is not None:
                     raise fake.refuse
-                self.found, fake.current = fake.current, device
+                fake.current = device
 
             def __exit__(self, *exc):
-                fake.current = self.found
+                fake.current = fake.entered.pop()
 
         return Device()
 
@@ -111,12 +115,27 @@ def test_a_free_that_fails_before_it_frees_leaves_the_block_to_a_later_one(cachi
         caching.refuse = raised("CUDA error: invalid device ordinal") if raised is RuntimeError else raised
     with pytest.raises(raised):
         provider.deallocate(buffer, stream=None)
-    assert buffer.owner == buffer.ptr and caching.current == 0
+    assert buffer.owner == buffer.ptr and caching.current == 0 and caching.entered == []
     caching.refuse, caching.sync_fails = None, False
     provider.deallocate(buffer, stream=None)
     provider.deallocate(buffer, stream=9)
     assert [call for call in caching.calls if call[0] == "delete"] == [("delete", buffer.ptr)]
     assert buffer.owner is None
+
+
+@pytest.mark.parametrize("raised", [RuntimeError("CUDA error: invalid device ordinal"), KeyboardInterrupt()])
+def test_a_device_refused_or_interrupted_as_it_is_entered_leaves_cupys_device_stack_as_it_was(caching, raised):
+    """CuPy's Device pushes the device it finds before cudaSetDevice, which may refuse (or a Ctrl-C lands on the heels
+    of its ``__enter__``): an allocation or a free is left with CuPy's device stack as it was, where an entry left
+    there was the device the next Device's exit made current, and nothing was asked of PyTorch."""
+    provider = TorchProvider(0)
+    buffer = provider.allocate(4096, stream=9)
+    caching.refuse = raised
+    for call in (lambda: provider.allocate(4096, stream=9), lambda: provider.deallocate(buffer, stream=9)):
+        with pytest.raises(type(raised)):
+            call()
+        assert caching.entered == [] and caching.current == 0
+    assert caching.calls == [("alloc", 4096, 0, 9)]
 
 
 @pytest.mark.parametrize("stream", [9, None])

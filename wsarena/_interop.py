@@ -369,7 +369,8 @@ _host_view = functools.partial(_view, _NUMPY)
 def _cupy() -> _Library:
     import cupy
 
-    from .backends._cudnn_backend import _OnDevice, _OnDeviceEntered, _stream_to_enter
+    from .arena._scopes import _OnDevice, _OnDeviceEntered
+    from .backends._cudnn_backend import _stream_to_enter
 
     cuda = cupy.cuda
 

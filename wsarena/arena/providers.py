@@ -39,6 +39,7 @@ import numpy as np
 from .._sizes import format_size, short_repr
 from ..errors import BackendUnavailableError
 from ._capture import capture_of
+from ._scopes import _OnDeviceEntered
 from .streams import PER_THREAD_DEFAULT_STREAM, cupy_stream
 
 __all__ = ["AsyncProvider", "Buffer", "CupyProvider", "HostProvider", "MemoryProvider", "TorchProvider"]
@@ -171,6 +172,14 @@ class _DeviceProvider:
 
         self.device_id: int = int(cupy.cuda.Device().id) if device is None else int(device)
 
+    def _on_device(self) -> Any:
+        """CuPy's ``Device`` of this provider's device, entered for a block whatever is current, so that leaving it
+        makes the device found current again, and left as it was where entering it is refused or interrupted (a
+        plain ``with`` left CuPy's device stack an entry that the next ``Device``'s exit made current)."""
+        import cupy
+
+        return _OnDeviceEntered(cupy.cuda, cupy.cuda.Device(self.device_id), None)
+
     def current_stream(self) -> Any:
         """CuPy's current stream for the calling thread on this provider's device."""
         import cupy
@@ -180,7 +189,7 @@ class _DeviceProvider:
     def as_array(self, buffer: Buffer | None, nbytes: int) -> Any:
         import cupy
 
-        with cupy.cuda.Device(self.device_id):
+        with self._on_device():
             if buffer is None or nbytes == 0:
                 return cupy.empty(0, dtype=cupy.uint8)
             memory = cupy.cuda.UnownedMemory(buffer.ptr, buffer.size, buffer, self.device_id)
@@ -189,7 +198,7 @@ class _DeviceProvider:
     def fill(self, buffer: Buffer, value: int, nbytes: int, *, stream: int) -> None:
         import cupy
 
-        with cupy.cuda.Device(self.device_id):
+        with self._on_device():
             cupy.cuda.runtime.memsetAsync(buffer.ptr, value, nbytes, stream)
 
     def capture(self, stream: int) -> Any:
@@ -237,7 +246,7 @@ class CupyProvider(_DeviceProvider):
         import cupy
 
         try:
-            with cupy.cuda.Device(self.device_id), cupy_stream(stream):
+            with self._on_device(), cupy_stream(stream):
                 memptr = cupy.cuda.alloc(size)  # the pools' OutOfMemoryError is a MemoryError
         except cupy.cuda.runtime.CUDARuntimeError as exc:  # no pool (set_allocator(None)): cudaMalloc's own error
             if exc.status != _CUDA_ERROR_MEMORY_ALLOCATION:
@@ -250,7 +259,7 @@ class CupyProvider(_DeviceProvider):
     def deallocate(self, buffer: Buffer, *, stream: int | None) -> None:
         import cupy
 
-        with cupy.cuda.Device(self.device_id):
+        with self._on_device():
             if stream is None:
                 # The stream may be gone or belong to another thread: wait for the device first. The default pool
                 # files the block under the handle it was allocated on, and CUDA gives a destroyed stream's handle to
@@ -287,9 +296,7 @@ class AsyncProvider(_DeviceProvider):
         self.resource = resource
 
     def allocate(self, size: int, *, stream: int) -> Buffer:
-        import cupy
-
-        with cupy.cuda.Device(self.device_id):
+        with self._on_device():
             try:
                 owner = self.resource.allocate(size, stream=_core_stream(stream))
             except Exception as exc:
@@ -302,7 +309,7 @@ class AsyncProvider(_DeviceProvider):
         import cupy
 
         owner, buffer.owner = buffer.owner, None
-        with cupy.cuda.Device(self.device_id):
+        with self._on_device():
             if stream is None:
                 cupy.cuda.runtime.deviceSynchronize()
                 stream = 0
@@ -328,23 +335,21 @@ class TorchProvider(_DeviceProvider):
     """
 
     def allocate(self, size: int, *, stream: int) -> Buffer:
-        import cupy
         import torch
 
         try:
-            with cupy.cuda.Device(self.device_id):
+            with self._on_device():
                 ptr = torch.cuda.caching_allocator_alloc(size, device=self.device_id, stream=int(stream))
         except torch.cuda.OutOfMemoryError as exc:  # a RuntimeError; the arena wants a MemoryError
             raise MemoryError(f"PyTorch's caching allocator could not allocate {size} bytes: {exc}") from exc
         return Buffer(int(ptr), size, int(ptr))
 
     def deallocate(self, buffer: Buffer, *, stream: int | None) -> None:
-        import cupy
         import torch
 
         if buffer.owner is None:  # freed already
             return
-        with cupy.cuda.Device(self.device_id):
+        with self._on_device():
             if stream is None:
                 torch.cuda.synchronize(self.device_id)
             # Taken off the buffer only now, in one statement before the free: one that failed or was interrupted

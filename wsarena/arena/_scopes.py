@@ -1,0 +1,115 @@
+"""CuPy's ``Device`` and a stream made current for a block, as one scope that leaves what it entered on every path.
+
+CuPy's ``Device`` pushes the device it finds on its thread's stack before it sets its own, and ``with`` runs no
+``__exit__`` for an ``__enter__`` that raised: a device that ``cudaSetDevice`` refuses (an ordinal CUDA lacks, one
+in use by another process in exclusive mode) left an entry there that the next ``Device``'s exit made current, in
+place of the one that ``Device`` found. :class:`_OnDevice` (the cuDNN backend's scope around an op, where its device is
+not current already) and :class:`_OnDeviceEntered` (around code of other libraries: wsarena._interop's, the device
+providers') leave it, and a stream they entered, where entering either raises, a Ctrl-C on the heels of a step
+included.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+# .device: the CUDA device an op's context (_OnDevice, the cuDNN backend's context()) made current in this thread, for
+# the block; absent or None outside one
+_within = threading.local()
+
+
+class _OnDevice:
+    """Make a CuPy device current, then enter a CuPy stream on it (``stream``: ``None`` for none); leave both, in
+    reverse order, and the device current before as it was.
+
+    The device is entered only where it is not current: CuPy's ``Device`` asks ``cudaGetDevice`` as it enters and
+    calls ``cudaSetDevice`` as it leaves, even where nothing changed, and this asks once, or not at all within a
+    scope of its kind on the same device (:mod:`wsarena._interop`'s, around the ops' on operands of PyTorch).
+    Within the block the backends' ``_device()`` answers with it in this thread (what ``device_key()``, ``arena()``
+    and the handle ask each call), as nothing the ops run there leaves another device current (a provider may not
+    either: :class:`~wsarena.arena.providers.MemoryProvider`'s notes)."""
+
+    __slots__ = ("cuda", "device", "entered", "outer", "stream")
+
+    def __init__(self, cuda: Any, device: Any, stream: Any) -> None:
+        self.cuda = cuda  # cupy.cuda
+        self.device = device
+        self.stream = stream
+        self.entered: Any = None
+        self.outer: int | None = None
+
+    def __enter__(self) -> None:
+        # No __exit__ runs for an __enter__ that raised, and a Ctrl-C lands as a call returns (never as one starts):
+        # what was entered by then is left here. CuPy's Device pushes the device it goes back to before it sets its
+        # own, so it is recorded before it is entered; a stream is entered where it is CuPy's current one after,
+        # which it was not before (the backend's context() enters none that is).
+        outer = self.outer = getattr(_within, "device", None)
+        cuda, device, stream = self.cuda, self.device, self.stream
+        try:
+            # an enclosing scope of this thread's made the device current (wsarena._interop's, around the ops'): it is
+            # current still, as within the block nothing leaves another current
+            if outer != device.id and cuda.runtime.getDevice() != device.id:
+                self.entered = device
+                device.__enter__()
+            _within.device = device.id
+            if stream is not None:
+                stream.__enter__()
+        except BaseException:
+            self._unwind()
+            raise
+
+    def _unwind(self) -> None:
+        """Leave what an ``__enter__`` that raised had entered, as its ``__exit__`` would have."""
+        _within.device = self.outer
+        entered, self.entered = self.entered, None
+        stream = self.stream
+        try:
+            if stream is not None and self.cuda.get_current_stream(self.device.id) is stream:
+                stream.__exit__(None, None, None)
+        finally:
+            if entered is not None:
+                entered.__exit__(None, None, None)
+
+    def __exit__(self, *exc: object) -> None:
+        _within.device = self.outer
+        try:
+            if self.stream is not None:
+                self.stream.__exit__(*exc)
+        finally:
+            entered, self.entered = self.entered, None
+            if entered is not None:
+                entered.__exit__(*exc)
+
+
+class _OnDeviceEntered(_OnDevice):
+    """:class:`_OnDevice` for a block where another library's code runs (wsarena._interop's, around the views of
+    that library's operands and its import of the result; the device providers', around PyTorch's allocator or
+    CuPy's pool): CuPy's ``Device`` is entered whether or not its device is current, so that leaving it sets the
+    device it found current again whatever that code did, and the block's device is not recorded for the backends,
+    which ask CUDA within it (an enclosing scope's record, of a call this one runs within, is unset for the block).
+    Device and stream are one scope, left as :class:`_OnDevice`'s are where the ``__enter__`` raises."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_within, "device", None)
+        try:
+            _within.device = None
+            self.entered = device = self.device  # recorded before it is entered, as in _OnDevice
+            device.__enter__()
+            if self.stream is not None:
+                self.stream.__enter__()
+        except BaseException:
+            self._unwind()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.stream is not None:
+                # The stream's device current again for CuPy to leave it: CuPy makes the stream it goes back to
+                # (its null stream, one tied to no device) the current one of the device current then, which that
+                # code may have changed, and the stream left would stay the current one of its own device
+                self.cuda.runtime.setDevice(self.device.id)
+        finally:
+            super().__exit__(*exc)
