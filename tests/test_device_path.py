@@ -4,6 +4,7 @@ libcudnn: which device and stream a call runs on, what it leaves current, and ho
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 
@@ -506,6 +507,29 @@ def test_a_call_within_an_ops_scope_asks_the_device_again_after_another_librarys
         _within.device = None
     assert ran_on == [0, 0] and result.data.device_id == 0
     assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
+
+
+@pytest.mark.parametrize("make", ["CuPy's", "torch's", "another library's beside torch's"])
+def test_a_cupy_stream_of_another_device_than_the_operands_is_refused_before_anything_runs(gpu, make):
+    """``stream=s``, a CuPy stream of device 1, with operands of device 0 (CuPy's, or through the interop, which
+    enters it as given): CuPy's own refusal of a stream of another device than the current one, a RuntimeError,
+    before anything is leased or enqueued, with the device, CuPy's stacks and current streams as they were."""
+    if make != "CuPy's":
+        pytest.importorskip("torch")
+    with torch_cuda(gpu) if make != "CuPy's" else contextlib.nullcontext():
+        side = gpu.cupy.cuda.Stream(0x5000, 1)
+        maker = {"CuPy's": lambda gpu, shape, device: gpu.cupy.array(shape, device=device),
+                 "torch's": cuda_tensor, "another library's beside torch's": _beside_torchs}[make]
+        for call in _calls_on(gpu, maker).values():
+            mark = len(gpu.record.log)
+            with pytest.raises(RuntimeError, match=r"created on \(1\) does not match with the current device \(0\)"):
+                call(side)
+            assert not [name for name, _ in gpu.record.log[mark:] if name in ("cudnnSetStream", *CONVOLUTIONS)]
+            thread = gpu.cupy.thread()
+            assert gpu.current_device() == 0 and thread.entered == []
+            assert [[s.ptr for s in stack] for stack in thread.streams] == [[0], [0]]
+            assert [gpu.cupy.cuda.get_current_stream(device).ptr for device in (0, 1)] == [0, 0]
+    assert wsarena.get_arena(0).stats().streams == {}
 
 
 def test_cuda_array_interface_operands_are_asked_where_their_memory_is_and_come_back_as_cupy_arrays(gpu):
