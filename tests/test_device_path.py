@@ -167,6 +167,23 @@ def test_a_side_stream_is_entered_for_the_call_and_bound_to_the_handle(gpu):
     assert set(wsarena.get_arena(0).stats().streams) == {0x5000}
 
 
+def test_a_cupy_external_stream_is_entered_through_an_object_of_the_calls_own(gpu):
+    """``stream=`` CuPy's (deprecated) ``ExternalStream``, which is no ``Stream``: the call enters an object of its own
+    over its handle (``Stream.from_external``), as for any other library's stream, and runs on it; CuPy's current
+    stream is as it was after it."""
+    external = gpu.cupy.cuda.ExternalStream(0x5000, 0)
+    assert not isinstance(external, gpu.cupy.cuda.Stream)
+    for call in _calls(gpu).values():
+        call(external)
+        mark = len(gpu.record.log)
+        call(external)
+        log = gpu.record.log[mark:]
+        assert [name for name, _ in log].count("cupy.cuda.Stream.from_external") == 1
+        assert [args for name, args in log if name == "cupy.cuda.Stream.__enter__"] == [(0x5000,)]
+        assert gpu.cupy.cuda.get_current_stream(0).ptr == 0
+    assert set(_bound(gpu)) == {0x5000}
+
+
 def test_a_stream_current_already_is_not_entered_again(gpu):
     """``with s: conv(..., stream=s)``, s given as CuPy's object, its raw handle or another library's object over it:
     CuPy's current stream on the operands' device already, so the call enters nothing (entering asked the current
