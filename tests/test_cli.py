@@ -662,9 +662,11 @@ def test_help_and_version_that_cannot_be_written_exit_as_the_commands_output_doe
 
 
 @pytest.mark.parametrize("argv", [("report", "vgg16"), ("report", "vgg16", "--format", "json"),
-                                  ("report", "vgg16", "--format", "csv"), ("info",)])
+                                  ("report", "vgg16", "--format", "csv"), ("info",), ("--help",),
+                                  ("report", "--help"), ("--version",)])
 def test_a_closed_stdout_exits_3_with_one_line(argv):
-    # started with stdout closed (`wsarena report ... >&-`), Python's sys.stdout is None
+    # started with stdout closed (`wsarena report ... >&-`), Python's sys.stdout is None; --help and --version
+    # wrote their text to stderr then, as argparse writes to a stream that is None, and exited 0
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
     r = subprocess.run(["sh", "-c", 'exec "$0" -m wsarena "$@" >&-', sys.executable, *argv], capture_output=True,
                        text=True, env=env, timeout=300, check=False)
@@ -698,8 +700,8 @@ def test_a_closed_stderr_keeps_warnings_and_errors_out_of_the_output(tmp_path):
 def test_a_caller_that_closed_sys_stderr_or_sys_stdout_gets_the_exit_code(monkeypatch, tmp_path):
     """A Python caller of main() that closed sys.stderr (a file object whose writes raise ValueError, where a
     command started with `2>&-` has None): an error, a warning and the progress bar's check of the terminal raised
-    that ValueError out of main(). A closed sys.stdout is the output that cannot be written (exit 3), as `>&-` is;
-    --help writes nothing there, as argparse does where the stream is missing."""
+    that ValueError out of main(). A closed sys.stdout is the output that cannot be written (exit 3), as `>&-` is,
+    --help's and --version's too, which wrote nothing and exited 0."""
     from wsarena.cli import main
 
     from .onnx_graphs import conv, save, vi, weight
@@ -722,9 +724,11 @@ def test_a_caller_that_closed_sys_stderr_or_sys_stdout_gets_the_exit_code(monkey
     monkeypatch.setattr(sys, "stderr", err)
     assert main(["report", "vgg16", "--backend", "cpu"]) == 3
     assert err.getvalue() == "wsarena: error: cannot write the output: stdout is closed\n"
-    with pytest.raises(SystemExit) as exited:
-        main(["--help"])
-    assert exited.value.code == 0
+    for argv in (["--help"], ["tune", "--help"], ["--version"]):
+        err.truncate(0)
+        err.seek(0)
+        assert main(argv) == 3
+        assert err.getvalue() == "wsarena: error: cannot write the output: stdout is closed\n"
 
 
 def test_a_caller_stream_whose_encoding_lacks_a_character_gets_the_text_escaped(monkeypatch, tmp_path):

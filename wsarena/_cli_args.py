@@ -54,12 +54,14 @@ class _Parser(argparse.ArgumentParser):
     def _print_message(self, message: str, file: Any = None) -> None:
         # --help and --version: written and flushed here, so that a write that fails ends them as it ends the other
         # commands' output, where argparse dropped the text and exited 0: a reader gone (`| head -0`) as
-        # BrokenPipeError, exit 141, another failure (a full disk) as OutputError, exit 3. Nothing is written where
-        # the stream is missing (AttributeError), or where a caller of main() closed it, whose write raises
-        # ValueError, as argparse does; what the stream's encoding cannot show is escaped, not the whole text lost
-        # (write_text)
+        # BrokenPipeError, exit 141, another failure (a full disk) as OutputError, exit 3. A closed stdout is output
+        # that cannot be written too, as the commands' (exit 3), where argparse wrote the text to stderr instead
+        # (`>&-`: Python's sys.stdout is None, which argparse is given) or nothing (a caller of main() closed it).
+        # What the stream's encoding cannot show is escaped, not the whole text lost (write_text)
         if not message:
             return
+        if file is sys.stdout and (file is None or getattr(file, "closed", False)):
+            raise OutputError("cannot write the output: stdout is closed")
         stream = file or sys.stderr
         try:
             write_text(stream, message)
