@@ -188,6 +188,9 @@ def test_info_cuts_a_long_unknown_variable_name_in_the_middle():
     assert shown[0] == "WSARENA_CAP_WORKSPCE  (did you mean WSARENA_CAP_WORKSPACE?)"
     assert len(shown[1]) < 100 and shown[1].startswith("WSARENA_XXX") and "..." in shown[1]
     assert shown[1].endswith("XXX_END") and len(r.stdout) < 10_000
+    # a short name is shown as it is set, where repr()'s escapes doubled a backslash and escaped a quote
+    r = run_cli("info", env={"WSARENA_A\\B": "1", "WSARENA_IT'S\"": "1", "WSARENA_TAB\t": "1"})
+    assert sorted(_unknown_lines(r.stdout)) == ["WSARENA_A\\B", "WSARENA_IT'S\"", "WSARENA_TAB\\t"]
     r = run_cli("info", "--format", "json", env={long: "1"})
     assert [var["name"] for var in json.loads(r.stdout)["unknown_variables"]] == [long]
 

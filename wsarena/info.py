@@ -17,7 +17,7 @@ from . import __version__
 from ._config import _SIZES, in_force, unknown_variables
 from ._gpu import gpu_count, gpu_unusable_reason
 from ._report_cli import printable
-from ._sizes import exact_cap, short_repr
+from ._sizes import exact_cap
 
 __all__ = ["collect_info", "render_info"]
 
@@ -205,6 +205,8 @@ def render_info(data: dict[str, Any]) -> str:
         lines.append("environment variables not read by the wsarena package:")
         for var in data["unknown_variables"]:
             hint = "" if var["closest"] is None else f"  (did you mean {var['closest']}?)"
-            # cut in the middle where long, as wsarena's errors quote a value: a 100 kB name gave a 100 kB line
-            lines.append(f"  {short_repr(var['name'])[1:-1]}{hint}")
+            # cut in the middle where long, as wsarena's errors quote a value (short_repr): a 100 kB name gave a 100 kB
+            # line; cut as typed, not as repr() writes it, whose escapes a backslash or a quote would get
+            shown = printable(var["name"])
+            lines.append(f"  {shown if len(shown) <= 60 else shown[:28] + '...' + shown[-29:]}{hint}")
     return "\n".join(lines) + "\n"
