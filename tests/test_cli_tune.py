@@ -597,6 +597,42 @@ def test_a_ctrl_c_as_the_command_ends_exits_130_with_one_line(capsys, model, mon
     assert ("wsarena: interrupted" not in out) and (out.startswith("wsarena ") if first is None else out == "")
 
 
+@pytest.mark.parametrize("case", ["help", "error", "second"])
+def test_a_ctrl_c_where_no_line_said_it_exits_130_with_the_line_said_once(capsys, model, monkeypatch, case):
+    """A Ctrl-C that lands where _main() no longer catches it, and before the line is said, exited 130 with nothing
+    said: as --help's exit (its SystemExit) leaves the command's blocks, or just after an error's line. A second
+    one that lands as the first one's line is said is the same interruption: the line once."""
+    from wsarena import cli, planner
+
+    say, said = cli._say, []
+
+    def said_then_interrupted(line):  # a Ctrl-C that lands just after the first line is written
+        say(line)
+        said.append(line)
+        if len(said) == 1:
+            _interrupt()
+
+    if case == "help":
+        monkeypatch.setattr(cli, "_lost", _InterruptedAtTheEnd())
+        argv = ["report", "--help"]
+    else:
+        monkeypatch.setattr(cli, "_say", said_then_interrupted)
+        argv = ["report", model, "--backend", "cpu", "--batch", "0"]
+        if case == "second":
+            monkeypatch.setattr(planner, "select", lambda *args, **kwargs: _interrupt())
+            argv = argv[:-2]
+    try:
+        code, out, err = run_main(capsys, *argv)
+    except KeyboardInterrupt:  # caught here: left to pytest, it would end the whole run
+        pytest.fail("the Ctrl-C left main()")
+    assert code == 130 and err.endswith("wsarena: interrupted\n") and err.count("wsarena: interrupted") == 1, err
+    if case == "help":
+        assert out.startswith("usage: wsarena report") and err == "wsarena: interrupted\n"
+    else:
+        assert out == "" and err.count("\n") == (2 if case == "error" else 1), err
+        assert err.startswith("wsarena: error: argument --batch" if case == "error" else "wsarena: interrupted"), err
+
+
 @pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"]])
 def test_a_warning_midway_starts_a_line_of_its_own_and_the_bar_goes_on(capsys, model, monkeypatch, command):
     """A warning while the bar is drawn (a bad search cache file found at the tenth layer, say) wipes the bar

@@ -33,17 +33,30 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    code = None
+    global _interrupted
+    _interrupted = False
     try:
         with _one_line_warnings(), _kept_interrupts():
-            code = _main(argv)
+            return _main(argv)
     except KeyboardInterrupt:
-        # A Ctrl-C as these blocks end, where _main() no longer catches it: a second one (a key pressed twice, or
-        # held down) after the first one's line, which gave a traceback; or the first, as the command was done
-        if code is not None and code != EXIT_INTERRUPTED:
-            _say("wsarena: interrupted")
+        # A Ctrl-C where _main() no longer catches it, which gave a traceback: a second one (a key pressed twice, or
+        # held down) as or after the first one's line; or the first, as the command was done, or ending (an error's
+        # line, --help's exit), or as these blocks began
+        _say_interrupted()
         return EXIT_INTERRUPTED
-    return code
+
+
+_interrupted = False  # "wsarena: interrupted" was said (_say_interrupted)
+
+
+def _say_interrupted() -> None:
+    """Say ``wsarena: interrupted``, once: a second Ctrl-C that lands as the line is said or after it is the same
+    interruption. It is marked said before it is written, so that it is never said twice: a second Ctrl-C between
+    the mark and the write loses it instead, a window of one statement."""
+    global _interrupted
+    if not _interrupted:
+        _interrupted = True
+        _say("wsarena: interrupted")
 
 
 _lost: list[type[BaseException]] = []  # the interrupts a finalizer raised while the command ran (below)
@@ -145,7 +158,7 @@ def _main(argv: Sequence[str] | None) -> int:
         _say(f"wsarena: error: {type(exc).__name__}: {exc}")
         return EXIT_ENVIRONMENT
     except KeyboardInterrupt:
-        _say("wsarena: interrupted")
+        _say_interrupted()
         return EXIT_INTERRUPTED
 
 
