@@ -525,41 +525,99 @@ def test_text_progress_escapes_what_the_terminals_encoding_cannot_show_and_keeps
     assert wipe.strip() == "" and len(wipe) >= max(len(f) for f in frames)
 
 
-@pytest.mark.skipif(not hasattr(os, "openpty") or sys.platform == "win32", reason="a pseudo-terminal of a set width")
+_PTY = pytest.mark.skipif(not hasattr(os, "openpty") or sys.platform == "win32", reason="a pseudo-terminal")
+
+
+def _set_columns(fd, columns):
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+
+
+def _drawn_on_a_pseudo_terminal(columns, draw, frames):
+    """What ``draw(show, follower)`` draws with text_progress() on a pseudo-terminal of ``columns`` (None: its size
+    never set), split at each ``"\\r"``: ``"", *frames, wipe, ""``. ``frames`` is how many it draws."""
+    import select
+
+    master, follower = os.openpty()
+    if columns is not None:
+        _set_columns(follower, columns)
+    terminal = open(follower, "w", encoding="utf-8")  # noqa: SIM115 - closed below, with the reads
+    written = b""
+    try:
+        draw(text_progress(terminal), follower)
+        terminal.flush()
+        # read until each frame's "\r" and the wipe's two have come; the wait only bounds a failure
+        while written.count(b"\r") < frames + 2 and select.select([master], [], [], 30)[0]:
+            written += os.read(master, 1 << 16)
+    finally:
+        terminal.close()
+        os.close(master)
+    return written.decode().split("\r")
+
+
+@_PTY
 @pytest.mark.parametrize(("columns", "drawn", "total"), [(80, range(100, 104), 159), (50, range(1, 4), 3),
-                                                         (20, range(1, 4), 3)])
+                                                         (20, range(1, 4), 3), (2, range(1, 4), 3)])
 def test_text_progress_fits_each_line_in_the_terminals_width(columns, drawn, total):
     """The bar's line, 78 to 85 characters, was drawn whole on any terminal: a line as wide as the terminal or
     wider wraps, and "\\r" returns to the start of its last row only, so that a narrower terminal (an 80-column one
     from the 100th layer on) got a row of bar for each layer; the wipe at the end, 85 spaces, wrapped on an
     80-column one too. Each line, the wipe's included, takes fewer characters than the terminal has columns."""
-    import fcntl
-    import select
-    import struct
-    import termios
 
-    master, follower = os.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-    terminal = open(follower, "w", encoding="utf-8")  # noqa: SIM115 - closed below, with the reads
-    written = b""
-    try:
-        show = text_progress(terminal)
+    def draw(show, follower):
         for done in drawn:
             show(done, total, f"layer{done}.conv" + "x" * 40)
         show.clear()
-        terminal.flush()
-        while select.select([master], [], [], 1)[0]:
-            written += os.read(master, 1 << 16)
-            if written.count(b"\r") == len(drawn) + 2:  # each frame's, and the wipe's two
-                break
-    finally:
-        terminal.close()
-        os.close(master)
-    first, *frames, wipe, end = written.decode().split("\r")
+
+    first, *frames, wipe, end = _drawn_on_a_pseudo_terminal(columns, draw, len(drawn))
     assert (first, end) == ("", "") and len(frames) == len(drawn) and all(f.startswith("[") for f in frames), frames
     assert all(0 < len(line) < columns for line in [*frames, wipe]), [len(line) for line in frames]
     assert wipe == " " * len(frames[-1])
     assert frames[0].startswith(f"[{'#' * (30 * drawn[0] // total)}"[:columns - 1])
+
+
+@_PTY
+@pytest.mark.parametrize(("columns", "most"), [(None, 79), (0, 79), (1, 0)])
+def test_text_progress_on_a_terminal_of_no_size_or_one_column(columns, most):
+    """A terminal whose size was never set says 0 columns, and the whole line was drawn there, as on one of one
+    column, where each of its 85 characters took a row. A width unknown is taken as 80 columns; one column has no
+    room for a character."""
+
+    def draw(show, follower):
+        for done in range(100, 104):
+            show(done, 159, "layer.conv" + "x" * 60)
+        show.clear()
+
+    first, *frames, wipe, end = _drawn_on_a_pseudo_terminal(columns, draw, 4)
+    assert (first, end) == ("", "") and len(frames) == 4 and wipe == " " * most
+    assert [len(frame) for frame in frames] == [most] * 4 and all(frame.startswith("[##"[:most]) for frame in frames)
+
+
+@_PTY
+def test_text_progress_fits_the_terminals_width_after_a_resize():
+    """The width is the terminal's as each line is drawn: a terminal made narrower midway gets lines that fit it
+    from the next layer on, and the wipe covers the last line drawn, no further than the width then."""
+    lengths = []
+
+    def draw(show, follower):
+        show(100, 159, "layer1.conv" + "x" * 40)
+        _set_columns(follower, 30)
+        show(101, 159, "layer2.conv" + "x" * 40)
+        _set_columns(follower, 100)
+        show(102, 159, "layer3")
+        show(103, 159, "layer4.conv" + "x" * 40)
+        _set_columns(follower, 40)
+        show(104, 159, "layer5")
+        lengths.append(show.drawn)
+        _set_columns(follower, 20)
+        show.clear()
+
+    first, *frames, wipe, end = _drawn_on_a_pseudo_terminal(80, draw, 5)
+    assert (first, end) == ("", "") and [len(frame) for frame in frames] == [79, 29, 81, 81, 39]
+    assert lengths == [39] and wipe == " " * 19
 
 
 def test_text_progress_draws_nothing_where_the_stream_is_not_a_terminal():

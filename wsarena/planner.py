@@ -474,16 +474,18 @@ class ProgressBar:
 
     _WIDTH = 30
 
-    def _columns(self) -> int | None:
+    def _columns(self) -> int:
         """The characters a line may take: one less than the terminal's width, so that the cursor never reaches its
         last column; a line as wide as the terminal or wider wraps there, and each ``"\\r"`` then returns to the
         start of its last row only, leaving a row of bar behind for each layer (the bar's 78 to 85 characters on an
-        80-column terminal, or a narrower one). ``None`` where the width is unknown (a stream with no descriptor)."""
+        80-column terminal, or a narrower one); none on a terminal of one column. A width unknown (a stream with no
+        descriptor, or a terminal that says 0, as one whose size was never set does) is taken as 80 columns, as
+        :func:`shutil.get_terminal_size` takes it, where the whole line was drawn."""
         try:
             width = os.get_terminal_size(self.out.fileno()).columns
         except (AttributeError, OSError, ValueError):  # no descriptor (a caller's stream), or no size known
-            return None
-        return width - 1 if width > 1 else None
+            width = 0
+        return max((width or 80) - 1, 0)
 
     def __call__(self, done: int, total: int, name: str) -> None:
         if self.out is None:
@@ -513,7 +515,7 @@ class ProgressBar:
         if self.out is None:
             return
         try:
-            self.out.write("\r" + " " * min(self.drawn, self._columns() or self.drawn) + "\r")
+            self.out.write("\r" + " " * min(self.drawn, self._columns()) + "\r")
             self.out.flush()
         except (OSError, ValueError):  # a terminal gone (closed, hung up): nothing left to wipe
             pass
