@@ -597,6 +597,26 @@ def test_text_progress_on_a_terminal_of_no_size_or_one_column(columns, most):
 
 
 @_PTY
+@pytest.mark.parametrize(("columns", "kept"), [(100, 20), (50, 6), (49, 5)])
+def test_text_progress_counts_a_wide_character_as_two_columns(columns, kept):
+    """A character of a layer name that a terminal draws two columns wide (Chinese, Japanese, Korean) was counted
+    as one: 40 of them took 80 columns in the name's 40, and the line wrapped, a row of bar for each layer, where
+    the terminal was narrower than the 117 columns the line took. It is cut by columns, and a wide character that
+    would take the line's last allowed column and one past it is left out whole."""
+    name = "\u5377\u79ef\u5c42" * 20  # "convolution layer" in Chinese, 60 wide characters
+
+    def draw(show, follower):
+        for done in range(1, 3):
+            show(done, 3, name)
+        show.clear()
+
+    first, *frames, wipe, end = _drawn_on_a_pseudo_terminal(columns, draw, 2)
+    heads = ["[" + "#" * 10 + "." * 20 + "] 1/3 ", "[" + "#" * 20 + "." * 10 + "] 2/3 "]
+    assert (first, end) == ("", "") and frames == [head + name[:kept] for head in heads]
+    assert wipe == " " * (len(heads[1]) + 2 * kept)  # each column drawn, as the head's characters take one each
+
+
+@_PTY
 def test_text_progress_fits_the_terminals_width_after_a_resize():
     """The width is the terminal's as each line is drawn: a terminal made narrower midway gets lines that fit it
     from the next layer on, and the wipe covers the last line drawn, no further than the width then."""

@@ -28,6 +28,7 @@ import functools
 import os
 import stat
 import sys
+import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -470,7 +471,7 @@ class ProgressBar:
     def __init__(self, out: Any) -> None:
         self.out = out  # None: not a terminal, nothing is drawn
         self.shown = False  # a bar is on the line now
-        self.drawn = 0  # the characters of the line drawn last, which clear() wipes
+        self.drawn = 0  # the columns the line drawn last takes, which clear() wipes
 
     _WIDTH = 30
 
@@ -495,11 +496,12 @@ class ProgressBar:
         try:
             # What the terminal's encoding cannot show (on an ASCII or cp437 stream) is escaped, as the command's
             # lines are, where its UnicodeEncodeError, a ValueError, was taken for a closed terminal and the bar
-            # stopped; escaped before it is cut to its 40 characters, which clear() then wipes
-            shown = escaped(shown, getattr(self.out, "encoding", None))
-            line = f"[{'#' * filled}{'.' * (self._WIDTH - filled)}] {done}/{total} {shown[:40]:<40}"[:self._columns()]
+            # stopped; escaped before it is cut to its 40 columns, which clear() then wipes
+            shown, width = _cut(escaped(shown, getattr(self.out, "encoding", None)), 40)
+            line, cells = _cut(f"[{'#' * filled}{'.' * (self._WIDTH - filled)}] {done}/{total} {shown}"
+                               f"{' ' * (40 - width)}", self._columns())
             write_text(self.out, f"\r{line}")
-            self.shown, self.drawn = True, len(line)
+            self.shown, self.drawn = True, cells
             if done == total:
                 self.clear()
             else:
@@ -519,6 +521,19 @@ class ProgressBar:
             self.out.flush()
         except (OSError, ValueError):  # a terminal gone (closed, hung up): nothing left to wipe
             pass
+
+
+def _cut(text: str, columns: int) -> tuple[str, int]:
+    """The start of ``text`` that takes at most ``columns`` columns of a terminal, and how many it takes: a wide
+    character (Chinese, Japanese, Korean, most emoji) takes two, a combining one none, where a line cut by its
+    characters wrapped (40 wide ones take 80 columns)."""
+    taken = 0
+    for i, c in enumerate(text):
+        width = 2 if unicodedata.east_asian_width(c) in "WF" else 0 if unicodedata.combining(c) else 1
+        if taken + width > columns:
+            return text[:i], taken
+        taken += width
+    return text, taken
 
 
 def text_progress(stream: Any = None) -> ProgressBar:
