@@ -4,6 +4,7 @@
 Tolerance: max|got - ref| / max|ref| <= 1e-12 in float64, 1e-5 in float32.
 """
 
+import collections
 import ctypes
 import enum
 import gc
@@ -352,9 +353,18 @@ def test_a_dlpack_device_that_raises_is_a_type_error_naming_the_operand(fresh_ar
         with pytest.raises(TypeError, match=f"^{re.escape(says)}$"):
             conv_forward(x, Muddled(w, answer), **KW)
     assert fresh_arena.stats() == before
-    # integers of any type: a NumPy integer, an IntEnum (PyTorch's and JAX's device type), a list
-    host = enum.IntEnum("DLDeviceType", {"kDLCPU": 1})
-    for answer in ((np.int64(1), np.int32(0)), (host.kDLCPU, 0), [1, 0]):
+    # A negative device id is no CUDA device: (2, -1) was taken as CUDA device -1
+    device_type = enum.IntEnum("DLDeviceType", {"kDLCPU": 1, "kDLCUDA": 2, "kDLCUDAManaged": 13})
+    for answer in ((2, -1), (device_type.kDLCUDA, -1), (13, np.int64(-3)), [2, -1]):
+        says = f"w cannot be viewed: its __dlpack_device__() returned {short_repr(answer)}, whose device id " \
+            f"{int(answer[1])} is no CUDA device (one is >= 0)"
+        with pytest.raises(TypeError, match=f"^{re.escape(says)}$"):
+            conv_forward(x, Muddled(w, answer), **KW)
+    assert fresh_arena.stats() == before
+    # integers of any type: a NumPy integer, an IntEnum (PyTorch's and JAX's device type), a list, a named tuple; the
+    # host's device id is not read (DLPack gives it as 0)
+    pair = collections.namedtuple("pair", "device_type device_id")
+    for answer in ((np.int64(1), np.int32(0)), (device_type.kDLCPU, 0), [1, 0], pair(1, 0), (1, -1)):
         np.testing.assert_array_equal(conv_forward(x, Muddled(w, answer), **KW), conv_forward(x, w, **KW))
 
 

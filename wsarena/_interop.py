@@ -117,25 +117,34 @@ class _Operand:
                 raise TypeError(
                     f"{name} cannot be viewed: its __dlpack_device__() raised {type(exc).__name__}: {exc}"
                 ) from exc
-            try:  # not text: "12" would be the pair ('1', '2'); one item past a pair read at most
-                pair = () if isinstance(found, TEXT_OR_BYTES) else tuple(itertools.islice(iter(found), 3))
-            except TypeError:
-                pair = ()
+            # a tuple, as every exporter known gives, taken as it is: this runs on each call
+            if type(found) is tuple:
+                pair = found
+            else:
+                try:  # not text: "12" would be the pair ('1', '2'); one item past a pair read at most
+                    pair = () if isinstance(found, TEXT_OR_BYTES) else tuple(itertools.islice(iter(found), 3))
+                except TypeError:
+                    pair = ()
             if len(pair) != 2:
                 raise TypeError(f"{name} cannot be viewed: its __dlpack_device__() returned {short_repr(found)}, "
                                 "not a (device type, device id) pair")
-            # integers of any type (PyTorch's and JAX's device type is an IntEnum), never made ones: int() would take
-            # (2, 1.7) as CUDA device 1, (1.7, 0) as the host, ('2', '0') as CUDA device 0
-            device_type, ordinal = as_int(pair[0]), as_int(pair[1])
-            if device_type is None or ordinal is None:
-                what, value = ("device type", pair[0]) if device_type is None else ("device id", pair[1])
-                raise TypeError(f"{name} cannot be viewed: its __dlpack_device__() returned {short_repr(found)}, "
-                                f"whose {what} {short_repr(value)} is not an integer")
+            device_type, ordinal = pair
+            # integers of any type (PyTorch's and JAX's device type is an IntEnum, NumPy's and CuPy's an int), never
+            # made ones: int() would take (2, 1.7) as CUDA device 1, (1.7, 0) as the host, ('2', '0') as CUDA device 0
+            if type(device_type) is not int or type(ordinal) is not int:
+                device_type, ordinal = as_int(pair[0]), as_int(pair[1])
+                if device_type is None or ordinal is None:
+                    what, value = ("device type", pair[0]) if device_type is None else ("device id", pair[1])
+                    raise TypeError(f"{name} cannot be viewed: its __dlpack_device__() returned {short_repr(found)}, "
+                                    f"whose {what} {short_repr(value)} is not an integer")
             if device_type not in _HOST_DEVICES + _CUDA_DEVICES:
                 raise TypeError(
                     f"{name} is in memory of DLPack device type {device_type}; wsarena takes host or CUDA memory"
                 )
             self.cuda = device_type in _CUDA_DEVICES
+            if self.cuda and ordinal < 0:  # a CUDA ordinal is 0 or more; the host's id is not read
+                raise TypeError(f"{name} cannot be viewed: its __dlpack_device__() returned {short_repr(found)}, "
+                                f"whose device id {ordinal} is no CUDA device (one is >= 0)")
             self.device = ordinal if self.cuda else None
         elif hasattr(obj, "__cuda_array_interface__"):
             self.cuda = True
