@@ -856,6 +856,14 @@ def test_batch_is_checked_before_anything_else(batch, error):
         ({"passes": frozenset({"fwd"})}, r"not frozenset\(\{'fwd'\}\): a set has no order"),
         ({"passes": {"fwd": 1, "bwd_data": 2}.keys()}, r"passes must be a sequence of pass names .*, not dict_keys"),
         ({"passes": {"fwd": 1}}, r"passes must be a sequence of pass names .*, not \{'fwd': 1\}$"),
+        # taken, a set collapsed repeated indices ({0, 1, 0, 1, 2} is {0, 1, 2}: "assigns 3 layers") and a mapping
+        # of layer to stream gave its layers as the streams
+        ({"streams": {0, 1, 2}}, (r"^streams must be an int or a sequence of stream indices, not \{0, 1, 2\}: a set "
+                                  r"has no order, and it collapses repeated indices, where streams lists each layer")),
+        ({"streams": frozenset(range(5))}, r"streams must be an int or a sequence .*, not frozenset\(.*\): a set has "),
+        ({"streams": dict.fromkeys(range(5), 0)}, r"streams must be an int or a sequence .*, not \{0: 0, .*\}$"),
+        ({"streams": dict.fromkeys(range(5), 0).keys()}, r"streams must be an int or a sequence .*, not dict_keys"),
+        ({"streams": b"\0\1\0\1\0"}, r"streams must be an int or a sequence .*, not b'\\x00"),
     ],
 )
 @pytest.mark.parametrize("function", ["plan", "tune"])

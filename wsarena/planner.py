@@ -194,6 +194,17 @@ def _integer(value: Any) -> Any:
     return value if n is None else n
 
 
+def _ordered(name: str, value: Any, takes: str, why_ordered: str) -> Iterable[Any]:
+    """``value``, the argument ``name``, where it is an ordered collection of values; else a ``TypeError``: for text
+    or binary data ("fwd" would be ('f', 'w', 'd')), a set or a mapping (no order of their own: a set of str iterates
+    in another order each run, as str hashes are randomized; a mapping gives its keys), what cannot be iterated.
+    ``takes`` says what ``name`` takes; ``why_ordered``, after "a set has no order", why its order matters."""
+    if isinstance(value, (*TEXT_OR_BYTES, AbstractSet, Mapping)) or not isinstance(value, Iterable):
+        why = f": a set has no order, {why_ordered}" if isinstance(value, (set, frozenset)) else ""
+        raise TypeError(f"{name} must be {takes}, not {short_repr(value)}{why}")
+    return value
+
+
 def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[int]]:
     """(shared, assignment): whether every stream may run any layer, and each layer's stream index."""
     streams = _integer(streams)
@@ -206,9 +217,9 @@ def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[in
                 "cannot keep more streams busy than it has layers"
             )
         return True, [0] * n_layers
-    if isinstance(streams, (bool, *TEXT_OR_BYTES)) or not isinstance(streams, Iterable):
-        raise TypeError(f"streams must be an int or a sequence of stream indices, not {short_repr(streams)}")
-    assignment = [_integer(s) for s in streams]
+    ordered = _ordered("streams", streams, "an int or a sequence of stream indices",
+                       "and it collapses repeated indices, where streams lists each layer's stream in turn")
+    assignment = [_integer(s) for s in ordered]
     if len(assignment) != n_layers:
         raise ValueError(f"streams assigns {len(assignment)} layers; the model has {n_layers}")
     for i, s in enumerate(assignment):
@@ -253,7 +264,9 @@ def plan(
         Distinct names, in the order the plan lists them (its report, CSV columns and plot): a list, a tuple, a
         generator; not a set, whose order changes from run to run (``TypeError``).
     streams : int or sequence of int
-        See the module docstring; an int is at most the number of layers, an index any int >= 0.
+        See the module docstring; an int is at most the number of layers, an index any int >= 0. A sequence is each
+        layer's stream in turn (a list, a tuple, an array); not a set, which collapses repeated indices, or a mapping
+        (``TypeError``).
     backend, search : str, optional
         Default: the configured ones. ``auto`` picks cuDNN when a GPU is usable.
     progress : callable, optional
@@ -360,12 +373,9 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
     batch, streams = positive_batch(batch), _integer(streams)
     dtype = dtype_name(dtype)
     cap, search, requested = cfg.cap_workspace, cfg.algo_search, cfg.backend
-    # "fwd" would be ('f', 'w', 'd'); a set has no order (a set of str iterates in another order each run, as str
-    # hashes are randomized), and the plan keeps the passes in the order given: its report, CSV columns and plot too
-    if isinstance(passes, (*TEXT_OR_BYTES, AbstractSet, Mapping)) or not isinstance(passes, Iterable):
-        why = ": a set has no order, and the plan lists the passes in the order given" \
-            if isinstance(passes, (set, frozenset)) else ""
-        raise TypeError(f"passes must be a sequence of pass names such as ('fwd',), not {short_repr(passes)}{why}")
+    # the plan keeps the passes in the order given: its report, CSV columns and plot too
+    _ordered("passes", passes, "a sequence of pass names such as ('fwd',)",
+             "and the plan lists the passes in the order given")
     if progress is not None and not callable(progress):  # else a TypeError of its own after the first layer's search
         raise TypeError(f"progress must be callable, as progress(done, total, layer_name), not {short_repr(progress)}")
     # the report's "model": text, as to_dict() promises JSON (a path, as load_model takes one, by its name), else a
