@@ -498,6 +498,13 @@ def test_a_model_path_is_read_as_written_and_an_unexpanded_home_is_suggested(tmp
     with pytest.raises(ModelError) as info:  # none in the home folder either: nothing to suggest
         load_model(given("~/other.json"))
     assert str(info.value) == "cannot read '~/other.json': No such file or directory"
+    (home / "models.json").mkdir()  # nor a folder, which is no model or properties file to read
+    with pytest.raises(ModelError) as info:
+        load_model(given("~/models.json"))
+    assert str(info.value) == "cannot read '~/models.json': No such file or directory"
+    with pytest.raises(ValueError) as info:
+        wsarena.plan(load_model([layer]), device_properties=given("~/models.json"))
+    assert str(info.value) == "cannot read the device properties '~/models.json': No such file or directory"
 
 
 def test_unknown_extension_unreadable_and_not_onnx(tmp_path):

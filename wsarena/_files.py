@@ -133,7 +133,7 @@ def unexpanded_home(path: str | os.PathLike[str], exc: BaseException) -> str:
     if not isinstance(exc, FileNotFoundError) or not isinstance(text, str) or not text.startswith("~"):
         return ""
     expanded = os.path.expanduser(text)
-    if expanded == text or not os.path.exists(expanded):
+    if expanded == text or not os.path.exists(expanded) or os.path.isdir(expanded):  # a folder is no model to read
         return ""
     return f" (~ is not expanded, as open() expands none: did you mean {short_path(expanded)}?)"
 
