@@ -17,8 +17,9 @@ What cannot be viewed without a copy is a ``TypeError`` naming the argument: a l
 while autograd records (the ops record no history: use :mod:`wsarena.torch`; under ``torch.no_grad()`` or inference
 mode it is taken, as PyTorch's ops take it), a conjugated tensor, a dtype the array library cannot represent, an
 ``out`` whose DLPack export is read-only (a JAX array: JAX's arrays are immutable, and its legacy DLPack capsules
-promise no writes), an exporter whose ``__dlpack_device__`` fails (a JAX array sharded over devices, or deleted), a
-JAX tracer (inside ``jax.jit`` and kin). Operands may come from different libraries as long as they are all in host
+promise no writes), an exporter whose ``__dlpack_device__`` fails (a JAX array sharded over devices, or deleted) or
+gives no (device type, device id) pair of integers, or a CUDA device id below 0, a JAX tracer (inside ``jax.jit`` and
+kin). Operands may come from different libraries as long as they are all in host
 memory or all on one CUDA device; host beside device memory, or operands that say they are on two devices (a CuPy
 array's ``device``, a tensor's, ``__dlpack_device__``; ``__cuda_array_interface__`` names none), would need a copy
 and is a ``TypeError``.
