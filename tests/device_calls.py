@@ -118,7 +118,12 @@ class FakeCupy(types.ModuleType):
             record(IS_CAPTURING, handle)
             return handle in fake.capturing
 
-        runtime = types.SimpleNamespace(getDevice=get_device, setDevice=set_device, CUDARuntimeError=CUDARuntimeError,
+        def get_device_count() -> int:
+            record("cudaGetDeviceCount")
+            return devices
+
+        runtime = types.SimpleNamespace(getDevice=get_device, setDevice=set_device, getDeviceCount=get_device_count,
+                                        CUDARuntimeError=CUDARuntimeError,
                                         streamIsCapturing=stream_is_capturing,
                                         deviceSynchronize=lambda: record("cudaDeviceSynchronize"))
 
@@ -524,6 +529,7 @@ def fake_gpu(devices: int = 2) -> Iterator[FakeGpu]:
             arenas.append(set_arena(device, Arena(CupyProvider(device))))
         _interop._KINDS.clear()
         _interop._cupy.cache_clear()  # the interop's CuPy the fake's, and after the block CuPy's again
+        _interop._devices = 0  # and the device count the fake's
         yield FakeGpu(record, cupy, wsarena.get_arena(0), graph, legacy)
     finally:
         record.on = False
@@ -556,3 +562,4 @@ def fake_gpu(devices: int = 2) -> Iterator[FakeGpu]:
         algos.cache_clear()
         _interop.NATIVE.discard(cupy.ndarray)
         _interop._cupy.cache_clear()
+        _interop._devices = 0

@@ -418,14 +418,46 @@ class _NamesDevice5:
         return (2, 5)
 
 
-def test_operands_on_a_device_cuda_refuses_leave_cupys_device_stack_as_it_was(gpu):
-    """Operands of another library's on a device cudaSetDevice refuses (cudaErrorInvalidDevice): CuPy's Device pushed
-    the device it found before it tried, and is left as it raises, so that its stack is as it was (an entry left
-    there is the device a later Device's exit makes current, in place of the one that Device found)."""
+def test_operands_on_a_device_cuda_refuses_leave_cupys_device_stack_as_it_was(gpu, monkeypatch):
+    """Operands of another library's on a device cudaSetDevice refuses (cudaErrorInvalidDevice) though CUDA counts it
+    (here the stand-in counts 6): CuPy's Device pushed the device it found before it tried, and is left as it raises,
+    so that its stack is as it was (an entry left there is the device a later Device's exit makes current, in place of
+    the one that Device found)."""
+    monkeypatch.setattr(gpu.cupy.cuda.runtime, "getDeviceCount", lambda: 6)
     x, w = _NamesDevice5(), _NamesDevice5()
     with pytest.raises(CUDARuntimeError):
         wsarena.conv_forward(x, w, padding=1)
     assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
+
+
+@pytest.mark.parametrize("stream", [None, "CuPy's stream", "a raw handle"])
+def test_operands_on_a_device_cuda_does_not_have_are_refused_naming_the_device_and_the_count(gpu, stream):
+    """Operands of another library's that say they are on CUDA device 5, where CUDA has 2: a ValueError that names
+    both, before anything is entered, where ``stream=`` gave CuPy's IndexError (its list of devices indexed by 5) and
+    no stream cudaSetDevice's refusal; CuPy's stacks and the current device are as they were."""
+    given = {None: None, "CuPy's stream": gpu.cupy.cuda.Stream(0x5000, 0), "a raw handle": 0x5000}[stream]
+    mark = len(gpu.record.log)
+    with pytest.raises(ValueError, match=r"^x is a tests array on CUDA device 5, w is a tests "
+                                         r"array on CUDA device 5; CUDA has no device 5 here: it counts 2 \(0 to 1\)$"):
+        wsarena.conv_forward(_NamesDevice5(), _NamesDevice5(), padding=1, stream=given)
+    assert _entered(gpu, mark) == [] and gpu.record.log[mark:].count(("cudaGetDeviceCount", ())) == 1
+    thread = gpu.cupy.thread()
+    assert gpu.current_device() == 0 and thread.entered == []
+    assert [[s.ptr for s in stack] for stack in thread.streams] == [[0], [0]]
+
+
+def test_cudas_device_count_is_asked_once_for_calls_on_devices_it_has(torch_gpu):
+    """Calls on tensors of devices 0 and 1, of 2: CUDA's device count is asked by the first call on device 0 and by
+    the first on device 1 at most, never by a later call."""
+    gpu = torch_gpu
+    for device in (0, 1, 0, 1):
+        _calls_on(gpu, cuda_tensor, device=device)["fwd"]()
+    assert 1 <= gpu.calls["cudaGetDeviceCount"] <= 2
+    gpu.record.clear()
+    for device in (0, 1):
+        for call in _calls_on(gpu, cuda_tensor, device=device).values():
+            call()
+    assert gpu.calls["cudaGetDeviceCount"] == 0
 
 
 def test_operands_of_another_library_beside_torchs_still_get_cupys_device_which_sets_the_device_back(torch_gpu,

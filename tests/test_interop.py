@@ -570,7 +570,7 @@ def fake_torch_cuda(monkeypatch):
         Device=lambda ordinal: _Device(log, ordinal),
         Stream=type("Stream", (), {"null": _Scope(log, "stream 0"), "ptds": _Scope(log, "stream 2")}),  # a class
         # another device current, and CuPy's current stream none of the tests': each call enters its own
-        runtime=types.SimpleNamespace(getDevice=lambda: 9),
+        runtime=types.SimpleNamespace(getDevice=lambda: 9, getDeviceCount=lambda: 10),
         get_current_stream=lambda device: types.SimpleNamespace(ptr=-1),
         UnownedMemory=lambda ptr, size, owner, device_id: owner,
         MemoryPointer=lambda memory, offset: memory,
@@ -578,6 +578,7 @@ def fake_torch_cuda(monkeypatch):
     cupy.ndarray = lambda shape, dtype, owner, strides: views.append("direct") or owner.numpy()
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     _interop._cupy.cache_clear()
+    monkeypatch.setattr(_interop, "_devices", 0)  # the count the fake's
     state = types.SimpleNamespace(log=log, views=views, current=0, asked=0, arenas=[])
 
     def current(device):

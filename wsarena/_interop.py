@@ -22,7 +22,8 @@ gives no (device type, device id) pair of integers, or a CUDA device id below 0,
 kin). Operands may come from different libraries as long as they are all in host
 memory or all on one CUDA device; host beside device memory, or operands that say they are on two devices (a CuPy
 array's ``device``, a tensor's, ``__dlpack_device__``; ``__cuda_array_interface__`` names none), would need a copy
-and is a ``TypeError``.
+and is a ``TypeError``; operands on a CUDA device that CUDA does not count here are a ``ValueError`` naming the
+device and the count.
 
 The result comes back in the library of the first operand (``x``, or ``dy`` for ``conv_backward_data``), through
 that library's DLPack import (``torch.from_dlpack``, the ``from_dlpack`` of its ``__array_namespace__`` or of
@@ -65,6 +66,10 @@ _HOST_DEVICES = (1, 3)  # DLPack's kDLCPU and kDLCUDAHost (pinned host memory)
 _CUDA_DEVICES = (2, 13)  # kDLCUDA and kDLCUDAManaged
 
 Run = Callable[..., Any]
+
+# CUDA's device count as far as known: asked (CuPy's) where an operand names a device at or past it, which after the
+# first call on a device is only a device this process does not have; 0 until then
+_devices = 0
 
 
 # What a type's instances are, found once per type: NumPy or CuPy arrays (or masked arrays, which the ops refuse
@@ -231,6 +236,8 @@ def execute(
             + ", ".join(op.where() for op in operands) + ")"
         )
     device = next(iter(devices), None)
+    if device is not None and device >= _devices:
+        _check_device(device, operands)
     if last is not None and last.kind == "" and _says_read_only(out.__cuda_array_interface__):
         # NumPy makes a read-only array of an __array_interface__ that says so, which the ops refuse; CuPy's arrays
         # have no such flag, and it would write this one
@@ -256,6 +263,21 @@ def execute(
                 _written(out)
         # inside the scope: the library imports the result on the stream it was computed on, with no extra wait
         return out if out is not None else _returned(a, result)
+
+
+def _check_device(device: int, operands: list[_Operand]) -> None:
+    """Refuse operands on CUDA device ``device`` where CUDA has no such device (another library's id, or one
+    beyond what ``CUDA_VISIBLE_DEVICES`` leaves this process), which CuPy would take as an index into its list of
+    devices (an IndexError) or fail to make current; the count is asked here, and known after."""
+    global _devices
+    import cupy
+
+    _devices = count = int(cupy.cuda.runtime.getDeviceCount())
+    if device >= count:
+        raise ValueError(
+            f"{', '.join(op.where() for op in operands if op.device is not None)}; CUDA has no device {device} here: "
+            f"it counts {count}{'' if count == 0 else f' (0 to {count - 1})'}"
+        )
 
 
 def _says_read_only(interface: Any) -> bool:
