@@ -151,6 +151,22 @@ def test_a_negative_dim_is_told_what_that_dim_takes(make, layout):
         assert str(info.value) == f"weight_shape[{i}] must be >= 1, not -3"
 
 
+def test_with_dtype_takes_a_dtype_by_its_name_and_refuses_what_is_none():
+    """with_dtype(np.float32) kept str(np.float32), "<class 'numpy.float32'>", a dtype no backend knows, and no
+    geometry built with "float32" equalled it: a dtype is named as conv_geometry's callers and the planner name it."""
+    torch = pytest.importorskip("torch")
+    g = conv_geometry((2, 4, 9, 9), (8, 4, 3, 3), padding=1)
+    for dtype in (np.float16, np.dtype("float16"), torch.float16, "float16", np.str_("float16")):
+        made = g.with_dtype(dtype)
+        assert made.dtype == "float16" and type(made.dtype) is str
+        assert made == conv_geometry((2, 4, 9, 9), (8, 4, 3, 3), padding=1, dtype="float16")
+    for bad, shown in ((np.int8, "<class 'numpy.int8'>"), ("f4", "'f4'"), (None, "None")):
+        with pytest.raises(ValueError) as info:
+            g.with_dtype(bad)
+        assert str(info.value) == ("dtype must be one of float32, float16, bfloat16, float64, or their NumPy or "
+                                   f"PyTorch dtype, not {shown}")
+
+
 def test_geometry_hash_matches_equality_and_survives_pickling_into_another_process():
     g = conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), stride=2, padding=1, layout="NHWC", dtype="float64")
     same = conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), stride=2, padding=1, layout="NHWC", dtype="float64")

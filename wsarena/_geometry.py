@@ -151,8 +151,9 @@ class ConvGeometry:
         _check_sizes(shapes, geom.output_size, geom.padding, geom.dtype)
         return geom
 
-    def with_dtype(self, dtype: str) -> ConvGeometry:
-        return dataclasses.replace(self, dtype=str(dtype))
+    def with_dtype(self, dtype: Any) -> ConvGeometry:
+        """This geometry in ``dtype``: a name of :data:`DTYPES`, or its NumPy or PyTorch dtype (:func:`dtype_name`)."""
+        return dataclasses.replace(self, dtype=dtype_name(dtype))
 
 
 def describe_geometry(geom: ConvGeometry) -> str:
