@@ -167,6 +167,13 @@ def test_with_dtype_takes_a_dtype_by_its_name_and_refuses_what_is_none():
                                    f"PyTorch dtype, not {shown}")
 
 
+def test_a_layout_given_as_a_str_subclass_is_kept_as_the_plain_name():
+    """layout=numpy.str_("NHWC") was kept as given, where a Config's choices and a plan's passes hold the plain str."""
+    g = conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), layout=np.str_("NHWC"))
+    assert g.layout == "NHWC" and type(g.layout) is str
+    assert g == conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), layout="NHWC") and "np.str_" not in repr(g)
+
+
 def test_geometry_hash_matches_equality_and_survives_pickling_into_another_process():
     g = conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), stride=2, padding=1, layout="NHWC", dtype="float64")
     same = conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), stride=2, padding=1, layout="NHWC", dtype="float64")

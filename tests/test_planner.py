@@ -706,6 +706,13 @@ def test_pass_names_given_as_str_subclasses_are_kept_as_the_plain_names(resnet50
     assert "bwd_data algo" in head and "fwd algo" in head and "Name." not in head
 
 
+def test_a_layout_given_as_a_str_subclass_is_kept_as_the_plain_name(resnet50):
+    """layout=numpy.str_("NHWC") was kept as given by the plan and its layers' geometries, as passes are not."""
+    p = wsarena.plan(resnet50[:2], backend="cpu", layout=np.str_("NHWC"))
+    held = [p.layout, *(layer.geometry.layout for layer in p.layers)]
+    assert held == ["NHWC"] * 3 and {type(name) for name in held} == {str} and "np.str_" not in repr(p)
+
+
 @pytest.mark.parametrize("entry", [wsarena.plan, wsarena.tune])
 def test_the_model_name_is_text_or_a_path(resnet50, tmp_path, entry):
     """plan(model=Path(...)) kept the path, and to_dict(), which promises JSON, held it: json.dumps() failed, far
@@ -717,6 +724,10 @@ def test_the_model_name_is_text_or_a_path(resnet50, tmp_path, entry):
     for bad in (5, b"model.onnx", ["model"]):
         with pytest.raises(TypeError, match=r"^model must be a str, the model's name in the report, or a path, not "):
             entry(resnet50[:1], backend="cpu", model=bad)
+    # a str subclass (numpy.str_) is kept as the plain text, as passes are: its repr was the plan's "np.str_('r')"
+    made = entry(resnet50[:1], backend="cpu", model=np.str_("resnet"))
+    named = made.model if entry is wsarena.plan else made.uncapped.model
+    assert named == "resnet" and type(named) is str and "np.str_" not in repr(made)
 
 
 _LONG = "x" * 100_000

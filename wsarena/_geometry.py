@@ -356,7 +356,7 @@ def conv_geometry(
         stride=stride_t,
         padding=padding_t,
         dilation=dilation_t,
-        layout=layout,
+        layout=LAYOUTS[LAYOUTS.index(layout)],  # the plain name, where a str subclass (numpy.str_) was given
         dtype=str(dtype),
     )
 

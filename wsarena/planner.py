@@ -383,7 +383,7 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
     named = os.fspath(model) if isinstance(model, os.PathLike) else model
     if not isinstance(named, str):
         raise TypeError(f"model must be a str, the model's name in the report, or a path, not {short_repr(model)}")
-    model = named
+    model = str.__str__(named)  # the plain text, where a str subclass (numpy.str_) was given, as passes are kept
     passes = tuple(passes)
     # names alone compared (an array's == answers an array), and kept as the plain names (a str subclass's)
     if not passes or not all(is_choice(p, PASSES) for p in passes) or len(set(passes)) != len(passes):
@@ -436,7 +436,7 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
         device=impl.device_label(),
         batch=batch,
         dtype=dtype,
-        layout=layout,
+        layout=geometries[0].layout,  # the plain name, as the geometries hold it, where a str subclass was given
         cap_workspace=cap,
         search=search,
         passes=passes,
