@@ -156,7 +156,8 @@ CONV = '{"name": "c", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]'
     ('{"name": "c", "input_shape": [' + "1, " * 99 + '1], "weight_shape": [4, 3, 3, 3]}',
      "input_shape=[1, 1, 1, 1, 1, 1, ... 94 more] must have 3, 4 or 5 entries"),
     (CONV + ', "stride": "' + "x" * 1000 + '"}', "stride must be an integer, not 'xxxxxxxxxxxxxxxxxxxxxxxxxxx...xxx"),
-    (CONV + ', "stride": [[' + "1, " * 999 + "1]]}", "stride must be an integer, not [1, 1, 1, 1, 1, 1, ... 994 more]"),
+    (CONV + ', "stride": [[' + "1, " * 999 + "1]]}",
+     "stride[0] must be an integer, not [1, 1, 1, 1, 1, 1, ... 994 more]"),
     (CONV + ', "groups": 1' + "0" * 1000 + "}", "groups=100000000000000000...0000000000000000000 is above 2**31 - 1"),
     (CONV + ', "groups": 1' + "0" * 4000 + "}", "groups=an integer of 13288 bits is above 2**31 - 1"),
     # as far below: a negative of 1,000 digits was quoted whole

@@ -151,6 +151,34 @@ def test_a_negative_dim_is_told_what_that_dim_takes(make, layout):
         assert str(info.value) == f"weight_shape[{i}] must be >= 1, not -3"
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"stride": [2.0, 2]}, "stride[0] must be an int, not 2.0"),
+        ({"dilation": (1, "2")}, "dilation[1] must be an int, not '2'"),
+        ({"padding": [1, None]}, "padding[1] must be an int or a (before, after) pair, not None"),
+        ({"padding": [(1, 1), (1, 1.5)]}, "padding[1][1] must be an int, not 1.5"),
+        ({"stride": [[1, 1], 1]}, "stride[0] must be an int, not [1, 1]"),
+        ({"input_shape": (2, 4.0, 9, 9)}, "input_shape[1] must be an int, not 4.0"),
+        ({"weight_shape": (8, 4, 3, True)}, "weight_shape[3] must be an int, not True"),
+    ],
+)
+def test_an_entry_of_a_sequence_that_is_no_int_is_named_by_its_index(kwargs, says):
+    """stride=[2.0, 2] was told "stride must be an int, not 2.0", as if stride had been 2.0, not one entry of it."""
+    shapes = {"input_shape": kwargs.pop("input_shape", (2, 4, 9, 9)),
+              "weight_shape": kwargs.pop("weight_shape", (8, 4, 3, 3))}
+    with pytest.raises(TypeError) as info:
+        conv_geometry(shapes["input_shape"], shapes["weight_shape"], **kwargs)
+    assert str(info.value) == says
+
+
+@pytest.mark.parametrize("name", ["stride", "padding", "output_padding", "dilation"])
+def test_an_entry_of_a_transposed_convolutions_sequence_that_is_no_int_is_named_by_its_index(name):
+    with pytest.raises(TypeError) as info:
+        conv_transpose_geometry((2, 4, 9, 9), (4, 8, 3, 3), **{"stride": 2, name: [1, 1.0]})
+    assert str(info.value) == f"{name}[1] must be an int, not 1.0"
+
+
 def test_with_dtype_takes_a_dtype_by_its_name_and_refuses_what_is_none():
     """with_dtype(np.float32) kept str(np.float32), "<class 'numpy.float32'>", a dtype no backend knows, and no
     geometry built with "float32" equalled it: a dtype is named as conv_geometry's callers and the planner name it."""

@@ -285,7 +285,7 @@ def test_layer_normalizes_and_checks():
         ConvLayer("", (1, 3, 8, 8), (4, 3, 3, 3))
     assert ConvLayer("n", (1, np.int64(3), 8, 8), (4, 3, 3, 3), padding=np.int32(1)).padding == (1, 1)
     for bad in (np.array([3]), np.True_, 3.0):  # an __index__ that refuses, none, a float: the model's own error
-        with pytest.raises(ModelError, match="must be an integer"):
+        with pytest.raises(ModelError, match=r"input_shape\[1\] must be an integer"):
             ConvLayer("n", (1, bad, 8, 8), (4, 3, 3, 3))
 
 
@@ -384,7 +384,9 @@ GOOD = {"name": "a", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}
     ("[1]", r"layers\[0\] must be an object"),
     (json.dumps([GOOD, {"name": "b", "input_shape": [1, 3, 8, 8]}]), r"layers\[1\] lacks 'weight_shape'"),
     (json.dumps([{**GOOD, "strides": [2, 2]}]), r"unknown key\(s\) 'strides'"),
-    (json.dumps([{**GOOD, "input_shape": [1, 3, 8.0, 8]}]), "must be an integer, not 8.0"),
+    (json.dumps([{**GOOD, "input_shape": [1, 3, 8.0, 8]}]), r"input_shape\[2\] must be an integer, not 8.0$"),
+    (json.dumps([{**GOOD, "stride": [2.0, 2]}]), r"layer 'a': stride\[0\] must be an integer, not 2.0$"),
+    (json.dumps([{**GOOD, "dilation": [1, [1]]}]), r"layer 'a': dilation\[1\] must be an integer, not \[1\]$"),
     (json.dumps([{**GOOD, "groups": True}]), "must be an integer, not True"),
     (json.dumps([{**GOOD, "input_shape": "1x3x8x8"}]), "must be a list of integers"),
     (json.dumps([{**GOOD, "name": 3}]), "name must be a non-empty string"),

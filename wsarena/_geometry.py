@@ -172,6 +172,18 @@ def _int(name: str, value: Any, accepted: str = "an int") -> int:
     return n
 
 
+def _ints(name: str, values: Any) -> tuple[int, ...]:
+    """Each entry of the sequence ``values`` as an ``int``; else a ``TypeError`` that names the entry (``stride[1]``)
+    and what it was, as one entry of the sequence is refused, not the sequence."""
+    out = []
+    for i, value in enumerate(values):
+        n = as_int(value)
+        if n is None:
+            raise TypeError(f"{name}[{i}] must be an int, not {short_repr(value)}")
+        out.append(n)
+    return tuple(out)
+
+
 def _positive_or_zero(name: str, value: Any) -> int:
     v = _int(name, value)
     if v < 0:
@@ -183,7 +195,7 @@ def _shape(name: str, shape: Any, *, batch: bool) -> tuple[int, ...]:
     """``shape``'s dims as ints. A negative dim is a ``ValueError`` that says what that dim takes: an input's batch
     (its first dim, with ``batch``) may be 0, an empty batch; any other dim is 1 or more (a zero there is refused
     after, with the whole shape, as a channel, element or kernel dim missing)."""
-    dims = tuple(_int(name, d) for d in shape)
+    dims = _ints(name, shape)
     for i, d in enumerate(dims):
         if d < 0:
             least, what = (0, f"{name}[0], the batch,") if batch and i == 0 else (1, f"{name}[{i}]")
@@ -209,7 +221,7 @@ def _per_dim(name: str, value: Any, nd: int, *, minimum: int) -> tuple[int, ...]
     if is_sequence(value):
         if len(value) != nd:
             raise ValueError(f"{name}={short_repr(value)} must have one entry per spatial dimension ({nd})")
-        values = tuple(_int(name, v) for v in value)
+        values = _ints(name, value)
     else:
         values = (_int(name, value, f"an int or a sequence of {nd} ints (one per spatial dimension)"),) * nd
     if any(v < minimum for v in values):
@@ -238,16 +250,19 @@ def _padding(
         if len(value) != nd:
             raise ValueError(f"padding={short_repr(value)} must have one entry per spatial dimension ({nd})")
         out = []
-        for entry in value:
+        for i, entry in enumerate(value):
             if is_sequence(entry):
                 if len(entry) != 2:
                     raise ValueError(f"padding={short_repr(value)}: each pair must be (before, after)")
-                lo, hi = (_int("padding", e) for e in entry)
+                lo, hi = _ints(f"padding[{i}]", entry)
                 if lo != hi:
                     raise ValueError(f"padding={short_repr(value)} is asymmetric; only symmetric padding is supported")
                 out.append(lo)
             else:
-                out.append(_int("padding", entry))
+                n = as_int(entry)
+                if n is None:
+                    raise TypeError(f"padding[{i}] must be an int or a (before, after) pair, not {short_repr(entry)}")
+                out.append(n)
         values = tuple(out)
     else:
         values = (_int("padding", value, f"an int, a sequence of {nd} ints (one per spatial dimension), 'valid' or "

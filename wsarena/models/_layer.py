@@ -44,7 +44,8 @@ def _int(where: str, value: Any) -> int:
 def _ints(where: str, value: Any) -> tuple[int, ...]:
     if not is_sequence(value):
         raise ModelError(f"{where} must be a list of integers, not {short_repr(value)}")
-    return tuple(_int(where, v) for v in value)
+    # an entry that is none named by its index (stride[0]), as one entry of the list is refused, not the list
+    return tuple(_int(f"{where}[{i}]", v) for i, v in enumerate(value))
 
 
 def _per_dim(where: str, value: Any, nd: int) -> tuple[int, ...]:
