@@ -20,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 import wsarena
 from wsarena.errors import WsarenaError
 from wsarena.models import ConvLayer, ModelError, layers_from_json, layers_to_json, load_model, total_macs, zoo_names
+from wsarena.models._onnx import load_onnx
 
 from .pipe_helpers import unblocked, written_pipe
 
@@ -874,6 +875,10 @@ def test_onnx_asymmetric_pads(tmp_path):
         for given in ("no", "false", 0, None, np.False_):
             with pytest.raises(TypeError, match=rf"^skip_unknown must be True or False, not {re.escape(repr(given))}$"):
                 load_model(source, skip_unknown=given, asymmetric_pads="error")
+    # load_onnx() took them unchecked, as load_model() did: "no" skipped 'asym' with a warning
+    for given in ("no", "false", 0, None, np.False_):
+        with pytest.raises(TypeError, match=rf"^skip_unknown must be True or False, not {re.escape(repr(given))}$"):
+            load_onnx(path, skip_unknown=given, asymmetric_pads="error")
 
 
 def test_onnx_unknown_input_shape(tmp_path):

@@ -66,7 +66,7 @@ from typing import Any
 from .._sizes import is_sequence, short_path, short_repr
 from ._json import layers_from_json, layers_to_json, load_json
 from ._layer import ConvLayer, ModelError
-from ._onnx import check_asymmetric_pads, load_onnx
+from ._onnx import check_asymmetric_pads, check_skip_unknown, load_onnx
 from ._zoo import total_macs, zoo_model, zoo_names
 
 __all__ = ["ConvLayer", "ModelError", "layers_from_json", "layers_to_json", "load_model", "total_macs", "zoo_names"]
@@ -119,8 +119,7 @@ def load_model(
         ``skip_unknown`` other than ``True`` or ``False``, whatever the source, as ``asymmetric_pads``.
     """
     check_asymmetric_pads(asymmetric_pads)  # an option of ONNX models, checked for any, as a typo would be missed
-    if not isinstance(skip_unknown, bool):  # so is this one: "no", or "false" from a config file, is true
-        raise TypeError(f"skip_unknown must be True or False, not {short_repr(skip_unknown)}")
+    check_skip_unknown(skip_unknown)  # so is this one
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         ext = os.path.splitext(text)[1].lower()

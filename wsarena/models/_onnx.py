@@ -417,6 +417,13 @@ def check_asymmetric_pads(value: Any) -> None:
         raise ValueError(f"asymmetric_pads must be 'widen' or 'error', not {short_repr(value)}")
 
 
+def check_skip_unknown(value: Any) -> None:
+    """``skip_unknown`` must be ``True`` or ``False`` (``TypeError``), whatever model it comes with: ``"no"``, or
+    ``"false"`` from a config file, is true, and would skip what cannot be planned with a warning."""
+    if not isinstance(value, bool):
+        raise TypeError(f"skip_unknown must be True or False, not {short_repr(value)}")
+
+
 def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
               asymmetric_pads: str = "widen",
               input_shapes: Mapping[str, Sequence[int]] | Sequence[int] | None = None) -> LayerList:
@@ -431,8 +438,13 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     ModelError
         Unreadable file, not an ONNX model, no convolution, an ``input_shapes`` entry that names no graph input
         or does not match its rank, or (without ``skip_unknown``) convs whose shapes stay unknown, naming them.
+    ValueError
+        ``asymmetric_pads`` other than ``"widen"`` or ``"error"``.
+    TypeError
+        ``skip_unknown`` other than ``True`` or ``False``.
     """
     check_asymmetric_pads(asymmetric_pads)
+    check_skip_unknown(skip_unknown)
     try:
         import onnx
         from google.protobuf.message import DecodeError
