@@ -194,6 +194,20 @@ def test_arguments_left_over_are_named_shortened_with_the_subcommands_help(capsy
     assert (code, out, err) == (2, "", f"wsarena: error: {says}\n")
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--bogus"], "unrecognized arguments: --bogus; "),
+    (["-v"], "unrecognized arguments: -v; "),
+    (["--bogus", "--x=" + "x" * 100_000], f"unrecognized arguments: --bogus --x={'x' * 15}...{'x' * 28}; "),
+    ([], ""),
+])
+def test_no_command_names_the_options_given_and_lists_the_commands(capsys, argv, says):
+    """Without a command, argparse said only "the following arguments are required: command": an unknown option
+    given (`wsarena -v`) was not named, nor were the commands."""
+    code, out, err = run_main(capsys, *argv)
+    expected = "a command is required: report, tune, cache or info (see 'wsarena --help')"
+    assert (code, out, err) == (2, "", f"wsarena: error: {says}{expected}\n")
+
+
 @pytest.mark.parametrize("argv", [["x" * 100_000], ["cache", "x" * 100_000], ["info", "--format", "x" * 100_000]])
 def test_a_long_choice_is_shortened_in_its_error(capsys, argv):
     """argparse quotes a value that is none of a flag's or a subcommand's choices whole."""

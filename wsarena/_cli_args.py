@@ -81,8 +81,17 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
         """As argparse's, but arguments left over are named shortened, with the help of the subcommand given,
-        which argparse leaves to the top parser: "unrecognized arguments: ... (see 'wsarena --help')"."""
+        which argparse leaves to the top parser: "unrecognized arguments: ... (see 'wsarena --help')"; and no
+        command given is said with the commands, after any arguments left over."""
         parsed, extras = self.parse_known_args(args, namespace)
+        if getattr(parsed, "command", ...) is None:  # the top parser, whose command is optional so that this says
+            # what was wrong: argparse's "the following arguments are required: command" was all that `wsarena -v`
+            # or `wsarena --bogus` gave, the option given not named, nor the commands
+            commands = list(next(a for a in self._actions if a.dest == "command").choices or ())
+            expected = f"a command is required: {', '.join(commands[:-1])} or {commands[-1]} (see '{self.prog} --help')"
+            if extras:
+                raise UsageError(f"unrecognized arguments: {short_repr(' '.join(extras))[1:-1]}; {expected}")
+            raise UsageError(expected)
         if extras:
             command = getattr(parsed, "command", None)
             prog = self.prog if command is None else f"{self.prog} {command}"
@@ -223,7 +232,7 @@ def parser() -> _Parser:
     """The parser of the ``wsarena`` command and its subcommands."""
     command = _Parser(prog="wsarena", description="Shared, capped cuDNN convolution workspace.")
     command.add_argument("--version", action="version", version=f"wsarena {__version__}")
-    sub = command.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = command.add_subparsers(dest="command", parser_class=_Parser)  # required: parse_args()
 
     report = sub.add_parser(
         "report", help="workspace each layer needs, shared vs unshared",
