@@ -545,3 +545,22 @@ def test_an_unknown_shape_suggests_fixing_the_input_shapes_where_they_are_not_fi
     assert code == 2
     assert err.endswith("'c' (input shape [1, 4, ?, ?] unknown) (fix the model's input shapes (input_shapes= / "
                         "--input-shape), or skip them with skip_unknown=True / --skip-unknown)\n")
+
+
+@pytest.mark.parametrize("command", ["report", "tune"])
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--skip-unknown"], "--skip-unknown applies"),
+    (["--asymmetric-pads", "widen"], "--asymmetric-pads applies"),
+    (["--asymmetric-pads", "error", "--skip-unknown"], "--skip-unknown and --asymmetric-pads apply"),
+])
+def test_the_onnx_loaders_flags_are_refused_for_another_model(capsys, tmp_path, command, flags, says):
+    """--skip-unknown and --asymmetric-pads read ONNX models only, as --input-shape does, which is refused for
+    another model; they were taken there and did nothing."""
+    json_model = small_model(tmp_path)
+    for model in ("resnet50", str(json_model)):
+        code, out, err = run_main(capsys, command, model, "--backend", "cpu", *flags)
+        assert (code, out, err) == (2, "", f"wsarena: error: {says} to .onnx models only, not {model!r}\n")
+    onnx_model = tmp_path / "small.onnx"
+    save(onnx_model, [conv("c", "x", "w", "y")], [vi("x", (1, 1, 4, 4))], [weight("w", (2, 1, 3, 3))])
+    code, out, err = run_main(capsys, command, str(onnx_model), "--backend", "cpu", "--passes", "fwd", *flags)
+    assert (code, err) == (0, ""), err

@@ -217,7 +217,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
                              "an empty conv, operands of a type the operator refuses, asymmetric pads under "
                              "--asymmetric-pads error)")
     parser.add_argument(
-        "--asymmetric-pads", choices=("widen", "error"), default="widen",
+        "--asymmetric-pads", choices=("widen", "error"), default=None,  # None: not given (widen), for cli._load
         help="ONNX convs with asymmetric pads: model them as onnxruntime's CUDA provider runs them (widen, the "
         "default) or treat them as unknown (error)",
     )
