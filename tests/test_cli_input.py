@@ -564,3 +564,17 @@ def test_the_onnx_loaders_flags_are_refused_for_another_model(capsys, tmp_path, 
     save(onnx_model, [conv("c", "x", "w", "y")], [vi("x", (1, 1, 4, 4))], [weight("w", (2, 1, 3, 3))])
     code, out, err = run_main(capsys, command, str(onnx_model), "--backend", "cpu", "--passes", "fwd", *flags)
     assert (code, err) == (0, ""), err
+
+
+@pytest.mark.parametrize("command", ["report", "tune"])
+@pytest.mark.parametrize("batch", [2**31, 10**20])
+def test_a_batch_above_what_the_geometry_takes_is_refused_by_its_flag(capsys, command, batch):
+    """A batch above 2**31 - 1 was refused as the first layer's input_shape, --batch not named; 2**31 - 1 itself is
+    planned (each layer's input at that batch is a valid geometry)."""
+    code, out, err = run_main(capsys, command, "resnet50", "--backend", "cpu", "--batch", str(batch))
+    assert (code, out) == (2, "")
+    assert err == (f"wsarena: error: argument --batch: must be at most 2**31 - 1 = 2147483647, the largest dimension "
+                   f"a cuDNN descriptor holds, not {batch} (see 'wsarena {command} --help')\n")
+    code, out, err = run_main(capsys, "report", "resnet50", "--backend", "cpu", "--passes", "fwd",
+                              "--batch", str(2**31 - 1), "--format", "json")
+    assert code == 0 and json.loads(out)["batch"] == 2**31 - 1, err

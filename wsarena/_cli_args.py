@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 from . import __version__
 from ._config import _FROM_CONFIG, _SIZE_MAX, CUDNN_HEURISTICS, _parse_cap
-from ._geometry import DTYPES
+from ._geometry import DTYPES, INT32_MAX
 from ._pass import PASSES
 from ._report_cli import shape_text
 from ._sizes import ascii_int as _int
@@ -135,6 +135,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _batch(text: str) -> int:
+    # A batch above what the geometry takes was refused as a layer's input_shape, the flag not named
+    value = _positive(text)
+    if value > INT32_MAX:
+        raise argparse.ArgumentTypeError(
+            f"must be at most 2**31 - 1 = {INT32_MAX}, the largest dimension a cuDNN descriptor holds, not "
+            f"{short_repr(value)}"
+        )
+    return value
+
+
 def _file_name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a file name, not {short_repr(text)}")
@@ -197,7 +208,7 @@ def unplanned_batches(given: list[tuple[str | None, tuple[int, ...]]] | None, ba
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     """The flags ``report`` and ``tune`` share: the model, how to read it, and the run to plan."""
     parser.add_argument("model", help="zoo name (resnet50, vgg16, ...), a .onnx file or a .json layer list")
-    parser.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
+    parser.add_argument("--batch", type=_batch, default=1, help="batch size (default 1)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="default float32")
     parser.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW", help="default NCHW")
     parser.add_argument("--passes", type=_passes, default=PASSES,
