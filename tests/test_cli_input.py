@@ -12,6 +12,8 @@ import sys
 import pytest
 from onnx import TensorProto, helper
 
+from wsarena.cli import main
+
 from .cli_helpers import run_cli, run_main
 from .onnx_graphs import conv, save, vi, weight
 
@@ -578,3 +580,31 @@ def test_a_batch_above_what_the_geometry_takes_is_refused_by_its_flag(capsys, co
     code, out, err = run_main(capsys, "report", "resnet50", "--backend", "cpu", "--passes", "fwd",
                               "--batch", str(2**31 - 1), "--format", "json")
     assert code == 0 and json.loads(out)["batch"] == 2**31 - 1, err
+
+
+def test_a_flags_choice_is_taken_in_any_case_as_the_variables_take_theirs(capsys, tmp_path):
+    """WSARENA_BACKEND=CPU is the cpu backend, but --backend CPU was refused: every flag's choice is now taken in any
+    case, as what it names; the choices --help lists and an invalid choice's error stay as they were."""
+    canonical = ["--backend", "cpu", "--layout", "NHWC", "--dtype", "float64", "--search", "heuristic", "--cudnn-api",
+                 "graph", "--cudnn-heuristic", "instant", "--passes", "fwd", "--format", "json"]
+    any_case = ["--backend", "CPU", "--layout", "nhwc", "--dtype", "Float64", "--search", "HEURISTIC", "--cudnn-api",
+                "Graph", "--cudnn-heuristic", "INSTANT", "--passes", "fwd", "--format", "JSON"]
+    code, expected, err = run_main(capsys, "report", "resnet50", *canonical)
+    assert code == 0 and json.loads(expected)["layout"] == "NHWC", err
+    assert run_main(capsys, "report", "resnet50", *any_case) == (0, expected, "")
+    model = str(tmp_path / "m.onnx")
+    save(model, [conv("c", "x", "w", "y", pads=[0, 0, 1, 1])], [vi("x", (1, 1, 4, 4))], [weight("w", (2, 1, 3, 3))])
+    code, out, err = run_main(capsys, "tune", model, "--backend", "Cpu", "--asymmetric-pads", "ERROR",
+                              "--format", "Csv")
+    assert (code, out) == (2, "") and "asymmetric pads" in err, err
+    for command in (["info"], ["cache", "info"]):
+        code, out, err = run_main(capsys, *command, "--format", "Json")
+        assert code == 0 and isinstance(json.loads(out), dict), err
+    code, out, err = run_main(capsys, "report", "resnet50", "--backend", "CUDA")
+    assert (code, out) == (2, "")
+    assert err == ("wsarena: error: argument --backend: invalid choice: 'CUDA' (choose from 'auto', 'cudnn', 'cpu') "
+                   "(see 'wsarena report --help')\n")
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "[--layout {NCHW,NHWC}]" in usage and "[--backend {auto,cudnn,cpu}]" in usage

@@ -7,6 +7,7 @@ import argparse
 import ast
 import re
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from . import __version__
@@ -41,6 +42,13 @@ class _Parser(argparse.ArgumentParser):
         # 3.14 takes only a plain number (-2, -0.5) so; 3.14's own matcher takes what starts with a digit. No flag
         # of wsarena's starts with a digit, "inf" or "nan".
         self._negative_number_matcher = re.compile(r"-(\.?[0-9]|inf|nan)", re.IGNORECASE)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        # A flag's choice in any case (--backend CPU, --layout nhwc), as the variables take theirs (WSARENA_BACKEND=
+        # CPU), where argparse refused it; --help still lists the choices as they are
+        if kwargs.get("choices") is not None and "type" not in kwargs and args and args[0].startswith("-"):
+            kwargs["type"] = _any_case(tuple(kwargs["choices"]))
+        return super().add_argument(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
         # argparse's messages that quote an argument whole, the argument shortened: a 100 kB --cud=... gave a 100 kB
@@ -97,6 +105,17 @@ class _Parser(argparse.ArgumentParser):
             prog = self.prog if command is None else f"{self.prog} {command}"
             raise UsageError(f"unrecognized arguments: {short_repr(' '.join(extras))[1:-1]} (see '{prog} --help')")
         return parsed
+
+
+def _any_case(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """The ``type`` of a flag of ``choices`` that takes each in any case: the choice ``text`` is, in its own case, or
+    ``text`` as given, for the choices' check to quote."""
+    by_case = {choice.lower(): choice for choice in choices}
+
+    def choice(text: str) -> str:
+        return by_case.get(text.lower(), text)
+
+    return choice
 
 
 def _size(text: str) -> int | None:
