@@ -383,6 +383,22 @@ def test_bad_graph_api_settings_are_refused_and_change_nothing(changes, error):
     assert get_config() == Config()
 
 
+@pytest.mark.parametrize(("size", "said"), [(sys.maxsize + 1, str(sys.maxsize + 1)),
+                                          (10**5000, "an integer of 16610 bits")], ids=["maxsize+1", "10**5000"])
+def test_a_plan_cache_size_above_sys_maxsize_is_refused(monkeypatch, size, said):
+    """No cache holds more entries than sys.maxsize; a larger size was taken, and one of more than 4300 digits made
+    repr() of the settings fail, and `wsarena info` with it. sys.maxsize itself is taken."""
+    bound = f"plan_cache_size must be at most sys.maxsize = {sys.maxsize}, the most entries a cache holds"
+    with pytest.raises(ValueError, match=f"^{bound}, not {said}$"):
+        configure(plan_cache_size=size)
+    assert get_config() == Config()
+    assert "plan_cache_size=9223372036854775807" in repr(configure(plan_cache_size=sys.maxsize))
+    monkeypatch.setenv("WSARENA_PLAN_CACHE_SIZE", str(sys.maxsize + 1))
+    _config._reset()
+    with pytest.raises(ValueError, match=f"WSARENA_PLAN_CACHE_SIZE='{sys.maxsize + 1}': {bound}"):
+        get_config()
+
+
 def test_plan_cache_size_takes_any_integer_type_as_an_int():
     assert type(configure(plan_cache_size=np.int64(8)).plan_cache_size) is int  # was a TypeError
     assert get_config().plan_cache_size == 8

@@ -18,6 +18,7 @@ import difflib
 import functools
 import inspect
 import os
+import sys
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -150,7 +151,7 @@ class Config:
         where it has none). Either way the fallback list follows them.
     plan_cache_size : int
         How many execution plans (and as many operation graphs) the graph API path keeps, for all threads and
-        devices together, least recently used evicted first.
+        devices together, least recently used evicted first: 1 to ``sys.maxsize``.
     debug : bool
         Poison released workspace bytes and check that live leases on different streams never overlap.
     allocator : str
@@ -198,6 +199,11 @@ class Config:
         object.__setattr__(self, "plan_cache_size", size)
         if self.plan_cache_size < 1:
             raise ValueError(f"plan_cache_size must be >= 1, not {short_repr(self.plan_cache_size)}")
+        # No cache holds more entries than a len() counts, and a larger number broke what writes the settings out:
+        # repr(Config) and `wsarena info` failed on one of more than 4300 digits (int's str() limit)
+        if self.plan_cache_size > sys.maxsize:
+            raise ValueError(f"plan_cache_size must be at most sys.maxsize = {sys.maxsize}, the most entries a cache "
+                             f"holds, not {short_repr(self.plan_cache_size)}")
         if not isinstance(self.debug, bool):
             raise TypeError(f"debug must be True or False, not {short_repr(self.debug)}")
 
