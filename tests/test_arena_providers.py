@@ -132,6 +132,59 @@ def test_async_provider_quotes_its_resource_shortened(monkeypatch):
     assert len(quoted) < 200 and str(info.value).startswith(f"{quoted} could not allocate 1048576 bytes: ")
 
 
+class _Owner:
+    """A cuda.core Buffer as AsyncProvider's allocation gives it: close(stream) frees the block on that stream."""
+
+    def __init__(self, closed):
+        self.closed = closed
+
+    def close(self, stream):
+        self.closed.append(stream)
+
+
+@pytest.mark.parametrize("failure", ["device refused", "interrupted", "synchronisation failed"])
+def test_async_provider_free_that_fails_before_it_frees_leaves_the_block_to_a_later_one(monkeypatch, failure):
+    """Entering CuPy's Device refused (cudaSetDevice's error) or interrupted, or the device's synchronisation failed:
+    nothing was freed, and the buffer still holds its owner, which a later deallocate frees, once, and a deallocate
+    after that frees nothing. (Its owner cleared before, as TorchProvider's was, the block went to cuda.core's
+    collection, unsynchronised, and the later deallocate raised AttributeError on None.)"""
+    import cupy
+
+    from wsarena.arena import AsyncProvider, Buffer, providers
+
+    refuse = {"device refused": cupy.cuda.runtime.CUDARuntimeError(101), "interrupted": KeyboardInterrupt()}
+
+    class Device:
+        def __init__(self, device):
+            self.id = device
+
+        def __enter__(self):
+            if failure in refuse:
+                raise refuse[failure]
+
+        def __exit__(self, *exc):
+            pass
+
+    def synchronize():
+        if failure == "synchronisation failed":
+            raise cupy.cuda.runtime.CUDARuntimeError(700)
+
+    monkeypatch.setattr(cupy.cuda, "Device", Device)  # no GPU here
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceSynchronize", synchronize)
+    monkeypatch.setattr(providers, "_core_stream", lambda handle: ("stream", handle))
+    closed = []
+    owner = _Owner(closed)
+    provider = AsyncProvider(0, resource=object())
+    buffer = Buffer(0x1000, 256, owner)
+    with pytest.raises(type(refuse.get(failure, cupy.cuda.runtime.CUDARuntimeError(700)))):
+        provider.deallocate(buffer, stream=None)
+    assert buffer.owner is owner and closed == []
+    failure = "none"
+    provider.deallocate(buffer, stream=None)
+    provider.deallocate(buffer, stream=9)
+    assert closed == [("stream", 0)] and buffer.owner is None
+
+
 def test_device_providers_read_a_streams_id_from_cuda_bindings(monkeypatch):
     """stream_id(handle) is cudaStreamGetId's id, or None where CUDA refuses (the arena then takes the stream for
     another: wsarena.arena._table)."""

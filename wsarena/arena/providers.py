@@ -308,12 +308,19 @@ class AsyncProvider(_DeviceProvider):
     def deallocate(self, buffer: Buffer, *, stream: int | None) -> None:
         import cupy
 
-        owner, buffer.owner = buffer.owner, None
+        if buffer.owner is None:  # freed already
+            return
         with self._on_device():
             if stream is None:
                 cupy.cuda.runtime.deviceSynchronize()
                 stream = 0
-            owner.close(_core_stream(stream))
+            on = _core_stream(stream)
+            # Taken off the buffer only now, as TorchProvider's pointer is: one that failed or was interrupted before
+            # leaves the buffer holding its block for a later deallocate, where cuda.core's collection of the owner
+            # freed it unsynchronised, on the stream it was allocated on, which may be gone, and a later deallocate
+            # then called close() on None
+            owner, buffer.owner = buffer.owner, None
+            owner.close(on)
 
 
 class TorchProvider(_DeviceProvider):
