@@ -5,6 +5,7 @@ libcudnn: which device and stream a call runs on, what it leaves current, and ho
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 
@@ -18,6 +19,7 @@ from .device_calls import (
     SET_DEVICE,
     CudaArray,
     CUDARuntimeError,
+    _tensor_type,
     cuda_tensor,
     fake_gpu,
     torch_cuda,
@@ -511,6 +513,40 @@ def test_a_stream_given_beside_another_librarys_operands_is_left_on_its_device_w
         assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
         assert [gpu.cupy.cuda.get_current_stream(device).ptr for device in (0, 1)] == [0, 0]
     assert set(_bound(gpu)) == {0x5000}
+
+
+@functools.cache
+def _hooked_tensor_type():
+    """A CUDA tensor (the stand-in's) of a subclass whose own ``__torch_function__`` makes its ``leaves`` device current
+    as ``data_ptr()`` or ``__dlpack__()`` is read, as a subclass's code may. (Made once: the interop keeps the types it
+    has seen, and one made in a test, whose methods held the stand-in, would keep its arenas.)"""
+    class Hooked(_tensor_type()):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("data_ptr", "__dlpack__"):
+                args[0].leaves(1)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    return Hooked
+
+
+@pytest.mark.parametrize("stream", [None, "CuPy's stream"])
+def test_a_tensor_subclass_whose_own_torch_function_leaves_another_device_current_gets_cupys_device(torch_gpu,
+                                                                                                   stream):
+    """A tensor of a subclass with a ``__torch_function__`` of its own, which leaves device 1 current as the interop
+    reads its memory within the call: that is another library's code, so the call enters CuPy's Device, which sets
+    device 0 current again as it leaves, and the ops ask the device again and run on device 0's handle. (Taken for
+    PyTorch's own code, the ops took device 0 as current, the handle refused device 1, and device 1 stayed current.)"""
+    gpu = torch_gpu
+    x = cuda_tensor(gpu, X).as_subclass(_hooked_tensor_type())
+    x.fake_device, x.record, x.leaves = 0, gpu.record, gpu.cupy.cuda.runtime.setDevice
+    w, out = cuda_tensor(gpu, W), cuda_tensor(gpu, Y)
+    side = gpu.cupy.cuda.Stream(0x5000, 0) if stream else None
+    for _ in range(2):
+        wsarena.conv_forward(x, w, padding=1, out=out, stream=side)
+        assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
+        assert [gpu.cupy.cuda.get_current_stream(device).ptr for device in (0, 1)] == [0, 0]
+    assert {device for _, device in _ran(gpu)} == {0}
 
 
 class _LeavesDevice1Current:

@@ -77,6 +77,9 @@ _devices = 0
 # interface attribute of their own.
 _NATIVE_KIND, _TORCH, _DLPACK = "native", "torch", "dlpack"
 _KINDS: dict[type, str] = {}
+# Tensor subclasses whose __torch_function__ is their own code, which runs as each tensor method the interop reads
+# is called (data_ptr(), __dlpack__()): another library's code within the call, found as the type is
+_HOOKED: set[type] = set()
 
 
 def _kind_of(kind: type) -> str:
@@ -87,6 +90,10 @@ def _kind_of(kind: type) -> str:
             found = _NATIVE_KIND
         elif torch is not None and issubclass(kind, torch.Tensor):
             found = _TORCH
+            hook: Any = getattr(kind, "__torch_function__", None)
+            if getattr(hook, "__func__", hook) not in (torch.Tensor.__torch_function__.__func__,
+                                                      torch._C._disabled_torch_function_impl):
+                _HOOKED.add(kind)
         elif hasattr(kind, "__dlpack__") and hasattr(kind, "__dlpack_device__"):
             found = _DLPACK
         else:
@@ -114,6 +121,7 @@ class _Operand:
                 # no history is being recorded (torch.no_grad(), inference mode): as PyTorch's own ops take it,
                 # and alike on the host and on a device, where the DLPack export would refuse it
                 self.obj = obj = obj.detach()
+                _kind_of(type(obj))  # a subclass's detach() may give another type, whose own code is then found
             self.cuda = bool(obj.is_cuda)
             self.device = int(obj.get_device()) if self.cuda else None
         elif kind == _DLPACK:
@@ -250,8 +258,10 @@ def execute(
             stream = _torch_current_stream(device)
             direct = True
     # the operands' device current (None: as it is) and `stream` CuPy's current stream there; the device entered only
-    # where it is not current, and the ops then asking nothing, where the operands are PyTorch's and CuPy's alone
-    own = all(op.kind in (_TORCH, _NATIVE_KIND) for op in operands)
+    # where it is not current, and the ops then asking nothing, where the operands are PyTorch's and CuPy's alone (no
+    # tensor subclass's __torch_function__ of its own, which may leave another device current)
+    own = all(op.kind in (_TORCH, _NATIVE_KIND) for op in operands) and not (
+        _HOOKED and any(type(op.obj) in _HOOKED for op in operands))
     library = _cupy()
     with library.scope(device, stream, own):
         views = [_tensor_view(op) if direct and op.kind == _TORCH else _view(library, op) for op in operands]
@@ -417,7 +427,8 @@ def _cupy() -> _Library:
         current device twice, and leaving it once more), as the ops' own scope does not enter it
         (``CudnnBackend.context``, whose choice this is); another library's stream object gets a CuPy object of the
         call's own, which dies with it (arena.streams.cupy_stream says why). ``own``: only PyTorch's, CuPy's and
-        wsarena's code runs in the block, which all leave the current device as they found it; then the device is
+        wsarena's code runs in the block (no tensor subclass's own ``__torch_function__``, which runs as its methods
+        are called), which all leave the current device as they found it; then the device is
         entered only where it is not current and the ops' scope knows it current without asking (the backend's
         ``_OnDevice``). Else a library's own code runs there (its ``__dlpack__``, its ``from_dlpack`` of the
         result) and CuPy's ``Device`` is entered whatever is current, which sets the device it found again as it
