@@ -80,6 +80,20 @@ class CUDARuntimeError(RuntimeError):
         self.status = status
 
 
+class _Thread(threading.local):
+    """A thread's CUDA device and CuPy's state for it: CuPy's Device stack and its stream stacks are two, as CuPy's
+    are (``device.pyx``, ``stream.pyx``), so that a Device and a stream left in another order than they were entered
+    are each left as CuPy leaves them."""
+
+    devices: list[int]
+    stream_devices: list[int]
+
+    @property
+    def entered(self) -> list[int]:
+        """What either stack holds (a Device's entry, then a stream's device): empty where nothing is entered."""
+        return [*self.devices, *self.stream_devices]
+
+
 class FakeCupy(types.ModuleType):
     """CuPy as far as wsarena's device path uses it, on ``devices`` devices, recording into ``record``."""
 
@@ -88,7 +102,7 @@ class FakeCupy(types.ModuleType):
         self.record = record
         self.devices = devices
         self.capturing: set[int] = set()  # the raw handles being captured
-        local = threading.local()
+        local = _Thread()
         fake = self
 
         def thread() -> Any:  # the calling thread's current device, CuPy's stream stacks and its Device stack
@@ -99,7 +113,8 @@ class FakeCupy(types.ModuleType):
                 # for one tied to none (the null stream, Stream.from_external's) the device current then, whatever
                 # device the stack it came off was
                 local.current = [Stream.null] * devices
-                local.entered = []  # CuPy's Device stack, and its streams' devices (as ~device)
+                local.devices = []  # CuPy's Device stack (device.pyx's _ThreadLocalStack)
+                local.stream_devices = []  # stream.pyx's current_device_id_stack: the device each stream went on
             return local
 
         self.thread = thread
@@ -134,14 +149,14 @@ class FakeCupy(types.ModuleType):
             def __enter__(self) -> Self:
                 record("cupy.cuda.Device.__enter__", self.id)
                 found = get_device()
-                thread().entered.append(found)
+                thread().devices.append(found)
                 if self.id != found:
                     set_device(self.id)
                 return self
 
             def __exit__(self, *exc: object) -> None:
                 record("cupy.cuda.Device.__exit__", self.id)
-                set_device(thread().entered.pop())
+                set_device(thread().devices.pop())
 
         class Stream:
             null: Stream
@@ -172,13 +187,13 @@ class FakeCupy(types.ModuleType):
                 record("cupy.cuda.Stream.__enter__", self.ptr)
                 device = self._device()
                 thread().streams[device].append(self)
-                thread().entered.append(~device)  # CuPy's current_device_id_stack, beside the Device stack
+                thread().stream_devices.append(device)
                 self._made_current()
                 return self
 
             def __exit__(self, *exc: object) -> None:
                 record("cupy.cuda.Stream.__exit__", self.ptr)
-                device = ~thread().entered.pop()
+                device = thread().stream_devices.pop()
                 stack = thread().streams[device]
                 stack.pop()
                 stack[-1]._made_current()

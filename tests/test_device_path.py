@@ -208,6 +208,25 @@ def test_a_stream_current_already_is_not_entered_again(gpu):
 
 
 
+def test_the_stand_ins_device_and_stream_stacks_are_two_as_cupys_are():
+    """CuPy keeps its Device stack (device.pyx) apart from the devices its streams went on (stream.pyx), so a Device
+    left before a stream entered within it is left as entered, and the stream after it comes off its own device's
+    stack, CuPy then making the null stream it goes back to the current one of the device current then (device 0),
+    its own device's current stream staying the stream left: what the interop's scope sets the device back for. (One
+    stack for both, the Device's exit took the stream's entry and set no device CUDA has.)"""
+    with fake_gpu() as gpu:
+        cuda = gpu.cupy.cuda
+        device, stream = cuda.Device(1), cuda.Stream(0x5000, 1)
+        device.__enter__()
+        stream.__enter__()
+        device.__exit__(None, None, None)
+        assert gpu.current_device() == 0 and cuda.get_current_stream(1) is stream
+        stream.__exit__(None, None, None)
+        thread = gpu.cupy.thread()
+        assert thread.entered == [] and [[s.ptr for s in stack] for stack in thread.streams] == [[0], [0]]
+        assert [cuda.get_current_stream(d).ptr for d in (0, 1)] == [0, 0x5000]
+
+
 @pytest.mark.parametrize("where", ["device", "stream", "stream, device current", "device refused"])
 def test_a_scope_interrupted_or_refused_as_it_enters_leaves_what_it_entered(where):
     """CPython raises a Ctrl-C's KeyboardInterrupt as a call returns: on the heels of CuPy's Device or Stream
