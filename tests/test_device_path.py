@@ -568,6 +568,29 @@ def test_a_tensor_subclass_whose_own_torch_function_leaves_another_device_curren
     assert {device for _, device in _ran(gpu)} == {0}
 
 
+def test_tensors_within_a_torch_function_mode_that_leaves_another_device_current_get_cupys_device(torch_gpu):
+    """Plain CUDA tensors within a torch-function mode, whose code runs as the interop reads their memory within the
+    call (data_ptr()) and leaves device 1 current: as for a subclass's own ``__torch_function__``, the call enters
+    CuPy's Device, which sets device 0 current again, and the ops ask the device again and run on device 0's handle."""
+    from torch.overrides import TorchFunctionMode
+
+    gpu = torch_gpu
+    set_device = gpu.cupy.cuda.runtime.setDevice
+
+    class LeavesDevice1(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("data_ptr", "__dlpack__"):
+                set_device(1)
+            return func(*args, **(kwargs or {}))
+
+    x, w, out = cuda_tensor(gpu, X), cuda_tensor(gpu, W), cuda_tensor(gpu, Y)
+    for _ in range(2):
+        with LeavesDevice1():
+            wsarena.conv_forward(x, w, padding=1, out=out)
+        assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
+    assert {device for _, device in _ran(gpu)} == {0}
+
+
 class _LeavesDevice1Current:
     """An array of another library's, ``__cuda_array_interface__`` alone, whose interface read within CuPy's
     ``Device`` (a call's) leaves device 1 current. (A class of the module's: one made in a test, whose methods held

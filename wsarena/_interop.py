@@ -259,9 +259,11 @@ def execute(
             direct = True
     # the operands' device current (None: as it is) and `stream` CuPy's current stream there; the device entered only
     # where it is not current, and the ops then asking nothing, where the operands are PyTorch's and CuPy's alone (no
-    # tensor subclass's __torch_function__ of its own, which may leave another device current)
+    # tensor subclass's __torch_function__ of its own, nor a torch-function mode's, which runs as the tensors' methods
+    # are called and may leave another device current)
     own = all(op.kind in (_TORCH, _NATIVE_KIND) for op in operands) and not (
-        _HOOKED and any(type(op.obj) in _HOOKED for op in operands))
+        _HOOKED and any(type(op.obj) in _HOOKED for op in operands)
+    ) and not sys.modules["torch"]._C._is_torch_function_mode_enabled()  # a tensor among them: PyTorch is imported
     library = _cupy()
     with library.scope(device, stream, own):
         views = [_tensor_view(op) if direct and op.kind == _TORCH else _view(library, op) for op in operands]
@@ -427,12 +429,12 @@ def _cupy() -> _Library:
         current device twice, and leaving it once more), as the ops' own scope does not enter it
         (``CudnnBackend.context``, whose choice this is); another library's stream object gets a CuPy object of the
         call's own, which dies with it (arena.streams.cupy_stream says why). ``own``: only PyTorch's, CuPy's and
-        wsarena's code runs in the block (no tensor subclass's own ``__torch_function__``, which runs as its methods
-        are called), which all leave the current device as they found it; then the device is
-        entered only where it is not current and the ops' scope knows it current without asking (the backend's
-        ``_OnDevice``). Else a library's own code runs there (its ``__dlpack__``, its ``from_dlpack`` of the
-        result) and CuPy's ``Device`` is entered whatever is current, which sets the device it found again as it
-        leaves, whatever that code did, and the ops ask again (``_OnDeviceEntered``)."""
+        wsarena's code runs in the block (no tensor subclass's own ``__torch_function__``, nor a torch-function
+        mode's, which run as the tensors' methods are called), which all leave the current device as they found
+        it; then the device is entered only where it is not current and the ops' scope knows it current without
+        asking (the backend's ``_OnDevice``). Else a library's own code runs there (its ``__dlpack__``, its
+        ``from_dlpack`` of the result) and CuPy's ``Device`` is entered whatever is current, which sets the device it
+        found again as it leaves, whatever that code did, and the ops ask again (``_OnDeviceEntered``)."""
         if ordinal is None:  # no device to ask for its current stream there: an object of the call's own, entered
             return _AS_IT_IS if given is None else cupy_stream(stream_handle(given))
         on = None if given is None else _stream_to_enter(cuda, given, ordinal)
