@@ -467,6 +467,27 @@ def test_operands_on_a_device_cuda_does_not_have_are_refused_naming_the_device_a
     assert [[s.ptr for s in stack] for stack in thread.streams] == [[0], [0]]
 
 
+def test_operands_on_a_cuda_device_where_cuda_counts_none_are_refused_naming_the_count_0(gpu, monkeypatch):
+    """CUDA counts no device (CUDA_VISIBLE_DEVICES="", no GPU) by cudaErrorNoDevice, which CuPy's getDeviceCount
+    raises: operands that say they are on a CUDA device are the ValueError of a device past the count, 0, where
+    CuPy's CUDARuntimeError came out; another error of CUDA's is CuPy's own."""
+    def no_device():
+        raise CUDARuntimeError(100)  # cudaErrorNoDevice
+
+    monkeypatch.setattr(gpu.cupy.cuda.runtime, "getDeviceCount", no_device)
+    with pytest.raises(ValueError, match=r"; CUDA has no device 5 here: it counts 0$"):
+        wsarena.conv_forward(_NamesDevice5(), _NamesDevice5(), padding=1)
+
+    def no_driver():
+        raise CUDARuntimeError(35)  # cudaErrorInsufficientDriver
+
+    monkeypatch.setattr(gpu.cupy.cuda.runtime, "getDeviceCount", no_driver)
+    with pytest.raises(CUDARuntimeError) as info:
+        wsarena.conv_forward(_NamesDevice5(), _NamesDevice5(), padding=1)
+    assert info.value.status == 35
+    assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
+
+
 def test_cudas_device_count_is_asked_once_for_calls_on_devices_it_has(torch_gpu):
     """Calls on tensors of devices 0 and 1, of 2: CUDA's device count is asked by the first call on device 0 and by
     the first on device 1 at most, never by a later call."""

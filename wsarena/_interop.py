@@ -68,8 +68,10 @@ _CUDA_DEVICES = (2, 13)  # kDLCUDA and kDLCUDAManaged
 Run = Callable[..., Any]
 
 # CUDA's device count as far as known: asked (CuPy's) where an operand names a device at or past it, which after the
-# first call on a device is only a device this process does not have; 0 until then
+# first call on a device is only a device this process does not have; 0 until then. Threads that race store the same
+# count, and a forked child keeps it: its devices are the parent's, CUDA having read CUDA_VISIBLE_DEVICES once
 _devices = 0
+_NO_DEVICE = 100  # cudaErrorNoDevice (and hipErrorNoDevice)
 
 
 # What a type's instances are, found once per type: NumPy or CuPy arrays (or masked arrays, which the ops refuse
@@ -284,7 +286,16 @@ def _check_device(device: int, operands: list[_Operand]) -> None:
     global _devices
     import cupy
 
-    _devices = count = int(cupy.cuda.runtime.getDeviceCount())
+    runtime = cupy.cuda.runtime
+    try:
+        count = int(runtime.getDeviceCount())
+    except runtime.CUDARuntimeError as exc:
+        # CUDA counts no device (CUDA_VISIBLE_DEVICES="", none installed) by cudaErrorNoDevice, where CuPy raises;
+        # its is_available() takes that error alone as "none" too
+        if exc.status != _NO_DEVICE:
+            raise
+        count = 0
+    _devices = count
     if device >= count:
         raise ValueError(
             f"{', '.join(op.where() for op in operands if op.device is not None)}; CUDA has no device {device} here: "
