@@ -692,6 +692,23 @@ def test_bad_arguments(resnet50, kwargs, error, match):
         wsarena.plan(resnet50[:3], **kwargs)
 
 
+@pytest.mark.parametrize(("batch", "shown"), [(2**31, "2147483648"), (np.int64(2**40), repr(np.int64(2**40))),
+                                           (10**5000, "an integer of 16610 bits")], ids=["2**31", "int64", "10**5000"])
+def test_a_batch_above_2_31_is_refused_naming_batch(resnet50, batch, shown):
+    """A batch above what a cuDNN descriptor holds was refused as the first layer's input_shape (a ModelError), batch
+    not named, where --batch named its bound; plan(), tune() and a layer's geometry now say it as --batch does.
+    2**31 - 1 itself is planned."""
+    said = f"batch must be at most 2**31 - 1 = 2147483647, the largest dimension a cuDNN descriptor holds, not {shown}"
+    for call in (lambda: wsarena.plan(resnet50[:3], batch=batch, backend="cpu", passes=("fwd",)),
+                 lambda: wsarena.tune(resnet50[:1], batch=batch, backend="cpu", passes=("fwd",)),
+                 lambda: resnet50[0].geometry(batch=batch)):
+        with pytest.raises(ValueError) as raised:
+            call()
+        assert type(raised.value) is ValueError and str(raised.value) == said
+    p = wsarena.plan(resnet50[:3], batch=2**31 - 1, backend="cpu", passes=("fwd",))
+    assert p.batch == 2**31 - 1 and p.layers[0].geometry.batch == 2**31 - 1
+
+
 def test_pass_names_given_as_str_subclasses_are_kept_as_the_plain_names(resnet50):
     """A pass given as a (str, Enum) member or a numpy.str_ is the name it holds, and the plan keeps the plain str: a
     (str, Enum) member formats as its class's name ("Name.BWD_DATA"), which the report's head would show."""

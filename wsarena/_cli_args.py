@@ -12,11 +12,11 @@ from typing import Any, NoReturn
 
 from . import __version__
 from ._config import _FROM_CONFIG, _SIZE_MAX, CUDNN_HEURISTICS, _parse_cap
-from ._geometry import DTYPES, INT32_MAX
+from ._geometry import DTYPES
 from ._pass import PASSES
 from ._report_cli import shape_text
 from ._sizes import ascii_int as _int
-from ._sizes import short_repr, write_text
+from ._sizes import positive_batch, short_repr, write_text
 from ._tune_cli import max_slowdown_arg
 
 __all__: list[str] = []  # wsarena.cli's own
@@ -155,14 +155,13 @@ def _positive(text: str) -> int:
 
 
 def _batch(text: str) -> int:
-    # A batch above what the geometry takes was refused as a layer's input_shape, the flag not named
+    # A batch above what the geometry takes was refused as a layer's input_shape, the flag not named: plan()'s
+    # check, whose bound it is, said of the flag
     value = _positive(text)
-    if value > INT32_MAX:
-        raise argparse.ArgumentTypeError(
-            f"must be at most 2**31 - 1 = {INT32_MAX}, the largest dimension a cuDNN descriptor holds, not "
-            f"{short_repr(value)}"
-        )
-    return value
+    try:
+        return positive_batch(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("batch ")) from None
 
 
 def _file_name(text: str) -> str:

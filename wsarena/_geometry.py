@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from ._pass import Pass
-from ._sizes import as_int, is_choice, is_sequence, short_repr
+from ._sizes import INT32_MAX, as_int, is_choice, is_sequence, short_repr
 
 __all__ = [
     "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "conv_transpose_geometry",
@@ -29,7 +29,6 @@ __all__ = [
 
 LAYOUTS = ("NCHW", "NHWC")
 DTYPES = ("float32", "float16", "bfloat16", "float64")  # what some backend computes in
-INT32_MAX = 2**31 - 1  # the largest dimension or parameter a cuDNN descriptor holds
 ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # bytes per element
 
 

@@ -19,6 +19,8 @@ from typing import Any, TypeGuard
 
 __all__ = ["format_size", "parse_size"]
 
+INT32_MAX = 2**31 - 1  # the largest dimension or parameter a cuDNN descriptor holds (the batch's bound too)
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -215,14 +217,18 @@ def is_choice(value: Any, choices: tuple[str, ...]) -> bool:
 
 
 def positive_batch(batch: Any) -> int:
-    """``batch`` as an ``int`` where it is a batch size: an integer of any type, >= 1. A ``TypeError`` for another
-    type (a float, a ``bool``, an array of one element: :func:`as_int`), a ``ValueError`` below 1. The one check of
-    every API's ``batch``."""
+    """``batch`` as an ``int`` where it is a batch size: an integer of any type, 1 to :data:`INT32_MAX`. A
+    ``TypeError`` for another type (a float, a ``bool``, an array of one element: :func:`as_int`), a ``ValueError``
+    below 1 or above the bound. The one check of every API's ``batch``, and the bound ``--batch`` checks."""
     n = as_int(batch)
     if n is None:
         raise TypeError(f"batch must be a positive int, not {short_repr(batch)}")
     if n < 1:
         raise ValueError(f"batch must be a positive int, not {short_repr(batch)}")
+    # A larger batch was refused as the first layer's input_shape, batch not named
+    if n > INT32_MAX:
+        raise ValueError(f"batch must be at most 2**31 - 1 = {INT32_MAX}, the largest dimension a cuDNN descriptor "
+                         f"holds, not {short_repr(batch)}")
     return n
 
 

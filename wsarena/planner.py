@@ -256,8 +256,9 @@ def plan(
         From :func:`wsarena.load_model`; at least one. Convolutions the loader left out (``skip_unknown``) are
         listed in :attr:`Plan.skipped` and in ``to_dict()["skipped_layers"]``.
     batch, dtype, layout
-        The run being planned (layers are stored at batch 1, NCHW). ``dtype`` is a name (``"float32"``) or a
-        NumPy or PyTorch dtype (``np.float32``, ``torch.float16``); the plan holds its name.
+        The run being planned (layers are stored at batch 1, NCHW); ``batch`` is 1 to 2**31 - 1, the largest
+        dimension a cuDNN descriptor holds. ``dtype`` is a name (``"float32"``) or a NumPy or PyTorch dtype
+        (``np.float32``, ``torch.float16``); the plan holds its name.
     cap_workspace : int, str or None
         The cap on one call's workspace; ``None`` for none. Default: the configured cap.
     passes : sequence of ``"fwd"``, ``"bwd_data"``, ``"bwd_filter"``

@@ -139,7 +139,8 @@ class ConvLayer:
         Parameters
         ----------
         batch : int
-            Batch size, >= 1 (``ValueError`` below; ``TypeError`` for a float, a bool or another non-integer).
+            Batch size, 1 to 2**31 - 1 (``ValueError`` outside; ``TypeError`` for a float, a bool or another
+            non-integer).
         dtype : str or dtype
             Element type: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"float64"``, or its NumPy or PyTorch dtype
             (``ValueError`` for another).
