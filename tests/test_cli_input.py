@@ -608,3 +608,16 @@ def test_a_flags_choice_is_taken_in_any_case_as_the_variables_take_theirs(capsys
         main(["report", "--help"])
     usage = " ".join(capsys.readouterr().out.split())
     assert "[--layout {NCHW,NHWC}]" in usage and "[--backend {auto,cudnn,cpu}]" in usage
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--backend", "cpu "), ("--backend", " CPU"), ("--backend", "\uff43\uff50\uff55"), ("--backend", "cpus"),
+    ("--backend", "c"), ("--layout", "NCH\u0174"), ("--dtype", "FLOAT_32"), ("--format", "JSONS"),
+    ("--cudnn-heuristic", "\u0392"),  # Greek capital beta, which looks like B
+])
+def test_a_flags_choice_differing_by_more_than_case_is_refused_as_given(capsys, flag, value):
+    """Only case is set aside: a value with spaces, in fullwidth or lookalike letters, or spelled otherwise is no
+    choice, and the error quotes it as given."""
+    code, out, err = run_main(capsys, "report", "resnet50", "--backend", "cpu", flag, value)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"wsarena: error: argument {flag}: invalid choice: {value!r} (choose from "), err
