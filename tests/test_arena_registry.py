@@ -1,5 +1,7 @@
 """The process's arenas (``get_arena``, ``set_arena``, ``reset_arenas``) and the arena package's public names."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -96,6 +98,14 @@ def test_device_arena_without_gpu_is_backend_unavailable():
     finally:
         if old is not None:
             set_arena(0, old)
+
+
+@pytest.mark.parametrize(("count", "counted"), [(2, "it counts 2 (0 to 1)"), (0, "it counts 0")])
+def test_a_device_past_the_count_is_refused_in_the_words_the_ops_use(monkeypatch, count, counted):
+    monkeypatch.setattr("wsarena.arena._registry._require_gpu", lambda what: None)
+    monkeypatch.setattr("wsarena.arena._registry.gpu_count", lambda: count)
+    with pytest.raises(ValueError, match=rf"^get_arena\(5\): CUDA has no device 5 here: {re.escape(counted)}$"):
+        get_arena(5)
 
 
 # ------------------------------------------------------------------------------------------ public names

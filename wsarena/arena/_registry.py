@@ -77,8 +77,10 @@ def get_arena(device: Any = None) -> Arena:
         ordinal = int(cupy.cuda.Device().id)
     else:
         ordinal = int(key)  # not "cpu": an ordinal
-        if ordinal >= gpu_count():
-            raise ValueError(f"no CUDA device {ordinal}: this process sees {gpu_count()}")
+        count = gpu_count()
+        if ordinal >= count:  # worded as the ops word an operand's device past the count (_interop)
+            raise ValueError(f"get_arena({short_repr(device)}): CUDA has no device {ordinal} here: it counts {count}"
+                             f"{'' if count == 0 else f' (0 to {count - 1})'}")
     return make_device_arena(ordinal, get_config().allocator)
 
 
