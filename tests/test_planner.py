@@ -1044,3 +1044,27 @@ def test_a_plan_searches_again_a_call_memory_cut_short_once_what_it_lacked_can_b
     assert measured == [["implicit_gemm"], everything]
     assert p.layers[0].choices["fwd"].algo == "implicit_gemm"
     arena.close()
+
+
+def test_text_progress_wipes_a_bar_whose_write_a_ctrl_c_interrupted_as_it_returned():
+    """A Ctrl-C that lands as the bar's write returns, the line out: the bar was not marked drawn, and clear() (the
+    CLI's, before it says "wsarena: interrupted") wiped nothing, leaving that line after the bar on the same row."""
+
+    class InterruptedTerminal(FakeTerminal):
+        interrupt = True
+
+        def write(self, text):
+            written = super().write(text)
+            if self.interrupt and "[" in text:
+                self.interrupt = False
+                raise KeyboardInterrupt
+            return written
+
+    terminal = InterruptedTerminal()
+    show = text_progress(terminal)
+    with pytest.raises(KeyboardInterrupt):
+        show(1, 3, "conv1")
+    show.clear()
+    frame, wipe, end = terminal.getvalue().split("\r")[1:]
+    assert frame.startswith("[") and end == ""
+    assert wipe.strip() == "" and len(wipe) >= len(frame)

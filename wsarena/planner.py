@@ -511,8 +511,10 @@ class ProgressBar:
             shown, width = _cut(escaped(shown, getattr(self.out, "encoding", None)), 40)
             line, cells = _cut(f"[{'#' * filled}{'.' * (self._WIDTH - filled)}] {done}/{total} {shown}"
                                f"{' ' * (40 - width)}", self._columns())
-            write_text(self.out, f"\r{line}")
+            # marked drawn before the write: a Ctrl-C that lands as it returns, the line out, still has clear() wipe
+            # it, so that "wsarena: interrupted" starts a line of its own (a wipe of what was not drawn yet is blanks)
             self.shown, self.drawn = True, cells
+            write_text(self.out, f"\r{line}")
             if done == total:
                 self.clear()
             else:
