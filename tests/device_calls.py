@@ -2,20 +2,20 @@
 every call a convolution makes into them.
 
 :class:`FakeCupy` is what the backends, the arena's :class:`~wsarena.arena.providers.CupyProvider` and
-:mod:`wsarena.arena.streams` use of CuPy, made the way CuPy 14.2's Cython is (``cupy/cuda/device.pyx``,
-``stream.pyx``): ``Device()`` asks ``cudaGetDevice``, entering a ``Device`` asks it and sets the device where it
-differs, leaving one always sets the device it found; entering a ``Stream`` asks the device (twice for a stream tied
-to none, ``Stream.from_external``'s), and so does leaving one to a stream tied to none (the null stream);
-``get_current_stream(device)`` is a thread's own table, asking the device only when given none, which entering or
-leaving a stream sets on the stream's device, or for one tied to none on the device current then (whatever stack the
-stream came off: CuPy's ``set_current_stream``); ``ExternalStream`` is a sibling of ``Stream``, not a subclass. The
-current device and streams are the calling thread's, as CUDA's and CuPy's are. Arrays (:meth:`FakeCupy.array`) are a
-type named ``ndarray`` in a ``cupy`` module, which the ops take as CuPy's, on a device of their own. What
-:mod:`wsarena._interop` asks of CuPy for operands of other libraries is made as CuPy's is too: ``asarray`` of a
-``__cuda_array_interface__`` asks CUDA for the memory's device (``cudaPointerGetAttributes``, as ``UnownedMemory``
-given none does) and synchronises a stream the interface names; ``from_dlpack`` makes the exporter's device current
-around its export, asking the device first and for its current stream; ``cuda.UnownedMemory``, ``cuda.MemoryPointer``
-and ``ndarray(shape, dtype, memptr, strides)`` build a view over a tensor's memory.
+:mod:`wsarena.arena.streams` use of CuPy, made the way CuPy 14.2's Cython is (``cupy/cuda/device.pyx``, ``stream.pyx``):
+``Device()`` asks ``cudaGetDevice``, entering a ``Device`` asks it, pushes what it answered, and sets the device where
+it differs, leaving one pops that and sets it (an error of ``cudaGetDevice``'s, :attr:`reported`, pushes nothing);
+entering a ``Stream`` asks the device (twice for a stream tied to none, ``Stream.from_external``'s), and so does leaving
+one to a stream tied to none (the null stream); ``get_current_stream(device)`` is a thread's own table, asking the
+device only when given none, which entering or leaving a stream sets on the stream's device, or for one tied to none on
+the device current then (whatever stack the stream came off: CuPy's ``set_current_stream``); ``ExternalStream`` is a
+sibling of ``Stream``, not a subclass. The current device and streams are the calling thread's, as CUDA's and CuPy's
+are. Arrays (:meth:`FakeCupy.array`) are a type named ``ndarray`` in a ``cupy`` module, which the ops take as CuPy's, on
+a device of their own. What :mod:`wsarena._interop` asks of CuPy for operands of other libraries is made as CuPy's is
+too: ``asarray`` of a ``__cuda_array_interface__`` asks CUDA for the memory's device (``cudaPointerGetAttributes``, as
+``UnownedMemory`` given none does) and synchronises a stream the interface names; ``from_dlpack`` makes the exporter's
+device current around its export, asking the device first and for its current stream; ``cuda.UnownedMemory``,
+``cuda.MemoryPointer`` and ``ndarray(shape, dtype, memptr, strides)`` build a view over a tensor's memory.
 
 Operands of other libraries: :class:`CudaArray`, an array of no library's with ``__cuda_array_interface__`` alone, over
 a fake CuPy array's memory; :func:`cuda_tensor`, a host tensor of PyTorch's that says it is on a CUDA device (its
@@ -102,6 +102,9 @@ class FakeCupy(types.ModuleType):
         self.record = record
         self.devices = devices
         self.capturing: set[int] = set()  # the raw handles being captured
+        # What the next calls of cudaGetDevice report, in order: None for the device, or an error to raise (one of an
+        # earlier asynchronous launch's, which CUDA reports through any call); each is reported once
+        self.reported: list[BaseException | None] = []
         local = _Thread()
         fake = self
 
@@ -119,11 +122,17 @@ class FakeCupy(types.ModuleType):
 
         self.thread = thread
 
-        def get_device() -> int:
+        # Named as CuPy's runtime functions are, which the tracebacks of its errors name (Cython's frames), as the
+        # ops' scopes read them
+        def getDevice() -> int:
             record(GET_DEVICE)
+            if fake.reported:
+                error = fake.reported.pop(0)
+                if error is not None:
+                    raise error
             return int(thread().device)
 
-        def set_device(device: int) -> None:
+        def setDevice(device: int) -> None:
             record(SET_DEVICE, device)
             if not 0 <= device < devices:
                 raise CUDARuntimeError(101)  # cudaErrorInvalidDevice
@@ -137,26 +146,26 @@ class FakeCupy(types.ModuleType):
             record("cudaGetDeviceCount")
             return devices
 
-        runtime = types.SimpleNamespace(getDevice=get_device, setDevice=set_device, getDeviceCount=get_device_count,
+        runtime = types.SimpleNamespace(getDevice=getDevice, setDevice=setDevice, getDeviceCount=get_device_count,
                                         CUDARuntimeError=CUDARuntimeError,
                                         streamIsCapturing=stream_is_capturing,
                                         deviceSynchronize=lambda: record("cudaDeviceSynchronize"))
 
         class Device:
             def __init__(self, device: Any = None) -> None:
-                self.id = get_device() if device is None else int(device)
+                self.id = getDevice() if device is None else int(device)
 
             def __enter__(self) -> Self:
                 record("cupy.cuda.Device.__enter__", self.id)
-                found = get_device()
+                found = getDevice()
                 thread().devices.append(found)
                 if self.id != found:
-                    set_device(self.id)
+                    setDevice(self.id)
                 return self
 
             def __exit__(self, *exc: object) -> None:
                 record("cupy.cuda.Device.__exit__", self.id)
-                set_device(thread().devices.pop())
+                setDevice(thread().devices.pop())
 
         class Stream:
             null: Stream
@@ -174,14 +183,14 @@ class FakeCupy(types.ModuleType):
                 return (0, self.ptr)
 
             def _device(self) -> int:  # check_stream_device_match
-                current = get_device()
+                current = getDevice()
                 if self.device_id not in (-1, current):
                     raise RuntimeError(f"The device that the stream is created on ({self.device_id}) does not match "
                                        f"with the current device ({current})")
                 return current
 
             def _made_current(self) -> None:  # set_current_stream: asks the device for a stream tied to none
-                thread().current[get_device() if self.device_id == -1 else self.device_id] = self
+                thread().current[getDevice() if self.device_id == -1 else self.device_id] = self
 
             def __enter__(self) -> Self:
                 record("cupy.cuda.Stream.__enter__", self.ptr)
@@ -211,7 +220,7 @@ class FakeCupy(types.ModuleType):
         def get_current_stream(device_id: int = -1) -> Stream:
             record("cupy.cuda.get_current_stream")
             if device_id == -1:
-                device_id = get_device()
+                device_id = getDevice()
             return thread().current[device_id]
 
         class Memory:
@@ -239,7 +248,7 @@ class FakeCupy(types.ModuleType):
 
         def alloc(size: int) -> MemoryPointer:
             record("cupy.cuda.alloc", size)
-            return MemoryPointer(Memory(next(addresses), size, get_device()))
+            return MemoryPointer(Memory(next(addresses), size, getDevice()))
 
         memory = types.SimpleNamespace(MemoryAsync=type("MemoryAsync", (Memory,), {}),
                                        PooledMemory=type("PooledMemory", (Memory,), {}))
