@@ -245,6 +245,26 @@ def test_device_and_stream_enter_in_order_and_leave_in_reverse():
     assert log == [("enter device", 3), ("exit device", 3)]  # the device is left when the stream cannot be entered
 
 
+def test_cupys_own_device_refused_by_cudagetdevice_leaves_its_device_stack_alone():
+    """CuPy's own Device (its Cython) where CUDA refuses cudaGetDevice (no driver or no GPU here): its ``__enter__``
+    raises before it pushes, and neither scope pops CuPy's device stack, whose empty list raised an IndexError in
+    place of CUDA's error (the scopes tell by the traceback, whose frames Cython names)."""
+    cupy = pytest.importorskip("cupy")
+    from wsarena.arena._scopes import _OnDeviceEntered
+
+    try:
+        cupy.cuda.runtime.getDevice()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pass
+    else:
+        pytest.skip("CUDA answers cudaGetDevice here")
+    # _OnDevice asks the current device first: here device 1 is, for it to enter CuPy's Device of device 0
+    for scope in (_OnDevice(_runtime(1), cupy.cuda.Device(0), None), _OnDeviceEntered(cupy.cuda, cupy.cuda.Device(0),
+                                                                                      None)):
+        with pytest.raises(cupy.cuda.runtime.CUDARuntimeError), scope:
+            pytest.fail("entered")
+
+
 def test_a_device_current_already_is_not_entered_and_the_block_knows_it_without_asking(monkeypatch):
     """CuPy's Device asks cudaGetDevice as it enters and calls cudaSetDevice as it leaves, even where nothing changes:
     a device current already is asked once and left alone. Within the block the backend's device (its key, its arena,

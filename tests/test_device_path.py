@@ -260,6 +260,35 @@ def test_a_scope_interrupted_or_refused_as_it_enters_leaves_what_it_entered(wher
         assert getattr(_within, "device", None) is None
 
 
+@pytest.mark.parametrize("outer", [None, 1])
+@pytest.mark.parametrize("scope", ["_OnDevice", "_OnDeviceEntered"])
+def test_a_scope_whose_device_cudagetdevice_refuses_to_enter_leaves_cupys_device_stack_alone(scope, outer):
+    """CuPy's Device asks cudaGetDevice before it pushes the device it goes back to: where that raises (an error of an
+    earlier asynchronous launch, which CUDA reports through any call), it pushed nothing, and the scope leaves nothing
+    of it. Within CuPy's Device of device 1, that Device's entry stays its own, and it goes back to device 0; with
+    none, CuPy's stack stays empty; either way the error of CUDA's is what comes out. (The scope left the Device as
+    though it had pushed: it popped the enclosing Device's entry, whose exit then found the stack empty, or found it
+    empty itself, and an IndexError came out in place of CUDA's error.)"""
+    from wsarena.arena import _scopes
+
+    with fake_gpu() as gpu:
+        cuda = gpu.cupy.cuda
+        error = CUDARuntimeError(719)  # cudaErrorLaunchFailure
+        with contextlib.ExitStack() as stack:
+            if outer is not None:
+                stack.enter_context(cuda.Device(outer))
+            # on a device other than the current one, which _OnDevice asks cudaGetDevice for itself first
+            entered = getattr(_scopes, scope)(cuda, cuda.Device(1 - gpu.current_device()), None)
+            gpu.cupy.reported[:] = [error] if scope == "_OnDeviceEntered" else [None, error]
+            with pytest.raises(CUDARuntimeError) as info, entered:
+                pytest.fail("entered")
+            assert info.value is error and gpu.cupy.reported == []
+            assert gpu.current_device() == (0 if outer is None else outer)
+            assert gpu.cupy.thread().entered == ([] if outer is None else [0])
+        assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
+        assert getattr(_scopes._within, "device", None) is None
+
+
 # -- operands of other libraries, through wsarena._interop ------------------------------------------------------------
 @pytest.fixture
 def torch_gpu(gpu):

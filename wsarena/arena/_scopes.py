@@ -6,7 +6,9 @@ in use by another process in exclusive mode) left an entry there that the next `
 place of the one that ``Device`` found. :class:`_OnDevice` (the cuDNN backend's scope around an op, where its device is
 not current already) and :class:`_OnDeviceEntered` (around code of other libraries: wsarena._interop's, the device
 providers') leave it, and a stream they entered, where entering either raises, a Ctrl-C on the heels of a step
-included.
+included. A ``Device`` whose ``cudaGetDevice`` raised, before its push (an error of an earlier asynchronous launch,
+which CUDA reports through any call), pushed nothing and is not left: leaving it popped the entry of an enclosing
+``Device``, which then went back to another device, or raised IndexError on an empty stack in place of CUDA's error.
 """
 
 from __future__ import annotations
@@ -17,6 +19,20 @@ from typing import Any
 # .device: the CUDA device an op's context (_OnDevice, the cuDNN backend's context()) made current in this thread, for
 # the block; absent or None outside one
 _within = threading.local()
+
+
+def _pushed(error: BaseException) -> bool:
+    """Whether CuPy's ``Device.__enter__``, which raised ``error``, pushed the device it goes back to, which its
+    ``__exit__`` pops: it asks ``cudaGetDevice``, pushes the answer, then calls ``cudaSetDevice`` where its own device
+    differs (``cupy/cuda/device.pyx``), so it pushed unless the error came out of CuPy's ``runtime.getDevice``, whose
+    frame is then on the error's traceback (Cython records its own, named ``cupy_backends.cuda.api.runtime.getDevice``).
+    Read on the error path alone: the calls that succeed pay nothing for it."""
+    frame = error.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_code.co_name.rpartition(".")[2] == "getDevice":
+            return False
+        frame = frame.tb_next
+    return True
 
 
 class _OnDevice:
@@ -42,8 +58,9 @@ class _OnDevice:
     def __enter__(self) -> None:
         # No __exit__ runs for an __enter__ that raised, and a Ctrl-C lands as a call returns (never as one starts):
         # what was entered by then is left here. CuPy's Device pushes the device it goes back to before it sets its
-        # own, so it is recorded before it is entered; a stream is entered where it is CuPy's current one after,
-        # which it was not before (the backend's context() enters none that is).
+        # own, so it is recorded before it is entered, and unrecorded where it raised before its push (_pushed); a
+        # stream is entered where it is CuPy's current one after, which it was not before (the backend's context()
+        # enters none that is).
         outer = self.outer = getattr(_within, "device", None)
         cuda, device, stream = self.cuda, self.device, self.stream
         try:
@@ -51,7 +68,12 @@ class _OnDevice:
             # current still, as within the block nothing leaves another current
             if outer != device.id and cuda.runtime.getDevice() != device.id:
                 self.entered = device
-                device.__enter__()
+                try:
+                    device.__enter__()
+                except BaseException as error:
+                    if not _pushed(error):
+                        self.entered = None
+                    raise
             _within.device = device.id
             if stream is not None:
                 stream.__enter__()
@@ -96,8 +118,13 @@ class _OnDeviceEntered(_OnDevice):
         self.outer = getattr(_within, "device", None)
         try:
             _within.device = None
-            self.entered = device = self.device  # recorded before it is entered, as in _OnDevice
-            device.__enter__()
+            self.entered = device = self.device  # recorded before it is entered, and unrecorded, as in _OnDevice
+            try:
+                device.__enter__()
+            except BaseException as error:
+                if not _pushed(error):
+                    self.entered = None
+                raise
             if self.stream is not None:
                 self.stream.__enter__()
         except BaseException:
