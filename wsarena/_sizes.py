@@ -14,7 +14,8 @@ import os
 import re
 import reprlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, TypeGuard
 
 __all__ = ["format_size", "parse_size"]
@@ -207,6 +208,14 @@ def is_sequence(value: Any) -> TypeGuard[Sequence[Any]]:
     (:data:`TEXT_OR_BYTES`) are not, whose items would be read as characters or as small ints. The one test of "a
     sequence" behind every check of a shape or a per-dimension value."""
     return isinstance(value, Sequence) and not isinstance(value, TEXT_OR_BYTES)
+
+
+def is_ordered(value: Any) -> TypeGuard[Iterable[Any]]:
+    """Whether ``value`` is an ordered collection of values, which an argument taken in order (one entry per layer,
+    per pass, per planned stream) must be: any iterable, an iterator too, but text and binary data
+    (:data:`TEXT_OR_BYTES`: "fwd" would be ('f', 'w', 'd')), a set or a mapping (no order of their own: a set of str
+    iterates in another order each run, as str hashes are randomized; a mapping gives its keys)."""
+    return isinstance(value, Iterable) and not isinstance(value, (*TEXT_OR_BYTES, AbstractSet, Mapping))
 
 
 def is_choice(value: Any, choices: tuple[str, ...]) -> bool:

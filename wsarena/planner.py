@@ -29,8 +29,7 @@ import os
 import stat
 import sys
 import unicodedata
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ._config import _FROM_CONFIG, ALGO_SEARCHES, Config, _given, config
@@ -43,6 +42,7 @@ from ._sizes import (
     escaped,
     format_size,
     is_choice,
+    is_ordered,
     positive_batch,
     short_path,
     short_repr,
@@ -195,11 +195,10 @@ def _integer(value: Any) -> Any:
 
 
 def _ordered(name: str, value: Any, takes: str, why_ordered: str) -> Iterable[Any]:
-    """``value``, the argument ``name``, where it is an ordered collection of values; else a ``TypeError``: for text
-    or binary data ("fwd" would be ('f', 'w', 'd')), a set or a mapping (no order of their own: a set of str iterates
-    in another order each run, as str hashes are randomized; a mapping gives its keys), what cannot be iterated.
-    ``takes`` says what ``name`` takes; ``why_ordered``, after "a set has no order", why its order matters."""
-    if isinstance(value, (*TEXT_OR_BYTES, AbstractSet, Mapping)) or not isinstance(value, Iterable):
+    """``value``, the argument ``name``, where it is an ordered collection of values (:func:`is_ordered`); else a
+    ``TypeError``. ``takes`` says what ``name`` takes; ``why_ordered``, after "a set has no order", why its order
+    matters."""
+    if not is_ordered(value):
         why = f": a set has no order, {why_ordered}" if isinstance(value, (set, frozenset)) else ""
         raise TypeError(f"{name} must be {takes}, not {short_repr(value)}{why}")
     return value
