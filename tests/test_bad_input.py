@@ -28,6 +28,10 @@ INT32_MAX = 2**31 - 1  # the largest value a cuDNN descriptor holds
     ("layers", "error", "match"),
     [
         ("resnet50", TypeError, r"layers must be a list of ConvLayer, not 'resnet50': load it with"),
+        # binary data of any kind, as bytes was: a bytearray's ints were each refused ("layers[0] ... not int")
+        (b"\x01", TypeError, r"layers must be a list of ConvLayer, not b'\\x01': load it with"),
+        (bytearray(b"\x01"), TypeError, r"layers must be a list of ConvLayer, not bytearray\(b'\\x01'\): load it with"),
+        (memoryview(b"\x01"), TypeError, r"layers must be a list of ConvLayer, not <memory at .*>: load it with"),
         (["resnet50"], TypeError, r"layers\[0\] must be a ConvLayer, not str 'resnet50'"),
         (None, TypeError, r"layers must be a list of ConvLayer \(from wsarena.load_model\), not None"),
         (5, TypeError, "layers must be a list of ConvLayer"),

@@ -165,7 +165,7 @@ def checked_layers(layers: Any) -> list[ConvLayer]:
     """``layers`` as a new list, when it is a non-empty iterable of :class:`~wsarena.models.ConvLayer`.
 
     Raises ``TypeError`` or ``ValueError`` naming ``layers`` (and the entry) otherwise."""
-    if isinstance(layers, (str, bytes, os.PathLike)):
+    if isinstance(layers, (*TEXT_OR_BYTES, os.PathLike)):  # a model's source, or its bytes: no layers to iterate
         raise TypeError(f"layers must be a list of ConvLayer, not {short_repr(layers)}: load it with "
                         "wsarena.load_model()")
     if not isinstance(layers, Iterable):
