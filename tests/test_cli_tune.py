@@ -545,6 +545,65 @@ def _interrupt():
     raise KeyboardInterrupt
 
 
+class _LeftOnSecondCtrlC(list):
+    """The bars drawn (wsarena.cli's ``_bars``), whose remove() raises as a second Ctrl-C landing there would."""
+
+    def remove(self, value):
+        _interrupt()
+
+
+@pytest.mark.parametrize("command", [["tune"], ["report", "--search", "exhaustive"]])
+@pytest.mark.parametrize("where", ["in the wipe", "as the wipe is flushed", "as the bar is let go"])
+def test_a_second_ctrl_c_as_the_bar_is_wiped_still_wipes_it(capsys, model, monkeypatch, command, where):
+    """A second Ctrl-C (a key pressed twice, or held down) that lands as the first one's cleanup wipes the bar: in
+    its wipe, before the blanks are out, or as the bar leaves the bars a warning wipes, where it was let go before it
+    was wiped. The bar was left drawn, and "wsarena: interrupted" said onto its end, on the bar's row: it is wiped,
+    and the line starts a row of its own."""
+    from wsarena import cli
+    from wsarena.backends._cpu_backend import CpuBackend
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    real, calls = CpuBackend.measure, []
+
+    def measure(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:  # the first layer's three passes, then the second layer's first
+            _interrupt()
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuBackend, "measure", measure)
+    write, flush, second = sys.stderr.write, sys.stderr.flush, []
+
+    def wiping(text):
+        if text.startswith("\r ") and not second:  # the bar's wipe: blanks between two "\r"
+            if where == "in the wipe":
+                second.append(1)
+                _interrupt()
+            second.append(0)
+        return write(text)
+
+    def flushing():
+        flush()
+        if second == [0]:
+            second.append(1)
+            _interrupt()
+
+    monkeypatch.setattr(sys.stderr, "write", wiping)
+    monkeypatch.setattr(sys.stderr, "flush", flushing)
+    if where == "as the bar is let go":
+        monkeypatch.setattr(cli, "_bars", _LeftOnSecondCtrlC())
+    try:
+        code, out, err = run_main(capsys, command[0], model, "--backend", "cpu", *command[1:])
+    except KeyboardInterrupt:  # caught here: left to pytest, it would end the whole run
+        pytest.fail("the Ctrl-C left main()")
+    assert (code, out) == (130, "")
+    assert where == "as the bar is let go" or second[-1] == 1  # the second Ctrl-C landed where it was meant to
+    bar = re.search(r"\r(\[[#.]+\] 1/4 stem *)", err)
+    assert bar, err  # the bar was drawn ...
+    wipe = r"\r {" + str(len(bar[1])) + r",}\r"  # ... and wiped before the line, which is said once
+    assert re.search(re.escape(bar[1]) + r"(" + wipe + r")+wsarena: interrupted\n\Z", err), err
+
+
 @pytest.mark.parametrize("command", [["report"], ["report", "--search", "exhaustive"], ["tune"]])
 def test_a_ctrl_c_in_a_finalizer_still_stops_the_command(capsys, model, monkeypatch, command):
     """A Ctrl-C that lands in a finalizer (the collector runs them anywhere, and planning from device properties

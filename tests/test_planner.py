@@ -1068,3 +1068,29 @@ def test_text_progress_wipes_a_bar_whose_write_a_ctrl_c_interrupted_as_it_return
     frame, wipe, end = terminal.getvalue().split("\r")[1:]
     assert frame.startswith("[") and end == ""
     assert wipe.strip() == "" and len(wipe) >= len(frame)
+
+
+def test_text_progress_wipes_a_bar_whose_wipe_a_ctrl_c_interrupted():
+    """A Ctrl-C that lands in clear(), before its blanks are out: the bar was marked wiped first, and the next clear()
+    (the CLI's, before it says "wsarena: interrupted") wiped nothing, leaving that line after the bar on the same row.
+    Once the wipe is out, a clear() more is nothing."""
+
+    class InterruptedTerminal(FakeTerminal):
+        interrupt = True
+
+        def write(self, text):
+            if self.interrupt and text.startswith("\r "):
+                self.interrupt = False
+                raise KeyboardInterrupt
+            return super().write(text)
+
+    terminal = InterruptedTerminal()
+    show = text_progress(terminal)
+    show(1, 3, "conv1")
+    with pytest.raises(KeyboardInterrupt):
+        show.clear()
+    show.clear()
+    show.clear()
+    frame, wipe, end = terminal.getvalue().split("\r")[1:]
+    assert frame.startswith("[") and end == ""
+    assert wipe.strip() == "" and len(wipe) >= len(frame)

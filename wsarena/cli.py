@@ -35,6 +35,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose
 def main(argv: Sequence[str] | None = None) -> int:
     global _interrupted
     _interrupted = False
+    _bars.clear()  # a bar that a second Ctrl-C left there in an earlier call (_progress_bar), wiped by then
     try:
         with _one_line_warnings(), _kept_interrupts():
             return _main(argv)
@@ -55,6 +56,8 @@ def _say_interrupted() -> None:
     the mark and the write loses it instead, a window of one statement."""
     global _interrupted
     if not _interrupted:
+        for bar in _bars:  # one whose wipe a second Ctrl-C cut short (_progress_bar): the line would follow it
+            bar.clear()
         _interrupted = True
         _say("wsarena: interrupted")
 
@@ -238,8 +241,10 @@ def _progress_bar() -> Iterator[Any]:
     try:
         yield bar
     finally:
-        _bars.remove(bar)
+        # wiped before it is let go: a second Ctrl-C that lands in the wipe leaves it among the bars, which
+        # _say_interrupted() wipes before its line, where the line was said onto the end of the bar
         bar.clear()
+        _bars.remove(bar)
 
 
 def _model_file(model: str) -> str | None:

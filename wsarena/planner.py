@@ -525,14 +525,15 @@ class ProgressBar:
         """Wipe the bar if one is drawn (nothing otherwise)."""
         if not self.shown:
             return
+        if self.out is not None:
+            try:
+                self.out.write("\r" + " " * min(self.drawn, self._columns()) + "\r")
+                self.out.flush()
+            except (OSError, ValueError):  # a terminal gone (closed, hung up): nothing left to wipe
+                pass
+        # marked wiped after the wipe: a Ctrl-C that lands in it leaves the bar shown, for the next clear() (the
+        # CLI's, before "wsarena: interrupted") to wipe (blanks over blanks where the first wipe was out)
         self.shown = False
-        if self.out is None:
-            return
-        try:
-            self.out.write("\r" + " " * min(self.drawn, self._columns()) + "\r")
-            self.out.flush()
-        except (OSError, ValueError):  # a terminal gone (closed, hung up): nothing left to wipe
-            pass
 
 
 def _cut(text: str, columns: int) -> tuple[str, int]:
