@@ -531,14 +531,11 @@ def test_cudas_device_count_is_asked_once_for_calls_on_devices_it_has(torch_gpu)
     assert gpu.calls["cudaGetDeviceCount"] == 0
 
 
-def test_operands_of_another_library_beside_torchs_still_get_cupys_device_which_sets_the_device_back(torch_gpu,
-                                                                                                      monkeypatch):
-    """An array of another library's beside a tensor: the library's own code runs in the call (here its from_dlpack,
-    which takes the result, makes device 1 current and leaves it so), and CuPy's Device is entered as before, which
-    makes the device it found current again as it leaves; the ops ask the device again."""
+def _unruly_operands(gpu, monkeypatch):
+    """An array of another library's ("unrulyarrays", whose from_dlpack of the result makes device 1 current and
+    leaves it so) and a tensor, both on device 0."""
     import types
 
-    gpu = torch_gpu
     set_device = gpu.cupy.cuda.runtime.setDevice
 
     def from_dlpack(result):
@@ -547,7 +544,16 @@ def test_operands_of_another_library_beside_torchs_still_get_cupys_device_which_
 
     monkeypatch.setitem(sys.modules, "unrulyarrays", types.SimpleNamespace(from_dlpack=from_dlpack))
     Unruly = type("Unruly", (CudaArray,), {"__module__": "unrulyarrays"})
-    x, w = Unruly(gpu.cupy.array(X)), cuda_tensor(gpu, W)
+    return Unruly(gpu.cupy.array(X)), cuda_tensor(gpu, W)
+
+
+def test_operands_of_another_library_beside_torchs_still_get_cupys_device_which_sets_the_device_back(torch_gpu,
+                                                                                                      monkeypatch):
+    """An array of another library's beside a tensor: the library's own code runs in the call (here its from_dlpack,
+    which takes the result, makes device 1 current and leaves it so), and CuPy's Device is entered as before, which
+    makes the device it found current again as it leaves; the ops ask the device again."""
+    gpu = torch_gpu
+    x, w = _unruly_operands(gpu, monkeypatch)
     wsarena.conv_forward(x, w, padding=1)
     assert gpu.current_device() == 0
     mark = len(gpu.record.log)
@@ -564,18 +570,8 @@ def test_a_stream_given_beside_another_librarys_operands_is_left_on_its_device_w
     leaves device 1 current: s is left with device 0 current again, as CuPy sets the stream it goes back to as the
     current one of the device current then where that stream is tied to none (its null stream), so that CuPy's
     current stream of device 0 is its null stream after the call, not s, and device 1's is untouched."""
-    import types
-
     gpu = torch_gpu
-    set_device = gpu.cupy.cuda.runtime.setDevice
-
-    def from_dlpack(result):
-        set_device(1)
-        return result
-
-    monkeypatch.setitem(sys.modules, "unrulyarrays", types.SimpleNamespace(from_dlpack=from_dlpack))
-    Unruly = type("Unruly", (CudaArray,), {"__module__": "unrulyarrays"})
-    x, w = Unruly(gpu.cupy.array(X)), cuda_tensor(gpu, W)
+    x, w = _unruly_operands(gpu, monkeypatch)
     side = gpu.cupy.cuda.Stream(0x5000, 0)
     for _ in range(2):
         wsarena.conv_forward(x, w, padding=1, stream=side if given == "CuPy's stream" else 0x5000)

@@ -300,6 +300,19 @@ def test_the_settings_and_arena_blocks_run_as_written():
     assert (stats.capacity_bytes, stats.leases, stats.high_water_bytes) == (0, 0, 1 << 20)  # reserved, trimmed
 
 
+def _small_model(torch: Any) -> Any:
+    """The model the PyTorch blocks run on, its weights seeded: convolutions with and without bias, batch norm, a
+    transposed convolution."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(),
+        nn.ConvTranspose2d(8, 4, 2, stride=2),
+    )
+
+
 def test_the_pytorch_blocks_run_as_written_train_as_pytorch_and_plan_the_model(monkeypatch, tmp_path, capsys):
     """``convert`` and its training loop, on a float64 model (convolutions with and without bias, batch norm, a
     transposed convolution), train it as PyTorch's own convolutions do (1e-10); the block that plans a model prints
@@ -309,12 +322,7 @@ def test_the_pytorch_blocks_run_as_written_train_as_pytorch_and_plan_the_model(m
 
     import wsarena.torch as wt
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(),
-        nn.ConvTranspose2d(8, 4, 2, stride=2),
-    ).double()
+    model = _small_model(torch).double()
     reference = copy.deepcopy(model)
     loader = [(torch.randn(2, 3, 16, 16, dtype=torch.float64), torch.randn(2, 4, 16, 16, dtype=torch.float64))
               for _ in range(3)]
@@ -361,12 +369,7 @@ def test_the_torch_cuda_graph_block_runs_as_written_and_replays_pytorchs_own_ste
 
     import wsarena.torch as wt
 
-    torch.manual_seed(0)
-    reference = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(),
-        nn.ConvTranspose2d(8, 4, 2, stride=2),
-    ).cuda()
+    reference = _small_model(torch).cuda()
     model = wt.convert(copy.deepcopy(reference))
     static_x, next_x, static_target = (torch.randn(2, c, 16, 16, device="cuda") for c in (3, 3, 4))
     loss_fn = nn.MSELoss()
