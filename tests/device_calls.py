@@ -5,8 +5,9 @@ every call a convolution makes into them.
 :mod:`wsarena.arena.streams` use of CuPy, made the way CuPy 14.2's Cython is (``cupy/cuda/device.pyx``, ``stream.pyx``):
 ``Device()`` asks ``cudaGetDevice``, entering a ``Device`` asks it, pushes what it answered, and sets the device where
 it differs, leaving one pops that and sets it (an error of ``cudaGetDevice``'s, :attr:`reported`, pushes nothing);
-entering a ``Stream`` asks the device (twice for a stream tied to none, ``Stream.from_external``'s), and so does leaving
-one to a stream tied to none (the null stream); ``get_current_stream(device)`` is a thread's own table, asking the
+entering a ``Stream`` asks the device (twice for a stream tied to none, ``Stream.from_external``'s: the second after it
+pushed the stream, which an error there leaves pushed but not current), and so does leaving one to a stream tied to
+none (the null stream); ``get_current_stream(device)`` is a thread's own table, asking the
 device only when given none, which entering or leaving a stream sets on the stream's device, or for one tied to none on
 the device current then (whatever stack the stream came off: CuPy's ``set_current_stream``); ``ExternalStream`` is a
 sibling of ``Stream``, not a subclass. The current device and streams are the calling thread's, as CUDA's and CuPy's
@@ -182,30 +183,36 @@ class FakeCupy(types.ModuleType):
             def __cuda_stream__(self) -> tuple[int, int]:
                 return (0, self.ptr)
 
-            def _device(self) -> int:  # check_stream_device_match
+            # Named as stream.pyx's steps are, which the tracebacks of CuPy's errors name (Cython's frames), as the
+            # ops' scopes read them: entering asks the device (check_stream_device_match), pushes the stream and its
+            # device (push_stream), then makes it current (set_current_stream), asking the device again for a stream
+            # tied to none, so that an error there leaves the stream pushed but not current
+            def check_stream_device_match(self) -> int:
                 current = getDevice()
                 if self.device_id not in (-1, current):
                     raise RuntimeError(f"The device that the stream is created on ({self.device_id}) does not match "
                                        f"with the current device ({current})")
                 return current
 
-            def _made_current(self) -> None:  # set_current_stream: asks the device for a stream tied to none
+            def push_stream(self, device: int) -> None:
+                thread().streams[device].append(self)
+                thread().stream_devices.append(device)
+                self.set_current_stream()
+
+            def set_current_stream(self) -> None:  # asks the device for a stream tied to none
                 thread().current[getDevice() if self.device_id == -1 else self.device_id] = self
 
             def __enter__(self) -> Self:
                 record("cupy.cuda.Stream.__enter__", self.ptr)
-                device = self._device()
-                thread().streams[device].append(self)
-                thread().stream_devices.append(device)
-                self._made_current()
+                self.push_stream(self.check_stream_device_match())
                 return self
 
-            def __exit__(self, *exc: object) -> None:
+            def __exit__(self, *exc: object) -> None:  # pop_stream
                 record("cupy.cuda.Stream.__exit__", self.ptr)
                 device = thread().stream_devices.pop()
                 stack = thread().streams[device]
                 stack.pop()
-                stack[-1]._made_current()
+                stack[-1].set_current_stream()
 
             def __repr__(self) -> str:
                 return f"<fake cupy Stream {self.ptr:#x}>"
@@ -214,8 +221,9 @@ class FakeCupy(types.ModuleType):
         Stream.ptds = Stream(2)
         # CuPy's deprecated ExternalStream(ptr, device_id): a _BaseStream as Stream is, no Stream
         external = type("ExternalStream", (), {name: value for name, value in vars(Stream).items()
-                                               if name in ("__init__", "__cuda_stream__", "_device", "_made_current",
-                                                           "__enter__", "__exit__", "__repr__")})
+                                               if name in ("__init__", "__cuda_stream__", "check_stream_device_match",
+                                                           "push_stream", "set_current_stream", "__enter__",
+                                                           "__exit__", "__repr__")})
 
         def get_current_stream(device_id: int = -1) -> Stream:
             record("cupy.cuda.get_current_stream")
