@@ -289,6 +289,40 @@ def test_a_scope_whose_device_cudagetdevice_refuses_to_enter_leaves_cupys_device
         assert getattr(_scopes._within, "device", None) is None
 
 
+@pytest.mark.parametrize("outer", [None, 0x6000])
+@pytest.mark.parametrize("scope", ["_OnDevice", "_OnDeviceEntered"])
+def test_a_scope_whose_stream_pushed_but_not_made_current_leaves_cupys_stream_stack(scope, outer):
+    """CuPy's stream pushes itself and its device before it makes itself current, which for a stream tied to no
+    device (``Stream.from_external``'s) asks cudaGetDevice again: where that raises, the stream is on CuPy's stack
+    though not current, and the scope leaves it there too. CuPy's stacks are as before, an enclosing stream the
+    current one, and its exit goes back to the null stream; CUDA's error is what comes out. (Left only where current,
+    the stream stayed on the stack, and the enclosing stream's exit took its entry and left that stream current.)"""
+    from wsarena.arena import _scopes
+
+    with fake_gpu() as gpu:
+        cuda = gpu.cupy.cuda
+        thread = gpu.cupy.thread()
+        error = CUDARuntimeError(719)  # cudaErrorLaunchFailure
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(cuda.Device(1))
+            if outer is not None:
+                stack.enter_context(cuda.Stream(outer, 1))
+            before = ([list(entries) for entries in thread.streams], list(thread.entered), list(thread.current))
+            # device 1 current, which _OnDevice asks for and so does not enter, where _OnDeviceEntered's Device asks
+            # for it as it enters; then the stream asks as it enters and again as it is made current
+            entered = getattr(_scopes, scope)(cuda, cuda.Device(1), cuda.Stream(0x5000, -1))
+            gpu.cupy.reported[:] = [None, None, error]
+            with pytest.raises(CUDARuntimeError) as info, entered:
+                pytest.fail("entered")
+            assert info.value is error and gpu.cupy.reported == []
+            assert ([list(entries) for entries in thread.streams], thread.entered, thread.current) == before
+            assert gpu.current_device() == 1 and cuda.get_current_stream(1).ptr == (outer or 0)
+        assert gpu.current_device() == 0 and thread.entered == []
+        assert [[s.ptr for s in entries] for entries in thread.streams] == [[0], [0]]
+        assert [cuda.get_current_stream(d).ptr for d in (0, 1)] == [0, 0]
+        assert getattr(_scopes._within, "device", None) is None
+
+
 # -- operands of other libraries, through wsarena._interop ------------------------------------------------------------
 @pytest.fixture
 def torch_gpu(gpu):

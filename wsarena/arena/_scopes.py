@@ -9,6 +9,8 @@ providers') leave it, and a stream they entered, where entering either raises, a
 included. A ``Device`` whose ``cudaGetDevice`` raised, before its push (an error of an earlier asynchronous launch,
 which CUDA reports through any call), pushed nothing and is not left: leaving it popped the entry of an enclosing
 ``Device``, which then went back to another device, or raised IndexError on an empty stack in place of CUDA's error.
+A stream tied to no device whose ``cudaGetDevice`` raised as CuPy made it current, after its push, is left though it
+is not current: left on CuPy's stack, its entry was taken by the next exit of an enclosing stream, which stayed current.
 """
 
 from __future__ import annotations
@@ -21,18 +23,21 @@ from typing import Any
 _within = threading.local()
 
 
-def _pushed(error: BaseException) -> bool:
-    """Whether CuPy's ``Device.__enter__``, which raised ``error``, pushed the device it goes back to, which its
-    ``__exit__`` pops: it asks ``cudaGetDevice``, pushes the answer, then calls ``cudaSetDevice`` where its own device
-    differs (``cupy/cuda/device.pyx``), so it pushed unless the error came out of CuPy's ``runtime.getDevice``, whose
-    frame is then on the error's traceback (Cython records its own, named ``cupy_backends.cuda.api.runtime.getDevice``).
-    Read on the error path alone: the calls that succeed pay nothing for it."""
+def _raised_in(error: BaseException, name: str) -> bool:
+    """Whether ``error`` came out of a function named ``name``, whose frame is then on its traceback (Cython records
+    CuPy's own, named with their module and class: ``cupy_backends.cuda.api.runtime.getDevice``). It tells how far a
+    CuPy ``__enter__`` that raised got: ``Device``'s asks ``cudaGetDevice``, pushes the answer, then calls
+    ``cudaSetDevice`` where its own device differs (``cupy/cuda/device.pyx``), so it pushed unless the error came out
+    of ``getDevice``; a stream's asks the device (``check_stream_device_match``), pushes the stream, then makes it
+    current (``set_current_stream``, which asks the device again for a stream tied to none: ``stream.pyx``), so an
+    error out of that left it pushed, though not current. Read on the error path alone: the calls that succeed pay
+    nothing for it."""
     frame = error.__traceback__
     while frame is not None:
-        if frame.tb_frame.f_code.co_name.rpartition(".")[2] == "getDevice":
-            return False
+        if frame.tb_frame.f_code.co_name.rpartition(".")[2] == name:
+            return True
         frame = frame.tb_next
-    return True
+    return False
 
 
 class _OnDevice:
@@ -58,9 +63,9 @@ class _OnDevice:
     def __enter__(self) -> None:
         # No __exit__ runs for an __enter__ that raised, and a Ctrl-C lands as a call returns (never as one starts):
         # what was entered by then is left here. CuPy's Device pushes the device it goes back to before it sets its
-        # own, so it is recorded before it is entered, and unrecorded where it raised before its push (_pushed); a
-        # stream is entered where it is CuPy's current one after, which it was not before (the backend's context()
-        # enters none that is).
+        # own, so it is recorded before it is entered, and unrecorded where it raised before its push (_raised_in); a
+        # stream is left where it is CuPy's current one after, which it was not before (the backend's context()
+        # enters none that is), or was pushed before it could be made current.
         outer = self.outer = getattr(_within, "device", None)
         cuda, device, stream = self.cuda, self.device, self.stream
         try:
@@ -71,23 +76,26 @@ class _OnDevice:
                 try:
                     device.__enter__()
                 except BaseException as error:
-                    if not _pushed(error):
+                    if _raised_in(error, "getDevice"):  # before its push
                         self.entered = None
                     raise
             _within.device = device.id
             if stream is not None:
                 stream.__enter__()
-        except BaseException:
-            self._unwind()
+        except BaseException as error:
+            self._unwind(error)
             raise
 
-    def _unwind(self) -> None:
-        """Leave what an ``__enter__`` that raised had entered, as its ``__exit__`` would have."""
+    def _unwind(self, error: BaseException) -> None:
+        """Leave what an ``__enter__`` that raised ``error`` had entered, as its ``__exit__`` would have: the stream
+        where it is current, or where it was pushed before it could be made current (:func:`_raised_in`; left on
+        CuPy's stack, the next exit of an enclosing stream took its entry and left that stream current)."""
         _within.device = self.outer
         entered, self.entered = self.entered, None
         stream = self.stream
         try:
-            if stream is not None and self.cuda.get_current_stream(self.device.id) is stream:
+            if stream is not None and (self.cuda.get_current_stream(self.device.id) is stream
+                                       or _raised_in(error, "set_current_stream")):
                 stream.__exit__(None, None, None)
         finally:
             if entered is not None:
@@ -122,13 +130,13 @@ class _OnDeviceEntered(_OnDevice):
             try:
                 device.__enter__()
             except BaseException as error:
-                if not _pushed(error):
+                if _raised_in(error, "getDevice"):
                     self.entered = None
                 raise
             if self.stream is not None:
                 self.stream.__enter__()
-        except BaseException:
-            self._unwind()
+        except BaseException as error:
+            self._unwind(error)
             raise
 
     def __exit__(self, *exc: object) -> None:
