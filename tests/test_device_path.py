@@ -686,7 +686,7 @@ class _LeavesDevice1Current:
         return self.interface
 
 
-def test_a_call_within_an_ops_scope_asks_the_device_again_after_another_librarys_code(gpu, monkeypatch):
+def test_a_call_within_an_ops_scope_asks_the_device_again_after_another_librarys_code(gpu):
     """A call made within another call's scope on the same device (a provider's code, a finaliser or a signal handler
     of this thread's), on an array of another library's whose code, run within the call's scope (here reading its
     ``__cuda_array_interface__``), leaves device 1 current: the ops' scope asks the device again, as the interop's
@@ -703,15 +703,20 @@ def test_a_call_within_an_ops_scope_asks_the_device_again_after_another_librarys
         ran_on.append(gpu.current_device())
         return recorder(*args)
 
-    monkeypatch.setitem(_prototypes._bound, name, execute)
-    x, w = _LeavesDevice1Current(gpu, gpu.cupy.array(X)), gpu.cupy.array(W)
-    wsarena.conv_forward(x, w, padding=1)  # planned outside any scope
-    _within.device = 0  # the enclosing call's scope, on device 0, current already
+    # put back here, not by monkeypatch, whose undo comes after the stand-in's teardown (the autouse fixtures take
+    # monkeypatch first) and would leave the recorder bound for the tests after
+    _prototypes._bound[name] = execute
     try:
-        result = wsarena.conv_forward(x, w, padding=1)
-        assert _within.device == 0
+        x, w = _LeavesDevice1Current(gpu, gpu.cupy.array(X)), gpu.cupy.array(W)
+        wsarena.conv_forward(x, w, padding=1)  # planned outside any scope
+        _within.device = 0  # the enclosing call's scope, on device 0, current already
+        try:
+            result = wsarena.conv_forward(x, w, padding=1)
+            assert _within.device == 0
+        finally:
+            _within.device = None
     finally:
-        _within.device = None
+        _prototypes._bound[name] = recorder
     assert ran_on == [0, 0] and result.data.device_id == 0
     assert gpu.current_device() == 0 and gpu.cupy.thread().entered == []
 
