@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["gpu_count", "gpu_unusable_reason"]
+__all__ = ["gpu_count", "gpu_unusable_reason", "no_such_device"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,3 +32,9 @@ def gpu_count() -> int:
 def gpu_unusable_reason() -> str | None:
     """``None`` when a GPU is usable, else one line saying why not."""
     return _probe()[1]
+
+
+def no_such_device(device: int, count: int) -> str:
+    """What is said of CUDA device ``device`` where CUDA counts ``count`` devices, at most ``device``: by
+    ``get_arena(device)`` and by the ops on operands that name it."""
+    return f"CUDA has no device {device} here: it counts {count}{'' if count == 0 else f' (0 to {count - 1})'}"

@@ -52,6 +52,7 @@ import numpy as np
 
 from ._config import get_config
 from ._dlpack import BFLOAT16, INT16, Export, ReadOnlyExport
+from ._gpu import no_such_device
 from ._pass import Pass
 from ._sizes import TEXT_OR_BYTES, as_int, short_repr
 from .arena._registry import make_device_arena
@@ -298,8 +299,7 @@ def _check_device(device: int, operands: list[_Operand]) -> None:
     _devices = count
     if device >= count:
         raise ValueError(
-            f"{', '.join(op.where() for op in operands if op.device is not None)}; CUDA has no device {device} here: "
-            f"it counts {count}{'' if count == 0 else f' (0 to {count - 1})'}"
+            f"{', '.join(op.where() for op in operands if op.device is not None)}; {no_such_device(device, count)}"
         )
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import _forksafe
 from .._config import get_config
-from .._gpu import gpu_count, gpu_unusable_reason
+from .._gpu import gpu_count, gpu_unusable_reason, no_such_device
 from .._sizes import short_repr
 from ..errors import BackendUnavailableError
 from ._arena import Arena, _non_negative_int
@@ -78,9 +78,8 @@ def get_arena(device: Any = None) -> Arena:
     else:
         ordinal = int(key)  # not "cpu": an ordinal
         count = gpu_count()
-        if ordinal >= count:  # worded as the ops word an operand's device past the count (_interop)
-            raise ValueError(f"get_arena({short_repr(device)}): CUDA has no device {ordinal} here: it counts {count}"
-                             f"{'' if count == 0 else f' (0 to {count - 1})'}")
+        if ordinal >= count:
+            raise ValueError(f"get_arena({short_repr(device)}): {no_such_device(ordinal, count)}")
     return make_device_arena(ordinal, get_config().allocator)
 
 
