@@ -197,6 +197,27 @@ def test_arguments_left_over_are_named_shortened_with_the_subcommands_help(capsy
 
 
 @pytest.mark.parametrize(("argv", "says"), [
+    (["--bogus", "report", "vgg16"], "unrecognized arguments before the command: --bogus (see 'wsarena --help')"),
+    (["-v", "cache", "info"], "unrecognized arguments before the command: -v (see 'wsarena --help')"),
+    (["--bogus", "report", "vgg16", "--bad"],
+     ("unrecognized arguments before the command: --bogus (see 'wsarena --help'), and after it: --bad "
+      "(see 'wsarena report --help')")),
+    (["--batch=4", "--x", "--dtype=float16", "--batch=8", "tune", "vgg16"],
+     ("unrecognized arguments before the command: --batch=4 --x --dtype=float16 --batch=8 (see 'wsarena --help'); "
+      "tune's own options (--batch, --dtype) go after it")),
+    (["--format=json", "info"],
+     ("unrecognized arguments before the command: --format=json (see 'wsarena --help'); info's own options "
+      "(--format) go after it")),
+])
+def test_arguments_left_over_before_the_command_are_said_with_the_top_help(capsys, argv, says):
+    """An unknown option before the command is the top parser's, whose help lists the options taken there: argparse
+    puts them in one list with the command's own, and the error pointed at the command's help, which lists options
+    that are not taken there. One of the command's own, given before it, is said to go after it."""
+    code, out, err = run_main(capsys, *argv)
+    assert (code, out, err) == (2, "", f"wsarena: error: {says}\n")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
     (["--bogus"], "unrecognized arguments: --bogus; "),
     (["-v"], "unrecognized arguments: -v; "),
     (["--bogus", "--x=" + "x" * 100_000], f"unrecognized arguments: --bogus --x={'x' * 15}...{'x' * 28}; "),

@@ -31,17 +31,31 @@ class OutputError(Exception):
 
 
 _AMBIGUOUS = re.compile(r"(ambiguous option: )(.*)( could match -[^ ]*(?:, -[^ ]*)*)", re.DOTALL)
+_AFTER_COMMAND = "_wsarena_after_command"  # a command's leftovers, on its namespace (_Parser.parse_known_args)
 _IGNORED = re.compile(r"(argument [^ ]+: ignored explicit argument )('.*'|\".*\")", re.DOTALL)
 
 
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._commands: Any = None  # the subcommands, on the top parser (add_subparsers)
         # What starts as a negative number (-2%, -2e-2, -inf, -nan) is a value, for its flag's check to say what is
         # wrong with it, not an unknown option that leaves the flag "expected one argument": argparse before Python
         # 3.14 takes only a plain number (-2, -0.5) so; 3.14's own matcher takes what starts with a digit. No flag
         # of wsarena's starts with a digit, "inf" or "nan".
         self._negative_number_matcher = re.compile(r"-(\.?[0-9]|inf|nan)", re.IGNORECASE)
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        self._commands = super().add_subparsers(**kwargs)
+        return self._commands
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if self._commands is None:
+            # a command's parser: its leftovers, which argparse adds to the top parser's (those before the command)
+            # in one list, kept apart for parse_args() to say which help lists the options of each position
+            setattr(parsed, _AFTER_COMMAND, list(extras))
+        return parsed, extras
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         # A flag's choice in any case (--backend CPU, --layout nhwc), as the variables take theirs (WSARENA_BACKEND=
@@ -88,10 +102,12 @@ class _Parser(argparse.ArgumentParser):
             raise argparse.ArgumentError(action, f"invalid choice: {short_repr(value)} (choose from {choices})")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
-        """As argparse's, but arguments left over are named shortened, with the help of the subcommand given,
-        which argparse leaves to the top parser: "unrecognized arguments: ... (see 'wsarena --help')"; and no
-        command given is said with the commands, after any arguments left over."""
+        """As argparse's, but arguments left over are named shortened, with the help that lists the options of
+        their position: the subcommand's for those after it, which argparse leaves to the top parser ("unrecognized
+        arguments: ... (see 'wsarena --help')"), the top parser's for those before it; and no command given is said
+        with the commands, after any arguments left over."""
         parsed, extras = self.parse_known_args(args, namespace)
+        after = vars(parsed).pop(_AFTER_COMMAND, [])
         if getattr(parsed, "command", ...) is None:  # the top parser, whose command is optional so that this says
             # what was wrong: argparse's "the following arguments are required: command" was all that `wsarena -v`
             # or `wsarena --bogus` gave, the option given not named, nor the commands
@@ -100,10 +116,20 @@ class _Parser(argparse.ArgumentParser):
             if extras:
                 raise UsageError(f"unrecognized arguments: {short_repr(' '.join(extras))[1:-1]}; {expected}")
             raise UsageError(expected)
-        if extras:
-            command = getattr(parsed, "command", None)
-            prog = self.prog if command is None else f"{self.prog} {command}"
-            raise UsageError(f"unrecognized arguments: {short_repr(' '.join(extras))[1:-1]} (see '{prog} --help')")
+        # What is left before the command is none of the top parser's options (--help, --version), which its help
+        # lists, where the command's help was named, whose options are not taken there
+        before, command = extras[:len(extras) - len(after)], getattr(parsed, "command", None)
+        said = [f"{short_repr(' '.join(left))[1:-1]} (see '{prog} --help')" for left, prog in
+                ((before, self.prog), (after, self.prog if command is None else f"{self.prog} {command}")) if left]
+        if before:
+            # an option of the command's given before it (--batch=4 report): say where it goes
+            flags = {} if self._commands is None else self._commands.choices[command]._option_string_actions
+            theirs = list(dict.fromkeys(flag for flag in (arg.partition("=")[0] for arg in before) if flag in flags))
+            hint = f"; {command}'s own options ({', '.join(theirs)}) go after it" if theirs else ""
+            rest = f", and after it: {said[1]}" if after else ""
+            raise UsageError(f"unrecognized arguments before the command: {said[0]}{rest}{hint}")
+        if after:
+            raise UsageError(f"unrecognized arguments: {said[0]}")
         return parsed
 
 
