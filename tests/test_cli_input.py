@@ -590,6 +590,22 @@ def test_the_onnx_loaders_flags_are_refused_for_another_model(capsys, tmp_path, 
 
 
 @pytest.mark.parametrize("command", ["report", "tune"])
+@pytest.mark.parametrize("flags", [["--skip-unknown"], ["--asymmetric-pads", "error"], ["--input-shape", "1,3,8,8"],
+                                   ["--skip-unknown", "--input-shape", "1,3,8,8"]])
+def test_an_unknown_model_is_said_before_its_onnx_flags_are_refused(capsys, tmp_path, command, flags):
+    """A name that names no model, given with a flag of ONNX models, was refused as a model other than ONNX ("--skip-
+    unknown applies to .onnx models only, not 'resnt50'"): the typo's hint was lost, and the name's error is the
+    real problem (the flag may be right for the model meant)."""
+    code, out, err = run_main(capsys, command, "resnt50", "--backend", "cpu", *flags)
+    assert (code, out) == (2, "")
+    assert err.startswith("wsarena: error: unknown model 'resnt50': not a zoo model (resnet50, ")
+    assert err.endswith(" nor a .onnx or .json file; did you mean 'resnet50'?\n")
+    (tmp_path / "model.onx").write_text("")
+    code, out, err = run_main(capsys, command, str(tmp_path / "model.onx"), "--backend", "cpu", *flags)
+    assert (code, out) == (2, "") and err.endswith("unknown model file extension '.onx'; expected .onnx or .json\n")
+
+
+@pytest.mark.parametrize("command", ["report", "tune"])
 @pytest.mark.parametrize("batch", [2**31, 10**20])
 def test_a_batch_above_what_the_geometry_takes_is_refused_by_its_flag(capsys, command, batch):
     """A batch above 2**31 - 1 was refused as the first layer's input_shape, --batch not named; 2**31 - 1 itself is

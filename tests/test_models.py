@@ -465,6 +465,22 @@ def test_unknown_zoo_name_lists_the_zoo():
     assert "unknown model 'resnet5'" in msg and all(n in msg for n in zoo_names()) and "did you mean 'resnet50'" in msg
 
 
+def test_an_unknown_model_is_said_before_input_shapes_is_refused_for_it(tmp_path):
+    """input_shapes= with a name that names no model said only that input_shapes applies to .onnx models: the name's
+    own error, with its hint, is the real problem. A zoo model or a .json layer list still refuses input_shapes."""
+    (tmp_path / "m.txt").write_text("")
+    for source, says in [("resnt50", r"^unknown model 'resnt50': .*; did you mean 'resnet50'\?$"),
+                         (pathlib.Path("resnet50"), r"^no model file 'resnet50': .* is named by a str, not a path$"),
+                         (tmp_path, r"is a folder: expected a \.onnx or \.json file$"),
+                         (tmp_path / "m.txt", r"unknown model file extension '\.txt'; expected \.onnx or \.json$")]:
+        with pytest.raises(ModelError, match=says):
+            load_model(source, input_shapes=(1, 3, 8, 8))
+    for source in ("ResNet50", tmp_path / "m.json"):
+        with pytest.raises(ValueError, match=r"^input_shapes \(--input-shape\) applies to \.onnx models only") as no:
+            load_model(source, input_shapes=(1, 3, 8, 8))
+        assert type(no.value) is ValueError
+
+
 def test_a_path_that_names_no_file_is_not_called_an_unknown_zoo_model(tmp_path):
     # it read "not a zoo model (resnet50, ...); did you mean 'resnet50'?" of Path("resnet50")
     with pytest.raises(ModelError, match=r"^no model file 'resnet50': expected a \.onnx or \.json file; the zoo model "

@@ -256,13 +256,14 @@ def _model_file(model: str) -> str | None:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from .models import load_model
+    from .models import check_model_named, load_model
 
     # The ONNX loader's flags, refused for another model as --input-shape is (by load_model()), where they were
     # taken and did nothing: a zoo model or a layer list has every shape known and its pads symmetric
     onnx_only = [flag for flag, given in (("--skip-unknown", args.skip_unknown),
                                           ("--asymmetric-pads", args.asymmetric_pads is not None)) if given]
     if onnx_only and os.path.splitext(args.model)[1].lower() != ".onnx":
+        check_model_named(args.model)  # a name's typo first ("did you mean 'resnet50'?"), the user's real problem
         raise UsageError(f"{' and '.join(onnx_only)} {'applies' if len(onnx_only) == 1 else 'apply'} to .onnx models "
                          f"only, not {short_path(args.model)}")
     layers = load_model(

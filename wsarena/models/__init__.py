@@ -72,6 +72,30 @@ from ._zoo import total_macs, zoo_model, zoo_names
 __all__ = ["ConvLayer", "ModelError", "layers_from_json", "layers_to_json", "load_model", "total_macs", "zoo_names"]
 
 
+def check_model_named(source: str | os.PathLike[str]) -> None:
+    """Raise the :class:`ModelError` of a name or path that names no model: neither a zoo model (a str) nor, by its
+    extension, a .onnx or .json file (which its reader then reads, or says why it cannot); a hint to the zoo name
+    closest to an unknown one. A model's flags are checked after it (the CLI's ONNX-only ones), so that an unknown
+    name's error is the one given."""
+    text = os.fspath(source)
+    ext = os.path.splitext(text)[1].lower()
+    if ext in (".onnx", ".json") or (isinstance(source, str) and zoo_model(text) is not None):
+        return
+    if os.path.isdir(text):
+        raise ModelError(f"{short_path(text)} is a folder: expected a .onnx or .json file")
+    if os.path.exists(text):
+        unknown = short_repr(ext) if ext else "(none)"
+        raise ModelError(f"{short_path(text)}: unknown model file extension {unknown}; expected .onnx or .json")
+    if not isinstance(source, str):  # a path names a file, never a zoo model
+        named = zoo_model(text) is not None
+        hint = f"; the zoo model {short_path(text)} is named by a str, not a path" if named else ""
+        raise ModelError(f"no model file {short_path(text)}: expected a .onnx or .json file{hint}")
+    close = difflib.get_close_matches(text.lower(), zoo_names(), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    zoo = ", ".join(zoo_names())
+    raise ModelError(f"unknown model {short_path(text)}: not a zoo model ({zoo}) nor a .onnx or .json file{hint}")
+
+
 def load_model(
     source: str | os.PathLike[str] | Sequence[ConvLayer | dict[str, Any]],
     *,
@@ -123,31 +147,20 @@ def load_model(
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         ext = os.path.splitext(text)[1].lower()
+        layers = zoo_model(text) if isinstance(source, str) else None
+        if layers is None:
+            check_model_named(source)
+        # after the name's own error, the user's real problem: "input_shapes applies to .onnx models only, not
+        # 'resnt50'" lost the name's typo and its hint
         if input_shapes is not None and ext != ".onnx":
             raise ValueError(f"input_shapes (--input-shape) applies to .onnx models only, not {short_path(text)}")
-        if isinstance(source, str):
-            layers = zoo_model(text)
-            if layers is not None:
-                return layers
+        if layers is not None:
+            return layers
         if ext == ".onnx":
             return load_onnx(
                 text, skip_unknown=skip_unknown, asymmetric_pads=asymmetric_pads, input_shapes=input_shapes
             )
-        if ext == ".json":
-            return load_json(text)
-        zoo = ", ".join(zoo_names())
-        if os.path.isdir(text):
-            raise ModelError(f"{short_path(text)} is a folder: expected a .onnx or .json file")
-        if os.path.exists(text):
-            unknown = short_repr(ext) if ext else "(none)"
-            raise ModelError(f"{short_path(text)}: unknown model file extension {unknown}; expected .onnx or .json")
-        if not isinstance(source, str):  # a path names a file, never a zoo model
-            named = zoo_model(text) is not None
-            hint = f"; the zoo model {short_path(text)} is named by a str, not a path" if named else ""
-            raise ModelError(f"no model file {short_path(text)}: expected a .onnx or .json file{hint}")
-        close = difflib.get_close_matches(text.lower(), zoo_names(), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ModelError(f"unknown model {short_path(text)}: not a zoo model ({zoo}) nor a .onnx or .json file{hint}")
+        return load_json(text)
     if input_shapes is not None:
         raise ValueError("input_shapes applies to .onnx models only, not to a layer list")
     if is_sequence(source):  # not binary data (a memoryview's entries, ints, were each refused as no layer)
