@@ -257,9 +257,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW", help="default NCHW")
     parser.add_argument("--passes", type=_passes, default=PASSES,
                         help=f"comma-separated, of {','.join(PASSES)} (default: all three)")
-    parser.add_argument(
-        "--streams", type=_positive, default=1, help="concurrent streams, each may run any layer (default 1)"
-    )
+    parser.add_argument("--streams", type=_positive, default=1,
+                        help="concurrent streams, each may run any layer; at most the model's layers (default 1)")
     parser.add_argument(
         "--backend", choices=("auto", "cudnn", "cpu"), default=None, help="default: WSARENA_BACKEND or auto"
     )
