@@ -79,6 +79,19 @@ def test_reserve_for_names_streams_that_are_not_a_list_of_them(fresh_arena, stre
     assert fresh_arena.stats().capacity_bytes == 0
 
 
+@pytest.mark.parametrize("streams", [{"a", "b"}, frozenset({"a", "b"})], ids=["set", "frozenset"])
+def test_reserve_for_says_why_a_set_of_streams_is_refused(fresh_arena, streams):
+    # plan()'s streams and passes say that a set has no order: reserve_for's said only what it takes
+    class Plan:
+        stream_bytes = (4096, 4096)
+
+    with pytest.raises(TypeError, match=(r"^streams must be a sequence of streams, one per planned stream, not "
+                                         r"(frozenset\()?\{'[ab]', '[ab]'\}\)?: a set has no order, and each planned "
+                                         r"stream's size goes to the stream at its place in streams$")):
+        fresh_arena.reserve_for(Plan(), streams=streams)
+    assert fresh_arena.stats().capacity_bytes == 0
+
+
 @pytest.mark.parametrize(("stream", "error"), [([], TypeError), ({}, TypeError), (float("nan"), ValueError)])
 def test_a_capture_question_about_what_is_no_stream_is_refused_by_an_arena_that_cannot_capture(fresh_arena, stream,
                                                                                                error):

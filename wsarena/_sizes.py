@@ -218,6 +218,16 @@ def is_ordered(value: Any) -> TypeGuard[Iterable[Any]]:
     return isinstance(value, Iterable) and not isinstance(value, (*TEXT_OR_BYTES, AbstractSet, Mapping))
 
 
+def ordered(name: str, value: Any, takes: str, why_ordered: str) -> Iterable[Any]:
+    """``value``, the argument ``name``, where it is an ordered collection of values (:func:`is_ordered`); else a
+    ``TypeError``. ``takes`` says what ``name`` takes; ``why_ordered``, after "a set has no order", why its order
+    matters. The one wording of the refusal, for each argument taken in order."""
+    if not is_ordered(value):
+        why = f": a set has no order, {why_ordered}" if isinstance(value, (set, frozenset)) else ""
+        raise TypeError(f"{name} must be {takes}, not {short_repr(value)}{why}")
+    return value
+
+
 def is_choice(value: Any, choices: tuple[str, ...]) -> bool:
     """Whether ``value`` is one of ``choices``, names: only a str is compared with them, as another object's ``==`` may
     raise, or answer an array, whose truth NumPy refuses ("ambiguous") and a one-element array's it takes (an array

@@ -42,7 +42,7 @@ from ._sizes import (
     escaped,
     format_size,
     is_choice,
-    is_ordered,
+    ordered,
     positive_batch,
     short_path,
     short_repr,
@@ -194,16 +194,6 @@ def _integer(value: Any) -> Any:
     return value if n is None else n
 
 
-def _ordered(name: str, value: Any, takes: str, why_ordered: str) -> Iterable[Any]:
-    """``value``, the argument ``name``, where it is an ordered collection of values (:func:`is_ordered`); else a
-    ``TypeError``. ``takes`` says what ``name`` takes; ``why_ordered``, after "a set has no order", why its order
-    matters."""
-    if not is_ordered(value):
-        why = f": a set has no order, {why_ordered}" if isinstance(value, (set, frozenset)) else ""
-        raise TypeError(f"{name} must be {takes}, not {short_repr(value)}{why}")
-    return value
-
-
 def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[int]]:
     """(shared, assignment): whether every stream may run any layer, and each layer's stream index."""
     streams = _integer(streams)
@@ -216,9 +206,9 @@ def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[in
                 "cannot keep more streams busy than it has layers"
             )
         return True, [0] * n_layers
-    ordered = _ordered("streams", streams, "an int or a sequence of stream indices",
-                       "and it collapses repeated indices, where streams lists each layer's stream in turn")
-    assignment = [_integer(s) for s in ordered]
+    indices = ordered("streams", streams, "an int or a sequence of stream indices",
+                      "and it collapses repeated indices, where streams lists each layer's stream in turn")
+    assignment = [_integer(s) for s in indices]
     if len(assignment) != n_layers:
         raise ValueError(f"streams assigns {len(assignment)} layers; the model has {n_layers}")
     for i, s in enumerate(assignment):
@@ -374,8 +364,8 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
     dtype = dtype_name(dtype)
     cap, search, requested = cfg.cap_workspace, cfg.algo_search, cfg.backend
     # the plan keeps the passes in the order given: its report, CSV columns and plot too
-    _ordered("passes", passes, "a sequence of pass names such as ('fwd',)",
-             "and the plan lists the passes in the order given")
+    ordered("passes", passes, "a sequence of pass names such as ('fwd',)",
+            "and the plan lists the passes in the order given")
     if progress is not None and not callable(progress):  # else a TypeError of its own after the first layer's search
         raise TypeError(f"progress must be callable, as progress(done, total, layer_name), not {short_repr(progress)}")
     # the report's "model": text, as to_dict() promises JSON (a path, as load_model takes one, by its name), else a
