@@ -22,17 +22,22 @@ pytestmark = pytest.mark.usefixtures("fresh_arena")  # from conftest: a host are
 
 LAYERS = wsarena.load_model("resnet50")[:2]
 INT32_MAX = 2**31 - 1  # the largest value a cuDNN descriptor holds
+# what a layer list that is none is told load_model() reads (see the test that it reads them and no binary data)
+LOADS = r"wsarena.load_model\(\) reads a zoo name, a path to a .onnx or .json file or a list of JSON layer dicts$"
 
 
 @pytest.mark.parametrize(
     ("layers", "error", "match"),
     [
         ("resnet50", TypeError, r"layers must be a list of ConvLayer, not 'resnet50': load it with"),
-        # binary data of any kind, as bytes was: a bytearray's ints were each refused ("layers[0] ... not int")
-        (b"\x01", TypeError, r"layers must be a list of ConvLayer, not b'\\x01': load it with"),
-        (bytearray(b"\x01"), TypeError, r"layers must be a list of ConvLayer, not bytearray\(b'\\x01'\): load it with"),
-        (memoryview(b"\x01"), TypeError, r"layers must be a list of ConvLayer, not <memory at .*>: load it with"),
-        (["resnet50"], TypeError, r"layers\[0\] must be a ConvLayer, not str 'resnet50'"),
+        # binary data of any kind, as bytes was: a bytearray's ints were each refused ("layers[0] ... not int"); not
+        # told to load it with load_model(), which refuses binary data too, but what load_model() reads
+        (b"\x01", TypeError, r"layers must be a list of ConvLayer, not b'\\x01', binary data: " + LOADS),
+        (bytearray(b"\x01"), TypeError,
+         r"layers must be a list of ConvLayer, not bytearray\(b'\\x01'\), binary data: " + LOADS),
+        (memoryview(b"\x01"), TypeError,
+         r"layers must be a list of ConvLayer, not <memory at .*>, binary data: " + LOADS),
+        (["resnet50"], TypeError, r"layers\[0\] must be a ConvLayer, not str 'resnet50': " + LOADS),
         (None, TypeError, r"layers must be a list of ConvLayer \(from wsarena.load_model\), not None"),
         (5, TypeError, "layers must be a list of ConvLayer"),
         ([], ValueError, "layers is empty"),
@@ -44,6 +49,18 @@ INT32_MAX = 2**31 - 1  # the largest value a cuDNN descriptor holds
 def test_plan_and_tune_name_a_bad_layer_list(entry, layers, error, match):
     with pytest.raises(error, match=match):
         entry(layers, backend="cpu")
+
+
+@pytest.mark.parametrize("data", [b"resnet50", bytearray(b"resnet50"), memoryview(b"resnet50")],
+                         ids=["bytes", "bytearray", "memoryview"])
+def test_load_model_reads_what_the_layer_list_errors_say_and_no_binary_data(tmp_path, data):
+    # the errors of binary data as layers said "load it with wsarena.load_model()", which refuses it
+    with pytest.raises(TypeError, match=r"source must be a zoo name, a path or a list of layers"):
+        wsarena.load_model(data)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(wsarena.models.layers_to_json(LAYERS)))
+    dicts = json.loads(path.read_text())["layers"]
+    assert wsarena.load_model("resnet50")[:2] == wsarena.load_model(str(path)) == wsarena.load_model(dicts) == LAYERS
 
 
 def test_plan_takes_any_iterable_of_layers_once():

@@ -55,6 +55,8 @@ from .models._layer import ConvLayer
 
 __all__ = ["LayerPlan", "Plan", "plan"]
 
+# what a model's layers are loaded from, for the errors of layers that are no list of them
+_LOADS = "wsarena.load_model() reads a zoo name, a path to a .onnx or .json file or a list of JSON layer dicts"
 _PROPERTIES_MAX_BYTES = 64 << 10  # device properties: a GPU's take about 1 KiB
 
 
@@ -165,9 +167,11 @@ def checked_layers(layers: Any) -> list[ConvLayer]:
     """``layers`` as a new list, when it is a non-empty iterable of :class:`~wsarena.models.ConvLayer`.
 
     Raises ``TypeError`` or ``ValueError`` naming ``layers`` (and the entry) otherwise."""
-    if isinstance(layers, (*TEXT_OR_BYTES, os.PathLike)):  # a model's source, or its bytes: no layers to iterate
+    if isinstance(layers, (str, os.PathLike)):  # a model's source: no layers to iterate
         raise TypeError(f"layers must be a list of ConvLayer, not {short_repr(layers)}: load it with "
                         "wsarena.load_model()")
+    if isinstance(layers, TEXT_OR_BYTES):  # binary data (a model file's bytes?), which load_model() refuses too
+        raise TypeError(f"layers must be a list of ConvLayer, not {short_repr(layers)}, binary data: {_LOADS}")
     if not isinstance(layers, Iterable):
         raise TypeError(f"layers must be a list of ConvLayer (from wsarena.load_model), not {short_repr(layers)}")
     items = list(layers)
@@ -176,8 +180,7 @@ def checked_layers(layers: Any) -> list[ConvLayer]:
     for i, layer in enumerate(items):
         if not isinstance(layer, ConvLayer):
             raise TypeError(
-                f"layers[{i}] must be a ConvLayer, not {type(layer).__name__} {short_repr(layer)}: "
-                "wsarena.load_model() reads a zoo name, a file or a list of JSON layer dicts"
+                f"layers[{i}] must be a ConvLayer, not {type(layer).__name__} {short_repr(layer)}: {_LOADS}"
             )
     return items
 
