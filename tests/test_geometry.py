@@ -195,6 +195,22 @@ def test_with_dtype_takes_a_dtype_by_its_name_and_refuses_what_is_none():
                                    f"PyTorch dtype, not {shown}")
 
 
+def test_conv_geometry_names_its_dtype_and_refuses_what_is_none_as_with_dtype_does():
+    """conv_geometry kept str(dtype) unchecked: dtype="int8" made a geometry, np.float16 one of "<class
+    'numpy.float16'>", where with_dtype and the public paths give dtype_name's ValueError or the name."""
+    torch = pytest.importorskip("torch")
+    for dtype in (np.float16, np.dtype("float16"), torch.float16, "float16", np.str_("float16")):
+        for made in (conv_geometry((2, 4, 9, 9), (8, 4, 3, 3), padding=1, dtype=dtype),
+                     conv_transpose_geometry((2, 8, 9, 9), (8, 4, 3, 3), padding=1, dtype=dtype)):
+            assert made.dtype == "float16" and type(made.dtype) is str
+    for bad, shown in ((np.int8, "<class 'numpy.int8'>"), ("int8", "'int8'"), ("f4", "'f4'"), (None, "None")):
+        for make, x_shape in ((conv_geometry, (2, 4, 9, 9)), (conv_transpose_geometry, (2, 8, 9, 9))):
+            with pytest.raises(ValueError) as info:
+                make(x_shape, (8, 4, 3, 3), dtype=bad)
+            assert str(info.value) == ("dtype must be one of float32, float16, bfloat16, float64, or their NumPy or "
+                                       f"PyTorch dtype, not {shown}")
+
+
 def test_a_layout_given_as_a_str_subclass_is_kept_as_the_plain_name():
     """layout=numpy.str_("NHWC") was kept as given, where a Config's choices and a plan's passes hold the plain str."""
     g = conv_geometry((2, 9, 9, 4), (8, 3, 3, 4), layout=np.str_("NHWC"))

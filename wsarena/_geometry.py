@@ -305,12 +305,16 @@ def conv_geometry(
     layout: str = "NCHW",
     dtype: Any = "float32",
 ) -> ConvGeometry:
-    """Check a convolution's shapes and parameters and return its :class:`ConvGeometry`.
+    """Check a convolution's shapes and parameters and return its :class:`ConvGeometry`; ``dtype`` is a name of
+    :data:`DTYPES` or a NumPy or PyTorch dtype (:func:`dtype_name`), kept by its name.
 
     Raises ``ValueError`` or ``TypeError`` naming the offending argument and its value.
     """
     if not is_choice(layout, LAYOUTS):
         raise ValueError(f"layout must be one of {LAYOUTS}, not {short_repr(layout)}")
+    # the one check of a dtype, whose ValueError the public paths give: the callers give names, a str's quick case;
+    # nor does a cached call get here, as the ops and wsarena.torch remember each call signature's geometry
+    dtype = dtype_name(dtype)
     input_shape = _bounded("input_shape", _shape("input_shape", input_shape, batch=True))
     weight_shape = _bounded("weight_shape", _shape("weight_shape", weight_shape, batch=False))
     if len(input_shape) not in (3, 4, 5):
@@ -359,7 +363,7 @@ def conv_geometry(
     out_size = tuple(output_size(*dim) for dim in zip(size, kernel, stride_t, padding_t, dilation_t))
     out_shape = (batch, out_channels, *out_size) if layout == "NCHW" else (batch, *out_size, out_channels)
     shapes = {"input_shape": input_shape, "weight_shape": weight_shape, "the output shape": out_shape}
-    _check_sizes(shapes, out_size, padding_t, str(dtype))
+    _check_sizes(shapes, out_size, padding_t, dtype)
     return ConvGeometry(
         batch=batch,
         in_channels=in_channels,
@@ -371,7 +375,7 @@ def conv_geometry(
         padding=padding_t,
         dilation=dilation_t,
         layout=LAYOUTS[LAYOUTS.index(layout)],  # the plain name, where a str subclass (numpy.str_) was given
-        dtype=str(dtype),
+        dtype=dtype,
     )
 
 
