@@ -235,6 +235,28 @@ def test_cupy_stream_makes_an_object_for_each_call_over_one_kept_cuda_core_objec
     assert core_stream(0x4321) is not core and core_stream(0x1234) is core  # kept by handle, several at once
 
 
+def test_stream_to_enter_enters_nothing_for_the_current_stream_and_a_cupy_object_for_another():
+    """What the cuDNN backend's scope and wsarena._interop's enter for a stream= on a device: nothing where it is CuPy's
+    current stream there (asking it enters nothing), a CuPy stream as it is given, else a CuPy object of the call's
+    own for its handle. Real CuPy objects, none needs a GPU; CuPy's current stream of each device a stand-in."""
+    import cupy
+
+    from wsarena.arena.streams import stream_to_enter
+
+    current = {0: PtrStream(0x77), 1: PtrStream(0)}
+    cuda = type("cuda", (), {"Stream": cupy.cuda.Stream, "get_current_stream": staticmethod(current.__getitem__)})
+    given = cupy.cuda.Stream.from_external(ProtocolStream(0x78))
+    for stream in (0x77, ProtocolStream(0x77), TorchLikeStream(0x77)):
+        assert stream_to_enter(cuda, stream, 0) is None
+        made = stream_to_enter(cuda, stream, 1)
+        assert isinstance(made, cupy.cuda.Stream) and (made.ptr, made.device_id) == (0x77, -1)
+        assert stream_to_enter(cuda, stream, 1) is not made  # one of the call's own
+    assert stream_to_enter(cuda, given, 0) is given and stream_to_enter(cuda, 0, 1) is None
+    assert stream_to_enter(cuda, cupy.cuda.Stream.from_external(ProtocolStream(0x77)), 0) is None
+    with pytest.raises(ValueError, match="negative"):
+        stream_to_enter(cuda, -1, 0)
+
+
 def test_core_stream_keeps_an_object_per_handle_for_streams_used_in_turn(monkeypatch):
     """A program that alternates between side streams makes cuda.core's object once per handle, not once per call
     (5 to 9 us each): the objects own nothing, so several are kept, the least recently used going past the bound."""

@@ -56,7 +56,7 @@ from ._gpu import no_such_device
 from ._pass import Pass
 from ._sizes import TEXT_OR_BYTES, as_int, short_repr
 from .arena._registry import make_device_arena
-from .arena.streams import cupy_stream, stream_handle
+from .arena.streams import cupy_stream, stream_handle, stream_to_enter
 from .backends import is_masked_type, type_backend_name
 
 __all__ = ["NATIVE", "execute"]
@@ -425,7 +425,6 @@ def _cupy() -> _Library:
     import cupy
 
     from .arena._scopes import _OnDevice, _OnDeviceEntered
-    from .backends._cudnn_backend import _stream_to_enter
 
     cuda = cupy.cuda
 
@@ -448,7 +447,7 @@ def _cupy() -> _Library:
         found again as it leaves, whatever that code did, and the ops ask again (``_OnDeviceEntered``)."""
         if ordinal is None:  # no device to ask for its current stream there: an object of the call's own, entered
             return _AS_IT_IS if given is None else cupy_stream(stream_handle(given))
-        on = None if given is None else _stream_to_enter(cuda, given, ordinal)
+        on = None if given is None else stream_to_enter(cuda, given, ordinal)
         return (_OnDevice if own else _OnDeviceEntered)(cuda, cuda.Device(ordinal), on)
 
     return _Library("CuPy", from_dlpack, from_dlpack, cupy.asarray, scope)

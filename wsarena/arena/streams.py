@@ -37,7 +37,7 @@ from .._sizes import short_repr
 
 __all__ = [
     "PER_THREAD_DEFAULT_STREAM", "PerThreadStream", "ThreadLane", "core_stream", "cupy_stream", "raw_handle",
-    "resolve_stream", "stream_handle", "thread_lane",
+    "resolve_stream", "stream_handle", "stream_to_enter", "thread_lane",
 ]
 
 PER_THREAD_DEFAULT_STREAM = 2  # cudaStreamPerThread: a different stream in each host thread
@@ -282,6 +282,21 @@ def cupy_stream(handle: int) -> Any:
     if handle == PER_THREAD_DEFAULT_STREAM:
         return cupy.cuda.Stream.ptds
     return cupy.cuda.Stream.from_external(core_stream(handle))
+
+
+def stream_to_enter(cuda: Any, stream: Any, ordinal: int) -> Any:
+    """The CuPy stream to enter on CUDA device ``ordinal`` for ``stream`` (a ``stream=`` argument, not ``None``), in
+    the cuDNN backend's scope and wsarena._interop's, whose ``cupy.cuda`` is ``cuda``: ``None`` where it is CuPy's
+    current stream there already (the caller's ``with stream:``, or wsarena._interop's around the ops on the operands
+    of another library), which entering would ask the current device up to three times; a CuPy stream as it is
+    given; else a CuPy object of the call's own, which dies with it (:func:`cupy_stream` says why), a raw handle
+    checked first (a negative one is refused)."""
+    own = isinstance(stream, cuda.Stream)
+    raw = type(stream) is int
+    handle = stream.ptr if own else stream if raw else stream_handle(stream)
+    if handle == cuda.get_current_stream(ordinal).ptr:
+        return None
+    return stream if own else cupy_stream(stream_handle(stream) if raw else handle)
 
 
 def _from_handle(handle: int) -> Any:

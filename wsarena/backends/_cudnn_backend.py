@@ -20,7 +20,7 @@ from ..arena import get_arena
 from ..arena._capture import CURRENT, refuse_in_capture
 from ..arena._lifecycle import _no_capture_under_way
 from ..arena._scopes import _OnDevice, _within
-from ..arena.streams import cupy_stream, stream_handle
+from ..arena.streams import stream_handle, stream_to_enter
 from . import Candidate, PartlyTimed
 from ._graph_plans import ALIGNED, alignments
 
@@ -102,7 +102,7 @@ class CudnnBackend:
                 devices = sorted({int(a.device.id) for a in arrays})
                 raise ValueError(f"the arrays are on different devices {devices}; put them on one device")
         cuda = self._cupy.cuda
-        return _OnDevice(cuda, device, None if stream is None else _stream_to_enter(cuda, stream, device.id))
+        return _OnDevice(cuda, device, None if stream is None else stream_to_enter(cuda, stream, device.id))
 
     def may_share_memory(self, a: Any, b: Any) -> bool:
         return bool(self._cupy.may_share_memory(a, b))
@@ -339,17 +339,3 @@ def _usable(perfs: Sequence[Any], *, timed: bool = False) -> list[Candidate]:
         if key not in seen:
             seen[key] = Candidate(key[0], int(perf.memory), float(perf.time_ms) if timed else None, key[1])
     return list(seen.values())
-
-
-def _stream_to_enter(cuda: Any, stream: Any, ordinal: int) -> Any:
-    """The CuPy stream to enter on CUDA device ``ordinal`` for ``stream`` (a ``stream=`` argument, not ``None``):
-    ``None`` where it is CuPy's current stream there already (the caller's ``with stream:``, or wsarena._interop's
-    around the ops on the operands of another library), which entering would ask the current device up to three
-    times; a CuPy stream as it is given; else a CuPy object of the call's own, which dies with it
-    (arena.streams.cupy_stream says why), a raw handle checked first (a negative one is refused)."""
-    own = isinstance(stream, cuda.Stream)
-    raw = type(stream) is int
-    handle = stream.ptr if own else stream if raw else stream_handle(stream)
-    if handle == cuda.get_current_stream(ordinal).ptr:
-        return None
-    return stream if own else cupy_stream(stream_handle(stream) if raw else handle)
