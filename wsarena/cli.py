@@ -219,8 +219,11 @@ def _output() -> Iterator[None]:
         raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
     except UnicodeEncodeError as exc:  # a name the locale's encoding has no character for: not bad input
         shown = exc.object[exc.start:exc.end]
-        if any("\ud800" <= c <= "\udfff" for c in shown):  # as a byte that decoded to no character reads
+        surrogates = [c for c in shown if "\ud800" <= c <= "\udfff"]
+        if surrogates and all("\udc80" <= c for c in surrogates):  # as a byte that decoded to no character reads
             hint = "a lone surrogate, which no encoding shows; PYTHONIOENCODING=utf-8:surrogateescape writes a byte"
+        elif surrogates:  # of no byte (JSON's "\ud800"), which surrogateescape refuses too
+            hint = "a lone surrogate, which no encoding shows; PYTHONIOENCODING=utf-8:backslashreplace escapes it"
         else:
             hint = "use a UTF-8 locale or set PYTHONIOENCODING=utf-8"
         why = f"its encoding, {exc.encoding}, cannot show {short_repr(shown)} ({hint})"
