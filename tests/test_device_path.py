@@ -388,6 +388,21 @@ def test_torch_operands_follow_torchs_current_stream_from_call_to_call(torch_gpu
     assert set(wsarena.get_arena(0).stats().streams) == {0, 0x6000, 0x7000}
 
 
+@pytest.mark.parametrize("make", ["CuPy's", "PyTorch's"])
+def test_device_operands_with_the_cpu_backend_configured_are_refused_by_their_memory(gpu, make):
+    # PyTorch's CUDA tensors were "CuPy" arrays, told to be NumPy's, where host tensors would do
+    if make != "CuPy's":
+        pytest.importorskip("torch")
+    made = (lambda gpu, shape, device: gpu.cupy.array(shape, device=device)) if make == "CuPy's" else cuda_tensor
+    with torch_cuda(gpu) if make != "CuPy's" else contextlib.nullcontext(), wsarena.config(backend="cpu"):
+        for call in _calls_on(gpu, made).values():
+            with pytest.raises(TypeError) as info:
+                call()
+            assert str(info.value) == ("backend='cpu' is configured but the arrays are on a CUDA device; pass arrays "
+                                       "in host memory (NumPy's, or another library's) or configure backend='auto'")
+    assert not any(name in CONVOLUTIONS for name, _ in gpu.record.log)
+
+
 def test_a_cupy_stream_given_with_torch_operands_is_entered_as_it_is(torch_gpu):
     """``stream=s``, a CuPy stream that is not CuPy's current one, with tensors: the interop's scope enters the
     caller's object, as the ops' scope enters it with CuPy operands (one choice of both), where it made a CuPy object

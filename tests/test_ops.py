@@ -731,9 +731,17 @@ def test_forced_algorithm_above_the_cap_is_a_value_error():
         conv_forward(x, w, algo=big)
 
 
-def test_configured_backend_must_match_the_arrays():
-    with config(backend="cudnn"), pytest.raises(TypeError, match="backend='cudnn'"):
-        conv_forward(X, W)
+@pytest.mark.parametrize("library", ["NumPy", "PyTorch"])
+def test_configured_backend_must_match_the_arrays(library):
+    # said by their memory: PyTorch's tensors were "NumPy" arrays, told to be CuPy's
+    x, w = (X, W)
+    if library == "PyTorch":
+        torch = pytest.importorskip("torch")
+        x, w = torch.from_numpy(X), torch.from_numpy(W)
+    with config(backend="cudnn"), pytest.raises(TypeError) as info:
+        conv_forward(x, w)
+    assert str(info.value) == ("backend='cudnn' is configured but the arrays are in host memory; pass arrays on a CUDA "
+                               "device (CuPy's, or another library's) or configure backend='auto'")
 
 
 def test_a_remembered_call_still_checks_what_changed():

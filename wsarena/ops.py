@@ -90,10 +90,11 @@ def _backend_for(names: tuple[str, str], types: tuple[type, type], cfg: Config) 
         raise TypeError(f"cannot mix NumPy and CuPy arrays in one convolution ({detail})")
     backend = next(iter(kinds.values()))
     if configured != "auto" and configured != backend:
-        raise TypeError(
-            f"backend={configured!r} is configured but the arrays are {'NumPy' if backend == 'cpu' else 'CuPy'}; "
-            f"pass {'CuPy' if configured == 'cudnn' else 'NumPy'} arrays or configure backend='auto'"
-        )
+        # by their memory: another library's operands (PyTorch's tensors) come here as NumPy or CuPy views of them
+        where, wanted = (("in host memory", "on a CUDA device (CuPy's, or another library's)") if backend == "cpu"
+                         else ("on a CUDA device", "in host memory (NumPy's, or another library's)"))
+        raise TypeError(f"backend={configured!r} is configured but the arrays are {where}; pass arrays {wanted} or "
+                        "configure backend='auto'")
     return get_backend(backend, cfg.cudnn_api)
 
 
