@@ -217,6 +217,16 @@ def test_arguments_left_over_before_the_command_are_said_with_the_top_help(capsy
     assert (code, out, err) == (2, "", f"wsarena: error: {says}\n")
 
 
+def test_an_abbreviated_option_of_the_command_before_it_is_said_to_go_after_it(capsys):
+    """The command takes its options abbreviated (--bat=4 is --batch=4 after it), but one given so before it was not
+    said to be the command's: only the full name was looked up. An abbreviation that several of its options start
+    with (--c) is none of them, as after the command."""
+    code, out, err = run_main(capsys, "--bat=4", "--c=1", "--batch=8", "--str", "report", "vgg16")
+    assert (code, out) == (2, "")
+    assert err == ("wsarena: error: unrecognized arguments before the command: --bat=4 --c=1 --batch=8 --str (see "
+                   "'wsarena --help'); report's own options (--batch, --streams) go after it\n")
+
+
 @pytest.mark.parametrize(("argv", "says"), [
     (["--bogus"], "unrecognized arguments: --bogus; "),
     (["-v"], "unrecognized arguments: -v; "),

@@ -122,15 +122,29 @@ class _Parser(argparse.ArgumentParser):
         said = [f"{short_repr(' '.join(left))[1:-1]} (see '{prog} --help')" for left, prog in
                 ((before, self.prog), (after, self.prog if command is None else f"{self.prog} {command}")) if left]
         if before:
-            # an option of the command's given before it (--batch=4 report): say where it goes
-            flags = {} if self._commands is None else self._commands.choices[command]._option_string_actions
-            theirs = list(dict.fromkeys(flag for flag in (arg.partition("=")[0] for arg in before) if flag in flags))
+            # an option of the command's given before it (--batch=4 report), or its abbreviation (--bat=4), which
+            # the command takes after it: say where it goes
+            theirs = list(dict.fromkeys(filter(None, (self._command_option(command, arg) for arg in before))))
             hint = f"; {command}'s own options ({', '.join(theirs)}) go after it" if theirs else ""
             rest = f", and after it: {said[1]}" if after else ""
             raise UsageError(f"unrecognized arguments before the command: {said[0]}{rest}{hint}")
         if after:
             raise UsageError(f"unrecognized arguments: {said[0]}")
         return parsed
+
+    def _command_option(self, command: str | None, arg: str) -> str | None:
+        """The option of ``command``'s that ``arg`` (``--batch=4``, ``--bat``) names, as the command's parser reads
+        it after the command (an abbreviation that only one of its long options starts with), else ``None``."""
+        if self._commands is None or command is None:
+            return None
+        known = self._commands.choices[command]
+        flag = arg.partition("=")[0]
+        if flag in known._option_string_actions:
+            return flag
+        if not (known.allow_abbrev and flag.startswith("--") and len(flag) > 2):
+            return None
+        matches = [option for option in known._option_string_actions if option.startswith(flag)]
+        return matches[0] if len(matches) == 1 else None
 
 
 def _any_case(choices: tuple[str, ...]) -> Callable[[str], str]:
