@@ -301,7 +301,8 @@ def test_streams_of_as_many_digits_as_python_reads_are_quoted_in_part(capsys):
     code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu", "--streams", "9" * 4300)
     assert (code, out) == (2, "")
     assert err == ("wsarena: error: argument --streams: an integer of 14285 bits is more than the model's 13 layer(s): "
-                   "one run of the model cannot keep more streams busy than it has layers\n")
+                   "one run of the model cannot keep more streams busy than it has layers (see 'wsarena report --help')"
+                   "\n")
 
 
 def test_memory_running_out_is_said_to(capsys, monkeypatch):
@@ -471,12 +472,13 @@ def test_a_multi_line_warning_becomes_one_line(capsys, monkeypatch):
 def test_more_streams_than_layers_is_refused_by_the_flag(capsys, tmp_path, command, streams):
     """--streams has the bound plan() checks, the model's layers, which only the model read tells: a count above it
     was refused as plan()'s streams= ("streams=1000000000 is more than ..."), the flag not named. It is said of the
-    flag, as --batch's bound is; the layers' count itself is planned."""
+    flag, as --batch's bound is, with the command's help, which says the bound, as each error of a flag's value is;
+    the layers' count itself is planned."""
     model = small_model(tmp_path, 3)
     code, out, err = run_main(capsys, *command, model, "--backend", "cpu", "--streams", str(streams))
     assert (code, out) == (2, "")
     assert err == (f"wsarena: error: argument --streams: {streams} is more than the model's 3 layer(s): one run of "
-                   "the model cannot keep more streams busy than it has layers\n")
+                   f"the model cannot keep more streams busy than it has layers (see 'wsarena {command[0]} --help')\n")
     code, out, err = run_main(capsys, *command, model, "--backend", "cpu", "--streams", "3", "--format", "json")
     assert code == 0, err
     assert json.loads(out)["streams"] == 3
