@@ -434,6 +434,27 @@ def test_json_not_utf8(tmp_path):
         load_model(path)
 
 
+@pytest.mark.parametrize(("text", "says"), [
+    ("null", 'expected a list of layers or {"layers": [...]}, not null'),
+    ("3", 'expected a list of layers or {"layers": [...]}, not a number (3)'),
+    ("-2.5e0", 'expected a list of layers or {"layers": [...]}, not a number (-2.5)'),
+    ("true", 'expected a list of layers or {"layers": [...]}, not true'),
+    ('"vgg16"', 'expected a list of layers or {"layers": [...]}, not a string (\'vgg16\')'),
+    ('{"layers": null}', 'expected "layers" to be a list of layers, not null'),
+    ('{"layers": {"name": "c1"}}', 'expected "layers" to be a list of layers, not an object'),
+])
+def test_a_json_value_other_than_a_layer_list_is_said_in_jsons_words(tmp_path, text, says):
+    """A .json model holding null or a number was refused as "not NoneType", "not int": Python's type names, which
+    the file's author never wrote. The value is said as JSON says it, and in {"layers": ...}, as the object's."""
+    path = tmp_path / "m.json"
+    path.write_text(text)
+    with pytest.raises(ModelError) as refused:
+        load_model(path)
+    assert str(refused.value) == f"{str(path)!r}: {says}"
+    with pytest.raises(ModelError, match=r'^JSON: expected a list of layers or \{"layers": \[\.\.\.\]\}, not tuple$'):
+        layers_from_json(({"name": "c1"},))  # from Python: a value no JSON text gives is named by its type
+
+
 def test_layers_from_json_names_its_source():
     with pytest.raises(ModelError, match=r"^mine: layers\[0\]"):
         layers_from_json([{"name": "x"}], source="mine")

@@ -30,7 +30,7 @@ def layers_from_json(data: Any, *, source: str = "JSON") -> list[ConvLayer]:
     ModelError
         Naming ``source``, the entry (``layers[i]``) and the problem.
     """
-    layout = "NCHW"
+    layout, what = "NCHW", 'a list of layers or {"layers": [...]}'
     if isinstance(data, Mapping):
         if "layers" not in data:
             # sorted as text: a mapping given in Python may mix keys that do not compare (1 and "a")
@@ -39,9 +39,9 @@ def layers_from_json(data: Any, *, source: str = "JSON") -> list[ConvLayer]:
         layout = data.get("layout", "NCHW")
         if not is_choice(layout, ("NCHW", "NHWC")):
             raise ModelError(f"{source}: layout must be 'NCHW' or 'NHWC', not {short_repr(layout)}")
-        data = data["layers"]
+        data, what = data["layers"], '"layers" to be a list of layers'
     if not isinstance(data, list):
-        raise ModelError(f"{source}: expected a list of layers or {{\"layers\": [...]}}, not {type(data).__name__}")
+        raise ModelError(f"{source}: expected {what}, not {_json_value(data)}")
     if not data:
         raise ModelError(f"{source}: the layer list is empty")
     if layout == "NHWC":
@@ -50,6 +50,19 @@ def layers_from_json(data: Any, *, source: str = "JSON") -> list[ConvLayer]:
         return [ConvLayer.from_dict(entry, where=f"layers[{i}]") for i, entry in enumerate(data)]
     except ModelError as exc:
         raise ModelError(f"{source}: {exc}") from None
+
+
+def _json_value(value: Any) -> str:
+    """What ``value``, parsed JSON where a list was expected, is in JSON's words: ``null``, ``true``, ``a number
+    (3)``, ``a string ('x')``, ``an object``, where its Python type's name (``NoneType``, ``int``) was said; a value
+    that no JSON text gives (a tuple, from Python) by its type's name."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return f"a number ({short_repr(value)})"
+    if isinstance(value, str):
+        return f"a string ({short_repr(value)})"
+    return "an object" if isinstance(value, Mapping) else type(value).__name__
 
 
 def _channels_first(entry: Any) -> Any:
