@@ -183,6 +183,38 @@ def test_an_exhaustive_plan_memory_let_time_nothing_plans_as_the_heuristic_one(m
         run()
 
 
+def test_a_call_whose_operands_memory_could_not_hold_says_so_where_nothing_could_be_timed(monkeypatch):
+    """Memory for the operands, not for a workspace, kept the search from timing anything: the error said only the
+    sizes "(requested 0 B, held 0 B, cap none)", which read as a workspace of 0 B not had. It says what memory lacked
+    (the class and its sizes as they were); where the operands can be had, it says nothing of them."""
+    from wsarena.errors import NoAlgorithmFitsError
+
+    class NoOperands(TableBackend):
+        def random(self, shape, dtype):
+            raise MemoryError(f"no memory for an array of shape {shape}")
+
+    monkeypatch.setitem(backends._backends, "cpu", NoOperands(TABLE))
+    algos.cache_clear()
+    try:
+        with pytest.warns(wsarena.SearchFallbackWarning, match="could not time any algorithm"), \
+                pytest.raises(NoAlgorithmFitsError) as untimed:
+            run()
+        assert str(untimed.value) == (
+            "no fwd algorithm of layer 'a' could be timed: memory for its operands could not be had (no memory for "
+            "an array of shape (2, 3, 8, 8)), whatever the workspace (requested 0 B, held 0 B, cap none)")
+        assert (untimed.value.requested, untimed.value.held, untimed.value.cap) == (0, 0, None)
+        # memory for the workspace alone: the sizes are what it lacked, and the operands are not named
+        table = {key: [row for row in rows if row[1]] or [("gemm", 300, 8.0)] for key, rows in TABLE.items()}
+        monkeypatch.setitem(backends._backends, "cpu", TableBackend(table, memory=0))
+        algos.cache_clear()
+        with pytest.warns(wsarena.MemoryFallbackWarning), pytest.raises(NoAlgorithmFitsError) as untimed:
+            run()
+        said = str(untimed.value)
+        assert said == "no fwd algorithm of layer 'a' could be timed (requested 1000 B, held 0 B, cap none)"
+    finally:
+        algos.cache_clear()
+
+
 def test_a_model_without_zero_workspace_algorithms_starts_at_its_smallest_cap(monkeypatch):
     table = {**TABLE, ("bwd_data", 8): [("gemm", 300, 8.0)]}
     monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))

@@ -215,7 +215,7 @@ def tune(
                     impl, pass_, lp.geometry, cap=None, search="exhaustive", ranking=ranked)
                 if not timed:
                     raise NoAlgorithmFitsError(
-                        f"no {pass_} algorithm of layer {short_repr(lp.name)} could be timed",
+                        f"no {pass_} algorithm of layer {short_repr(lp.name)} could be timed{_lacking(operands)}",
                         requested=min(c.workspace_bytes for c in ranked), held=0, cap=None,
                     )
                 measured[key] = timed
@@ -226,6 +226,18 @@ def tune(
     cached_calls, timed_calls = (min(n, len(measured)) for n in searches)
     return Tuning(uncapped, measured, curve, max_slowdown, recommended, seconds, shared, timed_calls, cached_calls,
                   untimed)
+
+
+def _lacking(operands: Callable[[], Any]) -> str:
+    """What to add to the error of a call none of whose algorithms could be timed, where memory for its operands was
+    the cause: the search had none to time on, and the sizes the error gives (the least workspace requested, none
+    held) are not what memory lacked. ``operands``, as the search made them, are made again to tell, on this error
+    path alone; where they can be had, the workspace or the backend stopped the search, and nothing is added."""
+    try:
+        operands()
+    except MemoryError as exc:
+        return f": memory for its operands could not be had ({str(exc) or type(exc).__name__}), whatever the workspace"
+    return ""
 
 
 def _layer_plans(
