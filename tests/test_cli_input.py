@@ -227,6 +227,26 @@ def test_an_abbreviated_option_of_the_command_before_it_is_said_to_go_after_it(c
                    "'wsarena --help'); report's own options (--batch, --streams) go after it\n")
 
 
+@pytest.mark.parametrize(("argv", "hint"), [
+    (["--batch", "4", "--dtype", "float16", "tune", "vgg16"], "; tune's own options (--batch, --dtype) go after it"),
+    (["--format", "json", "info"], "; info's own options (--format) go after it"),
+    (["--bat", "4", "report", "vgg16"], "; report's own options (--batch) go after it"),
+    (["--format", "json", "cache", "info"], "; cache's own options (--format) go after it"),
+    (["--batch", "4", "cache", "info"], ""),  # none of cache's options
+    (["--x", "4", "report", "vgg16"], ""),
+    (["--batch", "4"], ""),  # no command given after it
+])
+def test_an_option_of_the_command_before_it_with_its_value_apart_is_said_to_go_after_it(capsys, argv, hint):
+    """--batch=4 before the command was said to go after it, but --batch 4, as options are mostly written, was said
+    only as an invalid command, the value (4) having been taken for the command: the options of the command's before
+    it are said to go after it there too."""
+    code, out, err = run_main(capsys, *argv)
+    value = argv[1]
+    assert (code, out) == (2, "")
+    assert err == (f"wsarena: error: argument command: invalid choice: {value!r} (choose from 'report', 'tune', "
+                   f"'cache', 'info'){hint} (see 'wsarena --help')\n")
+
+
 @pytest.mark.parametrize(("argv", "says"), [
     (["--bogus"], "unrecognized arguments: --bogus; "),
     (["-v"], "unrecognized arguments: -v; "),

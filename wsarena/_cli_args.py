@@ -39,6 +39,7 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._commands: Any = None  # the subcommands, on the top parser (add_subparsers)
+        self._given: list[str] = []  # the arguments parse_args() was given, for a command's invalid choice to read
         # What starts as a negative number (-2%, -2e-2, -inf, -nan) is a value, for its flag's check to say what is
         # wrong with it, not an unknown option that leaves the flag "expected one argument": argparse before Python
         # 3.14 takes only a plain number (-2, -0.5) so; 3.14's own matcher takes what starts with a digit. No flag
@@ -99,14 +100,18 @@ class _Parser(argparse.ArgumentParser):
         # argparse's own check, but the value quoted shortened: a 100 kB --dtype gave a 100 kB line
         if action.choices is not None and value not in action.choices:
             choices = ", ".join(map(repr, action.choices))
-            raise argparse.ArgumentError(action, f"invalid choice: {short_repr(value)} (choose from {choices})")
+            # the command's: where it is the value of an option of the command's given before it (--batch 4 report),
+            # said to go after it, as one with its value joined is (--batch=4 report)
+            hint = self._value_taken_for_the_command(value) if action is self._commands else ""
+            raise argparse.ArgumentError(action, f"invalid choice: {short_repr(value)} (choose from {choices}){hint}")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
         """As argparse's, but arguments left over are named shortened, with the help that lists the options of
         their position: the subcommand's for those after it, which argparse leaves to the top parser ("unrecognized
         arguments: ... (see 'wsarena --help')"), the top parser's for those before it; and no command given is said
         with the commands, after any arguments left over."""
-        parsed, extras = self.parse_known_args(args, namespace)
+        self._given = list(sys.argv[1:] if args is None else args)
+        parsed, extras = self.parse_known_args(self._given, namespace)
         after = vars(parsed).pop(_AFTER_COMMAND, [])
         if getattr(parsed, "command", ...) is None:  # the top parser, whose command is optional so that this says
             # what was wrong: argparse's "the following arguments are required: command" was all that `wsarena -v`
@@ -122,15 +127,27 @@ class _Parser(argparse.ArgumentParser):
         said = [f"{short_repr(' '.join(left))[1:-1]} (see '{prog} --help')" for left, prog in
                 ((before, self.prog), (after, self.prog if command is None else f"{self.prog} {command}")) if left]
         if before:
-            # an option of the command's given before it (--batch=4 report), or its abbreviation (--bat=4), which
-            # the command takes after it: say where it goes
-            theirs = list(dict.fromkeys(filter(None, (self._command_option(command, arg) for arg in before))))
-            hint = f"; {command}'s own options ({', '.join(theirs)}) go after it" if theirs else ""
             rest = f", and after it: {said[1]}" if after else ""
+            hint = self._go_after(command, before)
             raise UsageError(f"unrecognized arguments before the command: {said[0]}{rest}{hint}")
         if after:
             raise UsageError(f"unrecognized arguments: {said[0]}")
         return parsed
+
+    def _go_after(self, command: str | None, before: list[str]) -> str:
+        """What to add to the error of arguments ``before`` the command that are options of ``command``'s (--batch=4
+        report), or their abbreviations (--bat=4), which the command takes after it: that they go there."""
+        theirs = list(dict.fromkeys(filter(None, (self._command_option(command, arg) for arg in before))))
+        return f"; {command}'s own options ({', '.join(theirs)}) go after it" if theirs else ""
+
+    def _value_taken_for_the_command(self, value: str) -> str:
+        """:meth:`_go_after` of the arguments before the first command given after ``value``, the invalid command:
+        ``--batch 4 report`` has 4 taken for the command, --batch being none of the top parser's options."""
+        if value not in self._given:
+            return ""
+        start = self._given.index(value) + 1
+        end = next((i for i, arg in enumerate(self._given[start:], start) if arg in self._commands.choices), None)
+        return "" if end is None else self._go_after(self._given[end], self._given[:end])
 
     def _command_option(self, command: str | None, arg: str) -> str | None:
         """The option of ``command``'s that ``arg`` (``--batch=4``, ``--bat``) names, as the command's parser reads
