@@ -571,21 +571,23 @@ def test_a_lone_surrogate_no_encoding_shows_exits_3_saying_how_to_write_it(tmp_p
     assert fixed.returncode == 0 and b"\na\xffb," in fixed.stdout  # as the hint says: the byte 0xff
 
 
-def test_a_lone_surrogate_of_no_byte_exits_3_saying_how_to_write_it(tmp_path):
-    # JSON's "\ud800" stands for no byte: surrogateescape, which the hint of a byte's named, refuses it too
+@pytest.mark.parametrize("code", ["d800", "dc7f", "dd00", "dfff"])
+def test_a_lone_surrogate_of_no_byte_exits_3_saying_how_to_write_it(tmp_path, code):
+    # JSON's "\ud800" stands for no byte: surrogateescape, which the hint of a byte's named, refuses it too, as it
+    # does all but U+DC80 to U+DCFF (U+DD00 and above were given its hint)
     path = tmp_path / "names.json"
-    path.write_text('[{"name": "a\\ud800b", "input_shape": [1, 4, 8, 8], "weight_shape": [4, 4, 3, 3]}]')
+    path.write_text('[{"name": "a\\u' + code + 'b", "input_shape": [1, 4, 8, 8], "weight_shape": [4, 4, 3, 3]}]')
     done = run_cli("report", str(path), "--backend", "cpu", "--format", "csv", env={"PYTHONIOENCODING": "utf-8"})
     assert done.returncode == 3 and done.stderr.count("\n") == 1
-    assert "cannot show '\\ud800' (a lone surrogate" in done.stderr and "surrogateescape" not in done.stderr
+    assert f"cannot show '\\u{code}' (a lone surrogate" in done.stderr and "surrogateescape" not in done.stderr
     assert done.stderr.endswith("PYTHONIOENCODING=utf-8:backslashreplace escapes it)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSARENA_")}
     argv = [sys.executable, "-m", "wsarena", "report", str(path), "--backend", "cpu", "--format", "csv"]
-    for errors, code in (("surrogateescape", 3), ("backslashreplace", 0)):
+    for errors, exit_code in (("surrogateescape", 3), ("backslashreplace", 0)):
         fixed = subprocess.run(argv, capture_output=True, env={**env, "PYTHONIOENCODING": f"utf-8:{errors}"},
                                check=False)
-        assert fixed.returncode == code
-    assert b"\na\\ud800b," in fixed.stdout  # as the hint says: escaped
+        assert fixed.returncode == exit_code
+    assert f"\na\\u{code}b,".encode() in fixed.stdout  # as the hint says: escaped
 
 
 @pytest.mark.parametrize(

@@ -220,9 +220,10 @@ def _output() -> Iterator[None]:
     except UnicodeEncodeError as exc:  # a name the locale's encoding has no character for: not bad input
         shown = exc.object[exc.start:exc.end]
         surrogates = [c for c in shown if "\ud800" <= c <= "\udfff"]
-        if surrogates and all("\udc80" <= c for c in surrogates):  # as a byte that decoded to no character reads
+        # U+DC80 to U+DCFF, as a byte that decoded to no character reads: the only surrogates surrogateescape writes
+        if surrogates and all("\udc80" <= c <= "\udcff" for c in surrogates):
             hint = "a lone surrogate, which no encoding shows; PYTHONIOENCODING=utf-8:surrogateescape writes a byte"
-        elif surrogates:  # of no byte (JSON's "\ud800"), which surrogateescape refuses too
+        elif surrogates:  # of no byte (JSON's "\ud800" or "\udfff"), which surrogateescape refuses too
             hint = "a lone surrogate, which no encoding shows; PYTHONIOENCODING=utf-8:backslashreplace escapes it"
         else:
             hint = "use a UTF-8 locale or set PYTHONIOENCODING=utf-8"
