@@ -215,6 +215,30 @@ def test_a_call_whose_operands_memory_could_not_hold_says_so_where_nothing_could
         algos.cache_clear()
 
 
+def test_operands_made_again_to_tell_never_raise_in_place_of_the_search_error(monkeypatch):
+    """The operands are made again, on the error path alone, to tell whether memory for them stopped the search:
+    where that fails otherwise now (a CUDA error, not out of memory), the search's error is raised as it was, not the
+    error of making them again, which says nothing of the call that could not be timed."""
+    from wsarena.errors import NoAlgorithmFitsError
+
+    class NoOperands(TableBackend):
+        def random(self, shape, dtype):  # the search's: out of memory
+            raise MemoryError(f"no memory for an array of shape {shape}")
+
+    def failing(*args):  # made again, by tune: another failure
+        raise RuntimeError("cudaErrorLaunchFailure")
+
+    monkeypatch.setitem(backends._backends, "cpu", NoOperands(TABLE))
+    monkeypatch.setattr(wsarena.tuning, "_operands", failing)
+    algos.cache_clear()
+    try:
+        with pytest.warns(wsarena.SearchFallbackWarning), pytest.raises(NoAlgorithmFitsError) as untimed:
+            run()
+        assert str(untimed.value) == "no fwd algorithm of layer 'a' could be timed (requested 0 B, held 0 B, cap none)"
+    finally:
+        algos.cache_clear()
+
+
 def test_a_model_without_zero_workspace_algorithms_starts_at_its_smallest_cap(monkeypatch):
     table = {**TABLE, ("bwd_data", 8): [("gemm", 300, 8.0)]}
     monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))

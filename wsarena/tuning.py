@@ -232,11 +232,14 @@ def _lacking(operands: Callable[[], Any]) -> str:
     """What to add to the error of a call none of whose algorithms could be timed, where memory for its operands was
     the cause: the search had none to time on, and the sizes the error gives (the least workspace requested, none
     held) are not what memory lacked. ``operands``, as the search made them, are made again to tell, on this error
-    path alone; where they can be had, the workspace or the backend stopped the search, and nothing is added."""
+    path alone; where they can be had, the workspace or the backend stopped the search, and nothing is added, as
+    where making them fails otherwise now (a CUDA error): no cause to tell, and the error to raise is the search's."""
     try:
         operands()
     except MemoryError as exc:
         return f": memory for its operands could not be had ({str(exc) or type(exc).__name__}), whatever the workspace"
+    except Exception:  # noqa: BLE001 - made again only to tell: what else fails is not raised in the search's place
+        return ""
     return ""
 
 
