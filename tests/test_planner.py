@@ -22,7 +22,7 @@ from wsarena.arena._stats import aligned_size
 from wsarena.backends._cpu_backend import CpuBackend
 from wsarena.errors import BackendUnavailableError, WorkspaceCapWarning
 from wsarena.models import ConvLayer
-from wsarena.planner import text_progress
+from wsarena.planner import check_streams_bound, text_progress
 
 from .pipe_helpers import written_pipe
 
@@ -770,6 +770,23 @@ def test_a_long_bad_argument_is_quoted_in_part(resnet50, kwargs, said):
     with pytest.raises((TypeError, ValueError)) as raised:
         wsarena.plan(resnet50[:3], **kwargs)
     assert str(raised.value).startswith(said) and len(str(raised.value)) < 300, str(raised.value)[:300]
+
+
+def test_the_streams_bound_names_the_count_as_its_caller_says_it():
+    """The bound of a count of streams, the model's layers, is checked by plan() (streams=) and by the command, of its
+    flag (argument --streams: ...), in the same words: the command took plan()'s message and cut its "streams=" off,
+    so that a message worded otherwise would have named plan()'s argument to the command's user, or lost words."""
+    words = "is more than the model's 3 layer(s): one run of the model cannot keep more streams busy than it has layers"
+    check_streams_bound(3, 3)
+    with pytest.raises(ValueError) as raised:
+        check_streams_bound(4, 3)
+    assert str(raised.value) == f"streams=4 {words}"
+    with pytest.raises(ValueError) as raised:
+        check_streams_bound(10**5000, 3, name="argument --streams: ")
+    assert str(raised.value) == f"argument --streams: an integer of 16610 bits {words}"
+    with pytest.raises(ValueError) as raised:
+        wsarena.plan([ConvLayer("a", (1, 3, 8, 8), (4, 3, 3, 3))] * 3, streams=4, backend="cpu")
+    assert str(raised.value) == f"streams=4 {words}"
 
 
 class _Unequal:

@@ -275,15 +275,14 @@ def _load(args: argparse.Namespace) -> Any:
         input_shapes=input_shapes(args.input_shape),
     )
     if layers:  # none left (--skip-unknown leaving out every conv) is plan()'s to say
-        from .planner import _streams
+        from .planner import check_streams_bound
 
         # plan()'s check, whose bound (the model's layers) it is, said of the flag as --batch's is, with the help
         # that says the bound: the error named plan()'s streams=, and --streams 1000000000 read as a Python call's
         try:
-            _streams(args.streams, len(layers))
+            check_streams_bound(args.streams, len(layers), name="argument --streams: ")
         except ValueError as exc:
-            said = str(exc).removeprefix("streams=")
-            raise UsageError(f"argument --streams: {said} (see 'wsarena {args.command} --help')") from None
+            raise UsageError(f"{exc} (see 'wsarena {args.command} --help')") from None
     for message in unplanned_batches(args.input_shape, args.batch):
         warnings.warn(message, stacklevel=2)
     return layers

@@ -197,17 +197,24 @@ def _integer(value: Any) -> Any:
     return value if n is None else n
 
 
+def check_streams_bound(streams: int, n_layers: int, *, name: str = "streams=") -> None:
+    """``ValueError`` where ``streams``, a count of streams each of which may run any layer, is more than the
+    ``n_layers`` of the model: its bound, which only the model read tells. ``name`` names the count in the message:
+    plan()'s argument, or the command's flag (``"argument --streams: "``), which says it in these words."""
+    if streams > n_layers:
+        raise ValueError(
+            f"{name}{short_repr(streams)} is more than the model's {n_layers} layer(s): one run of the model cannot "
+            "keep more streams busy than it has layers"
+        )
+
+
 def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[int]]:
     """(shared, assignment): whether every stream may run any layer, and each layer's stream index."""
     streams = _integer(streams)
     if isinstance(streams, int) and not isinstance(streams, bool):
         if streams < 1:
             raise ValueError(f"streams must be >= 1, not {short_repr(streams)}")
-        if streams > n_layers:
-            raise ValueError(
-                f"streams={short_repr(streams)} is more than the model's {n_layers} layer(s): one run of the model "
-                "cannot keep more streams busy than it has layers"
-            )
+        check_streams_bound(streams, n_layers)
         return True, [0] * n_layers
     indices = ordered("streams", streams, "an int or a sequence of stream indices",
                       "and it collapses repeated indices, where streams lists each layer's stream in turn")
