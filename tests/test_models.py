@@ -455,6 +455,28 @@ def test_a_json_value_other_than_a_layer_list_is_said_in_jsons_words(tmp_path, t
         layers_from_json(({"name": "c1"},))  # from Python: a value no JSON text gives is named by its type
 
 
+@pytest.mark.parametrize(("text", "says"), [
+    ("NaN", 'expected a list of layers or {"layers": [...]}, not a number (NaN)'),
+    ('{"layers": -Infinity}', 'expected "layers" to be a list of layers, not a number (-Infinity)'),
+    ("[null]", "layers[0] must be an object with name, input_shape and weight_shape, not null"),
+    ('{"layers": [true]}', "layers[0] must be an object with name, input_shape and weight_shape, not true"),
+    ('{"layout": "NHWC", "layers": [[1]]}',
+     "layers[0] must be an object with name, input_shape and weight_shape, not an array"),
+    ('[{"name": "a", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}, "b"]',
+     "layers[1] must be an object with name, input_shape and weight_shape, not a string ('b')"),
+    ('[{"name": "a"}, null]', "layers[0] lacks 'input_shape', 'weight_shape'"),  # the first bad entry first
+])
+def test_a_json_value_in_a_layer_list_or_beyond_json_is_said_in_jsons_words(tmp_path, text, says):
+    """A layer list's entry that is no object was said in Python's words ("not None", "not True"), and a number
+    Python's decoder takes beyond JSON's as Python writes it ("nan", "-inf"), none of which the file shows: they are
+    said as the file writes them, as the value where the list is expected is."""
+    path = tmp_path / "m.json"
+    path.write_text(text)
+    with pytest.raises(ModelError) as refused:
+        load_model(path)
+    assert str(refused.value) == f"{str(path)!r}: {says}"
+
+
 def test_layers_from_json_names_its_source():
     with pytest.raises(ModelError, match=r"^mine: layers\[0\]"):
         layers_from_json([{"name": "x"}], source="mine")

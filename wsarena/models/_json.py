@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -44,25 +45,36 @@ def layers_from_json(data: Any, *, source: str = "JSON") -> list[ConvLayer]:
         raise ModelError(f"{source}: expected {what}, not {_json_value(data)}")
     if not data:
         raise ModelError(f"{source}: the layer list is empty")
-    if layout == "NHWC":
-        data = [_channels_first(entry) for entry in data]
+    layers = []
     try:
-        return [ConvLayer.from_dict(entry, where=f"layers[{i}]") for i, entry in enumerate(data)]
+        for i, entry in enumerate(data):
+            if not isinstance(entry, Mapping):  # said in JSON's words (null, an array), where from_dict says Python's
+                raise ModelError(f"layers[{i}] must be an object with name, input_shape and weight_shape, not "
+                                 f"{_json_value(entry)}")
+            layers.append(ConvLayer.from_dict(_channels_first(entry) if layout == "NHWC" else entry,
+                                              where=f"layers[{i}]"))
     except ModelError as exc:
         raise ModelError(f"{source}: {exc}") from None
+    return layers
 
 
 def _json_value(value: Any) -> str:
-    """What ``value``, parsed JSON where a list was expected, is in JSON's words: ``null``, ``true``, ``a number
-    (3)``, ``a string ('x')``, ``an object``, where its Python type's name (``NoneType``, ``int``) was said; a value
-    that no JSON text gives (a tuple, from Python) by its type's name."""
+    """What ``value``, parsed JSON other than what was expected, is in JSON's words: ``null``, ``true``, ``a number
+    (3)``, ``a string ('x')``, ``an object``, ``an array``, where its Python type's name (``NoneType``, ``int``) or
+    value (``None``, ``True``) was said; a number the decoder takes beyond JSON's (``NaN``, ``-Infinity``) as the file
+    writes it, not as Python does (``nan``, ``-inf``); a value that no JSON text gives (a tuple, from Python) by its
+    type's name."""
     if value is None or isinstance(value, bool):
         return json.dumps(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"a number ({json.dumps(value)})"
     if isinstance(value, (int, float)):
         return f"a number ({short_repr(value)})"
     if isinstance(value, str):
         return f"a string ({short_repr(value)})"
-    return "an object" if isinstance(value, Mapping) else type(value).__name__
+    if isinstance(value, Mapping):
+        return "an object"
+    return "an array" if isinstance(value, list) else type(value).__name__
 
 
 def _channels_first(entry: Any) -> Any:
