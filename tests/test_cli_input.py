@@ -235,13 +235,18 @@ def test_an_abbreviated_option_of_the_command_before_it_is_said_to_go_after_it(c
     (["--batch", "4", "cache", "info"], ""),  # none of cache's options
     (["--x", "4", "report", "vgg16"], ""),
     (["--batch", "4"], ""),  # no command given after it
+    # a command mistyped, after no option of the later command's: the command a later word names (a plot file's) is
+    # not the one meant, whatever options come before that word
+    (["reprot", "vgg16", "--format", "json", "--plot", "info"], ""),
+    (["--cudnn-api", "graph", "reprot", "vgg16", "--format", "json", "--plot", "info"], ""),
+    (["--skip-unknown", "m.onnx", "report"], "; report's own options (--skip-unknown) go after it"),
 ])
 def test_an_option_of_the_command_before_it_with_its_value_apart_is_said_to_go_after_it(capsys, argv, hint):
     """--batch=4 before the command was said to go after it, but --batch 4, as options are mostly written, was said
     only as an invalid command, the value (4) having been taken for the command: the options of the command's before
-    it are said to go after it there too."""
+    it are said to go after it there too; a command mistyped, after no option of the command's, names none of them."""
     code, out, err = run_main(capsys, *argv)
-    value = argv[1]
+    value = next(arg for arg in argv if not arg.startswith("-"))  # the first word argparse takes for the command
     assert (code, out) == (2, "")
     assert err == (f"wsarena: error: argument command: invalid choice: {value!r} (choose from 'report', 'tune', "
                    f"'cache', 'info'){hint} (see 'wsarena --help')\n")

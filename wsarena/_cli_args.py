@@ -141,13 +141,18 @@ class _Parser(argparse.ArgumentParser):
         return f"; {command}'s own options ({', '.join(theirs)}) go after it" if theirs else ""
 
     def _value_taken_for_the_command(self, value: str) -> str:
-        """:meth:`_go_after` of the arguments before the first command given after ``value``, the invalid command:
-        ``--batch 4 report`` has 4 taken for the command, --batch being none of the top parser's options."""
+        """:meth:`_go_after` of the arguments before the first command given after ``value``, the invalid command,
+        where an option of that command's is given just before ``value``: ``--batch 4 report`` has 4 taken for the
+        command, --batch being none of the top parser's options. A word that follows no such option (``reprot vgg16
+        --format json --plot info``) is a command mistyped, and the command a later word names (a file's, there) is
+        not the one meant: nothing is added."""
         if value not in self._given:
             return ""
-        start = self._given.index(value) + 1
-        end = next((i for i, arg in enumerate(self._given[start:], start) if arg in self._commands.choices), None)
-        return "" if end is None else self._go_after(self._given[end], self._given[:end])
+        at = self._given.index(value)
+        end = next((i for i, arg in enumerate(self._given[at + 1:], at + 1) if arg in self._commands.choices), None)
+        if end is None or at == 0 or self._command_option(self._given[end], self._given[at - 1]) is None:
+            return ""
+        return self._go_after(self._given[end], self._given[:end])
 
     def _command_option(self, command: str | None, arg: str) -> str | None:
         """The option of ``command``'s that ``arg`` (``--batch=4``, ``--bat``) names, as the command's parser reads
