@@ -397,6 +397,7 @@ def test_streams_multiply_and_assignments_sum(resnet50):
     one = wsarena.plan(layers, batch=2, backend="cpu")
     three = wsarena.plan(layers, batch=2, backend="cpu", streams=3)
     assert three.arena_bytes == 3 * one.arena_bytes and three.to_dict()["streams"] == 3
+    assert [lp.stream for lp in three.layers] == [0] * 6  # shared: any stream runs any layer, each named by the first
     split = wsarena.plan(layers, batch=2, backend="cpu", streams=[0, 1, 1, 0, 2, 2])
     per = [max(lp.largest_bytes for lp in split.layers if lp.stream == s) for s in range(3)]
     assert split.stream_bytes == tuple(per)
@@ -987,6 +988,40 @@ def test_every_zoo_model_plans_and_sharing_saves(name):
     largest = max(c.workspace_bytes for lp in p.layers for c in lp.choices.values())
     assert p.arena_bytes == largest
     assert 0 < p.arena_bytes < p.unshared_bytes
+
+
+def test_a_plan_by_default_is_of_one_image_float32_nchw_every_pass_one_stream(resnet50):
+    """The defaults the signature and the docstring name, read off the plan and its layers' geometries."""
+    p = wsarena.plan(resnet50[:2], backend="cpu")
+    assert (p.batch, p.dtype, p.layout, p.streams) == (1, "float32", "NCHW", 1)
+    assert p.passes == ("fwd", "bwd_data", "bwd_filter")
+    assert [lp.geometry.input_shape for lp in p.layers] == [(1, 3, 224, 224), (1, 64, 56, 56)]
+    assert [list(lp.choices) for lp in p.layers] == [["fwd", "bwd_data", "bwd_filter"]] * 2
+
+
+def test_a_layer_plan_made_by_hand_is_an_ordinary_convolution_of_no_workspace_until_given_choices():
+    """LayerPlan is public: made with no choices, it needs no workspace, and its dict says "transposed" only of a
+    transposed layer."""
+    from wsarena.backends import Candidate
+    from wsarena.planner import LayerPlan
+
+    geom = ConvLayer("c", (1, 3, 8, 8), (4, 3, 3, 3)).geometry()
+    bare = LayerPlan("c", geom, 0, {})
+    assert bare.largest_bytes == 0 and not bare.transposed and "transposed" not in bare.to_dict()
+    chosen = LayerPlan("c", geom, 0, {"fwd": Candidate("a", 96), "bwd_data": Candidate("b", 160)}, transposed=True)
+    assert chosen.largest_bytes == 160 and chosen.to_dict()["transposed"] is True
+    assert chosen.to_dict()["bwd_data"] == {"algo": "b", "workspace_bytes": 160}
+
+
+def test_a_plan_and_its_layers_cannot_be_changed(resnet50):
+    """A plan's totals are read off its fields each time: they stay those of the plan made (reserve_for reads them)."""
+    import dataclasses
+
+    p = wsarena.plan(resnet50[:2], backend="cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.stream_bytes = (0,)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.layers[0].stream = 1
 
 
 def test_saved_is_never_negative_even_for_one_call():
