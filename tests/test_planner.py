@@ -679,6 +679,12 @@ def test_text_progress_draws_nothing_where_the_stream_is_not_a_terminal():
         ({"streams": "012"}, TypeError, "streams must be an int or a sequence"),
         ({"cap_workspace": "lots"}, ValueError, "size"),
         ({"search": "fastest"}, ValueError, "search"),
+        # refused before the search or a GPU's properties are read: "{}" is no GPU's
+        ({"backend": None, "device_properties": "{}", "search": "exhaustive"}, ValueError, "cannot time algorithms"),
+        ({"backend": None, "device_properties": "{}", "max_slowdown": 0.1}, ValueError, "cannot time algorithms"),
+        ({"max_slowdown": 0.1, "cap_workspace": "1MiB"}, ValueError, "give cap_workspace or max_slowdown, not both"),
+        ({"max_slowdown": 0.1, "cap_workspace": None}, ValueError, "give cap_workspace or max_slowdown, not both"),
+        ({"max_slowdown": 0.1, "search": "heuristic"}, ValueError, "max_slowdown needs search='exhaustive'"),
         ({"backend": "tpu"}, ValueError, "backend"),
         ({"dtype": "float16"}, ValueError, "float16"),
         pytest.param(
