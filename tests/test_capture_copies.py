@@ -369,6 +369,53 @@ def test_kept_bytes_count_each_memory_kept_once(provider):
     assert arena.stats().kept_bytes == 0
 
 
+def test_kept_bytes_taken_off_twice_for_a_pin_still_count_what_another_pin_keeps():
+    """uncount() is idempotent, as let_go_kept() run again after an interrupt, or by two callers at once, needs: a
+    pin's second uncount takes nothing off the memory another pin still keeps."""
+    tally = _pins.KeptBytes()
+    shared, own = np.empty(1000, np.uint8), np.empty(24, np.uint8)
+    first, second = GraphPin(tally), GraphPin(tally)
+    tally.count(first, [shared, own])
+    tally.count(first, [shared[1:]])  # counted once, as kept again after an interrupt
+    tally.count(second, [shared[10:]])
+    assert tally.nbytes == 1024
+    tally.uncount(first)
+    tally.uncount(first)
+    assert tally.nbytes == 1000 and [entry[2] for entry in tally.owners.values()] == [shared]
+    tally.uncount(second)
+    assert tally.nbytes == 0 and tally.owners == {}
+
+
+def test_what_no_pin_counts_any_more_is_dropped_after_the_tally_lets_go_of_its_lock():
+    """An owner the tally held the last reference to is dropped once uncount() has let go of the lock: its free may
+    run any code (an array's, CUDA's cudaFree), which must not run under wsarena's lock."""
+    tally = _pins.KeptBytes()
+    pin = GraphPin(tally)
+    under_lock = []
+
+    class Owner:
+        nbytes = 8
+
+        def __del__(self):
+            under_lock.append(tally.lock._is_owned())
+
+    tally.count(pin, [Owner(), Owner(), Owner()])
+    assert tally.nbytes == 24 and under_lock == []
+    tally.uncount(pin)
+    assert tally.nbytes == 0 and under_lock == [False, False, False]
+
+
+def test_a_pin_says_released_once_it_was_seen_posted():
+    """GraphPin.released, and its repr, say whether live() saw CUDA run the destructor: not when it is made, nor once
+    its address is read (given to a graph), nor once it is posted and live() has not looked yet."""
+    pin = GraphPin()
+    assert pin.released is False and repr(pin) == "GraphPin(live)"
+    assert pin.address and pin.live() and pin.released is False and repr(pin) == "GraphPin(live)"
+    pin.never_held()  # posts it, as CUDA does when it destroys the graph
+    assert pin.released is False
+    assert not pin.live() and pin.released is True and repr(pin) == "GraphPin(released)"
+
+
 @pytest.mark.parametrize("ends", ["closed", "collected"])
 def test_a_closed_or_collected_arena_counts_what_its_graphs_keep(provider, freed, ends):
     """A closed arena's stats, and those of the heir of a collected one (the closed arena that frees what it held),
