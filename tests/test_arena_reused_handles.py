@@ -296,6 +296,23 @@ def test_a_stream_object_that_lives_over_the_capture_adopts_the_orphan_before_it
     graph.close()
 
 
+def test_the_watch_of_a_capture_begun_asks_no_id_and_makes_no_sub_arena(no_ids_in_capture):
+    """wsarena.capture() watches its stream again once its capture has begun (not beginning): that watch records the
+    stream alone. It asks CUDA no id, which would invalidate the capture, and makes the arena no sub-arena."""
+    from wsarena.arena._pinning import unwatch_capture, watch_capture
+
+    provider = no_ids_in_capture
+    arena = Arena(provider)
+    stream = FakeStream(H)  # the block's stream object
+    graph = provider.begin_capture(H)
+    watch_capture(arena, stream)
+    assert provider.id_reads == [] and arena.held_bytes(stream=H) == 0
+    provider.end_capture(graph)
+    unwatch_capture(arena, stream)
+    assert arena.stats().streams == {} and provider.allocations == []
+    graph.close()
+
+
 def test_a_stream_objects_first_lease_during_a_capture_asks_no_id_and_the_first_after_it_does(no_ids_in_capture):
     """A buffer reserved through the raw handle (no stream object to watch), then leased during a capture through a
     stream object: the stream's id is left unread, and the object unwatched until its first lease after the

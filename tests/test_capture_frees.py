@@ -145,6 +145,44 @@ def test_nothing_that_would_synchronise_the_device_is_freed_while_another_thread
     graph.close()
 
 
+class BlockingCaptureProvider(CaptureWatchingProvider):
+    """Plays CUDA while a blocking stream is captured: asked whether the legacy default stream (0) is captured,
+    cudaStreamIsCapturing fails with cudaErrorStreamCaptureImplicit, which the arena's capture() raises as a
+    CaptureError. ``blocking``: the streams captured so."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocking = set()
+
+    def capture(self, stream):
+        if stream == 0 and self.blocking & set(self.capturing):
+            raise wsarena.CaptureError("the legacy default stream (0) cannot be used while another stream of this "
+                                       "device is being captured")
+        return super().capture(stream)
+
+
+def test_nothing_that_would_synchronise_the_device_is_freed_while_a_blocking_stream_unknown_to_the_arena_captures():
+    """A capture on a blocking stream that the arena never used nor recorded (begun by another library, in another
+    thread, no lease there yet) is seen only by asking the legacy default stream, which CUDA refuses then: a dead
+    stream's buffer, freed with no stream (a device synchronisation, which would break that capture), waits until the
+    capture is over, whatever the calling thread's current stream."""
+    provider = BlockingCaptureProvider()
+    arena = Arena(provider)
+    gone = FakeStream(S2)
+    arena.reserve(1000, stream=gone)
+    del gone
+    gc.collect()
+    provider.current = S1  # the calling thread's current stream: its own, not captured
+    provider.blocking.add(0x70)
+    graph = provider.begin_capture(0x70)
+    arena.trim()
+    assert provider.during_capture == [] and provider.frees == []
+    provider.end_capture(graph)
+    arena.trim()
+    assert [s for _, s in provider.frees] == [None] and provider.during_capture == []
+    graph.close()
+
+
 class AskedProvider(CaptureWatchingProvider):
     """Records each stream handle the arena asks whether it is captured (CUDA's cudaStreamIsCapturing)."""
 
