@@ -565,20 +565,20 @@ def test_the_cudnn_backend_says_which_arrays_free_device_memory_as_they_are_drop
 def test_an_arena_keeps_arrays_for_the_graph_being_captured_on_a_stream(provider):
     """keep_with_capture keeps a program's own arrays while the graph being captured on the stream exists, and says
     whether it is being captured; a stream not captured, or whose capture an earlier error invalidated (it becomes no
-    graph), keeps nothing."""
+    graph), keeps nothing. The answer is a bool, as annotated."""
     arena = wsarena.get_arena("cpu")
     arrays = [np.empty(8) for _ in range(3)]
     gone = [weakref.ref(array) for array in arrays]
     graph = provider.begin_capture("lane")
-    assert arena.keep_with_capture(arrays[:1], stream="lane")
-    assert not arena.keep_with_capture(arrays[1:2], stream="other lane")
+    assert arena.keep_with_capture(arrays[:1], stream="lane") is True
+    assert arena.keep_with_capture(arrays[1:2], stream="other lane") is False
 
     def invalidated(stream):
         raise wsarena.CaptureError(f"the capture on {stream!r} was invalidated")
 
     refusing = RecordingProvider()
     refusing.capture = invalidated
-    assert not Arena(refusing).keep_with_capture(arrays[2:], stream="lane")
+    assert Arena(refusing).keep_with_capture(arrays[2:], stream="lane") is False
     provider.end_capture(graph)
     del arrays
     gc.collect()
