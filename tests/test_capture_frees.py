@@ -88,6 +88,30 @@ def test_a_buffer_is_not_freed_on_its_stream_while_that_stream_is_captured():
     assert (first, S1) in freed_on(provider) and provider.during_capture == []
 
 
+def test_a_buffer_kept_for_a_graph_is_freed_with_no_stream_once_its_stream_object_died():
+    """A stream object dies while a buffer of its stream is kept aside for a graph (outgrown after the capture): its
+    stream may be destroyed, so once the graph is gone the buffer is freed with no stream (the provider waits for the
+    device), as the stream's other buffers are, even where the next call, on another stream, frees it before the dead
+    stream's sub-arena is forgotten. On the handle, it would be freed in the order of whatever stream CUDA gave the
+    handle to since."""
+    provider = CaptureWatchingProvider()
+    arena = Arena(provider)
+    with arena.lease(10, stream=S2):  # another stream's sub-arena, there before: its next lease makes none
+        pass
+    stream = FakeStream(0x70)
+    arena.reserve(1000, stream=stream)
+    graph, pinned = capture_a_lease(provider, arena, stream=stream)
+    with arena.lease(50_000, stream=stream):  # an eager growth: the pinned buffer is kept aside for the graph
+        pass
+    del stream
+    gc.collect()
+    graph.close()
+    with arena.lease(10, stream=S2):
+        pass
+    assert (pinned, None) in freed_on(provider) and (pinned, 0x70) not in freed_on(provider)
+    assert provider.during_capture == []
+
+
 def test_nothing_that_would_synchronise_the_device_is_freed_in_a_capture_block():
     """A stream object dies; its buffer is freed with no stream (the provider synchronises the device first) when
     a new sub-arena is made, or by a trim. Inside a capture block (its stream current) either waits until a call

@@ -82,13 +82,16 @@ def test_a_key_that_is_not_equal_to_itself_is_refused(host_arena, nan):
 
 
 def test_idle_lanes_beyond_the_limit_are_evicted(host_arena, host_provider):
-    """A request id per call: the lanes (and bytes) held stay bounded."""
-    for i in range(3 * _table.MAX_IDLE_STREAMS):
+    """A request id per call: the lanes (and bytes) held stay bounded, at the limit."""
+    limit = _table.MAX_IDLE_STREAMS
+    for i in range(3 * limit):
         with host_arena.lease(64 << 10, stream=f"request-{i}") as ws:
             ws.array[:] = 1
+        # no fewer either: each new key past the limit evicts one lane, the oldest
+        assert len(host_arena.stats().streams) == min(i + 1, limit)
     stats = host_arena.stats()
-    assert len(stats.streams) <= _table.MAX_IDLE_STREAMS
-    assert host_provider.held_bytes == stats.capacity_bytes <= _table.MAX_IDLE_STREAMS * (64 << 10)
+    assert list(stats.streams) == [f"request-{i}" for i in range(2 * limit, 3 * limit)]
+    assert host_provider.held_bytes == stats.capacity_bytes == limit * (64 << 10)
     assert stats.allocations - stats.frees == len(host_provider.held)
 
 
