@@ -7,6 +7,7 @@ new wrapper of a live stream (``torch.cuda.current_stream()`` makes one per call
 
 import gc
 import threading
+import weakref
 
 import pytest
 
@@ -294,6 +295,22 @@ def test_a_stream_object_that_lives_over_the_capture_adopts_the_orphan_before_it
     assert lease_ptr(arena, 1000, FakeStream(H)) == old
     provider.end_capture(graph)
     graph.close()
+
+
+def test_a_dead_streams_growth_that_no_one_can_end_ends_when_another_stream_takes_the_handle(provider):
+    """A reserve on the dead stream's sub-arena was cut short (a Ctrl-C) and left its growth to no one: the lease of
+    the stream CUDA gave the handle to ends that growth, and the dead stream's buffer is freed then, with no stream,
+    not left held until a trim, stats or close looks."""
+    arena = Arena(provider)
+    old = dead_stream_leased(arena)
+    arena.stats()  # the death is seen: an orphan
+    owner = FakeStream(H)  # stands for the reserve's owner, gone
+    arena._subs[H].growing = weakref.ref(owner)  # as a reserve cut short leaves it
+    del owner
+    provider.stream_ids[H] = 102  # a new stream has handle H
+    assert lease_ptr(arena, 500, FakeStream(H)) != old
+    assert [(buffer.ptr, stream) for buffer, stream in provider.frees] == [(old, None)]
+    assert len(provider.held) == 1
 
 
 def test_the_watch_of_a_capture_begun_asks_no_id_and_makes_no_sub_arena(no_ids_in_capture):
