@@ -313,6 +313,30 @@ def test_a_dead_streams_growth_that_no_one_can_end_ends_when_another_stream_take
     assert len(provider.held) == 1
 
 
+def test_a_dead_streams_buffer_kept_for_a_graph_is_not_counted_as_the_new_streams_of_its_handle(provider):
+    """A buffer of the dead stream's that a graph holds, kept aside (outgrown after the capture), goes with the dead
+    stream's sub-arena when the stream CUDA gave the handle to first leases: the new stream's stats count no bytes of
+    it as pinned, the arena's do until the graph is gone, and it is then freed with no stream."""
+    from .capture_helpers import capture_a_lease, freed_on
+
+    arena = Arena(provider)
+    stream = FakeStream(H)
+    arena.reserve(1000, stream=stream)
+    graph, pinned = capture_a_lease(provider, arena, stream=stream)
+    with arena.lease(50_000, stream=stream):  # an eager growth: the pinned buffer is kept aside for the graph
+        pass
+    del stream
+    gc.collect()
+    assert arena.stats().streams[H].pinned_bytes == 1024  # the death is seen: an orphan, whose bytes these are
+    provider.stream_ids[H] = 102  # a new stream has handle H
+    lease_ptr(arena, 500, FakeStream(H))
+    stats = arena.stats()
+    assert stats.streams[H].pinned_bytes == 0 and stats.pinned_bytes == 1024
+    graph.close()
+    arena.trim()
+    assert (pinned, None) in freed_on(provider) and (pinned, H) not in freed_on(provider)
+
+
 def test_the_watch_of_a_capture_begun_asks_no_id_and_makes_no_sub_arena(no_ids_in_capture):
     """wsarena.capture() watches its stream again once its capture has begun (not beginning): that watch records the
     stream alone. It asks CUDA no id, which would invalidate the capture, and makes the arena no sub-arena."""
