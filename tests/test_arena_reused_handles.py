@@ -337,6 +337,27 @@ def test_a_dead_streams_buffer_kept_for_a_graph_is_not_counted_as_the_new_stream
     assert (pinned, None) in freed_on(provider) and (pinned, H) not in freed_on(provider)
 
 
+def test_a_capture_block_ends_well_where_its_streams_sub_arena_was_forgotten_meanwhile(no_ids_in_capture):
+    """The end of a wsarena.capture() block gives the watch of its stream's buffer back to the object that watched it
+    before: where the sub-arena was forgotten meanwhile (the arena closed during the block), there is none to give
+    back, and the block ends as any other."""
+    from wsarena.arena._pinning import unwatch_capture, watch_capture
+
+    provider = no_ids_in_capture
+    arena = Arena(provider)
+    user = FakeStream(H)
+    lease_ptr(arena, 1000, user)
+    block = FakeStream(H)  # the block's stream object, made for it
+    watch_capture(arena, block, beginning=True)
+    graph = provider.begin_capture(H)
+    provider.end_capture(graph)
+    arena.close()
+    assert arena.stats().streams == {}
+    unwatch_capture(arena, block)
+    assert arena._table.rewatched == {} and provider.held == []
+    graph.close()
+
+
 def test_the_watch_of_a_capture_begun_asks_no_id_and_makes_no_sub_arena(no_ids_in_capture):
     """wsarena.capture() watches its stream again once its capture has begun (not beginning): that watch records the
     stream alone. It asks CUDA no id, which would invalidate the capture, and makes the arena no sub-arena."""
