@@ -20,11 +20,11 @@ import pytest
 import wsarena
 from wsarena import ops
 
-from .torch_models import small_resnet, step
-
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch")  # before the helpers, which import it
 F = torch.nn.functional
 wt = pytest.importorskip("wsarena.torch")
+
+from .torch_models import small_resnet, step
 
 TOL64 = 1e-10
 

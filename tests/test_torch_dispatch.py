@@ -10,12 +10,12 @@ from typing import ClassVar
 
 import pytest
 
-from .test_torch import close
-
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch")  # before test_torch's helpers, which import it
 F = torch.nn.functional
 wt = pytest.importorskip("wsarena.torch")
 from wsarena.torch import _ops
+
+from .test_torch import close
 
 NAMES = ["conv_forward", "conv_backward_data", "conv_backward_filter"]
 

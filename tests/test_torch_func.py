@@ -17,6 +17,10 @@ import pytest
 
 import wsarena
 from wsarena import algos
+
+torch = pytest.importorskip("torch")  # before wsarena.torch and test_torch's helpers, which import it
+F = torch.nn.functional
+wt = pytest.importorskip("wsarena.torch")
 from wsarena.torch import _autograd
 
 from .test_torch import (
@@ -32,9 +36,6 @@ from .test_torch_transpose import CASES as TRANSPOSE_CASES
 from .test_torch_transpose import FUNCTIONS as TRANSPOSE_FUNCTIONS
 from .test_torch_transpose import tensors as transpose_tensors
 
-torch = pytest.importorskip("torch")
-F = torch.nn.functional
-wt = pytest.importorskip("wsarena.torch")
 # What fullgraph=True's error says of the graph break a convolution of dual tensors given to a compiled function asks
 # for: its reason, where torch.compiler.disable takes one (not PyTorch 2.7, which names the disabled function only)
 BREAK = ("dual tensors given to a compiled function" if "reason" in inspect.signature(torch.compiler.disable).parameters

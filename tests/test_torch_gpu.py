@@ -18,10 +18,12 @@ from wsarena import conv_backward_data, conv_backward_filter, conv_forward
 from wsarena.arena import CupyProvider, TorchProvider, get_arena
 
 from .reference import ref_conv_backward_data, ref_conv_backward_filter, ref_conv_forward
+
+torch = pytest.importorskip("torch")  # before the helpers, which import it
+F = torch.nn.functional
+
 from .torch_models import small_resnet, step
 
-torch = pytest.importorskip("torch")
-F = torch.nn.functional
 pytestmark = pytest.mark.gpu
 
 TOL = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}

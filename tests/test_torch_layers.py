@@ -15,13 +15,14 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 import wsarena
-import wsarena.torch as wt
 from wsarena.models import ModelError, layers_to_json
+
+torch = pytest.importorskip("torch")  # before wsarena.torch and the helpers, which import it
+F = torch.nn.functional
+nn = torch.nn
+wt = pytest.importorskip("wsarena.torch")
 
 from .cli_helpers import run_main
 from .forking import fork

@@ -14,11 +14,11 @@ import pytest
 
 import wsarena
 
-from .test_torch import close, leased  # noqa: F401 - leased: the fixture
-
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch")  # before test_torch's helpers, which import it
 wt = pytest.importorskip("wsarena.torch")
 nn = torch.nn
+
+from .test_torch import close, leased  # noqa: F401 - leased: the fixture
 
 NAMES = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 

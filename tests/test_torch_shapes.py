@@ -12,12 +12,12 @@ import pytest
 
 from wsarena import _geometry
 
-from .test_torch import _only_traced_frames_compiling, close
-
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch")  # before test_torch's helpers, which import it
 F = torch.nn.functional
 wt = pytest.importorskip("wsarena.torch")
 from wsarena.torch import _shapes
+
+from .test_torch import _only_traced_frames_compiling, close
 
 nn = torch.nn
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")  # torch's own

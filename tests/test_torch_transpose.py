@@ -11,11 +11,11 @@ import pytest
 
 from wsarena import ops
 
-from .test_torch import TOL64, check_cpu_autocast, close, gradients
-
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch")  # before test_torch's helpers, which import it
 F = torch.nn.functional
 wt = pytest.importorskip("wsarena.torch")
+
+from .test_torch import TOL64, check_cpu_autocast, close, gradients
 
 CASES = [  # nd, input shape, weight shape (C_in, C_out/groups, *kernel), keyword arguments
     (1, (2, 4, 7), (4, 3, 3), {"stride": 3, "padding": 1, "output_padding": 2, "groups": 2, "dilation": 2}),
