@@ -81,6 +81,38 @@ def interrupt_at_call(
     return _run_traced(trace, lambda: fired, function, args)
 
 
+def _opcode_events() -> int:
+    """How many "opcode" events a trace function gets from a short function's run, asking for them as
+    interrupt_at_check does (``f_trace_opcodes`` set on the frame's "call" event)."""
+
+    def probe() -> None:
+        for _ in range(2):
+            pass
+
+    events = 0
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal events
+        if frame.f_code is not probe.__code__:
+            return None
+        frame.f_trace_opcodes = True
+        events += event == "opcode"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        probe()
+    finally:
+        sys.settrace(None)
+    return events
+
+
+# CPython 3.12.0 and 3.12.1 send no opcode event in a process until a trace function has asked for them in an earlier
+# sys.settrace() (CPython's issue gh-114480): the first traced run of interrupt_at_check would see none of its checks
+# after a call or at a loop's jump back. The first probe asks for them; the second finds them sent.
+_opcode_events()
+assert _opcode_events() > 0, "no opcode events: interrupt_at_check would place nothing but at a function's start"
+
 _WATCHED = tuple(f"{os.sep}{name}" for name in ("threading.py", "test_reliability_interrupts.py")) + tuple(
     str(path) for path in (Path(__file__).resolve().parent.parent / "wsarena").rglob("*.py")
 )

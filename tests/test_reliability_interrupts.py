@@ -7,6 +7,7 @@ else, leaves no lease live, and leaves every lane usable by the next statement o
 
 import json
 import subprocess
+import sys
 import threading
 import time
 
@@ -183,3 +184,24 @@ def test_a_lane_released_to_waiting_threads_is_not_taken_back_at_once():
         stop.set()
         for each in busy_threads:
             each.join(10)
+
+
+def test_the_first_placed_interrupt_of_a_process_lands_after_a_call_too():
+    """interrupt_at_check places a Ctrl-C just after a call returns in the first traced run of a process too, where
+    CPython 3.12.0 and 3.12.1 send no opcode event until an earlier sys.settrace() asked for them: the interrupt at
+    the second check (after the first call) was never placed, and the run went through."""
+    child = (
+        "import sys\n"
+        "from tests.interrupts import interrupt_at_check\n"
+        "space = {}\n"
+        "exec(compile('def run(log):\\n    log.append(1)\\n    log.append(2)\\n', sys.argv[1], 'exec'), space)\n"
+        "log = []\n"
+        "print(interrupt_at_check(2, space['run'], log), log)\n"
+    )
+    # The function's code is named after this file, among those whose frames interrupt_at_check watches
+    result = subprocess.run(
+        [sys.executable, "-c", child, __file__], check=False, capture_output=True, text=True, timeout=60,
+        cwd=ROOT, env=child_env(),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "True [1]\n"
