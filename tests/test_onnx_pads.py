@@ -30,10 +30,9 @@ def test_pytorch_padding_modes_give_the_layers_pytorch_runs(tmp_path, mode, nd, 
     """The exporter computes such pads with ConstantOfShape, Concat, Reshape, a reversing Slice, Transpose and Cast
     from constants, which ONNX shape inference does not evaluate: every conv from the padded one on was unknown.
     The reference is wsarena.torch.layers, which runs the model in PyTorch."""
-    import torch
-    from torch import nn
-
-    import wsarena.torch as wt
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+    wt = pytest.importorskip("wsarena.torch")
 
     cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[nd]
     model = nn.Sequential(cls(3, 8, 3, padding=(2, 1, 1)[:nd], padding_mode=mode, stride=2),
