@@ -6,6 +6,7 @@ import os
 import select
 import signal
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,11 @@ def fork(child: Callable[[], Any]) -> Callable[[], Any]:
     after :data:`HANG_SECONDS` and fails the test rather than outliving it.
     """
     read, write = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():
+        # CPython 3.12 on warns of a fork while other threads run, which is what the tests that hold a lock in
+        # another thread at the fork are about
+        warnings.filterwarnings("ignore", r"This process \(pid=\d+\) is multi-threaded", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:
         code, answer = 1, b""
         try:
