@@ -750,13 +750,20 @@ def test_public_names_are_listed_sorted_and_resolve():
     assert public <= set(wt.__all__)
 
 
+def _caps(warned):
+    """The cap warnings among all those ``pytest.warns`` recorded, PyTorch's own included (torch.compile warns on
+    CPython 3.13.0 that its guards may run slower there)."""
+    return [w for w in warned if issubclass(w.category, wsarena.WorkspaceCapWarning)]
+
+
 def _cap_warnings(run, passes=("fwd",)):
     """The (file, line) of each cap warning ``run()`` gives under a cap of 0, checking that ``passes`` warned."""
     wsarena.configure(cap_workspace=0)  # not config(): a thread of its own would not see it
     with pytest.warns(wsarena.WorkspaceCapWarning) as warned:
         run()
-    assert {str(w.message).split(" for ")[1].split(" of ")[0] for w in warned} == set(passes)
-    return {(w.filename, w.lineno) for w in warned}
+    caps = _caps(warned)
+    assert {str(w.message).split(" for ")[1].split(" of ")[0] for w in caps} == set(passes)
+    return {(w.filename, w.lineno) for w in caps}
 
 
 def _line(offset=0):
@@ -828,7 +835,7 @@ def test_a_config_block_in_a_compiled_function_is_a_graph_break_whose_calls_run_
         torch.compile(capped, backend="aot_eager", fullgraph=True)(x)
     with pytest.warns(wsarena.WorkspaceCapWarning) as warned:
         y = torch.compile(capped, backend="aot_eager")(x)
-    assert "cap 0 B" in str(warned[0].message)
+    assert "cap 0 B" in str(_caps(warned)[0].message)
     assert wsarena.get_config().cap_workspace is None  # the block ended
     torch.testing.assert_close(y, torch.nn.functional.conv2d(x, conv.weight, conv.bias))  # float32's defaults
 
