@@ -249,6 +249,51 @@ def test_a_model_without_zero_workspace_algorithms_starts_at_its_smallest_cap(mo
         t.plan(299)
 
 
+def test_a_plan_below_the_smallest_cap_says_the_cap_it_needs(monkeypatch):
+    """b's input gradient needs 300 bytes: a plan under 299 is refused with the smallest cap of the curve as the
+    workspace requested, none held, and the cap given."""
+    from wsarena.errors import NoAlgorithmFitsError
+
+    table = {**TABLE, ("bwd_data", 8): [("gemm", 300, 8.0)]}
+    monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))
+    algos.cache_clear()
+    t = run()
+    with pytest.raises(NoAlgorithmFitsError) as refused:
+        t.plan(299)
+    assert (refused.value.requested, refused.value.held, refused.value.cap) == (300, 0, 299)
+    assert t.plan(300).cap_workspace == 300
+
+
+def test_tunes_defaults_are_plans(fake):
+    """Batch 1 and one stream, as plan() takes them, and a 2 % slowdown: the curve of EXPECTED (whose arenas are
+    one stream's), recommended at 8000 bytes."""
+    t = tune(LAYERS, passes=PASSES, backend="cpu")
+    assert t.uncapped.batch == 1 and t.to_dict()["batch"] == 1 and t.uncapped.streams == 1
+    assert [(p.cap_workspace_bytes, p.arena_bytes) for p in t.curve] == [e[:2] for e in EXPECTED]
+    assert t.max_slowdown == 0.02 and t.recommended_cap_bytes == 8000
+
+
+def test_search_seconds_is_the_time_the_measurements_took(fake, monkeypatch):
+    """On a clock that reads 100 s as the tuning starts and 100.25 s once the plan has searched."""
+    import types
+
+    from wsarena import tuning
+
+    readings = iter([100.0, 100.25])
+    monkeypatch.setattr(tuning, "time", types.SimpleNamespace(perf_counter=lambda: next(readings)))
+    t = run()
+    assert t.search_seconds == 0.25 and t.to_dict()["search_seconds"] == 0.25
+
+
+def test_a_tuning_and_its_points_cannot_be_changed(fake):
+    """The recommendation and the plans are read from the curve: neither it nor its points take new values."""
+    t = run()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.recommended_cap_bytes = 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.curve[0].step_seconds = 0.0
+
+
 def test_a_model_without_layers_is_refused():
     with pytest.raises(ValueError, match="layers is empty"):
         tune([], backend="cpu")
