@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wsarena._geometry import conv_geometry, conv_transpose_geometry, output_size
+from wsarena._geometry import _check_sizes, conv_geometry, conv_transpose_geometry, output_size
 
 
 def test_nchw_shapes_and_output():
@@ -19,6 +20,27 @@ def test_nchw_shapes_and_output():
     assert g.output_shape == (2, 4, *g.output_size)
     assert g.weight_shape == (4, 3, 3, 2)
     assert g.macs == 2 * 4 * g.output_size[0] * g.output_size[1] * 3 * 6
+    # ints, as an array's shape must be: 3.0 compares equal to 3
+    assert all(type(n) is int for n in (*g.input_shape, *g.weight_shape, *g.output_shape))
+
+
+def test_each_pass_has_its_operands_shapes():
+    """fwd (x, w, y), bwd_data (dy, w, dx), bwd_filter (x, dy, dw): x (2, 6, 9, 10), w (4, 3, 3, 2), y (2, 4, 5, 11)."""
+    g = conv_geometry((2, 6, 9, 10), (4, 3, 3, 2), stride=(2, 1), padding=1, groups=2)
+    x, w, y = (2, 6, 9, 10), (4, 3, 3, 2), (2, 4, 5, 11)
+    assert g.operand_shapes("fwd") == (x, w, y)
+    assert g.operand_shapes("bwd_data") == (y, w, x)
+    assert g.operand_shapes("bwd_filter") == (x, y, w)
+
+
+def test_with_batch_takes_a_batch_of_0_or_more():
+    g = conv_geometry((2, 4, 9, 9), (8, 4, 3, 3), padding=1)
+    assert g.with_batch(5).input_shape == (5, 4, 9, 9) and g.with_batch(5).output_shape == (5, 8, 9, 9)
+    assert g.with_batch(0).output_shape == (0, 8, 9, 9)
+    for bad in (-1, -6):
+        with pytest.raises(ValueError) as info:
+            g.with_batch(bad)
+        assert str(info.value) == f"batch must be >= 0, not {bad}"
 
 
 def test_nhwc_shapes():
@@ -43,6 +65,18 @@ def test_output_size_counts_windows(nd, size, k, s, p, d):
     assert output_size(size, k, s, p, d) == counted
     g = conv_geometry((1, 1, *(size,) * nd), (1, 1, *(k,) * nd), stride=s, padding=p, dilation=d)
     assert g.output_size == (counted,) * nd
+
+
+@pytest.mark.parametrize(("dtype", "itemsize"), [("float16", 2), ("bfloat16", 2), ("float32", 4), ("float64", 8)])
+def test_an_operand_may_hold_as_many_elements_as_sys_maxsize_bytes_hold_in_its_dtype(dtype, itemsize):
+    """The limit is sys.maxsize bytes at the dtype's bytes per element: NumPy's, and 2 for bfloat16's 16 bits."""
+    if dtype != "bfloat16":
+        assert np.dtype(dtype).itemsize == itemsize
+    most = sys.maxsize // itemsize
+    fits = {"input_shape": (most,), "weight_shape": (1,), "the output shape": (1,)}
+    _check_sizes(fits, (1,), (0,), dtype)
+    with pytest.raises(ValueError, match=f"input_shape \\({most + 1},\\) of {dtype} is {(most + 1) * itemsize} bytes"):
+        _check_sizes({**fits, "input_shape": (most + 1,)}, (1,), (0,), dtype)
 
 
 def test_same_and_valid_padding():
@@ -77,6 +111,34 @@ def test_bad_parameters_name_the_argument(kwargs, match):
     k = kwargs.pop("out_channels", 6)
     with pytest.raises(ValueError, match=match):
         conv_geometry((2, 4, 8, 8), (k, wc, *kernel), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "says"),
+    [
+        (((1, 0, 5, 5), (2, 1, 3, 3)),
+         "input_shape=(1, 0, 5, 5) needs at least one channel and one element per dimension"),
+        (((1, 1, 0, 5), (2, 1, 3, 3)),
+         "input_shape=(1, 1, 0, 5) needs at least one channel and one element per dimension"),
+        (((1, 1, 5, 5), (0, 1, 3, 3)), "weight_shape=(0, 1, 3, 3) has a zero dimension"),
+        (((1, 1, 5, 5), (2, 0, 3, 3)), "weight_shape=(2, 0, 3, 3) has a zero dimension"),
+        (((1, 1, 5, 5), (2, 1, 0, 3)), "weight_shape=(2, 1, 0, 3) has a zero dimension"),
+    ],
+)
+def test_a_zero_channel_or_dimension_is_told_in_its_own_shape(shapes, says):
+    """Where the other shape is whole: no check after (the channels per group) speaks for it."""
+    with pytest.raises(ValueError) as info:
+        conv_geometry(*shapes)
+    assert str(info.value) == says
+
+
+def test_an_output_too_large_for_an_array_is_shown_in_the_layouts_order():
+    """NHWC: the output (N, H, W, K) of x (1, 2**20, 2**20, 1) by w (2**31 - 1, 1, 1, 1), 4 bytes each."""
+    with pytest.raises(ValueError) as info:
+        conv_geometry((1, 2**20, 2**20, 1), (2**31 - 1, 1, 1, 1), layout="NHWC")
+    nbytes = 4 * 2**20 * 2**20 * (2**31 - 1)
+    said = str(info.value)
+    assert said.startswith(f"the output shape (1, 1048576, 1048576, 2147483647) of float32 is {nbytes} bytes")
 
 
 @pytest.mark.parametrize("bad", [1.5, "2", True, None, b"\x02\x02", np.array([2, 2]), np.float64(2)])
@@ -139,10 +201,11 @@ def test_a_negative_dim_is_told_what_that_dim_takes(make, layout):
     x, w = ((2, 6, 6, 4), (4, 3, 3, 4)) if layout == "NHWC" else ((2, 4, 6, 6), (4, 4, 3, 3))
     assert make((0, *x[1:]), w, **kwargs).batch == 0  # as it says: 0 taken for the batch...
     for i in range(4):
-        with pytest.raises(ValueError) as info:
-            make(x[:i] + (-6,) + x[i + 1:], w, **kwargs)
-        assert str(info.value) == ("input_shape[0], the batch, must be >= 0, not -6" if i == 0 else
-                                   f"input_shape[{i}] must be >= 1, not -6")
+        for negative in (-6, -1):  # -1 too: the one below the least a batch takes
+            with pytest.raises(ValueError) as info:
+                make(x[:i] + (negative,) + x[i + 1:], w, **kwargs)
+            assert str(info.value) == (f"input_shape[0], the batch, must be >= 0, not {negative}" if i == 0 else
+                                       f"input_shape[{i}] must be >= 1, not {negative}")
         if i:
             with pytest.raises(ValueError):  # ... and refused for any other dim
                 make(x[:i] + (0,) + x[i + 1:], w, **kwargs)
@@ -235,3 +298,12 @@ def test_geometry_hash_matches_equality_and_survives_pickling_into_another_proce
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(g), capture_output=True, env=env, check=True)
     assert out.stdout.decode().strip() == "found"
+
+
+def test_a_geometry_cannot_be_changed():
+    """Its shapes and hash are worked out once and kept: a field changed after would leave them stale, and a geometry
+    is a key of the algorithm caches."""
+    g = conv_geometry((2, 4, 9, 9), (8, 4, 3, 3), padding=1)
+    assert g.output_shape == (2, 8, 9, 9)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        g.padding = (0, 0)
