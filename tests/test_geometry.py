@@ -67,6 +67,31 @@ def test_output_size_counts_windows(nd, size, k, s, p, d):
     assert g.output_size == (counted,) * nd
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    nd=st.integers(1, 3), size=st.integers(1, 8), k=st.integers(1, 4), s=st.integers(1, 3), p=st.integers(0, 3),
+    d=st.integers(1, 3), extra=st.integers(0, 2), groups=st.sampled_from([1, 2]),
+)
+def test_a_transposed_convolution_is_the_convolution_whose_input_gradient_it_is(nd, size, k, s, p, d, extra, groups):
+    """Its output length is the shortest input whose windows, counted one by one, number ``size``, plus
+    output_padding; the convolution of that input gives back ``size``. Its channels swap: x (2, 4, ...) by w (4, 3,
+    ...) is the convolution of an input of 3 * groups channels to 4."""
+    extra %= s  # output_padding must be below stride
+    span = d * (k - 1) + 1
+    shortest = next(n for n in range(1 - 2 * p, 100) if len(range(0, n + 2 * p - span + 1, s)) == size)
+    expected = shortest + extra
+    args = ((2, 4, *(size,) * nd), (4, 3, *(k,) * nd))
+    kwargs = {"stride": s, "padding": p, "dilation": d, "output_padding": extra, "groups": groups}
+    if expected < 1:
+        with pytest.raises(ValueError, match="leaves an output of size"):
+            conv_transpose_geometry(*args, **kwargs)
+        return
+    g = conv_transpose_geometry(*args, **kwargs)
+    assert g.input_size == (expected,) * nd and g.output_size == (size,) * nd
+    assert (g.batch, g.in_channels, g.out_channels, g.groups) == (2, 3 * groups, 4, groups)
+    assert g.weight_shape == (4, 3, *(k,) * nd) and g.output_shape == (2, 4, *(size,) * nd)
+
+
 @pytest.mark.parametrize(("dtype", "itemsize"), [("float16", 2), ("bfloat16", 2), ("float32", 4), ("float64", 8)])
 def test_an_operand_may_hold_as_many_elements_as_sys_maxsize_bytes_hold_in_its_dtype(dtype, itemsize):
     """The limit is sys.maxsize bytes at the dtype's bytes per element: NumPy's, and 2 for bfloat16's 16 bits."""
@@ -139,6 +164,39 @@ def test_an_output_too_large_for_an_array_is_shown_in_the_layouts_order():
     nbytes = 4 * 2**20 * 2**20 * (2**31 - 1)
     said = str(info.value)
     assert said.startswith(f"the output shape (1, 1048576, 1048576, 2147483647) of float32 is {nbytes} bytes")
+
+
+def test_a_transposed_convolutions_defaults_are_stride_1_no_padding_dilation_1_one_group():
+    """x (1, 4, 5, 5) by w (4, 2, 3, 3): out = (5 - 1) * 1 - 0 + 1 * (3 - 1) + 0 + 1 = 7, of 2 channels."""
+    g = conv_transpose_geometry((1, 4, 5, 5), (4, 2, 3, 3))
+    assert g == conv_geometry((1, 2, 7, 7), (4, 2, 3, 3))
+    assert (g.stride, g.padding, g.dilation, g.groups) == ((1, 1), (0, 0), (1, 1), 1)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "kwargs", "says"),
+    [
+        (((1, 1, 5, 5, 5, 5), (1, 1, 3, 3, 3, 3)), {},
+         ("input_shape=(1, 1, 5, 5, 5, 5) and weight_shape=(1, 1, 3, 3, 3, 3) must both have 3, 4 or 5 dimensions "
+          "(1-, 2- or 3-D transposed convolution)")),
+        (((1, 1, 5, 5), (1, 1, 3)), {},
+         ("input_shape=(1, 1, 5, 5) and weight_shape=(1, 1, 3) must both have 3, 4 or 5 dimensions (1-, 2- or 3-D "
+          "transposed convolution)")),
+        (((1, 4, 5, 5), (4, 2, 3, 3)), {"groups": 0}, "groups=0 must be >= 1 and divide the input channels (4)"),
+        (((1, 4, 5, 5), (4, 2, 3, 3)), {"groups": 3}, "groups=3 must be >= 1 and divide the input channels (4)"),
+        (((1, 4, 5, 5), (4, 2, 3, 3)), {"stride": 0}, "stride=0 must be >= 1 in every dimension"),
+        (((1, 4, 5, 5), (4, 2, 3, 3)), {"padding": -1}, "padding=-1 must be >= 0 in every dimension"),
+        (((1, 4, 5, 5), (4, 2, 3, 3)), {"output_padding": -1}, "output_padding=-1 must be >= 0 in every dimension"),
+        (((1, 4, 5, 5), (4, 2, 3, 3)), {"dilation": 0}, "dilation=0 must be >= 1 in every dimension"),
+        (((1, 4, 5, 5), (4, 2, 3, 3)), {"stride": 2, "output_padding": (1, 2)},
+         "output_padding=(1, 2) must be smaller than stride=(2, 2) in every dimension"),
+    ],
+)
+def test_a_transposed_convolutions_bad_parameters_name_the_argument(shapes, kwargs, says):
+    """Each told as the transposed convolution's, not the convolution's that it becomes."""
+    with pytest.raises(ValueError) as info:
+        conv_transpose_geometry(*shapes, **kwargs)
+    assert str(info.value) == says
 
 
 @pytest.mark.parametrize("bad", [1.5, "2", True, None, b"\x02\x02", np.array([2, 2]), np.float64(2)])
