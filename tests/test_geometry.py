@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wsarena._geometry import _check_sizes, conv_geometry, conv_transpose_geometry, output_size
+from wsarena._geometry import _check_sizes, conv_geometry, conv_transpose_geometry, describe_geometry, output_size
 
 
 def test_nchw_shapes_and_output():
@@ -20,8 +20,8 @@ def test_nchw_shapes_and_output():
     assert g.output_shape == (2, 4, *g.output_size)
     assert g.weight_shape == (4, 3, 3, 2)
     assert g.macs == 2 * 4 * g.output_size[0] * g.output_size[1] * 3 * 6
-    # ints, as an array's shape must be: 3.0 compares equal to 3
-    assert all(type(n) is int for n in (*g.input_shape, *g.weight_shape, *g.output_shape))
+    # ints, as an array's shape must be and a count is: 3.0 compares equal to 3
+    assert all(type(n) is int for n in (*g.input_shape, *g.weight_shape, *g.output_shape, g.macs))
 
 
 def test_each_pass_has_its_operands_shapes():
@@ -41,6 +41,22 @@ def test_with_batch_takes_a_batch_of_0_or_more():
         with pytest.raises(ValueError) as info:
             g.with_batch(bad)
         assert str(info.value) == f"batch must be >= 0, not {bad}"
+    with pytest.raises(ValueError, match="^batch=2147483648 is above 2"):
+        g.with_batch(2**31)
+    # a batch that each descriptor holds, of operands no array can: 2**31 elements a sample, 4 bytes each
+    big = conv_geometry((1, 1, 2**16, 2**15), (1, 1, 1, 1))
+    with pytest.raises(ValueError) as info:
+        big.with_batch(2**31 - 1)
+    nbytes = 4 * 2**31 * (2**31 - 1)
+    assert str(info.value).startswith(f"input_shape (2147483647, 1, 65536, 32768) of float32 is {nbytes} bytes")
+
+
+def test_a_geometry_is_described_whole_in_one_line():
+    """Two convolutions that differ in stride alone read differently in a message."""
+    g = conv_geometry((2, 9, 10, 6), (4, 3, 2, 3), stride=(2, 1), padding=1, dilation=(1, 2), groups=2,
+                      layout="NHWC", dtype="float16")
+    assert describe_geometry(g) == ("input (2, 9, 10, 6) weight (4, 3, 2, 3) stride (2, 1) padding (1, 1) "
+                                    "dilation (1, 2) groups 2 float16 NHWC")
 
 
 def test_nhwc_shapes():
@@ -92,6 +108,15 @@ def test_a_transposed_convolution_is_the_convolution_whose_input_gradient_it_is(
     assert g.weight_shape == (4, 3, *(k,) * nd) and g.output_shape == (2, 4, *(size,) * nd)
 
 
+def test_an_output_dim_may_be_as_long_as_a_descriptor_holds():
+    """1 + 2 * padding long: 2**31 - 1 with padding 2**30 - 1, and 2**31 + 1, one past it, with 2**30."""
+    assert conv_geometry((1, 1, 1), (1, 1, 1), padding=2**30 - 1).output_size == (2**31 - 1,)
+    with pytest.raises(ValueError) as info:
+        conv_geometry((1, 1, 1), (1, 1, 1), padding=2**30)
+    assert str(info.value) == ("padding=(1073741824,) makes the output 2147483649 long in dimension 0, above 2**31 - 1 "
+                               "= 2147483647, the largest value a cuDNN descriptor holds")
+
+
 @pytest.mark.parametrize(("dtype", "itemsize"), [("float16", 2), ("bfloat16", 2), ("float32", 4), ("float64", 8)])
 def test_an_operand_may_hold_as_many_elements_as_sys_maxsize_bytes_hold_in_its_dtype(dtype, itemsize):
     """The limit is sys.maxsize bytes at the dtype's bytes per element: NumPy's, and 2 for bfloat16's 16 bits."""
@@ -100,12 +125,16 @@ def test_an_operand_may_hold_as_many_elements_as_sys_maxsize_bytes_hold_in_its_d
     most = sys.maxsize // itemsize
     fits = {"input_shape": (most,), "weight_shape": (1,), "the output shape": (1,)}
     _check_sizes(fits, (1,), (0,), dtype)
-    with pytest.raises(ValueError, match=f"input_shape \\({most + 1},\\) of {dtype} is {(most + 1) * itemsize} bytes"):
+    with pytest.raises(ValueError) as info:
         _check_sizes({**fits, "input_shape": (most + 1,)}, (1,), (0,), dtype)
+    # an input's size says itself: only the output's names the shapes that make it
+    assert str(info.value) == (f"input_shape ({most + 1},) of {dtype} is {(most + 1) * itemsize} bytes, more than an "
+                               f"array can hold ({sys.maxsize})")
 
 
 def test_same_and_valid_padding():
     assert conv_geometry((1, 1, 7, 7), (1, 1, 3, 5), padding="same").padding == (1, 2)
+    assert all(type(p) is int for p in conv_geometry((1, 1, 7, 7), (1, 1, 3, 5), padding="same").padding)
     assert conv_geometry((1, 1, 7, 7), (1, 1, 3, 3), padding="same", dilation=2).output_size == (7, 7)
     assert conv_geometry((1, 1, 7, 7), (1, 1, 3, 3), padding="valid").padding == (0, 0)
     assert conv_geometry((1, 1, 7, 7), (1, 1, 3, 3), padding=((1, 1), (2, 2))).padding == (1, 2)
@@ -162,8 +191,11 @@ def test_an_output_too_large_for_an_array_is_shown_in_the_layouts_order():
     with pytest.raises(ValueError) as info:
         conv_geometry((1, 2**20, 2**20, 1), (2**31 - 1, 1, 1, 1), layout="NHWC")
     nbytes = 4 * 2**20 * 2**20 * (2**31 - 1)
-    said = str(info.value)
-    assert said.startswith(f"the output shape (1, 1048576, 1048576, 2147483647) of float32 is {nbytes} bytes")
+    assert str(info.value) == (
+        f"the output shape (1, 1048576, 1048576, 2147483647) of float32 is {nbytes} bytes, more than an array can "
+        f"hold ({sys.maxsize}) (input_shape (1, 1048576, 1048576, 1), weight_shape (2147483647, 1, 1, 1), padding "
+        "(0, 0))"
+    )
 
 
 def test_a_transposed_convolutions_defaults_are_stride_1_no_padding_dilation_1_one_group():
