@@ -109,11 +109,12 @@ def test_a_transposed_convolution_is_the_convolution_whose_input_gradient_it_is(
 
 
 def test_an_output_dim_may_be_as_long_as_a_descriptor_holds():
-    """1 + 2 * padding long: 2**31 - 1 with padding 2**30 - 1, and 2**31 + 1, one past it, with 2**30."""
+    """A 1-wide kernel over an input of n with padding 2**30 - 1 gives n + 2**31 - 2 outputs: 2**31 - 1 for n = 1,
+    and 2**31, one past it, for n = 2."""
     assert conv_geometry((1, 1, 1), (1, 1, 1), padding=2**30 - 1).output_size == (2**31 - 1,)
     with pytest.raises(ValueError) as info:
-        conv_geometry((1, 1, 1), (1, 1, 1), padding=2**30)
-    assert str(info.value) == ("padding=(1073741824,) makes the output 2147483649 long in dimension 0, above 2**31 - 1 "
+        conv_geometry((1, 1, 2), (1, 1, 1), padding=2**30 - 1)
+    assert str(info.value) == ("padding=(1073741823,) makes the output 2147483648 long in dimension 0, above 2**31 - 1 "
                                "= 2147483647, the largest value a cuDNN descriptor holds")
 
 

@@ -240,31 +240,23 @@ def test_operands_made_again_to_tell_never_raise_in_place_of_the_search_error(mo
 
 
 def test_a_model_without_zero_workspace_algorithms_starts_at_its_smallest_cap(monkeypatch):
-    table = {**TABLE, ("bwd_data", 8): [("gemm", 300, 8.0)]}
-    monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))
-    algos.cache_clear()
-    t = run()
-    assert t.curve[0].cap_workspace_bytes == 300
-    with pytest.raises(MemoryError):
-        t.plan(299)
-
-
-def test_a_plan_below_the_smallest_cap_says_the_cap_it_needs(monkeypatch):
-    """b's input gradient needs 300 bytes: a plan under 299 is refused with the smallest cap of the curve as the
-    workspace requested, none held, and the cap given."""
+    """b's input gradient needs 300 bytes: the curve starts at 300, and a plan under a cap of 299 is refused with
+    that smallest cap as the workspace requested, none held, and the cap given."""
     from wsarena.errors import NoAlgorithmFitsError
 
     table = {**TABLE, ("bwd_data", 8): [("gemm", 300, 8.0)]}
     monkeypatch.setitem(backends._backends, "cpu", TableBackend(table))
     algos.cache_clear()
     t = run()
+    assert t.curve[0].cap_workspace_bytes == 300
     with pytest.raises(NoAlgorithmFitsError) as refused:
         t.plan(299)
+    assert isinstance(refused.value, MemoryError)
     assert (refused.value.requested, refused.value.held, refused.value.cap) == (300, 0, 299)
     assert t.plan(300).cap_workspace == 300
 
 
-def test_tunes_defaults_are_plans(fake):
+def test_tunes_defaults_are_batch_1_one_stream_and_a_2_percent_slowdown(fake):
     """Batch 1 and one stream, as plan() takes them, and a 2 % slowdown: the curve of EXPECTED (whose arenas are
     one stream's), recommended at 8000 bytes."""
     t = tune(LAYERS, passes=PASSES, backend="cpu")
