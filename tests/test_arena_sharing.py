@@ -277,19 +277,42 @@ def test_a_larger_lease_from_another_thread_waits_then_grows(arena, provider, ke
     assert buffer.size == 1024 and stream == key(3)
 
 
-def test_a_thread_waiting_for_another_threads_growth_is_woken_by_it(arena_kind, key):
+@pytest.mark.parametrize("waiting", ["reserve", "lease"])
+def test_a_thread_waiting_for_another_threads_growth_is_woken_by_it(arena_kind, key, monkeypatch, waiting):
+    """A reserve() grows the stream's buffer while another thread's reserve() or lease of the stream waits for that
+    growth: the growth's end wakes it. Its waits here last until it is woken (10 s at most), not RECHECK_SECONDS,
+    whose recheck would find the growth over just as well: a wake-up lost at the growth's end is seen as a wait
+    that timed out."""
     provider = GatedProvider(arena_kind.device_id)
     arena = Arena(provider)
+    woken = []
+
+    def wait(waiter):
+        woken.append(waiter.acquire(True, 10))
+
+    monkeypatch.setattr(_growth, "wait", wait)
     first = threading.Thread(target=arena.reserve, args=(1 << 20,), kwargs={"stream": key("L")})
     first.start()
     assert provider.allocating.wait(10)
-    second = threading.Thread(target=arena.reserve, args=(1 << 20,), kwargs={"stream": key("L")})
+    outcome = []
+
+    def second_thread():
+        if waiting == "reserve":
+            arena.reserve(1 << 20, stream=key("L"))
+        else:
+            with arena.lease(1 << 20, stream=key("L")):
+                pass
+        outcome.append(waiting)
+
+    second = threading.Thread(target=second_thread)
     second.start()
     wait_for_a_waiter(arena, key("L"))  # the second waits for the growth
+    assert arena._subs[key("L")].growth_waiters
     provider.gate.set()
     first.join(10)
-    second.join(10)
+    second.join(20)
     assert not first.is_alive() and not second.is_alive()
+    assert outcome == [waiting] and woken == [True]  # one wait, ended by the growth's end
     assert len(provider.allocations) == 1  # the second found the first's buffer large enough
 
 
