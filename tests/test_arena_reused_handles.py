@@ -358,20 +358,25 @@ def test_a_capture_block_ends_well_where_its_streams_sub_arena_was_forgotten_mea
     graph.close()
 
 
-def test_the_watch_of_a_capture_begun_asks_no_id_and_makes_no_sub_arena(no_ids_in_capture):
+@pytest.mark.parametrize("orphan", [False, True], ids=["no sub-arena", "an orphan's"])
+def test_the_watch_of_a_capture_begun_asks_no_id_and_makes_no_sub_arena(no_ids_in_capture, orphan):
     """wsarena.capture() watches its stream again once its capture has begun (not beginning): that watch records the
-    stream alone. It asks CUDA no id, which would invalidate the capture, and makes the arena no sub-arena."""
+    stream alone. It asks CUDA no id, which would invalidate the capture, not even to adopt the buffer of a dead
+    stream object of the handle, and makes the arena no sub-arena."""
     from wsarena.arena._pinning import unwatch_capture, watch_capture
 
     provider = no_ids_in_capture
     arena = Arena(provider)
+    old = dead_stream_leased(arena) if orphan else None
+    reads = len(provider.id_reads)
     stream = FakeStream(H)  # the block's stream object
     graph = provider.begin_capture(H)
     watch_capture(arena, stream)
-    assert provider.id_reads == [] and arena.held_bytes(stream=H) == 0
+    assert provider.id_reads[reads:] == [] and arena.held_bytes(stream=H) == (1024 if orphan else 0)
     provider.end_capture(graph)
     unwatch_capture(arena, stream)
-    assert arena.stats().streams == {} and provider.allocations == []
+    assert list(arena.stats().streams) == ([H] if orphan else [])
+    assert [buffer.ptr for buffer in provider.allocations] == ([old] if orphan else [])
     graph.close()
 
 
