@@ -15,6 +15,8 @@ import wsarena
 from wsarena.arena import Arena
 from wsarena.arena.testing import FakeStream, RecordingProvider
 
+from .capture_helpers import capture_a_lease, freed_on
+
 H = 11  # the handle the dead stream and the new one share
 
 
@@ -309,16 +311,13 @@ def test_a_dead_streams_growth_that_no_one_can_end_ends_when_another_stream_take
     del owner
     provider.stream_ids[H] = 102  # a new stream has handle H
     assert lease_ptr(arena, 500, FakeStream(H)) != old
-    assert [(buffer.ptr, stream) for buffer, stream in provider.frees] == [(old, None)]
-    assert len(provider.held) == 1
+    assert freed_on(provider) == [(old, None)] and len(provider.held) == 1
 
 
 def test_a_dead_streams_buffer_kept_for_a_graph_is_not_counted_as_the_new_streams_of_its_handle(provider):
     """A buffer of the dead stream's that a graph holds, kept aside (outgrown after the capture), goes with the dead
     stream's sub-arena when the stream CUDA gave the handle to first leases: the new stream's stats count no bytes of
     it as pinned, the arena's do until the graph is gone, and it is then freed with no stream."""
-    from .capture_helpers import capture_a_lease, freed_on
-
     arena = Arena(provider)
     stream = FakeStream(H)
     arena.reserve(1000, stream=stream)
