@@ -90,7 +90,7 @@ def test_idle_lanes_beyond_the_limit_are_evicted(host_arena, host_provider):
         # no fewer either: each new key past the limit evicts one lane, the oldest
         assert len(host_arena.stats().streams) == min(i + 1, limit)
     stats = host_arena.stats()
-    assert list(stats.streams) == [f"request-{i}" for i in range(2 * limit, 3 * limit)]
+    assert set(stats.streams) == {f"request-{i}" for i in range(2 * limit, 3 * limit)}  # the newest, in any order
     assert host_provider.held_bytes == stats.capacity_bytes == limit * (64 << 10)
     assert stats.allocations - stats.frees == len(host_provider.held)
 
