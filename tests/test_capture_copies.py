@@ -381,7 +381,7 @@ def test_kept_bytes_taken_off_twice_for_a_pin_still_count_what_another_pin_keeps
     assert tally.nbytes == 1024
     tally.uncount(first)
     tally.uncount(first)
-    assert tally.nbytes == 1000 and [entry[2] for entry in tally.owners.values()] == [shared]
+    assert tally.nbytes == 1000 and [entry[2] is shared for entry in tally.owners.values()] == [True]
     tally.uncount(second)
     assert tally.nbytes == 0 and tally.owners == {}
 
