@@ -2,9 +2,14 @@
 free afterwards, no lease is left live, no buffer is lost, and the stream serves this thread and others again
 (the rules are written down in ``wsarena/arena/_interrupts.py``)."""
 
+import _thread
+import collections
 import contextlib
 import functools
 import gc
+import itertools
+import operator
+import signal
 import threading
 import warnings
 import weakref
@@ -353,6 +358,36 @@ def test_an_interrupt_at_any_check_of_a_drain_during_a_capture_loses_no_buffer()
         return lambda: provider.end_capture(graph)
 
     assert _interrupt_each_check_of_a_trim(prepare) > 20
+
+
+class _Queue(collections.deque):
+    """A deque whose popleft the test replaces by an instance attribute."""
+
+
+def test_a_real_interrupt_at_the_jump_back_of_a_drain_whose_queue_was_refilled_loses_no_buffer():
+    """A drain sets a captured stream's buffer aside and finds the queue empty; another thread queues a buffer then,
+    and a Ctrl-C comes: a real one, pending from C code (the queue's popleft is C functions alone), taken where CPython
+    next checks, the drain's jump back to take the new buffer. The buffer set aside is queued again. Once, the drain
+    was a ``while to_free:`` loop, whose jump back CPython 3.13 checks at the jump itself, which no handler of the
+    function covers (CPython's gh-130279): the finally that queues it again was skipped, and it was lost. (The
+    tracing of interrupt_at_check places its interrupt after the jump, as CPython 3.11 and 3.12 take it.)"""
+    aside = ("captured buffer", "captured stream")
+    late = ("late buffer", "another stream")
+    queue = _Queue([aside])
+    taken = itertools.chain(
+        map(collections.deque.popleft, [queue]),
+        filter(None, map(queue.append, [late])),  # another thread queues a buffer as the queue is found empty,
+        filter(None, map(_thread.interrupt_main, [signal.SIGINT])),  # and a Ctrl-C comes
+        map(operator.getitem, [()], [0]),  # the IndexError of an empty deque's popleft
+    )
+    queue.popleft = functools.partial(next, taken)  # type: ignore[method-assign]
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _lifecycle.give_back(object(), queue, waiting={"captured stream"})
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert list(queue) == [late, aside]
 
 
 def test_an_interrupt_at_any_check_of_a_trim_that_frees_what_a_released_graph_held_loses_no_buffer():

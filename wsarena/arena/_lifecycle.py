@@ -55,7 +55,10 @@ def give_back(
     aside: list[tuple[Any, Any]] = []
     own = own_per_thread_stream()
     try:
-        while to_free:
+        # `while True` and a test at the end, not `while to_free:`: CPython 3.12 and 3.13 compile the latter's test to a
+        # jump back that no handler covers, and on 3.13, which checks for an interrupt at the jump itself, a Ctrl-C
+        # there (the queue found empty, then refilled by another thread) skipped the finally (CPython's gh-130279)
+        while True:
             try:
                 # The for loop takes each entry off the queue in C and hands it to deallocate() (or sets it aside)
                 # with no place between where an interrupt can land (one lands as a call returns to Python code, or
@@ -83,6 +86,8 @@ def give_back(
                 pass
             except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt: raised once the rest are freed
                 interrupted = interrupted or exc
+            if not to_free:  # a jump forward, out of the handlers, to the finally's code, which comes next
+                break
     finally:
         to_free.extend(aside)  # one C call: those set aside wait for the next drain
     if interrupted is not None:
