@@ -83,7 +83,9 @@ def interrupt_at_call(
 
 def _opcode_events() -> int:
     """How many "opcode" events a trace function gets from a short function's run, asking for them as
-    interrupt_at_check does (``f_trace_opcodes`` set on the frame's "call" event)."""
+    interrupt_at_check does (``f_trace_opcodes`` set on the frame's "call" event). The thread's trace function, if
+    any (a coverage tool's, a debugger's), is this one's meanwhile, and again once it returns: run as the module is
+    imported, as a test module is collected, it must not end a coverage measure of the whole run."""
 
     def probe() -> None:
         for _ in range(2):
@@ -99,11 +101,12 @@ def _opcode_events() -> int:
         events += event == "opcode"
         return trace
 
+    previous = sys.gettrace()
     sys.settrace(trace)
     try:
         probe()
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return events
 
 

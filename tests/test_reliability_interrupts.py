@@ -205,3 +205,23 @@ def test_the_first_placed_interrupt_of_a_process_lands_after_a_call_too():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "True [1]\n"
+
+
+def test_importing_the_interrupts_helpers_leaves_the_trace_function_in_place():
+    """tests/interrupts.py traces a short function as it is imported (as pytest collects a module that uses it): the
+    trace function set before (a coverage tool's, a debugger's) is the thread's again once it is imported. Once, the
+    import left none, and a coverage measure of the run ended at the collection of the first such module."""
+    child = (
+        "import sys\n"
+        "def tracer(frame, event, arg):\n"
+        "    return None\n"
+        "sys.settrace(tracer)\n"
+        "import tests.interrupts\n"
+        "print(sys.gettrace() is tracer)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", child], check=False, capture_output=True, text=True, timeout=60, cwd=ROOT,
+        env=child_env(),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "True\n"
