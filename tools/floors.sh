@@ -17,6 +17,10 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${FLOORS_VENV:-/tmp/wsarena-floors}
 case "$VENV" in "$ROOT"|"$ROOT"/*) echo "floors.sh: FLOORS_VENV must be outside the checkout" >&2; exit 2;; esac
+# removed before it is built again: only a virtual environment, not a folder named in its place by mistake ($HOME)
+if [ -e "$VENV" ] && [ ! -f "$VENV/pyvenv.cfg" ]; then
+    echo "floors.sh: FLOORS_VENV $VENV is there and is no virtual environment: it is not removed" >&2; exit 2
+fi
 rm -rf "$VENV"
 "${PYTHON:-python3.11}" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet "${FLOORS_TORCH:-torch==2.13.0}" uv

@@ -20,6 +20,10 @@ PYTHON=${PYTHON:-python3.12}
 VENV=${PYTHONS_VENV:-/tmp/wsarena-$(basename "$PYTHON")}
 TORCH=${PYTHONS_TORCH:-torch==2.13.0}
 case "$VENV" in "$ROOT"|"$ROOT"/*) echo "pythons.sh: PYTHONS_VENV must be outside the checkout" >&2; exit 2;; esac
+# removed before it is built again: only a virtual environment, not a folder named in its place by mistake ($HOME)
+if [ -e "$VENV" ] && [ ! -f "$VENV/pyvenv.cfg" ]; then
+    echo "pythons.sh: PYTHONS_VENV $VENV is there and is no virtual environment: it is not removed" >&2; exit 2
+fi
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 # pyproject.toml's runtime dependencies and test extra, less torch (installed first, or not at all)
