@@ -77,13 +77,11 @@ def _json_value(value: Any) -> str:
     return "an array" if isinstance(value, list) else type(value).__name__
 
 
-def _channels_first(entry: Any) -> Any:
+def _channels_first(entry: Mapping[str, Any]) -> dict[str, Any]:
     """An entry of an NHWC report with its shapes permuted to the schema's ``[N, C, *S]`` and ``[K, Cg, *R]``.
 
-    Anything that is not a shape list of at least three dimensions is left for :meth:`ConvLayer.from_dict` to
-    reject with its usual message."""
-    if not isinstance(entry, Mapping):
-        return entry
+    A shape that is not a list of at least three dimensions is left for :meth:`ConvLayer.from_dict` to reject with
+    its usual message; an entry that is no object is refused before it comes here."""
     entry = dict(entry)
     for key in ("input_shape", "weight_shape"):
         shape = entry.get(key)
