@@ -204,10 +204,10 @@ def test_arguments_left_over_are_named_shortened_with_the_subcommands_help(capsy
       "(see 'wsarena report --help')")),
     (["--batch=4", "--x", "--dtype=float16", "--batch=8", "tune", "vgg16"],
      ("unrecognized arguments before the command: --batch=4 --x --dtype=float16 --batch=8 (see 'wsarena --help'); "
-      "tune's own options (--batch, --dtype) go after it")),
+      "tune's own options (--batch, --dtype) go after 'tune'")),
     (["--format=json", "info"],
      ("unrecognized arguments before the command: --format=json (see 'wsarena --help'); info's own options "
-      "(--format) go after it")),
+      "(--format) go after 'info'")),
 ])
 def test_arguments_left_over_before_the_command_are_said_with_the_top_help(capsys, argv, says):
     """An unknown option before the command is the top parser's, whose help lists the options taken there: argparse
@@ -224,14 +224,15 @@ def test_an_abbreviated_option_of_the_command_before_it_is_said_to_go_after_it(c
     code, out, err = run_main(capsys, "--bat=4", "--c=1", "--batch=8", "--str", "report", "vgg16")
     assert (code, out) == (2, "")
     assert err == ("wsarena: error: unrecognized arguments before the command: --bat=4 --c=1 --batch=8 --str (see "
-                   "'wsarena --help'); report's own options (--batch, --streams) go after it\n")
+                   "'wsarena --help'); report's own options (--batch, --streams) go after 'report'\n")
 
 
 @pytest.mark.parametrize(("argv", "hint"), [
-    (["--batch", "4", "--dtype", "float16", "tune", "vgg16"], "; tune's own options (--batch, --dtype) go after it"),
-    (["--format", "json", "info"], "; info's own options (--format) go after it"),
-    (["--bat", "4", "report", "vgg16"], "; report's own options (--batch) go after it"),
-    (["--format", "json", "cache", "info"], "; cache's own options (--format) go after it"),
+    (["--batch", "4", "--dtype", "float16", "tune", "vgg16"],
+     "; tune's own options (--batch, --dtype) go after 'tune'"),
+    (["--format", "json", "info"], "; info's own options (--format) go after 'info'"),
+    (["--bat", "4", "report", "vgg16"], "; report's own options (--batch) go after 'report'"),
+    (["--format", "json", "cache", "info"], "; cache's own options (--format) go after 'cache'"),
     (["--batch", "4", "cache", "info"], ""),  # none of cache's options
     (["--x", "4", "report", "vgg16"], ""),
     (["--batch", "4"], ""),  # no command given after it
@@ -239,7 +240,7 @@ def test_an_abbreviated_option_of_the_command_before_it_is_said_to_go_after_it(c
     # not the one meant, whatever options come before that word
     (["reprot", "vgg16", "--format", "json", "--plot", "info"], ""),
     (["--cudnn-api", "graph", "reprot", "vgg16", "--format", "json", "--plot", "info"], ""),
-    (["--skip-unknown", "m.onnx", "report"], "; report's own options (--skip-unknown) go after it"),
+    (["--skip-unknown", "m.onnx", "report"], "; report's own options (--skip-unknown) go after 'report'"),
 ])
 def test_an_option_of_the_command_before_it_with_its_value_apart_is_said_to_go_after_it(capsys, argv, hint):
     """--batch=4 before the command was said to go after it, but --batch 4, as options are mostly written, was said

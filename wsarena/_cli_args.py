@@ -138,7 +138,8 @@ class _Parser(argparse.ArgumentParser):
         """What to add to the error of arguments ``before`` the command that are options of ``command``'s (--batch=4
         report), or their abbreviations (--bat=4), which the command takes after it: that they go there."""
         theirs = list(dict.fromkeys(filter(None, (self._command_option(command, arg) for arg in before))))
-        return f"; {command}'s own options ({', '.join(theirs)}) go after it" if theirs else ""
+        # the command named, not "it": after an invalid choice, "it" read as the value taken for the command
+        return f"; {command}'s own options ({', '.join(theirs)}) go after {command!r}" if theirs else ""
 
     def _value_taken_for_the_command(self, value: str) -> str:
         """:meth:`_go_after` of the arguments before the first command given after ``value``, the invalid command,
