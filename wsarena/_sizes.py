@@ -218,7 +218,7 @@ def is_ordered(value: Any) -> TypeGuard[Iterable[Any]]:
     return isinstance(value, Iterable) and not isinstance(value, (*TEXT_OR_BYTES, AbstractSet, Mapping))
 
 
-def ordered(name: str, value: Any, takes: str, why_ordered: str) -> Iterable[Any]:
+def checked_ordered(name: str, value: Any, takes: str, why_ordered: str) -> Iterable[Any]:
     """``value``, the argument ``name``, where it is an ordered collection of values (:func:`is_ordered`); else a
     ``TypeError``. ``takes`` says what ``name`` takes; ``why_ordered``, after "a set has no order", why its order
     matters. The one wording of the refusal, for each argument taken in order."""

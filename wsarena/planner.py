@@ -39,10 +39,10 @@ from ._pass import PASSES
 from ._sizes import (
     TEXT_OR_BYTES,
     as_int,
+    checked_ordered,
     escaped,
     format_size,
     is_choice,
-    ordered,
     positive_batch,
     short_path,
     short_repr,
@@ -216,8 +216,8 @@ def _streams(streams: int | Sequence[int], n_layers: int) -> tuple[bool, list[in
             raise ValueError(f"streams must be >= 1, not {short_repr(streams)}")
         check_streams_bound(streams, n_layers)
         return True, [0] * n_layers
-    indices = ordered("streams", streams, "an int or a sequence of stream indices",
-                      "and it collapses repeated indices, where streams lists each layer's stream in turn")
+    indices = checked_ordered("streams", streams, "an int or a sequence of stream indices",
+                              "and it collapses repeated indices, where streams lists each layer's stream in turn")
     assignment = [_integer(s) for s in indices]
     if len(assignment) != n_layers:
         raise ValueError(f"streams assigns {len(assignment)} layers; the model has {n_layers}")
@@ -374,8 +374,8 @@ def _plan(layers: list[Any], cfg: Config, *, batch: int, dtype: str, layout: str
     dtype = dtype_name(dtype)
     cap, search, requested = cfg.cap_workspace, cfg.algo_search, cfg.backend
     # the plan keeps the passes in the order given: its report, CSV columns and plot too
-    ordered("passes", passes, "a sequence of pass names such as ('fwd',)",
-            "and the plan lists the passes in the order given")
+    checked_ordered("passes", passes, "a sequence of pass names such as ('fwd',)",
+                    "and the plan lists the passes in the order given")
     if progress is not None and not callable(progress):  # else a TypeError of its own after the first layer's search
         raise TypeError(f"progress must be callable, as progress(done, total, layer_name), not {short_repr(progress)}")
     # the report's "model": text, as to_dict() promises JSON (a path, as load_model takes one, by its name), else a

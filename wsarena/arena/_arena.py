@@ -40,7 +40,7 @@ from collections.abc import Hashable, Iterable, Sized
 from typing import Any
 
 from .._config import get_config, setting
-from .._sizes import TEXT_OR_BYTES, as_int, cap_for, format_size, is_sequence, ordered, short_repr
+from .._sizes import TEXT_OR_BYTES, as_int, cap_for, checked_ordered, format_size, is_sequence, short_repr
 from ..errors import CaptureError, WorkspaceCapError
 from . import _growth, _leases, _lifecycle, _pinning, _refusals
 from ._interrupts import finish
@@ -236,8 +236,8 @@ class Arena:
                 raise ValueError(f"a plan for {len(sizes)} streams needs streams=[...], one per planned stream")
             streams = [None] * len(sizes)
         # in the plan's order: "ab" is no list of two lanes, nor is a set in any order
-        streams = ordered("streams", streams, "a sequence of streams, one per planned stream",
-                          "and each planned stream's size goes to the stream at its place in streams")
+        streams = checked_ordered("streams", streams, "a sequence of streams, one per planned stream",
+                                  "and each planned stream's size goes to the stream at its place in streams")
         sized = isinstance(streams, Sized)  # an iterator is read one past the plan: an endless one ends there
         streams = list(streams if sized else itertools.islice(streams, len(sizes) + 1))
         if len(streams) != len(sizes):
