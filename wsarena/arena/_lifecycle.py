@@ -79,10 +79,10 @@ def give_back(
                                 f"wsarena: freeing {_BUFFER.repr(buffer)} failed: {short_repr(exc)}", RuntimeWarning,
                                 stacklevel=3,
                             )
-            except IndexError:  # the queue is empty (another thread may have taken the last one): the while ends
+            except IndexError:  # the queue is empty (another thread may have taken the last one): the drain ends below
                 # Not `break`: from CPython 3.12 on, the finally's code lies ahead of the handlers, and a break from
                 # one is a jump back, where an interrupt can land (as at a loop's), just before the extend below,
-                # which it would skip: the entries set aside would be lost. The while's test leaves by a jump forward.
+                # which it would skip: the entries set aside would be lost. The test below leaves by a jump forward.
                 pass
             except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt: raised once the rest are freed
                 interrupted = interrupted or exc
