@@ -8,6 +8,8 @@
 # 2.5 GB, the cuDNN wheel most of it), with ${PYTHON:-python3.11}, the lowest Python requires-python admits;
 # installs uv there with pip; prints the versions it got, then runs `python -m pytest -q -p no:randomly` from the
 # checkout (arguments, where given, replace `-q -p no:randomly`). The exit status is pytest's.
+# A FLOORS_VENV already there is removed first, where it is a virtual environment (a pyvenv.cfg in it); else it is
+# refused, exit 2, and left as it is (a folder named by mistake, $HOME).
 # torch comes first, through pip as this machine has it set up, which finds the test extra's 2.13.0 as a CPU
 # build (README, Requirements); uv keeps it, where it would otherwise resolve a CUDA build of several GB.
 # FLOORS_TORCH names another requirement or wheel file for it.

@@ -8,6 +8,8 @@
 # dependencies and the test extra's, at the newest releases their ranges admit; prints the Python and PyTorch it
 # got, then runs `python -m pytest -q -p no:randomly` from the checkout (arguments, where given, replace
 # `-q -p no:randomly`). The exit status is pytest's.
+# A PYTHONS_VENV already there is removed first, where it is a virtual environment (a pyvenv.cfg in it); else it is
+# refused, exit 2, and left as it is (a folder named by mistake, $HOME).
 # PyTorch comes first, as in floors.sh: PYTHONS_TORCH names its requirement or wheel file (default the test extra's
 # torch==2.13.0, which pip finds as a CPU build for CPython 3.11 only on the machines CI runs on; for another
 # CPython it resolves a CUDA build of several GB, whose tests run on the CPU all the same). PYTHONS_TORCH=none leaves
