@@ -789,7 +789,7 @@ def test_the_streams_bound_names_the_count_as_its_caller_says_it():
         check_streams_bound(4, 3)
     assert str(raised.value) == f"streams=4 {words}"
     with pytest.raises(ValueError) as raised:
-        check_streams_bound(10**5000, 3, name="argument --streams: ")
+        check_streams_bound(10**5000, 3, prefix="argument --streams: ")
     assert str(raised.value) == f"argument --streams: an integer of 16610 bits {words}"
     with pytest.raises(ValueError) as raised:
         wsarena.plan([ConvLayer("a", (1, 3, 8, 8), (4, 3, 3, 3))] * 3, streams=4, backend="cpu")

@@ -280,7 +280,7 @@ def _load(args: argparse.Namespace) -> Any:
         # plan()'s check, whose bound (the model's layers) it is, said of the flag as --batch's is, with the help
         # that says the bound: the error named plan()'s streams=, and --streams 1000000000 read as a Python call's
         try:
-            check_streams_bound(args.streams, len(layers), name="argument --streams: ")
+            check_streams_bound(args.streams, len(layers), prefix="argument --streams: ")
         except ValueError as exc:
             raise UsageError(f"{exc} (see 'wsarena {args.command} --help')") from None
     for message in unplanned_batches(args.input_shape, args.batch):

@@ -197,13 +197,13 @@ def _integer(value: Any) -> Any:
     return value if n is None else n
 
 
-def check_streams_bound(streams: int, n_layers: int, *, name: str = "streams=") -> None:
+def check_streams_bound(streams: int, n_layers: int, *, prefix: str = "streams=") -> None:
     """``ValueError`` where ``streams``, a count of streams each of which may run any layer, is more than the
-    ``n_layers`` of the model: its bound, which only the model read tells. ``name`` names the count in the message:
-    plan()'s argument, or the command's flag (``"argument --streams: "``), which says it in these words."""
+    ``n_layers`` of the model: its bound, which only the model read tells. ``prefix`` begins the message, naming the
+    count: plan()'s argument, or the command's flag (``"argument --streams: "``), which says it in these words."""
     if streams > n_layers:
         raise ValueError(
-            f"{name}{short_repr(streams)} is more than the model's {n_layers} layer(s): one run of the model cannot "
+            f"{prefix}{short_repr(streams)} is more than the model's {n_layers} layer(s): one run of the model cannot "
             "keep more streams busy than it has layers"
         )
 
