@@ -38,8 +38,9 @@ LOADS = r"wsarena.load_model\(\) reads a zoo name, a path to a .onnx or .json fi
         (memoryview(b"\x01"), TypeError,
          r"layers must be a list of ConvLayer, not <memory at .*>, binary data: " + LOADS),
         (["resnet50"], TypeError, r"layers\[0\] must be a ConvLayer, not str 'resnet50': " + LOADS),
-        (None, TypeError, r"layers must be a list of ConvLayer \(from wsarena.load_model\), not None"),
-        (5, TypeError, "layers must be a list of ConvLayer"),
+        # no iterable, said as binary data and a bad entry are, where it read "(from wsarena.load_model)"
+        (None, TypeError, r"layers must be a list of ConvLayer, not None: " + LOADS),
+        (5, TypeError, r"layers must be a list of ConvLayer, not 5: " + LOADS),
         ([], ValueError, "layers is empty"),
         ([*LAYERS, {"name": "a", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}], TypeError,
          r"layers\[2\] must be a ConvLayer, not dict"),

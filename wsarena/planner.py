@@ -172,8 +172,8 @@ def checked_layers(layers: Any) -> list[ConvLayer]:
                         "wsarena.load_model()")
     if isinstance(layers, TEXT_OR_BYTES):  # binary data (a model file's bytes?), which load_model() refuses too
         raise TypeError(f"layers must be a list of ConvLayer, not {short_repr(layers)}, binary data: {_LOADS}")
-    if not isinstance(layers, Iterable):
-        raise TypeError(f"layers must be a list of ConvLayer (from wsarena.load_model), not {short_repr(layers)}")
+    if not isinstance(layers, Iterable):  # said as binary data and a bad entry are: what load_model() reads
+        raise TypeError(f"layers must be a list of ConvLayer, not {short_repr(layers)}: {_LOADS}")
     items = list(layers)
     if not items:
         raise ValueError("layers is empty: a plan needs at least one convolution")
