@@ -346,10 +346,10 @@ def test_a_json_layout_other_than_nchw_or_nhwc_is_refused():
 
 
 @pytest.mark.parametrize(("data", "says"), [
-    ({"k" * 10_000: 1}, f"a JSON object needs a 'layers' list (found keys: ['{'k' * 27}...{'k' * 28}'])"),
+    ({"k" * 10_000: 1}, f"a JSON object needs a \"layers\" list (found keys: ['{'k' * 27}...{'k' * 28}'])"),
     ({f"k{i}": i for i in range(20)},
-     "a JSON object needs a 'layers' list (found keys: ['k0', 'k1', 'k10', 'k11', 'k12', 'k13', ... 14 more])"),
-    ({1: 2, "a": 3}, "a JSON object needs a 'layers' list (found keys: [1, 'a'])"),  # keys that do not compare
+     "a JSON object needs a \"layers\" list (found keys: ['k0', 'k1', 'k10', 'k11', 'k12', 'k13', ... 14 more])"),
+    ({1: 2, "a": 3}, "a JSON object needs a \"layers\" list (found keys: [1, 'a'])"),  # keys that do not compare
     ({"layout": "x" * 10_000, "layers": []}, f"layout must be 'NCHW' or 'NHWC', not '{'x' * 27}...{'x' * 28}'"),
 ], ids=["long-key", "many-keys", "keys-that-do-not-compare", "long-layout"])
 def test_a_json_objects_keys_and_layout_are_quoted_shortened(data, says):
@@ -379,7 +379,7 @@ GOOD = {"name": "a", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}
 
 @pytest.mark.parametrize("content, message", [
     ("{not json", r"is not valid JSON: .* line 1 column 2"),
-    ('{"model": "x"}', "needs a 'layers' list"),
+    ('{"model": "x"}', 'needs a "layers" list'),
     ('"resnet50"', "expected a list of layers"),
     ("[]", "layer list is empty"),
     ("[1]", r"layers\[0\] must be an object"),

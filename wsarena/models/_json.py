@@ -34,9 +34,10 @@ def layers_from_json(data: Any, *, source: str = "JSON") -> list[ConvLayer]:
     layout, what = "NCHW", 'a list of layers or {"layers": [...]}'
     if isinstance(data, Mapping):
         if "layers" not in data:
+            # the key in JSON's quotes, as the list's error says it ('expected "layers" to be ...'); the keys found
             # sorted as text: a mapping given in Python may mix keys that do not compare (1 and "a")
             found = short_repr(sorted(data, key=str))
-            raise ModelError(f"{source}: a JSON object needs a 'layers' list (found keys: {found})")
+            raise ModelError(f'{source}: a JSON object needs a "layers" list (found keys: {found})')
         layout = data.get("layout", "NCHW")
         if not is_choice(layout, ("NCHW", "NHWC")):
             raise ModelError(f"{source}: layout must be 'NCHW' or 'NHWC', not {short_repr(layout)}")
