@@ -636,14 +636,19 @@ def test_an_unknown_shape_suggests_fixing_the_input_shapes_where_they_are_not_fi
     (["--skip-unknown"], "--skip-unknown applies"),
     (["--asymmetric-pads", "widen"], "--asymmetric-pads applies"),
     (["--asymmetric-pads", "error", "--skip-unknown"], "--skip-unknown and --asymmetric-pads apply"),
+    (["--input-shape", "1,1,4,4"], "--input-shape applies"),
+    (["--input-shape", "1,1,4,4", "--asymmetric-pads", "error", "--skip-unknown"],
+     "--skip-unknown, --asymmetric-pads and --input-shape apply"),
 ])
 def test_the_onnx_loaders_flags_are_refused_for_another_model(capsys, tmp_path, command, flags, says):
-    """--skip-unknown and --asymmetric-pads read ONNX models only, as --input-shape does, which is refused for
-    another model; they were taken there and did nothing."""
+    """--skip-unknown and --asymmetric-pads read ONNX models only, as --input-shape does; they were taken for
+    another model and did nothing. The refusal names the flags with the help that lists them, as a flag's error
+    does, where it had no help, and --input-shape's was load_model()'s, which named its input_shapes= too."""
     json_model = small_model(tmp_path)
     for model in ("resnet50", str(json_model)):
         code, out, err = run_main(capsys, command, model, "--backend", "cpu", *flags)
-        assert (code, out, err) == (2, "", f"wsarena: error: {says} to .onnx models only, not {model!r}\n")
+        said = f"wsarena: error: {says} to .onnx models only, not {model!r} (see 'wsarena {command} --help')\n"
+        assert (code, out, err) == (2, "", said)
     onnx_model = tmp_path / "small.onnx"
     save(onnx_model, [conv("c", "x", "w", "y")], [vi("x", (1, 1, 4, 4))], [weight("w", (2, 1, 3, 3))])
     code, out, err = run_main(capsys, command, str(onnx_model), "--backend", "cpu", "--passes", "fwd", *flags)

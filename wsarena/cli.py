@@ -262,14 +262,17 @@ def _model_file(model: str) -> str | None:
 def _load(args: argparse.Namespace) -> Any:
     from .models import check_model_named, load_model
 
-    # The ONNX loader's flags, refused for another model as --input-shape is (by load_model()), where they were
-    # taken and did nothing: a zoo model or a layer list has every shape known and its pads symmetric
+    # The ONNX loader's flags, refused for another model, where --skip-unknown and --asymmetric-pads were taken and
+    # did nothing (a zoo model or a layer list has every shape known and its pads symmetric), and --input-shape was
+    # refused by load_model() in its words (input_shapes); with the help that lists them, as a flag's error is
     onnx_only = [flag for flag, given in (("--skip-unknown", args.skip_unknown),
-                                          ("--asymmetric-pads", args.asymmetric_pads is not None)) if given]
+                                          ("--asymmetric-pads", args.asymmetric_pads is not None),
+                                          ("--input-shape", args.input_shape is not None)) if given]
     if onnx_only and os.path.splitext(args.model)[1].lower() != ".onnx":
         check_model_named(args.model)  # a name's typo first ("did you mean 'resnet50'?"), the user's real problem
-        raise UsageError(f"{' and '.join(onnx_only)} {'applies' if len(onnx_only) == 1 else 'apply'} to .onnx models "
-                         f"only, not {short_path(args.model)}")
+        flags = " and ".join([", ".join(onnx_only[:-1]), onnx_only[-1]] if len(onnx_only) > 1 else onnx_only)
+        raise UsageError(f"{flags} {'applies' if len(onnx_only) == 1 else 'apply'} to .onnx models only, not "
+                         f"{short_path(args.model)} (see 'wsarena {args.command} --help')")
     layers = load_model(
         args.model, skip_unknown=args.skip_unknown, asymmetric_pads=args.asymmetric_pads or "widen",
         input_shapes=input_shapes(args.input_shape),
