@@ -153,7 +153,8 @@ def load_model(
         # after the name's own error, the user's real problem: "input_shapes applies to .onnx models only, not
         # 'resnt50'" lost the name's typo and its hint
         if input_shapes is not None and ext != ".onnx":
-            raise ValueError(f"input_shapes (--input-shape) applies to .onnx models only, not {short_path(text)}")
+            # input_shapes alone, as for a layer list below: the command refuses its --input-shape before this
+            raise ValueError(f"input_shapes applies to .onnx models only, not {short_path(text)}")
         if layers is not None:
             return layers
         if ext == ".onnx":
