@@ -61,7 +61,7 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .._sizes import is_sequence, short_path, short_repr
 from ._json import layers_from_json, layers_to_json, load_json
@@ -81,6 +81,14 @@ def check_model_named(source: str | os.PathLike[str]) -> None:
     ext = os.path.splitext(text)[1].lower()
     if ext in (".onnx", ".json") or (isinstance(source, str) and zoo_model(text) is not None):
         return
+    _refuse_unnamed(source)
+
+
+def _refuse_unnamed(source: str | os.PathLike[str]) -> NoReturn:
+    """:func:`check_model_named`'s error, for a ``source`` already known to name no zoo model nor, by its extension,
+    a .onnx or .json file."""
+    text = os.fspath(source)
+    ext = os.path.splitext(text)[1].lower()
     if os.path.isdir(text):
         raise ModelError(f"{short_path(text)} is a folder: expected a .onnx or .json file")
     if os.path.exists(text):
@@ -148,8 +156,8 @@ def load_model(
         text = os.fspath(source)
         ext = os.path.splitext(text)[1].lower()
         layers = zoo_model(text) if isinstance(source, str) else None
-        if layers is None:
-            check_model_named(source)
+        if layers is None and ext not in (".onnx", ".json"):  # check_model_named(), the zoo asked once, above
+            _refuse_unnamed(source)
         # after the name's own error, the user's real problem: "input_shapes applies to .onnx models only, not
         # 'resnt50'" lost the name's typo and its hint
         if input_shapes is not None and ext != ".onnx":
