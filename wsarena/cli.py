@@ -262,6 +262,8 @@ def _model_file(model: str) -> str | None:
 def _load(args: argparse.Namespace) -> Any:
     from .models import check_model_named, load_model
 
+    # --input-shape's own errors (an input given twice) first, as they were before --input-shape joined the refusal
+    shapes = input_shapes(args.input_shape)
     # The ONNX loader's flags, refused for another model, where --skip-unknown and --asymmetric-pads were taken and
     # did nothing (a zoo model or a layer list has every shape known and its pads symmetric), and --input-shape was
     # refused by load_model() in its words (input_shapes); with the help that lists them, as a flag's error is
@@ -275,7 +277,7 @@ def _load(args: argparse.Namespace) -> Any:
                          f"{short_path(args.model)} (see 'wsarena {args.command} --help')")
     layers = load_model(
         args.model, skip_unknown=args.skip_unknown, asymmetric_pads=args.asymmetric_pads or "widen",
-        input_shapes=input_shapes(args.input_shape),
+        input_shapes=shapes,
     )
     if layers:  # none left (--skip-unknown leaving out every conv) is plan()'s to say
         from .planner import check_streams_bound
