@@ -390,6 +390,36 @@ def test_a_real_interrupt_at_the_jump_back_of_a_drain_whose_queue_was_refilled_l
     assert list(queue) == [late, aside]
 
 
+def test_a_real_interrupt_as_close_finds_a_sub_arena_busy_leaves_the_lock_free(monkeypatch, provider, key):
+    """Close asks each sub-arena whether it is idle; the first is busy, and a Ctrl-C comes as it answers: a real one,
+    pending from C code, taken at the jump back of the loop over the sub-arenas. The arena's lock is free afterwards,
+    for this thread and others. Once, the loop ran in close's own code, inside its ``with self._lock:``, and CPython
+    3.13 takes a Ctrl-C at that jump outside the ``with`` (CPython's gh-130279): the lock stayed held, and every later
+    call of any thread waited for it for ever. Fails on 3.13 alone without the fix: CPython 3.11 and 3.12 take it
+    inside the ``with``."""
+    arena = Arena(provider)
+    arena.reserve(1000, stream=key("a"))
+    arena.reserve(1000, stream=key("b"))
+
+    class Answer:  # its truth is C code alone: a Ctrl-C made pending there is taken where CPython next checks
+        __bool__ = staticmethod(functools.partial(next, itertools.chain(
+            filter(None, map(_thread.interrupt_main, [signal.SIGINT])),  # a Ctrl-C comes as the first answers busy
+            itertools.repeat(False),
+        )))
+
+    monkeypatch.setattr(type(next(iter(arena._subs.values()))), "idle", lambda sub: Answer())
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            arena.close()
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert _free_for_others(arena)
+    monkeypatch.undo()
+    arena.close()  # this thread too
+    assert provider.held == []
+
+
 def test_an_interrupt_at_any_check_of_a_trim_that_frees_what_a_released_graph_held_loses_no_buffer():
     """A buffer a graph captured was outgrown and kept aside for the graph; the graph is released. Ctrl-C at every
     check of the trim that sees the release and frees the buffer: once the arena is closed and trimmed, the provider

@@ -415,10 +415,7 @@ class Arena:
             self._table.sweep()
             if self._table.unplaced:
                 self._table.let_go_unplaced()
-            for sub in list(self._subs.values()):
-                sub.wake()  # waiters see the arena closed
-                if sub.idle():
-                    self._table.forget(sub)
+            self._table.close_subs()
             self._table.release_kept()  # what graphs still hold is freed once they are gone (release_closed)
             _pinning.forget_released(self._table.captures)
         self._give_back()

@@ -411,6 +411,14 @@ class _Table:
             if growing is not None and growing() is None:
                 self.growth_over(sub)
 
+    def close_subs(self) -> None:
+        """Wake every sub-arena's waiters, which see the arena closed, and forget the idle sub-arenas. Its own
+        function, run under the arena's lock, for the loop's jump back (:mod:`wsarena.arena._interrupts`, rule 8)."""
+        for sub in list(self.subs.values()):
+            sub.wake()
+            if sub.idle():
+                self.forget(sub)
+
     def sweep(self) -> int:
         """Mark the sub-arenas of dead streams, threads and key objects, forgetting those that can never be used
         again. Each entry is removed once handled, so an interrupted sweep leaves the rest for the next one.
