@@ -479,11 +479,15 @@ def check_unpinned(self: Arena) -> None:
     """Debug mode: nothing queued to be freed is a buffer that a graph still holds. The graphs' pins name their
     buffers, wherever the arena keeps them (or lost track of them)."""
     with self._lock:
-        # A pin keeps its blocks, and a block its buffer: no id here is one of a buffer gone since.
-        pinned = {id(block.buffer) for pin in self._table.captures.values() if pin.live() for block in pin.blocks}
-        for buffer, _ in list(self._to_free):  # a copy: other threads drain the queue without the lock
-            if id(buffer) in pinned:
-                raise AssertionError(
-                    f"wsarena debug: {short_repr(buffer)} is about to be freed while a CUDA graph that captured it "
-                    "still exists"
-                )
+        # A generator, not a set comprehension, for the lock: wsarena.arena._interrupts, rule 8. The queue is read
+        # under the lock, and checked after it.
+        captures = self._table.captures.values()
+        pinned = set(id(block.buffer) for pin in captures if pin.live() for block in pin.blocks)  # noqa: C401
+        queued = list(self._to_free)  # a copy: other threads drain the queue without the lock
+    # A pin keeps its blocks, and a block its buffer, and the copy the queued buffers: an id in both is one buffer's.
+    for buffer, _ in queued:
+        if id(buffer) in pinned:
+            raise AssertionError(
+                f"wsarena debug: {short_repr(buffer)} is about to be freed while a CUDA graph that captured it "
+                "still exists"
+            )

@@ -252,19 +252,24 @@ class KeptBytes:
     def uncount(self, pin: GraphPin) -> None:
         """Take off what ``pin`` counted. Idempotent. An owner no pin counts any more is dropped once the lock is let
         go (an array's free may run any code)."""
-        counted, owners = pin.counted, self.owners
         dropped: list[Any] = []
         with self.lock:
-            for key in list(counted):
-                entry = owners.get(key)
-                # no call from here to the append, which runs before its check
-                del counted[key]
-                if entry is not None:
-                    entry[1] -= 1
-                    if not entry[1]:
-                        del owners[key]
-                        self.nbytes -= entry[0]
-                        dropped.append(entry)
+            self._uncount(pin.counted, dropped)
+
+    def _uncount(self, counted: dict[int, bool], dropped: list[Any]) -> None:
+        """:meth:`uncount`'s loop, run under the lock: its own function, for the loop's jump back
+        (:mod:`wsarena.arena._interrupts`, rule 8). An owner no pin counts any more goes to ``dropped``."""
+        owners = self.owners
+        for key in list(counted):
+            entry = owners.get(key)
+            # no call from here to the append, which runs before its check
+            del counted[key]
+            if entry is not None:
+                entry[1] -= 1
+                if not entry[1]:
+                    del owners[key]
+                    self.nbytes -= entry[0]
+                    dropped.append(entry)
 
 
 _MAX_BASES = 64  # a chain of bases is walked this far at most (a cycle of them would never end)
