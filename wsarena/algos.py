@@ -294,7 +294,8 @@ def _wait(key: tuple) -> None:
     with _lock:
         _waiting.add(key)
         if len(_waiting) > CHOICES_MAX:  # those the cache let go wait no longer
-            _waiting.intersection_update([k for k in _waiting if k in _cache])
+            # a generator, not a list comprehension, for the lock: wsarena.arena._interrupts, rule 8
+            _waiting.intersection_update(list(k for k in _waiting if k in _cache))  # noqa: C400
 
 
 def _wake(key: tuple) -> None:
@@ -308,7 +309,8 @@ def _wake(key: tuple) -> None:
         return
     call = _call(key)
     with _lock:
-        woken = [k for k in _waiting if k != key and _call(k) == call]
+        # a generator, not a list comprehension, for the lock: wsarena.arena._interrupts, rule 8
+        woken = list(k for k in _waiting if k != key and _call(k) == call)  # noqa: C400
         _waiting.difference_update(woken)
     for k in woken:
         entry = _cache.lookup(k)

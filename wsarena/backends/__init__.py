@@ -266,7 +266,8 @@ def device_properties_backend(properties_json: str, source: str | None = None) -
         raise BackendUnavailableError(f"{needs}: {exc}") from None
     with _lock:
         if key not in _backends:
-            held = [k for k in _backends if k.startswith(_PROPERTIES)]
+            # a generator, not a list comprehension, for the lock: wsarena.arena._interrupts, rule 8
+            held = list(k for k in _backends if k.startswith(_PROPERTIES))  # noqa: C400
             for older in held[: max(len(held) - _PROPERTIES_KEPT + 1, 0)]:
                 del _backends[older]  # its plans are destroyed with it, once no thread still plans with it
             _backends[key] = made

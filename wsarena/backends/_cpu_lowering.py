@@ -335,10 +335,7 @@ def _keep(p: Plan, key: Any, build: Callable[[list[Iterable]], Any], *parts: Ite
         held = p.memo.get(key)
         if held is not None:
             return held
-        while _total + count > KEEP and owner.stale:
-            stale = owner.stale.pop()
-            if _stopped(owner, stale):
-                _let_go(stale)
+        _make_room(owner, count)
         if _total + count <= KEEP:
             # The stores first, the one call last: a Ctrl-C, or a thread switch (and another thread's fork), comes
             # after a call, and one after the append found the key kept and counted by no owner held.
@@ -348,6 +345,16 @@ def _keep(p: Plan, key: Any, build: Callable[[list[Iterable]], Any], *parts: Ite
             p.memo[key] = result
             owner.keys.append(key)
     return result
+
+
+def _make_room(owner: _Owner, count: int) -> None:
+    """Let go of what the owners that stopped before ``owner`` keep, the least recently run first, until ``count``
+    more items fit. :func:`_keep`'s loop, run under ``_KEEPING``: its own function, for the loop's jump back
+    (:mod:`wsarena.arena._interrupts`, rule 8)."""
+    while _total + count > KEEP and owner.stale:
+        stale = owner.stale.pop()
+        if _stopped(owner, stale):
+            _let_go(stale)
 
 
 def _kept(p: Plan, key: Any, make: Callable[[], Iterable]) -> Iterable:

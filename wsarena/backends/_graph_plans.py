@@ -270,14 +270,17 @@ class PlanCache:
             if pin in pins:
                 return
             if len(pins) >= _PRUNE_AT and len(pins) & (len(pins) - 1) == 0:  # a plan captured again and again
-                pins[:] = [p for p in pins if p.live()]
+                # a generator, not a list comprehension, for the lock: wsarena.arena._interrupts, rule 8
+                pins[:] = list(p for p in pins if p.live())  # noqa: C400
             pins.append(pin)
 
     def kept(self) -> list[Any]:
         """The plans kept for CUDA graphs that may still exist (``plan(..., pin=)``): cached, evicted, or spared by
         :meth:`clear`."""
         with self._lock:
-            return [plan for plan, pins in [*self._captured.values(), *self._spared] if any(p.live() for p in pins)]
+            # a generator, not a list comprehension, for the lock: wsarena.arena._interrupts, rule 8
+            kept = [*self._captured.values(), *self._spared]
+            return list(plan for plan, pins in kept if any(p.live() for p in pins))  # noqa: C400
 
     def _let_go(self) -> None:
         """Stop keeping the plans whose graphs are all gone; one evicted meanwhile is destroyed as its last
@@ -286,7 +289,8 @@ class PlanCache:
             return
         with self._lock:
             live = _Asked()  # one question per pin: a step's plans share its graph's
-            gone = [key for key, (_, pins) in self._captured.items() if not any(map(live, pins))]
+            # a generator, not a list comprehension, for the lock: wsarena.arena._interrupts, rule 8
+            gone = list(key for key, (_, pins) in self._captured.items() if not any(map(live, pins)))  # noqa: C400
             dropped = [self._captured.pop(key) for key in gone]
         del dropped
 
@@ -346,8 +350,9 @@ class PlanCache:
         self._graphs.clear()
         with self._lock:
             live = _Asked()
-            spared = [entry for entry in self._captured.values() if any(map(live, entry[1]))]
-            gone = [plan for plan, pins in self._captured.values() if not any(map(live, pins))]
+            # generators, not list comprehensions, for the lock: wsarena.arena._interrupts, rule 8
+            spared = list(entry for entry in self._captured.values() if any(map(live, entry[1])))  # noqa: C400
+            gone = list(plan for plan, pins in self._captured.values() if not any(map(live, pins)))  # noqa: C400
             self._captured.clear()
             self._spared += spared
         kept = {id(plan) for plan, _ in spared}

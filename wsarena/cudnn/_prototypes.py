@@ -20,7 +20,7 @@ from typing import Any
 from .. import _forksafe
 from . import _errors
 from ._errors import CudnnSymbolError, check
-from ._library import load_library
+from ._library import LoadedLibrary, load_library
 from ._owned import Owned
 from ._structs import ConvolutionBwdDataAlgoPerfStruct, ConvolutionBwdFilterAlgoPerfStruct, ConvolutionFwdAlgoPerfStruct
 
@@ -197,20 +197,26 @@ def _declare(lib: ctypes.CDLL, path: str, version: str, name: str) -> _Function:
 
 def _library() -> ctypes.CDLL:
     """The loaded library, with cuDNN's error texts hooked into :func:`check` on first use."""
-    global _describers_installed
     loaded = load_library()
     if not _describers_installed:
         with _lock:
             if not _describers_installed:
-                for name in ("cudnnGetErrorString", "cudnnGetLastErrorString"):
-                    try:
-                        _bound[name] = _declare(loaded.cdll, loaded.path, loaded.version_string, name)
-                    except CudnnSymbolError:
-                        pass  # errors then carry no cuDNN text; the call that needs it will say so
-                if "cudnnGetErrorString" in _bound and "cudnnGetLastErrorString" in _bound:
-                    _errors._install_describers(loaded.cdll)
-                _describers_installed = True
+                _install_describers(loaded)
     return loaded.cdll
+
+
+def _install_describers(loaded: LoadedLibrary) -> None:
+    """Hook cuDNN's error texts into :func:`check`, under ``_lock``: its own function, for the loop's jump back
+    (:mod:`wsarena.arena._interrupts`, rule 8)."""
+    global _describers_installed
+    for name in ("cudnnGetErrorString", "cudnnGetLastErrorString"):
+        try:
+            _bound[name] = _declare(loaded.cdll, loaded.path, loaded.version_string, name)
+        except CudnnSymbolError:
+            pass  # errors then carry no cuDNN text; the call that needs it will say so
+    if "cudnnGetErrorString" in _bound and "cudnnGetLastErrorString" in _bound:
+        _errors._install_describers(loaded.cdll)
+    _describers_installed = True
 
 
 def function(name: str) -> _Function:

@@ -279,7 +279,8 @@ def close_all_handles() -> None:
     """
     with _lock:
         hooks = [ref() for ref in _before_close]
-        _before_close[:] = [ref for ref in _before_close if ref() is not None]
+        # a generator, not a list comprehension, for the lock: wsarena.arena._interrupts, rule 8
+        _before_close[:] = list(ref for ref in _before_close if ref() is not None)  # noqa: C400
     for hook in hooks:
         if hook is not None:
             try:
