@@ -166,16 +166,23 @@ def read_regular_part(folder: str | os.PathLike[str], location: str, offset: int
     fd = _open_beneath(folder, location)
     try:
         os.lseek(fd, offset, os.SEEK_SET)
-        parts: list[bytes] = []
-        while length > 0:  # a read may return less than asked for
-            chunk = os.read(fd, length)
-            if not chunk:
-                break
-            parts.append(chunk)
-            length -= len(chunk)
-        return b"".join(parts)
+        return _read(fd, length)
     finally:
         os.close(fd)
+
+
+def _read(fd: int, length: int) -> bytes:
+    """Up to ``length`` bytes from ``fd``, fewer at the file's end. Its own function, for the loop's jump back: CPython
+    3.13 may take a Ctrl-C there outside the caller's try, whose finally closes ``fd`` (python/cpython#130279); raised
+    in here, it reaches the caller at the call."""
+    parts: list[bytes] = []
+    while length > 0:  # a read may return less than asked for
+        chunk = os.read(fd, length)
+        if not chunk:
+            break
+        parts.append(chunk)
+        length -= len(chunk)
+    return b"".join(parts)
 
 
 # Whether read_regular_part can open a file beneath a folder, through no link: os.open from a folder's descriptor,

@@ -123,10 +123,7 @@ def layers(model: nn.Module, /, *args: Any, **kwargs: Any) -> list[ConvLayer]:
         for hook in hooks:
             hook.remove()
         with torch.inference_mode():  # a model made in inference mode holds inference tensors, updated only there
-            for owner, name, buffer, saved in reversed(buffers):  # a lazy module called twice: its first copy last
-                owner._buffers[name] = buffer  # where a forward replaced it (self.calls = self.calls + 1)
-                if saved is not None:
-                    buffer.copy_(saved)
+            _restore(buffers)
     if not found:
         raise ModelError(f"{type(model).__name__} ran no nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d")
     return found
@@ -232,6 +229,17 @@ def _copies(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str, torch.Te
     for one expanded over a dimension, which takes no write in place: its elements share memory)."""
     return [(m, name, b, None if _expanded(b) else b.clone())
             for m in modules for name, b in m.named_buffers(recurse=False) if not is_lazy(b)]
+
+
+def _restore(buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor | None]]) -> None:
+    """Give each module its buffer back, with the values :func:`_copies` saved. Its own function, for the loop's jump
+    back: CPython 3.13 may take a Ctrl-C there outside the caller's ``with torch.inference_mode()``, whose exit then
+    does not run, leaving the thread in inference mode (python/cpython#130279); raised in here, it reaches the
+    caller at the call."""
+    for owner, name, buffer, saved in reversed(buffers):  # a lazy module called twice: its first copy last
+        owner._buffers[name] = buffer  # where a forward replaced it (self.calls = self.calls + 1)
+        if saved is not None:
+            buffer.copy_(saved)
 
 
 def _expanded(t: torch.Tensor) -> bool:
