@@ -233,6 +233,7 @@ def _exits_skipped_at_jumps_back(path):
     that instruction) for each. A handler's own handler is the next one out, so each instruction has a
     chain of handlers; a ``with``'s starts by calling its ``__exit__`` (WITH_EXCEPT_START)."""
     import dis
+    import functools
     import types
 
     def codes(code):
@@ -241,21 +242,23 @@ def _exits_skipped_at_jumps_back(path):
             if isinstance(const, types.CodeType):
                 yield from codes(const)
 
-    def exits(code, offset):
-        entries, seen = dis._parse_exception_table(code), set()
+    def exits(entries, names, offset):
+        seen = set()
         while (target := next((e.target for e in entries if e.start <= offset < e.end), None)) not in (None, *seen):
             seen.add(target)
             offset = target
-        names = {i.offset: i.opname for i in dis.get_instructions(code)}
         return {t for t in seen if names[t + 2] == "WITH_EXCEPT_START"}
 
     found = []
     for code in codes(compile(path.read_text(), str(path), "exec")):
         if code.co_name == "<genexpr>":  # raised in a generator, a Ctrl-C reaches its consumer at the call
             continue
+        instructions = list(dis.get_instructions(code))  # read once per function: the scan runs over the package
+        names = {i.offset: i.opname for i in instructions}
+        exits_at = functools.partial(exits, dis._parse_exception_table(code), names)
         before = None  # the last instruction that is no jump: the jumps before a jump back may be uncovered too
-        for ins in dis.get_instructions(code):
-            if ins.opname == "JUMP_BACKWARD" and exits(code, before.offset) - exits(code, ins.offset):
+        for ins in instructions:
+            if ins.opname == "JUMP_BACKWARD" and exits_at(before.offset) - exits_at(ins.offset):
                 found.append((code.co_firstlineno, before.positions.lineno))
             if "JUMP" not in ins.opname and ins.opname != "NOP":
                 before = ins
