@@ -1,7 +1,8 @@
 """Run on a GPU machine: the GPU tests, then the rest of the test suite, then the GPU benchmarks and curves.
 
 Writes ``bench/results/gpu-check-<date>.json`` (or into ``--out``) with ``commit``, ``device``, ``cudnn_version``,
-``passed``, ``failed``, ``skipped`` (over both test runs), the failing test ids, each phase's own counts and
+the Python and package versions (``python``, ``versions``: pytest's and PyTorch's too), ``passed``, ``failed``,
+``skipped`` (over both test runs), the failing test ids, each phase's own counts and
 exit status, and each benchmark's exit status and output. First of all it captures the GPU's device properties
 as cuDNN serialises them (``<gpu>-cudnn<version>.json``, e.g. ``h100-cudnn91900.json``: where the version is
 the one the tests load, commit it as ``tests/data/h100.json`` for the tests that plan without a GPU; a later cuDNN
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -281,6 +283,40 @@ def capture_device_properties(out: Path, env: dict, timeout: float = 120) -> dic
     return {"exit_status": 0, "file": target.name, "device": found["name"], "cudnn": found["cudnn"]}
 
 
+def header(info: dict) -> dict:
+    """The result's first fields, from :func:`wsarena.info.collect_info`'s ``info``: the checkout, the machine, and
+    the versions the tests ran under (Python, pytest, the packages ``wsarena info`` lists, PyTorch), so that a result
+    can be told apart from another machine's; the counts start at 0."""
+    devices = [d.get("name") for d in info["gpu"]["devices"] if "name" in d]
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": checkout_commit(),
+        "device": devices[0] if devices else None,
+        "devices": devices,
+        "cudnn_version": info["cudnn"].get("version_string") or info["cudnn"].get("version"),
+        "cuda_driver": info["cuda"].get("driver"),
+        "gpu_usable": info["gpu"]["usable"],
+        "gpu_unusable_reason": info["gpu"]["reason"],
+        "python": info["python"],
+        "versions": {
+            **info["packages"],
+            "pytest": _version("pytest"),
+            "pytest-xdist": _version("pytest-xdist"),
+            "torch": info["torch"]["version"] if info["torch"]["installed"] else None,
+        },
+        "passed": 0, "failed": 0, "skipped": 0, "failures": [],
+        "phases": {},
+    }
+
+
+def _version(distribution: str) -> str | None:
+    """The installed ``distribution``'s version, or None where it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -314,23 +350,11 @@ def main() -> int:
     from wsarena.info import collect_info
 
     info = collect_info()
-    devices = [d.get("name") for d in info["gpu"]["devices"] if "name" in d]
     # This checkout, installed or not, ahead of whatever the caller put on the path (wheels carried to the machine).
     # Unbuffered: a phase killed at its time limit leaves in the JSON what it printed, not what its buffer flushed.
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    result: dict = {
-        "date": datetime.date.today().isoformat(),
-        "commit": checkout_commit(),
-        "device": devices[0] if devices else None,
-        "devices": devices,
-        "cudnn_version": info["cudnn"].get("version_string") or info["cudnn"].get("version"),
-        "cuda_driver": info["cuda"].get("driver"),
-        "gpu_usable": info["gpu"]["usable"],
-        "gpu_unusable_reason": info["gpu"]["reason"],
-        "passed": 0, "failed": 0, "skipped": 0, "failures": [],
-        "phases": {},
-    }
+    result = header(info)
     args.out.mkdir(parents=True, exist_ok=True)
     # a second command on the same day, for the benchmarks alone, keeps the first one's test counts
     target = args.out / f"gpu-check-{result['date']}{'-benchmarks' if args.no_tests else ''}.json"

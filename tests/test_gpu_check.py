@@ -241,3 +241,24 @@ def test_the_scripts_parsers_are_asked_options_of_shared_helpers_included():
     assert found[0] is None
     assert found[1] is not None and found[1].endswith("error: unrecognized arguments: --bogus")
     assert found[2] is not None and "--rounds" in found[2] and "'two'" in found[2]
+
+
+def test_the_result_names_the_versions_the_tests_ran_under():
+    """The result says which Python, pytest and packages ran the tests, from what this process has, so that two
+    GPU machines' results can be told apart (the counts start at 0 and the JSON takes it as it is)."""
+    import platform
+
+    from wsarena.info import collect_info
+
+    result = json.loads(json.dumps(gpu_check.header(collect_info())))
+    assert result["python"] == f"{platform.python_implementation()} {platform.python_version()}"
+    assert result["versions"]["pytest"] == pytest.__version__
+    assert result["versions"]["numpy"] == __import__("numpy").__version__
+    try:
+        import torch
+    except ImportError:
+        assert result["versions"]["torch"] is None
+    else:
+        assert result["versions"]["torch"] == torch.__version__
+    assert (result["passed"], result["failed"], result["skipped"], result["failures"]) == (0, 0, 0, [])
+    assert gpu_check._version("no-such-distribution-wsarena") is None
