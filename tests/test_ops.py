@@ -1145,3 +1145,25 @@ def test_a_call_whose_search_timed_nothing_runs_as_the_heuristic_search_runs_it(
     for search in ("heuristic", "exhaustive"):
         with config(algo_search=search), pytest.raises(_Refused, match=f"{order[-1]} was refused"):
             conv_forward(x, w, padding=1)
+
+
+def test_a_dtype_in_the_other_byte_order_is_refused_by_the_ops_and_the_planner_alike():
+    """dtype_name(np.dtype(">f4")) named it float32 (NumPy's name hides the byte order), so plan() and conv_geometry
+    took the dtype the ops refuse an array of: both refuse it now, and say what it is."""
+    other = np.dtype("float32").newbyteorder()  # ">f4" on a little-endian machine, "<f4" on a big-endian one
+    note = " (float32 in the other byte order from this machine's, which no backend computes in)"
+    x, w = np.ones((1, 2, 5, 5), other), np.ones((3, 2, 3, 3), other)
+    with pytest.raises(TypeError) as info:
+        conv_forward(x, w)
+    assert str(info.value) == (
+        f"x must be a floating-point array (float16, bfloat16, float32 or float64), not {other}{note}")
+    with pytest.raises(ValueError) as info:
+        wsarena.plan([wsarena.ConvLayer("c", (1, 2, 5, 5), (3, 2, 3, 3))], dtype=other, backend="cpu")
+    assert str(info.value) == ("dtype must be one of float32, float16, bfloat16, float64, or their NumPy or PyTorch "
+                               f"dtype, not {other!r}{note}")
+    y = conv_forward(x.astype(np.float32), w.astype(np.float32))  # converted, as the note asks
+    with pytest.raises(TypeError, match=re.escape(f"out has dtype {other}; this convolution writes float32")):
+        conv_forward(x.astype(np.float32), w.astype(np.float32), out=y.astype(other))
+    # a dtype in the machine's byte order is one name to both
+    native = np.dtype("float32").newbyteorder("=")
+    assert ops._dtype_name("x", native) == wsarena._geometry.dtype_name(native) == "float32"

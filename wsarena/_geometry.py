@@ -23,8 +23,9 @@ from ._pass import Pass
 from ._sizes import INT32_MAX, as_int, is_choice, is_sequence, short_repr
 
 __all__ = [
-    "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "conv_geometry", "conv_transpose_geometry",
-    "describe_geometry", "dtype_name", "output_size", "transposed_output_size",
+    "DTYPES", "INT32_MAX", "ITEMSIZES", "LAYOUTS", "ConvGeometry", "array_dtype_name", "byte_order_note",
+    "conv_geometry", "conv_transpose_geometry", "describe_geometry", "dtype_name", "output_size",
+    "transposed_output_size",
 ]
 
 LAYOUTS = ("NCHW", "NHWC")
@@ -35,8 +36,10 @@ ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # bytes p
 def dtype_name(dtype: Any) -> str:
     """``dtype`` as one of :data:`DTYPES`' names: a name given as it is, or a NumPy or PyTorch dtype (``np.float32``,
     ``np.dtype("float16")``, ``torch.bfloat16``) by its name. A string must be the name itself: NumPy's own
-    spellings (``"f4"``, and ``"float"``, which is float64) would read as a guess. Only a str is compared with the
-    names: another object's ``==`` may raise, or answer an array."""
+    spellings (``"f4"``, and ``"float"``, which is float64) would read as a guess. A NumPy dtype in the other byte
+    order (``np.dtype(">f4")`` on a little-endian machine) is none of them, as the ops refuse an array of it
+    (:func:`array_dtype_name`). Only a str is compared with the names: another object's ``==`` may raise, or answer
+    an array."""
     name: Any = None
     if isinstance(dtype, str):
         name = str.__str__(dtype)  # a str subclass (an enum's member) as the plain str it holds
@@ -46,14 +49,37 @@ def dtype_name(dtype: Any) -> str:
         import numpy as np
 
         try:
-            name = np.dtype(dtype).name
+            name = array_dtype_name(np.dtype(dtype))
         except Exception:  # noqa: BLE001 - no dtype NumPy knows (an object's own dtype attribute may raise anything)
             name = None
     if not isinstance(name, str) or name not in DTYPES:
         raise ValueError(
             f"dtype must be one of {', '.join(DTYPES)}, or their NumPy or PyTorch dtype, not {short_repr(dtype)}"
+            f"{byte_order_note(dtype)}"
         )
     return name
+
+
+def array_dtype_name(dtype: Any) -> str:
+    """The name an array's ``dtype`` goes by against :data:`DTYPES`: a NumPy dtype in the machine's byte order by its
+    name (``float32``, ``bfloat16``), one in the other byte order as NumPy writes it (``>f4`` on a little-endian
+    machine), which names none: cuDNN and the CPU backend compute in the machine's order, and NumPy's name
+    (``float32``) would hide the order. Another object by its str."""
+    import numpy as np
+
+    if isinstance(dtype, np.dtype):
+        return dtype.name if dtype.isnative else str(dtype)
+    return str(dtype)
+
+
+def byte_order_note(dtype: Any) -> str:
+    """For an error that refuses ``dtype``: where it is one of :data:`DTYPES` in the other byte order, what it is and
+    that no backend computes in it (" (float32 in the other byte order from this machine's, ...)"), else nothing."""
+    import numpy as np
+
+    if not isinstance(dtype, np.dtype) or dtype.isnative or dtype.name not in DTYPES:
+        return ""  # a class (np.float32) is in the machine's order
+    return f" ({dtype.name} in the other byte order from this machine's, which no backend computes in)"
 
 
 def output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:

@@ -27,7 +27,15 @@ import numpy as np
 from . import _interop, algos
 from ._callkeys import Uncacheable, freeze, freeze_params, remember
 from ._config import Config, get_config, using
-from ._geometry import DTYPES, ITEMSIZES, ConvGeometry, conv_geometry, describe_geometry
+from ._geometry import (
+    DTYPES,
+    ITEMSIZES,
+    ConvGeometry,
+    array_dtype_name,
+    byte_order_note,
+    conv_geometry,
+    describe_geometry,
+)
 from ._pass import Pass
 from ._sizes import exact_cap, format_size, is_sequence, short_repr
 from .algos import forced, run_with_fallback, select
@@ -68,9 +76,12 @@ def records_clear() -> None:
 
 
 def _dtype_name(name: str, dtype: Any) -> str:
-    text = _NAMES.get(dtype) or str(dtype)
+    """The name of array ``name``'s dtype, one of :data:`DTYPES`, as :func:`dtype_name` names a dtype given to the
+    planner (a dtype in the other byte order is none of them), or the ``TypeError`` that refuses it."""
+    text = _NAMES.get(dtype) or array_dtype_name(dtype)
     if text not in DTYPES:
-        raise TypeError(f"{name} must be a floating-point array (float16, bfloat16, float32 or float64), not {text}")
+        raise TypeError(f"{name} must be a floating-point array (float16, bfloat16, float32 or float64), not {text}"
+                        f"{byte_order_note(dtype)}")
     return text
 
 
@@ -145,7 +156,7 @@ def _check_out(record: _Record, out: Any, a: Any, b: Any) -> None:
             raise TypeError(f"out must be a {kind} array, not {type(out).__name__}")
         if tuple(out.shape) != record.out_shape:
             raise ValueError(f"out has shape {tuple(out.shape)}; this convolution writes {record.out_shape}")
-        if (_NAMES.get(out.dtype) or str(out.dtype)) != record.dtype:
+        if (_NAMES.get(out.dtype) or array_dtype_name(out.dtype)) != record.dtype:
             raise TypeError(f"out has dtype {out.dtype}; this convolution writes {record.dtype}")
         if not out.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
