@@ -526,6 +526,45 @@ def test_text_progress_escapes_what_the_terminals_encoding_cannot_show_and_keeps
     assert wipe.strip() == "" and len(wipe) >= max(len(f) for f in frames)
 
 
+@pytest.mark.parametrize(("encoding", "name", "escape"), [("ascii", "\u00fc", "\\xfc"), ("cp437", "\u00e3", "\\xe3")])
+def test_text_progress_pads_a_name_escaped_for_a_stream_that_names_no_encoding_by_its_escaped_width(
+    encoding, name, escape
+):
+    """A caller's stream with no encoding attribute, whose writes refuse what ASCII (or cp437) lacks: the name was cut
+    and padded to its 40 columns unescaped, then the whole line escaped on the refusal, so that a name of ü's took
+    four columns each (a line of 167 columns on an 80-column terminal, which wrapped) and the wipe covered the 77
+    counted. The name is escaped in the codec the refusal names before it is cut and padded, as for a stream that
+    names one; a code page's refusal names "charmap", latin-1's codec, whose escapes kept the ã cp437 lacks, and the
+    bar stopped: ASCII's escape it."""
+
+    class Terminal:
+        def __init__(self):
+            self.written = []
+
+        def isatty(self):
+            return True
+
+        def write(self, text):
+            text.encode(encoding)  # UnicodeEncodeError, as a stream writing in that encoding raises it
+            self.written.append(text)
+
+        def flush(self):
+            pass
+
+    terminal = Terminal()
+    assert not hasattr(terminal, "encoding")
+    show = text_progress(terminal)
+    names = ["conv1", name * 30, f"{name}bung", "conv4"]
+    for done, layer in enumerate(names, 1):
+        show(done, len(names), layer)
+    *frames, wipe, end = "".join(terminal.written).split("\r")[1:]
+    assert len(frames) == len(names) and end == ""
+    assert [len(frame) for frame in frames] == [len(frames[0])] * len(names)  # the columns line up
+    assert len(frames[0]) <= 79 and wipe == " " * len(frames[0])  # an unknown width is taken as 80 columns
+    shown = [re.fullmatch(r"\[[#.]*\] \d+/\d+ (.*)", frame)[1].rstrip() for frame in frames]
+    assert shown == ["conv1", (escape * 30)[:40], f"{escape}bung", "conv4"]
+
+
 _PTY = pytest.mark.skipif(not hasattr(os, "openpty") or sys.platform == "win32", reason="a pseudo-terminal")
 
 

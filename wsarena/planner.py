@@ -46,7 +46,6 @@ from ._sizes import (
     positive_batch,
     short_path,
     short_repr,
-    write_text,
 )
 from .algos import is_cached, is_cut_short, select
 from .backends import Candidate, device_properties_backend, get_backend, resolve_backend_name
@@ -476,12 +475,13 @@ class ProgressBar:
     itself when the last layer is done; :meth:`clear` wipes it sooner, when the work stops midway (an error,
     Ctrl-C), so that what is printed next starts a line of its own."""
 
-    __slots__ = ("drawn", "out", "shown")
+    __slots__ = ("drawn", "encoding", "out", "shown")
 
     def __init__(self, out: Any) -> None:
         self.out = out  # None: not a terminal, nothing is drawn
         self.shown = False  # a bar is on the line now
         self.drawn = 0  # the columns the line drawn last takes, which clear() wipes
+        self.encoding: str | None = None  # the codec a write refused a name in, for a stream that names none
 
     _WIDTH = 30
 
@@ -498,22 +498,40 @@ class ProgressBar:
             width = 0
         return max((width or 80) - 1, 0)
 
+    def _line(self, done: int, total: int, name: str, encoding: str | None) -> tuple[str, int]:
+        """The bar's line, and the columns it takes: the name escaped where ``encoding`` cannot show it (as the
+        command's lines are), then cut to its 40 columns and padded to them, so that the columns of every line
+        line up and clear() wipes what was drawn."""
+        filled = self._WIDTH * done // max(total, 1)
+        shown = name if name.isprintable() else repr(name)[1:-1]  # a newline would break the bar
+        shown, width = _cut(escaped(shown, encoding), 40)
+        return _cut(f"[{'#' * filled}{'.' * (self._WIDTH - filled)}] {done}/{total} {shown}{' ' * (40 - width)}",
+                    self._columns())
+
     def __call__(self, done: int, total: int, name: str) -> None:
         if self.out is None:
             return
-        filled = self._WIDTH * done // max(total, 1)
-        shown = name if name.isprintable() else repr(name)[1:-1]  # a newline would break the bar
         try:
             # What the terminal's encoding cannot show (on an ASCII or cp437 stream) is escaped, as the command's
             # lines are, where its UnicodeEncodeError, a ValueError, was taken for a closed terminal and the bar
             # stopped; escaped before it is cut to its 40 columns, which clear() then wipes
-            shown, width = _cut(escaped(shown, getattr(self.out, "encoding", None)), 40)
-            line, cells = _cut(f"[{'#' * filled}{'.' * (self._WIDTH - filled)}] {done}/{total} {shown}"
-                               f"{' ' * (40 - width)}", self._columns())
+            line, cells = self._line(done, total, name, self.encoding or getattr(self.out, "encoding", None))
             # marked drawn before the write: a Ctrl-C that lands as it returns, the line out, still has clear() wipe
             # it, so that "wsarena: interrupted" starts a line of its own (a wipe of what was not drawn yet is blanks)
             self.shown, self.drawn = True, cells
-            write_text(self.out, f"\r{line}")
+            try:
+                self.out.write(f"\r{line}")
+            except UnicodeEncodeError as exc:
+                # A stream that names no encoding (a caller's): the codec its refusal names escapes the name, this
+                # one's and the next ones', before it is cut and padded, where write_text() escaped the line once
+                # padded by the name's unescaped width (an escape, \xfc, takes four columns where the character took
+                # one). A text stream encodes the whole text before it writes any of it, so the refused write left
+                # nothing behind. A code page's codec (cp437) names itself "charmap", which as an encoding is
+                # latin-1's: ASCII escapes there.
+                self.encoding = "ascii" if exc.encoding == "charmap" else exc.encoding
+                line, cells = self._line(done, total, name, self.encoding)
+                self.drawn = cells
+                self.out.write(f"\r{line}")
             if done == total:
                 self.clear()
             else:
