@@ -226,6 +226,37 @@ def test_a_part_is_read_beneath_its_folder_through_no_link_as_onnx_reads_it(tmp_
     assert caught.value.errno == errno.ELOOP
 
 
+@pytest.mark.skipif(not _files.OPENS_BENEATH, reason="read_regular_part opens a file beneath a folder")
+@pytest.mark.parametrize("words", ["this Python's", "CPython 3.13's"])
+def test_a_nul_in_a_parts_path_is_refused_as_read_regular_file_refuses_one(tmp_path, monkeypatch, words):
+    """A NUL in the location of an ONNX model's external data, or in its folder: read_regular_part relayed what
+    os.open or os.stat raised, which CPython 3.13 words as "open: embedded null character in path", where
+    read_regular_file refuses a NUL itself, in the words of 3.11 and 3.12 ("embedded null byte"). Both say it so on
+    each Python (3.13's words are put in os's functions here, for the older ones)."""
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "data").write_bytes(DATA)
+    (tmp_path / "inner" / "data").write_bytes(DATA)
+    if words != "this Python's":
+        for name in ("open", "stat"):
+            real = getattr(os, name)
+
+            def said(path, *args, name=name, real=real, **kwargs):
+                if "\0" in os.fsdecode(path):
+                    raise ValueError(f"{name}: embedded null character in path")
+                return real(path, *args, **kwargs)
+
+            monkeypatch.setattr(os, name, said)
+    for folder, location in [(tmp_path, "da\0ta"), (tmp_path, "inner/da\0ta"), (tmp_path, "in\0ner/data"),
+                             (f"{tmp_path}\0", "data"), (os.fsencode(tmp_path) + b"\0", "data")]:
+        with pytest.raises(ValueError) as info:
+            _files.read_regular_part(folder, location, 0, 16)
+        assert str(info.value) == "embedded null byte", (folder, location)
+    with pytest.raises(ValueError) as info:
+        _files.read_regular_file(tmp_path / "da\0ta")
+    assert str(info.value) == "embedded null byte"
+    assert _files.read_regular_part(tmp_path, "inner/data", 0, 16) == DATA[:16]  # os's functions read as before
+
+
 @pytest.mark.parametrize("pipes", [False, True])
 def test_a_device_a_socket_and_a_folder_are_refused_even_where_pipes_are_read(tmp_path, monkeypatch, pipes):
     """Only a FIFO is read where the caller takes pipes: a character device may have no end (/dev/zero)."""

@@ -196,6 +196,8 @@ def _open_beneath(folder: str | os.PathLike[str], location: str) -> int:
     through no link, as :func:`read_regular_part` says."""
     if not OPENS_BENEATH:
         raise OSError(errno.ENOTSUP, "opening a file beneath a folder through no link is not supported here")
+    _refuse_nul(folder)
+    _refuse_nul(location)
     # as onnx.checker refuses them: absolute, or ".." anywhere once normalized, even inside a name ("a..b")
     normal = os.path.normpath(location)
     if not location or os.path.isabs(location) or ".." in normal:
@@ -233,14 +235,19 @@ def _open_beneath(folder: str | os.PathLike[str], location: str) -> int:
     return fd
 
 
+def _refuse_nul(path: str | bytes | os.PathLike[str]) -> None:
+    """Refuse a NUL in ``path``, in the words of CPython 3.11 and 3.12 (and of a str path's :func:`os.open` there),
+    where 3.13, and a bytes path's ``open`` on any of them, names the call that refused it ("stat: embedded null
+    character in path"): the errors that relay this one read alike on each, for each path."""
+    if "\0" in os.fsdecode(path):
+        raise ValueError("embedded null byte")
+
+
 def _open(path: str | os.PathLike[str], look_first: bool, pipes: bool) -> tuple[int, os.stat_result]:
     """A blocking descriptor of ``path``, which the caller closes, and its status, where it is a regular file, or a
     pipe where ``pipes``: looked at first (``look_first``), then opened without blocking and looked at again, as
     :func:`read_regular_file` says; :class:`NotRegularFile` otherwise."""
-    if "\0" in os.fsdecode(path):
-        # refused here, in the words of CPython 3.11 and 3.12, where 3.13 names the call that refused it ("stat:
-        # embedded null character in path"): the errors that relay this one read alike on each
-        raise ValueError("embedded null byte")
+    _refuse_nul(path)
     if look_first:
         _refuse(os.stat(path).st_mode, pipes)
     try:
