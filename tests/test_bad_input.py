@@ -231,7 +231,7 @@ def test_an_array_is_no_choice_of_a_setting_or_an_argument(fresh_arena, array):
             wsarena.plan(LAYERS, **{"backend": "cpu", **kwargs})
     with pytest.raises(ValueError, match=r"^asymmetric_pads must be 'widen' or 'error', not array\(\["):
         wsarena.load_model("resnet50", asymmetric_pads=array)
-    with pytest.raises(ModelError, match=r"^JSON: layout must be 'NCHW' or 'NHWC', not array\(\["):
+    with pytest.raises(ModelError, match=r'^JSON: layout must be "NCHW" or "NHWC", not array\(\['):
         wsarena.models.layers_from_json({"layers": [], "layout": array})
     np.testing.assert_allclose(wsarena.conv_forward(x, w, layout="NCHW"), ref_conv_forward(x, w))
 

@@ -340,17 +340,38 @@ def test_the_ignored_layer_keys_are_documented():
     assert layer == ConvLayer.from_dict(GOOD)
 
 
+@pytest.mark.parametrize(("text", "says"), [
+    ('{"layout": null, "layers": []}', 'layout must be "NCHW" or "NHWC", not null'),
+    ('{"layout": true, "layers": []}', 'layout must be "NCHW" or "NHWC", not true'),
+    ('{"layout": NaN, "layers": []}', 'layout must be "NCHW" or "NHWC", not NaN'),
+    ('{"layout": ["NHWC", null], "layers": []}', 'layout must be "NCHW" or "NHWC", not ["NHWC", null]'),
+    ('{"layout": {"it\'s": "NHWC"}, "layers": []}', 'layout must be "NCHW" or "NHWC", not {"it\'s": "NHWC"}'),
+    ('{"layout": "say \\"NHWC\\"\\n", "layers": []}', 'layout must be "NCHW" or "NHWC", not "say \\"NHWC\\"\\n"'),
+    ('{"model": "x", "it\'s": 1, "tab\\t": 2}',
+     'a JSON object needs a "layers" list (found keys: ["it\'s", "model", "tab\\t"])'),
+], ids=["null", "true", "nan", "array", "object", "quotes", "keys"])
+def test_a_json_files_layout_and_keys_are_said_as_the_file_writes_them(tmp_path, text, says):
+    """A .json model's layout and, without "layers", its keys were said in Python's words (None, True, nan, ['NHWC',
+    None], "it's" in double quotes where the others had single ones), none of which the file shows: they are said as
+    JSON writes them, the choices too."""
+    path = tmp_path / "m.json"
+    path.write_text(text)
+    with pytest.raises(ModelError) as refused:
+        load_model(path)
+    assert str(refused.value) == f"{str(path)!r}: {says}"
+
+
 def test_a_json_layout_other_than_nchw_or_nhwc_is_refused():
-    with pytest.raises(ModelError, match="layout must be 'NCHW' or 'NHWC', not 'CHWN'"):
+    with pytest.raises(ModelError, match='layout must be "NCHW" or "NHWC", not "CHWN"'):
         layers_from_json({"layout": "CHWN", "layers": [GOOD]})
 
 
 @pytest.mark.parametrize(("data", "says"), [
-    ({"k" * 10_000: 1}, f"a JSON object needs a \"layers\" list (found keys: ['{'k' * 27}...{'k' * 28}'])"),
+    ({"k" * 10_000: 1}, f'a JSON object needs a "layers" list (found keys: ["{"k" * 27}...{"k" * 28}"])'),
     ({f"k{i}": i for i in range(20)},
-     "a JSON object needs a \"layers\" list (found keys: ['k0', 'k1', 'k10', 'k11', 'k12', 'k13', ... 14 more])"),
+     'a JSON object needs a "layers" list (found keys: ["k0", "k1", "k10", "k11", "k12", "k13", ... 14 more])'),
     ({1: 2, "a": 3}, "a JSON object needs a \"layers\" list (found keys: [1, 'a'])"),  # keys that do not compare
-    ({"layout": "x" * 10_000, "layers": []}, f"layout must be 'NCHW' or 'NHWC', not '{'x' * 27}...{'x' * 28}'"),
+    ({"layout": "x" * 10_000, "layers": []}, f'layout must be "NCHW" or "NHWC", not "{"x" * 27}...{"x" * 28}"'),
 ], ids=["long-key", "many-keys", "keys-that-do-not-compare", "long-layout"])
 def test_a_json_objects_keys_and_layout_are_quoted_shortened(data, says):
     """A JSON object's keys and its layout were quoted whole, a 10 kB key in a line as long (the layout cut at 40
@@ -439,7 +460,7 @@ def test_json_not_utf8(tmp_path):
     ("3", 'expected a list of layers or {"layers": [...]}, not a number (3)'),
     ("-2.5e0", 'expected a list of layers or {"layers": [...]}, not a number (-2.5)'),
     ("true", 'expected a list of layers or {"layers": [...]}, not true'),
-    ('"vgg16"', 'expected a list of layers or {"layers": [...]}, not a string (\'vgg16\')'),
+    ('"vgg16"', 'expected a list of layers or {"layers": [...]}, not a string ("vgg16")'),
     ('{"layers": null}', 'expected "layers" to be a list of layers, not null'),
     ('{"layers": {"name": "c1"}}', 'expected "layers" to be a list of layers, not an object'),
 ])
@@ -463,7 +484,7 @@ def test_a_json_value_other_than_a_layer_list_is_said_in_jsons_words(tmp_path, t
     ('{"layout": "NHWC", "layers": [[1]]}',
      "layers[0] must be an object with name, input_shape and weight_shape, not an array"),
     ('[{"name": "a", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}, "b"]',
-     "layers[1] must be an object with name, input_shape and weight_shape, not a string ('b')"),
+     'layers[1] must be an object with name, input_shape and weight_shape, not a string ("b")'),
     ('[{"name": "a"}, null]', "layers[0] lacks 'input_shape', 'weight_shape'"),  # the first bad entry first
 ])
 def test_a_json_value_in_a_layer_list_or_beyond_json_is_said_in_jsons_words(tmp_path, text, says):

@@ -9,6 +9,7 @@ A size must come out as a whole, non-negative number of bytes.
 from __future__ import annotations
 
 import itertools
+import json
 import operator
 import os
 import re
@@ -109,6 +110,68 @@ def short_repr(value: Any) -> str:
         if isinstance(value, int):
             return _bits(value)
         raise
+
+
+class _ShortJson(_Short):
+    """:class:`_Short`'s cuts, with a value in JSON's words: a string in double quotes (its characters that print
+    as they are, the others escaped as JSON escapes them), ``null``, ``true``, ``NaN``."""
+
+    def repr_str(self, x: str, level: int) -> str:
+        quoted = _json_quoted(x[: self.maxstring])
+        if len(quoted) > self.maxstring:  # the middle cut, as reprlib cuts a str's repr
+            i = max(0, (self.maxstring - 3) // 2)
+            j = max(0, self.maxstring - 3 - i)
+            quoted = _json_quoted(x[:i] + x[len(x) - j:])
+            quoted = quoted[:i] + self.fillvalue + quoted[len(quoted) - j:]
+        return quoted
+
+    def repr_bool(self, x: bool, level: int) -> str:
+        return "true" if x else "false"
+
+    def repr_NoneType(self, x: None, level: int) -> str:  # reprlib's name for None's type
+        return "null"
+
+    def repr_float(self, x: float, level: int) -> str:
+        return json.dumps(x)  # NaN and Infinity as the decoder reads them, where Python writes nan and inf
+
+
+def _json_quoted(text: str) -> str:
+    """``text`` in JSON's double quotes, a character that does not print as it is (a control character, U+2028)
+    escaped as JSON escapes it, the others as they are."""
+    return "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in json.dumps(text, ensure_ascii=False))
+
+
+_SHORT_JSON = _ShortJson()
+_SHORT_JSON.maxstring = _SHORT.maxstring
+_SHORT_JSON.maxother = _SHORT.maxother
+
+
+def short_json(value: Any) -> str:
+    """What :func:`short_repr` says of ``value``, in JSON's words where ``value`` is what JSON text gives (a str, an
+    int, a float, a bool, None, a list or a dict of str keys of them, as far down as it is shown): ``["a", "b"]``,
+    ``{"k": null}``, ``NaN``. Another value (a tuple, an array, a dict of other keys: from a caller in Python, not from
+    JSON text) is said in Python's words, all of it, where a mix would read as neither."""
+    if not _is_json(value, _SHORT_JSON.maxlevel):
+        return short_repr(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4096:
+        return _bits(value)
+    try:
+        return _SHORT_JSON.repr(value)
+    except ValueError:  # an int past a digit limit lowered with sys.set_int_max_str_digits()
+        return short_repr(value)
+
+
+def _is_json(value: Any, levels: int) -> bool:
+    """Whether ``value`` is of the types JSON text gives, down to ``levels`` levels (the rest is not shown)."""
+    if type(value) in (str, int, float, bool) or value is None:
+        return True
+    if levels <= 0:
+        return type(value) in (list, dict)
+    if type(value) is list:
+        return all(_is_json(item, levels - 1) for item in itertools.islice(value, _SHORT_JSON.maxlist))
+    if type(value) is dict:
+        return all(type(k) is str for k in value) and all(_is_json(v, levels - 1) for v in value.values())
+    return False
 
 
 def _bits(x: int) -> str:

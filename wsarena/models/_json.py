@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .._sizes import is_choice, short_path, short_repr
+from .._sizes import is_choice, short_json, short_path, short_repr
 from ._file import read_model_file
 from ._layer import ConvLayer, ModelError
 
@@ -34,13 +34,18 @@ def layers_from_json(data: Any, *, source: str = "JSON") -> list[ConvLayer]:
     layout, what = "NCHW", 'a list of layers or {"layers": [...]}'
     if isinstance(data, Mapping):
         if "layers" not in data:
-            # the key in JSON's quotes, as the list's error says it ('expected "layers" to be ...'); the keys found
-            # sorted as text: a mapping given in Python may mix keys that do not compare (1 and "a")
-            found = short_repr(sorted(data, key=str))
+            # the key in JSON's quotes, as the list's error says it ('expected "layers" to be ...'), and the keys found
+            # too, sorted; a mapping given in Python may hold keys that are no str, which JSON has none of (1 and
+            # "a", which do not compare either): its keys in Python's words, sorted as text
+            if all(type(key) is str for key in data):
+                found = short_json(sorted(data))
+            else:
+                found = short_repr(sorted(data, key=str))
             raise ModelError(f'{source}: a JSON object needs a "layers" list (found keys: {found})')
         layout = data.get("layout", "NCHW")
         if not is_choice(layout, ("NCHW", "NHWC")):
-            raise ModelError(f"{source}: layout must be 'NCHW' or 'NHWC', not {short_repr(layout)}")
+            # in JSON's words, as the file says it, where it is what JSON gives (an array given in Python: Python's)
+            raise ModelError(f'{source}: layout must be "NCHW" or "NHWC", not {short_json(layout)}')
         data, what = data["layers"], '"layers" to be a list of layers'
     if not isinstance(data, list):
         raise ModelError(f"{source}: expected {what}, not {_json_value(data)}")
@@ -61,7 +66,7 @@ def layers_from_json(data: Any, *, source: str = "JSON") -> list[ConvLayer]:
 
 def _json_value(value: Any) -> str:
     """What ``value``, parsed JSON other than what was expected, is in JSON's words: ``null``, ``true``, ``a number
-    (3)``, ``a string ('x')``, ``an object``, ``an array``, where its Python type's name (``NoneType``, ``int``) or
+    (3)``, ``a string ("x")``, ``an object``, ``an array``, where its Python type's name (``NoneType``, ``int``) or
     value (``None``, ``True``) was said; a number the decoder takes beyond JSON's (``NaN``, ``-Infinity``) as the file
     writes it, not as Python does (``nan``, ``-inf``); a value that no JSON text gives (a tuple, from Python) by its
     type's name."""
@@ -72,7 +77,7 @@ def _json_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return f"a number ({short_repr(value)})"
     if isinstance(value, str):
-        return f"a string ({short_repr(value)})"
+        return f"a string ({short_json(value)})"
     if isinstance(value, Mapping):
         return "an object"
     return "an array" if isinstance(value, list) else type(value).__name__
