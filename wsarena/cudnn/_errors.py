@@ -185,7 +185,8 @@ def status_message(status: int, func_name: str, context: str = "") -> str:
 
 
 def _install_describers(lib: ctypes.CDLL) -> None:
-    """Let :func:`check` add cuDNN's own texts; called by the loader with the declared library."""
+    """Let :func:`check` add cuDNN's own texts; called by :func:`_prototypes._declare_describers` with the library
+    where it declared them."""
     global _error_string, _last_error, _clear_last
 
     def error_string(status: int) -> str:

@@ -201,12 +201,13 @@ def _library() -> ctypes.CDLL:
     if not _describers_installed:
         with _lock:
             if not _describers_installed:
-                _install_describers(loaded)
+                _declare_describers(loaded)
     return loaded.cdll
 
 
-def _install_describers(loaded: LoadedLibrary) -> None:
-    """Hook cuDNN's error texts into :func:`check`, under ``_lock``: its own function, for the loop's jump back
+def _declare_describers(loaded: LoadedLibrary) -> None:
+    """Declare cuDNN's error-text functions and, where both are exported, have :func:`_errors._install_describers`
+    hook them into :func:`check`, under ``_lock``: its own function, for the loop's jump back
     (:mod:`wsarena.arena._interrupts`, rule 8)."""
     global _describers_installed
     for name in ("cudnnGetErrorString", "cudnnGetLastErrorString"):
