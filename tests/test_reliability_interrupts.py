@@ -227,11 +227,38 @@ def test_importing_the_interrupts_helpers_leaves_the_trace_function_in_place():
     assert result.stdout == "True\n"
 
 
+def _cleanup_lines(tree):
+    """The lines that start the handlers of ``tree``'s ``try`` statements that clean up after a Ctrl-C: a
+    ``finally``'s (its first statement's line), and the ``except`` clauses' (the first clause's line) where one of
+    them catches ``KeyboardInterrupt`` (bare, ``BaseException``, ``KeyboardInterrupt``, alone or in a tuple). A
+    handler that catches none of it (``except OSError``) is not run by a Ctrl-C wherever it lands."""
+    import ast
+
+    def catches_ctrl_c(handler):
+        kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+        return any(kind is None or getattr(kind, "id", getattr(kind, "attr", None)) in ("BaseException",
+                                                                                       "KeyboardInterrupt")
+                   for kind in kinds)
+
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Try, ast.TryStar)):
+            if node.finalbody:
+                lines.add(node.finalbody[0].lineno)
+            if any(catches_ctrl_c(handler) for handler in node.handlers):
+                lines.add(node.handlers[0].lineno)
+    return lines
+
+
 def _exits_skipped_at_jumps_back(path):
     """The loops of ``path`` (any function's, not a generator expression's) whose jump back, where CPython 3.13 takes a
-    Ctrl-C, is covered by fewer ``with`` exits than the loop's last instruction: (first line of the function, line of
-    that instruction) for each. A handler's own handler is the next one out, so each instruction has a
-    chain of handlers; a ``with``'s starts by calling its ``__exit__`` (WITH_EXCEPT_START)."""
+    Ctrl-C, is covered by fewer cleanup handlers than the loop's last instruction: (first line of the function, line
+    of that instruction) for each. A handler's own handler is the next one out, so each instruction has a chain of
+    handlers. A cleanup handler is a ``with``'s, which starts by calling its ``__exit__`` (WITH_EXCEPT_START), or a
+    ``try``'s whose ``finally`` or ``except`` runs on a Ctrl-C (:func:`_cleanup_lines`): it starts with
+    PUSH_EXC_INFO, and its next instruction is on the line of that ``finally``'s first statement, or of that
+    ``try``'s first ``except``."""
+    import ast
     import dis
     import functools
     import types
@@ -242,20 +269,26 @@ def _exits_skipped_at_jumps_back(path):
             if isinstance(const, types.CodeType):
                 yield from codes(const)
 
-    def exits(entries, names, offset):
+    def exits(entries, cleanups, offset):
         seen = set()
         while (target := next((e.target for e in entries if e.start <= offset < e.end), None)) not in (None, *seen):
             seen.add(target)
             offset = target
-        return {t for t in seen if names[t + 2] == "WITH_EXCEPT_START"}
+        return seen & cleanups
 
+    text = path.read_text()
+    cleanup_lines = _cleanup_lines(ast.parse(text))
     found = []
-    for code in codes(compile(path.read_text(), str(path), "exec")):
+    for code in codes(compile(text, str(path), "exec")):
         if code.co_name == "<genexpr>":  # raised in a generator, a Ctrl-C reaches its consumer at the call
             continue
         instructions = list(dis.get_instructions(code))  # read once per function: the scan runs over the package
         names = {i.offset: i.opname for i in instructions}
-        exits_at = functools.partial(exits, dis._parse_exception_table(code), names)
+        lines = {i.offset: i.positions.lineno for i in instructions}
+        entries = dis._parse_exception_table(code)
+        cleanups = {e.target for e in entries if names[e.target + 2] == "WITH_EXCEPT_START"
+                    or (names[e.target] == "PUSH_EXC_INFO" and lines[e.target + 2] in cleanup_lines)}
+        exits_at = functools.partial(exits, entries, cleanups)
         before = None  # the last instruction that is no jump: the jumps before a jump back may be uncovered too
         for ins in instructions:
             if ins.opname == "JUMP_BACKWARD" and exits_at(before.offset) - exits_at(ins.offset):
@@ -265,14 +298,17 @@ def _exits_skipped_at_jumps_back(path):
     return found
 
 
-@pytest.mark.skipif(sys.version_info < (3, 13), reason="before 3.13 a Ctrl-C at a loop's jump back is inside the with")
+@pytest.mark.skipif(sys.version_info < (3, 13),
+                    reason="before 3.13 a Ctrl-C at a loop's jump back is inside the with or try")
 def test_no_with_exit_is_skipped_by_a_ctrl_c_at_a_loops_jump_back(tmp_path):
-    """CPython 3.13 takes a pending Ctrl-C at a loop's jump back, which the handler of the ``with`` around the loop
-    may not cover (python/cpython#130279): the ``__exit__`` does not run, and a lock stays held for every later call.
-    wsarena runs such loops in functions of their own or in generator expressions (``wsarena/arena/_interrupts.py``,
-    rule 8). Fails on 3.13 alone, where there is such a loop: the tests run on 3.11 skip it. First the scan finds the
-    loop it looks for in code of its own, so that a CPython that lays out its bytecode otherwise fails the test rather
-    than passing it with nothing found."""
+    """CPython 3.13 takes a pending Ctrl-C at a loop's jump back, which the handler of the ``with`` or ``try`` around
+    the loop may not cover (python/cpython#130279): the ``__exit__``, or the ``finally`` (or an ``except`` that
+    catches the Ctrl-C), does not run, and a lock stays held for every later call, a descriptor open. wsarena runs
+    such loops in functions of their own or in generator expressions (``wsarena/arena/_interrupts.py``, rule 8).
+    Fails on 3.13 alone, where there is such a loop: the tests run on 3.11 skip it. First the scan finds the loops it
+    looks for in code of its own, inside a ``with``, a ``finally``'s ``try`` and a ``try`` whose ``except`` catches a
+    Ctrl-C, and none where the loop is a generator expression or the ``except`` catches no Ctrl-C, so that a CPython
+    that lays out its bytecode otherwise fails the test rather than passing it with nothing found."""
     sample = tmp_path / "sample.py"
     sample.write_text(
         "def kept(lock, keys, cache):\n"
@@ -282,8 +318,39 @@ def test_no_with_exit_is_skipped_by_a_ctrl_c_at_a_loops_jump_back(tmp_path):
         "def kept_through_a_generator(lock, keys, cache):\n"
         "    with lock:\n"
         "        return list(k for k in keys if k in cache)\n"
+        "\n\n"
+        "def released(lock, keys, cache):\n"  # line 11
+        "    lock.acquire()\n"
+        "    try:\n"
+        "        for k in keys:\n"
+        "            if k in cache:\n"
+        "                return k\n"
+        "    finally:\n"
+        "        lock.release()\n"
+        "\n\n"
+        "def closed(fd, parts):\n"  # line 21
+        "    try:\n"
+        "        while parts:\n"
+        "            parts.pop()\n"
+        "    except (OSError, BaseException):\n"
+        "        fd.close()\n"
+        "        raise\n"
+        "\n\n"
+        "def released_through_a_generator(lock, keys, cache):\n"
+        "    lock.acquire()\n"
+        "    try:\n"
+        "        return next((k for k in keys if k in cache), None)\n"
+        "    finally:\n"
+        "        lock.release()\n"
+        "\n\n"
+        "def refused(parts):\n"  # an except that a Ctrl-C does not run
+        "    try:\n"
+        "        while parts:\n"
+        "            parts.pop()\n"
+        "    except ValueError:\n"
+        "        return None\n"
     )
-    assert _exits_skipped_at_jumps_back(sample) == [(1, 3)]
+    assert _exits_skipped_at_jumps_back(sample) == [(1, 3), (11, 15), (21, 23)]
     package = ROOT / "wsarena"
     found = {str(path.relative_to(package)): hits for path in sorted(package.rglob("*.py"))
              if (hits := _exits_skipped_at_jumps_back(path))}

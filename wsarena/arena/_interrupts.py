@@ -50,12 +50,14 @@ of a lock and taking it back (``threading.Condition.wait`` has such a place: an 
    operand goes to the list the call keeps from within the C call that makes it (``ops._made_contiguous``: a slice
    assignment over a ``map``), so that no Ctrl-C lands between the copy and its store.
 8. No loop has its jump back outside the ``with`` around it (above all one that holds a lock, wsarena's or the
-   backends'). CPython 3.13 takes a Ctrl-C at a loop's jump back, and its compiler may leave that jump outside the
-   ``with``, whose ``__exit__`` then does not run (python/cpython#130279): a lock stayed held, and every later call
-   waited for it. Such a loop runs in a function of its own, or in a generator expression that a call consumes
-   (``list(k for k in keys if ...)``, where a list comprehension, inlined since CPython 3.12, would not do): raised
-   in a function the locking one calls, the Ctrl-C reaches it at the call, inside its ``with``. The tests scan the
-   bytecode around every ``with`` of the package on 3.13 for such a jump.
+   backends'), nor outside a ``try`` whose ``finally``, or an ``except`` that catches a Ctrl-C, cleans up (closes a
+   descriptor, releases a lock, restores a state). CPython 3.13 takes a Ctrl-C at a loop's jump back, and its
+   compiler may leave that jump outside the ``with`` or ``try``, whose ``__exit__`` or ``finally`` then does not run
+   (python/cpython#130279): a lock stayed held, and every later call waited for it; a descriptor stayed open. Such a
+   loop runs in a function of its own, or in a generator expression that a call consumes (``list(k for k in keys
+   if ...)``, where a list comprehension, inlined since CPython 3.12, would not do): raised in a function the locking
+   one calls, the Ctrl-C reaches it at the call, inside its ``with`` or ``try``. The tests scan the bytecode around
+   every ``with`` and every such ``try`` of the package on 3.13 for such a jump.
 """
 
 from __future__ import annotations
