@@ -784,6 +784,31 @@ def test_a_caller_stream_of_a_code_page_gets_the_text_escaped_as_its_own_encodin
     assert out.getvalue() == expected(f"{name}\n")
 
 
+def test_a_caller_stream_of_a_code_page_that_names_no_encoding_gets_the_text_escaped(monkeypatch, tmp_path):
+    """A caller's sys.stderr with no encoding attribute, whose writes encode in cp437: the line was escaped in the
+    encoding its refusal names, "charmap", which as an encoding is latin-1's, whose escapes kept the ã cp437 lacks;
+    the second write failed too, and the line was lost. It is escaped as ASCII there."""
+    from wsarena.cli import main
+
+    class Cp437:
+        def __init__(self):
+            self.written = b""
+
+        def write(self, text):
+            self.written += text.encode("cp437")  # UnicodeEncodeError naming "charmap", as a cp437 stream raises it
+
+        def flush(self):
+            pass
+
+    err = Cp437()
+    monkeypatch.setattr(sys, "stderr", err)
+    missing = tmp_path / "S\u00e3o \u2713.onnx"
+    assert main(["report", str(missing)]) == 2
+    line = err.written.decode("ascii")
+    assert line.count("\n") == 1 and line.startswith("wsarena: error: ")
+    assert str(missing).replace("\u00e3", "\\xe3").replace("\u2713", "\\u2713") in line and "No such file" in line
+
+
 @pytest.mark.parametrize(("argv", "code"), [(("report", "resnet50", "--cap-workspace", "-1"), 2),
                                             (("report", "resnet50", "--backend", "cudnn"), 3)])
 def test_an_error_whose_stderr_reader_went_away_keeps_its_exit_code(argv, code):

@@ -444,7 +444,15 @@ def write_text(stream: Any, text: str) -> None:
         # The stream's encoding, not the error's: a code page's codec (cp437, cp1251, cp1252) names itself "charmap"
         # in its errors, which as an encoding is latin-1's, and its escapes kept a character the page lacks (the ã
         # of cp437), whose second write failed too and lost the line
-        stream.write(escaped(text, getattr(stream, "encoding", None) or exc.encoding))
+        stream.write(escaped(text, getattr(stream, "encoding", None) or refused_in(exc)))
+
+
+def refused_in(exc: UnicodeEncodeError) -> str:
+    """The encoding to escape text in for a stream that names none, whose write refused it with ``exc``: the one
+    ``exc`` names, or ASCII where that is "charmap", the name a code page's codec (cp437) gives its errors, which as
+    an encoding is latin-1's: its escapes kept a character the page lacks (the ã of cp437), and the second write
+    failed too."""
+    return "ascii" if exc.encoding == "charmap" else exc.encoding
 
 
 def escaped(text: str, encoding: str | None) -> str:

@@ -44,6 +44,7 @@ from ._sizes import (
     format_size,
     is_choice,
     positive_batch,
+    refused_in,
     short_path,
     short_repr,
 )
@@ -526,9 +527,8 @@ class ProgressBar:
                 # one's and the next ones', before it is cut and padded, where write_text() escaped the line once
                 # padded by the name's unescaped width (an escape, \xfc, takes four columns where the character took
                 # one). A text stream encodes the whole text before it writes any of it, so the refused write left
-                # nothing behind. A code page's codec (cp437) names itself "charmap", which as an encoding is
-                # latin-1's: ASCII escapes there.
-                self.encoding = "ascii" if exc.encoding == "charmap" else exc.encoding
+                # nothing behind. (ASCII for a code page's "charmap": refused_in().)
+                self.encoding = refused_in(exc)
                 line, cells = self._line(done, total, name, self.encoding)
                 self.drawn = cells
                 self.out.write(f"\r{line}")
