@@ -217,6 +217,48 @@ def test_arguments_left_over_before_the_command_are_said_with_the_top_help(capsy
     assert (code, out, err) == (2, "", f"wsarena: error: {says}\n")
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--bogus", "report"],
+     ("unrecognized arguments before the command: --bogus (see 'wsarena --help'), and after it: the following "
+      "arguments are required: model (see 'wsarena report --help')")),
+    (["-v", "tune", "vgg16", "--batch", "x"],
+     ("unrecognized arguments before the command: -v (see 'wsarena --help'), and after it: argument --batch: not an "
+      "integer: 'x' (see 'wsarena tune --help')")),
+    (["--batch=4", "report"],
+     ("unrecognized arguments before the command: --batch=4 (see 'wsarena --help'), and after it: the following "
+      "arguments are required: model (see 'wsarena report --help'); report's own options (--batch) go after "
+      "'report'")),
+    (["report"], "the following arguments are required: model (see 'wsarena report --help')"),
+])
+def test_arguments_before_the_command_are_said_with_the_commands_own_error(capsys, argv, says):
+    """The command's own error (its model missing, a value refused) was all that was said, where an option before
+    the command, none of the top parser's, was left unnamed: argparse says its leftovers only after the command's
+    parser is done, which stopped at its error."""
+    code, out, err = run_main(capsys, *argv)
+    assert (code, out, err) == (2, "", f"wsarena: error: {says}\n")
+
+
+@pytest.mark.parametrize(("argv", "command"), [
+    (["--", "report", "vgg16"], "report"), (["--", "tune", "vgg16", "--batch", "2"], "tune"), (["--"], "report"),
+    (["--bogus", "--", "cache", "info"], "report"), (["--", "--version"], "report"),
+])
+def test_a_double_dash_before_the_command_is_said_to_go_after_it(capsys, argv, command):
+    """`wsarena -- report vgg16` was argparse's "invalid choice: '--'" before Python 3.13, which took the '--' for
+    the command, and ran the command from 3.13 on: it is refused on each Python, with where a '--' goes."""
+    code, out, err = run_main(capsys, *argv)
+    assert (code, out) == (2, "")
+    assert err == (f"wsarena: error: '--' goes after the command, where it ends the command's options: wsarena "
+                   f"{command} -- MODEL (see 'wsarena --help')\n")
+
+
+def test_a_double_dash_after_the_command_ends_its_options(capsys, tmp_path, monkeypatch):
+    """After the command, '--' ends its options: a model file whose name starts with '-' is read as the model."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-m.json").write_text('[{"name": "c", "input_shape": [1, 3, 8, 8], "weight_shape": [4, 3, 3, 3]}]')
+    code, out, err = run_main(capsys, "report", "--backend", "cpu", "--format", "json", "--", "-m.json")
+    assert (code, err) == (0, "") and json.loads(out)["model"] == "-m.json", err
+
+
 def test_an_abbreviated_option_of_the_command_before_it_is_said_to_go_after_it(capsys):
     """The command takes its options abbreviated (--bat=4 is --batch=4 after it), but one given so before it was not
     said to be the command's: only the full name was looked up. An abbreviation that several of its options start

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import re
 import sys
 from collections.abc import Callable
@@ -24,6 +25,11 @@ __all__: list[str] = []  # wsarena.cli's own
 
 class UsageError(Exception):
     """Bad usage or bad input: exit 2 with one line."""
+
+
+class _CommandError(UsageError):
+    """The error of a command's parser (``report``'s, ``tune``'s): the top parser says it after the arguments before
+    the command that it does not take, if any (:meth:`_Parser.parse_args`)."""
 
 
 class OutputError(Exception):
@@ -72,7 +78,8 @@ class _Parser(argparse.ArgumentParser):
             message = f"{match[1]}{short_repr(match[2])[1:-1]}{match[3]}"
         elif match := _IGNORED.fullmatch(message):
             message = f"{match[1]}{short_repr(ast.literal_eval(match[2]))}"
-        raise UsageError(f"{message} (see '{self.prog} --help')")
+        # a command's parser's error is said after the arguments before the command, if any (parse_args)
+        raise (UsageError if self._commands is not None else _CommandError)(f"{message} (see '{self.prog} --help')")
 
     def _print_message(self, message: str, file: Any = None) -> None:
         # --help and --version: written and flushed here, so that a write that fails ends them as it ends the other
@@ -111,7 +118,17 @@ class _Parser(argparse.ArgumentParser):
         arguments: ... (see 'wsarena --help')"), the top parser's for those before it; and no command given is said
         with the commands, after any arguments left over."""
         self._given = list(sys.argv[1:] if args is None else args)
-        parsed, extras = self.parse_known_args(self._given, namespace)
+        self._refuse_ending_before_the_command()
+        try:
+            parsed, extras = self.parse_known_args(self._given, namespace)
+        except _CommandError as exc:
+            # The command's error (its model missing, a value refused) was all that was said, where the arguments
+            # before the command, none of them taken there (--bogus report), were never named: argparse says its
+            # leftovers only once the command's parser is done
+            before = list(itertools.takewhile(lambda arg: arg.startswith("-") and arg != "-", self._given))
+            if not before or len(before) == len(self._given) or self._given[len(before)] not in self._commands.choices:
+                raise
+            raise self._before_error(before, self._given[len(before)], str(exc)) from None
         after = vars(parsed).pop(_AFTER_COMMAND, [])
         if getattr(parsed, "command", ...) is None:  # the top parser, whose command is optional so that this says
             # what was wrong: argparse's "the following arguments are required: command" was all that `wsarena -v`
@@ -124,15 +141,34 @@ class _Parser(argparse.ArgumentParser):
         # What is left before the command is none of the top parser's options (--help, --version), which its help
         # lists, where the command's help was named, whose options are not taken there
         before, command = extras[:len(extras) - len(after)], getattr(parsed, "command", None)
-        said = [f"{short_repr(' '.join(left))[1:-1]} (see '{prog} --help')" for left, prog in
-                ((before, self.prog), (after, self.prog if command is None else f"{self.prog} {command}")) if left]
+        prog = self.prog if command is None else f"{self.prog} {command}"
+        after_said = f"{short_repr(' '.join(after))[1:-1]} (see '{prog} --help')" if after else None
         if before:
-            rest = f", and after it: {said[1]}" if after else ""
-            hint = self._go_after(command, before)
-            raise UsageError(f"unrecognized arguments before the command: {said[0]}{rest}{hint}")
-        if after:
-            raise UsageError(f"unrecognized arguments: {said[0]}")
+            raise self._before_error(before, command, after_said)
+        if after_said is not None:
+            raise UsageError(f"unrecognized arguments: {after_said}")
         return parsed
+
+    def _before_error(self, before: list[str], command: str | None, after: str | None) -> UsageError:
+        """The error of the arguments ``before`` the command, which the top parser does not take, and of what is
+        wrong ``after`` it, if anything (arguments left over, or the command's own error): each with the help that
+        lists the options of its position."""
+        rest = f", and after it: {after}" if after is not None else ""
+        said = f"{short_repr(' '.join(before))[1:-1]} (see '{self.prog} --help')"
+        return UsageError(f"unrecognized arguments before the command: {said}{rest}{self._go_after(command, before)}")
+
+    def _refuse_ending_before_the_command(self) -> None:
+        """Refuse a ``--`` before the command, which ends the options of none: argparse took it for the command
+        (invalid choice: '--'), or, from Python 3.13 on, drops it, and the options after the command are taken as
+        options all the same. After the command it ends the command's options (``wsarena report -- -model.onnx``)."""
+        for at, arg in enumerate(self._given):
+            if arg == "--":
+                named = self._given[at + 1] if at + 1 < len(self._given) else None
+                command = named if named in ("report", "tune") else "report"
+                raise UsageError(f"'--' goes after the command, where it ends the command's options: wsarena "
+                                 f"{command} -- MODEL (see '{self.prog} --help')")
+            if not arg.startswith("-") or arg == "-":  # the command, or a word taken for it
+                return
 
     def _go_after(self, command: str | None, before: list[str]) -> str:
         """What to add to the error of arguments ``before`` the command that are options of ``command``'s (--batch=4
