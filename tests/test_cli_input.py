@@ -53,6 +53,29 @@ def test_the_plot_is_written_exactly_where_asked(capsys, tmp_path, command):
 
 
 @pytest.mark.parametrize("command", [("report",), TUNE])
+@pytest.mark.parametrize("dash", ["-", " - "])
+def test_a_plot_to_a_dash_is_refused_and_nothing_written(capsys, tmp_path, monkeypatch, command, dash):
+    """'-' reads as stdout, which takes the command's output, and a PNG there is binary on a terminal: it was
+    written, after the search, to a file named '-'. ./- names that file."""
+    monkeypatch.chdir(tmp_path)
+    model = small_model(tmp_path)
+    code, out, err = run_main(capsys, *command, model, "--backend", "cpu", "--plot", dash)
+    assert (code, out) == (2, "") and sorted(os.listdir(tmp_path)) == ["small.json"]
+    assert err == (f"wsarena: error: argument --plot: expected a file name, not {dash!r}: the PNG is not written to "
+                   f"stdout, which takes the output (./- names a file '-') (see 'wsarena {command[0]} --help')\n")
+
+
+@pytest.mark.parametrize("command", [("report",), TUNE])
+def test_a_plot_to_a_file_named_dash_is_written_through_its_path(capsys, tmp_path, monkeypatch, command):
+    pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")
+    monkeypatch.chdir(tmp_path)
+    model = small_model(tmp_path)
+    code, _, err = run_main(capsys, *command, model, "--backend", "cpu", "--plot", "./-")
+    assert code == 0, err
+    assert (tmp_path / "-").read_bytes()[:8] == PNG
+
+
+@pytest.mark.parametrize("command", [("report",), TUNE])
 def test_a_plot_path_that_cannot_be_written_exits_3(capsys, tmp_path, command):
     pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (wsarena[plot])")
     model = small_model(tmp_path)

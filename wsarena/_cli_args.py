@@ -269,6 +269,15 @@ def _file_name(text: str) -> str:
     return text
 
 
+def _plot_file_name(text: str) -> str:
+    # "-" is stdout for many a command, but stdout takes this one's output (the table, the JSON), and a PNG there
+    # is binary on a terminal: it was written to a file named "-", which read as nothing written
+    if text.strip() == "-":
+        raise argparse.ArgumentTypeError(f"expected a file name, not {short_repr(text)}: the PNG is not written to "
+                                         "stdout, which takes the output (./- names a file '-')")
+    return _file_name(text)
+
+
 def _input_shape(text: str) -> tuple[str | None, tuple[int, ...]]:
     """``[NAME=]D0,D1,...`` (``x`` separates dims too: ``1x3x800x800``) -> (name or None, dims)."""
     name, equals, dims = text.rpartition("=")
@@ -383,7 +392,7 @@ def parser() -> _Parser:
                         "cuDNN device properties (JSON) FILE holds, without one (cuDNN 9.8+, its graph API)")
     report.add_argument("--format", choices=("table", "json", "csv"), default="table", help="default table")
     report.add_argument(
-        "--plot", type=_file_name, metavar="FILE.png",
+        "--plot", type=_plot_file_name, metavar="FILE.png",
         help="draw per-layer workspace and the arena (needs wsarena[plot])",
     )
 
@@ -401,7 +410,7 @@ def parser() -> _Parser:
         "%%, a fraction below 1)",
     )
     tune.add_argument("--format", choices=("table", "json", "csv"), default=None, help="default: table")
-    tune.add_argument("--plot", type=_file_name, metavar="FILE.png", help="draw the curve (needs wsarena[plot])")
+    tune.add_argument("--plot", type=_plot_file_name, metavar="FILE.png", help="draw the curve (needs wsarena[plot])")
     tune.add_argument("--apply", action="store_true", help="print only the settings that run the tuned choices: "
                       "WSARENA_CAP_WORKSPACE=<recommended cap> WSARENA_ALGO_SEARCH=exhaustive, for "
                       "export $(wsarena tune MODEL --apply)")
