@@ -789,3 +789,30 @@ def test_a_flags_choice_differing_by_more_than_case_is_refused_as_given(capsys, 
     code, out, err = run_main(capsys, "report", "resnet50", "--backend", "cpu", flag, value)
     assert (code, out) == (2, "")
     assert err.startswith(f"wsarena: error: argument {flag}: invalid choice: {value!r} (choose from "), err
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["report", "m.json", "--max-slowdown", "2%", "--cap-workspace", "1MiB"],
+     "give --cap-workspace or --max-slowdown, not both: --max-slowdown picks the cap"),
+    (["report", "m.json", "--max-slowdown", "2%", "--search", "heuristic"],
+     "--max-slowdown times every algorithm: it needs --search exhaustive (or no --search)"),
+    (["report", "m.json", "--device-properties", "p.json", "--backend", "cpu"],
+     "--device-properties plans for a cuDNN GPU: leave out --backend cpu"),
+    (["report", "m.json", "--device-properties", "p.json", "--search", "exhaustive"],
+     "--device-properties plans without the GPU, which cannot time algorithms: leave out --search exhaustive"),
+    (["report", "m.json", "--device-properties", "p.json", "--max-slowdown", "2%"],
+     "--device-properties plans without the GPU, which cannot time algorithms: leave out --max-slowdown"),
+    (["report", "m.json", "--device-properties", "p.json", "--cudnn-api", "legacy"],
+     "--device-properties plans through cuDNN's graph API: leave out --cudnn-api legacy"),
+    (["tune", "m.json", "--apply", "--format", "json"],
+     "--apply prints one line, WSARENA_CAP_WORKSPACE=... WSARENA_ALGO_SEARCH=exhaustive; leave out --format"),
+    (["tune", "m.onnx", "--input-shape", "1,3,8,8", "--input-shape", "x=1,3,8,8"],
+     "with several --input-shape options, name each input: --input-shape NAME=DIMS"),
+    (["report", "m.onnx", "--input-shape", "x=1,3,8,8", "--input-shape", "x=1,3,9,9"],
+     "--input-shape given twice for input 'x': 1x3x8x8 and 1x3x9x9"),
+])
+def test_the_commands_refusals_end_with_its_help(capsys, argv, says):
+    """The flags the command refuses together are said with the help that lists them, as argparse's error of a flag
+    and the refusal of the ONNX loader's flags for another model are; these ended with the reason alone."""
+    code, out, err = run_main(capsys, *argv)
+    assert (code, out, err) == (2, "", f"wsarena: error: {says} (see 'wsarena {argv[0]} --help')\n")

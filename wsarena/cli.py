@@ -251,6 +251,13 @@ def _progress_bar() -> Iterator[Any]:
         _bars.remove(bar)
 
 
+def _refused(args: argparse.Namespace, text: str) -> UsageError:
+    """The error of flags the command refuses together, or of a flag's value it refuses once the model is read:
+    ``text`` with the help that lists the flags, as argparse's error of a flag ends (``see 'wsarena report
+    --help'``)."""
+    return UsageError(f"{text} (see 'wsarena {args.command} --help')")
+
+
 def _model_file(model: str) -> str | None:
     """The file ``model`` names, ``None`` for a zoo name: the loader reads the zoo model then, whatever file of that
     name the working directory holds (an earlier ``--plot resnet50``)."""
@@ -263,7 +270,10 @@ def _load(args: argparse.Namespace) -> Any:
     from .models import check_model_named, load_model
 
     # --input-shape's own errors (an input given twice) first, as they were before --input-shape joined the refusal
-    shapes = input_shapes(args.input_shape)
+    try:
+        shapes = input_shapes(args.input_shape)
+    except UsageError as exc:
+        raise _refused(args, str(exc)) from None
     # The ONNX loader's flags, refused for another model, where --skip-unknown and --asymmetric-pads were taken and
     # did nothing (a zoo model or a layer list has every shape known and its pads symmetric), and --input-shape was
     # refused by load_model() in its words (input_shapes); with the help that lists them, as a flag's error is
@@ -273,8 +283,8 @@ def _load(args: argparse.Namespace) -> Any:
     if onnx_only and os.path.splitext(args.model)[1].lower() != ".onnx":
         check_model_named(args.model)  # a name's typo first ("did you mean 'resnet50'?"), the user's real problem
         flags = " and ".join([", ".join(onnx_only[:-1]), onnx_only[-1]] if len(onnx_only) > 1 else onnx_only)
-        raise UsageError(f"{flags} {'applies' if len(onnx_only) == 1 else 'apply'} to .onnx models only, not "
-                         f"{short_path(args.model)} (see 'wsarena {args.command} --help')")
+        raise _refused(args, f"{flags} {'applies' if len(onnx_only) == 1 else 'apply'} to .onnx models only, not "
+                             f"{short_path(args.model)}")
     layers = load_model(
         args.model, skip_unknown=args.skip_unknown, asymmetric_pads=args.asymmetric_pads or "widen",
         input_shapes=shapes,
@@ -287,7 +297,7 @@ def _load(args: argparse.Namespace) -> Any:
         try:
             check_streams_bound(args.streams, len(layers), prefix="argument --streams: ")
         except ValueError as exc:
-            raise UsageError(f"{exc} (see 'wsarena {args.command} --help')") from None
+            raise _refused(args, str(exc)) from None
     for message in unplanned_batches(args.input_shape, args.batch):
         warnings.warn(message, stacklevel=2)
     return layers
@@ -298,17 +308,17 @@ def _report(args: argparse.Namespace) -> int:
 
     if args.max_slowdown is not None:
         if args.cap_workspace is not _FROM_CONFIG:
-            raise UsageError("give --cap-workspace or --max-slowdown, not both: --max-slowdown picks the cap")
+            raise _refused(args, "give --cap-workspace or --max-slowdown, not both: --max-slowdown picks the cap")
         if args.search == "heuristic":
-            raise UsageError("--max-slowdown times every algorithm: it needs --search exhaustive (or no --search)")
+            raise _refused(args, "--max-slowdown times every algorithm: it needs --search exhaustive (or no --search)")
     if args.device_properties is not None:  # it plans cuDNN's heuristic choices through the graph API
         if args.backend not in (None, "cudnn"):
-            raise UsageError(f"--device-properties plans for a cuDNN GPU: leave out --backend {args.backend}")
+            raise _refused(args, f"--device-properties plans for a cuDNN GPU: leave out --backend {args.backend}")
         if args.search == "exhaustive" or args.max_slowdown is not None:
-            raise UsageError("--device-properties plans without the GPU, which cannot time algorithms: leave out "
-                             + ("--search exhaustive" if args.max_slowdown is None else "--max-slowdown"))
+            raise _refused(args, "--device-properties plans without the GPU, which cannot time algorithms: leave out "
+                           + ("--search exhaustive" if args.max_slowdown is None else "--max-slowdown"))
         if args.cudnn_api == "legacy":
-            raise UsageError("--device-properties plans through cuDNN's graph API: leave out --cudnn-api legacy")
+            raise _refused(args, "--device-properties plans through cuDNN's graph API: leave out --cudnn-api legacy")
     _check_plot(args.plot, {"model file": _model_file(args.model), "--device-properties file": args.device_properties})
     layers = _load(args)
     # --max-slowdown decides the search and the cap, --device-properties the backend, the search and the API, as
@@ -352,8 +362,8 @@ def _tune(args: argparse.Namespace) -> int:
     from .tuning import tune
 
     if args.apply and args.format is not None:
-        raise UsageError("--apply prints one line, WSARENA_CAP_WORKSPACE=... WSARENA_ALGO_SEARCH=exhaustive; "
-                         "leave out --format")
+        raise _refused(args, "--apply prints one line, WSARENA_CAP_WORKSPACE=... WSARENA_ALGO_SEARCH=exhaustive; "
+                             "leave out --format")
     _check_plot(args.plot, {"model file": _model_file(args.model)})
     layers = _load(args)
     # tune decides the search and the cap (exhaustive, none): their variables do not matter, nor does the
