@@ -17,6 +17,7 @@ import wsarena
 from wsarena import config, conv_backward_data, conv_backward_filter, conv_forward, format_size
 from wsarena._gpu import gpu_unusable_reason
 from wsarena._report_cli import render_table
+from wsarena._sizes import positive_batch
 from wsarena.arena import Arena, HostProvider
 from wsarena.arena._stats import aligned_size
 from wsarena.backends._cpu_backend import CpuBackend
@@ -816,6 +817,23 @@ def test_a_long_bad_argument_is_quoted_in_part(resnet50, kwargs, said):
     with pytest.raises((TypeError, ValueError)) as raised:
         wsarena.plan(resnet50[:3], **kwargs)
     assert str(raised.value).startswith(said) and len(str(raised.value)) < 300, str(raised.value)[:300]
+
+
+def test_the_batch_check_names_the_batch_as_its_caller_says_it():
+    """As the streams' bound (below): the command's --batch took plan()'s message and cut its "batch " off."""
+    bound = "must be at most 2**31 - 1 = 2147483647, the largest dimension a cuDNN descriptor holds, not 2147483648"
+    for prefix, said in ((None, "batch "), ("", ""), ("argument --batch: ", "argument --batch: ")):
+        kwargs = {} if prefix is None else {"prefix": prefix}
+        assert positive_batch(2**31 - 1, **kwargs) == 2**31 - 1
+        with pytest.raises(ValueError) as raised:
+            positive_batch(2**31, **kwargs)
+        assert str(raised.value) == f"{said}{bound}"
+        with pytest.raises(ValueError) as raised:
+            positive_batch(0, **kwargs)
+        assert str(raised.value) == f"{said}must be a positive int, not 0"
+        with pytest.raises(TypeError) as raised:
+            positive_batch(2.0, **kwargs)
+        assert str(raised.value) == f"{said}must be a positive int, not 2.0"
 
 
 def test_the_streams_bound_names_the_count_as_its_caller_says_it():

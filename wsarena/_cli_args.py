@@ -255,12 +255,12 @@ def _positive(text: str) -> int:
 
 def _batch(text: str) -> int:
     # A batch above what the geometry takes was refused as a layer's input_shape, the flag not named: plan()'s
-    # check, whose bound it is, said of the flag
+    # check, whose bound it is, said of the flag, which argparse names before the message
     value = _positive(text)
     try:
-        return positive_batch(value)
+        return positive_batch(value, prefix="")
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("batch ")) from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _file_name(text: str) -> str:

@@ -298,18 +298,20 @@ def is_choice(value: Any, choices: tuple[str, ...]) -> bool:
     return isinstance(value, str) and value in choices
 
 
-def positive_batch(batch: Any) -> int:
+def positive_batch(batch: Any, *, prefix: str = "batch ") -> int:
     """``batch`` as an ``int`` where it is a batch size: an integer of any type, 1 to :data:`INT32_MAX`. A
     ``TypeError`` for another type (a float, a ``bool``, an array of one element: :func:`as_int`), a ``ValueError``
-    below 1 or above the bound. The one check of every API's ``batch``, and the bound ``--batch`` checks."""
+    below 1 or above the bound. The one check of every API's ``batch``, and the bound ``--batch`` checks. ``prefix``
+    begins the message, naming the batch: the argument's name, or nothing for ``--batch``'s type, whose error
+    argparse begins with the flag (``argument --batch: ``)."""
     n = as_int(batch)
     if n is None:
-        raise TypeError(f"batch must be a positive int, not {short_repr(batch)}")
+        raise TypeError(f"{prefix}must be a positive int, not {short_repr(batch)}")
     if n < 1:
-        raise ValueError(f"batch must be a positive int, not {short_repr(batch)}")
+        raise ValueError(f"{prefix}must be a positive int, not {short_repr(batch)}")
     # A larger batch was refused as the first layer's input_shape, batch not named
     if n > INT32_MAX:
-        raise ValueError(f"batch must be at most 2**31 - 1 = {INT32_MAX}, the largest dimension a cuDNN descriptor "
+        raise ValueError(f"{prefix}must be at most 2**31 - 1 = {INT32_MAX}, the largest dimension a cuDNN descriptor "
                          f"holds, not {short_repr(batch)}")
     return n
 
