@@ -26,3 +26,16 @@ def test_a_venv_path_naming_a_folder_that_is_no_virtual_environment_is_refused_a
     assert result.returncode == 2, result.stderr
     assert result.stderr == f"{script}: {variable} {folder} is there and is no virtual environment: it is not removed\n"
     assert kept.read_text() == "mine"
+
+
+@pytest.mark.parametrize(("script", "variable"), [("floors.sh", "FLOORS_VENV"), ("pythons.sh", "PYTHONS_VENV")])
+@pytest.mark.parametrize("inside", ["", "build/venv"])
+def test_a_venv_path_inside_the_checkout_is_refused(script, variable, inside):
+    """A virtual environment in the checkout would be in the tests' way (pytest collects, ruff checks it): refused
+    with exit status 2, before anything is removed or built."""
+    venv = ROOT / inside if inside else ROOT
+    result = subprocess.run(
+        ["bash", str(ROOT / "tools" / script)], check=False, capture_output=True, text=True, timeout=60,
+        env={**os.environ, variable: str(venv), "PYTHON": "false"},
+    )
+    assert (result.returncode, result.stderr) == (2, f"{script}: {variable} must be outside the checkout\n")

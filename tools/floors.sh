@@ -18,13 +18,9 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${FLOORS_VENV:-/tmp/wsarena-floors}
-case "$VENV" in "$ROOT"|"$ROOT"/*) echo "floors.sh: FLOORS_VENV must be outside the checkout" >&2; exit 2;; esac
-# removed before it is built again: only a virtual environment, not a folder named in its place by mistake ($HOME)
-if [ -e "$VENV" ] && [ ! -f "$VENV/pyvenv.cfg" ]; then
-    echo "floors.sh: FLOORS_VENV $VENV is there and is no virtual environment: it is not removed" >&2; exit 2
-fi
-rm -rf "$VENV"
-"${PYTHON:-python3.11}" -m venv "$VENV"
+# shellcheck source=tools/_venv.sh
+. "$ROOT/tools/_venv.sh"
+fresh_venv FLOORS_VENV "${PYTHON:-python3.11}"
 "$VENV/bin/python" -m pip install --quiet "${FLOORS_TORCH:-torch==2.13.0}" uv
 "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --resolution lowest-direct -e "$ROOT[test]"
 "$VENV/bin/python" - <<'EOF'
@@ -34,6 +30,4 @@ from importlib.metadata import requires, version
 names = sorted({re.match(r"[A-Za-z0-9_.-]+", r)[0] for r in requires("wsarena") or []}, key=str.lower)
 print("floors:", ", ".join(f"{name} {version(name)}" for name in names))
 EOF
-cd "$ROOT"
-if [ $# -eq 0 ]; then set -- -q -p no:randomly; fi
-exec "$VENV/bin/python" -m pytest "$@"
+run_tests "$@"

@@ -21,13 +21,9 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3.12}
 VENV=${PYTHONS_VENV:-/tmp/wsarena-$(basename "$PYTHON")}
 TORCH=${PYTHONS_TORCH:-torch==2.13.0}
-case "$VENV" in "$ROOT"|"$ROOT"/*) echo "pythons.sh: PYTHONS_VENV must be outside the checkout" >&2; exit 2;; esac
-# removed before it is built again: only a virtual environment, not a folder named in its place by mistake ($HOME)
-if [ -e "$VENV" ] && [ ! -f "$VENV/pyvenv.cfg" ]; then
-    echo "pythons.sh: PYTHONS_VENV $VENV is there and is no virtual environment: it is not removed" >&2; exit 2
-fi
-rm -rf "$VENV"
-"$PYTHON" -m venv "$VENV"
+# shellcheck source=tools/_venv.sh
+. "$ROOT/tools/_venv.sh"
+fresh_venv PYTHONS_VENV "$PYTHON"
 # pyproject.toml's runtime dependencies and test extra, less torch (installed first, or not at all)
 mapfile -t REQUIREMENTS < <("$VENV/bin/python" - "$ROOT/pyproject.toml" <<'EOF'
 import re
@@ -54,6 +50,4 @@ except PackageNotFoundError:
     torch = "not installed: its tests skip"
 print(f"{platform.python_implementation()} {platform.python_version()}, torch {torch}")
 EOF
-cd "$ROOT"
-if [ $# -eq 0 ]; then set -- -q -p no:randomly; fi
-exec "$VENV/bin/python" -m pytest "$@"
+run_tests "$@"
