@@ -816,3 +816,17 @@ def test_the_commands_refusals_end_with_its_help(capsys, argv, says):
     and the refusal of the ONNX loader's flags for another model are; these ended with the reason alone."""
     code, out, err = run_main(capsys, *argv)
     assert (code, out, err) == (2, "", f"wsarena: error: {says} (see 'wsarena {argv[0]} --help')\n")
+
+
+def test_the_passes_are_taken_in_any_case_and_their_error_names_the_flag_once(capsys):
+    """--passes FWD was refused, where every flag's choice is taken in any case (--layout nhwc); and its error named
+    the flag twice ("argument --passes: --passes takes ...")."""
+    code, expected, err = run_main(capsys, "report", "resnet50", "--backend", "cpu", "--passes", "fwd,bwd_data")
+    assert code == 0, err
+    any_case = run_main(capsys, "report", "resnet50", "--backend", "cpu", "--passes", " FWD , Bwd_Data")
+    assert any_case == (0, expected, "")
+    for value in ("fwd,FWD", "fwd,sideways", ",", "ＦＷＤ"):
+        code, out, err = run_main(capsys, "report", "resnet50", "--backend", "cpu", "--passes", value)
+        assert (code, out) == (2, "")
+        assert err == (f"wsarena: error: argument --passes: expected distinct names from fwd,bwd_data,bwd_filter, not "
+                       f"{value!r} (see 'wsarena report --help')\n")

@@ -250,7 +250,7 @@ LONG = "x" * 100_000
 @pytest.mark.parametrize("command", ["tune", "report"])
 @pytest.mark.parametrize(("flags", "says"), [
     (["--batch", LONG], "not an integer"), (["--batch", "-" + "9" * 4000], "must be >= 1"),
-    (["--streams", LONG], "not an integer"), (["--passes", LONG], "--passes takes distinct names"),
+    (["--streams", LONG], "not an integer"), (["--passes", LONG], "--passes: expected distinct names"),
     (["--input-shape", LONG], "with integer dims"), (["--input-shape", " " * 100_000 + "=1,3,8,8"], "no input name"),
     (["--input-shape", "x=1x3x8x8", "--input-shape", "x=" + "1," * 50_000 + "1"], "given twice for input 'x'"),
     (["--input-shape", f"{LONG}=1x3x8x8", "--input-shape", f"{LONG}=1x3x8x8"], "given twice for input 'xxx"),

@@ -231,13 +231,15 @@ def _size(text: str) -> int | None:
     return n
 
 
+_PASS = _any_case(PASSES)  # each pass in any case, as a flag's choice is (FWD,Bwd_Data)
+
+
 def _passes(text: str) -> tuple[str, ...]:
-    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    # the message without the flag, which argparse names before it ("argument --passes: --passes takes ...")
+    names = tuple(_PASS(p.strip()) for p in text.split(",") if p.strip())
     bad = [p for p in names if p not in PASSES]
     if bad or not names or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(
-            f"--passes takes distinct names from {','.join(PASSES)}, not {short_repr(text)}"
-        )
+        raise argparse.ArgumentTypeError(f"expected distinct names from {','.join(PASSES)}, not {short_repr(text)}")
     return names
 
 
