@@ -266,8 +266,8 @@ def test_arguments_before_the_command_are_said_with_the_commands_own_error(capsy
     (["--bogus", "--", "cache", "info"], "report"), (["--", "--version"], "report"),
 ])
 def test_a_double_dash_before_the_command_is_said_to_go_after_it(capsys, argv, command):
-    """`wsarena -- report vgg16` was argparse's "invalid choice: '--'" before Python 3.13, which took the '--' for
-    the command, and ran the command from 3.13 on: it is refused on each Python, with where a '--' goes."""
+    """`wsarena -- report vgg16` was argparse's "invalid choice: '--'" (3.11's argparse takes the '--' for the
+    command, where 3.13's drops it and runs the command): it is refused on each Python, with where a '--' goes."""
     code, out, err = run_main(capsys, *argv)
     assert (code, out) == (2, "")
     assert err == (f"wsarena: error: '--' goes after the command, where it ends the command's options: wsarena "

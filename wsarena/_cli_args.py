@@ -159,8 +159,9 @@ class _Parser(argparse.ArgumentParser):
 
     def _refuse_ending_before_the_command(self) -> None:
         """Refuse a ``--`` before the command, which ends the options of none: argparse took it for the command
-        (invalid choice: '--'), or, from Python 3.13 on, drops it, and the options after the command are taken as
-        options all the same. After the command it ends the command's options (``wsarena report -- -model.onnx``)."""
+        (invalid choice: '--'), where a newer argparse (3.13's) drops it and takes the options after the command as
+        options all the same, so that it is refused alike on each Python. After the command it ends the command's
+        options (``wsarena report -- -model.onnx``)."""
         for at, arg in enumerate(self._given):
             if arg == "--":
                 named = self._given[at + 1] if at + 1 < len(self._given) else None
