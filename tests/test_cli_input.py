@@ -274,6 +274,21 @@ def test_a_double_dash_before_the_command_is_said_to_go_after_it(capsys, argv, c
                    f"{command} -- MODEL (see 'wsarena --help')\n")
 
 
+@pytest.mark.parametrize("first", ["--help", "-h", "--he", "--version", "--vers=x"])
+def test_the_top_options_before_a_double_dash_are_answered_as_before(capsys, first):
+    """--help and --version, which argparse answers as it meets them, are answered before a '--' that follows them is
+    refused; --vers=x is refused as --version's own error."""
+    if first == "--vers=x":
+        assert main([first, "--", "report", "vgg16"]) == 2
+        assert capsys.readouterr().err == ("wsarena: error: argument --version: ignored explicit argument 'x' (see "
+                                           "'wsarena --help')\n")
+        return
+    with pytest.raises(SystemExit):
+        main([first, "--", "report", "vgg16"])
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("usage: wsarena" if "h" in first else "wsarena "), out
+
+
 def test_a_double_dash_after_the_command_ends_its_options(capsys, tmp_path, monkeypatch):
     """After the command, '--' ends its options: a model file whose name starts with '-' is read as the model."""
     monkeypatch.chdir(tmp_path)

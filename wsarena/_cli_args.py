@@ -163,6 +163,8 @@ class _Parser(argparse.ArgumentParser):
         options all the same, so that it is refused alike on each Python. After the command it ends the command's
         options (``wsarena report -- -model.onnx``)."""
         for at, arg in enumerate(self._given):
+            if self._own_option(arg):  # --help or --version, which argparse answers first (wsarena --help --)
+                return
             if arg == "--":
                 named = self._given[at + 1] if at + 1 < len(self._given) else None
                 command = named if named in ("report", "tune") else "report"
@@ -170,6 +172,13 @@ class _Parser(argparse.ArgumentParser):
                                  f"{command} -- MODEL (see '{self.prog} --help')")
             if not arg.startswith("-") or arg == "-":  # the command, or a word taken for it
                 return
+
+    def _own_option(self, arg: str) -> bool:
+        """Whether ``arg`` is one of this parser's own options, or an abbreviation of one (``--vers``)."""
+        flag = arg.partition("=")[0]
+        return flag in self._option_string_actions or (
+            self.allow_abbrev and flag.startswith("--") and len(flag) > 2
+            and any(option.startswith(flag) for option in self._option_string_actions))
 
     def _go_after(self, command: str | None, before: list[str]) -> str:
         """What to add to the error of arguments ``before`` the command that are options of ``command``'s (--batch=4
