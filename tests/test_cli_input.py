@@ -12,6 +12,7 @@ import sys
 import pytest
 from onnx import TensorProto, helper
 
+from wsarena._sizes import short_repr
 from wsarena.cli import main
 
 from .cli_helpers import run_cli, run_main
@@ -845,3 +846,20 @@ def test_the_passes_are_taken_in_any_case_and_their_error_names_the_flag_once(ca
         assert (code, out) == (2, "")
         assert err == (f"wsarena: error: argument --passes: expected distinct names from fwd,bwd_data,bwd_filter, not "
                        f"{value!r} (see 'wsarena report --help')\n")
+
+
+@pytest.mark.parametrize("command", ["report", "tune"])
+@pytest.mark.parametrize(("flag", "value", "written"), [
+    ("--batch", "+4", "4"), ("--streams", " +02 ", "02"), ("--batch", "+" + "9" * 5000, f"{'9' * 27}...{'9' * 28}"),
+])
+def test_a_count_with_a_plus_sign_is_said_to_be_written_without_one(capsys, command, flag, value, written):
+    """'+4' is an integer, which the error said it was not ("not an integer: '+4'"): a count, as a size, is written
+    without a sign."""
+    code, out, err = run_main(capsys, command, "resnet50", "--backend", "cpu", flag, value)
+    assert (code, out) == (2, "")
+    assert err == (f"wsarena: error: argument {flag}: a count is written without a sign: {short_repr(value)} (write "
+                   f"{written}) (see 'wsarena {command} --help')\n")
+    for other in ("+", "+x", "++4", "+4.5"):
+        code, out, err = run_main(capsys, command, "resnet50", "--backend", "cpu", flag, other)
+        assert err == (f"wsarena: error: argument {flag}: not an integer: {other!r} (see 'wsarena {command} "
+                       "--help')\n")

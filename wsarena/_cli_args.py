@@ -257,6 +257,11 @@ def _positive(text: str) -> int:
     try:
         value = _int(text)
     except ValueError:
+        # "+4" is an integer, which was said not to be one: written without a sign, as a size is
+        unsigned = text.strip().removeprefix("+")
+        if unsigned != text.strip() and re.fullmatch(r"[0-9]+", unsigned):
+            raise argparse.ArgumentTypeError(f"a count is written without a sign: {short_repr(text)} "
+                                             f"(write {short_repr(unsigned)[1:-1]})") from None
         raise argparse.ArgumentTypeError(f"not an integer: {short_repr(text)}") from None
     except OverflowError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
