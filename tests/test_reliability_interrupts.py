@@ -228,10 +228,13 @@ def test_importing_the_interrupts_helpers_leaves_the_trace_function_in_place():
 
 
 def _cleanup_lines(tree):
-    """The lines that start the handlers of ``tree``'s ``try`` statements that clean up after a Ctrl-C: a
-    ``finally``'s (its first statement's line), and the ``except`` clauses' (the first clause's line) where one of
-    them catches ``KeyboardInterrupt`` (bare, ``BaseException``, ``KeyboardInterrupt``, alone or in a tuple). A
-    handler that catches none of it (``except OSError``) is not run by a Ctrl-C wherever it lands."""
+    """The lines on which the handlers of ``tree``'s ``try`` statements that clean up after a Ctrl-C may start, a
+    range for each: a ``finally``'s (the head of its first statement: all of a simple one, a compound one's up to its
+    body), and the ``except`` clauses' (the first clause's, down to the end of what it catches) where one of them
+    catches ``KeyboardInterrupt`` (bare, ``BaseException``, ``KeyboardInterrupt``, alone or in a tuple). A range,
+    not the first line: the first instruction of ``x = (`` and ``f())`` is on the second, as is a tuple's of
+    ``except (`` and ``KeyboardInterrupt):``. A handler that catches none of it (``except OSError``) is not run by a
+    Ctrl-C wherever it lands."""
     import ast
 
     def catches_ctrl_c(handler):
@@ -240,13 +243,19 @@ def _cleanup_lines(tree):
                                                                                        "KeyboardInterrupt")
                    for kind in kinds)
 
-    lines = set()
+    def head(statement):
+        body = getattr(statement, "body", None)
+        last = body[0].lineno - 1 if isinstance(body, list) and body else statement.end_lineno
+        return range(statement.lineno, max(last, statement.lineno) + 1)
+
+    lines = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.Try, ast.TryStar)):
             if node.finalbody:
-                lines.add(node.finalbody[0].lineno)
+                lines.append(head(node.finalbody[0]))
             if any(catches_ctrl_c(handler) for handler in node.handlers):
-                lines.add(node.handlers[0].lineno)
+                first = node.handlers[0]
+                lines.append(range(first.lineno, (first.type.end_lineno if first.type else first.lineno) + 1))
     return lines
 
 
@@ -256,8 +265,9 @@ def _exits_skipped_at_jumps_back(path):
     of that instruction) for each. A handler's own handler is the next one out, so each instruction has a chain of
     handlers. A cleanup handler is a ``with``'s, which starts by calling its ``__exit__`` (WITH_EXCEPT_START), or a
     ``try``'s whose ``finally`` or ``except`` runs on a Ctrl-C (:func:`_cleanup_lines`): it starts with
-    PUSH_EXC_INFO, and its next instruction is on the line of that ``finally``'s first statement, or of that
-    ``try``'s first ``except``."""
+    PUSH_EXC_INFO, and its next instruction is on a line of that ``finally``'s first statement, or of that ``try``'s
+    first ``except``. A ``try`` of those whose handler is not found so fails the scan, where its loops went
+    unscanned."""
     import ast
     import dis
     import functools
@@ -277,15 +287,17 @@ def _exits_skipped_at_jumps_back(path):
         return seen & cleanups
 
     text = path.read_text()
-    cleanup_lines = _cleanup_lines(ast.parse(text))
-    found = []
+    handler_lines = _cleanup_lines(ast.parse(text))
+    cleanup_lines = set().union(*handler_lines)
+    found, started = [], set()  # started: the lines on which a try's handler starts, over every function
     for code in codes(compile(text, str(path), "exec")):
-        if code.co_name == "<genexpr>":  # raised in a generator, a Ctrl-C reaches its consumer at the call
-            continue
         instructions = list(dis.get_instructions(code))  # read once per function: the scan runs over the package
         names = {i.offset: i.opname for i in instructions}
         lines = {i.offset: i.positions.lineno for i in instructions}
         entries = dis._parse_exception_table(code)
+        started |= {lines[e.target + 2] for e in entries if names[e.target] == "PUSH_EXC_INFO"}
+        if code.co_name == "<genexpr>":  # raised in a generator, a Ctrl-C reaches its consumer at the call
+            continue
         cleanups = {e.target for e in entries if names[e.target + 2] == "WITH_EXCEPT_START"
                     or (names[e.target] == "PUSH_EXC_INFO" and lines[e.target + 2] in cleanup_lines)}
         exits_at = functools.partial(exits, entries, cleanups)
@@ -295,6 +307,8 @@ def _exits_skipped_at_jumps_back(path):
                 found.append((code.co_firstlineno, before.positions.lineno))
             if "JUMP" not in ins.opname and ins.opname != "NOP":
                 before = ins
+    missed = [f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in handler_lines if started.isdisjoint(r)]
+    assert not missed, f"{path}: no handler found for the finally or except on lines {', '.join(missed)}"
     return found
 
 
@@ -349,8 +363,27 @@ def test_no_with_exit_is_skipped_by_a_ctrl_c_at_a_loops_jump_back(tmp_path):
         "            parts.pop()\n"
         "    except ValueError:\n"
         "        return None\n"
+        "\n\n"
+        "def released_at_its_second_line(lock, keys, cache):\n"  # line 46
+        "    lock.acquire()\n"
+        "    try:\n"
+        "        for k in keys:\n"
+        "            if k in cache:\n"
+        "                return k\n"
+        "    finally:\n"
+        "        released = (\n"
+        "            lock.release())\n"  # the finally's first instruction
+        "\n\n"
+        "def closed_at_its_second_line(fd, parts):\n"  # line 57
+        "    try:\n"
+        "        while parts:\n"
+        "            parts.pop()\n"
+        "    except (\n"
+        "            KeyboardInterrupt):\n"  # the except's first instruction
+        "        fd.close()\n"
+        "        raise\n"
     )
-    assert _exits_skipped_at_jumps_back(sample) == [(1, 3), (11, 15), (21, 23)]
+    assert _exits_skipped_at_jumps_back(sample) == [(1, 3), (11, 15), (21, 23), (46, 50), (57, 59)]
     package = ROOT / "wsarena"
     found = {str(path.relative_to(package)): hits for path in sorted(package.rglob("*.py"))
              if (hits := _exits_skipped_at_jumps_back(path))}
