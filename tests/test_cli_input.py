@@ -633,6 +633,16 @@ def test_output_the_terminal_cannot_encode_exits_3_saying_so(tmp_path, fmt):
     assert run_cli("report", str(path), "--backend", "cpu", "--format", fmt).returncode == 0  # UTF-8 shows it
 
 
+def test_output_a_code_page_cannot_encode_names_the_code_page(tmp_path):
+    """A code page's codec names itself "charmap" in its errors, which the line said for stdout's encoding ("its
+    encoding, charmap, ..."), a name the user never set: it names the code page, as stdout names it."""
+    path = tmp_path / "names.json"
+    path.write_text(json.dumps([{"name": "S\u00e3o", "input_shape": [1, 4, 8, 8], "weight_shape": [4, 4, 3, 3]}]))
+    done = run_cli("report", str(path), "--backend", "cpu", "--format", "csv", env={"PYTHONIOENCODING": "cp437"})
+    assert done.returncode == 3
+    assert done.stderr.startswith("wsarena: error: cannot write the output: its encoding, cp437, cannot show '\\xe3'")
+
+
 def test_a_long_run_of_characters_the_encoding_cannot_show_is_quoted_in_part(tmp_path):
     """The run of characters was quoted whole: a layer name of 100,000 of them gave a line as long."""
     path = tmp_path / "names.json"

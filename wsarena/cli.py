@@ -227,7 +227,11 @@ def _output() -> Iterator[None]:
             hint = "a lone surrogate, which no encoding shows; PYTHONIOENCODING=utf-8:backslashreplace escapes it"
         else:
             hint = "use a UTF-8 locale or set PYTHONIOENCODING=utf-8"
-        why = f"its encoding, {exc.encoding}, cannot show {short_repr(shown)} ({hint})"
+        # a code page's codec (cp437, cp1252) names itself "charmap" in its errors: the stream's name says which
+        encoding = getattr(sys.stdout, "encoding", None) if exc.encoding == "charmap" else exc.encoding
+        if not isinstance(encoding, str):  # a caller's stdout that names none
+            encoding = exc.encoding
+        why = f"its encoding, {encoding}, cannot show {short_repr(shown)} ({hint})"
         raise OutputError(f"cannot write the output: {why}") from None
 
 
