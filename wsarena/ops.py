@@ -157,7 +157,8 @@ def _check_out(record: _Record, out: Any, a: Any, b: Any) -> None:
         if tuple(out.shape) != record.out_shape:
             raise ValueError(f"out has shape {tuple(out.shape)}; this convolution writes {record.out_shape}")
         if (_NAMES.get(out.dtype) or array_dtype_name(out.dtype)) != record.dtype:
-            raise TypeError(f"out has dtype {out.dtype}; this convolution writes {record.dtype}")
+            raise TypeError(f"out has dtype {out.dtype}{byte_order_note(out.dtype)}; this convolution writes "
+                            f"{record.dtype}")
         if not out.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
         if not getattr(out.flags, "writeable", True):
