@@ -176,16 +176,17 @@ def _drop_stdout() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
-def _check_plot(path: str | None, inputs: dict[str, str | None]) -> None:
+def _check_plot(args: argparse.Namespace, inputs: dict[str, str | None]) -> None:
     """With ``--plot``, fail now if matplotlib is missing or the file cannot be written there (a folder, a folder
     missing), not after a search that may have taken minutes; or if the plot would replace one of the command's
     ``inputs`` (what each is: a file, or ``None`` when not given), as a compiler refuses an output that is its
     input."""
+    path = args.plot
     if path is not None:
         for what, given in inputs.items():
             with contextlib.suppress(OSError):  # either missing: nothing to lose
                 if given is not None and os.path.samefile(path, given):
-                    raise UsageError(f"--plot {short_path(path)} is the {what}; the plot would replace it")
+                    raise _refused(args, f"--plot {short_path(path)} is the {what}; the plot would replace it")
         from .plot import _pyplot, check_writable
 
         _pyplot()
@@ -323,7 +324,7 @@ def _report(args: argparse.Namespace) -> int:
                            + ("--search exhaustive" if args.max_slowdown is None else "--max-slowdown"))
         if args.cudnn_api == "legacy":
             raise _refused(args, "--device-properties plans through cuDNN's graph API: leave out --cudnn-api legacy")
-    _check_plot(args.plot, {"model file": _model_file(args.model), "--device-properties file": args.device_properties})
+    _check_plot(args, {"model file": _model_file(args.model), "--device-properties file": args.device_properties})
     layers = _load(args)
     # --max-slowdown decides the search and the cap, --device-properties the backend, the search and the API, as
     # plan() does: their variables do not matter
@@ -368,7 +369,7 @@ def _tune(args: argparse.Namespace) -> int:
     if args.apply and args.format is not None:
         raise _refused(args, "--apply prints one line, WSARENA_CAP_WORKSPACE=... WSARENA_ALGO_SEARCH=exhaustive; "
                              "leave out --format")
-    _check_plot(args.plot, {"model file": _model_file(args.model)})
+    _check_plot(args, {"model file": _model_file(args.model)})
     layers = _load(args)
     # tune decides the search and the cap (exhaustive, none): their variables do not matter, nor does the
     # backend's when --backend is given
