@@ -224,6 +224,24 @@ def test_arguments_left_over_are_named_shortened_with_the_subcommands_help(capsy
 
 
 @pytest.mark.parametrize(("argv", "says"), [
+    (["report", "vgg16", "--apply"], "--apply (see 'wsarena report --help'); tune takes --apply"),
+    (["tune", "vgg16", "--search", "exhaustive"],
+     "--search exhaustive (see 'wsarena tune --help'); report takes --search"),
+    (["tune", "vgg16", "--se=heuristic", "--device-properties", "p.json", "--app"],
+     ("--se=heuristic --device-properties p.json (see 'wsarena tune --help'); report takes --search and "
+      "--device-properties")),
+    (["info", "--batch", "4", "--apply", "extra"],
+     "--batch 4 --apply extra (see 'wsarena info --help'); report and tune take --batch; tune takes --apply"),
+    (["cache", "clear", "--bogus", "-"], "--bogus - (see 'wsarena cache --help')"),
+])
+def test_options_of_another_command_left_over_are_said_to_be_its(capsys, argv, says):
+    """`wsarena report vgg16 --apply` was "unrecognized arguments: --apply", as for an option that no command takes:
+    that tune takes it is said, with the option's full name where it was abbreviated (--se, report's --search)."""
+    code, out, err = run_main(capsys, *argv)
+    assert (code, out, err) == (2, "", f"wsarena: error: unrecognized arguments: {says}\n")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
     (["--bogus", "report", "vgg16"], "unrecognized arguments before the command: --bogus (see 'wsarena --help')"),
     (["-v", "cache", "info"], "unrecognized arguments before the command: -v (see 'wsarena --help')"),
     (["--bogus", "report", "vgg16", "--bad"],

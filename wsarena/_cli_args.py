@@ -142,7 +142,8 @@ class _Parser(argparse.ArgumentParser):
         # lists, where the command's help was named, whose options are not taken there
         before, command = extras[:len(extras) - len(after)], getattr(parsed, "command", None)
         prog = self.prog if command is None else f"{self.prog} {command}"
-        after_said = f"{short_repr(' '.join(after))[1:-1]} (see '{prog} --help')" if after else None
+        others = self._taken_by_others(command, after)
+        after_said = f"{short_repr(' '.join(after))[1:-1]} (see '{prog} --help'){others}" if after else None
         if before:
             raise self._before_error(before, command, after_said)
         if after_said is not None:
@@ -156,6 +157,25 @@ class _Parser(argparse.ArgumentParser):
         rest = f", and after it: {after}" if after is not None else ""
         said = f"{short_repr(' '.join(before))[1:-1]} (see '{self.prog} --help')"
         return UsageError(f"unrecognized arguments before the command: {said}{rest}{self._go_after(command, before)}")
+
+    def _taken_by_others(self, command: str | None, after: list[str]) -> str:
+        """What to add to the error of arguments left ``after`` the command that are options of other commands' (tune's
+        --apply given to report, report's --search to tune), or their abbreviations: which command takes each, where
+        "unrecognized arguments" read as an option no command has."""
+        if self._commands is None or command is None:
+            return ""
+        owners: dict[str, list[str]] = {}  # each option left over, full name, -> the other commands that take it
+        for arg in after:
+            if arg.startswith("-") and arg != "-":
+                for other in self._commands.choices:
+                    option = self._command_option(other, arg) if other != command else None
+                    if option is not None:
+                        owners.setdefault(option, []).append(other)
+        by_commands: dict[tuple[str, ...], list[str]] = {}
+        for option, others in owners.items():
+            by_commands.setdefault(tuple(others), []).append(option)
+        return "".join(f"; {' and '.join(others)} take{'s' if len(others) == 1 else ''} {' and '.join(options)}"
+                       for others, options in by_commands.items())
 
     def _refuse_ending_before_the_command(self) -> None:
         """Refuse a ``--`` before the command, which ends the options of none: argparse took it for the command
