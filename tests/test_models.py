@@ -546,6 +546,23 @@ def test_an_unknown_model_is_said_before_input_shapes_is_refused_for_it(tmp_path
         assert type(no.value) is ValueError
 
 
+@pytest.mark.parametrize("name", [".json", ".onnx", "..JSON"])
+@pytest.mark.parametrize("there", [True, False])
+def test_a_file_named_as_an_extension_is_said_to_have_none(tmp_path, monkeypatch, name, there):
+    """".json" has no extension, as ".bashrc" has none: it was "unknown model file extension (none); expected .onnx
+    or .json", or, missing, "not ... a .onnx or .json file", of a name that reads as one; said why, as a str or a
+    path."""
+    monkeypatch.chdir(tmp_path)
+    if there:
+        (tmp_path / name).write_text("[]")
+    for source in (name, tmp_path / name):
+        with pytest.raises(ModelError) as raised:
+            load_model(source)
+        assert str(raised.value) == (
+            f"{str(source)!r}: unknown model file extension (none: a name's leading dots begin no extension, as in "
+            ".bashrc); expected .onnx or .json after a name, as in model.json")
+
+
 def test_a_path_that_names_no_file_is_not_called_an_unknown_zoo_model(tmp_path):
     # it read "not a zoo model (resnet50, ...); did you mean 'resnet50'?" of Path("resnet50")
     with pytest.raises(ModelError, match=r"^no model file 'resnet50': expected a \.onnx or \.json file; the zoo model "

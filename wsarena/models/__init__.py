@@ -91,6 +91,11 @@ def _refuse_unnamed(source: str | os.PathLike[str]) -> NoReturn:
     ext = os.path.splitext(text)[1].lower()
     if os.path.isdir(text):
         raise ModelError(f"{short_path(text)} is a folder: expected a .onnx or .json file")
+    if not ext and os.path.basename(text).lower().endswith((".onnx", ".json")):
+        # ".json" has no extension, as ".bashrc" has none (os.path.splitext, pathlib): said "unknown model file
+        # extension (none)", or, missing, "not ... a .onnx or .json file", of a name that ends in one
+        raise ModelError(f"{short_path(text)}: unknown model file extension (none: a name's leading dots begin no "
+                         "extension, as in .bashrc); expected .onnx or .json after a name, as in model.json")
     if os.path.exists(text):
         unknown = short_repr(ext) if ext else "(none)"
         raise ModelError(f"{short_path(text)}: unknown model file extension {unknown}; expected .onnx or .json")
