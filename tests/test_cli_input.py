@@ -894,3 +894,6 @@ def test_a_count_with_a_plus_sign_is_said_to_be_written_without_one(capsys, comm
         code, out, err = run_main(capsys, command, "resnet50", "--backend", "cpu", flag, other)
         assert err == (f"wsarena: error: argument {flag}: not an integer: {other!r} (see 'wsarena {command} "
                        "--help')\n")
+    for zero in ("+0", " +000"):  # not "(write 0)", a count refused in turn
+        code, out, err = run_main(capsys, command, "resnet50", "--backend", "cpu", flag, zero)
+        assert err == f"wsarena: error: argument {flag}: must be >= 1, not {zero!r} (see 'wsarena {command} --help')\n"

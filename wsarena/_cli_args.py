@@ -280,6 +280,8 @@ def _positive(text: str) -> int:
         # "+4" is an integer, which was said not to be one: written without a sign, as a size is
         unsigned = text.strip().removeprefix("+")
         if unsigned != text.strip() and re.fullmatch(r"[0-9]+", unsigned):
+            if not unsigned.strip("0"):  # "write 0" would name a count refused in turn
+                raise argparse.ArgumentTypeError(f"must be >= 1, not {short_repr(text)}") from None
             raise argparse.ArgumentTypeError(f"a count is written without a sign: {short_repr(text)} "
                                              f"(write {short_repr(unsigned)[1:-1]})") from None
         raise argparse.ArgumentTypeError(f"not an integer: {short_repr(text)}") from None
