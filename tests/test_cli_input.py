@@ -285,7 +285,7 @@ def test_arguments_before_the_command_are_said_with_the_commands_own_error(capsy
 
 @pytest.mark.parametrize(("argv", "command"), [
     (["--", "report", "vgg16"], "report"), (["--", "tune", "vgg16", "--batch", "2"], "tune"), (["--"], "report"),
-    (["--bogus", "--", "cache", "info"], "report"), (["--", "--version"], "report"),
+    (["--bogus", "--", "tune"], "tune"), (["--", "--version"], "report"), (["--", "bogus"], "report"),
 ])
 def test_a_double_dash_before_the_command_is_said_to_go_after_it(capsys, argv, command):
     """`wsarena -- report vgg16` was argparse's "invalid choice: '--'" (3.11's argparse takes the '--' for the
@@ -294,6 +294,18 @@ def test_a_double_dash_before_the_command_is_said_to_go_after_it(capsys, argv, c
     assert (code, out) == (2, "")
     assert err == (f"wsarena: error: '--' goes after the command, where it ends the command's options: wsarena "
                    f"{command} -- MODEL (see 'wsarena --help')\n")
+
+
+@pytest.mark.parametrize(("argv", "command"), [
+    (["--", "cache", "info"], "cache"), (["--bogus", "--", "cache", "clear"], "cache"), (["--", "info"], "info"),
+])
+def test_a_double_dash_before_a_command_that_takes_no_model_is_said_to_be_left_out(capsys, argv, command):
+    """cache and info take no model, which a '--' after the command would let begin with a dash: the refusal of the
+    '--' before them says to leave it out, where it showed `wsarena report -- MODEL`, another command's line."""
+    code, out, err = run_main(capsys, *argv)
+    assert (code, out) == (2, "")
+    assert err == (f"wsarena: error: '--' goes after the command, where it ends the command's options; {command} "
+                   f"takes no model: leave the '--' out (see 'wsarena {command} --help')\n")
 
 
 @pytest.mark.parametrize("first", ["--help", "-h", "--he", "--version", "--vers=x"])

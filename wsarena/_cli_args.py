@@ -187,9 +187,13 @@ class _Parser(argparse.ArgumentParser):
                 return
             if arg == "--":
                 named = self._given[at + 1] if at + 1 < len(self._given) else None
-                command = named if named in ("report", "tune") else "report"
-                raise UsageError(f"'--' goes after the command, where it ends the command's options: wsarena "
-                                 f"{command} -- MODEL (see '{self.prog} --help')")
+                if named in ("report", "tune") or self._commands is None or named not in self._commands.choices:
+                    command = named if named in ("report", "tune") else "report"
+                    raise UsageError(f"'--' goes after the command, where it ends the command's options: wsarena "
+                                     f"{command} -- MODEL (see '{self.prog} --help')")
+                # cache and info take no model, which a '--' would let begin with a dash: none is needed
+                raise UsageError(f"'--' goes after the command, where it ends the command's options; {named} takes "
+                                 f"no model: leave the '--' out (see '{self.prog} {named} --help')")
             if not arg.startswith("-") or arg == "-":  # the command, or a word taken for it
                 return
 
