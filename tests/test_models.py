@@ -1410,6 +1410,21 @@ def test_onnx_convs_fed_a_computed_tensor_of_an_element_type_no_conv_takes_canno
     assert [layer.name for layer in layers] == ["half", "annotated"]
 
 
+def test_onnx_a_conv_fed_a_node_of_an_initializer_has_that_initializers_type(tmp_path):
+    """A weight passed through a node (an ``Identity``, a ``Transpose``) has the type of the initializer it comes
+    from, whether or not the graph lists that initializer among its inputs too (older exporters list every weight):
+    a float16 one beside a float input is two types, which one conv cannot take."""
+    half = numpy_helper.from_array(np.zeros((4, 3, 3, 3), np.float16), "wh")  # 108 elements: not folded
+    nodes = [helper.make_node("Identity", ["wh"], ["wi"]), conv("mixed", "x", "wi", "y")]
+    why = "input 'x' is float and weight 'wi' is float16: a Conv's input, weight and bias are of one type"
+    for listed, inputs in (("bare", [vi("x", [1, 3, 8, 8])]),
+                           ("listed", [vi("x", [1, 3, 8, 8]),
+                                       helper.make_tensor_value_info("wh", TensorProto.FLOAT16, [4, 3, 3, 3])])):
+        path = save(tmp_path, nodes, inputs, [half], name=f"{listed}.onnx")
+        with pytest.raises(ModelError, match=re.escape(f"1 conv node(s) cannot be planned: 'mixed' ({why})")):
+            load_model(path)
+
+
 # Operand types of one conv: (input, weight, bias or None), all floats
 _TYPED_CONVS = {
     "bfloat16": (TensorProto.BFLOAT16, TensorProto.BFLOAT16, None),
