@@ -1425,6 +1425,22 @@ def test_onnx_a_conv_fed_a_node_of_an_initializer_has_that_initializers_type(tmp
             load_model(path)
 
 
+def test_onnx_a_model_of_an_opset_below_1_is_checked_against_the_newest_types(tmp_path):
+    """An opset below 1, which onnx has none of, is checked as a model naming no opset is: against the newest
+    schema's types, and said without the opset."""
+    from onnx import defs
+
+    newest = defs.get_schema("Conv").type_constraints[0].allowed_type_strs
+    takes = sorted(text[len("tensor("):-1] for text in newest)
+    for opset in (0, -1):
+        ints_w = helper.make_tensor("w", TensorProto.INT64, (4, 3, 3, 3), [0] * 108)
+        path = save(tmp_path, [conv("c", "x", "w", "y")], [vi("x", [1, 3, 8, 8])], [ints_w], opset=opset)
+        with pytest.raises(ModelError, match=re.escape("'c' (weight 'w' is int64: a Conv takes ")) as caught:
+            load_model(path)
+        said = str(caught.value).split("a Conv takes ")[1].split(")")[0]
+        assert sorted(said.replace(" or ", ", ").split(", ")) == takes
+
+
 # Operand types of one conv: (input, weight, bias or None), all floats
 _TYPED_CONVS = {
     "bfloat16": (TensorProto.BFLOAT16, TensorProto.BFLOAT16, None),
@@ -1546,6 +1562,28 @@ def test_onnx_conv_transpose(tmp_path, attrs, size):
     else:
         assert layer.input_shape[:2] == (1, c_out) and all(0 <= a - b <= 1 for a, b in
                                                            zip(layer.input_shape[2:], expected[2:]))
+
+
+def test_onnx_conv_transpose_output_shape_may_name_the_batch_and_channels_too(tmp_path):
+    """``output_shape`` of N + 2 entries (N and C before the spatial sizes) gives the layer that its spatial sizes
+    alone give."""
+    layers = []
+    for shape in ([13, 13], [1, 4, 13, 13]):
+        nodes = [conv("up", "x", "w", "y", op="ConvTranspose", strides=[2, 2], output_shape=shape)]
+        path = save(tmp_path, nodes, [vi("x", [1, 6, 7, 7])], [weight("w", (6, 4, 3, 3))], name=f"{len(shape)}.onnx")
+        layers.append(load_model(path)[0])
+    assert layers[0] == layers[1]
+    assert (layers[1].input_shape, layers[1].padding) == ((1, 4, 13, 13), (1, 1))
+
+
+def test_onnx_conv_transpose_output_padding_of_a_stride_is_said_where_output_shape_is_the_full_one(tmp_path):
+    # output_shape equal to the full output pads nothing and grows nothing: the fault is the output padding's
+    for extra in ({}, {"output_shape": [17, 17]}):
+        nodes = [conv("up", "x", "w", "y", op="ConvTranspose", strides=[2, 2], output_padding=[2, 2], **extra)]
+        path = save(tmp_path, nodes, [vi("x", [1, 6, 7, 7])], [weight("w", (6, 4, 3, 3))])
+        with pytest.raises(ModelError, match=re.escape("'up' (output_padding [2, 2] with strides [2, 2] has no "
+                                                       "equivalent convolution)")):
+            load_model(path)
 
 
 def test_onnx_conv_transpose_reference_output_shape(tmp_path):
