@@ -1586,6 +1586,19 @@ def test_onnx_conv_transpose_output_padding_of_a_stride_is_said_where_output_sha
             load_model(path)
 
 
+def test_onnx_conv_transpose_padding_may_leave_one_output_position_but_not_none(tmp_path):
+    # a 1x1 input under a 3x3 kernel: 3 positions before cropping, of which pads of 1 leave one and pads of 2 none
+    nodes = [conv("up", "x", "w", "y", op="ConvTranspose", pads=[1, 1, 1, 1])]
+    path = save(tmp_path, nodes, [vi("x", [1, 6, 1, 1])], [weight("w", (6, 4, 3, 3))], name="one.onnx")
+    (layer,) = load_model(path)
+    assert (layer.input_shape, layer.padding) == ((1, 4, 1, 1), (1, 1))
+    assert layer.geometry().output_shape == (1, 6, 1, 1)
+    nodes = [conv("up", "x", "w", "y", op="ConvTranspose", pads=[2, 2, 2, 2])]
+    path = save(tmp_path, nodes, [vi("x", [1, 6, 1, 1])], [weight("w", (6, 4, 3, 3))], name="none.onnx")
+    with pytest.raises(ModelError, match=re.escape("'up' (padding [2, 2]/[2, 2] leaves no output)")):
+        load_model(path)
+
+
 def test_onnx_conv_transpose_reference_output_shape(tmp_path):
     # an independent check through onnx's reference evaluator: ConvTranspose's output size is the input size
     # of the equivalent convolution, and running that convolution's shapes back gives the ConvTranspose's input
