@@ -1425,6 +1425,35 @@ def test_onnx_a_conv_fed_a_node_of_an_initializer_has_that_initializers_type(tmp
             load_model(path)
 
 
+def test_onnx_an_unknown_weight_shape_is_named_with_where_it_was_lost(tmp_path):
+    """A conv whose weight shape stays unknown is named, as one whose input shape is: a symbolic graph input's dims,
+    or the node whose output inference cannot work out (a Reshape to a runtime shape). Going back through a node of
+    several unknown inputs, the first is followed."""
+    def shape_input(name):
+        return helper.make_tensor_value_info(name, TensorProto.INT64, [4])
+
+    nodes = [conv("from_input", "x", "wk", "y0"),
+             helper.make_node("Reshape", ["wf", "s1"], ["wr"], name="rw"), conv("reshaped", "x", "wr", "y1"),
+             helper.make_node("Reshape", ["x", "s1"], ["r1"], name="first"),
+             helper.make_node("Reshape", ["x", "s2"], ["r2"], name="second"),
+             helper.make_node("Add", ["r1", "r2"], ["sum"]), conv("added", "sum", "w", "y2")]
+    inputs = [vi("x", [1, 3, 8, 8]), vi("wk", [4, 3, "K", "K"]), shape_input("s1"), shape_input("s2")]
+    path = save(tmp_path, nodes, inputs, [weight("wf", (108,)), weight("w", (4, 3, 3, 3))],
+                outputs=[vi(f"y{i}", None) for i in range(3)])
+    says = ("3 conv node(s) cannot be planned: 'from_input' (weight shape [4, 3, ?, ?] unknown); 'reshaped' (weight "
+            "shape [?, ?, ?, ?] unknown: shape inference cannot work out the output of Reshape 'rw'); 'added' (input "
+            "shape [1, 3, ?, ?] unknown: shape inference cannot work out the output of Reshape 'first') (fix the "
+            "model's input shapes")
+    with pytest.raises(ModelError, match=re.escape(says)):
+        load_model(path)
+    # a conv of no weight input (a damaged file), which inference leaves as it is, has a weight shape unknown too
+    nodes = [helper.make_node("Conv", ["x"], ["y0"], name="lone"), conv("c", "x", "w", "y1")]
+    path = save(tmp_path, nodes, [vi("x", [1, 3, 8, 8])], [weight("w", (4, 3, 3, 3))],
+                outputs=[vi("y0", None), vi("y1", None)], name="lone.onnx")
+    with pytest.warns(UserWarning, match=re.escape("skipped 1 conv node(s): 'lone' (weight shape ? unknown)")):
+        assert [layer.name for layer in load_model(path, skip_unknown=True)] == ["c"]
+
+
 def test_onnx_a_model_of_an_opset_below_1_is_checked_against_the_newest_types(tmp_path):
     """An opset below 1, which onnx has none of, is checked as a model naming no opset is: against the newest
     schema's types, and said without the opset."""
