@@ -1185,6 +1185,37 @@ def test_onnx_external_data_read_is_the_tensors_bytes_in_the_models_folder(tmp_p
             assert tensor.data_location == TensorProto.DEFAULT and not tensor.external_data
 
 
+def test_onnx_external_data_of_each_small_type_is_read_as_its_elements_bytes(tmp_path, monkeypatch):
+    """A small external tensor of each element type a shape or a scale comes in is read as its elements take
+    (NumPy's item size of the type as onnx maps it: 2 bytes for a bfloat16), not a byte more or less."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "data.bin").write_bytes(np.array([1, 3, 16, 12], np.int64).tobytes() + bytes(64))
+    types = ["BOOL", "INT8", "UINT8", "INT16", "UINT16", "FLOAT16", "BFLOAT16", "INT32", "UINT32", "FLOAT", "INT64",
+             "UINT64", "DOUBLE"]
+    extras = []
+    for name in types:
+        extra = external_tensor(name, [3], "data.bin")
+        extra.data_type = getattr(TensorProto, name)
+        extras.append(extra)
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["image"]), conv("c", "image", "w", "y", pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "g", [vi("x", [1, 3 * 16 * 12])], [vi("y", None)],
+                              [weight("w", (8, 3, 3, 3)), external_tensor("shape", [4], "data.bin"), *extras])
+    path = folder / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    seen = []
+    infer = onnx.shape_inference.infer_shapes
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", lambda model, **kw: seen.append(model) or infer(model,
+                                                                                                            **kw))
+    (layer,) = load_model(path)
+    assert layer.input_shape == (1, 3, 16, 12)
+    tensors = {t.name: t for t in seen[0].graph.initializer}
+    for name in types:
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(getattr(TensorProto, name))).itemsize
+        assert len(tensors[name].raw_data) == 3 * itemsize, name
+        assert tensors[name].data_location == TensorProto.DEFAULT, name
+
+
 @pytest.mark.timeout(60)
 def test_onnx_external_data_that_became_a_fifo_is_not_waited_on(tmp_path, monkeypatch):
     """The external data file was looked at (isfile()), then opened by onnx as open() opens a file: a FIFO put in
