@@ -1021,6 +1021,11 @@ def test_onnx_negative_dim_is_unknown(tmp_path):
     assert [l.input_shape for l in load_model(path, input_shapes=(2, 3, 12, 16))] == [(1, 3, 12, 16), (1, 4, 10, 14)]
     channels = save(tmp_path, nodes, [vi("x", [1, -1, 12, 16])], weights, name="channels.onnx")
     assert [l.input_shape for l in load_model(channels)] == [(1, 3, 12, 16), (1, 4, 10, 14)]  # from the weight
+    # a declared 0 is a size, not a dynamic dim: the conv is an empty one, refused as such
+    empty = save(tmp_path, [conv("a", "x", "w1", "y", pads=[1, 1, 1, 1])], [vi("x", [1, 3, 0, 16])], weights[:1],
+                 name="empty.onnx")
+    with pytest.raises(ModelError, match=re.escape("'a' (input shape [1, 3, 0, 16] has a zero dimension")):
+        load_model(empty)
 
 
 def test_onnx_shapes_of_many_dims_are_quoted_cut(tmp_path):
