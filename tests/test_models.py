@@ -1093,6 +1093,15 @@ def test_onnx_one_input_shape_needs_a_model_with_one_input(tmp_path):
         load_model(path, input_shapes=(1, 3, 16, 16))
     layers = load_model(path, input_shapes={"x": (1, 3, 16, 16), "z": (1, 3, 9, 9)})
     assert [l.input_shape for l in layers] == [(1, 3, 16, 16), (1, 3, 9, 9)]
+    # five inputs are all named; a sixth is counted
+    for n, listed in ((5, "'x0', 'x1', 'x2', 'x3', 'x4'"), (6, "'x0', 'x1', 'x2', 'x3', 'x4', and 1 more")):
+        nodes = [conv(f"c{i}", f"x{i}", "w", f"y{i}") for i in range(n)]
+        path = save(tmp_path, nodes, [vi(f"x{i}", [1, 3, "H", "W"]) for i in range(n)], [weight("w", (4, 3, 3, 3))],
+                    outputs=[vi(f"y{i}", None) for i in range(n)], name=f"{n}.onnx")
+        with pytest.raises(ModelError, match=re.escape(f"model has {n} inputs ({listed}); name each")):
+            load_model(path, input_shapes=(1, 3, 16, 16))
+        with pytest.raises(ModelError, match=re.escape(f"no graph input 'z'; the inputs are {listed}")):
+            load_model(path, input_shapes={"z": (1, 3, 16, 16)})
 
 
 def test_onnx_external_data_gives_the_shapes_inference_reads(tmp_path):
