@@ -113,6 +113,23 @@ def test_a_whole_file_read_in_parts_is_held_once(tmp_path, limit):
     assert peak < 1.5 * len(data), peak
 
 
+@pytest.mark.parametrize("limit", [None, 16 << 20])
+def test_a_regular_file_read_in_one_part_is_held_once(tmp_path, limit):
+    """A regular file that one read gives whole (below 2 GiB) is that read's bytes, with a limit too: not copied
+    into the buffer that parts are written into, which would hold it twice at the end."""
+    data = os.urandom(8 << 20)
+    path = tmp_path / "data"
+    path.write_bytes(data)
+    tracemalloc.start()
+    try:
+        read, _ = _files.read_regular_file(path, limit=limit)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert read == data
+    assert peak < 1.5 * len(data), peak
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("limit", [None, 4096])
 def test_a_fifo_that_no_writer_has_open_reads_as_empty_where_pipes_are_read(tmp_path, limit):
@@ -158,6 +175,7 @@ def test_a_part_of_a_regular_file_is_read_in_parts_and_a_fifo_is_refused(tmp_pat
     real = os.read
     monkeypatch.setattr(os, "read", lambda fd, n: real(fd, min(n, 1000)))
     assert _files.read_regular_part(tmp_path, "data", 100, 5000) == DATA[100:5100]
+    assert _files.read_regular_part(tmp_path, "data", 0, 5001) == DATA[:5001]  # a last read of one byte
     assert _files.read_regular_part(tmp_path, "data", len(DATA) - 10, 5000) == DATA[-10:]
     assert _files.read_regular_part(tmp_path, "data", len(DATA) + 10, 5000) == b""
     assert _files.read_regular_part(tmp_path, "./inner//data", 0, 10) == DATA[:10]
@@ -213,10 +231,12 @@ def test_a_part_is_read_beneath_its_folder_through_no_link_as_onnx_reads_it(tmp_
         else:
             with pytest.raises(refused):
                 _files.read_regular_part(folder, location, 0, 16)
-    with pytest.raises(_files.NotRegularFile, match=r"^a symbolic link$"):
+    with pytest.raises(_files.NotRegularFile, match=r"^a symbolic link$") as caught:
         _files.read_regular_part(folder, "out-link", 0, 16)
-    with pytest.raises(_files.NotRegularFile, match=r"^a file of 2 hard links$"):
+    assert caught.value.folder is False
+    with pytest.raises(_files.NotRegularFile, match=r"^a file of 2 hard links$") as caught:
         _files.read_regular_part(folder, "hard", 0, 16)
+    assert caught.value.folder is False
     # the look made to see the file the link was before it was put there: the open follows no link either
     real_stat, regular = os.stat, os.stat(folder / "data")
     monkeypatch.setattr(os, "stat", lambda p, *a, **k: regular if os.fspath(p) == "out-link" else
@@ -265,6 +285,9 @@ def test_a_device_a_socket_and_a_folder_are_refused_even_where_pipes_are_read(tm
     monkeypatch.chdir(tmp_path)  # a socket's path is short: at most 107 bytes
     os.symlink(os.devnull, "null")
     os.mkdir("folder")
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(os.fspath(path)) or real_open(path, *a, **k))
     with socket.socket(socket.AF_UNIX) as listening:
         listening.bind("sock")
         for name, kind, folder in (("null", "a character device", False), ("folder", "a folder", True),
@@ -272,3 +295,50 @@ def test_a_device_a_socket_and_a_folder_are_refused_even_where_pipes_are_read(tm
             with pytest.raises(_files.NotRegularFile) as caught:
                 _files.read_regular_file(name, pipes=pipes)
             assert (caught.value.kind, caught.value.folder) == (kind, folder)
+        assert opened == []  # each is looked at first: a device is not even opened (opening one may do something)
+        # read beneath a folder, each is looked at before it is opened (a device is not even opened, nor a FIFO,
+        # whose open would let a writer waiting on it go on) and said as such, where the open refuses a socket
+        # (ENXIO) without saying what it is
+        os.mkfifo("fifo")
+        for name, kind, folder in (("folder", "a folder", True), (".", "a folder", True), ("sock", "a socket", False),
+                                   ("fifo", "a FIFO (named pipe)", False)):
+            opened.clear()
+            with pytest.raises(_files.NotRegularFile) as caught:
+                _files.read_regular_part(tmp_path, name, 0, 16)
+            assert (caught.value.kind, caught.value.folder) == (kind, folder)
+            assert opened == [str(tmp_path)]  # the folder alone
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd to list the open descriptors")
+def test_no_descriptor_is_left_open_by_a_read_or_a_refusal(tmp_path):
+    """Each read closes every descriptor it opened (the folders on the way, the file), whether it reads or refuses:
+    a caller reading the external data of many tensors, or a lookup per call, would otherwise run out of them."""
+    folder = tmp_path / "model"
+    (folder / "inner").mkdir(parents=True)
+    (folder / "data").write_bytes(DATA)
+    (folder / "inner" / "data").write_bytes(DATA)
+    os.link(folder / "data", folder / "hard")
+    os.mkfifo(folder / "fifo")
+    (folder / "link").symlink_to("inner")
+
+    def open_fds():
+        return set(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    assert _files.read_regular_part(folder / "inner", "data", 10, 20) == DATA[10:30]
+    assert _files.read_regular_part(folder, "inner/data", 0, 20) == DATA[:20]
+    for location, refused in (("hard", _files.NotRegularFile), ("fifo", _files.NotRegularFile),
+                              ("link/data", OSError), ("inner/missing", OSError), (".", _files.NotRegularFile)):
+        with pytest.raises(refused):
+            _files.read_regular_part(folder, location, 0, 16)
+    with pytest.raises(OSError):  # lseek refuses a negative offset, once the file is open
+        _files.read_regular_part(folder / "inner", "data", -1, 16)
+    (folder / "hard").unlink()
+    assert _files.read_regular_file(folder / "data")[0] == DATA
+    assert _files.read_regular_file(folder / "data", limit=len(DATA))[0] == DATA
+    with pytest.raises(_files.TooLarge):
+        _files.read_regular_file(folder / "data", limit=10)
+    for look_first in (True, False):
+        with pytest.raises(_files.NotRegularFile):
+            _files.read_regular_file(folder / "fifo", look_first=look_first)
+    assert open_fds() == before
