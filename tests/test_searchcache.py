@@ -106,6 +106,18 @@ def test_round_trip_times_nothing_a_second_time(cache):
     assert again == first and backend.measured == [("fwd", 4)]
 
 
+def test_an_entry_is_named_by_the_hash_of_its_key_with_sorted_keys(cache):
+    """An entry's name is the SHA-256 of its key written as canonical JSON (keys sorted, no spaces), whatever order
+    the key was built in: another installation, or another version of wsarena building the environment in another
+    order, finds the entry of the same call."""
+    search(TableBackend(TABLE))
+    (path,) = entry_files(cache)
+    key = json.loads(path.read_text())["key"]
+    assert list(key) != sorted(key)  # as built: sorting changes the text hashed
+    canonical = json.dumps(key, sort_keys=True, separators=(",", ":"))
+    assert path.name == hashlib.sha256(canonical.encode()).hexdigest()[:40] + ".json"
+
+
 def test_an_entry_serves_a_smaller_cap_and_a_larger_one_adds_to_it(cache):
     backend = TableBackend(TABLE)
     assert search(backend, cap=1000)[0].algo == "gemm"  # timed only what fits: implicit and gemm
