@@ -330,6 +330,20 @@ def test_a_bad_file_is_quoted_shortened_in_its_warning(cache, spoil, said):
     assert f"{path}: {said}" in message and "..." in message and len(message) < len(str(path)) + 400, message
 
 
+@pytest.mark.parametrize(("version", "said"), [("1.2.3", "1.2.3"), (7, "7"), (None, "None")])
+def test_a_file_of_another_key_names_the_version_that_wrote_it(cache, version, said):
+    """The warning names the wsarena version the file's key names, a string as written (without its quotes), a
+    value of another type as Python writes it."""
+    backend = TableBackend(TABLE)
+    search(backend)
+    (path,) = entry_files(cache)
+    _rewrite(path, lambda d: d["key"]["environment"].update(wsarena=version))
+    with pytest.warns(SearchCacheWarning, match="ignoring the search cache file") as caught:
+        search(backend)
+    (message,) = [str(w.message) for w in caught]
+    assert f"{path}: it holds another key (written by wsarena {said}); " in message, message
+
+
 def test_an_entry_whose_workspace_is_damaged_below_what_the_algorithm_needs_is_leased_what_it_needs(cache, fresh_arena):
     """An entry that still parses but records less workspace than an algorithm needs (a digit lost on disk): each
     call of the geometry ran in that lease, which the CPU's algorithms cannot reshape (a ValueError at every call),
