@@ -54,9 +54,10 @@ def test_put_replaces_the_value_makes_it_the_most_recent_and_keeps_the_bound():
     discarded = []
     cache = LRU(2, discard=discarded.append)
     first = cache.get("a", lambda: Thing("a"))
-    cache.get("b", lambda: Thing("b"))
+    b = cache.get("b", lambda: Thing("b"))
     second = Thing("a again")
     cache.put("a", second)  # in place of the first, which whoever holds it still uses: not discarded
+    assert cache.values() == [b, second]  # the most recent by the put itself, before any lookup
     assert cache.lookup("a") is second and len(cache) == 2 and discarded == [] and not first.closed
     cache.put("c", Thing("c"))
     assert "b" not in cache and "a" in cache and "c" in cache and cache.builds == 4
@@ -67,7 +68,7 @@ def test_put_keeps_a_value_the_check_keeps():
     cache = LRU(2, valid=lambda t: not t.closed)
     first = Thing("a")
     assert cache.put("a", first, keep=lambda t: True)  # nothing held: in it goes
-    assert not cache.put("a", Thing("other"), keep=lambda t: t is first) and cache.lookup("a") is first
+    assert cache.put("a", Thing("other"), keep=lambda t: t is first) is False and cache.lookup("a") is first
     assert cache.builds == 1
     first.close()  # no longer valid: not kept, whatever the check says
     again = Thing("again")
@@ -118,9 +119,39 @@ def test_of_two_threads_building_one_key_one_object_wins_and_the_other_is_discar
     assert cache.builds == 1
 
 
+def test_a_value_inserted_while_a_miss_builds_wins_and_becomes_the_most_recent():
+    """What another thread inserts for the key while a miss builds (here the build itself, to order the race) is
+    kept and returned, the built one given to ``discard``, and the key made the most recently used, as a hit makes
+    it."""
+    discarded = []
+    cache = LRU(4, discard=discarded.append)
+    other, b, built = Thing("other"), Thing("b"), Thing("built")
+
+    def build():
+        cache.put("a", other)
+        cache.put("b", b)
+        return built
+
+    assert cache.get("a", build) is other
+    assert discarded == [built] and cache.values() == [b, other]
+
+
+def test_clear_forgets_every_entry_and_closes_none():
+    cache = LRU(4)
+    first = cache.get("a", lambda: Thing("a"))
+    cache.get("b", lambda: Thing("b"))
+    cache.clear()
+    assert len(cache) == 0 and "a" not in cache and cache.values() == [] and not first.closed
+    assert cache.get("a", lambda: Thing("a")) is not first and cache.builds == 3
+
+
 def test_maxsize_must_be_positive():
     with pytest.raises(ValueError, match="maxsize"):
         LRU(0)
+    one = LRU(1)  # the least bound: one entry, the last
+    one.get("a", lambda: Thing("a"))
+    b = one.get("b", lambda: Thing("b"))
+    assert one.values() == [b]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
