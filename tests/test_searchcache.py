@@ -94,7 +94,9 @@ def test_directory_rule_without_platformdirs(monkeypatch, tmp_path):
 
 def test_round_trip_times_nothing_a_second_time(cache):
     backend = TableBackend(TABLE)
+    read, timed = searchcache.counts()
     first = search(backend)
+    assert searchcache.counts() == (read, timed + 1)  # one search, timed
     assert [(c.algo, c.time_ms) for c in first] == [("fft", 3.0), ("gemm", 4.0), ("implicit", 10.0)]
     assert backend.measured == [("fwd", 4)]
     (path,) = entry_files(cache)
@@ -104,6 +106,7 @@ def test_round_trip_times_nothing_a_second_time(cache):
     assert saved["key"]["geometry"]["input_size"] == [8, 8] and saved["key"]["geometry"]["dtype"] == "float32"
     again = search(backend)
     assert again == first and backend.measured == [("fwd", 4)]
+    assert searchcache.counts() == (read + 1, timed + 1)  # one more, answered by the cache
 
 
 def test_an_entry_is_named_by_the_hash_of_its_key_with_sorted_keys(cache):
