@@ -342,3 +342,15 @@ def test_no_descriptor_is_left_open_by_a_read_or_a_refusal(tmp_path):
         with pytest.raises(_files.NotRegularFile):
             _files.read_regular_file(folder / "fifo", look_first=look_first)
     assert open_fds() == before
+
+
+def test_an_unexpanded_home_is_suggested_only_where_the_file_was_not_found(tmp_path, monkeypatch):
+    """The hint answers "No such file or directory" alone: a path that was found but could not be read (no
+    permission, a folder) was the one meant, whatever the home folder holds."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m.json").write_text("{}")
+    missing = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
+    assert _files.unexpanded_home("~/m.json", missing).startswith(" (~ is not expanded")
+    for other in (PermissionError(errno.EACCES, os.strerror(errno.EACCES)), IsADirectoryError(errno.EISDIR, "")):
+        assert _files.unexpanded_home("~/m.json", other) == ""
+    assert _files.unexpanded_home("m.json", missing) == ""  # no ~ to expand
