@@ -949,6 +949,24 @@ def test_the_size_limit_holds_after_every_write_and_the_least_recently_used_go(c
     assert entries_size(cache) >= 0.9 * limit - 10 * biggest  # a trim stops near 90 %: it does not empty the cache
 
 
+def test_a_limit_of_exactly_one_entry_keeps_the_most_recent(cache, monkeypatch):
+    """The most recently used entry stays where it fits the limit alone, a limit of exactly its disk space too."""
+    put(1)
+    put(2)
+    sizes = {on_disk(p) for p in entry_files(cache)}
+    assert len(sizes) == 1  # entries of one block each (or of one size)
+    old = time.time() - 7200
+    for k, path in files_by_channels(cache).items():
+        os.utime(path, (old + k, old + k))  # used before the entry written next, in order
+    monkeypatch.setenv("WSARENA_SEARCH_CACHE_MAX_SIZE", str(sizes.pop()))
+    wsarena._config._reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn of: the entry fits
+        put(3)
+    assert list(files_by_channels(cache)) == [3]
+    assert held(3)
+
+
 def test_writes_list_the_folder_only_when_the_limit_may_be_passed(cache, limit, monkeypatch):
     listings = []
     real_scandir = os.scandir
