@@ -2,6 +2,7 @@
 which would make live leases overlap, is refused in any mode: tests/test_arena_failures.py)."""
 
 import gc
+import re
 import threading
 
 import pytest
@@ -9,6 +10,8 @@ import pytest
 import wsarena
 from wsarena.arena import Arena, _interrupts
 from wsarena.arena._arena import POISON_BYTE
+from wsarena.arena._table import _Table
+from wsarena.arena.providers import Buffer, HostProvider
 from wsarena.arena.testing import RecordingProvider
 
 from .interrupts import interrupt_at_entry_of
@@ -113,3 +116,42 @@ def test_a_poisoning_interrupted_twice_ends_the_lease(arena_kind, key):
     gc.collect()
     assert arena.stats().leases == 0
     assert _usable_by_another_thread(arena, key("L"))
+
+
+class _OverlapsTheFirst(HostProvider):
+    """Host memory, but its second buffer starts 1000 bytes into its first: memory handed out twice."""
+
+    def __init__(self):
+        self.first = None
+
+    def allocate(self, size, *, stream=None):
+        fresh = super().allocate(size, stream=stream)
+        if self.first is None:
+            self.first = fresh
+            return fresh
+        return Buffer(self.first.ptr + 1000, fresh.size, fresh.owner)
+
+
+@pytest.mark.parametrize(("held", "overlaps"), [(1024, True), (1000, False)], ids=["overlapping", "beside"])
+@pytest.mark.parametrize("debug", [False, True], ids=["", "debug"])
+def test_debug_mode_sees_two_live_leases_that_share_bytes(monkeypatch, arena_kind, key, held, overlaps, debug):
+    """Where memory handed out twice got past the check at install (stood in for here by a check that finds nothing),
+    debug mode raises AssertionError at the second lease whose bytes overlap a live lease's on another stream, naming
+    both ranges; only the bytes the live lease asked for count (a lease of 1000 does not reach the second buffer), and
+    outside debug mode nothing is checked."""
+    monkeypatch.setattr(_Table, "holding", lambda self, block: None)
+    upstream = _OverlapsTheFirst()
+    arena = Arena(RecordingProvider(upstream, device_id=arena_kind.device_id))
+    with wsarena.config(debug=debug), arena.lease(held, stream=key("a")) as first:
+        start = upstream.first.ptr
+        assert first.ptr == start
+        second = arena.lease(1024, stream=key("b"))
+        if debug and overlaps:
+            message = (f"a lease of [{start + 1000:#x}, {start + 2024:#x}) on stream {key('b')!r} overlaps the live "
+                       f"lease [{start:#x}, {start + held:#x}) on stream {key('a')!r}")
+            with pytest.raises(AssertionError, match=re.escape(message)), second:
+                pass
+        else:
+            with second as ws:
+                assert ws.ptr == start + 1000
+    assert arena.stats().leases == 0
