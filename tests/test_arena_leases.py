@@ -114,6 +114,17 @@ def test_growth_is_by_the_aligned_request_not_doubling(arena, provider):
     assert (s.allocations, s.growths, s.frees) == (3, 2, 2)  # 70_001 fits the aligned 70_000
 
 
+def test_a_growth_gives_the_outgrown_buffer_back_as_the_lease_begins(arena, provider, key):
+    """The buffer a lease's growth outgrows, which no lease uses, goes back to the provider (on its stream) before the
+    body runs, not only once the lease ends: a long lease does not hold both."""
+    with arena.lease(1000, stream=key("a")):
+        pass
+    first = provider.allocations[0]
+    with arena.lease(5000, stream=key("a")) as ws:
+        assert provider.frees == [(first, key("a"))]
+        assert provider.held == [provider.allocations[1]] and ws.ptr == provider.allocations[1].ptr
+
+
 @pytest.mark.parametrize("n", [1, 255, 256, 257, 4096, 8191, 8192, 10**6, 3 << 20, 64 << 20, (64 << 20) + 1, 10**10])
 def test_aligned_size(n):
     size = aligned_size(n)
