@@ -253,6 +253,30 @@ def test_growth_under_a_live_lease_retires_in_stream_order(arena, provider, key)
     assert len(provider.allocations) == 2
 
 
+def test_a_lease_that_ends_while_another_threads_reserve_grows_its_stream_leaves_that_growth_alone(arena_kind, key):
+    """Another thread's reserve() grows the stream while a lease uses it, and the lease ends while the provider
+    allocates: the reserve's buffer is installed all the same, and the outgrown one, no longer leased, is freed on
+    its stream. (Ending a lease ends its own growth, if one was cut short, and no other.)"""
+    provider = GatedProvider(device_id=arena_kind.device_id)
+    provider.gate.set()
+    arena = Arena(provider)
+    lease = arena.lease(1000, stream=key("s"))
+    lease.__enter__()
+    provider.gate.clear()
+    provider.allocating.clear()
+    grower = threading.Thread(target=arena.reserve, args=(1 << 20,), kwargs={"stream": key("s")})
+    grower.start()
+    assert provider.allocating.wait(10)
+    lease.__exit__(None, None, None)
+    provider.gate.set()
+    grower.join(10)
+    assert arena.held_bytes(stream=key("s")) == 1 << 20
+    first, grown = provider.allocations
+    assert provider.held == [grown] and provider.frees == [(first, key("s"))]
+    with arena.lease(1 << 20, stream=key("s")) as ws:
+        assert ws.ptr == grown.ptr and len(provider.allocations) == 2
+
+
 def test_a_larger_lease_from_another_thread_waits_then_grows(arena, provider, key):
     """Another thread's larger lease on the stream waits for the live lease to end, then grows the buffer; the
     outgrown one, no longer leased, is freed at once on its stream."""
