@@ -14,6 +14,7 @@ from wsarena.arena._table import _Table
 from wsarena.arena.providers import Buffer, HostProvider
 from wsarena.arena.testing import RecordingProvider
 
+from .arena_helpers import wait_for_a_waiter
 from .interrupts import interrupt_at_entry_of
 
 
@@ -116,6 +117,53 @@ def test_a_poisoning_interrupted_twice_ends_the_lease(arena_kind, key):
     gc.collect()
     assert arena.stats().leases == 0
     assert _usable_by_another_thread(arena, key("L"))
+
+
+class _FillWaits(RecordingProvider):
+    """Its fills (the poisoning of a lease's bytes) wait at ``gate`` once it is cleared, so that a test can act
+    meanwhile."""
+
+    def __init__(self, device_id=None):
+        super().__init__(device_id=device_id)
+        self.filling, self.gate = threading.Event(), threading.Event()
+        self.gate.set()
+
+    def fill(self, buffer, value, nbytes, *, stream):
+        self.filling.set()
+        assert self.gate.wait(10)
+        super().fill(buffer, value, nbytes, stream=stream)
+
+
+def test_a_lease_whose_holder_goes_while_its_bytes_are_poisoned_is_not_ended_by_another_thread(arena_kind, key):
+    """What held the lease (the ``__exit__`` a with statement looked up, here by hand) goes while its release poisons
+    the bytes: another thread's lease of the lane waits for the poisoning to end, rather than end the lease as one
+    that nothing can release any more and take the bytes that are being filled."""
+    provider = _FillWaits(device_id=arena_kind.device_id)
+    arena = Arena(provider)
+    with wsarena.config(debug=True):
+        lease = arena.lease(1024, stream=key("L"))
+    holder = lease.__exit__  # what a with statement holds the lease by
+    lease.__enter__()
+    provider.gate.clear()
+    ender = threading.Thread(target=lease.__exit__, args=(None, None, None))
+    ender.start()
+    assert provider.filling.wait(10)
+    del holder
+    gc.collect()
+    outcome = []
+
+    def other():
+        with arena.lease(1024, stream=key("L")) as ws:
+            outcome.append(bool((ws.array == POISON_BYTE).all()))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    wait_for_a_waiter(arena, key("L"), timeout=5)
+    assert outcome == [] and arena.stats().leases == 1
+    provider.gate.set()
+    ender.join(10)
+    thread.join(10)
+    assert outcome == [True] and arena.stats().leases == 0
 
 
 class _OverlapsTheFirst(HostProvider):
