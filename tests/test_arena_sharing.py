@@ -1,6 +1,7 @@
 """One lease per stream at a time, on either kind of arena: a nested lease is refused, other threads wait, and
 a buffer outgrown under a live lease is retired until that lease ends."""
 
+import gc
 import threading
 import time
 import warnings
@@ -46,6 +47,22 @@ def test_nested_lease_on_own_stream_is_a_clear_error_and_changes_nothing(arena, 
         assert snapshot(arena) == before
         with arena.lease(100, stream=key("inner")):  # another stream is fine
             pass
+
+
+def test_a_lease_ended_for_want_of_a_holder_reads_as_released_when_its_own_exit_comes(arena, key):
+    """What held a lease (the ``__exit__`` a with statement looked up, here by hand) went without running: the arena's
+    next look ends the lease, and the lease's own ``__exit__``, called afterwards, finds it ended and marks it
+    released, its array no longer usable, where it stayed live."""
+    ws = arena.lease(1000, stream=key("a"))
+    holder = ws.__exit__
+    ws.__enter__()
+    del holder
+    gc.collect()
+    assert arena.stats().leases == 0
+    ws.__exit__(None, None, None)
+    assert repr(ws).endswith("released>") and arena.stats().leases == 0
+    with pytest.raises(RuntimeError, match="inside its lease"):
+        _ = ws.array
 
 
 class _Stream3:
