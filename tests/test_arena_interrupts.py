@@ -566,6 +566,18 @@ def test_an_interrupt_as_a_lease_starts_its_growth_leaves_the_stream_free(arena,
         pass
 
 
+def test_an_interrupt_as_a_lease_entered_by_hand_starts_its_growth_ends_that_growth(arena, provider, key):
+    """As above, with the lease entered by hand: the Workspace, which held the lease and its growth, lives on after
+    the interrupt, so only the release that follows the failed entry can end the growth it began. The stream grows
+    for the next lease, in this thread too, where a growth left under way would be this thread's own."""
+    ws = arena.lease(4096, stream=key("L"))
+    with interrupt_at_entry_of(Arena._grow), pytest.raises(KeyboardInterrupt, match="_grow"):
+        ws.__enter__()
+    assert provider.allocations == [] and arena.stats().leases == 0
+    with arena.lease(4096, stream=key("L")) as again:
+        assert again.nbytes == 4096 and len(provider.allocations) == 1
+
+
 def test_a_workspace_dropped_while_it_holds_its_stream_gives_the_stream_back(arena, provider, key):
     """The backstop for an interrupt that lands before a release can start (on __exit__'s first instruction):
     the lease ends when its Workspace is dropped."""
