@@ -239,3 +239,78 @@ def test_a_pin_cuda_never_took_reads_released_and_its_semaphore_is_freed(monkeyp
     gc.collect()
     _pins.free_posted()  # what the next pin made, or an arena closed, runs
     assert frees == [address]
+
+
+def test_the_legacy_stream_beside_a_capture_is_a_capture_error_and_other_cuda_errors_pass_through(cuda, monkeypatch):
+    """CuPy's streamIsCapturing raises cudaErrorStreamCaptureImplicit (906) for the legacy default stream while another
+    stream of the device is captured: that is the CaptureError that says which stream to pass. Any other CUDA error
+    of the question is CuPy's own."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    status = []
+
+    def refuse(stream):
+        raise runtime.CUDARuntimeError(status[0])
+
+    monkeypatch.setattr(runtime, "streamIsCapturing", refuse)
+    status.append(906)
+    with pytest.raises(CaptureError, match=r"legacy default stream \(0\) cannot be used .*pass the capturing stream"):
+        capture_of(0)
+    status[0] = 400  # cudaErrorInvalidResourceHandle
+    with pytest.raises(runtime.CUDARuntimeError) as caught:
+        capture_of(S1)
+    assert caught.value.status == 400 and not isinstance(caught.value, CaptureError)
+
+
+def test_a_failed_capture_info_query_is_a_cuda_error(cuda, monkeypatch):
+    """cudaStreamGetCaptureInfo fails: a ``wsarena.CudaError`` naming the call and CUDA's error, not an answer made
+    of what it returned with the error."""
+    from cuda.bindings import runtime as rt
+
+    cuda.state = rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive
+    monkeypatch.setattr(
+        rt, "cudaStreamGetCaptureInfo",
+        lambda stream: (rt.cudaError_t.cudaErrorInvalidValue, cuda.state, 7, "graph", [], [], 0),
+    )
+    with pytest.raises(CudaError, match="cudaStreamGetCaptureInfo failed: cudaErrorInvalidValue"):
+        capture_of(S1)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["held", "refused"])
+def test_a_pin_the_graph_refuses_to_retain_is_released_and_its_error_named(monkeypatch, fails):
+    """cudaGraphRetainUserObject fails: the user object made for the pin is released (its one reference: CUDA runs
+    the destructor, and the pin reads as released) and the failure is a ``wsarena.CudaError`` naming the call.
+    Retained, the object's one reference is the graph's: nothing is released."""
+    import gc
+
+    from cuda.bindings import runtime as rt
+
+    from wsarena.arena import _pins
+
+    gc.collect()  # other tests' pins go now, not under the patch below
+    _pins.free_posted()
+    monkeypatch.setattr(_pins, "_free", lambda address: None)  # never freed for real here: a test pin
+    monkeypatch.setattr(_pins, "_unposted", {})  # those of other tests' pins are theirs
+    pin = _pins.GraphPin()
+    released = []
+
+    def release(obj, count):
+        released.append((obj, count))
+        return (rt.cudaError_t.cudaSuccess,)
+
+    error = rt.cudaError_t.cudaErrorInvalidValue if fails else rt.cudaError_t.cudaSuccess
+    monkeypatch.setattr(rt, "cudaUserObjectCreate", lambda *args: (rt.cudaError_t.cudaSuccess, "object"))
+    monkeypatch.setattr(rt, "cudaGraphRetainUserObject", lambda graph, obj, count, flags: (error,))
+    monkeypatch.setattr(rt, "cudaUserObjectRelease", release)
+    if fails:
+        with pytest.raises(CudaError, match="cudaGraphRetainUserObject failed: cudaErrorInvalidValue"):
+            _capture.CudaCapture(7, "graph").retain(pin)
+        assert released == [("object", 1)]
+    else:
+        _capture.CudaCapture(7, "graph").retain(pin)
+        assert released == []
+    pin.never_held()  # a test pin: posted here, so that it is let go as a released one is
+    del pin
+    gc.collect()
+    _pins.free_posted()
