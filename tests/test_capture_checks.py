@@ -300,8 +300,18 @@ def test_a_pin_the_graph_refuses_to_retain_is_released_and_its_error_named(monke
         return (rt.cudaError_t.cudaSuccess,)
 
     error = rt.cudaError_t.cudaErrorInvalidValue if fails else rt.cudaError_t.cudaSuccess
-    monkeypatch.setattr(rt, "cudaUserObjectCreate", lambda *args: (rt.cudaError_t.cudaSuccess, "object"))
-    monkeypatch.setattr(rt, "cudaGraphRetainUserObject", lambda graph, obj, count, flags: (error,))
+    calls = []
+
+    def create(address, destroy, count, flags):
+        calls.append(("create", address, count, flags))
+        return rt.cudaError_t.cudaSuccess, "object"
+
+    def retain(graph, obj, count, flags):
+        calls.append(("retain", graph, obj, count, flags))
+        return (error,)
+
+    monkeypatch.setattr(rt, "cudaUserObjectCreate", create)
+    monkeypatch.setattr(rt, "cudaGraphRetainUserObject", retain)
     monkeypatch.setattr(rt, "cudaUserObjectRelease", release)
     if fails:
         with pytest.raises(CudaError, match="cudaGraphRetainUserObject failed: cudaErrorInvalidValue"):
@@ -310,6 +320,11 @@ def test_a_pin_the_graph_refuses_to_retain_is_released_and_its_error_named(monke
     else:
         _capture.CudaCapture(7, "graph").retain(pin)
         assert released == []
+    # one reference, made with the object and moved to the graph: the graph's destruction runs the destructor
+    assert calls == [
+        ("create", pin.address, 1, rt.cudaUserObjectFlags.cudaUserObjectNoDestructorSync),
+        ("retain", "graph", "object", 1, rt.cudaUserObjectRetainFlags.cudaGraphUserObjectMove),
+    ]
     pin.never_held()  # a test pin: posted here, so that it is let go as a released one is
     del pin
     gc.collect()
