@@ -10,13 +10,14 @@ import sys
 import textwrap
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
 
 import wsarena._config
 import wsarena.arena._arena as arena_module
-from wsarena.arena import Arena, _lifecycle
+from wsarena.arena import Arena, HostProvider, _lifecycle
 from wsarena.arena._stats import aligned_size
 from wsarena.arena.streams import ThreadLane
 from wsarena.arena.testing import FakeStream, RecordingProvider
@@ -476,6 +477,31 @@ def test_a_device_arena_in_a_forked_child_refuses_leases_with_the_error_get_aren
 
     assert fork(in_the_child)() == [(True, True, "this arena's device memory belongs to the parent")] * 2
     device.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_forked_child_keeps_the_parents_device_buffers_and_drops_its_host_buffers():
+    """A child starts its arenas again: a device arena's buffers of the parent stay referenced for good (dropped,
+    their owners would free the parent's device memory through CUDA, which cannot run in the child), and a host
+    arena's copies are dropped (copy-on-write pages of the child's own). (Providers that keep no record of what they
+    handed out: the arena alone refers to its buffers.)"""
+
+    class DeviceProvider(HostProvider):  # as a device's provider, over host memory
+        device_id = 0
+
+    device, host = Arena(DeviceProvider()), Arena(HostProvider())
+    device.reserve(1000, stream=S1)
+    host.reserve(1000, stream="lane")
+    owners = [weakref.ref(arena._subs[key].block.buffer.owner) for arena, key in ((device, S1), (host, "lane"))]
+
+    def in_the_child():
+        gc.collect()
+        return [owner() is not None for owner in owners], device.held_bytes(stream=S1), host.held_bytes(stream="lane")
+
+    assert fork(in_the_child)() == ([True, False], 0, 0)
+    assert [owner() is not None for owner in owners] == [True, True]  # the parent's own, untouched
+    device.close()
+    host.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
