@@ -566,6 +566,27 @@ def test_a_collected_arenas_free_with_no_stream_waits_for_a_capture_it_knew():
     assert freed_on(provider) == [(unpinned, None), (pinned, None)] and provider.held == []
 
 
+def test_a_collected_arena_frees_a_buffer_it_outgrew_while_a_graph_held_it_with_no_stream():
+    """A buffer outgrown while a graph held it is kept for the graph, with its stream; then the arena is collected,
+    and its streams may be gone with it: once the graph is gone, that buffer is freed with no stream, as the collected
+    arena's other buffers are, not on a stream that may have been destroyed (or whose handle another has now)."""
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    graph, pinned = capture_a_lease(provider, arena)
+    arena.reserve(5000, stream=S1)  # outgrows the pinned buffer, which is kept for the graph
+    grown = arena._subs[S1].block.ptr
+    assert provider.frees == [] and arena.stats().pinned_bytes == 1024
+    del arena
+    gc.collect()
+    successor = Arena(provider)
+    successor.stats()
+    assert freed_on(provider) == [(grown, None)]  # the graph may still be replayed
+    graph.close()
+    successor.stats()
+    assert freed_on(provider) == [(grown, None), (pinned, None)] and provider.held == []
+
+
 @pytest.mark.parametrize("trigger", ["stats", "trim", "growth"])
 def test_a_closed_arena_nothing_refers_to_frees_what_a_graph_held_once_the_graph_is_gone(trigger):
     """get_arena() replaces a closed arena, and nothing refers to the closed one then: the buffers its graphs held
