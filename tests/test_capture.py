@@ -566,6 +566,21 @@ def test_a_collected_arenas_free_with_no_stream_waits_for_a_capture_it_knew():
     assert freed_on(provider) == [(unpinned, None), (pinned, None)] and provider.held == []
 
 
+def test_a_buffer_outgrown_while_a_graph_held_it_is_freed_on_its_stream_and_counted_once_the_graph_is_gone():
+    """The buffer kept for a graph after its stream outgrew it goes once the graph is gone: on its stream, which the
+    live arena still serves, and counted in the stats' frees as any free is."""
+    provider = RecordingProvider(device_id=0)
+    arena = Arena(provider)
+    arena.reserve(1000, stream=S1)
+    graph, pinned = capture_a_lease(provider, arena)
+    arena.reserve(5000, stream=S1)  # outgrows the pinned buffer, which is kept for the graph
+    before = arena.stats()
+    assert (before.frees, before.pinned_bytes, provider.frees) == (0, 1024, [])
+    graph.close()
+    after = arena.stats()
+    assert (after.frees, after.pinned_bytes, freed_on(provider)) == (1, 0, [(pinned, S1)])
+
+
 def test_a_collected_arena_frees_a_buffer_it_outgrew_while_a_graph_held_it_with_no_stream():
     """A buffer outgrown while a graph held it is kept for the graph, with its stream; then the arena is collected,
     and its streams may be gone with it: once the graph is gone, that buffer is freed with no stream, as the collected
