@@ -115,6 +115,7 @@ def test_after_two_refusals_a_caller_with_a_fallback_waits_a_hundred_times_the_r
     assert arena.defers_growth(50_000, stream=key("s")) and arena.defers_growth(1 << 20, stream=key("t"))
     assert arena.defers_growth(50_000, stream=key("s"), fallback=8192)  # the fallback fits what "s" holds
     assert not arena.defers_growth(50_000, stream=key("t"), fallback=8192)  # "t" holds nothing: it would grow too
+    assert not arena.defers_growth(50_000, stream=key("t"), fallback=1)  # even for a single byte
     assert not arena.defers_growth(20_000, stream=key("s"))  # less than was refused: worth asking
     assert not arena.defers_growth(8192, stream=key("s"))  # held already: no growth at all
     clock.now += 0.99
