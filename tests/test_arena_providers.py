@@ -276,3 +276,38 @@ def test_a_device_cuda_refuses_leaves_cupys_device_stack_as_it_was():
                 call()
             assert (gpu.current_device(), gpu.cupy.thread().entered) == (0, []), name
         assert buffer.owner is not None
+
+
+def test_async_provider_hands_its_resource_cuda_cores_object_for_each_stream(monkeypatch):
+    """The resource allocates on cuda.core's own objects for the legacy default stream (0) and the per-thread default
+    stream (2), and on one over the handle for any other. (cuda.core, which needs a driver to import, is a stand-in
+    here.) A device provider reads as its class and device, as errors quote it."""
+    import sys
+    import types
+
+    import cupy
+
+    from wsarena.arena import AsyncProvider, CupyProvider
+
+    class Stream:
+        @staticmethod
+        def from_handle(handle):
+            return ("stream over", handle)
+
+    core = types.SimpleNamespace(LEGACY_DEFAULT_STREAM="legacy", PER_THREAD_DEFAULT_STREAM="per-thread", Stream=Stream)
+    monkeypatch.setitem(sys.modules, "cuda.core", core)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())  # no GPU here
+
+    class Resource:
+        def __init__(self):
+            self.streams = []
+
+        def allocate(self, size, *, stream):
+            self.streams.append(stream)
+            return types.SimpleNamespace(handle=0x1000 + size)
+
+    provider = AsyncProvider(0, resource=Resource())
+    for handle in (0, 2, 0x51):
+        assert provider.allocate(256, stream=handle).ptr == 0x1100
+    assert provider.resource.streams == ["legacy", "per-thread", ("stream over", 0x51)]
+    assert repr(provider) == "AsyncProvider(device=0)" and repr(CupyProvider(1)) == "CupyProvider(device=1)"
