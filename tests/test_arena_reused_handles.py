@@ -531,3 +531,13 @@ def test_a_watcher_that_dies_as_the_capture_blocks_object_takes_its_place_orphan
     provider.end_capture(graph)
     unwatch_capture(arena, block)
     graph.close()
+
+
+def test_close_frees_a_dead_streams_buffer_with_no_stream(provider):
+    """The stream object died and no call has looked at the arena since: close() frees its buffer with no stream (the
+    provider waits for the device), not on its handle, which may name another stream by now."""
+    arena = Arena(provider)
+    ptr = dead_stream_leased(arena)
+    assert provider.frees == []  # its death is queued, not yet seen
+    arena.close()
+    assert freed_on(provider) == [(ptr, None)] and provider.held == []
