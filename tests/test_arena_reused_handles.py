@@ -541,3 +541,19 @@ def test_close_frees_a_dead_streams_buffer_with_no_stream(provider):
     assert provider.frees == []  # its death is queued, not yet seen
     arena.close()
     assert freed_on(provider) == [(ptr, None)] and provider.held == []
+
+
+def test_a_buffer_kept_for_a_graph_is_freed_with_no_stream_once_its_stream_died(provider):
+    """A buffer outgrown while a graph held it is kept for the graph with its stream; the stream object dies, then the
+    graph goes: the buffer is freed with no stream, as the dead stream's other buffers are, not on its handle."""
+    arena = Arena(provider)
+    stream = FakeStream(H)
+    arena.reserve(1000, stream=stream)
+    graph, pinned = capture_a_lease(provider, arena, stream=stream)
+    arena.reserve(5000, stream=stream)  # outgrows the pinned buffer, which is kept for the graph
+    grown = arena._subs[H].block.ptr
+    del stream
+    gc.collect()
+    graph.close()
+    arena.trim()
+    assert sorted(freed_on(provider)) == sorted([(grown, None), (pinned, None)]) and provider.held == []
