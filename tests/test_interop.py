@@ -21,6 +21,7 @@ import pytest
 
 import wsarena
 from wsarena import _interop, conv_backward_data, conv_backward_filter, conv_forward, ops
+from wsarena._dlpack import BFLOAT16, INT16, Export
 from wsarena._pass import Pass
 from wsarena._sizes import short_repr
 from wsarena.arena import streams
@@ -489,6 +490,19 @@ def test_out_through_a_dlpack_major_version_after_1_is_refused_unread(fresh_aren
     assert not np.any(out.array)
 
 
+def test_an_export_that_asks_for_no_writes_takes_a_read_only_one():
+    """What reads an operand (and hands a result back) asks no writes of its export: a legacy capsule, and one
+    flagged read-only, are imported, unchanged where their dtype is not the one to retype."""
+    frozen = np.arange(6, dtype=np.int16)
+    frozen.flags.writeable = False  # exported with DLPack 1.0's read-only flag (NumPy exports it in no legacy one)
+    for exporter in (_Foreign(frozen), _Legacy(frozen.copy())):
+        array = exporter.array
+        export = Export(exporter, retype=(BFLOAT16, INT16))
+        view = np.from_dlpack(export)
+        assert view.dtype == np.int16 and view.ctypes.data == array.ctypes.data and np.array_equal(view, array)
+        assert not export.retyped
+
+
 def test_bfloat16_crosses_dlpack_as_int16_both_ways():
     """NumPy neither imports nor exports DLPack's bfloat16: it travels as int16, relabelled, without a copy."""
     if not TORCH_DLPACK_1:
@@ -502,6 +516,22 @@ def test_bfloat16_crosses_dlpack_as_int16_both_ways():
     assert back.dtype == torch.bfloat16 and back.data_ptr() == tensor.data_ptr() and torch.equal(back, tensor)
     with pytest.raises(TypeError, match="x has dtype bfloat16: the cpu backend computes in float32 or float64"):
         conv_forward(_Foreign(tensor), _Foreign(tensor), **KW)
+
+
+def test_a_host_result_bound_for_another_library_lies_on_a_64_byte_boundary():
+    """Where JAX (XLA) takes host memory without a copy: the ops allocate there what goes back to another library,
+    whatever the result's size, while a NumPy caller's result is NumPy's own."""
+    for batch in (1, 2, 3, 5, 7):
+        x, w, dy = problem()
+        x, dy = np.repeat(x, batch, axis=0)[:batch], np.repeat(dy, batch, axis=0)[:batch]
+        tx, tw, tdy = (torch.from_numpy(a) for a in (x, w, dy))
+        results = (conv_forward(tx, tw, **KW), conv_backward_data(tdy, tw, x.shape, **KW),
+                   conv_backward_filter(tx, tdy, w.shape, **KW))
+        refs = (ref_conv_forward(x, w, **KW), ref_conv_backward_data(dy, w, x.shape, **KW),
+                ref_conv_backward_filter(x, dy, w.shape, **KW))
+        for result, ref in zip(results, refs):
+            assert isinstance(result, torch.Tensor) and result.data_ptr() % 64 == 0, (batch, result.shape)
+            assert rel_err(result, ref) <= TOL["float64"]
 
 
 def test_one_record_per_signature_whichever_library_and_numpy_stays_on_the_direct_path():
