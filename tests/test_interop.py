@@ -503,6 +503,35 @@ def test_an_export_that_asks_for_no_writes_takes_a_read_only_one():
         assert not export.retyped
 
 
+class _Renamed(_Foreign):
+    """A DLPack exporter whose capsules bear a name other than DLPack's (as a consumed capsule does)."""
+
+    def __dlpack__(self, **kwargs):
+        capsule = self.array.__dlpack__(**kwargs)
+        set_name = ctypes.pythonapi.PyCapsule_SetName
+        set_name.argtypes = (ctypes.py_object, ctypes.c_char_p)
+        set_name(capsule, b"used_dltensor_versioned")
+        return capsule
+
+
+def test_a_capsule_an_export_cannot_read_goes_to_the_importer_as_it_is():
+    """A capsule of a major version after 1, or of a name DLPack does not give, is not read where no write is
+    asked: the importer gets the producer's capsule and says what it makes of it."""
+    for kind in (_NextMajor, _Renamed):
+
+        class Kept(kind):  # keeps the capsules it gives
+            capsules: ClassVar[list] = []
+
+            def __dlpack__(self, **kwargs):
+                self.capsules.append(super().__dlpack__(**kwargs))
+                return self.capsules[-1]
+
+        export = Export(Kept(np.zeros(3)), retype=(BFLOAT16, INT16))
+        assert export.__dlpack__(max_version=(1, 0)) is Kept.capsules[0] and not export.retyped
+    with pytest.raises(TypeError, match=r"^x cannot be viewed as a NumPy array without a copy: .*version"):
+        conv_forward(_NextMajor(np.zeros((1, 1, 3, 3))), np.ones((1, 1, 1, 1)))
+
+
 def test_bfloat16_crosses_dlpack_as_int16_both_ways():
     """NumPy neither imports nor exports DLPack's bfloat16: it travels as int16, relabelled, without a copy."""
     if not TORCH_DLPACK_1:
