@@ -764,6 +764,7 @@ def test_a_cuda_tensor_is_viewed_over_its_own_memory_as_dlpack_would_view_it(mak
     assert str(view.dtype) == str(tensor.dtype).removeprefix("torch.")
     as_int, np_int = _BYTES[size]
     extent = sum((n - 1) * st for n, st in zip(view.shape, view.strides)) + size
+    assert view.data.mem.size == extent  # the memory it claims: the bytes from the first element to the last
     memory = (ctypes.c_char * extent).from_address(view.data.ptr)
     seen = np.ndarray(view.shape, np_int, buffer=memory, strides=view.strides)
     assert np.array_equal(seen, tensor.view(as_int).numpy())  # every element the tensor's
