@@ -21,7 +21,7 @@ import pytest
 
 import wsarena
 from wsarena import _interop, conv_backward_data, conv_backward_filter, conv_forward, ops
-from wsarena._dlpack import BFLOAT16, INT16, Export
+from wsarena._dlpack import BFLOAT16, INT16, READ_ONLY, DLManagedTensorVersioned, Export, ReadOnlyExport
 from wsarena._pass import Pass
 from wsarena._sizes import short_repr
 from wsarena.arena import streams
@@ -530,6 +530,33 @@ def test_a_capsule_an_export_cannot_read_goes_to_the_importer_as_it_is():
         assert export.__dlpack__(max_version=(1, 0)) is Kept.capsules[0] and not export.retyped
     with pytest.raises(TypeError, match=r"^x cannot be viewed as a NumPy array without a copy: .*version"):
         conv_forward(_NextMajor(np.zeros((1, 1, 3, 3))), np.ones((1, 1, 1, 1)))
+
+
+class _Made:
+    """A DLPack 1.0 exporter of a capsule made here, over a struct whose flags are ``flags`` and whose 64 preceding
+    bytes are each ``before``: an export that read another word than the flags would give another answer. No importer
+    consumes it."""
+
+    _new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+        ("PyCapsule_New", ctypes.pythonapi)
+    )
+
+    def __init__(self, flags, before):
+        self.buffer = (ctypes.c_uint8 * (64 + ctypes.sizeof(DLManagedTensorVersioned)))(*[before] * 64)
+        managed = DLManagedTensorVersioned.from_buffer(self.buffer, 64)
+        managed.version.major, managed.flags = 1, flags
+        self.address = ctypes.addressof(managed)
+
+    def __dlpack__(self, **kwargs):
+        return self._new(self.address, b"dltensor_versioned", None)
+
+
+def test_an_export_reads_the_read_only_flag_where_it_lies():
+    writable, frozen = _Made(flags=0, before=0xFF), _Made(flags=READ_ONLY, before=0)
+    assert ctypes.pythonapi.PyCapsule_IsValid(ctypes.py_object(Export(writable, writable=True).__dlpack__()),
+                                              b"dltensor_versioned")
+    with pytest.raises(ReadOnlyExport, match=r"^its DLPack export is read-only \(flagged so\)$"):
+        Export(frozen, writable=True).__dlpack__()
 
 
 def test_bfloat16_crosses_dlpack_as_int16_both_ways():
