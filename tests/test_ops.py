@@ -1168,3 +1168,19 @@ def test_a_dtype_in_the_other_byte_order_is_refused_by_the_ops_and_the_planner_a
     # a dtype in the machine's byte order is one name to both
     native = np.dtype("float32").newbyteorder("=")
     assert ops._dtype_name("x", native) == wsarena._geometry.dtype_name(native) == "float32"
+
+
+def test_a_repeated_call_chooses_its_algorithm_once_until_the_algorithm_cache_is_cleared(monkeypatch):
+    """A call signature's record keeps the choice: a repeated call asks select() nothing, until cache_clear()
+    forgets every choice, records' included."""
+    chose = []
+    select = ops.select
+    monkeypatch.setattr(ops, "select", lambda *args, **kwargs: chose.append(args[1]) or select(*args, **kwargs))
+    x, w = np.ones((1, 2, 5, 5), np.float32), np.ones((3, 2, 3, 3), np.float32)
+    for _ in range(3):
+        np.testing.assert_array_equal(conv_forward(x, w), np.full((1, 3, 3, 3), 18, np.float32))
+    assert chose == ["fwd"]
+    wsarena.algos.cache_clear()
+    np.testing.assert_array_equal(conv_forward(x, w), np.full((1, 3, 3, 3), 18, np.float32))
+    np.testing.assert_array_equal(conv_forward(x, w), np.full((1, 3, 3, 3), 18, np.float32))
+    assert chose == ["fwd", "fwd"]
