@@ -677,6 +677,8 @@ W = np.zeros((2, 4, 3, 3), np.float32)
         (lambda: conv_forward(X, W, out=np.zeros((1, 2, 4, 4), np.float64)), TypeError, "out has dtype"),
         (lambda: conv_forward(X, W, out=np.zeros((1, 2, 4, 4, 2), np.float32)[..., 0]), ValueError, "C-contiguous"),
         (lambda: conv_forward(X, W, out=_read_only((1, 2, 4, 4))), ValueError, "out is read-only"),
+        (lambda: conv_forward(X, W, out=np.ma.zeros((1, 2, 4, 4), np.float32)), TypeError,
+         "^out must be a NumPy array, not MaskedArray$"),
         (lambda: conv_forward(X, W, algo="winograd"), ValueError, "algo='winograd'"),
         (lambda: conv_forward(X, np.zeros((4, 4, 1, 1), np.float32), out=X), ValueError, "overlaps an input"),
         (lambda: conv_forward(X, w := W.copy(), out=_over(w, (1, 2, 4, 4))), ValueError, "overlaps an input"),
