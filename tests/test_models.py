@@ -1316,6 +1316,63 @@ def test_onnx_impossible_geometry(tmp_path):
         load_model(path)
 
 
+@pytest.mark.parametrize("mode", ["widen", "error"])
+def test_onnx_asymmetric_pads_that_leave_no_output_are_refused_as_symmetric_ones_are(tmp_path, mode):
+    """Only the widened pad (a Conv's) or the smaller one (a ConvTranspose's) was compared with the kernel: a conv
+    whose ONNX output is empty became a 1x1 layer under asymmetric_pads="widen", and under "error" it was refused for
+    its pads, suggesting "widen". What the pads as written leave is what counts, in either mode."""
+    def model(name, op, x_shape, w_shape, pads):
+        nodes = [conv("c", "x", "w", "y", op=op, pads=pads)]
+        return save(tmp_path, nodes, [vi("x", x_shape)], [weight("w", w_shape)], name=name)
+
+    convs = {pads: model(f"conv{pads[0]}{pads[2]}.onnx", "Conv", [1, 3, 1, 1], (4, 3, 3, 3), list(pads))
+             for pads in ((0, 0, 1, 1), (0, 0, 2, 2))}
+    ups = {pads: model(f"up{pads[0]}{pads[2]}.onnx", "ConvTranspose", [1, 6, 1, 1], (6, 4, 3, 3), list(pads))
+           for pads in ((1, 1, 2, 2), (0, 0, 2, 2))}
+    # onnx's inference: a 1x1 input and a 3x3 kernel leave no output position under the first pads, one under the second
+    for empty, one in (convs.values(), ups.values()):
+        assert (inferred_output(empty, "y"), inferred_output(one, "y")) == ((1, 4, 0, 0), (1, 4, 1, 1))
+    # a Conv: as under symmetric pads (test_onnx_impossible_geometry), the layer's error, which skip_unknown keeps
+    for skip in (False, True):
+        with pytest.raises(ModelError, match=re.escape("layer 'c': kernel (3, 3) (dilation (1, 1)) is larger than the "
+                                                       "padded input (2, 2) in dimension 0")):
+            load_model(convs[0, 0, 1, 1], asymmetric_pads=mode, skip_unknown=skip)
+    # a ConvTranspose: as under symmetric pads, a node that cannot be planned, which skip_unknown leaves out
+    with pytest.raises(ModelError, match=re.escape("1 conv node(s) cannot be planned: 'c' (padding [1, 1]/[2, 2] "
+                                                   "leaves no output) (skip them with skip_unknown=True")):
+        load_model(ups[1, 1, 2, 2], asymmetric_pads=mode)
+    # one output position left is a layer (widened, the extra sliced off) or, under "error", asymmetric pads
+    if mode == "widen":
+        assert [(l.input_shape, l.padding) for l in load_model(convs[0, 0, 2, 2])] == [((1, 3, 1, 1), (2, 2))]
+        assert [(l.input_shape, l.padding) for l in load_model(ups[0, 0, 2, 2])] == [((1, 4, 3, 3), (0, 0))]
+    else:
+        for path in (convs[0, 0, 2, 2], ups[0, 0, 2, 2]):
+            with pytest.raises(ModelError, match=re.escape("'c' (asymmetric pads (begin [0, 0], end [2, 2]))")):
+                load_model(path, asymmetric_pads=mode)
+
+
+def test_onnx_a_conv_whose_output_is_impossible_is_named_not_the_next_one(tmp_path):
+    """A conv on an empty input ([1, 3, 0, 16]) with a 3x3 kernel and no pads has an output of negative size, which
+    onnx's inference carries on: the next conv's input got a negative dim, and the error named that conv. The first
+    one is a broken node, as one of a kernel past a non-empty input is, not an empty conv that skip_unknown leaves
+    out."""
+    nodes = [conv("a", "x", "w1", "y"), conv("b", "y", "w2", "z")]
+    path = save(tmp_path, nodes, [vi("x", [1, 3, 0, 16])], [weight("w1", (4, 3, 3, 3)), weight("w2", (8, 4, 3, 3))])
+    assert inferred_output(path, "y") == (1, 4, -2, 14)
+    for skip in (False, True):
+        with pytest.raises(ModelError, match=re.escape("layer 'a': kernel (3, 3) (dilation (1, 1)) is larger than the "
+                                                       "padded input (0, 16) in dimension 0")):
+            load_model(path, skip_unknown=skip)
+    # padded, the outputs are empty, not impossible: empty convs
+    nodes = [conv("a", "x", "w1", "y", pads=[1, 1, 1, 1]), conv("b", "y", "w2", "z", pads=[1, 1, 1, 1])]
+    padded = save(tmp_path, nodes, [vi("x", [1, 3, 0, 16])], [weight("w1", (4, 3, 3, 3)), weight("w2", (8, 4, 3, 3))],
+                  name="padded.onnx")
+    with pytest.raises(ModelError, match=re.escape("2 conv node(s) cannot be planned: 'a' (input shape [1, 3, 0, 16] "
+                                                   "has a zero dimension, which wsarena's ops refuse); 'b' (input "
+                                                   "shape [1, 4, 0, 16] has a zero dimension")):
+        load_model(padded)
+
+
 @pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
 def test_onnx_empty_convs_are_unsupported_as_the_ops_refuse_them(tmp_path):
     # ONNX allows a conv of no output channels (an empty tensor, and an empty input for the conv after it); wsarena's

@@ -33,18 +33,21 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   ``input_shapes`` (``--input-shape`` on the command line) before inference; the error suggests it only when a graph
   input's shape is not fixed.
 * A convolution with a zero in its weight's or its input's dims (the batch aside), an empty one, which ONNX allows,
-  is refused by wsarena's ops as by PyTorch's: it is treated like an unknown shape. So is one whose input, weight or
-  bias is of an element type its operator does not take at the model's opset, as the installed onnx's schema of
-  that version says (an integer, a bool, a string; bfloat16 before opset 22), or whose input, weight and bias are
-  not of one type (a float input, a float16 weight), which the operator's one type ``T`` forbids; onnxruntime
-  refuses such a model. A type is a graph input's or an initializer's, or the one inference gives a node's output
-  from theirs (a Cast's, a Constant's, a QuantizeLinear's); a value_info's type is an annotation, and is not read.
+  is refused by wsarena's ops as by PyTorch's: it is treated like an unknown shape (a ``Conv`` whose kernel is past
+  the input and its pads, an output of negative size, is an error, as for an input that is not empty). So is one
+  whose input, weight or bias is of an element type its operator does not take at the model's opset, as the
+  installed onnx's schema of that version says (an integer, a bool, a string; bfloat16 before opset 22), or whose
+  input, weight and bias are not of one type (a float input, a float16 weight), which the operator's one type ``T``
+  forbids; onnxruntime refuses such a model. A type is a graph input's or an initializer's, or the one inference
+  gives a node's output from theirs (a Cast's, a Constant's, a QuantizeLinear's); a value_info's type is an
+  annotation, and is not read.
 * Asymmetric padding (explicit ``pads`` or ``SAME_*`` with an odd total) cannot be given to cuDNN. With
   ``asymmetric_pads="widen"`` (the default) a ``Conv`` is modelled the way onnxruntime's CUDA provider runs it:
   the larger of the two pads on both sides, then the extra output row or column sliced off; a
   ``ConvTranspose`` gets the smaller pad, its backward-data computes the larger output and the extra is sliced
   off. Either way the layer is the convolution cuDNN actually runs. With ``asymmetric_pads="error"`` such nodes
-  are treated like unknown shapes (an error naming them, or skipped with a warning under ``skip_unknown``).
+  are treated like unknown shapes (an error naming them, or skipped with a warning under ``skip_unknown``). In
+  either mode, pads that leave no output as written are refused as symmetric ones are, whatever the pads modelled.
 * Nested subgraphs (the bodies of ``If``, ``Loop``, ``Scan``) are not searched; a warning says how many convs
   they hold. Quantized convolutions (``QLinearConv``, ``ConvInteger``) are not planned either, and a warning counts
   them too. Ops of other domains (e.g. ``com.microsoft.FusedConv``) are not convolutions here.
@@ -244,6 +247,16 @@ def _same_split(total: int, upper: bool) -> tuple[int, int]:
     return (small, large) if upper else (large, small)
 
 
+def _empty(x: tuple[int, ...], w: tuple[int, ...]) -> str | None:
+    """Why a conv of input shape ``x`` and weight shape ``w`` is an empty one, a zero in either's dims (the batch
+    aside: the planner sets its own), or ``None`` where it is not."""
+    for what, dims in (("input", x[1:]), ("weight", w)):
+        if 0 in dims:
+            shown = list(x) if what == "input" else list(w)
+            return f"{what} shape {shown} has a zero dimension, which wsarena's ops refuse"
+    return None
+
+
 def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, Any], transposed: bool,
                 widen: bool) -> ConvLayer:
     """The layer for the Conv or ConvTranspose node ``name`` with known input ``x`` and weight ``w`` shapes.
@@ -256,10 +269,6 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
     if len(kernel) != nd or list(w[2:]) != kernel:
         raise ModelError(f"{where}: kernel_shape={short_repr(kernel)} does not match weight shape "
                          f"{short_repr(list(w))}")
-    for what, dims in (("input", x[1:]), ("weight", w)):  # the batch aside: the planner sets its own
-        if 0 in dims:
-            shown = list(x) if what == "input" else list(w)
-            raise _Unsupported(f"{what} shape {shown} has a zero dimension, which wsarena's ops refuse")
     stride = list(a.get("strides") or [1] * nd)
     dilation = list(a.get("dilations") or [1] * nd)
     group = a.get("group", 1)
@@ -279,6 +288,18 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
         if auto_pad.startswith("SAME"):
             totals = [max(0, (-(-s // st) - 1) * st + e - s) for s, st, e in zip(size, stride, eff)]
             begin, end = map(list, zip(*(_same_split(t, auto_pad == "SAME_UPPER") for t in totals)))
+        # The pads as written, not as widened: a kernel past them leaves no output, whose size is negative (a
+        # broken model, where onnxruntime fails and the next conv's input is impossible) or, from an input that is
+        # not empty, 0, which the layer refuses so where the pads are symmetric. Either is said as the layer says it.
+        padded = [s + b + e for s, b, e in zip(size, begin, end)]
+        out = [(p - e) // st + 1 for p, e, st in zip(padded, eff, stride)]
+        empty = _empty(x, w)
+        for i, o in enumerate(out):
+            if o < 0 or (o == 0 and empty is None):
+                raise ModelError(f"layer {short_repr(name)}: kernel {tuple(kernel)} (dilation {tuple(dilation)}) is "
+                                 f"larger than the padded input {tuple(padded)} in dimension {i}")
+        if empty is not None:
+            raise _Unsupported(empty)
         if begin != end:
             if not widen:
                 raise _Unsupported(f"asymmetric pads (begin {begin}, end {end})", "pads")
@@ -287,6 +308,9 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
                          dilation=tuple(dilation), groups=group)
 
     # ConvTranspose: the forward-equivalent convolution maps the uncropped output back to the input `x`.
+    empty = _empty(x, w)
+    if empty is not None:
+        raise _Unsupported(empty)
     if w[0] != x[1]:
         raise ModelError(f"{where}: ConvTranspose weight {list(w)} needs {w[0]} input channels, not {x[1]}")
     out_pad = list(a.get("output_padding") or [0] * nd)
@@ -310,11 +334,12 @@ def _conv_layer(name: str, x: tuple[int, ...], w: tuple[int, ...], a: dict[str, 
         out_pad, totals = grown, [max(t, 0) for t in totals]
         # The spec: output_shape overrides pads; SAME_UPPER puts the odd one at the end, anything else at the start.
         begin, end = map(list, zip(*(_same_split(t, auto_pad == "SAME_UPPER") for t in totals)))
+    # The pads as written, not the smaller one modelled: what they crop off leaves the output, whatever the mode
+    if any(f - b - e < 1 for f, b, e in zip(full, begin, end)):
+        raise _Unsupported(f"padding {begin}/{end} leaves no output")
     if begin != end and not widen:
         raise _Unsupported(f"asymmetric pads (begin {begin}, end {end})", "pads")
     pad = [min(b, e) for b, e in zip(begin, end)]
-    if any(f - 2 * p < 1 for f, p in zip(full, pad)):
-        raise _Unsupported(f"padding {begin}/{end} leaves no output")
     if any(op >= st for op, st in zip(out_pad, stride)):
         raise _Unsupported(f"output_padding {out_pad} with strides {stride} has no equivalent convolution")
     # The equivalent convolution's input is the (uncropped-by-widening) output; the ConvTranspose weight
