@@ -1373,6 +1373,34 @@ def test_onnx_a_conv_whose_output_is_impossible_is_named_not_the_next_one(tmp_pa
         load_model(padded)
 
 
+def test_onnx_a_conv_fed_a_negative_size_cannot_be_planned_and_names_where_it_came_from(tmp_path):
+    """A ConvTranspose whose pads crop more than its output, or a pool whose kernel is past its input, has an output
+    of negative size, which onnx's inference carries on: the next conv was refused alone, for its input_shape, under
+    skip_unknown too, where the ConvTranspose is left out. Its input cannot be planned, and the node that gave the
+    negative size is named, through the nodes between."""
+    nodes = [conv("up", "x", "wt", "y", op="ConvTranspose", pads=[2, 2, 2, 2]), conv("b", "y", "w", "z", pads=[1] * 4),
+             conv("ok", "x", "wt", "y2", op="ConvTranspose", pads=[1] * 4)]
+    path = save(tmp_path, nodes, [vi("x", [1, 6, 1, 1])], [weight("wt", (6, 4, 3, 3)), weight("w", (8, 4, 3, 3))],
+                outputs=[vi("z", None), vi("y2", None)])
+    assert inferred_output(path, "y") == (1, 4, -1, -1)
+    why = {"up": "padding [2, 2]/[2, 2] leaves no output",
+           "b": "input shape [1, 4, -1, -1] impossible: shape inference gives the output of ConvTranspose 'up' a "
+                "negative size"}
+    listed = "; ".join(f"'{name}' ({reason})" for name, reason in why.items())
+    with pytest.raises(ModelError, match=re.escape(f"2 conv node(s) cannot be planned: {listed} (skip them with")):
+        load_model(path)
+    with pytest.warns(UserWarning, match=re.escape(f"skipped 2 conv node(s): {listed}")):
+        layers = load_model(path, skip_unknown=True)
+    assert [l.name for l in layers] == ["ok"] and layers.skipped == tuple(why.items())
+    nodes = [helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[4, 4]), helper.make_node("Relu", ["p"], ["r"]),
+             conv("b", "r", "w", "z", pads=[1] * 4)]
+    pooled = save(tmp_path, nodes, [vi("x", [1, 4, 2, 8])], [weight("w", (8, 4, 3, 3))], name="pooled.onnx")
+    assert inferred_output(pooled, "r") == (1, 4, -1, 5)
+    with pytest.raises(ModelError, match=re.escape("'b' (input shape [1, 4, -1, 5] impossible: shape inference gives "
+                                                   "the output of MaxPool 'p' a negative size)")):
+        load_model(pooled)
+
+
 @pytest.mark.usefixtures("fresh_arena")  # from conftest: a host arena of the test's own
 def test_onnx_empty_convs_are_unsupported_as_the_ops_refuse_them(tmp_path):
     # ONNX allows a conv of no output channels (an empty tensor, and an empty input for the conv after it); wsarena's

@@ -127,8 +127,9 @@ def load_model(
         ``open()`` reads it: ``~`` is not expanded (``os.path.expanduser()`` it), and where one not found begins
         with ``~`` that names a file once expanded, the error suggests that file.
     skip_unknown : bool
-        ONNX only: leave out, with a warning, convolutions whose shapes stay unknown after shape inference,
-        empty ones (a zero in a weight's or input's dims), those whose operands are of a type the operator refuses
+        ONNX only: leave out, with a warning, convolutions whose shapes stay unknown after shape inference or
+        are impossible (a negative size that an earlier node gives), empty ones (a zero in a weight's or input's
+        dims), those whose operands are of a type the operator refuses
         (an integer weight; a float16 weight beside a float input), or those that cannot be expressed (see
         ``asymmetric_pads``), instead of raising.
     asymmetric_pads : {"widen", "error"}

@@ -25,13 +25,15 @@ nodes, under the unique names the inliner gives each call's copy (``conv__1``, `
   ``Pad`` whose pads are computed, then a ``Concat``: ``[N, ?, H, W]``), it follows from the weight, as
   ``W.shape[1] * group`` for a ``Conv`` and ``W.shape[0]`` for a ``ConvTranspose``. Spatial sizes still come from
   inference.
-* A convolution whose input or weight shape is still unknown after inference is an error naming the nodes, or,
-  with ``skip_unknown=True``, is left out with a warning and listed in the returned list's ``skipped``, which
-  :func:`wsarena.plan` carries into its report. Each reason names the node where the shape was lost, when it was
-  not a graph input: the first, going back, whose inputs' shapes are known and whose output's is not (a ``Pad``
-  whose pads are computed at run time). Symbolic spatial sizes (a detector's ``H`` and ``W``) can be fixed with
+* A convolution whose input or weight shape is still unknown after inference is an error naming the nodes, or, with
+  ``skip_unknown=True``, is left out with a warning and listed in the returned list's ``skipped``, which
+  :func:`wsarena.plan` carries into its report. Each reason names the node where the shape was lost, when it was not
+  a graph input: the first, going back, whose inputs' shapes are known and whose output's is not (a ``Pad`` whose
+  pads are computed at run time). Symbolic spatial sizes (a detector's ``H`` and ``W``) can be fixed with
   ``input_shapes`` (``--input-shape`` on the command line) before inference; the error suggests it only when a graph
-  input's shape is not fixed.
+  input's shape is not fixed. An input that inference gives a negative size (past a pool whose kernel, or a
+  ConvTranspose whose pads, leave no output) cannot be planned either, and its reason names the node that gave that
+  size.
 * A convolution with a zero in its weight's or its input's dims (the batch aside), an empty one, which ONNX allows,
   is refused by wsarena's ops as by PyTorch's: it is treated like an unknown shape (a ``Conv`` whose kernel is past
   the input and its pads, an output of negative size, is an error, as for an input that is not empty). So is one
@@ -416,15 +418,50 @@ def _unknown_shape(what: str, dims: tuple[int | None, ...] | None, tensor: str, 
         node = producers[tensor]
         lost = [name for name in node.input if name and _lost(shapes.get(name))]
         if not lost:
-            kind = node.op_type  # a damaged file's (text of any characters, or bytes not UTF-8) as a repr
-            kind = kind if isinstance(kind, str) and kind.isidentifier() else short_repr(kind)
-            where = f"{kind} {short_repr(node.name or tensor)}"
+            where = _node_named(node, tensor)
             break
         tensor = lost[0]
     found.update(dict.fromkeys(passed, where))
     if where is None:
         return f"{what} shape {_show(dims)} unknown"
     return f"{what} shape {_show(dims)} unknown: shape inference cannot work out the output of {where}"
+
+
+def _node_named(node: Any, tensor: str) -> str:
+    """``Pad 'pad1'``: the node that gives ``tensor``, by its op type and name (the tensor's where it has none)."""
+    kind = node.op_type  # a damaged file's (text of any characters, or bytes not UTF-8) as a repr
+    kind = kind if isinstance(kind, str) and kind.isidentifier() else short_repr(kind)
+    return f"{kind} {short_repr(node.name or tensor)}"
+
+
+def _negative(dims: tuple[int | None, ...] | None) -> bool:
+    """Whether a shape has a negative dim beyond its batch (which the planner sets)."""
+    return dims is not None and any(d is not None and d < 0 for d in dims[1:])
+
+
+def _negative_shape(dims: tuple[int | None, ...], tensor: str, producers: Mapping[str, Any],
+                    shapes: Mapping[str, tuple[int | None, ...]], found: dict[str, str | None]) -> str:
+    """Why a conv's input shape ``dims`` has a negative dim: the node that gave it one, going back from ``tensor`` to
+    the first node whose inputs have none but whose output has (a pool, or a ConvTranspose whose pads crop more than
+    its output, past which shape inference carries the size on). ``found`` as for :func:`_unknown_shape`."""
+    passed: list[str] = []
+    where = None
+    while tensor in producers:
+        if tensor in found:
+            where = found[tensor]
+            break
+        found[tensor] = None  # passed: a cycle ends here
+        passed.append(tensor)
+        node = producers[tensor]
+        negative = [name for name in node.input if name and _negative(shapes.get(name))]
+        if not negative:
+            where = _node_named(node, tensor)
+            break
+        tensor = negative[0]
+    found.update(dict.fromkeys(passed, where))
+    if where is None:
+        return f"input shape {_show(dims)} impossible: a negative size"
+    return f"input shape {_show(dims)} impossible: shape inference gives the output of {where} a negative size"
 
 
 # The most bytes protobuf parses as one message, an ONNX model (onnx.checker.MAXIMUM_PROTOBUF): a file larger is
@@ -520,6 +557,7 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
     layers = LayerList()
     unknown: list[tuple[str, str, str]] = []  # (name, why, kind)
     found: dict[str, str | None] = {}  # where each tensor's shape was lost, for _unknown_shape
+    negative_found: dict[str, str | None] = {}  # where each tensor's size became negative, for _negative_shape
     for index, node in convs:
         name = node.name or (node.output[0] if node.output and node.output[0] else f"{node.op_type}_{index}")
         x, w = (shapes.get(node.input[i]) if len(node.input) > i else None for i in (0, 1))
@@ -540,6 +578,9 @@ def load_onnx(path: str | os.PathLike[str], *, skip_unknown: bool = False,
         if len(x) not in (3, 4, 5) or len(w) != len(x):
             why = f"input {_show(x)} and weight {_show(w)} are not a 1-, 2- or 3-D convolution"
             unknown.append((name, why, "geometry"))
+            continue
+        if _negative(x):  # what an earlier node gave, which no conv can take (this one's own output is checked)
+            unknown.append((name, _negative_shape(x, node.input[0], producers, shapes, negative_found), "geometry"))
             continue
         why_not = _wrong_types(node, types, opset)
         if why_not is not None:
