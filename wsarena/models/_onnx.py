@@ -64,7 +64,7 @@ import math
 import numbers
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from .._files import OPENS_BENEATH, NotRegularFile, read_regular_part
@@ -405,8 +405,19 @@ def _unknown_shape(what: str, dims: tuple[int | None, ...] | None, tensor: str, 
     """Why a conv's ``what`` (input or weight) shape ``dims`` is unknown: the node where it was lost, going back from
     ``tensor`` to the first node whose inputs have known shapes but whose output has not (a ``Pad`` whose pads are
     computed at run time, a ``Reshape`` to a runtime shape); nothing more where it goes back to a graph input.
-    ``found``: that node for each tensor passed before, by every call for one graph, so that the convs of a long
-    chain do not each go back over it."""
+    ``found`` as for :func:`_first_node`."""
+    where = _first_node(tensor, _lost, producers, shapes, found)
+    if where is None:
+        return f"{what} shape {_show(dims)} unknown"
+    return f"{what} shape {_show(dims)} unknown: shape inference cannot work out the output of {where}"
+
+
+def _first_node(tensor: str, bad: Callable[[tuple[int | None, ...] | None], bool], producers: Mapping[str, Any],
+                shapes: Mapping[str, tuple[int | None, ...]], found: dict[str, str | None]) -> str | None:
+    """The node whose output's shape is the first ``bad`` one (unknown, or of a negative size) on the way back from
+    ``tensor``: the first whose inputs' shapes are none of them bad, named as :func:`_node_named` names it, or None
+    where the way goes back to a graph input. ``found``: that node for each tensor passed before, by every call for
+    one graph and one ``bad``, so that the convs of a long chain do not each go back over it."""
     passed: list[str] = []
     where = None
     while tensor in producers:
@@ -416,15 +427,13 @@ def _unknown_shape(what: str, dims: tuple[int | None, ...] | None, tensor: str, 
         found[tensor] = None  # passed: a cycle ends here
         passed.append(tensor)
         node = producers[tensor]
-        lost = [name for name in node.input if name and _lost(shapes.get(name))]
-        if not lost:
+        inputs = [name for name in node.input if name and bad(shapes.get(name))]
+        if not inputs:
             where = _node_named(node, tensor)
             break
-        tensor = lost[0]
+        tensor = inputs[0]
     found.update(dict.fromkeys(passed, where))
-    if where is None:
-        return f"{what} shape {_show(dims)} unknown"
-    return f"{what} shape {_show(dims)} unknown: shape inference cannot work out the output of {where}"
+    return where
 
 
 def _node_named(node: Any, tensor: str) -> str:
@@ -443,22 +452,8 @@ def _negative_shape(dims: tuple[int | None, ...], tensor: str, producers: Mappin
                     shapes: Mapping[str, tuple[int | None, ...]], found: dict[str, str | None]) -> str:
     """Why a conv's input shape ``dims`` has a negative dim: the node that gave it one, going back from ``tensor`` to
     the first node whose inputs have none but whose output has (a pool, or a ConvTranspose whose pads crop more than
-    its output, past which shape inference carries the size on). ``found`` as for :func:`_unknown_shape`."""
-    passed: list[str] = []
-    where = None
-    while tensor in producers:
-        if tensor in found:
-            where = found[tensor]
-            break
-        found[tensor] = None  # passed: a cycle ends here
-        passed.append(tensor)
-        node = producers[tensor]
-        negative = [name for name in node.input if name and _negative(shapes.get(name))]
-        if not negative:
-            where = _node_named(node, tensor)
-            break
-        tensor = negative[0]
-    found.update(dict.fromkeys(passed, where))
+    its output, past which shape inference carries the size on). ``found`` as for :func:`_first_node`."""
+    where = _first_node(tensor, _negative, producers, shapes, found)
     if where is None:
         return f"input shape {_show(dims)} impossible: a negative size"
     return f"input shape {_show(dims)} impossible: shape inference gives the output of {where} a negative size"
