@@ -1284,6 +1284,25 @@ def test_jacfwd_and_hessians_match_torchs(fmt):
                  func.jacfwd(func.jacfwd(loss(F.conv2d), argnums=1), argnums=1)(x, w))
 
 
+def test_forward_over_forward_across_the_input_and_the_weight_matches_torchs():
+    """``jacfwd`` of ``jacfwd``, one in the input, the other in the weight: the inner tangent's convolution takes the
+    weight, which carries the outer tangent, so the operators' ``jvp`` runs its passes with forward mode on (off,
+    the cross term of the second derivative was lost, as was the whole of a bilinear function's)."""
+    x, w, b = (t.detach() for t in tensors((1, 2, 4, 4), (3, 2, 2, 2)))
+
+    def conv_sum(conv):  # bilinear in x and w: its only second derivative is the cross one
+        return lambda x, w: conv(x, w, b, padding=1).sum()
+
+    def loss(conv):
+        return lambda x, w: conv(x, w, b, padding=1).tanh().pow(2).sum()
+
+    for f in (conv_sum, loss):
+        for argnums in ((0, 1), (1, 0)):
+            got = func.jacfwd(func.jacfwd(f(wt.conv2d), argnums=argnums[0]), argnums=argnums[1])(x, w)
+            expected = func.jacfwd(func.jacfwd(f(F.conv2d), argnums=argnums[0]), argnums=argnums[1])(x, w)
+            assert float(expected.abs().max()) > 0 and close(got, expected)
+
+
 def test_the_public_functions_define_no_jvp_so_torch_compile_takes_them():
     """torch.compile refuses a Function with a jvp of its own: the forms that define one are wsarena.torch's
     own, applied outside compile traces and torch.func's transforms."""
