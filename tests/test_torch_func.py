@@ -1464,6 +1464,17 @@ def test_the_operators_forward_mode_is_registered_where_library_impl_refuses_ove
     assert float(run.stdout.split()[-1]) <= 1e-10
 
 
+def test_import_warns_nothing_of_the_kernels_it_registers_over_custom_ops():
+    """``import wsarena.torch`` registers the operators' autograd kernel over the one ``custom_op`` made, which PyTorch
+    warns of ('Overriding a previously registered kernel'): the import silences that warning, and gives none."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", "import wsarena.torch"],
+                         capture_output=True, text=True, timeout=240, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_import_takes_dynamos_wrapper_where_the_frame_mark_has_another_form():
     """A PyTorch whose ``FrameExecStrategy`` takes other arguments (a private name of Dynamo's) leaves
     ``import wsarena.torch`` working, with ``torch.compiler.disable``'s wrapper in place of the mark: its TypeError
