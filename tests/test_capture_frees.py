@@ -692,6 +692,37 @@ def test_what_a_graph_gone_kept_is_not_dropped_while_a_capture_is_under_way(capt
     graph.close()
 
 
+def test_a_block_that_raised_and_could_not_end_its_capture_lets_go_of_nothing_a_graph_gone_kept(captures, monkeypatch):
+    """A block that raised, whose capture CUDA refused to end (still under way, as far as it can be told), skips the
+    let-go of what graphs gone kept: dropping it may free device memory, which the capture forbids. The first trim
+    after the capture ended lets go of it."""
+    provider, arena, cupy = captures
+    for stream in (S1, 0x60):  # the block seeds nothing
+        arena.reserve(1000, stream=stream)
+    dropped = []  # what the provider captured as the kept array was dropped
+    array = np.empty(256, np.uint8)
+    weakref.finalize(array, lambda: dropped.append(dict(provider.capturing)))
+    gone = provider.begin_capture(S1)
+    assert arena.keep_with_capture([array], stream=S1)
+    provider.end_capture(gone)
+    gone.close()  # its array waits for the next trim, stats or growth
+    del array
+    stream = cupy.cuda.Stream(0x60)
+
+    def refused(self):
+        raise CUDARuntimeError(700)
+
+    monkeypatch.setattr(type(stream), "end_capture", refused)
+    with pytest.raises(KeyError), wsarena.capture(stream):
+        raise KeyError("the step failed")
+    gc.collect()
+    assert dropped == [] and 0x60 in provider.capturing
+    provider.end_capture(provider.capturing[0x60])
+    arena.trim()
+    gc.collect()
+    assert dropped == [{}]
+
+
 @pytest.mark.parametrize("block", ["leases elsewhere", "raises"])
 def test_the_stream_of_a_capture_block_is_not_watched_once_the_block_is_over(captures, block):
     """wsarena.capture records its stream as captured from its beginning, before any lease there. The block leases
