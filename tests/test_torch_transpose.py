@@ -25,6 +25,8 @@ CASES = [  # nd, input shape, weight shape (C_in, C_out/groups, *kernel), keywor
     (2, (2, 3, 5, 5), (3, 4, 1, 1), {}),  # every default
     (3, (1, 2, 3, 4, 3), (2, 3, 2, 3, 1), {"stride": 2, "output_padding": (1, 0, 1), "dilation": (1, 1, 2)}),
     (2, (2, 4, 5, 6), (4, 3, 3, 3), {"stride": [2], "padding": (1,), "output_padding": (1,), "dilation": (1,)}),
+    (1, (2, 3, 5), (3, 2, 2), {}),  # every default, in each dimension
+    (3, (1, 2, 3, 4, 3), (2, 3, 2, 1, 2), {}),
 ]
 FUNCTIONS = {1: (wt.conv_transpose1d, F.conv_transpose1d), 2: (wt.conv_transpose2d, F.conv_transpose2d),
              3: (wt.conv_transpose3d, F.conv_transpose3d)}
