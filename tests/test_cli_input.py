@@ -225,6 +225,7 @@ def test_arguments_left_over_are_named_shortened_with_the_subcommands_help(capsy
 
 @pytest.mark.parametrize(("argv", "says"), [
     (["report", "vgg16", "--apply"], "--apply (see 'wsarena report --help'); tune takes --apply"),
+    (["report", "vgg16", "--apply", "--app"], "--apply --app (see 'wsarena report --help'); tune takes --apply"),
     (["tune", "vgg16", "--search", "exhaustive"],
      "--search exhaustive (see 'wsarena tune --help'); report takes --search"),
     (["tune", "vgg16", "--se=heuristic", "--device-properties", "p.json", "--app"],

@@ -169,8 +169,9 @@ class _Parser(argparse.ArgumentParser):
             if arg.startswith("-") and arg != "-":
                 for other in self._commands.choices:
                     option = self._command_option(other, arg) if other != command else None
-                    if option is not None:
-                        owners.setdefault(option, []).append(other)
+                    # each command once, where the option is given twice, or by its name and an abbreviation
+                    if option is not None and other not in owners.setdefault(option, []):
+                        owners[option].append(other)
         by_commands: dict[tuple[str, ...], list[str]] = {}
         for option, others in owners.items():
             by_commands.setdefault(tuple(others), []).append(option)
