@@ -419,6 +419,22 @@ def test_workspace_too_small_is_a_value_error():
     cpu.run("fwd", "implicit_gemm", g, x, w, y, None)  # zero workspace needs none
 
 
+def test_an_array_in_the_other_byte_order_is_refused_saying_what_it_is():
+    """cpu.run() named the dtype as NumPy writes it (">f4"), with nothing to say why float32 was refused; it says
+    what it is, as the ops and the planner do."""
+    g = conv_geometry((2, 4, 7, 7), (5, 4, 3, 3), padding=1)
+    x, w, _ = _operands(g, np.random.default_rng(0))
+    y = np.empty(g.output_shape, np.float32)
+    other = np.dtype("float32").newbyteorder()  # ">f4" on a little-endian machine, "<f4" on a big-endian one
+    with pytest.raises(TypeError) as info:
+        cpu.run("fwd", "implicit_gemm", g, x.astype(other), w, y, None)
+    assert str(info.value) == (f"a has dtype {other} (float32 in the other byte order from this machine's, which no "
+                               "backend computes in); the geometry says float32")
+    with pytest.raises(TypeError) as info:
+        cpu.run("fwd", "implicit_gemm", g, x, w.astype(np.float64), y, None)
+    assert str(info.value) == "b has dtype float64; the geometry says float32"
+
+
 def test_zero_size_batch_touches_no_workspace():
     g = conv_geometry((0, 4, 7, 7), (6, 2, 3, 3), padding=1, groups=2, dtype="float64")
     x, w, dy = _operands(g, np.random.default_rng(0))

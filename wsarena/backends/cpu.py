@@ -87,7 +87,7 @@ import math
 
 import numpy as np
 
-from .._geometry import ITEMSIZES, ConvGeometry
+from .._geometry import ITEMSIZES, ConvGeometry, byte_order_note
 from .._pass import Pass
 from .._sizes import short_repr
 from . import _cpu_gemm, _cpu_implicit, _cpu_tiled
@@ -243,7 +243,8 @@ def _check_arrays(pass_: str, p, a, b, out) -> None:
         if arr.shape != shape:
             raise ValueError(f"{name} has shape {arr.shape}; {pass_} on this geometry needs {shape}")
         if arr.dtype != p.geom.dtype:
-            raise TypeError(f"{name} has dtype {arr.dtype}; the geometry says {p.geom.dtype}")
+            note = byte_order_note(arr.dtype)
+            raise TypeError(f"{name} has dtype {arr.dtype}{note}; the geometry says {p.geom.dtype}")
         if not arr.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")
     if not out.flags.writeable:
