@@ -12,6 +12,7 @@ import sys
 import pytest
 from onnx import TensorProto, helper
 
+from wsarena import configure, parse_size
 from wsarena._sizes import short_repr
 from wsarena.cli import main
 
@@ -469,6 +470,28 @@ def test_a_size_of_minus_zero_is_not_said_to_be_negative(capsys, monkeypatch, va
     code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu")
     assert (code, out) == (2, "")
     assert err == f"wsarena: error: environment variable WSARENA_CAP_WORKSPACE={value!r}: {said}\n"
+
+
+@pytest.mark.parametrize(("value", "written"), [("+4MiB", "4MiB"), (" + 0 ", "0"), ("+.5KiB", ".5KiB")])
+def test_a_size_with_a_plus_sign_is_said_to_be_written_without_one(capsys, monkeypatch, value, written):
+    """"+4MiB" was "not a size: '+4MiB' (expected e.g. '512', ...)", as if the size itself were wrong, where
+    --batch +4 is said to be written without a sign: so is a size, from the flag, the variable and configure()."""
+    said = f"a size is written without a sign: {value!r} (write {written!r})"
+    code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu", "--cap-workspace", value)
+    assert (code, out) == (2, "")
+    assert err == f"wsarena: error: argument --cap-workspace: {said} (see 'wsarena report --help')\n"
+    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", value)
+    code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu")
+    assert (code, out) == (2, "")
+    assert err == f"wsarena: error: environment variable WSARENA_CAP_WORKSPACE={value!r}: {said}\n"
+    monkeypatch.delenv("WSARENA_CAP_WORKSPACE")
+    with pytest.raises(ValueError) as info:
+        configure(cap_workspace=value)
+    assert str(info.value) == f"cap_workspace={value!r}: {said}"
+    for other in ("+", "+-4", "++4", "+4 MiBs"):  # no size after the sign: not a size, as before
+        with pytest.raises(ValueError) as info:
+            parse_size(other)
+        assert str(info.value) == f"not a size: {other!r} (expected e.g. '512', '64KiB', '1.5GiB', '2GB')"
 
 
 def test_a_layer_list_that_starts_with_a_byte_order_mark_is_read(capsys, tmp_path):

@@ -212,9 +212,9 @@ def parse_size(value: int | str) -> int:
 
     Accepts a non-negative integer (an ``int``, or any integer type such as ``numpy.int64``; not a ``bool``) or a
     string such as ``"0"``, ``"512"``, ``"64KiB"``, ``"1.5GiB"`` or ``"2GB"`` (ASCII digits; units are
-    case-insensitive; no sign). Raises ``TypeError`` for other types and ``ValueError`` for a negative size (or
-    ``"-0"``), an unknown unit, a size that is not a whole number of bytes, or one of more digits than ``int()``
-    takes from a string (``sys.get_int_max_str_digits()``).
+    case-insensitive; no sign). Raises ``TypeError`` for other types and ``ValueError`` for a negative size, a sign
+    (``"-0"``, ``"+4MiB"``), an unknown unit, a size that is not a whole number of bytes, or one of more digits
+    than ``int()`` takes from a string (``sys.get_int_max_str_digits()``).
     """
     if not isinstance(value, str):
         n = as_int(value)
@@ -229,6 +229,10 @@ def parse_size(value: int | str) -> int:
         raise ValueError(f"a size is written without a sign: {short_repr(value)} (write 0)")
     if unsigned is not None:  # "-1", "-2GiB": a size, but negative
         raise ValueError(f"a size cannot be negative: {short_repr(value)}")
+    signed = _SIZE.fullmatch(value.strip()[1:]) if match is None and value.strip().startswith("+") else None
+    if signed is not None and signed[2].lower() in _UNITS:  # "+4MiB": a size, with a sign
+        raise ValueError(f"a size is written without a sign: {short_repr(value)} (write "
+                         f"{short_repr(value.strip()[1:].strip())})")
     if match is None:
         raise ValueError(f"not a size: {short_repr(value)} (expected e.g. '512', '64KiB', '1.5GiB', '2GB')")
     number, unit = match.groups()
