@@ -447,9 +447,7 @@ def write_text(stream: Any, text: str) -> None:
     try:
         stream.write(text)
     except UnicodeEncodeError as exc:
-        # The stream's encoding, not the error's: a code page's codec (cp437, cp1251, cp1252) names itself "charmap"
-        # in its errors, which as an encoding is latin-1's, and its escapes kept a character the page lacks (the ã
-        # of cp437), whose second write failed too and lost the line
+        # The stream's encoding, not the error's, which a code page's codec gives as "charmap" (refused_in says why)
         stream.write(escaped(text, getattr(stream, "encoding", None) or refused_in(exc)))
 
 
