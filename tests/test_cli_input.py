@@ -459,24 +459,8 @@ def test_memory_running_out_is_said_to(capsys, monkeypatch):
     assert run_main(capsys, "report", "vgg16", "--backend", "cpu") == (3, "", "wsarena: error: out of memory\n")
 
 
-@pytest.mark.parametrize("value", ["-0", "-0.0", " -00MiB", "-.0GiB"])
-def test_a_size_of_minus_zero_is_not_said_to_be_negative(capsys, monkeypatch, value):
-    """-0 is zero: it was "a size cannot be negative: '-0'"."""
-    code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu", "--cap-workspace", value)
-    said = f"a size is written without a sign: {value!r} (write 0)"
-    assert (code, out) == (2, "")
-    assert err == f"wsarena: error: argument --cap-workspace: {said} (see 'wsarena report --help')\n"
-    monkeypatch.setenv("WSARENA_CAP_WORKSPACE", value)
-    code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu")
-    assert (code, out) == (2, "")
-    assert err == f"wsarena: error: environment variable WSARENA_CAP_WORKSPACE={value!r}: {said}\n"
-
-
-@pytest.mark.parametrize(("value", "written"), [("+4MiB", "4MiB"), (" + 0 ", "0"), ("+.5KiB", ".5KiB")])
-def test_a_size_with_a_plus_sign_is_said_to_be_written_without_one(capsys, monkeypatch, value, written):
-    """"+4MiB" was "not a size: '+4MiB' (expected e.g. '512', ...)", as if the size itself were wrong, where
-    --batch +4 is said to be written without a sign: so is a size, from the flag, the variable and configure()."""
-    said = f"a size is written without a sign: {value!r} (write {written!r})"
+def assert_cap_refused(capsys, monkeypatch, value, said):
+    """``value`` refused with ``said`` as --cap-workspace's value and as WSARENA_CAP_WORKSPACE's, exit 2 each."""
     code, out, err = run_main(capsys, "report", "vgg16", "--backend", "cpu", "--cap-workspace", value)
     assert (code, out) == (2, "")
     assert err == f"wsarena: error: argument --cap-workspace: {said} (see 'wsarena report --help')\n"
@@ -485,6 +469,20 @@ def test_a_size_with_a_plus_sign_is_said_to_be_written_without_one(capsys, monke
     assert (code, out) == (2, "")
     assert err == f"wsarena: error: environment variable WSARENA_CAP_WORKSPACE={value!r}: {said}\n"
     monkeypatch.delenv("WSARENA_CAP_WORKSPACE")
+
+
+@pytest.mark.parametrize("value", ["-0", "-0.0", " -00MiB", "-.0GiB"])
+def test_a_size_of_minus_zero_is_not_said_to_be_negative(capsys, monkeypatch, value):
+    """-0 is zero: it was "a size cannot be negative: '-0'"."""
+    assert_cap_refused(capsys, monkeypatch, value, f"a size is written without a sign: {value!r} (write 0)")
+
+
+@pytest.mark.parametrize(("value", "written"), [("+4MiB", "4MiB"), (" + 0 ", "0"), ("+.5KiB", ".5KiB")])
+def test_a_size_with_a_plus_sign_is_said_to_be_written_without_one(capsys, monkeypatch, value, written):
+    """"+4MiB" was "not a size: '+4MiB' (expected e.g. '512', ...)", as if the size itself were wrong, where
+    --batch +4 is said to be written without a sign: so is a size, from the flag, the variable and configure()."""
+    said = f"a size is written without a sign: {value!r} (write {written!r})"
+    assert_cap_refused(capsys, monkeypatch, value, said)
     with pytest.raises(ValueError) as info:
         configure(cap_workspace=value)
     assert str(info.value) == f"cap_workspace={value!r}: {said}"
